@@ -1,0 +1,5 @@
+"""``python -m controlplane`` is the ``heteroplane`` command."""
+
+from controlplane.cli import main
+
+raise SystemExit(main())

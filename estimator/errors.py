@@ -1,0 +1,82 @@
+"""Errors of the estimator library.
+
+Every error a user's input can cause derives from :class:`EstimatorError`, so a command line or an
+API can turn all of them into a one-line message (exit status 2, or a 4xx) in one place. Each
+subclass carries the fields that say what was wrong.
+"""
+
+from __future__ import annotations
+
+
+class EstimatorError(ValueError):
+    """Root of the estimator's input errors: the message is one line meant for a user."""
+
+
+class CatalogError(EstimatorError):
+    """An instance catalog file is malformed (missing column, negative price, duplicate type)."""
+
+
+class UnknownInstanceTypeError(EstimatorError):
+    """An instance type name that the catalog (or a profile set) does not know."""
+
+    def __init__(self, instance_type: str, known: list[str] | None = None, where: str = "catalog"):
+        self.instance_type = instance_type
+        self.known = sorted(known or [])
+        hint = ""
+        if self.known:
+            shown = ", ".join(self.known[:8]) + (", ..." if len(self.known) > 8 else "")
+            hint = f" (known: {shown})"
+        super().__init__(f"unknown instance type {instance_type!r} in the {where}{hint}")
+
+
+class ProfileError(EstimatorError):
+    """A profile file is missing or malformed."""
+
+
+class UnknownModelError(EstimatorError):
+    """A model the profile set has no measurements for."""
+
+    def __init__(self, model: str, known: list[str]):
+        self.model = model
+        self.known = sorted(known)
+        super().__init__(f"unknown model {model!r} (profiles have: {', '.join(self.known)})")
+
+
+class MissingProfileError(EstimatorError):
+    """A (model, instance type) pair that the profile set has no measurements for."""
+
+    def __init__(self, model: str, instance_type: str):
+        self.model = model
+        self.instance_type = instance_type
+        super().__init__(f"no profile for model {model!r} on instance type {instance_type!r}")
+
+
+class BatchSizeOutOfRangeError(EstimatorError):
+    """A batch size below the smallest or above the largest measured one of a profile."""
+
+    def __init__(self, model: str, instance_type: str, batch_size: int, low: int, high: int):
+        self.model = model
+        self.instance_type = instance_type
+        self.batch_size = batch_size
+        self.low = low
+        self.high = high
+        super().__init__(
+            f"batch size {batch_size} is outside the profile of {model!r} on {instance_type!r}"
+            f" (measured {low}..{high})"
+        )
+
+
+class FleetError(EstimatorError):
+    """A fleet string or object that is malformed (``type=count`` with a bad count, duplicates)."""
+
+
+class TraceError(EstimatorError):
+    """A trace that is malformed: missing columns, non-monotonic arrivals, bad batch sizes."""
+
+
+class WorkloadError(EstimatorError):
+    """Bad generator parameters: a non-positive rate or duration, a bad batch-size spec."""
+
+
+class SimulationError(EstimatorError):
+    """A simulation that cannot run as asked (an empty fleet, an unknown policy)."""

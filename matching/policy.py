@@ -1,0 +1,86 @@
+"""The dispatch-policy seam: what a policy sees of a stage and what it answers.
+
+A policy is asked at every scheduling round (an arrival, a completion, an instance joining) of a
+stage whose queue is not empty and that has an idle instance. It sees the stage's central queue in
+arrival order and every instance of the stage, busy or idle, and returns which queued queries start
+now on which idle instances. Queries it leaves in the queue wait for a later round (Kairos' implicit
+"wait for a better instance"). The same policy object runs in the simulator and in the live
+dispatcher, so what is simulated is what runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedQuery:
+    """A query waiting in a stage's queue."""
+
+    query_id: int
+    batch_size: int
+    arrival_s: float  # when the query entered the system (its SLO clock starts here)
+    enqueued_s: float  # when it entered this stage's queue
+
+
+class InstanceView(Protocol):
+    """What a policy may read of an instance."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def instance_type(self) -> str: ...
+    @property
+    def speed_rank(self) -> int:
+        """0 for the fastest instance type of the stage, 1 for the next, and so on."""
+        ...
+
+    @property
+    def busy_until_s(self) -> float:
+        """When its current batch finishes (<= now when idle)."""
+        ...
+
+    @property
+    def idle_since_s(self) -> float: ...
+    @property
+    def max_batch_size(self) -> int:
+        """The largest batch size its profile covers."""
+        ...
+
+    def is_idle(self, now_s: float) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StageContext:
+    """Stage-wide facts a policy may use."""
+
+    max_batch_queries: int  # how many queued queries one instance may take at once
+    qos_ms: float | None  # the stage's latency target, if any
+
+    def __post_init__(self) -> None:
+        if self.max_batch_queries < 1:
+            raise ValueError(f"max_batch_queries must be >= 1, got {self.max_batch_queries}")
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Start ``query_ids`` (a batch, in queue order) on the idle instance ``instance_index``."""
+
+    instance_index: int
+    query_ids: tuple[int, ...]
+
+
+class DispatchPolicy(Protocol):
+    """Decides which queued queries start on which idle instances (see the module docstring)."""
+
+    name: str
+
+    def dispatch(
+        self,
+        now_s: float,
+        queue: Sequence[QueuedQuery],
+        instances: Sequence[InstanceView],
+        context: StageContext,
+    ) -> list[Dispatch]: ...
