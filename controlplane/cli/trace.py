@@ -1,0 +1,263 @@
+"""``heteroplane trace``: generate a synthetic trace file, or summarise one.
+
+``trace generate`` composes the estimator's generators (a rate profile, a renewal process, a
+batch-size distribution) into a trace CSV; ``trace stats`` reads one back and prints its rate,
+burstiness (CV^2) and batch sizes. Parsing and validation of the user's options happen here; the
+math lives in ``estimator.traces`` and ``estimator.batches``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from controlplane.cli import output
+from estimator.batches import parse_batch_distribution
+from estimator.errors import WorkloadError
+from estimator.traces import (
+    RateProfile,
+    Trace,
+    TraceStats,
+    constant_profile,
+    diurnal_profile,
+    read_trace_csv,
+    renewal_arrivals,
+    step_profile,
+    trace_stats,
+    with_spikes,
+    write_trace_csv,
+)
+
+KINDS = ("poisson", "gamma", "step", "ramp", "diurnal")
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``trace generate`` and ``trace stats``."""
+    parser = subparsers.add_parser(
+        "trace",
+        help="generate or summarise a query trace (CSV of arrival_s, batch_size)",
+        description="Generate a synthetic query trace, or print the statistics of a trace file.",
+    )
+    actions = parser.add_subparsers(dest="trace_command", metavar="ACTION")
+    actions.required = True
+
+    generate = actions.add_parser(
+        "generate",
+        help="write a synthetic trace CSV and print its statistics",
+        description=(
+            "Write a synthetic trace: arrivals from a renewal process (Poisson, or gamma gaps "
+            "with --cv2) whose rate is constant, a step, a linear ramp, or diurnal, optionally "
+            "with spikes; batch sizes from --batch-dist."
+        ),
+    )
+    generate.add_argument(
+        "--kind",
+        choices=KINDS,
+        required=True,
+        help="arrival process: poisson, gamma (needs --cv2), step or ramp (need --to-rate and "
+        "--at; ramp also --over), diurnal (mean rate --rate, see --period, --amplitude)",
+    )
+    generate.add_argument(
+        "--rate",
+        type=float,
+        required=True,
+        metavar="QPS",
+        help="arrival rate in queries per second (the starting rate for step/ramp, the mean "
+        "rate for diurnal)",
+    )
+    generate.add_argument(
+        "--duration",
+        type=float,
+        required=True,
+        metavar="S",
+        help="length of the trace in seconds",
+    )
+    generate.add_argument(
+        "--cv2",
+        type=float,
+        metavar="X",
+        help="squared coefficient of variation of the inter-arrival gaps (gamma gaps; 1 is "
+        "Poisson, > 1 bursty); required for gamma, default 1 for step, ramp and diurnal",
+    )
+    generate.add_argument(
+        "--to-rate",
+        type=float,
+        metavar="QPS",
+        help="step/ramp: the rate after the change, in queries per second",
+    )
+    generate.add_argument(
+        "--at",
+        type=float,
+        metavar="S",
+        help="step/ramp: when the rate starts to change, in seconds from the start",
+    )
+    generate.add_argument(
+        "--over",
+        type=float,
+        metavar="S",
+        help="ramp: how long the linear change from --rate to --to-rate takes, in seconds",
+    )
+    generate.add_argument(
+        "--period",
+        type=float,
+        metavar="S",
+        help="diurnal: period of the sinusoidal rate in seconds (default 86400)",
+    )
+    generate.add_argument(
+        "--amplitude",
+        type=float,
+        metavar="A",
+        help="diurnal: relative amplitude in [0, 1]; the rate swings between (1 - A) and "
+        "(1 + A) times --rate (default 0.5)",
+    )
+    generate.add_argument(
+        "--spike",
+        action="append",
+        default=[],
+        metavar="START:LENGTH:FACTOR",
+        help="multiply the rate by FACTOR from START for LENGTH seconds (repeatable; 0 is an "
+        "outage)",
+    )
+    generate.add_argument(
+        "--batch-dist",
+        default="fixed:1",
+        metavar="SPEC",
+        help="batch sizes: fixed:N, kairos, lognormal:mu=M,sigma=S[,low=,high=,step=] or "
+        "gaussian:mean=M,sd=S[,low=,high=,step=] (default fixed:1)",
+    )
+    generate.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="random seed (default 0: reproducible)"
+    )
+    generate.add_argument("--out", required=True, metavar="FILE", help="where to write the CSV")
+    generate.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of a summary"
+    )
+    generate.set_defaults(handler=generate_trace)
+
+    stats = actions.add_parser(
+        "stats",
+        help="print the statistics of a trace CSV",
+        description="Print the count, duration, rate, CV^2 and batch sizes of a trace CSV.",
+    )
+    stats.add_argument("file", metavar="FILE", help="trace CSV (arrival_s[, batch_size])")
+    stats.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of a summary"
+    )
+    stats.set_defaults(handler=show_stats)
+
+
+def _parse_spike(text: str) -> tuple[float, float, float]:
+    parts = text.split(":")
+    try:
+        if len(parts) != 3:
+            raise ValueError(text)
+        start_s, length_s, factor = (float(part) for part in parts)
+    except ValueError:
+        raise output.UsageError(
+            f"--spike {text!r}: expected START:LENGTH:FACTOR, e.g. 600:60:3"
+        ) from None
+    return start_s, length_s, factor
+
+
+def _refuse(args: argparse.Namespace, options: dict[str, str], kind: str) -> None:
+    given = [flag for flag, attribute in options.items() if getattr(args, attribute) is not None]
+    if given:
+        raise output.UsageError(f"--kind {kind} does not take {', '.join(given)}")
+
+
+def _require(args: argparse.Namespace, options: dict[str, str], kind: str) -> None:
+    missing = [flag for flag, attribute in options.items() if getattr(args, attribute) is None]
+    if missing:
+        raise output.UsageError(f"--kind {kind} needs {', '.join(missing)}")
+
+
+_STEP_OPTIONS = {"--to-rate": "to_rate", "--at": "at"}
+_RAMP_OPTIONS = {"--over": "over"}
+_DIURNAL_OPTIONS = {"--period": "period", "--amplitude": "amplitude"}
+
+
+def _profile(args: argparse.Namespace) -> tuple[RateProfile, float]:
+    """The rate profile and the gaps' CV^2 the options describe (UsageError for bad combos)."""
+    kind: str = args.kind
+    if kind != "diurnal":
+        _refuse(args, _DIURNAL_OPTIONS, kind)
+    if kind not in ("step", "ramp"):
+        _refuse(args, {**_STEP_OPTIONS, **_RAMP_OPTIONS}, kind)
+    if kind == "poisson" and args.cv2 is not None and args.cv2 != 1.0:
+        raise output.UsageError("--kind poisson has cv2 = 1; use --kind gamma for another --cv2")
+    if kind == "gamma":
+        _require(args, {"--cv2": "cv2"}, kind)
+    cv2 = 1.0 if args.cv2 is None else float(args.cv2)
+
+    if kind in ("poisson", "gamma"):
+        profile = constant_profile(args.rate)
+    elif kind == "step":
+        _require(args, _STEP_OPTIONS, kind)
+        _refuse(args, _RAMP_OPTIONS, kind)
+        profile = step_profile(args.rate, args.to_rate, args.at)
+    elif kind == "ramp":
+        _require(args, {**_STEP_OPTIONS, **_RAMP_OPTIONS}, kind)
+        if args.over <= 0.0:
+            raise output.UsageError(f"--over must be > 0 for a ramp, got {args.over!r}")
+        profile = step_profile(args.rate, args.to_rate, args.at, args.over)
+    else:
+        profile = diurnal_profile(
+            args.rate,
+            args.duration,
+            period_s=86400.0 if args.period is None else args.period,
+            amplitude=0.5 if args.amplitude is None else args.amplitude,
+        )
+    spikes = [_parse_spike(text) for text in args.spike]
+    return with_spikes(profile, spikes), cv2
+
+
+def _summary(stats: TraceStats) -> str:
+    return (
+        f"{stats.count} queries over {stats.duration_s:.3f} s: {stats.rate_qps:.3f} qps, "
+        f"CV^2 of gaps {stats.cv2:.3f}, batch size mean {stats.mean_batch_size:.2f} "
+        f"max {stats.max_batch_size}"
+    )
+
+
+def _stats_data(stats: TraceStats, path: str) -> dict[str, Any]:
+    return {
+        "count": stats.count,
+        "duration_s": stats.duration_s,
+        "rate_qps": stats.rate_qps,
+        "cv2": stats.cv2,
+        "mean_batch_size": stats.mean_batch_size,
+        "max_batch_size": stats.max_batch_size,
+        "path": path,
+    }
+
+
+def generate_trace(args: argparse.Namespace) -> int:
+    """``trace generate``: build the workload, write the CSV, print its statistics."""
+    profile, cv2 = _profile(args)
+    batches = parse_batch_distribution(args.batch_dist)
+    if args.seed < 0:
+        raise output.UsageError(f"--seed must be >= 0, got {args.seed}")
+    rng = np.random.default_rng(args.seed)
+    arrival_s = renewal_arrivals(profile, args.duration, cv2, rng)
+    if arrival_s.size == 0:
+        raise WorkloadError(
+            f"no query arrived in {args.duration!r} s at these rates; raise --rate or --duration"
+        )
+    trace = Trace(arrival_s, batches.sample(arrival_s.size, rng))
+    write_trace_csv(trace, args.out)
+    stats = trace_stats(trace)
+    path = str(Path(args.out))
+    return output.emit(
+        args.json, _stats_data(stats, path), lambda: f"wrote {path}: {_summary(stats)}"
+    )
+
+
+def show_stats(args: argparse.Namespace) -> int:
+    """``trace stats``: read a trace CSV and print its statistics."""
+    stats = trace_stats(read_trace_csv(args.file))
+    return output.emit(
+        args.json, _stats_data(stats, args.file), lambda: f"{args.file}: {_summary(stats)}"
+    )

@@ -1,0 +1,159 @@
+"""Arrival envelopes: the most queries a trace sends in any window of each length.
+
+This is the network-calculus view of a workload that InferLine's tuner uses (InferLine,
+SoCC'20, "High-Frequency Tuning", Algorithms 3 and 4): for window lengths from the bottleneck's
+service time doubling up to a minute, the tuner compares the largest arrival rate seen in any
+window of that length (``max_arrivals / window_s``) with the same envelope of the trace the plan
+was made for, and scales out when a live rate exceeds the planned one. This module owns the
+window ladder and the envelope computation; the tuner's decisions live with the policies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from numbers import Real
+
+import numba
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from estimator.errors import TraceError, WorkloadError
+
+FloatArray = NDArray[np.float64]
+IntArray = NDArray[np.int64]
+
+# The longest time scale the tuner watches (this project's choice for InferLine's ladder).
+DEFAULT_MAX_WINDOW_S = 60.0
+
+
+def tuner_windows_s(
+    service_time_s: float, max_window_s: float = DEFAULT_MAX_WINDOW_S
+) -> FloatArray:
+    """The window lengths of InferLine's tuner (Algorithm 3, line 3): the service time, doubling
+    while below ``max_window_s``, then ``max_window_s`` itself.
+
+    >>> tuner_windows_s(0.25).tolist()
+    [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0]
+
+    Raises:
+        WorkloadError: a service time or maximum window that is not finite and > 0, or a service
+            time longer than the maximum window.
+    """
+    for name, value in (("service_time_s", service_time_s), ("max_window_s", max_window_s)):
+        if not (isinstance(value, Real) and math.isfinite(value) and value > 0.0):
+            raise WorkloadError(f"{name} must be a finite number > 0, got {value!r}")
+    service_time_s, max_window_s = float(service_time_s), float(max_window_s)
+    if service_time_s > max_window_s:
+        raise WorkloadError(
+            f"service_time_s {service_time_s!r} is longer than max_window_s {max_window_s!r}"
+        )
+    doublings = math.ceil(math.log2(max_window_s / service_time_s))
+    windows = service_time_s * 2.0 ** np.arange(doublings + 1)
+    result: FloatArray = np.append(windows[windows < max_window_s], max_window_s)
+    return result
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Envelope:
+    """The arrival envelope of a trace: ``max_arrivals[i]`` is the most arrivals in any window
+    [t, t + ``window_s[i]``)."""
+
+    window_s: FloatArray
+    max_arrivals: IntArray
+
+    def __post_init__(self) -> None:
+        window_s = np.array(self.window_s, dtype=np.float64, copy=True, order="C")
+        max_arrivals = np.array(self.max_arrivals, dtype=np.int64, copy=True, order="C")
+        if window_s.ndim != 1 or window_s.shape != max_arrivals.shape:
+            raise WorkloadError(
+                f"an envelope needs one max_arrivals per window, got shapes {window_s.shape} "
+                f"and {max_arrivals.shape}"
+            )
+        window_s.setflags(write=False)
+        max_arrivals.setflags(write=False)
+        object.__setattr__(self, "window_s", window_s)
+        object.__setattr__(self, "max_arrivals", max_arrivals)
+
+    @property
+    def rate_qps(self) -> FloatArray:
+        """The peak rate at each time scale, max_arrivals / window_s (Algorithm 3, line 4)."""
+        rate: FloatArray = self.max_arrivals / self.window_s
+        return rate
+
+
+def _max_arrivals_py(arrival_s: FloatArray, window_s: FloatArray) -> IntArray:
+    # For each window a two-pointer merge: i is a window's first arrival, j the first arrival at
+    # or after arrival_s[i] + w; each step advances j (the window takes one more arrival) or i
+    # (the window slides to the next start), so 2n steps finish every window. Written without
+    # branches and interleaved across the windows: a branchy sweep mispredicts about once per
+    # arrival and the windows' independent chains overlap in the pipeline (1M arrivals x 9
+    # windows: about 95 ms branchy, 30 ms this way, on one core).
+    n = arrival_s.size
+    m = window_s.size
+    best = np.zeros(m, dtype=np.int64)
+    if n == 0:
+        return best
+    padded = np.empty(n + 1, dtype=np.float64)  # a +inf sentinel: no arrival at or after j == n
+    padded[:n] = arrival_s
+    padded[n] = np.inf
+    first = np.zeros(m, dtype=np.int64)
+    after = np.zeros(m, dtype=np.int64)
+    for _ in range(2 * n):
+        for k in range(m):
+            i = first[k]
+            j = after[k]
+            grow = padded[j] < padded[i] + window_s[k]
+            best[k] = max(best[k], j - i)
+            after[k] = j + grow
+            first[k] = min(i + 1 - grow, n)
+    for k in range(m):
+        best[k] = max(best[k], after[k] - first[k])
+    return best
+
+
+_max_arrivals: Callable[[FloatArray, FloatArray], IntArray] = numba.njit(cache=True, nogil=True)(
+    _max_arrivals_py
+)
+
+
+def arrival_envelope(arrival_s: ArrayLike, window_s: ArrayLike | Sequence[float]) -> Envelope:
+    """The most arrivals in any half-open window [t, t + w) of the trace, for each w in
+    ``window_s`` (the arrival curve of network calculus; InferLine Algorithm 3, line 4).
+
+    A window holding the most arrivals can always be slid right until it starts at an arrival, so
+    max_t #{j : t <= a_j < t + w} = max_i #{j : a_i <= a_j < a_i + w}, which a two-pointer sweep
+    over the sorted arrivals finds in O(n) per window (compiled with numba). The comparison is
+    ``a_j < a_i + w`` in floating point.
+
+    >>> arrival_envelope([0.0, 0.1, 0.2, 5.0], [0.15, 1.0, 10.0]).max_arrivals.tolist()
+    [2, 3, 4]
+
+    Raises:
+        TraceError: arrivals that are not a one-dimensional, finite, non-decreasing array.
+        WorkloadError: a window that is not finite and > 0.
+    """
+    arrivals = np.ascontiguousarray(arrival_s, dtype=np.float64)
+    windows = np.ascontiguousarray(window_s, dtype=np.float64)
+    if arrivals.ndim != 1:
+        raise TraceError(f"arrival times must be one-dimensional, got shape {arrivals.shape}")
+    if windows.ndim != 1:
+        raise WorkloadError(f"window lengths must be one-dimensional, got shape {windows.shape}")
+    bad = np.flatnonzero(~np.isfinite(arrivals))
+    if bad.size:
+        row = int(bad[0])
+        raise TraceError(f"arrival time is not finite at row {row + 1}: {arrivals[row].item()!r}")
+    bad = np.flatnonzero(np.diff(arrivals) < 0.0)
+    if bad.size:
+        row = int(bad[0]) + 1
+        raise TraceError(
+            f"arrival times decrease at row {row + 1}: "
+            f"{arrivals[row].item()!r} < {arrivals[row - 1].item()!r}"
+        )
+    bad = np.flatnonzero(~(np.isfinite(windows) & (windows > 0.0)))
+    if bad.size:
+        raise WorkloadError(
+            f"a window must be finite and > 0 s, got {windows[int(bad[0])].item()!r}"
+        )
+    return Envelope(window_s=windows, max_arrivals=_max_arrivals(arrivals, windows))

@@ -1,0 +1,138 @@
+"""Arrival envelopes (InferLine Algorithm 3) against brute force, and the tuner's windows."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from estimator.envelope import Envelope, arrival_envelope, tuner_windows_s
+from estimator.errors import TraceError, WorkloadError
+from estimator.traces import gamma_arrivals
+
+
+def brute_force(arrival_s: np.ndarray, window_s: np.ndarray) -> list[int]:
+    """max over starts t of #{j : t <= a_j < t + w}, trying every t in the trace (O(n^2))."""
+    best = []
+    for w in window_s:
+        counts = [int(np.sum((arrival_s >= t) & (arrival_s < t + w))) for t in arrival_s]
+        best.append(max(counts, default=0))
+    return best
+
+
+# --- the tuner's windows ---------------------------------------------------------------------
+
+
+def test_windows_double_from_the_service_time() -> None:
+    assert tuner_windows_s(0.25).tolist() == [0.25, 0.5, 1, 2, 4, 8, 16, 32, 60]
+    assert tuner_windows_s(1.0).tolist() == [1, 2, 4, 8, 16, 32, 60]
+    assert tuner_windows_s(0.234375).tolist()[-2:] == [30.0, 60.0]  # 0.234375 * 256 = 60 once
+    assert tuner_windows_s(60.0).tolist() == [60.0]
+    assert tuner_windows_s(0.3, max_window_s=1.0).tolist() == [0.3, 0.6, 1.0]
+    windows = tuner_windows_s(0.007)
+    assert np.all(np.diff(windows) > 0) and windows[-1] == 60.0
+
+
+@pytest.mark.parametrize(
+    ("service", "maximum", "message"),
+    [
+        (0.0, 60.0, "service_time_s must be a finite number > 0, got 0.0"),
+        (-1.0, 60.0, "service_time_s must be"),
+        (math.nan, 60.0, "service_time_s must be"),
+        (1.0, math.inf, "max_window_s must be"),
+        (90.0, 60.0, "longer than max_window_s"),
+    ],
+)
+def test_windows_validation(service: float, maximum: float, message: str) -> None:
+    with pytest.raises(WorkloadError, match=message):
+        tuner_windows_s(service, maximum)
+
+
+# --- envelopes -------------------------------------------------------------------------------
+
+
+# Timestamps on a coarse grid make ties and arrivals exactly on a window's edge common.
+grid_arrivals = st.lists(st.integers(min_value=0, max_value=40), max_size=60).map(
+    lambda ticks: np.sort(np.array(ticks, dtype=np.float64)) / 4.0
+)
+float_arrivals = st.lists(
+    st.floats(min_value=0.0, max_value=100.0, allow_nan=False), max_size=60
+).map(lambda xs: np.sort(np.array(xs, dtype=np.float64)))
+windows = st.lists(
+    st.one_of(
+        st.integers(min_value=1, max_value=44).map(lambda q: q / 4.0),
+        st.floats(min_value=1e-3, max_value=120.0),
+    ),
+    min_size=1,
+    max_size=6,
+).map(lambda ws: np.array(ws, dtype=np.float64))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(grid_arrivals, float_arrivals), windows)
+def test_envelope_matches_brute_force(arrival_s: np.ndarray, window_s: np.ndarray) -> None:
+    envelope = arrival_envelope(arrival_s, window_s)
+    assert envelope.max_arrivals.tolist() == brute_force(arrival_s, window_s)
+    assert envelope.window_s.tolist() == window_s.tolist()
+
+
+def test_edge_cases() -> None:
+    windows_s = [0.5, 1.0, 10.0]
+    assert arrival_envelope([], windows_s).max_arrivals.tolist() == [0, 0, 0]
+    assert arrival_envelope([3.0], windows_s).max_arrivals.tolist() == [1, 1, 1]
+    assert arrival_envelope([2.0] * 7, windows_s).max_arrivals.tolist() == [7, 7, 7]
+    # Half-open windows: arrivals one second apart, a 1 s window holds one, not two.
+    ticks = np.arange(100.0)
+    assert arrival_envelope(ticks, [1.0, 10.0, 10.5]).max_arrivals.tolist() == [1, 10, 11]
+    assert arrival_envelope(ticks, []).max_arrivals.size == 0
+
+
+def test_rate_and_frozen_results() -> None:
+    windows_s = np.array([0.5, 2.0])
+    envelope = arrival_envelope([0.0, 0.1, 0.2, 0.3, 5.0], windows_s)
+    assert envelope.max_arrivals.dtype == np.int64
+    assert envelope.rate_qps.tolist() == [8.0, 2.0]
+    assert not envelope.max_arrivals.flags.writeable and not envelope.window_s.flags.writeable
+    assert windows_s.flags.writeable  # the caller's array is left alone
+    with pytest.raises(WorkloadError, match="one max_arrivals per window"):
+        Envelope(window_s=np.array([1.0, 2.0]), max_arrivals=np.array([3]))
+
+
+def test_large_trace_agrees_with_a_vectorised_count() -> None:
+    # An independent O(n log n) count at a size where brute force is out of reach.
+    arrival_s = gamma_arrivals(500.0, 4.0, 200.0, np.random.default_rng(0))
+    windows_s = tuner_windows_s(0.01)
+    expected = [
+        int(
+            np.max(
+                np.searchsorted(arrival_s, arrival_s + w, side="left") - np.arange(arrival_s.size)
+            )
+        )
+        for w in windows_s
+    ]
+    envelope = arrival_envelope(arrival_s, windows_s)
+    assert envelope.max_arrivals.tolist() == expected
+    # Peak rates fall towards the mean rate as the window grows (bursts average out).
+    assert envelope.rate_qps[0] > 2 * 500.0 and envelope.rate_qps[-1] < 1.2 * 500.0
+
+
+@pytest.mark.parametrize(
+    ("arrival_s", "windows_s", "error", "message"),
+    [
+        ([0.0, 2.0, 1.0], [1.0], TraceError, r"arrival times decrease at row 3: 1\.0 < 2\.0"),
+        ([0.0, math.nan], [1.0], TraceError, "not finite at row 2: nan"),
+        ([[0.0, 1.0]], [1.0], TraceError, "one-dimensional"),
+        ([0.0, 1.0], [1.0, 0.0], WorkloadError, r"finite and > 0 s, got 0\.0"),
+        ([0.0, 1.0], [-2.0], WorkloadError, r"got -2\.0"),
+        ([0.0, 1.0], [math.inf], WorkloadError, "got inf"),
+        ([0.0, 1.0], [[1.0]], WorkloadError, "one-dimensional"),
+    ],
+)
+def test_envelope_validation(
+    arrival_s: list[float], windows_s: list[float], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        arrival_envelope(arrival_s, windows_s)
