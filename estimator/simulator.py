@@ -1,0 +1,537 @@
+"""The discrete-event simulator: InferLine's estimator, generalised to heterogeneous fleets.
+
+A trace of queries flows through one or more stages. Each stage has a central queue, a fleet of
+instances (of several instance types, each with its latency profile) and a dispatch policy
+(:mod:`matching.policy`). An instance serves one batch at a time; a batch of queries whose batch
+sizes sum to B takes a service time drawn from its type's profile at B. After a stage, a query
+either leaves (its response time is completion minus arrival, spanning every stage it visited) or,
+for cascades, is forwarded to the next stage's queue (InferLine section 4.2, "conditional control
+flow using scale factor s"). Instances may join and leave during the run (``InstanceSpec``), which
+the tuner's replay uses.
+
+Two engines compute the same thing:
+
+- the **event engine** (plain Python) keeps an event heap keyed by (time, priority, sequence), as
+  SimPy does: at one instant, completions are handled before instances join, before arrivals, and
+  the policy is asked once all of that instant's events are in. It runs any policy and any number of
+  stages.
+- the **FCFS kernel** (:mod:`estimator.kernels`, compiled) handles the common case of one stage, a
+  static fleet and :class:`matching.fcfs.FcfsPolicy` at tens of millions of queries per second.
+
+Both draw service times the same way (one uniform number per query and stage, drawn up front from
+the caller's generator), so for the same seed they agree query by query; tests check it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from estimator.errors import BatchSizeOutOfRangeError, SimulationError
+from estimator.kernels import fcfs_kernel
+from estimator.profiles import LatencyProfile, ServiceMode
+from estimator.traces import Trace
+from matching.errors import InvalidDispatchError
+from matching.fcfs import FcfsPolicy
+from matching.policy import Dispatch, DispatchPolicy, QueuedQuery, StageContext
+
+Engine = Literal["auto", "events", "kernel"]
+
+# Event priorities at one instant: free instances first, then joins, then arrivals.
+_COMPLETION, _JOIN = 0, 1
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """One instance of a stage: its type, when it can serve, when it stops taking work.
+
+    Billing runs from ``billed_from_s`` (default: ``ready_s``) to ``stop_s`` or the end of the run:
+    an instance that is booting already costs money.
+    """
+
+    instance_type: str
+    ready_s: float = 0.0
+    stop_s: float = math.inf
+    billed_from_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.ready_s >= 0 and self.stop_s > self.ready_s):
+            raise SimulationError(
+                f"instance of {self.instance_type}: needs 0 <= ready_s < stop_s"
+                f" (got {self.ready_s}, {self.stop_s})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One stage of a pipeline: a model served by a fleet under a dispatch policy.
+
+    ``forward`` (cascades): per query, whether it goes on to the next stage after this one.
+    """
+
+    model: str
+    instances: tuple[InstanceSpec, ...]
+    profiles: Mapping[str, LatencyProfile]  # by instance type
+    policy: DispatchPolicy = field(default_factory=FcfsPolicy)
+    max_batch_queries: int = 1
+    forward: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if not self.instances:
+            raise SimulationError(f"stage {self.model!r} has no instances")
+        if self.max_batch_queries < 1:
+            raise SimulationError(f"stage {self.model!r}: max batch must be >= 1")
+        for spec in self.instances:
+            if spec.instance_type not in self.profiles:
+                raise SimulationError(
+                    f"stage {self.model!r}: no profile for instance type {spec.instance_type!r}"
+                )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ServiceTable:
+    """Service times of one stage's instance types on a dense batch-size axis, in seconds.
+
+    ``table_s[type, b, k]``: the ``k``-th of K quantile points at batch size ``b`` (NaN outside
+    the profile); a query with uniform draw ``u`` takes column ``floor(u K)``. In ``mean`` mode
+    K = 1 and the column is the interpolated mean.
+    """
+
+    instance_types: tuple[str, ...]
+    low: np.ndarray
+    high: np.ndarray
+    table_s: np.ndarray
+
+    @classmethod
+    def build(cls, profiles: Mapping[str, LatencyProfile], mode: ServiceMode) -> ServiceTable:
+        types = tuple(sorted(profiles))
+        chosen = [profiles[t] for t in types]
+        low = np.array([p.min_batch_size for p in chosen], dtype=np.int64)
+        high = np.array([p.max_batch_size for p in chosen], dtype=np.int64)
+        if mode == "mean":
+            k_points = 1
+        elif mode == "sampled":
+            k_points = max(cell.size for p in chosen for cell in p.samples_ms)
+        else:
+            raise SimulationError(f"unknown service mode {mode!r} (sampled or mean)")
+        table = np.full((len(types), int(high.max()) + 1, k_points), np.nan)
+        for i, profile in enumerate(chosen):
+            dense = (
+                profile.mean_table_ms() if mode == "mean" else profile.quantile_table_ms(k_points)
+            )
+            table[i, low[i] : high[i] + 1, :] = dense / 1000.0
+        return cls(types, low, high, table)
+
+    def type_id(self, instance_type: str) -> int:
+        return self.instance_types.index(instance_type)
+
+    def service_s(self, type_id: int, batch_size: int, u: float) -> float:
+        return float(self.table_s[type_id, batch_size, int(u * self.table_s.shape[2])])
+
+    def mean_s(self, type_id: int, batch_size: int) -> float:
+        """Mean service time at ``batch_size`` (clipped into the type's measured range)."""
+        size = min(max(batch_size, int(self.low[type_id])), int(self.high[type_id]))
+        return float(np.nanmean(self.table_s[type_id, size]))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SimulationResult:
+    """What happened to every query, and the fleet's use and cost.
+
+    ``instance`` is the index (into ``instance_types`` of the last stage the query visited) of
+    the instance that answered it; ``stages_visited`` how many stages it went through.
+    """
+
+    arrival_s: np.ndarray
+    start_s: np.ndarray
+    finish_s: np.ndarray
+    instance: np.ndarray
+    stages_visited: np.ndarray
+    instance_types: tuple[tuple[str, ...], ...]  # per stage, per instance
+    utilisation: tuple[np.ndarray, ...]  # per stage, per instance: busy share of its active time
+    cost_usd: float
+    horizon_s: float
+    qos_ms: float | None
+    engine: str
+
+    @property
+    def response_ms(self) -> np.ndarray:
+        response: np.ndarray = (self.finish_s - self.arrival_s) * 1000.0
+        return response
+
+    @property
+    def wait_ms(self) -> np.ndarray:
+        """Time in the first stage's queue."""
+        wait: np.ndarray = (self.start_s - self.arrival_s) * 1000.0
+        return wait
+
+    @property
+    def cost_usd_per_hr(self) -> float:
+        """Fleet cost averaged over the run (for a static fleet: the sum of its prices)."""
+        return self.cost_usd / (self.horizon_s / 3600.0) if self.horizon_s > 0 else 0.0
+
+    def summary(self) -> SimulationSummary:
+        response = self.response_ms
+        n = response.size
+        p50, p95, p99 = (float(v) for v in np.percentile(response, [50, 95, 99]))
+        span_s = float(self.finish_s.max() - self.arrival_s.min())
+        return SimulationSummary(
+            queries=n,
+            p50_ms=p50,
+            p95_ms=p95,
+            p99_ms=p99,
+            mean_ms=float(response.mean()),
+            mean_wait_ms=float(self.wait_ms.mean()),
+            attainment=(
+                float(np.count_nonzero(response <= self.qos_ms) / n)
+                if self.qos_ms is not None
+                else None
+            ),
+            throughput_qps=n / span_s if span_s > 0 else float("inf"),
+            cost_usd_per_hr=self.cost_usd_per_hr,
+            cost_usd=self.cost_usd,
+            mean_utilisation=float(np.mean(np.concatenate(self.utilisation))),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SimulationSummary:
+    queries: int
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    mean_ms: float
+    mean_wait_ms: float
+    attainment: float | None  # share of queries with response time <= QoS
+    throughput_qps: float  # queries answered / (last answer - first arrival)
+    cost_usd_per_hr: float
+    cost_usd: float
+    mean_utilisation: float
+
+
+def speed_ranks(
+    table: ServiceTable, instance_types: Sequence[str], reference_batch: int
+) -> dict[str, int]:
+    """Rank instance types fastest first by mean service time at ``reference_batch``."""
+    order = sorted(
+        set(instance_types),
+        key=lambda t: (table.mean_s(table.type_id(t), reference_batch), t),
+    )
+    return {name: rank for rank, name in enumerate(order)}
+
+
+def simulate(
+    trace: Trace,
+    stages: Sequence[Stage],
+    rng: np.random.Generator,
+    *,
+    prices_usd_per_hr: Mapping[str, float],
+    qos_ms: float | None = None,
+    service: ServiceMode = "sampled",
+    engine: Engine = "auto",
+) -> SimulationResult:
+    """Replay ``trace`` through ``stages`` and return every query's timings.
+
+    ``engine="auto"`` takes the compiled FCFS kernel when it applies (one stage, a static fleet,
+    :class:`FcfsPolicy`), the event engine otherwise. Deterministic for a given generator state.
+    """
+    if len(trace) == 0:
+        raise SimulationError("the trace has no queries")
+    if not stages:
+        raise SimulationError("nothing to simulate: no stages")
+    for stage in stages:
+        for spec in stage.instances:
+            if spec.instance_type not in prices_usd_per_hr:
+                raise SimulationError(f"no price for instance type {spec.instance_type!r}")
+        if stage.forward is not None and len(stage.forward) != len(trace):
+            raise SimulationError(f"stage {stage.model!r}: forward needs one flag per query")
+    tables = [ServiceTable.build(stage.profiles, service) for stage in stages]
+    for stage, table in zip(stages, tables, strict=True):
+        _check_batch_sizes(trace, stage, table)
+    # Types are ranked by speed at the workload's typical batch size (its mean, rounded).
+    reference = round(float(trace.batch_size.mean()))
+    u = rng.random((len(stages), len(trace)))
+
+    kernel_fits = (
+        len(stages) == 1
+        and isinstance(stages[0].policy, FcfsPolicy)
+        and all(s.ready_s == 0 and s.stop_s == math.inf for s in stages[0].instances)
+    )
+    if engine == "kernel" and not kernel_fits:
+        raise SimulationError("the FCFS kernel needs one stage, a static fleet and the fcfs policy")
+    if engine not in ("auto", "events", "kernel"):
+        raise SimulationError(f"unknown engine {engine!r}")
+    if kernel_fits and engine != "events":
+        run = _run_kernel(trace, stages[0], tables[0], u[0], reference)
+    else:
+        run = _EventEngine(trace, stages, tables, u, reference, qos_ms).run()
+    start_s, finish_s, served_by, visited, busy_s = run
+
+    horizon_s = float(finish_s.max())
+    cost_usd = 0.0
+    utilisation = []
+    for stage, busy in zip(stages, busy_s, strict=True):
+        active = np.empty(len(stage.instances))
+        for i, spec in enumerate(stage.instances):
+            billed_from = spec.ready_s if spec.billed_from_s is None else spec.billed_from_s
+            billed_s = max(0.0, min(spec.stop_s, horizon_s) - billed_from)
+            cost_usd += prices_usd_per_hr[spec.instance_type] * billed_s / 3600.0
+            active[i] = max(0.0, min(spec.stop_s, horizon_s) - spec.ready_s)
+        utilisation.append(np.divide(busy, active, out=np.zeros_like(busy), where=active > 0))
+    return SimulationResult(
+        arrival_s=trace.arrival_s,
+        start_s=start_s,
+        finish_s=finish_s,
+        instance=served_by,
+        stages_visited=visited,
+        instance_types=tuple(tuple(s.instance_type for s in st.instances) for st in stages),
+        utilisation=tuple(utilisation),
+        cost_usd=cost_usd,
+        horizon_s=horizon_s,
+        qos_ms=qos_ms,
+        engine="kernel" if kernel_fits and engine != "events" else "events",
+    )
+
+
+def _check_batch_sizes(trace: Trace, stage: Stage, table: ServiceTable) -> None:
+    """Every query must fit the profile of every type that may serve it at this stage."""
+    smallest, largest = int(trace.batch_size.min()), int(trace.batch_size.max())
+    for instance_type in {spec.instance_type for spec in stage.instances}:
+        i = table.type_id(instance_type)
+        low, high = int(table.low[i]), int(table.high[i])
+        if smallest < low or largest > high:
+            bad = smallest if smallest < low else largest
+            raise BatchSizeOutOfRangeError(stage.model, instance_type, bad, low, high)
+
+
+_Run = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]
+
+
+def _run_kernel(
+    trace: Trace, stage: Stage, table: ServiceTable, u: np.ndarray, reference: int
+) -> _Run:
+    types = [spec.instance_type for spec in stage.instances]
+    ranks = speed_ranks(table, types, reference)
+    by_rank = sorted(set(types), key=ranks.__getitem__)
+    seg_ident = np.array(
+        [i for name in by_rank for i, t in enumerate(types) if t == name], dtype=np.int64
+    )
+    seg_count = np.array([types.count(name) for name in by_rank], dtype=np.int64)
+    seg_start = np.concatenate(([0], np.cumsum(seg_count)[:-1])).astype(np.int64)
+    seg_type = np.array([table.type_id(name) for name in by_rank], dtype=np.int64)
+    seg_high = table.high[seg_type]
+    start, finish, served_by, busy = fcfs_kernel(
+        trace.arrival_s,
+        trace.batch_size,
+        u,
+        seg_start,
+        seg_count,
+        seg_type,
+        seg_high,
+        seg_ident,
+        len(types),
+        table.table_s,
+        stage.max_batch_queries,
+    )
+    return start, finish, served_by, np.ones(len(trace), dtype=np.int64), [busy]
+
+
+class _Instance:
+    """An instance inside the event engine; policies see it through ``InstanceView``."""
+
+    __slots__ = (
+        "busy_s",
+        "busy_until_s",
+        "idle_since_s",
+        "index",
+        "instance_type",
+        "max_batch_size",
+        "ready_s",
+        "running",
+        "speed_rank",
+        "stop_s",
+        "type_id",
+    )
+
+    def __init__(
+        self, index: int, spec: InstanceSpec, type_id: int, speed_rank: int, max_batch: int
+    ) -> None:
+        self.index = index
+        self.instance_type = spec.instance_type
+        self.type_id = type_id
+        self.speed_rank = speed_rank
+        self.max_batch_size = max_batch
+        self.ready_s = spec.ready_s
+        self.stop_s = spec.stop_s
+        self.busy_until_s = spec.ready_s
+        self.idle_since_s = spec.ready_s
+        self.running: tuple[int, ...] | None = None
+        self.busy_s = 0.0
+
+    def is_idle(self, now_s: float) -> bool:
+        return self.running is None and self.ready_s <= now_s < self.stop_s
+
+
+class _StageState:
+    __slots__ = ("context", "forward", "instances", "policy", "queue", "table")
+
+    def __init__(
+        self, stage: Stage, table: ServiceTable, reference: int, qos_ms: float | None
+    ) -> None:
+        types = [spec.instance_type for spec in stage.instances]
+        ranks = speed_ranks(table, types, reference)
+        self.instances = [
+            _Instance(
+                i,
+                spec,
+                table.type_id(spec.instance_type),
+                ranks[spec.instance_type],
+                int(table.high[table.type_id(spec.instance_type)]),
+            )
+            for i, spec in enumerate(stage.instances)
+        ]
+        self.queue: deque[QueuedQuery] = deque()
+        self.policy = stage.policy
+        self.table = table
+        self.forward = stage.forward
+        self.context = StageContext(max_batch_queries=stage.max_batch_queries, qos_ms=qos_ms)
+
+
+def _take(state: _StageState, ids: tuple[int, ...]) -> list[QueuedQuery]:
+    """Remove the queries ``ids`` from the stage's queue (fast when they are at its head)."""
+    queue = state.queue
+    if len(ids) <= len(queue) and all(queue[i].query_id == q for i, q in enumerate(ids)):
+        return [queue.popleft() for _ in ids]
+    wanted = set(ids)
+    taken = [item for item in queue if item.query_id in wanted]
+    if len(taken) != len(wanted):
+        raise InvalidDispatchError(f"dispatch of queries that are not queued: {ids}")
+    state.queue = deque(item for item in queue if item.query_id not in wanted)
+    return taken
+
+
+class _EventEngine:
+    """The general engine: an event heap over any stages and policies (see the module docstring)."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        stages: Sequence[Stage],
+        tables: Sequence[ServiceTable],
+        u: np.ndarray,
+        reference: int,
+        qos_ms: float | None,
+    ) -> None:
+        self.trace = trace
+        self.stages = [
+            _StageState(stage, table, reference, qos_ms)
+            for stage, table in zip(stages, tables, strict=True)
+        ]
+        self.u = u
+        n = len(trace)
+        self.start_s = np.full(n, np.nan)
+        self.finish_s = np.full(n, np.nan)
+        self.served_by = np.full(n, -1, dtype=np.int64)
+        self.visited = np.zeros(n, dtype=np.int64)
+        self.events: list[tuple[float, int, int, int, int]] = []
+        self.sequence = 0
+
+    def _push(self, time_s: float, priority: int, stage: int, instance: int) -> None:
+        heapq.heappush(self.events, (time_s, priority, self.sequence, stage, instance))
+        self.sequence += 1
+
+    def run(self) -> _Run:
+        for s, state in enumerate(self.stages):
+            for inst in state.instances:
+                if inst.ready_s > 0:
+                    self._push(inst.ready_s, _JOIN, s, inst.index)
+        arrivals = self.trace.arrival_s.tolist()
+        batch_sizes = self.trace.batch_size.tolist()
+        n = len(arrivals)
+        next_arrival = 0
+        events = self.events
+        while next_arrival < n or events:
+            now = arrivals[next_arrival] if next_arrival < n else math.inf
+            if events and events[0][0] <= now:
+                now = events[0][0]
+            dirty: set[int] = set()
+            while events and events[0][0] == now:
+                _, priority, _, s, index = heapq.heappop(events)
+                if priority == _COMPLETION:
+                    self._complete(now, s, index, dirty)
+                else:
+                    dirty.add(s)
+            first = self.stages[0].queue
+            while next_arrival < n and arrivals[next_arrival] == now:
+                q = next_arrival
+                first.append(QueuedQuery(q, batch_sizes[q], now, now))
+                next_arrival += 1
+                dirty.add(0)
+            for s in sorted(dirty):
+                self._round(now, s)
+        unserved = np.flatnonzero(np.isnan(self.finish_s))
+        if unserved.size:
+            raise SimulationError(
+                f"{unserved.size} queries were never dispatched (policy"
+                f" {self.stages[0].policy.name!r} left them queued with no event to come)"
+            )
+        busy = [np.array([inst.busy_s for inst in st.instances]) for st in self.stages]
+        return self.start_s, self.finish_s, self.served_by, self.visited, busy
+
+    def _complete(self, now: float, s: int, index: int, dirty: set[int]) -> None:
+        state = self.stages[s]
+        inst = state.instances[index]
+        batch = inst.running
+        assert batch is not None
+        inst.running = None
+        inst.idle_since_s = now
+        dirty.add(s)
+        last = s + 1 == len(self.stages)
+        for q in batch:
+            self.visited[q] += 1
+            if not last and state.forward is not None and state.forward[q]:
+                arrival = float(self.trace.arrival_s[q])
+                batch_size = int(self.trace.batch_size[q])
+                self.stages[s + 1].queue.append(QueuedQuery(q, batch_size, arrival, now))
+                dirty.add(s + 1)
+            else:
+                self.finish_s[q] = now
+                self.served_by[q] = index
+
+    def _round(self, now: float, s: int) -> None:
+        state = self.stages[s]
+        if not state.queue or not any(inst.is_idle(now) for inst in state.instances):
+            return
+        for dispatch in state.policy.dispatch(now, state.queue, state.instances, state.context):
+            self._start(now, s, state, dispatch)
+
+    def _start(self, now: float, s: int, state: _StageState, dispatch: Dispatch) -> None:
+        if not 0 <= dispatch.instance_index < len(state.instances):
+            raise InvalidDispatchError(f"no instance {dispatch.instance_index}")
+        inst = state.instances[dispatch.instance_index]
+        if not inst.is_idle(now):
+            raise InvalidDispatchError(f"instance {inst.index} is not idle at {now}")
+        if not dispatch.query_ids:
+            raise InvalidDispatchError("an empty dispatch")
+        ids = dispatch.query_ids
+        taken = _take(state, ids)
+        total = sum(item.batch_size for item in taken)
+        if total > inst.max_batch_size:
+            raise InvalidDispatchError(
+                f"batch of {total} exceeds the profile of {inst.instance_type}"
+            )
+        service = state.table.service_s(inst.type_id, total, float(self.u[s, ids[0]]))
+        done = now + service
+        inst.running = ids
+        inst.busy_until_s = done
+        inst.busy_s += service
+        if s == 0:
+            for q in ids:
+                self.start_s[q] = now
+        self._push(done, _COMPLETION, s, inst.index)

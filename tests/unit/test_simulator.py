@@ -1,0 +1,185 @@
+"""The simulator's mechanics: engines agree, batching, fleets that change, cost, errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from estimator.errors import BatchSizeOutOfRangeError, SimulationError
+from estimator.profiles import LatencyProfile
+from estimator.simulator import InstanceSpec, Stage, simulate
+from estimator.traces import Trace
+from matching.fcfs import FcfsPolicy
+
+
+def profile(instance_type: str, base_ms: float, per_item_ms: float, rng: np.random.Generator):
+    sizes = np.array([1, 2, 4, 8])
+    cells = tuple(base_ms + per_item_ms * b + rng.exponential(1.0, size=5) for b in sizes)
+    return LatencyProfile("m", instance_type, sizes, cells)
+
+
+@st.composite
+def scenarios(draw):
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    n_types = draw(st.integers(1, 3))
+    names = [f"t{i}.large" for i in range(n_types)]
+    profiles = {
+        name: profile(name, draw(st.floats(0.5, 20)), draw(st.floats(0, 5)), rng) for name in names
+    }
+    counts = [draw(st.integers(0, 4)) for _ in names]
+    if sum(counts) == 0:
+        counts[0] = 1
+    fleet = zip(names, counts, strict=True)
+    instances = tuple(InstanceSpec(name) for name, count in fleet for _ in range(count))
+    n = draw(st.integers(1, 300))
+    # Integer-spaced arrivals make simultaneous events (ties) common.
+    gaps = rng.integers(0, 3, size=n) * draw(st.sampled_from([0.001, 0.004, 0.01]))
+    arrivals = np.cumsum(gaps)
+    sizes = rng.integers(1, 9, size=n)
+    max_batch = draw(st.integers(1, 4))
+    return Trace(arrivals, sizes), instances, profiles, max_batch, seed
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_fcfs_kernel_and_event_engine_agree_query_by_query(scenario) -> None:
+    trace, instances, profiles, max_batch, seed = scenario
+    stage = Stage("m", instances, profiles, FcfsPolicy(), max_batch_queries=max_batch)
+    prices = dict.fromkeys(profiles, 1.0)
+    results = [
+        simulate(trace, [stage], np.random.default_rng(seed), prices_usd_per_hr=prices, engine=e)
+        for e in ("kernel", "events")
+    ]
+    kernel, events = results
+    assert (kernel.engine, events.engine) == ("kernel", "events")
+    np.testing.assert_array_equal(kernel.start_s, events.start_s)
+    np.testing.assert_array_equal(kernel.finish_s, events.finish_s)
+    np.testing.assert_array_equal(kernel.instance, events.instance)
+    np.testing.assert_allclose(kernel.utilisation[0], events.utilisation[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(scenarios())
+def test_every_query_served_once_after_it_arrives(scenario) -> None:
+    trace, instances, profiles, max_batch, seed = scenario
+    stage = Stage("m", instances, profiles, max_batch_queries=max_batch)
+    result = simulate(
+        trace, [stage], np.random.default_rng(seed), prices_usd_per_hr=dict.fromkeys(profiles, 1.0)
+    )
+    assert np.all(result.start_s >= trace.arrival_s)
+    assert np.all(result.finish_s > result.start_s)
+    # No instance runs two batches at once: per instance, batches do not overlap.
+    for index in np.unique(result.instance):
+        mine = result.instance == index
+        starts, order = np.unique(result.start_s[mine], return_index=True)
+        finishes = result.finish_s[mine][order]
+        assert np.all(starts[1:] >= finishes[:-1])
+
+
+def test_fastest_idle_type_takes_the_query() -> None:
+    rng = np.random.default_rng(0)
+    slow, fast = profile("slow.large", 50, 0, rng), profile("fast.large", 5, 0, rng)
+    trace = Trace(np.array([0.0, 1.0, 2.0]), np.ones(3, dtype=np.int64))
+    stage = Stage(
+        "m",
+        (InstanceSpec("slow.large"), InstanceSpec("fast.large")),
+        {"slow.large": slow, "fast.large": fast},
+    )
+    result = simulate(trace, [stage], rng, prices_usd_per_hr={"slow.large": 1, "fast.large": 2})
+    assert result.instance.tolist() == [1, 1, 1]
+
+
+def test_batching_takes_up_to_max_batch_queued_queries() -> None:
+    rng = np.random.default_rng(0)
+    p = LatencyProfile("m", "x", np.array([1, 8]), (np.array([100.0]), np.array([100.0])))
+    trace = Trace(np.zeros(10), np.ones(10, dtype=np.int64))
+    stage = Stage("m", (InstanceSpec("x"),), {"x": p}, max_batch_queries=4)
+    result = simulate(trace, [stage], rng, prices_usd_per_hr={"x": 1.0})
+    # 10 queries at t=0 with batches of 4: three batches of 0.1 s each.
+    assert sorted(set(result.finish_s.round(9))) == [0.1, 0.2, 0.3]
+    assert np.count_nonzero(result.finish_s == result.finish_s.min()) == 4
+
+
+def test_instances_joining_and_leaving_are_honoured_and_billed() -> None:
+    p = LatencyProfile("m", "x", np.array([1]), (np.array([1000.0]),))
+    trace = Trace(np.arange(0.0, 20.0, 0.5), np.ones(40, dtype=np.int64))
+    instances = (InstanceSpec("x", stop_s=5.0), InstanceSpec("x", ready_s=4.0, billed_from_s=3.0))
+    stage = Stage("m", instances, {"x": p})
+    result = simulate(trace, [stage], np.random.default_rng(0), prices_usd_per_hr={"x": 3600.0})
+    first = result.instance == 0
+    assert np.all(result.start_s[first] < 5.0)
+    assert np.all(result.start_s[~first] >= 4.0)
+    horizon = result.horizon_s
+    assert result.cost_usd == pytest.approx(5.0 + (horizon - 3.0))
+
+
+def test_cost_of_a_static_fleet_is_the_sum_of_prices() -> None:
+    p = LatencyProfile("m", "x", np.array([1]), (np.array([1.0]),))
+    trace = Trace(np.linspace(0, 100, 50), np.ones(50, dtype=np.int64))
+    stage = Stage("m", (InstanceSpec("x"), InstanceSpec("x")), {"x": p})
+    result = simulate(trace, [stage], np.random.default_rng(0), prices_usd_per_hr={"x": 0.526})
+    assert result.summary().cost_usd_per_hr == pytest.approx(2 * 0.526)
+
+
+def test_summary_statistics() -> None:
+    p = LatencyProfile("m", "x", np.array([1]), (np.array([10.0]),))
+    trace = Trace(np.arange(100) * 1.0, np.ones(100, dtype=np.int64))
+    stage = Stage("m", (InstanceSpec("x"),), {"x": p})
+    summary = simulate(
+        trace, [stage], np.random.default_rng(0), prices_usd_per_hr={"x": 1}, qos_ms=9.0
+    ).summary()
+    assert summary.p99_ms == pytest.approx(10.0)
+    assert summary.attainment == 0.0
+    assert summary.throughput_qps == pytest.approx(100 / 99.01)
+    assert summary.mean_utilisation == pytest.approx(1.0 / 99.01, rel=1e-6)
+
+
+def test_batch_size_outside_profile_is_refused() -> None:
+    p = LatencyProfile("m", "x", np.array([10, 20]), (np.array([1.0]), np.array([2.0])))
+    trace = Trace(np.zeros(2), np.array([10, 25]))
+    stage = Stage("m", (InstanceSpec("x"),), {"x": p})
+    with pytest.raises(BatchSizeOutOfRangeError, match="batch size 25"):
+        simulate(trace, [stage], np.random.default_rng(0), prices_usd_per_hr={"x": 1})
+
+
+def test_bad_stages_are_refused() -> None:
+    p = LatencyProfile("m", "x", np.array([1]), (np.array([1.0]),))
+    with pytest.raises(SimulationError, match="no instances"):
+        Stage("m", (), {"x": p})
+    with pytest.raises(SimulationError, match="no profile"):
+        Stage("m", (InstanceSpec("y"),), {"x": p})
+    with pytest.raises(SimulationError, match="ready_s < stop_s"):
+        InstanceSpec("x", ready_s=5, stop_s=5)
+    trace = Trace(np.zeros(1), np.ones(1, dtype=np.int64))
+    with pytest.raises(SimulationError, match="no price"):
+        simulate(
+            trace,
+            [Stage("m", (InstanceSpec("x"),), {"x": p})],
+            np.random.default_rng(0),
+            prices_usd_per_hr={},
+        )
+    dynamic = Stage("m", (InstanceSpec("x", stop_s=math.inf, ready_s=1.0),), {"x": p})
+    with pytest.raises(SimulationError, match="FCFS kernel"):
+        simulate(
+            trace, [dynamic], np.random.default_rng(0), prices_usd_per_hr={"x": 1}, engine="kernel"
+        )
+
+
+def test_same_seed_same_result_and_different_seed_differs() -> None:
+    rng = np.random.default_rng(1)
+    p = LatencyProfile("m", "x", np.array([1]), (rng.exponential(5, size=100),))
+    trace = Trace(np.sort(rng.uniform(0, 10, size=500)), np.ones(500, dtype=np.int64))
+    stage = Stage("m", (InstanceSpec("x"), InstanceSpec("x")), {"x": p})
+
+    def run(seed: int) -> np.ndarray:
+        return simulate(
+            trace, [stage], np.random.default_rng(seed), prices_usd_per_hr={"x": 1}
+        ).finish_s
+
+    np.testing.assert_array_equal(run(5), run(5))
+    assert not np.array_equal(run(5), run(6))
