@@ -1,0 +1,84 @@
+"""Options and loaders that several commands share (profiles, catalog, fleet, workload)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from controlplane.cli.output import UsageError
+from estimator.batches import parse_batch_distribution
+from estimator.catalog import Catalog, load_catalog
+from estimator.fleet import Fleet
+from estimator.profiles import ProfileSet, load_profiles
+from estimator.traces import Trace, poisson_arrivals, read_trace_csv
+
+
+def add_profiles_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--profiles",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help="latency profiles: a Kairos samples CSV (.csv or .csv.gz) or a profile JSON",
+    )
+    parser.add_argument(
+        "--catalog",
+        type=Path,
+        metavar="FILE",
+        help="CSV or JSON of instance types that add to or override the default EC2 catalog",
+    )
+
+
+def add_workload_options(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_argument_group("workload (a trace file, or a generated Poisson trace)")
+    source.add_argument("--trace", type=Path, metavar="FILE", help="trace CSV (arrival_s, ...)")
+    source.add_argument("--qps", type=float, metavar="R", help="Poisson arrival rate, queries/s")
+    source.add_argument("--duration", type=float, metavar="S", help="generated trace length, s")
+    source.add_argument(
+        "--batch-dist",
+        metavar="SPEC",
+        help="batch size of each generated query: fixed:N, kairos, lognormal:mu=..,sigma=..,"
+        " gaussian:mean=..,sd=.. (default: every query has batch size 1)",
+    )
+
+
+def load_workload(args: argparse.Namespace, rng: np.random.Generator) -> Trace:
+    """The trace named by ``--trace``, or a Poisson trace from ``--qps`` and ``--duration``."""
+    if args.trace is not None:
+        if args.qps is not None or args.duration is not None or args.batch_dist is not None:
+            raise UsageError("give either --trace FILE or --qps/--duration/--batch-dist, not both")
+        return read_trace_csv(args.trace)
+    if args.qps is None or args.duration is None:
+        raise UsageError("give --trace FILE, or --qps R and --duration S")
+    arrivals = poisson_arrivals(args.qps, args.duration, rng)
+    if arrivals.size == 0:
+        raise UsageError(
+            f"a Poisson trace at {args.qps} qps over {args.duration} s has no queries;"
+            " raise --qps or --duration"
+        )
+    if args.batch_dist is None:
+        sizes = np.ones(arrivals.size, dtype=np.int64)
+    else:
+        sizes = parse_batch_distribution(args.batch_dist).sample(arrivals.size, rng)
+    return Trace(arrivals, sizes)
+
+
+def load_inputs(args: argparse.Namespace) -> tuple[ProfileSet, Catalog]:
+    return load_profiles(args.profiles), load_catalog(args.catalog)
+
+
+def parse_fleet(text: str, catalog: Catalog) -> Fleet:
+    """A fleet whose every type is in the catalog, with at least one instance."""
+    fleet = Fleet.parse(text)
+    for name in fleet:
+        catalog[name]  # raises UnknownInstanceTypeError naming the known types
+    if fleet.total == 0:
+        raise UsageError(f"fleet {text!r} has no instances")
+    return fleet
+
+
+def positive(name: str, value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise UsageError(f"{name} must be > 0, got {value:g}")

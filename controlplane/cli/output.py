@@ -1,0 +1,46 @@
+"""How commands print: a human summary, or one JSON object with ``--json``; errors on one line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
+
+import numpy as np
+
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(ValueError):
+    """A combination of command-line options that does not make sense (exit status 2)."""
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``message`` as one line on stderr and exit with status 2."""
+    print(" ".join(str(message).split()), file=sys.stderr)
+    raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def emit(as_json: bool, data: Mapping[str, Any], human: Callable[[], str]) -> int:
+    """Print ``data`` as one JSON object, or the human summary; return exit status 0."""
+    if as_json:
+        print(json.dumps(data, default=_to_json, allow_nan=False))
+    else:
+        print(human())
+    return 0
+
+
+def progress(message: str) -> None:
+    """A progress line for long work; on stderr so that ``--json`` output stays one object."""
+    print(message, file=sys.stderr, flush=True)

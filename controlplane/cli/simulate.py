@@ -1,0 +1,131 @@
+"""``heteroplane simulate``: replay a workload through a fleet with the discrete-event simulator."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+
+from controlplane.cli.common import (
+    add_profiles_option,
+    add_workload_options,
+    load_inputs,
+    load_workload,
+    parse_fleet,
+    positive,
+)
+from controlplane.cli.output import emit
+from estimator.simulator import InstanceSpec, Stage, simulate
+from matching.fcfs import FcfsPolicy
+from matching.policy import DispatchPolicy
+
+POLICIES: dict[str, type[DispatchPolicy]] = {"fcfs": FcfsPolicy}
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "simulate",
+        help="predict latency, throughput and cost of a fleet on a workload",
+        description="Replay a trace (or a generated Poisson workload) through a fleet of instances"
+        " with the discrete-event simulator. Each query is a batch that runs on one instance for"
+        " a service time drawn from the measured samples of its instance type.",
+    )
+    add_profiles_option(parser)
+    parser.add_argument("--model", required=True, help="the model to serve (as in the profiles)")
+    parser.add_argument(
+        "--fleet",
+        required=True,
+        metavar="F",
+        help="instances by type, e.g. g4dn.xlarge=1,r5n.large=13",
+    )
+    add_workload_options(parser)
+    parser.add_argument(
+        "--qos-ms", type=float, required=True, metavar="X", help="latency target of a query, ms"
+    )
+    parser.add_argument(
+        "--policy", choices=sorted(POLICIES), default="fcfs", help="dispatch policy"
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=1,
+        metavar="N",
+        help="queued queries an instance may take at once (default 1: each query runs alone)",
+    )
+    parser.add_argument(
+        "--service",
+        choices=["sampled", "mean"],
+        default="sampled",
+        help="service times drawn from the measured samples, or the mean (default sampled)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    positive("--qos-ms", args.qos_ms)
+    positive("--qps", args.qps)
+    positive("--duration", args.duration)
+    positive("--max-batch", args.max_batch)
+    profiles, catalog = load_inputs(args)
+    fleet = parse_fleet(args.fleet, catalog)
+    model_profiles = {name: profiles.get_profile(args.model, name) for name in fleet}
+    rng = np.random.default_rng(args.seed)
+    trace = load_workload(args, rng)
+    stage = Stage(
+        model=args.model,
+        instances=tuple(InstanceSpec(name) for name in fleet.expand()),
+        profiles=model_profiles,
+        policy=POLICIES[args.policy](),
+        max_batch_queries=args.max_batch,
+    )
+    prices = {name: catalog.price_usd_per_hr(name) for name in fleet}
+    result = simulate(
+        trace, [stage], rng, prices_usd_per_hr=prices, qos_ms=args.qos_ms, service=args.service
+    )
+    summary = result.summary()
+    types = result.instance_types[0]
+    utilisation = {
+        name: float(
+            np.mean([u for t, u in zip(types, result.utilisation[0], strict=True) if t == name])
+        )
+        for name in fleet
+        if fleet[name] > 0
+    }
+    data = {
+        "model": args.model,
+        "fleet": dict(fleet),
+        "policy": args.policy,
+        "qos_ms": args.qos_ms,
+        "queries": summary.queries,
+        "duration_s": float(trace.arrival_s[-1] - trace.arrival_s[0]),
+        "offered_qps": float(len(trace) / max(trace.duration_s, 1e-12)),
+        "p50_ms": summary.p50_ms,
+        "p95_ms": summary.p95_ms,
+        "p99_ms": summary.p99_ms,
+        "mean_ms": summary.mean_ms,
+        "mean_wait_ms": summary.mean_wait_ms,
+        "attainment": summary.attainment,
+        "throughput_qps": summary.throughput_qps,
+        "cost_usd_per_hr": summary.cost_usd_per_hr,
+        "utilisation_by_type": utilisation,
+        "seed": args.seed,
+    }
+
+    def human() -> str:
+        lines = [
+            f"model {args.model} on {fleet} (${summary.cost_usd_per_hr:.4f}/hr),"
+            f" policy {args.policy}",
+            f"  {summary.queries} queries at {data['offered_qps']:.2f} qps offered,"
+            f" {summary.throughput_qps:.2f} qps served",
+            f"  latency ms: p50 {summary.p50_ms:.2f}  p95 {summary.p95_ms:.2f}"
+            f"  p99 {summary.p99_ms:.2f}  mean wait {summary.mean_wait_ms:.2f}",
+            f"  within {args.qos_ms:g} ms: {100 * (summary.attainment or 0):.2f}% of queries",
+            "  utilisation: "
+            + ", ".join(f"{name} {100 * u:.1f}%" for name, u in utilisation.items()),
+        ]
+        return "\n".join(lines)
+
+    return emit(args.json, data, human)
