@@ -1,0 +1,116 @@
+"""How fast the estimator is: simulated queries per second, and the envelope of a long trace.
+
+    make bench            # or: .venv/bin/python benchmarks/estimator_speed.py [--json]
+
+- FCFS simulator, one stage, fleets of 1 and 64 instances, a 1,000,000-query Poisson trace at 70%
+  of the fleet's capacity, batch sizes from the Kairos mix, service times drawn from the measured
+  rm2 samples on g4dn.xlarge (../shared/data). Timed: the whole ``simulate`` call (service table,
+  random draws, the compiled FCFS loop, cost and utilisation), best of 5 after a warm-up run.
+- The same on 100,000 queries through the general event engine (the one any policy runs on).
+- The envelope (max arrivals in any window) of 1,000,000 arrivals over the 9 tuner windows.
+
+Goals (issue 2): >= 20 million simulated queries/s; the envelope in < 100 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from estimator.batches import parse_batch_distribution
+from estimator.envelope import arrival_envelope, tuner_windows_s
+from estimator.profiles import load_profiles
+from estimator.simulator import InstanceSpec, Stage, simulate
+from estimator.traces import Trace, poisson_arrivals
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("HETEROPLANE_SHARED", ROOT.parent / "shared"))
+PROFILES = SHARED / "data" / "kairos_latency_samples.csv.gz"
+PRICES = {"g4dn.xlarge": 0.526}
+
+
+def best_of(repeats: int, run: Callable[[], object]) -> float:
+    run()  # warm-up: numba compiles (or loads its cache) on first use
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--queries", type=int, default=1_000_000)
+    args = parser.parse_args()
+    if not PROFILES.exists():
+        print(f"needs the shared data at {PROFILES} (set HETEROPLANE_SHARED)", file=sys.stderr)
+        return 2
+    profile = load_profiles(PROFILES).get_profile("rm2", "g4dn.xlarge")
+    rng = np.random.default_rng(0)
+    sizes = parse_batch_distribution("kairos").sample(args.queries, rng)
+    # Capacity of one instance on this mix: 1 / E[L(b)].
+    capacity_qps = 1000.0 / np.mean([profile.mean_latency_ms(int(b)) for b in sizes[:20_000]])
+    figures: dict[str, float] = {}
+    for instances in (1, 64):
+        rate = 0.7 * capacity_qps * instances
+        arrivals = poisson_arrivals(rate, args.queries / rate * 1.1, rng)[: args.queries]
+        trace = Trace(arrivals, sizes[: arrivals.size])
+        stage = Stage(
+            "rm2",
+            tuple(InstanceSpec("g4dn.xlarge") for _ in range(instances)),
+            {"g4dn.xlarge": profile},
+        )
+
+        def run_kernel(trace: Trace = trace, stage: Stage = stage) -> object:
+            return simulate(trace, [stage], np.random.default_rng(1), prices_usd_per_hr=PRICES)
+
+        seconds = best_of(5, run_kernel)
+        figures[f"fcfs_{instances}_instances_queries_per_s"] = len(trace) / seconds
+        short = Trace(trace.arrival_s[:100_000], trace.batch_size[:100_000])
+
+        def run_events(trace: Trace = short, stage: Stage = stage) -> object:
+            return simulate(
+                trace, [stage], np.random.default_rng(1), prices_usd_per_hr=PRICES, engine="events"
+            )
+
+        seconds = best_of(1, run_events)
+        figures[f"event_engine_{instances}_instances_queries_per_s"] = len(short) / seconds
+
+    arrivals = poisson_arrivals(1000.0, 1010.0, np.random.default_rng(2))[:1_000_000]
+    windows = tuner_windows_s(0.25)
+    seconds = best_of(5, lambda: arrival_envelope(arrivals, windows))
+    figures["envelope_1m_arrivals_9_windows_ms"] = seconds * 1000.0
+    figures["envelope_windows"] = float(len(windows))
+
+    if args.json:
+        print(json.dumps(figures))
+        return 0
+    print(
+        f"estimator speed on {os.cpu_count()} cores,"
+        f" {args.queries:,} Poisson queries, Kairos batch mix"
+    )
+    for instances in (1, 64):
+        kernel = figures[f"fcfs_{instances}_instances_queries_per_s"]
+        events = figures[f"event_engine_{instances}_instances_queries_per_s"]
+        print(
+            f"  FCFS, {instances:>2} instance(s): {kernel / 1e6:6.1f} M queries/s compiled,"
+            f" {events / 1e3:6.1f} k queries/s event engine"
+        )
+    print(
+        f"  envelope of {len(arrivals):,} arrivals over {len(windows)} windows:"
+        f" {figures['envelope_1m_arrivals_9_windows_ms']:.1f} ms"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
