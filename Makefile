@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	@SHARED=$(SHARED) $(BIN)/python benchmarks/demo.py
+	$(BIN)/heteroplane demo --profiles $(SHARED)/data/kairos_latency_samples.csv.gz
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
