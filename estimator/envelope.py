@@ -20,6 +20,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from estimator.errors import TraceError, WorkloadError
+from estimator.traces import check_non_decreasing
 
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
@@ -140,17 +141,7 @@ def arrival_envelope(arrival_s: ArrayLike, window_s: ArrayLike | Sequence[float]
         raise TraceError(f"arrival times must be one-dimensional, got shape {arrivals.shape}")
     if windows.ndim != 1:
         raise WorkloadError(f"window lengths must be one-dimensional, got shape {windows.shape}")
-    bad = np.flatnonzero(~np.isfinite(arrivals))
-    if bad.size:
-        row = int(bad[0])
-        raise TraceError(f"arrival time is not finite at row {row + 1}: {arrivals[row].item()!r}")
-    bad = np.flatnonzero(np.diff(arrivals) < 0.0)
-    if bad.size:
-        row = int(bad[0]) + 1
-        raise TraceError(
-            f"arrival times decrease at row {row + 1}: "
-            f"{arrivals[row].item()!r} < {arrivals[row - 1].item()!r}"
-        )
+    check_non_decreasing(arrivals, "arrival time")
     bad = np.flatnonzero(~(np.isfinite(windows) & (windows > 0.0)))
     if bad.size:
         raise WorkloadError(

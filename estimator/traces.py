@@ -27,7 +27,7 @@ from typing import Any, overload
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from estimator.errors import TraceError, WorkloadError
+from estimator.errors import EstimatorError, TraceError, WorkloadError
 
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
@@ -73,6 +73,26 @@ def _as_int_column(values: ArrayLike, name: str) -> IntArray:
     return result
 
 
+def check_non_decreasing(
+    values: NDArray[np.float64],
+    name: str,
+    error: type[EstimatorError] = TraceError,
+    position: str = "row",
+) -> None:
+    """Refuse non-finite values or a decrease, naming the first bad 1-based ``position``."""
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        k = int(bad[0])
+        raise error(f"{name} is not finite at {position} {k + 1}: {values[k].item()!r}")
+    bad = np.flatnonzero(np.diff(values) < 0.0)
+    if bad.size:
+        k = int(bad[0]) + 1
+        raise error(
+            f"{name} decreases at {position} {k + 1}: "
+            f"{values[k].item()!r} < {values[k - 1].item()!r}"
+        )
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Trace:
     """The queries of a workload: arrival times in seconds from the start and batch sizes.
@@ -107,21 +127,11 @@ class Trace:
             if column is not None and column.size != n:
                 raise TraceError(f"{name} has {column.size} rows but arrival_s has {n}")
 
-        bad = np.flatnonzero(~np.isfinite(arrival_s))
-        if bad.size:
-            row = int(bad[0])
-            raise TraceError(f"arrival_s is not finite at row {row + 1}: {arrival_s[row].item()!r}")
-        bad = np.flatnonzero(arrival_s < 0.0)
-        if bad.size:
+        bad = np.flatnonzero(np.isfinite(arrival_s) & (arrival_s < 0.0))
+        if bad.size and not np.any(~np.isfinite(arrival_s[: bad[0]])):
             row = int(bad[0])
             raise TraceError(f"arrival_s is negative at row {row + 1}: {arrival_s[row].item()!r}")
-        bad = np.flatnonzero(np.diff(arrival_s) < 0.0)
-        if bad.size:
-            row = int(bad[0]) + 1
-            raise TraceError(
-                f"arrival_s decreases at row {row + 1}: "
-                f"{arrival_s[row].item()!r} < {arrival_s[row - 1].item()!r}"
-            )
+        check_non_decreasing(arrival_s, ARRIVAL_COLUMN)
         bad = np.flatnonzero(batch_size < 1)
         if bad.size:
             row = int(bad[0])
@@ -399,13 +409,7 @@ class RateProfile:
             raise WorkloadError("a rate profile's times and rates must be finite")
         if times_s[0] != 0.0:
             raise WorkloadError(f"a rate profile starts at time 0, got {times_s[0].item()!r}")
-        bad = np.flatnonzero(np.diff(times_s) < 0.0)
-        if bad.size:
-            k = int(bad[0]) + 1
-            raise WorkloadError(
-                f"rate profile times decrease at knot {k}: "
-                f"{times_s[k].item()!r} < {times_s[k - 1].item()!r}"
-            )
+        check_non_decreasing(times_s, "rate profile time", WorkloadError, position="knot")
         bad = np.flatnonzero(rates_qps < 0.0)
         if bad.size:
             k = int(bad[0])

@@ -122,7 +122,7 @@ def test_large_trace_agrees_with_a_vectorised_count() -> None:
 @pytest.mark.parametrize(
     ("arrival_s", "windows_s", "error", "message"),
     [
-        ([0.0, 2.0, 1.0], [1.0], TraceError, r"arrival times decrease at row 3: 1\.0 < 2\.0"),
+        ([0.0, 2.0, 1.0], [1.0], TraceError, r"arrival time decreases at row 3: 1\.0 < 2\.0"),
         ([0.0, math.nan], [1.0], TraceError, "not finite at row 2: nan"),
         ([[0.0, 1.0]], [1.0], TraceError, "one-dimensional"),
         ([0.0, 1.0], [1.0, 0.0], WorkloadError, r"finite and > 0 s, got 0\.0"),

@@ -273,7 +273,7 @@ def test_inverse_cumulative_inverts_where_the_rate_is_positive(
 def test_profile_validation() -> None:
     with pytest.raises(WorkloadError, match="starts at time 0"):
         RateProfile(np.array([1.0]), np.array([1.0]))
-    with pytest.raises(WorkloadError, match="decrease at knot 2"):
+    with pytest.raises(WorkloadError, match="decreases at knot 3"):
         RateProfile(np.array([0.0, 5.0, 4.0]), np.array([1.0, 1.0, 1.0]))
     with pytest.raises(WorkloadError, match=r"rate must be >= 0, got -1\.0 at knot 1"):
         RateProfile(np.array([0.0, 5.0]), np.array([1.0, -1.0]))
