@@ -346,6 +346,7 @@ class _Instance:
     """An instance inside the event engine; policies see it through ``InstanceView``."""
 
     __slots__ = (
+        "batch_size",
         "busy_s",
         "busy_until_s",
         "idle_since_s",
@@ -355,6 +356,7 @@ class _Instance:
         "ready_s",
         "running",
         "speed_rank",
+        "started_s",
         "stop_s",
         "type_id",
     )
@@ -373,6 +375,8 @@ class _Instance:
         self.idle_since_s = spec.ready_s
         self.running: tuple[int, ...] | None = None
         self.busy_s = 0.0
+        self.batch_size = 0
+        self.started_s = 0.0
 
     def is_idle(self, now_s: float) -> bool:
         return self.running is None and self.ready_s <= now_s < self.stop_s
@@ -491,6 +495,7 @@ class _EventEngine:
         assert batch is not None
         inst.running = None
         inst.idle_since_s = now
+        state.policy.observe(inst.instance_type, inst.batch_size, (now - inst.started_s) * 1000.0)
         dirty.add(s)
         last = s + 1 == len(self.stages)
         for q in batch:
@@ -529,6 +534,8 @@ class _EventEngine:
         service = state.table.service_s(inst.type_id, total, float(self.u[s, ids[0]]))
         done = now + service
         inst.running = ids
+        inst.batch_size = total
+        inst.started_s = now
         inst.busy_until_s = done
         inst.busy_s += service
         if s == 0:

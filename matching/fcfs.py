@@ -46,3 +46,6 @@ class FcfsPolicy:
                 head += 1
             dispatches.append(Dispatch(instance.index, tuple(batch)))
         return dispatches
+
+    def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
+        """FCFS predicts nothing, so it learns nothing."""

@@ -84,3 +84,8 @@ class DispatchPolicy(Protocol):
         instances: Sequence[InstanceView],
         context: StageContext,
     ) -> list[Dispatch]: ...
+
+    def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
+        """A batch of ``batch_size`` finished on an ``instance_type`` in ``latency_ms`` (service
+        time, without queueing): what an online latency model learns from."""
+        ...

@@ -183,3 +183,21 @@ def test_same_seed_same_result_and_different_seed_differs() -> None:
 
     np.testing.assert_array_equal(run(5), run(5))
     assert not np.array_equal(run(5), run(6))
+
+
+class RecordingFcfs(FcfsPolicy):
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, float]] = []
+
+    def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
+        self.seen.append((instance_type, batch_size, latency_ms))
+
+
+def test_policies_observe_every_completed_batch_with_its_service_time() -> None:
+    p = LatencyProfile("m", "x", np.array([1, 4]), (np.array([10.0]), np.array([40.0])))
+    trace = Trace(np.array([0.0, 0.0, 0.0, 1.0]), np.ones(4, dtype=np.int64))
+    policy = RecordingFcfs()
+    stage = Stage("m", (InstanceSpec("x"),), {"x": p}, policy, max_batch_queries=3)
+    simulate(trace, [stage], np.random.default_rng(0), prices_usd_per_hr={"x": 1}, engine="events")
+    assert [(t, b) for t, b, _ in policy.seen] == [("x", 3), ("x", 1)]
+    assert [ms for _, _, ms in policy.seen] == pytest.approx([30.0, 10.0])
