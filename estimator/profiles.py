@@ -127,6 +127,13 @@ class LatencyProfile:
         dense_ms: np.ndarray = (1.0 - weight) * at_measured[lower] + weight * at_measured[upper]
         return dense_ms
 
+    def mean_by_batch_ms(self) -> np.ndarray:
+        """Mean latency indexed by batch size itself: entry ``b`` for b in 0..max (NaN below the
+        smallest measured size), for policies that look latencies up by batch size."""
+        table = np.full(self.max_batch_size + 1, np.nan)
+        table[self.min_batch_size :] = self.mean_table_ms()[:, 0]
+        return table
+
     def mean_table_ms(self) -> np.ndarray:
         """Mean latency on a dense batch-size axis from ``min_batch_size`` (one column)."""
         dense = np.arange(self.min_batch_size, self.max_batch_size + 1)

@@ -216,14 +216,24 @@ class SimulationSummary:
 
 
 def speed_ranks(
-    table: ServiceTable, instance_types: Sequence[str], reference_batch: int
+    table: ServiceTable,
+    instance_types: Sequence[str],
+    reference_batch: int,
+    preferred: Sequence[str] = (),
 ) -> dict[str, int]:
-    """Rank instance types fastest first by mean service time at ``reference_batch``."""
-    order = sorted(
-        set(instance_types),
+    """Rank instance types: the ``preferred`` ones first in that order, then the rest fastest
+    first by mean service time at ``reference_batch``."""
+    first = [t for t in preferred if t in set(instance_types)]
+    rest = sorted(
+        set(instance_types) - set(first),
         key=lambda t: (table.mean_s(table.type_id(t), reference_batch), t),
     )
-    return {name: rank for rank, name in enumerate(order)}
+    return {name: rank for rank, name in enumerate([*first, *rest])}
+
+
+def _preferred_types(policy: DispatchPolicy) -> tuple[str, ...]:
+    order: tuple[str, ...] = getattr(policy, "type_order", ())
+    return order
 
 
 def simulate(
@@ -317,7 +327,7 @@ def _run_kernel(
     trace: Trace, stage: Stage, table: ServiceTable, u: np.ndarray, reference: int
 ) -> _Run:
     types = [spec.instance_type for spec in stage.instances]
-    ranks = speed_ranks(table, types, reference)
+    ranks = speed_ranks(table, types, reference, _preferred_types(stage.policy))
     by_rank = sorted(set(types), key=ranks.__getitem__)
     seg_ident = np.array(
         [i for name in by_rank for i, t in enumerate(types) if t == name], dtype=np.int64
@@ -389,7 +399,7 @@ class _StageState:
         self, stage: Stage, table: ServiceTable, reference: int, qos_ms: float | None
     ) -> None:
         types = [spec.instance_type for spec in stage.instances]
-        ranks = speed_ranks(table, types, reference)
+        ranks = speed_ranks(table, types, reference, _preferred_types(stage.policy))
         self.instances = [
             _Instance(
                 i,

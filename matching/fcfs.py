@@ -15,9 +15,16 @@ from matching.policy import Dispatch, InstanceView, QueuedQuery, StageContext
 
 
 class FcfsPolicy:
-    """FCFS to the fastest idle instance (see the module docstring)."""
+    """FCFS to the fastest idle instance (see the module docstring).
+
+    ``type_order`` overrides "fastest": the listed types are preferred in that order, before the
+    others (Ribbon's base-first rule is ``FcfsPolicy(type_order=(base_type,))``).
+    """
 
     name = "fcfs"
+
+    def __init__(self, type_order: tuple[str, ...] = ()) -> None:
+        self.type_order = tuple(type_order)
 
     def dispatch(
         self,

@@ -201,3 +201,16 @@ def test_policies_observe_every_completed_batch_with_its_service_time() -> None:
     simulate(trace, [stage], np.random.default_rng(0), prices_usd_per_hr={"x": 1}, engine="events")
     assert [(t, b) for t, b, _ in policy.seen] == [("x", 3), ("x", 1)]
     assert [ms for _, _, ms in policy.seen] == pytest.approx([30.0, 10.0])
+
+
+@pytest.mark.parametrize("engine", ["kernel", "events"])
+def test_type_order_overrides_speed_in_both_engines(engine: str) -> None:
+    rng = np.random.default_rng(0)
+    slow, fast = profile("slow.large", 50, 0, rng), profile("fast.large", 5, 0, rng)
+    trace = Trace(np.array([0.0, 1.0, 2.0]), np.ones(3, dtype=np.int64))
+    instances = (InstanceSpec("slow.large"), InstanceSpec("fast.large"))
+    stage = Stage("m", instances, {"slow.large": slow, "fast.large": fast},
+                  FcfsPolicy(type_order=("slow.large",)))  # fmt: skip
+    prices = {"slow.large": 1, "fast.large": 2}
+    result = simulate(trace, [stage], rng, prices_usd_per_hr=prices, engine=engine)  # type: ignore[arg-type]
+    assert result.instance.tolist() == [0, 0, 0]

@@ -1,0 +1,150 @@
+"""Allowable throughput: the highest arrival rate at which a fleet still meets its QoS target.
+
+Kairos' metric (KAIROS_MATH.md, "The evaluation workload"): the highest Poisson arrival rate at
+which at least 99% of queries finish within QoS. It is found by bracketing and bisection over the
+rate, each probe one simulation. Probes share their randomness (common random numbers): one
+unit-rate Poisson sequence scaled by 1/rate, one set of batch sizes, one seed for service times,
+so attainment falls with the rate the way the fleet does, not the way the noise does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from estimator.errors import SimulationError
+from estimator.simulator import Stage, simulate
+from estimator.traces import Trace
+
+TARGET_ATTAINMENT = 0.99
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityResult:
+    allowable_qps: float  # the highest probed rate that met the target
+    evaluations: int  # simulations run
+    probes: tuple[tuple[float, float], ...]  # (rate_qps, attainment) in the order probed
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Workload:
+    """A rate-free workload: arrival times at 1 query/s and a batch size per query."""
+
+    unit_arrival_s: np.ndarray
+    batch_size: np.ndarray
+    seed: int
+
+    @classmethod
+    def poisson(cls, batch_size: np.ndarray, rng: np.random.Generator) -> Workload:
+        gaps = rng.exponential(1.0, size=batch_size.size)
+        return cls(
+            np.cumsum(gaps), np.asarray(batch_size, dtype=np.int64), int(rng.integers(2**31))
+        )
+
+    def at(self, rate_qps: float) -> Trace:
+        return Trace(self.unit_arrival_s / rate_qps, self.batch_size)
+
+
+def attainment(
+    stage_factory: Callable[[], Stage],
+    workload: Workload,
+    rate_qps: float,
+    prices_usd_per_hr: Mapping[str, float],
+    qos_ms: float,
+) -> float:
+    """Share of the workload's queries within ``qos_ms`` at ``rate_qps`` (a fresh policy each)."""
+    result = simulate(
+        workload.at(rate_qps),
+        [stage_factory()],
+        np.random.default_rng(workload.seed),
+        prices_usd_per_hr=prices_usd_per_hr,
+        qos_ms=qos_ms,
+    )
+    return float(np.count_nonzero(result.response_ms <= qos_ms) / workload.batch_size.size)
+
+
+def search_allowable_rate(
+    evaluate: Callable[[float], float],
+    guess_qps: float,
+    target: float = TARGET_ATTAINMENT,
+    rel_tol: float = 0.01,
+    max_evaluations: int = 40,
+) -> CapacityResult:
+    """Largest rate with ``evaluate(rate) >= target``, to a relative tolerance ``rel_tol``.
+
+    Brackets from ``guess_qps`` by doubling or halving, then bisects.
+    """
+    if not guess_qps > 0:
+        raise SimulationError(f"the starting rate must be > 0, got {guess_qps}")
+    probes: list[tuple[float, float]] = []
+
+    def meets(rate: float) -> bool:
+        if len(probes) >= max_evaluations:
+            raise SimulationError(f"no answer within {max_evaluations} simulations")
+        value = evaluate(rate)
+        probes.append((rate, value))
+        return value >= target
+
+    low, high = 0.0, guess_qps
+    while meets(high):
+        low, high = high, high * 2.0
+    while low == 0.0:
+        high = high / 2.0
+        if high < guess_qps * 1e-6:
+            return CapacityResult(0.0, len(probes), tuple(probes))
+        if meets(high):
+            low, high = high, high * 2.0
+    while (high - low) > rel_tol * high:
+        middle = 0.5 * (low + high)
+        if meets(middle):
+            low = middle
+        else:
+            high = middle
+    return CapacityResult(low, len(probes), tuple(probes))
+
+
+def allowable_throughput(
+    stage_factory: Callable[[], Stage],
+    workload: Workload,
+    prices_usd_per_hr: Mapping[str, float],
+    qos_ms: float,
+    guess_qps: float,
+    rel_tol: float = 0.01,
+) -> CapacityResult:
+    """The allowable throughput of the stage's fleet and policy on ``workload`` (see module)."""
+    return search_allowable_rate(
+        lambda rate: attainment(stage_factory, workload, rate, prices_usd_per_hr, qos_ms),
+        guess_qps,
+        rel_tol=rel_tol,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ThresholdTuning:
+    threshold: int
+    allowable_qps: float
+    evaluations: int  # capacity searches run
+
+
+def tune_threshold(
+    capacity_at: Callable[[int], float], start: int, step: int, low: int, high: int
+) -> ThresholdTuning:
+    """Hill climbing over an integer threshold (DeepRecSys' sweep, Kairos section 7 "DRS").
+
+    From ``start``, move by ``step`` in whichever direction raises ``capacity_at`` and keep going
+    while it rises; stop at a local maximum or the bounds ``low``..``high``.
+    """
+    cache: dict[int, float] = {}
+
+    def score(threshold: int) -> float:
+        if threshold not in cache:
+            cache[threshold] = capacity_at(threshold)
+        return cache[threshold]
+
+    best = min(max(start, low), high)
+    for direction in (step, -step):
+        while low <= best + direction <= high and score(best + direction) > score(best):
+            best += direction
+    return ThresholdTuning(best, score(best), len(cache))
