@@ -131,10 +131,13 @@ class ThresholdTuning:
 def tune_threshold(
     capacity_at: Callable[[int], float], start: int, step: int, low: int, high: int
 ) -> ThresholdTuning:
-    """Hill climbing over an integer threshold (DeepRecSys' sweep, Kairos section 7 "DRS").
+    """Coarse-to-fine hill climbing over an integer threshold (DeepRecSys' sweep, Kairos
+    section 7 "DRS").
 
-    From ``start``, move by ``step`` in whichever direction raises ``capacity_at`` and keep going
-    while it rises; stop at a local maximum or the bounds ``low``..``high``.
+    Score ``start`` and a grid of 9 thresholds across ``low``..``high`` and climb from the best:
+    move by the current stride in whichever direction raises ``capacity_at`` while it rises,
+    then halve the stride, down to ``step``. The grid crosses the plateaus a fine climb stalls
+    on (throughput changes only at batch sizes the workload has).
     """
     cache: dict[int, float] = {}
 
@@ -143,8 +146,14 @@ def tune_threshold(
             cache[threshold] = capacity_at(threshold)
         return cache[threshold]
 
-    best = min(max(start, low), high)
-    for direction in (step, -step):
-        while low <= best + direction <= high and score(best + direction) > score(best):
-            best += direction
+    grid = {min(max(low + round(k * (high - low) / 8 / step) * step, low), high) for k in range(9)}
+    best = max(sorted(grid | {min(max(start, low), high)}), key=score)
+    stride = step
+    while stride * 2 <= (high - low) // 16:
+        stride *= 2
+    while stride >= step:
+        for direction in (stride, -stride):
+            while low <= best + direction <= high and score(best + direction) > score(best):
+                best += direction
+        stride //= 2
     return ThresholdTuning(best, score(best), len(cache))

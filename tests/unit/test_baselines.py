@@ -116,4 +116,14 @@ def test_allowable_throughput_of_mm1_matches_the_closed_form() -> None:
 def test_threshold_hill_climbing_reaches_the_peak() -> None:
     tuning = tune_threshold(lambda t: -((t - 230) ** 2), start=100, step=10, low=10, high=1000)
     assert tuning.threshold == 230
-    assert tuning.evaluations < 20
+    assert tuning.evaluations < 30
+
+
+def test_threshold_hill_climbing_crosses_a_plateau() -> None:
+    """Flat from 10 to 500, then a peak at 700: a 10-step climb from 180 would stop at once."""
+
+    def capacity(t: int) -> float:
+        return 1.0 if t <= 500 else 2.0 - abs(t - 700) / 1000
+
+    tuning = tune_threshold(capacity, start=180, step=10, low=10, high=1000)
+    assert tuning.threshold == 700

@@ -1,0 +1,149 @@
+"""``heteroplane capacity``: the allowable throughput of a fleet under a dispatch policy.
+
+Kairos' metric: the highest Poisson arrival rate at which at least 99% of queries finish within
+QoS (DESIGN.md section 4, "Kairos-setting semantics"). Each query is a batch that runs alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+
+from controlplane.cli.common import add_profiles_option, load_inputs, parse_fleet, positive
+from controlplane.cli.output import UsageError, emit, progress
+from estimator.batches import parse_batch_distribution
+from estimator.capacity import CapacityResult, Workload, allowable_throughput, tune_threshold
+from estimator.oracle import oracle_throughput_qps
+from estimator.policies import POLICY_NAMES, full_range_types, policy_factory
+from estimator.profiles import LatencyProfile
+from estimator.simulator import InstanceSpec, Stage
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "capacity",
+        help="allowable throughput of a fleet: highest rate with >= 99%% of queries within QoS",
+        description=__doc__,
+    )
+    add_profiles_option(parser)
+    parser.add_argument("--model", required=True, help="the model to serve (as in the profiles)")
+    parser.add_argument(
+        "--fleet", required=True, metavar="F", help="e.g. g4dn.xlarge=1,r5n.large=13"
+    )
+    parser.add_argument(
+        "--policy",
+        choices=[*POLICY_NAMES, "oracle"],
+        default="kairos",
+        help="dispatch policy (oracle: Kairos' offline sorted schedule, an upper reference)",
+    )
+    parser.add_argument("--qos-ms", type=float, required=True, metavar="X", help="latency target")
+    parser.add_argument(
+        "--batch-dist", default="kairos", metavar="SPEC", help="batch sizes (default kairos)"
+    )
+    parser.add_argument(
+        "--queries", type=int, default=20_000, metavar="N", help="queries per probe (default 20000)"
+    )
+    parser.add_argument(
+        "--drs-threshold",
+        type=int,
+        metavar="N",
+        help="drs: batch-size threshold (default: tuned by hill climbing, as DeepRecSys does)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    positive("--qos-ms", args.qos_ms)
+    positive("--queries", args.queries)
+    profiles, catalog = load_inputs(args)
+    fleet = parse_fleet(args.fleet, catalog)
+    model_profiles = {name: profiles.get_profile(args.model, name) for name in fleet}
+    prices = {name: catalog.price_usd_per_hr(name) for name in fleet}
+    rng = np.random.default_rng(args.seed)
+    sizes = parse_batch_distribution(args.batch_dist).sample(args.queries, rng)
+    for profile in model_profiles.values():
+        profile.check_batch_size(int(sizes.min()))
+        profile.check_batch_size(int(sizes.max()))
+    base_types = [t for t in full_range_types(model_profiles, sizes, args.qos_ms) if t in fleet]
+    if not base_types:
+        raise UsageError(
+            f"no instance type in {fleet} meets QoS {args.qos_ms:g} ms for every batch size"
+            f" up to {int(sizes.max())}"
+        )
+    cost = sum(prices[name] * count for name, count in fleet.items())
+    extra: dict[str, Any] = {}
+    if args.policy == "oracle":
+        tables = {t: p.mean_by_batch_ms() for t, p in model_profiles.items()}
+        allowable = oracle_throughput_qps(sizes, fleet.expand(), tables, args.qos_ms, base_types)
+        evaluations = 0
+    else:
+        workload = Workload.poisson(sizes, rng)
+        guess = _guess_qps(model_profiles, fleet.expand(), sizes)
+
+        def capacity(threshold: int | None) -> CapacityResult:
+            make = policy_factory(args.policy, model_profiles, base_types, threshold)
+            instances = tuple(InstanceSpec(name) for name in fleet.expand())
+            result = allowable_throughput(
+                lambda: Stage(args.model, instances, model_profiles, make()),
+                workload,
+                prices,
+                args.qos_ms,
+                guess,
+            )
+            label = "" if threshold is None else f" (threshold {threshold})"
+            progress(f"  {args.policy}{label}: {result.allowable_qps:.2f} qps"
+                     f" after {result.evaluations} simulations")  # fmt: skip
+            return result
+
+        if args.policy == "drs" and args.drs_threshold is None:
+            progress("tuning the DRS threshold by hill climbing")
+            tuning = tune_threshold(
+                lambda t: capacity(t).allowable_qps,
+                start=int(np.median(sizes)),
+                step=10,
+                low=int(sizes.min()),
+                high=int(sizes.max()),
+            )
+            extra = {"drs_threshold": tuning.threshold, "threshold_evaluations": tuning.evaluations}
+            result = capacity(tuning.threshold)
+        else:
+            if args.policy == "drs":
+                extra = {"drs_threshold": args.drs_threshold}
+            result = capacity(args.drs_threshold)
+        allowable, evaluations = result.allowable_qps, result.evaluations
+    data = {
+        "model": args.model,
+        "fleet": dict(fleet),
+        "policy": args.policy,
+        "qos_ms": args.qos_ms,
+        "allowable_qps": allowable,
+        "cost_usd_per_hr": cost,
+        "qps_per_usd_per_hr": allowable / cost if cost > 0 else None,
+        "base_types": base_types,
+        "evaluations": evaluations,
+        **extra,
+    }
+
+    def human() -> str:
+        return (
+            f"{args.model} on {fleet} (${cost:.4f}/hr) with {args.policy}: allowable throughput"
+            f" {allowable:.2f} qps (>= 99% of queries within {args.qos_ms:g} ms)"
+        )
+
+    return emit(args.json, data, human)
+
+
+def _guess_qps(
+    profiles: dict[str, LatencyProfile], instance_types: list[str], sizes: np.ndarray
+) -> float:
+    """A first rate to probe: every instance serving the mix at its mean latency."""
+    sample = sizes[:2000]
+    rates = {
+        t: 1000.0 / float(np.mean([p.mean_latency_ms(int(b)) for b in sample]))
+        for t, p in profiles.items()
+    }
+    return sum(rates[t] for t in instance_types)
