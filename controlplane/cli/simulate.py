@@ -15,12 +15,9 @@ from controlplane.cli.common import (
     parse_fleet,
     positive,
 )
-from controlplane.cli.output import emit
+from controlplane.cli.output import UsageError, emit
+from estimator.policies import POLICY_NAMES, full_range_types, policy_factory
 from estimator.simulator import InstanceSpec, Stage, simulate
-from matching.fcfs import FcfsPolicy
-from matching.policy import DispatchPolicy
-
-POLICIES: dict[str, type[DispatchPolicy]] = {"fcfs": FcfsPolicy}
 
 
 def register(subparsers: Any) -> None:
@@ -44,7 +41,14 @@ def register(subparsers: Any) -> None:
         "--qos-ms", type=float, required=True, metavar="X", help="latency target of a query, ms"
     )
     parser.add_argument(
-        "--policy", choices=sorted(POLICIES), default="fcfs", help="dispatch policy"
+        "--policy",
+        choices=POLICY_NAMES,
+        default="fcfs",
+        help="dispatch policy: fcfs (base types first), drs (needs --drs-threshold), clockwork,"
+        " kairos (min-cost matching)",
+    )
+    parser.add_argument(
+        "--drs-threshold", type=int, metavar="N", help="drs: largest batch size for auxiliaries"
     )
     parser.add_argument(
         "--max-batch",
@@ -74,11 +78,18 @@ def run(args: argparse.Namespace) -> int:
     model_profiles = {name: profiles.get_profile(args.model, name) for name in fleet}
     rng = np.random.default_rng(args.seed)
     trace = load_workload(args, rng)
+    base_types = full_range_types(model_profiles, trace.batch_size, args.qos_ms)
+    if args.policy in ("drs", "kairos") and not base_types:
+        raise UsageError(
+            f"{args.policy} needs a type in the fleet that meets QoS {args.qos_ms:g} ms"
+            f" at every batch size of the trace"
+        )
+    make_policy = policy_factory(args.policy, model_profiles, base_types, args.drs_threshold)
     stage = Stage(
         model=args.model,
         instances=tuple(InstanceSpec(name) for name in fleet.expand()),
         profiles=model_profiles,
-        policy=POLICIES[args.policy](),
+        policy=make_policy(),
         max_batch_queries=args.max_batch,
     )
     prices = {name: catalog.price_usd_per_hr(name) for name in fleet}
