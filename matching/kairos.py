@@ -1,0 +1,264 @@
+"""The Kairos dispatcher: each round, a min-cost matching of queued queries to instances.
+
+Kairos (HPDC'23) section 5.1; shared/KAIROS_MATH.md, "Query distribution (the dispatcher)". At
+every scheduling round (the simulator's: an arrival, a completion, an instance joining):
+
+1. rows: the first min(#queued, 2 x #instances) queued queries in arrival order; columns: every
+   instance, busy or idle (a busy one is worth waiting for when it would still meet QoS);
+2. the penalised cost matrix of :mod:`matching.cost` from the online latency predictions of
+   :mod:`matching.latency_model`, each instance's remaining busy time r_j = max(0, busy_until - now)
+   and each query's wait;
+3. the rectangular min-cost assignment of :mod:`matching.assignment`;
+4. dispatch only the pairs whose instance is idle now; the other queries stay queued for a later
+   round (the implicit "wait for the better instance"). An instance whose busy time is over but
+   that is not idle (it stopped taking work) is dropped from the columns and the round solved
+   again; one not ready yet counts as busy until it is.
+
+Each query runs alone (the Kairos setting: a query already is a batch), so the stage's
+``max_batch_queries`` is never exceeded. Completed batches feed the latency model through
+:meth:`KairosPolicy.observe`.
+
+The round runs in compiled code (:func:`round_costs_kernel`: predictions and costs, bit for bit
+those of :func:`matching.cost.build_cost_matrix`), and a round with a single row skips the solver:
+the assignment of one row is the lowest-index argmin of that row, which is what SciPy's solver
+returns too (tests check both). In the simulator an instance's ``busy_until_s`` is the drawn
+service time, so r_j is exact; in the live loop it is what the serving loop knows (start plus
+predicted latency), as in the authors' code.
+
+The heterogeneity coefficients h_j come from the latency model's predictions at the largest batch
+size it knows, computed when the policy first sees a fleet (as the authors compute them once from
+the profiled means), so that costs do not drift while the model learns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import islice
+from operator import attrgetter
+
+import numba
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from matching.cost import SAFETY, costs_kernel
+from matching.errors import MatchingError, MissingQosError
+from matching.latency_model import LatencyModel, predict_kernel
+from matching.policy import Dispatch, InstanceView, QueuedQuery, StageContext
+
+ROWS_PER_INSTANCE = 2  # Kairos' authors cap a round at twice as many queries as instances
+
+_busy_until = attrgetter("busy_until_s")
+_type_of = attrgetter("instance_type")
+_batch_of = attrgetter("batch_size")
+_arrival_of = attrgetter("arrival_s")
+_NO_NOISE = np.zeros((0, 0))
+
+
+@numba.njit(cache=True)
+def round_costs_kernel(
+    batch_size: np.ndarray,
+    arrival_s: np.ndarray,
+    busy_until_s: np.ndarray,
+    now_s: float,
+    fleet_model_type: np.ndarray,
+    column_type: np.ndarray,
+    heterogeneity: np.ndarray,
+    counts: np.ndarray,
+    sums_ms: np.ndarray,
+    left: np.ndarray,
+    right: np.ndarray,
+    line: np.ndarray,
+    table_after: int,
+    noise_factor: np.ndarray,
+    qos_ms: float,
+    safety: float,
+) -> tuple[np.ndarray, int]:
+    """One round's cost matrix, and for a single row its lowest-index argmin (else -1).
+
+    Rows are queries (``batch_size``, ``arrival_s``), columns instances (``busy_until_s``,
+    ``column_type`` indexing the fleet's types, whose latency-model rows are
+    ``fleet_model_type``). l_ij is the model's prediction for the query's batch size on the
+    column's type, times ``noise_factor[i, type]`` when that array is not empty (clipped at 0).
+    """
+    m = batch_size.size
+    n = busy_until_s.size
+    n_types = fleet_model_type.size
+    latency = np.empty((m, n_types))
+    for i in range(m):
+        for f in range(n_types):
+            value = predict_kernel(
+                counts, sums_ms, left, right, line, table_after, fleet_model_type[f], batch_size[i]
+            )
+            if noise_factor.shape[0] > 0:
+                value = max(value * noise_factor[i, f], 0.0)
+            latency[i, f] = value
+    remaining = np.empty(n)
+    for j in range(n):
+        remaining[j] = max((busy_until_s[j] - now_s) * 1000.0, 0.0)
+    waited = np.empty(m)
+    for i in range(m):
+        waited[i] = (now_s - arrival_s[i]) * 1000.0
+    costs = costs_kernel(latency, column_type, remaining, heterogeneity, waited, qos_ms, safety)
+    best = -1
+    if m == 1:
+        best = 0
+        for j in range(1, n):
+            if costs[0, j] < costs[0, best]:
+                best = j
+    return costs, best
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Layout:
+    """What a round needs of a fleet that does not change between rounds."""
+
+    instance_types: tuple[str, ...]
+    fleet_model_type: np.ndarray  # fleet type -> latency-model row
+    column_type: np.ndarray  # column -> fleet type
+    heterogeneity: np.ndarray  # column -> h_j
+
+
+class KairosPolicy:
+    """Kairos' matching dispatcher (see the module docstring).
+
+    ``base_type``: the base instance type (h = 1). ``latency``: the initial latency model, or
+    initial (batch size, latency ms) points per instance type (e.g. each profile's means); the
+    policy learns into its own copy, :attr:`latency`. ``safety``: Kairos' margin (a predicted
+    finish beyond ``safety`` x QoS is penalised). ``rows_per_instance``: a round considers at most
+    that many queued queries per instance. ``noise_share`` with ``rng``: the robustness knob of
+    Kairos Fig. 16b, each prediction times (1 + noise_share x N(0, 1)), drawn per round and per
+    (query, instance type); 0 turns it off. Use one policy per run: it learns as it goes.
+    """
+
+    name = "kairos"
+
+    def __init__(
+        self,
+        base_type: str,
+        latency: LatencyModel | Mapping[str, Iterable[tuple[int, float]]],
+        *,
+        safety: float = SAFETY,
+        rows_per_instance: int = ROWS_PER_INSTANCE,
+        noise_share: float = 0.0,
+        rng: np.random.Generator | None = None,
+    ) -> None:
+        model = latency.copy() if isinstance(latency, LatencyModel) else LatencyModel(latency)
+        model.type_index(base_type)  # the base type must be predictable: h is relative to it
+        if not 0 < safety <= 1:
+            raise MatchingError(f"safety must be in (0, 1], got {safety!r}")
+        if isinstance(rows_per_instance, bool) or rows_per_instance < 1:
+            raise MatchingError(f"rows_per_instance must be >= 1, got {rows_per_instance!r}")
+        if not (np.isfinite(noise_share) and noise_share >= 0):
+            raise MatchingError(f"noise_share must be finite and >= 0, got {noise_share!r}")
+        if noise_share > 0 and rng is None:
+            raise MatchingError("prediction noise needs a numpy Generator (rng=...)")
+        self.base_type = base_type
+        self.latency = model
+        self.safety = float(safety)
+        self.rows_per_instance = int(rows_per_instance)
+        self.noise_share = float(noise_share)
+        self._rng = rng
+        self._layout: _Layout | None = None
+
+    def dispatch(
+        self,
+        now_s: float,
+        queue: Sequence[QueuedQuery],
+        instances: Sequence[InstanceView],
+        context: StageContext,
+    ) -> list[Dispatch]:
+        qos_ms = context.qos_ms
+        if qos_ms is None:
+            raise MissingQosError(self.name)
+        n_columns = len(instances)
+        n_rows = min(len(queue), self.rows_per_instance * n_columns)
+        if n_rows == 0:
+            return []
+        types = tuple(map(_type_of, instances))
+        layout = self._layout
+        if layout is None or layout.instance_types != types:
+            layout = self._layout = self._build_layout(types)
+        rows: Sequence[QueuedQuery] = (queue[0],) if n_rows == 1 else list(islice(queue, n_rows))
+        batch = np.fromiter(map(_batch_of, rows), np.int64, n_rows)
+        arrival = np.fromiter(map(_arrival_of, rows), np.float64, n_rows)
+        busy_until = np.fromiter(map(_busy_until, instances), np.float64, n_columns)
+        noise = _NO_NOISE
+        if self.noise_share > 0:
+            assert self._rng is not None
+            noise = 1.0 + self.noise_share * self._rng.standard_normal(
+                (n_rows, layout.fleet_model_type.size)
+            )
+        column_type = layout.column_type
+        heterogeneity = layout.heterogeneity
+        columns: Sequence[int] = range(n_columns)  # column -> position in ``instances``
+        model = self.latency.arrays
+        while True:
+            costs, best = round_costs_kernel(
+                batch,
+                arrival,
+                busy_until,
+                now_s,
+                layout.fleet_model_type,
+                column_type,
+                heterogeneity,
+                model.counts,
+                model.sums_ms,
+                model.left,
+                model.right,
+                model.line,
+                self.latency.table_after,
+                noise,
+                qos_ms,
+                self.safety,
+            )
+            if best >= 0:
+                pairs: Iterable[tuple[int, int]] = ((0, best),)
+            else:
+                row_ind, col_ind = linear_sum_assignment(costs)
+                pairs = zip(row_ind.tolist(), col_ind.tolist(), strict=True)
+            dispatches = []
+            stopped = []
+            for i, j in pairs:
+                instance = instances[columns[j]]
+                if instance.busy_until_s > now_s:
+                    continue  # the query waits for this busy instance
+                if instance.is_idle(now_s):
+                    dispatches.append(Dispatch(instance.index, (rows[i].query_id,)))
+                else:
+                    stopped.append(j)  # free but not taking work: drop the column, solve again
+            if not stopped:
+                return dispatches
+            keep = np.ones(len(columns), dtype=bool)
+            keep[stopped] = False
+            columns = [c for c, k in zip(columns, keep.tolist(), strict=True) if k]
+            if not columns:
+                return []
+            busy_until = busy_until[keep]
+            column_type = column_type[keep]
+            heterogeneity = heterogeneity[keep]
+
+    def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
+        """Feed a measured service time to the latency model."""
+        self.latency.observe(instance_type, batch_size, latency_ms)
+
+    def _build_layout(self, types: tuple[str, ...]) -> _Layout:
+        model = self.latency
+        fleet_types = list(dict.fromkeys(types))
+        fleet_model_type = np.array([model.type_index(t) for t in fleet_types], dtype=np.int64)
+        b_max = max(model.max_batch_size, 1)
+        base_ms = model.predict_ms(self.base_type, b_max)
+        at_max = {t: model.predict_ms(t, b_max) for t in fleet_types}
+        for t, ms in at_max.items():
+            if not ms > 0 or not base_ms > 0:
+                raise MatchingError(
+                    f"heterogeneity needs latencies > 0 at b_max = {b_max}: {self.base_type!r}"
+                    f" predicts {base_ms} ms, {t!r} {ms} ms"
+                )
+        position = {t: f for f, t in enumerate(fleet_types)}
+        return _Layout(
+            instance_types=types,
+            fleet_model_type=fleet_model_type,
+            column_type=np.array([position[t] for t in types], dtype=np.int64),
+            heterogeneity=np.array([base_ms / at_max[t] for t in types]),
+        )
