@@ -15,21 +15,40 @@ from estimator.profiles import LatencyProfile
 from matching.clockwork import ClockworkPolicy
 from matching.drs import DrsPolicy
 from matching.fcfs import FcfsPolicy
+from matching.kairos import KairosPolicy
+from matching.latency_model import LatencyModel
 from matching.policy import DispatchPolicy
 
 POLICY_NAMES = ("fcfs", "drs", "clockwork", "kairos")
 
 
 def full_range_types(
-    profiles: Mapping[str, LatencyProfile], batch_sizes: np.ndarray, qos_ms: float
+    profiles: Mapping[str, LatencyProfile],
+    batch_sizes: np.ndarray,
+    qos_ms: float,
+    prices_usd_per_hr: Mapping[str, float] | None = None,
 ) -> list[str]:
-    """Types whose mean latency meets QoS at every batch size of the workload (base candidates)."""
+    """Types whose mean latency meets QoS at every batch size of the workload (base candidates).
+
+    With prices, the most cost-effective first (throughput on the workload per dollar, the
+    Kairos base-type rule); otherwise by name.
+    """
     largest = int(np.max(batch_sizes))
-    return sorted(
+    names = [
         name
         for name, profile in profiles.items()
         if profile.max_batch_size >= largest and profile.mean_latency_ms(largest) <= qos_ms
-    )
+    ]
+    if prices_usd_per_hr is None:
+        return sorted(names)
+    sample = np.asarray(batch_sizes)[:2000]
+
+    def qps_per_usd(name: str) -> float:
+        profile = profiles[name]
+        mean_ms = float(np.mean([profile.mean_latency_ms(int(b)) for b in sample]))
+        return 1000.0 / mean_ms / max(prices_usd_per_hr[name], 1e-12)
+
+    return sorted(names, key=lambda name: (-qps_per_usd(name), name))
 
 
 def policy_factory(
@@ -38,7 +57,10 @@ def policy_factory(
     base_types: Sequence[str],
     drs_threshold: int | None = None,
 ) -> Callable[[], DispatchPolicy]:
-    """A factory of fresh policies (policies keep state during a run, so each run needs one)."""
+    """A factory of fresh policies (policies keep state during a run, so each run needs one).
+
+    ``base_types``: the full-range types, preferred first (Kairos takes the first as its base).
+    """
     if name == "fcfs":
         order = tuple(base_types)
         return lambda: FcfsPolicy(type_order=order)
@@ -50,4 +72,10 @@ def policy_factory(
     if name == "clockwork":
         tables = {t: p.mean_by_batch_ms() for t, p in profiles.items()}
         return lambda: ClockworkPolicy(tables)
+    if name == "kairos":
+        if not base_types:
+            raise SimulationError("the kairos policy needs a base type")
+        model = LatencyModel.from_means(profiles)
+        base = base_types[0]
+        return lambda: KairosPolicy(base, model)
     raise SimulationError(f"unknown policy {name!r} (one of {', '.join(POLICY_NAMES)})")

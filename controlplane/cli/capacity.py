@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     for profile in model_profiles.values():
         profile.check_batch_size(int(sizes.min()))
         profile.check_batch_size(int(sizes.max()))
-    base_types = [t for t in full_range_types(model_profiles, sizes, args.qos_ms) if t in fleet]
+    base_types = full_range_types(model_profiles, sizes, args.qos_ms, prices)
     if not base_types:
         raise UsageError(
             f"no instance type in {fleet} meets QoS {args.qos_ms:g} ms for every batch size"

@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     model_profiles = {name: profiles.get_profile(args.model, name) for name in fleet}
     rng = np.random.default_rng(args.seed)
     trace = load_workload(args, rng)
-    base_types = full_range_types(model_profiles, trace.batch_size, args.qos_ms)
+    prices = {name: catalog.price_usd_per_hr(name) for name in fleet}
+    base_types = full_range_types(model_profiles, trace.batch_size, args.qos_ms, prices)
     if args.policy in ("drs", "kairos") and not base_types:
         raise UsageError(
             f"{args.policy} needs a type in the fleet that meets QoS {args.qos_ms:g} ms"
@@ -92,7 +93,6 @@ def run(args: argparse.Namespace) -> int:
         policy=make_policy(),
         max_batch_queries=args.max_batch,
     )
-    prices = {name: catalog.price_usd_per_hr(name) for name in fleet}
     result = simulate(
         trace, [stage], rng, prices_usd_per_hr=prices, qos_ms=args.qos_ms, service=args.service
     )
