@@ -80,3 +80,36 @@ class WorkloadError(EstimatorError):
 
 class SimulationError(EstimatorError):
     """A simulation that cannot run as asked (an empty fleet, an unknown policy)."""
+
+
+class InfeasibleQoSError(EstimatorError):
+    """A latency target that no candidate instance type meets for every batch size of the mix.
+
+    ``reach`` maps each type to the largest batch size of the mix up to which it meets the target
+    (``None``: not even the smallest).
+    """
+
+    def __init__(self, model: str, qos_ms: float, reach: dict[str, int | None]):
+        self.model = model
+        self.qos_ms = qos_ms
+        self.reach = dict(reach)
+        shown = ", ".join(
+            f"{name} up to {size}" if size is not None else f"{name} at none"
+            for name, size in sorted(self.reach.items())
+        )
+        super().__init__(
+            f"no instance type meets QoS {qos_ms:g} ms for model {model!r} at every batch size of"
+            f" the mix, so none can serve it alone (within QoS: {shown})"
+        )
+
+
+class BudgetError(EstimatorError):
+    """A budget that is not a positive finite number, or that affords no configuration."""
+
+    def __init__(self, message: str, budget_usd_per_hr: float):
+        self.budget_usd_per_hr = budget_usd_per_hr
+        super().__init__(message)
+
+
+class SearchSpaceError(EstimatorError):
+    """A configuration space too large for what was asked (ranking all of it)."""

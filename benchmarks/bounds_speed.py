@@ -1,0 +1,146 @@
+"""How fast the Kairos bounds rank configurations: configurations per second, and a 10-type catalog.
+
+    .venv/bin/python benchmarks/bounds_speed.py [--json]
+
+- The bound alone: ``upper_bounds`` on 2,000,000 random count vectors of the four measured types.
+- Exhaustive ranking (every affordable configuration bounded, the top 10 kept): the four measured
+  types (g4dn.xlarge, c5n.2xlarge, r5n.large, t3.xlarge) uncapped at $30/hr, and the 10-type
+  catalog below at $7/hr. Rate = configurations enumerated / wall time of ``rank_configurations``.
+- The 10-type catalog at $50/hr and $100/hr: the exact top 10 (branch and bound; the box of count
+  vectors holds about 1e21 and 1e24), for each of the five models.
+
+The 10 types: the four measured ones, and six synthetic ones whose latency samples are a measured
+type's scaled by a factor (``SYNTHETIC``), priced from the default catalog. rm2 at 350 ms, wnd and
+mtwnd at 25, dien at 35, ncf at 5; the Kairos batch mix. Timings: best of 3 after a warm-up run.
+
+Goals (issue 3): >= 10 million configurations ranked per second; the 10-type catalog at $50/hr
+ranked in < 5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from estimator.batches import kairos_batch_pmf
+from estimator.bounds import KairosQuantities, kairos_quantities, rank_configurations, upper_bounds
+from estimator.catalog import load_catalog
+from estimator.profiles import LatencyProfile, ProfileSet, load_profiles
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("HETEROPLANE_SHARED", ROOT.parent / "shared"))
+PROFILES = SHARED / "data" / "kairos_latency_samples.csv.gz"
+MEASURED = ("g4dn.xlarge", "c5n.2xlarge", "r5n.large", "t3.xlarge")
+# name: (measured type, latency factor). Larger sizes of a family run somewhat faster.
+SYNTHETIC = {
+    "g4dn.2xlarge": ("g4dn.xlarge", 0.95),
+    "g5.xlarge": ("g4dn.xlarge", 0.6),
+    "c5n.4xlarge": ("c5n.2xlarge", 0.85),
+    "r5n.xlarge": ("r5n.large", 0.85),
+    "c5.2xlarge": ("c5n.2xlarge", 1.05),
+    "m5.xlarge": ("t3.xlarge", 0.9),
+}
+QOS_MS = {"rm2": 350.0, "wnd": 25.0, "mtwnd": 25.0, "dien": 35.0, "ncf": 5.0}
+
+
+def best_of(repeats: int, run: Callable[[], object]) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def ten_type_profiles(measured: ProfileSet) -> ProfileSet:
+    profiles = list(measured.values())
+    for name, (source, factor) in SYNTHETIC.items():
+        for model in measured.models:
+            base = measured.get_profile(model, source)
+            cells = tuple(cell * factor for cell in base.samples_ms)
+            profiles.append(LatencyProfile(model, name, base.batch_sizes, cells))
+    return ProfileSet(profiles)
+
+
+def quantities(profiles: ProfileSet, model: str, types: tuple[str, ...]) -> KairosQuantities:
+    catalog = load_catalog()
+    prices = {name: catalog.price_usd_per_hr(name) for name in types}
+    return kairos_quantities(profiles, model, types, prices, QOS_MS[model], kairos_batch_pmf())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    if not PROFILES.exists():
+        print(f"needs the shared data at {PROFILES} (set HETEROPLANE_SHARED)", file=sys.stderr)
+        return 2
+    measured = load_profiles(PROFILES)
+    ten = ten_type_profiles(measured)
+    ten_types = (*MEASURED, *SYNTHETIC)
+    results: dict[str, Any] = {}
+
+    q4 = quantities(measured, "rm2", MEASURED)
+    counts = np.random.default_rng(0).integers(0, 40, size=(2_000_000, len(MEASURED)))
+    seconds = best_of(3, lambda: upper_bounds(q4, counts))
+    results["upper_bounds_per_s"] = counts.shape[0] / seconds
+
+    for label, q, budget in (
+        ("4 types uncapped at $30/hr", q4, 30.0),
+        ("10 types at $7/hr", quantities(ten, "rm2", ten_types), 7.0),
+    ):
+        ranking = rank_configurations(q, budget, top=10, method="exhaustive")
+        seconds = best_of(3, partial(rank_configurations, q, budget, top=10, method="exhaustive"))
+        results[f"exhaustive, {label}"] = {
+            "configurations": ranking.enumerated,
+            "seconds": seconds,
+            "configurations_per_s": ranking.enumerated / seconds,
+        }
+
+    for budget in (50.0, 100.0):
+        for model in QOS_MS:
+            q = quantities(ten, model, ten_types)
+            ranking = rank_configurations(q, budget, top=10)
+            seconds = best_of(3, partial(rank_configurations, q, budget, top=10))
+            results[f"10 types at ${budget:g}/hr, {model}"] = {
+                "seconds": seconds,
+                "base_type": q.base_type,
+                "top": ranking.fleet(0),
+                "upper_bound_qps": float(ranking.upper_bound_qps[0]),
+                "enumerated": ranking.enumerated,
+                "note": ranking.note,
+            }
+
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    print(f"upper_bounds alone: {results['upper_bounds_per_s'] / 1e6:.1f} million configurations/s")
+    for key, value in results.items():
+        if not isinstance(value, dict):
+            continue
+        if "configurations_per_s" in value:
+            print(
+                f"{key}: {value['configurations']:,} configurations ranked in"
+                f" {value['seconds']:.2f} s = {value['configurations_per_s'] / 1e6:.1f} million/s"
+            )
+        else:
+            top = ",".join(f"{name}={n}" for name, n in value["top"].items() if n)
+            print(
+                f"{key}: {value['seconds']:.2f} s (base {value['base_type']}; top {top},"
+                f" {value['upper_bound_qps']:.1f} qps; {value['enumerated']:,} bounded)"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
