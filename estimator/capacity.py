@@ -9,13 +9,16 @@ so attainment falls with the rate the way the fleet does, not the way the noise 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from estimator.errors import SimulationError
-from estimator.simulator import Stage, simulate
+from estimator.oracle import oracle_throughput_qps
+from estimator.policies import full_range_types, policy_factory
+from estimator.profiles import LatencyProfile
+from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace
 
 TARGET_ATTAINMENT = 0.99
@@ -157,3 +160,96 @@ def tune_threshold(
                 best += direction
         stride //= 2
     return ThresholdTuning(best, score(best), len(cache))
+
+
+@dataclass(frozen=True, slots=True)
+class FleetCapacity:
+    """The allowable throughput of a fleet under one policy, and how it was found."""
+
+    allowable_qps: float
+    policy: str
+    evaluations: int  # simulations in the final search (0 for the oracle)
+    drs_threshold: int | None = None
+    threshold_evaluations: int = 0
+
+
+def fleet_capacity(
+    profiles: Mapping[str, LatencyProfile],
+    instance_types: Sequence[str],
+    policy: str,
+    qos_ms: float,
+    workload: Workload,
+    prices_usd_per_hr: Mapping[str, float],
+    *,
+    drs_threshold: int | None = None,
+    model: str = "model",
+    progress: Callable[[str], None] | None = None,
+) -> FleetCapacity:
+    """Allowable throughput of the fleet ``instance_types`` under ``policy`` (or the oracle).
+
+    The DRS threshold, unless given, is tuned by :func:`tune_threshold` as DeepRecSys does.
+    """
+    used = {name: profiles[name] for name in set(instance_types)}
+    base_types = full_range_types(used, workload.batch_size, qos_ms, prices_usd_per_hr)
+    if not base_types:
+        raise SimulationError(
+            f"no instance type of the fleet meets QoS {qos_ms:g} ms at every batch size up to"
+            f" {int(workload.batch_size.max())}"
+        )
+    if policy == "oracle":
+        tables = {t: p.mean_by_batch_ms() for t, p in used.items()}
+        qps = oracle_throughput_qps(
+            workload.batch_size, list(instance_types), tables, qos_ms, base_types
+        )
+        return FleetCapacity(qps, policy, 0)
+    instances = tuple(InstanceSpec(name) for name in instance_types)
+    guess = _guess_qps(used, instance_types, workload.batch_size)
+
+    def search(threshold: int | None) -> CapacityResult:
+        make = policy_factory(policy, used, base_types, threshold)
+        result = allowable_throughput(
+            lambda: Stage(model, instances, used, make()),
+            workload,
+            prices_usd_per_hr,
+            qos_ms,
+            guess,
+        )
+        if progress is not None:
+            label = "" if threshold is None else f" (threshold {threshold})"
+            progress(
+                f"  {policy}{label}: {result.allowable_qps:.2f} qps"
+                f" after {result.evaluations} simulations"
+            )
+        return result
+
+    has_auxiliary = any(name not in base_types for name in instance_types)
+    if policy == "drs" and drs_threshold is None:
+        sizes = workload.batch_size
+        if not has_auxiliary:  # every query goes to a base instance whatever the threshold
+            result = search(int(sizes.max()))
+            return FleetCapacity(result.allowable_qps, policy, result.evaluations, None)
+        tuning = tune_threshold(
+            lambda t: search(t).allowable_qps,
+            start=int(np.median(sizes)),
+            step=10,
+            low=int(sizes.min()),
+            high=int(sizes.max()),
+        )
+        result = search(tuning.threshold)
+        return FleetCapacity(
+            result.allowable_qps, policy, result.evaluations, tuning.threshold, tuning.evaluations
+        )
+    result = search(drs_threshold)
+    return FleetCapacity(result.allowable_qps, policy, result.evaluations, drs_threshold)
+
+
+def _guess_qps(
+    profiles: Mapping[str, LatencyProfile], instance_types: Sequence[str], sizes: np.ndarray
+) -> float:
+    """A first rate to probe: every instance serving the mix at its mean latency."""
+    sample = sizes[:2000]
+    rates = {
+        t: 1000.0 / float(np.mean([p.mean_latency_ms(int(b)) for b in sample]))
+        for t, p in profiles.items()
+    }
+    return sum(rates[t] for t in instance_types)

@@ -12,13 +12,10 @@ from typing import Any
 import numpy as np
 
 from controlplane.cli.common import add_profiles_option, load_inputs, parse_fleet, positive
-from controlplane.cli.output import UsageError, emit, progress
+from controlplane.cli.output import emit, progress
 from estimator.batches import parse_batch_distribution
-from estimator.capacity import CapacityResult, Workload, allowable_throughput, tune_threshold
-from estimator.oracle import oracle_throughput_qps
-from estimator.policies import POLICY_NAMES, full_range_types, policy_factory
-from estimator.profiles import LatencyProfile
-from estimator.simulator import InstanceSpec, Stage
+from estimator.capacity import Workload, fleet_capacity
+from estimator.policies import POLICY_NAMES, full_range_types
 
 
 def register(subparsers: Any) -> None:
@@ -68,53 +65,25 @@ def run(args: argparse.Namespace) -> int:
     for profile in model_profiles.values():
         profile.check_batch_size(int(sizes.min()))
         profile.check_batch_size(int(sizes.max()))
-    base_types = full_range_types(model_profiles, sizes, args.qos_ms, prices)
-    if not base_types:
-        raise UsageError(
-            f"no instance type in {fleet} meets QoS {args.qos_ms:g} ms for every batch size"
-            f" up to {int(sizes.max())}"
-        )
     cost = sum(prices[name] * count for name, count in fleet.items())
+    found = fleet_capacity(
+        model_profiles,
+        fleet.expand(),
+        args.policy,
+        args.qos_ms,
+        Workload.poisson(sizes, rng),
+        prices,
+        drs_threshold=args.drs_threshold,
+        model=args.model,
+        progress=progress,
+    )
+    allowable = found.allowable_qps
     extra: dict[str, Any] = {}
-    if args.policy == "oracle":
-        tables = {t: p.mean_by_batch_ms() for t, p in model_profiles.items()}
-        allowable = oracle_throughput_qps(sizes, fleet.expand(), tables, args.qos_ms, base_types)
-        evaluations = 0
-    else:
-        workload = Workload.poisson(sizes, rng)
-        guess = _guess_qps(model_profiles, fleet.expand(), sizes)
-
-        def capacity(threshold: int | None) -> CapacityResult:
-            make = policy_factory(args.policy, model_profiles, base_types, threshold)
-            instances = tuple(InstanceSpec(name) for name in fleet.expand())
-            result = allowable_throughput(
-                lambda: Stage(args.model, instances, model_profiles, make()),
-                workload,
-                prices,
-                args.qos_ms,
-                guess,
-            )
-            label = "" if threshold is None else f" (threshold {threshold})"
-            progress(f"  {args.policy}{label}: {result.allowable_qps:.2f} qps"
-                     f" after {result.evaluations} simulations")  # fmt: skip
-            return result
-
-        if args.policy == "drs" and args.drs_threshold is None:
-            progress("tuning the DRS threshold by hill climbing")
-            tuning = tune_threshold(
-                lambda t: capacity(t).allowable_qps,
-                start=int(np.median(sizes)),
-                step=10,
-                low=int(sizes.min()),
-                high=int(sizes.max()),
-            )
-            extra = {"drs_threshold": tuning.threshold, "threshold_evaluations": tuning.evaluations}
-            result = capacity(tuning.threshold)
-        else:
-            if args.policy == "drs":
-                extra = {"drs_threshold": args.drs_threshold}
-            result = capacity(args.drs_threshold)
-        allowable, evaluations = result.allowable_qps, result.evaluations
+    if found.drs_threshold is not None:
+        extra = {
+            "drs_threshold": found.drs_threshold,
+            "threshold_evaluations": found.threshold_evaluations,
+        }
     data = {
         "model": args.model,
         "fleet": dict(fleet),
@@ -123,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
         "allowable_qps": allowable,
         "cost_usd_per_hr": cost,
         "qps_per_usd_per_hr": allowable / cost if cost > 0 else None,
-        "base_types": base_types,
-        "evaluations": evaluations,
+        "base_types": full_range_types(model_profiles, sizes, args.qos_ms, prices),
+        "evaluations": found.evaluations,
         **extra,
     }
 
@@ -135,15 +104,3 @@ def run(args: argparse.Namespace) -> int:
         )
 
     return emit(args.json, data, human)
-
-
-def _guess_qps(
-    profiles: dict[str, LatencyProfile], instance_types: list[str], sizes: np.ndarray
-) -> float:
-    """A first rate to probe: every instance serving the mix at its mean latency."""
-    sample = sizes[:2000]
-    rates = {
-        t: 1000.0 / float(np.mean([p.mean_latency_ms(int(b)) for b in sample]))
-        for t, p in profiles.items()
-    }
-    return sum(rates[t] for t in instance_types)

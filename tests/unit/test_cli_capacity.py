@@ -61,5 +61,5 @@ def test_a_fleet_without_a_full_range_type_is_refused(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert result.returncode == 2
-    assert "meets QoS 80 ms for every batch size" in result.stderr
+    assert "meets QoS 80 ms at every batch size" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
