@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from controlplane.cli.common import add_profiles_option, load_inputs
-from controlplane.cli.output import UsageError, emit
+from controlplane.cli.output import UsageError, emit, progress
 from estimator.batches import FixedBatch, KairosMix, kairos_batch_pmf, parse_batch_distribution
 from estimator.bounds import (
     SIMILARITY_TOP,
@@ -25,8 +25,11 @@ from estimator.bounds import (
     rank_configurations,
     similarity_pick,
 )
+from estimator.capacity import Workload, fleet_capacity
 from estimator.errors import FleetError, UnknownInstanceTypeError
 from estimator.fleet import Fleet
+from estimator.profiles import ProfileSet
+from estimator.search import kairos_plus
 
 # A batch-size spec other than kairos or fixed:N becomes an empirical pmf from this many seeded
 # draws (the mean of a 1e6-draw sample is within about 0.1% of the exact one).
@@ -84,6 +87,21 @@ def register(subparsers: Any) -> None:
         help="latency compared with QoS to find which batch sizes a type serves (default median:"
         " reproduces the Kairos authors' b_a)",
     )
+    parser.add_argument(
+        "--kairos-plus",
+        action="store_true",
+        help="also run Kairos+: evaluate configurations in bound order with the simulator"
+        " (allowable throughput under the Kairos dispatcher), pruning by bound and"
+        " sub-configuration; reports how many it evaluated",
+    )
+    parser.add_argument(
+        "--queries",
+        type=int,
+        default=20_000,
+        metavar="N",
+        help="--kairos-plus: queries per simulated probe (default 20000)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="--kairos-plus: random seed")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
@@ -135,10 +153,53 @@ def run(args: argparse.Namespace) -> int:
         "note": ranking.note,
     }
 
+    if args.kairos_plus:
+        data["kairos_plus"] = _kairos_plus(args, profiles, quantities, prices, max_counts)
+
     def human() -> str:
-        return _human(args, quantities, ranking, shown, chosen, data["best_homogeneous"])
+        text = _human(args, quantities, ranking, shown, chosen, data["best_homogeneous"])
+        if "kairos_plus" in data:
+            plus = data["kairos_plus"]
+            text += (
+                f"\n  Kairos+: {_fleet_text(plus['fleet'])} reaches {plus['allowable_qps']:.2f}"
+                f" qps (simulated), after evaluating {plus['evaluations']} of"
+                f" {plus['configurations']} configurations"
+            )
+        return text
 
     return emit(args.json, data, human)
+
+
+def _kairos_plus(
+    args: argparse.Namespace,
+    profiles: ProfileSet,
+    quantities: KairosQuantities,
+    prices: dict[str, float],
+    max_counts: dict[str, int],
+) -> dict[str, Any]:
+    """Kairos+ over every affordable configuration, the simulator as the evaluator."""
+    if args.queries < 100:
+        raise UsageError(f"--queries must be >= 100, got {args.queries}")
+    ranking = rank_configurations(quantities, args.budget, max_counts, rule=args.rule)
+    rng = np.random.default_rng(args.seed)
+    sizes = parse_batch_distribution(args.batch_dist).sample(args.queries, rng)
+    workload = Workload.poisson(sizes, rng)
+    by_type = {t: profiles.get_profile(args.model, t) for t in ranking.types}
+    progress(f"Kairos+ over {len(ranking)} configurations ({args.queries} queries a probe)")
+
+    def evaluate(counts: np.ndarray) -> float:
+        types = [t for t, n in zip(ranking.types, counts, strict=True) for _ in range(int(n))]
+        return fleet_capacity(by_type, types, "kairos", args.qos_ms, workload, prices).allowable_qps
+
+    found = kairos_plus(ranking.counts, ranking.upper_bound_qps, evaluate, progress)
+    return {
+        **_entry(ranking, found.best_index),
+        "allowable_qps": found.best_throughput_qps,
+        "evaluations": found.evaluations,
+        "configurations": len(ranking),
+        "pruned_by_bound": found.pruned_by_bound,
+        "pruned_as_subconfiguration": found.pruned_as_subconfiguration,
+    }
 
 
 def _candidate_types(text: str | None, profiled: list[str]) -> list[str]:

@@ -120,3 +120,17 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, case: str) -> None:
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert message in result.stderr
     assert result.stderr.startswith("heteroplane bounds: ")
+
+
+def test_kairos_plus_reports_its_search(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profiles = write_profile_csv(tmp_path / "p.csv")
+    args = ["bounds", "--profiles", str(profiles), "--model", "m", "--qos-ms", "50"]
+    args += ["--budget", "1.5", "--batch-dist", "gaussian:mean=2,sd=1,low=1,high=4"]
+    assert main([*args, "--kairos-plus", "--queries", "2000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    plus = out["kairos_plus"]
+    assert 1 <= plus["evaluations"] <= plus["configurations"]
+    skipped = plus["configurations"] - plus["evaluations"]
+    assert skipped == plus["pruned_by_bound"] + plus["pruned_as_subconfiguration"]
+    assert plus["allowable_qps"] > 0
+    assert plus["cost_usd_per_hr"] <= 1.5 + 1e-9
