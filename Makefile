@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SHARED ?= ../shared
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench reproduce clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "heteroplane needs Python >= 3.11; set PYTHON=python3.11 (or newer)")'
@@ -31,6 +31,11 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/estimator_speed.py
+	$(BIN)/python benchmarks/bounds_speed.py
+	$(BIN)/python benchmarks/matching_speed.py
+
+reproduce: $(STAMP)
+	$(BIN)/python benchmarks/kairos_reproduction.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

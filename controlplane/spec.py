@@ -1,0 +1,543 @@
+"""The app spec: the document a user hands in to say what to serve, under which SLO and budget.
+
+This module owns the spec's schema (:class:`AppSpec` with :class:`ModelSpec` and :class:`SLOSpec`,
+pydantic models: the spec is a trust boundary, and the API accepts the same document), reading it
+from a YAML or JSON file (:func:`load_spec`), and checking it against the data it names
+(:func:`resolve_spec`: the instance catalog and the latency profiles), which yields a
+:class:`ResolvedApp`. The contract is DESIGN.md section 4; every field is described in
+``docs/app-spec.md``.
+
+Every problem is one :class:`SpecError` whose ``field`` is the path of the offending value
+(``slo.percentile``, ``models[1].name``, ``max_counts[g4dn.xlarge]``) and whose message is the one
+line ``field: problem`` (prefixed with the file when one was read).
+
+>>> spec = AppSpec.model_validate({
+...     "name": "recs",
+...     "models": [{"name": "rm2", "profiles": "profiles.csv"}],
+...     "slo": {"latency_ms": 350},
+...     "budget_usd_per_hr": 10,
+...     "instance_types": ["g4dn.xlarge", "r5n.large"],
+... })
+>>> spec.slo.percentile, spec.model_names
+(99.0, ['rm2'])
+>>> validate_spec({"name": "recs", "models": [], "slo": {"latency_ms": 350},
+...                "budget_usd_per_hr": -1, "instance_types": ["t3.xlarge"]})
+Traceback (most recent call last):
+...
+controlplane.spec.SpecError: models: must hold at least 1 item, got []
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from estimator.catalog import Catalog, load_catalog
+from estimator.errors import (
+    EstimatorError,
+    MissingProfileError,
+    UnknownInstanceTypeError,
+    UnknownModelError,
+)
+from estimator.profiles import LatencyProfile, ProfileSet, load_profiles
+
+__all__ = [
+    "AppSpec",
+    "ModelSpec",
+    "ResolvedApp",
+    "SLOSpec",
+    "SpecError",
+    "SpecMissingProfileError",
+    "SpecUnknownInstanceTypeError",
+    "SpecUnknownModelError",
+    "anchor_paths",
+    "load_spec",
+    "resolve_spec",
+    "spec_error_from",
+    "validate_spec",
+]
+
+# An app's name is used in instance tags, metric labels and URLs, so it is held to a DNS label
+# (RFC 1123): lowercase letters, digits and '-', not starting or ending with '-', at most 63.
+_APP_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$"
+_APP_NAME_MAX = 63
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+class SpecError(EstimatorError):
+    """An app spec that is malformed or does not fit the data it names.
+
+    ``field`` is the path of the offending value (``slo.percentile``, ``models[1].name``; empty for
+    the document as a whole), ``problem`` what is wrong with it, ``source`` the file read (if any).
+    The message is the one line ``source: field: problem``.
+    """
+
+    def __init__(self, field: str, problem: str, source: str | None = None) -> None:
+        self.field = field
+        self.problem = problem
+        self.source = source
+        parts = [part for part in (source, field, problem) if part]
+        # Called by name, not through super(): the subclasses below also derive from another
+        # EstimatorError whose __init__ takes other arguments.
+        EstimatorError.__init__(self, ": ".join(parts))
+
+
+class SpecUnknownInstanceTypeError(SpecError, UnknownInstanceTypeError):
+    """A candidate instance type that the catalog does not know (field ``instance_types[i]``)."""
+
+    def __init__(
+        self, field: str, instance_type: str, known: list[str], source: str | None = None
+    ) -> None:
+        UnknownInstanceTypeError.__init__(self, instance_type, known)
+        SpecError.__init__(self, field, str(self.args[0]), source)
+
+
+class SpecUnknownModelError(SpecError, UnknownModelError):
+    """A model that its profile file has no measurements for (field ``models[i].name``)."""
+
+    def __init__(
+        self, field: str, model: str, known: list[str], profiles: str, source: str | None = None
+    ) -> None:
+        UnknownModelError.__init__(self, model, known)
+        problem = f"model {model!r} is not in {profiles} (it has: {', '.join(self.known)})"
+        SpecError.__init__(self, field, problem, source)
+
+
+class SpecMissingProfileError(SpecError, MissingProfileError):
+    """A candidate instance type that a model's profile file has no measurements for."""
+
+    def __init__(
+        self, field: str, model: str, instance_type: str, profiles: str, source: str | None = None
+    ) -> None:
+        MissingProfileError.__init__(self, model, instance_type)
+        problem = (
+            f"missing profile for candidate type {instance_type!r} of model {model!r} in {profiles}"
+        )
+        SpecError.__init__(self, field, problem, source)
+
+
+# --- the schema ------------------------------------------------------------------------------
+
+# extra="forbid": a misspelt key is an error naming it, not a silently ignored setting.
+# strict=True: "10" is not a budget and true is not a count; ints are accepted where floats are.
+_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ModelSpec(BaseModel):
+    """One model of the app and where its latency profiles are."""
+
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, description="the model's name as the profile file spells it")
+    profiles: str = Field(
+        min_length=1,
+        description="Kairos samples CSV (.csv or .csv.gz) or the project's profile JSON; a"
+        " relative path resolves against the spec file's folder",
+    )
+
+
+class SLOSpec(BaseModel):
+    """The service-level objective: a latency percentile, and for cascades an accuracy floor."""
+
+    model_config = _STRICT
+
+    latency_ms: float = Field(gt=0, allow_inf_nan=False, description="latency target, ms")
+    percentile: float = Field(
+        default=99.0, gt=0, lt=100, description="share of queries (in %) within latency_ms"
+    )
+    accuracy: float | None = Field(
+        default=None, gt=0, le=1, description="accuracy floor in (0, 1] (cascades)"
+    )
+
+
+class AppSpec(BaseModel):
+    """An app: what to serve (models, cascade order), the SLO, the budget and the candidate types.
+
+    Checks that involve several fields (unique names, the cascade order against the models, the
+    max counts against the candidate types) raise :class:`SpecError` naming the field; pydantic
+    carries it inside its ``ValidationError``, and :func:`spec_error_from` takes it out again.
+    """
+
+    model_config = _STRICT
+
+    name: str = Field(pattern=_APP_NAME_PATTERN, max_length=_APP_NAME_MAX)
+    models: list[ModelSpec] = Field(min_length=1)
+    cascade: list[str] | None = None
+    slo: SLOSpec
+    budget_usd_per_hr: float = Field(gt=0, allow_inf_nan=False)
+    instance_types: list[str] = Field(min_length=1)
+    max_counts: dict[str, int] | None = None
+    catalog: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _check_fields_together(self) -> AppSpec:
+        _check_unique(self.model_names, "models[{}].name", "model")
+        _check_cascade(self.model_names, self.cascade)
+        for i, name in enumerate(self.instance_types):
+            if not name:
+                raise SpecError(f"instance_types[{i}]", "must be a non-empty name")
+        _check_unique(self.instance_types, "instance_types[{}]", "instance type")
+        for name, count in (self.max_counts or {}).items():
+            where = f"max_counts{_key(name)}"
+            if name not in self.instance_types:
+                raise SpecError(
+                    where,
+                    f"{name!r} is not one of instance_types ({', '.join(self.instance_types)})",
+                )
+            if count < 0:
+                raise SpecError(where, f"must be >= 0, got {count}")
+        return self
+
+    @property
+    def model_names(self) -> list[str]:
+        """The models' names, in the order given."""
+        return [model.name for model in self.models]
+
+    @property
+    def serving_order(self) -> list[str]:
+        """The models in the order a query visits them: the cascade, or the single model."""
+        return list(self.cascade) if self.cascade is not None else self.model_names
+
+    def max_count(self, instance_type: str) -> int | None:
+        """The most instances of ``instance_type`` the app may run (``None``: no cap)."""
+        return (self.max_counts or {}).get(instance_type)
+
+
+def _check_unique(names: Sequence[str], field: str, what: str) -> None:
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in first:
+            raise SpecError(
+                field.format(i), f"{what} {name!r} appears twice (first at index {first[name]})"
+            )
+        first[name] = i
+
+
+def _check_cascade(models: list[str], cascade: list[str] | None) -> None:
+    if cascade is None:
+        if len(models) > 1:
+            raise SpecError(
+                "cascade",
+                "several models need a cascade order, cheapest first"
+                f" (models: {', '.join(models)})",
+            )
+        return
+    if len(models) < 2:
+        raise SpecError("cascade", f"a cascade needs at least two models, got {len(models)}")
+    _check_unique(cascade, "cascade[{}]", "model")
+    for i, name in enumerate(cascade):
+        if name not in models:
+            raise SpecError(
+                f"cascade[{i}]", f"{name!r} is not one of the models ({', '.join(models)})"
+            )
+    left_out = [name for name in models if name not in cascade]
+    if left_out:
+        raise SpecError(
+            "cascade", f"must list every model once; it leaves out {', '.join(left_out)}"
+        )
+
+
+# --- pydantic errors as one line -------------------------------------------------------------
+
+_FIELDS_AT: dict[tuple[str, ...], type[BaseModel]] = {
+    (): AppSpec,
+    ("models",): ModelSpec,
+    ("slo",): SLOSpec,
+}
+
+_KINDS = {
+    "float_type": "a number",
+    "int_type": "a whole number",
+    "string_type": "text",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "bool_type": "true or false",
+}
+
+
+def spec_error_from(error: ValidationError, source: str | None = None) -> SpecError:
+    """The first problem of a pydantic ``ValidationError`` (an unknown field before the others)
+    as a :class:`SpecError`."""
+    details = error.errors(include_url=False)
+    # An unknown field first: a misspelt key also makes the real one "required", and the
+    # misspelling is the useful thing to point at.
+    detail = next((d for d in details if d["type"] == "extra_forbidden"), details[0])
+    loc: tuple[int | str, ...] = tuple(detail["loc"])
+    context: dict[str, Any] = detail.get("ctx") or {}
+    cause = context.get("error")
+    if isinstance(cause, SpecError):
+        # A check of several fields together: it already names its field.
+        return SpecError(cause.field, cause.problem, source)
+    return SpecError(_field_path(loc), _problem(detail["type"], detail, loc), source)
+
+
+def _field_path(loc: Sequence[int | str]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part == "[key]":
+            continue
+        elif path and not part.isidentifier():
+            path += _key(part)
+        else:
+            path += f".{part}" if path else part
+    return path
+
+
+def _key(name: str) -> str:
+    return f"[{name}]"
+
+
+def _problem(kind: str, detail: Mapping[str, Any], loc: Sequence[int | str]) -> str:
+    context: dict[str, Any] = detail.get("ctx") or {}
+    got = _shown(detail.get("input"))
+    if kind == "missing":
+        return "is required"
+    if kind == "extra_forbidden":
+        parent = tuple(part for part in loc[:-1] if isinstance(part, str))
+        model = _FIELDS_AT.get(parent)
+        allowed = f" (allowed: {', '.join(model.model_fields)})" if model is not None else ""
+        return f"unknown field{allowed}"
+    if kind in _KINDS:
+        return f"must be {_KINDS[kind]}, got {got}"
+    bounds = {
+        "greater_than": ">",
+        "greater_than_equal": ">=",
+        "less_than": "<",
+        "less_than_equal": "<=",
+    }
+    for bound, sign in bounds.items():
+        if kind == bound:
+            limit = next(iter(context.values()))
+            shown = f"{limit:g}" if isinstance(limit, int | float) else str(limit)
+            return f"must be {sign} {shown}, got {got}"
+    if kind == "finite_number":
+        return f"must be a finite number, got {got}"
+    if kind == "string_pattern_mismatch":
+        return (
+            f"must be lowercase letters, digits and '-' (not first or last), got {got}"
+            if tuple(loc) == ("name",)
+            else f"must match {context.get('pattern')}, got {got}"
+        )
+    if kind in ("too_short", "string_too_short"):
+        what = "item" if kind == "too_short" else "character"
+        least = context.get("min_length", 1)
+        return f"must hold at least {least} {what}{'s' if least != 1 else ''}, got {got}"
+    if kind in ("too_long", "string_too_long"):
+        what = "items" if kind == "too_long" else "characters"
+        return f"must hold at most {context.get('max_length')} {what}, got {got}"
+    message = str(detail.get("msg", kind))
+    return f"{message[:1].lower()}{message[1:]}, got {got}"
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def validate_spec(document: object, source: str | None = None) -> AppSpec:
+    """Validate a parsed document (a mapping from YAML, JSON or an API body) as an app spec.
+
+    Unlike ``AppSpec.model_validate``, a problem is a :class:`SpecError` naming the field.
+    """
+    if not isinstance(document, Mapping):
+        kind = "empty" if document is None else type(document).__name__
+        raise SpecError("", f"an app spec is a mapping of fields, got {kind}", source)
+    try:
+        return AppSpec.model_validate(dict(document))
+    except ValidationError as error:
+        raise spec_error_from(error, source) from None
+
+
+# --- reading a file --------------------------------------------------------------------------
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice (it would keep the last one silently)."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} appears twice", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping
+)
+
+
+def _parse_document(text: str, source: str, as_json: bool) -> object:
+    if as_json:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as error:
+            raise SpecError(
+                "",
+                f"malformed JSON at line {error.lineno}, column {error.colno}: {error.msg}",
+                source,
+            ) from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise SpecError("", f"malformed YAML{where}: {problem}", source) from None
+
+
+def load_spec(path: str | Path) -> AppSpec:
+    """Read, validate and anchor an app spec file (YAML, or JSON).
+
+    Relative ``profiles`` and ``catalog`` paths are resolved against the spec file's folder, so
+    the returned spec names absolute paths and can be used from any working directory.
+    """
+    path = Path(path)
+    source = str(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise SpecError("", "no such file", source) from None
+    except OSError as error:
+        raise SpecError("", f"cannot read: {error.strerror or error}", source) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecError("", "not a text file (expected YAML or JSON)", source) from None
+    # JSON is read as JSON: PyYAML (YAML 1.1) refuses some valid JSON, such as tab indentation.
+    as_json = path.suffix.lower() == ".json" or text.lstrip().startswith("{")
+    spec = validate_spec(_parse_document(text, source, as_json), source)
+    return anchor_paths(spec, path.resolve().parent)
+
+
+def anchor_paths(spec: AppSpec, base_dir: str | Path) -> AppSpec:
+    """``spec`` with its relative ``profiles`` and ``catalog`` paths made absolute under
+    ``base_dir`` (``~`` expanded); absolute paths are kept."""
+    base = Path(base_dir)
+
+    def anchored(text: str) -> str:
+        candidate = Path(text).expanduser()
+        return str(candidate if candidate.is_absolute() else (base / candidate).resolve())
+
+    models = [
+        model.model_copy(update={"profiles": anchored(model.profiles)}) for model in spec.models
+    ]
+    catalog = anchored(spec.catalog) if spec.catalog is not None else None
+    return spec.model_copy(update={"models": models, "catalog": catalog})
+
+
+# --- checking it against the data ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedApp:
+    """An app spec checked against its catalog and profiles, with what they say loaded.
+
+    ``profiles`` maps each model to its profile set (which holds every candidate type);
+    ``prices_usd_per_hr`` maps each candidate type to its on-demand price, in spec order.
+    """
+
+    spec: AppSpec
+    catalog: Catalog
+    profiles: Mapping[str, ProfileSet]
+    prices_usd_per_hr: Mapping[str, float]
+
+    @property
+    def instance_types(self) -> list[str]:
+        """The candidate instance types, in spec order."""
+        return list(self.spec.instance_types)
+
+    def profile(self, model: str, instance_type: str) -> LatencyProfile:
+        """The latency profile of ``model`` on ``instance_type``."""
+        try:
+            profiles = self.profiles[model]
+        except KeyError:
+            raise UnknownModelError(model, list(self.profiles)) from None
+        return profiles.get_profile(model, instance_type)
+
+
+def resolve_spec(spec: AppSpec, base_dir: str | Path | None = None) -> ResolvedApp:
+    """Load the catalog and profiles a spec names and check the spec against them.
+
+    Checks: every candidate type is in the catalog (default catalog, with ``catalog`` added or
+    overriding), every model is in its profile file, every (model, candidate type) pair has a
+    profile, and the budget buys at least one instance of the cheapest candidate. Relative paths
+    resolve against ``base_dir`` (for a spec that came as an API body; :func:`load_spec` has
+    already anchored them), else the working directory.
+    """
+    if base_dir is not None:
+        spec = anchor_paths(spec, base_dir)
+    catalog = _load_spec_catalog(spec.catalog)
+    for i, name in enumerate(spec.instance_types):
+        if name not in catalog:
+            raise SpecUnknownInstanceTypeError(f"instance_types[{i}]", name, catalog.names)
+    prices = {name: catalog.price_usd_per_hr(name) for name in spec.instance_types}
+    cheapest = min(prices, key=lambda name: prices[name])
+    if prices[cheapest] > spec.budget_usd_per_hr:
+        raise SpecError(
+            "budget_usd_per_hr",
+            f"{spec.budget_usd_per_hr:g} USD/hr buys no instance: the cheapest candidate,"
+            f" {cheapest}, costs {prices[cheapest]:g} USD/hr",
+        )
+
+    files: dict[str, ProfileSet] = {}
+    profiles: dict[str, ProfileSet] = {}
+    for i, model in enumerate(spec.models):
+        field = f"models[{i}].profiles"
+        if model.profiles not in files:
+            files[model.profiles] = _load_spec_profiles(field, model.profiles)
+        profile_set = files[model.profiles]
+        if model.name not in profile_set.models:
+            raise SpecUnknownModelError(
+                f"models[{i}].name", model.name, profile_set.models, model.profiles
+            )
+        measured = set(profile_set.instance_types(model.name))
+        for name in spec.instance_types:
+            if name not in measured:
+                raise SpecMissingProfileError(field, model.name, name, model.profiles)
+        profiles[model.name] = profile_set
+    return ResolvedApp(
+        spec=spec,
+        catalog=catalog,
+        profiles=MappingProxyType(profiles),
+        prices_usd_per_hr=MappingProxyType(prices),
+    )
+
+
+def _load_spec_catalog(path: str | None) -> Catalog:
+    if path is not None and not Path(path).is_file():
+        raise SpecError("catalog", f"no such file: {path}")
+    try:
+        return load_catalog(path)
+    except SpecError:
+        raise
+    except EstimatorError as error:
+        raise SpecError("catalog", str(error)) from error
+
+
+def _load_spec_profiles(field: str, path: str) -> ProfileSet:
+    if not Path(path).is_file():
+        raise SpecError(field, f"no such file: {path}")
+    try:
+        return load_profiles(path)
+    except EstimatorError as error:
+        raise SpecError(field, str(error)) from error
+    except OSError as error:
+        raise SpecError(field, f"cannot read {path}: {error.strerror or error}") from None

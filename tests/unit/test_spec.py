@@ -1,0 +1,404 @@
+"""Tests of the app spec: the schema's checks, reading YAML and JSON files, and resolving a spec
+against its catalog and profiles, each bad input giving one SpecError that names its field."""
+
+from __future__ import annotations
+
+import copy
+import doctest
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import controlplane.spec as spec_module
+from controlplane.spec import (
+    AppSpec,
+    SpecError,
+    SpecMissingProfileError,
+    SpecUnknownInstanceTypeError,
+    SpecUnknownModelError,
+    load_spec,
+    resolve_spec,
+    validate_spec,
+)
+from estimator.errors import (
+    EstimatorError,
+    MissingProfileError,
+    UnknownInstanceTypeError,
+    UnknownModelError,
+)
+from estimator.profiles import KAIROS_COLUMNS
+from tests.conftest import KAIROS_CSV, needs_shared
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rm2.yaml"
+
+
+def good_document(profiles: str = "profiles.csv") -> dict[str, Any]:
+    return {
+        "name": "recs",
+        "models": [{"name": "rm2", "profiles": profiles}],
+        "slo": {"latency_ms": 350, "percentile": 99},
+        "budget_usd_per_hr": 10,
+        "instance_types": ["g4dn.xlarge", "r5n.large"],
+        "max_counts": {"g4dn.xlarge": 5},
+    }
+
+
+def cascade_document() -> dict[str, Any]:
+    document = good_document()
+    document["models"] = [
+        {"name": "tiny", "profiles": "p.csv"},
+        {"name": "small", "profiles": "p.csv"},
+        {"name": "large", "profiles": "p.csv"},
+    ]
+    document["cascade"] = ["tiny", "small", "large"]
+    document["slo"]["accuracy"] = 0.97
+    return document
+
+
+def with_change(path: str, value: Any, document: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of ``document`` with the value at a dotted path (``slo.percentile``) set;
+    ``value=...`` deletes it."""
+    changed = copy.deepcopy(document if document is not None else good_document())
+    *parents, last = path.split(".")
+    target: Any = changed
+    for part in parents:
+        target = target[int(part)] if isinstance(target, list) else target[part]
+    if value is ...:
+        del target[last]
+    else:
+        target[last] = value
+    return changed
+
+
+def write_profiles_csv(path: Path, pairs: list[tuple[str, str]]) -> Path:
+    """A tiny Kairos samples CSV: batch sizes 1 and 2, three samples each, per (model, type)."""
+    lines = [",".join(KAIROS_COLUMNS)]
+    for model, instance_type in pairs:
+        for batch_size in (1, 2):
+            for sample in range(3):
+                lines.append(f"{model},{instance_type},{batch_size},{sample},{10 + sample},1")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(spec_module).failed == 0
+
+
+# --- the schema ------------------------------------------------------------------------------
+
+
+def test_good_document_validates_with_defaults() -> None:
+    document = good_document()
+    del document["slo"]["percentile"]
+    spec = validate_spec(document)
+    assert spec.slo.percentile == 99.0
+    assert spec.slo.accuracy is None
+    assert spec.cascade is None
+    assert spec.serving_order == ["rm2"]
+    assert spec.max_count("g4dn.xlarge") == 5
+    assert spec.max_count("r5n.large") is None
+
+
+def test_cascade_validates() -> None:
+    spec = validate_spec(cascade_document())
+    assert spec.serving_order == ["tiny", "small", "large"]
+    assert spec.slo.accuracy == 0.97
+
+
+def test_round_trip_through_model_dump() -> None:
+    for document in (good_document(), cascade_document()):
+        spec = AppSpec.model_validate(document)
+        assert AppSpec.model_validate(spec.model_dump()) == spec
+        assert AppSpec.model_validate_json(spec.model_dump_json()) == spec
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field", "words"),
+    [
+        ("colour", "red", "colour", "unknown field"),
+        ("slo.p99", 1, "slo.p99", "unknown field"),
+        ("models.0.weights", "w.pt", "models[0].weights", "unknown field"),
+        ("name", "Recs!", "name", "lowercase"),
+        ("name", "-recs", "name", "lowercase"),
+        ("name", "a" * 64, "name", "at most 63"),
+        ("name", ..., "name", "is required"),
+        ("budget_usd_per_hr", -1, "budget_usd_per_hr", "> 0"),
+        ("budget_usd_per_hr", 0, "budget_usd_per_hr", "> 0"),
+        ("budget_usd_per_hr", "ten", "budget_usd_per_hr", "must be a number"),
+        ("budget_usd_per_hr", "10", "budget_usd_per_hr", "must be a number"),
+        ("budget_usd_per_hr", True, "budget_usd_per_hr", "must be a number"),
+        ("budget_usd_per_hr", float("inf"), "budget_usd_per_hr", "finite"),
+        ("budget_usd_per_hr", float("nan"), "budget_usd_per_hr", "finite"),
+        ("slo.percentile", 0, "slo.percentile", "> 0"),
+        ("slo.percentile", 100, "slo.percentile", "< 100"),
+        ("slo.percentile", -5, "slo.percentile", "> 0"),
+        ("slo.latency_ms", 0, "slo.latency_ms", "> 0"),
+        ("slo.latency_ms", ..., "slo.latency_ms", "is required"),
+        ("slo.accuracy", 0, "slo.accuracy", "> 0"),
+        ("slo.accuracy", 1.5, "slo.accuracy", "<= 1"),
+        ("models", [], "models", "at least 1"),
+        ("models.0.name", "", "models[0].name", "at least 1"),
+        ("models.0.profiles", 3, "models[0].profiles", "must be text"),
+        ("instance_types", [], "instance_types", "at least 1"),
+        ("instance_types", "t3.xlarge", "instance_types", "must be a list"),
+        ("instance_types", ["t3.xlarge", "t3.xlarge"], "instance_types[1]", "appears twice"),
+        ("max_counts", {"g4dn.xlarge": -1}, "max_counts[g4dn.xlarge]", ">= 0"),
+        ("max_counts", {"g4dn.xlarge": 2.5}, "max_counts[g4dn.xlarge]", "whole number"),
+        ("max_counts", {"t3.xlarge": 1}, "max_counts[t3.xlarge]", "not one of instance_types"),
+        ("cascade", ["rm2"], "cascade", "at least two models"),
+        ("catalog", "", "catalog", "at least 1"),
+    ],
+)
+def test_bad_field_is_named(path: str, value: Any, field: str, words: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        validate_spec(with_change(path, value))
+    assert caught.value.field == field
+    assert words in caught.value.problem
+    assert str(caught.value) == f"{field}: {caught.value.problem}"
+    assert "\n" not in str(caught.value)
+    assert isinstance(caught.value, EstimatorError)
+
+
+def test_unknown_field_lists_the_allowed_ones() -> None:
+    with pytest.raises(SpecError, match=r"allowed: latency_ms, percentile, accuracy"):
+        validate_spec(with_change("slo.p99", 1))
+
+
+def test_misspelt_key_is_named_before_the_missing_one() -> None:
+    document = good_document()
+    document["budget"] = document.pop("budget_usd_per_hr")
+    with pytest.raises(SpecError) as caught:
+        validate_spec(document)
+    assert caught.value.field == "budget"
+
+
+def test_duplicate_model_is_named() -> None:
+    document = cascade_document()
+    document["models"][2]["name"] = "tiny"
+    with pytest.raises(SpecError) as caught:
+        validate_spec(document)
+    assert caught.value.field == "models[2].name"
+    assert "appears twice" in caught.value.problem
+
+
+@pytest.mark.parametrize(
+    ("cascade", "field", "words"),
+    [
+        (["tiny", "small"], "cascade", "leaves out large"),
+        (["tiny", "small", "huge"], "cascade[2]", "not one of the models"),
+        (["tiny", "small", "small", "large"], "cascade[2]", "appears twice"),
+        (..., "cascade", "several models need a cascade order"),
+    ],
+)
+def test_cascade_must_match_the_models(cascade: Any, field: str, words: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        validate_spec(with_change("cascade", cascade, cascade_document()))
+    assert caught.value.field == field
+    assert words in caught.value.problem
+
+
+def test_model_validate_raises_a_validation_error_carrying_the_field() -> None:
+    # The API calls model_validate directly; the message still names the field.
+    with pytest.raises(ValueError, match=r"several models need a cascade order"):
+        AppSpec.model_validate(with_change("cascade", ..., cascade_document()))
+
+
+@pytest.mark.parametrize("document", [None, [], "recs"])
+def test_document_must_be_a_mapping(document: object) -> None:
+    with pytest.raises(SpecError, match="a mapping of fields"):
+        validate_spec(document)
+
+
+# --- reading files ---------------------------------------------------------------------------
+
+
+def test_yaml_file_loads_and_anchors_relative_paths(tmp_path: Path) -> None:
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    document = good_document("../data/profiles.csv")
+    document["catalog"] = "/abs/catalog.csv"
+    spec_path = folder / "recs.yaml"
+    spec_path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    spec = load_spec(spec_path)
+    assert spec.models[0].profiles == str((tmp_path / "data" / "profiles.csv").resolve())
+    assert spec.catalog == "/abs/catalog.csv"
+
+
+@pytest.mark.parametrize("indent", [None, 2, "\t"])
+def test_json_file_parses_too(tmp_path: Path, indent: int | str | None) -> None:
+    spec_path = tmp_path / "recs.json"
+    spec_path.write_text(json.dumps(good_document(), indent=indent), encoding="utf-8")
+    spec = load_spec(spec_path)
+    assert spec.name == "recs"
+    assert spec.models[0].profiles == str(tmp_path.resolve() / "profiles.csv")
+
+
+def test_json_in_a_yaml_file_parses(tmp_path: Path) -> None:
+    spec_path = tmp_path / "recs.yaml"
+    spec_path.write_text(json.dumps(good_document()), encoding="utf-8")
+    assert load_spec(spec_path).budget_usd_per_hr == 10.0
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "words"),
+    [
+        ("bad.yaml", "name: recs\nmodels: [\n  - oops: : :\n", "malformed YAML at line 3"),
+        ("bad.yaml", "name: recs\n\tslo: 1\n", "malformed YAML at line 2"),
+        ("dup.yaml", "name: recs\nname: other\n", "'name' appears twice"),
+        ("bad.json", '{"name": "recs",\n "models": }', "malformed JSON at line 2"),
+        ("empty.yaml", "", "got empty"),
+        ("list.yaml", "- a\n- b\n", "got list"),
+    ],
+)
+def test_malformed_file_names_the_line(tmp_path: Path, name: str, text: str, words: str) -> None:
+    spec_path = tmp_path / name
+    spec_path.write_text(text, encoding="utf-8")
+    with pytest.raises(SpecError) as caught:
+        load_spec(spec_path)
+    assert words in str(caught.value)
+    assert str(caught.value).startswith(str(spec_path))
+    assert "\n" not in str(caught.value)
+
+
+def test_bad_field_in_a_file_names_file_and_field(tmp_path: Path) -> None:
+    spec_path = tmp_path / "recs.yaml"
+    spec_path.write_text(
+        "name: recs\nmodels: [{name: rm2, profiles: p.csv}]\nslo: {latency_ms: 350,"
+        " percentile: 100}\nbudget_usd_per_hr: 10\ninstance_types: [t3.xlarge]\n",
+        encoding="utf-8",
+    )
+    with pytest.raises(SpecError) as caught:
+        load_spec(spec_path)
+    assert caught.value.field == "slo.percentile"
+    assert str(caught.value) == f"{spec_path}: slo.percentile: must be < 100, got 100"
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="no such file"):
+        load_spec(tmp_path / "absent.yaml")
+
+
+# --- resolving against catalog and profiles --------------------------------------------------
+
+
+@pytest.fixture
+def small_app(tmp_path: Path) -> Path:
+    """A spec whose profile file has rm2 on g4dn.xlarge and r5n.large, and ncf on g4dn only."""
+    write_profiles_csv(
+        tmp_path / "profiles.csv",
+        [("rm2", "g4dn.xlarge"), ("rm2", "r5n.large"), ("ncf", "g4dn.xlarge")],
+    )
+    spec_path = tmp_path / "recs.json"
+    spec_path.write_text(json.dumps(good_document()), encoding="utf-8")
+    return spec_path
+
+
+def test_resolve_loads_catalog_profiles_and_prices(small_app: Path) -> None:
+    app = resolve_spec(load_spec(small_app))
+    assert app.instance_types == ["g4dn.xlarge", "r5n.large"]
+    assert dict(app.prices_usd_per_hr) == {"g4dn.xlarge": 0.526, "r5n.large": 0.149}
+    assert app.profile("rm2", "r5n.large").max_batch_size == 2
+    assert app.catalog.price_usd_per_hr("t3.xlarge") == 0.1664
+    with pytest.raises(UnknownModelError):
+        app.profile("ncf", "g4dn.xlarge")
+
+
+def test_resolve_with_base_dir_anchors_an_api_body(small_app: Path) -> None:
+    spec = validate_spec(good_document())
+    app = resolve_spec(spec, base_dir=small_app.parent)
+    assert app.spec.models[0].profiles == str(small_app.parent.resolve() / "profiles.csv")
+
+
+def test_missing_profile_for_a_candidate_type(small_app: Path) -> None:
+    document = with_change("models.0.name", "ncf")
+    small_app.write_text(json.dumps(document), encoding="utf-8")
+    with pytest.raises(SpecMissingProfileError) as caught:
+        resolve_spec(load_spec(small_app))
+    error = caught.value
+    assert error.field == "models[0].profiles"
+    assert "missing profile for candidate type 'r5n.large' of model 'ncf'" in str(error)
+    assert isinstance(error, MissingProfileError)
+    assert (error.model, error.instance_type) == ("ncf", "r5n.large")
+
+
+def test_unknown_model(small_app: Path) -> None:
+    small_app.write_text(json.dumps(with_change("models.0.name", "dlrm")), encoding="utf-8")
+    with pytest.raises(SpecUnknownModelError) as caught:
+        resolve_spec(load_spec(small_app))
+    assert caught.value.field == "models[0].name"
+    assert "it has: ncf, rm2" in str(caught.value)
+    assert isinstance(caught.value, UnknownModelError)
+
+
+def test_unknown_instance_type(small_app: Path) -> None:
+    document = with_change("instance_types", ["g4dn.xlarge", "g9.huge"])
+    small_app.write_text(json.dumps(document), encoding="utf-8")
+    with pytest.raises(SpecUnknownInstanceTypeError) as caught:
+        resolve_spec(load_spec(small_app))
+    assert caught.value.field == "instance_types[1]"
+    assert caught.value.instance_type == "g9.huge"
+    assert isinstance(caught.value, UnknownInstanceTypeError)
+    assert str(caught.value).startswith("instance_types[1]: unknown instance type 'g9.huge'")
+
+
+def test_catalog_file_adds_a_type(small_app: Path) -> None:
+    folder = small_app.parent
+    (folder / "catalog.csv").write_text("instance_type,price_usd_per_hr\nemu.small,0.05\n")
+    write_profiles_csv(folder / "profiles.csv", [("rm2", "g4dn.xlarge"), ("rm2", "emu.small")])
+    document = with_change("instance_types", ["g4dn.xlarge", "emu.small"])
+    document["catalog"] = "catalog.csv"
+    small_app.write_text(json.dumps(document), encoding="utf-8")
+    app = resolve_spec(load_spec(small_app))
+    assert app.prices_usd_per_hr["emu.small"] == 0.05
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        ({"catalog": "absent.csv"}, "catalog", "no such file"),
+        ({"models": [{"name": "rm2", "profiles": "absent.csv"}]}, "models[0].profiles", "no such"),
+        ({"budget_usd_per_hr": 0.1}, "budget_usd_per_hr", "buys no instance"),
+    ],
+)
+def test_resolve_errors_name_the_field(
+    small_app: Path, change: dict[str, Any], field: str, words: str
+) -> None:
+    small_app.write_text(json.dumps(good_document() | change), encoding="utf-8")
+    with pytest.raises(SpecError) as caught:
+        resolve_spec(load_spec(small_app))
+    assert caught.value.field == field
+    assert words in caught.value.problem
+
+
+def test_malformed_catalog_is_named(small_app: Path) -> None:
+    (small_app.parent / "catalog.csv").write_text("instance_type,price_usd_per_hr\nx.y,-1\n")
+    small_app.write_text(json.dumps(good_document() | {"catalog": "catalog.csv"}))
+    with pytest.raises(SpecError) as caught:
+        resolve_spec(load_spec(small_app))
+    assert caught.value.field == "catalog"
+    assert "price_usd_per_hr" in caught.value.problem
+
+
+# --- the example -----------------------------------------------------------------------------
+
+
+def test_example_spec_validates() -> None:
+    spec = load_spec(EXAMPLE)
+    assert spec.model_names == ["rm2"]
+    assert spec.slo.latency_ms == 350.0
+    assert spec.instance_types == ["g4dn.xlarge", "c5n.2xlarge", "r5n.large", "t3.xlarge"]
+
+
+@needs_shared
+def test_example_spec_resolves() -> None:
+    spec = load_spec(EXAMPLE)
+    if Path(spec.models[0].profiles) != KAIROS_CSV.resolve():
+        pytest.skip("the shared data is not beside the checkout (HETEROPLANE_SHARED is set)")
+    app = resolve_spec(spec)
+    assert set(app.prices_usd_per_hr) == set(spec.instance_types)
+    for instance_type in spec.instance_types:
+        assert app.profile("rm2", instance_type).max_batch_size == 1000
