@@ -1,0 +1,573 @@
+"""The tuner: InferLine's high-frequency scaling policy, as a pure function of what it observes.
+
+This module owns the tuner's value objects (:class:`StagePlan`, :class:`TunerConfig`,
+:class:`TunerState`, :class:`Booting`, :class:`Decision`) and :func:`tune`, which maps (recent
+live arrivals, the clock's reading, the state, the plan) to decisions and the next state. It reads
+no clock and does no I/O: the control loop passes ``now_s`` in and a reconciler acts on the
+decisions.
+
+The math (InferLine, SoCC'20, "High-Frequency Tuning"):
+
+* Algorithm 3 (scale up). For window lengths w_i from the service time doubling to 60 s
+  (:func:`estimator.envelope.tuner_windows_s`), the live rate r_i = (most arrivals in any window of
+  length w_i) / w_i is compared with the planning trace's rate at the same window. When some
+  r_i exceeds it, r_max = max over the exceeding windows of r_i, and stage m (scale factor s_m,
+  per-replica throughput mu_m at the planned batch size, utilisation target rho_m) needs
+
+      k_m = ceil(r_max s_m / (mu_m rho_m))  replicas.
+
+  A stage of mixed instance types needs capacity r_max s_m / rho_m (qps); the tuner adds the most
+  cost-effective type (largest mu_t / price_t) that the budget still affords until the stage's
+  capacity, booting instances included, reaches it. For one type this is exactly k_m.
+* Algorithm 4 (scale down). No sooner than ``scale_down_delay_s`` (15 s) after the last change,
+  r = the max over the windows of the recent live rates (the last ``recent_s``), and each stage
+  sheds its least cost-effective instances while its capacity stays >= r s_m / rho_m and it keeps
+  ``min_instances``.
+
+Past the paper: (1) a stage the tuner scaled below its plan is brought back up to the smaller of
+its planned capacity and r s_m / rho_m when the recent rate needs it, although no window exceeds
+the planned envelope (without this a scaled-down stage stays short until the planned envelope is
+exceeded); (2) instances take ``boot_s`` to start, count for capacity from launch so that the tuner
+does not launch twice while they boot, and cost money from launch; (3) the fleet of all stages,
+booting instances included, never costs more than the budget; where the budget stops a scale-up
+the tuner says so with a ``budget_capped`` decision, for the cascade's gear logic to react.
+
+The utilisation target rho_m is the planned stage's utilisation at the planning trace's peak rate,
+rho_m = r_plan s_m / (planned capacity) (:func:`utilisation_target`); with that rho a live envelope
+equal to the planned one keeps exactly the planned fleet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from estimator.catalog import Catalog
+from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope, tuner_windows_s
+from estimator.errors import BudgetError, UnknownInstanceTypeError, WorkloadError
+from estimator.fleet import Fleet
+
+__all__ = [
+    "CPU_BOOT_S",
+    "DEFAULT_RECENT_S",
+    "DEFAULT_SCALE_DOWN_DELAY_S",
+    "GPU_BOOT_S",
+    "Action",
+    "Booting",
+    "Decision",
+    "StagePlan",
+    "TunerConfig",
+    "TunerState",
+    "default_boot_s",
+    "fleet_cost_usd_per_hr",
+    "initial_state",
+    "ready_fleets",
+    "tune",
+    "utilisation_target",
+]
+
+# Start-up times of an EC2 instance to a serving worker: a GPU type pulls a larger image and loads
+# the model onto the device, so it takes about twice a CPU type's time (this project's defaults).
+GPU_BOOT_S = 60.0
+CPU_BOOT_S = 30.0
+# InferLine Algorithm 4 waits 15 s after the last change before scaling down.
+DEFAULT_SCALE_DOWN_DELAY_S = 15.0
+# The recent envelope covers the tuner's longest window.
+DEFAULT_RECENT_S = DEFAULT_MAX_WINDOW_S
+
+# Slack for float comparisons of costs (USD/hr) and capacities (qps): a fleet that costs the budget
+# to the last bit is within it, and r s / rho = k mu to the last bit needs k, not k + 1.
+_COST_SLACK_USD_PER_HR = 1e-9
+_RELATIVE_SLACK = 1e-12
+
+Action = Literal["scale_up", "scale_down", "budget_capped"]
+
+
+def _finite(name: str, value: float, *, low: float = 0.0, strict: bool = False) -> float:
+    number = float(value)
+    if not math.isfinite(number) or number < low or (strict and number == low):
+        relation = ">" if strict else ">="
+        raise WorkloadError(f"{name} must be a finite number {relation} {low:g}, got {value!r}")
+    return number
+
+
+def _frozen(mapping: Mapping[str, float]) -> Mapping[str, float]:
+    return MappingProxyType({str(k): float(v) for k, v in mapping.items()})
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """One stage as the planner left it.
+
+    ``scale_factor`` is s_m, the share of the app's queries that reach the stage;
+    ``rate_per_instance_qps[t]`` is mu_t, one instance of type t's throughput at the planned batch
+    size (the types the tuner may add: every type the stage has a profile for);
+    ``utilisation_target`` is rho_m in (0, 1]; ``fleet`` is the planned counts by type.
+    """
+
+    name: str
+    scale_factor: float
+    fleet: Mapping[str, int]
+    rate_per_instance_qps: Mapping[str, float]
+    utilisation_target: float
+    min_instances: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise WorkloadError("a stage needs a non-empty name")
+        _finite(f"stage {self.name}: scale_factor", self.scale_factor, strict=True)
+        rho = _finite(
+            f"stage {self.name}: utilisation_target", self.utilisation_target, strict=True
+        )
+        if rho > 1.0:
+            raise WorkloadError(f"stage {self.name}: utilisation_target must be <= 1, got {rho!r}")
+        if not self.rate_per_instance_qps:
+            raise WorkloadError(f"stage {self.name}: rate_per_instance_qps names no type")
+        for type_name, mu in self.rate_per_instance_qps.items():
+            _finite(f"stage {self.name}: rate of {type_name}", mu, strict=True)
+        fleet = Fleet.of(dict(self.fleet))  # checks names and counts
+        for type_name in fleet:
+            if type_name not in self.rate_per_instance_qps:
+                raise UnknownInstanceTypeError(
+                    type_name, list(self.rate_per_instance_qps), where=f"stage {self.name}'s rates"
+                )
+        if isinstance(self.min_instances, bool) or self.min_instances < 0:
+            raise WorkloadError(f"stage {self.name}: min_instances must be >= 0")
+        object.__setattr__(self, "fleet", MappingProxyType(dict(fleet)))
+        object.__setattr__(self, "rate_per_instance_qps", _frozen(self.rate_per_instance_qps))
+
+    @property
+    def planned_capacity_qps(self) -> float:
+        """The planned fleet's throughput, sum over types of count x mu_t."""
+        return _capacity_qps(self.fleet, self.rate_per_instance_qps)
+
+
+@dataclass(frozen=True, slots=True)
+class TunerConfig:
+    """The tuner's settings: the planning trace's envelope and the guardrails.
+
+    ``planned_rate_qps[i]`` is the planning trace's peak rate at window ``windows_s[i]``.
+    ``boot_s[t]`` is how long an instance of type t takes to start serving; ``prices_usd_per_hr``
+    and ``budget_usd_per_hr`` bound the whole fleet's cost, booting instances included.
+    """
+
+    windows_s: tuple[float, ...]
+    planned_rate_qps: tuple[float, ...]
+    budget_usd_per_hr: float
+    prices_usd_per_hr: Mapping[str, float]
+    boot_s: Mapping[str, float]
+    scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S
+    recent_s: float = DEFAULT_RECENT_S
+
+    def __post_init__(self) -> None:
+        windows = tuple(_finite("a window", w, strict=True) for w in self.windows_s)
+        rates = tuple(_finite("a planned rate", r) for r in self.planned_rate_qps)
+        if not windows or len(windows) != len(rates):
+            raise WorkloadError(
+                f"the tuner needs one planned rate per window, got {len(windows)} windows and "
+                f"{len(rates)} rates"
+            )
+        budget = float(self.budget_usd_per_hr)
+        if not (math.isfinite(budget) and budget >= 0.0):
+            raise BudgetError(f"budget must be a finite number >= 0, got {budget!r}", budget)
+        for name, price in self.prices_usd_per_hr.items():
+            _finite(f"price of {name}", price)
+        for name, boot in self.boot_s.items():
+            _finite(f"boot time of {name}", boot)
+        object.__setattr__(self, "windows_s", windows)
+        object.__setattr__(self, "planned_rate_qps", rates)
+        object.__setattr__(self, "budget_usd_per_hr", budget)
+        object.__setattr__(self, "prices_usd_per_hr", _frozen(self.prices_usd_per_hr))
+        object.__setattr__(self, "boot_s", _frozen(self.boot_s))
+        object.__setattr__(
+            self, "scale_down_delay_s", _finite("scale_down_delay_s", self.scale_down_delay_s)
+        )
+        object.__setattr__(self, "recent_s", _finite("recent_s", self.recent_s, strict=True))
+
+    @property
+    def planned_peak_rate_qps(self) -> float:
+        """r_plan, the planning envelope's highest rate over the windows."""
+        return max(self.planned_rate_qps)
+
+    @classmethod
+    def from_planning_trace(
+        cls,
+        planning_arrival_s: ArrayLike,
+        service_time_s: float,
+        *,
+        budget_usd_per_hr: float,
+        catalog: Catalog,
+        types: Iterable[str] | None = None,
+        boot_s: Mapping[str, float] | None = None,
+        scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S,
+        recent_s: float = DEFAULT_RECENT_S,
+        max_window_s: float = DEFAULT_MAX_WINDOW_S,
+    ) -> TunerConfig:
+        """The windows from ``service_time_s`` doubling to ``max_window_s``, the planning trace's
+        envelope on them, prices from ``catalog`` and boot times from :func:`default_boot_s`
+        (``boot_s`` overrides per type)."""
+        windows = tuner_windows_s(service_time_s, max_window_s)
+        envelope = arrival_envelope(planning_arrival_s, windows)
+        names = list(catalog) if types is None else list(types)
+        boot = default_boot_s(catalog, names)
+        boot.update(boot_s or {})
+        return cls(
+            windows_s=tuple(float(w) for w in windows),
+            planned_rate_qps=tuple(float(r) for r in envelope.rate_qps),
+            budget_usd_per_hr=budget_usd_per_hr,
+            prices_usd_per_hr={name: catalog.price_usd_per_hr(name) for name in names},
+            boot_s=boot,
+            scale_down_delay_s=scale_down_delay_s,
+            recent_s=recent_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Booting:
+    """An instance launched at ``launched_s`` that serves from ``ready_at_s``."""
+
+    stage: str
+    instance_type: str
+    launched_s: float
+    ready_at_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TunerState:
+    """What the tuner has launched: counts by type per stage (booting instances included), the
+    instances still booting, and when the fleet last changed (None: never)."""
+
+    fleets: Mapping[str, Fleet]
+    booting: tuple[Booting, ...] = ()
+    last_change_s: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fleets", MappingProxyType(dict(self.fleets)))
+        object.__setattr__(self, "booting", tuple(self.booting))
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One thing the tuner decided at ``at_s``.
+
+    ``scale_up``: launch ``count`` instances of ``instance_type`` for ``stage``; ``scale_down``:
+    stop ``count`` of them (booting ones first); ``budget_capped``: the stage is short by about
+    ``count`` instances of ``instance_type`` that the budget does not afford (nothing to do but
+    react, e.g. switch the cascade to a cheaper gear). ``reason`` carries the numbers (window,
+    observed and planned rates, r_max, the needed capacity, k); ``cost_usd_per_hr_after`` is the
+    whole fleet's cost, booting instances included, after this decision.
+    """
+
+    at_s: float
+    stage: str
+    action: Action
+    instance_type: str
+    count: int
+    reason: str
+    cost_usd_per_hr_after: float
+
+
+def default_boot_s(catalog: Catalog, types: Iterable[str] | None = None) -> dict[str, float]:
+    """Start-up time per type: :data:`GPU_BOOT_S` for types with a GPU, :data:`CPU_BOOT_S` else.
+
+    >>> from estimator.catalog import InstanceType
+    >>> default_boot_s(Catalog([InstanceType("g4dn.xlarge", 0.526, gpus=1),
+    ...                         InstanceType("c5.large", 0.085)]))
+    {'g4dn.xlarge': 60.0, 'c5.large': 30.0}
+    """
+    names = list(catalog) if types is None else list(types)
+    return {name: GPU_BOOT_S if catalog[name].is_gpu else CPU_BOOT_S for name in names}
+
+
+def utilisation_target(
+    fleet: Mapping[str, int],
+    rate_per_instance_qps: Mapping[str, float],
+    scale_factor: float,
+    peak_rate_qps: float,
+) -> float:
+    """rho_m = r_plan s_m / (planned capacity), capped at 1: the planned stage's utilisation at the
+    planning trace's peak rate (InferLine's maximum provisioning ratio).
+
+    >>> utilisation_target({"g": 4}, {"g": 50.0}, 0.5, 320.0)
+    0.8
+    """
+    capacity = _capacity_qps(fleet, rate_per_instance_qps)
+    if capacity <= 0.0:
+        raise WorkloadError("a stage with no planned capacity has no utilisation target")
+    return min(1.0, peak_rate_qps * scale_factor / capacity)
+
+
+def initial_state(plans: Sequence[StagePlan], now_s: float) -> TunerState:
+    """The planned fleets, all of them serving, changed last at ``now_s``."""
+    return TunerState(
+        fleets={plan.name: Fleet.of(dict(plan.fleet)) for plan in plans}, last_change_s=now_s
+    )
+
+
+def ready_fleets(state: TunerState, now_s: float) -> dict[str, Fleet]:
+    """Counts by type per stage of the instances serving at ``now_s``: the launched ones less those
+    whose ``ready_at_s`` is still ahead."""
+    ready = {stage: dict(fleet) for stage, fleet in state.fleets.items()}
+    for boot in state.booting:
+        if boot.ready_at_s > now_s:
+            ready[boot.stage][boot.instance_type] -= 1
+    return {stage: Fleet.of(counts) for stage, counts in ready.items()}
+
+
+def fleet_cost_usd_per_hr(state: TunerState, prices_usd_per_hr: Mapping[str, float]) -> float:
+    """The fleet's cost: every launched instance, booting or serving, at its type's price."""
+    return sum(
+        count * prices_usd_per_hr[name]
+        for fleet in state.fleets.values()
+        for name, count in fleet.items()
+    )
+
+
+def _capacity_qps(fleet: Mapping[str, int], mu: Mapping[str, float]) -> float:
+    return sum(count * mu[name] for name, count in fleet.items())
+
+
+def _cost_effectiveness(plan: StagePlan, prices: Mapping[str, float], name: str) -> float:
+    price = prices[name]
+    return math.inf if price == 0.0 else plan.rate_per_instance_qps[name] / price
+
+
+def _short_qps(needed_qps: float, capacity_qps: float) -> float:
+    """How much capacity is missing, with float noise (k mu vs r s / rho) read as none."""
+    short = needed_qps - capacity_qps
+    return short if short > _RELATIVE_SLACK * max(1.0, needed_qps) else 0.0
+
+
+def _ceil(x: float) -> int:
+    return math.ceil(x - _RELATIVE_SLACK * max(1.0, x))
+
+
+@dataclass(slots=True)
+class _Tick:
+    """The mutable scratch of one call to :func:`tune` (never escapes it)."""
+
+    now_s: float
+    config: TunerConfig
+    fleets: dict[str, dict[str, int]]
+    booting: list[Booting]
+    cost_usd_per_hr: float
+    decisions: list[Decision] = field(default_factory=list)
+
+    def launch(self, plan: StagePlan, name: str, count: int, reason: str) -> None:
+        stage = self.fleets[plan.name]
+        stage[name] = stage.get(name, 0) + count
+        ready_at_s = self.now_s + self.config.boot_s[name]
+        if ready_at_s > self.now_s:  # a zero boot time serves at once
+            self.booting.extend(
+                Booting(plan.name, name, self.now_s, ready_at_s) for _ in range(count)
+            )
+        self.cost_usd_per_hr += count * self.config.prices_usd_per_hr[name]
+        self.decide(plan.name, "scale_up", name, count, reason)
+
+    def stop(self, plan: StagePlan, name: str, count: int, reason: str) -> None:
+        self.fleets[plan.name][name] -= count
+        # Booting instances go first, the latest launched first: they serve nobody yet.
+        mine = [b for b in self.booting if b.stage == plan.name and b.instance_type == name]
+        dropped = set(map(id, sorted(mine, key=lambda b: -b.launched_s)[:count]))
+        self.booting = [b for b in self.booting if id(b) not in dropped]
+        self.cost_usd_per_hr -= count * self.config.prices_usd_per_hr[name]
+        self.decide(plan.name, "scale_down", name, count, reason)
+
+    def decide(self, stage: str, action: Action, name: str, count: int, reason: str) -> None:
+        cost = max(0.0, self.cost_usd_per_hr)
+        self.decisions.append(Decision(self.now_s, stage, action, name, count, reason, cost))
+
+
+def _scale_up(
+    tick: _Tick, plan: StagePlan, needed_qps: float, why: str, k_m: int | None = None
+) -> None:
+    """Add the most cost-effective affordable type until the stage serves ``needed_qps``; a stage
+    of one type is brought to ``k_m`` instances where given."""
+    config, prices, mu = tick.config, tick.config.prices_usd_per_hr, plan.rate_per_instance_qps
+    fleet = tick.fleets[plan.name]
+    by_value = sorted(mu, key=lambda name: (-_cost_effectiveness(plan, prices, name), name))
+    capacity = _capacity_qps(fleet, mu)
+    for name in by_value:
+        short = _short_qps(needed_qps, capacity)
+        if short == 0.0:
+            return
+        wanted = k_m - fleet.get(name, 0) if k_m is not None else _ceil(short / mu[name])
+        if wanted <= 0:
+            return
+        left = config.budget_usd_per_hr - tick.cost_usd_per_hr + _COST_SLACK_USD_PER_HR
+        price = prices[name]
+        affordable = wanted if price == 0.0 else min(wanted, max(0, math.floor(left / price)))
+        if affordable <= 0:
+            continue
+        before = capacity
+        capacity += affordable * mu[name]
+        count_after = sum(fleet.values()) + affordable
+        tick.launch(
+            plan,
+            name,
+            affordable,
+            f"scale_up: {why}; need {needed_qps:.6g} qps; added {affordable} x {name} "
+            f"(mu {mu[name]:.6g} qps, {_cost_effectiveness(plan, prices, name):.6g} qps per "
+            f"USD/hr): capacity {before:.6g} -> {capacity:.6g} qps, k {count_after}",
+        )
+    short = _short_qps(needed_qps, capacity)
+    if k_m is not None:
+        short = max(0, k_m - sum(fleet.values())) * mu[by_value[0]]
+    if short > 0.0:
+        best = by_value[0]
+        tick.decide(
+            plan.name,
+            "budget_capped",
+            best,
+            _ceil(short / mu[best]),
+            f"budget_capped: {why}; need {needed_qps:.6g} qps, have {capacity:.6g} qps; short "
+            f"{short:.6g} qps but the fleet costs {tick.cost_usd_per_hr:.6g} of the "
+            f"{config.budget_usd_per_hr:.6g} USD/hr budget and no type fits",
+        )
+
+
+def _scale_down(tick: _Tick, plan: StagePlan, needed_qps: float, why: str) -> bool:
+    """Stop the least cost-effective instances while the stage still serves ``needed_qps`` and
+    keeps ``min_instances``; True when something stopped."""
+    prices, mu = tick.config.prices_usd_per_hr, plan.rate_per_instance_qps
+    fleet = tick.fleets[plan.name]
+    capacity = _capacity_qps(fleet, mu)
+    changed = False
+    by_value = sorted(fleet, key=lambda name: (_cost_effectiveness(plan, prices, name), name))
+    for name in by_value:
+        spare_qps = capacity - needed_qps
+        spare_count = sum(fleet.values()) - plan.min_instances
+        slack = _RELATIVE_SLACK * max(1.0, needed_qps)
+        count = min(fleet[name], spare_count, math.floor((spare_qps + slack) / mu[name]))
+        if count <= 0:
+            continue
+        before = capacity
+        capacity -= count * mu[name]
+        tick.stop(
+            plan,
+            name,
+            count,
+            f"{why}; need {needed_qps:.6g} qps; stopped {count} x {name} (mu {mu[name]:.6g} "
+            f"qps): capacity {before:.6g} -> {capacity:.6g} qps, k {sum(fleet.values()) - count}",
+        )
+        changed = True
+    return changed
+
+
+def tune(
+    arrival_s: ArrayLike,
+    now_s: float,
+    state: TunerState,
+    plans: Sequence[StagePlan],
+    config: TunerConfig,
+) -> tuple[list[Decision], TunerState]:
+    """One tick of InferLine's tuner (Algorithms 3 and 4): the decisions at ``now_s`` and the state
+    after them.
+
+    ``arrival_s`` are the live arrival times seen so far, sorted; those in
+    (``now_s - recent_s``, ``now_s``] form the recent envelope r_i (one rate per window). Per stage:
+
+    * scale up when some r_i exceeds the planning envelope's rate at window i, to
+      r_max s_m / rho_m of capacity (k_m = ceil(r_max s_m / (mu_m rho_m)) for one type), or, for a
+      stage below its planned capacity, to min(planned capacity, r s_m / rho_m) with r = max_i r_i;
+    * else, no sooner than ``scale_down_delay_s`` after the last change, scale down to
+      r s_m / rho_m, keeping ``min_instances``.
+
+    Booting instances count for capacity and cost from launch; the whole fleet's cost never
+    exceeds ``budget_usd_per_hr`` (a stage the budget leaves short gets a ``budget_capped``
+    decision). Instances whose ``ready_at_s`` has passed leave ``booting``. Deterministic.
+
+    Raises:
+        WorkloadError: a ``now_s`` that is not finite, stages with the same name, or a state
+            without a fleet for a stage.
+        UnknownInstanceTypeError: a stage's type without a price or a boot time in ``config``.
+        TraceError: arrivals that are not one-dimensional, finite and sorted.
+    """
+    now = _finite("now_s", now_s, low=-math.inf)
+    names = [plan.name for plan in plans]
+    if len(set(names)) != len(names):
+        raise WorkloadError(f"stage names must be unique, got {names}")
+    for plan in plans:
+        if plan.name not in state.fleets:
+            raise WorkloadError(f"the tuner's state has no fleet for stage {plan.name!r}")
+        for name in plan.rate_per_instance_qps:
+            for table, what in ((config.prices_usd_per_hr, "prices"), (config.boot_s, "boot")):
+                if name not in table:
+                    raise UnknownInstanceTypeError(name, list(table), where=f"tuner's {what}")
+
+    arrivals = np.ascontiguousarray(arrival_s, dtype=np.float64)
+    if arrivals.ndim == 1 and arrivals.size:
+        lo, hi = np.searchsorted(arrivals, [now - config.recent_s, now], side="right")
+        arrivals = arrivals[lo:hi]
+    live = arrival_envelope(arrivals, config.windows_s).rate_qps
+    planned = config.planned_rate_qps
+    r_recent = float(live.max())
+    peak = int(np.argmax(live))
+    exceeding = [i for i in range(len(planned)) if live[i] > planned[i]]
+
+    tick = _Tick(
+        now_s=now,
+        config=config,
+        fleets={stage: dict(fleet) for stage, fleet in state.fleets.items()},
+        booting=[b for b in state.booting if b.ready_at_s > now],
+        cost_usd_per_hr=fleet_cost_usd_per_hr(state, config.prices_usd_per_hr),
+    )
+
+    r_max = 0.0
+    exceed_why = ""
+    if exceeding:
+        top = max(exceeding, key=lambda i: (live[i], -i))
+        r_max = float(live[top])
+        exceed_why = (
+            f"window {config.windows_s[top]:g} s saw {r_max:.6g} qps > planned "
+            f"{planned[top]:.6g} qps ({len(exceeding)} of {len(planned)} windows over); "
+            f"r_max {r_max:.6g} qps"
+        )
+    for plan in plans:
+        s, rho = plan.scale_factor, plan.utilisation_target
+        capacity = _capacity_qps(tick.fleets[plan.name], plan.rate_per_instance_qps)
+        need_exceed = r_max * s / rho
+        need_restore = 0.0
+        if capacity < plan.planned_capacity_qps:
+            need_restore = min(plan.planned_capacity_qps, r_recent * s / rho)
+        if need_exceed >= need_restore and need_exceed > 0.0:
+            why, needed = f"{exceed_why}, s {s:.6g}, rho {rho:.6g}", need_exceed
+        else:
+            why = (
+                f"below plan: recent peak {r_recent:.6g} qps at window "
+                f"{config.windows_s[peak]:g} s, s {s:.6g}, rho {rho:.6g}, planned capacity "
+                f"{plan.planned_capacity_qps:.6g} qps"
+            )
+            needed = need_restore
+        k_m = None
+        if len(plan.rate_per_instance_qps) == 1 and needed == need_exceed:
+            # One type: k_m = ceil(r_max s_m / (mu_m rho_m)) exactly as InferLine writes it.
+            (mu,) = plan.rate_per_instance_qps.values()
+            k_m = _ceil(r_max * s / (mu * rho))
+        _scale_up(tick, plan, needed, why, k_m)
+
+    changed = any(d.action == "scale_up" for d in tick.decisions)
+    quiet_s = math.inf if state.last_change_s is None else now - state.last_change_s
+    if not changed and quiet_s >= config.scale_down_delay_s:
+        for plan in plans:
+            s, rho = plan.scale_factor, plan.utilisation_target
+            why = (
+                f"scale_down: {quiet_s:.6g} s since the last change >= "
+                f"{config.scale_down_delay_s:g} s; recent peak {r_recent:.6g} qps at window "
+                f"{config.windows_s[peak]:g} s over the last {config.recent_s:g} s, s {s:.6g}, "
+                f"rho {rho:.6g}"
+            )
+            changed = _scale_down(tick, plan, r_recent * s / rho, why) or changed
+
+    next_state = TunerState(
+        fleets={stage: Fleet.of(counts) for stage, counts in tick.fleets.items()},
+        booting=tuple(tick.booting),
+        last_change_s=now if changed else state.last_change_s,
+    )
+    return tick.decisions, next_state

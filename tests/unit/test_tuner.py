@@ -1,0 +1,295 @@
+"""InferLine's tuner (Algorithms 3 and 4) as a pure policy: hand-computed replica counts, the
+scale-down delay, boot times, the most cost-effective type, and the budget as a property."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.tuner import (
+    CPU_BOOT_S,
+    GPU_BOOT_S,
+    StagePlan,
+    TunerConfig,
+    TunerState,
+    default_boot_s,
+    fleet_cost_usd_per_hr,
+    initial_state,
+    ready_fleets,
+    tune,
+    utilisation_target,
+)
+from estimator.catalog import Catalog, InstanceType
+from estimator.errors import UnknownInstanceTypeError, WorkloadError
+from estimator.fleet import Fleet
+
+WINDOWS_S = (1.0, 2.0, 4.0)
+
+
+def steady(rate_qps: int, start_s: float, end_s: float) -> np.ndarray:
+    """Evenly spaced arrivals; a power-of-two rate keeps every time exact in binary, so each window
+    of w seconds holds exactly rate x w of them."""
+    return start_s + np.arange(int((end_s - start_s) * rate_qps)) / rate_qps
+
+
+def one_type_stage() -> StagePlan:
+    # s 0.5, mu 32 qps, rho 0.8: a stage of 3 planned for 128 qps.
+    return StagePlan("resnet", 0.5, {"g": 3}, {"g": 32.0}, 0.8)
+
+
+def config(budget_usd_per_hr: float = 100.0, **kwargs: float) -> TunerConfig:
+    return TunerConfig(
+        windows_s=WINDOWS_S,
+        planned_rate_qps=(128.0, 128.0, 128.0),
+        budget_usd_per_hr=budget_usd_per_hr,
+        prices_usd_per_hr={"g": 1.0, "gpu": 1.0, "cpu": 0.05},
+        boot_s={"g": 60.0, "gpu": 60.0, "cpu": 30.0},
+        **kwargs,
+    )
+
+
+# --- Algorithm 3: scale up -------------------------------------------------------------------
+
+
+def test_a_step_above_the_envelope_scales_up_to_k() -> None:
+    plan, cfg = one_type_stage(), config()
+    state = initial_state([plan], now_s=0.0)
+    decisions, after = tune(steady(256, 90.0, 100.0), 100.0, state, [plan], cfg)
+    # k = ceil(r_max s / (mu rho)) = ceil(256 x 0.5 / (32 x 0.8)) = ceil(5.0) = 5: add 2.
+    assert [(d.action, d.stage, d.instance_type, d.count) for d in decisions] == [
+        ("scale_up", "resnet", "g", 2)
+    ]
+    assert after.fleets["resnet"]["g"] == 5
+    assert after.last_change_s == 100.0
+    assert decisions[0].cost_usd_per_hr_after == pytest.approx(5.0)
+    reason = decisions[0].reason
+    for text in ("window 1 s", "256 qps > planned 128 qps", "r_max 256", "rho 0.8", "k 5"):
+        assert text in reason, reason
+
+
+def test_r_max_is_the_largest_rate_of_the_exceeding_windows() -> None:
+    # A 1 s burst at 512 qps inside 256 qps: the 1 s window sees 512, the 4 s window 320.
+    arrivals = np.sort(np.concatenate([steady(256, 90.0, 100.0), steady(256, 95.0, 96.0)]))
+    plan = one_type_stage()
+    decisions, after = tune(arrivals, 100.0, initial_state([plan], 0.0), [plan], config())
+    # ceil(512 x 0.5 / 25.6) = 10
+    assert after.fleets["resnet"]["g"] == 10
+    assert "r_max 512" in decisions[0].reason
+
+
+def test_no_change_within_the_envelope() -> None:
+    plan = one_type_stage()
+    state = initial_state([plan], 0.0)
+    arrivals = steady(128, 0.0, 100.0)  # exactly the planned envelope
+    for now_s in (5.0, 50.0, 100.0):  # before and after the scale-down delay
+        decisions, after = tune(arrivals, now_s, state, [plan], config())
+        assert decisions == []
+        assert after == state
+
+
+def test_booting_instances_count_for_capacity_and_cost_but_serve_only_after_boot() -> None:
+    plan, cfg = one_type_stage(), config()
+    arrivals = steady(256, 90.0, 102.0)
+    _, state = tune(arrivals[arrivals <= 100.0], 100.0, initial_state([plan], 0.0), [plan], cfg)
+    assert [(b.instance_type, b.ready_at_s) for b in state.booting] == [("g", 160.0)] * 2
+    assert fleet_cost_usd_per_hr(state, cfg.prices_usd_per_hr) == pytest.approx(5.0)
+    # The same burst a second later launches nothing more: the booting two already cover it.
+    decisions, again = tune(arrivals, 101.0, state, [plan], cfg)
+    assert decisions == [] and again.fleets == state.fleets
+    assert ready_fleets(state, 159.9)["resnet"]["g"] == 3
+    assert ready_fleets(state, 160.0)["resnet"]["g"] == 5
+    _, later = tune(arrivals, 160.0, state, [plan], cfg)
+    assert later.booting == ()
+
+
+def test_boot_times_default_by_gpu_and_are_configurable() -> None:
+    catalog = Catalog(
+        [InstanceType("g4dn.xlarge", 0.526, gpus=1), InstanceType("c5.large", 0.085, vcpus=2)]
+    )
+    assert default_boot_s(catalog) == {"g4dn.xlarge": GPU_BOOT_S, "c5.large": CPU_BOOT_S}
+    cfg = TunerConfig.from_planning_trace(
+        steady(128, 0.0, 120.0),
+        0.25,
+        budget_usd_per_hr=10.0,
+        catalog=catalog,
+        boot_s={"c5.large": 12.0},
+    )
+    assert cfg.boot_s == {"g4dn.xlarge": 60.0, "c5.large": 12.0}
+    assert cfg.windows_s == (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
+    assert cfg.planned_rate_qps == pytest.approx([128.0] * 9)
+    assert cfg.prices_usd_per_hr["g4dn.xlarge"] == 0.526
+
+
+# --- Algorithm 4: scale down -----------------------------------------------------------------
+
+
+def test_scale_down_waits_for_the_delay_and_follows_the_recent_rate() -> None:
+    plan, cfg = one_type_stage(), config()
+    arrivals = np.concatenate([steady(256, 90.0, 100.0), steady(32, 100.0, 200.0)])
+    _, state = tune(arrivals[arrivals <= 100.0], 100.0, initial_state([plan], 0.0), [plan], cfg)
+    assert state.fleets["resnet"]["g"] == 5
+
+    def at(now_s: float) -> list[tuple[str, int]]:
+        decisions, _ = tune(arrivals[arrivals <= now_s], now_s, state, [plan], cfg)
+        return [(d.action, d.count) for d in decisions]
+
+    assert at(112.0) == []  # 12 s < 15 s since the last change
+    assert at(116.0) == []  # the burst is still in the last 60 s: 5 are needed
+    decisions, after = tune(arrivals[arrivals <= 161.0], 161.0, state, [plan], cfg)
+    # Recent rate 32 qps: k = ceil(32 x 0.5 / 25.6) = 1.
+    assert [(d.action, d.count) for d in decisions] == [("scale_down", 4)]
+    assert after.fleets["resnet"]["g"] == 1 and after.last_change_s == 161.0
+    assert "recent peak 32 qps" in decisions[0].reason and "k 1" in decisions[0].reason
+
+
+def test_scale_down_keeps_min_instances_and_stops_booting_ones_first() -> None:
+    plan = StagePlan("resnet", 0.5, {"g": 3}, {"g": 32.0}, 0.8, min_instances=2)
+    cfg = config()
+    _, state = tune(steady(256, 90.0, 100.0), 100.0, initial_state([plan], 0.0), [plan], cfg)
+    assert len(state.booting) == 2
+    decisions, after = tune(np.array([]), 130.0, state, [plan], cfg)
+    assert [(d.action, d.count) for d in decisions] == [("scale_down", 3)]
+    assert after.fleets["resnet"]["g"] == 2
+    assert after.booting == ()  # both booting instances went first
+    assert ready_fleets(after, 130.0)["resnet"]["g"] == 2
+
+
+def test_a_stage_scaled_below_its_plan_comes_back_within_the_envelope() -> None:
+    plan, cfg = one_type_stage(), config()
+    state = TunerState(fleets={"resnet": Fleet.of({"g": 1})}, last_change_s=0.0)
+    decisions, after = tune(steady(128, 0.0, 100.0), 100.0, state, [plan], cfg)
+    # Within the envelope, but 128 x 0.5 / 0.8 = 80 qps needs 3 x 32: back to the plan.
+    assert [(d.action, d.count) for d in decisions] == [("scale_up", 2)]
+    assert after.fleets["resnet"]["g"] == 3
+    assert "below plan" in decisions[0].reason
+
+
+# --- mixed stages and the budget -------------------------------------------------------------
+
+
+def mixed_stage() -> StagePlan:
+    # gpu: 100 qps per 1.00 USD/hr; cpu: 10 qps per 0.05 USD/hr, twice as cost-effective.
+    return StagePlan("mix", 1.0, {"gpu": 1}, {"gpu": 100.0, "cpu": 10.0}, 0.8)
+
+
+def test_a_mixed_stage_adds_the_most_cost_effective_type() -> None:
+    plan = mixed_stage()
+    decisions, after = tune(
+        steady(256, 90.0, 100.0), 100.0, initial_state([plan], 0.0), [plan], config()
+    )
+    # Need 256 / 0.8 = 320 qps; have 100: 22 cpu instances (220 qps).
+    assert [(d.action, d.instance_type, d.count) for d in decisions] == [("scale_up", "cpu", 22)]
+    assert dict(after.fleets["mix"]) == {"gpu": 1, "cpu": 22}
+    assert [b.ready_at_s for b in after.booting] == [130.0] * 22
+
+
+def test_the_budget_caps_a_scale_up_and_says_so() -> None:
+    plan = mixed_stage()
+    cfg = config(budget_usd_per_hr=1.5)
+    decisions, after = tune(
+        steady(256, 90.0, 100.0), 100.0, initial_state([plan], 0.0), [plan], cfg
+    )
+    # 0.5 USD/hr left buys 10 cpu (100 qps); a gpu no longer fits: 120 qps short.
+    assert [(d.action, d.instance_type, d.count) for d in decisions] == [
+        ("scale_up", "cpu", 10),
+        ("budget_capped", "cpu", 12),
+    ]
+    assert fleet_cost_usd_per_hr(after, cfg.prices_usd_per_hr) <= 1.5 + 1e-9
+    assert "short 120 qps" in decisions[1].reason and "1.5 USD/hr budget" in decisions[1].reason
+
+
+def test_a_mixed_stage_stops_the_least_cost_effective_first() -> None:
+    plan = mixed_stage()
+    state = TunerState(fleets={"mix": Fleet.of({"gpu": 1, "cpu": 22})}, last_change_s=0.0)
+    decisions, after = tune(steady(32, 40.0, 100.0), 100.0, state, [plan], config())
+    # Need 32 / 0.8 = 40 qps: the gpu goes (320 -> 220 qps), then 18 cpu (-> 40 qps).
+    assert [(d.action, d.instance_type, d.count) for d in decisions] == [
+        ("scale_down", "gpu", 1),
+        ("scale_down", "cpu", 18),
+    ]
+    assert dict(after.fleets["mix"]) == {"gpu": 0, "cpu": 4}
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[list[StagePlan], TunerConfig, list[tuple[float, int]]]:
+    types = ["a", "b", "c"]
+    prices = {t: draw(st.floats(0.01, 5.0)) for t in types}
+    plans = []
+    for i in range(draw(st.integers(1, 3))):
+        kinds = draw(st.lists(st.sampled_from(types), min_size=1, max_size=3, unique=True))
+        mu = {t: draw(st.floats(1.0, 200.0)) for t in kinds}
+        fleet = {kinds[0]: draw(st.integers(1, 3))}
+        plans.append(
+            StagePlan(f"s{i}", draw(st.floats(0.05, 1.0)), fleet, mu, draw(st.floats(0.3, 1.0)))
+        )
+    planned_cost = sum(prices[t] * n for plan in plans for t, n in plan.fleet.items())
+    cfg = TunerConfig(
+        windows_s=WINDOWS_S,
+        planned_rate_qps=tuple(draw(st.floats(1.0, 300.0)) for _ in WINDOWS_S),
+        budget_usd_per_hr=planned_cost + draw(st.floats(0.0, 20.0)),
+        prices_usd_per_hr=prices,
+        boot_s={t: draw(st.sampled_from([0.0, 30.0, 60.0])) for t in types},
+        scale_down_delay_s=draw(st.sampled_from([0.0, 15.0])),
+    )
+    # (seconds of traffic, rate as a power of two) per tick
+    ticks = draw(
+        st.lists(st.tuples(st.sampled_from([1.0, 5.0, 20.0]), st.integers(0, 10)), max_size=12)
+    )
+    return plans, cfg, ticks
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_the_fleet_never_costs_more_than_the_budget(
+    scenario: tuple[list[StagePlan], TunerConfig, list[tuple[float, int]]],
+) -> None:
+    plans, cfg, ticks = scenario
+    state = initial_state(plans, 0.0)
+    now_s, pieces = 0.0, [np.array([])]
+    for duration_s, log2_rate in ticks:
+        pieces.append(steady(2**log2_rate, now_s, now_s + duration_s))
+        now_s += duration_s
+        decisions, state = tune(np.concatenate(pieces), now_s, state, plans, cfg)
+        cost = fleet_cost_usd_per_hr(state, cfg.prices_usd_per_hr)
+        assert cost <= cfg.budget_usd_per_hr + 1e-9
+        assert all(d.cost_usd_per_hr_after <= cfg.budget_usd_per_hr + 1e-9 for d in decisions)
+        assert all(d.count > 0 and d.reason for d in decisions)
+        for plan in plans:
+            assert state.fleets[plan.name].total >= plan.min_instances
+        for b in state.booting:
+            assert b.ready_at_s > now_s
+            assert ready_fleets(state, now_s)[b.stage][b.instance_type] >= 0
+
+
+# --- the contract ----------------------------------------------------------------------------
+
+
+def test_tune_is_deterministic_and_does_not_touch_its_inputs() -> None:
+    plan, cfg = mixed_stage(), config(budget_usd_per_hr=1.5)
+    state = initial_state([plan], 0.0)
+    arrivals = steady(256, 90.0, 100.0)
+    first = tune(arrivals, 100.0, state, [plan], cfg)
+    assert tune(arrivals, 100.0, state, [plan], cfg) == first
+    assert state == initial_state([plan], 0.0)
+
+
+def test_utilisation_target_keeps_the_plan_at_the_planned_peak() -> None:
+    rho = utilisation_target({"g": 3}, {"g": 32.0}, 0.5, 128.0)
+    assert rho == pytest.approx(64.0 / 96.0)
+    assert math.ceil(128.0 * 0.5 / (32.0 * rho) - 1e-9) == 3
+
+
+def test_bad_inputs_are_rejected_at_the_boundary() -> None:
+    with pytest.raises(WorkloadError, match="utilisation_target must be <= 1"):
+        StagePlan("x", 1.0, {"g": 1}, {"g": 1.0}, 1.5)
+    with pytest.raises(UnknownInstanceTypeError):
+        StagePlan("x", 1.0, {"h": 1}, {"g": 1.0}, 0.5)
+    with pytest.raises(WorkloadError, match="one planned rate per window"):
+        TunerConfig((1.0, 2.0), (1.0,), 1.0, {"g": 1.0}, {"g": 1.0})
+    plan = StagePlan("x", 1.0, {"z": 1}, {"z": 1.0}, 0.5)
+    with pytest.raises(UnknownInstanceTypeError, match="tuner's prices"):
+        tune(np.array([]), 0.0, initial_state([plan], 0.0), [plan], config())
