@@ -1,0 +1,91 @@
+"""``heteroplane plan``: the cheapest fleet, batch size and replicas that meet an app's SLO.
+
+The algorithm lives in ``controlplane.planner`` (InferLine Algorithms 1 and 2 over Kairos-ranked
+instance mixes, docs/planner.md); this module reads the spec and the trace and prints the plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from controlplane.cli.output import emit, progress
+from controlplane.planner import PLANNING_QUERIES, Plan, plan_app
+from controlplane.spec import load_spec, resolve_spec
+from estimator.traces import read_trace_csv, trace_stats
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="plan the cheapest fleet that meets an app's SLO on a trace, within its budget",
+        description="Find a feasible instance mix per stage (InferLine Algorithm 1, started from"
+        " the Kairos bound), then cut cost greedily while the simulator says the SLO holds"
+        f" (Algorithm 2). Simulates at most the first {PLANNING_QUERIES:,} queries.",
+    )
+    parser.add_argument("--spec", required=True, type=Path, metavar="FILE", help="app spec YAML")
+    parser.add_argument("--trace", required=True, type=Path, metavar="FILE", help="trace CSV")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    app = resolve_spec(spec)
+    trace = read_trace_csv(args.trace)
+    stats = trace_stats(trace)
+    plan = plan_app(app, trace, seed=args.seed, progress=progress)
+    data: dict[str, Any] = {
+        "app": spec.name,
+        "slo_ms": spec.slo.latency_ms,
+        "percentile": spec.slo.percentile,
+        "budget_usd_per_hr": spec.budget_usd_per_hr,
+        "trace": {"count": stats.count, "rate_qps": stats.rate_qps, "cv2": stats.cv2},
+        "feasible": plan.feasible,
+        "cost_usd_per_hr": plan.cost_usd_per_hr,
+        "stages": [
+            {
+                "name": s.name,
+                "fleet": dict(s.fleet),
+                "batch_size": s.batch_size,
+                "predicted_p99_ms": s.predicted_p99_ms,
+                "throughput_qps": s.throughput_qps,
+                "cost_usd_per_hr": s.cost_usd_per_hr,
+                "policy": s.policy,
+            }
+            for s in plan.stages
+        ],
+        "planned_rate_qps": plan.planned_rate_qps,
+        "steps": list(plan.steps),
+        "simulations": plan.simulations,
+        "seed": args.seed,
+    }
+    if plan.max_feasible_qps is not None:
+        data["max_feasible_qps"] = plan.max_feasible_qps
+    return emit(args.json, data, lambda: _human(data, plan))
+
+
+def _human(data: dict[str, Any], plan: Plan) -> str:
+    trace = data["trace"]
+    verdict = (
+        f"feasible at ${plan.cost_usd_per_hr:.3f}/hr (budget ${data['budget_usd_per_hr']:g}/hr)"
+        if plan.feasible
+        else f"NOT feasible within ${data['budget_usd_per_hr']:g}/hr: at most"
+        f" {plan.max_feasible_qps:.2f} qps can be served"
+    )
+    lines = [
+        f"{data['app']}: P{data['percentile']:g} <= {data['slo_ms']:g} ms on {trace['count']:,}"
+        f" queries at {trace['rate_qps']:.2f} qps (CV^2 {trace['cv2']:.2f}): {verdict}",
+    ]
+    for s in plan.stages:
+        fleet = ", ".join(f"{n} x {t}" for t, n in s.fleet.items())
+        lines.append(
+            f"  {s.name}: {fleet}, batch {s.batch_size}, {s.policy} dispatch;"
+            f" P99 {s.predicted_p99_ms:.1f} ms, {s.throughput_qps:.2f} qps,"
+            f" ${s.cost_usd_per_hr:.3f}/hr"
+        )
+    lines.append(f"  steps ({plan.simulations} simulations):")
+    lines += [f"    - {step}" for step in plan.steps]
+    return "\n".join(lines)

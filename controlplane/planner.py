@@ -1,0 +1,593 @@
+"""The planner: the cheapest instance mix, batch size and replica counts that meet the SLO.
+
+This module owns InferLine's low-frequency planner (Crankshaw et al., SoCC'20, section 4.3,
+Algorithms 1 and 2), with the "hardware" of a stage generalised to a heterogeneous instance mix
+whose starting point comes from the Kairos throughput upper bound (Kairos, HPDC'23, section 5.2;
+``estimator.bounds``). The estimator (``estimator.simulator``) is the only judge of feasibility:
+a configuration is feasible when the simulated P-th percentile of the response times on the
+planning trace is within the SLO (P = ``slo.percentile``, 99 by default).
+
+For one stage (model m, candidate types T, prices P_t, SLO L, budget B, caps c_t):
+
+**Algorithm 1 (a feasible start, cost ignored but never above B).**
+
+1. Service-time bound. With L_t(b) the mean latency of type t at batch size b and max batch 1,
+   no configuration answers query q sooner than S_q = min_t L_t(b_q). If the P-th percentile of
+   S_q over the trace exceeds L, no plan exists: :class:`InfeasibleSLOError` names the model,
+   the fastest type at that batch size, its latency and the SLO.
+2. Start mix. The Kairos quantities of m on the trace's empirical batch-size pmf rank every
+   affordable configuration n (sum_t n_t P_t <= B, n_t <= c_t) by its bound UB(n). The start is
+   the cheapest n with ``HEADROOM`` x UB(n) >= r_peak (r_peak: the most arrivals in any
+   ``PEAK_WINDOW_S`` window of the trace, per second), else the configuration of highest bound.
+3. Add capacity. While the simulated P99 exceeds L, add one instance of the most cost-effective
+   type (largest Q_t / P_t, Q_t = 1000 / mean_q L_t(b_q)) whose addition lowers the P99 and
+   keeps the fleet within B and c_t. If none does, no plan within the budget serves the trace.
+
+**Algorithm 2 (cut cost greedily).** From a feasible (n, k), with k the batch size (the most
+queued queries an instance takes at once), repeat: list the actions
+
+- remove one instance of type t (the fleet keeps at least one instance),
+- move one instance of type t to a cheaper type u (P_u < P_t, within c_u),
+- double the batch size and remove one instance of type t (only when every type of the fleet
+  has a profile up to 2k x the trace's smallest batch size; doubling alone saves nothing, so it
+  is paired with the removal it is meant to allow),
+
+ordered by the cost they save (ties: the order above, then by type name); simulate them in that
+order and apply the first feasible one, which is the feasible action of largest saving. Stop
+when none is feasible. Every step is one sentence in :attr:`Plan.steps`.
+
+**Budget.** A plan never costs more than B: Algorithm 1 only adds instances that keep the fleet
+within B and Algorithm 2 only lowers cost. When no plan within B serves the trace,
+:attr:`Plan.max_feasible_qps` is the highest rate r (arrival times scaled by r_trace / r) at
+which Algorithm 1 finds one, by bisection to ``RATE_REL_TOL``; the stages are then planned for
+that rate.
+
+**Dispatch.** A single-type fleet is served first come, first served (the compiled kernel);
+a mix by the Kairos dispatcher (``policy_factory("kairos", ...)``), its base the most
+cost-effective type of the fleet that meets the SLO at every batch size of the trace (FCFS
+when none does).
+
+**Cost of planning.** The planner simulates the first ``PLANNING_QUERIES`` queries of the trace
+only; every simulation uses the same seed (common random numbers, so two configurations differ
+by their capacity, not by noise) and results are cached by (fleet, batch size).
+
+**Cascades.** Until scale factors arrive, each model of a cascade is planned as its own stage
+on the whole trace (scale factor s_m = 1), with an equal share L / M of the SLO, and within
+the budget left by the stages before it less the cheapest instance of each stage after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from controlplane.spec import ResolvedApp
+from estimator.bounds import kairos_quantities, rank_configurations
+from estimator.errors import (
+    BatchSizeOutOfRangeError,
+    BudgetError,
+    EstimatorError,
+    InfeasibleQoSError,
+    SearchSpaceError,
+)
+from estimator.policies import full_range_types, policy_factory
+from estimator.profiles import LatencyProfile, ProfileSet
+from estimator.simulator import InstanceSpec, Stage, simulate
+from estimator.traces import Trace
+
+__all__ = [
+    "HEADROOM",
+    "PEAK_WINDOW_S",
+    "PLANNING_QUERIES",
+    "InfeasibleSLOError",
+    "Plan",
+    "StagePlan",
+    "peak_rate_qps",
+    "plan_app",
+    "scale_trace",
+]
+
+# The planner simulates at most this many queries per configuration: 20,000 queries keep one
+# Kairos-dispatched simulation near a second while resolving a P99 by 200 queries above it.
+PLANNING_QUERIES = 20_000
+# The Kairos bound is an upper bound on the allowable rate; a start mix should have ~30% more
+# bound than the peak it must carry (InferLine's rho_m, the maximum provisioning ratio, is
+# of the same spirit). Algorithm 1 adds to a start that is too small, Algorithm 2 cuts one too big.
+HEADROOM = 0.7
+# The window over which the peak arrival rate is measured (the tuner's longest windows are 60 s;
+# 10 s is the burst a plan must absorb without the tuner's help).
+PEAK_WINDOW_S = 10.0
+# Relative tolerance of the bisection for the highest feasible rate.
+RATE_REL_TOL = 0.02
+# Algorithm 1 gives up after this many added instances (a guard; budgets end it sooner).
+MAX_ADDED_INSTANCES = 500
+
+
+class InfeasibleSLOError(EstimatorError):
+    """No configuration can meet the SLO: the service time alone exceeds it."""
+
+    def __init__(
+        self, model: str, instance_type: str, latency_ms: float, slo_ms: float, percentile: float
+    ) -> None:
+        self.model = model
+        self.instance_type = instance_type
+        self.latency_ms = latency_ms
+        self.slo_ms = slo_ms
+        super().__init__(
+            f"infeasible: the service time alone exceeds the SLO: model {model!r} on its fastest"
+            f" type {instance_type} takes {latency_ms:.2f} ms (p{percentile:g} of the trace's"
+            f" batch sizes at batch 1) > SLO {slo_ms:g} ms"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """One stage of a plan: its fleet (type -> count), batch size and what the estimator says."""
+
+    name: str
+    fleet: Mapping[str, int]
+    batch_size: int
+    predicted_p99_ms: float
+    throughput_qps: float
+    cost_usd_per_hr: float
+    policy: str
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A plan for an app: ``feasible`` when every stage meets the SLO on the trace within the
+    budget; otherwise ``max_feasible_qps`` is the highest rate that can be served, and the
+    stages are planned for ``planned_rate_qps`` (empty when not even the lowest rate can)."""
+
+    feasible: bool
+    cost_usd_per_hr: float
+    stages: tuple[StagePlan, ...]
+    steps: tuple[str, ...]
+    planned_rate_qps: float
+    max_feasible_qps: float | None = None
+    simulations: int = 0
+
+
+# --- traces ----------------------------------------------------------------------------------
+
+
+def peak_rate_qps(trace: Trace, window_s: float = PEAK_WINDOW_S) -> float:
+    """The most arrivals in any window of ``window_s`` starting at an arrival, per second (the
+    mean rate when the trace is shorter than the window).
+
+    >>> peak_rate_qps(Trace(np.array([0.0, 1.0, 1.5, 2.0, 20.0]), np.ones(5)), 10.0)
+    0.4
+    """
+    arrival = trace.arrival_s
+    if trace.duration_s <= window_s:
+        return (len(trace) - 1) / trace.duration_s if trace.duration_s > 0 else 0.0
+    ends = np.searchsorted(arrival, arrival + window_s, side="left")
+    return float(np.max(ends - np.arange(arrival.size))) / window_s
+
+
+def _rate_qps(trace: Trace) -> float:
+    return (len(trace) - 1) / trace.duration_s if trace.duration_s > 0 else 0.0
+
+
+def scale_trace(trace: Trace, rate_qps: float) -> Trace:
+    """``trace`` with its arrival times scaled so that its mean rate is ``rate_qps``."""
+    factor = _rate_qps(trace) / rate_qps
+    return Trace((trace.arrival_s - trace.arrival_s[0]) * factor, trace.batch_size)
+
+
+# --- one stage -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _StageInputs:
+    model: str
+    profiles: Mapping[str, LatencyProfile]  # the candidate types that cover the trace
+    prices_usd_per_hr: Mapping[str, float]
+    max_counts: Mapping[str, int]
+    slo_ms: float
+    percentile: float
+    budget_usd_per_hr: float
+    profile_set: ProfileSet
+
+
+@dataclass(slots=True)
+class _Evaluator:
+    """Simulates (fleet, batch size) on the planning trace with one seed; caches the answers."""
+
+    inputs: _StageInputs
+    trace: Trace
+    seed: int
+    cache: dict[tuple[tuple[tuple[str, int], ...], int], tuple[float, float, str]] = field(
+        default_factory=dict
+    )
+    simulations: int = 0
+
+    def __call__(self, fleet: Mapping[str, int], batch: int) -> tuple[float, float, str]:
+        """(P-th percentile response ms, throughput qps, policy name) of ``fleet`` at ``batch``."""
+        key = (tuple(sorted((t, n) for t, n in fleet.items() if n)), batch)
+        if key not in self.cache:
+            self.cache[key] = self._simulate(dict(key[0]), batch)
+            self.simulations += 1
+        return self.cache[key]
+
+    def _simulate(self, fleet: dict[str, int], batch: int) -> tuple[float, float, str]:
+        used = {t: self.inputs.profiles[t] for t in fleet}
+        prices = self.inputs.prices_usd_per_hr
+        if len(used) == 1:
+            name, make = "fcfs", policy_factory("fcfs", used, list(used))
+        else:
+            base = full_range_types(used, self.trace.batch_size, self.inputs.slo_ms, prices)
+            if base:
+                name, make = "kairos", policy_factory("kairos", used, base)
+            else:
+                name, make = "fcfs", policy_factory("fcfs", used, [])
+        instances = tuple(InstanceSpec(t) for t in sorted(fleet) for _ in range(fleet[t]))
+        stage = Stage(self.inputs.model, instances, used, make(), max_batch_queries=batch)
+        result = simulate(
+            self.trace,
+            [stage],
+            np.random.default_rng(self.seed),
+            prices_usd_per_hr=prices,
+            qos_ms=self.inputs.slo_ms,
+        )
+        tail_ms = float(np.percentile(result.response_ms, self.inputs.percentile))
+        return tail_ms, result.summary().throughput_qps, name
+
+
+def _cost(fleet: Mapping[str, int], prices: Mapping[str, float]) -> float:
+    return float(sum(prices[t] * n for t, n in fleet.items()))
+
+
+def _fleet_text(fleet: Mapping[str, int]) -> str:
+    return ", ".join(f"{n} x {t}" for t, n in sorted(fleet.items()) if n) or "no instances"
+
+
+def _mean_latency_ms(profile: LatencyProfile, sizes: np.ndarray) -> np.ndarray:
+    means: np.ndarray = np.interp(sizes, profile.batch_sizes, profile.mean_ms)
+    return means
+
+
+def _check_service_time(inputs: _StageInputs, sizes: np.ndarray) -> None:
+    """Algorithm 1, line 2: the fastest type per query, at batch 1, must leave room in the SLO."""
+    names = sorted(inputs.profiles)
+    latency = np.stack([_mean_latency_ms(inputs.profiles[t], sizes) for t in names])
+    best_ms = latency.min(axis=0)
+    bound_ms = float(np.percentile(best_ms, inputs.percentile))
+    if bound_ms > inputs.slo_ms:
+        # The query at the percentile: the type fastest for it, and its latency.
+        q = int(np.argmin(np.abs(best_ms - bound_ms)))
+        fastest = names[int(np.argmin(latency[:, q]))]
+        raise InfeasibleSLOError(inputs.model, fastest, bound_ms, inputs.slo_ms, inputs.percentile)
+
+
+def _start_fleet(
+    inputs: _StageInputs, trace: Trace, value: Mapping[str, float]
+) -> tuple[dict[str, int], str]:
+    """Algorithm 1's start: the cheapest ranked mix whose bound covers the peak with headroom."""
+    sizes, counts = np.unique(trace.batch_size, return_counts=True)
+    names = sorted(inputs.profiles)
+    peak = peak_rate_qps(trace)
+    try:
+        q = kairos_quantities(
+            inputs.profile_set,
+            inputs.model,
+            names,
+            inputs.prices_usd_per_hr,
+            inputs.slo_ms,
+            (sizes, counts / counts.sum()),
+        )
+        caps = {t: inputs.max_counts[t] for t in q.type_names if t in inputs.max_counts}
+        try:
+            ranking = rank_configurations(
+                q, inputs.budget_usd_per_hr, caps, None, max_ranked=200_000
+            )
+        except SearchSpaceError:
+            ranking = rank_configurations(q, inputs.budget_usd_per_hr, caps, 5_000)
+    except (InfeasibleQoSError, BudgetError):
+        best = max(names, key=lambda t: (value[t], t))
+        return {best: 1}, (
+            f"no Kairos ranking (no type meets the SLO at every batch size within the budget);"
+            f" start from one {best}"
+        )
+    covering = np.flatnonzero(HEADROOM * ranking.upper_bound_qps >= peak)
+    if covering.size:
+        index = int(covering[np.argmin(ranking.cost_usd_per_hr[covering])])
+        why = (
+            f"the cheapest of {len(ranking):,} ranked mixes whose Kairos bound"
+            f" {ranking.upper_bound_qps[index]:.1f} qps x headroom {HEADROOM:g} covers the peak"
+            f" {peak:.1f} qps"
+        )
+    else:
+        index = 0
+        why = (
+            f"no affordable mix has a Kairos bound x headroom {HEADROOM:g} above the peak"
+            f" {peak:.1f} qps; start from the highest bound, {ranking.upper_bound_qps[0]:.1f} qps"
+        )
+    fleet = {t: n for t, n in ranking.fleet(index).items() if n}
+    return fleet, why
+
+
+def _algorithm_1(
+    inputs: _StageInputs,
+    evaluate: _Evaluator,
+    value: Mapping[str, float],
+    steps: list[str],
+) -> dict[str, int] | None:
+    """A feasible fleet at batch 1 within the budget and caps, or ``None``."""
+    fleet, why = _start_fleet(inputs, evaluate.trace, value)
+    prices = inputs.prices_usd_per_hr
+    tail_ms, _, _ = evaluate(fleet, 1)
+    steps.append(
+        f"{inputs.model}: start from {_fleet_text(fleet)} (${_cost(fleet, prices):.3f}/hr): {why};"
+        f" simulated P{inputs.percentile:g} {tail_ms:.1f} ms"
+    )
+    by_value = sorted(inputs.profiles, key=lambda t: (-value[t], t))
+    for _ in range(MAX_ADDED_INSTANCES):
+        if tail_ms <= inputs.slo_ms:
+            return fleet
+        for t in by_value:
+            grown = {**fleet, t: fleet.get(t, 0) + 1}
+            if grown[t] > inputs.max_counts.get(t, math.inf):
+                continue
+            if _cost(grown, prices) > inputs.budget_usd_per_hr + 1e-9:
+                continue
+            grown_ms, _, _ = evaluate(grown, 1)
+            if grown_ms < tail_ms:
+                steps.append(
+                    f"{inputs.model}: add one {t} (P{inputs.percentile:g} {tail_ms:.1f} ->"
+                    f" {grown_ms:.1f} ms, ${_cost(grown, prices):.3f}/hr)"
+                )
+                fleet, tail_ms = grown, grown_ms
+                break
+        else:
+            steps.append(
+                f"{inputs.model}: no instance that fits the budget"
+                f" ${inputs.budget_usd_per_hr:g}/hr lowers P{inputs.percentile:g} below"
+                f" {inputs.slo_ms:g} ms (it is {tail_ms:.1f} ms on {_fleet_text(fleet)})"
+            )
+            return None
+    return fleet if tail_ms <= inputs.slo_ms else None
+
+
+def _batch_fits(inputs: _StageInputs, fleet: Mapping[str, int], batch: int, smallest: int) -> bool:
+    return all(inputs.profiles[t].max_batch_size >= batch * smallest for t in fleet if fleet[t])
+
+
+def _algorithm_2(
+    inputs: _StageInputs,
+    evaluate: _Evaluator,
+    fleet: dict[str, int],
+    steps: list[str],
+) -> tuple[dict[str, int], int]:
+    """Greedy cost cuts from a feasible (fleet, batch 1) while the estimator says feasible."""
+    prices = inputs.prices_usd_per_hr
+    smallest = int(evaluate.trace.batch_size.min())
+    batch = 1
+    while True:
+        actions: list[tuple[float, int, str, dict[str, int], int, str]] = []
+        total = sum(fleet.values())
+        for t in sorted(t for t in fleet if fleet[t]):
+            if total > 1:
+                fewer = {**fleet, t: fleet[t] - 1}
+                actions.append((prices[t], 0, t, fewer, batch, f"remove one {t}"))
+                if _batch_fits(inputs, fewer, 2 * batch, smallest):
+                    actions.append(
+                        (
+                            prices[t],
+                            2,
+                            t,
+                            fewer,
+                            2 * batch,
+                            f"double the batch size to {2 * batch} and remove one {t}",
+                        )
+                    )
+            for u in sorted(inputs.profiles):
+                if prices[u] < prices[t] and fleet.get(u, 0) + 1 <= inputs.max_counts.get(
+                    u, math.inf
+                ):
+                    moved = {**fleet, t: fleet[t] - 1, u: fleet.get(u, 0) + 1}
+                    actions.append(
+                        (prices[t] - prices[u], 1, t + u, moved, batch, f"move one {t} to {u}")
+                    )
+        actions.sort(key=lambda a: (-a[0], a[1], a[2]))
+        for saving, _, _, candidate, new_batch, what in actions:
+            tail_ms, _, _ = evaluate(candidate, new_batch)
+            if tail_ms <= inputs.slo_ms:
+                fleet = {t: n for t, n in candidate.items() if n}
+                batch = new_batch
+                steps.append(
+                    f"{inputs.model}: {what}: saves ${saving:.3f}/hr (now"
+                    f" ${_cost(fleet, prices):.3f}/hr), P{inputs.percentile:g} {tail_ms:.1f} ms"
+                )
+                break
+        else:
+            steps.append(
+                f"{inputs.model}: no action that cuts cost keeps P{inputs.percentile:g} within"
+                f" {inputs.slo_ms:g} ms; done"
+            )
+            return fleet, batch
+
+
+@dataclass(frozen=True, slots=True)
+class _Setup:
+    """What planning each stage of an app needs, independent of the trace's rate."""
+
+    stages: tuple[_StageInputs, ...]
+    cheapest_usd_per_hr: tuple[float, ...]  # per stage: its cheapest candidate's price
+
+
+def _setup(app: ResolvedApp, trace: Trace, steps: list[str]) -> _Setup:
+    spec = app.spec
+    order = spec.serving_order
+    slo_ms = spec.slo.latency_ms / len(order)
+    if len(order) > 1:
+        steps.append(
+            f"cascade {' -> '.join(order)}: planned stage by stage with scale factor 1.0 (every"
+            f" query reaches every stage) and an equal share {slo_ms:g} ms of the SLO each;"
+            " scale factors come in a later issue"
+        )
+    smallest, largest = int(trace.batch_size.min()), int(trace.batch_size.max())
+    stages = []
+    for model in order:
+        profiles: dict[str, LatencyProfile] = {}
+        for t in app.instance_types:
+            profile = app.profile(model, t)
+            if spec.max_count(t) == 0:
+                continue
+            if profile.min_batch_size <= smallest and profile.max_batch_size >= largest:
+                profiles[t] = profile
+            else:
+                steps.append(
+                    f"{model}: {t} left out: its profile ({profile.min_batch_size}.."
+                    f"{profile.max_batch_size}) does not cover the trace's batch sizes"
+                    f" {smallest}..{largest}"
+                )
+        if not profiles:
+            profile = app.profile(model, app.instance_types[0])
+            raise BatchSizeOutOfRangeError(
+                model,
+                app.instance_types[0],
+                largest if profile.max_batch_size < largest else smallest,
+                profile.min_batch_size,
+                profile.max_batch_size,
+            )
+        stages.append(
+            _StageInputs(
+                model=model,
+                profiles=profiles,
+                prices_usd_per_hr={t: app.prices_usd_per_hr[t] for t in profiles},
+                max_counts={t: n for t in profiles if (n := spec.max_count(t)) is not None},
+                slo_ms=slo_ms,
+                percentile=spec.slo.percentile,
+                budget_usd_per_hr=spec.budget_usd_per_hr,
+                profile_set=app.profiles[model],
+            )
+        )
+    cheapest = tuple(min(s.prices_usd_per_hr.values()) for s in stages)
+    return _Setup(tuple(stages), cheapest)
+
+
+def _value_per_usd(inputs: _StageInputs, sizes: np.ndarray) -> dict[str, float]:
+    """Q_t / P_t: queries per second per USD/hr of each type on the trace's batch sizes."""
+    return {
+        t: 1000.0 / float(_mean_latency_ms(p, sizes).mean()) / inputs.prices_usd_per_hr[t]
+        for t, p in inputs.profiles.items()
+    }
+
+
+def _run(
+    setup: _Setup,
+    app: ResolvedApp,
+    trace: Trace,
+    seed: int,
+    steps: list[str],
+    optimise: bool,
+    counter: list[int],
+) -> list[StagePlan] | None:
+    """Plan every stage on ``trace``; ``None`` when some stage has no plan within the budget.
+    Without ``optimise`` only Algorithm 1 runs (a feasibility probe)."""
+    left_usd_per_hr = app.spec.budget_usd_per_hr
+    plans = []
+    for i, stage in enumerate(setup.stages):
+        reserve = sum(setup.cheapest_usd_per_hr[i + 1 :])
+        inputs = _replace_budget(stage, left_usd_per_hr - reserve)
+        if inputs.budget_usd_per_hr < min(inputs.prices_usd_per_hr.values()):
+            steps.append(f"{stage.model}: the budget left buys no instance")
+            return None
+        evaluate = _Evaluator(inputs, trace, seed)
+        value = _value_per_usd(inputs, trace.batch_size)
+        try:
+            fleet = _algorithm_1(inputs, evaluate, value, steps)
+            if fleet is None:
+                return None
+            batch = 1
+            if optimise:
+                fleet, batch = _algorithm_2(inputs, evaluate, fleet, steps)
+        finally:
+            counter[0] += evaluate.simulations
+        tail_ms, throughput, policy = evaluate(fleet, batch)
+        cost = _cost(fleet, inputs.prices_usd_per_hr)
+        left_usd_per_hr -= cost
+        plans.append(
+            StagePlan(
+                stage.model, dict(sorted(fleet.items())), batch, tail_ms, throughput, cost, policy
+            )
+        )
+    return plans
+
+
+def _replace_budget(stage: _StageInputs, budget_usd_per_hr: float) -> _StageInputs:
+    return dataclasses.replace(stage, budget_usd_per_hr=budget_usd_per_hr)
+
+
+def plan_app(
+    app: ResolvedApp,
+    trace: Trace,
+    *,
+    seed: int = 0,
+    max_queries: int = PLANNING_QUERIES,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """Plan ``app`` for ``trace`` (see the module docstring for the algorithm).
+
+    Deterministic for a seed. Raises :class:`InfeasibleSLOError` when the service time alone
+    exceeds the SLO, and the estimator's errors for a trace the profiles cannot serve.
+    """
+    if len(trace) < 2:
+        raise EstimatorError("the trace needs at least two queries to plan for")
+    if max_queries < 2:
+        raise ValueError(f"max_queries must be >= 2, got {max_queries}")
+    say = progress or (lambda _message: None)
+    steps: list[str] = []
+    if len(trace) > max_queries:
+        sample = Trace(trace.arrival_s[:max_queries], trace.batch_size[:max_queries])
+        steps.append(
+            f"planned on the first {max_queries:,} of {len(trace):,} queries"
+            f" ({sample.duration_s:.0f} of {trace.duration_s:.0f} s) to keep simulations short"
+        )
+    else:
+        sample = Trace(trace.arrival_s, trace.batch_size)
+    sample = Trace(sample.arrival_s - sample.arrival_s[0], sample.batch_size)
+    setup = _setup(app, sample, steps)
+    for stage in setup.stages:
+        _check_service_time(stage, sample.batch_size)
+    rate = _rate_qps(sample)
+    counter = [0]
+    say(f"planning {app.spec.name} for {rate:.2f} qps ({len(sample):,} queries)")
+    plans = _run(setup, app, sample, seed, steps, True, counter)
+    max_feasible: float | None = None
+    planned_rate = rate
+    if plans is None:
+        say("no plan within the budget serves the trace; bisecting the highest feasible rate")
+        low, high = 0.0, rate
+        while high - low > RATE_REL_TOL * rate:
+            middle = 0.5 * (low + high)
+            probe_steps: list[str] = []
+            if _run(setup, app, scale_trace(sample, middle), seed, probe_steps, False, counter):
+                low = middle
+            else:
+                high = middle
+            say(f"  {middle:.2f} qps: {'feasible' if low == middle else 'infeasible'}")
+        max_feasible, planned_rate = low, low
+        steps.append(
+            f"no plan within the budget ${app.spec.budget_usd_per_hr:g}/hr meets the SLO at"
+            f" {rate:.2f} qps; the highest rate one does (bisection, arrival times scaled) is"
+            f" {low:.2f} qps, and the stages below are planned for it"
+        )
+        plans = []
+        if low > 0:
+            plans = _run(setup, app, scale_trace(sample, low), seed, steps, True, counter) or []
+    say(f"done after {counter[0]} simulations")
+    return Plan(
+        feasible=max_feasible is None,
+        cost_usd_per_hr=float(sum(p.cost_usd_per_hr for p in plans)),
+        stages=tuple(plans),
+        steps=tuple(steps),
+        planned_rate_qps=planned_rate,
+        max_feasible_qps=max_feasible,
+        simulations=counter[0],
+    )

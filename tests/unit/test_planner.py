@@ -1,0 +1,281 @@
+"""The planner (InferLine Algorithms 1-2 over Kairos-ranked mixes) and ``heteroplane plan``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controlplane.cli import main
+from controlplane.planner import InfeasibleSLOError, Plan, peak_rate_qps, plan_app, scale_trace
+from controlplane.spec import ResolvedApp, load_spec, resolve_spec
+from estimator.batches import parse_batch_distribution
+from estimator.policies import full_range_types, policy_factory
+from estimator.simulator import InstanceSpec, Stage, simulate
+from estimator.traces import Trace, gamma_arrivals, poisson_arrivals, trace_stats, write_trace_csv
+from tests.conftest import KAIROS_CSV, needs_shared
+
+# Sub-linear in the batch size (a fixed cost per batch), so batching pays: mean ~ a + s b ms.
+SHAPES = {"g4dn.xlarge": (3.0, 1.0), "r5n.large": (8.0, 4.0), "t3.xlarge": (12.0, 6.0)}
+BATCHES = (1, 2, 4, 8, 16)
+
+
+def write_profiles(folder: Path) -> Path:
+    rows = ["model,instance_type,batch_size,sample,infer_ms,load_ms"]
+    for itype, (fixed, slope) in SHAPES.items():
+        for b in BATCHES:
+            # 11 samples (the largest is dropped on reading): a +-10% spread around the mean.
+            rows += [
+                f"m,{itype},{b},{i},{(fixed + slope * b) * (0.9 + 0.02 * i):.4f},0"
+                for i in range(11)
+            ]
+    path = folder / "profiles.csv"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def write_spec(folder: Path, slo_ms: float, budget: float, **extra: str) -> Path:
+    profiles = folder / "profiles.csv"
+    if not profiles.exists():
+        write_profiles(folder)
+    lines = [
+        "name: toy",
+        "models: [{name: m, profiles: profiles.csv}]",
+        f"slo: {{latency_ms: {slo_ms}}}",
+        f"budget_usd_per_hr: {budget}",
+        "instance_types: [g4dn.xlarge, r5n.large, t3.xlarge]",
+        *(f"{key}: {value}" for key, value in extra.items()),
+    ]
+    path = folder / f"spec-{slo_ms}-{budget}.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def app_for(folder: Path, slo_ms: float, budget: float) -> ResolvedApp:
+    return resolve_spec(load_spec(write_spec(folder, slo_ms, budget)))
+
+
+def poisson_trace(rate_qps: float, queries: int = 1500, seed: int = 1) -> Trace:
+    arrivals = poisson_arrivals(rate_qps, queries / rate_qps, np.random.default_rng(seed))
+    return Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
+
+
+def gamma_trace(rate_qps: float, cv2: float, queries: int = 1500, seed: int = 1) -> Trace:
+    arrivals = gamma_arrivals(rate_qps, cv2, queries / rate_qps, np.random.default_rng(seed))
+    return Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
+
+
+def resimulated_p99_ms(app: ResolvedApp, plan: Plan, trace: Trace, seed: int = 0) -> float:
+    """Rebuild the plan's one stage from scratch and simulate it on the trace."""
+    (stage,) = plan.stages
+    profiles = {t: app.profile(stage.name, t) for t in stage.fleet}
+    prices = dict(app.prices_usd_per_hr)
+    if stage.policy == "kairos":
+        base = full_range_types(profiles, trace.batch_size, app.spec.slo.latency_ms, prices)
+        make = policy_factory("kairos", profiles, base)
+    else:
+        make = policy_factory("fcfs", profiles, list(profiles))
+    instances = tuple(InstanceSpec(t) for t, n in stage.fleet.items() for _ in range(n))
+    result = simulate(
+        Trace(trace.arrival_s - trace.arrival_s[0], trace.batch_size),
+        [Stage(stage.name, instances, profiles, make(), max_batch_queries=stage.batch_size)],
+        np.random.default_rng(seed),
+        prices_usd_per_hr=prices,
+    )
+    return float(np.percentile(result.response_ms, 99))
+
+
+# --- honesty ---------------------------------------------------------------------------------
+
+
+@settings(
+    max_examples=10,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    slo_ms=st.sampled_from([15.0, 25.0, 40.0, 80.0]),
+    budget=st.sampled_from([0.3, 0.8, 1.5, 4.0]),
+    rate_qps=st.sampled_from([60.0, 200.0, 500.0, 900.0]),
+)
+def test_plans_meet_the_slo_on_their_trace_and_stay_within_budget(
+    tmp_path: Path, slo_ms: float, budget: float, rate_qps: float
+) -> None:
+    app = app_for(tmp_path, slo_ms, budget)
+    trace = poisson_trace(rate_qps, queries=1000)
+    plan = plan_app(app, trace)
+    assert plan.cost_usd_per_hr <= budget + 1e-9
+    if plan.feasible:
+        assert plan.max_feasible_qps is None
+        assert resimulated_p99_ms(app, plan, trace) <= slo_ms
+        assert plan.stages[0].predicted_p99_ms <= slo_ms
+    else:
+        assert plan.max_feasible_qps is not None
+        assert plan.max_feasible_qps < trace_stats(trace).rate_qps
+        if plan.stages:  # planned for the highest feasible rate: honest there
+            slower = scale_trace(trace, plan.max_feasible_qps)
+            assert resimulated_p99_ms(app, plan, slower) <= slo_ms
+
+
+def test_planning_is_deterministic_for_a_seed(tmp_path: Path) -> None:
+    app = app_for(tmp_path, 30.0, 3.0)
+    trace = poisson_trace(300.0)
+    assert plan_app(app, trace, seed=3) == plan_app(app, trace, seed=3)
+
+
+# --- sensitivity (InferLine Fig. 10) ---------------------------------------------------------
+
+WOBBLE = 1.05  # a greedy plan on a finite trace may be a few % off the trend
+
+
+def test_cost_falls_as_the_slo_loosens(tmp_path: Path) -> None:
+    trace = poisson_trace(400.0)
+    costs = [plan_app(app_for(tmp_path, slo, 10.0), trace).cost_usd_per_hr for slo in (12, 25, 60)]
+    assert all(b <= a * WOBBLE for a, b in itertools.pairwise(costs)), costs
+    assert costs[-1] < costs[0]
+
+
+def test_cost_rises_with_the_arrival_rate(tmp_path: Path) -> None:
+    app = app_for(tmp_path, 25.0, 10.0)
+    costs = [plan_app(app, poisson_trace(rate)).cost_usd_per_hr for rate in (100, 400, 1200)]
+    assert all(b * WOBBLE >= a for a, b in itertools.pairwise(costs)), costs
+    assert costs[-1] > costs[0]
+
+
+def test_cost_rises_with_burstiness(tmp_path: Path) -> None:
+    app = app_for(tmp_path, 25.0, 10.0)
+    costs = [plan_app(app, gamma_trace(400.0, cv2)).cost_usd_per_hr for cv2 in (0.5, 4.0, 16.0)]
+    assert all(b * WOBBLE >= a for a, b in itertools.pairwise(costs)), costs
+    assert costs[-1] > costs[0]
+
+
+# --- infeasible inputs -----------------------------------------------------------------------
+
+
+def test_an_slo_below_the_service_time_is_infeasible_with_a_clear_message(tmp_path: Path) -> None:
+    app = app_for(tmp_path, 2.0, 3.0)
+    with pytest.raises(InfeasibleSLOError) as caught:
+        plan_app(app, poisson_trace(50.0))
+    message = str(caught.value)
+    assert message.startswith("infeasible: the service time alone exceeds the SLO")
+    assert "'m'" in message and "g4dn.xlarge" in message and "SLO 2 ms" in message
+
+
+def test_a_budget_too_small_reports_the_highest_feasible_rate(tmp_path: Path) -> None:
+    app = app_for(tmp_path, 25.0, 0.2)  # one r5n.large: about 80 qps at batch 1
+    trace = poisson_trace(600.0)
+    plan = plan_app(app, trace)
+    assert not plan.feasible
+    assert plan.max_feasible_qps is not None
+    assert 0 < plan.max_feasible_qps < trace_stats(trace).rate_qps
+    assert plan.cost_usd_per_hr <= 0.2
+    assert any("highest rate" in step for step in plan.steps)
+
+
+def test_peak_rate_and_scaling() -> None:
+    trace = Trace(np.array([0.0, 1.0, 1.5, 2.0, 20.0]), np.ones(5, dtype=np.int64))
+    assert peak_rate_qps(trace, 10.0) == pytest.approx(0.4)
+    faster = scale_trace(poisson_trace(100.0), 200.0)
+    assert trace_stats(faster).rate_qps == pytest.approx(200.0)
+
+
+# --- the command -----------------------------------------------------------------------------
+
+
+def test_plan_json_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = write_spec(tmp_path, 25.0, 3.0)
+    trace_file = tmp_path / "trace.csv"
+    write_trace_csv(poisson_trace(300.0), trace_file)
+    assert main(["plan", "--spec", str(spec), "--trace", str(trace_file), "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["feasible"] is True
+    assert "max_feasible_qps" not in out
+    for key in ("cost_usd_per_hr", "stages", "steps", "app", "slo_ms", "budget_usd_per_hr"):
+        assert key in out
+    assert set(out["trace"]) == {"count", "rate_qps", "cv2"}
+    (stage,) = out["stages"]
+    for key in ("name", "fleet", "batch_size", "predicted_p99_ms", "throughput_qps"):
+        assert key in stage
+    assert stage["predicted_p99_ms"] <= 25.0
+    assert all(isinstance(step, str) for step in out["steps"])
+    assert captured.err  # progress lines
+
+
+def test_plan_human_output_and_infeasible_budget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = write_spec(tmp_path, 25.0, 0.2)
+    trace_file = tmp_path / "trace.csv"
+    write_trace_csv(poisson_trace(600.0), trace_file)
+    assert main(["plan", "--spec", str(spec), "--trace", str(trace_file), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["feasible"] is False and out["max_feasible_qps"] < out["trace"]["rate_qps"]
+    assert main(["plan", "--spec", str(spec), "--trace", str(trace_file)]) == 0
+    assert "NOT feasible" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("name: toy\nmodels: []\n", "models"),
+        ("name: [unclosed\n", "malformed YAML"),
+        (None, "no such file"),
+    ],
+)
+def test_a_bad_spec_exits_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, expected: str
+) -> None:
+    spec = tmp_path / "bad.yaml"
+    if content is not None:
+        spec.write_text(content)
+    trace_file = tmp_path / "trace.csv"
+    write_trace_csv(poisson_trace(50.0, queries=20), trace_file)
+    with pytest.raises(SystemExit) as caught:
+        main(["plan", "--spec", str(spec), "--trace", str(trace_file)])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+
+
+def test_an_infeasible_slo_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = write_spec(tmp_path, 2.0, 3.0)
+    trace_file = tmp_path / "trace.csv"
+    write_trace_csv(poisson_trace(50.0, queries=50), trace_file)
+    with pytest.raises(SystemExit) as caught:
+        main(["plan", "--spec", str(spec), "--trace", str(trace_file)])
+    assert caught.value.code == 2
+    assert "infeasible: the service time alone exceeds the SLO" in capsys.readouterr().err
+
+
+# --- the shared data -------------------------------------------------------------------------
+
+
+@needs_shared
+def test_rm2_in_the_kairos_setting_gets_a_mixed_fleet_under_budget(tmp_path: Path) -> None:
+    spec = tmp_path / "rm2.yaml"
+    spec.write_text(
+        "name: rm2\n"
+        f"models: [{{name: rm2, profiles: {KAIROS_CSV}}}]\n"
+        "slo: {latency_ms: 350}\n"
+        "budget_usd_per_hr: 2.5\n"
+        "instance_types: [g4dn.xlarge, c5n.2xlarge, r5n.large, t3.xlarge]\n"
+        "max_counts: {g4dn.xlarge: 5, c5n.2xlarge: 6, r5n.large: 17, t3.xlarge: 15}\n"
+    )
+    app = resolve_spec(load_spec(spec))
+    rng = np.random.default_rng(0)
+    arrivals = poisson_arrivals(60.0, 600.0, rng)
+    trace = Trace(arrivals, parse_batch_distribution("kairos").sample(arrivals.size, rng))
+    plan = plan_app(app, trace)
+    assert plan.feasible
+    assert plan.cost_usd_per_hr < 2.5
+    (stage,) = plan.stages
+    assert len([t for t, n in stage.fleet.items() if n]) >= 2, stage.fleet
+    assert stage.predicted_p99_ms <= 350.0
+    assert any("first 20,000" in step for step in plan.steps)
