@@ -12,12 +12,12 @@ import sys
 from collections.abc import Sequence
 
 from controlplane import __version__
-from controlplane.cli import bounds, capacity, demo, plan, simulate, trace
+from controlplane.cli import bounds, capacity, demo, plan, replay, simulate, trace
 from controlplane.cli.output import UsageError, fail
 from estimator.errors import EstimatorError
 
 # Each command module exposes ``register(subparsers)``; the parser it adds sets ``handler``.
-COMMAND_MODULES = (demo, trace, simulate, capacity, bounds, plan)
+COMMAND_MODULES = (demo, trace, simulate, capacity, bounds, plan, replay)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,823 @@
+"""Replay: the simulator with the fleet changing as a scaling policy decides.
+
+This module owns the replay of a trace against a plan (:func:`replay`): it reads the planner's
+plan document (:func:`parse_plan`, :func:`read_plan`), rolls a scaling policy over the trace to get
+a fleet timeline (:func:`tuner_timeline`, :func:`utilization_timeline`, :func:`static_timeline`),
+simulates the trace once on that timeline (:func:`estimator.simulator.simulate`, whose instances
+join at ``ready_s``, leave at ``stop_s`` and are billed from ``billed_from_s``) and summarises what
+happened per 10 s window (:class:`ReplayResult`).
+
+Two passes, and why that is exact: every scaling policy here decides from the arrivals alone
+(InferLine's tuner compares arrival envelopes, Algorithms 3 and 4; the utilisation autoscaler
+estimates utilisation as arrival rate over capacity), never from the simulated latencies. So the
+decisions of a closed loop (simulate a second, decide, simulate the next) equal those of rolling the
+policy over the arrivals first, and one simulation of the resulting timeline gives exactly the
+closed loop's latencies. A policy that read latencies (queue lengths, measured p99) would need the
+loop; ``docs/replay.md`` says more.
+
+Single-stage apps only: a plan with several stages is refused (cascades replay through the gear
+logic, which comes with them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from numpy.typing import NDArray
+
+from controlplane.spec import ResolvedApp
+from controlplane.tuner import (
+    StagePlan,
+    TunerConfig,
+    default_boot_s,
+    initial_state,
+    tune,
+    utilisation_target,
+)
+from estimator.envelope import DEFAULT_MAX_WINDOW_S
+from estimator.errors import EstimatorError, FleetError
+from estimator.fleet import Fleet
+from estimator.policies import full_range_types, policy_factory
+from estimator.profiles import LatencyProfile
+from estimator.simulator import InstanceSpec, SimulationResult, Stage, simulate
+from estimator.traces import Trace
+from matching.policy import DispatchPolicy
+
+__all__ = [
+    "DEFAULT_PLANNING_SHARE",
+    "DEFAULT_TUNER_MIN_WINDOW_S",
+    "DISPATCH_NAMES",
+    "AbortedBoot",
+    "FleetTimeline",
+    "Plan",
+    "PlanError",
+    "PlannedStage",
+    "ReplayDecision",
+    "ReplayError",
+    "ReplayResult",
+    "ScalingPolicy",
+    "TimelineWindow",
+    "UtilizationConfig",
+    "check_plan",
+    "parse_plan",
+    "planning_arrivals",
+    "rate_per_instance_qps",
+    "read_plan",
+    "replay",
+    "static_timeline",
+    "tuner_timeline",
+    "utilization_timeline",
+]
+
+ScalingPolicy = Literal["tuner", "static", "utilization"]
+DispatchName = Literal["fcfs", "kairos"]
+DISPATCH_NAMES: tuple[DispatchName, ...] = ("fcfs", "kairos")
+
+# Without a planning trace, the tuner plans on the replayed trace's first 10%: the part an operator
+# would have seen before deploying (docs/replay.md).
+DEFAULT_PLANNING_SHARE = 0.1
+# The tuner runs once per second of trace time (InferLine's tuner reacts "within seconds").
+TUNER_TICK_S = 1.0
+# The tuner's shortest window in the replay. InferLine starts the ladder at the bottleneck's service
+# time, but for a single model that is milliseconds: the most arrivals of a Poisson stream in any
+# 10 ms window reads as several times its rate, and with rho capped at 1 (utilisation_target) such
+# counting noise would be provisioned for as if it were sustained load (docs/replay.md).
+DEFAULT_TUNER_MIN_WINDOW_S = 1.0
+# The timeline's resolution.
+TIMELINE_STEP_S = 10.0
+# The percentile the replay reports (the contract's ``p99_ms``).
+REPORTED_PERCENTILE = 99.0
+
+
+class ReplayError(EstimatorError):
+    """A replay that cannot run: a plan that does not fit the spec, a trace too short to plan on."""
+
+
+class PlanError(ReplayError):
+    """A plan document that is malformed (not JSON, a field missing or of the wrong kind).
+
+    ``field`` is the path of the offending value (``stages[0].fleet``; empty for the document).
+    """
+
+    def __init__(self, field: str, problem: str, source: str | None = None) -> None:
+        self.field = field
+        self.problem = problem
+        self.source = source
+        super().__init__(": ".join(part for part in (source, field, problem) if part))
+
+
+# --- the plan document -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedStage:
+    """One stage of a plan: the model, its fleet (counts by type), its batch size (the most
+    queued queries an instance takes at once) and, where the planner said, the dispatch policy it
+    planned with (``fcfs`` or ``kairos``)."""
+
+    name: str
+    fleet: Fleet
+    batch_size: int
+    policy: DispatchName | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The planner's output as the replay reads it (the contract in ``docs/replay.md``); the
+    predicted latencies, throughputs and the search steps are not needed here and not kept."""
+
+    feasible: bool
+    cost_usd_per_hr: float
+    stages: tuple[PlannedStage, ...]
+
+
+def _field(document: Mapping[str, Any], key: str, where: str, source: str | None) -> Any:
+    if key not in document:
+        raise PlanError(f"{where}{key}", "is required", source)
+    return document[key]
+
+
+def _whole(value: object, where: str, source: str | None, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(where, f"must be a whole number, got {value!r}", source)
+    if value < low:
+        raise PlanError(where, f"must be >= {low}, got {value}", source)
+    return value
+
+
+def parse_plan(document: object, source: str | None = None) -> Plan:
+    """Check a parsed plan document and keep what the replay needs.
+
+    >>> plan = parse_plan({"feasible": True, "cost_usd_per_hr": 1.05, "steps": [],
+    ...     "stages": [{"name": "m", "fleet": {"g4dn.xlarge": 2}, "batch_size": 1}]})
+    >>> str(plan.stages[0].fleet), plan.stages[0].batch_size
+    ('g4dn.xlarge=2', 1)
+
+    Raises:
+        PlanError: a document that is not a mapping, or a field missing or of the wrong kind.
+    """
+    if not isinstance(document, Mapping):
+        raise PlanError("", f"a plan is a JSON object, got {type(document).__name__}", source)
+    feasible = _field(document, "feasible", "", source)
+    if not isinstance(feasible, bool):
+        raise PlanError("feasible", f"must be true or false, got {feasible!r}", source)
+    cost = _field(document, "cost_usd_per_hr", "", source)
+    if isinstance(cost, bool) or not isinstance(cost, int | float) or not math.isfinite(cost):
+        raise PlanError("cost_usd_per_hr", f"must be a finite number, got {cost!r}", source)
+    stages_doc = _field(document, "stages", "", source)
+    if not isinstance(stages_doc, list) or not stages_doc:
+        raise PlanError("stages", "must be a non-empty list", source)
+    stages = []
+    for i, entry in enumerate(stages_doc):
+        where = f"stages[{i}]"
+        if not isinstance(entry, Mapping):
+            raise PlanError(where, "must be an object", source)
+        name = _field(entry, "name", f"{where}.", source)
+        if not isinstance(name, str) or not name:
+            raise PlanError(f"{where}.name", f"must be a non-empty text, got {name!r}", source)
+        fleet_doc = _field(entry, "fleet", f"{where}.", source)
+        if not isinstance(fleet_doc, Mapping):
+            raise PlanError(f"{where}.fleet", "must be an object of type -> count", source)
+        counts = {str(t): _whole(c, f"{where}.fleet[{t}]", source, 0) for t, c in fleet_doc.items()}
+        try:
+            fleet = Fleet.of(counts)
+        except FleetError as error:
+            raise PlanError(f"{where}.fleet", str(error), source) from None
+        if fleet.total == 0:
+            raise PlanError(f"{where}.fleet", "has no instances", source)
+        batch_doc = _field(entry, "batch_size", f"{where}.", source)
+        batch = _whole(batch_doc, f"{where}.batch_size", source, 1)
+        policy = entry.get("policy")
+        if policy is not None and policy not in DISPATCH_NAMES:
+            problem = f"must be one of {', '.join(DISPATCH_NAMES)}, got {policy!r}"
+            raise PlanError(f"{where}.policy", problem, source)
+        stages.append(PlannedStage(name, fleet, batch, policy))
+    return Plan(feasible, float(cost), tuple(stages))
+
+
+def read_plan(path: str | Path) -> Plan:
+    """Read and check a plan document (JSON) from ``path``.
+
+    Raises:
+        PlanError: a file that cannot be read, is not JSON, or is not a plan.
+    """
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PlanError("", "no such file", source) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise PlanError("", f"cannot read: {error}", source) from None
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        problem = f"malformed JSON at line {error.lineno}, column {error.colno}: {error.msg}"
+        raise PlanError("", problem, source) from None
+    return parse_plan(document, source)
+
+
+def check_plan(plan: Plan, app: ResolvedApp) -> PlannedStage:
+    """The plan's one stage, checked against the app: its model is the app's, its types are the
+    spec's candidates, and its fleet costs no more than the budget.
+
+    Raises:
+        ReplayError: a multi-stage plan, an unknown stage, a type the spec does not name, or a
+            fleet over the budget.
+    """
+    if len(plan.stages) > 1:
+        raise ReplayError("replay of multi-stage plans comes with cascades")
+    (stage,) = plan.stages
+    if stage.name not in app.spec.model_names:
+        raise ReplayError(
+            f"the plan's stage {stage.name!r} is not a model of the spec "
+            f"({', '.join(app.spec.model_names)})"
+        )
+    for name in stage.fleet:
+        if name not in app.prices_usd_per_hr:
+            raise ReplayError(
+                f"the plan's type {name!r} is not one of the spec's instance types "
+                f"({', '.join(app.instance_types)})"
+            )
+    cost = sum(count * app.prices_usd_per_hr[name] for name, count in stage.fleet.items())
+    if cost > app.spec.budget_usd_per_hr + 1e-9:
+        raise ReplayError(
+            f"the plan's fleet {stage.fleet} costs {cost:.6g} USD/hr, over the spec's budget of "
+            f"{app.spec.budget_usd_per_hr:g} USD/hr"
+        )
+    return stage
+
+
+# --- the fleet timeline ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AbortedBoot:
+    """An instance stopped before it served: it costs from ``launched_s`` to ``stopped_s`` and never
+    enters the simulation (whose instances must serve for some time)."""
+
+    instance_type: str
+    launched_s: float
+    stopped_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayDecision:
+    """One scaling decision: ``scale_up`` launches ``count`` instances of ``instance_type``,
+    ``scale_down`` stops them, ``budget_capped`` says the budget kept the policy short by about
+    ``count`` of them (the replay keeps the first of a run of identical ones)."""
+
+    at_s: float
+    stage: str
+    action: str
+    instance_type: str
+    count: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class FleetTimeline:
+    """Every instance the policy ran, as the simulator takes it, plus the boots it aborted, and the
+    decisions that made them."""
+
+    instances: tuple[InstanceSpec, ...]
+    aborted: tuple[AbortedBoot, ...] = ()
+    decisions: tuple[ReplayDecision, ...] = ()
+
+    @property
+    def scaling_actions(self) -> int:
+        """The number of launches and stops (``budget_capped`` changes nothing)."""
+        return sum(1 for d in self.decisions if d.action in ("scale_up", "scale_down"))
+
+    def _billed(self) -> list[tuple[str, float, float]]:
+        spans = [
+            (s.instance_type, s.ready_s if s.billed_from_s is None else s.billed_from_s, s.stop_s)
+            for s in self.instances
+        ]
+        return spans + [(a.instance_type, a.launched_s, a.stopped_s) for a in self.aborted]
+
+    def cost_usd_per_hr_at(self, t_s: float, prices_usd_per_hr: Mapping[str, float]) -> float:
+        """The fleet's cost rate at ``t_s``: every instance launched and not yet stopped."""
+        return sum(prices_usd_per_hr[name] for name, lo, hi in self._billed() if lo <= t_s < hi)
+
+    def peak_cost_usd_per_hr(
+        self, prices_usd_per_hr: Mapping[str, float], start_s: float = 0.0, end_s: float = math.inf
+    ) -> float:
+        """The highest cost rate over [start_s, end_s) (it changes only at launches and stops)."""
+        points = {start_s} | {lo for _, lo, _ in self._billed() if start_s <= lo < end_s}
+        return max(self.cost_usd_per_hr_at(t, prices_usd_per_hr) for t in points)
+
+    def ready_fleet_at(self, t_s: float, types: Sequence[str]) -> dict[str, int]:
+        """Counts by type of the instances serving at ``t_s`` (ready, not stopped)."""
+        counts = dict.fromkeys(types, 0)
+        for spec in self.instances:
+            if spec.ready_s <= t_s < spec.stop_s:
+                counts[spec.instance_type] = counts.get(spec.instance_type, 0) + 1
+        return counts
+
+
+@dataclass(slots=True)
+class _Launched:
+    instance_type: str
+    launched_s: float
+    ready_s: float
+    stop_s: float = math.inf
+
+
+@dataclass(slots=True)
+class _FleetLog:
+    """The replay's mutable record of what runs (never escapes this module)."""
+
+    boot_s: Mapping[str, float]
+    launched: list[_Launched] = field(default_factory=list)
+    decisions: list[ReplayDecision] = field(default_factory=list)
+
+    @classmethod
+    def planned(cls, fleet: Fleet, boot_s: Mapping[str, float]) -> _FleetLog:
+        # The plan's fleet is running when the trace starts.
+        log = cls(boot_s)
+        log.launched = [_Launched(name, 0.0, 0.0) for name in fleet.expand()]
+        return log
+
+    def live(self, name: str, now_s: float) -> list[_Launched]:
+        return [x for x in self.launched if x.instance_type == name and x.stop_s > now_s]
+
+    def count(self, name: str, now_s: float) -> int:
+        return len(self.live(name, now_s))
+
+    def launch(self, name: str, count: int, now_s: float) -> None:
+        ready_s = now_s + self.boot_s[name]
+        self.launched += [_Launched(name, now_s, ready_s) for _ in range(count)]
+
+    def stop(self, name: str, count: int, now_s: float) -> None:
+        # As the tuner does: booting instances first (they serve nobody yet), the latest launched
+        # first, then serving ones, again the latest launched first.
+        order = sorted(self.live(name, now_s), key=lambda x: (x.ready_s <= now_s, -x.launched_s))
+        if len(order) < count:
+            raise ReplayError(f"cannot stop {count} x {name}: only {len(order)} run")
+        for victim in order[:count]:
+            victim.stop_s = now_s
+
+    def decide(self, decision: ReplayDecision) -> None:
+        if decision.action == "budget_capped":
+            last = next(
+                (d for d in reversed(self.decisions) if d.instance_type == decision.instance_type),
+                None,
+            )
+            if last is not None and last.action == "budget_capped" and last.count == decision.count:
+                return  # the same shortfall as the last tick said
+        self.decisions.append(decision)
+
+    def timeline(self) -> FleetTimeline:
+        instances = []
+        aborted = []
+        for x in self.launched:
+            if x.ready_s < x.stop_s:
+                instances.append(InstanceSpec(x.instance_type, x.ready_s, x.stop_s, x.launched_s))
+            else:
+                aborted.append(AbortedBoot(x.instance_type, x.launched_s, x.stop_s))
+        return FleetTimeline(tuple(instances), tuple(aborted), tuple(self.decisions))
+
+
+def static_timeline(fleet: Fleet) -> FleetTimeline:
+    """The plan's fleet from start to end: no decisions (``--tuner off``, the peak and mean
+    baselines)."""
+    return _FleetLog.planned(fleet, {}).timeline()
+
+
+# --- what the policies know of the fleet -----------------------------------------------------
+
+
+def _queries_per_batch(profile: LatencyProfile, mean_batch_size: float, batch_queries: int) -> int:
+    """n' = min(n, floor(B_max / b_mean)), at least 1: queries of the mean size in one batch."""
+    return max(1, min(batch_queries, math.floor(profile.max_batch_size / mean_batch_size)))
+
+
+def rate_per_instance_qps(
+    profile: LatencyProfile, batch_size: NDArray[np.int64], batch_queries: int = 1
+) -> float:
+    """mu_t: queries per second one instance serves on the trace's batch mix.
+
+    With one query per batch, mu = 1 / E_q[L(b_q)] where L(b) is the profile's mean latency at the
+    query's batch size b_q, averaged over the trace's queries. With up to n queries per batch, n'
+    = min(n, floor(B_max / b_mean)) queries of the mean batch size fit in one batch (at least one),
+    and mu = n' / L(round(n' b_mean)) (clipped into the profile's range).
+
+    >>> p = LatencyProfile("m", "g", np.array([1, 4]), (np.array([10.0]), np.array([40.0])))
+    >>> rate_per_instance_qps(p, np.array([1, 1, 4, 4]))
+    40.0
+    >>> rate_per_instance_qps(p, np.array([2, 2]), batch_queries=2)
+    50.0
+    """
+    sizes = np.asarray(batch_size, dtype=np.int64)
+    if batch_queries <= 1:
+        unique, counts = np.unique(sizes, return_counts=True)
+        latency_ms = [profile.mean_latency_ms(int(b)) for b in unique]
+        mean_s = float(np.dot(latency_ms, counts)) / sizes.size / 1000.0
+        return 1.0 / mean_s if mean_s > 0 else math.inf
+    mean_b = float(sizes.mean())
+    fit = _queries_per_batch(profile, mean_b, batch_queries)
+    batch = min(max(round(fit * mean_b), profile.min_batch_size), profile.max_batch_size)
+    latency_s = profile.mean_latency_ms(batch) / 1000.0
+    return fit / latency_s if latency_s > 0 else math.inf
+
+
+def planning_arrivals(trace: Trace, share: float = DEFAULT_PLANNING_SHARE) -> NDArray[np.float64]:
+    """The arrivals of the trace's first ``share`` of its duration (the default planning trace).
+
+    Raises:
+        ReplayError: a share outside (0, 1], or no arrival in that part.
+    """
+    if not 0.0 < share <= 1.0:
+        raise ReplayError(f"the planning share must be in (0, 1], got {share!r}")
+    arrivals = trace.arrival_s
+    if arrivals.size == 0:
+        raise ReplayError("the trace has no queries")
+    end_s = float(arrivals[0]) + share * trace.duration_s
+    chosen: NDArray[np.float64] = arrivals[arrivals <= end_s]
+    return chosen
+
+
+def _stage_rates(app: ResolvedApp, stage: PlannedStage, trace: Trace) -> dict[str, float]:
+    return {
+        name: rate_per_instance_qps(
+            app.profile(stage.name, name), trace.batch_size, stage.batch_size
+        )
+        for name, count in stage.fleet.items()
+        if count > 0
+    }
+
+
+def _batch_latency_s(
+    app: ResolvedApp, stage: PlannedStage, trace: Trace, name: str, mu_qps: float
+) -> float:
+    if stage.batch_size <= 1:
+        return 1.0 / mu_qps
+    profile = app.profile(stage.name, name)
+    return _queries_per_batch(profile, float(trace.batch_size.mean()), stage.batch_size) / mu_qps
+
+
+def _boot_s(
+    app: ResolvedApp, types: Sequence[str], boot_s: Mapping[str, float] | None
+) -> dict[str, float]:
+    boot = default_boot_s(app.catalog, types)
+    boot.update(boot_s or {})
+    return boot
+
+
+def _ticks(end_s: float, step_s: float) -> NDArray[np.float64]:
+    count = max(1, math.ceil(end_s / step_s))
+    ticks: NDArray[np.float64] = step_s * np.arange(1, count + 1, dtype=np.float64)
+    return ticks
+
+
+# --- the tuner -------------------------------------------------------------------------------
+
+
+def tuner_timeline(
+    trace: Trace,
+    app: ResolvedApp,
+    stage: PlannedStage,
+    planning_arrival_s: NDArray[np.float64],
+    *,
+    boot_s: Mapping[str, float] | None = None,
+    min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S,
+) -> FleetTimeline:
+    """Roll InferLine's tuner (:func:`controlplane.tuner.tune`) over ``trace`` once per second.
+
+    The planning envelope comes from ``planning_arrival_s``; the windows from max(service time,
+    ``min_window_s``) doubling to 60 s, where the service time is the slowest planned type's
+    batch latency n'/mu_t (:func:`rate_per_instance_qps`); mu_t per planned type; rho =
+    :func:`controlplane.tuner.utilisation_target` (scale factor 1: one stage). The tuner adds and
+    removes instances of the planned types only (InferLine tunes replication, not hardware), never
+    over the spec's budget. At tick t it sees the arrivals in (t - 60 s, t].
+    """
+    mu = _stage_rates(app, stage, trace)
+    if planning_arrival_s.size == 0:
+        raise ReplayError("the planning trace has no queries")
+    # The batch latency n'/mu_t; for one query per batch, 1/mu_t.
+    service_time_s = max(_batch_latency_s(app, stage, trace, name, mu[name]) for name in mu)
+    service_time_s = min(max(service_time_s, min_window_s), DEFAULT_MAX_WINDOW_S)
+    boot = _boot_s(app, list(mu), boot_s)
+    config = TunerConfig.from_planning_trace(
+        planning_arrival_s,
+        service_time_s,
+        budget_usd_per_hr=app.spec.budget_usd_per_hr,
+        catalog=app.catalog,
+        types=list(mu),
+        boot_s=boot,
+    )
+    fleet = {name: stage.fleet[name] for name in mu}
+    rho = utilisation_target(fleet, mu, 1.0, config.planned_peak_rate_qps)
+    plan = StagePlan(stage.name, 1.0, fleet, mu, rho)
+    state = initial_state([plan], now_s=0.0)
+    log = _FleetLog.planned(Fleet.of(fleet), boot)
+    arrivals = trace.arrival_s
+    for now_s in _ticks(float(arrivals[-1]), TUNER_TICK_S):
+        lo, hi = np.searchsorted(arrivals, [now_s - config.recent_s, now_s], side="right")
+        decisions, state = tune(arrivals[lo:hi], float(now_s), state, [plan], config)
+        for d in decisions:
+            if d.action == "scale_up":
+                log.launch(d.instance_type, d.count, d.at_s)
+            elif d.action == "scale_down":
+                log.stop(d.instance_type, d.count, d.at_s)
+            log.decide(
+                ReplayDecision(d.at_s, d.stage, d.action, d.instance_type, d.count, d.reason)
+            )
+    return log.timeline()
+
+
+# --- the reactive utilisation autoscaler -----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class UtilizationConfig:
+    """A target-tracking autoscaler as an EC2 Auto Scaling group runs one: every ``period_s`` it
+    reads the utilisation of the last ``lookback_s`` and moves it to ``target``, waiting
+    ``cooldown_s`` after each change."""
+
+    target: float = 0.7
+    period_s: float = 10.0
+    lookback_s: float = 60.0
+    cooldown_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.target <= 1.0:
+            raise ReplayError(f"the utilisation target must be in (0, 1], got {self.target!r}")
+        for name in ("period_s", "lookback_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ReplayError(f"{name} must be a finite number > 0, got {value!r}")
+        if not (math.isfinite(self.cooldown_s) and self.cooldown_s >= 0):
+            raise ReplayError(f"cooldown_s must be a finite number >= 0, got {self.cooldown_s!r}")
+
+
+def utilization_timeline(
+    trace: Trace,
+    app: ResolvedApp,
+    stage: PlannedStage,
+    *,
+    config: UtilizationConfig | None = None,
+    boot_s: Mapping[str, float] | None = None,
+) -> FleetTimeline:
+    """Roll a reactive target-tracking autoscaler over ``trace``.
+
+    Every ``period_s`` (t = 10, 20, ... s) it estimates utilisation u = r / C from arrivals alone:
+    r = arrivals in (t - lookback, t] / min(lookback, t), C = sum over launched instances (booting
+    ones included, so that a launch is not repeated while it boots) of mu_t. No sooner than
+    ``cooldown_s`` after its last change it moves C to C* = r / target with instances of the plan's
+    most cost-effective type b (largest mu_b / price_b): it adds ceil((C* - C) / mu_b) when C < C*
+    (as many as the budget affords), and removes floor((C - C*) / mu_b) of them when that many run,
+    keeping one instance; so after a removal u stays <= target.
+    """
+    cfg = config if config is not None else UtilizationConfig()
+    mu = _stage_rates(app, stage, trace)
+    prices = app.prices_usd_per_hr
+    best = max(mu, key=lambda t: (math.inf if prices[t] == 0 else mu[t] / prices[t], t))
+    boot = _boot_s(app, list(mu), boot_s)
+    log = _FleetLog.planned(stage.fleet, boot)
+    arrivals = trace.arrival_s
+    budget = app.spec.budget_usd_per_hr
+    last_change_s = -math.inf
+    for now_s in (float(t) for t in _ticks(float(arrivals[-1]), cfg.period_s)):
+        if now_s - last_change_s < cfg.cooldown_s:
+            continue
+        lo, hi = np.searchsorted(arrivals, [now_s - cfg.lookback_s, now_s], side="right")
+        rate_qps = (hi - lo) / min(cfg.lookback_s, now_s)
+        counts = {t: log.count(t, now_s) for t in mu}
+        capacity_qps = sum(counts[t] * mu[t] for t in mu)
+        needed_qps = rate_qps / cfg.target
+        seen = (
+            f"utilisation {rate_qps / capacity_qps:.3g} over the last "
+            f"{min(cfg.lookback_s, now_s):g} s ({rate_qps:.6g} qps on {capacity_qps:.6g} qps), "
+            f"target {cfg.target:g}: need {needed_qps:.6g} qps"
+        )
+        if needed_qps > capacity_qps:
+            wanted = math.ceil((needed_qps - capacity_qps) / mu[best] - 1e-12)
+            cost = sum(counts[t] * prices[t] for t in mu)
+            left = budget - cost + 1e-9
+            affordable = (
+                wanted if prices[best] == 0 else min(wanted, math.floor(left / prices[best]))
+            )
+            if affordable > 0:
+                log.launch(best, affordable, now_s)
+                last_change_s = now_s
+                reason = f"scale_up: {seen}; added {affordable} x {best} (mu {mu[best]:.6g} qps)"
+                log.decide(ReplayDecision(now_s, stage.name, "scale_up", best, affordable, reason))
+            if affordable < wanted:
+                short = wanted - max(affordable, 0)
+                reason = f"budget_capped: {seen}; {short} x {best} over {budget:g} USD/hr"
+                log.decide(ReplayDecision(now_s, stage.name, "budget_capped", best, short, reason))
+        else:
+            spare = math.floor((capacity_qps - needed_qps) / mu[best] + 1e-12)
+            count = min(spare, counts[best], sum(counts.values()) - 1)
+            if count > 0:
+                log.stop(best, count, now_s)
+                last_change_s = now_s
+                reason = f"scale_down: {seen}; stopped {count} x {best} (mu {mu[best]:.6g} qps)"
+                log.decide(ReplayDecision(now_s, stage.name, "scale_down", best, count, reason))
+    return log.timeline()
+
+
+# --- the replay ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineWindow:
+    """One window [t_s, t_s + 10 s): the serving fleet at its start, the arrival rate and the p99
+    response time of the queries that arrived in it (None: none did), and the highest cost rate
+    of the launched fleet (booting instances included) during it."""
+
+    t_s: float
+    fleet: dict[str, int]
+    rate_qps: float
+    p99_ms: float | None
+    cost_usd_per_hr: float
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ReplayResult:
+    """What the replay found.
+
+    ``cost_usd`` integrates every instance's price from launch to stop (or the run's end),
+    booting ones included: the simulation's cost plus the aborted boots'. ``slo_miss_share`` is
+    the share of queries slower than the SLO's latency.
+    """
+
+    policy: str
+    p99_ms: float
+    slo_miss_share: float
+    cost_usd: float
+    scaling_actions: int
+    timeline: tuple[TimelineWindow, ...]
+    fleet_timeline: FleetTimeline
+    simulation: SimulationResult
+
+    @property
+    def decisions(self) -> tuple[ReplayDecision, ...]:
+        return self.fleet_timeline.decisions
+
+    def to_document(self) -> dict[str, Any]:
+        """The ``replay --json`` contract (``docs/replay.md``)."""
+        return {
+            "policy": self.policy,
+            "queries": int(self.simulation.arrival_s.size),
+            "p99_ms": self.p99_ms,
+            "slo_miss_share": self.slo_miss_share,
+            "cost_usd": self.cost_usd,
+            "scaling_actions": self.scaling_actions,
+            "timeline": [
+                {
+                    "t_s": w.t_s,
+                    "fleet": w.fleet,
+                    "rate_qps": w.rate_qps,
+                    "p99_ms": w.p99_ms,
+                    "cost_usd_per_hr": w.cost_usd_per_hr,
+                }
+                for w in self.timeline
+            ],
+            "decisions": [
+                {
+                    "at_s": d.at_s,
+                    "stage": d.stage,
+                    "action": d.action,
+                    "instance_type": d.instance_type,
+                    "count": d.count,
+                    "reason": d.reason,
+                }
+                for d in self.decisions
+            ],
+        }
+
+
+def _aborted_cost_usd(
+    aborted: Sequence[AbortedBoot], prices: Mapping[str, float], horizon_s: float
+) -> float:
+    # Billed like the simulator bills its instances: up to the stop or the run's end.
+    return sum(
+        prices[a.instance_type] * max(0.0, min(a.stopped_s, horizon_s) - a.launched_s) / 3600.0
+        for a in aborted
+    )
+
+
+def _windows(
+    result: SimulationResult,
+    timeline: FleetTimeline,
+    types: Sequence[str],
+    prices: Mapping[str, float],
+) -> tuple[TimelineWindow, ...]:
+    arrivals = result.arrival_s
+    response = result.response_ms
+    end_s = float(arrivals[-1])
+    starts = TIMELINE_STEP_S * np.arange(max(1, math.floor(end_s / TIMELINE_STEP_S) + 1))
+    bounds = np.searchsorted(arrivals, np.append(starts, starts[-1] + TIMELINE_STEP_S))
+    windows = []
+    for k, t_s in enumerate(float(t) for t in starts):
+        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        p99 = float(np.percentile(response[lo:hi], REPORTED_PERCENTILE)) if hi > lo else None
+        windows.append(
+            TimelineWindow(
+                t_s=t_s,
+                fleet=timeline.ready_fleet_at(t_s, types),
+                rate_qps=(hi - lo) / TIMELINE_STEP_S,
+                p99_ms=p99,
+                cost_usd_per_hr=timeline.peak_cost_usd_per_hr(prices, t_s, t_s + TIMELINE_STEP_S),
+            )
+        )
+    return tuple(windows)
+
+
+def replay(
+    trace: Trace,
+    app: ResolvedApp,
+    plan: Plan,
+    rng: np.random.Generator,
+    *,
+    policy: ScalingPolicy = "tuner",
+    planning_arrival_s: NDArray[np.float64] | None = None,
+    boot_s: Mapping[str, float] | None = None,
+    utilization: UtilizationConfig | None = None,
+    dispatch: DispatchName | None = None,
+    tuner_min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S,
+) -> ReplayResult:
+    """Replay ``trace`` on ``plan``'s single stage with the fleet as ``policy`` scales it.
+
+    Pass 1 rolls the policy over the arrivals into a :class:`FleetTimeline` (``static``: the
+    plan's fleet throughout; ``tuner``: :func:`tuner_timeline`, planning on
+    ``planning_arrival_s``, by default the trace's first 10% (:func:`planning_arrivals`);
+    ``utilization``: :func:`utilization_timeline`). Pass 2 simulates the trace once on it, with
+    ``dispatch`` (fcfs or kairos; by default the plan stage's ``policy``, else fcfs) over the
+    stage's types, the plan's batch size as the most
+    queries per batch, and service times drawn from ``rng``. Exact because the policies decide
+    from arrivals only. A static replay is the plain simulation of the plan's fleet.
+
+    Raises:
+        ReplayError: a plan that does not fit the app (:func:`check_plan`), an unknown policy.
+        EstimatorError: the simulator's errors (a batch size outside a profile).
+    """
+    stage = check_plan(plan, app)
+    if policy == "static":
+        timeline = static_timeline(stage.fleet)
+    elif policy == "tuner":
+        planning = planning_arrivals(trace) if planning_arrival_s is None else planning_arrival_s
+        timeline = tuner_timeline(
+            trace,
+            app,
+            stage,
+            np.asarray(planning, dtype=np.float64),
+            boot_s=boot_s,
+            min_window_s=tuner_min_window_s,
+        )
+    elif policy == "utilization":
+        timeline = utilization_timeline(trace, app, stage, config=utilization, boot_s=boot_s)
+    else:
+        raise ReplayError(f"unknown scaling policy {policy!r} (tuner, static or utilization)")
+
+    types = list(dict.fromkeys(spec.instance_type for spec in timeline.instances))
+    profiles = {name: app.profile(stage.name, name) for name in types}
+    prices = dict(app.prices_usd_per_hr)
+    qos_ms = app.spec.slo.latency_ms
+    chosen = dispatch if dispatch is not None else (stage.policy or "fcfs")
+    make_policy = _dispatch_factory(chosen, profiles, trace, qos_ms, prices)
+    sim_stage = Stage(
+        model=stage.name,
+        instances=timeline.instances,
+        profiles=profiles,
+        policy=make_policy(),
+        max_batch_queries=stage.batch_size,
+    )
+    result = simulate(trace, [sim_stage], rng, prices_usd_per_hr=prices, qos_ms=qos_ms)
+    response = result.response_ms
+    all_types = list(dict.fromkeys([*stage.fleet, *types]))
+    return ReplayResult(
+        policy=policy,
+        p99_ms=float(np.percentile(response, REPORTED_PERCENTILE)),
+        slo_miss_share=float(np.count_nonzero(response > qos_ms) / response.size),
+        cost_usd=result.cost_usd + _aborted_cost_usd(timeline.aborted, prices, result.horizon_s),
+        scaling_actions=timeline.scaling_actions,
+        timeline=_windows(result, timeline, all_types, prices),
+        fleet_timeline=timeline,
+        simulation=result,
+    )
+
+
+def _dispatch_factory(
+    dispatch: str,
+    profiles: Mapping[str, LatencyProfile],
+    trace: Trace,
+    qos_ms: float,
+    prices: Mapping[str, float],
+) -> Callable[[], DispatchPolicy]:
+    if dispatch not in DISPATCH_NAMES:
+        raise ReplayError(f"unknown dispatch policy {dispatch!r} (fcfs or kairos)")
+    base_types = full_range_types(profiles, trace.batch_size, qos_ms, prices)
+    if dispatch == "kairos" and not base_types:
+        raise ReplayError(
+            f"kairos needs a type that meets the SLO of {qos_ms:g} ms at every batch size"
+        )
+    return policy_factory(dispatch, profiles, base_types)

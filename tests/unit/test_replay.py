@@ -1,0 +1,457 @@
+"""Replay (controlplane/replay.py, ``heteroplane replay``): the static replay is a plain simulation,
+the tuner and the utilisation autoscaler change the fleet with boot times, costs from launch and
+the budget as a bound, and the command's JSON contract and bad input."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.cli import main
+from controlplane.replay import (
+    FleetTimeline,
+    Plan,
+    PlanError,
+    ReplayError,
+    ReplayResult,
+    UtilizationConfig,
+    check_plan,
+    parse_plan,
+    planning_arrivals,
+    rate_per_instance_qps,
+    replay,
+    tuner_timeline,
+    utilization_timeline,
+)
+from controlplane.spec import ResolvedApp, load_spec, resolve_spec
+from estimator.policies import full_range_types, policy_factory
+from estimator.simulator import InstanceSpec, Stage, simulate
+from estimator.traces import RateProfile, Trace, renewal_arrivals, step_profile, write_trace_csv
+
+GPU, CPU = "g4dn.xlarge", "r5n.large"  # 0.526 and 0.149 USD/hr in the shipped catalog
+GPU_PRICE = 0.526
+SLO_MS = 50.0
+
+# g4dn: mean 10 ms at batch 1 (mu 100 qps); r5n: mean 25 ms (mu 40 qps).
+PROFILES = {
+    "format": "heteroplane.profiles/v1",
+    "profiles": [
+        {
+            "model": "m",
+            "instance_type": GPU,
+            "batch_sizes": [1, 2],
+            "latency_ms": [[8, 9, 10, 11, 12], [12, 14, 16, 18, 20]],
+        },
+        {
+            "model": "m",
+            "instance_type": CPU,
+            "batch_sizes": [1, 2],
+            "latency_ms": [[20, 22, 25, 28, 30], [40, 45, 50, 55, 60]],
+        },
+    ],
+}
+
+
+def write_app(tmp_path: Path, budget_usd_per_hr: float = 3.0) -> Path:
+    (tmp_path / "p.json").write_text(json.dumps(PROFILES))
+    spec = tmp_path / "app.yaml"
+    spec.write_text(
+        "name: replay-test\n"
+        "models:\n  - name: m\n    profiles: p.json\n"
+        f"slo:\n  latency_ms: {SLO_MS}\n"
+        f"budget_usd_per_hr: {budget_usd_per_hr}\n"
+        f"instance_types: [{GPU}, {CPU}]\n"
+    )
+    return spec
+
+
+def app_of(tmp_path: Path, budget_usd_per_hr: float = 3.0) -> ResolvedApp:
+    return resolve_spec(load_spec(write_app(tmp_path, budget_usd_per_hr)))
+
+
+def plan_document(
+    fleet: dict[str, int], name: str = "m", batch_size: int = 1, policy: str = "fcfs"
+) -> dict[str, object]:
+    return {
+        "feasible": True,
+        "cost_usd_per_hr": 0.0,
+        "stages": [
+            {
+                "name": name,
+                "fleet": fleet,
+                "batch_size": batch_size,
+                "predicted_p99_ms": 20.0,
+                "throughput_qps": 100.0,
+                "policy": policy,
+            }
+        ],
+        "steps": [],
+    }
+
+
+def one_gpu() -> Plan:
+    return parse_plan(plan_document({GPU: 1}))
+
+
+def trace_of(profile: RateProfile, duration_s: float, seed: int = 1, cv2: float = 1.0) -> Trace:
+    arrivals = renewal_arrivals(profile, duration_s, cv2, np.random.default_rng(seed))
+    return Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
+
+
+def up_and_down() -> Trace:
+    """50 qps, 150 qps from 300 s, 50 qps again from 600 s to 900 s (gamma gaps, CV^2 0.2)."""
+    times = np.array([0.0, 300.0, 300.0, 600.0, 600.0])
+    rates = np.array([50.0, 50.0, 150.0, 150.0, 50.0])
+    return trace_of(RateProfile(times, rates), 900.0, cv2=0.2)
+
+
+def steady_planning() -> np.ndarray:
+    # Arrivals quieter than Poisson (CV^2 0.2) keep the tuner from reacting much to noise.
+    return renewal_arrivals(step_profile(50.0, 50.0, 0.0), 120.0, 0.2, np.random.default_rng(7))
+
+
+def never_over_budget(timeline: FleetTimeline, app: ResolvedApp) -> None:
+    prices = app.prices_usd_per_hr
+    assert timeline.peak_cost_usd_per_hr(prices) <= app.spec.budget_usd_per_hr + 1e-9
+
+
+# --- the static fleet ------------------------------------------------------------------------
+
+
+def test_with_the_tuner_off_the_replay_is_a_plain_simulation(tmp_path: Path) -> None:
+    app = app_of(tmp_path)
+    plan = parse_plan(plan_document({GPU: 1, CPU: 1}))
+    trace = trace_of(step_profile(40.0, 110.0, 60.0), 120.0)
+    result = replay(trace, app, plan, np.random.default_rng(3), policy="static")
+
+    profiles = {GPU: app.profile("m", GPU), CPU: app.profile("m", CPU)}
+    prices = dict(app.prices_usd_per_hr)
+    base = full_range_types(profiles, trace.batch_size, SLO_MS, prices)
+    stage = Stage(
+        "m",
+        tuple(InstanceSpec(name) for name in plan.stages[0].fleet.expand()),
+        profiles,
+        policy_factory("fcfs", profiles, base)(),
+    )
+    plain = simulate(trace, [stage], np.random.default_rng(3), prices_usd_per_hr=prices)
+
+    np.testing.assert_array_equal(result.simulation.finish_s, plain.finish_s)
+    assert result.p99_ms == pytest.approx(float(np.percentile(plain.response_ms, 99)))
+    assert result.cost_usd == pytest.approx(plain.cost_usd)
+    assert result.scaling_actions == 0 and result.decisions == ()
+    assert {tuple(w.fleet.items()) for w in result.timeline} == {((GPU, 1), (CPU, 1))}
+    assert len(result.timeline) == 12  # windows at 0, 10, ..., 110 s
+
+
+def test_the_plan_stage_policy_dispatches(tmp_path: Path) -> None:
+    app = app_of(tmp_path)
+    plan = parse_plan(plan_document({GPU: 1, CPU: 2}, policy="kairos"))
+    assert plan.stages[0].policy == "kairos"
+    trace = trace_of(step_profile(60.0, 140.0, 60.0), 120.0)
+    kairos = replay(trace, app, plan, np.random.default_rng(0), policy="utilization")
+    fcfs = replay(trace, app, plan, np.random.default_rng(0), policy="utilization", dispatch="fcfs")
+    assert kairos.decisions == fcfs.decisions  # pass 1 does not depend on the dispatcher
+    assert not np.array_equal(kairos.simulation.finish_s, fcfs.simulation.finish_s)
+
+
+# --- the tuner -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def step_replays(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ReplayResult]:
+    app = app_of(tmp_path_factory.mktemp("app"))
+    trace, plan = up_and_down(), one_gpu()
+    return {
+        policy: replay(
+            trace,
+            app,
+            plan,
+            np.random.default_rng(0),
+            policy=policy,
+            planning_arrival_s=steady_planning(),
+        )
+        for policy in ("static", "tuner", "utilization")
+    }
+
+
+def test_a_step_up_launches_instances_that_serve_after_booting_and_cost_from_launch(
+    step_replays: dict[str, ReplayResult],
+) -> None:
+    result = step_replays["tuner"]
+    ups = [d for d in result.decisions if d.action == "scale_up" and d.at_s > 300.0]
+    assert ups, result.decisions
+    first = ups[0]
+    assert 300.0 < first.at_s <= 305.0 and first.instance_type == GPU
+    assert "window" in first.reason and "> planned" in first.reason
+
+    instances = result.fleet_timeline.instances
+    launched = [s for s in instances if s.billed_from_s == first.at_s]
+    assert len(launched) == first.count
+    for spec in launched:
+        assert spec.ready_s == first.at_s + 60.0  # a GPU type boots in 60 s
+    # No query starts on an instance before it is ready.
+    sim = result.simulation
+    ready = np.array([s.ready_s for s in instances])
+    assert np.all(sim.start_s >= ready[sim.instance] - 1e-9)
+    # Billing runs from launch: the simulation's cost is exactly that integral.
+    horizon = sim.horizon_s
+    expected = sum(
+        GPU_PRICE * (min(s.stop_s, horizon) - (s.billed_from_s or 0.0)) / 3600.0 for s in instances
+    )
+    assert result.cost_usd == pytest.approx(expected)
+    # While they boot the timeline still shows the old fleet; after, the new one serves.
+    by_t = {w.t_s: w for w in result.timeline}
+    assert by_t[300.0].fleet[GPU] == 1
+    assert by_t[380.0].fleet[GPU] >= 3
+    cost_at = result.fleet_timeline.cost_usd_per_hr_at
+    prices = {GPU: GPU_PRICE}
+    assert cost_at(first.at_s, prices) - cost_at(first.at_s - 0.5, prices) == pytest.approx(
+        first.count * GPU_PRICE
+    )
+
+
+def test_the_tuner_misses_the_slo_less_than_the_static_plan(
+    step_replays: dict[str, ReplayResult],
+) -> None:
+    static, tuned = step_replays["static"], step_replays["tuner"]
+    assert static.slo_miss_share > 0.5  # one instance cannot serve 150 qps
+    assert tuned.slo_miss_share < static.slo_miss_share / 3
+    assert tuned.p99_ms < static.p99_ms
+    assert tuned.cost_usd > static.cost_usd
+
+
+def test_a_step_down_removes_instances_after_the_delay(
+    step_replays: dict[str, ReplayResult],
+) -> None:
+    result = step_replays["tuner"]
+    downs = [d for d in result.decisions if d.action == "scale_down" and d.at_s > 600.0]
+    assert downs, result.decisions
+    # The tuner waits 15 s after the last change, and its recent envelope spans 60 s.
+    assert downs[0].at_s >= 615.0
+    assert "since the last change" in downs[0].reason
+    by_t = {w.t_s: w for w in result.timeline}
+    assert by_t[890.0].fleet[GPU] < by_t[590.0].fleet[GPU]
+    assert by_t[890.0].cost_usd_per_hr < by_t[590.0].cost_usd_per_hr
+
+
+def test_the_default_planning_trace_is_the_first_tenth() -> None:
+    trace = up_and_down()
+    planning = planning_arrivals(trace)
+    assert planning[-1] <= trace.arrival_s[0] + 0.1 * trace.duration_s
+    assert planning.size == np.count_nonzero(trace.arrival_s <= planning[-1])
+    with pytest.raises(ReplayError, match="share"):
+        planning_arrivals(trace, 0.0)
+
+
+# --- the budget ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["static", "tuner", "utilization"])
+def test_the_budget_is_never_exceeded(tmp_path: Path, policy: str) -> None:
+    # 3 USD/hr buys 5 GPU instances; a jump to 1000 qps would need 10 or more.
+    app = app_of(tmp_path, budget_usd_per_hr=3.0)
+    trace = trace_of(step_profile(50.0, 1000.0, 20.0), 100.0)
+    plan = parse_plan(plan_document({GPU: 2}))
+    result = replay(
+        trace,
+        app,
+        plan,
+        np.random.default_rng(0),
+        policy=policy,  # type: ignore[arg-type]
+        boot_s={GPU: 5.0},  # so that the capped fleet serves within the trace
+    )
+    never_over_budget(result.fleet_timeline, app)
+    assert all(w.cost_usd_per_hr <= 3.0 + 1e-9 for w in result.timeline)
+    if policy != "static":
+        assert any(d.action == "budget_capped" for d in result.decisions)
+        assert max(w.fleet[GPU] for w in result.timeline) == 5
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    budget=st.floats(0.6, 4.0),
+    rates=st.lists(st.floats(5.0, 600.0), min_size=2, max_size=4),
+    seed=st.integers(0, 1000),
+)
+def test_no_policy_ever_exceeds_the_budget(
+    tmp_path_factory: pytest.TempPathFactory, budget: float, rates: list[float], seed: int
+) -> None:
+    app = app_of(tmp_path_factory.mktemp("app"), budget_usd_per_hr=budget)
+    times = np.repeat(30.0 * np.arange(len(rates)), 2)[1:]
+    profile = RateProfile(times, np.repeat(rates, 2)[:-1])
+    trace = trace_of(profile, 30.0 * len(rates), seed)
+    stage = check_plan(one_gpu(), app)
+    for timeline in (
+        tuner_timeline(trace, app, stage, planning_arrivals(trace)),
+        utilization_timeline(trace, app, stage),
+    ):
+        never_over_budget(timeline, app)
+        for spec in timeline.instances:
+            assert spec.billed_from_s is not None
+            assert spec.stop_s > spec.ready_s >= spec.billed_from_s
+
+
+def test_a_plan_over_the_budget_is_refused(tmp_path: Path) -> None:
+    app = app_of(tmp_path, budget_usd_per_hr=1.0)
+    with pytest.raises(ReplayError, match="over the spec's budget"):
+        check_plan(parse_plan(plan_document({GPU: 2})), app)
+
+
+# --- the utilisation autoscaler --------------------------------------------------------------
+
+
+def test_utilization_scales_to_seventy_percent(tmp_path: Path) -> None:
+    app = app_of(tmp_path)
+    # 120 qps on one GPU instance (mu 100 qps): utilisation 1.2.
+    trace = trace_of(step_profile(120.0, 120.0, 0.0), 300.0, cv2=0.05)
+    timeline = utilization_timeline(trace, app, check_plan(one_gpu(), app))
+    # C* = r / 0.7 ~ 171 qps: one more instance, and then 120 / 200 = 0.6 <= 0.7 stays put
+    # (one fewer would be 1.2): the autoscaler holds the smallest fleet at or under the target.
+    (up,) = timeline.decisions
+    assert (up.at_s, up.action, up.instance_type, up.count) == (10.0, "scale_up", GPU, 1)
+    assert "target 0.7" in up.reason and "utilisation 1.2" in up.reason
+    (late,) = [s for s in timeline.instances if s.billed_from_s == 10.0]
+    assert late.ready_s == 70.0  # the GPU type's boot time
+
+
+def test_utilization_waits_out_the_cooldown(tmp_path: Path) -> None:
+    app = app_of(tmp_path)
+    trace = trace_of(step_profile(50.0, 250.0, 100.0), 240.0, cv2=0.05)
+    timeline = utilization_timeline(trace, app, check_plan(one_gpu(), app))
+    # t = 110: r = (50 s x 50 + 10 s x 250) / 60 ~ 83 qps needs 119 qps: +1 (200 qps).
+    # t = 130 would need (30 x 50 + 30 x 250) / 60 / 0.7 ~ 214 qps, but the cooldown runs to 170;
+    # t = 170: r = 250 qps needs 357 qps: +2 (400 qps), and then nothing.
+    assert [(d.at_s, d.action, d.count) for d in timeline.decisions] == [
+        (110.0, "scale_up", 1),
+        (170.0, "scale_up", 2),
+    ]
+    config = UtilizationConfig(cooldown_s=0.0)
+    eager = utilization_timeline(trace, app, check_plan(one_gpu(), app), config=config)
+    assert [d.at_s for d in eager.decisions][:2] == [110.0, 130.0]
+
+
+def test_utilization_waits_the_cooldown_between_changes(
+    step_replays: dict[str, ReplayResult],
+) -> None:
+    decisions = [d for d in step_replays["utilization"].decisions if d.action != "budget_capped"]
+    assert {d.action for d in decisions} == {"scale_up", "scale_down"}
+    times = [d.at_s for d in decisions]
+    assert all(later - earlier >= 60.0 for earlier, later in itertools.pairwise(times))
+    assert all(t % 10.0 == 0.0 for t in times)  # it looks every 10 s
+    assert all("target 0.7" in d.reason for d in decisions)
+
+
+def test_utilization_settings_are_checked() -> None:
+    with pytest.raises(ReplayError):
+        UtilizationConfig(target=1.5)
+    with pytest.raises(ReplayError):
+        UtilizationConfig(cooldown_s=-1.0)
+
+
+def test_rate_per_instance_averages_latency_over_the_batch_mix(tmp_path: Path) -> None:
+    app = app_of(tmp_path)
+    # Half the queries at batch 1 (10 ms), half at 2 (16 ms): mean 13 ms.
+    sizes = np.array([1, 2] * 50)
+    assert rate_per_instance_qps(app.profile("m", GPU), sizes) == pytest.approx(1000.0 / 13.0)
+
+
+# --- plan documents --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("document", "field"),
+    [
+        ([], ""),
+        ({"cost_usd_per_hr": 1.0, "stages": []}, "feasible"),
+        ({"feasible": True, "cost_usd_per_hr": 1.0, "stages": []}, "stages"),
+        (plan_document({GPU: 0}), "stages[0].fleet"),
+        (plan_document({GPU: -1}), "stages[0].fleet[g4dn.xlarge]"),
+        (plan_document({GPU: 1}, batch_size=0), "stages[0].batch_size"),
+        (plan_document({GPU: 1}, policy="drs"), "stages[0].policy"),
+    ],
+)
+def test_malformed_plans_name_the_field(document: object, field: str) -> None:
+    with pytest.raises(PlanError) as caught:
+        parse_plan(document)
+    assert caught.value.field == field
+
+
+def test_plans_that_do_not_fit_the_spec_are_refused(tmp_path: Path) -> None:
+    app = app_of(tmp_path)
+    with pytest.raises(ReplayError, match="not one of the spec's instance types"):
+        check_plan(parse_plan(plan_document({"p3.2xlarge": 1})), app)
+    with pytest.raises(ReplayError, match="not a model of the spec"):
+        check_plan(parse_plan(plan_document({GPU: 1}, name="other")), app)
+    two = plan_document({GPU: 1})
+    two["stages"] = [*two["stages"], *two["stages"]]  # type: ignore[misc]
+    with pytest.raises(ReplayError, match="multi-stage plans comes with cascades"):
+        check_plan(parse_plan(two), app)
+
+
+# --- the command -----------------------------------------------------------------------------
+
+
+def cli_inputs(tmp_path: Path, plan: object) -> list[str]:
+    spec = write_app(tmp_path)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan if isinstance(plan, str) else json.dumps(plan))
+    trace_path = tmp_path / "trace.csv"
+    write_trace_csv(trace_of(step_profile(50.0, 150.0, 40.0), 80.0), trace_path)
+    return ["replay", "--spec", str(spec), "--plan", str(plan_path), "--trace", str(trace_path)]
+
+
+@pytest.mark.parametrize("extra", [[], ["--policy", "utilization"], ["--tuner", "off"]])
+def test_replay_json_contract(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> None:
+    assert main([*cli_inputs(tmp_path, plan_document({GPU: 1})), *extra, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("p99_ms", "slo_miss_share", "cost_usd", "scaling_actions", "timeline"):
+        assert key in out
+    assert 0.0 <= out["slo_miss_share"] <= 1.0 and out["cost_usd"] > 0
+    assert [w["t_s"] for w in out["timeline"]] == [0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0]
+    for window in out["timeline"]:
+        assert set(window) >= {"t_s", "fleet", "rate_qps", "p99_ms"}
+        assert window["fleet"].keys() >= {GPU}
+    for decision in out["decisions"]:
+        assert set(decision) >= {"at_s", "action", "instance_type", "count", "reason"}
+    if extra == ["--tuner", "off"]:
+        assert out["scaling_actions"] == 0 and out["decisions"] == []
+
+
+def test_replay_human_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = cli_inputs(tmp_path, plan_document({GPU: 1}))
+    assert main([*args, "--policy", "peak"]) == 0
+    text = capsys.readouterr().out
+    assert "under peak" in text and "p99" in text and "0 scaling actions" in text
+
+
+@pytest.mark.parametrize(
+    ("plan", "extra", "message"),
+    [
+        ("{not json", [], "malformed JSON"),
+        (plan_document({"p3.2xlarge": 1}), [], "not one of the spec's instance types"),
+        (plan_document({GPU: 1}, name="other"), [], "not a model of the spec"),
+        (plan_document({GPU: 1}), ["--tuner", "off", "--policy", "utilization"], "--tuner off"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    plan: object,
+    extra: list[str],
+    message: str,
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main([*cli_inputs(tmp_path, plan), *extra, "--json"])
+    assert caught.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], captured.err
