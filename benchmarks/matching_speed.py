@@ -10,6 +10,9 @@
   (``build_cost_matrix`` in numpy + ``solve_assignment``), median and p99.
 - The solvers alone on those matrices: SciPy's ``linear_sum_assignment`` and, when installed,
   ``lap.lapjv`` (padded to square).
+- The Kairos policy is the tail-aware one the estimator builds (``policy_factory("kairos")``: QoS
+  checks on the profiled p99, as a ratio to the online mean); without the shared data, synthetic
+  lines and constant tail ratios stand in.
 - Simulated queries per second of the Kairos policy in the event engine on the paper's rm2
   configuration (1 g4dn.xlarge + 13 r5n.large, QoS 350 ms, the Kairos batch mix, Poisson
   arrivals) at 100 and 130 qps (capacity is about 130), best of 3 after a warm-up, with the split
@@ -34,6 +37,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from estimator.batches import parse_batch_distribution
+from estimator.policies import policy_factory
 from estimator.profiles import load_profiles
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace, poisson_arrivals
@@ -42,7 +46,7 @@ from matching.cost import build_cost_matrix
 from matching.fcfs import FcfsPolicy
 from matching.kairos import KairosPolicy
 from matching.latency_model import LatencyModel
-from matching.policy import Dispatch, InstanceView, QueuedQuery, StageContext
+from matching.policy import Dispatch, DispatchPolicy, InstanceView, QueuedQuery, StageContext
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("HETEROPLANE_SHARED", ROOT.parent / "shared"))
@@ -53,6 +57,9 @@ QOS_MS = 350.0
 # rm2's mean latency is close to linear in the batch size; these lines stand in for the
 # profiles when the shared data is missing (the decision benchmark only needs plausible costs).
 SYNTHETIC_POINTS = {BASE: [(10, 5.4), (1000, 260.0)], AUX: [(10, 5.7), (1000, 405.0)]}
+SYNTHETIC_TAIL_RATIO = {BASE: np.array([1.01]), AUX: np.array([1.03])}
+
+TailRatio = dict[str, np.ndarray]
 
 
 @dataclass
@@ -109,14 +116,16 @@ def time_each(states: Sequence[State], decide: Callable[[State], object]) -> lis
     return samples
 
 
-Inputs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+Inputs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
-def library_inputs(state: State, model: LatencyModel) -> Inputs:
-    """l_ij, r_j, h_j and w_i of a state, for :func:`build_cost_matrix`."""
+def library_inputs(state: State, model: LatencyModel, tail_ratio: TailRatio) -> Inputs:
+    """l_ij, r_j, h_j, w_i and the tail l_ij k_j(b_i) of a state, for :func:`build_cost_matrix`."""
     rows = state.queue[: 2 * len(state.instances)]
     types = [inst.instance_type for inst in state.instances]
     by_type = {t: np.array([model.predict_ms(t, q.batch_size) for q in rows]) for t in set(types)}
+    sizes = np.array([q.batch_size for q in rows])
+    k = {t: tail_ratio[t][np.minimum(sizes, tail_ratio[t].size - 1)] for t in set(types)}
     b_max = model.max_batch_size
     base_ms = model.predict_ms(BASE, b_max)
     return (
@@ -124,16 +133,26 @@ def library_inputs(state: State, model: LatencyModel) -> Inputs:
         np.array([max(i.busy_until_s - 100.0, 0.0) * 1000 for i in state.instances]),
         np.array([base_ms / model.predict_ms(t, b_max) for t in types]),
         np.array([(100.0 - q.arrival_s) * 1000 for q in rows]),
+        np.stack([by_type[t] * k[t] for t in types], axis=1),
     )
 
 
+def library_costs(inputs: Inputs) -> np.ndarray:
+    latency, remaining, h, waited, tail = inputs
+    return build_cost_matrix(latency, remaining, h, waited, QOS_MS, tail_ms=tail).costs
+
+
 def size_figures(
-    label: str, states: list[State], model: LatencyModel, rng: np.random.Generator
+    label: str,
+    states: list[State],
+    model: LatencyModel,
+    tail_ratio: TailRatio,
+    rng: np.random.Generator,
 ) -> dict[str, float]:
     context = StageContext(max_batch_queries=1, qos_ms=QOS_MS)
-    policy = KairosPolicy(BASE, model)
-    inputs = {id(state): library_inputs(state, model) for state in states}
-    matrices = {key: build_cost_matrix(*args, QOS_MS).costs for key, args in inputs.items()}
+    policy = KairosPolicy(BASE, model, tail_ratio=tail_ratio)
+    inputs = {id(state): library_inputs(state, model, tail_ratio) for state in states}
+    matrices = {key: library_costs(args) for key, args in inputs.items()}
     uniform = {key: rng.uniform(0, 1000, size=m.shape) for key, m in matrices.items()}
 
     def policy_round(state: State) -> list[Dispatch]:
@@ -144,7 +163,7 @@ def size_figures(
         ("policy_round", policy_round),
         (
             "numpy_costs_and_solve",
-            lambda s: solve_assignment(build_cost_matrix(*inputs[id(s)], QOS_MS).costs),
+            lambda s: solve_assignment(library_costs(inputs[id(s)])),
         ),
         ("scipy_solve_only", lambda s: linear_sum_assignment(matrices[id(s)])),
         ("scipy_on_uniform_random", lambda s: linear_sum_assignment(uniform[id(s)])),
@@ -168,18 +187,29 @@ def size_figures(
     return figures
 
 
-def decision_figures(model: LatencyModel, rng: np.random.Generator) -> dict[str, float]:
+def decision_figures(
+    model: LatencyModel, tail_ratio: TailRatio, rng: np.random.Generator
+) -> dict[str, float]:
     figures: dict[str, float] = {}
     for n_queue, n_instances, count in ((32, 16, 2000), (256, 128, 500)):
         states = random_states(count, n_queue, n_instances, rng)
-        figures.update(size_figures(f"{n_queue}x{n_instances}", states, model, rng))
+        figures.update(size_figures(f"{n_queue}x{n_instances}", states, model, tail_ratio, rng))
     return figures
+
+
+def rm2_kairos() -> KairosPolicy:
+    """A fresh Kairos policy for rm2 on the benchmark's types, as the estimator builds it."""
+    profile_set = load_profiles(PROFILES)
+    profiles = {t: profile_set.get_profile("rm2", t) for t in (BASE, AUX)}
+    policy = policy_factory("kairos", profiles, [BASE])()
+    assert isinstance(policy, KairosPolicy)
+    return policy
 
 
 class TimedPolicy:
     """Wraps a policy and counts the time spent inside it (adds ~0.2 us per call of its own)."""
 
-    def __init__(self, inner: KairosPolicy | FcfsPolicy) -> None:
+    def __init__(self, inner: DispatchPolicy) -> None:
         self.inner = inner
         self.name = inner.name
         self.type_order = getattr(inner, "type_order", ())
@@ -206,7 +236,7 @@ class TimedPolicy:
 def simulation_figures(n_queries: int) -> dict[str, float]:
     profile_set = load_profiles(PROFILES)
     profiles = {t: profile_set.get_profile("rm2", t) for t in (BASE, AUX)}
-    model = LatencyModel.from_means(profiles)
+    make_kairos = policy_factory("kairos", profiles, [BASE])
     instances = (InstanceSpec(BASE),) + (InstanceSpec(AUX),) * 13
     figures: dict[str, float] = {}
     for rate in (100, 130):
@@ -227,7 +257,7 @@ def simulation_figures(n_queries: int) -> dict[str, float]:
             return result.summary().attainment
 
         for name, make in (
-            ("kairos", lambda: KairosPolicy(BASE, model)),
+            ("kairos", make_kairos),
             ("fcfs", FcfsPolicy),
         ):
             run(make())  # warm-up
@@ -258,11 +288,11 @@ def main() -> int:
     args = parser.parse_args()
     have_data = PROFILES.exists()
     if have_data:
-        profile_set = load_profiles(PROFILES)
-        model = LatencyModel.from_means({t: profile_set.get_profile("rm2", t) for t in (BASE, AUX)})
+        kairos = rm2_kairos()
+        model, tail_ratio = kairos.latency, kairos.tail_ratio
     else:
-        model = LatencyModel(SYNTHETIC_POINTS)
-    figures = decision_figures(model, np.random.default_rng(0))
+        model, tail_ratio = LatencyModel(SYNTHETIC_POINTS), SYNTHETIC_TAIL_RATIO
+    figures = decision_figures(model, tail_ratio, np.random.default_rng(0))
     if have_data:
         figures.update(simulation_figures(args.queries))
     if args.json:

@@ -1,7 +1,8 @@
 """Build a dispatch policy by name for a fleet: the one place that wires profiles into policies.
 
 ``matching`` holds the policies and knows nothing of profiles; this module gives them what they
-predict with (mean latency by batch size, from the profiles) and the base types of the fleet.
+predict with (mean latency by batch size, from the profiles; for Kairos also the ratio of the p99
+to the mean) and the base types of the fleet.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from estimator.profiles import LatencyProfile
 from matching.clockwork import ClockworkPolicy
 from matching.drs import DrsPolicy
 from matching.fcfs import FcfsPolicy
-from matching.kairos import KairosPolicy
+from matching.kairos import TAIL_QUANTILE, KairosPolicy
 from matching.latency_model import LatencyModel
 from matching.policy import DispatchPolicy
 
@@ -76,6 +77,15 @@ def policy_factory(
         if not base_types:
             raise SimulationError("the kairos policy needs a base type")
         model = LatencyModel.from_means(profiles)
+        # The QoS checks use the profiled p99 (tail-aware feasibility, docs/matching.md): per
+        # type and batch size, its ratio to the mean, applied to the policy's online mean.
+        tail_ratio = {}
+        for t, p in profiles.items():
+            tail_ms, mean_ms = p.quantile_by_batch_ms(TAIL_QUANTILE), p.mean_by_batch_ms()
+            known = mean_ms > 0  # NaN (below the smallest measured size) compares False
+            tail_ratio[t] = np.divide(
+                tail_ms, mean_ms, out=np.full_like(mean_ms, np.nan), where=known
+            )
         base = base_types[0]
-        return lambda: KairosPolicy(base, model)
+        return lambda: KairosPolicy(base, model, tail_ratio=tail_ratio)
     raise SimulationError(f"unknown policy {name!r} (one of {', '.join(POLICY_NAMES)})")

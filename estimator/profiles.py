@@ -134,6 +134,21 @@ class LatencyProfile:
         table[self.min_batch_size :] = self.mean_table_ms()[:, 0]
         return table
 
+    def quantile_by_batch_ms(self, quantile: float) -> np.ndarray:
+        """The ``quantile`` (in [0, 1]; 0.99 for the p99) of the service time indexed by batch
+        size itself, like :meth:`mean_by_batch_ms`: entry ``b`` for b in 0..max (NaN below the
+        smallest measured size). At a measured size it is the cell's quantile (``np.quantile``,
+        linear between order statistics, as :attr:`p99_ms`); between measured sizes it is linear
+        in b, as :meth:`draw_ms` mixes the same quantile of both cells.
+        """
+        if not 0.0 <= quantile <= 1.0:
+            raise ValueError(f"quantile must be in [0, 1], got {quantile!r}")
+        at_measured = np.array([np.quantile(cell, quantile) for cell in self.samples_ms])
+        dense = np.arange(self.min_batch_size, self.max_batch_size + 1)
+        table = np.full(self.max_batch_size + 1, np.nan)
+        table[self.min_batch_size :] = np.interp(dense, self.batch_sizes, at_measured)
+        return table
+
     def mean_table_ms(self) -> np.ndarray:
         """Mean latency on a dense batch-size axis from ``min_batch_size`` (one column)."""
         dense = np.arange(self.min_batch_size, self.max_batch_size + 1)

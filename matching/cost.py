@@ -5,16 +5,21 @@ bipartite matching. Its objective (Eq. 2) is the fleet's resource usage, each in
 weighted by how much that instance is worth; its QoS constraint (Eq. 5) is folded into the matrix
 as penalties (Eq. 8). In our notation (shared/KAIROS_MATH.md, "Query distribution"):
 
-- r_j >= 0: instance j's remaining busy time; l_ij: query i's predicted latency on j's type;
+- r_j >= 0: instance j's remaining busy time; l_ij: query i's predicted (mean) latency on j's
+  type; l~_ij >= 0: its predicted *tail* latency there (e.g. the p99; l~ = l when none is given);
 - w_i: how long query i has waited; t_i = max(0, QoS - w_i): what is left of its latency budget;
 - h_j = L_base(b_max) / L_type(j)(b_max): the heterogeneity coefficient (base type = 1, slower
   types < 1: "one second of GPU is not equivalent to one second of CPU");
 - usage u_ij = h_j (r_j + l_ij): the weighted time query i would hold instance j, counted from now;
-- *miss*: t_i > 0 and t_i - (r_j + l_ij) < 0 (the query would finish after its QoS target);
-- *margin*: t_i > 0, not a miss, and t_i - (r_j + l_ij) < (1 - s) QoS with s = 0.98: it would
+- *miss*: t_i > 0 and t_i - (r_j + l~_ij) < 0 (the query would finish after its QoS target);
+- *margin*: t_i > 0, not a miss, and t_i - (r_j + l~_ij) < (1 - s) QoS with s = 0.98: it would
   finish within the last 2% of the target (Kairos' "noise safeguard": "we replace QoS with
-  0.98 QoS", i.e. w_i + r_j + l_ij > 0.98 QoS);
+  0.98 QoS", i.e. w_i + r_j + l~_ij > 0.98 QoS);
 - cost_ij = u_ij + P_miss [miss] + P_margin [margin].
+
+Kairos judges both from the mean (l~ = l). QoS is a P99 target, so the Kairos policy passes a tail
+prediction for the checks and keeps the mean for the usage, which is what Eq. 2 sums
+(docs/matching.md, "Tail-aware feasibility").
 
 A query already past its target (t_i = 0) carries no penalty: every instance is equally late for
 it, and the usage alone decides (the authors' code does the same).
@@ -98,12 +103,14 @@ def build_cost_matrix(
     waited_ms: ArrayLike,
     qos_ms: float,
     *,
+    tail_ms: ArrayLike | None = None,
     safety: float = SAFETY,
 ) -> CostMatrix:
     """Kairos' penalised cost matrix (Eqs. 2, 5 and 8; the math is in the module docstring).
 
     ``latency_ms`` (m, n): l_ij; ``remaining_ms`` (n,): r_j; ``heterogeneity`` (n,): h_j;
-    ``waited_ms`` (m,): w_i; all finite, latencies and remaining times >= 0, h_j > 0.
+    ``waited_ms`` (m,): w_i; ``tail_ms`` (m, n): l~_ij for the miss and margin checks (default:
+    ``latency_ms``, Kairos' own checks); all finite, latencies and remaining times >= 0, h_j > 0.
 
     >>> m = build_cost_matrix(
     ...     latency_ms=[[100.0, 150.0], [300.0, 450.0]],
@@ -116,17 +123,26 @@ def build_cost_matrix(
     [[100.0, 75.0], [300.0, 225.0]]
     >>> m.miss.tolist(), m.margin_penalty_ms, m.miss_penalty_ms
     ([[False, False], [False, True]], 601.0, 1803.0)
+
+    With a tail 20% above the mean (the p99, say), query 1 misses on instance 0 too (360 ms >
+    350 ms), while query 0 still fits everywhere; the usage stays the mean's:
+
+    >>> build_cost_matrix(
+    ...     [[100.0, 150.0], [300.0, 450.0]], [0.0, 0.0], [1.0, 0.5], [0.0, 0.0], 350.0,
+    ...     tail_ms=[[120.0, 180.0], [360.0, 540.0]],
+    ... ).miss.tolist()
+    [[False, False], [True, True]]
     """
     latency = np.asarray(latency_ms, dtype=np.float64)
+    tail = latency if tail_ms is None else np.asarray(tail_ms, dtype=np.float64)
     remaining = np.asarray(remaining_ms, dtype=np.float64)
     h = np.asarray(heterogeneity, dtype=np.float64)
     waited = np.asarray(waited_ms, dtype=np.float64)
-    _check_inputs(latency, remaining, h, waited, qos_ms, safety)
+    _check_inputs(latency, tail, remaining, h, waited, qos_ms, safety)
 
-    finish = remaining[None, :] + latency
-    usage = h[None, :] * finish
+    usage = h[None, :] * (remaining[None, :] + latency)
     budget = np.maximum(qos_ms - waited, 0.0)  # t_i
-    slack = budget[:, None] - finish
+    slack = budget[:, None] - (remaining[None, :] + tail)
     at_stake = (budget > 0.0)[:, None]
     miss = at_stake & (slack < 0.0)
     margin = at_stake & ~miss & (slack < qos_ms - safety * qos_ms)
@@ -139,6 +155,7 @@ def build_cost_matrix(
 
 def _check_inputs(
     latency: np.ndarray,
+    tail: np.ndarray,
     remaining: np.ndarray,
     h: np.ndarray,
     waited: np.ndarray,
@@ -155,7 +172,13 @@ def _check_inputs(
             f"shapes disagree: latency {latency.shape}, remaining {remaining.shape},"
             f" heterogeneity {h.shape}, waited {waited.shape}"
         )
-    for name, values in (("latency_ms", latency), ("remaining_ms", remaining)):
+    if tail.shape != latency.shape:
+        raise InvalidCostMatrixError(f"shapes disagree: tail {tail.shape}, latency {latency.shape}")
+    for name, values in (
+        ("latency_ms", latency),
+        ("tail_ms", tail),
+        ("remaining_ms", remaining),
+    ):
         if not (np.all(np.isfinite(values)) and np.all(values >= 0)):
             raise InvalidCostMatrixError(f"{name} must be finite and >= 0")
     if not (np.all(np.isfinite(h)) and np.all(h > 0)):
@@ -171,6 +194,7 @@ def _check_inputs(
 @numba.njit(cache=True)
 def costs_kernel(
     latency_by_type_ms: np.ndarray,
+    tail_by_type_ms: np.ndarray,
     column_type: np.ndarray,
     remaining_ms: np.ndarray,
     heterogeneity: np.ndarray,
@@ -178,8 +202,10 @@ def costs_kernel(
     qos_ms: float,
     safety: float,
 ) -> np.ndarray:
-    """:func:`build_cost_matrix` in compiled code, bit for bit, with l_ij given per type:
-    ``latency_by_type_ms[i, column_type[j]]``. No validation: the caller's inputs are trusted."""
+    """:func:`build_cost_matrix` in compiled code, bit for bit, with l_ij and l~_ij given per
+    type: ``latency_by_type_ms[i, column_type[j]]`` and ``tail_by_type_ms[i, column_type[j]]``
+    (pass the same array twice for Kairos' mean checks). No validation: the caller's inputs are
+    trusted."""
     m = waited_ms.size
     n = column_type.size
     usage = np.empty((m, n))
@@ -197,7 +223,7 @@ def costs_kernel(
         budget = max(qos_ms - waited_ms[i], 0.0)
         if budget > 0.0:
             for j in range(n):
-                slack = budget - (remaining_ms[j] + latency_by_type_ms[i, column_type[j]])
+                slack = budget - (remaining_ms[j] + tail_by_type_ms[i, column_type[j]])
                 if slack < 0.0:
                     usage[i, j] += miss_penalty
                 elif slack < margin_ms:

@@ -36,3 +36,12 @@ class MissingQosError(MatchingError):
     def __init__(self, policy: str) -> None:
         self.policy = policy
         super().__init__(f"the {policy} policy needs the stage's QoS target (qos_ms), got None")
+
+
+class TailRatioError(MatchingError):
+    """Tail ratios (tail latency over mean latency, by batch size) a policy cannot use."""
+
+    def __init__(self, instance_type: str, problem: str) -> None:
+        self.instance_type = instance_type
+        self.problem = problem
+        super().__init__(f"the tail ratios of {instance_type!r} {problem}")

@@ -7,7 +7,10 @@ every scheduling round (the simulator's: an arrival, a completion, an instance j
    instance, busy or idle (a busy one is worth waiting for when it would still meet QoS);
 2. the penalised cost matrix of :mod:`matching.cost` from the online latency predictions of
    :mod:`matching.latency_model`, each instance's remaining busy time r_j = max(0, busy_until - now)
-   and each query's wait;
+   and each query's wait. The usage uses the mean prediction l_ij; the QoS checks (miss, margin)
+   use the tail prediction l~_ij = k_type(j)(b_i) l_ij when the policy has tail ratios k (e.g. a
+   profile's p99 over its mean by batch size, :data:`TAIL_QUANTILE`), else the mean as Kairos
+   does (docs/matching.md, "Tail-aware feasibility");
 3. the rectangular min-cost assignment of :mod:`matching.assignment`;
 4. dispatch only the pairs whose instance is idle now; the other queries stay queued for a later
    round (the implicit "wait for the better instance"). An instance whose busy time is over but
@@ -39,14 +42,16 @@ from operator import attrgetter
 
 import numba
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.optimize import linear_sum_assignment
 
 from matching.cost import SAFETY, costs_kernel
-from matching.errors import MatchingError, MissingQosError
+from matching.errors import MatchingError, MissingQosError, TailRatioError
 from matching.latency_model import LatencyModel, predict_kernel
 from matching.policy import Dispatch, InstanceView, QueuedQuery, StageContext
 
 ROWS_PER_INSTANCE = 2  # Kairos' authors cap a round at twice as many queries as instances
+TAIL_QUANTILE = 0.99  # QoS is a P99 target: the tail the feasibility checks use (docs/matching.md)
 
 _busy_until = attrgetter("busy_until_s")
 _type_of = attrgetter("instance_type")
@@ -71,6 +76,7 @@ def round_costs_kernel(
     line: np.ndarray,
     table_after: int,
     noise_factor: np.ndarray,
+    tail_ratio: np.ndarray,
     qos_ms: float,
     safety: float,
 ) -> tuple[np.ndarray, int]:
@@ -80,12 +86,17 @@ def round_costs_kernel(
     ``column_type`` indexing the fleet's types, whose latency-model rows are
     ``fleet_model_type``). l_ij is the model's prediction for the query's batch size on the
     column's type, times ``noise_factor[i, type]`` when that array is not empty (clipped at 0).
+    The tail l~_ij is l_ij times ``tail_ratio[type, min(b, last column)]``; with no columns,
+    l~ = l (the mean checks).
     """
     m = batch_size.size
     n = busy_until_s.size
     n_types = fleet_model_type.size
     latency = np.empty((m, n_types))
+    tail_cap = tail_ratio.shape[1] - 1
+    tail = np.empty((m, n_types)) if tail_cap >= 0 else latency
     for i in range(m):
+        b_tail = min(batch_size[i], tail_cap)
         for f in range(n_types):
             value = predict_kernel(
                 counts, sums_ms, left, right, line, table_after, fleet_model_type[f], batch_size[i]
@@ -93,13 +104,17 @@ def round_costs_kernel(
             if noise_factor.shape[0] > 0:
                 value = max(value * noise_factor[i, f], 0.0)
             latency[i, f] = value
+            if tail_cap >= 0:
+                tail[i, f] = value * tail_ratio[f, b_tail]
     remaining = np.empty(n)
     for j in range(n):
         remaining[j] = max((busy_until_s[j] - now_s) * 1000.0, 0.0)
     waited = np.empty(m)
     for i in range(m):
         waited[i] = (now_s - arrival_s[i]) * 1000.0
-    costs = costs_kernel(latency, column_type, remaining, heterogeneity, waited, qos_ms, safety)
+    costs = costs_kernel(
+        latency, tail, column_type, remaining, heterogeneity, waited, qos_ms, safety
+    )
     best = -1
     if m == 1:
         best = 0
@@ -117,6 +132,7 @@ class _Layout:
     fleet_model_type: np.ndarray  # fleet type -> latency-model row
     column_type: np.ndarray  # column -> fleet type
     heterogeneity: np.ndarray  # column -> h_j
+    tail_ratio: np.ndarray  # fleet type x batch size -> k (empty columns: no tail, k = 1)
 
 
 class KairosPolicy:
@@ -128,7 +144,13 @@ class KairosPolicy:
     finish beyond ``safety`` x QoS is penalised). ``rows_per_instance``: a round considers at most
     that many queued queries per instance. ``noise_share`` with ``rng``: the robustness knob of
     Kairos Fig. 16b, each prediction times (1 + noise_share x N(0, 1)), drawn per round and per
-    (query, instance type); 0 turns it off. Use one policy per run: it learns as it goes.
+    (query, instance type); 0 turns it off (the tail scales the noisy mean).
+    ``tail_ratio``: per instance type, k(b) = tail latency / mean latency at batch size b, a 1-D
+    array indexed by the batch size itself (NaN where unknown: filled linearly between known
+    sizes, with the nearest known ratio outside them; sizes beyond the array take its last
+    ratio; kept, filled, in :attr:`tail_ratio`); the QoS checks then use k(b) times the online
+    mean. Types without one are checked on the mean (k = 1), as are all types when it is None
+    (Kairos' own rule). Use one policy per run: it learns as it goes.
     """
 
     name = "kairos"
@@ -142,6 +164,7 @@ class KairosPolicy:
         rows_per_instance: int = ROWS_PER_INSTANCE,
         noise_share: float = 0.0,
         rng: np.random.Generator | None = None,
+        tail_ratio: Mapping[str, ArrayLike] | None = None,
     ) -> None:
         model = latency.copy() if isinstance(latency, LatencyModel) else LatencyModel(latency)
         model.type_index(base_type)  # the base type must be predictable: h is relative to it
@@ -159,6 +182,7 @@ class KairosPolicy:
         self.rows_per_instance = int(rows_per_instance)
         self.noise_share = float(noise_share)
         self._rng = rng
+        self.tail_ratio = {t: _checked_ratios(t, k) for t, k in (tail_ratio or {}).items()}
         self._layout: _Layout | None = None
 
     def dispatch(
@@ -209,6 +233,7 @@ class KairosPolicy:
                 model.line,
                 self.latency.table_after,
                 noise,
+                layout.tail_ratio,
                 qos_ms,
                 self.safety,
             )
@@ -256,9 +281,34 @@ class KairosPolicy:
                     f" predicts {base_ms} ms, {t!r} {ms} ms"
                 )
         position = {t: f for f, t in enumerate(fleet_types)}
+        tails = [self.tail_ratio.get(t) for t in fleet_types]
+        width = max((k.size for k in tails if k is not None), default=0)
+        tail_ratio = np.ones((len(fleet_types), width))
+        for f, k in enumerate(tails):
+            if k is not None:  # beyond its last batch size, a type keeps its last ratio
+                tail_ratio[f] = k[np.minimum(np.arange(width), k.size - 1)]
         return _Layout(
             instance_types=types,
             fleet_model_type=fleet_model_type,
             column_type=np.array([position[t] for t in types], dtype=np.int64),
             heterogeneity=np.array([base_ms / at_max[t] for t in types]),
+            tail_ratio=tail_ratio,
         )
+
+
+def _checked_ratios(instance_type: str, ratios: ArrayLike) -> np.ndarray:
+    """A type's tail ratios by batch size with the unknown (NaN) entries filled: linear between
+    the known sizes around them, the nearest known ratio below the first or above the last."""
+    try:
+        k = np.array(ratios, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TailRatioError(instance_type, "must be an array of numbers") from None
+    if k.ndim != 1:
+        raise TailRatioError(instance_type, f"must be 1-D (indexed by batch size), got {k.ndim}-D")
+    known = np.flatnonzero(~np.isnan(k))
+    if known.size == 0:
+        raise TailRatioError(instance_type, "has no known entry (all NaN)")
+    if not (np.all(np.isfinite(k[known])) and np.all(k[known] >= 0)):
+        raise TailRatioError(instance_type, "must be finite and >= 0 where known")
+    filled: np.ndarray = np.interp(np.arange(k.size), known, k[known])
+    return filled

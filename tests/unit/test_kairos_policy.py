@@ -11,14 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from estimator.batches import parse_batch_distribution
+from estimator.policies import policy_factory
 from estimator.profiles import LatencyProfile, load_profiles
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace, poisson_arrivals
 from matching.assignment import solve_assignment
 from matching.cost import build_cost_matrix
-from matching.errors import MatchingError, MissingQosError, UnknownLatencyError
+from matching.errors import MatchingError, MissingQosError, TailRatioError, UnknownLatencyError
 from matching.fcfs import FcfsPolicy
-from matching.kairos import KairosPolicy, round_costs_kernel
+from matching.kairos import TAIL_QUANTILE, KairosPolicy, round_costs_kernel
 from matching.latency_model import LatencyModel
 from matching.policy import Dispatch, QueuedQuery, StageContext
 from tests.conftest import KAIROS_CSV, needs_shared
@@ -48,8 +49,11 @@ def reference_dispatch(
     model: LatencyModel,
     base_type: str,
     qos_ms: float,
+    tail_ratio: dict[str, list[float]] | None = None,
 ) -> tuple[list[Dispatch], list[tuple[int, int]]]:
-    """The round spelled out with the numpy cost matrix and the SciPy solve."""
+    """The round spelled out with the numpy cost matrix and the SciPy solve. ``tail_ratio``:
+    per type, k by batch size with no NaN; a type without one, or a batch size beyond its
+    list, takes 1 / its last k."""
     rows = queue[: 2 * len(instances)]
     b_max = model.max_batch_size
     base_ms = model.predict_ms(base_type, b_max)
@@ -57,9 +61,22 @@ def reference_dispatch(
     latency = [
         [model.predict_ms(inst.instance_type, q.batch_size) for inst in instances] for q in rows
     ]
+    ratios = tail_ratio or {}
+
+    def k(instance_type: str, b: int) -> float:
+        by_size = ratios.get(instance_type)
+        return 1.0 if by_size is None else by_size[min(b, len(by_size) - 1)]
+
+    tail = [
+        [
+            lij * k(inst.instance_type, q.batch_size)
+            for lij, inst in zip(row, instances, strict=True)
+        ]
+        for row, q in zip(latency, rows, strict=True)
+    ]
     remaining = [max((inst.busy_until_s - now_s) * 1000.0, 0.0) for inst in instances]
     waited = [(now_s - q.arrival_s) * 1000.0 for q in rows]
-    costs = build_cost_matrix(latency, remaining, h, waited, qos_ms).costs
+    costs = build_cost_matrix(latency, remaining, h, waited, qos_ms, tail_ms=tail).costs
     pairs = solve_assignment(costs).pairs()
     dispatches = [
         Dispatch(instances[j].index, (rows[i].query_id,))
@@ -100,16 +117,21 @@ def states(draw, max_queue: int = 12, max_instances: int = 6):
         for q in range(n_queue)
     ]
     queue.sort(key=lambda q: q.arrival_s)
-    return now, queue, instances, model, types[0]
+    # Tail ratios for some types, over batch sizes 0..60 (larger sizes take the last one).
+    ratio = st.sampled_from([1.0, 1.2, 1.5, 2.0, 3.0])
+    tail_ratio = {
+        t: draw(st.lists(ratio, min_size=61, max_size=61)) for t in types if draw(st.booleans())
+    }
+    return now, queue, instances, model, types[0], tail_ratio
 
 
 @settings(max_examples=300, deadline=None)
 @given(states())
 def test_rounds_match_the_reference_cost_matrix_and_solver(state) -> None:
-    now, queue, instances, model, base = state
-    policy = KairosPolicy(base, model)
+    now, queue, instances, model, base, tail_ratio = state
+    policy = KairosPolicy(base, model, tail_ratio=tail_ratio)
     got = policy.dispatch(now, queue, instances, QOS)
-    expected, _ = reference_dispatch(now, queue, instances, model, base, 100.0)
+    expected, _ = reference_dispatch(now, queue, instances, model, base, 100.0, tail_ratio)
     assert got == expected
 
 
@@ -117,8 +139,8 @@ def test_rounds_match_the_reference_cost_matrix_and_solver(state) -> None:
 @given(states(max_queue=1, max_instances=8))
 def test_the_one_query_fast_path_picks_what_the_full_solve_picks(state) -> None:
     """Same column, ties included, whether or not that instance is idle."""
-    now, queue, instances, model, base = state
-    policy = KairosPolicy(base, model)
+    now, queue, instances, model, base, tail_ratio = state
+    policy = KairosPolicy(base, model, tail_ratio=tail_ratio)
     policy.dispatch(now, queue, instances, QOS)  # builds the fleet layout
     layout = policy._layout
     assert layout is not None
@@ -138,10 +160,11 @@ def test_the_one_query_fast_path_picks_what_the_full_solve_picks(state) -> None:
         arrays.line,
         policy.latency.table_after,
         np.zeros((0, 0)),
+        layout.tail_ratio,
         100.0,
         0.98,
     )
-    _, pairs = reference_dispatch(now, queue, instances, model, base, 100.0)
+    _, pairs = reference_dispatch(now, queue, instances, model, base, 100.0, tail_ratio)
     assert pairs == [(0, best)]
 
 
@@ -159,6 +182,44 @@ def test_a_query_waits_for_a_busy_instance_that_still_meets_qos() -> None:
     queue = [QueuedQuery(1, 60, 0.0, 0.0), QueuedQuery(2, 5, 0.0, 0.0)]
     got = KairosPolicy("gpu", model).dispatch(0.0, queue, instances, QOS)
     assert got == [Dispatch(1, (2,))]  # the small one runs now on the CPU; the large one waits
+
+
+def test_a_query_whose_mean_fits_but_whose_tail_does_not_waits_for_the_fast_instance() -> None:
+    # 20 items: 80 ms on the CPU by its mean, within QoS 100 ms, and cheaper there (h = 1/4:
+    # usage 20 against 30 on the GPU, busy 10 more ms). Its tail on the CPU is 1.5 x 80 = 120 ms:
+    # a miss, so it waits for the GPU (10 + 20 x 1.1 = 32 ms by the GPU's tail).
+    model = LatencyModel({"gpu": [(1, 1.0), (100, 100.0)], "cpu": [(1, 4.0), (100, 400.0)]})
+    instances = [FakeInstance(0, "gpu", busy_until_s=0.01), FakeInstance(1, "cpu")]
+    queue = [QueuedQuery(1, 20, 0.0, 0.0)]
+    mean_only = KairosPolicy("gpu", model)
+    assert mean_only.dispatch(0.0, queue, instances, QOS) == [Dispatch(1, (1,))]
+    tails = {"gpu": [1.1], "cpu": [np.nan, 1.5]}  # one ratio for every size; NaN at 0
+    tail_aware = KairosPolicy("gpu", model, tail_ratio=tails)
+    assert tail_aware.dispatch(0.0, queue, instances, QOS) == []
+    # A smaller query's tail fits on the CPU (10 items: 40 x 1.5 = 60 ms): it runs there now.
+    small = [QueuedQuery(2, 10, 0.0, 0.0)]
+    assert tail_aware.dispatch(0.0, small, instances, QOS) == [Dispatch(1, (2,))]
+    # The tail scales the online mean: once the CPU measures 20 items at 60 ms, its tail is
+    # 90 ms and the query runs there.
+    for _ in range(model.table_after):
+        tail_aware.observe("cpu", 20, 60.0)
+    assert tail_aware.dispatch(0.0, queue, instances, QOS) == [Dispatch(1, (1,))]
+
+
+def test_tail_ratios_fill_unknown_sizes_and_are_checked() -> None:
+    points = {"gpu": [(1, 1.0), (10, 10.0)]}
+    policy = KairosPolicy("gpu", points, tail_ratio={"gpu": [np.nan, np.nan, 2.0, np.nan, 4.0]})
+    assert policy.tail_ratio["gpu"].tolist() == [2.0, 2.0, 2.0, 3.0, 4.0]
+    for bad, problem in (
+        ([np.nan, np.nan], "no known entry"),
+        ([1.0, -0.5], "finite and >= 0"),
+        ([1.0, np.inf], "finite and >= 0"),
+        ([[1.0, 2.0]], "1-D"),
+        (["fast"], "numbers"),
+    ):
+        with pytest.raises(TailRatioError, match=problem) as error:
+            KairosPolicy("gpu", points, tail_ratio={"cpu": bad})
+        assert error.value.instance_type == "cpu"
 
 
 def test_free_instances_that_do_not_take_work_are_left_out() -> None:
@@ -225,6 +286,23 @@ def kairos(**kwargs) -> KairosPolicy:
     return KairosPolicy("gpu.x", LatencyModel.from_means(PROFILES), **kwargs)
 
 
+def test_the_default_factory_builds_a_tail_aware_policy() -> None:
+    """Its tail ratios are each profile's p99 over its mean, by batch size."""
+    policy = policy_factory("kairos", PROFILES, ["gpu.x"])()
+    assert isinstance(policy, KairosPolicy)
+    assert TAIL_QUANTILE == 0.99
+    assert set(policy.tail_ratio) == set(PROFILES)
+    for t, profile in PROFILES.items():
+        ratio = policy.tail_ratio[t]
+        # Cells are per_item x b x (0.98, 1.0, 1.02): the p99 is 1.0196 times the mean.
+        assert ratio[1:].tolist() == pytest.approx([1.0196] * 100)
+        assert ratio[0] == ratio[1]  # batch size 0 is unknown: the nearest known ratio
+        p99 = profile.quantile_by_batch_ms(0.99)
+        assert np.isnan(p99[0])
+        np.testing.assert_allclose(p99[profile.batch_sizes], profile.p99_ms)
+        assert p99[25] == pytest.approx(np.interp(25, profile.batch_sizes, profile.p99_ms))
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     st.integers(0, 2**32 - 1),
@@ -265,6 +343,44 @@ def test_large_queries_go_where_they_meet_qos() -> None:
     # Service times vary by 2% around the mean, as much as the safety margin: a query of 37 items
     # on a CPU may still miss by a hair.
     assert result.summary().attainment >= 0.99
+
+
+def test_on_a_noisy_type_the_tail_aware_default_keeps_qos_where_the_mean_does_not() -> None:
+    # A CPU of 3 ms per item on average, but one run in five takes 1.8x that (p99 = 1.8 x the
+    # mean), beside a steady GPU. QoS 150 ms: by the mean the CPU may take up to 49 items, by
+    # the p99 only up to 27. The CPU is the cheaper choice (h = 1/3) whenever it fits.
+    sizes = np.array([1, 50, 100])
+    cpu_shape = np.array([0.8] * 8 + [1.8] * 2)
+    profiles = {
+        "gpu.x": LatencyProfile(
+            "m",
+            "gpu.x",
+            sizes,
+            tuple((10.0 + 0.9 * b) * np.array([0.98, 1.0, 1.02]) for b in sizes),
+        ),
+        "cpu.n": LatencyProfile("m", "cpu.n", sizes, tuple(3.0 * b * cpu_shape for b in sizes)),
+    }
+    prices = {"gpu.x": 1.0, "cpu.n": 0.2}
+    rng = np.random.default_rng(3)
+    n = 400
+    trace = Trace(np.arange(n) * 0.25, rng.integers(1, 101, size=n))
+    instances = tuple(InstanceSpec(t) for t in ("cpu.n", "cpu.n", "gpu.x"))
+
+    def run(policy: KairosPolicy) -> tuple[float, int]:
+        stage = Stage("m", instances, profiles, policy)
+        result = simulate(
+            trace, [stage], np.random.default_rng(5), prices_usd_per_hr=prices, qos_ms=150.0
+        )
+        share = result.summary().attainment
+        assert share is not None
+        return share, int(trace.batch_size[result.instance < 2].max())
+
+    mean_share, mean_largest_on_cpu = run(KairosPolicy("gpu.x", LatencyModel.from_means(profiles)))
+    made = policy_factory("kairos", profiles, ["gpu.x"])()
+    assert isinstance(made, KairosPolicy)
+    tail_share, tail_largest_on_cpu = run(made)
+    assert mean_share < 0.99 <= tail_share
+    assert tail_largest_on_cpu < 30 < mean_largest_on_cpu
 
 
 def test_noise_is_reproducible_from_its_generator() -> None:

@@ -55,6 +55,31 @@ def test_cost_matrix_by_hand_with_penalties_and_the_safety_margin() -> None:
     assert solve_assignment(m.costs).pairs() == [(0, 0), (2, 1)]
 
 
+def test_cost_matrix_by_hand_with_a_tail() -> None:
+    # QoS 100 ms. Both queries fit by their mean everywhere; their tails (the p99, say) do not:
+    # query 0's tail misses on instance 1 (0 + 90 + 15 > 100) and lands inside the margin on
+    # instance 0 (10 + 89 = 99 > 98); query 1's tail fits on instance 0 and misses on instance 1.
+    # The usage stays the mean's: h_j (r_j + l_ij).
+    m = build_cost_matrix(
+        latency_ms=[[40.0, 60.0], [30.0, 50.0]],
+        tail_ms=[[89.0, 105.0], [60.0, 101.0]],
+        remaining_ms=[10.0, 0.0],
+        heterogeneity=[1.0, 0.5],
+        waited_ms=[0.0, 0.0],
+        qos_ms=100.0,
+    )
+    assert m.usage_ms.tolist() == [[50.0, 30.0], [40.0, 25.0]]
+    assert m.miss.tolist() == [[False, True], [False, True]]
+    assert m.margin.tolist() == [[True, False], [False, False]]
+    # k = 2, U = 50: P_margin = 101, P_miss = 2 * (50 + 101) + 1 = 303.
+    assert m.costs.tolist() == [[151.0, 333.0], [40.0, 328.0]]
+    # Judged by the mean alone (Kairos' check, the default tail), nothing is penalised.
+    latency = [[40.0, 60.0], [30.0, 50.0]]
+    mean_only = build_cost_matrix(latency, [10.0, 0.0], [1.0, 0.5], [0.0, 0.0], 100.0)
+    assert not mean_only.miss.any() and not mean_only.margin.any()
+    assert mean_only.costs.tolist() == m.usage_ms.tolist()
+
+
 def test_margin_and_miss_boundaries_are_strict() -> None:
     # Finishing exactly at QoS meets it; finishing exactly at 0.98 QoS is outside the margin.
     m = build_cost_matrix([[100.0, 98.0, 98.5]], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0], 100.0)
@@ -75,6 +100,8 @@ def test_heterogeneity_is_base_over_type_latency_at_b_max() -> None:
         ({"latency_ms": [1.0, 2.0]}, "2-D"),
         ({"remaining_ms": [0.0]}, "shapes disagree"),
         ({"latency_ms": [[np.nan, 1.0]]}, "latency_ms must be finite"),
+        ({"tail_ms": [[1.0, 2.0, 3.0]]}, "shapes disagree: tail"),
+        ({"tail_ms": [[-1.0, 2.0]]}, "tail_ms must be finite and >= 0"),
         ({"remaining_ms": [-1.0, 0.0]}, "remaining_ms must be finite and >= 0"),
         ({"heterogeneity": [1.0, 0.0]}, "heterogeneity"),
         ({"waited_ms": [np.inf]}, "waited_ms"),
@@ -103,6 +130,9 @@ def rounds(draw, max_rows: int = 6, max_cols: int = 6):
     n_types = draw(st.integers(1, 3))
     grid = st.integers(0, 12).map(lambda k: 10.0 * k)
     latency_by_type = np.array(draw(st.lists(grid, min_size=m * n_types, max_size=m * n_types)))
+    # The tail: the mean (Kairos' check), or the mean times a ratio per (query, type).
+    ratio = st.sampled_from([1.0, 1.0, 1.25, 1.5, 2.0])
+    tail_ratio = np.array(draw(st.lists(ratio, min_size=m * n_types, max_size=m * n_types)))
     column_type = np.array(draw(st.lists(st.integers(0, n_types - 1), min_size=n, max_size=n)))
     remaining = np.array(draw(st.lists(grid, min_size=n, max_size=n)))
     h_of_type = np.array(
@@ -113,6 +143,7 @@ def rounds(draw, max_rows: int = 6, max_cols: int = 6):
     )
     return (
         latency_by_type.reshape(m, n_types),
+        (latency_by_type * tail_ratio).reshape(m, n_types),
         column_type,
         remaining,
         h_of_type[column_type],
@@ -123,9 +154,18 @@ def rounds(draw, max_rows: int = 6, max_cols: int = 6):
 @settings(max_examples=300, deadline=None)
 @given(rounds(max_rows=30, max_cols=16), st.sampled_from([100.0, 105.0, 350.0]))
 def test_compiled_costs_equal_the_numpy_reference_bit_for_bit(round_, qos_ms) -> None:
-    latency_by_type, column_type, remaining, h, waited = round_
-    reference = build_cost_matrix(latency_by_type[:, column_type], remaining, h, waited, qos_ms)
-    compiled = costs_kernel(latency_by_type, column_type, remaining, h, waited, qos_ms, 0.98)
+    latency_by_type, tail_by_type, column_type, remaining, h, waited = round_
+    reference = build_cost_matrix(
+        latency_by_type[:, column_type],
+        remaining,
+        h,
+        waited,
+        qos_ms,
+        tail_ms=tail_by_type[:, column_type],
+    )
+    compiled = costs_kernel(
+        latency_by_type, tail_by_type, column_type, remaining, h, waited, qos_ms, 0.98
+    )
     np.testing.assert_array_equal(compiled, reference.costs)
 
 
@@ -144,8 +184,15 @@ def brute_force(costs: np.ndarray) -> list[list[tuple[int, int]]]:
 def test_penalties_make_the_optimum_lexicographic(round_) -> None:
     """The optimal assignment has the fewest misses, then the fewest margins, then the least
     usage, among all assignments (the dominance argument of matching.cost)."""
-    latency_by_type, column_type, remaining, h, waited = round_
-    m = build_cost_matrix(latency_by_type[:, column_type], remaining, h, waited, 100.0)
+    latency_by_type, tail_by_type, column_type, remaining, h, waited = round_
+    m = build_cost_matrix(
+        latency_by_type[:, column_type],
+        remaining,
+        h,
+        waited,
+        100.0,
+        tail_ms=tail_by_type[:, column_type],
+    )
 
     def key(pairs):
         rows, cols = (np.array(x, dtype=np.int64) for x in zip(*pairs, strict=True))
