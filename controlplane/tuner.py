@@ -433,8 +433,14 @@ def _scale_up(
 
 
 def _scale_down(tick: _Tick, plan: StagePlan, needed_qps: float, why: str) -> bool:
-    """Stop the least cost-effective instances while the stage still serves ``needed_qps`` and
-    keeps ``min_instances``; True when something stopped."""
+    """Stop the least cost-effective instances while the stage still serves ``needed_qps``, keeps
+    ``min_instances`` and keeps one instance of every type of the planned fleet; True when
+    something stopped.
+
+    The last instance of a planned type stays because the planner chose the mix, not only the
+    capacity: in a heterogeneous fleet the least cost-effective type is often the only one that
+    serves the large queries within the SLO (the Kairos base type), and the tuner tunes
+    replication, not hardware, so it never adds that type back."""
     prices, mu = tick.config.prices_usd_per_hr, plan.rate_per_instance_qps
     fleet = tick.fleets[plan.name]
     capacity = _capacity_qps(fleet, mu)
@@ -443,8 +449,9 @@ def _scale_down(tick: _Tick, plan: StagePlan, needed_qps: float, why: str) -> bo
     for name in by_value:
         spare_qps = capacity - needed_qps
         spare_count = sum(fleet.values()) - plan.min_instances
+        keep = 1 if plan.fleet.get(name, 0) > 0 else 0
         slack = _RELATIVE_SLACK * max(1.0, needed_qps)
-        count = min(fleet[name], spare_count, math.floor((spare_qps + slack) / mu[name]))
+        count = min(fleet[name] - keep, spare_count, math.floor((spare_qps + slack) / mu[name]))
         if count <= 0:
             continue
         before = capacity

@@ -203,7 +203,7 @@ def test_the_budget_caps_a_scale_up_and_says_so() -> None:
 
 
 def test_a_mixed_stage_stops_the_least_cost_effective_first() -> None:
-    plan = mixed_stage()
+    plan = StagePlan("mix", 1.0, {"cpu": 1}, {"gpu": 100.0, "cpu": 10.0}, 0.8)
     state = TunerState(fleets={"mix": Fleet.of({"gpu": 1, "cpu": 22})}, last_change_s=0.0)
     decisions, after = tune(steady(32, 40.0, 100.0), 100.0, state, [plan], config())
     # Need 32 / 0.8 = 40 qps: the gpu goes (320 -> 220 qps), then 18 cpu (-> 40 qps).
@@ -212,6 +212,18 @@ def test_a_mixed_stage_stops_the_least_cost_effective_first() -> None:
         ("scale_down", "cpu", 18),
     ]
     assert dict(after.fleets["mix"]) == {"gpu": 0, "cpu": 4}
+
+
+def test_scale_down_keeps_one_instance_of_every_planned_type() -> None:
+    # The planned gpu is the least cost-effective, but the planner chose it (in a mix it is the
+    # type that serves the large queries within the SLO): its last instance stays.
+    plan = mixed_stage()
+    state = TunerState(fleets={"mix": Fleet.of({"gpu": 1, "cpu": 22})}, last_change_s=0.0)
+    decisions, after = tune(steady(32, 40.0, 100.0), 100.0, state, [plan], config())
+    assert [(d.action, d.instance_type, d.count) for d in decisions] == [
+        ("scale_down", "cpu", 22),
+    ]
+    assert dict(after.fleets["mix"]) == {"gpu": 1, "cpu": 0}
 
 
 @st.composite
