@@ -109,24 +109,6 @@ def make_traces(rate_qps: float, seed: int) -> tuple[Trace, Trace]:
     return planning, test
 
 
-def plan_document(plan: Plan) -> dict[str, Any]:
-    """The ``plan --json`` fields the replay reads."""
-    return {
-        "feasible": plan.feasible,
-        "cost_usd_per_hr": plan.cost_usd_per_hr,
-        "stages": [
-            {
-                "name": s.name,
-                "fleet": dict(s.fleet),
-                "batch_size": s.batch_size,
-                "policy": s.policy,
-            }
-            for s in plan.stages
-        ],
-        "steps": list(plan.steps),
-    }
-
-
 def fleet_text(plan: Plan) -> str:
     return " + ".join(f"{n} {t}" for s in plan.stages for t, n in sorted(s.fleet.items()) if n) + (
         f" (${plan.cost_usd_per_hr:.3f}/hr)"
@@ -188,7 +170,7 @@ def run(rate_qps: float, seed: int) -> dict[str, Any]:
         results[label] = replay(
             test,
             app,
-            parse_plan(plan_document(plans[plan_name])),
+            parse_plan(plans[plan_name].to_document()),
             np.random.default_rng(seed),
             policy=policy,  # type: ignore[arg-type]
             planning_arrival_s=planning.arrival_s,

@@ -62,6 +62,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -150,6 +151,31 @@ class Plan:
     planned_rate_qps: float
     max_feasible_qps: float | None = None
     simulations: int = 0
+
+    def to_document(self) -> dict[str, Any]:
+        """The plan document (the ``plan --json`` contract, what ``replay --plan`` reads)."""
+        document: dict[str, Any] = {
+            "feasible": self.feasible,
+            "cost_usd_per_hr": self.cost_usd_per_hr,
+            "stages": [
+                {
+                    "name": s.name,
+                    "fleet": dict(s.fleet),
+                    "batch_size": s.batch_size,
+                    "predicted_p99_ms": s.predicted_p99_ms,
+                    "throughput_qps": s.throughput_qps,
+                    "cost_usd_per_hr": s.cost_usd_per_hr,
+                    "policy": s.policy,
+                }
+                for s in self.stages
+            ],
+            "planned_rate_qps": self.planned_rate_qps,
+            "steps": list(self.steps),
+            "simulations": self.simulations,
+        }
+        if self.max_feasible_qps is not None:
+            document["max_feasible_qps"] = self.max_feasible_qps
+        return document
 
 
 # --- traces ----------------------------------------------------------------------------------

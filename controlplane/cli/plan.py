@@ -43,27 +43,9 @@ def run(args: argparse.Namespace) -> int:
         "percentile": spec.slo.percentile,
         "budget_usd_per_hr": spec.budget_usd_per_hr,
         "trace": {"count": stats.count, "rate_qps": stats.rate_qps, "cv2": stats.cv2},
-        "feasible": plan.feasible,
-        "cost_usd_per_hr": plan.cost_usd_per_hr,
-        "stages": [
-            {
-                "name": s.name,
-                "fleet": dict(s.fleet),
-                "batch_size": s.batch_size,
-                "predicted_p99_ms": s.predicted_p99_ms,
-                "throughput_qps": s.throughput_qps,
-                "cost_usd_per_hr": s.cost_usd_per_hr,
-                "policy": s.policy,
-            }
-            for s in plan.stages
-        ],
-        "planned_rate_qps": plan.planned_rate_qps,
-        "steps": list(plan.steps),
-        "simulations": plan.simulations,
+        **plan.to_document(),
         "seed": args.seed,
     }
-    if plan.max_feasible_qps is not None:
-        data["max_feasible_qps"] = plan.max_feasible_qps
     return emit(args.json, data, lambda: _human(data, plan))
 
 
