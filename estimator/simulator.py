@@ -27,9 +27,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, overload
 
 import numpy as np
 
@@ -392,6 +392,75 @@ class _Instance:
         return self.running is None and self.ready_s <= now_s < self.stop_s
 
 
+class _Queue(Sequence[QueuedQuery]):
+    """A stage's central queue in arrival order, with O(1) removal from anywhere.
+
+    Policies may dispatch queries from the middle (Kairos, DRS, Clockwork); rebuilding a deque
+    for each such removal made overloaded runs quadratic. Removed entries stay behind as
+    tombstones, skipped by every read and dropped once they reach the head.
+    """
+
+    __slots__ = ("_by_id", "_items", "_removed")
+
+    def __init__(self) -> None:
+        self._items: deque[QueuedQuery] = deque()
+        self._by_id: dict[int, QueuedQuery] = {}
+        self._removed: set[int] = set()
+
+    def append(self, item: QueuedQuery) -> None:
+        self._items.append(item)
+        self._by_id[item.query_id] = item
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[QueuedQuery]:
+        if not self._removed:
+            return iter(self._items)
+        removed = self._removed
+        return (item for item in self._items if item.query_id not in removed)
+
+    def __reversed__(self) -> Iterator[QueuedQuery]:
+        removed = self._removed
+        return (item for item in reversed(self._items) if item.query_id not in removed)
+
+    @overload
+    def __getitem__(self, index: int) -> QueuedQuery: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[QueuedQuery]: ...
+    def __getitem__(self, index: int | slice) -> QueuedQuery | Sequence[QueuedQuery]:
+        if isinstance(index, slice):
+            return list(self)[index]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        if not self._removed:
+            return self._items[index]
+        if index == 0:  # tombstones are dropped once they reach the head
+            return self._items[0]
+        for position, item in enumerate(self):
+            if position == index:
+                return item
+        raise IndexError(index)
+
+    def take(self, ids: tuple[int, ...]) -> list[QueuedQuery]:
+        """Remove the queries ``ids`` (in that order) and return them."""
+        if len(set(ids)) != len(ids) or any(q not in self._by_id for q in ids):
+            raise InvalidDispatchError(f"dispatch of queries that are not queued: {ids}")
+        items = self._items
+        taken = []
+        for q in ids:
+            taken.append(self._by_id.pop(q))
+            if items and items[0].query_id == q:
+                items.popleft()
+            else:
+                self._removed.add(q)
+        while items and items[0].query_id in self._removed:
+            self._removed.discard(items.popleft().query_id)
+        return taken
+
+
 class _StageState:
     __slots__ = ("context", "forward", "instances", "policy", "queue", "table")
 
@@ -410,24 +479,11 @@ class _StageState:
             )
             for i, spec in enumerate(stage.instances)
         ]
-        self.queue: deque[QueuedQuery] = deque()
+        self.queue = _Queue()
         self.policy = stage.policy
         self.table = table
         self.forward = stage.forward
         self.context = StageContext(max_batch_queries=stage.max_batch_queries, qos_ms=qos_ms)
-
-
-def _take(state: _StageState, ids: tuple[int, ...]) -> list[QueuedQuery]:
-    """Remove the queries ``ids`` from the stage's queue (fast when they are at its head)."""
-    queue = state.queue
-    if len(ids) <= len(queue) and all(queue[i].query_id == q for i, q in enumerate(ids)):
-        return [queue.popleft() for _ in ids]
-    wanted = set(ids)
-    taken = [item for item in queue if item.query_id in wanted]
-    if len(taken) != len(wanted):
-        raise InvalidDispatchError(f"dispatch of queries that are not queued: {ids}")
-    state.queue = deque(item for item in queue if item.query_id not in wanted)
-    return taken
 
 
 class _EventEngine:
@@ -535,7 +591,7 @@ class _EventEngine:
         if not dispatch.query_ids:
             raise InvalidDispatchError("an empty dispatch")
         ids = dispatch.query_ids
-        taken = _take(state, ids)
+        taken = state.queue.take(ids)
         total = sum(item.batch_size for item in taken)
         if total > inst.max_batch_size:
             raise InvalidDispatchError(
