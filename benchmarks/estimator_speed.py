@@ -58,7 +58,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     sizes = parse_batch_distribution("kairos").sample(args.queries, rng)
     # Capacity of one instance on this mix: 1 / E[L(b)].
-    capacity_qps = 1000.0 / np.mean([profile.mean_latency_ms(int(b)) for b in sizes[:20_000]])
+    capacity_qps = profile.rate_qps(sizes[:20_000])
     figures: dict[str, float] = {}
     for instances in (1, 64):
         rate = 0.7 * capacity_qps * instances

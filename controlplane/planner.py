@@ -272,15 +272,10 @@ def _fleet_text(fleet: Mapping[str, int]) -> str:
     return ", ".join(f"{n} x {t}" for t, n in sorted(fleet.items()) if n) or "no instances"
 
 
-def _mean_latency_ms(profile: LatencyProfile, sizes: np.ndarray) -> np.ndarray:
-    means: np.ndarray = np.interp(sizes, profile.batch_sizes, profile.mean_ms)
-    return means
-
-
 def _check_service_time(inputs: _StageInputs, sizes: np.ndarray) -> None:
     """Algorithm 1, line 2: the fastest type per query, at batch 1, must leave room in the SLO."""
     names = sorted(inputs.profiles)
-    latency = np.stack([_mean_latency_ms(inputs.profiles[t], sizes) for t in names])
+    latency = np.stack([inputs.profiles[t].mean_latencies_ms(sizes) for t in names])
     best_ms = latency.min(axis=0)
     bound_ms = float(np.percentile(best_ms, inputs.percentile))
     if bound_ms > inputs.slo_ms:
@@ -499,10 +494,7 @@ def _setup(app: ResolvedApp, trace: Trace, steps: list[str]) -> _Setup:
 
 def _value_per_usd(inputs: _StageInputs, sizes: np.ndarray) -> dict[str, float]:
     """Q_t / P_t: queries per second per USD/hr of each type on the trace's batch sizes."""
-    return {
-        t: 1000.0 / float(_mean_latency_ms(p, sizes).mean()) / inputs.prices_usd_per_hr[t]
-        for t, p in inputs.profiles.items()
-    }
+    return {t: p.rate_qps(sizes) / inputs.prices_usd_per_hr[t] for t, p in inputs.profiles.items()}
 
 
 def _run(

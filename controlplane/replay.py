@@ -416,10 +416,7 @@ def rate_per_instance_qps(
     """
     sizes = np.asarray(batch_size, dtype=np.int64)
     if batch_queries <= 1:
-        unique, counts = np.unique(sizes, return_counts=True)
-        latency_ms = [profile.mean_latency_ms(int(b)) for b in unique]
-        mean_s = float(np.dot(latency_ms, counts)) / sizes.size / 1000.0
-        return 1.0 / mean_s if mean_s > 0 else math.inf
+        return profile.rate_qps(sizes)
     mean_b = float(sizes.mean())
     fit = _queries_per_batch(profile, mean_b, batch_queries)
     batch = min(max(round(fit * mean_b), profile.min_batch_size), profile.max_batch_size)

@@ -247,9 +247,5 @@ def _guess_qps(
     profiles: Mapping[str, LatencyProfile], instance_types: Sequence[str], sizes: np.ndarray
 ) -> float:
     """A first rate to probe: every instance serving the mix at its mean latency."""
-    sample = sizes[:2000]
-    rates = {
-        t: 1000.0 / float(np.mean([p.mean_latency_ms(int(b)) for b in sample]))
-        for t, p in profiles.items()
-    }
+    rates = {t: p.rate_qps(sizes[:2000]) for t, p in profiles.items()}
     return sum(rates[t] for t in instance_types)

@@ -45,9 +45,7 @@ def full_range_types(
     sample = np.asarray(batch_sizes)[:2000]
 
     def qps_per_usd(name: str) -> float:
-        profile = profiles[name]
-        mean_ms = float(np.mean([profile.mean_latency_ms(int(b)) for b in sample]))
-        return 1000.0 / mean_ms / max(prices_usd_per_hr[name], 1e-12)
+        return profiles[name].rate_qps(sample) / max(prices_usd_per_hr[name], 1e-12)
 
     return sorted(names, key=lambda name: (-qps_per_usd(name), name))
 

@@ -18,8 +18,9 @@ import gzip
 import io
 import itertools
 import json
+import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,6 +50,8 @@ class LatencyProfile:
     instance_type: str
     batch_sizes: np.ndarray
     samples_ms: tuple[np.ndarray, ...]
+    # Derived once: latency lookups run per query in planners and policies.
+    _mean_ms: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         sizes = np.ascontiguousarray(self.batch_sizes, dtype=np.int64)
@@ -69,6 +72,9 @@ class LatencyProfile:
             cells.append(cell)
         object.__setattr__(self, "batch_sizes", sizes)
         object.__setattr__(self, "samples_ms", tuple(cells))
+        means = np.array([cell.mean() for cell in cells])
+        means.flags.writeable = False
+        object.__setattr__(self, "_mean_ms", means)
 
     @property
     def min_batch_size(self) -> int:
@@ -81,7 +87,7 @@ class LatencyProfile:
     @property
     def mean_ms(self) -> np.ndarray:
         """Mean latency at each measured batch size."""
-        return np.array([cell.mean() for cell in self.samples_ms])
+        return self._mean_ms
 
     @property
     def p99_ms(self) -> np.ndarray:
@@ -102,6 +108,22 @@ class LatencyProfile:
         """Mean latency at ``batch_size``, linear between measured batch sizes."""
         self.check_batch_size(batch_size)
         return float(np.interp(batch_size, self.batch_sizes, self.mean_ms))
+
+    def mean_latencies_ms(self, batch_sizes: np.ndarray) -> np.ndarray:
+        """Mean latency at each of ``batch_sizes`` (vectorised :meth:`mean_latency_ms`)."""
+        sizes = np.asarray(batch_sizes)
+        if sizes.size:
+            self.check_batch_size(int(sizes.min()))
+            self.check_batch_size(int(sizes.max()))
+        means: np.ndarray = np.interp(sizes, self.batch_sizes, self._mean_ms)
+        return means
+
+    def rate_qps(self, batch_sizes: np.ndarray) -> float:
+        """Queries per second one instance serves when each query of the mix ``batch_sizes``
+        runs alone: 1000 / E_q[L(b_q)] with L the mean latency (Kairos' Q_t, KAIROS_MATH.md,
+        on an empirical mix)."""
+        mean_ms = float(self.mean_latencies_ms(batch_sizes).mean())
+        return 1000.0 / mean_ms if mean_ms > 0 else math.inf
 
     def quantile_table_ms(self, n_points: int) -> np.ndarray:
         """Service-time quantiles on a dense batch-size axis.
