@@ -134,25 +134,51 @@ def test_planning_is_deterministic_for_a_seed(tmp_path: Path) -> None:
 WOBBLE = 1.05  # a greedy plan on a finite trace may be a few % off the trend
 
 
-def test_cost_falls_as_the_slo_loosens(tmp_path: Path) -> None:
-    trace = poisson_trace(400.0)
-    costs = [plan_app(app_for(tmp_path, slo, 10.0), trace).cost_usd_per_hr for slo in (12, 25, 60)]
-    assert all(b <= a * WOBBLE for a, b in itertools.pairwise(costs)), costs
-    assert costs[-1] < costs[0]
+# The grid: each sweep runs at every point of the other two axes.
+GRID_SLO_MS = (18.0, 30.0, 60.0)
+GRID_RATE_QPS = (100.0, 400.0, 1200.0)
+GRID_CV2 = (0.5, 4.0, 16.0)
 
 
-def test_cost_rises_with_the_arrival_rate(tmp_path: Path) -> None:
-    app = app_for(tmp_path, 25.0, 10.0)
-    costs = [plan_app(app, poisson_trace(rate)).cost_usd_per_hr for rate in (100, 400, 1200)]
-    assert all(b * WOBBLE >= a for a, b in itertools.pairwise(costs)), costs
-    assert costs[-1] > costs[0]
+def grid_trace(rate_qps: float, cv2: float) -> Trace:
+    return poisson_trace(rate_qps) if cv2 == 1.0 else gamma_trace(rate_qps, cv2)
 
 
-def test_cost_rises_with_burstiness(tmp_path: Path) -> None:
-    app = app_for(tmp_path, 25.0, 10.0)
-    costs = [plan_app(app, gamma_trace(400.0, cv2)).cost_usd_per_hr for cv2 in (0.5, 4.0, 16.0)]
-    assert all(b * WOBBLE >= a for a, b in itertools.pairwise(costs)), costs
-    assert costs[-1] > costs[0]
+def assert_trend(plans: list[Plan], *, rising: bool) -> None:
+    """Feasible plans whose costs are monotone up to the greedy wobble between neighbours, and
+    strictly so end to end (an infeasible plan's cost is the highest feasible rate's, not a
+    point on the curve)."""
+    assert all(plan.feasible for plan in plans), [plan.steps[-1] for plan in plans]
+    costs = [plan.cost_usd_per_hr for plan in plans]
+    if rising:
+        assert all(b * WOBBLE >= a for a, b in itertools.pairwise(costs)), costs
+        assert costs[-1] > costs[0], costs
+    else:
+        assert all(b <= a * WOBBLE for a, b in itertools.pairwise(costs)), costs
+        assert costs[-1] < costs[0], costs
+
+
+@pytest.mark.parametrize(("rate_qps", "cv2"), list(itertools.product((100.0, 400.0), (1.0, 4.0))))
+def test_cost_falls_as_the_slo_loosens(tmp_path: Path, rate_qps: float, cv2: float) -> None:
+    trace = grid_trace(rate_qps, cv2)
+    plans = [plan_app(app_for(tmp_path, slo, 10.0), trace) for slo in GRID_SLO_MS]
+    assert_trend(plans, rising=False)
+
+
+@pytest.mark.parametrize(("slo_ms", "cv2"), list(itertools.product((25.0, 60.0), (1.0, 4.0))))
+def test_cost_rises_with_the_arrival_rate(tmp_path: Path, slo_ms: float, cv2: float) -> None:
+    app = app_for(tmp_path, slo_ms, 10.0)
+    plans = [plan_app(app, grid_trace(rate, cv2)) for rate in GRID_RATE_QPS]
+    assert_trend(plans, rising=True)
+
+
+@pytest.mark.parametrize(
+    ("slo_ms", "rate_qps"), list(itertools.product((25.0, 60.0), (100.0, 400.0)))
+)
+def test_cost_rises_with_burstiness(tmp_path: Path, slo_ms: float, rate_qps: float) -> None:
+    app = app_for(tmp_path, slo_ms, 10.0)
+    plans = [plan_app(app, gamma_trace(rate_qps, cv2)) for cv2 in GRID_CV2]
+    assert_trend(plans, rising=True)
 
 
 # --- infeasible inputs -----------------------------------------------------------------------
