@@ -12,12 +12,33 @@ import sys
 from collections.abc import Sequence
 
 from controlplane import __version__
-from controlplane.cli import bounds, capacity, demo, plan, replay, simulate, trace
+from controlplane.cli import (
+    bounds,
+    capacity,
+    db,
+    demo,
+    plan,
+    replay,
+    simulate,
+    token,
+    trace,
+)
 from controlplane.cli.output import UsageError, fail
+from controlplane.errors import ControlPlaneError
 from estimator.errors import EstimatorError
 
 # Each command module exposes ``register(subparsers)``; the parser it adds sets ``handler``.
-COMMAND_MODULES = (demo, trace, simulate, capacity, bounds, plan, replay)
+COMMAND_MODULES = (
+    demo,
+    trace,
+    simulate,
+    capacity,
+    bounds,
+    plan,
+    replay,
+    db,
+    token,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         status: int = args.handler(args)
-    except (EstimatorError, UsageError) as error:
+    except (EstimatorError, UsageError, ControlPlaneError) as error:
         fail(f"heteroplane {args.command}: {error}")
     except OSError as error:
         # A missing or unreadable file the user named: say which, without a traceback.

@@ -1,0 +1,250 @@
+"""The database schema: one typed SQLAlchemy 2.0 ORM class per table.
+
+Tables (docs/service.md describes each column):
+
+- ``apps``: a registered app, its spec document, its budget, its applied plan, and ``version``
+  (optimistic concurrency: every change of the app row bumps it; a write that names a version it
+  saw fails when another write came in between);
+- ``budget_changes``: the audit trail of an app's budget (who, when, old, new, why);
+- ``plans``: previewed, applied and superseded plans of an app (the ``Plan.to_document`` JSON);
+- ``instances`` and ``instance_events``: the machines we run and every move through the lifecycle
+  table of :mod:`controlplane.lifecycle`;
+- ``decisions``: what the policies decided and why (scale up/down, gear switches, replans);
+- ``metric_samples``: the rolled-up load, latency, SLO attainment and cost of an app over time;
+- ``api_tokens``: the SHA-256 hashes of the API tokens with their scope.
+
+Deleting an app deletes its rows in every other table (``ON DELETE CASCADE``); the store only
+deletes an app without live instances unless forced (see :meth:`Store.delete_app`).
+
+Times are timezone-aware UTC datetimes in Python (:class:`UtcDateTime`): ``timestamptz`` on
+PostgreSQL, naive UTC text on SQLite (which has no time zones); a naive datetime is refused.
+
+Constraint names follow :data:`NAMING_CONVENTION`, so Alembic's migrations name every index and
+constraint the same way on every database.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+from controlplane.auth import Scope
+from controlplane.lifecycle import InstanceState
+
+__all__ = [
+    "NAMING_CONVENTION",
+    "PLAN_STATUSES",
+    "ApiToken",
+    "App",
+    "Base",
+    "BudgetChange",
+    "Decision",
+    "Instance",
+    "InstanceEvent",
+    "MetricSample",
+    "Plan",
+    "UtcDateTime",
+]
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+PLAN_STATUSES = ("previewed", "applied", "superseded")
+
+# Lengths: an app name is a DNS label (controlplane.spec); EC2 ids are at most 19 characters
+# today, with room to grow; token names and request ids are ours.
+_NAME = 63
+_SHORT = 16
+_ID = 64
+_LABEL = 100
+
+
+def _one_of(column: str, values: Iterable[str]) -> str:
+    listed = ", ".join(f"'{value}'" for value in values)
+    return f"{column} IN ({listed})"
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime, stored the same way on SQLite and PostgreSQL."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def __init__(self) -> None:
+        super().__init__(timezone=True)
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"a naive datetime cannot be stored (give it a time zone): {value}")
+        value = value.astimezone(UTC)
+        # SQLite keeps text without an offset: store UTC wall time, read it back as UTC.
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {  # noqa: RUF012 (SQLAlchemy reads this class attribute)
+        datetime: UtcDateTime,
+        dict[str, Any]: JSON,
+        float: Float,
+    }
+
+
+class App(Base):
+    __tablename__ = "apps"
+    __table_args__ = (
+        CheckConstraint("budget_usd_per_hr > 0", name="budget_positive"),
+        CheckConstraint("version >= 1", name="version_positive"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(_NAME), unique=True)
+    spec: Mapped[dict[str, Any]]
+    budget_usd_per_hr: Mapped[float]
+    # plans also points at apps; the constraint is added after both tables exist.
+    applied_plan_id: Mapped[int | None] = mapped_column(
+        ForeignKey("plans.id", ondelete="SET NULL", use_alter=True)
+    )
+    version: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+
+class BudgetChange(Base):
+    __tablename__ = "budget_changes"
+    __table_args__ = (Index(None, "app_id", "at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    app_id: Mapped[int] = mapped_column(ForeignKey("apps.id", ondelete="CASCADE"))
+    who: Mapped[str] = mapped_column(String(_LABEL))
+    at: Mapped[datetime]
+    # None for the budget an app was registered with.
+    old_usd_per_hr: Mapped[float | None]
+    new_usd_per_hr: Mapped[float]
+    reason: Mapped[str] = mapped_column(Text)
+
+
+class Plan(Base):
+    __tablename__ = "plans"
+    __table_args__ = (
+        UniqueConstraint("app_id", "number"),
+        CheckConstraint(_one_of("status", PLAN_STATUSES), name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    app_id: Mapped[int] = mapped_column(ForeignKey("apps.id", ondelete="CASCADE"))
+    # 1, 2, 3, ... per app.
+    number: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(_SHORT))
+    document: Mapped[dict[str, Any]]
+    # The app's version when the plan was made: applying it is refused once the app has changed.
+    app_version: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime]
+    applied_at: Mapped[datetime | None]
+
+
+class Instance(Base):
+    __tablename__ = "instances"
+    __table_args__ = (
+        Index(None, "app_id", "state"),
+        CheckConstraint(_one_of("state", [s.value for s in InstanceState]), name="state"),
+    )
+
+    id: Mapped[str] = mapped_column(String(_ID), primary_key=True)
+    app_id: Mapped[int] = mapped_column(ForeignKey("apps.id", ondelete="CASCADE"))
+    # The idempotency key of the launch: a retried launch finds the row the first one made.
+    request_id: Mapped[str] = mapped_column(String(_LABEL), unique=True)
+    provider_id: Mapped[str | None] = mapped_column(String(_ID), unique=True)
+    instance_type: Mapped[str] = mapped_column(String(_ID))
+    state: Mapped[str] = mapped_column(String(_SHORT))
+    price_usd_per_hr: Mapped[float]
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+
+class InstanceEvent(Base):
+    __tablename__ = "instance_events"
+    __table_args__ = (Index(None, "instance_id", "at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    instance_id: Mapped[str] = mapped_column(ForeignKey("instances.id", ondelete="CASCADE"))
+    # None for the event that created the instance.
+    from_state: Mapped[str | None] = mapped_column(String(_SHORT))
+    to_state: Mapped[str] = mapped_column(String(_SHORT))
+    at: Mapped[datetime]
+    reason: Mapped[str] = mapped_column(Text)
+
+
+class Decision(Base):
+    __tablename__ = "decisions"
+    __table_args__ = (Index(None, "app_id", "at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    app_id: Mapped[int] = mapped_column(ForeignKey("apps.id", ondelete="CASCADE"))
+    at: Mapped[datetime]
+    # scale_up, scale_down, gear_switch, replan, budget_drain, ...
+    kind: Mapped[str] = mapped_column(String(_SHORT * 2))
+    reason: Mapped[str] = mapped_column(Text)
+    numbers: Mapped[dict[str, Any]]
+
+
+class MetricSample(Base):
+    __tablename__ = "metric_samples"
+    __table_args__ = (Index(None, "app_id", "at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    app_id: Mapped[int] = mapped_column(ForeignKey("apps.id", ondelete="CASCADE"))
+    at: Mapped[datetime]
+    arrival_rate_qps: Mapped[float]
+    # None when no query finished in the window.
+    latency_p50_ms: Mapped[float | None]
+    latency_p95_ms: Mapped[float | None]
+    latency_p99_ms: Mapped[float | None]
+    attainment_share: Mapped[float | None]
+    fleet_cost_usd_per_hr: Mapped[float]
+    gear: Mapped[str | None] = mapped_column(String(_ID))
+    accuracy: Mapped[float | None]
+
+
+class ApiToken(Base):
+    __tablename__ = "api_tokens"
+    __table_args__ = (CheckConstraint(_one_of("scope", [s.value for s in Scope]), name="scope"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(_LABEL), unique=True)
+    scope: Mapped[str] = mapped_column(String(_SHORT))
+    # SHA-256 hex of the token; the token itself is never stored.
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+    last_used_at: Mapped[datetime | None]

@@ -1,0 +1,88 @@
+"""The lifecycle of an instance: its states and the one table of moves between them.
+
+An instance we run is *requested* (the reconciler asked a provisioner for it), *pending* (the
+provider knows it, it is booting), *running* (its worker serves), *draining* (no new queries; it
+finishes what it holds, and may go back to running if load returns before it is let go),
+*terminating* (asked to stop), and finally *terminated*; any live state may also end in *failed*
+(a launch refused, a boot that never finished, a machine lost). Terminal states have no moves out.
+
+The table is the contract (Karpenter and Ray's autoscaler v2 keep theirs the same way): the store
+refuses any move it does not list, so an instance's history in ``instance_events`` always reads as
+a path through it.
+
+>>> check_transition("running", "draining")
+>>> check_transition("terminated", "running")
+Traceback (most recent call last):
+...
+controlplane.errors.InvalidTransitionError: an instance cannot go from 'terminated' to 'running'
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from types import MappingProxyType
+
+from controlplane.errors import InvalidTransitionError
+
+__all__ = [
+    "LIVE_STATES",
+    "TERMINAL_STATES",
+    "TRANSITIONS",
+    "InstanceState",
+    "can_transition",
+    "check_transition",
+    "parse_state",
+]
+
+
+class InstanceState(StrEnum):
+    REQUESTED = "requested"
+    PENDING = "pending"
+    RUNNING = "running"
+    DRAINING = "draining"
+    TERMINATING = "terminating"
+    TERMINATED = "terminated"
+    FAILED = "failed"
+
+
+_S = InstanceState
+
+# from state -> the states it may move to. Every state is a key; terminal states map to nothing.
+TRANSITIONS: MappingProxyType[InstanceState, frozenset[InstanceState]] = MappingProxyType(
+    {
+        _S.REQUESTED: frozenset({_S.PENDING, _S.FAILED}),
+        _S.PENDING: frozenset({_S.RUNNING, _S.FAILED, _S.TERMINATING}),
+        _S.RUNNING: frozenset({_S.DRAINING, _S.TERMINATING, _S.FAILED}),
+        _S.DRAINING: frozenset({_S.TERMINATING, _S.RUNNING, _S.FAILED}),
+        _S.TERMINATING: frozenset({_S.TERMINATED, _S.FAILED}),
+        _S.TERMINATED: frozenset(),
+        _S.FAILED: frozenset(),
+    }
+)
+
+TERMINAL_STATES = frozenset(state for state, moves in TRANSITIONS.items() if not moves)
+# States that count toward a fleet's size and cost (everything not yet ended).
+LIVE_STATES = frozenset(InstanceState) - TERMINAL_STATES
+
+
+def parse_state(state: str) -> InstanceState:
+    """``state`` as an :class:`InstanceState`; ``ValueError`` naming the known states otherwise."""
+    try:
+        return InstanceState(state)
+    except ValueError:
+        known = ", ".join(s.value for s in InstanceState)
+        raise ValueError(f"unknown instance state {state!r} (known: {known})") from None
+
+
+def can_transition(from_state: str, to_state: str) -> bool:
+    """Whether the table allows the move (unknown states allow nothing)."""
+    try:
+        return InstanceState(to_state) in TRANSITIONS[InstanceState(from_state)]
+    except ValueError:
+        return False
+
+
+def check_transition(from_state: str, to_state: str) -> None:
+    """Raise :class:`InvalidTransitionError` unless the table allows ``from_state -> to_state``."""
+    if not can_transition(from_state, to_state):
+        raise InvalidTransitionError(str(from_state), str(to_state))

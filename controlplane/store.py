@@ -1,0 +1,1200 @@
+"""The store: the one place the service reads and writes its database.
+
+The API, the scheduler's jobs and the CLI call :class:`Store`; ORM rows never leave this module:
+every method returns frozen records (:class:`AppRecord`, :class:`PlanRecord`, ...) or plain
+values, and every database failure is a one-line :class:`~controlplane.errors.DatabaseError`.
+
+Concurrency (docs/service.md, "Concurrency"):
+
+- An app row carries ``version``; every change of it (spec, budget, applied plan) bumps it with
+  ``UPDATE apps SET ..., version = version + 1 WHERE id = :id AND version = :seen``, so of two
+  writers that saw the same version exactly one updates a row. :meth:`Store.apply_plan` turns a
+  lost race into :class:`~controlplane.errors.ConflictError`: a plan records the app version it
+  was made for, and is applied only while the app is still at that version (a plan made before a
+  budget or spec change, or before another plan was applied, is stale). :meth:`Store.change_budget`
+  retries a lost race instead, so concurrent budget changes serialise: each audit row's old budget
+  is the previous row's new one.
+- A launch is idempotent by its request id: :meth:`Store.record_instance` with a request id seen
+  before returns the instance recorded then (a unique constraint settles a race).
+- Instance state moves follow :mod:`controlplane.lifecycle`, compare-and-set on the state seen.
+
+Lists come oldest first; with ``limit`` they hold the newest ``limit`` items (still oldest first);
+``since`` is exclusive. Times are timezone-aware UTC; by default they are read from the clock the
+store was given.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import numbers
+import secrets
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar, cast
+
+from sqlalchemy import URL, CursorResult, Engine, Select, delete, func, select, update
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from controlplane import auth
+from controlplane.db import migrate
+from controlplane.db import models as m
+from controlplane.db.session import make_engine, make_session_factory, redact_url, transaction
+from controlplane.errors import (
+    AppExistsError,
+    ConflictError,
+    ControlPlaneError,
+    DatabaseError,
+    InvalidValueError,
+    NotFoundError,
+)
+from controlplane.lifecycle import LIVE_STATES, InstanceState, check_transition
+
+__all__ = [
+    "AppRecord",
+    "BudgetChangeRecord",
+    "DecisionRecord",
+    "InstanceEventRecord",
+    "InstanceRecord",
+    "MetricSampleRecord",
+    "PlanRecord",
+    "Principal",
+    "Store",
+    "TokenRecord",
+]
+
+# How often a write that lost a compare-and-set race is retried before ConflictError.
+_ATTEMPTS = 20
+# last_used_at of a token is refreshed at most this often: not a write per request.
+LAST_USED_RESOLUTION_S = 60.0
+_APP_NAME_MAX = 63
+
+
+class _WallClock(Protocol):
+    """What the store needs of a clock (``controlplane.clock.Clock`` has it)."""
+
+    def utcnow(self) -> datetime: ...
+
+
+class _SystemWallClock:
+    def utcnow(self) -> datetime:
+        return datetime.now(UTC)
+
+
+# --- records ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AppRecord:
+    id: int
+    name: str
+    spec: dict[str, Any]
+    budget_usd_per_hr: float
+    applied_plan_id: int | None
+    version: int
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetChangeRecord:
+    id: int
+    app: str
+    who: str
+    at: datetime
+    old_usd_per_hr: float | None  # None: the budget the app was registered with
+    new_usd_per_hr: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRecord:
+    id: int
+    app: str
+    number: int  # 1, 2, 3, ... per app
+    status: str  # previewed, applied, superseded
+    document: dict[str, Any]
+    app_version: int  # the app's version the plan was made for
+    created_at: datetime
+    applied_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRecord:
+    id: str
+    app: str
+    request_id: str
+    provider_id: str | None
+    instance_type: str
+    state: str
+    price_usd_per_hr: float
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceEventRecord:
+    id: int
+    instance_id: str
+    app: str
+    from_state: str | None  # None: the instance was recorded
+    to_state: str
+    at: datetime
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRecord:
+    id: int
+    app: str
+    at: datetime
+    kind: str
+    reason: str
+    numbers: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSampleRecord:
+    app: str
+    at: datetime
+    arrival_rate_qps: float
+    latency_p50_ms: float | None
+    latency_p95_ms: float | None
+    latency_p99_ms: float | None
+    attainment_share: float | None
+    fleet_cost_usd_per_hr: float
+    gear: str | None
+    accuracy: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRecord:
+    id: int
+    name: str
+    scope: str
+    created_at: datetime
+    revoked_at: datetime | None
+    last_used_at: datetime | None
+
+
+class Principal(NamedTuple):
+    """Who a verified token belongs to: its name and scope."""
+
+    name: str
+    scope: str
+
+
+# --- error translation -----------------------------------------------------------------------
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_T = TypeVar("_T")
+
+
+class _LostRaceError(Exception):
+    """A compare-and-set matched no row: roll back and try again."""
+
+
+def _translated(
+    method: Callable[Concatenate[Store, _P], _R],
+) -> Callable[Concatenate[Store, _P], _R]:
+    """Turn SQLAlchemy's errors into one-line DatabaseErrors (ours pass through)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Store, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(self, *args, **kwargs)
+        except ControlPlaneError:
+            raise
+        except SQLAlchemyError as error:
+            raise self._database_error(error) from error
+
+    return wrapper
+
+
+# --- the store -------------------------------------------------------------------------------
+
+
+class Store:
+    """Reads and writes of the control plane's database (see the module docstring)."""
+
+    def __init__(self, engine: Engine, clock: _WallClock | None = None) -> None:
+        self._engine = engine
+        self._sessions: sessionmaker[Session] = make_session_factory(engine)
+        self._clock: _WallClock = clock if clock is not None else _SystemWallClock()
+
+    @classmethod
+    def from_url(
+        cls, url: str | URL, clock: _WallClock | None = None, *, upgrade: bool = False
+    ) -> Store:
+        """A store on the database at ``url``: migrated to the newest revision first when
+        ``upgrade``, else checked to be there (DatabaseError telling to run
+        ``heteroplane db upgrade`` when not). An in-memory SQLite URL (``sqlite://``) gives a
+        fresh database that only this store sees (pass ``upgrade=True``), on one connection: for
+        single-threaded tests only."""
+        engine = make_engine(url)
+        # A SQLite database in memory lives only inside its engine: migrate through it.
+        target: migrate.Target = engine if engine.url.database in (None, "", ":memory:") else url
+        try:
+            if upgrade:
+                migrate.upgrade(target)
+            else:
+                found, wanted = migrate.current(target), migrate.head()
+                if found != wanted:
+                    at = f"at revision {found}" if found else "not migrated"
+                    raise DatabaseError(
+                        f"the database {redact_url(url)} is {at}, this heteroplane needs"
+                        f" {wanted}; run: heteroplane db upgrade"
+                    )
+        except BaseException:
+            engine.dispose()
+            raise
+        return cls(engine, clock)
+
+    @property
+    def url(self) -> str:
+        """The database URL, password hidden."""
+        return redact_url(self._engine.url)
+
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self._engine.dispose()
+
+    def _now(self, at: datetime | None) -> datetime:
+        if at is None:
+            return self._clock.utcnow()
+        if at.tzinfo is None:
+            raise InvalidValueError("at", f"must be timezone-aware, got {at.isoformat()}")
+        return at.astimezone(UTC)
+
+    def _database_error(self, error: SQLAlchemyError) -> DatabaseError:
+        reason = str(getattr(error, "orig", None) or error).strip()
+        reason = reason.splitlines()[0] if reason else type(error).__name__
+        missing_table = "no such table" in reason or (
+            "relation" in reason and "does not exist" in reason
+        )
+        if missing_table:
+            return DatabaseError(
+                f"the database {self.url} has no heteroplane tables ({reason});"
+                " run: heteroplane db upgrade"
+            )
+        return DatabaseError(f"database error on {self.url}: {reason}")
+
+    # --- apps ----------------------------------------------------------------------------------
+
+    @_translated
+    def create_app(
+        self,
+        spec_document: Mapping[str, Any],
+        budget_usd_per_hr: float | None = None,
+        *,
+        who: str,
+        at: datetime | None = None,
+    ) -> AppRecord:
+        """Register the app ``spec_document`` describes (its ``name`` key names it), with its
+        budget (default: the document's ``budget_usd_per_hr``); the budget's first audit row says
+        who registered it. :class:`AppExistsError` when the name is taken."""
+        name = _app_name(spec_document)
+        budget = _budget(
+            budget_usd_per_hr
+            if budget_usd_per_hr is not None
+            else spec_document.get("budget_usd_per_hr")
+        )
+        spec = _json_document({**spec_document, "budget_usd_per_hr": budget}, "spec")
+        now = self._now(at)
+        try:
+            with transaction(self._sessions) as session:
+                row = m.App(
+                    name=name,
+                    spec=spec,
+                    budget_usd_per_hr=budget,
+                    version=1,
+                    created_at=now,
+                    updated_at=now,
+                )
+                session.add(row)
+                session.flush()
+                session.add(
+                    m.BudgetChange(
+                        app_id=row.id,
+                        who=_label(who, "who"),
+                        at=now,
+                        old_usd_per_hr=None,
+                        new_usd_per_hr=budget,
+                        reason="app registered",
+                    )
+                )
+                return _app_record(row)
+        except IntegrityError:
+            raise AppExistsError(name) from None
+
+    @_translated
+    def get_app(self, name: str) -> AppRecord:
+        with transaction(self._sessions) as session:
+            return _app_record(_app_row(session, name))
+
+    @_translated
+    def list_apps(self) -> list[AppRecord]:
+        with transaction(self._sessions) as session:
+            rows = session.scalars(select(m.App).order_by(m.App.name))
+            return [_app_record(row) for row in rows]
+
+    @_translated
+    def update_app(
+        self,
+        name: str,
+        spec_document: Mapping[str, Any],
+        *,
+        who: str,
+        expected_version: int | None = None,
+        at: datetime | None = None,
+    ) -> AppRecord:
+        """Replace the app's spec (its name cannot change); a new budget in it is audited like
+        :meth:`change_budget`. :class:`ConflictError` if the app is no longer at
+        ``expected_version`` (when given)."""
+        if _app_name(spec_document) != name:
+            raise InvalidValueError(
+                "name", f"an app cannot be renamed ({name!r} -> {spec_document.get('name')!r})"
+            )
+        budget = _budget(spec_document.get("budget_usd_per_hr"))
+        spec = _json_document(spec_document, "spec")
+        now = self._now(at)
+        for _ in range(_ATTEMPTS):
+            try:
+                with transaction(self._sessions) as session:
+                    row = _app_row(session, name)
+                    _check_version(row, expected_version)
+                    old_budget = row.budget_usd_per_hr
+                    _compare_and_set(
+                        session,
+                        row,
+                        spec=spec,
+                        budget_usd_per_hr=budget,
+                        updated_at=now,
+                    )
+                    if budget != old_budget:
+                        session.add(
+                            m.BudgetChange(
+                                app_id=row.id,
+                                who=_label(who, "who"),
+                                at=now,
+                                old_usd_per_hr=old_budget,
+                                new_usd_per_hr=budget,
+                                reason="spec updated",
+                            )
+                        )
+                    return _app_record(_app_row(session, name))
+            except _LostRaceError:
+                continue
+        raise _still_racing(name)
+
+    @_translated
+    def delete_app(self, name: str, *, force: bool = False) -> None:
+        """Delete the app and everything recorded about it (plans, instances, events, decisions,
+        metrics, budget history). Refused with :class:`ConflictError` while it has live
+        instances, unless ``force`` (their rows go too; the provider's instances do not)."""
+        with transaction(self._sessions) as session:
+            row = _app_row(session, name)
+            live = session.scalar(
+                select(func.count())
+                .select_from(m.Instance)
+                .where(m.Instance.app_id == row.id, m.Instance.state.in_(_values(LIVE_STATES)))
+            )
+            if live and not force:
+                raise ConflictError(
+                    f"app {name!r} still has {live} live instance(s); drain them first"
+                )
+            session.execute(delete(m.App).where(m.App.id == row.id))
+
+    # --- budgets -------------------------------------------------------------------------------
+
+    @_translated
+    def change_budget(
+        self,
+        app: str,
+        new_usd_per_hr: float,
+        *,
+        reason: str,
+        who: str,
+        expected_version: int | None = None,
+        at: datetime | None = None,
+    ) -> BudgetChangeRecord:
+        """Set the app's budget (and its spec's ``budget_usd_per_hr``) and audit it. Concurrent
+        changes serialise (a lost race is retried), so the audit trail is a chain. With
+        ``expected_version``, :class:`ConflictError` if the app changed since."""
+        budget = _budget(new_usd_per_hr)
+        now = self._now(at)
+        for _ in range(_ATTEMPTS):
+            try:
+                with transaction(self._sessions) as session:
+                    row = _app_row(session, app)
+                    _check_version(row, expected_version)
+                    old = row.budget_usd_per_hr
+                    _compare_and_set(
+                        session,
+                        row,
+                        spec={**row.spec, "budget_usd_per_hr": budget},
+                        budget_usd_per_hr=budget,
+                        updated_at=now,
+                    )
+                    change = m.BudgetChange(
+                        app_id=row.id,
+                        who=_label(who, "who"),
+                        at=now,
+                        old_usd_per_hr=old,
+                        new_usd_per_hr=budget,
+                        reason=reason,
+                    )
+                    session.add(change)
+                    session.flush()
+                    return _budget_record(change, app)
+            except _LostRaceError:
+                continue
+        raise _still_racing(app)
+
+    @_translated
+    def list_budget_changes(
+        self, app: str, *, limit: int | None = None
+    ) -> list[BudgetChangeRecord]:
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            query = select(m.BudgetChange).where(m.BudgetChange.app_id == row.id)
+            changes = _newest(session, query, m.BudgetChange.at, m.BudgetChange.id, limit)
+            return [_budget_record(change, app) for change in changes]
+
+    # --- plans ---------------------------------------------------------------------------------
+
+    @_translated
+    def create_plan(
+        self, app: str, document: Mapping[str, Any], *, at: datetime | None = None
+    ) -> PlanRecord:
+        """Record a previewed plan (``Plan.to_document()`` and whatever else the caller adds)
+        for the app at its current version; it gets the app's next plan number."""
+        body = _json_document(document, "document")
+        now = self._now(at)
+        for _ in range(_ATTEMPTS):
+            try:
+                with transaction(self._sessions) as session:
+                    row = _app_row(session, app)
+                    last = session.scalar(
+                        select(func.max(m.Plan.number)).where(m.Plan.app_id == row.id)
+                    )
+                    plan = m.Plan(
+                        app_id=row.id,
+                        number=(last or 0) + 1,
+                        status="previewed",
+                        document=body,
+                        app_version=row.version,
+                        created_at=now,
+                        applied_at=None,
+                    )
+                    session.add(plan)
+                    session.flush()
+                    return _plan_record(plan, app)
+            except IntegrityError:
+                continue  # another plan took the number: take the next
+        raise _still_racing(app)
+
+    @_translated
+    def get_plan(self, app: str, plan_id: int) -> PlanRecord:
+        with transaction(self._sessions) as session:
+            return _plan_record(_plan_row(session, _app_row(session, app), plan_id), app)
+
+    @_translated
+    def get_applied_plan(self, app: str) -> PlanRecord | None:
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            if row.applied_plan_id is None:
+                return None
+            return _plan_record(_plan_row(session, row, row.applied_plan_id), app)
+
+    @_translated
+    def list_plans(self, app: str, *, limit: int | None = None) -> list[PlanRecord]:
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            query = select(m.Plan).where(m.Plan.app_id == row.id)
+            plans = _newest(session, query, m.Plan.number, m.Plan.id, limit)
+            return [_plan_record(plan, app) for plan in plans]
+
+    @_translated
+    def apply_plan(
+        self,
+        app: str,
+        plan_id: int,
+        *,
+        expected_version: int | None = None,
+        at: datetime | None = None,
+    ) -> PlanRecord:
+        """Make the previewed plan the app's applied plan (the one it had becomes superseded).
+
+        :class:`ConflictError` when the plan is not previewed any more, or the app changed since
+        the plan was made (its spec, budget or applied plan; then the plan is stale: preview
+        another), or the app is not at ``expected_version`` (when given). Of concurrent applies
+        for one app, exactly one succeeds.
+        """
+        now = self._now(at)
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            plan = _plan_row(session, row, plan_id)
+            if plan.status != "previewed":
+                raise ConflictError(f"plan {plan.number} of app {app!r} is already {plan.status}")
+            _check_version(row, expected_version)
+            if plan.app_version != row.version:
+                raise ConflictError(
+                    f"plan {plan.number} was made for version {plan.app_version} of app {app!r},"
+                    f" which is now at version {row.version}; preview a new plan"
+                )
+            superseded = row.applied_plan_id
+            try:
+                _compare_and_set(session, row, applied_plan_id=plan.id, updated_at=now)
+            except _LostRaceError:
+                raise ConflictError(
+                    f"app {app!r} changed while plan {plan.number} was being applied"
+                ) from None
+            if superseded is not None:
+                session.execute(
+                    update(m.Plan)
+                    .where(m.Plan.id == superseded, m.Plan.status == "applied")
+                    .values(status="superseded")
+                    .execution_options(synchronize_session=False)
+                )
+            session.execute(
+                update(m.Plan)
+                .where(m.Plan.id == plan.id)
+                .values(status="applied", applied_at=now)
+                .execution_options(synchronize_session=False)
+            )
+            session.refresh(plan)
+            return _plan_record(plan, app)
+
+    # --- instances -----------------------------------------------------------------------------
+
+    @_translated
+    def record_instance(
+        self,
+        app: str,
+        *,
+        request_id: str,
+        instance_type: str,
+        price_usd_per_hr: float,
+        provider_id: str | None = None,
+        state: str = InstanceState.REQUESTED,
+        reason: str = "launch requested",
+        at: datetime | None = None,
+    ) -> InstanceRecord:
+        """Record an instance we launch (or adopt) under the idempotency key ``request_id``: the
+        same request id again returns the instance recorded the first time, never a second one
+        (:class:`ConflictError` if that was for another app or type)."""
+        request_id = _label(request_id, "request_id")
+        state = _state(state)
+        price = _number(price_usd_per_hr, "price_usd_per_hr")
+        now = self._now(at)
+        for _ in range(_ATTEMPTS):
+            existing = self._instance_by_request(request_id)
+            if existing is not None:
+                if existing.app != app or existing.instance_type != instance_type:
+                    raise ConflictError(
+                        f"request id {request_id!r} already launched a {existing.instance_type}"
+                        f" for app {existing.app!r}"
+                    )
+                return existing
+            try:
+                with transaction(self._sessions) as session:
+                    row = _app_row(session, app)
+                    instance = m.Instance(
+                        id=str(uuid.uuid4()),
+                        app_id=row.id,
+                        request_id=request_id,
+                        provider_id=provider_id,
+                        instance_type=_label(instance_type, "instance_type"),
+                        state=state,
+                        price_usd_per_hr=price,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                    session.add(instance)
+                    session.flush()
+                    session.add(
+                        m.InstanceEvent(
+                            instance_id=instance.id,
+                            from_state=None,
+                            to_state=state,
+                            at=now,
+                            reason=reason,
+                        )
+                    )
+                    return _instance_record(instance, app)
+            except IntegrityError:
+                if self._instance_by_request(request_id) is None:
+                    raise ConflictError(
+                        f"provider id {provider_id!r} is already recorded for another instance"
+                    ) from None
+                # A concurrent launch with the same request id won: return its row.
+        raise _still_racing(app)
+
+    def _instance_by_request(self, request_id: str) -> InstanceRecord | None:
+        with transaction(self._sessions) as session:
+            found = session.execute(
+                _instances_query().where(m.Instance.request_id == request_id)
+            ).first()
+            return None if found is None else _instance_record(found[0], found[1])
+
+    @_translated
+    def get_instance(self, instance_id: str) -> InstanceRecord:
+        with transaction(self._sessions) as session:
+            return _instance_record(*_instance_row(session, instance_id))
+
+    @_translated
+    def find_instance(self, *, provider_id: str) -> InstanceRecord | None:
+        """The instance the provider knows as ``provider_id``, if we recorded one."""
+        with transaction(self._sessions) as session:
+            found = session.execute(
+                _instances_query().where(m.Instance.provider_id == provider_id)
+            ).first()
+            return None if found is None else _instance_record(found[0], found[1])
+
+    @_translated
+    def list_instances(
+        self, app: str | None = None, states: Iterable[str] | None = None
+    ) -> list[InstanceRecord]:
+        """Instances (of ``app``, in one of ``states``), oldest first."""
+        with transaction(self._sessions) as session:
+            query = _instances_query()
+            if app is not None:
+                query = query.where(m.Instance.app_id == _app_row(session, app).id)
+            if states is not None:
+                query = query.where(m.Instance.state.in_([_state(s) for s in states]))
+            rows = session.execute(query.order_by(m.Instance.created_at, m.Instance.id))
+            return [_instance_record(instance, name) for instance, name in rows.tuples()]
+
+    @_translated
+    def transition_instance(
+        self,
+        instance_id: str,
+        to_state: str,
+        *,
+        reason: str,
+        provider_id: str | None = None,
+        at: datetime | None = None,
+    ) -> InstanceRecord:
+        """Move the instance to ``to_state`` (and set its provider id, when given), with an
+        ``instance_events`` row. :class:`InvalidTransitionError` when the lifecycle table does
+        not allow the move from the state it is in."""
+        now = self._now(at)
+        for _ in range(_ATTEMPTS):
+            try:
+                with transaction(self._sessions) as session:
+                    instance, app = _instance_row(session, instance_id)
+                    from_state = instance.state
+                    check_transition(from_state, to_state)
+                    values: dict[str, Any] = {"state": to_state, "updated_at": now}
+                    if provider_id is not None:
+                        values["provider_id"] = provider_id
+                    result = session.execute(
+                        update(m.Instance)
+                        .where(m.Instance.id == instance_id, m.Instance.state == from_state)
+                        .values(**values)
+                        .execution_options(synchronize_session=False)
+                    )
+                    if cast(CursorResult[Any], result).rowcount != 1:
+                        raise _LostRaceError
+                    session.add(
+                        m.InstanceEvent(
+                            instance_id=instance_id,
+                            from_state=from_state,
+                            to_state=to_state,
+                            at=now,
+                            reason=reason,
+                        )
+                    )
+                    session.refresh(instance)
+                    return _instance_record(instance, app)
+            except _LostRaceError:
+                continue
+            except IntegrityError:
+                raise ConflictError(
+                    f"provider id {provider_id!r} is already recorded for another instance"
+                ) from None
+        raise ConflictError(f"instance {instance_id!r} kept changing state; try again")
+
+    @_translated
+    def set_provider_id(self, instance_id: str, provider_id: str) -> InstanceRecord:
+        """Record the provider's id of the instance (without a state change)."""
+        try:
+            with transaction(self._sessions) as session:
+                instance, app = _instance_row(session, instance_id)
+                instance.provider_id = _label(provider_id, "provider_id")
+                instance.updated_at = self._now(None)
+                session.flush()
+                return _instance_record(instance, app)
+        except IntegrityError:
+            raise ConflictError(
+                f"provider id {provider_id!r} is already recorded for another instance"
+            ) from None
+
+    @_translated
+    def list_instance_events(
+        self,
+        *,
+        app: str | None = None,
+        instance_id: str | None = None,
+        since: datetime | None = None,
+        limit: int | None = None,
+    ) -> list[InstanceEventRecord]:
+        with transaction(self._sessions) as session:
+            query = select(m.InstanceEvent, m.App.name).join(
+                m.Instance, m.Instance.id == m.InstanceEvent.instance_id
+            )
+            query = query.join(m.App, m.App.id == m.Instance.app_id)
+            if app is not None:
+                query = query.where(m.Instance.app_id == _app_row(session, app).id)
+            if instance_id is not None:
+                query = query.where(m.InstanceEvent.instance_id == instance_id)
+            if since is not None:
+                query = query.where(m.InstanceEvent.at > self._now(since))
+            rows = _newest_rows(session, query, m.InstanceEvent.at, m.InstanceEvent.id, limit)
+            return [_event_record(event, name) for event, name in rows]
+
+    # --- decisions and metrics -----------------------------------------------------------------
+
+    @_translated
+    def record_decision(
+        self,
+        app: str,
+        kind: str,
+        reason: str,
+        numbers: Mapping[str, Any] | None = None,
+        *,
+        at: datetime | None = None,
+    ) -> DecisionRecord:
+        """Record what a policy decided (``kind``: scale_up, scale_down, gear_switch, replan,
+        budget_drain, ...), why, and the numbers behind it (a JSON object)."""
+        body = _json_document(numbers or {}, "numbers")
+        now = self._now(at)
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            decision = m.Decision(
+                app_id=row.id,
+                at=now,
+                kind=_label(kind, "kind", max_length=32),
+                reason=reason,
+                numbers=body,
+            )
+            session.add(decision)
+            session.flush()
+            return _decision_record(decision, app)
+
+    @_translated
+    def list_decisions(
+        self,
+        app: str | None = None,
+        *,
+        since: datetime | None = None,
+        kinds: Iterable[str] | None = None,
+        limit: int | None = None,
+    ) -> list[DecisionRecord]:
+        with transaction(self._sessions) as session:
+            query = select(m.Decision, m.App.name).join(m.App, m.App.id == m.Decision.app_id)
+            if app is not None:
+                query = query.where(m.Decision.app_id == _app_row(session, app).id)
+            if since is not None:
+                query = query.where(m.Decision.at > self._now(since))
+            if kinds is not None:
+                query = query.where(m.Decision.kind.in_(list(kinds)))
+            rows = _newest_rows(session, query, m.Decision.at, m.Decision.id, limit)
+            return [_decision_record(decision, name) for decision, name in rows]
+
+    @_translated
+    def add_metric_sample(
+        self,
+        app: str,
+        *,
+        arrival_rate_qps: float,
+        fleet_cost_usd_per_hr: float,
+        latency_p50_ms: float | None = None,
+        latency_p95_ms: float | None = None,
+        latency_p99_ms: float | None = None,
+        attainment_share: float | None = None,
+        gear: str | None = None,
+        accuracy: float | None = None,
+        at: datetime | None = None,
+    ) -> MetricSampleRecord:
+        """Record one rolled-up sample of the app's load, latency, SLO attainment and cost."""
+        sample = m.MetricSample(
+            at=self._now(at),
+            arrival_rate_qps=_number(arrival_rate_qps, "arrival_rate_qps"),
+            latency_p50_ms=_optional_number(latency_p50_ms, "latency_p50_ms"),
+            latency_p95_ms=_optional_number(latency_p95_ms, "latency_p95_ms"),
+            latency_p99_ms=_optional_number(latency_p99_ms, "latency_p99_ms"),
+            attainment_share=_optional_number(attainment_share, "attainment_share", upper=1.0),
+            fleet_cost_usd_per_hr=_number(fleet_cost_usd_per_hr, "fleet_cost_usd_per_hr"),
+            gear=None if gear is None else _label(gear, "gear", max_length=64),
+            accuracy=_optional_number(accuracy, "accuracy", upper=1.0),
+        )
+        with transaction(self._sessions) as session:
+            sample.app_id = _app_row(session, app).id
+            session.add(sample)
+            session.flush()
+            return _sample_record(sample, app)
+
+    @_translated
+    def metric_series(
+        self,
+        app: str,
+        *,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        limit: int | None = None,
+    ) -> list[MetricSampleRecord]:
+        """The app's samples with ``since < at <= until``, oldest first."""
+        with transaction(self._sessions) as session:
+            query = select(m.MetricSample).where(m.MetricSample.app_id == _app_row(session, app).id)
+            if since is not None:
+                query = query.where(m.MetricSample.at > self._now(since))
+            if until is not None:
+                query = query.where(m.MetricSample.at <= self._now(until))
+            samples = _newest(session, query, m.MetricSample.at, m.MetricSample.id, limit)
+            return [_sample_record(sample, app) for sample in samples]
+
+    @_translated
+    def delete_metric_samples(self, *, before: datetime) -> int:
+        """Delete every sample older than ``before`` (retention); return how many went."""
+        with transaction(self._sessions) as session:
+            result = session.execute(
+                delete(m.MetricSample).where(m.MetricSample.at < self._now(before))
+            )
+            return int(cast(CursorResult[Any], result).rowcount)
+
+    # --- tokens --------------------------------------------------------------------------------
+
+    def create_token(
+        self, scope: str, name: str | None = None, *, at: datetime | None = None
+    ) -> str:
+        """Make a token of ``scope`` named ``name`` (default ``<scope>-<random>``); return the
+        token itself, which is shown this once (only its SHA-256 is kept).
+        :class:`UnknownScopeError` for an unknown scope, :class:`ConflictError` for a name
+        taken."""
+        token, _ = self.issue_token(scope, name, at=at)
+        return token
+
+    @_translated
+    def issue_token(
+        self, scope: str, name: str | None = None, *, at: datetime | None = None
+    ) -> tuple[str, TokenRecord]:
+        """:meth:`create_token`, with the stored record (its name, when it was made)."""
+        granted = auth.parse_scope(scope)
+        label = _label(name, "name") if name is not None else f"{granted}-{secrets.token_hex(4)}"
+        token = auth.generate_token()
+        try:
+            with transaction(self._sessions) as session:
+                row = m.ApiToken(
+                    name=label,
+                    scope=granted.value,
+                    token_hash=auth.hash_token(token),
+                    created_at=self._now(at),
+                    revoked_at=None,
+                    last_used_at=None,
+                )
+                session.add(row)
+                session.flush()
+                return token, _token_record(row)
+        except IntegrityError:
+            raise ConflictError(f"a token named {label!r} already exists") from None
+
+    @_translated
+    def verify_token(self, token: str, *, at: datetime | None = None) -> Principal | None:
+        """Who ``token`` belongs to, or None when it is unknown or revoked. Looked up by its
+        SHA-256 and compared in constant time; ``last_used_at`` is refreshed (at most once a
+        minute)."""
+        if not auth.looks_like_token(token):
+            return None
+        digest = auth.hash_token(token)
+        now = self._now(at)
+        with transaction(self._sessions) as session:
+            row = session.scalar(select(m.ApiToken).where(m.ApiToken.token_hash == digest))
+            if row is None or not auth.hashes_match(token, row.token_hash):
+                return None
+            if row.revoked_at is not None:
+                return None
+            last = row.last_used_at
+            if last is None or (now - last).total_seconds() >= LAST_USED_RESOLUTION_S:
+                row.last_used_at = now
+            return Principal(row.name, row.scope)
+
+    @_translated
+    def revoke_token(self, name: str, *, at: datetime | None = None) -> TokenRecord:
+        """Revoke the token named ``name`` (again: no change)."""
+        with transaction(self._sessions) as session:
+            row = session.scalar(select(m.ApiToken).where(m.ApiToken.name == name))
+            if row is None:
+                raise NotFoundError("token", name)
+            if row.revoked_at is None:
+                row.revoked_at = self._now(at)
+            session.flush()
+            return _token_record(row)
+
+    @_translated
+    def get_token(self, name: str) -> TokenRecord:
+        with transaction(self._sessions) as session:
+            row = session.scalar(select(m.ApiToken).where(m.ApiToken.name == name))
+            if row is None:
+                raise NotFoundError("token", name)
+            return _token_record(row)
+
+    @_translated
+    def list_tokens(self) -> list[TokenRecord]:
+        with transaction(self._sessions) as session:
+            rows = session.scalars(
+                select(m.ApiToken).order_by(m.ApiToken.created_at, m.ApiToken.id)
+            )
+            return [_token_record(row) for row in rows]
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _app_row(session: Session, name: str) -> m.App:
+    row = session.scalar(select(m.App).where(m.App.name == name))
+    if row is None:
+        raise NotFoundError("app", name)
+    return row
+
+
+def _plan_row(session: Session, app: m.App, plan_id: int) -> m.Plan:
+    plan = session.get(m.Plan, plan_id)
+    if plan is None or plan.app_id != app.id:
+        raise NotFoundError("plan", plan_id)
+    return plan
+
+
+def _instances_query() -> Select[tuple[m.Instance, str]]:
+    return select(m.Instance, m.App.name).join(m.App, m.App.id == m.Instance.app_id)
+
+
+def _instance_row(session: Session, instance_id: str) -> tuple[m.Instance, str]:
+    found = session.execute(_instances_query().where(m.Instance.id == instance_id)).first()
+    if found is None:
+        raise NotFoundError("instance", instance_id)
+    return found[0], found[1]
+
+
+def _check_version(row: m.App, expected_version: int | None) -> None:
+    if expected_version is not None and row.version != expected_version:
+        raise ConflictError(
+            f"app {row.name!r} is at version {row.version}, not {expected_version}; read it again"
+        )
+
+
+def _compare_and_set(session: Session, row: m.App, **values: Any) -> None:
+    """Update the app row and bump its version, only if it is still at the version read."""
+    result = session.execute(
+        update(m.App)
+        .where(m.App.id == row.id, m.App.version == row.version)
+        .values(version=m.App.version + 1, **values)
+        .execution_options(synchronize_session=False)
+    )
+    if cast(CursorResult[Any], result).rowcount != 1:
+        raise _LostRaceError
+    session.expire(row)
+
+
+def _still_racing(app: str) -> ConflictError:
+    return ConflictError(f"app {app!r} kept changing under concurrent writes; try again")
+
+
+def _newest(
+    session: Session, query: Select[tuple[_T]], at: Any, tie: Any, limit: int | None
+) -> list[_T]:
+    return [row[0] for row in _newest_rows(session, query, at, tie, limit)]
+
+
+def _newest_rows(
+    session: Session, query: Select[Any], at: Any, tie: Any, limit: int | None
+) -> list[Any]:
+    """Rows oldest first; with ``limit``, the newest ``limit`` of them."""
+    if limit is None:
+        return list(session.execute(query.order_by(at, tie)).tuples())
+    if limit < 0:
+        raise InvalidValueError("limit", f"must be >= 0, got {limit}")
+    rows = list(session.execute(query.order_by(at.desc(), tie.desc()).limit(limit)).tuples())
+    rows.reverse()
+    return rows
+
+
+def _values(states: Iterable[InstanceState]) -> list[str]:
+    return sorted(state.value for state in states)
+
+
+def _app_name(document: Mapping[str, Any]) -> str:
+    name = document.get("name")
+    if not isinstance(name, str) or not name or len(name) > _APP_NAME_MAX:
+        raise InvalidValueError("name", f"must be an app name of 1 to 63 characters, got {name!r}")
+    return name
+
+
+def _budget(value: Any) -> float:
+    return _number(value, "budget_usd_per_hr", positive=True)
+
+
+def _number(value: Any, field: str, *, positive: bool = False, upper: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidValueError(field, f"must be a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise InvalidValueError(field, f"must be finite, got {number}")
+    if positive and number <= 0:
+        raise InvalidValueError(field, f"must be > 0, got {number:g}")
+    if number < 0:
+        raise InvalidValueError(field, f"must be >= 0, got {number:g}")
+    if upper is not None and number > upper:
+        raise InvalidValueError(field, f"must be <= {upper:g}, got {number:g}")
+    return number
+
+
+def _optional_number(value: Any, field: str, *, upper: float | None = None) -> float | None:
+    return None if value is None else _number(value, field, upper=upper)
+
+
+def _label(value: Any, field: str, *, max_length: int = 100) -> str:
+    if not isinstance(value, str) or not value or len(value) > max_length:
+        raise InvalidValueError(
+            field, f"must be a string of 1 to {max_length} characters, got {value!r}"
+        )
+    return value
+
+
+def _state(state: str) -> str:
+    try:
+        return InstanceState(state).value
+    except ValueError:
+        known = ", ".join(s.value for s in InstanceState)
+        raise InvalidValueError("state", f"unknown state {state!r} (known: {known})") from None
+
+
+def _json_default(value: Any) -> Any:
+    # numpy's scalars register as numbers.Integral / numbers.Real.
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, Sequence | set | frozenset) and not isinstance(value, str | bytes):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _json_document(document: Mapping[str, Any], field: str) -> dict[str, Any]:
+    """``document`` as plain JSON (what both databases store alike): no NaN or infinity."""
+    try:
+        text = json.dumps(dict(document), default=_json_default, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise InvalidValueError(field, f"must be a JSON object without NaN: {error}") from None
+    loaded: dict[str, Any] = json.loads(text)
+    return loaded
+
+
+# --- rows to records -------------------------------------------------------------------------
+
+
+def _app_record(row: m.App) -> AppRecord:
+    return AppRecord(
+        id=row.id,
+        name=row.name,
+        spec=dict(row.spec),
+        budget_usd_per_hr=row.budget_usd_per_hr,
+        applied_plan_id=row.applied_plan_id,
+        version=row.version,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+def _budget_record(row: m.BudgetChange, app: str) -> BudgetChangeRecord:
+    return BudgetChangeRecord(
+        id=row.id,
+        app=app,
+        who=row.who,
+        at=row.at,
+        old_usd_per_hr=row.old_usd_per_hr,
+        new_usd_per_hr=row.new_usd_per_hr,
+        reason=row.reason,
+    )
+
+
+def _plan_record(row: m.Plan, app: str) -> PlanRecord:
+    return PlanRecord(
+        id=row.id,
+        app=app,
+        number=row.number,
+        status=row.status,
+        document=dict(row.document),
+        app_version=row.app_version,
+        created_at=row.created_at,
+        applied_at=row.applied_at,
+    )
+
+
+def _instance_record(row: m.Instance, app: str) -> InstanceRecord:
+    return InstanceRecord(
+        id=row.id,
+        app=app,
+        request_id=row.request_id,
+        provider_id=row.provider_id,
+        instance_type=row.instance_type,
+        state=row.state,
+        price_usd_per_hr=row.price_usd_per_hr,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+def _event_record(row: m.InstanceEvent, app: str) -> InstanceEventRecord:
+    return InstanceEventRecord(
+        id=row.id,
+        instance_id=row.instance_id,
+        app=app,
+        from_state=row.from_state,
+        to_state=row.to_state,
+        at=row.at,
+        reason=row.reason,
+    )
+
+
+def _decision_record(row: m.Decision, app: str) -> DecisionRecord:
+    return DecisionRecord(
+        id=row.id,
+        app=app,
+        at=row.at,
+        kind=row.kind,
+        reason=row.reason,
+        numbers=dict(row.numbers),
+    )
+
+
+def _sample_record(row: m.MetricSample, app: str) -> MetricSampleRecord:
+    return MetricSampleRecord(
+        app=app,
+        at=row.at,
+        arrival_rate_qps=row.arrival_rate_qps,
+        latency_p50_ms=row.latency_p50_ms,
+        latency_p95_ms=row.latency_p95_ms,
+        latency_p99_ms=row.latency_p99_ms,
+        attainment_share=row.attainment_share,
+        fleet_cost_usd_per_hr=row.fleet_cost_usd_per_hr,
+        gear=row.gear,
+        accuracy=row.accuracy,
+    )
+
+
+def _token_record(row: m.ApiToken) -> TokenRecord:
+    return TokenRecord(
+        id=row.id,
+        name=row.name,
+        scope=row.scope,
+        created_at=row.created_at,
+        revoked_at=row.revoked_at,
+        last_used_at=row.last_used_at,
+    )

@@ -1,0 +1,110 @@
+"""``heteroplane db`` and ``heteroplane token`` against a SQLite file named by the environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from controlplane.cli import main
+from controlplane.store import Store
+
+HETEROPLANE = Path(sys.executable).with_name("heteroplane")
+
+
+@pytest.fixture
+def database_url(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
+    for name in list(os.environ):
+        if name.startswith("HETEROPLANE_"):
+            monkeypatch.delenv(name)
+    url = f"sqlite:///{tmp_path / 'state' / 'heteroplane.db'}"
+    monkeypatch.setenv("HETEROPLANE_DATABASE_URL", url)
+    return url
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    assert main([*args, "--json"]) == 0
+    data: dict[str, object] = json.loads(capsys.readouterr().out)
+    return data
+
+
+def test_db_upgrade_current_downgrade(
+    database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_json(capsys, "db", "current")["revision"] is None
+    upgraded = run_json(capsys, "db", "upgrade")
+    assert upgraded["revision"] == upgraded["head"] == "0001"
+    assert upgraded["previous_revision"] is None and upgraded["up_to_date"] is True
+    assert main(["db", "current"]) == 0
+    assert "is at revision 0001 (the newest)" in capsys.readouterr().out
+    downgraded = run_json(capsys, "db", "downgrade", "--revision", "base")
+    assert downgraded["revision"] is None and downgraded["previous_revision"] == "0001"
+
+
+def test_db_errors_are_one_line(database_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["db", "upgrade", "--revision", "nope"])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Can't locate revision identified by 'nope'" in err
+    with pytest.raises(SystemExit):
+        main(["db", "downgrade"])
+    assert "--revision" in capsys.readouterr().err
+
+
+def test_bad_settings_exit_2(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HETEROPLANE_DATABASE_URL", "mysql://root@db/x")
+    with pytest.raises(SystemExit) as caught:
+        main(["db", "current"])
+    assert caught.value.code == 2
+    assert capsys.readouterr().err == (
+        "heteroplane db: database_url: unsupported database 'mysql'; use sqlite:///PATH or"
+        " postgresql://USER:PASSWORD@HOST/DB\n"
+    )
+
+
+def test_token_create_upgrades_and_prints_the_token_alone(
+    database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["token", "create", "--scope", "operator", "--name", "ci"]) == 0
+    out = capsys.readouterr().out
+    token = out.strip()
+    assert out == token + "\n" and token.startswith("hp_")
+    store = Store.from_url(database_url)
+    assert tuple(store.verify_token(token) or ()) == ("ci", "operator")
+    store.close()
+    with pytest.raises(SystemExit):
+        main(["token", "create", "--scope", "viewer", "--name", "ci"])
+    assert "a token named 'ci' already exists" in capsys.readouterr().err
+
+
+def test_token_list_and_revoke(database_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(capsys, "token", "create", "--scope", "infer")
+    assert data["scope"] == "infer"
+    listed = run_json(capsys, "token", "list")
+    assert [t["name"] for t in listed["tokens"]] == [data["name"]]  # type: ignore[index,union-attr]
+    assert str(data["token"]) not in json.dumps(listed)
+    revoked = run_json(capsys, "token", "revoke", "--name", str(data["name"]))
+    assert revoked["revoked_at"] is not None
+    with pytest.raises(SystemExit):
+        main(["token", "revoke", "--name", "nobody"])
+    assert "no token 'nobody'" in capsys.readouterr().err
+
+
+def test_token_create_from_the_shell(database_url: str) -> None:
+    done = subprocess.run(
+        [str(HETEROPLANE), "token", "create", "--scope", "admin"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("hp_") and done.stdout.count("\n") == 1
+    assert "shown only this once" in done.stderr

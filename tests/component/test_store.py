@@ -1,0 +1,537 @@
+"""The store on a SQLite file migrated to the newest revision: apps, budgets, plans, instances,
+decisions, metrics and tokens, with the errors callers tell apart.
+
+Concurrency (two writers at once) and PostgreSQL are in tests/integration/test_store_databases.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controlplane.db import migrate
+from controlplane.errors import (
+    AppExistsError,
+    ConflictError,
+    DatabaseError,
+    InvalidTransitionError,
+    InvalidValueError,
+    NotFoundError,
+    UnknownScopeError,
+)
+from controlplane.store import AppRecord, Principal, Store
+
+T0 = datetime(2024, 1, 1, tzinfo=UTC)
+
+
+class StepClock:
+    """A wall clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = T0
+
+    def utcnow(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+def spec(name: str = "recs", budget: float = 10.0) -> dict[str, Any]:
+    return {
+        "name": name,
+        "models": [{"name": "rm2", "profiles": "profiles.csv"}],
+        "slo": {"latency_ms": 350, "percentile": 99},
+        "budget_usd_per_hr": budget,
+        "instance_types": ["g4dn.xlarge", "r5n.large"],
+    }
+
+
+PLAN = {"feasible": True, "cost_usd_per_hr": 3.5, "stages": [], "steps": ["start"]}
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "heteroplane.db"
+
+
+@pytest.fixture
+def clock() -> StepClock:
+    return StepClock()
+
+
+@pytest.fixture
+def store(db_path: Path, clock: StepClock) -> Iterator[Store]:
+    url = f"sqlite:///{db_path}"
+    migrate.upgrade(url)
+    store = Store.from_url(url, clock)
+    yield store
+    store.close()
+
+
+# --- apps ------------------------------------------------------------------------------------
+
+
+def test_create_get_and_list_apps(store: Store) -> None:
+    app = store.create_app(spec("recs"), who="alice")
+    assert isinstance(app, AppRecord)
+    assert dataclasses.is_dataclass(app)
+    assert (app.name, app.version, app.budget_usd_per_hr) == ("recs", 1, 10.0)
+    assert app.spec == spec("recs")
+    assert app.applied_plan_id is None
+    assert app.created_at == app.updated_at == T0
+    store.create_app(spec("ads", budget=4), who="alice")
+    assert [a.name for a in store.list_apps()] == ["ads", "recs"]
+    assert store.get_app("recs") == app
+
+
+def test_an_explicit_budget_overrides_the_spec(store: Store) -> None:
+    app = store.create_app(spec(budget=10), 7.5, who="alice")
+    assert app.budget_usd_per_hr == 7.5
+    assert app.spec["budget_usd_per_hr"] == 7.5
+
+
+def test_duplicate_app_name(store: Store) -> None:
+    store.create_app(spec("recs"), who="alice")
+    with pytest.raises(AppExistsError, match="an app named 'recs' already exists"):
+        store.create_app(spec("recs"), who="bob")
+    assert isinstance(AppExistsError("x"), ConflictError)
+
+
+def test_missing_app(store: Store) -> None:
+    with pytest.raises(NotFoundError, match="no app 'nope'") as caught:
+        store.get_app("nope")
+    assert (caught.value.kind, caught.value.key) == ("app", "nope")
+
+
+@pytest.mark.parametrize(
+    ("document", "field"),
+    [
+        ({**spec(), "budget_usd_per_hr": 0}, "budget_usd_per_hr"),
+        ({**spec(), "budget_usd_per_hr": float("nan")}, "budget_usd_per_hr"),
+        ({**spec(), "budget_usd_per_hr": "10"}, "budget_usd_per_hr"),
+        ({**spec(), "name": ""}, "name"),
+        ({**spec(), "extra": float("inf")}, "spec"),
+    ],
+)
+def test_bad_app_values(store: Store, document: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidValueError) as caught:
+        store.create_app(document, who="alice")
+    assert caught.value.field == field
+    assert store.list_apps() == []
+
+
+def test_update_app_bumps_version_and_audits_a_new_budget(store: Store, clock: StepClock) -> None:
+    store.create_app(spec(), who="alice")
+    clock.advance(60)
+    new = {**spec(budget=12), "instance_types": ["g4dn.xlarge"]}
+    app = store.update_app("recs", new, who="bob", expected_version=1)
+    assert (app.version, app.budget_usd_per_hr, app.spec) == (2, 12.0, new)
+    assert app.updated_at == T0 + timedelta(seconds=60)
+    changes = store.list_budget_changes("recs")
+    assert [(c.old_usd_per_hr, c.new_usd_per_hr, c.who) for c in changes] == [
+        (None, 10.0, "alice"),
+        (10.0, 12.0, "bob"),
+    ]
+    with pytest.raises(ConflictError, match="at version 2, not 1"):
+        store.update_app("recs", new, who="bob", expected_version=1)
+    with pytest.raises(InvalidValueError, match="cannot be renamed"):
+        store.update_app("recs", spec("other"), who="bob")
+
+
+def test_delete_app_cascades(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+    plan = store.create_plan("recs", PLAN)
+    store.apply_plan("recs", plan.id)
+    instance = store.record_instance(
+        "recs", request_id="r1", instance_type="g4dn.xlarge", price_usd_per_hr=0.526
+    )
+    store.record_decision("recs", "scale_up", "load")
+    store.add_metric_sample("recs", arrival_rate_qps=5, fleet_cost_usd_per_hr=0.5)
+    with pytest.raises(ConflictError, match="still has 1 live instance"):
+        store.delete_app("recs")
+    store.transition_instance(instance.id, "failed", reason="lost")
+    store.delete_app("recs")
+    assert store.list_apps() == []
+    assert store.list_instances() == []
+    assert store.list_decisions() == []
+    assert store.list_instance_events() == []
+    with pytest.raises(NotFoundError):
+        store.get_instance(instance.id)
+    # The name is free again.
+    assert store.create_app(spec(), who="alice").version == 1
+
+
+def test_delete_app_with_live_instances_when_forced(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+    store.record_instance("recs", request_id="r1", instance_type="t3.xlarge", price_usd_per_hr=1)
+    store.delete_app("recs", force=True)
+    assert store.list_instances() == []
+
+
+# --- budgets ---------------------------------------------------------------------------------
+
+
+def test_change_budget_audits_and_bumps_version(store: Store, clock: StepClock) -> None:
+    store.create_app(spec(budget=10), who="alice")
+    clock.advance(5)
+    change = store.change_budget("recs", 6.0, reason="cost review", who="ops-token")
+    assert (change.app, change.who, change.reason) == ("recs", "ops-token", "cost review")
+    assert (change.old_usd_per_hr, change.new_usd_per_hr) == (10.0, 6.0)
+    assert change.at == T0 + timedelta(seconds=5)
+    app = store.get_app("recs")
+    assert (app.budget_usd_per_hr, app.spec["budget_usd_per_hr"], app.version) == (6.0, 6.0, 2)
+    assert store.list_budget_changes("recs")[-1] == change
+    assert len(store.list_budget_changes("recs", limit=1)) == 1
+
+
+def test_change_budget_refusals(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(InvalidValueError, match="budget_usd_per_hr"):
+            store.change_budget("recs", bad, reason="x", who="y")
+    with pytest.raises(ConflictError, match="at version 1, not 7"):
+        store.change_budget("recs", 5, reason="x", who="y", expected_version=7)
+    with pytest.raises(NotFoundError):
+        store.change_budget("nope", 5, reason="x", who="y")
+    assert store.get_app("recs").version == 1
+
+
+# --- plans -----------------------------------------------------------------------------------
+
+
+def test_plans_are_numbered_per_app_and_previewed(store: Store) -> None:
+    store.create_app(spec("recs"), who="alice")
+    store.create_app(spec("ads"), who="alice")
+    first = store.create_plan("recs", PLAN)
+    second = store.create_plan("recs", {**PLAN, "cost_usd_per_hr": 2.0})
+    other = store.create_plan("ads", PLAN)
+    assert (first.number, second.number, other.number) == (1, 2, 1)
+    assert first.status == "previewed" and first.applied_at is None
+    assert first.document == PLAN and first.app_version == 1
+    assert store.get_plan("recs", second.id) == second
+    assert [p.number for p in store.list_plans("recs")] == [1, 2]
+    assert [p.number for p in store.list_plans("recs", limit=1)] == [2]
+    with pytest.raises(NotFoundError, match="no plan"):
+        store.get_plan("ads", first.id)
+    assert store.get_applied_plan("recs") is None
+
+
+def test_apply_plan_supersedes_the_previous_one(store: Store, clock: StepClock) -> None:
+    store.create_app(spec(), who="alice")
+    first = store.create_plan("recs", PLAN)
+    clock.advance(1)
+    applied = store.apply_plan("recs", first.id, expected_version=1)
+    assert (applied.status, applied.applied_at) == ("applied", T0 + timedelta(seconds=1))
+    app = store.get_app("recs")
+    assert (app.applied_plan_id, app.version) == (first.id, 2)
+    second = store.create_plan("recs", PLAN)
+    assert second.app_version == 2
+    store.apply_plan("recs", second.id)
+    assert store.get_plan("recs", first.id).status == "superseded"
+    assert store.get_applied_plan("recs") == store.get_plan("recs", second.id)
+
+
+def test_apply_plan_conflicts(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+    a = store.create_plan("recs", PLAN)
+    b = store.create_plan("recs", PLAN)
+    store.apply_plan("recs", a.id)
+    with pytest.raises(ConflictError, match="already applied"):
+        store.apply_plan("recs", a.id)
+    with pytest.raises(ConflictError, match=r"made for version 1 .* now at version 2"):
+        store.apply_plan("recs", b.id)
+    c = store.create_plan("recs", PLAN)
+    store.change_budget("recs", 3, reason="cut", who="bob")
+    with pytest.raises(ConflictError, match="preview a new plan"):
+        store.apply_plan("recs", c.id)
+    d = store.create_plan("recs", PLAN)
+    with pytest.raises(ConflictError, match="not 2"):
+        store.apply_plan("recs", d.id, expected_version=2)
+    assert store.get_app("recs").applied_plan_id == a.id
+    with pytest.raises(NotFoundError):
+        store.apply_plan("recs", 999)
+
+
+def test_plan_documents_must_be_json(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+    with pytest.raises(InvalidValueError, match="document"):
+        store.create_plan("recs", {"max_feasible_qps": float("nan")})
+    with pytest.raises(InvalidValueError, match="document"):
+        store.create_plan("recs", {"when": datetime.now(UTC)})
+
+
+# --- instances -------------------------------------------------------------------------------
+
+
+def launch(store: Store, request_id: str = "r1", app: str = "recs", **extra: Any) -> Any:
+    return store.record_instance(
+        app, request_id=request_id, instance_type="g4dn.xlarge", price_usd_per_hr=0.526, **extra
+    )
+
+
+def test_record_instance_is_idempotent_by_request_id(store: Store, clock: StepClock) -> None:
+    store.create_app(spec(), who="alice")
+    first = launch(store)
+    assert (first.state, first.app, first.provider_id, first.request_id) == (
+        "requested",
+        "recs",
+        None,
+        "r1",
+    )
+    clock.advance(10)
+    again = launch(store)
+    assert again == first
+    assert len(store.list_instances()) == 1
+    events = store.list_instance_events(instance_id=first.id)
+    assert [(e.from_state, e.to_state) for e in events] == [(None, "requested")]
+
+
+def test_a_request_id_belongs_to_one_app(store: Store) -> None:
+    store.create_app(spec("recs"), who="alice")
+    store.create_app(spec("ads"), who="alice")
+    launch(store, app="recs")
+    with pytest.raises(ConflictError, match="request id 'r1' already launched"):
+        launch(store, app="ads")
+
+
+def test_transitions_follow_the_lifecycle_and_are_logged(store: Store, clock: StepClock) -> None:
+    store.create_app(spec(), who="alice")
+    instance = launch(store)
+    clock.advance(1)
+    pending = store.transition_instance(
+        instance.id, "pending", reason="provider accepted", provider_id="i-0abc"
+    )
+    assert (pending.state, pending.provider_id) == ("pending", "i-0abc")
+    assert pending.updated_at == T0 + timedelta(seconds=1)
+    store.transition_instance(instance.id, "running", reason="healthy")
+    with pytest.raises(InvalidTransitionError, match="from 'running' to 'requested'"):
+        store.transition_instance(instance.id, "requested", reason="no")
+    with pytest.raises(InvalidTransitionError):
+        store.transition_instance(instance.id, "exploded", reason="no")
+    with pytest.raises(NotFoundError, match="no instance"):
+        store.transition_instance("nope", "running", reason="no")
+    assert store.get_instance(instance.id).state == "running"
+    assert store.find_instance(provider_id="i-0abc") == store.get_instance(instance.id)
+    assert store.find_instance(provider_id="i-none") is None
+    events = store.list_instance_events(app="recs")
+    assert [(e.from_state, e.to_state, e.reason) for e in events] == [
+        (None, "requested", "launch requested"),
+        ("requested", "pending", "provider accepted"),
+        ("pending", "running", "healthy"),
+    ]
+
+
+def test_provider_ids_are_unique(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+    a = launch(store, "r1", provider_id="i-1")
+    b = launch(store, "r2")
+    with pytest.raises(ConflictError, match="provider id 'i-1'"):
+        store.set_provider_id(b.id, "i-1")
+    with pytest.raises(ConflictError, match="provider id 'i-1'"):
+        launch(store, "r3", provider_id="i-1")
+    assert store.set_provider_id(b.id, "i-2").provider_id == "i-2"
+    assert a.provider_id == "i-1"
+
+
+def test_list_instances_by_app_and_state(store: Store, clock: StepClock) -> None:
+    store.create_app(spec("recs"), who="alice")
+    store.create_app(spec("ads"), who="alice")
+    a = launch(store, "r1")
+    clock.advance(1)
+    b = launch(store, "r2")
+    clock.advance(1)
+    c = launch(store, "r3", app="ads")
+    store.transition_instance(b.id, "failed", reason="capacity")
+    assert [i.id for i in store.list_instances()] == [a.id, b.id, c.id]
+    assert [i.id for i in store.list_instances("recs")] == [a.id, b.id]
+    assert [i.id for i in store.list_instances(states=["requested"])] == [a.id, c.id]
+    assert [i.id for i in store.list_instances("recs", ["failed", "running"])] == [b.id]
+    with pytest.raises(InvalidValueError, match="unknown state 'up'"):
+        store.list_instances(states=["up"])
+
+
+def test_events_since_and_limit(store: Store, clock: StepClock) -> None:
+    store.create_app(spec(), who="alice")
+    instance = launch(store)
+    for state in ("pending", "running", "draining"):
+        clock.advance(1)
+        store.transition_instance(instance.id, state, reason=state)
+    events = store.list_instance_events()
+    assert [e.to_state for e in events] == ["requested", "pending", "running", "draining"]
+    since = store.list_instance_events(since=T0 + timedelta(seconds=1))
+    assert [e.to_state for e in since] == ["running", "draining"]
+    assert [e.to_state for e in store.list_instance_events(limit=2)] == ["running", "draining"]
+
+
+# --- decisions and metrics -------------------------------------------------------------------
+
+
+def test_decisions(store: Store, clock: StepClock) -> None:
+    store.create_app(spec("recs"), who="alice")
+    store.create_app(spec("ads"), who="alice")
+    store.record_decision("recs", "scale_up", "r_max above envelope", {"r_max_qps": 41.5, "k": 3})
+    clock.advance(1)
+    store.record_decision("ads", "replan", "every 6 h")
+    clock.advance(1)
+    last = store.record_decision("recs", "gear_switch", "budget cap", {"gear": 2})
+    assert last.at == T0 + timedelta(seconds=2)
+    assert [d.kind for d in store.list_decisions()] == ["scale_up", "replan", "gear_switch"]
+    assert [d.kind for d in store.list_decisions("recs")] == ["scale_up", "gear_switch"]
+    assert store.list_decisions("recs")[0].numbers == {"r_max_qps": 41.5, "k": 3}
+    assert [d.kind for d in store.list_decisions(since=T0)] == ["replan", "gear_switch"]
+    assert [d.kind for d in store.list_decisions(limit=1)] == ["gear_switch"]
+    assert [d.kind for d in store.list_decisions(kinds=["replan"])] == ["replan"]
+    with pytest.raises(InvalidValueError, match="numbers"):
+        store.record_decision("recs", "scale_up", "x", {"k": float("nan")})
+    with pytest.raises(InvalidValueError, match="limit"):
+        store.list_decisions(limit=-1)
+
+
+def test_metric_series(store: Store, clock: StepClock) -> None:
+    store.create_app(spec(), who="alice")
+    for i in range(5):
+        store.add_metric_sample(
+            "recs",
+            arrival_rate_qps=10 + i,
+            fleet_cost_usd_per_hr=2.5,
+            latency_p50_ms=20,
+            latency_p95_ms=80,
+            latency_p99_ms=120 + i,
+            attainment_share=0.99,
+            gear="g1" if i < 3 else None,
+            accuracy=0.97,
+        )
+        clock.advance(10)
+    series = store.metric_series("recs")
+    assert [s.arrival_rate_qps for s in series] == [10, 11, 12, 13, 14]
+    assert series[0].at == T0 and series[0].gear == "g1" and series[4].gear is None
+    window = store.metric_series(
+        "recs", since=T0 + timedelta(seconds=10), until=T0 + timedelta(seconds=30)
+    )
+    assert [s.latency_p99_ms for s in window] == [122, 123]
+    assert len(store.metric_series("recs", limit=2)) == 2
+    assert store.delete_metric_samples(before=T0 + timedelta(seconds=20)) == 2
+    assert len(store.metric_series("recs")) == 3
+
+
+def test_metric_sample_without_latencies(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+    sample = store.add_metric_sample("recs", arrival_rate_qps=0, fleet_cost_usd_per_hr=0)
+    assert sample.latency_p99_ms is None and sample.attainment_share is None
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"arrival_rate_qps": float("nan")}, "arrival_rate_qps"),
+        ({"arrival_rate_qps": -1}, "arrival_rate_qps"),
+        ({"attainment_share": 1.5}, "attainment_share"),
+        ({"latency_p99_ms": float("inf")}, "latency_p99_ms"),
+    ],
+)
+def test_bad_metric_samples(store: Store, values: dict[str, Any], field: str) -> None:
+    store.create_app(spec(), who="alice")
+    arguments: dict[str, Any] = {"arrival_rate_qps": 1.0, "fleet_cost_usd_per_hr": 1.0, **values}
+    with pytest.raises(InvalidValueError) as caught:
+        store.add_metric_sample("recs", **arguments)
+    assert caught.value.field == field
+
+
+# --- tokens ----------------------------------------------------------------------------------
+
+
+def test_tokens(store: Store, clock: StepClock, db_path: Path) -> None:
+    token = store.create_token("operator", "ci")
+    assert token.startswith("hp_")
+    assert store.verify_token(token) == Principal("ci", "operator")
+    name, scope = store.verify_token(token)  # type: ignore[misc]
+    assert (name, scope) == ("ci", "operator")
+    assert store.get_token("ci").last_used_at == T0
+    assert store.verify_token(token[:-1] + ("A" if token[-1] != "A" else "B")) is None
+    assert store.verify_token("") is None
+    assert store.verify_token("not-a-token") is None
+    # Only the hash is kept.
+    with sqlite3.connect(db_path) as connection:
+        dump = "\n".join(connection.iterdump())
+    assert token not in dump
+    clock.advance(5)
+    revoked = store.revoke_token("ci")
+    assert revoked.revoked_at == T0 + timedelta(seconds=5)
+    assert store.verify_token(token) is None
+    assert store.revoke_token("ci").revoked_at == revoked.revoked_at
+
+
+def test_token_last_used_is_refreshed_at_most_once_a_minute(store: Store, clock: StepClock) -> None:
+    token = store.create_token("viewer", "dash")
+    store.verify_token(token)
+    clock.advance(30)
+    store.verify_token(token)
+    assert store.get_token("dash").last_used_at == T0
+    clock.advance(31)
+    store.verify_token(token)
+    assert store.get_token("dash").last_used_at == T0 + timedelta(seconds=61)
+
+
+def test_token_refusals(store: Store) -> None:
+    store.create_token("admin", "root")
+    with pytest.raises(ConflictError, match="a token named 'root' already exists"):
+        store.create_token("viewer", "root")
+    with pytest.raises(UnknownScopeError, match="unknown scope 'god'"):
+        store.create_token("god")
+    with pytest.raises(NotFoundError, match="no token 'nobody'"):
+        store.revoke_token("nobody")
+
+
+def test_default_token_names_and_listing(store: Store) -> None:
+    store.create_token("infer")
+    store.create_token("infer")
+    tokens = store.list_tokens()
+    assert len(tokens) == 2 and len({t.name for t in tokens}) == 2
+    assert all(t.name.startswith("infer-") and t.scope == "infer" for t in tokens)
+
+
+# --- times and the schema --------------------------------------------------------------------
+
+
+def test_times_come_back_as_aware_utc(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+    local = datetime(2024, 6, 1, 14, 0, tzinfo=timezone(timedelta(hours=2)))
+    decision = store.record_decision("recs", "scale_up", "x", at=local)
+    (stored,) = store.list_decisions()
+    assert stored.at == decision.at == local
+    assert stored.at.tzinfo is UTC and stored.at.hour == 12
+    with pytest.raises(InvalidValueError, match="timezone-aware"):
+        store.record_decision("recs", "scale_up", "x", at=datetime(2024, 1, 1))
+
+
+def test_a_store_on_an_unmigrated_database_says_what_to_run(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    with pytest.raises(DatabaseError, match=r"not migrated.*run: heteroplane db upgrade"):
+        Store.from_url(url)
+    store = Store.from_url(url, upgrade=True)
+    assert store.list_apps() == []
+    store.close()
+
+
+def test_database_errors_are_one_line(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    migrate.upgrade(url)
+    store = Store.from_url(url)
+    migrate.downgrade(url, "base")
+    with pytest.raises(DatabaseError, match=r"has no heteroplane tables.*heteroplane db upgrade"):
+        store.list_apps()
+    store.close()
+
+
+def test_an_in_memory_store(clock: StepClock) -> None:
+    store = Store.from_url("sqlite://", clock, upgrade=True)
+    store.create_app(spec(), who="alice")
+    assert [a.name for a in store.list_apps()] == ["recs"]
+    store.close()

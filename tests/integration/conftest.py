@@ -1,0 +1,157 @@
+"""A throwaway PostgreSQL server for the tests that need a real one.
+
+``postgres_server`` (session scope) starts a server from Debian's packages (``apt-get install
+postgresql``; the binaries under ``/usr/lib/postgresql/<version>/bin``, or ``initdb`` on the PATH)
+in a temporary directory, listening on 127.0.0.1 on a free port and on a socket in that directory,
+trusting local connections, and stops and removes it at the end. PostgreSQL refuses to run as
+root, so as root it runs as the ``postgres`` system user the package creates. ``postgres_url``
+gives each test a database of its own on that server. Where PostgreSQL is not installed, the tests
+that use them are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_START_TIMEOUT_S = 60
+
+
+def _server_bin() -> Path | None:
+    """The newest installed PostgreSQL's bin directory (with initdb and pg_ctl)."""
+
+    def version(path: Path) -> tuple[int, ...]:
+        return tuple(int(n) for n in re.findall(r"\d+", path.parent.parent.name)) or (0,)
+
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=version)
+    if found:
+        return found[-1].parent
+    on_path = shutil.which("initdb")
+    return Path(on_path).parent if on_path else None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class _Server:
+    def __init__(self, bin_dir: Path, root: Path, user: str | None) -> None:
+        self.bin_dir = bin_dir
+        self.root = root
+        self.data = root / "data"
+        self.log = root / "server.log"
+        self.port = _free_port()
+        self.user = user
+
+    def run(self, *command: str) -> None:
+        prefix = ["runuser", "-u", self.user, "--"] if self.user else []
+        done = subprocess.run(
+            [*prefix, str(self.bin_dir / command[0]), *command[1:]],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=self.root,
+            timeout=_START_TIMEOUT_S * 2,
+        )
+        if done.returncode != 0:
+            log = self.log.read_text() if self.log.exists() else ""
+            raise RuntimeError(
+                f"{command[0]} failed ({done.returncode}): {done.stderr.strip()} {log[-2000:]}"
+            )
+
+    def start(self) -> None:
+        self.run(
+            "initdb", "-A", "trust", "-U", "postgres", "-E", "UTF8", "-N", "-D", str(self.data)
+        )
+        options = (
+            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1"
+            " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+        )
+        # -w: pg_ctl polls until the server accepts connections, up to -t seconds.
+        self.run(
+            "pg_ctl",
+            "-D",
+            str(self.data),
+            "-o",
+            options,
+            "-l",
+            str(self.log),
+            "-w",
+            "-t",
+            str(_START_TIMEOUT_S),
+            "start",
+        )
+
+    def stop(self) -> None:
+        if (self.data / "postmaster.pid").exists():
+            self.run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+
+    def url(self, database: str) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[_Server]:
+    bin_dir = _server_bin()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql; .ci/run does)")
+    user: str | None = None
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no 'postgres' user to run PostgreSQL as")
+        if shutil.which("runuser") is None:
+            pytest.skip("running as root and runuser (util-linux) is missing")
+        user = "postgres"
+    # The postgres user must reach the directory: under root's own TMPDIR it may not.
+    parent = "/tmp" if user is not None and Path("/tmp").is_dir() else None
+    root = Path(tempfile.mkdtemp(prefix="heteroplane-pg-", dir=parent))
+    if user is not None:
+        entry = pwd.getpwnam(user)
+        os.chown(root, entry.pw_uid, entry.pw_gid)
+    root.chmod(0o700)
+    server = _Server(bin_dir, root, user)
+    try:
+        server.start()
+        yield server
+    finally:
+        try:
+            server.stop()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres_url(postgres_server: _Server, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A URL of an empty database of its own on the throwaway server."""
+    import psycopg
+
+    name = "t_" + re.sub(r"\W+", "_", request.node.name.lower())[:40] + "_" + os.urandom(3).hex()
+    admin = f"host=127.0.0.1 port={postgres_server.port} user=postgres dbname=postgres"
+    with psycopg.connect(admin, autocommit=True) as connection:
+        connection.execute(f'CREATE DATABASE "{name}"')
+    yield postgres_server.url(name)
+    with psycopg.connect(admin, autocommit=True) as connection:
+        connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty database: a SQLite file, and a database on the throwaway PostgreSQL server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'heteroplane.db'}"
+    url: str = request.getfixturevalue("postgres_url")
+    return url

@@ -1,0 +1,196 @@
+"""The store on both databases (a SQLite file and a throwaway PostgreSQL server), through the
+migrations: concurrent writers (threads), idempotent launches, cascades and times.
+
+Threads line up on a barrier and then race; the assertions hold whatever order the database lets
+them through in (no sleeps, no timing).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Any, TypeVar
+
+import pytest
+
+from controlplane.db import migrate
+from controlplane.errors import ConflictError
+from controlplane.store import Store
+
+_T = TypeVar("_T")
+THREADS = 8
+
+
+def spec(name: str = "recs", budget: float = 10.0) -> dict[str, Any]:
+    return {
+        "name": name,
+        "models": [{"name": "rm2", "profiles": "profiles.csv"}],
+        "slo": {"latency_ms": 350},
+        "budget_usd_per_hr": budget,
+        "instance_types": ["g4dn.xlarge"],
+    }
+
+
+@pytest.fixture
+def store(database_url: str) -> Iterator[Store]:
+    migrate.upgrade(database_url)
+    store = Store.from_url(database_url)
+    yield store
+    store.close()
+
+
+def race(calls: list[Callable[[], _T]]) -> tuple[list[_T], list[BaseException]]:
+    """Run the calls at once, one thread each; their results and their errors."""
+    barrier = threading.Barrier(len(calls))
+    results: list[_T] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run(call: Callable[[], _T]) -> None:
+        barrier.wait()
+        try:
+            result = call()
+        except BaseException as error:
+            with lock:
+                errors.append(error)
+        else:
+            with lock:
+                results.append(result)
+
+    threads = [threading.Thread(target=run, args=(call,)) for call in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, errors
+
+
+def test_of_concurrent_applies_exactly_one_wins(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+    plans = [store.create_plan("recs", {"n": i}) for i in range(THREADS)]
+    version = store.get_app("recs").version
+
+    def apply(plan_id: int) -> Callable[[], Any]:
+        return lambda: store.apply_plan("recs", plan_id, expected_version=version)
+
+    results, errors = race([apply(plan.id) for plan in plans])
+    assert len(results) == 1
+    assert len(errors) == THREADS - 1
+    assert all(isinstance(error, ConflictError) for error in errors), errors
+    app = store.get_app("recs")
+    assert app.applied_plan_id == results[0].id
+    assert app.version == version + 1
+    statuses = [p.status for p in store.list_plans("recs")]
+    assert statuses.count("applied") == 1 and statuses.count("previewed") == THREADS - 1
+
+
+def test_of_concurrent_applies_of_one_plan_exactly_one_wins(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+    plan = store.create_plan("recs", {"n": 1})
+    results, errors = race([lambda: store.apply_plan("recs", plan.id)] * 2)
+    assert len(results) == 1 and len(errors) == 1
+    assert isinstance(errors[0], ConflictError)
+
+
+def test_concurrent_budget_changes_serialise(store: Store) -> None:
+    store.create_app(spec(budget=1.0), who="alice")
+    per_thread = 3
+
+    def changes(thread: int) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(per_thread):
+                store.change_budget(
+                    "recs", 100.0 + thread * 10 + i, reason=f"t{thread}", who=f"w{thread}"
+                )
+
+        return run
+
+    _, errors = race([changes(t) for t in range(THREADS)])
+    assert errors == []
+    total = THREADS * per_thread
+    app = store.get_app("recs")
+    assert app.version == 1 + total
+    audit = sorted(store.list_budget_changes("recs"), key=lambda change: change.id)
+    assert len(audit) == 1 + total
+    # No lost update: each change starts from the budget the one before it set.
+    for before, after in itertools.pairwise(audit):
+        assert after.old_usd_per_hr == before.new_usd_per_hr
+    assert audit[-1].new_usd_per_hr == app.budget_usd_per_hr == app.spec["budget_usd_per_hr"]
+
+
+def test_concurrent_launches_with_one_request_id_record_one_instance(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+
+    def launch() -> Any:
+        return store.record_instance(
+            "recs", request_id="req-1", instance_type="g4dn.xlarge", price_usd_per_hr=0.526
+        )
+
+    results, errors = race([launch] * THREADS)
+    assert errors == []
+    assert len({instance.id for instance in results}) == 1
+    assert len(store.list_instances("recs")) == 1
+    assert len(store.list_instance_events(app="recs")) == 1
+
+
+def test_concurrent_transitions_of_one_instance(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+    instance = store.record_instance(
+        "recs", request_id="r", instance_type="g4dn.xlarge", price_usd_per_hr=0.5
+    )
+    results, errors = race(
+        [lambda: store.transition_instance(instance.id, "pending", reason="go")] * 4
+    )
+    # One moves it; the others find it pending already, where pending -> pending is refused.
+    assert len(results) == 1 and len(errors) == 3
+    assert all(isinstance(error, ConflictError) for error in errors)
+    assert [e.to_state for e in store.list_instance_events(instance_id=instance.id)] == [
+        "requested",
+        "pending",
+    ]
+
+
+def test_concurrent_registrations_of_one_name(store: Store) -> None:
+    results, errors = race([lambda: store.create_app(spec(), who="alice")] * 4)
+    assert len(results) == 1 and len(errors) == 3
+    assert all(isinstance(error, ConflictError) for error in errors)
+
+
+def test_concurrent_plans_get_distinct_numbers(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+    results, errors = race([lambda: store.create_plan("recs", {})] * THREADS)
+    assert errors == []
+    assert sorted(plan.number for plan in results) == list(range(1, THREADS + 1))
+
+
+def test_times_round_trip_as_aware_utc(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+    at = datetime(2024, 3, 10, 23, 30, 0, 123456, tzinfo=timezone(timedelta(hours=-5)))
+    store.record_decision("recs", "scale_up", "x", {"k": 1}, at=at)
+    (decision,) = store.list_decisions("recs", since=at - timedelta(microseconds=1))
+    assert decision.at == at
+    assert decision.at.tzinfo is UTC
+    assert decision.at == datetime(2024, 3, 11, 4, 30, 0, 123456, tzinfo=UTC)
+
+
+def test_delete_cascades(store: Store) -> None:
+    store.create_app(spec(), who="alice")
+    plan = store.create_plan("recs", {})
+    store.apply_plan("recs", plan.id)
+    store.record_instance("recs", request_id="r", instance_type="t3.xlarge", price_usd_per_hr=1)
+    store.add_metric_sample("recs", arrival_rate_qps=1, fleet_cost_usd_per_hr=1)
+    store.delete_app("recs", force=True)
+    assert store.list_apps() == [] and store.list_instances() == []
+    store.create_app(spec(), who="alice")
+    assert store.list_plans("recs") == []
+    assert store.list_budget_changes("recs")[0].old_usd_per_hr is None
+
+
+def test_tokens(store: Store) -> None:
+    token = store.create_token("admin", "root")
+    principal = store.verify_token(token)
+    assert principal is not None and tuple(principal) == ("root", "admin")
+    store.revoke_token("root")
+    assert store.verify_token(token) is None

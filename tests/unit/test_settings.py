@@ -1,0 +1,198 @@
+"""Settings: defaults, the environment over the config file, one-line errors naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from controlplane.errors import SettingsError
+from controlplane.settings import Settings, load_settings
+
+EC2_YAML = """
+provisioner: ec2
+ec2:
+  region: us-east-1
+  subnet_ids: [subnet-1]
+  security_group_ids: [sg-1]
+  launch_templates: {g4dn.xlarge: lt-0123}
+"""
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("HETEROPLANE_"):
+            monkeypatch.delenv(name)
+    xdg = tmp_path / "xdg"
+    monkeypatch.setenv("XDG_DATA_HOME", str(xdg))
+    return xdg
+
+
+def write(tmp_path: Path, text: str, name: str = "heteroplane.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_defaults(clean_environment: Path) -> None:
+    settings = load_settings()
+    assert settings.data_dir == clean_environment / "heteroplane"
+    assert settings.database_url == f"sqlite:///{clean_environment}/heteroplane/heteroplane.db"
+    assert settings.provisioner == "local"
+    assert (settings.host, settings.port) == ("127.0.0.1", 8000)
+    assert (settings.tuner_tick_s, settings.reconcile_s, settings.rollup_s) == (1.0, 5.0, 10.0)
+    assert settings.replan_h == 6.0
+    assert settings.ec2 is None
+    assert not settings.is_postgresql
+
+
+def test_data_dir_defaults_to_local_share_without_xdg(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("XDG_DATA_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_settings().data_dir == tmp_path / ".local" / "share" / "heteroplane"
+
+
+def test_environment_sets_fields_and_database_follows_data_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HETEROPLANE_PORT", "9001")
+    monkeypatch.setenv("HETEROPLANE_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("HETEROPLANE_RECONCILE_S", "2.5")
+    settings = load_settings()
+    assert settings.port == 9001
+    assert settings.reconcile_s == 2.5
+    assert settings.database_url == f"sqlite:///{tmp_path}/data/heteroplane.db"
+
+
+def test_postgresql_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    for url in ("postgresql://u:p@db/heteroplane", "postgresql+psycopg://u@db/heteroplane"):
+        monkeypatch.setenv("HETEROPLANE_DATABASE_URL", url)
+        settings = load_settings()
+        assert settings.database_url == url
+        assert settings.is_postgresql
+
+
+def test_config_file_under_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = write(tmp_path, "port: 7000\nhost: 0.0.0.0\nrollup_s: 30\n")
+    monkeypatch.setenv("HETEROPLANE_PORT", "7100")
+    settings = load_settings(path)
+    assert settings.port == 7100  # the environment wins
+    assert settings.host == "0.0.0.0"
+    assert settings.rollup_s == 30.0
+
+
+def test_config_file_from_environment_variable(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HETEROPLANE_CONFIG", str(write(tmp_path, "provisioner: fake\n")))
+    assert load_settings().provisioner == "fake"
+
+
+def test_relative_data_dir_in_file_is_beside_the_file(tmp_path: Path) -> None:
+    settings = load_settings(write(tmp_path, "data_dir: state\n"))
+    assert settings.data_dir == tmp_path / "state"
+    assert settings.database_url == f"sqlite:///{tmp_path}/state/heteroplane.db"
+
+
+def test_ec2_settings_from_file_and_nested_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HETEROPLANE_EC2__REGION", "eu-west-1")
+    monkeypatch.setenv("HETEROPLANE_EC2__ENDPOINT_URL", "http://127.0.0.1:5000")
+    settings = load_settings(write(tmp_path, EC2_YAML))
+    assert settings.ec2 is not None
+    assert settings.ec2.region == "eu-west-1"
+    assert settings.ec2.endpoint_url == "http://127.0.0.1:5000"
+    assert settings.ec2.subnet_ids == ["subnet-1"]
+    assert settings.ec2.launch_templates == {"g4dn.xlarge": "lt-0123"}
+    assert settings.ec2.tag_prefix == "heteroplane"
+
+
+def test_ensure_data_dir_creates_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETEROPLANE_DATA_DIR", str(tmp_path / "a" / "b"))
+    settings = load_settings()
+    assert settings.ensure_data_dir() == tmp_path / "a" / "b"
+    assert (tmp_path / "a" / "b").is_dir()
+
+
+def test_settings_are_frozen() -> None:
+    settings = load_settings()
+    with pytest.raises(ValidationError):
+        settings.port = 1  # type: ignore[misc]
+
+
+def test_settings_accepts_arguments() -> None:
+    assert Settings(port=1234).port == 1234
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("HETEROPLANE_PORT", "0", "port: must be greater than or equal to 1"),
+        ("HETEROPLANE_PORT", "70000", "port: must be less than or equal to 65535"),
+        ("HETEROPLANE_PORT", "http", "port: must be a valid integer"),
+        ("HETEROPLANE_TUNER_TICK_S", "0", "tuner_tick_s: must be greater than 0"),
+        ("HETEROPLANE_REPLAN_H", "-1", "replan_h: must be greater than 0"),
+        ("HETEROPLANE_ROLLUP_S", "nan", "rollup_s: must be a finite number"),
+        ("HETEROPLANE_PROVISIONER", "gcp", "provisioner: must be 'local', 'ec2' or 'fake'"),
+        ("HETEROPLANE_PROVISIONER", "ec2", "ec2: is required when provisioner is 'ec2'"),
+        ("HETEROPLANE_DATABASE_URL", "mysql://x/y", "database_url: unsupported database 'mysql'"),
+        ("HETEROPLANE_EC2__REGION", "us-east-1", "ec2.subnet_ids: is required"),
+    ],
+)
+def test_bad_environment_is_one_line_naming_the_field(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, message: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    assert str(caught.value).startswith(message)
+    assert "\n" not in str(caught.value)
+    assert caught.value.field == message.split(":")[0]
+
+
+def test_message_names_the_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETEROPLANE_PORT", "70000")
+    with pytest.raises(SettingsError, match=r"\(HETEROPLANE_PORT\)"):
+        load_settings()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("prot: 8000\n", "prot: unknown setting"),
+        (
+            "ec2: {region: x, subnet_ids: [s], security_group_ids: [], launch_templates: {}}\n",
+            "ec2.launch_templates: must have at least 1 item",
+        ),
+        ("port: [\n", "not valid YAML at line"),
+        ("- port\n", "must be a mapping of settings, got list"),
+        ("tuner_tick_s: -3\n", "tuner_tick_s: must be greater than 0"),
+    ],
+)
+def test_bad_config_file_names_file_and_field(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(path)
+    assert str(caught.value).startswith(f"{path}: ")
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="cannot read: No such file"):
+        load_settings(tmp_path / "nope.yaml")
+
+
+def test_empty_config_file_is_the_defaults(tmp_path: Path) -> None:
+    assert load_settings(write(tmp_path, "")).port == 8000
+
+
+def test_settings_error_is_a_value_error() -> None:
+    assert issubclass(SettingsError, ValueError)
