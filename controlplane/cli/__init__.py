@@ -17,8 +17,10 @@ from controlplane.cli import (
     capacity,
     db,
     demo,
+    operate,
     plan,
     replay,
+    serve,
     simulate,
     token,
     trace,
@@ -38,6 +40,8 @@ COMMAND_MODULES = (
     replay,
     db,
     token,
+    serve,
+    operate,
 )
 
 

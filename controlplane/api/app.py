@@ -1,0 +1,118 @@
+"""The FastAPI application: :func:`create_app` wires the routes, the error mapping, the request
+counters and the scheduler's lifetime around the parts it is handed.
+
+A factory with no module-level state: the composition root (``heteroplane serve``, or a test)
+builds the settings, the store, the clock and the scheduler and passes them in; each call
+returns an independent app. The lifespan starts the scheduler (when one is given) and shuts it
+down, waiting for running jobs, when the server stops. Routes are under ``/v1`` except
+``/healthz`` and ``/metrics``; the OpenAPI document is at ``/openapi.json`` (and a browsable
+page at ``/docs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from starlette.concurrency import run_in_threadpool
+
+from controlplane import __version__
+from controlplane.api.counters import RequestCounter, RequestCountingMiddleware
+from controlplane.api.deps import Services
+from controlplane.api.errors import install_error_handlers
+from controlplane.api.limits import BodySizeLimitMiddleware
+from controlplane.api.resolver import AppResolver
+from controlplane.api.routes import apps, budget, events, fleet, health, plans
+from controlplane.clock import Clock
+from controlplane.scheduler import Scheduler
+from controlplane.settings import Settings
+from controlplane.spec import AppSpec
+from controlplane.store import Store
+
+__all__ = ["create_app"]
+
+_DESCRIPTION = (
+    "The heteroplane control plane: register apps, preview and apply plans, set budgets, and"
+    " watch fleets. Every route but /healthz needs `Authorization: Bearer <token>` (make one"
+    ' with `heteroplane token create`). Errors are `{"error": {"code", "message",'
+    ' "field"}}`. See docs/api.md.'
+)
+
+
+def create_app(
+    settings: Settings, store: Store, clock: Clock, scheduler: Scheduler | None = None
+) -> FastAPI:
+    """The API over ``store``; ``scheduler`` (if any) runs while the app is served."""
+    services = Services(
+        settings=settings,
+        store=store,
+        clock=clock,
+        resolver=AppResolver(settings.data_dir),
+        requests=RequestCounter(),
+        scheduler=scheduler,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if scheduler is not None:
+            scheduler.start()
+        try:
+            yield
+        finally:
+            if scheduler is not None:
+                # Waits for running jobs: off the event loop, which still serves the shutdown.
+                await run_in_threadpool(scheduler.shutdown, True)
+
+    app = FastAPI(
+        title="heteroplane",
+        version=__version__,
+        description=_DESCRIPTION,
+        lifespan=lifespan,
+        openapi_url="/openapi.json",
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.services = services
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware)
+    app.add_middleware(RequestCountingMiddleware, counter=services.requests)
+    for module in (health, apps, plans, budget, fleet, events):
+        app.include_router(module.router)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+            )
+            _add_spec_schemas(document)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def _add_spec_schemas(document: dict[str, Any]) -> None:
+    """Add the app spec's schema to the components, and make it the body of the operations
+    that take one (POST and PUT /v1/apps: the route takes a mapping and validates it with
+    ``controlplane.spec.validate_spec``, so that a problem names its field)."""
+    schema = AppSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(schema.pop("$defs", {}))
+    schemas["AppSpec"] = schema
+    for item in document.get("paths", {}).values():
+        for operation in item.values():
+            if isinstance(operation, dict) and operation.pop(apps.SPEC_BODY_MARK, False):
+                operation["requestBody"] = {
+                    "required": True,
+                    "description": "the app spec document (docs/app-spec.md)",
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/AppSpec"}}
+                    },
+                }

@@ -1,0 +1,85 @@
+"""What a route depends on: the service's parts (:class:`Services`) and who is calling.
+
+Every route but ``/healthz`` requires ``Authorization: Bearer <token>`` (RFC 6750). A missing,
+malformed, unknown or revoked token is 401 with ``WWW-Authenticate: Bearer``; a known token
+whose scope does not include the one the route needs is 403 (scopes: ``controlplane.auth``).
+Routes declare their scope with ``Depends(require(Scope.OPERATOR))`` and receive the
+:class:`~controlplane.store.Principal` (its name is what audit rows record as *who*).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from controlplane.api.counters import RequestCounter
+from controlplane.api.errors import ApiError, unauthorized
+from controlplane.api.resolver import AppResolver
+from controlplane.auth import Scope, scope_allows
+from controlplane.clock import Clock
+from controlplane.scheduler import Scheduler
+from controlplane.settings import Settings
+from controlplane.store import Principal, Store
+
+__all__ = ["Services", "get_services", "require"]
+
+# auto_error=False: the answer to a missing token is ours (the error body and the challenge),
+# not FastAPI's 403. The scheme still documents bearer auth in the OpenAPI document.
+_bearer = HTTPBearer(auto_error=False, description="an API token: heteroplane token create")
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """The parts of the running service a route may use (one per FastAPI app, on
+    ``app.state.services``: no module-level globals)."""
+
+    settings: Settings
+    store: Store
+    clock: Clock
+    resolver: AppResolver
+    requests: RequestCounter
+    scheduler: Scheduler | None = None
+
+
+def get_services(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+def require(scope: Scope) -> Callable[..., Principal]:
+    """A dependency that admits a bearer token whose scope includes ``scope``."""
+
+    def check(
+        request: Request,
+        services: ServicesDep,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> Principal:
+        if credentials is None:
+            if request.headers.get("authorization") is None:
+                raise unauthorized("an API token is required: Authorization: Bearer <token>")
+            raise unauthorized("malformed Authorization header: expected Bearer <token>")
+        principal = services.store.verify_token(credentials.credentials)
+        if principal is None:
+            raise unauthorized("unknown or revoked API token")
+        if not scope_allows(principal.scope, scope):
+            raise ApiError(
+                403,
+                "forbidden",
+                f"token {principal.name!r} has scope {principal.scope}; this needs {scope.value}",
+            )
+        return principal
+
+    check.__name__ = f"require_{scope.value}"
+    return check
+
+
+Viewer = Annotated[Principal, Depends(require(Scope.VIEWER))]
+Operator = Annotated[Principal, Depends(require(Scope.OPERATOR))]
+Admin = Annotated[Principal, Depends(require(Scope.ADMIN))]

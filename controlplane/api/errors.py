@@ -1,0 +1,263 @@
+"""Errors on the wire: the one place that maps domain errors to HTTP statuses and bodies.
+
+Every error answer has the body ``{"error": {"code": ..., "message": ..., "field": ...}}``
+(:class:`~controlplane.api.schemas.ErrorBody`): ``code`` is a stable word a client may branch on,
+``message`` one line for a person, ``field`` the path of the offending value when there is one.
+
+=====================================  ======  ===================
+what was raised                        status  code
+=====================================  ======  ===================
+:class:`ApiError` (auth, bad path)     its own its own
+malformed JSON body                    400     ``malformed_json``
+``RequestValidationError`` (pydantic)  422     ``invalid_request``
+:class:`~controlplane.spec.SpecError`  422     ``invalid_spec``
+other ``EstimatorError`` (a trace the  422     ``unplannable``
+profiles cannot serve, an SLO no type
+can meet)
+:class:`NotFoundError`                 404     ``not_found``
+:class:`AppExistsError`                409     ``app_exists``
+:class:`InvalidTransitionError`        409     ``invalid_transition``
+:class:`ConflictError`                 409     ``conflict``
+:class:`InvalidValueError` (the store  422     ``invalid_value``
+refuses a value the schemas let by)
+:class:`DatabaseError`                 503     ``database_unavailable``
+Starlette's own (unknown route, 405)   same    ``not_found``, ...
+anything else                          500     ``internal`` (logged;
+                                               the body says nothing
+                                               of the cause)
+=====================================  ======  ===================
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from controlplane.errors import (
+    AppExistsError,
+    ConflictError,
+    ControlPlaneError,
+    DatabaseError,
+    InvalidTransitionError,
+    InvalidValueError,
+    NotFoundError,
+)
+from controlplane.spec import SpecError
+from estimator.errors import EstimatorError
+
+__all__ = [
+    "ApiError",
+    "CatchAllMiddleware",
+    "error_response",
+    "install_error_handlers",
+    "unauthorized",
+]
+
+logger = logging.getLogger(__name__)
+
+_STATUS_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    406: "not_acceptable",
+    409: "conflict",
+    413: "too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+    429: "too_many_requests",
+    503: "unavailable",
+}
+_MAX_MESSAGE_CHARS = 500
+
+
+class ApiError(Exception):
+    """An answer decided in the API layer itself (a missing token, a path that contradicts the
+    body): its status, code, one-line message, field and extra headers."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        field: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+        self.headers = dict(headers or {})
+
+
+def unauthorized(message: str) -> ApiError:
+    """401 with the ``WWW-Authenticate: Bearer`` challenge (RFC 6750 section 3)."""
+    return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def _one_line(text: str) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= _MAX_MESSAGE_CHARS else line[: _MAX_MESSAGE_CHARS - 3] + "..."
+
+
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    field: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """The JSON error answer every failure takes."""
+    body = {"error": {"code": code, "message": _one_line(message), "field": field}}
+    return JSONResponse(body, status_code=status, headers=dict(headers or {}))
+
+
+def _field_path(loc: Sequence[int | str]) -> str | None:
+    """``("body", "trace", "rate_qps")`` -> ``trace.rate_qps``; ``("query", "since")`` ->
+    ``since``; ``("body",)`` -> None (the body as a whole)."""
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
+        parts = parts[1:]
+    path = ""
+    for part in parts:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif path:
+            path += f".{part}"
+        else:
+            path = str(part)
+    return path or None
+
+
+def _validation_message(detail: Mapping[str, Any], field: str | None) -> str:
+    kind = detail.get("type")
+    if kind == "extra_forbidden":
+        return f"{field}: unknown field" if field else "unknown field"
+    if kind == "missing":
+        return f"{field}: is required" if field else "a body is required"
+    # pydantic says "Input should be ...", "String should match ...": say "must".
+    message = str(detail.get("msg", "invalid value")).removeprefix("Value error, ")
+    message = re.sub(r"^\w+ should ", "must ", message)
+    if not field and kind in ("dict_type", "model_attributes_type"):
+        message = "the body must be a JSON object"
+    shown = ""
+    # A check of several fields together says what it needs; the whole input is noise then.
+    if kind != "value_error" and "input" in detail:
+        text = repr(detail["input"])
+        shown = f", got {text if len(text) <= 60 else text[:57] + '...'}"
+    return f"{field}: {message}{shown}" if field else f"{message}{shown}"
+
+
+def _on_validation_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, RequestValidationError)
+    details = list(error.errors())
+    if not details:
+        return error_response(422, "invalid_request", "the request is invalid")
+    # A body that is not JSON at all is a different mistake from JSON of the wrong shape.
+    broken = next((d for d in details if d.get("type") == "json_invalid"), None)
+    if broken is not None:
+        reason = (broken.get("ctx") or {}).get("error", "not valid JSON")
+        return error_response(400, "malformed_json", f"the body is not valid JSON: {reason}")
+    # An unknown field first: a misspelt key also makes the real one "missing".
+    detail = next((d for d in details if d.get("type") == "extra_forbidden"), details[0])
+    field = _field_path(tuple(detail.get("loc", ())))
+    return error_response(422, "invalid_request", _validation_message(detail, field), field)
+
+
+def _on_api_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, ApiError)
+    return error_response(error.status, error.code, error.message, error.field, error.headers)
+
+
+def _on_spec_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, SpecError)
+    return error_response(422, "invalid_spec", str(error), error.field or None)
+
+
+def _on_estimator_error(request: Request, error: Exception) -> JSONResponse:
+    return error_response(422, "unplannable", str(error))
+
+
+def _on_control_plane_error(request: Request, error: Exception) -> JSONResponse:
+    if isinstance(error, NotFoundError):
+        return error_response(404, "not_found", str(error))
+    if isinstance(error, AppExistsError):
+        return error_response(409, "app_exists", str(error), "name")
+    if isinstance(error, InvalidTransitionError):
+        return error_response(409, "invalid_transition", str(error))
+    if isinstance(error, ConflictError):
+        return error_response(409, "conflict", str(error))
+    if isinstance(error, InvalidValueError):
+        return error_response(422, "invalid_value", str(error), error.field)
+    if isinstance(error, DatabaseError):
+        logger.error("database error on %s %s: %s", request.method, request.url.path, error)
+        return error_response(503, "database_unavailable", "the database is unavailable")
+    return _internal(request, error)
+
+
+def _on_http_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, StarletteHTTPException)
+    code = _STATUS_CODES.get(error.status_code, "error")
+    message = error.detail if isinstance(error.detail, str) else code.replace("_", " ")
+    if error.status_code == 404 and message == "Not Found":
+        message = f"no route {request.method} {request.url.path}"
+    return error_response(error.status_code, code, message, None, error.headers)
+
+
+def _internal(request: Request, error: BaseException) -> JSONResponse:
+    logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=error)
+    return error_response(500, "internal", "internal error; the server log has the details")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the mapping above on ``app`` (and the catch-all for anything unexpected)."""
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(SpecError, _on_spec_error)
+    app.add_exception_handler(EstimatorError, _on_estimator_error)
+    app.add_exception_handler(ControlPlaneError, _on_control_plane_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_middleware(CatchAllMiddleware)
+
+
+class CatchAllMiddleware:
+    """Answer 500 with the generic error body for any exception no handler took, and log it.
+
+    A plain ASGI middleware rather than an ``Exception`` handler: Starlette re-raises after an
+    ``Exception`` handler has answered, which would log every such error twice.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as error:
+            request = Request(scope)
+            response = _internal(request, error)
+            if started:
+                # Too late to change the answer: the client sees a cut-off response.
+                return
+            await response(scope, receive, send)

@@ -1,0 +1,41 @@
+"""The API's routes, one module per resource; shared here: the ``{app}`` path parameter and the
+error responses every route declares in the OpenAPI document."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Path
+
+from controlplane.api.schemas import ErrorBody
+
+__all__ = ["AppName", "PlanId", "errors"]
+
+_DESCRIPTIONS = {
+    400: "Malformed JSON body",
+    401: "Missing, malformed, unknown or revoked token (WWW-Authenticate: Bearer)",
+    403: "The token's scope does not allow this",
+    404: "No such app, plan or instance",
+    409: "Conflict: the name is taken, another write won, or the state does not allow it",
+    422: "Invalid request: a field of the wrong type, out of range, unknown, or an invalid spec",
+    503: "The database is unavailable",
+}
+
+# An app name is a DNS label (controlplane.spec): anything else is a 422, not a 404.
+AppName = Annotated[
+    str,
+    Path(
+        pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
+        max_length=63,
+        description="the app's name",
+    ),
+]
+# Plan ids are database integers: bounded so that a huge number is a 422, not a driver error.
+PlanId = Annotated[int, Path(ge=1, le=2**31 - 1, description="the plan's id")]
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these error statuses, each with the error body's schema."""
+    return {
+        status: {"model": ErrorBody, "description": _DESCRIPTIONS[status]} for status in statuses
+    }

@@ -1,0 +1,102 @@
+"""``/v1/apps``: register, list, read, replace and delete apps.
+
+The body of ``POST`` and ``PUT`` is the app spec document (docs/app-spec.md), checked with
+:func:`controlplane.spec.validate_spec` and against its catalog and profiles (relative paths
+resolve against the service's ``data_dir``); a problem is a 422 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Query, Response
+
+from controlplane.api.deps import Admin, Operator, ServicesDep, Viewer
+from controlplane.api.errors import ApiError
+from controlplane.api.resolver import spec_document
+from controlplane.api.routes import AppName, errors
+from controlplane.api.schemas import AppOut
+from controlplane.store import AppRecord
+
+__all__ = ["SPEC_BODY_MARK", "app_out", "router"]
+
+SPEC_BODY_MARK = "x-heteroplane-spec-body"
+
+router = APIRouter(prefix="/v1", tags=["apps"])
+
+# Marks the operations whose body is an app spec: api.app gives them the AppSpec schema.
+_SPEC_BODY: dict[str, Any] = {SPEC_BODY_MARK: True}
+SpecDocument = Annotated[dict[str, Any], Body(description="the app spec document")]
+
+
+def app_out(record: AppRecord) -> AppOut:
+    return AppOut(
+        name=record.name,
+        spec=record.spec,
+        budget_usd_per_hr=record.budget_usd_per_hr,
+        applied_plan_id=record.applied_plan_id,
+        version=record.version,
+        created_at=record.created_at,
+        updated_at=record.updated_at,
+    )
+
+
+@router.post(
+    "/apps",
+    status_code=201,
+    summary="Register an app (operator)",
+    openapi_extra=_SPEC_BODY,
+    responses=errors(400, 401, 403, 409, 422),
+)
+def create_app(document: SpecDocument, services: ServicesDep, who: Operator) -> AppOut:
+    resolved = services.resolver.check(document)
+    record = services.store.create_app(spec_document(resolved.spec), who=who.name)
+    return app_out(record)
+
+
+@router.get("/apps", summary="List the apps (viewer)", responses=errors(401, 403, 422))
+def list_apps(services: ServicesDep, _who: Viewer) -> list[AppOut]:
+    return [app_out(record) for record in services.store.list_apps()]
+
+
+@router.get("/apps/{app}", summary="Read an app (viewer)", responses=errors(401, 403, 404, 422))
+def get_app(app: AppName, services: ServicesDep, _who: Viewer) -> AppOut:
+    return app_out(services.store.get_app(app))
+
+
+@router.put(
+    "/apps/{app}",
+    summary="Replace an app's spec (operator); a new budget in it is audited",
+    openapi_extra=_SPEC_BODY,
+    responses=errors(400, 401, 403, 404, 409, 422),
+)
+def replace_app(
+    app: AppName, document: SpecDocument, services: ServicesDep, who: Operator
+) -> AppOut:
+    name = document.get("name")
+    if name != app:
+        raise ApiError(
+            422, "invalid_request", f"name: must be the app's name {app!r}, got {name!r}", "name"
+        )
+    services.store.get_app(app)  # 404 before the spec is checked against its files
+    resolved = services.resolver.check(document)
+    record = services.store.update_app(app, spec_document(resolved.spec), who=who.name)
+    return app_out(record)
+
+
+@router.delete(
+    "/apps/{app}",
+    status_code=204,
+    summary="Delete an app and its history (admin); refused while it has live instances",
+    responses=errors(401, 403, 404, 409, 422),
+)
+def delete_app(
+    app: AppName,
+    services: ServicesDep,
+    _who: Admin,
+    force: Annotated[
+        bool, Query(description="delete even with live instances (their rows only)")
+    ] = False,
+) -> Response:
+    services.store.delete_app(app, force=force)
+    return Response(status_code=204)

@@ -1,0 +1,113 @@
+"""What happened to an app: ``/v1/apps/{app}/decisions`` (what the policies decided and why),
+``/v1/apps/{app}/events`` (its instances' lifecycle moves) and ``/v1/apps/{app}/metrics`` (the
+rolled-up time series the dashboard draws). Each is oldest first; ``since`` (exclusive, ISO 8601,
+UTC when no offset is given) and ``limit`` (the newest that many) narrow it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from controlplane.api.deps import ServicesDep, Viewer
+from controlplane.api.errors import ApiError
+from controlplane.api.routes import AppName, errors
+from controlplane.api.schemas import DecisionOut, InstanceEventOut, MetricSampleOut
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["events"])
+
+Since = Annotated[
+    datetime | None,
+    Query(description="only after this time (exclusive; ISO 8601, UTC when no offset is given)"),
+]
+Limit = Annotated[int, Query(ge=1, le=10_000, description="the newest this many")]
+
+
+def _utc(at: datetime | None, field: str) -> datetime | None:
+    if at is None:
+        return None
+    try:
+        return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
+    except OverflowError:
+        raise ApiError(
+            422, "invalid_request", f"{field}: out of range, got {at.isoformat()}", field
+        ) from None
+
+
+@router.get(
+    "/apps/{app}/decisions",
+    summary="What the policies decided for the app, and why (viewer)",
+    responses=errors(401, 403, 404, 422),
+)
+def list_decisions(
+    app: AppName,
+    services: ServicesDep,
+    _who: Viewer,
+    since: Since = None,
+    kind: Annotated[list[str] | None, Query(description="only these kinds (repeatable)")] = None,
+    limit: Limit = 1000,
+) -> list[DecisionOut]:
+    records = services.store.list_decisions(
+        app, since=_utc(since, "since"), kinds=kind, limit=limit
+    )
+    return [
+        DecisionOut(id=d.id, at=d.at, kind=d.kind, reason=d.reason, numbers=d.numbers)
+        for d in records
+    ]
+
+
+@router.get(
+    "/apps/{app}/events",
+    summary="The lifecycle moves of the app's instances (viewer)",
+    responses=errors(401, 403, 404, 422),
+)
+def list_events(
+    app: AppName, services: ServicesDep, _who: Viewer, since: Since = None, limit: Limit = 1000
+) -> list[InstanceEventOut]:
+    records = services.store.list_instance_events(app=app, since=_utc(since, "since"), limit=limit)
+    return [
+        InstanceEventOut(
+            id=e.id,
+            instance_id=e.instance_id,
+            at=e.at,
+            from_state=e.from_state,
+            to_state=e.to_state,
+            reason=e.reason,
+        )
+        for e in records
+    ]
+
+
+@router.get(
+    "/apps/{app}/metrics",
+    summary="The app's rolled-up load, latency, SLO attainment and cost over time (viewer)",
+    responses=errors(401, 403, 404, 422),
+)
+def metric_series(
+    app: AppName,
+    services: ServicesDep,
+    _who: Viewer,
+    since: Since = None,
+    until: Annotated[datetime | None, Query(description="only up to this time (inclusive)")] = None,
+    limit: Limit = 1000,
+) -> list[MetricSampleOut]:
+    records = services.store.metric_series(
+        app, since=_utc(since, "since"), until=_utc(until, "until"), limit=limit
+    )
+    return [
+        MetricSampleOut(
+            at=s.at,
+            arrival_rate_qps=s.arrival_rate_qps,
+            latency_p50_ms=s.latency_p50_ms,
+            latency_p95_ms=s.latency_p95_ms,
+            latency_p99_ms=s.latency_p99_ms,
+            attainment_share=s.attainment_share,
+            fleet_cost_usd_per_hr=s.fleet_cost_usd_per_hr,
+            gear=s.gear,
+            accuracy=s.accuracy,
+        )
+        for s in records
+    ]

@@ -1,0 +1,92 @@
+"""``GET /v1/instances`` (the instances we run, of every app or one) and
+``GET /v1/apps/{app}/fleet`` (an app's live fleet by type, and what it costs)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from controlplane.api.deps import ServicesDep, Viewer
+from controlplane.api.routes import AppName, errors
+from controlplane.api.schemas import FleetOut, FleetTypeOut, InstanceOut
+from controlplane.lifecycle import LIVE_STATES, InstanceState
+from controlplane.store import InstanceRecord
+
+__all__ = ["instance_out", "router"]
+
+router = APIRouter(prefix="/v1", tags=["fleet"])
+
+
+def instance_out(record: InstanceRecord) -> InstanceOut:
+    return InstanceOut(
+        id=record.id,
+        app=record.app,
+        provider_id=record.provider_id,
+        instance_type=record.instance_type,
+        state=record.state,
+        price_usd_per_hr=record.price_usd_per_hr,
+        created_at=record.created_at,
+        updated_at=record.updated_at,
+    )
+
+
+@router.get(
+    "/instances",
+    summary="The instances we run, oldest first (viewer)",
+    responses=errors(401, 403, 404, 422),
+)
+def list_instances(
+    services: ServicesDep,
+    _who: Viewer,
+    app: Annotated[
+        str | None,
+        Query(
+            pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
+            max_length=63,
+            description="only this app's",
+        ),
+    ] = None,
+    state: Annotated[
+        list[InstanceState] | None, Query(description="only in these states (repeatable)")
+    ] = None,
+) -> list[InstanceOut]:
+    states = None if state is None else [s.value for s in state]
+    return [instance_out(i) for i in services.store.list_instances(app, states=states)]
+
+
+@router.get(
+    "/apps/{app}/fleet",
+    summary="The app's live fleet by instance type, and its cost (viewer)",
+    responses=errors(401, 403, 404, 422),
+)
+def get_fleet(app: AppName, services: ServicesDep, _who: Viewer) -> FleetOut:
+    store = services.store
+    record = store.get_app(app)
+    live = store.list_instances(app, states=[s.value for s in LIVE_STATES])
+    by_type: dict[str, list[InstanceRecord]] = {}
+    for instance in live:
+        by_type.setdefault(instance.instance_type, []).append(instance)
+    rows = []
+    for instance_type, instances in sorted(by_type.items()):
+        states: dict[str, int] = {}
+        for instance in instances:
+            states[instance.state] = states.get(instance.state, 0) + 1
+        cost = sum(i.price_usd_per_hr for i in instances)
+        rows.append(
+            FleetTypeOut(
+                instance_type=instance_type,
+                count=len(instances),
+                # Instances of a type may have been launched at different prices: the mean.
+                price_usd_per_hr=cost / len(instances),
+                cost_usd_per_hr=cost,
+                states=states,
+            )
+        )
+    return FleetOut(
+        app=app,
+        budget_usd_per_hr=record.budget_usd_per_hr,
+        cost_usd_per_hr=sum(row.cost_usd_per_hr for row in rows),
+        instances=len(live),
+        by_type=rows,
+    )

@@ -1,0 +1,353 @@
+"""The REST API's request and response bodies (pydantic: the API is a trust boundary).
+
+Requests forbid unknown fields (a misspelt key is an error naming it, not a silently ignored
+option) and bound every number: finite, and within a range no honest caller leaves (a budget of
+at most :data:`MAX_BUDGET_USD_PER_HR`, a planning trace of at most
+:data:`~controlplane.planner.PLANNING_QUERIES` queries), so that bad input is a 422, never a
+5xx or an hour of simulation. The app spec itself is :class:`controlplane.spec.AppSpec`, the same
+document the CLI reads. Responses are built from the store's records by the routes.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from controlplane.planner import PLANNING_QUERIES
+
+__all__ = [
+    "DEFAULT_TRACE_QUERIES",
+    "MAX_BUDGET_USD_PER_HR",
+    "MAX_RATE_QPS",
+    "AppOut",
+    "BudgetChangeIn",
+    "BudgetChangeOut",
+    "BudgetOut",
+    "BudgetSetOut",
+    "DecisionOut",
+    "DrainOut",
+    "ErrorBody",
+    "ErrorDetail",
+    "FleetOut",
+    "FleetTypeOut",
+    "HealthOut",
+    "InstanceEventOut",
+    "InstanceOut",
+    "MetricSampleOut",
+    "PlanIn",
+    "PlanOut",
+    "StageOut",
+    "TraceIn",
+    "TraceStatsOut",
+]
+
+# A budget above a million USD/hr is a typo (or an attack on the planner's enumeration).
+MAX_BUDGET_USD_PER_HR = 1e6
+# The fastest arrival rate a planning trace may have; the Kairos setting runs at tens of qps.
+MAX_RATE_QPS = 1e5
+# Queries in a planning trace generated for a request that does not say.
+DEFAULT_TRACE_QUERIES = 5_000
+_MAX_DURATION_S = 7 * 86_400.0
+_MAX_SEED = 2**32 - 1
+_MAX_REASON = 500
+
+# strict: "3" is not a budget and true is not a rate (ints are accepted where floats are).
+_REQUEST = ConfigDict(extra="forbid", strict=True, frozen=True)
+_RESPONSE = ConfigDict(frozen=True)
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong: a stable ``code``, a one-line ``message``, the offending ``field``."""
+
+    model_config = _RESPONSE
+
+    code: str = Field(
+        description="stable word to branch on: unauthorized, forbidden, not_found, conflict,"
+        " app_exists, invalid_request, invalid_spec, invalid_value, unplannable, malformed_json,"
+        " internal, ..."
+    )
+    message: str = Field(description="one line for a person")
+    field: str | None = Field(
+        default=None, description="path of the offending value (slo.latency_ms, trace.rate_qps)"
+    )
+
+
+class ErrorBody(BaseModel):
+    """Every error answer's body."""
+
+    model_config = _RESPONSE
+
+    error: ErrorDetail
+
+
+# --- health ----------------------------------------------------------------------------------
+
+
+class HealthOut(BaseModel):
+    model_config = _RESPONSE
+
+    status: Literal["ok"] = "ok"
+    version: str
+    scheduler_running: bool
+
+
+# --- apps ------------------------------------------------------------------------------------
+
+
+class AppOut(BaseModel):
+    """A registered app: its spec (relative paths anchored), budget and applied plan."""
+
+    model_config = _RESPONSE
+
+    name: str
+    spec: dict[str, Any] = Field(description="the app spec document (docs/app-spec.md)")
+    budget_usd_per_hr: float
+    applied_plan_id: int | None
+    version: int = Field(description="bumped by every change of the app (spec, budget, plan)")
+    created_at: datetime
+    updated_at: datetime
+
+
+# --- plans -----------------------------------------------------------------------------------
+
+
+class TraceIn(BaseModel):
+    """A synthetic planning trace: a renewal process at a constant rate (Poisson, or gamma gaps
+    with ``cv2``), with batch sizes from ``batch_dist`` (``heteroplane trace generate``'s
+    syntax)."""
+
+    model_config = _REQUEST
+
+    kind: Literal["poisson", "gamma"] = "poisson"
+    rate_qps: float = Field(gt=0, le=MAX_RATE_QPS, allow_inf_nan=False)
+    cv2: float = Field(
+        default=1.0,
+        gt=0,
+        le=100,
+        allow_inf_nan=False,
+        description="squared coefficient of variation of the gaps (1: Poisson)",
+    )
+    duration_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=_MAX_DURATION_S,
+        allow_inf_nan=False,
+        description=f"length of the trace (default: {DEFAULT_TRACE_QUERIES:,} queries' worth)",
+    )
+    batch_dist: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="fixed:N, kairos, lognormal:mu=M,sigma=S[,...] or gaussian:mean=M,sd=S[,...]"
+        " (default: fixed at the smallest batch size every profile of the app has)",
+    )
+    seed: int = Field(default=0, ge=0, le=_MAX_SEED)
+
+    @model_validator(mode="after")
+    def _check(self) -> TraceIn:
+        if self.kind == "poisson" and self.cv2 != 1.0:
+            raise ValueError("a poisson trace has cv2 = 1; use kind gamma for another cv2")
+        duration_s = self.duration_s
+        if duration_s is not None and self.rate_qps * duration_s > PLANNING_QUERIES * 10:
+            raise ValueError(
+                f"rate_qps x duration_s = {self.rate_qps * duration_s:.3g} queries; a planning"
+                f" trace holds at most {PLANNING_QUERIES * 10:,} (the planner reads the first"
+                f" {PLANNING_QUERIES:,})"
+            )
+        return self
+
+
+class PlanIn(BaseModel):
+    """What to plan for: a generated ``trace``, or just a ``rate_qps`` (a Poisson trace)."""
+
+    model_config = _REQUEST
+
+    trace: TraceIn | None = None
+    rate_qps: float | None = Field(default=None, gt=0, le=MAX_RATE_QPS, allow_inf_nan=False)
+    seed: int = Field(default=0, ge=0, le=_MAX_SEED, description="the planner's seed")
+
+    @model_validator(mode="after")
+    def _check(self) -> PlanIn:
+        if self.trace is not None and self.rate_qps is not None:
+            raise ValueError("give trace or rate_qps, not both")
+        return self
+
+
+class TraceStatsOut(BaseModel):
+    model_config = _RESPONSE
+
+    count: int
+    rate_qps: float
+    cv2: float
+    mean_batch_size: float
+    source: str = Field(description="how the trace was made (generator and parameters)")
+
+
+class StageOut(BaseModel):
+    model_config = _RESPONSE
+
+    name: str
+    fleet: dict[str, int]
+    batch_size: int
+    predicted_p99_ms: float
+    throughput_qps: float
+    cost_usd_per_hr: float
+    policy: str
+
+
+class PlanOut(BaseModel):
+    """A plan: the planner's document (``Plan.to_document()``) with its id and status."""
+
+    model_config = _RESPONSE
+
+    id: int
+    app: str
+    number: int = Field(description="1, 2, 3, ... per app")
+    status: Literal["previewed", "applied", "superseded"]
+    app_version: int = Field(description="the app version it was made for")
+    created_at: datetime
+    applied_at: datetime | None
+    feasible: bool
+    cost_usd_per_hr: float
+    stages: list[StageOut]
+    planned_rate_qps: float
+    max_feasible_qps: float | None = None
+    steps: list[str]
+    simulations: int
+    seed: int | None = None
+    trace: TraceStatsOut | None = None
+
+
+# --- budgets ---------------------------------------------------------------------------------
+
+
+class BudgetChangeIn(BaseModel):
+    model_config = _REQUEST
+
+    budget_usd_per_hr: float = Field(gt=0, le=MAX_BUDGET_USD_PER_HR, allow_inf_nan=False)
+    reason: str = Field(min_length=1, max_length=_MAX_REASON)
+
+
+class BudgetChangeOut(BaseModel):
+    """One row of the budget's audit trail."""
+
+    model_config = _RESPONSE
+
+    at: datetime
+    who: str
+    old_usd_per_hr: float | None = Field(description="None: the budget the app was registered with")
+    new_usd_per_hr: float
+    reason: str
+
+
+class BudgetOut(BaseModel):
+    model_config = _RESPONSE
+
+    app: str
+    budget_usd_per_hr: float
+    fleet_cost_usd_per_hr: float = Field(description="what the live instances cost")
+    changes: list[BudgetChangeOut] = Field(description="the audit trail, oldest first")
+
+
+class DrainOut(BaseModel):
+    """An instance to drain so that the fleet fits a lowered budget."""
+
+    model_config = _RESPONSE
+
+    id: str
+    provider_id: str | None
+    instance_type: str
+    state: str
+    price_usd_per_hr: float
+    qps_per_usd: float | None = Field(
+        description="queries per second it serves per USD/hr (lower drains first; None: free)"
+    )
+
+
+class BudgetSetOut(BaseModel):
+    model_config = _RESPONSE
+
+    app: str
+    budget_usd_per_hr: float
+    previous_usd_per_hr: float | None
+    fleet_cost_usd_per_hr: float
+    drain: list[DrainOut] = Field(description="instances to drain, least cost-effective first")
+    note: str | None = None
+
+
+# --- fleet, events, metrics ------------------------------------------------------------------
+
+
+class InstanceOut(BaseModel):
+    model_config = _RESPONSE
+
+    id: str
+    app: str
+    provider_id: str | None
+    instance_type: str
+    state: str
+    price_usd_per_hr: float
+    created_at: datetime
+    updated_at: datetime
+
+
+class FleetTypeOut(BaseModel):
+    model_config = _RESPONSE
+
+    instance_type: str
+    count: int
+    price_usd_per_hr: float
+    cost_usd_per_hr: float
+    states: dict[str, int]
+
+
+class FleetOut(BaseModel):
+    """The app's live instances (not terminated or failed) by type, and what they cost."""
+
+    model_config = _RESPONSE
+
+    app: str
+    budget_usd_per_hr: float
+    cost_usd_per_hr: float
+    instances: int
+    by_type: list[FleetTypeOut]
+
+
+class DecisionOut(BaseModel):
+    model_config = _RESPONSE
+
+    id: int
+    at: datetime
+    kind: str
+    reason: str
+    numbers: dict[str, Any]
+
+
+class InstanceEventOut(BaseModel):
+    model_config = _RESPONSE
+
+    id: int
+    instance_id: str
+    at: datetime
+    from_state: str | None
+    to_state: str
+    reason: str
+
+
+class MetricSampleOut(BaseModel):
+    model_config = _RESPONSE
+
+    at: datetime
+    arrival_rate_qps: float
+    latency_p50_ms: float | None
+    latency_p95_ms: float | None
+    latency_p99_ms: float | None
+    attainment_share: float | None
+    fleet_cost_usd_per_hr: float
+    gear: str | None
+    accuracy: float | None

@@ -1,0 +1,145 @@
+"""Fitting a fleet under a budget: which instances to drain when the budget falls below the
+fleet's cost.
+
+A policy in the STYLE.md sense: a pure function of the instances, their prices and how much each
+type serves, returning a decision (:class:`DrainPlan`); the reconciler acts on it. The rule:
+
+- the fleet's cost is the price sum of its *live* instances (every state but terminated and
+  failed); instances already draining or terminating are on their way out, so the *kept* cost
+  is that of the requested, pending and running ones;
+- while the kept cost exceeds the budget, drain the kept instance of lowest value per dollar
+  v_t = Q_t / P_t (Q_t: queries per second one instance of type t serves, Kairos' Q_t on the
+  reference batch size; P_t its price in USD/hr), the least cost-effective first; among equals,
+  one that does not serve yet (requested, pending) before one that does, then the dearer, then
+  the newer.
+
+>>> from datetime import UTC, datetime
+>>> t = datetime(2024, 1, 1, tzinfo=UTC)
+>>> fleet = [
+...     DrainInstance("a", "g4dn.xlarge", "running", 0.526, t),
+...     DrainInstance("b", "t3.xlarge", "running", 0.166, t),
+... ]
+>>> plan = plan_drain(fleet, 0.6, {"g4dn.xlarge": 100.0, "t3.xlarge": 10.0})
+>>> [c.id for c in plan.drain], round(plan.kept_cost_usd_per_hr, 3)
+(['b'], 0.526)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+import numpy as np
+
+from controlplane.lifecycle import LIVE_STATES, InstanceState
+from controlplane.spec import ResolvedApp
+
+__all__ = ["DrainCandidate", "DrainInstance", "DrainPlan", "plan_drain", "qps_by_type"]
+
+_LEAVING = frozenset({InstanceState.DRAINING, InstanceState.TERMINATING})
+# Among instances of equal value, drop first the ones that do not serve yet.
+_STATE_ORDER = {InstanceState.REQUESTED: 0, InstanceState.PENDING: 1, InstanceState.RUNNING: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class DrainInstance:
+    """What the policy needs to know of an instance."""
+
+    id: str
+    instance_type: str
+    state: str
+    price_usd_per_hr: float
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class DrainCandidate:
+    """An instance to drain, with the value per dollar that ranked it."""
+
+    id: str
+    instance_type: str
+    state: str
+    price_usd_per_hr: float
+    qps_per_usd: float
+
+
+@dataclass(frozen=True, slots=True)
+class DrainPlan:
+    """The fleet's cost, what it costs once the drained and leaving instances are gone, and the
+    instances to drain (least cost-effective first; empty when the fleet fits)."""
+
+    budget_usd_per_hr: float
+    fleet_cost_usd_per_hr: float
+    kept_cost_usd_per_hr: float
+    drain: tuple[DrainCandidate, ...]
+
+    @property
+    def saved_usd_per_hr(self) -> float:
+        return float(sum(c.price_usd_per_hr for c in self.drain))
+
+
+def _value_per_usd(qps: float, price_usd_per_hr: float) -> float:
+    if price_usd_per_hr <= 0:
+        return math.inf  # free capacity is never the one to drop
+    return qps / price_usd_per_hr
+
+
+def plan_drain(
+    instances: Iterable[DrainInstance],
+    budget_usd_per_hr: float,
+    qps_by_type: Mapping[str, float],
+) -> DrainPlan:
+    """The instances to drain so that the kept fleet costs at most ``budget_usd_per_hr``
+    (see the module docstring). A type missing from ``qps_by_type`` serves nothing (Q_t = 0)."""
+    live = [i for i in instances if i.state in LIVE_STATES]
+    fleet_cost = float(sum(i.price_usd_per_hr for i in live))
+    kept = [i for i in live if i.state not in _LEAVING]
+    kept_cost = float(sum(i.price_usd_per_hr for i in kept))
+    ranked = sorted(
+        kept,
+        key=lambda i: (
+            _value_per_usd(qps_by_type.get(i.instance_type, 0.0), i.price_usd_per_hr),
+            _STATE_ORDER.get(InstanceState(i.state), 3),
+            -i.price_usd_per_hr,
+            -i.created_at.timestamp(),
+            i.id,
+        ),
+    )
+    drain: list[DrainCandidate] = []
+    for instance in ranked:
+        # A small tolerance: 0.1 + 0.2 must fit a budget of 0.3.
+        if kept_cost <= budget_usd_per_hr + 1e-9:
+            break
+        drain.append(
+            DrainCandidate(
+                id=instance.id,
+                instance_type=instance.instance_type,
+                state=instance.state,
+                price_usd_per_hr=instance.price_usd_per_hr,
+                qps_per_usd=_value_per_usd(
+                    qps_by_type.get(instance.instance_type, 0.0), instance.price_usd_per_hr
+                ),
+            )
+        )
+        kept_cost -= instance.price_usd_per_hr
+    return DrainPlan(
+        budget_usd_per_hr=budget_usd_per_hr,
+        fleet_cost_usd_per_hr=fleet_cost,
+        kept_cost_usd_per_hr=max(kept_cost, 0.0),
+        drain=tuple(drain),
+    )
+
+
+def qps_by_type(app: ResolvedApp, batch_size: int) -> dict[str, float]:
+    """Q_t of each candidate type: the queries per second one instance serves at
+    ``batch_size`` (1000 / mean latency; clipped to the type's measured range), for the first
+    model every query visits."""
+    model = app.spec.serving_order[0]
+    rates: dict[str, float] = {}
+    for instance_type in app.instance_types:
+        profile = app.profile(model, instance_type)
+        size = min(max(batch_size, profile.min_batch_size), profile.max_batch_size)
+        rates[instance_type] = profile.rate_qps(np.array([size], dtype=np.int64))
+    return rates

@@ -1,0 +1,186 @@
+"""How the operator commands talk to a running service: the REST API over HTTP, standard library
+only (``urllib.request``), and how they print tables.
+
+The server is ``--url``, else ``$HETEROPLANE_URL``, else http://127.0.0.1:8000; the token is
+``--token``, else ``$HETEROPLANE_TOKEN``. Every failure is an :class:`ApiClientError` whose
+message is one line: the server's own error message for an HTTP error, or "cannot reach the
+heteroplane API at URL (is `heteroplane serve` running?)" when nothing answers; the CLI prints it
+and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from controlplane.cli.output import UsageError
+
+__all__ = [
+    "DEFAULT_URL",
+    "TOKEN_ENV",
+    "URL_ENV",
+    "ApiClient",
+    "ApiClientError",
+    "add_client_options",
+    "client_from",
+    "table",
+]
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+URL_ENV = "HETEROPLANE_URL"
+TOKEN_ENV = "HETEROPLANE_TOKEN"
+# Planning a large app can take a while; anything else answers in milliseconds.
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class ApiClientError(UsageError):
+    """A request that failed: the one-line reason (exit status 2)."""
+
+    def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+def add_client_options(parser: argparse.ArgumentParser) -> None:
+    """``--url``, ``--token``, ``--timeout`` and ``--json``, for a command that calls the API."""
+    parser.add_argument(
+        "--url", metavar="URL", help=f"the API's base URL (default: ${URL_ENV} or {DEFAULT_URL})"
+    )
+    parser.add_argument("--token", metavar="TOKEN", help=f"the API token (default: ${TOKEN_ENV})")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds to wait for an answer (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument("--json", action="store_true", help="print the raw JSON answer")
+
+
+class ApiClient:
+    """Requests to one server with one token."""
+
+    def __init__(self, url: str, token: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise UsageError(f"--url must be an http:// or https:// URL, got {url!r}")
+        if not timeout_s > 0:
+            raise UsageError(f"--timeout must be > 0, got {timeout_s!r}")
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+
+    def get(self, path: str, **query: Any) -> Any:
+        return self.request("GET", path, query=query)
+
+    def post(self, path: str, body: Any = None) -> Any:
+        return self.request("POST", path, body=body)
+
+    def put(self, path: str, body: Any) -> Any:
+        return self.request("PUT", path, body=body)
+
+    def delete(self, path: str, **query: Any) -> Any:
+        return self.request("DELETE", path, query=query)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Send one request; the decoded JSON answer (None for an empty one)."""
+        if not self.token:
+            raise UsageError(f"no API token: pass --token or set {TOKEN_ENV}")
+        pairs = [(k, v) for k, v in (query or {}).items() if v is not None]
+        url = self.url + path + (f"?{urllib.parse.urlencode(pairs, doseq=True)}" if pairs else "")
+        data = None if body is None else json.dumps(body, allow_nan=False).encode()
+        headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        request = urllib.request.Request(url, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as error:
+            raise _http_error(error) from None
+        except urllib.error.URLError as error:
+            reason = error.reason
+            if isinstance(reason, ConnectionRefusedError | socket.gaierror | OSError):
+                raise ApiClientError(self.unreachable()) from None
+            raise ApiClientError(f"{self.unreachable()}: {reason}") from None
+        except TimeoutError:
+            raise ApiClientError(
+                f"the heteroplane API at {self.url} did not answer within {self.timeout_s:g} s"
+            ) from None
+        except (ConnectionError, OSError):
+            raise ApiClientError(self.unreachable()) from None
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise ApiClientError(f"{self.url} answered something that is not JSON") from None
+
+    def unreachable(self) -> str:
+        return f"cannot reach the heteroplane API at {self.url} (is `heteroplane serve` running?)"
+
+
+def _http_error(error: urllib.error.HTTPError) -> ApiClientError:
+    try:
+        body = json.loads(error.read() or b"{}")
+        detail = body["error"]
+        message, code = str(detail["message"]), str(detail["code"])
+    except (ValueError, KeyError, TypeError, OSError):
+        message, code = f"HTTP {error.code} {error.reason}", "http_error"
+    return ApiClientError(f"{message} (HTTP {error.code} {code})", error.code, code)
+
+
+def client_from(args: argparse.Namespace) -> ApiClient:
+    """The client the command-line options (and the environment) describe."""
+    url = args.url or os.environ.get(URL_ENV) or DEFAULT_URL
+    token = args.token or os.environ.get(TOKEN_ENV)
+    return ApiClient(url, token, args.timeout)
+
+
+def app_path(app: str, *parts: str) -> str:
+    """``/v1/apps/{app}/...`` with the name quoted (the server refuses odd names with a 422)."""
+    quoted = urllib.parse.quote(app, safe="")
+    return "/".join([f"/v1/apps/{quoted}", *parts]) if parts else f"/v1/apps/{quoted}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain text table: a header line and aligned columns (numbers to the right)."""
+    cells = [[_cell(value) for value in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+    numeric = [
+        bool(rows) and all(isinstance(row[i], int | float) for row in rows)
+        for i in range(len(headers))
+    ]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(
+            v.rjust(w) if right else v.ljust(w)
+            for v, w, right in zip(values, widths, numeric, strict=True)
+        ).rstrip()
+
+    return "\n".join([line(headers), *(line(row) for row in cells)])
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)

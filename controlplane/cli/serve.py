@@ -1,0 +1,143 @@
+"""``heteroplane serve``: run the control-plane service (the REST API and the periodic jobs).
+
+It loads the settings (``--config``, ``HETEROPLANE_*``; docs/service.md), migrates the database
+to the newest revision, and serves the API with uvicorn on ``--host``/``--port`` (default: the
+settings', 127.0.0.1:8000). The listening socket is bound here before uvicorn starts, so an
+address in use is a one-line error and exit status 2. SIGINT and SIGTERM stop it cleanly:
+uvicorn finishes the requests in flight, the scheduler waits for its running jobs, and the
+database connections are closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from controlplane.cli.db import add_config_option
+from controlplane.cli.output import UsageError
+from controlplane.db.session import redact_url
+from controlplane.service import build_service
+from controlplane.settings import load_settings
+
+__all__ = ["register"]
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {port}")
+    return port
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the control-plane service: the REST API and the periodic jobs",
+        description="Migrate the configured database and serve the REST API (docs/api.md) with"
+        " the scheduler's jobs (tuner tick, reconcile, metric roll-up, replan) until SIGINT or"
+        " SIGTERM.",
+    )
+    parser.add_argument("--host", metavar="H", help="address to listen on (default: settings)")
+    parser.add_argument(
+        "--port", type=_port, metavar="P", help="port to listen on; 0 picks a free one"
+    )
+    parser.add_argument(
+        "--log-level", choices=_LOG_LEVELS, default="info", help="log level (default info)"
+    )
+    add_config_option(parser)
+    parser.set_defaults(handler=run)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    except (OverflowError, UnicodeError) as error:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {error}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config)
+    host: str = args.host if args.host is not None else settings.host
+    port: int = args.port if args.port is not None else settings.port
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    # APScheduler logs every run at info: only its warnings (a skipped run) unless debugging.
+    logging.getLogger("apscheduler").setLevel(max(level, logging.WARNING))
+    sock = _listen(host, port)
+    service = build_service(settings)
+    bound_host, bound_port = sock.getsockname()[:2]
+    logging.getLogger("controlplane.serve").info(
+        "heteroplane serving on http://%s:%d (database %s, provisioner %s)",
+        bound_host,
+        bound_port,
+        redact_url(settings.database_url),
+        settings.provisioner,
+    )
+    config = uvicorn.Config(
+        service.app,
+        log_level=args.log_level,
+        lifespan="on",
+        # The process is the service's only server: no access log on every poll by default.
+        access_log=args.log_level == "debug",
+    )
+    server = uvicorn.Server(config)
+    stopped_by: list[int] = []
+    with _stop_quietly(stopped_by):
+        try:
+            server.run(sockets=[sock])
+        finally:
+            service.close()
+            sock.close()
+    if not server.started:
+        return 1
+    if stopped_by:
+        logging.getLogger("controlplane.serve").info(
+            "stopped by %s", signal.Signals(stopped_by[0]).name
+        )
+    return 0
+
+
+@contextmanager
+def _stop_quietly(stopped_by: list[int]) -> Iterator[None]:
+    """While uvicorn serves, SIGINT and SIGTERM are its cue for a graceful shutdown; afterwards
+    it raises the signal again for the handler it found. That handler is this one, which only
+    notes the signal, so the process goes on to close the database and exit with status 0."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach only the main thread; nothing to do
+        return
+
+    def note(signum: int, _frame: FrameType | None) -> None:
+        stopped_by.append(signum)
+
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,922 @@
+"""The REST API through FastAPI's TestClient, on a real SQLite file migrated through the real
+migrations, with tokens made by the store and a fake clock.
+
+Every route's happy path; 401 against 403; bad input of every kind is a 4xx with the error body,
+never a 5xx (including junk thrown by hypothesis); concurrent plan applies and budget changes;
+and the OpenAPI document declares every error response.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controlplane.api import create_app
+from controlplane.clock import FAKE_EPOCH, FakeClock
+from controlplane.errors import InvalidValueError
+from controlplane.scheduler import GuardedJob, JobBodies, JobSchedule, Scheduler
+from controlplane.settings import Settings
+from controlplane.store import Store
+
+# Sub-linear in the batch size, as in tests/unit/test_planner.py: planning takes milliseconds.
+SHAPES = {"g4dn.xlarge": (3.0, 1.0), "r5n.large": (8.0, 4.0), "t3.xlarge": (12.0, 6.0)}
+BATCHES = (1, 2, 4, 8, 16)
+SCOPES = ("admin", "operator", "viewer", "infer")
+
+
+def write_profiles(folder: Path) -> Path:
+    rows = ["model,instance_type,batch_size,sample,infer_ms,load_ms"]
+    for itype, (fixed, slope) in SHAPES.items():
+        for b in BATCHES:
+            rows += [
+                f"m,{itype},{b},{i},{(fixed + slope * b) * (0.9 + 0.02 * i):.4f},0"
+                for i in range(11)
+            ]
+    path = folder / "profiles.csv"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def spec(name: str = "toy", budget: float = 4.0, latency_ms: float = 40.0) -> dict[str, Any]:
+    return {
+        "name": name,
+        "models": [{"name": "m", "profiles": "profiles.csv"}],
+        "slo": {"latency_ms": latency_ms},
+        "budget_usd_per_hr": budget,
+        "instance_types": ["g4dn.xlarge", "r5n.large", "t3.xlarge"],
+    }
+
+
+@dataclass
+class Api:
+    client: TestClient
+    store: Store
+    clock: FakeClock
+    tokens: dict[str, str]
+    data_dir: Path
+
+    def auth(self, scope: str = "admin") -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tokens[scope]}"}
+
+    def call(
+        self, method: str, url: str, scope: str | None = "admin", **kwargs: Any
+    ) -> httpx.Response:
+        headers = {**(self.auth(scope) if scope else {}), **kwargs.pop("headers", {})}
+        response: httpx.Response = self.client.request(method, url, headers=headers, **kwargs)
+        return response
+
+    def register(self, **overrides: Any) -> dict[str, Any]:
+        response = self.call("POST", "/v1/apps", "operator", json={**spec(), **overrides})
+        assert response.status_code == 201, response.text
+        body: dict[str, Any] = response.json()
+        return body
+
+    def preview(self, app: str = "toy", **body: Any) -> dict[str, Any]:
+        response = self.call(
+            "POST", f"/v1/apps/{app}/plans", "operator", json=body or {"rate_qps": 100.0}
+        )
+        assert response.status_code == 201, response.text
+        plan: dict[str, Any] = response.json()
+        return plan
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Iterator[Api]:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    write_profiles(data_dir)
+    settings_ = Settings(data_dir=data_dir, provisioner="fake")
+    clock = FakeClock()
+    store = Store.from_url(settings_.database_url, clock, upgrade=True)
+    tokens = {scope: store.create_token(scope, name=f"{scope}-token") for scope in SCOPES}
+    app = create_app(settings_, store, clock)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield Api(client, store, clock, tokens, data_dir)
+    store.close()
+
+
+def assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error: dict[str, Any] = body["error"]
+    assert set(error) == {"code", "message", "field"}
+    assert error["message"] and "\n" not in error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+# --- health and metrics ----------------------------------------------------------------------
+
+
+def test_healthz_needs_no_token(api: Api) -> None:
+    response = api.client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json()["status"] == "ok"
+
+
+def test_metrics_in_prometheus_text(api: Api) -> None:
+    api.register()
+    api.store.record_instance(
+        "toy",
+        request_id="r1",
+        instance_type="g4dn.xlarge",
+        price_usd_per_hr=0.526,
+        state="running",
+    )
+    api.call("GET", "/v1/apps/nope")  # a 404, counted under no app
+    api.call("GET", "/v1/apps/toy/fleet", "viewer")
+    response = api.call("GET", "/metrics", "viewer")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    text = response.text
+    assert "# TYPE heteroplane_app_budget_usd_per_hr gauge" in text
+    assert 'heteroplane_app_budget_usd_per_hr{app="toy"} 4' in text
+    assert 'heteroplane_app_fleet_cost_usd_per_hr{app="toy"} 0.526' in text
+    assert 'heteroplane_app_instances{app="toy",state="running"} 1' in text
+    assert 'heteroplane_app_instances{app="toy",state="pending"} 0' in text
+    assert 'heteroplane_api_requests_total{app="toy",status="200"} 1' in text
+    assert 'heteroplane_api_requests_total{app="",status="404"} 1' in text
+    assert "# TYPE heteroplane_api_requests_total counter" in text
+    assert_error(api.call("GET", "/metrics", None), 401, "unauthorized")
+    assert_error(api.call("GET", "/metrics", "infer"), 403, "forbidden")
+
+
+# --- apps ------------------------------------------------------------------------------------
+
+
+def test_app_lifecycle(api: Api) -> None:
+    created = api.register()
+    assert created["name"] == "toy"
+    assert created["budget_usd_per_hr"] == 4.0
+    assert created["version"] == 1
+    # The relative profiles path is anchored in the service's data directory.
+    assert created["spec"]["models"][0]["profiles"] == str(api.data_dir / "profiles.csv")
+
+    listed = api.call("GET", "/v1/apps", "viewer").json()
+    assert [app["name"] for app in listed] == ["toy"]
+    assert api.call("GET", "/v1/apps/toy", "viewer").json() == created
+
+    replaced = api.call("PUT", "/v1/apps/toy", "operator", json=spec(latency_ms=60.0, budget=5.0))
+    assert replaced.status_code == 200, replaced.text
+    assert replaced.json()["spec"]["slo"]["latency_ms"] == 60.0
+    assert replaced.json()["budget_usd_per_hr"] == 5.0
+    assert replaced.json()["version"] == 2
+    changes = api.call("GET", "/v1/apps/toy/budget", "viewer").json()["changes"]
+    assert [(c["old_usd_per_hr"], c["new_usd_per_hr"]) for c in changes] == [
+        (None, 4.0),
+        (4.0, 5.0),
+    ]
+
+    assert_error(api.call("DELETE", "/v1/apps/toy", "operator"), 403, "forbidden")
+    assert api.call("DELETE", "/v1/apps/toy", "admin").status_code == 204
+    assert_error(api.call("GET", "/v1/apps/toy"), 404, "not_found")
+
+
+def test_registering_a_name_twice_is_a_conflict(api: Api) -> None:
+    api.register()
+    error = assert_error(api.call("POST", "/v1/apps", json=spec()), 409, "app_exists")
+    assert error["field"] == "name"
+
+
+def test_deleting_an_app_with_live_instances_needs_force(api: Api) -> None:
+    api.register()
+    api.store.record_instance(
+        "toy", request_id="r1", instance_type="t3.xlarge", price_usd_per_hr=0.1664
+    )
+    assert_error(api.call("DELETE", "/v1/apps/toy"), 409, "conflict")
+    assert api.call("DELETE", "/v1/apps/toy?force=true").status_code == 204
+
+
+@pytest.mark.parametrize(
+    ("document", "field"),
+    [
+        ({**spec(), "instance_types": ["x9.huge"]}, "instance_types[0]"),
+        ({**spec(), "slo": {"latency_ms": -1}}, "slo.latency_ms"),
+        ({**spec(), "slo": {"latency_ms": "fast"}}, "slo.latency_ms"),
+        ({**spec(), "budget_usd_per_hr": 0.01}, "budget_usd_per_hr"),
+        ({**spec(), "budget_usd_per_hr": -4}, "budget_usd_per_hr"),
+        ({**spec(), "colour": "blue"}, "colour"),
+        ({**spec(), "name": "Not A Name"}, "name"),
+        ({**spec(), "models": [{"name": "zz", "profiles": "profiles.csv"}]}, "models[0].name"),
+        ({**spec(), "models": [{"name": "m", "profiles": "missing.csv"}]}, "models[0].profiles"),
+        ({**spec(), "models": [{"name": "m", "profiles": "/etc"}]}, "models[0].profiles"),
+        ({k: v for k, v in spec().items() if k != "slo"}, "slo"),
+    ],
+)
+def test_an_invalid_spec_is_a_422_naming_the_field(
+    api: Api, document: dict[str, Any], field: str
+) -> None:
+    error = assert_error(api.call("POST", "/v1/apps", json=document), 422, "invalid_spec")
+    assert error["field"] == field
+    assert field.split("[")[0].split(".")[0] in error["message"]
+
+
+def test_a_binary_profile_file_is_a_422(api: Api) -> None:
+    (api.data_dir / "junk.csv").write_bytes(bytes(range(256)) * 8)
+    document = {**spec(), "models": [{"name": "m", "profiles": "junk.csv"}]}
+    error = assert_error(api.call("POST", "/v1/apps", json=document), 422)
+    assert error["field"] == "models[0].profiles"
+
+
+@pytest.mark.parametrize("field", ["catalog", "profiles"])
+def test_a_spec_error_never_shows_what_a_server_file_holds(api: Api, field: str) -> None:
+    secret = api.data_dir / "secret.txt"
+    secret.write_text("AWS_SECRET_ACCESS_KEY=hunter2,more\nline two\n")
+    document = spec()
+    if field == "catalog":
+        document["catalog"] = str(secret)
+    else:
+        document["models"] = [{"name": "m", "profiles": str(secret)}]
+    error = assert_error(api.call("POST", "/v1/apps", json=document), 422, "invalid_spec")
+    assert "hunter2" not in error["message"] and "AWS_" not in error["message"]
+    assert str(secret) in error["message"]
+    assert error["field"] == ("catalog" if field == "catalog" else "models[0].profiles")
+
+
+def test_put_must_keep_the_name_and_the_app_must_exist(api: Api) -> None:
+    api.register()
+    error = assert_error(api.call("PUT", "/v1/apps/toy", json=spec(name="other")), 422)
+    assert error["field"] == "name"
+    assert_error(api.call("PUT", "/v1/apps/ghost", json=spec(name="ghost")), 404, "not_found")
+
+
+@pytest.mark.parametrize(
+    ("method", "url"),
+    [
+        ("GET", "/v1/apps/ghost"),
+        ("PUT", "/v1/apps/ghost/budget"),
+        ("GET", "/v1/apps/ghost/budget"),
+        ("POST", "/v1/apps/ghost/plans"),
+        ("GET", "/v1/apps/ghost/plans"),
+        ("GET", "/v1/apps/ghost/plans/1"),
+        ("POST", "/v1/apps/ghost/plans/1/apply"),
+        ("GET", "/v1/apps/ghost/fleet"),
+        ("GET", "/v1/apps/ghost/decisions"),
+        ("GET", "/v1/apps/ghost/events"),
+        ("GET", "/v1/apps/ghost/metrics"),
+        ("GET", "/v1/instances?app=ghost"),
+        ("DELETE", "/v1/apps/ghost"),
+    ],
+)
+def test_an_unknown_app_is_a_404(api: Api, method: str, url: str) -> None:
+    bodies = {"/v1/apps/ghost/budget": {"budget_usd_per_hr": 3.0, "reason": "r"}}
+    body = bodies.get(url, {"rate_qps": 10.0} if url.endswith("/plans") else None)
+    error = assert_error(api.call(method, url, json=body), 404, "not_found")
+    assert "ghost" in error["message"]
+
+
+def test_a_value_the_store_refuses_is_a_422(api: Api) -> None:
+    api.register()
+
+    # The planner's document may hold a value the store refuses; here, one forced through.
+    def refuse(*_args: Any, **_kwargs: Any) -> None:
+        raise InvalidValueError("document", "must be a JSON object without NaN")
+
+    api.store.create_plan = refuse  # type: ignore[method-assign]
+    error = assert_error(api.call("POST", "/v1/apps/toy/plans", json={"rate_qps": 50.0}), 422)
+    assert error["code"] == "invalid_value" and error["field"] == "document"
+
+
+def test_an_unexpected_error_is_a_generic_500_and_logged(
+    api: Api, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("secret internals")
+
+    api.store.list_apps = broken  # type: ignore[method-assign]
+    response = api.call("GET", "/v1/apps")
+    error = assert_error(response, 500, "internal")
+    assert "secret" not in error["message"]
+    assert any("secret internals" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
+
+
+def test_an_unknown_route_is_a_json_404(api: Api) -> None:
+    assert_error(api.call("GET", "/v1/nothing-here"), 404, "not_found")
+    assert_error(api.call("PATCH", "/v1/apps"), 405, "method_not_allowed")
+
+
+# --- auth ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "header",
+    [None, "Bearer", "Bearer ", "Basic dXNlcjpwYXNz", "hp_abc", "Bearer hp_not-a-real-token", "x"],
+)
+def test_missing_malformed_or_unknown_tokens_are_401_with_a_challenge(
+    api: Api, header: str | None
+) -> None:
+    headers = {} if header is None else {"Authorization": header}
+    response = api.client.get("/v1/apps", headers=headers)
+    assert_error(response, 401, "unauthorized")
+    assert response.headers["www-authenticate"] == "Bearer"
+
+
+def test_a_revoked_token_is_401(api: Api) -> None:
+    api.store.revoke_token("viewer-token")
+    assert_error(api.call("GET", "/v1/apps", "viewer"), 401, "unauthorized")
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "allowed"),
+    [
+        ("GET", "/v1/apps", {"admin", "operator", "viewer"}),
+        ("POST", "/v1/apps", {"admin", "operator"}),
+        ("PUT", "/v1/apps/toy/budget", {"admin", "operator"}),
+        ("DELETE", "/v1/apps/toy", {"admin"}),
+        ("GET", "/metrics", {"admin", "operator", "viewer"}),
+    ],
+)
+def test_a_known_token_without_the_scope_is_403(
+    api: Api, method: str, url: str, allowed: set[str]
+) -> None:
+    for scope in set(SCOPES) - allowed:
+        error = assert_error(api.call(method, url, scope, json={}), 403, "forbidden")
+        assert scope in error["message"]
+
+
+def test_every_route_but_healthz_needs_a_token(api: Api) -> None:
+    for route in api.client.app.routes:  # type: ignore[attr-defined]
+        path = getattr(route, "path", "")
+        if path in ("/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect"):
+            continue
+        url = path.replace("{app}", "toy").replace("{plan_id}", "1")
+        for method in getattr(route, "methods", set()) - {"HEAD", "OPTIONS"}:
+            response = api.client.request(method, url)
+            assert response.status_code == 401, (method, url, response.text)
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+def test_malformed_json_is_a_400(api: Api) -> None:
+    api.register()
+    for method, url in [
+        ("POST", "/v1/apps"),
+        ("PUT", "/v1/apps/toy"),
+        ("PUT", "/v1/apps/toy/budget"),
+        ("POST", "/v1/apps/toy/plans"),
+    ]:
+        response = api.call(
+            method, url, content=b'{"name": "toy",', headers={"Content-Type": "application/json"}
+        )
+        assert_error(response, 400, "malformed_json")
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"budget_usd_per_hr": -1, "reason": "cut"}, "budget_usd_per_hr"),
+        ({"budget_usd_per_hr": 0, "reason": "cut"}, "budget_usd_per_hr"),
+        ({"budget_usd_per_hr": 1e300, "reason": "cut"}, "budget_usd_per_hr"),
+        ({"budget_usd_per_hr": "3", "reason": "cut"}, "budget_usd_per_hr"),
+        ({"budget_usd_per_hr": 3, "reason": ""}, "reason"),
+        ({"budget_usd_per_hr": 3}, "reason"),
+        ({"budget_usd_per_hr": 3, "reason": "x", "extra": 1}, "extra"),
+        ({"budget_usd_per_hr": 3, "reason": "x" * 501}, "reason"),
+    ],
+)
+def test_a_bad_budget_is_a_422_naming_the_field(api: Api, body: dict[str, Any], field: str) -> None:
+    api.register()
+    error = assert_error(api.call("PUT", "/v1/apps/toy/budget", json=body), 422, "invalid_request")
+    assert error["field"] == field
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
+def test_non_finite_numbers_are_refused(api: Api, literal: bytes) -> None:
+    api.register()
+    body = b'{"budget_usd_per_hr": ' + literal + b', "reason": "x"}'
+    response = api.call(
+        "PUT", "/v1/apps/toy/budget", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert 400 <= response.status_code < 500, response.text
+    assert api.call("GET", "/v1/apps/toy").json()["budget_usd_per_hr"] == 4.0
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"rate_qps": -5}, "rate_qps"),
+        ({"rate_qps": 1e9}, "rate_qps"),
+        ({"rate_qps": "fast"}, "rate_qps"),
+        ({"rate": 5}, "rate"),
+        ({"trace": {"rate_qps": 10, "kind": "uniform"}}, "trace.kind"),
+        ({"trace": {"rate_qps": 10, "cv2": 4}}, "trace"),
+        ({"trace": {"rate_qps": 1e4, "duration_s": 1e5}}, "trace"),
+        ({"trace": {"rate_qps": 10, "batch_dist": "zipf"}}, "trace.batch_dist"),
+        (
+            {"trace": {"rate_qps": 10, "batch_dist": "fixed:99999999999999999999"}},
+            "trace.batch_dist",
+        ),
+        ({"trace": {"rate_qps": 10, "batch_dist": "fixed:100"}}, None),
+        ({"trace": {"rate_qps": 10}, "rate_qps": 10}, None),
+        ({"seed": -1, "rate_qps": 10}, "seed"),
+        ({}, "rate_qps"),
+    ],
+)
+def test_a_bad_plan_request_is_a_422(api: Api, body: dict[str, Any], field: str | None) -> None:
+    api.register()
+    error = assert_error(api.call("POST", "/v1/apps/toy/plans", json=body), 422)
+    assert error["field"] == field
+
+
+def test_a_plan_request_with_no_body_needs_a_rate(api: Api) -> None:
+    api.register()
+    error = assert_error(api.call("POST", "/v1/apps/toy/plans"), 422)
+    assert error["field"] == "rate_qps"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/v1/apps/Bad_Name",
+        "/v1/apps/toy/plans/0",
+        "/v1/apps/toy/plans/99999999999999999999999",
+        "/v1/apps/toy/plans/abc",
+        "/v1/apps/toy/decisions?since=yesterday",
+        "/v1/apps/toy/decisions?limit=0",
+        "/v1/apps/toy/metrics?limit=99999999999999999999",
+        "/v1/apps/toy/events?since=0001-01-01T00:00:00%2B14:00",
+        "/v1/instances?state=sleeping",
+        "/v1/instances?app=NOT%20AN%20APP",
+    ],
+)
+def test_bad_paths_and_queries_are_422(api: Api, url: str) -> None:
+    api.register()
+    assert_error(api.call("GET", url), 422)
+
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "name",
+                    "models",
+                    "slo",
+                    "latency_ms",
+                    "budget_usd_per_hr",
+                    "instance_types",
+                    "reason",
+                    "rate_qps",
+                    "trace",
+                    "kind",
+                    "cv2",
+                    "duration_s",
+                    "seed",
+                    "profiles",
+                    "batch_dist",
+                    "max_counts",
+                    "cascade",
+                    "catalog",
+                    "percentile",
+                    "x",
+                ]
+            )
+            | st.text(max_size=8),
+            children,
+            max_size=6,
+        )
+    ),
+    max_leaves=20,
+)
+ROUTES = [
+    ("POST", "/v1/apps"),
+    ("PUT", "/v1/apps/toy"),
+    ("PUT", "/v1/apps/toy/budget"),
+    ("POST", "/v1/apps/toy/plans"),
+    ("POST", "/v1/apps/toy/plans/1/apply"),
+]
+
+
+def _near_valid() -> st.SearchStrategy[Any]:
+    """Valid documents with one value replaced by junk: they reach the deeper checks."""
+    documents = [
+        spec(),
+        {"budget_usd_per_hr": 3.0, "reason": "cut"},
+        {"rate_qps": 50.0},
+        {"trace": {"kind": "gamma", "rate_qps": 50.0, "cv2": 2.0}},
+    ]
+
+    def mutate(document: dict[str, Any], key_index: int, value: Any) -> dict[str, Any]:
+        key = sorted(document)[key_index % len(document)]
+        return {**document, key: value}
+
+    return st.builds(mutate, st.sampled_from(documents), st.integers(0, 10), JSON)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(route=st.sampled_from(ROUTES), body=JSON | _near_valid())
+def test_junk_bodies_are_never_a_5xx(api: Api, route: tuple[str, str], body: Any) -> None:
+    if api.call("GET", "/v1/apps/toy").status_code == 404:
+        api.register()
+    method, url = route
+    content = json.dumps(body, allow_nan=True).encode()
+    response = api.call(method, url, content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code < 500, (route, body, response.text)
+    if response.status_code >= 400:
+        assert_error(response, response.status_code)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(route=st.sampled_from(ROUTES), raw=st.binary(max_size=64))
+def test_junk_bytes_are_never_a_5xx(api: Api, route: tuple[str, str], raw: bytes) -> None:
+    method, url = route
+    response = api.call(method, url, content=raw, headers={"Content-Type": "application/json"})
+    assert response.status_code < 500, (route, raw, response.text)
+
+
+def test_deeply_nested_json_is_a_4xx(api: Api) -> None:
+    body = b"[" * 100_000 + b"]" * 100_000
+    response = api.call(
+        "POST", "/v1/apps", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert 400 <= response.status_code < 500
+
+
+# --- plans -----------------------------------------------------------------------------------
+
+
+def test_preview_list_read_and_apply_a_plan(api: Api) -> None:
+    api.register()
+    plan = api.preview(rate_qps=200.0)
+    assert plan["status"] == "previewed"
+    assert plan["number"] == 1
+    assert plan["app"] == "toy"
+    assert plan["feasible"] is True
+    assert plan["cost_usd_per_hr"] <= 4.0
+    assert plan["stages"][0]["name"] == "m"
+    assert plan["trace"]["count"] > 1000
+    assert "poisson at 200 qps" in plan["trace"]["source"]
+
+    listed = api.call("GET", "/v1/apps/toy/plans", "viewer").json()
+    assert [p["id"] for p in listed] == [plan["id"]]
+    assert api.call("GET", f"/v1/apps/toy/plans/{plan['id']}", "viewer").json() == plan
+
+    applied = api.call("POST", f"/v1/apps/toy/plans/{plan['id']}/apply", "operator")
+    assert applied.status_code == 200, applied.text
+    assert applied.json()["status"] == "applied"
+    assert api.call("GET", "/v1/apps/toy").json()["applied_plan_id"] == plan["id"]
+    decisions = api.call("GET", "/v1/apps/toy/decisions", "viewer").json()
+    assert [d["kind"] for d in decisions] == ["plan_applied"]
+    assert decisions[0]["numbers"]["plan_id"] == plan["id"]
+
+    # Applied once; and the app changed (applying bumps its version), so a second is stale.
+    assert_error(api.call("POST", f"/v1/apps/toy/plans/{plan['id']}/apply"), 409, "conflict")
+    second = api.preview(rate_qps=100.0)
+    assert api.call("POST", f"/v1/apps/toy/plans/{second['id']}/apply").status_code == 200
+    statuses = [p["status"] for p in api.call("GET", "/v1/apps/toy/plans").json()]
+    assert statuses == ["superseded", "applied"]
+
+
+def test_a_gamma_trace_plan(api: Api) -> None:
+    api.register()
+    plan = api.preview(
+        trace={"kind": "gamma", "rate_qps": 150.0, "cv2": 4.0, "duration_s": 20.0, "seed": 3},
+        seed=1,
+    )
+    assert plan["seed"] == 1
+    assert "gamma at 150 qps, cv2 4" in plan["trace"]["source"]
+    assert plan["trace"]["count"] < 4000
+
+
+def test_an_infeasible_rate_is_a_plan_with_the_highest_feasible_rate(api: Api) -> None:
+    api.register(budget_usd_per_hr=0.3)
+    plan = api.preview(rate_qps=5000.0)
+    assert plan["feasible"] is False
+    assert plan["max_feasible_qps"] < 5000.0
+
+
+def test_a_plan_made_before_a_budget_change_is_stale(api: Api) -> None:
+    api.register()
+    plan = api.preview()
+    api.call("PUT", "/v1/apps/toy/budget", json={"budget_usd_per_hr": 3.0, "reason": "cut"})
+    error = assert_error(api.call("POST", f"/v1/apps/toy/plans/{plan['id']}/apply"), 409)
+    assert "version" in error["message"]
+
+
+def test_an_unknown_plan_is_a_404(api: Api) -> None:
+    api.register()
+    assert_error(api.call("GET", "/v1/apps/toy/plans/42"), 404, "not_found")
+    assert_error(api.call("POST", "/v1/apps/toy/plans/42/apply"), 404, "not_found")
+
+
+def test_an_slo_no_type_can_meet_is_a_422(api: Api) -> None:
+    api.register(slo={"latency_ms": 1.0})
+    assert_error(
+        api.call("POST", "/v1/apps/toy/plans", json={"rate_qps": 10.0}), 422, "unplannable"
+    )
+
+
+def test_two_applies_at_once_one_wins(api: Api) -> None:
+    api.register()
+    plan = api.preview()
+    statuses = _at_once(
+        [lambda: api.call("POST", f"/v1/apps/toy/plans/{plan['id']}/apply", "operator")] * 2
+    )
+    assert sorted(statuses) == [200, 409]
+
+
+def test_applies_of_two_plans_at_once_one_wins(api: Api) -> None:
+    api.register()
+    first, second = api.preview(rate_qps=100.0), api.preview(rate_qps=150.0)
+    statuses = _at_once(
+        [
+            lambda: api.call("POST", f"/v1/apps/toy/plans/{first['id']}/apply", "operator"),
+            lambda: api.call("POST", f"/v1/apps/toy/plans/{second['id']}/apply", "operator"),
+        ]
+    )
+    assert sorted(statuses) == [200, 409]
+
+
+def _at_once(calls: list[Callable[[], httpx.Response]]) -> list[int]:
+    """Run the calls from as many threads, released together; their statuses."""
+    start = threading.Barrier(len(calls))
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def run(call: Callable[[], httpx.Response]) -> None:
+        start.wait()
+        status = call().status_code
+        with lock:
+            statuses.append(status)
+
+    threads = [threading.Thread(target=run, args=(call,)) for call in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return statuses
+
+
+# --- budget ----------------------------------------------------------------------------------
+
+
+def test_budget_get_and_set_with_audit(api: Api) -> None:
+    api.register()
+    budget = api.call("GET", "/v1/apps/toy/budget", "viewer").json()
+    assert budget["budget_usd_per_hr"] == 4.0
+    assert budget["fleet_cost_usd_per_hr"] == 0.0
+    assert [c["reason"] for c in budget["changes"]] == ["app registered"]
+
+    api.clock.advance(60.0)
+    response = api.call(
+        "PUT",
+        "/v1/apps/toy/budget",
+        "operator",
+        json={"budget_usd_per_hr": 6.5, "reason": "black friday"},
+    )
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["budget_usd_per_hr"] == 6.5
+    assert answer["previous_usd_per_hr"] == 4.0
+    assert answer["drain"] == [] and answer["note"] is None
+
+    changes = api.call("GET", "/v1/apps/toy/budget").json()["changes"]
+    last = changes[-1]
+    assert last["who"] == "operator-token"
+    assert (last["old_usd_per_hr"], last["new_usd_per_hr"]) == (4.0, 6.5)
+    assert last["reason"] == "black friday"
+    assert last["at"].startswith((FAKE_EPOCH + timedelta(seconds=60)).strftime("%Y-%m-%dT%H:%M"))
+    assert api.call("GET", "/v1/apps/toy").json()["spec"]["budget_usd_per_hr"] == 6.5
+    # No drain, no decision.
+    assert api.call("GET", "/v1/apps/toy/decisions").json() == []
+
+
+def test_a_budget_below_the_fleet_cost_lists_instances_to_drain(api: Api) -> None:
+    api.register(budget_usd_per_hr=10.0)
+    prices = {"g4dn.xlarge": 0.526, "r5n.large": 0.149, "t3.xlarge": 0.1664}
+    ids = {}
+    for i, itype in enumerate(["g4dn.xlarge", "r5n.large", "t3.xlarge", "t3.xlarge"]):
+        record = api.store.record_instance(
+            "toy",
+            request_id=f"r{i}",
+            instance_type=itype,
+            price_usd_per_hr=prices[itype],
+            provider_id=f"i-{i:04d}",
+            state="running",
+        )
+        ids[i] = record.id
+    fleet_cost = sum(prices[t] for t in ["g4dn.xlarge", "r5n.large", "t3.xlarge", "t3.xlarge"])
+
+    answer = api.call(
+        "PUT", "/v1/apps/toy/budget", json={"budget_usd_per_hr": 0.7, "reason": "cost cut"}
+    ).json()
+    assert answer["fleet_cost_usd_per_hr"] == pytest.approx(fleet_cost)
+    drained = answer["drain"]
+    # t3.xlarge serves least per dollar (12 + 6b ms for 0.1664/hr), then r5n.large.
+    assert [d["instance_type"] for d in drained] == ["t3.xlarge", "t3.xlarge"]
+    assert {d["provider_id"] for d in drained} == {"i-0002", "i-0003"}
+    assert all(d["qps_per_usd"] > 0 for d in drained)
+    assert [d["qps_per_usd"] for d in drained] == sorted(d["qps_per_usd"] for d in drained)
+    kept = fleet_cost - sum(d["price_usd_per_hr"] for d in drained)
+    assert kept <= 0.7
+    assert "drain" in answer["note"]
+
+    (decision,) = api.call("GET", "/v1/apps/toy/decisions?kind=budget_drain").json()
+    assert set(decision["numbers"]["drain"]) == {ids[2], ids[3]}
+    assert decision["numbers"]["budget_usd_per_hr"] == 0.7
+
+
+def test_a_budget_below_the_cheapest_instance_drains_everything(api: Api) -> None:
+    api.register()
+    api.store.record_instance(
+        "toy", request_id="r0", instance_type="r5n.large", price_usd_per_hr=0.149, state="running"
+    )
+    answer = api.call(
+        "PUT", "/v1/apps/toy/budget", json={"budget_usd_per_hr": 0.01, "reason": "stop"}
+    ).json()
+    assert [d["instance_type"] for d in answer["drain"]] == ["r5n.large"]
+    # The budget buys no instance now: a preview says so, as a 422 naming the field.
+    error = assert_error(api.call("POST", "/v1/apps/toy/plans", json={"rate_qps": 10.0}), 422)
+    assert error["field"] == "budget_usd_per_hr"
+
+
+def test_parallel_budget_changes_are_all_audited(api: Api) -> None:
+    api.register()
+    values = [1.0 + i for i in range(8)]
+
+    def setter(value: float) -> Callable[[], httpx.Response]:
+        body = {"budget_usd_per_hr": value, "reason": f"set {value}"}
+        return lambda: api.call("PUT", "/v1/apps/toy/budget", "operator", json=body)
+
+    statuses = _at_once([setter(value) for value in values])
+    assert statuses == [200] * len(values)
+    changes = api.call("GET", "/v1/apps/toy/budget").json()["changes"]
+    assert sorted(c["new_usd_per_hr"] for c in changes[1:]) == values
+    # The audit trail is a chain: each change starts from the one before.
+    for before, after in itertools.pairwise(changes):
+        assert after["old_usd_per_hr"] == before["new_usd_per_hr"]
+    final = api.call("GET", "/v1/apps/toy").json()["budget_usd_per_hr"]
+    assert final in values
+    assert final == changes[-1]["new_usd_per_hr"]
+
+
+# --- fleet, events, metrics ------------------------------------------------------------------
+
+
+def test_instances_fleet_and_events(api: Api) -> None:
+    api.register()
+    api.register(name="other")
+    a = api.store.record_instance(
+        "toy", request_id="a", instance_type="g4dn.xlarge", price_usd_per_hr=0.526
+    )
+    api.clock.advance(1.0)
+    api.store.transition_instance(a.id, "pending", reason="booting", provider_id="i-aaaa")
+    api.clock.advance(1.0)
+    api.store.transition_instance(a.id, "running", reason="healthy")
+    b = api.store.record_instance(
+        "toy", request_id="b", instance_type="t3.xlarge", price_usd_per_hr=0.1664
+    )
+    api.store.transition_instance(b.id, "failed", reason="capacity")
+    api.store.record_instance(
+        "other", request_id="c", instance_type="t3.xlarge", price_usd_per_hr=0.1664
+    )
+
+    listed = api.call("GET", "/v1/instances?app=toy", "viewer").json()
+    assert [(i["id"], i["provider_id"], i["instance_type"], i["state"]) for i in listed] == [
+        (a.id, "i-aaaa", "g4dn.xlarge", "running"),
+        (b.id, None, "t3.xlarge", "failed"),
+    ]
+    assert len(api.call("GET", "/v1/instances").json()) == 3
+    running = api.call("GET", "/v1/instances?state=running&state=pending").json()
+    assert [i["id"] for i in running] == [a.id]
+
+    fleet = api.call("GET", "/v1/apps/toy/fleet", "viewer").json()
+    assert fleet["instances"] == 1
+    assert fleet["cost_usd_per_hr"] == pytest.approx(0.526)
+    assert fleet["by_type"] == [
+        {
+            "instance_type": "g4dn.xlarge",
+            "count": 1,
+            "price_usd_per_hr": 0.526,
+            "cost_usd_per_hr": 0.526,
+            "states": {"running": 1},
+        }
+    ]
+
+    events = api.call("GET", "/v1/apps/toy/events", "viewer").json()
+    assert [(e["from_state"], e["to_state"]) for e in events] == [
+        (None, "requested"),
+        ("requested", "pending"),
+        ("pending", "running"),
+        (None, "requested"),
+        ("requested", "failed"),
+    ]
+    since = events[1]["at"]
+    later = api.call("GET", "/v1/apps/toy/events", params={"since": since}).json()
+    assert [e["to_state"] for e in later] == ["running", "requested", "failed"]
+    assert len(api.call("GET", "/v1/apps/toy/events?limit=2").json()) == 2
+
+
+def test_metric_series(api: Api) -> None:
+    api.register()
+    for i in range(3):
+        api.store.add_metric_sample(
+            "toy", arrival_rate_qps=10.0 * i, fleet_cost_usd_per_hr=0.5, latency_p99_ms=30.0 + i
+        )
+        api.clock.advance(10.0)
+    series = api.call("GET", "/v1/apps/toy/metrics", "viewer").json()
+    assert [s["arrival_rate_qps"] for s in series] == [0.0, 10.0, 20.0]
+    since = (FAKE_EPOCH + timedelta(seconds=5)).replace(tzinfo=None).isoformat()
+    later = api.call("GET", "/v1/apps/toy/metrics", params={"since": since}).json()
+    assert [s["latency_p99_ms"] for s in later] == [31.0, 32.0]
+    metrics = api.call("GET", "/metrics").text
+    assert 'heteroplane_app_arrival_rate_qps{app="toy"} 20' in metrics
+    assert 'heteroplane_app_latency_p99_ms{app="toy"} 32' in metrics
+
+
+# --- the OpenAPI document --------------------------------------------------------------------
+
+
+def test_openapi_declares_every_error_response(api: Api) -> None:
+    document = api.client.get("/openapi.json").json()
+    assert "AppSpec" in document["components"]["schemas"]
+    assert "ErrorBody" in document["components"]["schemas"]
+    operations = [
+        (path, method, operation)
+        for path, item in document["paths"].items()
+        for method, operation in item.items()
+    ]
+    v1 = [(p, m, o) for p, m, o in operations if p.startswith("/v1/")]
+    assert len(v1) >= 16
+    for path, method, operation in v1:
+        responses = operation["responses"]
+        needed = {"401", "403", "422"}
+        if "{app}" in path or path == "/v1/instances":
+            needed.add("404")
+        if path.endswith("/apply") or method in ("put", "delete"):
+            needed.add("409")
+        if path == "/v1/apps" and method == "post":
+            needed.add("409")
+        assert needed <= set(responses), (path, method, sorted(responses))
+        for status in needed:
+            schema = responses[status]["content"]["application/json"]["schema"]
+            assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (path, method, status)
+        assert operation.get("security"), (path, method)
+    post_apps = document["paths"]["/v1/apps"]["post"]
+    body_schema = post_apps["requestBody"]["content"]["application/json"]["schema"]
+    assert body_schema == {"$ref": "#/components/schemas/AppSpec"}
+
+
+# --- the scheduler's lifetime ----------------------------------------------------------------
+
+
+def test_the_lifespan_starts_and_stops_the_scheduler(api: Api, tmp_path: Path) -> None:
+    ran: list[str] = []
+    scheduler = Scheduler([JobSchedule("rollup", lambda: ran.append("rollup"), 3600.0)])
+    settings_ = Settings(data_dir=api.data_dir, provisioner="fake")
+    app = create_app(settings_, api.store, api.clock, scheduler)
+    assert not scheduler.running
+    with TestClient(app) as client:
+        assert scheduler.running
+        assert client.get("/healthz").json()["scheduler_running"] is True
+        job: GuardedJob = scheduler.jobs["rollup"]
+        assert job() == "ran"
+    assert not scheduler.running
+    assert ran == ["rollup"]
+    assert JobBodies().rollup is not None
+
+
+def test_a_huge_body_is_a_413_and_a_huge_chunked_body_a_4xx(api: Api) -> None:
+    big = b'{"name": "' + b"x" * (2 << 20) + b'"}'
+    response = api.call(
+        "POST", "/v1/apps", content=big, headers={"Content-Type": "application/json"}
+    )
+    assert_error(response, 413, "too_large")
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"name": "'
+        for _ in range(40):
+            yield b"x" * 65536
+        yield b'"}'
+
+    response = api.call(
+        "POST", "/v1/apps", content=chunks(), headers={"Content-Type": "application/json"}
+    )
+    assert 400 <= response.status_code < 500, response.text

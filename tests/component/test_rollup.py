@@ -1,0 +1,67 @@
+"""The metric roll-up job on a real store: one sample per app with its fleet's cost; retention."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.clock import FAKE_EPOCH, FakeClock
+from controlplane.rollup import make_rollup, roll_up
+from controlplane.scheduler import GuardedJob
+from controlplane.store import Store
+
+
+def spec(name: str) -> dict[str, object]:
+    return {
+        "name": name,
+        "models": [{"name": "m", "profiles": "profiles.csv"}],
+        "slo": {"latency_ms": 40.0},
+        "budget_usd_per_hr": 4.0,
+        "instance_types": ["g4dn.xlarge"],
+    }
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: FakeClock) -> Iterator[Store]:
+    store = Store.from_url(f"sqlite:///{tmp_path / 'heteroplane.db'}", clock, upgrade=True)
+    yield store
+    store.close()
+
+
+def test_one_sample_per_app_with_the_live_fleet_cost(store: Store, clock: FakeClock) -> None:
+    store.create_app(spec("a"), who="t")
+    store.create_app(spec("b"), who="t")
+    store.record_instance("a", request_id="1", instance_type="g4dn.xlarge", price_usd_per_hr=0.5)
+    gone = store.record_instance(
+        "a", request_id="2", instance_type="g4dn.xlarge", price_usd_per_hr=0.5
+    )
+    store.transition_instance(gone.id, "failed", reason="capacity")
+    assert roll_up(store, clock) == 2
+    (a,) = store.metric_series("a")
+    (b,) = store.metric_series("b")
+    assert a.fleet_cost_usd_per_hr == 0.5
+    assert b.fleet_cost_usd_per_hr == 0.0
+    assert a.arrival_rate_qps == 0.0 and a.latency_p99_ms is None
+    assert a.at == clock.utcnow()
+
+
+def test_samples_past_the_retention_are_removed(store: Store, clock: FakeClock) -> None:
+    store.create_app(spec("a"), who="t")
+    job = GuardedJob("rollup", make_rollup(store, clock, retention_s=25.0))
+    for _ in range(5):
+        assert job() == "ran"
+        clock.advance(10.0)
+    # Runs at 0, 10, 20, 30 and 40 s; the last keeps what is not older than 40 - 25 = 15 s.
+    kept_s = [(s.at - FAKE_EPOCH).total_seconds() for s in store.metric_series("a")]
+    assert kept_s == [20.0, 30.0, 40.0]
+
+
+def test_a_roll_up_with_no_apps_writes_nothing(store: Store, clock: FakeClock) -> None:
+    assert roll_up(store, clock) == 0

@@ -1,0 +1,296 @@
+"""``heteroplane serve`` as a real process on a loopback port: register an app, change its budget,
+plan and apply, stop the server with SIGTERM, start it again on the same data directory and find
+everything still there; and the operator's client commands against a live server.
+
+Readiness is polled against ``/healthz`` with a deadline (no fixed sleeps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from controlplane.cli import main
+from tests.conftest import KAIROS_CSV, needs_shared
+
+REPO = Path(__file__).resolve().parents[2]
+START_DEADLINE_S = 60.0
+STOP_DEADLINE_S = 30.0
+
+pytestmark = needs_shared
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def service_env(data_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETEROPLANE_")}
+    env |= {"HETEROPLANE_DATA_DIR": str(data_dir), "HETEROPLANE_PROVISIONER": "fake"}
+    if "HETEROPLANE_SHARED" in os.environ:
+        env["HETEROPLANE_SHARED"] = os.environ["HETEROPLANE_SHARED"]
+    return env
+
+
+class Server:
+    """``python -m controlplane serve`` on a free loopback port."""
+
+    def __init__(self, data_dir: Path, log: Path) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        self._log = log.open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "controlplane", "serve", "--port", str(self.port)],
+            cwd=REPO,
+            env=service_env(data_dir),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            try:
+                # Waiting on the process is the pause between polls, and catches an early exit.
+                code = self.process.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                continue
+            pytest.fail(f"serve exited with {code}:\n{self.log_path.read_text()}")
+        self.stop()
+        pytest.fail(f"serve not ready in {START_DEADLINE_S} s:\n{self.log_path.read_text()}")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    return folder
+
+
+def create_token(data_dir: Path, scope: str = "admin", name: str = "ops") -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "controlplane", "token", "create", "--scope", scope, "--name", name],
+        cwd=REPO,
+        env=service_env(data_dir),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def rm2_spec() -> dict[str, Any]:
+    document: dict[str, Any] = yaml.safe_load((REPO / "examples" / "rm2.yaml").read_text())
+    document["models"][0]["profiles"] = str(KAIROS_CSV)
+    return document
+
+
+def test_serve_survives_a_restart(data_dir: Path, tmp_path: Path) -> None:
+    server = Server(data_dir, tmp_path / "serve.log")
+    try:
+        token = create_token(data_dir)
+        api = httpx.Client(
+            base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=120.0
+        )
+        assert api.get("/v1/apps").json() == []
+        assert httpx.get(f"{server.url}/v1/apps").status_code == 401
+
+        created = api.post("/v1/apps", json=rm2_spec())
+        assert created.status_code == 201, created.text
+        changed = api.put(
+            "/v1/apps/rm2-kairos/budget", json={"budget_usd_per_hr": 6.0, "reason": "quarter end"}
+        )
+        assert changed.status_code == 200, changed.text
+        plan = api.post(
+            "/v1/apps/rm2-kairos/plans",
+            json={"trace": {"rate_qps": 40.0, "batch_dist": "kairos", "duration_s": 60.0}},
+        )
+        assert plan.status_code == 201, plan.text
+        plan_id = plan.json()["id"]
+        assert plan.json()["feasible"] is True
+        applied = api.post(f"/v1/apps/rm2-kairos/plans/{plan_id}/apply")
+        assert applied.status_code == 200, applied.text
+        before = {
+            "app": api.get("/v1/apps/rm2-kairos").json(),
+            "budget": api.get("/v1/apps/rm2-kairos/budget").json(),
+            "plans": api.get("/v1/apps/rm2-kairos/plans").json(),
+            "decisions": api.get("/v1/apps/rm2-kairos/decisions").json(),
+        }
+        api.close()
+    finally:
+        code = server.stop()
+    assert code == 0, server.log_path.read_text()
+    log = server.log_path.read_text()
+    assert "stopped by SIGTERM" in log
+    assert "Traceback" not in log
+
+    again = Server(data_dir, tmp_path / "serve-again.log")
+    try:
+        api = httpx.Client(
+            base_url=again.url, headers={"Authorization": f"Bearer {token}"}, timeout=60.0
+        )
+        app = api.get("/v1/apps/rm2-kairos").json()
+        assert app == before["app"]
+        assert app["budget_usd_per_hr"] == 6.0
+        assert app["applied_plan_id"] == plan_id
+        budget = api.get("/v1/apps/rm2-kairos/budget").json()
+        assert budget == before["budget"]
+        assert [(c["who"], c["new_usd_per_hr"], c["reason"]) for c in budget["changes"]] == [
+            ("ops", 10.0, "app registered"),
+            ("ops", 6.0, "quarter end"),
+        ]
+        plans = api.get("/v1/apps/rm2-kairos/plans").json()
+        assert plans == before["plans"]
+        assert [p["status"] for p in plans] == ["applied"]
+        decisions = api.get("/v1/apps/rm2-kairos/decisions").json()
+        assert decisions == before["decisions"]
+        assert [d["kind"] for d in decisions] == ["plan_applied"]
+        api.close()
+    finally:
+        assert again.stop() == 0
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run ``heteroplane argv`` in-process; (exit status, stdout, stderr)."""
+    try:
+        status = main(list(argv))
+    except SystemExit as stop:
+        status = int(stop.code or 0)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.fixture
+def live(data_dir: Path, tmp_path: Path) -> Iterator[Server]:
+    server = Server(data_dir, tmp_path / "serve.log")
+    yield server
+    assert server.stop() == 0, server.log_path.read_text()
+
+
+def test_client_commands_against_a_live_server(
+    live: Server,
+    data_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    token = create_token(data_dir, "operator", "deployer")
+    monkeypatch.setenv("HETEROPLANE_URL", live.url)
+    monkeypatch.setenv("HETEROPLANE_TOKEN", token)
+    spec_file = tmp_path / "rm2.yaml"
+    spec_file.write_text(yaml.safe_dump(rm2_spec()))
+
+    status, out, _ = cli(capsys, "app", "apply", "-f", str(spec_file))
+    assert status == 0 and out.startswith("registered rm2-kairos: budget $10/hr")
+    status, out, _ = cli(capsys, "app", "apply", "-f", str(spec_file))
+    assert status == 0 and out.startswith("unchanged: rm2-kairos")
+    status, out, _ = cli(capsys, "app", "list")
+    assert status == 0 and "rm2-kairos" in out and "BUDGET_USD_PER_HR" in out
+
+    status, out, _ = cli(
+        capsys, "plans", "preview", "--app", "rm2-kairos", "--rate-qps", "40",
+        "--batch-dist", "kairos", "--duration", "60", "--json",
+    )  # fmt: skip
+    assert status == 0
+    plan = json.loads(out)
+    assert plan["status"] == "previewed" and plan["feasible"] is True
+    status, out, _ = cli(capsys, "plans", "list", "--app", "rm2-kairos")
+    assert status == 0 and "previewed" in out
+    status, out, _ = cli(capsys, "plans", "apply", "--app", "rm2-kairos", "--id", str(plan["id"]))
+    assert status == 0 and f"plan {plan['id']} of rm2-kairos (applied)" in out
+    status, _, err = cli(capsys, "plans", "apply", "--app", "rm2-kairos", "--id", str(plan["id"]))
+    assert status == 2
+    assert err.count("\n") == 1 and "already applied" in err and "409" in err
+
+    status, out, _ = cli(
+        capsys, "budget", "set", "--app", "rm2-kairos", "--usd-per-hr", "7.5", "--reason", "more"
+    )
+    assert status == 0 and "budget $7.5/hr (was $10/hr)" in out
+    status, out, _ = cli(capsys, "budget", "get", "--app", "rm2-kairos", "--json")
+    budget = json.loads(out)
+    assert [(c["who"], c["new_usd_per_hr"]) for c in budget["changes"]] == [
+        ("deployer", 10.0),
+        ("deployer", 7.5),
+    ]
+    status, _, err = cli(
+        capsys, "budget", "set", "--app", "rm2-kairos", "--usd-per-hr", "-1", "--reason", "x"
+    )
+    assert status == 2 and "budget_usd_per_hr" in err and "422" in err
+
+    status, out, _ = cli(capsys, "fleet", "--app", "rm2-kairos")
+    assert status == 0 and "0 live instance(s)" in out
+    status, out, _ = cli(capsys, "fleet", "--json")
+    assert status == 0 and json.loads(out) == {"instances": []}
+    status, out, _ = cli(capsys, "events", "--app", "rm2-kairos")
+    assert status == 0 and "plan_applied" in out
+
+    status, _, err = cli(capsys, "events", "--app", "ghost")
+    assert status == 2 and "no app 'ghost'" in err and "404" in err
+    status, _, err = cli(capsys, "app", "delete", "rm2-kairos")  # an operator may not
+    assert status == 2 and "403" in err
+    status, _, err = cli(capsys, "fleet", "--token", "hp_wrong")
+    assert status == 2 and "401" in err
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    status, _, err = cli(capsys, "fleet", "--url", dead)
+    assert status == 2
+    assert err.strip() == (
+        f"heteroplane fleet: cannot reach the heteroplane API at {dead}"
+        " (is `heteroplane serve` running?)"
+    )
+    monkeypatch.delenv("HETEROPLANE_TOKEN")
+    status, _, err = cli(capsys, "fleet")
+    assert status == 2 and "no API token" in err
+
+
+def test_serve_refuses_a_port_in_use(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "controlplane", "serve", "--port", str(port)],
+            cwd=REPO,
+            env=service_env(data_dir),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("heteroplane serve: cannot listen on")
+    assert "Traceback" not in done.stderr
