@@ -113,3 +113,48 @@ class BudgetError(EstimatorError):
 
 class SearchSpaceError(EstimatorError):
     """A configuration space too large for what was asked (ranking all of it)."""
+
+
+class CascadeError(EstimatorError):
+    """A cascade, its validation records or a gear plan that is malformed or cannot be built.
+
+    ``field`` is the path of the offending value (``models[1].certainty``, ``thresholds``; empty
+    when the whole thing is wrong) and ``source`` the file it came from, when one was read; the
+    message is the one line ``source: field: problem``.
+    """
+
+    def __init__(self, field: str, problem: str, source: str | None = None) -> None:
+        self.field = field
+        self.problem = problem
+        self.source = source
+        super().__init__(": ".join(part for part in (source, field, problem) if part))
+
+
+class NoFeasibleGearError(CascadeError):
+    """No candidate cascade meets the latency SLO on the placement, not even at the lowest load.
+
+    ``best_latency_ms`` is the lowest simulated tail latency any candidate reached (at a load
+    near zero), against ``slo_ms``.
+    """
+
+    def __init__(self, slo_ms: float, best_latency_ms: float, best: str) -> None:
+        self.slo_ms = slo_ms
+        self.best_latency_ms = best_latency_ms
+        self.best = best
+        super().__init__(
+            "gears",
+            f"no cascade meets the latency SLO of {slo_ms:g} ms on this placement even at the"
+            f" lowest load: the best, {best}, reaches {best_latency_ms:.1f} ms",
+        )
+
+
+class InfeasibleAllocationError(EstimatorError):
+    """No allocation of instances to the stages is stable within the budget and the caps.
+
+    ``stage`` names the first stage that no affordable allocation keeps below utilisation 1
+    (``None`` when each stage alone can be served but not all of them together).
+    """
+
+    def __init__(self, message: str, stage: str | None = None) -> None:
+        self.stage = stage
+        super().__init__(message)

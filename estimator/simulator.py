@@ -9,6 +9,14 @@ for cascades, is forwarded to the next stage's queue (InferLine section 4.2, "co
 flow using scale factor s"). Instances may join and leave during the run (``InstanceSpec``), which
 the tuner's replay uses.
 
+Gear switching (CascadeServe section 5) needs two more things, both optional: a :class:`Routing`
+gives every query its route under each of several *modes* (a cascade gear: which stage it enters,
+where it goes after each stage, each stage's batch cap), and a :class:`ModeController` is asked
+every ``period_s`` of simulated time, with the queue length of every stage, which mode holds from
+then on. A query takes the route of the mode in force when it arrives (the producer puts it into
+the queue of the gear's first model); batch caps change at once; queued queries stay where they
+are, so queues carry across a change. That is the whole hook: the engine knows nothing of gears.
+
 Two engines compute the same thing:
 
 - the **event engine** (plain Python) keeps an event heap keyed by (time, priority, sequence), as
@@ -29,7 +37,7 @@ import math
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, overload
+from typing import Literal, Protocol, overload
 
 import numpy as np
 
@@ -43,8 +51,9 @@ from matching.policy import Dispatch, DispatchPolicy, QueuedQuery, StageContext
 
 Engine = Literal["auto", "events", "kernel"]
 
-# Event priorities at one instant: free instances first, then joins, then arrivals.
-_COMPLETION, _JOIN = 0, 1
+# Event priorities at one instant: free instances first, then joins, then the mode controller's
+# tick, then arrivals.
+_COMPLETION, _JOIN, _TICK = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +101,63 @@ class Stage:
                 raise SimulationError(
                     f"stage {self.model!r}: no profile for instance type {spec.instance_type!r}"
                 )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Routing:
+    """Every query's route under each of G modes, over S stages and n queries.
+
+    ``entry[g, q]`` is the stage query q enters when it arrives under mode g;
+    ``next_stage[g, s, q]`` where it goes after stage s (a later stage, or -1: it is answered
+    there); ``max_batch_queries[g, s]`` stage s's batch cap while mode g holds. A stage a route
+    never visits still needs its instances (they stay idle).
+    """
+
+    entry: np.ndarray
+    next_stage: np.ndarray
+    max_batch_queries: np.ndarray
+
+    def __post_init__(self) -> None:
+        entry = np.ascontiguousarray(self.entry, dtype=np.int64)
+        nxt = np.ascontiguousarray(self.next_stage, dtype=np.int64)
+        caps = np.ascontiguousarray(self.max_batch_queries, dtype=np.int64)
+        if entry.ndim != 2 or nxt.ndim != 3 or caps.ndim != 2:
+            raise SimulationError(
+                "routing needs entry (modes, queries), next_stage (modes, stages, queries) and"
+                " max_batch_queries (modes, stages)"
+            )
+        modes, stages, n = nxt.shape
+        if entry.shape != (modes, n) or caps.shape != (modes, stages) or modes == 0:
+            raise SimulationError(
+                f"routing shapes disagree: entry {entry.shape}, next_stage {nxt.shape},"
+                f" max_batch_queries {caps.shape}"
+            )
+        if entry.size and (entry.min() < 0 or entry.max() >= stages):
+            raise SimulationError(f"routing: an entry stage outside 0..{stages - 1}")
+        here = np.arange(stages)[None, :, None]
+        if np.any((nxt != -1) & ((nxt <= here) | (nxt >= stages))):
+            raise SimulationError("routing: a next stage must be a later stage, or -1 to answer")
+        if caps.size and caps.min() < 1:
+            raise SimulationError("routing: batch caps must be >= 1")
+        for name, value in (("entry", entry), ("next_stage", nxt), ("max_batch_queries", caps)):
+            value.setflags(write=False)
+            object.__setattr__(self, name, value)
+
+    @property
+    def modes(self) -> int:
+        return int(self.next_stage.shape[0])
+
+
+class ModeController(Protocol):
+    """Chooses the mode of a routed run as it goes (a gear switcher): asked first for the mode at
+    time 0, then every ``period_s`` with the queue length of every stage at that instant."""
+
+    @property
+    def period_s(self) -> float: ...
+
+    def initial_mode(self) -> int: ...
+
+    def tick(self, now_s: float, queue_lengths: tuple[int, ...]) -> int: ...
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -145,7 +211,9 @@ class SimulationResult:
     """What happened to every query, and the fleet's use and cost.
 
     ``instance`` is the index (into ``instance_types`` of the last stage the query visited) of
-    the instance that answered it; ``stages_visited`` how many stages it went through.
+    the instance that answered it; ``stages_visited`` how many stages it went through;
+    ``answered_stage`` the stage that answered it; ``mode`` (routed runs only) the mode in force
+    when it arrived.
     """
 
     arrival_s: np.ndarray
@@ -159,6 +227,8 @@ class SimulationResult:
     horizon_s: float
     qos_ms: float | None
     engine: str
+    answered_stage: np.ndarray | None = None
+    mode: np.ndarray | None = None
 
     @property
     def response_ms(self) -> np.ndarray:
@@ -167,7 +237,7 @@ class SimulationResult:
 
     @property
     def wait_ms(self) -> np.ndarray:
-        """Time in the first stage's queue."""
+        """Time in the queue of the first stage the query entered."""
         wait: np.ndarray = (self.start_s - self.arrival_s) * 1000.0
         return wait
 
@@ -245,11 +315,16 @@ def simulate(
     qos_ms: float | None = None,
     service: ServiceMode = "sampled",
     engine: Engine = "auto",
+    routing: Routing | None = None,
+    controller: ModeController | None = None,
 ) -> SimulationResult:
     """Replay ``trace`` through ``stages`` and return every query's timings.
 
     ``engine="auto"`` takes the compiled FCFS kernel when it applies (one stage, a static fleet,
-    :class:`FcfsPolicy`), the event engine otherwise. Deterministic for a given generator state.
+    :class:`FcfsPolicy`, no routing), the event engine otherwise. With ``routing`` (no stage may
+    then have ``forward``) queries follow the routes of the mode in force when they arrive, mode 0
+    throughout or as ``controller`` switches it (see the module docstring). Deterministic for a
+    given generator state (and a deterministic controller).
     """
     if len(trace) == 0:
         raise SimulationError("the trace has no queries")
@@ -261,6 +336,21 @@ def simulate(
                 raise SimulationError(f"no price for instance type {spec.instance_type!r}")
         if stage.forward is not None and len(stage.forward) != len(trace):
             raise SimulationError(f"stage {stage.model!r}: forward needs one flag per query")
+        if stage.forward is not None and routing is not None:
+            raise SimulationError(
+                f"stage {stage.model!r}: give forward flags or a routing, not both"
+            )
+    if controller is not None and routing is None:
+        raise SimulationError("a mode controller needs a routing (modes to switch between)")
+    if routing is not None and routing.next_stage.shape[1:] != (len(stages), len(trace)):
+        raise SimulationError(
+            f"routing covers {routing.next_stage.shape[1]} stages and {routing.next_stage.shape[2]}"
+            f" queries, the run has {len(stages)} and {len(trace)}"
+        )
+    if controller is not None and not (
+        math.isfinite(controller.period_s) and controller.period_s > 0
+    ):
+        raise SimulationError(f"the controller's period must be > 0 s, got {controller.period_s}")
     tables = [ServiceTable.build(stage.profiles, service) for stage in stages]
     for stage, table in zip(stages, tables, strict=True):
         _check_batch_sizes(trace, stage, table)
@@ -270,6 +360,7 @@ def simulate(
 
     kernel_fits = (
         len(stages) == 1
+        and routing is None
         and isinstance(stages[0].policy, FcfsPolicy)
         and all(s.ready_s == 0 and s.stop_s == math.inf for s in stages[0].instances)
     )
@@ -280,8 +371,8 @@ def simulate(
     if kernel_fits and engine != "events":
         run = _run_kernel(trace, stages[0], tables[0], u[0], reference)
     else:
-        run = _EventEngine(trace, stages, tables, u, reference, qos_ms).run()
-    start_s, finish_s, served_by, visited, busy_s = run
+        run = _EventEngine(trace, stages, tables, u, reference, qos_ms, routing, controller).run()
+    start_s, finish_s, served_by, visited, busy_s, answered, modes = run
 
     horizon_s = float(finish_s.max())
     cost_usd = 0.0
@@ -306,6 +397,8 @@ def simulate(
         horizon_s=horizon_s,
         qos_ms=qos_ms,
         engine="kernel" if kernel_fits and engine != "events" else "events",
+        answered_stage=answered,
+        mode=modes,
     )
 
 
@@ -320,7 +413,9 @@ def _check_batch_sizes(trace: Trace, stage: Stage, table: ServiceTable) -> None:
             raise BatchSizeOutOfRangeError(stage.model, instance_type, bad, low, high)
 
 
-_Run = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]
+_Run = tuple[
+    np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray], np.ndarray, np.ndarray | None
+]
 
 
 def _run_kernel(
@@ -349,7 +444,8 @@ def _run_kernel(
         table.table_s,
         stage.max_batch_queries,
     )
-    return start, finish, served_by, np.ones(len(trace), dtype=np.int64), [busy]
+    ones = np.ones(len(trace), dtype=np.int64)
+    return start, finish, served_by, ones, [busy], np.zeros(len(trace), dtype=np.int64), None
 
 
 class _Instance:
@@ -497,6 +593,8 @@ class _EventEngine:
         u: np.ndarray,
         reference: int,
         qos_ms: float | None,
+        routing: Routing | None = None,
+        controller: ModeController | None = None,
     ) -> None:
         self.trace = trace
         self.stages = [
@@ -509,8 +607,35 @@ class _EventEngine:
         self.finish_s = np.full(n, np.nan)
         self.served_by = np.full(n, -1, dtype=np.int64)
         self.visited = np.zeros(n, dtype=np.int64)
+        self.answered = np.zeros(n, dtype=np.int64)
         self.events: list[tuple[float, int, int, int, int]] = []
         self.sequence = 0
+        self.qos_ms = qos_ms
+        self.routing = routing
+        self.controller = controller
+        self.mode_of = np.full(n, -1, dtype=np.int64) if routing is not None else None
+        self.mode = 0
+        if routing is not None:
+            self._set_mode(controller.initial_mode() if controller is not None else 0)
+
+    def _set_mode(self, mode: int) -> None:
+        routing = self.routing
+        assert routing is not None
+        if not 0 <= mode < routing.modes:
+            raise SimulationError(
+                f"the controller chose mode {mode}; the routing has 0..{routing.modes - 1}"
+            )
+        self.mode = mode
+        for s, state in enumerate(self.stages):
+            cap = int(routing.max_batch_queries[mode, s])
+            if cap != state.context.max_batch_queries:
+                state.context = StageContext(max_batch_queries=cap, qos_ms=self.qos_ms)
+
+    def _tick(self, now: float) -> None:
+        controller = self.controller
+        assert controller is not None
+        lengths = tuple(len(state.queue) for state in self.stages)
+        self._set_mode(int(controller.tick(now, lengths)))
 
     def _push(self, time_s: float, priority: int, stage: int, instance: int) -> None:
         heapq.heappush(self.events, (time_s, priority, self.sequence, stage, instance))
@@ -521,6 +646,9 @@ class _EventEngine:
             for inst in state.instances:
                 if inst.ready_s > 0:
                     self._push(inst.ready_s, _JOIN, s, inst.index)
+        if self.controller is not None:
+            self._push(self.controller.period_s, _TICK, -1, -1)
+        routing, mode_of = self.routing, self.mode_of
         arrivals = self.trace.arrival_s.tolist()
         batch_sizes = self.trace.batch_size.tolist()
         n = len(arrivals)
@@ -535,14 +663,23 @@ class _EventEngine:
                 _, priority, _, s, index = heapq.heappop(events)
                 if priority == _COMPLETION:
                     self._complete(now, s, index, dirty)
+                elif priority == _TICK:
+                    self._tick(now)
+                    dirty.update(range(len(self.stages)))  # batch caps may have changed
+                    if next_arrival < n:
+                        assert self.controller is not None
+                        self._push(now + self.controller.period_s, _TICK, -1, -1)
                 else:
                     dirty.add(s)
-            first = self.stages[0].queue
             while next_arrival < n and arrivals[next_arrival] == now:
                 q = next_arrival
-                first.append(QueuedQuery(q, batch_sizes[q], now, now))
+                entry = 0
+                if routing is not None and mode_of is not None:
+                    entry = int(routing.entry[self.mode, q])
+                    mode_of[q] = self.mode
+                self.stages[entry].queue.append(QueuedQuery(q, batch_sizes[q], now, now))
                 next_arrival += 1
-                dirty.add(0)
+                dirty.add(entry)
             for s in sorted(dirty):
                 self._round(now, s)
         unserved = np.flatnonzero(np.isnan(self.finish_s))
@@ -552,7 +689,15 @@ class _EventEngine:
                 f" {self.stages[0].policy.name!r} left them queued with no event to come)"
             )
         busy = [np.array([inst.busy_s for inst in st.instances]) for st in self.stages]
-        return self.start_s, self.finish_s, self.served_by, self.visited, busy
+        return (
+            self.start_s,
+            self.finish_s,
+            self.served_by,
+            self.visited,
+            busy,
+            self.answered,
+            self.mode_of,
+        )
 
     def _complete(self, now: float, s: int, index: int, dirty: set[int]) -> None:
         state = self.stages[s]
@@ -564,16 +709,24 @@ class _EventEngine:
         state.policy.observe(inst.instance_type, inst.batch_size, (now - inst.started_s) * 1000.0)
         dirty.add(s)
         last = s + 1 == len(self.stages)
+        routing, mode_of = self.routing, self.mode_of
         for q in batch:
             self.visited[q] += 1
-            if not last and state.forward is not None and state.forward[q]:
+            if routing is not None and mode_of is not None:
+                nxt = int(routing.next_stage[mode_of[q], s, q])
+            elif not last and state.forward is not None and state.forward[q]:
+                nxt = s + 1
+            else:
+                nxt = -1
+            if nxt >= 0:
                 arrival = float(self.trace.arrival_s[q])
                 batch_size = int(self.trace.batch_size[q])
-                self.stages[s + 1].queue.append(QueuedQuery(q, batch_size, arrival, now))
-                dirty.add(s + 1)
+                self.stages[nxt].queue.append(QueuedQuery(q, batch_size, arrival, now))
+                dirty.add(nxt)
             else:
                 self.finish_s[q] = now
                 self.served_by[q] = index
+                self.answered[q] = s
 
     def _round(self, now: float, s: int) -> None:
         state = self.stages[s]
@@ -604,7 +757,9 @@ class _EventEngine:
         inst.started_s = now
         inst.busy_until_s = done
         inst.busy_s += service
-        if s == 0:
+        if s == 0 or self.routing is not None:
+            start_s = self.start_s
             for q in ids:
-                self.start_s[q] = now
+                if start_s[q] != start_s[q]:  # NaN: this is the first stage the query visits
+                    start_s[q] = now
         self._push(done, _COMPLETION, s, inst.index)

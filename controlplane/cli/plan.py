@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.cli.output import emit, progress
+from controlplane.cli.pareto import add_pareto_arguments, run_pareto
 from controlplane.planner import PLANNING_QUERIES, Plan, plan_app
 from controlplane.spec import load_spec, resolve_spec
 from estimator.traces import read_trace_csv, trace_stats
@@ -28,10 +29,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--trace", required=True, type=Path, metavar="FILE", help="trace CSV")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_pareto_arguments(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.pareto:
+        return run_pareto(args)
     spec = load_spec(args.spec)
     app = resolve_spec(spec)
     trace = read_trace_csv(args.trace)

@@ -1,0 +1,192 @@
+"""``heteroplane gears``: the gear plan of a cascade app on a fixed placement (CascadeServe).
+
+The algorithm lives in ``controlplane.gears`` (docs/cascades.md, "Cascades, gears and
+allocation"); this module reads the spec, the validation records, the profiles and the placement
+(``--placement`` text, or the fleets of a ``heteroplane plan --json`` document) and prints the
+gear plan: the finalist cascades with their max sustainable QPS under the SLO, and the gear of
+each QPS range.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from controlplane.cli.output import UsageError, emit, progress
+from controlplane.gears import DEFAULT_RANGES, GearPlan, Placement, plan_gears
+from controlplane.replay import read_plan
+from controlplane.spec import ResolvedApp, load_spec, resolve_spec
+from estimator.cascades import DEFAULT_THRESHOLD_GRID, load_validation
+from estimator.fleet import Fleet
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "gears",
+        help="plan a cascade's gears: which cascade and batch caps serve each QPS range",
+        description="CascadeServe's gear plan on a fixed placement: evaluate every ordered chain"
+        " of the app's models with every threshold combination on the validation records, keep"
+        " the Pareto set of accuracy against a throughput bound, simulate the finalists for their"
+        " highest load within the latency SLO, and give each QPS range from 0 to the max the most"
+        " accurate cascade that serves it (with slo.accuracy in the spec: the fastest one that"
+        " meets the accuracy floor).",
+    )
+    parser.add_argument("--spec", required=True, type=Path, metavar="FILE", help="app spec YAML")
+    parser.add_argument(
+        "--validation",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help="validation records (heteroplane.validation/v1) of the app's models",
+    )
+    parser.add_argument(
+        "--profiles",
+        type=Path,
+        metavar="FILE",
+        help="profile file with every model (default: the ones the spec names)",
+    )
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--placement",
+        metavar="TEXT",
+        help="instances of each model: 'tiny:c5.xlarge=1;large:c5.xlarge=3,g4dn.xlarge=1'",
+    )
+    where.add_argument(
+        "--plan", type=Path, metavar="FILE", help="take each model's fleet from a plan JSON"
+    )
+    parser.add_argument(
+        "--qps-max",
+        type=float,
+        metavar="R",
+        help="top of the planned QPS span (default: the fastest cascade's max)",
+    )
+    parser.add_argument(
+        "--ranges",
+        type=int,
+        default=DEFAULT_RANGES,
+        metavar="N",
+        help="equal QPS ranges (default %(default)s)",
+    )
+    parser.add_argument(
+        "--thresholds",
+        default=",".join(f"{h:g}" for h in DEFAULT_THRESHOLD_GRID),
+        metavar="H1,H2,...",
+        help="certainty thresholds to try at each stage, in [0, 1] (default %(default)s)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def parse_grid(text: str) -> tuple[float, ...]:
+    """``0.1,0.5,0.9`` as distinct numbers in [0, 1], increasing."""
+    values = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            value = float(part)
+        except ValueError:
+            raise UsageError(f"--thresholds: {part!r} is not a number") from None
+        if not 0.0 <= value <= 1.0:
+            raise UsageError(f"--thresholds: {part} is outside [0, 1]")
+        values.append(value)
+    return tuple(sorted(set(values)))
+
+
+def load_app(spec_path: Path, profiles: Path | None) -> ResolvedApp:
+    """The spec resolved against its catalog and profiles (``profiles`` replacing the files the
+    spec names, for every model)."""
+    spec = load_spec(spec_path)
+    if profiles is not None:
+        models = [m.model_copy(update={"profiles": str(profiles)}) for m in spec.models]
+        spec = spec.model_copy(update={"models": models})
+    return resolve_spec(spec)
+
+
+def placement_from(args: argparse.Namespace, app: ResolvedApp) -> Placement:
+    order = app.spec.serving_order
+    if args.placement is not None:
+        placement = Placement.parse(args.placement)
+    else:
+        plan = read_plan(args.plan)
+        fleets: dict[str, Fleet] = {s.name: s.fleet for s in plan.stages}
+        placement = Placement(fleets, tuple(m for m in order if m in fleets))
+    for model in placement.order:
+        if model not in order:
+            raise UsageError(f"the placement names {model!r}, not a model of the app")
+        for t in placement.fleets[model]:
+            if t not in app.prices_usd_per_hr:
+                raise UsageError(
+                    f"the placement's type {t!r} is not one of the spec's instance types"
+                    f" ({', '.join(app.instance_types)})"
+                )
+    # Serving order is the spec's, whatever order the placement was written in.
+    return Placement(placement.fleets, tuple(m for m in order if m in placement.fleets))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.ranges < 1:
+        raise UsageError(f"--ranges must be >= 1, got {args.ranges}")
+    if args.qps_max is not None and not args.qps_max > 0:
+        raise UsageError(f"--qps-max must be > 0, got {args.qps_max:g}")
+    grid = parse_grid(args.thresholds)
+    app = load_app(args.spec, args.profiles)
+    records = load_validation(args.validation)
+    placement = placement_from(args, app)
+    for model in placement.order:
+        records.model_index(model)
+    profiles = {m: {t: app.profile(m, t) for t in placement.fleets[m]} for m in placement.order}
+    slo = app.spec.slo
+    progress(f"planning gears for {app.spec.name} on {placement}")
+    plan = plan_gears(
+        records,
+        placement,
+        profiles,
+        app.prices_usd_per_hr,
+        slo_ms=slo.latency_ms,
+        percentile=slo.percentile,
+        accuracy_floor=slo.accuracy,
+        qps_max=args.qps_max,
+        n_ranges=args.ranges,
+        grid=grid,
+        seed=args.seed,
+    )
+    data: dict[str, Any] = {
+        "app": app.spec.name,
+        "validation": str(args.validation),
+        **plan.to_document(),
+        "cost_usd_per_hr": placement.cost_usd_per_hr(app.prices_usd_per_hr),
+        "seed": args.seed,
+    }
+    return emit(args.json, data, lambda: human(data, plan))
+
+
+def human(data: dict[str, Any], plan: GearPlan) -> str:
+    floor = plan.accuracy_floor
+    goal = (
+        f"accuracy >= {100 * floor:.2f}%, fastest first"
+        if floor is not None
+        else "most accurate within the SLO"
+    )
+    lines = [
+        f"{data['app']}: gear plan on {plan.placement} (${data['cost_usd_per_hr']:.3f}/hr),"
+        f" P{plan.percentile:g} <= {plan.slo_ms:g} ms, {goal}",
+        f"  {data['candidates']} candidate cascades, {len(plan.options)} finalists,"
+        f" {plan.simulations} simulations",
+        "  finalists (max QPS within the SLO):",
+    ]
+    for option in plan.options:
+        caps = ",".join(str(k) for k in option.max_batch_queries)
+        lines.append(
+            f"    {option.cascade.label:<44} {100 * option.quality.accuracy:6.2f}%"
+            f" {option.max_qps:>10.1f} qps  batch caps {caps}"
+        )
+    lines.append("  gears:")
+    for gear in plan.gears:
+        option = plan.options[gear.option]
+        flag = "" if gear.meets_slo else "  (does not meet the SLO)"
+        lines.append(
+            f"    [{gear.low_qps:>9.1f}, {gear.high_qps:>9.1f}) qps: {option.cascade.label}"
+            f" ({100 * option.quality.accuracy:.2f}%){flag}"
+        )
+    return "\n".join(lines)

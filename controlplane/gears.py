@@ -1,0 +1,900 @@
+"""Gear plans and gear switching (CascadeServe): which cascade serves which load on a fixed fleet.
+
+This module owns CascadeServe's offline gear plan (Kossmann et al., "CascadeServe", sections 4
+and 5) on a fixed *placement* (the instances of each model, :class:`Placement`) and the online
+switcher, both as pure functions: :func:`plan_gears` returns a :class:`GearPlan`, :func:`switch`
+maps (measured QPS, first-queue length, state, now) to a :class:`GearDecision` and the next
+:class:`GearSwitcher`. Nothing here reads a clock or does I/O; :func:`simulate_gear_switching` runs
+the switcher inside the simulator (its mode hook, ``estimator.simulator.Routing``).
+
+**The gear plan** (section 4; the EM loop over four sub-problems collapses because the placement
+is given, SP3, and batch caps follow a closed-form rule, SP4):
+
+1. *SP1, candidates.* Every ordered chain of the placed models (cheapest first) with every
+   threshold combination of a grid (``estimator.cascades``), evaluated on the validation records:
+   accuracy A(c) and reach shares s_i(c).
+2. *SP4, batch caps.* Stage i of c on model m with n_t instances of type t and batch cap k_i
+   serves C_i(k_i) = sum_t n_t k_i / L_{m,t}(k_i b) queries per second (L the mean profiled
+   latency, b the queries' batch size). Starting from k_i = 1, the cap of the bottleneck stage
+   (least C_i / s_i) doubles while the path bound sum_i 2 max_t L_{m_i,t}(k_i b) stays within the
+   SLO (a query waits at most for the batch in service, then for its own, at each stage). The
+   throughput bound of c is B(c) = min_i C_i(k_i) / s_i.
+3. *Finalists.* The candidates no other beats on both A and B (Pareto), thinned to at most
+   ``max_finalists`` spread evenly over the accuracy range (the most accurate and the fastest
+   always kept).
+4. *Max sustainable QPS.* For each finalist the simulator finds, by bisection over the Poisson
+   arrival rate (``bisection_steps`` halvings of [0, u B(c)], common random numbers), the highest
+   rate r*(c) at which the P-th percentile of the simulated response time is within the SLO.
+   u = ``PLAN_UTILISATION_CAP`` (0.9): a probe of ``PLAN_QUERIES`` queries lasts about a second
+   at high rates, too short for a queue near saturation to build up, so the plan never counts on
+   more than 90% of the bound (the long runs of ``benchmarks/gear_switching.py`` check it).
+5. *SP2, gears.* [0, q_max] (q_max = the largest r*, unless given) is split into ``n_ranges``
+   equal ranges. With a latency SLO, the range [lo, hi) gets the most accurate finalist with
+   r* >= hi (ties: the faster); with an accuracy SLO, the finalist with A >= the floor and the
+   lowest predicted tail latency at hi (interpolated from its bisection probes). A range no
+   finalist serves within the SLO gets the fastest (or, with an accuracy floor none meets, the
+   most accurate) and is marked ``meets_slo = False``.
+
+**Switching** (section 5, "Producer"): the producer measures the QPS over a fixed interval
+(100 ms in the paper) and looks up the gear of the range it falls in. CascadeServe keeps the
+gear "if qps < alpha x Q_0", Q_0 the length of the first model's queue, alpha = 8. The paper
+states the rule for *high QPS followed by low QPS*: "CascadeServe must avoid downgrading the
+gear while there are still many samples queued from the high QPS interval". So the rule guards
+the move to a gear of a *lower* QPS range (slower, more accurate): while the backlog Q_0 is more
+than 1/alpha of a second of arrivals, the faster gear stays to drain it. A move to a faster gear
+is always taken at once: holding a slow gear under a growing queue is what the rule must not do.
+
+Past the paper, the fleet moves under the switcher (``controlplane.tuner``):
+
+- ``capacity_share`` = ready capacity / planned capacity of the placement (instances still
+  booting do not count): the measured QPS is divided by it before the lookup, as CascadeServe
+  rescales measured QPS onto the plan's (appendix C). While new instances boot, the gears absorb
+  the load; once they serve, the share rises and a more accurate gear follows.
+- ``budget_capped``: the tuner reports that the budget stops a scale-up, so capacity will not
+  come. The switcher then holds its current gear against downshifts for ``cap_hold_s`` after the
+  last such report: the load the budget cannot buy is absorbed by the faster gear, not by
+  oscillating between gears while the tuner keeps reporting the same shortfall.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from controlplane.tuner import Decision
+from estimator.cascades import (
+    DEFAULT_THRESHOLD_GRID,
+    Cascade,
+    CascadeQuality,
+    ValidationRecords,
+    answering_stage,
+    candidate_cascades,
+    cascade_chains,
+    cascade_stages,
+    evaluate,
+    pareto_mask,
+)
+from estimator.errors import CascadeError, FleetError, NoFeasibleGearError
+from estimator.fleet import Fleet
+from estimator.profiles import LatencyProfile
+from estimator.simulator import InstanceSpec, Routing, SimulationResult, Stage, simulate
+from estimator.traces import Trace
+
+__all__ = [
+    "ALPHA",
+    "DEFAULT_CAP_HOLD_S",
+    "DEFAULT_RANGES",
+    "DEFAULT_TICK_S",
+    "PLAN_QUERIES",
+    "PLAN_UTILISATION_CAP",
+    "Gear",
+    "GearDecision",
+    "GearOption",
+    "GearPlan",
+    "GearRun",
+    "GearSwitcher",
+    "Placement",
+    "capacity_share",
+    "plan_gears",
+    "simulate_gear_switching",
+    "start_switcher",
+    "switch",
+    "switch_with_tuner",
+    "time_weighted_accuracy",
+]
+
+# CascadeServe section 5: "We find that alpha = 8 works well for most scenarios."
+ALPHA = 8.0
+# CascadeServe's producer counts queries "over a fixed interval (e.g., 100ms)".
+DEFAULT_TICK_S = 0.1
+# Equal QPS ranges of the plan (CascadeServe's n_ranges; its planning time grows with it).
+DEFAULT_RANGES = 8
+# After the tuner's last budget_capped report, downshifts wait this long. The tuner ticks once a
+# second and repeats the report every tick while short, so a few ticks without one mean the cap
+# has cleared.
+DEFAULT_CAP_HOLD_S = 5.0
+# Queries per simulated probe of the bisection: 2,000 resolve a P99 by 20 queries above it and
+# keep a probe of a three-stage cascade near 40 ms.
+PLAN_QUERIES = 2_000
+DEFAULT_BISECTION_STEPS = 5
+# Near saturation a short probe underestimates the tail (the queue has not built up yet): with
+# 2,000 queries the bisection put one cascade at 98.5% of its bound where 30 s runs miss the
+# SLO from about 94%; at 90% they hold.
+PLAN_UTILISATION_CAP = 0.9
+DEFAULT_MAX_FINALISTS = 8
+# The lowest rate probed, as a share of the throughput bound: the cascade's latency at (almost)
+# no load. If it misses the SLO there, the cascade misses it at every load.
+_IDLE_SHARE = 0.02
+
+
+# --- the placement ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The instances of each model, in serving order (cheapest model first): the fixed
+    allocation of models to instances that a gear plan is made for (CascadeServe keeps it fixed
+    while it switches gears, so that no model has to load).
+
+    >>> Placement.parse("tiny:c5.xlarge=1;large:c5.xlarge=3,g4dn.xlarge=1").order
+    ('tiny', 'large')
+    """
+
+    fleets: Mapping[str, Fleet]
+    order: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        order = tuple(self.order)
+        if not order:
+            raise CascadeError("placement", "places no model")
+        if len(set(order)) != len(order):
+            raise CascadeError("placement", f"a model appears twice in {order}")
+        fleets = {m: self.fleets[m] for m in order if m in self.fleets}
+        for model in order:
+            if model not in fleets or fleets[model].total == 0:
+                raise CascadeError("placement", f"model {model!r} has no instances")
+        object.__setattr__(self, "order", order)
+        object.__setattr__(self, "fleets", fleets)
+
+    @classmethod
+    def parse(cls, text: str) -> Placement:
+        """``model:type=count,type=count;model:...`` in serving order."""
+        fleets: dict[str, Fleet] = {}
+        order = []
+        for item in (part.strip() for part in text.split(";")):
+            model, sep, fleet_text = item.partition(":")
+            model = model.strip()
+            if not sep or not model or not fleet_text.strip():
+                raise CascadeError(
+                    "placement", f"{item!r} must look like model:type=count,type=count"
+                )
+            try:
+                fleets[model] = Fleet.parse(fleet_text)
+            except FleetError as error:
+                raise CascadeError("placement", f"{model}: {error}") from None
+            order.append(model)
+        return cls(fleets, tuple(order))
+
+    def instances(self, model: str) -> tuple[InstanceSpec, ...]:
+        return tuple(InstanceSpec(name) for name in self.fleets[model].expand())
+
+    def cost_usd_per_hr(self, prices_usd_per_hr: Mapping[str, float]) -> float:
+        return float(
+            sum(
+                prices_usd_per_hr[t] * n for fleet in self.fleets.values() for t, n in fleet.items()
+            )
+        )
+
+    def __str__(self) -> str:
+        return ";".join(f"{m}:{self.fleets[m]}" for m in self.order)
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GearOption:
+    """A finalist cascade with its batch caps (one per stage of the cascade), throughput bound
+    B(c), simulated max sustainable QPS r*(c) and the probes of the bisection, (rate, tail ms)."""
+
+    cascade: Cascade
+    quality: CascadeQuality
+    max_batch_queries: tuple[int, ...]
+    bound_qps: float
+    max_qps: float
+    latency_curve: tuple[tuple[float, float], ...]
+    compute_ms_per_query: float
+
+    def tail_ms_at(self, rate_qps: float) -> float:
+        """The predicted tail latency at ``rate_qps``: linear between the probes, infinite past
+        the highest feasible probe when a probe beyond it missed."""
+        rates = np.array([r for r, _ in self.latency_curve])
+        tails = np.array([t for _, t in self.latency_curve])
+        if rate_qps > rates[-1]:
+            return math.inf
+        return float(np.interp(rate_qps, rates, tails))
+
+
+@dataclass(frozen=True, slots=True)
+class Gear:
+    """The gear of the QPS range [low_qps, high_qps): the option (index into the plan's
+    options) that serves it, and whether it meets the SLO over the whole range."""
+
+    low_qps: float
+    high_qps: float
+    option: int
+    meets_slo: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GearPlan:
+    """The gear plan of a placement: the finalist options and one gear per QPS range."""
+
+    placement: Placement
+    slo_ms: float
+    percentile: float
+    accuracy_floor: float | None
+    options: tuple[GearOption, ...]
+    gears: tuple[Gear, ...]
+    qps_max: float
+    candidates: int
+    simulations: int
+
+    def gear_for(self, qps: float) -> int:
+        """The index of the gear whose range [low, high) holds ``qps`` (the last one above
+        ``qps_max``, the first one below 0).
+
+        >>> plan = GearPlan(Placement.parse("m:c=1"), 100.0, 99.0, None, (), (
+        ...     Gear(0.0, 10.0, 0, True), Gear(10.0, 20.0, 0, True)), 20.0, 0, 0)
+        >>> plan.gear_for(9.99), plan.gear_for(10.0), plan.gear_for(500.0)
+        (0, 1, 1)
+        """
+        if not self.gears:
+            raise CascadeError("gears", "the plan has no gears")
+        lows = [gear.low_qps for gear in self.gears]
+        return min(len(lows) - 1, max(0, bisect.bisect_right(lows, qps) - 1))
+
+    def option_of(self, gear: int) -> GearOption:
+        return self.options[self.gears[gear].option]
+
+    def to_document(self) -> dict[str, Any]:
+        return {
+            "placement": {m: dict(self.placement.fleets[m]) for m in self.placement.order},
+            "slo_ms": self.slo_ms,
+            "percentile": self.percentile,
+            "accuracy_floor": self.accuracy_floor,
+            "qps_max": self.qps_max,
+            "candidates": self.candidates,
+            "simulations": self.simulations,
+            "options": [
+                {
+                    **o.cascade.to_document(),
+                    "label": o.cascade.label,
+                    "accuracy": o.quality.accuracy,
+                    "reach_share": list(o.quality.reach_share),
+                    "max_batch_queries": list(o.max_batch_queries),
+                    "bound_qps": o.bound_qps,
+                    "max_qps": o.max_qps,
+                    "compute_ms_per_query": o.compute_ms_per_query,
+                }
+                for o in self.options
+            ],
+            "gears": [
+                {
+                    "low_qps": g.low_qps,
+                    "high_qps": g.high_qps,
+                    "option": g.option,
+                    "cascade": self.options[g.option].cascade.label,
+                    "accuracy": self.options[g.option].quality.accuracy,
+                    "meets_slo": g.meets_slo,
+                }
+                for g in self.gears
+            ],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    cascade: Cascade
+    quality: CascadeQuality
+    caps: tuple[int, ...]
+    bound_qps: float
+    compute_ms: float
+
+
+def _stage_capacity_qps(
+    fleet: Fleet, profiles: Mapping[str, LatencyProfile], cap: int, batch_size: int
+) -> float:
+    return sum(
+        n * cap / (profiles[t].mean_latency_ms(cap * batch_size) / 1000.0)
+        for t, n in fleet.items()
+        if n
+    )
+
+
+def _slowest_ms(fleet: Fleet, profiles: Mapping[str, LatencyProfile], size: int) -> float:
+    return max(profiles[t].mean_latency_ms(size) for t, n in fleet.items() if n)
+
+
+def _largest_cap(fleet: Fleet, profiles: Mapping[str, LatencyProfile], batch_size: int) -> int:
+    return min(profiles[t].max_batch_size for t, n in fleet.items() if n) // batch_size
+
+
+def _batch_caps(
+    cascade: Cascade,
+    reach: Sequence[float],
+    placement: Placement,
+    profiles: Mapping[str, Mapping[str, LatencyProfile]],
+    slo_ms: float,
+    batch_size: int,
+) -> tuple[tuple[int, ...], float]:
+    """SP4's closed form (module docstring, step 2): caps and the throughput bound B(c)."""
+    models = cascade.models
+    caps = [1] * len(models)
+
+    def capacity(i: int) -> float:
+        m = models[i]
+        return _stage_capacity_qps(placement.fleets[m], profiles[m], caps[i], batch_size)
+
+    def per_query(i: int) -> float:
+        return capacity(i) / reach[i] if reach[i] > 0 else math.inf
+
+    def path_ms() -> float:
+        return sum(
+            2.0 * _slowest_ms(placement.fleets[m], profiles[m], caps[i] * batch_size)
+            for i, m in enumerate(models)
+        )
+
+    while True:
+        i = min(range(len(models)), key=per_query)
+        m = models[i]
+        if caps[i] * 2 > _largest_cap(placement.fleets[m], profiles[m], batch_size):
+            break
+        before = per_query(i)
+        caps[i] *= 2
+        if path_ms() > slo_ms or per_query(i) <= before:
+            caps[i] //= 2
+            break
+    return tuple(caps), min(per_query(i) for i in range(len(models)))
+
+
+def _thin(indices: list[int], accuracy: Sequence[float], keep: int) -> list[int]:
+    """At most ``keep`` of ``indices`` (sorted by accuracy), spread evenly over the accuracy
+    range, the first and the last always among them."""
+    if len(indices) <= keep:
+        return indices
+    lo, hi = accuracy[indices[0]], accuracy[indices[-1]]
+    chosen = {indices[0], indices[-1]}
+    for k in range(1, keep - 1):
+        target = lo + (hi - lo) * k / (keep - 1)
+        chosen.add(min(indices, key=lambda i: (abs(accuracy[i] - target), i)))
+    return sorted(chosen, key=lambda i: (accuracy[i], i))
+
+
+@dataclass(slots=True)
+class _Prober:
+    """Simulates a cascade at a rate on one fixed Poisson pattern (common random numbers)."""
+
+    records: ValidationRecords
+    placement: Placement
+    profiles: Mapping[str, Mapping[str, LatencyProfile]]
+    prices: Mapping[str, float]
+    slo_ms: float
+    percentile: float
+    batch_size: int
+    seed: int
+    unit_arrival_s: NDArray[np.float64] = field(init=False)
+    sample_id: NDArray[np.int64] = field(init=False)
+    simulations: int = 0
+
+    def __post_init__(self) -> None:
+        rng = np.random.default_rng(self.seed)
+        self.unit_arrival_s = np.cumsum(rng.exponential(1.0, size=PLAN_QUERIES))
+        self.sample_id = rng.integers(0, self.records.n_samples, size=PLAN_QUERIES)
+
+    def tail_ms(self, candidate: _Candidate, rate_qps: float) -> float:
+        trace = Trace(
+            self.unit_arrival_s / rate_qps,
+            np.full(PLAN_QUERIES, self.batch_size, dtype=np.int64),
+            self.sample_id,
+        )
+        stages = cascade_stages(
+            candidate.cascade,
+            self.records,
+            trace.sample_id,
+            {m: self.placement.instances(m) for m in candidate.cascade.models},
+            self.profiles,
+            max_batch_queries=dict(zip(candidate.cascade.models, candidate.caps, strict=True)),
+        )
+        result = simulate(
+            trace, stages, np.random.default_rng(self.seed + 1), prices_usd_per_hr=self.prices
+        )
+        self.simulations += 1
+        return float(np.percentile(result.response_ms, self.percentile))
+
+
+def _max_qps(
+    prober: _Prober, candidate: _Candidate, steps: int
+) -> tuple[float, tuple[tuple[float, float], ...]]:
+    """Bisection for r*(c) over [0, u B(c)]; returns r* (0 when even the idle probe misses) and
+    the probes (rate, tail) sorted by rate, infeasible ones included."""
+    bound = PLAN_UTILISATION_CAP * candidate.bound_qps
+    idle = _IDLE_SHARE * bound
+    probes = [(idle, prober.tail_ms(candidate, idle))]
+    if probes[0][1] > prober.slo_ms:
+        return 0.0, tuple(probes)
+    top = prober.tail_ms(candidate, bound)
+    probes.append((bound, top))
+    if top <= prober.slo_ms:
+        return bound, tuple(probes)
+    low, high = idle, bound
+    for _ in range(steps):
+        middle = 0.5 * (low + high)
+        tail = prober.tail_ms(candidate, middle)
+        probes.append((middle, tail))
+        if tail <= prober.slo_ms:
+            low = middle
+        else:
+            high = middle
+    return low, tuple(sorted(probes))
+
+
+def plan_gears(
+    records: ValidationRecords,
+    placement: Placement,
+    profiles: Mapping[str, Mapping[str, LatencyProfile]],
+    prices_usd_per_hr: Mapping[str, float],
+    *,
+    slo_ms: float,
+    percentile: float = 99.0,
+    accuracy_floor: float | None = None,
+    qps_max: float | None = None,
+    n_ranges: int = DEFAULT_RANGES,
+    grid: Sequence[float] = DEFAULT_THRESHOLD_GRID,
+    batch_size: int = 1,
+    max_finalists: int = DEFAULT_MAX_FINALISTS,
+    bisection_steps: int = DEFAULT_BISECTION_STEPS,
+    seed: int = 0,
+) -> GearPlan:
+    """The gear plan of ``placement`` (see the module docstring for the algorithm).
+
+    ``profiles[m][t]`` is model m's latency profile on type t (every placed type needs one);
+    ``batch_size`` the size of each query (cascades of single samples: 1). Deterministic for a
+    seed.
+
+    Raises:
+        CascadeError: a placed model without records or profiles, bad parameters.
+        NoFeasibleGearError: no candidate meets the latency SLO even at almost no load.
+    """
+    if not (math.isfinite(slo_ms) and slo_ms > 0):
+        raise CascadeError("slo_ms", f"must be a number > 0, got {slo_ms!r}")
+    if n_ranges < 1 or max_finalists < 2 or bisection_steps < 1 or batch_size < 1:
+        raise CascadeError(
+            "", "needs n_ranges >= 1, max_finalists >= 2, bisection_steps >= 1, batch_size >= 1"
+        )
+    if accuracy_floor is not None and not 0 < accuracy_floor <= 1:
+        raise CascadeError("accuracy_floor", f"must be in (0, 1], got {accuracy_floor!r}")
+    for model in placement.order:
+        records.model_index(model)
+        for t in placement.fleets[model]:
+            if t not in profiles.get(model, {}):
+                raise CascadeError("profiles", f"no profile for model {model!r} on {t!r}")
+            if t not in prices_usd_per_hr:
+                raise CascadeError("prices", f"no price for instance type {t!r}")
+            profiles[model][t].check_batch_size(batch_size)
+
+    compute_ms = {
+        m: min(profiles[m][t].mean_latency_ms(batch_size) for t in placement.fleets[m])
+        for m in placement.order
+    }
+    candidates = []
+    for cascade in candidate_cascades(cascade_chains(placement.order), grid):
+        quality = evaluate(cascade, records)
+        caps, bound = _batch_caps(
+            cascade, quality.reach_share, placement, profiles, slo_ms, batch_size
+        )
+        compute = sum(
+            r * compute_ms[m] for m, r in zip(cascade.models, quality.reach_share, strict=True)
+        )
+        candidates.append(_Candidate(cascade, quality, caps, bound, compute))
+    accuracy = [c.quality.accuracy for c in candidates]
+    front = np.flatnonzero(
+        pareto_mask(np.array(accuracy), -np.array([c.bound_qps for c in candidates]))
+    )
+    ordered = sorted((int(i) for i in front), key=lambda i: (accuracy[i], i))
+    finalists = _thin(ordered, accuracy, max_finalists)
+
+    prober = _Prober(
+        records, placement, profiles, prices_usd_per_hr, slo_ms, percentile, batch_size, seed
+    )
+    options = []
+    best_idle: tuple[float, str] = (math.inf, "")
+    for i in finalists:
+        c = candidates[i]
+        max_qps, curve = _max_qps(prober, c, bisection_steps)
+        best_idle = min(best_idle, (curve[0][1], c.cascade.label))
+        if max_qps > 0:
+            options.append(
+                GearOption(c.cascade, c.quality, c.caps, c.bound_qps, max_qps, curve, c.compute_ms)
+            )
+    if not options:
+        raise NoFeasibleGearError(slo_ms, best_idle[0], best_idle[1])
+    # Fastest first: the gear of the top range is the first option.
+    options.sort(key=lambda o: (-o.max_qps, o.quality.accuracy))
+    top = max(o.max_qps for o in options) if qps_max is None else float(qps_max)
+    if not (math.isfinite(top) and top > 0):
+        raise CascadeError("qps_max", f"must be a number > 0, got {qps_max!r}")
+    gears = tuple(
+        _gear(options, top * k / n_ranges, top * (k + 1) / n_ranges, accuracy_floor)
+        for k in range(n_ranges)
+    )
+    return GearPlan(
+        placement=placement,
+        slo_ms=slo_ms,
+        percentile=percentile,
+        accuracy_floor=accuracy_floor,
+        options=tuple(options),
+        gears=gears,
+        qps_max=top,
+        candidates=len(candidates),
+        simulations=prober.simulations,
+    )
+
+
+def _gear(
+    options: Sequence[GearOption], low: float, high: float, accuracy_floor: float | None
+) -> Gear:
+    """SP2 for one range (module docstring, step 5)."""
+    indices = range(len(options))
+    fastest = max(indices, key=lambda i: (options[i].max_qps, options[i].quality.accuracy))
+    if accuracy_floor is None:
+        serving = [i for i in indices if options[i].max_qps >= high]
+        if not serving:
+            return Gear(low, high, fastest, False)
+        best = max(serving, key=lambda i: (options[i].quality.accuracy, options[i].max_qps))
+        return Gear(low, high, best, True)
+    accurate = [i for i in indices if options[i].quality.accuracy >= accuracy_floor]
+    if not accurate:
+        best = max(indices, key=lambda i: (options[i].quality.accuracy, options[i].max_qps))
+        return Gear(low, high, best, False)
+    best = min(
+        accurate,
+        key=lambda i: (
+            options[i].tail_ms_at(high),
+            -options[i].max_qps,
+            -options[i].quality.accuracy,
+        ),
+    )
+    return Gear(low, high, best, True)
+
+
+# --- switching -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GearSwitcher:
+    """The online switcher's state: the plan, the gear in force (an index into ``plan.gears``)
+    and since when, until when the budget cap holds downshifts, and the rule's parameters."""
+
+    plan: GearPlan
+    gear: int
+    since_s: float = 0.0
+    capped_until_s: float = -math.inf
+    alpha: float = ALPHA
+    cap_hold_s: float = DEFAULT_CAP_HOLD_S
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gear < len(self.plan.gears):
+            raise CascadeError("gear", f"no gear {self.gear} (the plan has {len(self.plan.gears)})")
+        if not (math.isfinite(self.alpha) and self.alpha >= 0):
+            raise CascadeError("alpha", f"must be a finite number >= 0, got {self.alpha!r}")
+        if not self.cap_hold_s >= 0:
+            raise CascadeError("cap_hold_s", f"must be >= 0, got {self.cap_hold_s!r}")
+
+    @property
+    def option(self) -> GearOption:
+        return self.plan.option_of(self.gear)
+
+
+@dataclass(frozen=True, slots=True)
+class GearDecision:
+    """What :func:`switch` decided at ``at_s``: the gear now in force, the one before, and why."""
+
+    at_s: float
+    gear: int
+    previous: int
+    measured_qps: float
+    effective_qps: float
+    first_queue_len: int
+    reason: str
+
+    @property
+    def changed(self) -> bool:
+        return self.gear != self.previous
+
+
+def start_switcher(
+    plan: GearPlan,
+    now_s: float = 0.0,
+    *,
+    expected_qps: float = 0.0,
+    alpha: float = ALPHA,
+    cap_hold_s: float = DEFAULT_CAP_HOLD_S,
+) -> GearSwitcher:
+    """The switcher in the gear of ``expected_qps`` (default: the lowest range's)."""
+    return GearSwitcher(plan, plan.gear_for(expected_qps), now_s, -math.inf, alpha, cap_hold_s)
+
+
+def switch(
+    measured_qps: float,
+    first_queue_len: int,
+    state: GearSwitcher,
+    now_s: float,
+    *,
+    capacity_share: float = 1.0,
+    budget_capped: bool = False,
+) -> tuple[GearDecision, GearSwitcher]:
+    """One producer tick: the gear for ``measured_qps`` and the next state.
+
+    The target is the gear of the range that holds measured_qps / capacity_share. A faster
+    target (a higher range) is taken at once. A slower one is held back while measured_qps <
+    alpha x first_queue_len (CascadeServe's rule: the backlog of the high-QPS interval drains
+    first) or while the budget cap holds (``budget_capped`` now or within ``cap_hold_s``).
+    ``first_queue_len`` is the queue of the current gear's first model. Pure.
+
+    >>> plan = GearPlan(Placement.parse("m:c=1"), 100.0, 99.0, None, (), (
+    ...     Gear(0.0, 10.0, 0, True), Gear(10.0, 20.0, 0, True)), 20.0, 0, 0)
+    >>> fast = GearSwitcher(plan, gear=1)
+    >>> switch(5.0, 2, fast, 1.0)[0].gear   # 5 < 8 x 2: the backlog holds the fast gear
+    1
+    >>> switch(5.0, 0, fast, 1.0)[0].gear
+    0
+    """
+    if not (math.isfinite(measured_qps) and measured_qps >= 0):
+        raise CascadeError("measured_qps", f"must be a finite number >= 0, got {measured_qps!r}")
+    if not (math.isfinite(capacity_share) and capacity_share > 0):
+        raise CascadeError("capacity_share", f"must be > 0, got {capacity_share!r}")
+    if first_queue_len < 0:
+        raise CascadeError("first_queue_len", f"must be >= 0, got {first_queue_len}")
+    effective = measured_qps / capacity_share
+    target = state.plan.gear_for(effective)
+    capped_until = now_s + state.cap_hold_s if budget_capped else state.capped_until_s
+    current = state.gear
+    seen = f"{measured_qps:.6g} qps measured"
+    if capacity_share != 1.0:
+        seen += f", {effective:.6g} qps on the planned capacity (share {capacity_share:.3g})"
+    if target == current:
+        gear, reason = current, f"{seen}: gear {current} holds"
+    elif target > current:
+        gear, reason = target, f"{seen}: up from gear {current} to {target}"
+    elif measured_qps < state.alpha * first_queue_len:
+        gear = current
+        reason = (
+            f"{seen}: keep gear {current} over {target}: qps < alpha {state.alpha:g} x first"
+            f" queue {first_queue_len} (backlog first)"
+        )
+    elif now_s < capped_until:
+        gear = current
+        reason = (
+            f"{seen}: keep gear {current} over {target}: the budget caps the fleet (until"
+            f" {capped_until:.6g} s)"
+        )
+    else:
+        gear, reason = target, f"{seen}: down from gear {current} to {target}"
+    decision = GearDecision(now_s, gear, current, measured_qps, effective, first_queue_len, reason)
+    since = now_s if gear != current else state.since_s
+    return decision, replace(state, gear=gear, since_s=since, capped_until_s=capped_until)
+
+
+def switch_with_tuner(
+    measured_qps: float,
+    first_queue_len: int,
+    state: GearSwitcher,
+    now_s: float,
+    *,
+    decisions: Iterable[Decision],
+    ready: Mapping[str, Mapping[str, int]],
+    profiles: Mapping[str, Mapping[str, LatencyProfile]],
+    batch_size: int = 1,
+) -> tuple[GearDecision, GearSwitcher]:
+    """:func:`switch` fed from the tuner's tick: ``budget_capped`` when any of ``decisions``
+    (``controlplane.tuner.tune``'s, this tick) is one, ``capacity_share`` from ``ready`` (the
+    tuner's ``ready_fleets``: instances serving now, booting ones left out) against the plan's
+    placement."""
+    capped = any(d.action == "budget_capped" for d in decisions)
+    share = capacity_share(state.plan.placement, ready, profiles, batch_size)
+    return switch(
+        measured_qps,
+        first_queue_len,
+        state,
+        now_s,
+        capacity_share=share,
+        budget_capped=capped,
+    )
+
+
+def capacity_share(
+    placement: Placement,
+    ready: Mapping[str, Mapping[str, int]],
+    profiles: Mapping[str, Mapping[str, LatencyProfile]],
+    batch_size: int = 1,
+) -> float:
+    """Ready capacity over planned capacity, of the stage shortest of its plan: min over placed
+    models m of sum_t ready_{m,t} / L_{m,t}(b) over sum_t planned_{m,t} / L_{m,t}(b) (instances
+    still booting are not in ``ready``; an absent model counts as its placement).
+
+    >>> from estimator.profiles import LatencyProfile
+    >>> p = {"m": {"c": LatencyProfile("m", "c", np.array([1]), (np.array([10.0]),))}}
+    >>> round(capacity_share(Placement.parse("m:c=4"), {"m": {"c": 3}}, p), 6)
+    0.75
+    """
+    shares = []
+    for model in placement.order:
+        rate = {t: 1.0 / profiles[model][t].mean_latency_ms(batch_size) for t in profiles[model]}
+        planned = sum(n * rate[t] for t, n in placement.fleets[model].items())
+        counts = ready.get(model, placement.fleets[model])
+        have = sum(n * rate[t] for t, n in counts.items() if t in rate)
+        shares.append(have / planned)
+    return min(shares)
+
+
+# --- switching inside the simulator ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GearRun:
+    """A simulated run with gear switching: the simulation, every tick's decision, and per query
+    the gear in force when it arrived and whether its answer was right."""
+
+    simulation: SimulationResult
+    decisions: tuple[GearDecision, ...]
+    gear: NDArray[np.int64]
+    correct: NDArray[np.bool_]
+    start_gear: int
+    horizon_s: float
+
+    @property
+    def changes(self) -> tuple[GearDecision, ...]:
+        return tuple(d for d in self.decisions if d.changed)
+
+
+class _Controller:
+    """The simulator's mode controller around the pure :func:`switch` (holds the state)."""
+
+    def __init__(
+        self, state: GearSwitcher, arrival_s: NDArray[np.float64], tick_s: float, window_s: float
+    ) -> None:
+        self.state = state
+        self.arrival_s = arrival_s
+        self._period_s = tick_s
+        self.window_s = window_s
+        self.decisions: list[GearDecision] = []
+        self.entry_stage = {
+            g: state.plan.placement.order.index(state.plan.option_of(g).cascade.models[0])
+            for g in range(len(state.plan.gears))
+        }
+
+    @property
+    def period_s(self) -> float:
+        return self._period_s
+
+    def initial_mode(self) -> int:
+        return self.state.gear
+
+    def tick(self, now_s: float, queue_lengths: tuple[int, ...]) -> int:
+        lo, hi = np.searchsorted(self.arrival_s, [now_s - self.window_s, now_s], side="right")
+        measured = float(hi - lo) / self.window_s
+        first = queue_lengths[self.entry_stage[self.state.gear]]
+        decision, self.state = switch(measured, first, self.state, now_s)
+        self.decisions.append(decision)
+        return self.state.gear
+
+
+def _routing(plan: GearPlan, records: ValidationRecords, sample_id: NDArray[np.int64]) -> Routing:
+    """One mode per gear: its cascade's route for every query over the placement's stages."""
+    order = plan.placement.order
+    n, stages = sample_id.size, len(order)
+    modes = len(plan.gears)
+    entry = np.zeros((modes, n), dtype=np.int64)
+    nxt = np.full((modes, stages, n), -1, dtype=np.int64)
+    caps = np.ones((modes, stages), dtype=np.int64)
+    routes: dict[int, tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]] = {}
+    for g, gear in enumerate(plan.gears):
+        if gear.option not in routes:
+            option = plan.options[gear.option]
+            positions = [order.index(m) for m in option.cascade.models]
+            stop = answering_stage(option.cascade, records, sample_id)
+            table = np.full((stages, n), -1, dtype=np.int64)
+            for i, s in enumerate(positions[:-1]):
+                table[s] = np.where(stop > i, positions[i + 1], -1)
+            cap = np.ones(stages, dtype=np.int64)
+            cap[positions] = option.max_batch_queries
+            routes[gear.option] = (np.full(n, positions[0], dtype=np.int64), table, cap)
+        entry[g], nxt[g], caps[g] = routes[gear.option]
+    return Routing(entry, nxt, caps)
+
+
+def simulate_gear_switching(
+    trace: Trace,
+    plan: GearPlan,
+    records: ValidationRecords,
+    profiles: Mapping[str, Mapping[str, LatencyProfile]],
+    prices_usd_per_hr: Mapping[str, float],
+    rng: np.random.Generator,
+    *,
+    tick_s: float = DEFAULT_TICK_S,
+    window_s: float | None = None,
+    alpha: float = ALPHA,
+    start_gear: int | None = None,
+) -> GearRun:
+    """Simulate ``trace`` on the plan's placement (one stage per placed model, each with its own
+    instances and queue) while :func:`switch` picks the gear every ``tick_s`` from the QPS
+    measured over the last ``window_s`` (default ``tick_s``) and the current gear's first queue.
+    A query follows the cascade of the gear in force when it arrives; queues carry across gear
+    changes (the simulator's mode hook, ``estimator.simulator.Routing``).
+
+    Raises:
+        CascadeError: a trace without sample ids, a sample outside the records.
+    """
+    if trace.sample_id is None:
+        raise CascadeError("sample_id", "gear switching needs the trace's sample ids")
+    order = plan.placement.order
+    stages = [
+        Stage(m, plan.placement.instances(m), profiles[m], max_batch_queries=1) for m in order
+    ]
+    routing = _routing(plan, records, trace.sample_id)
+    first = 0 if start_gear is None else start_gear
+    state = GearSwitcher(plan, first, 0.0, -math.inf, alpha)
+    controller = _Controller(
+        state, trace.arrival_s, tick_s, tick_s if window_s is None else window_s
+    )
+    result = simulate(
+        trace,
+        stages,
+        rng,
+        prices_usd_per_hr=prices_usd_per_hr,
+        qos_ms=plan.slo_ms,
+        routing=routing,
+        controller=controller,
+    )
+    assert result.mode is not None and result.answered_stage is not None
+    rows = np.array([records.model_index(m) for m in order])
+    correct = records.correct[rows[result.answered_stage], trace.sample_id]
+    return GearRun(
+        simulation=result,
+        decisions=tuple(controller.decisions),
+        gear=result.mode,
+        correct=correct,
+        start_gear=first,
+        horizon_s=float(trace.arrival_s[-1]),
+    )
+
+
+def time_weighted_accuracy(
+    plan: GearPlan,
+    start_gear: int,
+    changes: Sequence[GearDecision],
+    start_s: float,
+    end_s: float,
+) -> float:
+    """The validation accuracy of the gear in force, averaged over [start_s, end_s) by time
+    (CascadeServe appendix C: "the time-weighted average of all cascades being used")."""
+    if not end_s > start_s:
+        raise CascadeError("", f"needs end_s > start_s, got {start_s}, {end_s}")
+    gear, t, total = start_gear, start_s, 0.0
+    for change in sorted(changes, key=lambda d: d.at_s):
+        if change.at_s <= start_s:
+            gear = change.gear
+            continue
+        if change.at_s >= end_s:
+            break
+        total += plan.option_of(gear).quality.accuracy * (change.at_s - t)
+        gear, t = change.gear, change.at_s
+    total += plan.option_of(gear).quality.accuracy * (end_s - t)
+    return total / (end_s - start_s)

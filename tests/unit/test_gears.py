@@ -1,0 +1,361 @@
+"""Gear plans and gear switching (CascadeServe): the plan, the switcher, switching in simulation."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from controlplane.cli import main
+from controlplane.gears import (
+    ALPHA,
+    Gear,
+    GearDecision,
+    GearOption,
+    GearPlan,
+    GearSwitcher,
+    Placement,
+    capacity_share,
+    plan_gears,
+    simulate_gear_switching,
+    start_switcher,
+    switch,
+    switch_with_tuner,
+    time_weighted_accuracy,
+)
+from controlplane.tuner import Decision
+from estimator.cascades import Cascade, CascadeQuality, answering_stage, validation_document
+from estimator.errors import CascadeError, NoFeasibleGearError
+from estimator.profiles import write_profiles_json
+from estimator.traces import Trace, constant_profile, renewal_arrivals, with_spikes
+from tests.unit import cascade_support as family
+
+SLO_MS = 120.0
+PLACEMENT = "tiny:c5.xlarge=1;small:c5.xlarge=1;large:c5.xlarge=2"
+
+
+@pytest.fixture(scope="module")
+def plan() -> GearPlan:
+    return plan_gears(
+        family.records(),
+        Placement.parse(PLACEMENT),
+        family.profiles(),
+        family.PRICES,
+        slo_ms=SLO_MS,
+        grid=(0.3, 0.6, 0.9),
+        n_ranges=6,
+        seed=1,
+    )
+
+
+def fake_plan(n_ranges: int = 4, qps_max: float = 40.0) -> GearPlan:
+    """A plan whose gears are only ranges (the switcher needs nothing else)."""
+    width = qps_max / n_ranges
+    gears = tuple(Gear(k * width, (k + 1) * width, 0, True) for k in range(n_ranges))
+    return GearPlan(Placement.parse("m:c=1"), 100.0, 99.0, None, (), gears, qps_max, 0, 0)
+
+
+# --- the placement ---------------------------------------------------------------------------
+
+
+def test_placement_parses_and_refuses_nonsense() -> None:
+    placement = Placement.parse(PLACEMENT)
+    assert placement.order == family.MODELS
+    assert placement.fleets["large"]["c5.xlarge"] == 2
+    assert placement.cost_usd_per_hr(family.PRICES) == pytest.approx(4 * 0.17)
+    with pytest.raises(CascadeError, match="must look like model:type=count"):
+        Placement.parse("tiny=c5.xlarge")
+    with pytest.raises(CascadeError, match=r"tiny: count of c5\.xlarge must be >= 0"):
+        Placement.parse("tiny:c5.xlarge=-1")
+    with pytest.raises(CascadeError, match="model 'tiny' has no instances"):
+        Placement.parse("tiny:c5.xlarge=0")
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+
+def test_gears_cover_the_span_and_lose_accuracy_as_load_grows(plan: GearPlan) -> None:
+    assert plan.gears[0].low_qps == 0.0
+    assert plan.gears[-1].high_qps == pytest.approx(plan.qps_max)
+    for left, right in zip(plan.gears, plan.gears[1:], strict=False):
+        assert left.high_qps == pytest.approx(right.low_qps)
+    accuracy = [plan.option_of(g).quality.accuracy for g in range(len(plan.gears))]
+    assert accuracy == sorted(accuracy, reverse=True)
+    for gear in plan.gears:
+        option = plan.options[gear.option]
+        assert gear.meets_slo == (option.max_qps >= gear.high_qps - 1e-9)
+    # The top range is the fastest option's own max.
+    assert plan.qps_max == pytest.approx(max(o.max_qps for o in plan.options))
+    assert len(plan.gears) == 6 and plan.simulations > 0
+
+
+def test_every_option_is_within_the_slo_at_its_max_and_the_caps_fit(plan: GearPlan) -> None:
+    for option in plan.options:
+        assert option.max_qps > 0 and option.max_qps <= option.bound_qps
+        feasible = [tail for rate, tail in option.latency_curve if rate <= option.max_qps]
+        assert max(feasible) <= SLO_MS
+        assert len(option.max_batch_queries) == len(option.cascade.models)
+        assert all(k >= 1 for k in option.max_batch_queries)
+
+
+def test_the_plan_is_deterministic(plan: GearPlan) -> None:
+    again = plan_gears(
+        family.records(),
+        Placement.parse(PLACEMENT),
+        family.profiles(),
+        family.PRICES,
+        slo_ms=SLO_MS,
+        grid=(0.3, 0.6, 0.9),
+        n_ranges=6,
+        seed=1,
+    )
+    assert again.to_document() == plan.to_document()
+
+
+def test_an_accuracy_floor_picks_cascades_that_meet_it() -> None:
+    records = family.records()
+    floor = 0.96
+    plan = plan_gears(
+        records,
+        Placement.parse(PLACEMENT),
+        family.profiles(),
+        family.PRICES,
+        slo_ms=SLO_MS,
+        accuracy_floor=floor,
+        grid=(0.3, 0.6, 0.9),
+        n_ranges=4,
+        seed=1,
+    )
+    for gear in plan.gears:
+        assert plan.options[gear.option].quality.accuracy >= floor
+        assert gear.meets_slo
+
+
+def test_a_slo_below_every_service_time_has_no_gear() -> None:
+    with pytest.raises(NoFeasibleGearError, match=r"no cascade meets the latency SLO of 0\.5 ms"):
+        plan_gears(
+            family.records(),
+            Placement.parse(PLACEMENT),
+            family.profiles(),
+            family.PRICES,
+            slo_ms=0.5,
+            grid=(0.5,),
+        )
+
+
+def test_a_placed_type_without_a_profile_is_refused() -> None:
+    with pytest.raises(CascadeError, match=r"no profile for model 'tiny' on 'g4dn\.xlarge'"):
+        plan_gears(
+            family.records(),
+            Placement.parse("tiny:g4dn.xlarge=1"),
+            family.profiles(),
+            {"g4dn.xlarge": 0.5},
+            slo_ms=SLO_MS,
+        )
+
+
+# --- the switcher ----------------------------------------------------------------------------
+
+
+def test_gear_for_finds_the_range() -> None:
+    plan = fake_plan()  # ranges of 10 qps
+    assert [plan.gear_for(q) for q in (0.0, 9.9, 10.0, 35.0, 1e9)] == [0, 0, 1, 3, 3]
+
+
+def test_a_faster_gear_is_taken_at_once_even_with_a_queue() -> None:
+    state = GearSwitcher(fake_plan(), gear=0)
+    decision, state = switch(35.0, 1000, state, 1.0)
+    assert (decision.gear, decision.previous, decision.changed) == (3, 0, True)
+    assert "up from gear 0 to 3" in decision.reason and state.since_s == 1.0
+
+
+def test_the_fast_gear_stays_while_the_backlog_drains() -> None:
+    # CascadeServe: keep the gear while qps < alpha x Q0 (alpha = 8): 5 qps < 8 x 1.
+    state = GearSwitcher(fake_plan(), gear=3, since_s=0.0)
+    decision, state = switch(5.0, 1, state, 2.0)
+    assert decision.gear == 3 and not decision.changed
+    assert f"qps < alpha {ALPHA:g} x first queue 1" in decision.reason
+    assert state.since_s == 0.0
+    # Once the queue is short enough (8 >= 8 x 1 holds: no longer qps < alpha Q0), it moves down.
+    decision, state = switch(8.0, 1, state, 2.1)
+    assert (decision.gear, state.gear) == (0, 0)
+    assert "down from gear 3 to 0" in decision.reason
+
+
+def test_budget_cap_holds_downshifts_for_the_hold_time() -> None:
+    state = GearSwitcher(fake_plan(), gear=3, cap_hold_s=5.0)
+    decision, state = switch(35.0, 0, state, 10.0, budget_capped=True)
+    assert decision.gear == 3 and state.capped_until_s == 15.0
+    decision, state = switch(5.0, 0, state, 12.0)
+    assert decision.gear == 3 and "the budget caps the fleet" in decision.reason
+    decision, state = switch(5.0, 0, state, 15.0)
+    assert decision.gear == 0
+
+
+def test_booting_capacity_scales_the_measured_load() -> None:
+    state = GearSwitcher(fake_plan(), gear=0)
+    # 12 qps on half the planned capacity reads as 24 qps on the plan: gear 2.
+    decision, _ = switch(12.0, 0, state, 1.0, capacity_share=0.5)
+    assert decision.gear == 2 and decision.effective_qps == pytest.approx(24.0)
+    assert "share 0.5" in decision.reason
+
+
+def test_switch_refuses_bad_readings() -> None:
+    state = GearSwitcher(fake_plan(), gear=0)
+    with pytest.raises(CascadeError, match="measured_qps"):
+        switch(-1.0, 0, state, 0.0)
+    with pytest.raises(CascadeError, match="capacity_share"):
+        switch(1.0, 0, state, 0.0, capacity_share=0.0)
+    with pytest.raises(CascadeError, match="no gear 9"):
+        GearSwitcher(fake_plan(), gear=9)
+
+
+def test_the_tuners_tick_feeds_the_switcher(plan: GearPlan) -> None:
+    profiles = family.profiles()
+    state = GearSwitcher(plan, gear=len(plan.gears) - 1)
+    capped = Decision(3.0, "large", "budget_capped", family.TYPE, 2, "budget_capped: ...", 0.68)
+    decision, state = switch_with_tuner(
+        0.0, 0, state, 3.0, decisions=[capped], ready={}, profiles=profiles
+    )
+    assert decision.gear == len(plan.gears) - 1 and state.capped_until_s > 3.0
+    # Half the large stage still boots: the load reads as twice what was measured.
+    half = {"large": {family.TYPE: 1}}
+    free = GearSwitcher(plan, gear=0)
+    rate = 0.3 * plan.qps_max
+    decision, _ = switch_with_tuner(rate, 0, free, 4.0, decisions=[], ready=half, profiles=profiles)
+    assert decision.effective_qps == pytest.approx(2 * rate)
+    assert decision.gear == plan.gear_for(2 * rate)
+
+
+def test_start_switcher_picks_the_expected_load() -> None:
+    assert start_switcher(fake_plan(), expected_qps=25.0).gear == 2
+
+
+def test_capacity_share_is_the_shortest_stage() -> None:
+    placement = Placement.parse(PLACEMENT)
+    profiles = family.profiles()
+    assert capacity_share(placement, {}, profiles) == pytest.approx(1.0)
+    ready = {"large": {"c5.xlarge": 1}}
+    assert capacity_share(placement, ready, profiles) == pytest.approx(0.5)
+
+
+def test_time_weighted_accuracy_by_hand() -> None:
+    def option(accuracy: float) -> GearOption:
+        quality = CascadeQuality(accuracy, (1.0,), (1.0,))
+        return GearOption(Cascade(("m",)), quality, (1,), 10.0, 9.0, ((1.0, 5.0),), 1.0)
+
+    gears = (Gear(0, 20, 0, True), Gear(20, 40, 1, True))
+    two = GearPlan(
+        fake_plan().placement, 100.0, 99.0, None, (option(0.9), option(0.6)), gears, 40.0, 0, 0
+    )
+    up = GearDecision(4.0, 1, 0, 30.0, 30.0, 0, "up")
+    down = GearDecision(6.0, 0, 1, 5.0, 5.0, 0, "down")
+    # 0.9 for 4 s, 0.6 for 2 s, 0.9 for 4 s over [0, 10).
+    assert time_weighted_accuracy(two, 0, [up, down], 0.0, 10.0) == pytest.approx(0.84)
+    assert time_weighted_accuracy(two, 0, [up, down], 4.0, 6.0) == pytest.approx(0.6)
+    assert time_weighted_accuracy(two, 0, [up, down], 5.0, 10.0) == pytest.approx(0.84)
+
+
+# --- switching in the simulator --------------------------------------------------------------
+
+
+def test_switching_absorbs_a_jump_and_keeps_every_query(plan: GearPlan) -> None:
+    records = family.records()
+    base = 0.2 * plan.qps_max
+    load = with_spikes(constant_profile(base), [(5.0, 5.0, 4.0)])
+    rng = np.random.default_rng(3)
+    arrival = renewal_arrivals(load, 15.0, 1.0, rng)
+    trace = Trace(
+        arrival,
+        np.ones(arrival.size, dtype=np.int64),
+        rng.integers(0, records.n_samples, size=arrival.size),
+    )
+    run = simulate_gear_switching(
+        trace,
+        plan,
+        records,
+        family.profiles(),
+        family.PRICES,
+        np.random.default_rng(4),
+        start_gear=plan.gear_for(base),
+    )
+    result = run.simulation
+    assert not np.isnan(result.finish_s).any()
+    # Within a tick or two of the jump a faster gear holds, and a slower one after it.
+    at_jump = run.gear[(arrival >= 5.3) & (arrival < 10.0)]
+    assert at_jump.min() > run.start_gear
+    assert run.gear[arrival > 14.0].min() < at_jump.max()
+    # Every query answers at a model of the cascade in force when it arrived.
+    order = plan.placement.order
+    assert result.answered_stage is not None
+    for g in np.unique(run.gear):
+        mine = run.gear == g
+        cascade = plan.option_of(int(g)).cascade
+        expected = answering_stage(cascade, records, trace.sample_id[mine])
+        answered = [order[s] for s in result.answered_stage[mine]]
+        assert answered == [cascade.models[i] for i in expected]
+    assert 0.0 < run.correct.mean() <= 1.0
+    assert all(d.changed for d in run.changes)
+
+
+def test_switching_needs_sample_ids(plan: GearPlan) -> None:
+    trace = Trace(np.array([0.0, 0.1]), np.ones(2, dtype=np.int64))
+    with pytest.raises(CascadeError, match="sample ids"):
+        simulate_gear_switching(
+            trace,
+            plan,
+            family.records(),
+            family.profiles(),
+            family.PRICES,
+            np.random.default_rng(0),
+        )
+
+
+# --- the command -----------------------------------------------------------------------------
+
+
+def _app(tmp_path: Path) -> tuple[Path, Path]:
+    write_profiles_json(
+        [p for by_type in family.profiles().values() for p in by_type.values()],
+        tmp_path / "profiles.json",
+    )
+    validation = tmp_path / "validation.json"
+    validation.write_text(json.dumps(validation_document(family.records())))
+    spec = tmp_path / "app.yaml"
+    spec.write_text(
+        "name: digits\n"
+        "models:\n"
+        + "".join(f"  - {{name: {m}, profiles: profiles.json}}\n" for m in family.MODELS)
+        + "cascade: [tiny, small, large]\n"
+        f"slo: {{latency_ms: {SLO_MS:g}}}\n"
+        "budget_usd_per_hr: 2\n"
+        "instance_types: [c5.xlarge]\n"
+    )
+    return spec, validation
+
+
+def test_gears_command_prints_one_json_object(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec, validation = _app(tmp_path)
+    args = ["gears", "--spec", str(spec), "--validation", str(validation)]
+    args += ["--placement", PLACEMENT, "--thresholds", "0.3,0.9", "--ranges", "3", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["app"] == "digits" and len(out["gears"]) == 3
+    assert out["cost_usd_per_hr"] == pytest.approx(4 * 0.17)
+    assert all(math.isfinite(o["max_qps"]) for o in out["options"])
+
+
+def test_gears_command_refuses_a_foreign_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec, validation = _app(tmp_path)
+    args = ["gears", "--spec", str(spec), "--validation", str(validation)]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--placement", "huge:c5.xlarge=1"])
+    assert exit_.value.code == 2
+    assert "'huge', not a model of the app" in capsys.readouterr().err
