@@ -1,5 +1,5 @@
 # The two commands a newcomer needs (see README.md):
-#   make demo   runs the main job
+#   make demo   runs the main job: the control plane with the demo app, until Ctrl-C
 #   make test   runs the whole test suite (lint, types, tests)
 # Each bootstraps a virtualenv in .venv with the editable install on first use.
 
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "heteroplane needs Python >= 3.11; set PYTHON=python3.11 (or newer)")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,worker]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

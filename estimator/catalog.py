@@ -3,9 +3,11 @@
 This module owns :class:`InstanceType` (a shape and its on-demand price), :class:`Catalog` (an
 immutable mapping from type name to :class:`InstanceType`), the default catalog shipped as package
 data (``estimator/data/instance_types.csv``: Linux on-demand prices in us-east-1, sources and dates
-in ``docs/catalog.md``), and the reader and writer of the catalog files a user hands in with
-``--catalog FILE`` (CSV or JSON). What can be bought and at what price is kept apart from how
-instances are created (that is ``provisioners/``).
+in ``docs/catalog.md``; besides the EC2 types it holds ``local.cpu``, the machine the profiler
+measures, and the emulated ``emu.*`` types the local provisioner runs, with their speed factors),
+and the reader and writer of the catalog files a user hands in with ``--catalog FILE`` (CSV or
+JSON). What can be bought and at what price is kept apart from how instances are created (that is
+``provisioners/``).
 
 Every value is checked where it enters: an :class:`InstanceType` cannot be built with a negative
 price, and a catalog file that is malformed fails with one :class:`~estimator.errors.CatalogError`

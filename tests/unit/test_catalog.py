@@ -37,6 +37,19 @@ CPU_FAMILIES = {"c5", "c5n", "c6i", "m5", "r5", "r5n", "t3"}
 # Memory of one GPU of each model (GiB), as AWS lists it.
 GPU_MEMORY_GIB = {"T4": 16.0, "A10G": 24.0, "L4": 24.0, "V100": 16.0}
 GPU_MODEL_OF_FAMILY = {"g4dn": "T4", "g5": "A10G", "g6": "L4", "p3": "V100"}
+# Rows that are not EC2 types: the machine the profiler measures (local.cpu) and the types the local
+# provisioner emulates from it (docs/catalog.md, "Emulated types"). The EC2 checks skip them.
+EMULATED_FAMILIES = {"local", "emu"}
+EMULATED_SPEED_FACTORS = {
+    "local.cpu": 1.0,
+    "emu.cpu.small": 0.5,
+    "emu.cpu.large": 1.0,
+    "emu.gpu": 4.0,
+}
+
+
+def ec2_types() -> list[InstanceType]:
+    return [t for t in default_catalog().values() if t.family not in EMULATED_FAMILIES]
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:
@@ -63,7 +76,7 @@ def test_default_catalog_has_the_kairos_prices_exactly(name: str, price: float) 
 
 
 def test_gpu_rows_name_their_gpu_and_cpu_rows_have_none() -> None:
-    for t in default_catalog().values():
+    for t in ec2_types():
         if t.family in GPU_FAMILIES:
             assert t.is_gpu and t.gpus >= 1
             assert t.gpu_model == GPU_MODEL_OF_FAMILY[t.family]
@@ -75,7 +88,7 @@ def test_gpu_rows_name_their_gpu_and_cpu_rows_have_none() -> None:
 
 
 def test_default_catalog_rows_are_complete_and_named_by_family() -> None:
-    for t in default_catalog().values():
+    for t in ec2_types():
         assert t.name.startswith(t.family + ".")
         assert t.vcpus is not None and t.vcpus > 0
         assert t.memory_gib is not None and t.memory_gib > 0
@@ -87,11 +100,21 @@ def test_cpu_families_price_every_gib_the_same() -> None:
     # AWS prices the sizes of each of these CPU families linearly in memory (in vCPUs too, except
     # t3, whose medium and large both have 2 vCPUs); a typo in one row breaks this.
     per_gib: dict[str, set[float]] = {}
-    for t in default_catalog().values():
+    for t in ec2_types():
         if not t.is_gpu:
             assert t.memory_gib is not None
             per_gib.setdefault(t.family, set()).add(round(t.price_usd_per_hr / t.memory_gib, 6))
     assert all(len(rates) == 1 for rates in per_gib.values()), per_gib
+
+
+def test_default_catalog_holds_the_emulated_types() -> None:
+    catalog = default_catalog()
+    emulated = {t.name: t for t in catalog.values() if t.family in EMULATED_FAMILIES}
+    assert {name: t.speed_factor for name, t in emulated.items()} == EMULATED_SPEED_FACTORS
+    assert catalog.price_usd_per_hr("local.cpu") == 0.0  # the machine at hand is paid for
+    assert all(t.price_usd_per_hr > 0 for name, t in emulated.items() if name != "local.cpu")
+    assert catalog["emu.gpu"].is_gpu and not catalog["emu.cpu.small"].is_gpu
+    assert len(ec2_types()) == 53
 
 
 def test_default_catalog_is_cached() -> None:
@@ -217,12 +240,12 @@ def test_csv_override_adds_and_replaces(tmp_path: Path) -> None:
         "catalog.csv",
         "instance_type,price_usd_per_hr,vcpus,gpus,gpu_model,notes\n"
         "g4dn.xlarge,0.40,4,1,T4,negotiated\n"
-        "emu.gpu,0,,1,,\n",
+        "emu.other,0,,1,,\n",
     )
     catalog = load_catalog(path)
     assert catalog.price_usd_per_hr("g4dn.xlarge") == 0.40
     assert catalog["g4dn.xlarge"].memory_gib is None  # a row replaces the whole type
-    assert catalog["emu.gpu"] == InstanceType("emu.gpu", 0.0, gpus=1)
+    assert catalog["emu.other"] == InstanceType("emu.other", 0.0, gpus=1)
     assert len(catalog) == len(default_catalog()) + 1
     assert catalog.names.index("g4dn.xlarge") == default_catalog().names.index("g4dn.xlarge")
 

@@ -1,0 +1,258 @@
+"""``heteroplane profile``: measure the demo family's latency profiles here, or summarise a file.
+
+``profile measure`` times each model of the family (``provisioners.worker.family``) at each batch
+size on this machine (the reference type ``local.cpu``), derives the emulated instance types'
+profiles from it by their catalog speed factors, and writes the project's profile JSON; the timing
+lives in ``controlplane.profiler``. ``profile show`` summarises any profile file (the JSON or a
+Kairos samples CSV): mean latency per model, instance type and batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from controlplane import profiler
+from controlplane.cli.output import UsageError, emit, progress
+from estimator.catalog import Catalog, InstanceType, default_catalog, load_catalog
+from estimator.profiles import LatencyProfile, ProfileSet, load_profiles, write_profiles_json
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``profile measure`` and ``profile show``."""
+    parser = subparsers.add_parser(
+        "profile",
+        help="measure the demo model family's latency profiles, or summarise a profile file",
+        description="Measure latency profiles of the demo model family on this machine (and the"
+        " emulated instance types derived from it), or summarise a profile file.",
+    )
+    actions = parser.add_subparsers(dest="profile_command", metavar="ACTION")
+    actions.required = True
+
+    measure = actions.add_parser(
+        "measure",
+        help="time the family's models per batch size here; write a profile JSON",
+        description="Time each model of the demo family per batch size on this machine (warm-up"
+        " runs, then timed runs under torch.inference_mode with a fixed number of threads) and"
+        f" write the profile JSON for the reference type {profiler.REFERENCE_TYPE} and for the"
+        " emulated instance types, whose latency is the measured one divided by their speed"
+        " factor. Trains the family first if its cache lacks it.",
+    )
+    measure.add_argument(
+        "--models", metavar="M1,M2,...", help="models of the family (default: all of them)"
+    )
+    measure.add_argument(
+        "--batch-sizes",
+        default=",".join(str(b) for b in profiler.DEFAULT_BATCH_SIZES),
+        metavar="B1,B2,...",
+        help="batch sizes to time (default %(default)s)",
+    )
+    measure.add_argument(
+        "--samples",
+        type=int,
+        default=profiler.DEFAULT_SAMPLES,
+        metavar="N",
+        help="timed runs per model and batch size (default %(default)s)",
+    )
+    measure.add_argument(
+        "--warmup",
+        type=int,
+        default=profiler.DEFAULT_WARMUP,
+        metavar="N",
+        help="untimed runs before them (default %(default)s)",
+    )
+    measure.add_argument(
+        "--threads",
+        type=int,
+        default=profiler.DEFAULT_THREADS,
+        metavar="N",
+        help="torch threads while timing (default %(default)s)",
+    )
+    measure.add_argument(
+        "--instance-types",
+        metavar="T1,T2,...",
+        help="emulated types to derive (default: every emu.* type of the catalog)",
+    )
+    measure.add_argument(
+        "--catalog",
+        type=Path,
+        metavar="FILE",
+        help="CSV or JSON of instance types that add to or override the default catalog",
+    )
+    measure.add_argument(
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="the family's model cache (default: $HETEROPLANE_DATA_DIR/models)",
+    )
+    measure.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE",
+        help="where to write the profile JSON"
+        " (default: $HETEROPLANE_DATA_DIR/profiles/family.json)",
+    )
+    measure.add_argument("--json", action="store_true", help="print one JSON object")
+    measure.set_defaults(handler=run_measure)
+
+    show = actions.add_parser(
+        "show",
+        help="summarise a profile file: mean latency by model, instance type and batch size",
+        description="Summarise a profile file (the project's profile JSON or a Kairos samples"
+        " CSV): for each model and instance type, the mean latency at each batch size.",
+    )
+    show.add_argument("file", type=Path, metavar="FILE", help="the profile file")
+    show.add_argument("--json", action="store_true", help="print one JSON object")
+    show.set_defaults(handler=run_show)
+
+
+def load_family() -> ModuleType:
+    """``provisioners.worker.family``, or a one-line :class:`UsageError` when torch is missing."""
+    try:
+        from provisioners.worker import family
+    except ImportError as error:
+        raise UsageError(
+            f"needs torch and scikit-learn ({error}); install the worker extra:"
+            " pip install -e '.[worker]'"
+        ) from None
+    return family
+
+
+def parse_models(text: str | None) -> list[str]:
+    """The family models named by ``--models`` (all of them by default), in family order."""
+    family = load_family()
+    if text is None:
+        return list(family.MODEL_NAMES)
+    names = [part.strip() for part in text.split(",")]
+    if not names or any(not name for name in names):
+        raise UsageError(f"--models {text!r}: expected model names separated by commas")
+    for name in names:
+        if name not in family.MODEL_NAMES:
+            raise UsageError(
+                f"--models: unknown model {name!r} (the family: {', '.join(family.MODEL_NAMES)})"
+            )
+    if len(set(names)) != len(names):
+        raise UsageError(f"--models {text!r} names a model twice")
+    return [name for name in family.MODEL_NAMES if name in names]
+
+
+def measure_settings(args: argparse.Namespace) -> profiler.MeasureSettings:
+    if args.samples < 1:
+        raise UsageError(f"--samples must be >= 1, got {args.samples}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    return profiler.MeasureSettings(args.samples, args.warmup, args.threads)
+
+
+def check_writable(path: Path, option: str = "--out") -> None:
+    """Refuse an output path that cannot be written before the long work, not after it."""
+    if path.is_dir():
+        raise UsageError(f"{option} {path}: is a directory")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"{option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{option} {path}: not writable")
+
+
+def _emulated(text: str | None, catalog: Catalog) -> list[InstanceType]:
+    if text is None:
+        return profiler.emulated_types(catalog)
+    names = [part.strip() for part in text.split(",")]
+    if any(not name for name in names):
+        raise UsageError(f"--instance-types {text!r}: expected type names separated by commas")
+    types = []
+    for name in dict.fromkeys(names):
+        if name == profiler.REFERENCE_TYPE:
+            continue  # always measured
+        itype = catalog[name]  # UnknownInstanceTypeError lists the known names
+        if name in default_catalog() and itype.family != profiler.EMULATED_FAMILY:
+            raise UsageError(
+                f"--instance-types: {name} is a real instance type; profile it on that machine"
+                " (emulated types are the emu.* ones, or types a --catalog file adds)"
+            )
+        types.append(itype)
+    return types
+
+
+def run_measure(args: argparse.Namespace) -> int:
+    family = load_family()
+    models = parse_models(args.models)
+    try:
+        batch_sizes = profiler.parse_batch_sizes(args.batch_sizes)
+    except ValueError as error:
+        raise UsageError(f"--batch-sizes: {error}") from None
+    settings = measure_settings(args)
+    catalog = load_catalog(args.catalog)
+    types = _emulated(args.instance_types, catalog)
+    out: Path = args.out
+    if out is None:
+        out = family.default_data_dir() / "profiles" / "family.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(out)
+
+    measured = profiler.measure_family(
+        models, batch_sizes, settings, cache_dir=args.cache_dir, progress=progress
+    )
+    profiles = measured + profiler.emulated_profiles(measured, types)
+    write_profiles_json(profiles, out, **profiler.profile_meta(settings, types))
+    data = {
+        "out": str(out),
+        "reference_type": profiler.REFERENCE_TYPE,
+        "instance_types": [profiler.REFERENCE_TYPE, *(t.name for t in types)],
+        "models": models,
+        "batch_sizes": list(batch_sizes),
+        "samples": settings.samples,
+        "profiles": [_summary(p) for p in profiles],
+    }
+    return emit(args.json, data, lambda: f"wrote {out}\n" + _table(profiles))
+
+
+def run_show(args: argparse.Namespace) -> int:
+    profiles = load_profiles(args.file)
+    cells = _ordered(profiles)
+    data = {
+        "file": str(args.file),
+        "models": profiles.models,
+        "instance_types": sorted({p.instance_type for p in cells}),
+        "profiles": [_summary(p) for p in cells],
+    }
+    return emit(args.json, data, lambda: f"{args.file}: {len(cells)} profiles\n" + _table(cells))
+
+
+def _ordered(profiles: ProfileSet) -> list[LatencyProfile]:
+    return [profiles[key] for key in sorted(profiles)]
+
+
+def _summary(profile: LatencyProfile) -> dict[str, Any]:
+    return {
+        "model": profile.model,
+        "instance_type": profile.instance_type,
+        "batch_sizes": profile.batch_sizes.tolist(),
+        "mean_ms": profile.mean_ms.tolist(),
+        "p99_ms": profile.p99_ms.tolist(),
+        "samples": [int(cell.size) for cell in profile.samples_ms],
+    }
+
+
+def _table(profiles: list[LatencyProfile]) -> str:
+    """Mean latency (ms) by batch size, one row per model and instance type."""
+    sizes = sorted({int(b) for p in profiles for b in p.batch_sizes})
+    head = ["model", "instance type", *(f"b={b}" for b in sizes)]
+    rows = []
+    for p in profiles:
+        means = dict(zip(p.batch_sizes.tolist(), p.mean_ms.tolist(), strict=True))
+        rows.append(
+            [p.model, p.instance_type, *(f"{means[b]:.4g}" if b in means else "-" for b in sizes)]
+        )
+    widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    title = "  ".join(cell.ljust(w) for cell, w in zip(head, widths, strict=True))
+    return "\n".join(["mean latency, ms", title, *lines])
