@@ -1,131 +1,220 @@
-"""``heteroplane demo``: the main job, for now the estimator on the Kairos authors' measurements.
+"""``heteroplane demo``: the main job. It starts the control plane on the embedded defaults (SQLite
+in the data directory, the local provisioner, http://127.0.0.1:8000; the settings of ``heteroplane
+serve``, with ``--host``/``--port`` over them) with the demo app registered and planned, and
+serves until SIGINT or SIGTERM.
 
-It generates a Kairos-mix Poisson workload, shows its statistics and arrival envelope, and
-simulates rm2 (QoS 350 ms) on an all-GPU fleet and on a mixed GPU/CPU fleet of about the same
-cost, over a sweep of arrival rates. (The control-plane service takes this command over later.)
+Before serving it makes sure, idempotently (:mod:`controlplane.demo`), that the demo app is
+registered (rm2 on the Kairos authors' samples, ``--profiles``), that it has an applied plan (one
+previewed for ``--rate-qps`` and applied when it has none), and that an admin token for the demo
+is in ``<data_dir>/demo-token``; then it prints a "ready" banner on stderr with the URL, where the
+token is and curl commands to try. Starting it again on the same data directory finds everything
+there and adds nothing.
+
+``heteroplane demo --offline`` is the estimator demo, with no service
+(:mod:`controlplane.cli.demo_offline`): rm2 on a GPU fleet and on a mixed fleet over a sweep of
+rates, with ``--json``, ``--duration`` and ``--seed``.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import shlex
+import socket
+import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from controlplane.api.errors import ApiError
+from controlplane.cli import demo_offline
+from controlplane.cli.db import add_config_option
+from controlplane.cli.output import UsageError, progress
+from controlplane.cli.serve import (
+    LOG_LEVELS,
+    SERVE_LOGGER,
+    configure_logging,
+    listen,
+    port_number,
+    serve_until_stopped,
+)
+from controlplane.db.session import redact_url
+from controlplane.demo import DEMO_APP, DEMO_RATE_QPS, DemoState, prepare_demo
+from controlplane.service import build_service
+from controlplane.settings import load_settings
+from controlplane.store import PlanRecord
 
-from controlplane.cli.output import emit, progress
-from estimator.batches import parse_batch_distribution
-from estimator.catalog import load_catalog
-from estimator.envelope import arrival_envelope, tuner_windows_s
-from estimator.fleet import Fleet
-from estimator.profiles import load_profiles
-from estimator.simulator import InstanceSpec, Stage, simulate
-from estimator.traces import Trace, poisson_arrivals, trace_stats
+__all__ = ["DEFAULT_PROFILES", "register"]
 
-MODEL, QOS_MS = "rm2", 350.0
-FLEETS = ("g4dn.xlarge=4", "g4dn.xlarge=1,r5n.large=13")
-RATES_QPS = (20.0, 40.0, 60.0, 80.0, 100.0)
+DEFAULT_PROFILES = Path("../shared/data/kairos_latency_samples.csv.gz")
+_OFFLINE_DURATION_S = 600.0
+_OFFLINE_SEED = 0
+
+
+def _rate_qps(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rate: {text!r}") from None
+    if not 0 < rate <= 1e5:
+        raise argparse.ArgumentTypeError(f"a rate is in (0, 100000] qps, got {text}")
+    return rate
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "demo",
-        help="show the estimator on the shipped measurements (rm2 on GPU and mixed fleets)",
+        help="the main job: serve the control plane with the demo app registered and planned"
+        " (--offline: the estimator demo, no service)",
         description=__doc__,
     )
     parser.add_argument(
         "--profiles",
         type=Path,
-        default=Path("../shared/data/kairos_latency_samples.csv.gz"),
+        default=DEFAULT_PROFILES,
         metavar="FILE",
-        help="the Kairos samples CSV (default: ../shared/data/kairos_latency_samples.csv.gz)",
+        help=f"the Kairos samples CSV (default: {DEFAULT_PROFILES})",
     )
-    parser.add_argument("--duration", type=float, default=600.0, metavar="S", help="per rate, s")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--host", metavar="H", help="address to listen on (default: settings)")
+    parser.add_argument(
+        "--port", type=port_number, metavar="P", help="port to listen on; 0 picks a free one"
+    )
+    parser.add_argument(
+        "--rate-qps",
+        type=_rate_qps,
+        default=DEMO_RATE_QPS,
+        metavar="R",
+        help=f"the rate the first plan is made for (default {DEMO_RATE_QPS:g} qps)",
+    )
+    parser.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="warning", help="log level (default warning)"
+    )
+    add_config_option(parser)
+    offline = parser.add_argument_group("the offline estimator demo")
+    offline.add_argument(
+        "--offline", action="store_true", help="simulate rm2 on two fleets instead of serving"
+    )
+    offline.add_argument(
+        "--duration",
+        type=float,
+        metavar="S",
+        help=f"per rate, s (default {_OFFLINE_DURATION_S:g}; --offline only)",
+    )
+    offline.add_argument(
+        "--seed", type=int, help=f"random seed (default {_OFFLINE_SEED}; --offline only)"
+    )
+    offline.add_argument("--json", action="store_true", help="print one JSON object (--offline)")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    progress(f"loading profiles from {args.profiles}")
-    profiles = load_profiles(args.profiles)
-    catalog = load_catalog()
-    mix = parse_batch_distribution("kairos")
-    rng = np.random.default_rng(args.seed)
-
-    sample_arrivals = poisson_arrivals(RATES_QPS[1], args.duration, rng)
-    sample = Trace(sample_arrivals, mix.sample(sample_arrivals.size, rng))
-    stats = trace_stats(sample)
-    envelope = arrival_envelope(sample.arrival_s, tuner_windows_s(0.25))
-
-    rows: list[dict[str, Any]] = []
-    for text in FLEETS:
-        fleet = Fleet.parse(text)
-        stage = Stage(
-            MODEL,
-            tuple(InstanceSpec(name) for name in fleet.expand()),
-            {name: profiles.get_profile(MODEL, name) for name in fleet},
+    if args.offline:
+        if args.duration is None:
+            args.duration = _OFFLINE_DURATION_S
+        if args.seed is None:
+            args.seed = _OFFLINE_SEED
+        return demo_offline.run(args)
+    stray = [
+        flag
+        for flag, given in (
+            ("--json", args.json),
+            ("--duration", args.duration is not None),
+            ("--seed", args.seed is not None),
         )
-        prices = {name: catalog.price_usd_per_hr(name) for name in fleet}
-        for rate in RATES_QPS:
-            progress(f"simulating {MODEL} on {text} at {rate:g} qps")
-            arrivals = poisson_arrivals(rate, args.duration, rng)
-            trace = Trace(arrivals, mix.sample(arrivals.size, rng))
-            summary = simulate(
-                trace, [stage], rng, prices_usd_per_hr=prices, qos_ms=QOS_MS
-            ).summary()
-            rows.append(
-                {
-                    "fleet": text,
-                    "rate_qps": rate,
-                    "cost_usd_per_hr": summary.cost_usd_per_hr,
-                    "p50_ms": summary.p50_ms,
-                    "p99_ms": summary.p99_ms,
-                    "attainment": summary.attainment,
-                    "mean_utilisation": summary.mean_utilisation,
-                }
-            )
-    data = {
-        "model": MODEL,
-        "qos_ms": QOS_MS,
-        "workload": {
-            "queries": stats.count,
-            "rate_qps": stats.rate_qps,
-            "cv2": stats.cv2,
-            "mean_batch_size": stats.mean_batch_size,
-            "envelope": [
-                {"window_s": float(w), "max_rate_qps": float(r)}
-                for w, r in zip(envelope.window_s, envelope.rate_qps, strict=True)
-            ],
-        },
-        "simulations": rows,
-    }
+        if given
+    ]
+    if stray:
+        raise UsageError(f"{', '.join(stray)}: only with --offline (the estimator demo)")
+    return _serve(args)
 
-    def human() -> str:
-        lines = [
-            f"Workload: Poisson, Kairos batch mix, {stats.count} queries over {args.duration:g} s"
-            f" ({stats.rate_qps:.1f} qps, CV^2 {stats.cv2:.2f},"
-            f" mean batch {stats.mean_batch_size:.0f})",
-            "  arrival envelope (max rate in any window):",
-            "    "
-            + "  ".join(
-                f"{w:g}s:{r:.0f}" for w, r in zip(envelope.window_s, envelope.rate_qps, strict=True)
-            ),
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config)
+    profiles: Path = args.profiles.expanduser().resolve()
+    if not profiles.is_file():
+        raise UsageError(
+            f"no profiles file at {profiles}: --profiles FILE names the Kairos samples CSV"
+            f" ({DEFAULT_PROFILES} beside the checkout)"
+        )
+    host: str = args.host if args.host is not None else settings.host
+    port: int = args.port if args.port is not None else settings.port
+    configure_logging(args.log_level)
+    # "stopped by SIGTERM" is worth a line even when the rest of the log is quiet.
+    serve_log = logging.getLogger(SERVE_LOGGER)
+    serve_log.setLevel(min(serve_log.getEffectiveLevel(), logging.INFO))
+    # Bound first: an address in use is a one-line error before any work is done.
+    sock = listen(host, port)
+    try:
+        progress(
+            f"heteroplane demo: data in {settings.data_dir}, database"
+            f" {redact_url(settings.database_url)}, provisioner {settings.provisioner}"
+        )
+        service = build_service(settings)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        state = prepare_demo(service, profiles, args.rate_qps, progress)
+    except BaseException as error:
+        service.close()
+        sock.close()
+        if isinstance(error, ApiError):
+            raise UsageError(error.message) from None
+        raise
+    # Listening before the banner: a client that reads it and connects at once is queued until
+    # uvicorn accepts, not refused.
+    sock.listen()
+    print(_banner(state, _client_url(sock)), file=sys.stderr, flush=True)
+    return serve_until_stopped(service, sock, args.log_level)
+
+
+def _client_url(sock: socket.socket) -> str:
+    """The URL a client on this machine uses for the service bound to ``sock``."""
+    host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _plan_summary(plan: PlanRecord | None, budget_usd_per_hr: float) -> str:
+    if plan is None:
+        return f"no plan applied (none feasible within ${budget_usd_per_hr:g}/hr)"
+    document = plan.document
+    fleets = "; ".join(
+        ",".join(f"{name}={count}" for name, count in sorted(stage.get("fleet", {}).items()))
+        for stage in document.get("stages", [])
+    )
+    p99_ms = max(
+        (stage.get("predicted_p99_ms", 0.0) for stage in document.get("stages", [])), default=0.0
+    )
+    rate_qps = document.get("trace", {}).get("rate_qps", document.get("planned_rate_qps", 0.0))
+    return (
+        f"plan {plan.number} applied: {fleets}, ${document.get('cost_usd_per_hr', 0.0):.2f}/hr,"
+        f" predicted p99 {p99_ms:.0f} ms on a {rate_qps:.0f} qps planning trace"
+    )
+
+
+def _banner(state: DemoState, url: str) -> str:
+    app = state.app
+    slo = app.spec.get("slo", {})
+    models = ", ".join(model["name"] for model in app.spec.get("models", []))
+    token_file = shlex.quote(str(state.token.path))
+    bearer = '-H "Authorization: Bearer $TOKEN"'
+    return "\n".join(
+        [
             "",
-            f"{MODEL}, QoS {QOS_MS:g} ms, FCFS to the fastest idle instance:",
-            f"  {'fleet':<28} {'$/hr':>6} {'qps':>6} {'p50 ms':>8} {'p99 ms':>9}"
-            f" {'within QoS':>10} {'util':>6}",
+            f"heteroplane demo is ready on {url} (the API's reference: {url}/docs)",
+            f"  app {DEMO_APP!r}: {models}, p{slo.get('percentile', 99):g} SLO"
+            f" {slo.get('latency_ms', 0):g} ms, budget ${app.budget_usd_per_hr:g}/hr;"
+            f" {_plan_summary(state.plan, app.budget_usd_per_hr)}",
+            f"  an admin token ({state.token.principal.name}) is in {state.token.path}",
+            "  try, in another terminal (more in README.md, 'Talk to it'):",
+            f"    TOKEN=$(cat {token_file})",
+            f"    curl -sS {url}/healthz",
+            f"    curl -sS {bearer} {url}/v1/apps/{DEMO_APP}",
+            f"    curl -sS {bearer} {url}/v1/apps/{DEMO_APP}/plans",
+            "  Ctrl-C stops it; started again, it picks up where it stopped.",
+            "",
         ]
-        for row in rows:
-            lines.append(
-                f"  {row['fleet']:<28} {row['cost_usd_per_hr']:>6.3f} {row['rate_qps']:>6.0f}"
-                f" {row['p50_ms']:>8.1f} {row['p99_ms']:>9.1f}"
-                f" {100 * row['attainment']:>9.2f}% {100 * row['mean_utilisation']:>5.1f}%"
-            )
-        lines.append("")
-        lines.append(
-            "Next: heteroplane simulate --help, heteroplane trace generate --help (see README.md)"
-        )
-        return "\n".join(lines)
-
-    return emit(args.json, data, human)
+    )

@@ -5,7 +5,8 @@ to the newest revision, and serves the API with uvicorn on ``--host``/``--port``
 settings', 127.0.0.1:8000). The listening socket is bound here before uvicorn starts, so an
 address in use is a one-line error and exit status 2. SIGINT and SIGTERM stop it cleanly:
 uvicorn finishes the requests in flight, the scheduler waits for its running jobs, and the
-database connections are closed.
+database connections are closed. ``heteroplane demo`` serves through the same
+:func:`listen` and :func:`serve_until_stopped`.
 """
 
 from __future__ import annotations
@@ -26,15 +27,27 @@ import uvicorn
 from controlplane.cli.db import add_config_option
 from controlplane.cli.output import UsageError
 from controlplane.db.session import redact_url
-from controlplane.service import build_service
+from controlplane.service import Service, build_service
 from controlplane.settings import load_settings
 
-__all__ = ["register"]
+__all__ = [
+    "LOG_LEVELS",
+    "SERVE_LOGGER",
+    "configure_logging",
+    "listen",
+    "port_number",
+    "register",
+    "serve_until_stopped",
+]
 
-_LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# Where serving is logged ("stopped by SIGTERM"); the demo keeps it at info.
+SERVE_LOGGER = "controlplane.serve"
+_log = logging.getLogger(SERVE_LOGGER)
 
 
-def _port(text: str) -> int:
+def port_number(text: str) -> int:
+    """argparse type of ``--port``: 0..65535 (0 picks a free port)."""
     try:
         port = int(text)
     except ValueError:
@@ -54,16 +67,18 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--host", metavar="H", help="address to listen on (default: settings)")
     parser.add_argument(
-        "--port", type=_port, metavar="P", help="port to listen on; 0 picks a free one"
+        "--port", type=port_number, metavar="P", help="port to listen on; 0 picks a free one"
     )
     parser.add_argument(
-        "--log-level", choices=_LOG_LEVELS, default="info", help="log level (default info)"
+        "--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)"
     )
     add_config_option(parser)
     parser.set_defaults(handler=run)
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (not listening yet) for uvicorn; an address in use, or one
+    that is not an address, is a :class:`UsageError` (one line, exit status 2)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -79,32 +94,43 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(args: argparse.Namespace) -> int:
-    settings = load_settings(args.config)
-    host: str = args.host if args.host is not None else settings.host
-    port: int = args.port if args.port is not None else settings.port
-    level = getattr(logging, args.log_level.upper())
+def configure_logging(log_level: str) -> None:
+    """Log records at ``log_level`` and above to stderr, one line each."""
+    level = getattr(logging, log_level.upper())
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     # APScheduler logs every run at info: only its warnings (a skipped run) unless debugging.
     logging.getLogger("apscheduler").setLevel(max(level, logging.WARNING))
-    sock = _listen(host, port)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = load_settings(args.config)
+    host: str = args.host if args.host is not None else settings.host
+    port: int = args.port if args.port is not None else settings.port
+    configure_logging(args.log_level)
+    sock = listen(host, port)
     service = build_service(settings)
     bound_host, bound_port = sock.getsockname()[:2]
-    logging.getLogger("controlplane.serve").info(
+    _log.info(
         "heteroplane serving on http://%s:%d (database %s, provisioner %s)",
         bound_host,
         bound_port,
         redact_url(settings.database_url),
         settings.provisioner,
     )
+    return serve_until_stopped(service, sock, args.log_level)
+
+
+def serve_until_stopped(service: Service, sock: socket.socket, log_level: str) -> int:
+    """Serve ``service`` on ``sock`` until SIGINT or SIGTERM, then close the service and the
+    socket. Exit status 0 after a clean stop, 1 when the server could not start."""
     config = uvicorn.Config(
         service.app,
-        log_level=args.log_level,
+        log_level=log_level,
         lifespan="on",
         # The process is the service's only server: no access log on every poll by default.
-        access_log=args.log_level == "debug",
+        access_log=log_level == "debug",
     )
     server = uvicorn.Server(config)
     stopped_by: list[int] = []
@@ -117,9 +143,7 @@ def run(args: argparse.Namespace) -> int:
     if not server.started:
         return 1
     if stopped_by:
-        logging.getLogger("controlplane.serve").info(
-            "stopped by %s", signal.Signals(stopped_by[0]).name
-        )
+        _log.info("stopped by %s", signal.Signals(stopped_by[0]).name)
     return 0
 
 

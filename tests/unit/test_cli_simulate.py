@@ -1,4 +1,4 @@
-"""The ``heteroplane simulate`` and ``demo`` commands: the JSON contract and bad input."""
+"""The ``heteroplane simulate`` and ``demo --offline`` commands: the JSON contract and bad input."""
 
 from __future__ import annotations
 
@@ -124,8 +124,8 @@ def test_python_dash_m_controlplane_is_the_same_command() -> None:
 
 
 @needs_shared
-def test_demo_runs_on_the_shared_samples(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["demo", "--profiles", str(KAIROS_CSV), "--duration", "60", "--json"]
+def test_offline_demo_runs_on_the_shared_samples(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--offline", "--profiles", str(KAIROS_CSV), "--duration", "60", "--json"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     rows = out["simulations"]

@@ -1,0 +1,302 @@
+"""``heteroplane demo`` as a real process, and README.md's "Talk to it" commands run against it.
+
+The demo runs with ``HOME`` in a temporary folder (and ``HETEROPLANE_DATA_DIR`` set to that
+home's ``~/.local/share/heteroplane``, which is where the default data directory is anyway), so
+the README's ``~/.local/share/heteroplane/demo-token`` is the demo's token file as written. It
+listens on a free port (``HETEROPLANE_PORT``), not 8000, so that a developer's own demo does not
+get in the way: the README's commands are run through bash with exactly one rewrite,
+``127.0.0.1:8000`` to ``127.0.0.1:<that port>`` (and ``.venv/bin/heteroplane`` to this Python's
+``-m controlplane`` only where the checkout has no ``.venv``). Readiness is polled against
+``/healthz`` with a deadline (no fixed sleeps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from controlplane.cli import main
+from controlplane.store import Store
+from tests.conftest import KAIROS_CSV, needs_shared
+
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+START_DEADLINE_S = 120.0
+STOP_DEADLINE_S = 30.0
+COMMAND_TIMEOUT_S = 120.0
+README_URL = "127.0.0.1:8000"
+README_CLI = ".venv/bin/heteroplane"
+
+pytestmark = needs_shared
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def demo_env(home: Path, port: int) -> dict[str, str]:
+    """The environment of a user whose home is ``home``, with no heteroplane settings but the
+    port (and the data directory, set to the default one explicitly)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HETEROPLANE_", "XDG_")) and k != "HOME"
+    }
+    env |= {
+        "HOME": str(home),
+        "HETEROPLANE_DATA_DIR": str(home / ".local" / "share" / "heteroplane"),
+        "HETEROPLANE_PORT": str(port),
+    }
+    return env
+
+
+class Demo:
+    """``python -m controlplane demo`` on a free loopback port, its stderr in a log file."""
+
+    def __init__(self, home: Path, log: Path) -> None:
+        self.home = home
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = demo_env(home, self.port)
+        self.log_path = log
+        self._log = log.open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "controlplane", "demo", "--profiles", str(KAIROS_CSV)],
+            cwd=REPO,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self._wait_ready()
+
+    @property
+    def data_dir(self) -> Path:
+        return self.home / ".local" / "share" / "heteroplane"
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            try:
+                # Waiting on the process is the pause between polls, and catches an early exit.
+                code = self.process.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                continue
+            pytest.fail(f"demo exited with {code}:\n{self.log_path.read_text()}")
+        self.stop()
+        pytest.fail(f"demo not ready in {START_DEADLINE_S} s:\n{self.log_path.read_text()}")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+    def api(self) -> httpx.Client:
+        token = (self.data_dir / "demo-token").read_text().strip()
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=60.0
+        )
+
+
+def talk_to_it_blocks() -> list[str]:
+    """The ``sh`` code blocks of README.md's "Talk to it" section."""
+    text = README.read_text(encoding="utf-8")
+    found = re.search(r"^## Talk to it\n(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
+    assert found is not None, "README.md has no '## Talk to it' section"
+    blocks = re.findall(r"^```sh\n(.*?)^```", found.group(1), re.MULTILINE | re.DOTALL)
+    assert blocks, "README.md's 'Talk to it' section has no sh block"
+    return blocks
+
+
+def shell_commands(block: str) -> list[str]:
+    """The commands of a shell block: continuation lines joined, blank and comment lines out."""
+    commands: list[str] = []
+    pending = ""
+    for line in block.splitlines():
+        if line.endswith("\\"):
+            pending += line[:-1]
+            continue
+        command = (pending + line).strip()
+        pending = ""
+        if command and not command.startswith("#"):
+            commands.append(command)
+    assert not pending, f"a continuation line ends the block: {pending!r}"
+    return commands
+
+
+def as_run_here(command: str, port: int) -> str:
+    """The README's command with the test's port (and CLI, where there is no .venv here)."""
+    command = command.replace(README_URL, f"127.0.0.1:{port}")
+    if not (REPO / README_CLI).exists():
+        command = command.replace(README_CLI, f"{shlex.quote(sys.executable)} -m controlplane")
+    return command
+
+
+_ASSIGNMENT = re.compile(r"^(export\s+)?[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def run_readme_block(block: str, demo: Demo) -> list[str]:
+    """Run each command of ``block`` through bash, in order (the variables it sets carry over);
+    each must exit 0, and a curl command must answer JSON that is not an error. Returns the
+    commands run."""
+    assert shutil.which("bash") is not None
+    assignments: list[str] = []
+    ran: list[str] = []
+    for written in shell_commands(block):
+        command = as_run_here(written, demo.port)
+        script = "\n".join(["set -euo pipefail", *assignments, command])
+        done = subprocess.run(
+            ["bash", "-c", script],
+            cwd=REPO,
+            env=demo.env,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT_S,
+        )
+        where = f"README command {written!r} (run as {command!r})"
+        assert done.returncode == 0, f"{where} exited {done.returncode}:\n{done.stderr}"
+        assert "Traceback" not in done.stderr, f"{where}:\n{done.stderr}"
+        if _ASSIGNMENT.match(command):
+            assignments.append(command)
+        elif command.startswith("curl "):
+            try:
+                answer: Any = json.loads(done.stdout)
+            except json.JSONDecodeError:
+                pytest.fail(f"{where} did not answer JSON: {done.stdout!r}")
+            assert not (isinstance(answer, dict) and "error" in answer), f"{where}: {answer}"
+        else:
+            assert done.stdout.strip(), f"{where} printed nothing"
+        ran.append(written)
+    return ran
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    folder = tmp_path / "home"
+    folder.mkdir()
+    return folder
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_readme_commands_work_against_the_demo_and_a_restart_adds_nothing(
+    home: Path, tmp_path: Path
+) -> None:
+    demo = Demo(home, tmp_path / "demo.log")
+    try:
+        banner = demo.log_path.read_text()
+        assert f"heteroplane demo is ready on {demo.url}" in banner
+        assert str(demo.data_dir / "demo-token") in banner
+        token_file = demo.data_dir / "demo-token"
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        token = token_file.read_text()
+
+        ran = [cmd for block in talk_to_it_blocks() for cmd in run_readme_block(block, demo)]
+        assert any("curl" in command and "/v1/apps/demo/budget" in command for command in ran)
+        assert any(command.startswith(f"{README_CLI} budget set") for command in ran)
+
+        with demo.api() as api:
+            apps = api.get("/v1/apps").json()
+            assert [app["name"] for app in apps] == ["demo"]
+            plans = api.get("/v1/apps/demo/plans").json()
+            assert [plan["status"] for plan in plans] == ["applied"]
+            assert apps[0]["applied_plan_id"] == plans[0]["id"]
+            assert plans[0]["feasible"] is True
+            before = {
+                "apps": apps,
+                "plans": plans,
+                "budget": api.get("/v1/apps/demo/budget").json(),
+                "decisions": api.get("/v1/apps/demo/decisions").json(),
+            }
+        # The README changed the budget: the restart must keep it, not re-register the app.
+        assert len(before["budget"]["changes"]) > 1
+    finally:
+        code = demo.stop()
+    log = demo.log_path.read_text()
+    assert code == 0, log
+    assert "stopped by SIGTERM" in log
+    assert "Traceback" not in log
+
+    again = Demo(home, tmp_path / "demo-again.log")
+    try:
+        with again.api() as api:
+            assert api.get("/v1/apps").json() == before["apps"]
+            assert api.get("/v1/apps/demo/plans").json() == before["plans"]
+            assert api.get("/v1/apps/demo/budget").json() == before["budget"]
+            assert api.get("/v1/apps/demo/decisions").json() == before["decisions"]
+    finally:
+        assert again.stop() == 0, again.log_path.read_text()
+    log = again.log_path.read_text()
+    assert "registered already" in log and "applied already" in log
+    assert "made an admin token" not in log and "Traceback" not in log
+    assert (again.data_dir / "demo-token").read_text() == token
+
+    store = Store.from_url(f"sqlite:///{again.data_dir / 'heteroplane.db'}")
+    try:
+        assert store.verify_token(token.strip()) is not None
+        assert [(t.name, t.scope, t.revoked_at) for t in store.list_tokens()] == [
+            ("demo-admin", "admin", None)
+        ]
+    finally:
+        store.close()
+
+
+def run_demo(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """``heteroplane demo argv`` in-process; (exit status, stderr)."""
+    try:
+        status = main(["demo", *argv])
+    except SystemExit as stop:
+        status = int(stop.code or 0)
+    return status, capsys.readouterr().err
+
+
+@pytest.fixture
+def quiet_env(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("HETEROPLANE_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HETEROPLANE_DATA_DIR", str(home / "data"))
+
+
+@pytest.mark.usefixtures("quiet_env")
+def test_demo_refuses_bad_input_in_one_line(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, err = run_demo(capsys, "--profiles", str(home / "missing.csv.gz"))
+    assert status == 2
+    assert err.count("\n") == 1 and err.startswith("heteroplane demo: no profiles file at")
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        status, err = run_demo(capsys, "--profiles", str(KAIROS_CSV), "--port", str(port))
+    assert status == 2
+    assert err.count("\n") == 1 and err.startswith("heteroplane demo: cannot listen on")
+    assert not (home / "data").exists()  # refused before any work
+
+    status, err = run_demo(capsys, "--json")
+    assert status == 2 and err.count("\n") == 1 and "only with --offline" in err
