@@ -33,6 +33,7 @@ from numpy.typing import NDArray
 
 from controlplane.spec import ResolvedApp
 from controlplane.tuner import (
+    CapacityModel,
     StagePlan,
     TunerConfig,
     default_boot_s,
@@ -40,6 +41,7 @@ from controlplane.tuner import (
     tune,
     utilisation_target,
 )
+from estimator.bounds import kairos_quantities, upper_bounds
 from estimator.envelope import DEFAULT_MAX_WINDOW_S
 from estimator.errors import EstimatorError, FleetError
 from estimator.fleet import Fleet
@@ -424,6 +426,35 @@ def rate_per_instance_qps(
     return fit / latency_s if latency_s > 0 else math.inf
 
 
+def kairos_capacity_model(
+    app: ResolvedApp, model: str, types: Sequence[str], trace: Trace
+) -> CapacityModel | None:
+    """The Kairos throughput upper bound (:func:`estimator.bounds.upper_bounds`) of ``model`` on
+    counts of ``types``, for the trace's batch mix and the app's SLO, as a tuner capacity model;
+    ``None`` when the bound does not apply (no type meets the SLO at every batch size, a batch
+    size outside a profile)."""
+    sizes, counts = np.unique(trace.batch_size, return_counts=True)
+    prices = app.prices_usd_per_hr
+    try:
+        quantities = kairos_quantities(
+            app.profiles[model],
+            model,
+            list(types),
+            {name: prices[name] for name in types},
+            app.spec.slo.latency_ms,
+            (sizes, counts / counts.sum()),
+        )
+    except EstimatorError:
+        return None
+    order = [tq.instance_type for tq in quantities.types]
+
+    def capacity_qps(fleet: Mapping[str, int]) -> float:
+        counts_row = np.array([[fleet.get(name, 0) for name in order]], dtype=np.int64)
+        return float(upper_bounds(quantities, counts_row)[0])
+
+    return capacity_qps
+
+
 def planning_arrivals(trace: Trace, share: float = DEFAULT_PLANNING_SHARE) -> NDArray[np.float64]:
     """The arrivals of the trace's first ``share`` of its duration (the default planning trace).
 
@@ -484,6 +515,7 @@ def tuner_timeline(
     *,
     boot_s: Mapping[str, float] | None = None,
     min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S,
+    dispatch: DispatchName = "fcfs",
 ) -> FleetTimeline:
     """Roll InferLine's tuner (:func:`controlplane.tuner.tune`) over ``trace`` once per second.
 
@@ -493,6 +525,11 @@ def tuner_timeline(
     :func:`controlplane.tuner.utilisation_target` (scale factor 1: one stage). The tuner adds and
     removes instances of the planned types only (InferLine tunes replication, not hardware), never
     over the spec's budget. At tick t it sees the arrivals in (t - 60 s, t].
+
+    A stage of several types that the Kairos dispatcher serves one query per batch has the Kairos
+    throughput bound as its capacity model (:func:`kairos_capacity_model`): its auxiliary types
+    serve only the queries up to their violation batch, so once the base type is the bottleneck
+    adding them adds nothing, and the tuner adds base instances instead.
     """
     mu = _stage_rates(app, stage, trace)
     if planning_arrival_s.size == 0:
@@ -510,8 +547,11 @@ def tuner_timeline(
         boot_s=boot,
     )
     fleet = {name: stage.fleet[name] for name in mu}
-    rho = utilisation_target(fleet, mu, 1.0, config.planned_peak_rate_qps)
-    plan = StagePlan(stage.name, 1.0, fleet, mu, rho)
+    model = None
+    if dispatch == "kairos" and len(mu) > 1 and stage.batch_size <= 1:
+        model = kairos_capacity_model(app, stage.name, list(mu), trace)
+    rho = utilisation_target(fleet, mu, 1.0, config.planned_peak_rate_qps, model)
+    plan = StagePlan(stage.name, 1.0, fleet, mu, rho, capacity_model=model)
     state = initial_state([plan], now_s=0.0)
     log = _FleetLog.planned(Fleet.of(fleet), boot)
     arrivals = trace.arrival_s
@@ -769,6 +809,7 @@ def replay(
             np.asarray(planning, dtype=np.float64),
             boot_s=boot_s,
             min_window_s=tuner_min_window_s,
+            dispatch=dispatch if dispatch is not None else (stage.policy or "fcfs"),
         )
     elif policy == "utilization":
         timeline = utilization_timeline(trace, app, stage, config=utilization, boot_s=boot_s)

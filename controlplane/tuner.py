@@ -24,6 +24,15 @@ The math (InferLine, SoCC'20, "High-Frequency Tuning"):
   sheds its least cost-effective instances while its capacity stays >= r s_m / rho_m and it keeps
   ``min_instances``.
 
+A stage of several types may carry a *capacity model* (a function from counts by type to qps):
+the sum of mu_t assumes every instance serves every query, which a Kairos mix breaks (its
+auxiliary types serve only the queries up to their violation batch, so past some count adding one
+adds nothing while the base type is the bottleneck). With a model, "the most cost-effective
+capacity" is the type whose next instance raises the modelled capacity most per USD/hr, one
+instance at a time, and scale-down stops the instance whose loss costs the least capacity per
+USD/hr saved. The replay uses the Kairos throughput bound (:mod:`estimator.bounds`) as the model
+of a Kairos-dispatched stage.
+
 Past the paper: (1) a stage the tuner scaled below its plan is brought back up to the smaller of
 its planned capacity and r s_m / rho_m when the recent rate needs it, although no window exceeds
 the planned envelope (without this a scaled-down stage stays short until the planned envelope is
@@ -39,8 +48,9 @@ equal to the planned one keeps exactly the planned fleet.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
@@ -60,6 +70,7 @@ __all__ = [
     "GPU_BOOT_S",
     "Action",
     "Booting",
+    "CapacityModel",
     "Decision",
     "StagePlan",
     "TunerConfig",
@@ -88,6 +99,9 @@ _RELATIVE_SLACK = 1e-12
 
 Action = Literal["scale_up", "scale_down", "budget_capped"]
 
+CapacityModel = Callable[[Mapping[str, int]], float]
+"""A stage's throughput (qps) for counts by type; non-decreasing in every count."""
+
 
 def _finite(name: str, value: float, *, low: float = 0.0, strict: bool = False) -> float:
     number = float(value)
@@ -109,6 +123,9 @@ class StagePlan:
     ``rate_per_instance_qps[t]`` is mu_t, one instance of type t's throughput at the planned batch
     size (the types the tuner may add: every type the stage has a profile for);
     ``utilisation_target`` is rho_m in (0, 1]; ``fleet`` is the planned counts by type.
+    ``capacity_model`` (optional) gives the stage's throughput for counts by type where the sum
+    of mu_t does not (a Kairos mix); the tuner then adds and stops instances one at a time by
+    their marginal capacity per USD/hr.
     """
 
     name: str
@@ -117,6 +134,7 @@ class StagePlan:
     rate_per_instance_qps: Mapping[str, float]
     utilisation_target: float
     min_instances: int = 1
+    capacity_model: CapacityModel | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -144,8 +162,15 @@ class StagePlan:
 
     @property
     def planned_capacity_qps(self) -> float:
-        """The planned fleet's throughput, sum over types of count x mu_t."""
-        return _capacity_qps(self.fleet, self.rate_per_instance_qps)
+        """The planned fleet's throughput: the capacity model's, else sum over types of count x
+        mu_t."""
+        return self.capacity_qps(self.fleet)
+
+    def capacity_qps(self, fleet: Mapping[str, int]) -> float:
+        """The throughput of ``fleet`` (counts by type) for this stage."""
+        if self.capacity_model is not None:
+            return float(self.capacity_model(fleet))
+        return _capacity_qps(fleet, self.rate_per_instance_qps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,14 +315,19 @@ def utilisation_target(
     rate_per_instance_qps: Mapping[str, float],
     scale_factor: float,
     peak_rate_qps: float,
+    capacity_model: CapacityModel | None = None,
 ) -> float:
     """rho_m = r_plan s_m / (planned capacity), capped at 1: the planned stage's utilisation at the
-    planning trace's peak rate (InferLine's maximum provisioning ratio).
+    planning trace's peak rate (InferLine's maximum provisioning ratio). The planned capacity is
+    the ``capacity_model``'s where one is given, else the sum of count x mu_t.
 
     >>> utilisation_target({"g": 4}, {"g": 50.0}, 0.5, 320.0)
     0.8
     """
-    capacity = _capacity_qps(fleet, rate_per_instance_qps)
+    if capacity_model is not None:
+        capacity = float(capacity_model(fleet))
+    else:
+        capacity = _capacity_qps(fleet, rate_per_instance_qps)
     if capacity <= 0.0:
         raise WorkloadError("a stage with no planned capacity has no utilisation target")
     return min(1.0, peak_rate_qps * scale_factor / capacity)
@@ -389,6 +419,9 @@ def _scale_up(
 ) -> None:
     """Add the most cost-effective affordable type until the stage serves ``needed_qps``; a stage
     of one type is brought to ``k_m`` instances where given."""
+    if plan.capacity_model is not None:
+        _scale_up_marginal(tick, plan, needed_qps, why)
+        return
     config, prices, mu = tick.config, tick.config.prices_usd_per_hr, plan.rate_per_instance_qps
     fleet = tick.fleets[plan.name]
     by_value = sorted(mu, key=lambda name: (-_cost_effectiveness(plan, prices, name), name))
@@ -441,6 +474,8 @@ def _scale_down(tick: _Tick, plan: StagePlan, needed_qps: float, why: str) -> bo
     capacity: in a heterogeneous fleet the least cost-effective type is often the only one that
     serves the large queries within the SLO (the Kairos base type), and the tuner tunes
     replication, not hardware, so it never adds that type back."""
+    if plan.capacity_model is not None:
+        return _scale_down_marginal(tick, plan, needed_qps, why)
     prices, mu = tick.config.prices_usd_per_hr, plan.rate_per_instance_qps
     fleet = tick.fleets[plan.name]
     capacity = _capacity_qps(fleet, mu)
@@ -465,6 +500,122 @@ def _scale_down(tick: _Tick, plan: StagePlan, needed_qps: float, why: str) -> bo
         )
         changed = True
     return changed
+
+
+def _per_usd(gain_qps: float, price_usd_per_hr: float) -> float:
+    if gain_qps <= 0.0:
+        return 0.0
+    return math.inf if price_usd_per_hr == 0.0 else gain_qps / price_usd_per_hr
+
+
+def _scale_up_marginal(tick: _Tick, plan: StagePlan, needed_qps: float, why: str) -> None:
+    """With a capacity model: add, one at a time, the affordable instance whose capacity gain per
+    USD/hr is largest (ties: cheaper, then by name) until the stage serves ``needed_qps``; one
+    decision per run of the same type."""
+    config, prices = tick.config, tick.config.prices_usd_per_hr
+    fleet = tick.fleets[plan.name]
+    trial = dict(fleet)
+    capacity = plan.capacity_qps(trial)
+    start = capacity
+    added: list[str] = []
+    while _short_qps(needed_qps, capacity) > 0.0:
+        left = config.budget_usd_per_hr - tick.cost_usd_per_hr + _COST_SLACK_USD_PER_HR
+        left -= sum(prices[name] for name in added)
+        best: tuple[float, float, str, float] | None = None
+        for name in sorted(plan.rate_per_instance_qps):
+            if prices[name] > left:
+                continue
+            trial[name] = trial.get(name, 0) + 1
+            gained = plan.capacity_qps(trial) - capacity
+            trial[name] -= 1
+            value = _per_usd(gained, prices[name])
+            if value > 0.0 and (best is None or (-value, prices[name], name) < best[:3]):
+                best = (-value, prices[name], name, gained)
+        if best is None:
+            break
+        name, gained = best[2], best[3]
+        trial[name] = trial.get(name, 0) + 1
+        capacity += gained
+        added.append(name)
+    before = start
+    for name, run in itertools.groupby(added):
+        count = len(list(run))
+        fleet_after = dict(fleet)
+        fleet_after[name] = fleet_after.get(name, 0) + count
+        after = plan.capacity_qps(fleet_after)
+        tick.launch(
+            plan,
+            name,
+            count,
+            f"scale_up: {why}; need {needed_qps:.6g} qps; added {count} x {name} (the largest "
+            f"capacity gain per USD/hr of the stage's capacity model): capacity {before:.6g} -> "
+            f"{after:.6g} qps, k {sum(fleet_after.values())}",
+        )
+        before = after
+    short = _short_qps(needed_qps, capacity)
+    if short > 0.0:
+        best_type = max(
+            plan.rate_per_instance_qps,
+            key=lambda name: (_cost_effectiveness(plan, prices, name), name),
+        )
+        tick.decide(
+            plan.name,
+            "budget_capped",
+            best_type,
+            max(1, _ceil(short / plan.rate_per_instance_qps[best_type])),
+            f"budget_capped: {why}; need {needed_qps:.6g} qps, have {capacity:.6g} qps; short "
+            f"{short:.6g} qps but the fleet costs {tick.cost_usd_per_hr:.6g} of the "
+            f"{config.budget_usd_per_hr:.6g} USD/hr budget and no type fits",
+        )
+
+
+def _scale_down_marginal(tick: _Tick, plan: StagePlan, needed_qps: float, why: str) -> bool:
+    """With a capacity model: stop, one at a time, the instance whose removal loses the least
+    capacity per USD/hr saved while the stage still serves ``needed_qps``, keeping
+    ``min_instances`` and one instance of every planned type; True when something stopped."""
+    prices = tick.config.prices_usd_per_hr
+    fleet = tick.fleets[plan.name]
+    trial = dict(fleet)
+    capacity = plan.capacity_qps(trial)
+    slack = _RELATIVE_SLACK * max(1.0, needed_qps)
+    removed: list[str] = []
+    while sum(trial.values()) > plan.min_instances:
+        best: tuple[float, float, str, float] | None = None
+        for name in sorted(trial):
+            keep = 1 if plan.fleet.get(name, 0) > 0 else 0
+            if trial[name] <= keep:
+                continue
+            trial[name] -= 1
+            after = plan.capacity_qps(trial)
+            trial[name] += 1
+            if after + slack < needed_qps:
+                continue
+            loss = max(0.0, capacity - after)
+            price = prices[name]
+            rank = loss / price if price > 0.0 else math.inf
+            if best is None or (rank, -price, name) < best[:3]:
+                best = (rank, -price, name, after)
+        if best is None:
+            break
+        name, capacity = best[2], best[3]
+        trial[name] -= 1
+        removed.append(name)
+    before = plan.capacity_qps(fleet)
+    for name in sorted(set(removed)):
+        count = removed.count(name)
+        fleet_after = dict(fleet)
+        fleet_after[name] -= count
+        after = plan.capacity_qps(fleet_after)
+        tick.stop(
+            plan,
+            name,
+            count,
+            f"{why}; need {needed_qps:.6g} qps; stopped {count} x {name} (the least capacity "
+            f"lost per USD/hr saved): capacity {before:.6g} -> {after:.6g} qps, k "
+            f"{sum(fleet_after.values())}",
+        )
+        before = after
+    return bool(removed)
 
 
 def tune(
@@ -538,7 +689,7 @@ def tune(
         )
     for plan in plans:
         s, rho = plan.scale_factor, plan.utilisation_target
-        capacity = _capacity_qps(tick.fleets[plan.name], plan.rate_per_instance_qps)
+        capacity = plan.capacity_qps(tick.fleets[plan.name])
         need_exceed = r_max * s / rho
         need_restore = 0.0
         if capacity < plan.planned_capacity_qps:
@@ -553,7 +704,11 @@ def tune(
             )
             needed = need_restore
         k_m = None
-        if len(plan.rate_per_instance_qps) == 1 and needed == need_exceed:
+        if (
+            len(plan.rate_per_instance_qps) == 1
+            and plan.capacity_model is None
+            and needed == need_exceed
+        ):
             # One type: k_m = ceil(r_max s_m / (mu_m rho_m)) exactly as InferLine writes it.
             (mu,) = plan.rate_per_instance_qps.values()
             k_m = _ceil(r_max * s / (mu * rho))

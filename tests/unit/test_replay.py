@@ -22,6 +22,7 @@ from controlplane.replay import (
     ReplayResult,
     UtilizationConfig,
     check_plan,
+    kairos_capacity_model,
     parse_plan,
     planning_arrivals,
     rate_per_instance_qps,
@@ -30,9 +31,11 @@ from controlplane.replay import (
     utilization_timeline,
 )
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
+from estimator.batches import parse_batch_distribution
 from estimator.policies import full_range_types, policy_factory
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import RateProfile, Trace, renewal_arrivals, step_profile, write_trace_csv
+from tests.conftest import KAIROS_CSV, needs_shared
 
 GPU, CPU = "g4dn.xlarge", "r5n.large"  # 0.526 and 0.149 USD/hr in the shipped catalog
 GPU_PRICE = 0.526
@@ -455,3 +458,35 @@ def test_bad_input_exits_2_with_one_line(
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], captured.err
+
+
+# --- the Kairos capacity model of a mixed stage ----------------------------------------------
+
+
+@needs_shared
+def test_the_kairos_capacity_model_of_rm2_saturates_on_the_base_type(tmp_path: Path) -> None:
+    spec = tmp_path / "rm2.yaml"
+    spec.write_text(
+        "name: rm2\n"
+        f"models: [{{name: rm2, profiles: {KAIROS_CSV}}}]\n"
+        "slo: {latency_ms: 350}\n"
+        "budget_usd_per_hr: 10\n"
+        f"instance_types: [{GPU}, {CPU}]\n"
+    )
+    app = resolve_spec(load_spec(spec))
+    rng = np.random.default_rng(0)
+    arrivals = renewal_arrivals(step_profile(100.0, 100.0, 0.0), 120.0, 1.0, rng)
+    trace = Trace(arrivals, parse_batch_distribution("kairos").sample(arrivals.size, rng))
+    model = kairos_capacity_model(app, "rm2", [GPU, CPU], trace)
+    assert model is not None
+    one_gpu_13, one_gpu_30, one_gpu_40 = (model({GPU: 1, CPU: n}) for n in (13, 30, 40))
+    # The r5n.large serve only the queries below their violation batch: past some count the
+    # g4dn.xlarge is the bottleneck and more of them add nothing, a second g4dn.xlarge does.
+    assert one_gpu_13 > model({GPU: 1, CPU: 0}) > 0.0
+    assert one_gpu_40 == pytest.approx(one_gpu_30)
+    assert model({GPU: 2, CPU: 40}) > one_gpu_40
+    # No full-range type (nothing serves every batch size within a 1 ms SLO): no model.
+    tight = resolve_spec(load_spec(spec)).spec.model_copy(
+        update={"slo": app.spec.slo.model_copy(update={"latency_ms": 1.0})}
+    )
+    assert kairos_capacity_model(resolve_spec(tight), "rm2", [GPU, CPU], trace) is None

@@ -4,6 +4,7 @@ scale-down delay, boot times, the most cost-effective type, and the budget as a 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -200,6 +201,82 @@ def test_the_budget_caps_a_scale_up_and_says_so() -> None:
     ]
     assert fleet_cost_usd_per_hr(after, cfg.prices_usd_per_hr) <= 1.5 + 1e-9
     assert "short 120 qps" in decisions[1].reason and "1.5 USD/hr budget" in decisions[1].reason
+
+
+def base_bound_capacity_qps(fleet: Mapping[str, int]) -> float:
+    """A Kairos-like mix: the cpus serve only small queries, so the stage serves at most 3x what
+    its gpus alone do (the gpus are the bottleneck past 20 cpus per gpu)."""
+    gpu, cpu = fleet.get("gpu", 0), fleet.get("cpu", 0)
+    return min(100.0 * gpu + 10.0 * cpu, 300.0 * gpu)
+
+
+def kairos_like_stage(fleet: Mapping[str, int]) -> StagePlan:
+    return StagePlan(
+        "mix",
+        1.0,
+        fleet,
+        {"gpu": 100.0, "cpu": 10.0},
+        0.8,
+        capacity_model=base_bound_capacity_qps,
+    )
+
+
+def test_with_a_capacity_model_a_base_bound_stage_adds_the_base_type() -> None:
+    plan = kairos_like_stage({"gpu": 1, "cpu": 20})  # 300 qps, the gpu is the bottleneck
+    assert plan.planned_capacity_qps == 300.0
+    decisions, after = tune(
+        steady(256, 90.0, 100.0), 100.0, initial_state([plan], 0.0), [plan], config()
+    )
+    # Need 320 qps: another cpu adds nothing (min(310, 300)); a gpu adds 100 qps for 1 USD/hr.
+    assert [(d.action, d.instance_type, d.count) for d in decisions] == [("scale_up", "gpu", 1)]
+    assert dict(after.fleets["mix"]) == {"gpu": 2, "cpu": 20}
+    # Without the model the sum of mu_t says the cheap cpus serve it, which they cannot.
+    plain = StagePlan("mix", 1.0, {"gpu": 1, "cpu": 20}, {"gpu": 100.0, "cpu": 10.0}, 0.8)
+    decisions, _ = tune(
+        steady(256, 90.0, 100.0), 100.0, initial_state([plain], 0.0), [plain], config()
+    )
+    assert [(d.action, d.instance_type) for d in decisions] == [("scale_up", "cpu")]
+
+
+def test_with_a_capacity_model_scale_up_takes_the_best_marginal_value_each_step() -> None:
+    plan = kairos_like_stage({"gpu": 1, "cpu": 0})  # 100 qps
+    decisions, after = tune(
+        steady(256, 90.0, 100.0), 100.0, initial_state([plan], 0.0), [plan], config()
+    )
+    # Need 320: cpus at 200 qps per USD/hr until the gpu binds (20 cpus, 300 qps), then a gpu.
+    assert [(d.action, d.instance_type, d.count) for d in decisions] == [
+        ("scale_up", "cpu", 20),
+        ("scale_up", "gpu", 1),
+    ]
+    assert base_bound_capacity_qps(after.fleets["mix"]) >= 320.0
+
+
+def test_with_a_capacity_model_scale_down_sheds_what_adds_nothing_first() -> None:
+    plan = kairos_like_stage({"gpu": 1, "cpu": 1})
+    state = TunerState(fleets={"mix": Fleet.of({"gpu": 1, "cpu": 30})}, last_change_s=0.0)
+    decisions, after = tune(steady(64, 40.0, 100.0), 100.0, state, [plan], config())
+    # Need 64 / 0.8 = 80 qps. The 10 cpus past the bottleneck add nothing, so they go first;
+    # then cpus (10 qps lost per 0.05 USD/hr) while 80 qps stay: down to 1 gpu + 0 cpus would be
+    # 100 qps, but one cpu stays (a planned type keeps an instance).
+    assert [(d.action, d.instance_type, d.count) for d in decisions] == [("scale_down", "cpu", 29)]
+    assert dict(after.fleets["mix"]) == {"gpu": 1, "cpu": 1}
+
+
+def test_with_a_capacity_model_the_budget_still_caps() -> None:
+    plan = kairos_like_stage({"gpu": 1, "cpu": 20})
+    cfg = config(budget_usd_per_hr=2.0)  # 1 + 20 x 0.05 = 2.0: nothing more fits
+    decisions, after = tune(
+        steady(256, 90.0, 100.0), 100.0, initial_state([plan], 0.0), [plan], cfg
+    )
+    assert [d.action for d in decisions] == ["budget_capped"]
+    assert fleet_cost_usd_per_hr(after, cfg.prices_usd_per_hr) <= 2.0 + 1e-9
+
+
+def test_utilisation_target_reads_the_capacity_model() -> None:
+    fleet = {"gpu": 1, "cpu": 30}
+    mu = {"gpu": 100.0, "cpu": 10.0}
+    assert utilisation_target(fleet, mu, 1.0, 240.0) == pytest.approx(0.6)  # 240 / 400
+    assert utilisation_target(fleet, mu, 1.0, 240.0, base_bound_capacity_qps) == 0.8  # / 300
 
 
 def test_a_mixed_stage_stops_the_least_cost_effective_first() -> None:
