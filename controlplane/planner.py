@@ -51,9 +51,14 @@ when none does).
 only; every simulation uses the same seed (common random numbers, so two configurations differ
 by their capacity, not by noise) and results are cached by (fleet, batch size).
 
-**Cascades.** Until scale factors arrive, each model of a cascade is planned as its own stage
-on the whole trace (scale factor s_m = 1), with an equal share L / M of the SLO, and within
-the budget left by the stages before it less the cheapest instance of each stage after it.
+**Cascades.** Each model of a cascade is its own stage with an equal share L / M of the SLO,
+planned within the budget left by the stages before it less the cheapest instance of each
+stage after it. With the spec's thresholds and validation records, stage m is planned on the
+queries that reach it: each query carries a validation sample (the trace's ``sample_id``, else
+one drawn uniformly with the planning seed), it stops at the first stage whose certainty reaches
+that stage's threshold, and s_m, the share reaching stage m, is InferLine's scale factor.
+Without records every query is assumed to reach every stage (s_m = 1, an over-provisioned but
+safe plan), and the steps say so.
 """
 
 from __future__ import annotations
@@ -65,9 +70,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from controlplane.spec import ResolvedApp
 from estimator.bounds import kairos_quantities, rank_configurations
+from estimator.cascades import answering_stage, with_sample_ids
 from estimator.errors import (
     BatchSizeOutOfRangeError,
     BudgetError,
@@ -136,6 +143,7 @@ class StagePlan:
     throughput_qps: float
     cost_usd_per_hr: float
     policy: str
+    scale_factor: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +174,7 @@ class Plan:
                     "throughput_qps": s.throughput_qps,
                     "cost_usd_per_hr": s.cost_usd_per_hr,
                     "policy": s.policy,
+                    "scale_factor": s.scale_factor,
                 }
                 for s in self.stages
             ],
@@ -439,18 +448,72 @@ class _Setup:
 
     stages: tuple[_StageInputs, ...]
     cheapest_usd_per_hr: tuple[float, ...]  # per stage: its cheapest candidate's price
+    # per stage: which of the trace's queries reach it (None: all of them, s_m = 1)
+    reach: tuple[NDArray[np.bool_] | None, ...]
+
+    def stage_trace(self, i: int, trace: Trace) -> Trace:
+        """The queries of ``trace`` that reach stage ``i`` (the whole trace when all do)."""
+        mask = self.reach[i]
+        if mask is None:
+            return trace
+        return Trace(trace.arrival_s[mask], trace.batch_size[mask])
+
+    def scale_factor(self, i: int) -> float:
+        """s_i, the share of the app's queries that reach stage ``i``."""
+        mask = self.reach[i]
+        return 1.0 if mask is None else float(np.count_nonzero(mask)) / mask.size
 
 
-def _setup(app: ResolvedApp, trace: Trace, steps: list[str]) -> _Setup:
+def _reach(
+    app: ResolvedApp, trace: Trace, seed: int, slo_ms: float, steps: list[str]
+) -> tuple[NDArray[np.bool_] | None, ...]:
+    """Per stage, which queries reach it (see the module docstring); ``None`` for all."""
+    order = app.spec.serving_order
+    cascade, records = app.cascade, app.validation
+    if len(order) == 1:
+        return (None,)
+    if cascade is None or records is None:
+        steps.append(
+            f"cascade {' -> '.join(order)}: planned stage by stage with scale factor 1.0 (every"
+            f" query reaches every stage: the spec gives no thresholds or validation records)"
+            f" and an equal share {slo_ms:g} ms of the SLO each"
+        )
+        return tuple(None for _ in order)
+    if trace.sample_id is not None:
+        sample_id = trace.sample_id
+        source = "the trace's sample ids"
+    else:
+        drawn = with_sample_ids(trace, records, np.random.default_rng(seed)).sample_id
+        assert drawn is not None
+        sample_id = drawn
+        source = f"validation samples drawn uniformly (seed {seed})"
+    stage = answering_stage(cascade, records, sample_id)
+    masks: list[NDArray[np.bool_] | None] = [None]
+    for i in range(1, len(order)):
+        mask = stage >= i
+        if np.count_nonzero(mask) < 2:
+            # A stage almost nobody reaches still needs an instance: plan it on the trace's
+            # first two queries too.
+            mask = mask.copy()
+            mask[:2] = True
+        masks.append(mask)
+    shares = ", ".join(
+        f"{model} {1.0 if m is None else np.count_nonzero(m) / m.size:.3f}"
+        for model, m in zip(order, masks, strict=True)
+    )
+    steps.append(
+        f"cascade {cascade.label}: scale factors from the validation records ({source}):"
+        f" {shares}; each stage planned on the queries that reach it, with an equal share"
+        f" {slo_ms:g} ms of the SLO"
+    )
+    return tuple(masks)
+
+
+def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _Setup:
     spec = app.spec
     order = spec.serving_order
     slo_ms = spec.slo.latency_ms / len(order)
-    if len(order) > 1:
-        steps.append(
-            f"cascade {' -> '.join(order)}: planned stage by stage with scale factor 1.0 (every"
-            f" query reaches every stage) and an equal share {slo_ms:g} ms of the SLO each;"
-            " scale factors come in a later issue"
-        )
+    reach = _reach(app, trace, seed, slo_ms, steps)
     smallest, largest = int(trace.batch_size.min()), int(trace.batch_size.max())
     stages = []
     for model in order:
@@ -489,7 +552,7 @@ def _setup(app: ResolvedApp, trace: Trace, steps: list[str]) -> _Setup:
             )
         )
     cheapest = tuple(min(s.prices_usd_per_hr.values()) for s in stages)
-    return _Setup(tuple(stages), cheapest)
+    return _Setup(tuple(stages), cheapest, reach)
 
 
 def _value_per_usd(inputs: _StageInputs, sizes: np.ndarray) -> dict[str, float]:
@@ -516,8 +579,9 @@ def _run(
         if inputs.budget_usd_per_hr < min(inputs.prices_usd_per_hr.values()):
             steps.append(f"{stage.model}: the budget left buys no instance")
             return None
-        evaluate = _Evaluator(inputs, trace, seed)
-        value = _value_per_usd(inputs, trace.batch_size)
+        stage_trace = setup.stage_trace(i, trace)
+        evaluate = _Evaluator(inputs, stage_trace, seed)
+        value = _value_per_usd(inputs, stage_trace.batch_size)
         try:
             fleet = _algorithm_1(inputs, evaluate, value, steps)
             if fleet is None:
@@ -532,7 +596,14 @@ def _run(
         left_usd_per_hr -= cost
         plans.append(
             StagePlan(
-                stage.model, dict(sorted(fleet.items())), batch, tail_ms, throughput, cost, policy
+                stage.model,
+                dict(sorted(fleet.items())),
+                batch,
+                tail_ms,
+                throughput,
+                cost,
+                policy,
+                setup.scale_factor(i),
             )
         )
     return plans
@@ -561,16 +632,21 @@ def plan_app(
         raise ValueError(f"max_queries must be >= 2, got {max_queries}")
     say = progress or (lambda _message: None)
     steps: list[str] = []
+    ids = trace.sample_id
     if len(trace) > max_queries:
-        sample = Trace(trace.arrival_s[:max_queries], trace.batch_size[:max_queries])
+        sample = Trace(
+            trace.arrival_s[:max_queries],
+            trace.batch_size[:max_queries],
+            None if ids is None else ids[:max_queries],
+        )
         steps.append(
             f"planned on the first {max_queries:,} of {len(trace):,} queries"
             f" ({sample.duration_s:.0f} of {trace.duration_s:.0f} s) to keep simulations short"
         )
     else:
-        sample = Trace(trace.arrival_s, trace.batch_size)
-    sample = Trace(sample.arrival_s - sample.arrival_s[0], sample.batch_size)
-    setup = _setup(app, sample, steps)
+        sample = trace
+    sample = Trace(sample.arrival_s - sample.arrival_s[0], sample.batch_size, sample.sample_id)
+    setup = _setup(app, sample, steps, seed)
     for stage in setup.stages:
         _check_service_time(stage, sample.batch_size)
     rate = _rate_qps(sample)

@@ -30,6 +30,7 @@ controlplane.spec.SpecError: models: must hold at least 1 item, got []
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from estimator.cascades import Cascade, ValidationRecords, load_validation
 from estimator.catalog import Catalog, load_catalog
 from estimator.errors import (
     EstimatorError,
@@ -172,6 +174,17 @@ class AppSpec(BaseModel):
     name: str = Field(pattern=_APP_NAME_PATTERN, max_length=_APP_NAME_MAX)
     models: list[ModelSpec] = Field(min_length=1)
     cascade: list[str] | None = None
+    thresholds: list[float] | None = Field(
+        default=None,
+        description="cascade certainty thresholds in [0, 1], one per model but the last: a query"
+        " stops at the first stage whose certainty (top-1 minus top-2 score) reaches it",
+    )
+    validation: str | None = Field(
+        default=None,
+        min_length=1,
+        description="validation records (heteroplane.validation/v1) of the cascade's models: the"
+        " share of queries reaching each stage (its scale factor) comes from them",
+    )
     slo: SLOSpec
     budget_usd_per_hr: float = Field(gt=0, allow_inf_nan=False)
     instance_types: list[str] = Field(min_length=1)
@@ -182,6 +195,7 @@ class AppSpec(BaseModel):
     def _check_fields_together(self) -> AppSpec:
         _check_unique(self.model_names, "models[{}].name", "model")
         _check_cascade(self.model_names, self.cascade)
+        _check_thresholds(self.cascade, self.thresholds, self.validation)
         for i, name in enumerate(self.instance_types):
             if not name:
                 raise SpecError(f"instance_types[{i}]", "must be a non-empty name")
@@ -220,6 +234,27 @@ def _check_unique(names: Sequence[str], field: str, what: str) -> None:
                 field.format(i), f"{what} {name!r} appears twice (first at index {first[name]})"
             )
         first[name] = i
+
+
+def _check_thresholds(
+    cascade: list[str] | None, thresholds: list[float] | None, validation: str | None
+) -> None:
+    for field, given in (("thresholds", thresholds is not None), ("validation", validation)):
+        if given and cascade is None:
+            raise SpecError(field, "applies to a cascade only; name the cascade order first")
+    if thresholds is None or cascade is None:
+        if validation is not None and thresholds is None:
+            raise SpecError("thresholds", "validation records need the cascade's thresholds")
+        return
+    if len(thresholds) != len(cascade) - 1:
+        raise SpecError(
+            "thresholds",
+            f"needs one threshold per model but the last ({len(cascade) - 1}), got"
+            f" {len(thresholds)}",
+        )
+    for i, threshold in enumerate(thresholds):
+        if not (math.isfinite(threshold) and 0.0 <= threshold <= 1.0):
+            raise SpecError(f"thresholds[{i}]", f"must be in [0, 1], got {threshold!r}")
 
 
 def _check_cascade(models: list[str], cascade: list[str] | None) -> None:
@@ -440,7 +475,8 @@ def anchor_paths(spec: AppSpec, base_dir: str | Path) -> AppSpec:
         model.model_copy(update={"profiles": anchored(model.profiles)}) for model in spec.models
     ]
     catalog = anchored(spec.catalog) if spec.catalog is not None else None
-    return spec.model_copy(update={"models": models, "catalog": catalog})
+    validation = anchored(spec.validation) if spec.validation is not None else None
+    return spec.model_copy(update={"models": models, "catalog": catalog, "validation": validation})
 
 
 # --- checking it against the data ------------------------------------------------------------
@@ -451,13 +487,22 @@ class ResolvedApp:
     """An app spec checked against its catalog and profiles, with what they say loaded.
 
     ``profiles`` maps each model to its profile set (which holds every candidate type);
-    ``prices_usd_per_hr`` maps each candidate type to its on-demand price, in spec order.
+    ``prices_usd_per_hr`` maps each candidate type to its on-demand price, in spec order;
+    ``validation`` holds the cascade's validation records when the spec names them.
     """
 
     spec: AppSpec
     catalog: Catalog
     profiles: Mapping[str, ProfileSet]
     prices_usd_per_hr: Mapping[str, float]
+    validation: ValidationRecords | None = None
+
+    @property
+    def cascade(self) -> Cascade | None:
+        """The cascade with its thresholds, when the spec gives both (else ``None``)."""
+        if self.spec.cascade is None or self.spec.thresholds is None:
+            return None
+        return Cascade(tuple(self.spec.cascade), tuple(self.spec.thresholds))
 
     @property
     def instance_types(self) -> list[str]:
@@ -518,7 +563,29 @@ def resolve_spec(spec: AppSpec, base_dir: str | Path | None = None) -> ResolvedA
         catalog=catalog,
         profiles=MappingProxyType(profiles),
         prices_usd_per_hr=MappingProxyType(prices),
+        validation=_load_spec_validation(spec),
     )
+
+
+def _load_spec_validation(spec: AppSpec) -> ValidationRecords | None:
+    if spec.validation is None:
+        return None
+    path = spec.validation
+    if not Path(path).is_file():
+        raise SpecError("validation", f"no such file: {path}")
+    try:
+        records = load_validation(path)
+    except EstimatorError as error:
+        raise SpecError("validation", str(error)) from error
+    except OSError as error:
+        raise SpecError("validation", f"cannot read {path}: {error.strerror or error}") from None
+    missing = [name for name in spec.serving_order if name not in records.models]
+    if missing:
+        raise SpecError(
+            "validation",
+            f"{path} has no records of {', '.join(missing)} (it has {', '.join(records.models)})",
+        )
+    return records
 
 
 def _load_spec_catalog(path: str | None) -> Catalog:

@@ -15,6 +15,7 @@ from controlplane.cli import main
 from controlplane.planner import InfeasibleSLOError, Plan, peak_rate_qps, plan_app, scale_trace
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
 from estimator.batches import parse_batch_distribution
+from estimator.cascades import evaluate, synthetic_validation, validation_document
 from estimator.policies import full_range_types, policy_factory
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace, gamma_arrivals, poisson_arrivals, trace_stats, write_trace_csv
@@ -305,3 +306,71 @@ def test_rm2_in_the_kairos_setting_gets_a_mixed_fleet_under_budget(tmp_path: Pat
     assert len([t for t, n in stage.fleet.items() if n]) >= 2, stage.fleet
     assert stage.predicted_p99_ms <= 350.0
     assert any("first 20,000" in step for step in plan.steps)
+
+
+# --- cascades: scale factors from validation records -----------------------------------------
+
+
+def write_cascade_app(folder: Path, *, records: bool, threshold: float = 0.6) -> ResolvedApp:
+    """Two stages (cheap then large), both profiled like the toy model ``m``."""
+    rows = ["model,instance_type,batch_size,sample,infer_ms,load_ms"]
+    for model, factor in (("cheap", 0.5), ("large", 1.0)):
+        for itype, (fixed, slope) in SHAPES.items():
+            for b in BATCHES:
+                rows += [
+                    f"{model},{itype},{b},{i},"
+                    f"{factor * (fixed + slope * b) * (0.9 + 0.02 * i):.4f},0"
+                    for i in range(11)
+                ]
+    (folder / "cascade.csv").write_text("\n".join(rows) + "\n")
+    family = synthetic_validation(
+        np.random.default_rng(0), [0.9, 0.97], names=["cheap", "large"], n_samples=600
+    )
+    (folder / "validation.json").write_text(json.dumps(validation_document(family)))
+    lines = [
+        "name: cascade",
+        "models: [{name: cheap, profiles: cascade.csv}, {name: large, profiles: cascade.csv}]",
+        "cascade: [cheap, large]",
+        "slo: {latency_ms: 50}",
+        "budget_usd_per_hr: 10",
+        "instance_types: [g4dn.xlarge, r5n.large, t3.xlarge]",
+    ]
+    if records:
+        lines += [f"thresholds: [{threshold}]", "validation: validation.json"]
+    spec = folder / f"cascade-{records}-{threshold}.yaml"
+    spec.write_text("\n".join(lines) + "\n")
+    return resolve_spec(load_spec(spec))
+
+
+def test_a_cascade_stage_is_planned_for_the_share_of_queries_that_reach_it(
+    tmp_path: Path,
+) -> None:
+    app = write_cascade_app(tmp_path, records=True)
+    assert app.cascade is not None and app.validation is not None
+    trace = poisson_trace(600.0, queries=3000)
+    plan = plan_app(app, trace, seed=2)
+    assert plan.feasible
+    first, second = plan.stages
+    assert first.scale_factor == 1.0
+    # The share reaching the large model: the samples whose cheap certainty is below 0.6.
+    expected = evaluate(app.cascade, app.validation).reach_share[1]
+    assert second.scale_factor == pytest.approx(expected, abs=0.04)
+    assert 0.0 < second.scale_factor < 1.0
+    assert any("scale factors from the validation records" in step for step in plan.steps)
+    assert plan.to_document()["stages"][1]["scale_factor"] == second.scale_factor
+
+    # Without records every query is assumed to reach the large model: never cheaper.
+    plain = plan_app(write_cascade_app(tmp_path, records=False), trace, seed=2)
+    assert [s.scale_factor for s in plain.stages] == [1.0, 1.0]
+    assert plain.stages[1].cost_usd_per_hr >= second.cost_usd_per_hr
+    assert any("scale factor 1.0" in step for step in plain.steps)
+
+
+def test_a_trace_with_sample_ids_routes_by_them(tmp_path: Path) -> None:
+    app = write_cascade_app(tmp_path, records=True, threshold=0.0)
+    base = poisson_trace(300.0, queries=1000)
+    trace = Trace(base.arrival_s, base.batch_size, np.arange(len(base)) % 600)
+    plan = plan_app(app, trace, seed=0)
+    # Threshold 0: the cheap model answers everything; the large stage keeps its minimum.
+    assert plan.stages[1].scale_factor == pytest.approx(2 / len(trace))
+    assert any("the trace's sample ids" in step for step in plan.steps)

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
@@ -23,6 +24,7 @@ from controlplane.spec import (
     resolve_spec,
     validate_spec,
 )
+from estimator.cascades import synthetic_validation, validation_document
 from estimator.errors import (
     EstimatorError,
     MissingProfileError,
@@ -199,6 +201,67 @@ def test_cascade_must_match_the_models(cascade: Any, field: str, words: str) -> 
         validate_spec(with_change("cascade", cascade, cascade_document()))
     assert caught.value.field == field
     assert words in caught.value.problem
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "words"),
+    [
+        ({"thresholds": [0.5]}, "thresholds", "one threshold per model but the last (2)"),
+        ({"thresholds": [0.5, 1.5]}, "thresholds[1]", "in [0, 1]"),
+        ({"thresholds": [0.5, -0.1]}, "thresholds[1]", "in [0, 1]"),
+        ({"validation": "v.json"}, "thresholds", "need the cascade's thresholds"),
+        ({"thresholds": [0.5, 0.5], "validation": ""}, "validation", "at least 1"),
+    ],
+)
+def test_cascade_thresholds_and_records_are_checked(
+    changes: dict[str, Any], field: str, words: str
+) -> None:
+    document = cascade_document()
+    document.update(changes)
+    with pytest.raises(SpecError) as caught:
+        validate_spec(document)
+    assert caught.value.field == field
+    assert words in caught.value.problem
+
+
+@pytest.mark.parametrize("key", ["thresholds", "validation"])
+def test_thresholds_and_records_need_a_cascade(key: str) -> None:
+    value: Any = [0.5] if key == "thresholds" else "v.json"
+    with pytest.raises(SpecError) as caught:
+        validate_spec(with_change(key, value))
+    assert caught.value.field == key
+    assert "cascade only" in caught.value.problem
+
+
+def test_validation_records_are_loaded_and_checked(tmp_path: Path) -> None:
+    pairs = [(m, t) for m in ("tiny", "large") for t in ("g4dn.xlarge", "r5n.large")]
+    write_profiles_csv(tmp_path / "p.csv", pairs)
+    document = cascade_document()
+    document["models"] = [
+        {"name": "tiny", "profiles": "p.csv"},
+        {"name": "large", "profiles": "p.csv"},
+    ]
+    document["cascade"] = ["tiny", "large"]
+    document["thresholds"] = [0.7]
+    document["validation"] = "v.json"
+    document.pop("max_counts")
+    spec_path = tmp_path / "app.yaml"
+    spec_path.write_text(json.dumps(document))
+    with pytest.raises(SpecError) as caught:
+        resolve_spec(load_spec(spec_path))
+    assert caught.value.field == "validation" and "no such file" in caught.value.problem
+
+    family = synthetic_validation(np.random.default_rng(0), [0.9, 0.97], names=["tiny", "huge"])
+    (tmp_path / "v.json").write_text(json.dumps(validation_document(family)))
+    with pytest.raises(SpecError) as caught:
+        resolve_spec(load_spec(spec_path))
+    assert caught.value.field == "validation" and "no records of large" in caught.value.problem
+
+    family = synthetic_validation(np.random.default_rng(0), [0.9, 0.97], names=["tiny", "large"])
+    (tmp_path / "v.json").write_text(json.dumps(validation_document(family)))
+    app = resolve_spec(load_spec(spec_path))
+    assert app.validation is not None and app.validation.models == ("tiny", "large")
+    assert app.cascade is not None and app.cascade.thresholds == (0.7,)
 
 
 def test_model_validate_raises_a_validation_error_carrying_the_field() -> None:
