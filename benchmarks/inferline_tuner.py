@@ -294,9 +294,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
         for name, p in s["plans"].items()
     )
     spikes = " and ".join(f"{start:g} s" for start, _, _ in SPIKES)
-    peak_plan_ratio = (
-        s["plans"]["peak"]["cost_usd_per_hr"] / s["plans"]["tuner"]["cost_usd_per_hr"]
-    )
+    peak_plan_ratio = s["plans"]["peak"]["cost_usd_per_hr"] / s["plans"]["tuner"]["cost_usd_per_hr"]
     decisions = "\n".join(
         f"- {label}: " + ("; ".join(items) if items else "none")
         for label, items in report["decisions"].items()
