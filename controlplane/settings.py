@@ -4,9 +4,11 @@ listens, and how often its jobs run.
 This module owns the schema (:class:`Settings`, with :class:`Ec2Settings` for the EC2
 provisioner; pydantic-settings, since settings are a trust boundary) and how they are read
 (:func:`load_settings`): environment variables ``HETEROPLANE_<FIELD>`` (nested fields with ``__``:
-``HETEROPLANE_EC2__REGION``; lists and mappings as JSON), over an optional YAML config file
-(``load_settings(path)`` or ``$HETEROPLANE_CONFIG``), over the defaults. Every field, its variable
-and its default are listed in ``docs/service.md``.
+``HETEROPLANE_EC2__REGION``; lists and mappings as JSON; the EC2 fields also flat, as in
+``HETEROPLANE_EC2_SUBNET_IDS=subnet-a,subnet-b`` and
+``HETEROPLANE_EC2_LAUNCH_TEMPLATES=g4dn.xlarge=lt-1,c5.xlarge=lt-2``), over an optional YAML
+config file (``load_settings(path)`` or ``$HETEROPLANE_CONFIG``), over the defaults. Every field,
+its variable and its default are listed in ``docs/service.md``.
 
 Every problem is one :class:`~controlplane.errors.SettingsError` naming the field:
 
@@ -71,22 +73,82 @@ def default_data_dir() -> Path:
 
 
 class Ec2Settings(BaseModel):
-    """Where and how the EC2 provisioner launches workers (needed when ``provisioner`` is ec2)."""
+    """Where and how the EC2 provisioner launches workers (needed when ``provisioner`` is ec2).
+
+    Lists may also be given as comma-separated text (``subnet-a,subnet-b``) and
+    ``launch_templates`` as ``type=id`` pairs (``g4dn.xlarge=lt-1,c5.xlarge=lt-2``), the form of
+    the flat environment variables.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     region: str = Field(min_length=1, description="AWS region, e.g. us-east-1")
-    subnet_ids: list[str] = Field(min_length=1, description="subnets to launch workers into")
+    subnet_ids: list[str] = Field(
+        min_length=1, description="subnets to launch workers into, tried in order"
+    )
     security_group_ids: list[str] = Field(description="security groups of the workers")
+    ami_id: str | None = Field(
+        default=None, min_length=1, description="image for types without a launch template"
+    )
     launch_templates: dict[str, str] = Field(
-        min_length=1, description="instance type -> launch template id (lt-...) or name"
+        default_factory=dict, description="instance type -> launch template id (lt-...) or name"
     )
     tag_prefix: str = Field(
-        default="heteroplane", min_length=1, description="prefix of the tags on our instances"
+        default="heteroplane",
+        min_length=1,
+        pattern=r"^[^:]+$",
+        description="prefix of the tags on our instances",
+    )
+    spot: bool = Field(
+        default=False, description="spot capacity first (CreateFleet), on demand for the rest"
+    )
+    unavailable_ttl_s: float = Field(
+        default=180.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="how long a (type, zone) out of capacity is skipped, s",
+    )
+    max_attempts: int = Field(
+        default=5, ge=1, le=20, description="attempts per AWS call (botocore adaptive retries)"
     )
     endpoint_url: str | None = Field(
-        default=None, description="EC2 endpoint override (a moto server in tests)"
+        default=None,
+        description="EC2 endpoint override; prefer boto3's own AWS_ENDPOINT_URL (a moto server)",
     )
+
+    @field_validator("subnet_ids", "security_group_ids", mode="before")
+    @classmethod
+    def _split_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("launch_templates", mode="before")
+    @classmethod
+    def _split_pairs(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        pairs: dict[str, str] = {}
+        for part in (p.strip() for p in value.split(",")):
+            if not part:
+                continue
+            instance_type, sep, template = (x.strip() for x in part.partition("="))
+            if not sep or not instance_type or not template:
+                raise SettingsError(
+                    "ec2.launch_templates",
+                    f"expected type=id pairs separated by commas, got {part!r}",
+                )
+            pairs[instance_type] = template
+        return pairs
+
+    @model_validator(mode="after")
+    def _check_image(self) -> Ec2Settings:
+        if not self.launch_templates and self.ami_id is None:
+            raise SettingsError(
+                "ec2.launch_templates",
+                "must have at least 1 item when ec2.ami_id is not set (type=id pairs, or an AMI)",
+            )
+        return self
 
 
 class Settings(BaseSettings):
@@ -125,10 +187,11 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # Earlier sources win: arguments, then the environment, then the config file. No .env
+        # Earlier sources win: arguments, then the environment (nested, then flat EC2
+        # variables), then the config file; nested mappings are merged across them. No .env
         # file and no secrets directory: the service reads nothing it was not pointed at.
         file_settings = InitSettingsSource(settings_cls, init_kwargs=dict(_FILE_VALUES.get() or {}))
-        return init_settings, env_settings, file_settings
+        return init_settings, env_settings, _FlatEc2Source(settings_cls), file_settings
 
     @model_validator(mode="before")
     @classmethod
@@ -167,7 +230,7 @@ class Settings(BaseSettings):
             raise SettingsError(
                 "ec2",
                 "is required when provisioner is 'ec2' (region, subnet_ids, security_group_ids,"
-                " launch_templates)",
+                " launch_templates or ami_id)",
             )
         return self
 
@@ -179,6 +242,24 @@ class Settings(BaseSettings):
         """Create :attr:`data_dir` (and its parents) if missing; return it."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         return self.data_dir
+
+
+class _FlatEc2Source(PydanticBaseSettingsSource):
+    """``HETEROPLANE_EC2_<FIELD>`` (one underscore, the issue's contract) for each field of
+    :class:`Ec2Settings`, as ``{"ec2": {...}}``; the values stay text for its validators."""
+
+    _PREFIX = f"{ENV_PREFIX}EC2_"
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads the whole group at once
+
+    def __call__(self) -> dict[str, Any]:
+        values = {
+            name: os.environ[self._PREFIX + name.upper()]
+            for name in Ec2Settings.model_fields
+            if self._PREFIX + name.upper() in os.environ
+        }
+        return {"ec2": values} if values else {}
 
 
 def load_settings(config_file: Path | None = None) -> Settings:
@@ -263,6 +344,9 @@ def _settings_error_from(error: ValidationError, source: str | None) -> Settings
         message = re.sub(r"^\w+ should ", "must ", str(detail["msg"]).removeprefix("Value error, "))
         problem = f"{message}, got {_shown(detail.get('input'))}"
     env = ENV_PREFIX + "__".join(part.upper() for part in loc) if loc else ""
+    flat = ENV_PREFIX + "_".join(part.upper() for part in loc)
+    if len(loc) == 2 and loc[0] == "ec2" and env not in os.environ and flat in os.environ:
+        env = flat  # the value came from the flat form, HETEROPLANE_EC2_<FIELD>
     if env and detail["type"] != "extra_forbidden":
         problem += f" ({env})"
     return SettingsError(field, problem, source)

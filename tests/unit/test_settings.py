@@ -196,3 +196,94 @@ def test_empty_config_file_is_the_defaults(tmp_path: Path) -> None:
 
 def test_settings_error_is_a_value_error() -> None:
     assert issubclass(SettingsError, ValueError)
+
+
+FLAT_EC2 = {
+    "HETEROPLANE_PROVISIONER": "ec2",
+    "HETEROPLANE_EC2_REGION": "us-west-2",
+    "HETEROPLANE_EC2_SUBNET_IDS": "subnet-a, subnet-b",
+    "HETEROPLANE_EC2_SECURITY_GROUP_IDS": "sg-1,sg-2",
+    "HETEROPLANE_EC2_LAUNCH_TEMPLATES": "g4dn.xlarge=lt-0123, c5.xlarge=heteroplane-c5.xlarge",
+}
+
+
+def test_flat_ec2_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in FLAT_EC2.items():
+        monkeypatch.setenv(name, value)
+    settings = load_settings()
+    assert settings.provisioner == "ec2"
+    assert settings.ec2 is not None
+    assert settings.ec2.region == "us-west-2"
+    assert settings.ec2.subnet_ids == ["subnet-a", "subnet-b"]
+    assert settings.ec2.security_group_ids == ["sg-1", "sg-2"]
+    assert settings.ec2.launch_templates == {
+        "g4dn.xlarge": "lt-0123",
+        "c5.xlarge": "heteroplane-c5.xlarge",
+    }
+    assert settings.ec2.ami_id is None
+    assert (settings.ec2.spot, settings.ec2.unavailable_ttl_s, settings.ec2.max_attempts) == (
+        False,
+        180.0,
+        5,
+    )
+
+
+def test_flat_ec2_environment_with_an_ami_and_no_templates(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETEROPLANE_EC2_REGION", "us-east-1")
+    monkeypatch.setenv("HETEROPLANE_EC2_SUBNET_IDS", "subnet-a")
+    monkeypatch.setenv("HETEROPLANE_EC2_SECURITY_GROUP_IDS", "")
+    monkeypatch.setenv("HETEROPLANE_EC2_AMI_ID", "ami-0abc")
+    monkeypatch.setenv("HETEROPLANE_EC2_SPOT", "true")
+    settings = load_settings()
+    assert settings.ec2 is not None
+    assert settings.ec2.ami_id == "ami-0abc"
+    assert settings.ec2.launch_templates == {}
+    assert settings.ec2.security_group_ids == []
+    assert settings.ec2.spot
+
+
+def test_flat_ec2_environment_merges_with_the_file_and_nested_form_wins(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HETEROPLANE_EC2_REGION", "eu-west-1")
+    monkeypatch.setenv("HETEROPLANE_EC2_SUBNET_IDS", "subnet-flat")
+    monkeypatch.setenv("HETEROPLANE_EC2__SUBNET_IDS", '["subnet-nested"]')
+    settings = load_settings(write(tmp_path, EC2_YAML))
+    assert settings.ec2 is not None
+    assert settings.ec2.region == "eu-west-1"
+    assert settings.ec2.subnet_ids == ["subnet-nested"]
+    assert settings.ec2.launch_templates == {"g4dn.xlarge": "lt-0123"}
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        (
+            "HETEROPLANE_EC2_LAUNCH_TEMPLATES",
+            "g4dn.xlarge",
+            "ec2.launch_templates: expected type=id",
+        ),
+        ("HETEROPLANE_EC2_LAUNCH_TEMPLATES", "", "ec2.launch_templates: must have at least 1 item"),
+        ("HETEROPLANE_EC2_SUBNET_IDS", " , ", "ec2.subnet_ids: must have at least 1 item"),
+        ("HETEROPLANE_EC2_MAX_ATTEMPTS", "0", "ec2.max_attempts: must be greater than or equal"),
+        ("HETEROPLANE_EC2_TAG_PREFIX", "a:b", "ec2.tag_prefix: must match pattern"),
+    ],
+)
+def test_bad_flat_ec2_environment(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, message: str
+) -> None:
+    for name, good in FLAT_EC2.items():
+        monkeypatch.setenv(name, good)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    assert str(caught.value).startswith(message)
+    assert "\n" not in str(caught.value)
+
+
+def test_bad_flat_value_names_the_flat_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, good in FLAT_EC2.items():
+        monkeypatch.setenv(name, good)
+    monkeypatch.setenv("HETEROPLANE_EC2_MAX_ATTEMPTS", "0")
+    with pytest.raises(SettingsError, match=r"\(HETEROPLANE_EC2_MAX_ATTEMPTS\)"):
+        load_settings()

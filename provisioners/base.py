@@ -1,0 +1,162 @@
+"""The provisioner seam: the :class:`Provisioner` protocol, the records it trades in, and the tags
+that mark what heteroplane launched.
+
+The contract (Karpenter's cloud-provider interface and Ray's autoscaler v2 node provider are the
+models):
+
+- **Asynchronous.** :meth:`Provisioner.launch` returns as soon as the provider has accepted the
+  request; the instances it returns are usually ``pending``. Their progress is read with
+  :meth:`Provisioner.list`.
+- **Idempotent by request id.** Launching the same :class:`LaunchRequest` again (same
+  ``request_id``) returns the instances of the first call and never launches more, also after the
+  control plane restarts (the request id is on the instances as :data:`REQUEST_TAG`).
+  :meth:`Provisioner.terminate` of an instance already gone is a no-op.
+- **Tagged.** Every instance carries the request's tags plus :data:`MANAGED_TAG` = ``"true"`` and
+  :data:`REQUEST_TAG` = the request id; :meth:`Provisioner.list` finds instances by tags only.
+- **Typed errors.** Only :mod:`provisioners.errors` escape; see there for how they are classified.
+- **Events.** What the provider did on its own (fell back to another zone, found a type out of
+  capacity, retried) is reported by :meth:`Provisioner.poll_events`, once each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal, Protocol, get_args, runtime_checkable
+
+__all__ = [
+    "APP_TAG",
+    "INSTANCE_TAG",
+    "MANAGED_TAG",
+    "PLAN_TAG",
+    "PROVIDER_STATES",
+    "REQUEST_TAG",
+    "EventKind",
+    "LaunchRequest",
+    "ProviderState",
+    "ProvisionedInstance",
+    "Provisioner",
+    "ProvisionerEvent",
+    "launch_tags",
+    "tags_match",
+]
+
+MANAGED_TAG = "heteroplane:managed"
+APP_TAG = "heteroplane:app"
+PLAN_TAG = "heteroplane:plan"
+REQUEST_TAG = "heteroplane:request-id"
+# The control plane's own id of the instance (its database row), when it has one.
+INSTANCE_TAG = "heteroplane:instance-id"
+
+ProviderState = Literal["pending", "running", "stopping", "terminated", "failed"]
+PROVIDER_STATES: tuple[ProviderState, ...] = get_args(ProviderState)
+
+EventKind = Literal["capacity", "quota", "throttled", "failed", "info"]
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchRequest:
+    """Launch ``count`` instances of ``instance_type`` carrying ``tags``; ``request_id`` makes the
+    call idempotent (the reconciler records it before acting)."""
+
+    request_id: str
+    instance_type: str
+    count: int
+    tags: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id must not be empty")
+        if not self.instance_type:
+            raise ValueError("instance_type must not be empty")
+        if self.count < 1:
+            raise ValueError(f"count must be at least 1, got {self.count}")
+
+
+@dataclass(frozen=True, slots=True)
+class ProvisionedInstance:
+    """One instance as the provider sees it.
+
+    ``address`` is where its worker listens: ``host:port`` for local workers, the private IP for
+    EC2 (``None`` until known). ``zone`` is the availability zone (``None`` where it means nothing).
+    """
+
+    provider_id: str
+    instance_type: str
+    state: ProviderState
+    tags: Mapping[str, str]
+    address: str | None = None
+    zone: str | None = None
+    launched_at: datetime | None = None
+
+    @property
+    def request_id(self) -> str | None:
+        return self.tags.get(REQUEST_TAG)
+
+
+@dataclass(frozen=True, slots=True)
+class ProvisionerEvent:
+    """Something the provider did or met on its own: ``kind`` is ``capacity`` (a type out of
+    capacity somewhere, a fallback), ``quota``, ``throttled``, ``failed`` or ``info``."""
+
+    at: datetime
+    kind: EventKind
+    message: str
+    instance_type: str | None = None
+    zone: str | None = None
+    provider_id: str | None = None
+
+
+@runtime_checkable
+class Provisioner(Protocol):
+    """Creates, destroys and lists instances (see the module docstring for the contract)."""
+
+    name: str
+
+    def launch(self, request: LaunchRequest) -> list[ProvisionedInstance]:
+        """Launch ``request.count`` instances, or return those an earlier call with the same
+        ``request_id`` launched (never launch twice).
+
+        Raises :class:`~provisioners.errors.InsufficientCapacityError` when no zone has capacity,
+        :class:`~provisioners.errors.QuotaExceededError`,
+        :class:`~provisioners.errors.ThrottledError` or
+        :class:`~provisioners.errors.InvalidConfigurationError`.
+        """
+        ...
+
+    def terminate(self, provider_ids: Sequence[str]) -> None:
+        """Terminate these instances. Ids that are unknown or already terminated are ignored
+        (idempotent); an id that names an instance not managed by heteroplane raises
+        :class:`~provisioners.errors.UnknownInstanceError` and nothing is terminated."""
+        ...
+
+    def poll_events(self) -> list[ProvisionerEvent]:
+        """The events since the last call, oldest first (each is returned once)."""
+        ...
+
+    # Last: inside the class body, ``list`` names this method, not the builtin.
+    def list(self, tags: Mapping[str, str]) -> list[ProvisionedInstance]:
+        """Every instance whose tags include all of ``tags`` (at least :data:`MANAGED_TAG` is
+        implied). Instances terminated recently may be listed with state ``terminated`` (EC2 keeps
+        them visible for about an hour); callers count only the others."""
+        ...
+
+
+def launch_tags(request: LaunchRequest) -> dict[str, str]:
+    """The tags an instance launched for ``request`` carries: the request's own, plus
+    :data:`MANAGED_TAG` and :data:`REQUEST_TAG` (which win over the request's).
+
+    >>> launch_tags(LaunchRequest("r-1", "t3.large", 1, {APP_TAG: "recs"}))["heteroplane:managed"]
+    'true'
+    """
+    return {**request.tags, MANAGED_TAG: "true", REQUEST_TAG: request.request_id}
+
+
+def tags_match(tags: Mapping[str, str], wanted: Mapping[str, str]) -> bool:
+    """Whether ``tags`` include every key of ``wanted`` with the same value.
+
+    >>> tags_match({"a": "1", "b": "2"}, {"a": "1"})
+    True
+    """
+    return all(tags.get(key) == value for key, value in wanted.items())

@@ -1,0 +1,734 @@
+"""The EC2 provisioner: workers as EC2 instances, through boto3.
+
+This module owns :class:`Ec2Config` (what the provisioner needs to know, in the provisioners'
+own terms; the control plane converts its settings into one) and :class:`Ec2Provisioner`, which
+keeps the :class:`~provisioners.base.Provisioner` contract on EC2:
+
+- **Launch.** ``RunInstances`` with ``MinCount = MaxCount = count`` (all or nothing), from the
+  type's launch template when one is configured (made by terraform, or by
+  :meth:`Ec2Provisioner.ensure_launch_templates` in development), else from ``ami_id``; tags on
+  the instance and its volumes (the request's tags, ``heteroplane:managed``,
+  ``heteroplane:request-id``, and a ``Name``).
+- **Idempotent.** Before launching, the instances tagged with the request id are looked up
+  (that survives a restart of the control plane); the ``ClientToken`` of every ``RunInstances``
+  is derived from the request id as well, so EC2 itself answers a retried call with the same
+  reservation.
+- **Capacity.** Capacity errors (``InsufficientInstanceCapacity``, ``Unsupported``, ...) fail
+  fast (botocore would otherwise retry their HTTP 500 as transient), mark the offering (type, zone)
+  unavailable for ``unavailable_ttl_s`` (Karpenter's unavailable-offerings cache) and the next
+  subnet is tried; when none is left, :class:`~provisioners.errors.InsufficientCapacityError`
+  goes back to the caller so the planner can fall back to the next configuration. Each step is a
+  ``capacity`` event.
+- **Spot** (``spot=True``, types with a launch template): ``CreateFleet`` of type ``instant`` with
+  every usable subnet as an override; what spot cannot supply is launched on demand.
+- **Throttling** is retried by botocore's adaptive retry mode (client-side rate limiting and
+  backoff); what is still throttled after ``max_attempts`` is a
+  :class:`~provisioners.errors.ThrottledError`.
+- **Listing** is by tags only (``DescribeInstances`` with tag filters, paginated), never
+  unfiltered; terminating first looks the ids up and refuses instances that are not ours.
+
+Every boto error goes through :func:`map_client_error`; none escapes this module. The endpoint is
+boto3's own business: ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_EC2``) points it at a moto
+server with no code path of ours.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Any, Literal
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    NoRegionError,
+)
+
+from provisioners.base import (
+    MANAGED_TAG,
+    REQUEST_TAG,
+    EventKind,
+    LaunchRequest,
+    ProviderState,
+    ProvisionedInstance,
+    ProvisionerEvent,
+    launch_tags,
+)
+from provisioners.errors import (
+    InsufficientCapacityError,
+    InvalidConfigurationError,
+    ProvisionerError,
+    QuotaExceededError,
+    ThrottledError,
+    UnknownInstanceError,
+)
+
+__all__ = [
+    "CAPACITY_ERROR_CODES",
+    "QUOTA_ERROR_CODES",
+    "THROTTLING_ERROR_CODES",
+    "Ec2Config",
+    "Ec2Provisioner",
+    "map_client_error",
+]
+
+Market = Literal["on-demand", "spot"]
+
+# The error codes of EC2 that mean "no capacity of this type here now": another zone or another
+# type may work. (Unsupported: the type is not offered in the subnet's zone.)
+CAPACITY_ERROR_CODES = frozenset(
+    {
+        "InsufficientInstanceCapacity",
+        "InsufficientHostCapacity",
+        "InsufficientReservedInstanceCapacity",
+        "InsufficientCapacity",
+        "InsufficientCapacityOnHost",
+        "InsufficientFreeAddressesInSubnet",
+        "Unsupported",
+        "UnfulfillableCapacity",
+        "SpotMaxPriceTooLow",
+    }
+)
+QUOTA_ERROR_CODES = frozenset(
+    {
+        "InstanceLimitExceeded",
+        "VcpuLimitExceeded",
+        "MaxSpotInstanceCountExceeded",
+        "MaxSpotFleetRequestCountExceeded",
+        "ResourceLimitExceeded",
+    }
+)
+# botocore's own list of throttling codes, plus EC2's.
+THROTTLING_ERROR_CODES = frozenset(
+    {
+        "RequestLimitExceeded",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "BandwidthLimitExceeded",
+        "SlowDown",
+        "EC2ThrottledException",
+        "PriorRequestNotComplete",
+    }
+)
+_UNAVAILABLE_SERVICE_CODES = frozenset(
+    {"InternalError", "InternalFailure", "ServiceUnavailable", "Unavailable"}
+)
+# Which setting an invalid-parameter error points at, by the code's prefix.
+_CONFIG_FIELDS = (
+    ("InvalidAMIID", "ami_id"),
+    ("InvalidSubnetID", "subnet_ids"),
+    ("InvalidSubnet", "subnet_ids"),
+    ("InvalidGroup", "security_group_ids"),
+    ("InvalidSecurityGroupID", "security_group_ids"),
+    ("InvalidLaunchTemplate", "launch_templates"),
+    ("InvalidInstanceType", "instance_type"),
+    ("IdempotentParameterMismatch", "request_id"),
+    ("UnauthorizedOperation", "credentials"),
+    ("AuthFailure", "credentials"),
+    ("InvalidClientTokenId", "credentials"),
+    ("OptInRequired", "region"),
+    ("InvalidParameter", "request"),
+    ("MissingParameter", "request"),
+    ("InvalidKeyPair", "launch_templates"),
+)
+
+_STATES: Mapping[str, ProviderState] = MappingProxyType(
+    {
+        "pending": "pending",
+        "running": "running",
+        "shutting-down": "stopping",
+        "stopping": "stopping",
+        # We never stop instances: a stopped worker serves nothing and is replaced.
+        "stopped": "failed",
+        "terminated": "terminated",
+    }
+)
+_DONE_STATES = frozenset({"shutting-down", "terminated"})
+
+# EC2 limits: a ClientToken is at most 64 ASCII characters; a filter takes at most 200 values.
+_CLIENT_TOKEN_CHARS = 64
+_IDS_PER_CALL = 100
+_PROTOCOL_PREFIX = "heteroplane"
+
+
+@dataclass(frozen=True, slots=True)
+class Ec2Config:
+    """Where and how to launch: ``subnet_ids`` are tried in order (put them in distinct zones),
+    ``launch_templates`` maps an instance type to a template id (``lt-...``) or name; types
+    without one are launched from ``ami_id``. ``tag_prefix`` replaces ``heteroplane`` in our tag
+    keys on AWS (two deployments in one account). ``unavailable_ttl_s`` is how long a (type, zone)
+    out of capacity is skipped; ``max_attempts`` bounds botocore's adaptive retries.
+    ``endpoint_url`` is for callers that must pin one; leave it ``None`` and boto3 reads
+    ``AWS_ENDPOINT_URL`` itself."""
+
+    region: str
+    subnet_ids: tuple[str, ...]
+    security_group_ids: tuple[str, ...] = ()
+    ami_id: str | None = None
+    launch_templates: Mapping[str, str] = field(default_factory=dict)
+    tag_prefix: str = _PROTOCOL_PREFIX
+    spot: bool = False
+    unavailable_ttl_s: float = 180.0
+    max_attempts: int = 5
+    endpoint_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.region:
+            raise InvalidConfigurationError("region", "must not be empty")
+        if not self.subnet_ids:
+            raise InvalidConfigurationError("subnet_ids", "at least one subnet is needed")
+        if self.ami_id is None and not self.launch_templates:
+            raise InvalidConfigurationError(
+                "launch_templates", "give a launch template per instance type, or an ami_id"
+            )
+        if not self.tag_prefix or ":" in self.tag_prefix:
+            raise InvalidConfigurationError("tag_prefix", "must be a non-empty word without ':'")
+        if self.unavailable_ttl_s < 0:
+            raise InvalidConfigurationError("unavailable_ttl_s", "must be >= 0")
+        if self.max_attempts < 1:
+            raise InvalidConfigurationError("max_attempts", "must be at least 1")
+
+
+def map_client_error(
+    error: Exception,
+    *,
+    operation: str = "",
+    instance_type: str | None = None,
+    zone: str | None = None,
+) -> ProvisionerError:
+    """The typed error for a boto error met while calling ``operation`` (the one place boto's
+    errors are classified).
+
+    >>> from botocore.exceptions import ClientError
+    >>> raw = ClientError({"Error": {"Code": "VcpuLimitExceeded", "Message": "64 vCPUs"}}, "Run")
+    >>> str(map_client_error(raw, instance_type="g4dn.xlarge"))
+    'quota exceeded launching g4dn.xlarge: VcpuLimitExceeded: 64 vCPUs'
+    """
+    where = f"{operation}: " if operation else ""
+    if isinstance(error, ProvisionerError):
+        return error
+    if isinstance(error, ClientError):
+        code = str(error.response.get("Error", {}).get("Code", "Unknown"))
+        detail = str(error.response.get("Error", {}).get("Message", "")).strip()
+        mapped = _mapped_client_error(code, detail, where, instance_type, zone)
+        mapped.code = code
+        return mapped
+    if isinstance(error, NoCredentialsError):
+        return InvalidConfigurationError("credentials", f"{where}no AWS credentials found")
+    if isinstance(error, NoRegionError):
+        return InvalidConfigurationError("region", f"{where}no AWS region")
+    if isinstance(error, EndpointConnectionError | BotoCoreError):
+        wrapped = ProvisionerError(f"{where}{error}")
+        wrapped.retryable = True
+        return wrapped
+    return ProvisionerError(f"{where}{type(error).__name__}: {error}")
+
+
+def _mapped_client_error(
+    code: str, detail: str, where: str, instance_type: str | None, zone: str | None
+) -> ProvisionerError:
+    text = f"{code}: {detail}" if detail else code
+    if code in CAPACITY_ERROR_CODES:
+        return InsufficientCapacityError(instance_type or "?", zone, text)
+    if code in QUOTA_ERROR_CODES:
+        return QuotaExceededError(instance_type or "?", text)
+    if code in THROTTLING_ERROR_CODES:
+        return ThrottledError(f"{where}{text}")
+    for prefix, setting in _CONFIG_FIELDS:
+        if code.startswith(prefix):
+            return InvalidConfigurationError(setting, f"{where}{text}")
+    wrapped = ProvisionerError(f"{where}{text}")
+    wrapped.retryable = code in _UNAVAILABLE_SERVICE_CODES
+    return wrapped
+
+
+class Ec2Provisioner:
+    """The :class:`~provisioners.base.Provisioner` on EC2 (see the module docstring).
+
+    ``clock`` (monotonic seconds) ages the unavailable-offerings cache and ``now`` stamps events;
+    both are injected for tests.
+    """
+
+    name = "ec2"
+
+    def __init__(
+        self,
+        config: Ec2Config,
+        session: boto3.Session | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        now: Callable[[], datetime] | None = None,
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._now = now if now is not None else (lambda: datetime.now(UTC))
+        session = session if session is not None else boto3.Session()
+        try:
+            self._client: Any = session.client(
+                "ec2",
+                region_name=config.region,
+                endpoint_url=config.endpoint_url,
+                config=Config(
+                    retries={"mode": "adaptive", "total_max_attempts": config.max_attempts},
+                    user_agent_extra="heteroplane",
+                ),
+            )
+        except Exception as error:
+            raise map_client_error(error, operation="client") from None
+        # Capacity errors come back as HTTP 500, which botocore retries as transient: stop that,
+        # so that the next zone is tried at once.
+        self._client.meta.events.register("needs-retry.ec2.RunInstances", _fail_fast_on_capacity)
+        self._lock = threading.Lock()
+        self._templates: dict[str, str] = dict(config.launch_templates)
+        self._unavailable: dict[tuple[str, str, Market], float] = {}
+        self._events: builtins.list[ProvisionerEvent] = []
+        self._subnet_zones: dict[str, str] | None = None
+
+    # --- the protocol ----------------------------------------------------------------------
+
+    def launch(self, request: LaunchRequest) -> builtins.list[ProvisionedInstance]:
+        existing = self.list({REQUEST_TAG: request.request_id})
+        if existing:
+            other = {i.instance_type for i in existing} - {request.instance_type}
+            if other or len(existing) > request.count:
+                raise InvalidConfigurationError(
+                    "request_id",
+                    f"{request.request_id} already launched {len(existing)} x"
+                    f" {', '.join(sorted({i.instance_type for i in existing}))}",
+                )
+            return existing
+        template = self._templates.get(request.instance_type)
+        if template is None and self.config.ami_id is None:
+            raise InvalidConfigurationError(
+                "launch_templates", f"no launch template for {request.instance_type} and no ami_id"
+            )
+        tags = self._aws_tags(launch_tags(request), request.instance_type)
+        launched: builtins.list[ProvisionedInstance] = []
+        if self.config.spot:
+            if template is None:
+                self._event(
+                    "info",
+                    f"spot needs a launch template; launching {request.instance_type} on demand",
+                    request.instance_type,
+                )
+            else:
+                launched = self._launch_spot(request, template, tags)
+        remaining = request.count - len(launched)
+        if remaining > 0:
+            try:
+                launched += self._launch_on_demand(request, remaining, template, tags)
+            except ProvisionerError:
+                if launched:
+                    # Spot already gave part of the request: keep it, report the rest.
+                    self._event(
+                        "capacity",
+                        f"launched {len(launched)} of {request.count} {request.instance_type}"
+                        " (spot); on demand had no capacity for the rest",
+                        request.instance_type,
+                    )
+                    return launched
+                raise
+        return launched
+
+    def terminate(self, provider_ids: Sequence[str]) -> None:
+        ids = builtins.list(dict.fromkeys(provider_ids))
+        if not ids:
+            return
+        found: dict[str, Mapping[str, Any]] = {}
+        for chunk in _chunks(ids, _IDS_PER_CALL):
+            filters = [{"Name": "instance-id", "Values": chunk}]
+            for raw in self._describe(filters, "DescribeInstances"):
+                found[raw["InstanceId"]] = raw
+        managed_key = self._aws_key(MANAGED_TAG)
+        for pid, raw in found.items():
+            if managed_key not in _tag_dict(raw):
+                raise UnknownInstanceError(pid)
+        # Unknown ids and instances already on their way out are left alone (idempotent).
+        live = [pid for pid, raw in found.items() if raw["State"]["Name"] not in _DONE_STATES]
+        for chunk in _chunks(live, _IDS_PER_CALL):
+            try:
+                self._call("TerminateInstances", InstanceIds=chunk)
+            except ProvisionerError as error:
+                if (error.code or "").startswith("InvalidInstanceID"):
+                    continue  # gone between the lookup and now
+                raise self._reported(error) from None
+
+    def poll_events(self) -> builtins.list[ProvisionerEvent]:
+        with self._lock:
+            events, self._events = self._events, []
+            return events
+
+    def list(self, tags: Mapping[str, str]) -> builtins.list[ProvisionedInstance]:
+        wanted = {MANAGED_TAG: "true", **tags}
+        filters = [
+            {"Name": f"tag:{self._aws_key(key)}", "Values": [value]}
+            for key, value in wanted.items()
+        ]
+        return [self._instance(raw) for raw in self._describe(filters, "DescribeInstances")]
+
+    # --- beyond the protocol ---------------------------------------------------------------
+
+    def unavailable_offerings(self) -> frozenset[tuple[str, str]]:
+        """The (instance type, zone) pairs out of on-demand capacity, as cached now."""
+        now_s = self._clock()
+        with self._lock:
+            return frozenset(
+                (instance_type, zone)
+                for (instance_type, zone, market), until_s in self._unavailable.items()
+                if market == "on-demand" and until_s > now_s
+            )
+
+    def ensure_launch_templates(self, instance_types: Sequence[str]) -> dict[str, str]:
+        """Development path: make sure each type has a launch template, creating
+        ``<tag_prefix>-<type>`` from ``ami_id`` and the security groups where there is none.
+        Returns type -> template id for ``instance_types`` and uses them from now on."""
+        if self.config.ami_id is None:
+            raise InvalidConfigurationError("ami_id", "is needed to create launch templates")
+        made: dict[str, str] = {}
+        for instance_type in instance_types:
+            if instance_type in self._templates:
+                made[instance_type] = self._templates[instance_type]
+                continue
+            name = f"{self.config.tag_prefix}-{instance_type}"
+            try:
+                found = self._call("DescribeLaunchTemplates", LaunchTemplateNames=[name])
+                template_id = str(found["LaunchTemplates"][0]["LaunchTemplateId"])
+            except ProvisionerError as error:
+                if "NotFound" not in (error.code or ""):
+                    raise self._reported(error) from None
+                template_id = self._create_launch_template(name, instance_type)
+            with self._lock:
+                self._templates[instance_type] = template_id
+            made[instance_type] = template_id
+        return made
+
+    # --- launching -------------------------------------------------------------------------
+
+    def _launch_on_demand(
+        self,
+        request: LaunchRequest,
+        count: int,
+        template: str | None,
+        tags: builtins.list[dict[str, str]],
+    ) -> builtins.list[ProvisionedInstance]:
+        instance_type = request.instance_type
+        missed: builtins.list[str] = []  # "zone (why)", for the events
+        for subnet_id, zone in self._subnets():
+            if self._is_unavailable(instance_type, zone, "on-demand"):
+                missed.append(f"{zone} (out of capacity recently)")
+                continue
+            params: dict[str, Any] = {
+                "MinCount": count,
+                "MaxCount": count,
+                "InstanceType": instance_type,
+                "SubnetId": subnet_id,
+                "ClientToken": _client_token(request.request_id, subnet_id, "on-demand"),
+                "TagSpecifications": [
+                    {"ResourceType": "instance", "Tags": tags},
+                    {"ResourceType": "volume", "Tags": tags},
+                ],
+            }
+            if template is not None:
+                params["LaunchTemplate"] = _template_spec(template)
+            else:
+                params["ImageId"] = self.config.ami_id
+            if self.config.security_group_ids:
+                params["SecurityGroupIds"] = builtins.list(self.config.security_group_ids)
+            try:
+                response = self._call(
+                    "RunInstances", instance_type=instance_type, zone=zone, **params
+                )
+            except InsufficientCapacityError as error:
+                self._mark_unavailable(instance_type, zone, "on-demand")
+                code = error.code or "no capacity"
+                self._event(
+                    "capacity",
+                    f"{instance_type} has no on-demand capacity in {zone} ({code});"
+                    f" {instance_type} x {zone} skipped for {self.config.unavailable_ttl_s:g} s",
+                    instance_type,
+                    zone,
+                )
+                missed.append(f"{zone} ({code})")
+                continue
+            except ProvisionerError as error:
+                raise self._reported(error, instance_type) from None
+            instances = [self._instance(raw) for raw in response.get("Instances", [])]
+            if missed:
+                self._event(
+                    "capacity",
+                    f"launched {count} {instance_type} in {zone} after no capacity in"
+                    f" {', '.join(missed)}",
+                    instance_type,
+                    zone,
+                )
+            return instances
+        zones = {zone for _, zone in self._subnets()}
+        exhausted = InsufficientCapacityError(
+            instance_type,
+            next(iter(zones)) if len(zones) == 1 else None,
+            f"no subnet could launch {count}: {', '.join(missed)}",
+        )
+        self._event("capacity", str(exhausted), instance_type)
+        raise exhausted
+
+    def _launch_spot(
+        self, request: LaunchRequest, template: str, tags: builtins.list[dict[str, str]]
+    ) -> builtins.list[ProvisionedInstance]:
+        instance_type = request.instance_type
+        subnets = [
+            (subnet_id, zone)
+            for subnet_id, zone in self._subnets()
+            if not self._is_unavailable(instance_type, zone, "spot")
+        ]
+        if not subnets:
+            self._event("capacity", f"{instance_type} has no spot capacity recently", instance_type)
+            return []
+        zone_of = dict(subnets)
+        try:
+            response = self._call(
+                "CreateFleet",
+                instance_type=instance_type,
+                Type="instant",
+                ClientToken=_client_token(request.request_id, "fleet", "spot"),
+                LaunchTemplateConfigs=[
+                    {
+                        "LaunchTemplateSpecification": {
+                            **_template_spec(template),
+                            "Version": "$Default",
+                        },
+                        "Overrides": [
+                            {"InstanceType": instance_type, "SubnetId": subnet_id}
+                            for subnet_id, _ in subnets
+                        ],
+                    }
+                ],
+                TargetCapacitySpecification={
+                    "TotalTargetCapacity": request.count,
+                    "DefaultTargetCapacityType": "spot",
+                },
+                SpotOptions={"AllocationStrategy": "price-capacity-optimized"},
+                TagSpecifications=[{"ResourceType": "instance", "Tags": tags}],
+            )
+        except (ThrottledError, InvalidConfigurationError) as error:
+            raise self._reported(error, instance_type) from None
+        except ProvisionerError as error:
+            self._event("capacity", f"spot fleet failed ({error}); trying on demand", instance_type)
+            return []
+        for failure in response.get("Errors", []):
+            code = str(failure.get("ErrorCode", ""))
+            overrides = failure.get("LaunchTemplateAndOverrides", {}).get("Overrides", {})
+            zone = zone_of.get(str(overrides.get("SubnetId", "")))
+            if code in CAPACITY_ERROR_CODES and zone is not None:
+                self._mark_unavailable(instance_type, zone, "spot")
+            self._event(
+                "capacity",
+                f"spot {instance_type}{f' in {zone}' if zone else ''}: {code}",
+                instance_type,
+                zone,
+            )
+        ids = [pid for group in response.get("Instances", []) for pid in group["InstanceIds"]]
+        if not ids:
+            return []
+        filters = [{"Name": "instance-id", "Values": ids}]
+        launched = [self._instance(raw) for raw in self._describe(filters, "DescribeInstances")]
+        if len(launched) < request.count:
+            self._event(
+                "capacity",
+                f"spot supplied {len(launched)} of {request.count} {instance_type};"
+                " the rest on demand",
+                instance_type,
+            )
+        return launched
+
+    def _create_launch_template(self, name: str, instance_type: str) -> str:
+        managed = [{"Key": self._aws_key(MANAGED_TAG), "Value": "true"}]
+        data: dict[str, Any] = {"ImageId": self.config.ami_id, "InstanceType": instance_type}
+        if self.config.security_group_ids:
+            data["SecurityGroupIds"] = builtins.list(self.config.security_group_ids)
+        try:
+            created = self._call(
+                "CreateLaunchTemplate",
+                LaunchTemplateName=name,
+                LaunchTemplateData=data,
+                TagSpecifications=[{"ResourceType": "launch-template", "Tags": managed}],
+            )
+        except ProvisionerError as error:
+            raise self._reported(error) from None
+        self._event("info", f"created launch template {name}", instance_type)
+        return str(created["LaunchTemplate"]["LaunchTemplateId"])
+
+    # --- calling EC2 -----------------------------------------------------------------------
+
+    def _call(
+        self,
+        operation: str,
+        *,
+        instance_type: str | None = None,
+        zone: str | None = None,
+        **params: Any,
+    ) -> Any:
+        """Call ``operation`` (``RunInstances``); any boto error comes out mapped."""
+        method = getattr(self._client, _snake_case(operation))
+        try:
+            return method(**params)
+        except (ClientError, BotoCoreError) as error:
+            raise map_client_error(
+                error, operation=operation, instance_type=instance_type, zone=zone
+            ) from None
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def _describe(
+        self, filters: builtins.list[dict[str, Any]], operation: str
+    ) -> Iterator[Mapping[str, Any]]:
+        # Always filtered: by our tags, or by ids (which never fails on an unknown id, unlike
+        # the InstanceIds parameter).
+        assert filters, "DescribeInstances is never called unfiltered"
+        try:
+            pages = self._client.get_paginator("describe_instances").paginate(Filters=filters)
+            raws = [raw for page in pages for r in page["Reservations"] for raw in r["Instances"]]
+        except (ClientError, BotoCoreError) as error:
+            raise self._reported(map_client_error(error, operation=operation)) from None
+        return iter(raws)
+
+    def _subnets(self) -> builtins.list[tuple[str, str]]:
+        """(subnet id, zone) in the configured order, the zones looked up once."""
+        if self._subnet_zones is None:
+            subnet_ids = builtins.list(self.config.subnet_ids)
+            try:
+                found = self._call("DescribeSubnets", SubnetIds=subnet_ids)
+            except ProvisionerError as error:
+                raise self._reported(error) from None
+            zones = {str(s["SubnetId"]): str(s["AvailabilityZone"]) for s in found["Subnets"]}
+            missing = [s for s in self.config.subnet_ids if s not in zones]
+            if missing:
+                raise InvalidConfigurationError("subnet_ids", f"not found: {', '.join(missing)}")
+            self._subnet_zones = zones
+        return [(subnet_id, self._subnet_zones[subnet_id]) for subnet_id in self.config.subnet_ids]
+
+    def _instance(self, raw: Mapping[str, Any]) -> ProvisionedInstance:
+        launched_at = raw.get("LaunchTime")
+        return ProvisionedInstance(
+            provider_id=str(raw["InstanceId"]),
+            instance_type=str(raw["InstanceType"]),
+            state=_STATES.get(str(raw.get("State", {}).get("Name", "")), "failed"),
+            tags={self._our_key(k): v for k, v in _tag_dict(raw).items()},
+            address=raw.get("PrivateIpAddress") or None,
+            zone=raw.get("Placement", {}).get("AvailabilityZone") or None,
+            launched_at=launched_at.astimezone(UTC) if isinstance(launched_at, datetime) else None,
+        )
+
+    # --- tags ------------------------------------------------------------------------------
+
+    def _aws_key(self, key: str) -> str:
+        if key.startswith(_PROTOCOL_PREFIX + ":"):
+            return self.config.tag_prefix + key[len(_PROTOCOL_PREFIX) :]
+        return key
+
+    def _our_key(self, key: str) -> str:
+        if key.startswith(self.config.tag_prefix + ":"):
+            return _PROTOCOL_PREFIX + key[len(self.config.tag_prefix) :]
+        return key
+
+    def _aws_tags(
+        self, tags: Mapping[str, str], instance_type: str
+    ) -> builtins.list[dict[str, str]]:
+        named = {"Name": f"{self.config.tag_prefix}-{instance_type}", **tags}
+        return [{"Key": self._aws_key(key), "Value": value} for key, value in named.items()]
+
+    # --- capacity cache and events ---------------------------------------------------------
+
+    def _is_unavailable(self, instance_type: str, zone: str, market: Market) -> bool:
+        with self._lock:
+            until_s = self._unavailable.get((instance_type, zone, market))
+            if until_s is None:
+                return False
+            if until_s <= self._clock():
+                del self._unavailable[(instance_type, zone, market)]
+                return False
+            return True
+
+    def _mark_unavailable(self, instance_type: str, zone: str, market: Market) -> None:
+        with self._lock:
+            self._unavailable[(instance_type, zone, market)] = (
+                self._clock() + self.config.unavailable_ttl_s
+            )
+
+    def _reported(
+        self, error: ProvisionerError, instance_type: str | None = None
+    ) -> ProvisionerError:
+        """Record an event for ``error`` (the kinds worth one) and return it, to be raised."""
+        kind: EventKind | None = None
+        if isinstance(error, QuotaExceededError):
+            kind = "quota"
+        elif isinstance(error, ThrottledError):
+            kind = "throttled"
+        elif isinstance(error, InsufficientCapacityError):
+            kind = "capacity"
+        elif not isinstance(error, InvalidConfigurationError):
+            kind = "failed"
+        if kind is not None:
+            self._event(kind, str(error), instance_type)
+        return error
+
+    def _event(
+        self,
+        kind: EventKind,
+        message: str,
+        instance_type: str | None = None,
+        zone: str | None = None,
+        provider_id: str | None = None,
+    ) -> None:
+        event = ProvisionerEvent(self._now(), kind, message, instance_type, zone, provider_id)
+        with self._lock:
+            self._events.append(event)
+
+
+def _fail_fast_on_capacity(response: Any = None, **_: Any) -> None:
+    """botocore ``needs-retry`` hook: raise a capacity error at once instead of retrying it."""
+    if not response:
+        return
+    _, parsed = response
+    code = (parsed or {}).get("Error", {}).get("Code")
+    if code in CAPACITY_ERROR_CODES:
+        raise ClientError(parsed, "RunInstances")
+
+
+def _snake_case(operation: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in operation).lstrip("_")
+
+
+def _client_token(request_id: str, where: str, market: Market) -> str:
+    """A ClientToken (<= 64 ASCII characters) unique to (request, subnet, market): EC2 rejects a
+    token reused with other parameters, and each subnet tried is another call."""
+    digest = hashlib.sha256(f"{request_id}\0{where}\0{market}".encode()).hexdigest()
+    return ("hp-" + digest)[:_CLIENT_TOKEN_CHARS]
+
+
+def _template_spec(template: str) -> dict[str, str]:
+    if template.startswith("lt-"):
+        return {"LaunchTemplateId": template}
+    return {"LaunchTemplateName": template}
+
+
+def _tag_dict(raw: Mapping[str, Any]) -> dict[str, str]:
+    return {str(t["Key"]): str(t.get("Value", "")) for t in raw.get("Tags", []) or []}
+
+
+def _chunks(items: Sequence[str], size: int) -> Iterator[builtins.list[str]]:
+    for start in range(0, len(items), size):
+        yield builtins.list(items[start : start + size])
