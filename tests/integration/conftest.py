@@ -7,6 +7,9 @@ trusting local connections, and stops and removes it at the end. PostgreSQL refu
 root, so as root it runs as the ``postgres`` system user the package creates. ``postgres_url``
 gives each test a database of its own on that server. Where PostgreSQL is not installed, the tests
 that use them are skipped with the reason.
+
+``trained_family`` (session scope) is a cache directory holding the trained demo model family,
+for the tests that start real worker agents.
 """
 
 from __future__ import annotations
@@ -155,3 +158,13 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'heteroplane.db'}"
     url: str = request.getfixturevalue("postgres_url")
     return url
+
+
+@pytest.fixture(scope="session")
+def trained_family(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache directory holding the trained demo family and its validation records, made by the
+    function the worker agent's loader calls (about 10-15 s, once per session)."""
+    pytest.importorskip("torch")
+    from provisioners.worker.family import ensure_family
+
+    return ensure_family(tmp_path_factory.mktemp("family") / "models")

@@ -1,0 +1,265 @@
+"""The local provisioner with real worker processes on 127.0.0.1.
+
+Three workers of two emulated types serve real inferences that match the family's own
+``predict``; a worker killed with SIGKILL is reported failed (once); a second provisioner on the
+same state directory adopts the live workers and launches nothing twice for a request id
+already seen; terminated workers exit and are forgotten. Stand-in interpreters (shell scripts)
+cover what a real worker does not do on demand: ignore SIGTERM, never become healthy.
+
+Waits poll with a deadline; nothing is timed. Every worker is stopped by the fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from provisioners.base import APP_TAG, MANAGED_TAG, REQUEST_TAG, LaunchRequest
+from provisioners.errors import InvalidConfigurationError, QuotaExceededError
+from provisioners.local import LocalProvisioner
+
+SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
+SPEEDS = {SMALL: 0.5, LARGE: 1.0, "local.cpu": 1.0}
+MODELS = ("tiny", "large")
+# Workers import torch and load the models: seconds each, more on a busy shared machine.
+START_DEADLINE_S = 240.0
+STOP_DEADLINE_S = 60.0
+POLL_S = 0.1
+
+
+def wait_for(condition: Callable[[], bool], deadline_s: float, what: str) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {deadline_s:g} s")
+        time.sleep(POLL_S)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, not yet reaped by this process, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return not Path("/proc/self").exists()
+    return text.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+class Provisioners:
+    """Makes LocalProvisioners and, at the end, stops every worker any of them knows of."""
+
+    def __init__(self) -> None:
+        self.made: list[LocalProvisioner] = []
+        self.pids: set[int] = set()
+
+    def make(self, state_dir: Path, **options: Any) -> LocalProvisioner:
+        options.setdefault("grace_s", 2.0)
+        options.setdefault("catalog_speed", SPEEDS)
+        options.setdefault("models", MODELS)
+        options.setdefault("cache_dir", None)
+        provisioner = LocalProvisioner(state_dir, **options)
+        self.made.append(provisioner)
+        return provisioner
+
+    def note(self, provisioner: LocalProvisioner) -> None:
+        self.pids.update(r.pid for r in provisioner.records())
+
+    def stop_all(self) -> None:
+        for provisioner in self.made:
+            self.note(provisioner)
+            provisioner.terminate([r.provider_id for r in provisioner.records()])
+        deadline = time.monotonic() + STOP_DEADLINE_S
+        while time.monotonic() < deadline and any(pid_alive(p) for p in self.pids):
+            time.sleep(POLL_S)
+        for pid in self.pids:
+            if pid_alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+        for provisioner in self.made:
+            provisioner.close(timeout_s=STOP_DEADLINE_S)
+        assert not [p for p in self.pids if pid_alive(p)], "workers outlived the test"
+
+
+@pytest.fixture
+def provisioners() -> Iterator[Provisioners]:
+    made = Provisioners()
+    try:
+        yield made
+    finally:
+        made.stop_all()
+
+
+def post_infer(address: str, model: str, inputs: np.ndarray) -> dict[str, Any]:
+    body = json.dumps({"model": model, "inputs": inputs.tolist()}).encode()
+    request = urllib.request.Request(
+        f"http://{address}/infer",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=60) as response:
+        assert response.status == 200
+        answer: dict[str, Any] = json.loads(response.read())
+    return answer
+
+
+def states(provisioner: LocalProvisioner) -> dict[str, str]:
+    return {i.provider_id: i.state for i in provisioner.list({})}
+
+
+def test_local_workers_serve_fail_are_adopted_and_stop(
+    tmp_path: Path, trained_family: Path, provisioners: Provisioners
+) -> None:
+    from provisioners.worker.family import load_model, load_split, predict
+
+    state_dir = tmp_path / "state"
+    first = provisioners.make(state_dir, cache_dir=trained_family)
+    smalls = first.launch(LaunchRequest("req-small", SMALL, 2, {APP_TAG: "digits"}))
+    larges = first.launch(LaunchRequest("req-large", LARGE, 1, {APP_TAG: "digits"}))
+    provisioners.note(first)
+    launched = smalls + larges
+    assert [i.state for i in launched] == ["pending"] * 3
+    assert len({i.address for i in launched}) == 3
+    for instance in launched:
+        assert instance.tags[MANAGED_TAG] == "true"
+        assert instance.tags[APP_TAG] == "digits"
+        assert instance.address is not None and instance.address.startswith("127.0.0.1:")
+    assert {i.tags[REQUEST_TAG] for i in smalls} == {"req-small"}
+
+    wait_for(
+        lambda: set(states(first).values()) == {"running"}, START_DEADLINE_S, "3 running workers"
+    )
+
+    # Real inferences, one batch each, against the family's own predict on the same inputs.
+    inputs = load_split().validation_inputs[:16]
+    for model in MODELS:
+        expected, certainty = predict(load_model(model, trained_family), inputs)
+        for instance in first.list({APP_TAG: "digits"}):
+            assert instance.address is not None
+            answer = post_infer(instance.address, model, inputs)
+            assert answer["model"] == model
+            assert answer["instance_type"] == instance.instance_type
+            assert answer["batch_size"] == 16
+            assert answer["predictions"] == expected.tolist()
+            np.testing.assert_allclose(answer["certainty"], certainty, atol=1e-5)
+            assert answer["emulated"] is True
+            if instance.instance_type == SMALL:
+                # Half as fast as this machine: every batch is padded.
+                assert answer["padded_ms"] > 0
+                assert answer["emulation_source"] == "measured"
+            else:
+                assert answer["padded_ms"] == 0
+
+    # A worker killed behind the provisioner's back is reported failed, and its death once.
+    victim = next(r for r in first.records() if r.instance_type == SMALL)
+    os.kill(victim.pid, signal.SIGKILL)
+    wait_for(lambda: states(first)[victim.provider_id] == "failed", 30.0, "failed state")
+    deaths = [e for e in first.poll_events() if e.kind == "failed"]
+    assert [e.provider_id for e in deaths] == [victim.provider_id]
+    assert first.poll_events() == []
+
+    # A restarted control plane: a new provisioner on the same directory adopts the workers.
+    second = provisioners.make(state_dir, cache_dir=trained_family)
+    adopted = states(second)
+    assert adopted == states(first)
+    assert adopted[victim.provider_id] == "failed"
+    assert sorted(adopted.values()) == ["failed", "running", "running"]
+    events = second.poll_events()
+    assert [e.kind for e in events] == ["info"]  # the adoption; the death was reported already
+    again = second.launch(LaunchRequest("req-small", SMALL, 2, {APP_TAG: "digits"}))
+    assert [i.provider_id for i in again] == [i.provider_id for i in smalls]
+    assert len(second.records()) == 3
+    with pytest.raises(InvalidConfigurationError):
+        second.launch(LaunchRequest("req-small", LARGE, 2, {}))
+    with pytest.raises(InvalidConfigurationError):
+        second.launch(LaunchRequest("req-small", SMALL, 3, {}))
+
+    # Terminate: the failed one is forgotten at once, the live ones exit on SIGTERM.
+    live = [r for r in second.records() if r.provider_id != victim.provider_id]
+    second.terminate([victim.provider_id, live[0].provider_id])
+    first.terminate([live[1].provider_id, "local-unknown"])
+    assert states(second).get(live[0].provider_id) in ("stopping", None)
+    wait_for(lambda: not second.list({}), STOP_DEADLINE_S, "terminated workers gone")
+    assert not first.list({})
+    assert not [r for r in live if pid_alive(r.pid)]
+    assert not list((state_dir / "instances").glob("*.json"))
+    # The request id is remembered: launching it again starts nothing.
+    gone = first.launch(LaunchRequest("req-small", SMALL, 2, {}))
+    assert [i.state for i in gone] == ["terminated", "terminated"]
+    assert first.records() == []
+
+
+def test_a_worker_that_cannot_load_its_models_is_reported_failed(
+    tmp_path: Path, trained_family: Path, provisioners: Provisioners
+) -> None:
+    provisioner = provisioners.make(tmp_path, models=("nonesuch",), cache_dir=trained_family)
+    (instance,) = provisioner.launch(LaunchRequest("req-bad", LARGE, 1, {}))
+    provisioners.note(provisioner)
+    wait_for(lambda: states(provisioner)[instance.provider_id] == "failed", 120.0, "failure")
+    (event,) = provisioner.poll_events()
+    assert event.kind == "failed" and event.provider_id == instance.provider_id
+    assert "nonesuch" in event.message  # the worker's last log line says why
+
+
+def stand_in_python(tmp_path: Path, script: str) -> str:
+    """An executable that takes the worker's command line and runs ``script`` instead."""
+    path = tmp_path / "python"
+    path.write_text(f"#!/bin/sh\n{script}\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace_period(
+    tmp_path: Path, provisioners: Provisioners
+) -> None:
+    stubborn = stand_in_python(tmp_path, "trap '' TERM\nexec sleep 300")
+    provisioner = provisioners.make(tmp_path / "state", python=stubborn, grace_s=0.5)
+    (instance,) = provisioner.launch(LaunchRequest("req-stubborn", SMALL, 1, {}))
+    provisioners.note(provisioner)
+    (record,) = provisioner.records()
+    assert states(provisioner) == {instance.provider_id: "pending"}
+    provisioner.terminate([instance.provider_id])
+    wait_for(lambda: not pid_alive(record.pid), STOP_DEADLINE_S, "SIGKILL after the grace")
+    wait_for(lambda: not provisioner.list({}), STOP_DEADLINE_S, "the record forgotten")
+
+
+def test_a_worker_that_never_answers_health_fails_after_the_start_timeout(
+    tmp_path: Path, provisioners: Provisioners
+) -> None:
+    silent = stand_in_python(tmp_path, "exec sleep 300")
+    provisioner = provisioners.make(tmp_path / "state", python=silent, start_timeout_s=0.5)
+    (instance,) = provisioner.launch(LaunchRequest("req-silent", SMALL, 1, {}))
+    provisioners.note(provisioner)
+    wait_for(lambda: states(provisioner)[instance.provider_id] == "failed", 30.0, "timeout")
+    (event,) = provisioner.poll_events()
+    assert "did not answer /health" in event.message
+
+
+def test_launch_refuses_unknown_types_and_past_the_cap_without_starting_anything(
+    tmp_path: Path, provisioners: Provisioners
+) -> None:
+    provisioner = provisioners.make(tmp_path, max_workers=2)
+    with pytest.raises(InvalidConfigurationError) as unknown:
+        provisioner.launch(LaunchRequest("req-1", "g4dn.xlarge", 1, {}))
+    assert unknown.value.field == "instance_type"
+    with pytest.raises(QuotaExceededError) as quota:
+        provisioner.launch(LaunchRequest("req-2", SMALL, 3, {}))
+    assert quota.value.instance_type == SMALL
+    assert provisioner.records() == []
+    with pytest.raises(InvalidConfigurationError):
+        provisioners.make(tmp_path, catalog_speed={SMALL: 0.0})
