@@ -1,0 +1,1172 @@
+"""The reconciler: the one place that acts on provisioners.
+
+Every tick it brings each app's fleet toward what is desired, within the app's budget. It is
+two halves, as STYLE.md asks of the control plane:
+
+- :func:`reconcile`, a pure function: the desired fleet (instance type -> count), the database's
+  records of the app's instances, the provider's list of them, prices, the budget and ``now`` in;
+  a list of :data:`Action` out. It reads no clock and calls nothing.
+- :class:`Reconciler`, which gathers those inputs (the store, the provisioner, the clock), calls
+  :func:`reconcile` per app and carries the actions out, writing to the store *before* it asks
+  the provider for anything.
+
+The rules (docs/provisioners.md, "Reconciler", says why):
+
+1. **Matching.** A provider instance belongs to the database row with its provider id; failing
+   that, to the row whose request id it carries (:data:`~provisioners.base.REQUEST_TAG`) when that
+   row is still ``requested``, has no provider id and is of the same type: the launch went through
+   but its answer was lost (a crash, a timeout), and the instance is *adopted* into that row.
+2. **Orphans.** A managed instance (tag :data:`~provisioners.base.MANAGED_TAG`) that matches no
+   row is recorded in the database (request id ``orphan:<provider id>``, state ``terminating``)
+   and terminated: the rule is *adopt only what the database asked for* (the app tag names an
+   existing app and the request id is a launch of that app still waiting for its instance);
+   anything else tagged ours is a leftover (a database restored from a backup, a forced app
+   delete, a launch given up on) and costs money nobody planned. Managed instances whose app tag
+   names no app are terminated by :meth:`Reconciler.run_once`. Instances without our managed tag
+   are never touched, only reported.
+3. **Liveness.** The provider's word moves rows along the lifecycle: ``pending`` and ``running``
+   (``running`` only once the optional health probe passes) forward; ``terminated`` or
+   ``failed`` ends a row (``terminated`` if we were terminating it, ``failed`` otherwise); a
+   ``stopping`` instance we did not stop is marked ``failed`` and terminated. A row whose instance
+   the provider no longer lists is ended once it has been missing for ``missing_grace_s`` (EC2's
+   list is eventually consistent just after a launch). An instance whose row has ended but which
+   the provider still runs (or lists as ``failed``) is terminated again, which also lets the
+   provider clean a failed machine up.
+4. **Stragglers.** A row still ``requested`` or ``pending`` ``straggler_timeout_s`` after it was
+   recorded never became healthy: ``requested`` ones are marked ``failed``, ``pending`` ones
+   terminated; the shortfall they leave is launched again in the same tick.
+5. **Fleet size.** Per type, the rows that are ``requested``, ``pending`` or ``running`` (the
+   *kept* ones) are compared with the desired count. The excess goes first (rows not launched yet
+   first, then ``pending``, then ``running``; the newest first within each).
+6. **Budget guard.** The kept fleet's cost (the recorded price of each kept row) must stay within
+   the app's budget. When it does not (the budget was lowered), the least cost-effective kept
+   instances are drained by :func:`controlplane.budget.plan_drain` (lowest queries per second per
+   dollar first). A launch happens only if the kept cost plus its price stays within the budget;
+   shortfall types are launched most cost-effective first, first fit, and what does not fit is
+   one :class:`BudgetCapped` action. So after every tick, requested + pending + running <= budget.
+7. **Launches** are one instance per request id (the database keeps one row per request id, the
+   idempotency key): ``<prefix>-<n>`` with ``n`` one past the highest used by the app, so two
+   reconcilers that see the same rows pick the same ids (and the store returns the first row). A
+   ``requested`` row whose launch failed with a retryable error (capacity, throttling) is launched
+   again each tick with the *same* request id until it succeeds or becomes a straggler.
+
+A ``desired`` of ``None`` means "no target": nothing is launched and nothing is terminated for
+being excess (liveness, stragglers, the budget guard and orphans still apply). The reconciler
+uses it when the plan names types the provisioner cannot launch. An ``observed`` of ``None``
+means the provider's list could not be read (throttled, down): then only the budget guard's
+drain is decided, from the database alone, so that a lowered budget holds meanwhile.
+
+>>> from datetime import UTC, datetime
+>>> actions = reconcile({"emu.cpu.small": 2}, [], [], {"emu.cpu.small": 0.05}, 0.08,
+...                     datetime(2024, 1, 1, tzinfo=UTC), request_prefix="demo-1a2b")
+>>> [(type(a).__name__, getattr(a, "request_id", "")) for a in actions]
+[('Launch', 'demo-1a2b-1'), ('BudgetCapped', '')]
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import math
+import re
+from collections import Counter, defaultdict
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from types import MappingProxyType
+from typing import Any
+
+from controlplane.budget import DrainInstance, plan_drain
+from controlplane.clock import Clock
+from controlplane.errors import ControlPlaneError
+from controlplane.lifecycle import TERMINAL_STATES, InstanceState
+from controlplane.store import AppRecord, InstanceRecord, Store
+from estimator.catalog import Catalog
+from provisioners.base import (
+    APP_TAG,
+    INSTANCE_TAG,
+    MANAGED_TAG,
+    PLAN_TAG,
+    LaunchRequest,
+    ProvisionedInstance,
+    Provisioner,
+)
+from provisioners.errors import ProvisionerError, UnknownInstanceError
+
+__all__ = [
+    "DEFAULT_LAUNCH_BACKOFF_S",
+    "DEFAULT_MISSING_GRACE_S",
+    "DEFAULT_STRAGGLER_TIMEOUT_S",
+    "Action",
+    "Adopt",
+    "AppPricing",
+    "AppReport",
+    "BudgetCapped",
+    "Launch",
+    "LaunchSkipped",
+    "Mark",
+    "Orphan",
+    "ReconcileReport",
+    "Reconciler",
+    "Report",
+    "Terminate",
+    "applied_plan_fleet",
+    "catalog_pricing",
+    "plan_fleet",
+    "reconcile",
+    "request_prefix",
+]
+
+logger = logging.getLogger(__name__)
+
+# A worker on a GPU instance boots, pulls its image and loads its models in a few minutes; ten
+# is well past that, and short enough that a stuck launch is replaced within the quarter hour.
+DEFAULT_STRAGGLER_TIMEOUT_S = 600.0
+# EC2's DescribeInstances is eventually consistent: an instance launched a moment ago may be
+# missing from it for a few seconds. A row is not ended for being missing before this.
+DEFAULT_MISSING_GRACE_S = 30.0
+# After a launch error that waiting does not cure (a quota, a bad configuration), the type is
+# not launched again for the app before this (then one new attempt, one new row).
+DEFAULT_LAUNCH_BACKOFF_S = 300.0
+# 0.1 + 0.2 must fit a budget of 0.3 (as in controlplane.budget).
+_BUDGET_SLACK_USD_PER_HR = 1e-9
+
+_S = InstanceState
+# The rows that count toward the fleet's size and its cost.
+_KEPT = frozenset({_S.REQUESTED, _S.PENDING, _S.RUNNING})
+# Which kept rows go first when a type has too many: not launched yet, booting, serving.
+_DROP_ORDER = {_S.REQUESTED: 0, _S.PENDING: 1, _S.RUNNING: 2}
+ORPHAN_REQUEST_PREFIX = "orphan:"
+
+
+# --- actions -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Launch one instance of ``instance_type`` under ``request_id`` (recorded as a ``requested``
+    row first). ``retry``: the row exists already (a launch that failed retryably, or whose
+    answer was lost); the provider returns the first call's instance if there was one."""
+
+    request_id: str
+    instance_type: str
+    price_usd_per_hr: float
+    reason: str
+    retry: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Terminate:
+    """Terminate: the rows ``instance_ids`` move to ``terminating`` (a decision recorded first),
+    then the provider is asked to stop ``provider_ids``. ``cause`` is ``scale_down``, ``budget``,
+    ``straggler``, ``stopped`` or ``ended`` (a row that ended while its machine runs on: only the
+    provider is asked, again)."""
+
+    instance_ids: tuple[str, ...]
+    provider_ids: tuple[str, ...]
+    cause: str
+    reason: str
+    saved_usd_per_hr: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """Move the row ``instance_id`` to ``to_state`` (and record its provider id, when given)."""
+
+    instance_id: str
+    to_state: InstanceState
+    reason: str
+    provider_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt:
+    """The provider runs the instance a ``requested`` row asked for, but the row never learnt
+    its id: record ``provider_id`` on the row and move it to ``pending``."""
+
+    instance_id: str
+    request_id: str
+    provider_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Orphan:
+    """A managed instance the database does not know (rule 2): record it as ``terminating`` under
+    the request id ``orphan:<provider id>`` and terminate it."""
+
+    instance: ProvisionedInstance
+    price_usd_per_hr: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """An instance the provider listed that is not ours to touch (no managed tag)."""
+
+    provider_id: str
+    instance_type: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetCapped:
+    """Launches the desired fleet needs that the budget does not allow (type -> count)."""
+
+    wanted: Mapping[str, int]
+    committed_usd_per_hr: float
+    budget_usd_per_hr: float
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSkipped:
+    """Launches not made for another reason than the budget (a type without a price)."""
+
+    instance_type: str
+    count: int
+    reason: str
+
+
+Action = Launch | Terminate | Mark | Adopt | Orphan | Report | BudgetCapped | LaunchSkipped
+
+
+# --- the pure function -------------------------------------------------------------------------
+
+
+def request_prefix(app: AppRecord) -> str:
+    """The request ids of ``app``'s launches start with this: the app's name (cut to 20
+    characters) and a digest of its identity, so that an app deleted and registered again under
+    the same name never reuses a request id (the provider would answer it with the old machine).
+    Short enough that ``<prefix>-<n>`` fits EC2's 64-character client token."""
+    digest = hashlib.sha256(f"{app.name}|{app.id}|{app.created_at.isoformat()}".encode())
+    return f"{app.name[:20]}-{digest.hexdigest()[:8]}"
+
+
+def _age_s(row: InstanceRecord, now: datetime) -> float:
+    return (now - row.created_at).total_seconds()
+
+
+def _since_update_s(row: InstanceRecord, now: datetime) -> float:
+    return (now - row.updated_at).total_seconds()
+
+
+def _next_ordinal(rows: Iterable[InstanceRecord], prefix: str) -> int:
+    pattern = re.compile(re.escape(prefix) + r"-(\d+)$")
+    used = [int(m.group(1)) for r in rows if (m := pattern.match(r.request_id))]
+    return max(used, default=0) + 1
+
+
+def _value_per_usd(instance_type: str, price: float, qps_by_type: Mapping[str, float]) -> float:
+    if price <= 0:
+        return math.inf
+    return qps_by_type.get(instance_type, 0.0) / price
+
+
+@dataclass
+class _Row:
+    """A row as this tick sees it: its state after the marks decided so far."""
+
+    record: InstanceRecord
+    state: InstanceState
+    provider_id: str | None
+    observed: ProvisionedInstance | None = None
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def launched(self) -> bool:
+        return self.provider_id is not None
+
+
+def reconcile(
+    desired: Mapping[str, int] | None,
+    db_instances: Sequence[InstanceRecord],
+    observed: Sequence[ProvisionedInstance] | None,
+    prices_usd_per_hr: Mapping[str, float],
+    budget_usd_per_hr: float,
+    now: datetime,
+    straggler_timeout_s: float = DEFAULT_STRAGGLER_TIMEOUT_S,
+    *,
+    request_prefix: str = "r",
+    qps_by_type: Mapping[str, float] | None = None,
+    unhealthy: Collection[str] = (),
+    missing_grace_s: float = DEFAULT_MISSING_GRACE_S,
+    held_types: Collection[str] = (),
+) -> list[Action]:
+    """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
+
+    ``db_instances``: the store's records of the app's instances (all of them, ended ones too:
+    request ids are numbered past every one used). ``observed``: the provider's list of the app's
+    instances (by its tags); ``None`` when it could not be read (throttled, the provider down):
+    then only the budget guard's drain is decided, from the database alone, so that a lowered
+    budget holds even while the provider cannot be listed. ``qps_by_type``: Q_t, queries per
+    second one instance of type t serves (ranks instances for the budget guard; missing types
+    rank by price alone).
+    ``unhealthy``: provider ids the provider calls ``running`` whose worker failed the health
+    probe (their rows stay ``pending``). ``held_types``: types not to launch now (backing off
+    after a launch error). The rules are the module docstring's; the actions come in the order
+    they must be carried out.
+    """
+    if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
+        raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
+    for instance_type, count in (desired or {}).items():
+        if count < 0:
+            raise ValueError(f"desired count of {instance_type} must be >= 0, got {count}")
+    values = qps_by_type or {}
+    actions: list[Action] = []
+    rows = [_Row(r, InstanceState(r.state), r.provider_id) for r in db_instances]
+    if observed is None:
+        _fit_budget([row for row in rows if row.state in _KEPT], budget_usd_per_hr, values, actions)
+        return actions
+    _match(rows, observed, prices_usd_per_hr, actions)
+    for row in rows:
+        _follow_provider(row, now, straggler_timeout_s, missing_grace_s, unhealthy, actions)
+    _replace_stragglers(rows, now, straggler_timeout_s, actions)
+    kept = [row for row in rows if row.state in _KEPT]
+    if desired is not None:
+        kept = _drop_excess(kept, desired, actions)
+    kept = _fit_budget(kept, budget_usd_per_hr, values, actions)
+    # Launches that failed retryably, or whose answer was lost: again, with the same request id.
+    for row in kept:
+        if row.state is _S.REQUESTED and not row.launched:
+            actions.append(
+                Launch(
+                    row.record.request_id,
+                    row.record.instance_type,
+                    row.record.price_usd_per_hr,
+                    "launch again (the last attempt did not go through)",
+                    retry=True,
+                )
+            )
+    if desired is not None:
+        _launch_shortfall(
+            kept,
+            desired,
+            rows,
+            prices_usd_per_hr,
+            budget_usd_per_hr,
+            values,
+            held_types,
+            request_prefix,
+            actions,
+        )
+    return actions
+
+
+def _match(
+    rows: list[_Row],
+    observed: Sequence[ProvisionedInstance],
+    prices_usd_per_hr: Mapping[str, float],
+    actions: list[Action],
+) -> None:
+    """Rule 1 and 2: attach each provider instance to its row, adopt, orphan or report."""
+    by_provider = {row.provider_id: row for row in rows if row.provider_id is not None}
+    by_request = {row.record.request_id: row for row in rows}
+    for instance in observed:
+        if instance.tags.get(MANAGED_TAG) != "true":
+            actions.append(
+                Report(
+                    instance.provider_id,
+                    instance.instance_type,
+                    "listed without the managed tag: not ours, left alone",
+                )
+            )
+            continue
+        row = by_provider.get(instance.provider_id)
+        if row is not None:
+            row.observed = instance
+            continue
+        request_id = instance.request_id
+        candidate = by_request.get(request_id) if request_id is not None else None
+        if (
+            candidate is not None
+            and candidate.state is _S.REQUESTED
+            and not candidate.launched
+            and candidate.record.instance_type == instance.instance_type
+        ):
+            candidate.provider_id = instance.provider_id
+            candidate.observed = instance
+            actions.append(
+                Adopt(
+                    candidate.id,
+                    candidate.record.request_id,
+                    instance.provider_id,
+                    f"the provider runs {instance.provider_id} for request {request_id}",
+                )
+            )
+            candidate.state = _S.PENDING
+            continue
+        if instance.state in ("terminated", "failed"):
+            continue  # gone already: nothing to pay for, nothing to do
+        if candidate is None:
+            why = f"its request id {request_id!r} is unknown to the database"
+        elif candidate.launched:
+            why = f"request {request_id} already has instance {candidate.provider_id}"
+        else:
+            why = f"request {request_id} was given up ({candidate.state.value})"
+        actions.append(
+            Orphan(
+                instance,
+                prices_usd_per_hr.get(instance.instance_type, 0.0),
+                f"managed instance {instance.provider_id} is not in the database: {why};"
+                " terminated (rule: adopt only launches still waiting for their instance)",
+            )
+        )
+
+
+def _follow_provider(
+    row: _Row,
+    now: datetime,
+    straggler_timeout_s: float,
+    missing_grace_s: float,
+    unhealthy: Collection[str],
+    actions: list[Action],
+) -> None:
+    """Rule 3: move the row as the provider's list says."""
+    seen = row.observed
+    if row.state in TERMINAL_STATES:
+        if seen is not None and seen.state in ("pending", "running", "failed"):
+            actions.append(
+                Terminate(
+                    (),
+                    (seen.provider_id,),
+                    "ended",
+                    f"row {row.id} is {row.state.value} but the provider still runs"
+                    f" {seen.provider_id}",
+                )
+            )
+        return
+    if seen is None:
+        if not row.launched:
+            if row.state is _S.REQUESTED and _age_s(row.record, now) > straggler_timeout_s:
+                _mark(row, _S.FAILED, f"not launched within {straggler_timeout_s:g} s", actions)
+            return
+        if row.state is _S.TERMINATING:
+            _mark(row, _S.TERMINATED, "the provider no longer lists it", actions)
+        elif _since_update_s(row.record, now) > missing_grace_s:
+            _mark(row, _S.FAILED, "the provider no longer lists it (lost)", actions)
+        return
+    pid = seen.provider_id
+    if seen.state in ("terminated", "failed"):
+        if row.state is _S.TERMINATING:
+            _mark(row, _S.TERMINATED, f"the provider reports it {seen.state}", actions)
+        else:
+            _mark(row, _S.FAILED, f"the provider reports it {seen.state}", actions)
+        if seen.state == "failed":
+            # A failed machine may still hold resources (a local worker's record, a volume).
+            actions.append(Terminate((), (pid,), "ended", f"clean up the failed {pid}"))
+        return
+    if seen.state == "stopping":
+        if row.state is not _S.TERMINATING:
+            _mark(row, _S.FAILED, "stopping, not by the control plane", actions)
+            actions.append(
+                Terminate((), (pid,), "stopped", f"{pid} was stopped outside the control plane")
+            )
+        return
+    # pending or running at the provider
+    if row.state is _S.TERMINATING:
+        actions.append(
+            Terminate((), (pid,), "ended", f"{pid} is still {seen.state}: terminate again")
+        )
+        return
+    if row.state is _S.REQUESTED:
+        actions.append(Mark(row.id, _S.PENDING, f"the provider has {pid}", pid))
+        row.state = _S.PENDING
+    if seen.state == "running" and row.state is _S.PENDING and pid not in unhealthy:
+        _mark(row, _S.RUNNING, "running and healthy", actions)
+
+
+def _mark(row: _Row, to_state: InstanceState, reason: str, actions: list[Action]) -> None:
+    actions.append(Mark(row.id, to_state, reason))
+    row.state = to_state
+
+
+def _terminate(rows: Sequence[_Row], cause: str, reason: str, actions: list[Action]) -> None:
+    """End ``rows``: the not-launched ones are marked failed, the others terminated."""
+    unlaunched = [row for row in rows if not row.launched]
+    for row in unlaunched:
+        _mark(row, _S.FAILED, f"{reason} (not launched yet)", actions)
+    launched = [row for row in rows if row.launched]
+    if launched:
+        actions.append(
+            Terminate(
+                tuple(row.id for row in launched),
+                tuple(row.provider_id for row in launched if row.provider_id is not None),
+                cause,
+                reason,
+                float(sum(row.record.price_usd_per_hr for row in launched)),
+            )
+        )
+        for row in launched:
+            row.state = _S.TERMINATING
+
+
+def _replace_stragglers(
+    rows: Sequence[_Row], now: datetime, straggler_timeout_s: float, actions: list[Action]
+) -> None:
+    """Rule 4 for pending rows (requested ones are handled with the provider's word)."""
+    late = [
+        row
+        for row in rows
+        if row.state is _S.PENDING and _age_s(row.record, now) > straggler_timeout_s
+    ]
+    if late:
+        _terminate(
+            late,
+            "straggler",
+            f"not healthy {straggler_timeout_s:g} s after launch: replaced",
+            actions,
+        )
+
+
+def _drop_excess(kept: list[_Row], desired: Mapping[str, int], actions: list[Action]) -> list[_Row]:
+    """Rule 5: per type, end the kept rows beyond the desired count."""
+    by_type: dict[str, list[_Row]] = defaultdict(list)
+    for row in kept:
+        by_type[row.record.instance_type].append(row)
+    dropped: list[_Row] = []
+    for instance_type in sorted(by_type):
+        have = by_type[instance_type]
+        excess = len(have) - desired.get(instance_type, 0)
+        if excess <= 0:
+            continue
+        order = sorted(
+            have,
+            key=lambda row: (
+                _DROP_ORDER[row.state],
+                -row.record.created_at.timestamp(),
+                row.id,
+            ),
+        )
+        extra = order[:excess]
+        _terminate(
+            extra,
+            "scale_down",
+            f"{instance_type}: {len(have)} kept, {desired.get(instance_type, 0)} desired",
+            actions,
+        )
+        dropped.extend(extra)
+    gone = {row.id for row in dropped}
+    return [row for row in kept if row.id not in gone]
+
+
+def _fit_budget(
+    kept: list[_Row],
+    budget_usd_per_hr: float,
+    qps_by_type: Mapping[str, float],
+    actions: list[Action],
+) -> list[_Row]:
+    """Rule 6, the drain: the least cost-effective kept rows go until the rest fits."""
+    drain = plan_drain(
+        [
+            DrainInstance(
+                row.id,
+                row.record.instance_type,
+                row.state.value,
+                row.record.price_usd_per_hr,
+                row.record.created_at,
+            )
+            for row in kept
+        ],
+        budget_usd_per_hr,
+        qps_by_type,
+    )
+    if not drain.drain:
+        return kept
+    chosen = {candidate.id for candidate in drain.drain}
+    rows = [row for row in kept if row.id in chosen]
+    _terminate(
+        rows,
+        "budget",
+        f"the fleet costs {drain.fleet_cost_usd_per_hr:.3f} USD/hr, over the budget of"
+        f" {budget_usd_per_hr:g} USD/hr: least cost-effective first",
+        actions,
+    )
+    return [row for row in kept if row.id not in chosen]
+
+
+def _launch_shortfall(
+    kept: list[_Row],
+    desired: Mapping[str, int],
+    rows: Sequence[_Row],
+    prices_usd_per_hr: Mapping[str, float],
+    budget_usd_per_hr: float,
+    qps_by_type: Mapping[str, float],
+    held_types: Collection[str],
+    prefix: str,
+    actions: list[Action],
+) -> None:
+    """Rules 6 and 7: launch what is missing, most cost-effective first, while it fits."""
+    have = Counter(row.record.instance_type for row in kept)
+    committed = float(sum(row.record.price_usd_per_hr for row in kept))
+    wanted: list[tuple[str, float]] = []
+    for instance_type in sorted(desired):
+        missing = desired[instance_type] - have[instance_type]
+        if missing <= 0 or instance_type in held_types:
+            continue
+        price = prices_usd_per_hr.get(instance_type)
+        if price is None or not math.isfinite(price) or price < 0:
+            actions.append(
+                LaunchSkipped(instance_type, missing, f"no price known for {instance_type}")
+            )
+            continue
+        wanted.extend([(instance_type, price)] * missing)
+    wanted.sort(key=lambda item: (-_value_per_usd(item[0], item[1], qps_by_type), item[1], item[0]))
+    ordinal = _next_ordinal((row.record for row in rows), prefix)
+    capped: Counter[str] = Counter()
+    for instance_type, price in wanted:
+        if committed + price > budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
+            capped[instance_type] += 1
+            continue
+        committed += price
+        actions.append(
+            Launch(
+                f"{prefix}-{ordinal}",
+                instance_type,
+                price,
+                f"{instance_type}: {have[instance_type]} kept, {desired[instance_type]} desired",
+            )
+        )
+        have[instance_type] += 1
+        ordinal += 1
+    if capped:
+        actions.append(BudgetCapped(dict(sorted(capped.items())), committed, budget_usd_per_hr))
+
+
+# --- what the reconciler is told ---------------------------------------------------------------
+
+
+def plan_fleet(document: Mapping[str, Any]) -> dict[str, int]:
+    """The fleet a plan document asks for: the sum over its stages (type -> count).
+
+    >>> plan_fleet({"stages": [{"fleet": {"a": 1}}, {"fleet": {"a": 2, "b": 1}}]})
+    {'a': 3, 'b': 1}
+    """
+    fleet: dict[str, int] = {}
+    for stage in document.get("stages", []):
+        for instance_type, count in stage.get("fleet", {}).items():
+            fleet[instance_type] = fleet.get(instance_type, 0) + int(count)
+    return fleet
+
+
+DesiredFleet = Callable[[AppRecord], Mapping[str, int]]
+
+
+def applied_plan_fleet(store: Store) -> DesiredFleet:
+    """The default desired fleet: the app's applied plan's (empty without one). The tuner's
+    decisions replace it (a callable of the same shape) when the tuner runs live."""
+
+    def desired(app: AppRecord) -> Mapping[str, int]:
+        plan = store.get_applied_plan(app.name)
+        return {} if plan is None else plan_fleet(plan.document)
+
+    return desired
+
+
+@dataclass(frozen=True, slots=True)
+class AppPricing:
+    """What the reconciler needs to know of an app's instance types: their prices, and Q_t, the
+    queries per second one instance of each serves (empty: the budget guard ranks by price)."""
+
+    prices_usd_per_hr: Mapping[str, float]
+    qps_by_type: Mapping[str, float] = field(default_factory=dict)
+
+
+PricingFn = Callable[[AppRecord], AppPricing]
+# None when the provisioner can launch the type; else why not (one line).
+LaunchableFn = Callable[[str], str | None]
+
+
+def catalog_pricing(catalog: Catalog) -> PricingFn:
+    """Prices from ``catalog`` for every app, no Q_t (the service passes the app's resolved
+    spec instead, see :mod:`controlplane.service`)."""
+    prices = MappingProxyType({t.name: t.price_usd_per_hr for t in catalog.values()})
+
+    def pricing(_app: AppRecord) -> AppPricing:
+        return AppPricing(prices)
+
+    return pricing
+
+
+def _any_type(_instance_type: str) -> str | None:
+    return None
+
+
+# --- the reconciler ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AppReport:
+    """What one app's tick decided (``actions``) and what went wrong carrying it out."""
+
+    app: str
+    actions: tuple[Action, ...]
+    errors: tuple[str, ...] = ()
+
+    def count(self, kind: type[Any]) -> int:
+        return sum(1 for action in self.actions if isinstance(action, kind))
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileReport:
+    """One :meth:`Reconciler.run_once`: per app, and what was found outside every app."""
+
+    at: datetime
+    apps: Mapping[str, AppReport]
+    unknown_app: tuple[str, ...] = ()  # managed instances whose app tag names no app: terminated
+    unmanaged: tuple[str, ...] = ()  # listed without the managed tag: reported, left alone
+    errors: tuple[str, ...] = ()
+
+
+class Reconciler:
+    """The loop's acting half (see the module docstring): :meth:`run_once` is the scheduler's
+    ``reconcile`` job.
+
+    ``desired_fleet`` is the hook where the tuner plugs in (default: the applied plan's fleet);
+    ``pricing`` gives each app's prices and Q_t; ``launchable`` says which types the provisioner
+    can launch (a plan that names any other is not launched, with one decision saying so);
+    ``probe`` checks that the worker of an instance the provider calls running answers (None:
+    the provider's ``running`` is taken as healthy).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        provisioner: Provisioner,
+        clock: Clock,
+        pricing: PricingFn,
+        *,
+        desired_fleet: DesiredFleet | None = None,
+        launchable: LaunchableFn = _any_type,
+        probe: Callable[[ProvisionedInstance], bool] | None = None,
+        straggler_timeout_s: float = DEFAULT_STRAGGLER_TIMEOUT_S,
+        missing_grace_s: float = DEFAULT_MISSING_GRACE_S,
+        launch_backoff_s: float = DEFAULT_LAUNCH_BACKOFF_S,
+    ) -> None:
+        self.store = store
+        self.provisioner = provisioner
+        self.clock = clock
+        self.pricing = pricing
+        self.desired_fleet = (
+            desired_fleet if desired_fleet is not None else applied_plan_fleet(store)
+        )
+        self.launchable = launchable
+        self.probe = probe
+        self.straggler_timeout_s = straggler_timeout_s
+        self.missing_grace_s = missing_grace_s
+        self.launch_backoff_s = launch_backoff_s
+        # (app, instance type) -> monotonic time before which it is not launched again.
+        self._held_until_s: dict[tuple[str, str], float] = {}
+        self._reported: set[str] = set()
+
+    # --- one tick ------------------------------------------------------------------------------
+
+    def run_once(self) -> ReconcileReport:
+        """Reconcile every app once; a failure of one app is logged and the others go on."""
+        now = self.clock.utcnow()
+        self._log_events()
+        apps = self.store.list_apps()
+        try:
+            observed = self.provisioner.list({MANAGED_TAG: "true"})
+        except ProvisionerError as error:
+            # Without the provider's list only the budget guard runs (from the database).
+            logger.warning("reconcile: cannot list instances (%s); budget guard only", error)
+            reports = {app.name: self._guarded(app, None) for app in apps}
+            return ReconcileReport(now, MappingProxyType(reports), errors=(f"list: {error}",))
+        names = {app.name for app in apps}
+        by_app: dict[str, list[ProvisionedInstance]] = defaultdict(list)
+        unmanaged: list[str] = []
+        strays: list[ProvisionedInstance] = []
+        for instance in observed:
+            if instance.tags.get(MANAGED_TAG) != "true":
+                unmanaged.append(instance.provider_id)
+                self._report_unmanaged(instance)
+            elif instance.tags.get(APP_TAG) in names:
+                by_app[instance.tags[APP_TAG]].append(instance)
+            elif instance.state in ("pending", "running", "stopping"):
+                strays.append(instance)
+        errors = self._terminate_strays(strays)
+        reports = {app.name: self._guarded(app, by_app.get(app.name, [])) for app in apps}
+        return ReconcileReport(
+            now,
+            MappingProxyType(reports),
+            tuple(i.provider_id for i in strays),
+            tuple(unmanaged),
+            tuple(errors),
+        )
+
+    def _guarded(self, app: AppRecord, observed: Sequence[ProvisionedInstance] | None) -> AppReport:
+        try:
+            return self.reconcile_app(app, observed)
+        except (ControlPlaneError, ProvisionerError) as error:
+            # Deleted meanwhile, a database hiccup: the next tick starts afresh.
+            logger.warning("reconcile %s: %s", app.name, error)
+            return AppReport(app.name, (), (str(error),))
+
+    def reconcile_app(
+        self, app: AppRecord, observed: Sequence[ProvisionedInstance] | None
+    ) -> AppReport:
+        """Decide with :func:`reconcile` for one app (``observed``: the provider's instances with
+        its app tag; ``None`` when they could not be listed) and carry the actions out."""
+        now = self.clock.utcnow()
+        now_s = self.clock.now_s()
+        fleet = self.desired_fleet(app)
+        desired: Mapping[str, int] | None = fleet
+        refused: dict[str, str] = {}
+        for instance_type, count in fleet.items():
+            why = self.launchable(instance_type) if count > 0 else None
+            if why is not None:
+                refused[instance_type] = why
+        if refused:
+            reasons = sorted(set(refused.values()))
+            self._record_once(
+                app.name,
+                "plan_not_launched",
+                f"{'; '.join(reasons)}; plan not launched (it names {', '.join(sorted(refused))})",
+                {"instance_types": sorted(refused), "fleet": dict(fleet)},
+            )
+            desired = None
+        pricing = self.pricing(app)
+        rows = self.store.list_instances(app.name)
+        held = {
+            t
+            for (name, t), until in self._held_until_s.items()
+            if name == app.name and until > now_s
+        }
+        actions = reconcile(
+            desired,
+            rows,
+            observed,
+            pricing.prices_usd_per_hr,
+            app.budget_usd_per_hr,
+            now,
+            self.straggler_timeout_s,
+            request_prefix=request_prefix(app),
+            qps_by_type=pricing.qps_by_type,
+            unhealthy=self._unhealthy(rows, observed or ()),
+            missing_grace_s=self.missing_grace_s,
+            held_types=held,
+        )
+        errors = _Errors()
+        launches = [a for a in actions if isinstance(a, Launch)]
+        for action in actions:
+            if not isinstance(action, Launch):
+                self._carry_out(app, action, errors)
+        if launches:
+            self._launch(app, launches, errors)
+        return AppReport(app.name, tuple(actions), tuple(errors))
+
+    # --- carrying actions out ------------------------------------------------------------------
+
+    def _carry_out(self, app: AppRecord, action: Action, errors: _Errors) -> None:
+        store = self.store
+        if isinstance(action, Mark):
+            errors.guard(
+                lambda: store.transition_instance(
+                    action.instance_id,
+                    action.to_state.value,
+                    reason=action.reason,
+                    provider_id=action.provider_id,
+                )
+            )
+        elif isinstance(action, Adopt):
+            store.record_decision(
+                app.name,
+                "adopt",
+                f"adopted {action.provider_id} into request {action.request_id}: {action.reason}",
+                {"instance_id": action.instance_id, "provider_id": action.provider_id},
+            )
+            errors.guard(
+                lambda: store.transition_instance(
+                    action.instance_id,
+                    _S.PENDING.value,
+                    reason=f"adopted: {action.reason}",
+                    provider_id=action.provider_id,
+                )
+            )
+        elif isinstance(action, Terminate):
+            self._terminate(app, action, errors)
+        elif isinstance(action, Orphan):
+            self._end_orphan(app, action, errors)
+        elif isinstance(action, BudgetCapped):
+            self._record_once(
+                app.name,
+                "budget_capped",
+                f"not launched within the budget of {action.budget_usd_per_hr:g} USD/hr: "
+                + ", ".join(f"{n} x {t}" for t, n in action.wanted.items())
+                + f" (the fleet already costs {action.committed_usd_per_hr:.3f} USD/hr)",
+                {
+                    "wanted": dict(action.wanted),
+                    "committed_usd_per_hr": round(action.committed_usd_per_hr, 9),
+                    "budget_usd_per_hr": action.budget_usd_per_hr,
+                },
+            )
+        elif isinstance(action, LaunchSkipped):
+            self._record_once(
+                app.name,
+                "launch_skipped",
+                f"{action.count} x {action.instance_type} not launched: {action.reason}",
+                {"instance_type": action.instance_type, "count": action.count},
+            )
+        elif isinstance(action, Report):
+            logger.warning("reconcile %s: %s %s", app.name, action.provider_id, action.reason)
+
+    def _terminate(self, app: AppRecord, action: Terminate, errors: _Errors) -> None:
+        if action.instance_ids:
+            self.store.record_decision(
+                app.name,
+                "terminate",
+                f"terminate {len(action.instance_ids)} instance(s) ({action.cause}):"
+                f" {action.reason}",
+                {
+                    "cause": action.cause,
+                    "instance_ids": list(action.instance_ids),
+                    "provider_ids": list(action.provider_ids),
+                    "saved_usd_per_hr": action.saved_usd_per_hr,
+                },
+            )
+        for instance_id in action.instance_ids:
+            errors.guard(
+                functools.partial(
+                    self.store.transition_instance,
+                    instance_id,
+                    _S.TERMINATING.value,
+                    reason=f"{action.cause}: {action.reason}",
+                )
+            )
+        self._provider_terminate(app.name, action.provider_ids, errors)
+
+    def _provider_terminate(self, app: str, provider_ids: Sequence[str], errors: _Errors) -> None:
+        """Ask the provider to stop ``provider_ids``; one it says is not ours is left out (and
+        reported), the rest are asked again. A failure leaves the rows ``terminating``: the next
+        tick asks again."""
+        remaining = list(provider_ids)
+        while remaining:
+            try:
+                self.provisioner.terminate(remaining)
+                return
+            except UnknownInstanceError as error:
+                logger.error("reconcile %s: %s; not terminated", app, error)
+                errors.append(str(error))
+                if error.provider_id not in remaining:
+                    return
+                remaining.remove(error.provider_id)
+            except ProvisionerError as error:
+                logger.warning("reconcile %s: terminate failed (%s); next tick", app, error)
+                errors.append(f"terminate: {error}")
+                return
+
+    def _end_orphan(self, app: AppRecord, action: Orphan, errors: _Errors) -> None:
+        instance = action.instance
+        self.store.record_decision(
+            app.name,
+            "orphan",
+            action.reason,
+            {
+                "provider_id": instance.provider_id,
+                "instance_type": instance.instance_type,
+                "request_id": instance.request_id,
+            },
+        )
+        recorded = errors.guard(
+            lambda: self.store.record_instance(
+                app.name,
+                request_id=f"{ORPHAN_REQUEST_PREFIX}{instance.provider_id}",
+                instance_type=instance.instance_type,
+                price_usd_per_hr=action.price_usd_per_hr,
+                provider_id=instance.provider_id,
+                state=_S.TERMINATING.value,
+                reason=action.reason,
+            )
+        )
+        if recorded is not None:
+            self._provider_terminate(app.name, (instance.provider_id,), errors)
+
+    def _launch(self, app: AppRecord, launches: Sequence[Launch], errors: _Errors) -> None:
+        """Record every launch (rows, then one decision), then ask the provider for each."""
+        rows: list[tuple[Launch, InstanceRecord]] = []
+        for launch in launches:
+            row = self.store.record_instance(
+                app.name,
+                request_id=launch.request_id,
+                instance_type=launch.instance_type,
+                price_usd_per_hr=launch.price_usd_per_hr,
+                reason=launch.reason,
+            )
+            rows.append((launch, row))
+        new = [(launch, row) for launch, row in rows if not launch.retry]
+        if new:
+            self.store.record_decision(
+                app.name,
+                "launch",
+                "launch "
+                + ", ".join(
+                    f"{n} x {t}"
+                    for t, n in sorted(Counter(launch.instance_type for launch, _ in new).items())
+                ),
+                {
+                    "launches": [
+                        {
+                            "request_id": launch.request_id,
+                            "instance_id": row.id,
+                            "instance_type": launch.instance_type,
+                            "price_usd_per_hr": launch.price_usd_per_hr,
+                        }
+                        for launch, row in new
+                    ],
+                    "budget_usd_per_hr": app.budget_usd_per_hr,
+                },
+            )
+        plan = "none" if app.applied_plan_id is None else str(app.applied_plan_id)
+        for launch, row in rows:
+            request = LaunchRequest(
+                launch.request_id,
+                launch.instance_type,
+                1,
+                {APP_TAG: app.name, PLAN_TAG: plan, INSTANCE_TAG: row.id},
+            )
+            try:
+                launched = self.provisioner.launch(request)
+            except ProvisionerError as error:
+                self._launch_failed(app, launch, row, error, errors)
+                continue
+            live = [i for i in launched if i.state in ("pending", "running")]
+            if not live:
+                errors.append(f"launch {launch.request_id}: the provider returned no live instance")
+                continue
+            errors.guard(
+                functools.partial(
+                    self.store.transition_instance,
+                    row.id,
+                    _S.PENDING.value,
+                    reason="launched",
+                    provider_id=live[0].provider_id,
+                )
+            )
+
+    def _launch_failed(
+        self,
+        app: AppRecord,
+        launch: Launch,
+        row: InstanceRecord,
+        error: ProvisionerError,
+        errors: _Errors,
+    ) -> None:
+        kind = type(error).__name__
+        errors.append(f"launch {launch.request_id}: {error}")
+        numbers = {
+            "request_id": launch.request_id,
+            "instance_id": row.id,
+            "instance_type": launch.instance_type,
+            "error": kind,
+            "retryable": error.retryable,
+        }
+        if error.retryable:
+            # The row stays requested (its cost still counts) and is launched again next tick
+            # with the same request id, until it works or becomes a straggler.
+            self._record_once(
+                app.name,
+                "launch_failed",
+                f"launch of {launch.instance_type} ({launch.request_id}) failed: {error};"
+                " retried next tick",
+                numbers,
+            )
+            return
+        until_s = self.clock.now_s() + self.launch_backoff_s
+        self._held_until_s[(app.name, launch.instance_type)] = until_s
+        self.store.record_decision(
+            app.name,
+            "launch_failed",
+            f"launch of {launch.instance_type} ({launch.request_id}) failed: {error};"
+            f" {launch.instance_type} not launched again for {self.launch_backoff_s:g} s",
+            {**numbers, "held_s": self.launch_backoff_s},
+        )
+        errors.guard(
+            lambda: self.store.transition_instance(
+                row.id, _S.FAILED.value, reason=f"launch refused: {error}"
+            )
+        )
+
+    def _terminate_strays(self, strays: Sequence[ProvisionedInstance]) -> list[str]:
+        """Managed instances whose app tag names no app (a forced delete left them): they belong
+        to nothing we run, so they are terminated (there is no app to record them under)."""
+        if not strays:
+            return []
+        for instance in strays:
+            logger.warning(
+                "reconcile: %s (%s) is tagged for app %r, which does not exist; terminating",
+                instance.provider_id,
+                instance.instance_type,
+                instance.tags.get(APP_TAG),
+            )
+        errors = _Errors()
+        self._provider_terminate("-", [i.provider_id for i in strays], errors)
+        return list(errors)
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _unhealthy(
+        self, rows: Sequence[InstanceRecord], observed: Sequence[ProvisionedInstance]
+    ) -> set[str]:
+        """Provider ids the provider calls running whose rows wait to be running and whose
+        worker does not answer the probe yet."""
+        if self.probe is None:
+            return set()
+        running = {r.provider_id for r in rows if r.state == _S.RUNNING}
+        unhealthy: set[str] = set()
+        for instance in observed:
+            if instance.state != "running" or instance.provider_id in running:
+                continue
+            try:
+                healthy = self.probe(instance)
+            except Exception:  # a probe is I/O: any failure means not healthy yet
+                logger.debug("probe of %s failed", instance.provider_id, exc_info=True)
+                healthy = False
+            if not healthy:
+                unhealthy.add(instance.provider_id)
+        return unhealthy
+
+    def _record_once(self, app: str, kind: str, reason: str, numbers: Mapping[str, Any]) -> None:
+        """Record a decision unless the app's last decision of ``kind`` had the same numbers: a
+        state that lasts (a budget cap, a plan that cannot be launched) is one decision, not one
+        per tick."""
+        last = self.store.list_decisions(app, kinds=[kind], limit=1)
+        if last and last[0].numbers == dict(numbers):
+            return
+        self.store.record_decision(app, kind, reason, numbers)
+
+    def _report_unmanaged(self, instance: ProvisionedInstance) -> None:
+        if instance.provider_id in self._reported:
+            return
+        self._reported.add(instance.provider_id)
+        logger.warning(
+            "reconcile: the provider listed %s (%s) without the managed tag; left alone",
+            instance.provider_id,
+            instance.instance_type,
+        )
+
+    def _log_events(self) -> None:
+        try:
+            events = self.provisioner.poll_events()
+        except ProvisionerError as error:
+            logger.warning("reconcile: cannot poll provider events (%s)", error)
+            return
+        for event in events:
+            level = logging.INFO if event.kind == "info" else logging.WARNING
+            logger.log(level, "provider %s event: %s", event.kind, event.message)
+
+
+class _Errors(list[str]):
+    """What went wrong carrying out a tick's actions (each is logged; the tick goes on)."""
+
+    def guard(self, call: Callable[[], InstanceRecord]) -> InstanceRecord | None:
+        """Run a store write; a conflict (the row moved meanwhile) is noted, not raised."""
+        try:
+            return call()
+        except ControlPlaneError as error:
+            logger.warning("reconcile: %s", error)
+            self.append(str(error))
+            return None

@@ -1,0 +1,581 @@
+"""The reconciler on a real store (SQLite through the migrations), the fake provisioner and a
+fake clock, tick by tick: launches recorded before acting, restarts that launch nothing twice, a
+lowered budget, provider failures, orphans; and a property test over random sequences of all
+of them."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controlplane.clock import FakeClock
+from controlplane.db import migrate
+from controlplane.lifecycle import LIVE_STATES
+from controlplane.reconciler import (
+    AppPricing,
+    Launch,
+    Reconciler,
+    ReconcileReport,
+    Terminate,
+)
+from controlplane.service import build_service
+from controlplane.settings import Settings
+from controlplane.store import AppRecord, InstanceRecord, Store
+from provisioners.base import (
+    APP_TAG,
+    LaunchRequest,
+    ProvisionedInstance,
+    ProvisionerEvent,
+)
+from provisioners.fake import FakeProvisioner
+
+SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
+PRICES = {SMALL: 0.05, LARGE: 0.1}
+# Q_t: a large serves 4x a small for 2x the price, so it is the more cost-effective.
+QPS = {SMALL: 10.0, LARGE: 40.0}
+APP = "recs"
+STRAGGLER_S = 300.0
+GRACE_S = 30.0
+_KEPT = ("requested", "pending", "running")
+
+
+def spec(budget: float) -> dict[str, Any]:
+    return {
+        "name": APP,
+        "models": [{"name": "tiny", "profiles": "profiles.json"}],
+        "slo": {"latency_ms": 50},
+        "budget_usd_per_hr": budget,
+        "instance_types": [SMALL, LARGE],
+    }
+
+
+def pricing(_app: AppRecord) -> AppPricing:
+    return AppPricing(PRICES, QPS)
+
+
+def apply_fleet(store: Store, fleet: Mapping[str, int]) -> None:
+    document = {
+        "feasible": True,
+        "cost_usd_per_hr": sum(PRICES.get(t, 1.0) * n for t, n in fleet.items()),
+        "stages": [{"name": "tiny", "fleet": dict(fleet)}],
+    }
+    plan = store.create_plan(APP, document)
+    store.apply_plan(APP, plan.id)
+
+
+def kept_cost(store: Store) -> float:
+    return sum(i.price_usd_per_hr for i in store.list_instances(APP, states=_KEPT))
+
+
+def by_state(store: Store) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for instance in store.list_instances(APP):
+        counts[instance.state] = counts.get(instance.state, 0) + 1
+    return counts
+
+
+def live_types(store: Store) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for instance in store.list_instances(APP, states=_KEPT):
+        counts[instance.instance_type] = counts.get(instance.instance_type, 0) + 1
+    return counts
+
+
+class CrashError(Exception):
+    """The control plane dies in the middle of a tick."""
+
+
+class SpyProvisioner:
+    """The fake, with hooks: look at the store when the provider is asked to launch, or die
+    right after the provider launched (before the answer is recorded)."""
+
+    name = "spy"
+
+    def __init__(self, fake: FakeProvisioner) -> None:
+        self.fake = fake
+        self.on_launch: list[Any] = []
+        self.crash_after_launch = False
+
+    def launch(self, request: LaunchRequest) -> list[ProvisionedInstance]:
+        for hook in self.on_launch:
+            hook(request)
+        launched = self.fake.launch(request)
+        if self.crash_after_launch:
+            self.crash_after_launch = False
+            raise CrashError(request.request_id)
+        return launched
+
+    def terminate(self, provider_ids: Sequence[str]) -> None:
+        self.fake.terminate(provider_ids)
+
+    def poll_events(self) -> list[ProvisionerEvent]:
+        return self.fake.poll_events()
+
+    def list(self, tags: Mapping[str, str]) -> list[ProvisionedInstance]:
+        return self.fake.list(tags)
+
+
+@pytest.fixture(scope="session")
+def template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A database migrated once; each test (and each hypothesis example) copies it."""
+    path = tmp_path_factory.mktemp("template") / "heteroplane.db"
+    migrate.upgrade(f"sqlite:///{path}")
+    return path
+
+
+@dataclass
+class World:
+    """A control plane (store + reconciler) over one database file and one fake provider."""
+
+    path: Path
+    clock: FakeClock
+    fake: FakeProvisioner
+    spy: SpyProvisioner
+    store: Store
+    reconciler: Reconciler
+
+    @classmethod
+    def create(cls, template: Path, directory: Path, budget: float = 1.0) -> World:
+        path = directory / "heteroplane.db"
+        shutil.copy(template, path)
+        clock = FakeClock()
+        fake = FakeProvisioner(now=clock.utcnow)
+        spy = SpyProvisioner(fake)
+        store = Store.from_url(f"sqlite:///{path}", clock)
+        store.create_app(spec(budget), who="test")
+        return cls(path, clock, fake, spy, store, cls._reconciler(store, spy, clock))
+
+    @staticmethod
+    def _reconciler(store: Store, spy: SpyProvisioner, clock: FakeClock) -> Reconciler:
+        return Reconciler(
+            store,
+            spy,
+            clock,
+            pricing,
+            straggler_timeout_s=STRAGGLER_S,
+            missing_grace_s=GRACE_S,
+        )
+
+    def restart(self) -> None:
+        """A new control plane process: a new store object and reconciler, same database and
+        same provider."""
+        self.store.close()
+        self.store = Store.from_url(f"sqlite:///{self.path}", self.clock)
+        self.reconciler = self._reconciler(self.store, self.spy, self.clock)
+
+    def tick(self, seconds: float = 5.0) -> ReconcileReport:
+        self.clock.advance(seconds)
+        return self.reconciler.run_once()
+
+    def close(self) -> None:
+        self.store.close()
+
+
+@pytest.fixture
+def world(template_db: Path, tmp_path: Path) -> Iterator[World]:
+    w = World.create(template_db, tmp_path)
+    yield w
+    w.close()
+
+
+def decisions(store: Store, kind: str) -> list[Any]:
+    return store.list_decisions(APP, kinds=[kind])
+
+
+# --- launching -------------------------------------------------------------------------------
+
+
+def test_launches_are_recorded_before_the_provider_is_asked(world: World) -> None:
+    seen_at_launch: list[tuple[str, str | None, bool]] = []
+
+    def check(request: LaunchRequest) -> None:
+        rows = {r.request_id: r for r in world.store.list_instances(APP)}
+        row = rows.get(request.request_id)
+        (decision,) = decisions(world.store, "launch")
+        listed = [launch["request_id"] for launch in decision.numbers["launches"]]
+        seen_at_launch.append(
+            (
+                row.state if row is not None else "missing",
+                row.provider_id if row is not None else None,
+                request.request_id in listed,
+            )
+        )
+
+    world.spy.on_launch.append(check)
+    apply_fleet(world.store, {SMALL: 2, LARGE: 1})
+    report = world.tick()
+    assert report.apps[APP].count(Launch) == 3
+    assert seen_at_launch == [("requested", None, True)] * 3
+    assert by_state(world.store) == {"pending": 3}
+    assert world.fake.launched_total == 3
+    world.fake.step()
+    world.tick()
+    assert by_state(world.store) == {"running": 3}
+    assert live_types(world.store) == {SMALL: 2, LARGE: 1}
+    # The provider's instances carry the row's id and the app.
+    rows = {r.provider_id: r for r in world.store.list_instances(APP)}
+    for instance in world.fake.list({}):
+        assert instance.tags["heteroplane:instance-id"] == rows[instance.provider_id].id
+        assert instance.tags[APP_TAG] == APP
+
+
+def test_a_restart_launches_nothing_twice(world: World) -> None:
+    apply_fleet(world.store, {SMALL: 2, LARGE: 2})
+    world.tick()
+    world.restart()
+    world.tick()
+    world.fake.step()
+    world.restart()
+    for _ in range(3):
+        world.tick()
+    assert world.fake.launched_total == 4
+    assert by_state(world.store) == {"running": 4}
+    assert len(decisions(world.store, "launch")) == 1
+
+
+def test_a_crash_between_launch_and_record_is_adopted_not_launched_again(world: World) -> None:
+    apply_fleet(world.store, {LARGE: 2})
+    world.spy.crash_after_launch = True
+    with pytest.raises(CrashError):
+        world.tick()
+    # The first launch went through but its answer was lost: a row requested, no provider id.
+    assert by_state(world.store) == {"requested": 2}
+    assert world.fake.launched_total == 1
+    world.restart()
+    world.tick()
+    assert world.fake.launched_total == 2
+    (adopted,) = decisions(world.store, "adopt")
+    assert adopted.numbers["provider_id"] == world.fake.list({})[0].provider_id
+    world.fake.step()
+    world.tick()
+    assert by_state(world.store) == {"running": 2}
+
+
+# --- the budget ------------------------------------------------------------------------------
+
+
+def test_a_lowered_budget_terminates_the_least_cost_effective(world: World) -> None:
+    apply_fleet(world.store, {SMALL: 2, LARGE: 2})
+    world.tick()
+    world.fake.step()
+    world.tick()
+    smalls = {r.id for r in world.store.list_instances(APP) if r.instance_type == SMALL}
+    world.store.change_budget(APP, 0.2, reason="cut", who="test")
+    report = world.tick()
+    (drain,) = [a for a in report.apps[APP].actions if isinstance(a, Terminate)]
+    assert drain.cause == "budget" and set(drain.instance_ids) == smalls
+    assert live_types(world.store) == {LARGE: 2}
+    assert kept_cost(world.store) <= 0.2 + 1e-9
+    # The smalls are stopped at the provider, and end there.
+    world.fake.step()
+    world.tick()
+    assert by_state(world.store) == {"running": 2, "terminated": 2}
+    # The plan still wants the smalls: the budget says no, once, not once per tick.
+    for _ in range(3):
+        world.tick()
+    (capped,) = decisions(world.store, "budget_capped")
+    assert capped.numbers["wanted"] == {SMALL: 2}
+    assert world.fake.launched_total == 4
+
+
+def test_launches_stop_at_the_budget(template_db: Path, tmp_path: Path) -> None:
+    w = World.create(template_db, tmp_path, budget=0.25)
+    try:
+        apply_fleet(w.store, {SMALL: 3, LARGE: 2})
+        w.tick()
+        # Larges first (more queries per dollar): 0.2, then one small: 0.25.
+        assert live_types(w.store) == {LARGE: 2, SMALL: 1}
+        assert kept_cost(w.store) <= 0.25 + 1e-9
+    finally:
+        w.close()
+
+
+# --- provider failures -----------------------------------------------------------------------
+
+
+def test_a_capacity_error_is_recorded_and_retried_with_the_same_request_id(world: World) -> None:
+    world.fake.fail_capacity(LARGE)
+    apply_fleet(world.store, {LARGE: 1, SMALL: 1})
+    world.tick()
+    world.tick()
+    rows = world.store.list_instances(APP)
+    (large,) = [r for r in rows if r.instance_type == LARGE]
+    assert large.state == "requested"
+    (failed,) = decisions(world.store, "launch_failed")
+    assert "insufficient capacity" in failed.reason and failed.numbers["retryable"]
+    world.fake.restore_capacity(LARGE)
+    world.tick()
+    (large_after,) = [r for r in world.store.list_instances(APP) if r.instance_type == LARGE]
+    assert large_after.id == large.id and large_after.state == "pending"
+    assert len(world.store.list_instances(APP)) == 2
+
+
+def test_a_quota_error_fails_the_row_and_holds_the_type(world: World) -> None:
+    world.fake.set_quota(LARGE, 0)
+    apply_fleet(world.store, {LARGE: 1})
+    world.tick()
+    assert by_state(world.store) == {"failed": 1}
+    world.tick()
+    assert by_state(world.store) == {"failed": 1}  # held: not tried again at once
+    world.fake.set_quota(LARGE, None)
+    world.tick(world.reconciler.launch_backoff_s)
+    assert by_state(world.store) == {"failed": 1, "pending": 1}
+
+
+def test_a_throttled_list_skips_all_but_the_budget_guard(world: World) -> None:
+    apply_fleet(world.store, {SMALL: 2, LARGE: 1})
+    world.tick()
+    world.fake.step()
+    world.tick()
+    apply_fleet(world.store, {SMALL: 3, LARGE: 1})
+    world.store.change_budget(APP, 0.1, reason="cut", who="test")
+    world.fake.throttle_next(2)  # the list, then the terminate
+    report = world.tick()
+    assert report.errors
+    # No launch without the provider's list, but the budget holds: the smalls are let go.
+    assert not report.apps[APP].count(Launch)
+    assert live_types(world.store) == {LARGE: 1}
+    assert by_state(world.store) == {"running": 1, "terminating": 2}
+    # The terminate was throttled too: the next tick asks again.
+    world.tick()
+    world.fake.step()
+    world.tick()
+    assert by_state(world.store) == {"running": 1, "terminated": 2}
+
+
+def test_a_failed_terminate_is_asked_again(world: World) -> None:
+    apply_fleet(world.store, {SMALL: 2})
+    world.tick()
+    world.fake.step()
+    apply_fleet(world.store, {SMALL: 1})
+    world.fake.fail_terminate_next(1)
+    world.tick()
+    assert by_state(world.store) == {"running": 1, "terminating": 1}
+    assert len([i for i in world.fake.list({}) if i.state == "running"]) == 2
+    world.tick()
+    world.fake.step()
+    world.tick()
+    assert by_state(world.store) == {"running": 1, "terminated": 1}
+
+
+def test_dead_and_vanished_instances_are_replaced(world: World) -> None:
+    apply_fleet(world.store, {SMALL: 2})
+    world.tick()
+    world.fake.step()
+    world.tick()
+    first, second = (i.provider_id for i in world.fake.list({}))
+    world.fake.set_state(first, "failed")
+    world.fake.crash([second])
+    world.tick()
+    # The failed one is replaced at once; the vanished one once the grace has passed.
+    assert by_state(world.store) == {"failed": 1, "running": 1, "pending": 1}
+    world.tick(GRACE_S)
+    assert by_state(world.store) == {"failed": 2, "pending": 2}
+    assert world.fake.launched_total == 4
+
+
+def test_stragglers_are_replaced(world: World) -> None:
+    world.fake.never_run(LARGE)
+    apply_fleet(world.store, {LARGE: 1})
+    world.tick()
+    world.fake.step()
+    world.tick(STRAGGLER_S + 1)
+    (stop,) = decisions(world.store, "terminate")
+    assert stop.numbers["cause"] == "straggler"
+    assert by_state(world.store) == {"terminating": 1, "pending": 1}
+
+
+# --- orphans and strangers -------------------------------------------------------------------
+
+
+def test_tagged_instances_unknown_to_the_database_are_recorded_and_terminated(
+    world: World,
+) -> None:
+    apply_fleet(world.store, {})
+    stray = world.fake.launch(LaunchRequest("someone-1", SMALL, 1, {APP_TAG: APP}))[0]
+    ghost = world.fake.launch(LaunchRequest("ghost-1", SMALL, 1, {APP_TAG: "ghost"}))[0]
+    stranger = world.fake.add_unmanaged(SMALL)
+    report = world.tick()
+    assert report.unknown_app == (ghost.provider_id,)
+    recorded = world.store.find_instance(provider_id=stray.provider_id)
+    assert recorded is not None and recorded.state == "terminating"
+    (orphan,) = decisions(world.store, "orphan")
+    assert orphan.numbers["request_id"] == "someone-1"
+    world.fake.step()
+    world.tick()
+    assert world.store.get_instance(recorded.id).state == "terminated"
+    assert [i.provider_id for i in world.fake.list({})] == []
+    assert stranger not in world.fake.calls  # never terminated: still running, unlisted
+
+
+def test_a_plan_the_provisioner_cannot_launch_is_one_decision(world: World) -> None:
+    world.reconciler.launchable = lambda t: (
+        None if t.startswith("emu.") else "the local provisioner emulates only emu.* types"
+    )
+    apply_fleet(world.store, {"g4dn.xlarge": 2, SMALL: 1})
+    for _ in range(3):
+        world.tick()
+    (decision,) = decisions(world.store, "plan_not_launched")
+    assert decision.reason.startswith("the local provisioner emulates only emu.* types;")
+    assert "g4dn.xlarge" in decision.reason
+    assert world.fake.launched_total == 0
+
+
+# --- the property ----------------------------------------------------------------------------
+
+_types = st.sampled_from([SMALL, LARGE])
+_step = st.one_of(
+    st.tuples(st.just("plan"), st.dictionaries(_types, st.integers(0, 4))),
+    st.tuples(st.just("budget"), st.sampled_from([0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0])),
+    st.tuples(st.just("capacity"), _types, st.booleans()),
+    st.tuples(st.just("quota"), _types, st.sampled_from([None, 0, 1, 2])),
+    st.tuples(st.just("throttle"), st.integers(1, 3)),
+    st.tuples(st.just("fail_start"), _types, st.booleans()),
+    st.tuples(st.just("die"), st.integers(0, 7), st.sampled_from(["failed", "crash", "stopping"])),
+    st.tuples(st.just("terminate_fails"), st.integers(1, 2)),
+    st.tuples(st.just("step"), st.integers(1, 2)),
+    st.tuples(st.just("wait"), st.sampled_from([1.0, 40.0, 400.0])),
+    st.tuples(st.just("restart"), st.booleans()),
+)
+
+
+def _known(store: Store, instances: Sequence[ProvisionedInstance]) -> list[str]:
+    return [i.provider_id for i in instances if store.find_instance(provider_id=i.provider_id)]
+
+
+def _check(world: World, report: ReconcileReport | None) -> None:
+    store = world.store
+    budget = store.get_app(APP).budget_usd_per_hr
+    # The budget guard: what we run or asked for never costs more than the budget.
+    assert kept_cost(store) <= budget + 1e-9
+    rows: list[InstanceRecord] = store.list_instances(APP)
+    # Nothing launched twice: the provider launched at most once per recorded request.
+    launches = [r for r in rows if not r.request_id.startswith("orphan:")]
+    assert world.fake.launched_total <= len(launches)
+    if report is not None and not report.errors and not report.apps[APP].errors:
+        # After a whole reconcile, every managed instance the provider lists is known (the tick
+        # listed the provider, so the fake's throttling is used up: this list goes through).
+        listed = [i for i in world.fake.list({}) if i.state != "terminated"]
+        assert _known(store, listed) == [i.provider_id for i in listed]
+    assert all(r.state in {s.value for s in LIVE_STATES} | {"terminated", "failed"} for r in rows)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(steps=st.lists(_step, min_size=1, max_size=14), budget=st.sampled_from([0.1, 0.3, 1.0]))
+def test_the_budget_holds_and_every_managed_instance_is_known(
+    template_db: Path, steps: list[tuple[Any, ...]], budget: float
+) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        world = World.create(template_db, Path(directory), budget)
+        try:
+            apply_fleet(world.store, {SMALL: 2, LARGE: 1})
+            _check(world, world.tick())
+            for step in steps:
+                report = _act(world, step)
+                _check(world, report)
+            # However it went, with the knobs off the fleet converges.
+            world.fake.throttle_next(0)
+            for instance_type in (SMALL, LARGE):
+                world.fake.restore_capacity(instance_type)
+                world.fake.set_quota(instance_type, None)
+                world.fake.fail_start(instance_type, False)
+            for _ in range(4):
+                report = world.tick(GRACE_S + 1)
+                world.fake.step()
+                _check(world, report)
+        finally:
+            world.close()
+
+
+def _act(world: World, step: tuple[Any, ...]) -> ReconcileReport | None:
+    kind = step[0]
+    fake = world.fake
+    if kind == "plan":
+        apply_fleet(world.store, step[1])
+    elif kind == "budget":
+        world.store.change_budget(APP, step[1], reason="test", who="test")
+    elif kind == "capacity":
+        (fake.fail_capacity if step[2] else fake.restore_capacity)(step[1])
+    elif kind == "quota":
+        fake.set_quota(step[1], step[2])
+    elif kind == "throttle":
+        fake.throttle_next(step[1])
+    elif kind == "fail_start":
+        fake.fail_start(step[1], step[2])
+    elif kind == "die":
+        # The victim is picked from the database: listing the fake would use up its throttling.
+        live = [
+            r.provider_id
+            for r in world.store.list_instances(APP, states=["pending", "running"])
+            if r.provider_id is not None
+        ]
+        if live:
+            victim = live[step[1] % len(live)]
+            if step[2] == "crash":
+                fake.crash([victim])
+            else:
+                with contextlib.suppress(KeyError):  # it vanished already
+                    fake.set_state(victim, step[2])
+    elif kind == "terminate_fails":
+        fake.fail_terminate_next(step[1])
+    elif kind == "step":
+        for _ in range(step[1]):
+            fake.step()
+    elif kind == "wait":
+        world.clock.advance(step[1])
+    elif kind == "restart":
+        if step[1]:  # die in the middle of a tick, right after a launch
+            world.spy.crash_after_launch = True
+            with contextlib.suppress(CrashError):
+                world.tick()
+            world.spy.crash_after_launch = False
+        world.restart()
+    return world.tick()
+
+
+# --- wired into the service ------------------------------------------------------------------
+
+
+def test_the_services_reconcile_job_runs_the_reconciler(tmp_path: Path) -> None:
+    service = build_service(Settings(data_dir=tmp_path / "data", provisioner="fake"))
+    try:
+        service.store.create_app(spec(1.0), who="test")
+        apply_fleet(service.store, {SMALL: 1, LARGE: 1})
+        assert service.scheduler.jobs["reconcile"]() == "ran"
+        assert service.scheduler.jobs["reconcile"]() == "ran"
+        # The fake of a running service starts instances running; prices from the catalog.
+        assert by_state(service.store) == {"running": 2}
+        assert {r.price_usd_per_hr for r in service.store.list_instances(APP)} == {0.05, 0.1}
+    finally:
+        service.close()
+
+
+def test_under_the_local_provisioner_a_plan_of_ec2_types_is_one_decision(tmp_path: Path) -> None:
+    service = build_service(Settings(data_dir=tmp_path / "data", provisioner="local"))
+    try:
+        service.store.create_app(spec(10.0), who="test")
+        apply_fleet(service.store, {"g4dn.xlarge": 1, "t3.xlarge": 2})
+        for _ in range(3):
+            assert service.scheduler.jobs["reconcile"]() == "ran"
+        (decision,) = decisions(service.store, "plan_not_launched")
+        assert decision.reason == (
+            "the local provisioner emulates only emu.* types; plan not launched"
+            " (it names g4dn.xlarge, t3.xlarge)"
+        )
+        assert service.store.list_instances(APP) == []
+        assert not list((tmp_path / "data" / "workers" / "instances").iterdir())
+    finally:
+        service.close()

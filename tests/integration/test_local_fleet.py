@@ -1,0 +1,213 @@
+"""Local end to end: the service with the local provisioner launches a fleet of real worker
+processes of two emulated types from an applied plan, each serves a real inference, and a worker
+killed with SIGKILL is replaced by the reconciler.
+
+The family is trained once per session and the profiles measured by ``heteroplane profile
+measure`` (a few samples: the numbers only price and rank, nothing here is timed). Reconcile ticks
+are called directly in a loop with a deadline; the only sleeps are the polling interval.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.cli import main
+from controlplane.service import Service, build_service
+from controlplane.settings import Settings
+from controlplane.store import InstanceRecord
+from provisioners.base import APP_TAG
+from provisioners.local import LocalProvisioner
+
+pytest.importorskip("torch")
+
+APP = "digits"
+SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
+FLEET = {SMALL: 2, LARGE: 1}
+# Workers import torch and load the family: seconds each, more on a busy shared machine.
+FLEET_DEADLINE_S = 300.0
+POLL_S = 0.25
+
+
+@pytest.fixture(scope="session")
+def family_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trained family, once per session (the function the workers' loader calls)."""
+    from provisioners.worker.family import ensure_family
+
+    return ensure_family(tmp_path_factory.mktemp("family") / "models")
+
+
+@pytest.fixture(scope="session")
+def profiles(family_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Profiles of the tiny model on the two emulated types, from ``heteroplane profile
+    measure``."""
+    out = tmp_path_factory.mktemp("profiles") / "family.json"
+    status = main(
+        [
+            "profile",
+            "measure",
+            "--models",
+            "tiny",
+            "--batch-sizes",
+            "1,2,4",
+            "--samples",
+            "3",
+            "--warmup",
+            "1",
+            "--instance-types",
+            f"{SMALL},{LARGE}",
+            "--cache-dir",
+            str(family_cache),
+            "--out",
+            str(out),
+        ]
+    )
+    assert status == 0
+    return out
+
+
+@pytest.fixture
+def service(tmp_path: Path, family_cache: Path) -> Iterator[Service]:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    # The workers find the session's trained family where the local provisioner points them.
+    (data_dir / "models").symlink_to(family_cache, target_is_directory=True)
+    service = build_service(Settings(data_dir=data_dir, provisioner="local"))
+    assert isinstance(service.provisioner, LocalProvisioner)
+    try:
+        yield service
+    finally:
+        _stop_every_worker(service.provisioner)
+        service.close()
+
+
+def _stop_every_worker(provisioner: LocalProvisioner) -> None:
+    records = provisioner.records()
+    provisioner.terminate([r.provider_id for r in records])
+    provisioner.close()
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline and any(_alive(r.pid) for r in records):
+        time.sleep(POLL_S)
+    assert not any(_alive(r.pid) for r in records)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is dead for our purposes (its parent, this process, may not have reaped it yet).
+    try:
+        with Path(f"/proc/{pid}/stat").open() as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _reconcile_until(
+    service: Service, done: Callable[[list[InstanceRecord]], bool], what: str
+) -> list[InstanceRecord]:
+    deadline = time.monotonic() + FLEET_DEADLINE_S
+    while True:
+        service.reconciler.run_once()
+        rows = service.store.list_instances(APP)
+        if done(rows):
+            return rows
+        if time.monotonic() > deadline:
+            logs = service.settings.data_dir / "workers" / "logs"
+            tails = {p.name: p.read_text()[-800:] for p in sorted(logs.glob("*.log"))}
+            pytest.fail(f"no {what} within {FLEET_DEADLINE_S:g} s: {rows}; logs: {tails}")
+        time.sleep(POLL_S)
+
+
+def _running(rows: list[InstanceRecord]) -> list[InstanceRecord]:
+    return [r for r in rows if r.state == "running"]
+
+
+def _infer(address: str) -> dict[str, object]:
+    body = json.dumps({"model": "tiny", "inputs": [[float(i % 17) for i in range(64)]] * 2})
+    request = urllib.request.Request(
+        f"http://{address}/infer",
+        data=body.encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=30) as response:
+        assert response.status == 200
+        answer: dict[str, object] = json.loads(response.read())
+        return answer
+
+
+def test_the_local_fleet_serves_and_a_killed_worker_is_replaced(
+    service: Service, profiles: Path
+) -> None:
+    store = service.store
+    store.create_app(
+        {
+            "name": APP,
+            "models": [{"name": "tiny", "profiles": str(profiles)}],
+            "slo": {"latency_ms": 200},
+            "budget_usd_per_hr": 1.0,
+            "instance_types": [SMALL, LARGE],
+        },
+        who="test",
+    )
+    plan = store.create_plan(
+        APP,
+        {
+            "feasible": True,
+            "cost_usd_per_hr": 0.2,
+            "stages": [{"name": "tiny", "fleet": FLEET, "batch_size": 1}],
+        },
+    )
+    store.apply_plan(APP, plan.id)
+
+    rows = _reconcile_until(service, lambda rows: len(_running(rows)) >= 3, "3 running workers")
+    running = _running(rows)
+    assert sorted(r.instance_type for r in running) == sorted([SMALL, SMALL, LARGE])
+    listed = {i.provider_id: i for i in service.provisioner.list({APP_TAG: APP})}
+    types_served = set()
+    for row in running:
+        assert row.provider_id is not None
+        address = listed[row.provider_id].address
+        assert address is not None
+        answer = _infer(address)
+        assert answer["instance_type"] == row.instance_type
+        assert isinstance(answer["predictions"], list) and len(answer["predictions"]) == 2
+        types_served.add(answer["instance_type"])
+    assert types_served == {SMALL, LARGE}
+
+    provisioner = service.provisioner
+    assert isinstance(provisioner, LocalProvisioner)
+    victim = next(r for r in running if r.instance_type == SMALL)
+    (record,) = [w for w in provisioner.records() if w.provider_id == victim.provider_id]
+    os.kill(record.pid, signal.SIGKILL)
+
+    def replaced(rows: list[InstanceRecord]) -> bool:
+        states = {r.id: r.state for r in rows}
+        smalls = [r for r in _running(rows) if r.instance_type == SMALL]
+        return states[victim.id] == "failed" and len(smalls) == 2
+
+    rows = _reconcile_until(service, replaced, "replacement of the killed worker")
+    replacement = next(
+        r
+        for r in _running(rows)
+        if r.instance_type == SMALL and r.id not in {x.id for x in running}
+    )
+    listed = {i.provider_id: i for i in service.provisioner.list({APP_TAG: APP})}
+    assert replacement.provider_id in listed
+    address = listed[replacement.provider_id].address
+    assert address is not None
+    assert _infer(address)["instance_type"] == SMALL
+    # Four launches in all: the fleet and one replacement, nothing twice.
+    assert len([r for r in rows if not r.request_id.startswith("orphan:")]) == 4
