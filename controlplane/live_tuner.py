@@ -1,0 +1,241 @@
+"""The tuner on live traffic: InferLine's tuner (:mod:`controlplane.tuner`) fed by the service.
+
+This module owns :class:`LiveTuner`, the composition of the pure tuner with the service: once per
+scheduler tick it reads each app's applied plan, the app's recent arrival times (an injected
+:data:`ArrivalSource`, the serving loop's observations) and the clock, calls
+:func:`controlplane.tuner.tune`, records every decision with its reason and numbers in the store,
+and keeps the fleet the tuner wants, which the reconciler reads through :meth:`desired_fleet`
+(the reconciler stays the only code that acts on provisioners).
+
+Per app the tuner is set up from the applied plan document: each stage's fleet, batch size and
+scale factor (``scale_factor``, 1 when absent), mu_t from the app's profiles at the plan's batch
+size, and the planned envelope, the InferLine envelope of the planning trace. A plan made by the
+API from a rate has no trace, so the envelope is the one of a seeded Poisson trace at the plan's
+``planned_rate_qps`` (10 minutes); rho_m then keeps the planned fleet at the planned rate. A new
+applied plan (a new plan id), or a budget change, restarts the tuner from the plan's fleet.
+Instances take :func:`controlplane.tuner.default_boot_s` to boot; the tuner counts them from
+launch, as the reconciler does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from controlplane.clock import Clock
+from controlplane.replay import kairos_capacity_model, rate_per_instance_qps
+from controlplane.spec import ResolvedApp
+from controlplane.store import AppRecord, Store
+from controlplane.tuner import (
+    Decision,
+    StagePlan,
+    TunerConfig,
+    TunerState,
+    initial_state,
+    tune,
+    utilisation_target,
+)
+from estimator.errors import EstimatorError
+from estimator.traces import Trace, poisson_arrivals
+
+__all__ = ["ArrivalSource", "LiveTuner", "ResolveFn"]
+
+logger = logging.getLogger(__name__)
+
+ArrivalSource = Callable[[str], NDArray[np.float64] | None]
+"""App name -> the app's recent arrival times, sorted, in the clock's ``now_s`` seconds; ``None``
+when nothing observes the app's traffic (no serving loop): the tuner then leaves it on its plan."""
+ResolveFn = Callable[[AppRecord], ResolvedApp]
+"""An app record -> its spec checked against its data (the API's resolver)."""
+
+# The planned envelope of a plan made from a rate: a Poisson trace this long, with this seed.
+SYNTHETIC_PLANNING_S = 600.0
+SYNTHETIC_SEED = 0
+
+
+@dataclass(slots=True)
+class _AppTuner:
+    """One app's tuner: the plan it was set up from and the state it has reached."""
+
+    plan_id: int
+    budget_usd_per_hr: float
+    stages: list[StagePlan]
+    config: TunerConfig
+    state: TunerState
+    # The last budget_capped (stage, type, count) recorded: the tuner says it every tick while the
+    # budget binds, the decision log keeps it once per change.
+    capped: tuple[str, str, int] | None = None
+
+
+class LiveTuner:
+    """InferLine's tuner over every app with an applied plan (thread-safe).
+
+    ``tick()`` is the scheduler's tuner job; ``desired_fleet(app)`` is the reconciler's hook (the
+    plan's fleet until the tuner has run for the app).
+    """
+
+    def __init__(
+        self, store: Store, clock: Clock, arrivals: ArrivalSource, resolve: ResolveFn
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._arrivals = arrivals
+        self._resolve = resolve
+        self._apps: dict[str, _AppTuner] = {}
+        self._lock = threading.Lock()
+
+    def desired_fleet(self, app: AppRecord) -> Mapping[str, int]:
+        """Counts by type the app should run: the tuner's fleet, summed over its stages."""
+        with self._lock:
+            tuned = self._apps.get(app.name)
+            if tuned is not None and tuned.plan_id == app.applied_plan_id:
+                return _summed(tuned.state)
+        plan = self._store.get_applied_plan(app.name)
+        if plan is None:
+            return {}
+        counts: dict[str, int] = {}
+        for stage in plan.document.get("stages", []):
+            for name, count in stage.get("fleet", {}).items():
+                counts[name] = counts.get(name, 0) + int(count)
+        return counts
+
+    def tick(self) -> list[tuple[str, Decision]]:
+        """One tuner tick for every app with an applied plan; the decisions it made."""
+        made: list[tuple[str, Decision]] = []
+        now_s = self._clock.now_s()
+        for app in self._store.list_apps():
+            if app.applied_plan_id is None:
+                with self._lock:
+                    self._apps.pop(app.name, None)
+                continue
+            try:
+                made.extend((app.name, d) for d in self._tick_app(app, now_s))
+            except (EstimatorError, KeyError, ValueError) as error:
+                # A plan the tuner cannot read (a type without a profile, a malformed stage)
+                # leaves the app on its plan; the next tick tries again.
+                logger.warning("tuner: %s left on its plan: %s", app.name, error)
+        return made
+
+    def _tick_app(self, app: AppRecord, now_s: float) -> list[Decision]:
+        if self._arrivals(app.name) is None:
+            return []
+        with self._lock:
+            tuned = self._apps.get(app.name)
+        if (
+            tuned is None
+            or tuned.plan_id != app.applied_plan_id
+            or tuned.budget_usd_per_hr != app.budget_usd_per_hr
+        ):
+            tuned = self._set_up(app, now_s)
+            if tuned is None:
+                return []
+        observed = self._arrivals(app.name)
+        if observed is None:
+            return []
+        arrivals = np.ascontiguousarray(observed, dtype=np.float64)
+        decisions, state = tune(arrivals, now_s, tuned.state, tuned.stages, tuned.config)
+        tuned.state = state
+        with self._lock:
+            self._apps[app.name] = tuned
+        recorded = []
+        for d in decisions:
+            if d.action == "budget_capped":
+                key = (d.stage, d.instance_type, d.count)
+                if key == tuned.capped:
+                    continue
+                tuned.capped = key
+            elif d.action == "scale_up":
+                tuned.capped = None
+            recorded.append(d)
+        for d in recorded:
+            self._store.record_decision(
+                app.name,
+                d.action,
+                d.reason,
+                {
+                    "stage": d.stage,
+                    "instance_type": d.instance_type,
+                    "count": d.count,
+                    "cost_usd_per_hr_after": d.cost_usd_per_hr_after,
+                    "at_s": d.at_s,
+                },
+            )
+        return recorded
+
+    def _set_up(self, app: AppRecord, now_s: float) -> _AppTuner | None:
+        plan = self._store.get_applied_plan(app.name)
+        if plan is None:
+            return None
+        resolved = self._resolve(app)
+        document = plan.document
+        stages_doc = document.get("stages") or []
+        planned_rate = float(document.get("planned_rate_qps") or 0.0)
+        if not stages_doc or not (math.isfinite(planned_rate) and planned_rate > 0):
+            return None
+        rng = np.random.default_rng(SYNTHETIC_SEED)
+        planning = poisson_arrivals(planned_rate, SYNTHETIC_PLANNING_S, rng)
+        ones = np.ones(planning.size, dtype=np.int64)
+        stages: list[StagePlan] = []
+        service_time_s = 0.0
+        types: set[str] = set()
+        for entry in stages_doc:
+            name = str(entry["name"])
+            fleet = {str(t): int(n) for t, n in entry["fleet"].items() if int(n) > 0}
+            batch = int(entry.get("batch_size", 1))
+            mu = {}
+            for t in fleet:
+                profile = resolved.profile(name, t)
+                smallest = np.array([profile.min_batch_size], dtype=np.int64)
+                mu[t] = rate_per_instance_qps(profile, smallest, batch)
+            service_time_s = max(service_time_s, *(1.0 / rate for rate in mu.values()))
+            types.update(fleet)
+            scale = float(entry.get("scale_factor", 1.0))
+            model = None
+            if entry.get("policy") == "kairos" and len(mu) > 1 and batch <= 1:
+                model = kairos_capacity_model(resolved, name, list(mu), Trace(planning, ones))
+            stages.append(StagePlan(name, scale, fleet, mu, 1.0, capacity_model=model))
+        config = TunerConfig.from_planning_trace(
+            planning,
+            max(service_time_s, 1.0),
+            budget_usd_per_hr=app.budget_usd_per_hr,
+            catalog=resolved.catalog,
+            types=sorted(types),
+        )
+        stages = [
+            StagePlan(
+                s.name,
+                s.scale_factor,
+                s.fleet,
+                s.rate_per_instance_qps,
+                utilisation_target(
+                    s.fleet,
+                    s.rate_per_instance_qps,
+                    s.scale_factor,
+                    config.planned_peak_rate_qps,
+                    s.capacity_model,
+                ),
+                capacity_model=s.capacity_model,
+            )
+            for s in stages
+        ]
+        return _AppTuner(
+            plan_id=plan.id,
+            budget_usd_per_hr=app.budget_usd_per_hr,
+            stages=stages,
+            config=config,
+            state=initial_state(stages, now_s),
+        )
+
+
+def _summed(state: TunerState) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for fleet in state.fleets.values():
+        for name, count in fleet.items():
+            counts[name] = counts.get(name, 0) + count
+    return counts
