@@ -1,0 +1,301 @@
+# Two roles.
+#
+# The control plane's: exactly the EC2 calls provisioners/ec2.py makes (RunInstances with tags,
+# DescribeInstances, DescribeSubnets, TerminateInstances, CreateFleet for spot, and
+# DescribeLaunchTemplates / CreateLaunchTemplate for the development path), scoped by the
+# "<name>:managed" tag wherever EC2 takes a tag condition, to this VPC's subnets and groups, to
+# the worker AMI and to this region and account; iam:PassRole for the worker role alone; and
+# what its boot needs (the admin token's parameter, the database secret). Describe* calls take
+# no resource-level permission, so their Resource is "*" (the actions are still named one by
+# one: no wildcard action anywhere). tests/unit/test_terraform_hcl.py checks the actions against
+# the provisioner's code.
+#
+# The workers': read the model bucket, nothing else.
+
+data "aws_iam_policy_document" "ec2_assume" {
+  statement {
+    actions = ["sts:AssumeRole"]
+    principals {
+      type        = "Service"
+      identifiers = ["ec2.amazonaws.com"]
+    }
+  }
+}
+
+# --- the control plane --------------------------------------------------------------------------
+
+resource "aws_iam_role" "control_plane" {
+  name               = "${var.name}-control-plane"
+  description        = "heteroplane control plane: launches and terminates its workers"
+  assume_role_policy = data.aws_iam_policy_document.ec2_assume.json
+  tags               = local.tags
+}
+
+resource "aws_iam_instance_profile" "control_plane" {
+  name = "${var.name}-control-plane"
+  role = aws_iam_role.control_plane.name
+  tags = local.tags
+}
+
+resource "aws_iam_role_policy" "control_plane_provisioner" {
+  name   = "provisioner"
+  role   = aws_iam_role.control_plane.id
+  policy = data.aws_iam_policy_document.control_plane_provisioner.json
+}
+
+resource "aws_iam_role_policy" "control_plane_bootstrap" {
+  name   = "bootstrap"
+  role   = aws_iam_role.control_plane.id
+  policy = data.aws_iam_policy_document.control_plane_bootstrap.json
+}
+
+data "aws_iam_policy_document" "control_plane_provisioner" {
+  # Listing (by tag filters), the subnets' zones, finding a template: EC2's Describe* calls
+  # support no resource-level permissions.
+  statement {
+    sid = "Describe"
+    actions = [
+      "ec2:DescribeInstances",
+      "ec2:DescribeLaunchTemplates",
+      "ec2:DescribeSubnets",
+    ]
+    resources = ["*"]
+  }
+
+  # The instances it launches must carry <name>:managed=true in the request (RunInstances and
+  # CreateFleet's TagSpecifications).
+  statement {
+    sid       = "LaunchTaggedInstances"
+    actions   = ["ec2:RunInstances"]
+    resources = ["${local.ec2_arn}:instance/*"]
+    condition {
+      test     = "StringEquals"
+      variable = "aws:RequestTag/${local.managed_tag}"
+      values   = ["true"]
+    }
+  }
+
+  # Volumes are created with the instance; CreateFleet tags only the instance, so no tag
+  # condition here (the volumes are encrypted with the deployment's key, below).
+  statement {
+    sid       = "LaunchVolumes"
+    actions   = ["ec2:RunInstances"]
+    resources = ["${local.ec2_arn}:volume/*"]
+  }
+
+  # Only into this VPC's subnets, with its security groups.
+  statement {
+    sid     = "LaunchIntoThisVpc"
+    actions = ["ec2:RunInstances", "ec2:CreateFleet"]
+    resources = [
+      "${local.ec2_arn}:subnet/*",
+      "${local.ec2_arn}:security-group/*",
+      "${local.ec2_arn}:network-interface/*",
+    ]
+    condition {
+      test     = "ArnEquals"
+      variable = "ec2:Vpc"
+      values   = ["${local.ec2_arn}:vpc/${local.vpc_id}"]
+    }
+  }
+
+  # Only the worker AMI (and the snapshots behind it).
+  statement {
+    sid     = "LaunchTheWorkerImage"
+    actions = ["ec2:RunInstances"]
+    resources = [
+      "arn:${local.partition}:ec2:${local.region}::image/${var.worker_ami_id}",
+      "arn:${local.partition}:ec2:${local.region}::snapshot/*",
+    ]
+  }
+
+  # Only from this deployment's launch templates (tagged <name>:managed=true).
+  statement {
+    sid       = "LaunchFromManagedTemplates"
+    actions   = ["ec2:RunInstances", "ec2:CreateFleet"]
+    resources = ["${local.ec2_arn}:launch-template/*"]
+    condition {
+      test     = "StringEquals"
+      variable = "aws:ResourceTag/${local.managed_tag}"
+      values   = ["true"]
+    }
+  }
+
+  # Spot: an instant fleet (the request itself; the fleet is not tagged).
+  statement {
+    sid       = "SpotFleet"
+    actions   = ["ec2:CreateFleet"]
+    resources = ["${local.ec2_arn}:fleet/*"]
+  }
+
+  # Tags only as part of creating an instance, its volumes or a template: never on anything
+  # that exists.
+  statement {
+    sid       = "TagOnLaunch"
+    actions   = ["ec2:CreateTags"]
+    resources = ["${local.ec2_arn}:instance/*", "${local.ec2_arn}:volume/*"]
+    condition {
+      test     = "StringEquals"
+      variable = "ec2:CreateAction"
+      values   = ["RunInstances", "CreateFleet"]
+    }
+  }
+
+  statement {
+    sid       = "TagNewTemplates"
+    actions   = ["ec2:CreateTags"]
+    resources = ["${local.ec2_arn}:launch-template/*"]
+    condition {
+      test     = "StringEquals"
+      variable = "ec2:CreateAction"
+      values   = ["CreateLaunchTemplate"]
+    }
+  }
+
+  # Terminate only what it manages.
+  statement {
+    sid       = "TerminateManaged"
+    actions   = ["ec2:TerminateInstances"]
+    resources = ["${local.ec2_arn}:instance/*"]
+    condition {
+      test     = "StringEquals"
+      variable = "aws:ResourceTag/${local.managed_tag}"
+      values   = ["true"]
+    }
+  }
+
+  # The development path (ensure_launch_templates): templates it creates are tagged managed.
+  statement {
+    sid       = "CreateManagedTemplates"
+    actions   = ["ec2:CreateLaunchTemplate"]
+    resources = ["${local.ec2_arn}:launch-template/*"]
+    condition {
+      test     = "StringEquals"
+      variable = "aws:RequestTag/${local.managed_tag}"
+      values   = ["true"]
+    }
+  }
+
+  # Workers run as the worker role, and only as that role, and only on EC2.
+  statement {
+    sid       = "PassTheWorkerRole"
+    actions   = ["iam:PassRole"]
+    resources = [aws_iam_role.worker.arn]
+    condition {
+      test     = "StringEquals"
+      variable = "iam:PassedToService"
+      values   = ["ec2.amazonaws.com"]
+    }
+  }
+
+  # The workers' volumes are encrypted with the deployment's key: launching them needs its use
+  # through EC2 (a grant for the volume).
+  statement {
+    sid = "EncryptWorkerVolumes"
+    actions = [
+      "kms:Decrypt",
+      "kms:DescribeKey",
+      "kms:GenerateDataKeyWithoutPlaintext",
+      "kms:ReEncryptFrom",
+      "kms:ReEncryptTo",
+    ]
+    resources = [local.kms_key_arn]
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["ec2.${local.region}.amazonaws.com"]
+    }
+  }
+
+  statement {
+    sid       = "GrantForWorkerVolumes"
+    actions   = ["kms:CreateGrant"]
+    resources = [local.kms_key_arn]
+    condition {
+      test     = "Bool"
+      variable = "kms:GrantIsForAWSResource"
+      values   = ["true"]
+    }
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["ec2.${local.region}.amazonaws.com"]
+    }
+  }
+}
+
+data "aws_iam_policy_document" "control_plane_bootstrap" {
+  # The host mints the admin token on its first start and keeps it in this parameter.
+  statement {
+    sid       = "AdminTokenParameter"
+    actions   = ["ssm:GetParameter", "ssm:PutParameter"]
+    resources = [aws_ssm_parameter.admin_token.arn]
+  }
+
+  statement {
+    sid       = "AdminTokenAndSecretEncryption"
+    actions   = ["kms:Decrypt", "kms:Encrypt", "kms:GenerateDataKey"]
+    resources = [local.kms_key_arn]
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["ssm.${local.region}.amazonaws.com", "secretsmanager.${local.region}.amazonaws.com"]
+    }
+  }
+
+  # PostgreSQL: the RDS-managed master secret, read at every start to build the database URL.
+  dynamic "statement" {
+    for_each = var.database == "postgresql" ? [1] : []
+    content {
+      sid       = "DatabaseSecret"
+      actions   = ["secretsmanager:GetSecretValue"]
+      resources = [aws_db_instance.this[0].master_user_secret[0].secret_arn]
+    }
+  }
+}
+
+# --- the workers --------------------------------------------------------------------------------
+
+resource "aws_iam_role" "worker" {
+  name               = "${var.name}-worker"
+  description        = "heteroplane worker: reads the model bucket"
+  assume_role_policy = data.aws_iam_policy_document.ec2_assume.json
+  tags               = local.tags
+}
+
+resource "aws_iam_instance_profile" "worker" {
+  name = "${var.name}-worker"
+  role = aws_iam_role.worker.name
+  tags = local.tags
+}
+
+resource "aws_iam_role_policy" "worker_models" {
+  name   = "read-models"
+  role   = aws_iam_role.worker.id
+  policy = data.aws_iam_policy_document.worker_models.json
+}
+
+data "aws_iam_policy_document" "worker_models" {
+  statement {
+    sid       = "ListModels"
+    actions   = ["s3:ListBucket"]
+    resources = [local.model_bucket_arn]
+  }
+
+  statement {
+    sid       = "ReadModels"
+    actions   = ["s3:GetObject"]
+    resources = ["${local.model_bucket_arn}/*"]
+  }
+
+  statement {
+    sid       = "DecryptModels"
+    actions   = ["kms:Decrypt"]
+    resources = [local.kms_key_arn]
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["s3.${local.region}.amazonaws.com"]
+    }
+  }
+}

@@ -1,0 +1,421 @@
+"""The terraform module with the real terraform binary and the AWS provider from a local mirror.
+
+Static: ``terraform fmt -check``, ``terraform validate`` and ``terraform test`` (the variables'
+validation and the module's wiring, against a mock provider) on the root and on the module, and
+the offline checkov scan when its virtualenv exists (``terraform/scan.sh`` makes it).
+
+End to end, against a moto server on 127.0.0.1: ``terraform apply`` creates the network, the
+roles, the security groups, the launch templates and the control-plane host; a second plan shows
+no changes (and the admin token, once the host has stored it, is nowhere in terraform's state);
+then the control plane's own provisioner and reconciler, configured from ``terraform output``,
+apply a plan, and the workers come up from terraform's launch templates; they are terminated by a
+smaller plan; ``terraform destroy`` leaves nothing behind.
+
+Skipped, saying why, without terraform, the provider mirror, or moto.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import subprocess
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.moto_server import REGION, aws_env, moto_server, needs_moto
+from tests.terraform_support import (
+    MODULE_DIR,
+    TERRAFORM_DIR,
+    Terraform,
+    copy_module,
+    require_terraform,
+)
+
+__all__ = ["aws_env", "moto_server"]  # fixtures, imported for pytest
+
+WORKER_TYPES = ("t3.large", "c5.xlarge")
+FLEET = {"t3.large": 2, "c5.xlarge": 1}
+APP = "recs"
+ALLOWED_CIDR = "203.0.113.0/24"
+TOKEN = "hp_" + "e2e-admin-token-never-in-the-state-0000000000"
+CHECKOV_VENV_ENV = "HETEROPLANE_CHECKOV_VENV"
+
+
+# --- static checks ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def initialized(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Terraform]]:
+    """A copy of terraform/ with the root and the module each initialised from the mirror."""
+    binary, mirror = require_terraform()
+    workdir = copy_module(tmp_path_factory.mktemp("terraform") / "terraform")
+    root = Terraform(binary, mirror, workdir)
+    module = Terraform(binary, mirror, workdir / MODULE_DIR.relative_to(TERRAFORM_DIR))
+    root.init()
+    module.init()
+    yield {"root": root, "module": module}
+
+
+def test_fmt() -> None:
+    binary, mirror = require_terraform()
+    # -check writes nothing: the repository's own files are checked.
+    done = Terraform(binary, mirror, TERRAFORM_DIR).run(
+        "fmt", "-check", "-recursive", "-diff", "-no-color", ok=(0, 3)
+    )
+    assert done.returncode == 0, f"terraform fmt would change:\n{done.stdout}"
+
+
+@pytest.mark.parametrize("where", ["root", "module"])
+def test_validate(initialized: dict[str, Terraform], where: str) -> None:
+    done = initialized[where].run("validate", "-json", "-no-color")
+    report = json.loads(done.stdout)
+    assert report["valid"], report
+    assert report["warning_count"] == 0, report["diagnostics"]
+
+
+@pytest.mark.parametrize("where", ["root", "module"])
+def test_terraform_test(initialized: dict[str, Terraform], where: str) -> None:
+    done = initialized[where].run("test", "-no-color", timeout_s=600.0, ok=(0, 1))
+    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
+    assert "0 failed" in done.stdout
+
+
+def _checkov() -> Path | None:
+    configured = os.environ.get(CHECKOV_VENV_ENV)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    venv = Path(configured) if configured else cache / "heteroplane" / "checkov-venv"
+    binary = venv / "bin" / "checkov"
+    return binary if binary.is_file() else None
+
+
+def test_checkov_finds_nothing_unsuppressed() -> None:
+    checkov = _checkov()
+    if checkov is None:
+        pytest.skip(
+            "checkov's virtualenv is not there (terraform/scan.sh makes it; or set"
+            f" {CHECKOV_VENV_ENV})"
+        )
+    done = subprocess.run(
+        [
+            str(checkov),
+            "--directory",
+            str(TERRAFORM_DIR),
+            "--skip-download",
+            "--quiet",
+            "--compact",
+            "--output",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    reports = json.loads(done.stdout or "[]")
+    reports = reports if isinstance(reports, list) else [reports]
+    failed = [
+        f"{check['check_id']} {check['resource']} ({check['file_path']})"
+        for report in reports
+        for check in report.get("results", {}).get("failed_checks", [])
+    ]
+    assert not failed, "checkov: failed checks:\n" + "\n".join(failed)
+    assert done.returncode == 0, done.stderr[-4000:]
+    skipped = [
+        check for report in reports for check in report.get("results", {}).get("skipped_checks", [])
+    ]
+    for check in skipped:
+        reason = (check.get("check_result") or {}).get("suppress_comment", "")
+        assert len(reason) > 20, f"{check['check_id']} is suppressed without a reason"
+
+
+# --- end to end against moto ----------------------------------------------------------------------
+
+
+def _client(service: str) -> Any:
+    import boto3
+
+    return boto3.client(service, region_name=REGION)
+
+
+def _outputs(terraform: Terraform) -> dict[str, Any]:
+    raw = json.loads(terraform.run("output", "-json", "-no-color").stdout)
+    return {name: entry["value"] for name, entry in raw.items()}
+
+
+def _user_data(ec2: Any, instance_id: str) -> str:
+    attribute = ec2.describe_instance_attribute(InstanceId=instance_id, Attribute="userData")
+    return base64.b64decode(attribute["UserData"]["Value"]).decode()
+
+
+@needs_moto
+def test_apply_serve_and_destroy_against_moto(
+    aws_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    binary, mirror = require_terraform()
+    ec2, iam, ssm, s3 = (_client(s) for s in ("ec2", "iam", "ssm", "s3"))
+    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    # The model bucket is the user's own (the module makes one when none is named): terraform
+    # must leave it alone. (It also keeps S3's slow lifecycle waiter off this test's path.)
+    s3.create_bucket(Bucket="e2e-models")
+
+    terraform = Terraform(binary, mirror, copy_module(tmp_path / "terraform"))
+    (terraform.workdir / "terraform.tfvars.json").write_text(
+        json.dumps(
+            {
+                "region": REGION,
+                "aws_endpoint_url": aws_env,
+                "api_allowed_cidr": ALLOWED_CIDR,
+                "worker_ami_id": ami,
+                "worker_instance_types": list(WORKER_TYPES),
+                "heteroplane_git_url": "https://git.example.com/heteroplane.git",
+                "model_bucket_name": "e2e-models",
+                # moto does not implement detailed monitoring: the provider would wait for it.
+                "detailed_monitoring": False,
+            }
+        )
+    )
+    terraform.init()
+    try:
+        terraform.run("apply", "-auto-approve", "-input=false", "-no-color", "-parallelism=20")
+        out = _outputs(terraform)
+        _check_created(ec2, iam, ssm, out)
+
+        # The host stores its admin token; terraform never reads it into its state, and a
+        # second plan shows no changes.
+        ssm.put_parameter(
+            Name=out["admin_token_ssm_parameter"], Value=TOKEN, Type="SecureString", Overwrite=True
+        )
+        plan = terraform.run(
+            "plan",
+            "-detailed-exitcode",
+            "-input=false",
+            "-no-color",
+            "-out=second.tfplan",
+            ok=(0, 2),
+        )
+        assert plan.returncode == 0, f"the second plan has changes:\n{plan.stdout[-6000:]}"
+        shown = terraform.run("show", "-json", "second.tfplan").stdout
+        state = (terraform.workdir / "terraform.tfstate").read_text()
+        assert TOKEN not in shown and TOKEN not in state
+
+        _serve_a_plan(ec2, ami, out, tmp_path, monkeypatch)
+    except BaseException:
+        # Clean up, but report what failed first.
+        with contextlib.suppress(Exception, pytest.fail.Exception):
+            _terminate_leftovers(ec2)
+            terraform.run("destroy", "-auto-approve", "-input=false", "-no-color")
+        raise
+    terraform.run("destroy", "-auto-approve", "-input=false", "-no-color", "-parallelism=20")
+    _check_destroyed(ec2, iam, ssm, s3, out)
+
+
+def _check_created(ec2: Any, iam: Any, ssm: Any, out: Mapping[str, Any]) -> None:
+    # The network: a VPC, private worker subnets in two zones that give no public IPs.
+    (vpc,) = ec2.describe_vpcs(VpcIds=[out["vpc_id"]])["Vpcs"]
+    assert {"Key": "Deployment", "Value": "heteroplane"} in vpc["Tags"]
+    subnets = ec2.describe_subnets(SubnetIds=out["worker_subnet_ids"])["Subnets"]
+    assert len({s["AvailabilityZone"] for s in subnets}) == 2
+    assert not any(s["MapPublicIpOnLaunch"] for s in subnets)
+
+    # The roles: the control plane's may launch and pass the worker role; the worker's reads.
+    for role in ("heteroplane-control-plane", "heteroplane-worker"):
+        iam.get_role(RoleName=role)
+    provisioner = iam.get_role_policy(
+        RoleName="heteroplane-control-plane", PolicyName="provisioner"
+    )
+    document = provisioner["PolicyDocument"]
+    document = json.loads(document) if isinstance(document, str) else document
+    actions = {a for s in document["Statement"] for a in _as_list(s["Action"])}
+    assert {"ec2:RunInstances", "ec2:TerminateInstances", "iam:PassRole"} <= actions
+    assert not any("*" in a for a in actions)
+
+    # Security groups: the API from the allowed CIDR only; the agent from the control plane only.
+    groups = out["security_group_ids"]
+    (control,) = ec2.describe_security_groups(GroupIds=[groups["control_plane"]])["SecurityGroups"]
+    assert [
+        (p["FromPort"], [r["CidrIp"] for r in p["IpRanges"]]) for p in control["IpPermissions"]
+    ] == [(8000, [ALLOWED_CIDR])]
+    (workers,) = ec2.describe_security_groups(GroupIds=[groups["workers"]])["SecurityGroups"]
+    ((rule,),) = [p["UserIdGroupPairs"] for p in workers["IpPermissions"]]
+    assert rule["GroupId"] == groups["control_plane"]
+    assert [p["IpRanges"] for p in workers["IpPermissions"]] == [[]]
+
+    # A launch template per candidate type: IMDSv2, encrypted, the worker role, the agent.
+    assert set(out["launch_templates"]) == set(WORKER_TYPES)
+    profile = iam.get_instance_profile(InstanceProfileName="heteroplane-worker")
+    for instance_type, template_id in out["launch_templates"].items():
+        versions = ec2.describe_launch_template_versions(LaunchTemplateId=template_id)
+        data = versions["LaunchTemplateVersions"][0]["LaunchTemplateData"]
+        assert data["InstanceType"] == instance_type
+        assert data["MetadataOptions"]["HttpTokens"] == "required"
+        assert all(m["Ebs"]["Encrypted"] for m in data["BlockDeviceMappings"])
+        assert data["IamInstanceProfile"]["Arn"] == profile["InstanceProfile"]["Arn"]
+        assert data["SecurityGroupIds"] == [groups["workers"]]
+        assert "NetworkInterfaces" not in data
+        script = base64.b64decode(data["UserData"]).decode()
+        assert f"--instance-type {instance_type} " in script
+        assert "python -m provisioners.worker --host 0.0.0.0 --port 8080" in script
+        _assert_bash_syntax(script)
+
+    # The control-plane host: running, IMDSv2, its role, its settings from terraform's resources.
+    reservation = ec2.describe_instances(InstanceIds=[out["control_plane_instance_id"]])
+    (host,) = reservation["Reservations"][0]["Instances"]
+    assert host["State"]["Name"] in ("pending", "running")
+    assert host["MetadataOptions"]["HttpTokens"] == "required"
+    assert host["IamInstanceProfile"]["Arn"].endswith("/heteroplane-control-plane")
+    assert out["api_url"] == f"http://{host['PublicIpAddress']}:8000"
+    script = _user_data(ec2, host["InstanceId"])
+    for name, value in out["control_plane_environment"].items():
+        assert f"\n{name}={value}\n" in script
+    lt = ",".join(f"{t}={out['launch_templates'][t]}" for t in WORKER_TYPES)
+    assert out["control_plane_environment"]["HETEROPLANE_EC2_LAUNCH_TEMPLATES"] == lt
+    assert "systemctl enable --now heteroplane.service" in script
+    _assert_bash_syntax(script)
+    volume_id = out["database"]["volume_id"]
+    (volume,) = ec2.describe_volumes(VolumeIds=[volume_id])["Volumes"]
+    assert volume["Encrypted"]
+    assert [a["InstanceId"] for a in volume["Attachments"]] == [host["InstanceId"]]
+
+    # The admin token's parameter exists (a placeholder until the host stores its token).
+    assert ssm.get_parameter(Name=out["admin_token_ssm_parameter"])["Parameter"]["Type"] == (
+        "SecureString"
+    )
+
+
+def _serve_a_plan(
+    ec2: Any, ami: str, out: Mapping[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control plane, configured as the host is (terraform's outputs as its environment),
+    applies a plan: the workers come up from terraform's launch templates; a smaller plan ends
+    them."""
+    from controlplane.clock import SystemClock
+    from controlplane.provisioning import build_provisioner
+    from controlplane.reconciler import Launch, Reconciler, Terminate, catalog_pricing
+    from controlplane.settings import load_settings
+    from controlplane.store import Store
+    from estimator.catalog import default_catalog
+
+    for name in list(os.environ):
+        if name.startswith("HETEROPLANE_"):
+            monkeypatch.delenv(name)
+    for name, value in out["control_plane_environment"].items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("HETEROPLANE_DATA_DIR", str(tmp_path / "data"))
+    settings = load_settings()
+    provisioner = build_provisioner(settings)
+    assert provisioner.name == "ec2"
+    settings.ensure_data_dir()
+    clock = SystemClock()
+    store = Store.from_url(settings.database_url, clock, upgrade=True)
+    try:
+        store.create_app(
+            {
+                "name": APP,
+                "models": [{"name": "tiny", "profiles": "profiles.json"}],
+                "slo": {"latency_ms": 350},
+                "budget_usd_per_hr": 10,
+                "instance_types": list(WORKER_TYPES),
+            },
+            who="e2e",
+        )
+        reconciler = Reconciler(store, provisioner, clock, catalog_pricing(default_catalog()))
+        _apply_fleet(store, FLEET)
+        report = reconciler.run_once()
+        assert report.apps[APP].count(Launch) == sum(FLEET.values()), report
+
+        workers = _managed_instances(ec2)
+        assert sorted(i["InstanceType"] for i in workers) == sorted(
+            t for t, n in FLEET.items() for _ in range(n)
+        )
+        for worker in workers:
+            tags = {t["Key"]: t["Value"] for t in worker["Tags"]}
+            assert (
+                tags["aws:ec2launchtemplate:id"] == out["launch_templates"][worker["InstanceType"]]
+            )
+            assert tags["heteroplane:app"] == APP
+            assert worker["SubnetId"] in out["worker_subnet_ids"]
+            assert [g["GroupId"] for g in worker["SecurityGroups"]] == [
+                out["security_group_ids"]["workers"]
+            ]
+            assert "PublicIpAddress" not in worker
+            # What moto takes from a template: the image, the groups, the user data (not the
+            # role or the metadata options, which the templates' own checks above cover).
+            assert worker["ImageId"] == ami
+            script = _user_data(ec2, worker["InstanceId"])
+            assert f"--instance-type {worker['InstanceType']} " in script
+        reconciler.run_once()
+        assert {i.state for i in store.list_instances(APP)} == {"running"}
+
+        _apply_fleet(store, {})
+        report = reconciler.run_once()
+        assert report.apps[APP].count(Terminate) >= 1, report
+        assert not [i for i in _managed_instances(ec2) if i["State"]["Name"] == "running"]
+    finally:
+        store.close()
+
+
+def _apply_fleet(store: Any, fleet: Mapping[str, int]) -> None:
+    document = {"feasible": True, "stages": [{"name": "tiny", "fleet": dict(fleet)}]}
+    plan = store.create_plan(APP, document)
+    store.apply_plan(APP, plan.id)
+
+
+def _managed_instances(ec2: Any) -> list[dict[str, Any]]:
+    filters = [{"Name": "tag:heteroplane:managed", "Values": ["true"]}]
+    pages = ec2.get_paginator("describe_instances").paginate(Filters=filters)
+    return [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
+
+
+def _terminate_leftovers(ec2: Any) -> None:
+    """Workers are the control plane's, not terraform's: end any a failed test left."""
+    live = [i["InstanceId"] for i in _managed_instances(ec2) if i["State"]["Name"] != "terminated"]
+    if live:
+        ec2.terminate_instances(InstanceIds=live)
+
+
+def _check_destroyed(ec2: Any, iam: Any, ssm: Any, s3: Any, out: Mapping[str, Any]) -> None:
+    vpc = [{"Name": "vpc-id", "Values": [out["vpc_id"]]}]
+    assert ec2.describe_vpcs(Filters=vpc)["Vpcs"] == []
+    assert ec2.describe_subnets(Filters=vpc)["Subnets"] == []
+    assert ec2.describe_security_groups(Filters=vpc)["SecurityGroups"] == []
+    # (Not the network interfaces: moto keeps those of ended instances and NAT gateways,
+    # detached, where AWS deletes them; the VPC itself is gone.)
+    assert ec2.describe_launch_templates()["LaunchTemplates"] == []
+    assert ec2.describe_addresses()["Addresses"] == []
+    assert ec2.describe_nat_gateways(Filter=vpc)["NatGateways"] in ([],) or all(
+        g["State"] == "deleted" for g in ec2.describe_nat_gateways(Filter=vpc)["NatGateways"]
+    )
+    reservations = ec2.describe_instances()["Reservations"]
+    states = {i["State"]["Name"] for r in reservations for i in r["Instances"]}
+    assert states <= {"terminated"}, states
+    named = [{"Name": "tag:Project", "Values": ["heteroplane"]}]
+    assert ec2.describe_volumes(Filters=named)["Volumes"] == []
+    assert not [r for r in iam.list_roles()["Roles"] if r["RoleName"].startswith("heteroplane")]
+    assert iam.list_instance_profiles()["InstanceProfiles"] == []
+    assert ssm.describe_parameters()["Parameters"] == []
+    kms = _client("kms")
+    for key in kms.list_keys()["Keys"]:
+        state = kms.describe_key(KeyId=key["KeyId"])["KeyMetadata"]["KeyState"]
+        assert state == "PendingDeletion"
+    assert [
+        a["AliasName"] for a in kms.list_aliases()["Aliases"] if "heteroplane" in a["AliasName"]
+    ] == []
+    # The user's own bucket is still there.
+    assert [b["Name"] for b in s3.list_buckets()["Buckets"]] == ["e2e-models"]
+
+
+def _assert_bash_syntax(script: str) -> None:
+    """The rendered user data parses as bash (``bash -n``: read, not run)."""
+    done = subprocess.run(
+        ["bash", "-n"], input=script, capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
