@@ -4,6 +4,12 @@ The API maps these to HTTP in one place (``NotFoundError`` -> 404, ``ConflictErr
 subclasses -> 409, ``InvalidValueError`` and ``UnknownScopeError`` -> 422, ``DatabaseError`` ->
 503; ``SettingsError`` never reaches it); the CLI turns any :class:`ControlPlaneError` into a
 one-line message and exit status 2. Every message is one line that names what was wrong.
+
+The serving loop's errors (:class:`ServingError` and below) are answers to an inference request:
+the API maps them to 429 (:class:`OverloadedError`, with ``Retry-After``), 422
+(:class:`RequirementsUnmetError`), 502 (:class:`QueryFailedError`), 503
+(:class:`NoServingInstanceError`, :class:`ServingUnavailableError`) and 504
+(:class:`QueryTimeoutError`); :class:`WorkerCallError` stays inside the serving loop.
 """
 
 from __future__ import annotations
@@ -15,9 +21,17 @@ __all__ = [
     "DatabaseError",
     "InvalidTransitionError",
     "InvalidValueError",
+    "NoServingInstanceError",
     "NotFoundError",
+    "OverloadedError",
+    "QueryFailedError",
+    "QueryTimeoutError",
+    "RequirementsUnmetError",
+    "ServingError",
+    "ServingUnavailableError",
     "SettingsError",
     "UnknownScopeError",
+    "WorkerCallError",
 ]
 
 
@@ -94,3 +108,104 @@ class UnknownScopeError(ControlPlaneError, ValueError):
 class DatabaseError(ControlPlaneError):
     """The database cannot be reached, is not migrated, or refused a statement; the message says
     which, on one line, with the URL's password hidden."""
+
+
+# --- serving ---------------------------------------------------------------------------------
+
+
+class ServingError(ControlPlaneError):
+    """An inference request the serving loop could not answer with outputs; ``app`` names the
+    app it was for."""
+
+    def __init__(self, app: str, message: str) -> None:
+        self.app = app
+        super().__init__(message)
+
+
+class OverloadedError(ServingError):
+    """Admission control refused a query: the queue it would join cannot be served within the
+    SLO even at the cheapest gear (``predicted_ms`` against ``slo_ms``); ``retry_after_s`` is
+    when the backlog is expected to have drained enough (whole seconds, >= 1)."""
+
+    def __init__(self, app: str, predicted_ms: float, slo_ms: float, retry_after_s: int) -> None:
+        self.predicted_ms = predicted_ms
+        self.slo_ms = slo_ms
+        self.retry_after_s = retry_after_s
+        wait = (
+            f"a new query would take about {predicted_ms:.0f} ms against its SLO of"
+            f" {slo_ms:g} ms even at the cheapest gear"
+            if predicted_ms < float("inf")
+            else "its queues hold as many samples as they may"
+        )
+        super().__init__(app, f"app {app!r} is overloaded: {wait}; retry after {retry_after_s} s")
+
+
+class NoServingInstanceError(ServingError):
+    """No healthy worker of the app serves ``model`` (none running yet, or all failed)."""
+
+    def __init__(self, app: str, model: str, reason: str = "") -> None:
+        self.model = model
+        extra = f" ({reason})" if reason else ""
+        super().__init__(app, f"app {app!r} has no serving instance for model {model!r}{extra}")
+
+
+class ServingUnavailableError(ServingError):
+    """The service runs no serving loop (not started, or stopping), or the app's spec cannot be
+    served (its profile files are gone); ``reason`` says which."""
+
+    def __init__(self, app: str, reason: str) -> None:
+        self.reason = reason
+        super().__init__(app, f"app {app!r} cannot be served now: {reason}")
+
+
+class RequirementsUnmetError(ServingError):
+    """No variant of the app meets a model-less query's requirements; ``offer`` is the closest
+    variant (INFaaS's suggestion) and the message says what it misses by."""
+
+    def __init__(self, app: str, message: str, offer: str) -> None:
+        self.offer = offer
+        super().__init__(app, message)
+
+
+class QueryFailedError(ServingError):
+    """The workers could not answer the query: every attempt failed (``attempts`` of them), or a
+    worker refused its inputs; ``reason`` is the last failure."""
+
+    def __init__(self, app: str, reason: str, attempts: int) -> None:
+        self.reason = reason
+        self.attempts = attempts
+        super().__init__(
+            app, f"app {app!r}: the query failed after {attempts} attempt(s): {reason}"
+        )
+
+
+class QueryTimeoutError(ServingError):
+    """The query was not answered within ``give_up_s`` (far past its SLO): an explicit error
+    instead of waiting without bound."""
+
+    def __init__(self, app: str, give_up_s: float) -> None:
+        self.give_up_s = give_up_s
+        super().__init__(app, f"app {app!r}: the query was not answered within {give_up_s:g} s")
+
+
+class WorkerCallError(ControlPlaneError):
+    """A call to a worker that did not give an answer: ``kind`` is ``connect``, ``timeout``,
+    ``closed`` (the connection broke), ``status`` (an HTTP error status, in ``status``) or
+    ``malformed`` (an answer that is not the agent's). ``worker_fault`` is False when the worker
+    refused the request itself (a 400 or 413: retrying elsewhere would not help)."""
+
+    def __init__(
+        self,
+        address: str,
+        kind: str,
+        detail: str,
+        *,
+        status: int | None = None,
+        worker_fault: bool = True,
+    ) -> None:
+        self.address = address
+        self.kind = kind
+        self.detail = detail
+        self.status = status
+        self.worker_fault = worker_fault
+        super().__init__(f"worker {address}: {kind}: {detail}")

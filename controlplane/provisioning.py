@@ -14,6 +14,7 @@ table of factories by ``settings.provisioner``. Adding a provisioner is one line
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from controlplane.errors import SettingsError
@@ -28,6 +29,9 @@ if TYPE_CHECKING:  # provisioners.ec2 imports boto3, which is slow: only when ne
 __all__ = [
     "FACTORIES",
     "LOCAL_FAMILIES",
+    "LOCAL_MODELS_DIR",
+    "LOCAL_PROFILE_FILE",
+    "LOCAL_WORKERS_DIR",
     "ProvisionerFactory",
     "build_provisioner",
     "ec2_config_from",
@@ -99,6 +103,10 @@ LOCAL_FAMILIES = ("emu", "local")
 # Where, under the data directory, local workers keep their state and the family its models.
 LOCAL_WORKERS_DIR = "workers"
 LOCAL_MODELS_DIR = "models"
+# The family's profile JSON there (what ``heteroplane profile measure`` and the demo write): when
+# it is there as the service starts, local workers pad each batch to its curves, so that they
+# serve in the latency the planner and the simulator were told (docs/catalog.md).
+LOCAL_PROFILE_FILE = Path("profiles") / "family.json"
 
 
 def local_speed_factors(catalog: Catalog) -> dict[str, float]:
@@ -115,12 +123,14 @@ def _build_local(settings: Settings) -> Provisioner:
     from provisioners.local import LocalProvisioner
     from provisioners.worker.agent import DEFAULT_MODELS
 
+    profile = settings.data_dir / LOCAL_PROFILE_FILE
     try:
         return LocalProvisioner(
             state_dir=settings.data_dir / LOCAL_WORKERS_DIR,
             catalog_speed=local_speed_factors(default_catalog()),
             models=DEFAULT_MODELS,
             cache_dir=settings.data_dir / LOCAL_MODELS_DIR,
+            profile=profile if profile.is_file() else None,
         )
     except InvalidConfigurationError as error:
         raise SettingsError(f"local.{error.field}", error.problem) from None

@@ -1,23 +1,27 @@
 """The metric roll-up job: one sample per app per run into ``metric_samples``, and retention.
 
 Each run records, for every app, the cost of its live fleet and the load and latency measured
-since the last run, then deletes samples older than the retention. The serving loop that
-measures load and latency arrives in a later issue; until then the arrival rate is 0 (this
-service has served no queries) and the latencies are unknown (None), while the fleet cost is
-real. The body is built by :func:`make_rollup` and handed to the scheduler by the composition
-root (:mod:`controlplane.service`).
+since the last run, then deletes samples older than the retention. Load, latency, SLO
+attainment, the gear in force and the accuracy on the validation samples the queries carried
+come from the serving loop's window of the app (``window``:
+:meth:`controlplane.serving.loop.ServingLoop.take_window`); an app the loop has not served (or a
+service without one) is recorded with an arrival rate of 0 and unknown latencies, while the
+fleet cost is always real. The body is built by :func:`make_rollup` and handed to the scheduler
+by the composition root (:mod:`controlplane.service`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import timedelta
 
 from controlplane.clock import Clock
 from controlplane.errors import NotFoundError
 from controlplane.lifecycle import LIVE_STATES
 from controlplane.scheduler import JobBody
+from controlplane.serving.observations import WindowSummary
 from controlplane.store import Store
 
 __all__ = ["RETENTION_S", "make_rollup", "roll_up"]
@@ -28,8 +32,13 @@ logger = logging.getLogger(__name__)
 # about 60,000 rows per app.
 RETENTION_S = 7 * 86_400.0
 
+WindowFn = Callable[[str], WindowSummary | None]
+"""App name -> the serving loop's window of it since the last call (None: not served)."""
 
-def roll_up(store: Store, clock: Clock, retention_s: float = RETENTION_S) -> int:
+
+def roll_up(
+    store: Store, clock: Clock, retention_s: float = RETENTION_S, window: WindowFn | None = None
+) -> int:
     """Record one sample per app and apply the retention; return how many samples were written."""
     now = clock.utcnow()
     cost: dict[str, float] = defaultdict(float)
@@ -37,10 +46,25 @@ def roll_up(store: Store, clock: Clock, retention_s: float = RETENTION_S) -> int
         cost[instance.app] += instance.price_usd_per_hr
     written = 0
     for app in store.list_apps():
+        served = window(app.name) if window is not None else None
         try:
-            store.add_metric_sample(
-                app.name, arrival_rate_qps=0.0, fleet_cost_usd_per_hr=cost[app.name], at=now
-            )
+            if served is None:
+                store.add_metric_sample(
+                    app.name, arrival_rate_qps=0.0, fleet_cost_usd_per_hr=cost[app.name], at=now
+                )
+            else:
+                store.add_metric_sample(
+                    app.name,
+                    arrival_rate_qps=served.arrival_rate_qps,
+                    latency_p50_ms=served.latency_p50_ms,
+                    latency_p95_ms=served.latency_p95_ms,
+                    latency_p99_ms=served.latency_p99_ms,
+                    attainment_share=served.attainment_share,
+                    gear=served.gear,
+                    accuracy=served.accuracy,
+                    fleet_cost_usd_per_hr=cost[app.name],
+                    at=now,
+                )
         except NotFoundError:
             continue  # deleted since it was listed
         written += 1
@@ -49,10 +73,12 @@ def roll_up(store: Store, clock: Clock, retention_s: float = RETENTION_S) -> int
     return written
 
 
-def make_rollup(store: Store, clock: Clock, retention_s: float = RETENTION_S) -> JobBody:
-    """The roll-up as a scheduler job body."""
+def make_rollup(
+    store: Store, clock: Clock, retention_s: float = RETENTION_S, window: WindowFn | None = None
+) -> JobBody:
+    """The roll-up as a scheduler job body (``window``: the serving loop's, when it runs)."""
 
     def rollup() -> None:
-        roll_up(store, clock, retention_s)
+        roll_up(store, clock, retention_s, window)
 
     return rollup

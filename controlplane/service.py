@@ -5,9 +5,13 @@ scheduler -> API.
 service in-process calls): it creates the data directory, migrates the database to the newest
 revision, opens the store on the clock, builds the provisioner the settings name
 (:func:`controlplane.provisioning.build_provisioner`) and the :class:`~controlplane.reconciler.
-Reconciler` over it, and the scheduler with the job bodies there are so far (the reconcile tick
-and the metric roll-up; the tuner and replan bodies are the scheduler's idle defaults until their
-issues land) and the FastAPI app around them.
+Reconciler` over it, the serving loop (:class:`~controlplane.serving.loop.ServingLoop`: the
+dispatchers behind ``POST /v1/apps/{app}/infer``, finding workers through the store and the
+provisioner), the live tuner (:class:`~controlplane.live_tuner.LiveTuner`: InferLine's tuner on
+the arrivals the serving loop observes; its fleet is the reconciler's desired fleet), and the
+scheduler with its job bodies (the tuner tick, the reconcile tick and the metric roll-up, which
+reads the serving loop's windows; the replan body is still the scheduler's idle default) and the
+FastAPI app around them.
 
 The reconciler learns each app's prices and Q_t (for the budget guard's ranking) from the app's
 resolved spec (:func:`spec_pricing`), and which types it may launch from the provisioner: the
@@ -28,9 +32,11 @@ from controlplane.api.resolver import AppResolver, smallest_common_batch_size
 from controlplane.budget import qps_by_type
 from controlplane.clock import Clock, SystemClock
 from controlplane.db import migrate
+from controlplane.live_tuner import LiveTuner
 from controlplane.provisioning import build_provisioner
 from controlplane.reconciler import (
     AppPricing,
+    DesiredFleet,
     LaunchableFn,
     PricingFn,
     Reconciler,
@@ -38,6 +44,8 @@ from controlplane.reconciler import (
 )
 from controlplane.rollup import make_rollup
 from controlplane.scheduler import JobBodies, Scheduler, service_schedule
+from controlplane.serving.loop import ServingLoop
+from controlplane.serving.workers import ProvisionedInstances
 from controlplane.settings import Settings
 from controlplane.store import AppRecord, Store
 from estimator.catalog import default_catalog
@@ -47,6 +55,7 @@ from provisioners.local import LocalProvisioner
 
 __all__ = [
     "Service",
+    "build_live_tuner",
     "build_reconciler",
     "build_scheduler",
     "build_service",
@@ -67,6 +76,7 @@ class Service:
     app: FastAPI
     provisioner: Provisioner
     reconciler: Reconciler
+    serving: ServingLoop | None = None
 
     def close(self) -> None:
         """Stop the jobs and release the database. The provisioner's instances are left running
@@ -114,30 +124,63 @@ def launchable_types(provisioner: Provisioner) -> LaunchableFn:
 
 
 def build_reconciler(
-    settings: Settings, store: Store, clock: Clock, provisioner: Provisioner
+    settings: Settings,
+    store: Store,
+    clock: Clock,
+    provisioner: Provisioner,
+    desired_fleet: DesiredFleet | None = None,
 ) -> Reconciler:
-    """The reconciler over ``provisioner``, pricing apps from their specs."""
+    """The reconciler over ``provisioner``, pricing apps from their specs; ``desired_fleet`` is
+    the live tuner's (default: each app's applied plan)."""
     return Reconciler(
         store,
         provisioner,
         clock,
         spec_pricing(AppResolver(settings.data_dir)),
+        desired_fleet=desired_fleet,
         launchable=launchable_types(provisioner),
     )
 
 
+def build_live_tuner(
+    settings: Settings, store: Store, clock: Clock, serving: ServingLoop
+) -> LiveTuner:
+    """InferLine's tuner over the apps the serving loop observes (the others stay on their
+    plans)."""
+    resolver = AppResolver(settings.data_dir)
+    return LiveTuner(
+        store,
+        clock,
+        serving.observed_arrivals,
+        lambda app: resolver.resolve(app.spec, check_budget=False),
+    )
+
+
 def build_scheduler(
-    settings: Settings, store: Store, clock: Clock, reconciler: Reconciler | None = None
+    settings: Settings,
+    store: Store,
+    clock: Clock,
+    reconciler: Reconciler | None = None,
+    serving: ServingLoop | None = None,
+    live_tuner: LiveTuner | None = None,
 ) -> Scheduler:
     """The service's periodic jobs at the settings' periods (reconcile idles without a
-    reconciler)."""
-    bodies = JobBodies(rollup=make_rollup(store, clock))
+    reconciler; the roll-up records the serving loop's windows when there is one)."""
+    window = serving.take_window if serving is not None else None
+    bodies = JobBodies(rollup=make_rollup(store, clock, window=window))
     if reconciler is not None:
 
         def reconcile() -> None:
             _log_report(reconciler.run_once())
 
         bodies = dataclasses.replace(bodies, reconcile=reconcile)
+    if live_tuner is not None:
+
+        def tuner_tick() -> None:
+            for app, decision in live_tuner.tick():
+                logger.info("tuner %s: %s", app, decision.reason)
+
+        bodies = dataclasses.replace(bodies, tuner_tick=tuner_tick)
     return Scheduler(service_schedule(settings, bodies))
 
 
@@ -163,7 +206,14 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
     except BaseException:
         store.close()
         raise
-    reconciler = build_reconciler(settings, store, clock, provisioner)
-    scheduler = build_scheduler(settings, store, clock, reconciler)
-    app = create_app(settings, store, clock, scheduler)
-    return Service(settings, store, scheduler, app, provisioner, reconciler)
+    serving = ServingLoop(
+        store,
+        AppResolver(settings.data_dir),
+        ProvisionedInstances(store, provisioner),
+        clock=clock,
+    )
+    live_tuner = build_live_tuner(settings, store, clock, serving)
+    reconciler = build_reconciler(settings, store, clock, provisioner, live_tuner.desired_fleet)
+    scheduler = build_scheduler(settings, store, clock, reconciler, serving, live_tuner)
+    app = create_app(settings, store, clock, scheduler, serving)
+    return Service(settings, store, scheduler, app, provisioner, reconciler, serving)

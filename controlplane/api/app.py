@@ -3,10 +3,11 @@ counters and the scheduler's lifetime around the parts it is handed.
 
 A factory with no module-level state: the composition root (``heteroplane serve``, or a test)
 builds the settings, the store, the clock and the scheduler and passes them in; each call
-returns an independent app. The lifespan starts the scheduler (when one is given) and shuts it
-down, waiting for running jobs, when the server stops. Routes are under ``/v1`` except
-``/healthz`` and ``/metrics``; the OpenAPI document is at ``/openapi.json`` (and a browsable
-page at ``/docs``).
+returns an independent app. The lifespan starts the serving loop and the scheduler (when given)
+and stops them, waiting for running jobs, when the server stops. Routes are under ``/v1`` except
+``/healthz``, ``/metrics`` and the dashboard (``/dashboard``: :mod:`controlplane.dashboard`,
+signed in with a token kept in a cookie, not in the OpenAPI document); the OpenAPI document is
+at ``/openapi.json`` (and a browsable page at ``/docs``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from controlplane.api.deps import Services
 from controlplane.api.errors import install_error_handlers
 from controlplane.api.limits import BodySizeLimitMiddleware
 from controlplane.api.resolver import AppResolver
-from controlplane.api.routes import apps, budget, events, fleet, health, plans
+from controlplane.api.routes import apps, budget, events, fleet, health, infer, plans
 from controlplane.clock import Clock
+from controlplane.dashboard import install_dashboard
 from controlplane.scheduler import Scheduler
+from controlplane.serving.loop import ServingLoop
 from controlplane.settings import Settings
 from controlplane.spec import AppSpec
 from controlplane.store import Store
@@ -43,9 +46,14 @@ _DESCRIPTION = (
 
 
 def create_app(
-    settings: Settings, store: Store, clock: Clock, scheduler: Scheduler | None = None
+    settings: Settings,
+    store: Store,
+    clock: Clock,
+    scheduler: Scheduler | None = None,
+    serving: ServingLoop | None = None,
 ) -> FastAPI:
-    """The API over ``store``; ``scheduler`` (if any) runs while the app is served."""
+    """The API over ``store``; ``scheduler`` and ``serving`` (if any) run while the app is
+    served (without a serving loop the inference route answers 503)."""
     services = Services(
         settings=settings,
         store=store,
@@ -53,18 +61,25 @@ def create_app(
         resolver=AppResolver(settings.data_dir),
         requests=RequestCounter(),
         scheduler=scheduler,
+        serving=serving,
     )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        if scheduler is not None:
-            scheduler.start()
+        if serving is not None:
+            await serving.start()
         try:
-            yield
-        finally:
             if scheduler is not None:
-                # Waits for running jobs: off the event loop, which still serves the shutdown.
-                await run_in_threadpool(scheduler.shutdown, True)
+                scheduler.start()
+            try:
+                yield
+            finally:
+                if scheduler is not None:
+                    # Waits for running jobs: off the event loop, which still serves the shutdown.
+                    await run_in_threadpool(scheduler.shutdown, True)
+        finally:
+            if serving is not None:
+                await serving.stop()
 
     app = FastAPI(
         title="heteroplane",
@@ -79,8 +94,9 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware)
     app.add_middleware(RequestCountingMiddleware, counter=services.requests)
-    for module in (health, apps, plans, budget, fleet, events):
+    for module in (health, apps, plans, budget, fleet, events, infer):
         app.include_router(module.router)
+    install_dashboard(app)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

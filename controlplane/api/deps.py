@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -24,6 +24,9 @@ from controlplane.clock import Clock
 from controlplane.scheduler import Scheduler
 from controlplane.settings import Settings
 from controlplane.store import Principal, Store
+
+if TYPE_CHECKING:  # the serving loop imports the API's resolver: only a type here
+    from controlplane.serving.loop import ServingLoop
 
 __all__ = ["Services", "get_services", "require"]
 
@@ -43,6 +46,7 @@ class Services:
     resolver: AppResolver
     requests: RequestCounter
     scheduler: Scheduler | None = None
+    serving: ServingLoop | None = None
 
 
 def get_services(request: Request) -> Services:
@@ -83,3 +87,4 @@ def require(scope: Scope) -> Callable[..., Principal]:
 Viewer = Annotated[Principal, Depends(require(Scope.VIEWER))]
 Operator = Annotated[Principal, Depends(require(Scope.OPERATOR))]
 Admin = Annotated[Principal, Depends(require(Scope.ADMIN))]
+Inferrer = Annotated[Principal, Depends(require(Scope.INFER))]

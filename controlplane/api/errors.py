@@ -21,6 +21,13 @@ can meet)
 :class:`InvalidValueError` (the store  422     ``invalid_value``
 refuses a value the schemas let by)
 :class:`DatabaseError`                 503     ``database_unavailable``
+:class:`OverloadedError` (admission)   429     ``overloaded`` (with
+                                               ``Retry-After``)
+:class:`RequirementsUnmetError`        422     ``requirements_unmet``
+:class:`QueryFailedError`              502     ``query_failed``
+:class:`NoServingInstanceError`        503     ``no_serving_instance``
+:class:`ServingUnavailableError`       503     ``serving_unavailable``
+:class:`QueryTimeoutError`             504     ``query_timeout``
 Starlette's own (unknown route, 405)   same    ``not_found``, ...
 anything else                          500     ``internal`` (logged;
                                                the body says nothing
@@ -48,7 +55,14 @@ from controlplane.errors import (
     DatabaseError,
     InvalidTransitionError,
     InvalidValueError,
+    NoServingInstanceError,
     NotFoundError,
+    OverloadedError,
+    QueryFailedError,
+    QueryTimeoutError,
+    RequirementsUnmetError,
+    ServingError,
+    ServingUnavailableError,
 )
 from controlplane.spec import SpecError
 from estimator.errors import EstimatorError
@@ -75,7 +89,9 @@ _STATUS_CODES = {
     415: "unsupported_media_type",
     422: "invalid_request",
     429: "too_many_requests",
+    502: "bad_gateway",
     503: "unavailable",
+    504: "gateway_timeout",
 }
 _MAX_MESSAGE_CHARS = 500
 
@@ -188,7 +204,29 @@ def _on_estimator_error(request: Request, error: Exception) -> JSONResponse:
     return error_response(422, "unplannable", str(error))
 
 
+def _on_serving_error(error: ServingError) -> JSONResponse | None:
+    if isinstance(error, OverloadedError):
+        return error_response(
+            429, "overloaded", str(error), headers={"Retry-After": str(error.retry_after_s)}
+        )
+    if isinstance(error, RequirementsUnmetError):
+        return error_response(422, "requirements_unmet", str(error), "requirements")
+    if isinstance(error, QueryFailedError):
+        return error_response(502, "query_failed", str(error))
+    if isinstance(error, NoServingInstanceError):
+        return error_response(503, "no_serving_instance", str(error))
+    if isinstance(error, ServingUnavailableError):
+        return error_response(503, "serving_unavailable", str(error))
+    if isinstance(error, QueryTimeoutError):
+        return error_response(504, "query_timeout", str(error))
+    return None
+
+
 def _on_control_plane_error(request: Request, error: Exception) -> JSONResponse:
+    if isinstance(error, ServingError):
+        answer = _on_serving_error(error)
+        if answer is not None:
+            return answer
     if isinstance(error, NotFoundError):
         return error_response(404, "not_found", str(error))
     if isinstance(error, AppExistsError):

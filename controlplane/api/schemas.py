@@ -11,7 +11,7 @@ document the CLI reads. Responses are built from the store's records by the rout
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -20,6 +20,7 @@ from controlplane.planner import PLANNING_QUERIES
 __all__ = [
     "DEFAULT_TRACE_QUERIES",
     "MAX_BUDGET_USD_PER_HR",
+    "MAX_INFER_SAMPLES",
     "MAX_RATE_QPS",
     "AppOut",
     "BudgetChangeIn",
@@ -33,12 +34,20 @@ __all__ = [
     "FleetOut",
     "FleetTypeOut",
     "HealthOut",
+    "InferIn",
+    "InferOut",
     "InstanceEventOut",
     "InstanceOut",
     "MetricSampleOut",
     "PlanIn",
     "PlanOut",
+    "RequirementsIn",
+    "ServingOut",
+    "ServingStageOut",
+    "ServingTotalsOut",
+    "ServingWorkerOut",
     "StageOut",
+    "TimingsOut",
     "TraceIn",
     "TraceStatsOut",
 ]
@@ -351,3 +360,129 @@ class MetricSampleOut(BaseModel):
     fleet_cost_usd_per_hr: float
     gear: str | None
     accuracy: float | None
+
+
+# --- inference -------------------------------------------------------------------------------
+
+# Samples in one inference request (the loadgen contract: 1..256).
+MAX_INFER_SAMPLES = 256
+# The demo family's input: 8x8 pixel intensities in 0..16 (provisioners.worker.agent).
+INFER_FEATURES = 64
+INFER_PIXEL_MAX = 16.0
+# A latency bound above a day is a typo.
+_MAX_LATENCY_MS = 86_400_000.0
+
+_Pixel = Annotated[float, Field(ge=0.0, le=INFER_PIXEL_MAX, allow_inf_nan=False)]
+_Sample = Annotated[list[_Pixel], Field(min_length=INFER_FEATURES, max_length=INFER_FEATURES)]
+
+
+class RequirementsIn(BaseModel):
+    """A model-less query's needs (INFaaS): the system picks the cheapest variant (a model or a
+    cascade gear) that meets them, or answers 422 with the closest offer."""
+
+    model_config = _REQUEST
+
+    latency_ms: float | None = Field(
+        default=None, gt=0, le=_MAX_LATENCY_MS, allow_inf_nan=False, description="latency bound"
+    )
+    min_accuracy: float | None = Field(
+        default=None, gt=0, le=1, description="minimum accuracy in (0, 1]"
+    )
+
+
+class InferIn(BaseModel):
+    """A batch of samples for an app (``POST /v1/apps/{app}/infer``)."""
+
+    model_config = _REQUEST
+
+    inputs: list[_Sample] = Field(
+        min_length=1,
+        max_length=MAX_INFER_SAMPLES,
+        description=f"1..{MAX_INFER_SAMPLES} samples, each {INFER_FEATURES} pixel values in"
+        f" 0..{INFER_PIXEL_MAX:g}",
+    )
+    sample_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
+        default=None,
+        description="which validation sample each input is (bookkeeping: the observed accuracy)",
+    )
+    requirements: RequirementsIn | None = None
+
+    @model_validator(mode="after")
+    def _ids_match_inputs(self) -> InferIn:
+        if self.sample_ids is not None and len(self.sample_ids) != len(self.inputs):
+            raise ValueError(
+                f"sample_ids has {len(self.sample_ids)} ids for {len(self.inputs)} inputs"
+            )
+        return self
+
+
+class TimingsOut(BaseModel):
+    model_config = _RESPONSE
+
+    queue_ms: float = Field(description="waiting in the stages' queues (total_ms - service_ms)")
+    service_ms: float = Field(description="round trips of the batches that carried the samples")
+    total_ms: float = Field(description="from arrival to answer")
+
+
+class InferOut(BaseModel):
+    """The answer: per sample its output class, the model that answered it and its certainty."""
+
+    model_config = _RESPONSE
+
+    outputs: list[int]
+    models: list[str]
+    certainty: list[float]
+    gear: str = Field(description="the cascade that served it (tiny@0.5 -> large), or the model")
+    timings: TimingsOut
+    late: bool = Field(description="total_ms is over the app's latency SLO")
+
+
+class ServingWorkerOut(BaseModel):
+    model_config = _RESPONSE
+
+    instance_id: str
+    instance_type: str
+    address: str
+    healthy: bool
+    busy: bool
+    last_error: str
+
+
+class ServingStageOut(BaseModel):
+    model_config = _RESPONSE
+
+    model: str
+    queued_queries: int
+    queued_samples: int
+    in_service_samples: int
+    capacity_sps: float = Field(description="samples per second the healthy instances serve")
+    policy: str
+    max_batch_queries: int
+    states: dict[str, str] = Field(
+        description="INFaaS state of the model per instance id: active, overloaded, interfered"
+    )
+
+
+class ServingTotalsOut(BaseModel):
+    model_config = _RESPONSE
+
+    arrived: int
+    answered: int
+    late: int
+    failed: int
+    refused: int
+    samples_by_model: dict[str, int]
+
+
+class ServingOut(BaseModel):
+    """What the serving loop sees of an app: gear, workers, queues and model states."""
+
+    model_config = _RESPONSE
+
+    app: str
+    gear: str
+    slo_ms: float
+    in_flight_requests: int
+    workers: list[ServingWorkerOut]
+    stages: list[ServingStageOut]
+    totals: ServingTotalsOut

@@ -417,6 +417,10 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "heteroplane-worker/1"
     timeout = IDLE_CONNECTION_S
+    # TCP_NODELAY: an answer leaves in two writes (the head, then the body). With Nagle's
+    # algorithm the body waits for the client's ACK of the head, which a kept-alive client
+    # delays by up to 40 ms (Linux's delayed ACK): every call took ~44 ms instead of ~1.
+    disable_nagle_algorithm = True
     server: _Server
 
     def do_GET(self) -> None:

@@ -18,7 +18,10 @@ _DESCRIPTIONS = {
     404: "No such app, plan or instance",
     409: "Conflict: the name is taken, another write won, or the state does not allow it",
     422: "Invalid request: a field of the wrong type, out of range, unknown, or an invalid spec",
-    503: "The database is unavailable",
+    429: "Overloaded: the queue cannot be served within the SLO (Retry-After says when to retry)",
+    502: "The workers could not answer the query (every attempt failed)",
+    503: "The database is unavailable, or no instance serves the app",
+    504: "The query was not answered in time (far past its SLO)",
 }
 
 # An app name is a DNS label (controlplane.spec): anything else is a 422, not a 404.

@@ -3,7 +3,11 @@
 The metrics, per app: its budget and the cost of its live fleet (gauges, USD/hr), its instances
 by lifecycle state (gauge), the newest rolled-up arrival rate and P99 latency (gauges, when a
 sample exists), and the API's answers about it by HTTP status (counter); for the service: runs of
-each scheduler job by outcome (counter). Exposition format: Prometheus text format 0.0.4.
+each scheduler job by outcome (counter). With a serving loop, per app also: queries answered,
+failed and refused (counter), of them late (counter), samples answered per model (counter),
+samples queued per model and workers by health (gauges, as of the loop's last refresh), and the
+INFaaS state of each model on each instance (gauge: 1 for the state it is in). Exposition
+format: Prometheus text format 0.0.4.
 """
 
 from __future__ import annotations
@@ -155,6 +159,8 @@ def render_metrics(services: Services) -> str:
             for (app, status), count in sorted(services.requests.snapshot().items())
         ),
     )
+    if services.serving is not None:
+        _serving_metrics(out, services)
     scheduler = services.scheduler
     jobs = scheduler.jobs.items() if scheduler is not None else []
     out.family(
@@ -172,3 +178,74 @@ def render_metrics(services: Services) -> str:
         ),
     )
     return out.text()
+
+
+def _serving_metrics(out: _Exposition, services: Services) -> None:
+    serving = services.serving
+    assert serving is not None
+    totals = serving.observations.totals()
+    statuses = serving.statuses()
+    out.family(
+        "heteroplane_serving_queries_total",
+        "counter",
+        "Inference queries by outcome: answered, failed (an explicit error), refused (429, 503).",
+        (
+            ({"app": app, "outcome": outcome}, float(count))
+            for app, t in totals.items()
+            for outcome, count in (
+                ("answered", t.answered),
+                ("failed", t.failed),
+                ("refused", t.refused),
+            )
+        ),
+    )
+    out.family(
+        "heteroplane_serving_late_queries_total",
+        "counter",
+        "Answered inference queries whose latency was over the app's SLO.",
+        (({"app": app}, float(t.late)) for app, t in totals.items()),
+    )
+    out.family(
+        "heteroplane_serving_samples_total",
+        "counter",
+        "Samples answered, by the model that answered them.",
+        (
+            ({"app": app, "model": model}, float(count))
+            for app, t in totals.items()
+            for model, count in sorted(t.samples_by_model.items())
+        ),
+    )
+    out.family(
+        "heteroplane_serving_queue_samples",
+        "gauge",
+        "Samples waiting in each model's queue (as of the serving loop's last refresh).",
+        (
+            ({"app": st.app, "model": stage.model}, float(stage.queued_samples))
+            for st in statuses
+            for stage in st.stages
+        ),
+    )
+    out.family(
+        "heteroplane_serving_workers",
+        "gauge",
+        "Workers the serving loop matches queries to, by health.",
+        (
+            ({"app": st.app, "health": health}, float(count))
+            for st in statuses
+            for health, count in (
+                ("healthy", sum(w.healthy for w in st.workers)),
+                ("unhealthy", sum(not w.healthy for w in st.workers)),
+            )
+        ),
+    )
+    out.family(
+        "heteroplane_model_state",
+        "gauge",
+        "INFaaS state of a model on an instance: 1 for the state it is in.",
+        (
+            ({"app": st.app, "model": stage.model, "instance": instance, "state": state}, 1.0)
+            for st in statuses
+            for stage in st.stages
+            for instance, state in sorted(stage.states.items())
+        ),
+    )

@@ -1,0 +1,323 @@
+"""The dashboard's routes: the page, signing in and out with a token, the data and the assets.
+
+- ``GET /dashboard``: the page; without a valid sign-in, the sign-in form instead.
+- ``POST /dashboard/login``: the form's token (``application/x-www-form-urlencoded``, field
+  ``token``) is checked with the store like a bearer token and must have the viewer scope (an
+  operator's or admin's token does; an ``infer`` token does not). On success the token is kept
+  in a cookie (``HttpOnly``: the page's scripts cannot read it; ``SameSite=Strict``: no other
+  site's page can send it; ``Secure`` over HTTPS; path ``/dashboard``; 8 hours) and the browser
+  is sent to the page; otherwise the form again with what was wrong, 401 for an unknown or
+  revoked token, 403 for a token without the scope. A sign-in posted from another origin is
+  refused (403).
+- ``POST /dashboard/logout``: forgets the cookie (403 when posted from another origin).
+- ``GET /dashboard/data?app=APP&window_s=S``: one JSON snapshot for every panel
+  (:func:`controlplane.dashboard.snapshot.build_snapshot`), for the cookie or for an
+  ``Authorization: Bearer`` token (viewer scope); errors are the API's JSON errors (401, 403,
+  404, 422).
+- ``GET /dashboard/static/NAME``: the page's script and style sheet (no data, no token).
+
+The cookie holds the token itself, verified on every request: revoking the token ends the
+sign-in at once, and nothing about sessions is stored. The ``/v1`` routes never read the cookie:
+they keep bearer tokens only, so a page on another site cannot use a signed-in browser against
+them. Pages are sent with a content security policy that allows only this origin's script and
+style (no inline script), and are never cached.
+"""
+
+from __future__ import annotations
+
+import html
+import string
+import urllib.parse
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from controlplane.api.deps import Services, ServicesDep
+from controlplane.api.errors import ApiError, unauthorized
+from controlplane.api.resolver import smallest_common_batch_size
+from controlplane.auth import Scope, scope_allows
+from controlplane.budget import qps_by_type
+from controlplane.dashboard.ranking import RankingCache, bound_ranking
+from controlplane.dashboard.snapshot import (
+    DEFAULT_WINDOW_S,
+    MAX_WINDOW_S,
+    MIN_WINDOW_S,
+    RankingFn,
+    SpendLedger,
+    WeightsFn,
+    build_snapshot,
+)
+from controlplane.errors import ControlPlaneError
+from controlplane.store import AppRecord, PlanRecord, Principal
+from estimator.errors import EstimatorError
+
+__all__ = ["COOKIE_NAME", "DashboardState", "install_dashboard", "router"]
+
+COOKIE_NAME = "heteroplane_dashboard"
+COOKIE_PATH = "/dashboard"
+# A working day: long enough not to ask again, short enough that a forgotten browser forgets.
+COOKIE_MAX_AGE_S = 8 * 3600
+# The longest token the form takes (ours are 46 characters).
+_MAX_TOKEN_CHARS = 512
+
+_STATIC = resources.files("controlplane.dashboard") / "static"
+_ASSETS = {
+    "dashboard.js": "text/javascript; charset=utf-8",
+    "charts.js": "text/javascript; charset=utf-8",
+    "dashboard.css": "text/css; charset=utf-8",
+}
+_PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:;"
+        " connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    # same-origin, not no-referrer: under no-referrer a browser sends "Origin: null" with the
+    # sign-in form, and the origin check below could not tell it from a sandboxed foreign page.
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+router = APIRouter(prefix="/dashboard", include_in_schema=False)
+
+
+@dataclass
+class DashboardState:
+    """What the dashboard keeps between requests (per app of FastAPI, on ``app.state``): the
+    running spend per app, and the bound rankings of plans."""
+
+    ledger: SpendLedger = field(default_factory=SpendLedger)
+    rankings: RankingCache = field(default_factory=RankingCache)
+
+
+def install_dashboard(app: FastAPI) -> None:
+    """Mount the dashboard's routes on ``app`` (which carries ``Services``)."""
+    app.state.dashboard = DashboardState()
+    app.include_router(router)
+
+
+def _state(request: Request) -> DashboardState:
+    state = getattr(request.app.state, "dashboard", None)
+    if not isinstance(state, DashboardState):
+        state = DashboardState()
+        request.app.state.dashboard = state
+    return state
+
+
+# --- pages -----------------------------------------------------------------------------------
+
+
+def _asset(name: str) -> str:
+    return (_STATIC / name).read_text(encoding="utf-8")
+
+
+def _page(body: str, status: int = 200) -> Response:
+    return Response(body, status, headers=_PAGE_HEADERS, media_type="text/html; charset=utf-8")
+
+
+def _login_page(message: str | None = None, status: int = 200) -> Response:
+    template = string.Template(_asset("login.html"))
+    shown = (
+        f'<p class="message" id="login-message" role="alert">{html.escape(message)}</p>'
+        if message
+        else ""
+    )
+    return _page(template.substitute(message=shown), status)
+
+
+def _forget(response: Response, request: Request) -> Response:
+    response.delete_cookie(
+        COOKIE_NAME,
+        path=COOKIE_PATH,
+        secure=request.url.scheme == "https",
+        httponly=True,
+        samesite="strict",
+    )
+    return response
+
+
+def _verify(services: Services, token: str) -> Principal | None:
+    if not token or len(token) > _MAX_TOKEN_CHARS:
+        return None
+    return services.store.verify_token(token)
+
+
+@router.get("")
+async def page(request: Request, services: ServicesDep) -> Response:
+    """The dashboard, or the sign-in form when the browser is not signed in."""
+    token = request.cookies.get(COOKIE_NAME)
+    if token is None:
+        return _login_page()
+    principal = await run_in_threadpool(_verify, services, token)
+    if principal is None or not scope_allows(principal.scope, Scope.VIEWER):
+        return _forget(_login_page("Your sign-in has ended: sign in again.", 401), request)
+    return _page(_asset("dashboard.html"))
+
+
+def _same_origin(request: Request) -> bool:
+    """Whether a form post came from this origin (browsers send ``Origin`` with a POST; a
+    client that sends none is not a browser on another site)."""
+    origin = request.headers.get("origin")
+    if origin is None:
+        return True
+    host = request.headers.get("host", "")
+    return urllib.parse.urlsplit(origin).netloc == host
+
+
+@router.post("/login")
+async def login(request: Request, services: ServicesDep) -> Response:
+    """Check the form's token; keep it in a cookie and go to the page, or show the form again."""
+    if not _same_origin(request):
+        return _login_page("Refused: the sign-in was posted from another site.", 403)
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/x-www-form-urlencoded":
+        return _login_page("Sign in with the form: paste a token and press Sign in.", 400)
+    body = await request.body()
+    fields = urllib.parse.parse_qs(body.decode("utf-8", "replace"), max_num_fields=8)
+    token = (fields.get("token") or [""])[0].strip()
+    if not token:
+        return _login_page("Paste an API token (heteroplane token create --scope viewer).", 401)
+    principal = await run_in_threadpool(_verify, services, token)
+    if principal is None:
+        return _login_page("That token is not valid: it is unknown or revoked.", 401)
+    if not scope_allows(principal.scope, Scope.VIEWER):
+        return _login_page(
+            f"Token {principal.name!r} has scope {principal.scope}; the dashboard needs"
+            " viewer (or operator, or admin).",
+            403,
+        )
+    response = RedirectResponse(COOKIE_PATH, status_code=303)
+    response.set_cookie(
+        COOKIE_NAME,
+        token,
+        max_age=COOKIE_MAX_AGE_S,
+        path=COOKIE_PATH,
+        secure=request.url.scheme == "https",
+        httponly=True,
+        samesite="strict",
+    )
+    return response
+
+
+@router.post("/logout")
+def logout(request: Request) -> Response:
+    """Forget the sign-in (a sign-out posted from another site is refused, like a sign-in)."""
+    if not _same_origin(request):
+        return _login_page("Refused: the sign-out was posted from another site.", 403)
+    return _forget(RedirectResponse(COOKIE_PATH, status_code=303), request)
+
+
+@router.get("/static/{name}")
+def static(name: str) -> Response:
+    """The page's script and style sheet."""
+    media_type = _ASSETS.get(name)
+    if media_type is None:
+        raise ApiError(404, "not_found", f"no dashboard asset {name!r}")
+    return Response(
+        _asset(name),
+        media_type=media_type,
+        headers={"X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"},
+    )
+
+
+# --- data ------------------------------------------------------------------------------------
+
+
+def viewer(request: Request, services: ServicesDep) -> Principal:
+    """The caller of the data route: a bearer token when the request has an ``Authorization``
+    header, else the sign-in cookie; it must have the viewer scope (401 or 403 otherwise)."""
+    header = request.headers.get("authorization")
+    if header is not None:
+        scheme, _, credentials = header.partition(" ")
+        if scheme.lower() != "bearer" or not credentials.strip():
+            raise unauthorized("malformed Authorization header: expected Bearer <token>")
+        token = credentials.strip()
+    else:
+        cookie = request.cookies.get(COOKIE_NAME)
+        if cookie is None:
+            raise unauthorized("sign in at /dashboard, or send Authorization: Bearer <token>")
+        token = cookie
+    principal = _verify(services, token)
+    if principal is None:
+        raise unauthorized("unknown or revoked API token; sign in again at /dashboard")
+    if not scope_allows(principal.scope, Scope.VIEWER):
+        raise ApiError(
+            403,
+            "forbidden",
+            f"token {principal.name!r} has scope {principal.scope}; this needs viewer",
+        )
+    return principal
+
+
+def _weights(services: Services) -> WeightsFn:
+    def weights(app: AppRecord) -> dict[str, float] | None:
+        try:
+            resolved = services.resolver.resolve(app.spec, check_budget=False)
+            return qps_by_type(resolved, smallest_common_batch_size(resolved))
+        except (EstimatorError, ControlPlaneError, ValueError):
+            return None
+
+    return weights
+
+
+def _ranking(services: Services, state: DashboardState) -> RankingFn:
+    def ranking(app: AppRecord, plan: PlanRecord) -> dict[str, Any] | None:
+        # The budget the plan was made under: the newest change at or before its preview.
+        budget = app.budget_usd_per_hr
+        for change in services.store.list_budget_changes(app.name, limit=200):
+            if change.at <= plan.created_at:
+                budget = change.new_usd_per_hr
+        key = (app.id, plan.id, budget)
+        found = state.rankings.get(key)
+        if found is not None:
+            return found
+        try:
+            resolved = services.resolver.resolve(app.spec, check_budget=False)
+            answer = bound_ranking(
+                resolved, plan.document, budget, smallest_common_batch_size(resolved)
+            )
+        except (EstimatorError, ControlPlaneError, ValueError) as error:
+            answer = {"note": f"no bound ranking: {error}", "stages": []}
+        state.rankings.put(key, answer)
+        return answer
+
+    return ranking
+
+
+@router.get("/data")
+def data(
+    request: Request,
+    services: ServicesDep,
+    who: Annotated[Principal, Depends(viewer)],
+    app: Annotated[
+        str | None,
+        Query(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$", max_length=63),
+    ] = None,
+    window_s: Annotated[
+        float, Query(ge=MIN_WINDOW_S, le=MAX_WINDOW_S, allow_inf_nan=False)
+    ] = DEFAULT_WINDOW_S,
+) -> JSONResponse:
+    """The snapshot of ``app`` (default: the first app by name) for every panel."""
+    store = services.store
+    names = [record.name for record in store.list_apps()]
+    chosen = app if app is not None else (names[0] if names else None)
+    body: dict[str, Any] = {"viewer": {"name": who.name, "scope": who.scope}, "apps": names}
+    if chosen is None:
+        body["snapshot"] = None
+    else:
+        state = _state(request)
+        body["snapshot"] = build_snapshot(
+            store,
+            store.get_app(chosen),
+            services.clock.utcnow(),
+            window_s=window_s,
+            ledger=state.ledger,
+            weights=_weights(services),
+            ranking=_ranking(services, state),
+        )
+    return JSONResponse(body, headers={"Cache-Control": "no-store"})

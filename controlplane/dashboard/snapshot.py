@@ -1,0 +1,693 @@
+"""The dashboard's snapshot: one JSON document holding everything its panels draw for one app.
+
+:func:`build_snapshot` reads the store (metric samples, instances and their lifecycle events,
+decisions, budget changes, the applied plan) over a window ending now and shapes it for the
+page's charts. Every series is a list of epoch seconds ``t`` with parallel value lists (``None``
+where a value is unknown, so that a chart breaks its line there). The sections:
+
+- ``fleet``: the live instances by type over the window (a step function rebuilt from the
+  instance events: the state of each instance at the window's start, then every move), and the
+  instance table (live ones first, then those that ended within the window);
+- ``cost``: the fleet cost of each metric sample (the burn rate) against the budget (a step
+  function of the budget's audit trail); the spend since midnight UTC (the samples' fleet cost
+  integrated over time, :class:`SpendLedger`), and the forecast for the day,
+  spend + burn rate x hours left until midnight;
+- ``load``: the arrival rate against the provisioned capacity (the applied plan's throughput
+  scaled by how much of the plan's fleet is running, :func:`capacity_scale`), the planned rate,
+  and the plan's arrival envelope when it carries one;
+- ``latency``: P50/P95/P99 against the SLO, and the share of queries within it (attainment);
+- ``cascade``: the gear and the accuracy over time, against the accuracy floor;
+- ``decisions``: the newest decisions first (what the policies did, why, and the numbers);
+- ``plan``: the applied plan (or the newest preview) with its stages, its steps and the Kairos
+  bound ranking that explains the chosen mix (:mod:`controlplane.dashboard.ranking`).
+
+Fields that other parts of the service add over time (latencies, gears, an instance's
+utilisation and model states, a plan's envelope) are read defensively: a missing one is
+``None`` and the panel says what it is waiting for.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from controlplane.lifecycle import LIVE_STATES, InstanceState
+from controlplane.store import (
+    AppRecord,
+    BudgetChangeRecord,
+    DecisionRecord,
+    InstanceEventRecord,
+    InstanceRecord,
+    MetricSampleRecord,
+    PlanRecord,
+    Store,
+)
+
+__all__ = [
+    "DECISIONS_SHOWN",
+    "DEFAULT_WINDOW_S",
+    "MAX_POINTS",
+    "MAX_WINDOW_S",
+    "MIN_WINDOW_S",
+    "FleetSeries",
+    "RankingFn",
+    "SpendLedger",
+    "WeightsFn",
+    "build_snapshot",
+    "capacity_scale",
+    "fleet_series",
+    "integrate_cost_usd",
+]
+
+# The charts' default span: half an hour reads well at 2 s polls and 10 s roll-ups.
+DEFAULT_WINDOW_S = 1800.0
+MIN_WINDOW_S = 60.0
+# The longest span a chart shows (the forecast and the spend are per day anyway).
+MAX_WINDOW_S = 86_400.0
+# A chart is about 400 px wide: more points than this are thinned before they are sent.
+MAX_POINTS = 600
+# Samples read for one window: a day at the default 10 s roll-up is 8,640.
+_MAX_SAMPLES = 10_000
+DECISIONS_SHOWN = 50
+# Ended instances listed under the live ones in the table (the newest first).
+ENDED_SHOWN = 20
+_LIVE = frozenset(state.value for state in LIVE_STATES)
+_RUNNING = InstanceState.RUNNING.value
+_HOUR_S = 3600.0
+
+RankingFn = Callable[[AppRecord, PlanRecord], dict[str, Any] | None]
+WeightsFn = Callable[[AppRecord], Mapping[str, float] | None]
+
+
+def _epoch_s(at: datetime) -> float:
+    return round(at.timestamp(), 3)
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None (JSON has no NaN)."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _clean(value: Any) -> Any:
+    """A JSON-safe copy of a stored document: non-finite floats become None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _thin(items: Sequence[Any], limit: int = MAX_POINTS) -> list[Any]:
+    """Every k-th item so that at most ``limit`` remain, the newest always kept."""
+    if len(items) <= limit:
+        return list(items)
+    stride = math.ceil(len(items) / limit)
+    kept = list(items[::-1][::stride])
+    kept.reverse()
+    return kept
+
+
+def _day_start(now: datetime) -> datetime:
+    return now.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+
+
+# --- the fleet over time ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSeries:
+    """Instances by type over time, as a step function: ``live[type][i]`` instances of the type
+    were live (requested to draining) from ``t_s[i]`` until ``t_s[i + 1]``; ``running`` counts
+    those serving."""
+
+    t_s: list[float]
+    live: dict[str, list[int]]
+    running: dict[str, list[int]]
+
+
+def fleet_series(
+    instances: Iterable[InstanceRecord],
+    events: Iterable[InstanceEventRecord],
+    start: datetime,
+    now: datetime,
+) -> FleetSeries:
+    """The fleet by type from ``start`` to ``now``, from the instances and their events since
+    ``start``: an instance's state at ``start`` is the state its first event in the window moved
+    it from (none: it was recorded in the window), or its current state when it did not move in
+    the window."""
+    by_id = {i.id: i for i in instances}
+    moves: dict[str, list[InstanceEventRecord]] = defaultdict(list)
+    for event in events:
+        if event.instance_id in by_id and event.at > start:
+            moves[event.instance_id].append(event)
+    state: dict[str, str | None] = {}
+    for instance_id, instance in by_id.items():
+        own = moves.get(instance_id)
+        if own:
+            own.sort(key=lambda e: (e.at, e.id))
+            state[instance_id] = own[0].from_state
+        else:
+            state[instance_id] = instance.state if instance.created_at <= start else None
+    types = sorted({i.instance_type for i in by_id.values()})
+    t_s: list[float] = []
+    live: dict[str, list[int]] = {t: [] for t in types}
+    running: dict[str, list[int]] = {t: [] for t in types}
+
+    def record(at: datetime) -> None:
+        counts_live = dict.fromkeys(types, 0)
+        counts_running = dict.fromkeys(types, 0)
+        for instance_id, current in state.items():
+            if current in _LIVE:
+                kind = by_id[instance_id].instance_type
+                counts_live[kind] += 1
+                if current == _RUNNING:
+                    counts_running[kind] += 1
+        stamp = _epoch_s(at)
+        if t_s and t_s[-1] == stamp:
+            for t in types:
+                live[t][-1] = counts_live[t]
+                running[t][-1] = counts_running[t]
+            return
+        t_s.append(stamp)
+        for t in types:
+            live[t].append(counts_live[t])
+            running[t].append(counts_running[t])
+
+    record(start)
+    ordered = sorted((e for own in moves.values() for e in own), key=lambda e: (e.at, e.id))
+    for event in ordered:
+        if event.at > now:
+            break
+        state[event.instance_id] = event.to_state
+        record(event.at)
+    record(now)
+    # Types that had no live instance in the window take no room in the chart.
+    shown = [t for t in types if any(live[t])]
+    return FleetSeries(t_s, {t: live[t] for t in shown}, {t: running[t] for t in shown})
+
+
+# --- cost ------------------------------------------------------------------------------------
+
+
+def integrate_cost_usd(
+    samples: Sequence[MetricSampleRecord],
+    start: datetime,
+    end: datetime,
+    cost_before_usd_per_hr: float | None = None,
+) -> float:
+    """USD spent from ``start`` to ``end``: each sample's fleet cost (USD/hr) holds until the next
+    sample (the last one until ``end``); before the first sample, ``cost_before_usd_per_hr`` (the
+    cost of the newest sample before ``start``) when known, else nothing.
+
+    >>> from datetime import timedelta
+    >>> t0 = datetime(2024, 1, 1, tzinfo=UTC)
+    >>> s = [_sample(t0 + timedelta(hours=1), 2.0), _sample(t0 + timedelta(hours=2), 4.0)]
+    >>> integrate_cost_usd(s, t0, t0 + timedelta(hours=3))
+    6.0
+    >>> integrate_cost_usd(s, t0, t0 + timedelta(hours=3), cost_before_usd_per_hr=1.0)
+    7.0
+    """
+    total = 0.0
+    at, cost = start, cost_before_usd_per_hr
+    for sample in samples:
+        if sample.at <= start:
+            cost = sample.fleet_cost_usd_per_hr
+            continue
+        moment = min(sample.at, end)
+        if cost is not None and moment > at:
+            total += cost * (moment - at).total_seconds() / _HOUR_S
+        at, cost = moment, sample.fleet_cost_usd_per_hr
+        if sample.at >= end:
+            return total
+    if cost is not None and end > at:
+        total += cost * (end - at).total_seconds() / _HOUR_S
+    return total
+
+
+def _sample(at: datetime, cost: float) -> MetricSampleRecord:
+    """A sample with only a time and a fleet cost (for the doctest)."""
+    return MetricSampleRecord("x", at, 0.0, None, None, None, None, cost, None, None)
+
+
+@dataclass(slots=True)
+class _Spent:
+    day: datetime
+    through: datetime | None  # the newest sample integrated so far
+    cost_usd_per_hr: float | None  # that sample's fleet cost
+    spent_usd: float  # from the day's start to ``through``
+
+
+@dataclass
+class SpendLedger:
+    """The spend since midnight UTC per app, integrated incrementally: each call reads only the
+    samples recorded since the one before (a day of 10 s samples is read once, not every 2 s).
+    Samples are taken to arrive in time order, as the roll-up writes them: one written later
+    with an earlier time than those already integrated is not counted until the next day (or
+    the next start of the service)."""
+
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _apps: dict[int, _Spent] = field(default_factory=dict)
+
+    def spent_today_usd(self, store: Store, app: AppRecord, now: datetime) -> float:
+        """USD spent by ``app``'s fleet from midnight UTC to ``now``."""
+        day = _day_start(now)
+        with self._lock:
+            entry = self._apps.get(app.id)
+            if entry is None or entry.day != day:
+                before = store.metric_series(app.name, until=day, limit=1)
+                cost = before[-1].fleet_cost_usd_per_hr if before else None
+                entry = _Spent(day, None, cost, 0.0)
+                self._apps[app.id] = entry
+            since = entry.through if entry.through is not None else day
+            fresh = store.metric_series(app.name, since=since, until=now)
+            if fresh:
+                entry.spent_usd += integrate_cost_usd(
+                    fresh, since, fresh[-1].at, entry.cost_usd_per_hr
+                )
+                entry.through = fresh[-1].at
+                entry.cost_usd_per_hr = fresh[-1].fleet_cost_usd_per_hr
+            tail = integrate_cost_usd([], entry.through or day, now, entry.cost_usd_per_hr)
+            return entry.spent_usd + tail
+
+
+def _budget_steps(
+    changes: Sequence[BudgetChangeRecord], start: datetime, now: datetime, current: float
+) -> dict[str, list[Any]]:
+    """The budget from ``start`` to ``now`` as a step function."""
+    t_s: list[float] = []
+    usd: list[float] = []
+    at_start = None
+    for change in changes:
+        if change.at <= start:
+            at_start = change.new_usd_per_hr
+        elif change.at <= now:
+            t_s.append(_epoch_s(change.at))
+            usd.append(change.new_usd_per_hr)
+    first = at_start if at_start is not None else (usd[0] if usd else current)
+    return {
+        "t": [_epoch_s(start), *t_s, _epoch_s(now)],
+        "usd_per_hr": [first, *usd, current],
+    }
+
+
+# --- capacity --------------------------------------------------------------------------------
+
+
+def _plan_fleet(document: Mapping[str, Any]) -> dict[str, int]:
+    fleet: dict[str, int] = defaultdict(int)
+    for stage in document.get("stages") or []:
+        if not isinstance(stage, Mapping):
+            continue
+        for name, count in (stage.get("fleet") or {}).items():
+            number = _finite(count)
+            if number is not None:
+                fleet[str(name)] += int(number)
+    return dict(fleet)
+
+
+def _plan_capacity_qps(document: Mapping[str, Any]) -> float | None:
+    """The rate the plan's fleet serves at its front: min over stages of throughput / s_m (the
+    share of queries that reach the stage)."""
+    rates = []
+    for stage in document.get("stages") or []:
+        if not isinstance(stage, Mapping):
+            continue
+        throughput = _finite(stage.get("throughput_qps"))
+        share = _finite(stage.get("scale_factor"))
+        if throughput is None:
+            continue
+        rates.append(throughput / share if share else throughput)
+    return min(rates) if rates else None
+
+
+def capacity_scale(
+    running: Mapping[str, int], planned: Mapping[str, int], weights: Mapping[str, float] | None
+) -> float:
+    """How much of the planned fleet's capacity the ``running`` fleet has: the sum of Q_t (one
+    instance's rate, ``weights``) over the running instances over the same sum over the planned
+    ones; instance counts when the rates are unknown (a type without a rate weighs the mean).
+
+    >>> capacity_scale({"a": 1, "b": 2}, {"a": 2}, {"a": 10.0, "b": 5.0})
+    1.0
+    >>> capacity_scale({"a": 1}, {"a": 2, "b": 2}, None)
+    0.25
+    """
+    known = [w for w in (weights or {}).values() if math.isfinite(w) and w > 0]
+    default = sum(known) / len(known) if known else 1.0
+
+    def weight(name: str) -> float:
+        value = (weights or {}).get(name)
+        return value if value is not None and math.isfinite(value) and value > 0 else default
+
+    total = sum(weight(t) * n for t, n in planned.items())
+    if total <= 0:
+        return 0.0
+    return sum(weight(t) * n for t, n in running.items()) / total
+
+
+# --- the sections ----------------------------------------------------------------------------
+
+
+def _instance_row(
+    instance: InstanceRecord, ended_at: datetime | None, now: datetime
+) -> dict[str, Any]:
+    until = ended_at if ended_at is not None else now
+    return {
+        "id": instance.id,
+        "provider_id": instance.provider_id,
+        "instance_type": instance.instance_type,
+        "state": instance.state,
+        "live": instance.state in _LIVE,
+        "price_usd_per_hr": instance.price_usd_per_hr,
+        "created_at": instance.created_at.isoformat(),
+        "uptime_s": max(0.0, (until - instance.created_at).total_seconds()),
+        # Added to instances by the serving path (measured by the worker agents): read if there.
+        "utilisation_share": _finite(getattr(instance, "utilisation_share", None)),
+        "models": _clean(getattr(instance, "models", None)),
+    }
+
+
+def _fleet_section(
+    store: Store, app: AppRecord, start: datetime, now: datetime
+) -> tuple[dict[str, Any], FleetSeries, list[InstanceRecord]]:
+    instances = store.list_instances(app.name)
+    events = store.list_instance_events(app=app.name, since=start)
+    series = fleet_series(instances, events, start, now)
+    live = [i for i in instances if i.state in _LIVE]
+    ended = sorted(
+        (i for i in instances if i.state not in _LIVE and i.updated_at > start),
+        key=lambda i: i.updated_at,
+        reverse=True,
+    )[:ENDED_SHOWN]
+    by_type: dict[str, dict[str, Any]] = {}
+    for instance in live:
+        row = by_type.setdefault(
+            instance.instance_type, {"count": 0, "running": 0, "cost_usd_per_hr": 0.0}
+        )
+        row["count"] += 1
+        row["running"] += instance.state == _RUNNING
+        row["cost_usd_per_hr"] += instance.price_usd_per_hr
+    section = {
+        "series": {"t": series.t_s, "by_type": series.live},
+        "now": {
+            "instances": len(live),
+            "running": sum(i.state == _RUNNING for i in live),
+            "by_type": dict(sorted(by_type.items())),
+        },
+        "instances": [_instance_row(i, None, now) for i in live]
+        + [_instance_row(i, i.updated_at, now) for i in ended],
+    }
+    return section, series, live
+
+
+def _cost_section(
+    store: Store,
+    app: AppRecord,
+    samples: Sequence[MetricSampleRecord],
+    live: Sequence[InstanceRecord],
+    ledger: SpendLedger,
+    start: datetime,
+    now: datetime,
+) -> dict[str, Any]:
+    burn = sum(i.price_usd_per_hr for i in live)
+    spent = ledger.spent_today_usd(store, app, now)
+    day_end = _day_start(now) + timedelta(days=1)
+    hours_left = (day_end - now).total_seconds() / _HOUR_S
+    changes = store.list_budget_changes(app.name, limit=200)
+    return {
+        "burn_usd_per_hr": burn,
+        "budget_usd_per_hr": app.budget_usd_per_hr,
+        "spent_today_usd": spent,
+        "hours_left_today": hours_left,
+        "forecast_today_usd": spent + burn * hours_left,
+        "budget_today_usd": app.budget_usd_per_hr * 24.0,
+        "series": {
+            "t": [_epoch_s(s.at) for s in samples],
+            "fleet_cost_usd_per_hr": [s.fleet_cost_usd_per_hr for s in samples],
+        },
+        "budget": _budget_steps(changes, start, now, app.budget_usd_per_hr),
+    }
+
+
+def _envelope(document: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The plan's planned arrival envelope (rate per window), when it carries one: either
+    ``{"windows_s": [...], "rate_qps": [...]}`` or a list of ``{"window_s", "rate_qps"}``."""
+    if document is None:
+        return None
+    raw = document.get("envelope")
+    windows: list[float] = []
+    rates: list[float] = []
+    if isinstance(raw, Mapping):
+        w_raw = raw.get("windows_s") or raw.get("window_s") or []
+        r_raw = raw.get("rate_qps") or raw.get("planned_rate_qps") or []
+        if isinstance(w_raw, list) and isinstance(r_raw, list):
+            for w, r in zip(w_raw, r_raw, strict=False):
+                wf, rf = _finite(w), _finite(r)
+                if wf is not None and rf is not None and wf > 0:
+                    windows.append(wf)
+                    rates.append(rf)
+    elif isinstance(raw, list):
+        for point in raw:
+            if isinstance(point, Mapping):
+                wf, rf = _finite(point.get("window_s")), _finite(point.get("rate_qps"))
+                if wf is not None and rf is not None and wf > 0:
+                    windows.append(wf)
+                    rates.append(rf)
+    if not windows:
+        return None
+    return {"windows_s": windows, "rate_qps": rates}
+
+
+def _live_envelope(
+    samples: Sequence[MetricSampleRecord], windows_s: Sequence[float]
+) -> list[float | None]:
+    """The highest mean arrival rate over any run of samples spanning each window (the samples
+    are roll-ups, so a window shorter than their spacing reads as the highest sample)."""
+    out: list[float | None] = []
+    times = [s.at.timestamp() for s in samples]
+    rates = [s.arrival_rate_qps for s in samples]
+    for window in windows_s:
+        best: float | None = None
+        lo = 0
+        total = 0.0
+        for hi, rate in enumerate(rates):
+            total += rate
+            while times[hi] - times[lo] > window and lo < hi:
+                total -= rates[lo]
+                lo += 1
+            mean = total / (hi - lo + 1)
+            best = mean if best is None else max(best, mean)
+        out.append(best)
+    return out
+
+
+def _load_section(
+    samples: Sequence[MetricSampleRecord],
+    series: FleetSeries,
+    plan: PlanRecord | None,
+    weights: Mapping[str, float] | None,
+) -> dict[str, Any]:
+    document = plan.document if plan is not None else None
+    planned_capacity = _plan_capacity_qps(document) if document else None
+    planned_fleet = _plan_fleet(document) if document else {}
+    capacity: list[float | None] = []
+    for i in range(len(series.t_s)):
+        running = {t: counts[i] for t, counts in series.running.items()}
+        if planned_capacity is None or not planned_fleet:
+            capacity.append(None)
+        else:
+            capacity.append(planned_capacity * capacity_scale(running, planned_fleet, weights))
+    envelope = _envelope(document)
+    if envelope is not None:
+        envelope["live_rate_qps"] = _live_envelope(samples, envelope["windows_s"])
+    arrivals = [s.arrival_rate_qps for s in samples]
+    return {
+        "series": {"t": [_epoch_s(s.at) for s in samples], "arrival_rate_qps": arrivals},
+        "capacity": {"t": series.t_s, "capacity_qps": capacity},
+        "capacity_qps": capacity[-1] if capacity else None,
+        "planned_capacity_qps": planned_capacity,
+        "planned_rate_qps": _finite(document.get("planned_rate_qps")) if document else None,
+        "arrival_rate_qps": arrivals[-1] if arrivals else None,
+        "has_traffic": any(rate > 0 for rate in arrivals),
+        "envelope": envelope,
+    }
+
+
+def _newest(values: Sequence[float | None]) -> float | None:
+    return next((v for v in reversed(values) if v is not None), None)
+
+
+def _slo(spec: Mapping[str, Any]) -> Mapping[str, Any]:
+    slo = spec.get("slo")
+    return slo if isinstance(slo, Mapping) else {}
+
+
+def _latency_section(
+    spec: Mapping[str, Any], samples: Sequence[MetricSampleRecord]
+) -> dict[str, Any]:
+    slo = _slo(spec)
+    p50 = [s.latency_p50_ms for s in samples]
+    p95 = [s.latency_p95_ms for s in samples]
+    p99 = [s.latency_p99_ms for s in samples]
+    attainment = [s.attainment_share for s in samples]
+    weighted = [
+        (s.attainment_share, s.arrival_rate_qps)
+        for s in samples
+        if s.attainment_share is not None and s.arrival_rate_qps > 0
+    ]
+    total = sum(w for _, w in weighted)
+    window_share = sum(a * w for a, w in weighted) / total if total > 0 else _newest(attainment)
+    return {
+        "slo_ms": _finite(slo.get("latency_ms")),
+        "percentile": _finite(slo.get("percentile")) or 99.0,
+        "series": {
+            "t": [_epoch_s(s.at) for s in samples],
+            "p50_ms": p50,
+            "p95_ms": p95,
+            "p99_ms": p99,
+            "attainment_share": attainment,
+        },
+        "p50_ms": _newest(p50),
+        "p99_ms": _newest(p99),
+        "attainment_share": _newest(attainment),
+        "window_attainment_share": window_share,
+        "has_data": any(v is not None for v in (*p50, *p99)),
+    }
+
+
+def _cascade_section(
+    spec: Mapping[str, Any], samples: Sequence[MetricSampleRecord]
+) -> dict[str, Any]:
+    slo = _slo(spec)
+    gears = [s.gear for s in samples]
+    accuracy = [s.accuracy for s in samples]
+    seen: list[str] = []
+    for gear in gears:
+        if gear is not None and gear not in seen:
+            seen.append(gear)
+    cascade = spec.get("cascade")
+    return {
+        "cascade": list(cascade) if isinstance(cascade, list) else None,
+        "accuracy_floor": _finite(slo.get("accuracy")),
+        "series": {"t": [_epoch_s(s.at) for s in samples], "gear": gears, "accuracy": accuracy},
+        "gears": seen,
+        "gear": next((g for g in reversed(gears) if g is not None), None),
+        "accuracy": _newest(accuracy),
+        "has_data": bool(seen) or any(a is not None for a in accuracy),
+    }
+
+
+def _decision(record: DecisionRecord) -> dict[str, Any]:
+    return {
+        "id": record.id,
+        "at": record.at.isoformat(),
+        "t": _epoch_s(record.at),
+        "kind": record.kind,
+        "reason": record.reason,
+        "numbers": _clean(record.numbers),
+    }
+
+
+def _plan_section(
+    app: AppRecord, plan: PlanRecord | None, ranking: RankingFn | None
+) -> dict[str, Any] | None:
+    if plan is None:
+        return None
+    document = plan.document
+    stages = []
+    for stage in document.get("stages") or []:
+        if not isinstance(stage, Mapping):
+            continue
+        stages.append(
+            {
+                "name": str(stage.get("name", "")),
+                "fleet": _plan_fleet({"stages": [stage]}),
+                "batch_size": stage.get("batch_size"),
+                "predicted_p99_ms": _finite(stage.get("predicted_p99_ms")),
+                "throughput_qps": _finite(stage.get("throughput_qps")),
+                "cost_usd_per_hr": _finite(stage.get("cost_usd_per_hr")),
+                "policy": stage.get("policy"),
+                "scale_factor": _finite(stage.get("scale_factor")),
+            }
+        )
+    steps = document.get("steps")
+    return {
+        "id": plan.id,
+        "number": plan.number,
+        "status": plan.status,
+        "created_at": plan.created_at.isoformat(),
+        "applied_at": plan.applied_at.isoformat() if plan.applied_at else None,
+        "feasible": bool(document.get("feasible", False)),
+        "cost_usd_per_hr": _finite(document.get("cost_usd_per_hr")),
+        "planned_rate_qps": _finite(document.get("planned_rate_qps")),
+        "max_feasible_qps": _finite(document.get("max_feasible_qps")),
+        "simulations": document.get("simulations"),
+        "trace": _clean(document.get("trace")),
+        "fleet": _plan_fleet(document),
+        "stages": stages,
+        "steps": [str(s) for s in steps] if isinstance(steps, list) else [],
+        "ranking": ranking(app, plan) if ranking is not None else None,
+    }
+
+
+def build_snapshot(
+    store: Store,
+    app: AppRecord,
+    now: datetime,
+    *,
+    window_s: float = DEFAULT_WINDOW_S,
+    ledger: SpendLedger,
+    weights: WeightsFn | None = None,
+    ranking: RankingFn | None = None,
+) -> dict[str, Any]:
+    """Everything the dashboard's panels draw for ``app``, over the ``window_s`` before ``now``
+    (see the module docstring); JSON-safe."""
+    start = now - timedelta(seconds=window_s)
+    samples = _thin(store.metric_series(app.name, since=start, until=now, limit=_MAX_SAMPLES))
+    fleet, series, live = _fleet_section(store, app, start, now)
+    plan = store.get_applied_plan(app.name)
+    if plan is None:
+        newest = store.list_plans(app.name, limit=1)
+        plan = newest[0] if newest else None
+    decisions = store.list_decisions(app.name, limit=DECISIONS_SHOWN)
+    decisions.reverse()
+    spec = app.spec
+    snapshot = {
+        "app": {
+            "name": app.name,
+            "version": app.version,
+            "budget_usd_per_hr": app.budget_usd_per_hr,
+            "slo": _clean(spec.get("slo")),
+            "cascade": _clean(spec.get("cascade")),
+            "models": [
+                str(m.get("name")) for m in spec.get("models") or [] if isinstance(m, Mapping)
+            ],
+            "instance_types": _clean(spec.get("instance_types")),
+        },
+        "generated_at": now.isoformat(),
+        "now": _epoch_s(now),
+        "window": {"start": _epoch_s(start), "end": _epoch_s(now), "window_s": window_s},
+        "samples": len(samples),
+        "fleet": fleet,
+        "cost": _cost_section(store, app, samples, live, ledger, start, now),
+        "load": _load_section(samples, series, plan, weights(app) if weights else None),
+        "latency": _latency_section(spec, samples),
+        "cascade": _cascade_section(spec, samples),
+        "decisions": [_decision(d) for d in decisions],
+        "plan": _plan_section(app, plan, ranking),
+    }
+    cleaned: dict[str, Any] = _clean(snapshot)
+    return cleaned

@@ -1,0 +1,502 @@
+/*
+ * The heteroplane dashboard: polls /dashboard/data every 2 s (the sign-in cookie goes with it)
+ * and draws each panel from the snapshot (controlplane/dashboard/snapshot.py documents it).
+ *
+ * Every panel ends in data-state "ready" (drawn from data), "partial" (drawn, with a note on
+ * what is missing) or "empty" (nothing to draw yet, with a note saying what it waits for).
+ * document.body.dataset.generatedAt is the time of the snapshot on screen.
+ */
+(function () {
+  "use strict";
+
+  const POLL_MS = 2000;
+  const H = window.HPCharts;
+  const $ = (id) => document.getElementById(id);
+  const params = new URLSearchParams(window.location.search);
+  const state = {
+    app: params.get("app"),
+    windowS: Number(params.get("window_s")) || 1800,
+    seenDecisions: null,
+    freshUntil: new Map(),
+    lastBody: null,
+    timer: null,
+    failures: 0,
+  };
+  const KIND_COLORS = {};
+  const GEAR_COLORS = {};
+
+  // --- formatting ---------------------------------------------------------------------------
+
+  const finite = (v) => typeof v === "number" && Number.isFinite(v);
+  const usd = (v, digits) => (finite(v) ? "$" + v.toFixed(digits === undefined ? 2 : digits) : "–");
+  const qps = (v) => (finite(v) ? (v >= 100 ? v.toFixed(0) : v.toFixed(1)) + " qps" : "–");
+  const ms = (v) => (finite(v) ? (v >= 100 ? v.toFixed(0) : v.toFixed(1)) + " ms" : "–");
+  const pct = (v) => (finite(v) ? (100 * v).toFixed(1) + "%" : "–");
+
+  function duration(seconds) {
+    if (!finite(seconds)) return "–";
+    const s = Math.round(seconds);
+    if (s < 60) return s + "s";
+    if (s < 3600) return Math.floor(s / 60) + "m " + String(s % 60).padStart(2, "0") + "s";
+    if (s < 86400) return Math.floor(s / 3600) + "h " + String(Math.floor((s % 3600) / 60)).padStart(2, "0") + "m";
+    return Math.floor(s / 86400) + "d " + Math.floor((s % 86400) / 3600) + "h";
+  }
+
+  function fleetText(fleet) {
+    const parts = Object.entries(fleet || {})
+      .filter(([, n]) => n)
+      .sort((a, b) => (a[0] < b[0] ? -1 : 1))
+      .map(([t, n]) => n + " × " + t);
+    return parts.length ? parts.join(", ") : "none";
+  }
+
+  function colorFor(map, key, offset) {
+    if (!(key in map)) map[key] = H.PALETTE[(Object.keys(map).length + (offset || 0)) % H.PALETTE.length];
+    return map[key];
+  }
+
+  function el(tag, attrs, children) {
+    const node = document.createElement(tag);
+    for (const [key, value] of Object.entries(attrs || {})) {
+      if (key === "text") node.textContent = value;
+      else if (key === "class") node.className = value;
+      else node.setAttribute(key, value);
+    }
+    for (const child of children || []) if (child !== null && child !== undefined) node.appendChild(child);
+    return node;
+  }
+
+  function setPanel(name, status, message) {
+    const panel = document.querySelector('[data-panel="' + name + '"]');
+    panel.dataset.state = status;
+    const empty = panel.querySelector(".empty");
+    if (empty) empty.textContent = message || "";
+  }
+
+  function tile(id, value, sub, tone) {
+    const node = $(id);
+    node.querySelector(".v").textContent = value;
+    node.querySelector(".s").textContent = sub || "";
+    node.classList.toggle("bad", tone === "bad");
+    node.classList.toggle("ok", tone === "ok");
+  }
+
+  // --- panels -------------------------------------------------------------------------------
+
+  function renderFleet(snap) {
+    const fleet = snap.fleet;
+    const types = Object.keys(fleet.series.by_type);
+    const layers = types.map((t) => ({ label: t, color: colorFor(GEAR_COLORS, "type:" + t), v: fleet.series.by_type[t] }));
+    H.stack($("fleet-chart"), {
+      t0: snap.window.start, t1: snap.window.end, t: fleet.series.t, layers: layers, height: 140,
+      title: "instances by type",
+    });
+    H.legend($("fleet-legend"), layers.map((l) => ({ label: l.label, color: l.color })));
+    const now = fleet.now;
+    tile("tile-fleet", now.instances + " inst.", now.running + " running · " + Object.keys(now.by_type).length + " types");
+    if (!types.length) {
+      setPanel("fleet", "empty", "No instances yet: the reconciler launches the applied plan's fleet.");
+    } else {
+      setPanel("fleet", "ready");
+    }
+    renderInstances(fleet.instances);
+  }
+
+  function renderInstances(rows) {
+    const body = $("instance-table").querySelector("tbody");
+    const trs = rows.map((row) => {
+      const util = finite(row.utilisation_share)
+        ? el("span", {}, [
+          el("span", { class: "bar" }, [(() => {
+            const fill = el("i");
+            fill.style.width = Math.round(100 * Math.min(1, row.utilisation_share)) + "%";
+            return fill;
+          })()]),
+          document.createTextNode(pct(row.utilisation_share)),
+        ])
+        : document.createTextNode("–");
+      let models = "–";
+      if (Array.isArray(row.models)) {
+        models = row.models.map((m) => (typeof m === "object" && m ? (m.name || m.model || "?") + (m.state ? ": " + m.state : "") : String(m))).join(", ");
+      } else if (row.models && typeof row.models === "object") {
+        models = Object.entries(row.models).map(([k, v]) => k + ": " + (typeof v === "object" && v ? (v.state || JSON.stringify(v)) : v)).join(", ");
+      }
+      return el("tr", { class: row.live ? "" : "ended", "data-instance-id": row.id }, [
+        el("td", { text: row.instance_type }),
+        el("td", {}, [el("span", { class: "state " + row.state, text: row.state })]),
+        el("td", { class: "num", text: duration(row.uptime_s) }),
+        el("td", { class: "num", text: usd(row.price_usd_per_hr, 3) }),
+        el("td", {}, [util]),
+        el("td", { text: models }),
+        el("td", { title: row.provider_id || "" }, [el("code", { text: row.id.slice(0, 8) })]),
+      ]);
+    });
+    body.replaceChildren(...trs);
+    if (!rows.length) setPanel("instances", "empty", "No instances yet.");
+    else if (!rows.some((r) => finite(r.utilisation_share) || r.models)) {
+      setPanel("instances", "partial", "Utilisation and model states appear once the workers report them.");
+    } else setPanel("instances", "ready");
+  }
+
+  function renderCost(snap) {
+    const cost = snap.cost;
+    const series = [
+      { label: "fleet cost", color: "#4e79a7", t: cost.series.t, v: cost.series.fleet_cost_usd_per_hr, step: true, fill: true },
+      { label: "budget", color: "#d62728", t: cost.budget.t, v: cost.budget.usd_per_hr, step: true, dash: "6 4", width: 1.6 },
+    ];
+    H.time($("cost-chart"), {
+      t0: snap.window.start, t1: snap.window.end, series: series, yMin: 0, height: 120,
+      yFormat: (v) => "$" + (+v.toFixed(2)), title: "burn rate against the budget",
+    });
+    H.legend($("cost-legend"), [
+      { label: "burn rate (fleet $/hr)", color: "#4e79a7", kind: "line" },
+      { label: "budget $/hr", color: "#d62728", kind: "dash" },
+    ]);
+    const figures = [
+      ["burn rate", usd(cost.burn_usd_per_hr) + "/hr"],
+      ["budget", usd(cost.budget_usd_per_hr) + "/hr"],
+      ["spent today", usd(cost.spent_today_usd)],
+      ["forecast today", usd(cost.forecast_today_usd)],
+      ["budget for the day", usd(cost.budget_today_usd)],
+      ["hours left today", cost.hours_left_today.toFixed(1) + " h"],
+    ];
+    $("cost-figures").replaceChildren(...figures.map(([k, v]) => el("div", {}, [el("dt", { text: k }), el("dd", { text: v })])));
+    const over = cost.burn_usd_per_hr > cost.budget_usd_per_hr + 1e-9;
+    tile("tile-burn", usd(cost.burn_usd_per_hr) + "/hr", "budget " + usd(cost.budget_usd_per_hr) + "/hr", over ? "bad" : "ok");
+    tile("tile-spend", usd(cost.spent_today_usd), "since 00:00 UTC");
+    tile("tile-forecast", usd(cost.forecast_today_usd), "of " + usd(cost.budget_today_usd, 0) + " at budget",
+      cost.forecast_today_usd > cost.budget_today_usd ? "bad" : undefined);
+    if (!cost.series.t.length) setPanel("cost", "empty", "No samples yet: the roll-up records the fleet cost every few seconds.");
+    else setPanel("cost", "ready");
+  }
+
+  function renderLoad(snap) {
+    const load = snap.load;
+    const series = [
+      { label: "capacity", color: "#59a14f", t: load.capacity.t, v: load.capacity.capacity_qps, step: true, fill: true, width: 1.5 },
+      { label: "arrival rate", color: "#4e79a7", t: load.series.t, v: load.series.arrival_rate_qps, width: 2 },
+    ];
+    const hlines = [];
+    if (finite(load.planned_rate_qps)) {
+      hlines.push({ value: load.planned_rate_qps, label: "planned " + qps(load.planned_rate_qps), color: "#f28e2b", dash: "6 4" });
+    }
+    H.time($("load-chart"), {
+      t0: snap.window.start, t1: snap.window.end, series: series, hlines: hlines, yMin: 0, height: 130,
+      yFormat: (v) => String(+v.toFixed(1)), title: "arrival rate against capacity",
+    });
+    const legend = [
+      { label: "arrival rate (qps)", color: "#4e79a7", kind: "line" },
+      { label: "provisioned capacity", color: "#59a14f", kind: "line" },
+    ];
+    if (hlines.length) legend.push({ label: "planned rate", color: "#f28e2b", kind: "dash" });
+    H.legend($("load-legend"), legend);
+    const env = load.envelope;
+    if (env && env.windows_s.length) {
+      const xs = env.windows_s;
+      H.xy($("envelope-chart"), {
+        x0: xs[0], x1: xs[xs.length - 1], xLog: xs[xs.length - 1] / xs[0] > 10, height: 80,
+        xTicks: xs.filter((_, i) => i % Math.ceil(xs.length / 6) === 0),
+        xFormat: (x) => (x >= 1 ? +x.toFixed(1) + "s" : Math.round(x * 1000) + "ms"),
+        series: [
+          { label: "planned envelope", color: "#f28e2b", x: xs, y: env.rate_qps, dash: "6 4" },
+          { label: "live envelope", color: "#4e79a7", x: xs, y: env.live_rate_qps || [] },
+        ],
+        title: "arrival envelope",
+      });
+      $("envelope-note").textContent = "Envelope: highest rate over each window, planned (dashed) and live.";
+    } else {
+      $("envelope-chart").replaceChildren();
+      $("envelope-note").textContent = "The plan carries no arrival envelope.";
+    }
+    const cap = load.capacity_qps;
+    const rate = load.arrival_rate_qps;
+    tile("tile-load", finite(rate) ? qps(rate) : "–", "capacity " + qps(cap), finite(rate) && finite(cap) && rate > cap ? "bad" : undefined);
+    if (!load.has_traffic) setPanel("load", load.capacity.t.length && finite(cap) ? "partial" : "empty", "No traffic yet: the arrival rate is 0.");
+    else setPanel("load", "ready");
+  }
+
+  function renderLatency(snap) {
+    const lat = snap.latency;
+    const t = lat.series.t;
+    const series = [
+      { label: "P50", color: "#59a14f", t: t, v: lat.series.p50_ms },
+      { label: "P95", color: "#edc948", t: t, v: lat.series.p95_ms, width: 1.2 },
+      { label: "P99", color: "#4e79a7", t: t, v: lat.series.p99_ms, width: 2 },
+    ];
+    const hlines = finite(lat.slo_ms)
+      ? [{ value: lat.slo_ms, label: "SLO P" + lat.percentile + " " + ms(lat.slo_ms), color: "#d62728" }]
+      : [];
+    H.time($("latency-chart"), {
+      t0: snap.window.start, t1: snap.window.end, series: series, hlines: hlines, yMin: 0, height: 120,
+      yFormat: (v) => String(+v.toFixed(0)), title: "latency against the SLO",
+    });
+    H.legend($("latency-legend"), [
+      { label: "P50", color: "#59a14f", kind: "line" },
+      { label: "P95", color: "#edc948", kind: "line" },
+      { label: "P99 (ms)", color: "#4e79a7", kind: "line" },
+      { label: "SLO", color: "#d62728", kind: "dash" },
+      { label: "attainment (below)", color: "#b07aa1", kind: "line" },
+    ]);
+    H.time($("attainment-chart"), {
+      t0: snap.window.start, t1: snap.window.end, height: 56, yMin: 0, yMax: 1, yTicks: 2,
+      series: [{ label: "attainment", color: "#b07aa1", t: t, v: lat.series.attainment_share }],
+      yFormat: (v) => Math.round(v * 100) + "%", title: "share within the SLO",
+    });
+    const over = finite(lat.p99_ms) && finite(lat.slo_ms) && lat.p99_ms > lat.slo_ms;
+    tile("tile-latency", ms(lat.p99_ms), "SLO P" + lat.percentile + " " + ms(lat.slo_ms), finite(lat.p99_ms) ? (over ? "bad" : "ok") : undefined);
+    const share = lat.window_attainment_share;
+    tile("tile-attainment", pct(lat.attainment_share), "window " + pct(share), finite(lat.attainment_share) ? (lat.attainment_share < 0.99 ? "bad" : "ok") : undefined);
+    if (!lat.has_data) setPanel("latency", "empty", "No traffic yet: latency appears once queries are served.");
+    else setPanel("latency", "ready");
+  }
+
+  function renderCascade(snap) {
+    const cas = snap.cascade;
+    const t = cas.series.t;
+    const colors = {};
+    for (const g of cas.gears) colors[g] = colorFor(GEAR_COLORS, "gear:" + g, 3);
+    H.lane($("gear-chart"), { t0: snap.window.start, t1: snap.window.end, t: t, values: cas.series.gear, colors: colors, label: "gear" });
+    const hlines = finite(cas.accuracy_floor)
+      ? [{ value: cas.accuracy_floor, label: "floor " + pct(cas.accuracy_floor), color: "#d62728" }]
+      : [];
+    const measured = cas.series.accuracy.some(finite) || hlines.length;
+    H.time($("accuracy-chart"), {
+      t0: snap.window.start, t1: snap.window.end, height: 104, hlines: hlines,
+      yMin: measured ? undefined : 0, yMax: 1,
+      series: [{ label: "accuracy", color: "#e15759", t: t, v: cas.series.accuracy, step: true }],
+      yFormat: (v) => (100 * v).toFixed(1) + "%", title: "accuracy",
+    });
+    const legend = cas.gears.map((g) => ({ label: g, color: colors[g] }));
+    legend.push({ label: "accuracy", color: "#e15759", kind: "line" });
+    if (hlines.length) legend.push({ label: "accuracy floor", color: "#d62728", kind: "dash" });
+    H.legend($("cascade-legend"), legend);
+    tile("tile-gear", cas.gear || "–", "accuracy " + pct(cas.accuracy));
+    if (!cas.has_data) {
+      setPanel("cascade", "empty", cas.cascade
+        ? "No gear data yet: gears appear once the cascade serves queries."
+        : "A single-model app: no cascade, so no gears (accuracy appears when measured).");
+    } else setPanel("cascade", "ready");
+  }
+
+  function numberText(value) {
+    if (finite(value)) return Math.abs(value) >= 100 || Number.isInteger(value) ? String(+value.toFixed(1)) : String(+value.toPrecision(4));
+    if (Array.isArray(value)) return value.length > 4 ? value.length + " items" : value.map(numberText).join(", ");
+    if (value && typeof value === "object") {
+      const entries = Object.entries(value);
+      if (entries.every(([, v]) => Number.isInteger(v))) return fleetText(value);
+      return entries.map(([k, v]) => k + " " + numberText(v)).join(", ");
+    }
+    return String(value);
+  }
+
+  function renderDecisions(snap) {
+    const list = snap.decisions;
+    const now = Date.now();
+    if (state.seenDecisions !== null) {
+      for (const d of list) if (!state.seenDecisions.has(d.id)) state.freshUntil.set(d.id, now + 6000);
+    }
+    state.seenDecisions = new Set(list.map((d) => d.id));
+    const items = list.map((d) => {
+      const numbers = Object.entries(d.numbers || {}).map(([k, v]) =>
+        el("span", {}, [el("b", { text: k + " " }), document.createTextNode(numberText(v))]));
+      const fresh = (state.freshUntil.get(d.id) || 0) > now;
+      return el("li", { "data-decision-id": String(d.id), "data-kind": d.kind, class: fresh ? "fresh" : "" }, [
+        el("span", { class: "when", text: H.clock(d.t, true) }),
+        el("span", { class: "kind " + d.kind.replace(/[^a-z0-9_]/gi, ""), text: d.kind.replace(/_/g, " ") }),
+        el("span", { class: "reason", text: d.reason }),
+        numbers.length ? el("span", { class: "numbers" }, numbers) : null,
+      ]);
+    });
+    $("decision-log").replaceChildren(...items);
+    $("decision-count").textContent = list.length ? "(newest first, " + list.length + ")" : "";
+    if (!list.length) setPanel("decisions", "empty", "No decisions yet: scaling actions, gear switches and replans appear here.");
+    else setPanel("decisions", "ready");
+  }
+
+  function table(headers, rows, rowClass) {
+    return el("div", { class: "table-wrap" }, [el("table", {}, [
+      el("thead", {}, [el("tr", {}, headers.map((h) => el("th", { text: h[0], class: h[1] || "" })))]),
+      el("tbody", {}, rows.map((cells, i) => el("tr", { class: rowClass ? rowClass(i) : "" },
+        cells.map((c, j) => el("td", { text: c, class: headers[j][1] || "" }))))),
+    ])]);
+  }
+
+  function renderPlan(snap) {
+    const plan = snap.plan;
+    const body = $("plan-body");
+    if (!plan) {
+      body.replaceChildren();
+      $("plan-title").textContent = "";
+      setPanel("plan", "empty", "No plan yet: preview one (POST /v1/apps/" + snap.app.name + "/plans) and apply it.");
+      return;
+    }
+    $("plan-title").textContent = "#" + plan.number + " · " + plan.status +
+      (plan.applied_at ? " " + H.clock(Date.parse(plan.applied_at) / 1000, false) : "");
+    const head = el("p", { class: "plan-head" }, [
+      el("span", { class: "tag" + (plan.feasible ? "" : " no"), text: plan.feasible ? "feasible" : "infeasible" }),
+      document.createTextNode(fleetText(plan.fleet) + " · " + usd(plan.cost_usd_per_hr, 3) + "/hr · planned for " +
+        qps(plan.planned_rate_qps) + (finite(plan.max_feasible_qps) ? " (at most " + qps(plan.max_feasible_qps) + ")" : "") +
+        (plan.trace && plan.trace.source ? " · trace: " + plan.trace.source : "")),
+    ]);
+    const stages = table(
+      [["stage"], ["fleet", "mix"], ["batch", "num"], ["P99 (sim.)", "num"], ["qps", "num"], ["$/hr", "num"]],
+      plan.stages.map((s) => [s.name, fleetText(s.fleet), String(s.batch_size ?? "–"), ms(s.predicted_p99_ms),
+        finite(s.throughput_qps) ? s.throughput_qps.toFixed(1) : "–", usd(s.cost_usd_per_hr, 3)]),
+    );
+    // Folded parts keep the reader's choice across polls (the panel is rebuilt every 2 s).
+    const opened = new Map([...body.querySelectorAll("details[data-keep]")].map((d) => [d.dataset.keep, d.open]));
+    const fold = (key, summary, children, open) => {
+      const node = el("details", { class: key.startsWith("why:") ? "stage-why" : "steps", "data-keep": key },
+        [el("summary", { text: summary }), ...children]);
+      node.open = opened.has(key) ? opened.get(key) : open;
+      return node;
+    };
+    const why = [];
+    const ranking = plan.ranking || {};
+    const stagesRanked = ranking.stages || [];
+    stagesRanked.forEach((stage, index) => {
+      const chosen = stage.chosen || {};
+      const parts = [];
+      const words = "Applied: " + fleetText(chosen.fleet) + ", Kairos bound " + qps(chosen.upper_bound_qps) +
+        ", " + usd(chosen.cost_usd_per_hr, 3) + "/hr. " +
+        (stage.ranked ? stage.ranked.toLocaleString() + " mixes within " + usd(ranking.budget_usd_per_hr, 2) + "/hr ranked on " + ranking.batch_mix + "." : "") +
+        (stage.note && !stage.ranked ? " " + stage.note : "");
+      parts.push(el("p", { class: "note", text: words }));
+      if (stage.covering && stage.covering.length) {
+        parts.push(el("p", { class: "note", text: "The cheapest mixes whose bound × " + ranking.headroom + " covers the peak " + qps(stage.peak_qps) + ": the planner starts from the first, then adds and cuts with the simulator (its steps):" }));
+        parts.push(table([["mix", "mix"], ["bound", "num"], ["$/hr", "num"]],
+          stage.covering.map((m) => [fleetText(m.fleet), qps(m.upper_bound_qps), usd(m.cost_usd_per_hr, 3)]),
+          (i) => (stage.covering[i].chosen ? "chosen" : "")));
+      }
+      if (stage.top && stage.top.length) {
+        parts.push(fold("head:" + stage.stage, "The ranking's head: the highest bounds within the budget", [
+          table([["#", "num"], ["mix", "mix"], ["bound", "num"], ["$/hr", "num"]],
+            stage.top.map((m, i) => [String(i + 1), fleetText(m.fleet), qps(m.upper_bound_qps), usd(m.cost_usd_per_hr, 3)]),
+            (i) => (stage.top[i].chosen ? "chosen" : "")),
+        ], false));
+      }
+      const title = "Why this mix" + (stagesRanked.length > 1 ? ": stage " + stage.stage : "");
+      // The first stage open, the others a click away.
+      why.push(fold("why:" + stage.stage, title, parts, index === 0));
+    });
+    if (!why.length && ranking.note) why.push(el("p", { class: "note", text: ranking.note }));
+    const steps = fold("steps", "The planner's " + plan.steps.length + " steps (" + (plan.simulations ?? 0) + " simulations)",
+      [el("ol", {}, plan.steps.map((s) => el("li", { text: s })))], false);
+    body.replaceChildren(head, el("div", { class: "plan-cols" }, [
+      el("div", {}, [el("h3", { text: "Stages" }), stages, steps]),
+      el("div", { id: "plan-ranking" }, why),
+    ]));
+    setPanel("plan", "ready");
+  }
+
+  // --- polling ------------------------------------------------------------------------------
+
+  function renderApps(apps, current) {
+    const select = $("app-select");
+    const options = [...select.options].map((o) => o.value);
+    if (options.join(",") !== apps.join(",")) {
+      select.replaceChildren(...apps.map((a) => el("option", { value: a, text: a })));
+    }
+    if (current) select.value = current;
+  }
+
+  function render(body) {
+    state.lastBody = body;
+    $("viewer").textContent = body.viewer.name + " (" + body.viewer.scope + ")";
+    const snap = body.snapshot;
+    renderApps(body.apps, snap ? snap.app.name : null);
+    if (!snap) {
+      showBanner("No apps yet: register one (POST /v1/apps, or heteroplane app apply -f app.yaml).");
+      for (const panel of document.querySelectorAll("[data-panel]")) setPanel(panel.dataset.panel, "empty", "No apps yet.");
+      return;
+    }
+    showBanner(null);
+    const parts = [renderFleet, renderCost, renderLoad, renderLatency, renderCascade, renderDecisions, renderPlan];
+    for (const part of parts) {
+      try {
+        part(snap);
+      } catch (error) {
+        console.error(part.name, error);
+      }
+    }
+    document.body.dataset.generatedAt = snap.generated_at;
+  }
+
+  function showBanner(message) {
+    const banner = $("banner");
+    banner.hidden = !message;
+    banner.textContent = message || "";
+  }
+
+  function setStatus(text, tone) {
+    const status = $("status");
+    status.textContent = text;
+    status.className = "status " + (tone || "");
+  }
+
+  async function poll() {
+    clearTimeout(state.timer);
+    const url = new URL("/dashboard/data", window.location.origin);
+    if (state.app) url.searchParams.set("app", state.app);
+    url.searchParams.set("window_s", String(state.windowS));
+    try {
+      const response = await fetch(url, { credentials: "same-origin", cache: "no-store", headers: { Accept: "application/json" } });
+      if (response.status === 401) {
+        window.location.assign("/dashboard");
+        return;
+      }
+      const body = await response.json();
+      if (!response.ok) {
+        const message = body && body.error ? body.error.message : response.statusText;
+        showBanner(message);
+        setStatus("error " + response.status, "stale");
+        if (response.status === 404 && state.app) state.app = null;
+      } else {
+        render(body);
+        state.failures = 0;
+        setStatus("live · " + H.clock(Date.now() / 1000, true), "live");
+      }
+    } catch (error) {
+      state.failures += 1;
+      setStatus("cannot reach the service (" + state.failures + ")", "stale");
+    } finally {
+      state.timer = setTimeout(poll, POLL_MS);
+    }
+  }
+
+  function remember() {
+    const query = new URLSearchParams();
+    if (state.app) query.set("app", state.app);
+    if (state.windowS !== 1800) query.set("window_s", String(state.windowS));
+    const suffix = query.toString();
+    window.history.replaceState(null, "", "/dashboard" + (suffix ? "?" + suffix : ""));
+  }
+
+  $("app-select").addEventListener("change", (event) => {
+    state.app = event.target.value;
+    state.seenDecisions = null;
+    remember();
+    poll();
+  });
+  const windowSelect = $("window-select");
+  if (![...windowSelect.options].some((o) => Number(o.value) === state.windowS)) {
+    // A window from the address that the list does not offer: offer it too.
+    const minutes = state.windowS / 60;
+    const label = minutes >= 60 ? +(minutes / 60).toFixed(1) + " h" : +minutes.toFixed(1) + " min";
+    windowSelect.appendChild(el("option", { value: String(state.windowS), text: label }));
+  }
+  windowSelect.value = String(state.windowS);
+  windowSelect.addEventListener("change", (event) => {
+    state.windowS = Number(event.target.value);
+    remember();
+    poll();
+  });
+  let resizing = null;
+  window.addEventListener("resize", () => {
+    clearTimeout(resizing);
+    resizing = setTimeout(() => {
+      if (state.lastBody) render(state.lastBody);
+    }, 150);
+  });
+  poll();
+})();

@@ -1,0 +1,127 @@
+"""Admission control: refuse a query (429 with ``Retry-After``) when the queue it would join
+cannot be served within the SLO even at the cheapest gear, rather than let it wait without bound.
+
+The estimate comes from the profiles and what the serving loop sees now, per stage (model) of a
+gear's cascade (:class:`StageLoad`):
+
+- the backlog B_s, samples queued at the stage plus those in service there;
+- the capacity C_s, samples per second the stage's healthy instances serve: sum over instances i
+  of k_i / L_{m,t(i)}(k_i), L the profiled mean service time and k_i the batch of samples one
+  dispatch gives it (the stage's batch cap, within the profile);
+- the service time S_s of the new query's own batch (its batch size on the stage's fastest type);
+- whether the gear sends any sample there (its reach share; a stage no sample reaches adds
+  nothing).
+
+A sample that reaches every stage of the path (the tail: P99 is what the SLO asks) waits about
+B_s / C_s at each and is served in S_s, so the predicted latency of a new query under a gear is
+(:func:`predicted_latency_ms`)
+
+    T = sum over stages s with reach_s > 0 of  1000 B_s / C_s + S_s  (ms).
+
+The *wait* part W = sum 1000 B_s / C_s is what admission judges (:func:`decide`): the query is
+refused when W exceeds what the SLO leaves after the service itself, max(SLO - S, SLO / 4),
+under the gear of least T among the candidates (the gear in force, the app's own cascade, and
+the cheapest gear of a gear plan when the app has one). The floor of a quarter of the SLO keeps
+an SLO that the bare service time already misses (a slow type, a tight SLO) from turning away
+every query that would wait at all: those queries are served, late, and counted. ``Retry-After``
+is the time the backlog needs to drain down to the allowance, (W - allowance) / 1000 seconds,
+rounded up, between 1 and :data:`MAX_RETRY_AFTER_S`.
+
+Past the SLO, a hard cap on the samples queued per app (:data:`DEFAULT_MAX_QUEUED_SAMPLES`)
+bounds memory whatever the estimate says.
+
+>>> stage = StageLoad(backlog_samples=900, capacity_sps=1000.0, service_ms=5.0, reach_share=1.0)
+>>> predicted_latency_ms([stage])
+905.0
+>>> decide([stage], slo_ms=200.0)
+Admission(admitted=False, predicted_ms=905.0, wait_ms=900.0, retry_after_s=1)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_MAX_QUEUED_SAMPLES",
+    "MAX_RETRY_AFTER_S",
+    "MIN_WAIT_SHARE",
+    "Admission",
+    "StageLoad",
+    "cheapest",
+    "decide",
+    "predicted_latency_ms",
+    "wait_ms",
+]
+
+# The least queueing any query is allowed, as a share of the SLO (see the module docstring).
+MIN_WAIT_SHARE = 0.25
+MAX_RETRY_AFTER_S = 60
+# Samples queued per app beyond which every new query is refused: 256 k samples of 64 floats is
+# about 128 MiB of inputs held by the loop.
+DEFAULT_MAX_QUEUED_SAMPLES = 262_144
+
+
+@dataclass(frozen=True, slots=True)
+class StageLoad:
+    """What a stage of a gear faces now (see the module docstring for the symbols)."""
+
+    backlog_samples: float
+    capacity_sps: float
+    service_ms: float
+    reach_share: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The verdict for a new query: admitted or not, the predicted latency and its wait part
+    under the chosen gear (ms), and, when refused, when to retry (whole seconds)."""
+
+    admitted: bool
+    predicted_ms: float
+    wait_ms: float
+    retry_after_s: int = 0
+
+
+def _reached(stages: Iterable[StageLoad]) -> list[StageLoad]:
+    return [s for s in stages if s.reach_share > 0]
+
+
+def wait_ms(stages: Sequence[StageLoad]) -> float:
+    """W: the queueing a sample reaching every stage of the path meets (infinite when a stage
+    it reaches has no capacity and a backlog, or no capacity at all)."""
+    total = 0.0
+    for stage in _reached(stages):
+        if stage.capacity_sps <= 0:
+            return math.inf
+        total += 1000.0 * max(stage.backlog_samples, 0.0) / stage.capacity_sps
+    return total
+
+
+def predicted_latency_ms(stages: Sequence[StageLoad]) -> float:
+    """T = W + the service of every stage the gear reaches."""
+    return wait_ms(stages) + sum(s.service_ms for s in _reached(stages))
+
+
+def cheapest(gears: Sequence[Sequence[StageLoad]]) -> int:
+    """The index of the gear of least predicted latency (the first of equals)."""
+    if not gears:
+        raise ValueError("no gear to choose from")
+    return min(range(len(gears)), key=lambda i: predicted_latency_ms(gears[i]))
+
+
+def decide(
+    stages: Sequence[StageLoad], slo_ms: float, *, min_wait_share: float = MIN_WAIT_SHARE
+) -> Admission:
+    """Admit or refuse under one gear's ``stages`` (see the module docstring)."""
+    wait = wait_ms(stages)
+    service = sum(s.service_ms for s in _reached(stages))
+    predicted = wait + service
+    allowance = max(slo_ms - service, min_wait_share * slo_ms)
+    if wait <= allowance:
+        return Admission(True, predicted, wait)
+    if math.isinf(wait):
+        return Admission(False, predicted, wait, MAX_RETRY_AFTER_S)
+    retry = min(max(math.ceil((wait - allowance) / 1000.0), 1), MAX_RETRY_AFTER_S)
+    return Admission(False, predicted, wait, retry)

@@ -1,0 +1,362 @@
+"""The serving loop of the service: one :class:`~controlplane.serving.dispatcher.AppDispatcher`
+per app, kept in step with the store and the fleet, started and stopped with the API.
+
+:class:`ServingLoop` owns
+
+- the dispatchers, made on an app's first request (or status read) from its stored spec,
+  resolved against its profiles, catalog and validation records, and its applied plan's stages
+  (:func:`load_config`);
+- a background task that every ``refresh_s`` re-reads, for each app it serves, the app's version
+  and applied plan (a change rebuilds the configuration in place: queues carry over) and its
+  running workers (:class:`~controlplane.serving.workers.InstanceSource`), and probes the
+  workers marked unhealthy; an app deleted meanwhile is dropped. A request for an app with no
+  worker known reads the fleet at once instead of waiting for the next refresh;
+- the transport (one kept-alive connection pool for all apps), the INFaaS state tracker and the
+  observations (:mod:`controlplane.serving.observations`) that the roll-up job and ``/metrics``
+  read (:meth:`ServingLoop.take_window`);
+- a record of each worker marked unhealthy as a ``worker_unhealthy`` decision of its app (the
+  dashboard's events), written off the event loop.
+
+Reads of the store and the provider are blocking I/O: they run in threads
+(``asyncio.to_thread``), never on the event loop that serves the API and the dispatchers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+from controlplane.api.resolver import AppResolver
+from controlplane.clock import Clock, SystemClock
+from controlplane.errors import ControlPlaneError, NotFoundError, ServingUnavailableError
+from controlplane.serving.dispatcher import (
+    AppConfig,
+    AppDispatcher,
+    AppStatus,
+    DispatcherSettings,
+    InferResult,
+    ServingGear,
+    StagePlan,
+)
+from controlplane.serving.observations import Observations, WindowSummary
+from controlplane.serving.states import StateTracker
+from controlplane.serving.transport import HttpWorkerTransport, WorkerTransport
+from controlplane.serving.workers import InstanceSource, WorkerEndpoint
+from controlplane.spec import SpecError
+from controlplane.store import Store
+from controlplane.variants import Requirements
+from estimator.cascades import Cascade
+from estimator.errors import EstimatorError
+
+__all__ = ["DEFAULT_REFRESH_S", "GearHook", "ServingLoop", "ServingSettings", "load_config"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REFRESH_S = 1.0
+
+# The gear switcher's hook: the gear in force for an app (None: the app's own cascade).
+GearHook = Callable[[str], ServingGear | None]
+
+
+@dataclass(frozen=True, slots=True)
+class ServingSettings:
+    """How often the fleet is re-read, how long a health probe may take, and the dispatchers'
+    own settings."""
+
+    refresh_s: float = DEFAULT_REFRESH_S
+    probe_timeout_s: float = 0.5
+    dispatcher: DispatcherSettings = field(default_factory=DispatcherSettings)
+
+
+def _version(store: Store, app: str) -> tuple[object, ...]:
+    record = store.get_app(app)
+    plan = store.get_applied_plan(app)
+    return (record.version, plan.id if plan is not None else None)
+
+
+def load_config(store: Store, resolver: AppResolver, app: str) -> AppConfig:
+    """The dispatcher's configuration of ``app`` from its stored spec and applied plan
+    (blocking). A cascade with thresholds serves as given; a cascade without them answers with
+    its last model (the most accurate) until a gear says otherwise; a single model is the
+    cascade of one.
+
+    Raises:
+        NotFoundError: no such app.
+        ServingUnavailableError: the spec no longer resolves (a profile file gone).
+    """
+    record = store.get_app(app)
+    plan = store.get_applied_plan(app)
+    try:
+        resolved = resolver.resolve(record.spec, check_budget=False)
+    except EstimatorError as error:
+        raise ServingUnavailableError(app, f"its spec does not resolve: {error}") from None
+    spec = resolved.spec
+    models = tuple(spec.serving_order)
+    cascade = resolved.cascade or Cascade((models[-1],), ())
+    profiles = {
+        model: {t: resolved.profile(model, t) for t in resolved.instance_types} for model in models
+    }
+    stage_plans: dict[str, StagePlan] = {}
+    if plan is not None:
+        for stage in plan.document.get("stages", []):
+            name = stage.get("name") if isinstance(stage, dict) else None
+            if name in models:
+                fleet = stage.get("fleet")
+                batch = stage.get("batch_size", 1)
+                policy = stage.get("policy")
+                stage_plans[name] = StagePlan(
+                    fleet={str(t): int(n) for t, n in fleet.items()}
+                    if isinstance(fleet, dict)
+                    else None,
+                    max_batch_queries=int(batch) if isinstance(batch, int) and batch >= 1 else 1,
+                    policy=policy if isinstance(policy, str) else None,
+                )
+    return AppConfig(
+        name=app,
+        slo_ms=float(spec.slo.latency_ms),
+        models=models,
+        cascade=cascade,
+        profiles=profiles,
+        prices_usd_per_hr=dict(resolved.prices_usd_per_hr),
+        validation=resolved.validation,
+        stage_plans=stage_plans,
+        version=(record.version, plan.id if plan is not None else None),
+    )
+
+
+class ServingLoop:
+    """Every app's dispatcher on the API's event loop (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        resolver: AppResolver,
+        instances: InstanceSource,
+        *,
+        transport: WorkerTransport | None = None,
+        clock: Clock | None = None,
+        settings: ServingSettings | None = None,
+        gears: GearHook | None = None,
+        observations: Observations | None = None,
+    ) -> None:
+        self.store = store
+        self.resolver = resolver
+        self.instances = instances
+        self.transport: WorkerTransport = transport or HttpWorkerTransport()
+        self.clock: Clock = clock or SystemClock()
+        self.settings = settings or ServingSettings()
+        self.gears = gears
+        self.observations = observations or Observations()
+        self.tracker = StateTracker()
+        self._dispatchers: dict[str, AppDispatcher] = {}
+        self._snapshots: dict[str, AppStatus] = {}
+        self._warned: dict[str, str] = {}  # app -> the refresh problem last logged
+        self._creating: dict[str, asyncio.Future[AppDispatcher]] = {}
+        self._refresher: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[object]] = set()
+        self._running = False
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    async def start(self) -> None:
+        """Start the refresh task (on the running event loop).
+
+        Also freezes the objects alive now (``gc.freeze``: the imported libraries, the app, the
+        settings) out of the cyclic collector's reach: its full passes walked them all, and at
+        2,000 queries per second a pass paused the loop for close to 100 ms
+        (``benchmarks/dispatcher_speed.py``); the objects of queries are young and die young.
+        """
+        if self._running:
+            raise RuntimeError("the serving loop is already running")
+        gc.collect()
+        gc.freeze()
+        self._running = True
+        self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+
+    async def stop(self) -> None:
+        """Stop refreshing, answer what is queued with an error, close the connections."""
+        self._running = False
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+            self._refresher = None
+        dispatchers, self._dispatchers = list(self._dispatchers.values()), {}
+        self._snapshots = {}
+        for dispatcher in dispatchers:
+            await dispatcher.close()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.transport.close()
+
+    # --- requests -------------------------------------------------------------------------------
+
+    async def infer(
+        self,
+        app: str,
+        inputs: list[list[float]],
+        sample_ids: list[int] | None = None,
+        requirements: Requirements | None = None,
+    ) -> InferResult:
+        """Answer one inference request for ``app`` (raises the ServingError that says why
+        not, :class:`NotFoundError` for an unknown app)."""
+        dispatcher = await self.dispatcher(app)
+        if not dispatcher.workers():
+            await self._refresh_app(app, dispatcher)
+        return await dispatcher.infer(inputs, sample_ids, requirements)
+
+    async def dispatcher(self, app: str) -> AppDispatcher:
+        """The app's dispatcher, made (and its workers read) on first use."""
+        if not self._running:
+            raise ServingUnavailableError(app, "the serving loop is not running")
+        found = self._dispatchers.get(app)
+        if found is not None:
+            return found
+        pending = self._creating.get(app)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[AppDispatcher] = asyncio.get_running_loop().create_future()
+        self._creating[app] = future
+        try:
+            config = await asyncio.to_thread(load_config, self.store, self.resolver, app)
+            endpoints = await asyncio.to_thread(self.instances.running, app)
+            dispatcher = AppDispatcher(
+                config,
+                self.transport,
+                self.observations,
+                settings=self.settings.dispatcher,
+                clock_s=self.clock.now_s,
+                gear=self._gear_of(app),
+                tracker=self.tracker,
+                on_unhealthy=self._recorder(app),
+            )
+            dispatcher.set_workers(endpoints)
+            self._dispatchers[app] = dispatcher
+            future.set_result(dispatcher)
+            return dispatcher
+        except Exception as error:
+            future.set_exception(error)
+            future.exception()  # retrieved: waiters get it through their own await
+            raise
+        except BaseException:
+            future.cancel()
+            raise
+        finally:
+            del self._creating[app]
+
+    def _gear_of(self, app: str) -> Callable[[], ServingGear | None] | None:
+        hook = self.gears
+        if hook is None:
+            return None
+        return lambda: hook(app)
+
+    def _recorder(self, app: str) -> Callable[[WorkerEndpoint, str], None]:
+        def record(endpoint: WorkerEndpoint, reason: str) -> None:
+            numbers = {
+                "instance_id": endpoint.instance_id,
+                "instance_type": endpoint.instance_type,
+                "address": endpoint.address,
+            }
+
+            def write() -> None:
+                try:
+                    self.store.record_decision(
+                        app,
+                        "worker_unhealthy",
+                        f"worker {endpoint.instance_id} taken out of matching: {reason}",
+                        numbers,
+                    )
+                except ControlPlaneError as error:
+                    logger.warning("%s: cannot record worker_unhealthy: %s", app, error)
+
+            task: asyncio.Task[object] = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(write)
+            )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+        return record
+
+    # --- refresh --------------------------------------------------------------------------------
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.refresh_s)
+            try:
+                await self.refresh()
+            except Exception:  # the loop must outlive a bad refresh: log it and go on
+                logger.exception("serving refresh failed")
+
+    async def refresh(self) -> None:
+        """Re-read every served app's configuration and workers, and probe the unhealthy ones."""
+        for app, dispatcher in list(self._dispatchers.items()):
+            await self._refresh_app(app, dispatcher)
+
+    async def _refresh_app(self, app: str, dispatcher: AppDispatcher) -> None:
+        try:
+            version = await asyncio.to_thread(_version, self.store, app)
+            if version != dispatcher.config.version:
+                config = await asyncio.to_thread(load_config, self.store, self.resolver, app)
+                dispatcher.reconfigure(config)
+            endpoints = await asyncio.to_thread(self.instances.running, app)
+        except NotFoundError:
+            if self._dispatchers.get(app) is dispatcher:
+                del self._dispatchers[app]
+                self._snapshots.pop(app, None)
+                await dispatcher.close()
+            return
+        except (ControlPlaneError, SpecError) as error:
+            if self._warned.get(app) != str(error):  # once per cause, not every second
+                self._warned[app] = str(error)
+                logger.warning("%s: serving refresh: %s", app, error)
+            return
+        self._warned.pop(app, None)
+        dispatcher.set_workers(endpoints)
+        await dispatcher.probe(self.settings.probe_timeout_s)
+        self._snapshots[app] = dispatcher.status()
+
+    # --- what others read -----------------------------------------------------------------------
+
+    async def status(self, app: str) -> AppStatus:
+        dispatcher = await self.dispatcher(app)
+        return dispatcher.status()
+
+    def statuses(self) -> list[AppStatus]:
+        """The status of every app served so far as of its last refresh (thread-safe: what
+        ``/metrics`` reads from its worker thread)."""
+        snapshots = dict(self._snapshots)
+        return [snapshots[app] for app in sorted(snapshots)]
+
+    def serves(self, app: str) -> bool:
+        """Whether the loop has a dispatcher for ``app`` (it observes the app's traffic)."""
+        return app in self._dispatchers
+
+    def observed_arrivals(self, app: str) -> NDArray[np.float64] | None:
+        """:meth:`arrivals` for an app the loop serves, ``None`` for one it does not (the live
+        tuner then leaves the app on its plan rather than reading silence as no load)."""
+        return self.arrivals(app) if self.serves(app) else None
+
+    def arrivals(self, app: str) -> NDArray[np.float64]:
+        """The app's recent arrival times on the clock's ``now_s`` (oldest first): the live
+        tuner's arrival source (``controlplane.live_tuner.ArrivalSource``). Thread-safe."""
+        return self.observations.arrival_s(app)
+
+    def take_window(self, app: str) -> WindowSummary | None:
+        """The app's serving window since the last call (thread-safe: the roll-up job's), with
+        its SLO and the gear in force; None when the app was never served."""
+        dispatcher = self._dispatchers.get(app)
+        if dispatcher is None:
+            return None
+        config = dispatcher.config
+        return self.observations.take_window(
+            app, self.clock.now_s(), config.slo_ms, dispatcher.gear_label
+        )

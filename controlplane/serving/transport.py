@@ -1,0 +1,391 @@
+"""Calls to worker agents over kept-alive HTTP/1.1: the :class:`WorkerTransport` seam and the
+client the serving loop uses (:class:`HttpWorkerTransport`).
+
+The worker agent (:mod:`provisioners.worker.agent`) answers ``POST /infer`` and ``GET /health``
+with JSON bodies that always carry ``Content-Length``. This module owns the client side: one pool
+of open connections per worker address (the dispatcher sends a worker one batch at a time, so one
+connection per worker is what it uses; a health probe may take a second), reuse while the worker
+keeps the connection alive, and the failure modes turned into one :class:`~controlplane.errors.
+WorkerCallError` with a ``kind`` the dispatcher acts on.
+
+Why not httpx: on this project's 2-core reference machine an ``httpx.AsyncClient`` against an
+in-process loopback server that answers at once served about 1,200 requests per second, which
+alone spends the dispatcher's whole budget (2,000 queries per second with at most 5 ms added at
+p99, ``benchmarks/dispatcher_speed.py``); the same exchange over plain asyncio streams ran at
+about 38,000. The agent speaks a small, fixed subset of HTTP/1.1 (``Content-Length`` bodies, no
+chunking, no redirects, no TLS on the private network), so a client of that subset is short and
+is all the serving loop needs.
+
+A connection taken from the pool may have been closed by the worker meanwhile (the agent closes
+an idle connection after 30 s; connections idle for :data:`IDLE_S` are not reused for that
+reason). When a reused connection breaks before any byte of the answer arrived, the request is
+sent once more on a new connection: inference is idempotent, and the break says nothing of the
+worker's health. Each connection is an :class:`asyncio.Protocol` that parses the answer as its
+bytes arrive and resolves one future per request (fewer turns of the event loop per call than
+asyncio's streams).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from controlplane.errors import WorkerCallError
+
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "IDLE_S",
+    "WATCH_S",
+    "HttpWorkerTransport",
+    "WorkerReply",
+    "WorkerTransport",
+    "parse_infer_reply",
+]
+
+# The agent closes a connection idle for 30 s (provisioners.worker.agent.IDLE_CONNECTION_S); one
+# idle for less than this is still open on its side.
+IDLE_S = 20.0
+CONNECT_TIMEOUT_S = 1.0
+# How often the answers awaited are checked against their deadlines: a call times out up to this
+# much after its deadline.
+WATCH_S = 0.01
+# Connections kept open per worker address beyond the ones in use.
+MAX_IDLE_PER_ADDRESS = 4
+# A worker's answer head is a few hundred bytes; anything past this is not the agent.
+_MAX_HEAD_BYTES = 16 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReply:
+    """A worker's answer to one batch: per input row its predicted class and certainty (top-1
+    minus top-2 score); ``served_ms`` is the batch's service time on the worker (compute plus
+    emulation padding; None when the worker does not say), ``instance_type`` what the worker
+    runs as."""
+
+    predictions: tuple[int, ...]
+    certainty: tuple[float, ...]
+    served_ms: float | None
+    instance_type: str
+
+
+class WorkerTransport(Protocol):
+    """How the dispatcher talks to workers (the live one, or a stub in a benchmark)."""
+
+    async def infer(
+        self, address: str, model: str, rows: Sequence[Sequence[float]], timeout_s: float
+    ) -> WorkerReply:
+        """Run ``rows`` (one batch) through ``model`` on the worker at ``address``; raises
+        :class:`~controlplane.errors.WorkerCallError` when no answer comes."""
+        ...
+
+    async def health(self, address: str, timeout_s: float) -> bool:
+        """Whether the worker at ``address`` answers ``GET /health`` with ``ok``."""
+        ...
+
+    async def close(self) -> None:
+        """Close every open connection."""
+        ...
+
+
+def parse_infer_reply(address: str, body: bytes, rows: int) -> WorkerReply:
+    """The agent's ``POST /infer`` answer for a batch of ``rows`` rows; ``malformed``
+    :class:`~controlplane.errors.WorkerCallError` when it is not one."""
+    try:
+        document = json.loads(body)
+        predictions = tuple(int(p) for p in document["predictions"])
+        certainty = tuple(float(c) for c in document["certainty"])
+        served = document.get("served_ms")
+        served_ms = float(served) if isinstance(served, int | float) else None
+        instance_type = str(document.get("instance_type", ""))
+    except (ValueError, KeyError, TypeError) as error:
+        raise WorkerCallError(address, "malformed", f"not an inference answer: {error}") from None
+    if len(predictions) != rows or len(certainty) != rows:
+        raise WorkerCallError(
+            address,
+            "malformed",
+            f"{len(predictions)} predictions and {len(certainty)} certainties for {rows} rows",
+        )
+    if served_ms is not None and not (math.isfinite(served_ms) and served_ms >= 0):
+        served_ms = None
+    return WorkerReply(predictions, certainty, served_ms, instance_type)
+
+
+class _BrokenError(Exception):
+    """A connection broke; ``answered`` says whether any byte of the answer had arrived."""
+
+    def __init__(self, detail: str, answered: bool) -> None:
+        super().__init__(detail)
+        self.answered = answered
+
+
+_Answer = tuple[int, bytes, bool]  # status, body, whether the worker closes the connection
+
+
+class _Channel(asyncio.Protocol):
+    """One kept-alive connection to a worker: one request at a time, its answer parsed as the
+    bytes arrive (a protocol, not streams: a call is one future, not a chain of awaits)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.waiter: asyncio.Future[_Answer] | None = None
+        self.head: tuple[int, int, bool] | None = None
+        self.body_at = 0
+        self.last_used_s = time.monotonic()
+
+    @property
+    def open(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            detail = "the worker closed the connection"
+            if exc is not None:
+                detail = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            waiter.set_exception(_BrokenError(detail, answered=bool(self.buffer)))
+
+    def send(self, request: bytes) -> asyncio.Future[_Answer]:
+        transport = self.transport
+        waiter: asyncio.Future[_Answer] = asyncio.get_running_loop().create_future()
+        if transport is None or transport.is_closing():
+            waiter.set_exception(_BrokenError("the connection is closed", answered=False))
+            return waiter
+        self.waiter = waiter
+        self.buffer.clear()
+        self.head = None
+        transport.write(request)
+        return waiter
+
+    def data_received(self, data: bytes) -> None:
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            self.close()  # bytes nobody asked for: the connection is out of step
+            return
+        buffer = self.buffer
+        buffer += data
+        try:
+            if self.head is None:
+                end = buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(buffer) > _MAX_HEAD_BYTES:
+                        raise WorkerCallError(self.address, "malformed", "an answer head too long")
+                    return
+                self.head = _parse_head(self.address, bytes(buffer[: end + 4]))
+                self.body_at = end + 4
+            status, length, close = self.head
+            if len(buffer) < self.body_at + length:
+                return
+            body = bytes(buffer[self.body_at : self.body_at + length])
+        except WorkerCallError as error:
+            self.waiter = None
+            waiter.set_exception(error)
+            self.close()
+            return
+        self.waiter = None
+        buffer.clear()
+        waiter.set_result((status, body, close))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class HttpWorkerTransport:
+    """HTTP/1.1 to worker agents over kept-alive connections (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        idle_s: float = IDLE_S,
+        max_idle_per_address: int = MAX_IDLE_PER_ADDRESS,
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.idle_s = idle_s
+        self.max_idle_per_address = max_idle_per_address
+        self._idle: defaultdict[str, list[_Channel]] = defaultdict(list)
+        self._closed = False
+        # The answers awaited, with their deadlines: one watchdog timer checks them all every
+        # WATCH_S (a timer per call would fill the event loop's heap with cancelled ones).
+        self._pending: dict[asyncio.Future[_Answer], tuple[float, str, float]] = {}
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    def _watch(self) -> None:
+        self._watchdog = None
+        now = time.monotonic()
+        for waiter, (deadline_s, address, timeout_s) in list(self._pending.items()):
+            if now >= deadline_s and not waiter.done():
+                waiter.set_exception(
+                    WorkerCallError(
+                        address, "timeout", f"no answer within {timeout_s * 1000:.0f} ms"
+                    )
+                )
+        if self._pending and not self._closed:
+            self._watchdog = asyncio.get_running_loop().call_later(WATCH_S, self._watch)
+
+    async def infer(
+        self, address: str, model: str, rows: Sequence[Sequence[float]], timeout_s: float
+    ) -> WorkerReply:
+        body = json.dumps({"model": model, "inputs": rows}, separators=(",", ":")).encode()
+        status, answer = await self._request(address, "POST", "/infer", body, timeout_s)
+        if status != 200:
+            raise WorkerCallError(
+                address,
+                "status",
+                f"HTTP {status}: {_error_text(answer)}",
+                status=status,
+                # 400 and 413 refuse the inputs themselves: another worker would refuse them too.
+                worker_fault=status not in (400, 413),
+            )
+        return parse_infer_reply(address, answer, len(rows))
+
+    async def health(self, address: str, timeout_s: float) -> bool:
+        try:
+            status, answer = await self._request(address, "GET", "/health", b"", timeout_s)
+            document: Any = json.loads(answer)
+        except (WorkerCallError, ValueError):
+            return False
+        return status == 200 and isinstance(document, dict) and document.get("status") == "ok"
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        idle = [c for channels in self._idle.values() for c in channels]
+        self._idle.clear()
+        for channel in idle:
+            channel.close()
+
+    async def _request(
+        self, address: str, method: str, path: str, body: bytes, timeout_s: float
+    ) -> tuple[int, bytes]:
+        if self._closed:
+            raise WorkerCallError(address, "closed", "the transport is closed")
+        request = (
+            f"{method} {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        deadline_s = time.monotonic() + timeout_s
+        channel = self._pooled(address)
+        if channel is not None:
+            try:
+                return await self._exchange(address, channel, request, deadline_s, timeout_s)
+            except _BrokenError as error:
+                if error.answered:
+                    raise WorkerCallError(address, "closed", str(error)) from None
+                # The worker had closed the idle connection: once more on a new one.
+        channel = await self._connect(address, min(self.connect_timeout_s, timeout_s))
+        try:
+            return await self._exchange(address, channel, request, deadline_s, timeout_s)
+        except _BrokenError as error:
+            raise WorkerCallError(address, "closed", str(error)) from None
+
+    def _pooled(self, address: str) -> _Channel | None:
+        idle = self._idle.get(address)
+        now = time.monotonic()
+        while idle:
+            channel = idle.pop()
+            if now - channel.last_used_s < self.idle_s and channel.open:
+                return channel
+            channel.close()
+        return None
+
+    async def _connect(self, address: str, timeout_s: float) -> _Channel:
+        host, _, port_text = address.rpartition(":")
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise WorkerCallError(address, "connect", "the address has no port") from None
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, channel = await loop.create_connection(
+                    lambda: _Channel(address), host.strip("[]") or "127.0.0.1", port
+                )
+        except TimeoutError:
+            raise WorkerCallError(
+                address, "connect", f"no connection within {timeout_s:g} s"
+            ) from None
+        except OSError as error:
+            raise WorkerCallError(address, "connect", error.strerror or str(error)) from None
+        return channel
+
+    async def _exchange(
+        self, address: str, channel: _Channel, request: bytes, deadline_s: float, timeout_s: float
+    ) -> tuple[int, bytes]:
+        """Send ``request`` and wait for one answer until ``deadline_s``; the connection goes
+        back to the pool when the worker keeps it alive, and is closed on any failure (a timeout
+        included)."""
+        keep = False
+        waiter = channel.send(request)
+        self._pending[waiter] = (deadline_s, address, timeout_s)
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().call_later(WATCH_S, self._watch)
+        try:
+            status, body, close = await waiter
+            keep = not close
+            return status, body
+        finally:
+            self._pending.pop(waiter, None)
+            if keep and not self._closed and channel.open:
+                channel.last_used_s = time.monotonic()
+                idle = self._idle[address]
+                if len(idle) < self.max_idle_per_address:
+                    idle.append(channel)
+                else:
+                    channel.close()
+            else:
+                channel.close()
+
+
+def _parse_head(address: str, head: bytes) -> tuple[int, int, bool]:
+    """(status, Content-Length, whether the worker closes the connection) of an answer head."""
+    if len(head) > _MAX_HEAD_BYTES:
+        raise WorkerCallError(address, "malformed", "an answer head too long")
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
+        raise WorkerCallError(address, "malformed", f"not an HTTP answer: {lines[0][:80]!r}")
+    try:
+        status = int(parts[1])
+    except ValueError:
+        raise WorkerCallError(address, "malformed", f"bad status line {lines[0][:80]!r}") from None
+    length: int | None = None
+    close = parts[0] == "HTTP/1.0"
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        key = name.strip().lower()
+        if key == "content-length":
+            try:
+                length = int(value.strip())
+            except ValueError:
+                raise WorkerCallError(address, "malformed", "a bad Content-Length") from None
+        elif key == "connection":
+            close = value.strip().lower() == "close"
+    if length is None or length < 0:
+        raise WorkerCallError(address, "malformed", "an answer without Content-Length")
+    return status, length, close
+
+
+def _error_text(body: bytes) -> str:
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return body[:200].decode("utf-8", "replace").strip() or "no body"
+    if isinstance(document, dict) and isinstance(document.get("error"), str):
+        return str(document["error"])[:200]
+    return str(document)[:200]

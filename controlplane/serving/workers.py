@@ -1,0 +1,219 @@
+"""The live workers of an app as the serving loop sees them: where they are, whether they are
+healthy, whether they are busy.
+
+- **Where** (:class:`InstanceSource`): the store's instances of the app that are ``running`` (the
+  reconciler moved them there once the provider said so and, for local workers, ``/health``
+  answered), joined with the provider's listing for their addresses
+  (:class:`ProvisionedInstances`: the local provisioner's ``127.0.0.1:port``; EC2's private IP,
+  with the agent's port :data:`DEFAULT_WORKER_PORT`). The loop reads it every ``refresh_s`` in a
+  thread (it is blocking I/O) and on demand when an app has no worker yet.
+  :class:`StaticInstances` is the in-repo fake: a fixed list per app.
+- **Healthy** (:class:`Worker`): a worker whose call fails (an error status, a broken connection,
+  a timeout) is marked unhealthy *at once* and leaves matching; the dispatcher re-dispatches the
+  batch it held. It is probed (``GET /health``) from ``retry_at_s`` on, an exponential backoff
+  from :data:`BACKOFF_BASE_S` to :data:`BACKOFF_MAX_S` over its consecutive failures, and
+  comes back after a probe that answers ``ok``; a successful batch resets the count. A worker the
+  source stops listing (terminated, failed) leaves the loop altogether.
+- **Busy**: a worker serves one batch at a time (the agent serialises batches, and the simulator
+  and the policies assume it), so the loop sends it the next only when the last has returned;
+  ``busy_until_s`` is the predicted end (start plus the profile's mean), which is what the Kairos
+  policy reads of a busy instance, as in the authors' live dispatcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from controlplane.lifecycle import InstanceState
+from controlplane.store import Store
+from provisioners.base import APP_TAG, Provisioner
+from provisioners.errors import ProvisionerError
+
+__all__ = [
+    "BACKOFF_BASE_S",
+    "BACKOFF_MAX_S",
+    "DEFAULT_WORKER_PORT",
+    "InstanceSource",
+    "ProvisionedInstances",
+    "StaticInstances",
+    "Worker",
+    "WorkerEndpoint",
+    "backoff_s",
+]
+
+logger = logging.getLogger(__name__)
+
+# The worker agent's default port (``python -m provisioners.worker --port``), where an EC2
+# instance's agent listens on its private address.
+DEFAULT_WORKER_PORT = 8080
+BACKOFF_BASE_S = 0.5
+BACKOFF_MAX_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEndpoint:
+    """A running instance of an app: its id (the store's), type and ``host:port``."""
+
+    instance_id: str
+    instance_type: str
+    address: str
+    provider_id: str | None = None
+
+
+class InstanceSource(Protocol):
+    """Where an app's running workers are (blocking: the loop calls it in a thread)."""
+
+    def running(self, app: str) -> list[WorkerEndpoint]: ...
+
+
+def _with_port(address: str, port: int) -> str:
+    if address.startswith("[") or address.count(":") == 1:
+        return address
+    if ":" in address:  # a bare IPv6 address
+        return f"[{address}]:{port}"
+    return f"{address}:{port}"
+
+
+class ProvisionedInstances:
+    """The store's ``running`` instances of an app with the provider's addresses for them.
+
+    The provider is asked only when a running instance's address is not known yet (an
+    instance's address does not change while it runs): a refresh every second must not become a
+    DescribeInstances call every second per app.
+    """
+
+    def __init__(
+        self, store: Store, provisioner: Provisioner, *, port: int = DEFAULT_WORKER_PORT
+    ) -> None:
+        self.store = store
+        self.provisioner = provisioner
+        self.port = port
+        self._lock = threading.Lock()
+        self._addresses: dict[str, dict[str, str]] = {}  # app -> provider id -> address
+
+    def running(self, app: str) -> list[WorkerEndpoint]:
+        rows = self.store.list_instances(app, states=[InstanceState.RUNNING.value])
+        running_ids = {r.provider_id for r in rows if r.provider_id is not None}
+        with self._lock:
+            cached = self._addresses.get(app, {})
+            # What stopped running is forgotten: a provider id does not come back.
+            known = {p: a for p, a in cached.items() if p in running_ids}
+        if running_ids - set(known):
+            try:
+                listed = self.provisioner.list({APP_TAG: app})
+            except ProvisionerError as error:  # throttled, unreachable: the next refresh asks
+                logger.warning("%s: cannot list the workers' addresses: %s", app, error)
+                listed = []
+            for instance in listed:
+                address = instance.address
+                if instance.state == "running" and address and instance.provider_id in running_ids:
+                    known[instance.provider_id] = address
+        with self._lock:
+            self._addresses[app] = known
+        endpoints = []
+        for row in rows:
+            address = known.get(row.provider_id) if row.provider_id is not None else None
+            if address is not None:
+                endpoints.append(
+                    WorkerEndpoint(
+                        row.id, row.instance_type, _with_port(address, self.port), row.provider_id
+                    )
+                )
+        return endpoints
+
+
+class StaticInstances:
+    """A fixed list of workers per app, changed by :meth:`set` (tests, benchmarks)."""
+
+    def __init__(self, by_app: Mapping[str, Sequence[WorkerEndpoint]] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._by_app = {app: list(endpoints) for app, endpoints in (by_app or {}).items()}
+
+    def set(self, app: str, endpoints: Sequence[WorkerEndpoint]) -> None:
+        with self._lock:
+            self._by_app[app] = list(endpoints)
+
+    def running(self, app: str) -> list[WorkerEndpoint]:
+        with self._lock:
+            return list(self._by_app.get(app, ()))
+
+
+def backoff_s(failures: int) -> float:
+    """How long a worker with ``failures`` consecutive failures waits before its next probe.
+
+    >>> [backoff_s(n) for n in (1, 2, 3)]
+    [0.5, 1.0, 2.0]
+    """
+    if failures <= 0:
+        return 0.0
+    return float(min(BACKOFF_BASE_S * 2.0 ** min(failures - 1, 32), BACKOFF_MAX_S))
+
+
+class Worker:
+    """One live worker in the serving loop (see the module docstring)."""
+
+    __slots__ = (
+        "busy_until_s",
+        "endpoint",
+        "failures",
+        "healthy",
+        "idle_since_s",
+        "last_error",
+        "probing",
+        "retry_at_s",
+        "running",
+    )
+
+    def __init__(self, endpoint: WorkerEndpoint, now_s: float) -> None:
+        self.endpoint = endpoint
+        self.healthy = True
+        self.running = False
+        self.busy_until_s = now_s
+        self.idle_since_s = now_s
+        self.failures = 0
+        self.retry_at_s = now_s
+        self.last_error = ""
+        self.probing = False
+
+    @property
+    def instance_id(self) -> str:
+        return self.endpoint.instance_id
+
+    @property
+    def instance_type(self) -> str:
+        return self.endpoint.instance_type
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+    def is_idle(self, now_s: float) -> bool:
+        return self.healthy and not self.running
+
+    def start(self, now_s: float, predicted_ms: float) -> None:
+        self.running = True
+        self.busy_until_s = now_s + predicted_ms / 1000.0
+
+    def finish(self, now_s: float) -> None:
+        self.running = False
+        self.idle_since_s = now_s
+        self.busy_until_s = min(self.busy_until_s, now_s)
+
+    def succeeded(self) -> None:
+        self.failures = 0
+
+    def fail(self, now_s: float, reason: str) -> None:
+        """Unhealthy from now; probed again after the backoff."""
+        self.healthy = False
+        self.failures += 1
+        self.retry_at_s = now_s + backoff_s(self.failures)
+        self.last_error = reason
+
+    def recover(self, now_s: float) -> None:
+        self.healthy = True
+        self.idle_since_s = now_s
+        self.last_error = ""

@@ -1,0 +1,710 @@
+"""The serving loop against fake in-process workers (:mod:`controlplane.serving.fake_worker`:
+asyncio HTTP servers on 127.0.0.1 speaking the worker agent's interface, answering at once or
+after a set delay, failing on demand).
+
+Two levels: the dispatcher of one app (every query answered, cascade forwarding by threshold,
+batching where the plan says so, a failing or dying worker's queries re-dispatched and the
+worker marked unhealthy, late answers flagged, admission control) and the API around the
+serving loop (the endpoint's contract, its errors, the status route, /metrics, the roll-up), all
+on one event loop per test (``asyncio.run``); nothing sleeps, nothing is timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import math
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import numpy as np
+import pytest
+
+from controlplane.api import create_app
+from controlplane.api.resolver import AppResolver, spec_document
+from controlplane.clock import FakeClock, SystemClock
+from controlplane.errors import (
+    NoServingInstanceError,
+    OverloadedError,
+    QueryFailedError,
+    RequirementsUnmetError,
+)
+from controlplane.rollup import roll_up
+from controlplane.serving.dispatcher import (
+    AppConfig,
+    AppDispatcher,
+    DispatcherSettings,
+    InferResult,
+    ServingGear,
+    StagePlan,
+)
+from controlplane.serving.fake_worker import FakeWorker
+from controlplane.serving.loop import ServingLoop, ServingSettings
+from controlplane.serving.observations import Observations
+from controlplane.serving.transport import HttpWorkerTransport
+from controlplane.serving.workers import ProvisionedInstances, StaticInstances, WorkerEndpoint
+from controlplane.settings import Settings
+from controlplane.store import Store
+from controlplane.variants import Requirements
+from estimator.cascades import Cascade
+from estimator.profiles import LatencyProfile
+from provisioners.base import APP_TAG, LaunchRequest, ProvisionedInstance
+from provisioners.fake import FakeProvisioner
+
+T = TypeVar("T")
+
+SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEADLINE_S = 60.0
+
+
+def run(scenario: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(asyncio.wait_for(scenario, DEADLINE_S))
+
+
+def row(klass: int, certainty: float) -> list[float]:
+    """An input the fake workers answer with ``klass`` at ``certainty`` (pixel 1 / 16)."""
+    return [float(klass), 16.0 * certainty] + [0.0] * 62
+
+
+def profile(model: str, instance_type: str, fixed_ms: float, slope_ms: float) -> LatencyProfile:
+    sizes = np.array(BATCHES)
+    return LatencyProfile(
+        model,
+        instance_type,
+        sizes,
+        tuple(np.full(3, fixed_ms + slope_ms * b) for b in BATCHES),
+    )
+
+
+def config(
+    *,
+    slo_ms: float = 200.0,
+    models: tuple[str, ...] = ("tiny", "large"),
+    thresholds: tuple[float, ...] = (0.5,),
+    stage_plans: dict[str, StagePlan] | None = None,
+    fixed_ms: float = 0.5,
+) -> AppConfig:
+    weight = {"tiny": 1.0, "medium": 2.0, "large": 4.0}  # bigger models are slower
+    profiles = {
+        m: {
+            SMALL: profile(m, SMALL, 2 * fixed_ms * weight[m], 0.02),
+            LARGE: profile(m, LARGE, fixed_ms * weight[m], 0.01),
+        }
+        for m in models
+    }
+    cascade = Cascade(models, thresholds) if len(models) > 1 else Cascade(models, ())
+    return AppConfig(
+        name="demo",
+        slo_ms=slo_ms,
+        models=models,
+        cascade=cascade,
+        profiles=profiles,
+        prices_usd_per_hr={SMALL: 0.05, LARGE: 0.2},
+        stage_plans=stage_plans or {},
+    )
+
+
+async def fleet(types: Sequence[str], **knobs: Any) -> list[FakeWorker]:
+    workers = [FakeWorker(t, **knobs) for t in types]
+    for worker in workers:
+        await worker.start()
+    return workers
+
+
+def endpoints(workers: Sequence[FakeWorker]) -> list[WorkerEndpoint]:
+    return [WorkerEndpoint(f"i-{k}", w.instance_type, w.address) for k, w in enumerate(workers)]
+
+
+async def dispatcher_over(
+    workers: Sequence[FakeWorker], app: AppConfig | None = None, **settings: Any
+) -> AppDispatcher:
+    dispatcher = AppDispatcher(
+        app or config(),
+        HttpWorkerTransport(),
+        Observations(),
+        settings=DispatcherSettings(**settings),
+    )
+    dispatcher.set_workers(endpoints(workers))
+    return dispatcher
+
+
+async def settle(futures: Sequence[Awaitable[InferResult]]) -> list[InferResult | BaseException]:
+    return list(await asyncio.gather(*futures, return_exceptions=True))
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Yield to the loop until ``condition`` holds (the scenario's deadline bounds it)."""
+    while not condition():
+        await asyncio.sleep(0)
+
+
+# --- the dispatcher of one app ---------------------------------------------------------------
+
+
+def test_every_query_is_answered_with_the_workers_outputs() -> None:
+    async def scenario() -> None:
+        workers = await fleet([SMALL, SMALL, LARGE])
+        dispatcher = await dispatcher_over(workers, admission=False)
+        inputs = [[row(q % 10, 0.9), row((q + 1) % 10, 0.9)] for q in range(400)]
+        results = await settle([dispatcher.submit(x) for x in inputs])
+        for q, result in enumerate(results):
+            assert isinstance(result, InferResult), result
+            assert result.outputs == (q % 10, (q + 1) % 10)
+            assert result.models == ("tiny", "tiny")
+            assert result.total_ms >= result.service_ms >= 0
+            assert math.isclose(result.queue_ms + result.service_ms, result.total_ms)
+        assert sum(w.rows for w in workers) == 800
+        assert all(w.requests > 0 for w in workers)
+        totals = dispatcher.observations.totals()["demo"]
+        assert (totals.arrived, totals.answered, totals.failed) == (400, 400, 0)
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_cascade_forwards_the_samples_below_the_threshold() -> None:
+    async def scenario() -> None:
+        workers = await fleet([SMALL, LARGE])
+        dispatcher = await dispatcher_over(workers, config(models=("tiny", "large")))
+        sure, unsure = row(3, 0.8), row(7, 0.2)
+        result = await dispatcher.submit([sure, unsure, sure, row(1, 0.5)])
+        assert result.models == ("tiny", "large", "tiny", "tiny")  # 0.5 >= 0.5 stops at tiny
+        assert result.outputs == (3, 7, 3, 1)
+        assert result.gear == "tiny@0.5 -> large"
+        rows_by_model = Counter[str]()
+        for worker in workers:
+            rows_by_model.update(worker.rows_by_model)
+        assert rows_by_model == {"tiny": 4, "large": 1}
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_three_model_cascade_answers_when_every_sample_is_final() -> None:
+    async def scenario() -> None:
+        workers = await fleet([LARGE, LARGE])
+        app = config(models=("tiny", "medium", "large"), thresholds=(0.9, 0.5))
+        dispatcher = await dispatcher_over(workers, app)
+        result = await dispatcher.submit([row(1, 0.95), row(2, 0.6), row(3, 0.1)])
+        assert result.models == ("tiny", "medium", "large")
+        assert result.gear == "tiny@0.9 -> medium@0.5 -> large"
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_the_gear_hook_changes_the_cascade_of_new_queries() -> None:
+    async def scenario() -> None:
+        workers = await fleet([LARGE])
+        gear: list[ServingGear | None] = [None]
+        dispatcher = AppDispatcher(
+            config(), HttpWorkerTransport(), Observations(), gear=lambda: gear[0]
+        )
+        dispatcher.set_workers(endpoints(workers))
+        unsure = row(4, 0.1)
+        assert (await dispatcher.submit([unsure])).models == ("large",)
+        gear[0] = ServingGear(Cascade(("tiny",), ()))
+        fast = await dispatcher.submit([unsure])
+        assert (fast.models, fast.gear) == (("tiny",), "tiny")
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_the_plan_batches_queued_queries_together() -> None:
+    async def scenario() -> None:
+        # One slow worker: while it serves one batch, the others queue and go together.
+        workers = await fleet([LARGE], delay_s=0.02)
+        plan = {"tiny": StagePlan(max_batch_queries=8, policy="fcfs")}
+        app = config(models=("tiny",), stage_plans=plan, slo_ms=10_000.0)
+        dispatcher = await dispatcher_over(workers, app, admission=False)
+        results = await settle([dispatcher.submit([row(q % 10, 0.9)]) for q in range(40)])
+        assert all(isinstance(r, InferResult) for r in results)
+        assert max(workers[0].batch_sizes) > 1
+        assert max(workers[0].batch_sizes) <= 8
+        assert sum(workers[0].batch_sizes) == 40
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_failing_worker_is_marked_unhealthy_and_its_queries_go_elsewhere() -> None:
+    async def scenario() -> None:
+        workers = await fleet([LARGE, LARGE, LARGE])
+        bad = workers[0]
+        bad.status = 500
+        unhealthy: list[str] = []
+        dispatcher = AppDispatcher(
+            config(models=("tiny",)),
+            HttpWorkerTransport(),
+            Observations(),
+            settings=DispatcherSettings(admission=False),
+            on_unhealthy=lambda endpoint, reason: unhealthy.append(endpoint.instance_id),
+        )
+        dispatcher.set_workers(endpoints(workers))
+        results = await settle([dispatcher.submit([row(q % 10, 0.9)]) for q in range(200)])
+        assert all(isinstance(r, InferResult) for r in results), results
+        assert unhealthy == ["i-0"]
+        status = {w.instance_id: w for w in dispatcher.status().workers}
+        assert not status["i-0"].healthy and "HTTP 500" in status["i-0"].last_error
+        assert status["i-1"].healthy and status["i-2"].healthy
+        assert bad.requests == 0  # a 500 is not an answer
+        # Probed after its backoff, it serves again once /health says ok.
+        bad.status = None
+        for worker in dispatcher.workers():
+            worker.retry_at_s = 0.0
+        await dispatcher.probe()
+        assert all(w.healthy for w in dispatcher.status().workers)
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_worker_that_dies_mid_run_loses_no_query() -> None:
+    async def scenario() -> None:
+        workers = await fleet([LARGE, LARGE, LARGE], delay_s=0.005)
+        dispatcher = await dispatcher_over(workers, config(models=("tiny",)), admission=False)
+        first = [dispatcher.submit([row(q % 10, 0.9)]) for q in range(60)]
+        await until(lambda: workers[1].requests > 3)
+        workers[1].kill()
+        second = [dispatcher.submit([row(q % 10, 0.9)]) for q in range(60)]
+        results = await settle(first + second)
+        assert all(isinstance(r, InferResult) for r in results), results
+        victim = next(w for w in dispatcher.status().workers if w.instance_id == "i-1")
+        assert not victim.healthy
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_hanging_worker_times_out_and_is_taken_out() -> None:
+    async def scenario() -> None:
+        workers = await fleet([LARGE, LARGE])
+        workers[0].hang = True
+        dispatcher = await dispatcher_over(
+            workers, config(models=("tiny",)), admission=False, call_timeout_floor_s=0.05
+        )
+        results = await settle([dispatcher.submit([row(q, 0.9)]) for q in range(10)])
+        assert all(isinstance(r, InferResult) for r in results), results
+        hung = next(w for w in dispatcher.status().workers if w.instance_id == "i-0")
+        assert not hung.healthy and "timeout" in hung.last_error
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_queries_fail_explicitly_when_every_attempt_fails() -> None:
+    async def scenario() -> None:
+        workers = await fleet([LARGE, LARGE])
+        for worker in workers:
+            worker.status = 503
+        dispatcher = await dispatcher_over(workers, config(models=("tiny",)), admission=False)
+        results = await settle([dispatcher.submit([row(1, 0.9)]) for _ in range(4)])
+        # The two in flight fail (502); the two queued behind them are stranded once no healthy
+        # worker is left, and answered at once (503) instead of at their give-up time.
+        kinds = sorted(type(r).__name__ for r in results)
+        assert kinds == ["NoServingInstanceError"] * 2 + ["QueryFailedError"] * 2, results
+        # Both workers are out now: a new query is refused at once, never left waiting.
+        with pytest.raises(NoServingInstanceError):
+            dispatcher.submit([row(1, 0.9)])
+        totals = dispatcher.observations.totals()["demo"]
+        assert (totals.failed, totals.refused) == (4, 1)
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_worker_refusing_the_inputs_fails_the_query_without_retrying() -> None:
+    async def scenario() -> None:
+        workers = await fleet([LARGE, LARGE])
+        for worker in workers:
+            worker.status = 400
+        dispatcher = await dispatcher_over(workers, config(models=("tiny",)), admission=False)
+        (result,) = await settle([dispatcher.submit([row(1, 0.9)])])
+        assert isinstance(result, QueryFailedError) and result.attempts == 1
+        assert all(w.healthy for w in dispatcher.status().workers)
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_an_interfered_instance_is_left_out_while_an_active_one_serves() -> None:
+    async def scenario() -> None:
+        # Both profiled at about 1 ms a batch; one takes 20 ms (it says so in served_ms).
+        workers = await fleet([LARGE, LARGE])
+        slow = workers[0]
+        slow.delay_s = 0.02
+        dispatcher = await dispatcher_over(workers, config(models=("tiny",)), admission=False)
+        # In waves, so that the slow one serves the tracker's minimum of 5 batches whatever
+        # the order the policy picks idle workers in.
+        while slow.requests < 5:
+            assert isinstance(await dispatcher.submit([row(1, 0.9)]), InferResult)
+            assert isinstance(await dispatcher.submit([row(1, 0.9)]), InferResult)
+        before = slow.requests
+        results = await settle([dispatcher.submit([row(q % 10, 0.9)]) for q in range(200)])
+        assert all(isinstance(r, InferResult) for r in results)
+        (stage,) = dispatcher.status().stages
+        assert stage.states == {"i-0": "interfered", "i-1": "active"}
+        assert slow.requests == before  # avoided while the other one is active
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_late_query_is_answered_and_flagged_late() -> None:
+    async def scenario() -> None:
+        workers = await fleet([LARGE], delay_s=0.05)
+        dispatcher = await dispatcher_over(workers, config(models=("tiny",), slo_ms=10.0))
+        result = await dispatcher.submit([row(2, 0.9)])
+        assert result.late and result.total_ms > 10.0 and result.outputs == (2,)
+        totals = dispatcher.observations.totals()["demo"]
+        assert (totals.answered, totals.late) == (1, 1)
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_admission_refuses_with_a_retry_after_when_the_queue_cannot_make_the_slo() -> None:
+    async def scenario() -> None:
+        # The profile says 10 ms a batch; one worker; SLO 100 ms: a backlog past ~9 queries
+        # cannot be served in time, so the burst's tail is refused rather than queued.
+        workers = await fleet([LARGE], delay_s=0.01)
+        app = config(models=("tiny",), slo_ms=100.0, fixed_ms=10.0)
+        dispatcher = await dispatcher_over(workers, app)
+        futures: list[asyncio.Future[InferResult]] = []
+        refused: list[OverloadedError] = []
+        for q in range(50):
+            try:
+                futures.append(dispatcher.submit([row(q % 10, 0.9)]))
+            except OverloadedError as error:
+                refused.append(error)
+        assert 5 <= len(futures) <= 15, len(futures)
+        assert refused and all(e.retry_after_s >= 1 for e in refused)
+        assert all(e.predicted_ms > e.slo_ms for e in refused)
+        results = await settle(futures)
+        assert all(isinstance(r, InferResult) for r in results)
+        # Drained: admitted again.
+        assert isinstance(await dispatcher.submit([row(1, 0.9)]), InferResult)
+        assert dispatcher.observations.totals()["demo"].refused == len(refused)
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_no_worker_is_a_no_serving_instance_error() -> None:
+    async def scenario() -> None:
+        dispatcher = await dispatcher_over([])
+        with pytest.raises(NoServingInstanceError, match="no running worker"):
+            dispatcher.submit([row(1, 0.9)])
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_model_less_query_gets_the_cheapest_variant_that_meets_it() -> None:
+    async def scenario() -> None:
+        workers = await fleet([LARGE])
+        dispatcher = await dispatcher_over(workers)
+        # No validation records: accuracy is unknown (0), so a latency bound alone is met by the
+        # cheapest variant, one model alone.
+        result = await dispatcher.infer([row(5, 0.1)], requirements=Requirements("demo", 500.0))
+        assert result.gear == "tiny" and result.models == ("tiny",)
+        with pytest.raises(RequirementsUnmetError, match="closest offer") as caught:
+            await dispatcher.infer([row(5, 0.1)], requirements=Requirements("demo", None, 0.9))
+        assert caught.value.offer
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_worker_removed_from_the_fleet_leaves_matching() -> None:
+    async def scenario() -> None:
+        workers = await fleet([LARGE, LARGE])
+        dispatcher = await dispatcher_over(workers, config(models=("tiny",)))
+        dispatcher.set_workers(endpoints(workers)[1:])
+        results = await settle([dispatcher.submit([row(1, 0.9)]) for _ in range(20)])
+        assert all(isinstance(r, InferResult) for r in results)
+        assert workers[0].requests == 0 and workers[1].requests == 20
+        await dispatcher.close()
+
+    run(scenario())
+
+
+# --- the API around the serving loop ---------------------------------------------------------
+
+SPEC = {
+    "name": "demo",
+    "models": [
+        {"name": "tiny", "profiles": "profiles.csv"},
+        {"name": "large", "profiles": "profiles.csv"},
+    ],
+    "cascade": ["tiny", "large"],
+    "thresholds": [0.5],
+    "slo": {"latency_ms": 300},
+    "budget_usd_per_hr": 5,
+    "instance_types": [SMALL, LARGE],
+}
+
+
+def write_profiles(folder: Path, fixed_ms: float = 1.0) -> None:
+    lines = ["model,instance_type,batch_size,sample,infer_ms,load_ms"]
+    for model, weight in (("tiny", 1.0), ("large", 4.0)):
+        for instance_type, scale in ((SMALL, 2.0), (LARGE, 1.0)):
+            for b in BATCHES:
+                ms = scale * weight * (fixed_ms + 0.01 * b)
+                lines += [f"{model},{instance_type},{b},{i},{ms:.4f},0" for i in range(3)]
+    (folder / "profiles.csv").write_text("\n".join(lines) + "\n")
+
+
+class ApiWorld:
+    """The API, a store with the demo app and tokens, a serving loop over fake workers."""
+
+    def __init__(self, tmp_path: Path, *, fixed_ms: float = 1.0) -> None:
+        self.data_dir = tmp_path / "data"
+        self.data_dir.mkdir()
+        write_profiles(self.data_dir, fixed_ms)
+        self.settings = Settings(data_dir=self.data_dir, provisioner="fake")
+        self.store = Store.from_url(self.settings.database_url, FakeClock(), upgrade=True)
+        self.tokens = {
+            scope: self.store.create_token(scope, name=f"{scope}-token")
+            for scope in ("admin", "viewer", "infer")
+        }
+        resolver = AppResolver(self.data_dir)
+        self.store.create_app(spec_document(resolver.check(SPEC).spec), who="test")
+        self.instances = StaticInstances()
+        self.serving = ServingLoop(
+            self.store,
+            resolver,
+            self.instances,
+            clock=SystemClock(),
+            settings=ServingSettings(refresh_s=3600.0),
+        )
+        self.app = create_app(self.settings, self.store, FakeClock(), serving=self.serving)
+
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app), base_url="http://heteroplane"
+        )
+
+    def auth(self, scope: str = "infer") -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tokens[scope]}"}
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[ApiWorld]:
+    made = ApiWorld(tmp_path)
+    yield made
+    made.store.close()
+
+
+def api_run(world: ApiWorld, body: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
+    async def scenario() -> T:
+        await world.serving.start()
+        try:
+            async with world.client() as client:
+                return await body(client)
+        finally:
+            await world.serving.stop()
+
+    return run(scenario())
+
+
+def test_the_endpoint_answers_with_outputs_models_gear_and_timings(world: ApiWorld) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        workers = await fleet([SMALL, LARGE])
+        world.instances.set("demo", endpoints(workers))
+        response = await client.post(
+            "/v1/apps/demo/infer",
+            json={"inputs": [row(3, 0.9), row(4, 0.1)], "sample_ids": [10, 11]},
+            headers=world.auth(),
+        )
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert set(answer) == {"outputs", "models", "certainty", "gear", "timings", "late"}
+        assert answer["outputs"] == [3, 4]
+        assert answer["models"] == ["tiny", "large"]
+        assert answer["certainty"] == [0.9, 0.1]
+        assert answer["gear"] == "tiny@0.5 -> large"
+        assert set(answer["timings"]) == {"queue_ms", "service_ms", "total_ms"}
+        assert answer["late"] is False
+        # Model-less: a latency bound alone picks the cheapest variant.
+        response = await client.post(
+            "/v1/apps/demo/infer",
+            json={"inputs": [row(4, 0.1)], "requirements": {"latency_ms": 250}},
+            headers=world.auth(),
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["gear"] == "tiny"
+        response = await client.post(
+            "/v1/apps/demo/infer",
+            json={"inputs": [row(4, 0.1)], "requirements": {"min_accuracy": 0.99}},
+            headers=world.auth(),
+        )
+        error = response.json()["error"]
+        assert response.status_code == 422
+        assert (error["code"], error["field"]) == ("requirements_unmet", "requirements")
+        assert "closest offer" in error["message"]
+        # The status route and /metrics see the app.
+        response = await client.get("/v1/apps/demo/serving", headers=world.auth("viewer"))
+        assert response.status_code == 200, response.text
+        status = response.json()
+        assert status["gear"] == "tiny@0.5 -> large"
+        assert [s["model"] for s in status["stages"]] == ["tiny", "large"]
+        assert all(w["healthy"] for w in status["workers"])
+        assert set(status["stages"][0]["states"].values()) == {"active"}
+        assert status["totals"]["answered"] == 2
+        await world.serving.refresh()
+        metrics = await client.get("/metrics", headers=world.auth("viewer"))
+        assert 'heteroplane_serving_queries_total{app="demo",outcome="answered"} 2' in metrics.text
+        assert 'heteroplane_model_state{app="demo",model="tiny"' in metrics.text
+
+    api_run(world, body)
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        ({"inputs": []}, "inputs"),
+        ({"inputs": [[1.0] * 63]}, "inputs[0]"),
+        ({"inputs": [[17.0] * 64]}, "inputs[0][0]"),
+        ({"inputs": [[1.0] * 64] * 257}, "inputs"),
+        ({"inputs": [[1.0] * 64], "sample_ids": [1, 2]}, None),
+        ({"inputs": [[1.0] * 64], "requirements": {"min_accuracy": 1.5}}, None),
+        ({"inputs": [[1.0] * 64], "model": "tiny"}, "model"),
+    ],
+)
+def test_bad_input_is_a_422(world: ApiWorld, payload: dict[str, Any], field: str | None) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        response = await client.post("/v1/apps/demo/infer", json=payload, headers=world.auth())
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["code"] == "invalid_request"
+        if field is not None:
+            assert error["field"] == field
+
+    api_run(world, body)
+
+
+def test_tokens_scopes_unknown_apps_and_no_instances(world: ApiWorld) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        payload = {"inputs": [row(1, 0.9)]}
+        response = await client.post("/v1/apps/demo/infer", json=payload)
+        assert response.status_code == 401
+        response = await client.post(
+            "/v1/apps/demo/infer", json=payload, headers=world.auth("viewer")
+        )
+        assert response.status_code == 403
+        response = await client.post("/v1/apps/nope/infer", json=payload, headers=world.auth())
+        assert response.status_code == 404
+        response = await client.post("/v1/apps/demo/infer", json=payload, headers=world.auth())
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "no_serving_instance"
+
+    api_run(world, body)
+
+
+def test_overload_is_a_429_with_retry_after(tmp_path: Path) -> None:
+    world = ApiWorld(tmp_path, fixed_ms=20.0)  # tiny takes 20 ms a batch, the SLO 300 ms
+
+    async def body(client: httpx.AsyncClient) -> None:
+        workers = await fleet([LARGE], delay_s=0.02)
+        world.instances.set("demo", endpoints(workers))
+        payload = {"inputs": [row(1, 0.9)]}
+        responses = await asyncio.gather(
+            *(
+                client.post("/v1/apps/demo/infer", json=payload, headers=world.auth())
+                for _ in range(60)
+            )
+        )
+        statuses = [r.status_code for r in responses]
+        assert set(statuses) == {200, 429}, statuses
+        refused = [r for r in responses if r.status_code == 429]
+        assert all(int(r.headers["Retry-After"]) >= 1 for r in refused)
+        assert all(r.json()["error"]["code"] == "overloaded" for r in refused)
+
+    try:
+        api_run(world, body)
+    finally:
+        world.store.close()
+
+
+def test_the_roll_up_records_the_serving_window(world: ApiWorld) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        workers = await fleet([LARGE])
+        world.instances.set("demo", endpoints(workers))
+        for _ in range(5):
+            response = await client.post(
+                "/v1/apps/demo/infer", json={"inputs": [row(1, 0.9)]}, headers=world.auth()
+            )
+            assert response.status_code == 200
+        assert len(world.serving.observations.arrival_s("demo")) == 5
+        roll_up(world.store, FakeClock(), window=world.serving.take_window)
+        (sample,) = world.store.metric_series("demo")
+        assert sample.latency_p99_ms is not None and sample.attainment_share == 1.0
+        assert sample.arrival_rate_qps > 0 and sample.gear == "tiny@0.5 -> large"
+
+    api_run(world, body)
+
+
+def test_without_a_serving_loop_the_endpoint_is_503(tmp_path: Path) -> None:
+    world = ApiWorld(tmp_path)
+    app = create_app(world.settings, world.store, FakeClock())
+
+    async def scenario() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://h") as client:
+            response = await client.post(
+                "/v1/apps/demo/infer", json={"inputs": [row(1, 0.9)]}, headers=world.auth()
+            )
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "serving_unavailable"
+
+    try:
+        run(scenario())
+    finally:
+        world.store.close()
+
+
+# --- where the workers are -------------------------------------------------------------------
+
+
+class _CountingProvisioner(FakeProvisioner):
+    def __init__(self) -> None:
+        super().__init__(running_on_launch=True)
+        self.lists = 0
+
+    def list(self, tags: Mapping[str, str]) -> builtins.list[ProvisionedInstance]:
+        self.lists += 1
+        return super().list(tags)
+
+
+def test_running_workers_come_from_the_store_with_the_providers_addresses(
+    tmp_path: Path,
+) -> None:
+    store = Store.from_url(f"sqlite:///{tmp_path / 'db.sqlite'}", FakeClock(), upgrade=True)
+    try:
+        store.create_app({"name": "demo", "budget_usd_per_hr": 1.0}, who="test")
+        provisioner = _CountingProvisioner()
+        (launched,) = provisioner.launch(LaunchRequest("r-1", SMALL, 1, {APP_TAG: "demo"}))
+        row = store.record_instance(
+            "demo",
+            request_id="r-1",
+            instance_type=SMALL,
+            price_usd_per_hr=0.05,
+            provider_id=launched.provider_id,
+            state="running",
+        )
+        source = ProvisionedInstances(store, provisioner, port=9000)
+        (endpoint,) = source.running("demo")
+        assert endpoint.instance_id == row.id and endpoint.instance_type == SMALL
+        assert endpoint.address == f"{launched.address}:9000"  # a bare IP gets the agent's port
+        assert source.running("demo") == [endpoint]
+        assert provisioner.lists == 1  # the address is known: the provider is not asked again
+        store.transition_instance(row.id, "draining", reason="test")
+        assert source.running("demo") == []
+    finally:
+        store.close()

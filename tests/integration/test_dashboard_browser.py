@@ -1,0 +1,332 @@
+"""The dashboard in a real browser: Debian's headless Chromium, driven by Playwright for Python,
+against a real ``heteroplane serve`` process on a loopback port.
+
+The service runs the fake provisioner with the reconcile and roll-up jobs every second, so the
+applied plan's instances are launched by the reconciler and the roll-up records samples; the
+test adds a few minutes of load, latency, gear and accuracy samples through the store on the
+same database (nothing in the service measures traffic in this setup). The browser:
+
+1. is refused with a wrong token (401, the form again with a message) and with an ``infer``
+   token (403);
+2. signs in with a viewer token and sees every panel draw from the service's data (SVG paths in
+   the charts, rows in the tables, the plan's bound ranking);
+3. sees a scaling action appear in the decision log within 5 s of happening: the budget is cut
+   below the fleet's cost through the API, which records a ``budget_drain`` decision (and the
+   reconciler drains an instance);
+4. reads well at 1280x800 (three columns) and at 400 px wide (one column, no sideways scroll);
+5. signs out, after which the data route answers 401.
+
+Skipped when ``/usr/bin/chromium`` (``apt-get install chromium``; ``.ci/run`` does) or the
+``playwright`` package is missing. Playwright's own browser downloads are never used.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from controlplane.settings import Settings
+from controlplane.store import Store
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+START_DEADLINE_S = 60.0
+STOP_DEADLINE_S = 30.0
+FLEET_DEADLINE_S = 30.0
+# The acceptance: a scaling action is on the page within 5 s of happening.
+DECISION_DEADLINE_MS = 5_000
+DRAW_DEADLINE_MS = 15_000
+DRAWN = re.compile(r"^(ready|partial)$")
+PANELS = ("fleet", "instances", "cost", "load", "latency", "cascade", "decisions", "plan")
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason=f"no {CHROMIUM} (apt-get install chromium; .ci/run does)"
+)
+sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+expect = sync_api.expect
+
+# Latency shapes of the toy app (as tests/component/test_api.py): planning takes milliseconds.
+SHAPES = {"g4dn.xlarge": (3.0, 1.0), "r5n.large": (8.0, 4.0), "t3.xlarge": (12.0, 6.0)}
+BATCHES = (1, 2, 4, 8, 16)
+TOY = {
+    "name": "toy",
+    "models": [{"name": "m", "profiles": "profiles.csv"}],
+    "slo": {"latency_ms": 40.0},
+    "budget_usd_per_hr": 4.0,
+    "instance_types": ["g4dn.xlarge", "r5n.large", "t3.xlarge"],
+}
+
+
+def write_profiles(folder: Path) -> None:
+    rows = ["model,instance_type,batch_size,sample,infer_ms,load_ms"]
+    for itype, (fixed, slope) in SHAPES.items():
+        for b in BATCHES:
+            rows += [
+                f"m,{itype},{b},{i},{(fixed + slope * b) * (0.9 + 0.02 * i):.4f},0"
+                for i in range(11)
+            ]
+    (folder / "profiles.csv").write_text("\n".join(rows) + "\n")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@dataclass
+class Service:
+    url: str
+    store: Store
+    tokens: dict[str, str]
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def api(self, scope: str = "admin") -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {self.tokens[scope]}"},
+            timeout=60.0,
+        )
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + START_DEADLINE_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        try:
+            code = process.wait(timeout=0.2)  # the pause between polls; catches an early exit
+        except subprocess.TimeoutExpired:
+            continue
+        pytest.fail(f"serve exited with {code}:\n{log.read_text()}")
+    pytest.fail(f"serve not ready in {START_DEADLINE_S} s:\n{log.read_text()}")
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Service]:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    write_profiles(data_dir)
+    store = Store.from_url(Settings(data_dir=data_dir).database_url, upgrade=True)
+    tokens = {scope: store.create_token(scope, name=scope) for scope in ("admin", "viewer")}
+    tokens["infer"] = store.create_token("infer", name="client")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETEROPLANE_")}
+    env |= {
+        "HETEROPLANE_DATA_DIR": str(data_dir),
+        "HETEROPLANE_PROVISIONER": "fake",
+        "HETEROPLANE_RECONCILE_S": "1",
+        "HETEROPLANE_ROLLUP_S": "1",
+    }
+    log = tmp_path / "serve.log"
+    with log.open("ab") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "controlplane", "serve", "--port", str(port)],
+            cwd=REPO,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, process, log)
+        yield Service(url, store, tokens, process, log)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=STOP_DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        store.close()
+    assert process.returncode == 0, log.read_text()
+
+
+def prepare(service: Service) -> dict[str, Any]:
+    """Register the toy app, plan and apply it, wait for the reconciler to launch the plan's
+    fleet, and add five minutes of samples with load, latency, gears and accuracy."""
+    with service.api() as api:
+        created = api.post("/v1/apps", json=TOY)
+        assert created.status_code == 201, created.text
+        plan = api.post("/v1/apps/toy/plans", json={"rate_qps": 100.0})
+        assert plan.status_code == 201, plan.text
+        applied = api.post(f"/v1/apps/toy/plans/{plan.json()['id']}/apply")
+        assert applied.status_code == 200, applied.text
+        deadline = time.monotonic() + FLEET_DEADLINE_S
+        fleet: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            fleet = api.get("/v1/apps/toy/fleet").json()
+            if fleet["instances"] and all(
+                row["states"].get("running") == row["count"] for row in fleet["by_type"]
+            ):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the reconciler launched no fleet: {fleet}\n{service.log.read_text()}")
+    now = datetime.now(UTC)
+    for i in range(30):
+        at = now - timedelta(seconds=300 - 10 * i)
+        surge = 10 <= i < 20
+        service.store.add_metric_sample(
+            "toy",
+            arrival_rate_qps=120.0 if surge else 80.0,
+            fleet_cost_usd_per_hr=fleet["cost_usd_per_hr"],
+            latency_p50_ms=12.0 + i % 3,
+            latency_p95_ms=24.0 + i % 4,
+            latency_p99_ms=(44.0 if surge else 31.0) + i % 5,
+            attainment_share=0.97 if surge else 0.995,
+            gear="fast" if surge else "accurate",
+            accuracy=0.95 if surge else 0.97,
+            at=at,
+        )
+    return fleet
+
+
+def launch(profile: Path, playwright: Any, width: int = 1280, height: int = 800) -> Any:
+    return playwright.chromium.launch_persistent_context(
+        str(profile),
+        executable_path=str(CHROMIUM),
+        headless=True,
+        args=CHROMIUM_ARGS,
+        viewport={"width": width, "height": height},
+    )
+
+
+def sign_in(page: Any, url: str, token: str) -> int:
+    """Submit the sign-in form with ``token``; the status of the form's answer."""
+    page.goto(f"{url}/dashboard")
+    page.fill("#token", token)
+    with page.expect_response(lambda r: r.url.endswith("/dashboard/login")) as answer:
+        page.click("#login-button")
+    status: int = answer.value.status
+    return status
+
+
+def test_the_dashboard_in_a_browser(service: Service, tmp_path: Path) -> None:
+    fleet = prepare(service)
+    profile = tmp_path / "chromium"
+    profile.mkdir()
+    with sync_api.sync_playwright() as playwright:
+        context = launch(profile, playwright)
+        try:
+            page = context.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda error: errors.append(str(error)))
+
+            # 1. Refused: a wrong token, then a token without the viewer scope.
+            assert sign_in(page, service.url, "hp_not-a-token-of-ours") == 401
+            expect(page.locator("#login-message")).to_contain_text("not valid")
+            expect(page.locator("#token")).to_be_visible()
+            assert not [c for c in context.cookies() if c["name"] == "heteroplane_dashboard"]
+            assert sign_in(page, service.url, service.tokens["infer"]) == 403
+            expect(page.locator("#login-message")).to_contain_text("needs viewer")
+
+            # 2. Signed in: every panel draws from the service's data.
+            assert sign_in(page, service.url, service.tokens["viewer"]) == 303
+            (cookie,) = [c for c in context.cookies() if c["name"] == "heteroplane_dashboard"]
+            assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+            expect(page.locator("#viewer")).to_have_text(
+                "viewer (viewer)", timeout=DRAW_DEADLINE_MS
+            )
+            for panel in PANELS:
+                # The instances' utilisation and model states come from the workers: "partial"
+                # until the serving path reports them.
+                expect(page.locator(f'[data-panel="{panel}"]')).to_have_attribute(
+                    "data-state", DRAWN, timeout=DRAW_DEADLINE_MS
+                )
+            types = sorted(row["instance_type"] for row in fleet["by_type"])
+            for instance_type in types:
+                expect(
+                    page.locator(f'#fleet-chart path[data-series="{instance_type}"]')
+                ).to_have_count(1)
+            expect(page.locator("#instance-table tbody tr")).to_have_count(fleet["instances"])
+            expect(page.locator('#cost-chart path[data-series="fleet cost"]')).to_have_count(1)
+            expect(page.locator('#cost-chart path[data-series="budget"]')).to_have_count(1)
+            expect(page.locator("#cost-figures dd")).to_have_count(6)
+            expect(page.locator('#load-chart path[data-series="arrival rate"]')).to_have_count(1)
+            expect(page.locator('#load-chart path[data-series="capacity"]')).to_have_count(1)
+            for series in ("P50", "P99"):
+                expect(page.locator(f'#latency-chart path[data-series="{series}"]')).to_have_count(
+                    1
+                )
+            expect(page.locator('#attainment-chart path[data-series="attainment"]')).to_have_count(
+                1
+            )
+            expect(page.locator('#gear-chart rect[data-series="fast"]')).not_to_have_count(0)
+            expect(page.locator('#accuracy-chart path[data-series="accuracy"]')).to_have_count(1)
+            expect(page.locator('#decision-log li[data-kind="plan_applied"]')).to_have_count(1)
+            expect(page.locator("#plan-body")).to_contain_text("feasible")
+            expect(page.locator("#plan-ranking table").first).to_be_visible()
+            expect(page.locator("#tile-latency .v")).not_to_have_text("–")
+
+            # 3. A scaling action: the budget cut below the fleet's cost drains an instance.
+            with service.api("admin") as api:
+                cut = api.put(
+                    "/v1/apps/toy/budget",
+                    json={"budget_usd_per_hr": fleet["cost_usd_per_hr"] / 2, "reason": "test"},
+                )
+                happened = time.monotonic()
+                assert cut.status_code == 200, cut.text
+                assert cut.json()["drain"], cut.json()
+            drained = page.locator('#decision-log li[data-kind="budget_drain"]')
+            expect(drained).to_have_count(1, timeout=DECISION_DEADLINE_MS)
+            assert time.monotonic() - happened <= DECISION_DEADLINE_MS / 1000
+            expect(drained).to_contain_text("budget lowered")
+            # Newest first (the reconciler adds its own decisions as it drains).
+            shown = [int(i) for i in page.locator("#decision-log li").evaluate_all(
+                "(items) => items.map((item) => item.dataset.decisionId)"
+            )]  # fmt: skip
+            assert shown == sorted(shown, reverse=True) and len(shown) >= 2
+
+            # 4. Readable at 1280x800 (three columns) and on a narrow screen (one column).
+            fleet_box = page.locator("#panel-fleet").bounding_box()
+            cost_box = page.locator("#panel-cost").bounding_box()
+            load_box = page.locator("#panel-load").bounding_box()
+            assert fleet_box["y"] == cost_box["y"] == load_box["y"]
+            assert load_box["x"] + load_box["width"] <= 1280
+            page.set_viewport_size({"width": 400, "height": 800})
+            expect(page.locator("#panel-cost")).to_be_visible()
+            page.wait_for_function(
+                "() => document.getElementById('panel-cost').getBoundingClientRect().top >"
+                " document.getElementById('panel-fleet').getBoundingClientRect().bottom"
+            )
+            assert page.evaluate("document.documentElement.scrollWidth") <= 400
+            assert not errors, errors
+
+            # 5. Signed out: the form again, and the data route refuses the browser.
+            page.set_viewport_size({"width": 1280, "height": 800})
+            page.click("#logout-button")
+            expect(page.locator("#token")).to_be_visible()
+            status = page.evaluate("fetch('/dashboard/data').then((r) => r.status)")
+            assert status == 401
+        finally:
+            context.close()

@@ -1,0 +1,240 @@
+"""The serving loop's pure parts: INFaaS model states, admission control, observations, the
+worker backoff, the central queue and the HTTP answer parsing."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controlplane.errors import WorkerCallError
+from controlplane.serving.admission import (
+    MAX_RETRY_AFTER_S,
+    StageLoad,
+    cheapest,
+    decide,
+    predicted_latency_ms,
+    wait_ms,
+)
+from controlplane.serving.dispatcher import StagePlan, _Queue, policy_name
+from controlplane.serving.observations import ARRIVALS_KEPT, Observations, summarise
+from controlplane.serving.states import (
+    StateTracker,
+    is_interfered,
+    is_overloaded,
+    model_state,
+)
+from controlplane.serving.transport import _parse_head, parse_infer_reply
+from controlplane.serving.workers import BACKOFF_MAX_S, backoff_s
+from estimator.profiles import LatencyProfile
+from matching.policy import QueuedQuery
+
+# --- states ----------------------------------------------------------------------------------
+
+
+def test_overloaded_when_the_backlog_takes_longer_than_the_slo_to_drain() -> None:
+    assert not is_overloaded(0, 0.0, 100.0)  # nothing waits: never overloaded
+    assert is_overloaded(1, 0.0, 100.0)  # something waits and nothing serves
+    assert not is_overloaded(100, 1000.0, 100.0)  # exactly 100 ms of work
+    assert is_overloaded(101, 1000.0, 100.0)
+
+
+def test_interfered_needs_enough_samples_and_a_median_above_the_margin() -> None:
+    assert not is_interfered([3.0, 3.0], margin=0.5, min_samples=3)
+    assert not is_interfered([1.0, 1.2, 1.5, 9.0, 9.0], margin=0.5, min_samples=3)
+    assert is_interfered([1.0, 1.6, 1.6, 9.0, 9.0], margin=0.5, min_samples=3)
+
+
+def test_interference_wins_over_overload() -> None:
+    assert model_state(overloaded=True, interfered=True) == "interfered"
+    assert model_state(overloaded=False, interfered=False) == "active"
+
+
+def test_the_tracker_forgets_measurements_older_than_its_window() -> None:
+    tracker = StateTracker(window_s=10.0, margin=0.5, min_samples=3)
+    for t in range(3):
+        tracker.observe("tiny", "i-1", float(t), measured_ms=30.0, profiled_ms=10.0)
+    assert tracker.interfered("tiny", "i-1", 5.0)
+    assert not tracker.interfered("tiny", "i-2", 5.0)
+    assert not tracker.interfered("tiny", "i-1", 11.5)  # aged out: tried again
+    tracker.observe("tiny", "i-1", 20.0, measured_ms=5.0, profiled_ms=0.0)  # ignored
+    assert tracker.ratios("tiny", "i-1", 20.0) == []
+    tracker.observe("tiny", "i-1", 21.0, measured_ms=5.0, profiled_ms=10.0)
+    tracker.forget(["i-1"])
+    assert tracker.ratios("tiny", "i-1", 21.0) == []
+
+
+def test_sub_millisecond_profiles_count_as_a_millisecond() -> None:
+    tracker = StateTracker(margin=0.5, min_samples=3)
+    for t in range(5):  # 0.2 ms where 0.03 ms was profiled: timer noise, not interference
+        tracker.observe("tiny", "i-1", float(t), measured_ms=0.2, profiled_ms=0.03)
+    assert not tracker.interfered("tiny", "i-1", 5.0)
+    assert not tracker.slow(1.4, 0.03) and tracker.slow(1.6, 0.03)
+
+
+# --- admission -------------------------------------------------------------------------------
+
+
+def test_the_predicted_latency_sums_waits_and_services_of_the_stages_reached() -> None:
+    stages = [
+        StageLoad(backlog_samples=50, capacity_sps=1000.0, service_ms=2.0, reach_share=1.0),
+        StageLoad(backlog_samples=10, capacity_sps=100.0, service_ms=20.0, reach_share=0.1),
+        StageLoad(backlog_samples=1e6, capacity_sps=1.0, service_ms=99.0, reach_share=0.0),
+    ]
+    assert wait_ms(stages) == pytest.approx(50.0 + 100.0)
+    assert predicted_latency_ms(stages) == pytest.approx(150.0 + 22.0)
+    assert math.isinf(wait_ms([StageLoad(0, 0.0, 1.0)]))
+
+
+def test_admission_allows_what_the_slo_leaves_after_the_service() -> None:
+    load = StageLoad(backlog_samples=80, capacity_sps=1000.0, service_ms=20.0)
+    assert decide([load], slo_ms=100.0).admitted  # 80 ms wait + 20 ms service
+    refused = decide([StageLoad(2080, 1000.0, 20.0)], slo_ms=100.0)
+    assert not refused.admitted and refused.retry_after_s == 2  # 2 s over the 80 ms allowance
+    assert decide([StageLoad(1e9, 1.0, 20.0)], 100.0).retry_after_s == MAX_RETRY_AFTER_S
+
+
+def test_a_service_slower_than_the_slo_still_admits_a_short_queue() -> None:
+    # The service alone misses the SLO: a quarter of the SLO of waiting is still allowed.
+    assert decide([StageLoad(20, 1000.0, 150.0)], slo_ms=100.0).admitted
+    assert not decide([StageLoad(30, 1000.0, 150.0)], slo_ms=100.0).admitted
+
+
+def test_the_cheapest_gear_is_the_fastest_now() -> None:
+    busy = [StageLoad(500, 1000.0, 1.0)]
+    idle = [StageLoad(0, 1000.0, 10.0), StageLoad(0, 100.0, 30.0, 0.1)]
+    assert cheapest([busy, idle]) == 1
+    with pytest.raises(ValueError):
+        cheapest([])
+
+
+@given(
+    st.floats(0, 1e5),
+    st.floats(0, 1e5),
+    st.floats(1.0, 1e5),
+    st.floats(0, 500),
+    st.floats(1, 1000),
+)
+def test_more_backlog_never_turns_a_refusal_into_an_admission(
+    backlog: float, extra: float, capacity: float, service: float, slo: float
+) -> None:
+    less = decide([StageLoad(backlog, capacity, service)], slo)
+    more = decide([StageLoad(backlog + extra, capacity, service)], slo)
+    assert less.admitted or not more.admitted
+    if not more.admitted:
+        assert 1 <= more.retry_after_s <= MAX_RETRY_AFTER_S
+
+
+# --- observations ----------------------------------------------------------------------------
+
+
+def test_a_window_summarises_rate_latency_attainment_and_accuracy() -> None:
+    summary = summarise(
+        [10.0, 20.0, 30.0, 400.0], 350.0, arrivals=5, elapsed_s=2.5, correct=3, labelled=4
+    )
+    assert summary.arrival_rate_qps == 2.0 and summary.answered == 4
+    assert summary.latency_p50_ms == 25.0 and summary.attainment_share == 0.75
+    assert summary.accuracy == 0.75
+    empty = summarise([], 350.0, arrivals=0, elapsed_s=0.0)
+    assert (empty.arrival_rate_qps, empty.latency_p99_ms, empty.attainment_share) == (
+        0.0,
+        None,
+        None,
+    )
+
+
+def test_observations_keep_arrivals_windows_and_counters() -> None:
+    seen = Observations()
+    assert seen.take_window("demo", 0.0, 100.0) is None
+    for t in (1.0, 2.0, 3.0):
+        seen.arrival("demo", t)
+    seen.answered("demo", 3.0, 50.0, late=False, models=["tiny", "large"], correct=1, labelled=2)
+    seen.answered("demo", 3.0, 150.0, late=True, models=["tiny"])
+    seen.failed("demo", 3.0)
+    seen.refused("demo", 3.0)
+    assert seen.arrival_s("demo").tolist() == [1.0, 2.0, 3.0]
+    assert seen.rate_qps("demo", now_s=3.0, window_s=1.5) == pytest.approx(2 / 1.5)
+    window = seen.take_window("demo", 4.0, slo_ms=100.0, gear="tiny@0.5 -> large")
+    assert window is not None
+    assert window.arrival_rate_qps == pytest.approx(3 / 3.0)  # since the first arrival's t=1
+    assert (window.answered, window.attainment_share, window.accuracy) == (2, 0.5, 0.5)
+    assert window.gear == "tiny@0.5 -> large"
+    again = seen.take_window("demo", 5.0, slo_ms=100.0)
+    assert again is not None and again.answered == 0 and again.arrival_rate_qps == 0.0
+    totals = seen.totals()["demo"]
+    assert (totals.arrived, totals.answered, totals.late, totals.failed, totals.refused) == (
+        3,
+        2,
+        1,
+        1,
+        1,
+    )
+    assert totals.samples_by_model == {"tiny": 2, "large": 1}
+
+
+def test_the_arrival_ring_keeps_the_newest_in_order() -> None:
+    seen = Observations()
+    extra = 5
+    for t in range(ARRIVALS_KEPT + extra):
+        seen.arrival("demo", float(t))
+    kept = seen.arrival_s("demo")
+    assert kept.size == ARRIVALS_KEPT
+    assert kept[0] == extra and kept[-1] == ARRIVALS_KEPT + extra - 1
+    assert np.all(np.diff(kept) > 0)
+
+
+# --- workers, queues, policies, the wire ------------------------------------------------------
+
+
+def test_the_backoff_doubles_up_to_its_cap() -> None:
+    assert [backoff_s(n) for n in (0, 1, 2, 3)] == [0.0, 0.5, 1.0, 2.0]
+    assert backoff_s(1000) == BACKOFF_MAX_S
+
+
+def test_the_queue_reads_in_order_after_removals_and_requeues() -> None:
+    queue = _Queue()
+    items = [QueuedQuery(q, 1, float(q), float(q)) for q in range(6)]
+    for item in items:
+        queue.append(item)
+    assert queue.take(2) is items[2] and queue.take(0) is items[0]
+    assert queue.take(2) is None
+    assert [q.query_id for q in queue] == [1, 3, 4, 5]
+    assert queue[1].query_id == 3 and len(queue) == 4
+    queue.push_front([items[0], items[2]])
+    assert [q.query_id for q in queue] == [0, 2, 1, 3, 4, 5]
+    assert items[2] in queue and queue[0] is items[0]
+
+
+def _profile(instance_type: str, ms: float) -> LatencyProfile:
+    return LatencyProfile("m", instance_type, np.array([1, 2]), (np.array([ms]), np.array([ms])))
+
+
+def test_the_stage_policy_follows_the_planners_rule() -> None:
+    one = {"a": _profile("a", 5.0)}
+    mix = {"a": _profile("a", 5.0), "b": _profile("b", 50.0)}
+    assert policy_name(None, one, 100.0)[0] == "fcfs"
+    name, base = policy_name(None, mix, 100.0)
+    assert name == "kairos" and base
+    assert policy_name(StagePlan(policy="fcfs"), mix, 100.0)[0] == "fcfs"
+    assert policy_name(None, mix, 1.0)[0] == "fcfs"  # no type serves the range within the SLO
+
+
+def test_answer_heads_and_bodies_are_checked() -> None:
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\nConnection: keep-alive\r\n\r\n"
+    assert _parse_head("w", head) == (200, 12, False)
+    assert _parse_head("w", b"HTTP/1.1 503 X\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")[2]
+    for bad in (b"SSH-2.0\r\n\r\n", b"HTTP/1.1 200 OK\r\n\r\n", b"HTTP/1.1 x\r\n\r\n"):
+        with pytest.raises(WorkerCallError) as caught:
+            _parse_head("w", bad)
+        assert caught.value.kind == "malformed"
+    reply = parse_infer_reply(
+        "w", b'{"predictions":[1,2],"certainty":[0.5,0.9],"served_ms":3.5}', rows=2
+    )
+    assert reply.predictions == (1, 2) and reply.served_ms == 3.5
+    with pytest.raises(WorkerCallError, match="for 3 rows"):
+        parse_infer_reply("w", b'{"predictions":[1,2],"certainty":[0.5,0.9]}', rows=3)
+    with pytest.raises(WorkerCallError, match="not an inference answer"):
+        parse_infer_reply("w", b"[]", rows=1)
