@@ -7,7 +7,6 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-SHARED ?= ../shared
 
 .PHONY: demo test lint bench reproduce clean
 
@@ -19,7 +18,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/heteroplane demo --profiles $(SHARED)/data/kairos_latency_samples.csv.gz
+	$(BIN)/heteroplane demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

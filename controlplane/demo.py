@@ -1,70 +1,226 @@
-"""The demo app on a running service: its spec, and making sure it is registered, planned and
-reachable with a token, whatever state a previous run left (``heteroplane demo``).
+"""The demo app on a running service: the demo model family's cascade, its spec, and making sure it
+is registered, planned and reachable with a token, whatever state a previous run left
+(``heteroplane demo``); and the demo load that makes the dashboard move.
+
+The demo app ``demo`` is a cascade of the demo model family (``provisioners.worker.family``: four
+classifiers of sklearn's digits) served by local worker processes of the emulated types
+``emu.cpu.small`` and ``emu.cpu.large``:
+
+1. the family is trained into the data directory's model cache (``<data_dir>/models``, where the
+   local provisioner's workers load it) unless it is there already;
+2. its latency profiles are measured once on this machine (``controlplane.profiler``: the
+   reference type ``local.cpu`` and every emulated type derived from it) into
+   ``<data_dir>/profiles/family.json``, and measured again only when that file is missing or
+   does not cover the family on the demo's types;
+3. the cascade is the cheapest of the Pareto set (``estimator.cascades.pareto_cascades``, on
+   the validation records and the measured compute per query) within
+   :data:`~controlplane.cli.cascade.ACCURACY_TOLERANCE` of the most accurate model alone, as
+   ``heteroplane cascade evaluate`` picks it;
+4. the spec (:func:`demo_spec`) names those models, the cascade with its thresholds, the
+   validation records, a 100 ms p99 SLO, a $0.50/hr budget and the two emulated types (capped
+   so that the local machine runs at most nine workers); it is registered, a plan is previewed
+   for :data:`DEMO_RATE_QPS` and applied, and the reconciler launches the plan's workers.
 
 Each step is idempotent, so the demo can be started any number of times on the same data
 directory: the app is registered only when it is not there (an app that is there is left as it
-is, budget changes included), a first plan is previewed and applied only when the app has no
-applied plan, and an admin token is made only when the token file (``<data_dir>/demo-token``,
-mode 0600) is missing or holds a token that no longer verifies as an admin. Registering and
-planning run the same code as ``POST /v1/apps``, ``POST /v1/apps/demo/plans`` and ``POST
-.../apply`` do, on the service's own resolver and store, before the API is served: once the
-service answers, the demo app is there.
+is, budget changes included; only a ``demo`` app of another shape, the rm2 demo of earlier
+versions, is replaced by the cascade and planned again), a first plan is previewed and applied
+only when the app has no applied plan, and an admin token is made only when the token file
+(``<data_dir>/demo-token``, mode 0600) is missing or holds a token that no longer verifies as an
+admin. Registering and planning run the same code as ``POST /v1/apps``, ``POST
+/v1/apps/demo/plans`` and ``POST .../apply`` do, on the service's own resolver and store, before
+the API is served: once the service answers, the demo app is there.
+
+The demo load (:class:`DemoLoad`) is ``controlplane.loadgen`` in a background thread against
+the service itself: Poisson arrivals whose rate follows a day-like curve compressed into
+:data:`LOAD_PERIOD_S` (from a fifth of :data:`LOAD_MEAN_QPS` up to 1.8 times it), one period
+after another, each query a validation sample drawn at random; after each period it prints one
+line with what it sent and what came back.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+import numpy as np
+from numpy.typing import NDArray
+
+from controlplane import loadgen, profiler
 from controlplane.api.deps import Services
 from controlplane.api.resolver import spec_document
 from controlplane.api.routes import plans as plan_routes
 from controlplane.api.schemas import PlanIn, TraceIn
 from controlplane.auth import Scope
 from controlplane.errors import AppExistsError, NotFoundError
+from controlplane.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE
 from controlplane.service import Service
 from controlplane.store import AppRecord, PlanRecord, Principal, Store
+from estimator.cascades import Cascade, ValidationRecords, load_validation, pareto_cascades
+from estimator.catalog import default_catalog
+from estimator.errors import EstimatorError
+from estimator.profiles import load_profiles, write_profiles_json
+from estimator.traces import Trace, diurnal_profile, renewal_arrivals
 
 __all__ = [
     "DEMO_APP",
+    "DEMO_BUDGET_USD_PER_HR",
+    "DEMO_INSTANCE_TYPES",
     "DEMO_RATE_QPS",
+    "DEMO_SLO_MS",
+    "LOAD_MEAN_QPS",
+    "LOAD_PERIOD_S",
+    "PROFILES_FILE",
     "TOKEN_FILE",
     "TOKEN_NAME",
+    "DemoFamily",
+    "DemoLoad",
     "DemoState",
     "DemoToken",
+    "choose_cascade",
     "demo_spec",
     "ensure_demo_app",
     "ensure_demo_plan",
+    "ensure_demo_profiles",
     "ensure_demo_token",
+    "load_trace",
     "prepare_demo",
+    "prepare_family",
 ]
 
 DEMO_APP = "demo"
-# The rate the first plan is made for: mid-range for rm2 in the Kairos setting, where the best
-# $2.5/hr mix serves about 130 qps within 350 ms (docs/kairos-reproduction.md).
-DEMO_RATE_QPS = 60.0
-# The batch sizes of the planning trace: the Kairos production mix the samples were taken on.
-DEMO_BATCH_DIST = "kairos"
+# The rate the first plan is made for: a little above the demo load's mean (LOAD_MEAN_QPS).
+DEMO_RATE_QPS = 20.0
+DEMO_SLO_MS = 100.0
+DEMO_BUDGET_USD_PER_HR = 0.5
+# The emulated types the local provisioner runs (docs/catalog.md, "Emulated types"): a small
+# one at half the speed of this machine for $0.05/hr and one as fast for $0.10/hr.
+DEMO_INSTANCE_TYPES = ("emu.cpu.small", "emu.cpu.large")
+# Each worker is a process holding torch and the family (about 300 MiB): at most nine at once.
+DEMO_MAX_COUNTS = {"emu.cpu.small": 6, "emu.cpu.large": 3}
+# Where the local workers find the profiles they pad to (controlplane.provisioning).
+PROFILES_FILE = LOCAL_PROFILE_FILE
 TOKEN_FILE = "demo-token"
 TOKEN_NAME = "demo-admin"
+# The demo load: Poisson arrivals at a day-like rate squeezed into a few minutes, repeated.
+LOAD_MEAN_QPS = 10.0
+LOAD_PERIOD_S = 180.0
+LOAD_AMPLITUDE = 0.8
+_LOAD_TIMEOUT_S = 10.0
+_LOAD_PROBE_S = 1.0
 
 Progress = Callable[[str], None]
 
 
-def demo_spec(profiles: Path) -> dict[str, Any]:
-    """The demo app's spec: rm2 on the Kairos authors' samples (``profiles``), the paper's four
-    instance types, a 350 ms p99 SLO and a budget of $10/hr (the Kairos setting, as in
-    ``examples/rm2.yaml``). The one place the demo's app is defined."""
-    return {
+@dataclass(frozen=True, slots=True)
+class DemoFamily:
+    """What the demo app is made of: the family's model cache and validation records, the
+    measured profiles, and the cascade chosen from them."""
+
+    cache_dir: Path
+    validation: Path
+    profiles: Path
+    cascade: Cascade
+    accuracy: float
+    compute_ms_per_query: float
+
+
+def demo_spec(family: DemoFamily) -> dict[str, Any]:
+    """The demo app's spec: the cascade of ``family`` on its measured profiles and validation
+    records, a 100 ms p99 SLO, a $0.50/hr budget and the two emulated CPU types. The one place
+    the demo's app is defined."""
+    profiles = str(family.profiles.resolve())
+    spec: dict[str, Any] = {
         "name": DEMO_APP,
-        "models": [{"name": "rm2", "profiles": str(profiles.resolve())}],
-        "slo": {"latency_ms": 350, "percentile": 99},
-        "budget_usd_per_hr": 10,
-        "instance_types": ["g4dn.xlarge", "c5n.2xlarge", "r5n.large", "t3.xlarge"],
+        "models": [{"name": name, "profiles": profiles} for name in family.cascade.models],
     }
+    if len(family.cascade.models) > 1:
+        spec["cascade"] = list(family.cascade.models)
+        spec["thresholds"] = list(family.cascade.thresholds)
+        spec["validation"] = str(family.validation.resolve())
+    return spec | {
+        "slo": {"latency_ms": DEMO_SLO_MS, "percentile": 99},
+        "budget_usd_per_hr": DEMO_BUDGET_USD_PER_HR,
+        "instance_types": list(DEMO_INSTANCE_TYPES),
+        "max_counts": dict(DEMO_MAX_COUNTS),
+    }
+
+
+def choose_cascade(
+    records: ValidationRecords, compute_ms: Mapping[str, float]
+) -> tuple[Cascade, float, float]:
+    """The cheapest cascade of the Pareto set (accuracy against compute per query, chains of up
+    to three models) whose accuracy is within ``ACCURACY_TOLERANCE`` of the most accurate model
+    alone: (cascade, its accuracy, its compute per query in ms)."""
+    # Imported here: the command line imports this module (the same tolerance as ``heteroplane
+    # cascade evaluate``'s "best").
+    from controlplane.cli.cascade import ACCURACY_TOLERANCE
+
+    models = [name for name in records.models if name in compute_ms]
+    front = pareto_cascades(records, compute_ms, models=models, max_length=3)
+    top = max(records.model_accuracy(name) for name in models)
+    # A hair of slack: accuracies are means of the same 0/1 flags.
+    eligible = [p for p in front if p.quality.accuracy >= top - ACCURACY_TOLERANCE - 1e-12]
+    best = min(eligible, key=lambda p: p.compute_ms_per_query)
+    return best.cascade, best.quality.accuracy, best.compute_ms_per_query
+
+
+def ensure_demo_profiles(data_dir: Path, cache_dir: Path, samples: int, progress: Progress) -> Path:
+    """``<data_dir>/profiles/family.json``, measured here first when it is missing or lacks a
+    model of the family on ``local.cpu`` or an emulated type of the catalog."""
+    from provisioners.worker import family
+
+    path = data_dir / PROFILES_FILE
+    types = profiler.emulated_types(default_catalog())
+    wanted = {profiler.REFERENCE_TYPE, *(t.name for t in types)}
+    try:
+        found = load_profiles(path)
+        if all((m, t) in found for m in family.MODEL_NAMES for t in wanted):
+            return path
+        progress(f"{path} does not cover the family on {', '.join(sorted(wanted))}")
+    except (OSError, EstimatorError):
+        pass
+    warmup = min(profiler.DEFAULT_WARMUP, samples)
+    settings = profiler.MeasureSettings(samples=samples, warmup=warmup)
+    progress(
+        f"measuring the family's latency on this machine ({samples} runs per model and batch"
+        f" size) into {path}"
+    )
+    measured = profiler.measure_family(
+        family.MODEL_NAMES,
+        profiler.DEFAULT_BATCH_SIZES,
+        settings,
+        cache_dir=cache_dir,
+        progress=progress,
+    )
+    profiles = measured + profiler.emulated_profiles(measured, types)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    write_profiles_json(profiles, partial, **profiler.profile_meta(settings, types))
+    partial.replace(path)
+    return path
+
+
+def prepare_family(data_dir: Path, profile_samples: int, progress: Progress) -> DemoFamily:
+    """The family trained into ``<data_dir>/models`` (where the local workers load it), its
+    profiles measured (:func:`ensure_demo_profiles`) and the demo's cascade chosen."""
+    from provisioners.worker import family
+
+    cache_dir = family.ensure_family(data_dir / LOCAL_MODELS_DIR, progress=progress)
+    validation = cache_dir / family.VALIDATION_FILE
+    profiles = ensure_demo_profiles(data_dir, cache_dir, profile_samples, progress)
+    measured = load_profiles(profiles)
+    compute_ms = {
+        name: measured.get_profile(name, profiler.REFERENCE_TYPE).mean_latency_ms(1)
+        for name in family.MODEL_NAMES
+    }
+    cascade, accuracy, compute = choose_cascade(load_validation(validation), compute_ms)
+    return DemoFamily(cache_dir, validation, profiles, cascade, accuracy, compute)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +241,7 @@ class DemoState:
     app_created: bool
     plan: PlanRecord | None  # None: the planner found no feasible plan (nothing applied)
     plan_created: bool
+    family: DemoFamily
 
 
 def ensure_demo_token(store: Store, data_dir: Path, progress: Progress) -> DemoToken:
@@ -114,40 +271,72 @@ def ensure_demo_token(store: Store, data_dir: Path, progress: Progress) -> DemoT
     return DemoToken(path, Principal(record.name, record.scope), created=True)
 
 
+def _is_cascade_demo(spec: Mapping[str, Any]) -> bool:
+    """Whether a registered demo app is the family's cascade on emulated types (and not the rm2
+    demo of earlier versions, whose EC2 types the local provisioner cannot run)."""
+    from provisioners.worker import family
+
+    models = [m.get("name") for m in spec.get("models", []) if isinstance(m, dict)]
+    types = spec.get("instance_types", [])
+    return (
+        bool(models)
+        and all(name in family.MODEL_NAMES for name in models)
+        and isinstance(types, list)
+        and all(isinstance(t, str) and t.startswith(f"{profiler.EMULATED_FAMILY}.") for t in types)
+    )
+
+
 def ensure_demo_app(
-    services: Services, profiles: Path, who: Principal, progress: Progress
+    services: Services, family: DemoFamily, who: Principal, progress: Progress
 ) -> tuple[AppRecord, bool]:
     """The demo app, registered from :func:`demo_spec` when it is not there yet (checked
-    against its catalog and profiles like ``POST /v1/apps``); whether it was registered now."""
+    against its catalog and profiles like ``POST /v1/apps``); whether it was registered (or its
+    spec replaced) now. A ``demo`` app that is not the family's cascade on emulated types (the
+    rm2 demo of earlier versions) has its spec replaced, as ``PUT /v1/apps/demo`` would."""
     store = services.store
+    label = (
+        f"the cascade {family.cascade.label} ({family.accuracy * 100:.2f}% accurate,"
+        f" {family.compute_ms_per_query:.3f} ms of compute per query on this machine)"
+    )
     try:
-        return store.get_app(DEMO_APP), False
+        found = store.get_app(DEMO_APP)
     except NotFoundError:
-        pass
-    progress(f"registering the app {DEMO_APP!r}: rm2 on {profiles} (reading the samples)")
-    resolved = services.resolver.check(demo_spec(profiles))
+        found = None
+    if found is not None and _is_cascade_demo(found.spec):
+        return found, False
+    resolved = services.resolver.check(demo_spec(family))
+    document = spec_document(resolved.spec)
+    if found is not None:
+        progress(f"the app {DEMO_APP!r} is an older demo: replacing its spec by {label}")
+        return store.update_app(DEMO_APP, document, who=who.name), True
+    progress(f"registering the app {DEMO_APP!r}: {label}")
     try:
-        return store.create_app(spec_document(resolved.spec), who=who.name), True
+        return store.create_app(document, who=who.name), True
     except AppExistsError:  # another demo on the same database registered it meanwhile
         return store.get_app(DEMO_APP), False
 
 
 def ensure_demo_plan(
-    services: Services, who: Principal, rate_qps: float, progress: Progress
+    services: Services,
+    who: Principal,
+    rate_qps: float,
+    progress: Progress,
+    *,
+    replan: bool = False,
 ) -> tuple[PlanRecord | None, bool]:
-    """The demo app's applied plan; when it has none, a plan previewed for a Poisson trace at
-    ``rate_qps`` with the Kairos batch mix and applied, like ``POST /v1/apps/demo/plans`` and
-    ``POST .../apply`` (a ``plan_applied`` decision included). An infeasible plan is kept as a
-    preview and not applied: (None, False)."""
+    """The demo app's applied plan; when it has none (or ``replan``), a plan previewed for a
+    Poisson trace at ``rate_qps`` and applied, like ``POST /v1/apps/demo/plans`` and ``POST
+    .../apply`` (a ``plan_applied`` decision included). An infeasible plan is kept as a preview
+    and not applied: (None, False)."""
     store = services.store
     applied = store.get_applied_plan(DEMO_APP)
-    if applied is not None:
+    if applied is not None and not replan:
         return applied, False
     progress(
-        f"planning {DEMO_APP!r} for {rate_qps:g} qps (Poisson, Kairos batch mix): the planner"
-        " simulates candidate fleets, a few seconds"
+        f"planning {DEMO_APP!r} for {rate_qps:g} qps (Poisson): the planner simulates candidate"
+        " fleets for each stage of the cascade, a few seconds"
     )
-    request = PlanIn(trace=TraceIn(rate_qps=rate_qps, batch_dist=DEMO_BATCH_DIST))
+    request = PlanIn(trace=TraceIn(rate_qps=rate_qps))
     preview = plan_routes.preview_plan(DEMO_APP, services, who, request)
     if not preview.feasible:
         progress(
@@ -160,22 +349,157 @@ def ensure_demo_plan(
 
 
 def prepare_demo(
-    service: Service, profiles: Path, rate_qps: float, progress: Progress
+    service: Service,
+    rate_qps: float,
+    progress: Progress,
+    *,
+    family: DemoFamily | None = None,
+    profile_samples: int = profiler.DEFAULT_SAMPLES,
 ) -> DemoState:
-    """Make sure the demo's token, app and applied plan exist on ``service`` (not served yet)."""
+    """Make sure the demo's token, family (models, profiles: :func:`prepare_family` unless
+    ``family`` is given), app and applied plan exist on ``service`` (not served yet).
+
+    ``heteroplane demo`` prepares the family before it builds the service, so that the local
+    provisioner finds the profiles its workers pad to."""
     services = service.app.state.services
     if not isinstance(services, Services):
         raise TypeError(f"the service's app carries {type(services).__name__}, not Services")
-    token = ensure_demo_token(service.store, service.settings.data_dir, progress)
-    app, app_created = ensure_demo_app(services, profiles, token.principal, progress)
+    data_dir = service.settings.data_dir
+    token = ensure_demo_token(service.store, data_dir, progress)
+    if family is None:
+        family = prepare_family(data_dir, profile_samples, progress)
+    app, app_created = ensure_demo_app(services, family, token.principal, progress)
     if not app_created:
         progress(f"the app {DEMO_APP!r} is registered already (version {app.version})")
-    plan, plan_created = ensure_demo_plan(services, token.principal, rate_qps, progress)
+    plan, plan_created = ensure_demo_plan(
+        services, token.principal, rate_qps, progress, replan=app_created
+    )
     if plan is not None and not plan_created:
         progress(f"plan {plan.number} of {DEMO_APP!r} is applied already")
     # Read again: applying a plan moved the app's version on.
     app = service.store.get_app(DEMO_APP)
-    return DemoState(token, app, app_created, plan, plan_created)
+    return DemoState(token, app, app_created, plan, plan_created, family)
+
+
+# --- the demo load -------------------------------------------------------------------------------
+
+
+def load_trace(
+    cycle: int,
+    n_samples: int,
+    *,
+    mean_qps: float = LOAD_MEAN_QPS,
+    period_s: float = LOAD_PERIOD_S,
+    seed: int = 0,
+) -> Trace:
+    """One period of the demo load: Poisson arrivals at lambda(t) = mean (1 - 0.8 cos(2 pi t /
+    period)) over one period, batch size 1, each query a validation sample drawn uniformly;
+    seeded by (``seed``, ``cycle``)."""
+    rng = np.random.default_rng((seed, cycle))
+    profile = diurnal_profile(mean_qps, period_s, period_s, LOAD_AMPLITUDE)
+    arrivals = renewal_arrivals(profile, period_s, 1.0, rng)
+    samples = rng.integers(0, n_samples, size=arrivals.size)
+    return Trace(arrivals, np.ones(arrivals.size, dtype=np.int64), samples)
+
+
+class DemoLoad:
+    """The demo load (module docstring): :meth:`start` it once the service listens, :meth:`stop`
+    it when the service stops. It waits until the app answers a query before it starts, so that
+    the first period is not spent on the workers' start."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        inputs: NDArray[np.floating],
+        progress: Progress,
+        *,
+        mean_qps: float = LOAD_MEAN_QPS,
+        period_s: float = LOAD_PERIOD_S,
+        seed: int = 0,
+    ) -> None:
+        self.url = loadgen.infer_url(base_url, DEMO_APP)
+        self.token = token
+        self.inputs = inputs
+        self.progress = progress
+        self.mean_qps = mean_qps
+        self.period_s = period_s
+        self.seed = seed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="demo-load", daemon=True)
+
+    def describe(self) -> str:
+        low, high = self.mean_qps * (1 - LOAD_AMPLITUDE), self.mean_qps * (1 + LOAD_AMPLITUDE)
+        return (
+            f"Poisson arrivals from {low:g} to {high:g} qps and back every {self.period_s:g} s,"
+            " looping"
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        if not self._wait_until_served():
+            return
+        self.progress(f"demo load: started, {self.describe()}")
+        cycle = 0
+        while not self._stop.is_set():
+            trace = load_trace(
+                cycle,
+                len(self.inputs),
+                mean_qps=self.mean_qps,
+                period_s=self.period_s,
+                seed=self.seed,
+            )
+            result = loadgen.run_load(
+                loadgen.build_queries(trace, self.inputs),
+                self.url,
+                self.token,
+                timeout_s=_LOAD_TIMEOUT_S,
+                stop=self._stop,
+            )
+            if result.stopped:
+                return
+            self.progress(_load_line(result.summary(DEMO_SLO_MS)))
+            cycle += 1
+
+    def _wait_until_served(self) -> bool:
+        """Send one query a second until one is answered; False when stopped first."""
+        body = loadgen.build_queries(Trace(np.zeros(1), np.ones(1, dtype=np.int64)), self.inputs)
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        said = False
+        with httpx.Client(timeout=_LOAD_TIMEOUT_S, trust_env=False) as client:
+            while not self._stop.is_set():
+                try:
+                    if client.post(self.url, content=body[0].body, headers=headers).is_success:
+                        return True
+                except httpx.HTTPError:
+                    pass
+                if not said:
+                    self.progress("demo load: waiting for the demo's workers to answer")
+                    said = True
+                self._stop.wait(_LOAD_PROBE_S)
+        return False
+
+
+def _load_line(summary: loadgen.LoadSummary) -> str:
+    kinds = ", ".join(f"{kind} {count}" for kind, count in summary.errors_by_kind.items())
+    latency = (
+        "nothing answered"
+        if summary.p50_ms is None or summary.p99_ms is None
+        else f"p50 {summary.p50_ms:.1f} ms, p99 {summary.p99_ms:.1f} ms"
+    )
+    attained = "" if summary.attainment is None else f", {summary.attainment:.1%} within SLO"
+    return (
+        f"demo load: {summary.sent} queries in {summary.duration_s:.0f} s, answered"
+        f" {summary.answered}: {latency}{attained}; errors {summary.errors}"
+        + (f" ({kinds})" if kinds else "")
+    )
 
 
 def _is_demo_token_name(name: str) -> bool:

@@ -1,26 +1,38 @@
 """The demo's setup (:mod:`controlplane.demo`) in-process: the token file is made once, kept while
-it verifies, and replaced (the lost token revoked) when it does not; the app and its first plan
-are made once, and a second run on the same service finds them."""
+it verifies, and replaced (the lost token revoked) when it does not; the family's cascade is the
+cheapest as accurate as its best model; the profiles, the app and its first plan are made once,
+and a second run on the same service finds them; an rm2 demo app of earlier versions is replaced;
+the demo load runs period after period against a fake service until stopped."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from controlplane.demo import (
     DEMO_APP,
+    DEMO_BUDGET_USD_PER_HR,
+    PROFILES_FILE,
     TOKEN_FILE,
     TOKEN_NAME,
+    DemoFamily,
+    DemoLoad,
+    choose_cascade,
     demo_spec,
+    ensure_demo_plan,
     ensure_demo_token,
+    load_trace,
     prepare_demo,
 )
-from controlplane.service import build_service
+from controlplane.service import Service, build_service
 from controlplane.settings import Settings
 from controlplane.spec import validate_spec
 from controlplane.store import Store
+from estimator.cascades import Cascade, load_validation
 from tests.conftest import KAIROS_CSV, needs_shared
 
 
@@ -82,37 +94,166 @@ def test_a_token_file_that_no_longer_verifies_is_replaced(
     assert not list(tmp_path.glob("*.partial"))
 
 
-def test_the_demo_spec_is_a_valid_spec_with_an_absolute_profiles_path() -> None:
-    spec = validate_spec(demo_spec(Path("relative/samples.csv.gz")))
+def family_of(tmp_path: Path, cascade: Cascade) -> DemoFamily:
+    return DemoFamily(
+        tmp_path / "models",
+        tmp_path / "models" / "validation.json",
+        Path("relative/family.json"),
+        cascade,
+        0.98,
+        0.03,
+    )
+
+
+def test_the_demo_spec_is_a_valid_cascade_spec_with_absolute_paths(tmp_path: Path) -> None:
+    cascade = Cascade(("tiny", "medium", "large"), (0.5, 0.6))
+    spec = validate_spec(demo_spec(family_of(tmp_path, cascade)))
     assert spec.name == DEMO_APP
-    assert Path(spec.models[0].profiles).is_absolute()
-    assert spec.budget_usd_per_hr == 10 and spec.slo.latency_ms == 350
+    assert spec.model_names == ["tiny", "medium", "large"] == spec.cascade
+    assert spec.thresholds == [0.5, 0.6]
+    assert spec.validation is not None and Path(spec.validation).is_absolute()
+    assert all(Path(m.profiles).is_absolute() for m in spec.models)
+    assert spec.budget_usd_per_hr == DEMO_BUDGET_USD_PER_HR and spec.slo.latency_ms == 100
+    assert spec.instance_types == ["emu.cpu.small", "emu.cpu.large"]
+    single = validate_spec(demo_spec(family_of(tmp_path, Cascade(("large",), ()))))
+    assert single.cascade is None and single.validation is None
+
+
+@pytest.fixture(scope="module")
+def family_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trained family, once for this module (about 15 s)."""
+    pytest.importorskip("torch")
+    from provisioners.worker.family import ensure_family
+
+    return ensure_family(tmp_path_factory.mktemp("family") / "models")
+
+
+def test_the_cascade_is_the_cheapest_within_half_a_point_of_the_best_model(
+    family_cache: Path,
+) -> None:
+    records = load_validation(family_cache / "validation.json")
+    compute_ms = {"tiny": 0.016, "small": 0.021, "medium": 0.039, "large": 0.204}
+    cascade, accuracy, compute = choose_cascade(records, compute_ms)
+    best_alone = max(records.model_accuracy(m) for m in compute_ms)
+    assert len(cascade.models) >= 2 and cascade.models[-1] == "large"
+    assert accuracy >= best_alone - 0.005 - 1e-12
+    assert compute < compute_ms["large"] / 2
+
+
+@pytest.fixture
+def service(tmp_path: Path, family_cache: Path) -> Iterator[Service]:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "models").symlink_to(family_cache, target_is_directory=True)
+    service = build_service(Settings(data_dir=data_dir, provisioner="fake"))
+    try:
+        yield service
+    finally:
+        service.close()
+
+
+def test_prepare_demo_registers_and_plans_once(service: Service) -> None:
+    said: list[str] = []
+    first = prepare_demo(service, 20.0, said.append, profile_samples=2)
+    assert first.token.created and first.app_created and first.plan_created
+    assert first.plan is not None and first.plan.status == "applied"
+    assert first.app.applied_plan_id == first.plan.id
+    spec = first.app.spec
+    assert spec["cascade"] == list(first.family.cascade.models)
+    assert spec["validation"] == str(first.family.validation.resolve())
+    assert spec["models"][0]["profiles"] == str(service.settings.data_dir / PROFILES_FILE)
+    assert len(first.plan.document["stages"]) == len(spec["cascade"])
+    assert any(line.startswith("measuring the family's latency") for line in said)
+    assert any(line.startswith(f"planning {DEMO_APP!r} for 20 qps") for line in said)
+
+    said.clear()
+    second = prepare_demo(service, 20.0, said.append, profile_samples=2)
+    assert not (second.token.created or second.app_created or second.plan_created)
+    assert second.app == first.app and second.plan == first.plan
+    assert said == [
+        f"the app {DEMO_APP!r} is registered already (version {first.app.version})",
+        f"plan 1 of {DEMO_APP!r} is applied already",
+    ]
+    store = service.store
+    assert [app.name for app in store.list_apps()] == [DEMO_APP]
+    assert [plan.status for plan in store.list_plans(DEMO_APP)] == ["applied"]
+    assert [d.kind for d in store.list_decisions(DEMO_APP)] == ["plan_applied"]
+    assert tokens(store) == [(TOKEN_NAME, False)]
+
+
+def test_profiles_that_do_not_cover_the_family_are_measured_again(service: Service) -> None:
+    path = service.settings.data_dir / PROFILES_FILE
+    path.parent.mkdir(parents=True)
+    path.write_text("not a profile file")
+    said: list[str] = []
+    prepare_demo(service, 20.0, said.append, profile_samples=2)
+    assert any(line.startswith("measuring the family's latency") for line in said)
+    from estimator.profiles import load_profiles
+
+    assert ("large", "emu.cpu.small") in load_profiles(path)
 
 
 @needs_shared
-def test_prepare_demo_registers_and_plans_once(tmp_path: Path) -> None:
-    service = build_service(Settings(data_dir=tmp_path / "data", provisioner="fake"))
-    try:
-        said: list[str] = []
-        first = prepare_demo(service, KAIROS_CSV, 60.0, said.append)
-        assert first.token.created and first.app_created and first.plan_created
-        assert first.plan is not None and first.plan.status == "applied"
-        assert first.app.applied_plan_id == first.plan.id
-        assert first.app.spec["models"][0]["profiles"] == str(KAIROS_CSV.resolve())
-        assert any(line.startswith(f"planning {DEMO_APP!r} for 60 qps") for line in said)
+def test_an_older_rm2_demo_app_is_replaced_by_the_cascade_and_planned_again(
+    service: Service,
+) -> None:
+    said: list[str] = []
+    token = ensure_demo_token(service.store, service.settings.data_dir, said.append)
+    old = {
+        "name": DEMO_APP,
+        "models": [{"name": "rm2", "profiles": str(KAIROS_CSV.resolve())}],
+        "slo": {"latency_ms": 350, "percentile": 99},
+        "budget_usd_per_hr": 10,
+        "instance_types": ["g4dn.xlarge", "c5n.2xlarge", "r5n.large", "t3.xlarge"],
+    }
+    service.store.create_app(old, who=token.principal.name)
+    services = service.app.state.services
+    old_plan, _ = ensure_demo_plan(services, token.principal, 60.0, said.append)
+    assert old_plan is not None
 
-        said.clear()
-        second = prepare_demo(service, KAIROS_CSV, 60.0, said.append)
-        assert not (second.token.created or second.app_created or second.plan_created)
-        assert second.app == first.app and second.plan == first.plan
-        assert said == [
-            f"the app {DEMO_APP!r} is registered already (version {first.app.version})",
-            f"plan 1 of {DEMO_APP!r} is applied already",
-        ]
-        store = service.store
-        assert [app.name for app in store.list_apps()] == [DEMO_APP]
-        assert [plan.status for plan in store.list_plans(DEMO_APP)] == ["applied"]
-        assert [d.kind for d in store.list_decisions(DEMO_APP)] == ["plan_applied"]
-        assert tokens(store) == [(TOKEN_NAME, False)]
+    state = prepare_demo(service, 20.0, said.append, profile_samples=2)
+    assert state.app_created and state.plan_created
+    assert state.plan is not None and state.plan.id != old_plan.id
+    assert state.app.spec["instance_types"] == ["emu.cpu.small", "emu.cpu.large"]
+    assert state.app.budget_usd_per_hr == DEMO_BUDGET_USD_PER_HR
+    assert any("is an older demo: replacing its spec" in line for line in said)
+    kinds = [d.kind for d in service.store.list_decisions(DEMO_APP)]
+    assert kinds == ["plan_applied", "plan_applied"]
+
+
+def test_the_demo_load_is_a_day_like_poisson_trace_of_validation_samples() -> None:
+    first = load_trace(0, 719, mean_qps=10.0, period_s=180.0)
+    again = load_trace(0, 719, mean_qps=10.0, period_s=180.0)
+    other = load_trace(1, 719, mean_qps=10.0, period_s=180.0)
+    assert np.array_equal(first.arrival_s, again.arrival_s)
+    assert not np.array_equal(first.arrival_s[:10], other.arrival_s[:10])
+    assert first.sample_id is not None and first.sample_id.min() >= 0
+    assert first.sample_id.max() < 719 and set(first.batch_size.tolist()) == {1}
+    # Low at the start and the end of the period, high in the middle.
+    third = np.histogram(first.arrival_s, bins=3, range=(0.0, 180.0))[0]
+    assert third[1] > third[0] and third[1] > third[2]
+    assert 0.7 * 1800 < len(first) < 1.3 * 1800
+
+
+def test_the_demo_load_runs_period_after_period_until_stopped() -> None:
+    from tests.unit.test_loadgen import FakeService
+
+    fake = FakeService()
+    lines: list[str] = []
+    two_periods = threading.Event()
+
+    def progress(line: str) -> None:
+        lines.append(line)
+        if sum(line.startswith("demo load: ") and "queries in" in line for line in lines) >= 2:
+            two_periods.set()
+
+    inputs = np.zeros((5, 64), dtype=np.float32)  # sample ids 7.. would be scripted failures
+    load = DemoLoad(fake.url, "hp_admin-token", inputs, progress, mean_qps=20.0, period_s=1.0)
+    try:
+        load.start()
+        assert two_periods.wait(timeout=60.0), lines
     finally:
-        service.close()
+        load.stop()
+        fake.close()
+    assert lines[0].startswith("demo load: started, Poisson arrivals from 4 to 36 qps")
+    assert "errors 0" in lines[1] and "answered" in lines[1]

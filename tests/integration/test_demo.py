@@ -6,8 +6,13 @@ the README's ``~/.local/share/heteroplane/demo-token`` is the demo's token file 
 listens on a free port (``HETEROPLANE_PORT``), not 8000, so that a developer's own demo does not
 get in the way: the README's commands are run through bash with exactly one rewrite,
 ``127.0.0.1:8000`` to ``127.0.0.1:<that port>`` (and ``.venv/bin/heteroplane`` to this Python's
-``-m controlplane`` only where the checkout has no ``.venv``). Readiness is polled against
-``/healthz`` with a deadline (no fixed sleeps).
+``-m controlplane`` only where the checkout has no ``.venv``).
+
+The demo serves the model family from local worker processes: the session's trained family is
+copied into the data directory first (so the demo does not train it again) and the profiles are
+measured with a few samples (``--profile-samples``). Readiness is polled against ``/healthz``, then
+against the inference route until the workers answer, with deadlines (no fixed sleeps). The
+workers outlive the demo by design; the test stops them at the end.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +36,7 @@ import pytest
 
 from controlplane.cli import main
 from controlplane.store import Store
-from tests.conftest import KAIROS_CSV, needs_shared
+from provisioners.local import LocalProvisioner
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -39,8 +45,13 @@ STOP_DEADLINE_S = 30.0
 COMMAND_TIMEOUT_S = 120.0
 README_URL = "127.0.0.1:8000"
 README_CLI = ".venv/bin/heteroplane"
+PROFILE_SAMPLES = "3"
+# The first zero of sklearn's digits, as README.md's inference example sends it.
+A_DIGIT = [0, 0, 5, 13, 9, 1, 0, 0, 0, 0, 13, 15, 10, 15, 5, 0, 0, 3, 15, 2, 0, 11, 8, 0, 0, 4]
+A_DIGIT += [12, 0, 0, 8, 8, 0, 0, 5, 8, 0, 0, 9, 8, 0, 0, 4, 11, 0, 1, 12, 7, 0, 0, 2, 14, 5]
+A_DIGIT += [10, 12, 0, 0, 0, 0, 6, 13, 10, 0, 0, 0]
 
-pytestmark = needs_shared
+pytest.importorskip("torch")
 
 
 def free_port() -> int:
@@ -69,19 +80,17 @@ def demo_env(home: Path, port: int) -> dict[str, str]:
 class Demo:
     """``python -m controlplane demo`` on a free loopback port, its stderr in a log file."""
 
-    def __init__(self, home: Path, log: Path) -> None:
+    def __init__(self, home: Path, log: Path, *options: str) -> None:
         self.home = home
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = demo_env(home, self.port)
         self.log_path = log
         self._log = log.open("ab")
+        command = [sys.executable, "-m", "controlplane", "demo"]
+        command += ["--profile-samples", PROFILE_SAMPLES, *options]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "controlplane", "demo", "--profiles", str(KAIROS_CSV)],
-            cwd=REPO,
-            env=self.env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
+            command, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
         )
         self._wait_ready()
 
@@ -105,6 +114,24 @@ class Demo:
             pytest.fail(f"demo exited with {code}:\n{self.log_path.read_text()}")
         self.stop()
         pytest.fail(f"demo not ready in {START_DEADLINE_S} s:\n{self.log_path.read_text()}")
+
+    def wait_served(self) -> dict[str, Any]:
+        """Send the README's digit until the workers answer it; the answer."""
+        deadline = time.monotonic() + START_DEADLINE_S
+        last = ""
+        with self.api() as api:
+            while time.monotonic() < deadline:
+                answer = api.post("/v1/apps/demo/infer", json={"inputs": [A_DIGIT]})
+                if answer.status_code == 200:
+                    body: dict[str, Any] = answer.json()
+                    return body
+                last = answer.text
+                try:
+                    code = self.process.wait(timeout=0.5)  # the pause between tries
+                except subprocess.TimeoutExpired:
+                    continue
+                pytest.fail(f"demo exited with {code}:\n{self.log_path.read_text()}")
+        pytest.fail(f"the demo's workers did not answer in {START_DEADLINE_S} s: {last}")
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -203,26 +230,85 @@ def home(tmp_path: Path) -> Path:
     return folder
 
 
+@pytest.fixture
+def home_with_family(home: Path, trained_family: Path) -> Iterator[Path]:
+    """``home`` whose data directory holds the session's trained family; the local workers the
+    demos in it launched are stopped afterwards."""
+    data_dir = home / ".local" / "share" / "heteroplane"
+    data_dir.mkdir(parents=True)
+    shutil.copytree(trained_family, data_dir / "models")
+    try:
+        yield home
+    finally:
+        stop_workers(data_dir / "workers")
+
+
+def stop_workers(state_dir: Path) -> None:
+    """Terminate every local worker recorded in ``state_dir`` and wait for them to exit."""
+    if not state_dir.is_dir():
+        return
+    provisioner = LocalProvisioner(state_dir, {}, ["tiny"], None)
+    try:
+        records = provisioner.records()
+        provisioner.terminate([r.provider_id for r in records])
+    finally:
+        provisioner.close()
+    deadline = time.monotonic() + STOP_DEADLINE_S
+    while time.monotonic() < deadline and any(alive(r.pid) for r in records):
+        time.sleep(0.1)
+    assert not any(alive(r.pid) for r in records), "local workers outlived the test"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes
+        with Path(f"/proc/{pid}/stat").open() as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def plans_applied(api: httpx.Client) -> list[Any]:
+    decisions = api.get("/v1/apps/demo/decisions").json()
+    return [d for d in decisions if d["kind"] == "plan_applied"]
+
+
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_readme_commands_work_against_the_demo_and_a_restart_adds_nothing(
-    home: Path, tmp_path: Path
+    home_with_family: Path, tmp_path: Path
 ) -> None:
+    home = home_with_family
     demo = Demo(home, tmp_path / "demo.log")
     try:
         banner = demo.log_path.read_text()
         assert f"heteroplane demo is ready on {demo.url}" in banner
         assert str(demo.data_dir / "demo-token") in banner
+        assert "a demo load runs against it" in banner
+        assert "training" not in banner  # the family was there already
+        assert (demo.data_dir / "profiles" / "family.json").is_file()
         token_file = demo.data_dir / "demo-token"
         assert token_file.stat().st_mode & 0o777 == 0o600
         token = token_file.read_text()
+        answer = demo.wait_served()
+        assert answer["outputs"] == [0] and len(answer["models"]) == 1
 
         ran = [cmd for block in talk_to_it_blocks() for cmd in run_readme_block(block, demo)]
         assert any("curl" in command and "/v1/apps/demo/budget" in command for command in ran)
+        assert any("curl" in command and "/v1/apps/demo/infer" in command for command in ran)
         assert any(command.startswith(f"{README_CLI} budget set") for command in ran)
+        assert any(command.startswith(f"{README_CLI} loadgen") for command in ran)
 
         with demo.api() as api:
             apps = api.get("/v1/apps").json()
             assert [app["name"] for app in apps] == ["demo"]
+            spec = apps[0]["spec"]
+            assert len(spec["cascade"]) >= 2 and spec["validation"].endswith("validation.json")
+            assert spec["instance_types"] == ["emu.cpu.small", "emu.cpu.large"]
             plans = api.get("/v1/apps/demo/plans").json()
             assert [plan["status"] for plan in plans] == ["applied"]
             assert apps[0]["applied_plan_id"] == plans[0]["id"]
@@ -231,7 +317,7 @@ def test_readme_commands_work_against_the_demo_and_a_restart_adds_nothing(
                 "apps": apps,
                 "plans": plans,
                 "budget": api.get("/v1/apps/demo/budget").json(),
-                "decisions": api.get("/v1/apps/demo/decisions").json(),
+                "plans_applied": plans_applied(api),
             }
         # The README changed the budget: the restart must keep it, not re-register the app.
         assert len(before["budget"]["changes"]) > 1
@@ -240,20 +326,22 @@ def test_readme_commands_work_against_the_demo_and_a_restart_adds_nothing(
     log = demo.log_path.read_text()
     assert code == 0, log
     assert "stopped by SIGTERM" in log
+    assert "demo load: started" in log
     assert "Traceback" not in log
 
-    again = Demo(home, tmp_path / "demo-again.log")
+    again = Demo(home, tmp_path / "demo-again.log", "--no-load")
     try:
         with again.api() as api:
             assert api.get("/v1/apps").json() == before["apps"]
             assert api.get("/v1/apps/demo/plans").json() == before["plans"]
             assert api.get("/v1/apps/demo/budget").json() == before["budget"]
-            assert api.get("/v1/apps/demo/decisions").json() == before["decisions"]
+            assert plans_applied(api) == before["plans_applied"]
     finally:
         assert again.stop() == 0, again.log_path.read_text()
     log = again.log_path.read_text()
     assert "registered already" in log and "applied already" in log
-    assert "made an admin token" not in log and "Traceback" not in log
+    assert "made an admin token" not in log and "measuring" not in log
+    assert "demo load:" not in log and "Traceback" not in log
     assert (again.data_dir / "demo-token").read_text() == token
 
     store = Store.from_url(f"sqlite:///{again.data_dir / 'heteroplane.db'}")
@@ -285,15 +373,15 @@ def quiet_env(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("quiet_env")
 def test_demo_refuses_bad_input_in_one_line(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    status, err = run_demo(capsys, "--profiles", str(home / "missing.csv.gz"))
+    status, err = run_demo(capsys, "--profile-samples", "0")
     assert status == 2
-    assert err.count("\n") == 1 and err.startswith("heteroplane demo: no profiles file at")
+    assert err.count("\n") == 1 and "--profile-samples: must be >= 1" in err
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        status, err = run_demo(capsys, "--profiles", str(KAIROS_CSV), "--port", str(port))
+        status, err = run_demo(capsys, "--port", str(port))
     assert status == 2
     assert err.count("\n") == 1 and err.startswith("heteroplane demo: cannot listen on")
     assert not (home / "data").exists()  # refused before any work

@@ -1,0 +1,470 @@
+"""The load generator: an open loop that sends a trace's queries to an app's inference endpoint.
+
+This module owns how a trace becomes requests and how their answers become a summary:
+
+- **Queries.** Row i of a trace (arrival ``a_i`` s, batch size ``b_i``, optional ``sample_id``)
+  is one request to ``POST /v1/apps/{app}/infer`` carrying ``b_i`` inputs: the validation samples
+  ``s_i, s_i + 1, ..., s_i + b_i - 1`` (mod n), where ``s_i`` is the row's ``sample_id``, else
+  ``i`` (:func:`sample_rows`). The inputs are given by the caller as an (n, features) array (the
+  demo family's validation pixels, in the order of its validation records); each request body is
+  encoded once, before the run.
+- **Open loop.** Query i is sent at ``start + a_i`` whatever the answers to earlier ones do:
+  a slow or failing service never slows the sending down (InferLine's and Clockwork's load
+  generators work this way; a closed loop would hide overload by sending less). Each query's
+  latency is measured from the time the trace says it is sent, not from when the request left,
+  so a generator that falls behind shows up as latency instead of hiding it (the *coordinated
+  omission* of closed-loop benchmarks).
+- **Outcomes and the summary** (:func:`summarise`, pure): a query is *answered* when the service
+  answers 200 with a JSON body; otherwise its error kind is ``http_<status>`` (429 when the
+  service sheds load, 503 when no instance serves), ``timeout`` (no answer within the per-request
+  timeout, or no free connection), ``connection`` (refused, reset) or ``bad_response`` (a 200
+  that is not JSON). p50 and p99 are over the answered queries' latencies; *attainment* is the
+  share of all sent queries answered within the SLO (an error is a miss); the achieved rate is
+  answered queries per second of the run (first scheduled send to the last answer).
+
+The ``--json`` contract of ``heteroplane loadgen`` is :meth:`LoadSummary.to_json`: ``sent``,
+``answered``, ``errors``, ``p50_ms``, ``p99_ms``, ``attainment``, ``achieved_qps`` and
+``errors_by_kind``.
+
+Time comes through a :class:`Timer` (the event loop's clock by default), so tests run a trace
+spanning minutes in virtual time. Requests go out over one ``httpx.AsyncClient`` (keep-alive, up
+to ``max_in_flight`` connections).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import threading
+import time
+import urllib.parse
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import httpx
+import numpy as np
+from numpy.typing import NDArray
+
+from estimator.traces import Trace
+
+__all__ = [
+    "DEFAULT_MAX_IN_FLIGHT",
+    "DEFAULT_PROGRESS_S",
+    "DEFAULT_TIMEOUT_S",
+    "LoadProgress",
+    "LoadResult",
+    "LoadSummary",
+    "Outcome",
+    "Query",
+    "RealTimer",
+    "Timer",
+    "build_queries",
+    "infer_url",
+    "run_load",
+    "run_load_async",
+    "sample_rows",
+    "summarise",
+]
+
+DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_PROGRESS_S = 5.0
+# Connections the client may open at once: an open loop needs one per query in flight, and a
+# service that falls behind by more than this many queries is overloaded whatever we measure.
+DEFAULT_MAX_IN_FLIGHT = 512
+# Idle sleeps are cut into pieces this long, so that a stop request is noticed promptly.
+_STOP_POLL_S = 0.25
+OK = "ok"
+
+
+# --- queries -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """One request of the run: sent ``send_at_s`` after the start, carrying ``sample_ids``."""
+
+    index: int
+    send_at_s: float
+    sample_ids: tuple[int, ...]
+    body: bytes = field(repr=False)
+
+
+def sample_rows(trace: Trace, n_samples: int) -> list[tuple[int, ...]]:
+    """The validation samples each query of ``trace`` carries: for row i with batch size b_i,
+    ``s_i + j (mod n)`` for j < b_i, s_i the row's ``sample_id`` or else i.
+
+    >>> trace = Trace(np.array([0.0, 0.1, 0.2]), np.array([1, 2, 1]), np.array([4, 0, 2]))
+    >>> sample_rows(trace, 5)
+    [(4,), (0, 1), (2,)]
+    >>> sample_rows(Trace(np.array([0.0, 0.1]), np.array([1, 3])), 3)
+    [(0,), (1, 2, 0)]
+    """
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    ids = trace.sample_id
+    if ids is not None and ids.size and int(ids.max()) >= n_samples:
+        row = int(np.argmax(ids >= n_samples))
+        raise ValueError(
+            f"the trace's sample_id {int(ids[row])} at row {row + 1} is outside the"
+            f" {n_samples} validation samples (0..{n_samples - 1})"
+        )
+    starts = ids.tolist() if ids is not None else range(len(trace))
+    return [
+        tuple((start + j) % n_samples for j in range(int(batch)))
+        for start, batch in zip(starts, trace.batch_size.tolist(), strict=True)
+    ]
+
+
+def build_queries(trace: Trace, inputs: NDArray[np.floating] | NDArray[np.integer]) -> list[Query]:
+    """The requests for ``trace``: send times relative to its first arrival, and for each query
+    the body ``{"inputs": [...], "sample_ids": [...]}`` with the rows of ``inputs`` (shape (n,
+    features)) that :func:`sample_rows` names. Whole-number inputs (the digits' pixels, 0..16)
+    are written as integers."""
+    rows = np.asarray(inputs)
+    if rows.ndim != 2 or rows.shape[0] < 1:
+        raise ValueError(f"inputs must be an (n, features) array with n >= 1, got {rows.shape}")
+    if not np.all(np.isfinite(rows)):
+        raise ValueError("inputs must be finite")
+    whole = bool(np.all(rows == np.round(rows)))
+    encoded = [row.astype(np.int64).tolist() if whole else row.tolist() for row in rows]
+    origin = float(trace.arrival_s[0]) if len(trace) else 0.0
+    queries = []
+    for index, (arrival, samples) in enumerate(
+        zip(trace.arrival_s.tolist(), sample_rows(trace, rows.shape[0]), strict=True)
+    ):
+        body = {"inputs": [encoded[s] for s in samples], "sample_ids": list(samples)}
+        queries.append(
+            Query(
+                index,
+                arrival - origin,
+                samples,
+                json.dumps(body, separators=(",", ":")).encode(),
+            )
+        )
+    return queries
+
+
+def infer_url(base_url: str, app: str) -> str:
+    """The inference endpoint of ``app`` on the service at ``base_url``.
+
+    >>> infer_url("http://127.0.0.1:8000/", "demo")
+    'http://127.0.0.1:8000/v1/apps/demo/infer'
+    """
+    return f"{base_url.rstrip('/')}/v1/apps/{urllib.parse.quote(app, safe='')}/infer"
+
+
+# --- outcomes and the summary ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of one query: ``kind`` is ``ok`` or the error kind (module docstring);
+    ``latency_ms`` runs from its scheduled send to its answer or failure; ``send_lag_ms`` is how
+    late the request left; ``late`` is the service's own flag (``None`` when it gave none)."""
+
+    index: int
+    kind: str
+    latency_ms: float
+    send_lag_ms: float = 0.0
+    finished_s: float = 0.0
+    late: bool | None = None
+
+    @property
+    def answered(self) -> bool:
+        return self.kind == OK
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSummary:
+    """The run's numbers (see the module docstring for each definition)."""
+
+    sent: int
+    answered: int
+    errors: int
+    errors_by_kind: Mapping[str, int]
+    p50_ms: float | None
+    p99_ms: float | None
+    attainment: float | None
+    achieved_qps: float
+    duration_s: float
+    slo_ms: float | None
+    send_lag_p99_ms: float | None = None
+
+    def to_json(self) -> dict[str, object]:
+        """The ``loadgen --json`` contract."""
+        return {
+            "sent": self.sent,
+            "answered": self.answered,
+            "errors": self.errors,
+            "p50_ms": self.p50_ms,
+            "p99_ms": self.p99_ms,
+            "attainment": self.attainment,
+            "achieved_qps": self.achieved_qps,
+            "errors_by_kind": dict(self.errors_by_kind),
+        }
+
+
+def summarise(outcomes: Sequence[Outcome], slo_ms: float | None, elapsed_s: float) -> LoadSummary:
+    """The summary of ``outcomes`` over a run of ``elapsed_s`` seconds, attainment against
+    ``slo_ms`` (``None``: not known, attainment ``None``).
+
+    >>> runs = [Outcome(0, "ok", 10.0), Outcome(1, "ok", 30.0), Outcome(2, "http_503", 1.0)]
+    >>> s = summarise(runs, slo_ms=20.0, elapsed_s=2.0)
+    >>> s.sent, s.answered, s.errors, dict(s.errors_by_kind), s.attainment, s.achieved_qps
+    (3, 2, 1, {'http_503': 1}, 0.3333333333333333, 1.0)
+    """
+    if elapsed_s < 0 or not math.isfinite(elapsed_s):
+        raise ValueError(f"elapsed_s must be finite and >= 0, got {elapsed_s!r}")
+    answered = np.array([o.latency_ms for o in outcomes if o.answered], dtype=np.float64)
+    errors = Counter(o.kind for o in outcomes if not o.answered)
+    lags = np.array([o.send_lag_ms for o in outcomes], dtype=np.float64)
+
+    def percentile(values: NDArray[np.float64], q: float) -> float | None:
+        return float(np.percentile(values, q)) if values.size else None
+
+    attainment: float | None = None
+    if slo_ms is not None and outcomes:
+        attainment = float(np.count_nonzero(answered <= slo_ms)) / len(outcomes)
+    return LoadSummary(
+        sent=len(outcomes),
+        answered=int(answered.size),
+        errors=sum(errors.values()),
+        errors_by_kind=dict(sorted(errors.items())),
+        p50_ms=percentile(answered, 50.0),
+        p99_ms=percentile(answered, 99.0),
+        attainment=attainment,
+        achieved_qps=float(answered.size) / elapsed_s if elapsed_s > 0 else 0.0,
+        duration_s=elapsed_s,
+        slo_ms=slo_ms,
+        send_lag_p99_ms=percentile(lags, 99.0),
+    )
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+class Timer(Protocol):
+    """Where the run reads the time (seconds, any origin) and how it waits."""
+
+    def now(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class RealTimer:
+    """The wall clock: ``time.perf_counter`` and ``asyncio.sleep``."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadProgress:
+    """A snapshot during the run, for a progress line."""
+
+    elapsed_s: float
+    total: int
+    sent: int
+    answered: int
+    errors: int
+    in_flight: int
+    p99_ms: float | None
+
+    def line(self) -> str:
+        p99 = "-" if self.p99_ms is None else f"{self.p99_ms:.1f} ms"
+        return (
+            f"{self.elapsed_s:7.1f} s: sent {self.sent}/{self.total}, answered {self.answered},"
+            f" errors {self.errors}, in flight {self.in_flight}, p99 so far {p99}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """Every query's outcome, in trace order, and the run's length (first scheduled send to the
+    last answer, s); ``stopped``: the run was asked to stop, after ``sent`` queries (those still
+    in flight then have no outcome)."""
+
+    outcomes: tuple[Outcome, ...]
+    elapsed_s: float
+    sent: int
+    stopped: bool = False
+
+    def summary(self, slo_ms: float | None) -> LoadSummary:
+        return summarise(self.outcomes, slo_ms, self.elapsed_s)
+
+
+ProgressFn = Callable[[LoadProgress], None]
+
+
+async def _send(
+    client: httpx.AsyncClient, url: str, query: Query, scheduled_s: float, timer: Timer
+) -> Outcome:
+    lag_ms = max(0.0, (timer.now() - scheduled_s) * 1000.0)
+    late: bool | None = None
+    try:
+        response = await client.post(url, content=query.body)
+    except httpx.TimeoutException:
+        kind = "timeout"
+    except httpx.TransportError:
+        kind = "connection"
+    else:
+        if response.status_code == 200:
+            try:
+                answer = response.json()
+            except ValueError:
+                kind = "bad_response"
+            else:
+                kind = OK
+                flag = answer.get("late") if isinstance(answer, dict) else None
+                late = flag if isinstance(flag, bool) else None
+        else:
+            kind = f"http_{response.status_code}"
+    finished = timer.now()
+    return Outcome(
+        query.index, kind, (finished - scheduled_s) * 1000.0, lag_ms, finished, late=late
+    )
+
+
+async def run_load_async(
+    queries: Sequence[Query],
+    url: str,
+    token: str | None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    timer: Timer | None = None,
+    progress: ProgressFn | None = None,
+    progress_every_s: float = DEFAULT_PROGRESS_S,
+    stop: threading.Event | None = None,
+) -> LoadResult:
+    """Send ``queries`` to ``url`` (the app's inference endpoint) on their schedule, open loop.
+
+    Query q is sent at ``start + q.send_at_s`` (queries in send order), each in a task of its
+    own; then the run waits for the answers still due (each at most ``timeout_s``). ``progress``
+    is called at most every ``progress_every_s`` while queries are sent or answered, and once
+    at the end. Setting ``stop`` ends the sending; the queries in flight are cancelled and not
+    counted.
+    """
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    if any(b.send_at_s < a.send_at_s for a, b in itertools.pairwise(queries)):
+        raise ValueError("queries must be in send order")
+    clock = timer if timer is not None else RealTimer()
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    limits = httpx.Limits(
+        max_connections=max_in_flight,
+        max_keepalive_connections=max_in_flight,
+        keepalive_expiry=30.0,
+    )
+    done: list[Outcome] = []
+    answered_ms: list[float] = []
+    failures: list[BaseException] = []
+    tasks: set[asyncio.Task[Outcome]] = set()
+    start = clock.now()
+    last_report = start
+    stopped = False
+
+    def report(force: bool = False) -> None:
+        nonlocal last_report
+        now = clock.now()
+        if progress is None or (not force and now - last_report < progress_every_s):
+            return
+        last_report = now
+        errors = sum(1 for o in done if not o.answered)
+        p99 = float(np.percentile(answered_ms, 99.0)) if answered_ms else None
+        progress(
+            LoadProgress(
+                now - start, len(queries), sent, len(done) - errors, errors, len(tasks), p99
+            )
+        )
+
+    def finished(task: asyncio.Task[Outcome]) -> None:
+        tasks.discard(task)
+        if task.cancelled():
+            return
+        failure = task.exception()
+        if failure is not None:
+            failures.append(failure)
+            return
+        outcome = task.result()
+        done.append(outcome)
+        if outcome.answered:
+            answered_ms.append(outcome.latency_ms)
+
+    sent = 0
+    async with httpx.AsyncClient(
+        headers=headers,
+        timeout=httpx.Timeout(timeout_s),
+        limits=limits,
+        trust_env=False,  # a proxy from the environment must not sit between us and loopback
+    ) as client:
+        for query in queries:
+            scheduled = start + query.send_at_s
+            while (wait_s := scheduled - clock.now()) > 0:
+                if stop is not None and stop.is_set():
+                    break
+                await clock.sleep(min(wait_s, _STOP_POLL_S))
+            if stop is not None and stop.is_set():
+                stopped = True
+                break
+            task = asyncio.create_task(_send(client, url, query, scheduled, clock))
+            tasks.add(task)
+            task.add_done_callback(finished)
+            sent += 1
+            report()
+            # Let the tasks just made start their requests before the next wait.
+            await asyncio.sleep(0)
+        if stopped:
+            for task in list(tasks):
+                task.cancel()
+        while tasks:
+            waiting = list(tasks)
+            await asyncio.wait(waiting, timeout=_STOP_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            if stop is not None and stop.is_set() and not stopped:
+                stopped = True
+                for task in list(tasks):
+                    task.cancel()
+            report()
+        end = max((o.finished_s for o in done), default=clock.now())
+    if failures:  # a bug in _send: raise it rather than drop its queries silently
+        raise failures[0]
+    report(force=True)
+    ordered = tuple(sorted(done, key=lambda o: o.index))
+    return LoadResult(ordered, max(0.0, end - start), sent, stopped)
+
+
+def run_load(
+    queries: Sequence[Query],
+    url: str,
+    token: str | None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    progress: ProgressFn | None = None,
+    progress_every_s: float = DEFAULT_PROGRESS_S,
+    stop: threading.Event | None = None,
+) -> LoadResult:
+    """:func:`run_load_async` in real time on a new event loop (the calling thread waits)."""
+    return asyncio.run(
+        run_load_async(
+            queries,
+            url,
+            token,
+            timeout_s=timeout_s,
+            max_in_flight=max_in_flight,
+            progress=progress,
+            progress_every_s=progress_every_s,
+            stop=stop,
+        )
+    )

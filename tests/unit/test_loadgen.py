@@ -1,0 +1,494 @@
+"""The load generator against a tiny fake service on 127.0.0.1: which samples a query carries,
+the open-loop schedule (in virtual time), the summary's statistics, the ``--json`` contract and
+one-line refusals of bad input.
+
+The fake service is ``http.server`` in a thread. It answers ``GET /v1/apps/{app}`` and ``POST
+/v1/apps/{app}/infer``; what an inference request gets is chosen by its first sample id
+(:data:`SCRIPT`). Nothing here sleeps or asserts on how long anything took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from controlplane import loadgen
+from controlplane.cli import main
+from controlplane.loadgen import LoadProgress, Outcome, build_queries, sample_rows, summarise
+from estimator.traces import Trace, write_trace_csv
+
+TOKEN = "hp_admin-token"
+INFER_TOKEN = "hp_infer-token"
+APP = "demo"
+SLO_MS = 100.0
+N_FEATURES = 64
+# First sample id of a request -> what the fake service does with it.
+SCRIPT = {7: "429", 8: "503", 9: "not-json", 10: "drop", 11: "hang"}
+CONTRACT_KEYS = {
+    "sent",
+    "answered",
+    "errors",
+    "p50_ms",
+    "p99_ms",
+    "attainment",
+    "achieved_qps",
+    "errors_by_kind",
+}
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # an open loop's burst of connections (the default backlog is 5)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that hung up (a stopped run, a timeout): nothing to report
+
+
+class FakeService:
+    """The routes loadgen uses, with a record of every inference request."""
+
+    def __init__(self, validation: Path | None = None) -> None:
+        self.validation = validation
+        self.requests: list[dict[str, Any]] = []
+        self.release = threading.Event()  # what a "hang" request waits for
+        self.barrier: threading.Barrier | None = None  # answers wait for every request
+        self._lock = threading.Lock()
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _json(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _error(self, status: int, code: str) -> None:
+                self._json(status, {"error": {"code": code, "message": code, "field": None}})
+
+            def _token(self) -> str:
+                return self.headers.get("Authorization", "").removeprefix("Bearer ")
+
+            def do_GET(self) -> None:
+                if self._token() not in (TOKEN, INFER_TOKEN):
+                    return self._error(401, "unauthorized")
+                if self.path != f"/v1/apps/{APP}":
+                    return self._error(404, "not_found")
+                if self._token() == INFER_TOKEN:
+                    return self._error(403, "forbidden")
+                spec: dict[str, Any] = {"name": APP, "slo": {"latency_ms": SLO_MS}}
+                if service.validation is not None:
+                    spec["validation"] = str(service.validation)
+                self._json(200, {"name": APP, "spec": spec})
+
+            def do_POST(self) -> None:
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                except ValueError:  # a request cut short (the client stopped)
+                    return self._error(400, "bad_request")
+                with service._lock:
+                    service.requests.append(body)
+                if service.barrier is not None:
+                    service.barrier.wait(timeout=30.0)
+                if self._token() not in (TOKEN, INFER_TOKEN):
+                    return self._error(401, "unauthorized")
+                if self.path != f"/v1/apps/{APP}/infer":
+                    return self._error(404, "not_found")
+                action = SCRIPT.get(body["sample_ids"][0], "ok")
+                if action == "429":
+                    return self._json(429, {"error": {"code": "overloaded"}}, {"Retry-After": "1"})
+                if action == "503":
+                    return self._error(503, "no_instance")
+                if action == "not-json":
+                    data = b"<html>"
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return None
+                if action == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return None
+                if action == "hang":
+                    service.release.wait(timeout=30.0)
+                n = len(body["inputs"])
+                return self._json(
+                    200,
+                    {
+                        "outputs": [0] * n,
+                        "models": ["tiny"] * n,
+                        "certainty": [1.0] * n,
+                        "gear": "0",
+                        "timings": {"queue_ms": 0.0, "service_ms": 1.0, "total_ms": 1.0},
+                        "late": body["sample_ids"][0] == 12,
+                    },
+                )
+
+        self.server = _Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeService]:
+    service = FakeService()
+    try:
+        yield service
+    finally:
+        service.close()
+
+
+class VirtualTimer:
+    """Time that passes only when the run sleeps: a trace of minutes runs at once."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+        self.slept_s = 0.0
+
+    def now(self) -> float:
+        return self.now_s
+
+    async def sleep(self, seconds: float) -> None:
+        self.now_s += seconds
+        self.slept_s += seconds
+        await asyncio.sleep(0)
+
+
+def inputs(n: int = 20) -> np.ndarray:
+    return np.arange(n * N_FEATURES, dtype=np.float32).reshape(n, N_FEATURES) % 17
+
+
+def trace_of(arrivals: list[float], ids: list[int] | None = None) -> Trace:
+    batch = np.ones(len(arrivals), dtype=np.int64)
+    return Trace(np.array(arrivals), batch, None if ids is None else np.array(ids))
+
+
+def run(
+    queries: list[loadgen.Query], url: str, timer: VirtualTimer | None = None, **options: Any
+) -> loadgen.LoadResult:
+    async def go() -> loadgen.LoadResult:
+        return await loadgen.run_load_async(
+            queries, loadgen.infer_url(url, APP), TOKEN, timer=timer, **options
+        )
+
+    return asyncio.run(go())
+
+
+# --- queries -------------------------------------------------------------------------------------
+
+
+def test_each_row_carries_its_sample_and_the_ones_after_it_for_a_batch() -> None:
+    trace = Trace(np.array([0.0, 1.0, 1.0, 2.5]), np.array([1, 3, 1, 2]), np.array([5, 18, 0, 19]))
+    assert sample_rows(trace, 20) == [(5,), (18, 19, 0), (0,), (19, 0)]
+    without_ids = Trace(np.array([0.0, 1.0, 2.0]), np.array([2, 1, 1]))
+    assert sample_rows(without_ids, 2) == [(0, 1), (1,), (0,)]
+
+    queries = build_queries(trace, inputs())
+    assert [q.send_at_s for q in queries] == [0.0, 1.0, 1.0, 2.5]
+    second = json.loads(queries[1].body)
+    assert second["sample_ids"] == [18, 19, 0]
+    assert second["inputs"] == [inputs()[s].astype(int).tolist() for s in (18, 19, 0)]
+    assert all(isinstance(v, int) for v in second["inputs"][0])
+
+
+def test_send_times_are_relative_to_the_first_arrival() -> None:
+    queries = build_queries(trace_of([10.0, 10.5, 12.0]), inputs())
+    assert [q.send_at_s for q in queries] == [0.0, 0.5, 2.0]
+
+
+def test_a_sample_id_outside_the_validation_set_is_refused() -> None:
+    with pytest.raises(ValueError, match="sample_id 20 at row 2 is outside the 20 validation"):
+        sample_rows(trace_of([0.0, 1.0], [3, 20]), 20)
+
+
+# --- the open loop -------------------------------------------------------------------------------
+
+
+def test_queries_go_out_on_the_schedule_in_virtual_time(fake: FakeService) -> None:
+    arrivals = [0.0, 0.5, 0.5, 3.0, 60.0, 61.25]
+    timer = VirtualTimer()
+    result = run(build_queries(trace_of(arrivals), inputs()), fake.url, timer)
+    assert [o.index for o in result.outcomes] == list(range(len(arrivals)))
+    assert all(o.answered for o in result.outcomes)
+    # Every request left exactly when the trace says (virtual time stands still otherwise).
+    assert [o.send_lag_ms for o in result.outcomes] == [0.0] * len(arrivals)
+    assert timer.slept_s == pytest.approx(61.25)
+    assert result.elapsed_s == pytest.approx(61.25)
+    assert sorted(r["sample_ids"][0] for r in fake.requests) == list(range(len(arrivals)))
+
+
+def test_the_loop_is_open_no_query_waits_for_an_answer(fake: FakeService) -> None:
+    # The service answers nothing until it has every request: a closed loop would never get
+    # there (and the barrier would break, answering 500s that fail the test).
+    n = 8
+    fake.barrier = threading.Barrier(n)
+    ids = [0, 1, 2, 3, 4, 5, 6, 13]  # none scripted to fail
+    queries = build_queries(trace_of([0.1 * i for i in range(n)], ids), inputs())
+    result = run(queries, fake.url, VirtualTimer())
+    assert [o.kind for o in result.outcomes] == ["ok"] * n
+    assert not fake.barrier.broken
+
+
+def test_errors_are_counted_by_kind(fake: FakeService) -> None:
+    ids = [0, 7, 8, 9, 10, 1, 7]
+    result = run(build_queries(trace_of([0.0] * len(ids), ids), inputs()), fake.url, VirtualTimer())
+    summary = result.summary(SLO_MS)
+    assert summary.sent == 7 and summary.answered == 2 and summary.errors == 5
+    assert dict(summary.errors_by_kind) == {
+        "bad_response": 1,
+        "connection": 1,
+        "http_429": 2,
+        "http_503": 1,
+    }
+
+
+def test_a_query_without_an_answer_in_time_is_a_timeout(fake: FakeService) -> None:
+    result = run(build_queries(trace_of([0.0, 0.0], [11, 0]), inputs()), fake.url, timeout_s=0.05)
+    fake.release.set()
+    assert [o.kind for o in result.outcomes] == ["timeout", "ok"]
+
+
+def test_a_service_that_is_not_there_is_a_connection_error() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    result = run(build_queries(trace_of([0.0, 1.0]), inputs()), url, VirtualTimer())
+    assert [o.kind for o in result.outcomes] == ["connection", "connection"]
+
+
+def test_progress_is_reported_while_sending_and_at_the_end(fake: FakeService) -> None:
+    seen: list[LoadProgress] = []
+    arrivals = [float(t) for t in range(0, 30)]
+    result = run(
+        build_queries(trace_of(arrivals, [0] * 30), inputs()),
+        fake.url,
+        VirtualTimer(),
+        progress=seen.append,
+        progress_every_s=10.0,
+    )
+    assert len(seen) >= 3
+    assert [s.sent for s in seen] == sorted(s.sent for s in seen)
+    last = seen[-1]
+    assert last.errors == 0, result.summary(None).errors_by_kind
+    assert (last.sent, last.total, last.answered, last.errors, last.in_flight) == (30, 30, 30, 0, 0)
+    assert "sent 30/30, answered 30, errors 0" in last.line()
+
+
+def test_a_stop_ends_the_sending(fake: FakeService) -> None:
+    stop = threading.Event()
+    seen: list[LoadProgress] = []
+
+    def progress(snapshot: LoadProgress) -> None:
+        seen.append(snapshot)
+        if snapshot.sent >= 3:
+            stop.set()
+
+    result = run(
+        build_queries(trace_of([float(t) for t in range(100)], [0] * 100), inputs()),
+        fake.url,
+        VirtualTimer(),
+        progress=progress,
+        progress_every_s=0.5,
+        stop=stop,
+    )
+    assert result.stopped
+    assert 3 <= result.sent < 100
+    assert len(result.outcomes) <= result.sent  # those cut short are not counted
+
+
+# --- the summary ---------------------------------------------------------------------------------
+
+
+def test_the_summary_statistics() -> None:
+    latencies = [float(v) for v in range(1, 101)]  # 1..100 ms
+    outcomes = [Outcome(i, "ok", ms, send_lag_ms=0.5) for i, ms in enumerate(latencies)]
+    outcomes += [Outcome(100, "timeout", 10_000.0), Outcome(101, "http_503", 2.0)]
+    summary = summarise(outcomes, slo_ms=50.0, elapsed_s=20.0)
+    assert (summary.sent, summary.answered, summary.errors) == (102, 100, 2)
+    assert summary.p50_ms == pytest.approx(np.percentile(latencies, 50))
+    assert summary.p99_ms == pytest.approx(np.percentile(latencies, 99))
+    # 50 answered within 50 ms out of 102 sent: errors are misses.
+    assert summary.attainment == pytest.approx(50 / 102)
+    assert summary.achieved_qps == pytest.approx(100 / 20.0)
+    assert dict(summary.errors_by_kind) == {"http_503": 1, "timeout": 1}
+    assert summary.send_lag_p99_ms == pytest.approx(0.5)
+
+
+def test_a_summary_of_nothing_answered() -> None:
+    summary = summarise([Outcome(0, "connection", 1.0)], slo_ms=None, elapsed_s=0.0)
+    assert (summary.p50_ms, summary.p99_ms, summary.attainment) == (None, None, None)
+    assert summary.achieved_qps == 0.0
+    empty = summarise([], slo_ms=10.0, elapsed_s=1.0)
+    assert (empty.sent, empty.attainment, empty.p99_ms) == (0, None, None)
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+def write_trace(path: Path, arrivals: list[float], ids: list[int] | None = None) -> Path:
+    write_trace_csv(trace_of(arrivals, ids), path)
+    return path
+
+
+def loadgen_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        status = main(["loadgen", *argv])
+    except SystemExit as stop:
+        status = int(stop.code or 0)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_json_contract(
+    fake: FakeService, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_trace(tmp_path / "t.csv", [0.0, 0.01, 0.02, 0.03], [0, 8, 12, 3])
+    status, out, err = loadgen_cli(
+        capsys, "--url", fake.url, "--app", APP, "--trace", str(trace), "--token", TOKEN, "--json"
+    )
+    assert status == 0, err
+    data = json.loads(out)
+    assert set(data) == CONTRACT_KEYS
+    assert (data["sent"], data["answered"], data["errors"]) == (4, 3, 1)
+    assert data["errors_by_kind"] == {"http_503": 1}
+    assert isinstance(data["p50_ms"], float) and data["p99_ms"] >= data["p50_ms"]
+    assert 0.0 <= data["attainment"] <= 0.75
+    assert data["achieved_qps"] > 0
+    assert "SLO 100 ms (the app's p99 SLO)" in err
+    # The inputs are the family's validation digits, in the order of its records.
+    from provisioners.worker.family import load_split
+
+    pixels = load_split().validation_inputs
+    sent = {r["sample_ids"][0]: r["inputs"][0] for r in fake.requests}
+    assert sent[3] == pixels[3].astype(int).tolist()
+
+
+def test_human_summary_and_the_token_from_the_environment(
+    fake: FakeService,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HETEROPLANE_TOKEN", TOKEN)
+    monkeypatch.setenv("HETEROPLANE_URL", fake.url)
+    trace = write_trace(tmp_path / "t.csv", [0.0, 0.01])
+    status, out, err = loadgen_cli(capsys, "--app", APP, "--trace", str(trace))
+    assert status == 0, err
+    assert out.startswith("sent 2 queries in ")
+    assert "answered 2" in out and "latency: p50" in out and "attainment:" in out
+
+
+def test_an_infer_token_needs_the_slo_on_the_command_line(
+    fake: FakeService, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_trace(tmp_path / "t.csv", [0.0])
+    base = ["--url", fake.url, "--app", APP, "--trace", str(trace), "--token", INFER_TOKEN]
+    status, out, err = loadgen_cli(capsys, *base, "--json")
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and "give --slo-ms" in err
+    status, out, err = loadgen_cli(capsys, *base, "--slo-ms", "250", "--json")
+    assert status == 0, err
+    assert json.loads(out)["answered"] == 1
+
+
+def test_the_seed_comes_from_the_apps_validation_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = tmp_path / "validation.json"
+    records.write_text(json.dumps({"format": "heteroplane.validation/v1", "seed": 3}))
+    service = FakeService(records)
+    try:
+        trace = write_trace(tmp_path / "t.csv", [0.0], [5])
+        status, _, err = loadgen_cli(
+            capsys,
+            *("--url", service.url, "--app", APP, "--trace", str(trace), "--token", TOKEN),
+            "--json",
+        )
+        assert status == 0, err
+        from provisioners.worker.family import load_split
+
+        assert (
+            service.requests[0]["inputs"][0]
+            == load_split(3).validation_inputs[5].astype(int).tolist()
+        )
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--app", "nope"], "not_found"),
+        (["--token", "hp_wrong"], "unauthorized"),
+        (["--url", "ftp://x"], "--url must be an http:// or https:// URL"),
+        (["--timeout-s", "0"], "--timeout-s: must be a number > 0"),
+        (["--max-in-flight", "0"], "--max-in-flight: must be >= 1"),
+        (["--trace", "/nonexistent/t.csv"], "/nonexistent/t.csv"),
+        (["--trace", "IDS"], "sample_id 900 at row 1 is outside the 719 validation samples"),
+        (["--trace", "BAD"], "arrival_s decreases at row 3"),
+        (["--trace", "EMPTY"], "has a header but no data rows"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    fake: FakeService,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    expected: str,
+) -> None:
+    good = write_trace(tmp_path / "good.csv", [0.0, 1.0])
+    files = {
+        "IDS": write_trace(tmp_path / "ids.csv", [0.0], [900]),
+        "BAD": tmp_path / "bad.csv",
+        "EMPTY": tmp_path / "empty.csv",
+    }
+    files["BAD"].write_text("arrival_s,batch_size\n0.0,1\n2.0,1\n1.0,1\n")
+    files["EMPTY"].write_text("arrival_s,batch_size\n")
+    options = {"--url": fake.url, "--app": APP, "--trace": str(good), "--token": TOKEN}
+    for flag, value in zip(extra[::2], extra[1::2], strict=True):
+        options[flag] = str(files[value]) if value in files else value
+    argv = [part for pair in options.items() for part in pair]
+    status, out, err = loadgen_cli(capsys, *argv, "--json")
+    assert status == 2, err
+    assert out == "" and err.count("\n") == 1 and expected in err, err
+    assert not any(r.get("sample_ids") for r in fake.requests)  # nothing was sent
+
+
+def test_a_service_that_is_not_there_is_refused_before_sending(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    trace = write_trace(tmp_path / "t.csv", [0.0])
+    status, out, err = loadgen_cli(
+        capsys, "--url", url, "--app", APP, "--trace", str(trace), "--token", TOKEN
+    )
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and "cannot reach the heteroplane API" in err
