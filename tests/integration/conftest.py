@@ -21,10 +21,15 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from controlplane.service import Service, build_service
+from controlplane.settings import Settings
+from provisioners.local import LocalProvisioner
 
 _START_TIMEOUT_S = 60
 
@@ -168,3 +173,51 @@ def trained_family(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from provisioners.worker.family import ensure_family
 
     return ensure_family(tmp_path_factory.mktemp("family") / "models")
+
+
+# --- a service on the local provisioner (real worker processes) -------------------------------
+
+WORKER_POLL_S = 0.25
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie counts as dead (its parent may not have reaped it yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with Path(f"/proc/{pid}/stat").open() as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def stop_every_worker(provisioner: LocalProvisioner) -> None:
+    """Terminate every worker ``provisioner`` knows and wait (with a deadline) until they exit."""
+    records = provisioner.records()
+    provisioner.terminate([r.provider_id for r in records])
+    provisioner.close()
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline and any(process_alive(r.pid) for r in records):
+        time.sleep(WORKER_POLL_S)
+    assert not any(process_alive(r.pid) for r in records)
+
+
+@pytest.fixture
+def local_service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
+    """The whole service (``build_service``) on the local provisioner, its data dir in
+    ``tmp_path`` and the session's trained family where the workers look for it; every worker is
+    stopped at the end."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "models").symlink_to(trained_family, target_is_directory=True)
+    built = build_service(Settings(data_dir=data_dir, provisioner="local"))
+    assert isinstance(built.provisioner, LocalProvisioner)
+    try:
+        yield built
+    finally:
+        stop_every_worker(built.provisioner)
+        built.close()

@@ -14,17 +14,17 @@ import os
 import signal
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from controlplane.cli import main
-from controlplane.service import Service, build_service
-from controlplane.settings import Settings
+from controlplane.service import Service
 from controlplane.store import InstanceRecord
 from provisioners.base import APP_TAG
 from provisioners.local import LocalProvisioner
+from tests.integration.conftest import WORKER_POLL_S
 
 pytest.importorskip("torch")
 
@@ -33,19 +33,10 @@ SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
 FLEET = {SMALL: 2, LARGE: 1}
 # Workers import torch and load the family: seconds each, more on a busy shared machine.
 FLEET_DEADLINE_S = 300.0
-POLL_S = 0.25
 
 
 @pytest.fixture(scope="session")
-def family_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The trained family, once per session (the function the workers' loader calls)."""
-    from provisioners.worker.family import ensure_family
-
-    return ensure_family(tmp_path_factory.mktemp("family") / "models")
-
-
-@pytest.fixture(scope="session")
-def profiles(family_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def profiles(trained_family: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Profiles of the tiny model on the two emulated types, from ``heteroplane profile
     measure``."""
     out = tmp_path_factory.mktemp("profiles") / "family.json"
@@ -64,7 +55,7 @@ def profiles(family_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
             "--instance-types",
             f"{SMALL},{LARGE}",
             "--cache-dir",
-            str(family_cache),
+            str(trained_family),
             "--out",
             str(out),
         ]
@@ -74,43 +65,9 @@ def profiles(family_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.fixture
-def service(tmp_path: Path, family_cache: Path) -> Iterator[Service]:
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    # The workers find the session's trained family where the local provisioner points them.
-    (data_dir / "models").symlink_to(family_cache, target_is_directory=True)
-    service = build_service(Settings(data_dir=data_dir, provisioner="local"))
-    assert isinstance(service.provisioner, LocalProvisioner)
-    try:
-        yield service
-    finally:
-        _stop_every_worker(service.provisioner)
-        service.close()
-
-
-def _stop_every_worker(provisioner: LocalProvisioner) -> None:
-    records = provisioner.records()
-    provisioner.terminate([r.provider_id for r in records])
-    provisioner.close()
-    deadline = time.monotonic() + 30.0
-    while time.monotonic() < deadline and any(_alive(r.pid) for r in records):
-        time.sleep(POLL_S)
-    assert not any(_alive(r.pid) for r in records)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie is dead for our purposes (its parent, this process, may not have reaped it yet).
-    try:
-        with Path(f"/proc/{pid}/stat").open() as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
+def service(local_service: Service) -> Service:
+    """The service on the local provisioner (``local_service`` in the integration conftest)."""
+    return local_service
 
 
 def _reconcile_until(
@@ -126,7 +83,7 @@ def _reconcile_until(
             logs = service.settings.data_dir / "workers" / "logs"
             tails = {p.name: p.read_text()[-800:] for p in sorted(logs.glob("*.log"))}
             pytest.fail(f"no {what} within {FLEET_DEADLINE_S:g} s: {rows}; logs: {tails}")
-        time.sleep(POLL_S)
+        time.sleep(WORKER_POLL_S)
 
 
 def _running(rows: list[InstanceRecord]) -> list[InstanceRecord]:

@@ -19,7 +19,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,7 @@ import numpy as np
 import pytest
 
 from controlplane.cli import main
-from controlplane.service import Service, build_service
-from controlplane.settings import Settings
+from controlplane.service import Service
 from controlplane.store import InstanceRecord
 from provisioners.local import LocalProvisioner
 
@@ -77,41 +75,9 @@ def profiles(trained_family: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture
-def service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    # The workers find the session's trained family where the local provisioner points them.
-    (data_dir / "models").symlink_to(trained_family, target_is_directory=True)
-    built = build_service(Settings(data_dir=data_dir, provisioner="local"))
-    assert isinstance(built.provisioner, LocalProvisioner)
-    try:
-        yield built
-    finally:
-        _stop_every_worker(built.provisioner)
-        built.close()
-
-
-def _stop_every_worker(provisioner: LocalProvisioner) -> None:
-    records = provisioner.records()
-    provisioner.terminate([r.provider_id for r in records])
-    provisioner.close()
-    deadline = time.monotonic() + 30.0
-    while time.monotonic() < deadline and any(_alive(r.pid) for r in records):
-        time.sleep(POLL_S)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with Path(f"/proc/{pid}/stat").open() as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
+def service(local_service: Service) -> Service:
+    """The service on the local provisioner (``local_service`` in the integration conftest)."""
+    return local_service
 
 
 def _running(service: Service) -> list[InstanceRecord]:
