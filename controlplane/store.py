@@ -424,14 +424,15 @@ class Store:
         at: datetime | None = None,
     ) -> BudgetChangeRecord:
         """Set the app's budget (and its spec's ``budget_usd_per_hr``) and audit it. Concurrent
-        changes serialise (a lost race is retried), so the audit trail is a chain. With
+        changes serialise (the app's row is locked for the change; a lost race, possible only
+        without the lock, is retried), so the audit trail is a chain. With
         ``expected_version``, :class:`ConflictError` if the app changed since."""
         budget = _budget(new_usd_per_hr)
         now = self._now(at)
         for _ in range(_ATTEMPTS):
             try:
                 with transaction(self._sessions) as session:
-                    row = _app_row(session, app)
+                    row = _app_row(session, app, lock=True)
                     _check_version(row, expected_version)
                     old = row.budget_usd_per_hr
                     _compare_and_set(
@@ -957,8 +958,14 @@ class Store:
 # --- helpers ---------------------------------------------------------------------------------
 
 
-def _app_row(session: Session, name: str) -> m.App:
-    row = session.scalar(select(m.App).where(m.App.name == name))
+def _app_row(session: Session, name: str, *, lock: bool = False) -> m.App:
+    """The app's row; with ``lock``, held for update until the transaction ends (PostgreSQL's
+    SELECT ... FOR UPDATE: concurrent writers queue instead of racing; SQLite's BEGIN IMMEDIATE
+    already serialises writers, and SQLAlchemy leaves the clause out there)."""
+    query = select(m.App).where(m.App.name == name)
+    if lock:
+        query = query.with_for_update()
+    row = session.scalar(query)
     if row is None:
         raise NotFoundError("app", name)
     return row
