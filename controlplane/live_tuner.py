@@ -123,7 +123,8 @@ class LiveTuner:
         return made
 
     def _tick_app(self, app: AppRecord, now_s: float) -> list[Decision]:
-        if self._arrivals(app.name) is None:
+        observed = self._arrivals(app.name)
+        if observed is None:
             return []
         with self._lock:
             tuned = self._apps.get(app.name)
@@ -135,9 +136,6 @@ class LiveTuner:
             tuned = self._set_up(app, now_s)
             if tuned is None:
                 return []
-        observed = self._arrivals(app.name)
-        if observed is None:
-            return []
         arrivals = np.ascontiguousarray(observed, dtype=np.float64)
         decisions, state = tune(arrivals, now_s, tuned.state, tuned.stages, tuned.config)
         tuned.state = state

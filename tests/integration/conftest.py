@@ -221,3 +221,32 @@ def local_service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
     finally:
         stop_every_worker(built.provisioner)
         built.close()
+
+
+def measure_profiles(cache: Path, out: Path, models: str, batch_sizes: str) -> Path:
+    """``heteroplane profile measure`` of ``models`` on the two emulated types the local tests
+    run (a few samples: the numbers only price and rank, nothing is timed)."""
+    from controlplane.cli import main
+
+    status = main(
+        [
+            "profile",
+            "measure",
+            "--models",
+            models,
+            "--batch-sizes",
+            batch_sizes,
+            "--samples",
+            "3",
+            "--warmup",
+            "1",
+            "--instance-types",
+            "emu.cpu.small,emu.cpu.large",
+            "--cache-dir",
+            str(cache),
+            "--out",
+            str(out),
+        ]
+    )
+    assert status == 0
+    return out

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.cli import main
 from controlplane.service import Service
 from controlplane.store import InstanceRecord
 from provisioners.base import APP_TAG
 from provisioners.local import LocalProvisioner
-from tests.integration.conftest import WORKER_POLL_S
+from tests.integration.conftest import WORKER_POLL_S, measure_profiles
 
 pytest.importorskip("torch")
 
@@ -40,28 +39,7 @@ def profiles(trained_family: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     """Profiles of the tiny model on the two emulated types, from ``heteroplane profile
     measure``."""
     out = tmp_path_factory.mktemp("profiles") / "family.json"
-    status = main(
-        [
-            "profile",
-            "measure",
-            "--models",
-            "tiny",
-            "--batch-sizes",
-            "1,2,4",
-            "--samples",
-            "3",
-            "--warmup",
-            "1",
-            "--instance-types",
-            f"{SMALL},{LARGE}",
-            "--cache-dir",
-            str(trained_family),
-            "--out",
-            str(out),
-        ]
-    )
-    assert status == 0
-    return out
+    return measure_profiles(trained_family, out, "tiny", "1,2,4")
 
 
 @pytest.fixture

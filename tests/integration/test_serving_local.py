@@ -26,10 +26,10 @@ import httpx
 import numpy as np
 import pytest
 
-from controlplane.cli import main
 from controlplane.service import Service
 from controlplane.store import InstanceRecord
 from provisioners.local import LocalProvisioner
+from tests.integration.conftest import measure_profiles
 
 pytest.importorskip("torch")
 uvicorn = pytest.importorskip("uvicorn")
@@ -50,28 +50,7 @@ POLL_S = 0.25
 def profiles(trained_family: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny and large on the two emulated types, from ``heteroplane profile measure``."""
     out = tmp_path_factory.mktemp("serving-profiles") / "family.json"
-    status = main(
-        [
-            "profile",
-            "measure",
-            "--models",
-            "tiny,large",
-            "--batch-sizes",
-            "1,2,4,8",
-            "--samples",
-            "3",
-            "--warmup",
-            "1",
-            "--instance-types",
-            f"{SMALL},{LARGE}",
-            "--cache-dir",
-            str(trained_family),
-            "--out",
-            str(out),
-        ]
-    )
-    assert status == 0
-    return out
+    return measure_profiles(trained_family, out, "tiny,large", "1,2,4,8")
 
 
 @pytest.fixture
