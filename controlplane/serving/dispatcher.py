@@ -95,6 +95,7 @@ __all__ = [
     "ServingGear",
     "StagePlan",
     "StageStatus",
+    "WorkerLoss",
     "WorkerStatus",
     "policy_name",
 ]
@@ -192,6 +193,20 @@ class InferResult:
     service_ms: float
     total_ms: float
     late: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoss:
+    """A worker just marked unhealthy, and what became of the queries in flight on it then (the
+    batch it held: a worker serves one at a time): ``redispatched_queries`` went back to the
+    front of their stage's queue for another instance, ``failed_queries`` were answered with an
+    error (their last attempt, or no healthy instance left to serve them)."""
+
+    endpoint: WorkerEndpoint
+    reason: str
+    in_flight_queries: int
+    redispatched_queries: int
+    failed_queries: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -472,7 +487,7 @@ class AppDispatcher:
         clock_s: Callable[[], float] = time.monotonic,
         gear: GearSource | None = None,
         tracker: StateTracker | None = None,
-        on_unhealthy: Callable[[WorkerEndpoint, str], None] | None = None,
+        on_unhealthy: Callable[[WorkerLoss], None] | None = None,
     ) -> None:
         self.transport = transport
         self.observations = observations
@@ -550,7 +565,10 @@ class AppDispatcher:
         The plan's stage fleets place instances by type, in the cascade's order (a stage takes
         as many of each type as its fleet names, from the workers not yet placed); workers left
         over serve every stage, and a stage the placement leaves without any serves on all of
-        them (a query must never wait for a stage with no instance).
+        them (a query must never wait for a stage with no instance). So does a stage whose placed
+        workers are all unhealthy, until one of them is back or the fleet changes: every worker
+        agent loads the whole family, and a plan of one instance per stage must survive the loss
+        of one (its queries go to the other stages' workers rather than fail).
         """
         config = self.config
         workers = sorted(self._workers.values(), key=lambda w: w.instance_id)
@@ -565,13 +583,15 @@ class AppDispatcher:
                 placed[model].extend(chosen)
                 free = [w for w in free if w not in chosen]
         for model in config.models:
-            serving = placed[model] + free if placed[model] else list(workers)
+            own = placed[model]
+            serving = own + free if any(w.healthy for w in own) else list(workers)
             self._build_stage(self._stages[model], serving)
         self._mark_all()
 
     def _health_changed(self) -> None:
-        for stage in self._stages.values():
-            stage.capacity.clear()
+        """A worker left or rejoined matching: placement again (a stage whose placed workers
+        are all out borrows the others), which also drops the capacity estimates."""
+        self._place()
 
     def _build_stage(self, stage: _Stage, workers: Sequence[Worker]) -> None:
         config = self.config
@@ -949,20 +969,16 @@ class AppDispatcher:
         stage.in_service_samples -= batch
         worker.finish(now)
         reason = str(error)
-        if error.worker_fault:
-            if worker.healthy:
-                worker.fail(now, reason)
-                self._health_changed()
-                logger.warning("%s: worker %s unhealthy: %s", self.app, worker.instance_id, reason)
-                if self.on_unhealthy is not None:
-                    self.on_unhealthy(worker.endpoint, reason)
-            else:
-                worker.last_error = reason
+        lost = error.worker_fault and worker.healthy
+        if lost:
+            worker.fail(now, reason)
+            self._health_changed()
+        elif error.worker_fault:
+            worker.last_error = reason
+        live = [part for part in parts if not part.request.future.done()]
         again = []
-        for part in parts:
+        for part in live:
             request = part.request
-            if request.future.done():
-                continue
             part.attempts += 1
             if not error.worker_fault or part.attempts >= self.settings.max_attempts:
                 self._fail(request, QueryFailedError(self.app, reason, part.attempts))
@@ -976,6 +992,19 @@ class AppDispatcher:
             else:
                 self._requeue(current, again)
         self._fail_stranded(reason)
+        if lost:
+            failed = sum(1 for part in live if part.request.future.done())
+            loss = WorkerLoss(worker.endpoint, reason, len(live), len(live) - failed, failed)
+            logger.warning(
+                "%s: worker %s unhealthy: %s; %d queries in flight on it, %d re-dispatched",
+                self.app,
+                worker.instance_id,
+                reason,
+                loss.in_flight_queries,
+                loss.redispatched_queries,
+            )
+            if self.on_unhealthy is not None:
+                self.on_unhealthy(loss)
         self._mark_all()
 
     def _fail_stranded(self, reason: str) -> None:

@@ -15,7 +15,9 @@ per app, kept in step with the store and the fleet, started and stopped with the
   observations (:mod:`controlplane.serving.observations`) that the roll-up job and ``/metrics``
   read (:meth:`ServingLoop.take_window`);
 - a record of each worker marked unhealthy as a ``worker_unhealthy`` decision of its app (the
-  dashboard's events), written off the event loop.
+  dashboard's events), written off the event loop, with how many queries were in flight on it
+  then and how many of them were re-dispatched or failed
+  (:class:`~controlplane.serving.dispatcher.WorkerLoss`).
 
 Reads of the store and the provider are blocking I/O: they run in threads
 (``asyncio.to_thread``), never on the event loop that serves the API and the dispatchers.
@@ -44,11 +46,12 @@ from controlplane.serving.dispatcher import (
     InferResult,
     ServingGear,
     StagePlan,
+    WorkerLoss,
 )
 from controlplane.serving.observations import Observations, WindowSummary
 from controlplane.serving.states import StateTracker
 from controlplane.serving.transport import HttpWorkerTransport, WorkerTransport
-from controlplane.serving.workers import InstanceSource, WorkerEndpoint
+from controlplane.serving.workers import InstanceSource
 from controlplane.spec import SpecError
 from controlplane.store import Store
 from controlplane.variants import Requirements
@@ -259,22 +262,26 @@ class ServingLoop:
             return None
         return lambda: hook(app)
 
-    def _recorder(self, app: str) -> Callable[[WorkerEndpoint, str], None]:
-        def record(endpoint: WorkerEndpoint, reason: str) -> None:
+    def _recorder(self, app: str) -> Callable[[WorkerLoss], None]:
+        def record(loss: WorkerLoss) -> None:
+            endpoint = loss.endpoint
             numbers = {
                 "instance_id": endpoint.instance_id,
                 "instance_type": endpoint.instance_type,
                 "address": endpoint.address,
+                "in_flight_queries": loss.in_flight_queries,
+                "redispatched_queries": loss.redispatched_queries,
+                "failed_queries": loss.failed_queries,
             }
+            reason = (
+                f"worker {endpoint.instance_id} taken out of matching: {loss.reason};"
+                f" {loss.in_flight_queries} queries in flight on it:"
+                f" {loss.redispatched_queries} re-dispatched, {loss.failed_queries} failed"
+            )
 
             def write() -> None:
                 try:
-                    self.store.record_decision(
-                        app,
-                        "worker_unhealthy",
-                        f"worker {endpoint.instance_id} taken out of matching: {reason}",
-                        numbers,
-                    )
+                    self.store.record_decision(app, "worker_unhealthy", reason, numbers)
                 except ControlPlaneError as error:
                     logger.warning("%s: cannot record worker_unhealthy: %s", app, error)
 

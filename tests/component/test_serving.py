@@ -40,6 +40,7 @@ from controlplane.serving.dispatcher import (
     InferResult,
     ServingGear,
     StagePlan,
+    WorkerLoss,
 )
 from controlplane.serving.fake_worker import FakeWorker
 from controlplane.serving.loop import ServingLoop, ServingSettings
@@ -243,7 +244,7 @@ def test_a_failing_worker_is_marked_unhealthy_and_its_queries_go_elsewhere() -> 
             HttpWorkerTransport(),
             Observations(),
             settings=DispatcherSettings(admission=False),
-            on_unhealthy=lambda endpoint, reason: unhealthy.append(endpoint.instance_id),
+            on_unhealthy=lambda loss: unhealthy.append(loss.endpoint.instance_id),
         )
         dispatcher.set_workers(endpoints(workers))
         results = await settle([dispatcher.submit([row(q % 10, 0.9)]) for q in range(200)])
@@ -429,6 +430,42 @@ def test_a_worker_removed_from_the_fleet_leaves_matching() -> None:
         results = await settle([dispatcher.submit([row(1, 0.9)]) for _ in range(20)])
         assert all(isinstance(r, InferResult) for r in results)
         assert workers[0].requests == 0 and workers[1].requests == 20
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_stage_whose_only_worker_dies_borrows_the_other_stages_workers() -> None:
+    """One worker per stage, as the demo's plan places them: tiny's dies holding a batch; that
+    batch and the queries queued behind it go to large's worker (every worker loads the whole
+    family) instead of failing, and the loss says what was in flight on it."""
+
+    async def scenario() -> None:
+        workers = await fleet([SMALL, LARGE])
+        workers[0].hang = True  # holds its first batch until it dies
+        plan = {"tiny": StagePlan(fleet={SMALL: 1}), "large": StagePlan(fleet={LARGE: 1})}
+        losses: list[WorkerLoss] = []
+        dispatcher = AppDispatcher(
+            config(stage_plans=plan),
+            HttpWorkerTransport(),
+            Observations(),
+            settings=DispatcherSettings(admission=False),
+            on_unhealthy=losses.append,
+        )
+        dispatcher.set_workers(endpoints(workers))
+        futures = [dispatcher.submit([row(q, 0.9)]) for q in range(10)]
+        (victim,) = [w for w in dispatcher.workers() if w.instance_id == "i-0"]
+        await until(lambda: victim.running)
+        workers[0].kill()
+        results = await settle(futures)
+        assert all(isinstance(r, InferResult) for r in results), results
+        assert [r.models for r in results if isinstance(r, InferResult)] == [("tiny",)] * 10
+        assert workers[1].rows_by_model["tiny"] == 10
+        ((endpoint, in_flight, redispatched, failed),) = [
+            (x.endpoint.instance_id, x.in_flight_queries, x.redispatched_queries, x.failed_queries)
+            for x in losses
+        ]
+        assert (endpoint, in_flight, redispatched, failed) == ("i-0", 1, 1, 0)
         await dispatcher.close()
 
     run(scenario())

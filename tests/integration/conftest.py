@@ -9,7 +9,10 @@ gives each test a database of its own on that server. Where PostgreSQL is not in
 that use them are skipped with the reason.
 
 ``trained_family`` (session scope) is a cache directory holding the trained demo model family,
-for the tests that start real worker agents.
+for the tests that start real worker agents. ``local_service`` is the whole service on the local
+provisioner in ``tmp_path`` (:func:`local_data_dir`, :func:`running_local_service` for a test
+that must put files in the data directory before the service is built), and :class:`ApiServer`
+serves a service's API on a free loopback port.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import uvicorn
 
 from controlplane.service import Service, build_service
 from controlplane.settings import Settings
@@ -206,14 +212,19 @@ def stop_every_worker(provisioner: LocalProvisioner) -> None:
     assert not any(process_alive(r.pid) for r in records)
 
 
-@pytest.fixture
-def local_service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
-    """The whole service (``build_service``) on the local provisioner, its data dir in
-    ``tmp_path`` and the session's trained family where the workers look for it; every worker is
-    stopped at the end."""
+def local_data_dir(tmp_path: Path, trained_family: Path) -> Path:
+    """``tmp_path/data`` with the session's trained family where the local workers look for it
+    (``models``)."""
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     (data_dir / "models").symlink_to(trained_family, target_is_directory=True)
+    return data_dir
+
+
+@contextmanager
+def running_local_service(data_dir: Path) -> Iterator[Service]:
+    """The whole service (``build_service``) on the local provisioner over ``data_dir``; every
+    worker is stopped at the end."""
     built = build_service(Settings(data_dir=data_dir, provisioner="local"))
     assert isinstance(built.provisioner, LocalProvisioner)
     try:
@@ -221,6 +232,44 @@ def local_service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
     finally:
         stop_every_worker(built.provisioner)
         built.close()
+
+
+@pytest.fixture
+def local_service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
+    """The whole service on the local provisioner, its data dir in ``tmp_path`` and the session's
+    trained family where the workers look for it; every worker is stopped at the end."""
+    with running_local_service(local_data_dir(tmp_path, trained_family)) as built:
+        yield built
+
+
+SERVER_DEADLINE_S = 60.0
+
+
+class ApiServer:
+    """The service's API on a free loopback port, served by uvicorn in a thread (lifespan on:
+    the serving loop and the scheduler run as under ``heteroplane serve``). ``with ApiServer(s)
+    as url:`` waits (with a deadline) until it listens; leaving the block stops it."""
+
+    def __init__(self, service: Service) -> None:
+        self.port = _free_port()
+        config = uvicorn.Config(
+            service.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + SERVER_DEADLINE_S
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                pytest.fail("the API server did not start")
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *_: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60.0)
 
 
 def measure_profiles(cache: Path, out: Path, models: str, batch_sizes: str) -> Path:

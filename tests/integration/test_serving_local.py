@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,10 +27,9 @@ import pytest
 from controlplane.service import Service
 from controlplane.store import InstanceRecord
 from provisioners.local import LocalProvisioner
-from tests.integration.conftest import measure_profiles
+from tests.integration.conftest import ApiServer, measure_profiles
 
 pytest.importorskip("torch")
-uvicorn = pytest.importorskip("uvicorn")
 
 APP = "digits"
 SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
@@ -41,7 +38,6 @@ QUERIES = 160
 IN_FLIGHT = 6
 # Workers import torch and load the family: seconds each, more on a busy shared machine.
 FLEET_DEADLINE_S = 300.0
-SERVER_DEADLINE_S = 60.0
 RUN_DEADLINE_S = 300.0
 POLL_S = 0.25
 
@@ -109,34 +105,6 @@ def _launch_fleet(service: Service) -> list[InstanceRecord]:
         time.sleep(POLL_S)
 
 
-class _Server:
-    """The service's API on a free loopback port, served by uvicorn in a thread (lifespan on:
-    the serving loop and the scheduler run as under ``heteroplane serve``)."""
-
-    def __init__(self, service: Service) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = int(probe.getsockname()[1])
-        config = uvicorn.Config(
-            service.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + SERVER_DEADLINE_S
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                pytest.fail("the API server did not start")
-            time.sleep(0.05)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *_: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60.0)
-
-
 def _bodies(count: int) -> tuple[list[dict[str, Any]], np.ndarray]:
     """``count`` request bodies of 1 to 4 validation samples each, and the labels."""
     from provisioners.worker.family import load_split
@@ -202,7 +170,7 @@ def test_every_query_gets_an_answer_when_a_worker_dies_mid_run(
     def kill_victim() -> None:
         os.kill(record.pid, signal.SIGKILL)
 
-    with _Server(service) as url:
+    with ApiServer(service) as url:
         answers = asyncio.run(_load(url, token, bodies, kill_victim))
         status = httpx.get(
             f"{url}/v1/apps/{APP}/serving",
