@@ -264,8 +264,11 @@ class GearPlan:
         return self.options[self.gears[gear].option]
 
     def to_document(self) -> dict[str, Any]:
+        """The plan as JSON (``heteroplane gears --json``; a cascade plan's ``gear_plan``);
+        :meth:`from_document` reads it back."""
         return {
             "placement": {m: dict(self.placement.fleets[m]) for m in self.placement.order},
+            "order": list(self.placement.order),
             "slo_ms": self.slo_ms,
             "percentile": self.percentile,
             "accuracy_floor": self.accuracy_floor,
@@ -278,9 +281,11 @@ class GearPlan:
                     "label": o.cascade.label,
                     "accuracy": o.quality.accuracy,
                     "reach_share": list(o.quality.reach_share),
+                    "answered_share": list(o.quality.answered_share),
                     "max_batch_queries": list(o.max_batch_queries),
                     "bound_qps": o.bound_qps,
                     "max_qps": o.max_qps,
+                    "latency_curve": [list(point) for point in o.latency_curve],
                     "compute_ms_per_query": o.compute_ms_per_query,
                 }
                 for o in self.options
@@ -297,6 +302,65 @@ class GearPlan:
                 for g in self.gears
             ],
         }
+
+    @classmethod
+    def from_document(cls, document: Mapping[str, Any]) -> GearPlan:
+        """The plan :meth:`to_document` wrote (a plan document's ``gear_plan``, stored as JSON:
+        the serving order comes from ``order``, since a JSON object's keys may come back in
+        another order).
+
+        Raises:
+            CascadeError: a document that is not a gear plan (its message names the field).
+        """
+        try:
+            fleets = {m: Fleet.of(f) for m, f in dict(document["placement"]).items()}
+            order = tuple(document.get("order") or fleets)
+            options = tuple(
+                GearOption(
+                    cascade=Cascade(tuple(o["models"]), tuple(o["thresholds"])),
+                    quality=CascadeQuality(
+                        float(o["accuracy"]),
+                        tuple(float(x) for x in o["reach_share"]),
+                        tuple(float(x) for x in o.get("answered_share", ())),
+                    ),
+                    max_batch_queries=tuple(int(k) for k in o["max_batch_queries"]),
+                    bound_qps=float(o["bound_qps"]),
+                    max_qps=float(o["max_qps"]),
+                    latency_curve=tuple(
+                        (float(r), float(t)) for r, t in o.get("latency_curve", ())
+                    ),
+                    compute_ms_per_query=float(o["compute_ms_per_query"]),
+                )
+                for o in document["options"]
+            )
+            gears = tuple(
+                Gear(
+                    float(g["low_qps"]),
+                    float(g["high_qps"]),
+                    int(g["option"]),
+                    bool(g["meets_slo"]),
+                )
+                for g in document["gears"]
+            )
+            floor = document.get("accuracy_floor")
+            plan = cls(
+                placement=Placement(fleets, order),
+                slo_ms=float(document["slo_ms"]),
+                percentile=float(document["percentile"]),
+                accuracy_floor=None if floor is None else float(floor),
+                options=options,
+                gears=gears,
+                qps_max=float(document["qps_max"]),
+                candidates=int(document.get("candidates", 0)),
+                simulations=int(document.get("simulations", 0)),
+            )
+        except CascadeError:
+            raise
+        except (KeyError, TypeError, ValueError, FleetError) as error:
+            raise CascadeError("gear_plan", f"not a gear plan document: {error!r}") from None
+        if not gears or any(not 0 <= g.option < len(options) for g in gears):
+            raise CascadeError("gear_plan", "its gears must name options of the plan")
+        return plan
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,12 @@ one drawn uniformly with the planning seed), it stops at the first stage whose c
 that stage's threshold, and s_m, the share reaching stage m, is InferLine's scale factor.
 Without records every query is assumed to reach every stage (s_m = 1, an over-provisioned but
 safe plan), and the steps say so.
+
+**Gear plan.** A cascade with validation records also gets CascadeServe's gear plan on the
+plan's placement (``controlplane.gears.plan_gears``: which cascade and batch caps serve each QPS
+range within the SLO, at the spec's accuracy floor if any), in the document as ``gear_plan``;
+the live gear switcher (``controlplane.live_gears``) serves by it. A placement no gear fits
+leaves the plan without one, and the steps say why.
 """
 
 from __future__ import annotations
@@ -72,16 +78,19 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from controlplane.gears import Placement, plan_gears
 from controlplane.spec import ResolvedApp
 from estimator.bounds import kairos_quantities, rank_configurations
 from estimator.cascades import answering_stage, with_sample_ids
 from estimator.errors import (
     BatchSizeOutOfRangeError,
     BudgetError,
+    CascadeError,
     EstimatorError,
     InfeasibleQoSError,
     SearchSpaceError,
 )
+from estimator.fleet import Fleet
 from estimator.policies import full_range_types, policy_factory
 from estimator.profiles import LatencyProfile, ProfileSet
 from estimator.simulator import InstanceSpec, Stage, simulate
@@ -159,6 +168,7 @@ class Plan:
     planned_rate_qps: float
     max_feasible_qps: float | None = None
     simulations: int = 0
+    gear_plan: Mapping[str, Any] | None = None
 
     def to_document(self) -> dict[str, Any]:
         """The plan document (the ``plan --json`` contract, what ``replay --plan`` reads)."""
@@ -184,6 +194,8 @@ class Plan:
         }
         if self.max_feasible_qps is not None:
             document["max_feasible_qps"] = self.max_feasible_qps
+        if self.gear_plan is not None:
+            document["gear_plan"] = dict(self.gear_plan)
         return document
 
 
@@ -676,6 +688,7 @@ def plan_app(
         if low > 0:
             plans = _run(setup, app, scale_trace(sample, low), seed, steps, True, counter) or []
     say(f"done after {counter[0]} simulations")
+    gear_plan = _gear_plan(app, plans, seed, steps, say)
     return Plan(
         feasible=max_feasible is None,
         cost_usd_per_hr=float(sum(p.cost_usd_per_hr for p in plans)),
@@ -684,4 +697,49 @@ def plan_app(
         planned_rate_qps=planned_rate,
         max_feasible_qps=max_feasible,
         simulations=counter[0],
+        gear_plan=gear_plan,
     )
+
+
+def _gear_plan(
+    app: ResolvedApp,
+    plans: list[StagePlan],
+    seed: int,
+    steps: list[str],
+    say: Callable[[str], None],
+) -> dict[str, Any] | None:
+    """CascadeServe's gear plan on the stages' placement, for a cascade with validation records
+    (None otherwise, or when no gear fits the placement: the steps then say why)."""
+    cascade, records = app.cascade, app.validation
+    if cascade is None or records is None or len(cascade.models) < 2 or not plans:
+        return None
+    fleets = {p.name: Fleet.of(p.fleet) for p in plans if sum(p.fleet.values()) > 0}
+    order = tuple(m for m in cascade.models if m in fleets)
+    if len(order) < 2:
+        return None
+    slo = app.spec.slo
+    say(f"planning the gears of the cascade on {len(order)} placed models")
+    try:
+        placement = Placement(fleets, order)
+        gears = plan_gears(
+            records,
+            placement,
+            {m: {t: app.profile(m, t) for t in placement.fleets[m]} for m in order},
+            app.prices_usd_per_hr,
+            slo_ms=slo.latency_ms,
+            percentile=slo.percentile,
+            accuracy_floor=slo.accuracy,
+            seed=seed,
+        )
+    except CascadeError as error:
+        steps.append(f"no gear plan for the cascade on this placement: {error}")
+        return None
+    ranges = ", ".join(
+        f"[{g.low_qps:.1f}, {g.high_qps:.1f}) qps: {gears.options[g.option].cascade.label}"
+        for g in gears.gears
+    )
+    steps.append(
+        f"gear plan on the placement ({len(gears.options)} finalist cascades of"
+        f" {gears.candidates}, {gears.simulations} simulations): {ranges}"
+    )
+    return gears.to_document()

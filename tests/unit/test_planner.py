@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.cli import main
+from controlplane.gears import GearPlan
 from controlplane.planner import InfeasibleSLOError, Plan, peak_rate_qps, plan_app, scale_trace
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
 from estimator.batches import parse_batch_distribution
@@ -358,12 +359,21 @@ def test_a_cascade_stage_is_planned_for_the_share_of_queries_that_reach_it(
     assert 0.0 < second.scale_factor < 1.0
     assert any("scale factors from the validation records" in step for step in plan.steps)
     assert plan.to_document()["stages"][1]["scale_factor"] == second.scale_factor
+    # The cascade's gear plan on the plan's placement, for the live switcher.
+    gears = GearPlan.from_document(plan.to_document()["gear_plan"])
+    assert gears.placement.order == ("cheap", "large")
+    assert {m: dict(gears.placement.fleets[m]) for m in gears.placement.order} == {
+        s.name: dict(s.fleet) for s in plan.stages
+    }
+    assert gears.slo_ms == 50 and gears.gears
+    assert any(step.startswith("gear plan on the placement") for step in plan.steps)
 
     # Without records every query is assumed to reach the large model: never cheaper.
     plain = plan_app(write_cascade_app(tmp_path, records=False), trace, seed=2)
     assert [s.scale_factor for s in plain.stages] == [1.0, 1.0]
     assert plain.stages[1].cost_usd_per_hr >= second.cost_usd_per_hr
     assert any("scale factor 1.0" in step for step in plain.steps)
+    assert "gear_plan" not in plain.to_document()  # no records: nothing to plan gears from
 
 
 def test_a_trace_with_sample_ids_routes_by_them(tmp_path: Path) -> None:

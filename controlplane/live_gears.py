@@ -1,0 +1,263 @@
+"""The gear switcher on live traffic: CascadeServe's producer (:mod:`controlplane.gears`) fed by
+the service.
+
+This module owns :class:`LiveGears`, the composition of the pure switcher with the service. An
+app whose applied plan carries a ``gear_plan`` (the planner adds one to a cascade with validation
+records, ``controlplane.planner``) is served by gears: once per tuner tick, after the tuner,
+:meth:`LiveGears.tick` measures the app's arrival rate over the last ``window_s`` (the serving
+loop's observed arrivals), reads the first model's queue and each stage's ready capacity from the
+loop's status snapshot, and calls :func:`controlplane.gears.switch`:
+
+- the QPS is divided by the capacity share (ready capacity over the placement's, per stage at its
+  batch cap; the smallest), so that while instances boot, or after one died, a faster gear carries
+  the load, and a more accurate one follows once they serve;
+- a move to a slower, more accurate gear waits while qps < alpha x the first queue (the backlog of
+  the fast interval drains first, alpha = 8) or while the tuner reports that the budget caps the
+  fleet (``capped(app)``; the gear holds ``cap_hold_s`` past the last such tick): the load the
+  budget cannot buy is carried by the faster gear instead of missing the SLO.
+
+Every change (and the start, when a plan with gears is applied) is recorded as a ``gear_switch``
+decision with its reason and numbers. :meth:`LiveGears.gear` is the serving loop's hook
+(``controlplane.serving.loop.GearHook``): the gear in force as a
+:class:`~controlplane.serving.dispatcher.ServingGear` (its cascade, batch caps, and the fastest
+gear of the plan, which admission control judges by). Apps without a gear plan are served as
+their spec says (the hook answers None).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from controlplane.clock import Clock
+from controlplane.gears import (
+    ALPHA,
+    DEFAULT_CAP_HOLD_S,
+    GearDecision,
+    GearPlan,
+    GearSwitcher,
+    start_switcher,
+    switch,
+)
+from controlplane.live_tuner import ArrivalSource, ResolveFn
+from controlplane.serving.dispatcher import AppStatus, ServingGear
+from controlplane.store import AppRecord, Store
+from estimator.errors import EstimatorError
+from estimator.profiles import LatencyProfile
+
+__all__ = ["DEFAULT_WINDOW_S", "LiveGears"]
+
+logger = logging.getLogger(__name__)
+
+# The producer's measuring interval. CascadeServe measures every 100 ms at thousands of QPS; at
+# the tens of QPS of a small fleet a few seconds are needed for a count that is not noise.
+DEFAULT_WINDOW_S = 5.0
+
+
+@dataclass(slots=True)
+class _AppGears:
+    plan_id: int
+    plan: GearPlan
+    state: GearSwitcher
+    profiles: Mapping[str, Mapping[str, LatencyProfile]]
+
+
+def serving_gear(plan: GearPlan, gear: int) -> ServingGear:
+    """The dispatcher's view of gear ``gear`` of ``plan``: its cascade and batch caps, and the
+    plan's fastest option as the cheapest gear admission control may count on."""
+    option = plan.option_of(gear)
+    fastest = max(plan.options, key=lambda o: (o.max_qps, o.quality.accuracy))
+    return ServingGear(
+        cascade=option.cascade,
+        max_batch_queries=dict(zip(option.cascade.models, option.max_batch_queries, strict=True)),
+        cheapest=fastest.cascade,
+    )
+
+
+def ready_share(
+    plan: GearPlan,
+    status: AppStatus | None,
+    profiles: Mapping[str, Mapping[str, LatencyProfile]],
+) -> float:
+    """Ready capacity over the placement's, of the stage shortest of its plan: per placed model
+    m, the status's capacity (samples/s of its healthy instances at the batch cap in force, k)
+    over sum_t n_t 1000 k / L_{m,t}(k) (the placement's instances at the same cap). 1 without a
+    status (the loop has not served the app yet), or where a capacity is not finite; never below
+    1e-6 (no capacity at all: the fastest gear)."""
+    if status is None:
+        return 1.0
+    stages = {stage.model: stage for stage in status.stages}
+    shares = []
+    for model in plan.placement.order:
+        stage = stages.get(model)
+        if stage is None:
+            continue
+        planned = 0.0
+        for instance_type, count in plan.placement.fleets[model].items():
+            profile = profiles.get(model, {}).get(instance_type)
+            if profile is None:
+                continue
+            k = max(profile.min_batch_size, min(stage.max_batch_queries, profile.max_batch_size))
+            ms = profile.mean_latency_ms(k)
+            planned += count * 1000.0 * k / ms if ms > 0 else math.inf
+        if planned > 0 and math.isfinite(planned) and math.isfinite(stage.capacity_sps):
+            shares.append(stage.capacity_sps / planned)
+    return max(min(shares, default=1.0), 1e-6)
+
+
+class LiveGears:
+    """CascadeServe's gear switcher over every app whose applied plan has a gear plan
+    (thread-safe: :meth:`gear` is read by the serving loop, :meth:`tick` runs in the scheduler).
+
+    ``arrivals`` and ``statuses`` are the serving loop's (``observed_arrivals``, ``statuses``);
+    ``resolve`` gives an app's profiles (the API's resolver).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        clock: Clock,
+        arrivals: ArrivalSource,
+        statuses: Callable[[], Sequence[AppStatus]],
+        resolve: ResolveFn,
+        *,
+        window_s: float = DEFAULT_WINDOW_S,
+        alpha: float = ALPHA,
+        cap_hold_s: float = DEFAULT_CAP_HOLD_S,
+    ) -> None:
+        if not (math.isfinite(window_s) and window_s > 0):
+            raise ValueError(f"window_s must be finite and > 0, got {window_s!r}")
+        self._store = store
+        self._clock = clock
+        self._arrivals = arrivals
+        self._statuses = statuses
+        self._resolve = resolve
+        self._window_s = float(window_s)
+        self._alpha = float(alpha)
+        self._cap_hold_s = float(cap_hold_s)
+        self._apps: dict[str, _AppGears] = {}
+        self._serving: dict[str, ServingGear] = {}
+        self._lock = threading.Lock()
+
+    def gear(self, app: str) -> ServingGear | None:
+        """The gear in force for ``app``; None when it is not served by gears."""
+        with self._lock:
+            return self._serving.get(app)
+
+    def tick(self, capped: Callable[[str], bool] = lambda _app: False) -> list[GearDecision]:
+        """One producer tick for every app with an applied plan; the decisions that changed a
+        gear (each recorded). ``capped(app)``: whether the tuner's budget caps the app now."""
+        now_s = self._clock.now_s()
+        statuses = {status.app: status for status in self._statuses()}
+        changed: list[GearDecision] = []
+        for app in self._store.list_apps():
+            try:
+                decision = self._tick_app(app, now_s, statuses.get(app.name), capped(app.name))
+            except (EstimatorError, KeyError, ValueError) as error:
+                # A gear plan that no longer reads (a profile gone): the app is served as its
+                # spec says until the next tick reads one again.
+                logger.warning("gears: %s served without gears: %s", app.name, error)
+                self._forget(app.name)
+                continue
+            if decision is not None:
+                changed.append(decision)
+        return changed
+
+    def _forget(self, app: str) -> None:
+        with self._lock:
+            self._apps.pop(app, None)
+            self._serving.pop(app, None)
+
+    def _tick_app(
+        self, app: AppRecord, now_s: float, status: AppStatus | None, budget_capped: bool
+    ) -> GearDecision | None:
+        plan_record = (
+            self._store.get_applied_plan(app.name) if app.applied_plan_id is not None else None
+        )
+        document = plan_record.document.get("gear_plan") if plan_record is not None else None
+        if plan_record is None or not document:
+            self._forget(app.name)
+            return None
+        observed = self._arrivals(app.name)
+        if observed is None:  # not served yet: nothing measured, nothing to switch
+            return None
+        measured_qps = float((observed > now_s - self._window_s).sum()) / self._window_s
+        with self._lock:
+            tracked = self._apps.get(app.name)
+        if tracked is None or tracked.plan_id != plan_record.id:
+            plan = GearPlan.from_document(document)
+            resolved = self._resolve(app)
+            profiles = {
+                m: {t: resolved.profile(m, t) for t in plan.placement.fleets[m]}
+                for m in plan.placement.order
+            }
+            state = start_switcher(
+                plan,
+                now_s,
+                expected_qps=measured_qps,
+                alpha=self._alpha,
+                cap_hold_s=self._cap_hold_s,
+            )
+            tracked = _AppGears(plan_record.id, plan, state, profiles)
+            self._record(
+                app.name,
+                tracked,
+                f"gear plan of plan {plan_record.id} in force: gear {state.gear} for"
+                f" {measured_qps:.3g} qps measured",
+                {"gear": state.gear, "measured_qps": measured_qps},
+            )
+            self._keep(app.name, tracked)
+        share = ready_share(tracked.plan, status, tracked.profiles)
+        first = tracked.state.option.cascade.models[0]
+        first_queue = next(
+            (s.queued_queries for s in (status.stages if status else ()) if s.model == first), 0
+        )
+        decision, tracked.state = switch(
+            measured_qps,
+            first_queue,
+            tracked.state,
+            now_s,
+            capacity_share=share,
+            budget_capped=budget_capped,
+        )
+        self._keep(app.name, tracked)
+        if not decision.changed:
+            return None
+        self._record(
+            app.name,
+            tracked,
+            decision.reason,
+            {
+                "gear": decision.gear,
+                "previous": decision.previous,
+                "measured_qps": decision.measured_qps,
+                "effective_qps": decision.effective_qps,
+                "first_queue_len": decision.first_queue_len,
+                "capacity_share": share,
+                "budget_capped": budget_capped,
+            },
+        )
+        return decision
+
+    def _keep(self, app: str, tracked: _AppGears) -> None:
+        with self._lock:
+            self._apps[app] = tracked
+            self._serving[app] = serving_gear(tracked.plan, tracked.state.gear)
+
+    def _record(
+        self, app: str, tracked: _AppGears, reason: str, numbers: dict[str, object]
+    ) -> None:
+        cascade = tracked.state.option.cascade
+        self._store.record_decision(
+            app,
+            "gear_switch",
+            f"{reason} ({cascade.label})",
+            {
+                **numbers,
+                "cascade": cascade.label,
+                "accuracy": tracked.state.option.quality.accuracy,
+            },
+        )

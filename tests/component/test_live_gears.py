@@ -1,0 +1,234 @@
+"""The gear switcher on live traffic: a real store (SQLite through the migrations), a fake clock,
+arrivals and the serving loop's status set by hand; which gear the loop is given and what the
+decision log says."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from controlplane.clock import FakeClock
+from controlplane.db import migrate
+from controlplane.gears import Gear, GearOption, GearPlan, Placement
+from controlplane.live_gears import LiveGears, ready_share
+from controlplane.serving.dispatcher import AppStatus, StageStatus
+from controlplane.store import AppRecord, Store
+from estimator.cascades import Cascade, CascadeQuality
+from tests.unit import cascade_support as family
+
+APP = "digits"
+TYPE = family.TYPE
+PROFILES = family.profiles()
+# Option 0, the fast gear: tiny alone (100 qps); option 1: tiny@0.5 -> large (20 qps, accurate).
+FAST = GearOption(
+    Cascade(("tiny",)), CascadeQuality(0.90, (1.0,), (1.0,)), (4,), 120.0, 100.0,
+    ((0.0, 2.0), (100.0, 60.0)), 1.2,
+)  # fmt: skip
+ACCURATE = GearOption(
+    Cascade(("tiny", "large"), (0.5,)), CascadeQuality(0.97, (1.0, 0.3), (0.7, 0.3)), (1, 1),
+    30.0, 20.0, ((0.0, 10.0), (20.0, 90.0)), 3.6,
+)  # fmt: skip
+PLAN = GearPlan(
+    placement=Placement.parse(f"tiny:{TYPE}=1;large:{TYPE}=2"),
+    slo_ms=100.0,
+    percentile=99.0,
+    accuracy_floor=None,
+    options=(FAST, ACCURATE),
+    gears=(Gear(0.0, 20.0, 1, True), Gear(20.0, 100.0, 0, True)),
+    qps_max=100.0,
+    candidates=7,
+    simulations=42,
+)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    url = f"sqlite:///{tmp_path / 'hp.db'}"
+    migrate.upgrade(url)
+    opened = Store.from_url(url, FakeClock())
+    yield opened
+    opened.close()
+
+
+def applied(store: Store, folder: Path, gear_plan: dict[str, Any] | None) -> None:
+    profiles = {
+        "format": "heteroplane.profiles/v1",
+        "profiles": [
+            {"model": m, "instance_type": TYPE, "batch_sizes": [1], "latency_ms": [[5.0]]}
+            for m in ("tiny", "large")
+        ],
+    }
+    (folder / "profiles.json").write_text(json.dumps(profiles))
+    store.create_app(
+        {
+            "name": APP,
+            "models": [{"name": m, "profiles": str(folder / "profiles.json")}
+                       for m in ("tiny", "large")],
+            "cascade": ["tiny", "large"],
+            "slo": {"latency_ms": 100},
+            "budget_usd_per_hr": 1.0,
+            "instance_types": [TYPE],
+        },
+        who="test",
+    )  # fmt: skip
+    document: dict[str, Any] = {"feasible": True, "cost_usd_per_hr": 0.5, "stages": []}
+    if gear_plan is not None:
+        document["gear_plan"] = gear_plan
+    plan = store.create_plan(APP, document)
+    store.apply_plan(APP, plan.id)
+
+
+def planned_sps(model: str) -> float:
+    """The placement's capacity of ``model`` at batch 1 (samples/s)."""
+    count = PLAN.placement.fleets[model][TYPE]
+    return count * 1000.0 / PROFILES[model][TYPE].mean_latency_ms(1)
+
+
+class Loop:
+    """What the serving loop would show: arrival times and a status snapshot, set by hand."""
+
+    def __init__(self) -> None:
+        self.arrival_s: np.ndarray | None = np.empty(0)
+        self.queue = 0
+        self.capacity = {m: planned_sps(m) for m in ("tiny", "large")}
+
+    def arrivals(self, app: str) -> np.ndarray | None:
+        assert app == APP
+        return self.arrival_s
+
+    def statuses(self) -> list[AppStatus]:
+        stages = tuple(
+            StageStatus(m, self.queue if m == "tiny" else 0, 0, 0, self.capacity[m], "fcfs", 1, {})
+            for m in ("tiny", "large")
+        )
+        return [AppStatus(APP, "", 100.0, (), stages, 0)]
+
+    def rate(self, rate_qps: float, now_s: float, span_s: float = 10.0) -> None:
+        n = int(rate_qps * span_s)
+        self.arrival_s = now_s - span_s + (np.arange(n) + 0.5) / rate_qps
+
+
+def switcher(store: Store, clock: FakeClock, loop: Loop) -> LiveGears:
+    def resolve(app: AppRecord) -> Any:
+        return SimpleNamespace(profile=lambda m, t: PROFILES[m][t])
+
+    return LiveGears(store, clock, loop.arrivals, loop.statuses, resolve, window_s=5.0)
+
+
+def gear_log(store: Store) -> list[dict[str, Any]]:
+    return [d.numbers for d in store.list_decisions(APP, kinds=["gear_switch"])]
+
+
+def test_the_gear_plan_survives_its_document() -> None:
+    document = json.loads(json.dumps(PLAN.to_document()))
+    document["placement"] = dict(reversed(list(document["placement"].items())))  # as JSONB may
+    again = GearPlan.from_document(document)
+    assert again.placement.order == ("tiny", "large")
+    assert again.to_document() == PLAN.to_document()
+
+
+def test_a_document_that_is_not_a_gear_plan_is_refused() -> None:
+    from estimator.errors import CascadeError
+
+    gear = {"low_qps": 0, "high_qps": 1, "option": 5, "meets_slo": True}
+    broken = {**PLAN.to_document(), "gears": [gear]}
+    with pytest.raises(CascadeError, match="options of the plan"):
+        GearPlan.from_document(broken)
+    with pytest.raises(CascadeError, match="not a gear plan"):
+        GearPlan.from_document({"placement": {}})
+
+
+def test_the_rate_moves_the_gear_and_every_change_is_recorded(store: Store, tmp_path: Path) -> None:
+    applied(store, tmp_path, PLAN.to_document())
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    gears = switcher(store, clock, loop)
+    assert gears.gear(APP) is None  # before the first tick
+
+    loop.rate(10.0, clock.now_s())
+    assert gears.tick() == []
+    served = gears.gear(APP)
+    assert served is not None and served.cascade == ACCURATE.cascade
+    assert served.max_batch_queries == {"tiny": 1, "large": 1}
+    assert served.cheapest == FAST.cascade  # what admission control may count on
+    assert gear_log(store)[-1]["gear"] == 0
+
+    clock.advance(5.0)
+    loop.rate(60.0, clock.now_s())  # past the accurate gear's 20 qps: up at once
+    (up,) = gears.tick()
+    assert (up.previous, up.gear) == (0, 1)
+    assert gears.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]
+
+    clock.advance(5.0)
+    loop.rate(10.0, clock.now_s())
+    loop.queue = 50  # 10 qps < alpha 8 x 50 queued: the backlog of the burst drains first
+    assert gears.tick() == []
+    assert gears.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]
+
+    loop.queue = 0
+    clock.advance(1.0)
+    (down,) = gears.tick()
+    assert (down.previous, down.gear) == (1, 0)
+    assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+    log = gear_log(store)
+    assert [n["gear"] for n in log] == [0, 1, 0]
+    reasons = [d.reason for d in store.list_decisions(APP, kinds=["gear_switch"])]
+    assert "up from gear 0 to 1" in reasons[1] and "down from gear 1 to 0" in reasons[2]
+
+
+def test_the_budget_cap_holds_the_fast_gear(store: Store, tmp_path: Path) -> None:
+    applied(store, tmp_path, PLAN.to_document())
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    gears = switcher(store, clock, loop)
+    loop.rate(60.0, clock.now_s())
+    gears.tick()
+    assert gears.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]
+    clock.advance(5.0)
+    loop.rate(10.0, clock.now_s())
+    assert gears.tick(capped=lambda app: True) == []  # capped: no move to the slow gear
+    assert gears.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]
+    clock.advance(60.0)  # long past the hold, not capped any more
+    loop.rate(10.0, clock.now_s())
+    (down,) = gears.tick(capped=lambda app: False)
+    assert down.gear == 0
+
+
+def test_lost_capacity_moves_to_the_fast_gear(store: Store, tmp_path: Path) -> None:
+    applied(store, tmp_path, PLAN.to_document())
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    gears = switcher(store, clock, loop)
+    loop.rate(15.0, clock.now_s())
+    gears.tick()
+    assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+    # large's capacity on the placement's two instances at batch 1, then one of them dies.
+    loop.capacity["large"] = planned_sps("large") / 2
+    assert ready_share(PLAN, loop.statuses()[0], PROFILES) == pytest.approx(0.5)
+    clock.advance(1.0)
+    (up,) = gears.tick()  # 15 qps on half the capacity counts as 30: the fast gear's range
+    assert up.gear == 1 and up.effective_qps == pytest.approx(2 * up.measured_qps)
+
+
+def test_an_app_without_a_gear_plan_is_served_as_its_spec_says(
+    store: Store, tmp_path: Path
+) -> None:
+    applied(store, tmp_path, None)
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    gears = switcher(store, clock, loop)
+    loop.rate(60.0, clock.now_s())
+    assert gears.tick() == []
+    assert gears.gear(APP) is None
+    assert gear_log(store) == []
+
+
+def test_a_broken_gear_plan_leaves_the_app_on_its_spec(store: Store, tmp_path: Path) -> None:
+    applied(store, tmp_path, {"placement": {"tiny": {TYPE: 1}}})
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    gears = switcher(store, clock, loop)
+    loop.rate(60.0, clock.now_s())
+    assert gears.tick() == []
+    assert gears.gear(APP) is None
