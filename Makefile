@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench reproduce clean
+.PHONY: demo test lint bench reproduce results clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "heteroplane needs Python >= 3.11; set PYTHON=python3.11 (or newer)")'
@@ -35,6 +35,11 @@ bench: $(STAMP)
 
 reproduce: $(STAMP)
 	$(BIN)/python benchmarks/kairos_reproduction.py
+
+# Every result table and plot into docs/results, and the README's results block (about 25 min;
+# benchmarks/results/__main__.py). `make results QUICK=1` is the small version CI runs.
+results: $(STAMP)
+	$(BIN)/python -m benchmarks.results $(if $(QUICK),--quick)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -78,40 +78,49 @@ def quantities(profiles: ProfileSet, model: str, types: tuple[str, ...]) -> Kair
     return kairos_quantities(profiles, model, types, prices, QOS_MS[model], kairos_batch_pmf())
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args()
-    if not PROFILES.exists():
-        print(f"needs the shared data at {PROFILES} (set HETEROPLANE_SHARED)", file=sys.stderr)
-        return 2
+def measure(
+    *,
+    vectors: int = 2_000_000,
+    repeats: int = 3,
+    ten_type_exhaustive: bool = True,
+    budgets_usd_per_hr: tuple[float, ...] = (50.0, 100.0),
+    models: tuple[str, ...] = tuple(QOS_MS),
+) -> dict[str, Any]:
+    """The figures (see the module docstring): the bound alone on ``vectors`` random count
+    vectors, the exhaustive rankings (the 10-type one when ``ten_type_exhaustive``), and the exact
+    top 10 of the 10-type catalog at each budget for each of ``models``; best of ``repeats``.
+
+    Needs the shared data (:data:`PROFILES`).
+    """
     measured = load_profiles(PROFILES)
     ten = ten_type_profiles(measured)
     ten_types = (*MEASURED, *SYNTHETIC)
     results: dict[str, Any] = {}
 
     q4 = quantities(measured, "rm2", MEASURED)
-    counts = np.random.default_rng(0).integers(0, 40, size=(2_000_000, len(MEASURED)))
-    seconds = best_of(3, lambda: upper_bounds(q4, counts))
+    counts = np.random.default_rng(0).integers(0, 40, size=(vectors, len(MEASURED)))
+    seconds = best_of(repeats, lambda: upper_bounds(q4, counts))
     results["upper_bounds_per_s"] = counts.shape[0] / seconds
 
-    for label, q, budget in (
-        ("4 types uncapped at $30/hr", q4, 30.0),
-        ("10 types at $7/hr", quantities(ten, "rm2", ten_types), 7.0),
-    ):
+    exhaustive = [("4 types uncapped at $30/hr", q4, 30.0)]
+    if ten_type_exhaustive:
+        exhaustive.append(("10 types at $7/hr", quantities(ten, "rm2", ten_types), 7.0))
+    for label, q, budget in exhaustive:
         ranking = rank_configurations(q, budget, top=10, method="exhaustive")
-        seconds = best_of(3, partial(rank_configurations, q, budget, top=10, method="exhaustive"))
+        seconds = best_of(
+            repeats, partial(rank_configurations, q, budget, top=10, method="exhaustive")
+        )
         results[f"exhaustive, {label}"] = {
             "configurations": ranking.enumerated,
             "seconds": seconds,
             "configurations_per_s": ranking.enumerated / seconds,
         }
 
-    for budget in (50.0, 100.0):
-        for model in QOS_MS:
+    for budget in budgets_usd_per_hr:
+        for model in models:
             q = quantities(ten, model, ten_types)
             ranking = rank_configurations(q, budget, top=10)
-            seconds = best_of(3, partial(rank_configurations, q, budget, top=10))
+            seconds = best_of(repeats, partial(rank_configurations, q, budget, top=10))
             results[f"10 types at ${budget:g}/hr, {model}"] = {
                 "seconds": seconds,
                 "base_type": q.base_type,
@@ -120,6 +129,17 @@ def main() -> int:
                 "enumerated": ranking.enumerated,
                 "note": ranking.note,
             }
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    if not PROFILES.exists():
+        print(f"needs the shared data at {PROFILES} (set HETEROPLANE_SHARED)", file=sys.stderr)
+        return 2
+    results = measure()
 
     if args.json:
         print(json.dumps(results))

@@ -188,10 +188,14 @@ def size_figures(
 
 
 def decision_figures(
-    model: LatencyModel, tail_ratio: TailRatio, rng: np.random.Generator
+    model: LatencyModel,
+    tail_ratio: TailRatio,
+    rng: np.random.Generator,
+    states: tuple[int, int] = (2000, 500),
 ) -> dict[str, float]:
+    """Decision times at 32 x 16 and 256 x 128, on ``states`` random states of each."""
     figures: dict[str, float] = {}
-    for n_queue, n_instances, count in ((32, 16, 2000), (256, 128, 500)):
+    for (n_queue, n_instances), count in zip(((32, 16), (256, 128)), states, strict=True):
         states = random_states(count, n_queue, n_instances, rng)
         figures.update(size_figures(f"{n_queue}x{n_instances}", states, model, tail_ratio, rng))
     return figures
@@ -233,13 +237,16 @@ class TimedPolicy:
         self.policy_s += time.perf_counter() - start
 
 
-def simulation_figures(n_queries: int) -> dict[str, float]:
+def simulation_figures(
+    n_queries: int, repeats: int = 3, rates_qps: tuple[int, ...] = (100, 130)
+) -> dict[str, float]:
+    """Simulated queries/s of Kairos and FCFS on rm2 at each rate (best of ``repeats``)."""
     profile_set = load_profiles(PROFILES)
     profiles = {t: profile_set.get_profile("rm2", t) for t in (BASE, AUX)}
     make_kairos = policy_factory("kairos", profiles, [BASE])
     instances = (InstanceSpec(BASE),) + (InstanceSpec(AUX),) * 13
     figures: dict[str, float] = {}
-    for rate in (100, 130):
+    for rate in rates_qps:
         rng = np.random.default_rng(rate)
         arrivals = poisson_arrivals(float(rate), n_queries / rate * 1.2, rng)[:n_queries]
         trace = Trace(arrivals, parse_batch_distribution("kairos").sample(arrivals.size, rng))
@@ -263,7 +270,7 @@ def simulation_figures(n_queries: int) -> dict[str, float]:
             run(make())  # warm-up
             best_s = np.inf
             attainment = None
-            for _ in range(3):
+            for _ in range(repeats):
                 start = time.perf_counter()
                 attainment = run(make())
                 best_s = min(best_s, time.perf_counter() - start)
@@ -281,20 +288,34 @@ def simulation_figures(n_queries: int) -> dict[str, float]:
     return figures
 
 
+def measure(
+    queries: int = 100_000,
+    *,
+    states: tuple[int, int] = (2000, 500),
+    repeats: int = 3,
+    rates_qps: tuple[int, ...] = (100, 130),
+) -> dict[str, float]:
+    """The figures (see the module docstring): decision times on ``states`` random states at
+    32 x 16 and 256 x 128, and, when the shared data is here, the simulated queries/s of
+    ``queries`` queries at each rate (best of ``repeats``)."""
+    if PROFILES.exists():
+        kairos = rm2_kairos()
+        model, tail_ratio = kairos.latency, kairos.tail_ratio
+    else:
+        model, tail_ratio = LatencyModel(SYNTHETIC_POINTS), SYNTHETIC_TAIL_RATIO
+    figures = decision_figures(model, tail_ratio, np.random.default_rng(0), states)
+    if PROFILES.exists():
+        figures.update(simulation_figures(queries, repeats, rates_qps))
+    return figures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--queries", type=int, default=100_000)
     args = parser.parse_args()
     have_data = PROFILES.exists()
-    if have_data:
-        kairos = rm2_kairos()
-        model, tail_ratio = kairos.latency, kairos.tail_ratio
-    else:
-        model, tail_ratio = LatencyModel(SYNTHETIC_POINTS), SYNTHETIC_TAIL_RATIO
-    figures = decision_figures(model, tail_ratio, np.random.default_rng(0))
-    if have_data:
-        figures.update(simulation_figures(args.queries))
+    figures = measure(args.queries)
     if args.json:
         print(json.dumps(figures))
         return 0

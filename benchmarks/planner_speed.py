@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,14 +40,11 @@ DURATION_S = 600.0
 TARGET_S = 10.0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", type=float, default=50.0, help="Poisson rate (qps)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs (best is reported)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
-
+def measure(
+    rate_qps: float = 50.0, repeat: int = 3, seed: int = 0, duration_s: float = DURATION_S
+) -> tuple[dict[str, Any], Plan]:
+    """Plan the app over ``duration_s`` of Poisson arrivals at ``rate_qps``, ``repeat`` times;
+    return the summary (the ``--json`` object: ``seconds_best`` is the best time) and the plan."""
     spec = validate_spec(
         {
             "name": "cascade-speed",
@@ -58,15 +56,15 @@ def main(argv: list[str] | None = None) -> int:
         }
     )
     app = resolve_spec(spec)
-    rng = np.random.default_rng(args.seed)
-    arrivals = poisson_arrivals(args.rate, DURATION_S, rng)
+    rng = np.random.default_rng(seed)
+    arrivals = poisson_arrivals(rate_qps, duration_s, rng)
     trace = Trace(arrivals, parse_batch_distribution("kairos").sample(arrivals.size, rng))
 
     times: list[float] = []
     plan: Plan | None = None
-    for _ in range(max(1, args.repeat)):
+    for _ in range(max(1, repeat)):
         started = time.perf_counter()
-        plan = plan_app(app, trace, seed=args.seed)
+        plan = plan_app(app, trace, seed=seed)
         times.append(time.perf_counter() - started)
     assert plan is not None
     best = min(times)
@@ -75,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         "cascade": CASCADE,
         "slo_ms": SLO_MS,
         "budget_usd_per_hr": BUDGET_USD_PER_HR,
-        "trace": {"queries": len(trace), "duration_s": DURATION_S, "rate_qps": args.rate},
+        "trace": {"queries": len(trace), "duration_s": duration_s, "rate_qps": rate_qps},
         "seconds_best": best,
         "seconds_all": times,
         "under_target": best < TARGET_S,
@@ -94,12 +92,27 @@ def main(argv: list[str] | None = None) -> int:
             for s in plan.stages
         ],
     }
+    return summary, plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, default=50.0, help="Poisson rate (qps)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs (best is reported)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+
+    summary, plan = measure(args.rate, args.repeat, args.seed)
+    best: float = summary["seconds_best"]
+    times: list[float] = summary["seconds_all"]
+    queries: int = summary["trace"]["queries"]
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
     print(
-        f"planned {spec.name} ({' -> '.join(CASCADE)}, SLO {SLO_MS:g} ms p99, budget"
-        f" ${BUDGET_USD_PER_HR:g}/hr) over {len(trace):,} Poisson queries ({DURATION_S:g} s at"
+        f"planned {summary['app']} ({' -> '.join(CASCADE)}, SLO {SLO_MS:g} ms p99, budget"
+        f" ${BUDGET_USD_PER_HR:g}/hr) over {queries:,} Poisson queries ({DURATION_S:g} s at"
         f" {args.rate:g} qps)"
     )
     print(
