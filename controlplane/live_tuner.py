@@ -15,6 +15,12 @@ API from a rate has no trace, so the envelope is the one of a seeded Poisson tra
 applied plan (a new plan id), or a budget change, restarts the tuner from the plan's fleet.
 Instances take :func:`controlplane.tuner.default_boot_s` to boot; the tuner counts them from
 launch, as the reconciler does.
+
+Two timings are the caller's (the service takes them from its settings, ``tuner_max_window_s``
+and ``tuner_scale_down_delay_s``): the longest envelope window, which is also how far back the
+live envelope looks (InferLine's 60 s), and how long after the last change a scale-down may
+come (InferLine's 15 s). Shorter ones make the tuner react, and forget a burst, sooner; a test
+uses them to see a whole step up and down in a minute.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from controlplane.replay import kairos_capacity_model, rate_per_instance_qps
 from controlplane.spec import ResolvedApp
 from controlplane.store import AppRecord, Store
 from controlplane.tuner import (
+    DEFAULT_SCALE_DOWN_DELAY_S,
     Decision,
     StagePlan,
     TunerConfig,
@@ -41,6 +48,7 @@ from controlplane.tuner import (
     tune,
     utilisation_target,
 )
+from estimator.envelope import DEFAULT_MAX_WINDOW_S
 from estimator.errors import EstimatorError
 from estimator.traces import Trace, poisson_arrivals
 
@@ -77,16 +85,34 @@ class LiveTuner:
     """InferLine's tuner over every app with an applied plan (thread-safe).
 
     ``tick()`` is the scheduler's tuner job; ``desired_fleet(app)`` is the reconciler's hook (the
-    plan's fleet until the tuner has run for the app).
+    plan's fleet until the tuner has run for the app). ``max_window_s`` is the longest envelope
+    window and the span of the live envelope; ``scale_down_delay_s`` the quiet time before a
+    scale-down (both :class:`controlplane.tuner.TunerConfig`'s, InferLine's 60 s and 15 s by
+    default).
     """
 
     def __init__(
-        self, store: Store, clock: Clock, arrivals: ArrivalSource, resolve: ResolveFn
+        self,
+        store: Store,
+        clock: Clock,
+        arrivals: ArrivalSource,
+        resolve: ResolveFn,
+        *,
+        max_window_s: float = DEFAULT_MAX_WINDOW_S,
+        scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S,
     ) -> None:
+        if not (math.isfinite(max_window_s) and max_window_s > 0):
+            raise ValueError(f"max_window_s must be finite and > 0, got {max_window_s!r}")
+        if not (math.isfinite(scale_down_delay_s) and scale_down_delay_s >= 0):
+            raise ValueError(
+                f"scale_down_delay_s must be finite and >= 0, got {scale_down_delay_s!r}"
+            )
         self._store = store
         self._clock = clock
         self._arrivals = arrivals
         self._resolve = resolve
+        self._max_window_s = float(max_window_s)
+        self._scale_down_delay_s = float(scale_down_delay_s)
         self._apps: dict[str, _AppTuner] = {}
         self._lock = threading.Lock()
 
@@ -204,6 +230,9 @@ class LiveTuner:
             budget_usd_per_hr=app.budget_usd_per_hr,
             catalog=resolved.catalog,
             types=sorted(types),
+            scale_down_delay_s=self._scale_down_delay_s,
+            recent_s=self._max_window_s,
+            max_window_s=self._max_window_s,
         )
         stages = [
             StagePlan(

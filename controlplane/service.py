@@ -153,6 +153,8 @@ def build_live_tuner(
         clock,
         serving.observed_arrivals,
         lambda app: resolver.resolve(app.spec, check_budget=False),
+        max_window_s=settings.tuner_max_window_s,
+        scale_down_delay_s=settings.tuner_scale_down_delay_s,
     )
 
 

@@ -173,6 +173,18 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8000, ge=1, le=65535)
     tuner_tick_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    tuner_max_window_s: float = Field(
+        default=60.0,
+        ge=1,
+        allow_inf_nan=False,
+        description="the tuner's longest envelope window and how far back it looks, s",
+    )
+    tuner_scale_down_delay_s: float = Field(
+        default=15.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="the tuner's quiet time after a change before it scales down, s",
+    )
     reconcile_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     rollup_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
     replan_h: float = Field(default=6.0, gt=0, allow_inf_nan=False)
