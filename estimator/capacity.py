@@ -184,11 +184,17 @@ def fleet_capacity(
     drs_threshold: int | None = None,
     model: str = "model",
     progress: Callable[[str], None] | None = None,
+    noise_share: float = 0.0,
+    noise_seed: int = 0,
 ) -> FleetCapacity:
     """Allowable throughput of the fleet ``instance_types`` under ``policy`` (or the oracle).
 
     The DRS threshold, unless given, is tuned by :func:`tune_threshold` as DeepRecSys does.
+    ``noise_share``, ``noise_seed`` (kairos only): noise on the dispatcher's latency predictions,
+    the same stream in every probe (see :func:`estimator.policies.policy_factory`).
     """
+    if noise_share and policy != "kairos":
+        raise SimulationError(f"prediction noise applies to the kairos policy only, not {policy!r}")
     used = {name: profiles[name] for name in set(instance_types)}
     base_types = full_range_types(used, workload.batch_size, qos_ms, prices_usd_per_hr)
     if not base_types:
@@ -206,7 +212,9 @@ def fleet_capacity(
     guess = _guess_qps(used, instance_types, workload.batch_size)
 
     def search(threshold: int | None) -> CapacityResult:
-        make = policy_factory(policy, used, base_types, threshold)
+        make = policy_factory(
+            policy, used, base_types, threshold, noise_share=noise_share, noise_seed=noise_seed
+        )
         result = allowable_throughput(
             lambda: Stage(model, instances, used, make()),
             workload,

@@ -2,7 +2,9 @@
 
 ``matching`` holds the policies and knows nothing of profiles; this module gives them what they
 predict with (mean latency by batch size, from the profiles; for Kairos also the ratio of the p99
-to the mean) and the base types of the fleet.
+to the mean) and the base types of the fleet. For robustness studies (Kairos Fig. 16b) it can also
+perturb Kairos' latency predictions: each policy it makes draws the noise from its own
+``numpy.random.default_rng(noise_seed)``, so every run sees the same noise stream.
 """
 
 from __future__ import annotations
@@ -55,11 +57,20 @@ def policy_factory(
     profiles: Mapping[str, LatencyProfile],
     base_types: Sequence[str],
     drs_threshold: int | None = None,
+    *,
+    noise_share: float = 0.0,
+    noise_seed: int = 0,
 ) -> Callable[[], DispatchPolicy]:
     """A factory of fresh policies (policies keep state during a run, so each run needs one).
 
     ``base_types``: the full-range types, preferred first (Kairos takes the first as its base).
+    ``noise_share`` (kairos only): each latency prediction of the dispatcher is multiplied by
+    (1 + noise_share x N(0, 1)) (:class:`matching.kairos.KairosPolicy`), drawn from a fresh
+    ``numpy.random.default_rng(noise_seed)`` per policy; the simulated service times are not
+    touched. 0 turns it off.
     """
+    if noise_share and name != "kairos":
+        raise SimulationError(f"prediction noise applies to the kairos policy only, not {name!r}")
     if name == "fcfs":
         order = tuple(base_types)
         return lambda: FcfsPolicy(type_order=order)
@@ -85,5 +96,13 @@ def policy_factory(
                 tail_ms, mean_ms, out=np.full_like(mean_ms, np.nan), where=known
             )
         base = base_types[0]
+        if noise_share:
+            return lambda: KairosPolicy(
+                base,
+                model,
+                tail_ratio=tail_ratio,
+                noise_share=noise_share,
+                rng=np.random.default_rng(noise_seed),
+            )
         return lambda: KairosPolicy(base, model, tail_ratio=tail_ratio)
     raise SimulationError(f"unknown policy {name!r} (one of {', '.join(POLICY_NAMES)})")
