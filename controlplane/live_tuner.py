@@ -79,6 +79,8 @@ class _AppTuner:
     # The last budget_capped (stage, type, count) recorded: the tuner says it every tick while the
     # budget binds, the decision log keeps it once per change.
     capped: tuple[str, str, int] | None = None
+    # Whether the last tick said budget_capped (the gear switcher's signal).
+    capped_now: bool = False
 
 
 class LiveTuner:
@@ -131,6 +133,13 @@ class LiveTuner:
                 counts[name] = counts.get(name, 0) + int(count)
         return counts
 
+    def budget_capped(self, app: str) -> bool:
+        """Whether the tuner's last tick for ``app`` found the budget stopping a scale-up (the
+        gear switcher then keeps the faster gear: ``controlplane.live_gears``)."""
+        with self._lock:
+            tuned = self._apps.get(app)
+            return tuned is not None and tuned.capped_now
+
     def tick(self) -> list[tuple[str, Decision]]:
         """One tuner tick for every app with an applied plan; the decisions it made."""
         made: list[tuple[str, Decision]] = []
@@ -165,6 +174,7 @@ class LiveTuner:
         arrivals = np.ascontiguousarray(observed, dtype=np.float64)
         decisions, state = tune(arrivals, now_s, tuned.state, tuned.stages, tuned.config)
         tuned.state = state
+        tuned.capped_now = any(d.action == "budget_capped" for d in decisions)
         with self._lock:
             self._apps[app.name] = tuned
         recorded = []

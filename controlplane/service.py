@@ -8,10 +8,12 @@ revision, opens the store on the clock, builds the provisioner the settings name
 Reconciler` over it, the serving loop (:class:`~controlplane.serving.loop.ServingLoop`: the
 dispatchers behind ``POST /v1/apps/{app}/infer``, finding workers through the store and the
 provisioner), the live tuner (:class:`~controlplane.live_tuner.LiveTuner`: InferLine's tuner on
-the arrivals the serving loop observes; its fleet is the reconciler's desired fleet), and the
-scheduler with its job bodies (the tuner tick, the reconcile tick and the metric roll-up, which
-reads the serving loop's windows; the replan body is still the scheduler's idle default) and the
-FastAPI app around them.
+the arrivals the serving loop observes; its fleet is the reconciler's desired fleet), the live
+gear switcher (:class:`~controlplane.live_gears.LiveGears`: CascadeServe's producer for apps
+whose plans carry a gear plan; the serving loop's gear hook, told by the tuner when the budget
+caps the fleet), and the scheduler with its job bodies (the tuner tick, then the gear tick; the
+reconcile tick and the metric roll-up, which reads the serving loop's windows; the replan body
+is still the scheduler's idle default) and the FastAPI app around them.
 
 The reconciler learns each app's prices and Q_t (for the budget guard's ranking) from the app's
 resolved spec (:func:`spec_pricing`), and which types it may launch from the provisioner: the
@@ -32,6 +34,7 @@ from controlplane.api.resolver import AppResolver, smallest_common_batch_size
 from controlplane.budget import qps_by_type
 from controlplane.clock import Clock, SystemClock
 from controlplane.db import migrate
+from controlplane.live_gears import LiveGears
 from controlplane.live_tuner import LiveTuner
 from controlplane.provisioning import build_provisioner
 from controlplane.reconciler import (
@@ -158,6 +161,21 @@ def build_live_tuner(
     )
 
 
+def build_live_gears(
+    settings: Settings, store: Store, clock: Clock, serving: ServingLoop
+) -> LiveGears:
+    """CascadeServe's gear switcher over the apps whose plans carry a gear plan, on what the
+    serving loop observes; it runs right after the tuner in the tuner's tick."""
+    resolver = AppResolver(settings.data_dir)
+    return LiveGears(
+        store,
+        clock,
+        serving.observed_arrivals,
+        serving.statuses,
+        lambda app: resolver.resolve(app.spec, check_budget=False),
+    )
+
+
 def build_scheduler(
     settings: Settings,
     store: Store,
@@ -165,6 +183,7 @@ def build_scheduler(
     reconciler: Reconciler | None = None,
     serving: ServingLoop | None = None,
     live_tuner: LiveTuner | None = None,
+    live_gears: LiveGears | None = None,
 ) -> Scheduler:
     """The service's periodic jobs at the settings' periods (reconcile idles without a
     reconciler; the roll-up records the serving loop's windows when there is one)."""
@@ -181,6 +200,9 @@ def build_scheduler(
         def tuner_tick() -> None:
             for app, decision in live_tuner.tick():
                 logger.info("tuner %s: %s", app, decision.reason)
+            if live_gears is not None:
+                for change in live_gears.tick(live_tuner.budget_capped):
+                    logger.info("gears: %s", change.reason)
 
         bodies = dataclasses.replace(bodies, tuner_tick=tuner_tick)
     return Scheduler(service_schedule(settings, bodies))
@@ -215,7 +237,9 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         clock=clock,
     )
     live_tuner = build_live_tuner(settings, store, clock, serving)
+    live_gears = build_live_gears(settings, store, clock, serving)
+    serving.gears = live_gears.gear
     reconciler = build_reconciler(settings, store, clock, provisioner, live_tuner.desired_fleet)
-    scheduler = build_scheduler(settings, store, clock, reconciler, serving, live_tuner)
+    scheduler = build_scheduler(settings, store, clock, reconciler, serving, live_tuner, live_gears)
     app = create_app(settings, store, clock, scheduler, serving)
     return Service(settings, store, scheduler, app, provisioner, reconciler, serving)

@@ -12,8 +12,9 @@ uvicorn on a free loopback port, and the real command line, ``python -m controlp
 the fleet serves comfortably: the test is about correctness, not capacity).
 
 When the service has seen half of the trace's queries arrive, the worker of the stage with the
-most workers (the first stage of the cascade when each has one: every query visits it) is
-killed with SIGKILL. Then:
+most workers among the gear in force (its first stage when each has one: every query visits it;
+the demo's plan carries its cascade's gear plan, served by the live gear switcher) is killed
+with SIGKILL. Then:
 
 - every query sent got an answer or an explicit error (``answered + errors == sent``, ``sent``
   is the trace's length, and the service saw each of them arrive and finished each);
@@ -158,12 +159,26 @@ def _wait_served(api: httpx.Client) -> None:
     pytest.fail(f"the demo's workers did not answer within {SERVED_DEADLINE_S:g} s: {last}")
 
 
-def _choose_victim(api: httpx.Client, cascade: tuple[str, ...]) -> str:
-    """The instance id of a worker of the stage with the most workers (the cascade's first stage
-    among equals), as the serving loop places them."""
+def _wait_gear(service: Service) -> None:
+    deadline = time.monotonic() + SERVED_DEADLINE_S
+    while not service.store.list_decisions(DEMO_APP, kinds=["gear_switch"]):
+        if time.monotonic() > deadline:
+            pytest.fail(f"no gear_switch decision within {SERVED_DEADLINE_S:g} s")
+        time.sleep(POLL_S)
+
+
+def _gear_models(label: str) -> tuple[str, ...]:
+    """The models of a cascade's label (``medium@0.6 -> large``)."""
+    return tuple(part.split("@")[0].strip() for part in label.split("->"))
+
+
+def _choose_victim(api: httpx.Client) -> str:
+    """The instance id of a worker of the stage with the most workers among the models of the
+    gear in force (its first model among equals: every query visits it), as the serving loop
+    places them."""
     status = api.get(f"/v1/apps/{DEMO_APP}/serving").json()
     stages = {stage["model"]: sorted(stage["states"]) for stage in status["stages"]}
-    model = max(cascade, key=lambda m: len(stages.get(m, [])))
+    model = max(_gear_models(status["gear"]), key=lambda m: len(stages.get(m, [])))
     assert stages[model], f"no worker serves {model}: {status}"
     return stages[model][0]
 
@@ -216,7 +231,6 @@ def test_loadgen_replays_five_minutes_on_the_demo_and_a_killed_worker_loses_noth
     demo: tuple[Service, DemoState], tmp_path: Path
 ) -> None:
     service, state = demo
-    cascade = state.family.cascade.models
     fleet = _launch_fleet(service, _planned_workers(state))
     assert len(fleet) > 1, "a fleet of one worker cannot survive its loss"
     by_id = {instance.id: instance for instance in fleet}
@@ -229,7 +243,10 @@ def test_loadgen_replays_five_minutes_on_the_demo_and_a_killed_worker_loses_noth
         headers = {"Authorization": f"Bearer {token}"}
         with httpx.Client(base_url=url, headers=headers, timeout=30.0, trust_env=False) as api:
             _wait_served(api)
-            victim = by_id[_choose_victim(api, cascade)]
+            # The gear switcher puts the plan's gear in force at its first tick after traffic.
+            _wait_gear(service)
+            _wait_served(api)  # a query under the gear: the loop's status names it
+            victim = by_id[_choose_victim(api)]
             before = _totals(service)
             loadgen = _Loadgen(url, token, trace, tmp_path / "loadgen.log")
             try:
@@ -298,3 +315,10 @@ def test_loadgen_replays_five_minutes_on_the_demo_and_a_killed_worker_loses_noth
     for loss in losses:
         assert loss["redispatched_queries"] + loss["failed_queries"] == loss["in_flight_queries"]
     assert summary["answered"] >= queries - in_flight
+    # The demo's plan carries its cascade's gear plan, and the service served by it: the gear
+    # switcher's start is recorded, and the gear in force is one of the plan's.
+    assert state.plan is not None
+    gear_plan = state.plan.document["gear_plan"]
+    switches = service.store.list_decisions(DEMO_APP, kinds=["gear_switch"])
+    assert switches, "the gear switcher never put a gear in force"
+    assert status["gear"] in {gear["cascade"] for gear in gear_plan["gears"]}, status
