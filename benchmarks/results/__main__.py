@@ -16,7 +16,6 @@ the exit status is then 1.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 import traceback
@@ -24,10 +23,10 @@ from pathlib import Path
 
 from benchmarks.results.common import (
     DOCS_RESULTS,
-    QUICK_RESULTS,
     ROOT,
     Context,
     Section,
+    base_parser,
     load_section,
     output_dir,
     run_section,
@@ -101,19 +100,11 @@ def replace_block(text: str, block: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the small version CI runs")
+    parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument(
         "--only",
         default="",
         help="comma-separated modules to run (" + ",".join(m for m, _ in EXPERIMENTS) + ")",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help=f"output folder (default {DOCS_RESULTS.relative_to(ROOT)}, "
-        f"or {QUICK_RESULTS.relative_to(ROOT)} with --quick)",
     )
     parser.add_argument(
         "--no-readme", action="store_true", help="leave README.md alone (full mode only)"

@@ -160,7 +160,8 @@ def load_section(path: Path) -> Section:
     return Section(**raw)
 
 
-def parse_args(description: str, argv: list[str] | None) -> argparse.Namespace:
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """``--quick`` and ``--out``, the options every results command takes."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--quick", action="store_true", help="the small version CI runs (seconds, not minutes)"
@@ -172,7 +173,7 @@ def parse_args(description: str, argv: list[str] | None) -> argparse.Namespace:
         help=f"output folder (default {DOCS_RESULTS.relative_to(ROOT)}, "
         f"or {QUICK_RESULTS.relative_to(ROOT)} with --quick)",
     )
-    return parser.parse_args(argv)
+    return parser
 
 
 def output_dir(quick: bool, out: Path | None) -> Path:
@@ -183,7 +184,7 @@ def experiment_main(
     run: Callable[[Context], Section], description: str, argv: list[str] | None = None
 ) -> int:
     """Run one experiment alone: ``python -m benchmarks.results.<key> [--quick] [--out DIR]``."""
-    args = parse_args(description, argv)
+    args = base_parser(description).parse_args(argv)
     ctx = Context(quick=args.quick, out_dir=output_dir(args.quick, args.out))
     section = run_section(ctx, run)
     print(section_markdown(section))

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
@@ -222,10 +223,10 @@ def local_data_dir(tmp_path: Path, trained_family: Path) -> Path:
 
 
 @contextmanager
-def running_local_service(data_dir: Path) -> Iterator[Service]:
-    """The whole service (``build_service``) on the local provisioner over ``data_dir``; every
-    worker is stopped at the end."""
-    built = build_service(Settings(data_dir=data_dir, provisioner="local"))
+def running_local_service(data_dir: Path, **settings: Any) -> Iterator[Service]:
+    """The whole service (``build_service``) on the local provisioner over ``data_dir``, with
+    ``settings`` overriding the defaults; every worker is stopped at the end."""
+    built = build_service(Settings(data_dir=data_dir, provisioner="local", **settings))
     assert isinstance(built.provisioner, LocalProvisioner)
     try:
         yield built

@@ -26,7 +26,6 @@ otherwise. Nothing sleeps but the polling of deadlines; nothing is timed.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -38,14 +37,18 @@ import numpy as np
 import pytest
 
 from controlplane import loadgen
-from controlplane.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE
-from controlplane.service import Service, build_service
-from controlplane.settings import Settings
+from controlplane.provisioning import LOCAL_PROFILE_FILE
+from controlplane.service import Service
 from estimator.catalog import default_catalog
 from estimator.profiles import LatencyProfile, write_profiles_json
 from estimator.traces import Trace, poisson_arrivals
 from provisioners.local import LocalProvisioner
-from tests.integration.conftest import process_alive, stop_every_worker
+from tests.integration.conftest import (
+    ApiServer,
+    local_data_dir,
+    process_alive,
+    running_local_service,
+)
 
 pytest.importorskip("torch")
 uvicorn = pytest.importorskip("uvicorn")
@@ -69,7 +72,6 @@ WARM_ANSWERS = 15
 # Workers import torch and load the family: seconds each, more on a busy shared machine.
 WORKER_DEADLINE_S = 300.0
 PHASE_DEADLINE_S = 300.0
-SERVER_DEADLINE_S = 60.0
 POLL_S = 0.25
 KEPT = ("requested", "pending", "running")
 
@@ -78,9 +80,7 @@ KEPT = ("requested", "pending", "running")
 def service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
     """The service on the local provisioner with the emulated 100 ms profile in its data
     directory (read by the workers and by the app's spec) and the tuner's timing shortened."""
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    (data_dir / LOCAL_MODELS_DIR).symlink_to(trained_family, target_is_directory=True)
+    data_dir = local_data_dir(tmp_path, trained_family)
     # Every batch of one takes SERVICE_MS (a deterministic service time); the reference type
     # too, so that nothing falls back to measured latencies.
     cell = (np.full(8, SERVICE_MS),)
@@ -91,49 +91,13 @@ def service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
         profile,
         source="tests/integration/test_live_tuner_local.py (emulated)",
     )
-    settings = Settings(
-        data_dir=data_dir,
-        provisioner="local",
+    with running_local_service(
+        data_dir,
         reconcile_s=1.0,
         tuner_max_window_s=MAX_WINDOW_S,
         tuner_scale_down_delay_s=SCALE_DOWN_DELAY_S,
-    )
-    built = build_service(settings)
-    assert isinstance(built.provisioner, LocalProvisioner)
-    try:
+    ) as built:
         yield built
-    finally:
-        stop_every_worker(built.provisioner)
-        built.close()
-
-
-class _Server:
-    """The service's API on a free loopback port, served by uvicorn in a thread (lifespan on:
-    the serving loop and the scheduler's jobs, tuner and reconciler included, run as under
-    ``heteroplane serve``)."""
-
-    def __init__(self, service: Service) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = int(probe.getsockname()[1])
-        config = uvicorn.Config(
-            service.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + SERVER_DEADLINE_S
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                pytest.fail("the API server did not start")
-            time.sleep(0.05)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *_: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60.0)
 
 
 class _Load:
@@ -267,7 +231,7 @@ def test_a_step_in_the_load_scales_the_fleet_up_within_the_budget_and_back_down(
     admin = service.store.create_token("admin", name="operator")
     headers = {"Authorization": f"Bearer {admin}"}
     with (
-        _Server(service) as url,
+        ApiServer(service) as url,
         httpx.Client(base_url=url, headers=headers, timeout=60.0, trust_env=False) as api,
     ):
         plan = _deploy(api, service.settings.data_dir / LOCAL_PROFILE_FILE)
