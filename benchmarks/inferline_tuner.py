@@ -53,11 +53,18 @@ from typing import Any
 import numpy as np
 
 from controlplane.planner import Plan, plan_app, scale_trace
-from controlplane.replay import ReplayResult, parse_plan, rate_per_instance_qps, replay
+from controlplane.replay import (
+    ReplayResult,
+    ScalingPolicy,
+    parse_plan,
+    rate_per_instance_qps,
+    replay,
+)
 from controlplane.spec import ResolvedApp, resolve_spec, validate_spec
-from estimator.batches import parse_batch_distribution
+from estimator.batches import BatchDistribution, parse_batch_distribution
 from estimator.envelope import arrival_envelope
 from estimator.traces import (
+    RateProfile,
     Trace,
     constant_profile,
     renewal_arrivals,
@@ -94,29 +101,80 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def make_app() -> ResolvedApp:
+def make_app(slo_ms: float = SLO_MS, budget_usd_per_hr: float = BUDGET_USD_PER_HR) -> ResolvedApp:
+    """rm2 on the four Kairos types at the catalogue's prices, SLO ``slo_ms`` at p99."""
     spec = validate_spec(
         {
             "name": "rm2-inferline",
             "models": [{"name": MODEL, "profiles": str(PROFILES)}],
-            "slo": {"latency_ms": SLO_MS, "percentile": 99},
-            "budget_usd_per_hr": BUDGET_USD_PER_HR,
+            "slo": {"latency_ms": slo_ms, "percentile": 99},
+            "budget_usd_per_hr": budget_usd_per_hr,
             "instance_types": TYPES,
         }
     )
     return resolve_spec(spec)
 
 
-def make_traces(rate_qps: float, seed: int) -> tuple[Trace, Trace]:
-    """(planning trace, test trace), both gamma CV^2 = 4 with Kairos-mix batch sizes."""
+def renewal_trace(
+    profile: RateProfile,
+    duration_s: float,
+    cv2: float,
+    batches: BatchDistribution,
+    rng: np.random.Generator,
+) -> Trace:
+    """Gamma renewal arrivals (``cv2``) modulated by ``profile``, batch sizes from ``batches``."""
+    arrival_s = renewal_arrivals(profile, duration_s, cv2, rng)
+    return Trace(arrival_s, batches.sample(arrival_s.size, rng))
+
+
+def ramp_profile(rate_qps: float, duration_s: float = TEST_S) -> RateProfile:
+    """The test trace's rate: RAMP_FROM R to RAMP_TO R linearly over ``duration_s``, times the
+    spikes' factor for SPIKE_S at the spikes' times scaled to ``duration_s`` (for TEST_S exactly
+    ``SPIKES``: mid-trace and near the top of the ramp)."""
+    ramp = step_profile(RAMP_FROM * rate_qps, RAMP_TO * rate_qps, 0.0, over_s=duration_s)
+    spikes = [(start_s * duration_s / TEST_S, length_s, f) for start_s, length_s, f in SPIKES]
+    return with_spikes(ramp, spikes)
+
+
+def make_traces(
+    rate_qps: float, seed: int, test_s: float = TEST_S, cv2: float = CV2
+) -> tuple[Trace, Trace]:
+    """(planning trace, test trace), both gamma ``cv2`` with Kairos-mix batch sizes: PLANNING_S
+    at ``rate_qps``, and ``test_s`` of :func:`ramp_profile`."""
     rng = np.random.default_rng(seed)
     batches = parse_batch_distribution("kairos")
-    planning_arrivals = renewal_arrivals(constant_profile(rate_qps), PLANNING_S, CV2, rng)
-    planning = Trace(planning_arrivals, batches.sample(planning_arrivals.size, rng))
-    ramp = step_profile(RAMP_FROM * rate_qps, RAMP_TO * rate_qps, 0.0, over_s=TEST_S)
-    test_arrivals = renewal_arrivals(with_spikes(ramp, SPIKES), TEST_S, CV2, rng)
-    test = Trace(test_arrivals, batches.sample(test_arrivals.size, rng))
+    planning = renewal_trace(constant_profile(rate_qps), PLANNING_S, cv2, batches, rng)
+    test = renewal_trace(ramp_profile(rate_qps, test_s), test_s, cv2, batches, rng)
     return planning, test
+
+
+def peak_rate_qps(trace: Trace, window_s: float = PEAK_WINDOW_S) -> float:
+    """The highest rate over any ``window_s`` of ``trace`` (the rate a static fleet must carry)."""
+    return float(arrival_envelope(trace.arrival_s, [window_s]).rate_qps[0])
+
+
+def mean_rate_qps(trace: Trace) -> float:
+    return (len(trace) - 1) / trace.duration_s
+
+
+def replay_policy(
+    test: Trace,
+    app: ResolvedApp,
+    plan: Plan,
+    policy: ScalingPolicy,
+    planning: Trace,
+    seed: int,
+) -> ReplayResult:
+    """Replay ``test`` on ``plan`` scaled by ``policy`` (tuner, static or utilization), the tuner's
+    planned envelope from ``planning``, service times from ``seed``."""
+    return replay(
+        test,
+        app,
+        parse_plan(plan.to_document()),
+        np.random.default_rng(seed),
+        policy=policy,
+        planning_arrival_s=planning.arrival_s,
+    )
 
 
 def fleet_text(plan: Plan) -> str:
@@ -141,9 +199,8 @@ def run(rate_qps: float, seed: int) -> dict[str, Any]:
     started = time.perf_counter()
     app = make_app()
     planning, test = make_traces(rate_qps, seed)
-    envelope = arrival_envelope(test.arrival_s, [PEAK_WINDOW_S])
-    peak_qps = float(envelope.rate_qps[0])
-    mean_qps = (len(test) - 1) / test.duration_s
+    peak_qps = peak_rate_qps(test)
+    mean_qps = mean_rate_qps(test)
     log(
         f"planning trace: {len(planning):,} queries over {planning.duration_s:.0f} s; test trace:"
         f" {len(test):,} queries, mean {mean_qps:.1f} qps, peak {PEAK_WINDOW_S:g} s rate"
@@ -167,7 +224,7 @@ def run(rate_qps: float, seed: int) -> dict[str, Any]:
     if not plans["peak"].feasible:
         log(f"warning: the budget ${BUDGET_USD_PER_HR:g}/hr binds for the peak plan")
 
-    runs: list[tuple[str, str, str]] = [
+    runs: list[tuple[str, str, ScalingPolicy]] = [
         ("tuner", "tuner", "tuner"),
         ("peak", "peak", "static"),
         ("mean", "mean", "static"),
@@ -177,14 +234,7 @@ def run(rate_qps: float, seed: int) -> dict[str, Any]:
     seconds: dict[str, float] = {}
     for label, plan_name, policy in runs:
         t0 = time.perf_counter()
-        results[label] = replay(
-            test,
-            app,
-            parse_plan(plans[plan_name].to_document()),
-            np.random.default_rng(seed),
-            policy=policy,  # type: ignore[arg-type]
-            planning_arrival_s=planning.arrival_s,
-        )
+        results[label] = replay_policy(test, app, plans[plan_name], policy, planning, seed)
         seconds[label] = time.perf_counter() - t0
         r = results[label]
         log(
