@@ -39,17 +39,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -59,44 +53,23 @@ import httpx
 import numpy as np
 
 from controlplane import loadgen
-from controlplane.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE, LOCAL_WORKERS_DIR
-from controlplane.store import Store
 from estimator.catalog import default_catalog
-from estimator.profiles import LatencyProfile, write_profiles_json
 from estimator.traces import Trace, poisson_arrivals
 
-ROOT = Path(__file__).resolve().parents[1]
+try:  # imported as benchmarks.live_tuner_step
+    from benchmarks import local_service
+except ModuleNotFoundError:  # run as a script: the sibling module
+    import local_service
+
 APP = "step"
 MODEL = "large"
 INSTANCE_TYPE = "emu.cpu.large"
 SLO_MS = 1000.0
-START_DEADLINE_S = 300.0
 # After the trace: how long to wait for the last terminations to land.
 SETTLE_S = 20.0
 KEPT = frozenset({"requested", "pending", "running"})
 TUNER_KINDS = ("scale_up", "scale_down", "budget_capped")
 COST_SLACK_USD_PER_HR = 1e-9
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def epoch_s(at: str) -> float:
@@ -105,89 +78,6 @@ def epoch_s(at: str) -> float:
 
 
 # --- the service ---------------------------------------------------------------------------------
-
-
-def prepare_data_dir(data_dir: Path, service_ms: float) -> Path:
-    """The family in ``data_dir/models`` and the emulated profile; the profile's path."""
-    from provisioners.worker import family
-
-    default = family.default_cache_dir()
-    target = data_dir / LOCAL_MODELS_DIR
-    if (default / "manifest.json").is_file():
-        shutil.copytree(default, target)
-    family.ensure_family(target, progress=log)
-    cell = (np.full(8, service_ms),)
-    path = data_dir / LOCAL_PROFILE_FILE
-    path.parent.mkdir(parents=True)
-    write_profiles_json(
-        [LatencyProfile(MODEL, t, np.array([1]), cell) for t in ("local.cpu", INSTANCE_TYPE)],
-        path,
-        source="benchmarks/live_tuner_step.py (emulated)",
-    )
-    return path
-
-
-def issue_token(data_dir: Path) -> str:
-    store = Store.from_url(f"sqlite:///{data_dir / 'heteroplane.db'}", upgrade=True)
-    try:
-        token, _ = store.issue_token("admin", "step-bench")
-    finally:
-        store.close()
-    return token
-
-
-def stop_workers(state_dir: Path) -> None:
-    from provisioners.local import LocalProvisioner
-
-    if not state_dir.is_dir():
-        return
-    provisioner = LocalProvisioner(state_dir, {}, [MODEL], None)
-    try:
-        provisioner.terminate([r.provider_id for r in provisioner.records()])
-    finally:
-        provisioner.close()
-
-
-@contextmanager
-def running_service(data_dir: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
-    """``heteroplane serve`` on ``data_dir`` with the default settings (none of ours from the
-    environment); stopped, with its workers, at the end."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HETEROPLANE_")}
-    env |= {"HETEROPLANE_DATA_DIR": str(data_dir), "HETEROPLANE_PROVISIONER": "local"}
-    log_file = (data_dir / "serve.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "controlplane", "serve", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        yield process
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log_file.close()
-        stop_workers(data_dir / LOCAL_WORKERS_DIR)
-
-
-def wait_for(what: str, check: Any, process: subprocess.Popen[bytes], log_path: Path) -> Any:
-    deadline = time.monotonic() + START_DEADLINE_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the service exited: {log_path.read_text()[-2000:]}")
-        try:
-            found = check()
-        except httpx.HTTPError:
-            found = None
-        if found:
-            return found
-        time.sleep(0.5)
-    raise SystemExit(f"{what}: not within {START_DEADLINE_S:g} s; {log_path.read_text()[-2000:]}")
 
 
 def deploy(
@@ -516,39 +406,46 @@ def main() -> int:
     trace, starts = step_trace(rates, durations, args.seed)
     data_dir = Path(tempfile.mkdtemp(prefix="heteroplane-step-"))
     try:
-        profile = prepare_data_dir(data_dir, args.service_ms)
-        token = issue_token(data_dir)
-        port = free_port()
+        profile = local_service.prepare_data_dir(
+            data_dir,
+            args.service_ms,
+            model=MODEL,
+            instance_type=INSTANCE_TYPE,
+            source="benchmarks/live_tuner_step.py (emulated)",
+        )
+        token = local_service.issue_token(data_dir, "step-bench")
+        port = local_service.free_port()
         base = f"http://127.0.0.1:{port}"
         url = loadgen.infer_url(base, APP)
         queries = loadgen.build_queries(trace, family.load_split().validation_inputs)
         log_path = data_dir / "serve.log"
         headers = {"Authorization": f"Bearer {token}"}
         with (
-            running_service(data_dir, port) as process,
+            # The service's default settings: none of ours from the environment.
+            local_service.running_service(data_dir, port, model=MODEL) as process,
             httpx.Client(base_url=base, headers=headers, timeout=120.0, trust_env=False) as api,
         ):
-            wait_for(
+            local_service.wait_for(
                 "the service", lambda: api.get("/healthz").status_code == 200, process, log_path
             )
             plan = deploy(api, profile, budget, args.low_qps)
             planned = {str(t): int(n) for s in plan["stages"] for t, n in s["fleet"].items()}
-            log(f"plan for {args.low_qps:g} qps: {planned}; budget {budget:g} USD/hr")
+            local_service.log(f"plan for {args.low_qps:g} qps: {planned}; budget {budget:g} USD/hr")
 
             def answers() -> bool:
                 probe = queries[0].body
                 json_headers = {"Content-Type": "application/json"}
                 return api.post(url, content=probe, headers=json_headers).status_code == 200
 
-            wait_for("the planned worker's first answer", answers, process, log_path)
+            local_service.wait_for("the planned worker's first answer", answers, process, log_path)
             steps = zip(rates, durations, strict=True)
-            log("load: " + " -> ".join(f"{r:g} qps for {d:g} s" for r, d in steps))
+            local_service.log("load: " + " -> ".join(f"{r:g} qps for {d:g} s" for r, d in steps))
             load_start = time.time()
             result = loadgen.run_load(
                 queries,
                 url,
                 token,
-                progress=lambda snapshot: log("  " + snapshot.line()),
+                progress=lambda snapshot: local_service.log("  " + snapshot.line()),
                 progress_every_s=15.0,
             )
             time.sleep(SETTLE_S)  # the last terminations land in the store
@@ -575,7 +472,7 @@ def main() -> int:
         "args": {k: v for k, v in vars(args).items() if k != "json"},
         "date": time.strftime("%Y-%m-%d"),
         "wall_s": wall_s,
-        "cpu": cpu_model(),
+        "cpu": local_service.cpu_model(),
         "cpus": os.cpu_count(),
         "load_before": list(load_before),
         "price_usd_per_hr": price,

@@ -36,14 +36,8 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,12 +46,16 @@ import httpx
 import numpy as np
 
 from controlplane import loadgen
-from controlplane.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE, LOCAL_WORKERS_DIR
-from controlplane.store import Store
+from controlplane.provisioning import LOCAL_WORKERS_DIR
 from estimator.policies import policy_factory
-from estimator.profiles import LatencyProfile, load_profiles, write_profiles_json
+from estimator.profiles import LatencyProfile, load_profiles
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace, poisson_arrivals
+
+try:  # imported as benchmarks.serving_fidelity
+    from benchmarks import local_service
+except ModuleNotFoundError:  # run as a script: the sibling module
+    import local_service
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = "bench"
@@ -67,125 +65,16 @@ PRICE_USD_PER_HR = 0.10
 INSTANCES = 2
 SLO_MS = 1000.0
 TOLERANCE = 0.15
-START_DEADLINE_S = 300.0
 WARMUP_S = 10.0
 CLOSED_LOOP_QUERIES = 40
 # The plan is made for this utilisation of INSTANCES instances (more than one can serve).
 PLAN_UTILISATION = 0.8
 JSON = {"Content-Type": "application/json"}
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def cpu_model() -> str:
-    """The CPU's model name where Linux says it, else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+# The fleet must stay the plan's while it is measured: no tuner tick within the run.
+SERVICE_SETTINGS = {"HETEROPLANE_RECONCILE_S": "1", "HETEROPLANE_TUNER_TICK_S": str(24 * 3600)}
 
 
 # --- setup ---------------------------------------------------------------------------------------
-
-
-def prepare_data_dir(data_dir: Path, service_ms: float) -> Path:
-    """The family in ``data_dir/models`` and the emulated type's profile; the profile's path."""
-    from provisioners.worker import family
-
-    default = family.default_cache_dir()
-    target = data_dir / LOCAL_MODELS_DIR
-    if (default / "manifest.json").is_file():
-        shutil.copytree(default, target)
-    family.ensure_family(target, progress=log)  # checks the copy; trains what is missing
-    # A deterministic service time: every sample the same, as the worker pads every batch to it.
-    cell = (np.full(8, service_ms),)
-    profiles = [
-        LatencyProfile(MODEL, name, np.array([1]), cell) for name in ("local.cpu", INSTANCE_TYPE)
-    ]
-    path = data_dir / LOCAL_PROFILE_FILE
-    path.parent.mkdir(parents=True)
-    write_profiles_json(profiles, path, source="benchmarks/serving_fidelity.py (emulated)")
-    return path
-
-
-def issue_token(data_dir: Path) -> str:
-    store = Store.from_url(f"sqlite:///{data_dir / 'heteroplane.db'}", upgrade=True)
-    try:
-        token, _ = store.issue_token("admin", "fidelity-bench")
-    finally:
-        store.close()
-    return token
-
-
-@contextmanager
-def running_service(data_dir: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
-    """``heteroplane serve`` on ``data_dir``; stopped, with its workers, at the end."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HETEROPLANE_")}
-    env |= {
-        "HETEROPLANE_DATA_DIR": str(data_dir),
-        "HETEROPLANE_PROVISIONER": "local",
-        "HETEROPLANE_RECONCILE_S": "1",
-        # The fleet must stay the plan's while it is measured: no tuner tick within the run.
-        "HETEROPLANE_TUNER_TICK_S": str(24 * 3600),
-    }
-    log_file = (data_dir / "serve.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "controlplane", "serve", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        yield process
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log_file.close()
-        stop_workers(data_dir / LOCAL_WORKERS_DIR)
-
-
-def stop_workers(state_dir: Path) -> None:
-    from provisioners.local import LocalProvisioner
-
-    if not state_dir.is_dir():
-        return
-    provisioner = LocalProvisioner(state_dir, {}, [MODEL], None)
-    try:
-        provisioner.terminate([r.provider_id for r in provisioner.records()])
-    finally:
-        provisioner.close()
-
-
-def wait_for(what: str, check: Any, process: subprocess.Popen[bytes], log_path: Path) -> Any:
-    deadline = time.monotonic() + START_DEADLINE_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the service exited: {log_path.read_text()[-2000:]}")
-        try:
-            found = check()
-        except httpx.HTTPError:
-            found = None
-        if found:
-            return found
-        time.sleep(0.5)
-    raise SystemExit(f"{what}: not within {START_DEADLINE_S:g} s; {log_path.read_text()[-2000:]}")
 
 
 def deploy(api: httpx.Client, profile: Path, top_rate_qps: float) -> dict[str, Any]:
@@ -303,7 +192,7 @@ def run_level(
     front_ms: float,
 ) -> Level:
     trace = poisson_trace(rate_qps, args.duration_s, args.seed + int(utilisation * 1000))
-    log(
+    local_service.log(
         f"rho {utilisation:g}: {len(trace)} queries at {rate_qps:.2f} qps for {args.duration_s:g} s"
     )
     result = loadgen.run_load(
@@ -311,7 +200,7 @@ def run_level(
         url,
         token,
         timeout_s=30.0,
-        progress=lambda snapshot: log("  " + snapshot.line()),
+        progress=lambda snapshot: local_service.log("  " + snapshot.line()),
         progress_every_s=15.0,
     )
     summary = result.summary(SLO_MS)
@@ -331,7 +220,7 @@ def run_level(
         summary.errors,
         summary.send_lag_p99_ms or 0.0,
     )
-    log(
+    local_service.log(
         f"  measured p99 {level.measured_p99_ms:.1f} ms, predicted {level.predicted_p99_ms:.1f}"
         f" ms ({level.error:+.1%}); errors {summary.errors} {dict(summary.errors_by_kind)}"
     )
@@ -369,21 +258,31 @@ def measure(service_ms: float, args: argparse.Namespace, utilisations: list[floa
     from provisioners.worker import family
 
     rates = [u * INSTANCES * 1000.0 / service_ms for u in utilisations]
-    log(f"--- service time {service_ms:g} ms: {', '.join(f'{r:.1f}' for r in rates)} qps")
+    local_service.log(
+        f"--- service time {service_ms:g} ms: {', '.join(f'{r:.1f}' for r in rates)} qps"
+    )
     data_dir = Path(tempfile.mkdtemp(prefix="heteroplane-fidelity-"))
     try:
-        profile_path = prepare_data_dir(data_dir, service_ms)
+        profile_path = local_service.prepare_data_dir(
+            data_dir,
+            service_ms,
+            model=MODEL,
+            instance_type=INSTANCE_TYPE,
+            source="benchmarks/serving_fidelity.py (emulated)",
+        )
         profile = load_profiles(profile_path).get_profile(MODEL, INSTANCE_TYPE)
-        token = issue_token(data_dir)
-        port = free_port()
+        token = local_service.issue_token(data_dir, "fidelity-bench")
+        port = local_service.free_port()
         base = f"http://127.0.0.1:{port}"
         url = loadgen.infer_url(base, APP)
         inputs = family.load_split().validation_inputs
         log_path = data_dir / "serve.log"
-        with running_service(data_dir, port) as process:
+        with local_service.running_service(
+            data_dir, port, model=MODEL, settings=SERVICE_SETTINGS
+        ) as process:
             headers = {"Authorization": f"Bearer {token}"}
             with httpx.Client(base_url=base, headers=headers, timeout=120.0) as api:
-                wait_for(
+                local_service.wait_for(
                     "the service", lambda: api.get("/healthz").status_code == 200, process, log_path
                 )
                 # Planned where one instance cannot keep up: the plan is the two instances.
@@ -391,21 +290,21 @@ def measure(service_ms: float, args: argparse.Namespace, utilisations: list[floa
                 stage = plan["stages"][0]
                 fleet = {str(k): int(v) for k, v in stage["fleet"].items()}
                 batch = int(stage["batch_size"])
-                log(f"plan: {fleet}, batch size {batch}, policy {stage['policy']}")
+                local_service.log(f"plan: {fleet}, batch size {batch}, policy {stage['policy']}")
 
                 def running() -> bool:
                     rows = api.get("/v1/instances", params={"app": APP}).json()
                     return sum(r["state"] == "running" for r in rows) >= sum(fleet.values())
 
-                wait_for("the workers", running, process, log_path)
+                local_service.wait_for("the workers", running, process, log_path)
                 probe = loadgen.build_queries(poisson_trace(1.0, 5.0, 0), inputs)[0]
-                wait_for(
+                local_service.wait_for(
                     "an answer",
                     lambda: api.post(url, content=probe.body, headers=JSON).status_code == 200,
                     process,
                     log_path,
                 )
-            log(f"warm-up: {WARMUP_S:g} s at {rates[0]:.1f} qps")
+            local_service.log(f"warm-up: {WARMUP_S:g} s at {rates[0]:.1f} qps")
             loadgen.run_load(
                 loadgen.build_queries(poisson_trace(rates[0], WARMUP_S, 99), inputs), url, token
             )
@@ -413,7 +312,7 @@ def measure(service_ms: float, args: argparse.Namespace, utilisations: list[floa
             hop = worker_round_trip_ms(data_dir, inputs) - service_ms
             worker_hop_ms = max(0.0, float(np.median(hop)))
             front_ms = max(0.0, float(np.median(overhead)) - worker_hop_ms)
-            log(
+            local_service.log(
                 f"closed loop: median {float(np.median(overhead)):.1f} ms per query above the"
                 f" service time, {worker_hop_ms:.1f} ms of it the hop to the worker"
             )
@@ -494,11 +393,12 @@ def markdown(
             " grows with the load (CPU contention on this machine)."
         )
     sections = "\n".join(section(setting) for setting in settings)
+    cpu = local_service.cpu_model()
     return f"""# Serving fidelity: the simulator's P99 against the live service
 
 Written by `{command}`; do not edit by hand, run the command again.
 
-- Run: {time.strftime("%Y-%m-%d")}, {seconds:.0f} s, on {cpu_model()} ({platform.machine()},
+- Run: {time.strftime("%Y-%m-%d")}, {seconds:.0f} s, on {cpu} ({platform.machine()},
   {os.cpu_count()} CPUs), Python {platform.python_version()}; load average before the run
   {load_before[0]:.2f} / {load_before[1]:.2f} / {load_before[2]:.2f} (1 / 5 / 15 min; other work
   on the machine shares its CPUs with the service, the workers and the load generator).
@@ -551,7 +451,7 @@ def main() -> int:
     settings = [measure(service_ms, args, utilisations) for service_ms in service_times]
     seconds = time.monotonic() - started
     args.out.write_text(markdown(settings, args, seconds, load_before))
-    log(f"wrote {args.out}")
+    local_service.log(f"wrote {args.out}")
     for setting in settings:
         for level in setting.levels:
             print(

@@ -1,0 +1,165 @@
+"""The live service for a benchmark: ``heteroplane serve`` on a temporary data directory.
+
+What the benchmarks that measure the running service (``benchmarks/serving_fidelity.py``,
+``benchmarks/live_tuner_step.py``) share: a data directory holding the demo model family and a
+profile file for one emulated instance type (the local workers pad every batch to its service
+time), an admin token in that directory's store, the service itself as a subprocess with the
+local provisioner (the caller's ``HETEROPLANE_*`` environment left out, the benchmark's own
+settings put in) stopped with its workers at the end, polling it for a condition with a
+deadline; and the small helpers around it (a log line on stderr, a free port, the CPU's name).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from controlplane.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE, LOCAL_WORKERS_DIR
+from controlplane.store import Store
+from estimator.profiles import LatencyProfile, write_profiles_json
+
+ROOT = Path(__file__).resolve().parents[1]
+# Long enough for a first run that trains the demo family before the service can plan.
+START_DEADLINE_S = 300.0
+
+
+def log(message: str) -> None:
+    """A progress line on stderr (stdout is the benchmark's result)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def cpu_model() -> str:
+    """The CPU's model name where Linux says it, else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def prepare_data_dir(
+    data_dir: Path, service_ms: float, *, model: str, instance_type: str, source: str
+) -> Path:
+    """The family in ``data_dir/models`` and a profile file in which ``model`` serves a batch of
+    one in ``service_ms`` on ``instance_type`` (and on ``local.cpu``); the profile's path.
+    ``source`` is the profile file's provenance (the benchmark that wrote it)."""
+    from provisioners.worker import family
+
+    default = family.default_cache_dir()
+    target = data_dir / LOCAL_MODELS_DIR
+    if (default / "manifest.json").is_file():
+        shutil.copytree(default, target)
+    family.ensure_family(target, progress=log)  # checks the copy; trains what is missing
+    # A deterministic service time: every sample the same, as the worker pads every batch to it.
+    cell = (np.full(8, service_ms),)
+    profiles = [
+        LatencyProfile(model, name, np.array([1]), cell) for name in ("local.cpu", instance_type)
+    ]
+    path = data_dir / LOCAL_PROFILE_FILE
+    path.parent.mkdir(parents=True)
+    write_profiles_json(profiles, path, source=source)
+    return path
+
+
+def issue_token(data_dir: Path, label: str) -> str:
+    """An admin token, labelled ``label``, in the store of ``data_dir`` (created if need be)."""
+    store = Store.from_url(f"sqlite:///{data_dir / 'heteroplane.db'}", upgrade=True)
+    try:
+        token, _ = store.issue_token("admin", label)
+    finally:
+        store.close()
+    return token
+
+
+@contextmanager
+def running_service(
+    data_dir: Path, port: int, *, model: str, settings: Mapping[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``heteroplane serve`` on ``data_dir`` with the local provisioner, its output in
+    ``data_dir/serve.log``; stopped, with its workers (which serve ``model``), at the end.
+
+    The service gets none of the caller's ``HETEROPLANE_*`` variables, so it runs with the
+    default settings but for ``settings`` (more ``HETEROPLANE_*`` variables)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETEROPLANE_")}
+    env |= {"HETEROPLANE_DATA_DIR": str(data_dir), "HETEROPLANE_PROVISIONER": "local"}
+    env |= settings or {}
+    log_file = (data_dir / "serve.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "controlplane", "serve", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        yield process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log_file.close()
+        stop_workers(data_dir / LOCAL_WORKERS_DIR, model)
+
+
+def stop_workers(state_dir: Path, model: str) -> None:
+    """Terminate every local worker recorded in ``state_dir`` (those the service left behind)."""
+    from provisioners.local import LocalProvisioner
+
+    if not state_dir.is_dir():
+        return
+    provisioner = LocalProvisioner(state_dir, {}, [model], None)
+    try:
+        provisioner.terminate([r.provider_id for r in provisioner.records()])
+    finally:
+        provisioner.close()
+
+
+def wait_for(
+    what: str,
+    check: Any,
+    process: subprocess.Popen[bytes],
+    log_path: Path,
+    *,
+    deadline_s: float = START_DEADLINE_S,
+) -> Any:
+    """Poll ``check()`` every 0.5 s until it returns something true (returned); an HTTP error
+    counts as not yet. Exits (SystemExit, with the end of ``log_path``) when the service exits
+    or ``deadline_s`` passes first."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the service exited: {log_path.read_text()[-2000:]}")
+        try:
+            found = check()
+        except httpx.HTTPError:
+            found = None
+        if found:
+            return found
+        time.sleep(0.5)
+    raise SystemExit(f"{what}: not within {deadline_s:g} s; {log_path.read_text()[-2000:]}")
