@@ -75,6 +75,12 @@ def readme_block(sections: list[Section], link_prefix: str = "docs/results/") ->
     """The README's results block: each section's title (linked), its summary lines and its
     first figure, between the markers."""
     lines = [BEGIN, ""]
+    if sections:
+        minutes = sum(section.seconds for section in sections) / 60
+        lines += [
+            f"The last full run took {minutes:.1f} min on {sections[-1].machine}.",
+            "",
+        ]
     for section in sections:
         lines += [f"### {section.title}", ""]
         lines += [f"- {line}" for line in section.summary]
@@ -109,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-readme", action="store_true", help="leave README.md alone (full mode only)"
     )
+    parser.add_argument(
+        "--index-only",
+        action="store_true",
+        help="run nothing: rewrite the index and the README block from the JSON files there",
+    )
     args = parser.parse_args(argv)
     known = [module for module, _ in EXPERIMENTS]
     chosen = [m.strip() for m in args.only.split(",") if m.strip()] or known
@@ -120,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = output_dir(args.quick, args.out).resolve()
     ctx = Context(quick=args.quick, out_dir=out_dir)
     failed = []
-    for module in chosen:
+    for module in [] if args.index_only else chosen:
         ctx.log(f"--- {module}{' (quick)' if args.quick else ''}")
         try:
             experiment = importlib.import_module(f"benchmarks.results.{module}")
