@@ -25,8 +25,11 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two processes, a test file per process at a time (its fixtures stay together): the suite's
+# long tests (the demo's 5-minute loadgen replay, terraform against moto) mostly wait, so the
+# other process runs the rest meanwhile.
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/estimator_speed.py
