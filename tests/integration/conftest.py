@@ -36,6 +36,7 @@ import uvicorn
 
 from controlplane.service import Service, build_service
 from controlplane.settings import Settings
+from controlplane.store import InstanceRecord
 from provisioners.local import LocalProvisioner
 
 _START_TIMEOUT_S = 60
@@ -54,7 +55,8 @@ def _server_bin() -> Path | None:
     return Path(on_path).parent if on_path else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (every integration test's servers take one)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
@@ -67,7 +69,7 @@ class _Server:
         self.root = root
         self.data = root / "data"
         self.log = root / "server.log"
-        self.port = _free_port()
+        self.port = free_port()
         self.user = user
 
     def run(self, *command: str) -> None:
@@ -243,6 +245,26 @@ def local_service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
         yield built
 
 
+# Workers import torch and load the family: seconds each, more on a busy shared machine.
+FLEET_DEADLINE_S = 300.0
+
+
+def launch_fleet(service: Service, app: str, count: int) -> list[InstanceRecord]:
+    """Run the reconciler until ``app`` has ``count`` running instances (their records), or fail
+    after FLEET_DEADLINE_S with the tails of the workers' logs."""
+    deadline = time.monotonic() + FLEET_DEADLINE_S
+    while True:
+        service.reconciler.run_once()
+        running = service.store.list_instances(app, states=["running"])
+        if len(running) >= count:
+            return running
+        if time.monotonic() > deadline:
+            logs = service.settings.data_dir / "workers" / "logs"
+            tails = {p.name: p.read_text()[-800:] for p in sorted(logs.glob("*.log"))}
+            pytest.fail(f"no {count} running workers within {FLEET_DEADLINE_S:g} s: {tails}")
+        time.sleep(WORKER_POLL_S)
+
+
 SERVER_DEADLINE_S = 60.0
 
 
@@ -252,7 +274,7 @@ class ApiServer:
     as url:`` waits (with a deadline) until it listens; leaving the block stops it."""
 
     def __init__(self, service: Service) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         config = uvicorn.Config(
             service.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
         )

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from tests.integration.conftest import free_port
+
 REGION = "us-east-1"
 ZONES = ("us-east-1a", "us-east-1b")
 _START_TIMEOUT_S = 60.0
@@ -34,13 +35,6 @@ needs_moto = pytest.mark.skipif(
     importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None,
     reason="moto[server] is not installed (pip install -e '.[test]')",
 )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def _answers(url: str) -> bool:
@@ -56,7 +50,7 @@ def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The URL of a moto server on 127.0.0.1 that lives for the session."""
     if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
         pytest.skip("moto[server] is not installed (pip install -e '.[test]')")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = Path(tmp_path_factory.mktemp("moto")) / "moto.log"
     with log.open("wb") as sink:

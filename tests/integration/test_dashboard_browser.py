@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ import pytest
 
 from controlplane.settings import Settings
 from controlplane.store import Store
+from tests.integration.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -89,13 +89,6 @@ def write_profiles(folder: Path) -> None:
                 for i in range(11)
             ]
     (folder / "profiles.csv").write_text("\n".join(rows) + "\n")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -37,6 +37,7 @@ import pytest
 from controlplane.cli import main
 from controlplane.store import Store
 from provisioners.local import LocalProvisioner
+from tests.integration.conftest import free_port, stop_every_worker
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -52,13 +53,6 @@ A_DIGIT += [12, 0, 0, 8, 8, 0, 0, 5, 8, 0, 0, 9, 8, 0, 0, 4, 11, 0, 1, 12, 7, 0,
 A_DIGIT += [10, 12, 0, 0, 0, 0, 6, 13, 10, 0, 0, 0]
 
 pytest.importorskip("torch")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def demo_env(home: Path, port: int) -> dict[str, str]:
@@ -245,32 +239,8 @@ def home_with_family(home: Path, trained_family: Path) -> Iterator[Path]:
 
 def stop_workers(state_dir: Path) -> None:
     """Terminate every local worker recorded in ``state_dir`` and wait for them to exit."""
-    if not state_dir.is_dir():
-        return
-    provisioner = LocalProvisioner(state_dir, {}, ["tiny"], None)
-    try:
-        records = provisioner.records()
-        provisioner.terminate([r.provider_id for r in records])
-    finally:
-        provisioner.close()
-    deadline = time.monotonic() + STOP_DEADLINE_S
-    while time.monotonic() < deadline and any(alive(r.pid) for r in records):
-        time.sleep(0.1)
-    assert not any(alive(r.pid) for r in records), "local workers outlived the test"
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purposes
-        with Path(f"/proc/{pid}/stat").open() as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
+    if state_dir.is_dir():
+        stop_every_worker(LocalProvisioner(state_dir, {}, ["tiny"], None))
 
 
 def plans_applied(api: httpx.Client) -> list[Any]:

@@ -55,7 +55,12 @@ from controlplane.serving.observations import AppTotals
 from controlplane.store import InstanceRecord
 from estimator.traces import read_trace_csv
 from provisioners.local import LocalProvisioner
-from tests.integration.conftest import ApiServer, local_data_dir, running_local_service
+from tests.integration.conftest import (
+    ApiServer,
+    launch_fleet,
+    local_data_dir,
+    running_local_service,
+)
 
 pytest.importorskip("torch")
 
@@ -64,8 +69,6 @@ TRACE_RATE_QPS = 5.0
 TRACE_DURATION_S = 300.0
 TRACE_SEED = 8
 PROFILE_SAMPLES = 3
-# Workers import torch and load the family: seconds each, more on a busy shared machine.
-FLEET_DEADLINE_S = 300.0
 SERVED_DEADLINE_S = 120.0
 # loadgen starts (imports, reads the app), replays the trace, waits for the last answers.
 RUN_DEADLINE_S = TRACE_DURATION_S + 180.0
@@ -98,20 +101,6 @@ def _planned_workers(state: DemoState) -> int:
     assert state.plan is not None
     stages = state.plan.document["stages"]
     return sum(int(n) for stage in stages for n in stage["fleet"].values())
-
-
-def _launch_fleet(service: Service, count: int) -> list[InstanceRecord]:
-    deadline = time.monotonic() + FLEET_DEADLINE_S
-    while True:
-        service.reconciler.run_once()
-        running = _running(service)
-        if len(running) >= count:
-            return running
-        if time.monotonic() > deadline:
-            logs = service.settings.data_dir / "workers" / "logs"
-            tails = {p.name: p.read_text()[-800:] for p in sorted(logs.glob("*.log"))}
-            pytest.fail(f"no {count} running workers within {FLEET_DEADLINE_S:g} s: {tails}")
-        time.sleep(POLL_S)
 
 
 def _write_trace(path: Path) -> int:
@@ -231,7 +220,7 @@ def test_loadgen_replays_five_minutes_on_the_demo_and_a_killed_worker_loses_noth
     demo: tuple[Service, DemoState], tmp_path: Path
 ) -> None:
     service, state = demo
-    fleet = _launch_fleet(service, _planned_workers(state))
+    fleet = launch_fleet(service, DEMO_APP, _planned_workers(state))
     assert len(fleet) > 1, "a fleet of one worker cannot survive its loss"
     by_id = {instance.id: instance for instance in fleet}
     token = state.token.path.read_text(encoding="utf-8").strip()

@@ -51,7 +51,6 @@ from tests.integration.conftest import (
 )
 
 pytest.importorskip("torch")
-uvicorn = pytest.importorskip("uvicorn")
 
 APP = "steps"
 MODEL = "large"

@@ -87,5 +87,5 @@ def test_quick_mode_writes_every_section(tmp_path: Path) -> None:
         assert "## What was measured, on what" in markdown
         assert "python -m benchmarks.results" in markdown
         assert f"]({key}.md)" in index
-    # Quick outputs never touch the committed results or the README.
+    # The committed results and the README still agree after a quick run.
     assert _readme_block() == readme_block(sections_in(DOCS_RESULTS))

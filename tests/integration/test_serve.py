@@ -24,19 +24,13 @@ import yaml
 
 from controlplane.cli import main
 from tests.conftest import KAIROS_CSV, needs_shared
+from tests.integration.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 START_DEADLINE_S = 60.0
 STOP_DEADLINE_S = 30.0
 
 pytestmark = needs_shared
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def service_env(data_dir: Path, **settings: str) -> dict[str, str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,8 @@ import numpy as np
 import pytest
 
 from controlplane.service import Service
-from controlplane.store import InstanceRecord
 from provisioners.local import LocalProvisioner
-from tests.integration.conftest import ApiServer, measure_profiles
+from tests.integration.conftest import ApiServer, launch_fleet, measure_profiles
 
 pytest.importorskip("torch")
 
@@ -36,8 +34,6 @@ SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
 PLACEMENT = {"tiny": {SMALL: 2}, "large": {LARGE: 1}}
 QUERIES = 160
 IN_FLIGHT = 6
-# Workers import torch and load the family: seconds each, more on a busy shared machine.
-FLEET_DEADLINE_S = 300.0
 RUN_DEADLINE_S = 300.0
 POLL_S = 0.25
 
@@ -53,10 +49,6 @@ def profiles(trained_family: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def service(local_service: Service) -> Service:
     """The service on the local provisioner (``local_service`` in the integration conftest)."""
     return local_service
-
-
-def _running(service: Service) -> list[InstanceRecord]:
-    return service.store.list_instances(APP, states=["running"])
 
 
 def _register(service: Service, profiles: Path, family: Path) -> None:
@@ -89,20 +81,6 @@ def _register(service: Service, profiles: Path, family: Path) -> None:
         },
     )
     store.apply_plan(APP, plan.id)
-
-
-def _launch_fleet(service: Service) -> list[InstanceRecord]:
-    deadline = time.monotonic() + FLEET_DEADLINE_S
-    while True:
-        service.reconciler.run_once()
-        running = _running(service)
-        if len(running) >= 3:
-            return running
-        if time.monotonic() > deadline:
-            logs = service.settings.data_dir / "workers" / "logs"
-            tails = {p.name: p.read_text()[-800:] for p in sorted(logs.glob("*.log"))}
-            pytest.fail(f"no 3 running workers within {FLEET_DEADLINE_S:g} s: {tails}")
-        time.sleep(POLL_S)
 
 
 def _bodies(count: int) -> tuple[list[dict[str, Any]], np.ndarray]:
@@ -158,7 +136,7 @@ def test_every_query_gets_an_answer_when_a_worker_dies_mid_run(
     service: Service, profiles: Path, trained_family: Path
 ) -> None:
     _register(service, profiles, trained_family)
-    running = _launch_fleet(service)
+    running = launch_fleet(service, APP, 3)
     token = service.store.create_token("infer", name="loader")
     viewer = service.store.create_token("viewer", name="watcher")
     bodies, labels = _bodies(QUERIES)
