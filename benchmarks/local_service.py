@@ -12,7 +12,6 @@ deadline; and the small helpers around it (a log line on stderr, a free port, th
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -31,6 +30,11 @@ from controlplane.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE, LOCA
 from controlplane.store import Store
 from estimator.profiles import LatencyProfile, write_profiles_json
 
+try:  # imported as benchmarks.local_service
+    from benchmarks.cascade_family import cpu_model as cpu_model  # re-exported
+except ModuleNotFoundError:  # run as a script: the sibling module
+    from cascade_family import cpu_model as cpu_model  # re-exported
+
 ROOT = Path(__file__).resolve().parents[1]
 # Long enough for a first run that trains the demo family before the service can plan.
 START_DEADLINE_S = 300.0
@@ -47,17 +51,6 @@ def free_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
         return port
-
-
-def cpu_model() -> str:
-    """The CPU's model name where Linux says it, else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def prepare_data_dir(

@@ -43,15 +43,9 @@ def kairos_samples() -> Path:
 
 def machine() -> str:
     """One line naming this machine: CPU model and cores (every table says where it ran)."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    from benchmarks.cascade_family import cpu_model
+
+    return f"{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 @dataclass
