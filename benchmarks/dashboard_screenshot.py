@@ -36,7 +36,6 @@ import itertools
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,11 @@ from controlplane.planner import HEADROOM, plan_app
 from controlplane.settings import Settings
 from controlplane.spec import ResolvedApp
 from controlplane.store import Store
+
+try:  # imported as benchmarks.dashboard_screenshot
+    from benchmarks import local_service
+except ModuleNotFoundError:  # run as a script: benchmarks/ is on sys.path
+    import local_service
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "examples" / "rm2.yaml"
@@ -92,13 +96,6 @@ SAMPLE_S = 10.0
 # The jobs that would write over the script: held off for longer than the screenshot takes.
 HELD_S = "86400"
 SEED = 7
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 # --- the scripted history --------------------------------------------------------------------
@@ -495,7 +492,7 @@ def run_demo(args: argparse.Namespace, root: Path) -> None:
     home = root / "home"
     data_dir = home / ".local" / "share" / "heteroplane"
     data_dir.mkdir(parents=True)
-    port = free_port()
+    port = local_service.free_port()
     url = f"http://127.0.0.1:{port}"
     env = clean_env(HOME=str(home), HETEROPLANE_DATA_DIR=str(data_dir))
     log = root / "demo.log"
@@ -551,7 +548,7 @@ def run_scripted(args: argparse.Namespace, root: Path) -> None:
         token = store.create_token("viewer", name="dashboard")
     finally:
         store.close()
-    port = free_port()
+    port = local_service.free_port()
     url = f"http://127.0.0.1:{port}"
     log = root / "serve.log"
     process = serve(data_dir, port, log)
