@@ -209,7 +209,6 @@ class LiveGears:
                 f" {measured_qps:.3g} qps measured",
                 {"gear": state.gear, "measured_qps": measured_qps},
             )
-            self._keep(app.name, tracked)
         share = ready_share(tracked.plan, status, tracked.profiles)
         first = tracked.state.option.cascade.models[0]
         first_queue = next(

@@ -96,13 +96,11 @@ def policy_factory(
                 tail_ms, mean_ms, out=np.full_like(mean_ms, np.nan), where=known
             )
         base = base_types[0]
-        if noise_share:
-            return lambda: KairosPolicy(
-                base,
-                model,
-                tail_ratio=tail_ratio,
-                noise_share=noise_share,
-                rng=np.random.default_rng(noise_seed),
-            )
-        return lambda: KairosPolicy(base, model, tail_ratio=tail_ratio)
+        return lambda: KairosPolicy(
+            base,
+            model,
+            tail_ratio=tail_ratio,
+            noise_share=noise_share,
+            rng=np.random.default_rng(noise_seed) if noise_share else None,
+        )
     raise SimulationError(f"unknown policy {name!r} (one of {', '.join(POLICY_NAMES)})")

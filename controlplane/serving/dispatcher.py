@@ -1200,10 +1200,6 @@ class AppDispatcher:
 
     # --- status and shutdown --------------------------------------------------------------------
 
-    def queue_lengths(self) -> dict[str, int]:
-        """Queries queued per model (a gear switcher's Q_0 is the first model's)."""
-        return {model: len(stage.queue) for model, stage in self._stages.items()}
-
     def status(self) -> AppStatus:
         now = self.clock_s()
         gear = self.current_gear()
