@@ -28,7 +28,9 @@ This module owns how an app's queries flow through its workers while the service
   arrival). The request resolves when every sample is final.
 - **Failures.** A worker whose call fails is unhealthy at once (:class:`~controlplane.serving.
   workers.Worker`) and its batch goes back to the front of its stage's queue, up to
-  ``max_attempts`` tries per query, then an explicit error (502). A worker that refuses the
+  ``max_attempts`` tries per query, then an explicit error (502). A healthy worker idle for
+  ``idle_probe_s`` is probed too, so one that died while idle leaves matching (recorded like a
+  failed call, with nothing in flight) before a query is sent to it. A worker that refuses the
   inputs themselves (400) fails the queries at once: another would refuse them too. A query past
   its SLO is still served and answered, flagged ``late``; only past ``give_up_s`` (far beyond
   the SLO) is it answered with an explicit timeout (504), and a query nothing can serve (no
@@ -162,7 +164,8 @@ class DispatcherSettings:
     A worker call times out after max(``call_timeout_floor_s``, ``call_timeout_factor`` x the
     batch's predicted service time); a query is tried on at most ``max_attempts`` workers; it is
     answered with a timeout error ``give_up_s`` after its arrival (default: max(30 s, 20 x the
-    SLO)); ``admission`` turns admission control off (benchmarks of the bare loop).
+    SLO)); ``admission`` turns admission control off (benchmarks of the bare loop). A healthy
+    worker idle for ``idle_probe_s`` gets a health probe with the call timeout floor (None: never).
     """
 
     call_timeout_floor_s: float = 2.0
@@ -171,6 +174,7 @@ class DispatcherSettings:
     give_up_s: float | None = None
     max_queued_samples: int = DEFAULT_MAX_QUEUED_SAMPLES
     admission: bool = True
+    idle_probe_s: float | None = 5.0
 
     def give_up_after_s(self, slo_ms: float) -> float:
         if self.give_up_s is not None:
@@ -1166,11 +1170,13 @@ class AppDispatcher:
 
     async def probe(self, timeout_s: float = 0.5) -> None:
         """Probe the unhealthy workers whose backoff is over; those that answer ``ok`` serve
-        again. Also re-reads the interference verdicts (their window moves on)."""
+        again. Also probes the healthy workers idle for ``idle_probe_s`` and re-reads the
+        interference verdicts (their window moves on)."""
         now = self.clock_s()
         self._interfered = {
             key for key in self._interfered if self.tracker.interfered(key[0], key[1], now)
         }
+        await self._probe_idle(now)
         due = [
             w
             for w in self._workers.values()
@@ -1196,6 +1202,56 @@ class AppDispatcher:
                 logger.info("%s: worker %s healthy again", self.app, worker.instance_id)
             elif not worker.healthy:
                 worker.fail(now, worker.last_error or "health probe failed")
+        self._mark_all()
+
+    async def _probe_idle(self, now: float) -> None:
+        """A healthy worker that no call has reached for ``idle_probe_s`` must still answer its
+        health probe; one that does not (its process died while idle) is unhealthy from now, as
+        after a failed call with nothing in flight. A worker that a batch reached meanwhile is
+        left to that call's outcome."""
+        after_s = self.settings.idle_probe_s
+        if after_s is None:
+            return
+        idle = [
+            w
+            for w in self._workers.values()
+            if w.healthy and not w.running and not w.probing and now - w.checked_s >= after_s
+        ]
+        if not idle:
+            return
+        for worker in idle:
+            worker.probing = True
+        try:
+            answers = await asyncio.gather(
+                *(
+                    self.transport.health(w.address, self.settings.call_timeout_floor_s)
+                    for w in idle
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            for worker in idle:
+                worker.probing = False
+        now = self.clock_s()
+        lost = []
+        for worker, ok in zip(idle, answers, strict=True):
+            if self._workers.get(worker.instance_id) is not worker or worker.running:
+                continue
+            if ok is True:
+                worker.checked_s = now
+            elif worker.healthy:
+                worker.fail(now, "health probe failed while idle")
+                lost.append(worker)
+        if not lost:
+            return
+        self._health_changed()
+        self._fail_stranded("health probe failed while idle")
+        for worker in lost:
+            logger.warning(
+                "%s: idle worker %s unhealthy: %s", self.app, worker.instance_id, worker.last_error
+            )
+            if self.on_unhealthy is not None:
+                self.on_unhealthy(WorkerLoss(worker.endpoint, worker.last_error, 0, 0, 0))
         self._mark_all()
 
     # --- status and shutdown --------------------------------------------------------------------

@@ -158,6 +158,7 @@ class Worker:
 
     __slots__ = (
         "busy_until_s",
+        "checked_s",
         "endpoint",
         "failures",
         "healthy",
@@ -174,6 +175,7 @@ class Worker:
         self.running = False
         self.busy_until_s = now_s
         self.idle_since_s = now_s
+        self.checked_s = now_s  # when a call or a probe last reached it
         self.failures = 0
         self.retry_at_s = now_s
         self.last_error = ""
@@ -201,6 +203,7 @@ class Worker:
     def finish(self, now_s: float) -> None:
         self.running = False
         self.idle_since_s = now_s
+        self.checked_s = now_s
         self.busy_until_s = min(self.busy_until_s, now_s)
 
     def succeeded(self) -> None:
@@ -216,4 +219,5 @@ class Worker:
     def recover(self, now_s: float) -> None:
         self.healthy = True
         self.idle_since_s = now_s
+        self.checked_s = now_s
         self.last_error = ""

@@ -282,6 +282,49 @@ def test_a_worker_that_dies_mid_run_loses_no_query() -> None:
     run(scenario())
 
 
+def test_a_worker_that_dies_while_idle_leaves_matching_at_its_idle_probe() -> None:
+    async def scenario() -> None:
+        workers = await fleet([LARGE, LARGE, LARGE])
+        losses: list[tuple[str, int]] = []
+        dispatcher = AppDispatcher(
+            config(models=("tiny",)),
+            HttpWorkerTransport(),
+            Observations(),
+            settings=DispatcherSettings(admission=False, idle_probe_s=0.0),
+            on_unhealthy=lambda loss: losses.append(
+                (loss.endpoint.instance_id, loss.in_flight_queries)
+            ),
+        )
+        dispatcher.set_workers(endpoints(workers))
+        await dispatcher.probe()  # every worker answers: nothing changes
+        assert all(w.healthy for w in dispatcher.status().workers) and losses == []
+        workers[2].kill()
+        await dispatcher.probe()
+        health = {w.instance_id: w.healthy for w in dispatcher.status().workers}
+        assert health == {"i-0": True, "i-1": True, "i-2": False}
+        assert losses == [("i-2", 0)]  # recorded as a loss with nothing in flight
+        results = await settle([dispatcher.submit([row(q % 10, 0.9)]) for q in range(30)])
+        assert all(isinstance(r, InferResult) for r in results), results
+        assert workers[0].requests + workers[1].requests == 30
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_without_idle_probes_an_idle_dead_worker_stays_in_matching_until_a_call_fails() -> None:
+    async def scenario() -> None:
+        workers = await fleet([LARGE, LARGE])
+        dispatcher = await dispatcher_over(
+            workers, config(models=("tiny",)), admission=False, idle_probe_s=None
+        )
+        workers[1].kill()
+        await dispatcher.probe()
+        assert all(w.healthy for w in dispatcher.status().workers)
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_a_hanging_worker_times_out_and_is_taken_out() -> None:
     async def scenario() -> None:
         workers = await fleet([LARGE, LARGE])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ QUERIES = 160
 IN_FLIGHT = 6
 RUN_DEADLINE_S = 300.0
 POLL_S = 0.25
+NOTICE_DEADLINE_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -150,12 +152,21 @@ def test_every_query_gets_an_answer_when_a_worker_dies_mid_run(
 
     with ApiServer(service) as url:
         answers = asyncio.run(_load(url, token, bodies, kill_victim))
-        status = httpx.get(
-            f"{url}/v1/apps/{APP}/serving",
-            headers={"Authorization": f"Bearer {viewer}"},
-            trust_env=False,
-            timeout=30.0,
-        ).json()
+        # A call to the victim, or its idle probe (idle_probe_s) when no query went its way after
+        # the kill, takes it out of matching; the reconciler may have replaced it already.
+        deadline = time.monotonic() + NOTICE_DEADLINE_S
+        while True:
+            status = httpx.get(
+                f"{url}/v1/apps/{APP}/serving",
+                headers={"Authorization": f"Bearer {viewer}"},
+                trust_env=False,
+                timeout=30.0,
+            ).json()
+            workers = {w["instance_id"]: w for w in status["workers"]}
+            if victim.id not in workers or not workers[victim.id]["healthy"]:
+                break
+            assert time.monotonic() < deadline, f"the killed worker still healthy: {workers}"
+            time.sleep(POLL_S)
         metrics = httpx.get(
             f"{url}/metrics",
             headers={"Authorization": f"Bearer {viewer}"},
@@ -187,8 +198,6 @@ def test_every_query_gets_an_answer_when_a_worker_dies_mid_run(
     assert len(errors) <= 1, errors
     assert answered_by == {"tiny", "large"}  # the cascade forwarded the unsure samples
     assert correct / labelled > 0.8  # real answers of real models (tiny alone: 95%)
-    workers = {w["instance_id"]: w for w in status["workers"]}
-    assert victim.id not in workers or not workers[victim.id]["healthy"]
     assert status["totals"]["answered"] == QUERIES - len(errors)
     assert f'heteroplane_serving_queries_total{{app="{APP}",outcome="answered"}}' in metrics
     decisions = [d.kind for d in service.store.list_decisions(APP)]
