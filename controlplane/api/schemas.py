@@ -446,6 +446,7 @@ class ServingWorkerOut(BaseModel):
     healthy: bool
     busy: bool
     last_error: str
+    utilisation_share: float | None = None  # busy share of about the last minute
 
 
 class ServingStageOut(BaseModel):

@@ -49,6 +49,7 @@ from controlplane.dashboard.snapshot import (
     RankingFn,
     SpendLedger,
     WeightsFn,
+    WorkersFn,
     build_snapshot,
 )
 from controlplane.errors import ControlPlaneError
@@ -265,6 +266,30 @@ def _weights(services: Services) -> WeightsFn:
     return weights
 
 
+def _workers(services: Services) -> WorkersFn:
+    """What the serving loop last measured of each worker of an app: its utilisation and the
+    state of each model on it (nothing when the service runs no loop or it serves no such app)."""
+
+    def workers(app: AppRecord) -> dict[str, dict[str, Any]]:
+        serving = services.serving
+        if serving is None:
+            return {}
+        status = next((s for s in serving.statuses() if s.app == app.name), None)
+        if status is None:
+            return {}
+        out: dict[str, dict[str, Any]] = {
+            w.instance_id: {"utilisation_share": w.utilisation_share, "models": {}}
+            for w in status.workers
+        }
+        for stage in status.stages:
+            for instance_id, state in stage.states.items():
+                if instance_id in out:
+                    out[instance_id]["models"][stage.model] = state
+        return out
+
+    return workers
+
+
 def _ranking(services: Services, state: DashboardState) -> RankingFn:
     def ranking(app: AppRecord, plan: PlanRecord) -> dict[str, Any] | None:
         # The budget the plan was made under: the newest change at or before its preview.
@@ -319,5 +344,6 @@ def data(
             ledger=state.ledger,
             weights=_weights(services),
             ranking=_ranking(services, state),
+            workers=_workers(services),
         )
     return JSONResponse(body, headers={"Cache-Control": "no-store"})

@@ -21,9 +21,11 @@ where a value is unknown, so that a chart breaks its line there). The sections:
 - ``plan``: the applied plan (or the newest preview) with its stages, its steps and the Kairos
   bound ranking that explains the chosen mix (:mod:`controlplane.dashboard.ranking`).
 
-Fields that other parts of the service add over time (latencies, gears, an instance's
-utilisation and model states, a plan's envelope) are read defensively: a missing one is
-``None`` and the panel says what it is waiting for.
+An instance's utilisation and the INFaaS state of each model on it come from the serving loop
+(a :data:`WorkersFn`: what its dispatcher last measured of each running worker). Fields that
+other parts of the service add over time (latencies, gears, those measurements, a plan's
+envelope) are read defensively: a missing one is ``None`` and the panel says what it is
+waiting for.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ __all__ = [
     "RankingFn",
     "SpendLedger",
     "WeightsFn",
+    "WorkersFn",
     "build_snapshot",
     "capacity_scale",
     "fleet_series",
@@ -82,6 +85,9 @@ _HOUR_S = 3600.0
 
 RankingFn = Callable[[AppRecord, PlanRecord], dict[str, Any] | None]
 WeightsFn = Callable[[AppRecord], Mapping[str, float] | None]
+# Per instance id, what the serving loop measures of a worker: ``utilisation_share`` (its busy
+# share of about the last minute) and ``models`` (model -> INFaaS state on it).
+WorkersFn = Callable[[AppRecord], Mapping[str, Mapping[str, Any]]]
 
 
 def _epoch_s(at: datetime) -> float:
@@ -362,9 +368,13 @@ def capacity_scale(
 
 
 def _instance_row(
-    instance: InstanceRecord, ended_at: datetime | None, now: datetime
+    instance: InstanceRecord,
+    ended_at: datetime | None,
+    now: datetime,
+    measured: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     until = ended_at if ended_at is not None else now
+    measured = measured or {}
     return {
         "id": instance.id,
         "provider_id": instance.provider_id,
@@ -374,14 +384,18 @@ def _instance_row(
         "price_usd_per_hr": instance.price_usd_per_hr,
         "created_at": instance.created_at.isoformat(),
         "uptime_s": max(0.0, (until - instance.created_at).total_seconds()),
-        # Added to instances by the serving path (measured by the worker agents): read if there.
-        "utilisation_share": _finite(getattr(instance, "utilisation_share", None)),
-        "models": _clean(getattr(instance, "models", None)),
+        # What the serving loop measures of a live worker (None for others).
+        "utilisation_share": _finite(measured.get("utilisation_share")),
+        "models": _clean(measured.get("models")) or None,
     }
 
 
 def _fleet_section(
-    store: Store, app: AppRecord, start: datetime, now: datetime
+    store: Store,
+    app: AppRecord,
+    start: datetime,
+    now: datetime,
+    measured: Mapping[str, Mapping[str, Any]],
 ) -> tuple[dict[str, Any], FleetSeries, list[InstanceRecord]]:
     instances = store.list_instances(app.name)
     events = store.list_instance_events(app=app.name, since=start)
@@ -407,7 +421,7 @@ def _fleet_section(
             "running": sum(i.state == _RUNNING for i in live),
             "by_type": dict(sorted(by_type.items())),
         },
-        "instances": [_instance_row(i, None, now) for i in live]
+        "instances": [_instance_row(i, None, now, measured.get(i.id)) for i in live]
         + [_instance_row(i, i.updated_at, now) for i in ended],
     }
     return section, series, live
@@ -652,12 +666,14 @@ def build_snapshot(
     ledger: SpendLedger,
     weights: WeightsFn | None = None,
     ranking: RankingFn | None = None,
+    workers: WorkersFn | None = None,
 ) -> dict[str, Any]:
     """Everything the dashboard's panels draw for ``app``, over the ``window_s`` before ``now``
     (see the module docstring); JSON-safe."""
     start = now - timedelta(seconds=window_s)
     samples = _thin(store.metric_series(app.name, since=start, until=now, limit=_MAX_SAMPLES))
-    fleet, series, live = _fleet_section(store, app, start, now)
+    measured = workers(app) if workers is not None else {}
+    fleet, series, live = _fleet_section(store, app, start, now, measured)
     plan = store.get_applied_plan(app.name)
     if plan is None:
         newest = store.list_plans(app.name, limit=1)

@@ -215,12 +215,17 @@ class WorkerLoss:
 
 @dataclass(frozen=True, slots=True)
 class WorkerStatus:
+    """A worker as the loop sees it; ``utilisation_share`` is its busy share of about the last
+    minute (:meth:`~controlplane.serving.workers.Worker.utilisation`, None before any time
+    passed)."""
+
     instance_id: str
     instance_type: str
     address: str
     healthy: bool
     busy: bool
     last_error: str
+    utilisation_share: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1294,6 +1299,7 @@ class AppDispatcher:
                 healthy=w.healthy,
                 busy=w.running,
                 last_error=w.last_error,
+                utilisation_share=w.utilisation(now),
             )
             for w in sorted(self._workers.values(), key=lambda w: w.instance_id)
         )

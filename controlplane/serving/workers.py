@@ -18,12 +18,17 @@ healthy, whether they are busy.
   and the policies assume it), so the loop sends it the next only when the last has returned;
   ``busy_until_s`` is the predicted end (start plus the profile's mean), which is what the Kairos
   policy reads of a busy instance, as in the authors' live dispatcher.
+- **Utilisation** (:meth:`Worker.utilisation`): the share of the last
+  :data:`UTILISATION_WINDOW_S` the worker spent serving batches (call start to answer), from
+  marks of its cumulative busy time taken at most once a second; what the dashboard's instance
+  table shows.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,6 +42,7 @@ __all__ = [
     "BACKOFF_BASE_S",
     "BACKOFF_MAX_S",
     "DEFAULT_WORKER_PORT",
+    "UTILISATION_WINDOW_S",
     "InstanceSource",
     "ProvisionedInstances",
     "StaticInstances",
@@ -52,6 +58,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_WORKER_PORT = 8080
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 30.0
+# Utilisation is the busy share over this window, marked at most every UTILISATION_MARK_S.
+UTILISATION_WINDOW_S = 60.0
+UTILISATION_MARK_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +166,8 @@ class Worker:
     """One live worker in the serving loop (see the module docstring)."""
 
     __slots__ = (
+        "busy_marks",
+        "busy_s",
         "busy_until_s",
         "checked_s",
         "endpoint",
@@ -167,6 +178,7 @@ class Worker:
         "probing",
         "retry_at_s",
         "running",
+        "started_s",
     )
 
     def __init__(self, endpoint: WorkerEndpoint, now_s: float) -> None:
@@ -174,6 +186,9 @@ class Worker:
         self.healthy = True
         self.running = False
         self.busy_until_s = now_s
+        self.started_s = now_s
+        self.busy_s = 0.0  # seconds spent serving batches, calls in progress excluded
+        self.busy_marks: deque[tuple[float, float]] = deque([(now_s, 0.0)])
         self.idle_since_s = now_s
         self.checked_s = now_s  # when a call or a probe last reached it
         self.failures = 0
@@ -198,13 +213,45 @@ class Worker:
 
     def start(self, now_s: float, predicted_ms: float) -> None:
         self.running = True
+        self.started_s = now_s
         self.busy_until_s = now_s + predicted_ms / 1000.0
 
     def finish(self, now_s: float) -> None:
+        if self.running:
+            self.busy_s += max(0.0, now_s - self.started_s)
         self.running = False
         self.idle_since_s = now_s
         self.checked_s = now_s
         self.busy_until_s = min(self.busy_until_s, now_s)
+
+    def busy_total_s(self, now_s: float) -> float:
+        """Seconds spent serving batches so far, the call in progress included."""
+        return self.busy_s + (max(0.0, now_s - self.started_s) if self.running else 0.0)
+
+    def utilisation(self, now_s: float, window_s: float = UTILISATION_WINDOW_S) -> float | None:
+        """The share of about the last ``window_s`` spent serving (None before any time has
+        passed). Each call marks the busy total (at most every :data:`UTILISATION_MARK_S`) and
+        measures from the newest mark at least ``window_s`` old, else the oldest.
+
+        >>> w = Worker(WorkerEndpoint("i-1", "t", "127.0.0.1:1"), 0.0)
+        >>> w.start(10.0, 5.0); w.finish(40.0)
+        >>> w.utilisation(60.0)
+        0.5
+        >>> w.utilisation(100.0)  # still from 0: no mark at least 60 s old but that one
+        0.3
+        >>> w.utilisation(130.0)  # from the mark at 60: idle since
+        0.0
+        """
+        total = self.busy_total_s(now_s)
+        marks = self.busy_marks
+        if now_s - marks[-1][0] >= UTILISATION_MARK_S:
+            marks.append((now_s, total))
+        while len(marks) > 1 and marks[1][0] <= now_s - window_s:
+            marks.popleft()
+        since, busy_then = marks[0]
+        if now_s <= since:
+            return None
+        return min(1.0, max(0.0, (total - busy_then) / (now_s - since)))
 
     def succeeded(self) -> None:
         self.failures = 0

@@ -730,6 +730,60 @@ def test_the_roll_up_records_the_serving_window(world: ApiWorld) -> None:
     api_run(world, body)
 
 
+def test_the_dashboard_shows_each_workers_utilisation_and_model_states(world: ApiWorld) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        workers = await fleet([SMALL, LARGE], delay_s=0.002)
+        records = []
+        for n, worker in enumerate(workers):
+            record = world.store.record_instance(
+                "demo",
+                request_id=f"r-{n}",
+                instance_type=worker.instance_type,
+                price_usd_per_hr=0.1,
+            )
+            world.store.transition_instance(record.id, "pending", reason="t", provider_id=f"p{n}")
+            world.store.transition_instance(record.id, "running", reason="t")
+            records.append(record)
+        world.instances.set(
+            "demo",
+            [
+                WorkerEndpoint(r.id, w.instance_type, w.address)
+                for r, w in zip(records, workers, strict=True)
+            ],
+        )
+        viewer = world.auth("viewer")
+        data = await client.get("/dashboard/data", headers=viewer)
+        rows = {r["id"]: r for r in data.json()["snapshot"]["fleet"]["instances"]}
+        assert all(r["utilisation_share"] is None and r["models"] is None for r in rows.values())
+        answers = await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/apps/demo/infer", json={"inputs": [row(q % 10, 0.1)]}, headers=world.auth()
+                )
+                for q in range(40)
+            )
+        )
+        assert all(a.status_code == 200 for a in answers)
+        await world.serving.refresh()  # what the dashboard reads: the loop's last refresh
+        data = await client.get("/dashboard/data", headers=viewer)
+        assert data.status_code == 200, data.text
+        rows = {r["id"]: r for r in data.json()["snapshot"]["fleet"]["instances"]}
+        assert set(rows) == {r.id for r in records}
+        status = (await client.get("/v1/apps/demo/serving", headers=viewer)).json()
+        for record in records:
+            measured = rows[record.id]
+            assert 0.0 < measured["utilisation_share"] <= 1.0  # every worker served batches
+            # Each model's INFaaS state on it, as the serving status reports it (the delay
+            # makes tiny measure slower than its 1 ms profile: interfered).
+            assert measured["models"] == {
+                stage["model"]: stage["states"][record.id] for stage in status["stages"]
+            }
+            assert set(measured["models"].values()) <= {"active", "overloaded", "interfered"}
+        assert all(0.0 < w["utilisation_share"] <= 1.0 for w in status["workers"])
+
+    api_run(world, body)
+
+
 def test_without_a_serving_loop_the_endpoint_is_503(tmp_path: Path) -> None:
     world = ApiWorld(tmp_path)
     app = create_app(world.settings, world.store, FakeClock())

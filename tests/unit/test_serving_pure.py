@@ -3,6 +3,7 @@ worker backoff, the central queue and the HTTP answer parsing."""
 
 from __future__ import annotations
 
+import doctest
 import math
 
 import numpy as np
@@ -11,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.errors import WorkerCallError
+from controlplane.serving import workers as workers_module
 from controlplane.serving.admission import (
     MAX_RETRY_AFTER_S,
     StageLoad,
@@ -28,7 +30,7 @@ from controlplane.serving.states import (
     model_state,
 )
 from controlplane.serving.transport import _parse_head, parse_infer_reply
-from controlplane.serving.workers import BACKOFF_MAX_S, backoff_s
+from controlplane.serving.workers import BACKOFF_MAX_S, Worker, WorkerEndpoint, backoff_s
 from estimator.profiles import LatencyProfile
 from matching.policy import QueuedQuery
 
@@ -192,6 +194,48 @@ def test_the_arrival_ring_keeps_the_newest_in_order() -> None:
 def test_the_backoff_doubles_up_to_its_cap() -> None:
     assert [backoff_s(n) for n in (0, 1, 2, 3)] == [0.0, 0.5, 1.0, 2.0]
     assert backoff_s(1000) == BACKOFF_MAX_S
+
+
+def test_the_workers_doctests() -> None:
+    results = doctest.testmod(workers_module)
+    assert results.attempted > 0 and results.failed == 0
+
+
+def test_utilisation_is_the_busy_share_of_the_last_window() -> None:
+    worker = Worker(WorkerEndpoint("i-1", "t", "127.0.0.1:1"), 0.0)
+    assert worker.utilisation(0.0) is None  # no time has passed
+    worker.start(0.0, 10.0)
+    assert worker.utilisation(30.0) == 1.0  # the call in progress counts
+    worker.finish(30.0)
+    assert worker.utilisation(60.0) == 0.5
+    for t in range(61, 200):  # marks every second while idle
+        worker.utilisation(float(t))
+    assert worker.utilisation(200.0) == 0.0  # the busy half minute left the window
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(0.0, 5.0), st.floats(0.0, 5.0)),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_utilisation_stays_a_share_and_counts_every_busy_second(
+    calls: list[tuple[float, float]],
+) -> None:
+    worker = Worker(WorkerEndpoint("i-1", "t", "127.0.0.1:1"), 0.0)
+    now = busy = 0.0
+    for idle_s, busy_s in calls:
+        now += idle_s
+        worker.start(now, 1.0)
+        now += busy_s
+        worker.finish(now)
+        busy += busy_s
+        share = worker.utilisation(now, window_s=1e9)  # a window longer than the run
+        if now > 0:
+            assert share is not None and 0.0 <= share <= 1.0
+            assert share == pytest.approx(busy / now)
+    assert worker.busy_total_s(now) == pytest.approx(busy)
 
 
 def test_the_queue_reads_in_order_after_removals_and_requeues() -> None:

@@ -84,6 +84,7 @@ async def serving_status(app: AppName, services: ServicesDep, _who: Viewer) -> S
                 healthy=w.healthy,
                 busy=w.busy,
                 last_error=w.last_error,
+                utilisation_share=w.utilisation_share,
             )
             for w in status.workers
         ],

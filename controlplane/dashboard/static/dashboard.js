@@ -134,7 +134,7 @@
     body.replaceChildren(...trs);
     if (!rows.length) setPanel("instances", "empty", "No instances yet.");
     else if (!rows.some((r) => finite(r.utilisation_share) || r.models)) {
-      setPanel("instances", "partial", "Utilisation and model states appear once the workers report them.");
+      setPanel("instances", "partial", "Utilisation and model states appear once the serving loop has served the app.");
     } else setPanel("instances", "ready");
   }
 
