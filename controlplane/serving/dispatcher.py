@@ -1189,25 +1189,31 @@ class AppDispatcher:
         ]
         if not due:
             return
-        for worker in due:
-            worker.probing = True
-        try:
-            answers = await asyncio.gather(
-                *(self.transport.health(w.address, timeout_s) for w in due),
-                return_exceptions=True,
-            )
-        finally:
-            for worker in due:
-                worker.probing = False
+        answers = await self._health(due, timeout_s)
         now = self.clock_s()
         for worker, ok in zip(due, answers, strict=True):
-            if ok is True and self._workers.get(worker.instance_id) is worker:
+            if ok and self._workers.get(worker.instance_id) is worker:
                 worker.recover(now)
                 self._health_changed()
                 logger.info("%s: worker %s healthy again", self.app, worker.instance_id)
             elif not worker.healthy:
                 worker.fail(now, worker.last_error or "health probe failed")
         self._mark_all()
+
+    async def _health(self, workers: list[Worker], timeout_s: float) -> list[bool]:
+        """Whether each of ``workers`` answers its health probe (an exception is a no); they
+        are marked ``probing`` meanwhile, so that no other probe overlaps."""
+        for worker in workers:
+            worker.probing = True
+        try:
+            answers = await asyncio.gather(
+                *(self.transport.health(w.address, timeout_s) for w in workers),
+                return_exceptions=True,
+            )
+        finally:
+            for worker in workers:
+                worker.probing = False
+        return [answer is True for answer in answers]
 
     async def _probe_idle(self, now: float) -> None:
         """A healthy worker that no call has reached for ``idle_probe_s`` must still answer its
@@ -1224,25 +1230,13 @@ class AppDispatcher:
         ]
         if not idle:
             return
-        for worker in idle:
-            worker.probing = True
-        try:
-            answers = await asyncio.gather(
-                *(
-                    self.transport.health(w.address, self.settings.call_timeout_floor_s)
-                    for w in idle
-                ),
-                return_exceptions=True,
-            )
-        finally:
-            for worker in idle:
-                worker.probing = False
+        answers = await self._health(idle, self.settings.call_timeout_floor_s)
         now = self.clock_s()
         lost = []
         for worker, ok in zip(idle, answers, strict=True):
             if self._workers.get(worker.instance_id) is not worker or worker.running:
                 continue
-            if ok is True:
+            if ok:
                 worker.checked_s = now
             elif worker.healthy:
                 worker.fail(now, "health probe failed while idle")
