@@ -9,12 +9,20 @@ and keeps the fleet the tuner wants, which the reconciler reads through :meth:`d
 
 Per app the tuner is set up from the applied plan document: each stage's fleet, batch size and
 scale factor (``scale_factor``, 1 when absent), mu_t from the app's profiles at the plan's batch
-size, and the planned envelope, the InferLine envelope of the planning trace. A plan made by the
-API from a rate has no trace, so the envelope is the one of a seeded Poisson trace at the plan's
-``planned_rate_qps`` (10 minutes); rho_m then keeps the planned fleet at the planned rate. A new
-applied plan (a new plan id), or a budget change, restarts the tuner from the plan's fleet.
-Instances take :func:`controlplane.tuner.default_boot_s` to boot; the tuner counts them from
-launch, as the reconciler does.
+size, and the planned envelope, the InferLine envelope of the planning trace. The planner writes
+that envelope into the document (``envelope``: ``windows_s`` and ``rate_qps``, on the tuner's
+windows up to the planning trace's span: :mod:`controlplane.planner`), and the tuner takes its
+windows and rates as they are, keeping the windows up to its ``max_window_s`` (with the default
+60 s, all of them: they are the windows it would pick itself). A plan without one (made before
+plans carried it), or with one that is malformed (not a list of finite windows > 0, increasing,
+each with a finite rate > 0, or no window within ``max_window_s``), falls back to a proxy,
+logged: the envelope of a seeded Poisson trace at the plan's ``planned_rate_qps`` (10 minutes)
+on the windows from the slowest planned instance's service time (at least
+:data:`controlplane.planner.MIN_ENVELOPE_WINDOW_S`) doubling to ``max_window_s``. Either way
+rho_m keeps the planned fleet while traffic looks like the planned envelope. A new applied plan
+(a new plan id), or a budget change, restarts the tuner from the plan's fleet. Instances take
+:func:`controlplane.tuner.default_boot_s` to boot; the tuner counts them from launch, as the
+reconciler does.
 
 Two timings are the caller's (the service takes them from its settings, ``tuner_max_window_s``
 and ``tuner_scale_down_delay_s``): the longest envelope window, which is also how far back the
@@ -25,16 +33,20 @@ uses them to see a whole step up and down in a minute.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.clock import Clock
+from controlplane.planner import MIN_ENVELOPE_WINDOW_S
 from controlplane.replay import kairos_capacity_model, rate_per_instance_qps
 from controlplane.spec import ResolvedApp
 from controlplane.store import AppRecord, Store
@@ -62,7 +74,8 @@ when nothing observes the app's traffic (no serving loop): the tuner then leaves
 ResolveFn = Callable[[AppRecord], ResolvedApp]
 """An app record -> its spec checked against its data (the API's resolver)."""
 
-# The planned envelope of a plan made from a rate: a Poisson trace this long, with this seed.
+# The planned envelope of a plan without one in its document: a Poisson trace this long, with this
+# seed.
 SYNTHETIC_PLANNING_S = 600.0
 SYNTHETIC_SEED = 0
 
@@ -236,7 +249,7 @@ class LiveTuner:
             stages.append(StagePlan(name, scale, fleet, mu, 1.0, capacity_model=model))
         config = TunerConfig.from_planning_trace(
             planning,
-            max(service_time_s, 1.0),
+            max(service_time_s, MIN_ENVELOPE_WINDOW_S),
             budget_usd_per_hr=app.budget_usd_per_hr,
             catalog=resolved.catalog,
             types=sorted(types),
@@ -244,6 +257,17 @@ class LiveTuner:
             recent_s=self._max_window_s,
             max_window_s=self._max_window_s,
         )
+        planned = _planned_envelope(document.get("envelope"), self._max_window_s)
+        if isinstance(planned, str):
+            logger.warning(
+                "tuner: %s: plan %s's envelope is not usable (%s); using a Poisson trace at"
+                " its planned rate instead",
+                app.name,
+                plan.id,
+                planned,
+            )
+        elif planned is not None:
+            config = dataclasses.replace(config, windows_s=planned[0], planned_rate_qps=planned[1])
         stages = [
             StagePlan(
                 s.name,
@@ -268,6 +292,50 @@ class LiveTuner:
             config=config,
             state=initial_state(stages, now_s),
         )
+
+
+def _planned_envelope(
+    raw: Any, max_window_s: float
+) -> tuple[tuple[float, ...], tuple[float, ...]] | str | None:
+    """A plan document's ``envelope`` as (windows s, rates qps), its windows up to
+    ``max_window_s``; ``None`` when the document has none, and what is wrong (one line) when it
+    is malformed."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        return f"expected an object, got {type(raw).__name__}"
+    windows = _positive_numbers("windows_s", raw.get("windows_s"))
+    if isinstance(windows, str):
+        return windows
+    rates = _positive_numbers("rate_qps", raw.get("rate_qps"))
+    if isinstance(rates, str):
+        return rates
+    if not windows or len(windows) != len(rates):
+        return f"{len(windows)} windows and {len(rates)} rates"
+    if any(later <= earlier for earlier, later in itertools.pairwise(windows)):
+        return "windows_s is not increasing"
+    kept = [(w, r) for w, r in zip(windows, rates, strict=True) if w <= max_window_s]
+    if not kept:
+        return f"no window within the tuner's longest, {max_window_s:g} s"
+    return tuple(w for w, _ in kept), tuple(r for _, r in kept)
+
+
+def _positive_numbers(name: str, raw: Any) -> tuple[float, ...] | str:
+    """``raw`` as finite numbers > 0, or what is wrong with it (one line)."""
+    if not isinstance(raw, Sequence) or isinstance(raw, str | bytes):
+        return f"{name} is not a list"
+    numbers = []
+    for value in raw:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"{name} holds {value!r}, not a number"
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float's range
+            number = math.inf
+        if not (math.isfinite(number) and number > 0):
+            return f"{name} holds {value!r}, not a finite number > 0"
+        numbers.append(number)
+    return tuple(numbers)
 
 
 def _summed(state: TunerState) -> dict[str, int]:

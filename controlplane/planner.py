@@ -65,6 +65,21 @@ plan's placement (``controlplane.gears.plan_gears``: which cascade and batch cap
 range within the SLO, at the spec's accuracy floor if any), in the document as ``gear_plan``;
 the live gear switcher (``controlplane.live_gears``) serves by it. A placement no gear fits
 leaves the plan without one, and the steps say why.
+
+**Planned envelope.** The document carries the arrival envelope of the trace the stages were
+planned for (``envelope``: ``windows_s`` and ``rate_qps``, r_i = the most arrivals in any window
+of length w_i over w_i; ``estimator.envelope.arrival_envelope``), which InferLine's tuner compares
+live traffic with (Algorithm 3) and the dashboard draws. The trace is the app's arrivals, all
+stages together: the planned part of the trace (its first ``PLANNING_QUERIES``, from 0 s), and when
+the budget cannot serve it, that part scaled to ``planned_rate_qps``, the rate the stages are
+planned for (an infeasible plan carries its envelope too: it is what its stages serve). The windows
+are the tuner's (``tuner_windows_s``): from the service time doubling to ``DEFAULT_MAX_WINDOW_S``,
+the service time taken as the live tuner (``controlplane.live_tuner``) takes it, the slowest
+planned instance's 1 / mu_t at its stage's batch size (``controlplane.replay.rate_per_instance_qps``
+on the profile's smallest batch), but never below ``MIN_ENVELOPE_WINDOW_S``, and only the windows
+no longer than the trace's span (a longer window's count / window falls with the window although the
+trace never slowed, so live traffic at the planned rate would exceed it). A plan without instances,
+or one where no window is left, carries no envelope.
 """
 
 from __future__ import annotations
@@ -79,9 +94,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.gears import Placement, plan_gears
+from controlplane.replay import rate_per_instance_qps
 from controlplane.spec import ResolvedApp
 from estimator.bounds import kairos_quantities, rank_configurations
 from estimator.cascades import answering_stage, with_sample_ids
+from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope, tuner_windows_s
 from estimator.errors import (
     BatchSizeOutOfRangeError,
     BudgetError,
@@ -98,6 +115,7 @@ from estimator.traces import Trace
 
 __all__ = [
     "HEADROOM",
+    "MIN_ENVELOPE_WINDOW_S",
     "PEAK_WINDOW_S",
     "PLANNING_QUERIES",
     "InfeasibleSLOError",
@@ -122,6 +140,10 @@ PEAK_WINDOW_S = 10.0
 RATE_REL_TOL = 0.02
 # Algorithm 1 gives up after this many added instances (a guard; budgets end it sooner).
 MAX_ADDED_INSTANCES = 500
+# The shortest window of the tuner's envelopes: a service time of milliseconds would make windows
+# that hold one or two arrivals, whose rates are noise. The live tuner takes the same floor, so a
+# plan's envelope and the tuner's proxy one have the same windows.
+MIN_ENVELOPE_WINDOW_S = 1.0
 
 
 class InfeasibleSLOError(EstimatorError):
@@ -159,7 +181,9 @@ class StagePlan:
 class Plan:
     """A plan for an app: ``feasible`` when every stage meets the SLO on the trace within the
     budget; otherwise ``max_feasible_qps`` is the highest rate that can be served, and the
-    stages are planned for ``planned_rate_qps`` (empty when not even the lowest rate can)."""
+    stages are planned for ``planned_rate_qps`` (empty when not even the lowest rate can).
+    ``envelope_windows_s`` and ``envelope_rate_qps`` are the planned arrival envelope (see the
+    module docstring; both empty when the plan carries none)."""
 
     feasible: bool
     cost_usd_per_hr: float
@@ -169,6 +193,8 @@ class Plan:
     max_feasible_qps: float | None = None
     simulations: int = 0
     gear_plan: Mapping[str, Any] | None = None
+    envelope_windows_s: tuple[float, ...] = ()
+    envelope_rate_qps: tuple[float, ...] = ()
 
     def to_document(self) -> dict[str, Any]:
         """The plan document (the ``plan --json`` contract, what ``replay --plan`` reads)."""
@@ -196,6 +222,11 @@ class Plan:
             document["max_feasible_qps"] = self.max_feasible_qps
         if self.gear_plan is not None:
             document["gear_plan"] = dict(self.gear_plan)
+        if self.envelope_windows_s:
+            document["envelope"] = {
+                "windows_s": list(self.envelope_windows_s),
+                "rate_qps": list(self.envelope_rate_qps),
+            }
         return document
 
 
@@ -689,6 +720,11 @@ def plan_app(
             plans = _run(setup, app, scale_trace(sample, low), seed, steps, True, counter) or []
     say(f"done after {counter[0]} simulations")
     gear_plan = _gear_plan(app, plans, seed, steps, say)
+    windows_s: tuple[float, ...] = ()
+    rates_qps: tuple[float, ...] = ()
+    if plans:
+        planned = sample if max_feasible is None else scale_trace(sample, planned_rate)
+        windows_s, rates_qps = _planned_envelope(app, plans, planned)
     return Plan(
         feasible=max_feasible is None,
         cost_usd_per_hr=float(sum(p.cost_usd_per_hr for p in plans)),
@@ -698,6 +734,40 @@ def plan_app(
         max_feasible_qps=max_feasible,
         simulations=counter[0],
         gear_plan=gear_plan,
+        envelope_windows_s=windows_s,
+        envelope_rate_qps=rates_qps,
+    )
+
+
+def _planned_envelope(
+    app: ResolvedApp, plans: list[StagePlan], trace: Trace
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The arrival envelope of ``trace`` on the tuner's windows up to the trace's span (see the
+    module docstring): (windows s, rates qps), both empty when no window is left."""
+    service_times_s = []
+    for stage in plans:
+        for t, count in stage.fleet.items():
+            if count <= 0:
+                continue
+            profile = app.profile(stage.name, t)
+            smallest = np.array([profile.min_batch_size], dtype=np.int64)
+            rate = rate_per_instance_qps(profile, smallest, stage.batch_size)
+            service_times_s.append(1.0 / rate if rate > 0 else math.inf)
+    if not service_times_s:
+        return (), ()
+    shortest_s = max(*service_times_s, MIN_ENVELOPE_WINDOW_S)
+    if not (math.isfinite(shortest_s) and shortest_s <= DEFAULT_MAX_WINDOW_S):
+        return (), ()
+    ladder = tuner_windows_s(shortest_s, DEFAULT_MAX_WINDOW_S)
+    # A window longer than the trace sees all of it, a rate (count / window) that falls with the
+    # window although the trace never slowed: live traffic at the planned rate would exceed it.
+    windows = ladder[ladder <= trace.duration_s]
+    if not windows.size:
+        return (), ()
+    envelope = arrival_envelope(trace.arrival_s, windows)
+    return (
+        tuple(float(w) for w in envelope.window_s),
+        tuple(float(r) for r in envelope.rate_qps),
     )
 
 

@@ -197,6 +197,16 @@ class TraceStatsOut(BaseModel):
     source: str = Field(description="how the trace was made (generator and parameters)")
 
 
+class EnvelopeOut(BaseModel):
+    """The planned arrival envelope: per window (s), the highest arrival rate (qps) the
+    planning trace had over any window of that length."""
+
+    model_config = _RESPONSE
+
+    windows_s: list[float]
+    rate_qps: list[float]
+
+
 class StageOut(BaseModel):
     model_config = _RESPONSE
 
@@ -230,6 +240,9 @@ class PlanOut(BaseModel):
     simulations: int
     seed: int | None = None
     trace: TraceStatsOut | None = None
+    envelope: EnvelopeOut | None = Field(
+        default=None, description="the planning trace's arrival envelope (InferLine's tuner)"
+    )
 
 
 # --- budgets ---------------------------------------------------------------------------------

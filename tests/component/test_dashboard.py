@@ -327,7 +327,12 @@ def test_the_snapshot_of_an_app_at_work(dash: Dash) -> None:
     # The plan's two r5n.large run again: the planned capacity; with the t3 it was more.
     assert load["capacity_qps"] == pytest.approx(load["planned_capacity_qps"])
     assert max(load["capacity"]["capacity_qps"]) > load["capacity_qps"]
-    assert load["envelope"] is None
+    # The plan's planned envelope, against the live one from the roll-ups.
+    envelope = load["envelope"]
+    assert envelope["windows_s"] == plan["envelope"]["windows_s"]
+    assert envelope["rate_qps"] == pytest.approx(plan["envelope"]["rate_qps"])
+    assert len(envelope["live_rate_qps"]) == len(envelope["windows_s"])
+    assert all(rate is not None and rate > 0 for rate in envelope["live_rate_qps"])
 
     latency = snap["latency"]
     assert latency["slo_ms"] == 40.0 and latency["percentile"] == 99.0

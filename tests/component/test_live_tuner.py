@@ -4,6 +4,7 @@ arrivals fed by hand; what the reconciler would read and what the decision log s
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from controlplane.db import migrate
 from controlplane.live_tuner import LiveTuner
 from controlplane.spec import resolve_spec, validate_spec
 from controlplane.store import AppRecord, Store
+from estimator.envelope import tuner_windows_s
 
 SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
 APP = "recs"
@@ -90,9 +92,13 @@ def live_tuner(store: Store, clock: FakeClock, feed: Feed) -> LiveTuner:
     return LiveTuner(store, clock, feed, resolve)
 
 
-def applied(store: Store, folder: Path, count: int, rate_qps: float, budget: float) -> AppRecord:
+def applied(
+    store: Store, folder: Path, count: int, rate_qps: float, budget: float, **extra: Any
+) -> AppRecord:
+    """The app with a plan of ``count`` small instances at ``rate_qps`` applied; ``extra`` keys
+    join the plan document (an ``envelope``)."""
     store.create_app(spec(folder, budget), who="test")
-    plan = store.create_plan(APP, plan_document(count, rate_qps))
+    plan = store.create_plan(APP, {**plan_document(count, rate_qps), **extra})
     store.apply_plan(APP, plan.id)
     return store.get_app(APP)
 
@@ -176,3 +182,105 @@ def test_an_app_nobody_observes_stays_on_its_plan(store: Store, tmp_path: Path) 
     assert store.list_decisions(APP) == [] or all(
         d.kind not in ("scale_up", "scale_down") for d in store.list_decisions(APP)
     )
+
+
+# --- the planned envelope from the plan document ------------------------------------------------
+
+# The proxy's windows for this app: tiny serves in ms, so the ladder starts at the 1 s floor.
+PROXY_WINDOWS = len(tuner_windows_s(1.0))
+
+
+def flat_envelope(rate_qps: float, windows_s: tuple[float, ...] = (1.0, 3.0, 60.0)) -> Any:
+    """A planned envelope of ``rate_qps`` at every window; the windows are not the tuner's own
+    ladder, so a reason's window count says whose envelope the tuner used."""
+    return {"windows_s": list(windows_s), "rate_qps": [rate_qps] * len(windows_s)}
+
+
+def reasons(store: Store, kind: str) -> list[str]:
+    return [d.reason for d in store.list_decisions(APP) if d.kind == kind]
+
+
+def test_a_planned_envelope_above_the_live_rate_keeps_the_plan(
+    store: Store, tmp_path: Path
+) -> None:
+    # 256 qps against a plan at 50 qps: the Poisson proxy scales up (the first test); an
+    # envelope that planned for 300 qps at every window does not.
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    app = applied(store, tmp_path, 2, 50.0, 0.5, envelope=flat_envelope(300.0))
+    tuner = live_tuner(store, clock, feed)
+    feed.arrival_s = steady(256.0, 940.0, 1000.0)
+    assert tuner.tick() == []
+    assert tuner.desired_fleet(app) == {SMALL: 2}
+
+
+@pytest.mark.parametrize(("max_window_s", "windows"), [(60.0, 3), (10.0, 2)])
+def test_a_planned_envelope_below_the_live_rate_scales_up_on_its_windows(
+    store: Store, tmp_path: Path, max_window_s: float, windows: int
+) -> None:
+    # The planned rate itself, 50 qps, leaves the proxy's plan alone (the first test); an
+    # envelope of 20 qps is exceeded at each of its windows up to the tuner's longest.
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    app = applied(store, tmp_path, 2, 50.0, 0.5, envelope=flat_envelope(20.0))
+    tuner = LiveTuner(
+        store,
+        clock,
+        feed,
+        lambda a: resolve_spec(validate_spec(a.spec)),
+        max_window_s=max_window_s,
+    )
+    feed.arrival_s = steady(50.0, 940.0, 1000.0)
+    made = tuner.tick()
+    assert [d.action for _, d in made] == ["scale_up"]
+    assert tuner.desired_fleet(app)[SMALL] > 2
+    (reason,) = reasons(store, "scale_up")
+    assert f"> planned 20 qps ({windows} of {windows} windows over)" in reason
+
+
+@pytest.mark.parametrize(
+    "envelope",
+    [
+        [1.0, 60.0],
+        {"windows_s": [1.0, 60.0]},
+        {"windows_s": [1.0, 60.0], "rate_qps": [300.0]},
+        {"windows_s": [], "rate_qps": []},
+        {"windows_s": "1, 60", "rate_qps": [300.0, 300.0]},
+        {"windows_s": ["1", 60.0], "rate_qps": [300.0, 300.0]},
+        {"windows_s": [True, 60.0], "rate_qps": [300.0, 300.0]},
+        {"windows_s": [0.0, 60.0], "rate_qps": [300.0, 300.0]},
+        {"windows_s": [1.0, 60.0], "rate_qps": [-300.0, 300.0]},
+        {"windows_s": [1.0, 60.0], "rate_qps": [300.0, 10**400]},  # the store refuses inf
+        {"windows_s": [60.0, 1.0], "rate_qps": [300.0, 300.0]},
+        {"windows_s": [120.0, 240.0], "rate_qps": [300.0, 300.0]},
+    ],
+    ids=[
+        "a list",
+        "no rates",
+        "lengths differ",
+        "empty",
+        "a string",
+        "a string window",
+        "a bool window",
+        "a zero window",
+        "a negative rate",
+        "a huge int",
+        "decreasing windows",
+        "windows past the longest",
+    ],
+)
+def test_a_malformed_envelope_falls_back_to_the_poisson_proxy(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, envelope: Any
+) -> None:
+    # Each would keep the plan at 256 qps if it were read as 300 qps (the test above); the proxy
+    # at the planned 50 qps scales up on its own windows instead.
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    app = applied(store, tmp_path, 2, 50.0, 0.5, envelope=envelope)
+    tuner = live_tuner(store, clock, feed)
+    feed.arrival_s = steady(256.0, 940.0, 1000.0)
+    with caplog.at_level(logging.WARNING, logger="controlplane.live_tuner"):
+        made = tuner.tick()
+    assert [d.action for _, d in made] == ["scale_up"]
+    assert tuner.desired_fleet(app)[SMALL] > 2
+    (reason,) = reasons(store, "scale_up")
+    assert f"of {PROXY_WINDOWS} windows over" in reason
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "envelope is not usable" in warning and "Poisson" in warning

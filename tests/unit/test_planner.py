@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +14,18 @@ from hypothesis import strategies as st
 
 from controlplane.cli import main
 from controlplane.gears import GearPlan
-from controlplane.planner import InfeasibleSLOError, Plan, peak_rate_qps, plan_app, scale_trace
+from controlplane.planner import (
+    MIN_ENVELOPE_WINDOW_S,
+    InfeasibleSLOError,
+    Plan,
+    peak_rate_qps,
+    plan_app,
+    scale_trace,
+)
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
 from estimator.batches import parse_batch_distribution
 from estimator.cascades import evaluate, synthetic_validation, validation_document
+from estimator.envelope import arrival_envelope, tuner_windows_s
 from estimator.policies import full_range_types, policy_factory
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace, gamma_arrivals, poisson_arrivals, trace_stats, write_trace_csv
@@ -213,13 +222,70 @@ def test_peak_rate_and_scaling() -> None:
     assert trace_stats(faster).rate_qps == pytest.approx(200.0)
 
 
+# --- the planned envelope --------------------------------------------------------------------
+
+
+def assert_envelope_shape(windows_s: list[float], rate_qps: list[float], span_s: float) -> None:
+    """The tuner's ladder up to the planning trace's span, and what any arrival envelope satisfies
+    on it: N(w) <= ceil(w / w') N(w') for w >= w' (a window of w is covered by ceil(w / w')
+    windows of w'), so the rate does not rise from a window to its double."""
+    ladder = tuner_windows_s(MIN_ENVELOPE_WINDOW_S).tolist()  # the toy serves in ms
+    assert windows_s == [w for w in ladder if w <= span_s]
+    counts = [round(r * w) for w, r in zip(windows_s, rate_qps, strict=True)]
+    for i, j in itertools.combinations(range(len(windows_s)), 2):
+        assert counts[j] <= math.ceil(windows_s[j] / windows_s[i]) * counts[i], (i, j)
+    doublings = [i for i in range(len(windows_s) - 1) if windows_s[i + 1] == 2 * windows_s[i]]
+    assert len(doublings) >= len(windows_s) - 2  # all but a last step to the longest window
+    assert all(rate_qps[i + 1] <= rate_qps[i] for i in doublings), rate_qps
+
+
+def test_the_document_carries_the_envelope_of_the_planned_queries(tmp_path: Path) -> None:
+    app = app_for(tmp_path, 25.0, 3.0)
+    bursty = gamma_trace(40.0, 4.0, queries=3000).arrival_s
+    # Past the planning cut, a burst of 1,000 queries at 200 qps the planner never sees.
+    burst = bursty[-1] + 1.0 + np.arange(1000) / 200.0
+    arrival_s = np.concatenate([bursty, burst]) + 7.5  # planned from 0 s
+    trace = Trace(arrival_s, np.ones(arrival_s.size, dtype=np.int64))
+    plan = plan_app(app, trace, max_queries=bursty.size)
+    assert plan.feasible
+    document = json.loads(json.dumps(plan.to_document()))
+    envelope = document["envelope"]
+    assert set(envelope) == {"windows_s", "rate_qps"}
+    planned = trace.arrival_s[: bursty.size] - trace.arrival_s[0]
+    expected = arrival_envelope(planned, envelope["windows_s"])
+    assert envelope["rate_qps"] == expected.rate_qps.tolist()
+    assert_envelope_shape(envelope["windows_s"], envelope["rate_qps"], float(planned[-1]))
+    assert envelope["windows_s"][-1] == 60.0  # the planned part spans more than a minute
+    # The burst past the cut is not in it, and the planned part's short windows see more than
+    # its mean rate.
+    assert max(envelope["rate_qps"]) < 200.0
+    assert envelope["rate_qps"][0] > (planned.size - 1) / planned[-1]
+
+
+def test_an_infeasible_plan_carries_the_envelope_of_the_rate_it_is_planned_for(
+    tmp_path: Path,
+) -> None:
+    app = app_for(tmp_path, 25.0, 0.2)
+    trace = poisson_trace(600.0)
+    plan = plan_app(app, trace)
+    assert not plan.feasible and plan.stages
+    envelope = plan.to_document()["envelope"]
+    from_zero = Trace(trace.arrival_s - trace.arrival_s[0], trace.batch_size)
+    slower = scale_trace(from_zero, plan.planned_rate_qps)
+    expected = arrival_envelope(slower.arrival_s, envelope["windows_s"])
+    assert envelope["rate_qps"] == expected.rate_qps.tolist()
+    assert max(envelope["rate_qps"]) < peak_rate_qps(trace, MIN_ENVELOPE_WINDOW_S)
+    assert_envelope_shape(envelope["windows_s"], envelope["rate_qps"], slower.duration_s)
+
+
 # --- the command -----------------------------------------------------------------------------
 
 
 def test_plan_json_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec = write_spec(tmp_path, 25.0, 3.0)
     trace_file = tmp_path / "trace.csv"
-    write_trace_csv(poisson_trace(300.0), trace_file)
+    trace = poisson_trace(300.0)
+    write_trace_csv(trace, trace_file)
     assert main(["plan", "--spec", str(spec), "--trace", str(trace_file), "--json"]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)
@@ -233,6 +299,11 @@ def test_plan_json_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         assert key in stage
     assert stage["predicted_p99_ms"] <= 25.0
     assert all(isinstance(step, str) for step in out["steps"])
+    assert set(out["envelope"]) == {"windows_s", "rate_qps"}
+    # A 5 s trace: the windows stop at its span, short of the tuner's minute.
+    windows = out["envelope"]["windows_s"]
+    assert windows == [w for w in tuner_windows_s(MIN_ENVELOPE_WINDOW_S) if w <= trace.duration_s]
+    assert len(windows) == len(out["envelope"]["rate_qps"]) > 1 and windows[-1] < 60.0
     assert captured.err  # progress lines
 
 
