@@ -20,7 +20,9 @@ keeps the :class:`~provisioners.base.Provisioner` contract on EC2:
   goes back to the caller so the planner can fall back to the next configuration. Each step is a
   ``capacity`` event.
 - **Spot** (``spot=True``, types with a launch template): ``CreateFleet`` of type ``instant`` with
-  every usable subnet as an override; what spot cannot supply is launched on demand.
+  every usable subnet as an override, tagging the instances and their volumes at creation as
+  ``RunInstances`` does (moto 5.2 accepts the fleet's volume tags but drops them; AWS applies
+  them). What spot cannot supply is launched on demand.
 - **Throttling** is retried by botocore's adaptive retry mode (client-side rate limiting and
   backoff); what is still throttled after ``max_attempts`` is a
   :class:`~provisioners.errors.ThrottledError`.
@@ -521,7 +523,16 @@ class Ec2Provisioner:
                     "DefaultTargetCapacityType": "spot",
                 },
                 SpotOptions={"AllocationStrategy": "price-capacity-optimized"},
-                TagSpecifications=[{"ResourceType": "instance", "Tags": tags}],
+                # An instant fleet takes "volume" (and "network-interface") here as RunInstances
+                # does; request and maintain fleets take only "fleet". Source: the CreateFleet
+                # API reference, TagSpecification.N (as shipped in botocore 1.44's EC2 model),
+                # and the EC2 User Guide, "Tag a new or existing EC2 Fleet request and the
+                # instances and volumes it launches". Tagging at creation is also the only kind
+                # our role allows (terraform: CreateTags only with ec2:CreateAction).
+                TagSpecifications=[
+                    {"ResourceType": "instance", "Tags": tags},
+                    {"ResourceType": "volume", "Tags": tags},
+                ],
             )
         except (ThrottledError, InvalidConfigurationError) as error:
             raise self._reported(error, instance_type) from None

@@ -75,8 +75,9 @@ data "aws_iam_policy_document" "control_plane_provisioner" {
     }
   }
 
-  # Volumes are created with the instance; CreateFleet tags only the instance, so no tag
-  # condition here (the volumes are encrypted with the deployment's key, below).
+  # Volumes are created with the instance and tagged with it (RunInstances and instant
+  # CreateFleet both tag them); no tag condition here, so that a launch does not hinge on the
+  # volume tags (the volumes are encrypted with the deployment's key, below).
   statement {
     sid       = "LaunchVolumes"
     actions   = ["ec2:RunInstances"]
