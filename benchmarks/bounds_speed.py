@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,9 +34,13 @@ from estimator.bounds import KairosQuantities, kairos_quantities, rank_configura
 from estimator.catalog import load_catalog
 from estimator.profiles import LatencyProfile, ProfileSet, load_profiles
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("HETEROPLANE_SHARED", ROOT.parent / "shared"))
-PROFILES = SHARED / "data" / "kairos_latency_samples.csv.gz"
+try:  # imported as benchmarks.bounds_speed
+    from benchmarks.paths import kairos_samples, shared_dir
+except ModuleNotFoundError:  # run as a script: the sibling module
+    from paths import kairos_samples, shared_dir
+
+SHARED = shared_dir()
+PROFILES = kairos_samples()
 MEASURED = ("g4dn.xlarge", "c5n.2xlarge", "r5n.large", "t3.xlarge")
 # name: (measured type, latency factor). Larger sizes of a family run somewhat faster.
 SYNTHETIC = {

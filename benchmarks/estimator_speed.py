@@ -20,7 +20,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
@@ -30,9 +29,13 @@ from estimator.profiles import load_profiles
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace, poisson_arrivals
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("HETEROPLANE_SHARED", ROOT.parent / "shared"))
-PROFILES = SHARED / "data" / "kairos_latency_samples.csv.gz"
+try:  # imported as benchmarks.estimator_speed
+    from benchmarks.paths import kairos_samples, shared_dir
+except ModuleNotFoundError:  # run as a script: the sibling module
+    from paths import kairos_samples, shared_dir
+
+SHARED = shared_dir()
+PROFILES = kairos_samples()
 PRICES = {"g4dn.xlarge": 0.526}
 
 

@@ -43,11 +43,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -72,9 +70,13 @@ from estimator.traces import (
     with_spikes,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("HETEROPLANE_SHARED", ROOT.parent / "shared"))
-PROFILES = SHARED / "data" / "kairos_latency_samples.csv.gz"
+try:  # imported as benchmarks.inferline_tuner
+    from benchmarks.paths import ROOT, kairos_samples, shared_dir
+except ModuleNotFoundError:  # run as a script: the sibling module
+    from paths import ROOT, kairos_samples, shared_dir
+
+SHARED = shared_dir()
+PROFILES = kairos_samples()
 RESULTS = ROOT / "docs" / "inferline-results.md"
 
 MODEL = "rm2"

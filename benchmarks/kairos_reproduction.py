@@ -30,9 +30,13 @@ from estimator.kairos_setting import KairosSetting, select
 from estimator.profiles import load_profiles
 from estimator.search import kairos_plus
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("HETEROPLANE_SHARED", ROOT.parent / "shared"))
-PROFILES = SHARED / "data" / "kairos_latency_samples.csv.gz"
+try:  # imported as benchmarks.kairos_reproduction
+    from benchmarks.paths import ROOT, kairos_samples, shared_dir
+except ModuleNotFoundError:  # run as a script: the sibling module
+    from paths import ROOT, kairos_samples, shared_dir
+
+SHARED = shared_dir()
+PROFILES = kairos_samples()
 POLICIES = ("kairos", "fcfs", "drs", "clockwork", "oracle")
 
 

@@ -31,7 +31,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -48,9 +47,13 @@ from matching.kairos import KairosPolicy
 from matching.latency_model import LatencyModel
 from matching.policy import Dispatch, DispatchPolicy, InstanceView, QueuedQuery, StageContext
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("HETEROPLANE_SHARED", ROOT.parent / "shared"))
-PROFILES = SHARED / "data" / "kairos_latency_samples.csv.gz"
+try:  # imported as benchmarks.matching_speed
+    from benchmarks.paths import kairos_samples, shared_dir
+except ModuleNotFoundError:  # run as a script: the sibling module
+    from paths import kairos_samples, shared_dir
+
+SHARED = shared_dir()
+PROFILES = kairos_samples()
 BASE, AUX = "g4dn.xlarge", "r5n.large"
 PRICES = {BASE: 0.526, AUX: 0.148}
 QOS_MS = 350.0

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,9 +26,13 @@ from controlplane.spec import resolve_spec, validate_spec
 from estimator.batches import parse_batch_distribution
 from estimator.traces import Trace, poisson_arrivals
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("HETEROPLANE_SHARED", ROOT.parent / "shared"))
-PROFILES = SHARED / "data" / "kairos_latency_samples.csv.gz"
+try:  # imported as benchmarks.planner_speed
+    from benchmarks.paths import kairos_samples, shared_dir
+except ModuleNotFoundError:  # run as a script: the sibling module
+    from paths import kairos_samples, shared_dir
+
+SHARED = shared_dir()
+PROFILES = kairos_samples()
 
 CASCADE = ["wnd", "dien", "rm2"]
 SLO_MS = 1050.0  # an equal share of 350 ms per stage

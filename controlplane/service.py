@@ -132,25 +132,36 @@ def build_reconciler(
     clock: Clock,
     provisioner: Provisioner,
     desired_fleet: DesiredFleet | None = None,
+    *,
+    resolver: AppResolver | None = None,
 ) -> Reconciler:
-    """The reconciler over ``provisioner``, pricing apps from their specs; ``desired_fleet`` is
-    the live tuner's (default: each app's applied plan)."""
+    """The reconciler over ``provisioner``, pricing apps from their specs (through ``resolver``,
+    default a new one over the data directory); ``desired_fleet`` is the live tuner's (default:
+    each app's applied plan)."""
+    if resolver is None:
+        resolver = AppResolver(settings.data_dir)
     return Reconciler(
         store,
         provisioner,
         clock,
-        spec_pricing(AppResolver(settings.data_dir)),
+        spec_pricing(resolver),
         desired_fleet=desired_fleet,
         launchable=launchable_types(provisioner),
     )
 
 
 def build_live_tuner(
-    settings: Settings, store: Store, clock: Clock, serving: ServingLoop
+    settings: Settings,
+    store: Store,
+    clock: Clock,
+    serving: ServingLoop,
+    *,
+    resolver: AppResolver | None = None,
 ) -> LiveTuner:
     """InferLine's tuner over the apps the serving loop observes (the others stay on their
-    plans)."""
-    resolver = AppResolver(settings.data_dir)
+    plans); apps resolve through ``resolver`` (default: a new one over the data directory)."""
+    if resolver is None:
+        resolver = AppResolver(settings.data_dir)
     return LiveTuner(
         store,
         clock,
@@ -162,11 +173,18 @@ def build_live_tuner(
 
 
 def build_live_gears(
-    settings: Settings, store: Store, clock: Clock, serving: ServingLoop
+    settings: Settings,
+    store: Store,
+    clock: Clock,
+    serving: ServingLoop,
+    *,
+    resolver: AppResolver | None = None,
 ) -> LiveGears:
     """CascadeServe's gear switcher over the apps whose plans carry a gear plan, on what the
-    serving loop observes; it runs right after the tuner in the tuner's tick."""
-    resolver = AppResolver(settings.data_dir)
+    serving loop observes; it runs right after the tuner in the tuner's tick. Apps resolve
+    through ``resolver`` (default: a new one over the data directory)."""
+    if resolver is None:
+        resolver = AppResolver(settings.data_dir)
     return LiveGears(
         store,
         clock,
@@ -230,16 +248,16 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
     except BaseException:
         store.close()
         raise
-    serving = ServingLoop(
-        store,
-        AppResolver(settings.data_dir),
-        ProvisionedInstances(store, provisioner),
-        clock=clock,
-    )
-    live_tuner = build_live_tuner(settings, store, clock, serving)
-    live_gears = build_live_gears(settings, store, clock, serving)
+    # One resolver for the serving loop and the background jobs: it is thread-safe, and its
+    # cache (keyed by the spec) then loads each app's profile files once, not once per part.
+    resolver = AppResolver(settings.data_dir)
+    serving = ServingLoop(store, resolver, ProvisionedInstances(store, provisioner), clock=clock)
+    live_tuner = build_live_tuner(settings, store, clock, serving, resolver=resolver)
+    live_gears = build_live_gears(settings, store, clock, serving, resolver=resolver)
     serving.gears = live_gears.gear
-    reconciler = build_reconciler(settings, store, clock, provisioner, live_tuner.desired_fleet)
+    reconciler = build_reconciler(
+        settings, store, clock, provisioner, live_tuner.desired_fleet, resolver=resolver
+    )
     scheduler = build_scheduler(settings, store, clock, reconciler, serving, live_tuner, live_gears)
     app = create_app(settings, store, clock, scheduler, serving)
     return Service(settings, store, scheduler, app, provisioner, reconciler, serving)

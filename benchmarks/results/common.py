@@ -26,19 +26,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.paths import ROOT as ROOT  # re-exported: the experiments import these from here
+from benchmarks.paths import kairos_samples as kairos_samples
+from benchmarks.paths import shared_dir as shared_dir
+
 DOCS_RESULTS = ROOT / "docs" / "results"
 QUICK_RESULTS = ROOT / "build" / "results-quick"
-
-
-def shared_dir() -> Path:
-    """The shared data folder: ``$HETEROPLANE_SHARED`` or ``../shared`` beside the checkout."""
-    return Path(os.environ.get("HETEROPLANE_SHARED", ROOT.parent / "shared"))
-
-
-def kairos_samples() -> Path:
-    """The measured latency samples of the five Kairos models on the four EC2 types."""
-    return shared_dir() / "data" / "kairos_latency_samples.csv.gz"
 
 
 def machine() -> str:
