@@ -15,10 +15,19 @@ is given, SP3, and batch caps follow a closed-form rule, SP4):
    accuracy A(c) and reach shares s_i(c).
 2. *SP4, batch caps.* Stage i of c on model m with n_t instances of type t and batch cap k_i
    serves C_i(k_i) = sum_t n_t k_i / L_{m,t}(k_i b) queries per second (L the mean profiled
-   latency, b the queries' batch size). Starting from k_i = 1, the cap of the bottleneck stage
-   (least C_i / s_i) doubles while the path bound sum_i 2 max_t L_{m_i,t}(k_i b) stays within the
-   SLO (a query waits at most for the batch in service, then for its own, at each stage). The
-   throughput bound of c is B(c) = min_i C_i(k_i) / s_i.
+   latency, b the queries' batch size). The path bound is P = sum_i 2 max_t L_{m_i,t}(k_i b) (a
+   query waits at most for the batch in service, then for its own, at each stage). Starting
+   from k_i = 1 for every stage, each round takes the bottleneck stage i (least C_i / s_i, the
+   first on ties) and tries the doublings 2k_i, 4k_i, ... of its cap in turn, while P (with the
+   other caps as they are) stays within the SLO and the cap within floor(min_t M_{m_i,t} / b), M
+   the largest profiled batch, t over m_i's placed types; the first doubling with C_i / s_i
+   strictly above that at k_i becomes k_i. The rounds stop at the first where no doubling does;
+   every other round strictly raises a bounded cap, so the rule ends. For a one-model cascade
+   this is the cap of the highest C_1 within the bounds (ties: the smaller). Trying past the next
+   doubling matters on measured profiles: cap 2 can serve less than cap 1 where cap 8 serves
+   much more. Taking the first doubling that serves more, not the best, keeps a stage from
+   spending more of the SLO than it needs to stop being the bottleneck. The throughput bound of
+   c is B(c) = min_i C_i(k_i) / s_i.
 3. *Finalists.* The candidates no other beats on both A and B (Pareto), thinned to at most
    ``max_finalists`` spread evenly over the accuracy range (the most accurate and the fastest
    always kept).
@@ -415,15 +424,27 @@ def _batch_caps(
             for i, m in enumerate(models)
         )
 
+    # Each round strictly raises the bottleneck's cap or ends the loop, and every cap is bounded
+    # by its largest profiled batch, so the loop ends.
     while True:
         i = min(range(len(models)), key=per_query)
         m = models[i]
-        if caps[i] * 2 > _largest_cap(placement.fleets[m], profiles[m], batch_size):
-            break
-        before = per_query(i)
-        caps[i] *= 2
-        if path_ms() > slo_ms or per_query(i) <= before:
-            caps[i] //= 2
+        largest = _largest_cap(placement.fleets[m], profiles[m], batch_size)
+        current, before = caps[i], per_query(i)
+        # Measured profiles are noisy: a doubling can serve less where a later one serves much
+        # more, so the doublings are tried until one serves more, not only the next. The first
+        # that does is taken, not the best: a stage that takes more of the SLO than it needs to
+        # stop being the bottleneck leaves the later bottlenecks less room (B(c) fell below the
+        # one-doubling-a-round rule's on cascades of the demo family when it took the best).
+        k, raised = current * 2, False
+        while k <= largest and not raised:
+            caps[i] = k
+            if path_ms() > slo_ms:
+                break
+            raised = per_query(i) > before
+            k *= 2
+        if not raised:
+            caps[i] = current
             break
     return tuple(caps), min(per_query(i) for i in range(len(models)))
 

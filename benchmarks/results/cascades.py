@@ -337,7 +337,8 @@ class Setup:
 
 
 def one_stage_cap(profile: Any, slo_ms: float) -> int:
-    """The gear planner's rule for one stage: the largest power of two k with 2 L(k) <= SLO."""
+    """The largest power of two k with 2 L(k) <= SLO: the largest cap the gear planner's path
+    bound allows one stage (its rule may take a smaller one that serves more)."""
     cap = 1
     while cap * 2 <= profile.max_batch_size and 2.0 * profile.mean_latency_ms(cap * 2) <= slo_ms:
         cap *= 2
@@ -871,22 +872,45 @@ def run(ctx: Context) -> Section:
 
 def _cap_note(setup: Setup, per_slo: Sequence[dict[str, Any]]) -> str:
     """A caveat, when it applies: the planner batches the most accurate model less than the
-    best single-model deployment does."""
-    top = setup.family.most_accurate
-    gaps = []
+    best single-model deployment does, with the reason: the single model's cap breaks the
+    planner's path bound (2 L(k) for one stage), or, within it, serves no more by the mean
+    latency (the simulated tail chose it)."""
+    family = setup.family
+    top = family.most_accurate
+    profile = family.profiles[top][family.instance_type]
+    beyond, within = [], []
     for block in per_slo:
         single = next(r for r in block["singles"] if r.model == top)
         planned = block["planner_caps"][top]
-        if single.batch_cap is not None and planned is not None and planned < single.batch_cap:
-            gaps.append(f"{planned} against {single.batch_cap} at {block['slo_ms']:g} ms")
-    if not gaps:
+        if single.batch_cap is None or planned is None or planned >= single.batch_cap:
+            continue
+        path_ms = 2.0 * profile.mean_latency_ms(single.batch_cap)
+        gap = f"{planned} against {single.batch_cap} at {block['slo_ms']:g} ms"
+        if path_ms > block["slo_ms"]:
+            beyond.append(f"{gap}, where cap {single.batch_cap}'s path bound is {path_ms:.0f} ms")
+        else:
+            within.append(gap)
+    if not beyond and not within:
         return ""
+    reasons = []
+    if beyond:
+        reasons.append(
+            f"{'; '.join(beyond)}: the planner's rule (`controlplane/gears.py`, SP4) takes"
+            " only caps whose path bound, twice the batch's mean latency at each stage (a query"
+            " may wait for the batch in service, then for its own), stays within the SLO, where"
+            " the single-model search tries every cap whose mean batch latency is within it and"
+            " keeps the one the simulated P99 allows with the fewest instances"
+        )
+    if within:
+        reasons.append(
+            f"{'; '.join(within)}: there the single model's cap is within the path bound but"
+            " serves no more by the mean latency the planner compares caps by; the simulated P99"
+            " chose it"
+        )
     return (
         f" The gear planner batches `{top}` less than its best single-model deployment"
-        f" ({'; '.join(gaps)}): its rule (`controlplane/gears.py`, SP4) doubles a stage's cap"
-        " only while each doubling raises the stage's throughput, and stops at the first that"
-        " does not; with the 90% utilisation cap of the plans this is why model switching can"
-        " need more instances than a single model at the single model's accuracy."
+        f" ({'; '.join(reasons)}). With the 90% utilisation cap of the plans this is why model"
+        " switching can need more instances than a single model at the single model's accuracy."
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from controlplane.gears import (
     GearPlan,
     GearSwitcher,
     Placement,
+    _batch_caps,
     capacity_share,
     plan_gears,
     simulate_gear_switching,
@@ -29,7 +31,7 @@ from controlplane.gears import (
 from controlplane.tuner import Decision
 from estimator.cascades import Cascade, CascadeQuality, answering_stage, validation_document
 from estimator.errors import CascadeError, NoFeasibleGearError
-from estimator.profiles import write_profiles_json
+from estimator.profiles import LatencyProfile, write_profiles_json
 from estimator.traces import Trace, constant_profile, renewal_arrivals, with_spikes
 from tests.unit import cascade_support as family
 
@@ -155,6 +157,163 @@ def test_a_placed_type_without_a_profile_is_refused() -> None:
             {"g4dn.xlarge": 0.5},
             slo_ms=SLO_MS,
         )
+
+
+# --- batch caps (SP4) -----------------------------------------------------------------------
+
+# Mean latency by batch size as measured profiles show it: cap 2 serves less than cap 1, caps 4
+# and 8 serve more, and cap 16 is far too slow for the SLO below.
+NOISY_MS = {1: 10.0, 2: 25.0, 4: 30.0, 8: 32.0, 16: 200.0}
+NOISY_SLO_MS = 100.0
+
+
+def one_type(
+    latency_ms: Mapping[str, Mapping[int, float]], instances: int = 1
+) -> tuple[Placement, dict[str, dict[str, LatencyProfile]]]:
+    """Each model on ``instances`` of one type, its profile exactly ``latency_ms[model]``."""
+    profiles = {}
+    for model, by_batch in latency_ms.items():
+        sizes = sorted(by_batch)
+        samples = tuple(np.array([by_batch[b]]) for b in sizes)
+        profiles[model] = {
+            family.TYPE: LatencyProfile(model, family.TYPE, np.array(sizes), samples)
+        }
+    placement = Placement.parse(";".join(f"{m}:{family.TYPE}={instances}" for m in latency_ms))
+    return placement, profiles
+
+
+def one_model(
+    latency_ms: Mapping[int, float], instances: int = 1
+) -> tuple[Placement, dict[str, dict[str, LatencyProfile]]]:
+    """Model "m" on ``instances`` of one type, its profile exactly ``latency_ms``."""
+    return one_type({"m": latency_ms}, instances)
+
+
+def path_bound_ms(
+    cascade: Cascade,
+    caps: Sequence[int],
+    placement: Placement,
+    profiles: Mapping[str, Mapping[str, LatencyProfile]],
+    batch_size: int = 1,
+) -> float:
+    """sum_i 2 max_t L_{m_i,t}(k_i b), by hand from the profiles."""
+    return sum(
+        2.0 * max(profiles[m][t].mean_latency_ms(k * batch_size) for t in placement.fleets[m])
+        for m, k in zip(cascade.models, caps, strict=True)
+    )
+
+
+def test_the_bottleneck_takes_its_best_cap_past_a_doubling_that_loses() -> None:
+    instances = 2
+    placement, profiles = one_model(NOISY_MS, instances)
+    qps = {k: instances * k / (ms / 1000.0) for k, ms in NOISY_MS.items()}
+    assert qps[2] < qps[1]  # the first doubling loses: the old rule stopped at cap 1
+    within = [k for k, ms in NOISY_MS.items() if 2.0 * ms <= NOISY_SLO_MS]
+    best = max(within, key=lambda k: (qps[k], -k))
+    assert best == 8  # the profile is the case it is meant to be
+    caps, bound_qps = _batch_caps(
+        Cascade(("m",)), (1.0,), placement, profiles, NOISY_SLO_MS, batch_size=1
+    )
+    assert caps == (best,)
+    assert bound_qps == pytest.approx(qps[best])
+
+
+def test_a_cap_beyond_the_slo_is_not_taken_even_if_it_serves_more() -> None:
+    # Cap 16 serves the most here (16 / 40 ms), but its path bound, 80 ms, is over the SLO.
+    latency_ms = {1: 10.0, 2: 25.0, 4: 30.0, 8: 32.0, 16: 40.0}
+    slo_ms = 70.0
+    placement, profiles = one_model(latency_ms)
+    rate = {k: k / ms for k, ms in latency_ms.items()}
+    assert max(rate, key=lambda k: rate[k]) == 16 and 2.0 * latency_ms[16] > slo_ms
+    caps, _ = _batch_caps(Cascade(("m",)), (1.0,), placement, profiles, slo_ms, batch_size=1)
+    within = [k for k, ms in latency_ms.items() if 2.0 * ms <= slo_ms]
+    assert caps == (max(within, key=lambda k: rate[k]),)
+    assert path_bound_ms(Cascade(("m",)), caps, placement, profiles) <= slo_ms
+
+
+def test_a_tie_keeps_the_smaller_cap() -> None:
+    # Latency proportional to the batch (doubling a float is exact): every cap serves as much.
+    latency_ms = {b: 8.0 * b for b in (1, 2, 4, 8)}
+    placement, profiles = one_model(latency_ms)
+    capacities = {
+        k: k / (profiles["m"][family.TYPE].mean_latency_ms(k) / 1000.0) for k in latency_ms
+    }
+    assert len(set(capacities.values())) == 1
+    caps, _ = _batch_caps(Cascade(("m",)), (1.0,), placement, profiles, 1e6, batch_size=1)
+    assert caps == (1,)
+
+
+def test_a_bottleneck_takes_the_first_doubling_that_serves_more_not_the_best() -> None:
+    # Stage a serves most at cap 8, but cap 8 takes so much of the SLO that b could not double;
+    # a's first doubling that serves more leaves b room, and the cascade serves more.
+    latency_ms = {
+        "a": {1: 20.0, 2: 22.0, 4: 24.0, 8: 40.0},
+        "b": {1: 10.0, 2: 12.0, 4: 14.0},
+    }
+    slo_ms = 100.0
+    cascade, reach = Cascade(("a", "b"), (0.5,)), (1.0, 1.0)
+    placement, profiles = one_type(latency_ms)
+
+    def capacity(model: str, cap: int) -> float:
+        return cap / (profiles[model][family.TYPE].mean_latency_ms(cap) / 1000.0)
+
+    best_a = max(latency_ms["a"], key=lambda k: capacity("a", k))
+    assert best_a == 8 and capacity("a", 1) < capacity("b", 1)  # a is the first bottleneck
+    assert path_bound_ms(cascade, (best_a, 1), placement, profiles) <= slo_ms
+    assert path_bound_ms(cascade, (best_a, 2), placement, profiles) > slo_ms
+    greedy_bound = min(capacity("a", best_a), capacity("b", 1))
+    caps, bound_qps = _batch_caps(cascade, reach, placement, profiles, slo_ms, batch_size=1)
+    assert path_bound_ms(cascade, caps, placement, profiles) <= slo_ms
+    assert bound_qps == pytest.approx(min(capacity(m, k) for m, k in zip("ab", caps, strict=True)))
+    assert bound_qps > greedy_bound
+
+
+@pytest.mark.parametrize("slo_ms", [20.0, 40.0, 80.0, 160.0, 400.0])
+@pytest.mark.parametrize(
+    ("models", "reach"),
+    [
+        (("large",), (1.0,)),
+        (("tiny", "large"), (1.0, 0.3)),
+        (("tiny", "small", "large"), (1.0, 0.5, 0.2)),
+        (("small", "large"), (1.0, 0.9)),
+    ],
+)
+def test_the_caps_keep_the_path_bound_within_the_slo(
+    models: tuple[str, ...], reach: tuple[float, ...], slo_ms: float
+) -> None:
+    cascade = Cascade(models, (0.5,) * (len(models) - 1))
+    placement = Placement.parse(PLACEMENT)
+    profiles = family.profiles()
+    caps, bound_qps = _batch_caps(cascade, reach, placement, profiles, slo_ms, batch_size=1)
+    if path_bound_ms(cascade, (1,) * len(models), placement, profiles) > slo_ms:
+        assert caps == (1,) * len(models)  # nothing to do: even cap 1 is over
+        return
+    assert path_bound_ms(cascade, caps, placement, profiles) <= slo_ms
+
+    def per_query(i: int, cap: int) -> float:
+        profile = profiles[models[i]][family.TYPE]
+        n = placement.fleets[models[i]][family.TYPE]
+        return n * cap / (profile.mean_latency_ms(cap) / 1000.0) / reach[i]
+
+    assert bound_qps == pytest.approx(min(per_query(i, k) for i, k in enumerate(caps)))
+    # The rule stopped because no doubling of the bottleneck's cap within the SLO and the
+    # profiled batches serves more.
+    i = min(range(len(models)), key=lambda j: per_query(j, caps[j]))
+    k = caps[i] * 2
+    while k <= profiles[models[i]][family.TYPE].max_batch_size:
+        tried = list(caps)
+        tried[i] = k
+        if path_bound_ms(cascade, tried, placement, profiles) > slo_ms:
+            break
+        assert per_query(i, k) <= per_query(i, caps[i])
+        k *= 2
+
+
+def test_every_option_of_the_plan_keeps_its_path_bound_within_the_slo(plan: GearPlan) -> None:
+    profiles = family.profiles()
+    for option in plan.options:
+        caps = option.max_batch_queries
+        assert path_bound_ms(option.cascade, caps, plan.placement, profiles) <= SLO_MS
 
 
 # --- the switcher ----------------------------------------------------------------------------
