@@ -48,7 +48,11 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    idempotency key): ``<prefix>-<n>`` with ``n`` one past the highest used by the app, so two
    reconcilers that see the same rows pick the same ids (and the store returns the first row). A
    ``requested`` row whose launch failed with a retryable error (capacity, throttling) is launched
-   again each tick with the *same* request id until it succeeds or becomes a straggler.
+   again each tick with the *same* request id until it succeeds or becomes a straggler. A type's
+   run of capacity misses (from its first :class:`~provisioners.errors.InsufficientCapacityError`
+   to a launch of it that works, or until no row of it waits any more) is what
+   :meth:`Reconciler.capacity_misses` reports; :mod:`controlplane.capacity` re-plans an app
+   around a type that has missed for long enough.
 
 A ``desired`` of ``None`` means "no target": nothing is launched and nothing is terminated for
 being excess (liveness, stragglers, the budget guard and orphans still apply). The reconciler
@@ -70,6 +74,7 @@ import hashlib
 import logging
 import math
 import re
+import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -92,7 +97,11 @@ from provisioners.base import (
     ProvisionedInstance,
     Provisioner,
 )
-from provisioners.errors import ProvisionerError, UnknownInstanceError
+from provisioners.errors import (
+    InsufficientCapacityError,
+    ProvisionerError,
+    UnknownInstanceError,
+)
 
 __all__ = [
     "DEFAULT_LAUNCH_BACKOFF_S",
@@ -761,6 +770,21 @@ class Reconciler:
         # (app, instance type) -> monotonic time before which it is not launched again.
         self._held_until_s: dict[tuple[str, str], float] = {}
         self._reported: set[str] = set()
+        # (app, instance type) -> monotonic time of the first capacity miss of its current run.
+        self._capacity_missed_s: dict[tuple[str, str], float] = {}
+        self._capacity_lock = threading.Lock()
+
+    def capacity_misses(self, app: str) -> dict[str, float]:
+        """The types of ``app`` the provider has had no capacity for, and for how many seconds
+        (since the first miss of the current run; a launch of the type that works ends it, as
+        does the last waiting row of the type leaving ``requested``). Thread-safe."""
+        now_s = self.clock.now_s()
+        with self._capacity_lock:
+            return {
+                t: max(0.0, now_s - since_s)
+                for (name, t), since_s in self._capacity_missed_s.items()
+                if name == app
+            }
 
     # --- one tick ------------------------------------------------------------------------------
 
@@ -831,6 +855,11 @@ class Reconciler:
             desired = None
         pricing = self.pricing(app)
         rows = self.store.list_instances(app.name)
+        waiting = {r.instance_type for r in rows if r.state == _S.REQUESTED.value}
+        with self._capacity_lock:
+            for key in [k for k in self._capacity_missed_s if k[0] == app.name]:
+                if key[1] not in waiting:
+                    del self._capacity_missed_s[key]
         held = {
             t
             for (name, t), until in self._held_until_s.items()
@@ -1037,6 +1066,8 @@ class Reconciler:
             if not live:
                 errors.append(f"launch {launch.request_id}: the provider returned no live instance")
                 continue
+            with self._capacity_lock:
+                self._capacity_missed_s.pop((app.name, launch.instance_type), None)
             errors.guard(
                 functools.partial(
                     self.store.transition_instance,
@@ -1064,6 +1095,11 @@ class Reconciler:
             "error": kind,
             "retryable": error.retryable,
         }
+        if isinstance(error, InsufficientCapacityError):
+            with self._capacity_lock:
+                self._capacity_missed_s.setdefault(
+                    (app.name, launch.instance_type), self.clock.now_s()
+                )
         if error.retryable:
             # The row stays requested (its cost still counts) and is launched again next tick
             # with the same request id, until it works or becomes a straggler.

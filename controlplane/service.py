@@ -11,7 +11,9 @@ provisioner), the live tuner (:class:`~controlplane.live_tuner.LiveTuner`: Infer
 the arrivals the serving loop observes; its fleet is the reconciler's desired fleet), the live
 gear switcher (:class:`~controlplane.live_gears.LiveGears`: CascadeServe's producer for apps
 whose plans carry a gear plan; the serving loop's gear hook, told by the tuner when the budget
-caps the fleet), and the scheduler with its job bodies (the tuner tick, then the gear tick; the
+caps the fleet), the capacity replanner (:class:`~controlplane.capacity.CapacityReplanner`: an
+app whose planned type the cloud cannot supply is re-planned around it, after the reconcile
+tick), and the scheduler with its job bodies (the tuner tick, then the gear tick; the
 reconcile tick and the metric roll-up, which reads the serving loop's windows; the replan body
 is still the scheduler's idle default) and the FastAPI app around them.
 
@@ -32,6 +34,7 @@ from fastapi import FastAPI
 from controlplane.api import create_app
 from controlplane.api.resolver import AppResolver, smallest_common_batch_size
 from controlplane.budget import qps_by_type
+from controlplane.capacity import CapacityReplanner
 from controlplane.clock import Clock, SystemClock
 from controlplane.db import migrate
 from controlplane.live_gears import LiveGears
@@ -202,15 +205,19 @@ def build_scheduler(
     serving: ServingLoop | None = None,
     live_tuner: LiveTuner | None = None,
     live_gears: LiveGears | None = None,
+    replanner: CapacityReplanner | None = None,
 ) -> Scheduler:
     """The service's periodic jobs at the settings' periods (reconcile idles without a
-    reconciler; the roll-up records the serving loop's windows when there is one)."""
+    reconciler, and re-plans around missing capacity after its tick when there is a replanner;
+    the roll-up records the serving loop's windows when there is one)."""
     window = serving.take_window if serving is not None else None
     bodies = JobBodies(rollup=make_rollup(store, clock, window=window))
     if reconciler is not None:
 
         def reconcile() -> None:
             _log_report(reconciler.run_once())
+            if replanner is not None:
+                replanner.tick()
 
         bodies = dataclasses.replace(bodies, reconcile=reconcile)
     if live_tuner is not None:
@@ -258,6 +265,14 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
     reconciler = build_reconciler(
         settings, store, clock, provisioner, live_tuner.desired_fleet, resolver=resolver
     )
-    scheduler = build_scheduler(settings, store, clock, reconciler, serving, live_tuner, live_gears)
+    replanner = CapacityReplanner(
+        store,
+        lambda app: resolver.resolve(app.spec, check_budget=False),
+        reconciler.capacity_misses,
+        after_s=settings.capacity_replan_after_s,
+    )
+    scheduler = build_scheduler(
+        settings, store, clock, reconciler, serving, live_tuner, live_gears, replanner
+    )
     app = create_app(settings, store, clock, scheduler, serving)
     return Service(settings, store, scheduler, app, provisioner, reconciler, serving)

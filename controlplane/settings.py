@@ -186,6 +186,12 @@ class Settings(BaseSettings):
         description="the tuner's quiet time after a change before it scales down, s",
     )
     reconcile_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
+    capacity_replan_after_s: float = Field(
+        default=60.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="how long a planned type may lack capacity before the app is re-planned, s",
+    )
     rollup_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
     replan_h: float = Field(default=6.0, gt=0, allow_inf_nan=False)
     ec2: Ec2Settings | None = None

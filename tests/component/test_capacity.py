@@ -1,0 +1,164 @@
+"""Capacity fallback (``controlplane/capacity.py``) over the service as ``build_service`` wires it:
+the real store through its migrations, the reconciler on the fake provisioner (whose
+``fail_capacity`` answers launches of a type with ``InsufficientCapacityError``, as the EC2
+provisioner does once every subnet missed), the planner on measured-shape profiles, a fake clock.
+
+An app planned on three types loses the capacity of the planned type that carries the most
+instances: the reconciler keeps retrying it and reports the miss; once the miss is older than
+``after_s`` the replanner plans again with that type capped at what runs of it (nothing), applies
+the plan and records why; the reconciler then drops the requests it could not fill and launches
+the new mix, within the budget. Where no plan without the type serves the planned rate, the
+applied plan stays and one decision says so.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controlplane.api.resolver import AppResolver, spec_document
+from controlplane.api.routes.plans import planning_trace
+from controlplane.api.schemas import PlanIn
+from controlplane.capacity import CapacityReplanner, plan_fleet_counts
+from controlplane.clock import FakeClock
+from controlplane.planner import plan_app
+from controlplane.service import Service, build_service
+from controlplane.settings import Settings
+from provisioners.fake import FakeProvisioner
+from tests.component.test_api import spec, write_profiles
+
+AFTER_S = 60.0
+LIVE = ("requested", "pending", "running")
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[tuple[Service, FakeClock, AppResolver]]:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    write_profiles(data_dir)
+    clock = FakeClock()
+    service = build_service(Settings(data_dir=data_dir, provisioner="fake"), clock)
+    yield service, clock, AppResolver(data_dir)
+    service.close()
+
+
+def _apply(service: Service, resolver: AppResolver, document: dict[str, Any]) -> dict[str, int]:
+    """Register the app, plan it for 100 qps as an API preview would, apply; its fleet."""
+    store = service.store
+    store.create_app(spec_document(resolver.check(document).spec), who="test")
+    resolved = resolver.resolve(store.get_app(document["name"]).spec)
+    trace, stats = planning_trace(resolved, PlanIn(rate_qps=100.0))
+    plan = plan_app(resolved, trace)
+    assert plan.feasible
+    record = store.create_plan(document["name"], {**plan.to_document(), "seed": 0, "trace": stats})
+    store.apply_plan(document["name"], record.id)
+    return plan_fleet_counts(record.document)
+
+
+def _replanner(service: Service, resolver: AppResolver) -> CapacityReplanner:
+    return CapacityReplanner(
+        service.store,
+        lambda app: resolver.resolve(app.spec, check_budget=False),
+        service.reconciler.capacity_misses,
+        after_s=AFTER_S,
+    )
+
+
+def _kept_cost(service: Service, app: str) -> float:
+    return sum(i.price_usd_per_hr for i in service.store.list_instances(app, LIVE))
+
+
+def test_a_type_without_capacity_is_planned_around_within_the_budget(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    service, clock, resolver = world
+    document = spec(budget=4.0, latency_ms=40.0)
+    planned = _apply(service, resolver, document)
+    missing = max(planned, key=lambda t: (planned[t], t))
+    provisioner = service.provisioner
+    assert isinstance(provisioner, FakeProvisioner)
+    provisioner.fail_capacity(missing)
+    replanner = _replanner(service, resolver)
+
+    service.reconciler.run_once()
+    assert set(service.reconciler.capacity_misses("toy")) == {missing}
+    assert replanner.tick() == []  # a fresh miss: retried first
+    clock.advance(AFTER_S)
+    service.reconciler.run_once()
+    assert service.reconciler.capacity_misses("toy") == {missing: AFTER_S}
+    assert replanner.tick() == ["toy"]
+
+    applied = service.store.get_applied_plan("toy")
+    assert applied is not None
+    fleet = plan_fleet_counts(applied.document)
+    assert fleet.get(missing, 0) == 0 and sum(fleet.values()) > 0
+    assert applied.document["feasible"] is True
+    assert applied.document["cost_usd_per_hr"] <= document["budget_usd_per_hr"]
+    assert missing in applied.document["steps"][0]
+    (decision,) = [d for d in service.store.list_decisions("toy") if d.kind == "capacity_replan"]
+    assert decision.numbers["missing_types"] == [missing]
+    assert decision.numbers["caps"] == {missing: 0}
+    assert decision.numbers["fleet"] == fleet and decision.numbers["old_fleet"] == planned
+
+    # The reconciler drops the requests it could not fill and launches the new mix.
+    for _ in range(3):
+        service.reconciler.run_once()
+        provisioner.step()
+        assert _kept_cost(service, "toy") <= document["budget_usd_per_hr"] + 1e-9
+    kept = Counter(i.instance_type for i in service.store.list_instances("toy", LIVE))
+    assert kept == Counter(fleet)
+    assert service.reconciler.capacity_misses("toy") == {}
+    assert replanner.tick() == []  # handled: nothing more to do
+
+
+def test_without_a_feasible_plan_around_it_the_plan_stays_and_the_operator_is_told(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    service, clock, resolver = world
+    # At 12 ms only g4dn.xlarge serves the model within the SLO (its batch of 1 takes 4 ms,
+    # r5n.large's 12 ms, t3.xlarge's 18 ms): without it no plan exists.
+    document = spec(budget=4.0, latency_ms=12.0)
+    planned = _apply(service, resolver, document)
+    assert set(planned) == {"g4dn.xlarge"}
+    provisioner = service.provisioner
+    assert isinstance(provisioner, FakeProvisioner)
+    provisioner.fail_capacity("g4dn.xlarge")
+    replanner = _replanner(service, resolver)
+    before = service.store.get_applied_plan("toy")
+
+    service.reconciler.run_once()
+    clock.advance(AFTER_S)
+    service.reconciler.run_once()
+    assert replanner.tick() == []
+    assert replanner.tick() == []  # said once
+    after = service.store.get_applied_plan("toy")
+    assert before is not None and after is not None and after.id == before.id
+    (decision,) = [
+        d for d in service.store.list_decisions("toy") if d.kind == "capacity_unavailable"
+    ]
+    assert "g4dn.xlarge" in decision.reason and "stays" in decision.reason
+    assert decision.numbers["missing_types"] == ["g4dn.xlarge"]
+
+
+def test_a_miss_that_a_retry_fixes_costs_no_plan(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    service, clock, resolver = world
+    planned = _apply(service, resolver, spec(budget=4.0, latency_ms=40.0))
+    missing = max(planned, key=lambda t: (planned[t], t))
+    provisioner = service.provisioner
+    assert isinstance(provisioner, FakeProvisioner)
+    provisioner.fail_capacity(missing)
+    replanner = _replanner(service, resolver)
+    service.reconciler.run_once()
+    assert missing in service.reconciler.capacity_misses("toy")
+    provisioner.restore_capacity(missing)
+    clock.advance(AFTER_S)
+    service.reconciler.run_once()  # the retry launches it: the run of misses ends
+    assert service.reconciler.capacity_misses("toy") == {}
+    assert replanner.tick() == []
+    assert not [d for d in service.store.list_decisions("toy") if d.kind.startswith("capacity")]
