@@ -68,6 +68,15 @@ def _replanner(service: Service, resolver: AppResolver) -> CapacityReplanner:
     )
 
 
+def _fail_busiest(service: Service, planned: dict[str, int]) -> tuple[str, FakeProvisioner]:
+    """No capacity, from now on, for the planned type with the most instances."""
+    missing = max(planned, key=lambda t: (planned[t], t))
+    provisioner = service.provisioner
+    assert isinstance(provisioner, FakeProvisioner)
+    provisioner.fail_capacity(missing)
+    return missing, provisioner
+
+
 def _kept_cost(service: Service, app: str) -> float:
     return sum(i.price_usd_per_hr for i in service.store.list_instances(app, LIVE))
 
@@ -78,10 +87,7 @@ def test_a_type_without_capacity_is_planned_around_within_the_budget(
     service, clock, resolver = world
     document = spec(budget=4.0, latency_ms=40.0)
     planned = _apply(service, resolver, document)
-    missing = max(planned, key=lambda t: (planned[t], t))
-    provisioner = service.provisioner
-    assert isinstance(provisioner, FakeProvisioner)
-    provisioner.fail_capacity(missing)
+    missing, provisioner = _fail_busiest(service, planned)
     replanner = _replanner(service, resolver)
 
     service.reconciler.run_once()
@@ -124,9 +130,7 @@ def test_without_a_feasible_plan_around_it_the_plan_stays_and_the_operator_is_to
     document = spec(budget=4.0, latency_ms=12.0)
     planned = _apply(service, resolver, document)
     assert set(planned) == {"g4dn.xlarge"}
-    provisioner = service.provisioner
-    assert isinstance(provisioner, FakeProvisioner)
-    provisioner.fail_capacity("g4dn.xlarge")
+    _fail_busiest(service, planned)
     replanner = _replanner(service, resolver)
     before = service.store.get_applied_plan("toy")
 
@@ -149,10 +153,7 @@ def test_a_miss_that_a_retry_fixes_costs_no_plan(
 ) -> None:
     service, clock, resolver = world
     planned = _apply(service, resolver, spec(budget=4.0, latency_ms=40.0))
-    missing = max(planned, key=lambda t: (planned[t], t))
-    provisioner = service.provisioner
-    assert isinstance(provisioner, FakeProvisioner)
-    provisioner.fail_capacity(missing)
+    missing, provisioner = _fail_busiest(service, planned)
     replanner = _replanner(service, resolver)
     service.reconciler.run_once()
     assert missing in service.reconciler.capacity_misses("toy")
