@@ -19,6 +19,10 @@ For one stage (model m, candidate types T, prices P_t, SLO L, budget B, caps c_t
    affordable configuration n (sum_t n_t P_t <= B, n_t <= c_t) by its bound UB(n). The start is
    the cheapest n with ``HEADROOM`` x UB(n) >= r_peak (r_peak: the most arrivals in any
    ``PEAK_WINDOW_S`` window of the trace, per second), else the configuration of highest bound.
+   When B affords more than ``MAX_RANKED_MIXES`` configurations, the ranking covers those within
+   the smallest b = P_min 2^i (P_min the cheapest full-range price) that holds a covering one, so
+   the start is still the cheapest covering mix (a large budget no longer starts Algorithm 2 from
+   an oversized fleet that it trims one instance, and two simulations, at a time).
 3. Add capacity. While the simulated P99 exceeds L, add one instance of the most cost-effective
    type (largest Q_t / P_t, Q_t = 1000 / mean_q L_t(b_q)) whose addition lowers the P99 and
    keeps the fleet within B and c_t. If none does, no plan within the budget serves the trace.
@@ -96,7 +100,7 @@ from numpy.typing import NDArray
 from controlplane.gears import Placement, plan_gears
 from controlplane.replay import rate_per_instance_qps
 from controlplane.spec import ResolvedApp
-from estimator.bounds import kairos_quantities, rank_configurations
+from estimator.bounds import KairosQuantities, Ranking, kairos_quantities, rank_configurations
 from estimator.cascades import answering_stage, with_sample_ids
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope, tuner_windows_s
 from estimator.errors import (
@@ -133,6 +137,10 @@ PLANNING_QUERIES = 20_000
 # bound than the peak it must carry (InferLine's rho_m, the maximum provisioning ratio, is
 # of the same spirit). Algorithm 1 adds to a start that is too small, Algorithm 2 cuts one too big.
 HEADROOM = 0.7
+# The start mix is found among every affordable mix when there are at most this many; past it
+# (large budgets: $20/hr over four types already), among every mix up to the smallest budget,
+# doubling from the cheapest full-range price, whose mixes hold one that covers the peak.
+MAX_RANKED_MIXES = 200_000
 # The window over which the peak arrival rate is measured (the tuner's longest windows are 60 s;
 # 10 s is the burst a plan must absorb without the tuner's help).
 PEAK_WINDOW_S = 10.0
@@ -356,10 +364,10 @@ def _start_fleet(
         caps = {t: inputs.max_counts[t] for t in q.type_names if t in inputs.max_counts}
         try:
             ranking = rank_configurations(
-                q, inputs.budget_usd_per_hr, caps, None, max_ranked=200_000
+                q, inputs.budget_usd_per_hr, caps, None, max_ranked=MAX_RANKED_MIXES
             )
         except SearchSpaceError:
-            ranking = rank_configurations(q, inputs.budget_usd_per_hr, caps, 5_000)
+            ranking = _ranking_below(q, inputs.budget_usd_per_hr, caps, peak)
     except (InfeasibleQoSError, BudgetError):
         best = max(names, key=lambda t: (value[t], t))
         return {best: 1}, (
@@ -369,8 +377,11 @@ def _start_fleet(
     covering = np.flatnonzero(HEADROOM * ranking.upper_bound_qps >= peak)
     if covering.size:
         index = int(covering[np.argmin(ranking.cost_usd_per_hr[covering])])
+        within = ""
+        if ranking.budget_usd_per_hr < inputs.budget_usd_per_hr:
+            within = f" (mixes up to {ranking.budget_usd_per_hr:.4g} USD/hr)"
         why = (
-            f"the cheapest of {len(ranking):,} ranked mixes whose Kairos bound"
+            f"the cheapest of {len(ranking):,} ranked mixes{within} whose Kairos bound"
             f" {ranking.upper_bound_qps[index]:.1f} qps x headroom {HEADROOM:g} covers the peak"
             f" {peak:.1f} qps"
         )
@@ -382,6 +393,33 @@ def _start_fleet(
         )
     fleet = {t: n for t, n in ranking.fleet(index).items() if n}
     return fleet, why
+
+
+def _ranking_below(
+    q: KairosQuantities, budget_usd_per_hr: float, caps: Mapping[str, int], peak_qps: float
+) -> Ranking:
+    """Every mix up to the smallest budget b = P_min 2^i (P_min the cheapest full-range price;
+    the last b is the budget itself) whose mixes include one with HEADROOM x bound >= the peak:
+    its cheapest covering mix is then the cheapest of all, exactly. When the mixes up to some b
+    are more than :data:`MAX_RANKED_MIXES` before one covers, the 5,000 of highest bound up to
+    that b (the cheapest covering one among them, an approximation, is still far cheaper than
+    among the 5,000 of highest bound within the whole budget)."""
+    cheapest = min(t.price_usd_per_hr for t in q.types if t.full_range)
+    b = max(cheapest, 1e-9)
+    while True:
+        b = min(b, budget_usd_per_hr)
+        try:
+            ranking = rank_configurations(q, b, caps, None, max_ranked=MAX_RANKED_MIXES)
+        except SearchSpaceError:
+            return rank_configurations(q, b, caps, 5_000)
+        except BudgetError:  # b affords no full-range instance (within the caps) yet
+            if b >= budget_usd_per_hr:
+                raise
+            b *= 2.0
+            continue
+        if b >= budget_usd_per_hr or np.any(HEADROOM * ranking.upper_bound_qps >= peak_qps):
+            return ranking
+        b *= 2.0
 
 
 def _algorithm_1(

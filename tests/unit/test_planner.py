@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from controlplane import planner as planner_module
 from controlplane.cli import main
 from controlplane.gears import GearPlan
 from controlplane.planner import (
@@ -455,3 +456,21 @@ def test_a_trace_with_sample_ids_routes_by_them(tmp_path: Path) -> None:
     # Threshold 0: the cheap model answers everything; the large stage keeps its minimum.
     assert plan.stages[1].scale_factor == pytest.approx(2 / len(trace))
     assert any("the trace's sample ids" in step for step in plan.steps)
+
+
+def test_past_the_ranking_limit_the_start_is_still_the_cheapest_covering_mix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # $8/hr affords some 10^4 mixes of the three types: ranked whole by default. With the limit
+    # at 50 the planner must find the same start among the mixes of a smaller, doubled budget.
+    app = app_for(tmp_path, 40.0, 8.0)
+    trace = poisson_trace(300.0, queries=1000)
+    whole = plan_app(app, trace)
+    assert "mixes up to" not in whole.steps[0]
+    monkeypatch.setattr(planner_module, "MAX_RANKED_MIXES", 50)
+    limited = plan_app(app, trace)
+    start = next(step for step in limited.steps if ": start from " in step)
+    assert "mixes up to" in start
+    assert start.split(" (", 1)[0] == whole.steps[0].split(" (", 1)[0]  # the same start fleet
+    assert [dict(s.fleet) for s in limited.stages] == [dict(s.fleet) for s in whole.stages]
+    assert limited.simulations == whole.simulations
