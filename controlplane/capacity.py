@@ -20,11 +20,12 @@ the type out), and
   a plan without the missing capacity serves) and leaves the applied plan alone: the reconciler
   keeps trying, and the operator decides (raise the budget, re-plan for less).
 
-Each (plan, missing types) pair is handled once. The re-plan never looks back: when the type's
-capacity returns, the app stays on the plan without it until an operator (or the 6-hourly replan
-job) plans again. Planning takes seconds, so it runs in the reconcile job, after the tick, and
-only when a miss is due. The budget holds throughout: the new plan is within it by construction,
-and the reconciler's budget guard applies to every launch as always.
+Each (plan, app version, missing types) is handled once, successful or not (a failed attempt
+is logged; a change of the app, such as a new budget, makes it worth another). The re-plan
+never looks back: when the type's capacity returns, the app stays on the plan without it until
+an operator plans again. Planning takes seconds, so it runs in the reconcile job, after the
+tick, and only when a miss is due. The budget holds throughout: the new plan is within it by
+construction, and the reconciler's budget guard applies to every launch as always.
 """
 
 from __future__ import annotations
@@ -90,8 +91,9 @@ class CapacityReplanner:
         self._resolve = resolve
         self._misses = misses
         self._after_s = float(after_s)
-        # (plan id, missing types) already handled: each is re-planned (or reported) once.
-        self._handled: set[tuple[int, frozenset[str]]] = set()
+        # (plan id, app version, missing types) already tried: each is re-planned (or reported)
+        # once; a change of the app (its budget, say) makes it worth another try.
+        self._handled: set[tuple[int, int, frozenset[str]]] = set()
 
     def tick(self) -> list[str]:
         """One pass over the apps; the names of those re-planned."""
@@ -118,9 +120,10 @@ class CapacityReplanner:
             for t, since_s in self._misses(app.name).items()
             if since_s >= self._after_s and planned.get(t, 0) > 0
         )
-        if not missing or (plan.id, missing) in self._handled:
+        key = (plan.id, app.version, missing)
+        if not missing or key in self._handled:
             return False
-        self._handled.add((plan.id, missing))
+        self._handled.add(key)  # also when it fails: no re-planning every tick
         return self._replan(app, plan, planned, missing)
 
     def _replan(
