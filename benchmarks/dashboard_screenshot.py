@@ -59,8 +59,10 @@ from controlplane.store import Store
 
 try:  # imported as benchmarks.dashboard_screenshot
     from benchmarks import local_service
+    from benchmarks.paths import kairos_samples
 except ModuleNotFoundError:  # run as a script: benchmarks/ is on sys.path
     import local_service
+    from paths import kairos_samples
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "examples" / "rm2.yaml"
@@ -69,7 +71,7 @@ APP = "rm2-kairos"
 PLANNED_RATE_QPS = 60.0
 PLANNED_BATCH_DIST = "kairos"
 DEFAULT_OUT = REPO / "docs" / "dashboard.png"
-DEFAULT_PROFILES = REPO.parent / "shared" / "data" / "kairos_latency_samples.csv.gz"
+DEFAULT_PROFILES = kairos_samples()  # $HETEROPLANE_SHARED or ../shared
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless",
