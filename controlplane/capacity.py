@@ -7,18 +7,25 @@ reconciler then keeps the instance's row ``requested`` and tries again every tic
 (:meth:`controlplane.reconciler.Reconciler.capacity_misses` says for how long), while the app runs
 short of what its plan promised. Heterogeneity is the way out: once a type of the applied plan
 has missed for ``after_s`` (default :data:`DEFAULT_REPLAN_AFTER_S`), the replanner plans the app
-again (:func:`controlplane.planner.plan_app`, the same trace an API preview at the plan's
-``planned_rate_qps`` would use, :func:`controlplane.api.routes.plans.planning_trace`) with that
-type capped at the instances of it the app already runs or has pending (``max_counts``; 0 takes
-the type out), and
+again (:func:`controlplane.planner.plan_app` on the plan's own planning trace, made again from
+the generator parameters the API stored with it, ``trace.request``; a plan without them, a
+Poisson trace at its ``planned_rate_qps``: :func:`controlplane.api.routes.plans.planning_trace`)
+with that type capped at the instances of it the app already runs or has pending (``max_counts``,
+never above the spec's own cap; 0 takes the type out). A type counts as missing only while the
+plan asks for more of it than run or are pending: launches the tuner added above the plan are
+the tuner's to give up, not a reason to re-plan. Then
 
-- when that plan is feasible (it serves the planned rate within the SLO and the budget), applies
-  it and records a ``capacity_replan`` decision with the missing types, the caps and both plans'
-  fleets and costs; the tuner restarts from the new plan and the reconciler drops the requests it
-  could not fill (rows never launched go first) and launches the new mix;
-- when it is not, records one ``capacity_unavailable`` decision saying so (with the highest rate
-  a plan without the missing capacity serves) and leaves the applied plan alone: the reconciler
-  keeps trying, and the operator decides (raise the budget, re-plan for less).
+- when that plan is feasible (it serves the planned rate within the SLO and the budget), asks
+  for no more of the missing types than the caps in all (the caps hold per stage: a cascade
+  could otherwise place them twice) and differs from the applied one, applies it and records a
+  ``capacity_replan`` decision with the missing types, the caps and both plans' fleets and
+  costs; the tuner restarts from the new plan and the reconciler drops the requests it could not
+  fill (rows never launched go first) and launches the new mix;
+- when it is not feasible, or needs more of a missing type than its cap, records one
+  ``capacity_unavailable`` decision saying so (with the highest rate a plan without the missing
+  capacity serves) and leaves the applied plan alone: the reconciler keeps trying, and the
+  operator decides (raise the budget, re-plan for less); when it is the applied plan again,
+  nothing happens.
 
 Each (plan, app version, missing types) is handled once, successful or not (a failed attempt
 is logged; a change of the app, such as a new budget, makes it worth another). The re-plan
@@ -36,8 +43,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from pydantic import ValidationError
+
 from controlplane.api.routes.plans import planning_trace
-from controlplane.api.schemas import PlanIn
+from controlplane.api.schemas import PlanIn, TraceIn
 from controlplane.errors import ControlPlaneError
 from controlplane.lifecycle import InstanceState
 from controlplane.planner import plan_app
@@ -91,14 +100,18 @@ class CapacityReplanner:
         self._resolve = resolve
         self._misses = misses
         self._after_s = float(after_s)
-        # (plan id, app version, missing types) already tried: each is re-planned (or reported)
-        # once; a change of the app (its budget, say) makes it worth another try.
-        self._handled: set[tuple[int, int, frozenset[str]]] = set()
+        # Per app, the (plan id, app version, missing types) already tried: each is re-planned
+        # (or reported) once; a change of the app (its budget, say) makes it worth another try.
+        # Only the applied plan's keys are kept.
+        self._handled: dict[str, set[tuple[int, int, frozenset[str]]]] = {}
 
     def tick(self) -> list[str]:
         """One pass over the apps; the names of those re-planned."""
         replanned = []
-        for app in self._store.list_apps():
+        apps = self._store.list_apps()
+        for gone in set(self._handled) - {app.name for app in apps}:
+            del self._handled[gone]
+        for app in apps:
             if app.applied_plan_id is None:
                 continue
             try:
@@ -106,7 +119,7 @@ class CapacityReplanner:
                     replanned.append(app.name)
             except (ControlPlaneError, EstimatorError, SpecError, KeyError, ValueError) as error:
                 # Deleted meanwhile, changed meanwhile, a plan the planner cannot redo: the app
-                # stays on its plan and the next tick looks again.
+                # stays on its plan, and the attempt is not repeated until the app changes.
                 logger.warning("capacity: %s not re-planned: %s", app.name, error)
         return replanned
 
@@ -115,24 +128,35 @@ class CapacityReplanner:
         if plan is None:
             return False
         planned = plan_fleet_counts(plan.document)
-        missing = frozenset(
-            t
-            for t, since_s in self._misses(app.name).items()
-            if since_s >= self._after_s and planned.get(t, 0) > 0
-        )
-        key = (plan.id, app.version, missing)
-        if not missing or key in self._handled:
+        due = [t for t, since_s in self._misses(app.name).items() if since_s >= self._after_s]
+        if not due:
             return False
-        self._handled.add(key)  # also when it fails: no re-planning every tick
-        return self._replan(app, plan, planned, missing)
+        live = Counter(i.instance_type for i in self._store.list_instances(app.name, _LIVE))
+        # Missing: the plan asks for more than run (or are pending); what the tuner added above
+        # the plan is the tuner's to give up.
+        missing = frozenset(t for t in due if planned.get(t, 0) > live.get(t, 0))
+        handled = self._handled.setdefault(app.name, set())
+        key = (plan.id, app.version, missing)
+        if not missing or key in handled:
+            return False
+        handled.intersection_update({k for k in handled if k[0] == plan.id})
+        handled.add(key)  # also when it fails: no re-planning every tick
+        return self._replan(app, plan, planned, missing, live)
 
     def _replan(
-        self, app: AppRecord, plan: PlanRecord, planned: Mapping[str, int], missing: frozenset[str]
+        self,
+        app: AppRecord,
+        plan: PlanRecord,
+        planned: Mapping[str, int],
+        missing: frozenset[str],
+        live: Mapping[str, int],
     ) -> bool:
-        live = Counter(i.instance_type for i in self._store.list_instances(app.name, _LIVE))
-        caps = {t: live.get(t, 0) for t in sorted(missing)}
         resolved = self._resolve(app)
-        max_counts = {**(resolved.spec.max_counts or {}), **caps}
+        own = resolved.spec.max_counts or {}
+        caps = {
+            t: min(live.get(t, 0), own[t]) if t in own else live.get(t, 0) for t in sorted(missing)
+        }
+        max_counts = {**own, **caps}
         capped = ResolvedApp(
             resolved.spec.model_copy(update={"max_counts": max_counts}),
             resolved.catalog,
@@ -140,11 +164,10 @@ class CapacityReplanner:
             resolved.prices_usd_per_hr,
             resolved.validation,
         )
+        request = _planning_request(plan)
         rate = float(plan.document.get("planned_rate_qps") or 0.0)
-        seed = int(plan.document.get("seed") or 0)
-        if not (math.isfinite(rate) and rate > 0):
-            raise ValueError(f"plan {plan.number} has no planned rate to plan for again")
-        trace, stats = planning_trace(capped, PlanIn(rate_qps=rate, seed=seed))
+        seed = request.seed
+        trace, stats = planning_trace(capped, request)
         new = plan_app(capped, trace, seed=seed)
         names = ", ".join(sorted(missing))
         caps_text = ", ".join(f"{t} <= {n}" for t, n in caps.items())
@@ -156,14 +179,24 @@ class CapacityReplanner:
             "old_fleet": dict(planned),
             "old_cost_usd_per_hr": plan.document.get("cost_usd_per_hr"),
         }
-        if not new.feasible:
+        fleet = plan_fleet_counts(new.to_document())
+        over = {t: fleet.get(t, 0) for t in caps if fleet.get(t, 0) > caps[t]}
+        if new.feasible and fleet == dict(planned):
+            logger.info("capacity: %s: the plan without more %s is the same plan", app.name, caps)
+            return False
+        if not new.feasible or over:
+            why = (
+                f"the plan that serves it needs {_fleet_text(over)} in all (the caps hold per"
+                " stage)"
+                if new.feasible
+                else f"at most {new.max_feasible_qps or 0.0:.4g} qps"
+            )
             self._store.record_decision(
                 app.name,
                 "capacity_unavailable",
                 f"no capacity of {names} for {self._after_s:g} s or more; no plan with"
-                f" {caps_text} serves {rate:g} qps within the SLO and the budget (at most"
-                f" {new.max_feasible_qps or 0.0:.4g} qps): plan {plan.number} stays, its"
-                " launches are retried",
+                f" {caps_text} serves {rate:g} qps within the SLO and the budget ({why}):"
+                f" plan {plan.number} stays, its launches are retried",
                 {**numbers, "max_feasible_qps": new.max_feasible_qps},
             )
             return False
@@ -175,7 +208,6 @@ class CapacityReplanner:
         ]
         record = self._store.create_plan(app.name, document)
         applied = self._store.apply_plan(app.name, record.id, expected_version=app.version)
-        fleet = plan_fleet_counts(applied.document)
         self._store.record_decision(
             app.name,
             "capacity_replan",
@@ -192,6 +224,23 @@ class CapacityReplanner:
         )
         logger.warning("capacity: %s re-planned around %s", app.name, names)
         return True
+
+
+def _planning_request(plan: PlanRecord) -> PlanIn:
+    """What ``plan`` was planned on, to plan on it again: the trace generator's parameters the API
+    stored with it (``trace.request``), else a Poisson trace at its planned rate."""
+    seed = int(plan.document.get("seed") or 0)
+    trace = plan.document.get("trace")
+    stored = trace.get("request") if isinstance(trace, Mapping) else None
+    if isinstance(stored, Mapping):
+        try:
+            return PlanIn(trace=TraceIn.model_validate(dict(stored)), seed=seed)
+        except ValidationError as error:
+            logger.warning("capacity: plan %s's trace request is not usable: %s", plan.id, error)
+    rate = float(plan.document.get("planned_rate_qps") or 0.0)
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"plan {plan.number} has no planned rate to plan for again")
+    return PlanIn(rate_qps=rate, seed=seed)
 
 
 def _fleet_text(fleet: Mapping[str, int]) -> str:

@@ -801,6 +801,9 @@ class Reconciler:
             reports = {app.name: self._guarded(app, None) for app in apps}
             return ReconcileReport(now, MappingProxyType(reports), errors=(f"list: {error}",))
         names = {app.name for app in apps}
+        with self._capacity_lock:
+            for key in [k for k in self._capacity_missed_s if k[0] not in names]:
+                del self._capacity_missed_s[key]  # the app is gone
         by_app: dict[str, list[ProvisionedInstance]] = defaultdict(list)
         unmanaged: list[str] = []
         strays: list[ProvisionedInstance] = []

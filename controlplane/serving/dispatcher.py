@@ -1230,11 +1230,14 @@ class AppDispatcher:
         ]
         if not idle:
             return
+        asked_s = now
         answers = await self._health(idle, self.settings.call_timeout_floor_s)
         now = self.clock_s()
         lost = []
         for worker, ok in zip(idle, answers, strict=True):
-            if self._workers.get(worker.instance_id) is not worker or worker.running:
+            # A batch it took meanwhile (running now, or done: checked since) speaks for it.
+            gone = self._workers.get(worker.instance_id) is not worker
+            if gone or worker.running or worker.checked_s > asked_s:
                 continue
             if ok:
                 worker.checked_s = now

@@ -305,8 +305,14 @@ class ServingLoop:
 
     async def refresh(self) -> None:
         """Re-read every served app's configuration and workers, and probe the unhealthy ones."""
-        for app, dispatcher in list(self._dispatchers.items()):
-            await self._refresh_app(app, dispatcher)
+        # Concurrently: a worker that does not answer its probe holds up its own app only.
+        apps = list(self._dispatchers.items())
+        outcomes = await asyncio.gather(
+            *(self._refresh_app(app, d) for app, d in apps), return_exceptions=True
+        )
+        for (app, _), outcome in zip(apps, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                logger.error("%s: serving refresh failed", app, exc_info=outcome)
 
     async def _refresh_app(self, app: str, dispatcher: AppDispatcher) -> None:
         try:

@@ -22,7 +22,7 @@ import pytest
 
 from controlplane.api.resolver import AppResolver, spec_document
 from controlplane.api.routes.plans import planning_trace
-from controlplane.api.schemas import PlanIn
+from controlplane.api.schemas import PlanIn, TraceIn
 from controlplane.capacity import CapacityReplanner, plan_fleet_counts
 from controlplane.clock import FakeClock
 from controlplane.planner import plan_app
@@ -46,15 +46,23 @@ def world(tmp_path: Path) -> Iterator[tuple[Service, FakeClock, AppResolver]]:
     service.close()
 
 
-def _apply(service: Service, resolver: AppResolver, document: dict[str, Any]) -> dict[str, int]:
-    """Register the app, plan it for 100 qps as an API preview would, apply; its fleet."""
+# The planning trace of the tests' plans: bursty, so that a re-plan on a Poisson trace would differ.
+REQUEST = PlanIn(trace=TraceIn(kind="gamma", rate_qps=100.0, cv2=4.0), seed=3)
+
+
+def _apply(
+    service: Service, resolver: AppResolver, document: dict[str, Any], request: PlanIn = REQUEST
+) -> dict[str, int]:
+    """Register the app, plan it as an API preview of ``request`` would, apply; its fleet."""
     store = service.store
     store.create_app(spec_document(resolver.check(document).spec), who="test")
     resolved = resolver.resolve(store.get_app(document["name"]).spec)
-    trace, stats = planning_trace(resolved, PlanIn(rate_qps=100.0))
-    plan = plan_app(resolved, trace)
+    trace, stats = planning_trace(resolved, request)
+    plan = plan_app(resolved, trace, seed=request.seed)
     assert plan.feasible
-    record = store.create_plan(document["name"], {**plan.to_document(), "seed": 0, "trace": stats})
+    record = store.create_plan(
+        document["name"], {**plan.to_document(), "seed": request.seed, "trace": stats}
+    )
     store.apply_plan(document["name"], record.id)
     return plan_fleet_counts(record.document)
 
@@ -105,6 +113,9 @@ def test_a_type_without_capacity_is_planned_around_within_the_budget(
     assert applied.document["feasible"] is True
     assert applied.document["cost_usd_per_hr"] <= document["budget_usd_per_hr"]
     assert missing in applied.document["steps"][0]
+    # Planned again on the same trace: the generator's parameters stored with the first plan.
+    assert applied.document["trace"]["request"] == REQUEST.trace.model_dump(mode="json")
+    assert applied.document["seed"] == REQUEST.seed
     (decision,) = [d for d in service.store.list_decisions("toy") if d.kind == "capacity_replan"]
     assert decision.numbers["missing_types"] == [missing]
     assert decision.numbers["caps"] == {missing: 0}
@@ -128,7 +139,7 @@ def test_without_a_feasible_plan_around_it_the_plan_stays_and_the_operator_is_to
     # At 12 ms only g4dn.xlarge serves the model within the SLO (its batch of 1 takes 4 ms,
     # r5n.large's 12 ms, t3.xlarge's 18 ms): without it no plan exists.
     document = spec(budget=4.0, latency_ms=12.0)
-    planned = _apply(service, resolver, document)
+    planned = _apply(service, resolver, document, PlanIn(rate_qps=100.0))
     assert set(planned) == {"g4dn.xlarge"}
     _fail_busiest(service, planned)
     replanner = _replanner(service, resolver)
@@ -162,4 +173,72 @@ def test_a_miss_that_a_retry_fixes_costs_no_plan(
     service.reconciler.run_once()  # the retry launches it: the run of misses ends
     assert service.reconciler.capacity_misses("toy") == {}
     assert replanner.tick() == []
+    assert not [d for d in service.store.list_decisions("toy") if d.kind.startswith("capacity")]
+
+
+def _run_fleet(service: Service, provisioner: FakeProvisioner, app: str, count: int) -> None:
+    """Reconcile and step the fake provider until ``count`` instances of ``app`` run."""
+    for _ in range(5):
+        service.reconciler.run_once()
+        provisioner.step()
+        if len(service.store.list_instances(app, ["running"])) >= count:
+            return
+    raise AssertionError(f"no {count} running instances")
+
+
+def test_a_lost_instance_without_capacity_caps_its_type_at_what_still_runs(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    service, clock, resolver = world
+    planned = _apply(service, resolver, spec(budget=4.0, latency_ms=40.0))
+    provisioner = service.provisioner
+    assert isinstance(provisioner, FakeProvisioner)
+    _run_fleet(service, provisioner, "toy", sum(planned.values()))
+    busiest = max(planned, key=lambda t: (planned[t], t))
+    assert planned[busiest] >= 2
+    victim = next(i for i in service.store.list_instances("toy") if i.instance_type == busiest)
+    assert victim.provider_id is not None
+    provisioner.crash([victim.provider_id])
+    provisioner.fail_capacity(busiest)
+    replanner = _replanner(service, resolver)
+    clock.advance(31.0)  # past the missing grace: the row ends and its replacement cannot launch
+    service.reconciler.run_once()
+    assert busiest in service.reconciler.capacity_misses("toy")
+    clock.advance(AFTER_S)
+    service.reconciler.run_once()
+    assert replanner.tick() == ["toy"]
+    applied = service.store.get_applied_plan("toy")
+    assert applied is not None
+    left = planned[busiest] - 1
+    assert plan_fleet_counts(applied.document).get(busiest, 0) <= left
+    (decision,) = [d for d in service.store.list_decisions("toy") if d.kind == "capacity_replan"]
+    assert decision.numbers["caps"] == {busiest: left}
+    # The new plan asks for no more than runs: the miss ends, and nothing is planned again.
+    for _ in range(3):
+        clock.advance(AFTER_S)
+        service.reconciler.run_once()
+        provisioner.step()
+        assert replanner.tick() == []
+    assert service.reconciler.capacity_misses("toy") == {}
+    assert len(service.store.list_plans("toy")) == 2
+
+
+def test_launches_above_the_plan_are_not_a_reason_to_replan(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    service, _clock, resolver = world
+    planned = _apply(service, resolver, spec(budget=4.0, latency_ms=40.0))
+    provisioner = service.provisioner
+    assert isinstance(provisioner, FakeProvisioner)
+    _run_fleet(service, provisioner, "toy", sum(planned.values()))
+    # As if the tuner had asked for one more of a planned type and the cloud had none for long.
+    busiest = max(planned, key=lambda t: (planned[t], t))
+    replanner = CapacityReplanner(
+        service.store,
+        lambda app: resolver.resolve(app.spec, check_budget=False),
+        lambda _app: {busiest: 10 * AFTER_S},
+        after_s=AFTER_S,
+    )
+    assert replanner.tick() == []
+    assert len(service.store.list_plans("toy")) == 1
     assert not [d for d in service.store.list_decisions("toy") if d.kind.startswith("capacity")]

@@ -45,7 +45,7 @@ from controlplane.serving.dispatcher import (
 from controlplane.serving.fake_worker import FakeWorker
 from controlplane.serving.loop import ServingLoop, ServingSettings
 from controlplane.serving.observations import Observations
-from controlplane.serving.transport import HttpWorkerTransport
+from controlplane.serving.transport import HttpWorkerTransport, WorkerReply
 from controlplane.serving.workers import ProvisionedInstances, StaticInstances, WorkerEndpoint
 from controlplane.settings import Settings
 from controlplane.store import Store
@@ -306,6 +306,51 @@ def test_a_worker_that_dies_while_idle_leaves_matching_at_its_idle_probe() -> No
         results = await settle([dispatcher.submit([row(q % 10, 0.9)]) for q in range(30)])
         assert all(isinstance(r, InferResult) for r in results), results
         assert workers[0].requests + workers[1].requests == 30
+        await dispatcher.close()
+
+    run(scenario())
+
+
+class _AnswersButProbesSlowly:
+    """A transport whose worker serves batches but whose health answer, a failure, comes only
+    when the test releases it."""
+
+    def __init__(self) -> None:
+        self.probed = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def infer(
+        self, address: str, model: str, rows: Sequence[Sequence[float]], timeout_s: float
+    ) -> WorkerReply:
+        return WorkerReply(tuple(1 for _ in rows), tuple(0.9 for _ in rows), 1.0, LARGE)
+
+    async def health(self, address: str, timeout_s: float) -> bool:
+        self.probed.set()
+        await self.release.wait()
+        return False
+
+    async def close(self) -> None:
+        return None
+
+
+def test_a_batch_served_during_an_idle_probe_outweighs_the_probes_failure() -> None:
+    async def scenario() -> None:
+        transport = _AnswersButProbesSlowly()
+        dispatcher = AppDispatcher(
+            config(models=("tiny",)),
+            transport,
+            Observations(),
+            settings=DispatcherSettings(admission=False, idle_probe_s=0.0),
+        )
+        dispatcher.set_workers([WorkerEndpoint("i-0", LARGE, "127.0.0.1:9")])
+        probe = asyncio.create_task(dispatcher.probe())
+        await transport.probed.wait()
+        (result,) = await settle([dispatcher.submit([row(1, 0.9)])])
+        assert isinstance(result, InferResult)  # served while the probe was out
+        transport.release.set()
+        await probe
+        (worker,) = dispatcher.status().workers
+        assert worker.healthy, worker.last_error
         await dispatcher.close()
 
     run(scenario())

@@ -52,7 +52,9 @@ def plan_out(record: PlanRecord) -> PlanOut:
 
 
 def planning_trace(app: ResolvedApp, request: PlanIn) -> tuple[Trace, dict[str, Any]]:
-    """The trace a preview plans on, and its statistics with how it was made."""
+    """The trace a preview plans on, and its statistics with how it was made (``source`` in
+    words; ``request``, the generator's parameters, from which the same trace can be made
+    again: the capacity replanner does)."""
     params = request.trace
     if params is None:
         if request.rate_qps is None:
@@ -97,6 +99,7 @@ def planning_trace(app: ResolvedApp, request: PlanIn) -> tuple[Trace, dict[str, 
         "cv2": stats.cv2,
         "mean_batch_size": stats.mean_batch_size,
         "source": source,
+        "request": params.model_dump(mode="json"),
     }
 
 
