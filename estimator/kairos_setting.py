@@ -74,8 +74,10 @@ def select(
     model: str,
     prices_usd_per_hr: Mapping[str, float],
     setting: KairosSetting | None = None,
+    pmf: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Selection:
-    """Rank every affordable configuration by bound and pick one (KAIROS_MATH.md)."""
+    """Rank every affordable configuration by bound and pick one (KAIROS_MATH.md), on the batch
+    sizes' pmf ``(sizes, probabilities)`` (default: the Kairos mix)."""
     setting = setting or KairosSetting()
     qos_ms = setting.qos_ms[model]
     quantities = kairos_quantities(
@@ -84,7 +86,7 @@ def select(
         setting.instance_types,
         {t: prices_usd_per_hr[t] for t in setting.instance_types},
         qos_ms,
-        kairos_batch_pmf(),
+        kairos_batch_pmf() if pmf is None else pmf,
     )
     ranking = rank_configurations(quantities, setting.budget_usd_per_hr, setting.max_counts)
     homogeneous, bound = best_homogeneous(quantities, setting.budget_usd_per_hr, setting.max_counts)

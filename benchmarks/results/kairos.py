@@ -42,12 +42,6 @@ from benchmarks.results.common import (
     save_figure,
 )
 from estimator.batches import parse_batch_distribution
-from estimator.bounds import (
-    best_homogeneous,
-    kairos_quantities,
-    rank_configurations,
-    similarity_pick,
-)
 from estimator.capacity import Workload, fleet_capacity
 from estimator.catalog import default_catalog
 from estimator.kairos_setting import KairosSetting, Selection, select
@@ -152,18 +146,8 @@ def select_for(
     steps on the empirical pmf of another mix."""
     if batch_spec == "kairos":
         return select(profiles, model, prices_usd_per_hr, setting)
-    qos_ms = setting.qos_ms[model]
-    quantities = kairos_quantities(
-        profiles,
-        model,
-        setting.instance_types,
-        {t: prices_usd_per_hr[t] for t in setting.instance_types},
-        qos_ms,
-        empirical_pmf(batch_spec, PMF_DRAWS, PMF_SEED),
-    )
-    ranking = rank_configurations(quantities, setting.budget_usd_per_hr, setting.max_counts)
-    counts, bound = best_homogeneous(quantities, setting.budget_usd_per_hr, setting.max_counts)
-    return Selection(model, qos_ms, quantities, ranking, similarity_pick(ranking), counts, bound)
+    pmf = empirical_pmf(batch_spec, PMF_DRAWS, PMF_SEED)
+    return select(profiles, model, prices_usd_per_hr, setting, pmf)
 
 
 def make_workload(batch_spec: str, queries: int, seed: int) -> Workload:
