@@ -49,6 +49,7 @@ from controlplane.api.routes.plans import planning_trace
 from controlplane.api.schemas import PlanIn, TraceIn
 from controlplane.errors import ControlPlaneError
 from controlplane.lifecycle import InstanceState
+from controlplane.live_tuner import ResolveFn
 from controlplane.planner import plan_app
 from controlplane.spec import ResolvedApp, SpecError
 from controlplane.store import AppRecord, PlanRecord, Store
@@ -62,7 +63,6 @@ logger = logging.getLogger(__name__)
 # re-planned around it: a few reconcile ticks, so that a miss one retry fixes costs no plan.
 DEFAULT_REPLAN_AFTER_S = 60.0
 
-ResolveFn = Callable[[AppRecord], ResolvedApp]
 MissesFn = Callable[[str], Mapping[str, float]]
 """An app -> {instance type: seconds since its current run of capacity misses began}."""
 

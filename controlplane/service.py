@@ -38,7 +38,7 @@ from controlplane.capacity import CapacityReplanner
 from controlplane.clock import Clock, SystemClock
 from controlplane.db import migrate
 from controlplane.live_gears import LiveGears
-from controlplane.live_tuner import LiveTuner
+from controlplane.live_tuner import LiveTuner, ResolveFn
 from controlplane.provisioning import build_provisioner
 from controlplane.reconciler import (
     AppPricing,
@@ -61,12 +61,14 @@ from provisioners.local import LocalProvisioner
 
 __all__ = [
     "Service",
+    "build_live_gears",
     "build_live_tuner",
     "build_reconciler",
     "build_scheduler",
     "build_service",
     "launchable_types",
     "spec_pricing",
+    "stored_apps",
 ]
 
 logger = logging.getLogger(__name__)
@@ -129,20 +131,20 @@ def launchable_types(provisioner: Provisioner) -> LaunchableFn:
     return launchable
 
 
+def stored_apps(resolver: AppResolver) -> ResolveFn:
+    """An app record -> its stored spec resolved (the budget not checked: it is the app's own)."""
+    return lambda app: resolver.resolve(app.spec, check_budget=False)
+
+
 def build_reconciler(
-    settings: Settings,
     store: Store,
     clock: Clock,
     provisioner: Provisioner,
+    resolver: AppResolver,
     desired_fleet: DesiredFleet | None = None,
-    *,
-    resolver: AppResolver | None = None,
 ) -> Reconciler:
-    """The reconciler over ``provisioner``, pricing apps from their specs (through ``resolver``,
-    default a new one over the data directory); ``desired_fleet`` is the live tuner's (default:
-    each app's applied plan)."""
-    if resolver is None:
-        resolver = AppResolver(settings.data_dir)
+    """The reconciler over ``provisioner``, pricing apps from their specs (through
+    ``resolver``); ``desired_fleet`` is the live tuner's (default: each app's applied plan)."""
     return Reconciler(
         store,
         provisioner,
@@ -154,46 +156,32 @@ def build_reconciler(
 
 
 def build_live_tuner(
-    settings: Settings,
-    store: Store,
-    clock: Clock,
-    serving: ServingLoop,
-    *,
-    resolver: AppResolver | None = None,
+    settings: Settings, store: Store, clock: Clock, serving: ServingLoop, resolver: AppResolver
 ) -> LiveTuner:
     """InferLine's tuner over the apps the serving loop observes (the others stay on their
-    plans); apps resolve through ``resolver`` (default: a new one over the data directory)."""
-    if resolver is None:
-        resolver = AppResolver(settings.data_dir)
+    plans); apps resolve through ``resolver``."""
     return LiveTuner(
         store,
         clock,
         serving.observed_arrivals,
-        lambda app: resolver.resolve(app.spec, check_budget=False),
+        stored_apps(resolver),
         max_window_s=settings.tuner_max_window_s,
         scale_down_delay_s=settings.tuner_scale_down_delay_s,
     )
 
 
 def build_live_gears(
-    settings: Settings,
-    store: Store,
-    clock: Clock,
-    serving: ServingLoop,
-    *,
-    resolver: AppResolver | None = None,
+    store: Store, clock: Clock, serving: ServingLoop, resolver: AppResolver
 ) -> LiveGears:
     """CascadeServe's gear switcher over the apps whose plans carry a gear plan, on what the
     serving loop observes; it runs right after the tuner in the tuner's tick. Apps resolve
-    through ``resolver`` (default: a new one over the data directory)."""
-    if resolver is None:
-        resolver = AppResolver(settings.data_dir)
+    through ``resolver``."""
     return LiveGears(
         store,
         clock,
         serving.observed_arrivals,
         serving.statuses,
-        lambda app: resolver.resolve(app.spec, check_budget=False),
+        stored_apps(resolver),
     )
 
 
@@ -259,15 +247,13 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
     # cache (keyed by the spec) then loads each app's profile files once, not once per part.
     resolver = AppResolver(settings.data_dir)
     serving = ServingLoop(store, resolver, ProvisionedInstances(store, provisioner), clock=clock)
-    live_tuner = build_live_tuner(settings, store, clock, serving, resolver=resolver)
-    live_gears = build_live_gears(settings, store, clock, serving, resolver=resolver)
+    live_tuner = build_live_tuner(settings, store, clock, serving, resolver)
+    live_gears = build_live_gears(store, clock, serving, resolver)
     serving.gears = live_gears.gear
-    reconciler = build_reconciler(
-        settings, store, clock, provisioner, live_tuner.desired_fleet, resolver=resolver
-    )
+    reconciler = build_reconciler(store, clock, provisioner, resolver, live_tuner.desired_fleet)
     replanner = CapacityReplanner(
         store,
-        lambda app: resolver.resolve(app.spec, check_budget=False),
+        stored_apps(resolver),
         reconciler.capacity_misses,
         after_s=settings.capacity_replan_after_s,
     )
