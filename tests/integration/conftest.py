@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -249,20 +249,33 @@ def local_service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
 FLEET_DEADLINE_S = 300.0
 
 
-def launch_fleet(service: Service, app: str, count: int) -> list[InstanceRecord]:
-    """Run the reconciler until ``app`` has ``count`` running instances (their records), or fail
-    after FLEET_DEADLINE_S with the tails of the workers' logs."""
+def reconcile_until(
+    service: Service, app: str, done: Callable[[list[InstanceRecord]], bool], what: str
+) -> list[InstanceRecord]:
+    """Run the reconciler until ``done`` holds of ``app``'s instance records (returned), or fail
+    after FLEET_DEADLINE_S with ``what`` and the tails of the workers' logs."""
     deadline = time.monotonic() + FLEET_DEADLINE_S
     while True:
         service.reconciler.run_once()
-        running = service.store.list_instances(app, states=["running"])
-        if len(running) >= count:
-            return running
+        rows = service.store.list_instances(app)
+        if done(rows):
+            return rows
         if time.monotonic() > deadline:
             logs = service.settings.data_dir / "workers" / "logs"
             tails = {p.name: p.read_text()[-800:] for p in sorted(logs.glob("*.log"))}
-            pytest.fail(f"no {count} running workers within {FLEET_DEADLINE_S:g} s: {tails}")
+            pytest.fail(f"no {what} within {FLEET_DEADLINE_S:g} s: {rows}; logs: {tails}")
         time.sleep(WORKER_POLL_S)
+
+
+def launch_fleet(service: Service, app: str, count: int) -> list[InstanceRecord]:
+    """Run the reconciler until ``app`` has ``count`` running instances (their records)."""
+    rows = reconcile_until(
+        service,
+        app,
+        lambda rows: sum(r.state == "running" for r in rows) >= count,
+        f"{count} running workers",
+    )
+    return [r for r in rows if r.state == "running"]
 
 
 SERVER_DEADLINE_S = 60.0

@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from controlplane.service import Service
 from controlplane.store import InstanceRecord
 from provisioners.base import APP_TAG
 from provisioners.local import LocalProvisioner
-from tests.integration.conftest import WORKER_POLL_S, measure_profiles
+from tests.integration.conftest import measure_profiles, reconcile_until
 
 pytest.importorskip("torch")
 
@@ -46,22 +44,6 @@ def profiles(trained_family: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def service(local_service: Service) -> Service:
     """The service on the local provisioner (``local_service`` in the integration conftest)."""
     return local_service
-
-
-def _reconcile_until(
-    service: Service, done: Callable[[list[InstanceRecord]], bool], what: str
-) -> list[InstanceRecord]:
-    deadline = time.monotonic() + FLEET_DEADLINE_S
-    while True:
-        service.reconciler.run_once()
-        rows = service.store.list_instances(APP)
-        if done(rows):
-            return rows
-        if time.monotonic() > deadline:
-            logs = service.settings.data_dir / "workers" / "logs"
-            tails = {p.name: p.read_text()[-800:] for p in sorted(logs.glob("*.log"))}
-            pytest.fail(f"no {what} within {FLEET_DEADLINE_S:g} s: {rows}; logs: {tails}")
-        time.sleep(WORKER_POLL_S)
 
 
 def _running(rows: list[InstanceRecord]) -> list[InstanceRecord]:
@@ -107,7 +89,7 @@ def test_the_local_fleet_serves_and_a_killed_worker_is_replaced(
     )
     store.apply_plan(APP, plan.id)
 
-    rows = _reconcile_until(service, lambda rows: len(_running(rows)) >= 3, "3 running workers")
+    rows = reconcile_until(service, APP, lambda rows: len(_running(rows)) >= 3, "3 running workers")
     running = _running(rows)
     assert sorted(r.instance_type for r in running) == sorted([SMALL, SMALL, LARGE])
     listed = {i.provider_id: i for i in service.provisioner.list({APP_TAG: APP})}
@@ -133,7 +115,7 @@ def test_the_local_fleet_serves_and_a_killed_worker_is_replaced(
         smalls = [r for r in _running(rows) if r.instance_type == SMALL]
         return states[victim.id] == "failed" and len(smalls) == 2
 
-    rows = _reconcile_until(service, replaced, "replacement of the killed worker")
+    rows = reconcile_until(service, APP, replaced, "replacement of the killed worker")
     replacement = next(
         r
         for r in _running(rows)
