@@ -384,9 +384,9 @@ def make_setup(ctx: Context) -> Setup:
     )
     step = QUICK_TARGET_STEP_POINTS if ctx.quick else TARGET_STEP_POINTS
     targets = accuracy_targets([records.model_accuracy(m) for m in records.models], best[0], step)
-    peak_rate = float(np.max(profile.rate_at(np.arange(0.0, duration, RATE_STEP_S))))
-    qps_max = QPS_MAX_HEADROOM * peak_rate
     rates = profile.rate_at(np.arange(0.0, duration, RATE_STEP_S))
+    peak_rate = float(np.max(rates))
+    qps_max = QPS_MAX_HEADROOM * peak_rate
     return Setup(
         family=family,
         family_note=loaded.note(),
