@@ -186,15 +186,23 @@ def _run_fleet(service: Service, provisioner: FakeProvisioner, app: str, count: 
     raise AssertionError(f"no {count} running instances")
 
 
-def test_a_lost_instance_without_capacity_caps_its_type_at_what_still_runs(
-    world: tuple[Service, FakeClock, AppResolver],
-) -> None:
-    service, clock, resolver = world
+def _planned_and_running(
+    service: Service, resolver: AppResolver
+) -> tuple[dict[str, int], FakeProvisioner, str]:
+    """The app planned and its whole fleet running: (its plan's fleet, the provider, the planned
+    type with the most instances)."""
     planned = _apply(service, resolver, spec(budget=4.0, latency_ms=40.0))
     provisioner = service.provisioner
     assert isinstance(provisioner, FakeProvisioner)
     _run_fleet(service, provisioner, "toy", sum(planned.values()))
-    busiest = max(planned, key=lambda t: (planned[t], t))
+    return planned, provisioner, max(planned, key=lambda t: (planned[t], t))
+
+
+def test_a_lost_instance_without_capacity_caps_its_type_at_what_still_runs(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    service, clock, resolver = world
+    planned, provisioner, busiest = _planned_and_running(service, resolver)
     assert planned[busiest] >= 2
     victim = next(i for i in service.store.list_instances("toy") if i.instance_type == busiest)
     assert victim.provider_id is not None
@@ -227,12 +235,8 @@ def test_launches_above_the_plan_are_not_a_reason_to_replan(
     world: tuple[Service, FakeClock, AppResolver],
 ) -> None:
     service, _clock, resolver = world
-    planned = _apply(service, resolver, spec(budget=4.0, latency_ms=40.0))
-    provisioner = service.provisioner
-    assert isinstance(provisioner, FakeProvisioner)
-    _run_fleet(service, provisioner, "toy", sum(planned.values()))
+    _planned, _provisioner, busiest = _planned_and_running(service, resolver)
     # As if the tuner had asked for one more of a planned type and the cloud had none for long.
-    busiest = max(planned, key=lambda t: (planned[t], t))
     replanner = CapacityReplanner(
         service.store,
         lambda app: resolver.resolve(app.spec, check_budget=False),
