@@ -48,14 +48,14 @@ import httpx
 import numpy as np
 import yaml
 
-from controlplane.api.resolver import AppResolver, smallest_common_batch_size, spec_document
 from controlplane.api.routes.plans import planning_trace
 from controlplane.api.schemas import PlanIn, TraceIn
-from controlplane.budget import qps_by_type
-from controlplane.planner import HEADROOM, plan_app
+from controlplane.apps.resolver import AppResolver, smallest_common_batch_size, spec_document
+from controlplane.db.store import Store
+from controlplane.policies.drain import qps_by_type
+from controlplane.policies.planner import HEADROOM, plan_app
 from controlplane.settings import Settings
 from controlplane.spec import ResolvedApp
-from controlplane.store import Store
 
 try:  # imported as benchmarks.dashboard_screenshot
     from benchmarks import local_service
@@ -67,7 +67,7 @@ except ModuleNotFoundError:  # run as a script: benchmarks/ is on sys.path
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "examples" / "rm2.yaml"
 APP = "rm2-kairos"
-# What ``heteroplane demo`` plans its app for (controlplane.demo).
+# What ``heteroplane demo`` plans its app for (controlplane.service.demo).
 PLANNED_RATE_QPS = 60.0
 PLANNED_BATCH_DIST = "kairos"
 DEFAULT_OUT = REPO / "docs" / "dashboard.png"

@@ -5,10 +5,10 @@ Used by ``benchmarks/gear_switching.py`` and ``benchmarks/gear_planner_speed.py`
 
 - **real**: the demo family of ``provisioners.worker.family`` (scikit-learn digits; ``tiny``,
   ``small``, ``medium``, ``large``), its ``validation.json`` (trained and cached on first use, or
-  the file given), and latency profiles measured on this machine by ``controlplane.profiler``
+  the file given), and latency profiles measured on this machine by ``controlplane.apps.profiler``
   (or the reference type's profiles in the JSON given, or in the file ``heteroplane profile
   measure`` writes by default when it exists), emulated on a slow type :data:`REAL_TYPE`
-  (``controlplane.profiler.emulated_profiles``: every sample over the type's speed factor). Why
+  (``controlplane.apps.profiler.emulated_profiles``: every sample over the type's speed factor). Why
   slow: the family's models take well under a millisecond here, so the fleet of the benchmark
   would serve tens of thousands of queries per second and a minute of 4x load would be millions
   of simulated queries. The speed factor is chosen so that the most accurate model takes
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from controlplane.gears import Placement
+from controlplane.policies.gears import Placement
 from estimator.cascades import ValidationRecords, load_validation, synthetic_validation
 from estimator.catalog import InstanceType, default_catalog
 from estimator.fleet import Fleet
@@ -161,7 +161,7 @@ def _real(
         validation = directory / family.VALIDATION_FILE
         where_records = "the family cache's validation.json"
     records = load_validation(validation)
-    from controlplane import profiler
+    from controlplane.apps import profiler
 
     if profile_path is None and real_family_available():
         from provisioners.worker import family

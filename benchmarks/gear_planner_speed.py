@@ -7,9 +7,9 @@ The demo app is the one of ``benchmarks/gear_demo.py``: the real model family wh
 here (its validation records and latency profiles measured here, on the slow emulated type),
 else the seeded synthetic one; the fleet places every model on one instance and the most
 accurate on three; the SLO is 10x the most accurate model's batch-1 latency. The planner
-(``controlplane.gears.plan_gears``) runs with its defaults: the threshold grid 0.1..0.9 on every
-ordered chain of the models, 8 ranges, up to 8 finalists simulated by bisection. Prints the best
-of ``--repeat`` timings (measuring the profiles is not part of it) and the plan.
+(``controlplane.policies.gears.plan_gears``) runs with its defaults: the threshold grid 0.1..0.9 on
+every ordered chain of the models, 8 ranges, up to 8 finalists simulated by bisection. Prints the
+best of ``--repeat`` timings (measuring the profiles is not part of it) and the plan.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from controlplane.gears import GearPlan, plan_gears
+from controlplane.policies.gears import GearPlan, plan_gears
 
 try:  # imported as benchmarks.gear_planner_speed (benchmarks/results)
     from benchmarks.gear_demo import DemoFamily, load_demo_family

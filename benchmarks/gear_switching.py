@@ -17,7 +17,7 @@ Setup (``benchmarks/gear_demo.py``; every number is a constant there or below, n
 the result):
 
 - family: the real demo family (``provisioners.worker.family``: its validation records, and
-  latency profiles measured here by ``controlplane.profiler``, emulated on ``emu.cpu.small``)
+  latency profiles measured here by ``controlplane.apps.profiler``, emulated on ``emu.cpu.small``)
   when it can run, else the seeded synthetic one (``--family`` forces either; ``--validation`` /
   ``--profiles`` take the files the family's commands wrote);
 - SLO: P99 <= 10x the most accurate model's batch-1 latency;
@@ -27,8 +27,8 @@ the result):
 - base load R = ``BASE_UTILISATION`` (50%) of the single-model deployment's capacity; Poisson
   arrivals, R for 30 s, 4R for 60 s, R for 30 s; each query carries a validation sample drawn
   uniformly;
-- gear plan (``controlplane.gears.plan_gears``) for that placement, q_max = 5R in 10 ranges;
-  switching every 100 ms from the QPS counted over the last 100 ms (CascadeServe section 5),
+- gear plan (``controlplane.policies.gears.plan_gears``) for that placement, q_max = 5R in 10
+  ranges; switching every 100 ms from the QPS counted over the last 100 ms (CascadeServe section 5),
   alpha = 8; the run starts in the gear of R.
 
 The gear switching runs in the simulator through its mode hook (``estimator.simulator.Routing``
@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 from gear_demo import DemoFamily, load_demo_family  # the sibling module (run as a script)
 
-from controlplane.gears import (
+from controlplane.policies.gears import (
     ALPHA,
     DEFAULT_TICK_S,
     GearPlan,
@@ -420,15 +420,15 @@ def _write_doc(data: dict[str, Any]) -> None:
     text = f"""# Gear switching under a load jump
 
 Written by `{data["command"].strip()}` (seed {data["seed"]}); the setup is in the script's
-docstring and `benchmarks/gear_demo.py`, the algorithm in `controlplane/gears.py` and
+docstring and `benchmarks/gear_demo.py`, the algorithm in `controlplane/policies/gears.py` and
 docs/cascades.md ("Cascades, gears and allocation").
 
 How gear switching is simulated: the simulator's event engine takes a `Routing` (every query's
 route under each gear: the stage it enters, where it goes after each stage, each stage's batch
 cap) and a `ModeController` it asks every 100 ms of simulated time, with every stage's queue
 length, which gear holds from then on (`estimator/simulator.py`). The controller wraps the pure
-`controlplane.gears.switch`: it counts the arrivals of the last 100 ms, reads the queue of the
-current gear's first model and applies CascadeServe's rule (a faster gear at once; a slower one
+`controlplane.policies.gears.switch`: it counts the arrivals of the last 100 ms, reads the queue of
+the current gear's first model and applies CascadeServe's rule (a faster gear at once; a slower one
 only when qps >= alpha x first queue, alpha = {ALPHA:g}). A query takes the cascade of the gear in
 force when it arrives; queued queries keep their place across a change (no re-simulation in
 slices, no lost queue). The tick is {DEFAULT_TICK_S * 1000:g} ms as in the paper's producer.

@@ -16,8 +16,8 @@ last change; the reconciler runs every 5 s):
    (``large`` on ``emu.cpu.large``, 1 s SLO at P99) with a budget of ``--max-workers`` workers
    and half of another at the catalog's price, so the tuner may run that many and never one
    more; a plan is previewed for ``--low-qps`` (one worker) and applied.
-3. Once the planned worker answers, ``controlplane.loadgen`` sends one seeded Poisson trace open
-   loop: ``--low-qps`` for ``--low-s``, ``--high-qps`` (more than one worker carries) for
+3. Once the planned worker answers, ``controlplane.clients.loadgen`` sends one seeded Poisson trace
+   open loop: ``--low-qps`` for ``--low-s``, ``--high-qps`` (more than one worker carries) for
    ``--high-s``, ``--low-qps`` for ``--after-s``.
 4. From the service's own records (``GET /v1/apps/{app}/decisions`` and ``/events``) it prints,
    relative to the step up and to the drop: each tuner decision (``scale_up``, ``scale_down``,
@@ -52,7 +52,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from controlplane import loadgen
+from controlplane.clients import loadgen
 from estimator.catalog import default_catalog
 from estimator.traces import Trace, poisson_arrivals
 

@@ -26,8 +26,12 @@ from typing import Any
 import httpx
 import numpy as np
 
-from controlplane.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE, LOCAL_WORKERS_DIR
-from controlplane.store import Store
+from controlplane.db.store import Store
+from controlplane.service.provisioning import (
+    LOCAL_MODELS_DIR,
+    LOCAL_PROFILE_FILE,
+    LOCAL_WORKERS_DIR,
+)
 from estimator.profiles import LatencyProfile, write_profiles_json
 
 try:  # imported as benchmarks.local_service

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.planner import Plan, plan_app
+from controlplane.policies.planner import Plan, plan_app
 from controlplane.spec import resolve_spec, validate_spec
 from estimator.batches import parse_batch_distribution
 from estimator.traces import Trace, poisson_arrivals

@@ -20,8 +20,8 @@ measures on the same workload. Here, on the local fleet:
 3. Warm-up; then single queries one after another, through the service and straight to a
    worker (the serving path's overhead at no load, for the 'calibrated' column only); then for
    each load level (the fleet's utilisation rho; rate = rho x instances x 1000 / service ms) a
-   seeded Poisson trace of ``--duration-s`` is sent by ``controlplane.loadgen`` (open loop) and
-   the same trace is simulated by ``estimator.simulator`` with the same profile, fleet, batch
+   seeded Poisson trace of ``--duration-s`` is sent by ``controlplane.clients.loadgen`` (open loop)
+   and the same trace is simulated by ``estimator.simulator`` with the same profile, fleet, batch
    size and dispatch policy (FCFS, the plan's) as the service runs.
 4. It prints predicted and measured P99 per level and whether they are within 15% of each other
    (issue 8's acceptance, judged at the first service time; the others show where it breaks),
@@ -45,8 +45,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from controlplane import loadgen
-from controlplane.provisioning import LOCAL_WORKERS_DIR
+from controlplane.clients import loadgen
+from controlplane.service.provisioning import LOCAL_WORKERS_DIR
 from estimator.policies import policy_factory
 from estimator.profiles import LatencyProfile, load_profiles
 from estimator.simulator import InstanceSpec, Stage, simulate
@@ -405,8 +405,8 @@ Written by `{command}`; do not edit by hand, run the command again.
 - The live side: `heteroplane serve` with the local provisioner; app `{APP}` = model `{MODEL}` on
   `{INSTANCE_TYPE}`, at most {INSTANCES} instances, planned for rho {PLAN_UTILISATION:g} of them;
   each worker pads every batch of one to the service time (its profile: one emulated instance
-  type whose `{MODEL}` takes that long); queries sent open loop by `controlplane.loadgen` (the
-  code of `heteroplane loadgen`), one seeded Poisson trace of {args.duration_s:g} s per level;
+  type whose `{MODEL}` takes that long); queries sent open loop by `controlplane.clients.loadgen`
+  (the code of `heteroplane loadgen`), one seeded Poisson trace of {args.duration_s:g} s per level;
   P99 of the end-to-end latency at the client.
 - The estimator: `estimator.simulator` on the same trace, with the same profile file, fleet, batch
   size and dispatch policy (FCFS, the plan's); P99 of the response times.

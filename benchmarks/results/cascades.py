@@ -16,9 +16,9 @@ The approaches, all on one instance type and all simulated on the same trace:
   paper grid-searches its baselines, and the least N whose P99 over the trace is within the SLO
   kept; at a target, the cheapest model whose validation accuracy reaches it.
 - **model switching** (the paper's MS+): a gear plan restricted to single-model gears
-  (``controlplane.gears.plan_gears`` with an empty threshold grid, so every candidate is one
-  model) on a placement of N instances over the models, switched by CascadeServe's rule inside the
-  simulator (``simulate_gear_switching``: every 100 ms the gear of the QPS counted over the last
+  (``controlplane.policies.gears.plan_gears`` with an empty threshold grid, so every candidate is
+  one model) on a placement of N instances over the models, switched by CascadeServe's rule inside
+  the simulator (``simulate_gear_switching``: every 100 ms the gear of the QPS counted over the last
   :data:`WINDOW_S`, alpha = 8).
 - **cascades with gear switching** (CascadeServe): the same, with every cascade of the placed
   models (thresholds 0.1 to 0.9) as candidate gears.
@@ -46,7 +46,7 @@ percent, as the tables show them.
 Caveats: the placement search is a heuristic (a beam for cascades, and only the best predicted
 placements simulated), so the gear approaches' counts are upper bounds on their least counts;
 accuracies are measured on the validation samples the cascade thresholds were chosen on; each
-model has its own instances (``controlplane.gears.Placement``), where the paper's MS+ and
+model has its own instances (``controlplane.policies.gears.Placement``), where the paper's MS+ and
 CascadeServe co-locate several models on a GPU; the latency profiles are measured when the
 experiment runs, with preempted samples clipped (:func:`clip_outliers`).
 """
@@ -72,7 +72,7 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
-from controlplane.gears import GearPlan, Placement, plan_gears, simulate_gear_switching
+from controlplane.policies.gears import GearPlan, Placement, plan_gears, simulate_gear_switching
 from estimator.cascades import candidate_cascades, cascade_chains, evaluate
 from estimator.errors import NoFeasibleGearError
 from estimator.fleet import Fleet
@@ -895,7 +895,7 @@ def _cap_note(setup: Setup, per_slo: Sequence[dict[str, Any]]) -> str:
     reasons = []
     if beyond:
         reasons.append(
-            f"{'; '.join(beyond)}: the planner's rule (`controlplane/gears.py`, SP4) takes"
+            f"{'; '.join(beyond)}: the planner's rule (`controlplane/policies/gears.py`, SP4) takes"
             " only caps whose path bound, twice the batch's mean latency at each stage (a query"
             " may wait for the batch in service, then for its own), stays within the SLO, where"
             " the single-model search tries every cap whose mean batch latency is within it and"
@@ -976,8 +976,8 @@ def _what(setup: Setup, beam: int, cap_note: str) -> str:
 - Approaches (module docstring of `benchmarks/results/cascades.py`): *single model*: the least
   instances of one model, provisioned for the whole trace, FCFS dynamic batching with the best
   batch cap (every power of two tried in simulation); *switching between
-  single models*: a gear plan (`controlplane/gears.py`) with single-model gears only; *cascades
-  with gear switching*: the gear plan over every cascade of the placed models (thresholds
+  single models*: a gear plan (`controlplane/policies/gears.py`) with single-model gears only;
+  *cascades with gear switching*: the gear plan over every cascade of the placed models (thresholds
   0.1-0.9); both switched by CascadeServe's rule (alpha = 8) in the simulator every 100 ms on the
   QPS counted over the last {window:g} s, {n_ranges} QPS ranges up to {headroom:g}x the peak rate.
 - Placements for the gear approaches: for cascades a beam search over instance counts per model

@@ -2,8 +2,8 @@
 
 This experiment owns the INFaaS result of issue 11 (Romero et al., USENIX ATC'21, sections 4.1
 and 4.2): the cost in USD of serving a load, and the share of queries answered within the
-latency SLO, when a query names only its app and its needs (``controlplane.variants``) and the
-system picks and scales the variant, against a user's static choice: the most accurate model
+latency SLO, when a query names only its app and its needs (``controlplane.policies.variants``) and
+the system picks and scales the variant, against a user's static choice: the most accurate model
 pinned on the GPU type and provisioned for the peak. Both are simulated
 (``estimator.simulator``) on a flat low load and on a fluctuating one, for two apps that differ
 only in their accuracy floor.
@@ -20,7 +20,8 @@ the one with the highest Q_v is kept: INFaaS's variants include the batch size.
 
 **Model-less selection and autoscaling** (INFaaS, as modelled here). Every :data:`TICK_S` (the
 Model-Autoscaler's 1 s) the controller measures the load lambda over the last :data:`WINDOW_S`
-(the monitoring daemon's 2 s) and offers ``controlplane.variants.choose`` every variant v with
+(the monitoring daemon's 2 s) and offers ``controlplane.policies.variants.choose`` every variant v
+with
 
 - n_v = ceil(lambda / (U Q_v)) instances, U = :data:`UTILISATION` (the VM-Autoscaler adds a
   worker when utilisation passes 80%, section 4.2.3);
@@ -32,8 +33,8 @@ Model-Autoscaler's 1 s) the controller measures the load lambda over the last :d
 and takes the cheapest variant that meets the app's latency SLO and accuracy floor. Then
 
 - same variant, more instances: the new ones start at once and serve after the type's boot time
-  (``controlplane.tuner.default_boot_s``: 30 s for CPU types, 60 s for GPU types), billed from
-  their start (model-horizontal and VM-level scaling);
+  (``controlplane.policies.tuner.default_boot_s``: 30 s for CPU types, 60 s for GPU types), billed
+  from their start (model-horizontal and VM-level scaling);
 - same variant, fewer: instances are removed only down to the largest n the variant needed over
   the last T_v, T_v = the type's boot time (section 4.2.2 waits T_v, the loading latency);
 - another variant (model-vertical scaling: another model or another type): taken at once when
@@ -77,9 +78,9 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
-from controlplane.profiler import emulated_profiles
-from controlplane.tuner import default_boot_s
-from controlplane.variants import Requirements, VariantOption, choose
+from controlplane.apps.profiler import emulated_profiles
+from controlplane.policies.tuner import default_boot_s
+from controlplane.policies.variants import Requirements, VariantOption, choose
 from estimator.catalog import default_catalog
 from estimator.profiles import LatencyProfile
 from estimator.simulator import InstanceSpec, Stage, simulate
@@ -97,7 +98,7 @@ WINDOW_S = 2.0  # the monitoring daemon's period (section 5)
 # lambda x T_load of the ILP's cost of loading an instance (section 4.2.1; INFaaS leaves lambda
 # tunable): a newly started instance weighs a quarter more than a running one in the choice.
 LOAD_WEIGHT = 0.25
-# The saturation probes of a variant, as the gear planner's (controlplane.gears).
+# The saturation probes of a variant, as the gear planner's (controlplane.policies.gears).
 PROBE_QUERIES = 2_000
 BISECTION_STEPS = 6
 PROBE_UTILISATION_CAP = 0.9
@@ -688,7 +689,7 @@ def _what(
 - Loads (seeded, Q_gpu = {static.saturation_qps:.0f} qps, what one `{static.name}` instance
   carries within the SLO):
 {load_lines}
-- Model-less: `controlplane.variants.choose` every {TICK_S:g} s on the load of the last
+- Model-less: `controlplane.policies.variants.choose` every {TICK_S:g} s on the load of the last
   {WINDOW_S:g} s, each variant with ceil(load / ({UTILISATION:g} Q_v)) instances and its cost
   per query, an instance still to start weighing {1 + LOAD_WEIGHT:g}x (the ILP's lambda T_load
   = {LOAD_WEIGHT:g}); new instances boot for {boot} s, billed from their start; scale-downs and

@@ -17,9 +17,9 @@ test traces of ``TRACE_S`` each, all with mean rate about R:
   is R (:func:`bursty_profile`): bursts longer than an instance's boot, and burstier arrivals
   than planned for.
 
-Four methods per trace, replayed by ``controlplane.replay.replay`` (the discrete-event simulator on
-the measured latency samples; boot 60 s for the GPU type, 30 s for the others): *tuner* = the
-planner's plan for the planning trace, scaled by InferLine's tuner (planned envelope from the
+Four methods per trace, replayed by ``controlplane.policies.replay.replay`` (the discrete-event
+simulator on the measured latency samples; boot 60 s for the GPU type, 30 s for the others): *tuner*
+= the planner's plan for the planning trace, scaled by InferLine's tuner (planned envelope from the
 planning trace); *static peak* and *static mean* = the planner on the planning trace scaled to
 the test trace's highest 20 s rate and to its mean rate, static (InferLine's CG-Peak and CG-Mean,
 which are told each trace's peak and mean); *utilization* = the tuner's plan with the reactive
@@ -33,7 +33,8 @@ at their defaults (350 ms, R, CV^2 = 4); the default point is the tuner's plan.
 The spec's budget is issue 4's 20 USD/hr (``BUDGET_USD_PER_HR`` of benchmarks/inferline_tuner.py):
 it binds for no plan here (the costliest is below 7 USD/hr). The space of mixes it affords is past
 the planner's 200,000-mix limit, so the planner finds its start among the mixes up to the smallest
-doubled budget that holds one covering the peak (``controlplane.planner.MAX_RANKED_MIXES``).
+doubled budget that holds one covering the peak
+(``controlplane.policies.planner.MAX_RANKED_MIXES``).
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
-from controlplane.planner import Plan, plan_app, scale_trace
-from controlplane.replay import ReplayResult, ScalingPolicy
+from controlplane.policies.planner import Plan, plan_app, scale_trace
+from controlplane.policies.replay import ReplayResult, ScalingPolicy
 from controlplane.spec import ResolvedApp
 from estimator.batches import BatchDistribution, parse_batch_distribution
 from estimator.traces import RateProfile, Trace, constant_profile
@@ -437,14 +438,14 @@ def what_text(data: dict[str, Any]) -> str:
   the first 20,000 of a trace). Test traces, each of mean about R:
 {traces}
 - Methods: *tuner* = the planner's plan for the planning trace scaled by InferLine's tuner
-  (controlplane/tuner.py, planned envelope from the planning trace); *static peak* and *static
-  mean* = the planner on the planning trace scaled to the test trace's highest {PEAK_WINDOW_S:g} s
-  rate and to its mean rate, static (InferLine's CG-Peak and CG-Mean: they are told each trace's
-  peak and mean); *utilization* = the tuner's plan under a reactive target-tracking autoscaler
-  (70% of the last 60 s rate, 60 s cooldown). The tuner's plan is made once and used on all three
-  traces, as a user plans once; the static plans are made per trace.
-- Replays (controlplane.replay): the discrete-event simulator on the measured Kairos latency
-  samples, one seed for every replay; instances boot in 60 s (g4dn.xlarge) or 30 s (the CPU
+  (controlplane/policies/tuner.py, planned envelope from the planning trace); *static peak* and
+  *static mean* = the planner on the planning trace scaled to the test trace's highest
+  {PEAK_WINDOW_S:g} s rate and to its mean rate, static (InferLine's CG-Peak and CG-Mean: they are
+  told each trace's peak and mean); *utilization* = the tuner's plan under a reactive
+  target-tracking autoscaler (70% of the last 60 s rate, 60 s cooldown). The tuner's plan is made
+  once and used on all three traces, as a user plans once; the static plans are made per trace.
+- Replays (controlplane.policies.replay): the discrete-event simulator on the measured Kairos
+  latency samples, one seed for every replay; instances boot in 60 s (g4dn.xlarge) or 30 s (the CPU
   types) and are billed from launch. Cost is USD over the trace and mean USD/hr; "over SLO" is the
   share of queries answered in more than {s["slo_ms"]:g} ms.
 - Sensitivity (InferLine Figure 10): the planner's plan for the planning trace with one of SLO,

@@ -2,9 +2,10 @@
 
 Every route but ``/healthz`` requires ``Authorization: Bearer <token>`` (RFC 6750). A missing,
 malformed, unknown or revoked token is 401 with ``WWW-Authenticate: Bearer``; a known token
-whose scope does not include the one the route needs is 403 (scopes: ``controlplane.auth``).
-Routes declare their scope with ``Depends(require(Scope.OPERATOR))`` and receive the
-:class:`~controlplane.store.Principal` (its name is what audit rows record as *who*).
+whose scope does not include the one the route needs is 403 (scopes:
+``controlplane.policies.auth``). Routes declare their scope with
+``Depends(require(Scope.OPERATOR))`` and receive the :class:`~controlplane.db.store.Principal` (its
+name is what audit rows record as *who*).
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from controlplane.api.counters import RequestCounter
 from controlplane.api.errors import ApiError, unauthorized
-from controlplane.api.resolver import AppResolver
-from controlplane.auth import Scope, scope_allows
+from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
-from controlplane.scheduler import Scheduler
+from controlplane.db.store import Principal, Store
+from controlplane.loops.scheduler import Scheduler
+from controlplane.policies.auth import Scope, scope_allows
 from controlplane.settings import Settings
-from controlplane.store import Principal, Store
 
 if TYPE_CHECKING:  # the serving loop imports the API's resolver: only a type here
     from controlplane.serving.loop import ServingLoop

@@ -3,8 +3,8 @@
 Requests forbid unknown fields (a misspelt key is an error naming it, not a silently ignored
 option) and bound every number: finite, and within a range no honest caller leaves (a budget of
 at most :data:`MAX_BUDGET_USD_PER_HR`, a planning trace of at most
-:data:`~controlplane.planner.PLANNING_QUERIES` queries), so that bad input is a 422, never a
-5xx or an hour of simulation. The app spec itself is :class:`controlplane.spec.AppSpec`, the same
+:data:`~controlplane.policies.planner.PLANNING_QUERIES` queries), so that bad input is a 422, never
+a 5xx or an hour of simulation. The app spec itself is :class:`controlplane.spec.AppSpec`, the same
 document the CLI reads. Responses are built from the store's records by the routes.
 """
 
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controlplane.planner import PLANNING_QUERIES
+from controlplane.policies.planner import PLANNING_QUERIES
 
 __all__ = [
     "DEFAULT_TRACE_QUERIES",

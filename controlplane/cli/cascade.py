@@ -1,7 +1,7 @@
 """``heteroplane cascade evaluate``: the demo family's models alone and the Pareto set of cascades.
 
 Trains (or loads) the demo model family, reads its validation records, measures each model's
-compute per query on this machine (its mean latency at batch size 1, ``controlplane.profiler``;
+compute per query on this machine (its mean latency at batch size 1, ``controlplane.apps.profiler``;
 or takes it from a profile file), evaluates every ordered chain of models, cheapest first, with
 every threshold combination of a grid (``estimator.cascades``), and prints the Pareto set
 (accuracy up, compute down). The *best* cascade is the cheapest whose accuracy is within
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from controlplane import profiler
+from controlplane.apps import profiler
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.profile import load_family, parse_models
 from estimator.cascades import (

@@ -3,17 +3,17 @@ in the data directory, the local provisioner, http://127.0.0.1:8000; the setting
 serve``, with ``--host``/``--port`` over them) with the demo app registered, planned and served
 by local workers, drives a demo load against it, and serves until SIGINT or SIGTERM.
 
-Before serving it makes sure, idempotently (:mod:`controlplane.demo`), that the demo model family
-is trained into the data directory, that its latency profiles are measured
+Before serving it makes sure, idempotently (:mod:`controlplane.service.demo`), that the demo model
+family is trained into the data directory, that its latency profiles are measured
 (``<data_dir>/profiles/family.json``, ``--profile-samples`` runs per cell, once), that the demo
 app is registered (the cheapest cascade of the family as accurate as its best model, on the
 emulated types ``emu.cpu.small`` and ``emu.cpu.large``), that it has an applied plan (one previewed
 for ``--rate-qps`` and applied when it has none; the reconciler then launches its workers), and
 that an admin token for the demo is in ``<data_dir>/demo-token``; then it prints a "ready"
 banner on stderr with the URL, where the token is and commands to try, and, unless
-``--no-load``, starts the demo load (``controlplane.loadgen`` against itself at a rate that rises
-and falls every few minutes, a line per period on stderr) so that the dashboard moves. Starting
-it again on the same data directory finds everything there and adds nothing.
+``--no-load``, starts the demo load (``controlplane.clients.loadgen`` against itself at a rate that
+rises and falls every few minutes, a line per period on stderr) so that the dashboard moves.
+Starting it again on the same data directory finds everything there and adds nothing.
 
 ``heteroplane demo --offline`` is the estimator demo, with no service
 (:mod:`controlplane.cli.demo_offline`): rm2 on a GPU fleet and on a mixed fleet over a sweep of
@@ -30,8 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from controlplane import profiler
 from controlplane.api.errors import ApiError
+from controlplane.apps import profiler
 from controlplane.cli import demo_offline
 from controlplane.cli.db import add_config_option
 from controlplane.cli.output import UsageError, progress
@@ -44,7 +44,9 @@ from controlplane.cli.serve import (
     serve_until_stopped,
 )
 from controlplane.db.session import redact_url
-from controlplane.demo import (
+from controlplane.db.store import PlanRecord
+from controlplane.service.build import build_service
+from controlplane.service.demo import (
     DEMO_APP,
     DEMO_RATE_QPS,
     DemoLoad,
@@ -52,9 +54,7 @@ from controlplane.demo import (
     prepare_demo,
     prepare_family,
 )
-from controlplane.service import build_service
 from controlplane.settings import load_settings
-from controlplane.store import PlanRecord
 
 __all__ = ["DEFAULT_PROFILES", "register"]
 

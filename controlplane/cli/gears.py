@@ -1,6 +1,6 @@
 """``heteroplane gears``: the gear plan of a cascade app on a fixed placement (CascadeServe).
 
-The algorithm lives in ``controlplane.gears`` (docs/cascades.md, "Cascades, gears and
+The algorithm lives in ``controlplane.policies.gears`` (docs/cascades.md, "Cascades, gears and
 allocation"); this module reads the spec, the validation records, the profiles and the placement
 (``--placement`` text, or the fleets of a ``heteroplane plan --json`` document) and prints the
 gear plan: the finalist cascades with their max sustainable QPS under the SLO, and the gear of
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.cli.output import UsageError, emit, progress
-from controlplane.gears import DEFAULT_RANGES, GearPlan, Placement, plan_gears
-from controlplane.replay import read_plan
+from controlplane.policies.gears import DEFAULT_RANGES, GearPlan, Placement, plan_gears
+from controlplane.policies.replay import read_plan
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
 from estimator.cascades import DEFAULT_THRESHOLD_GRID, load_validation
 from estimator.fleet import Fleet

@@ -3,9 +3,9 @@
 Each row of the trace (``arrival_s``, ``batch_size``, optional ``sample_id``) is one query to
 ``POST /v1/apps/APP/infer``, sent at its arrival time whatever the answers do; its inputs are the
 demo family's validation samples (the row's ``sample_id``, else the row's index, and the ones
-after it for a batch: :mod:`controlplane.loadgen`). The samples are the digits of the family's
-validation split, rebuilt from the seed in the app's validation records when that file can be
-read here (else the family's default seed), so sample i is the one the records describe.
+after it for a batch: :mod:`controlplane.clients.loadgen`). The samples are the digits of the
+family's validation split, rebuilt from the seed in the app's validation records when that file can
+be read here (else the family's default seed), so sample i is the one the records describe.
 
 Progress goes to stderr every ``--progress-s`` seconds; at the end it prints the queries sent,
 answered and failed (by kind: HTTP status, timeout, connection), p50 and p99 of the end-to-end
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
-    from controlplane.loadgen import LoadProgress, LoadSummary
+    from controlplane.clients.loadgen import LoadProgress, LoadSummary
 
 __all__ = ["AppTarget", "app_target", "register", "validation_inputs"]
 
@@ -70,7 +70,7 @@ def _count(text: str) -> int:
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``loadgen``."""
-    from controlplane import loadgen
+    from controlplane.clients import loadgen
 
     parser = subparsers.add_parser(
         "loadgen",
@@ -189,7 +189,7 @@ def validation_inputs(seed: int | None) -> NDArray[np.float32]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from controlplane import loadgen
+    from controlplane.clients import loadgen
 
     url: str = args.url or os.environ.get(URL_ENV) or DEFAULT_URL
     token: str | None = args.token or os.environ.get(TOKEN_ENV)

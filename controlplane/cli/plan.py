@@ -1,7 +1,8 @@
 """``heteroplane plan``: the cheapest fleet, batch size and replicas that meet an app's SLO.
 
-The algorithm lives in ``controlplane.planner`` (InferLine Algorithms 1 and 2 over Kairos-ranked
-instance mixes, docs/planner.md); this module reads the spec and the trace and prints the plan.
+The algorithm lives in ``controlplane.policies.planner`` (InferLine Algorithms 1 and 2 over
+Kairos-ranked instance mixes, docs/planner.md); this module reads the spec and the trace and prints
+the plan.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from controlplane.cli.output import emit, progress
 from controlplane.cli.pareto import add_pareto_arguments, run_pareto
-from controlplane.planner import PLANNING_QUERIES, Plan, plan_app
+from controlplane.policies.planner import PLANNING_QUERIES, Plan, plan_app
 from controlplane.spec import load_spec, resolve_spec
 from estimator.traces import read_trace_csv, trace_stats
 

@@ -3,7 +3,7 @@
 ``profile measure`` times each model of the family (``provisioners.worker.family``) at each batch
 size on this machine (the reference type ``local.cpu``), derives the emulated instance types'
 profiles from it by their catalog speed factors, and writes the project's profile JSON; the timing
-lives in ``controlplane.profiler``. ``profile show`` summarises any profile file (the JSON or a
+lives in ``controlplane.apps.profiler``. ``profile show`` summarises any profile file (the JSON or a
 Kairos samples CSV): mean latency per model, instance type and batch size.
 """
 
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controlplane import profiler
+from controlplane.apps import profiler
 from controlplane.cli.output import UsageError, emit, progress
 from estimator.catalog import Catalog, InstanceType, default_catalog, load_catalog
 from estimator.profiles import LatencyProfile, ProfileSet, load_profiles, write_profiles_json

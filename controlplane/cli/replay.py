@@ -1,7 +1,7 @@
 """``heteroplane replay``: a trace through a plan's fleet as a scaling policy changes it.
 
-The work is :func:`controlplane.replay.replay`; this module reads the spec, the plan and the traces,
-maps the options to a scaling policy and prints the result (``docs/replay.md``).
+The work is :func:`controlplane.policies.replay.replay`; this module reads the spec, the plan and
+the traces, maps the options to a scaling policy and prints the result (``docs/replay.md``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from controlplane.cli.output import UsageError, emit
-from controlplane.replay import ScalingPolicy, read_plan, replay
+from controlplane.policies.replay import ScalingPolicy, read_plan, replay
 from controlplane.spec import load_spec, resolve_spec
 from estimator.traces import read_trace_csv
 

@@ -27,7 +27,7 @@ import uvicorn
 from controlplane.cli.db import add_config_option
 from controlplane.cli.output import UsageError
 from controlplane.db.session import redact_url
-from controlplane.service import Service, build_service
+from controlplane.service.build import Service, build_service
 from controlplane.settings import load_settings
 
 __all__ = [

@@ -3,7 +3,7 @@
 ``token create`` works whether the service is running or not: it brings the database to the
 newest schema first (a no-op when it is there), stores the token's SHA-256, and prints the token
 alone on stdout (it is shown this once), so that ``TOKEN=$(heteroplane token create --scope
-admin)`` captures it. Scopes are described in ``controlplane.auth`` and docs/service.md.
+admin)`` captures it. Scopes are described in ``controlplane.policies.auth`` and docs/service.md.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import argparse
 import sys
 from typing import Any
 
-from controlplane.auth import Scope
 from controlplane.cli.db import add_config_option
 from controlplane.cli.output import emit
+from controlplane.db.store import Store, TokenRecord
+from controlplane.policies.auth import Scope
 from controlplane.settings import load_settings
-from controlplane.store import Store, TokenRecord
 
 __all__ = ["register"]
 

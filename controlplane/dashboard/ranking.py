@@ -1,8 +1,8 @@
 """Why the plan chose its mix: the Kairos bound ranking of the app's instance mixes, for the
 dashboard's plan panel.
 
-The planner (:mod:`controlplane.planner`, Algorithm 1's start) ranks every affordable instance
-mix by its Kairos throughput upper bound (``estimator.bounds.rank_configurations``, Kairos
+The planner (:mod:`controlplane.policies.planner`, Algorithm 1's start) ranks every affordable
+instance mix by its Kairos throughput upper bound (``estimator.bounds.rank_configurations``, Kairos
 section 5.2) and starts from the cheapest mix whose bound, times the headroom, covers the
 planning trace's peak; Algorithms 1 and 2 then add and cut instances with the simulator. The plan
 document keeps the steps in words; this module recomputes the ranking itself, per stage, on the
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.planner import HEADROOM
+from controlplane.policies.planner import HEADROOM
 from controlplane.spec import ResolvedApp
 from estimator.batches import FixedBatch, KairosMix, kairos_batch_pmf, parse_batch_distribution
 from estimator.bounds import Ranking, kairos_quantities, rank_configurations, upper_bounds

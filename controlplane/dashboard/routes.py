@@ -38,9 +38,7 @@ from starlette.concurrency import run_in_threadpool
 
 from controlplane.api.deps import Services, ServicesDep
 from controlplane.api.errors import ApiError, unauthorized
-from controlplane.api.resolver import smallest_common_batch_size
-from controlplane.auth import Scope, scope_allows
-from controlplane.budget import qps_by_type
+from controlplane.apps.resolver import smallest_common_batch_size
 from controlplane.dashboard.ranking import RankingCache, bound_ranking
 from controlplane.dashboard.snapshot import (
     DEFAULT_WINDOW_S,
@@ -52,8 +50,10 @@ from controlplane.dashboard.snapshot import (
     WorkersFn,
     build_snapshot,
 )
+from controlplane.db.store import AppRecord, PlanRecord, Principal
 from controlplane.errors import ControlPlaneError
-from controlplane.store import AppRecord, PlanRecord, Principal
+from controlplane.policies.auth import Scope, scope_allows
+from controlplane.policies.drain import qps_by_type
 from estimator.errors import EstimatorError
 
 __all__ = ["COOKIE_NAME", "DashboardState", "install_dashboard", "router"]

@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from controlplane.lifecycle import LIVE_STATES, InstanceState
-from controlplane.store import (
+from controlplane.db.store import (
     AppRecord,
     BudgetChangeRecord,
     DecisionRecord,
@@ -49,6 +48,7 @@ from controlplane.store import (
     PlanRecord,
     Store,
 )
+from controlplane.policies.lifecycle import LIVE_STATES, InstanceState
 
 __all__ = [
     "DECISIONS_SHOWN",

@@ -8,7 +8,7 @@ Tables (docs/service.md describes each column):
 - ``budget_changes``: the audit trail of an app's budget (who, when, old, new, why);
 - ``plans``: previewed, applied and superseded plans of an app (the ``Plan.to_document`` JSON);
 - ``instances`` and ``instance_events``: the machines we run and every move through the lifecycle
-  table of :mod:`controlplane.lifecycle`;
+  table of :mod:`controlplane.policies.lifecycle`;
 - ``decisions``: what the policies decided and why (scale up/down, gear switches, replans);
 - ``metric_samples``: the rolled-up load, latency, SLO attainment and cost of an app over time;
 - ``api_tokens``: the SHA-256 hashes of the API tokens with their scope.
@@ -46,8 +46,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from controlplane.auth import Scope
-from controlplane.lifecycle import InstanceState
+from controlplane.policies.auth import Scope
+from controlplane.policies.lifecycle import InstanceState
 
 __all__ = [
     "NAMING_CONVENTION",

@@ -40,7 +40,7 @@ This module owns how an app's queries flow through its workers while the service
   states` marks (model, instance) pairs overloaded or interfered, and rounds leave interfered
   instances out while the model has an active one.
 - **Model-less queries** (INFaaS): a request with requirements (latency, minimum accuracy) gets
-  the cheapest variant that meets them (:func:`controlplane.variants.choose` over the app's
+  the cheapest variant that meets them (:func:`controlplane.policies.variants.choose` over the app's
   cascade, the gear in force and each of its models alone, with latency predicted as admission
   predicts it and accuracy from the validation records), or a
   :class:`~controlplane.errors.RequirementsUnmetError` naming the closest offer.
@@ -72,6 +72,7 @@ from controlplane.errors import (
     ServingError,
     WorkerCallError,
 )
+from controlplane.policies.variants import Requirements, VariantOption, VariantState, choose
 from controlplane.serving.admission import (
     DEFAULT_MAX_QUEUED_SAMPLES,
     StageLoad,
@@ -82,7 +83,6 @@ from controlplane.serving.observations import Observations
 from controlplane.serving.states import ModelState, StateTracker, is_overloaded, model_state
 from controlplane.serving.transport import WorkerReply, WorkerTransport
 from controlplane.serving.workers import Worker, WorkerEndpoint
-from controlplane.variants import Requirements, VariantOption, VariantState, choose
 from estimator.cascades import Cascade, ValidationRecords, evaluate
 from estimator.policies import full_range_types, policy_factory
 from estimator.profiles import LatencyProfile

@@ -35,9 +35,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from controlplane.api.resolver import AppResolver
+from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock, SystemClock
+from controlplane.db.store import Store
 from controlplane.errors import ControlPlaneError, NotFoundError, ServingUnavailableError
+from controlplane.policies.variants import Requirements
 from controlplane.serving.dispatcher import (
     AppConfig,
     AppDispatcher,
@@ -53,8 +55,6 @@ from controlplane.serving.states import StateTracker
 from controlplane.serving.transport import HttpWorkerTransport, WorkerTransport
 from controlplane.serving.workers import InstanceSource
 from controlplane.spec import SpecError
-from controlplane.store import Store
-from controlplane.variants import Requirements
 from estimator.cascades import Cascade
 from estimator.errors import EstimatorError
 
@@ -360,7 +360,7 @@ class ServingLoop:
 
     def arrivals(self, app: str) -> NDArray[np.float64]:
         """The app's recent arrival times on the clock's ``now_s`` (oldest first): the live
-        tuner's arrival source (``controlplane.live_tuner.ArrivalSource``). Thread-safe."""
+        tuner's arrival source (``controlplane.loops.live_tuner.ArrivalSource``). Thread-safe."""
         return self.observations.arrival_s(app)
 
     def take_window(self, app: str) -> WindowSummary | None:

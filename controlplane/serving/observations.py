@@ -3,8 +3,8 @@
 - **Arrivals** (:meth:`Observations.arrival_s`): the arrival time of every query (admitted or
   refused: the tuner scales for the demand, not for what was let in), in a ring buffer of the
   last :data:`ARRIVALS_KEPT`, on the serving loop's monotonic clock. They are what InferLine's
-  tuner compares with the planning envelope (``controlplane.tuner.tune(arrival_s, now_s, ...)``:
-  the live arrival envelope over windows up to 60 s) and what a gear switcher's measured QPS
+  tuner compares with the planning envelope (``controlplane.policies.tuner.tune(arrival_s, now_s,
+  ...)``: the live arrival envelope over windows up to 60 s) and what a gear switcher's measured QPS
   comes from (:meth:`Observations.rate_qps`).
 - **Windows** (:meth:`Observations.take_window`): latency and SLO attainment of the queries
   answered since the last call (the roll-up job calls it once per run, every ``rollup_s``,

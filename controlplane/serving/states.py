@@ -26,7 +26,7 @@ An instance is interfered before it is overloaded (:func:`model_state`): the rem
 interference is elsewhere (another instance), for overload more capacity or a faster variant.
 The dispatcher leaves interfered instances out of matching while the model has an active one;
 overload is a verdict on the model's queue, which the model-less variant choice
-(:mod:`controlplane.variants`) and admission control read. The tuner and the dashboard read
+(:mod:`controlplane.policies.variants`) and admission control read. The tuner and the dashboard read
 both through ``GET /v1/apps/{app}/serving`` and ``/metrics``.
 
 >>> is_overloaded(queued_samples=300, capacity_sps=1000.0, slo_ms=200.0)

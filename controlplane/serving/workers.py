@@ -33,8 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from controlplane.lifecycle import InstanceState
-from controlplane.store import Store
+from controlplane.db.store import Store
+from controlplane.policies.lifecycle import InstanceState
 from provisioners.base import APP_TAG, Provisioner
 from provisioners.errors import ProvisionerError
 

@@ -43,8 +43,8 @@ __all__ = [
     "read_reference_curves",
 ]
 
-# The machine the profiler measures; the same name as controlplane.profiler.REFERENCE_TYPE (this
-# package may not import it).
+# The machine the profiler measures; the same name as controlplane.apps.profiler.REFERENCE_TYPE
+# (this package may not import it).
 REFERENCE_TYPE = "local.cpu"
 PROFILE_FORMAT = "heteroplane.profiles/v1"
 

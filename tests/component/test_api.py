@@ -23,12 +23,12 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.api import create_app
 from controlplane.clock import FAKE_EPOCH, FakeClock
+from controlplane.db.store import Store
 from controlplane.errors import InvalidValueError
-from controlplane.scheduler import GuardedJob, JobBodies, JobSchedule, Scheduler
+from controlplane.loops.scheduler import GuardedJob, JobBodies, JobSchedule, Scheduler
+from controlplane.service.app import create_app
 from controlplane.settings import Settings
-from controlplane.store import Store
 
 # Sub-linear in the batch size, as in tests/unit/test_planner.py: planning takes milliseconds.
 SHAPES = {"g4dn.xlarge": (3.0, 1.0), "r5n.large": (8.0, 4.0), "t3.xlarge": (12.0, 6.0)}

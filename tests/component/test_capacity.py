@@ -1,7 +1,8 @@
-"""Capacity fallback (``controlplane/capacity.py``) over the service as ``build_service`` wires it:
-the real store through its migrations, the reconciler on the fake provisioner (whose
-``fail_capacity`` answers launches of a type with ``InsufficientCapacityError``, as the EC2
-provisioner does once every subnet missed), the planner on measured-shape profiles, a fake clock.
+"""Capacity fallback (``controlplane/loops/capacity_replan.py``) over the service as
+``build_service`` wires it: the real store through its migrations, the reconciler on the fake
+provisioner (whose ``fail_capacity`` answers launches of a type with ``InsufficientCapacityError``,
+as the EC2 provisioner does once every subnet missed), the planner on measured-shape profiles, a
+fake clock.
 
 An app planned on three types loses the capacity of the planned type that carries the most
 instances: the reconciler keeps retrying it and reports the miss; once the miss is older than
@@ -20,13 +21,13 @@ from typing import Any
 
 import pytest
 
-from controlplane.api.resolver import AppResolver, spec_document
 from controlplane.api.routes.plans import planning_trace
 from controlplane.api.schemas import PlanIn, TraceIn
-from controlplane.capacity import CapacityReplanner, plan_fleet_counts
+from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import FakeClock
-from controlplane.planner import plan_app
-from controlplane.service import Service, build_service
+from controlplane.loops.capacity_replan import CapacityReplanner, plan_fleet_counts
+from controlplane.policies.planner import plan_app
+from controlplane.service.build import Service, build_service
 from controlplane.settings import Settings
 from provisioners.fake import FakeProvisioner
 from tests.component.test_api import spec, write_profiles

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.cli import main
-from controlplane.store import Store
+from controlplane.db.store import Store
 
 HETEROPLANE = Path(sys.executable).with_name("heteroplane")
 

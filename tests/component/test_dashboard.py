@@ -17,11 +17,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from controlplane.api import create_app
 from controlplane.clock import FakeClock
 from controlplane.dashboard import COOKIE_NAME, ranking, snapshot
+from controlplane.db.store import Store
+from controlplane.service.app import create_app
 from controlplane.settings import Settings
-from controlplane.store import Store
 from tests.component.test_api import spec, write_profiles
 
 SCOPES = ("admin", "operator", "viewer", "infer")

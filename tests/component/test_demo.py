@@ -1,6 +1,6 @@
-"""The demo's setup (:mod:`controlplane.demo`) in-process: the token file is made once, kept while
-it verifies, and replaced (the lost token revoked) when it does not; the family's cascade is the
-cheapest as accurate as its best model; the profiles, the app and its first plan are made once,
+"""The demo's setup (:mod:`controlplane.service.demo`) in-process: the token file is made once, kept
+while it verifies, and replaced (the lost token revoked) when it does not; the family's cascade is
+the cheapest as accurate as its best model; the profiles, the app and its first plan are made once,
 and a second run on the same service finds them; an rm2 demo app of earlier versions is replaced;
 the demo load runs period after period against a fake service until stopped."""
 
@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controlplane.demo import (
+from controlplane.db.store import Store
+from controlplane.service.build import Service, build_service
+from controlplane.service.demo import (
     DEMO_APP,
     DEMO_BUDGET_USD_PER_HR,
     PROFILES_FILE,
@@ -28,10 +30,8 @@ from controlplane.demo import (
     load_trace,
     prepare_demo,
 )
-from controlplane.service import Service, build_service
 from controlplane.settings import Settings
 from controlplane.spec import validate_spec
-from controlplane.store import Store
 from estimator.cascades import Cascade, load_validation
 from tests.conftest import KAIROS_CSV, needs_shared
 

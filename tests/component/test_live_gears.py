@@ -15,10 +15,10 @@ import pytest
 
 from controlplane.clock import FakeClock
 from controlplane.db import migrate
-from controlplane.gears import Gear, GearOption, GearPlan, Placement
-from controlplane.live_gears import LiveGears, ready_share
+from controlplane.db.store import AppRecord, Store
+from controlplane.loops.live_gears import LiveGears, ready_share
+from controlplane.policies.gears import Gear, GearOption, GearPlan, Placement
 from controlplane.serving.dispatcher import AppStatus, StageStatus
-from controlplane.store import AppRecord, Store
 from estimator.cascades import Cascade, CascadeQuality
 from tests.unit import cascade_support as family
 

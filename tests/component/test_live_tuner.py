@@ -14,9 +14,9 @@ import pytest
 
 from controlplane.clock import FakeClock
 from controlplane.db import migrate
-from controlplane.live_tuner import LiveTuner
+from controlplane.db.store import AppRecord, Store
+from controlplane.loops.live_tuner import LiveTuner
 from controlplane.spec import resolve_spec, validate_spec
-from controlplane.store import AppRecord, Store
 from estimator.envelope import tuner_windows_s
 
 SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
@@ -276,7 +276,7 @@ def test_a_malformed_envelope_falls_back_to_the_poisson_proxy(
     app = applied(store, tmp_path, 2, 50.0, 0.5, envelope=envelope)
     tuner = live_tuner(store, clock, feed)
     feed.arrival_s = steady(256.0, 940.0, 1000.0)
-    with caplog.at_level(logging.WARNING, logger="controlplane.live_tuner"):
+    with caplog.at_level(logging.WARNING, logger="controlplane.loops.live_tuner"):
         made = tuner.tick()
     assert [d.action for _, d in made] == ["scale_up"]
     assert tuner.desired_fleet(app)[SMALL] > 2

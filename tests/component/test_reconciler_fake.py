@@ -19,17 +19,17 @@ from hypothesis import strategies as st
 
 from controlplane.clock import FakeClock
 from controlplane.db import migrate
-from controlplane.lifecycle import LIVE_STATES
-from controlplane.reconciler import (
+from controlplane.db.store import AppRecord, InstanceRecord, Store
+from controlplane.loops.reconciler import (
     AppPricing,
     Launch,
     Reconciler,
     ReconcileReport,
     Terminate,
 )
-from controlplane.service import build_service
+from controlplane.policies.lifecycle import LIVE_STATES
+from controlplane.service.build import build_service
 from controlplane.settings import Settings
-from controlplane.store import AppRecord, InstanceRecord, Store
 from provisioners.base import (
     APP_TAG,
     LaunchRequest,

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from controlplane.clock import FAKE_EPOCH, FakeClock
-from controlplane.rollup import make_rollup, roll_up
-from controlplane.scheduler import GuardedJob
-from controlplane.store import Store
+from controlplane.db.store import Store
+from controlplane.loops.rollup import make_rollup, roll_up
+from controlplane.loops.scheduler import GuardedJob
 
 
 def spec(name: str) -> dict[str, object]:

@@ -23,16 +23,18 @@ import httpx
 import numpy as np
 import pytest
 
-from controlplane.api import create_app
-from controlplane.api.resolver import AppResolver, spec_document
+from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import FakeClock, SystemClock
+from controlplane.db.store import Store
 from controlplane.errors import (
     NoServingInstanceError,
     OverloadedError,
     QueryFailedError,
     RequirementsUnmetError,
 )
-from controlplane.rollup import roll_up
+from controlplane.loops.rollup import roll_up
+from controlplane.policies.variants import Requirements
+from controlplane.service.app import create_app
 from controlplane.serving.dispatcher import (
     AppConfig,
     AppDispatcher,
@@ -48,8 +50,6 @@ from controlplane.serving.observations import Observations
 from controlplane.serving.transport import HttpWorkerTransport, WorkerReply
 from controlplane.serving.workers import ProvisionedInstances, StaticInstances, WorkerEndpoint
 from controlplane.settings import Settings
-from controlplane.store import Store
-from controlplane.variants import Requirements
 from estimator.cascades import Cascade
 from estimator.profiles import LatencyProfile
 from provisioners.base import APP_TAG, LaunchRequest, ProvisionedInstance

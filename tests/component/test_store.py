@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from controlplane.db import migrate
+from controlplane.db.store import AppRecord, Principal, Store
 from controlplane.errors import (
     AppExistsError,
     ConflictError,
@@ -25,7 +26,6 @@ from controlplane.errors import (
     NotFoundError,
     UnknownScopeError,
 )
-from controlplane.store import AppRecord, Principal, Store
 
 T0 = datetime(2024, 1, 1, tzinfo=UTC)
 

@@ -34,9 +34,9 @@ from typing import Any
 import pytest
 import uvicorn
 
-from controlplane.service import Service, build_service
+from controlplane.db.store import InstanceRecord
+from controlplane.service.build import Service, build_service
 from controlplane.settings import Settings
-from controlplane.store import InstanceRecord
 from provisioners.local import LocalProvisioner
 
 _START_TIMEOUT_S = 60

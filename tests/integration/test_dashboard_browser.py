@@ -37,8 +37,8 @@ from typing import Any
 import httpx
 import pytest
 
+from controlplane.db.store import Store
 from controlplane.settings import Settings
-from controlplane.store import Store
 from tests.integration.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -35,7 +35,7 @@ import httpx
 import pytest
 
 from controlplane.cli import main
-from controlplane.store import Store
+from controlplane.db.store import Store
 from provisioners.local import LocalProvisioner
 from tests.integration.conftest import free_port, stop_every_worker
 

@@ -2,7 +2,7 @@
 loadgen`` replaying a 5-minute trace, and a worker killed with SIGKILL in the middle.
 
 The app is the one ``heteroplane demo`` serves, made by the same functions
-(:mod:`controlplane.demo`): the family's profiles measured into the data directory (a few
+(:mod:`controlplane.service.demo`): the family's profiles measured into the data directory (a few
 samples: they only price and rank), the cheapest cascade as accurate as the best model, the demo
 spec (100 ms p99 SLO, $0.50/hr, the two emulated types) and the plan previewed for the demo's
 rate and applied; the reconciler launches its workers (one per stage). The real service
@@ -42,7 +42,9 @@ import httpx
 import pytest
 
 from controlplane.cli import main
-from controlplane.demo import (
+from controlplane.db.store import InstanceRecord
+from controlplane.service.build import Service
+from controlplane.service.demo import (
     DEMO_APP,
     DEMO_RATE_QPS,
     DemoFamily,
@@ -50,9 +52,7 @@ from controlplane.demo import (
     prepare_demo,
     prepare_family,
 )
-from controlplane.service import Service
 from controlplane.serving.observations import AppTotals
-from controlplane.store import InstanceRecord
 from estimator.traces import read_trace_csv
 from provisioners.local import LocalProvisioner
 from tests.integration.conftest import (

@@ -5,13 +5,13 @@ recorded.
 The real service (``build_service`` on the local provisioner, its data directory in
 ``tmp_path``) runs behind a real uvicorn server on 127.0.0.1. Its one app serves ``large`` on
 ``emu.cpu.large`` in 100 ms a query: the data directory's profile file says so, and the workers
-pad every batch to it (``controlplane.provisioning.LOCAL_PROFILE_FILE``,
+pad every batch to it (``controlplane.service.provisioning.LOCAL_PROFILE_FILE``,
 ``provisioners.worker.emulation``), so one worker serves about 10 queries/s. The budget affords
 :data:`MAX_WORKERS` workers at the catalog's price and not one more; the plan, made by the API's
 planner for the low rate, is one worker.
 
-``controlplane.loadgen`` (open loop) sends Poisson traffic in three phases, each ended by what
-the service does rather than by a clock: :data:`LOW_QPS` until the first worker has answered
+``controlplane.clients.loadgen`` (open loop) sends Poisson traffic in three phases, each ended by
+what the service does rather than by a clock: :data:`LOW_QPS` until the first worker has answered
 some queries, :data:`HIGH_QPS` (more than one worker carries) until a ``scale_up`` decision is
 recorded and more worker processes run, then :data:`LOW_QPS` again until a ``scale_down`` is
 recorded and the removed workers' processes are gone. The tuner's windows are shortened through
@@ -36,9 +36,9 @@ import httpx
 import numpy as np
 import pytest
 
-from controlplane import loadgen
-from controlplane.provisioning import LOCAL_PROFILE_FILE
-from controlplane.service import Service
+from controlplane.clients import loadgen
+from controlplane.service.build import Service
+from controlplane.service.provisioning import LOCAL_PROFILE_FILE
 from estimator.catalog import default_catalog
 from estimator.profiles import LatencyProfile, write_profiles_json
 from estimator.traces import Trace, poisson_arrivals
@@ -100,8 +100,8 @@ def service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
 
 
 class _Load:
-    """``controlplane.loadgen`` in a thread: one phase of Poisson traffic at a time, sent open
-    loop until the next phase starts (or :meth:`stop`)."""
+    """``controlplane.clients.loadgen`` in a thread: one phase of Poisson traffic at a time, sent
+    open loop until the next phase starts (or :meth:`stop`)."""
 
     def __init__(self, url: str, token: str) -> None:
         from provisioners.worker.family import load_split

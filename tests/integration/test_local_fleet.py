@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.service import Service
-from controlplane.store import InstanceRecord
+from controlplane.db.store import InstanceRecord
+from controlplane.service.build import Service
 from provisioners.base import APP_TAG
 from provisioners.local import LocalProvisioner
 from tests.integration.conftest import measure_profiles, reconcile_until

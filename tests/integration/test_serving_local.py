@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 import pytest
 
-from controlplane.service import Service
+from controlplane.service.build import Service
 from provisioners.local import LocalProvisioner
 from tests.integration.conftest import ApiServer, launch_fleet, measure_profiles
 

@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 import pytest
 
 from controlplane.db import migrate
+from controlplane.db.store import Store
 from controlplane.errors import ConflictError
-from controlplane.store import Store
 
 _T = TypeVar("_T")
 THREADS = 8

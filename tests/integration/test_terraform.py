@@ -294,10 +294,10 @@ def _serve_a_plan(
     applies a plan: the workers come up from terraform's launch templates; a smaller plan ends
     them."""
     from controlplane.clock import SystemClock
-    from controlplane.provisioning import build_provisioner
-    from controlplane.reconciler import Launch, Reconciler, Terminate, catalog_pricing
+    from controlplane.db.store import Store
+    from controlplane.loops.reconciler import Launch, Reconciler, Terminate, catalog_pricing
+    from controlplane.service.provisioning import build_provisioner
     from controlplane.settings import load_settings
-    from controlplane.store import Store
     from estimator.catalog import default_catalog
 
     for name in list(os.environ):

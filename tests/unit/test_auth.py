@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 
-from controlplane.auth import (
+from controlplane.errors import UnknownScopeError
+from controlplane.policies.auth import (
     TOKEN_PREFIX,
     Scope,
     generate_token,
@@ -17,7 +18,6 @@ from controlplane.auth import (
     parse_scope,
     scope_allows,
 )
-from controlplane.errors import UnknownScopeError
 
 EXPECTED = {
     "admin": {"admin", "operator", "viewer", "infer"},

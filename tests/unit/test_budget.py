@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.budget import DrainInstance, plan_drain
+from controlplane.policies.drain import DrainInstance, plan_drain
 
 T0 = datetime(2024, 1, 1, tzinfo=UTC)
 QPS = {"gpu": 100.0, "cpu": 10.0, "mid": 30.0}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from controlplane.cli import main
-from controlplane.gears import (
+from controlplane.policies.gears import (
     ALPHA,
     Gear,
     GearDecision,
@@ -28,7 +28,7 @@ from controlplane.gears import (
     switch_with_tuner,
     time_weighted_accuracy,
 )
-from controlplane.tuner import Decision
+from controlplane.policies.tuner import Decision
 from estimator.cascades import Cascade, CascadeQuality, answering_stage, validation_document
 from estimator.errors import CascadeError, NoFeasibleGearError
 from estimator.profiles import LatencyProfile, write_profiles_json

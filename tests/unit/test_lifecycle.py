@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from controlplane.errors import ConflictError, InvalidTransitionError
-from controlplane.lifecycle import (
+from controlplane.policies.lifecycle import (
     LIVE_STATES,
     TERMINAL_STATES,
     TRANSITIONS,

@@ -21,9 +21,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from controlplane import loadgen
 from controlplane.cli import main
-from controlplane.loadgen import LoadProgress, Outcome, build_queries, sample_rows, summarise
+from controlplane.clients import loadgen
+from controlplane.clients.loadgen import (
+    LoadProgress,
+    Outcome,
+    build_queries,
+    sample_rows,
+    summarise,
+)
 from estimator.traces import Trace, write_trace_csv
 
 TOKEN = "hp_admin-token"

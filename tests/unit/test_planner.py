@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane import planner as planner_module
 from controlplane.cli import main
-from controlplane.gears import GearPlan
-from controlplane.planner import (
+from controlplane.policies import planner as planner_module
+from controlplane.policies.gears import GearPlan
+from controlplane.policies.planner import (
     MIN_ENVELOPE_WINDOW_S,
     InfeasibleSLOError,
     Plan,

@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controlplane import profiler
-from controlplane.cli import main
-from controlplane.profiler import (
+from controlplane.apps import profiler
+from controlplane.apps.profiler import (
     REFERENCE_TYPE,
     MeasureSettings,
     emulated_profiles,
@@ -19,6 +18,7 @@ from controlplane.profiler import (
     measure_family,
     parse_batch_sizes,
 )
+from controlplane.cli import main
 from estimator.catalog import InstanceType, default_catalog
 from estimator.profiles import LatencyProfile, load_profiles
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from controlplane.errors import SettingsError
-from controlplane.provisioning import FACTORIES, build_provisioner, ec2_config_from
+from controlplane.service.provisioning import FACTORIES, build_provisioner, ec2_config_from
 from controlplane.settings import Ec2Settings, Settings
 from provisioners.base import LaunchRequest, Provisioner
 from provisioners.fake import FakeProvisioner

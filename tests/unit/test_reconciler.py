@@ -1,4 +1,4 @@
-"""The reconciler's pure half: what :func:`controlplane.reconciler.reconcile` decides from the
+"""The reconciler's pure half: what :func:`controlplane.loops.reconciler.reconcile` decides from the
 database's rows, the provider's list, the prices and the budget."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.lifecycle import InstanceState
-from controlplane.reconciler import (
+from controlplane.db.store import InstanceRecord
+from controlplane.loops.reconciler import (
     Action,
     Adopt,
     BudgetCapped,
@@ -24,7 +24,7 @@ from controlplane.reconciler import (
     plan_fleet,
     reconcile,
 )
-from controlplane.store import InstanceRecord
+from controlplane.policies.lifecycle import InstanceState
 from provisioners.base import APP_TAG, MANAGED_TAG, REQUEST_TAG, ProvisionedInstance
 
 NOW = datetime(2024, 1, 1, 12, tzinfo=UTC)
@@ -383,7 +383,7 @@ _rows = st.lists(
 def test_the_kept_fleet_never_exceeds_the_budget_and_every_row_moves_legally(
     rows_spec: list[tuple[str, str, float, str]], desired: dict[str, int], budget: float
 ) -> None:
-    from controlplane.lifecycle import can_transition
+    from controlplane.policies.lifecycle import can_transition
 
     rows: list[InstanceRecord] = []
     observed: list[ProvisionedInstance] = []

@@ -1,6 +1,6 @@
-"""Replay (controlplane/replay.py, ``heteroplane replay``): the static replay is a plain simulation,
-the tuner and the utilisation autoscaler change the fleet with boot times, costs from launch and
-the budget as a bound, and the command's JSON contract and bad input."""
+"""Replay (controlplane/policies/replay.py, ``heteroplane replay``): the static replay is a plain
+simulation, the tuner and the utilisation autoscaler change the fleet with boot times, costs from
+launch and the budget as a bound, and the command's JSON contract and bad input."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.cli import main
-from controlplane.replay import (
+from controlplane.policies.replay import (
     FleetTimeline,
     Plan,
     PlanError,

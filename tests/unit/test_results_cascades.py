@@ -25,7 +25,7 @@ from benchmarks.results.cascades import (
     reaches,
     single_cell,
 )
-from controlplane.gears import Gear, GearOption, GearPlan, Placement
+from controlplane.policies.gears import Gear, GearOption, GearPlan, Placement
 from estimator.cascades import Cascade, CascadeQuality
 
 

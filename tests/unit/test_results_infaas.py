@@ -22,7 +22,7 @@ from benchmarks.results.infaas import (
     saturation,
     simulate_schedule,
 )
-from controlplane.variants import Requirements, choose
+from controlplane.policies.variants import Requirements, choose
 from estimator.profiles import LatencyProfile
 from estimator.traces import Trace
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from controlplane.scheduler import (
+from controlplane.loops.scheduler import (
     JOB_NAMES,
     GuardedJob,
     JobBodies,
@@ -41,7 +41,7 @@ def test_a_failing_job_is_logged_with_its_name_and_the_next_run_still_happens(
             raise RuntimeError("database went away")
 
     job = GuardedJob("reconcile", flaky)
-    with caplog.at_level(logging.ERROR, logger="controlplane.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="controlplane.loops.scheduler"):
         assert job() == "failed"
     assert job() == "ran"
     assert calls == [0, 1]
@@ -115,7 +115,7 @@ def test_the_service_schedule_has_the_four_jobs_at_the_settings_periods() -> Non
 
 def test_default_bodies_do_nothing_and_log_at_debug(caplog: pytest.LogCaptureFixture) -> None:
     scheduler = Scheduler(service_schedule(Intervals(), JobBodies()))
-    with caplog.at_level(logging.DEBUG, logger="controlplane.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="controlplane.loops.scheduler"):
         for name in JOB_NAMES:
             assert scheduler.jobs[name]() == "ran"
     assert {name for name in JOB_NAMES if any(name in r.getMessage() for r in caplog.records)} == (

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.tuner import (
+from controlplane.policies.tuner import (
     CPU_BOOT_S,
     GPU_BOOT_S,
     StagePlan,

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from controlplane.gears import Placement, plan_gears
-from controlplane.variants import Requirements, VariantOption, choose, gear_options
+from controlplane.policies.gears import Placement, plan_gears
+from controlplane.policies.variants import Requirements, VariantOption, choose, gear_options
 from estimator.errors import CascadeError
 from tests.unit import cascade_support as family
 

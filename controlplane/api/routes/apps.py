@@ -13,10 +13,10 @@ from fastapi import APIRouter, Body, Query, Response
 
 from controlplane.api.deps import Admin, Operator, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
-from controlplane.api.resolver import spec_document
 from controlplane.api.routes import AppName, errors
 from controlplane.api.schemas import AppOut
-from controlplane.store import AppRecord
+from controlplane.apps.resolver import spec_document
+from controlplane.db.store import AppRecord
 
 __all__ = ["SPEC_BODY_MARK", "app_out", "router"]
 

@@ -2,7 +2,7 @@
 
 A change is audited (who: the token's name, when, old, new, why). When the new budget is below
 what the fleet costs, the answer lists the instances to drain, least cost-effective first
-(:func:`controlplane.budget.plan_drain`), and a ``budget_drain`` decision is recorded; the
+(:func:`controlplane.policies.drain.plan_drain`), and a ``budget_drain`` decision is recorded; the
 reconciler acts on it, not this route.
 """
 
@@ -14,7 +14,6 @@ import math
 from fastapi import APIRouter
 
 from controlplane.api.deps import Operator, Services, ServicesDep, Viewer
-from controlplane.api.resolver import smallest_common_batch_size
 from controlplane.api.routes import AppName, errors
 from controlplane.api.schemas import (
     BudgetChangeIn,
@@ -23,9 +22,10 @@ from controlplane.api.schemas import (
     BudgetSetOut,
     DrainOut,
 )
-from controlplane.budget import DrainInstance, plan_drain, qps_by_type
-from controlplane.lifecycle import LIVE_STATES
-from controlplane.store import InstanceRecord
+from controlplane.apps.resolver import smallest_common_batch_size
+from controlplane.db.store import InstanceRecord
+from controlplane.policies.drain import DrainInstance, plan_drain, qps_by_type
+from controlplane.policies.lifecycle import LIVE_STATES
 from estimator.errors import EstimatorError
 
 __all__ = ["router"]

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Query
 from controlplane.api.deps import ServicesDep, Viewer
 from controlplane.api.routes import AppName, errors
 from controlplane.api.schemas import FleetOut, FleetTypeOut, InstanceOut
-from controlplane.lifecycle import LIVE_STATES, InstanceState
-from controlplane.store import InstanceRecord
+from controlplane.db.store import InstanceRecord
+from controlplane.policies.lifecycle import LIVE_STATES, InstanceState
 
 __all__ = ["instance_out", "router"]
 

@@ -23,7 +23,7 @@ from controlplane import __version__
 from controlplane.api.deps import Services, ServicesDep, Viewer
 from controlplane.api.routes import errors
 from controlplane.api.schemas import HealthOut
-from controlplane.lifecycle import LIVE_STATES, InstanceState
+from controlplane.policies.lifecycle import LIVE_STATES, InstanceState
 
 __all__ = ["render_metrics", "router"]
 

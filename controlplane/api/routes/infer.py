@@ -25,8 +25,8 @@ from controlplane.api.schemas import (
     TimingsOut,
 )
 from controlplane.errors import ServingUnavailableError
+from controlplane.policies.variants import Requirements
 from controlplane.serving.observations import AppTotals
-from controlplane.variants import Requirements
 
 __all__ = ["router"]
 

@@ -1,9 +1,9 @@
 """``/v1/apps/{app}/plans``: preview a plan (the planner on a planning trace), list, read and
 apply plans.
 
-A preview runs :func:`controlplane.planner.plan_app` on a synthetic trace: the app spec carries
-no trace and no expected rate, so the request says what to plan for, either ``{"rate_qps": R}``
-(a Poisson trace at R) or ``{"trace": {...}}`` (a Poisson or gamma trace; the generators of
+A preview runs :func:`controlplane.policies.planner.plan_app` on a synthetic trace: the app spec
+carries no trace and no expected rate, so the request says what to plan for, either ``{"rate_qps":
+R}`` (a Poisson trace at R) or ``{"trace": {...}}`` (a Poisson or gamma trace; the generators of
 ``heteroplane trace generate``). The trace holds
 :data:`~controlplane.api.schemas.DEFAULT_TRACE_QUERIES` queries unless ``duration_s`` says
 otherwise. The plan is stored with the app version it was made for; applying it is refused (409)
@@ -19,13 +19,13 @@ from fastapi import APIRouter, Body, Query
 
 from controlplane.api.deps import Operator, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
-from controlplane.api.resolver import smallest_common_batch_size
 from controlplane.api.routes import AppName, PlanId, errors
 from controlplane.api.schemas import DEFAULT_TRACE_QUERIES, PlanIn, PlanOut, TraceIn
+from controlplane.apps.resolver import smallest_common_batch_size
+from controlplane.db.store import PlanRecord
 from controlplane.errors import ConflictError
-from controlplane.planner import plan_app
+from controlplane.policies.planner import plan_app
 from controlplane.spec import ResolvedApp
-from controlplane.store import PlanRecord
 from estimator.batches import parse_batch_distribution
 from estimator.errors import WorkloadError
 from estimator.traces import Trace, constant_profile, renewal_arrivals, trace_stats

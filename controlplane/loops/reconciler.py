@@ -40,10 +40,11 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    first, then ``pending``, then ``running``; the newest first within each).
 6. **Budget guard.** The kept fleet's cost (the recorded price of each kept row) must stay within
    the app's budget. When it does not (the budget was lowered), the least cost-effective kept
-   instances are drained by :func:`controlplane.budget.plan_drain` (lowest queries per second per
-   dollar first). A launch happens only if the kept cost plus its price stays within the budget;
-   shortfall types are launched most cost-effective first, first fit, and what does not fit is
-   one :class:`BudgetCapped` action. So after every tick, requested + pending + running <= budget.
+   instances are drained by :func:`controlplane.policies.drain.plan_drain` (lowest queries per
+   second per dollar first). A launch happens only if the kept cost plus its price stays within the
+   budget; shortfall types are launched most cost-effective first, first fit, and what does not fit
+   is one :class:`BudgetCapped` action. So after every tick, requested + pending + running <=
+   budget.
 7. **Launches** are one instance per request id (the database keeps one row per request id, the
    idempotency key): ``<prefix>-<n>`` with ``n`` one past the highest used by the app, so two
    reconcilers that see the same rows pick the same ids (and the store returns the first row). A
@@ -51,8 +52,8 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    again each tick with the *same* request id until it succeeds or becomes a straggler. A type's
    run of capacity misses (from its first :class:`~provisioners.errors.InsufficientCapacityError`
    to a launch of it that works, or until no row of it waits any more) is what
-   :meth:`Reconciler.capacity_misses` reports; :mod:`controlplane.capacity` re-plans an app
-   around a type that has missed for long enough.
+   :meth:`Reconciler.capacity_misses` reports; :mod:`controlplane.loops.capacity_replan` re-plans an
+   app around a type that has missed for long enough.
 
 A ``desired`` of ``None`` means "no target": nothing is launched and nothing is terminated for
 being excess (liveness, stragglers, the budget guard and orphans still apply). The reconciler
@@ -82,11 +83,11 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
-from controlplane.budget import DrainInstance, plan_drain
 from controlplane.clock import Clock
+from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.errors import ControlPlaneError
-from controlplane.lifecycle import TERMINAL_STATES, InstanceState
-from controlplane.store import AppRecord, InstanceRecord, Store
+from controlplane.policies.drain import DrainInstance, plan_drain
+from controlplane.policies.lifecycle import TERMINAL_STATES, InstanceState
 from estimator.catalog import Catalog
 from provisioners.base import (
     APP_TAG,
@@ -138,7 +139,7 @@ DEFAULT_MISSING_GRACE_S = 30.0
 # After a launch error that waiting does not cure (a quota, a bad configuration), the type is
 # not launched again for the app before this (then one new attempt, one new row).
 DEFAULT_LAUNCH_BACKOFF_S = 300.0
-# 0.1 + 0.2 must fit a budget of 0.3 (as in controlplane.budget).
+# 0.1 + 0.2 must fit a budget of 0.3 (as in controlplane.policies.drain).
 _BUDGET_SLACK_USD_PER_HR = 1e-9
 
 _S = InstanceState
@@ -691,7 +692,7 @@ LaunchableFn = Callable[[str], str | None]
 
 def catalog_pricing(catalog: Catalog) -> PricingFn:
     """Prices from ``catalog`` for every app, no Q_t (the service passes the app's resolved
-    spec instead, see :mod:`controlplane.service`)."""
+    spec instead, see :mod:`controlplane.service.build`)."""
     prices = MappingProxyType({t.name: t.price_usd_per_hr for t in catalog.values()})
 
     def pricing(_app: AppRecord) -> AppPricing:

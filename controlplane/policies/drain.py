@@ -33,7 +33,7 @@ from datetime import datetime
 
 import numpy as np
 
-from controlplane.lifecycle import LIVE_STATES, InstanceState
+from controlplane.policies.lifecycle import LIVE_STATES, InstanceState
 from controlplane.spec import ResolvedApp
 
 __all__ = ["DrainCandidate", "DrainInstance", "DrainPlan", "plan_drain", "qps_by_type"]

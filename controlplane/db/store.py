@@ -16,7 +16,8 @@ Concurrency (docs/service.md, "Concurrency"):
   is the previous row's new one.
 - A launch is idempotent by its request id: :meth:`Store.record_instance` with a request id seen
   before returns the instance recorded then (a unique constraint settles a race).
-- Instance state moves follow :mod:`controlplane.lifecycle`, compare-and-set on the state seen.
+- Instance state moves follow :mod:`controlplane.policies.lifecycle`, compare-and-set on the state
+  seen.
 
 Lists come oldest first; with ``limit`` they hold the newest ``limit`` items (still oldest first);
 ``since`` is exclusive. Times are timezone-aware UTC; by default they are read from the clock the
@@ -40,7 +41,6 @@ from sqlalchemy import URL, CursorResult, Engine, Select, delete, func, select, 
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from controlplane import auth
 from controlplane.db import migrate
 from controlplane.db import models as m
 from controlplane.db.session import make_engine, make_session_factory, redact_url, transaction
@@ -52,7 +52,8 @@ from controlplane.errors import (
     InvalidValueError,
     NotFoundError,
 )
-from controlplane.lifecycle import LIVE_STATES, InstanceState, check_transition
+from controlplane.policies import auth
+from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, check_transition
 
 __all__ = [
     "AppRecord",

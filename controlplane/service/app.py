@@ -25,15 +25,15 @@ from controlplane.api.counters import RequestCounter, RequestCountingMiddleware
 from controlplane.api.deps import Services
 from controlplane.api.errors import install_error_handlers
 from controlplane.api.limits import BodySizeLimitMiddleware
-from controlplane.api.resolver import AppResolver
 from controlplane.api.routes import apps, budget, events, fleet, health, infer, plans
+from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
 from controlplane.dashboard import install_dashboard
-from controlplane.scheduler import Scheduler
+from controlplane.db.store import Store
+from controlplane.loops.scheduler import Scheduler
 from controlplane.serving.loop import ServingLoop
 from controlplane.settings import Settings
 from controlplane.spec import AppSpec
-from controlplane.store import Store
 
 __all__ = ["create_app"]
 

@@ -1,12 +1,12 @@
-"""The gear switcher on live traffic: CascadeServe's producer (:mod:`controlplane.gears`) fed by
-the service.
+"""The gear switcher on live traffic: CascadeServe's producer (:mod:`controlplane.policies.gears`)
+fed by the service.
 
 This module owns :class:`LiveGears`, the composition of the pure switcher with the service. An
 app whose applied plan carries a ``gear_plan`` (the planner adds one to a cascade with validation
-records, ``controlplane.planner``) is served by gears: once per tuner tick, after the tuner,
-:meth:`LiveGears.tick` measures the app's arrival rate over the last ``window_s`` (the serving
-loop's observed arrivals), reads the first model's queue and each stage's ready capacity from the
-loop's status snapshot, and calls :func:`controlplane.gears.switch`:
+records, ``controlplane.policies.planner``) is served by gears: once per tuner tick, after the
+tuner, :meth:`LiveGears.tick` measures the app's arrival rate over the last ``window_s`` (the
+serving loop's observed arrivals), reads the first model's queue and each stage's ready capacity
+from the loop's status snapshot, and calls :func:`controlplane.policies.gears.switch`:
 
 - the QPS is divided by the capacity share (ready capacity over the placement's, per stage at its
   batch cap; the smallest), so that while instances boot, or after one died, a faster gear carries
@@ -33,7 +33,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from controlplane.clock import Clock
-from controlplane.gears import (
+from controlplane.db.store import AppRecord, Store
+from controlplane.loops.live_tuner import ArrivalSource, ResolveFn
+from controlplane.policies.gears import (
     ALPHA,
     DEFAULT_CAP_HOLD_S,
     GearDecision,
@@ -42,9 +44,7 @@ from controlplane.gears import (
     start_switcher,
     switch,
 )
-from controlplane.live_tuner import ArrivalSource, ResolveFn
 from controlplane.serving.dispatcher import AppStatus, ServingGear
-from controlplane.store import AppRecord, Store
 from estimator.errors import EstimatorError
 from estimator.profiles import LatencyProfile
 

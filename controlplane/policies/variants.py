@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from controlplane.gears import GearPlan
+from controlplane.policies.gears import GearPlan
 from estimator.errors import CascadeError
 
 __all__ = [

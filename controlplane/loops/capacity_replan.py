@@ -4,11 +4,11 @@ This module owns :class:`CapacityReplanner`, the composition of the planner with
 reconciler's record of capacity misses. On EC2 a type can run out of capacity in every zone we
 may use (``InsufficientInstanceCapacity``; the EC2 provisioner tries each subnet first): the
 reconciler then keeps the instance's row ``requested`` and tries again every tick
-(:meth:`controlplane.reconciler.Reconciler.capacity_misses` says for how long), while the app runs
-short of what its plan promised. Heterogeneity is the way out: once a type of the applied plan
+(:meth:`controlplane.loops.reconciler.Reconciler.capacity_misses` says for how long), while the app
+runs short of what its plan promised. Heterogeneity is the way out: once a type of the applied plan
 has missed for ``after_s`` (default :data:`DEFAULT_REPLAN_AFTER_S`), the replanner plans the app
-again (:func:`controlplane.planner.plan_app` on the plan's own planning trace, made again from
-the generator parameters the API stored with it, ``trace.request``; a plan without them, a
+again (:func:`controlplane.policies.planner.plan_app` on the plan's own planning trace, made again
+from the generator parameters the API stored with it, ``trace.request``; a plan without them, a
 Poisson trace at its ``planned_rate_qps``: :func:`controlplane.api.routes.plans.planning_trace`)
 with that type capped at the instances of it the app already runs or has pending (``max_counts``,
 never above the spec's own cap; 0 takes the type out). A type counts as missing only while the
@@ -47,12 +47,12 @@ from pydantic import ValidationError
 
 from controlplane.api.routes.plans import planning_trace
 from controlplane.api.schemas import PlanIn, TraceIn
+from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import ControlPlaneError
-from controlplane.lifecycle import InstanceState
-from controlplane.live_tuner import ResolveFn
-from controlplane.planner import plan_app
+from controlplane.loops.live_tuner import ResolveFn
+from controlplane.policies.lifecycle import InstanceState
+from controlplane.policies.planner import plan_app
 from controlplane.spec import ResolvedApp, SpecError
-from controlplane.store import AppRecord, PlanRecord, Store
 from estimator.errors import EstimatorError
 
 __all__ = ["DEFAULT_REPLAN_AFTER_S", "CapacityReplanner", "plan_fleet_counts"]

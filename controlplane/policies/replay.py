@@ -31,8 +31,7 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from controlplane.spec import ResolvedApp
-from controlplane.tuner import (
+from controlplane.policies.tuner import (
     CapacityModel,
     StagePlan,
     TunerConfig,
@@ -41,6 +40,7 @@ from controlplane.tuner import (
     tune,
     utilisation_target,
 )
+from controlplane.spec import ResolvedApp
 from estimator.bounds import kairos_quantities, upper_bounds
 from estimator.envelope import DEFAULT_MAX_WINDOW_S
 from estimator.errors import EstimatorError, FleetError
@@ -517,14 +517,15 @@ def tuner_timeline(
     min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S,
     dispatch: DispatchName = "fcfs",
 ) -> FleetTimeline:
-    """Roll InferLine's tuner (:func:`controlplane.tuner.tune`) over ``trace`` once per second.
+    """Roll InferLine's tuner (:func:`controlplane.policies.tuner.tune`) over ``trace`` once per
+    second.
 
     The planning envelope comes from ``planning_arrival_s``; the windows from max(service time,
     ``min_window_s``) doubling to 60 s, where the service time is the slowest planned type's
     batch latency n'/mu_t (:func:`rate_per_instance_qps`); mu_t per planned type; rho =
-    :func:`controlplane.tuner.utilisation_target` (scale factor 1: one stage). The tuner adds and
-    removes instances of the planned types only (InferLine tunes replication, not hardware), never
-    over the spec's budget. At tick t it sees the arrivals in (t - 60 s, t].
+    :func:`controlplane.policies.tuner.utilisation_target` (scale factor 1: one stage). The tuner
+    adds and removes instances of the planned types only (InferLine tunes replication, not
+    hardware), never over the spec's budget. At tick t it sees the arrivals in (t - 60 s, t].
 
     A stage of several types that the Kairos dispatcher serves one query per batch has the Kairos
     throughput bound as its capacity model (:func:`kairos_capacity_model`): its auxiliary types

@@ -8,7 +8,7 @@ classifiers of sklearn's digits) served by local worker processes of the emulate
 
 1. the family is trained into the data directory's model cache (``<data_dir>/models``, where the
    local provisioner's workers load it) unless it is there already;
-2. its latency profiles are measured once on this machine (``controlplane.profiler``: the
+2. its latency profiles are measured once on this machine (``controlplane.apps.profiler``: the
    reference type ``local.cpu`` and every emulated type derived from it) into
    ``<data_dir>/profiles/family.json``, and measured again only when that file is missing or
    does not cover the family on the demo's types;
@@ -31,7 +31,7 @@ admin. Registering and planning run the same code as ``POST /v1/apps``, ``POST
 /v1/apps/demo/plans`` and ``POST .../apply`` do, on the service's own resolver and store, before
 the API is served: once the service answers, the demo app is there.
 
-The demo load (:class:`DemoLoad`) is ``controlplane.loadgen`` in a background thread against
+The demo load (:class:`DemoLoad`) is ``controlplane.clients.loadgen`` in a background thread against
 the service itself: Poisson arrivals whose rate follows a day-like curve compressed into
 :data:`LOAD_PERIOD_S` (from a fifth of :data:`LOAD_MEAN_QPS` up to 1.8 times it), one period
 after another, each query a validation sample drawn at random; after each period it prints one
@@ -51,16 +51,17 @@ import httpx
 import numpy as np
 from numpy.typing import NDArray
 
-from controlplane import loadgen, profiler
 from controlplane.api.deps import Services
-from controlplane.api.resolver import spec_document
 from controlplane.api.routes import plans as plan_routes
 from controlplane.api.schemas import PlanIn, TraceIn
-from controlplane.auth import Scope
+from controlplane.apps import profiler
+from controlplane.apps.resolver import spec_document
+from controlplane.clients import loadgen
+from controlplane.db.store import AppRecord, PlanRecord, Principal, Store
 from controlplane.errors import AppExistsError, NotFoundError
-from controlplane.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE
-from controlplane.service import Service
-from controlplane.store import AppRecord, PlanRecord, Principal, Store
+from controlplane.policies.auth import Scope
+from controlplane.service.build import Service
+from controlplane.service.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE
 from estimator.cascades import Cascade, ValidationRecords, load_validation, pareto_cascades
 from estimator.catalog import default_catalog
 from estimator.errors import EstimatorError
@@ -103,7 +104,7 @@ DEMO_BUDGET_USD_PER_HR = 0.5
 DEMO_INSTANCE_TYPES = ("emu.cpu.small", "emu.cpu.large")
 # Each worker is a process holding torch and the family (about 300 MiB): at most nine at once.
 DEMO_MAX_COUNTS = {"emu.cpu.small": 6, "emu.cpu.large": 3}
-# Where the local workers find the profiles they pad to (controlplane.provisioning).
+# Where the local workers find the profiles they pad to (controlplane.service.provisioning).
 PROFILES_FILE = LOCAL_PROFILE_FILE
 TOKEN_FILE = "demo-token"
 TOKEN_NAME = "demo-admin"

@@ -53,7 +53,7 @@ the move to a gear of a *lower* QPS range (slower, more accurate): while the bac
 than 1/alpha of a second of arrivals, the faster gear stays to drain it. A move to a faster gear
 is always taken at once: holding a slow gear under a growing queue is what the rule must not do.
 
-Past the paper, the fleet moves under the switcher (``controlplane.tuner``):
+Past the paper, the fleet moves under the switcher (``controlplane.policies.tuner``):
 
 - ``capacity_share`` = ready capacity / planned capacity of the placement (instances still
   booting do not count): the measured QPS is divided by it before the lookup, as CascadeServe
@@ -76,7 +76,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from controlplane.tuner import Decision
+from controlplane.policies.tuner import Decision
 from estimator.cascades import (
     DEFAULT_THRESHOLD_GRID,
     Cascade,
@@ -789,8 +789,8 @@ def switch_with_tuner(
     batch_size: int = 1,
 ) -> tuple[GearDecision, GearSwitcher]:
     """:func:`switch` fed from the tuner's tick: ``budget_capped`` when any of ``decisions``
-    (``controlplane.tuner.tune``'s, this tick) is one, ``capacity_share`` from ``ready`` (the
-    tuner's ``ready_fleets``: instances serving now, booting ones left out) against the plan's
+    (``controlplane.policies.tuner.tune``'s, this tick) is one, ``capacity_share`` from ``ready``
+    (the tuner's ``ready_fleets``: instances serving now, booting ones left out) against the plan's
     placement."""
     capped = any(d.action == "budget_capped" for d in decisions)
     share = capacity_share(state.plan.placement, ready, profiles, batch_size)

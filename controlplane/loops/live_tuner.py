@@ -1,28 +1,29 @@
-"""The tuner on live traffic: InferLine's tuner (:mod:`controlplane.tuner`) fed by the service.
+"""The tuner on live traffic: InferLine's tuner (:mod:`controlplane.policies.tuner`) fed by the
+service.
 
 This module owns :class:`LiveTuner`, the composition of the pure tuner with the service: once per
 scheduler tick it reads each app's applied plan, the app's recent arrival times (an injected
 :data:`ArrivalSource`, the serving loop's observations) and the clock, calls
-:func:`controlplane.tuner.tune`, records every decision with its reason and numbers in the store,
-and keeps the fleet the tuner wants, which the reconciler reads through :meth:`desired_fleet`
+:func:`controlplane.policies.tuner.tune`, records every decision with its reason and numbers in the
+store, and keeps the fleet the tuner wants, which the reconciler reads through :meth:`desired_fleet`
 (the reconciler stays the only code that acts on provisioners).
 
 Per app the tuner is set up from the applied plan document: each stage's fleet, batch size and
 scale factor (``scale_factor``, 1 when absent), mu_t from the app's profiles at the plan's batch
 size, and the planned envelope, the InferLine envelope of the planning trace. The planner writes
 that envelope into the document (``envelope``: ``windows_s`` and ``rate_qps``, on the tuner's
-windows up to the planning trace's span: :mod:`controlplane.planner`), and the tuner takes its
-windows and rates as they are, keeping the windows up to its ``max_window_s`` (with the default
+windows up to the planning trace's span: :mod:`controlplane.policies.planner`), and the tuner takes
+its windows and rates as they are, keeping the windows up to its ``max_window_s`` (with the default
 60 s, all of them: they are the windows it would pick itself). A plan without one (made before
 plans carried it), or with one that is malformed (not a list of finite windows > 0, increasing,
 each with a finite rate > 0, or no window within ``max_window_s``), falls back to a proxy,
 logged: the envelope of a seeded Poisson trace at the plan's ``planned_rate_qps`` (10 minutes)
 on the windows from the slowest planned instance's service time (at least
-:data:`controlplane.planner.MIN_ENVELOPE_WINDOW_S`) doubling to ``max_window_s``. Either way
-rho_m keeps the planned fleet while traffic looks like the planned envelope. A new applied plan
+:data:`controlplane.policies.planner.MIN_ENVELOPE_WINDOW_S`) doubling to ``max_window_s``. Either
+way rho_m keeps the planned fleet while traffic looks like the planned envelope. A new applied plan
 (a new plan id), or a budget change, restarts the tuner from the plan's fleet. Instances take
-:func:`controlplane.tuner.default_boot_s` to boot; the tuner counts them from launch, as the
-reconciler does.
+:func:`controlplane.policies.tuner.default_boot_s` to boot; the tuner counts them from launch, as
+the reconciler does.
 
 Two timings are the caller's (the service takes them from its settings, ``tuner_max_window_s``
 and ``tuner_scale_down_delay_s``): the longest envelope window, which is also how far back the
@@ -46,11 +47,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.clock import Clock
-from controlplane.planner import MIN_ENVELOPE_WINDOW_S
-from controlplane.replay import kairos_capacity_model, rate_per_instance_qps
-from controlplane.spec import ResolvedApp
-from controlplane.store import AppRecord, Store
-from controlplane.tuner import (
+from controlplane.db.store import AppRecord, Store
+from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S
+from controlplane.policies.replay import kairos_capacity_model, rate_per_instance_qps
+from controlplane.policies.tuner import (
     DEFAULT_SCALE_DOWN_DELAY_S,
     Decision,
     StagePlan,
@@ -60,6 +60,7 @@ from controlplane.tuner import (
     tune,
     utilisation_target,
 )
+from controlplane.spec import ResolvedApp
 from estimator.envelope import DEFAULT_MAX_WINDOW_S
 from estimator.errors import EstimatorError
 from estimator.traces import Trace, poisson_arrivals
@@ -102,8 +103,8 @@ class LiveTuner:
     ``tick()`` is the scheduler's tuner job; ``desired_fleet(app)`` is the reconciler's hook (the
     plan's fleet until the tuner has run for the app). ``max_window_s`` is the longest envelope
     window and the span of the live envelope; ``scale_down_delay_s`` the quiet time before a
-    scale-down (both :class:`controlplane.tuner.TunerConfig`'s, InferLine's 60 s and 15 s by
-    default).
+    scale-down (both :class:`controlplane.policies.tuner.TunerConfig`'s, InferLine's 60 s and 15 s
+    by default).
     """
 
     def __init__(
@@ -148,7 +149,7 @@ class LiveTuner:
 
     def budget_capped(self, app: str) -> bool:
         """Whether the tuner's last tick for ``app`` found the budget stopping a scale-up (the
-        gear switcher then keeps the faster gear: ``controlplane.live_gears``)."""
+        gear switcher then keeps the faster gear: ``controlplane.loops.live_gears``)."""
         with self._lock:
             tuned = self._apps.get(app)
             return tuned is not None and tuned.capped_now

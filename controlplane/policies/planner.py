@@ -65,10 +65,10 @@ Without records every query is assumed to reach every stage (s_m = 1, an over-pr
 safe plan), and the steps say so.
 
 **Gear plan.** A cascade with validation records also gets CascadeServe's gear plan on the
-plan's placement (``controlplane.gears.plan_gears``: which cascade and batch caps serve each QPS
-range within the SLO, at the spec's accuracy floor if any), in the document as ``gear_plan``;
-the live gear switcher (``controlplane.live_gears``) serves by it. A placement no gear fits
-leaves the plan without one, and the steps say why.
+plan's placement (``controlplane.policies.gears.plan_gears``: which cascade and batch caps serve
+each QPS range within the SLO, at the spec's accuracy floor if any), in the document as
+``gear_plan``; the live gear switcher (``controlplane.loops.live_gears``) serves by it. A placement
+no gear fits leaves the plan without one, and the steps say why.
 
 **Planned envelope.** The document carries the arrival envelope of the trace the stages were
 planned for (``envelope``: ``windows_s`` and ``rate_qps``, r_i = the most arrivals in any window
@@ -78,12 +78,13 @@ stages together: the planned part of the trace (its first ``PLANNING_QUERIES``, 
 the budget cannot serve it, that part scaled to ``planned_rate_qps``, the rate the stages are
 planned for (an infeasible plan carries its envelope too: it is what its stages serve). The windows
 are the tuner's (``tuner_windows_s``): from the service time doubling to ``DEFAULT_MAX_WINDOW_S``,
-the service time taken as the live tuner (``controlplane.live_tuner``) takes it, the slowest
-planned instance's 1 / mu_t at its stage's batch size (``controlplane.replay.rate_per_instance_qps``
-on the profile's smallest batch), but never below ``MIN_ENVELOPE_WINDOW_S``, and only the windows
-no longer than the trace's span (a longer window's count / window falls with the window although the
-trace never slowed, so live traffic at the planned rate would exceed it). A plan without instances,
-or one where no window is left, carries no envelope.
+the service time taken as the live tuner (``controlplane.loops.live_tuner``) takes it, the slowest
+planned instance's 1 / mu_t at its stage's batch size
+(``controlplane.policies.replay.rate_per_instance_qps`` on the profile's smallest batch), but never
+below ``MIN_ENVELOPE_WINDOW_S``, and only the windows no longer than the trace's span (a longer
+window's count / window falls with the window although the trace never slowed, so live traffic at
+the planned rate would exceed it). A plan without instances, or one where no window is left, carries
+no envelope.
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from controlplane.gears import Placement, plan_gears
-from controlplane.replay import rate_per_instance_qps
+from controlplane.policies.gears import Placement, plan_gears
+from controlplane.policies.replay import rate_per_instance_qps
 from controlplane.spec import ResolvedApp
 from estimator.bounds import KairosQuantities, Ranking, kairos_quantities, rank_configurations
 from estimator.cascades import answering_stage, with_sample_ids

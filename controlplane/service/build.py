@@ -4,18 +4,19 @@ scheduler -> API.
 :func:`build_service` is what ``heteroplane serve`` runs (and what a test that wants the whole
 service in-process calls): it creates the data directory, migrates the database to the newest
 revision, opens the store on the clock, builds the provisioner the settings name
-(:func:`controlplane.provisioning.build_provisioner`) and the :class:`~controlplane.reconciler.
-Reconciler` over it, the serving loop (:class:`~controlplane.serving.loop.ServingLoop`: the
-dispatchers behind ``POST /v1/apps/{app}/infer``, finding workers through the store and the
-provisioner), the live tuner (:class:`~controlplane.live_tuner.LiveTuner`: InferLine's tuner on
-the arrivals the serving loop observes; its fleet is the reconciler's desired fleet), the live
-gear switcher (:class:`~controlplane.live_gears.LiveGears`: CascadeServe's producer for apps
-whose plans carry a gear plan; the serving loop's gear hook, told by the tuner when the budget
-caps the fleet), the capacity replanner (:class:`~controlplane.capacity.CapacityReplanner`: an
-app whose planned type the cloud cannot supply is re-planned around it, after the reconcile
-tick), and the scheduler with its job bodies (the tuner tick, then the gear tick; the
-reconcile tick and the metric roll-up, which reads the serving loop's windows; the replan body
-is still the scheduler's idle default) and the FastAPI app around them.
+(:func:`controlplane.service.provisioning.build_provisioner`) and the
+:class:`~controlplane.loops.reconciler. Reconciler` over it, the serving loop
+(:class:`~controlplane.serving.loop.ServingLoop`: the dispatchers behind ``POST
+/v1/apps/{app}/infer``, finding workers through the store and the provisioner), the live tuner
+(:class:`~controlplane.loops.live_tuner.LiveTuner`: InferLine's tuner on the arrivals the serving
+loop observes; its fleet is the reconciler's desired fleet), the live gear switcher
+(:class:`~controlplane.loops.live_gears.LiveGears`: CascadeServe's producer for apps whose plans
+carry a gear plan; the serving loop's gear hook, told by the tuner when the budget caps the fleet),
+the capacity replanner (:class:`~controlplane.loops.capacity_replan.CapacityReplanner`: an app whose
+planned type the cloud cannot supply is re-planned around it, after the reconcile tick), and the
+scheduler with its job bodies (the tuner tick, then the gear tick; the reconcile tick and the metric
+roll-up, which reads the serving loop's windows; the replan body is still the scheduler's idle
+default) and the FastAPI app around them.
 
 The reconciler learns each app's prices and Q_t (for the budget guard's ranking) from the app's
 resolved spec (:func:`spec_pricing`), and which types it may launch from the provisioner: the
@@ -31,16 +32,14 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
-from controlplane.api import create_app
-from controlplane.api.resolver import AppResolver, smallest_common_batch_size
-from controlplane.budget import qps_by_type
-from controlplane.capacity import CapacityReplanner
+from controlplane.apps.resolver import AppResolver, smallest_common_batch_size
 from controlplane.clock import Clock, SystemClock
 from controlplane.db import migrate
-from controlplane.live_gears import LiveGears
-from controlplane.live_tuner import LiveTuner, ResolveFn
-from controlplane.provisioning import build_provisioner
-from controlplane.reconciler import (
+from controlplane.db.store import AppRecord, Store
+from controlplane.loops.capacity_replan import CapacityReplanner
+from controlplane.loops.live_gears import LiveGears
+from controlplane.loops.live_tuner import LiveTuner, ResolveFn
+from controlplane.loops.reconciler import (
     AppPricing,
     DesiredFleet,
     LaunchableFn,
@@ -48,12 +47,14 @@ from controlplane.reconciler import (
     Reconciler,
     ReconcileReport,
 )
-from controlplane.rollup import make_rollup
-from controlplane.scheduler import JobBodies, Scheduler, service_schedule
+from controlplane.loops.rollup import make_rollup
+from controlplane.loops.scheduler import JobBodies, Scheduler, service_schedule
+from controlplane.policies.drain import qps_by_type
+from controlplane.service.app import create_app
+from controlplane.service.provisioning import build_provisioner
 from controlplane.serving.loop import ServingLoop
 from controlplane.serving.workers import ProvisionedInstances
 from controlplane.settings import Settings
-from controlplane.store import AppRecord, Store
 from estimator.catalog import default_catalog
 from estimator.errors import EstimatorError
 from provisioners.base import Provisioner

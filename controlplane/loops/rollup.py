@@ -7,7 +7,7 @@ come from the serving loop's window of the app (``window``:
 :meth:`controlplane.serving.loop.ServingLoop.take_window`); an app the loop has not served (or a
 service without one) is recorded with an arrival rate of 0 and unknown latencies, while the
 fleet cost is always real. The body is built by :func:`make_rollup` and handed to the scheduler
-by the composition root (:mod:`controlplane.service`).
+by the composition root (:mod:`controlplane.service.build`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from controlplane.clock import Clock
+from controlplane.db.store import Store
 from controlplane.errors import NotFoundError
-from controlplane.lifecycle import LIVE_STATES
-from controlplane.scheduler import JobBody
+from controlplane.loops.scheduler import JobBody
+from controlplane.policies.lifecycle import LIVE_STATES
 from controlplane.serving.observations import WindowSummary
-from controlplane.store import Store
 
 __all__ = ["RETENTION_S", "make_rollup", "roll_up"]
 

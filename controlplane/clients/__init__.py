@@ -1,0 +1,1 @@
+"""Clients of a running service: the load generator (``loadgen``)."""
