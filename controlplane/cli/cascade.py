@@ -19,6 +19,7 @@ from typing import Any
 from controlplane.apps import profiler
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.profile import load_family, parse_models
+from controlplane.policies.cascade_choice import ACCURACY_TOLERANCE, best_point
 from estimator.cascades import (
     DEFAULT_THRESHOLD_GRID,
     CascadePoint,
@@ -28,15 +29,11 @@ from estimator.cascades import (
 )
 from estimator.profiles import load_profiles
 
-# "Matches the accuracy of the most accurate single model" means within half a point (issue 5).
-ACCURACY_TOLERANCE = 0.005
 DEFAULT_MAX_STAGES = 3
 # Timed runs per model at batch size 1: the mean of 500 runs of a sub-millisecond model is stable
 # to a few percent even on a shared machine, and all of them take well under a second.
 DEFAULT_COMPUTE_SAMPLES = 500
 DEFAULT_COMPUTE_WARMUP = 50
-# Comparing accuracies that are means of the same 0/1 flags: a hair of float slack.
-_EPSILON = 1e-12
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -192,9 +189,7 @@ def evaluation(
         for name in models
     ]
     top = max(singles, key=lambda m: (m["accuracy"], -m["compute_ms_per_query"]))
-    floor = float(top["accuracy"]) - ACCURACY_TOLERANCE - _EPSILON
-    eligible = [p for p in front if p.quality.accuracy >= floor]
-    best = min(eligible, key=lambda p: p.compute_ms_per_query) if eligible else None
+    best = best_point(front, float(top["accuracy"]))
     cascades = [
         {
             **point.cascade.to_document(),

@@ -14,8 +14,8 @@ classifiers of sklearn's digits) served by local worker processes of the emulate
    does not cover the family on the demo's types;
 3. the cascade is the cheapest of the Pareto set (``estimator.cascades.pareto_cascades``, on
    the validation records and the measured compute per query) within
-   :data:`~controlplane.cli.cascade.ACCURACY_TOLERANCE` of the most accurate model alone, as
-   ``heteroplane cascade evaluate`` picks it;
+   :data:`~controlplane.policies.cascade_choice.ACCURACY_TOLERANCE` of the most accurate model
+   alone, as ``heteroplane cascade evaluate`` picks it;
 4. the spec (:func:`demo_spec`) names those models, the cascade with its thresholds, the
    validation records, a 100 ms p99 SLO, a $0.50/hr budget and the two emulated types (capped
    so that the local machine runs at most nine workers); it is registered, a plan is previewed
@@ -60,6 +60,7 @@ from controlplane.clients import loadgen
 from controlplane.db.store import AppRecord, PlanRecord, Principal, Store
 from controlplane.errors import AppExistsError, NotFoundError
 from controlplane.policies.auth import Scope
+from controlplane.policies.cascade_choice import best_point
 from controlplane.service.build import Service
 from controlplane.service.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE
 from estimator.cascades import Cascade, ValidationRecords, load_validation, pareto_cascades
@@ -158,16 +159,12 @@ def choose_cascade(
     """The cheapest cascade of the Pareto set (accuracy against compute per query, chains of up
     to three models) whose accuracy is within ``ACCURACY_TOLERANCE`` of the most accurate model
     alone: (cascade, its accuracy, its compute per query in ms)."""
-    # Imported here: the command line imports this module (the same tolerance as ``heteroplane
-    # cascade evaluate``'s "best").
-    from controlplane.cli.cascade import ACCURACY_TOLERANCE
-
     models = [name for name in records.models if name in compute_ms]
     front = pareto_cascades(records, compute_ms, models=models, max_length=3)
     top = max(records.model_accuracy(name) for name in models)
-    # A hair of slack: accuracies are means of the same 0/1 flags.
-    eligible = [p for p in front if p.quality.accuracy >= top - ACCURACY_TOLERANCE - 1e-12]
-    best = min(eligible, key=lambda p: p.compute_ms_per_query)
+    best = best_point(front, top)
+    if best is None:  # the most accurate model alone is on the front
+        raise AssertionError("the Pareto front lacks the most accurate model")
     return best.cascade, best.quality.accuracy, best.compute_ms_per_query
 
 

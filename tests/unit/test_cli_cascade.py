@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from controlplane.cli import main
-from controlplane.cli.cascade import ACCURACY_TOLERANCE
+from controlplane.policies.cascade_choice import ACCURACY_TOLERANCE
 from estimator.profiles import load_profiles
 from provisioners.worker.family import MODEL_NAMES
 
