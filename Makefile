@@ -24,6 +24,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # Two processes, a test file per process at a time (its fixtures stay together): the suite's
 # long tests (the demo's 5-minute loadgen replay, terraform against moto) mostly wait, so the

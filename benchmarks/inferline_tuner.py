@@ -50,7 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.policies.planner import Plan, plan_app, scale_trace
+from controlplane.policies.plan import PlanDocument
+from controlplane.policies.planner import plan_app, scale_trace
 from controlplane.policies.replay import (
     ReplayResult,
     ScalingPolicy,
@@ -162,7 +163,7 @@ def mean_rate_qps(trace: Trace) -> float:
 def replay_policy(
     test: Trace,
     app: ResolvedApp,
-    plan: Plan,
+    plan: PlanDocument,
     policy: ScalingPolicy,
     planning: Trace,
     seed: int,
@@ -179,7 +180,7 @@ def replay_policy(
     )
 
 
-def fleet_text(plan: Plan) -> str:
+def fleet_text(plan: PlanDocument) -> str:
     return " + ".join(f"{n} {t}" for s in plan.stages for t, n in sorted(s.fleet.items()) if n) + (
         f" (${plan.cost_usd_per_hr:.3f}/hr)"
     )
@@ -209,7 +210,7 @@ def run(rate_qps: float, seed: int) -> dict[str, Any]:
         f" {peak_qps:.1f} qps"
     )
 
-    plans: dict[str, Plan] = {}
+    plans: dict[str, PlanDocument] = {}
     plan_seconds: dict[str, float] = {}
     for name, trace in (
         ("tuner", planning),

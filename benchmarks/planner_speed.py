@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.policies.planner import Plan, plan_app
+from controlplane.policies.plan import PlanDocument
+from controlplane.policies.planner import plan_app
 from controlplane.spec import resolve_spec, validate_spec
 from estimator.batches import parse_batch_distribution
 from estimator.traces import Trace, poisson_arrivals
@@ -44,7 +45,7 @@ TARGET_S = 10.0
 
 def measure(
     rate_qps: float = 50.0, repeat: int = 3, seed: int = 0, duration_s: float = DURATION_S
-) -> tuple[dict[str, Any], Plan]:
+) -> tuple[dict[str, Any], PlanDocument]:
     """Plan the app over ``duration_s`` of Poisson arrivals at ``rate_qps``, ``repeat`` times;
     return the summary (the ``--json`` object: ``seconds_best`` is the best time) and the plan."""
     spec = validate_spec(
@@ -63,7 +64,7 @@ def measure(
     trace = Trace(arrivals, parse_batch_distribution("kairos").sample(arrivals.size, rng))
 
     times: list[float] = []
-    plan: Plan | None = None
+    plan: PlanDocument | None = None
     for _ in range(max(1, repeat)):
         started = time.perf_counter()
         plan = plan_app(app, trace, seed=seed)

@@ -74,7 +74,8 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
-from controlplane.policies.planner import Plan, plan_app, scale_trace
+from controlplane.policies.plan import PlanDocument
+from controlplane.policies.planner import plan_app, scale_trace
 from controlplane.policies.replay import ReplayResult, ScalingPolicy
 from controlplane.spec import ResolvedApp
 from estimator.batches import BatchDistribution, parse_batch_distribution
@@ -176,7 +177,7 @@ def trace_definitions(rate_qps: float, duration_s: float) -> dict[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class PlanPoint:
-    plan: Plan
+    plan: PlanDocument
     rate_qps: float
     seconds: float
 

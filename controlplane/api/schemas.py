@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from controlplane.apps.plans import DEFAULT_TRACE_QUERIES
 from controlplane.policies.planner import PLANNING_QUERIES
 
 __all__ = [
@@ -57,7 +58,6 @@ MAX_BUDGET_USD_PER_HR = 1e6
 # The fastest arrival rate a planning trace may have; the Kairos setting runs at tens of qps.
 MAX_RATE_QPS = 1e5
 # Queries in a planning trace generated for a request that does not say.
-DEFAULT_TRACE_QUERIES = 5_000
 _MAX_DURATION_S = 7 * 86_400.0
 _MAX_SEED = 2**32 - 1
 _MAX_REASON = 500

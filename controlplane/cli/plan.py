@@ -8,30 +8,14 @@ the plan.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from controlplane.cli.output import emit, progress
-from controlplane.cli.pareto import add_pareto_arguments, run_pareto
-from controlplane.policies.planner import PLANNING_QUERIES, Plan, plan_app
+from controlplane.cli.pareto import run_pareto
+from controlplane.policies.plan import PlanDocument
+from controlplane.policies.planner import plan_app
 from controlplane.spec import load_spec, resolve_spec
 from estimator.traces import read_trace_csv, trace_stats
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "plan",
-        help="plan the cheapest fleet that meets an app's SLO on a trace, within its budget",
-        description="Find a feasible instance mix per stage (InferLine Algorithm 1, started from"
-        " the Kairos bound), then cut cost greedily while the simulator says the SLO holds"
-        f" (Algorithm 2). Simulates at most the first {PLANNING_QUERIES:,} queries.",
-    )
-    parser.add_argument("--spec", required=True, type=Path, metavar="FILE", help="app spec YAML")
-    parser.add_argument("--trace", required=True, type=Path, metavar="FILE", help="trace CSV")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    add_pareto_arguments(parser)
-    parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     return emit(args.json, data, lambda: _human(data, plan))
 
 
-def _human(data: dict[str, Any], plan: Plan) -> str:
+def _human(data: dict[str, Any], plan: PlanDocument) -> str:
     trace = data["trace"]
     verdict = (
         f"feasible at ${plan.cost_usd_per_hr:.3f}/hr (budget ${data['budget_usd_per_hr']:g}/hr)"

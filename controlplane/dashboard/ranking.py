@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import HEADROOM
 from controlplane.spec import ResolvedApp
 from estimator.batches import FixedBatch, KairosMix, kairos_batch_pmf, parse_batch_distribution
@@ -48,12 +49,12 @@ _TOP_FALLBACK = 5_000
 Pmf = tuple[np.ndarray, np.ndarray]
 
 
-def batch_pmf(document: Mapping[str, Any], fallback_batch_size: int) -> tuple[Pmf, str]:
+def batch_pmf(document: PlanDocument, fallback_batch_size: int) -> tuple[Pmf, str]:
     """The planning trace's batch mix (sizes, probabilities) and how it was found: from the
     plan's trace description (``.. batch sizes SPEC, seed N``, as ``POST .../plans`` writes it),
     else one fixed size, ``fallback_batch_size``."""
-    trace = document.get("trace")
-    source = trace.get("source") if isinstance(trace, Mapping) else None
+    trace = document.trace
+    source = trace.get("source") if trace is not None else None
     found = _SOURCE_BATCHES.search(source) if isinstance(source, str) else None
     if found is not None:
         try:
@@ -81,10 +82,10 @@ def _finite(value: Any) -> float | None:
     return number if np.isfinite(number) else None
 
 
-def _peak_qps(document: Mapping[str, Any]) -> float | None:
+def _peak_qps(document: PlanDocument) -> float | None:
     """The planning trace's peak rate, as the planner's first step states it."""
-    for step in document.get("steps") or []:
-        found = _STEP_PEAK.search(step) if isinstance(step, str) else None
+    for step in document.steps:
+        found = _STEP_PEAK.search(step)
         if found is not None:
             return float(found.group(1))
     return None
@@ -100,16 +101,9 @@ def _mix(ranking: Ranking, index: int, chosen: Mapping[str, int]) -> dict[str, A
     }
 
 
-def _fleet(document: Mapping[str, Any]) -> dict[str, int]:
-    fleet = document.get("fleet")
-    if not isinstance(fleet, Mapping):
-        return {}
-    return {str(t): int(n) for t, n in fleet.items() if isinstance(n, int | float) and n > 0}
-
-
 def bound_ranking(
     app: ResolvedApp,
-    document: Mapping[str, Any],
+    document: PlanDocument,
     budget_usd_per_hr: float,
     fallback_batch_size: int,
     top: int = TOP_MIXES,
@@ -123,11 +117,9 @@ def bound_ranking(
     order = spec.serving_order
     slo_ms = spec.slo.latency_ms / max(1, len(order))
     stages: list[dict[str, Any]] = []
-    for stage in document.get("stages") or []:
-        if not isinstance(stage, Mapping):
-            continue
-        model = str(stage.get("name", ""))
-        chosen = _fleet(stage)
+    for stage in document.stages:
+        model = stage.name
+        chosen = {t: n for t, n in stage.fleet.items() if n > 0}
         out: dict[str, Any] = {"stage": model, "chosen": {"fleet": chosen}}
         stages.append(out)
         if model not in app.profiles:
@@ -164,7 +156,7 @@ def bound_ranking(
         out["ranked"] = ranking.enumerated
         out["note"] = ranking.note
         out["top"] = [_mix(ranking, i, chosen) for i in range(min(top, len(ranking)))]
-        peak = peak_qps if peak_qps is not None else _finite(document.get("planned_rate_qps"))
+        peak = peak_qps if peak_qps is not None else _finite(document.planned_rate_qps)
         out["peak_qps"] = peak
         if peak is not None:
             covering = np.flatnonzero(HEADROOM * ranking.upper_bound_qps >= peak)

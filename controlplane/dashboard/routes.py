@@ -304,7 +304,7 @@ def _ranking(services: Services, state: DashboardState) -> RankingFn:
         try:
             resolved = services.resolver.resolve(app.spec, check_budget=False)
             answer = bound_ranking(
-                resolved, plan.document, budget, smallest_common_batch_size(resolved)
+                resolved, plan.plan, budget, smallest_common_batch_size(resolved)
             )
         except (EstimatorError, ControlPlaneError, ValueError) as error:
             answer = {"note": f"no bound ranking: {error}", "stages": []}

@@ -30,6 +30,7 @@ waiting for.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import defaultdict
@@ -49,6 +50,9 @@ from controlplane.db.store import (
     Store,
 )
 from controlplane.policies.lifecycle import LIVE_STATES, InstanceState
+from controlplane.policies.plan import PlanDocument, PlanError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DECISIONS_SHOWN",
@@ -312,31 +316,25 @@ def _budget_steps(
 # --- capacity --------------------------------------------------------------------------------
 
 
-def _plan_fleet(document: Mapping[str, Any]) -> dict[str, int]:
-    fleet: dict[str, int] = defaultdict(int)
-    for stage in document.get("stages") or []:
-        if not isinstance(stage, Mapping):
-            continue
-        for name, count in (stage.get("fleet") or {}).items():
-            number = _finite(count)
-            if number is not None:
-                fleet[str(name)] += int(number)
-    return dict(fleet)
-
-
-def _plan_capacity_qps(document: Mapping[str, Any]) -> float | None:
+def _plan_capacity_qps(plan: PlanDocument) -> float | None:
     """The rate the plan's fleet serves at its front: min over stages of throughput / s_m (the
     share of queries that reach the stage)."""
-    rates = []
-    for stage in document.get("stages") or []:
-        if not isinstance(stage, Mapping):
-            continue
-        throughput = _finite(stage.get("throughput_qps"))
-        share = _finite(stage.get("scale_factor"))
-        if throughput is None:
-            continue
-        rates.append(throughput / share if share else throughput)
+    rates = [
+        s.throughput_qps / s.scale_factor if s.scale_factor else s.throughput_qps
+        for s in plan.stages
+    ]
     return min(rates) if rates else None
+
+
+def _typed(plan: PlanRecord | None) -> PlanDocument | None:
+    """The record's plan, typed; ``None`` (logged) for a document that is not a plan."""
+    if plan is None:
+        return None
+    try:
+        return plan.plan
+    except PlanError as error:
+        logger.warning("dashboard: plan %s is not readable: %s", plan.id, error)
+        return None
 
 
 def capacity_scale(
@@ -456,33 +454,11 @@ def _cost_section(
     }
 
 
-def _envelope(document: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The plan's planned arrival envelope (rate per window), when it carries one: either
-    ``{"windows_s": [...], "rate_qps": [...]}`` or a list of ``{"window_s", "rate_qps"}``."""
-    if document is None:
+def _envelope(plan: PlanDocument | None) -> dict[str, Any] | None:
+    """The plan's planned arrival envelope (rate per window), when it carries one."""
+    if plan is None or not plan.envelope_windows_s:
         return None
-    raw = document.get("envelope")
-    windows: list[float] = []
-    rates: list[float] = []
-    if isinstance(raw, Mapping):
-        w_raw = raw.get("windows_s") or raw.get("window_s") or []
-        r_raw = raw.get("rate_qps") or raw.get("planned_rate_qps") or []
-        if isinstance(w_raw, list) and isinstance(r_raw, list):
-            for w, r in zip(w_raw, r_raw, strict=False):
-                wf, rf = _finite(w), _finite(r)
-                if wf is not None and rf is not None and wf > 0:
-                    windows.append(wf)
-                    rates.append(rf)
-    elif isinstance(raw, list):
-        for point in raw:
-            if isinstance(point, Mapping):
-                wf, rf = _finite(point.get("window_s")), _finite(point.get("rate_qps"))
-                if wf is not None and rf is not None and wf > 0:
-                    windows.append(wf)
-                    rates.append(rf)
-    if not windows:
-        return None
-    return {"windows_s": windows, "rate_qps": rates}
+    return {"windows_s": list(plan.envelope_windows_s), "rate_qps": list(plan.envelope_rate_qps)}
 
 
 def _live_envelope(
@@ -514,9 +490,9 @@ def _load_section(
     plan: PlanRecord | None,
     weights: Mapping[str, float] | None,
 ) -> dict[str, Any]:
-    document = plan.document if plan is not None else None
+    document = _typed(plan)
     planned_capacity = _plan_capacity_qps(document) if document else None
-    planned_fleet = _plan_fleet(document) if document else {}
+    planned_fleet = document.fleet if document else {}
     capacity: list[float | None] = []
     for i in range(len(series.t_s)):
         running = {t: counts[i] for t, counts in series.running.items()}
@@ -533,7 +509,7 @@ def _load_section(
         "capacity": {"t": series.t_s, "capacity_qps": capacity},
         "capacity_qps": capacity[-1] if capacity else None,
         "planned_capacity_qps": planned_capacity,
-        "planned_rate_qps": _finite(document.get("planned_rate_qps")) if document else None,
+        "planned_rate_qps": _finite(document.planned_rate_qps) if document else None,
         "arrival_rate_qps": arrivals[-1] if arrivals else None,
         "has_traffic": any(rate > 0 for rate in arrivals),
         "envelope": envelope,
@@ -620,39 +596,36 @@ def _plan_section(
 ) -> dict[str, Any] | None:
     if plan is None:
         return None
-    document = plan.document
-    stages = []
-    for stage in document.get("stages") or []:
-        if not isinstance(stage, Mapping):
-            continue
-        stages.append(
-            {
-                "name": str(stage.get("name", "")),
-                "fleet": _plan_fleet({"stages": [stage]}),
-                "batch_size": stage.get("batch_size"),
-                "predicted_p99_ms": _finite(stage.get("predicted_p99_ms")),
-                "throughput_qps": _finite(stage.get("throughput_qps")),
-                "cost_usd_per_hr": _finite(stage.get("cost_usd_per_hr")),
-                "policy": stage.get("policy"),
-                "scale_factor": _finite(stage.get("scale_factor")),
-            }
-        )
-    steps = document.get("steps")
+    document = _typed(plan)
+    if document is None:
+        return None
     return {
         "id": plan.id,
         "number": plan.number,
         "status": plan.status,
         "created_at": plan.created_at.isoformat(),
         "applied_at": plan.applied_at.isoformat() if plan.applied_at else None,
-        "feasible": bool(document.get("feasible", False)),
-        "cost_usd_per_hr": _finite(document.get("cost_usd_per_hr")),
-        "planned_rate_qps": _finite(document.get("planned_rate_qps")),
-        "max_feasible_qps": _finite(document.get("max_feasible_qps")),
-        "simulations": document.get("simulations"),
-        "trace": _clean(document.get("trace")),
-        "fleet": _plan_fleet(document),
-        "stages": stages,
-        "steps": [str(s) for s in steps] if isinstance(steps, list) else [],
+        "feasible": document.feasible,
+        "cost_usd_per_hr": _finite(document.cost_usd_per_hr),
+        "planned_rate_qps": _finite(document.planned_rate_qps),
+        "max_feasible_qps": _finite(document.max_feasible_qps),
+        "simulations": document.simulations,
+        "trace": _clean(dict(document.trace) if document.trace is not None else None),
+        "fleet": document.fleet,
+        "stages": [
+            {
+                "name": stage.name,
+                "fleet": dict(stage.fleet),
+                "batch_size": stage.batch_size,
+                "predicted_p99_ms": _finite(stage.predicted_p99_ms),
+                "throughput_qps": _finite(stage.throughput_qps),
+                "cost_usd_per_hr": _finite(stage.cost_usd_per_hr),
+                "policy": stage.policy,
+                "scale_factor": _finite(stage.scale_factor),
+            }
+            for stage in document.stages
+        ],
+        "steps": list(document.steps),
         "ranking": ranking(app, plan) if ranking is not None else None,
     }
 

@@ -54,6 +54,7 @@ from controlplane.errors import (
 )
 from controlplane.policies import auth
 from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, check_transition
+from controlplane.policies.plan import PlanDocument
 
 __all__ = [
     "AppRecord",
@@ -122,6 +123,15 @@ class PlanRecord:
     app_version: int  # the app's version the plan was made for
     created_at: datetime
     applied_at: datetime | None
+
+    @property
+    def plan(self) -> PlanDocument:
+        """The document, typed (:meth:`PlanDocument.parse`).
+
+        Raises:
+            PlanError: a document that is not a plan.
+        """
+        return PlanDocument.parse(self.document)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ runs short of what its plan promised. Heterogeneity is the way out: once a type 
 has missed for ``after_s`` (default :data:`DEFAULT_REPLAN_AFTER_S`), the replanner plans the app
 again (:func:`controlplane.policies.planner.plan_app` on the plan's own planning trace, made again
 from the generator parameters the API stored with it, ``trace.request``; a plan without them, a
-Poisson trace at its ``planned_rate_qps``: :func:`controlplane.api.routes.plans.planning_trace`)
+Poisson trace at its ``planned_rate_qps``: :func:`controlplane.apps.plans.planning_trace`)
 with that type capped at the instances of it the app already runs or has pending (``max_counts``,
 never above the spec's own cap; 0 takes the type out). A type counts as missing only while the
 plan asks for more of it than run or are pending: launches the tuner added above the plan are
@@ -37,25 +37,23 @@ construction, and the reconciler's budget guard applies to every launch as alway
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pydantic import ValidationError
-
-from controlplane.api.routes.plans import planning_trace
-from controlplane.api.schemas import PlanIn, TraceIn
+from controlplane.apps.plans import PlanRequest, TraceRequest, planning_trace
 from controlplane.db.store import AppRecord, PlanRecord, Store
-from controlplane.errors import ControlPlaneError
+from controlplane.errors import ControlPlaneError, InvalidValueError
 from controlplane.loops.live_tuner import ResolveFn
 from controlplane.policies.lifecycle import InstanceState
 from controlplane.policies.planner import plan_app
 from controlplane.spec import ResolvedApp, SpecError
 from estimator.errors import EstimatorError
 
-__all__ = ["DEFAULT_REPLAN_AFTER_S", "CapacityReplanner", "plan_fleet_counts"]
+__all__ = ["DEFAULT_REPLAN_AFTER_S", "CapacityReplanner"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,19 +65,6 @@ MissesFn = Callable[[str], Mapping[str, float]]
 """An app -> {instance type: seconds since its current run of capacity misses began}."""
 
 _LIVE = (InstanceState.PENDING.value, InstanceState.RUNNING.value)
-
-
-def plan_fleet_counts(document: Mapping[str, Any]) -> dict[str, int]:
-    """A plan document's instances by type, summed over its stages.
-
-    >>> plan_fleet_counts({"stages": [{"fleet": {"a": 1}}, {"fleet": {"a": 2, "b": 1}}]})
-    {'a': 3, 'b': 1}
-    """
-    counts: Counter[str] = Counter()
-    for stage in document.get("stages") or []:
-        for instance_type, count in (stage.get("fleet") or {}).items():
-            counts[str(instance_type)] += int(count)
-    return dict(counts)
 
 
 class CapacityReplanner:
@@ -127,7 +112,7 @@ class CapacityReplanner:
         plan = self._store.get_applied_plan(app.name)
         if plan is None:
             return False
-        planned = plan_fleet_counts(plan.document)
+        planned = plan.plan.fleet
         due = [t for t, since_s in self._misses(app.name).items() if since_s >= self._after_s]
         if not due:
             return False
@@ -165,7 +150,7 @@ class CapacityReplanner:
             resolved.validation,
         )
         request = _planning_request(plan)
-        rate = float(plan.document.get("planned_rate_qps") or 0.0)
+        rate = plan.plan.planned_rate_qps
         seed = request.seed
         trace, stats = planning_trace(capped, request)
         new = plan_app(capped, trace, seed=seed)
@@ -177,9 +162,9 @@ class CapacityReplanner:
             "planned_rate_qps": rate,
             "old_plan_id": plan.id,
             "old_fleet": dict(planned),
-            "old_cost_usd_per_hr": plan.document.get("cost_usd_per_hr"),
+            "old_cost_usd_per_hr": plan.plan.cost_usd_per_hr,
         }
-        fleet = plan_fleet_counts(new.to_document())
+        fleet = new.fleet
         over = {t: fleet.get(t, 0) for t in caps if fleet.get(t, 0) > caps[t]}
         if new.feasible and fleet == dict(planned):
             logger.info("capacity: %s: the plan without more %s is the same plan", app.name, caps)
@@ -200,12 +185,13 @@ class CapacityReplanner:
                 {**numbers, "max_feasible_qps": new.max_feasible_qps},
             )
             return False
-        document = {**new.to_document(), "seed": seed, "trace": stats}
-        document["steps"] = [
+        because = (
             f"re-planned because {names} had no capacity for {self._after_s:g} s or more:"
-            f" {caps_text}",
-            *document.get("steps", []),
-        ]
+            f" {caps_text}"
+        )
+        document = dataclasses.replace(
+            new, seed=seed, trace=stats, steps=(because, *new.steps)
+        ).to_document()
         record = self._store.create_plan(app.name, document)
         applied = self._store.apply_plan(app.name, record.id, expected_version=app.version)
         self._store.record_decision(
@@ -226,21 +212,21 @@ class CapacityReplanner:
         return True
 
 
-def _planning_request(plan: PlanRecord) -> PlanIn:
+def _planning_request(plan: PlanRecord) -> PlanRequest:
     """What ``plan`` was planned on, to plan on it again: the trace generator's parameters the API
     stored with it (``trace.request``), else a Poisson trace at its planned rate."""
-    seed = int(plan.document.get("seed") or 0)
-    trace = plan.document.get("trace")
-    stored = trace.get("request") if isinstance(trace, Mapping) else None
+    document = plan.plan
+    seed = document.seed or 0
+    stored = document.trace.get("request") if document.trace is not None else None
     if isinstance(stored, Mapping):
         try:
-            return PlanIn(trace=TraceIn.model_validate(dict(stored)), seed=seed)
-        except ValidationError as error:
+            return PlanRequest(trace=TraceRequest.from_document(stored), seed=seed)
+        except InvalidValueError as error:
             logger.warning("capacity: plan %s's trace request is not usable: %s", plan.id, error)
-    rate = float(plan.document.get("planned_rate_qps") or 0.0)
+    rate = document.planned_rate_qps
     if not (math.isfinite(rate) and rate > 0):
         raise ValueError(f"plan {plan.number} has no planned rate to plan for again")
-    return PlanIn(rate_qps=rate, seed=seed)
+    return PlanRequest(rate_qps=rate, seed=seed)
 
 
 def _fleet_text(fleet: Mapping[str, int]) -> str:

@@ -177,7 +177,7 @@ class LiveGears:
         plan_record = (
             self._store.get_applied_plan(app.name) if app.applied_plan_id is not None else None
         )
-        document = plan_record.document.get("gear_plan") if plan_record is not None else None
+        document = plan_record.plan.gear_plan if plan_record is not None else None
         if plan_record is None or not document:
             self._forget(app.name)
             return None

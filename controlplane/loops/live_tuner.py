@@ -35,26 +35,25 @@ uses them to see a whole step up and down in a minute.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, Store
+from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S
 from controlplane.policies.replay import kairos_capacity_model, rate_per_instance_qps
 from controlplane.policies.tuner import (
     DEFAULT_SCALE_DOWN_DELAY_S,
     Decision,
-    StagePlan,
     TunerConfig,
+    TunerStage,
     TunerState,
     initial_state,
     tune,
@@ -87,7 +86,7 @@ class _AppTuner:
 
     plan_id: int
     budget_usd_per_hr: float
-    stages: list[StagePlan]
+    stages: list[TunerStage]
     config: TunerConfig
     state: TunerState
     # The last budget_capped (stage, type, count) recorded: the tuner says it every tick while the
@@ -141,11 +140,7 @@ class LiveTuner:
         plan = self._store.get_applied_plan(app.name)
         if plan is None:
             return {}
-        counts: dict[str, int] = {}
-        for stage in plan.document.get("stages", []):
-            for name, count in stage.get("fleet", {}).items():
-                counts[name] = counts.get(name, 0) + int(count)
-        return counts
+        return plan.plan.fleet
 
     def budget_capped(self, app: str) -> bool:
         """Whether the tuner's last tick for ``app`` found the budget stopping a scale-up (the
@@ -221,21 +216,20 @@ class LiveTuner:
         if plan is None:
             return None
         resolved = self._resolve(app)
-        document = plan.document
-        stages_doc = document.get("stages") or []
-        planned_rate = float(document.get("planned_rate_qps") or 0.0)
-        if not stages_doc or not (math.isfinite(planned_rate) and planned_rate > 0):
+        document = plan.plan
+        planned_rate = document.planned_rate_qps
+        if not document.stages or not (math.isfinite(planned_rate) and planned_rate > 0):
             return None
         rng = np.random.default_rng(SYNTHETIC_SEED)
         planning = poisson_arrivals(planned_rate, SYNTHETIC_PLANNING_S, rng)
         ones = np.ones(planning.size, dtype=np.int64)
-        stages: list[StagePlan] = []
+        stages: list[TunerStage] = []
         service_time_s = 0.0
         types: set[str] = set()
-        for entry in stages_doc:
-            name = str(entry["name"])
-            fleet = {str(t): int(n) for t, n in entry["fleet"].items() if int(n) > 0}
-            batch = int(entry.get("batch_size", 1))
+        for entry in document.stages:
+            name = entry.name
+            fleet = {t: n for t, n in entry.fleet.items() if n > 0}
+            batch = entry.batch_size
             mu = {}
             for t in fleet:
                 profile = resolved.profile(name, t)
@@ -243,11 +237,11 @@ class LiveTuner:
                 mu[t] = rate_per_instance_qps(profile, smallest, batch)
             service_time_s = max(service_time_s, *(1.0 / rate for rate in mu.values()))
             types.update(fleet)
-            scale = float(entry.get("scale_factor", 1.0))
+            scale = entry.scale_factor
             model = None
-            if entry.get("policy") == "kairos" and len(mu) > 1 and batch <= 1:
+            if entry.policy == "kairos" and len(mu) > 1 and batch <= 1:
                 model = kairos_capacity_model(resolved, name, list(mu), Trace(planning, ones))
-            stages.append(StagePlan(name, scale, fleet, mu, 1.0, capacity_model=model))
+            stages.append(TunerStage(name, scale, fleet, mu, 1.0, capacity_model=model))
         config = TunerConfig.from_planning_trace(
             planning,
             max(service_time_s, MIN_ENVELOPE_WINDOW_S),
@@ -258,7 +252,7 @@ class LiveTuner:
             recent_s=self._max_window_s,
             max_window_s=self._max_window_s,
         )
-        planned = _planned_envelope(document.get("envelope"), self._max_window_s)
+        planned = _planned_envelope(document, self._max_window_s)
         if isinstance(planned, str):
             logger.warning(
                 "tuner: %s: plan %s's envelope is not usable (%s); using a Poisson trace at"
@@ -270,7 +264,7 @@ class LiveTuner:
         elif planned is not None:
             config = dataclasses.replace(config, windows_s=planned[0], planned_rate_qps=planned[1])
         stages = [
-            StagePlan(
+            TunerStage(
                 s.name,
                 s.scale_factor,
                 s.fleet,
@@ -296,47 +290,23 @@ class LiveTuner:
 
 
 def _planned_envelope(
-    raw: Any, max_window_s: float
+    plan: PlanDocument, max_window_s: float
 ) -> tuple[tuple[float, ...], tuple[float, ...]] | str | None:
-    """A plan document's ``envelope`` as (windows s, rates qps), its windows up to
-    ``max_window_s``; ``None`` when the document has none, and what is wrong (one line) when it
-    is malformed."""
-    if raw is None:
+    """A plan's envelope as (windows s, rates qps), its windows up to ``max_window_s``; ``None``
+    when the plan has none, and what is wrong (one line) when it is malformed or has no window
+    the tuner uses."""
+    if plan.envelope_problem is not None:
+        return plan.envelope_problem
+    if not plan.envelope_windows_s:
         return None
-    if not isinstance(raw, Mapping):
-        return f"expected an object, got {type(raw).__name__}"
-    windows = _positive_numbers("windows_s", raw.get("windows_s"))
-    if isinstance(windows, str):
-        return windows
-    rates = _positive_numbers("rate_qps", raw.get("rate_qps"))
-    if isinstance(rates, str):
-        return rates
-    if not windows or len(windows) != len(rates):
-        return f"{len(windows)} windows and {len(rates)} rates"
-    if any(later <= earlier for earlier, later in itertools.pairwise(windows)):
-        return "windows_s is not increasing"
-    kept = [(w, r) for w, r in zip(windows, rates, strict=True) if w <= max_window_s]
+    kept = [
+        (w, r)
+        for w, r in zip(plan.envelope_windows_s, plan.envelope_rate_qps, strict=True)
+        if w <= max_window_s
+    ]
     if not kept:
         return f"no window within the tuner's longest, {max_window_s:g} s"
     return tuple(w for w, _ in kept), tuple(r for _, r in kept)
-
-
-def _positive_numbers(name: str, raw: Any) -> tuple[float, ...] | str:
-    """``raw`` as finite numbers > 0, or what is wrong with it (one line)."""
-    if not isinstance(raw, Sequence) or isinstance(raw, str | bytes):
-        return f"{name} is not a list"
-    numbers = []
-    for value in raw:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return f"{name} holds {value!r}, not a number"
-        try:
-            number = float(value)
-        except OverflowError:  # an int past float's range
-            number = math.inf
-        if not (math.isfinite(number) and number > 0):
-            return f"{name} holds {value!r}, not a finite number > 0"
-        numbers.append(number)
-    return tuple(numbers)
 
 
 def _summed(state: TunerState) -> dict[str, int]:

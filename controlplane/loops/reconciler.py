@@ -123,7 +123,6 @@ __all__ = [
     "Terminate",
     "applied_plan_fleet",
     "catalog_pricing",
-    "plan_fleet",
     "reconcile",
     "request_prefix",
 ]
@@ -649,19 +648,6 @@ def _launch_shortfall(
 # --- what the reconciler is told ---------------------------------------------------------------
 
 
-def plan_fleet(document: Mapping[str, Any]) -> dict[str, int]:
-    """The fleet a plan document asks for: the sum over its stages (type -> count).
-
-    >>> plan_fleet({"stages": [{"fleet": {"a": 1}}, {"fleet": {"a": 2, "b": 1}}]})
-    {'a': 3, 'b': 1}
-    """
-    fleet: dict[str, int] = {}
-    for stage in document.get("stages", []):
-        for instance_type, count in stage.get("fleet", {}).items():
-            fleet[instance_type] = fleet.get(instance_type, 0) + int(count)
-    return fleet
-
-
 DesiredFleet = Callable[[AppRecord], Mapping[str, int]]
 
 
@@ -671,7 +657,7 @@ def applied_plan_fleet(store: Store) -> DesiredFleet:
 
     def desired(app: AppRecord) -> Mapping[str, int]:
         plan = store.get_applied_plan(app.name)
-        return {} if plan is None else plan_fleet(plan.document)
+        return {} if plan is None else plan.plan.fleet
 
     return desired
 

@@ -38,11 +38,11 @@ queued queries an instance takes at once), repeat: list the actions
 
 ordered by the cost they save (ties: the order above, then by type name); simulate them in that
 order and apply the first feasible one, which is the feasible action of largest saving. Stop
-when none is feasible. Every step is one sentence in :attr:`Plan.steps`.
+when none is feasible. Every step is one sentence in :attr:`PlanDocument.steps`.
 
 **Budget.** A plan never costs more than B: Algorithm 1 only adds instances that keep the fleet
 within B and Algorithm 2 only lowers cost. When no plan within B serves the trace,
-:attr:`Plan.max_feasible_qps` is the highest rate r (arrival times scaled by r_trace / r) at
+:attr:`PlanDocument.max_feasible_qps` is the highest rate r (arrival times scaled by r_trace / r) at
 which Algorithm 1 finds one, by bisection to ``RATE_REL_TOL``; the stages are then planned for
 that rate.
 
@@ -99,6 +99,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.policies.gears import Placement, plan_gears
+from controlplane.policies.plan import DispatchName, PlanDocument, StagePlan
 from controlplane.policies.replay import rate_per_instance_qps
 from controlplane.spec import ResolvedApp
 from estimator.bounds import KairosQuantities, Ranking, kairos_quantities, rank_configurations
@@ -124,8 +125,6 @@ __all__ = [
     "PEAK_WINDOW_S",
     "PLANNING_QUERIES",
     "InfeasibleSLOError",
-    "Plan",
-    "StagePlan",
     "peak_rate_qps",
     "plan_app",
     "scale_trace",
@@ -170,73 +169,6 @@ class InfeasibleSLOError(EstimatorError):
             f" type {instance_type} takes {latency_ms:.2f} ms (p{percentile:g} of the trace's"
             f" batch sizes at batch 1) > SLO {slo_ms:g} ms"
         )
-
-
-@dataclass(frozen=True, slots=True)
-class StagePlan:
-    """One stage of a plan: its fleet (type -> count), batch size and what the estimator says."""
-
-    name: str
-    fleet: Mapping[str, int]
-    batch_size: int
-    predicted_p99_ms: float
-    throughput_qps: float
-    cost_usd_per_hr: float
-    policy: str
-    scale_factor: float = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """A plan for an app: ``feasible`` when every stage meets the SLO on the trace within the
-    budget; otherwise ``max_feasible_qps`` is the highest rate that can be served, and the
-    stages are planned for ``planned_rate_qps`` (empty when not even the lowest rate can).
-    ``envelope_windows_s`` and ``envelope_rate_qps`` are the planned arrival envelope (see the
-    module docstring; both empty when the plan carries none)."""
-
-    feasible: bool
-    cost_usd_per_hr: float
-    stages: tuple[StagePlan, ...]
-    steps: tuple[str, ...]
-    planned_rate_qps: float
-    max_feasible_qps: float | None = None
-    simulations: int = 0
-    gear_plan: Mapping[str, Any] | None = None
-    envelope_windows_s: tuple[float, ...] = ()
-    envelope_rate_qps: tuple[float, ...] = ()
-
-    def to_document(self) -> dict[str, Any]:
-        """The plan document (the ``plan --json`` contract, what ``replay --plan`` reads)."""
-        document: dict[str, Any] = {
-            "feasible": self.feasible,
-            "cost_usd_per_hr": self.cost_usd_per_hr,
-            "stages": [
-                {
-                    "name": s.name,
-                    "fleet": dict(s.fleet),
-                    "batch_size": s.batch_size,
-                    "predicted_p99_ms": s.predicted_p99_ms,
-                    "throughput_qps": s.throughput_qps,
-                    "cost_usd_per_hr": s.cost_usd_per_hr,
-                    "policy": s.policy,
-                    "scale_factor": s.scale_factor,
-                }
-                for s in self.stages
-            ],
-            "planned_rate_qps": self.planned_rate_qps,
-            "steps": list(self.steps),
-            "simulations": self.simulations,
-        }
-        if self.max_feasible_qps is not None:
-            document["max_feasible_qps"] = self.max_feasible_qps
-        if self.gear_plan is not None:
-            document["gear_plan"] = dict(self.gear_plan)
-        if self.envelope_windows_s:
-            document["envelope"] = {
-                "windows_s": list(self.envelope_windows_s),
-                "rate_qps": list(self.envelope_rate_qps),
-            }
-        return document
 
 
 # --- traces ----------------------------------------------------------------------------------
@@ -288,12 +220,12 @@ class _Evaluator:
     inputs: _StageInputs
     trace: Trace
     seed: int
-    cache: dict[tuple[tuple[tuple[str, int], ...], int], tuple[float, float, str]] = field(
+    cache: dict[tuple[tuple[tuple[str, int], ...], int], tuple[float, float, DispatchName]] = field(
         default_factory=dict
     )
     simulations: int = 0
 
-    def __call__(self, fleet: Mapping[str, int], batch: int) -> tuple[float, float, str]:
+    def __call__(self, fleet: Mapping[str, int], batch: int) -> tuple[float, float, DispatchName]:
         """(P-th percentile response ms, throughput qps, policy name) of ``fleet`` at ``batch``."""
         key = (tuple(sorted((t, n) for t, n in fleet.items() if n)), batch)
         if key not in self.cache:
@@ -301,9 +233,10 @@ class _Evaluator:
             self.simulations += 1
         return self.cache[key]
 
-    def _simulate(self, fleet: dict[str, int], batch: int) -> tuple[float, float, str]:
+    def _simulate(self, fleet: dict[str, int], batch: int) -> tuple[float, float, DispatchName]:
         used = {t: self.inputs.profiles[t] for t in fleet}
         prices = self.inputs.prices_usd_per_hr
+        name: DispatchName
         if len(used) == 1:
             name, make = "fcfs", policy_factory("fcfs", used, list(used))
         else:
@@ -679,7 +612,7 @@ def _run(
         plans.append(
             StagePlan(
                 stage.model,
-                dict(sorted(fleet.items())),
+                Fleet.of(dict(sorted(fleet.items()))),
                 batch,
                 tail_ms,
                 throughput,
@@ -702,7 +635,7 @@ def plan_app(
     seed: int = 0,
     max_queries: int = PLANNING_QUERIES,
     progress: Callable[[str], None] | None = None,
-) -> Plan:
+) -> PlanDocument:
     """Plan ``app`` for ``trace`` (see the module docstring for the algorithm).
 
     Deterministic for a seed. Raises :class:`InfeasibleSLOError` when the service time alone
@@ -764,7 +697,7 @@ def plan_app(
     if plans:
         planned = sample if max_feasible is None else scale_trace(sample, planned_rate)
         windows_s, rates_qps = _planned_envelope(app, plans, planned)
-    return Plan(
+    return PlanDocument(
         feasible=max_feasible is None,
         cost_usd_per_hr=float(sum(p.cost_usd_per_hr for p in plans)),
         stages=tuple(plans),

@@ -21,7 +21,6 @@ logic, which comes with them).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,10 +30,18 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
+from controlplane.policies.plan import (
+    DISPATCH_NAMES,
+    DispatchName,
+    PlanDocument,
+    PlanError,
+    StagePlan,
+)
+from controlplane.policies.plan import read_plan as read_plan_document
 from controlplane.policies.tuner import (
     CapacityModel,
-    StagePlan,
     TunerConfig,
+    TunerStage,
     default_boot_s,
     initial_state,
     tune,
@@ -43,7 +50,7 @@ from controlplane.policies.tuner import (
 from controlplane.spec import ResolvedApp
 from estimator.bounds import kairos_quantities, upper_bounds
 from estimator.envelope import DEFAULT_MAX_WINDOW_S
-from estimator.errors import EstimatorError, FleetError
+from estimator.errors import EstimatorError
 from estimator.fleet import Fleet
 from estimator.policies import full_range_types, policy_factory
 from estimator.profiles import LatencyProfile
@@ -57,13 +64,12 @@ __all__ = [
     "DISPATCH_NAMES",
     "AbortedBoot",
     "FleetTimeline",
-    "Plan",
     "PlanError",
-    "PlannedStage",
     "ReplayDecision",
     "ReplayError",
     "ReplayResult",
     "ScalingPolicy",
+    "StagePlan",
     "TimelineWindow",
     "UtilizationConfig",
     "check_plan",
@@ -78,8 +84,6 @@ __all__ = [
 ]
 
 ScalingPolicy = Literal["tuner", "static", "utilization"]
-DispatchName = Literal["fcfs", "kairos"]
-DISPATCH_NAMES: tuple[DispatchName, ...] = ("fcfs", "kairos")
 
 # Without a planning trace, the tuner plans on the replayed trace's first 10%: the part an operator
 # would have seen before deploying (docs/replay.md).
@@ -101,60 +105,12 @@ class ReplayError(EstimatorError):
     """A replay that cannot run: a plan that does not fit the spec, a trace too short to plan on."""
 
 
-class PlanError(ReplayError):
-    """A plan document that is malformed (not JSON, a field missing or of the wrong kind).
-
-    ``field`` is the path of the offending value (``stages[0].fleet``; empty for the document).
-    """
-
-    def __init__(self, field: str, problem: str, source: str | None = None) -> None:
-        self.field = field
-        self.problem = problem
-        self.source = source
-        super().__init__(": ".join(part for part in (source, field, problem) if part))
-
-
 # --- the plan document -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class PlannedStage:
-    """One stage of a plan: the model, its fleet (counts by type), its batch size (the most
-    queued queries an instance takes at once) and, where the planner said, the dispatch policy it
-    planned with (``fcfs`` or ``kairos``)."""
-
-    name: str
-    fleet: Fleet
-    batch_size: int
-    policy: DispatchName | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """The planner's output as the replay reads it (the contract in ``docs/replay.md``); the
-    predicted latencies, throughputs and the search steps are not needed here and not kept."""
-
-    feasible: bool
-    cost_usd_per_hr: float
-    stages: tuple[PlannedStage, ...]
-
-
-def _field(document: Mapping[str, Any], key: str, where: str, source: str | None) -> Any:
-    if key not in document:
-        raise PlanError(f"{where}{key}", "is required", source)
-    return document[key]
-
-
-def _whole(value: object, where: str, source: str | None, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise PlanError(where, f"must be a whole number, got {value!r}", source)
-    if value < low:
-        raise PlanError(where, f"must be >= {low}, got {value}", source)
-    return value
-
-
-def parse_plan(document: object, source: str | None = None) -> Plan:
-    """Check a parsed plan document and keep what the replay needs.
+def parse_plan(document: object, source: str | None = None) -> PlanDocument:
+    """Check a parsed plan document for a replay: a plan (:meth:`PlanDocument.parse`) with at
+    least one stage, each with instances.
 
     >>> plan = parse_plan({"feasible": True, "cost_usd_per_hr": 1.05, "steps": [],
     ...     "stages": [{"name": "m", "fleet": {"g4dn.xlarge": 2}, "batch_size": 1}]})
@@ -162,69 +118,30 @@ def parse_plan(document: object, source: str | None = None) -> Plan:
     ('g4dn.xlarge=2', 1)
 
     Raises:
-        PlanError: a document that is not a mapping, or a field missing or of the wrong kind.
+        PlanError: a document that is not a plan, has no stage or a stage without instances.
     """
-    if not isinstance(document, Mapping):
-        raise PlanError("", f"a plan is a JSON object, got {type(document).__name__}", source)
-    feasible = _field(document, "feasible", "", source)
-    if not isinstance(feasible, bool):
-        raise PlanError("feasible", f"must be true or false, got {feasible!r}", source)
-    cost = _field(document, "cost_usd_per_hr", "", source)
-    if isinstance(cost, bool) or not isinstance(cost, int | float) or not math.isfinite(cost):
-        raise PlanError("cost_usd_per_hr", f"must be a finite number, got {cost!r}", source)
-    stages_doc = _field(document, "stages", "", source)
-    if not isinstance(stages_doc, list) or not stages_doc:
-        raise PlanError("stages", "must be a non-empty list", source)
-    stages = []
-    for i, entry in enumerate(stages_doc):
-        where = f"stages[{i}]"
-        if not isinstance(entry, Mapping):
-            raise PlanError(where, "must be an object", source)
-        name = _field(entry, "name", f"{where}.", source)
-        if not isinstance(name, str) or not name:
-            raise PlanError(f"{where}.name", f"must be a non-empty text, got {name!r}", source)
-        fleet_doc = _field(entry, "fleet", f"{where}.", source)
-        if not isinstance(fleet_doc, Mapping):
-            raise PlanError(f"{where}.fleet", "must be an object of type -> count", source)
-        counts = {str(t): _whole(c, f"{where}.fleet[{t}]", source, 0) for t, c in fleet_doc.items()}
-        try:
-            fleet = Fleet.of(counts)
-        except FleetError as error:
-            raise PlanError(f"{where}.fleet", str(error), source) from None
-        if fleet.total == 0:
-            raise PlanError(f"{where}.fleet", "has no instances", source)
-        batch_doc = _field(entry, "batch_size", f"{where}.", source)
-        batch = _whole(batch_doc, f"{where}.batch_size", source, 1)
-        policy = entry.get("policy")
-        if policy is not None and policy not in DISPATCH_NAMES:
-            problem = f"must be one of {', '.join(DISPATCH_NAMES)}, got {policy!r}"
-            raise PlanError(f"{where}.policy", problem, source)
-        stages.append(PlannedStage(name, fleet, batch, policy))
-    return Plan(feasible, float(cost), tuple(stages))
+    return _replayable(PlanDocument.parse(document, source), source)
 
 
-def read_plan(path: str | Path) -> Plan:
-    """Read and check a plan document (JSON) from ``path``.
+def read_plan(path: str | Path) -> PlanDocument:
+    """Read and check a plan document (JSON) from ``path`` for a replay.
 
     Raises:
-        PlanError: a file that cannot be read, is not JSON, or is not a plan.
+        PlanError: a file that cannot be read, is not JSON, or is not a plan to replay.
     """
-    source = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PlanError("", "no such file", source) from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise PlanError("", f"cannot read: {error}", source) from None
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as error:
-        problem = f"malformed JSON at line {error.lineno}, column {error.colno}: {error.msg}"
-        raise PlanError("", problem, source) from None
-    return parse_plan(document, source)
+    return _replayable(read_plan_document(path), str(path))
 
 
-def check_plan(plan: Plan, app: ResolvedApp) -> PlannedStage:
+def _replayable(plan: PlanDocument, source: str | None) -> PlanDocument:
+    if not plan.stages:
+        raise PlanError("stages", "must be a non-empty list", source)
+    for i, stage in enumerate(plan.stages):
+        if stage.fleet.total == 0:
+            raise PlanError(f"stages[{i}].fleet", "has no instances", source)
+    return plan
+
+
+def check_plan(plan: PlanDocument, app: ResolvedApp) -> StagePlan:
     """The plan's one stage, checked against the app: its model is the app's, its types are the
     spec's candidates, and its fleet costs no more than the budget.
 
@@ -471,7 +388,7 @@ def planning_arrivals(trace: Trace, share: float = DEFAULT_PLANNING_SHARE) -> ND
     return chosen
 
 
-def _stage_rates(app: ResolvedApp, stage: PlannedStage, trace: Trace) -> dict[str, float]:
+def _stage_rates(app: ResolvedApp, stage: StagePlan, trace: Trace) -> dict[str, float]:
     return {
         name: rate_per_instance_qps(
             app.profile(stage.name, name), trace.batch_size, stage.batch_size
@@ -482,7 +399,7 @@ def _stage_rates(app: ResolvedApp, stage: PlannedStage, trace: Trace) -> dict[st
 
 
 def _batch_latency_s(
-    app: ResolvedApp, stage: PlannedStage, trace: Trace, name: str, mu_qps: float
+    app: ResolvedApp, stage: StagePlan, trace: Trace, name: str, mu_qps: float
 ) -> float:
     if stage.batch_size <= 1:
         return 1.0 / mu_qps
@@ -510,7 +427,7 @@ def _ticks(end_s: float, step_s: float) -> NDArray[np.float64]:
 def tuner_timeline(
     trace: Trace,
     app: ResolvedApp,
-    stage: PlannedStage,
+    stage: StagePlan,
     planning_arrival_s: NDArray[np.float64],
     *,
     boot_s: Mapping[str, float] | None = None,
@@ -552,7 +469,7 @@ def tuner_timeline(
     if dispatch == "kairos" and len(mu) > 1 and stage.batch_size <= 1:
         model = kairos_capacity_model(app, stage.name, list(mu), trace)
     rho = utilisation_target(fleet, mu, 1.0, config.planned_peak_rate_qps, model)
-    plan = StagePlan(stage.name, 1.0, fleet, mu, rho, capacity_model=model)
+    plan = TunerStage(stage.name, 1.0, fleet, mu, rho, capacity_model=model)
     state = initial_state([plan], now_s=0.0)
     log = _FleetLog.planned(Fleet.of(fleet), boot)
     arrivals = trace.arrival_s
@@ -598,7 +515,7 @@ class UtilizationConfig:
 def utilization_timeline(
     trace: Trace,
     app: ResolvedApp,
-    stage: PlannedStage,
+    stage: StagePlan,
     *,
     config: UtilizationConfig | None = None,
     boot_s: Mapping[str, float] | None = None,
@@ -773,7 +690,7 @@ def _windows(
 def replay(
     trace: Trace,
     app: ResolvedApp,
-    plan: Plan,
+    plan: PlanDocument,
     rng: np.random.Generator,
     *,
     policy: ScalingPolicy = "tuner",

@@ -1,6 +1,6 @@
 """The tuner: InferLine's high-frequency scaling policy, as a pure function of what it observes.
 
-This module owns the tuner's value objects (:class:`StagePlan`, :class:`TunerConfig`,
+This module owns the tuner's value objects (:class:`TunerStage`, :class:`TunerConfig`,
 :class:`TunerState`, :class:`Booting`, :class:`Decision`) and :func:`tune`, which maps (recent
 live arrivals, the clock's reading, the state, the plan) to decisions and the next state. It reads
 no clock and does no I/O: the control loop passes ``now_s`` in and a reconciler acts on the
@@ -72,8 +72,8 @@ __all__ = [
     "Booting",
     "CapacityModel",
     "Decision",
-    "StagePlan",
     "TunerConfig",
+    "TunerStage",
     "TunerState",
     "default_boot_s",
     "fleet_cost_usd_per_hr",
@@ -116,7 +116,7 @@ def _frozen(mapping: Mapping[str, float]) -> Mapping[str, float]:
 
 
 @dataclass(frozen=True, slots=True)
-class StagePlan:
+class TunerStage:
     """One stage as the planner left it.
 
     ``scale_factor`` is s_m, the share of the app's queries that reach the stage;
@@ -333,7 +333,7 @@ def utilisation_target(
     return min(1.0, peak_rate_qps * scale_factor / capacity)
 
 
-def initial_state(plans: Sequence[StagePlan], now_s: float) -> TunerState:
+def initial_state(plans: Sequence[TunerStage], now_s: float) -> TunerState:
     """The planned fleets, all of them serving, changed last at ``now_s``."""
     return TunerState(
         fleets={plan.name: Fleet.of(dict(plan.fleet)) for plan in plans}, last_change_s=now_s
@@ -363,7 +363,7 @@ def _capacity_qps(fleet: Mapping[str, int], mu: Mapping[str, float]) -> float:
     return sum(count * mu[name] for name, count in fleet.items())
 
 
-def _cost_effectiveness(plan: StagePlan, prices: Mapping[str, float], name: str) -> float:
+def _cost_effectiveness(plan: TunerStage, prices: Mapping[str, float], name: str) -> float:
     price = prices[name]
     return math.inf if price == 0.0 else plan.rate_per_instance_qps[name] / price
 
@@ -389,7 +389,7 @@ class _Tick:
     cost_usd_per_hr: float
     decisions: list[Decision] = field(default_factory=list)
 
-    def launch(self, plan: StagePlan, name: str, count: int, reason: str) -> None:
+    def launch(self, plan: TunerStage, name: str, count: int, reason: str) -> None:
         stage = self.fleets[plan.name]
         stage[name] = stage.get(name, 0) + count
         ready_at_s = self.now_s + self.config.boot_s[name]
@@ -400,7 +400,7 @@ class _Tick:
         self.cost_usd_per_hr += count * self.config.prices_usd_per_hr[name]
         self.decide(plan.name, "scale_up", name, count, reason)
 
-    def stop(self, plan: StagePlan, name: str, count: int, reason: str) -> None:
+    def stop(self, plan: TunerStage, name: str, count: int, reason: str) -> None:
         self.fleets[plan.name][name] -= count
         # Booting instances go first, the latest launched first: they serve nobody yet.
         mine = [b for b in self.booting if b.stage == plan.name and b.instance_type == name]
@@ -415,7 +415,7 @@ class _Tick:
 
 
 def _scale_up(
-    tick: _Tick, plan: StagePlan, needed_qps: float, why: str, k_m: int | None = None
+    tick: _Tick, plan: TunerStage, needed_qps: float, why: str, k_m: int | None = None
 ) -> None:
     """Add the most cost-effective affordable type until the stage serves ``needed_qps``; a stage
     of one type is brought to ``k_m`` instances where given."""
@@ -465,7 +465,7 @@ def _scale_up(
         )
 
 
-def _scale_down(tick: _Tick, plan: StagePlan, needed_qps: float, why: str) -> bool:
+def _scale_down(tick: _Tick, plan: TunerStage, needed_qps: float, why: str) -> bool:
     """Stop the least cost-effective instances while the stage still serves ``needed_qps``, keeps
     ``min_instances`` and keeps one instance of every type of the planned fleet; True when
     something stopped.
@@ -508,7 +508,7 @@ def _per_usd(gain_qps: float, price_usd_per_hr: float) -> float:
     return math.inf if price_usd_per_hr == 0.0 else gain_qps / price_usd_per_hr
 
 
-def _scale_up_marginal(tick: _Tick, plan: StagePlan, needed_qps: float, why: str) -> None:
+def _scale_up_marginal(tick: _Tick, plan: TunerStage, needed_qps: float, why: str) -> None:
     """With a capacity model: add, one at a time, the affordable instance whose capacity gain per
     USD/hr is largest (ties: cheaper, then by name) until the stage serves ``needed_qps``; one
     decision per run of the same type."""
@@ -569,7 +569,7 @@ def _scale_up_marginal(tick: _Tick, plan: StagePlan, needed_qps: float, why: str
         )
 
 
-def _scale_down_marginal(tick: _Tick, plan: StagePlan, needed_qps: float, why: str) -> bool:
+def _scale_down_marginal(tick: _Tick, plan: TunerStage, needed_qps: float, why: str) -> bool:
     """With a capacity model: stop, one at a time, the instance whose removal loses the least
     capacity per USD/hr saved while the stage still serves ``needed_qps``, keeping
     ``min_instances`` and one instance of every planned type; True when something stopped."""
@@ -622,7 +622,7 @@ def tune(
     arrival_s: ArrayLike,
     now_s: float,
     state: TunerState,
-    plans: Sequence[StagePlan],
+    plans: Sequence[TunerStage],
     config: TunerConfig,
 ) -> tuple[list[Decision], TunerState]:
     """One tick of InferLine's tuner (Algorithms 3 and 4): the decisions at ``now_s`` and the state

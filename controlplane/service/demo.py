@@ -52,9 +52,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.api.deps import Services
-from controlplane.api.routes import plans as plan_routes
-from controlplane.api.schemas import PlanIn, TraceIn
-from controlplane.apps import profiler
+from controlplane.apps import plans, profiler
+from controlplane.apps.plans import PlanRequest, TraceRequest
 from controlplane.apps.resolver import spec_document
 from controlplane.clients import loadgen
 from controlplane.db.store import AppRecord, PlanRecord, Principal, Store
@@ -334,16 +333,15 @@ def ensure_demo_plan(
         f"planning {DEMO_APP!r} for {rate_qps:g} qps (Poisson): the planner simulates candidate"
         " fleets for each stage of the cascade, a few seconds"
     )
-    request = PlanIn(trace=TraceIn(rate_qps=rate_qps))
-    preview = plan_routes.preview_plan(DEMO_APP, services, who, request)
-    if not preview.feasible:
+    request = PlanRequest(trace=TraceRequest(rate_qps=rate_qps))
+    preview = plans.preview_plan(services.store, services.resolver, DEMO_APP, request)
+    if not preview.plan.feasible:
         progress(
             f"plan {preview.id} is infeasible (no fleet within the budget meets the SLO at"
             f" {rate_qps:g} qps); left as a preview, nothing applied"
         )
         return None, False
-    plan_routes.apply_plan(DEMO_APP, preview.id, services, who)
-    return store.get_plan(DEMO_APP, preview.id), True
+    return plans.apply_plan(store, DEMO_APP, preview.id, who.name), True
 
 
 def prepare_demo(

@@ -108,18 +108,10 @@ def load_config(store: Store, resolver: AppResolver, app: str) -> AppConfig:
     }
     stage_plans: dict[str, StagePlan] = {}
     if plan is not None:
-        for stage in plan.document.get("stages", []):
-            name = stage.get("name") if isinstance(stage, dict) else None
-            if name in models:
-                fleet = stage.get("fleet")
-                batch = stage.get("batch_size", 1)
-                policy = stage.get("policy")
-                stage_plans[name] = StagePlan(
-                    fleet={str(t): int(n) for t, n in fleet.items()}
-                    if isinstance(fleet, dict)
-                    else None,
-                    max_batch_queries=int(batch) if isinstance(batch, int) and batch >= 1 else 1,
-                    policy=policy if isinstance(policy, str) else None,
+        for stage in plan.plan.stages:
+            if stage.name in models:
+                stage_plans[stage.name] = StagePlan(
+                    fleet=dict(stage.fleet), max_batch_queries=stage.batch_size, policy=stage.policy
                 )
     return AppConfig(
         name=app,

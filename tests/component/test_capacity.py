@@ -21,12 +21,10 @@ from typing import Any
 
 import pytest
 
-from controlplane.api.routes.plans import planning_trace
-from controlplane.api.schemas import PlanIn, TraceIn
+from controlplane.apps.plans import PlanRequest, TraceRequest, preview_plan
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import FakeClock
-from controlplane.loops.capacity_replan import CapacityReplanner, plan_fleet_counts
-from controlplane.policies.planner import plan_app
+from controlplane.loops.capacity_replan import CapacityReplanner
 from controlplane.service.build import Service, build_service
 from controlplane.settings import Settings
 from provisioners.fake import FakeProvisioner
@@ -48,24 +46,22 @@ def world(tmp_path: Path) -> Iterator[tuple[Service, FakeClock, AppResolver]]:
 
 
 # The planning trace of the tests' plans: bursty, so that a re-plan on a Poisson trace would differ.
-REQUEST = PlanIn(trace=TraceIn(kind="gamma", rate_qps=100.0, cv2=4.0), seed=3)
+REQUEST = PlanRequest(trace=TraceRequest(kind="gamma", rate_qps=100.0, cv2=4.0), seed=3)
 
 
 def _apply(
-    service: Service, resolver: AppResolver, document: dict[str, Any], request: PlanIn = REQUEST
+    service: Service,
+    resolver: AppResolver,
+    document: dict[str, Any],
+    request: PlanRequest = REQUEST,
 ) -> dict[str, int]:
-    """Register the app, plan it as an API preview of ``request`` would, apply; its fleet."""
+    """Register the app, plan it as an API preview of ``request`` does, apply; its fleet."""
     store = service.store
     store.create_app(spec_document(resolver.check(document).spec), who="test")
-    resolved = resolver.resolve(store.get_app(document["name"]).spec)
-    trace, stats = planning_trace(resolved, request)
-    plan = plan_app(resolved, trace, seed=request.seed)
-    assert plan.feasible
-    record = store.create_plan(
-        document["name"], {**plan.to_document(), "seed": request.seed, "trace": stats}
-    )
+    record = preview_plan(store, resolver, document["name"], request)
+    assert record.plan.feasible
     store.apply_plan(document["name"], record.id)
-    return plan_fleet_counts(record.document)
+    return record.plan.fleet
 
 
 def _replanner(service: Service, resolver: AppResolver) -> CapacityReplanner:
@@ -109,13 +105,13 @@ def test_a_type_without_capacity_is_planned_around_within_the_budget(
 
     applied = service.store.get_applied_plan("toy")
     assert applied is not None
-    fleet = plan_fleet_counts(applied.document)
+    fleet = applied.plan.fleet
     assert fleet.get(missing, 0) == 0 and sum(fleet.values()) > 0
     assert applied.document["feasible"] is True
     assert applied.document["cost_usd_per_hr"] <= document["budget_usd_per_hr"]
     assert missing in applied.document["steps"][0]
     # Planned again on the same trace: the generator's parameters stored with the first plan.
-    assert applied.document["trace"]["request"] == REQUEST.trace.model_dump(mode="json")
+    assert applied.document["trace"]["request"] == REQUEST.trace.to_document()
     assert applied.document["seed"] == REQUEST.seed
     (decision,) = [d for d in service.store.list_decisions("toy") if d.kind == "capacity_replan"]
     assert decision.numbers["missing_types"] == [missing]
@@ -140,7 +136,7 @@ def test_without_a_feasible_plan_around_it_the_plan_stays_and_the_operator_is_to
     # At 12 ms only g4dn.xlarge serves the model within the SLO (its batch of 1 takes 4 ms,
     # r5n.large's 12 ms, t3.xlarge's 18 ms): without it no plan exists.
     document = spec(budget=4.0, latency_ms=12.0)
-    planned = _apply(service, resolver, document, PlanIn(rate_qps=100.0))
+    planned = _apply(service, resolver, document, PlanRequest(rate_qps=100.0))
     assert set(planned) == {"g4dn.xlarge"}
     _fail_busiest(service, planned)
     replanner = _replanner(service, resolver)
@@ -219,7 +215,7 @@ def test_a_lost_instance_without_capacity_caps_its_type_at_what_still_runs(
     applied = service.store.get_applied_plan("toy")
     assert applied is not None
     left = planned[busiest] - 1
-    assert plan_fleet_counts(applied.document).get(busiest, 0) <= left
+    assert applied.plan.fleet.get(busiest, 0) <= left
     (decision,) = [d for d in service.store.list_decisions("toy") if d.kind == "capacity_replan"]
     assert decision.numbers["caps"] == {busiest: left}
     # The new plan asks for no more than runs: the miss ends, and nothing is planned again.

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from controlplane.cli import main
 from controlplane.policies import planner as planner_module
 from controlplane.policies.gears import GearPlan
+from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import (
     MIN_ENVELOPE_WINDOW_S,
     InfeasibleSLOError,
-    Plan,
     peak_rate_qps,
     plan_app,
     scale_trace,
@@ -82,7 +82,7 @@ def gamma_trace(rate_qps: float, cv2: float, queries: int = 1500, seed: int = 1)
     return Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
 
 
-def resimulated_p99_ms(app: ResolvedApp, plan: Plan, trace: Trace, seed: int = 0) -> float:
+def resimulated_p99_ms(app: ResolvedApp, plan: PlanDocument, trace: Trace, seed: int = 0) -> float:
     """Rebuild the plan's one stage from scratch and simulate it on the trace."""
     (stage,) = plan.stages
     profiles = {t: app.profile(stage.name, t) for t in stage.fleet}
@@ -156,7 +156,7 @@ def grid_trace(rate_qps: float, cv2: float) -> Trace:
     return poisson_trace(rate_qps) if cv2 == 1.0 else gamma_trace(rate_qps, cv2)
 
 
-def assert_trend(plans: list[Plan], *, rising: bool) -> None:
+def assert_trend(plans: list[PlanDocument], *, rising: bool) -> None:
     """Feasible plans whose costs are monotone up to the greedy wobble between neighbours, and
     strictly so end to end (an infeasible plan's cost is the highest feasible rate's, not a
     point on the curve)."""

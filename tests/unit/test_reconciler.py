@@ -21,7 +21,6 @@ from controlplane.loops.reconciler import (
     Orphan,
     Report,
     Terminate,
-    plan_fleet,
     reconcile,
 )
 from controlplane.policies.lifecycle import InstanceState
@@ -163,12 +162,6 @@ def test_no_desired_fleet_launches_and_scales_nothing() -> None:
     rows = [row("small"), row("small")]
     assert run(None, rows) == []
     assert run({}, rows) != []  # an empty fleet, by contrast, is a fleet of nothing
-
-
-def test_plan_fleet_sums_the_stages() -> None:
-    document = {"stages": [{"fleet": {"small": 2}}, {"fleet": {"small": 1, "gpu": 1}}]}
-    assert plan_fleet(document) == {"small": 3, "gpu": 1}
-    assert plan_fleet({}) == {}
 
 
 # --- the budget ------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.cli import main
+from controlplane.policies.plan import PlanDocument
 from controlplane.policies.replay import (
     FleetTimeline,
-    Plan,
     PlanError,
     ReplayError,
     ReplayResult,
@@ -98,7 +98,7 @@ def plan_document(
     }
 
 
-def one_gpu() -> Plan:
+def one_gpu() -> PlanDocument:
     return parse_plan(plan_document({GPU: 1}))
 
 

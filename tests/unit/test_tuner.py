@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from controlplane.policies.tuner import (
     CPU_BOOT_S,
     GPU_BOOT_S,
-    StagePlan,
     TunerConfig,
+    TunerStage,
     TunerState,
     default_boot_s,
     fleet_cost_usd_per_hr,
@@ -37,9 +37,9 @@ def steady(rate_qps: int, start_s: float, end_s: float) -> np.ndarray:
     return start_s + np.arange(int((end_s - start_s) * rate_qps)) / rate_qps
 
 
-def one_type_stage() -> StagePlan:
+def one_type_stage() -> TunerStage:
     # s 0.5, mu 32 qps, rho 0.8: a stage of 3 planned for 128 qps.
-    return StagePlan("resnet", 0.5, {"g": 3}, {"g": 32.0}, 0.8)
+    return TunerStage("resnet", 0.5, {"g": 3}, {"g": 32.0}, 0.8)
 
 
 def config(budget_usd_per_hr: float = 100.0, **kwargs: float) -> TunerConfig:
@@ -148,7 +148,7 @@ def test_scale_down_waits_for_the_delay_and_follows_the_recent_rate() -> None:
 
 
 def test_scale_down_keeps_min_instances_and_stops_booting_ones_first() -> None:
-    plan = StagePlan("resnet", 0.5, {"g": 3}, {"g": 32.0}, 0.8, min_instances=2)
+    plan = TunerStage("resnet", 0.5, {"g": 3}, {"g": 32.0}, 0.8, min_instances=2)
     cfg = config()
     _, state = tune(steady(256, 90.0, 100.0), 100.0, initial_state([plan], 0.0), [plan], cfg)
     assert len(state.booting) == 2
@@ -172,9 +172,9 @@ def test_a_stage_scaled_below_its_plan_comes_back_within_the_envelope() -> None:
 # --- mixed stages and the budget -------------------------------------------------------------
 
 
-def mixed_stage() -> StagePlan:
+def mixed_stage() -> TunerStage:
     # gpu: 100 qps per 1.00 USD/hr; cpu: 10 qps per 0.05 USD/hr, twice as cost-effective.
-    return StagePlan("mix", 1.0, {"gpu": 1}, {"gpu": 100.0, "cpu": 10.0}, 0.8)
+    return TunerStage("mix", 1.0, {"gpu": 1}, {"gpu": 100.0, "cpu": 10.0}, 0.8)
 
 
 def test_a_mixed_stage_adds_the_most_cost_effective_type() -> None:
@@ -210,8 +210,8 @@ def base_bound_capacity_qps(fleet: Mapping[str, int]) -> float:
     return min(100.0 * gpu + 10.0 * cpu, 300.0 * gpu)
 
 
-def kairos_like_stage(fleet: Mapping[str, int]) -> StagePlan:
-    return StagePlan(
+def kairos_like_stage(fleet: Mapping[str, int]) -> TunerStage:
+    return TunerStage(
         "mix",
         1.0,
         fleet,
@@ -231,7 +231,7 @@ def test_with_a_capacity_model_a_base_bound_stage_adds_the_base_type() -> None:
     assert [(d.action, d.instance_type, d.count) for d in decisions] == [("scale_up", "gpu", 1)]
     assert dict(after.fleets["mix"]) == {"gpu": 2, "cpu": 20}
     # Without the model the sum of mu_t says the cheap cpus serve it, which they cannot.
-    plain = StagePlan("mix", 1.0, {"gpu": 1, "cpu": 20}, {"gpu": 100.0, "cpu": 10.0}, 0.8)
+    plain = TunerStage("mix", 1.0, {"gpu": 1, "cpu": 20}, {"gpu": 100.0, "cpu": 10.0}, 0.8)
     decisions, _ = tune(
         steady(256, 90.0, 100.0), 100.0, initial_state([plain], 0.0), [plain], config()
     )
@@ -280,7 +280,7 @@ def test_utilisation_target_reads_the_capacity_model() -> None:
 
 
 def test_a_mixed_stage_stops_the_least_cost_effective_first() -> None:
-    plan = StagePlan("mix", 1.0, {"cpu": 1}, {"gpu": 100.0, "cpu": 10.0}, 0.8)
+    plan = TunerStage("mix", 1.0, {"cpu": 1}, {"gpu": 100.0, "cpu": 10.0}, 0.8)
     state = TunerState(fleets={"mix": Fleet.of({"gpu": 1, "cpu": 22})}, last_change_s=0.0)
     decisions, after = tune(steady(32, 40.0, 100.0), 100.0, state, [plan], config())
     # Need 32 / 0.8 = 40 qps: the gpu goes (320 -> 220 qps), then 18 cpu (-> 40 qps).
@@ -304,7 +304,7 @@ def test_scale_down_keeps_one_instance_of_every_planned_type() -> None:
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> tuple[list[StagePlan], TunerConfig, list[tuple[float, int]]]:
+def scenarios(draw: st.DrawFn) -> tuple[list[TunerStage], TunerConfig, list[tuple[float, int]]]:
     types = ["a", "b", "c"]
     prices = {t: draw(st.floats(0.01, 5.0)) for t in types}
     plans = []
@@ -313,7 +313,7 @@ def scenarios(draw: st.DrawFn) -> tuple[list[StagePlan], TunerConfig, list[tuple
         mu = {t: draw(st.floats(1.0, 200.0)) for t in kinds}
         fleet = {kinds[0]: draw(st.integers(1, 3))}
         plans.append(
-            StagePlan(f"s{i}", draw(st.floats(0.05, 1.0)), fleet, mu, draw(st.floats(0.3, 1.0)))
+            TunerStage(f"s{i}", draw(st.floats(0.05, 1.0)), fleet, mu, draw(st.floats(0.3, 1.0)))
         )
     planned_cost = sum(prices[t] * n for plan in plans for t, n in plan.fleet.items())
     cfg = TunerConfig(
@@ -334,7 +334,7 @@ def scenarios(draw: st.DrawFn) -> tuple[list[StagePlan], TunerConfig, list[tuple
 @settings(max_examples=150, deadline=None)
 @given(scenarios())
 def test_the_fleet_never_costs_more_than_the_budget(
-    scenario: tuple[list[StagePlan], TunerConfig, list[tuple[float, int]]],
+    scenario: tuple[list[TunerStage], TunerConfig, list[tuple[float, int]]],
 ) -> None:
     plans, cfg, ticks = scenario
     state = initial_state(plans, 0.0)
@@ -374,11 +374,11 @@ def test_utilisation_target_keeps_the_plan_at_the_planned_peak() -> None:
 
 def test_bad_inputs_are_rejected_at_the_boundary() -> None:
     with pytest.raises(WorkloadError, match="utilisation_target must be <= 1"):
-        StagePlan("x", 1.0, {"g": 1}, {"g": 1.0}, 1.5)
+        TunerStage("x", 1.0, {"g": 1}, {"g": 1.0}, 1.5)
     with pytest.raises(UnknownInstanceTypeError):
-        StagePlan("x", 1.0, {"h": 1}, {"g": 1.0}, 0.5)
+        TunerStage("x", 1.0, {"h": 1}, {"g": 1.0}, 0.5)
     with pytest.raises(WorkloadError, match="one planned rate per window"):
         TunerConfig((1.0, 2.0), (1.0,), 1.0, {"g": 1.0}, {"g": 1.0})
-    plan = StagePlan("x", 1.0, {"z": 1}, {"z": 1.0}, 0.5)
+    plan = TunerStage("x", 1.0, {"z": 1}, {"z": 1.0}, 0.5)
     with pytest.raises(UnknownInstanceTypeError, match="tuner's prices"):
         tune(np.array([]), 0.0, initial_state([plan], 0.0), [plan], config())

@@ -1,36 +1,25 @@
 """``/v1/apps/{app}/plans``: preview a plan (the planner on a planning trace), list, read and
-apply plans.
-
-A preview runs :func:`controlplane.policies.planner.plan_app` on a synthetic trace: the app spec
-carries no trace and no expected rate, so the request says what to plan for, either ``{"rate_qps":
-R}`` (a Poisson trace at R) or ``{"trace": {...}}`` (a Poisson or gamma trace; the generators of
-``heteroplane trace generate``). The trace holds
-:data:`~controlplane.api.schemas.DEFAULT_TRACE_QUERIES` queries unless ``duration_s`` says
-otherwise. The plan is stored with the app version it was made for; applying it is refused (409)
-once the app has changed, another plan was applied, or it was applied already.
+apply plans. The use cases are :mod:`controlplane.apps.plans` (what a request may ask for, how the
+trace is made); a preview's body is ``{"rate_qps": R}`` (a Poisson trace at R) or ``{"trace":
+{...}}`` (a Poisson or gamma trace). Applying a plan is refused (409) once the app has changed,
+another plan was applied, or it was applied already.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-import numpy as np
 from fastapi import APIRouter, Body, Query
 
 from controlplane.api.deps import Operator, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
 from controlplane.api.routes import AppName, PlanId, errors
-from controlplane.api.schemas import DEFAULT_TRACE_QUERIES, PlanIn, PlanOut, TraceIn
-from controlplane.apps.resolver import smallest_common_batch_size
+from controlplane.api.schemas import PlanIn, PlanOut
+from controlplane.apps import plans
+from controlplane.apps.plans import PlanRequest, PlanRequestError, TraceRequest
 from controlplane.db.store import PlanRecord
-from controlplane.errors import ConflictError
-from controlplane.policies.planner import plan_app
-from controlplane.spec import ResolvedApp
-from estimator.batches import parse_batch_distribution
-from estimator.errors import WorkloadError
-from estimator.traces import Trace, constant_profile, renewal_arrivals, trace_stats
 
-__all__ = ["planning_trace", "router"]
+__all__ = ["plan_request", "router"]
 
 router = APIRouter(prefix="/v1", tags=["plans"])
 
@@ -51,56 +40,19 @@ def plan_out(record: PlanRecord) -> PlanOut:
     )
 
 
-def planning_trace(app: ResolvedApp, request: PlanIn) -> tuple[Trace, dict[str, Any]]:
-    """The trace a preview plans on, and its statistics with how it was made (``source`` in
-    words; ``request``, the generator's parameters, from which the same trace can be made
-    again: the capacity replanner does)."""
-    params = request.trace
-    if params is None:
-        if request.rate_qps is None:
-            raise ApiError(
-                422,
-                "invalid_request",
-                "rate_qps: the app spec carries no trace or expected rate; send"
-                ' {"rate_qps": R} or {"trace": {"rate_qps": R, ...}}',
-                "rate_qps",
-            )
-        params = TraceIn(rate_qps=request.rate_qps)
-    batch_dist = params.batch_dist or f"fixed:{smallest_common_batch_size(app)}"
-    try:
-        batches = parse_batch_distribution(batch_dist)
-    except WorkloadError as error:
-        raise ApiError(422, "invalid_request", str(error), "trace.batch_dist") from None
-    duration_s = params.duration_s or DEFAULT_TRACE_QUERIES / params.rate_qps
-    rng = np.random.default_rng(params.seed)
-    arrival_s = renewal_arrivals(constant_profile(params.rate_qps), duration_s, params.cv2, rng)
-    if arrival_s.size < 2:
-        raise WorkloadError(
-            f"the trace has {arrival_s.size} queries in {duration_s:g} s at {params.rate_qps:g}"
-            " qps; raise rate_qps or duration_s"
+def plan_request(body: PlanIn) -> PlanRequest:
+    """The use case's request from the API's body (validated by its schema)."""
+    trace = None
+    if body.trace is not None:
+        trace = TraceRequest(
+            rate_qps=body.trace.rate_qps,
+            kind=body.trace.kind,
+            cv2=body.trace.cv2,
+            duration_s=body.trace.duration_s,
+            batch_dist=body.trace.batch_dist,
+            seed=body.trace.seed,
         )
-    try:
-        sizes = batches.sample(arrival_s.size, rng)
-    except (OverflowError, ValueError) as error:
-        # A batch size beyond int64 ("fixed:1e20") overflows inside numpy.
-        raise ApiError(
-            422, "invalid_request", f"batch sizes {batch_dist!r}: {error}", "trace.batch_dist"
-        ) from None
-    trace = Trace(arrival_s, sizes)
-    stats = trace_stats(trace)
-    cv2 = f", cv2 {params.cv2:g}" if params.kind == "gamma" else ""
-    source = (
-        f"{params.kind} at {params.rate_qps:g} qps{cv2} for {duration_s:g} s,"
-        f" batch sizes {batches.spec}, seed {params.seed}"
-    )
-    return trace, {
-        "count": stats.count,
-        "rate_qps": stats.rate_qps,
-        "cv2": stats.cv2,
-        "mean_batch_size": stats.mean_batch_size,
-        "source": source,
-        "request": params.model_dump(mode="json"),
-    }
+    return PlanRequest(trace=trace, rate_qps=body.rate_qps, seed=body.seed)
 
 
 @router.post(
@@ -115,16 +67,13 @@ def preview_plan(
     _who: Operator,
     body: Annotated[PlanIn | None, Body(description="what to plan for")] = None,
 ) -> PlanOut:
-    request = body if body is not None else PlanIn()
-    store = services.store
-    record = store.get_app(app)
-    resolved = services.resolver.resolve(record.spec)
-    trace, stats = planning_trace(resolved, request)
-    plan = plan_app(resolved, trace, seed=request.seed)
-    if store.get_app(app).version != record.version:
-        raise ConflictError(f"app {app!r} changed while it was being planned; preview again")
-    document = {**plan.to_document(), "seed": request.seed, "trace": stats}
-    return plan_out(store.create_plan(app, document))
+    request = plan_request(body if body is not None else PlanIn())
+    try:
+        record = plans.preview_plan(services.store, services.resolver, app, request)
+    except PlanRequestError as error:
+        # A request the schema let through that no trace can be made of is the caller's.
+        raise ApiError(422, "invalid_request", str(error), error.field) from None
+    return plan_out(record)
 
 
 @router.get(
@@ -156,21 +105,4 @@ def get_plan(app: AppName, plan_id: PlanId, services: ServicesDep, _who: Viewer)
     responses=errors(401, 403, 404, 409, 422),
 )
 def apply_plan(app: AppName, plan_id: PlanId, services: ServicesDep, who: Operator) -> PlanOut:
-    store = services.store
-    record = store.apply_plan(app, plan_id)
-    fleet: dict[str, int] = {}
-    for stage in record.document.get("stages", []):
-        for instance_type, count in stage.get("fleet", {}).items():
-            fleet[instance_type] = fleet.get(instance_type, 0) + int(count)
-    store.record_decision(
-        app,
-        "plan_applied",
-        f"plan {record.number} applied by {who.name}",
-        {
-            "plan_id": record.id,
-            "plan_number": record.number,
-            "cost_usd_per_hr": record.document.get("cost_usd_per_hr"),
-            "fleet": fleet,
-        },
-    )
-    return plan_out(record)
+    return plan_out(plans.apply_plan(services.store, app, plan_id, who.name))
