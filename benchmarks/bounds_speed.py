@@ -13,7 +13,7 @@ The 10 types: the four measured ones, and six synthetic ones whose latency sampl
 type's scaled by a factor (``SYNTHETIC``), priced from the default catalog. rm2 at 350 ms, wnd and
 mtwnd at 25, dien at 35, ncf at 5; the Kairos batch mix. Timings: best of 3 after a warm-up run.
 
-Goals (issue 3): >= 10 million configurations ranked per second; the 10-type catalog at $50/hr
+Goals: >= 10 million configurations ranked per second; the 10-type catalog at $50/hr
 ranked in < 5 s.
 """
 

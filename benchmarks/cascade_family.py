@@ -7,7 +7,7 @@ Runs ``heteroplane cascade evaluate --json`` (trains the family on first use; me
 model's compute per query here as its mean latency at batch size 1 over N timed runs) and prints
 the table: each model alone, then the chosen cascades (the best: the cheapest within 0.5 points of
 the most accurate single model; the cheapest at least as accurate as it; the most accurate one)
-with accuracy, compute per query and the share of queries reaching each stage. Checks issue 5's
+with accuracy, compute per query and the share of queries reaching each stage. Checks the cascades'
 acceptance point: the best cascade matches the accuracy of the most accurate single model within
 0.5 points while spending at least 2x less measured compute per query (exit status 1 if not).
 Writes the table and the command to docs/cascade-family.md.
@@ -158,7 +158,7 @@ Written by `{command}`; do not edit by hand, run the command again.
   >= 0.5 and large answers the rest. Its compute per query is the sum over stages of the share
   of queries reaching the stage times that model's compute.
 
-**Acceptance (issue 5): {line}.**
+**Goal: {line}.**
 
 {table(result)}
 

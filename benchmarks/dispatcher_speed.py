@@ -38,7 +38,7 @@ Scenarios (each on a fresh dispatcher, after a warm-up of 1 s at the same rate):
 ``--sweep`` also runs the ``fcfs`` scenario at rising rates (2,000 q/s steps) until the goal's
 p99 no longer holds, for the headroom.
 
-Goal (issue 8): >= 2,000 queries/s sustained, adding <= 5 ms at p99.
+Goal: >= 2,000 queries/s sustained, adding <= 5 ms at p99.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 - The same on 100,000 queries through the general event engine (the one any policy runs on).
 - The envelope (max arrivals in any window) of 1,000,000 arrivals over the 9 tuner windows.
 
-Goals (issue 2): >= 20 million simulated queries/s; the envelope in < 100 ms.
+Goals: >= 20 million simulated queries/s; the envelope in < 100 ms.
 """
 
 from __future__ import annotations

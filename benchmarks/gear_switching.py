@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/gear_switching.py [--family auto|real|synthetic]
         [--validation FILE] [--profiles FILE] [--seed 0] [--json] [--no-write]
 
-The acceptance of issue 5 (gears): under replay with a fixed fleet and a latency SLO, a load
+The gears' goal: under replay with a fixed fleet and a latency SLO, a load
 that jumps to 4x for 60 s:
 
 - with gear switching, the P99 of every 1 s window (by arrival) stays within the SLO outside the

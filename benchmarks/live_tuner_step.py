@@ -4,7 +4,7 @@
         [--service-ms 100] [--max-workers 3] [--low-s 60] [--high-s 90] [--after-s 240]
         [--seed 0] [--json]
 
-Issue 8's last acceptance point, with the service's default settings (InferLine's timing: the
+The tuner acting on live traffic, with the service's default settings (InferLine's timing: the
 tuner ticks every second over windows up to 60 s and scales down no sooner than 15 s after its
 last change; the reconciler runs every 5 s):
 

@@ -24,7 +24,7 @@ measures on the same workload. Here, on the local fleet:
    and the same trace is simulated by ``estimator.simulator`` with the same profile, fleet, batch
    size and dispatch policy (FCFS, the plan's) as the service runs.
 4. It prints predicted and measured P99 per level and whether they are within 15% of each other
-   (issue 8's acceptance, judged at the first service time; the others show where it breaks),
+   (the fidelity goal, judged at the first service time; the others show where it breaks),
    writes docs/serving-fidelity.md, stops the service and its workers. Exit status 1 when a level
    of the first service time misses the 15%.
 """
@@ -413,7 +413,7 @@ Written by `{command}`; do not edit by hand, run the command again.
 - rho is the fleet's utilisation by the profile (rate x service time / instances); error =
   (predicted - measured) / measured.
 
-**Acceptance (issue 8, InferLine's Figure 9), at {primary.service_ms:g} ms: {verdict}: the
+**Fidelity goal (InferLine's Figure 9), at {primary.service_ms:g} ms: {verdict}: the
 predicted P99 is within 15% of the measured P99 at each of the {len(primary.levels)} load
 levels.** {why}
 

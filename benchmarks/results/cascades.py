@@ -1,6 +1,6 @@
 """CascadeServe: cascades and gear switching against single models, in instances needed.
 
-This experiment owns the CascadeServe result of issue 11 (Kossmann et al., section 6.3 and
+This experiment owns the CascadeServe result (Kossmann et al., section 6.3 and
 Figure 7: "the minimum number of GPUs that are required to achieve different points in the
 latency-accuracy space"): for a grid of (accuracy target, P99 latency SLO) points and one
 fluctuating load trace, the least number of instances each of three approaches needs to keep

@@ -750,9 +750,9 @@ def what_text(ctx: Context, sizes: Sizes, load_before: float, load_after: float)
         " headroom."
     )
     return f"""\
-The control plane's own speed, against the goals its issues set: the estimator (issue 2), the
-Kairos bounds and matching dispatcher (issue 3), the planner, the gear planner and the serving
-path's dispatcher (issue 8). Each figure comes from one of the speed scripts in `benchmarks/`,
+The control plane's own speed, against its goals: the estimator, the
+Kairos bounds and matching dispatcher, the planner, the gear planner and the serving
+path's dispatcher. Each figure comes from one of the speed scripts in `benchmarks/`,
 imported and run here in one process, in turn (the table names the script; run alone, it prints
 the same figures):
 

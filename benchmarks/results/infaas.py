@@ -1,6 +1,6 @@
 """INFaaS: model-less selection against a static GPU choice, in cost and SLO attainment.
 
-This experiment owns the INFaaS result of issue 11 (Romero et al., USENIX ATC'21, sections 4.1
+This experiment owns the INFaaS result (Romero et al., USENIX ATC'21, sections 4.1
 and 4.2): the cost in USD of serving a load, and the share of queries answered within the
 latency SLO, when a query names only its app and its needs (``controlplane.policies.variants``) and
 the system picks and scales the variant, against a user's static choice: the most accurate model

@@ -1,17 +1,18 @@
 """InferLine: planner + tuner against static and reactive provisioning; planner sensitivity.
 
-This experiment owns the InferLine result of issue 11 (InferLine, SoCC'20: Figures 6-8 for the
+This experiment owns the InferLine result (InferLine, SoCC'20: Figures 6-8 for the
 provisioning comparison, Figure 10 for the planner's sensitivity), on rm2 with the four Kairos
 types (g4dn.xlarge, c5n.2xlarge, r5n.large, t3.xlarge) at the catalogue's prices, SLO 350 ms at
-p99, batch sizes from the Kairos mix; its building blocks are those of issue 4's experiment
+p99, batch sizes from the Kairos mix; its building blocks are those of benchmarks/inferline_tuner.py
 (``benchmarks/inferline_tuner.py``: the app, the planning trace, the ramp and the replay).
 
 **Provisioning.** One planning trace (10 minutes of gamma arrivals, CV^2 = 4, at R qps) and three
 test traces of ``TRACE_S`` each, all with mean rate about R:
 
 - *steady*: constant R, gamma CV^2 = 4 (the planning trace's process, a fresh draw);
-- *ramp*: issue 4's trace shortened: R ramping linearly 0.6 R -> 1.4 R over the trace, CV^2 = 4,
-  times 1.5 for 20 s mid-trace and near the top of the ramp (:func:`ramp_profile`);
+- *ramp*: benchmarks/inferline_tuner.py's trace shortened: R ramping linearly 0.6 R -> 1.4 R over
+  the trace, CV^2 = 4, times 1.5 for 20 s mid-trace and near the top of the ramp
+  (:func:`ramp_profile`);
 - *bursty*: gamma CV^2 = ``BURSTY_CV2`` (twice the planning trace's), the rate 1.5x a base rate
   for ``BURST_S`` every ``BURST_PERIOD_S`` from ``BURST_FIRST_S``, the base set so that the mean
   is R (:func:`bursty_profile`): bursts longer than an instance's boot, and burstier arrivals
@@ -30,10 +31,10 @@ user plans once for the traffic ahead; the static plans are made per trace.
 the rate (the planning trace's times scaled) and CV^2 (fresh planning traces at R), the other two
 at their defaults (350 ms, R, CV^2 = 4); the default point is the tuner's plan.
 
-The spec's budget is issue 4's 20 USD/hr (``BUDGET_USD_PER_HR`` of benchmarks/inferline_tuner.py):
-it binds for no plan here (the costliest is below 7 USD/hr). The space of mixes it affords is past
-the planner's 200,000-mix limit, so the planner finds its start among the mixes up to the smallest
-doubled budget that holds one covering the peak
+The spec's budget is 20 USD/hr, as in benchmarks/inferline_tuner.py (``BUDGET_USD_PER_HR`` of
+benchmarks/inferline_tuner.py): it binds for no plan here (the costliest is below 7 USD/hr). The
+space of mixes it affords is past the planner's 200,000-mix limit, so the planner finds its start
+among the mixes up to the smallest doubled budget that holds one covering the peak
 (``controlplane.policies.planner.MAX_RANKED_MIXES``).
 """
 
@@ -85,7 +86,7 @@ KEY = "inferline"
 SEED = 0
 RATE_QPS = 150.0  # R: rm2 then needs about 20 instances (see docs/inferline-results.md)
 QUICK_RATE_QPS = 30.0
-TRACE_S = 900.0  # every test trace (issue 4's ramp is 30 minutes; 15 keep the run short)
+TRACE_S = 900.0  # every test trace (inferline_tuner.py's ramp is 30 minutes; 15 keep the run short)
 QUICK_TRACE_S = 180.0
 QUICK_PLANNING_S = 120.0
 # The bursty trace: 1.5x bursts of a minute (twice the 30 s boot of a CPU type) every 3 minutes
@@ -276,7 +277,7 @@ def run(ctx: Context) -> Section:
     batches = parse_batch_distribution("kairos")
     app = make_app(budget_usd_per_hr=BUDGET_USD_PER_HR)
 
-    # The planning trace is issue 4's (its first draws from the seed).
+    # The planning trace is inferline_tuner.py's (its first draws from the seed).
     planning = renewal_trace(
         constant_profile(rate_qps), planning_s, CV2, batches, np.random.default_rng(SEED)
     )
@@ -452,10 +453,10 @@ def what_text(data: dict[str, Any]) -> str:
 - Sensitivity (InferLine Figure 10): the planner's plan for the planning trace with one of SLO,
   rate (arrival times scaled) or CV^2 (a fresh planning trace at R) changed, the others at
   {s["slo_ms"]:g} ms, R and CV^2 = {CV2:g}.
-- Caveats: simulated, not measured on EC2; the traces are {s["trace_s"] / 60:g} minutes (issue 4's
-  ramp, docs/inferline-results.md, is 30, so this ramp is twice as steep); one seed for the
-  traces and the service times (docs/tuner.md reports issue 4's ramp on seeds 0-2 and other
-  rates); plans are the planner's greedy result, not the optimum."""
+- Caveats: simulated, not measured on EC2; the traces are {s["trace_s"] / 60:g} minutes
+  (inferline_tuner.py's ramp, docs/inferline-results.md, is 30, so this ramp is twice as steep); one
+  seed for the traces and the service times (docs/tuner.md reports inferline_tuner.py's ramp on
+  seeds 0-2 and other rates); plans are the planner's greedy result, not the optimum."""
 
 
 def body_text(data: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """Kairos: heterogeneous mixes and the matching dispatcher, at the paper's budget and beyond.
 
-This experiment owns the Kairos result of issue 11 (Kairos, HPDC'23, sections 7-8: Figs. 8, 9, 15
+This experiment owns the Kairos result (Kairos, HPDC'23, sections 7-8: Figs. 8, 9, 15
 and 16): for the five recommendation models of the shared measurements, the allowable throughput
 (the highest Poisson rate at which >= 99% of queries finish within QoS, simulated on the measured
 latency samples by :func:`estimator.capacity.fleet_capacity`) of

@@ -1,4 +1,4 @@
-"""Issue 8's acceptance end to end: the demo cascade app behind the service, ``heteroplane
+"""The serving path end to end: the demo cascade app behind the service, ``heteroplane
 loadgen`` replaying a 5-minute trace, and a worker killed with SIGKILL in the middle.
 
 The app is the one ``heteroplane demo`` serves, made by the same functions

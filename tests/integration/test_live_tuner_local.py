@@ -1,4 +1,4 @@
-"""The live tuner on live traffic (issue 8): a step in the load makes the service launch local
+"""The live tuner on live traffic: a step in the load makes the service launch local
 workers within the budget, and a drop makes it remove them, with every decision and its reason
 recorded.
 

@@ -1,4 +1,4 @@
-"""The results command (benchmarks/results, issue 11): its quick mode writes every section, table
+"""The results command (benchmarks/results): its quick mode writes every section, table
 and plot; the README's results block is exactly what the committed docs/results/*.json give, so
 every figure the README quotes comes from those outputs."""
 
