@@ -72,28 +72,22 @@ def index_markdown(sections: list[Section]) -> str:
 
 
 def readme_block(sections: list[Section], link_prefix: str = "docs/results/") -> str:
-    """The README's results block: each section's title (linked), its summary lines and its
-    first figure, between the markers."""
+    """The README's results block: each section's title and headline (its first summary line),
+    linked to the section's page; the index (``docs/results/README.md``) has every line."""
     lines = [BEGIN, ""]
     if sections:
         minutes = sum(section.seconds for section in sections) / 60
         lines += [
-            f"The last full run took {minutes:.1f} min on {sections[-1].machine}.",
+            f"The last full run took {minutes:.1f} min on {sections[-1].machine}; every finding,"
+            f" table and plot: [{link_prefix}README.md]({link_prefix}README.md).",
             "",
         ]
     for section in sections:
-        lines += [f"### {section.title}", ""]
-        lines += [f"- {line}" for line in section.summary]
-        lines += [
-            "",
-            f"Details, tables and plots: [{link_prefix}{section.key}.md]"
-            f"({link_prefix}{section.key}.md); rerun alone with `{section.rerun}`.",
-            "",
-        ]
-        if section.figures:
-            figure = section.figures[0]
-            lines += [f"![{figure.caption}]({link_prefix}{figure.file})", ""]
-    lines.append(END)
+        headline = section.summary[0] if section.summary else "no findings recorded"
+        lines.append(
+            f"- **{section.title}**: {headline} ([details]({link_prefix}{section.key}.md))"
+        )
+    lines += ["", END]
     return "\n".join(lines)
 
 
