@@ -7,25 +7,23 @@ provisioner; pydantic-settings, since settings are a trust boundary) and how the
 ``HETEROPLANE_EC2__REGION``; lists and mappings as JSON; the EC2 fields also flat, as in
 ``HETEROPLANE_EC2_SUBNET_IDS=subnet-a,subnet-b`` and
 ``HETEROPLANE_EC2_LAUNCH_TEMPLATES=g4dn.xlarge=lt-1,c5.xlarge=lt-2``), over an optional YAML
-config file (``load_settings(path)`` or ``$HETEROPLANE_CONFIG``), over the defaults. Every field,
-its variable and its default are listed in ``docs/service.md``.
+config file (``load_settings(path)`` or ``$HETEROPLANE_CONFIG``; read by pydantic-settings'
+``YamlConfigSettingsSource``), over the defaults; arguments to ``Settings(...)`` win over all of
+them. Every field, its variable and its default are listed in ``docs/service.md``.
 
-Every problem is one :class:`~controlplane.errors.SettingsError` naming the field:
+Every problem is one :class:`~controlplane.errors.SettingsError` naming the field (and the file):
 
->>> load_settings_from({"port": 70000})
+>>> load_settings(Path("/nonexistent/heteroplane.yaml"))
 Traceback (most recent call last):
 ...
-controlplane.errors.SettingsError: port: must be less than or equal to 65535, got 70000 \
-(HETEROPLANE_PORT)
+controlplane.errors.SettingsError: /nonexistent/heteroplane.yaml: cannot read: No such file or \
+directory
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,9 +31,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
-    InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    YamlConfigSettingsSource,
 )
 
 from controlplane.errors import SettingsError
@@ -48,7 +46,6 @@ __all__ = [
     "SettingsError",
     "default_data_dir",
     "load_settings",
-    "load_settings_from",
 ]
 
 ENV_PREFIX = "HETEROPLANE_"
@@ -59,10 +56,6 @@ DATABASE_FILE = "heteroplane.db"
 # What a database URL may start with: SQLite (the embedded default) or PostgreSQL (psycopg 3; a
 # plain postgresql:// URL is taken to mean psycopg 3, see controlplane.db.session).
 _DATABASE_SCHEMES = ("sqlite://", "postgresql://", "postgresql+psycopg://")
-
-# The values of the config file being read, for the one source that reads them (set only inside
-# load_settings; a plain Settings() reads the environment and the defaults).
-_FILE_VALUES: ContextVar[Mapping[str, Any] | None] = ContextVar("_FILE_VALUES", default=None)
 
 
 def default_data_dir() -> Path:
@@ -193,7 +186,6 @@ class Settings(BaseSettings):
         description="how long a planned type may lack capacity before the app is re-planned, s",
     )
     rollup_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
-    replan_h: float = Field(default=6.0, gt=0, allow_inf_nan=False)
     ec2: Ec2Settings | None = None
 
     @classmethod
@@ -206,10 +198,15 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Earlier sources win: arguments, then the environment (nested, then flat EC2
-        # variables), then the config file; nested mappings are merged across them. No .env
-        # file and no secrets directory: the service reads nothing it was not pointed at.
-        file_settings = InitSettingsSource(settings_cls, init_kwargs=dict(_FILE_VALUES.get() or {}))
-        return init_settings, env_settings, _FlatEc2Source(settings_cls), file_settings
+        # variables), then the config file (model_config's yaml_file: none on this class, see
+        # load_settings); nested mappings are merged across them. No .env file and no secrets
+        # directory: the service reads nothing it was not pointed at.
+        return (
+            init_settings,
+            env_settings,
+            _FlatEc2Source(settings_cls),
+            _ConfigFileSource(settings_cls),
+        )
 
     @model_validator(mode="before")
     @classmethod
@@ -280,6 +277,44 @@ class _FlatEc2Source(PydanticBaseSettingsSource):
         return {"ec2": values} if values else {}
 
 
+class _ConfigFileSource(YamlConfigSettingsSource):
+    """pydantic-settings' YAML source, with one-line errors naming the file where its own reader
+    would skip a missing file or raise PyYAML's error (or fail on a document that is not a
+    mapping), and a relative ``data_dir`` taken beside the file."""
+
+    def _read_files(self, files: Any, deep_merge: bool = False) -> dict[str, Any]:
+        # One file (load_settings names it), read whether or not it exists.
+        return {} if files is None else self._read_file(Path(files))
+
+    def _read_file(self, file_path: Any) -> dict[str, Any]:
+        path = Path(file_path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as error:
+            raise SettingsError("", f"cannot read: {error.strerror or error}", str(path)) from None
+        try:
+            document = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise SettingsError("", f"not valid YAML{where}", str(path)) from None
+        if document is None:
+            return {}
+        if not isinstance(document, dict):
+            raise SettingsError(
+                "", f"must be a mapping of settings, got {type(document).__name__}", str(path)
+            )
+        for key in document:
+            if not isinstance(key, str):  # `1: x`; a name is always text
+                raise SettingsError(str(key), "unknown setting", str(path))
+        data_dir = document.get("data_dir")
+        if isinstance(data_dir, str) and not Path(data_dir).expanduser().is_absolute():
+            # A relative data_dir in a config file means beside the file, not the working
+            # directory.
+            document = {**document, "data_dir": str(path.parent / data_dir)}
+        return document
+
+
 def load_settings(config_file: Path | None = None) -> Settings:
     """The settings from the environment over the YAML ``config_file`` (or ``$HETEROPLANE_CONFIG``
     when none is given; no file when neither) over the defaults.
@@ -288,57 +323,28 @@ def load_settings(config_file: Path | None = None) -> Settings:
     """
     if config_file is None and os.environ.get(CONFIG_ENV):
         config_file = Path(os.environ[CONFIG_ENV])
-    values: Mapping[str, Any] = {}
-    source = None
-    if config_file is not None:
-        source = str(config_file)
-        values = _read_config_file(config_file)
-    return load_settings_from(values, source)
-
-
-def load_settings_from(values: Mapping[str, Any], source: str | None = None) -> Settings:
-    """The settings from the environment over ``values`` (a config file's content, already read)
-    over the defaults; ``source`` names the file in error messages."""
-    with _file_values(values):
-        try:
-            return Settings()
-        except SettingsError as error:
-            raise SettingsError(error.field, error.problem, source) from None
-        except ValidationError as error:
-            raise _settings_error_from(error, source) from None
-
-
-@contextmanager
-def _file_values(values: Mapping[str, Any]) -> Iterator[None]:
-    token = _FILE_VALUES.set(values)
+    settings_cls = Settings if config_file is None else _reading(config_file)
+    source = None if config_file is None else str(config_file)
     try:
-        yield
-    finally:
-        _FILE_VALUES.reset(token)
+        return settings_cls()
+    except SettingsError as error:
+        raise SettingsError(error.field, error.problem, error.source or source) from None
+    except ValidationError as error:
+        raise _settings_error_from(error, source) from None
 
 
-def _read_config_file(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise SettingsError("", f"cannot read: {error.strerror or error}", str(path)) from None
-    try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise SettingsError("", f"not valid YAML{where}", str(path)) from None
-    if document is None:
-        return {}
-    if not isinstance(document, dict):
-        raise SettingsError(
-            "", f"must be a mapping of settings, got {type(document).__name__}", str(path)
-        )
-    data_dir = document.get("data_dir")
-    if isinstance(data_dir, str) and not Path(data_dir).expanduser().is_absolute():
-        # A relative data_dir in a config file means beside the file, not the working directory.
-        document = {**document, "data_dir": str(path.parent / data_dir)}
-    return document
+def _reading(config_file: Path) -> type[Settings]:
+    """:class:`Settings` whose YAML source reads ``config_file``.
+
+    pydantic-settings takes the YAML file from the class's ``model_config`` only, never from
+    an instance (pydantic/pydantic-settings#259), so a file named at run time (``--config``) is
+    a subclass that names it and adds nothing else: no field, no validator.
+    """
+
+    class FileSettings(Settings):
+        model_config = SettingsConfigDict(yaml_file=config_file)
+
+    return FileSettings
 
 
 def _settings_error_from(error: ValidationError, source: str | None) -> SettingsError:

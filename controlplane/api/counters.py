@@ -3,7 +3,9 @@
 A plain ASGI middleware counts every HTTP answer once it has started, under the ``{app}`` path
 parameter of the route that served it (``""`` for routes of no app, such as ``/v1/apps``), so
 that ``heteroplane_api_requests_total{app="recs",status="409"}`` reads as "answers about recs".
-Counters live in memory and restart from zero with the service (Prometheus handles resets).
+Counters live in memory and restart from zero with the service (Prometheus handles resets);
+``/metrics`` reads a :meth:`RequestCounter.snapshot` at each scrape
+(:class:`controlplane.api.routes.health.RequestCollector`).
 
 The app label comes from the URL, so it is bounded: an answer of 401 (anyone may send one) or 404
 (an app that does not exist) is counted under ``""``, and past :data:`MAX_APP_LABELS` distinct

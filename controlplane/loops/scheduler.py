@@ -1,8 +1,10 @@
-"""The service's periodic jobs: the tuner tick, reconcile, the metric roll-up and the replan.
+"""The service's periodic jobs: the tuner tick, reconcile and the metric roll-up.
 
 This module owns *when* the jobs run and how a run is guarded, not what a job does: the bodies
-are plain callables handed in by the composition root (:class:`JobBodies`; later issues plug in
-the tuner and the reconciler by replacing one field). The loop is APScheduler 3.x's
+are plain callables handed in by the composition root (:class:`JobBodies`: it plugs in the
+tuner, the reconciler and the roll-up by replacing one field each). There is no periodic replan:
+the capacity replanner runs inside the reconcile job, after the reconciler's tick
+(``controlplane.service.build``). The loop is APScheduler 3.x's
 ``BackgroundScheduler`` (a thread pool); every job is registered with ``max_instances=1`` and
 ``coalesce=True``, so a job that overruns its interval is neither run twice at once nor replayed
 once per missed tick, and each body is wrapped in a :class:`GuardedJob` that
@@ -47,8 +49,7 @@ logger = logging.getLogger(__name__)
 JobBody = Callable[[], None]
 Outcome = Literal["ran", "failed", "skipped"]
 
-JOB_NAMES = ("tuner_tick", "reconcile", "rollup", "replan")
-_SECONDS_PER_HOUR = 3600.0
+JOB_NAMES = ("tuner_tick", "reconcile", "rollup")
 
 
 def _idle(name: str) -> JobBody:
@@ -66,13 +67,13 @@ _IDLE = MappingProxyType({name: _idle(name) for name in JOB_NAMES})
 class JobBodies:
     """What each periodic job does; replace a field (``dataclasses.replace``) to plug one in.
 
-    The defaults do nothing but log at debug: the tuner and the reconciler arrive in later issues.
+    The defaults do nothing but log at debug (what a job does where nothing is plugged in: a
+    service built without a reconciler or a serving loop, a test).
     """
 
     tuner_tick: JobBody = _IDLE["tuner_tick"]
     reconcile: JobBody = _IDLE["reconcile"]
     rollup: JobBody = _IDLE["rollup"]
-    replan: JobBody = _IDLE["replan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,17 +150,14 @@ class SchedulerIntervals(Protocol):
     def reconcile_s(self) -> float: ...
     @property
     def rollup_s(self) -> float: ...
-    @property
-    def replan_h(self) -> float: ...
 
 
 def service_schedule(intervals: SchedulerIntervals, bodies: JobBodies) -> list[JobSchedule]:
-    """The service's four jobs with their periods from the settings."""
+    """The service's three jobs with their periods from the settings."""
     return [
         JobSchedule("tuner_tick", bodies.tuner_tick, intervals.tuner_tick_s),
         JobSchedule("reconcile", bodies.reconcile, intervals.reconcile_s),
         JobSchedule("rollup", bodies.rollup, intervals.rollup_s),
-        JobSchedule("replan", bodies.replan, intervals.replan_h * _SECONDS_PER_HOUR),
     ]
 
 

@@ -14,9 +14,9 @@ loop observes; its fleet is the reconciler's desired fleet), the live gear switc
 carry a gear plan; the serving loop's gear hook, told by the tuner when the budget caps the fleet),
 the capacity replanner (:class:`~controlplane.loops.capacity_replan.CapacityReplanner`: an app whose
 planned type the cloud cannot supply is re-planned around it, after the reconcile tick), and the
-scheduler with its job bodies (the tuner tick, then the gear tick; the reconcile tick and the metric
-roll-up, which reads the serving loop's windows; the replan body is still the scheduler's idle
-default) and the FastAPI app around them.
+scheduler with its job bodies (the tuner tick, then the gear tick; the reconcile tick, then the
+capacity replanner; the metric roll-up, which reads the serving loop's windows; there is no
+periodic replan job) and the FastAPI app around them.
 
 The reconciler learns each app's prices and Q_t (for the budget guard's ranking) from the app's
 resolved spec (:func:`spec_pricing`), and which types it may launch from the provisioner: the

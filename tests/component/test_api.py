@@ -22,6 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.clock import FAKE_EPOCH, FakeClock
 from controlplane.db.store import Store
@@ -128,6 +129,19 @@ def test_healthz_needs_no_token(api: Api) -> None:
     assert response.json()["status"] == "ok"
 
 
+def scrape(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """The samples of an exposition, by (name, labels), as Prometheus parses them."""
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    return scrape(text).get((name, frozenset(labels.items())))
+
+
 def test_metrics_in_prometheus_text(api: Api) -> None:
     api.register()
     api.store.record_instance(
@@ -144,15 +158,49 @@ def test_metrics_in_prometheus_text(api: Api) -> None:
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     text = response.text
     assert "# TYPE heteroplane_app_budget_usd_per_hr gauge" in text
-    assert 'heteroplane_app_budget_usd_per_hr{app="toy"} 4' in text
-    assert 'heteroplane_app_fleet_cost_usd_per_hr{app="toy"} 0.526' in text
-    assert 'heteroplane_app_instances{app="toy",state="running"} 1' in text
-    assert 'heteroplane_app_instances{app="toy",state="pending"} 0' in text
-    assert 'heteroplane_api_requests_total{app="toy",status="200"} 1' in text
-    assert 'heteroplane_api_requests_total{app="",status="404"} 1' in text
     assert "# TYPE heteroplane_api_requests_total counter" in text
+    assert "# TYPE heteroplane_scheduler_job_runs_total counter" in text  # no scheduler: no runs
+    assert sample(text, "heteroplane_app_budget_usd_per_hr", app="toy") == 4.0
+    assert sample(text, "heteroplane_app_fleet_cost_usd_per_hr", app="toy") == 0.526
+    assert sample(text, "heteroplane_app_instances", app="toy", state="running") == 1.0
+    assert sample(text, "heteroplane_app_instances", app="toy", state="pending") == 0.0
+    assert sample(text, "heteroplane_app_arrival_rate_qps", app="toy") is None  # no sample yet
+    assert sample(text, "heteroplane_api_requests_total", app="toy", status="200") == 1.0
+    assert sample(text, "heteroplane_api_requests_total", app="", status="404") == 1.0
+    # Read at scrape time: the scrape above is counted in the next one.
+    again = api.call("GET", "/metrics", "viewer").text
+    assert sample(again, "heteroplane_api_requests_total", app="", status="200") == 1.0
     assert_error(api.call("GET", "/metrics", None), 401, "unauthorized")
     assert_error(api.call("GET", "/metrics", "infer"), 403, "forbidden")
+
+
+def test_metrics_of_two_apps_in_one_process_are_their_own(api: Api, tmp_path: Path) -> None:
+    """Each FastAPI app has its own registry: a second service in the process neither clashes
+    with the first nor sees its apps, requests or jobs."""
+    api.register()
+    runs: list[str] = []
+    scheduler = Scheduler([JobSchedule("rollup", lambda: runs.append("rollup"), 3600.0)])
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    other_settings = Settings(data_dir=other_dir, provisioner="fake")
+    other_store = Store.from_url(other_settings.database_url, api.clock, upgrade=True)
+    token = other_store.create_token("viewer", name="viewer-token")
+    other = create_app(other_settings, other_store, api.clock, scheduler)
+    try:
+        with TestClient(other) as client:
+            scheduler.jobs["rollup"]()
+            headers = {"Authorization": f"Bearer {token}"}
+            first = client.get("/metrics", headers=headers).text
+            ours = api.call("GET", "/metrics", "viewer").text
+            second = client.get("/metrics", headers=headers).text
+    finally:
+        other_store.close()
+    assert runs == ["rollup"]
+    assert sample(first, "heteroplane_scheduler_job_runs_total", job="rollup", outcome="ran") == 1
+    assert sample(first, "heteroplane_app_budget_usd_per_hr", app="toy") is None
+    assert sample(ours, "heteroplane_app_budget_usd_per_hr", app="toy") == 4.0
+    assert not any(name == "heteroplane_scheduler_job_runs_total" for name, _ in scrape(ours))
+    assert sample(second, "heteroplane_api_requests_total", app="", status="200") == 1.0
 
 
 # --- apps ------------------------------------------------------------------------------------
@@ -858,8 +906,8 @@ def test_metric_series(api: Api) -> None:
     later = api.call("GET", "/v1/apps/toy/metrics", params={"since": since}).json()
     assert [s["latency_p99_ms"] for s in later] == [31.0, 32.0]
     metrics = api.call("GET", "/metrics").text
-    assert 'heteroplane_app_arrival_rate_qps{app="toy"} 20' in metrics
-    assert 'heteroplane_app_latency_p99_ms{app="toy"} 32' in metrics
+    assert sample(metrics, "heteroplane_app_arrival_rate_qps", app="toy") == 20.0
+    assert sample(metrics, "heteroplane_app_latency_p99_ms", app="toy") == 32.0
 
 
 # --- the OpenAPI document --------------------------------------------------------------------

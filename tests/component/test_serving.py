@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import FakeClock, SystemClock
@@ -684,8 +685,12 @@ def test_the_endpoint_answers_with_outputs_models_gear_and_timings(world: ApiWor
         assert status["totals"]["answered"] == 2
         await world.serving.refresh()
         metrics = await client.get("/metrics", headers=world.auth("viewer"))
-        assert 'heteroplane_serving_queries_total{app="demo",outcome="answered"} 2' in metrics.text
-        assert 'heteroplane_model_state{app="demo",model="tiny"' in metrics.text
+        # Parsed as Prometheus does: the exposition sorts each sample's labels by name.
+        families = {f.name: f.samples for f in text_string_to_metric_families(metrics.text)}
+        queries = families["heteroplane_serving_queries"]
+        assert [s.value for s in queries if s.labels["outcome"] == "answered"] == [2.0]
+        tiny = [s for s in families["heteroplane_model_state"] if s.labels["model"] == "tiny"]
+        assert tiny and all(s.labels["app"] == "demo" and s.value == 1.0 for s in tiny)
 
     api_run(world, body)
 

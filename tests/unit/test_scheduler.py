@@ -27,7 +27,6 @@ class Intervals:
     tuner_tick_s: float = 1.0
     reconcile_s: float = 5.0
     rollup_s: float = 10.0
-    replan_h: float = 6.0
 
 
 def test_a_failing_job_is_logged_with_its_name_and_the_next_run_still_happens(
@@ -84,7 +83,7 @@ def test_the_guard_is_released_after_a_failure() -> None:
     def boom() -> None:
         raise ValueError("bad")
 
-    job = GuardedJob("replan", boom)
+    job = GuardedJob("reconcile", boom)
     assert job() == "failed"
     assert job() == "failed"
     assert job.stats.failures == 2 and job.stats.skips == 0
@@ -102,13 +101,12 @@ def test_base_exceptions_are_not_swallowed() -> None:
     assert job() == "ran"
 
 
-def test_the_service_schedule_has_the_four_jobs_at_the_settings_periods() -> None:
-    schedule = service_schedule(Intervals(replan_h=0.5), JobBodies())
+def test_the_service_schedule_has_the_three_jobs_at_the_settings_periods() -> None:
+    schedule = service_schedule(Intervals(rollup_s=30.0), JobBodies())
     assert [(job.name, job.interval_s) for job in schedule] == [
         ("tuner_tick", 1.0),
         ("reconcile", 5.0),
-        ("rollup", 10.0),
-        ("replan", 1800.0),
+        ("rollup", 30.0),
     ]
     assert tuple(job.name for job in schedule) == JOB_NAMES
 
@@ -145,7 +143,6 @@ def test_start_registers_guarded_non_overlapping_jobs_and_shutdown_stops_cleanly
                 ("tuner_tick", 1.0, 1, True),
                 ("reconcile", 5.0, 1, True),
                 ("rollup", 10.0, 1, True),
-                ("replan", 21600.0, 1, True),
             ]
         )
     finally:

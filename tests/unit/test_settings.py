@@ -45,7 +45,6 @@ def test_defaults(clean_environment: Path) -> None:
     assert settings.provisioner == "local"
     assert (settings.host, settings.port) == ("127.0.0.1", 8000)
     assert (settings.tuner_tick_s, settings.reconcile_s, settings.rollup_s) == (1.0, 5.0, 10.0)
-    assert settings.replan_h == 6.0
     assert settings.ec2 is None
     assert not settings.is_postgresql
 
@@ -82,6 +81,7 @@ def test_config_file_under_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
     path = write(tmp_path, "port: 7000\nhost: 0.0.0.0\nrollup_s: 30\n")
     monkeypatch.setenv("HETEROPLANE_PORT", "7100")
     settings = load_settings(path)
+    assert isinstance(settings, Settings)
     assert settings.port == 7100  # the environment wins
     assert settings.host == "0.0.0.0"
     assert settings.rollup_s == 30.0
@@ -127,8 +127,13 @@ def test_settings_are_frozen() -> None:
         settings.port = 1  # type: ignore[misc]
 
 
-def test_settings_accepts_arguments() -> None:
+def test_settings_accepts_arguments_and_they_win_over_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert Settings(port=1234).port == 1234
+    monkeypatch.setenv("HETEROPLANE_PORT", "7100")
+    assert Settings(port=1234).port == 1234
+    assert Settings().port == 7100
 
 
 @pytest.mark.parametrize(
@@ -138,7 +143,6 @@ def test_settings_accepts_arguments() -> None:
         ("HETEROPLANE_PORT", "70000", "port: must be less than or equal to 65535"),
         ("HETEROPLANE_PORT", "http", "port: must be a valid integer"),
         ("HETEROPLANE_TUNER_TICK_S", "0", "tuner_tick_s: must be greater than 0"),
-        ("HETEROPLANE_REPLAN_H", "-1", "replan_h: must be greater than 0"),
         ("HETEROPLANE_ROLLUP_S", "nan", "rollup_s: must be a finite number"),
         ("HETEROPLANE_PROVISIONER", "gcp", "provisioner: must be 'local', 'ec2' or 'fake'"),
         ("HETEROPLANE_PROVISIONER", "ec2", "ec2: is required when provisioner is 'ec2'"),
@@ -173,6 +177,7 @@ def test_message_names_the_environment_variable(monkeypatch: pytest.MonkeyPatch)
         ),
         ("port: [\n", "not valid YAML at line"),
         ("- port\n", "must be a mapping of settings, got list"),
+        ("1: 8000\n", "1: unknown setting"),
         ("tuner_tick_s: -3\n", "tuner_tick_s: must be greater than 0"),
     ],
 )

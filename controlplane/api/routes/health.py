@@ -8,28 +8,53 @@ failed and refused (counter), of them late (counter), samples answered per model
 samples queued per model and workers by health (gauges, as of the loop's last refresh), and the
 INFaaS state of each model on each instance (gauge: 1 for the state it is in). Exposition
 format: Prometheus text format 0.0.4.
+
+The exposition is prometheus_client's. Each FastAPI app has its own ``CollectorRegistry`` (never
+the library's global one, so that several apps in one process do not clash), made on its first
+scrape and kept on ``app.state``. Its collectors hold no values: they read the store, the request
+counter, the serving loop and the scheduler's job statistics at scrape time, so nothing else in
+the service has to update a metric object when something changes.
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from fastapi import APIRouter
-from fastapi.responses import PlainTextResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from controlplane import __version__
+from controlplane.api.counters import RequestCounter
 from controlplane.api.deps import Services, ServicesDep, Viewer
 from controlplane.api.routes import errors
 from controlplane.api.schemas import HealthOut
+from controlplane.db.store import Store
+from controlplane.loops.scheduler import Scheduler
 from controlplane.policies.lifecycle import LIVE_STATES, InstanceState
 
-__all__ = ["render_metrics", "router"]
+if TYPE_CHECKING:  # the serving loop imports the API's resolver: only a type here
+    from controlplane.serving.loop import ServingLoop
+
+__all__ = [
+    "AppCollector",
+    "RequestCollector",
+    "SchedulerCollector",
+    "ServingCollector",
+    "metrics_registry",
+    "router",
+]
 
 router = APIRouter(tags=["health"])
 
+# Said here rather than taken from prometheus_client: its CONTENT_TYPE_LATEST names text format
+# 1.0.0 from 0.22 on, while generate_latest writes 0.0.4 (the same text for our metric names).
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+# Where a FastAPI app keeps its registry (see the module docstring).
+_REGISTRY_STATE = "metrics_registry"
 
 
 @router.get("/healthz", summary="Liveness: the service answers (no token needed)")
@@ -50,202 +75,222 @@ def healthz(services: ServicesDep) -> HealthOut:
         **errors(401, 403, 503),
     },
 )
-def metrics(services: ServicesDep, _who: Viewer) -> PlainTextResponse:
-    return PlainTextResponse(render_metrics(services), media_type=PROMETHEUS_TEXT)
+def metrics(request: Request, services: ServicesDep, _who: Viewer) -> Response:
+    registry: CollectorRegistry | None = getattr(request.app.state, _REGISTRY_STATE, None)
+    if registry is None:
+        # Two first scrapes at once may each make one: both read the same services, and the
+        # last one stored is kept.
+        registry = metrics_registry(services)
+        setattr(request.app.state, _REGISTRY_STATE, registry)
+    return Response(generate_latest(registry), media_type=PROMETHEUS_TEXT)
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
-
-
-class _Exposition:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def family(
-        self,
-        name: str,
-        kind: str,
-        help_text: str,
-        samples: Iterable[tuple[dict[str, str], float]],
-    ) -> None:
-        self.lines.append(f"# HELP {name} {help_text}")
-        self.lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            shown = ",".join(f'{key}="{_label(val)}"' for key, val in labels.items())
-            self.lines.append(
-                f"{name}{{{shown}}} {_number(value)}" if shown else f"{name} {_number(value)}"
-            )
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
-
-def render_metrics(services: Services) -> str:
-    """The exposition text (see the module docstring)."""
-    store = services.store
-    apps = store.list_apps()
-    instances = store.list_instances()
-    by_state: dict[str, dict[str, int]] = {
-        app.name: {state.value: 0 for state in InstanceState} for app in apps
-    }
-    fleet_cost: dict[str, float] = defaultdict(float)
-    for instance in instances:
-        if instance.app in by_state:
-            by_state[instance.app][instance.state] += 1
-        if instance.state in LIVE_STATES:
-            fleet_cost[instance.app] += instance.price_usd_per_hr
-    latest = {app.name: store.metric_series(app.name, limit=1) for app in apps}
-
-    out = _Exposition()
-    out.family(
-        "heteroplane_app_budget_usd_per_hr",
-        "gauge",
-        "The app's cost budget in USD per hour.",
-        (({"app": app.name}, app.budget_usd_per_hr) for app in apps),
-    )
-    out.family(
-        "heteroplane_app_fleet_cost_usd_per_hr",
-        "gauge",
-        "What the app's live instances cost, in USD per hour.",
-        (({"app": app.name}, fleet_cost[app.name]) for app in apps),
-    )
-    out.family(
-        "heteroplane_app_instances",
-        "gauge",
-        "The app's instances by lifecycle state.",
-        (
-            ({"app": app, "state": state}, count)
-            for app, states in by_state.items()
-            for state, count in states.items()
-        ),
-    )
-    out.family(
-        "heteroplane_app_arrival_rate_qps",
-        "gauge",
-        "The app's arrival rate in the newest rolled-up sample, queries per second.",
-        (
-            (
-                ({"app": app}, samples[-1].arrival_rate_qps)
-                for app, samples in latest.items()
-                if samples
-            )
-        ),
-    )
-    out.family(
-        "heteroplane_app_latency_p99_ms",
-        "gauge",
-        "The app's P99 latency in the newest rolled-up sample, milliseconds.",
-        (
-            ({"app": app}, p99)
-            for app, samples in latest.items()
-            if samples and (p99 := samples[-1].latency_p99_ms) is not None
-        ),
-    )
-    out.family(
-        "heteroplane_api_requests_total",
-        "counter",
-        "The API's answers by app (empty: no app) and HTTP status.",
-        (
-            ({"app": app, "status": str(status)}, count)
-            for (app, status), count in sorted(services.requests.snapshot().items())
-        ),
-    )
+def metrics_registry(services: Services) -> CollectorRegistry:
+    """A registry of the service's metrics (see the module docstring), in the order they are
+    exposed: the apps, the API's answers, the serving loop's (when there is one), the jobs."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(AppCollector(services.store))
+    registry.register(RequestCollector(services.requests))
     if services.serving is not None:
-        _serving_metrics(out, services)
-    scheduler = services.scheduler
-    jobs = scheduler.jobs.items() if scheduler is not None else []
-    out.family(
-        "heteroplane_scheduler_job_runs_total",
-        "counter",
-        "Runs of each scheduler job by outcome (ran, failed, skipped: still running).",
-        (
-            ({"job": name, "outcome": outcome}, float(count))
-            for name, job in jobs
-            for outcome, count in (
-                ("ran", job.stats.runs),
-                ("failed", job.stats.failures),
-                ("skipped", job.stats.skips),
-            )
-        ),
-    )
-    return out.text()
+        registry.register(ServingCollector(services.serving))
+    registry.register(SchedulerCollector(services.scheduler))
+    return registry
 
 
-def _serving_metrics(out: _Exposition, services: Services) -> None:
-    serving = services.serving
-    assert serving is not None
-    totals = serving.observations.totals()
-    statuses = serving.statuses()
-    out.family(
-        "heteroplane_serving_queries_total",
-        "counter",
-        "Inference queries by outcome: answered, failed (an explicit error), refused (429, 503).",
-        (
-            ({"app": app, "outcome": outcome}, float(count))
-            for app, t in totals.items()
-            for outcome, count in (
-                ("answered", t.answered),
-                ("failed", t.failed),
-                ("refused", t.refused),
-            )
-        ),
-    )
-    out.family(
-        "heteroplane_serving_late_queries_total",
-        "counter",
-        "Answered inference queries whose latency was over the app's SLO.",
-        (({"app": app}, float(t.late)) for app, t in totals.items()),
-    )
-    out.family(
-        "heteroplane_serving_samples_total",
-        "counter",
-        "Samples answered, by the model that answered them.",
-        (
-            ({"app": app, "model": model}, float(count))
-            for app, t in totals.items()
-            for model, count in sorted(t.samples_by_model.items())
-        ),
-    )
-    out.family(
-        "heteroplane_serving_queue_samples",
-        "gauge",
-        "Samples waiting in each model's queue (as of the serving loop's last refresh).",
-        (
-            ({"app": st.app, "model": stage.model}, float(stage.queued_samples))
-            for st in statuses
-            for stage in st.stages
-        ),
-    )
-    out.family(
-        "heteroplane_serving_workers",
-        "gauge",
-        "Workers the serving loop matches queries to, by health.",
-        (
-            ({"app": st.app, "health": health}, float(count))
-            for st in statuses
-            for health, count in (
-                ("healthy", sum(w.healthy for w in st.workers)),
-                ("unhealthy", sum(not w.healthy for w in st.workers)),
-            )
-        ),
-    )
-    out.family(
-        "heteroplane_model_state",
-        "gauge",
-        "INFaaS state of a model on an instance: 1 for the state it is in.",
-        (
-            ({"app": st.app, "model": stage.model, "instance": instance, "state": state}, 1.0)
-            for st in statuses
-            for stage in st.stages
-            for instance, state in sorted(stage.states.items())
-        ),
-    )
+# Each collector's describe() is its families without samples: the registry refuses a second
+# collector of the same name, and nothing is read from the service to learn the names.
+
+
+class AppCollector:
+    """Per app: budget, live fleet cost, instances by state, the newest rolled-up sample."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    @staticmethod
+    def _families() -> tuple[
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+    ]:
+        return (
+            GaugeMetricFamily(
+                "heteroplane_app_budget_usd_per_hr",
+                "The app's cost budget in USD per hour.",
+                labels=["app"],
+            ),
+            GaugeMetricFamily(
+                "heteroplane_app_fleet_cost_usd_per_hr",
+                "What the app's live instances cost, in USD per hour.",
+                labels=["app"],
+            ),
+            GaugeMetricFamily(
+                "heteroplane_app_instances",
+                "The app's instances by lifecycle state.",
+                labels=["app", "state"],
+            ),
+            GaugeMetricFamily(
+                "heteroplane_app_arrival_rate_qps",
+                "The app's arrival rate in the newest rolled-up sample, queries per second.",
+                labels=["app"],
+            ),
+            GaugeMetricFamily(
+                "heteroplane_app_latency_p99_ms",
+                "The app's P99 latency in the newest rolled-up sample, milliseconds.",
+                labels=["app"],
+            ),
+        )
+
+    def describe(self) -> Sequence[Metric]:
+        return self._families()
+
+    def collect(self) -> Sequence[Metric]:
+        apps = self.store.list_apps()
+        by_state: dict[str, dict[str, int]] = {
+            app.name: {state.value: 0 for state in InstanceState} for app in apps
+        }
+        fleet_cost: dict[str, float] = defaultdict(float)
+        for instance in self.store.list_instances():
+            if instance.app in by_state:
+                by_state[instance.app][instance.state] += 1
+            if instance.state in LIVE_STATES:
+                fleet_cost[instance.app] += instance.price_usd_per_hr
+        budget, cost, instances, rate, p99 = families = self._families()
+        for app in apps:
+            budget.add_metric([app.name], app.budget_usd_per_hr)
+            cost.add_metric([app.name], fleet_cost[app.name])
+            for state, count in by_state[app.name].items():
+                instances.add_metric([app.name, state], count)
+            newest = self.store.metric_series(app.name, limit=1)
+            if newest:
+                rate.add_metric([app.name], newest[-1].arrival_rate_qps)
+                if newest[-1].latency_p99_ms is not None:
+                    p99.add_metric([app.name], newest[-1].latency_p99_ms)
+        return families
+
+
+class RequestCollector:
+    """The API's answers by app and HTTP status (:mod:`controlplane.api.counters`)."""
+
+    def __init__(self, counter: RequestCounter) -> None:
+        self.counter = counter
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            "heteroplane_api_requests_total",
+            "The API's answers by app (empty: no app) and HTTP status.",
+            labels=["app", "status"],
+        )
+
+    def describe(self) -> Sequence[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Sequence[Metric]:
+        family = self._family()
+        for (app, status), count in sorted(self.counter.snapshot().items()):
+            family.add_metric([app, str(status)], count)
+        return [family]
+
+
+class ServingCollector:
+    """Per app, what the serving loop counted and saw at its last refresh."""
+
+    def __init__(self, serving: ServingLoop) -> None:
+        self.serving = serving
+
+    @staticmethod
+    def _families() -> tuple[
+        CounterMetricFamily,
+        CounterMetricFamily,
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+    ]:
+        return (
+            CounterMetricFamily(
+                "heteroplane_serving_queries_total",
+                "Inference queries by outcome: answered, failed (an explicit error), refused"
+                " (429, 503).",
+                labels=["app", "outcome"],
+            ),
+            CounterMetricFamily(
+                "heteroplane_serving_late_queries_total",
+                "Answered inference queries whose latency was over the app's SLO.",
+                labels=["app"],
+            ),
+            CounterMetricFamily(
+                "heteroplane_serving_samples_total",
+                "Samples answered, by the model that answered them.",
+                labels=["app", "model"],
+            ),
+            GaugeMetricFamily(
+                "heteroplane_serving_queue_samples",
+                "Samples waiting in each model's queue (as of the serving loop's last refresh).",
+                labels=["app", "model"],
+            ),
+            GaugeMetricFamily(
+                "heteroplane_serving_workers",
+                "Workers the serving loop matches queries to, by health.",
+                labels=["app", "health"],
+            ),
+            GaugeMetricFamily(
+                "heteroplane_model_state",
+                "INFaaS state of a model on an instance: 1 for the state it is in.",
+                labels=["app", "model", "instance", "state"],
+            ),
+        )
+
+    def describe(self) -> Sequence[Metric]:
+        return self._families()
+
+    def collect(self) -> Sequence[Metric]:
+        queries, late, samples, queued, workers, states = families = self._families()
+        for app, totals in self.serving.observations.totals().items():
+            queries.add_metric([app, "answered"], totals.answered)
+            queries.add_metric([app, "failed"], totals.failed)
+            queries.add_metric([app, "refused"], totals.refused)
+            late.add_metric([app], totals.late)
+            for model, count in sorted(totals.samples_by_model.items()):
+                samples.add_metric([app, model], count)
+        for status in self.serving.statuses():
+            for stage in status.stages:
+                queued.add_metric([status.app, stage.model], stage.queued_samples)
+            healthy = sum(w.healthy for w in status.workers)
+            workers.add_metric([status.app, "healthy"], healthy)
+            workers.add_metric([status.app, "unhealthy"], len(status.workers) - healthy)
+            for stage in status.stages:
+                for instance, state in sorted(stage.states.items()):
+                    states.add_metric([status.app, stage.model, instance, state], 1.0)
+        return families
+
+
+class SchedulerCollector:
+    """Runs of each scheduler job by outcome (no samples without a scheduler)."""
+
+    def __init__(self, scheduler: Scheduler | None) -> None:
+        self.scheduler = scheduler
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            "heteroplane_scheduler_job_runs_total",
+            "Runs of each scheduler job by outcome (ran, failed, skipped: still running).",
+            labels=["job", "outcome"],
+        )
+
+    def describe(self) -> Sequence[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Sequence[Metric]:
+        family = self._family()
+        jobs = self.scheduler.jobs.items() if self.scheduler is not None else []
+        for name, job in jobs:
+            stats = job.stats
+            family.add_metric([name, "ran"], stats.runs)
+            family.add_metric([name, "failed"], stats.failures)
+            family.add_metric([name, "skipped"], stats.skips)
+        return [family]
