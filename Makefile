@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/estimator_speed.py
 	$(BIN)/python benchmarks/bounds_speed.py
 	$(BIN)/python benchmarks/matching_speed.py
+	$(BIN)/python benchmarks/profile_load.py
 
 reproduce: $(STAMP)
 	$(BIN)/python benchmarks/kairos_reproduction.py
