@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.cli.common import add_profiles_option, load_inputs
+from controlplane.cli.common import load_inputs
 from controlplane.cli.output import UsageError, emit, progress
+from controlplane.cli.parsers import EMPIRICAL_DRAWS, EMPIRICAL_SEED
 from estimator.batches import FixedBatch, KairosMix, kairos_batch_pmf, parse_batch_distribution
 from estimator.bounds import (
     SIMILARITY_TOP,
@@ -30,80 +31,6 @@ from estimator.errors import FleetError, UnknownInstanceTypeError
 from estimator.fleet import Fleet
 from estimator.profiles import ProfileSet
 from estimator.search import kairos_plus
-
-# A batch-size spec other than kairos or fixed:N becomes an empirical pmf from this many seeded
-# draws (the mean of a 1e6-draw sample is within about 0.1% of the exact one).
-EMPIRICAL_DRAWS = 1_000_000
-EMPIRICAL_SEED = 0
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "bounds",
-        help="rank the fleets a budget affords by their Kairos throughput upper bound",
-        description="Enumerate every instance mix the budget affords (or search for the best ones"
-        " when there are too many to list), rank them by the Kairos throughput upper bound, and"
-        " pick one without online evaluation by the paper's similarity rule.",
-    )
-    add_profiles_option(parser)
-    parser.add_argument("--model", required=True, help="the model to serve (as in the profiles)")
-    parser.add_argument(
-        "--qos-ms", type=float, required=True, metavar="X", help="latency target of a query, ms"
-    )
-    parser.add_argument(
-        "--budget", type=float, required=True, metavar="USD_PER_HR", help="cost budget, USD/hr"
-    )
-    parser.add_argument(
-        "--types",
-        metavar="T1,T2,...",
-        help="candidate instance types (default: every type the profiles have for the model)",
-    )
-    parser.add_argument(
-        "--max-count",
-        metavar="TYPE=N,...",
-        help="largest number of instances of a type, e.g. g4dn.xlarge=5,r5n.large=17",
-    )
-    parser.add_argument(
-        "--batch-dist",
-        default="kairos",
-        metavar="SPEC",
-        help="batch-size mix: kairos (default, exact pmf), fixed:N, lognormal:..., gaussian:..."
-        f" (the last two: empirical pmf of {EMPIRICAL_DRAWS:,} draws, seed {EMPIRICAL_SEED})",
-    )
-    parser.add_argument(
-        "--top", type=int, default=10, metavar="K", help="configurations to list (default 10)"
-    )
-    parser.add_argument(
-        "--rule",
-        choices=["best", "widest"],
-        default="best",
-        help="threshold of a mix of auxiliaries: best (monotone bound, default) or widest (the"
-        " paper's b* = max b_a exactly)",
-    )
-    parser.add_argument(
-        "--qos-statistic",
-        choices=["median", "mean"],
-        default="median",
-        help="latency compared with QoS to find which batch sizes a type serves (default median:"
-        " reproduces the Kairos authors' b_a)",
-    )
-    parser.add_argument(
-        "--kairos-plus",
-        action="store_true",
-        help="also run Kairos+: evaluate configurations in bound order with the simulator"
-        " (allowable throughput under the Kairos dispatcher), pruning by bound and"
-        " sub-configuration; reports how many it evaluated",
-    )
-    parser.add_argument(
-        "--queries",
-        type=int,
-        default=20_000,
-        metavar="N",
-        help="--kairos-plus: queries per simulated probe (default 20000)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="--kairos-plus: random seed")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:

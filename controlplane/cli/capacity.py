@@ -11,46 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.cli.common import add_profiles_option, load_inputs, parse_fleet, positive
+from controlplane.cli.common import load_inputs, parse_fleet, positive
 from controlplane.cli.output import emit, progress
 from estimator.batches import parse_batch_distribution
 from estimator.capacity import Workload, fleet_capacity
-from estimator.policies import POLICY_NAMES, full_range_types
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "capacity",
-        help="allowable throughput of a fleet: highest rate with >= 99%% of queries within QoS",
-        description=__doc__,
-    )
-    add_profiles_option(parser)
-    parser.add_argument("--model", required=True, help="the model to serve (as in the profiles)")
-    parser.add_argument(
-        "--fleet", required=True, metavar="F", help="e.g. g4dn.xlarge=1,r5n.large=13"
-    )
-    parser.add_argument(
-        "--policy",
-        choices=[*POLICY_NAMES, "oracle"],
-        default="kairos",
-        help="dispatch policy (oracle: Kairos' offline sorted schedule, an upper reference)",
-    )
-    parser.add_argument("--qos-ms", type=float, required=True, metavar="X", help="latency target")
-    parser.add_argument(
-        "--batch-dist", default="kairos", metavar="SPEC", help="batch sizes (default kairos)"
-    )
-    parser.add_argument(
-        "--queries", type=int, default=20_000, metavar="N", help="queries per probe (default 20000)"
-    )
-    parser.add_argument(
-        "--drs-threshold",
-        type=int,
-        metavar="N",
-        help="drs: batch-size threshold (default: tuned by hill climbing, as DeepRecSys does)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(handler=run)
+from estimator.policies import full_range_types
 
 
 def run(args: argparse.Namespace) -> int:

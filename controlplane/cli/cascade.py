@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from controlplane.apps import profiler
@@ -21,100 +20,12 @@ from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.profile import load_family, parse_models
 from controlplane.policies.cascade_choice import ACCURACY_TOLERANCE, best_point
 from estimator.cascades import (
-    DEFAULT_THRESHOLD_GRID,
     CascadePoint,
     ValidationRecords,
     load_validation,
     pareto_cascades,
 )
 from estimator.profiles import load_profiles
-
-DEFAULT_MAX_STAGES = 3
-# Timed runs per model at batch size 1: the mean of 500 runs of a sub-millisecond model is stable
-# to a few percent even on a shared machine, and all of them take well under a second.
-DEFAULT_COMPUTE_SAMPLES = 500
-DEFAULT_COMPUTE_WARMUP = 50
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``cascade evaluate``."""
-    parser = subparsers.add_parser(
-        "cascade",
-        help="evaluate cascades of the demo model family (accuracy against compute)",
-        description="Cascades of the demo model family: a query stops at the first model whose"
-        " certainty (top-1 minus top-2 softmax score) reaches that stage's threshold.",
-    )
-    actions = parser.add_subparsers(dest="cascade_command", metavar="ACTION")
-    actions.required = True
-    evaluate = actions.add_parser(
-        "evaluate",
-        help="each model alone and the Pareto set of cascades: accuracy, compute, reach",
-        description="Train or load the demo family, measure each model's compute per query here"
-        " (mean latency at batch size 1), evaluate every chain of models (cheapest first, up to"
-        " --max-stages) with every threshold combination of --thresholds on the validation"
-        " records, and print each model alone and the Pareto set of cascades (accuracy against"
-        " compute per query, with the share of queries reaching each stage). The best cascade"
-        f" is the cheapest within {ACCURACY_TOLERANCE * 100:g} points of the most accurate"
-        " single model.",
-    )
-    evaluate.add_argument(
-        "--models", metavar="M1,M2,...", help="models of the family to use (default: all)"
-    )
-    evaluate.add_argument(
-        "--max-stages",
-        type=int,
-        default=DEFAULT_MAX_STAGES,
-        metavar="K",
-        help="longest chain of models (default %(default)s)",
-    )
-    evaluate.add_argument(
-        "--thresholds",
-        default=",".join(f"{h:g}" for h in DEFAULT_THRESHOLD_GRID),
-        metavar="H1,H2,...",
-        help="certainty thresholds to try at each stage, in [0, 1] (default %(default)s)",
-    )
-    evaluate.add_argument(
-        "--cache-dir",
-        type=Path,
-        metavar="DIR",
-        help="the family's model cache (default: $HETEROPLANE_DATA_DIR/models)",
-    )
-    evaluate.add_argument(
-        "--samples",
-        type=int,
-        default=DEFAULT_COMPUTE_SAMPLES,
-        metavar="N",
-        help="timed runs per model at batch size 1 (default %(default)s)",
-    )
-    evaluate.add_argument(
-        "--warmup",
-        type=int,
-        default=DEFAULT_COMPUTE_WARMUP,
-        metavar="N",
-        help="untimed runs before them (default %(default)s)",
-    )
-    evaluate.add_argument(
-        "--threads",
-        type=int,
-        default=profiler.DEFAULT_THREADS,
-        metavar="N",
-        help="torch threads while timing (default %(default)s)",
-    )
-    evaluate.add_argument(
-        "--profiles",
-        type=Path,
-        metavar="FILE",
-        help="take compute from this profile file (mean latency at batch size 1) instead of"
-        " measuring it",
-    )
-    evaluate.add_argument(
-        "--instance-type",
-        default=profiler.REFERENCE_TYPE,
-        metavar="T",
-        help="with --profiles: whose latency is the compute (default %(default)s)",
-    )
-    evaluate.add_argument("--json", action="store_true", help="print one JSON object")
-    evaluate.set_defaults(handler=run_evaluate)
 
 
 def parse_thresholds(text: str) -> tuple[float, ...]:

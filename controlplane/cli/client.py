@@ -1,11 +1,15 @@
-"""How the operator commands talk to a running service: the REST API over HTTP, standard library
-only (``urllib.request``), and how they print tables.
+"""How the operator commands talk to a running service: the REST API over HTTP (a synchronous
+``httpx.Client``), and how they print tables.
 
 The server is ``--url``, else ``$HETEROPLANE_URL``, else http://127.0.0.1:8000; the token is
 ``--token``, else ``$HETEROPLANE_TOKEN``. Every failure is an :class:`ApiClientError` whose
 message is one line: the server's own error message for an HTTP error, or "cannot reach the
 heteroplane API at URL (is `heteroplane serve` running?)" when nothing answers; the CLI prints it
 and exits with status 2.
+
+httpx is imported when the first request is sent, not with this module: the parsers of every
+command import the options below, and ``heteroplane --help`` should not pay for an HTTP client
+(docs/cli.md).
 """
 
 from __future__ import annotations
@@ -13,14 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Mapping, Sequence
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 from controlplane.cli.output import UsageError
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = [
     "DEFAULT_URL",
@@ -66,7 +71,8 @@ def add_client_options(parser: argparse.ArgumentParser) -> None:
 
 
 class ApiClient:
-    """Requests to one server with one token."""
+    """Requests to one server with one token, over one ``httpx.Client`` (made on the first
+    request; :meth:`close`, or a ``with`` block, closes its connections)."""
 
     def __init__(self, url: str, token: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         parsed = urllib.parse.urlsplit(url)
@@ -77,6 +83,23 @@ class ApiClient:
         self.url = url.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s
+        self._http: httpx.Client | None = None
+
+    def __enter__(self) -> ApiClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
 
     def get(self, path: str, **query: Any) -> Any:
         return self.request("GET", path, query=query)
@@ -103,27 +126,17 @@ class ApiClient:
             raise UsageError(f"no API token: pass --token or set {TOKEN_ENV}")
         pairs = [(k, v) for k, v in (query or {}).items() if v is not None]
         url = self.url + path + (f"?{urllib.parse.urlencode(pairs, doseq=True)}" if pairs else "")
-        data = None if body is None else json.dumps(body, allow_nan=False).encode()
+        try:
+            data = None if body is None else json.dumps(body, allow_nan=False).encode()
+        except ValueError:
+            raise UsageError("cannot send a number that is not finite (nan or inf)") from None
         headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
         if data is not None:
             headers["Content-Type"] = "application/json"
-        request = urllib.request.Request(url, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as error:
-            raise _http_error(error) from None
-        except urllib.error.URLError as error:
-            reason = error.reason
-            if isinstance(reason, ConnectionRefusedError | socket.gaierror | OSError):
-                raise ApiClientError(self.unreachable()) from None
-            raise ApiClientError(f"{self.unreachable()}: {reason}") from None
-        except TimeoutError:
-            raise ApiClientError(
-                f"the heteroplane API at {self.url} did not answer within {self.timeout_s:g} s"
-            ) from None
-        except (ConnectionError, OSError):
-            raise ApiClientError(self.unreachable()) from None
+        response = self._send(method, url, data, headers)
+        if not response.is_success:
+            raise _http_error(response)
+        raw = response.content
         if not raw:
             return None
         try:
@@ -131,18 +144,41 @@ class ApiClient:
         except ValueError:
             raise ApiClientError(f"{self.url} answered something that is not JSON") from None
 
+    def _send(
+        self, method: str, url: str, data: bytes | None, headers: dict[str, str]
+    ) -> httpx.Response:
+        """One exchange with the server; what went wrong on the way is one line."""
+        import httpx
+
+        if self._http is None:
+            # Redirects are followed, as urllib did for this command line before.
+            self._http = httpx.Client(timeout=self.timeout_s, follow_redirects=True)
+        try:
+            return self._http.request(method, url, content=data, headers=headers)
+        except httpx.ConnectTimeout:
+            raise ApiClientError(self.unreachable()) from None
+        except httpx.TimeoutException:
+            raise ApiClientError(
+                f"the heteroplane API at {self.url} did not answer within {self.timeout_s:g} s"
+            ) from None
+        except (httpx.NetworkError, httpx.RemoteProtocolError):
+            # Refused, reset, a name that does not resolve, a server that hung up.
+            raise ApiClientError(self.unreachable()) from None
+        except httpx.HTTPError as error:  # a proxy, an unsupported protocol, too many redirects
+            raise ApiClientError(f"{self.unreachable()}: {error}") from None
+
     def unreachable(self) -> str:
         return f"cannot reach the heteroplane API at {self.url} (is `heteroplane serve` running?)"
 
 
-def _http_error(error: urllib.error.HTTPError) -> ApiClientError:
+def _http_error(response: httpx.Response) -> ApiClientError:
+    status = response.status_code
     try:
-        body = json.loads(error.read() or b"{}")
-        detail = body["error"]
+        detail = json.loads(response.content or b"{}")["error"]
         message, code = str(detail["message"]), str(detail["code"])
-    except (ValueError, KeyError, TypeError, OSError):
-        message, code = f"HTTP {error.code} {error.reason}", "http_error"
-    return ApiClientError(f"{message} (HTTP {error.code} {code})", error.code, code)
+    except (ValueError, KeyError, TypeError):
+        message, code = f"HTTP {status} {response.reason_phrase}", "http_error"
+    return ApiClientError(f"{message} (HTTP {status} {code})", status, code)
 
 
 def client_from(args: argparse.Namespace) -> ApiClient:

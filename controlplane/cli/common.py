@@ -1,9 +1,9 @@
-"""Options and loaders that several commands share (profiles, catalog, fleet, workload)."""
+"""Loaders that several commands share (profiles, catalog, fleet, workload); their options are in
+:mod:`controlplane.cli.parsers`."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import numpy as np
 
@@ -13,35 +13,6 @@ from estimator.catalog import Catalog, load_catalog
 from estimator.fleet import Fleet
 from estimator.profiles import ProfileSet, load_profiles
 from estimator.traces import Trace, poisson_arrivals, read_trace_csv
-
-
-def add_profiles_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--profiles",
-        required=True,
-        type=Path,
-        metavar="FILE",
-        help="latency profiles: a Kairos samples CSV (.csv or .csv.gz) or a profile JSON",
-    )
-    parser.add_argument(
-        "--catalog",
-        type=Path,
-        metavar="FILE",
-        help="CSV or JSON of instance types that add to or override the default EC2 catalog",
-    )
-
-
-def add_workload_options(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_argument_group("workload (a trace file, or a generated Poisson trace)")
-    source.add_argument("--trace", type=Path, metavar="FILE", help="trace CSV (arrival_s, ...)")
-    source.add_argument("--qps", type=float, metavar="R", help="Poisson arrival rate, queries/s")
-    source.add_argument("--duration", type=float, metavar="S", help="generated trace length, s")
-    source.add_argument(
-        "--batch-dist",
-        metavar="SPEC",
-        help="batch size of each generated query: fixed:N, kairos, lognormal:mu=..,sigma=..,"
-        " gaussian:mean=..,sd=.. (default: every query has batch size 1)",
-    )
 
 
 def load_workload(args: argparse.Namespace, rng: np.random.Generator) -> Trace:

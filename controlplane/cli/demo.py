@@ -1,23 +1,10 @@
-"""``heteroplane demo``: the main job. It starts the control plane on the embedded defaults (SQLite
-in the data directory, the local provisioner, http://127.0.0.1:8000; the settings of ``heteroplane
-serve``, with ``--host``/``--port`` over them) with the demo app registered, planned and served
-by local workers, drives a demo load against it, and serves until SIGINT or SIGTERM.
+"""``heteroplane demo``: the main job. It serves the control plane on the embedded defaults with
+the demo app registered, planned and served by local workers, and drives a demo load against it;
+``--offline`` is the estimator demo, with no service (:mod:`controlplane.cli.demo_offline`).
 
-Before serving it makes sure, idempotently (:mod:`controlplane.service.demo`), that the demo model
-family is trained into the data directory, that its latency profiles are measured
-(``<data_dir>/profiles/family.json``, ``--profile-samples`` runs per cell, once), that the demo
-app is registered (the cheapest cascade of the family as accurate as its best model, on the
-emulated types ``emu.cpu.small`` and ``emu.cpu.large``), that it has an applied plan (one previewed
-for ``--rate-qps`` and applied when it has none; the reconciler then launches its workers), and
-that an admin token for the demo is in ``<data_dir>/demo-token``; then it prints a "ready"
-banner on stderr with the URL, where the token is and commands to try, and, unless
-``--no-load``, starts the demo load (``controlplane.clients.loadgen`` against itself at a rate that
-rises and falls every few minutes, a line per period on stderr) so that the dashboard moves.
-Starting it again on the same data directory finds everything there and adds nothing.
-
-``heteroplane demo --offline`` is the estimator demo, with no service
-(:mod:`controlplane.cli.demo_offline`): rm2 on a GPU fleet and on a mixed fleet over a sweep of
-rates, with ``--profiles`` (the Kairos samples), ``--json``, ``--duration`` and ``--seed``.
+What it makes sure of before serving, and what it prints, is the command's description
+(``heteroplane demo --help``), kept in :mod:`controlplane.cli.parsers` so that the help needs none
+of this module's imports.
 """
 
 from __future__ import annotations
@@ -27,20 +14,20 @@ import logging
 import shlex
 import socket
 import sys
-from pathlib import Path
 from typing import Any
 
 from controlplane.api.errors import ApiError
-from controlplane.apps import profiler
 from controlplane.cli import demo_offline
-from controlplane.cli.db import add_config_option
 from controlplane.cli.output import UsageError, progress
+from controlplane.cli.parsers import (
+    DEMO_OFFLINE_DURATION_S,
+    DEMO_OFFLINE_PROFILES,
+    DEMO_OFFLINE_SEED,
+)
 from controlplane.cli.serve import (
-    LOG_LEVELS,
     SERVE_LOGGER,
     configure_logging,
     listen,
-    port_number,
     serve_until_stopped,
 )
 from controlplane.db.session import redact_url
@@ -48,7 +35,6 @@ from controlplane.db.store import PlanRecord
 from controlplane.service.build import build_service
 from controlplane.service.demo import (
     DEMO_APP,
-    DEMO_RATE_QPS,
     DemoLoad,
     DemoState,
     prepare_demo,
@@ -56,98 +42,17 @@ from controlplane.service.demo import (
 )
 from controlplane.settings import load_settings
 
-__all__ = ["DEFAULT_PROFILES", "register"]
-
-DEFAULT_PROFILES = Path("../shared/data/kairos_latency_samples.csv.gz")
-_OFFLINE_DURATION_S = 600.0
-_OFFLINE_SEED = 0
-
-
-def _rate_qps(text: str) -> float:
-    try:
-        rate = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a rate: {text!r}") from None
-    if not 0 < rate <= 1e5:
-        raise argparse.ArgumentTypeError(f"a rate is in (0, 100000] qps, got {text}")
-    return rate
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "demo",
-        help="the main job: serve the control plane with the demo app registered and planned"
-        " (--offline: the estimator demo, no service)",
-        description=__doc__,
-    )
-    parser.add_argument("--host", metavar="H", help="address to listen on (default: settings)")
-    parser.add_argument(
-        "--port", type=port_number, metavar="P", help="port to listen on; 0 picks a free one"
-    )
-    parser.add_argument(
-        "--rate-qps",
-        type=_rate_qps,
-        default=DEMO_RATE_QPS,
-        metavar="R",
-        help=f"the rate the first plan is made for (default {DEMO_RATE_QPS:g} qps)",
-    )
-    parser.add_argument(
-        "--no-load", action="store_true", help="serve only: no demo load against the service"
-    )
-    parser.add_argument(
-        "--profile-samples",
-        type=_samples,
-        default=profiler.DEFAULT_SAMPLES,
-        metavar="N",
-        help="timed runs per model and batch size when the family's profiles are measured"
-        " (once per data directory; default %(default)s)",
-    )
-    parser.add_argument(
-        "--log-level", choices=LOG_LEVELS, default="warning", help="log level (default warning)"
-    )
-    add_config_option(parser)
-    offline = parser.add_argument_group("the offline estimator demo")
-    offline.add_argument(
-        "--offline", action="store_true", help="simulate rm2 on two fleets instead of serving"
-    )
-    offline.add_argument(
-        "--profiles",
-        type=Path,
-        metavar="FILE",
-        help=f"the Kairos samples CSV (default: {DEFAULT_PROFILES}; --offline only, accepted"
-        " and unused without it, as older `make demo` lines pass it)",
-    )
-    offline.add_argument(
-        "--duration",
-        type=float,
-        metavar="S",
-        help=f"per rate, s (default {_OFFLINE_DURATION_S:g}; --offline only)",
-    )
-    offline.add_argument(
-        "--seed", type=int, help=f"random seed (default {_OFFLINE_SEED}; --offline only)"
-    )
-    offline.add_argument("--json", action="store_true", help="print one JSON object (--offline)")
-    parser.set_defaults(handler=run)
-
-
-def _samples(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
+__all__ = ["run"]
 
 
 def run(args: argparse.Namespace) -> int:
     if args.offline:
         if args.profiles is None:
-            args.profiles = DEFAULT_PROFILES
+            args.profiles = DEMO_OFFLINE_PROFILES
         if args.duration is None:
-            args.duration = _OFFLINE_DURATION_S
+            args.duration = DEMO_OFFLINE_DURATION_S
         if args.seed is None:
-            args.seed = _OFFLINE_SEED
+            args.seed = DEMO_OFFLINE_SEED
         return demo_offline.run(args)
     stray = [
         flag

@@ -14,69 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.cli.output import UsageError, emit, progress
-from controlplane.policies.gears import DEFAULT_RANGES, GearPlan, Placement, plan_gears
+from controlplane.policies.gears import GearPlan, Placement, plan_gears
 from controlplane.policies.replay import read_plan
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
-from estimator.cascades import DEFAULT_THRESHOLD_GRID, load_validation
+from estimator.cascades import load_validation
 from estimator.fleet import Fleet
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "gears",
-        help="plan a cascade's gears: which cascade and batch caps serve each QPS range",
-        description="CascadeServe's gear plan on a fixed placement: evaluate every ordered chain"
-        " of the app's models with every threshold combination on the validation records, keep"
-        " the Pareto set of accuracy against a throughput bound, simulate the finalists for their"
-        " highest load within the latency SLO, and give each QPS range from 0 to the max the most"
-        " accurate cascade that serves it (with slo.accuracy in the spec: the fastest one that"
-        " meets the accuracy floor).",
-    )
-    parser.add_argument("--spec", required=True, type=Path, metavar="FILE", help="app spec YAML")
-    parser.add_argument(
-        "--validation",
-        required=True,
-        type=Path,
-        metavar="FILE",
-        help="validation records (heteroplane.validation/v1) of the app's models",
-    )
-    parser.add_argument(
-        "--profiles",
-        type=Path,
-        metavar="FILE",
-        help="profile file with every model (default: the ones the spec names)",
-    )
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument(
-        "--placement",
-        metavar="TEXT",
-        help="instances of each model: 'tiny:c5.xlarge=1;large:c5.xlarge=3,g4dn.xlarge=1'",
-    )
-    where.add_argument(
-        "--plan", type=Path, metavar="FILE", help="take each model's fleet from a plan JSON"
-    )
-    parser.add_argument(
-        "--qps-max",
-        type=float,
-        metavar="R",
-        help="top of the planned QPS span (default: the fastest cascade's max)",
-    )
-    parser.add_argument(
-        "--ranges",
-        type=int,
-        default=DEFAULT_RANGES,
-        metavar="N",
-        help="equal QPS ranges (default %(default)s)",
-    )
-    parser.add_argument(
-        "--thresholds",
-        default=",".join(f"{h:g}" for h in DEFAULT_THRESHOLD_GRID),
-        metavar="H1,H2,...",
-        help="certainty thresholds to try at each stage, in [0, 1] (default %(default)s)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(handler=run)
 
 
 def parse_grid(text: str) -> tuple[float, ...]:

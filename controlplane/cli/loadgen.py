@@ -1,24 +1,16 @@
 """``heteroplane loadgen``: replay a trace against an app's inference endpoint, open loop.
 
-Each row of the trace (``arrival_s``, ``batch_size``, optional ``sample_id``) is one query to
-``POST /v1/apps/APP/infer``, sent at its arrival time whatever the answers do; its inputs are the
-demo family's validation samples (the row's ``sample_id``, else the row's index, and the ones
-after it for a batch: :mod:`controlplane.clients.loadgen`). The samples are the digits of the
-family's validation split, rebuilt from the seed in the app's validation records when that file can
-be read here (else the family's default seed), so sample i is the one the records describe.
-
-Progress goes to stderr every ``--progress-s`` seconds; at the end it prints the queries sent,
-answered and failed (by kind: HTTP status, timeout, connection), p50 and p99 of the end-to-end
-latency, the attainment (share of sent queries answered within the app's SLO, read from ``GET
-/v1/apps/APP`` unless ``--slo-ms`` gives it) and the achieved rate; ``--json`` prints the
-contract's object instead. A token of scope ``infer`` cannot read the app: give ``--slo-ms``.
+The sending and the statistics are :mod:`controlplane.clients.loadgen`; this module reads the
+app's SLO and validation seed from the service, builds the queries from the trace and the demo
+family's validation samples, and prints the summary. What the command does, for its user, is its
+description (``heteroplane loadgen --help``), kept in :mod:`controlplane.cli.parsers` so that the
+help needs none of this module's imports.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,96 +26,18 @@ from controlplane.cli.client import (
 )
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.profile import load_family
+from controlplane.clients import loadgen
+from controlplane.clients.loadgen import LoadProgress, LoadSummary
 from estimator.traces import read_trace_csv
 
 if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
-    from controlplane.clients.loadgen import LoadProgress, LoadSummary
-
-__all__ = ["AppTarget", "app_target", "register", "validation_inputs"]
+__all__ = ["AppTarget", "app_target", "run", "validation_inputs"]
 
 # Reading the app takes milliseconds; a service that does not answer in this long is not up.
 _APP_TIMEOUT_S = 30.0
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``loadgen``."""
-    from controlplane.clients import loadgen
-
-    parser = subparsers.add_parser(
-        "loadgen",
-        help="replay a trace against an app's inference endpoint (open loop): p50, p99,"
-        " attainment, errors, achieved rate",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--url",
-        metavar="URL",
-        help=f"the service's base URL (default: ${URL_ENV} or {DEFAULT_URL})",
-    )
-    parser.add_argument("--app", required=True, metavar="APP", help="the app to send queries to")
-    parser.add_argument(
-        "--trace",
-        required=True,
-        type=Path,
-        metavar="FILE",
-        help="trace CSV: arrival_s, batch_size (default 1), optional sample_id",
-    )
-    parser.add_argument(
-        "--token", metavar="T", help=f"API token, scope infer or admin (default: ${TOKEN_ENV})"
-    )
-    parser.add_argument(
-        "--slo-ms",
-        type=_positive,
-        metavar="MS",
-        help="latency for the attainment (default: the app's SLO, read from the service)",
-    )
-    parser.add_argument(
-        "--timeout-s",
-        type=_positive,
-        default=loadgen.DEFAULT_TIMEOUT_S,
-        metavar="S",
-        help="a query without an answer after this long is a timeout (default %(default)g)",
-    )
-    parser.add_argument(
-        "--progress-s",
-        type=_positive,
-        default=loadgen.DEFAULT_PROGRESS_S,
-        metavar="S",
-        help="seconds between progress lines on stderr (default %(default)g)",
-    )
-    parser.add_argument(
-        "--max-in-flight",
-        type=_count,
-        default=loadgen.DEFAULT_MAX_IN_FLIGHT,
-        metavar="N",
-        help="connections open at once at most (default %(default)d)",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(handler=run)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,8 +103,6 @@ def validation_inputs(seed: int | None) -> NDArray[np.float32]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from controlplane.clients import loadgen
-
     url: str = args.url or os.environ.get(URL_ENV) or DEFAULT_URL
     token: str | None = args.token or os.environ.get(TOKEN_ENV)
     if not token:
@@ -199,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     trace = read_trace_csv(args.trace)
     if len(trace) == 0:
         raise UsageError(f"--trace {args.trace}: the trace has no queries")
-    target = app_target(client, args.app, args.slo_ms)
+    with client:
+        target = app_target(client, args.app, args.slo_ms)
     try:
         queries = loadgen.build_queries(trace, validation_inputs(target.seed))
     except ValueError as error:

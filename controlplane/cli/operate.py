@@ -9,75 +9,41 @@
 - ``heteroplane fleet [--app APP]``;
 - ``heteroplane events --app APP`` (decisions and instance events, in time order).
 
-Each prints a table or a summary, or with ``--json`` the server's JSON as one object. The
-transport and the shared options are :mod:`controlplane.cli.client`.
+Each prints a table or a summary, or with ``--json`` the server's JSON as one object. Their
+parsers are in :mod:`controlplane.cli.parsers`; the transport and the shared options are
+:mod:`controlplane.cli.client`. Nothing here, nor there, imports more than httpx, so that these
+commands start fast (docs/cli.md).
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from controlplane.cli.client import (
     ApiClientError,
-    add_client_options,
     app_path,
     client_from,
     table,
 )
 from controlplane.cli.output import emit
-from controlplane.spec import load_spec
 
-__all__ = ["register"]
-
-
-def register(subparsers: Any) -> None:
-    _register_app(subparsers)
-    _register_plans(subparsers)
-    _register_budget(subparsers)
-    _register_fleet(subparsers)
-    _register_events(subparsers)
-
-
-def _actions(subparsers: Any, name: str, help_text: str, dest: str) -> Any:
-    parser = subparsers.add_parser(name, help=help_text, description=help_text)
-    actions = parser.add_subparsers(dest=dest, metavar="ACTION")
-    actions.required = True
-    return actions
-
-
-def _app_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--app", required=True, metavar="APP", help="the app's name")
+__all__ = [
+    "app_apply",
+    "app_delete",
+    "app_get",
+    "app_list",
+    "budget_get",
+    "budget_set",
+    "events",
+    "fleet",
+    "plans_apply",
+    "plans_list",
+    "plans_preview",
+]
 
 
 # --- app -------------------------------------------------------------------------------------
-
-
-def _register_app(subparsers: Any) -> None:
-    actions = _actions(subparsers, "app", "register and manage apps on the service", "app_command")
-    apply = actions.add_parser(
-        "apply",
-        help="register an app from its spec file, or replace the spec of the app of that name",
-        description="Read the spec (relative paths resolve against its folder and are sent"
-        " absolute, so the service must see the same files), then create the app, or replace its"
-        " spec when it exists (a budget change in it is audited).",
-    )
-    apply.add_argument("-f", "--file", required=True, type=Path, metavar="FILE", help="spec YAML")
-    apply.set_defaults(handler=_app_apply)
-    listing = actions.add_parser("list", help="list the apps")
-    listing.set_defaults(handler=_app_list)
-    get = actions.add_parser("get", help="show an app")
-    get.add_argument("name", metavar="NAME")
-    get.set_defaults(handler=_app_get)
-    delete = actions.add_parser("delete", help="delete an app and its history (admin token)")
-    delete.add_argument("name", metavar="NAME")
-    delete.add_argument(
-        "--force", action="store_true", help="even with live instances (their rows only)"
-    )
-    delete.set_defaults(handler=_app_delete)
-    for action in (apply, listing, get, delete):
-        add_client_options(action)
 
 
 def _app_line(app: dict[str, Any]) -> str:
@@ -88,28 +54,33 @@ def _app_line(app: dict[str, Any]) -> str:
     )
 
 
-def _app_apply(args: argparse.Namespace) -> int:
+def app_apply(args: argparse.Namespace) -> int:
+    # Here, not at the top: the spec module loads the estimator (numpy, numba) to resolve specs,
+    # which the other commands of this module never need.
+    from controlplane.spec import load_spec
+
     spec = load_spec(args.file)
     document = spec.model_dump(mode="json", exclude_none=True)
-    client = client_from(args)
-    try:
-        app = client.get(app_path(spec.name))
-    except ApiClientError as error:
-        if error.status != 404:
-            raise
-        app = None
-    if app is None:
-        app, verb = client.post("/v1/apps", document), "registered"
-    elif app["spec"] != document:
-        app, verb = client.put(app_path(spec.name), document), "updated"
-    else:
-        # Replacing a spec by itself would still bump the app's version and stale its plans.
-        verb = "unchanged:"
+    with client_from(args) as client:
+        try:
+            app = client.get(app_path(spec.name))
+        except ApiClientError as error:
+            if error.status != 404:
+                raise
+            app = None
+        if app is None:
+            app, verb = client.post("/v1/apps", document), "registered"
+        elif app["spec"] != document:
+            app, verb = client.put(app_path(spec.name), document), "updated"
+        else:
+            # Replacing a spec by itself would still bump the app's version and stale its plans.
+            verb = "unchanged:"
     return emit(args.json, app, lambda: f"{verb} {_app_line(app)}")
 
 
-def _app_list(args: argparse.Namespace) -> int:
-    apps = client_from(args).get("/v1/apps")
+def app_list(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        apps = client.get("/v1/apps")
     rows = [
         [
             a["name"],
@@ -131,56 +102,21 @@ def _app_list(args: argparse.Namespace) -> int:
     )
 
 
-def _app_get(args: argparse.Namespace) -> int:
-    app = client_from(args).get(app_path(args.name))
+def app_get(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        app = client.get(app_path(args.name))
     return emit(args.json, app, lambda: _app_line(app))
 
 
-def _app_delete(args: argparse.Namespace) -> int:
-    client_from(args).delete(app_path(args.name), force="true" if args.force else None)
+def app_delete(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        client.delete(app_path(args.name), force="true" if args.force else None)
     return emit(
         args.json, {"deleted": args.name}, lambda: f"deleted app {args.name} and its history"
     )
 
 
 # --- plans -----------------------------------------------------------------------------------
-
-
-def _register_plans(subparsers: Any) -> None:
-    actions = _actions(
-        subparsers,
-        "plans",
-        "preview and apply plans on the service (the offline planner is `heteroplane plan`)",
-        "plans_command",
-    )
-    preview = actions.add_parser(
-        "preview",
-        help="plan the app on a synthetic trace and store the plan (nothing changes yet)",
-        description="Ask the service for a plan on a Poisson trace at --rate-qps (or a gamma"
-        " trace with --cv2); the plan is stored, and applied with `plans apply`.",
-    )
-    _app_option(preview)
-    preview.add_argument(
-        "--rate-qps", required=True, type=float, metavar="R", help="arrival rate to plan for"
-    )
-    preview.add_argument(
-        "--cv2", type=float, metavar="X", help="gamma gaps with this CV^2 (default: Poisson)"
-    )
-    preview.add_argument("--duration", type=float, metavar="S", help="trace length in seconds")
-    preview.add_argument(
-        "--batch-dist", metavar="SPEC", help="batch sizes: fixed:N, kairos, lognormal:..., ..."
-    )
-    preview.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    preview.set_defaults(handler=_plans_preview)
-    listing = actions.add_parser("list", help="list the app's plans")
-    _app_option(listing)
-    listing.set_defaults(handler=_plans_list)
-    apply = actions.add_parser("apply", help="apply a previewed plan")
-    _app_option(apply)
-    apply.add_argument("--id", required=True, type=int, metavar="ID", help="the plan's id")
-    apply.set_defaults(handler=_plans_apply)
-    for action in (preview, listing, apply):
-        add_client_options(action)
 
 
 def _plan_text(plan: dict[str, Any]) -> str:
@@ -204,7 +140,7 @@ def _plan_text(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _plans_preview(args: argparse.Namespace) -> int:
+def plans_preview(args: argparse.Namespace) -> int:
     trace: dict[str, Any] = {"rate_qps": args.rate_qps, "seed": args.seed}
     if args.cv2 is not None:
         trace |= {"kind": "gamma", "cv2": args.cv2}
@@ -212,7 +148,8 @@ def _plans_preview(args: argparse.Namespace) -> int:
         trace["duration_s"] = args.duration
     if args.batch_dist is not None:
         trace["batch_dist"] = args.batch_dist
-    plan = client_from(args).post(app_path(args.app, "plans"), {"trace": trace, "seed": args.seed})
+    with client_from(args) as client:
+        plan = client.post(app_path(args.app, "plans"), {"trace": trace, "seed": args.seed})
     return emit(
         args.json,
         plan,
@@ -223,8 +160,9 @@ def _plans_preview(args: argparse.Namespace) -> int:
     )
 
 
-def _plans_list(args: argparse.Namespace) -> int:
-    plans = client_from(args).get(app_path(args.app, "plans"))
+def plans_list(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        plans = client.get(app_path(args.app, "plans"))
     rows = [
         [
             p["id"],
@@ -245,34 +183,18 @@ def _plans_list(args: argparse.Namespace) -> int:
     )
 
 
-def _plans_apply(args: argparse.Namespace) -> int:
-    plan = client_from(args).post(app_path(args.app, "plans", str(args.id), "apply"))
+def plans_apply(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        plan = client.post(app_path(args.app, "plans", str(args.id), "apply"))
     return emit(args.json, plan, lambda: _plan_text(plan))
 
 
 # --- budget ----------------------------------------------------------------------------------
 
 
-def _register_budget(subparsers: Any) -> None:
-    actions = _actions(
-        subparsers, "budget", "read or change an app's budget (audited)", "budget_command"
-    )
-    get = actions.add_parser("get", help="the budget, the fleet's cost and the audit trail")
-    _app_option(get)
-    get.set_defaults(handler=_budget_get)
-    put = actions.add_parser(
-        "set", help="change the budget; lists the instances to drain if it is below the fleet"
-    )
-    _app_option(put)
-    put.add_argument("--usd-per-hr", required=True, type=float, metavar="X", help="new budget")
-    put.add_argument("--reason", required=True, metavar="TEXT", help="why (kept in the audit)")
-    put.set_defaults(handler=_budget_set)
-    for action in (get, put):
-        add_client_options(action)
-
-
-def _budget_get(args: argparse.Namespace) -> int:
-    budget = client_from(args).get(app_path(args.app, "budget"))
+def budget_get(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        budget = client.get(app_path(args.app, "budget"))
 
     def human() -> str:
         head = (
@@ -288,11 +210,12 @@ def _budget_get(args: argparse.Namespace) -> int:
     return emit(args.json, budget, human)
 
 
-def _budget_set(args: argparse.Namespace) -> int:
-    answer = client_from(args).put(
-        app_path(args.app, "budget"),
-        {"budget_usd_per_hr": args.usd_per_hr, "reason": args.reason},
-    )
+def budget_set(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        answer = client.put(
+            app_path(args.app, "budget"),
+            {"budget_usd_per_hr": args.usd_per_hr, "reason": args.reason},
+        )
 
     def human() -> str:
         previous = answer["previous_usd_per_hr"]
@@ -316,22 +239,10 @@ def _budget_set(args: argparse.Namespace) -> int:
 # --- fleet and events ------------------------------------------------------------------------
 
 
-def _register_fleet(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "fleet",
-        help="the instances the service runs (of one app: its fleet by type and cost)",
-        description="List the instances the service runs; with --app, the app's live fleet by"
-        " instance type and what it costs, then its instances.",
-    )
-    parser.add_argument("--app", metavar="APP", help="only this app")
-    add_client_options(parser)
-    parser.set_defaults(handler=_fleet)
-
-
-def _fleet(args: argparse.Namespace) -> int:
-    client = client_from(args)
-    summary = client.get(app_path(args.app, "fleet")) if args.app else None
-    instances = client.get("/v1/instances", app=args.app)
+def fleet(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        summary = client.get(app_path(args.app, "fleet")) if args.app else None
+        instances = client.get("/v1/instances", app=args.app)
 
     def human() -> str:
         lines = []
@@ -367,24 +278,10 @@ def _fleet(args: argparse.Namespace) -> int:
     return emit(args.json, data, human)
 
 
-def _register_events(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "events",
-        help="what happened to an app: decisions and instance events, in time order",
-    )
-    _app_option(parser)
-    parser.add_argument("--since", metavar="TIME", help="only after this ISO 8601 time")
-    parser.add_argument(
-        "--limit", type=int, default=100, metavar="N", help="the newest N of each (default 100)"
-    )
-    add_client_options(parser)
-    parser.set_defaults(handler=_events)
-
-
-def _events(args: argparse.Namespace) -> int:
-    client = client_from(args)
-    decisions = client.get(app_path(args.app, "decisions"), since=args.since, limit=args.limit)
-    events = client.get(app_path(args.app, "events"), since=args.since, limit=args.limit)
+def events(args: argparse.Namespace) -> int:
+    with client_from(args) as client:
+        decisions = client.get(app_path(args.app, "decisions"), since=args.since, limit=args.limit)
+        events = client.get(app_path(args.app, "events"), since=args.since, limit=args.limit)
     merged = sorted(
         [(d["at"], "decision", d["kind"], d["reason"]) for d in decisions]
         + [

@@ -7,8 +7,6 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
-import numpy as np
-
 EXIT_BAD_INPUT = 2
 
 
@@ -23,6 +21,10 @@ def fail(message: str) -> NoReturn:
 
 
 def _to_json(value: Any) -> Any:
+    # Imported here, not at the top: a command that never made a numpy value (--help, the client
+    # commands) does not pay numpy's import, and one that did finds it loaded already.
+    import numpy as np
+
     if isinstance(value, np.integer):
         return int(value)
     if isinstance(value, np.floating):

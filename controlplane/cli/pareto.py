@@ -1,53 +1,26 @@
 """``heteroplane plan --pareto``: the latency/quality Pareto front of a cascade app (Cascadia).
 
-``plan`` hooks this in with two lines: ``add_pareto_arguments(parser)`` in its ``register``, and
-``if args.pareto: return run_pareto(args)`` at the top of its handler. It reuses ``plan``'s
-``--spec``, ``--trace``, ``--seed`` and ``--json``. The algorithm lives in
-``estimator.allocation`` (Cascadia's MILP allocation of instances to stages inside a
-weighted-Tchebycheff sweep of the thresholds); this module loads the inputs and prints the front.
+``plan`` hooks this in with two lines: ``add_pareto_arguments(parser)`` in its parser
+(:mod:`controlplane.cli.parsers`, re-exported here), and ``if args.pareto: return run_pareto(args)``
+at the top of its handler. It reuses ``plan``'s ``--spec``, ``--trace``, ``--seed`` and
+``--json``. The algorithm lives in ``estimator.allocation`` (Cascadia's MILP allocation of
+instances to stages inside a weighted-Tchebycheff sweep of the thresholds); this module loads the
+inputs and prints the front.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from controlplane.cli.output import UsageError, emit, progress
+from controlplane.cli.parsers import PARETO_GRID, add_pareto_arguments
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
 from estimator.allocation import ParetoPoint, tchebycheff_front
-from estimator.cascades import DEFAULT_THRESHOLD_GRID, ValidationRecords, load_validation
+from estimator.cascades import ValidationRecords, load_validation
 from estimator.traces import Trace, read_trace_csv, trace_stats
 
 __all__ = ["PARETO_GRID", "add_pareto_arguments", "pareto_front", "run_pareto"]
-
-# The sweep's default thresholds: 0 (everyone answered at that stage, so the shorter chains are
-# on the front too) and the cascade grid.
-PARETO_GRID: tuple[float, ...] = (0.0, *DEFAULT_THRESHOLD_GRID)
-
-
-def add_pareto_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--pareto``, ``--validation`` and ``--thresholds`` on ``plan``'s parser."""
-    group = parser.add_argument_group("Pareto front of a cascade (--pareto)")
-    group.add_argument(
-        "--pareto",
-        action="store_true",
-        help="print the latency/accuracy Pareto front of the app's cascade instead of a plan:"
-        " per threshold setting, Cascadia's MILP allocation of instances to stages (worst stage"
-        " latency, M/D/1) at the trace's rate, within the budget and max_counts",
-    )
-    group.add_argument(
-        "--validation",
-        type=Path,
-        metavar="FILE",
-        help="validation records (heteroplane.validation/v1) of the cascade's models",
-    )
-    group.add_argument(
-        "--thresholds",
-        default=",".join(f"{h:g}" for h in PARETO_GRID),
-        metavar="H1,H2,...",
-        help="certainty thresholds to sweep at each stage, in [0, 1] (default %(default)s)",
-    )
 
 
 def _grid(text: str) -> tuple[float, ...]:

@@ -7,8 +7,6 @@ the traces, maps the options to a scaling policy and prints the result (``docs/r
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -16,54 +14,6 @@ from controlplane.cli.output import UsageError, emit
 from controlplane.policies.replay import ScalingPolicy, read_plan, replay
 from controlplane.spec import load_spec, resolve_spec
 from estimator.traces import read_trace_csv
-
-POLICIES = ("tuner", "peak", "mean", "utilization")
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "replay",
-        help="replay a trace through a plan's fleet under a scaling policy",
-        description="Replay a trace through the fleet of a plan document (heteroplane plan"
-        " --json) while a scaling policy changes it: InferLine's tuner, a reactive utilisation"
-        " autoscaler, or none (the plan's static fleet, as for the peak and mean baselines)."
-        " New instances serve after their boot time and cost from launch.",
-    )
-    parser.add_argument("--spec", required=True, type=Path, metavar="FILE", help="app spec YAML")
-    parser.add_argument(
-        "--plan", required=True, type=Path, metavar="FILE", help="plan document (JSON)"
-    )
-    parser.add_argument("--trace", required=True, type=Path, metavar="FILE", help="trace CSV")
-    parser.add_argument(
-        "--tuner",
-        choices=("on", "off"),
-        default="on",
-        help="off: the plan's fleet never changes (default on)",
-    )
-    parser.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default=None,
-        help="tuner (InferLine, the default), peak or mean (the plan's static fleet: pass the"
-        " plan made for the trace's peak or mean rate), utilization (target tracking at 70%%)",
-    )
-    parser.add_argument(
-        "--planning-trace",
-        type=Path,
-        metavar="FILE",
-        help="the trace the tuner's planned envelope comes from (default: the replayed trace's"
-        " first 10%%)",
-    )
-    parser.add_argument(
-        "--dispatch",
-        choices=("fcfs", "kairos"),
-        default=None,
-        help="how the stage's queue is dispatched to its instances (default: the plan stage's"
-        " policy, else fcfs)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(handler=run)
 
 
 def scaling_policy(tuner: str, policy: str | None) -> tuple[ScalingPolicy, str]:

@@ -20,60 +20,25 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
 
 import uvicorn
 
-from controlplane.cli.db import add_config_option
 from controlplane.cli.output import UsageError
 from controlplane.db.session import redact_url
 from controlplane.service.build import Service, build_service
 from controlplane.settings import load_settings
 
 __all__ = [
-    "LOG_LEVELS",
     "SERVE_LOGGER",
     "configure_logging",
     "listen",
-    "port_number",
-    "register",
+    "run",
     "serve_until_stopped",
 ]
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
 # Where serving is logged ("stopped by SIGTERM"); the demo keeps it at info.
 SERVE_LOGGER = "controlplane.serve"
 _log = logging.getLogger(SERVE_LOGGER)
-
-
-def port_number(text: str) -> int:
-    """argparse type of ``--port``: 0..65535 (0 picks a free port)."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {port}")
-    return port
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "serve",
-        help="run the control-plane service: the REST API and the periodic jobs",
-        description="Migrate the configured database and serve the REST API (docs/api.md) with"
-        " the scheduler's jobs (tuner tick, reconcile, metric roll-up, replan) until SIGINT or"
-        " SIGTERM.",
-    )
-    parser.add_argument("--host", metavar="H", help="address to listen on (default: settings)")
-    parser.add_argument(
-        "--port", type=port_number, metavar="P", help="port to listen on; 0 picks a free one"
-    )
-    parser.add_argument(
-        "--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)"
-    )
-    add_config_option(parser)
-    parser.set_defaults(handler=run)
 
 
 def listen(host: str, port: int) -> socket.socket:

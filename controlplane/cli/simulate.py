@@ -3,69 +3,18 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 import numpy as np
 
 from controlplane.cli.common import (
-    add_profiles_option,
-    add_workload_options,
     load_inputs,
     load_workload,
     parse_fleet,
     positive,
 )
 from controlplane.cli.output import UsageError, emit
-from estimator.policies import POLICY_NAMES, full_range_types, policy_factory
+from estimator.policies import full_range_types, policy_factory
 from estimator.simulator import InstanceSpec, Stage, simulate
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "simulate",
-        help="predict latency, throughput and cost of a fleet on a workload",
-        description="Replay a trace (or a generated Poisson workload) through a fleet of instances"
-        " with the discrete-event simulator. Each query is a batch that runs on one instance for"
-        " a service time drawn from the measured samples of its instance type.",
-    )
-    add_profiles_option(parser)
-    parser.add_argument("--model", required=True, help="the model to serve (as in the profiles)")
-    parser.add_argument(
-        "--fleet",
-        required=True,
-        metavar="F",
-        help="instances by type, e.g. g4dn.xlarge=1,r5n.large=13",
-    )
-    add_workload_options(parser)
-    parser.add_argument(
-        "--qos-ms", type=float, required=True, metavar="X", help="latency target of a query, ms"
-    )
-    parser.add_argument(
-        "--policy",
-        choices=POLICY_NAMES,
-        default="fcfs",
-        help="dispatch policy: fcfs (base types first), drs (needs --drs-threshold), clockwork,"
-        " kairos (min-cost matching)",
-    )
-    parser.add_argument(
-        "--drs-threshold", type=int, metavar="N", help="drs: largest batch size for auxiliaries"
-    )
-    parser.add_argument(
-        "--max-batch",
-        type=int,
-        default=1,
-        metavar="N",
-        help="queued queries an instance may take at once (default 1: each query runs alone)",
-    )
-    parser.add_argument(
-        "--service",
-        choices=["sampled", "mean"],
-        default="sampled",
-        help="service times drawn from the measured samples, or the mean (default sampled)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,47 +12,11 @@ import argparse
 import sys
 from typing import Any
 
-from controlplane.cli.db import add_config_option
 from controlplane.cli.output import emit
 from controlplane.db.store import Store, TokenRecord
-from controlplane.policies.auth import Scope
 from controlplane.settings import load_settings
 
-__all__ = ["register"]
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "token",
-        help="make, list and revoke API tokens",
-        description="API tokens for the service's REST API, stored as SHA-256 hashes in the"
-        " configured database.",
-    )
-    actions = parser.add_subparsers(dest="token_command", metavar="ACTION")
-    actions.required = True
-
-    create = actions.add_parser(
-        "create", help="make a token and print it (alone, on stdout; shown once)"
-    )
-    create.add_argument(
-        "--scope",
-        required=True,
-        choices=[scope.value for scope in Scope],
-        help="admin > operator > viewer; infer: only the inference route",
-    )
-    create.add_argument("--name", metavar="NAME", help="a name for the token (default: random)")
-    create.set_defaults(handler=_create)
-
-    listing = actions.add_parser("list", help="list tokens (names, scopes, use; never tokens)")
-    listing.set_defaults(handler=_list)
-
-    revoke = actions.add_parser("revoke", help="revoke a token by name")
-    revoke.add_argument("--name", required=True, metavar="NAME", help="the token's name")
-    revoke.set_defaults(handler=_revoke)
-
-    for action in (create, listing, revoke):
-        add_config_option(action)
-        action.add_argument("--json", action="store_true", help="print one JSON object")
+__all__ = ["create", "list_tokens", "revoke"]
 
 
 def _store(args: argparse.Namespace) -> Store:
@@ -60,7 +24,7 @@ def _store(args: argparse.Namespace) -> Store:
     return Store.from_url(settings.database_url, upgrade=True)
 
 
-def _create(args: argparse.Namespace) -> int:
+def create(args: argparse.Namespace) -> int:
     store = _store(args)
     try:
         token, record = store.issue_token(args.scope, args.name)
@@ -89,7 +53,7 @@ def _document(record: TokenRecord) -> dict[str, Any]:
     }
 
 
-def _list(args: argparse.Namespace) -> int:
+def list_tokens(args: argparse.Namespace) -> int:
     store = _store(args)
     try:
         tokens = [_document(record) for record in store.list_tokens()]
@@ -109,7 +73,7 @@ def _list(args: argparse.Namespace) -> int:
     return emit(args.json, {"tokens": tokens}, human)
 
 
-def _revoke(args: argparse.Namespace) -> int:
+def revoke(args: argparse.Namespace) -> int:
     store = _store(args)
     try:
         record = store.revoke_token(args.name)

@@ -1,0 +1,1179 @@
+"""Every command's parser: its name, options, help text and the function that runs it.
+
+Nothing here imports more than the standard library and the light parts of the command line
+(:mod:`controlplane.cli.client`, :mod:`controlplane.cli.output`, the token scopes), so that
+``heteroplane --help``, ``heteroplane COMMAND --help`` and the commands that call a running service
+start in a fraction of a second (docs/cli.md, benchmarks/cli_speed.py). A parser names its
+command's implementation as a :class:`Handler`, a module of this package and a function in it;
+the module, with what it needs (numpy and the estimator, SQLAlchemy and Alembic, FastAPI and
+uvicorn, torch), is imported when the command runs.
+
+Defaults and choices that belong to the libraries the commands run (the dispatch policies, the
+cascade threshold grid, the profiler's defaults, ...) are copies here, since importing their
+modules would load numpy, scipy and numba; :data:`LIBRARY_COPIES` names the source of each, and
+tests/unit/test_cli_startup.py checks that every copy equals it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from controlplane.cli.client import DEFAULT_URL, TOKEN_ENV, URL_ENV, add_client_options
+from controlplane.cli.output import fail
+from controlplane.policies.auth import Scope
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+__all__ = [
+    "LIBRARY_COPIES",
+    "PARETO_GRID",
+    "Handler",
+    "Parser",
+    "add_config_option",
+    "add_pareto_arguments",
+    "add_profiles_option",
+    "add_workload_options",
+    "register_commands",
+]
+
+# --- copies of the libraries' defaults and choices (see the module docstring) ------------------
+
+POLICY_NAMES = ("fcfs", "drs", "clockwork", "kairos")
+THRESHOLD_GRID: tuple[float, ...] = tuple(round(0.1 * k, 10) for k in range(1, 10))
+ACCURACY_TOLERANCE = 0.005
+GEAR_RANGES = 8
+PLANNING_QUERIES = 20_000
+PROFILE_REFERENCE_TYPE = "local.cpu"
+PROFILE_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+PROFILE_SAMPLES = 30
+PROFILE_WARMUP = 5
+PROFILE_THREADS = 1
+DEMO_RATE_QPS = 20.0
+LOADGEN_TIMEOUT_S = 10.0
+LOADGEN_PROGRESS_S = 5.0
+LOADGEN_MAX_IN_FLIGHT = 512
+
+# Each copy above and the name it copies, as ``module.NAME``.
+LIBRARY_COPIES: dict[str, object] = {
+    "estimator.policies.POLICY_NAMES": POLICY_NAMES,
+    "estimator.cascades.DEFAULT_THRESHOLD_GRID": THRESHOLD_GRID,
+    "controlplane.policies.cascade_choice.ACCURACY_TOLERANCE": ACCURACY_TOLERANCE,
+    "controlplane.policies.gears.DEFAULT_RANGES": GEAR_RANGES,
+    "controlplane.policies.planner.PLANNING_QUERIES": PLANNING_QUERIES,
+    "controlplane.apps.profiler.REFERENCE_TYPE": PROFILE_REFERENCE_TYPE,
+    "controlplane.apps.profiler.DEFAULT_BATCH_SIZES": PROFILE_BATCH_SIZES,
+    "controlplane.apps.profiler.DEFAULT_SAMPLES": PROFILE_SAMPLES,
+    "controlplane.apps.profiler.DEFAULT_WARMUP": PROFILE_WARMUP,
+    "controlplane.apps.profiler.DEFAULT_THREADS": PROFILE_THREADS,
+    "controlplane.service.demo.DEMO_RATE_QPS": DEMO_RATE_QPS,
+    "controlplane.clients.loadgen.DEFAULT_TIMEOUT_S": LOADGEN_TIMEOUT_S,
+    "controlplane.clients.loadgen.DEFAULT_PROGRESS_S": LOADGEN_PROGRESS_S,
+    "controlplane.clients.loadgen.DEFAULT_MAX_IN_FLIGHT": LOADGEN_MAX_IN_FLIGHT,
+}
+
+# --- the command line's own defaults and choices (some implementations import them from here) --
+
+TRACE_KINDS = ("poisson", "gamma", "step", "ramp", "diurnal")
+REPLAY_POLICIES = ("tuner", "peak", "mean", "utilization")
+# The default thresholds of ``plan --pareto``: 0 (everyone answered at that stage, so the shorter
+# chains are on the front too) and the cascade grid.
+PARETO_GRID: tuple[float, ...] = (0.0, *THRESHOLD_GRID)
+# A batch-size spec other than kairos or fixed:N becomes an empirical pmf from this many seeded
+# draws (the mean of a 1e6-draw sample is within about 0.1% of the exact one).
+EMPIRICAL_DRAWS = 1_000_000
+EMPIRICAL_SEED = 0
+DEFAULT_MAX_STAGES = 3
+# Timed runs per model at batch size 1: the mean of 500 runs of a sub-millisecond model is stable
+# to a few percent even on a shared machine, and all of them take well under a second.
+DEFAULT_COMPUTE_SAMPLES = 500
+DEFAULT_COMPUTE_WARMUP = 50
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEMO_OFFLINE_PROFILES = Path("../shared/data/kairos_latency_samples.csv.gz")
+DEMO_OFFLINE_DURATION_S = 600.0
+DEMO_OFFLINE_SEED = 0
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the project's one-line error format (argparse already exits 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        fail(f"{self.prog}: {message}")
+
+
+if TYPE_CHECKING:
+    Subparsers: TypeAlias = argparse._SubParsersAction[Parser]
+
+
+@dataclass(frozen=True, slots=True)
+class Handler:
+    """What runs a command: ``function`` of ``controlplane.cli.<module>``, called with the parsed
+    arguments and returning the exit status; the module is imported on the call."""
+
+    module: str
+    function: str
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        module = importlib.import_module(f"controlplane.cli.{self.module}")
+        status: int = getattr(module, self.function)(args)
+        return status
+
+
+def register_commands(subparsers: Subparsers) -> None:
+    """Add every command, in the order ``heteroplane --help`` lists them."""
+    for register in (
+        _demo,
+        _trace,
+        _simulate,
+        _capacity,
+        _bounds,
+        _plan,
+        _replay,
+        _loadgen,
+        _profile,
+        _cascade,
+        _gears,
+        _db,
+        _token,
+        _serve,
+        _app,
+        _plans,
+        _budget,
+        _fleet,
+        _events,
+    ):
+        register(subparsers)
+
+
+# --- argument types ----------------------------------------------------------------------------
+
+
+def port_number(text: str) -> int:
+    """argparse type of ``--port``: 0..65535 (0 picks a free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {port}")
+    return port
+
+
+def rate_qps(text: str) -> float:
+    """argparse type of the demo's ``--rate-qps``: in (0, 100000]."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rate: {text!r}") from None
+    if not 0 < rate <= 1e5:
+        raise argparse.ArgumentTypeError(f"a rate is in (0, 100000] qps, got {text}")
+    return rate
+
+
+def positive_number(text: str) -> float:
+    """argparse type of a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def count(text: str) -> int:
+    """argparse type of a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+# --- the commands ------------------------------------------------------------------------------
+
+_DEMO_DESCRIPTION = """\
+``heteroplane demo``: the main job. It starts the control plane on the embedded defaults (SQLite
+in the data directory, the local provisioner, http://127.0.0.1:8000; the settings of ``heteroplane
+serve``, with ``--host``/``--port`` over them) with the demo app registered, planned and served
+by local workers, drives a demo load against it, and serves until SIGINT or SIGTERM.
+
+Before serving it makes sure, idempotently (:mod:`controlplane.service.demo`), that the demo model
+family is trained into the data directory, that its latency profiles are measured
+(``<data_dir>/profiles/family.json``, ``--profile-samples`` runs per cell, once), that the demo
+app is registered (the cheapest cascade of the family as accurate as its best model, on the
+emulated types ``emu.cpu.small`` and ``emu.cpu.large``), that it has an applied plan (one previewed
+for ``--rate-qps`` and applied when it has none; the reconciler then launches its workers), and
+that an admin token for the demo is in ``<data_dir>/demo-token``; then it prints a "ready"
+banner on stderr with the URL, where the token is and commands to try, and, unless
+``--no-load``, starts the demo load (``controlplane.clients.loadgen`` against itself at a rate that
+rises and falls every few minutes, a line per period on stderr) so that the dashboard moves.
+Starting it again on the same data directory finds everything there and adds nothing.
+
+``heteroplane demo --offline`` is the estimator demo, with no service
+(:mod:`controlplane.cli.demo_offline`): rm2 on a GPU fleet and on a mixed fleet over a sweep of
+rates, with ``--profiles`` (the Kairos samples), ``--json``, ``--duration`` and ``--seed``.
+"""
+
+_CAPACITY_DESCRIPTION = """\
+``heteroplane capacity``: the allowable throughput of a fleet under a dispatch policy.
+
+Kairos' metric: the highest Poisson arrival rate at which at least 99% of queries finish within
+QoS (DESIGN.md section 4, "Kairos-setting semantics"). Each query is a batch that runs alone.
+"""
+
+_LOADGEN_DESCRIPTION = """\
+``heteroplane loadgen``: replay a trace against an app's inference endpoint, open loop.
+
+Each row of the trace (``arrival_s``, ``batch_size``, optional ``sample_id``) is one query to
+``POST /v1/apps/APP/infer``, sent at its arrival time whatever the answers do; its inputs are the
+demo family's validation samples (the row's ``sample_id``, else the row's index, and the ones
+after it for a batch: :mod:`controlplane.clients.loadgen`). The samples are the digits of the
+family's validation split, rebuilt from the seed in the app's validation records when that file can
+be read here (else the family's default seed), so sample i is the one the records describe.
+
+Progress goes to stderr every ``--progress-s`` seconds; at the end it prints the queries sent,
+answered and failed (by kind: HTTP status, timeout, connection), p50 and p99 of the end-to-end
+latency, the attainment (share of sent queries answered within the app's SLO, read from ``GET
+/v1/apps/APP`` unless ``--slo-ms`` gives it) and the achieved rate; ``--json`` prints the
+contract's object instead. A token of scope ``infer`` cannot read the app: give ``--slo-ms``.
+"""
+
+
+def _demo(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="the main job: serve the control plane with the demo app registered and planned"
+        " (--offline: the estimator demo, no service)",
+        description=_DEMO_DESCRIPTION,
+    )
+    parser.add_argument("--host", metavar="H", help="address to listen on (default: settings)")
+    parser.add_argument(
+        "--port", type=port_number, metavar="P", help="port to listen on; 0 picks a free one"
+    )
+    parser.add_argument(
+        "--rate-qps",
+        type=rate_qps,
+        default=DEMO_RATE_QPS,
+        metavar="R",
+        help=f"the rate the first plan is made for (default {DEMO_RATE_QPS:g} qps)",
+    )
+    parser.add_argument(
+        "--no-load", action="store_true", help="serve only: no demo load against the service"
+    )
+    parser.add_argument(
+        "--profile-samples",
+        type=count,
+        default=PROFILE_SAMPLES,
+        metavar="N",
+        help="timed runs per model and batch size when the family's profiles are measured"
+        " (once per data directory; default %(default)s)",
+    )
+    parser.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="warning", help="log level (default warning)"
+    )
+    add_config_option(parser)
+    offline = parser.add_argument_group("the offline estimator demo")
+    offline.add_argument(
+        "--offline", action="store_true", help="simulate rm2 on two fleets instead of serving"
+    )
+    offline.add_argument(
+        "--profiles",
+        type=Path,
+        metavar="FILE",
+        help=f"the Kairos samples CSV (default: {DEMO_OFFLINE_PROFILES}; --offline only, accepted"
+        " and unused without it, as older `make demo` lines pass it)",
+    )
+    offline.add_argument(
+        "--duration",
+        type=float,
+        metavar="S",
+        help=f"per rate, s (default {DEMO_OFFLINE_DURATION_S:g}; --offline only)",
+    )
+    offline.add_argument(
+        "--seed", type=int, help=f"random seed (default {DEMO_OFFLINE_SEED}; --offline only)"
+    )
+    offline.add_argument("--json", action="store_true", help="print one JSON object (--offline)")
+    parser.set_defaults(handler=Handler("demo", "run"))
+
+
+def _trace(subparsers: Subparsers) -> None:
+    """Add ``trace generate`` and ``trace stats``."""
+    parser = subparsers.add_parser(
+        "trace",
+        help="generate or summarise a query trace (CSV of arrival_s, batch_size)",
+        description="Generate a synthetic query trace, or print the statistics of a trace file.",
+    )
+    actions = parser.add_subparsers(dest="trace_command", metavar="ACTION")
+    actions.required = True
+
+    generate = actions.add_parser(
+        "generate",
+        help="write a synthetic trace CSV and print its statistics",
+        description=(
+            "Write a synthetic trace: arrivals from a renewal process (Poisson, or gamma gaps "
+            "with --cv2) whose rate is constant, a step, a linear ramp, or diurnal, optionally "
+            "with spikes; batch sizes from --batch-dist."
+        ),
+    )
+    generate.add_argument(
+        "--kind",
+        choices=TRACE_KINDS,
+        required=True,
+        help="arrival process: poisson, gamma (needs --cv2), step or ramp (need --to-rate and "
+        "--at; ramp also --over), diurnal (mean rate --rate, see --period, --amplitude)",
+    )
+    generate.add_argument(
+        "--rate",
+        type=float,
+        required=True,
+        metavar="QPS",
+        help="arrival rate in queries per second (the starting rate for step/ramp, the mean "
+        "rate for diurnal)",
+    )
+    generate.add_argument(
+        "--duration",
+        type=float,
+        required=True,
+        metavar="S",
+        help="length of the trace in seconds",
+    )
+    generate.add_argument(
+        "--cv2",
+        type=float,
+        metavar="X",
+        help="squared coefficient of variation of the inter-arrival gaps (gamma gaps; 1 is "
+        "Poisson, > 1 bursty); required for gamma, default 1 for step, ramp and diurnal",
+    )
+    generate.add_argument(
+        "--to-rate",
+        type=float,
+        metavar="QPS",
+        help="step/ramp: the rate after the change, in queries per second",
+    )
+    generate.add_argument(
+        "--at",
+        type=float,
+        metavar="S",
+        help="step/ramp: when the rate starts to change, in seconds from the start",
+    )
+    generate.add_argument(
+        "--over",
+        type=float,
+        metavar="S",
+        help="ramp: how long the linear change from --rate to --to-rate takes, in seconds",
+    )
+    generate.add_argument(
+        "--period",
+        type=float,
+        metavar="S",
+        help="diurnal: period of the sinusoidal rate in seconds (default 86400)",
+    )
+    generate.add_argument(
+        "--amplitude",
+        type=float,
+        metavar="A",
+        help="diurnal: relative amplitude in [0, 1]; the rate swings between (1 - A) and "
+        "(1 + A) times --rate (default 0.5)",
+    )
+    generate.add_argument(
+        "--spike",
+        action="append",
+        default=[],
+        metavar="START:LENGTH:FACTOR",
+        help="multiply the rate by FACTOR from START for LENGTH seconds (repeatable; 0 is an "
+        "outage)",
+    )
+    generate.add_argument(
+        "--batch-dist",
+        default="fixed:1",
+        metavar="SPEC",
+        help="batch sizes: fixed:N, kairos, lognormal:mu=M,sigma=S[,low=,high=,step=] or "
+        "gaussian:mean=M,sd=S[,low=,high=,step=] (default fixed:1)",
+    )
+    generate.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="random seed (default 0: reproducible)"
+    )
+    generate.add_argument("--out", required=True, metavar="FILE", help="where to write the CSV")
+    generate.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of a summary"
+    )
+    generate.set_defaults(handler=Handler("trace", "generate_trace"))
+
+    stats = actions.add_parser(
+        "stats",
+        help="print the statistics of a trace CSV",
+        description="Print the count, duration, rate, CV^2 and batch sizes of a trace CSV.",
+    )
+    stats.add_argument("file", metavar="FILE", help="trace CSV (arrival_s[, batch_size])")
+    stats.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of a summary"
+    )
+    stats.set_defaults(handler=Handler("trace", "show_stats"))
+
+
+def _simulate(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "simulate",
+        help="predict latency, throughput and cost of a fleet on a workload",
+        description="Replay a trace (or a generated Poisson workload) through a fleet of instances"
+        " with the discrete-event simulator. Each query is a batch that runs on one instance for"
+        " a service time drawn from the measured samples of its instance type.",
+    )
+    add_profiles_option(parser)
+    parser.add_argument("--model", required=True, help="the model to serve (as in the profiles)")
+    parser.add_argument(
+        "--fleet",
+        required=True,
+        metavar="F",
+        help="instances by type, e.g. g4dn.xlarge=1,r5n.large=13",
+    )
+    add_workload_options(parser)
+    parser.add_argument(
+        "--qos-ms", type=float, required=True, metavar="X", help="latency target of a query, ms"
+    )
+    parser.add_argument(
+        "--policy",
+        choices=POLICY_NAMES,
+        default="fcfs",
+        help="dispatch policy: fcfs (base types first), drs (needs --drs-threshold), clockwork,"
+        " kairos (min-cost matching)",
+    )
+    parser.add_argument(
+        "--drs-threshold", type=int, metavar="N", help="drs: largest batch size for auxiliaries"
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=1,
+        metavar="N",
+        help="queued queries an instance may take at once (default 1: each query runs alone)",
+    )
+    parser.add_argument(
+        "--service",
+        choices=["sampled", "mean"],
+        default="sampled",
+        help="service times drawn from the measured samples, or the mean (default sampled)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=Handler("simulate", "run"))
+
+
+def _capacity(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "capacity",
+        help="allowable throughput of a fleet: highest rate with >= 99%% of queries within QoS",
+        description=_CAPACITY_DESCRIPTION,
+    )
+    add_profiles_option(parser)
+    parser.add_argument("--model", required=True, help="the model to serve (as in the profiles)")
+    parser.add_argument(
+        "--fleet", required=True, metavar="F", help="e.g. g4dn.xlarge=1,r5n.large=13"
+    )
+    parser.add_argument(
+        "--policy",
+        choices=[*POLICY_NAMES, "oracle"],
+        default="kairos",
+        help="dispatch policy (oracle: Kairos' offline sorted schedule, an upper reference)",
+    )
+    parser.add_argument("--qos-ms", type=float, required=True, metavar="X", help="latency target")
+    parser.add_argument(
+        "--batch-dist", default="kairos", metavar="SPEC", help="batch sizes (default kairos)"
+    )
+    parser.add_argument(
+        "--queries", type=int, default=20_000, metavar="N", help="queries per probe (default 20000)"
+    )
+    parser.add_argument(
+        "--drs-threshold",
+        type=int,
+        metavar="N",
+        help="drs: batch-size threshold (default: tuned by hill climbing, as DeepRecSys does)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=Handler("capacity", "run"))
+
+
+def _bounds(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bounds",
+        help="rank the fleets a budget affords by their Kairos throughput upper bound",
+        description="Enumerate every instance mix the budget affords (or search for the best ones"
+        " when there are too many to list), rank them by the Kairos throughput upper bound, and"
+        " pick one without online evaluation by the paper's similarity rule.",
+    )
+    add_profiles_option(parser)
+    parser.add_argument("--model", required=True, help="the model to serve (as in the profiles)")
+    parser.add_argument(
+        "--qos-ms", type=float, required=True, metavar="X", help="latency target of a query, ms"
+    )
+    parser.add_argument(
+        "--budget", type=float, required=True, metavar="USD_PER_HR", help="cost budget, USD/hr"
+    )
+    parser.add_argument(
+        "--types",
+        metavar="T1,T2,...",
+        help="candidate instance types (default: every type the profiles have for the model)",
+    )
+    parser.add_argument(
+        "--max-count",
+        metavar="TYPE=N,...",
+        help="largest number of instances of a type, e.g. g4dn.xlarge=5,r5n.large=17",
+    )
+    parser.add_argument(
+        "--batch-dist",
+        default="kairos",
+        metavar="SPEC",
+        help="batch-size mix: kairos (default, exact pmf), fixed:N, lognormal:..., gaussian:..."
+        f" (the last two: empirical pmf of {EMPIRICAL_DRAWS:,} draws, seed {EMPIRICAL_SEED})",
+    )
+    parser.add_argument(
+        "--top", type=int, default=10, metavar="K", help="configurations to list (default 10)"
+    )
+    parser.add_argument(
+        "--rule",
+        choices=["best", "widest"],
+        default="best",
+        help="threshold of a mix of auxiliaries: best (monotone bound, default) or widest (the"
+        " paper's b* = max b_a exactly)",
+    )
+    parser.add_argument(
+        "--qos-statistic",
+        choices=["median", "mean"],
+        default="median",
+        help="latency compared with QoS to find which batch sizes a type serves (default median:"
+        " reproduces the Kairos authors' b_a)",
+    )
+    parser.add_argument(
+        "--kairos-plus",
+        action="store_true",
+        help="also run Kairos+: evaluate configurations in bound order with the simulator"
+        " (allowable throughput under the Kairos dispatcher), pruning by bound and"
+        " sub-configuration; reports how many it evaluated",
+    )
+    parser.add_argument(
+        "--queries",
+        type=int,
+        default=20_000,
+        metavar="N",
+        help="--kairos-plus: queries per simulated probe (default 20000)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="--kairos-plus: random seed")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=Handler("bounds", "run"))
+
+
+def _plan(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="plan the cheapest fleet that meets an app's SLO on a trace, within its budget",
+        description="Find a feasible instance mix per stage (InferLine Algorithm 1, started from"
+        " the Kairos bound), then cut cost greedily while the simulator says the SLO holds"
+        f" (Algorithm 2). Simulates at most the first {PLANNING_QUERIES:,} queries.",
+    )
+    parser.add_argument("--spec", required=True, type=Path, metavar="FILE", help="app spec YAML")
+    parser.add_argument("--trace", required=True, type=Path, metavar="FILE", help="trace CSV")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_pareto_arguments(parser)
+    parser.set_defaults(handler=Handler("plan", "run"))
+
+
+def _replay(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "replay",
+        help="replay a trace through a plan's fleet under a scaling policy",
+        description="Replay a trace through the fleet of a plan document (heteroplane plan"
+        " --json) while a scaling policy changes it: InferLine's tuner, a reactive utilisation"
+        " autoscaler, or none (the plan's static fleet, as for the peak and mean baselines)."
+        " New instances serve after their boot time and cost from launch.",
+    )
+    parser.add_argument("--spec", required=True, type=Path, metavar="FILE", help="app spec YAML")
+    parser.add_argument(
+        "--plan", required=True, type=Path, metavar="FILE", help="plan document (JSON)"
+    )
+    parser.add_argument("--trace", required=True, type=Path, metavar="FILE", help="trace CSV")
+    parser.add_argument(
+        "--tuner",
+        choices=("on", "off"),
+        default="on",
+        help="off: the plan's fleet never changes (default on)",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=REPLAY_POLICIES,
+        default=None,
+        help="tuner (InferLine, the default), peak or mean (the plan's static fleet: pass the"
+        " plan made for the trace's peak or mean rate), utilization (target tracking at 70%%)",
+    )
+    parser.add_argument(
+        "--planning-trace",
+        type=Path,
+        metavar="FILE",
+        help="the trace the tuner's planned envelope comes from (default: the replayed trace's"
+        " first 10%%)",
+    )
+    parser.add_argument(
+        "--dispatch",
+        choices=("fcfs", "kairos"),
+        default=None,
+        help="how the stage's queue is dispatched to its instances (default: the plan stage's"
+        " policy, else fcfs)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=Handler("replay", "run"))
+
+
+def _loadgen(subparsers: Subparsers) -> None:
+    """Add ``loadgen``."""
+    parser = subparsers.add_parser(
+        "loadgen",
+        help="replay a trace against an app's inference endpoint (open loop): p50, p99,"
+        " attainment, errors, achieved rate",
+        description=_LOADGEN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--url",
+        metavar="URL",
+        help=f"the service's base URL (default: ${URL_ENV} or {DEFAULT_URL})",
+    )
+    parser.add_argument("--app", required=True, metavar="APP", help="the app to send queries to")
+    parser.add_argument(
+        "--trace",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help="trace CSV: arrival_s, batch_size (default 1), optional sample_id",
+    )
+    parser.add_argument(
+        "--token", metavar="T", help=f"API token, scope infer or admin (default: ${TOKEN_ENV})"
+    )
+    parser.add_argument(
+        "--slo-ms",
+        type=positive_number,
+        metavar="MS",
+        help="latency for the attainment (default: the app's SLO, read from the service)",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=positive_number,
+        default=LOADGEN_TIMEOUT_S,
+        metavar="S",
+        help="a query without an answer after this long is a timeout (default %(default)g)",
+    )
+    parser.add_argument(
+        "--progress-s",
+        type=positive_number,
+        default=LOADGEN_PROGRESS_S,
+        metavar="S",
+        help="seconds between progress lines on stderr (default %(default)g)",
+    )
+    parser.add_argument(
+        "--max-in-flight",
+        type=count,
+        default=LOADGEN_MAX_IN_FLIGHT,
+        metavar="N",
+        help="connections open at once at most (default %(default)d)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=Handler("loadgen", "run"))
+
+
+def _profile(subparsers: Subparsers) -> None:
+    """Add ``profile measure`` and ``profile show``."""
+    parser = subparsers.add_parser(
+        "profile",
+        help="measure the demo model family's latency profiles, or summarise a profile file",
+        description="Measure latency profiles of the demo model family on this machine (and the"
+        " emulated instance types derived from it), or summarise a profile file.",
+    )
+    actions = parser.add_subparsers(dest="profile_command", metavar="ACTION")
+    actions.required = True
+
+    measure = actions.add_parser(
+        "measure",
+        help="time the family's models per batch size here; write a profile JSON",
+        description="Time each model of the demo family per batch size on this machine (warm-up"
+        " runs, then timed runs under torch.inference_mode with a fixed number of threads) and"
+        f" write the profile JSON for the reference type {PROFILE_REFERENCE_TYPE} and for the"
+        " emulated instance types, whose latency is the measured one divided by their speed"
+        " factor. Trains the family first if its cache lacks it.",
+    )
+    measure.add_argument(
+        "--models", metavar="M1,M2,...", help="models of the family (default: all of them)"
+    )
+    measure.add_argument(
+        "--batch-sizes",
+        default=",".join(str(b) for b in PROFILE_BATCH_SIZES),
+        metavar="B1,B2,...",
+        help="batch sizes to time (default %(default)s)",
+    )
+    measure.add_argument(
+        "--samples",
+        type=int,
+        default=PROFILE_SAMPLES,
+        metavar="N",
+        help="timed runs per model and batch size (default %(default)s)",
+    )
+    measure.add_argument(
+        "--warmup",
+        type=int,
+        default=PROFILE_WARMUP,
+        metavar="N",
+        help="untimed runs before them (default %(default)s)",
+    )
+    measure.add_argument(
+        "--threads",
+        type=int,
+        default=PROFILE_THREADS,
+        metavar="N",
+        help="torch threads while timing (default %(default)s)",
+    )
+    measure.add_argument(
+        "--instance-types",
+        metavar="T1,T2,...",
+        help="emulated types to derive (default: every emu.* type of the catalog)",
+    )
+    measure.add_argument(
+        "--catalog",
+        type=Path,
+        metavar="FILE",
+        help="CSV or JSON of instance types that add to or override the default catalog",
+    )
+    measure.add_argument(
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="the family's model cache (default: $HETEROPLANE_DATA_DIR/models)",
+    )
+    measure.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE",
+        help="where to write the profile JSON"
+        " (default: $HETEROPLANE_DATA_DIR/profiles/family.json)",
+    )
+    measure.add_argument("--json", action="store_true", help="print one JSON object")
+    measure.set_defaults(handler=Handler("profile", "run_measure"))
+
+    show = actions.add_parser(
+        "show",
+        help="summarise a profile file: mean latency by model, instance type and batch size",
+        description="Summarise a profile file (the project's profile JSON or a Kairos samples"
+        " CSV): for each model and instance type, the mean latency at each batch size.",
+    )
+    show.add_argument("file", type=Path, metavar="FILE", help="the profile file")
+    show.add_argument("--json", action="store_true", help="print one JSON object")
+    show.set_defaults(handler=Handler("profile", "run_show"))
+
+
+def _cascade(subparsers: Subparsers) -> None:
+    """Add ``cascade evaluate``."""
+    parser = subparsers.add_parser(
+        "cascade",
+        help="evaluate cascades of the demo model family (accuracy against compute)",
+        description="Cascades of the demo model family: a query stops at the first model whose"
+        " certainty (top-1 minus top-2 softmax score) reaches that stage's threshold.",
+    )
+    actions = parser.add_subparsers(dest="cascade_command", metavar="ACTION")
+    actions.required = True
+    evaluate = actions.add_parser(
+        "evaluate",
+        help="each model alone and the Pareto set of cascades: accuracy, compute, reach",
+        description="Train or load the demo family, measure each model's compute per query here"
+        " (mean latency at batch size 1), evaluate every chain of models (cheapest first, up to"
+        " --max-stages) with every threshold combination of --thresholds on the validation"
+        " records, and print each model alone and the Pareto set of cascades (accuracy against"
+        " compute per query, with the share of queries reaching each stage). The best cascade"
+        f" is the cheapest within {ACCURACY_TOLERANCE * 100:g} points of the most accurate"
+        " single model.",
+    )
+    evaluate.add_argument(
+        "--models", metavar="M1,M2,...", help="models of the family to use (default: all)"
+    )
+    evaluate.add_argument(
+        "--max-stages",
+        type=int,
+        default=DEFAULT_MAX_STAGES,
+        metavar="K",
+        help="longest chain of models (default %(default)s)",
+    )
+    evaluate.add_argument(
+        "--thresholds",
+        default=",".join(f"{h:g}" for h in THRESHOLD_GRID),
+        metavar="H1,H2,...",
+        help="certainty thresholds to try at each stage, in [0, 1] (default %(default)s)",
+    )
+    evaluate.add_argument(
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="the family's model cache (default: $HETEROPLANE_DATA_DIR/models)",
+    )
+    evaluate.add_argument(
+        "--samples",
+        type=int,
+        default=DEFAULT_COMPUTE_SAMPLES,
+        metavar="N",
+        help="timed runs per model at batch size 1 (default %(default)s)",
+    )
+    evaluate.add_argument(
+        "--warmup",
+        type=int,
+        default=DEFAULT_COMPUTE_WARMUP,
+        metavar="N",
+        help="untimed runs before them (default %(default)s)",
+    )
+    evaluate.add_argument(
+        "--threads",
+        type=int,
+        default=PROFILE_THREADS,
+        metavar="N",
+        help="torch threads while timing (default %(default)s)",
+    )
+    evaluate.add_argument(
+        "--profiles",
+        type=Path,
+        metavar="FILE",
+        help="take compute from this profile file (mean latency at batch size 1) instead of"
+        " measuring it",
+    )
+    evaluate.add_argument(
+        "--instance-type",
+        default=PROFILE_REFERENCE_TYPE,
+        metavar="T",
+        help="with --profiles: whose latency is the compute (default %(default)s)",
+    )
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate.set_defaults(handler=Handler("cascade", "run_evaluate"))
+
+
+def _gears(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "gears",
+        help="plan a cascade's gears: which cascade and batch caps serve each QPS range",
+        description="CascadeServe's gear plan on a fixed placement: evaluate every ordered chain"
+        " of the app's models with every threshold combination on the validation records, keep"
+        " the Pareto set of accuracy against a throughput bound, simulate the finalists for their"
+        " highest load within the latency SLO, and give each QPS range from 0 to the max the most"
+        " accurate cascade that serves it (with slo.accuracy in the spec: the fastest one that"
+        " meets the accuracy floor).",
+    )
+    parser.add_argument("--spec", required=True, type=Path, metavar="FILE", help="app spec YAML")
+    parser.add_argument(
+        "--validation",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help="validation records (heteroplane.validation/v1) of the app's models",
+    )
+    parser.add_argument(
+        "--profiles",
+        type=Path,
+        metavar="FILE",
+        help="profile file with every model (default: the ones the spec names)",
+    )
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--placement",
+        metavar="TEXT",
+        help="instances of each model: 'tiny:c5.xlarge=1;large:c5.xlarge=3,g4dn.xlarge=1'",
+    )
+    where.add_argument(
+        "--plan", type=Path, metavar="FILE", help="take each model's fleet from a plan JSON"
+    )
+    parser.add_argument(
+        "--qps-max",
+        type=float,
+        metavar="R",
+        help="top of the planned QPS span (default: the fastest cascade's max)",
+    )
+    parser.add_argument(
+        "--ranges",
+        type=int,
+        default=GEAR_RANGES,
+        metavar="N",
+        help="equal QPS ranges (default %(default)s)",
+    )
+    parser.add_argument(
+        "--thresholds",
+        default=",".join(f"{h:g}" for h in THRESHOLD_GRID),
+        metavar="H1,H2,...",
+        help="certainty thresholds to try at each stage, in [0, 1] (default %(default)s)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=Handler("gears", "run"))
+
+
+def _db(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "db",
+        help="migrate the service's database (upgrade, downgrade, current)",
+        description="Bring the configured database (SQLite or PostgreSQL) to a schema revision,"
+        " or say which revision it is at.",
+    )
+    actions = parser.add_subparsers(dest="db_command", metavar="ACTION")
+    actions.required = True
+
+    upgrade = actions.add_parser(
+        "upgrade", help="migrate up to a revision (default: the newest, 'head')"
+    )
+    upgrade.add_argument("--revision", default="head", metavar="R", help="target (default head)")
+    upgrade.set_defaults(handler=Handler("db", "upgrade"))
+
+    downgrade = actions.add_parser(
+        "downgrade", help="migrate down to a revision ('base' drops every table)"
+    )
+    downgrade.add_argument("--revision", required=True, metavar="R", help="target revision")
+    downgrade.set_defaults(handler=Handler("db", "downgrade"))
+
+    current = actions.add_parser("current", help="print the revision the database is at")
+    current.set_defaults(handler=Handler("db", "current"))
+
+    for action in (upgrade, downgrade, current):
+        add_config_option(action)
+        action.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _token(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "token",
+        help="make, list and revoke API tokens",
+        description="API tokens for the service's REST API, stored as SHA-256 hashes in the"
+        " configured database.",
+    )
+    actions = parser.add_subparsers(dest="token_command", metavar="ACTION")
+    actions.required = True
+
+    create = actions.add_parser(
+        "create", help="make a token and print it (alone, on stdout; shown once)"
+    )
+    create.add_argument(
+        "--scope",
+        required=True,
+        choices=[scope.value for scope in Scope],
+        help="admin > operator > viewer; infer: only the inference route",
+    )
+    create.add_argument("--name", metavar="NAME", help="a name for the token (default: random)")
+    create.set_defaults(handler=Handler("token", "create"))
+
+    listing = actions.add_parser("list", help="list tokens (names, scopes, use; never tokens)")
+    listing.set_defaults(handler=Handler("token", "list_tokens"))
+
+    revoke = actions.add_parser("revoke", help="revoke a token by name")
+    revoke.add_argument("--name", required=True, metavar="NAME", help="the token's name")
+    revoke.set_defaults(handler=Handler("token", "revoke"))
+
+    for action in (create, listing, revoke):
+        add_config_option(action)
+        action.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _serve(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the control-plane service: the REST API and the periodic jobs",
+        description="Migrate the configured database and serve the REST API (docs/api.md) with"
+        " the scheduler's jobs (tuner tick, reconcile, metric roll-up, replan) until SIGINT or"
+        " SIGTERM.",
+    )
+    parser.add_argument("--host", metavar="H", help="address to listen on (default: settings)")
+    parser.add_argument(
+        "--port", type=port_number, metavar="P", help="port to listen on; 0 picks a free one"
+    )
+    parser.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)"
+    )
+    add_config_option(parser)
+    parser.set_defaults(handler=Handler("serve", "run"))
+
+
+def _app(subparsers: Subparsers) -> None:
+    actions = _actions(subparsers, "app", "register and manage apps on the service", "app_command")
+    apply = actions.add_parser(
+        "apply",
+        help="register an app from its spec file, or replace the spec of the app of that name",
+        description="Read the spec (relative paths resolve against its folder and are sent"
+        " absolute, so the service must see the same files), then create the app, or replace its"
+        " spec when it exists (a budget change in it is audited).",
+    )
+    apply.add_argument("-f", "--file", required=True, type=Path, metavar="FILE", help="spec YAML")
+    apply.set_defaults(handler=Handler("operate", "app_apply"))
+    listing = actions.add_parser("list", help="list the apps")
+    listing.set_defaults(handler=Handler("operate", "app_list"))
+    get = actions.add_parser("get", help="show an app")
+    get.add_argument("name", metavar="NAME")
+    get.set_defaults(handler=Handler("operate", "app_get"))
+    delete = actions.add_parser("delete", help="delete an app and its history (admin token)")
+    delete.add_argument("name", metavar="NAME")
+    delete.add_argument(
+        "--force", action="store_true", help="even with live instances (their rows only)"
+    )
+    delete.set_defaults(handler=Handler("operate", "app_delete"))
+    for action in (apply, listing, get, delete):
+        add_client_options(action)
+
+
+def _plans(subparsers: Subparsers) -> None:
+    actions = _actions(
+        subparsers,
+        "plans",
+        "preview and apply plans on the service (the offline planner is `heteroplane plan`)",
+        "plans_command",
+    )
+    preview = actions.add_parser(
+        "preview",
+        help="plan the app on a synthetic trace and store the plan (nothing changes yet)",
+        description="Ask the service for a plan on a Poisson trace at --rate-qps (or a gamma"
+        " trace with --cv2); the plan is stored, and applied with `plans apply`.",
+    )
+    _app_option(preview)
+    preview.add_argument(
+        "--rate-qps", required=True, type=float, metavar="R", help="arrival rate to plan for"
+    )
+    preview.add_argument(
+        "--cv2", type=float, metavar="X", help="gamma gaps with this CV^2 (default: Poisson)"
+    )
+    preview.add_argument("--duration", type=float, metavar="S", help="trace length in seconds")
+    preview.add_argument(
+        "--batch-dist", metavar="SPEC", help="batch sizes: fixed:N, kairos, lognormal:..., ..."
+    )
+    preview.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    preview.set_defaults(handler=Handler("operate", "plans_preview"))
+    listing = actions.add_parser("list", help="list the app's plans")
+    _app_option(listing)
+    listing.set_defaults(handler=Handler("operate", "plans_list"))
+    apply = actions.add_parser("apply", help="apply a previewed plan")
+    _app_option(apply)
+    apply.add_argument("--id", required=True, type=int, metavar="ID", help="the plan's id")
+    apply.set_defaults(handler=Handler("operate", "plans_apply"))
+    for action in (preview, listing, apply):
+        add_client_options(action)
+
+
+def _budget(subparsers: Subparsers) -> None:
+    actions = _actions(
+        subparsers, "budget", "read or change an app's budget (audited)", "budget_command"
+    )
+    get = actions.add_parser("get", help="the budget, the fleet's cost and the audit trail")
+    _app_option(get)
+    get.set_defaults(handler=Handler("operate", "budget_get"))
+    put = actions.add_parser(
+        "set", help="change the budget; lists the instances to drain if it is below the fleet"
+    )
+    _app_option(put)
+    put.add_argument("--usd-per-hr", required=True, type=float, metavar="X", help="new budget")
+    put.add_argument("--reason", required=True, metavar="TEXT", help="why (kept in the audit)")
+    put.set_defaults(handler=Handler("operate", "budget_set"))
+    for action in (get, put):
+        add_client_options(action)
+
+
+def _fleet(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "fleet",
+        help="the instances the service runs (of one app: its fleet by type and cost)",
+        description="List the instances the service runs; with --app, the app's live fleet by"
+        " instance type and what it costs, then its instances.",
+    )
+    parser.add_argument("--app", metavar="APP", help="only this app")
+    add_client_options(parser)
+    parser.set_defaults(handler=Handler("operate", "fleet"))
+
+
+def _events(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "events",
+        help="what happened to an app: decisions and instance events, in time order",
+    )
+    _app_option(parser)
+    parser.add_argument("--since", metavar="TIME", help="only after this ISO 8601 time")
+    parser.add_argument(
+        "--limit", type=int, default=100, metavar="N", help="the newest N of each (default 100)"
+    )
+    add_client_options(parser)
+    parser.set_defaults(handler=Handler("operate", "events"))
+
+
+def _actions(subparsers: Subparsers, name: str, help_text: str, dest: str) -> Any:
+    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    actions = parser.add_subparsers(dest=dest, metavar="ACTION")
+    actions.required = True
+    return actions
+
+
+def _app_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--app", required=True, metavar="APP", help="the app's name")
+
+
+def add_profiles_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--profiles",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help="latency profiles: a Kairos samples CSV (.csv or .csv.gz) or a profile JSON",
+    )
+    parser.add_argument(
+        "--catalog",
+        type=Path,
+        metavar="FILE",
+        help="CSV or JSON of instance types that add to or override the default EC2 catalog",
+    )
+
+
+def add_workload_options(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_argument_group("workload (a trace file, or a generated Poisson trace)")
+    source.add_argument("--trace", type=Path, metavar="FILE", help="trace CSV (arrival_s, ...)")
+    source.add_argument("--qps", type=float, metavar="R", help="Poisson arrival rate, queries/s")
+    source.add_argument("--duration", type=float, metavar="S", help="generated trace length, s")
+    source.add_argument(
+        "--batch-dist",
+        metavar="SPEC",
+        help="batch size of each generated query: fixed:N, kairos, lognormal:mu=..,sigma=..,"
+        " gaussian:mean=..,sd=.. (default: every query has batch size 1)",
+    )
+
+
+def add_config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="settings YAML (default: $HETEROPLANE_CONFIG; HETEROPLANE_* variables win over it)",
+    )
+
+
+def add_pareto_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--pareto``, ``--validation`` and ``--thresholds`` on ``plan``'s parser."""
+    group = parser.add_argument_group("Pareto front of a cascade (--pareto)")
+    group.add_argument(
+        "--pareto",
+        action="store_true",
+        help="print the latency/accuracy Pareto front of the app's cascade instead of a plan:"
+        " per threshold setting, Cascadia's MILP allocation of instances to stages (worst stage"
+        " latency, M/D/1) at the trace's rate, within the budget and max_counts",
+    )
+    group.add_argument(
+        "--validation",
+        type=Path,
+        metavar="FILE",
+        help="validation records (heteroplane.validation/v1) of the cascade's models",
+    )
+    group.add_argument(
+        "--thresholds",
+        default=",".join(f"{h:g}" for h in PARETO_GRID),
+        metavar="H1,H2,...",
+        help="certainty thresholds to sweep at each stage, in [0, 1] (default %(default)s)",
+    )

@@ -1,0 +1,211 @@
+"""The operator commands' HTTP client (``controlplane.cli.client``) against a tiny fake service.
+
+The fake is ``http.server`` in a thread on 127.0.0.1, answering each path as :data:`ROUTES` says
+and keeping every request it got. What is checked: the request a command sends (method, path,
+query, token, JSON body), the answer it prints, and that every way a request fails (an HTTP error
+with or without the API's error body, an answer that is not JSON, no answer in time, nothing
+listening, no token, a bad URL) is one line on stderr and exit status 2. Nothing asserts on time.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from controlplane.cli import main
+
+TOKEN = "hp_operator-token"
+# path -> (status, body: JSON-able, bytes, or None for an empty answer, seconds to wait first)
+ROUTES: dict[str, tuple[int, Any, float]] = {
+    "/v1/instances": (200, [{"id": 1, "app": "demo", "provider_id": "i-1",
+                             "instance_type": "c5.xlarge", "state": "running"}], 0.0),
+    "/v1/apps/demo/budget": (200, {"app": "demo", "budget_usd_per_hr": 2.5,
+                                   "previous_usd_per_hr": 1.0, "fleet_cost_usd_per_hr": 0.2,
+                                   "drain": [], "note": ""}, 0.0),
+    "/v1/apps/demo/decisions": (200, [], 0.0),
+    "/v1/apps/demo/events": (200, [], 0.0),
+    "/v1/apps/demo": (204, None, 0.0),
+    "/v1/apps/ghost": (404, {"error": {"code": "not_found", "message": "no app 'ghost'"}}, 0.0),
+    "/v1/apps/broken": (500, b"<html>Internal Server Error</html>", 0.0),
+    "/v1/apps/html": (200, b"<html>hello</html>", 0.0),
+    "/v1/apps/slow": (200, {"name": "slow"}, 2.0),
+}  # fmt: skip
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that gave up waiting (the timeout test): nothing to report
+
+
+class FakeService:
+    """:data:`ROUTES` on 127.0.0.1, with a record of each request."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                service.requests.append(
+                    {
+                        "method": self.command,
+                        "path": self.path,
+                        "authorization": self.headers.get("Authorization"),
+                        "content_type": self.headers.get("Content-Type"),
+                        "body": json.loads(self.rfile.read(length)) if length else None,
+                    }
+                )
+                status, body, wait_s = ROUTES.get(self.path.split("?")[0], (404, b"", 0.0))
+                time.sleep(wait_s)
+                if body is None:
+                    data = b""
+                elif isinstance(body, bytes):
+                    data = body
+                else:
+                    data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._answer()
+
+            def do_POST(self) -> None:
+                self._answer()
+
+            def do_PUT(self) -> None:
+                self._answer()
+
+            def do_DELETE(self) -> None:
+                self._answer()
+
+        self.server = _Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeService]:
+    service = FakeService()
+    monkeypatch.setenv("HETEROPLANE_URL", service.url)
+    monkeypatch.setenv("HETEROPLANE_TOKEN", TOKEN)
+    yield service
+    service.close()
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run ``heteroplane argv`` in-process; (exit status, stdout, stderr)."""
+    try:
+        status = main(list(argv))
+    except SystemExit as stop:
+        status = int(stop.code or 0)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_a_get_sends_the_token_and_the_query(
+    fake: FakeService, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = cli(capsys, "fleet", "--json")
+    assert status == 0
+    assert json.loads(out) == {"instances": ROUTES["/v1/instances"][1]}
+    status, out, _ = cli(
+        capsys, "events", "--app", "demo", "--since", "2024-05-01T00:00:00+00:00", "--limit", "5"
+    )
+    assert status == 0 and out.strip() == "no events"
+    sent = fake.requests
+    assert [r["method"] for r in sent] == ["GET", "GET", "GET"]
+    assert all(r["authorization"] == f"Bearer {TOKEN}" for r in sent)
+    assert sent[0]["path"] == "/v1/instances"
+    # Query values are form-encoded: the '+' of the time zone survives.
+    since = "2024-05-01T00%3A00%3A00%2B00%3A00"
+    assert sent[1]["path"] == f"/v1/apps/demo/decisions?since={since}&limit=5"
+
+
+def test_a_put_sends_json_and_an_empty_answer_is_fine(
+    fake: FakeService, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = cli(
+        capsys, "budget", "set", "--app", "demo", "--usd-per-hr", "2.5", "--reason", "more load"
+    )
+    assert status == 0 and out.startswith("demo: budget $2.5/hr (was $1/hr)")
+    put = fake.requests[-1]
+    assert (put["method"], put["content_type"]) == ("PUT", "application/json")
+    assert put["body"] == {"budget_usd_per_hr": 2.5, "reason": "more load"}
+    status, out, _ = cli(capsys, "app", "delete", "demo", "--force")
+    assert status == 0 and out.strip() == "deleted app demo and its history"
+    assert fake.requests[-1]["method"] == "DELETE"
+    assert fake.requests[-1]["path"] == "/v1/apps/demo?force=true"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["app", "get", "ghost"], "heteroplane app: no app 'ghost' (HTTP 404 not_found)"),
+        (
+            ["app", "get", "broken"],
+            "heteroplane app: HTTP 500 Internal Server Error (HTTP 500 http_error)",
+        ),
+        (["app", "get", "html"], "heteroplane app: {url} answered something that is not JSON"),
+        (
+            ["app", "get", "slow", "--timeout", "0.2"],
+            "heteroplane app: the heteroplane API at {url} did not answer within 0.2 s",
+        ),
+        (
+            ["budget", "set", "--app", "demo", "--usd-per-hr", "nan", "--reason", "x"],
+            "heteroplane budget: cannot send a number that is not finite (nan or inf)",
+        ),
+    ],
+)
+def test_a_failed_request_is_one_line_and_status_2(
+    fake: FakeService, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    status, out, err = cli(capsys, *argv)
+    assert (status, out) == (2, "")
+    assert err == message.format(url=fake.url) + "\n"
+
+
+def test_nothing_listening_no_token_and_a_bad_url(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HETEROPLANE_URL", raising=False)
+    monkeypatch.setenv("HETEROPLANE_TOKEN", TOKEN)
+    with socket.socket() as closed:  # bound, not listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        status, _, err = cli(capsys, "fleet", "--url", dead)
+    assert status == 2
+    assert err == (
+        f"heteroplane fleet: cannot reach the heteroplane API at {dead}"
+        " (is `heteroplane serve` running?)\n"
+    )
+    status, _, err = cli(capsys, "fleet", "--url", "ftp://example.org")
+    assert status == 2
+    assert err == (
+        "heteroplane fleet: --url must be an http:// or https:// URL, got 'ftp://example.org'\n"
+    )
+    monkeypatch.delenv("HETEROPLANE_TOKEN")
+    status, _, err = cli(capsys, "fleet", "--url", dead)
+    assert status == 2
+    assert err == "heteroplane fleet: no API token: pass --token or set HETEROPLANE_TOKEN\n"
