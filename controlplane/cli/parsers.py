@@ -985,8 +985,8 @@ def _serve(subparsers: Subparsers) -> None:
         "serve",
         help="run the control-plane service: the REST API and the periodic jobs",
         description="Migrate the configured database and serve the REST API (docs/api.md) with"
-        " the scheduler's jobs (tuner tick, reconcile, metric roll-up, replan) until SIGINT or"
-        " SIGTERM.",
+        " the scheduler's jobs (tuner tick, reconcile with the capacity replanner, metric"
+        " roll-up) until SIGINT or SIGTERM.",
     )
     parser.add_argument("--host", metavar="H", help="address to listen on (default: settings)")
     parser.add_argument(
