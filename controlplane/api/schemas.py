@@ -64,7 +64,9 @@ _MAX_REASON = 500
 
 # strict: "3" is not a budget and true is not a rate (ints are accepted where floats are).
 _REQUEST = ConfigDict(extra="forbid", strict=True, frozen=True)
-_RESPONSE = ConfigDict(frozen=True)
+# Responses are built from the store's records by attribute (`Out.model_validate(record)`), not
+# copied field by field.
+_RESPONSE = ConfigDict(frozen=True, from_attributes=True)
 
 
 # --- errors ----------------------------------------------------------------------------------

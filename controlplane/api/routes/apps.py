@@ -30,15 +30,7 @@ SpecDocument = Annotated[dict[str, Any], Body(description="the app spec document
 
 
 def app_out(record: AppRecord) -> AppOut:
-    return AppOut(
-        name=record.name,
-        spec=record.spec,
-        budget_usd_per_hr=record.budget_usd_per_hr,
-        applied_plan_id=record.applied_plan_id,
-        version=record.version,
-        created_at=record.created_at,
-        updated_at=record.updated_at,
-    )
+    return AppOut.model_validate(record)
 
 
 @router.post(

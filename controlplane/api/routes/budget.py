@@ -41,16 +41,7 @@ def get_budget(app: AppName, services: ServicesDep, _who: Viewer) -> BudgetOut:
         app=app,
         budget_usd_per_hr=record.budget_usd_per_hr,
         fleet_cost_usd_per_hr=sum(i.price_usd_per_hr for i in live_instances(store, app)),
-        changes=[
-            BudgetChangeOut(
-                at=c.at,
-                who=c.who,
-                old_usd_per_hr=c.old_usd_per_hr,
-                new_usd_per_hr=c.new_usd_per_hr,
-                reason=c.reason,
-            )
-            for c in changes
-        ],
+        changes=[BudgetChangeOut.model_validate(c) for c in changes],
     )
 
 

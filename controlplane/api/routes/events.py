@@ -53,10 +53,7 @@ def list_decisions(
     records = services.store.list_decisions(
         app, since=_utc(since, "since"), kinds=kind, limit=limit
     )
-    return [
-        DecisionOut(id=d.id, at=d.at, kind=d.kind, reason=d.reason, numbers=d.numbers)
-        for d in records
-    ]
+    return [DecisionOut.model_validate(d) for d in records]
 
 
 @router.get(
@@ -68,17 +65,7 @@ def list_events(
     app: AppName, services: ServicesDep, _who: Viewer, since: Since = None, limit: Limit = 1000
 ) -> list[InstanceEventOut]:
     records = services.store.list_instance_events(app=app, since=_utc(since, "since"), limit=limit)
-    return [
-        InstanceEventOut(
-            id=e.id,
-            instance_id=e.instance_id,
-            at=e.at,
-            from_state=e.from_state,
-            to_state=e.to_state,
-            reason=e.reason,
-        )
-        for e in records
-    ]
+    return [InstanceEventOut.model_validate(e) for e in records]
 
 
 @router.get(
@@ -97,17 +84,4 @@ def metric_series(
     records = services.store.metric_series(
         app, since=_utc(since, "since"), until=_utc(until, "until"), limit=limit
     )
-    return [
-        MetricSampleOut(
-            at=s.at,
-            arrival_rate_qps=s.arrival_rate_qps,
-            latency_p50_ms=s.latency_p50_ms,
-            latency_p95_ms=s.latency_p95_ms,
-            latency_p99_ms=s.latency_p99_ms,
-            attainment_share=s.attainment_share,
-            fleet_cost_usd_per_hr=s.fleet_cost_usd_per_hr,
-            gear=s.gear,
-            accuracy=s.accuracy,
-        )
-        for s in records
-    ]
+    return [MetricSampleOut.model_validate(s) for s in records]

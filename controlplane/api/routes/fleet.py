@@ -19,16 +19,7 @@ router = APIRouter(prefix="/v1", tags=["fleet"])
 
 
 def instance_out(record: InstanceRecord) -> InstanceOut:
-    return InstanceOut(
-        id=record.id,
-        app=record.app,
-        provider_id=record.provider_id,
-        instance_type=record.instance_type,
-        state=record.state,
-        price_usd_per_hr=record.price_usd_per_hr,
-        created_at=record.created_at,
-        updated_at=record.updated_at,
-    )
+    return InstanceOut.model_validate(record)
 
 
 @router.get(
