@@ -236,7 +236,16 @@ class PlanOut(BaseModel):
     feasible: bool
     cost_usd_per_hr: float
     stages: list[StageOut]
-    planned_rate_qps: float
+    rate_qps: float = Field(
+        description="the rate the plan is planned for (the planning trace's, or the highest"
+        " feasible one when infeasible)"
+    )
+    predicted_p99_ms: float | None = Field(
+        default=None,
+        description="the estimator's end-to-end P99 (the SLO's percentile) of the whole pipeline"
+        " at rate_qps; null for a plan without stages or one made before plans carried it",
+    )
+    planned_rate_qps: float = Field(description="rate_qps under its older name")
     max_feasible_qps: float | None = None
     steps: list[str]
     simulations: int
@@ -245,6 +254,14 @@ class PlanOut(BaseModel):
     envelope: EnvelopeOut | None = Field(
         default=None, description="the planning trace's arrival envelope (InferLine's tuner)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rate_of_older_documents(cls, data: Any) -> Any:
+        """A document stored before plans carried ``rate_qps`` has ``planned_rate_qps`` only."""
+        if isinstance(data, dict) and data.get("rate_qps") is None and "planned_rate_qps" in data:
+            return {**data, "rate_qps": data["planned_rate_qps"]}
+        return data
 
 
 # --- budgets ---------------------------------------------------------------------------------

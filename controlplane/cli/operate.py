@@ -125,7 +125,11 @@ def _plan_text(plan: dict[str, Any]) -> str:
         if plan["feasible"]
         else f"NOT feasible: at most {plan.get('max_feasible_qps') or 0:.2f} qps can be served"
     )
-    lines = [f"plan {plan['id']} of {plan['app']} ({plan['status']}): {verdict}"]
+    lines = [
+        f"plan {plan['id']} of {plan['app']} ({plan['status']}): {verdict}",
+        f"  planned for {_plan_rate_qps(plan):.2f} qps: predicted end-to-end P99"
+        f" {_predicted_text(plan.get('predicted_p99_ms'))}",
+    ]
     trace = plan.get("trace")
     if trace:
         lines.append(f"  trace: {trace['count']:,} queries, {trace['source']}")
@@ -138,6 +142,20 @@ def _plan_text(plan: dict[str, Any]) -> str:
         )
     lines += [f"  - {step}" for step in plan["steps"]]
     return "\n".join(lines)
+
+
+def _plan_rate_qps(plan: dict[str, Any]) -> float:
+    """The rate a plan is planned for (``planned_rate_qps`` in documents older than
+    ``rate_qps``)."""
+    rate = plan.get("rate_qps")
+    return float(rate if rate is not None else plan.get("planned_rate_qps") or 0.0)
+
+
+def _predicted_text(value: object) -> str:
+    """The end-to-end prediction, or why there is none."""
+    if isinstance(value, int | float):
+        return f"{value:.1f} ms (the whole pipeline)"
+    return "n/a (a plan without stages, or one made before plans carried it)"
 
 
 def plans_preview(args: argparse.Namespace) -> int:
@@ -170,12 +188,22 @@ def plans_list(args: argparse.Namespace) -> int:
             p["status"],
             "yes" if p["feasible"] else "no",
             p["cost_usd_per_hr"],
-            p["planned_rate_qps"],
+            _plan_rate_qps(p),
+            p.get("predicted_p99_ms"),  # None ("-"): no stages, or an older plan
             p["created_at"],
         ]
         for p in plans
     ]
-    headers = ["ID", "NUMBER", "STATUS", "FEASIBLE", "COST_USD_PER_HR", "RATE_QPS", "CREATED"]
+    headers = [
+        "ID",
+        "NUMBER",
+        "STATUS",
+        "FEASIBLE",
+        "COST_USD_PER_HR",
+        "RATE_QPS",
+        "PREDICTED_P99_MS",
+        "CREATED",
+    ]
     return emit(
         args.json,
         {"plans": plans},

@@ -46,9 +46,14 @@ def _human(data: dict[str, Any], plan: PlanDocument) -> str:
         else f"NOT feasible within ${data['budget_usd_per_hr']:g}/hr: at most"
         f" {plan.max_feasible_qps:.2f} qps can be served"
     )
+    predicted = (
+        "n/a (no stages)" if plan.predicted_p99_ms is None else f"{plan.predicted_p99_ms:.1f} ms"
+    )
     lines = [
         f"{data['app']}: P{data['percentile']:g} <= {data['slo_ms']:g} ms on {trace['count']:,}"
         f" queries at {trace['rate_qps']:.2f} qps (CV^2 {trace['cv2']:.2f}): {verdict}",
+        f"  planned for {plan.rate_qps:.2f} qps: predicted end-to-end"
+        f" P{data['percentile']:g} {predicted} (the whole pipeline)",
     ]
     for s in plan.stages:
         fleet = ", ".join(f"{n} x {t}" for t, n in s.fleet.items())

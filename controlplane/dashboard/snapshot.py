@@ -15,11 +15,13 @@ where a value is unknown, so that a chart breaks its line there). The sections:
 - ``load``: the arrival rate against the provisioned capacity (the applied plan's throughput
   scaled by how much of the plan's fleet is running, :func:`capacity_scale`), the planned rate,
   and the plan's arrival envelope when it carries one;
-- ``latency``: P50/P95/P99 against the SLO, and the share of queries within it (attainment);
+- ``latency``: P50/P95/P99 against the SLO and the plan's predicted end-to-end P99, and the
+  share of queries within the SLO (attainment);
 - ``cascade``: the gear and the accuracy over time, against the accuracy floor;
 - ``decisions``: the newest decisions first (what the policies did, why, and the numbers);
-- ``plan``: the applied plan (or the newest preview) with its stages, its steps and the Kairos
-  bound ranking that explains the chosen mix (:mod:`controlplane.dashboard.ranking`).
+- ``plan``: the applied plan (or the newest preview): the rate it is planned for, its predicted
+  end-to-end P99, its stages, its steps and the Kairos bound ranking that explains the chosen mix
+  (:mod:`controlplane.dashboard.ranking`).
 
 An instance's utilisation and the INFaaS state of each model on it come from the serving loop
 (a :data:`WorkersFn`: what its dispatcher last measured of each running worker). Fields that
@@ -487,10 +489,9 @@ def _live_envelope(
 def _load_section(
     samples: Sequence[MetricSampleRecord],
     series: FleetSeries,
-    plan: PlanRecord | None,
+    document: PlanDocument | None,
     weights: Mapping[str, float] | None,
 ) -> dict[str, Any]:
-    document = _typed(plan)
     planned_capacity = _plan_capacity_qps(document) if document else None
     planned_fleet = document.fleet if document else {}
     capacity: list[float | None] = []
@@ -526,7 +527,7 @@ def _slo(spec: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _latency_section(
-    spec: Mapping[str, Any], samples: Sequence[MetricSampleRecord]
+    spec: Mapping[str, Any], samples: Sequence[MetricSampleRecord], document: PlanDocument | None
 ) -> dict[str, Any]:
     slo = _slo(spec)
     p50 = [s.latency_p50_ms for s in samples]
@@ -543,6 +544,9 @@ def _latency_section(
     return {
         "slo_ms": _finite(slo.get("latency_ms")),
         "percentile": _finite(slo.get("percentile")) or 99.0,
+        # The plan's end-to-end prediction, a reference beside the SLO (None: no plan, no stages,
+        # or a plan made before plans carried it).
+        "predicted_p99_ms": _finite(document.predicted_p99_ms) if document else None,
         "series": {
             "t": [_epoch_s(s.at) for s in samples],
             "p50_ms": p50,
@@ -592,12 +596,12 @@ def _decision(record: DecisionRecord) -> dict[str, Any]:
 
 
 def _plan_section(
-    app: AppRecord, plan: PlanRecord | None, ranking: RankingFn | None
+    app: AppRecord,
+    plan: PlanRecord | None,
+    document: PlanDocument | None,
+    ranking: RankingFn | None,
 ) -> dict[str, Any] | None:
-    if plan is None:
-        return None
-    document = _typed(plan)
-    if document is None:
+    if plan is None or document is None:
         return None
     return {
         "id": plan.id,
@@ -607,7 +611,9 @@ def _plan_section(
         "applied_at": plan.applied_at.isoformat() if plan.applied_at else None,
         "feasible": document.feasible,
         "cost_usd_per_hr": _finite(document.cost_usd_per_hr),
-        "planned_rate_qps": _finite(document.planned_rate_qps),
+        "rate_qps": _finite(document.rate_qps),
+        "planned_rate_qps": _finite(document.rate_qps),
+        "predicted_p99_ms": _finite(document.predicted_p99_ms),
         "max_feasible_qps": _finite(document.max_feasible_qps),
         "simulations": document.simulations,
         "trace": _clean(dict(document.trace) if document.trace is not None else None),
@@ -651,6 +657,7 @@ def build_snapshot(
     if plan is None:
         newest = store.list_plans(app.name, limit=1)
         plan = newest[0] if newest else None
+    document = _typed(plan)  # parsed once: a plan that is not one is logged once
     decisions = store.list_decisions(app.name, limit=DECISIONS_SHOWN)
     decisions.reverse()
     spec = app.spec
@@ -672,11 +679,11 @@ def build_snapshot(
         "samples": len(samples),
         "fleet": fleet,
         "cost": _cost_section(store, app, samples, live, ledger, start, now),
-        "load": _load_section(samples, series, plan, weights(app) if weights else None),
-        "latency": _latency_section(spec, samples),
+        "load": _load_section(samples, series, document, weights(app) if weights else None),
+        "latency": _latency_section(spec, samples, document),
         "cascade": _cascade_section(spec, samples),
         "decisions": [_decision(d) for d in decisions],
-        "plan": _plan_section(app, plan, ranking),
+        "plan": _plan_section(app, plan, document, ranking),
     }
     cleaned: dict[str, Any] = _clean(snapshot)
     return cleaned

@@ -3,12 +3,14 @@
 A plan says, per stage of an app (one model, or each model of a cascade), which instances to run
 (``fleet``: type -> count), at which batch size, under which dispatch policy, and what the
 estimator predicts of it (P99, throughput, cost); for the whole app, whether it meets the SLO
-within the budget (``feasible``), the rate its stages are planned for (``planned_rate_qps``),
-the search steps that explain it, the gear plan of a cascade (``gear_plan``) and the planned
-arrival envelope (``envelope``: ``windows_s`` and ``rate_qps``). The service adds the seed and
-how the planning trace was made (``seed``, ``trace``). The JSON form is the ``plan --json``
-contract (docs/planner.md), what ``replay --plan`` reads and what ``/v1/apps/{app}/plans``
-answers.
+within the budget (``feasible``), the rate it is planned for (``rate_qps``; also written as
+``planned_rate_qps``, the name older documents and readers use), the predicted end-to-end P99 of
+the whole pipeline at that rate (``predicted_p99_ms``; ``None`` for a plan without stages or a
+document made before plans carried it), the search steps that explain it, the gear plan of a
+cascade (``gear_plan``) and the planned arrival envelope (``envelope``: ``windows_s`` and
+``rate_qps``). The service adds the seed and how the planning trace was made (``seed``,
+``trace``). The JSON form is the ``plan --json`` contract (docs/planner.md), what ``replay
+--plan`` reads and what ``/v1/apps/{app}/plans`` answers.
 
 :meth:`PlanDocument.parse` checks a document once, at the boundary (a file, a database row);
 past it, code reads attributes (``plan.fleet`` is the fleet summed over the stages) instead of
@@ -20,6 +22,8 @@ logs it).
 ...     "stages": [{"name": "m", "fleet": {"g4dn.xlarge": 2}, "batch_size": 1}]})
 >>> str(plan.stages[0].fleet), plan.stages[0].batch_size, plan.fleet
 ('g4dn.xlarge=2', 1, {'g4dn.xlarge': 2})
+>>> plan.rate_qps, plan.predicted_p99_ms  # a document from before plans carried them
+(0.0, None)
 >>> PlanDocument.parse({"feasible": True, "stages": []})
 Traceback (most recent call last):
 ...
@@ -90,15 +94,18 @@ class StagePlan:
 class PlanDocument:
     """A plan for an app: ``feasible`` when every stage meets the SLO on the planning trace
     within the budget; otherwise ``max_feasible_qps`` is the highest rate that can be served,
-    and the stages are planned for ``planned_rate_qps`` (empty when not even the lowest rate
-    can). ``envelope_windows_s`` and ``envelope_rate_qps`` are the planned arrival envelope
-    (both empty when the plan carries none)."""
+    and the stages are planned for ``rate_qps`` (empty when not even the lowest rate can).
+    ``predicted_p99_ms`` is the estimator's end-to-end P99 (the spec's percentile) of the whole
+    pipeline at ``rate_qps`` (``None``: no stages, or a document older than the field).
+    ``envelope_windows_s`` and ``envelope_rate_qps`` are the planned arrival envelope (both empty
+    when the plan carries none)."""
 
     feasible: bool
     cost_usd_per_hr: float
     stages: tuple[StagePlan, ...]
     steps: tuple[str, ...] = ()
-    planned_rate_qps: float = 0.0
+    rate_qps: float = 0.0
+    predicted_p99_ms: float | None = None
     max_feasible_qps: float | None = None
     simulations: int = 0
     gear_plan: Mapping[str, Any] | None = None
@@ -108,6 +115,11 @@ class PlanDocument:
     seed: int | None = None
     trace: Mapping[str, Any] | None = None
     envelope_problem: str | None = field(default=None, compare=False)
+
+    @property
+    def planned_rate_qps(self) -> float:
+        """``rate_qps`` by the name older documents and readers use."""
+        return self.rate_qps
 
     @property
     def fleet(self) -> dict[str, int]:
@@ -128,7 +140,10 @@ class PlanDocument:
             "feasible": self.feasible,
             "cost_usd_per_hr": self.cost_usd_per_hr,
             "stages": [s.to_document() for s in self.stages],
-            "planned_rate_qps": self.planned_rate_qps,
+            "rate_qps": self.rate_qps,
+            "predicted_p99_ms": self.predicted_p99_ms,
+            # The same rate under its older name, for stored documents' readers.
+            "planned_rate_qps": self.rate_qps,
             "steps": list(self.steps),
             "simulations": self.simulations,
         }
@@ -175,14 +190,16 @@ class PlanDocument:
         seed = document.get("seed")
         trace = document.get("trace")
         windows, rates, problem = _envelope(document.get("envelope"))
+        predicted = document.get("predicted_p99_ms")
         return cls(
             feasible=feasible,
             cost_usd_per_hr=cost,
             stages=stages,
             steps=tuple(str(s) for s in steps),
-            planned_rate_qps=_number(
-                document.get("planned_rate_qps", 0.0), "planned_rate_qps", source
-            ),
+            rate_qps=_rate(document, source),
+            predicted_p99_ms=None
+            if predicted is None
+            else _at_least_zero(predicted, "predicted_p99_ms", source),
             max_feasible_qps=None
             if max_feasible is None
             else _number(max_feasible, "max_feasible_qps", source),
@@ -235,6 +252,29 @@ def _number(value: object, where: str, source: str | None) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise PlanError(where, f"must be a finite number, got {value!r}", source)
     return float(value)
+
+
+def _at_least_zero(value: object, where: str, source: str | None) -> float:
+    number = _number(value, where, source)
+    if number < 0:
+        raise PlanError(where, f"must be >= 0, got {value!r}", source)
+    return number
+
+
+def _rate(document: Mapping[str, Any], source: str | None) -> float:
+    """``rate_qps``; a document older than it has ``planned_rate_qps`` only (or neither: 0).
+    Both present must agree: they are one rate under two names."""
+    rate = document.get("rate_qps")
+    planned = document.get("planned_rate_qps")
+    if rate is None:
+        return 0.0 if planned is None else _at_least_zero(planned, "planned_rate_qps", source)
+    number = _at_least_zero(rate, "rate_qps", source)
+    if planned is not None:
+        old = _at_least_zero(planned, "planned_rate_qps", source)
+        if not math.isclose(number, old, rel_tol=1e-9, abs_tol=1e-12):
+            problem = f"{number!r} disagrees with planned_rate_qps {old!r} (the same rate)"
+            raise PlanError("rate_qps", problem, source)
+    return number
 
 
 def _stage(entry: object, where: str, source: str | None) -> StagePlan:

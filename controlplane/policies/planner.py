@@ -64,6 +64,18 @@ that stage's threshold, and s_m, the share reaching stage m, is InferLine's scal
 Without records every query is assumed to reach every stage (s_m = 1, an over-provisioned but
 safe plan), and the steps say so.
 
+**End-to-end prediction.** The stages are planned one by one, each against its share of the
+SLO; the plan's own ``predicted_p99_ms`` is the P-th percentile of the end-to-end response time
+(arrival to answer, every stage visited) when the whole pipeline runs together on the trace the
+stages were planned for (the planning sample, scaled to ``rate_qps`` when infeasible): one
+simulation of every stage with its planned fleet, batch size and dispatch policy, stage m
+forwarding to stage m + 1 the queries that reach it in the planning (the validation records'
+answering stage, or every query without records), with the planning seed, counted in
+``simulations``. A single stage is the whole pipeline: its own simulation (same trace, same seed)
+is the prediction. It informs and does not decide: ``feasible`` remains every stage meeting its
+share, and a step says whether the end-to-end prediction is within the SLO. A plan without stages
+predicts nothing (``None``).
+
 **Gear plan.** A cascade with validation records also gets CascadeServe's gear plan on the
 plan's placement (``controlplane.policies.gears.plan_gears``: which cascade and batch caps serve
 each QPS range within the SLO, at the spec's accuracy floor if any), in the document as
@@ -75,7 +87,7 @@ planned for (``envelope``: ``windows_s`` and ``rate_qps``, r_i = the most arriva
 of length w_i over w_i; ``estimator.envelope.arrival_envelope``), which InferLine's tuner compares
 live traffic with (Algorithm 3) and the dashboard draws. The trace is the app's arrivals, all
 stages together: the planned part of the trace (its first ``PLANNING_QUERIES``, from 0 s), and when
-the budget cannot serve it, that part scaled to ``planned_rate_qps``, the rate the stages are
+the budget cannot serve it, that part scaled to the plan's ``rate_qps``, the rate the stages are
 planned for (an infeasible plan carries its envelope too: it is what its stages serve). The windows
 are the tuner's (``tuner_windows_s``): from the service time doubling to ``DEFAULT_MAX_WINDOW_S``,
 the service time taken as the live tuner (``controlplane.loops.live_tuner``) takes it, the slowest
@@ -234,28 +246,41 @@ class _Evaluator:
         return self.cache[key]
 
     def _simulate(self, fleet: dict[str, int], batch: int) -> tuple[float, float, DispatchName]:
-        used = {t: self.inputs.profiles[t] for t in fleet}
-        prices = self.inputs.prices_usd_per_hr
-        name: DispatchName
-        if len(used) == 1:
-            name, make = "fcfs", policy_factory("fcfs", used, list(used))
-        else:
-            base = full_range_types(used, self.trace.batch_size, self.inputs.slo_ms, prices)
-            if base:
-                name, make = "kairos", policy_factory("kairos", used, base)
-            else:
-                name, make = "fcfs", policy_factory("fcfs", used, [])
-        instances = tuple(InstanceSpec(t) for t in sorted(fleet) for _ in range(fleet[t]))
-        stage = Stage(self.inputs.model, instances, used, make(), max_batch_queries=batch)
+        name, stage = _simulated_stage(self.inputs, fleet, batch, self.trace.batch_size)
         result = simulate(
             self.trace,
             [stage],
             np.random.default_rng(self.seed),
-            prices_usd_per_hr=prices,
+            prices_usd_per_hr=self.inputs.prices_usd_per_hr,
             qos_ms=self.inputs.slo_ms,
         )
         tail_ms = float(np.percentile(result.response_ms, self.inputs.percentile))
         return tail_ms, result.summary().throughput_qps, name
+
+
+def _simulated_stage(
+    inputs: _StageInputs,
+    fleet: Mapping[str, int],
+    batch: int,
+    batch_sizes: NDArray[np.int64],
+    forward: NDArray[np.bool_] | None = None,
+) -> tuple[DispatchName, Stage]:
+    """The simulator's stage for ``fleet`` at ``batch`` and the name of its dispatch policy (see
+    the module docstring, Dispatch); ``batch_sizes`` are those of the queries that reach the
+    stage (they pick the Kairos base), ``forward`` which queries go on to the next stage."""
+    used = {t: inputs.profiles[t] for t in fleet if fleet[t]}
+    name: DispatchName
+    if len(used) == 1:
+        name, make = "fcfs", policy_factory("fcfs", used, list(used))
+    else:
+        base = full_range_types(used, batch_sizes, inputs.slo_ms, inputs.prices_usd_per_hr)
+        if base:
+            name, make = "kairos", policy_factory("kairos", used, base)
+        else:
+            name, make = "fcfs", policy_factory("fcfs", used, [])
+    instances = tuple(InstanceSpec(t) for t in sorted(used) for _ in range(fleet[t]))
+    stage = Stage(inputs.model, instances, used, make(), max_batch_queries=batch, forward=forward)
+    return name, stage
 
 
 def _cost(fleet: Mapping[str, int], prices: Mapping[str, float]) -> float:
@@ -690,25 +715,84 @@ def plan_app(
         plans = []
         if low > 0:
             plans = _run(setup, app, scale_trace(sample, low), seed, steps, True, counter) or []
-    say(f"done after {counter[0]} simulations")
-    gear_plan = _gear_plan(app, plans, seed, steps, say)
+    predicted_ms: float | None = None
     windows_s: tuple[float, ...] = ()
     rates_qps: tuple[float, ...] = ()
-    if plans:
+    if plans:  # none when not even the lowest rate can be served (the planned rate is then 0)
         planned = sample if max_feasible is None else scale_trace(sample, planned_rate)
+        predicted_ms = _pipeline_tail_ms(setup, app, plans, planned, seed, steps, counter, say)
         windows_s, rates_qps = _planned_envelope(app, plans, planned)
+    say(f"done after {counter[0]} simulations")
+    gear_plan = _gear_plan(app, plans, seed, steps, say)
     return PlanDocument(
         feasible=max_feasible is None,
         cost_usd_per_hr=float(sum(p.cost_usd_per_hr for p in plans)),
         stages=tuple(plans),
         steps=tuple(steps),
-        planned_rate_qps=planned_rate,
+        rate_qps=planned_rate,
+        predicted_p99_ms=predicted_ms,
         max_feasible_qps=max_feasible,
         simulations=counter[0],
         gear_plan=gear_plan,
         envelope_windows_s=windows_s,
         envelope_rate_qps=rates_qps,
     )
+
+
+def _pipeline_tail_ms(
+    setup: _Setup,
+    app: ResolvedApp,
+    plans: list[StagePlan],
+    trace: Trace,
+    seed: int,
+    steps: list[str],
+    counter: list[int],
+    say: Callable[[str], None],
+) -> float:
+    """The P-th percentile of the end-to-end response time of the whole planned pipeline (one
+    stage or more) on ``trace``, the one the stages were planned for (see the module docstring,
+    End-to-end prediction)."""
+    slo = app.spec.slo
+    if len(plans) == 1:
+        # One stage is the whole pipeline, and its own simulation (same trace, same seed) is the
+        # pipeline's: nothing to simulate again.
+        tail_ms = plans[0].predicted_p99_ms
+        how = "the stage's own simulation (one stage is the whole pipeline)"
+    else:
+        say(f"simulating the whole pipeline ({len(plans)} stages) end to end")
+        stages = []
+        for i, (inputs, plan) in enumerate(zip(setup.stages, plans, strict=True)):
+            forward: NDArray[np.bool_] | None = None
+            if i + 1 < len(plans):
+                reach = setup.reach[i + 1]
+                forward = np.ones(len(trace), dtype=np.bool_) if reach is None else reach
+            batch_sizes = setup.stage_trace(i, trace).batch_size
+            _, stage = _simulated_stage(inputs, plan.fleet, plan.batch_size, batch_sizes, forward)
+            stages.append(stage)
+        result = simulate(
+            trace,
+            stages,
+            np.random.default_rng(seed),
+            prices_usd_per_hr=app.prices_usd_per_hr,
+            qos_ms=slo.latency_ms,
+        )
+        counter[0] += 1
+        tail_ms = float(np.percentile(result.response_ms, slo.percentile))
+        reach_text = (
+            "every query reaching every stage"
+            if all(r is None for r in setup.reach)
+            else "the queries forwarded as the validation records say"
+        )
+        how = (
+            f"one simulation of the {len(plans)} stages together ({reach_text}), each with its"
+            f" planned fleet, batch size and dispatch"
+        )
+    verdict = "within" if tail_ms <= slo.latency_ms else "ABOVE"
+    steps.append(
+        f"end to end: predicted P{slo.percentile:g} {tail_ms:.1f} ms on the planned"
+        f" {_rate_qps(trace):.2f} qps, {verdict} the SLO {slo.latency_ms:g} ms; from {how}"
+    )
+    return tail_ms
 
 
 def _planned_envelope(

@@ -632,6 +632,10 @@ def test_preview_list_read_and_apply_a_plan(api: Api) -> None:
     assert plan["stages"][0]["name"] == "m"
     assert plan["trace"]["count"] > 1000
     assert "poisson at 200 qps" in plan["trace"]["source"]
+    # The rate planned for and the end-to-end prediction (one stage: the stage's own).
+    assert plan["rate_qps"] == plan["planned_rate_qps"] == pytest.approx(plan["trace"]["rate_qps"])
+    assert plan["predicted_p99_ms"] == plan["stages"][0]["predicted_p99_ms"]
+    assert 0 < plan["predicted_p99_ms"] <= 40.0
 
     listed = api.call("GET", "/v1/apps/toy/plans", "viewer").json()
     assert [p["id"] for p in listed] == [plan["id"]]
@@ -669,6 +673,19 @@ def test_an_infeasible_rate_is_a_plan_with_the_highest_feasible_rate(api: Api) -
     plan = api.preview(rate_qps=5000.0)
     assert plan["feasible"] is False
     assert plan["max_feasible_qps"] < 5000.0
+    assert plan["rate_qps"] == plan["max_feasible_qps"]
+    assert plan["predicted_p99_ms"] is not None or plan["stages"] == []
+
+
+def test_a_plan_stored_before_plans_carried_the_prediction_reads(api: Api) -> None:
+    api.register()
+    plan = api.preview(rate_qps=100.0)
+    document = api.store.get_plan("toy", plan["id"]).document
+    older = {k: v for k, v in document.items() if k not in ("rate_qps", "predicted_p99_ms")}
+    stored = api.store.create_plan("toy", older)
+    read = api.call("GET", f"/v1/apps/toy/plans/{stored.id}", "viewer").json()
+    assert read["rate_qps"] == read["planned_rate_qps"] == plan["rate_qps"]
+    assert read["predicted_p99_ms"] is None
 
 
 def test_a_plan_made_before_a_budget_change_is_stale(api: Api) -> None:

@@ -336,6 +336,8 @@ def test_the_snapshot_of_an_app_at_work(dash: Dash) -> None:
 
     latency = snap["latency"]
     assert latency["slo_ms"] == 40.0 and latency["percentile"] == 99.0
+    # The plan's end-to-end prediction, a reference line beside the SLO.
+    assert latency["predicted_p99_ms"] == pytest.approx(plan["predicted_p99_ms"])
     assert latency["p99_ms"] == 30.0 + 59 % 5 and latency["has_data"] is True
     assert 0.98 < latency["window_attainment_share"] < 1.0
 
@@ -350,6 +352,9 @@ def test_the_snapshot_of_an_app_at_work(dash: Dash) -> None:
 
     shown = snap["plan"]
     assert shown["id"] == plan["id"] and shown["steps"] == plan["steps"]
+    assert shown["rate_qps"] == pytest.approx(plan["rate_qps"])
+    assert shown["predicted_p99_ms"] == pytest.approx(plan["predicted_p99_ms"])
+    assert 0 < shown["predicted_p99_ms"] <= 40.0
     assert shown["stages"][0]["fleet"] == {"r5n.large": 2}
     (stage,) = shown["ranking"]["stages"]
     # Ranked under the budget the plan was made with (4 USD/hr), not the later 3.

@@ -80,6 +80,13 @@ def test_a_document_round_trips() -> None:
             "stages[0].policy",
         ),
         (document(seed=-1), "seed"),
+        (document(rate_qps="20"), "rate_qps"),
+        (document(rate_qps=-1.0, planned_rate_qps=None), "rate_qps"),
+        (document(rate_qps=21.0), "rate_qps"),  # disagrees with planned_rate_qps 20
+        (document(planned_rate_qps=float("inf")), "planned_rate_qps"),
+        (document(predicted_p99_ms=float("nan")), "predicted_p99_ms"),
+        (document(predicted_p99_ms=-3.0), "predicted_p99_ms"),
+        (document(predicted_p99_ms=True), "predicted_p99_ms"),
     ],
 )
 def test_a_malformed_document_names_its_field(raw: object, field: str) -> None:
@@ -117,3 +124,30 @@ def test_the_fleet_is_the_sum_of_the_stage_fleets(fleets: list[dict[str, int]]) 
     for name in ("a", "b", "c"):
         assert plan.fleet.get(name, 0) == sum(f.get(name, 0) for f in fleets)
     assert PlanDocument.parse(plan.to_document()).fleet == plan.fleet
+
+
+def test_the_rate_and_the_end_to_end_prediction_are_top_level() -> None:
+    plan = PlanDocument.parse(document(rate_qps=20.0, predicted_p99_ms=41.5))
+    assert plan.rate_qps == plan.planned_rate_qps == 20.0 and plan.predicted_p99_ms == 41.5
+    written = plan.to_document()
+    assert written["rate_qps"] == written["planned_rate_qps"] == 20.0
+    assert written["predicted_p99_ms"] == 41.5
+    assert PlanDocument.parse(written) == plan
+    # A document with the new name only reads the same.
+    assert PlanDocument.parse(document(rate_qps=20.0, planned_rate_qps=None)).rate_qps == 20.0
+
+
+def test_an_older_document_reads_without_the_new_fields() -> None:
+    plan = PlanDocument.parse(document())  # planned_rate_qps only, no prediction
+    assert plan.rate_qps == 20.0 and plan.predicted_p99_ms is None
+    written = plan.to_document()
+    assert written["rate_qps"] == 20.0 and written["predicted_p99_ms"] is None
+    assert PlanDocument.parse(written) == plan
+    bare = {"feasible": False, "cost_usd_per_hr": 0.0, "stages": []}
+    assert PlanDocument.parse(bare).rate_qps == 0.0
+
+
+def test_a_plan_without_stages_predicts_nothing() -> None:
+    plan = PlanDocument(feasible=False, cost_usd_per_hr=0.0, stages=(), max_feasible_qps=0.0)
+    assert plan.predicted_p99_ms is None
+    assert PlanDocument.parse(plan.to_document()).predicted_p99_ms is None

@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,10 +26,16 @@ from controlplane.policies.planner import (
 )
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
 from estimator.batches import parse_batch_distribution
-from estimator.cascades import evaluate, synthetic_validation, validation_document
+from estimator.cascades import (
+    answering_stage,
+    evaluate,
+    synthetic_validation,
+    validation_document,
+    with_sample_ids,
+)
 from estimator.envelope import arrival_envelope, tuner_windows_s
 from estimator.policies import full_range_types, policy_factory
-from estimator.simulator import InstanceSpec, Stage, simulate
+from estimator.simulator import InstanceSpec, SimulationResult, Stage, simulate
 from estimator.traces import Trace, gamma_arrivals, poisson_arrivals, trace_stats, write_trace_csv
 from tests.conftest import KAIROS_CSV, needs_shared
 
@@ -295,6 +302,9 @@ def test_plan_json_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     for key in ("cost_usd_per_hr", "stages", "steps", "app", "slo_ms", "budget_usd_per_hr"):
         assert key in out
     assert set(out["trace"]) == {"count", "rate_qps", "cv2"}
+    # The plan's own rate and end-to-end prediction, top level (one stage: the stage's figure).
+    assert out["rate_qps"] == out["planned_rate_qps"] == pytest.approx(out["trace"]["rate_qps"])
+    assert out["predicted_p99_ms"] == out["stages"][0]["predicted_p99_ms"] <= 25.0
     (stage,) = out["stages"]
     for key in ("name", "fleet", "batch_size", "predicted_p99_ms", "throughput_qps"):
         assert key in stage
@@ -318,7 +328,11 @@ def test_plan_human_output_and_infeasible_budget(
     out = json.loads(capsys.readouterr().out)
     assert out["feasible"] is False and out["max_feasible_qps"] < out["trace"]["rate_qps"]
     assert main(["plan", "--spec", str(spec), "--trace", str(trace_file)]) == 0
-    assert "NOT feasible" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "NOT feasible" in text
+    rate, predicted = out["rate_qps"], out["predicted_p99_ms"]
+    assert rate == out["max_feasible_qps"] and predicted is not None
+    assert f"planned for {rate:.2f} qps: predicted end-to-end P99 {predicted:.1f} ms" in text
 
 
 @pytest.mark.parametrize(
@@ -474,3 +488,92 @@ def test_past_the_ranking_limit_the_start_is_still_the_cheapest_covering_mix(
     assert start.split(" (", 1)[0] == whole.steps[0].split(" (", 1)[0]  # the same start fleet
     assert [dict(s.fleet) for s in limited.stages] == [dict(s.fleet) for s in whole.stages]
     assert limited.simulations == whole.simulations
+
+
+# --- the end-to-end prediction ---------------------------------------------------------------
+
+
+def resimulated_pipeline_ms(app: ResolvedApp, plan: PlanDocument, trace: Trace, seed: int) -> float:
+    """Rebuild every stage of a cascade plan from scratch, forward the queries the validation
+    records send on (samples drawn with the seed, as the planner draws them) and simulate the
+    whole pipeline once on the trace: the P99 of the end-to-end response times."""
+    assert app.cascade is not None and app.validation is not None
+    trace = Trace(trace.arrival_s - trace.arrival_s[0], trace.batch_size)
+    drawn = with_sample_ids(trace, app.validation, np.random.default_rng(seed)).sample_id
+    answered = answering_stage(app.cascade, app.validation, drawn)
+    share_ms = app.spec.slo.latency_ms / len(plan.stages)
+    stages = []
+    for i, stage in enumerate(plan.stages):
+        used = {t: n for t, n in stage.fleet.items() if n}
+        profiles = {t: app.profile(stage.name, t) for t in used}
+        prices = {t: app.prices_usd_per_hr[t] for t in used}
+        reaching = trace.batch_size[answered >= i]
+        if stage.policy == "kairos":
+            base = full_range_types(profiles, reaching, share_ms, prices)
+            make = policy_factory("kairos", profiles, base)
+        else:
+            make = policy_factory("fcfs", profiles, list(profiles) if len(used) == 1 else [])
+        forward = answered >= i + 1 if i + 1 < len(plan.stages) else None
+        instances = tuple(InstanceSpec(t) for t in sorted(used) for _ in range(used[t]))
+        stages.append(
+            Stage(stage.name, instances, profiles, make(), stage.batch_size, forward=forward)
+        )
+    result = simulate(
+        trace, stages, np.random.default_rng(seed), prices_usd_per_hr=app.prices_usd_per_hr
+    )
+    return float(np.percentile(result.response_ms, 99))
+
+
+def test_a_cascade_plan_predicts_the_whole_pipeline_end_to_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = write_cascade_app(tmp_path, records=True)
+    trace = poisson_trace(600.0, queries=3000)
+    runs = []
+
+    def counted(trace: Trace, stages: list[Stage], *args: Any, **kwargs: Any) -> SimulationResult:
+        runs.append(len(stages))
+        return simulate(trace, stages, *args, **kwargs)
+
+    monkeypatch.setattr(planner_module, "simulate", counted)
+    plan = plan_app(app, trace, seed=2)
+    assert plan.feasible and len(plan.stages) == 2
+    assert plan.rate_qps == plan.planned_rate_qps == pytest.approx(trace_stats(trace).rate_qps)
+    # One simulation of both stages together, counted with the stages' own.
+    assert runs.count(2) == 1 and plan.simulations == len(runs)
+    assert plan.predicted_p99_ms is not None
+    assert plan.predicted_p99_ms == pytest.approx(resimulated_pipeline_ms(app, plan, trace, 2))
+    # Each stage meets its share; the whole pipeline the SLO (with room: 50 ms).
+    assert plan.predicted_p99_ms <= app.spec.slo.latency_ms
+    assert any(step.startswith("end to end: predicted P99") for step in plan.steps)
+    document = plan.to_document()
+    assert document["predicted_p99_ms"] == plan.predicted_p99_ms
+    assert document["rate_qps"] == plan.rate_qps
+    assert PlanDocument.parse(document) == plan
+
+
+def test_a_single_model_plan_predicts_what_its_stage_does(tmp_path: Path) -> None:
+    app = app_for(tmp_path, 30.0, 3.0)
+    trace = poisson_trace(300.0)
+    plan = plan_app(app, trace, seed=3)
+    (stage,) = plan.stages
+    # One stage is the whole pipeline: the same simulation (trace, seed), nothing simulated again.
+    assert plan.predicted_p99_ms == stage.predicted_p99_ms
+    assert plan.predicted_p99_ms == pytest.approx(resimulated_p99_ms(app, plan, trace, seed=3))
+    (end_to_end,) = [step for step in plan.steps if step.startswith("end to end")]
+    assert "the stage's own simulation" in end_to_end
+    # An infeasible plan predicts at the rate it is planned for.
+    small = plan_app(app_for(tmp_path, 25.0, 0.2), poisson_trace(600.0))
+    assert not small.feasible and small.max_feasible_qps is not None
+    assert small.rate_qps == small.max_feasible_qps
+    assert small.predicted_p99_ms == small.stages[0].predicted_p99_ms
+
+
+def test_a_plan_without_stages_predicts_nothing(tmp_path: Path) -> None:
+    # The fastest type's mean latency (4 ms) is within the SLO, its sampled P99 is not: no rate
+    # is served, so the plan has no stages and nothing to simulate.
+    plan = plan_app(app_for(tmp_path, 4.1, 3.0), poisson_trace(100.0, queries=200))
+    assert not plan.feasible and plan.stages == () and plan.max_feasible_qps == 0.0
+    assert plan.rate_qps == 0.0 and plan.predicted_p99_ms is None
+    assert plan.to_document()["predicted_p99_ms"] is None
+    assert not any(step.startswith("end to end") for step in plan.steps)

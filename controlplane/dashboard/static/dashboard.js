@@ -226,17 +226,24 @@
     const hlines = finite(lat.slo_ms)
       ? [{ value: lat.slo_ms, label: "SLO P" + lat.percentile + " " + ms(lat.slo_ms), color: "#d62728" }]
       : [];
+    // The plan's end-to-end prediction: what the estimator said the P99 would be at the planned rate.
+    const predicted = finite(lat.predicted_p99_ms);
+    if (predicted) {
+      hlines.push({ value: lat.predicted_p99_ms, label: "predicted " + ms(lat.predicted_p99_ms), color: "#79706e", dash: "2 3" });
+    }
     H.time($("latency-chart"), {
       t0: snap.window.start, t1: snap.window.end, series: series, hlines: hlines, yMin: 0, height: 120,
       yFormat: (v) => String(+v.toFixed(0)), title: "latency against the SLO",
     });
-    H.legend($("latency-legend"), [
+    const legend = [
       { label: "P50", color: "#59a14f", kind: "line" },
       { label: "P95", color: "#edc948", kind: "line" },
       { label: "P99 (ms)", color: "#4e79a7", kind: "line" },
       { label: "SLO", color: "#d62728", kind: "dash" },
-      { label: "attainment (below)", color: "#b07aa1", kind: "line" },
-    ]);
+    ];
+    if (predicted) legend.push({ label: "plan's predicted P" + lat.percentile, color: "#79706e", kind: "dash" });
+    legend.push({ label: "attainment (below)", color: "#b07aa1", kind: "line" });
+    H.legend($("latency-legend"), legend);
     H.time($("attainment-chart"), {
       t0: snap.window.start, t1: snap.window.end, height: 56, yMin: 0, yMax: 1, yTicks: 2,
       series: [{ label: "attainment", color: "#b07aa1", t: t, v: lat.series.attainment_share }],
@@ -332,11 +339,20 @@
     }
     $("plan-title").textContent = "#" + plan.number + " · " + plan.status +
       (plan.applied_at ? " " + H.clock(Date.parse(plan.applied_at) / 1000, false) : "");
+    const rate = finite(plan.rate_qps) ? plan.rate_qps : plan.planned_rate_qps;
+    const lat = snap.latency;  // the SLO and its percentile, read from the spec
     const head = el("p", { class: "plan-head" }, [
       el("span", { class: "tag" + (plan.feasible ? "" : " no"), text: plan.feasible ? "feasible" : "infeasible" }),
       document.createTextNode(fleetText(plan.fleet) + " · " + usd(plan.cost_usd_per_hr, 3) + "/hr · planned for " +
-        qps(plan.planned_rate_qps) + (finite(plan.max_feasible_qps) ? " (at most " + qps(plan.max_feasible_qps) + ")" : "") +
-        (plan.trace && plan.trace.source ? " · trace: " + plan.trace.source : "")),
+        qps(rate) + (finite(plan.max_feasible_qps) ? " (at most " + qps(plan.max_feasible_qps) + ")" : "") + " · "),
+      el("span", {
+        class: "plan-predicted",
+        title: "the estimator's end-to-end P" + lat.percentile + " of the whole pipeline at the planned rate",
+        text: "predicted end-to-end P" + lat.percentile + " " +
+          (finite(plan.predicted_p99_ms) ? ms(plan.predicted_p99_ms) : "– (not in this plan)") +
+          (finite(lat.slo_ms) ? " (SLO " + ms(lat.slo_ms) + ")" : ""),
+      }),
+      document.createTextNode(plan.trace && plan.trace.source ? " · trace: " + plan.trace.source : ""),
     ]);
     const stages = table(
       [["stage"], ["fleet", "mix"], ["batch", "num"], ["P99 (sim.)", "num"], ["qps", "num"], ["$/hr", "num"]],
