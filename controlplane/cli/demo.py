@@ -147,18 +147,15 @@ def _client_url(sock: socket.socket) -> str:
 def _plan_summary(plan: PlanRecord | None, budget_usd_per_hr: float) -> str:
     if plan is None:
         return f"no plan applied (none feasible within ${budget_usd_per_hr:g}/hr)"
-    document = plan.document
+    typed = plan.plan
     fleets = "; ".join(
-        ",".join(f"{name}={count}" for name, count in sorted(stage.get("fleet", {}).items()))
-        for stage in document.get("stages", [])
+        ",".join(f"{name}={count}" for name, count in sorted(stage.fleet.items()))
+        for stage in typed.stages
     )
-    p99_ms = max(
-        (stage.get("predicted_p99_ms", 0.0) for stage in document.get("stages", [])), default=0.0
-    )
-    rate_qps = document.get("trace", {}).get("rate_qps", document.get("planned_rate_qps", 0.0))
+    p99 = "n/a" if typed.predicted_p99_ms is None else f"{typed.predicted_p99_ms:.0f} ms"
     return (
-        f"plan {plan.number} applied: {fleets}, ${document.get('cost_usd_per_hr', 0.0):.2f}/hr,"
-        f" predicted p99 {p99_ms:.0f} ms on a {rate_qps:.0f} qps planning trace"
+        f"plan {plan.number} applied: {fleets}, ${typed.cost_usd_per_hr:.2f}/hr,"
+        f" predicted end-to-end p99 {p99} at {typed.rate_qps:.0f} qps"
     )
 
 
