@@ -7,96 +7,11 @@ whose starting point comes from the Kairos throughput upper bound (Kairos, HPDC'
 a configuration is feasible when the simulated P-th percentile of the response times on the
 planning trace is within the SLO (P = ``slo.percentile``, 99 by default).
 
-For one stage (model m, candidate types T, prices P_t, SLO L, budget B, caps c_t):
-
-**Algorithm 1 (a feasible start, cost ignored but never above B).**
-
-1. Service-time bound. With L_t(b) the mean latency of type t at batch size b and max batch 1,
-   no configuration answers query q sooner than S_q = min_t L_t(b_q). If the P-th percentile of
-   S_q over the trace exceeds L, no plan exists: :class:`InfeasibleSLOError` names the model,
-   the fastest type at that batch size, its latency and the SLO.
-2. Start mix. The Kairos quantities of m on the trace's empirical batch-size pmf rank every
-   affordable configuration n (sum_t n_t P_t <= B, n_t <= c_t) by its bound UB(n). The start is
-   the cheapest n with ``HEADROOM`` x UB(n) >= r_peak (r_peak: the most arrivals in any
-   ``PEAK_WINDOW_S`` window of the trace, per second), else the configuration of highest bound.
-   When B affords more than ``MAX_RANKED_MIXES`` configurations, the ranking covers those within
-   the smallest b = P_min 2^i (P_min the cheapest full-range price) that holds a covering one, so
-   the start is still the cheapest covering mix (a large budget no longer starts Algorithm 2 from
-   an oversized fleet that it trims one instance, and two simulations, at a time).
-3. Add capacity. While the simulated P99 exceeds L, add one instance of the most cost-effective
-   type (largest Q_t / P_t, Q_t = 1000 / mean_q L_t(b_q)) whose addition lowers the P99 and
-   keeps the fleet within B and c_t. If none does, no plan within the budget serves the trace.
-
-**Algorithm 2 (cut cost greedily).** From a feasible (n, k), with k the batch size (the most
-queued queries an instance takes at once), repeat: list the actions
-
-- remove one instance of type t (the fleet keeps at least one instance),
-- move one instance of type t to a cheaper type u (P_u < P_t, within c_u),
-- double the batch size and remove one instance of type t (only when every type of the fleet
-  has a profile up to 2k x the trace's smallest batch size; doubling alone saves nothing, so it
-  is paired with the removal it is meant to allow),
-
-ordered by the cost they save (ties: the order above, then by type name); simulate them in that
-order and apply the first feasible one, which is the feasible action of largest saving. Stop
-when none is feasible. Every step is one sentence in :attr:`PlanDocument.steps`.
-
-**Budget.** A plan never costs more than B: Algorithm 1 only adds instances that keep the fleet
-within B and Algorithm 2 only lowers cost. When no plan within B serves the trace,
-:attr:`PlanDocument.max_feasible_qps` is the highest rate r (arrival times scaled by r_trace / r) at
-which Algorithm 1 finds one, by bisection to ``RATE_REL_TOL``; the stages are then planned for
-that rate.
-
-**Dispatch.** A single-type fleet is served first come, first served (the compiled kernel);
-a mix by the Kairos dispatcher (``policy_factory("kairos", ...)``), its base the most
-cost-effective type of the fleet that meets the SLO at every batch size of the trace (FCFS
-when none does).
-
-**Cost of planning.** The planner simulates the first ``PLANNING_QUERIES`` queries of the trace
-only; every simulation uses the same seed (common random numbers, so two configurations differ
-by their capacity, not by noise) and results are cached by (fleet, batch size).
-
-**Cascades.** Each model of a cascade is its own stage with an equal share L / M of the SLO,
-planned within the budget left by the stages before it less the cheapest instance of each
-stage after it. With the spec's thresholds and validation records, stage m is planned on the
-queries that reach it: each query carries a validation sample (the trace's ``sample_id``, else
-one drawn uniformly with the planning seed), it stops at the first stage whose certainty reaches
-that stage's threshold, and s_m, the share reaching stage m, is InferLine's scale factor.
-Without records every query is assumed to reach every stage (s_m = 1, an over-provisioned but
-safe plan), and the steps say so.
-
-**End-to-end prediction.** The stages are planned one by one, each against its share of the
-SLO; the plan's own ``predicted_p99_ms`` is the P-th percentile of the end-to-end response time
-(arrival to answer, every stage visited) when the whole pipeline runs together on the trace the
-stages were planned for (the planning sample, scaled to ``rate_qps`` when infeasible): one
-simulation of every stage with its planned fleet, batch size and dispatch policy, stage m
-forwarding to stage m + 1 the queries that reach it in the planning (the validation records'
-answering stage, or every query without records), with the planning seed, counted in
-``simulations``. A single stage is the whole pipeline: its own simulation (same trace, same seed)
-is the prediction. It informs and does not decide: ``feasible`` remains every stage meeting its
-share, and a step says whether the end-to-end prediction is within the SLO. A plan without stages
-predicts nothing (``None``).
-
-**Gear plan.** A cascade with validation records also gets CascadeServe's gear plan on the
-plan's placement (``controlplane.policies.gears.plan_gears``: which cascade and batch caps serve
-each QPS range within the SLO, at the spec's accuracy floor if any), in the document as
-``gear_plan``; the live gear switcher (``controlplane.loops.live_gears``) serves by it. A placement
-no gear fits leaves the plan without one, and the steps say why.
-
-**Planned envelope.** The document carries the arrival envelope of the trace the stages were
-planned for (``envelope``: ``windows_s`` and ``rate_qps``, r_i = the most arrivals in any window
-of length w_i over w_i; ``estimator.envelope.arrival_envelope``), which InferLine's tuner compares
-live traffic with (Algorithm 3) and the dashboard draws. The trace is the app's arrivals, all
-stages together: the planned part of the trace (its first ``PLANNING_QUERIES``, from 0 s), and when
-the budget cannot serve it, that part scaled to the plan's ``rate_qps``, the rate the stages are
-planned for (an infeasible plan carries its envelope too: it is what its stages serve). The windows
-are the tuner's (``tuner_windows_s``): from the service time doubling to ``DEFAULT_MAX_WINDOW_S``,
-the service time taken as the live tuner (``controlplane.loops.live_tuner``) takes it, the slowest
-planned instance's 1 / mu_t at its stage's batch size
-(``controlplane.policies.replay.rate_per_instance_qps`` on the profile's smallest batch), but never
-below ``MIN_ENVELOPE_WINDOW_S``, and only the windows no longer than the trace's span (a longer
-window's count / window falls with the window although the trace never slowed, so live traffic at
-the planned rate would exceed it). A plan without instances, or one where no window is left, carries
-no envelope.
+docs/planner.md states the algorithm step by step (the service-time bound, the Kairos start mix,
+Algorithm 1's added capacity, Algorithm 2's greedy cuts, the budget rule, cascades planned for
+the share of queries that reach each stage, the end-to-end prediction, the planned envelope and
+the document's contract); the functions below cite the step they implement. Why the constants
+have their values is said where they are defined.
 """
 
 from __future__ import annotations
