@@ -51,6 +51,7 @@ from estimator.errors import (
 from estimator.profiles import LatencyProfile, ProfileSet, load_profiles
 
 __all__ = [
+    "MAX_BUDGET_USD_PER_HR",
     "AppSpec",
     "ModelSpec",
     "ResolvedApp",
@@ -73,6 +74,13 @@ _APP_NAME_MAX = 63
 
 
 # --- errors ----------------------------------------------------------------------------------
+
+
+# A path the OS can look up: no NUL byte (open() and realpath() raise ValueError on one).
+_PATH_PATTERN = r"^[^\x00]*$"
+# The largest budget a spec (and the budget route) accepts: a million dollars an hour is past any
+# fleet this plans, and a bound keeps counts = budget / price far from integer overflow.
+MAX_BUDGET_USD_PER_HR = 1e6
 
 
 class SpecError(EstimatorError):
@@ -142,6 +150,7 @@ class ModelSpec(BaseModel):
     name: str = Field(min_length=1, description="the model's name as the profile file spells it")
     profiles: str = Field(
         min_length=1,
+        pattern=_PATH_PATTERN,
         description="Kairos samples CSV (.csv or .csv.gz) or the project's profile JSON; a"
         " relative path resolves against the spec file's folder",
     )
@@ -182,14 +191,15 @@ class AppSpec(BaseModel):
     validation: str | None = Field(
         default=None,
         min_length=1,
+        pattern=_PATH_PATTERN,
         description="validation records (heteroplane.validation/v1) of the cascade's models: the"
         " share of queries reaching each stage (its scale factor) comes from them",
     )
     slo: SLOSpec
-    budget_usd_per_hr: float = Field(gt=0, allow_inf_nan=False)
+    budget_usd_per_hr: float = Field(gt=0, le=MAX_BUDGET_USD_PER_HR, allow_inf_nan=False)
     instance_types: list[str] = Field(min_length=1)
     max_counts: dict[str, int] | None = None
-    catalog: str | None = Field(default=None, min_length=1)
+    catalog: str | None = Field(default=None, min_length=1, pattern=_PATH_PATTERN)
 
     @model_validator(mode="after")
     def _check_fields_together(self) -> AppSpec:
@@ -359,6 +369,8 @@ def _problem(kind: str, detail: Mapping[str, Any], loc: Sequence[int | str]) -> 
             return f"must be {sign} {shown}, got {got}"
     if kind == "finite_number":
         return f"must be a finite number, got {got}"
+    if kind == "string_pattern_mismatch" and context.get("pattern") == _PATH_PATTERN:
+        return "must be a path without NUL bytes"
     if kind == "string_pattern_mismatch":
         return (
             f"must be lowercase letters, digits and '-' (not first or last), got {got}"
@@ -534,6 +546,14 @@ def resolve_spec(spec: AppSpec, base_dir: str | Path | None = None) -> ResolvedA
         if name not in catalog:
             raise SpecUnknownInstanceTypeError(f"instance_types[{i}]", name, catalog.names)
     prices = {name: catalog.price_usd_per_hr(name) for name in spec.instance_types}
+    for i, name in enumerate(spec.instance_types):
+        if prices[name] <= 0 and spec.max_count(name) is None:
+            # The budget bounds a type's count by its price; a free type needs a cap instead.
+            raise SpecError(
+                f"instance_types[{i}]",
+                f"{name} costs nothing, so the budget does not bound how many run:"
+                f" give it a cap in max_counts",
+            )
     cheapest = min(prices, key=lambda name: prices[name])
     if prices[cheapest] > spec.budget_usd_per_hr:
         raise SpecError(
@@ -571,7 +591,7 @@ def _load_spec_validation(spec: AppSpec) -> ValidationRecords | None:
     if spec.validation is None:
         return None
     path = spec.validation
-    if not Path(path).is_file():
+    if not _is_file("validation", path):
         raise SpecError("validation", f"no such file: {path}")
     try:
         records = load_validation(path)
@@ -589,7 +609,7 @@ def _load_spec_validation(spec: AppSpec) -> ValidationRecords | None:
 
 
 def _load_spec_catalog(path: str | None) -> Catalog:
-    if path is not None and not Path(path).is_file():
+    if path is not None and not _is_file("catalog", path):
         raise SpecError("catalog", f"no such file: {path}")
     try:
         return load_catalog(path)
@@ -599,8 +619,17 @@ def _load_spec_catalog(path: str | None) -> Catalog:
         raise SpecError("catalog", str(error)) from error
 
 
+def _is_file(field: str, path: str) -> bool:
+    """Whether ``path`` is a file; a path the OS cannot even look up (a NUL byte in it) is the
+    spec's error, not the service's."""
+    try:
+        return Path(path).is_file()
+    except (ValueError, OSError) as error:
+        raise SpecError(field, f"not a usable path: {error}") from None
+
+
 def _load_spec_profiles(field: str, path: str) -> ProfileSet:
-    if not Path(path).is_file():
+    if not _is_file(field, path):
         raise SpecError(field, f"no such file: {path}")
     try:
         return load_profiles(path)

@@ -684,6 +684,9 @@ def _tolerance(budget: float) -> float:
     return 1e-9 * max(1.0, budget)
 
 
+_MAX_COUNT = 2**31 - 1
+
+
 def _caps(q: KairosQuantities, budget: float, max_counts: Mapping[str, int] | None) -> IntArray:
     """The largest count of each type: min(floor(B / P_t), max count)."""
     limits = dict(max_counts or {})
@@ -697,7 +700,11 @@ def _caps(q: KairosQuantities, budget: float, max_counts: Mapping[str, int] | No
     for i, t in enumerate(q.types):
         limit = limits.get(t.instance_type)
         if t.price_usd_per_hr > 0:
-            affordable = math.floor((budget + _tolerance(budget)) / t.price_usd_per_hr)
+            # Capped so that an absurd budget cannot overflow int64 (the ranking's own size
+            # limits refuse such a space with a clear error later).
+            affordable = min(
+                math.floor((budget + _tolerance(budget)) / t.price_usd_per_hr), _MAX_COUNT
+            )
             caps[i] = affordable if limit is None else min(affordable, int(limit))
         elif limit is None:
             raise BudgetError(

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controlplane.apps.plans import DEFAULT_TRACE_QUERIES
 from controlplane.policies.planner import PLANNING_QUERIES
+from controlplane.spec import MAX_BUDGET_USD_PER_HR
 
 __all__ = [
     "DEFAULT_TRACE_QUERIES",
@@ -54,7 +55,6 @@ __all__ = [
 ]
 
 # A budget above a million USD/hr is a typo (or an attack on the planner's enumeration).
-MAX_BUDGET_USD_PER_HR = 1e6
 # The fastest arrival rate a planning trace may have; the Kairos setting runs at tens of qps.
 MAX_RATE_QPS = 1e5
 # Queries in a planning trace generated for a request that does not say.

@@ -512,7 +512,11 @@ def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _
 
 def _value_per_usd(inputs: _StageInputs, sizes: np.ndarray) -> dict[str, float]:
     """Q_t / P_t: queries per second per USD/hr of each type on the trace's batch sizes."""
-    return {t: p.rate_qps(sizes) / inputs.prices_usd_per_hr[t] for t, p in inputs.profiles.items()}
+    # A free type (price 0, which a spec allows only with a cap) is of unbounded value per USD.
+    return {
+        t: p.rate_qps(sizes) / price if (price := inputs.prices_usd_per_hr[t]) > 0 else math.inf
+        for t, p in inputs.profiles.items()
+    }
 
 
 def _run(

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 import controlplane.spec as spec_module
+from controlplane.policies.planner import plan_app
 from controlplane.spec import (
     AppSpec,
     SpecError,
@@ -32,6 +33,7 @@ from estimator.errors import (
     UnknownModelError,
 )
 from estimator.profiles import KAIROS_COLUMNS
+from estimator.traces import Trace
 from tests.conftest import KAIROS_CSV, needs_shared
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rm2.yaml"
@@ -465,3 +467,45 @@ def test_example_spec_resolves() -> None:
     assert set(app.prices_usd_per_hr) == set(spec.instance_types)
     for instance_type in spec.instance_types:
         assert app.profile("rm2", instance_type).max_batch_size == 1000
+
+
+# --- inputs that once crashed the service --------------------------------------------------------
+
+
+def test_an_absurd_budget_is_refused_with_its_bound() -> None:
+    with pytest.raises(SpecError) as caught:
+        validate_spec(with_change("budget_usd_per_hr", 1e308))
+    assert caught.value.field == "budget_usd_per_hr"
+    assert validate_spec(with_change("budget_usd_per_hr", 1e6)).budget_usd_per_hr == 1e6
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        ("models.0.profiles", "models[0].profiles"),
+        ("validation", "validation"),
+        ("catalog", "catalog"),
+    ],
+)
+def test_a_path_with_a_nul_byte_is_named(path: str, field: str) -> None:
+    document = cascade_document() if path == "validation" else good_document()
+    if path == "validation":
+        document["thresholds"] = [0.5, 0.5]
+    with pytest.raises(SpecError) as caught:
+        validate_spec(with_change(path, "bad\x00name", document))
+    assert caught.value.field == field and "NUL" in str(caught.value)
+
+
+def test_a_free_type_needs_a_cap_and_then_plans(tmp_path: Path) -> None:
+    pairs = [("rm2", "g4dn.xlarge"), ("rm2", "local.cpu")]
+    write_profiles_csv(tmp_path / "profiles.csv", pairs)
+    document = with_change("instance_types", ["g4dn.xlarge", "local.cpu"])
+    with pytest.raises(SpecError) as caught:
+        resolve_spec(validate_spec(document), base_dir=tmp_path)
+    assert caught.value.field == "instance_types[1]" and "max_counts" in str(caught.value)
+    capped = with_change("max_counts", {"local.cpu": 2}, document)
+    app = resolve_spec(validate_spec(capped), base_dir=tmp_path)
+    rng = np.random.default_rng(0)
+    arrival_s = np.cumsum(rng.exponential(1 / 50.0, 2_000))
+    plan = plan_app(app, Trace(arrival_s, np.ones(arrival_s.size, dtype=np.int64)))
+    assert plan.fleet.get("local.cpu", 0) <= 2
