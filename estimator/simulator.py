@@ -1,9 +1,10 @@
 """The discrete-event simulator: InferLine's estimator, generalised to heterogeneous fleets.
 
-A trace of queries flows through one or more stages. Each stage has a central queue, a fleet of
-instances (of several instance types, each with its latency profile) and a dispatch policy
-(:mod:`matching.policy`). An instance serves one batch at a time; a batch of queries whose batch
-sizes sum to B takes a service time drawn from its type's profile at B. After a stage, a query
+A trace of queries flows through one or more stages. Each stage has a central queue
+(:class:`matching.queues.CentralQueue`, the live dispatcher's too), a fleet of instances (of several
+instance types, each with its latency profile) and a dispatch policy (:mod:`matching.policy`). An
+instance serves one batch at a time; a batch of queries whose batch sizes sum to B takes a service
+time drawn from its type's profile at B. After a stage, a query
 either leaves (its response time is completion minus arrival, spanning every stage it visited) or,
 for cascades, is forwarded to the next stage's queue (InferLine section 4.2, "conditional control
 flow using scale factor s"). Instances may join and leave during the run (``InstanceSpec``), which
@@ -34,10 +35,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, overload
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -48,6 +48,7 @@ from estimator.traces import Trace
 from matching.errors import InvalidDispatchError
 from matching.fcfs import FcfsPolicy
 from matching.policy import Dispatch, DispatchPolicy, QueuedQuery, StageContext
+from matching.queues import CentralQueue
 
 Engine = Literal["auto", "events", "kernel"]
 
@@ -488,75 +489,6 @@ class _Instance:
         return self.running is None and self.ready_s <= now_s < self.stop_s
 
 
-class _Queue(Sequence[QueuedQuery]):
-    """A stage's central queue in arrival order, with O(1) removal from anywhere.
-
-    Policies may dispatch queries from the middle (Kairos, DRS, Clockwork); rebuilding a deque
-    for each such removal made overloaded runs quadratic. Removed entries stay behind as
-    tombstones, skipped by every read and dropped once they reach the head.
-    """
-
-    __slots__ = ("_by_id", "_items", "_removed")
-
-    def __init__(self) -> None:
-        self._items: deque[QueuedQuery] = deque()
-        self._by_id: dict[int, QueuedQuery] = {}
-        self._removed: set[int] = set()
-
-    def append(self, item: QueuedQuery) -> None:
-        self._items.append(item)
-        self._by_id[item.query_id] = item
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-    def __iter__(self) -> Iterator[QueuedQuery]:
-        if not self._removed:
-            return iter(self._items)
-        removed = self._removed
-        return (item for item in self._items if item.query_id not in removed)
-
-    def __reversed__(self) -> Iterator[QueuedQuery]:
-        removed = self._removed
-        return (item for item in reversed(self._items) if item.query_id not in removed)
-
-    @overload
-    def __getitem__(self, index: int) -> QueuedQuery: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[QueuedQuery]: ...
-    def __getitem__(self, index: int | slice) -> QueuedQuery | Sequence[QueuedQuery]:
-        if isinstance(index, slice):
-            return list(self)[index]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(index)
-        if not self._removed:
-            return self._items[index]
-        if index == 0:  # tombstones are dropped once they reach the head
-            return self._items[0]
-        for position, item in enumerate(self):
-            if position == index:
-                return item
-        raise IndexError(index)
-
-    def take(self, ids: tuple[int, ...]) -> list[QueuedQuery]:
-        """Remove the queries ``ids`` (in that order) and return them."""
-        if len(set(ids)) != len(ids) or any(q not in self._by_id for q in ids):
-            raise InvalidDispatchError(f"dispatch of queries that are not queued: {ids}")
-        items = self._items
-        taken = []
-        for q in ids:
-            taken.append(self._by_id.pop(q))
-            if items and items[0].query_id == q:
-                items.popleft()
-            else:
-                self._removed.add(q)
-        while items and items[0].query_id in self._removed:
-            self._removed.discard(items.popleft().query_id)
-        return taken
-
-
 class _StageState:
     __slots__ = ("context", "forward", "instances", "policy", "queue", "table")
 
@@ -575,7 +507,7 @@ class _StageState:
             )
             for i, spec in enumerate(stage.instances)
         ]
-        self.queue = _Queue()
+        self.queue = CentralQueue()
         self.policy = stage.policy
         self.table = table
         self.forward = stage.forward
@@ -744,7 +676,7 @@ class _EventEngine:
         if not dispatch.query_ids:
             raise InvalidDispatchError("an empty dispatch")
         ids = dispatch.query_ids
-        taken = state.queue.take(ids)
+        taken = state.queue.take_batch(ids)
         total = sum(item.batch_size for item in taken)
         if total > inst.max_batch_size:
             raise InvalidDispatchError(

@@ -1,17 +1,23 @@
-"""The dispatcher of one app: central queues per stage, the matching policy, batches to workers.
+"""The dispatcher of one app: its queries from arrival to answer, through central queues per stage,
+the matching policy, and batches to workers.
 
-This module owns how an app's queries flow through its workers while the service runs
-(:class:`AppDispatcher`, on the asyncio event loop that serves the API):
+This module owns the hot path of an app's serving (:class:`AppDispatcher`, on the asyncio event
+loop that serves the API); it composes the app's placement (:mod:`controlplane.serving.placement`:
+which workers serve which stage, under which policy), its workers' health
+(:mod:`controlplane.serving.health`: unhealthy marking, probes, retries) and its variants
+(:mod:`controlplane.serving.variants`: model-less choice, INFaaS states, the loads admission
+judges).
 
-- **Stages.** One stage per model of the app, each with a central queue in arrival order (the
-  simulator's and InferLine's centralized queue) and its own dispatch policy object, built by
+- **Stages.** One stage per model of the app (:class:`~controlplane.serving.stages.Stage`), each
+  with a central queue in arrival order (:class:`matching.queues.CentralQueue`: the simulator's
+  and InferLine's centralized queue) and its own dispatch policy object, built by
   :func:`estimator.policies.policy_factory` over the live instances' types and the model's
   profiles: the same classes, built the same way, that the simulator and the planner run, so
   what is simulated is what runs. The policy is the plan's for that stage when the applied plan
-  names one, else the planner's rule (:func:`policy_name`: FCFS for one instance type, Kairos
-  over a mix when some type serves the whole range within the SLO). Its batch cap
-  (``max_batch_queries``) comes from the gear in force, else the plan's stage ``batch_size``,
-  else 1.
+  names one, else the planner's rule (:func:`~controlplane.serving.placement.policy_name`: FCFS
+  for one instance type, Kairos over a mix when some type serves the whole range within the
+  SLO). Its batch cap (``max_batch_queries``) comes from the gear in force, else the plan's stage
+  ``batch_size``, else 1.
 - **Rounds.** A round asks a stage's policy which queued queries start on which idle instances
   (:class:`matching.policy.DispatchPolicy`). Arrivals, completions, failures and fleet changes
   mark stages dirty; one round per dirty stage runs at the next turn of the event loop (so the
@@ -26,27 +32,25 @@ This module owns how an app's queries flow through its workers while the service
   reaches the threshold h_i (or at the last stage), and the others go together, as one new
   query, to the next model's queue, keeping the original arrival time (the SLO clock runs from
   arrival). The request resolves when every sample is final.
-- **Failures.** A worker whose call fails is unhealthy at once (:class:`~controlplane.serving.
-  workers.Worker`) and its batch goes back to the front of its stage's queue, up to
-  ``max_attempts`` tries per query, then an explicit error (502). A healthy worker idle for
-  ``idle_probe_s`` is probed too, so one that died while idle leaves matching (recorded like a
-  failed call, with nothing in flight) before a query is sent to it. A worker that refuses the
-  inputs themselves (400) fails the queries at once: another would refuse them too. A query past
-  its SLO is still served and answered, flagged ``late``; only past ``give_up_s`` (far beyond
-  the SLO) is it answered with an explicit timeout (504), and a query nothing can serve (no
-  healthy instance of its model) is refused at arrival (503), so nothing waits without bound.
+- **Failures.** A worker whose call fails is unhealthy at once and its batch goes back to the
+  front of its stage's queue, up to ``max_attempts`` tries per query, then an explicit error
+  (502); a worker that refuses the inputs themselves (400) fails the queries at once
+  (:mod:`controlplane.serving.health`, which also probes idle and unhealthy workers). A query
+  past its SLO is still served and answered, flagged ``late``; only past ``give_up_s`` (far
+  beyond the SLO) is it answered with an explicit timeout (504), and a query nothing can serve
+  (no healthy instance of its model) is refused at arrival (503), so nothing waits without bound.
 - **Admission and states.** :mod:`controlplane.serving.admission` refuses a query (429) whose
   queue cannot be served within the SLO even at the cheapest gear; :mod:`controlplane.serving.
   states` marks (model, instance) pairs overloaded or interfered, and rounds leave interfered
   instances out while the model has an active one.
 - **Model-less queries** (INFaaS): a request with requirements (latency, minimum accuracy) gets
-  the cheapest variant that meets them (:func:`controlplane.policies.variants.choose` over the app's
-  cascade, the gear in force and each of its models alone, with latency predicted as admission
-  predicts it and accuracy from the validation records), or a
-  :class:`~controlplane.errors.RequirementsUnmetError` naming the closest offer.
+  the cheapest variant that meets them (:class:`~controlplane.serving.variants.AppVariants`), or
+  a :class:`~controlplane.errors.RequirementsUnmetError` naming the closest offer.
 
 Everything here runs on one event loop; nothing blocks it (the store and the provider are read
-by :mod:`controlplane.serving.loop` in threads).
+by :mod:`controlplane.serving.loop` in threads). The configuration types (:class:`AppConfig`,
+:class:`StagePlan`, :class:`ServingGear`, :class:`DispatcherSettings`), :class:`WorkerLoss` and
+:func:`policy_name` live beside it and are re-exported here.
 """
 
 from __future__ import annotations
@@ -56,43 +60,45 @@ import functools
 import logging
 import math
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import overload
-
-import numpy as np
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from controlplane.errors import (
     NoServingInstanceError,
     OverloadedError,
     QueryFailedError,
     QueryTimeoutError,
-    RequirementsUnmetError,
     ServingError,
     WorkerCallError,
 )
-from controlplane.policies.variants import Requirements, VariantOption, VariantState, choose
-from controlplane.serving.admission import (
-    DEFAULT_MAX_QUEUED_SAMPLES,
-    StageLoad,
-    decide,
-    predicted_latency_ms,
+from controlplane.policies.variants import Requirements, VariantOption
+from controlplane.serving.admission import decide, predicted_latency_ms
+from controlplane.serving.config import (
+    AppConfig,
+    DispatcherSettings,
+    GearSource,
+    ServingGear,
+    StagePlan,
+    batch_cap,
 )
+from controlplane.serving.health import Health, WorkerLoss
 from controlplane.serving.observations import Observations
+from controlplane.serving.placement import Placement, policy_name
+from controlplane.serving.stages import Slot, Stage
 from controlplane.serving.states import ModelState, StateTracker, is_overloaded, model_state
 from controlplane.serving.transport import WorkerReply, WorkerTransport
+from controlplane.serving.variants import AppVariants
 from controlplane.serving.workers import Worker, WorkerEndpoint
-from estimator.cascades import Cascade, ValidationRecords, evaluate
-from estimator.policies import full_range_types, policy_factory
-from estimator.profiles import LatencyProfile
-from matching.policy import DispatchPolicy, QueuedQuery, StageContext
+from estimator.cascades import Cascade
+from estimator.policies import policy_factory
+from matching.policy import QueuedQuery, StageContext
 
 __all__ = [
     "AppConfig",
     "AppDispatcher",
     "AppStatus",
     "DispatcherSettings",
+    "GearSource",
     "InferResult",
     "ServingGear",
     "StagePlan",
@@ -108,78 +114,7 @@ logger = logging.getLogger(__name__)
 _SWEEP_S = 0.25
 
 
-# --- configuration -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class StagePlan:
-    """What the applied plan says of a model's stage: its fleet (type -> count; the instances
-    placed on it), its batch cap and its dispatch policy."""
-
-    fleet: Mapping[str, int] | None = None
-    max_batch_queries: int = 1
-    policy: str | None = None
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class AppConfig:
-    """What the dispatcher needs of an app: its SLO, its models (one stage each), the cascade it
-    serves by default (a single model is the cascade of one), each model's profile per instance
-    type, prices, the validation records of its models (cascade accuracy and reach; optional),
-    the applied plan's stages by model, and a ``version`` that changes whenever any of it does."""
-
-    name: str
-    slo_ms: float
-    models: tuple[str, ...]
-    cascade: Cascade
-    profiles: Mapping[str, Mapping[str, LatencyProfile]]
-    prices_usd_per_hr: Mapping[str, float]
-    validation: ValidationRecords | None = None
-    stage_plans: Mapping[str, StagePlan] = field(default_factory=dict)
-    version: tuple[object, ...] = ()
-
-    def __post_init__(self) -> None:
-        missing = [m for m in self.cascade.models if m not in self.models]
-        if missing:
-            raise ValueError(f"the cascade names models the app does not serve: {missing}")
-
-
-@dataclass(frozen=True, slots=True)
-class ServingGear:
-    """A gear the switcher puts in force: its cascade, the batch cap of each of its models, and
-    the cheapest (fastest) gear the app may switch to, which admission control judges by."""
-
-    cascade: Cascade
-    max_batch_queries: Mapping[str, int] = field(default_factory=dict)
-    cheapest: Cascade | None = None
-
-
-GearSource = Callable[[], ServingGear | None]
-
-
-@dataclass(frozen=True, slots=True)
-class DispatcherSettings:
-    """Timeouts and limits of the dispatch loop.
-
-    A worker call times out after max(``call_timeout_floor_s``, ``call_timeout_factor`` x the
-    batch's predicted service time); a query is tried on at most ``max_attempts`` workers; it is
-    answered with a timeout error ``give_up_s`` after its arrival (default: max(30 s, 20 x the
-    SLO)); ``admission`` turns admission control off (benchmarks of the bare loop). A healthy
-    worker idle for ``idle_probe_s`` gets a health probe with the call timeout floor (None: never).
-    """
-
-    call_timeout_floor_s: float = 2.0
-    call_timeout_factor: float = 10.0
-    max_attempts: int = 3
-    give_up_s: float | None = None
-    max_queued_samples: int = DEFAULT_MAX_QUEUED_SAMPLES
-    admission: bool = True
-    idle_probe_s: float | None = 5.0
-
-    def give_up_after_s(self, slo_ms: float) -> float:
-        if self.give_up_s is not None:
-            return self.give_up_s
-        return max(30.0, 20.0 * slo_ms / 1000.0)
+# --- answers and status ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,20 +132,6 @@ class InferResult:
     service_ms: float
     total_ms: float
     late: bool
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLoss:
-    """A worker just marked unhealthy, and what became of the queries in flight on it then (the
-    batch it held: a worker serves one at a time): ``redispatched_queries`` went back to the
-    front of their stage's queue for another instance, ``failed_queries`` were answered with an
-    error (their last attempt, or no healthy instance left to serve them)."""
-
-    endpoint: WorkerEndpoint
-    reason: str
-    in_flight_queries: int
-    redispatched_queries: int
-    failed_queries: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,114 +172,6 @@ class AppStatus:
     workers: tuple[WorkerStatus, ...]
     stages: tuple[StageStatus, ...]
     in_flight_requests: int
-
-
-def policy_name(
-    plan: StagePlan | None, profiles: Mapping[str, LatencyProfile], slo_ms: float
-) -> tuple[str, list[str]]:
-    """The dispatch policy of a stage over the instance types in ``profiles`` and its base
-    types: the plan's when it names one of fcfs or kairos, else the planner's rule (FCFS for one
-    type; Kairos over a mix when a type serves the whole batch range within the SLO, the most
-    cost-effective first; else FCFS)."""
-    types = sorted(profiles)
-    wanted = plan.policy if plan is not None else None
-    if len(types) <= 1 or wanted == "fcfs":
-        return "fcfs", types
-    base = full_range_types(profiles, np.array([1]), slo_ms)
-    if base and wanted in (None, "kairos"):
-        return "kairos", base
-    return "fcfs", base
-
-
-# --- latency tables ----------------------------------------------------------------------------
-
-
-class _Latency:
-    """A profile's mean service time by batch size, as a list (looked up per dispatch); beyond
-    the largest profiled size the per-sample time of the largest holds."""
-
-    __slots__ = ("max_batch_size", "means_ms")
-
-    def __init__(self, profile: LatencyProfile) -> None:
-        means = profile.mean_by_batch_ms()
-        low = profile.min_batch_size
-        means[:low] = means[low]
-        self.means_ms: list[float] = [float(v) for v in means]
-        self.max_batch_size = profile.max_batch_size
-
-    def ms(self, batch_size: int) -> float:
-        top = self.max_batch_size
-        if batch_size <= top:
-            return self.means_ms[max(batch_size, 1)]
-        return self.means_ms[top] * batch_size / top
-
-
-# --- queues ------------------------------------------------------------------------------------
-
-
-class _Queue(Sequence[QueuedQuery]):
-    """A stage's central queue in arrival order, with removal from anywhere and re-insertion at
-    the front (a failed batch's queries). Removed entries stay behind as tombstones until the
-    next read compacts them away."""
-
-    __slots__ = ("_by_id", "_items", "_removed")
-
-    def __init__(self) -> None:
-        self._items: deque[QueuedQuery] = deque()
-        self._by_id: dict[int, QueuedQuery] = {}
-        self._removed: set[int] = set()
-
-    def append(self, item: QueuedQuery) -> None:
-        self._items.append(item)
-        self._by_id[item.query_id] = item
-
-    def push_front(self, items: Sequence[QueuedQuery]) -> None:
-        for item in reversed(items):
-            self._items.appendleft(item)
-            self._by_id[item.query_id] = item
-
-    def _compact(self) -> None:
-        if self._removed:
-            removed = self._removed
-            self._items = deque(item for item in self._items if item.query_id not in removed)
-            removed.clear()
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-    def __bool__(self) -> bool:
-        return bool(self._by_id)
-
-    def __iter__(self) -> Iterator[QueuedQuery]:
-        self._compact()
-        return iter(self._items)
-
-    @overload
-    def __getitem__(self, index: int) -> QueuedQuery: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[QueuedQuery]: ...
-    def __getitem__(self, index: int | slice) -> QueuedQuery | Sequence[QueuedQuery]:
-        self._compact()
-        if isinstance(index, slice):
-            return list(self._items)[index]
-        return self._items[index]
-
-    def __contains__(self, item: object) -> bool:
-        return isinstance(item, QueuedQuery) and item.query_id in self._by_id
-
-    def take(self, query_id: int) -> QueuedQuery | None:
-        """Remove ``query_id`` (None when it is not queued)."""
-        item = self._by_id.pop(query_id, None)
-        if item is None:
-            return None
-        items = self._items
-        if items and items[0].query_id == query_id:
-            items.popleft()
-        else:
-            self._removed.add(query_id)
-        while items and items[0].query_id in self._removed:
-            self._removed.discard(items.popleft().query_id)
-        return item
 
 
 # --- requests ----------------------------------------------------------------------------------
@@ -419,65 +232,15 @@ class _Part:
 # --- stages ------------------------------------------------------------------------------------
 
 
-class _Slot:
-    """A worker as one stage's policy sees it (:class:`matching.policy.InstanceView`)."""
+class _Stage(Stage):
+    """A stage as the dispatcher keeps it: also the request part of each of its queued queries
+    (by query id)."""
 
-    __slots__ = ("index", "max_batch_size", "speed_rank", "worker")
-
-    def __init__(self, index: int, worker: Worker, speed_rank: int, max_batch_size: int) -> None:
-        self.index = index
-        self.worker = worker
-        self.speed_rank = speed_rank
-        self.max_batch_size = max_batch_size
-
-    @property
-    def instance_type(self) -> str:
-        return self.worker.endpoint.instance_type
-
-    @property
-    def busy_until_s(self) -> float:
-        return self.worker.busy_until_s
-
-    @property
-    def idle_since_s(self) -> float:
-        return self.worker.idle_since_s
-
-    def is_idle(self, now_s: float) -> bool:
-        worker = self.worker
-        return worker.healthy and not worker.running
-
-
-class _Stage:
-    __slots__ = (
-        "capacity",
-        "dirty",
-        "in_service_samples",
-        "latency",
-        "model",
-        "parts",
-        "policy",
-        "policy_key",
-        "policy_name",
-        "queue",
-        "queued_samples",
-        "slots",
-    )
+    __slots__ = ("parts",)
 
     def __init__(self, model: str) -> None:
-        self.model = model
-        self.queue = _Queue()
+        super().__init__(model)
         self.parts: dict[int, _Part] = {}
-        self.slots: list[_Slot] = []
-        self.latency: dict[str, _Latency] = {}
-        self.policy: DispatchPolicy | None = None
-        self.policy_key: tuple[str, ...] = ()
-        self.policy_name = ""
-        self.queued_samples = 0
-        self.in_service_samples = 0
-        self.dirty = False
-        # (samples, batch cap) -> (capacity in samples/s, fastest service ms): cleared whenever
-        # the stage's instances or their health change.
-        self.capacity: dict[tuple[int, int], tuple[float, float]] = {}
 
 
 # --- the dispatcher ----------------------------------------------------------------------------
@@ -504,8 +267,8 @@ class AppDispatcher:
         self.clock_s = clock_s
         self.gear = gear
         self.tracker = tracker or StateTracker()
-        self.on_unhealthy = on_unhealthy
-        self._workers: dict[str, Worker] = {}
+        self.placement = Placement()
+        self.health = Health(config.name, transport, self.settings, clock_s, on_unhealthy)
         self._stages: dict[str, _Stage] = {}
         self._interfered: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -517,7 +280,6 @@ class AppDispatcher:
         self._sweeper: asyncio.TimerHandle | None = None
         self._rounds_scheduled = False
         self._closed = False
-        self._quality: dict[Cascade, tuple[float, tuple[float, ...]]] = {}
         self.config = config
         self.gear_label = config.cascade.label  # the gear in force at the last arrival
         self._last_gear: ServingGear | None = None
@@ -534,7 +296,8 @@ class AppDispatcher:
         longer serves are dropped, and their queued queries answered with an error."""
         self.config = config
         self._own_gear = ServingGear(config.cascade)
-        self._quality.clear()
+        self.variants = AppVariants(config, self._stages, self.tracker)
+        self.health.app = config.name
         for model in [m for m in self._stages if m not in config.models]:
             stage = self._stages.pop(model)
             for part in list(stage.parts.values()):
@@ -546,86 +309,24 @@ class AppDispatcher:
     def set_workers(self, endpoints: Sequence[WorkerEndpoint]) -> None:
         """The app's running workers now: new ones join (healthy), gone ones leave (a batch they
         hold still completes or fails as it will)."""
-        now = self.clock_s()
-        listed = {e.instance_id: e for e in endpoints}
-        changed = False
-        for instance_id in [i for i in self._workers if i not in listed]:
-            del self._workers[instance_id]
-            changed = True
+        changed = self.placement.update(endpoints, self.clock_s())
+        listed = {e.instance_id for e in endpoints}
         gone = [i for i in {key[1] for key in self._interfered} if i not in listed]
         self.tracker.forget(gone)
         self._interfered = {key for key in self._interfered if key[1] in listed}
-        for instance_id, endpoint in listed.items():
-            worker = self._workers.get(instance_id)
-            if worker is None or worker.endpoint != endpoint:
-                self._workers[instance_id] = Worker(endpoint, now)
-                changed = True
         if changed:
             self._place()
             self._fail_stranded("the workers left the fleet")
 
     def workers(self) -> list[Worker]:
-        return list(self._workers.values())
+        return list(self.placement.workers.values())
 
     def _place(self) -> None:
-        """Assign workers to stages (the plan's placement) and rebuild the stages' slots and
-        policies where their instance types changed.
-
-        The plan's stage fleets place instances by type, in the cascade's order (a stage takes
-        as many of each type as its fleet names, from the workers not yet placed); workers left
-        over serve every stage, and a stage the placement leaves without any serves on all of
-        them (a query must never wait for a stage with no instance). So does a stage whose placed
-        workers are all unhealthy, until one of them is back or the fleet changes: every worker
-        agent loads the whole family, and a plan of one instance per stage must survive the loss
-        of one (its queries go to the other stages' workers rather than fail).
-        """
-        config = self.config
-        workers = sorted(self._workers.values(), key=lambda w: w.instance_id)
-        placed: dict[str, list[Worker]] = {m: [] for m in config.models}
-        free = list(workers)
-        for model in config.models:
-            plan = config.stage_plans.get(model)
-            if plan is None or not plan.fleet:
-                continue
-            for instance_type, count in plan.fleet.items():
-                chosen = [w for w in free if w.instance_type == instance_type][: max(count, 0)]
-                placed[model].extend(chosen)
-                free = [w for w in free if w not in chosen]
-        for model in config.models:
-            own = placed[model]
-            serving = own + free if any(w.healthy for w in own) else list(workers)
-            self._build_stage(self._stages[model], serving)
+        """Place the workers on the stages again (:meth:`~controlplane.serving.placement.
+        Placement.place`: after a fleet or a health change, which also drops the capacity
+        estimates) and give every stage a round."""
+        self.placement.place(self.config, self._stages)
         self._mark_all()
-
-    def _health_changed(self) -> None:
-        """A worker left or rejoined matching: placement again (a stage whose placed workers
-        are all out borrows the others), which also drops the capacity estimates."""
-        self._place()
-
-    def _build_stage(self, stage: _Stage, workers: Sequence[Worker]) -> None:
-        config = self.config
-        stage.capacity.clear()
-        profiles = config.profiles.get(stage.model, {})
-        usable = [w for w in workers if w.instance_type in profiles]
-        types = sorted({w.instance_type for w in usable})
-        stage.latency = {t: _Latency(profiles[t]) for t in types}
-        ranked = sorted(types, key=lambda t: (stage.latency[t].ms(1), t))
-        rank = {t: i for i, t in enumerate(ranked)}
-        stage.slots = [
-            _Slot(i, w, rank[w.instance_type], stage.latency[w.instance_type].max_batch_size)
-            for i, w in enumerate(usable)
-        ]
-        key = (*types, str(config.version))
-        if types and key != stage.policy_key:
-            used = {t: profiles[t] for t in types}
-            name, base = policy_name(config.stage_plans.get(stage.model), used, config.slo_ms)
-            stage.policy = policy_factory(name, used, base)()
-            stage.policy_name = name
-            stage.policy_key = key
-        elif not types:
-            stage.policy = None
-            stage.policy_key = ()
-            stage.policy_name = ""
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -636,13 +337,6 @@ class AppDispatcher:
         if gear is not None and all(m in self._stages for m in gear.cascade.models):
             return gear
         return self._own_gear
-
-    def _batch_cap(self, model: str, gear: ServingGear) -> int:
-        cap = gear.max_batch_queries.get(model)
-        if cap is None:
-            plan = self.config.stage_plans.get(model)
-            cap = plan.max_batch_queries if plan is not None else 1
-        return max(int(cap), 1)
 
     async def infer(
         self,
@@ -701,7 +395,8 @@ class AppDispatcher:
         for model in cascade.models:
             stage = self._stages.get(model)
             if stage is None or not any(s.worker.healthy for s in stage.slots):
-                why = "no running worker" if not self._workers else "no healthy worker serves it"
+                workers = self.placement.workers
+                why = "no running worker" if not workers else "no healthy worker serves it"
                 raise NoServingInstanceError(self.app, model, why)
 
     def _admit(self, gear: ServingGear, samples: int) -> None:
@@ -711,57 +406,13 @@ class AppDispatcher:
         candidates = [gear.cascade, self.config.cascade]
         if gear.cheapest is not None and all(m in self._stages for m in gear.cheapest.models):
             candidates.append(gear.cheapest)
-        loads = [self._loads(c, samples, gear) for c in dict.fromkeys(candidates)]
+        loads = [self.variants.loads(c, samples, gear) for c in dict.fromkeys(candidates)]
         best = min(loads, key=predicted_latency_ms)
         verdict = decide(best, self.config.slo_ms)
         if not verdict.admitted:
             raise OverloadedError(
                 self.app, verdict.predicted_ms, self.config.slo_ms, verdict.retry_after_s
             )
-
-    def _reach(self, cascade: Cascade) -> tuple[float, tuple[float, ...]]:
-        """(accuracy, reach share per stage) of ``cascade`` on the validation records; without
-        records, accuracy 0 (unknown) and every stage reached."""
-        found = self._quality.get(cascade)
-        if found is None:
-            records = self.config.validation
-            if records is not None and all(m in records.models for m in cascade.models):
-                quality = evaluate(cascade, records)
-                found = (quality.accuracy, quality.reach_share)
-            else:
-                found = (0.0, (1.0,) * len(cascade.models))
-            self._quality[cascade] = found
-        return found
-
-    def _loads(self, cascade: Cascade, samples: int, gear: ServingGear) -> list[StageLoad]:
-        _, reach = self._reach(cascade)
-        loads = []
-        for model, share in zip(cascade.models, reach, strict=True):
-            stage = self._stages[model]
-            n = max(math.ceil(share * samples), 1)
-            cap = self._batch_cap(model, gear)
-            key = (n, cap)
-            known = stage.capacity.get(key)
-            if known is None:
-                fastest = min((t.ms(n) for t in stage.latency.values()), default=math.inf)
-                known = stage.capacity[key] = (self._capacity_sps(stage, n, cap), fastest)
-            capacity, fastest = known
-            backlog = stage.queued_samples + stage.in_service_samples
-            loads.append(StageLoad(backlog, capacity, fastest, share))
-        return loads
-
-    def _capacity_sps(self, stage: _Stage, samples: int, cap: int) -> float:
-        """Samples per second the stage's healthy instances serve at batches of ``cap`` queries
-        of ``samples`` samples (within each profile)."""
-        total = 0.0
-        for slot in stage.slots:
-            if not slot.worker.healthy:
-                continue
-            latency = stage.latency[slot.instance_type]
-            k = max(min(cap * samples, latency.max_batch_size), samples)
-            ms = latency.ms(k)
-            total += 1000.0 * k / ms if ms > 0 else math.inf
-        return total
 
     def _enqueue(self, request: _Request, position: int, samples: list[int], now: float) -> None:
         model = request.cascade.models[position]
@@ -815,7 +466,7 @@ class AppDispatcher:
                 stage.dirty = False
                 self._round(stage, now, gear)
 
-    def _eligible(self, stage: _Stage) -> list[_Slot]:
+    def _eligible(self, stage: _Stage) -> list[Slot]:
         healthy = [s for s in stage.slots if s.worker.healthy]
         if not self._interfered:
             return healthy
@@ -831,7 +482,7 @@ class AppDispatcher:
         slots = self._eligible(stage)
         if not any(s.worker.healthy and not s.worker.running for s in slots):
             return
-        context = StageContext(self._batch_cap(stage.model, gear), self.config.slo_ms)
+        context = StageContext(batch_cap(self.config, stage.model, gear), self.config.slo_ms)
         by_index = {s.index: s for s in slots}
         try:
             dispatches = policy.dispatch(now, queue, slots, context)
@@ -860,7 +511,7 @@ class AppDispatcher:
             if parts:
                 self._start(stage, slot, parts, now)
 
-    def _start(self, stage: _Stage, slot: _Slot, parts: list[_Part], now: float) -> None:
+    def _start(self, stage: _Stage, slot: Slot, parts: list[_Part], now: float) -> None:
         rows = [part.request.inputs[i] for part in parts for i in part.samples]
         worker = slot.worker
         predicted_ms = stage.latency[worker.instance_type].ms(len(rows))
@@ -978,21 +629,19 @@ class AppDispatcher:
         stage.in_service_samples -= batch
         worker.finish(now)
         reason = str(error)
-        lost = error.worker_fault and worker.healthy
+        health = self.health
+        lost = health.call_failed(worker, error, now)
         if lost:
-            worker.fail(now, reason)
-            self._health_changed()
-        elif error.worker_fault:
-            worker.last_error = reason
+            self._place()
         live = [part for part in parts if not part.request.future.done()]
         again = []
         for part in live:
             request = part.request
             part.attempts += 1
-            if not error.worker_fault or part.attempts >= self.settings.max_attempts:
-                self._fail(request, QueryFailedError(self.app, reason, part.attempts))
-            else:
+            if health.retries(error, part.attempts):
                 again.append(part)
+            else:
+                self._fail(request, QueryFailedError(self.app, reason, part.attempts))
         if again:
             current = self._stages.get(stage.model)
             if current is None:
@@ -1003,17 +652,9 @@ class AppDispatcher:
         self._fail_stranded(reason)
         if lost:
             failed = sum(1 for part in live if part.request.future.done())
-            loss = WorkerLoss(worker.endpoint, reason, len(live), len(live) - failed, failed)
-            logger.warning(
-                "%s: worker %s unhealthy: %s; %d queries in flight on it, %d re-dispatched",
-                self.app,
-                worker.instance_id,
-                reason,
-                loss.in_flight_queries,
-                loss.redispatched_queries,
+            health.report(
+                WorkerLoss(worker.endpoint, reason, len(live), len(live) - failed, failed)
             )
-            if self.on_unhealthy is not None:
-                self.on_unhealthy(loss)
         self._mark_all()
 
     def _fail_stranded(self, reason: str) -> None:
@@ -1104,72 +745,12 @@ class AppDispatcher:
         """The variants the app offers now: its cascade, the gear in force and each of its
         models alone, with their predicted latency (as admission predicts it), accuracy on the
         validation records, cost per query and INFaaS state."""
-        gear = self.current_gear()
-        candidates = [self.config.cascade, gear.cascade]
-        candidates += [Cascade((m,), ()) for m in self.config.models]
-        seen: set[str] = set()
-        options = []
-        for cascade in candidates:
-            label = cascade.label
-            if label in seen or not all(m in self._stages for m in cascade.models):
-                continue
-            seen.add(label)
-            if not all(self._stages[m].slots for m in cascade.models):
-                continue
-            accuracy, reach = self._reach(cascade)
-            loads = self._loads(cascade, samples, gear)
-            cost = 0.0
-            for model, share in zip(cascade.models, reach, strict=True):
-                cost += share * self._cost_usd_per_sample(self._stages[model])
-            options.append(
-                (
-                    VariantOption(
-                        name=label,
-                        predicted_latency_ms=predicted_latency_ms(loads),
-                        accuracy=accuracy,
-                        cost_usd_per_query=cost * samples,
-                        kind="gear" if len(cascade.models) > 1 else "model",
-                        state=self._variant_state(cascade, loads),
-                    ),
-                    cascade,
-                )
-            )
-        return options
-
-    def _cost_usd_per_sample(self, stage: _Stage) -> float:
-        prices = self.config.prices_usd_per_hr
-        costs = [
-            latency.ms(1) / 3.6e6 * prices[t] for t, latency in stage.latency.items() if t in prices
-        ]
-        return min(costs, default=0.0)
-
-    def _variant_state(self, cascade: Cascade, loads: Sequence[StageLoad]) -> VariantState:
-        now = self.clock_s()
-        for model, load in zip(cascade.models, loads, strict=True):
-            if load.reach_share <= 0:
-                continue
-            healthy = [s for s in self._stages[model].slots if s.worker.healthy]
-            if healthy and all(
-                self.tracker.interfered(model, s.worker.instance_id, now) for s in healthy
-            ):
-                return "interfered"
-        for load in loads:
-            if load.reach_share > 0 and is_overloaded(
-                load.backlog_samples, load.capacity_sps, self.config.slo_ms
-            ):
-                return "overloaded"
-        return "active"
+        return self.variants.options(self.current_gear(), samples, self.clock_s())
 
     def choose_variant(self, requirements: Requirements, samples: int) -> Cascade:
         """The cascade of the cheapest variant that meets ``requirements``; raises
         :class:`~controlplane.errors.RequirementsUnmetError` with the closest offer."""
-        options = self.variant_options(samples)
-        if not options:
-            raise NoServingInstanceError(self.app, self.config.cascade.models[0])
-        choice = choose(requirements, [option for option, _ in options])
-        if not choice.met:
-            raise RequirementsUnmetError(self.app, choice.message, choice.option.name)
-        return next(c for option, c in options if option is choice.option)
+        return self.variants.choose(requirements, samples, self.current_gear(), self.clock_s())
 
     # --- health ---------------------------------------------------------------------------------
 
@@ -1181,79 +762,21 @@ class AppDispatcher:
         self._interfered = {
             key for key in self._interfered if self.tracker.interfered(key[0], key[1], now)
         }
-        await self._probe_idle(now)
-        due = [
-            w
-            for w in self._workers.values()
-            if not w.healthy and not w.probing and w.retry_at_s <= now
-        ]
+        workers = self.placement.workers
+        lost = await self.health.probe_idle(workers, now)
+        if lost:
+            self._place()
+            self._fail_stranded("health probe failed while idle")
+            for worker in lost:
+                self.health.report(
+                    WorkerLoss(worker.endpoint, worker.last_error, 0, 0, 0), idle=True
+                )
+            self._mark_all()
+        due = self.health.due(workers, now)
         if not due:
             return
-        answers = await self._health(due, timeout_s)
-        now = self.clock_s()
-        for worker, ok in zip(due, answers, strict=True):
-            if ok and self._workers.get(worker.instance_id) is worker:
-                worker.recover(now)
-                self._health_changed()
-                logger.info("%s: worker %s healthy again", self.app, worker.instance_id)
-            elif not worker.healthy:
-                worker.fail(now, worker.last_error or "health probe failed")
-        self._mark_all()
-
-    async def _health(self, workers: list[Worker], timeout_s: float) -> list[bool]:
-        """Whether each of ``workers`` answers its health probe (an exception is a no); they
-        are marked ``probing`` meanwhile, so that no other probe overlaps."""
-        for worker in workers:
-            worker.probing = True
-        try:
-            answers = await asyncio.gather(
-                *(self.transport.health(w.address, timeout_s) for w in workers),
-                return_exceptions=True,
-            )
-        finally:
-            for worker in workers:
-                worker.probing = False
-        return [answer is True for answer in answers]
-
-    async def _probe_idle(self, now: float) -> None:
-        """A healthy worker that no call has reached for ``idle_probe_s`` must still answer its
-        health probe; one that does not (its process died while idle) is unhealthy from now, as
-        after a failed call with nothing in flight. A worker that a batch reached meanwhile is
-        left to that call's outcome."""
-        after_s = self.settings.idle_probe_s
-        if after_s is None:
-            return
-        idle = [
-            w
-            for w in self._workers.values()
-            if w.healthy and not w.running and not w.probing and now - w.checked_s >= after_s
-        ]
-        if not idle:
-            return
-        asked_s = now
-        answers = await self._health(idle, self.settings.call_timeout_floor_s)
-        now = self.clock_s()
-        lost = []
-        for worker, ok in zip(idle, answers, strict=True):
-            # A batch it took meanwhile (running now, or done: checked since) speaks for it.
-            gone = self._workers.get(worker.instance_id) is not worker
-            if gone or worker.running or worker.checked_s > asked_s:
-                continue
-            if ok:
-                worker.checked_s = now
-            elif worker.healthy:
-                worker.fail(now, "health probe failed while idle")
-                lost.append(worker)
-        if not lost:
-            return
-        self._health_changed()
-        self._fail_stranded("health probe failed while idle")
-        for worker in lost:
-            logger.warning(
-                "%s: idle worker %s unhealthy: %s", self.app, worker.instance_id, worker.last_error
-            )
-            if self.on_unhealthy is not None:
-                self.on_unhealthy(WorkerLoss(worker.endpoint, worker.last_error, 0, 0, 0))
+        if await self.health.recover(due, workers, timeout_s):
+            self._place()
         self._mark_all()
 
     # --- status and shutdown --------------------------------------------------------------------
@@ -1264,8 +787,8 @@ class AppDispatcher:
         stages = []
         for model in self.config.models:
             stage = self._stages[model]
-            cap = self._batch_cap(model, gear)
-            capacity = self._capacity_sps(stage, 1, cap)
+            cap = batch_cap(self.config, model, gear)
+            capacity = stage.capacity_sps(1, cap)
             overloaded = is_overloaded(
                 stage.queued_samples + stage.in_service_samples, capacity, self.config.slo_ms
             )
@@ -1298,7 +821,7 @@ class AppDispatcher:
                 last_error=w.last_error,
                 utilisation_share=w.utilisation(now),
             )
-            for w in sorted(self._workers.values(), key=lambda w: w.instance_id)
+            for w in sorted(self.placement.workers.values(), key=lambda w: w.instance_id)
         )
         return AppStatus(
             app=self.app,

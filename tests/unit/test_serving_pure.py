@@ -21,7 +21,7 @@ from controlplane.serving.admission import (
     predicted_latency_ms,
     wait_ms,
 )
-from controlplane.serving.dispatcher import StagePlan, _Queue, policy_name
+from controlplane.serving.dispatcher import StagePlan, policy_name
 from controlplane.serving.observations import ARRIVALS_KEPT, Observations, summarise
 from controlplane.serving.states import (
     StateTracker,
@@ -33,6 +33,7 @@ from controlplane.serving.transport import _parse_head, parse_infer_reply
 from controlplane.serving.workers import BACKOFF_MAX_S, Worker, WorkerEndpoint, backoff_s
 from estimator.profiles import LatencyProfile
 from matching.policy import QueuedQuery
+from matching.queues import CentralQueue
 
 # --- states ----------------------------------------------------------------------------------
 
@@ -239,7 +240,7 @@ def test_utilisation_stays_a_share_and_counts_every_busy_second(
 
 
 def test_the_queue_reads_in_order_after_removals_and_requeues() -> None:
-    queue = _Queue()
+    queue = CentralQueue()
     items = [QueuedQuery(q, 1, float(q), float(q)) for q in range(6)]
     for item in items:
         queue.append(item)

@@ -1,0 +1,109 @@
+"""What an app's dispatcher is given: the app (its SLO, models, cascade, profiles, prices, the
+applied plan's stages), the gear the switcher puts in force, and the dispatch loop's timeouts and
+limits.
+
+These are plain values: :class:`~controlplane.serving.loop.ServingLoop` builds an
+:class:`AppConfig` from the stored spec and plan, the live gear switcher hands out
+:class:`ServingGear` values, and the dispatcher's parts (:mod:`~controlplane.serving.dispatcher`,
+:mod:`~controlplane.serving.placement`, :mod:`~controlplane.serving.health`,
+:mod:`~controlplane.serving.variants`) read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from controlplane.serving.admission import DEFAULT_MAX_QUEUED_SAMPLES
+from estimator.cascades import Cascade, ValidationRecords
+from estimator.profiles import LatencyProfile
+
+__all__ = [
+    "AppConfig",
+    "DispatcherSettings",
+    "GearSource",
+    "ServingGear",
+    "StagePlan",
+    "batch_cap",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """What the applied plan says of a model's stage: its fleet (type -> count; the instances
+    placed on it), its batch cap and its dispatch policy."""
+
+    fleet: Mapping[str, int] | None = None
+    max_batch_queries: int = 1
+    policy: str | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AppConfig:
+    """What the dispatcher needs of an app: its SLO, its models (one stage each), the cascade it
+    serves by default (a single model is the cascade of one), each model's profile per instance
+    type, prices, the validation records of its models (cascade accuracy and reach; optional),
+    the applied plan's stages by model, and a ``version`` that changes whenever any of it does."""
+
+    name: str
+    slo_ms: float
+    models: tuple[str, ...]
+    cascade: Cascade
+    profiles: Mapping[str, Mapping[str, LatencyProfile]]
+    prices_usd_per_hr: Mapping[str, float]
+    validation: ValidationRecords | None = None
+    stage_plans: Mapping[str, StagePlan] = field(default_factory=dict)
+    version: tuple[object, ...] = ()
+
+    def __post_init__(self) -> None:
+        missing = [m for m in self.cascade.models if m not in self.models]
+        if missing:
+            raise ValueError(f"the cascade names models the app does not serve: {missing}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServingGear:
+    """A gear the switcher puts in force: its cascade, the batch cap of each of its models, and
+    the cheapest (fastest) gear the app may switch to, which admission control judges by."""
+
+    cascade: Cascade
+    max_batch_queries: Mapping[str, int] = field(default_factory=dict)
+    cheapest: Cascade | None = None
+
+
+GearSource = Callable[[], ServingGear | None]
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherSettings:
+    """Timeouts and limits of the dispatch loop.
+
+    A worker call times out after max(``call_timeout_floor_s``, ``call_timeout_factor`` x the
+    batch's predicted service time); a query is tried on at most ``max_attempts`` workers; it is
+    answered with a timeout error ``give_up_s`` after its arrival (default: max(30 s, 20 x the
+    SLO)); ``admission`` turns admission control off (benchmarks of the bare loop). A healthy
+    worker idle for ``idle_probe_s`` gets a health probe with the call timeout floor (None: never).
+    """
+
+    call_timeout_floor_s: float = 2.0
+    call_timeout_factor: float = 10.0
+    max_attempts: int = 3
+    give_up_s: float | None = None
+    max_queued_samples: int = DEFAULT_MAX_QUEUED_SAMPLES
+    admission: bool = True
+    idle_probe_s: float | None = 5.0
+
+    def give_up_after_s(self, slo_ms: float) -> float:
+        if self.give_up_s is not None:
+            return self.give_up_s
+        return max(30.0, 20.0 * slo_ms / 1000.0)
+
+
+def batch_cap(config: AppConfig, model: str, gear: ServingGear) -> int:
+    """How many queued queries one batch of ``model`` may take: the gear's cap, else the plan's
+    stage ``max_batch_queries``, else 1."""
+    cap = gear.max_batch_queries.get(model)
+    if cap is None:
+        plan = config.stage_plans.get(model)
+        cap = plan.max_batch_queries if plan is not None else 1
+    return max(int(cap), 1)

@@ -1,0 +1,113 @@
+"""A model's stage in an app's dispatcher: its central queue, the workers that serve it as its
+policy sees them, their latency tables, the policy itself, and what it can serve.
+
+:mod:`~controlplane.serving.placement` fills in who serves a stage (``slots``, ``latency``,
+``policy``); :mod:`~controlplane.serving.dispatcher` moves queries through it (``queue``, the
+sample counts, ``dirty``); :mod:`~controlplane.serving.variants` and admission read its capacity
+(:meth:`Stage.capacity_sps`, cached in ``capacity``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from controlplane.serving.workers import Worker
+from estimator.profiles import LatencyProfile
+from matching.policy import DispatchPolicy
+from matching.queues import CentralQueue
+
+__all__ = ["LatencyTable", "Slot", "Stage"]
+
+
+class LatencyTable:
+    """A profile's mean service time by batch size, as a list (looked up per dispatch); beyond
+    the largest profiled size the per-sample time of the largest holds."""
+
+    __slots__ = ("max_batch_size", "means_ms")
+
+    def __init__(self, profile: LatencyProfile) -> None:
+        means = profile.mean_by_batch_ms()
+        low = profile.min_batch_size
+        means[:low] = means[low]
+        self.means_ms: list[float] = [float(v) for v in means]
+        self.max_batch_size = profile.max_batch_size
+
+    def ms(self, batch_size: int) -> float:
+        top = self.max_batch_size
+        if batch_size <= top:
+            return self.means_ms[max(batch_size, 1)]
+        return self.means_ms[top] * batch_size / top
+
+
+class Slot:
+    """A worker as one stage's policy sees it (:class:`matching.policy.InstanceView`)."""
+
+    __slots__ = ("index", "max_batch_size", "speed_rank", "worker")
+
+    def __init__(self, index: int, worker: Worker, speed_rank: int, max_batch_size: int) -> None:
+        self.index = index
+        self.worker = worker
+        self.speed_rank = speed_rank
+        self.max_batch_size = max_batch_size
+
+    @property
+    def instance_type(self) -> str:
+        return self.worker.endpoint.instance_type
+
+    @property
+    def busy_until_s(self) -> float:
+        return self.worker.busy_until_s
+
+    @property
+    def idle_since_s(self) -> float:
+        return self.worker.idle_since_s
+
+    def is_idle(self, now_s: float) -> bool:
+        worker = self.worker
+        return worker.healthy and not worker.running
+
+
+class Stage:
+    """One model's stage (see the module docstring)."""
+
+    __slots__ = (
+        "capacity",
+        "dirty",
+        "in_service_samples",
+        "latency",
+        "model",
+        "policy",
+        "policy_key",
+        "policy_name",
+        "queue",
+        "queued_samples",
+        "slots",
+    )
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.queue = CentralQueue()
+        self.slots: list[Slot] = []
+        self.latency: dict[str, LatencyTable] = {}
+        self.policy: DispatchPolicy | None = None
+        self.policy_key: tuple[str, ...] = ()
+        self.policy_name = ""
+        self.queued_samples = 0
+        self.in_service_samples = 0
+        self.dirty = False
+        # (samples, batch cap) -> (capacity in samples/s, fastest service ms): cleared whenever
+        # the stage's instances or their health change.
+        self.capacity: dict[tuple[int, int], tuple[float, float]] = {}
+
+    def capacity_sps(self, samples: int, cap: int) -> float:
+        """Samples per second the stage's healthy instances serve at batches of ``cap`` queries
+        of ``samples`` samples (within each profile)."""
+        total = 0.0
+        for slot in self.slots:
+            if not slot.worker.healthy:
+                continue
+            latency = self.latency[slot.instance_type]
+            k = max(min(cap * samples, latency.max_batch_size), samples)
+            ms = latency.ms(k)
+            total += 1000.0 * k / ms if ms > 0 else math.inf
+        return total

@@ -1,0 +1,165 @@
+"""The variants an app offers now, and the one a model-less query gets (INFaaS).
+
+A variant is a cascade the app's stages can serve: the app's own cascade, the gear in force and
+each of its models alone. :class:`AppVariants` owns what each is worth now:
+
+- its **quality** on the validation records (accuracy, and the share of samples that reach each
+  of its stages: :func:`estimator.cascades.evaluate`); without records, accuracy 0 (unknown) and
+  every stage reached;
+- its **load** (:meth:`AppVariants.loads`: per stage it reaches, the backlog, the capacity at the
+  gear's batch cap and the fastest service time, as
+  :class:`~controlplane.serving.admission.StageLoad`), which admission control judges and from
+  which its latency is predicted (:func:`~controlplane.serving.admission.predicted_latency_ms`);
+- its **cost** per query, the reach-weighted cheapest price per sample of each stage;
+- its **INFaaS state** (:mod:`controlplane.serving.states`): *interfered* when every healthy
+  worker of a stage it reaches is interfered, else *overloaded* when a stage it reaches cannot
+  drain its backlog within the SLO, else *active*.
+
+:meth:`AppVariants.choose` gives a model-less query the cheapest variant that meets its
+requirements (:func:`controlplane.policies.variants.choose`), or a
+:class:`~controlplane.errors.RequirementsUnmetError` naming the closest offer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from controlplane.errors import NoServingInstanceError, RequirementsUnmetError
+from controlplane.policies.variants import Requirements, VariantOption, VariantState, choose
+from controlplane.serving.admission import StageLoad, predicted_latency_ms
+from controlplane.serving.config import AppConfig, ServingGear, batch_cap
+from controlplane.serving.stages import Stage
+from controlplane.serving.states import StateTracker, is_overloaded
+from estimator.cascades import Cascade, evaluate
+
+__all__ = ["AppVariants", "cost_usd_per_sample"]
+
+
+def cost_usd_per_sample(stage: Stage, prices_usd_per_hr: Mapping[str, float]) -> float:
+    """The cheapest price of one sample on the stage's instance types (its mean service time at
+    batch 1 times the type's price; 0 when no type has a price)."""
+    costs = [
+        latency.ms(1) / 3.6e6 * prices_usd_per_hr[t]
+        for t, latency in stage.latency.items()
+        if t in prices_usd_per_hr
+    ]
+    return min(costs, default=0.0)
+
+
+class AppVariants:
+    """The variants of one app's configuration over its live stages (see the module docstring);
+    made anew when the configuration changes (it caches each cascade's quality)."""
+
+    __slots__ = ("_quality", "config", "stages", "tracker")
+
+    def __init__(
+        self, config: AppConfig, stages: Mapping[str, Stage], tracker: StateTracker
+    ) -> None:
+        self.config = config
+        self.stages = stages
+        self.tracker = tracker
+        self._quality: dict[Cascade, tuple[float, tuple[float, ...]]] = {}
+
+    def reach(self, cascade: Cascade) -> tuple[float, tuple[float, ...]]:
+        """(accuracy, reach share per stage) of ``cascade`` on the validation records; without
+        records, accuracy 0 (unknown) and every stage reached."""
+        found = self._quality.get(cascade)
+        if found is None:
+            records = self.config.validation
+            if records is not None and all(m in records.models for m in cascade.models):
+                quality = evaluate(cascade, records)
+                found = (quality.accuracy, quality.reach_share)
+            else:
+                found = (0.0, (1.0,) * len(cascade.models))
+            self._quality[cascade] = found
+        return found
+
+    def loads(self, cascade: Cascade, samples: int, gear: ServingGear) -> list[StageLoad]:
+        """What each stage of ``cascade`` faces now for a query of ``samples`` samples under
+        ``gear``'s batch caps (every model of the cascade must have a stage)."""
+        _, reach = self.reach(cascade)
+        loads = []
+        for model, share in zip(cascade.models, reach, strict=True):
+            stage = self.stages[model]
+            n = max(math.ceil(share * samples), 1)
+            cap = batch_cap(self.config, model, gear)
+            key = (n, cap)
+            known = stage.capacity.get(key)
+            if known is None:
+                fastest = min((t.ms(n) for t in stage.latency.values()), default=math.inf)
+                known = stage.capacity[key] = (stage.capacity_sps(n, cap), fastest)
+            capacity, fastest = known
+            backlog = stage.queued_samples + stage.in_service_samples
+            loads.append(StageLoad(backlog, capacity, fastest, share))
+        return loads
+
+    def options(
+        self, gear: ServingGear, samples: int, now_s: float
+    ) -> list[tuple[VariantOption, Cascade]]:
+        """The variants offered now under ``gear`` (the gear in force), each with its cascade:
+        predicted latency, accuracy, cost per query and state (see the module docstring)."""
+        config = self.config
+        stages = self.stages
+        candidates = [config.cascade, gear.cascade]
+        candidates += [Cascade((m,), ()) for m in config.models]
+        seen: set[str] = set()
+        options = []
+        for cascade in candidates:
+            label = cascade.label
+            if label in seen or not all(m in stages for m in cascade.models):
+                continue
+            seen.add(label)
+            if not all(stages[m].slots for m in cascade.models):
+                continue
+            accuracy, reach = self.reach(cascade)
+            loads = self.loads(cascade, samples, gear)
+            cost = 0.0
+            for model, share in zip(cascade.models, reach, strict=True):
+                cost += share * cost_usd_per_sample(stages[model], config.prices_usd_per_hr)
+            options.append(
+                (
+                    VariantOption(
+                        name=label,
+                        predicted_latency_ms=predicted_latency_ms(loads),
+                        accuracy=accuracy,
+                        cost_usd_per_query=cost * samples,
+                        kind="gear" if len(cascade.models) > 1 else "model",
+                        state=self.state(cascade, loads, now_s),
+                    ),
+                    cascade,
+                )
+            )
+        return options
+
+    def state(self, cascade: Cascade, loads: Sequence[StageLoad], now_s: float) -> VariantState:
+        """The INFaaS state of ``cascade`` at ``loads`` (see the module docstring)."""
+        for model, load in zip(cascade.models, loads, strict=True):
+            if load.reach_share <= 0:
+                continue
+            healthy = [s for s in self.stages[model].slots if s.worker.healthy]
+            if healthy and all(
+                self.tracker.interfered(model, s.worker.instance_id, now_s) for s in healthy
+            ):
+                return "interfered"
+        for load in loads:
+            if load.reach_share > 0 and is_overloaded(
+                load.backlog_samples, load.capacity_sps, self.config.slo_ms
+            ):
+                return "overloaded"
+        return "active"
+
+    def choose(
+        self, requirements: Requirements, samples: int, gear: ServingGear, now_s: float
+    ) -> Cascade:
+        """The cascade of the cheapest variant that meets ``requirements``; raises
+        :class:`~controlplane.errors.RequirementsUnmetError` with the closest offer, or
+        :class:`~controlplane.errors.NoServingInstanceError` when nothing is offered."""
+        options = self.options(gear, samples, now_s)
+        app = self.config.name
+        if not options:
+            raise NoServingInstanceError(app, self.config.cascade.models[0])
+        choice = choose(requirements, [option for option, _ in options])
+        if not choice.met:
+            raise RequirementsUnmetError(app, choice.message, choice.option.name)
+        return next(c for option, c in options if option is choice.option)
