@@ -35,20 +35,24 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from estimator.cascades import Cascade, ValidationRecords, load_validation
-from estimator.catalog import Catalog, load_catalog
 from estimator.errors import (
     EstimatorError,
     MissingProfileError,
     UnknownInstanceTypeError,
     UnknownModelError,
 )
-from estimator.profiles import LatencyProfile, ProfileSet, load_profiles
+
+if TYPE_CHECKING:
+    # Resolving a spec reads its data with these; reading and checking one (what the command
+    # line's client commands do) needs none of them, and they import numba (about 0.4 s).
+    from estimator.cascades import Cascade, ValidationRecords
+    from estimator.catalog import Catalog
+    from estimator.profiles import LatencyProfile, ProfileSet
 
 __all__ = [
     "MAX_BUDGET_USD_PER_HR",
@@ -514,6 +518,8 @@ class ResolvedApp:
         """The cascade with its thresholds, when the spec gives both (else ``None``)."""
         if self.spec.cascade is None or self.spec.thresholds is None:
             return None
+        from estimator.cascades import Cascade
+
         return Cascade(tuple(self.spec.cascade), tuple(self.spec.thresholds))
 
     @property
@@ -594,6 +600,8 @@ def _load_spec_validation(spec: AppSpec) -> ValidationRecords | None:
     if not _is_file("validation", path):
         raise SpecError("validation", f"no such file: {path}")
     try:
+        from estimator.cascades import load_validation
+
         records = load_validation(path)
     except EstimatorError as error:
         raise SpecError("validation", str(error)) from error
@@ -612,6 +620,8 @@ def _load_spec_catalog(path: str | None) -> Catalog:
     if path is not None and not _is_file("catalog", path):
         raise SpecError("catalog", f"no such file: {path}")
     try:
+        from estimator.catalog import load_catalog
+
         return load_catalog(path)
     except SpecError:
         raise
@@ -632,6 +642,8 @@ def _load_spec_profiles(field: str, path: str) -> ProfileSet:
     if not _is_file(field, path):
         raise SpecError(field, f"no such file: {path}")
     try:
+        from estimator.profiles import load_profiles
+
         return load_profiles(path)
     except EstimatorError as error:
         raise SpecError(field, str(error)) from error
