@@ -360,7 +360,11 @@ def _serve_a_plan(
 
 
 def _apply_fleet(store: Any, fleet: Mapping[str, int]) -> None:
-    document = {"feasible": True, "stages": [{"name": "tiny", "fleet": dict(fleet)}]}
+    document = {
+        "feasible": True,
+        "cost_usd_per_hr": 0.0,
+        "stages": [{"name": "tiny", "fleet": dict(fleet)}],
+    }
     plan = store.create_plan(APP, document)
     store.apply_plan(APP, plan.id)
 
