@@ -451,9 +451,19 @@ class InferIn(BaseModel):
 class TimingsOut(BaseModel):
     model_config = _RESPONSE
 
-    queue_ms: float = Field(description="waiting in the stages' queues (total_ms - service_ms)")
-    service_ms: float = Field(description="round trips of the batches that carried the samples")
-    total_ms: float = Field(description="from arrival to answer")
+    queue_ms: float = Field(
+        description="waiting: the API before the serving loop, admission, the stages' queues"
+        " (total_ms - service_ms)"
+    )
+    service_ms: float = Field(
+        description="round trips of the batches that carried the samples"
+        " (transport_ms + compute_ms)"
+    )
+    total_ms: float = Field(description="from the API's receipt of the request to the answer")
+    transport_ms: float = Field(
+        description="the round trips less the workers' own service time (network, the agents)"
+    )
+    compute_ms: float = Field(description="the workers' own service time (their served_ms)")
 
 
 class InferOut(BaseModel):
@@ -496,15 +506,37 @@ class ServingStageOut(BaseModel):
     )
 
 
+class ServingLatencyOut(BaseModel):
+    """The answered queries' mean time per stage since the service started (null before the
+    first answer): total_ms = queue_ms + transport_ms + compute_ms."""
+
+    model_config = _RESPONSE
+
+    queue_ms: float | None
+    transport_ms: float | None
+    compute_ms: float | None
+    total_ms: float | None
+
+
 class ServingTotalsOut(BaseModel):
+    """The app's queries since the service started, by outcome. Latency runs from the API's
+    receipt of the request; refused, timed-out and failed queries are misses."""
+
     model_config = _RESPONSE
 
     arrived: int
     answered: int
-    late: int
-    failed: int
-    refused: int
+    late: int = Field(description="answered over the SLO")
+    failed: int = Field(description="502: every attempt failed, or a worker refused the inputs")
+    refused: int = Field(description="429 overloaded, 503 no serving instance or unavailable")
+    timed_out: int = Field(description="504: not answered within the give-up time")
+    within_slo: int = Field(description="answered within the SLO")
+    offered: int = Field(description="queries that ended: answered + refused + timed_out + failed")
+    attainment_share: float | None = Field(
+        description="within_slo / offered: errors count as misses (null before the first)"
+    )
     samples_by_model: dict[str, int]
+    mean_latency_ms: ServingLatencyOut
 
 
 class ServingOut(BaseModel):

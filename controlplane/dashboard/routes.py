@@ -45,6 +45,7 @@ from controlplane.dashboard.snapshot import (
     MAX_WINDOW_S,
     MIN_WINDOW_S,
     RankingFn,
+    ServingFn,
     SpendLedger,
     WeightsFn,
     WorkersFn,
@@ -54,6 +55,7 @@ from controlplane.db.store import AppRecord, PlanRecord, Principal
 from controlplane.errors import ControlPlaneError
 from controlplane.policies.auth import Scope, scope_allows
 from controlplane.policies.drain import qps_by_type
+from controlplane.serving.observations import AppTotals
 from estimator.errors import EstimatorError
 
 __all__ = ["COOKIE_NAME", "DashboardState", "install_dashboard", "router"]
@@ -266,6 +268,17 @@ def _weights(services: Services) -> WeightsFn:
     return weights
 
 
+def _serving(services: Services) -> ServingFn:
+    """The serving loop's totals of an app since the service started (its outcomes by kind:
+    answered, refused, timed out, failed); ``None`` without a loop or before it served the app."""
+
+    def serving(app: AppRecord) -> AppTotals | None:
+        loop = services.serving
+        return None if loop is None else loop.observations.totals().get(app.name)
+
+    return serving
+
+
 def _workers(services: Services) -> WorkersFn:
     """What the serving loop last measured of each worker of an app: its utilisation and the
     state of each model on it (nothing when the service runs no loop or it serves no such app)."""
@@ -345,5 +358,6 @@ def data(
             weights=_weights(services),
             ranking=_ranking(services, state),
             workers=_workers(services),
+            serving=_serving(services),
         )
     return JSONResponse(body, headers={"Cache-Control": "no-store"})

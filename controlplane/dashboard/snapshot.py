@@ -16,7 +16,14 @@ where a value is unknown, so that a chart breaks its line there). The sections:
   scaled by how much of the plan's fleet is running, :func:`capacity_scale`), the planned rate,
   and the plan's arrival envelope when it carries one;
 - ``latency``: P50/P95/P99 against the SLO and the plan's predicted end-to-end P99, and the
-  share of queries within the SLO (attainment);
+  share of queries within the SLO (attainment). Latencies run from the API's receipt of each
+  request; the percentiles are over the answered queries, the attainment over every query that
+  ended, refused (429, 503), timed-out (504) and failed (502) ones as misses. The tiles read the
+  newest window in which queries ended: when every query of it failed, its attainment is 0 and
+  its P99 unknown (``answered_none``), never an older window's figure; ``slo_met`` says whether
+  that window's attainment reaches the SLO's percentile. With a :data:`ServingFn`, ``outcomes``
+  is what the serving loop counted since the service started: queries by outcome and the
+  answered ones' mean time by stage (queue, transport, compute);
 - ``cascade``: the gear and the accuracy over time, against the accuracy floor;
 - ``decisions``: the newest decisions first (what the policies did, why, and the numbers);
 - ``plan``: the applied plan (or the newest preview): the rate it is planned for, its predicted
@@ -53,6 +60,7 @@ from controlplane.db.store import (
 )
 from controlplane.policies.lifecycle import LIVE_STATES, InstanceState
 from controlplane.policies.plan import PlanDocument, PlanError
+from controlplane.serving.observations import AppTotals
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +72,7 @@ __all__ = [
     "MIN_WINDOW_S",
     "FleetSeries",
     "RankingFn",
+    "ServingFn",
     "SpendLedger",
     "WeightsFn",
     "WorkersFn",
@@ -94,6 +103,8 @@ WeightsFn = Callable[[AppRecord], Mapping[str, float] | None]
 # Per instance id, what the serving loop measures of a worker: ``utilisation_share`` (its busy
 # share of about the last minute) and ``models`` (model -> INFaaS state on it).
 WorkersFn = Callable[[AppRecord], Mapping[str, Mapping[str, Any]]]
+# The serving loop's counters of an app since the service started (None: it serves no such app).
+ServingFn = Callable[[AppRecord], AppTotals | None]
 
 
 def _epoch_s(at: datetime) -> float:
@@ -526,10 +537,33 @@ def _slo(spec: Mapping[str, Any]) -> Mapping[str, Any]:
     return slo if isinstance(slo, Mapping) else {}
 
 
+def _outcomes(totals: AppTotals | None) -> dict[str, Any] | None:
+    if totals is None:
+        return None
+    return {
+        "offered": totals.offered,
+        "answered": totals.answered,
+        "within_slo": totals.within,
+        "late": totals.late,
+        "refused": totals.refused,
+        "timed_out": totals.timed_out,
+        "failed": totals.failed,
+        "errors": totals.errors,
+        "attainment_share": totals.attainment_share,
+        "mean_ms": {
+            stage: totals.mean_ms(stage) for stage in ("queue", "transport", "compute", "total")
+        },
+    }
+
+
 def _latency_section(
-    spec: Mapping[str, Any], samples: Sequence[MetricSampleRecord], document: PlanDocument | None
+    spec: Mapping[str, Any],
+    samples: Sequence[MetricSampleRecord],
+    document: PlanDocument | None,
+    totals: AppTotals | None = None,
 ) -> dict[str, Any]:
     slo = _slo(spec)
+    percentile = _finite(slo.get("percentile")) or 99.0
     p50 = [s.latency_p50_ms for s in samples]
     p95 = [s.latency_p95_ms for s in samples]
     p99 = [s.latency_p99_ms for s in samples]
@@ -541,9 +575,18 @@ def _latency_section(
     ]
     total = sum(w for _, w in weighted)
     window_share = sum(a * w for a, w in weighted) / total if total > 0 else _newest(attainment)
+    # The newest window in which queries ended (its attainment is known, errors included): its
+    # P99 is None when none of them was answered, and an older window's must not stand in.
+    ended = [s for s in samples if s.attainment_share is not None]
+    newest = ended[-1] if ended else None
+    if newest is not None:
+        p50_now, p99_now = newest.latency_p50_ms, newest.latency_p99_ms
+        share_now: float | None = newest.attainment_share
+    else:
+        p50_now, p99_now, share_now = _newest(p50), _newest(p99), None
     return {
         "slo_ms": _finite(slo.get("latency_ms")),
-        "percentile": _finite(slo.get("percentile")) or 99.0,
+        "percentile": percentile,
         # The plan's end-to-end prediction, a reference beside the SLO (None: no plan, no stages,
         # or a plan made before plans carried it).
         "predicted_p99_ms": _finite(document.predicted_p99_ms) if document else None,
@@ -554,11 +597,14 @@ def _latency_section(
             "p99_ms": p99,
             "attainment_share": attainment,
         },
-        "p50_ms": _newest(p50),
-        "p99_ms": _newest(p99),
-        "attainment_share": _newest(attainment),
+        "p50_ms": p50_now,
+        "p99_ms": p99_now,
+        "attainment_share": share_now,
         "window_attainment_share": window_share,
-        "has_data": any(v is not None for v in (*p50, *p99)),
+        "answered_none": newest is not None and p99_now is None,
+        "slo_met": None if share_now is None else share_now >= percentile / 100.0,
+        "has_data": any(v is not None for v in (*p50, *p99, *attainment)),
+        "outcomes": _outcomes(totals),
     }
 
 
@@ -646,6 +692,7 @@ def build_snapshot(
     weights: WeightsFn | None = None,
     ranking: RankingFn | None = None,
     workers: WorkersFn | None = None,
+    serving: ServingFn | None = None,
 ) -> dict[str, Any]:
     """Everything the dashboard's panels draw for ``app``, over the ``window_s`` before ``now``
     (see the module docstring); JSON-safe."""
@@ -680,7 +727,9 @@ def build_snapshot(
         "fleet": fleet,
         "cost": _cost_section(store, app, samples, live, ledger, start, now),
         "load": _load_section(samples, series, document, weights(app) if weights else None),
-        "latency": _latency_section(spec, samples, document),
+        "latency": _latency_section(
+            spec, samples, document, serving(app) if serving is not None else None
+        ),
         "cascade": _cascade_section(spec, samples),
         "decisions": [_decision(d) for d in decisions],
         "plan": _plan_section(app, plan, document, ranking),

@@ -4,7 +4,11 @@ Each run records, for every app, the cost of its live fleet and the load and lat
 since the last run, then deletes samples older than the retention. Load, latency, SLO
 attainment, the gear in force and the accuracy on the validation samples the queries carried
 come from the serving loop's window of the app (``window``:
-:meth:`controlplane.serving.loop.ServingLoop.take_window`); an app the loop has not served (or a
+:meth:`controlplane.serving.loop.ServingLoop.take_window`). Latencies run from the API's receipt
+of each request; the percentiles are over the queries answered in the window, the attainment
+over every query that ended in it: refused (429, 503), timed-out (504) and failed (502) ones are
+misses, so a window in which every query failed has attainment 0 and no percentiles (not a
+missing value that a chart would skip). An app the loop has not served (or a
 service without one) is recorded with an arrival rate of 0 and unknown latencies, while the
 fleet cost is always real. The body is built by :func:`make_rollup` and handed to the scheduler
 by the composition root (:mod:`controlplane.service.build`).
@@ -68,6 +72,17 @@ def roll_up(
         except NotFoundError:
             continue  # deleted since it was listed
         written += 1
+        if served is not None and served.errors:
+            logger.info(
+                "roll-up: %s: %d of %d queries ended in an error (refused %d, timed out %d,"
+                " failed %d)",
+                app.name,
+                served.errors,
+                served.offered,
+                served.refused,
+                served.timed_out,
+                served.failed,
+            )
     removed = store.delete_metric_samples(before=now - timedelta(seconds=retention_s))
     logger.debug("roll-up: %d sample(s) written, %d past retention removed", written, removed)
     return written

@@ -12,6 +12,7 @@ at ``/openapi.json`` (and a browsable page at ``/docs``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -94,6 +95,12 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware)
     app.add_middleware(RequestCountingMiddleware, counter=services.requests)
+    # Added last, so called first: a query's latency runs from here (on the serving loop's
+    # clock), before the body is read and the token checked in the thread pool.
+    app.add_middleware(
+        infer.ReceivedAtMiddleware,
+        clock_s=serving.clock.now_s if serving is not None else time.monotonic,
+    )
     for module in (health, apps, plans, budget, fleet, events, infer):
         app.include_router(module.router)
     install_dashboard(app)

@@ -82,7 +82,7 @@ from controlplane.serving.config import (
     batch_cap,
 )
 from controlplane.serving.health import Health, WorkerLoss
-from controlplane.serving.observations import Observations
+from controlplane.serving.observations import Observations, Split, outcome_of
 from controlplane.serving.placement import Placement, policy_name
 from controlplane.serving.stages import Slot, Stage
 from controlplane.serving.states import ModelState, StateTracker, is_overloaded, model_state
@@ -120,9 +120,12 @@ _SWEEP_S = 0.25
 @dataclass(frozen=True, slots=True)
 class InferResult:
     """The answer to a request: per sample its output class, the model that answered it and its
-    certainty; the gear's label; and timings (ms): ``service_ms`` the round trips of the batches
-    that carried its samples, ``queue_ms`` the rest of ``total_ms`` (waiting in queues and in the
-    loop); ``late`` when ``total_ms`` is over the SLO."""
+    certainty; the gear's label; and timings (ms): ``total_ms`` from the API's receipt of the
+    request (``received_s``; else its arrival at the loop) to the answer, ``service_ms`` the round
+    trips of the batches that carried its samples, of which ``compute_ms`` the workers' own
+    service time and ``transport_ms`` the rest, ``queue_ms`` the rest of ``total_ms`` (the API
+    before the loop, admission, the queues, the loop); ``late`` when ``total_ms`` is over the
+    SLO."""
 
     outputs: tuple[int, ...]
     models: tuple[str, ...]
@@ -132,6 +135,8 @@ class InferResult:
     service_ms: float
     total_ms: float
     late: bool
+    transport_ms: float = 0.0
+    compute_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +187,7 @@ class _Request:
         "arrival_s",
         "cascade",
         "certainty",
+        "compute_ms",
         "future",
         "inputs",
         "models",
@@ -211,6 +217,7 @@ class _Request:
         self.certainty: list[float] = [0.0] * n
         self.pending = n
         self.service_ms = 0.0
+        self.compute_ms = 0.0
         self.queued: dict[int, _Stage] = {}  # query id -> the stage whose queue holds it
 
 
@@ -343,29 +350,36 @@ class AppDispatcher:
         inputs: Sequence[Sequence[float]],
         sample_ids: Sequence[int] | None = None,
         requirements: Requirements | None = None,
+        received_s: float | None = None,
     ) -> InferResult:
         """Answer one request (see the module docstring); raises the
-        :class:`~controlplane.errors.ServingError` that says why not."""
+        :class:`~controlplane.errors.ServingError` that says why not. ``received_s``: when the
+        API received it, on ``clock_s`` (default: now)."""
         cascade = None
         if requirements is not None:
             cascade = self.choose_variant(requirements, len(inputs))
-        return await self.submit(inputs, sample_ids, cascade)
+        return await self.submit(inputs, sample_ids, cascade, received_s)
 
     def submit(
         self,
         inputs: Sequence[Sequence[float]],
         sample_ids: Sequence[int] | None = None,
         cascade: Cascade | None = None,
+        received_s: float | None = None,
     ) -> asyncio.Future[InferResult]:
         """Queue a request under ``cascade`` (default: the gear in force) and return the future
-        of its answer. Raises at once when it is refused (503 or 429 kinds)."""
+        of its answer. Raises at once when it is refused (503 or 429 kinds). Its latency, and its
+        SLO clock, run from ``received_s`` (when the API received it, on ``clock_s``; default
+        and upper bound: now)."""
         if not inputs:
             raise ValueError("a request needs at least one sample")
-        if self._closed:
-            raise NoServingInstanceError(self.app, self.config.cascade.models[0], "stopping")
         now = self.clock_s()
+        arrival_s = now if received_s is None else min(received_s, now)
         app = self.app
         self.observations.arrival(app, now)
+        if self._closed:
+            self.observations.refused(app, now, (now - arrival_s) * 1000.0)
+            raise NoServingInstanceError(self.app, self.config.cascade.models[0], "stopping")
         gear = self.current_gear()
         if gear is not self._last_gear:
             self._last_gear = gear
@@ -377,12 +391,14 @@ class AppDispatcher:
             self._check_serving(cascade)
             if self.settings.admission:
                 self._admit(gear, n)
-        except ServingError:
-            self.observations.refused(app, now)
+        except ServingError as error:
+            self.observations.ended_in_error(
+                app, now, outcome_of(error), (now - arrival_s) * 1000.0
+            )
             raise
         loop = asyncio.get_running_loop()
         future: asyncio.Future[InferResult] = loop.create_future()
-        request = _Request(inputs, sample_ids, cascade, now, future)
+        request = _Request(inputs, sample_ids, cascade, arrival_s, future)
         future.add_done_callback(functools.partial(self._on_done, request))
         self._open[request] = None
         if self._sweeper is None:
@@ -597,6 +613,7 @@ class AppDispatcher:
                 offset += len(samples)
                 continue
             request.service_ms += round_trip_ms
+            request.compute_ms += min(measured_ms, round_trip_ms)
             cascade = request.cascade
             last = part.position + 1 >= len(cascade.models)
             threshold = math.inf if last else cascade.thresholds[part.position]
@@ -677,15 +694,19 @@ class AppDispatcher:
         total_ms = (now - request.arrival_s) * 1000.0
         late = total_ms > self.config.slo_ms
         service_ms = min(request.service_ms, total_ms)
+        compute_ms = min(request.compute_ms, service_ms)
+        split = Split(total_ms - service_ms, service_ms - compute_ms, compute_ms)
         result = InferResult(
             outputs=tuple(request.outputs),
             models=tuple(request.models),
             certainty=tuple(request.certainty),
             gear=request.cascade.label,
-            queue_ms=total_ms - service_ms,
+            queue_ms=split.queue_ms,
             service_ms=service_ms,
             total_ms=total_ms,
             late=late,
+            transport_ms=split.transport_ms,
+            compute_ms=compute_ms,
         )
         correct = labelled = 0
         records = self.config.validation
@@ -704,13 +725,16 @@ class AppDispatcher:
             models=request.models,
             correct=correct,
             labelled=labelled,
+            split=split,
         )
         request.future.set_result(result)
 
     def _fail(self, request: _Request, error: ServingError) -> None:
         if request.future.done():
             return
-        self.observations.failed(self.app, self.clock_s())
+        now = self.clock_s()
+        latency_ms = (now - request.arrival_s) * 1000.0
+        self.observations.ended_in_error(self.app, now, outcome_of(error), latency_ms)
         request.future.set_exception(error)
 
     def _sweep(self) -> None:

@@ -201,13 +201,30 @@ class ServingLoop:
         inputs: list[list[float]],
         sample_ids: list[int] | None = None,
         requirements: Requirements | None = None,
+        received_s: float | None = None,
     ) -> InferResult:
         """Answer one inference request for ``app`` (raises the ServingError that says why
-        not, :class:`NotFoundError` for an unknown app)."""
-        dispatcher = await self.dispatcher(app)
+        not, :class:`NotFoundError` for an unknown app).
+
+        ``received_s`` is when the API received the request, on the loop's clock (default: now):
+        the query's latency runs from there, through making the dispatcher and reading the
+        fleet, to its outcome. A query refused before it reaches a dispatcher because the app's
+        spec no longer resolves is recorded as refused too: a miss, like every error (not while
+        the loop is stopped: the name would not have been checked against the store).
+        """
+        received = self.clock.now_s() if received_s is None else received_s
+        try:
+            dispatcher = await self.dispatcher(app)
+        except ServingUnavailableError:
+            if not self._running:
+                raise
+            now = self.clock.now_s()
+            self.observations.arrival(app, now)
+            self.observations.refused(app, now, max(now - received, 0.0) * 1000.0)
+            raise
         if not dispatcher.workers():
             await self._refresh_app(app, dispatcher)
-        return await dispatcher.infer(inputs, sample_ids, requirements)
+        return await dispatcher.infer(inputs, sample_ids, requirements, received)
 
     async def dispatcher(self, app: str) -> AppDispatcher:
         """The app's dispatcher, made (and its workers read) on first use."""

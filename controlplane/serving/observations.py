@@ -1,39 +1,70 @@
 """What the serving loop measures, per app, for the tuner, the roll-up and ``/metrics``.
 
+A query's **latency** runs from the moment the API received the request (stamped by the infer
+route's middleware before any await or thread-pool hop: body parsing, the token check, admission,
+the dispatch queues, transport, the worker's compute and retries all count) to the moment its
+outcome is produced (the last point the service sees: the answer or the error). Every query the
+service was offered ends in one :class:`Outcome`: answered (within or over the SLO), refused
+(429 overloaded, 503 no serving instance or serving unavailable), timed out (504) or failed
+(502). Refused, timed-out and failed queries are **misses**: they count in the attainment's
+denominator and never in its numerator (:func:`account`).
+
 - **Arrivals** (:meth:`Observations.arrival_s`): the arrival time of every query (admitted or
   refused: the tuner scales for the demand, not for what was let in), in a ring buffer of the
   last :data:`ARRIVALS_KEPT`, on the serving loop's monotonic clock. They are what InferLine's
   tuner compares with the planning envelope (``controlplane.policies.tuner.tune(arrival_s, now_s,
   ...)``: the live arrival envelope over windows up to 60 s) and what a gear switcher's measured QPS
   comes from (:meth:`Observations.rate_qps`).
-- **Windows** (:meth:`Observations.take_window`): latency and SLO attainment of the queries
-  answered since the last call (the roll-up job calls it once per run, every ``rollup_s``,
-  10 s by default, and writes one metric sample per app from it: :func:`summarise`).
-- **Counters** (:meth:`Observations.totals`): queries answered, late, failed and refused, and
-  the samples each model answered, since the service started (``/metrics``).
+- **Windows** (:meth:`Observations.take_window`): latency and SLO attainment of the queries that
+  ended since the last call (the roll-up job calls it once per run, every ``rollup_s``, 10 s by
+  default, and writes one metric sample per app from it: :func:`summarise`).
+- **Counters** (:meth:`Observations.totals`): queries by outcome, late ones, the samples each
+  model answered, where the answered queries' time went (:class:`Split`: queue, transport,
+  compute) and a histogram of every query's end-to-end latency by outcome, since the service
+  started (``/metrics``, ``GET /v1/apps/{app}/serving``).
 
 The event loop writes; the roll-up job and the API's threads read: every method takes a lock.
 
 >>> summary = summarise([10.0, 20.0, 30.0, 400.0], slo_ms=350.0, arrivals=4, elapsed_s=2.0)
 >>> summary.arrival_rate_qps, summary.attainment_share
 (2.0, 0.75)
+>>> failing = summarise([10.0], slo_ms=350.0, arrivals=4, elapsed_s=2.0, refused=3)
+>>> failing.attainment_share, failing.latency_p99_ms, failing.errors
+(0.25, 10.0, 3)
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
+from controlplane.errors import (
+    NoServingInstanceError,
+    OverloadedError,
+    QueryTimeoutError,
+    ServingError,
+    ServingUnavailableError,
+)
+
 __all__ = [
     "ARRIVALS_KEPT",
+    "LATENCY_BUCKETS_MS",
     "MAX_WINDOW_LATENCIES",
+    "Accounting",
     "AppTotals",
     "Observations",
+    "Outcome",
+    "Split",
     "WindowSummary",
+    "account",
+    "outcome_of",
     "summarise",
 ]
 
@@ -42,13 +73,127 @@ ARRIVALS_KEPT = 1 << 18
 # Latencies kept per window for its percentiles; past this, every other one is dropped (the
 # percentiles of a window of 100 k queries move little by thinning).
 MAX_WINDOW_LATENCIES = 100_000
+# Upper bounds (ms) of the end-to-end latency histogram's buckets (``/metrics``), plus +Inf:
+# from a fast answer on one machine to the give-up time, max(30 s, 20 x SLO).
+LATENCY_BUCKETS_MS = (
+    5.0,
+    10.0,
+    25.0,
+    50.0,
+    100.0,
+    250.0,
+    500.0,
+    1000.0,
+    2500.0,
+    5000.0,
+    10_000.0,
+    30_000.0,
+    60_000.0,
+)
+
+
+class Outcome(StrEnum):
+    """How a query the service was offered ended, as its client sees it."""
+
+    ANSWERED = "answered"  # 200, within or over the SLO (``late``)
+    REFUSED = "refused"  # 429 overloaded, 503 no serving instance or serving unavailable
+    TIMED_OUT = "timed_out"  # 504: not answered within the give-up time
+    FAILED = "failed"  # 502: every attempt failed, or a worker refused the inputs
+
+
+def outcome_of(error: ServingError) -> Outcome:
+    """The outcome of a query that ended with ``error`` (the HTTP status it maps to)."""
+    if isinstance(error, QueryTimeoutError):
+        return Outcome.TIMED_OUT
+    if isinstance(error, OverloadedError | NoServingInstanceError | ServingUnavailableError):
+        return Outcome.REFUSED
+    return Outcome.FAILED
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Where an answered query's time went (ms): ``queue_ms`` everything but its batches' round
+    trips (the API before the loop, admission, the stages' queues, the event loop),
+    ``transport_ms`` the round trips less the workers' own service time, ``compute_ms`` the
+    workers' service time (``served_ms``; the whole round trip when a worker does not say)."""
+
+    queue_ms: float = 0.0
+    transport_ms: float = 0.0
+    compute_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Accounting:
+    """The outcomes of a set of queries against an SLO (:func:`account`)."""
+
+    answered: int
+    within: int
+    refused: int
+    timed_out: int
+    failed: int
+    latency_p50_ms: float | None
+    latency_p95_ms: float | None
+    latency_p99_ms: float | None
+
+    @property
+    def errors(self) -> int:
+        return self.refused + self.timed_out + self.failed
+
+    @property
+    def offered(self) -> int:
+        return self.answered + self.errors
+
+    @property
+    def attainment_share(self) -> float | None:
+        """Answered within the SLO over every query offered (None when none was)."""
+        return self.within / self.offered if self.offered else None
+
+    @property
+    def answered_share(self) -> float | None:
+        return self.answered / self.offered if self.offered else None
+
+
+def account(
+    latencies_ms: Sequence[float],
+    slo_ms: float,
+    *,
+    refused: int = 0,
+    timed_out: int = 0,
+    failed: int = 0,
+) -> Accounting:
+    """The accounting of the answered queries' end-to-end ``latencies_ms`` and the counts of the
+    queries that ended in an error, against ``slo_ms``.
+
+    With A the answered latencies and E = refused + timed_out + failed, the attainment is
+    ``|{a in A : a <= slo_ms}| / (|A| + E)``: an error is a miss, never within, so the attainment
+    is at most the answered share ``|A| / (|A| + E)``. Percentiles (linear interpolation) are
+    over A only: an error has no latency to the answer (None when nothing was answered).
+
+    >>> a = account([10.0, 20.0, 500.0], slo_ms=100.0, refused=1)
+    >>> a.within, a.offered, a.attainment_share, a.answered_share
+    (2, 4, 0.5, 0.75)
+    >>> account([], 100.0, failed=2).attainment_share
+    0.0
+    """
+    if not slo_ms > 0 or math.isinf(slo_ms):
+        raise ValueError(f"slo_ms must be finite and > 0, got {slo_ms!r}")
+    if min(refused, timed_out, failed) < 0:
+        raise ValueError("error counts must be >= 0")
+    if not latencies_ms:
+        return Accounting(0, 0, refused, timed_out, failed, None, None, None)
+    values = np.asarray(latencies_ms, dtype=np.float64)
+    p50, p95, p99 = (float(v) for v in np.percentile(values, [50, 95, 99]))
+    within = int(np.count_nonzero(values <= slo_ms))
+    return Accounting(int(values.size), within, refused, timed_out, failed, p50, p95, p99)
 
 
 @dataclass(frozen=True, slots=True)
 class WindowSummary:
-    """One window of an app's serving: arrival rate, latency percentiles and SLO attainment of
-    the queries answered in it (None when none was), their accuracy on the validation samples
-    they carried (None when none carried one), and the gear in force at its end."""
+    """One window of an app's serving: arrival rate; latency percentiles of the queries answered
+    in it (None when none was); SLO attainment of every query that ended in it, answered within
+    the SLO over all of them, errors included (None when none ended); their accuracy on the
+    validation samples they carried (None when none carried one); the gear in force at its end;
+    and the queries that ended in an error, by outcome."""
 
     arrival_rate_qps: float
     answered: int
@@ -58,18 +203,63 @@ class WindowSummary:
     attainment_share: float | None
     accuracy: float | None = None
     gear: str | None = None
+    refused: int = 0
+    timed_out: int = 0
+    failed: int = 0
+
+    @property
+    def errors(self) -> int:
+        return self.refused + self.timed_out + self.failed
+
+    @property
+    def offered(self) -> int:
+        return self.answered + self.errors
+
+
+_STAGES = ("queue", "transport", "compute", "total")
 
 
 @dataclass(frozen=True, slots=True)
 class AppTotals:
-    """An app's counters since the service started."""
+    """An app's counters since the service started: queries by outcome (``late`` of the
+    answered ones), samples answered by model, the answered queries' summed time by stage
+    (``latency_sum_ms``: queue, transport, compute and total) and every query's end-to-end latency
+    by outcome as histogram counts over :data:`LATENCY_BUCKETS_MS` plus +Inf (``latency_buckets``,
+    not cumulative) with their sums (``latency_outcome_sum_ms``)."""
 
     arrived: int = 0
     answered: int = 0
     late: int = 0
     failed: int = 0
     refused: int = 0
+    timed_out: int = 0
     samples_by_model: dict[str, int] = field(default_factory=dict)
+    latency_sum_ms: dict[str, float] = field(default_factory=dict)
+    latency_buckets: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    latency_outcome_sum_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def within(self) -> int:
+        return self.answered - self.late
+
+    @property
+    def errors(self) -> int:
+        return self.refused + self.timed_out + self.failed
+
+    @property
+    def offered(self) -> int:
+        return self.answered + self.errors
+
+    @property
+    def attainment_share(self) -> float | None:
+        """Answered within the SLO over every query that ended (None before the first)."""
+        return self.within / self.offered if self.offered else None
+
+    def mean_ms(self, stage: str) -> float | None:
+        """The answered queries' mean time in ``stage`` (queue, transport, compute, total)."""
+        if stage not in _STAGES:
+            raise ValueError(f"stage must be one of {_STAGES}, got {stage!r}")
+        return self.latency_sum_ms.get(stage, 0.0) / self.answered if self.answered else None
 
 
 def summarise(
@@ -81,17 +271,29 @@ def summarise(
     correct: int = 0,
     labelled: int = 0,
     gear: str | None = None,
+    refused: int = 0,
+    timed_out: int = 0,
+    failed: int = 0,
 ) -> WindowSummary:
-    """A window's summary: rate = arrivals / elapsed, percentiles by linear interpolation,
-    attainment = share of answered queries within ``slo_ms``, accuracy = correct / labelled."""
+    """A window's summary: rate = arrivals / elapsed, the rest by :func:`account` (percentiles
+    over the answered queries, attainment over every query that ended, errors as misses),
+    accuracy = correct / labelled."""
     rate = arrivals / elapsed_s if elapsed_s > 0 else 0.0
     accuracy = correct / labelled if labelled else None
-    if not latencies_ms:
-        return WindowSummary(rate, 0, None, None, None, None, accuracy, gear)
-    values = np.asarray(latencies_ms, dtype=np.float64)
-    p50, p95, p99 = (float(v) for v in np.percentile(values, [50, 95, 99]))
-    attained = float(np.count_nonzero(values <= slo_ms) / values.size)
-    return WindowSummary(rate, int(values.size), p50, p95, p99, attained, accuracy, gear)
+    a = account(latencies_ms, slo_ms, refused=refused, timed_out=timed_out, failed=failed)
+    return WindowSummary(
+        rate,
+        a.answered,
+        a.latency_p50_ms,
+        a.latency_p95_ms,
+        a.latency_p99_ms,
+        a.attainment_share,
+        accuracy,
+        gear,
+        refused,
+        timed_out,
+        failed,
+    )
 
 
 class _App:
@@ -99,16 +301,21 @@ class _App:
         "answered",
         "arrivals",
         "arrived",
+        "buckets",
         "correct",
         "failed",
         "head",
         "labelled",
         "late",
         "latencies",
+        "outcome_sum_ms",
         "refused",
         "samples_by_model",
         "size",
+        "stage_sum_ms",
+        "timed_out",
         "window_arrivals",
+        "window_errors",
         "window_since_s",
     )
 
@@ -121,12 +328,25 @@ class _App:
         self.late = 0
         self.failed = 0
         self.refused = 0
+        self.timed_out = 0
         self.samples_by_model: Counter[str] = Counter()
+        # queue, transport, compute, total (ms) summed over the answered queries
+        self.stage_sum_ms = [0.0, 0.0, 0.0, 0.0]
+        self.buckets: dict[Outcome, list[int]] = {}
+        self.outcome_sum_ms: dict[Outcome, float] = {}
         self.window_since_s = now_s
         self.window_arrivals = 0
+        self.window_errors: Counter[Outcome] = Counter()
         self.latencies: list[float] = []
         self.correct = 0
         self.labelled = 0
+
+    def ended(self, outcome: Outcome, latency_ms: float) -> None:
+        counts = self.buckets.get(outcome)
+        if counts is None:
+            counts = self.buckets[outcome] = [0] * (len(LATENCY_BUCKETS_MS) + 1)
+        counts[bisect.bisect_left(LATENCY_BUCKETS_MS, latency_ms)] += 1
+        self.outcome_sum_ms[outcome] = self.outcome_sum_ms.get(outcome, 0.0) + latency_ms
 
 
 class Observations:
@@ -163,7 +383,10 @@ class Observations:
         models: Iterable[str],
         correct: int = 0,
         labelled: int = 0,
+        split: Split | None = None,
     ) -> None:
+        """An answered query: ``latency_ms`` end to end (from the API's receipt), ``split``
+        where it went (None: all of it counted as queueing)."""
         with self._lock:
             entry = self._app(app, now_s)
             entry.answered += 1
@@ -171,18 +394,44 @@ class Observations:
             entry.samples_by_model.update(models)
             entry.correct += correct
             entry.labelled += labelled
+            sums = entry.stage_sum_ms
+            if split is None:
+                sums[0] += latency_ms
+            else:
+                sums[0] += split.queue_ms
+                sums[1] += split.transport_ms
+                sums[2] += split.compute_ms
+            sums[3] += latency_ms
+            entry.ended(Outcome.ANSWERED, latency_ms)
             latencies = entry.latencies
             latencies.append(latency_ms)
             if len(latencies) > MAX_WINDOW_LATENCIES:
                 del latencies[::2]
 
-    def failed(self, app: str, now_s: float) -> None:
+    def ended_in_error(self, app: str, now_s: float, outcome: Outcome, latency_ms: float) -> None:
+        """A query that ended in an error (``outcome`` not answered), ``latency_ms`` after the
+        API received it: a miss for the attainment."""
+        if outcome is Outcome.ANSWERED:
+            raise ValueError("an answered query is recorded with answered()")
         with self._lock:
-            self._app(app, now_s).failed += 1
+            entry = self._app(app, now_s)
+            if outcome is Outcome.REFUSED:
+                entry.refused += 1
+            elif outcome is Outcome.TIMED_OUT:
+                entry.timed_out += 1
+            else:
+                entry.failed += 1
+            entry.window_errors[outcome] += 1
+            entry.ended(outcome, latency_ms)
 
-    def refused(self, app: str, now_s: float) -> None:
-        with self._lock:
-            self._app(app, now_s).refused += 1
+    def failed(self, app: str, now_s: float, latency_ms: float = 0.0) -> None:
+        self.ended_in_error(app, now_s, Outcome.FAILED, latency_ms)
+
+    def refused(self, app: str, now_s: float, latency_ms: float = 0.0) -> None:
+        self.ended_in_error(app, now_s, Outcome.REFUSED, latency_ms)
+
+    def timed_out(self, app: str, now_s: float, latency_ms: float = 0.0) -> None:
+        self.ended_in_error(app, now_s, Outcome.TIMED_OUT, latency_ms)
 
     # --- what the tuner, the roll-up and /metrics read -----------------------------------------
 
@@ -208,7 +457,8 @@ class Observations:
         self, app: str, now_s: float, slo_ms: float, gear: str | None = None
     ) -> WindowSummary | None:
         """The summary of ``app``'s window since the last call (None when the loop never saw
-        the app), and a new window from ``now_s``."""
+        the app): the queries that ended in it, errors included; and a new window from
+        ``now_s``."""
         with self._lock:
             entry = self._apps.get(app)
             if entry is None:
@@ -217,10 +467,20 @@ class Observations:
             arrivals, entry.window_arrivals = entry.window_arrivals, 0
             correct, labelled = entry.correct, entry.labelled
             entry.correct = entry.labelled = 0
+            errors, entry.window_errors = entry.window_errors, Counter()
             elapsed = now_s - entry.window_since_s
             entry.window_since_s = now_s
         return summarise(
-            latencies, slo_ms, arrivals, elapsed, correct=correct, labelled=labelled, gear=gear
+            latencies,
+            slo_ms,
+            arrivals,
+            elapsed,
+            correct=correct,
+            labelled=labelled,
+            gear=gear,
+            refused=errors[Outcome.REFUSED],
+            timed_out=errors[Outcome.TIMED_OUT],
+            failed=errors[Outcome.FAILED],
         )
 
     def totals(self) -> dict[str, AppTotals]:
@@ -232,7 +492,11 @@ class Observations:
                     late=e.late,
                     failed=e.failed,
                     refused=e.refused,
+                    timed_out=e.timed_out,
                     samples_by_model=dict(e.samples_by_model),
+                    latency_sum_ms=dict(zip(_STAGES, e.stage_sum_ms, strict=True)),
+                    latency_buckets={str(o): tuple(c) for o, c in e.buckets.items()},
+                    latency_outcome_sum_ms={str(o): v for o, v in e.outcome_sum_ms.items()},
                 )
                 for app, e in sorted(self._apps.items())
             }

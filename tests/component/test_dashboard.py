@@ -21,6 +21,7 @@ from controlplane.clock import FakeClock
 from controlplane.dashboard import COOKIE_NAME, ranking, snapshot
 from controlplane.db.store import Store
 from controlplane.service.app import create_app
+from controlplane.serving.observations import AppTotals
 from controlplane.settings import Settings
 from tests.component.test_api import spec, write_profiles
 
@@ -388,3 +389,61 @@ def test_the_spend_is_integrated_across_polls_and_restarts_at_midnight(dash: Das
     dash.store.add_metric_sample("toy", arrival_rate_qps=0.0, fleet_cost_usd_per_hr=4.0)
     dash.clock.advance(900)
     assert dash.data()["snapshot"]["cost"]["spent_today_usd"] == pytest.approx(1.0 + 4.0 * 0.25)
+
+
+def test_when_every_query_fails_the_latency_tiles_say_so(dash: Dash) -> None:
+    """Good windows, then windows in which every query was refused (no instance ran): the
+    newest attainment is 0 and the P99 unknown, not the last good window's figures."""
+    _apply_plan(dash)
+    for step in range(6):
+        dash.clock.advance(10)
+        failing = step >= 3
+        dash.store.add_metric_sample(
+            "toy",
+            arrival_rate_qps=10.0,
+            fleet_cost_usd_per_hr=0.0,
+            latency_p50_ms=None if failing else 10.0,
+            latency_p95_ms=None if failing else 20.0,
+            latency_p99_ms=None if failing else 30.0,
+            attainment_share=0.0 if failing else 1.0,
+        )
+    dash.clock.advance(5)
+    dash.sign_in()
+    latency = dash.data(app="toy")["snapshot"]["latency"]
+    assert latency["attainment_share"] == 0.0 and latency["window_attainment_share"] == 0.5
+    assert latency["p99_ms"] is None and latency["p50_ms"] is None
+    assert latency["answered_none"] is True and latency["slo_met"] is False
+    assert latency["has_data"] is True
+    assert latency["series"]["attainment_share"][-3:] == [0.0, 0.0, 0.0]
+    assert latency["outcomes"] is None  # the data route of a service without a serving loop
+    # The serving loop's counters, when given, say what the failures were.
+    totals = AppTotals(arrived=40, answered=30, late=0, refused=10)
+    snap = snapshot.build_snapshot(
+        dash.store,
+        dash.store.get_app("toy"),
+        dash.clock.utcnow(),
+        ledger=snapshot.SpendLedger(),
+        serving=lambda app: totals,
+    )
+    outcomes = snap["latency"]["outcomes"]
+    assert (outcomes["offered"], outcomes["errors"], outcomes["refused"]) == (40, 10, 10)
+    assert outcomes["attainment_share"] == 0.75
+    assert outcomes["mean_ms"]["total"] == 0.0
+
+
+def test_a_window_below_the_slos_percentile_misses_it(dash: Dash) -> None:
+    _apply_plan(dash)
+    dash.clock.advance(10)
+    dash.store.add_metric_sample(
+        "toy",
+        arrival_rate_qps=10.0,
+        fleet_cost_usd_per_hr=0.0,
+        latency_p50_ms=10.0,
+        latency_p95_ms=20.0,
+        latency_p99_ms=30.0,  # the answered ones were fast ...
+        attainment_share=0.9,  # ... but a tenth of the queries failed
+    )
+    dash.sign_in()
+    latency = dash.data(app="toy")["snapshot"]["latency"]
+    assert latency["p99_ms"] == 30.0 and latency["answered_none"] is False
+    assert latency["slo_met"] is False

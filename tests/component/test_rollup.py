@@ -11,6 +11,7 @@ from controlplane.clock import FAKE_EPOCH, FakeClock
 from controlplane.db.store import Store
 from controlplane.loops.rollup import make_rollup, roll_up
 from controlplane.loops.scheduler import GuardedJob
+from controlplane.serving.observations import summarise
 
 
 def spec(name: str) -> dict[str, object]:
@@ -65,3 +66,22 @@ def test_samples_past_the_retention_are_removed(store: Store, clock: FakeClock) 
 
 def test_a_roll_up_with_no_apps_writes_nothing(store: Store, clock: FakeClock) -> None:
     assert roll_up(store, clock) == 0
+
+
+def test_a_window_whose_queries_all_failed_is_recorded_as_all_misses(
+    store: Store, clock: FakeClock
+) -> None:
+    store.create_app(spec("a"), who="t")
+    failing = summarise([], 40.0, arrivals=30, elapsed_s=10.0, refused=25, timed_out=3, failed=2)
+    mixed = summarise([10.0, 50.0], 40.0, arrivals=4, elapsed_s=10.0, refused=2)
+    windows = iter([failing, mixed])
+    roll_up(store, clock, window=lambda app: next(windows))
+    clock.advance(10.0)
+    roll_up(store, clock, window=lambda app: next(windows))
+    first, second = store.metric_series("a")
+    # Every query failed: attainment 0 (not unknown), no percentile, the demand still there.
+    assert (first.attainment_share, first.latency_p99_ms) == (0.0, None)
+    assert first.arrival_rate_qps == 3.0
+    # One of four within: the refused ones are misses; the percentiles are the answered ones'.
+    assert second.attainment_share == 0.25
+    assert second.latency_p50_ms == 30.0

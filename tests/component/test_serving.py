@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import math
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import FakeClock, SystemClock
+from controlplane.dashboard import snapshot
 from controlplane.db.store import Store
 from controlplane.errors import (
     NoServingInstanceError,
@@ -402,7 +404,9 @@ def test_queries_fail_explicitly_when_every_attempt_fails() -> None:
         with pytest.raises(NoServingInstanceError):
             dispatcher.submit([row(1, 0.9)])
         totals = dispatcher.observations.totals()["demo"]
-        assert (totals.failed, totals.refused) == (4, 1)
+        # 502s are failed; the 503s (stranded, and refused at arrival) are refused: all misses.
+        assert (totals.failed, totals.refused, totals.answered) == (2, 3, 0)
+        assert totals.attainment_share == 0.0
         await dispatcher.close()
 
     run(scenario())
@@ -655,7 +659,19 @@ def test_the_endpoint_answers_with_outputs_models_gear_and_timings(world: ApiWor
         assert answer["models"] == ["tiny", "large"]
         assert answer["certainty"] == [0.9, 0.1]
         assert answer["gear"] == "tiny@0.5 -> large"
-        assert set(answer["timings"]) == {"queue_ms", "service_ms", "total_ms"}
+        timings = answer["timings"]
+        assert set(timings) == {
+            "queue_ms",
+            "service_ms",
+            "total_ms",
+            "transport_ms",
+            "compute_ms",
+        }
+        assert timings["queue_ms"] + timings["service_ms"] == pytest.approx(timings["total_ms"])
+        assert timings["transport_ms"] + timings["compute_ms"] == pytest.approx(
+            timings["service_ms"]
+        )
+        assert min(timings.values()) >= 0.0
         assert answer["late"] is False
         # Model-less: a latency bound alone picks the cheapest variant.
         response = await client.post(
@@ -682,7 +698,14 @@ def test_the_endpoint_answers_with_outputs_models_gear_and_timings(world: ApiWor
         assert [s["model"] for s in status["stages"]] == ["tiny", "large"]
         assert all(w["healthy"] for w in status["workers"])
         assert set(status["stages"][0]["states"].values()) == {"active"}
-        assert status["totals"]["answered"] == 2
+        totals = status["totals"]
+        assert (totals["answered"], totals["within_slo"], totals["offered"]) == (2, 2, 2)
+        assert totals["attainment_share"] == 1.0  # the 422 (requirements unmet) is not offered
+        mean = totals["mean_latency_ms"]
+        assert set(mean) == {"queue_ms", "transport_ms", "compute_ms", "total_ms"}
+        assert mean["queue_ms"] + mean["transport_ms"] + mean["compute_ms"] == pytest.approx(
+            mean["total_ms"]
+        )
         await world.serving.refresh()
         metrics = await client.get("/metrics", headers=world.auth("viewer"))
         # Parsed as Prometheus does: the exposition sorts each sample's labels by name.
@@ -830,6 +853,133 @@ def test_the_dashboard_shows_each_workers_utilisation_and_model_states(world: Ap
             }
             assert set(measured["models"].values()) <= {"active", "overloaded", "interfered"}
         assert all(0.0 < w["utilisation_share"] <= 1.0 for w in status["workers"])
+
+    api_run(world, body)
+
+
+def test_refused_queries_are_misses_in_the_roll_up_metrics_status_and_dashboard(
+    world: ApiWorld,
+) -> None:
+    """The app loses its only worker: every query gets 503 from then on. The roll-up's window,
+    /metrics, the serving status and the dashboard count them as misses (the user's report:
+    attainment 100.0% green while every request got 503 and no instance ran)."""
+    clock = world.app.state.services.clock  # the API's: the dashboard reads samples up to now
+    assert isinstance(clock, FakeClock)
+    payload = {"inputs": [row(1, 0.9)]}
+
+    async def post_all(client: httpx.AsyncClient, n: int) -> list[int]:
+        answers = [
+            await client.post("/v1/apps/demo/infer", json=payload, headers=world.auth())
+            for _ in range(n)
+        ]
+        return [a.status_code for a in answers]
+
+    async def body(client: httpx.AsyncClient) -> None:
+        workers = await fleet([LARGE])
+        world.instances.set("demo", endpoints(workers))
+        assert await post_all(client, 4) == [200] * 4
+        world.instances.set("demo", [])  # the worker is gone
+        await world.serving.refresh()
+        assert await post_all(client, 4) == [503] * 4
+        clock.advance(10.0)
+        roll_up(world.store, clock, window=world.serving.take_window)
+        assert await post_all(client, 4) == [503] * 4
+        clock.advance(10.0)
+        roll_up(world.store, clock, window=world.serving.take_window)
+        half, none = world.store.metric_series("demo")
+        assert half.attainment_share == 0.5 and half.latency_p99_ms is not None
+        assert none.attainment_share == 0.0 and none.latency_p99_ms is None
+
+        viewer = world.auth("viewer")
+        status = (await client.get("/v1/apps/demo/serving", headers=viewer)).json()["totals"]
+        assert (status["answered"], status["refused"], status["offered"]) == (4, 8, 12)
+        assert status["attainment_share"] == pytest.approx(1 / 3)
+        metrics = await client.get("/metrics", headers=viewer)
+        families = {f.name: f.samples for f in text_string_to_metric_families(metrics.text)}
+        by_outcome = {s.labels["outcome"]: s.value for s in families["heteroplane_serving_queries"]}
+        assert by_outcome == {"answered": 4.0, "refused": 8.0, "failed": 0.0, "timed_out": 0.0}
+        counts = {
+            s.labels["outcome"]: s.value
+            for s in families["heteroplane_serving_latency_seconds"]
+            if s.name.endswith("_count")
+        }
+        assert counts == {"answered": 4.0, "refused": 8.0}
+        stages = {s.labels["stage"] for s in families["heteroplane_serving_stage_seconds"]}
+        assert stages == {"queue", "transport", "compute"}
+
+        data = await client.get("/dashboard/data", headers=viewer)
+        latency = data.json()["snapshot"]["latency"]
+        assert latency["attainment_share"] == 0.0  # the newest window: every query failed
+        assert latency["p99_ms"] is None and latency["answered_none"] is True
+        assert latency["slo_met"] is False and latency["has_data"] is True
+        assert latency["window_attainment_share"] < 1.0
+        # With the serving loop's counters, the snapshot says what the failures were.
+        snap = snapshot.build_snapshot(
+            world.store,
+            world.store.get_app("demo"),
+            clock.utcnow(),
+            ledger=snapshot.SpendLedger(),
+            serving=lambda app: world.serving.observations.totals().get(app.name),
+        )
+        outcomes = snap["latency"]["outcomes"]
+        assert (outcomes["refused"], outcomes["errors"], outcomes["answered"]) == (8, 8, 4)
+        assert outcomes["attainment_share"] == pytest.approx(1 / 3)
+
+    api_run(world, body)
+
+
+def test_a_query_refused_before_the_dispatcher_is_a_miss_too(world: ApiWorld) -> None:
+    (world.data_dir / "profiles.csv").unlink()  # the spec no longer resolves
+
+    async def body(client: httpx.AsyncClient) -> None:
+        payload = {"inputs": [row(1, 0.9)]}
+        response = await client.post("/v1/apps/demo/infer", json=payload, headers=world.auth())
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "serving_unavailable"
+        totals = world.serving.observations.totals()["demo"]
+        assert (totals.arrived, totals.refused, totals.attainment_share) == (1, 1, 0.0)
+
+    api_run(world, body)
+
+
+def test_latency_runs_from_the_apis_receipt_as_the_client_sees_it(world: ApiWorld) -> None:
+    """Time the API spends before the route (here a slow token check in the thread pool, as a
+    busy service's is) counts: every query the client measured late because of it, the service
+    counts late too (before, it timed from the loop and counted none of them late)."""
+    verify = world.store.verify_token
+    calls = iter(range(1_000))
+    stall_s = 1.0  # far over the app's 300 ms SLO, so that a loaded machine cannot blur it
+
+    def slow_every_other(token: str, **kwargs: Any) -> Any:
+        if next(calls) % 2:
+            time.sleep(stall_s)
+        return verify(token, **kwargs)
+
+    async def body(client: httpx.AsyncClient) -> None:
+        workers = await fleet([LARGE], delay_s=0.005)
+        world.instances.set("demo", endpoints(workers))
+        world.store.verify_token = slow_every_other  # type: ignore[method-assign]
+
+        async def timed() -> tuple[float, dict[str, Any]]:
+            start = time.perf_counter()
+            answer = await client.post(
+                "/v1/apps/demo/infer", json={"inputs": [row(1, 0.9)]}, headers=world.auth()
+            )
+            assert answer.status_code == 200, answer.text
+            return (time.perf_counter() - start) * 1000.0, answer.json()
+
+        measured = await asyncio.gather(*(timed() for _ in range(8)))
+        # The service's figure is inside the client's, and both see the stall: the four stalled
+        # queries are late on both sides, their time in the API counted as queueing.
+        assert all(a["timings"]["total_ms"] <= ms for ms, a in measured)
+        stalled = [(ms, a) for ms, a in measured if ms >= 1000.0 * stall_s]
+        assert len(stalled) == 4
+        assert all(a["late"] and a["timings"]["queue_ms"] >= 1000.0 * stall_s for _, a in stalled)
+        # The service never counts late what the client saw in time.
+        assert all(ms > 300.0 for ms, a in measured if a["late"])
+        totals = world.serving.observations.totals()["demo"]
+        client_late = sum(ms > 300.0 for ms, _ in measured)
+        assert totals.answered == 8 and 4 <= totals.late <= client_late
 
     api_run(world, body)
 

@@ -163,7 +163,11 @@ def test_observations_keep_arrivals_windows_and_counters() -> None:
     window = seen.take_window("demo", 4.0, slo_ms=100.0, gear="tiny@0.5 -> large")
     assert window is not None
     assert window.arrival_rate_qps == pytest.approx(3 / 3.0)  # since the first arrival's t=1
-    assert (window.answered, window.attainment_share, window.accuracy) == (2, 0.5, 0.5)
+    # One of four queries that ended was answered within the SLO: the failed and the refused
+    # ones are misses, the percentiles are over the two answered.
+    assert (window.answered, window.attainment_share, window.accuracy) == (2, 0.25, 0.5)
+    assert (window.refused, window.failed, window.timed_out, window.offered) == (1, 1, 0, 4)
+    assert window.latency_p99_ms == pytest.approx(149.0)
     assert window.gear == "tiny@0.5 -> large"
     again = seen.take_window("demo", 5.0, slo_ms=100.0)
     assert again is not None and again.answered == 0 and again.arrival_rate_qps == 0.0

@@ -4,10 +4,13 @@ The metrics, per app: its budget and the cost of its live fleet (gauges, USD/hr)
 by lifecycle state (gauge), the newest rolled-up arrival rate and P99 latency (gauges, when a
 sample exists), and the API's answers about it by HTTP status (counter); for the service: runs of
 each scheduler job by outcome (counter). With a serving loop, per app also: queries answered,
-failed and refused (counter), of them late (counter), samples answered per model (counter),
-samples queued per model and workers by health (gauges, as of the loop's last refresh), and the
-INFaaS state of each model on each instance (gauge: 1 for the state it is in). Exposition
-format: Prometheus text format 0.0.4.
+refused, timed out and failed (counter), of them late (counter), every query's end-to-end
+latency from the API's receipt of the request by outcome (histogram, seconds), where the
+answered queries' time went, queue / transport / compute (counter, seconds), samples answered
+per model (counter), samples queued per model and workers by health (gauges, as of the loop's
+last refresh), and the INFaaS state of each model on each instance (gauge: 1 for the state it
+is in). The SLO attainment is (answered - late) / the sum of the queries counter: refused,
+timed-out and failed queries are misses. Exposition format: Prometheus text format 0.0.4.
 
 The exposition is prometheus_client's. Each FastAPI app has its own ``CollectorRegistry`` (never
 the library's global one, so that several apps in one process do not clash), made on its first
@@ -18,6 +21,7 @@ the service has to update a metric object when something changes.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -25,7 +29,12 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from controlplane import __version__
 from controlplane.api.counters import RequestCounter
@@ -35,6 +44,7 @@ from controlplane.api.schemas import HealthOut
 from controlplane.db.store import Store
 from controlplane.loops.scheduler import Scheduler
 from controlplane.policies.lifecycle import LIVE_STATES, InstanceState
+from controlplane.serving.observations import LATENCY_BUCKETS_MS, Outcome
 
 if TYPE_CHECKING:  # the serving loop imports the API's resolver: only a type here
     from controlplane.serving.loop import ServingLoop
@@ -205,6 +215,8 @@ class ServingCollector:
     def _families() -> tuple[
         CounterMetricFamily,
         CounterMetricFamily,
+        HistogramMetricFamily,
+        CounterMetricFamily,
         CounterMetricFamily,
         GaugeMetricFamily,
         GaugeMetricFamily,
@@ -213,14 +225,27 @@ class ServingCollector:
         return (
             CounterMetricFamily(
                 "heteroplane_serving_queries_total",
-                "Inference queries by outcome: answered, failed (an explicit error), refused"
-                " (429, 503).",
+                "Inference queries by outcome: answered, refused (429, 503), timed_out (504),"
+                " failed (502). All but answered are SLO misses.",
                 labels=["app", "outcome"],
             ),
             CounterMetricFamily(
                 "heteroplane_serving_late_queries_total",
-                "Answered inference queries whose latency was over the app's SLO.",
+                "Answered inference queries whose latency, from the API's receipt of the"
+                " request, was over the app's SLO.",
                 labels=["app"],
+            ),
+            HistogramMetricFamily(
+                "heteroplane_serving_latency_seconds",
+                "Inference queries' end-to-end latency, from the API's receipt of the request to"
+                " the answer or the error, by outcome.",
+                labels=["app", "outcome"],
+            ),
+            CounterMetricFamily(
+                "heteroplane_serving_stage_seconds",
+                "The answered queries' time by stage: queue (the API before the loop, admission,"
+                " the queues), transport (round trips less the workers' time), compute.",
+                labels=["app", "stage"],
             ),
             CounterMetricFamily(
                 "heteroplane_serving_samples_total",
@@ -248,12 +273,27 @@ class ServingCollector:
         return self._families()
 
     def collect(self) -> Sequence[Metric]:
-        queries, late, samples, queued, workers, states = families = self._families()
+        families = self._families()
+        queries, late, latency, stage_s, samples, queued, workers, states = families
         for app, totals in self.serving.observations.totals().items():
             queries.add_metric([app, "answered"], totals.answered)
             queries.add_metric([app, "failed"], totals.failed)
             queries.add_metric([app, "refused"], totals.refused)
+            queries.add_metric([app, "timed_out"], totals.timed_out)
             late.add_metric([app], totals.late)
+            for outcome in Outcome:
+                counts = totals.latency_buckets.get(outcome.value)
+                if counts is None:
+                    continue
+                cumulative = 0
+                buckets: list[tuple[str, float]] = []
+                for bound_ms, count in zip((*LATENCY_BUCKETS_MS, math.inf), counts, strict=True):
+                    cumulative += count
+                    buckets.append((_bound_s(bound_ms), cumulative))
+                total_s = totals.latency_outcome_sum_ms.get(outcome.value, 0.0) / 1000.0
+                latency.add_metric([app, outcome.value], buckets, total_s)
+            for part in ("queue", "transport", "compute"):
+                stage_s.add_metric([app, part], totals.latency_sum_ms.get(part, 0.0) / 1000.0)
             for model, count in sorted(totals.samples_by_model.items()):
                 samples.add_metric([app, model], count)
         for status in self.serving.statuses():
@@ -266,6 +306,11 @@ class ServingCollector:
                 for instance, state in sorted(stage.states.items()):
                     states.add_metric([status.app, stage.model, instance, state], 1.0)
         return families
+
+
+def _bound_s(bound_ms: float) -> str:
+    """A histogram bucket's ``le`` label in seconds (``+Inf`` for the last)."""
+    return "+Inf" if math.isinf(bound_ms) else f"{bound_ms / 1000.0:g}"
 
 
 class SchedulerCollector:

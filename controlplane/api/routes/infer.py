@@ -7,17 +7,28 @@ the serving loop then picks the cheapest variant that meets them, or the answer 
 closest offer. A query the queue cannot serve within the SLO even at the cheapest gear is 429
 with ``Retry-After``; an app with no serving instance is 503; a query late past its SLO is still
 answered, with ``late: true``. docs/serving.md has the whole contract.
+
+A query's latency runs from the API's receipt of the request: :class:`ReceivedAtMiddleware`
+stamps it, on the serving loop's clock, when the ASGI app is first called, before the body is
+read, the token checked (a synchronous dependency, run in the thread pool) or the route entered;
+the route hands the stamp to the serving loop, which records every outcome from it
+(:mod:`controlplane.serving.observations`).
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import time
+from collections.abc import Callable
+
+from fastapi import APIRouter, Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.api.deps import Inferrer, ServicesDep, Viewer
 from controlplane.api.routes import AppName, errors
 from controlplane.api.schemas import (
     InferIn,
     InferOut,
+    ServingLatencyOut,
     ServingOut,
     ServingStageOut,
     ServingTotalsOut,
@@ -28,9 +39,32 @@ from controlplane.errors import ServingUnavailableError
 from controlplane.policies.variants import Requirements
 from controlplane.serving.observations import AppTotals
 
-__all__ = ["router"]
+__all__ = ["RECEIVED_S", "ReceivedAtMiddleware", "router"]
 
 router = APIRouter(prefix="/v1", tags=["serving"])
+
+# The ASGI scope key of the receipt stamp (seconds on the clock the middleware was given).
+RECEIVED_S = "heteroplane.received_s"
+
+
+class ReceivedAtMiddleware:
+    """Stamp every HTTP request's receipt (``scope[RECEIVED_S]``, ``clock_s()``) as the ASGI app
+    is first called: the earliest point the service sees it (what the server did before, reading
+    the bytes off the socket, is not seen)."""
+
+    def __init__(self, app: ASGIApp, clock_s: Callable[[], float] = time.monotonic) -> None:
+        self.app = app
+        self.clock_s = clock_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[RECEIVED_S] = self.clock_s()
+        await self.app(scope, receive, send)
+
+
+def _received_s(request: Request) -> float | None:
+    stamp = request.scope.get(RECEIVED_S)
+    return float(stamp) if isinstance(stamp, int | float) else None
 
 
 @router.post(
@@ -38,7 +72,9 @@ router = APIRouter(prefix="/v1", tags=["serving"])
     summary="Run a batch of samples through the app's models (infer)",
     responses=errors(400, 401, 403, 404, 422, 429, 502, 503, 504),
 )
-async def infer(app: AppName, body: InferIn, services: ServicesDep, _who: Inferrer) -> InferOut:
+async def infer(
+    app: AppName, body: InferIn, services: ServicesDep, _who: Inferrer, request: Request
+) -> InferOut:
     serving = services.serving
     if serving is None:
         raise ServingUnavailableError(app, "this service runs no serving loop")
@@ -47,14 +83,20 @@ async def infer(app: AppName, body: InferIn, services: ServicesDep, _who: Inferr
         requirements = Requirements(
             app, body.requirements.latency_ms, body.requirements.min_accuracy
         )
-    result = await serving.infer(app, body.inputs, body.sample_ids, requirements)
+    result = await serving.infer(
+        app, body.inputs, body.sample_ids, requirements, _received_s(request)
+    )
     return InferOut(
         outputs=list(result.outputs),
         models=list(result.models),
         certainty=list(result.certainty),
         gear=result.gear,
         timings=TimingsOut(
-            queue_ms=result.queue_ms, service_ms=result.service_ms, total_ms=result.total_ms
+            queue_ms=result.queue_ms,
+            service_ms=result.service_ms,
+            total_ms=result.total_ms,
+            transport_ms=result.transport_ms,
+            compute_ms=result.compute_ms,
         ),
         late=result.late,
     )
@@ -107,6 +149,16 @@ async def serving_status(app: AppName, services: ServicesDep, _who: Viewer) -> S
             late=totals.late,
             failed=totals.failed,
             refused=totals.refused,
+            timed_out=totals.timed_out,
+            within_slo=totals.within,
+            offered=totals.offered,
+            attainment_share=totals.attainment_share,
             samples_by_model=dict(totals.samples_by_model),
+            mean_latency_ms=ServingLatencyOut(
+                queue_ms=totals.mean_ms("queue"),
+                transport_ms=totals.mean_ms("transport"),
+                compute_ms=totals.mean_ms("compute"),
+                total_ms=totals.mean_ms("total"),
+            ),
         ),
     )

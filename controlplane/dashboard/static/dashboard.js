@@ -249,10 +249,15 @@
       series: [{ label: "attainment", color: "#b07aa1", t: t, v: lat.series.attainment_share }],
       yFormat: (v) => Math.round(v * 100) + "%", title: "share within the SLO",
     });
-    const over = finite(lat.p99_ms) && finite(lat.slo_ms) && lat.p99_ms > lat.slo_ms;
-    tile("tile-latency", ms(lat.p99_ms), "SLO P" + lat.percentile + " " + ms(lat.slo_ms), finite(lat.p99_ms) ? (over ? "bad" : "ok") : undefined);
+    // Errors (429, 503, 504, 502) are misses: a window that answered nothing has no P99 and
+    // fails the SLO, and a window whose attainment is below the SLO's percentile fails it too.
+    const over = (finite(lat.p99_ms) && finite(lat.slo_ms) && lat.p99_ms > lat.slo_ms) || lat.slo_met === false;
+    if (lat.answered_none) tile("tile-latency", "none answered", "SLO P" + lat.percentile + " " + ms(lat.slo_ms), "bad");
+    else tile("tile-latency", ms(lat.p99_ms), "SLO P" + lat.percentile + " " + ms(lat.slo_ms), finite(lat.p99_ms) ? (over ? "bad" : "ok") : undefined);
     const share = lat.window_attainment_share;
-    tile("tile-attainment", pct(lat.attainment_share), "window " + pct(share), finite(lat.attainment_share) ? (lat.attainment_share < 0.99 ? "bad" : "ok") : undefined);
+    const out = lat.outcomes;
+    const errors = out && out.errors ? " · " + out.errors + " errors (" + out.refused + " refused, " + out.timed_out + " timed out, " + out.failed + " failed)" : "";
+    tile("tile-attainment", pct(lat.attainment_share), "window " + pct(share) + errors, finite(lat.attainment_share) ? (lat.attainment_share < lat.percentile / 100 ? "bad" : "ok") : undefined);
     if (!lat.has_data) setPanel("latency", "empty", "No traffic yet: latency appears once queries are served.");
     else setPanel("latency", "ready");
   }

@@ -1,0 +1,158 @@
+"""The serving accounting (:mod:`controlplane.serving.observations`): every query the service was
+offered ends in one outcome, errors are misses, percentiles are over the answered queries, and
+the counters keep where the answered queries' time went and a histogram of every outcome's
+latency."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controlplane.errors import (
+    NoServingInstanceError,
+    OverloadedError,
+    QueryFailedError,
+    QueryTimeoutError,
+    RequirementsUnmetError,
+    ServingUnavailableError,
+)
+from controlplane.serving import observations
+from controlplane.serving.observations import (
+    LATENCY_BUCKETS_MS,
+    Observations,
+    Outcome,
+    Split,
+    account,
+    outcome_of,
+    summarise,
+)
+
+latencies = st.lists(
+    st.floats(min_value=0.0, max_value=1e6, allow_nan=False, allow_infinity=False), max_size=50
+)
+counts = st.integers(min_value=0, max_value=50)
+slos = st.floats(min_value=1e-3, max_value=1e5, allow_nan=False, allow_infinity=False)
+
+
+def test_the_modules_doctests_pass() -> None:
+    assert doctest.testmod(observations).failed == 0
+
+
+def test_errors_are_misses_and_percentiles_are_over_the_answered() -> None:
+    a = account([10.0, 20.0, 30.0, 400.0], 100.0, refused=2, timed_out=1, failed=1)
+    assert (a.answered, a.within, a.errors, a.offered) == (4, 3, 4, 8)
+    assert a.attainment_share == 3 / 8 and a.answered_share == 0.5
+    assert a.latency_p50_ms == 25.0 and a.latency_p99_ms == pytest.approx(388.9)
+    # Nothing answered: attainment 0, no percentiles; nothing offered: nothing known.
+    none = account([], 100.0, refused=5)
+    assert (none.attainment_share, none.latency_p99_ms) == (0.0, None)
+    assert account([], 100.0).attainment_share is None
+
+
+def test_at_the_slo_is_within_and_bad_arguments_are_refused() -> None:
+    assert account([100.0], 100.0).within == 1
+    with pytest.raises(ValueError, match="slo_ms"):
+        account([1.0], float("nan"))
+    with pytest.raises(ValueError, match="slo_ms"):
+        account([1.0], 0.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        account([1.0], 100.0, failed=-1)
+
+
+@given(latencies, slos, counts, counts, counts)
+def test_attainment_never_exceeds_the_answered_share(
+    answered_ms: list[float], slo_ms: float, refused: int, timed_out: int, failed: int
+) -> None:
+    a = account(answered_ms, slo_ms, refused=refused, timed_out=timed_out, failed=failed)
+    assert a.offered == len(answered_ms) + refused + timed_out + failed
+    if a.offered == 0:
+        assert a.attainment_share is None
+        return
+    assert a.attainment_share is not None and a.answered_share is not None
+    assert 0.0 <= a.attainment_share <= a.answered_share <= 1.0
+    assert a.within == sum(1 for x in answered_ms if x <= slo_ms)
+
+
+@given(latencies, slos, st.sampled_from(["refused", "timed_out", "failed"]))
+def test_an_error_never_counts_as_within(
+    answered_ms: list[float], slo_ms: float, kind: str
+) -> None:
+    before = account(answered_ms, slo_ms)
+    after = account(answered_ms, slo_ms, **{kind: 1})
+    assert after.within == before.within  # however fast the error came back
+    assert after.offered == before.offered + 1
+    assert after.attainment_share is not None
+    if before.attainment_share is not None:
+        assert after.attainment_share <= before.attainment_share
+        if before.within:
+            assert after.attainment_share < before.attainment_share
+    # Percentiles do not move: an error has no latency to the answer.
+    assert after.latency_p99_ms == before.latency_p99_ms
+
+
+def test_each_error_maps_to_the_outcome_of_its_http_status() -> None:
+    assert outcome_of(OverloadedError("a", 500.0, 100.0, 1)) is Outcome.REFUSED  # 429
+    assert outcome_of(NoServingInstanceError("a", "m")) is Outcome.REFUSED  # 503
+    assert outcome_of(ServingUnavailableError("a", "stopping")) is Outcome.REFUSED  # 503
+    assert outcome_of(QueryTimeoutError("a", 30.0)) is Outcome.TIMED_OUT  # 504
+    assert outcome_of(QueryFailedError("a", "boom", 3)) is Outcome.FAILED  # 502
+    assert outcome_of(RequirementsUnmetError("a", "no", "tiny")) is Outcome.FAILED
+
+
+def test_a_window_and_the_totals_count_every_outcome() -> None:
+    seen = Observations()
+    for t in range(6):
+        seen.arrival("demo", float(t))
+    seen.answered("demo", 1.0, 40.0, late=False, models=["m"], split=Split(10.0, 5.0, 25.0))
+    seen.answered("demo", 2.0, 140.0, late=True, models=["m"], split=Split(100.0, 5.0, 35.0))
+    seen.refused("demo", 3.0, 2.0)
+    seen.timed_out("demo", 4.0, 30_000.0)
+    seen.failed("demo", 5.0, 700.0)
+    seen.ended_in_error("demo", 5.0, Outcome.REFUSED, 1.0)
+    with pytest.raises(ValueError, match="answered"):
+        seen.ended_in_error("demo", 5.0, Outcome.ANSWERED, 1.0)
+    window = seen.take_window("demo", 10.0, slo_ms=100.0)
+    assert window is not None
+    assert (window.answered, window.refused, window.timed_out, window.failed) == (2, 2, 1, 1)
+    assert window.attainment_share == pytest.approx(1 / 6)
+    assert window.latency_p50_ms == 90.0  # over the two answered only
+    nothing = seen.take_window("demo", 20.0, slo_ms=100.0)
+    assert nothing is not None and nothing.attainment_share is None and nothing.errors == 0
+
+    totals = seen.totals()["demo"]
+    assert (totals.answered, totals.within, totals.late) == (2, 1, 1)
+    assert (totals.refused, totals.timed_out, totals.failed, totals.offered) == (2, 1, 1, 6)
+    assert totals.attainment_share == pytest.approx(1 / 6)
+    assert totals.latency_sum_ms == {
+        "queue": 110.0,
+        "transport": 10.0,
+        "compute": 60.0,
+        "total": 180.0,
+    }
+    assert totals.mean_ms("total") == 90.0 and totals.mean_ms("queue") == 55.0
+    with pytest.raises(ValueError, match="stage"):
+        totals.mean_ms("api")
+    buckets = totals.latency_buckets
+    assert set(buckets) == {"answered", "refused", "timed_out", "failed"}
+    assert all(len(c) == len(LATENCY_BUCKETS_MS) + 1 for c in buckets.values())
+    assert sum(buckets["answered"]) == 2 and sum(buckets["refused"]) == 2
+    # 40 ms falls in the (25, 50] bucket, 30 s on the 30 s bound (le is inclusive).
+    assert buckets["answered"][LATENCY_BUCKETS_MS.index(50.0)] == 1
+    assert buckets["timed_out"][LATENCY_BUCKETS_MS.index(30_000.0)] == 1
+    assert totals.latency_outcome_sum_ms["refused"] == 3.0
+
+
+def test_an_answer_without_a_split_counts_its_time_as_queueing() -> None:
+    seen = Observations()
+    seen.answered("demo", 1.0, 12.0, late=False, models=["m"])
+    totals = seen.totals()["demo"]
+    assert totals.mean_ms("queue") == 12.0 and totals.mean_ms("compute") == 0.0
+
+
+def test_summarise_takes_the_errors_of_a_window() -> None:
+    failing = summarise([], 100.0, arrivals=4, elapsed_s=2.0, refused=3, failed=1)
+    assert (failing.attainment_share, failing.latency_p99_ms, failing.offered) == (0.0, None, 4)
+    assert failing.arrival_rate_qps == 2.0
