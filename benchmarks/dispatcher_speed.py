@@ -69,6 +69,7 @@ from controlplane.serving.observations import Observations
 from controlplane.serving.transport import HttpWorkerTransport
 from controlplane.serving.workers import WorkerEndpoint
 from estimator.cascades import Cascade
+from estimator.fleet import Fleet
 from estimator.profiles import LatencyProfile
 
 GOAL_QPS = 2000.0
@@ -130,9 +131,9 @@ def _config(scenario: str) -> tuple[AppConfig, list[str]]:
         cascade = Cascade(models, ())
         types = [SLOW] * 4 if scenario == "fcfs" else [FAST] + [SLOW] * 3
     profiles = {m: {FAST: _profile(m, FAST, 0.1), SLOW: _profile(m, SLOW, 0.3)} for m in models}
-    plans = {m: StagePlan(max_batch_queries=1, policy="fcfs") for m in models}
+    plans = {m: StagePlan(m, Fleet.of({}), 1, policy="fcfs") for m in models}
     if scenario == "kairos":
-        plans = {m: StagePlan(max_batch_queries=1, policy="kairos") for m in models}
+        plans = {m: StagePlan(m, Fleet.of({}), 1, policy="kairos") for m in models}
     config = AppConfig(
         name="bench",
         slo_ms=SLO_MS,

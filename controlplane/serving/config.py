@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from controlplane.policies.plan import StagePlan
 from controlplane.serving.admission import DEFAULT_MAX_QUEUED_SAMPLES
 from estimator.cascades import Cascade, ValidationRecords
 from estimator.profiles import LatencyProfile
@@ -23,19 +24,8 @@ __all__ = [
     "DispatcherSettings",
     "GearSource",
     "ServingGear",
-    "StagePlan",
     "batch_cap",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class StagePlan:
-    """What the applied plan says of a model's stage: its fleet (type -> count; the instances
-    placed on it), its batch cap and its dispatch policy."""
-
-    fleet: Mapping[str, int] | None = None
-    max_batch_queries: int = 1
-    policy: str | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -101,9 +91,9 @@ class DispatcherSettings:
 
 def batch_cap(config: AppConfig, model: str, gear: ServingGear) -> int:
     """How many queued queries one batch of ``model`` may take: the gear's cap, else the plan's
-    stage ``max_batch_queries``, else 1."""
+    stage's batch size, else 1."""
     cap = gear.max_batch_queries.get(model)
     if cap is None:
         plan = config.stage_plans.get(model)
-        cap = plan.max_batch_queries if plan is not None else 1
+        cap = plan.batch_size if plan is not None else 1
     return max(int(cap), 1)

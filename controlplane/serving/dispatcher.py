@@ -71,6 +71,7 @@ from controlplane.errors import (
     ServingError,
     WorkerCallError,
 )
+from controlplane.policies.plan import StagePlan
 from controlplane.policies.variants import Requirements, VariantOption
 from controlplane.serving.admission import decide, predicted_latency_ms
 from controlplane.serving.config import (
@@ -78,7 +79,6 @@ from controlplane.serving.config import (
     DispatcherSettings,
     GearSource,
     ServingGear,
-    StagePlan,
     batch_cap,
 )
 from controlplane.serving.health import Health, WorkerLoss

@@ -110,9 +110,7 @@ def load_config(store: Store, resolver: AppResolver, app: str) -> AppConfig:
     if plan is not None:
         for stage in plan.plan.stages:
             if stage.name in models:
-                stage_plans[stage.name] = StagePlan(
-                    fleet=dict(stage.fleet), max_batch_queries=stage.batch_size, policy=stage.policy
-                )
+                stage_plans[stage.name] = stage
     return AppConfig(
         name=app,
         slo_ms=float(spec.slo.latency_ms),

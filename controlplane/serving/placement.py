@@ -26,7 +26,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from controlplane.serving.config import AppConfig, StagePlan
+from controlplane.policies.plan import StagePlan
+from controlplane.serving.config import AppConfig
 from controlplane.serving.stages import LatencyTable, Slot, Stage
 from controlplane.serving.workers import Worker, WorkerEndpoint
 from estimator.policies import full_range_types, policy_factory

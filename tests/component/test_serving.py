@@ -54,6 +54,7 @@ from controlplane.serving.transport import HttpWorkerTransport, WorkerReply
 from controlplane.serving.workers import ProvisionedInstances, StaticInstances, WorkerEndpoint
 from controlplane.settings import Settings
 from estimator.cascades import Cascade
+from estimator.fleet import Fleet
 from estimator.profiles import LatencyProfile
 from provisioners.base import APP_TAG, LaunchRequest, ProvisionedInstance
 from provisioners.fake import FakeProvisioner
@@ -223,7 +224,7 @@ def test_the_plan_batches_queued_queries_together() -> None:
     async def scenario() -> None:
         # One slow worker: while it serves one batch, the others queue and go together.
         workers = await fleet([LARGE], delay_s=0.02)
-        plan = {"tiny": StagePlan(max_batch_queries=8, policy="fcfs")}
+        plan = {"tiny": StagePlan("tiny", Fleet.of({}), 8, policy="fcfs")}
         app = config(models=("tiny",), stage_plans=plan, slo_ms=10_000.0)
         dispatcher = await dispatcher_over(workers, app, admission=False)
         results = await settle([dispatcher.submit([row(q % 10, 0.9)]) for q in range(40)])
@@ -536,7 +537,10 @@ def test_a_stage_whose_only_worker_dies_borrows_the_other_stages_workers() -> No
     async def scenario() -> None:
         workers = await fleet([SMALL, LARGE])
         workers[0].hang = True  # holds its first batch until it dies
-        plan = {"tiny": StagePlan(fleet={SMALL: 1}), "large": StagePlan(fleet={LARGE: 1})}
+        plan = {
+            "tiny": StagePlan("tiny", Fleet.of({SMALL: 1}), 1),
+            "large": StagePlan("large", Fleet.of({LARGE: 1}), 1),
+        }
         losses: list[WorkerLoss] = []
         dispatcher = AppDispatcher(
             config(stage_plans=plan),

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.errors import WorkerCallError
+from controlplane.policies.plan import StagePlan
 from controlplane.serving import workers as workers_module
 from controlplane.serving.admission import (
     MAX_RETRY_AFTER_S,
@@ -21,7 +22,7 @@ from controlplane.serving.admission import (
     predicted_latency_ms,
     wait_ms,
 )
-from controlplane.serving.dispatcher import StagePlan, policy_name
+from controlplane.serving.dispatcher import policy_name
 from controlplane.serving.observations import ARRIVALS_KEPT, Observations, summarise
 from controlplane.serving.states import (
     StateTracker,
@@ -31,6 +32,7 @@ from controlplane.serving.states import (
 )
 from controlplane.serving.transport import _parse_head, parse_infer_reply
 from controlplane.serving.workers import BACKOFF_MAX_S, Worker, WorkerEndpoint, backoff_s
+from estimator.fleet import Fleet
 from estimator.profiles import LatencyProfile
 from matching.policy import QueuedQuery
 from matching.queues import CentralQueue
@@ -267,7 +269,7 @@ def test_the_stage_policy_follows_the_planners_rule() -> None:
     assert policy_name(None, one, 100.0)[0] == "fcfs"
     name, base = policy_name(None, mix, 100.0)
     assert name == "kairos" and base
-    assert policy_name(StagePlan(policy="fcfs"), mix, 100.0)[0] == "fcfs"
+    assert policy_name(StagePlan("m", Fleet.of({}), 1, policy="fcfs"), mix, 100.0)[0] == "fcfs"
     assert policy_name(None, mix, 1.0)[0] == "fcfs"  # no type serves the range within the SLO
 
 
