@@ -6,10 +6,12 @@
   row cap is twice the instances), on 2,000 (500) random states: queue batch sizes from the
   Kairos mix, waits uniform in [0, 300] ms, one base instance in eight, about half the instances
   idle and the rest busy for up to 300 ms. Timed per call: the policy's whole ``dispatch`` (read
-  the queue and the fleet, compiled costs, solve, dispatches) and the library path
-  (``build_cost_matrix`` in numpy + ``solve_assignment``), median and p99.
-- The solvers alone on those matrices: SciPy's ``linear_sum_assignment`` and, when installed,
-  ``lap.lapjv`` (padded to square).
+  the queue and the fleet, compiled predictions, the solve, dispatches: the penalised matrix and
+  SciPy at 32 x 16, the chain flow at 256 x 128, as ``FLOW_FROM_INSTANCES`` picks) and the
+  library path (``build_cost_matrix`` in numpy + ``solve_assignment``), median and p99.
+- The solvers alone on those rounds: SciPy's ``linear_sum_assignment`` on the matrix, the chain
+  flow (``chain_assignment_kernel``) on the same inputs and, when installed, ``lap.lapjv``
+  (padded to square).
 - The Kairos policy is the tail-aware one the estimator builds (``policy_factory("kairos")``: QoS
   checks on the profiled p99, as a ratio to the online mean); without the shared data, synthetic
   lines and constant tail ratios stand in.
@@ -19,7 +21,7 @@
   of the time between the policy (``dispatch`` + ``observe``) and the engine; FCFS through the
   same engine for comparison. Needs the shared data (../shared/data).
 
-Goals (issue 3): 32 x 16 median <= 50 us; 256 x 128 p99 <= 2 ms; >= 50,000 simulated queries/s.
+Goals (issue 3): 32 x 16 median <= 50 us; 256 x 128 p99 <= 1 ms; >= 50,000 simulated queries/s.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from estimator.profiles import load_profiles
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace, poisson_arrivals
 from matching.assignment import solve_assignment
-from matching.cost import build_cost_matrix
+from matching.chain_flow import chain_assignment_kernel
+from matching.cost import SAFETY, build_cost_matrix
 from matching.fcfs import FcfsPolicy
 from matching.kairos import KairosPolicy
 from matching.latency_model import LatencyModel
@@ -140,6 +143,16 @@ def library_inputs(state: State, model: LatencyModel, tail_ratio: TailRatio) -> 
     )
 
 
+def flow_inputs(state: State, inputs: Inputs) -> tuple[np.ndarray, ...]:
+    """The same round as :func:`chain_assignment_kernel` takes it: latencies per fleet type."""
+    latency, remaining, h, waited, tail = inputs
+    types = [inst.instance_type for inst in state.instances]
+    fleet = list(dict.fromkeys(types))
+    first = [types.index(t) for t in fleet]
+    column_type = np.array([fleet.index(t) for t in types], dtype=np.int64)
+    return latency[:, first], tail[:, first], column_type, remaining, h, waited
+
+
 def library_costs(inputs: Inputs) -> np.ndarray:
     latency, remaining, h, waited, tail = inputs
     return build_cost_matrix(latency, remaining, h, waited, QOS_MS, tail_ms=tail).costs
@@ -156,6 +169,7 @@ def size_figures(
     policy = KairosPolicy(BASE, model, tail_ratio=tail_ratio)
     inputs = {id(state): library_inputs(state, model, tail_ratio) for state in states}
     matrices = {key: library_costs(args) for key, args in inputs.items()}
+    flows = {id(state): flow_inputs(state, inputs[id(state)]) for state in states}
     uniform = {key: rng.uniform(0, 1000, size=m.shape) for key, m in matrices.items()}
 
     def policy_round(state: State) -> list[Dispatch]:
@@ -169,6 +183,7 @@ def size_figures(
             lambda s: solve_assignment(library_costs(inputs[id(s)])),
         ),
         ("scipy_solve_only", lambda s: linear_sum_assignment(matrices[id(s)])),
+        ("flow_solve_only", lambda s: chain_assignment_kernel(*flows[id(s)], QOS_MS, SAFETY)),
         ("scipy_on_uniform_random", lambda s: linear_sum_assignment(uniform[id(s)])),
     ]
     try:
@@ -331,6 +346,7 @@ def main() -> int:
                 ("policy round", "policy_round"),
                 ("numpy costs + solve", "numpy_costs_and_solve"),
                 ("scipy solve", "scipy_solve_only"),
+                ("chain flow", "flow_solve_only"),
                 ("lap solve", "lap_solve_only"),
                 ("scipy on uniform random costs", "scipy_on_uniform_random"),
             )

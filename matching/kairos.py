@@ -11,7 +11,10 @@ every scheduling round (the simulator's: an arrival, a completion, an instance j
    use the tail prediction l~_ij = k_type(j)(b_i) l_ij when the policy has tail ratios k (e.g. a
    profile's p99 over its mean by batch size, :data:`TAIL_QUANTILE`), else the mean as Kairos
    does (docs/matching.md, "Tail-aware feasibility");
-3. the rectangular min-cost assignment of :mod:`matching.assignment`;
+3. the rectangular min-cost assignment of :mod:`matching.assignment`: from
+   :data:`FLOW_FROM_INSTANCES` instances on, an optimum of that matrix found without building it,
+   as the chain flow of :mod:`matching.chain_flow` (the same numbers of QoS misses and margins and
+   the same usage; ties broken its own way), below that SciPy's dense solve of the matrix;
 4. dispatch only the pairs whose instance is idle now; the other queries stay queued for a later
    round (the implicit "wait for the better instance"). An instance whose busy time is over but
    that is not idle (it stopped taking work) is dropped from the columns and the round solved
@@ -22,11 +25,17 @@ Each query runs alone (the Kairos setting: a query already is a batch), so the s
 :meth:`KairosPolicy.observe`.
 
 The round runs in compiled code (:func:`round_costs_kernel`: predictions and costs, bit for bit
-those of :func:`matching.cost.build_cost_matrix`), and a round with a single row skips the solver:
-the assignment of one row is the lowest-index argmin of that row, which is what SciPy's solver
-returns too (tests check both). In the simulator an instance's ``busy_until_s`` is the drawn
-service time, so r_j is exact; in the live loop it is what the serving loop knows (start plus
-predicted latency), as in the authors' code.
+those of :func:`matching.cost.build_cost_matrix`; :func:`round_flow_kernel`: the same predictions
+and the chain flow), and a round with a single row skips the solver: the assignment of one row is
+the lowest-index argmin of that row, which is what SciPy's solver returns too (tests check both).
+Why the threshold (docs/matching.md, "The chain flow"): the dense solve of a 256 x 128 round takes
+about 2 ms, the flow about 0.2 ms; below 32 instances the two are about as fast, and SciPy keeps
+the decisions of the fleets the simulator runs in the Kairos setting (at most about 20
+instances) bit for bit.
+
+In the simulator an instance's ``busy_until_s`` is the drawn service time, so r_j is exact; in
+the live loop it is what the serving loop knows (start plus predicted latency), as in the
+authors' code.
 
 The heterogeneity coefficients h_j come from the latency model's predictions at the largest batch
 size it knows, computed when the policy first sees a fleet (as the authors compute them once from
@@ -45,12 +54,14 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy.optimize import linear_sum_assignment
 
+from matching.chain_flow import chain_assignment_kernel
 from matching.cost import SAFETY, costs_kernel
 from matching.errors import MatchingError, MissingQosError, TailRatioError
 from matching.latency_model import LatencyModel, predict_kernel
 from matching.policy import Dispatch, InstanceView, QueuedQuery, StageContext
 
 ROWS_PER_INSTANCE = 2  # Kairos' authors cap a round at twice as many queries as instances
+FLOW_FROM_INSTANCES = 32  # rounds this wide or wider: the chain flow (docs/matching.md)
 TAIL_QUANTILE = 0.99  # QoS is a P99 target: the tail the feasibility checks use (docs/matching.md)
 
 _busy_until = attrgetter("busy_until_s")
@@ -58,6 +69,50 @@ _type_of = attrgetter("instance_type")
 _batch_of = attrgetter("batch_size")
 _arrival_of = attrgetter("arrival_s")
 _NO_NOISE = np.zeros((0, 0))
+
+
+@numba.njit(cache=True)
+def _round_inputs(
+    batch_size: np.ndarray,
+    arrival_s: np.ndarray,
+    busy_until_s: np.ndarray,
+    now_s: float,
+    fleet_model_type: np.ndarray,
+    counts: np.ndarray,
+    sums_ms: np.ndarray,
+    left: np.ndarray,
+    right: np.ndarray,
+    line: np.ndarray,
+    table_after: int,
+    noise_factor: np.ndarray,
+    tail_ratio: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A round's l (rows x fleet types), l~ (the same array when there are no tail ratios), r_j
+    and w_i, in ms (see :func:`round_costs_kernel`)."""
+    m = batch_size.size
+    n = busy_until_s.size
+    n_types = fleet_model_type.size
+    latency = np.empty((m, n_types))
+    tail_cap = tail_ratio.shape[1] - 1
+    tail = np.empty((m, n_types)) if tail_cap >= 0 else latency
+    for i in range(m):
+        b_tail = min(batch_size[i], tail_cap)
+        for f in range(n_types):
+            value = predict_kernel(
+                counts, sums_ms, left, right, line, table_after, fleet_model_type[f], batch_size[i]
+            )
+            if noise_factor.shape[0] > 0:
+                value = max(value * noise_factor[i, f], 0.0)
+            latency[i, f] = value
+            if tail_cap >= 0:
+                tail[i, f] = value * tail_ratio[f, b_tail]
+    remaining = np.empty(n)
+    for j in range(n):
+        remaining[j] = max((busy_until_s[j] - now_s) * 1000.0, 0.0)
+    waited = np.empty(m)
+    for i in range(m):
+        waited[i] = (now_s - arrival_s[i]) * 1000.0
+    return latency, tail, remaining, waited
 
 
 @numba.njit(cache=True)
@@ -89,39 +144,74 @@ def round_costs_kernel(
     The tail l~_ij is l_ij times ``tail_ratio[type, min(b, last column)]``; with no columns,
     l~ = l (the mean checks).
     """
-    m = batch_size.size
-    n = busy_until_s.size
-    n_types = fleet_model_type.size
-    latency = np.empty((m, n_types))
-    tail_cap = tail_ratio.shape[1] - 1
-    tail = np.empty((m, n_types)) if tail_cap >= 0 else latency
-    for i in range(m):
-        b_tail = min(batch_size[i], tail_cap)
-        for f in range(n_types):
-            value = predict_kernel(
-                counts, sums_ms, left, right, line, table_after, fleet_model_type[f], batch_size[i]
-            )
-            if noise_factor.shape[0] > 0:
-                value = max(value * noise_factor[i, f], 0.0)
-            latency[i, f] = value
-            if tail_cap >= 0:
-                tail[i, f] = value * tail_ratio[f, b_tail]
-    remaining = np.empty(n)
-    for j in range(n):
-        remaining[j] = max((busy_until_s[j] - now_s) * 1000.0, 0.0)
-    waited = np.empty(m)
-    for i in range(m):
-        waited[i] = (now_s - arrival_s[i]) * 1000.0
+    latency, tail, remaining, waited = _round_inputs(
+        batch_size,
+        arrival_s,
+        busy_until_s,
+        now_s,
+        fleet_model_type,
+        counts,
+        sums_ms,
+        left,
+        right,
+        line,
+        table_after,
+        noise_factor,
+        tail_ratio,
+    )
     costs = costs_kernel(
         latency, tail, column_type, remaining, heterogeneity, waited, qos_ms, safety
     )
     best = -1
-    if m == 1:
+    if batch_size.size == 1:
         best = 0
-        for j in range(1, n):
+        for j in range(1, busy_until_s.size):
             if costs[0, j] < costs[0, best]:
                 best = j
     return costs, best
+
+
+@numba.njit(cache=True)
+def round_flow_kernel(
+    batch_size: np.ndarray,
+    arrival_s: np.ndarray,
+    busy_until_s: np.ndarray,
+    now_s: float,
+    fleet_model_type: np.ndarray,
+    column_type: np.ndarray,
+    heterogeneity: np.ndarray,
+    counts: np.ndarray,
+    sums_ms: np.ndarray,
+    left: np.ndarray,
+    right: np.ndarray,
+    line: np.ndarray,
+    table_after: int,
+    noise_factor: np.ndarray,
+    tail_ratio: np.ndarray,
+    qos_ms: float,
+    safety: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One round's min-cost assignment (rows, columns) by the chain flow of
+    :mod:`matching.chain_flow`: an optimum of the matrix :func:`round_costs_kernel` builds
+    from the same arguments, without building it."""
+    latency, tail, remaining, waited = _round_inputs(
+        batch_size,
+        arrival_s,
+        busy_until_s,
+        now_s,
+        fleet_model_type,
+        counts,
+        sums_ms,
+        left,
+        right,
+        line,
+        table_after,
+        noise_factor,
+        tail_ratio,
+    )
+    return chain_assignment_kernel(
+        latency, tail, column_type, remaining, heterogeneity, waited, qos_ms, safety
+    )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -142,9 +232,11 @@ class KairosPolicy:
     initial (batch size, latency ms) points per instance type (e.g. each profile's means); the
     policy learns into its own copy, :attr:`latency`. ``safety``: Kairos' margin (a predicted
     finish beyond ``safety`` x QoS is penalised). ``rows_per_instance``: a round considers at most
-    that many queued queries per instance. ``noise_share`` with ``rng``: the robustness knob of
-    Kairos Fig. 16b, each prediction times (1 + noise_share x N(0, 1)), drawn per round and per
-    (query, instance type); 0 turns it off (the tail scales the noisy mean).
+    that many queued queries per instance. ``flow_from_instances``: a round with at least that
+    many instances (and more than one query) is solved as a chain flow, a smaller one by SciPy on
+    the matrix (the same optimum; 1 always takes the flow). ``noise_share`` with ``rng``: the
+    robustness knob of Kairos Fig. 16b, each prediction times (1 + noise_share x N(0, 1)), drawn
+    per round and per (query, instance type); 0 turns it off (the tail scales the noisy mean).
     ``tail_ratio``: per instance type, k(b) = tail latency / mean latency at batch size b, a 1-D
     array indexed by the batch size itself (NaN where unknown: filled linearly between known
     sizes, with the nearest known ratio outside them; sizes beyond the array take its last
@@ -162,6 +254,7 @@ class KairosPolicy:
         *,
         safety: float = SAFETY,
         rows_per_instance: int = ROWS_PER_INSTANCE,
+        flow_from_instances: int = FLOW_FROM_INSTANCES,
         noise_share: float = 0.0,
         rng: np.random.Generator | None = None,
         tail_ratio: Mapping[str, ArrayLike] | None = None,
@@ -172,6 +265,8 @@ class KairosPolicy:
             raise MatchingError(f"safety must be in (0, 1], got {safety!r}")
         if isinstance(rows_per_instance, bool) or rows_per_instance < 1:
             raise MatchingError(f"rows_per_instance must be >= 1, got {rows_per_instance!r}")
+        if isinstance(flow_from_instances, bool) or flow_from_instances < 1:
+            raise MatchingError(f"flow_from_instances must be >= 1, got {flow_from_instances!r}")
         if not (np.isfinite(noise_share) and noise_share >= 0):
             raise MatchingError(f"noise_share must be finite and >= 0, got {noise_share!r}")
         if noise_share > 0 and rng is None:
@@ -180,6 +275,7 @@ class KairosPolicy:
         self.latency = model
         self.safety = float(safety)
         self.rows_per_instance = int(rows_per_instance)
+        self.flow_from_instances = int(flow_from_instances)
         self.noise_share = float(noise_share)
         self._rng = rng
         self.tail_ratio = {t: _checked_ratios(t, k) for t, k in (tail_ratio or {}).items()}
@@ -218,7 +314,7 @@ class KairosPolicy:
         columns: Sequence[int] = range(n_columns)  # column -> position in ``instances``
         model = self.latency.arrays
         while True:
-            costs, best = round_costs_kernel(
+            inputs = (
                 batch,
                 arrival,
                 busy_until,
@@ -237,11 +333,17 @@ class KairosPolicy:
                 qos_ms,
                 self.safety,
             )
-            if best >= 0:
-                pairs: Iterable[tuple[int, int]] = ((0, best),)
-            else:
-                row_ind, col_ind = linear_sum_assignment(costs)
+            pairs: Iterable[tuple[int, int]]
+            if n_rows > 1 and len(columns) >= self.flow_from_instances:
+                row_ind, col_ind = round_flow_kernel(*inputs)
                 pairs = zip(row_ind.tolist(), col_ind.tolist(), strict=True)
+            else:
+                costs, best = round_costs_kernel(*inputs)
+                if best >= 0:
+                    pairs = ((0, best),)
+                else:
+                    row_ind, col_ind = linear_sum_assignment(costs)
+                    pairs = zip(row_ind.tolist(), col_ind.tolist(), strict=True)
             dispatches = []
             stopped = []
             for i, j in pairs:
