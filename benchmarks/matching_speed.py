@@ -21,7 +21,7 @@
   of the time between the policy (``dispatch`` + ``observe``) and the engine; FCFS through the
   same engine for comparison. Needs the shared data (../shared/data).
 
-Goals (issue 3): 32 x 16 median <= 50 us; 256 x 128 p99 <= 1 ms; >= 50,000 simulated queries/s.
+Goals: 32 x 16 median <= 50 us; 256 x 128 p99 <= 1 ms; >= 50,000 simulated queries/s.
 """
 
 from __future__ import annotations
