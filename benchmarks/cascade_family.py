@@ -153,6 +153,14 @@ Written by `{command}`; do not edit by hand, run the command again.
   handwritten digits trained at first use with a fixed seed; {result["validation_samples"]}
   validation samples.
 - Compute per query: the mean latency at batch size 1, {result["compute_source"]}.
+  This is the models' bare forward pass, timed in process (`heteroplane profile measure
+  --compute-only` measures the same): not what serving a query costs. An emulated worker pads each
+  batch to the compute of a real model of these sizes, C_m(b) / f, tens of ms
+  (docs/catalog.md, "Emulated types"), and a caller also pays the request's parsing, the JSON and
+  the HTTP round trip; `heteroplane profile measure` times that end to end through a worker of each
+  type, and the planner, the tuner and the demo read those profiles, never the numbers below. The
+  demo picks its cascade by the same rule, on each model's end-to-end latency at batch size 1 on
+  `emu.cpu.large` (`controlplane/service/demo.py`).
 - A cascade answers a query at the first model whose certainty (top-1 minus top-2 softmax score)
   reaches that stage's threshold: in `tiny@0.5 -> large` tiny answers when its certainty is
   >= 0.5 and large answers the rest. Its compute per query is the sum over stages of the share

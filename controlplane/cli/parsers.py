@@ -50,11 +50,12 @@ ACCURACY_TOLERANCE = 0.005
 GEAR_RANGES = 8
 PLANNING_QUERIES = 20_000
 PROFILE_REFERENCE_TYPE = "local.cpu"
-PROFILE_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+PROFILE_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16)
 PROFILE_SAMPLES = 30
 PROFILE_WARMUP = 5
 PROFILE_THREADS = 1
-DEMO_RATE_QPS = 20.0
+DEMO_RATE_QPS = 12.0
+DEMO_PROFILE_SAMPLES = 20
 LOADGEN_TIMEOUT_S = 10.0
 LOADGEN_PROGRESS_S = 5.0
 LOADGEN_MAX_IN_FLIGHT = 512
@@ -72,6 +73,7 @@ LIBRARY_COPIES: dict[str, object] = {
     "controlplane.apps.profiler.DEFAULT_WARMUP": PROFILE_WARMUP,
     "controlplane.apps.profiler.DEFAULT_THREADS": PROFILE_THREADS,
     "controlplane.service.demo.DEMO_RATE_QPS": DEMO_RATE_QPS,
+    "controlplane.service.demo.PROFILE_SAMPLES": DEMO_PROFILE_SAMPLES,
     "controlplane.clients.loadgen.DEFAULT_TIMEOUT_S": LOADGEN_TIMEOUT_S,
     "controlplane.clients.loadgen.DEFAULT_PROGRESS_S": LOADGEN_PROGRESS_S,
     "controlplane.clients.loadgen.DEFAULT_MAX_IN_FLIGHT": LOADGEN_MAX_IN_FLIGHT,
@@ -206,16 +208,19 @@ serve``, with ``--host``/``--port`` over them) with the demo app registered, pla
 by local workers, drives a demo load against it, and serves until SIGINT or SIGTERM.
 
 Before serving it makes sure, idempotently (:mod:`controlplane.service.demo`), that the demo model
-family is trained into the data directory, that its latency profiles are measured
-(``<data_dir>/profiles/family.json``, ``--profile-samples`` runs per cell, once), that the demo
-app is registered (the cheapest cascade of the family as accurate as its best model, on the
-emulated types ``emu.cpu.small`` and ``emu.cpu.large``), that it has an applied plan (one previewed
-for ``--rate-qps`` and applied when it has none; the reconciler then launches its workers), and
-that an admin token for the demo is in ``<data_dir>/demo-token``; then it prints a "ready"
-banner on stderr with the URL, where the token is and commands to try, and, unless
-``--no-load``, starts the demo load (``controlplane.clients.loadgen`` against itself at a rate that
-rises and falls every few minutes, a line per period on stderr) so that the dashboard moves.
-Starting it again on the same data directory finds everything there and adds nothing.
+family is trained into the data directory, that its latency profiles are measured through a
+worker of each type it runs (``<data_dir>/profiles/family.json``, ``--profile-samples`` calls per
+cell, once: about a minute and a half), that the demo app is registered (the cheapest cascade of
+the family as accurate as its best model, on the emulated types ``emu.cpu.small`` and
+``emu.cpu.large``, which pad each batch to a real model's tens of ms), that it has an applied plan
+(one previewed for ``--rate-qps`` and applied when it has none or the profiles were measured anew;
+the reconciler then launches its workers), and that an admin token for the demo is in
+``<data_dir>/demo-token``; then it prints a "ready" banner on stderr with the URL, where the token
+is and commands to try, and, unless ``--no-load``, starts the demo load
+(``controlplane.clients.loadgen`` against itself at a rate that rises above the planned one and
+falls below it every few minutes, a line per period on stderr with the share of queries answered
+within the SLO), so that the tuner grows and drains the fleet and the dashboard moves. Starting it
+again on the same data directory finds everything there and adds nothing.
 
 ``heteroplane demo --offline`` is the estimator demo, with no service
 (:mod:`controlplane.cli.demo_offline`): rm2 on a GPU fleet and on a mixed fleet over a sweep of
@@ -271,10 +276,10 @@ def _demo(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--profile-samples",
         type=count,
-        default=PROFILE_SAMPLES,
+        default=DEMO_PROFILE_SAMPLES,
         metavar="N",
-        help="timed runs per model and batch size when the family's profiles are measured"
-        " (once per data directory; default %(default)s)",
+        help="timed calls per model, instance type and batch size when the family's profiles are"
+        " measured through the workers (once per data directory; default %(default)s)",
     )
     parser.add_argument(
         "--log-level", choices=LOG_LEVELS, default="warning", help="log level (default warning)"
@@ -702,12 +707,18 @@ def _profile(subparsers: Subparsers) -> None:
 
     measure = actions.add_parser(
         "measure",
-        help="time the family's models per batch size here; write a profile JSON",
-        description="Time each model of the demo family per batch size on this machine (warm-up"
-        " runs, then timed runs under torch.inference_mode with a fixed number of threads) and"
-        f" write the profile JSON for the reference type {PROFILE_REFERENCE_TYPE} and for the"
-        " emulated instance types, whose latency is the measured one divided by their speed"
-        " factor. Trains the family first if its cache lacks it.",
+        help="time the family's models per batch size here, through a worker of each type;"
+        " write a profile JSON",
+        description="Start a worker agent of each instance type on this machine (the reference"
+        f" type {PROFILE_REFERENCE_TYPE}, which serves the models as they are, and the emulated"
+        " types, which pad each batch to their model's compute curve over their speed factor),"
+        " send each model batches of validation digits at each batch size over kept-alive HTTP"
+        " (warm-up calls, then timed calls), and write the profile JSON: per type, model and"
+        " batch size the round trips as the serving loop sees them (what the planner reads),"
+        " and the compute curves the emulated workers pad to (its 'compute' section). The"
+        " emulated types compute in real time, so this takes minutes. --compute-only times the"
+        " models' forward pass in this process instead (no serving path). Trains the family"
+        " first if its cache lacks it.",
     )
     measure.add_argument(
         "--models", metavar="M1,M2,...", help="models of the family (default: all of them)"
@@ -737,12 +748,21 @@ def _profile(subparsers: Subparsers) -> None:
         type=int,
         default=PROFILE_THREADS,
         metavar="N",
-        help="torch threads while timing (default %(default)s)",
+        help="torch threads of each worker, or of this process with --compute-only"
+        " (default %(default)s)",
+    )
+    measure.add_argument(
+        "--compute-only",
+        action="store_true",
+        help="time the models' forward pass in this process (no request parsing, JSON or HTTP)"
+        " instead of through workers; the emulated types then get the compute their workers"
+        " pad to",
     )
     measure.add_argument(
         "--instance-types",
         metavar="T1,T2,...",
-        help="emulated types to derive (default: every emu.* type of the catalog)",
+        help="emulated types to measure besides the reference (default: every emu.* type of"
+        " the catalog)",
     )
     measure.add_argument(
         "--catalog",

@@ -1,15 +1,19 @@
 """``heteroplane profile``: measure the demo family's latency profiles here, or summarise a file.
 
-``profile measure`` times each model of the family (``provisioners.worker.family``) at each batch
-size on this machine (the reference type ``local.cpu``), derives the emulated instance types'
-profiles from it by their catalog speed factors, and writes the project's profile JSON; the timing
-lives in ``controlplane.apps.profiler``. ``profile show`` summarises any profile file (the JSON or a
-Kairos samples CSV): mean latency per model, instance type and batch size.
+``profile measure`` starts a worker agent of each instance type to profile on this machine (the
+reference type ``local.cpu``, serving the models as they are, and the emulated types, padding to
+their compute curves), times batches of each model at each batch size through them over HTTP,
+and writes the project's profile JSON: the end-to-end profiles the planner reads, and the compute
+curves the emulated workers pad to (its ``compute`` section). ``--compute-only`` times the models'
+forward pass in this process instead. The timing lives in ``controlplane.apps.profiler``.
+``profile show`` summarises any profile file (the JSON or a Kairos samples CSV): mean latency per
+model, instance type and batch size.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -110,33 +114,82 @@ def run_measure(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
     check_writable(out)
 
-    measured = profiler.measure_family(
-        models, batch_sizes, settings, cache_dir=args.cache_dir, progress=progress
-    )
-    profiles = measured + profiler.emulated_profiles(measured, types)
-    write_profiles_json(profiles, out, **profiler.profile_meta(settings, types))
+    compute = profiler.emulated_compute(models)
+    measurement: profiler.Measurement
+    if args.compute_only:
+        measurement = "compute_only"
+        measured = profiler.measure_family(
+            models, batch_sizes, settings, cache_dir=args.cache_dir, progress=progress
+        )
+        profiles = measured + profiler.emulated_profiles(measured, types, compute)
+    else:
+        measurement = "serving_path"
+        reference = catalog[profiler.REFERENCE_TYPE]
+        profiles = profiler.measure_serving_path(
+            models,
+            batch_sizes,
+            [reference, *types],
+            settings,
+            cache_dir=args.cache_dir,
+            compute=compute,
+            progress=progress,
+        )
+    meta = profiler.profile_meta(settings, types, compute, measurement)
+    write_profiles_json(profiles, out, **meta)
     data = {
         "out": str(out),
+        "measurement": measurement,
         "reference_type": profiler.REFERENCE_TYPE,
         "instance_types": [profiler.REFERENCE_TYPE, *(t.name for t in types)],
         "models": models,
         "batch_sizes": list(batch_sizes),
         "samples": settings.samples,
+        "compute": meta["compute"],
         "profiles": [_summary(p) for p in profiles],
     }
-    return emit(args.json, data, lambda: f"wrote {out}\n" + _table(profiles))
+    return emit(args.json, data, lambda: f"wrote {out}\n" + _table(profiles, measurement))
 
 
 def run_show(args: argparse.Namespace) -> int:
     profiles = load_profiles(args.file)
     cells = _ordered(profiles)
-    data = {
+    meta = _json_meta(args.file)
+    measurement = meta.get("measurement")
+    data: dict[str, Any] = {
         "file": str(args.file),
         "models": profiles.models,
         "instance_types": sorted({p.instance_type for p in cells}),
         "profiles": [_summary(p) for p in cells],
     }
-    return emit(args.json, data, lambda: f"{args.file}: {len(cells)} profiles\n" + _table(cells))
+    for key in ("measurement", "compute"):
+        if key in meta:
+            data[key] = meta[key]
+
+    def text() -> str:
+        lines = [f"{args.file}: {len(cells)} profiles", _table(cells, measurement)]
+        compute = meta.get("compute")
+        models = compute.get("models") if isinstance(compute, dict) else None
+        if isinstance(models, dict) and models:
+            lines.append("compute the emulated workers pad to: (base_ms + per_row_ms * b) / f")
+            lines += [
+                f"  {name}: base_ms {curve.get('base_ms')}, per_row_ms {curve.get('per_row_ms')}"
+                for name, curve in models.items()
+                if isinstance(curve, dict)
+            ]
+        return "\n".join(lines)
+
+    return emit(args.json, data, text)
+
+
+def _json_meta(path: Path) -> dict[str, Any]:
+    """The top-level keys of a profile JSON file other than its profiles ({} for a CSV)."""
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeError, ValueError):
+        return {}
+    if not isinstance(document, dict):
+        return {}
+    return {key: value for key, value in document.items() if key != "profiles"}
 
 
 def _ordered(profiles: ProfileSet) -> list[LatencyProfile]:
@@ -154,7 +207,7 @@ def _summary(profile: LatencyProfile) -> dict[str, Any]:
     }
 
 
-def _table(profiles: list[LatencyProfile]) -> str:
+def _table(profiles: list[LatencyProfile], measurement: str | None = None) -> str:
     """Mean latency (ms) by batch size, one row per model and instance type."""
     sizes = sorted({int(b) for p in profiles for b in p.batch_sizes})
     head = ["model", "instance type", *(f"b={b}" for b in sizes)]
@@ -167,4 +220,8 @@ def _table(profiles: list[LatencyProfile]) -> str:
     widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     title = "  ".join(cell.ljust(w) for cell, w in zip(head, widths, strict=True))
-    return "\n".join(["mean latency, ms", title, *lines])
+    what = {
+        "serving_path": "mean latency through each type's worker (end to end), ms",
+        "compute_only": "mean compute latency, ms",
+    }.get(measurement or "", "mean latency, ms")
+    return "\n".join([what, title, *lines])

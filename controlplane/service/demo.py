@@ -1,31 +1,41 @@
 """The demo app on a running service: the demo model family's cascade, its spec, and making sure it
 is registered, planned and reachable with a token, whatever state a previous run left
-(``heteroplane demo``); and the demo load that makes the dashboard move.
+(``heteroplane demo``); and the demo load that makes the fleet and the dashboard move.
 
 The demo app ``demo`` is a cascade of the demo model family (``provisioners.worker.family``: four
 classifiers of sklearn's digits) served by local worker processes of the emulated types
-``emu.cpu.small`` and ``emu.cpu.large``:
+``emu.cpu.small`` and ``emu.cpu.large``, which pad each batch to the compute of a real model of
+the family's sizes (``provisioners.worker.emulation.EMULATED_COMPUTE``: tens of ms a batch;
+docs/catalog.md, "Emulated types"):
 
 1. the family is trained into the data directory's model cache (``<data_dir>/models``, where the
    local provisioner's workers load it) unless it is there already;
-2. its latency profiles are measured once on this machine (``controlplane.apps.profiler``: the
-   reference type ``local.cpu`` and every emulated type derived from it) into
-   ``<data_dir>/profiles/family.json``, and measured again only when that file is missing or
-   does not cover the family on the demo's types;
+2. its latency profiles are measured once on this machine through the serving path
+   (``controlplane.apps.profiler.measure_serving_path``: a worker of the reference type
+   ``local.cpu`` and of each demo type, batches of :data:`PROFILE_BATCH_SIZES` sent to them over
+   HTTP) into ``<data_dir>/profiles/family.json``, with the compute curves the workers pad to;
+   they are measured again only when that file is missing, was measured another way (compute
+   only, or by an older version), pads to other curves, or does not cover the family on those
+   types and batch sizes;
 3. the cascade is the cheapest of the Pareto set (``estimator.cascades.pareto_cascades``, on
-   the validation records and the measured compute per query) within
+   the validation records and each model's cost per query, its end-to-end latency at batch size
+   1 on :data:`COST_TYPE`) within
    :data:`~controlplane.policies.cascade_choice.ACCURACY_TOLERANCE` of the most accurate model
    alone, as ``heteroplane cascade evaluate`` picks it;
 4. the spec (:func:`demo_spec`) names those models, the cascade with its thresholds, the
-   validation records, a 100 ms p99 SLO, a $0.50/hr budget and the two emulated types (capped
-   so that the local machine runs at most nine workers); it is registered, a plan is previewed
-   for :data:`DEMO_RATE_QPS` and applied, and the reconciler launches the plan's workers.
+   validation records, a :data:`DEMO_SLO_MS` p99 SLO, a :data:`DEMO_BUDGET_USD_PER_HR` budget and
+   the two emulated types (capped by :data:`DEMO_MAX_COUNTS`, so that the local machine runs at
+   most eight workers); it is registered, a plan is previewed for :data:`DEMO_RATE_QPS` (the demo
+   load's mean) and applied, and the reconciler launches the plan's workers. The live tuner then
+   grows the fleet as the demo load rises above the planned rate and drains it as the load falls.
 
 Each step is idempotent, so the demo can be started any number of times on the same data
 directory: the app is registered only when it is not there (an app that is there is left as it
 is, budget changes included; only a ``demo`` app of another shape, the rm2 demo of earlier
-versions, is replaced by the cascade and planned again), a first plan is previewed and applied
-only when the app has no applied plan, and an admin token is made only when the token file
+versions or a cascade demo whose spec differs from :func:`demo_spec` in anything but its budget,
+is replaced by the current one and planned again), a first plan is previewed and applied only
+when the app has no applied plan or its profiles were measured anew (a plan made on other numbers
+would predict fiction), and an admin token is made only when the token file
 (``<data_dir>/demo-token``, mode 0600) is missing or holds a token that no longer verifies as an
 admin. Registering and planning run the same code as ``POST /v1/apps``, ``POST
 /v1/apps/demo/plans`` and ``POST .../apply`` do, on the service's own resolver and store, before
@@ -35,14 +45,16 @@ The demo load (:class:`DemoLoad`) is ``controlplane.clients.loadgen`` in a backg
 the service itself: Poisson arrivals whose rate follows a day-like curve compressed into
 :data:`LOAD_PERIOD_S` (from a fifth of :data:`LOAD_MEAN_QPS` up to 1.8 times it), one period
 after another, each query a validation sample drawn at random; after each period it prints one
-line with what it sent and what came back.
+line with what it sent and what came back, and how many of its queries were answered within the
+SLO.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,16 +79,21 @@ from estimator.catalog import default_catalog
 from estimator.errors import EstimatorError
 from estimator.profiles import load_profiles, write_profiles_json
 from estimator.traces import Trace, diurnal_profile, renewal_arrivals
+from provisioners.worker.emulation import compute_document
 
 __all__ = [
+    "COST_TYPE",
     "DEMO_APP",
     "DEMO_BUDGET_USD_PER_HR",
     "DEMO_INSTANCE_TYPES",
+    "DEMO_MAX_COUNTS",
     "DEMO_RATE_QPS",
     "DEMO_SLO_MS",
     "LOAD_MEAN_QPS",
     "LOAD_PERIOD_S",
     "PROFILES_FILE",
+    "PROFILE_BATCH_SIZES",
+    "PROFILE_SAMPLES",
     "TOKEN_FILE",
     "TOKEN_NAME",
     "DemoFamily",
@@ -95,22 +112,38 @@ __all__ = [
 ]
 
 DEMO_APP = "demo"
-# The rate the first plan is made for: a little above the demo load's mean (LOAD_MEAN_QPS).
-DEMO_RATE_QPS = 20.0
-DEMO_SLO_MS = 100.0
+# The rate the first plan is made for: the demo load's mean (LOAD_MEAN_QPS). Above it the tuner
+# grows the fleet, below it the tuner drains it.
+DEMO_RATE_QPS = 12.0
+# A cascade of three stages of tens of ms each (the planner gives each stage a third), with room
+# for the service's own path (the API, the dispatcher: ~10 ms at p50 on a 2-core machine).
+DEMO_SLO_MS = 300.0
 DEMO_BUDGET_USD_PER_HR = 0.5
 # The emulated types the local provisioner runs (docs/catalog.md, "Emulated types"): a small
-# one at half the speed of this machine for $0.05/hr and one as fast for $0.10/hr.
+# one at half the speed of the reference for $0.05/hr and one as fast for $0.10/hr.
 DEMO_INSTANCE_TYPES = ("emu.cpu.small", "emu.cpu.large")
-# Each worker is a process holding torch and the family (about 300 MiB): at most nine at once.
-DEMO_MAX_COUNTS = {"emu.cpu.small": 6, "emu.cpu.large": 3}
+# Each worker is a process holding torch and the family (about 300 MiB): at most eight at once,
+# which is also what the budget buys at the load's peak (6 x $0.05 + 2 x $0.10).
+DEMO_MAX_COUNTS = {"emu.cpu.small": 6, "emu.cpu.large": 2}
+# The type whose end-to-end latency at batch size 1 costs the cascade's models (speed factor 1).
+COST_TYPE = "emu.cpu.large"
+# The batch sizes the demo's profiles cover: an emulated CPU type gains little from batching
+# (C_m(b) grows with every row), so the planner's batches stay small, and a batch of 8 of the
+# large model already takes about half a second on emu.cpu.small.
+PROFILE_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8)
+# Timed calls per model, type and batch size when the demo measures its profiles (the emulated
+# types compute in real time: about a minute and a half on a 2-core machine).
+PROFILE_SAMPLES = 20
+PROFILE_WARMUP = 3
 # Where the local workers find the profiles they pad to (controlplane.service.provisioning).
 PROFILES_FILE = LOCAL_PROFILE_FILE
 TOKEN_FILE = "demo-token"
 TOKEN_NAME = "demo-admin"
-# The demo load: Poisson arrivals at a day-like rate squeezed into a few minutes, repeated.
-LOAD_MEAN_QPS = 10.0
-LOAD_PERIOD_S = 180.0
+# The demo load: Poisson arrivals at a day-like rate squeezed into a few minutes, repeated; a
+# period long enough for the tuner to scale up to the peak and back down (its windows look back
+# 60 s, and it waits 15 s after a change before it scales down).
+LOAD_MEAN_QPS = 12.0
+LOAD_PERIOD_S = 240.0
 LOAD_AMPLITUDE = 0.8
 _LOAD_TIMEOUT_S = 10.0
 _LOAD_PROBE_S = 1.0
@@ -121,7 +154,8 @@ Progress = Callable[[str], None]
 @dataclass(frozen=True, slots=True)
 class DemoFamily:
     """What the demo app is made of: the family's model cache and validation records, the
-    measured profiles, and the cascade chosen from them."""
+    measured profiles (``profiles_measured``: measured by this run), and the cascade chosen from
+    them with its accuracy and its cost per query (ms, end to end on :data:`COST_TYPE`)."""
 
     cache_dir: Path
     validation: Path
@@ -129,12 +163,14 @@ class DemoFamily:
     cascade: Cascade
     accuracy: float
     compute_ms_per_query: float
+    profiles_measured: bool = False
 
 
 def demo_spec(family: DemoFamily) -> dict[str, Any]:
     """The demo app's spec: the cascade of ``family`` on its measured profiles and validation
-    records, a 100 ms p99 SLO, a $0.50/hr budget and the two emulated CPU types. The one place
-    the demo's app is defined."""
+    records, a :data:`DEMO_SLO_MS` p99 SLO, a :data:`DEMO_BUDGET_USD_PER_HR` budget and the two
+    emulated CPU types capped by :data:`DEMO_MAX_COUNTS`. The one place the demo's app is
+    defined."""
     profiles = str(family.profiles.resolve())
     spec: dict[str, Any] = {
         "name": DEMO_APP,
@@ -167,57 +203,90 @@ def choose_cascade(
     return best.cascade, best.quality.accuracy, best.compute_ms_per_query
 
 
-def ensure_demo_profiles(data_dir: Path, cache_dir: Path, samples: int, progress: Progress) -> Path:
-    """``<data_dir>/profiles/family.json``, measured here first when it is missing or lacks a
-    model of the family on ``local.cpu`` or an emulated type of the catalog."""
+def ensure_demo_profiles(
+    data_dir: Path, cache_dir: Path, samples: int, progress: Progress
+) -> tuple[Path, bool]:
+    """``<data_dir>/profiles/family.json`` and whether it was measured now: measured here through
+    the serving path (a worker of ``local.cpu`` and of each demo type, :data:`PROFILE_BATCH_SIZES`,
+    ``samples`` timed calls each) when it is missing, was measured another way, pads to other
+    compute curves than the workers' (:func:`controlplane.apps.profiler.emulated_compute`), or
+    lacks a model of the family on one of those types or batch sizes."""
     from provisioners.worker import family
 
     path = data_dir / PROFILES_FILE
-    types = profiler.emulated_types(default_catalog())
-    wanted = {profiler.REFERENCE_TYPE, *(t.name for t in types)}
-    try:
-        found = load_profiles(path)
-        if all((m, t) in found for m in family.MODEL_NAMES for t in wanted):
-            return path
-        progress(f"{path} does not cover the family on {', '.join(sorted(wanted))}")
-    except (OSError, EstimatorError):
-        pass
-    warmup = min(profiler.DEFAULT_WARMUP, samples)
+    catalog = default_catalog()
+    types = [catalog[name] for name in (profiler.REFERENCE_TYPE, *DEMO_INSTANCE_TYPES)]
+    compute = profiler.emulated_compute(family.MODEL_NAMES)
+    stale = _stale_profiles(path, family.MODEL_NAMES, [t.name for t in types], compute)
+    if stale is None:
+        return path, False
+    progress(f"{path} {stale}")
+    warmup = min(PROFILE_WARMUP, samples)
     settings = profiler.MeasureSettings(samples=samples, warmup=warmup)
     progress(
-        f"measuring the family's latency on this machine ({samples} runs per model and batch"
-        f" size) into {path}"
+        f"measuring the family's latency through a worker of each of"
+        f" {', '.join(t.name for t in types)} ({samples} calls per model, type and batch size;"
+        " the emulated types compute in real time, a minute or two) into"
+        f" {path}"
     )
-    measured = profiler.measure_family(
+    profiles = profiler.measure_serving_path(
         family.MODEL_NAMES,
-        profiler.DEFAULT_BATCH_SIZES,
+        PROFILE_BATCH_SIZES,
+        types,
         settings,
         cache_dir=cache_dir,
+        compute=compute,
         progress=progress,
     )
-    profiles = measured + profiler.emulated_profiles(measured, types)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    write_profiles_json(profiles, partial, **profiler.profile_meta(settings, types))
+    meta = profiler.profile_meta(settings, types[1:], compute)
+    write_profiles_json(profiles, partial, **meta)
     partial.replace(path)
-    return path
+    return path, True
+
+
+def _stale_profiles(
+    path: Path, models: Sequence[str], types: Sequence[str], compute: Mapping[str, Any]
+) -> str | None:
+    """Why the profile file at ``path`` cannot serve the demo (``None``: it can)."""
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+        found = load_profiles(path)
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, UnicodeError, ValueError, EstimatorError):
+        return "is not a readable profile file"
+    if not isinstance(document, dict) or document.get("measurement") != "serving_path":
+        return "was not measured through the serving path"
+    if document.get("compute") != compute_document(compute):
+        return "was measured on workers padding to other compute curves"
+    for model in models:
+        for name in types:
+            if (model, name) not in found:
+                return f"has no profile of {model} on {name}"
+            sizes = set(found.get_profile(model, name).batch_sizes.tolist())
+            if not sizes.issuperset(PROFILE_BATCH_SIZES):
+                return f"does not cover the batch sizes {list(PROFILE_BATCH_SIZES)}"
+    return None
 
 
 def prepare_family(data_dir: Path, profile_samples: int, progress: Progress) -> DemoFamily:
     """The family trained into ``<data_dir>/models`` (where the local workers load it), its
-    profiles measured (:func:`ensure_demo_profiles`) and the demo's cascade chosen."""
+    profiles measured (:func:`ensure_demo_profiles`) and the demo's cascade chosen, each model
+    costed by its end-to-end latency at batch size 1 on :data:`COST_TYPE`."""
     from provisioners.worker import family
 
     cache_dir = family.ensure_family(data_dir / LOCAL_MODELS_DIR, progress=progress)
     validation = cache_dir / family.VALIDATION_FILE
-    profiles = ensure_demo_profiles(data_dir, cache_dir, profile_samples, progress)
+    profiles, measured_now = ensure_demo_profiles(data_dir, cache_dir, profile_samples, progress)
     measured = load_profiles(profiles)
-    compute_ms = {
-        name: measured.get_profile(name, profiler.REFERENCE_TYPE).mean_latency_ms(1)
+    cost_ms = {
+        name: measured.get_profile(name, COST_TYPE).mean_latency_ms(1)
         for name in family.MODEL_NAMES
     }
-    cascade, accuracy, compute = choose_cascade(load_validation(validation), compute_ms)
-    return DemoFamily(cache_dir, validation, profiles, cascade, accuracy, compute)
+    cascade, accuracy, cost = choose_cascade(load_validation(validation), cost_ms)
+    return DemoFamily(cache_dir, validation, profiles, cascade, accuracy, cost, measured_now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,20 +358,29 @@ def ensure_demo_app(
     """The demo app, registered from :func:`demo_spec` when it is not there yet (checked
     against its catalog and profiles like ``POST /v1/apps``); whether it was registered (or its
     spec replaced) now. A ``demo`` app that is not the family's cascade on emulated types (the
-    rm2 demo of earlier versions) has its spec replaced, as ``PUT /v1/apps/demo`` would."""
+    rm2 demo of earlier versions) has its spec replaced, as ``PUT /v1/apps/demo`` would; so has
+    a cascade demo whose spec differs from :func:`demo_spec` in anything but its budget (an
+    older version's SLO, types or caps, or another cascade), its budget kept."""
     store = services.store
     label = (
         f"the cascade {family.cascade.label} ({family.accuracy * 100:.2f}% accurate,"
-        f" {family.compute_ms_per_query:.3f} ms of compute per query on this machine)"
+        f" {family.compute_ms_per_query:.1f} ms per query end to end on {COST_TYPE})"
     )
     try:
         found = store.get_app(DEMO_APP)
     except NotFoundError:
         found = None
-    if found is not None and _is_cascade_demo(found.spec):
-        return found, False
     resolved = services.resolver.check(demo_spec(family))
     document = spec_document(resolved.spec)
+    if found is not None and _is_cascade_demo(found.spec):
+        if _without_budget(found.spec) == _without_budget(document):
+            return found, False
+        progress(
+            f"the app {DEMO_APP!r} is a demo of another shape: replacing its spec by {label},"
+            f" its budget ${found.budget_usd_per_hr:g}/hr kept"
+        )
+        kept = document | {"budget_usd_per_hr": found.budget_usd_per_hr}
+        return store.update_app(DEMO_APP, kept, who=who.name), True
     if found is not None:
         progress(f"the app {DEMO_APP!r} is an older demo: replacing its spec by {label}")
         return store.update_app(DEMO_APP, document, who=who.name), True
@@ -311,6 +389,10 @@ def ensure_demo_app(
         return store.create_app(document, who=who.name), True
     except AppExistsError:  # another demo on the same database registered it meanwhile
         return store.get_app(DEMO_APP), False
+
+
+def _without_budget(spec: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in spec.items() if key != "budget_usd_per_hr"}
 
 
 def ensure_demo_plan(
@@ -350,7 +432,7 @@ def prepare_demo(
     progress: Progress,
     *,
     family: DemoFamily | None = None,
-    profile_samples: int = profiler.DEFAULT_SAMPLES,
+    profile_samples: int = PROFILE_SAMPLES,
 ) -> DemoState:
     """Make sure the demo's token, family (models, profiles: :func:`prepare_family` unless
     ``family`` is given), app and applied plan exist on ``service`` (not served yet).
@@ -367,8 +449,14 @@ def prepare_demo(
     app, app_created = ensure_demo_app(services, family, token.principal, progress)
     if not app_created:
         progress(f"the app {DEMO_APP!r} is registered already (version {app.version})")
+    if family.profiles_measured and not app_created:
+        progress(f"the profiles were measured anew: planning {DEMO_APP!r} again on them")
     plan, plan_created = ensure_demo_plan(
-        services, token.principal, rate_qps, progress, replan=app_created
+        services,
+        token.principal,
+        rate_qps,
+        progress,
+        replan=app_created or family.profiles_measured,
     )
     if plan is not None and not plan_created:
         progress(f"plan {plan.number} of {DEMO_APP!r} is applied already")

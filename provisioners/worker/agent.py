@@ -25,8 +25,9 @@ Routes (every body is JSON; every error is ``{"error": "one line"}``):
 
 Emulation: with ``--speed-factor F`` (the local provisioner passes the catalog's), the worker
 stands in for ``--instance-type`` and pads every batch to that type's latency; ``--profile FILE``
-(the profile JSON of ``heteroplane profile measure``) supplies the reference curves, and without
-it the target is the measured latency / F. ``--no-pad``, no speed factor, or the reference type
+(the profile JSON of ``heteroplane profile measure``) supplies the curves, its ``compute`` section
+(a real model's compute on a type of speed factor 1, over F) when it has one, and without a file
+the target is the measured latency / F. ``--no-pad``, no speed factor, or the reference type
 ``local.cpu`` itself: no padding, ``emulated: false``. The padding sleep holds the batch lock, so
 an emulated slow type also serves fewer batches per second, not only slower ones.
 
@@ -59,7 +60,7 @@ from provisioners.worker.emulation import (
     REFERENCE_TYPE,
     Emulation,
     EmulationError,
-    read_reference_curves,
+    read_curves,
 )
 
 __all__ = [
@@ -226,7 +227,9 @@ class AgentConfig:
 
 def build_emulation(config: AgentConfig) -> Emulation:
     """The emulation ``config`` asks for: none without a speed factor, with ``--no-pad`` or on
-    the reference type; else the speed factor with the profile's curves when a file is given.
+    the reference type; else the speed factor with the profile file's curves when one is given
+    (its compute section, or its own-type and reference curves: see
+    :mod:`provisioners.worker.emulation`).
 
     Raises :class:`~provisioners.worker.emulation.EmulationError` on a bad factor or file.
     """
@@ -234,8 +237,10 @@ def build_emulation(config: AgentConfig) -> Emulation:
         return Emulation(config.instance_type, None)
     if config.profile is None:
         return Emulation(config.instance_type, config.speed_factor)
-    own, reference = read_reference_curves(config.profile, config.models, config.instance_type)
-    return Emulation(config.instance_type, config.speed_factor, own, reference)
+    curves = read_curves(config.profile, config.models, config.instance_type)
+    return Emulation(
+        config.instance_type, config.speed_factor, curves.own, curves.reference, curves.origin
+    )
 
 
 class WorkerAgent:
@@ -526,7 +531,8 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
         "--profile",
         type=Path,
         metavar="FILE",
-        help="profile JSON with the reference type's curves (heteroplane profile measure)",
+        help="profile JSON whose compute curves the worker pads to (heteroplane profile measure"
+        " writes them; a file without them: its own type's, else the reference type's curves)",
     )
     parser.add_argument(
         "--pad",

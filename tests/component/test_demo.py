@@ -1,11 +1,15 @@
 """The demo's setup (:mod:`controlplane.service.demo`) in-process: the token file is made once, kept
 while it verifies, and replaced (the lost token revoked) when it does not; the family's cascade is
-the cheapest as accurate as its best model; the profiles, the app and its first plan are made once,
-and a second run on the same service finds them; an rm2 demo app of earlier versions is replaced;
-the demo load runs period after period against a fake service until stopped."""
+the cheapest as accurate as its best model; the profiles (measured through real worker processes),
+the app and its first plan are made once, and a second run on the same service finds them;
+profiles measured another way or for other compute curves are measured again, and the app planned
+again on them; an rm2 demo app of earlier versions, or a cascade demo of another shape, is
+replaced; the demo load runs period after period against a fake service until stopped."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +18,15 @@ import numpy as np
 import pytest
 
 from controlplane.db.store import Store
+from controlplane.service import demo
 from controlplane.service.build import Service, build_service
 from controlplane.service.demo import (
     DEMO_APP,
     DEMO_BUDGET_USD_PER_HR,
+    DEMO_INSTANCE_TYPES,
+    DEMO_MAX_COUNTS,
+    DEMO_SLO_MS,
+    PROFILE_BATCH_SIZES,
     PROFILES_FILE,
     TOKEN_FILE,
     TOKEN_NAME,
@@ -26,6 +35,7 @@ from controlplane.service.demo import (
     choose_cascade,
     demo_spec,
     ensure_demo_plan,
+    ensure_demo_profiles,
     ensure_demo_token,
     load_trace,
     prepare_demo,
@@ -33,7 +43,12 @@ from controlplane.service.demo import (
 from controlplane.settings import Settings
 from controlplane.spec import validate_spec
 from estimator.cascades import Cascade, load_validation
+from estimator.profiles import load_profiles
+from provisioners.worker.emulation import EMULATED_COMPUTE
 from tests.conftest import KAIROS_CSV, needs_shared
+
+# Timed calls per cell when a test measures the demo's profiles through real workers.
+SAMPLES = 2
 
 
 @pytest.fixture
@@ -113,8 +128,9 @@ def test_the_demo_spec_is_a_valid_cascade_spec_with_absolute_paths(tmp_path: Pat
     assert spec.thresholds == [0.5, 0.6]
     assert spec.validation is not None and Path(spec.validation).is_absolute()
     assert all(Path(m.profiles).is_absolute() for m in spec.models)
-    assert spec.budget_usd_per_hr == DEMO_BUDGET_USD_PER_HR and spec.slo.latency_ms == 100
+    assert spec.budget_usd_per_hr == DEMO_BUDGET_USD_PER_HR and spec.slo.latency_ms == DEMO_SLO_MS
     assert spec.instance_types == ["emu.cpu.small", "emu.cpu.large"]
+    assert spec.max_counts == DEMO_MAX_COUNTS and sum(DEMO_MAX_COUNTS.values()) <= 8
     single = validate_spec(demo_spec(family_of(tmp_path, Cascade(("large",), ()))))
     assert single.cascade is None and single.validation is None
 
@@ -140,11 +156,36 @@ def test_the_cascade_is_the_cheapest_within_half_a_point_of_the_best_model(
     assert compute < compute_ms["large"] / 2
 
 
-@pytest.fixture
-def service(tmp_path: Path, family_cache: Path) -> Iterator[Service]:
+@pytest.fixture(scope="module")
+def measured_profiles(
+    family_cache: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[str]]:
+    """The demo's profiles, measured once for this module through real workers of local.cpu and
+    the demo's types, and what the measurement said."""
+    data_dir = tmp_path_factory.mktemp("measured")
+    said: list[str] = []
+    path, measured = ensure_demo_profiles(data_dir, family_cache, SAMPLES, said.append)
+    assert measured
+    return path, said
+
+
+def data_dir_with(tmp_path: Path, family_cache: Path, profiles: Path | None) -> Path:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     (data_dir / "models").symlink_to(family_cache, target_is_directory=True)
+    if profiles is not None:
+        (data_dir / PROFILES_FILE).parent.mkdir(parents=True)
+        shutil.copy(profiles, data_dir / PROFILES_FILE)
+    return data_dir
+
+
+@pytest.fixture
+def service(
+    tmp_path: Path, family_cache: Path, measured_profiles: tuple[Path, list[str]]
+) -> Iterator[Service]:
+    """The service on the fake provisioner, its data directory holding the family and the
+    module's measured profiles."""
+    data_dir = data_dir_with(tmp_path, family_cache, measured_profiles[0])
     service = build_service(Settings(data_dir=data_dir, provisioner="fake"))
     try:
         yield service
@@ -152,22 +193,71 @@ def service(tmp_path: Path, family_cache: Path) -> Iterator[Service]:
         service.close()
 
 
+def test_the_profiles_are_measured_through_the_workers_of_the_demo_types(
+    measured_profiles: tuple[Path, list[str]],
+) -> None:
+    path, said = measured_profiles
+    assert said[0].endswith("is missing")
+    assert any(line.startswith("measuring the family's latency through a worker") for line in said)
+    profiles = load_profiles(path)
+    document = json.loads(path.read_text())
+    assert document["measurement"] == "serving_path"
+    assert set(document["compute"]["models"]) == set(EMULATED_COMPUTE)
+    for model, curve in EMULATED_COMPUTE.items():
+        for name in ("local.cpu", *DEMO_INSTANCE_TYPES):
+            profile = profiles.get_profile(model, name)
+            assert tuple(profile.batch_sizes.tolist()) == PROFILE_BATCH_SIZES
+            assert all(cell.size == SAMPLES for cell in profile.samples_ms)
+        # What a caller of an emulated worker sees: at least the compute it pads to, tens of ms.
+        slow = profiles.get_profile(model, "emu.cpu.small")
+        floor = [curve.latency_ms(b) / 0.5 for b in PROFILE_BATCH_SIZES]
+        assert all(m >= f for m, f in zip(slow.mean_ms.tolist(), floor, strict=True))
+        assert slow.mean_latency_ms(1) >= 10.0
+
+
+def test_profiles_measured_another_way_or_for_other_compute_are_measured_again(
+    tmp_path: Path, family_cache: Path, measured_profiles: tuple[Path, list[str]]
+) -> None:
+    data_dir = data_dir_with(tmp_path, family_cache, measured_profiles[0])
+    path = data_dir / PROFILES_FILE
+    said: list[str] = []
+    assert ensure_demo_profiles(data_dir, family_cache, SAMPLES, said.append) == (path, False)
+    assert said == []
+    document = json.loads(path.read_text())
+    for change, why in [
+        ({"measurement": "compute_only"}, "was not measured through the serving path"),
+        ({"compute": {"models": {}}}, "padding to other compute curves"),
+    ]:
+        path.write_text(json.dumps(document | change))
+        models = list(EMULATED_COMPUTE)
+        stale = demo._stale_profiles(path, models, ["emu.cpu.small"], EMULATED_COMPUTE)
+        assert stale is not None and why in stale
+    del document["measurement"]
+    path.write_text(json.dumps(document))  # an older version's file: measured again
+    assert ensure_demo_profiles(data_dir, family_cache, 1, said.append) == (path, True)
+    assert said[0] == f"{path} was not measured through the serving path"
+    assert json.loads(path.read_text())["measurement"] == "serving_path"
+
+
 def test_prepare_demo_registers_and_plans_once(service: Service) -> None:
     said: list[str] = []
-    first = prepare_demo(service, 20.0, said.append, profile_samples=2)
+    first = prepare_demo(service, 12.0, said.append, profile_samples=SAMPLES)
     assert first.token.created and first.app_created and first.plan_created
+    assert not first.family.profiles_measured  # the module's profiles were there
     assert first.plan is not None and first.plan.status == "applied"
     assert first.app.applied_plan_id == first.plan.id
     spec = first.app.spec
     assert spec["cascade"] == list(first.family.cascade.models)
     assert spec["validation"] == str(first.family.validation.resolve())
     assert spec["models"][0]["profiles"] == str(service.settings.data_dir / PROFILES_FILE)
-    assert len(first.plan.document["stages"]) == len(spec["cascade"])
-    assert any(line.startswith("measuring the family's latency") for line in said)
-    assert any(line.startswith(f"planning {DEMO_APP!r} for 20 qps") for line in said)
+    stages = first.plan.document["stages"]
+    assert len(stages) == len(spec["cascade"])
+    # The plan predicts what a batch costs through the workers: tens of ms per stage.
+    assert all(10.0 <= stage["predicted_p99_ms"] <= DEMO_SLO_MS for stage in stages)
+    assert any(line.startswith(f"planning {DEMO_APP!r} for 12 qps") for line in said)
 
     said.clear()
-    second = prepare_demo(service, 20.0, said.append, profile_samples=2)
+    second = prepare_demo(service, 12.0, said.append, profile_samples=SAMPLES)
     assert not (second.token.created or second.app_created or second.plan_created)
     assert second.app == first.app and second.plan == first.plan
     assert said == [
@@ -181,16 +271,48 @@ def test_prepare_demo_registers_and_plans_once(service: Service) -> None:
     assert tokens(store) == [(TOKEN_NAME, False)]
 
 
-def test_profiles_that_do_not_cover_the_family_are_measured_again(service: Service) -> None:
-    path = service.settings.data_dir / PROFILES_FILE
-    path.parent.mkdir(parents=True)
-    path.write_text("not a profile file")
+def test_a_cascade_demo_of_another_shape_is_replaced_with_its_budget_kept(
+    service: Service,
+) -> None:
     said: list[str] = []
-    prepare_demo(service, 20.0, said.append, profile_samples=2)
-    assert any(line.startswith("measuring the family's latency") for line in said)
-    from estimator.profiles import load_profiles
+    first = prepare_demo(service, 12.0, said.append, profile_samples=SAMPLES)
+    older = first.app.spec | {"slo": {"latency_ms": 100.0, "percentile": 99.0}}
+    service.store.update_app(DEMO_APP, older | {"budget_usd_per_hr": 0.45}, who="someone")
+    said.clear()
+    again = prepare_demo(service, 12.0, said.append, profile_samples=SAMPLES)
+    assert again.app_created and again.plan_created
+    assert again.app.spec["slo"]["latency_ms"] == DEMO_SLO_MS
+    assert again.app.budget_usd_per_hr == 0.45
+    assert any("is a demo of another shape" in line for line in said)
 
-    assert ("large", "emu.cpu.small") in load_profiles(path)
+
+def test_profiles_measured_anew_are_planned_on_again(
+    tmp_path: Path,
+    family_cache: Path,
+    measured_profiles: tuple[Path, list[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data_dir = data_dir_with(tmp_path, family_cache, measured_profiles[0])
+    # The measurement gives the module's numbers again (a real one, noisy with a few samples,
+    # could choose another cascade; that the workers are timed is tested above).
+    found = load_profiles(measured_profiles[0])
+    measured = [found[key] for key in sorted(found)]
+    monkeypatch.setattr(demo.profiler, "measure_serving_path", lambda *a, **k: measured)
+    service = build_service(Settings(data_dir=data_dir, provisioner="fake"))
+    try:
+        first = prepare_demo(service, 12.0, lambda _: None, profile_samples=SAMPLES)
+        assert first.plan is not None
+        # Profiles that do not cover the family: measured again, and the plan made again on them.
+        (data_dir / PROFILES_FILE).write_text("not a profile file")
+        said: list[str] = []
+        again = prepare_demo(service, 12.0, said.append, profile_samples=SAMPLES)
+    finally:
+        service.close()
+    assert again.family.profiles_measured and not again.app_created
+    assert any(line.startswith("measuring the family's latency") for line in said)
+    assert "the profiles were measured anew: planning 'demo' again on them" in said
+    assert again.plan is not None and again.plan.id != first.plan.id and again.plan_created
+    assert ("large", "emu.cpu.small") in load_profiles(data_dir / PROFILES_FILE)
 
 
 @needs_shared

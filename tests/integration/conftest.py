@@ -309,8 +309,9 @@ class ApiServer:
 
 
 def measure_profiles(cache: Path, out: Path, models: str, batch_sizes: str) -> Path:
-    """``heteroplane profile measure`` of ``models`` on the two emulated types the local tests
-    run (a few samples: the numbers only price and rank, nothing is timed)."""
+    """``heteroplane profile measure`` of ``models`` through workers of the two emulated types the
+    local tests run (and of ``local.cpu``), a few samples: the numbers only price and rank,
+    nothing is timed. The file's compute section is the built-in curves the workers pad to."""
     from controlplane.cli import main
 
     status = main(

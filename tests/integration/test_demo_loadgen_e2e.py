@@ -2,14 +2,16 @@
 loadgen`` replaying a 5-minute trace, and a worker killed with SIGKILL in the middle.
 
 The app is the one ``heteroplane demo`` serves, made by the same functions
-(:mod:`controlplane.service.demo`): the family's profiles measured into the data directory (a few
-samples: they only price and rank), the cheapest cascade as accurate as the best model, the demo
-spec (100 ms p99 SLO, $0.50/hr, the two emulated types) and the plan previewed for the demo's
-rate and applied; the reconciler launches its workers (one per stage). The real service
-(``build_service`` on the local provisioner: reconciler, scheduler, serving loop) runs behind
-uvicorn on a free loopback port, and the real command line, ``python -m controlplane loadgen
---json``, replays a Poisson trace written by ``heteroplane trace generate`` (5 minutes at a rate
-the fleet serves comfortably: the test is about correctness, not capacity).
+(:mod:`controlplane.service.demo`): the family's profiles measured into the data directory through
+real workers (a few samples: they only price and rank), the cheapest cascade as accurate as the
+best model, the demo spec (its SLO and budget, the two emulated types, whose workers pad each
+batch to tens of ms) and the plan previewed for the demo's rate and applied; the reconciler
+launches its workers (at least one per stage). The real service (``build_service`` on the local
+provisioner: reconciler, scheduler, serving loop, live tuner) runs behind uvicorn on a free
+loopback port, and the real command line, ``python -m controlplane loadgen --json``, replays a
+Poisson trace written by ``heteroplane trace generate`` (5 minutes at the rate the plan was made
+for, which the planned fleet serves and the tuner keeps it for: the test is about correctness,
+not capacity).
 
 When the service has seen half of the trace's queries arrive, the worker of the stage with the
 most workers among the gear in force (its first stage when each has one: every query visits it;
@@ -65,7 +67,8 @@ from tests.integration.conftest import (
 pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[2]
-TRACE_RATE_QPS = 5.0
+# The plan's own rate: below it the tuner would drain the fleet the victim is chosen from.
+TRACE_RATE_QPS = DEMO_RATE_QPS
 TRACE_DURATION_S = 300.0
 TRACE_SEED = 8
 PROFILE_SAMPLES = 3
@@ -226,7 +229,7 @@ def test_loadgen_replays_five_minutes_on_the_demo_and_a_killed_worker_loses_noth
     token = state.token.path.read_text(encoding="utf-8").strip()
     trace = tmp_path / "trace.csv"
     queries = _write_trace(trace)
-    assert queries > 1000  # about 5 qps for 300 s
+    assert queries > 1000  # about DEMO_RATE_QPS for 300 s
 
     with ApiServer(service) as url:
         headers = {"Authorization": f"Bearer {token}"}

@@ -1,10 +1,14 @@
-"""The profiler and ``heteroplane profile``: measured profiles, emulated types, bad input."""
+"""The profiler and ``heteroplane profile``: profiles measured through real worker processes (the
+serving path) and in process (compute only), emulated types, the workers stopped, bad input."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -13,14 +17,18 @@ from controlplane.apps import profiler
 from controlplane.apps.profiler import (
     REFERENCE_TYPE,
     MeasureSettings,
+    ProfilingError,
     emulated_profiles,
     emulated_types,
     measure_family,
+    measure_serving_path,
     parse_batch_sizes,
 )
 from controlplane.cli import main
 from estimator.catalog import InstanceType, default_catalog
 from estimator.profiles import LatencyProfile, load_profiles
+from provisioners import local
+from provisioners.worker.emulation import EMULATED_COMPUTE, ComputeCurve, compute_document
 
 FEW = ["--samples", "3", "--warmup", "1"]
 
@@ -63,6 +71,94 @@ def test_emulated_profiles_divide_by_the_speed_factor() -> None:
     assert derived[1].mean_ms.tolist() == [0.75, 2.0]
 
 
+def test_with_compute_curves_an_emulated_type_takes_what_its_worker_pads_to() -> None:
+    base = LatencyProfile(
+        "m", REFERENCE_TYPE, np.array([1, 8]), (np.array([2.0, 4.0]), np.array([80.0]))
+    )
+    slow = InstanceType("emu.a", 0.1, speed_factor=0.5)
+    (derived,) = emulated_profiles([base], [slow], {"m": ComputeCurve(4.0, 2.0)})
+    # (4 + 2 b) / 0.5, except where this machine computes slower still (80 > 20 / 0.5).
+    assert derived.mean_ms.tolist() == [12.0, 80.0]
+
+
+class RecordingProvisioner(local.LocalProvisioner):
+    """The local provisioner, remembering every one made (to check that its workers are gone)."""
+
+    made: ClassVar[list[local.LocalProvisioner]] = []
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        type(self).made.append(self)
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+def test_the_serving_path_is_timed_through_a_worker_of_each_type_and_they_stop(
+    trained_family: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    RecordingProvisioner.made = []
+    monkeypatch.setattr(local, "LocalProvisioner", RecordingProvisioner)
+    catalog = default_catalog()
+    types = [catalog[REFERENCE_TYPE], catalog["emu.cpu.small"]]
+    said: list[str] = []
+    compute = {"tiny": ComputeCurve(1.0, 2.0), "large": ComputeCurve(2.0, 3.0)}
+    profiles = measure_serving_path(
+        ["tiny", "large"],
+        (1, 4),
+        types,
+        MeasureSettings(samples=3, warmup=1),
+        cache_dir=trained_family,
+        compute=compute,
+        progress=said.append,
+    )
+    assert [(p.model, p.instance_type) for p in profiles] == [
+        ("tiny", REFERENCE_TYPE),
+        ("large", REFERENCE_TYPE),
+        ("tiny", "emu.cpu.small"),
+        ("large", "emu.cpu.small"),
+    ]
+    for profile in profiles:
+        assert profile.batch_sizes.tolist() == [1, 4]
+        assert all(cell.size == 3 for cell in profile.samples_ms)
+        assert all(math.isfinite(v) and v > 0 for cell in profile.samples_ms for v in cell)
+        if profile.instance_type == "emu.cpu.small":
+            # The worker padded each batch to C(b) / 0.5; the round trip adds to that.
+            for b, cell in zip((1, 4), profile.samples_ms, strict=True):
+                assert cell.min() >= compute[profile.model].latency_ms(b) / 0.5
+    assert any("starting a worker of each of local.cpu, emu.cpu.small" in line for line in said)
+    (provisioner,) = RecordingProvisioner.made
+    assert provisioner.records() == []  # every worker stopped and forgotten
+    assert not provisioner.state_dir.exists()  # the scratch directory is gone too
+
+
+def test_a_worker_that_does_not_start_is_a_profiling_error_and_is_cleaned_up(
+    trained_family: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Broken(RecordingProvisioner):
+        def _command(self, *args: object) -> list[str]:
+            return [sys.executable, "-c", "import sys; sys.exit('worker: no torch here')"]
+
+    Broken.made = []
+    monkeypatch.setattr(local, "LocalProvisioner", Broken)
+    with pytest.raises(ProfilingError, match="no torch here"):
+        measure_serving_path(
+            ["tiny"],
+            (1,),
+            [default_catalog()["emu.gpu"]],
+            MeasureSettings(samples=1, warmup=0),
+            cache_dir=trained_family,
+        )
+    (provisioner,) = Broken.made
+    assert all(gone(r.pid) for r in provisioner.records())
+
+
 def test_the_default_catalog_emulates_three_types() -> None:
     names = {t.name: t.speed_factor for t in emulated_types(default_catalog())}
     assert names == {"emu.cpu.small": 0.5, "emu.cpu.large": 1.0, "emu.gpu": 4.0}
@@ -81,12 +177,52 @@ def test_parse_batch_sizes() -> None:
             parse_batch_sizes(text)
 
 
-def test_measure_writes_a_profile_file_with_emulated_types(
+def test_measure_writes_end_to_end_profiles_and_the_compute_the_workers_pad_to(
     trained_family: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "profiles.json"
     argv = ["profile", "measure", "--cache-dir", str(trained_family), "--out", str(out)]
-    assert main([*argv, "--models", "tiny,medium", "--batch-sizes", "1,2,4", *FEW, "--json"]) == 0
+    options = ["--models", "tiny,medium", "--batch-sizes", "1,2", "--instance-types", "emu.gpu"]
+    assert main([*argv, *options, *FEW, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["instance_types"] == [REFERENCE_TYPE, "emu.gpu"]
+    assert summary["measurement"] == "serving_path"
+
+    profiles = load_profiles(out)
+    assert len(profiles) == 2 * 2
+    for model in ("tiny", "medium"):
+        reference = profiles.get_profile(model, REFERENCE_TYPE)
+        assert reference.batch_sizes.tolist() == [1, 2]
+        assert np.all(np.isfinite(reference.mean_ms)) and np.all(reference.mean_ms > 0)
+        emulated = profiles.get_profile(model, "emu.gpu")
+        curve = EMULATED_COMPUTE[model]
+        # The compute it pads to, C(b) / 4, and the serving path on top of it.
+        floor = np.array([curve.latency_ms(1), curve.latency_ms(2)]) / 4.0
+        assert np.all(emulated.mean_ms >= floor)
+    meta = json.loads(out.read_text())
+    assert meta["format"] == "heteroplane.profiles/v1"
+    assert meta["source"] == "measured" and meta["reference_type"] == REFERENCE_TYPE
+    assert meta["measurement"] == "serving_path"
+    assert meta["compute"] == compute_document({m: EMULATED_COMPUTE[m] for m in ("tiny", "medium")})
+    for key in ("host", "torch", "date"):
+        assert meta[key]
+
+    assert main(["profile", "show", str(out), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert len(shown["profiles"]) == 4 and shown["models"] == ["medium", "tiny"]
+    assert shown["measurement"] == "serving_path" and shown["compute"] == meta["compute"]
+    assert main(["profile", "show", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "emu.gpu" in text and "end to end" in text and "tiny: base_ms 4.0" in text
+
+
+def test_measure_compute_only_times_in_process_every_emulated_type_by_default(
+    trained_family: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "profiles.json"
+    argv = ["profile", "measure", "--cache-dir", str(trained_family), "--out", str(out)]
+    options = ["--models", "tiny,medium", "--batch-sizes", "1,2,4", "--compute-only"]
+    assert main([*argv, *options, *FEW, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["instance_types"] == [
         REFERENCE_TYPE,
@@ -95,6 +231,7 @@ def test_measure_writes_a_profile_file_with_emulated_types(
         "emu.gpu",
     ]
     assert summary["models"] == ["tiny", "medium"]
+    assert summary["measurement"] == "compute_only"
 
     profiles = load_profiles(out)
     assert len(profiles) == 2 * 4
@@ -103,22 +240,13 @@ def test_measure_writes_a_profile_file_with_emulated_types(
         measured = profiles.get_profile(model, REFERENCE_TYPE)
         assert measured.batch_sizes.tolist() == [1, 2, 4]
         assert np.all(np.isfinite(measured.mean_ms)) and np.all(measured.mean_ms > 0)
+        curve = EMULATED_COMPUTE[model]
         for name in ("emu.cpu.small", "emu.cpu.large", "emu.gpu"):
             emulated = profiles.get_profile(model, name)
-            np.testing.assert_allclose(
-                emulated.mean_ms, measured.mean_ms / catalog[name].speed_factor
-            )
-    meta = json.loads(out.read_text())
-    assert meta["format"] == "heteroplane.profiles/v1"
-    assert meta["source"] == "measured" and meta["reference_type"] == REFERENCE_TYPE
-    for key in ("host", "torch", "date"):
-        assert meta[key]
-
-    assert main(["profile", "show", str(out), "--json"]) == 0
-    shown = json.loads(capsys.readouterr().out)
-    assert len(shown["profiles"]) == 8 and shown["models"] == ["medium", "tiny"]
-    assert main(["profile", "show", str(out)]) == 0
-    assert "emu.gpu" in capsys.readouterr().out
+            padded = np.array([curve.latency_ms(b) for b in (1, 2, 4)])
+            # Sub-millisecond digits models: the padded compute wins on every sample.
+            np.testing.assert_allclose(emulated.mean_ms, padded / catalog[name].speed_factor)
+    assert json.loads(out.read_text())["measurement"] == "compute_only"
 
 
 def test_measure_takes_chosen_types_and_a_catalog(
@@ -129,7 +257,7 @@ def test_measure_takes_chosen_types_and_a_catalog(
     out = tmp_path / "p.json"
     argv = ["profile", "measure", "--cache-dir", str(trained_family), "--out", str(out), *FEW]
     more = ["--catalog", str(catalog), "--instance-types", "my.box,local.cpu", "--models", "tiny"]
-    assert main([*argv, *more, "--batch-sizes", "1"]) == 0
+    assert main([*argv, *more, "--batch-sizes", "1", "--compute-only"]) == 0
     capsys.readouterr()
     profiles = load_profiles(out)
     assert sorted(profiles) == [("tiny", REFERENCE_TYPE), ("tiny", "my.box")]
@@ -167,6 +295,7 @@ def test_measure_refuses_an_unwritable_out_path_before_measuring(
         raise AssertionError("measured before checking --out")
 
     monkeypatch.setattr(profiler, "measure_family", never)
+    monkeypatch.setattr(profiler, "measure_serving_path", never)
     cache = str(tmp_path / "unused")
     missing = tmp_path / "no" / "such" / "dir" / "p.json"
     argv = ["profile", "measure", "--cache-dir", cache]

@@ -1,5 +1,6 @@
-"""The worker agent without processes: request validation, the padding arithmetic, the profile
-curves, the agent's responses with a stand-in model and clock, and its HTTP routes in-process."""
+"""The worker agent without processes: request validation, the padding arithmetic, the compute
+and profile curves, the agent's responses with a stand-in model and clock, and its HTTP routes
+in-process."""
 
 from __future__ import annotations
 
@@ -28,11 +29,14 @@ from provisioners.worker.agent import (
     parse_infer_request,
 )
 from provisioners.worker.emulation import (
+    EMULATED_COMPUTE,
+    ComputeCurve,
     Emulation,
     EmulationError,
     LatencyCurve,
+    compute_document,
     padding_ms,
-    read_reference_curves,
+    read_curves,
 )
 
 MODELS = ("tiny", "large")
@@ -130,13 +134,32 @@ def test_without_a_profile_the_target_is_measured_over_the_speed_factor() -> Non
 def test_the_own_curve_wins_over_the_reference_curve_and_that_over_measured() -> None:
     reference = {"tiny": LatencyCurve((1, 8), (2.0, 9.0)), "large": LatencyCurve((1,), (10.0,))}
     own = {"tiny": LatencyCurve((1, 8), (5.0, 40.0))}
-    emulation = Emulation("emu.cpu.small", 0.5, own, reference)
+    emulation = Emulation("emu.cpu.small", 0.5, own, reference, "profile:local.cpu")
     assert emulation.target_ms("tiny", 8, measured_ms=1.0) == 40.0
     assert emulation.source("tiny") == "profile:emu.cpu.small"
     assert emulation.target_ms("large", 1, measured_ms=1.0) == 20.0  # 10 / 0.5
     assert emulation.source("large") == "profile:local.cpu"
     assert emulation.target_ms("small", 1, measured_ms=1.5) == 3.0
     assert emulation.padding_ms("large", 1, measured_ms=25.0) == 0.0
+
+
+def test_a_compute_curve_is_a_cost_per_call_and_per_row_over_the_speed_factor() -> None:
+    curve = ComputeCurve(4.0, 12.0)
+    assert [curve.latency_ms(b) for b in (1, 2, 8)] == [16.0, 28.0, 100.0]
+    emulation = Emulation("emu.cpu.small", 0.5, reference={"tiny": curve})
+    assert emulation.target_ms("tiny", 2, measured_ms=0.2) == 56.0
+    assert emulation.padding_ms("tiny", 2, measured_ms=0.2) == pytest.approx(55.8)
+    assert emulation.source("tiny") == "compute"
+    for base, per_row in [(-1.0, 1.0), (1.0, float("inf")), (float("nan"), 1.0)]:
+        with pytest.raises(EmulationError):
+            ComputeCurve(base, per_row)
+
+
+def test_the_builtin_compute_is_tens_of_ms_and_rises_with_the_model() -> None:
+    one_row = [EMULATED_COMPUTE[m].latency_ms(1) for m in ("tiny", "small", "medium", "large")]
+    assert one_row == sorted(one_row) and one_row[0] >= 10.0 and one_row[-1] <= 100.0
+    for curve in EMULATED_COMPUTE.values():
+        assert curve.per_row_ms > curve.base_ms  # a CPU: a row costs more than the call
 
 
 def test_not_emulated_means_no_padding_and_the_measured_latency() -> None:
@@ -163,8 +186,8 @@ def test_a_curve_interpolates_holds_below_and_scales_above() -> None:
             LatencyCurve(sizes, means)
 
 
-def profile_file(tmp_path: Path) -> Path:
-    """A profile JSON written the way ``heteroplane profile measure`` writes it."""
+def profile_file(tmp_path: Path, **meta: Any) -> Path:
+    """A profile JSON of the older kind (no compute section: its latencies are compute)."""
     cells = (np.array([1.0, 3.0]), np.array([4.0, 6.0]))
     measured = [
         LatencyProfile("tiny", "local.cpu", np.array([1, 4]), cells),
@@ -173,17 +196,26 @@ def profile_file(tmp_path: Path) -> Path:
         LatencyProfile("medium", "local.cpu", np.array([1, 4]), cells),
     ]
     path = tmp_path / "family.json"
-    write_profiles_json(measured, path, source="measured", reference_type="local.cpu")
+    write_profiles_json(measured, path, source="measured", reference_type="local.cpu", **meta)
     return path
 
 
-def test_reference_curves_are_read_from_a_measured_profile_file(tmp_path: Path) -> None:
-    own, reference = read_reference_curves(profile_file(tmp_path), MODELS, "emu.cpu.small")
-    assert own == {}
-    assert sorted(reference) == ["large", "tiny"]  # medium is not served here
-    assert reference["tiny"] == LatencyCurve((1, 4), (2.0, 5.0))  # the means of the samples
-    own, _ = read_reference_curves(profile_file(tmp_path), MODELS, "emu.gpu")
-    assert sorted(own) == ["tiny"]
+def test_reference_curves_are_read_from_a_profile_file_without_a_compute_section(
+    tmp_path: Path,
+) -> None:
+    curves = read_curves(profile_file(tmp_path), MODELS, "emu.cpu.small")
+    assert curves.own == {} and curves.origin == "profile:local.cpu"
+    assert sorted(curves.reference) == ["large", "tiny"]  # medium is not served here
+    assert curves.reference["tiny"] == LatencyCurve((1, 4), (2.0, 5.0))  # the means
+    assert sorted(read_curves(profile_file(tmp_path), MODELS, "emu.gpu").own) == ["tiny"]
+
+
+def test_a_compute_section_wins_over_the_end_to_end_profiles(tmp_path: Path) -> None:
+    section = compute_document({"tiny": ComputeCurve(4.0, 12.0), "medium": ComputeCurve(1, 1)})
+    curves = read_curves(profile_file(tmp_path, compute=section), MODELS, "emu.gpu")
+    # The profiles are what a caller sees, not what a worker pads to: none of them is read.
+    assert curves.own == {} and curves.origin == "compute:profile"
+    assert curves.reference == {"tiny": ComputeCurve(4.0, 12.0)}
 
 
 @pytest.mark.parametrize(
@@ -203,15 +235,25 @@ def test_reference_curves_are_read_from_a_measured_profile_file(tmp_path: Path) 
             ' "batch_sizes": [1], "latency_ms": [["x"]]}]}',
             "hold numbers",
         ),
+        ('{"profiles": [], "compute": {"models": []}}', "compute: expected an object"),
+        ('{"profiles": [], "compute": {"models": {"tiny": 3}}}', "base_ms and per_row_ms"),
+        (
+            '{"profiles": [], "compute": {"models": {"tiny": {"base_ms": "4", "per_row_ms": 1}}}}',
+            "base_ms must be a number",
+        ),
+        (
+            '{"profiles": [], "compute": {"models": {"tiny": {"base_ms": -4, "per_row_ms": 1}}}}',
+            "finite and >= 0",
+        ),
     ],
 )
 def test_unusable_profile_files_are_refused(tmp_path: Path, text: str, fragment: str) -> None:
     path = tmp_path / "p.json"
     path.write_text(text)
     with pytest.raises(EmulationError, match=fragment):
-        read_reference_curves(path, MODELS, "emu.cpu.small")
+        read_curves(path, MODELS, "emu.cpu.small")
     with pytest.raises(EmulationError, match="cannot read"):
-        read_reference_curves(tmp_path / "missing.json", MODELS, "emu.cpu.small")
+        read_curves(tmp_path / "missing.json", MODELS, "emu.cpu.small")
 
 
 def config(**changes: Any) -> AgentConfig:
@@ -223,10 +265,27 @@ def test_build_emulation_follows_the_command_line(tmp_path: Path) -> None:
     assert not build_emulation(config()).emulated  # no speed factor
     assert not build_emulation(config(speed_factor=0.5, pad=False)).emulated
     assert not build_emulation(config(instance_type="local.cpu", speed_factor=1.0)).emulated
+    # No profile file: the measured latency over the speed factor.
     plain = build_emulation(config(speed_factor=0.5))
     assert plain.speed_factor == 0.5 and not plain.reference
+    assert plain.source("large") == "measured"
     profiled = build_emulation(config(speed_factor=0.5, profile=profile_file(tmp_path)))
     assert profiled.target_ms("tiny", 1, measured_ms=0.1) == 4.0  # 2 / 0.5
+    section = compute_document({"tiny": ComputeCurve(1.0, 1.0)})
+    other = tmp_path / "other"
+    other.mkdir()
+    computed = build_emulation(
+        config(speed_factor=0.5, profile=profile_file(other, compute=section))
+    )
+    assert computed.target_ms("tiny", 1, measured_ms=0.1) == 4.0  # (1 + 1) / 0.5
+    assert computed.source("tiny") == "compute:profile"
+    assert computed.source("large") == "measured"  # the file's section has no curve of it
+    third = tmp_path / "third"
+    third.mkdir()
+    builtin = compute_document(EMULATED_COMPUTE)
+    served = build_emulation(config(speed_factor=0.5, profile=profile_file(third, compute=builtin)))
+    expected_ms = EMULATED_COMPUTE["large"].latency_ms(3) / 0.5
+    assert served.target_ms("large", 3, measured_ms=0.1) == pytest.approx(expected_ms)
 
 
 def test_the_command_line_is_parsed_and_checked(capsys: pytest.CaptureFixture[str]) -> None:
