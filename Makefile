@@ -27,10 +27,10 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 # Two processes, a test file per process at a time (its fixtures stay together): the suite's
-# long tests (the demo's 5-minute loadgen replay, terraform against moto) mostly wait, so the
+# long tests (the demo's loadgen replay, terraform against moto) mostly wait, so the
 # other process runs the rest meanwhile. tests/conftest.py puts the slow tests first, and
 # --no-loadscope-reorder keeps that order (xdist would otherwise hand out the files with the
-# most tests first, leaving the one-test 5-minute replay to start last and run alone).
+# most tests first, leaving the one-test replay to start last and run alone).
 test: lint
 	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 

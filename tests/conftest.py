@@ -19,5 +19,5 @@ needs_shared = pytest.mark.skipif(
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The ``slow`` tests first (stable otherwise): on two processes (``make test``, a file per
     process) their files then start at once and the rest of the suite runs beside them, rather
-    than a 5-minute test starting last and running alone."""
+    than a minutes-long test starting last and running alone."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
