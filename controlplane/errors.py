@@ -16,6 +16,7 @@ from __future__ import annotations
 
 __all__ = [
     "AppExistsError",
+    "BudgetBelowServingFleetError",
     "ConflictError",
     "ControlPlaneError",
     "DatabaseError",
@@ -83,6 +84,26 @@ class InvalidTransitionError(ConflictError):
         self.from_state = from_state
         self.to_state = to_state
         super().__init__(f"an instance cannot go from {from_state!r} to {to_state!r}")
+
+
+class BudgetBelowServingFleetError(ConflictError):
+    """A budget change below the cost of the app's smallest serving fleet (``floor``: one
+    instance of the cheapest planned type on every stage of the applied plan, ``fleet`` in words),
+    not forced: it would drain every instance of a stage."""
+
+    def __init__(
+        self, app: str, budget_usd_per_hr: float, floor_usd_per_hr: float, fleet: str = ""
+    ) -> None:
+        self.app = app
+        self.budget_usd_per_hr = budget_usd_per_hr
+        self.floor_usd_per_hr = floor_usd_per_hr
+        self.fleet = fleet
+        what = f" ({fleet})" if fleet else ""
+        super().__init__(
+            f"app {app!r}: a budget of {budget_usd_per_hr:g} USD/hr is below the"
+            f" {floor_usd_per_hr:.4g} USD/hr the app's smallest serving fleet{what} costs;"
+            ' send "force": true to drain it anyway'
+        )
 
 
 class InvalidValueError(ControlPlaneError, ValueError):

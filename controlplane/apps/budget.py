@@ -1,9 +1,14 @@
 """Use case: change an app's budget, and say which instances must go for it.
 
-A change is audited by the store (who, when, old, new, why). When the new budget is below what
+A change is audited by the store (who, when, old, new, why). A budget below the app's smallest
+serving fleet (:func:`controlplane.policies.drain.serving_floor`: one instance of the cheapest
+planned type on every stage of the applied plan) is refused with
+:class:`~controlplane.errors.BudgetBelowServingFleetError` (a 409) and changes nothing, unless
+``force``; an app without an applied plan has no such floor. When the new budget is below what
 the live fleet costs, :func:`change_budget` asks the drain policy
 (:func:`controlplane.policies.drain.plan_drain`) which instances to drain, least cost-effective
-first, and records a ``budget_drain`` decision; the reconciler acts on it, not this use case. The
+first, keeping the last instance of each planned stage unless forced, and records a
+``budget_drain`` decision; the reconciler acts on it, not this use case. The
 API's ``PUT /v1/apps/{app}/budget`` and the command line's ``budget set`` go through it.
 """
 
@@ -14,7 +19,14 @@ from dataclasses import dataclass
 
 from controlplane.apps.resolver import AppResolver, smallest_common_batch_size
 from controlplane.db.store import BudgetChangeRecord, InstanceRecord, Store
-from controlplane.policies.drain import DrainInstance, DrainPlan, plan_drain, qps_by_type
+from controlplane.errors import BudgetBelowServingFleetError
+from controlplane.policies.drain import (
+    DrainInstance,
+    DrainPlan,
+    plan_drain,
+    qps_by_type,
+    serving_floor,
+)
 from controlplane.policies.lifecycle import LIVE_STATES
 from estimator.errors import EstimatorError
 
@@ -39,23 +51,60 @@ def live_instances(store: Store, app: str) -> list[InstanceRecord]:
     return store.list_instances(app, states=[s.value for s in LIVE_STATES])
 
 
+def _planned_stages(store: Store, app: str) -> dict[str, dict[str, int]]:
+    """The applied plan's stages (name -> fleet); empty without an applied plan."""
+    record = store.get_applied_plan(app)
+    if record is None:
+        return {}
+    try:
+        stages = record.plan.stages
+    except EstimatorError as error:
+        logger.warning(
+            "app %s: the applied plan does not read, so it sets no floor: %s", app, error
+        )
+        return {}
+    return {stage.name: dict(stage.fleet) for stage in stages}
+
+
 def change_budget(
-    store: Store, resolver: AppResolver, app: str, usd_per_hr: float, reason: str, who: str
+    store: Store,
+    resolver: AppResolver,
+    app: str,
+    usd_per_hr: float,
+    reason: str,
+    who: str,
+    *,
+    force: bool = False,
 ) -> BudgetChange:
     """Set ``app``'s budget to ``usd_per_hr`` and plan the drain it needs.
 
+    Not ``force``d, a budget below the app's smallest serving fleet is refused and nothing
+    changes (no audit row, no decision); at or above it, the drain keeps one instance per stage.
+
     Raises:
         NotFoundError: no such app.
+        BudgetBelowServingFleetError: below the smallest serving fleet, not forced.
         InvalidValueError: a budget the store refuses.
     """
-    change = store.change_budget(app, usd_per_hr, reason=reason, who=who)
+    record = store.get_app(app)
+    live = live_instances(store, app)
+    # The catalog's prices; the recorded ones stand in for a spec that does not resolve.
+    prices = {i.instance_type: i.price_usd_per_hr for i in live}
     try:
-        resolved = resolver.resolve(store.get_app(app).spec, check_budget=False)
+        resolved = resolver.resolve(record.spec, check_budget=False)
+        prices.update(resolved.prices_usd_per_hr)
         values = qps_by_type(resolved, smallest_common_batch_size(resolved))
     except EstimatorError as error:
-        # The budget is changed; without the profiles, instances rank by price alone.
+        # Without the profiles, instances rank by price alone.
         logger.warning("app %s: cannot rank instances by value: %s", app, error)
         values = {}
+    stages = _planned_stages(store, app)
+    floor = serving_floor(stages, prices)
+    # The same tolerance as the drain's: 0.1 + 0.2 is a floor of 0.3.
+    below = usd_per_hr < floor.cost_usd_per_hr - 1e-9
+    if below and not force:
+        raise BudgetBelowServingFleetError(app, usd_per_hr, floor.cost_usd_per_hr, floor.describe())
+    change = store.change_budget(app, usd_per_hr, reason=reason, who=who)
     live = live_instances(store, app)
     drain = plan_drain(
         [
@@ -64,13 +113,17 @@ def change_budget(
         ],
         change.new_usd_per_hr,
         values,
+        stage_types=None
+        if force
+        else {name: [t for t, n in fleet.items() if n > 0] for name, fleet in stages.items()},
     )
     note = None
     if drain.drain:
+        forced = " (forced)" if force else ""
         note = (
             f"the fleet costs {drain.fleet_cost_usd_per_hr:.3f} USD/hr, above the new budget"
-            f" {change.new_usd_per_hr:g} USD/hr: {len(drain.drain)} instance(s) to drain"
-            f" ({drain.saved_usd_per_hr:.3f} USD/hr), least cost-effective first"
+            f" {change.new_usd_per_hr:g} USD/hr{forced}: {len(drain.drain)} instance(s) to"
+            f" drain ({drain.saved_usd_per_hr:.3f} USD/hr), least cost-effective first"
         )
         store.record_decision(
             app,

@@ -5,7 +5,8 @@
 - ``heteroplane plans preview --app APP --rate-qps R`` (or a gamma trace), ``plans list``,
   ``plans apply --app APP --id ID``: named ``plans`` because ``heteroplane plan`` is the offline
   planner on a spec file and a trace file;
-- ``heteroplane budget get --app APP``, ``budget set --app APP --usd-per-hr X --reason R``;
+- ``heteroplane budget get --app APP``, ``budget set --app APP --usd-per-hr X --reason R
+  [--force]`` (``--force`` sends ``"force": true``: a budget below the smallest serving fleet);
 - ``heteroplane fleet [--app APP]``;
 - ``heteroplane events --app APP`` (decisions and instance events, in time order).
 
@@ -240,10 +241,11 @@ def budget_get(args: argparse.Namespace) -> int:
 
 def budget_set(args: argparse.Namespace) -> int:
     with client_from(args) as client:
-        answer = client.put(
-            app_path(args.app, "budget"),
-            {"budget_usd_per_hr": args.usd_per_hr, "reason": args.reason},
-        )
+        body: dict[str, Any] = {"budget_usd_per_hr": args.usd_per_hr, "reason": args.reason}
+        if args.force:
+            # Only when asked: the budget change without it is what every server accepts.
+            body["force"] = True
+        answer = client.put(app_path(args.app, "budget"), body)
 
     def human() -> str:
         previous = answer["previous_usd_per_hr"]

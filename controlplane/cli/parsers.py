@@ -1095,6 +1095,12 @@ def _budget(subparsers: Subparsers) -> None:
     _app_option(put)
     put.add_argument("--usd-per-hr", required=True, type=float, metavar="X", help="new budget")
     put.add_argument("--reason", required=True, metavar="TEXT", help="why (kept in the audit)")
+    put.add_argument(
+        "--force",
+        action="store_true",
+        help="accept a budget below the app's smallest serving fleet (one instance of the"
+        " cheapest planned type per stage), draining it; without it the server refuses (409)",
+    )
     put.set_defaults(handler=Handler("operate", "budget_set"))
     for action in (get, put):
         add_client_options(action)

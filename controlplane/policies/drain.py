@@ -11,7 +11,16 @@ type serves, returning a decision (:class:`DrainPlan`); the reconciler acts on i
   v_t = Q_t / P_t (Q_t: queries per second one instance of type t serves, Kairos' Q_t on the
   reference batch size; P_t its price in USD/hr), the least cost-effective first; among equals,
   one that does not serve yet (requested, pending) before one that does, then the dearer, then
-  the newer.
+  the newer;
+- given the plan's stages (``stage_types``: each stage's planned instance types), the last
+  instance of each stage is kept: before ranking, each stage that still has a kept instance of
+  one of its types gets a keeper (one that serves before one that does not, then the cheaper,
+  then the older; an instance of a type two stages plan keeps both), and keepers are never
+  drained. The kept cost may then stay above the budget; the caller checks the budget against
+  :func:`serving_floor` first, and a forced change passes no stages (everything may go).
+
+The app's smallest serving fleet (:func:`serving_floor`) is one instance of the cheapest planned
+type on every stage: F = sum over stages s of min over the types t planned on s of P_t.
 
 >>> from datetime import UTC, datetime
 >>> t = datetime(2024, 1, 1, tzinfo=UTC)
@@ -22,12 +31,18 @@ type serves, returning a decision (:class:`DrainPlan`); the reconciler acts on i
 >>> plan = plan_drain(fleet, 0.6, {"g4dn.xlarge": 100.0, "t3.xlarge": 10.0})
 >>> [c.id for c in plan.drain], round(plan.kept_cost_usd_per_hr, 3)
 (['b'], 0.526)
+>>> floor = serving_floor({"m": {"g4dn.xlarge": 2, "t3.xlarge": 1}}, {"g4dn.xlarge": 0.526,
+...     "t3.xlarge": 0.166})
+>>> floor.cost_usd_per_hr, floor.describe()
+(0.166, 'one t3.xlarge per stage')
+>>> [c.id for c in plan_drain(fleet, 0.1, {}, stage_types={"m": ["t3.xlarge"]}).drain]
+['a']
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -36,7 +51,15 @@ import numpy as np
 from controlplane.policies.lifecycle import LIVE_STATES, InstanceState
 from controlplane.spec import ResolvedApp
 
-__all__ = ["DrainCandidate", "DrainInstance", "DrainPlan", "plan_drain", "qps_by_type"]
+__all__ = [
+    "DrainCandidate",
+    "DrainInstance",
+    "DrainPlan",
+    "ServingFloor",
+    "plan_drain",
+    "qps_by_type",
+    "serving_floor",
+]
 
 _LEAVING = frozenset({InstanceState.DRAINING, InstanceState.TERMINATING})
 # Among instances of equal value, drop first the ones that do not serve yet.
@@ -80,6 +103,64 @@ class DrainPlan:
         return float(sum(c.price_usd_per_hr for c in self.drain))
 
 
+@dataclass(frozen=True, slots=True)
+class ServingFloor:
+    """The app's smallest serving fleet: its cost and, per stage, the cheapest planned type
+    (``cheapest``: (stage, instance type) pairs, in the plan's order)."""
+
+    cost_usd_per_hr: float
+    cheapest: tuple[tuple[str, str], ...]
+
+    def describe(self) -> str:
+        """What the fleet is, in words (``one t3.xlarge per stage``)."""
+        types = {instance_type for _, instance_type in self.cheapest}
+        if not types:
+            return "no instance"
+        if len(types) == 1:
+            return f"one {next(iter(types))} per stage"
+        return ", ".join(f"one {t} for {stage}" for stage, t in self.cheapest)
+
+
+def serving_floor(
+    stages: Mapping[str, Mapping[str, int]], prices_usd_per_hr: Mapping[str, float]
+) -> ServingFloor:
+    """The cheapest fleet that keeps one instance on every stage of a plan: for each stage
+    (name -> its fleet, type -> count), the cheapest of its planned types (count > 0), summed
+    over the stages. A stage that plans no priced type adds nothing (it cannot be kept)."""
+    cheapest: list[tuple[str, str]] = []
+    cost = 0.0
+    for stage, fleet in stages.items():
+        priced = [t for t, count in fleet.items() if count > 0 and t in prices_usd_per_hr]
+        if not priced:
+            continue
+        best = min(priced, key=lambda t: (prices_usd_per_hr[t], t))
+        cheapest.append((stage, best))
+        cost += prices_usd_per_hr[best]
+    return ServingFloor(cost_usd_per_hr=cost, cheapest=tuple(cheapest))
+
+
+def _keepers(kept: list[DrainInstance], stage_types: Mapping[str, Collection[str]]) -> set[str]:
+    """One kept instance per stage that has one (see the module docstring); their ids."""
+    chosen: list[DrainInstance] = []
+    for types in stage_types.values():
+        if any(i.instance_type in types for i in chosen):
+            continue
+        serving = [i for i in kept if i.instance_type in types]
+        if serving:
+            chosen.append(
+                min(
+                    serving,
+                    key=lambda i: (
+                        -_STATE_ORDER.get(InstanceState(i.state), 3),
+                        i.price_usd_per_hr,
+                        i.created_at.timestamp(),
+                        i.id,
+                    ),
+                )
+            )
+    return {i.id for i in chosen}
+
+
 def _value_per_usd(qps: float, price_usd_per_hr: float) -> float:
     if price_usd_per_hr <= 0:
         return math.inf  # free capacity is never the one to drop
@@ -90,15 +171,19 @@ def plan_drain(
     instances: Iterable[DrainInstance],
     budget_usd_per_hr: float,
     qps_by_type: Mapping[str, float],
+    *,
+    stage_types: Mapping[str, Collection[str]] | None = None,
 ) -> DrainPlan:
     """The instances to drain so that the kept fleet costs at most ``budget_usd_per_hr``
-    (see the module docstring). A type missing from ``qps_by_type`` serves nothing (Q_t = 0)."""
+    (see the module docstring). A type missing from ``qps_by_type`` serves nothing (Q_t = 0).
+    With ``stage_types`` (stage -> its planned types), the last instance of each stage stays."""
     live = [i for i in instances if i.state in LIVE_STATES]
     fleet_cost = float(sum(i.price_usd_per_hr for i in live))
     kept = [i for i in live if i.state not in _LEAVING]
     kept_cost = float(sum(i.price_usd_per_hr for i in kept))
+    keepers = _keepers(kept, stage_types) if stage_types else set()
     ranked = sorted(
-        kept,
+        (i for i in kept if i.id not in keepers),
         key=lambda i: (
             _value_per_usd(qps_by_type.get(i.instance_type, 0.0), i.price_usd_per_hr),
             _STATE_ORDER.get(InstanceState(i.state), 3),

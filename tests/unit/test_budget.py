@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.policies.drain import DrainInstance, plan_drain
+from controlplane.policies.drain import DrainInstance, plan_drain, serving_floor
 
 T0 = datetime(2024, 1, 1, tzinfo=UTC)
 QPS = {"gpu": 100.0, "cpu": 10.0, "mid": 30.0}
@@ -95,3 +95,68 @@ def test_the_kept_fleet_fits_and_no_drain_is_wasted(
     values = [c.qps_per_usd for c in plan.drain]
     assert values == sorted(values)
     assert all(c.state in ("requested", "pending", "running") for c in plan.drain)
+
+
+# --- the smallest serving fleet and the last instance of each stage ----------------------------
+
+
+def test_the_serving_floor_is_the_cheapest_planned_type_per_stage_summed() -> None:
+    stages = {"small": {"gpu": 1, "cpu": 2}, "large": {"gpu": 3, "mid": 0}}
+    floor = serving_floor(stages, PRICE)
+    # small: min(0.5, 0.2); large: gpu only (mid is not planned: count 0).
+    assert floor.cost_usd_per_hr == pytest.approx(0.2 + 0.5)
+    assert floor.cheapest == (("small", "cpu"), ("large", "gpu"))
+    assert floor.describe() == "one cpu for small, one gpu for large"
+
+
+def test_the_serving_floor_of_no_plan_or_unpriced_types_is_zero() -> None:
+    assert serving_floor({}, PRICE).cost_usd_per_hr == 0.0
+    assert serving_floor({"m": {"z9.odd": 1}}, PRICE).cost_usd_per_hr == 0.0
+    assert serving_floor({}, PRICE).describe() == "no instance"
+    same = serving_floor({"a": {"cpu": 1}, "b": {"cpu": 4, "gpu": 1}}, PRICE)
+    assert (same.cost_usd_per_hr, same.describe()) == (pytest.approx(0.4), "one cpu per stage")
+
+
+def test_the_last_instance_of_each_stage_stays() -> None:
+    # Least cost-effective first would drain both cpus (stage b's only type) before the gpu.
+    fleet = [instance("g", "gpu"), instance("c1", "cpu"), instance("c2", "cpu", age_s=10)]
+    stages = {"a": ["gpu", "mid"], "b": ["cpu"]}
+    unguarded = plan_drain(fleet, 0.5, QPS)
+    assert {c.id for c in unguarded.drain} == {"c1", "c2"}
+    plan = plan_drain(fleet, 0.5, QPS, stage_types=stages)
+    # The older cpu is kept for stage b, the gpu for stage a (over the budget: a floor of 0.7).
+    assert [c.id for c in plan.drain] == ["c1"]
+    assert plan.kept_cost_usd_per_hr == pytest.approx(0.7)
+
+
+def test_the_keepers_stay_even_over_the_budget_and_prefer_serving_ones() -> None:
+    fleet = [instance("new", "cpu", state="pending"), instance("old", "cpu", age_s=5.0)]
+    plan = plan_drain(fleet, 0.05, QPS, stage_types={"m": ["cpu"]})
+    assert [c.id for c in plan.drain] == ["new"]
+    assert plan.kept_cost_usd_per_hr == pytest.approx(0.2)
+
+
+def test_one_instance_of_a_type_two_stages_plan_keeps_both() -> None:
+    fleet = [instance("g1", "gpu"), instance("g2", "gpu", age_s=1.0), instance("c", "cpu")]
+    plan = plan_drain(fleet, 0.5, QPS, stage_types={"a": ["gpu"], "b": ["gpu", "cpu"]})
+    assert {c.id for c in plan.drain} == {"g1", "c"}
+
+
+@given(
+    st.lists(st.sampled_from(["gpu", "cpu", "mid"]), min_size=1, max_size=8),
+    st.floats(min_value=0.0, max_value=3.0),
+)
+def test_at_or_above_the_floor_every_stage_keeps_an_instance(
+    types: list[str], extra_usd_per_hr: float
+) -> None:
+    stages = {"a": {"gpu": 1, "mid": 1}, "b": {"cpu": 2}}
+    fleet = [instance(f"i{n}", t, age_s=float(n)) for n, t in enumerate(types)]
+    floor = serving_floor(stages, PRICE).cost_usd_per_hr
+    plan = plan_drain(
+        fleet, floor + extra_usd_per_hr, QPS, stage_types={s: list(f) for s, f in stages.items()}
+    )
+    drained = {c.id for c in plan.drain}
+    kept = [i for i in fleet if i.id not in drained]
+    for planned in stages.values():
+        if any(i.instance_type in planned for i in fleet):
+            assert any(i.instance_type in planned for i in kept)

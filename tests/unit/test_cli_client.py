@@ -143,6 +143,21 @@ def test_a_get_sends_the_token_and_the_query(
     assert sent[1]["path"] == f"/v1/apps/demo/decisions?since={since}&limit=5"
 
 
+def test_budget_set_force_sends_force(
+    fake: FakeService, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _, _ = cli(
+        capsys, "budget", "set", "--app", "demo", "--usd-per-hr", "0.01", "--reason", "stop",
+        "--force",
+    )  # fmt: skip
+    assert status == 0
+    assert fake.requests[-1]["body"] == {
+        "budget_usd_per_hr": 0.01,
+        "reason": "stop",
+        "force": True,
+    }
+
+
 def test_a_put_sends_json_and_an_empty_answer_is_fine(
     fake: FakeService, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,7 +1,8 @@
 """``/v1/apps/{app}/budget``: read the budget with its audit trail, and change it (the use case
 :func:`controlplane.apps.budget.change_budget`: audited; when the new budget is below what the
 fleet costs, the answer lists the instances to drain, least cost-effective first, and a
-``budget_drain`` decision is recorded; the reconciler acts on it, not this route).
+``budget_drain`` decision is recorded; the reconciler acts on it, not this route). A budget below
+the app's smallest serving fleet is a 409 naming its cost unless the body says ``"force": true``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ def get_budget(app: AppName, services: ServicesDep, _who: Viewer) -> BudgetOut:
 
 @router.put(
     "/apps/{app}/budget",
-    summary="Change the app's budget (operator); lists the instances to drain if it is too low",
+    summary=(
+        "Change the app's budget (operator); lists the instances to drain if it is too low;"
+        " 409 below the smallest serving fleet unless forced"
+    ),
     responses=errors(400, 401, 403, 404, 409, 422),
 )
 def set_budget(
@@ -60,6 +64,7 @@ def set_budget(
         body.budget_usd_per_hr,
         reason=body.reason,
         who=who.name,
+        force=body.force,
     )
     change, drain, note = made.change, made.drain, made.note
     provider_ids = {i.id: i.provider_id for i in made.live}
