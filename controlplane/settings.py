@@ -186,6 +186,17 @@ class Settings(BaseSettings):
         description="how long a planned type may lack capacity before the app is re-planned, s",
     )
     rollup_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    decision_retention_days: float = Field(
+        default=30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="the roll-up deletes decisions last made longer ago than this, days",
+    )
+    decision_retention_count: int = Field(
+        default=10_000,
+        ge=1,
+        description="the roll-up keeps at most this many of an app's newest decisions",
+    )
     ec2: Ec2Settings | None = None
 
     @classmethod

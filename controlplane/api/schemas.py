@@ -272,6 +272,8 @@ class BudgetChangeIn(BaseModel):
 
     budget_usd_per_hr: float = Field(gt=0, le=MAX_BUDGET_USD_PER_HR, allow_inf_nan=False)
     reason: str = Field(min_length=1, max_length=_MAX_REASON)
+    # A budget below the app's smallest serving fleet is a 409 unless forced.
+    force: bool = False
 
 
 class BudgetChangeOut(BaseModel):
@@ -367,6 +369,9 @@ class DecisionOut(BaseModel):
     kind: str
     reason: str
     numbers: dict[str, Any]
+    # A decision made again (same caller key): how many times, and the last; ``at`` is the first.
+    count: int = 1
+    last_at: datetime | None = None
 
 
 class InstanceEventOut(BaseModel):

@@ -638,6 +638,10 @@ def _decision(record: DecisionRecord) -> dict[str, Any]:
         "kind": record.kind,
         "reason": record.reason,
         "numbers": _clean(record.numbers),
+        # A repeated decision: how many times, and the last (None: made once).
+        "count": record.count,
+        "last_at": None if record.last_at is None else record.last_at.isoformat(),
+        "last_t": None if record.last_at is None else _epoch_s(record.last_at),
     }
 
 

@@ -80,6 +80,7 @@ _NAME = 63
 _SHORT = 16
 _ID = 64
 _LABEL = 100
+_KEY = 200
 
 
 def _one_of(column: str, values: Iterable[str]) -> str:
@@ -207,7 +208,10 @@ class InstanceEvent(Base):
 
 class Decision(Base):
     __tablename__ = "decisions"
-    __table_args__ = (Index(None, "app_id", "at"),)
+    __table_args__ = (
+        Index(None, "app_id", "at"),
+        Index(None, "app_id", "kind", "key"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     app_id: Mapped[int] = mapped_column(ForeignKey("apps.id", ondelete="CASCADE"))
@@ -216,6 +220,12 @@ class Decision(Base):
     kind: Mapped[str] = mapped_column(String(_SHORT * 2))
     reason: Mapped[str] = mapped_column(Text)
     numbers: Mapped[dict[str, Any]]
+    # The caller's identity of "the same decision" (e.g. request id and error): a repeat of a
+    # keyed decision bumps ``count`` and ``last_at`` of its row instead of adding one; ``at``
+    # stays the first time. None: never merged.
+    key: Mapped[str | None] = mapped_column(String(_KEY))
+    count: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    last_at: Mapped[datetime | None]
 
 
 class MetricSample(Base):

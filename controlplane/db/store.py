@@ -57,6 +57,7 @@ from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, check_tr
 from controlplane.policies.plan import PlanDocument
 
 __all__ = [
+    "DECISION_MERGE_WINDOW_S",
     "AppRecord",
     "BudgetChangeRecord",
     "DecisionRecord",
@@ -74,6 +75,10 @@ _ATTEMPTS = 20
 # last_used_at of a token is refreshed at most this often: not a write per request.
 LAST_USED_RESOLUTION_S = 60.0
 _APP_NAME_MAX = 63
+# A keyed decision made again within this long of its last time is the same decision (one row,
+# its count bumped): long enough for two alternating failures retried every reconcile tick.
+DECISION_MERGE_WINDOW_S = 600.0
+_DECISION_KEY_MAX = 200
 
 
 class _WallClock(Protocol):
@@ -166,6 +171,9 @@ class DecisionRecord:
     kind: str
     reason: str
     numbers: dict[str, Any]
+    count: int = 1  # how many times it was made (a keyed decision that repeats)
+    last_at: datetime | None = None  # the last of them; None: made once (``at``)
+    key: str | None = None  # the caller's identity of "the same decision"
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,8 +241,16 @@ def _translated(
 class Store:
     """Reads and writes of the control plane's database (see the module docstring)."""
 
-    def __init__(self, engine: Engine, clock: _WallClock | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        clock: _WallClock | None = None,
+        *,
+        decision_merge_window_s: float = DECISION_MERGE_WINDOW_S,
+    ) -> None:
         self._engine = engine
+        # How long after its last time a keyed decision is still merged into (record_decision).
+        self.decision_merge_window_s = decision_merge_window_s
         self._sessions: sessionmaker[Session] = make_session_factory(engine)
         self._clock: _WallClock = clock if clock is not None else _SystemWallClock()
 
@@ -782,23 +798,63 @@ class Store:
         numbers: Mapping[str, Any] | None = None,
         *,
         at: datetime | None = None,
+        key: str | None = None,
     ) -> DecisionRecord:
         """Record what a policy decided (``kind``: scale_up, scale_down, gear_switch, replan,
-        budget_drain, ...), why, and the numbers behind it (a JSON object)."""
+        budget_drain, ...), why, and the numbers behind it (a JSON object).
+
+        ``key`` is the caller's identity of "the same decision" (``f"{request_id}:{error}"`` for
+        a failed launch, ``f"{stage}:{reason}"`` for a budget cap). A keyed decision repeats the
+        app's newest one of the same kind and key when that one is still the app's latest
+        decision of the kind, or was last made within ``decision_merge_window_s``: its row then
+        counts one more (``count``), takes ``at`` as its ``last_at`` and the newest reason and
+        numbers, and keeps its first ``at``. Anything else adds a row (count 1)."""
         body = _json_document(numbers or {}, "numbers")
         now = self._now(at)
+        kind = _label(kind, "kind", max_length=32)
+        if key is not None:
+            key = _label(key, "key", max_length=_DECISION_KEY_MAX)
         with transaction(self._sessions) as session:
             row = _app_row(session, app)
+            same = None if key is None else self._repeated(session, row.id, kind, key, now)
+            if same is not None:
+                same.count += 1
+                seen = same.at if same.last_at is None else same.last_at
+                same.last_at = max(seen, now)
+                same.reason = reason
+                same.numbers = body
+                session.flush()
+                return _decision_record(same, app)
             decision = m.Decision(
-                app_id=row.id,
-                at=now,
-                kind=_label(kind, "kind", max_length=32),
-                reason=reason,
-                numbers=body,
+                app_id=row.id, at=now, kind=kind, reason=reason, numbers=body, key=key, count=1
             )
             session.add(decision)
             session.flush()
             return _decision_record(decision, app)
+
+    def _repeated(
+        self, session: Session, app_id: int, kind: str, key: str, now: datetime
+    ) -> m.Decision | None:
+        """The row a keyed decision repeats (see :meth:`record_decision`), or None."""
+        newest = (m.Decision.at.desc(), m.Decision.id.desc())
+        same = session.scalars(
+            select(m.Decision)
+            .where(m.Decision.app_id == app_id, m.Decision.kind == kind, m.Decision.key == key)
+            .order_by(*newest)
+            .limit(1)
+        ).first()
+        if same is None:
+            return None
+        seen = same.at if same.last_at is None else same.last_at
+        if (now - seen).total_seconds() <= self.decision_merge_window_s:
+            return same
+        latest = session.scalars(
+            select(m.Decision.id)
+            .where(m.Decision.app_id == app_id, m.Decision.kind == kind)
+            .order_by(*newest)
+            .limit(1)
+        ).first()
+        return same if latest == same.id else None
 
     @_translated
     def list_decisions(
@@ -880,6 +936,40 @@ class Store:
                 delete(m.MetricSample).where(m.MetricSample.at < self._now(before))
             )
             return int(cast(CursorResult[Any], result).rowcount)
+
+    @_translated
+    def delete_decisions(self, *, before: datetime | None = None, keep: int | None = None) -> int:
+        """Retention of the decision log: delete every decision last made before ``before``
+        (``last_at``, else ``at``), and all but the newest ``keep`` (by first time) of each app;
+        return how many went."""
+        removed = 0
+        with transaction(self._sessions) as session:
+            if before is not None:
+                seen = func.coalesce(m.Decision.last_at, m.Decision.at)
+                result = session.execute(delete(m.Decision).where(seen < self._now(before)))
+                removed += int(cast(CursorResult[Any], result).rowcount)
+            if keep is not None:
+                if keep < 0:
+                    raise InvalidValueError("keep", f"must be >= 0, got {keep}")
+                crowded = session.scalars(
+                    select(m.Decision.app_id)
+                    .group_by(m.Decision.app_id)
+                    .having(func.count(m.Decision.id) > keep)
+                ).all()
+                for app_id in crowded:
+                    older = (
+                        select(m.Decision.id)
+                        .where(m.Decision.app_id == app_id)
+                        .order_by(m.Decision.at.desc(), m.Decision.id.desc())
+                        .offset(keep)
+                    )
+                    ids = list(session.scalars(older))
+                    for start in range(0, len(ids), 500):
+                        result = session.execute(
+                            delete(m.Decision).where(m.Decision.id.in_(ids[start : start + 500]))
+                        )
+                        removed += int(cast(CursorResult[Any], result).rowcount)
+        return removed
 
     # --- tokens --------------------------------------------------------------------------------
 
@@ -1189,6 +1279,9 @@ def _decision_record(row: m.Decision, app: str) -> DecisionRecord:
         kind=row.kind,
         reason=row.reason,
         numbers=dict(row.numbers),
+        count=row.count,
+        last_at=row.last_at,
+        key=row.key,
     )
 
 

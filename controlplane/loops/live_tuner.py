@@ -208,6 +208,8 @@ class LiveTuner:
                     "cost_usd_per_hr_after": d.cost_usd_per_hr_after,
                     "at_s": d.at_s,
                 },
+                # A cap that lasts (per stage and what it wanted) is one row with a count.
+                key=_cap_key(d) if d.action == "budget_capped" else None,
             )
         return recorded
 
@@ -287,6 +289,12 @@ class LiveTuner:
             config=config,
             state=initial_state(stages, now_s),
         )
+
+
+def _cap_key(decision: Decision) -> str:
+    """The identity of a budget cap in the decision log: its stage and the type it lacks (the
+    count it lacks may move from tick to tick; the row keeps the newest)."""
+    return f"{decision.stage}:{decision.instance_type}"
 
 
 def _planned_envelope(

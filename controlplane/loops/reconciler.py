@@ -924,11 +924,13 @@ class Reconciler:
                 },
             )
         elif isinstance(action, LaunchSkipped):
-            self._record_once(
+            # Once per type (several unpriced types would alternate every tick).
+            self.store.record_decision(
                 app.name,
                 "launch_skipped",
                 f"{action.count} x {action.instance_type} not launched: {action.reason}",
                 {"instance_type": action.instance_type, "count": action.count},
+                key=action.instance_type,
             )
         elif isinstance(action, Report):
             logger.warning("reconcile %s: %s %s", app.name, action.provider_id, action.reason)
@@ -1093,12 +1095,15 @@ class Reconciler:
         if error.retryable:
             # The row stays requested (its cost still counts) and is launched again next tick
             # with the same request id, until it works or becomes a straggler.
-            self._record_once(
+            # Once per request and error: a repeat (every tick, alternating with other failing
+            # requests) counts on the same row.
+            self.store.record_decision(
                 app.name,
                 "launch_failed",
                 f"launch of {launch.instance_type} ({launch.request_id}) failed: {error};"
                 " retried next tick",
                 numbers,
+                key=f"{launch.request_id}:{kind}",
             )
             return
         until_s = self.clock.now_s() + self.launch_backoff_s
@@ -1109,6 +1114,7 @@ class Reconciler:
             f"launch of {launch.instance_type} ({launch.request_id}) failed: {error};"
             f" {launch.instance_type} not launched again for {self.launch_backoff_s:g} s",
             {**numbers, "held_s": self.launch_backoff_s},
+            key=f"{launch.request_id}:{kind}",
         )
         errors.guard(
             lambda: self.store.transition_instance(

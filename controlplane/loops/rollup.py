@@ -1,7 +1,9 @@
 """The metric roll-up job: one sample per app per run into ``metric_samples``, and retention.
 
 Each run records, for every app, the cost of its live fleet and the load and latency measured
-since the last run, then deletes samples older than the retention. Load, latency, SLO
+since the last run, then deletes samples older than the retention, and decisions last made more
+than ``decision_retention_days`` ago or beyond the newest ``decision_retention_count`` of an app
+(settings of the same names). Load, latency, SLO
 attainment, the gear in force and the accuracy on the validation samples the queries carried
 come from the serving loop's window of the app (``window``:
 :meth:`controlplane.serving.loop.ServingLoop.take_window`). Latencies run from the API's receipt
@@ -28,22 +30,38 @@ from controlplane.loops.scheduler import JobBody
 from controlplane.policies.lifecycle import LIVE_STATES
 from controlplane.serving.observations import WindowSummary
 
-__all__ = ["RETENTION_S", "make_rollup", "roll_up"]
+__all__ = [
+    "DECISION_RETENTION_COUNT",
+    "DECISION_RETENTION_DAYS",
+    "RETENTION_S",
+    "make_rollup",
+    "roll_up",
+]
 
 logger = logging.getLogger(__name__)
 
 # A week of samples: the dashboard's longest view. At one sample per app every 10 s that is
 # about 60,000 rows per app.
 RETENTION_S = 7 * 86_400.0
+# The decision log's retention (the defaults of the settings of the same names).
+DECISION_RETENTION_DAYS = 30.0
+DECISION_RETENTION_COUNT = 10_000
 
 WindowFn = Callable[[str], WindowSummary | None]
 """App name -> the serving loop's window of it since the last call (None: not served)."""
 
 
 def roll_up(
-    store: Store, clock: Clock, retention_s: float = RETENTION_S, window: WindowFn | None = None
+    store: Store,
+    clock: Clock,
+    retention_s: float = RETENTION_S,
+    window: WindowFn | None = None,
+    *,
+    decision_retention_days: float = DECISION_RETENTION_DAYS,
+    decision_retention_count: int = DECISION_RETENTION_COUNT,
 ) -> int:
-    """Record one sample per app and apply the retention; return how many samples were written."""
+    """Record one sample per app and apply the retentions (samples, decisions); return how many
+    samples were written."""
     now = clock.utcnow()
     cost: dict[str, float] = defaultdict(float)
     for instance in store.list_instances(states=[s.value for s in LIVE_STATES]):
@@ -85,15 +103,33 @@ def roll_up(
             )
     removed = store.delete_metric_samples(before=now - timedelta(seconds=retention_s))
     logger.debug("roll-up: %d sample(s) written, %d past retention removed", written, removed)
+    pruned = store.delete_decisions(
+        before=now - timedelta(days=decision_retention_days), keep=decision_retention_count
+    )
+    if pruned:
+        logger.info("roll-up: %d decision(s) past retention removed", pruned)
     return written
 
 
 def make_rollup(
-    store: Store, clock: Clock, retention_s: float = RETENTION_S, window: WindowFn | None = None
+    store: Store,
+    clock: Clock,
+    retention_s: float = RETENTION_S,
+    window: WindowFn | None = None,
+    *,
+    decision_retention_days: float = DECISION_RETENTION_DAYS,
+    decision_retention_count: int = DECISION_RETENTION_COUNT,
 ) -> JobBody:
     """The roll-up as a scheduler job body (``window``: the serving loop's, when it runs)."""
 
     def rollup() -> None:
-        roll_up(store, clock, retention_s, window)
+        roll_up(
+            store,
+            clock,
+            retention_s,
+            window,
+            decision_retention_days=decision_retention_days,
+            decision_retention_count=decision_retention_count,
+        )
 
     return rollup

@@ -200,7 +200,14 @@ def build_scheduler(
     reconciler, and re-plans around missing capacity after its tick when there is a replanner;
     the roll-up records the serving loop's windows when there is one)."""
     window = serving.take_window if serving is not None else None
-    bodies = JobBodies(rollup=make_rollup(store, clock, window=window))
+    rollup = make_rollup(
+        store,
+        clock,
+        window=window,
+        decision_retention_days=settings.decision_retention_days,
+        decision_retention_count=settings.decision_retention_count,
+    )
+    bodies = JobBodies(rollup=rollup)
     if reconciler is not None:
 
         def reconcile() -> None:

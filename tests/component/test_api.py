@@ -833,6 +833,89 @@ def test_a_budget_below_the_cheapest_instance_drains_everything(api: Api) -> Non
     assert error["field"] == "budget_usd_per_hr"
 
 
+PRICES = {"g4dn.xlarge": 0.526, "r5n.large": 0.149, "t3.xlarge": 0.1664}
+
+
+def applied_plan(api: Api) -> tuple[dict[str, Any], float]:
+    """Apply a plan for toy; the plan and its smallest serving fleet's cost, by hand."""
+    plan = api.preview()
+    response = api.call("POST", f"/v1/apps/toy/plans/{plan['id']}/apply", "operator")
+    assert response.status_code == 200, response.text
+    floor = sum(
+        min(PRICES[t] for t, n in stage["fleet"].items() if n > 0) for stage in plan["stages"]
+    )
+    assert floor > 0
+    return plan, floor
+
+
+def test_a_budget_below_the_smallest_serving_fleet_is_a_409_and_changes_nothing(
+    api: Api,
+) -> None:
+    api.register()
+    plan, floor = applied_plan(api)
+    for i, itype in enumerate(plan["stages"][0]["fleet"]):
+        api.store.record_instance(
+            "toy",
+            request_id=f"r{i}",
+            instance_type=itype,
+            price_usd_per_hr=PRICES[itype],
+            state="running",
+        )
+    before = api.call("GET", "/v1/apps/toy/budget").json()
+
+    body = {"budget_usd_per_hr": 0.01, "reason": "oops"}
+    error = assert_error(api.call("PUT", "/v1/apps/toy/budget", json=body), 409, "conflict")
+    assert f"{floor:.4g} USD/hr" in error["message"]
+    assert "smallest serving fleet" in error["message"] and '"force": true' in error["message"]
+
+    after = api.call("GET", "/v1/apps/toy/budget").json()
+    assert after == before  # the budget and its audit trail unchanged
+    assert api.call("GET", "/v1/apps/toy").json()["budget_usd_per_hr"] == 4.0
+    assert api.call("GET", "/v1/apps/toy/decisions?kind=budget_drain").json() == []
+
+    # Forced, it goes through and drains everything.
+    forced = api.call("PUT", "/v1/apps/toy/budget", json={**body, "force": True})
+    assert forced.status_code == 200, forced.text
+    answer = forced.json()
+    assert answer["budget_usd_per_hr"] == 0.01
+    assert len(answer["drain"]) == len(plan["stages"][0]["fleet"])
+    assert api.call("GET", "/v1/apps/toy/budget").json()["changes"][-1]["new_usd_per_hr"] == 0.01
+    assert len(api.call("GET", "/v1/apps/toy/decisions?kind=budget_drain").json()) == 1
+
+
+def test_a_budget_at_the_smallest_serving_fleet_keeps_one_instance_per_stage(api: Api) -> None:
+    api.register()
+    plan, floor = applied_plan(api)
+    planned = {t for stage in plan["stages"] for t, n in stage["fleet"].items() if n > 0}
+    for i, itype in enumerate(sorted(planned) * 2):
+        api.store.record_instance(
+            "toy",
+            request_id=f"r{i}",
+            instance_type=itype,
+            price_usd_per_hr=PRICES[itype],
+            state="running",
+        )
+    response = api.call(
+        "PUT", "/v1/apps/toy/budget", json={"budget_usd_per_hr": floor, "reason": "lean"}
+    )
+    assert response.status_code == 200, response.text
+    drained = {d["id"] for d in response.json()["drain"]}
+    kept = [i for i in api.store.list_instances("toy") if i.id not in drained]
+    for stage in plan["stages"]:
+        assert any(stage["fleet"].get(i.instance_type, 0) > 0 for i in kept), stage
+    assert sum(i.price_usd_per_hr for i in kept) == pytest.approx(floor)
+
+
+def test_an_app_without_an_applied_plan_takes_any_valid_budget(api: Api) -> None:
+    api.register()
+    api.preview()  # previewed, not applied: no floor
+    response = api.call(
+        "PUT", "/v1/apps/toy/budget", json={"budget_usd_per_hr": 0.01, "reason": "pause"}
+    )
+    assert response.status_code == 200, response.text
+    assert api.call("GET", "/v1/apps/toy").json()["budget_usd_per_hr"] == 0.01
+
+
 def test_parallel_budget_changes_are_all_audited(api: Api) -> None:
     api.register()
     values = [1.0 + i for i in range(8)]

@@ -260,6 +260,23 @@ def test_a_fresh_app_has_clear_empty_states(dash: Dash) -> None:
     assert snap["plan"]["status"] == "applied"
 
 
+def test_a_repeated_decision_is_one_entry_with_its_count_and_last_time(dash: Dash) -> None:
+    _apply_plan(dash)
+    first = dash.clock.utcnow()
+    for _ in range(720):
+        dash.store.record_decision(
+            "toy", "launch_failed", "no capacity", {"request_id": "r-1"}, key="r-1:ICE"
+        )
+        dash.clock.advance(0.5)
+    dash.sign_in()
+    snap = dash.data()["snapshot"]
+    assert [d["kind"] for d in snap["decisions"]] == ["launch_failed", "plan_applied"]
+    failed, applied = snap["decisions"]
+    assert failed["count"] == 720 and failed["at"] == first.isoformat()
+    assert failed["last_t"] - failed["t"] == pytest.approx(0.5 * 719)
+    assert (applied["count"], applied["last_at"], applied["last_t"]) == (1, None, None)
+
+
 def test_the_snapshot_of_an_app_at_work(dash: Dash) -> None:
     plan = _apply_plan(dash)
     start = dash.clock.utcnow()

@@ -319,6 +319,33 @@ def test_a_capacity_error_is_recorded_and_retried_with_the_same_request_id(world
     assert len(world.store.list_instances(APP)) == 2
 
 
+def test_failing_launches_are_one_decision_per_request_and_error(world: World) -> None:
+    """Two requests failing every tick alternate in the log: each is still one decision, counted
+    once per tick, with its first and last time."""
+    world.fake.fail_capacity(LARGE)
+    world.fake.fail_capacity(SMALL)
+    apply_fleet(world.store, {LARGE: 1, SMALL: 1})
+    ticks = 40  # 200 s: not yet stragglers
+    for _ in range(ticks):
+        world.tick()
+    failed = decisions(world.store, "launch_failed")
+    requests = {r.request_id: r for r in world.store.list_instances(APP)}
+    assert len(requests) == 2
+    assert len(failed) == 2
+    assert {d.numbers["request_id"] for d in failed} == set(requests)
+    for d in failed:
+        assert d.key == f"{d.numbers['request_id']}:InsufficientCapacityError"
+        assert d.count == ticks
+        assert d.last_at is not None and (d.last_at - d.at).total_seconds() == 5.0 * (ticks - 1)
+    # Another error of the same request is another decision.
+    world.fake.restore_capacity(LARGE)
+    world.fake.set_quota(LARGE, 0)
+    world.tick()
+    failed = decisions(world.store, "launch_failed")
+    assert len(failed) == 3
+    assert failed[-1].numbers["error"] == "QuotaExceededError" and failed[-1].count == 1
+
+
 def test_a_quota_error_fails_the_row_and_holds_the_type(world: World) -> None:
     world.fake.set_quota(LARGE, 0)
     apply_fleet(world.store, {LARGE: 1})

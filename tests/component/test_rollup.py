@@ -64,6 +64,36 @@ def test_samples_past_the_retention_are_removed(store: Store, clock: FakeClock) 
     assert kept_s == [20.0, 30.0, 40.0]
 
 
+def test_decisions_past_the_retention_are_removed(store: Store, clock: FakeClock) -> None:
+    store.create_app(spec("a"), who="t")
+    store.create_app(spec("b"), who="t")
+    store.record_decision("a", "scale_up", "old")
+    clock.advance(86_400.0)
+    for i in range(4):
+        store.record_decision("a", "scale_up", f"a {i}")
+        store.record_decision("b", "scale_up", f"b {i}")
+        clock.advance(1.0)
+    job = GuardedJob(
+        "rollup",
+        make_rollup(store, clock, decision_retention_days=0.5, decision_retention_count=3),
+    )
+    assert job() == "ran"
+    assert [d.reason for d in store.list_decisions("a")] == ["a 1", "a 2", "a 3"]
+    assert [d.reason for d in store.list_decisions("b")] == ["b 1", "b 2", "b 3"]
+
+
+def test_by_default_decisions_are_kept_30_days(store: Store, clock: FakeClock) -> None:
+    store.create_app(spec("a"), who="t")
+    store.record_decision("a", "scale_up", "a month ago")
+    clock.advance(29 * 86_400.0)
+    store.record_decision("a", "scale_up", "now")
+    roll_up(store, clock)
+    assert len(store.list_decisions("a")) == 2
+    clock.advance(2 * 86_400.0)
+    roll_up(store, clock)
+    assert [d.reason for d in store.list_decisions("a")] == ["now"]
+
+
 def test_a_roll_up_with_no_apps_writes_nothing(store: Store, clock: FakeClock) -> None:
     assert roll_up(store, clock) == 0
 

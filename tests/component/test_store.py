@@ -394,6 +394,82 @@ def test_decisions(store: Store, clock: StepClock) -> None:
         store.list_decisions(limit=-1)
 
 
+def test_a_repeated_keyed_decision_is_one_row_with_a_count(store: Store, clock: StepClock) -> None:
+    store.create_app(spec("recs"), who="alice")
+    first = store.record_decision("recs", "launch_failed", "no capacity", {"n": 1}, key="r-1:ICE")
+    assert (first.count, first.last_at, first.key) == (1, None, "r-1:ICE")
+    for n in range(2, 6):
+        clock.advance(5)
+        again = store.record_decision(
+            "recs", "launch_failed", f"no capacity ({n})", {"n": n}, key="r-1:ICE"
+        )
+    (row,) = store.list_decisions("recs")
+    assert row == again
+    assert (row.id, row.at, row.count) == (first.id, T0, 5)
+    assert row.last_at == T0 + timedelta(seconds=20)
+    assert (row.reason, row.numbers) == ("no capacity (5)", {"n": 5})
+    # No key: never merged.
+    store.record_decision("recs", "scale_up", "load")
+    store.record_decision("recs", "scale_up", "load")
+    assert [d.count for d in store.list_decisions("recs", kinds=["scale_up"])] == [1, 1]
+
+
+def test_a_different_key_or_kind_or_app_is_a_new_decision(store: Store, clock: StepClock) -> None:
+    store.create_app(spec("recs"), who="alice")
+    store.create_app(spec("ads"), who="alice")
+    store.record_decision("recs", "launch_failed", "x", key="r-1:ICE")
+    store.record_decision("recs", "launch_failed", "x", key="r-2:ICE")
+    store.record_decision("recs", "launch_failed", "x", key="r-1:Quota")
+    store.record_decision("recs", "budget_capped", "x", key="r-1:ICE")
+    store.record_decision("ads", "launch_failed", "x", key="r-1:ICE")
+    assert len(store.list_decisions()) == 5
+    # Alternating keys within the window each land on their own row.
+    for _ in range(3):
+        clock.advance(5)
+        store.record_decision("recs", "launch_failed", "x", key="r-1:ICE")
+        store.record_decision("recs", "launch_failed", "x", key="r-2:ICE")
+    counts = {d.key: d.count for d in store.list_decisions("recs", kinds=["launch_failed"])}
+    assert counts == {"r-1:ICE": 4, "r-2:ICE": 4, "r-1:Quota": 1}
+    with pytest.raises(InvalidValueError, match="key"):
+        store.record_decision("recs", "launch_failed", "x", key="")
+
+
+def test_a_keyed_decision_past_the_window_is_new_unless_it_is_still_the_latest(
+    store: Store, clock: StepClock
+) -> None:
+    store.create_app(spec("recs"), who="alice")
+    store.record_decision("recs", "budget_capped", "x", key="s:a")
+    clock.advance(store.decision_merge_window_s + 1)
+    # Still the app's latest budget cap: the same decision, however long ago.
+    assert store.record_decision("recs", "budget_capped", "x", key="s:a").count == 2
+    store.record_decision("recs", "budget_capped", "y", key="s:b")
+    clock.advance(store.decision_merge_window_s + 1)
+    # Another cap came since, and the window is over: a new row.
+    assert store.record_decision("recs", "budget_capped", "x", key="s:a").count == 1
+    assert [d.key for d in store.list_decisions("recs")] == ["s:a", "s:b", "s:a"]
+
+
+def test_decision_retention_by_age_and_by_count(store: Store, clock: StepClock) -> None:
+    store.create_app(spec("recs"), who="alice")
+    store.create_app(spec("ads"), who="alice")
+    store.record_decision("recs", "scale_up", "old")
+    store.record_decision("recs", "budget_capped", "old, but repeated lately", key="s:a")
+    clock.advance(100)
+    store.record_decision("recs", "budget_capped", "repeated", key="s:a")
+    for i in range(5):
+        store.record_decision("ads", "scale_up", f"ads {i}")
+        clock.advance(1)
+    removed = store.delete_decisions(before=T0 + timedelta(seconds=50))
+    assert removed == 1
+    assert [d.reason for d in store.list_decisions("recs")] == ["repeated"]
+    assert store.delete_decisions(keep=3) == 2
+    assert [d.reason for d in store.list_decisions("ads")] == ["ads 2", "ads 3", "ads 4"]
+    assert [d.reason for d in store.list_decisions("recs")] == ["repeated"]
+    assert store.delete_decisions(before=T0, keep=10) == 0
+    with pytest.raises(InvalidValueError, match="keep"):
+        store.delete_decisions(keep=-1)
+
+
 def test_metric_series(store: Store, clock: StepClock) -> None:
     store.create_app(spec(), who="alice")
     for i in range(5):

@@ -3,9 +3,11 @@ head -> base -> head, and the models and the migrations describe the same schema
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from controlplane.db import migrate
 from controlplane.db.models import Base
@@ -44,7 +46,7 @@ def schema_diff(url: str) -> list[object]:
 def test_upgrade_downgrade_upgrade(database_url: str) -> None:
     assert migrate.current(database_url) is None
     migrate.upgrade(database_url)
-    assert migrate.current(database_url) == migrate.head() == "0001"
+    assert migrate.current(database_url) == migrate.head() == "0002"
     assert migrate.is_up_to_date(database_url)
     assert tables(database_url) == TABLES
     migrate.downgrade(database_url, "base")
@@ -55,6 +57,52 @@ def test_upgrade_downgrade_upgrade(database_url: str) -> None:
 
 
 def test_models_and_migrations_agree(database_url: str) -> None:
+    migrate.upgrade(database_url)
+    assert schema_diff(database_url) == []
+
+
+def decision_columns(url: str) -> set[str]:
+    engine = make_engine(url)
+    try:
+        return {column["name"] for column in inspect(engine).get_columns("decisions")}
+    finally:
+        engine.dispose()
+
+
+def test_decision_repeats_upgrade_keeps_rows_and_downgrades(database_url: str) -> None:
+    """0001 -> 0002 gives existing decisions count 1 and no key or last time; 0002 -> 0001 takes
+    the three columns away again and keeps the rows."""
+    migrate.upgrade(database_url, "0001")
+    assert "count" not in decision_columns(database_url)
+    engine = make_engine(database_url)
+    at = datetime(2025, 1, 1, tzinfo=UTC)
+    try:
+        with engine.begin() as connection:
+            connection.execute(
+                text(
+                    "INSERT INTO apps (id, name, spec, budget_usd_per_hr, version, created_at,"
+                    " updated_at) VALUES (1, 'recs', '{}', 1.0, 1, :at, :at)"
+                ),
+                {"at": at},
+            )
+            connection.execute(
+                text(
+                    "INSERT INTO decisions (app_id, at, kind, reason, numbers)"
+                    " VALUES (1, :at, 'scale_up', 'load', '{}')"
+                ),
+                {"at": at},
+            )
+        migrate.upgrade(database_url, "0002")
+        assert {"key", "count", "last_at"} <= decision_columns(database_url)
+        with engine.connect() as connection:
+            rows = connection.execute(text("SELECT key, count, last_at FROM decisions")).all()
+        assert [tuple(row) for row in rows] == [(None, 1, None)]
+        migrate.downgrade(database_url, "0001")
+        assert not {"key", "count", "last_at"} & decision_columns(database_url)
+        with engine.connect() as connection:
+            assert connection.execute(text("SELECT count(*) FROM decisions")).scalar_one() == 1
+    finally:
+        engine.dispose()
     migrate.upgrade(database_url)
     assert schema_diff(database_url) == []
 

@@ -45,6 +45,7 @@ def test_defaults(clean_environment: Path) -> None:
     assert settings.provisioner == "local"
     assert (settings.host, settings.port) == ("127.0.0.1", 8000)
     assert (settings.tuner_tick_s, settings.reconcile_s, settings.rollup_s) == (1.0, 5.0, 10.0)
+    assert (settings.decision_retention_days, settings.decision_retention_count) == (30.0, 10_000)
     assert settings.ec2 is None
     assert not settings.is_postgresql
 
@@ -144,6 +145,16 @@ def test_settings_accepts_arguments_and_they_win_over_the_environment(
         ("HETEROPLANE_PORT", "http", "port: must be a valid integer"),
         ("HETEROPLANE_TUNER_TICK_S", "0", "tuner_tick_s: must be greater than 0"),
         ("HETEROPLANE_ROLLUP_S", "nan", "rollup_s: must be a finite number"),
+        (
+            "HETEROPLANE_DECISION_RETENTION_DAYS",
+            "0",
+            "decision_retention_days: must be greater than 0",
+        ),
+        (
+            "HETEROPLANE_DECISION_RETENTION_COUNT",
+            "0",
+            "decision_retention_count: must be greater than or equal to 1",
+        ),
         ("HETEROPLANE_PROVISIONER", "gcp", "provisioner: must be 'local', 'ec2' or 'fake'"),
         ("HETEROPLANE_PROVISIONER", "ec2", "ec2: is required when provisioner is 'ec2'"),
         ("HETEROPLANE_DATABASE_URL", "mysql://x/y", "database_url: unsupported database 'mysql'"),

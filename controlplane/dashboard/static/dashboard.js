@@ -17,6 +17,8 @@
     app: params.get("app"),
     windowS: Number(params.get("window_s")) || 1800,
     seenDecisions: null,
+    decisionKind: params.get("kind") || "",
+    lastSnap: null,
     freshUntil: new Map(),
     lastBody: null,
     timer: null,
@@ -301,27 +303,59 @@
     return String(value);
   }
 
-  function renderDecisions(snap) {
-    const list = snap.decisions;
-    const now = Date.now();
-    if (state.seenDecisions !== null) {
-      for (const d of list) if (!state.seenDecisions.has(d.id)) state.freshUntil.set(d.id, now + 6000);
+  // The decision log's kind filter: a select made once, above the log, kept across polls.
+  function decisionFilter(kinds) {
+    let select = $("decision-kind");
+    if (!select) {
+      select = el("select", { id: "decision-kind", "aria-label": "Show decisions of kind" });
+      select.addEventListener("change", () => {
+        state.decisionKind = select.value;
+        if (state.lastSnap) renderDecisions(state.lastSnap);
+      });
+      $("decision-log").before(el("label", { class: "decision-filter" }, [document.createTextNode("Kind "), select]));
     }
-    state.seenDecisions = new Set(list.map((d) => d.id));
+    const wanted = ["", ...kinds];
+    if (state.decisionKind && !wanted.includes(state.decisionKind)) wanted.push(state.decisionKind);
+    const shown = Array.from(select.options).map((o) => o.value);
+    if (shown.join("\n") !== wanted.join("\n")) {
+      select.replaceChildren(...wanted.map((k) => el("option", { value: k, text: k ? k.replace(/_/g, " ") : "all kinds" })));
+    }
+    select.value = state.decisionKind || "";
+  }
+
+  function renderDecisions(snap) {
+    state.lastSnap = snap;
+    const all = snap.decisions;
+    decisionFilter(Array.from(new Set(all.map((d) => d.kind))).sort());
+    const list = state.decisionKind ? all.filter((d) => d.kind === state.decisionKind) : all;
+    const now = Date.now();
+    // Fresh: a new decision, or one made again since the last poll (its count went up).
+    const seen = (d) => d.id + ":" + (d.count || 1);
+    if (state.seenDecisions !== null) {
+      for (const d of all) if (!state.seenDecisions.has(seen(d))) state.freshUntil.set(d.id, now + 6000);
+    }
+    state.seenDecisions = new Set(all.map(seen));
     const items = list.map((d) => {
       const numbers = Object.entries(d.numbers || {}).map(([k, v]) =>
         el("span", {}, [el("b", { text: k + " " }), document.createTextNode(numberText(v))]));
       const fresh = (state.freshUntil.get(d.id) || 0) > now;
-      return el("li", { "data-decision-id": String(d.id), "data-kind": d.kind, class: fresh ? "fresh" : "" }, [
+      const repeated = (d.count || 1) > 1;
+      return el("li", { "data-decision-id": String(d.id), "data-kind": d.kind, "data-count": String(d.count || 1), class: fresh ? "fresh" : "" }, [
         el("span", { class: "when", text: H.clock(d.t, true) }),
         el("span", { class: "kind " + d.kind.replace(/[^a-z0-9_]/gi, ""), text: d.kind.replace(/_/g, " ") }),
+        repeated
+          ? el("span", { class: "repeat", title: "made " + d.count + " times; the reason and numbers are the last",
+            text: "x" + d.count + (finite(d.last_t) ? ", last " + H.clock(d.last_t, true) : "") })
+          : null,
         el("span", { class: "reason", text: d.reason }),
         numbers.length ? el("span", { class: "numbers" }, numbers) : null,
       ]);
     });
     $("decision-log").replaceChildren(...items);
-    $("decision-count").textContent = list.length ? "(newest first, " + list.length + ")" : "";
-    if (!list.length) setPanel("decisions", "empty", "No decisions yet: scaling actions, gear switches and replans appear here.");
+    const filtered = state.decisionKind ? list.length + " of " + all.length + ", " : "";
+    $("decision-count").textContent = all.length ? "(newest first, " + filtered + all.length + ")" : "";
+    if (!all.length) setPanel("decisions", "empty", "No decisions yet: scaling actions, gear switches and replans appear here.");
+    else if (!list.length) setPanel("decisions", "partial", "No " + state.decisionKind.replace(/_/g, " ") + " decision among the newest " + all.length + ".");
     else setPanel("decisions", "ready");
   }
 
