@@ -178,6 +178,17 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="the tuner's quiet time after a change before it scales down, s",
     )
+    calibration_min_batches: int = Field(
+        default=50,
+        ge=1,
+        description="observed batches of a (model, instance type) before calibration judges it",
+    )
+    calibration_threshold: float = Field(
+        default=0.25,
+        gt=0,
+        allow_inf_nan=False,
+        description="relative miss |observed / profile - 1| above which a profile is recalibrated",
+    )
     reconcile_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     capacity_replan_after_s: float = Field(
         default=60.0,

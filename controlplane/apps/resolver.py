@@ -13,6 +13,14 @@ first line of ``/proc/self/environ`` would hand an operator the service's secret
 not a valid catalog or profile file is reported without its content, with a pointer to the CLI
 (``heteroplane plan --spec``), which reads the file on the caller's own machine and says what is
 wrong in detail.
+
+Online calibration (:mod:`controlplane.loops.calibration`) stores a factor per (app, model,
+instance type) when the serving loop finds a profile off; a resolver given a ``scales`` source
+returns the app's profiles with their samples multiplied by those factors, so every reader of a
+resolved app (the live tuner, the gear switcher, the serving loop, a plan preview) sees the
+calibrated profiles. The factors of an app are read once and kept until :meth:`AppResolver.
+invalidate` (the calibration loop calls it when it stores a new one); they live in the database,
+so they survive restarts.
 """
 
 from __future__ import annotations
@@ -23,9 +31,11 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from controlplane.spec import (
     AppSpec,
@@ -35,8 +45,19 @@ from controlplane.spec import (
     resolve_spec,
     validate_spec,
 )
+from estimator.profiles import LatencyProfile, ProfileSet
 
-__all__ = ["AppResolver", "smallest_common_batch_size", "spec_document"]
+__all__ = [
+    "AppResolver",
+    "ScaleSource",
+    "scaled_profiles",
+    "smallest_common_batch_size",
+    "spec_document",
+]
+
+ScaleSource = Callable[[str], Mapping[tuple[str, str], float]]
+"""An app name -> its calibration factors by (model, instance type) (empty for an app that has
+none, or is not registered)."""
 
 _CACHED_APPS = 32
 
@@ -55,14 +76,69 @@ def smallest_common_batch_size(app: ResolvedApp) -> int:
     )
 
 
-class AppResolver:
-    """Validate and resolve spec documents against ``base_dir``; thread-safe, cached."""
+def scaled_profiles(app: ResolvedApp, scales: Mapping[tuple[str, str], float]) -> ResolvedApp:
+    """``app`` with the samples of each (model, instance type) profile in ``scales`` multiplied
+    by its factor (the others as they are; a factor for a pair the app lacks is ignored)."""
+    wanted = {key: f for key, f in scales.items() if f != 1.0}
+    if not wanted:
+        return app
+    rebuilt: dict[int, ProfileSet] = {}
+    profiles: dict[str, ProfileSet] = {}
+    for model, found in app.profiles.items():
+        if not any(key in wanted for key in found):
+            profiles[model] = found
+            continue
+        if id(found) not in rebuilt:
+            rebuilt[id(found)] = ProfileSet(
+                (_scaled(p, wanted[key]) if key in wanted else p for key, p in found.items()),
+                found.source,
+            )
+        profiles[model] = rebuilt[id(found)]
+    return dataclasses.replace(app, profiles=profiles)
 
-    def __init__(self, base_dir: Path, capacity: int = _CACHED_APPS) -> None:
+
+def _scaled(profile: LatencyProfile, factor: float) -> LatencyProfile:
+    return LatencyProfile(
+        profile.model,
+        profile.instance_type,
+        profile.batch_sizes,
+        tuple(np.asarray(cell, dtype=np.float64) * factor for cell in profile.samples_ms),
+    )
+
+
+class AppResolver:
+    """Validate and resolve spec documents against ``base_dir``; thread-safe, cached. With
+    ``scales``, the profiles come calibrated (module docstring)."""
+
+    def __init__(
+        self,
+        base_dir: Path,
+        capacity: int = _CACHED_APPS,
+        *,
+        scales: ScaleSource | None = None,
+    ) -> None:
         self.base_dir = base_dir
         self._capacity = capacity
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, ResolvedApp] = OrderedDict()
+        self._scale_source = scales
+        self._scales: dict[str, tuple[tuple[tuple[str, str], float], ...]] = {}
+
+    def invalidate(self, app: str) -> None:
+        """Forget ``app``'s calibration factors: the next resolve reads them again."""
+        with self._lock:
+            self._scales.pop(app, None)
+
+    def _app_scales(self, app: str) -> tuple[tuple[tuple[str, str], float], ...]:
+        if self._scale_source is None:
+            return ()
+        with self._lock:
+            found = self._scales.get(app)
+        if found is None:
+            found = tuple(sorted(self._scale_source(app).items()))
+            with self._lock:
+                self._scales[app] = found
+        return found
 
     def check(self, document: object) -> ResolvedApp:
         """Validate a request body as an app spec and resolve it (:class:`SpecError` naming the
@@ -78,10 +154,13 @@ class AppResolver:
         budget lowered below it is allowed: the fleet drains)."""
         if not isinstance(spec, AppSpec):
             spec = validate_spec(spec)
+        scales = self._app_scales(spec.name)
         key = json.dumps(
             {k: v for k, v in spec_document(spec).items() if k != "budget_usd_per_hr"},
             sort_keys=True,
         )
+        if scales:
+            key += json.dumps([[m, t, f] for (m, t), f in scales])
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
@@ -93,6 +172,7 @@ class AppResolver:
                 cached = resolve_spec(unbounded, self.base_dir)
             except SpecError as error:
                 raise _without_file_content(error, anchor_paths(spec, self.base_dir)) from None
+            cached = scaled_profiles(cached, dict(scales))
             with self._lock:
                 self._cache[key] = cached
                 while len(self._cache) > self._capacity:

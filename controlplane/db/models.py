@@ -11,7 +11,9 @@ Tables (docs/service.md describes each column):
   table of :mod:`controlplane.policies.lifecycle`;
 - ``decisions``: what the policies decided and why (scale up/down, gear switches, replans);
 - ``metric_samples``: the rolled-up load, latency, SLO attainment and cost of an app over time;
-- ``api_tokens``: the SHA-256 hashes of the API tokens with their scope.
+- ``api_tokens``: the SHA-256 hashes of the API tokens with their scope;
+- ``profile_scales``: the online calibration's factor per (app, model, instance type): the app's
+  resolved profiles are its profile files' samples times this factor.
 
 Deleting an app deletes its rows in every other table (``ON DELETE CASCADE``); the store only
 deletes an app without live instances unless forced (see :meth:`Store.delete_app`).
@@ -61,6 +63,7 @@ __all__ = [
     "InstanceEvent",
     "MetricSample",
     "Plan",
+    "ProfileScale",
     "UtcDateTime",
 ]
 
@@ -81,6 +84,8 @@ _SHORT = 16
 _ID = 64
 _LABEL = 100
 _KEY = 200
+PROFILE_SCALE_MODEL_MAX = _LABEL
+PROFILE_SCALE_TYPE_MAX = _ID
 
 
 def _one_of(column: str, values: Iterable[str]) -> str:
@@ -258,3 +263,19 @@ class ApiToken(Base):
     created_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None]
     last_used_at: Mapped[datetime | None]
+
+
+class ProfileScale(Base):
+    __tablename__ = "profile_scales"
+    __table_args__ = (
+        UniqueConstraint("app_id", "model", "instance_type"),
+        CheckConstraint("factor > 0", name="factor_positive"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    app_id: Mapped[int] = mapped_column(ForeignKey("apps.id", ondelete="CASCADE"))
+    model: Mapped[str] = mapped_column(String(PROFILE_SCALE_MODEL_MAX))
+    instance_type: Mapped[str] = mapped_column(String(PROFILE_SCALE_TYPE_MAX))
+    # Observed over profiled service time: the profile's samples are multiplied by it.
+    factor: Mapped[float]
+    updated_at: Mapped[datetime]

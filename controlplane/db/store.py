@@ -66,6 +66,7 @@ __all__ = [
     "MetricSampleRecord",
     "PlanRecord",
     "Principal",
+    "ProfileScaleRecord",
     "Store",
     "TokenRecord",
 ]
@@ -188,6 +189,18 @@ class MetricSampleRecord:
     fleet_cost_usd_per_hr: float
     gear: str | None
     accuracy: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileScaleRecord:
+    """The online calibration's factor for ``model`` on ``instance_type`` in ``app``: its profile's
+    samples times ``factor`` predict what the serving loop observes."""
+
+    app: str
+    model: str
+    instance_type: str
+    factor: float
+    updated_at: datetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -786,6 +799,64 @@ class Store:
                 query = query.where(m.InstanceEvent.at > self._now(since))
             rows = _newest_rows(session, query, m.InstanceEvent.at, m.InstanceEvent.id, limit)
             return [_event_record(event, name) for event, name in rows]
+
+    # --- profile scales (online calibration) ----------------------------------------------------
+
+    @_translated
+    def set_profile_scale(
+        self,
+        app: str,
+        model: str,
+        instance_type: str,
+        factor: float,
+        *,
+        at: datetime | None = None,
+    ) -> ProfileScaleRecord:
+        """Set the calibration factor of ``model`` on ``instance_type`` for ``app`` (finite,
+        > 0; it replaces the one before)."""
+        if not (isinstance(factor, int | float) and math.isfinite(factor) and factor > 0):
+            raise InvalidValueError("factor", f"must be finite and > 0, got {factor!r}")
+        model = _label(model, "model", max_length=m.PROFILE_SCALE_MODEL_MAX)
+        instance_type = _label(instance_type, "instance_type", max_length=m.PROFILE_SCALE_TYPE_MAX)
+        now = self._now(at)
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            scale = session.scalar(
+                select(m.ProfileScale).where(
+                    m.ProfileScale.app_id == row.id,
+                    m.ProfileScale.model == model,
+                    m.ProfileScale.instance_type == instance_type,
+                )
+            )
+            if scale is None:
+                scale = m.ProfileScale(
+                    app_id=row.id,
+                    model=model,
+                    instance_type=instance_type,
+                    factor=float(factor),
+                    updated_at=now,
+                )
+                session.add(scale)
+            else:
+                scale.factor = float(factor)
+                scale.updated_at = now
+            session.flush()
+            return ProfileScaleRecord(app, model, instance_type, scale.factor, scale.updated_at)
+
+    @_translated
+    def list_profile_scales(self, app: str) -> list[ProfileScaleRecord]:
+        """The calibration factors of ``app``, by model then instance type."""
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            scales = session.scalars(
+                select(m.ProfileScale)
+                .where(m.ProfileScale.app_id == row.id)
+                .order_by(m.ProfileScale.model, m.ProfileScale.instance_type)
+            )
+            return [
+                ProfileScaleRecord(app, s.model, s.instance_type, s.factor, s.updated_at)
+                for s in scales
+            ]
 
     # --- decisions and metrics -----------------------------------------------------------------
 

@@ -129,6 +129,8 @@ class LiveTuner:
         self._max_window_s = float(max_window_s)
         self._scale_down_delay_s = float(scale_down_delay_s)
         self._apps: dict[str, _AppTuner] = {}
+        # Apps whose profiles were recalibrated: set up again at their next tick, state kept.
+        self._recalibrated: set[str] = set()
         self._lock = threading.Lock()
 
     def desired_fleet(self, app: AppRecord) -> Mapping[str, int]:
@@ -141,6 +143,12 @@ class LiveTuner:
         if plan is None:
             return {}
         return plan.plan.fleet
+
+    def recalibrate(self, app: str) -> None:
+        """Take ``app``'s profiles afresh at its next tick (they were recalibrated: the rates
+        per instance change), keeping the fleet and timers the tuner has reached."""
+        with self._lock:
+            self._recalibrated.add(app)
 
     def budget_capped(self, app: str) -> bool:
         """Whether the tuner's last tick for ``app`` found the budget stopping a scale-up (the
@@ -172,6 +180,8 @@ class LiveTuner:
             return []
         with self._lock:
             tuned = self._apps.get(app.name)
+            recalibrated = app.name in self._recalibrated
+            self._recalibrated.discard(app.name)
         if (
             tuned is None
             or tuned.plan_id != app.applied_plan_id
@@ -180,6 +190,17 @@ class LiveTuner:
             tuned = self._set_up(app, now_s)
             if tuned is None:
                 return []
+        elif recalibrated:
+            fresh = self._set_up(app, now_s)
+            if fresh is not None and [s.name for s in fresh.stages] == [
+                s.name for s in tuned.stages
+            ]:
+                fresh.stages = [
+                    _recalibrated(new, old)
+                    for new, old in zip(fresh.stages, tuned.stages, strict=True)
+                ]
+                fresh.state, fresh.capped = tuned.state, tuned.capped
+                tuned = fresh
         arrivals = np.ascontiguousarray(observed, dtype=np.float64)
         decisions, state = tune(arrivals, now_s, tuned.state, tuned.stages, tuned.config)
         tuned.state = state
@@ -295,6 +316,19 @@ def _cap_key(decision: Decision) -> str:
     """The identity of a budget cap in the decision log: its stage and the type it lacks (the
     count it lacks may move from tick to tick; the row keeps the newest)."""
     return f"{decision.stage}:{decision.instance_type}"
+
+
+def _recalibrated(new: TunerStage, old: TunerStage) -> TunerStage:
+    """A stage set up again on recalibrated profiles (``new``), keeping what the plan meant:
+    its capacity in qps (each planned type's count scaled by old mu_t / new mu_t, rounded up, so
+    the tuner restores a plan the slower instances no longer carry) and its headroom rho_m."""
+    fleet = {
+        t: math.ceil(n * old.rate_per_instance_qps[t] / new.rate_per_instance_qps[t] - 1e-9)
+        if t in old.rate_per_instance_qps and t in new.rate_per_instance_qps
+        else n
+        for t, n in new.fleet.items()
+    }
+    return dataclasses.replace(new, fleet=fleet, utilisation_target=old.utilisation_target)
 
 
 def _planned_envelope(

@@ -52,14 +52,16 @@ def create_app(
     clock: Clock,
     scheduler: Scheduler | None = None,
     serving: ServingLoop | None = None,
+    resolver: AppResolver | None = None,
 ) -> FastAPI:
     """The API over ``store``; ``scheduler`` and ``serving`` (if any) run while the app is
-    served (without a serving loop the inference route answers 503)."""
+    served (without a serving loop the inference route answers 503). ``resolver`` is the
+    service's one (the loops', carrying the calibrated profiles); a new one by default."""
     services = Services(
         settings=settings,
         store=store,
         clock=clock,
-        resolver=AppResolver(settings.data_dir),
+        resolver=resolver if resolver is not None else AppResolver(settings.data_dir),
         requests=RequestCounter(),
         scheduler=scheduler,
         serving=serving,

@@ -16,7 +16,10 @@ the capacity replanner (:class:`~controlplane.loops.capacity_replan.CapacityRepl
 planned type the cloud cannot supply is re-planned around it, after the reconcile tick), and the
 scheduler with its job bodies (the tuner tick, then the gear tick; the reconcile tick, then the
 capacity replanner; the metric roll-up, which reads the serving loop's windows; there is no
-periodic replan job) and the FastAPI app around them.
+periodic replan job) and the FastAPI app around them. The online calibration
+(:class:`~controlplane.loops.calibration.ProfileCalibrator`) runs in the tuner's tick after the
+gear switcher; the one resolver (shared with the API) reads the calibration factors from the
+store, so every resolved app carries the calibrated profiles.
 
 The reconciler learns each app's prices and Q_t (for the budget guard's ranking) from the app's
 resolved spec (:func:`spec_pricing`), and which types it may launch from the provisioner: the
@@ -32,10 +35,12 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
-from controlplane.apps.resolver import AppResolver, smallest_common_batch_size
+from controlplane.apps.resolver import AppResolver, ScaleSource, smallest_common_batch_size
 from controlplane.clock import Clock, SystemClock
 from controlplane.db import migrate
 from controlplane.db.store import AppRecord, Store
+from controlplane.errors import NotFoundError
+from controlplane.loops.calibration import ProfileCalibrator
 from controlplane.loops.capacity_replan import CapacityReplanner
 from controlplane.loops.live_gears import LiveGears
 from controlplane.loops.live_tuner import LiveTuner, ResolveFn
@@ -49,6 +54,7 @@ from controlplane.loops.reconciler import (
 )
 from controlplane.loops.rollup import make_rollup
 from controlplane.loops.scheduler import JobBodies, Scheduler, service_schedule
+from controlplane.policies.calibration import CalibrationRule
 from controlplane.policies.drain import qps_by_type
 from controlplane.service.app import create_app
 from controlplane.service.provisioning import build_provisioner
@@ -62,6 +68,7 @@ from provisioners.local import LocalProvisioner
 
 __all__ = [
     "Service",
+    "build_calibrator",
     "build_live_gears",
     "build_live_tuner",
     "build_reconciler",
@@ -70,6 +77,7 @@ __all__ = [
     "launchable_types",
     "spec_pricing",
     "stored_apps",
+    "stored_scales",
 ]
 
 logger = logging.getLogger(__name__)
@@ -186,6 +194,45 @@ def build_live_gears(
     )
 
 
+def stored_scales(store: Store) -> ScaleSource:
+    """An app's calibration factors from ``store`` (none for an app not registered)."""
+
+    def scales(app: str) -> dict[tuple[str, str], float]:
+        try:
+            return {(s.model, s.instance_type): s.factor for s in store.list_profile_scales(app)}
+        except NotFoundError:
+            return {}
+
+    return scales
+
+
+def build_calibrator(
+    settings: Settings,
+    store: Store,
+    serving: ServingLoop,
+    resolver: AppResolver,
+    live_tuner: LiveTuner | None = None,
+) -> ProfileCalibrator:
+    """The online calibration over the batch times the serving loop observes; it stores factors
+    that ``resolver`` (built with :func:`stored_scales`) applies, and has ``live_tuner`` take the
+    calibrated profiles at its next tick."""
+    observations = serving.observations
+
+    def recalibrated(app: str) -> None:
+        resolver.invalidate(app)
+        if live_tuner is not None:
+            live_tuner.recalibrate(app)
+
+    return ProfileCalibrator(
+        store,
+        observations.batch_times_ms,
+        stored_apps(resolver),
+        recalibrated,
+        observations.forget_batch_times,
+        CalibrationRule(settings.calibration_min_batches, settings.calibration_threshold),
+    )
+
+
 def build_scheduler(
     settings: Settings,
     store: Store,
@@ -195,6 +242,7 @@ def build_scheduler(
     live_tuner: LiveTuner | None = None,
     live_gears: LiveGears | None = None,
     replanner: CapacityReplanner | None = None,
+    calibrator: ProfileCalibrator | None = None,
 ) -> Scheduler:
     """The service's periodic jobs at the settings' periods (reconcile idles without a
     reconciler, and re-plans around missing capacity after its tick when there is a replanner;
@@ -224,6 +272,9 @@ def build_scheduler(
             if live_gears is not None:
                 for change in live_gears.tick(live_tuner.budget_capped):
                     logger.info("gears: %s", change.reason)
+            if calibrator is not None:
+                for drift in calibrator.tick():
+                    logger.info("calibration %s: %s", drift.app, drift.calibration)
 
         bodies = dataclasses.replace(bodies, tuner_tick=tuner_tick)
     return Scheduler(service_schedule(settings, bodies))
@@ -253,7 +304,7 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         raise
     # One resolver for the serving loop and the background jobs: it is thread-safe, and its
     # cache (keyed by the spec) then loads each app's profile files once, not once per part.
-    resolver = AppResolver(settings.data_dir)
+    resolver = AppResolver(settings.data_dir, scales=stored_scales(store))
     serving = ServingLoop(store, resolver, ProvisionedInstances(store, provisioner), clock=clock)
     live_tuner = build_live_tuner(settings, store, clock, serving, resolver)
     live_gears = build_live_gears(store, clock, serving, resolver)
@@ -265,8 +316,10 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         reconciler.capacity_misses,
         after_s=settings.capacity_replan_after_s,
     )
+    calibrator = build_calibrator(settings, store, serving, resolver, live_tuner)
     scheduler = build_scheduler(
-        settings, store, clock, reconciler, serving, live_tuner, live_gears, replanner
+        settings, store, clock, reconciler, serving, live_tuner, live_gears, replanner, calibrator
     )
-    app = create_app(settings, store, clock, scheduler, serving)
+    # The API resolves through the same resolver, so a plan preview sees the calibrated profiles.
+    app = create_app(settings, store, clock, scheduler, serving, resolver)
     return Service(settings, store, scheduler, app, provisioner, reconciler, serving)

@@ -26,7 +26,8 @@ judges).
   to the worker over a kept-alive HTTP connection (:mod:`controlplane.serving.transport`); the
   worker is busy until the answer returns (its predicted end, start plus the profile's mean, is
   what the policy sees meanwhile), and the measured round trip is fed back to the policy
-  (``observe``: Kairos' online latency model learns from it).
+  (``observe``: Kairos' online latency model learns from it), and recorded per (model, instance
+  type, batch size) for the calibration loop (:meth:`Observations.batch_served`).
 - **Cascades.** A query carries its cascade (the gear in force when it arrived, or the variant a
   model-less query was given); after stage i each of its samples is final when its certainty
   reaches the threshold h_i (or at the last stage), and the others go together, as one new
@@ -590,6 +591,10 @@ class AppDispatcher:
         worker.finish(now)
         worker.succeeded()
         round_trip_ms = (now - started_s) * 1000.0
+        # The calibration loop's figure: what the serving-path profiles measure.
+        self.observations.batch_served(
+            self.app, stage.model, worker.instance_type, batch, round_trip_ms
+        )
         if stage.policy is not None and worker.instance_type in stage.latency:
             stage.policy.observe(worker.instance_type, batch, round_trip_ms)
         measured_ms = reply.served_ms if reply.served_ms is not None else round_trip_ms

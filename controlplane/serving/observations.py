@@ -22,6 +22,10 @@ denominator and never in its numerator (:func:`account`).
   model answered, where the answered queries' time went (:class:`Split`: queue, transport,
   compute) and a histogram of every query's end-to-end latency by outcome, since the service
   started (``/metrics``, ``GET /v1/apps/{app}/serving``).
+- **Batch times** (:meth:`Observations.batch_times_ms`): each worker call's service time (the
+  round trip as the dispatcher measures it: transport and compute) per (model, instance type,
+  batch size), the last :data:`BATCH_TIMES_KEPT` per key: what the calibration loop compares with
+  the profile in use (:mod:`controlplane.policies.calibration`).
 
 The event loop writes; the roll-up job and the API's threads read: every method takes a lock.
 
@@ -38,7 +42,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -55,6 +59,7 @@ from controlplane.errors import (
 
 __all__ = [
     "ARRIVALS_KEPT",
+    "BATCH_TIMES_KEPT",
     "LATENCY_BUCKETS_MS",
     "MAX_WINDOW_LATENCIES",
     "Accounting",
@@ -70,6 +75,9 @@ __all__ = [
 
 # 2^18 arrivals: the tuner's longest window (60 s) at more than 4,000 queries per second.
 ARRIVALS_KEPT = 1 << 18
+# Batch service times kept per (app, model, instance type, batch size): a few calibration windows
+# (50 batches each by default) at every batch size.
+BATCH_TIMES_KEPT = 256
 # Latencies kept per window for its percentiles; past this, every other one is dropped (the
 # percentiles of a window of 100 k queries move little by thinning).
 MAX_WINDOW_LATENCIES = 100_000
@@ -355,6 +363,8 @@ class Observations:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._apps: dict[str, _App] = {}
+        # (app, model, instance type, batch size) -> the newest batch service times, ms
+        self._batch_times: dict[tuple[str, str, str, int], deque[float]] = {}
 
     def _app(self, app: str, now_s: float) -> _App:
         found = self._apps.get(app)
@@ -433,6 +443,18 @@ class Observations:
     def timed_out(self, app: str, now_s: float, latency_ms: float = 0.0) -> None:
         self.ended_in_error(app, now_s, Outcome.TIMED_OUT, latency_ms)
 
+    def batch_served(
+        self, app: str, model: str, instance_type: str, batch_size: int, service_ms: float
+    ) -> None:
+        """A worker call of ``batch_size`` samples of ``model`` on ``instance_type`` that took
+        ``service_ms`` (the round trip: transport and compute)."""
+        key = (app, model, instance_type, int(batch_size))
+        with self._lock:
+            kept = self._batch_times.get(key)
+            if kept is None:
+                kept = self._batch_times[key] = deque(maxlen=BATCH_TIMES_KEPT)
+            kept.append(float(service_ms))
+
     # --- what the tuner, the roll-up and /metrics read -----------------------------------------
 
     def arrival_s(self, app: str) -> np.ndarray:
@@ -482,6 +504,23 @@ class Observations:
             timed_out=errors[Outcome.TIMED_OUT],
             failed=errors[Outcome.FAILED],
         )
+
+    def batch_times_ms(self, app: str) -> dict[tuple[str, str], dict[int, list[float]]]:
+        """The kept batch service times of ``app``: (model, instance type) -> batch size -> ms,
+        oldest first (empty when it had none)."""
+        found: dict[tuple[str, str], dict[int, list[float]]] = {}
+        with self._lock:
+            for (name, model, instance_type, batch), kept in self._batch_times.items():
+                if name == app and kept:
+                    found.setdefault((model, instance_type), {})[batch] = list(kept)
+        return found
+
+    def forget_batch_times(self, app: str, model: str, instance_type: str) -> None:
+        """Drop the kept batch times of ``model`` on ``instance_type`` for ``app`` (the profile
+        they were compared with has just been recalibrated)."""
+        with self._lock:
+            for key in [k for k in self._batch_times if k[:3] == (app, model, instance_type)]:
+                del self._batch_times[key]
 
     def totals(self) -> dict[str, AppTotals]:
         with self._lock:

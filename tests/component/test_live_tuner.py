@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from controlplane.apps.resolver import scaled_profiles
 from controlplane.clock import FakeClock
 from controlplane.db import migrate
 from controlplane.db.store import AppRecord, Store
@@ -284,3 +285,32 @@ def test_a_malformed_envelope_falls_back_to_the_poisson_proxy(
     assert f"of {PROXY_WINDOWS} windows over" in reason
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "envelope is not usable" in warning and "Poisson" in warning
+
+
+def test_a_recalibrated_profile_reaches_the_tuner_at_its_next_tick(
+    store: Store, tmp_path: Path
+) -> None:
+    """After calibration found tiny twice as slow as profiled, the same traffic needs twice the
+    instances: the tuner takes the new profile at its next tick, from the fleet it had."""
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
+    factors: dict[tuple[str, str], float] = {}
+
+    def resolve(record: AppRecord) -> Any:
+        return scaled_profiles(resolve_spec(validate_spec(record.spec)), factors)
+
+    tuner = LiveTuner(store, clock, feed, resolve)
+    feed.arrival_s = steady(50.0, 940.0, 1000.0)  # the planned rate: nothing to do
+    assert tuner.tick() == []
+    assert tuner.desired_fleet(app) == {SMALL: 2}
+
+    factors[("tiny", SMALL)] = 2.0  # what the calibrator stored: 40 ms per query, not 20
+    clock.advance(5.0)
+    feed.arrival_s = steady(50.0, 945.0, 1005.0)
+    assert tuner.tick() == []  # not told yet: the profile it set up with still holds
+    tuner.recalibrate(APP)
+    clock.advance(5.0)
+    feed.arrival_s = steady(50.0, 950.0, 1010.0)
+    made = tuner.tick()
+    assert [d.action for _, d in made][:1] == ["scale_up"]
+    assert tuner.desired_fleet(app)[SMALL] > 2

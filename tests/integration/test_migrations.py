@@ -22,6 +22,7 @@ TABLES = {
     "decisions",
     "metric_samples",
     "api_tokens",
+    "profile_scales",
 }
 
 
@@ -46,7 +47,7 @@ def schema_diff(url: str) -> list[object]:
 def test_upgrade_downgrade_upgrade(database_url: str) -> None:
     assert migrate.current(database_url) is None
     migrate.upgrade(database_url)
-    assert migrate.current(database_url) == migrate.head() == "0002"
+    assert migrate.current(database_url) == migrate.head() == "0003"
     assert migrate.is_up_to_date(database_url)
     assert tables(database_url) == TABLES
     migrate.downgrade(database_url, "base")

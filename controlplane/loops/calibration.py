@@ -1,0 +1,133 @@
+"""Online calibration on live traffic: the profiles in use checked against the served batches.
+
+This module owns :class:`ProfileCalibrator`, the composition of the calibration policy
+(:func:`controlplane.policies.calibration.calibrate`) with the service: once per scheduler tick
+(after the tuner's), for every app, it reads the batch service times the serving loop observed
+per (model, instance type, batch size) (an injected :data:`BatchTimesSource`), compares them with
+the app's resolved profile (already calibrated by the factors stored before), and on drift:
+
+1. stores the new factor, the stored one times the observed / resolved ratio (the factor always
+   relates to the profile file: ``Store.set_profile_scale``);
+2. records a ``profile_drift`` decision (key ``model:instance_type``) with the resolved profile's
+   and the observed mean service time per batch, the batches counted, the old and new factor;
+3. tells the resolver to forget the app's factors (``invalidate``), so the live tuner, the gear
+   switcher and the next plan preview resolve the calibrated profile;
+4. forgets the observed batch times of that pair (``forget``): they were measured against the
+   old profile, and the next decision waits for ``min_batches`` new ones.
+
+The factors are in the database, so a restarted service resolves the calibrated profiles.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from controlplane.db.store import AppRecord, Store
+from controlplane.errors import ControlPlaneError
+from controlplane.policies.calibration import Calibration, CalibrationRule, calibrate
+from controlplane.spec import ResolvedApp
+from estimator.errors import EstimatorError
+
+__all__ = ["BatchTimesSource", "Drift", "ForgetFn", "ProfileCalibrator"]
+
+logger = logging.getLogger(__name__)
+
+BatchTimesSource = Callable[[str], Mapping[tuple[str, str], Mapping[int, Sequence[float]]]]
+"""App name -> its observed batch service times: (model, instance type) -> batch size -> ms
+(the serving loop's :meth:`~controlplane.serving.observations.Observations.batch_times_ms`)."""
+ForgetFn = Callable[[str, str, str], None]
+"""(app, model, instance type) -> drop the observed batch times of that pair."""
+ResolveFn = Callable[[AppRecord], ResolvedApp]
+InvalidateFn = Callable[[str], None]
+
+DRIFT_KIND = "profile_drift"
+
+
+@dataclass(frozen=True, slots=True)
+class Drift:
+    """One recalibration: the policy's verdict and the factors before and after."""
+
+    app: str
+    calibration: Calibration
+    old_factor: float
+    new_factor: float
+
+
+class ProfileCalibrator:
+    """The calibration loop over every app the serving loop observes (module docstring).
+
+    ``tick()`` is the scheduler's hook; the rule (``min_batches``, ``threshold``) is the
+    service's settings'."""
+
+    def __init__(
+        self,
+        store: Store,
+        batch_times: BatchTimesSource,
+        resolve: ResolveFn,
+        invalidate: InvalidateFn,
+        forget: ForgetFn,
+        rule: CalibrationRule | None = None,
+    ) -> None:
+        self._store = store
+        self._batch_times = batch_times
+        self._resolve = resolve
+        self._invalidate = invalidate
+        self._forget = forget
+        self._rule = rule if rule is not None else CalibrationRule()
+
+    def tick(self) -> list[Drift]:
+        """One calibration pass over every app; the recalibrations it made."""
+        made: list[Drift] = []
+        for app in self._store.list_apps():
+            try:
+                made.extend(self._tick_app(app))
+            except (ControlPlaneError, EstimatorError, KeyError, ValueError) as error:
+                # An app whose spec no longer resolves keeps its profiles; the next tick retries.
+                logger.warning("calibration: %s skipped: %s", app.name, error)
+        return made
+
+    def _tick_app(self, app: AppRecord) -> list[Drift]:
+        observed = self._batch_times(app.name)
+        if not observed:
+            return []
+        resolved = self._resolve(app)
+        stored = {
+            (s.model, s.instance_type): s.factor for s in self._store.list_profile_scales(app.name)
+        }
+        made = []
+        for (model, instance_type), times in sorted(observed.items()):
+            try:
+                profile = resolved.profile(model, instance_type)
+            except EstimatorError:
+                continue  # a type the spec no longer names: nothing to calibrate
+            verdict = calibrate(profile, times, self._rule)
+            if not verdict.drift:
+                continue
+            old = stored.get((model, instance_type), 1.0)
+            new = old * verdict.factor
+            self._store.set_profile_scale(app.name, model, instance_type, new)
+            self._store.record_decision(
+                app.name,
+                DRIFT_KIND,
+                f"{model} on {instance_type}: {verdict.observed_mean_ms:.1f} ms per batch observed"
+                f" over {verdict.batches} batches, the profile says"
+                f" {verdict.profile_mean_ms:.1f} ms; profile scaled by {new:.3g}",
+                {
+                    "model": model,
+                    "instance_type": instance_type,
+                    "profile_mean_ms": verdict.profile_mean_ms,
+                    "observed_mean_ms": verdict.observed_mean_ms,
+                    "batches": verdict.batches,
+                    "ratio": verdict.factor,
+                    "old_factor": old,
+                    "factor": new,
+                },
+                key=f"{model}:{instance_type}",
+            )
+            self._forget(app.name, model, instance_type)
+            made.append(Drift(app.name, verdict, old, new))
+        if made:
+            self._invalidate(app.name)
+        return made

@@ -1,0 +1,118 @@
+"""Online calibration: whether a profile still tells the truth about a (model, instance type).
+
+A policy in the STYLE.md sense: a pure function of what the profile predicts and what the serving
+loop measured, returning a decision (:class:`Calibration`); the calibration loop
+(:mod:`controlplane.loops.calibration`) acts on it.
+
+The measured figure is each batch's service time as the dispatcher sees it: the worker round
+trip (transport and compute), which is what the serving-path profiles measure. Per observed
+batch i of size b_i with service time o_i, and the profile's mean latency L(b_i) (linear between
+its measured batch sizes), the batch-weighted ratio is
+
+    r = sum_i o_i / sum_i L(b_i)
+
+(the observed over the predicted time of the same batches; with one batch size it is the ratio
+of the means). Batches whose size the profile does not cover are left out: the profile says
+nothing about them. The rule: drift when at least ``min_batches`` batches are left and
+``|r - 1| > threshold``; the scale factor is then r (the profile's samples multiplied by r
+predict the observed mean).
+
+>>> from estimator.profiles import LatencyProfile
+>>> profile = LatencyProfile("m", "t", [1, 4], ([10.0], [20.0]))
+>>> c = calibrate(profile, {1: [21.0] * 30, 4: [39.0] * 30}, CalibrationRule(min_batches=50))
+>>> c.drift, c.batches, c.profile_mean_ms, c.observed_mean_ms, c.factor
+(True, 60, 15.0, 30.0, 2.0)
+>>> calibrate(profile, {1: [21.0] * 30}, CalibrationRule(min_batches=50)).drift
+False
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from estimator.profiles import LatencyProfile
+
+__all__ = [
+    "DEFAULT_MIN_BATCHES",
+    "DEFAULT_THRESHOLD",
+    "Calibration",
+    "CalibrationRule",
+    "calibrate",
+]
+
+# Fifty batches: the mean of 50 service times with a 30 % coefficient of variation is within
+# about 8 % of the truth (2 standard errors), well inside the 25 % threshold.
+DEFAULT_MIN_BATCHES = 50
+# A 25 % miss: less than the gap between neighbouring instance types' speeds in the catalogs,
+# more than the run-to-run noise of a profile measured on the same type.
+DEFAULT_THRESHOLD = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationRule:
+    """When observed service times count as drift: at least ``min_batches`` observed batches and
+    a relative miss ``|r - 1|`` above ``threshold``."""
+
+    min_batches: int = DEFAULT_MIN_BATCHES
+    threshold: float = DEFAULT_THRESHOLD
+
+    def __post_init__(self) -> None:
+        if self.min_batches < 1:
+            raise ValueError(f"min_batches must be >= 1, got {self.min_batches!r}")
+        if not (math.isfinite(self.threshold) and self.threshold > 0):
+            raise ValueError(f"threshold must be finite and > 0, got {self.threshold!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """What the observations say about a profile: ``batches`` counted, the profile's and the
+    observed mean service time per batch over them (ms; None when none was counted), the ratio
+    ``factor`` = observed / profile (1 when none was counted) and whether that is ``drift``."""
+
+    model: str
+    instance_type: str
+    batches: int
+    profile_mean_ms: float | None
+    observed_mean_ms: float | None
+    factor: float
+    drift: bool
+
+
+def calibrate(
+    profile: LatencyProfile,
+    observed_ms: Mapping[int, Sequence[float]],
+    rule: CalibrationRule | None = None,
+) -> Calibration:
+    """The batch-weighted observed / profile ratio of ``observed_ms`` (batch size -> service
+    times, ms) against ``profile``, and whether it is drift under ``rule`` (module docstring)."""
+    rule = rule if rule is not None else CalibrationRule()
+    predicted_sum = 0.0
+    observed_sum = 0.0
+    batches = 0
+    for batch_size, times in observed_ms.items():
+        if not profile.min_batch_size <= batch_size <= profile.max_batch_size:
+            continue
+        values = np.asarray(times, dtype=np.float64)
+        values = values[np.isfinite(values) & (values >= 0)]
+        if values.size == 0:
+            continue
+        predicted_sum += profile.mean_latency_ms(batch_size) * values.size
+        observed_sum += float(values.sum())
+        batches += int(values.size)
+    if batches == 0 or predicted_sum <= 0:
+        return Calibration(profile.model, profile.instance_type, batches, None, None, 1.0, False)
+    factor = observed_sum / predicted_sum
+    drift = batches >= rule.min_batches and abs(factor - 1.0) > rule.threshold and factor > 0
+    return Calibration(
+        profile.model,
+        profile.instance_type,
+        batches,
+        predicted_sum / batches,
+        observed_sum / batches,
+        factor,
+        drift,
+    )

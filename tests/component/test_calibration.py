@@ -1,0 +1,231 @@
+"""Online calibration: a real store (SQLite through the migrations), the serving loop's
+observations fed by hand (each worker call's round trip, as the dispatcher records it), the
+calibration loop, and the resolver the tuner, the gear switcher and the plan preview read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from controlplane.apps.resolver import AppResolver
+from controlplane.clock import FakeClock
+from controlplane.db import migrate
+from controlplane.db.store import Store
+from controlplane.loops.calibration import ProfileCalibrator
+from controlplane.policies.calibration import CalibrationRule
+from controlplane.service.build import build_calibrator, stored_apps, stored_scales
+from controlplane.serving.config import AppConfig
+from controlplane.serving.dispatcher import AppDispatcher, DispatcherSettings
+from controlplane.serving.fake_worker import FakeWorker
+from controlplane.serving.observations import BATCH_TIMES_KEPT, Observations
+from controlplane.serving.transport import HttpWorkerTransport
+from controlplane.serving.workers import WorkerEndpoint
+from controlplane.settings import Settings
+from estimator.cascades import Cascade
+from estimator.profiles import LatencyProfile
+
+SMALL = "emu.cpu.small"
+APP = "recs"
+# tiny on emu.cpu.small: 20 ms for a batch of 1, 50 ms for a batch of 4.
+PROFILES = {
+    "format": "heteroplane.profiles/v1",
+    "profiles": [
+        {
+            "model": "tiny",
+            "instance_type": SMALL,
+            "batch_sizes": [1, 4],
+            "latency_ms": [[20.0], [50.0]],
+        },
+    ],
+}
+
+
+def spec(folder: Path) -> dict[str, Any]:
+    (folder / "profiles.json").write_text(json.dumps(PROFILES))
+    return {
+        "name": APP,
+        "models": [{"name": "tiny", "profiles": str(folder / "profiles.json")}],
+        "slo": {"latency_ms": 500},
+        "budget_usd_per_hr": 1.0,
+        "instance_types": [SMALL],
+    }
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    found = f"sqlite:///{tmp_path / 'hp.db'}"
+    migrate.upgrade(found)
+    return found
+
+
+@pytest.fixture
+def store(url: str) -> Iterator[Store]:
+    opened = Store.from_url(url, FakeClock())
+    yield opened
+    opened.close()
+
+
+def calibrator(
+    store: Store, observations: Observations, resolver: AppResolver
+) -> ProfileCalibrator:
+    return ProfileCalibrator(
+        store,
+        observations.batch_times_ms,
+        stored_apps(resolver),
+        resolver.invalidate,
+        observations.forget_batch_times,
+        CalibrationRule(min_batches=50, threshold=0.25),
+    )
+
+
+def serve(observations: Observations, batch: int, service_ms: float, times: int) -> None:
+    for _ in range(times):
+        observations.batch_served(APP, "tiny", SMALL, batch, service_ms)
+
+
+def mean_ms(resolver: AppResolver, store: Store, batch: int) -> float:
+    resolved = resolver.resolve(store.get_app(APP).spec, check_budget=False)
+    return resolved.profile("tiny", SMALL).mean_latency_ms(batch)
+
+
+def test_batches_twice_as_slow_as_the_profile_scale_it_by_two(
+    store: Store, url: str, tmp_path: Path
+) -> None:
+    store.create_app(spec(tmp_path), who="test")
+    observations = Observations()
+    resolver = AppResolver(tmp_path, scales=stored_scales(store))
+    loop = calibrator(store, observations, resolver)
+    assert mean_ms(resolver, store, 1) == pytest.approx(20.0)  # cached before the drift
+
+    serve(observations, 1, 40.0, 30)
+    serve(observations, 4, 100.0, 30)
+    drifts = loop.tick()
+
+    assert [(d.app, d.new_factor) for d in drifts] == [(APP, pytest.approx(2.0))]
+    decisions = store.list_decisions(APP, kinds=["profile_drift"])
+    assert len(decisions) == 1
+    numbers = decisions[0].numbers
+    assert decisions[0].key == f"tiny:{SMALL}"
+    assert numbers["profile_mean_ms"] == pytest.approx(35.0)
+    assert numbers["observed_mean_ms"] == pytest.approx(70.0)
+    assert (numbers["batches"], numbers["factor"]) == (60, pytest.approx(2.0))
+    [scale] = store.list_profile_scales(APP)
+    assert (scale.model, scale.instance_type, scale.factor) == ("tiny", SMALL, pytest.approx(2.0))
+    # The resolver forgot the old factors: the tuner, the gears and a preview see the new ones.
+    assert mean_ms(resolver, store, 1) == pytest.approx(40.0)
+    assert mean_ms(resolver, store, 4) == pytest.approx(100.0)
+
+    # The window was measured against the old profile: it starts again, and the same speed
+    # measured against the calibrated profile is no drift.
+    assert loop.tick() == []
+    serve(observations, 1, 40.0, 60)
+    assert loop.tick() == []
+    assert len(store.list_decisions(APP, kinds=["profile_drift"])) == 1
+
+    # A restart: a new store and resolver on the same database find the factor.
+    again = Store.from_url(url, FakeClock())
+    try:
+        restarted = AppResolver(tmp_path, scales=stored_scales(again))
+        assert mean_ms(restarted, again, 1) == pytest.approx(40.0)
+    finally:
+        again.close()
+
+
+def test_a_further_slowdown_multiplies_the_stored_factor(store: Store, tmp_path: Path) -> None:
+    store.create_app(spec(tmp_path), who="test")
+    observations = Observations()
+    resolver = AppResolver(tmp_path, scales=stored_scales(store))
+    loop = calibrator(store, observations, resolver)
+    serve(observations, 1, 40.0, 50)
+    loop.tick()
+    serve(observations, 1, 120.0, 50)  # three times the calibrated 40 ms
+    [drift] = loop.tick()
+    assert (drift.old_factor, drift.new_factor) == (pytest.approx(2.0), pytest.approx(6.0))
+    assert mean_ms(resolver, store, 1) == pytest.approx(120.0)
+
+
+def test_too_few_batches_or_a_small_miss_change_nothing(store: Store, tmp_path: Path) -> None:
+    store.create_app(spec(tmp_path), who="test")
+    observations = Observations()
+    resolver = AppResolver(tmp_path, scales=stored_scales(store))
+    loop = calibrator(store, observations, resolver)
+    serve(observations, 1, 40.0, 49)  # slow, but one batch short of the window
+    assert loop.tick() == []
+    observations.forget_batch_times(APP, "tiny", SMALL)
+    serve(observations, 1, 24.0, 200)  # 20 % slow: within the 25 % threshold
+    assert loop.tick() == []
+    assert store.list_profile_scales(APP) == []
+    assert store.list_decisions(APP, kinds=["profile_drift"]) == []
+    assert mean_ms(resolver, store, 1) == pytest.approx(20.0)
+
+
+def test_observations_keep_a_bounded_window_per_key() -> None:
+    observations = Observations()
+    for i in range(BATCH_TIMES_KEPT + 10):
+        observations.batch_served(APP, "tiny", SMALL, 2, float(i))
+    observations.batch_served(APP, "tiny", "emu.cpu.large", 1, 5.0)
+    kept = observations.batch_times_ms(APP)
+    assert kept[("tiny", SMALL)][2][0] == 10.0
+    assert len(kept[("tiny", SMALL)][2]) == BATCH_TIMES_KEPT
+    assert kept[("tiny", "emu.cpu.large")] == {1: [5.0]}
+    assert observations.batch_times_ms("other") == {}
+    observations.forget_batch_times(APP, "tiny", SMALL)
+    assert list(observations.batch_times_ms(APP)) == [("tiny", "emu.cpu.large")]
+
+
+def test_the_service_builds_the_calibrator_from_its_settings(store: Store, tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, calibration_min_batches=5, calibration_threshold=0.5)
+
+    class Serving:
+        observations = Observations()
+
+    store.create_app(spec(tmp_path), who="test")
+    resolver = AppResolver(tmp_path, scales=stored_scales(store))
+    loop = build_calibrator(settings, store, Serving(), resolver)  # type: ignore[arg-type]
+    serve(Serving.observations, 1, 28.0, 5)  # 40 % slow: within the 50 % threshold
+    assert loop.tick() == []
+    serve(Serving.observations, 1, 60.0, 5)
+    assert [round(d.new_factor, 2) for d in loop.tick()] == [2.2]
+
+
+def test_the_dispatcher_records_each_calls_round_trip_per_key() -> None:
+    async def scenario() -> None:
+        worker = FakeWorker(SMALL)
+        await worker.start()
+        profiles = {
+            "tiny": {
+                SMALL: LatencyProfile(
+                    "tiny", SMALL, np.array([1, 8]), (np.full(3, 1.0), np.full(3, 2.0))
+                )
+            }
+        }
+        app = AppConfig(
+            name=APP,
+            slo_ms=500.0,
+            models=("tiny",),
+            cascade=Cascade(("tiny",), ()),
+            profiles=profiles,
+            prices_usd_per_hr={SMALL: 0.05},
+        )
+        observations = Observations()
+        dispatcher = AppDispatcher(
+            app, HttpWorkerTransport(), observations, settings=DispatcherSettings(admission=False)
+        )
+        dispatcher.set_workers([WorkerEndpoint("i-0", SMALL, worker.address)])
+        row = [1.0, 16.0] + [0.0] * 62
+        await asyncio.gather(*(dispatcher.submit([row]) for _ in range(20)))
+        kept = observations.batch_times_ms(APP)
+        assert list(kept) == [("tiny", SMALL)]
+        assert sum(len(times) for times in kept[("tiny", SMALL)].values()) == worker.requests
+        assert sum(b * len(t) for b, t in kept[("tiny", SMALL)].items()) == worker.rows == 20
+        assert all(ms >= 0 for times in kept[("tiny", SMALL)].values() for ms in times)
+        await dispatcher.close()
+        await worker.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60.0))
