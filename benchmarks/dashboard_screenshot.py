@@ -32,6 +32,7 @@ playwright``; its own browser downloads are not used); the demo needs the ``work
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import os
@@ -48,8 +49,7 @@ import httpx
 import numpy as np
 import yaml
 
-from controlplane.api.routes.plans import planning_trace
-from controlplane.api.schemas import PlanIn, TraceIn
+from controlplane.apps.plans import PlanRequest, TraceRequest, planning_trace
 from controlplane.apps.resolver import AppResolver, smallest_common_batch_size, spec_document
 from controlplane.db.store import Store
 from controlplane.policies.drain import qps_by_type
@@ -196,10 +196,12 @@ def write_history(store: Store, resolved: ResolvedApp, now: datetime) -> None:
     spec = resolved.spec
     store.create_app(spec_document(spec), who="ops", at=start)
 
-    request = PlanIn(trace=TraceIn(rate_qps=PLANNED_RATE_QPS, batch_dist=PLANNED_BATCH_DIST))
+    request = PlanRequest(
+        trace=TraceRequest(rate_qps=PLANNED_RATE_QPS, batch_dist=PLANNED_BATCH_DIST)
+    )
     trace, stats = planning_trace(resolved, request)
     plan = plan_app(resolved, trace, seed=request.seed)
-    document = {**plan.to_document(), "seed": request.seed, "trace": stats}
+    document = dataclasses.replace(plan, seed=request.seed, trace=stats).to_document()
     previewed = store.create_plan(APP, document, at=start + timedelta(seconds=40))
     applied_at = start + timedelta(seconds=75)
     applied = store.apply_plan(APP, previewed.id, at=applied_at)

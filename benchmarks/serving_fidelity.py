@@ -450,7 +450,7 @@ def main() -> int:
     started = time.monotonic()
     settings = [measure(service_ms, args, utilisations) for service_ms in service_times]
     seconds = time.monotonic() - started
-    args.out.write_text(markdown(settings, args, seconds, load_before))
+    args.out.write_text(markdown(settings, args, seconds, load_before) + _kept_sections(args.out))
     local_service.log(f"wrote {args.out}")
     for setting in settings:
         for level in setting.levels:
@@ -476,6 +476,26 @@ def main() -> int:
         ]
         print(json.dumps(document))
     return 0 if settings[0].holds else 1
+
+
+# Sections other benchmarks write into the same page (benchmarks/demo_fidelity.py's).
+KEPT_SECTIONS = ("## The demo at its planned rate",)
+
+
+def _kept_sections(path: Path) -> str:
+    """The sections of ``path`` that another benchmark owns, to be written back after this one's
+    text (empty when the page has none)."""
+    if not path.exists():
+        return ""
+    text = path.read_text(encoding="utf-8")
+    kept = []
+    for title in KEPT_SECTIONS:
+        start = text.find(title)
+        if start < 0:
+            continue
+        end = text.find("\n## ", start + len(title))
+        kept.append(text[start : end if end >= 0 else len(text)].rstrip("\n"))
+    return "".join(f"\n{section}\n" for section in kept)
 
 
 if __name__ == "__main__":
