@@ -32,7 +32,7 @@ lint: $(STAMP)
 # --no-loadscope-reorder keeps that order (xdist would otherwise hand out the files with the
 # most tests first, leaving the one-test replay to start last and run alone).
 test: lint
-	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/estimator_speed.py
