@@ -35,8 +35,6 @@ import argparse
 import dataclasses
 import itertools
 import math
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -366,7 +364,7 @@ def _write_samples(
 
 
 def serve(data_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
-    env = clean_env(
+    env = local_service.clean_env(
         HOME=str(data_dir.parent),
         HETEROPLANE_DATA_DIR=str(data_dir),
         HETEROPLANE_PROVISIONER="fake",
@@ -381,32 +379,6 @@ def serve(data_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
             stdout=sink,
             stderr=subprocess.STDOUT,
         )
-
-
-def clean_env(**values: str) -> dict[str, str]:
-    """This environment without heteroplane's settings, XDG folders or home, plus ``values``."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("HETEROPLANE_", "XDG_")) and k != "HOME"
-    }
-    return env | values
-
-
-def wait_ready(
-    url: str, process: subprocess.Popen[bytes], log: Path, deadline_s: float = START_DEADLINE_S
-) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None:
-            raise SystemExit(f"exited with {process.returncode}:\n{log.read_text()}")
-        time.sleep(0.2)
-    raise SystemExit(f"not ready in {deadline_s:g} s:\n{log.read_text()}")
 
 
 def screenshot(
@@ -456,16 +428,6 @@ def screenshot(
             context.close()
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=STOP_DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def stop_workers(state_dir: Path) -> None:
     """Terminate the local workers the demo launched (they outlive the demo by design)."""
     if not state_dir.is_dir():
@@ -498,7 +460,7 @@ def run_demo(args: argparse.Namespace, root: Path) -> None:
     data_dir.mkdir(parents=True)
     port = local_service.free_port()
     url = f"http://127.0.0.1:{port}"
-    env = clean_env(HOME=str(home), HETEROPLANE_DATA_DIR=str(data_dir))
+    env = local_service.clean_env(HOME=str(home), HETEROPLANE_DATA_DIR=str(data_dir))
     log = root / "demo.log"
     command = [sys.executable, "-m", "controlplane", "demo", "--port", str(port)]
     command += ["--profile-samples", str(DEMO_PROFILE_SAMPLES)]
@@ -506,7 +468,7 @@ def run_demo(args: argparse.Namespace, root: Path) -> None:
     with log.open("ab") as sink:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=sink)
     try:
-        wait_ready(url, process, log, DEMO_START_DEADLINE_S)
+        local_service.wait_ready(url, process, log, DEMO_START_DEADLINE_S)
         ready_at = time.monotonic()
         create = ["token", "create", "--scope", "viewer", "--name", "dashboard"]
         made = subprocess.run(
@@ -530,7 +492,7 @@ def run_demo(args: argparse.Namespace, root: Path) -> None:
         size = (args.width, args.height)
         screenshot(url, token, args.out, size, profile, args.full_page, query)
     finally:
-        stop(process)
+        local_service.stop(process, STOP_DEADLINE_S)
         stop_workers(data_dir / "workers")
 
 
@@ -557,13 +519,13 @@ def run_scripted(args: argparse.Namespace, root: Path) -> None:
     log = root / "serve.log"
     process = serve(data_dir, port, log)
     try:
-        wait_ready(url, process, log)
+        local_service.wait_ready(url, process, log, START_DEADLINE_S)
         profile = root / "chromium"
         profile.mkdir()
         size = (args.width, args.height)
         screenshot(url, token, args.out, size, profile, args.full_page)
     finally:
-        stop(process)
+        local_service.stop(process, STOP_DEADLINE_S)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,42 +57,6 @@ DEMO_START_DEADLINE_S = 900.0
 STOP_DEADLINE_S = 30.0
 
 
-def clean_env(**values: str) -> dict[str, str]:
-    """This environment without heteroplane's settings, XDG folders or home, plus ``values``
-    (as ``benchmarks/dashboard_screenshot.py`` runs the demo)."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("HETEROPLANE_", "XDG_")) and k != "HOME"
-    }
-    return env | values
-
-
-def wait_ready(url: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
-    """Until ``/healthz`` answers: the demo listens only once its app is planned (the banner)."""
-    deadline = time.monotonic() + DEMO_START_DEADLINE_S
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None:
-            raise SystemExit(f"the demo exited with {process.returncode}:\n{log_path.read_text()}")
-        time.sleep(0.5)
-    raise SystemExit(f"the demo not ready in {DEMO_START_DEADLINE_S:g} s:\n{log_path.read_text()}")
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=STOP_DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def heteroplane(env: dict[str, str], *args: str, timeout_s: float) -> str:
     """``heteroplane ARGS`` (as ``python -m controlplane``) in ``env``; its stdout."""
     done = subprocess.run(
@@ -190,7 +154,7 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         shutil.copytree(cached, data_dir / LOCAL_MODELS_DIR)
     port = args.port or local_service.free_port()
     url = f"http://127.0.0.1:{port}"
-    env = clean_env(HOME=str(root / "home"), HETEROPLANE_DATA_DIR=str(data_dir))
+    env = local_service.clean_env(HOME=str(root / "home"), HETEROPLANE_DATA_DIR=str(data_dir))
     log_path = root / "demo.log"
     command = [sys.executable, "-m", "controlplane", "demo", "--no-load", "--port", str(port)]
     local_service.log(f"starting the demo on {url} (profiling its family first) ...")
@@ -199,7 +163,7 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             command, cwd=REPO, env=env, stdout=sink, stderr=sink, start_new_session=True
         )
     try:
-        wait_ready(url, process, log_path)
+        local_service.wait_ready(url, process, log_path, DEMO_START_DEADLINE_S)
         token = (data_dir / "demo-token").read_text(encoding="utf-8").strip()
         headers = {"Authorization": f"Bearer {token}"}
         plan = applied_plan(url, headers)
@@ -265,7 +229,7 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         }
     finally:
         local_service.log("stopping the demo and its workers ...")
-        stop(process)
+        local_service.stop(process, STOP_DEADLINE_S)
         local_service.stop_workers(data_dir / LOCAL_WORKERS_DIR, "tiny")
         with contextlib.suppress(ProcessLookupError):  # what is left of the demo's session
             os.killpg(process.pid, signal.SIGKILL)

@@ -160,3 +160,42 @@ def wait_for(
             return found
         time.sleep(0.5)
     raise SystemExit(f"{what}: not within {deadline_s:g} s; {log_path.read_text()[-2000:]}")
+
+
+def clean_env(**values: str) -> dict[str, str]:
+    """This environment without heteroplane's settings, XDG folders or home, plus ``values``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HETEROPLANE_", "XDG_")) and k != "HOME"
+    }
+    return env | values
+
+
+def wait_ready(
+    url: str, process: subprocess.Popen[bytes], log: Path, deadline_s: float = START_DEADLINE_S
+) -> None:
+    """Until ``/healthz`` answers (a demo listens only once its app is planned), else exit
+    with the process's log."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None:
+            raise SystemExit(f"exited with {process.returncode}:\n{log.read_text()}")
+        time.sleep(0.2)
+    raise SystemExit(f"not ready in {deadline_s:g} s:\n{log.read_text()}")
+
+
+def stop(process: subprocess.Popen[bytes], deadline_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL past ``deadline_s``."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
