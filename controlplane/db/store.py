@@ -33,7 +33,7 @@ import numbers
 import secrets
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar, cast
 
@@ -129,15 +129,22 @@ class PlanRecord:
     app_version: int  # the app's version the plan was made for
     created_at: datetime
     applied_at: datetime | None
+    # The typed document, parsed at the first read of ``plan`` and kept (a loop reads it several
+    # times a tick); not part of the record's value.
+    _plan: PlanDocument | None = field(default=None, compare=False, repr=False)
 
     @property
     def plan(self) -> PlanDocument:
-        """The document, typed (:meth:`PlanDocument.parse`).
+        """The document, typed (:meth:`PlanDocument.parse`, once per record).
 
         Raises:
             PlanError: a document that is not a plan.
         """
-        return PlanDocument.parse(self.document)
+        plan = self._plan
+        if plan is None:
+            plan = PlanDocument.parse(self.document)
+            object.__setattr__(self, "_plan", plan)
+        return plan
 
 
 @dataclass(frozen=True, slots=True)
