@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -201,8 +201,9 @@ class AppSpec(BaseModel):
     )
     slo: SLOSpec
     budget_usd_per_hr: float = Field(gt=0, le=MAX_BUDGET_USD_PER_HR, allow_inf_nan=False)
-    instance_types: list[str] = Field(min_length=1)
-    max_counts: dict[str, int] | None = None
+    # The item bounds are in the schema (the OpenAPI document's too), not only in a check.
+    instance_types: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
+    max_counts: dict[str, Annotated[int, Field(ge=0)]] | None = None
     catalog: str | None = Field(default=None, min_length=1, pattern=_PATH_PATTERN)
 
     @model_validator(mode="after")
@@ -210,19 +211,13 @@ class AppSpec(BaseModel):
         _check_unique(self.model_names, "models[{}].name", "model")
         _check_cascade(self.model_names, self.cascade)
         _check_thresholds(self.cascade, self.thresholds, self.validation)
-        for i, name in enumerate(self.instance_types):
-            if not name:
-                raise SpecError(f"instance_types[{i}]", "must be a non-empty name")
         _check_unique(self.instance_types, "instance_types[{}]", "instance type")
-        for name, count in (self.max_counts or {}).items():
-            where = f"max_counts{_key(name)}"
+        for name in self.max_counts or {}:
             if name not in self.instance_types:
                 raise SpecError(
-                    where,
+                    f"max_counts{_key(name)}",
                     f"{name!r} is not one of instance_types ({', '.join(self.instance_types)})",
                 )
-            if count < 0:
-                raise SpecError(where, f"must be >= 0, got {count}")
         return self
 
     @property
@@ -330,6 +325,10 @@ def spec_error_from(error: ValidationError, source: str | None = None) -> SpecEr
     return SpecError(_field_path(loc), _problem(detail["type"], detail, loc), source)
 
 
+# Fields that map names to values: a key of theirs is shown as [name], never as .name.
+_MAPPING_FIELDS = frozenset({"max_counts"})
+
+
 def _field_path(loc: Sequence[int | str]) -> str:
     path = ""
     for part in loc:
@@ -337,7 +336,7 @@ def _field_path(loc: Sequence[int | str]) -> str:
             path += f"[{part}]"
         elif part == "[key]":
             continue
-        elif path and not part.isidentifier():
+        elif path and (not part.isidentifier() or path in _MAPPING_FIELDS):
             path += _key(part)
         else:
             path += f".{part}" if path else part
@@ -504,7 +503,11 @@ class ResolvedApp:
 
     ``profiles`` maps each model to its profile set (which holds every candidate type);
     ``prices_usd_per_hr`` maps each candidate type to its on-demand price, in spec order;
-    ``validation`` holds the cascade's validation records when the spec names them.
+    ``validation`` holds the cascade's validation records when the spec names them;
+    ``serving_overhead_ms`` is the control plane's own time per query that no worker profile
+    holds (the API before the serving loop), as the service measured it for this app (0 when it
+    has not: a spec resolved offline, or an app not served yet); the planner adds it to every
+    query's simulated latency.
     """
 
     spec: AppSpec
@@ -512,6 +515,7 @@ class ResolvedApp:
     profiles: Mapping[str, ProfileSet]
     prices_usd_per_hr: Mapping[str, float]
     validation: ValidationRecords | None = None
+    serving_overhead_ms: float = 0.0
 
     @property
     def cascade(self) -> Cascade | None:

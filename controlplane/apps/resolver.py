@@ -49,6 +49,7 @@ from estimator.profiles import LatencyProfile, ProfileSet
 
 __all__ = [
     "AppResolver",
+    "OverheadSource",
     "ScaleSource",
     "scaled_profiles",
     "smallest_common_batch_size",
@@ -58,6 +59,10 @@ __all__ = [
 ScaleSource = Callable[[str], Mapping[tuple[str, str], float]]
 """An app name -> its calibration factors by (model, instance type) (empty for an app that has
 none, or is not registered)."""
+
+OverheadSource = Callable[[str], float | None]
+"""An app name -> the control plane's measured overhead per query, ms (None: not measured, or
+not registered)."""
 
 _CACHED_APPS = 32
 
@@ -116,6 +121,7 @@ class AppResolver:
         capacity: int = _CACHED_APPS,
         *,
         scales: ScaleSource | None = None,
+        overheads: OverheadSource | None = None,
     ) -> None:
         self.base_dir = base_dir
         self._capacity = capacity
@@ -123,11 +129,27 @@ class AppResolver:
         self._cache: OrderedDict[str, ResolvedApp] = OrderedDict()
         self._scale_source = scales
         self._scales: dict[str, tuple[tuple[tuple[str, str], float], ...]] = {}
+        self._overhead_source = overheads
+        self._overheads: dict[str, float] = {}
 
     def invalidate(self, app: str) -> None:
-        """Forget ``app``'s calibration factors: the next resolve reads them again."""
+        """Forget ``app``'s calibration factors and overhead: the next resolve reads them
+        again."""
         with self._lock:
             self._scales.pop(app, None)
+            self._overheads.pop(app, None)
+
+    def _app_overhead(self, app: str) -> float:
+        if self._overhead_source is None:
+            return 0.0
+        with self._lock:
+            found = self._overheads.get(app)
+        if found is None:
+            measured = self._overhead_source(app)
+            found = 0.0 if measured is None else float(measured)
+            with self._lock:
+                self._overheads[app] = found
+        return found
 
     def _app_scales(self, app: str) -> tuple[tuple[tuple[str, str], float], ...]:
         if self._scale_source is None:
@@ -180,6 +202,7 @@ class AppResolver:
         resolved = dataclasses.replace(
             cached,
             spec=cached.spec.model_copy(update={"budget_usd_per_hr": spec.budget_usd_per_hr}),
+            serving_overhead_ms=self._app_overhead(spec.name),
         )
         if check_budget:
             _check_budget(resolved)

@@ -13,7 +13,12 @@ Tables (docs/service.md describes each column):
 - ``metric_samples``: the rolled-up load, latency, SLO attainment and cost of an app over time;
 - ``api_tokens``: the SHA-256 hashes of the API tokens with their scope;
 - ``profile_scales``: the online calibration's factor per (app, model, instance type): the app's
-  resolved profiles are its profile files' samples times this factor.
+  resolved profiles are its profile files' samples times this factor;
+- ``serving_overheads``: the control plane's own time per query of an app as the serving loop
+  measured it (the API's receipt to the dispatch queue), which the planner adds to every
+  query's simulated latency;
+- ``dashboard_sessions``: the dashboard's sign-ins (the SHA-256 of a random session id, the token
+  it was opened with, when it ends), shared by every replica of the API.
 
 Deleting an app deletes its rows in every other table (``ON DELETE CASCADE``); the store only
 deletes an app without live instances unless forced (see :meth:`Store.delete_app`).
@@ -58,12 +63,14 @@ __all__ = [
     "App",
     "Base",
     "BudgetChange",
+    "DashboardSession",
     "Decision",
     "Instance",
     "InstanceEvent",
     "MetricSample",
     "Plan",
     "ProfileScale",
+    "ServingOverhead",
     "UtcDateTime",
 ]
 
@@ -279,3 +286,33 @@ class ProfileScale(Base):
     # Observed over profiled service time: the profile's samples are multiplied by it.
     factor: Mapped[float]
     updated_at: Mapped[datetime]
+
+
+class ServingOverhead(Base):
+    __tablename__ = "serving_overheads"
+    __table_args__ = (CheckConstraint("overhead_ms >= 0", name="overhead_ms_non_negative"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    app_id: Mapped[int] = mapped_column(ForeignKey("apps.id", ondelete="CASCADE"), unique=True)
+    # The median, ms, over ``samples`` answered queries, of the API's receipt to the dispatch.
+    overhead_ms: Mapped[float]
+    samples: Mapped[int]
+    updated_at: Mapped[datetime]
+
+
+class DashboardSession(Base):
+    """A dashboard sign-in: the browser's cookie holds a random session id, this row only its
+    SHA-256. Revoking the token ends its sessions (the store checks ``revoked_at``); deleting the
+    token deletes them (``ON DELETE CASCADE``)."""
+
+    __tablename__ = "dashboard_sessions"
+    __table_args__ = (CheckConstraint("expires_at > created_at", name="expires_after_created"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # SHA-256 hex of the session id; the id itself is only ever in the browser's cookie.
+    session_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    token_id: Mapped[int] = mapped_column(
+        ForeignKey("api_tokens.id", ondelete="CASCADE"), index=True
+    )
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime] = mapped_column(index=True)

@@ -15,7 +15,13 @@ the app's resolved profile (already calibrated by the factors stored before), an
 4. forgets the observed batch times of that pair (``forget``): they were measured against the
    old profile, and the next decision waits for ``min_batches`` new ones.
 
-The factors are in the database, so a restarted service resolves the calibrated profiles.
+The same pass measures the control plane's own overhead per query
+(:func:`controlplane.policies.calibration.overhead_drift` over the API times the serving loop
+observed, an injected :data:`ApiTimesSource`): when it moved, it stores the new median
+(``Store.set_serving_overhead``), records a ``serving_overhead`` decision with both figures and
+has the resolver forget the app, so that the next plan adds the measured figure to every query.
+
+The factors and the overhead are in the database, so a restarted service resolves them.
 """
 
 from __future__ import annotations
@@ -26,23 +32,32 @@ from dataclasses import dataclass
 
 from controlplane.db.store import AppRecord, Store
 from controlplane.errors import ControlPlaneError
-from controlplane.policies.calibration import Calibration, CalibrationRule, calibrate
+from controlplane.policies.calibration import (
+    Calibration,
+    CalibrationRule,
+    calibrate,
+    overhead_drift,
+)
 from controlplane.spec import ResolvedApp
 from estimator.errors import EstimatorError
 
-__all__ = ["BatchTimesSource", "Drift", "ForgetFn", "ProfileCalibrator"]
+__all__ = ["ApiTimesSource", "BatchTimesSource", "Drift", "ForgetFn", "ProfileCalibrator"]
 
 logger = logging.getLogger(__name__)
 
 BatchTimesSource = Callable[[str], Mapping[tuple[str, str], Mapping[int, Sequence[float]]]]
 """App name -> its observed batch service times: (model, instance type) -> batch size -> ms
 (the serving loop's :meth:`~controlplane.serving.observations.Observations.batch_times_ms`)."""
+ApiTimesSource = Callable[[str], Sequence[float]]
+"""App name -> the API's part (ms) of its newest answered queries (the serving loop's
+:meth:`~controlplane.serving.observations.Observations.api_times_ms`)."""
 ForgetFn = Callable[[str, str, str], None]
 """(app, model, instance type) -> drop the observed batch times of that pair."""
 ResolveFn = Callable[[AppRecord], ResolvedApp]
 InvalidateFn = Callable[[str], None]
 
 DRIFT_KIND = "profile_drift"
+OVERHEAD_KIND = "serving_overhead"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +84,10 @@ class ProfileCalibrator:
         invalidate: InvalidateFn,
         forget: ForgetFn,
         rule: CalibrationRule | None = None,
+        api_times: ApiTimesSource | None = None,
     ) -> None:
         self._store = store
+        self._api_times = api_times
         self._batch_times = batch_times
         self._resolve = resolve
         self._invalidate = invalidate
@@ -89,6 +106,41 @@ class ProfileCalibrator:
         return made
 
     def _tick_app(self, app: AppRecord) -> list[Drift]:
+        overhead_moved = self._overhead(app.name)
+        made = self._profiles(app)
+        if made or overhead_moved:
+            self._invalidate(app.name)
+        return made
+
+    def _overhead(self, app: str) -> bool:
+        """Store ``app``'s measured overhead per query when it moved; whether it did."""
+        if self._api_times is None:
+            return False
+        times = self._api_times(app)
+        if not times:
+            return False
+        stored = self._store.get_serving_overhead(app)
+        verdict = overhead_drift(None if stored is None else stored.overhead_ms, times, self._rule)
+        if not verdict.drift or verdict.observed_ms is None:
+            return False
+        self._store.set_serving_overhead(app, verdict.observed_ms, verdict.samples)
+        before = "none measured" if stored is None else f"{stored.overhead_ms:.2f} ms before"
+        self._store.record_decision(
+            app,
+            OVERHEAD_KIND,
+            f"the control plane's own time per query (the API's receipt to the dispatch) is"
+            f" {verdict.observed_ms:.2f} ms, the median of {verdict.samples} answered queries"
+            f" ({before}); plans add it to every query",
+            {
+                "overhead_ms": verdict.observed_ms,
+                "previous_ms": None if stored is None else stored.overhead_ms,
+                "queries": verdict.samples,
+            },
+            key="overhead",
+        )
+        return True
+
+    def _profiles(self, app: AppRecord) -> list[Drift]:
         observed = self._batch_times(app.name)
         if not observed:
             return []
@@ -128,6 +180,4 @@ class ProfileCalibrator:
             )
             self._forget(app.name, model, instance_type)
             made.append(Drift(app.name, verdict, old, new))
-        if made:
-            self._invalidate(app.name)
         return made

@@ -24,6 +24,22 @@ predict the observed mean).
 (True, 60, 15.0, 30.0, 2.0)
 >>> calibrate(profile, {1: [21.0] * 30}, CalibrationRule(min_batches=50)).drift
 False
+
+**The control plane's own overhead per query.** Besides the workers' batches, every query spends
+time in the API before the serving loop takes it (its receipt to the dispatcher's submit: body
+parsing, the token check, validation, the event loop's queue), which no worker profile holds.
+The planner adds the app's stored overhead to every query's simulated latency. The measured
+figure is the median of the newest answered queries' API times; the rule
+(:func:`overhead_drift`): update when at least ``min_batches`` queries were counted and the
+median differs from the stored figure by more than ``threshold`` of it and more than
+:data:`OVERHEAD_FLOOR_MS` (a fraction of a millisecond is the timer's and the scheduler's noise),
+or when none is stored yet.
+
+>>> o = overhead_drift(None, [2.0, 3.0, 4.0] * 20, CalibrationRule(min_batches=50))
+>>> o.drift, o.observed_ms, o.samples
+(True, 3.0, 60)
+>>> overhead_drift(3.2, [2.0, 3.0, 4.0] * 20, CalibrationRule(min_batches=50)).drift
+False
 """
 
 from __future__ import annotations
@@ -39,9 +55,12 @@ from estimator.profiles import LatencyProfile
 __all__ = [
     "DEFAULT_MIN_BATCHES",
     "DEFAULT_THRESHOLD",
+    "OVERHEAD_FLOOR_MS",
     "Calibration",
     "CalibrationRule",
+    "OverheadCalibration",
     "calibrate",
+    "overhead_drift",
 ]
 
 # Fifty batches: the mean of 50 service times with a 30 % coefficient of variation is within
@@ -50,6 +69,8 @@ DEFAULT_MIN_BATCHES = 50
 # A 25 % miss: less than the gap between neighbouring instance types' speeds in the catalogs,
 # more than the run-to-run noise of a profile measured on the same type.
 DEFAULT_THRESHOLD = 0.25
+# A change of the control plane's overhead below this is noise, whatever its share.
+OVERHEAD_FLOOR_MS = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,3 +137,34 @@ def calibrate(
         factor,
         drift,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class OverheadCalibration:
+    """What the observed API times say about the stored overhead: ``samples`` counted, the
+    ``stored_ms`` figure (None: none yet), the ``observed_ms`` median (None when none was
+    counted) and whether to store it (``drift``)."""
+
+    samples: int
+    stored_ms: float | None
+    observed_ms: float | None
+    drift: bool
+
+
+def overhead_drift(
+    stored_ms: float | None, api_times_ms: Sequence[float], rule: CalibrationRule | None = None
+) -> OverheadCalibration:
+    """Whether the median of ``api_times_ms`` should replace ``stored_ms`` under ``rule``
+    (module docstring)."""
+    rule = rule if rule is not None else CalibrationRule()
+    values = np.asarray(api_times_ms, dtype=np.float64)
+    values = values[np.isfinite(values) & (values >= 0)]
+    if values.size == 0:
+        return OverheadCalibration(0, stored_ms, None, False)
+    observed = float(np.median(values))
+    enough = values.size >= rule.min_batches
+    if stored_ms is None:
+        return OverheadCalibration(int(values.size), None, observed, enough)
+    moved = abs(observed - stored_ms)
+    drift = enough and moved > OVERHEAD_FLOOR_MS and moved > rule.threshold * stored_ms
+    return OverheadCalibration(int(values.size), stored_ms, observed, drift)

@@ -124,9 +124,10 @@ class InferResult:
     certainty; the gear's label; and timings (ms): ``total_ms`` from the API's receipt of the
     request (``received_s``; else its arrival at the loop) to the answer, ``service_ms`` the round
     trips of the batches that carried its samples, of which ``compute_ms`` the workers' own
-    service time and ``transport_ms`` the rest, ``queue_ms`` the rest of ``total_ms`` (the API
-    before the loop, admission, the queues, the loop); ``late`` when ``total_ms`` is over the
-    SLO."""
+    service time and ``transport_ms`` the rest, ``api_ms`` the API's part before the loop
+    (receipt to submit: parsing, the token check, validation, the event loop's own queue),
+    ``queue_ms`` the rest of ``total_ms`` (admission, the stages' queues, the loop); ``late``
+    when ``total_ms`` is over the SLO."""
 
     outputs: tuple[int, ...]
     models: tuple[str, ...]
@@ -138,6 +139,7 @@ class InferResult:
     late: bool
     transport_ms: float = 0.0
     compute_ms: float = 0.0
+    api_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +187,7 @@ class AppStatus:
 
 class _Request:
     __slots__ = (
+        "api_ms",
         "arrival_s",
         "cascade",
         "certainty",
@@ -206,12 +209,14 @@ class _Request:
         cascade: Cascade,
         arrival_s: float,
         future: asyncio.Future[InferResult],
+        api_ms: float = 0.0,
     ) -> None:
         n = len(inputs)
         self.inputs = inputs
         self.sample_ids = sample_ids
         self.cascade = cascade
         self.arrival_s = arrival_s
+        self.api_ms = api_ms  # the API's receipt to the loop's submit
         self.future = future
         self.outputs: list[int] = [0] * n
         self.models: list[str] = [""] * n
@@ -399,7 +404,9 @@ class AppDispatcher:
             raise
         loop = asyncio.get_running_loop()
         future: asyncio.Future[InferResult] = loop.create_future()
-        request = _Request(inputs, sample_ids, cascade, arrival_s, future)
+        request = _Request(
+            inputs, sample_ids, cascade, arrival_s, future, (now - arrival_s) * 1000.0
+        )
         future.add_done_callback(functools.partial(self._on_done, request))
         self._open[request] = None
         if self._sweeper is None:
@@ -700,7 +707,8 @@ class AppDispatcher:
         late = total_ms > self.config.slo_ms
         service_ms = min(request.service_ms, total_ms)
         compute_ms = min(request.compute_ms, service_ms)
-        split = Split(total_ms - service_ms, service_ms - compute_ms, compute_ms)
+        api_ms = min(request.api_ms, total_ms - service_ms)
+        split = Split(total_ms - service_ms - api_ms, service_ms - compute_ms, compute_ms, api_ms)
         result = InferResult(
             outputs=tuple(request.outputs),
             models=tuple(request.models),
@@ -712,6 +720,7 @@ class AppDispatcher:
             late=late,
             transport_ms=split.transport_ms,
             compute_ms=compute_ms,
+            api_ms=api_ms,
         )
         correct = labelled = 0
         records = self.config.validation

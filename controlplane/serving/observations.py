@@ -22,6 +22,9 @@ denominator and never in its numerator (:func:`account`).
   model answered, where the answered queries' time went (:class:`Split`: queue, transport,
   compute) and a histogram of every query's end-to-end latency by outcome, since the service
   started (``/metrics``, ``GET /v1/apps/{app}/serving``).
+- **API times** (:meth:`Observations.api_times_ms`): the API's part of the newest answered
+  queries (receipt to submit), whose median the calibration loop stores as the app's
+  control-plane overhead per query.
 - **Batch times** (:meth:`Observations.batch_times_ms`): each worker call's service time (the
   round trip as the dispatcher measures it: transport and compute) per (model, instance type,
   batch size), the last :data:`BATCH_TIMES_KEPT` per key: what the calibration loop compares with
@@ -78,6 +81,9 @@ ARRIVALS_KEPT = 1 << 18
 # Batch service times kept per (app, model, instance type, batch size): a few calibration windows
 # (50 batches each by default) at every batch size.
 BATCH_TIMES_KEPT = 256
+# The API's part (receipt to submit) of the newest answered queries kept per app: the
+# calibration loop's control-plane overhead is their median.
+API_TIMES_KEPT = 1024
 # Latencies kept per window for its percentiles; past this, every other one is dropped (the
 # percentiles of a window of 100 k queries move little by thinning).
 MAX_WINDOW_LATENCIES = 100_000
@@ -120,14 +126,17 @@ def outcome_of(error: ServingError) -> Outcome:
 
 @dataclass(frozen=True, slots=True)
 class Split:
-    """Where an answered query's time went (ms): ``queue_ms`` everything but its batches' round
-    trips (the API before the loop, admission, the stages' queues, the event loop),
-    ``transport_ms`` the round trips less the workers' own service time, ``compute_ms`` the
-    workers' service time (``served_ms``; the whole round trip when a worker does not say)."""
+    """Where an answered query's time went (ms): ``api_ms`` the API's part before the serving
+    loop (its receipt to the dispatcher's submit: body parsing, the token check, validation, the
+    event loop's own queue), ``queue_ms`` everything else but its batches' round trips
+    (admission, the stages' queues, the event loop), ``transport_ms`` the round trips less the
+    workers' own service time, ``compute_ms`` the workers' service time (``served_ms``; the whole
+    round trip when a worker does not say)."""
 
     queue_ms: float = 0.0
     transport_ms: float = 0.0
     compute_ms: float = 0.0
+    api_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,16 +233,16 @@ class WindowSummary:
         return self.answered + self.errors
 
 
-_STAGES = ("queue", "transport", "compute", "total")
+_STAGES = ("api", "queue", "transport", "compute", "total")
 
 
 @dataclass(frozen=True, slots=True)
 class AppTotals:
     """An app's counters since the service started: queries by outcome (``late`` of the
     answered ones), samples answered by model, the answered queries' summed time by stage
-    (``latency_sum_ms``: queue, transport, compute and total) and every query's end-to-end latency
-    by outcome as histogram counts over :data:`LATENCY_BUCKETS_MS` plus +Inf (``latency_buckets``,
-    not cumulative) with their sums (``latency_outcome_sum_ms``)."""
+    (``latency_sum_ms``: api, queue, transport, compute and total) and every query's end-to-end
+    latency by outcome as histogram counts over :data:`LATENCY_BUCKETS_MS` plus +Inf
+    (``latency_buckets``, not cumulative) with their sums (``latency_outcome_sum_ms``)."""
 
     arrived: int = 0
     answered: int = 0
@@ -264,7 +273,8 @@ class AppTotals:
         return self.within / self.offered if self.offered else None
 
     def mean_ms(self, stage: str) -> float | None:
-        """The answered queries' mean time in ``stage`` (queue, transport, compute, total)."""
+        """The answered queries' mean time in ``stage`` (api, queue, transport, compute,
+        total)."""
         if stage not in _STAGES:
             raise ValueError(f"stage must be one of {_STAGES}, got {stage!r}")
         return self.latency_sum_ms.get(stage, 0.0) / self.answered if self.answered else None
@@ -307,6 +317,7 @@ def summarise(
 class _App:
     __slots__ = (
         "answered",
+        "api_ms",
         "arrivals",
         "arrived",
         "buckets",
@@ -338,8 +349,10 @@ class _App:
         self.refused = 0
         self.timed_out = 0
         self.samples_by_model: Counter[str] = Counter()
-        # queue, transport, compute, total (ms) summed over the answered queries
-        self.stage_sum_ms = [0.0, 0.0, 0.0, 0.0]
+        # api, queue, transport, compute, total (ms) summed over the answered queries
+        self.stage_sum_ms = [0.0, 0.0, 0.0, 0.0, 0.0]
+        # the newest answered queries' api_ms (the calibration loop's overhead figure)
+        self.api_ms: deque[float] = deque(maxlen=API_TIMES_KEPT)
         self.buckets: dict[Outcome, list[int]] = {}
         self.outcome_sum_ms: dict[Outcome, float] = {}
         self.window_since_s = now_s
@@ -406,12 +419,14 @@ class Observations:
             entry.labelled += labelled
             sums = entry.stage_sum_ms
             if split is None:
-                sums[0] += latency_ms
+                sums[1] += latency_ms
             else:
-                sums[0] += split.queue_ms
-                sums[1] += split.transport_ms
-                sums[2] += split.compute_ms
-            sums[3] += latency_ms
+                sums[0] += split.api_ms
+                sums[1] += split.queue_ms
+                sums[2] += split.transport_ms
+                sums[3] += split.compute_ms
+                entry.api_ms.append(split.api_ms)
+            sums[4] += latency_ms
             entry.ended(Outcome.ANSWERED, latency_ms)
             latencies = entry.latencies
             latencies.append(latency_ms)
@@ -514,6 +529,13 @@ class Observations:
                 if name == app and kept:
                     found.setdefault((model, instance_type), {})[batch] = list(kept)
         return found
+
+    def api_times_ms(self, app: str) -> list[float]:
+        """The API's part (ms, receipt to the dispatcher's submit) of ``app``'s newest answered
+        queries, oldest first (empty when none was answered)."""
+        with self._lock:
+            found = self._apps.get(app)
+            return [] if found is None else list(found.api_ms)
 
     def forget_batch_times(self, app: str, model: str, instance_type: str) -> None:
         """Drop the kept batch times of ``model`` on ``instance_type`` for ``app`` (the profile

@@ -19,11 +19,16 @@ from controlplane.db import migrate
 from controlplane.db.store import Store
 from controlplane.loops.calibration import ProfileCalibrator
 from controlplane.policies.calibration import CalibrationRule
-from controlplane.service.build import build_calibrator, stored_apps, stored_scales
+from controlplane.service.build import (
+    build_calibrator,
+    stored_apps,
+    stored_overhead,
+    stored_scales,
+)
 from controlplane.serving.config import AppConfig
 from controlplane.serving.dispatcher import AppDispatcher, DispatcherSettings
 from controlplane.serving.fake_worker import FakeWorker
-from controlplane.serving.observations import BATCH_TIMES_KEPT, Observations
+from controlplane.serving.observations import BATCH_TIMES_KEPT, Observations, Split
 from controlplane.serving.transport import HttpWorkerTransport
 from controlplane.serving.workers import WorkerEndpoint
 from controlplane.settings import Settings
@@ -81,6 +86,7 @@ def calibrator(
         resolver.invalidate,
         observations.forget_batch_times,
         CalibrationRule(min_batches=50, threshold=0.25),
+        observations.api_times_ms,
     )
 
 
@@ -229,3 +235,66 @@ def test_the_dispatcher_records_each_calls_round_trip_per_key() -> None:
         await worker.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 60.0))
+
+
+def answer(observations: Observations, api_ms: float, times: int) -> None:
+    for _ in range(times):
+        split = Split(queue_ms=1.0, transport_ms=1.0, compute_ms=20.0, api_ms=api_ms)
+        observations.answered(APP, 1.0, 22.0 + api_ms, late=False, models=["tiny"], split=split)
+
+
+def test_the_measured_overhead_is_stored_and_the_next_plan_adds_it(
+    store: Store, url: str, tmp_path: Path
+) -> None:
+    from controlplane.policies.planner import plan_app
+    from estimator.traces import Trace, poisson_arrivals
+
+    store.create_app(spec(tmp_path), who="test")
+    observations = Observations()
+    resolver = AppResolver(tmp_path, scales=stored_scales(store), overheads=stored_overhead(store))
+    loop = calibrator(store, observations, resolver)
+    resolved = resolver.resolve(store.get_app(APP).spec, check_budget=False)
+    assert resolved.serving_overhead_ms == 0.0  # nothing measured yet
+    arrivals = poisson_arrivals(20.0, 60.0, np.random.default_rng(3))
+    trace = Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
+    before = plan_app(resolved, trace)
+
+    answer(observations, 6.0, 49)  # one query short of the rule's window: nothing yet
+    assert loop.tick() == [] and store.get_serving_overhead(APP) is None
+    answer(observations, 6.0, 1)
+    loop.tick()
+    stored = store.get_serving_overhead(APP)
+    assert stored is not None and (stored.overhead_ms, stored.samples) == (6.0, 50)
+    [decision] = store.list_decisions(APP, kinds=["serving_overhead"])
+    assert decision.numbers["overhead_ms"] == 6.0 and decision.numbers["previous_ms"] is None
+
+    # The resolver forgot the app: the next plan adds the overhead to every query.
+    resolved = resolver.resolve(store.get_app(APP).spec, check_budget=False)
+    assert resolved.serving_overhead_ms == 6.0
+    after = plan_app(resolved, trace)
+    assert before.predicted_p99_ms is not None and after.predicted_p99_ms is not None
+    assert after.predicted_p99_ms >= before.predicted_p99_ms + 6.0 - 1e-9
+    assert any("control plane's own time" in step for step in after.steps)
+
+    # The same overhead again is no change; a restart reads the stored figure.
+    loop.tick()
+    assert len(store.list_decisions(APP, kinds=["serving_overhead"])) == 1
+    again = Store.from_url(url, FakeClock())
+    try:
+        restarted = AppResolver(tmp_path, overheads=stored_overhead(again))
+        assert restarted.resolve(again.get_app(APP).spec).serving_overhead_ms == 6.0
+    finally:
+        again.close()
+
+
+def test_an_overhead_that_leaves_no_slo_is_infeasible(store: Store, tmp_path: Path) -> None:
+    from controlplane.policies.planner import InfeasibleSLOError, plan_app
+    from estimator.traces import Trace
+
+    store.create_app(spec(tmp_path), who="test")
+    store.set_serving_overhead(APP, 600.0, 50)  # the SLO is 500 ms
+    resolver = AppResolver(tmp_path, overheads=stored_overhead(store))
+    resolved = resolver.resolve(store.get_app(APP).spec)
+    trace = Trace(np.array([0.0, 0.1, 0.2]), np.ones(3, dtype=np.int64))
+    with pytest.raises(InfeasibleSLOError, match="control plane"):
+        plan_app(resolved, trace)

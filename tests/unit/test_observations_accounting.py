@@ -127,6 +127,7 @@ def test_a_window_and_the_totals_count_every_outcome() -> None:
     assert (totals.refused, totals.timed_out, totals.failed, totals.offered) == (2, 1, 1, 6)
     assert totals.attainment_share == pytest.approx(1 / 6)
     assert totals.latency_sum_ms == {
+        "api": 0.0,
         "queue": 110.0,
         "transport": 10.0,
         "compute": 60.0,
@@ -134,7 +135,7 @@ def test_a_window_and_the_totals_count_every_outcome() -> None:
     }
     assert totals.mean_ms("total") == 90.0 and totals.mean_ms("queue") == 55.0
     with pytest.raises(ValueError, match="stage"):
-        totals.mean_ms("api")
+        totals.mean_ms("network")
     buckets = totals.latency_buckets
     assert set(buckets) == {"answered", "refused", "timed_out", "failed"}
     assert all(len(c) == len(LATENCY_BUCKETS_MS) + 1 for c in buckets.values())

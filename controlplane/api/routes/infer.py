@@ -17,6 +17,7 @@ the route hands the stamp to the serving loop, which records every outcome from 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -97,6 +98,7 @@ async def infer(
             total_ms=result.total_ms,
             transport_ms=result.transport_ms,
             compute_ms=result.compute_ms,
+            api_ms=result.api_ms,
         ),
         late=result.late,
     )
@@ -113,6 +115,7 @@ async def serving_status(app: AppName, services: ServicesDep, _who: Viewer) -> S
         raise ServingUnavailableError(app, "this service runs no serving loop")
     status = await serving.status(app)
     totals = serving.observations.totals().get(app, AppTotals())
+    overhead = await asyncio.to_thread(services.store.get_serving_overhead, app)
     return ServingOut(
         app=status.app,
         gear=status.gear,
@@ -155,6 +158,8 @@ async def serving_status(app: AppName, services: ServicesDep, _who: Viewer) -> S
             attainment_share=totals.attainment_share,
             samples_by_model=dict(totals.samples_by_model),
             mean_latency_ms=ServingLatencyOut(
+                api_ms=totals.mean_ms("api"),
+                overhead_ms=None if overhead is None else overhead.overhead_ms,
                 queue_ms=totals.mean_ms("queue"),
                 transport_ms=totals.mean_ms("transport"),
                 compute_ms=totals.mean_ms("compute"),
