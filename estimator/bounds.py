@@ -25,6 +25,7 @@ the bound is monotone in every count) are stated on :func:`upper_bounds` and arg
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from estimator import deadline
 from estimator.errors import (
     BatchSizeOutOfRangeError,
     BudgetError,
@@ -856,6 +858,7 @@ class _Search:
             _Block(0, root, np.zeros(1), np.full(1, np.inf), _terms(self.t, root))
         ]
         while stack:
+            deadline.check()  # a bounded preview stops mid-search
             block = stack.pop()
             if self.prune and math.isfinite(self.theta):
                 alive = block.bound >= self.theta - _slack(self.theta)
@@ -872,8 +875,19 @@ class _Search:
                 n_max = np.minimum(cap, room).astype(np.int64)
             else:
                 n_max = np.full(block.size, cap, dtype=np.int64)
-            n_opts = n_max + 1
+            if block.stop is not None:
+                n_max = np.minimum(n_max, block.stop - 1)
+            n_opts = np.maximum(n_max - block.first + 1, 0)
             ends = np.cumsum(n_opts)
+            if ends[-1] == 0:
+                continue
+            if block.size == 1 and ends[-1] > _CHUNK_ROWS:
+                # One row with too many children at once: its counts a range at a time, the
+                # highest first (their bounds are the highest, which raises the k-th best early).
+                first, last = block.first, int(n_max[0])
+                for start in range(first, last + 1, _CHUNK_ROWS):
+                    stack.append(block.ranged(start, min(start + _CHUNK_ROWS, last + 1)))
+                continue
             if ends[-1] > _CHUNK_ROWS and block.size > 1:
                 # Too many children at once: split the block after each row whose children cross
                 # a multiple of the chunk size (at least after the first row), searched in order.
@@ -884,7 +898,7 @@ class _Search:
                     stack.append(block.take(np.arange(lo, hi)))
                 continue
             rows = np.repeat(np.arange(block.size), n_opts)
-            added = np.arange(rows.size) - np.repeat(ends - n_opts, n_opts)
+            added = np.arange(rows.size) - np.repeat(ends - n_opts, n_opts) + block.first
             terms = _terms_added(self.t, block.terms, rows, column, added)
             if block.level + 1 == k:
                 self._leaves(block.counts, rows, column, added, terms)
@@ -951,13 +965,17 @@ class _Search:
 
 @dataclass(slots=True, eq=False)
 class _Block:
-    """Partial configurations of one search level: counts (M, k), money spent, their bound."""
+    """Partial configurations of one search level: counts (M, k), money spent, their bound; the
+    next type's counts to try are ``first`` up to (not including) ``stop`` (None: every
+    affordable count), so that one row with very many children is searched a range at a time."""
 
     level: int
     counts: IntArray
     spent: FloatArray
     bound: FloatArray
     terms: _Terms
+    first: int = 0
+    stop: int | None = None
 
     @property
     def size(self) -> int:
@@ -965,8 +983,18 @@ class _Block:
 
     def take(self, rows: IntArray) -> _Block:
         return _Block(
-            self.level, self.counts[rows], self.spent[rows], self.bound[rows], self.terms.take(rows)
+            self.level,
+            self.counts[rows],
+            self.spent[rows],
+            self.bound[rows],
+            self.terms.take(rows),
+            self.first,
+            self.stop,
         )
+
+    def ranged(self, first: int, stop: int) -> _Block:
+        """This block with the next type's counts limited to ``first``..``stop - 1``."""
+        return dataclasses.replace(self, first=first, stop=stop)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -34,6 +35,7 @@ from controlplane.db.store import PlanRecord, Store
 from controlplane.errors import ConflictError, InvalidValueError
 from controlplane.policies.planner import plan_app
 from controlplane.spec import ResolvedApp
+from estimator import deadline
 from estimator.batches import parse_batch_distribution
 from estimator.errors import WorkloadError
 from estimator.traces import Trace, constant_profile, renewal_arrivals, trace_stats
@@ -164,18 +166,30 @@ def planning_trace(app: ResolvedApp, request: PlanRequest) -> tuple[Trace, dict[
     }
 
 
-def preview_plan(store: Store, resolver: AppResolver, app: str, request: PlanRequest) -> PlanRecord:
-    """Plan ``app`` on the trace ``request`` asks for and store the plan as a preview.
+def preview_plan(
+    store: Store,
+    resolver: AppResolver,
+    app: str,
+    request: PlanRequest,
+    *,
+    deadline_s: float | None = None,
+    cancelled: threading.Event | None = None,
+) -> PlanRecord:
+    """Plan ``app`` on the trace ``request`` asks for and store the plan as a preview, within
+    ``deadline_s`` (None: unbounded) and until ``cancelled`` is set (``estimator.deadline``).
 
     Raises:
         NotFoundError: no such app.
         ConflictError: the app changed while it was being planned.
-        InvalidValueError, EstimatorError: a request or a spec the planner cannot plan for.
+        InvalidValueError, EstimatorError: a request or a spec the planner cannot plan for
+            (``PlanningDeadlineError`` past the deadline, ``PlanningCancelledError`` once
+            cancelled).
     """
     record = store.get_app(app)
     resolved = resolver.resolve(record.spec)
     trace, stats = planning_trace(resolved, request)
-    plan = plan_app(resolved, trace, seed=request.seed)
+    with deadline.limit(deadline_s, cancelled):
+        plan = plan_app(resolved, trace, seed=request.seed)
     if store.get_app(app).version != record.version:
         raise ConflictError(f"app {app!r} changed while it was being planned; preview again")
     document = dataclasses.replace(plan, seed=request.seed, trace=stats).to_document()

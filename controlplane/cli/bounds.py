@@ -16,6 +16,7 @@ import numpy as np
 from controlplane.cli.common import load_inputs
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.parsers import EMPIRICAL_DRAWS, EMPIRICAL_SEED
+from estimator import deadline
 from estimator.batches import FixedBatch, KairosMix, kairos_batch_pmf, parse_batch_distribution
 from estimator.bounds import (
     SIMILARITY_TOP,
@@ -36,6 +37,15 @@ from estimator.search import kairos_plus
 def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise UsageError(f"--top must be >= 1, got {args.top}")
+    if not (math.isfinite(args.deadline_s) and args.deadline_s > 0):
+        raise UsageError(f"--deadline-s must be a number of seconds > 0, got {args.deadline_s}")
+    # A huge budget gives the ranking more mixes than any machine could list: the search stops
+    # at the deadline with a one-line reason (estimator.deadline), in bounded memory.
+    with deadline.limit(args.deadline_s):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     profiles, catalog = load_inputs(args)
     types = _candidate_types(args.types, profiles.instance_types(args.model))
     prices = {name: catalog.price_usd_per_hr(name) for name in types}

@@ -50,7 +50,8 @@ from controlplane.errors import ControlPlaneError, InvalidValueError
 from controlplane.loops.live_tuner import ResolveFn
 from controlplane.policies.lifecycle import InstanceState
 from controlplane.policies.planner import plan_app
-from controlplane.spec import ResolvedApp, SpecError
+from controlplane.spec import SpecError
+from estimator import deadline
 from estimator.errors import EstimatorError
 
 __all__ = ["DEFAULT_REPLAN_AFTER_S", "CapacityReplanner"]
@@ -60,6 +61,9 @@ logger = logging.getLogger(__name__)
 # How long a type of the applied plan must have been short of capacity before the app is
 # re-planned around it: a few reconcile ticks, so that a miss one retry fixes costs no plan.
 DEFAULT_REPLAN_AFTER_S = 60.0
+# One re-plan may run this long (the settings' plan_deadline_s default): past it, the reconcile
+# job goes on and the app is reported, as any plan that fails.
+DEFAULT_PLAN_DEADLINE_S = 60.0
 
 MissesFn = Callable[[str], Mapping[str, float]]
 """An app -> {instance type: seconds since its current run of capacity misses began}."""
@@ -78,6 +82,7 @@ class CapacityReplanner:
         misses: MissesFn,
         *,
         after_s: float = DEFAULT_REPLAN_AFTER_S,
+        deadline_s: float = DEFAULT_PLAN_DEADLINE_S,
     ) -> None:
         if not (math.isfinite(after_s) and after_s >= 0):
             raise ValueError(f"after_s must be finite and >= 0, got {after_s!r}")
@@ -85,6 +90,7 @@ class CapacityReplanner:
         self._resolve = resolve
         self._misses = misses
         self._after_s = float(after_s)
+        self._deadline_s = float(deadline_s)
         # Per app, the (plan id, app version, missing types) already tried: each is re-planned
         # (or reported) once; a change of the app (its budget, say) makes it worth another try.
         # Only the applied plan's keys are kept.
@@ -142,18 +148,15 @@ class CapacityReplanner:
             t: min(live.get(t, 0), own[t]) if t in own else live.get(t, 0) for t in sorted(missing)
         }
         max_counts = {**own, **caps}
-        capped = ResolvedApp(
-            resolved.spec.model_copy(update={"max_counts": max_counts}),
-            resolved.catalog,
-            resolved.profiles,
-            resolved.prices_usd_per_hr,
-            resolved.validation,
+        capped = dataclasses.replace(
+            resolved, spec=resolved.spec.model_copy(update={"max_counts": max_counts})
         )
         request = _planning_request(plan)
         rate = plan.plan.planned_rate_qps
         seed = request.seed
         trace, stats = planning_trace(capped, request)
-        new = plan_app(capped, trace, seed=seed)
+        with deadline.limit(self._deadline_s):
+            new = plan_app(capped, trace, seed=seed)
         names = ", ".join(sorted(missing))
         caps_text = ", ".join(f"{t} <= {n}" for t, n in caps.items())
         numbers: dict[str, Any] = {

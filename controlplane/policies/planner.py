@@ -29,6 +29,7 @@ from controlplane.policies.gears import Placement, plan_gears
 from controlplane.policies.plan import DispatchName, PlanDocument, StagePlan
 from controlplane.policies.replay import rate_per_instance_qps
 from controlplane.spec import ResolvedApp
+from estimator import deadline
 from estimator.bounds import KairosQuantities, Ranking, kairos_quantities, rank_configurations
 from estimator.cascades import answering_stage, with_sample_ids
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope, tuner_windows_s
@@ -161,6 +162,7 @@ class _Evaluator:
         return self.cache[key]
 
     def _simulate(self, fleet: dict[str, int], batch: int) -> tuple[float, float, DispatchName]:
+        deadline.check()  # a bounded preview stops between simulations
         name, stage = _simulated_stage(self.inputs, fleet, batch, self.trace.batch_size)
         result = simulate(
             self.trace,
@@ -236,12 +238,17 @@ def _start_fleet(
             (sizes, counts / counts.sum()),
         )
         caps = {t: inputs.max_counts[t] for t in q.type_names if t in inputs.max_counts}
-        try:
-            ranking = rank_configurations(
-                q, inputs.budget_usd_per_hr, caps, None, max_ranked=MAX_RANKED_MIXES
-            )
-        except SearchSpaceError:
+        if _mixes_estimate(q, inputs.budget_usd_per_hr, caps) > MAX_RANKED_MIXES:
+            # Far more mixes than can be ranked: straight to the doubling budgets (the full
+            # budget's enumeration would spend time and memory only to give up).
             ranking = _ranking_below(q, inputs.budget_usd_per_hr, caps, peak)
+        else:
+            try:
+                ranking = rank_configurations(
+                    q, inputs.budget_usd_per_hr, caps, None, max_ranked=MAX_RANKED_MIXES
+                )
+            except SearchSpaceError:
+                ranking = _ranking_below(q, inputs.budget_usd_per_hr, caps, peak)
     except (InfeasibleQoSError, BudgetError):
         best = max(names, key=lambda t: (value[t], t))
         return {best: 1}, (
@@ -267,6 +274,32 @@ def _start_fleet(
         )
     fleet = {t: n for t, n in ranking.fleet(index).items() if n}
     return fleet, why
+
+
+def _mixes_estimate(
+    q: KairosQuantities, budget_usd_per_hr: float, caps: Mapping[str, int]
+) -> float:
+    """About how many mixes ``budget_usd_per_hr`` affords: the smaller of the box of counts
+    (prod_t (cap_t + 1), cap_t = min(floor(B / P_t), max count)) and the volume of the simplex
+    sum_t n_t P_t <= B over the priced types (B^k / (k! prod_t P_t)), each type's count at least
+    1 wide. An estimate to skip a hopeless enumeration, never a bound the ranking relies on."""
+    box = 1.0
+    priced = []
+    for t in q.types:
+        price = t.price_usd_per_hr
+        cap = caps.get(t.instance_type)
+        most = math.inf if price <= 0 else math.floor(budget_usd_per_hr / price)
+        if cap is not None:
+            most = min(most, cap)
+        box *= (most + 1) if math.isfinite(most) else math.inf
+        if price > 0 and (cap is None or budget_usd_per_hr / price < cap):
+            priced.append(price)
+    volume = math.inf
+    if len(priced) == len(q.types):
+        volume = budget_usd_per_hr ** len(priced) / math.factorial(len(priced))
+        for price in priced:
+            volume /= price
+    return min(box, volume)
 
 
 def _ranking_below(
@@ -467,7 +500,24 @@ def _reach(
 def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _Setup:
     spec = app.spec
     order = spec.serving_order
-    slo_ms = spec.slo.latency_ms / len(order)
+    overhead_ms = app.serving_overhead_ms
+    if overhead_ms >= spec.slo.latency_ms:
+        raise InfeasibleSLOError(
+            order[0],
+            "the control plane's own path",
+            overhead_ms,
+            spec.slo.latency_ms,
+            spec.slo.percentile,
+        )
+    # The control plane's own time per query (measured by the service) comes off the SLO first:
+    # the stages share what is left.
+    slo_ms = (spec.slo.latency_ms - overhead_ms) / len(order)
+    if overhead_ms > 0:
+        steps.append(
+            f"the control plane's own time per query, {overhead_ms:.2f} ms as the service"
+            f" measured it (the API before the serving loop), is added to every query's"
+            f" simulated latency: the stages share the SLO less it"
+        )
     reach = _reach(app, trace, seed, slo_ms, steps)
     smallest, largest = int(trace.batch_size.min()), int(trace.batch_size.max())
     stages = []
@@ -706,6 +756,10 @@ def _pipeline_tail_ms(
             f"one simulation of the {len(plans)} stages together ({reach_text}), each with its"
             f" planned fleet, batch size and dispatch"
         )
+    # A constant added to every query shifts every percentile by itself.
+    tail_ms += app.serving_overhead_ms
+    if app.serving_overhead_ms > 0:
+        how += f", plus the control plane's own {app.serving_overhead_ms:.2f} ms per query"
     verdict = "within" if tail_ms <= slo.latency_ms else "ABOVE"
     steps.append(
         f"end to end: predicted P{slo.percentile:g} {tail_ms:.1f} ms on the planned"

@@ -492,8 +492,11 @@ def test_the_search_finds_the_exhaustive_top_and_respects_budget_and_caps(
     except BudgetError:
         return
     # Small blocks, so that the search prunes (one block of 65536 rows would hold everything).
+    # Small blocks also split one row's children into ranges of counts: the same mixes.
     with mock.patch("estimator.bounds._CHUNK_ROWS", data.draw(st.integers(1, 64))):
         searched = rank_configurations(q, budget, max_counts, top, rule=rule, method="bound")
+        chunked = rank_configurations(q, budget, max_counts, rule=rule, method="exhaustive")
+    assert chunked.counts.tolist() == full.counts.tolist()
     assert searched.counts.tolist() == full.counts[:top].tolist()
     assert searched.upper_bound_qps == pytest.approx(full.upper_bound_qps[:top], rel=1e-9)
     assert np.all(full.counts @ prices <= budget + slack)

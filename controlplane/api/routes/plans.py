@@ -7,9 +7,11 @@ another plan was applied, or it was applied already.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Query
+from fastapi import APIRouter, Body, Query, Request
 
 from controlplane.api.deps import Operator, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
@@ -55,24 +57,52 @@ def plan_request(body: PlanIn) -> PlanRequest:
     return PlanRequest(trace=trace, rate_qps=body.rate_qps, seed=body.seed)
 
 
+_DISCONNECT_POLL_S = 0.5
+
+
 @router.post(
     "/apps/{app}/plans",
     status_code=201,
     summary="Preview a plan for the app (operator): the planner on a planning trace",
     responses=errors(400, 401, 403, 404, 409, 422),
+    # The body is optional to FastAPI only so that a missing one is the 422 naming rate_qps;
+    # the document says what a client must send.
+    openapi_extra={"requestBody": {"required": True}},
 )
-def preview_plan(
+async def preview_plan(
     app: AppName,
     services: ServicesDep,
     _who: Operator,
+    http: Request,
     body: Annotated[PlanIn | None, Body(description="what to plan for")] = None,
 ) -> PlanOut:
     request = plan_request(body if body is not None else PlanIn())
+    # The planner runs in a thread, bounded by the settings' deadline (past it: 422 with the
+    # reason) and cancelled when the client goes away (checked every half second).
+    cancelled = threading.Event()
+    work = asyncio.ensure_future(
+        asyncio.to_thread(
+            plans.preview_plan,
+            services.store,
+            services.resolver,
+            app,
+            request,
+            deadline_s=services.settings.plan_deadline_s,
+            cancelled=cancelled,
+        )
+    )
     try:
-        record = plans.preview_plan(services.store, services.resolver, app, request)
+        while not work.done():
+            await asyncio.wait({work}, timeout=_DISCONNECT_POLL_S)
+            if not work.done() and await http.is_disconnected():
+                cancelled.set()
+        record = work.result()
     except PlanRequestError as error:
         # A request the schema let through that no trace can be made of is the caller's.
         raise ApiError(422, "invalid_request", str(error), error.field) from None
+    finally:
+        if not work.done():  # this request itself was cancelled (a shutdown): stop the planner
+            cancelled.set()
     return plan_out(record)
 
 
