@@ -166,6 +166,9 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8000, ge=1, le=65535)
     tuner_tick_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    # How long one plan (a preview, the capacity replanner's) may run before it is given up with
+    # a one-line reason (estimator.deadline).
+    plan_deadline_s: float = Field(default=60.0, gt=0, le=3600, allow_inf_nan=False)
     tuner_max_window_s: float = Field(
         default=60.0,
         ge=1,
@@ -207,6 +210,26 @@ class Settings(BaseSettings):
         default=10_000,
         ge=1,
         description="the roll-up keeps at most this many of an app's newest decisions",
+    )
+    disruption_max_instances: int = Field(
+        default=1,
+        ge=0,
+        description="the disruption budget: serving instances of an app a plan or tuner shrink"
+        " may drain per window, at least (the larger of this and the share counts)",
+    )
+    disruption_max_share: float = Field(
+        default=0.25,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="the disruption budget: share of an app's serving fleet a plan or tuner"
+        " shrink may drain per window (the larger of this and the count counts)",
+    )
+    disruption_window_s: float = Field(
+        default=60.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="the disruption budget's window, s",
     )
     ec2: Ec2Settings | None = None
 

@@ -1,6 +1,8 @@
 """``heteroplane demo``: the main job. It serves the control plane on the embedded defaults with
 the demo app registered, planned and served by local workers, and drives a demo load against it;
-``--offline`` is the estimator demo, with no service (:mod:`controlplane.cli.demo_offline`).
+``--offline`` is the estimator demo, with no service (:mod:`controlplane.cli.demo_offline`);
+``--down`` takes the demo app down (its workers stop) and exits
+(:func:`controlplane.service.demo.stop_demo`).
 
 What it makes sure of before serving, and what it prints, is the command's description
 (``heteroplane demo --help``), kept in :mod:`controlplane.cli.parsers` so that the help needs none
@@ -39,6 +41,7 @@ from controlplane.service.demo import (
     DemoState,
     prepare_demo,
     prepare_family,
+    stop_demo,
 )
 from controlplane.settings import load_settings
 
@@ -46,6 +49,10 @@ __all__ = ["run"]
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.down:
+        if args.offline:
+            raise UsageError("--down and --offline: choose one (the offline demo runs no workers)")
+        return _down(args)
     if args.offline:
         if args.profiles is None:
             args.profiles = DEMO_OFFLINE_PROFILES
@@ -112,6 +119,33 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         if load is not None:
             load.stop()
+
+
+def _down(args: argparse.Namespace) -> int:
+    """``demo --down``: the demo app drained and deleted, its workers stopped; exit status 1
+    when workers still run after the wait (what is left is said)."""
+    settings = load_settings(args.config)
+    configure_logging(args.log_level)
+    progress(
+        f"heteroplane demo --down: data in {settings.data_dir}, database"
+        f" {redact_url(settings.database_url)}, provisioner {settings.provisioner}"
+    )
+    service = build_service(settings)
+    try:
+        down = stop_demo(service, progress)
+    finally:
+        service.close()
+    if not down.done:
+        progress(
+            f"heteroplane demo --down: the demo's workers did not all stop in time; run it again"
+            f" (or see {settings.data_dir / 'workers'})"
+        )
+        return 1
+    if down.app_found or down.stopped:
+        progress(f"heteroplane demo --down: app {DEMO_APP!r} is down, its workers stopped")
+    else:
+        progress(f"heteroplane demo --down: no app {DEMO_APP!r} and no worker of it: nothing to do")
+    return 0
 
 
 def _check_family() -> None:
@@ -200,7 +234,8 @@ def _banner(state: DemoState, url: str, load: DemoLoad | None) -> str:
             f"    curl -sS {bearer} {url}/v1/apps/{DEMO_APP}",
             f"    curl -sS {bearer} {url}/v1/apps/{DEMO_APP}/plans",
             f"    {infer}",
-            "  Ctrl-C stops it; started again, it picks up where it stopped (the workers run on).",
+            "  Ctrl-C stops it; started again, it picks up where it stopped (the workers run on;"
+            " heteroplane demo --down stops them).",
             "",
         ]
     )

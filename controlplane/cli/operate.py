@@ -1,7 +1,8 @@
 """The operator's commands against a running service (REST API, docs/api.md):
 
 - ``heteroplane app apply -f spec.yaml`` (register, or replace the spec of an app that exists),
-  ``app list``, ``app get NAME``, ``app delete NAME [--force]``;
+  ``app list``, ``app get NAME``, ``app delete NAME [--force]``, ``app down NAME [--no-wait]``
+  (drain every instance, then delete the app; waits with a line per change of the fleet);
 - ``heteroplane plans preview --app APP --rate-qps R`` (or a gamma trace), ``plans list``,
   ``plans apply --app APP --id ID``: named ``plans`` because ``heteroplane plan`` is the offline
   planner on a spec file and a trace file;
@@ -19,6 +20,7 @@ commands start fast (docs/cli.md).
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 from controlplane.cli.client import (
@@ -27,11 +29,12 @@ from controlplane.cli.client import (
     client_from,
     table,
 )
-from controlplane.cli.output import emit
+from controlplane.cli.output import emit, progress
 
 __all__ = [
     "app_apply",
     "app_delete",
+    "app_down",
     "app_get",
     "app_list",
     "budget_get",
@@ -114,6 +117,58 @@ def app_delete(args: argparse.Namespace) -> int:
         client.delete(app_path(args.name), force="true" if args.force else None)
     return emit(
         args.json, {"deleted": args.name}, lambda: f"deleted app {args.name} and its history"
+    )
+
+
+def _fleet_line(fleet: dict[str, Any]) -> str:
+    """``3 instance(s) left: 2 terminating, 1 running``."""
+    states: dict[str, int] = {}
+    for row in fleet.get("by_type", []):
+        for state, n in row.get("states", {}).items():
+            states[state] = states.get(state, 0) + n
+    detail = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+    return f"{fleet.get('instances', 0)} instance(s) left" + (f": {detail}" if detail else "")
+
+
+def app_down(args: argparse.Namespace) -> int:
+    """``DELETE /v1/apps/NAME?drain=true``, then (unless ``--no-wait``) the app's fleet every
+    ``--poll-s`` until the app is gone (a 404), a line each time the fleet changes."""
+    name = args.name
+    with client_from(args) as client:
+        answer = client.delete(app_path(name), drain="true")
+        if answer is None:
+            return emit(
+                args.json,
+                {"app": name, "deleted": True},
+                lambda: f"app {name} had no live instance: deleted",
+            )
+        if args.no_wait:
+            return emit(args.json, {**answer, "deleted": False}, lambda: str(answer["message"]))
+        progress(str(answer["message"]))
+        deadline_s = time.monotonic() + args.wait_s
+        last = ""
+        while True:
+            try:
+                fleet = client.get(app_path(name, "fleet"))
+            except ApiClientError as error:
+                if error.status == 404:
+                    break
+                raise
+            line = _fleet_line(fleet)
+            if line != last:
+                progress(f"app {name}: {line}")
+                last = line
+            if time.monotonic() >= deadline_s:
+                raise ApiClientError(
+                    f"app {name} is still draining after {args.wait_s:g} s ({line}); the"
+                    f" service goes on: see heteroplane fleet --app {name}"
+                )
+            time.sleep(args.poll_s)
+    drained = len(answer.get("instances", []))
+    return emit(
+        args.json,
+        {"app": name, "deleted": True, "drained": drained},
+        lambda: f"app {name}: {drained} instance(s) drained; the app is deleted",
     )
 
 

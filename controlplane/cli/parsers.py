@@ -49,6 +49,7 @@ THRESHOLD_GRID: tuple[float, ...] = tuple(round(0.1 * k, 10) for k in range(1, 1
 ACCURACY_TOLERANCE = 0.005
 GEAR_RANGES = 8
 PLANNING_QUERIES = 20_000
+PEAK_WINDOW_S = 10.0
 PROFILE_REFERENCE_TYPE = "local.cpu"
 PROFILE_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16)
 PROFILE_SAMPLES = 30
@@ -67,6 +68,7 @@ LIBRARY_COPIES: dict[str, object] = {
     "controlplane.policies.cascade_choice.ACCURACY_TOLERANCE": ACCURACY_TOLERANCE,
     "controlplane.policies.gears.DEFAULT_RANGES": GEAR_RANGES,
     "controlplane.policies.planner.PLANNING_QUERIES": PLANNING_QUERIES,
+    "controlplane.policies.baselines.PEAK_WINDOW_S": PEAK_WINDOW_S,
     "controlplane.apps.profiler.REFERENCE_TYPE": PROFILE_REFERENCE_TYPE,
     "controlplane.apps.profiler.DEFAULT_BATCH_SIZES": PROFILE_BATCH_SIZES,
     "controlplane.apps.profiler.DEFAULT_SAMPLES": PROFILE_SAMPLES,
@@ -82,7 +84,7 @@ LIBRARY_COPIES: dict[str, object] = {
 # --- the command line's own defaults and choices (some implementations import them from here) --
 
 TRACE_KINDS = ("poisson", "gamma", "step", "ramp", "diurnal")
-REPLAY_POLICIES = ("tuner", "peak", "mean", "utilization")
+REPLAY_POLICIES = ("tuner", "static", "peak", "mean", "utilization")
 # The default thresholds of ``plan --pareto``: 0 (everyone answered at that stage, so the shorter
 # chains are on the front too) and the cascade grid.
 PARETO_GRID: tuple[float, ...] = (0.0, *THRESHOLD_GRID)
@@ -222,6 +224,10 @@ falls below it every few minutes, a line per period on stderr with the share of 
 within the SLO), so that the tuner grows and drains the fleet and the dashboard moves. Starting it
 again on the same data directory finds everything there and adds nothing.
 
+Stopped, it leaves its local workers running (a restart finds them). ``heteroplane demo --down``
+takes the demo down instead of serving it: the demo app drained (its workers stopped) and deleted
+on the same data directory, as ``heteroplane app down demo`` would; then it exits.
+
 ``heteroplane demo --offline`` is the estimator demo, with no service
 (:mod:`controlplane.cli.demo_offline`): rm2 on a GPU fleet and on a mixed fleet over a sweep of
 rates, with ``--profiles`` (the Kairos samples), ``--json``, ``--duration`` and ``--seed``.
@@ -272,6 +278,12 @@ def _demo(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--no-load", action="store_true", help="serve only: no demo load against the service"
+    )
+    parser.add_argument(
+        "--down",
+        action="store_true",
+        help="take the demo down instead: drain and delete the demo app, stop its local"
+        " workers (which a stopped demo leaves running), and exit",
     )
     parser.add_argument(
         "--profile-samples",
@@ -572,6 +584,14 @@ def _bounds(subparsers: Subparsers) -> None:
         help="--kairos-plus: queries per simulated probe (default 20000)",
     )
     parser.add_argument("--seed", type=int, default=0, help="--kairos-plus: random seed")
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="give up after S seconds with a one-line reason (default 60; a huge budget affords"
+        " more mixes than can be ranked)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=Handler("bounds", "run"))
 
@@ -595,36 +615,59 @@ def _plan(subparsers: Subparsers) -> None:
 def _replay(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "replay",
-        help="replay a trace through a plan's fleet under a scaling policy",
-        description="Replay a trace through the fleet of a plan document (heteroplane plan"
-        " --json) while a scaling policy changes it: InferLine's tuner, a reactive utilisation"
-        " autoscaler, or none (the plan's static fleet, as for the peak and mean baselines)."
-        " New instances serve after their boot time and cost from launch.",
+        help="replay a trace through a fleet under a scaling policy, or CG-Peak / CG-Mean",
+        description="Replay a trace through a fleet while a scaling policy changes it:"
+        " InferLine's tuner or a reactive utilisation autoscaler on the fleet of a plan document"
+        " (heteroplane plan --json), that plan's fleet unchanged (--policy static), or InferLine's"
+        " baselines CG-Peak and CG-Mean (--policy peak|mean), which plan for the trace's peak"
+        f" rate (most arrivals in any {PEAK_WINDOW_S:g} s window, --peak-window-s) or mean rate"
+        " themselves, on the planning trace scaled to that rate, and keep that fleet. New"
+        " instances serve after their boot time and cost from launch.",
     )
     parser.add_argument("--spec", required=True, type=Path, metavar="FILE", help="app spec YAML")
     parser.add_argument(
-        "--plan", required=True, type=Path, metavar="FILE", help="plan document (JSON)"
+        "--plan",
+        type=Path,
+        metavar="FILE",
+        help="plan document (JSON) for --policy tuner, utilization and static; peak and mean"
+        " make their own",
     )
     parser.add_argument("--trace", required=True, type=Path, metavar="FILE", help="trace CSV")
     parser.add_argument(
         "--tuner",
         choices=("on", "off"),
         default="on",
-        help="off: the plan's fleet never changes (default on)",
+        help="off: the plan's fleet never changes, as --policy static (default on)",
     )
     parser.add_argument(
         "--policy",
         choices=REPLAY_POLICIES,
         default=None,
-        help="tuner (InferLine, the default), peak or mean (the plan's static fleet: pass the"
-        " plan made for the trace's peak or mean rate), utilization (target tracking at 70%%)",
+        help="tuner (InferLine, the default), static (the plan's fleet, unchanged), peak or mean"
+        " (CG-Peak, CG-Mean: plan for the trace's peak or mean rate, then static), utilization"
+        " (target tracking at 70%%)",
     )
     parser.add_argument(
         "--planning-trace",
         type=Path,
         metavar="FILE",
-        help="the trace the tuner's planned envelope comes from (default: the replayed trace's"
-        " first 10%%)",
+        help="tuner: the trace its planned envelope comes from; peak, mean: the trace whose"
+        " arrivals, scaled to the rate, they plan on (default: the replayed trace's first 10%%)",
+    )
+    parser.add_argument(
+        "--tuner-model",
+        choices=("rho", "curve"),
+        default="rho",
+        help="how the tuner sizes the stage: rho (InferLine's one provisioning ratio, the"
+        " default) or curve (the planner's capacity at the live load, measured by planning the"
+        " planning trace at 0.5x-2x its rate; docs/tuner.md)",
+    )
+    parser.add_argument(
+        "--peak-window-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"--policy peak: the window of the peak rate (default {PEAK_WINDOW_S:g} s)",
     )
     parser.add_argument(
         "--dispatch",
@@ -1041,7 +1084,34 @@ def _app(subparsers: Subparsers) -> None:
         "--force", action="store_true", help="even with live instances (their rows only)"
     )
     delete.set_defaults(handler=Handler("operate", "app_delete"))
-    for action in (apply, listing, get, delete):
+    down = actions.add_parser(
+        "down",
+        help="take an app down: drain all its instances, then delete it (admin token)",
+        description="Ask the service to drain every instance of the app at once (the disruption"
+        " budget does not hold a teardown back) and to delete the app when none is left"
+        " (DELETE /v1/apps/NAME?drain=true), then wait for it to be gone, with a line each time"
+        " the fleet changes. Setting a budget again (budget set) calls a teardown off.",
+    )
+    down.add_argument("name", metavar="NAME")
+    down.add_argument(
+        "--no-wait", action="store_true", help="return once the teardown is asked for"
+    )
+    down.add_argument(
+        "--wait-s",
+        type=positive_number,
+        default=600.0,
+        metavar="S",
+        help="give up waiting after this long, s (the teardown goes on; default %(default)g)",
+    )
+    down.add_argument(
+        "--poll-s",
+        type=positive_number,
+        default=2.0,
+        metavar="S",
+        help="how often to look at the fleet while waiting, s (default %(default)g)",
+    )
+    down.set_defaults(handler=Handler("operate", "app_down"))
+    for action in (apply, listing, get, delete, down):
         add_client_options(action)
 
 

@@ -37,14 +37,23 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    terminated; the shortfall they leave is launched again in the same tick.
 5. **Fleet size.** Per type, the rows that are ``requested``, ``pending`` or ``running`` (the
    *kept* ones) are compared with the desired count. The excess goes first (rows not launched yet
-   first, then ``pending``, then ``running``; the newest first within each).
+   first, then ``pending``, then ``running``; the newest first within each). Two guards hold
+   back the excess that serves (docs/operations.md, "Budget changes that cannot take an app
+   down"): the last serving instance of each stage of the applied plan stays until another of
+   the stage serves (:func:`controlplane.policies.drain.spare_last_serving`), unless the budget
+   needs its cost for the launches that replace it; and the *disruption budget*
+   (:class:`controlplane.policies.disruption.DisruptionBudget`) caps how many serving instances
+   go per window, counting the ones that left in the window, least cost-effective first. What
+   either keeps is one :class:`DrainDeferred` action (one decision per episode).
 6. **Budget guard.** The kept fleet's cost (the recorded price of each kept row) must stay within
-   the app's budget. When it does not (the budget was lowered), the least cost-effective kept
-   instances are drained by :func:`controlplane.policies.drain.plan_drain` (lowest queries per
-   second per dollar first). A launch happens only if the kept cost plus its price stays within the
-   budget; shortfall types are launched most cost-effective first, first fit, and what does not fit
-   is one :class:`BudgetCapped` action. So after every tick, requested + pending + running <=
-   budget.
+   the app's budget, a hard limit: no guard above defers this drain. When it does not (the budget
+   was lowered), the least cost-effective kept instances are drained at once by
+   :func:`controlplane.policies.drain.plan_drain` (lowest queries per second per dollar first),
+   keeping the last instance of a stage when the budget can pay for it (the budget change was
+   not forced below the app's smallest serving fleet). A launch happens only if the kept cost
+   plus its price stays within the budget; shortfall types are launched most cost-effective
+   first, first fit, and what does not fit is one :class:`BudgetCapped` action. So after every
+   tick, requested + pending + running <= budget.
 7. **Launches** are one instance per request id (the database keeps one row per request id, the
    idempotency key): ``<prefix>-<n>`` with ``n`` one past the highest used by the app, so two
    reconcilers that see the same rows pick the same ids (and the store returns the first row). A
@@ -54,6 +63,10 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    to a launch of it that works, or until no row of it waits any more) is what
    :meth:`Reconciler.capacity_misses` reports; :mod:`controlplane.loops.capacity_replan` re-plans an
    app around a type that has missed for long enough.
+
+**Teardown** (``heteroplane app down``, :mod:`controlplane.apps.teardown`): every kept row is
+ended at once (cause ``teardown``; neither guard of rule 5 applies) and nothing is launched;
+once no row of the app is live, :meth:`Reconciler.reconcile_app` deletes the app.
 
 A ``desired`` of ``None`` means "no target": nothing is launched and nothing is terminated for
 being excess (liveness, stragglers, the budget guard and orphans still apply). The reconciler
@@ -79,16 +92,20 @@ import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
+from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.errors import ControlPlaneError
-from controlplane.policies.drain import DrainInstance, plan_drain
-from controlplane.policies.lifecycle import TERMINAL_STATES, InstanceState
+from controlplane.policies.disruption import DisruptionBudget
+from controlplane.policies.drain import DrainInstance, plan_drain, spare_last_serving
+from controlplane.policies.lifecycle import LIVE_STATES, TERMINAL_STATES, InstanceState
+from controlplane.settings import Settings
 from estimator.catalog import Catalog
+from estimator.errors import EstimatorError
 from provisioners.base import (
     APP_TAG,
     INSTANCE_TAG,
@@ -113,6 +130,7 @@ __all__ = [
     "AppPricing",
     "AppReport",
     "BudgetCapped",
+    "DrainDeferred",
     "Launch",
     "LaunchSkipped",
     "Mark",
@@ -123,6 +141,7 @@ __all__ = [
     "Terminate",
     "applied_plan_fleet",
     "catalog_pricing",
+    "disruption_budget",
     "reconcile",
     "request_prefix",
 ]
@@ -144,6 +163,7 @@ _BUDGET_SLACK_USD_PER_HR = 1e-9
 _S = InstanceState
 # The rows that count toward the fleet's size and its cost.
 _KEPT = frozenset({_S.REQUESTED, _S.PENDING, _S.RUNNING})
+_LIVE = LIVE_STATES
 # Which kept rows go first when a type has too many: not launched yet, booting, serving.
 _DROP_ORDER = {_S.REQUESTED: 0, _S.PENDING: 1, _S.RUNNING: 2}
 ORPHAN_REQUEST_PREFIX = "orphan:"
@@ -237,7 +257,30 @@ class LaunchSkipped:
     reason: str
 
 
-Action = Launch | Terminate | Mark | Adopt | Orphan | Report | BudgetCapped | LaunchSkipped
+@dataclass(frozen=True, slots=True)
+class DrainDeferred:
+    """Excess serving rows kept this tick (rule 5): ``cause`` is ``disruption`` (the disruption
+    budget of the window is spent: ``allowed`` more may go now, ``window_s``) or
+    ``last_instance`` (the last serving instance of a stage, kept until another serves)."""
+
+    instance_ids: tuple[str, ...]
+    cause: str
+    reason: str
+    allowed: int = 0
+    window_s: float = 0.0
+
+
+Action = (
+    Launch
+    | Terminate
+    | Mark
+    | Adopt
+    | Orphan
+    | Report
+    | BudgetCapped
+    | LaunchSkipped
+    | DrainDeferred
+)
 
 
 # --- the pure function -------------------------------------------------------------------------
@@ -304,6 +347,10 @@ def reconcile(
     unhealthy: Collection[str] = (),
     missing_grace_s: float = DEFAULT_MISSING_GRACE_S,
     held_types: Collection[str] = (),
+    stage_types: Mapping[str, Collection[str]] | None = None,
+    disruption: DisruptionBudget | None = None,
+    disrupted_in_window: int = 0,
+    teardown: bool = False,
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -316,8 +363,12 @@ def reconcile(
     rank by price alone).
     ``unhealthy``: provider ids the provider calls ``running`` whose worker failed the health
     probe (their rows stay ``pending``). ``held_types``: types not to launch now (backing off
-    after a launch error). The rules are the module docstring's; the actions come in the order
-    they must be carried out.
+    after a launch error). ``stage_types``: the applied plan's stages (name -> planned types),
+    whose last serving instances rule 5 and the budget guard keep. ``disruption``: the
+    disruption budget of rule 5 (``None``: none), with ``disrupted_in_window`` serving
+    instances of the app already moved out within its window. ``teardown``: end every kept row,
+    launch nothing. The rules are the module docstring's; the actions come in the order they
+    must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
@@ -327,17 +378,30 @@ def reconcile(
     values = qps_by_type or {}
     actions: list[Action] = []
     rows = [_Row(r, InstanceState(r.state), r.provider_id) for r in db_instances]
+    stages = stage_types or {}
     if observed is None:
-        _fit_budget([row for row in rows if row.state in _KEPT], budget_usd_per_hr, values, actions)
+        kept = [row for row in rows if row.state in _KEPT]
+        if teardown:
+            _tear_down(kept, actions)
+        else:
+            _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
         return actions
     _match(rows, observed, prices_usd_per_hr, actions)
     for row in rows:
         _follow_provider(row, now, straggler_timeout_s, missing_grace_s, unhealthy, actions)
     _replace_stragglers(rows, now, straggler_timeout_s, actions)
     kept = [row for row in rows if row.state in _KEPT]
+    if teardown:
+        _tear_down(kept, actions)
+        return actions
+    spared: list[_Row] = []
     if desired is not None:
-        kept = _drop_excess(kept, desired, actions)
-    kept = _fit_budget(kept, budget_usd_per_hr, values, actions)
+        kept, spared = _drop_excess(
+            kept, desired, values, stages, disruption, disrupted_in_window, actions
+        )
+    kept = _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
+    staying = {row.id for row in kept}
+    spared = [row for row in spared if row.id in staying]
     # Launches that failed retryably, or whose answer was lost: again, with the same request id.
     for row in kept:
         if row.state is _S.REQUESTED and not row.launched:
@@ -351,18 +415,49 @@ def reconcile(
                 )
             )
     if desired is not None:
-        _launch_shortfall(
-            kept,
-            desired,
-            rows,
-            prices_usd_per_hr,
-            budget_usd_per_hr,
-            values,
-            held_types,
-            request_prefix,
-            actions,
+        launches = functools.partial(
+            _launch_shortfall,
+            desired=desired,
+            rows=rows,
+            prices_usd_per_hr=prices_usd_per_hr,
+            budget_usd_per_hr=budget_usd_per_hr,
+            qps_by_type=values,
+            held_types=held_types,
+            prefix=request_prefix,
         )
+        planned = launches(kept)
+        if spared and any(isinstance(a, BudgetCapped) for a in planned):
+            spared_ids = {row.id for row in spared}
+            rest = [row for row in kept if row.id not in spared_ids]
+            instead = launches(rest)
+            if _launch_count(instead) > _launch_count(planned):
+                # Make-before-break needs room in the budget for both; without it, the plan
+                # (which fits the budget) wins over the last instance of the old mix: break,
+                # then make.
+                actions[:] = [
+                    a
+                    for a in actions
+                    if not (isinstance(a, DrainDeferred) and a.cause == "last_instance")
+                ]
+                _terminate(
+                    spared,
+                    "scale_down",
+                    "the budget needs its cost for the instances that replace it",
+                    actions,
+                )
+                planned = instead
+        actions.extend(planned)
     return actions
+
+
+def _launch_count(actions: Sequence[Action]) -> int:
+    return sum(1 for action in actions if isinstance(action, Launch))
+
+
+def _tear_down(kept: Sequence[_Row], actions: list[Action]) -> None:
+    """The teardown: every kept row goes at once."""
+    if kept:
+        _terminate(kept, "teardown", "app down: drain every instance, then delete the app", actions)
 
 
 def _match(
@@ -531,12 +626,32 @@ def _replace_stragglers(
         )
 
 
-def _drop_excess(kept: list[_Row], desired: Mapping[str, int], actions: list[Action]) -> list[_Row]:
-    """Rule 5: per type, end the kept rows beyond the desired count."""
+def _drain_instance(row: _Row) -> DrainInstance:
+    return DrainInstance(
+        row.id,
+        row.record.instance_type,
+        row.state.value,
+        row.record.price_usd_per_hr,
+        row.record.created_at,
+    )
+
+
+def _drop_excess(
+    kept: list[_Row],
+    desired: Mapping[str, int],
+    qps_by_type: Mapping[str, float],
+    stage_types: Mapping[str, Collection[str]],
+    disruption: DisruptionBudget | None,
+    disrupted_in_window: int,
+    actions: list[Action],
+) -> tuple[list[_Row], list[_Row]]:
+    """Rule 5: per type, end the kept rows beyond the desired count, but for the last serving
+    instance of a stage and what the disruption budget defers. The rows kept and, of them, the
+    ones spared as the last of their stage."""
     by_type: dict[str, list[_Row]] = defaultdict(list)
     for row in kept:
         by_type[row.record.instance_type].append(row)
-    dropped: list[_Row] = []
+    extra: dict[str, list[_Row]] = {}
     for instance_type in sorted(by_type):
         have = by_type[instance_type]
         excess = len(have) - desired.get(instance_type, 0)
@@ -550,41 +665,98 @@ def _drop_excess(kept: list[_Row], desired: Mapping[str, int], actions: list[Act
                 row.id,
             ),
         )
-        extra = order[:excess]
+        extra[instance_type] = order[:excess]
+    leaving = [row for rows in extra.values() for row in rows]
+    leaving_ids = {row.id for row in leaving}
+    spared_ids = set(
+        spare_last_serving(
+            [_drain_instance(row) for row in kept if row.id not in leaving_ids],
+            [_drain_instance(row) for row in leaving],
+            stage_types,
+        )
+    )
+    deferred_ids: set[str] = set()
+    if disruption is not None:
+        serving = [row for row in leaving if row.state is _S.RUNNING and row.id not in spared_ids]
+        serving_now = sum(1 for row in kept if row.state is _S.RUNNING)
+        allowed = disruption.remaining(serving_now, disrupted_in_window)
+        if len(serving) > allowed:
+            # The least cost-effective go first, as in the budget guard.
+            serving.sort(
+                key=lambda row: (
+                    _value_per_usd(
+                        row.record.instance_type, row.record.price_usd_per_hr, qps_by_type
+                    ),
+                    -row.record.price_usd_per_hr,
+                    -row.record.created_at.timestamp(),
+                    row.id,
+                )
+            )
+            deferred = serving[allowed:]
+            deferred_ids = {row.id for row in deferred}
+            actions.append(
+                DrainDeferred(
+                    tuple(row.id for row in deferred),
+                    "disruption",
+                    f"the disruption budget allows"
+                    f" {disruption.allowance(serving_now + disrupted_in_window)} of"
+                    f" {serving_now + disrupted_in_window} serving instance(s) drained per"
+                    f" {disruption.window_s:g} s ({disrupted_in_window} in this window,"
+                    f" {allowed} now); the rest go later",
+                    allowed=allowed,
+                    window_s=disruption.window_s,
+                )
+            )
+    if spared_ids:
+        actions.append(
+            DrainDeferred(
+                tuple(sorted(spared_ids)),
+                "last_instance",
+                "the last serving instance of a stage stays until another of the stage serves",
+            )
+        )
+    dropped: set[str] = set()
+    for instance_type, rows in extra.items():
+        going = [row for row in rows if row.id not in spared_ids and row.id not in deferred_ids]
+        if not going:
+            continue
         _terminate(
-            extra,
+            going,
             "scale_down",
-            f"{instance_type}: {len(have)} kept, {desired.get(instance_type, 0)} desired",
+            f"{instance_type}: {len(by_type[instance_type])} kept,"
+            f" {desired.get(instance_type, 0)} desired",
             actions,
         )
-        dropped.extend(extra)
-    gone = {row.id for row in dropped}
-    return [row for row in kept if row.id not in gone]
+        dropped.update(row.id for row in going)
+    remaining = [row for row in kept if row.id not in dropped]
+    return remaining, [row for row in remaining if row.id in spared_ids]
 
 
 def _fit_budget(
     kept: list[_Row],
     budget_usd_per_hr: float,
     qps_by_type: Mapping[str, float],
+    stage_types: Mapping[str, Collection[str]],
     actions: list[Action],
 ) -> list[_Row]:
-    """Rule 6, the drain: the least cost-effective kept rows go until the rest fits."""
-    drain = plan_drain(
-        [
-            DrainInstance(
-                row.id,
-                row.record.instance_type,
-                row.state.value,
-                row.record.price_usd_per_hr,
-                row.record.created_at,
-            )
-            for row in kept
-        ],
-        budget_usd_per_hr,
-        qps_by_type,
-    )
+    """Rule 6, the drain: the least cost-effective kept rows go until the rest fits; the last
+    instance of a stage stays when the budget can pay for it."""
+    instances = [_drain_instance(row) for row in kept]
+    drain = plan_drain(instances, budget_usd_per_hr, qps_by_type)
     if not drain.drain:
         return kept
+    if stage_types:
+        going = {c.id for c in drain.drain}
+        staying = [i for i in instances if i.id not in going]
+        emptied = any(
+            any(i.instance_type in types for i in instances)
+            and not any(i.instance_type in types for i in staying)
+            for types in stage_types.values()
+        )
+        if emptied:
+            keeping = plan_drain(instances, budget_usd_per_hr, qps_by_type, stage_types=stage_types)
+            if keeping.kept_cost_usd_per_hr <= budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
+                drain = keeping
     chosen = {candidate.id for candidate in drain.drain}
     rows = [row for row in kept if row.id in chosen]
     _terminate(
@@ -599,6 +771,7 @@ def _fit_budget(
 
 def _launch_shortfall(
     kept: list[_Row],
+    *,
     desired: Mapping[str, int],
     rows: Sequence[_Row],
     prices_usd_per_hr: Mapping[str, float],
@@ -606,9 +779,9 @@ def _launch_shortfall(
     qps_by_type: Mapping[str, float],
     held_types: Collection[str],
     prefix: str,
-    actions: list[Action],
-) -> None:
+) -> list[Action]:
     """Rules 6 and 7: launch what is missing, most cost-effective first, while it fits."""
+    actions: list[Action] = []
     have = Counter(row.record.instance_type for row in kept)
     committed = float(sum(row.record.price_usd_per_hr for row in kept))
     wanted: list[tuple[str, float]] = []
@@ -643,6 +816,7 @@ def _launch_shortfall(
         ordinal += 1
     if capped:
         actions.append(BudgetCapped(dict(sorted(capped.items())), committed, budget_usd_per_hr))
+    return actions
 
 
 # --- what the reconciler is told ---------------------------------------------------------------
@@ -691,6 +865,37 @@ def _any_type(_instance_type: str) -> str | None:
     return None
 
 
+_DEFAULT_DISRUPTION = DisruptionBudget()
+
+
+def disruption_budget(settings: Settings) -> DisruptionBudget:
+    """The disruption budget the settings give (``disruption_max_instances``,
+    ``disruption_max_share``, ``disruption_window_s``)."""
+    return DisruptionBudget(
+        max_instances=settings.disruption_max_instances,
+        max_share=settings.disruption_max_share,
+        window_s=settings.disruption_window_s,
+    )
+
+
+# A serving instance moved to one of these counts against the disruption budget.
+_DISRUPTED = frozenset({_S.DRAINING.value, _S.TERMINATING.value})
+
+
+def _stage_types(store: Store, app: str) -> dict[str, list[str]]:
+    """The applied plan's stages (name -> the types it plans); empty without one, or when the
+    plan does not read (then no stage is guarded)."""
+    plan = store.get_applied_plan(app)
+    if plan is None:
+        return {}
+    try:
+        stages = plan.plan.stages
+    except EstimatorError as error:
+        logger.warning("reconcile %s: the applied plan's stages do not read: %s", app, error)
+        return {}
+    return {stage.name: [t for t, n in stage.fleet.items() if n > 0] for stage in stages}
+
+
 # --- the reconciler ----------------------------------------------------------------------------
 
 
@@ -725,7 +930,8 @@ class Reconciler:
     ``pricing`` gives each app's prices and Q_t; ``launchable`` says which types the provisioner
     can launch (a plan that names any other is not launched, with one decision saying so);
     ``probe`` checks that the worker of an instance the provider calls running answers (None:
-    the provider's ``running`` is taken as healthy).
+    the provider's ``running`` is taken as healthy); ``disruption`` is the disruption budget of
+    rule 5 (``None``: voluntary drains are not rate-limited).
     """
 
     def __init__(
@@ -741,6 +947,7 @@ class Reconciler:
         straggler_timeout_s: float = DEFAULT_STRAGGLER_TIMEOUT_S,
         missing_grace_s: float = DEFAULT_MISSING_GRACE_S,
         launch_backoff_s: float = DEFAULT_LAUNCH_BACKOFF_S,
+        disruption: DisruptionBudget | None = _DEFAULT_DISRUPTION,
     ) -> None:
         self.store = store
         self.provisioner = provisioner
@@ -754,6 +961,7 @@ class Reconciler:
         self.straggler_timeout_s = straggler_timeout_s
         self.missing_grace_s = missing_grace_s
         self.launch_backoff_s = launch_backoff_s
+        self.disruption = disruption
         # (app, instance type) -> monotonic time before which it is not launched again.
         self._held_until_s: dict[tuple[str, str], float] = {}
         self._reported: set[str] = set()
@@ -855,6 +1063,7 @@ class Reconciler:
             for (name, t), until in self._held_until_s.items()
             if name == app.name and until > now_s
         }
+        teardown = teardown_requested(self.store, app)
         actions = reconcile(
             desired,
             rows,
@@ -868,6 +1077,10 @@ class Reconciler:
             unhealthy=self._unhealthy(rows, observed or ()),
             missing_grace_s=self.missing_grace_s,
             held_types=held,
+            stage_types=_stage_types(self.store, app.name),
+            disruption=self.disruption,
+            disrupted_in_window=self._disrupted_in_window(app.name, now),
+            teardown=teardown,
         )
         errors = _Errors()
         launches = [a for a in actions if isinstance(a, Launch)]
@@ -876,7 +1089,31 @@ class Reconciler:
                 self._carry_out(app, action, errors)
         if launches:
             self._launch(app, launches, errors)
+        if teardown and observed is not None:
+            self._delete_if_drained(app.name, errors)
         return AppReport(app.name, tuple(actions), tuple(errors))
+
+    def _disrupted_in_window(self, app: str, now: datetime) -> int:
+        """Serving instances of ``app`` moved out of service within the disruption window."""
+        if self.disruption is None:
+            return 0
+        since = now - timedelta(seconds=self.disruption.window_s)
+        events = self.store.list_instance_events(app=app, since=since)
+        return sum(
+            1 for e in events if e.from_state == _S.RUNNING.value and e.to_state in _DISRUPTED
+        )
+
+    def _delete_if_drained(self, app: str, errors: _Errors) -> None:
+        """The teardown's end: once no instance of ``app`` is live, the app goes."""
+        if self.store.list_instances(app, states=[s.value for s in _LIVE]):
+            return
+        try:
+            self.store.delete_app(app)
+        except ControlPlaneError as error:  # deleted meanwhile, or a launch raced in
+            logger.warning("reconcile %s: not deleted after the teardown: %s", app, error)
+            errors.append(str(error))
+            return
+        logger.info("reconcile %s: every instance drained; the app is deleted (app down)", app)
 
     # --- carrying actions out ------------------------------------------------------------------
 
@@ -931,6 +1168,20 @@ class Reconciler:
                 f"{action.count} x {action.instance_type} not launched: {action.reason}",
                 {"instance_type": action.instance_type, "count": action.count},
                 key=action.instance_type,
+            )
+        elif isinstance(action, DrainDeferred):
+            # One decision per episode (keyed by cause), however many ticks it lasts.
+            self.store.record_decision(
+                app.name,
+                "drain_deferred",
+                f"{len(action.instance_ids)} serving instance(s) not drained yet: {action.reason}",
+                {
+                    "cause": action.cause,
+                    "instance_ids": list(action.instance_ids),
+                    "allowed_now": action.allowed,
+                    "window_s": action.window_s,
+                },
+                key=action.cause,
             )
         elif isinstance(action, Report):
             logger.warning("reconcile %s: %s %s", app.name, action.provider_id, action.reason)

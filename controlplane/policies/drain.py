@@ -19,6 +19,13 @@ type serves, returning a decision (:class:`DrainPlan`); the reconciler acts on i
   drained. The kept cost may then stay above the budget; the caller checks the budget against
   :func:`serving_floor` first, and a forced change passes no stages (everything may go).
 
+A shrink of the fleet (a plan or the tuner wanting fewer instances) keeps the last *serving*
+instance of each stage the same way (:func:`spare_last_serving`): when the instances that stay
+leave a stage that serves now with no ``running`` instance of its planned types (those that stay
+may still be booting), the best running one of those leaving (the cheapest, then the oldest)
+stays until another serves. Only a teardown (``heteroplane app down``) or a budget that cannot
+pay for it (the budget is a hard limit) takes a stage's last instance.
+
 The app's smallest serving fleet (:func:`serving_floor`) is one instance of the cheapest planned
 type on every stage: F = sum over stages s of min over the types t planned on s of P_t.
 
@@ -37,6 +44,8 @@ type on every stage: F = sum over stages s of min over the types t planned on s 
 (0.166, 'one t3.xlarge per stage')
 >>> [c.id for c in plan_drain(fleet, 0.1, {}, stage_types={"m": ["t3.xlarge"]}).drain]
 ['a']
+>>> spare_last_serving([], fleet, {"m": ["t3.xlarge", "g4dn.xlarge"]})
+('b',)
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ __all__ = [
     "plan_drain",
     "qps_by_type",
     "serving_floor",
+    "spare_last_serving",
 ]
 
 _LEAVING = frozenset({InstanceState.DRAINING, InstanceState.TERMINATING})
@@ -159,6 +169,31 @@ def _keepers(kept: list[DrainInstance], stage_types: Mapping[str, Collection[str
                 )
             )
     return {i.id for i in chosen}
+
+
+def spare_last_serving(
+    staying: Iterable[DrainInstance],
+    leaving: Iterable[DrainInstance],
+    stage_types: Mapping[str, Collection[str]],
+) -> tuple[str, ...]:
+    """The ids of the instances of ``leaving`` to keep so that no stage that serves now is left
+    without a serving instance (see the module docstring): for each stage (name -> its planned
+    types) with no ``running`` instance of its types among ``staying`` nor among those spared
+    already, the running one of ``leaving`` on its types that is cheapest, then oldest. A stage
+    with no running instance in ``leaving`` either is left as it is (nothing of it serves)."""
+    running = InstanceState.RUNNING.value
+    staying_types = {i.instance_type for i in staying if i.state == running}
+    candidates = [i for i in leaving if i.state == running]
+    spared: list[DrainInstance] = []
+    for types in stage_types.values():
+        if staying_types.intersection(types) or any(i.instance_type in types for i in spared):
+            continue
+        serving = [i for i in candidates if i.instance_type in types]
+        if serving:
+            spared.append(
+                min(serving, key=lambda i: (i.price_usd_per_hr, i.created_at.timestamp(), i.id))
+            )
+    return tuple(i.id for i in spared)
 
 
 def _value_per_usd(qps: float, price_usd_per_hr: float) -> float:

@@ -41,6 +41,12 @@ admin. Registering and planning run the same code as ``POST /v1/apps``, ``POST
 /v1/apps/demo/plans`` and ``POST .../apply`` do, on the service's own resolver and store, before
 the API is served: once the service answers, the demo app is there.
 
+``heteroplane demo --down`` (:func:`stop_demo`) takes the demo app down the way ``heteroplane app
+down`` does (:mod:`controlplane.apps.teardown`), on the same database, running the reconciler
+itself until the app is gone and its provisioner runs no worker of it: the workers that a stopped
+demo leaves running (they run in sessions of their own) stop, and the next ``heteroplane demo``
+registers and plans the app again.
+
 The demo load (:class:`DemoLoad`) is ``controlplane.clients.loadgen`` in a background thread against
 the service itself: Poisson arrivals whose rate follows a day-like curve compressed into
 :data:`LOAD_PERIOD_S` (from a fifth of :data:`LOAD_MEAN_QPS` up to 1.8 times it), one period
@@ -54,6 +60,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +74,7 @@ from controlplane.api.deps import Services
 from controlplane.apps import plans, profiler
 from controlplane.apps.plans import PlanRequest, TraceRequest
 from controlplane.apps.resolver import spec_document
+from controlplane.apps.teardown import request_teardown
 from controlplane.clients import loadgen
 from controlplane.db.store import AppRecord, PlanRecord, Principal, Store
 from controlplane.errors import AppExistsError, NotFoundError
@@ -79,6 +87,7 @@ from estimator.catalog import default_catalog
 from estimator.errors import EstimatorError
 from estimator.profiles import load_profiles, write_profiles_json
 from estimator.traces import Trace, diurnal_profile, renewal_arrivals
+from provisioners.base import APP_TAG, MANAGED_TAG
 from provisioners.worker.emulation import compute_document
 
 __all__ = [
@@ -96,6 +105,7 @@ __all__ = [
     "PROFILE_SAMPLES",
     "TOKEN_FILE",
     "TOKEN_NAME",
+    "DemoDown",
     "DemoFamily",
     "DemoLoad",
     "DemoState",
@@ -109,6 +119,7 @@ __all__ = [
     "load_trace",
     "prepare_demo",
     "prepare_family",
+    "stop_demo",
 ]
 
 DEMO_APP = "demo"
@@ -614,3 +625,72 @@ def _write_private(path: Path, text: str) -> None:
         if descriptor != -1:
             os.close(descriptor)
     partial.replace(path)
+
+
+# --- taking the demo down ----------------------------------------------------------------------
+
+# The provider states of a worker whose process still runs (a failed one has exited).
+_RUNNING_STATES = frozenset({"pending", "running", "stopping"})
+
+
+@dataclass(frozen=True, slots=True)
+class DemoDown:
+    """What :func:`stop_demo` did: whether the app was there, the workers it stopped, and
+    whether everything was gone within the time allowed."""
+
+    app_found: bool
+    stopped: int
+    done: bool
+
+
+def _demo_workers(service: Service) -> int:
+    """Workers of the demo app the provisioner still runs (pending, running or stopping)."""
+    listed = service.provisioner.list({MANAGED_TAG: "true", APP_TAG: DEMO_APP})
+    return sum(1 for instance in listed if instance.state in _RUNNING_STATES)
+
+
+def _app_exists(store: Store) -> bool:
+    try:
+        store.get_app(DEMO_APP)
+    except NotFoundError:
+        return False
+    return True
+
+
+def stop_demo(
+    service: Service,
+    say: Callable[[str], None],
+    *,
+    wait_s: float = 120.0,
+    poll_s: float = 0.5,
+    sleep: Callable[[float], None] = time.sleep,
+) -> DemoDown:
+    """Take the demo app down on ``service`` (built, not served): mark it for teardown (or
+    delete it, when it has no live instance), then run the reconciler every ``poll_s`` until the
+    app is gone and the provisioner lists no worker of it (a worker whose app is gone already is
+    a stray the reconciler stops too), for at most ``wait_s``; a line through ``say`` each time
+    what is left changes."""
+    found = _app_exists(service.store)
+    if found:
+        teardown = request_teardown(service.store, DEMO_APP, who="demo --down")
+        say(teardown.describe())
+    first = _demo_workers(service)
+    if not found:
+        say(f"no app {DEMO_APP!r} in the database; {first} worker(s) of it still run")
+    deadline_s = time.monotonic() + wait_s
+    last = ""
+    while True:
+        service.reconciler.run_once()
+        app_there = _app_exists(service.store)
+        workers = _demo_workers(service)
+        if not app_there and workers == 0:
+            return DemoDown(found, first, True)
+        line = f"{workers} worker(s) still running" + (
+            "; the app is deleted when none is left" if app_there else ""
+        )
+        if line != last:
+            say(line)
+            last = line
+        if time.monotonic() >= deadline_s:
+            return DemoDown(found, first, False)
+        sleep(poll_s)

@@ -1,4 +1,5 @@
-"""``/v1/apps``: register, list, read, replace and delete apps.
+"""``/v1/apps``: register, list, read, replace and delete apps (``?drain=true``: take it down,
+:mod:`controlplane.apps.teardown`).
 
 The body of ``POST`` and ``PUT`` is the app spec document (docs/app-spec.md), checked with
 :func:`controlplane.spec.validate_spec` and against its catalog and profiles (relative paths
@@ -10,12 +11,14 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Query, Response
+from fastapi.responses import JSONResponse
 
 from controlplane.api.deps import Admin, Operator, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
 from controlplane.api.routes import AppName, errors
-from controlplane.api.schemas import AppOut
+from controlplane.api.schemas import AppOut, InstanceOut, TeardownOut
 from controlplane.apps.resolver import spec_document
+from controlplane.apps.teardown import request_teardown
 from controlplane.db.store import AppRecord
 
 __all__ = ["SPEC_BODY_MARK", "app_out", "router"]
@@ -79,16 +82,50 @@ def replace_app(
 @router.delete(
     "/apps/{app}",
     status_code=204,
-    summary="Delete an app and its history (admin); refused while it has live instances",
-    responses=errors(401, 403, 404, 409, 422),
+    summary="Delete an app and its history (admin); refused while it has live instances,"
+    " unless drain=true (drain them, then delete: 202) or force=true",
+    responses={
+        202: {
+            "model": TeardownOut,
+            "description": "drain=true and the app has live instances: the reconciler drains"
+            " them at once and deletes the app when none is left",
+        },
+        **errors(401, 403, 404, 409, 422),
+    },
 )
 def delete_app(
     app: AppName,
     services: ServicesDep,
-    _who: Admin,
+    who: Admin,
     force: Annotated[
-        bool, Query(description="delete even with live instances (their rows only)")
+        bool,
+        Query(description="delete even with live instances (their rows only; they run on)"),
+    ] = False,
+    drain: Annotated[
+        bool,
+        Query(
+            description="take the app down: drain its live instances, then delete it (202"
+            " while they drain; 204 when it had none)"
+        ),
     ] = False,
 ) -> Response:
-    services.store.delete_app(app, force=force)
-    return Response(status_code=204)
+    if force and drain:
+        raise ApiError(
+            422,
+            "invalid_request",
+            "drain and force: choose one (drain stops the instances, then deletes the app;"
+            " force deletes the app's rows and leaves its instances running)",
+            "drain",
+        )
+    if not drain:
+        services.store.delete_app(app, force=force)
+        return Response(status_code=204)
+    teardown = request_teardown(services.store, app, who.name)
+    if teardown.deleted:
+        return Response(status_code=204)
+    body = TeardownOut(
+        app=app,
+        instances=[InstanceOut.model_validate(i) for i in teardown.live],
+        message=teardown.describe(),
+    )
+    return JSONResponse(status_code=202, content=body.model_dump(mode="json"))
