@@ -22,6 +22,7 @@ from controlplane.api.errors import ApiError, unauthorized
 from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
 from controlplane.db.store import Principal, Store
+from controlplane.loops.leadership import Leadership
 from controlplane.loops.scheduler import Scheduler
 from controlplane.policies.auth import Scope, scope_allows
 from controlplane.settings import Settings
@@ -48,6 +49,7 @@ class Services:
     requests: RequestCounter
     scheduler: Scheduler | None = None
     serving: ServingLoop | None = None
+    leadership: Leadership | None = None
 
 
 def get_services(request: Request) -> Services:

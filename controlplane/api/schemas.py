@@ -13,7 +13,15 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from controlplane.apps.plans import DEFAULT_TRACE_QUERIES
 from controlplane.policies.planner import PLANNING_QUERIES
@@ -49,6 +57,7 @@ __all__ = [
     "ServingTotalsOut",
     "ServingWorkerOut",
     "StageOut",
+    "TeardownOut",
     "TimingsOut",
     "TraceIn",
     "TraceStatsOut",
@@ -64,9 +73,22 @@ _MAX_REASON = 500
 
 # strict: "3" is not a budget and true is not a rate (ints are accepted where floats are).
 _REQUEST = ConfigDict(extra="forbid", strict=True, frozen=True)
+
 # Responses are built from the store's records by attribute (`Out.model_validate(record)`), not
 # copied field by field.
 _RESPONSE = ConfigDict(frozen=True, from_attributes=True)
+
+
+def _whole_number(value: object) -> object:
+    """JSON has one number type, and JSON Schema's ``integer`` is any number with a zero
+    fractional part: 7.0 is the integer 7 (and 7.5 stays a float, which strict mode refuses)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer field of a request: strict (true and "7" are not integers), but 7.0 is 7.
+_WholeNumber = Annotated[int, BeforeValidator(_whole_number)]
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -105,6 +127,11 @@ class HealthOut(BaseModel):
     status: Literal["ok"] = "ok"
     version: str
     scheduler_running: bool
+    role: Literal["leader", "standby"] = Field(
+        description="leader: this replica holds the leader lease and runs the periodic jobs;"
+        " standby: it serves the API and inference and takes over when the leader goes"
+        " (docs/service.md, 'Replicas and the leader lease')"
+    )
 
 
 # --- apps ------------------------------------------------------------------------------------
@@ -132,7 +159,14 @@ class TraceIn(BaseModel):
     with ``cv2``), with batch sizes from ``batch_dist`` (``heteroplane trace generate``'s
     syntax)."""
 
-    model_config = _REQUEST
+    # The document says what the check below enforces: a poisson trace (the default kind) has
+    # cv2 = 1. The bound on rate_qps x duration_s is past what a JSON Schema can say.
+    model_config = _REQUEST | ConfigDict(
+        json_schema_extra={
+            "if": {"properties": {"kind": {"const": "poisson"}}},
+            "then": {"properties": {"cv2": {"const": 1.0}}},
+        }
+    )
 
     kind: Literal["poisson", "gamma"] = "poisson"
     rate_qps: float = Field(gt=0, le=MAX_RATE_QPS, allow_inf_nan=False)
@@ -157,7 +191,7 @@ class TraceIn(BaseModel):
         description="fixed:N, kairos, lognormal:mu=M,sigma=S[,...] or gaussian:mean=M,sd=S[,...]"
         " (default: fixed at the smallest batch size every profile of the app has)",
     )
-    seed: int = Field(default=0, ge=0, le=_MAX_SEED)
+    seed: _WholeNumber = Field(default=0, ge=0, le=_MAX_SEED)
 
     @model_validator(mode="after")
     def _check(self) -> TraceIn:
@@ -176,11 +210,19 @@ class TraceIn(BaseModel):
 class PlanIn(BaseModel):
     """What to plan for: a generated ``trace``, or just a ``rate_qps`` (a Poisson trace)."""
 
-    model_config = _REQUEST
+    # Exactly one of the two, as the document says (null is as good as absent).
+    model_config = _REQUEST | ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["trace"], "properties": {"trace": {"type": "object"}}},
+                {"required": ["rate_qps"], "properties": {"rate_qps": {"type": "number"}}},
+            ]
+        }
+    )
 
     trace: TraceIn | None = None
     rate_qps: float | None = Field(default=None, gt=0, le=MAX_RATE_QPS, allow_inf_nan=False)
-    seed: int = Field(default=0, ge=0, le=_MAX_SEED, description="the planner's seed")
+    seed: _WholeNumber = Field(default=0, ge=0, le=_MAX_SEED, description="the planner's seed")
 
     @model_validator(mode="after")
     def _check(self) -> PlanIn:
@@ -339,6 +381,18 @@ class InstanceOut(BaseModel):
     updated_at: datetime
 
 
+class TeardownOut(BaseModel):
+    """``DELETE /v1/apps/{app}?drain=true`` on an app with live instances (202): they are being
+    drained; the app is deleted when none is left."""
+
+    model_config = _RESPONSE
+
+    app: str
+    status: Literal["draining"] = "draining"
+    instances: list[InstanceOut] = Field(description="the live instances being drained")
+    message: str
+
+
 class FleetTypeOut(BaseModel):
     model_config = _RESPONSE
 
@@ -438,27 +492,34 @@ class InferIn(BaseModel):
         description=f"1..{MAX_INFER_SAMPLES} samples, each {INFER_FEATURES} pixel values in"
         f" 0..{INFER_PIXEL_MAX:g}",
     )
-    sample_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
+    # The bounds before the validator: pydantic leaves constraints that follow a
+    # BeforeValidator out of the JSON Schema (they would still be enforced, undocumented).
+    sample_ids: list[
+        Annotated[int, Field(ge=0, le=2**31 - 1), BeforeValidator(_whole_number)]
+    ] | None = Field(
         default=None,
         description="which validation sample each input is (bookkeeping: the observed accuracy)",
     )
     requirements: RequirementsIn | None = None
 
-    @model_validator(mode="after")
-    def _ids_match_inputs(self) -> InferIn:
-        if self.sample_ids is not None and len(self.sample_ids) != len(self.inputs):
-            raise ValueError(
-                f"sample_ids has {len(self.sample_ids)} ids for {len(self.inputs)} inputs"
-            )
-        return self
+    @field_validator("sample_ids")
+    @classmethod
+    def _one_id_per_input(
+        cls, sample_ids: list[int] | None, info: ValidationInfo
+    ) -> list[int] | None:
+        # A field validator (inputs is checked first), so that the error names sample_ids.
+        inputs = info.data.get("inputs")
+        if sample_ids is not None and inputs is not None and len(sample_ids) != len(inputs):
+            raise ValueError(f"has {len(sample_ids)} ids for {len(inputs)} inputs; give one each")
+        return sample_ids
 
 
 class TimingsOut(BaseModel):
     model_config = _RESPONSE
 
     queue_ms: float = Field(
-        description="waiting: the API before the serving loop, admission, the stages' queues"
-        " (total_ms - service_ms)"
+        description="waiting: admission, the stages' queues, the serving loop"
+        " (total_ms - service_ms - api_ms)"
     )
     service_ms: float = Field(
         description="round trips of the batches that carried the samples"
@@ -469,6 +530,11 @@ class TimingsOut(BaseModel):
         description="the round trips less the workers' own service time (network, the agents)"
     )
     compute_ms: float = Field(description="the workers' own service time (their served_ms)")
+    api_ms: float = Field(
+        default=0.0,
+        description="the API before the serving loop: its receipt of the request to the dispatch"
+        " (parsing, the token check, validation, the event loop's own queue)",
+    )
 
 
 class InferOut(BaseModel):
@@ -513,10 +579,14 @@ class ServingStageOut(BaseModel):
 
 class ServingLatencyOut(BaseModel):
     """The answered queries' mean time per stage since the service started (null before the
-    first answer): total_ms = queue_ms + transport_ms + compute_ms."""
+    first answer): total_ms = api_ms + queue_ms + transport_ms + compute_ms. ``overhead_ms``
+    is the control plane's overhead per query the planner adds to every query's simulated
+    latency (the median api_ms the calibration loop stored; null before it measured one)."""
 
     model_config = _RESPONSE
 
+    api_ms: float | None = None
+    overhead_ms: float | None = None
     queue_ms: float | None
     transport_ms: float | None
     compute_ms: float | None

@@ -4,7 +4,9 @@ counters and the scheduler's lifetime around the parts it is handed.
 A factory with no module-level state: the composition root (``heteroplane serve``, or a test)
 builds the settings, the store, the clock and the scheduler and passes them in; each call
 returns an independent app. The lifespan starts the serving loop and the scheduler (when given)
-and stops them, waiting for running jobs, when the server stops. Routes are under ``/v1`` except
+and stops them, waiting for running jobs, when the server stops. With a leader lease
+(:class:`~controlplane.loops.leadership.Leadership`), the lifespan runs the lease instead, which
+starts the scheduler only while this replica is the leader. Routes are under ``/v1`` except
 ``/healthz``, ``/metrics`` and the dashboard (``/dashboard``: :mod:`controlplane.dashboard`,
 signed in with a token kept in a cookie, not in the OpenAPI document); the OpenAPI document is
 at ``/openapi.json`` (and a browsable page at ``/docs``).
@@ -31,6 +33,7 @@ from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
 from controlplane.dashboard import install_dashboard
 from controlplane.db.store import Store
+from controlplane.loops.leadership import Leadership
 from controlplane.loops.scheduler import Scheduler
 from controlplane.serving.loop import ServingLoop
 from controlplane.settings import Settings
@@ -53,10 +56,12 @@ def create_app(
     scheduler: Scheduler | None = None,
     serving: ServingLoop | None = None,
     resolver: AppResolver | None = None,
+    leadership: Leadership | None = None,
 ) -> FastAPI:
     """The API over ``store``; ``scheduler`` and ``serving`` (if any) run while the app is
     served (without a serving loop the inference route answers 503). ``resolver`` is the
-    service's one (the loops', carrying the calibrated profiles); a new one by default."""
+    service's one (the loops', carrying the calibrated profiles); a new one by default. With
+    ``leadership``, the scheduler runs only while this replica holds the leader lease."""
     services = Services(
         settings=settings,
         store=store,
@@ -65,6 +70,7 @@ def create_app(
         requests=RequestCounter(),
         scheduler=scheduler,
         serving=serving,
+        leadership=leadership,
     )
 
     @asynccontextmanager
@@ -73,13 +79,20 @@ def create_app(
             await serving.start()
         try:
             if scheduler is not None:
-                scheduler.start()
+                if leadership is not None:
+                    # Its first round may wait on the database: off the event loop.
+                    await run_in_threadpool(leadership.start, scheduler)
+                else:
+                    scheduler.start()
             try:
                 yield
             finally:
                 if scheduler is not None:
                     # Waits for running jobs: off the event loop, which still serves the shutdown.
-                    await run_in_threadpool(scheduler.shutdown, True)
+                    if leadership is not None:
+                        await run_in_threadpool(leadership.stop)
+                    else:
+                        await run_in_threadpool(scheduler.shutdown, True)
         finally:
             if serving is not None:
                 await serving.stop()

@@ -21,6 +21,14 @@ periodic replan job) and the FastAPI app around them. The online calibration
 gear switcher; the one resolver (shared with the API) reads the calibration factors from the
 store, so every resolved app carries the calibrated profiles.
 
+Replicas (docs/service.md, "Replicas and the leader lease"): every job body is fenced by the
+replica's :class:`~controlplane.loops.leadership.Leadership`, whose lock is a PostgreSQL advisory
+lock (:class:`~controlplane.db.lease.AdvisoryLock`) or, on SQLite, the lone replica's
+(:class:`~controlplane.loops.leadership.SoleLock`; the database file's ``flock``,
+:func:`~controlplane.db.lease.lock_sqlite_database`, taken before anything else, keeps a second
+process out). The API's lifespan runs the lease, which starts the scheduler on the leader only;
+the serving loop runs on every replica (it reads the fleet from the database).
+
 The reconciler learns each app's prices and Q_t (for the budget guard's ranking) from the app's
 resolved spec (:func:`spec_pricing`), and which types it may launch from the provisioner: the
 local provisioner runs only the emulated types (``emu.*``, and ``local.cpu``), so a plan naming
@@ -32,16 +40,29 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI
 
-from controlplane.apps.resolver import AppResolver, ScaleSource, smallest_common_batch_size
+from controlplane.apps.resolver import (
+    AppResolver,
+    OverheadSource,
+    ScaleSource,
+    smallest_common_batch_size,
+)
 from controlplane.clock import Clock, SystemClock
 from controlplane.db import migrate
+from controlplane.db.lease import (
+    AdvisoryLock,
+    SqliteFileLock,
+    lock_sqlite_database,
+    migration_lock,
+)
 from controlplane.db.store import AppRecord, Store
 from controlplane.errors import NotFoundError
 from controlplane.loops.calibration import ProfileCalibrator
 from controlplane.loops.capacity_replan import CapacityReplanner
+from controlplane.loops.leadership import LeaderLock, Leadership, SoleLock
 from controlplane.loops.live_gears import LiveGears
 from controlplane.loops.live_tuner import LiveTuner, ResolveFn
 from controlplane.loops.reconciler import (
@@ -51,10 +72,12 @@ from controlplane.loops.reconciler import (
     PricingFn,
     Reconciler,
     ReconcileReport,
+    disruption_budget,
 )
 from controlplane.loops.rollup import make_rollup
 from controlplane.loops.scheduler import JobBodies, Scheduler, service_schedule
 from controlplane.policies.calibration import CalibrationRule
+from controlplane.policies.disruption import DisruptionBudget
 from controlplane.policies.drain import qps_by_type
 from controlplane.service.app import create_app
 from controlplane.service.provisioning import build_provisioner
@@ -69,6 +92,7 @@ from provisioners.local import LocalProvisioner
 __all__ = [
     "Service",
     "build_calibrator",
+    "build_leadership",
     "build_live_gears",
     "build_live_tuner",
     "build_reconciler",
@@ -94,14 +118,22 @@ class Service:
     provisioner: Provisioner
     reconciler: Reconciler
     serving: ServingLoop | None = None
+    leadership: Leadership | None = None
+    database_lock: SqliteFileLock | None = None
 
     def close(self) -> None:
-        """Stop the jobs and release the database. The provisioner's instances are left running
-        (a restarted service finds them again by their tags)."""
+        """Stop the jobs, give up the leader lease and release the database. The provisioner's
+        instances are left running (a restarted service finds them again by their tags)."""
+        if self.leadership is not None:
+            self.leadership.stop()
         self.scheduler.shutdown(wait=True)
         if isinstance(self.provisioner, LocalProvisioner):
             self.provisioner.close()
         self.store.close()
+        if self.leadership is not None and isinstance(self.leadership.lock, AdvisoryLock):
+            self.leadership.lock.close()
+        if self.database_lock is not None:
+            self.database_lock.close()
 
 
 def spec_pricing(resolver: AppResolver) -> PricingFn:
@@ -151,9 +183,13 @@ def build_reconciler(
     provisioner: Provisioner,
     resolver: AppResolver,
     desired_fleet: DesiredFleet | None = None,
+    *,
+    disruption: DisruptionBudget | None = None,
 ) -> Reconciler:
     """The reconciler over ``provisioner``, pricing apps from their specs (through
-    ``resolver``); ``desired_fleet`` is the live tuner's (default: each app's applied plan)."""
+    ``resolver``); ``desired_fleet`` is the live tuner's (default: each app's applied plan);
+    ``disruption`` bounds its voluntary drains (default: the reconciler's)."""
+    extra: dict[str, Any] = {} if disruption is None else {"disruption": disruption}
     return Reconciler(
         store,
         provisioner,
@@ -161,6 +197,7 @@ def build_reconciler(
         spec_pricing(resolver),
         desired_fleet=desired_fleet,
         launchable=launchable_types(provisioner),
+        **extra,
     )
 
 
@@ -206,6 +243,20 @@ def stored_scales(store: Store) -> ScaleSource:
     return scales
 
 
+def stored_overhead(store: Store) -> OverheadSource:
+    """An app's measured control-plane overhead per query from ``store`` (None for an app not
+    registered or not measured yet)."""
+
+    def overhead(app: str) -> float | None:
+        try:
+            found = store.get_serving_overhead(app)
+        except NotFoundError:
+            return None
+        return None if found is None else found.overhead_ms
+
+    return overhead
+
+
 def build_calibrator(
     settings: Settings,
     store: Store,
@@ -230,6 +281,7 @@ def build_calibrator(
         recalibrated,
         observations.forget_batch_times,
         CalibrationRule(settings.calibration_min_batches, settings.calibration_threshold),
+        observations.api_times_ms,
     )
 
 
@@ -243,10 +295,12 @@ def build_scheduler(
     live_gears: LiveGears | None = None,
     replanner: CapacityReplanner | None = None,
     calibrator: ProfileCalibrator | None = None,
+    leadership: Leadership | None = None,
 ) -> Scheduler:
     """The service's periodic jobs at the settings' periods (reconcile idles without a
     reconciler, and re-plans around missing capacity after its tick when there is a replanner;
-    the roll-up records the serving loop's windows when there is one)."""
+    the roll-up records the serving loop's windows when there is one). With ``leadership``,
+    each job runs only while the replica holds the leader lease (its fence)."""
     window = serving.take_window if serving is not None else None
     rollup = make_rollup(
         store,
@@ -277,7 +331,16 @@ def build_scheduler(
                     logger.info("calibration %s: %s", drift.app, drift.calibration)
 
         bodies = dataclasses.replace(bodies, tuner_tick=tuner_tick)
+    if leadership is not None:
+        bodies = leadership.fence(bodies)
     return Scheduler(service_schedule(settings, bodies))
+
+
+def build_leadership(settings: Settings) -> Leadership:
+    """The replica's leader lease: a PostgreSQL advisory lock, or on SQLite the lone replica's
+    lock (always held: the database file's lock keeps a second process out)."""
+    lock: LeaderLock = AdvisoryLock(settings.database_url) if settings.is_postgresql else SoleLock()
+    return Leadership(lock)
 
 
 def _log_report(report: ReconcileReport) -> None:
@@ -295,31 +358,71 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
     """Migrate the database and wire the service (nothing runs until the app is served)."""
     clock = clock if clock is not None else SystemClock()
     settings.ensure_data_dir()
-    migrate.upgrade(settings.database_url)
-    store = Store.from_url(settings.database_url, clock)
+    # First: a second process on a SQLite file stops here, before it migrates anything.
+    database_lock = lock_sqlite_database(settings.database_url)
+    try:
+        with migration_lock(settings.database_url):
+            migrate.upgrade(settings.database_url)
+        store = Store.from_url(settings.database_url, clock)
+    except BaseException:
+        if database_lock is not None:
+            database_lock.close()
+        raise
     try:
         provisioner = build_provisioner(settings)
+        leadership = build_leadership(settings)
     except BaseException:
         store.close()
+        if database_lock is not None:
+            database_lock.close()
         raise
     # One resolver for the serving loop and the background jobs: it is thread-safe, and its
     # cache (keyed by the spec) then loads each app's profile files once, not once per part.
-    resolver = AppResolver(settings.data_dir, scales=stored_scales(store))
+    resolver = AppResolver(
+        settings.data_dir, scales=stored_scales(store), overheads=stored_overhead(store)
+    )
     serving = ServingLoop(store, resolver, ProvisionedInstances(store, provisioner), clock=clock)
     live_tuner = build_live_tuner(settings, store, clock, serving, resolver)
     live_gears = build_live_gears(store, clock, serving, resolver)
     serving.gears = live_gears.gear
-    reconciler = build_reconciler(store, clock, provisioner, resolver, live_tuner.desired_fleet)
+    reconciler = build_reconciler(
+        store,
+        clock,
+        provisioner,
+        resolver,
+        live_tuner.desired_fleet,
+        disruption=disruption_budget(settings),
+    )
     replanner = CapacityReplanner(
         store,
         stored_apps(resolver),
         reconciler.capacity_misses,
         after_s=settings.capacity_replan_after_s,
+        deadline_s=settings.plan_deadline_s,
     )
     calibrator = build_calibrator(settings, store, serving, resolver, live_tuner)
     scheduler = build_scheduler(
-        settings, store, clock, reconciler, serving, live_tuner, live_gears, replanner, calibrator
+        settings,
+        store,
+        clock,
+        reconciler,
+        serving,
+        live_tuner,
+        live_gears,
+        replanner,
+        calibrator,
+        leadership,
     )
     # The API resolves through the same resolver, so a plan preview sees the calibrated profiles.
-    app = create_app(settings, store, clock, scheduler, serving, resolver)
-    return Service(settings, store, scheduler, app, provisioner, reconciler, serving)
+    app = create_app(settings, store, clock, scheduler, serving, resolver, leadership)
+    return Service(
+        settings,
+        store,
+        scheduler,
+        app,
+        provisioner,
+        reconciler,
+        serving,
+        leadership,
+        database_lock,
+    )

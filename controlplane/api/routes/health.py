@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -70,18 +70,27 @@ _REGISTRY_STATE = "metrics_registry"
 @router.get("/healthz", summary="Liveness: the service answers (no token needed)")
 def healthz(services: ServicesDep) -> HealthOut:
     scheduler = services.scheduler
+    leadership = services.leadership
     return HealthOut(
         version=__version__,
         scheduler_running=scheduler is not None and scheduler.running,
+        # Without a lease the service is alone (an app built for a test): it leads.
+        role=leadership.role if leadership is not None else "leader",
     )
 
 
 @router.get(
     "/metrics",
-    summary="Prometheus metrics per app (viewer)",
-    response_class=PlainTextResponse,
+    summary="Prometheus metrics per app (viewer); without a token, the API's JSON 401",
+    # Response, not PlainTextResponse: the route's media type is the one FastAPI gives the
+    # error answers in the OpenAPI document, and those are JSON like every other route's (a
+    # scraper sends its token: Prometheus' `authorization` with `credentials_file`).
+    response_class=Response,
     responses={
-        200: {"content": {PROMETHEUS_TEXT: {"schema": {"type": "string"}}}},
+        200: {
+            "description": "the metrics, Prometheus text format 0.0.4",
+            "content": {PROMETHEUS_TEXT: {"schema": {"type": "string"}}},
+        },
         **errors(401, 403, 503),
     },
 )
@@ -292,7 +301,7 @@ class ServingCollector:
                     buckets.append((_bound_s(bound_ms), cumulative))
                 total_s = totals.latency_outcome_sum_ms.get(outcome.value, 0.0) / 1000.0
                 latency.add_metric([app, outcome.value], buckets, total_s)
-            for part in ("queue", "transport", "compute"):
+            for part in ("api", "queue", "transport", "compute"):
                 stage_s.add_metric([app, part], totals.latency_sum_ms.get(part, 0.0) / 1000.0)
             for model, count in sorted(totals.samples_by_model.items()):
                 samples.add_metric([app, model], count)

@@ -1,0 +1,305 @@
+"""The database's side of "who runs the background jobs": the leader lock on PostgreSQL, the
+one-process rule on SQLite.
+
+- **PostgreSQL** (:class:`AdvisoryLock`): a *session-level* advisory lock
+  (``pg_try_advisory_lock(key)``) taken on a connection of its own, kept open and out of any pool.
+  PostgreSQL holds such a lock for as long as the session lives and releases it when the session
+  ends, however it ends: an unlock, a clean close, or the client's death (``kill -9``: the kernel
+  closes the socket, the server's backend reads end-of-file and exits). So the lock is exactly
+  "this process is alive and connected", with no home-made protocol over a table, no clock
+  comparison to trust. :meth:`AdvisoryLock.check` runs ``SELECT 1`` on that connection: while
+  it answers, the session (hence the lock) is ours. The connection has TCP keepalives and a TCP
+  user timeout, so a check on a connection the network has silently dropped fails within seconds
+  instead of hanging; and the server ends the session once it has been idle
+  :data:`LOCK_IDLE_SESSION_TIMEOUT_S` (``idle_session_timeout``, PostgreSQL 14+), which frees the
+  lock of a leader that stopped checking (frozen, or cut off) while its socket still looks open.
+- **PostgreSQL migrations** (:func:`migration_lock`): a second advisory key, taken with the
+  blocking ``pg_advisory_lock`` around ``alembic upgrade``, so replicas that start together
+  migrate one after the other.
+- **SQLite** (:class:`SqliteFileLock`): SQLite serves one replica. ``flock`` on
+  ``<database>.lock`` next to the file, held for the life of the process (the kernel drops it
+  when the process dies, ``kill -9`` included); a second process on the same file gets a
+  :class:`~controlplane.errors.DatabaseError` naming the holder's pid.
+
+docs/service.md, "Replicas and the leader lease", says what this buys and what it does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import URL, Connection, Engine, create_engine, text
+from sqlalchemy.exc import ProgrammingError, SQLAlchemyError
+from sqlalchemy.pool import NullPool
+
+from controlplane.db.session import CONNECT_TIMEOUT_S, parse_url, redact_url
+from controlplane.errors import DatabaseError
+
+__all__ = [
+    "LEADER_LOCK_KEY",
+    "LOCK_APPLICATION_NAME",
+    "LOCK_IDLE_SESSION_TIMEOUT_S",
+    "LOCK_STATEMENT_TIMEOUT_MS",
+    "MIGRATION_LOCK_KEY",
+    "AdvisoryLock",
+    "SqliteFileLock",
+    "advisory_key",
+    "lock_sqlite_database",
+    "migration_lock",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def advisory_key(name: str) -> int:
+    """A signed 64-bit advisory-lock key for ``name`` (the first 8 bytes of its SHA-256), so
+    that our keys are unlikely to meet another application's on a shared database.
+
+    >>> advisory_key("heteroplane.leader") == advisory_key("heteroplane.leader")
+    True
+    >>> -(2**63) <= advisory_key("heteroplane.leader") < 2**63
+    True
+    """
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+
+
+LEADER_LOCK_KEY = advisory_key("heteroplane.leader")
+MIGRATION_LOCK_KEY = advisory_key("heteroplane.migrations")
+# What pg_stat_activity shows for the lock's connection (docs/service.md: "who is leader?").
+LOCK_APPLICATION_NAME = "heteroplane-leader-lease"
+
+# libpq settings of the lock's connection. Keepalives after 5 s idle, every 2 s, 3 missed:
+# a peer that vanished without a FIN is noticed in about 11 s; tcp_user_timeout (ms) bounds how
+# long a check may wait on unacknowledged data.
+_LOCK_CONNECT_ARGS: dict[str, Any] = {
+    "connect_timeout": CONNECT_TIMEOUT_S,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 5000,
+}
+# The leader lock's statements answer at once; a slower answer is a failed check.
+LOCK_STATEMENT_TIMEOUT_MS = 5000
+# The server ends a leader-lock session idle this long (PostgreSQL 14+: idle_session_timeout),
+# freeing the lock of a leader that stopped checking (frozen, stopped, cut off without a FIN)
+# while its socket still looks open. A live replica runs a statement every TRY_EVERY_S (2 s).
+LOCK_IDLE_SESSION_TIMEOUT_S = 10
+
+
+def _lock_engine(url: str | URL, application_name: str, statement_timeout_ms: int) -> Engine:
+    # NullPool: the connection is ours alone, never handed back to a pool (where another
+    # checkout would hold our session lock) and never silently replaced by a fresh one.
+    return create_engine(
+        parse_url(url),
+        poolclass=NullPool,
+        isolation_level="AUTOCOMMIT",
+        connect_args={
+            **_LOCK_CONNECT_ARGS,
+            "application_name": application_name,
+            "options": f"-c statement_timeout={int(statement_timeout_ms)}",
+        },
+    )
+
+
+class AdvisoryLock:
+    """A PostgreSQL session-level advisory lock on a dedicated connection (thread-safe).
+
+    A standby keeps its connection open between tries (one backend per replica, not one per
+    try); a connection that fails is closed and made again at the next try.
+    """
+
+    def __init__(
+        self,
+        url: str | URL,
+        key: int = LEADER_LOCK_KEY,
+        *,
+        application_name: str = LOCK_APPLICATION_NAME,
+    ) -> None:
+        parsed = parse_url(url)
+        if parsed.get_backend_name() != "postgresql":
+            raise DatabaseError(f"advisory locks need PostgreSQL, not {redact_url(parsed)!r}")
+        self.key = key
+        self._where = redact_url(parsed)
+        self._engine = _lock_engine(parsed, application_name, LOCK_STATEMENT_TIMEOUT_MS)
+        self._connection: Connection | None = None
+        self._held = False
+        self._mutex = threading.Lock()
+
+    @property
+    def held(self) -> bool:
+        """Whether the last try or check found the lock ours (no database round trip)."""
+        with self._mutex:
+            return self._held
+
+    def try_acquire(self) -> bool:
+        """Take the lock if no other session holds it; True when it is ours after the call."""
+        with self._mutex:
+            if self._held:
+                return self._check_locked()
+            try:
+                if self._connection is None:
+                    self._connection = self._connect()
+                got = self._connection.execute(
+                    text("SELECT pg_try_advisory_lock(:key)"), {"key": self.key}
+                ).scalar_one()
+            except SQLAlchemyError as error:
+                logger.warning("leader lock: cannot reach %s: %s", self._where, _first_line(error))
+                self._drop_locked()
+                return False
+            self._held = bool(got)
+            return self._held
+
+    def check(self) -> bool:
+        """Whether the lock is still ours: ``SELECT 1`` on its connection answers. A failed
+        check closes the connection (PostgreSQL has ended, or will end, the session and so
+        released the lock)."""
+        with self._mutex:
+            return self._check_locked()
+
+    def release(self) -> None:
+        """Unlock (when held) and close the connection; safe to call at any time."""
+        with self._mutex:
+            if self._connection is not None and self._held:
+                with contextlib.suppress(SQLAlchemyError):
+                    self._connection.execute(
+                        text("SELECT pg_advisory_unlock(:key)"), {"key": self.key}
+                    )
+            self._drop_locked()
+
+    def close(self) -> None:
+        """Release, and dispose of the engine."""
+        self.release()
+        self._engine.dispose()
+
+    def _connect(self) -> Connection:
+        connection = self._engine.connect()
+        try:
+            connection.execute(
+                text(f"SET idle_session_timeout = '{int(LOCK_IDLE_SESSION_TIMEOUT_S)}s'")
+            )
+        except ProgrammingError:
+            # PostgreSQL 13 and older have no such setting: a frozen leader then keeps the
+            # lock until TCP gives up on it (docs/service.md).
+            logger.info("leader lock: %s has no idle_session_timeout", self._where)
+        return connection
+
+    def _check_locked(self) -> bool:
+        if not self._held or self._connection is None:
+            return False
+        try:
+            self._connection.execute(text("SELECT 1")).scalar_one()
+        except SQLAlchemyError as error:
+            logger.error(
+                "leader lock: its connection to %s failed: %s", self._where, _first_line(error)
+            )
+            self._drop_locked()
+            return False
+        return True
+
+    def _drop_locked(self) -> None:
+        connection, self._connection = self._connection, None
+        self._held = False
+        if connection is not None:
+            # A broken connection cannot roll back: invalidate first, then close quietly.
+            with contextlib.suppress(Exception):
+                connection.invalidate()
+            with contextlib.suppress(Exception):
+                connection.close()
+
+
+@contextlib.contextmanager
+def migration_lock(url: str | URL) -> Iterator[None]:
+    """Hold the migrations' advisory lock (waiting for it) on PostgreSQL while the block runs;
+    nothing on SQLite (one process: :class:`SqliteFileLock`)."""
+    parsed = parse_url(url)
+    if parsed.get_backend_name() != "postgresql":
+        yield
+        return
+    # No statement timeout: the lock waits for another replica's migration, however long.
+    engine = _lock_engine(parsed, "heteroplane-migrations", 0)
+    try:
+        try:
+            connection = engine.connect()
+            connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+        except SQLAlchemyError as error:
+            raise DatabaseError(
+                f"cannot lock {redact_url(parsed)} for migrating: {_first_line(error)}"
+            ) from None
+        try:
+            yield
+        finally:
+            with contextlib.suppress(SQLAlchemyError):
+                connection.execute(
+                    text("SELECT pg_advisory_unlock(:key)"), {"key": MIGRATION_LOCK_KEY}
+                )
+            with contextlib.suppress(SQLAlchemyError):
+                connection.close()
+    finally:
+        engine.dispose()
+
+
+class SqliteFileLock:
+    """An exclusive ``flock`` on ``path`` for the life of this object (see the module
+    docstring); :meth:`close` releases it. The file holds the holder's pid, for the message."""
+
+    def __init__(self, path: Path, database: Path) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            holder = _read_pid(fd)
+            os.close(fd)
+            if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise DatabaseError(f"cannot lock {path}: {error.strerror or error}") from None
+            who = f" (pid {holder})" if holder else ""
+            raise DatabaseError(
+                f"another heteroplane process{who} already serves the SQLite database"
+                f" {database}: SQLite serves one replica; stop it, or use PostgreSQL for"
+                " standby replicas (docs/service.md)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd: int | None = fd
+
+    def close(self) -> None:
+        """Release the lock (the file stays; the next holder overwrites its pid)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def lock_sqlite_database(url: str | URL) -> SqliteFileLock | None:
+    """The one-process lock of the SQLite file ``url`` names (None for PostgreSQL and for an
+    in-memory SQLite database); the file's folder is created when missing."""
+    parsed = parse_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    database = Path(parsed.database).resolve()
+    try:
+        database.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise DatabaseError(f"cannot create {database.parent}: {error.strerror or error}") from None
+    return SqliteFileLock(database.with_name(database.name + ".lock"), database)
+
+
+def _read_pid(fd: int) -> str:
+    try:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

@@ -1,0 +1,321 @@
+"""Replicas of ``heteroplane serve``: a leader and a standby on one PostgreSQL database, and the
+SQLite single-replica rule.
+
+- The PostgreSQL advisory lock itself (:class:`~controlplane.db.lease.AdvisoryLock`): one session
+  holds it, and it is free once that session's connection is gone.
+- Two real ``serve`` processes on one PostgreSQL database with the EC2 provisioner against a moto
+  server (the cloud both replicas share): exactly one says ``leader`` on ``/healthz``; an app
+  registered, planned and applied through the *standby* is launched by the leader; the leader is
+  killed with SIGKILL; the standby becomes leader and reconciles (an instance terminated behind
+  the control plane's back is replaced); at the end the cloud runs exactly the plan's instances,
+  each one recorded once in the database (no duplicate launch, no orphan).
+- A second ``serve`` on the SQLite file another one serves exits at once with one line.
+
+Everything waits by polling with a deadline; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from controlplane.db.lease import AdvisoryLock, lock_sqlite_database
+from controlplane.db.session import make_engine
+from controlplane.errors import DatabaseError
+from provisioners.base import APP_TAG
+from tests.conftest import needs_shared
+from tests.integration.moto_server import (
+    REGION,
+    Ec2Network,
+    aws_env,
+    ec2_network,
+    moto_server,
+    needs_moto,
+)
+from tests.integration.test_serve import REPO, Server, rm2_spec, service_env
+
+__all__ = ["aws_env", "ec2_network", "moto_server"]  # fixtures, imported for pytest
+
+APP = "rm2-kairos"
+TOKEN_CREATE = (sys.executable, "-m", "controlplane", "token", "create")
+# Launches, a takeover (the lease is tried every 2 s) and a replacement: generous on a busy host.
+DEADLINE_S = 180.0
+POLL_S = 0.25
+
+T = TypeVar("T")
+
+
+def wait_for(what: str, probe: Callable[[], T | None], diagnose: Callable[[], str]) -> T:
+    """Poll ``probe`` until it returns something other than None (returned), or fail after
+    DEADLINE_S naming ``what`` with ``diagnose()``."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        found = probe()
+        if found is not None:
+            return found
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {DEADLINE_S:g} s:\n{diagnose()}")
+        time.sleep(POLL_S)
+
+
+# --- the lock ---------------------------------------------------------------------------------
+
+
+def test_the_advisory_lock_has_one_holder_and_is_freed_with_its_session(postgres_url: str) -> None:
+    first, second = AdvisoryLock(postgres_url), AdvisoryLock(postgres_url)
+    engine = make_engine(postgres_url)
+    try:
+        assert first.try_acquire() and first.check() and first.held
+        assert first.try_acquire()  # already ours
+        assert not second.try_acquire() and not second.check()
+        # The holder's connection goes (what a kill -9 of its process does to it).
+        with engine.connect() as admin:
+            ended = admin.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE application_name = 'heteroplane-leader-lease'"
+                    " AND pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory'"
+                    " AND granted)"
+                )
+            ).all()
+        assert [row[0] for row in ended] == [True]
+        assert not first.check() and not first.held
+        assert wait_for("takeover", lambda: True if second.try_acquire() else None, str)
+        assert not first.try_acquire()  # it reconnects, and finds the lock taken
+        second.release()
+        assert first.try_acquire()
+    finally:
+        first.close()
+        second.close()
+        engine.dispose()
+
+
+def test_a_holder_that_stops_checking_loses_the_lock(postgres_url: str) -> None:
+    """A frozen leader (its socket open, no statement sent) loses the lock once PostgreSQL ends
+    its idle session (idle_session_timeout on the lock's connection)."""
+    frozen, standby = AdvisoryLock(postgres_url), AdvisoryLock(postgres_url)
+    try:
+        assert frozen.try_acquire() and not standby.try_acquire()
+        assert wait_for("takeover", lambda: True if standby.try_acquire() else None, str)
+        assert not frozen.check()  # when it wakes up, its fence finds the lock gone
+    finally:
+        frozen.close()
+        standby.close()
+
+
+def test_one_process_per_sqlite_file(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'data' / 'heteroplane.db'}"
+    held = lock_sqlite_database(url)
+    assert held is not None
+    try:
+        with pytest.raises(DatabaseError, match="SQLite serves one replica") as refused:
+            lock_sqlite_database(url)
+        assert "\n" not in str(refused.value)
+    finally:
+        held.close()
+    again = lock_sqlite_database(url)
+    assert again is not None
+    again.close()
+    assert lock_sqlite_database("sqlite://") is None
+
+
+def test_a_second_serve_on_one_sqlite_file_exits_with_one_line(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    first = Server(data_dir, tmp_path / "first.log")
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "controlplane", "serve", "--port", "0"],
+            cwd=REPO,
+            env=service_env(data_dir),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert second.returncode == 2, second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1, second.stderr
+        assert lines[0].startswith("heteroplane serve: another heteroplane process (pid ")
+        assert "SQLite serves one replica" in lines[0]
+        assert httpx.get(f"{first.url}/healthz", timeout=10.0).json()["role"] == "leader"
+    finally:
+        assert first.stop() == 0
+
+
+# --- two replicas on PostgreSQL -----------------------------------------------------------------
+
+
+def ec2_settings(network: Ec2Network, database_url: str) -> dict[str, str]:
+    return {
+        "database_url": database_url,
+        "provisioner": "ec2",
+        "ec2_region": REGION,
+        "ec2_subnet_ids": ",".join(network.subnet_ids),
+        "ec2_security_group_ids": network.security_group_id,
+        "ec2_ami_id": network.ami_id,
+        "reconcile_s": "1",
+    }
+
+
+def cloud_instances() -> dict[str, str]:
+    """The app's live instances in the (moto) cloud: provider id -> type."""
+    import boto3
+
+    ec2: Any = boto3.client("ec2", region_name=REGION)
+    pages = ec2.get_paginator("describe_instances").paginate(
+        Filters=[
+            {"Name": f"tag:{APP_TAG}", "Values": [APP]},
+            {"Name": "instance-state-name", "Values": ["pending", "running"]},
+        ]
+    )
+    return {
+        i["InstanceId"]: i["InstanceType"]
+        for page in pages
+        for reservation in page["Reservations"]
+        for i in reservation["Instances"]
+    }
+
+
+def terminate_in_cloud(provider_id: str) -> None:
+    import boto3
+
+    boto3.client("ec2", region_name=REGION).terminate_instances(InstanceIds=[provider_id])
+
+
+def role(server: Server) -> str | None:
+    try:
+        answer = httpx.get(f"{server.url}/healthz", timeout=5.0)
+    except httpx.TransportError:
+        return None
+    found: str = answer.json()["role"]
+    return found
+
+
+def token(data_dir: Path, database_url: str) -> str:
+    done = subprocess.run(
+        [*TOKEN_CREATE, "--scope", "admin", "--name", "ops"],
+        cwd=REPO,
+        env=service_env(data_dir, database_url=database_url),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def reconcile_runs(api: httpx.Client) -> float:
+    """How many reconcile runs the replica behind ``api`` has finished (its /metrics)."""
+    wanted = 'heteroplane_scheduler_job_runs_total{job="reconcile",outcome="ran"}'
+    for line in api.get("/metrics").text.splitlines():
+        if line.startswith(wanted):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.fixture
+def replicas(
+    ec2_network: Ec2Network, postgres_url: str, tmp_path: Path
+) -> Iterator[tuple[Server, Server]]:
+    """Two ``serve`` processes on one PostgreSQL database and one (moto) cloud, each with a data
+    directory of its own (two hosts); both stopped at the end (the killed one already is)."""
+    settings = ec2_settings(ec2_network, postgres_url)
+    servers: list[Server] = []
+    try:
+        for name in ("a", "b"):
+            data_dir = tmp_path / name
+            data_dir.mkdir()
+            servers.append(Server(data_dir, tmp_path / f"{name}.log", **settings))
+        yield servers[0], servers[1]
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@needs_moto
+@needs_shared
+def test_a_standby_takes_over_from_a_killed_leader_without_duplicates(
+    replicas: tuple[Server, Server], postgres_url: str, tmp_path: Path
+) -> None:
+    servers = replicas
+
+    def logs() -> str:
+        return "\n".join(
+            f"--- {s.log_path.name}\n{s.log_path.read_text()[-4000:]}" for s in servers
+        )
+
+    def one_leader() -> tuple[Server, Server] | None:
+        roles = [role(s) for s in servers]
+        if sorted(map(str, roles)) != ["leader", "standby"]:
+            return None
+        return (servers[0], servers[1]) if roles[0] == "leader" else (servers[1], servers[0])
+
+    leader, standby = wait_for("single leader", one_leader, logs)
+    headers = {"Authorization": f"Bearer {token(standby.data_dir, postgres_url)}"}
+    api = httpx.Client(base_url=standby.url, headers=headers, timeout=120.0)
+
+    # Everything through the standby: every replica serves the API.
+    created = api.post("/v1/apps", json=rm2_spec())
+    assert created.status_code == 201, created.text
+    plan = api.post(
+        f"/v1/apps/{APP}/plans",
+        json={"trace": {"rate_qps": 40.0, "batch_dist": "kairos", "duration_s": 60.0}},
+    )
+    assert plan.status_code == 201 and plan.json()["feasible"], plan.text
+    planned: Counter[str] = Counter()
+    for stage in plan.json()["stages"]:
+        planned.update(stage["fleet"])
+    assert sum(planned.values()) >= 1
+    applied = api.post(f"/v1/apps/{APP}/plans/{plan.json()['id']}/apply")
+    assert applied.status_code == 200, applied.text
+
+    def running_as_planned() -> dict[str, str] | None:
+        rows = api.get("/v1/instances", params={"app": APP, "state": "running"}).json()
+        cloud = cloud_instances()
+        recorded = {r["provider_id"]: r["instance_type"] for r in rows}
+        return cloud if recorded == cloud and Counter(cloud.values()) == planned else None
+
+    first_fleet = wait_for("fleet as planned", running_as_planned, logs)
+    assert role(standby) == "standby"
+
+    leader.process.kill()  # SIGKILL: no shutdown, its lock connection simply goes
+    leader.process.wait(timeout=60)
+    wait_for("takeover", lambda: True if role(standby) == "leader" else None, logs)
+
+    # The new leader reconciles: an instance lost behind its back is replaced.
+    lost = sorted(first_fleet)[0]
+    terminate_in_cloud(lost)
+
+    def replaced() -> dict[str, str] | None:
+        fleet = running_as_planned()
+        return fleet if fleet is not None and lost not in fleet else None
+
+    final = wait_for("replacement", replaced, logs)
+    # ...and keeps reconciling without adding anything (two more of its ticks).
+    runs = reconcile_runs(api)
+    wait_for("reconcile runs", lambda: True if reconcile_runs(api) >= runs + 2 else None, logs)
+    assert running_as_planned() == final
+
+    # No duplicate launch, no orphan: the cloud runs exactly the plan's instances, each recorded
+    # once, and every other row has ended.
+    assert Counter(final.values()) == planned
+    assert set(final) - set(first_fleet) and len(set(first_fleet) & set(final)) == len(final) - 1
+    rows = api.get("/v1/instances", params={"app": APP}).json()
+    live = [r for r in rows if r["state"] in ("requested", "pending", "running", "terminating")]
+    assert sorted(r["provider_id"] for r in live) == sorted(final)
+    assert [r["provider_id"] for r in rows if r["state"] == "failed"] == [lost]
+    assert len({r["provider_id"] for r in rows}) == len(rows)
+    assert role(standby) == "leader"
+    api.close()
+    assert standby.stop() == 0, standby.log_path.read_text()
+    assert "leader lease acquired" in standby.log_path.read_text()
