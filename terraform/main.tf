@@ -14,9 +14,15 @@ module "heteroplane" {
   availability_zones          = var.availability_zones
   create_nat_gateway          = var.create_nat_gateway
   api_allowed_cidr            = var.api_allowed_cidr
+  allow_public_api            = var.allow_public_api
+  api_certificate_arn         = var.api_certificate_arn
+  api_domain_name             = var.api_domain_name
+  allow_plain_http            = var.allow_plain_http
+  load_balancer_subnet_ids    = var.load_balancer_subnet_ids
   api_port                    = var.api_port
   worker_port                 = var.worker_port
   worker_instance_types       = var.worker_instance_types
+  allowed_instance_types      = var.allowed_instance_types
   worker_ami_id               = var.worker_ami_id
   worker_volume_size_gib      = var.worker_volume_size_gib
   model_bucket_name           = var.model_bucket_name

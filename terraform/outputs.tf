@@ -1,6 +1,11 @@
 output "api_url" {
-  description = "URL of the control plane's REST API (reachable from api_allowed_cidr)."
+  description = "URL of the control plane's REST API (reachable from api_allowed_cidr): https:// through the load balancer with a certificate, else http:// to the host."
   value       = module.heteroplane.api_url
+}
+
+output "load_balancer_dns_name" {
+  description = "DNS name of the API's load balancer (point api_domain_name at it); null without a certificate."
+  value       = module.heteroplane.load_balancer_dns_name
 }
 
 output "launch_templates" {
@@ -29,7 +34,7 @@ output "control_plane_subnet_id" {
 }
 
 output "security_group_ids" {
-  description = "Security groups: control_plane (the API), workers (the agent port, ec2.security_group_ids) and database (PostgreSQL only)."
+  description = "Security groups: control_plane (the API), workers (the agent port, ec2.security_group_ids), database (PostgreSQL only) and load_balancer (with a certificate only)."
   value       = module.heteroplane.security_group_ids
 }
 

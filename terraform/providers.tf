@@ -17,6 +17,7 @@ provider "aws" {
 
   endpoints {
     ec2            = var.aws_endpoint_url
+    elbv2          = var.aws_endpoint_url
     iam            = var.aws_endpoint_url
     kms            = var.aws_endpoint_url
     rds            = var.aws_endpoint_url

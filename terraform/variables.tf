@@ -78,8 +78,14 @@ variable "create_nat_gateway" {
 }
 
 variable "api_allowed_cidr" {
-  description = "The IPv4 CIDR block allowed to reach the control plane's API (e.g. your office, 203.0.113.0/24). Nothing else reaches it."
+  description = "The IPv4 CIDR block allowed to reach the API (e.g. your office, 203.0.113.0/24): the load balancer with a certificate, else the host. Nothing else reaches it; 0.0.0.0/0 only with allow_public_api."
   type        = string
+}
+
+variable "allow_public_api" {
+  description = "Whether api_allowed_cidr may be 0.0.0.0/0, the whole internet. Off: a /0 is refused, so that an API open to everyone is a decision, never a default."
+  type        = bool
+  default     = false
 }
 
 variable "api_port" {
@@ -94,12 +100,98 @@ variable "worker_port" {
   default     = 8080
 }
 
+# --- TLS ---------------------------------------------------------------------------------------
+
+variable "api_certificate_arn" {
+  description = "An ACM certificate (ARN, in this region) for the API's domain: an Application Load Balancer ends TLS with it (HTTPS on 443; HTTP on 80 answers a redirect to HTTPS) and the host is reachable from the load balancer only. null: no TLS, which needs allow_plain_http."
+  type        = string
+  default     = null
+}
+
+variable "api_domain_name" {
+  description = "The domain name the certificate is for, used in the API URL (point a DNS record of it at output load_balancer_dns_name); null: the load balancer's own name, which the certificate does not cover."
+  type        = string
+  default     = null
+}
+
+variable "allow_plain_http" {
+  description = "Whether the API may be plain HTTP, without a certificate (api_certificate_arn null): API tokens then cross the network in clear text. Off: a certificate is required."
+  type        = bool
+  default     = false
+}
+
+variable "load_balancer_subnet_ids" {
+  description = "With an existing VPC and a certificate: the load balancer's subnets, at least two in different zones (public ones when control_plane_public_ip is true). Ignored for a new VPC (its public subnets; its private ones without a public IP)."
+  type        = list(string)
+  default     = []
+}
+
 # --- workers ------------------------------------------------------------------------------------
 
 variable "worker_instance_types" {
   description = "Candidate worker instance types: one launch template each, the types plans may use."
   type        = list(string)
   default     = ["g4dn.xlarge", "c5n.2xlarge", "r5n.large", "t3.xlarge"]
+}
+
+variable "allowed_instance_types" {
+  description = "The instance types the control plane's role may launch (the ec2:InstanceType condition of its RunInstances grant); by default every EC2 type of heteroplane's catalog (estimator/data/instance_types.csv). Every worker_instance_types entry must be one of them."
+  type        = list(string)
+  default = [
+    "g4dn.xlarge",
+    "g4dn.2xlarge",
+    "g4dn.4xlarge",
+    "g4dn.8xlarge",
+    "g4dn.12xlarge",
+    "g4dn.16xlarge",
+    "g5.xlarge",
+    "g5.2xlarge",
+    "g5.4xlarge",
+    "g5.8xlarge",
+    "g5.12xlarge",
+    "g5.16xlarge",
+    "g5.24xlarge",
+    "g5.48xlarge",
+    "g6.xlarge",
+    "g6.2xlarge",
+    "g6.4xlarge",
+    "g6.8xlarge",
+    "g6.12xlarge",
+    "g6.16xlarge",
+    "g6.24xlarge",
+    "g6.48xlarge",
+    "p3.2xlarge",
+    "p3.8xlarge",
+    "p3.16xlarge",
+    "c5.large",
+    "c5.xlarge",
+    "c5.2xlarge",
+    "c5.4xlarge",
+    "c5.9xlarge",
+    "c5n.large",
+    "c5n.xlarge",
+    "c5n.2xlarge",
+    "c5n.4xlarge",
+    "c6i.large",
+    "c6i.xlarge",
+    "c6i.2xlarge",
+    "c6i.4xlarge",
+    "c6i.8xlarge",
+    "m5.large",
+    "m5.xlarge",
+    "m5.2xlarge",
+    "m5.4xlarge",
+    "r5.large",
+    "r5.xlarge",
+    "r5.2xlarge",
+    "r5n.large",
+    "r5n.xlarge",
+    "r5n.2xlarge",
+    "t3.medium",
+    "t3.large",
+    "t3.xlarge",
+    "t3.2xlarge",
+  ]
 }
 
 variable "worker_ami_id" {

@@ -3,21 +3,24 @@
 - ``GET /dashboard``: the page; without a valid sign-in, the sign-in form instead.
 - ``POST /dashboard/login``: the form's token (``application/x-www-form-urlencoded``, field
   ``token``) is checked with the store like a bearer token and must have the viewer scope (an
-  operator's or admin's token does; an ``infer`` token does not). On success the token is kept
-  in a cookie (``HttpOnly``: the page's scripts cannot read it; ``SameSite=Strict``: no other
-  site's page can send it; ``Secure`` over HTTPS; path ``/dashboard``; 8 hours) and the browser
-  is sent to the page; otherwise the form again with what was wrong, 401 for an unknown or
-  revoked token, 403 for a token without the scope. A sign-in posted from another origin is
-  refused (403).
-- ``POST /dashboard/logout``: forgets the cookie (403 when posted from another origin).
+  operator's or admin's token does; an ``infer`` token does not). On success a server-side
+  session is opened and its random id (never the token) kept in a cookie (``HttpOnly``: the
+  page's scripts cannot read it; ``SameSite=Strict``: no other site's page can send it;
+  ``Secure`` over HTTPS or whenever TLS is on; path ``/dashboard``; 8 hours by default: see
+  :mod:`controlplane.dashboard.session`) and the browser is sent to the page; otherwise the form
+  again with what was wrong, 401 for an unknown or revoked token, 403 for a token without the
+  scope. A sign-in posted from another origin is refused (403).
+- ``POST /dashboard/logout``: deletes the session and forgets the cookie (403 when posted from
+  another origin).
 - ``GET /dashboard/data?app=APP&window_s=S``: one JSON snapshot for every panel
   (:func:`controlplane.dashboard.snapshot.build_snapshot`), for the cookie or for an
   ``Authorization: Bearer`` token (viewer scope); errors are the API's JSON errors (401, 403,
   404, 422).
 - ``GET /dashboard/static/NAME``: the page's script and style sheet (no data, no token).
 
-The cookie holds the token itself, verified on every request: revoking the token ends the
-sign-in at once, and nothing about sessions is stored. The ``/v1`` routes never read the cookie:
+The session is checked on every request (it must exist, not have ended, and its token must not
+be revoked): signing out or revoking the token ends the sign-in at once, on every replica of the
+API. The ``/v1`` routes never read the cookie:
 they keep bearer tokens only, so a page on another site cannot use a signed-in browser against
 them. Pages are sent with a content security policy that allows only this origin's script and
 style (no inline script), and are never cached.
@@ -40,6 +43,13 @@ from controlplane.api.deps import Services, ServicesDep
 from controlplane.api.errors import ApiError, unauthorized
 from controlplane.apps.resolver import smallest_common_batch_size
 from controlplane.dashboard.ranking import RankingCache, bound_ranking
+from controlplane.dashboard.session import (
+    COOKIE_NAME,
+    COOKIE_PATH,
+    SessionSettings,
+    forget_cookie,
+    set_cookie,
+)
 from controlplane.dashboard.snapshot import (
     DEFAULT_WINDOW_S,
     MAX_WINDOW_S,
@@ -52,7 +62,7 @@ from controlplane.dashboard.snapshot import (
     build_snapshot,
 )
 from controlplane.db.store import AppRecord, PlanRecord, Principal
-from controlplane.errors import ControlPlaneError
+from controlplane.errors import ControlPlaneError, NotFoundError
 from controlplane.policies.auth import Scope, scope_allows
 from controlplane.policies.drain import qps_by_type
 from controlplane.serving.observations import AppTotals
@@ -60,12 +70,10 @@ from estimator.errors import EstimatorError
 
 __all__ = ["COOKIE_NAME", "DashboardState", "install_dashboard", "router"]
 
-COOKIE_NAME = "heteroplane_dashboard"
-COOKIE_PATH = "/dashboard"
-# A working day: long enough not to ask again, short enough that a forgotten browser forgets.
-COOKIE_MAX_AGE_S = 8 * 3600
-# The longest token the form takes (ours are 46 characters).
+# The longest token the form takes (ours are 46 characters), and the longest session id a
+# cookie may hold (ours are 46 too).
 _MAX_TOKEN_CHARS = 512
+_MAX_SESSION_ID_CHARS = 128
 
 _STATIC = resources.files("controlplane.dashboard") / "static"
 _ASSETS = {
@@ -92,15 +100,18 @@ router = APIRouter(prefix="/dashboard", include_in_schema=False)
 @dataclass
 class DashboardState:
     """What the dashboard keeps between requests (per app of FastAPI, on ``app.state``): the
-    running spend per app, and the bound rankings of plans."""
+    running spend per app, the bound rankings of plans, and the sign-in settings (the sessions
+    themselves are in the database)."""
 
     ledger: SpendLedger = field(default_factory=SpendLedger)
     rankings: RankingCache = field(default_factory=RankingCache)
+    sessions: SessionSettings = field(default_factory=SessionSettings)
 
 
-def install_dashboard(app: FastAPI) -> None:
-    """Mount the dashboard's routes on ``app`` (which carries ``Services``)."""
-    app.state.dashboard = DashboardState()
+def install_dashboard(app: FastAPI, sessions: SessionSettings | None = None) -> None:
+    """Mount the dashboard's routes on ``app`` (which carries ``Services``); ``sessions``: the
+    sign-in settings (default: from the ``HETEROPLANE_DASHBOARD_*`` environment)."""
+    app.state.dashboard = DashboardState(sessions=sessions or SessionSettings())
     app.include_router(router)
 
 
@@ -134,14 +145,7 @@ def _login_page(message: str | None = None, status: int = 200) -> Response:
 
 
 def _forget(response: Response, request: Request) -> Response:
-    response.delete_cookie(
-        COOKIE_NAME,
-        path=COOKIE_PATH,
-        secure=request.url.scheme == "https",
-        httponly=True,
-        samesite="strict",
-    )
-    return response
+    return forget_cookie(response, request, _state(request).sessions)
 
 
 def _verify(services: Services, token: str) -> Principal | None:
@@ -150,13 +154,28 @@ def _verify(services: Services, token: str) -> Principal | None:
     return services.store.verify_token(token)
 
 
+def _signed_in(services: Services, session_id: str) -> Principal | None:
+    """Who the browser's session belongs to (None: unknown, ended, or its token revoked)."""
+    if not session_id or len(session_id) > _MAX_SESSION_ID_CHARS:
+        return None
+    return services.store.verify_dashboard_session(session_id)
+
+
+def _sign_in(services: Services, token: str, lifetime_s: float) -> str | None:
+    """A new session for ``token`` (None: the token was revoked a moment ago)."""
+    try:
+        return services.store.open_dashboard_session(token, lifetime_s=lifetime_s)
+    except NotFoundError:
+        return None
+
+
 @router.get("")
 async def page(request: Request, services: ServicesDep) -> Response:
     """The dashboard, or the sign-in form when the browser is not signed in."""
-    token = request.cookies.get(COOKIE_NAME)
-    if token is None:
+    session_id = request.cookies.get(COOKIE_NAME)
+    if session_id is None:
         return _login_page()
-    principal = await run_in_threadpool(_verify, services, token)
+    principal = await run_in_threadpool(_signed_in, services, session_id)
     if principal is None or not scope_allows(principal.scope, Scope.VIEWER):
         return _forget(_login_page("Your sign-in has ended: sign in again.", 401), request)
     return _page(_asset("dashboard.html"))
@@ -194,24 +213,22 @@ async def login(request: Request, services: ServicesDep) -> Response:
             " viewer (or operator, or admin).",
             403,
         )
-    response = RedirectResponse(COOKIE_PATH, status_code=303)
-    response.set_cookie(
-        COOKIE_NAME,
-        token,
-        max_age=COOKIE_MAX_AGE_S,
-        path=COOKIE_PATH,
-        secure=request.url.scheme == "https",
-        httponly=True,
-        samesite="strict",
-    )
-    return response
+    settings = _state(request).sessions
+    session_id = await run_in_threadpool(_sign_in, services, token, settings.session_lifetime_s)
+    if session_id is None:
+        return _login_page("That token is not valid: it is unknown or revoked.", 401)
+    return set_cookie(RedirectResponse(COOKIE_PATH, status_code=303), request, session_id, settings)
 
 
 @router.post("/logout")
-def logout(request: Request) -> Response:
-    """Forget the sign-in (a sign-out posted from another site is refused, like a sign-in)."""
+def logout(request: Request, services: ServicesDep) -> Response:
+    """End the sign-in: its session is deleted, the cookie forgotten (a sign-out posted from
+    another site is refused, like a sign-in)."""
     if not _same_origin(request):
         return _login_page("Refused: the sign-out was posted from another site.", 403)
+    session_id = request.cookies.get(COOKIE_NAME)
+    if session_id and len(session_id) <= _MAX_SESSION_ID_CHARS:
+        services.store.close_dashboard_session(session_id)
     return _forget(RedirectResponse(COOKIE_PATH, status_code=303), request)
 
 
@@ -233,21 +250,26 @@ def static(name: str) -> Response:
 
 def viewer(request: Request, services: ServicesDep) -> Principal:
     """The caller of the data route: a bearer token when the request has an ``Authorization``
-    header, else the sign-in cookie; it must have the viewer scope (401 or 403 otherwise)."""
+    header, else the sign-in cookie's session; it must have the viewer scope (401 or 403
+    otherwise)."""
     header = request.headers.get("authorization")
     if header is not None:
         scheme, _, credentials = header.partition(" ")
         if scheme.lower() != "bearer" or not credentials.strip():
             raise unauthorized("malformed Authorization header: expected Bearer <token>")
-        token = credentials.strip()
+        principal = _verify(services, credentials.strip())
+        if principal is None:
+            raise unauthorized("unknown or revoked API token")
     else:
-        cookie = request.cookies.get(COOKIE_NAME)
-        if cookie is None:
+        session_id = request.cookies.get(COOKIE_NAME)
+        if session_id is None:
             raise unauthorized("sign in at /dashboard, or send Authorization: Bearer <token>")
-        token = cookie
-    principal = _verify(services, token)
-    if principal is None:
-        raise unauthorized("unknown or revoked API token; sign in again at /dashboard")
+        principal = _signed_in(services, session_id)
+        if principal is None:
+            raise unauthorized(
+                "the sign-in has ended (signed out, expired or revoked): sign in again at"
+                " /dashboard"
+            )
     if not scope_allows(principal.scope, Scope.VIEWER):
         raise ApiError(
             403,

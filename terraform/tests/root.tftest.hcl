@@ -18,6 +18,7 @@ variables {
   availability_zones    = ["eu-west-1a", "eu-west-1b"]
   worker_instance_types = ["g5.xlarge", "c6i.large"]
   name                  = "hp-test"
+  allow_plain_http      = true
 }
 
 run "variables_reach_the_module" {

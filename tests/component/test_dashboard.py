@@ -118,7 +118,9 @@ def test_a_viewer_token_signs_in_with_a_strict_http_only_cookie(dash: Dash, scop
     assert answer.status_code == 303
     assert answer.headers["location"] == "/dashboard"
     cookie = answer.headers["set-cookie"]
-    assert cookie.startswith(f"{COOKIE_NAME}={dash.tokens[scope]};")
+    # A session id, never the token (tests/component/test_dashboard_sessions.py: the rest).
+    assert cookie.startswith(f"{COOKIE_NAME}=hs_")
+    assert dash.tokens[scope] not in cookie
     for attribute in ("HttpOnly", "SameSite=strict", "Path=/dashboard", "Max-Age=28800"):
         assert attribute in cookie
     assert "Secure" not in cookie  # plain HTTP on loopback
@@ -391,11 +393,11 @@ def test_the_snapshot_of_an_app_at_work(dash: Dash) -> None:
 
 def test_the_spend_is_integrated_across_polls_and_restarts_at_midnight(dash: Dash) -> None:
     _apply_plan(dash)
-    dash.sign_in()
     dash.clock.advance(22.5 * 3600)  # 22:30 UTC
     for cost in (1.0, 2.0):
         dash.store.add_metric_sample("toy", arrival_rate_qps=0.0, fleet_cost_usd_per_hr=cost)
         dash.clock.advance(1800)
+    dash.sign_in()  # (now: a sign-in ends after 8 hours)
     first = dash.data()["snapshot"]["cost"]["spent_today_usd"]
     assert first == pytest.approx(1.0 * 0.5 + 2.0 * 0.5)  # 22:30 to 23:30
     assert dash.data()["snapshot"]["cost"]["spent_today_usd"] == pytest.approx(first)

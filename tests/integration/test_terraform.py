@@ -5,7 +5,10 @@ validation and the module's wiring, against a mock provider) on the root and on 
 the offline checkov scan when its virtualenv exists (``terraform/scan.sh`` makes it).
 
 End to end, against a moto server on 127.0.0.1: ``terraform apply`` creates the network, the
-roles, the security groups, the launch templates and the control-plane host; a second plan shows
+roles, the security groups, the launch templates, the control-plane host and, with a
+certificate (one moto's ACM issues), the load balancer that ends TLS in front of the API (the
+host has no public IP and admits the load balancer alone; the role launches only the allowed
+instance types, with heteroplane's request tags); a second plan shows
 no changes (and the admin token, once the host has stored it, is nowhere in terraform's state);
 then the control plane's own provisioner and reconciler, configured from ``terraform output``,
 apply a plan, and the workers come up from terraform's launch templates; they are terminated by a
@@ -42,6 +45,7 @@ WORKER_TYPES = ("t3.large", "c5.xlarge")
 FLEET = {"t3.large": 2, "c5.xlarge": 1}
 APP = "recs"
 ALLOWED_CIDR = "203.0.113.0/24"
+API_DOMAIN = "api.e2e.example.com"
 TOKEN = "hp_" + "e2e-admin-token-never-in-the-state-0000000000"
 CHECKOV_VENV_ENV = "HETEROPLANE_CHECKOV_VENV"
 
@@ -159,6 +163,7 @@ def test_apply_serve_and_destroy_against_moto(
     binary, mirror = require_terraform()
     ec2, iam, ssm, s3 = (_client(s) for s in ("ec2", "iam", "ssm", "s3"))
     ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    certificate = _client("acm").request_certificate(DomainName=API_DOMAIN)["CertificateArn"]
     # The model bucket is the user's own (the module makes one when none is named): terraform
     # must leave it alone. (It also keeps S3's slow lifecycle waiter off this test's path.)
     s3.create_bucket(Bucket="e2e-models")
@@ -174,6 +179,8 @@ def test_apply_serve_and_destroy_against_moto(
                 "worker_instance_types": list(WORKER_TYPES),
                 "heteroplane_git_url": "https://git.example.com/heteroplane.git",
                 "model_bucket_name": "e2e-models",
+                "api_certificate_arn": certificate,
+                "api_domain_name": API_DOMAIN,
                 # moto does not implement detailed monitoring: the provider would wait for it.
                 "detailed_monitoring": False,
             }
@@ -184,6 +191,7 @@ def test_apply_serve_and_destroy_against_moto(
         terraform.run("apply", "-auto-approve", "-input=false", "-no-color", "-parallelism=20")
         out = _outputs(terraform)
         _check_created(ec2, iam, ssm, out)
+        _check_tls(ec2, out, certificate)
 
         # The host stores its admin token; terraform never reads it into its state, and a
         # second plan shows no changes.
@@ -233,13 +241,37 @@ def _check_created(ec2: Any, iam: Any, ssm: Any, out: Mapping[str, Any]) -> None
     actions = {a for s in document["Statement"] for a in _as_list(s["Action"])}
     assert {"ec2:RunInstances", "ec2:TerminateInstances", "iam:PassRole"} <= actions
     assert not any("*" in a for a in actions)
+    # Instances: only the catalog's EC2 types (the default allowed_instance_types), only with
+    # heteroplane's tags in the request.
+    (launch,) = [s for s in document["Statement"] if s.get("Sid") == "LaunchTaggedInstances"]
+    from estimator.catalog import default_catalog
 
-    # Security groups: the API from the allowed CIDR only; the agent from the control plane only.
+    catalog = default_catalog()
+    allowed = _as_list(launch["Condition"]["StringEquals"]["ec2:InstanceType"])
+    assert allowed == [n for n in catalog.names if catalog[n].family not in ("local", "emu")]
+    assert set(WORKER_TYPES) <= set(allowed)
+    assert launch["Condition"]["StringEquals"]["aws:RequestTag/heteroplane:managed"] in (
+        "true",
+        ["true"],
+    )
+    nulls = launch["Condition"]["Null"]
+    assert {k: _as_list(v) for k, v in nulls.items()} == {
+        "aws:RequestTag/heteroplane:app": ["false"],
+        "aws:RequestTag/heteroplane:request-id": ["false"],
+    }
+
+    # Security groups: the API from the load balancer only (_check_tls: the load balancer from
+    # the allowed CIDR only); the agent from the control plane only.
     groups = out["security_group_ids"]
     (control,) = ec2.describe_security_groups(GroupIds=[groups["control_plane"]])["SecurityGroups"]
     assert [
-        (p["FromPort"], [r["CidrIp"] for r in p["IpRanges"]]) for p in control["IpPermissions"]
-    ] == [(8000, [ALLOWED_CIDR])]
+        (
+            p["FromPort"],
+            [r["CidrIp"] for r in p["IpRanges"]],
+            [g["GroupId"] for g in p["UserIdGroupPairs"]],
+        )
+        for p in control["IpPermissions"]
+    ] == [(8000, [], [groups["load_balancer"]])]
     (workers,) = ec2.describe_security_groups(GroupIds=[groups["workers"]])["SecurityGroups"]
     ((rule,),) = [p["UserIdGroupPairs"] for p in workers["IpPermissions"]]
     assert rule["GroupId"] == groups["control_plane"]
@@ -268,7 +300,8 @@ def _check_created(ec2: Any, iam: Any, ssm: Any, out: Mapping[str, Any]) -> None
     assert host["State"]["Name"] in ("pending", "running")
     assert host["MetadataOptions"]["HttpTokens"] == "required"
     assert host["IamInstanceProfile"]["Arn"].endswith("/heteroplane-control-plane")
-    assert out["api_url"] == f"http://{host['PublicIpAddress']}:8000"
+    assert "PublicIpAddress" not in host, "behind the load balancer the host has no public IP"
+    assert out["api_url"] == f"https://{API_DOMAIN}"
     script = _user_data(ec2, host["InstanceId"])
     for name, value in out["control_plane_environment"].items():
         assert f"\n{name}={value}\n" in script
@@ -287,12 +320,55 @@ def _check_created(ec2: Any, iam: Any, ssm: Any, out: Mapping[str, Any]) -> None
     )
 
 
+def _check_tls(ec2: Any, out: Mapping[str, Any], certificate: str) -> None:
+    """The load balancer: HTTPS with the certificate (TLS 1.2+), HTTP redirected, the host its
+    only target, open to the allowed CIDR only."""
+    elbv2 = _client("elbv2")
+    (balancer,) = elbv2.describe_load_balancers(Names=["heteroplane-api"])["LoadBalancers"]
+    # (The provider sends no Scheme for internet-facing, EC2's default, and moto then shows none.)
+    assert balancer.get("Scheme", "internet-facing") == "internet-facing"
+    assert balancer["DNSName"] == out["load_balancer_dns_name"]
+    assert balancer["SecurityGroups"] == [out["security_group_ids"]["load_balancer"]]
+    # In the public subnets, one per zone (the workers' are private).
+    subnets = {zone["SubnetId"] for zone in balancer["AvailabilityZones"]}
+    assert len(subnets) == 2 and not subnets & set(out["worker_subnet_ids"])
+    listeners = {
+        item["Port"]: item
+        for item in elbv2.describe_listeners(LoadBalancerArn=balancer["LoadBalancerArn"])[
+            "Listeners"
+        ]
+    }
+    assert set(listeners) == {443, 80}
+    https = listeners[443]
+    assert https["Protocol"] == "HTTPS"
+    assert https["SslPolicy"] == "ELBSecurityPolicy-TLS13-1-2-2021-06"
+    assert [c["CertificateArn"] for c in https["Certificates"]] == [certificate]
+    (forward,) = https["DefaultActions"]
+    assert forward["Type"] == "forward"
+    health = elbv2.describe_target_health(TargetGroupArn=forward["TargetGroupArn"])
+    targets = [d["Target"] for d in health["TargetHealthDescriptions"]]
+    assert [(t["Id"], t["Port"]) for t in targets] == [(out["control_plane_instance_id"], 8000)]
+    (redirect,) = listeners[80]["DefaultActions"]
+    assert redirect["Type"] == "redirect"
+    assert redirect["RedirectConfig"]["Protocol"] == "HTTPS"
+    assert redirect["RedirectConfig"]["Port"] == "443"
+    (group,) = ec2.describe_security_groups(GroupIds=[out["security_group_ids"]["load_balancer"]])[
+        "SecurityGroups"
+    ]
+    assert sorted(
+        (p["FromPort"], [r["CidrIp"] for r in p["IpRanges"]]) for p in group["IpPermissions"]
+    ) == [(80, [ALLOWED_CIDR]), (443, [ALLOWED_CIDR])]
+    environment = out["control_plane_environment"]
+    assert environment["HETEROPLANE_DASHBOARD_SECURE_COOKIE"] == "true"
+
+
 def _serve_a_plan(
     ec2: Any, ami: str, out: Mapping[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The control plane, configured as the host is (terraform's outputs as its environment),
-    applies a plan: the workers come up from terraform's launch templates; a smaller plan ends
-    them."""
+    applies a plan: the workers come up from terraform's launch templates; an empty plan ends
+    all but the stage's last serving instance, and the app's teardown ends that one."""
+    from controlplane.apps.teardown import request_teardown
     from controlplane.clock import SystemClock
     from controlplane.db.store import Store
     from controlplane.loops.reconciler import Launch, Reconciler, Terminate, catalog_pricing
@@ -354,6 +430,12 @@ def _serve_a_plan(
         _apply_fleet(store, {})
         report = reconciler.run_once()
         assert report.apps[APP].count(Terminate) >= 1, report
+        running = [i for i in _managed_instances(ec2) if i["State"]["Name"] == "running"]
+        # The disruption budget drains a few at a time, and a stage's last instance goes only on
+        # teardown (or force).
+        assert 1 <= len(running) < sum(FLEET.values())
+        request_teardown(store, APP, "test")
+        reconciler.run_once()
         assert not [i for i in _managed_instances(ec2) if i["State"]["Name"] == "running"]
     finally:
         store.close()
@@ -390,6 +472,7 @@ def _check_destroyed(ec2: Any, iam: Any, ssm: Any, s3: Any, out: Mapping[str, An
     # (Not the network interfaces: moto keeps those of ended instances and NAT gateways,
     # detached, where AWS deletes them; the VPC itself is gone.)
     assert ec2.describe_launch_templates()["LaunchTemplates"] == []
+    assert _client("elbv2").describe_load_balancers()["LoadBalancers"] == []
     assert ec2.describe_addresses()["Addresses"] == []
     assert ec2.describe_nat_gateways(Filter=vpc)["NatGateways"] in ([],) or all(
         g["State"] == "deleted" for g in ec2.describe_nat_gateways(Filter=vpc)["NatGateways"]

@@ -152,7 +152,12 @@ def test_instances_are_launched_and_terminated_by_the_managed_tag(module: dict[s
         s for s in by_action["ec2:RunInstances"] if any("instance/*" in r for r in s["resources"])
     ]
     assert [_conditions(s) for s in launches_instances] == [
-        {f"aws:RequestTag/{managed}": ("StringEquals", ["true"])}
+        {
+            "ec2:InstanceType": ("StringEquals", "${var.allowed_instance_types}"),
+            f"aws:RequestTag/{managed}": ("StringEquals", ["true"]),
+            "aws:RequestTag/${var.name}:app": ("Null", ["false"]),
+            "aws:RequestTag/${var.name}:request-id": ("Null", ["false"]),
+        }
     ]
     for statement in by_action["ec2:CreateTags"]:
         assert "ec2:CreateAction" in _conditions(statement), "tags only on creation"
@@ -245,8 +250,21 @@ def test_the_control_plane_host_is_hardened(module: dict[str, Any]) -> None:
 def test_security_group_rules(module: dict[str, Any]) -> None:
     rules = resources(module, "aws_security_group_rule")
     ingress = {name: rule for name, rule in rules.items() if rule["type"] == "ingress"}
-    assert set(ingress) == {"api", "worker_agent", "database"}
-    assert ingress["api"]["cidr_blocks"] == ["${var.api_allowed_cidr}"]
+    assert set(ingress) == {
+        "api",
+        "worker_agent",
+        "database",
+        "load_balancer_https",
+        "load_balancer_http",
+    }
+    # The API port: the allowed CIDR, or with TLS the load balancer's group alone.
+    assert ingress["api"]["cidr_blocks"] == "${local.tls ? null : [var.api_allowed_cidr]}"
+    assert ingress["api"]["source_security_group_id"] == (
+        "${local.tls ? aws_security_group.load_balancer[0].id : null}"
+    )
+    for name, port in (("load_balancer_https", 443), ("load_balancer_http", 80)):
+        assert ingress[name]["cidr_blocks"] == ["${var.api_allowed_cidr}"]
+        assert ingress[name]["from_port"] == ingress[name]["to_port"] == port
     assert ingress["api"]["from_port"] == ingress["api"]["to_port"] == "${var.api_port}"
     assert ingress["api"]["security_group_id"] == "${aws_security_group.control_plane.id}"
     for name in ("worker_agent", "database"):
@@ -331,10 +349,14 @@ def test_the_aws_provider_is_pinned(root: dict[str, Any], module: dict[str, Any]
 
 
 def _control_plane_environment(module: Mapping[str, Any]) -> dict[str, str]:
+    """The service's settings on the host (those that do not depend on TLS)."""
     for block in module["locals"]:
-        if "control_plane_environment" in block:
-            return dict(block["control_plane_environment"])
-    raise AssertionError("no local control_plane_environment")
+        if "service_environment" in block:
+            assert block["control_plane_environment"] == (
+                "${merge(local.service_environment, local.tls_environment)}"
+            )
+            return dict(block["service_environment"])
+    raise AssertionError("no local service_environment")
 
 
 def test_the_control_plane_settings_are_the_service_settings(

@@ -52,10 +52,11 @@ resource "aws_instance" "control_plane" {
   tags = merge(local.tags, { Name = "${var.name}-control-plane" })
 }
 
-# With control_plane_public_ip: an Elastic IP, so that the API URL stays when the host is
-# replaced (its user data changed, say). The host waits for its way out before it installs.
+# With control_plane_public_ip and no certificate (with one, the load balancer is the way in):
+# an Elastic IP, so that the API URL stays when the host is replaced (its user data changed,
+# say). The host waits for its way out before it installs.
 resource "aws_eip" "control_plane" {
-  count = var.control_plane_public_ip ? 1 : 0
+  count = local.host_public_ip ? 1 : 0
 
   domain   = "vpc"
   instance = aws_instance.control_plane.id

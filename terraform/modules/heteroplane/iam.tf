@@ -3,8 +3,9 @@
 # The control plane's: exactly the EC2 calls provisioners/ec2.py makes (RunInstances with tags,
 # DescribeInstances, DescribeSubnets, TerminateInstances, CreateFleet for spot, and
 # DescribeLaunchTemplates / CreateLaunchTemplate for the development path), scoped by the
-# "<name>:managed" tag wherever EC2 takes a tag condition, to this VPC's subnets and groups, to
-# the worker AMI and to this region and account; iam:PassRole for the worker role alone; and
+# "<name>:managed" tag wherever EC2 takes a tag condition, to the instance types the deployment
+# allows (var.allowed_instance_types) and heteroplane's request tags, to this VPC's subnets and
+# groups, to the worker AMI and to this region and account; iam:PassRole for the worker role alone; and
 # what its boot needs (the admin token's parameter, the database secret). Describe* calls take
 # no resource-level permission, so their Resource is "*" (the actions are still named one by
 # one: no wildcard action anywhere). tests/unit/test_terraform_hcl.py checks the actions against
@@ -62,16 +63,34 @@ data "aws_iam_policy_document" "control_plane_provisioner" {
     resources = ["*"]
   }
 
-  # The instances it launches must carry <name>:managed=true in the request (RunInstances and
-  # CreateFleet's TagSpecifications).
+  # The instances it launches must be of a type the deployment allows (var.allowed_instance_types,
+  # by default heteroplane's catalog: a bug or a stolen role cannot start a p5.48xlarge), and
+  # carry heteroplane's tags in the request (RunInstances' and CreateFleet's
+  # TagSpecifications): <name>:managed=true, and the app and the request id the provisioner
+  # sets on every launch (provisioners/base.py launch_tags; the reconciler names the app).
   statement {
     sid       = "LaunchTaggedInstances"
     actions   = ["ec2:RunInstances"]
     resources = ["${local.ec2_arn}:instance/*"]
     condition {
       test     = "StringEquals"
+      variable = "ec2:InstanceType"
+      values   = var.allowed_instance_types
+    }
+    condition {
+      test     = "StringEquals"
       variable = "aws:RequestTag/${local.managed_tag}"
       values   = ["true"]
+    }
+    condition {
+      test     = "Null"
+      variable = "aws:RequestTag/${var.name}:app"
+      values   = ["false"]
+    }
+    condition {
+      test     = "Null"
+      variable = "aws:RequestTag/${var.name}:request-id"
+      values   = ["false"]
     }
   }
 

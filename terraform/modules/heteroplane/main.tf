@@ -34,14 +34,24 @@ locals {
 
   vpc_id            = local.create_vpc ? aws_vpc.this[0].id : var.vpc_id
   worker_subnet_ids = local.create_vpc ? aws_subnet.private[*].id : var.worker_subnet_ids
+  # TLS (load_balancer.tf): with a certificate, an Application Load Balancer is the API's only
+  # way in. It is internet-facing where the host would have had a public IP; the host itself
+  # then gets none.
+  tls                  = var.api_certificate_arn != null
+  host_public_ip       = var.control_plane_public_ip && !local.tls
+  load_balancer_public = var.control_plane_public_ip
+  load_balancer_subnet_ids = local.create_vpc ? (
+    local.load_balancer_public ? aws_subnet.public[*].id : aws_subnet.private[*].id
+  ) : var.load_balancer_subnet_ids
+
   # Without a public IP the host sits in a private subnet of a new VPC (it reaches out through
   # the NAT gateway); with one, in a public subnet.
   control_plane_subnet_id = local.create_vpc ? (
-    var.control_plane_public_ip ? aws_subnet.public[0].id : aws_subnet.private[0].id
+    local.host_public_ip ? aws_subnet.public[0].id : aws_subnet.private[0].id
   ) : var.control_plane_subnet_id
   control_plane_zone = local.create_vpc ? local.zones[0] : data.aws_subnet.control_plane[0].availability_zone
   control_plane_address = (
-    var.control_plane_public_ip ? aws_eip.control_plane[0].public_ip : aws_instance.control_plane.private_ip
+    local.host_public_ip ? aws_eip.control_plane[0].public_ip : aws_instance.control_plane.private_ip
   )
 
   kms_key_arn = var.kms_key_arn != null ? var.kms_key_arn : aws_kms_key.this[0].arn
@@ -55,7 +65,7 @@ locals {
   # The database URL is not among them: SQLite is the default file in the data directory (on
   # the encrypted volume), and the PostgreSQL URL is built on the host from the RDS-managed
   # secret at every start, so that no password is in the user data or in the state.
-  control_plane_environment = {
+  service_environment = {
     HETEROPLANE_DATA_DIR               = "/var/lib/heteroplane"
     HETEROPLANE_HOST                   = "0.0.0.0"
     HETEROPLANE_PORT                   = tostring(var.api_port)
@@ -66,6 +76,14 @@ locals {
     HETEROPLANE_EC2_LAUNCH_TEMPLATES   = join(",", [for t in var.worker_instance_types : "${t}=${local.launch_templates[t]}"])
     HETEROPLANE_EC2_TAG_PREFIX         = var.name
   }
+  # Behind the load balancer: the dashboard's cookie is Secure, and uvicorn takes the scheme
+  # and client address from the load balancer's X-Forwarded-* headers ("*": the host's API
+  # port admits the load balancer's group alone, security_groups.tf).
+  tls_environment = local.tls ? {
+    HETEROPLANE_DASHBOARD_SECURE_COOKIE = "true"
+    FORWARDED_ALLOW_IPS                 = "*"
+  } : {}
+  control_plane_environment = merge(local.service_environment, local.tls_environment)
 
   # What a new app gets unless its spec says otherwise (the service has no such settings yet:
   # the host keeps them in /etc/heteroplane/app-defaults.yaml, a starting point for specs).

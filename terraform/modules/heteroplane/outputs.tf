@@ -1,6 +1,11 @@
 output "api_url" {
-  description = "URL of the control plane's REST API (reachable from api_allowed_cidr)."
-  value       = "http://${local.control_plane_address}:${var.api_port}"
+  description = "URL of the control plane's REST API (reachable from api_allowed_cidr): https:// through the load balancer with a certificate, else http:// to the host."
+  value       = local.tls ? "https://${coalesce(var.api_domain_name, aws_lb.api[0].dns_name)}" : "http://${local.control_plane_address}:${var.api_port}"
+}
+
+output "load_balancer_dns_name" {
+  description = "DNS name of the API's load balancer (point api_domain_name at it); null without a certificate."
+  value       = local.tls ? aws_lb.api[0].dns_name : null
 }
 
 output "launch_templates" {
@@ -29,11 +34,12 @@ output "control_plane_subnet_id" {
 }
 
 output "security_group_ids" {
-  description = "Security groups: control_plane (the API), workers (the agent port, ec2.security_group_ids) and database (PostgreSQL only)."
+  description = "Security groups: control_plane (the API), workers (the agent port, ec2.security_group_ids), database (PostgreSQL only) and load_balancer (with a certificate only)."
   value = {
     control_plane = aws_security_group.control_plane.id
     workers       = aws_security_group.workers.id
     database      = var.database == "postgresql" ? aws_security_group.database[0].id : null
+    load_balancer = local.tls ? aws_security_group.load_balancer[0].id : null
   }
 }
 

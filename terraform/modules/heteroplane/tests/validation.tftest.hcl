@@ -16,6 +16,7 @@ variables {
   heteroplane_git_url   = "https://example.com/heteroplane.git"
   availability_zones    = ["us-east-1a", "us-east-1b"]
   worker_instance_types = ["g4dn.xlarge", "c5.xlarge"]
+  allow_plain_http      = true
 }
 
 run "good_values_plan" {
@@ -52,6 +53,108 @@ run "api_cidr_is_ipv4" {
     api_allowed_cidr = "2001:db8::/32"
   }
   expect_failures = [var.api_allowed_cidr]
+}
+
+run "api_cidr_refuses_the_whole_internet" {
+  command = plan
+  variables {
+    api_allowed_cidr = "0.0.0.0/0"
+  }
+  expect_failures = [var.api_allowed_cidr]
+}
+
+run "api_cidr_refuses_the_whole_ipv6_internet" {
+  command = plan
+  variables {
+    api_allowed_cidr = "::/0"
+  }
+  expect_failures = [var.api_allowed_cidr]
+}
+
+run "api_cidr_takes_the_whole_internet_when_allowed" {
+  command = plan
+  variables {
+    api_allowed_cidr = "0.0.0.0/0"
+    allow_public_api = true
+  }
+  assert {
+    condition     = aws_security_group_rule.api.cidr_blocks == tolist(["0.0.0.0/0"])
+    error_message = "allow_public_api lets the API be open to everyone"
+  }
+}
+
+run "plain_http_needs_consent" {
+  command = plan
+  variables {
+    allow_plain_http = false
+  }
+  expect_failures = [var.allow_plain_http]
+}
+
+run "a_certificate_needs_no_consent" {
+  command = plan
+  variables {
+    allow_plain_http    = false
+    api_certificate_arn = "arn:aws:acm:us-east-1:123456789012:certificate/0a1b2c3d-0000-4000-8000-00000000000f"
+  }
+}
+
+run "certificate_is_an_acm_arn" {
+  command = plan
+  variables {
+    api_certificate_arn = "arn:aws:iam::123456789012:server-certificate/api"
+  }
+  expect_failures = [var.api_certificate_arn]
+}
+
+run "domain_is_a_dns_name" {
+  command = plan
+  variables {
+    api_domain_name = "https://api.example.com"
+  }
+  expect_failures = [var.api_domain_name]
+}
+
+run "existing_vpc_with_a_certificate_needs_load_balancer_subnets" {
+  command = plan
+  variables {
+    vpc_id                   = "vpc-0123456789abcdef0"
+    control_plane_subnet_id  = "subnet-0000000000000000a"
+    worker_subnet_ids        = ["subnet-0000000000000000b"]
+    api_certificate_arn      = "arn:aws:acm:us-east-1:123456789012:certificate/0a1b2c3d-0000-4000-8000-00000000000f"
+    load_balancer_subnet_ids = ["subnet-0000000000000000a"]
+  }
+  override_data {
+    target = data.aws_subnet.worker
+    values = {
+      map_public_ip_on_launch = false
+    }
+  }
+  expect_failures = [var.load_balancer_subnet_ids]
+}
+
+run "worker_types_must_be_allowed" {
+  command = plan
+  variables {
+    worker_instance_types = ["g4dn.xlarge", "p5.48xlarge"]
+  }
+  expect_failures = [var.worker_instance_types]
+}
+
+run "allowed_types_may_be_narrowed" {
+  command = plan
+  variables {
+    worker_instance_types  = ["g4dn.xlarge"]
+    allowed_instance_types = ["g4dn.xlarge", "g4dn.2xlarge"]
+  }
+}
+
+run "allowed_types_must_not_be_empty" {
+  command = plan
+  variables {
+    allowed_instance_types = []
+  }
+  expect_failures = [var.allowed_instance_types]
 }
 
 run "worker_types_must_not_be_empty" {

@@ -46,6 +46,17 @@ mock_provider "aws" {
       }]
     }
   }
+  mock_resource "aws_lb" {
+    defaults = {
+      arn      = "arn:aws:elasticloadbalancing:us-east-1:123456789012:loadbalancer/app/heteroplane-api/0123456789abcdef"
+      dns_name = "heteroplane-api-0123456789.us-east-1.elb.amazonaws.com"
+    }
+  }
+  mock_resource "aws_lb_target_group" {
+    defaults = {
+      arn = "arn:aws:elasticloadbalancing:us-east-1:123456789012:targetgroup/heteroplane-api/0123456789abcdef"
+    }
+  }
   mock_resource "aws_kms_key" {
     defaults = {
       arn = "arn:aws:kms:us-east-1:123456789012:key/00000000-0000-0000-0000-000000000000"
@@ -59,6 +70,7 @@ variables {
   heteroplane_git_url   = "https://example.com/heteroplane.git"
   availability_zones    = ["us-east-1a", "us-east-1b"]
   worker_instance_types = ["g4dn.xlarge", "c5n.2xlarge", "r5n.large"]
+  allow_plain_http      = true
 }
 
 run "a_launch_template_per_candidate_type" {
@@ -260,4 +272,99 @@ run "public_worker_subnets_are_refused" {
     }
   }
   expect_failures = [aws_launch_template.worker]
+}
+
+run "the_role_launches_allowed_types_with_heteroplanes_tags" {
+  command = plan
+  variables {
+    allowed_instance_types = ["g4dn.xlarge", "c5n.2xlarge", "r5n.large", "t3.large"]
+  }
+  assert {
+    condition = toset([
+      for c in one([for s in data.aws_iam_policy_document.control_plane_provisioner.statement : s if s.sid == "LaunchTaggedInstances"]).condition :
+      "${c.test} ${c.variable} = ${join(",", c.values)}"
+      ]) == toset([
+      "StringEquals ec2:InstanceType = g4dn.xlarge,c5n.2xlarge,r5n.large,t3.large",
+      "StringEquals aws:RequestTag/heteroplane:managed = true",
+      "Null aws:RequestTag/heteroplane:app = false",
+      "Null aws:RequestTag/heteroplane:request-id = false",
+    ])
+    error_message = "RunInstances on instances: only the allowed types, only with heteroplane's request tags"
+  }
+}
+
+run "tls_through_a_load_balancer" {
+  variables {
+    api_certificate_arn = "arn:aws:acm:us-east-1:123456789012:certificate/0a1b2c3d-0000-4000-8000-00000000000f"
+    api_domain_name     = "api.example.com"
+    allow_plain_http    = false
+  }
+  assert {
+    condition     = length(aws_lb.api) == 1 && !aws_lb.api[0].internal && aws_lb.api[0].load_balancer_type == "application" && aws_lb.api[0].drop_invalid_header_fields
+    error_message = "an internet-facing Application Load Balancer that drops invalid headers"
+  }
+  assert {
+    condition     = toset(aws_lb.api[0].subnets) == toset(aws_subnet.public[*].id) && aws_lb.api[0].security_groups == toset([aws_security_group.load_balancer[0].id])
+    error_message = "the load balancer sits in the public subnets, with its own group"
+  }
+  assert {
+    condition     = aws_lb_listener.https[0].port == 443 && aws_lb_listener.https[0].protocol == "HTTPS" && aws_lb_listener.https[0].certificate_arn == var.api_certificate_arn && aws_lb_listener.https[0].ssl_policy == "ELBSecurityPolicy-TLS13-1-2-2021-06"
+    error_message = "HTTPS on 443 with the user's certificate and TLS 1.2+ only"
+  }
+  assert {
+    condition     = aws_lb_listener.https[0].default_action[0].target_group_arn == aws_lb_target_group.api[0].arn && aws_lb_target_group.api[0].port == 8000 && aws_lb_target_group.api[0].health_check[0].path == "/healthz"
+    error_message = "HTTPS forwards to the API port, checked on /healthz"
+  }
+  assert {
+    condition     = aws_lb_target_group_attachment.api[0].target_id == aws_instance.control_plane.id
+    error_message = "the host is the load balancer's target"
+  }
+  assert {
+    condition     = aws_lb_listener.http[0].port == 80 && aws_lb_listener.http[0].default_action[0].type == "redirect" && aws_lb_listener.http[0].default_action[0].redirect[0].protocol == "HTTPS" && aws_lb_listener.http[0].default_action[0].redirect[0].port == "443"
+    error_message = "plain HTTP is answered with a redirect to HTTPS"
+  }
+  assert {
+    condition     = aws_security_group_rule.api.source_security_group_id == aws_security_group.load_balancer[0].id && aws_security_group_rule.api.cidr_blocks == null
+    error_message = "the host's API port admits the load balancer alone"
+  }
+  assert {
+    condition     = aws_security_group_rule.load_balancer_https[0].cidr_blocks == tolist(["198.51.100.0/24"]) && aws_security_group_rule.load_balancer_http[0].cidr_blocks == tolist(["198.51.100.0/24"]) && aws_security_group_rule.load_balancer_to_api[0].source_security_group_id == aws_security_group.control_plane.id
+    error_message = "the load balancer admits the allowed CIDR, and reaches only the host's API port"
+  }
+  assert {
+    condition     = length(aws_eip.control_plane) == 0 && aws_instance.control_plane.subnet_id == aws_subnet.private[0].id
+    error_message = "behind the load balancer the host has no public IP"
+  }
+  assert {
+    condition     = output.api_url == "https://api.example.com" && output.load_balancer_dns_name == aws_lb.api[0].dns_name
+    error_message = "the API URL is HTTPS on the certificate's name"
+  }
+  assert {
+    condition     = output.control_plane_environment["HETEROPLANE_DASHBOARD_SECURE_COOKIE"] == "true" && output.control_plane_environment["FORWARDED_ALLOW_IPS"] == "*" && strcontains(aws_instance.control_plane.user_data, "HETEROPLANE_DASHBOARD_SECURE_COOKIE=true\n")
+    error_message = "behind TLS the dashboard cookie is Secure and the forwarded scheme is trusted"
+  }
+}
+
+run "without_a_certificate_no_load_balancer" {
+  command = plan
+  assert {
+    condition     = length(aws_lb.api) == 0 && length(aws_security_group.load_balancer) == 0 && output.load_balancer_dns_name == null
+    error_message = "no certificate: no load balancer"
+  }
+  assert {
+    condition     = !contains(keys(output.control_plane_environment), "HETEROPLANE_DASHBOARD_SECURE_COOKIE")
+    error_message = "no certificate: the cookie goes Secure only on an HTTPS request"
+  }
+}
+
+run "an_internal_load_balancer_without_a_public_ip" {
+  command = plan
+  variables {
+    api_certificate_arn     = "arn:aws:acm:us-east-1:123456789012:certificate/0a1b2c3d-0000-4000-8000-00000000000f"
+    control_plane_public_ip = false
+  }
+  assert {
+    condition     = aws_lb.api[0].internal
+    error_message = "control_plane_public_ip = false: an internal load balancer"
+  }
 }
