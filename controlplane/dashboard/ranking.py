@@ -29,6 +29,7 @@ import numpy as np
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import HEADROOM
 from controlplane.spec import ResolvedApp
+from estimator import deadline
 from estimator.batches import FixedBatch, KairosMix, kairos_batch_pmf, parse_batch_distribution
 from estimator.bounds import Ranking, kairos_quantities, rank_configurations, upper_bounds
 from estimator.errors import EstimatorError, SearchSpaceError
@@ -44,6 +45,7 @@ _SOURCE_BATCHES = re.compile(r"batch sizes (?P<spec>.+), seed (?P<seed>\d+)$")
 _STEP_PEAK = re.compile(r"(?:covers|above) the peak ([0-9.]+) qps")
 # As the planner ranks: every affordable mix up to this many, else the top few thousand.
 _MAX_RANKED = 200_000
+_RANKING_DEADLINE_S = 10.0
 _TOP_FALLBACK = 5_000
 
 Pmf = tuple[np.ndarray, np.ndarray]
@@ -136,12 +138,15 @@ def bound_ranking(
         try:
             q = kairos_quantities(app.profiles[model], model, names, prices, slo_ms, pmf)
             caps = {t: n for t in q.type_names if (n := spec.max_count(t)) is not None}
-            try:
-                ranking = rank_configurations(
-                    q, budget_usd_per_hr, caps, None, max_ranked=_MAX_RANKED
-                )
-            except SearchSpaceError:
-                ranking = rank_configurations(q, budget_usd_per_hr, caps, _TOP_FALLBACK)
+            # A huge budget affords more mixes than a page can wait for: the search stops at
+            # the deadline and the stage says why.
+            with deadline.limit(_RANKING_DEADLINE_S):
+                try:
+                    ranking = rank_configurations(
+                        q, budget_usd_per_hr, caps, None, max_ranked=_MAX_RANKED
+                    )
+                except SearchSpaceError:
+                    ranking = rank_configurations(q, budget_usd_per_hr, caps, _TOP_FALLBACK)
         except (EstimatorError, ValueError) as error:
             out["note"] = f"no Kairos ranking: {error}"
             continue
