@@ -46,6 +46,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.errors import (
@@ -89,11 +90,14 @@ _STATUS_CODES = {
     415: "unsupported_media_type",
     422: "invalid_request",
     429: "too_many_requests",
+    431: "headers_too_large",
     502: "bad_gateway",
     503: "unavailable",
     504: "gateway_timeout",
 }
 _MAX_MESSAGE_CHARS = 500
+# The methods an Allow header may name, in the order it names them (OPTIONS is never served).
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 
 
 class ApiError(Exception):
@@ -247,9 +251,31 @@ def _on_http_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, StarletteHTTPException)
     code = _STATUS_CODES.get(error.status_code, "error")
     message = error.detail if isinstance(error.detail, str) else code.replace("_", " ")
+    headers = error.headers
     if error.status_code == 404 and message == "Not Found":
         message = f"no route {request.method} {request.url.path}"
-    return error_response(error.status_code, code, message, None, error.headers)
+    if error.status_code == 405:
+        # Starlette's Allow names the methods of the one route it tried; a path served by
+        # several routes (GET and POST /v1/apps) supports all of theirs (RFC 9110 section 15.5.6).
+        allowed = _allowed_methods(request)
+        headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+        message = (
+            f"{request.method} is not allowed on {request.url.path}; allowed: {', '.join(allowed)}"
+        )
+    return error_response(error.status_code, code, message, None, headers)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the app serves on the request's path: each one is tried
+    against the app's routes (FastAPI nests included routers, so there is no flat list)."""
+    routes = request.app.router.routes
+    return [
+        method
+        for method in _METHODS
+        if any(
+            route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes
+        )
+    ]
 
 
 def _internal(request: Request, error: BaseException) -> JSONResponse:

@@ -1,10 +1,17 @@
-"""How big a request body may be: :data:`MAX_BODY_BYTES`, enforced before a route reads it.
+"""How big a request may be: its body (:data:`MAX_BODY_BYTES`, enforced before a route reads
+it) and its header fields (:data:`MAX_HEADER_BYTES`, enforced before anything else looks at them).
 
 Every body the API takes is a small JSON document (an app spec is a few hundred bytes), so a
 megabyte is generous; without a limit, one request could make the server buffer gigabytes. A
 declared ``Content-Length`` over the limit is answered 413 at once; a body sent without one
 (chunked) is counted as it arrives and cut off at the limit, which the route sees as a body it
 cannot parse (400).
+
+Header fields over :data:`MAX_HEADER_BYTES` in all are answered 431 Request Header Fields Too
+Large (RFC 6585 section 5) with the API's error body. The HTTP server must let such a head
+through for this middleware to see it: ``heteroplane serve`` reads heads up to
+:data:`MAX_HEAD_READ_BYTES` (and answers 431 itself past that:
+:mod:`controlplane.service.protocol`).
 """
 
 from __future__ import annotations
@@ -13,9 +20,22 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.api.errors import error_response
 
-__all__ = ["MAX_BODY_BYTES", "BodySizeLimitMiddleware"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "MAX_HEADER_BYTES",
+    "MAX_HEAD_READ_BYTES",
+    "BodySizeLimitMiddleware",
+    "HeaderSizeLimitMiddleware",
+    "header_bytes",
+]
 
 MAX_BODY_BYTES = 1 << 20
+# A token and a cookie take well under a kilobyte; 32 KiB is nginx's largest default head
+# (large_client_header_buffers 4 x 8k).
+MAX_HEADER_BYTES = 32 << 10
+# How much of a head the HTTP server reads before it gives up on the request: more than
+# MAX_HEADER_BYTES, so that a head between the two reaches the middleware and gets the API's 431.
+MAX_HEAD_READ_BYTES = MAX_BODY_BYTES
 
 
 class BodyTooLargeError(Exception):
@@ -55,3 +75,27 @@ class BodySizeLimitMiddleware:
             return message
 
         await self.app(scope, counting_receive, send)
+
+
+def header_bytes(headers: list[tuple[bytes, bytes]]) -> int:
+    """The size of header fields on the wire: ``name: value`` and CRLF per field."""
+    return sum(len(name) + len(value) + 4 for name, value in headers)
+
+
+class HeaderSizeLimitMiddleware:
+    """Answer 431 when the request's header fields are over ``max_bytes`` in all."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_HEADER_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and header_bytes(scope.get("headers") or []) > self.max_bytes:
+            response = error_response(
+                431,
+                "headers_too_large",
+                f"the request's header fields are larger than {self.max_bytes:,} bytes",
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -494,9 +494,9 @@ class InferIn(BaseModel):
     )
     # The bounds before the validator: pydantic leaves constraints that follow a
     # BeforeValidator out of the JSON Schema (they would still be enforced, undocumented).
-    sample_ids: list[
-        Annotated[int, Field(ge=0, le=2**31 - 1), BeforeValidator(_whole_number)]
-    ] | None = Field(
+    sample_ids: (
+        list[Annotated[int, Field(ge=0, le=2**31 - 1), BeforeValidator(_whole_number)]] | None
+    ) = Field(
         default=None,
         description="which validation sample each input is (bookkeeping: the observed accuracy)",
     )

@@ -27,7 +27,7 @@ from controlplane import __version__
 from controlplane.api.counters import RequestCounter, RequestCountingMiddleware
 from controlplane.api.deps import Services
 from controlplane.api.errors import install_error_handlers
-from controlplane.api.limits import BodySizeLimitMiddleware
+from controlplane.api.limits import BodySizeLimitMiddleware, HeaderSizeLimitMiddleware
 from controlplane.api.routes import apps, budget, events, fleet, health, infer, plans
 from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
@@ -109,6 +109,7 @@ def create_app(
     app.state.services = services
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware)
+    app.add_middleware(HeaderSizeLimitMiddleware)
     app.add_middleware(RequestCountingMiddleware, counter=services.requests)
     # Added last, so called first: a query's latency runs from here (on the serving loop's
     # clock), before the body is read and the token checked in the thread pool.

@@ -1079,3 +1079,97 @@ def test_a_huge_body_is_a_413_and_a_huge_chunked_body_a_4xx(api: Api) -> None:
         "POST", "/v1/apps", content=chunks(), headers={"Content-Type": "application/json"}
     )
     assert 400 <= response.status_code < 500, response.text
+
+
+# --- what the fuzzer found (issue 21; tests/integration/test_api_fuzz.py) --------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "allow"),
+    [
+        ("PATCH", "/v1/apps", "GET, POST"),
+        ("OPTIONS", "/v1/apps/toy", "GET, PUT, DELETE"),
+        ("DELETE", "/v1/apps/toy/plans", "GET, POST"),
+        ("POST", "/v1/apps/toy/budget", "GET, PUT"),
+        ("PUT", "/metrics", "GET"),
+    ],
+)
+def test_a_405_allows_every_method_of_the_path(api: Api, method: str, url: str, allow: str) -> None:
+    """Each method of a path is its own route; the Allow header names all of them."""
+    response = api.call(method, url)
+    error = assert_error(response, 405, "method_not_allowed")
+    assert response.headers["allow"] == allow
+    assert allow in error["message"]
+
+
+def test_metrics_without_a_token_is_the_documented_json_401(api: Api) -> None:
+    assert_error(api.call("GET", "/metrics", None), 401, "unauthorized")
+    responses = api.client.get("/openapi.json").json()["paths"]["/metrics"]["get"]["responses"]
+    assert set(responses["200"]["content"]) == {"text/plain; version=0.0.4; charset=utf-8"}
+    for status in ("401", "403", "503"):
+        content = responses[status]["content"]
+        assert set(content) == {"application/json"}
+        assert content["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+
+
+def test_a_whole_number_written_as_a_float_is_an_integer(api: Api) -> None:
+    """JSON Schema's integer is any number with no fractional part: 7.0 is a seed, 7.5 is not."""
+    api.register()
+    assert api.preview(rate_qps=100.0, seed=7.0)["seed"] == 7
+    error = assert_error(
+        api.call("POST", "/v1/apps/toy/plans", json={"rate_qps": 100.0, "seed": 7.5}), 422
+    )
+    assert error["field"] == "seed"
+    error = assert_error(
+        api.call("POST", "/v1/apps/toy/plans", json={"rate_qps": 100.0, "seed": True}), 422
+    )
+    assert error["field"] == "seed"
+
+
+def test_sample_ids_of_another_length_than_inputs_name_the_field(api: Api) -> None:
+    api.register()
+    body = {"inputs": [[0.0] * 64], "sample_ids": [1, 2]}
+    error = assert_error(api.call("POST", "/v1/apps/toy/infer", json=body), 422)
+    assert error["field"] == "sample_ids"
+    assert "2 ids for 1 inputs" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"instance_types": ["g4dn.xlarge", ""]}, "instance_types[1]"),
+        ({"max_counts": {"g4dn.xlarge": -1}}, "max_counts[g4dn.xlarge]"),
+    ],
+)
+def test_spec_bounds_the_schema_states_are_the_ones_enforced(
+    api: Api, overrides: dict[str, Any], field: str
+) -> None:
+    error = assert_error(api.call("POST", "/v1/apps", json={**spec(), **overrides}), 422)
+    assert error["field"] == field
+
+
+def test_the_openapi_document_states_what_the_api_enforces(api: Api) -> None:
+    document = api.client.get("/openapi.json").json()
+    schemas = document["components"]["schemas"]
+    app_spec = schemas["AppSpec"]["properties"]
+    assert app_spec["instance_types"]["items"]["minLength"] == 1
+    assert app_spec["max_counts"]["anyOf"][0]["additionalProperties"]["minimum"] == 0
+    # A preview names exactly one of trace and rate_qps; a poisson trace has cv2 = 1.
+    preview = document["paths"]["/v1/apps/{app}/plans"]["post"]["requestBody"]
+    assert preview["required"] is True
+    assert [option["required"] for option in schemas["PlanIn"]["oneOf"]] == [
+        ["trace"],
+        ["rate_qps"],
+    ]
+    assert schemas["TraceIn"]["then"] == {"properties": {"cv2": {"const": 1.0}}}
+    ids = schemas["InferIn"]["properties"]["sample_ids"]["anyOf"][0]["items"]
+    assert (ids["type"], ids["minimum"], ids["maximum"]) == ("integer", 0, 2**31 - 1)
+
+
+def test_header_fields_over_the_limit_are_a_431(api: Api) -> None:
+    """Under the test client (no HTTP server) the middleware answers; a real server's protocol
+    limit is tests/integration/test_header_limits.py's."""
+    assert api.call("GET", "/v1/apps", headers={"X-Padding": "x" * 8_000}).status_code == 200
+    response = api.call("GET", "/v1/apps", headers={"X-Padding": "x" * 40_000})
+    error = assert_error(response, 431, "headers_too_large")
+    assert "32,768 bytes" in error["message"]
