@@ -31,10 +31,11 @@ import json
 import math
 import numbers
 import secrets
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar, cast
 
 from sqlalchemy import URL, CursorResult, Engine, Select, delete, func, select, update
@@ -76,6 +77,10 @@ __all__ = [
 _ATTEMPTS = 20
 # last_used_at of a token is refreshed at most this often: not a write per request.
 LAST_USED_RESOLUTION_S = 60.0
+# How long verify_token trusts its own answer (on the store's clock), and how many it keeps. A
+# token revoked through another replica's store stops working here within this time.
+TOKEN_CACHE_S = 1.0
+TOKEN_CACHE_MAX = 1024
 _APP_NAME_MAX = 63
 # A keyed decision made again within this long of its last time is the same decision (one row,
 # its count bumped): long enough for two alternating failures retried every reconcile tick.
@@ -286,6 +291,10 @@ class Store:
         self.decision_merge_window_s = decision_merge_window_s
         self._sessions: sessionmaker[Session] = make_session_factory(engine)
         self._clock: _WallClock = clock if clock is not None else _SystemWallClock()
+        # verify_token's answers for a second (token digest -> who, until when): the inference
+        # path checks a token per request. A revocation through this store clears it at once.
+        self._token_cache: dict[str, tuple[Principal, datetime]] = {}
+        self._token_lock = threading.Lock()
 
     @classmethod
     def from_url(
@@ -1146,6 +1155,10 @@ class Store:
             return None
         digest = auth.hash_token(token)
         now = self._now(at)
+        with self._token_lock:
+            cached = self._token_cache.get(digest)
+        if cached is not None and now < cached[1]:
+            return cached[0]
         with transaction(self._sessions) as session:
             row = session.scalar(select(m.ApiToken).where(m.ApiToken.token_hash == digest))
             if row is None or not auth.hashes_match(token, row.token_hash):
@@ -1155,7 +1168,12 @@ class Store:
             last = row.last_used_at
             if last is None or (now - last).total_seconds() >= LAST_USED_RESOLUTION_S:
                 row.last_used_at = now
-            return Principal(row.name, row.scope)
+            principal = Principal(row.name, row.scope)
+        with self._token_lock:
+            if len(self._token_cache) >= TOKEN_CACHE_MAX:
+                self._token_cache.clear()
+            self._token_cache[digest] = (principal, now + timedelta(seconds=TOKEN_CACHE_S))
+        return principal
 
     @_translated
     def revoke_token(self, name: str, *, at: datetime | None = None) -> TokenRecord:
@@ -1167,7 +1185,11 @@ class Store:
             if row.revoked_at is None:
                 row.revoked_at = self._now(at)
             session.flush()
-            return _token_record(row)
+            record = _token_record(row)
+        # After the commit: an answer cached meanwhile from the old row goes too.
+        with self._token_lock:
+            self._token_cache.clear()
+        return record
 
     @_translated
     def get_token(self, name: str) -> TokenRecord:
