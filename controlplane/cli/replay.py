@@ -1,17 +1,36 @@
 """``heteroplane replay``: a trace through a plan's fleet as a scaling policy changes it.
 
 The work is :func:`controlplane.policies.replay.replay`; this module reads the spec, the plan and
-the traces, maps the options to a scaling policy and prints the result (``docs/replay.md``).
+the traces, maps the options to a scaling policy and prints the result (``docs/replay.md``). The
+baselines ``--policy peak`` and ``--policy mean`` make their own plan, for the replayed trace's
+peak or mean rate (:func:`controlplane.policies.baselines.plan_baseline`), and replay it static.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import numpy as np
 
 from controlplane.cli.output import UsageError, emit
-from controlplane.policies.replay import ScalingPolicy, read_plan, replay
+from controlplane.policies.baselines import (
+    BASELINES,
+    PEAK_WINDOW_S,
+    BaselinePlan,
+    leading_share,
+    plan_baseline,
+)
+from controlplane.policies.capacity_curve import LOAD_MODEL_RECENT_S, capacity_curve
+from controlplane.policies.plan import PlanDocument
+from controlplane.policies.replay import (
+    ScalingPolicy,
+    check_plan,
+    parse_plan,
+    read_plan,
+    replay,
+)
+from controlplane.policies.tuner import DEFAULT_RECENT_S
 from controlplane.spec import load_spec, resolve_spec
 from estimator.traces import read_trace_csv
 
@@ -31,36 +50,86 @@ def scaling_policy(tuner: str, policy: str | None) -> tuple[ScalingPolicy, str]:
     return "static", policy
 
 
+def check_options(args: argparse.Namespace, label: str) -> None:
+    """One-line errors for the combinations of options that do not make sense."""
+    baseline = label in BASELINES
+    if baseline and args.plan is not None:
+        raise UsageError(
+            f"--policy {label} plans for the trace's {label} rate itself: drop --plan (replay"
+            " your own plan with --policy static)"
+        )
+    if not baseline and args.plan is None:
+        raise UsageError(
+            f"--policy {label} replays a plan: pass --plan FILE (or --policy peak or mean, which"
+            " plan for the trace's rate themselves)"
+        )
+    if args.planning_trace is not None and label not in ("tuner", *BASELINES):
+        raise UsageError(
+            "--planning-trace is for the tuner (its planned envelope) and for --policy peak or"
+            " mean (the arrivals they plan on)"
+        )
+    if args.peak_window_s is not None and label != "peak":
+        raise UsageError("--peak-window-s is for --policy peak")
+    if args.tuner_model != "rho" and label != "tuner":
+        raise UsageError("--tuner-model is for the tuner (--policy tuner)")
+
+
 def run(args: argparse.Namespace) -> int:
     policy, label = scaling_policy(args.tuner, args.policy)
-    if args.planning_trace is not None and policy != "tuner":
-        raise UsageError("--planning-trace is for the tuner (--policy tuner)")
+    check_options(args, label)
     app = resolve_spec(load_spec(args.spec))
-    plan = read_plan(args.plan)
     trace = read_trace_csv(args.trace)
     if len(trace) == 0:
         raise UsageError(f"{args.trace}: the trace has no queries")
-    planning = None
-    if args.planning_trace is not None:
-        planning = read_trace_csv(args.planning_trace).arrival_s
+    planning = None if args.planning_trace is None else read_trace_csv(args.planning_trace)
+    made: BaselinePlan | None = None
+    if label in BASELINES:
+        made = plan_baseline(
+            app,
+            trace,
+            "peak" if label == "peak" else "mean",
+            shape=planning,
+            window_s=PEAK_WINDOW_S if args.peak_window_s is None else args.peak_window_s,
+            seed=args.seed,
+        )
+        plan: PlanDocument = parse_plan(made.plan.to_document(), f"the {label} plan")
+    else:
+        plan = read_plan(args.plan)
+    curve = None
+    if args.tuner_model == "curve":
+        stage = check_plan(plan, app)
+        curve = capacity_curve(
+            app,
+            stage.name,
+            leading_share(trace) if planning is None else planning,
+            kairos=(args.dispatch or stage.policy) == "kairos",
+            batch_size=stage.batch_size,
+            seed=args.seed,
+        )
     result = replay(
         trace,
         app,
         plan,
         np.random.default_rng(args.seed),
         policy=policy,
-        planning_arrival_s=planning,
+        planning_arrival_s=None if planning is None or made else planning.arrival_s,
         dispatch=args.dispatch,
+        tuner_capacity_curve=curve,
+        tuner_recent_s=DEFAULT_RECENT_S if curve is None else LOAD_MODEL_RECENT_S,
     )
     data = result.to_document()
     data["policy"] = label
     data["slo_ms"] = app.spec.slo.latency_ms
     data["budget_usd_per_hr"] = app.spec.budget_usd_per_hr
-    data["planning_trace"] = (
-        str(args.planning_trace)
-        if args.planning_trace is not None
-        else ("first 10% of the trace" if policy == "tuner" else None)
-    )
+    if policy == "tuner" or made is not None:
+        default = "first 10% of the trace"
+        data["planning_trace"] = default if planning is None else str(args.planning_trace)
+    else:
+        data["planning_trace"] = None
+    data["baseline"] = None if made is None else baseline_document(made)
+    if policy == "tuner":
+        data["tuner_model"] = args.tuner_model
+        data["capacity_curve"] = None if curve is None else [list(p) for p in curve]
     data["seed"] = args.seed
 
     def human() -> str:
@@ -70,8 +139,10 @@ def run(args: argparse.Namespace) -> int:
             f"  p99 {result.p99_ms:.2f} ms; {100 * result.slo_miss_share:.2f}% over the"
             f" {slo:g} ms SLO",
             f"  cost {result.cost_usd:.4f} USD; {result.scaling_actions} scaling actions",
-            "  t_s      rate_qps  p99_ms      fleet",
         ]
+        if made is not None:
+            lines.insert(1, "  " + baseline_text(made))
+        lines.append("  t_s      rate_qps  p99_ms      fleet")
         for window in result.timeline:
             p99 = "-" if window.p99_ms is None else f"{window.p99_ms:.1f}"
             fleet = ",".join(f"{name}={count}" for name, count in window.fleet.items())
@@ -79,3 +150,33 @@ def run(args: argparse.Namespace) -> int:
         return "\n".join(lines)
 
     return emit(args.json, data, human)
+
+
+def baseline_document(made: BaselinePlan) -> dict[str, Any]:
+    """The ``baseline`` object of ``replay --json`` for ``--policy peak|mean``."""
+    return {
+        "rate_qps": made.rate_qps,
+        "peak_window_s": made.window_s,
+        "feasible": made.plan.feasible,
+        "cost_usd_per_hr": made.plan.cost_usd_per_hr,
+        "fleet": {name: n for s in made.plan.stages for name, n in s.fleet.items() if n},
+        "plan": made.plan.to_document(),
+    }
+
+
+def baseline_text(made: BaselinePlan) -> str:
+    measure = (
+        f"peak rate (most arrivals in any {made.window_s:g} s)"
+        if made.window_s is not None
+        else "mean rate"
+    )
+    fleet = ", ".join(f"{n} x {name}" for s in made.plan.stages for name, n in s.fleet.items() if n)
+    verdict = (
+        ""
+        if made.plan.feasible
+        else f" (NOT feasible within the budget: planned for {made.plan.rate_qps:.2f} qps)"
+    )
+    return (
+        f"planned for the trace's {measure} {made.rate_qps:.2f} qps: {fleet} at"
+        f" ${made.plan.cost_usd_per_hr:.3f}/hr{verdict}"
+    )

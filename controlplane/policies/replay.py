@@ -39,6 +39,7 @@ from controlplane.policies.plan import (
 )
 from controlplane.policies.plan import read_plan as read_plan_document
 from controlplane.policies.tuner import (
+    DEFAULT_RECENT_S,
     CapacityModel,
     TunerConfig,
     TunerStage,
@@ -78,6 +79,7 @@ __all__ = [
     "rate_per_instance_qps",
     "read_plan",
     "replay",
+    "replay_timeline",
     "static_timeline",
     "tuner_timeline",
     "utilization_timeline",
@@ -433,6 +435,8 @@ def tuner_timeline(
     boot_s: Mapping[str, float] | None = None,
     min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S,
     dispatch: DispatchName = "fcfs",
+    capacity_curve: Sequence[tuple[float, float]] | None = None,
+    recent_s: float = DEFAULT_RECENT_S,
 ) -> FleetTimeline:
     """Roll InferLine's tuner (:func:`controlplane.policies.tuner.tune`) over ``trace`` once per
     second.
@@ -448,6 +452,11 @@ def tuner_timeline(
     throughput bound as its capacity model (:func:`kairos_capacity_model`): its auxiliary types
     serve only the queries up to their violation batch, so once the base type is the bottleneck
     adding them adds nothing, and the tuner adds base instances instead.
+
+    With ``capacity_curve`` (:func:`controlplane.policies.capacity_curve.capacity_curve`) the
+    tuner sizes the stage by the planner's capacity at the live load instead of a constant rho
+    (:meth:`controlplane.policies.tuner.TunerStage.capacity_at_load_qps`). ``recent_s`` is how
+    far back the live envelope looks (InferLine's 60 s by default).
     """
     mu = _stage_rates(app, stage, trace)
     if planning_arrival_s.size == 0:
@@ -463,13 +472,15 @@ def tuner_timeline(
         catalog=app.catalog,
         types=list(mu),
         boot_s=boot,
+        recent_s=recent_s,
     )
     fleet = {name: stage.fleet[name] for name in mu}
     model = None
     if dispatch == "kairos" and len(mu) > 1 and stage.batch_size <= 1:
         model = kairos_capacity_model(app, stage.name, list(mu), trace)
     rho = utilisation_target(fleet, mu, 1.0, config.planned_peak_rate_qps, model)
-    plan = TunerStage(stage.name, 1.0, fleet, mu, rho, capacity_model=model)
+    curve = tuple(capacity_curve) if capacity_curve else None
+    plan = TunerStage(stage.name, 1.0, fleet, mu, rho, capacity_model=model, capacity_curve=curve)
     state = initial_state([plan], now_s=0.0)
     log = _FleetLog.planned(Fleet.of(fleet), boot)
     arrivals = trace.arrival_s
@@ -699,12 +710,15 @@ def replay(
     utilization: UtilizationConfig | None = None,
     dispatch: DispatchName | None = None,
     tuner_min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S,
+    tuner_capacity_curve: Sequence[tuple[float, float]] | None = None,
+    tuner_recent_s: float = DEFAULT_RECENT_S,
 ) -> ReplayResult:
     """Replay ``trace`` on ``plan``'s single stage with the fleet as ``policy`` scales it.
 
     Pass 1 rolls the policy over the arrivals into a :class:`FleetTimeline` (``static``: the
     plan's fleet throughout; ``tuner``: :func:`tuner_timeline`, planning on
-    ``planning_arrival_s``, by default the trace's first 10% (:func:`planning_arrivals`);
+    ``planning_arrival_s``, by default the trace's first 10% (:func:`planning_arrivals`), sized
+    by ``tuner_capacity_curve`` where given, its live envelope over the last ``tuner_recent_s``;
     ``utilization``: :func:`utilization_timeline`). Pass 2 simulates the trace once on it, with
     ``dispatch`` (fcfs or kairos; by default the plan stage's ``policy``, else fcfs) over the
     stage's types, the plan's batch size as the most
@@ -728,12 +742,34 @@ def replay(
             boot_s=boot_s,
             min_window_s=tuner_min_window_s,
             dispatch=dispatch if dispatch is not None else (stage.policy or "fcfs"),
+            capacity_curve=tuner_capacity_curve,
+            recent_s=tuner_recent_s,
         )
     elif policy == "utilization":
         timeline = utilization_timeline(trace, app, stage, config=utilization, boot_s=boot_s)
     else:
         raise ReplayError(f"unknown scaling policy {policy!r} (tuner, static or utilization)")
+    return replay_timeline(trace, app, stage, timeline, rng, policy=policy, dispatch=dispatch)
 
+
+def replay_timeline(
+    trace: Trace,
+    app: ResolvedApp,
+    stage: StagePlan,
+    timeline: FleetTimeline,
+    rng: np.random.Generator,
+    *,
+    policy: str = "static",
+    dispatch: DispatchName | None = None,
+) -> ReplayResult:
+    """Pass 2 of :func:`replay` alone: simulate ``trace`` once on ``timeline`` (however it was
+    made, e.g. an oracle's fleet per minute) with ``stage``'s batch size and dispatch
+    (``dispatch`` overrides it), and summarise it as ``policy``.
+
+    Raises:
+        ReplayError: an unknown dispatch policy.
+        EstimatorError: the simulator's errors (a batch size outside a profile).
+    """
     types = list(dict.fromkeys(spec.instance_type for spec in timeline.instances))
     profiles = {name: app.profile(stage.name, name) for name in types}
     prices = dict(app.prices_usd_per_hr)

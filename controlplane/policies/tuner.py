@@ -44,6 +44,13 @@ the tuner says so with a ``budget_capped`` decision, for the cascade's gear logi
 The utilisation target rho_m is the planned stage's utilisation at the planning trace's peak rate,
 rho_m = r_plan s_m / (planned capacity) (:func:`utilisation_target`); with that rho a live envelope
 equal to the planned one keeps exactly the planned fleet.
+
+The load model (a stage with a ``capacity_curve``; docs/tuner.md, "The load model"): instead of
+r s_m / rho_m the stage needs f C_plan / rho(f_L), where f is the largest equivalent load over the
+windows (:func:`equivalent_loads`: the rate multiple of the planning trace that is as busy), f_L
+the longest window's, and rho(f_L) the planner's provisioning ratio at f_L, read off the curve of
+the planner's capacity by load (:meth:`TunerStage.capacity_for_loads_qps`,
+:mod:`controlplane.policies.capacity_curve`).
 """
 
 from __future__ import annotations
@@ -76,8 +83,10 @@ __all__ = [
     "TunerStage",
     "TunerState",
     "default_boot_s",
+    "equivalent_loads",
     "fleet_cost_usd_per_hr",
     "initial_state",
+    "load_factors",
     "ready_fleets",
     "tune",
     "utilisation_target",
@@ -135,6 +144,7 @@ class TunerStage:
     utilisation_target: float
     min_instances: int = 1
     capacity_model: CapacityModel | None = field(default=None, compare=False)
+    capacity_curve: tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -159,12 +169,70 @@ class TunerStage:
             raise WorkloadError(f"stage {self.name}: min_instances must be >= 0")
         object.__setattr__(self, "fleet", MappingProxyType(dict(fleet)))
         object.__setattr__(self, "rate_per_instance_qps", _frozen(self.rate_per_instance_qps))
+        if self.capacity_curve is not None:
+            points = tuple(sorted((float(f), float(c)) for f, c in self.capacity_curve))
+            if not points:
+                raise WorkloadError(f"stage {self.name}: capacity_curve has no point")
+            for load, capacity in points:
+                _finite(f"stage {self.name}: a capacity curve's load", load, strict=True)
+                _finite(f"stage {self.name}: a capacity curve's multiplier", capacity, strict=True)
+            if len({load for load, _ in points}) != len(points):
+                raise WorkloadError(f"stage {self.name}: capacity_curve repeats a load")
+            object.__setattr__(self, "capacity_curve", points)
 
     @property
     def planned_capacity_qps(self) -> float:
         """The planned fleet's throughput: the capacity model's, else sum over types of count x
         mu_t."""
         return self.capacity_qps(self.fleet)
+
+    def capacity_at_load_qps(self, load: float) -> float:
+        """C*(f): the capacity the stage needs when the live arrivals are ``load`` = f times the
+        planned envelope (:func:`load_factors`): the planned capacity times the multiplier m(f)
+        of ``capacity_curve`` (the planner's capacity for the planning trace at f times its rate
+        over its capacity at f = 1), linear between the curve's points and proportional to f from
+        the nearest end outside them. Without a curve, InferLine's constant provisioning ratio:
+        m(f) = f.
+
+        >>> stage = TunerStage("m", 1.0, {"g": 2}, {"g": 10.0}, 1.0,
+        ...     capacity_curve=((0.5, 0.6), (1.0, 1.0), (2.0, 1.7)))
+        >>> [round(stage.capacity_at_load_qps(f), 9) for f in (0.25, 0.75, 1.0, 1.5, 3.0)]
+        [6.0, 16.0, 20.0, 27.0, 51.0]
+        """
+        f = max(0.0, float(load))
+        points = self.capacity_curve
+        if points is None:
+            return f * self.planned_capacity_qps
+        loads = [p[0] for p in points]
+        multipliers = [p[1] for p in points]
+        if f <= loads[0]:
+            m = multipliers[0] * f / loads[0]
+        elif f >= loads[-1]:
+            m = multipliers[-1] * f / loads[-1]
+        else:
+            m = float(np.interp(f, loads, multipliers))
+        return m * self.planned_capacity_qps
+
+    def capacity_for_loads_qps(self, peak_load: float, sustained_load: float) -> float:
+        """The capacity for live arrivals at ``peak_load`` f (the largest equivalent load over
+        the windows, :func:`equivalent_loads`) whose sustained load (the longest window's) is
+        f_L: f x C_plan / rho(f_L), with rho(f_L) = f_L C_plan / C*(f_L) the planner's
+        provisioning ratio at the sustained load (:meth:`capacity_at_load_qps`). InferLine's
+        k = ceil(r s / (mu rho)) with rho measured at the load the stage runs at rather than at
+        the planned one: a pure change of rate (f = f_L) needs C*(f_L), the planner's own
+        capacity there; arrivals burstier than planned (short windows above f_L) get the
+        headroom of that load in proportion to their bursts.
+
+        >>> stage = TunerStage("m", 1.0, {"g": 2}, {"g": 10.0}, 1.0,
+        ...     capacity_curve=((0.5, 0.6), (1.0, 1.0), (2.0, 1.7)))
+        >>> [round(stage.capacity_for_loads_qps(f, 1.5), 9) for f in (1.5, 1.8)]
+        [27.0, 32.4]
+        """
+        f_peak = max(0.0, float(peak_load))
+        f_sustained = min(max(0.0, float(sustained_load)), f_peak)
+        if f_sustained <= 0.0:
+            return self.capacity_at_load_qps(f_peak)
+        return self.capacity_at_load_qps(f_sustained) * f_peak / f_sustained
 
     def capacity_qps(self, fleet: Mapping[str, int]) -> float:
         """The throughput of ``fleet`` (counts by type) for this stage."""
@@ -618,6 +686,82 @@ def _scale_down_marginal(tick: _Tick, plan: TunerStage, needed_qps: float, why: 
     return bool(removed)
 
 
+def load_factors(live_qps: ArrayLike, planned_qps: ArrayLike) -> np.ndarray:
+    """f_i = r_i / p_i: the live envelope's rate over the planned one's at each window (0 where
+    the planned rate is 0). The live arrivals look like the planning trace at f times its rate
+    when f_i = f at every window; max_i f_i is the smallest such f that covers the live envelope
+    (a planning trace compressed in time by f has, at window w, the rate f p(f w) ~ f p(w)).
+
+    >>> load_factors([120.0, 90.0], [100.0, 80.0]).round(3).tolist()
+    [1.2, 1.125]
+    """
+    live = np.asarray(live_qps, dtype=np.float64)
+    planned = np.asarray(planned_qps, dtype=np.float64)
+    out = np.zeros_like(live)
+    np.divide(live, planned, out=out, where=planned > 0)
+    return out
+
+
+def equivalent_loads(
+    live_qps: ArrayLike, windows_s: Sequence[float], planned_qps: ArrayLike
+) -> np.ndarray:
+    """f_i: the rate multiple at which the planning trace, compressed in time by f, is as busy at
+    window i as the live arrivals, f w_i = N^-1(r_i w_i), where N(w) = w p(w) is the most
+    planned arrivals in any window w (the planned envelope as a count, non-decreasing in w).
+
+    A planning trace at f times its rate has N_f(w) = N(f w): for f > 1 its short windows look
+    relatively calmer than its long ones (its bursts are the same counts in less time), so a pure
+    change of rate gives one f at every window, where the plain ratio r_i / p_i (InferLine's
+    constant rho, :func:`load_factors`) reads the short windows lower. N between the windows is
+    interpolated log-linearly; beyond the longest window it grows at that window's rate and
+    below the shortest at the shortest's.
+
+    >>> equivalent_loads([100.0, 60.0], [1.0, 10.0], [100.0, 50.0]).round(3).tolist()
+    [1.0, 1.2]
+    """
+    live = np.asarray(live_qps, dtype=np.float64)
+    w = np.asarray(windows_s, dtype=np.float64)
+    counts = np.maximum.accumulate(np.asarray(planned_qps, dtype=np.float64) * w)
+    out = np.zeros_like(live)
+    for i, (rate, window) in enumerate(zip(live, w, strict=True)):
+        target = rate * window
+        if target <= 0.0 or counts[-1] <= 0.0:
+            continue
+        if target <= counts[0]:
+            span = target / (counts[0] / w[0])
+        elif target >= counts[-1]:
+            span = w[-1] + (target - counts[-1]) / (counts[-1] / w[-1])
+        else:
+            k = int(np.searchsorted(counts, target, side="left"))
+            lo, hi = max(k - 1, 0), k
+            if counts[hi] == counts[lo]:
+                span = w[lo]
+            else:
+                t = (math.log(target) - math.log(counts[lo])) / (
+                    math.log(counts[hi]) - math.log(counts[lo])
+                )
+                span = math.exp(math.log(w[lo]) + t * (math.log(w[hi]) - math.log(w[lo])))
+        out[i] = span / window
+    return out
+
+
+def _scale_up_to_load(
+    tick: _Tick, plan: TunerStage, capacity_qps: float, target: float, exceeded: bool, why: str
+) -> None:
+    """Algorithm 3 with a capacity curve: the stage needs ``target`` (:meth:`TunerStage.
+    capacity_for_loads_qps`) when the live envelope exceeds the planned one; a stage below its
+    planned capacity is brought back to min(planned capacity, target)."""
+    needed = 0.0
+    if exceeded:
+        needed = target
+    elif capacity_qps < plan.planned_capacity_qps:
+        needed = min(plan.planned_capacity_qps, target)
+        why = f"below plan ({plan.planned_capacity_qps:.6g} qps planned); {why}"
+    if needed > 0.0:
+        text = f"{why}; the planner's capacity at that load {target:.6g} qps"
+        _scale_up(tick, plan, needed, text)
+
+
 def tune(
     arrival_s: ArrayLike,
     now_s: float,
@@ -687,9 +831,22 @@ def tune(
             f"{planned[top]:.6g} qps ({len(exceeding)} of {len(planned)} windows over); "
             f"r_max {r_max:.6g} qps"
         )
+    loads = equivalent_loads(live, config.windows_s, planned)
+    f_top = int(np.argmax(loads))
+    f_live = float(loads[f_top])
+    f_sustained = float(loads[-1])
+    load_why = (
+        f"load x{f_live:.4g} of the planned envelope (window {config.windows_s[f_top]:g} s: "
+        f"{live[f_top]:.6g} qps vs planned {planned[f_top]:.6g} qps), sustained load "
+        f"x{f_sustained:.4g} (window {config.windows_s[-1]:g} s)"
+    )
     for plan in plans:
         s, rho = plan.scale_factor, plan.utilisation_target
         capacity = plan.capacity_qps(tick.fleets[plan.name])
+        if plan.capacity_curve is not None:
+            target = plan.capacity_for_loads_qps(f_live, f_sustained)
+            _scale_up_to_load(tick, plan, capacity, target, bool(exceeding), load_why)
+            continue
         need_exceed = r_max * s / rho
         need_restore = 0.0
         if capacity < plan.planned_capacity_qps:
@@ -719,6 +876,15 @@ def tune(
     if not changed and quiet_s >= config.scale_down_delay_s:
         for plan in plans:
             s, rho = plan.scale_factor, plan.utilisation_target
+            if plan.capacity_curve is not None:
+                needed = plan.capacity_for_loads_qps(f_live, f_sustained)
+                why = (
+                    f"scale_down: {quiet_s:.6g} s since the last change >= "
+                    f"{config.scale_down_delay_s:g} s; over the last {config.recent_s:g} s "
+                    f"{load_why}; the planner's capacity at that load {needed:.6g} qps"
+                )
+                changed = _scale_down(tick, plan, needed, why) or changed
+                continue
             why = (
                 f"scale_down: {quiet_s:.6g} s since the last change >= "
                 f"{config.scale_down_delay_s:g} s; recent peak {r_recent:.6g} qps at window "

@@ -430,9 +430,9 @@ def test_replay_json_contract(
 
 def test_replay_human_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = cli_inputs(tmp_path, plan_document({GPU: 1}))
-    assert main([*args, "--policy", "peak"]) == 0
+    assert main([*args, "--policy", "static"]) == 0
     text = capsys.readouterr().out
-    assert "under peak" in text and "p99" in text and "0 scaling actions" in text
+    assert "under static" in text and "p99" in text and "0 scaling actions" in text
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,98 @@
+"""The planner's capacity as a function of load: the tuner's model of how much a stage needs.
+
+InferLine's tuner sizes a stage for a live rate r as r s_m / rho_m with one provisioning ratio
+rho_m, measured at the planned rate: capacity proportional to load. The planner (the estimator,
+:mod:`controlplane.policies.planner`) does not scale so: a fleet's burst headroom shrinks
+relative to the rate as the fleet grows (more instances multiplex the bursts, and a queue of c
+servers waits less at the same utilisation), so the capacity that meets the SLO grows slower than
+the rate. A constant rho then over-provisions every load above the planned one (and
+under-provisions below it).
+
+This module owns the measured alternative, :func:`capacity_curve`: the points (f, m(f)) where
+m(f) = cap(plan at f) / cap(plan at 1), "plan at f" is the planner's plan for the planning trace
+compressed in time by f (at f times its rate, the same arrival process) and cap() a fleet's
+capacity in the stage's units (the Kairos throughput bound for a Kairos-dispatched mix, else the
+sum of mu_t). :meth:`controlplane.policies.tuner.TunerStage.capacity_at_load_qps` reads it: at
+the live load f (:func:`controlplane.policies.tuner.load_factors`) the tuner needs the planned
+capacity times m(f), so a live envelope equal to the planned one keeps the planned fleet. Each
+point costs one plan (a second or two for one model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from controlplane.policies.planner import plan_app, scale_trace
+from controlplane.policies.replay import kairos_capacity_model, rate_per_instance_qps
+from controlplane.spec import ResolvedApp
+from estimator.traces import Trace
+
+__all__ = ["DEFAULT_LOADS", "LOAD_MODEL_RECENT_S", "capacity_curve"]
+
+# The loads the curve is measured at: from half the planned rate to twice it, finer near the plan
+# where the tuner spends most of its time. Outside them the tuner extrapolates proportionally
+# from the nearest end, InferLine's constant ratio.
+DEFAULT_LOADS: tuple[float, ...] = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+# How far back the live envelope looks with the load model (the tuner's ``recent_s``; InferLine's
+# is 60 s, its longest window). The planned envelope is the most arrivals in any window over the
+# whole planning trace (10 minutes); the same traffic seen through 60 s has fewer windows, so its
+# maxima read low (rm2 at 60 qps, CV^2 = 4: the 1 s peak over a minute is 104-119 qps where the
+# ten minutes say 119), and the tuner sheds capacity the plan was sized to hold, then misses when
+# the bursts come back. Three minutes keeps that bias smaller while a scale-down still follows a
+# fall of load within minutes (benchmarks/tuner_oracle.py measures 60, 120 and 180 s).
+LOAD_MODEL_RECENT_S = 180.0
+
+
+def capacity_curve(
+    app: ResolvedApp,
+    stage: str,
+    planning: Trace,
+    *,
+    kairos: bool,
+    batch_size: int = 1,
+    loads: Sequence[float] = DEFAULT_LOADS,
+    seed: int = 0,
+) -> tuple[tuple[float, float], ...]:
+    """The points (f, m(f)) for ``stage`` of a single-stage app (the module docstring), m made
+    non-decreasing in f (a running maximum); empty when the planner places nothing at f = 1.
+    Deterministic for a seed."""
+    rate_qps = (len(planning) - 1) / planning.duration_s
+    fleets: dict[float, Mapping[str, int]] = {}
+    for f in sorted({1.0, *(float(x) for x in loads)}):
+        plan = plan_app(app, scale_trace(planning, f * rate_qps), seed=seed)
+        fleet = {t: n for s in plan.stages if s.name == stage for t, n in s.fleet.items() if n}
+        if fleet:
+            fleets[f] = fleet
+    if 1.0 not in fleets:
+        return ()
+    types = sorted({t for fleet in fleets.values() for t in fleet})
+    measure = _capacity_measure(app, stage, types, planning, kairos, batch_size)
+    anchor = measure(fleets[1.0])
+    if anchor <= 0.0:
+        return ()
+    points = []
+    running = 0.0
+    for f, planned in sorted(fleets.items()):
+        running = max(running, measure(planned) / anchor)
+        points.append((f, running))
+    return tuple(points)
+
+
+def _capacity_measure(
+    app: ResolvedApp,
+    stage: str,
+    types: Sequence[str],
+    trace: Trace,
+    kairos: bool,
+    batch_size: int,
+) -> Callable[[Mapping[str, int]], float]:
+    use_model = kairos and len(types) > 1 and batch_size <= 1
+    model = kairos_capacity_model(app, stage, types, trace) if use_model else None
+    if model is not None:
+        return model
+    mu = {
+        t: rate_per_instance_qps(app.profile(stage, t), trace.batch_size, batch_size) for t in types
+    }
+    return lambda fleet: float(np.sum([n * mu[t] for t, n in fleet.items()]))
