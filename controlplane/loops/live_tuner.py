@@ -275,6 +275,9 @@ class LiveTuner:
             recent_s=self._max_window_s,
             max_window_s=self._max_window_s,
         )
+        # The spec's caps bound the tuner as they bound the planner (per stage and type).
+        caps = {t: n for t in sorted(types) if (n := resolved.spec.max_count(t)) is not None}
+        config = dataclasses.replace(config, max_counts=caps)
         planned = _planned_envelope(document, self._max_window_s)
         if isinstance(planned, str):
             logger.warning(

@@ -257,6 +257,9 @@ class TunerConfig:
     boot_s: Mapping[str, float]
     scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S
     recent_s: float = DEFAULT_RECENT_S
+    # The spec's max_counts: at most this many instances of a type per stage (as the planner
+    # caps each stage); a type left out is bounded by the budget alone.
+    max_counts: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         windows = tuple(_finite("a window", w, strict=True) for w in self.windows_s)
@@ -282,6 +285,10 @@ class TunerConfig:
             self, "scale_down_delay_s", _finite("scale_down_delay_s", self.scale_down_delay_s)
         )
         object.__setattr__(self, "recent_s", _finite("recent_s", self.recent_s, strict=True))
+        for name, cap in self.max_counts.items():
+            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+                raise WorkloadError(f"max count of {name} must be an integer >= 0, got {cap!r}")
+        object.__setattr__(self, "max_counts", MappingProxyType(dict(self.max_counts)))
 
     @property
     def planned_peak_rate_qps(self) -> float:
@@ -436,6 +443,15 @@ def _cost_effectiveness(plan: TunerStage, prices: Mapping[str, float], name: str
     return math.inf if price == 0.0 else plan.rate_per_instance_qps[name] / price
 
 
+def _room(config: TunerConfig, fleet: Mapping[str, int], name: str) -> int:
+    """How many more instances of ``name`` the stage's ``fleet`` may take under the caps."""
+    cap = config.max_counts.get(name)
+    return _UNCAPPED if cap is None else max(0, cap - fleet.get(name, 0))
+
+
+_UNCAPPED = 2**31 - 1
+
+
 def _short_qps(needed_qps: float, capacity_qps: float) -> float:
     """How much capacity is missing, with float noise (k mu vs r s / rho) read as none."""
     short = needed_qps - capacity_qps
@@ -504,6 +520,7 @@ def _scale_up(
         left = config.budget_usd_per_hr - tick.cost_usd_per_hr + _COST_SLACK_USD_PER_HR
         price = prices[name]
         affordable = wanted if price == 0.0 else min(wanted, max(0, math.floor(left / price)))
+        affordable = min(affordable, _room(config, fleet, name))
         if affordable <= 0:
             continue
         before = capacity
@@ -591,7 +608,7 @@ def _scale_up_marginal(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
         left -= sum(prices[name] for name in added)
         best: tuple[float, float, str, float] | None = None
         for name in sorted(plan.rate_per_instance_qps):
-            if prices[name] > left:
+            if prices[name] > left or _room(config, trial, name) <= 0:
                 continue
             trial[name] = trial.get(name, 0) + 1
             gained = plan.capacity_qps(trial) - capacity

@@ -3,6 +3,7 @@ scale-down delay, boot times, the most cost-effective type, and the budget as a 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -70,6 +71,22 @@ def test_a_step_above_the_envelope_scales_up_to_k() -> None:
     reason = decisions[0].reason
     for text in ("window 1 s", "256 qps > planned 128 qps", "r_max 256", "rho 0.8", "k 5"):
         assert text in reason, reason
+
+
+def test_the_specs_max_counts_cap_a_scale_up_per_stage_and_type() -> None:
+    # The step above wants 5 x g (k 5); a cap of 4 stops it at 4, and the shortfall is said.
+    plan = one_type_stage()
+    cfg = dataclasses.replace(config(), max_counts={"g": 4})
+    state = initial_state([plan], now_s=0.0)
+    decisions, after = tune(steady(256, 90.0, 100.0), 100.0, state, [plan], cfg)
+    assert after.fleets["resnet"]["g"] == 4
+    assert (decisions[0].action, decisions[0].count) == ("scale_up", 1)
+    # At the cap, nothing more is launched however high the load.
+    decisions, again = tune(steady(1024, 190.0, 200.0), 200.0, after, [plan], cfg)
+    assert again.fleets["resnet"]["g"] == 4
+    assert not [d for d in decisions if d.action == "scale_up"]
+    with pytest.raises(WorkloadError, match="max count"):
+        dataclasses.replace(config(), max_counts={"g": -1})
 
 
 def test_r_max_is_the_largest_rate_of_the_exceeding_windows() -> None:
