@@ -63,6 +63,9 @@ class _AppGears:
     plan: GearPlan
     state: GearSwitcher
     profiles: Mapping[str, Mapping[str, LatencyProfile]]
+    # Whether any of the app's stages has had ready capacity since the plan took force: before
+    # the first worker is up there is nothing to switch for (the share would read as none).
+    ready_once: bool = False
 
 
 def serving_gear(plan: GearPlan, gear: int) -> ServingGear:
@@ -209,6 +212,11 @@ class LiveGears:
                 f" {measured_qps:.3g} qps measured",
                 {"gear": state.gear, "measured_qps": measured_qps},
             )
+        if status is not None and any(s.capacity_sps > 0 for s in status.stages):
+            tracked.ready_once = True
+        if status is not None and not tracked.ready_once:
+            self._keep(app.name, tracked)
+            return None  # no worker up yet: the gear in force stays
         share = ready_share(tracked.plan, status, tracked.profiles)
         first = tracked.state.option.cascade.models[0]
         first_queue = next(

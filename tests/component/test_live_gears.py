@@ -213,6 +213,28 @@ def test_lost_capacity_moves_to_the_fast_gear(store: Store, tmp_path: Path) -> N
     assert up.gear == 1 and up.effective_qps == pytest.approx(2 * up.measured_qps)
 
 
+def test_no_switch_before_any_worker_is_up(store: Store, tmp_path: Path) -> None:
+    applied(store, tmp_path, PLAN.to_document())
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    loop.capacity = {"tiny": 0.0, "large": 0.0}  # the plan's workers are still starting
+    gears = switcher(store, clock, loop)
+    loop.rate(15.0, clock.now_s())
+    gears.tick()
+    in_force = gears.gear(APP)
+    assert in_force is not None and in_force.cascade == ACCURATE.cascade
+    clock.advance(1.0)
+    assert gears.tick() == []  # no capacity yet reads as none at all: held, not switched
+    assert not [d for d in gear_log(store) if d.get("previous") is not None]
+    # Once capacity has been seen, losing it all is a reason to move to the fast gear.
+    loop.capacity = {m: planned_sps(m) for m in ("tiny", "large")}
+    clock.advance(1.0)
+    gears.tick()
+    loop.capacity = {"tiny": 0.0, "large": 0.0}
+    clock.advance(1.0)
+    (up,) = gears.tick()
+    assert up.gear == 1
+
+
 def test_an_app_without_a_gear_plan_is_served_as_its_spec_says(
     store: Store, tmp_path: Path
 ) -> None:
