@@ -84,6 +84,8 @@ __all__ = [
 
 # The charts' default span: half an hour reads well at 2 s polls and 10 s roll-ups.
 DEFAULT_WINDOW_S = 1800.0
+# The shortest span the charts show (a young app's window starts at its registration).
+MIN_SPAN_S = 300.0
 MIN_WINDOW_S = 60.0
 # The longest span a chart shows (the forecast and the spend are per day anyway).
 MAX_WINDOW_S = 86_400.0
@@ -700,7 +702,12 @@ def build_snapshot(
 ) -> dict[str, Any]:
     """Everything the dashboard's panels draw for ``app``, over the ``window_s`` before ``now``
     (see the module docstring); JSON-safe."""
-    start = now - timedelta(seconds=window_s)
+    # A young app's charts start at its registration (at least MIN_SPAN_S back), not at an
+    # empty stretch before it existed.
+    start = max(
+        now - timedelta(seconds=window_s),
+        min(app.created_at, now - timedelta(seconds=MIN_SPAN_S)),
+    )
     samples = _thin(store.metric_series(app.name, since=start, until=now, limit=_MAX_SAMPLES))
     measured = workers(app) if workers is not None else {}
     fleet, series, live = _fleet_section(store, app, start, now, measured)

@@ -34,6 +34,7 @@
   const qps = (v) => (finite(v) ? (v >= 100 ? v.toFixed(0) : v.toFixed(1)) + " qps" : "–");
   const ms = (v) => (finite(v) ? (v >= 100 ? v.toFixed(0) : v.toFixed(1)) + " ms" : "–");
   const pct = (v) => (finite(v) ? (100 * v).toFixed(1) + "%" : "–");
+  const plural = (n, word) => n + " " + word + (n === 1 ? "" : "s");
 
   function duration(seconds) {
     if (!finite(seconds)) return "–";
@@ -95,7 +96,7 @@
     });
     H.legend($("fleet-legend"), layers.map((l) => ({ label: l.label, color: l.color })));
     const now = fleet.now;
-    tile("tile-fleet", now.instances + " inst.", now.running + " running · " + Object.keys(now.by_type).length + " types");
+    tile("tile-fleet", now.instances + " inst.", now.running + " running · " + plural(Object.keys(now.by_type).length, "type"));
     if (!types.length) {
       setPanel("fleet", "empty", "No instances yet: the reconciler launches the applied plan's fleet.");
     } else {
