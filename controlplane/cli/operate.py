@@ -324,10 +324,25 @@ def budget_set(args: argparse.Namespace) -> int:
 # --- fleet and events ------------------------------------------------------------------------
 
 
+def _served_models(client: Any, app: str) -> dict[str, list[str]]:
+    """Instance id -> the models the serving loop places on it (its stages' states); empty
+    when the service runs no serving loop or has not served the app."""
+    try:
+        status = client.get(app_path(app, "serving"))
+    except ApiClientError:
+        return {}
+    served: dict[str, list[str]] = {}
+    for stage in status.get("stages", []):
+        for instance_id in stage.get("states", {}):
+            served.setdefault(str(instance_id), []).append(str(stage["model"]))
+    return served
+
+
 def fleet(args: argparse.Namespace) -> int:
     with client_from(args) as client:
         summary = client.get(app_path(args.app, "fleet")) if args.app else None
         instances = client.get("/v1/instances", app=args.app)
+        served = _served_models(client, args.app) if args.app else {}
 
     def human() -> str:
         lines = []
@@ -352,12 +367,17 @@ def fleet(args: argparse.Namespace) -> int:
         rows = [
             [i["id"], i["app"], i["provider_id"], i["instance_type"], i["state"]] for i in instances
         ]
-        lines.append(
-            table(["ID", "APP", "PROVIDER_ID", "TYPE", "STATE"], rows) if rows else "no instances"
-        )
+        headers = ["ID", "APP", "PROVIDER_ID", "TYPE", "STATE"]
+        if served:  # which stage (model) each instance serves, as the serving loop placed it
+            headers.append("SERVES")
+            for row, i in zip(rows, instances, strict=True):
+                row.append(", ".join(served.get(str(i["id"]), [])) or "-")
+        lines.append(table(headers, rows) if rows else "no instances")
         return "\n".join(lines)
 
     data: dict[str, Any] = {"instances": instances}
+    if served:
+        data["serves"] = served
     if summary is not None:
         data["fleet"] = summary
     return emit(args.json, data, human)
