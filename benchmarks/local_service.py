@@ -57,12 +57,9 @@ def free_port() -> int:
         return port
 
 
-def prepare_data_dir(
-    data_dir: Path, service_ms: float, *, model: str, instance_type: str, source: str
-) -> Path:
-    """The family in ``data_dir/models`` and a profile file in which ``model`` serves a batch of
-    one in ``service_ms`` on ``instance_type`` (and on ``local.cpu``); the profile's path.
-    ``source`` is the profile file's provenance (the benchmark that wrote it)."""
+def prepare_family(data_dir: Path) -> Path:
+    """The demo family in ``data_dir/models`` (copied from the default cache when it is there,
+    else trained); its folder."""
     from provisioners.worker import family
 
     default = family.default_cache_dir()
@@ -70,6 +67,16 @@ def prepare_data_dir(
     if (default / "manifest.json").is_file():
         shutil.copytree(default, target)
     family.ensure_family(target, progress=log)  # checks the copy; trains what is missing
+    return target
+
+
+def prepare_data_dir(
+    data_dir: Path, service_ms: float, *, model: str, instance_type: str, source: str
+) -> Path:
+    """The family in ``data_dir/models`` and a profile file in which ``model`` serves a batch of
+    one in ``service_ms`` on ``instance_type`` (and on ``local.cpu``); the profile's path.
+    ``source`` is the profile file's provenance (the benchmark that wrote it)."""
+    prepare_family(data_dir)
     # A deterministic service time: every sample the same, as the worker pads every batch to it.
     cell = (np.full(8, service_ms),)
     profiles = [

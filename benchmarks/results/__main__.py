@@ -39,6 +39,7 @@ EXPERIMENTS: tuple[tuple[str, str], ...] = (
     ("cascades", "cascadeserve"),
     ("infaas", "infaas"),
     ("controlplane", "controlplane"),
+    ("fidelity", "fidelity"),
 )
 README = ROOT / "README.md"
 BEGIN = "<!-- results:begin: made by `python -m benchmarks.results` from docs/results/*.json -->"

@@ -1,0 +1,175 @@
+"""Fidelity: what the planner predicts against what clients of the live service measure.
+
+This experiment owns the section ``fidelity`` of docs/results. It runs the two live benchmarks of
+``benchmarks/`` (imported, so each can be rerun alone with its script):
+
+- ``serving_fidelity.py``: one app, one emulated instance, a service time of about 5 ms and one
+  of about 50 ms per batch; at 30%, 60% and 90% of the plan's capacity, the P99 a loadgen client
+  measures against the planner's model (the serving-path profile plus the overhead per query the
+  service measured), from one seeded Poisson trace per level;
+- ``demo_fidelity.py``: the demo's cascade as ``make demo`` serves it, at its applied plan's
+  ``rate_qps``, against the plan's ``predicted_p99_ms``: three runs, the median and the spread.
+
+The goal is measured / predicted P99 within 15% everywhere (the acceptance for the demo is 25%).
+Full mode: 60 s per level and per demo run (about 20 minutes on a 2-core machine). Quick mode:
+the 50 ms service time at 50% of capacity for 10 s, no demo (under a minute; indicative only).
+The load average before and after is recorded: the service, its workers and the load generator
+share the machine's CPUs, and other work on it moves the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import demo_fidelity, serving_fidelity
+from benchmarks.results.common import Context, Section, experiment_main, md_table
+
+GOAL = 0.15
+FULL_SERVICE_MS = (5.0, 50.0)
+FULL_LEVELS = (0.3, 0.6, 0.9)
+FULL_DURATION_S = 60.0
+QUICK_SERVICE_MS = (50.0,)
+QUICK_LEVELS = (0.5,)
+QUICK_DURATION_S = 10.0
+QUICK_WARMUP_S = 8.0
+QUICK_PROFILE_SAMPLES = 40
+SEED = 1
+DEMO_RUNS = 3
+
+
+def ratio_spread(ratios: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of measured / predicted ratios."""
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def within(ratio: float, goal: float = GOAL) -> bool:
+    """Whether a measured / predicted ratio meets the goal: |ratio - 1| <= goal."""
+    return abs(ratio - 1.0) <= goal
+
+
+def run(ctx: Context) -> Section:
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    service_times = QUICK_SERVICE_MS if ctx.quick else FULL_SERVICE_MS
+    levels = QUICK_LEVELS if ctx.quick else FULL_LEVELS
+    duration = QUICK_DURATION_S if ctx.quick else FULL_DURATION_S
+    started = time.perf_counter()
+    settings = serving_fidelity.run(
+        service_times,
+        levels,
+        duration,
+        SEED,
+        ctx.log,
+        warmup_s=QUICK_WARMUP_S if ctx.quick else serving_fidelity.WARMUP_S,
+        profile_samples=QUICK_PROFILE_SAMPLES if ctx.quick else serving_fidelity.PROFILE_SAMPLES,
+    )
+    rows = serving_fidelity.as_json(settings)
+    if not ctx.quick:  # the page that explains the model gets the same figures
+        command = "python -m benchmarks.results.fidelity"
+        page = serving_fidelity.markdown(
+            settings,
+            command,
+            time.perf_counter() - started,
+            (load_before[0], load_before[1], load_before[2]),
+            os.getloadavg(),
+            duration,
+        )
+        out = serving_fidelity.DEFAULT_OUT
+        out.write_text(page + serving_fidelity.kept_sections(out))
+    demo: dict[str, Any] | None = None
+    if not ctx.quick:
+        ctx.log("the demo cascade at its planned rate")
+        args = argparse.Namespace(duration_s=FULL_DURATION_S, runs=DEMO_RUNS, warmup_s=20.0, port=0)
+        with tempfile.TemporaryDirectory(prefix="heteroplane-fidelity-") as folder:
+            demo = demo_fidelity.measure(args, Path(folder))
+    load_after = [round(x, 2) for x in os.getloadavg()]
+
+    table = md_table(
+        [
+            "service time, ms",
+            "rho",
+            "rate, qps",
+            "P99 predicted, ms",
+            "P99 measured, ms",
+            "measured / predicted",
+            "within 15%",
+            "P99 compute-only model, ms",
+        ],
+        [
+            [
+                f"{r['service_ms']:g}",
+                f"{r['utilisation']:g}",
+                f"{r['rate_qps']:.1f}",
+                f"{r['predicted_p99_ms']:.1f}",
+                f"{r['measured_p99_ms']:.1f}",
+                f"{r['ratio']:.3f}",
+                "yes" if r["holds"] else "no",
+                f"{r['compute_only_p99_ms']:.1f}",
+            ]
+            for r in rows
+        ],
+        right="0,1,2,3,4,5,7",
+    )
+    models = "\n".join(
+        f"- {s.service_ms:g} ms: serving-path round trip {s.round_trip_ms:.2f} ms per batch of"
+        f" one, capacity {s.capacity_qps:.1f} qps; the service's measured overhead"
+        f" {s.overhead_ms:.2f} ms per query."
+        for s in settings
+    )
+    ratios = [float(r["ratio"]) for r in rows]
+    median, low, high = ratio_spread(ratios)
+    held = sum(within(r) for r in ratios)
+    summary = [
+        f"Live local fleet, {len(rows)} levels ({', '.join(f'{s:g}' for s in service_times)} ms"
+        f" per batch at {', '.join(f'{u:.0%}' for u in levels)} of capacity): measured / predicted"
+        f" P99 median {median:.3f} (range {low:.3f}-{high:.3f}); {held} of {len(rows)} within 15%.",
+    ]
+    body = f"""The planner's model of each service time:
+
+{models}
+
+{table}
+"""
+    if demo is not None:
+        spread = demo["spread"]["ratio"]
+        body += f"""
+**The demo cascade** (`heteroplane demo --no-load`, plan {demo["plan"]}, `rate_qps`
+{demo["rate_qps"]:.2f}): predicted P99 {demo["predicted_p99_ms"]:.1f} ms; measured, median of
+{len(demo["runs"])} runs of {FULL_DURATION_S:g} s, {demo["p99_ms"]:.1f} ms; measured / predicted
+{demo["ratio"]:.3f} (runs {spread["min"]:.3f}-{spread["max"]:.3f}); attainment
+{demo["attainment"]:.3f}.
+"""
+        summary.append(
+            f"The demo cascade at its plan's rate ({demo['rate_qps']:.1f} qps): measured P99"
+            f" {demo['p99_ms']:.0f} ms against {demo['predicted_p99_ms']:.0f} ms predicted,"
+            f" ratio {demo['ratio']:.3f} (median of {len(demo['runs'])} runs,"
+            f" {spread['min']:.3f}-{spread['max']:.3f})."
+        )
+    body += f"""
+Load average (1 / 5 / 15 min) {" / ".join(map(str, load_before))} before,
+{" / ".join(map(str, load_after))} after. The page docs/serving-fidelity.md explains what the
+model holds and what it leaves out.
+"""
+    return Section(
+        key="fidelity",
+        title="Fidelity: predicted against measured P99",
+        what=__doc__.split("\n\n", 1)[1].strip() if __doc__ else "",
+        rerun="python -m benchmarks.results.fidelity",
+        body=body,
+        summary=summary,
+        data={
+            "levels": rows,
+            "demo": demo,
+            "loadavg_before": load_before,
+            "loadavg_after": load_after,
+        },
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(experiment_main(run, __doc__.splitlines()[0] if __doc__ else "fidelity"))
