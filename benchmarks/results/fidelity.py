@@ -28,7 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import demo_fidelity, serving_fidelity
-from benchmarks.results.common import Context, Section, experiment_main, md_table
+from benchmarks.results.common import (
+    Context,
+    Figure,
+    Section,
+    experiment_main,
+    md_table,
+    pyplot,
+    save_figure,
+)
 
 GOAL = 0.15
 FULL_SERVICE_MS = (5.0, 50.0)
@@ -155,8 +163,10 @@ Load average (1 / 5 / 15 min) {" / ".join(map(str, load_before))} before,
 {" / ".join(map(str, load_after))} after. The page docs/serving-fidelity.md explains what the
 model holds and what it leaves out.
 """
+    figures = [plot(ctx, rows, demo)]
     return Section(
         key="fidelity",
+        figures=figures,
         title="Fidelity: predicted against measured P99",
         what=__doc__.split("\n\n", 1)[1].strip() if __doc__ else "",
         rerun="python -m benchmarks.results.fidelity",
@@ -168,6 +178,45 @@ model holds and what it leaves out.
             "loadavg_before": load_before,
             "loadavg_after": load_after,
         },
+    )
+
+
+def plot(ctx: Context, rows: list[dict[str, Any]], demo: dict[str, Any] | None) -> Figure:
+    """Measured against predicted P99 per level (log-log), the 15% band around y = x."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5.2, 4.2))
+    for service_ms, marker in sorted({(r["service_ms"], "o") for r in rows}):
+        mine = [r for r in rows if r["service_ms"] == service_ms]
+        ax.scatter(
+            [r["predicted_p99_ms"] for r in mine],
+            [r["measured_p99_ms"] for r in mine],
+            marker=marker if service_ms >= 20 else "s",
+            label=f"{service_ms:g} ms per batch",
+        )
+    if demo is not None:
+        ax.scatter(
+            [r["predicted_p99_ms"] for r in demo["runs"]],
+            [r["p99_ms"] for r in demo["runs"]],
+            marker="^",
+            label="demo cascade",
+        )
+    values = [r["predicted_p99_ms"] for r in rows] + [r["measured_p99_ms"] for r in rows]
+    low, high = 0.8 * min(values), 1.25 * max(values)
+    line = [low, high]
+    ax.plot(line, line, color="black", linewidth=1, label="measured = predicted")
+    ax.fill_between(line, [v * (1 - GOAL) for v in line], [v * (1 + GOAL) for v in line],
+                    color="grey", alpha=0.2, label="within 15%")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("P99 predicted by the planner's model, ms")
+    ax.set_ylabel("P99 measured at the client, ms")
+    ax.legend(fontsize=8)
+    return save_figure(
+        ctx,
+        fig,
+        "fidelity_p99.png",
+        "Each level's P99 at the client against the planner's prediction (log-log); the band is"
+        " the 15% goal.",
     )
 
 

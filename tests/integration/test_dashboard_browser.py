@@ -306,6 +306,11 @@ def test_the_dashboard_in_a_browser(service: Service, tmp_path: Path) -> None:
             load_box = page.locator("#panel-load").bounding_box()
             assert fleet_box["y"] == cost_box["y"] == load_box["y"]
             assert load_box["x"] + load_box["width"] <= 1280
+            # Every column of the instance table fits its panel: none hides behind a scroll.
+            widths = page.locator("#instance-table").evaluate(
+                "(t) => [t.scrollWidth, t.parentElement.clientWidth]"
+            )
+            assert widths[0] <= widths[1] + 1, widths
             page.set_viewport_size({"width": 400, "height": 800})
             expect(page.locator("#panel-cost")).to_be_visible()
             page.wait_for_function(

@@ -78,7 +78,9 @@
 
   function tile(id, value, sub, tone) {
     const node = $(id);
-    node.querySelector(".v").textContent = value;
+    const v = node.querySelector(".v");
+    v.textContent = value;
+    v.title = value; // the whole text on hover, where the tile is too narrow for it
     node.querySelector(".s").textContent = sub || "";
     node.classList.toggle("bad", tone === "bad");
     node.classList.toggle("ok", tone === "ok");
