@@ -41,10 +41,8 @@ cycle.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -60,7 +58,6 @@ import httpx
 import numpy as np
 
 from controlplane.service.demo import LOAD_PERIOD_S, load_trace
-from controlplane.service.provisioning import LOCAL_MODELS_DIR, LOCAL_WORKERS_DIR
 from estimator.traces import Trace, read_trace_csv, write_trace_csv
 
 try:  # imported as benchmarks.demo_cycle
@@ -352,27 +349,16 @@ def _decision_row(decision: Mapping[str, Any], origin: float | None) -> dict[str
 
 
 def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    data_dir = root / "data"
-    data_dir.mkdir()
     from provisioners.worker import family
 
-    cached = family.default_cache_dir()
-    if (cached / "manifest.json").is_file():  # training is not what is measured here
-        shutil.copytree(cached, data_dir / LOCAL_MODELS_DIR)
-    port = args.port or local_service.free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = local_service.clean_env(HOME=str(root / "home"), HETEROPLANE_DATA_DIR=str(data_dir))
-    log_path = root / "demo.log"
-    command = [sys.executable, "-m", "controlplane", "demo", "--no-load", "--port", str(port)]
-    local_service.log(f"starting the demo on {url} (profiling its family first) ...")
-    with log_path.open("ab") as sink:
-        process = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=sink, stderr=sink, start_new_session=True
+    with demo_fidelity.running_demo(root, args.port) as demo:
+        url, token, headers, env, process = (
+            demo.url,
+            demo.token,
+            demo.headers,
+            demo.env,
+            demo.process,
         )
-    try:
-        local_service.wait_ready(url, process, log_path, demo_fidelity.DEMO_START_DEADLINE_S)
-        token = (data_dir / "demo-token").read_text(encoding="utf-8").strip()
-        headers = {"Authorization": f"Bearer {token}"}
         plan = demo_fidelity.applied_plan(url, headers)
         workers = demo_fidelity.wait_for_workers(url, headers, plan, process)
         split = family.load_split()
@@ -400,12 +386,6 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 poller.stop()
             after = after_status["totals"]
             decisions = [_decision_row(d, origin) for d in decisions_after(api, last_id)]
-    finally:
-        local_service.log("stopping the demo and its workers ...")
-        local_service.stop(process, demo_fidelity.STOP_DEADLINE_S)
-        local_service.stop_workers(data_dir / LOCAL_WORKERS_DIR, "tiny")
-        with contextlib.suppress(ProcessLookupError):  # what is left of the demo's session
-            os.killpg(process.pid, signal.SIGKILL)
 
     delta = totals_delta(before, after)
     queries = int(summary["sent"])

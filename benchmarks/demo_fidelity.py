@@ -29,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -144,7 +146,23 @@ def spread(values: list[float]) -> dict[str, float | None]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Demo:
+    """A running ``heteroplane demo --no-load`` (:func:`running_demo`)."""
+
+    url: str
+    token: str
+    headers: dict[str, str]
+    env: dict[str, str]
+    data_dir: Path
+    process: subprocess.Popen[bytes]
+
+
+@contextlib.contextmanager
+def running_demo(root: Path, port: int = 0) -> Iterator[Demo]:
+    """``heteroplane demo --no-load`` on a data directory under ``root`` (the trained family
+    copied in from the default cache when it is there), ready; the demo and its workers (which
+    outlive the demo by design) stopped at the end, also on an error."""
     data_dir = root / "data"
     data_dir.mkdir()
     from provisioners.worker import family
@@ -152,7 +170,7 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     cached = family.default_cache_dir()
     if (cached / "manifest.json").is_file():  # training is not what is measured here
         shutil.copytree(cached, data_dir / LOCAL_MODELS_DIR)
-    port = args.port or local_service.free_port()
+    port = port or local_service.free_port()
     url = f"http://127.0.0.1:{port}"
     env = local_service.clean_env(HOME=str(root / "home"), HETEROPLANE_DATA_DIR=str(data_dir))
     log_path = root / "demo.log"
@@ -166,6 +184,24 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         local_service.wait_ready(url, process, log_path, DEMO_START_DEADLINE_S)
         token = (data_dir / "demo-token").read_text(encoding="utf-8").strip()
         headers = {"Authorization": f"Bearer {token}"}
+        yield Demo(url, token, headers, env, data_dir, process)
+    finally:
+        local_service.log("stopping the demo and its workers ...")
+        local_service.stop(process, STOP_DEADLINE_S)
+        local_service.stop_workers(data_dir / LOCAL_WORKERS_DIR, "tiny")
+        with contextlib.suppress(ProcessLookupError):  # what is left of the demo's session
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    with running_demo(root, args.port) as demo:
+        url, token, headers, env, process = (
+            demo.url,
+            demo.token,
+            demo.headers,
+            demo.env,
+            demo.process,
+        )
         plan = applied_plan(url, headers)
         rate_qps = float(plan["rate_qps"])
         predicted = plan.get("predicted_p99_ms")
@@ -227,12 +263,6 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             },
             "runs": runs,
         }
-    finally:
-        local_service.log("stopping the demo and its workers ...")
-        local_service.stop(process, STOP_DEADLINE_S)
-        local_service.stop_workers(data_dir / LOCAL_WORKERS_DIR, "tiny")
-        with contextlib.suppress(ProcessLookupError):  # what is left of the demo's session
-            os.killpg(process.pid, signal.SIGKILL)
 
 
 def _fmt(value: float | None, spec: str) -> str:

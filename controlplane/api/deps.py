@@ -50,6 +50,9 @@ class Services:
     scheduler: Scheduler | None = None
     serving: ServingLoop | None = None
     leadership: Leadership | None = None
+    # Called with an app's name after its budget changed (the gear switcher's, so that a lower
+    # budget moves a cascade's gear before the reconciler drains).
+    budget_changed: Callable[[str], object] | None = None
 
 
 def get_services(request: Request) -> Services:

@@ -111,6 +111,10 @@ def ready_share(
     return max(min(shares, default=1.0), 1e-6)
 
 
+# The instances a budget drain chooses among (draining and ending ones are already going).
+_KEPT_STATES = frozenset({"requested", "pending", "running"})
+
+
 class LiveGears:
     """CascadeServe's gear switcher over every app whose applied plan has a gear plan
     (thread-safe: :meth:`gear` is read by the serving loop, :meth:`tick` runs in the scheduler).
@@ -169,6 +173,33 @@ class LiveGears:
                 changed.append(decision)
         return changed
 
+    def budget_changed(self, app: str) -> GearDecision | None:
+        """Run the switcher for ``app`` now (its budget has just changed): a budget below the
+        fleet's cost moves the gear before the reconciler drains (the switch is recorded before
+        this returns). The decision that changed the gear, if any."""
+        record = next((a for a in self._store.list_apps() if a.name == app), None)
+        if record is None:
+            return None
+        status = next((s for s in self._statuses() if s.app == app), None)
+        try:
+            return self._tick_app(record, self._clock.now_s(), status, False)
+        except (EstimatorError, KeyError, ValueError) as error:
+            logger.warning("gears: %s served without gears: %s", app, error)
+            self._forget(app)
+            return None
+
+    def _affordable_share(self, app: AppRecord) -> float:
+        """The share of the app's kept fleet (requested, pending, running) its budget pays for:
+        budget / fleet cost when the fleet costs more, else 1 (never below 1e-6)."""
+        cost = sum(
+            i.price_usd_per_hr
+            for i in self._store.list_instances(app.name)
+            if i.state in _KEPT_STATES
+        )
+        if cost <= app.budget_usd_per_hr or cost <= 0:
+            return 1.0
+        return max(app.budget_usd_per_hr / cost, 1e-6)
+
     def _forget(self, app: str) -> None:
         with self._lock:
             self._apps.pop(app, None)
@@ -218,6 +249,11 @@ class LiveGears:
             self._keep(app.name, tracked)
             return None  # no worker up yet: the gear in force stays
         share = ready_share(tracked.plan, status, tracked.profiles)
+        affordable = self._affordable_share(app)
+        if affordable < share:
+            # A budget below the fleet's cost: the reconciler is about to drain to it. The gear
+            # moves first, for the capacity the budget leaves.
+            share = affordable
         first = tracked.state.option.cascade.models[0]
         first_queue = next(
             (s.queued_queries for s in (status.stages if status else ()) if s.model == first), 0

@@ -15,7 +15,7 @@ at ``/openapi.json`` (and a browsable page at ``/docs``).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -57,11 +57,13 @@ def create_app(
     serving: ServingLoop | None = None,
     resolver: AppResolver | None = None,
     leadership: Leadership | None = None,
+    budget_changed: Callable[[str], object] | None = None,
 ) -> FastAPI:
     """The API over ``store``; ``scheduler`` and ``serving`` (if any) run while the app is
     served (without a serving loop the inference route answers 503). ``resolver`` is the
     service's one (the loops', carrying the calibrated profiles); a new one by default. With
-    ``leadership``, the scheduler runs only while this replica holds the leader lease."""
+    ``leadership``, the scheduler runs only while this replica holds the leader lease;
+    ``budget_changed(app)`` runs after each budget change (the gear switcher's)."""
     services = Services(
         settings=settings,
         store=store,
@@ -71,6 +73,7 @@ def create_app(
         scheduler=scheduler,
         serving=serving,
         leadership=leadership,
+        budget_changed=budget_changed,
     )
 
     @asynccontextmanager

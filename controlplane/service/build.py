@@ -414,7 +414,16 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         leadership,
     )
     # The API resolves through the same resolver, so a plan preview sees the calibrated profiles.
-    app = create_app(settings, store, clock, scheduler, serving, resolver, leadership)
+    app = create_app(
+        settings,
+        store,
+        clock,
+        scheduler,
+        serving,
+        resolver,
+        leadership,
+        budget_changed=live_gears.budget_changed,
+    )
     return Service(
         settings,
         store,

@@ -8,6 +8,7 @@ and the OpenAPI document declares every error response.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import threading
@@ -817,6 +818,27 @@ def test_a_budget_below_the_fleet_cost_lists_instances_to_drain(api: Api) -> Non
     (decision,) = api.call("GET", "/v1/apps/toy/decisions?kind=budget_drain").json()
     assert set(decision["numbers"]["drain"]) == {ids[2], ids[3]}
     assert decision["numbers"]["budget_usd_per_hr"] == 0.7
+
+
+def test_a_budget_cut_that_drains_tells_the_gear_switcher_first(api: Api) -> None:
+    """The service's hook (its gear switcher's budget_changed) runs within the request, before
+    the reconciler's next tick drains; a raise that drains nothing does not call it."""
+    told: list[str] = []
+    state = api.client.app.state  # type: ignore[attr-defined]
+    state.services = dataclasses.replace(state.services, budget_changed=told.append)
+    api.register(budget_usd_per_hr=10.0)
+    api.store.record_instance(
+        "toy", request_id="r0", instance_type="r5n.large", price_usd_per_hr=0.149, state="running"
+    )
+    api.store.record_instance(
+        "toy", request_id="r1", instance_type="r5n.large", price_usd_per_hr=0.149, state="running"
+    )
+    api.call("PUT", "/v1/apps/toy/budget", json={"budget_usd_per_hr": 20.0, "reason": "more"})
+    assert told == []
+    answer = api.call(
+        "PUT", "/v1/apps/toy/budget", json={"budget_usd_per_hr": 0.2, "reason": "cut"}
+    ).json()
+    assert len(answer["drain"]) == 1 and told == ["toy"]
 
 
 def test_a_budget_below_the_cheapest_instance_drains_everything(api: Api) -> None:

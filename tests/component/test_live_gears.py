@@ -235,6 +235,31 @@ def test_no_switch_before_any_worker_is_up(store: Store, tmp_path: Path) -> None
     assert up.gear == 1
 
 
+def test_a_budget_below_the_fleets_cost_moves_the_gear_before_the_drain(
+    store: Store, tmp_path: Path
+) -> None:
+    applied(store, tmp_path, PLAN.to_document())
+    for n in range(3):  # the placement's three instances, 0.3 USD/hr each: 0.9 of the 1.0 budget
+        store.record_instance(
+            APP, request_id=f"r{n}", instance_type=TYPE, price_usd_per_hr=0.3, state="running"
+        )
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    gears = switcher(store, clock, loop)
+    loop.rate(15.0, clock.now_s())
+    gears.tick()
+    assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+    # The budget drops to a third of the fleet's cost; no instance has been drained yet.
+    store.change_budget(APP, 0.3, reason="cut", who="test")
+    clock.advance(1.0)
+    up = gears.budget_changed(APP)
+    assert up is not None and up.gear == 1  # 15 qps on a third of the capacity: the fast gear
+    assert up.effective_qps == pytest.approx(3 * up.measured_qps)
+    [switch] = [d for d in store.list_decisions(APP, kinds=["gear_switch"]) if d.numbers.get(
+        "previous") is not None]  # fmt: skip
+    assert switch.numbers["capacity_share"] == pytest.approx(1 / 3)
+    assert [i.state for i in store.list_instances(APP)] == ["running"] * 3  # nothing drained
+
+
 def test_an_app_without_a_gear_plan_is_served_as_its_spec_says(
     store: Store, tmp_path: Path
 ) -> None:

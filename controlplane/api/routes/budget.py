@@ -67,6 +67,9 @@ def set_budget(
         force=body.force,
     )
     change, drain, note = made.change, made.drain, made.note
+    if services.budget_changed is not None and drain.drain:
+        # A cascade moves to the gear the lower budget can serve before the fleet shrinks.
+        services.budget_changed(app)
     provider_ids = {i.id: i.provider_id for i in made.live}
     return BudgetSetOut(
         app=app,
