@@ -23,8 +23,9 @@ This module owns how a trace becomes requests and how their answers become a sum
   answered queries per second of the run (first scheduled send to the last answer).
 
 The ``--json`` contract of ``heteroplane loadgen`` is :meth:`LoadSummary.to_json`: ``sent``,
-``answered``, ``errors``, ``p50_ms``, ``p99_ms``, ``attainment``, ``achieved_qps`` and
-``errors_by_kind``.
+``answered``, ``errors``, ``p50_ms``, ``p99_ms``, ``attainment``, ``achieved_qps``,
+``errors_by_kind`` and ``send_lag_p99_ms`` (how late the generator itself sent, p99: above a few
+ms it, not the service, was the limit).
 
 Time comes through a :class:`Timer` (the event loop's clock by default), so tests run a trace
 spanning minutes in virtual time. Requests go out over one ``httpx.AsyncClient`` (keep-alive, up
@@ -205,6 +206,7 @@ class LoadSummary:
             "attainment": self.attainment,
             "achieved_qps": self.achieved_qps,
             "errors_by_kind": dict(self.errors_by_kind),
+            "send_lag_p99_ms": self.send_lag_p99_ms,
         }
 
 

@@ -48,6 +48,7 @@ CONTRACT_KEYS = {
     "attainment",
     "achieved_qps",
     "errors_by_kind",
+    "send_lag_p99_ms",
 }
 
 
