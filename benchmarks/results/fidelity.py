@@ -12,7 +12,7 @@ This experiment owns the section ``fidelity`` of docs/results. It runs the two l
 
 The goal is measured / predicted P99 within 15% everywhere (the acceptance for the demo is 25%).
 Full mode: 60 s per level and per demo run (about 20 minutes on a 2-core machine). Quick mode:
-the 50 ms service time at 50% of capacity for 10 s, no demo (under a minute; indicative only).
+the 50 ms service time at 50% of capacity for 5 s, no demo (under a minute; indicative only).
 The load average before and after is recorded: the service, its workers and the load generator
 share the machine's CPUs, and other work on it moves the figures.
 """
@@ -44,9 +44,9 @@ FULL_LEVELS = (0.3, 0.6, 0.9)
 FULL_DURATION_S = 60.0
 QUICK_SERVICE_MS = (50.0,)
 QUICK_LEVELS = (0.5,)
-QUICK_DURATION_S = 10.0
+QUICK_DURATION_S = 5.0
 QUICK_WARMUP_S = 8.0
-QUICK_PROFILE_SAMPLES = 40
+QUICK_PROFILE_SAMPLES = 20
 SEED = 1
 DEMO_RUNS = 3
 
