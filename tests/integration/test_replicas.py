@@ -319,3 +319,112 @@ def test_a_standby_takes_over_from_a_killed_leader_without_duplicates(
     api.close()
     assert standby.stop() == 0, standby.log_path.read_text()
     assert "leader lease acquired" in standby.log_path.read_text()
+
+
+def _local_profile(data_dir: Path) -> Path:
+    """A profile file in which ``tiny`` on ``emu.cpu.large`` takes 20 ms a batch (and the
+    workers pad to it): one instance carries about 50 qps."""
+    import numpy as np
+
+    from controlplane.service.provisioning import LOCAL_PROFILE_FILE
+    from estimator.profiles import LatencyProfile, write_profiles_json
+    from provisioners.worker.emulation import ComputeCurve, compute_document
+
+    path = data_dir / LOCAL_PROFILE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cell = (np.full(8, 20.0),)
+    write_profiles_json(
+        [LatencyProfile("tiny", t, np.array([1]), cell) for t in ("local.cpu", "emu.cpu.large")],
+        path,
+        source="tests/integration/test_replicas.py",
+        compute=compute_document({"tiny": ComputeCurve(20.0, 0.0)}),
+    )
+    return path
+
+
+def test_a_standby_adopts_the_killed_leaders_local_workers(
+    postgres_url: str, tmp_path: Path, trained_family: Path
+) -> None:
+    """Two replicas on one host and one data directory (the local provisioner's worker records
+    are files there): the leader launches the plan's local workers and is killed with SIGKILL;
+    its workers outlive it (sessions of their own), and the new leader adopts them: no second
+    launch, no orphan, the same worker processes serving."""
+    from controlplane.service.provisioning import LOCAL_WORKERS_DIR
+    from provisioners.local import LocalProvisioner
+    from tests.integration.conftest import local_data_dir
+
+    data_dir = local_data_dir(tmp_path, trained_family)
+    profile = _local_profile(data_dir)
+    settings = {
+        "database_url": postgres_url,
+        "provisioner": "local",
+        "reconcile_s": "0.5",
+        "tuner_tick_s": "3600",  # the fleet stays the plan's
+    }
+    servers = [Server(data_dir, tmp_path / f"{n}.log", **settings) for n in ("a", "b")]
+    try:
+
+        def logs() -> str:
+            return "\n".join(
+                f"--- {s.log_path.name}\n{s.log_path.read_text()[-4000:]}" for s in servers
+            )
+
+        def one_leader() -> tuple[Server, Server] | None:
+            roles = [role(s) for s in servers]
+            if sorted(map(str, roles)) != ["leader", "standby"]:
+                return None
+            return (servers[0], servers[1]) if roles[0] == "leader" else (servers[1], servers[0])
+
+        leader, standby = wait_for("single leader", one_leader, logs)
+        headers = {"Authorization": f"Bearer {token(data_dir, postgres_url)}"}
+        api = httpx.Client(base_url=standby.url, headers=headers, timeout=120.0)
+        spec: dict[str, Any] = {
+            "name": "local-app",
+            "models": [{"name": "tiny", "profiles": str(profile)}],
+            "slo": {"latency_ms": 500, "percentile": 99},
+            "budget_usd_per_hr": 0.25,
+            "instance_types": ["emu.cpu.large"],
+            "max_counts": {"emu.cpu.large": 2},
+        }
+        assert api.post("/v1/apps", json=spec).status_code == 201
+        plan = api.post("/v1/apps/local-app/plans", json={"rate_qps": 70.0})
+        assert plan.status_code == 201, plan.text
+        planned = sum(n for s in plan.json()["stages"] for n in s["fleet"].values())
+        assert planned == 2, plan.json()
+        assert api.post(f"/v1/apps/local-app/plans/{plan.json()['id']}/apply").status_code == 200
+
+        def workers() -> dict[str, int]:
+            """Alive local worker processes recorded for the app: provider id -> pid."""
+            local = LocalProvisioner(data_dir / LOCAL_WORKERS_DIR, {}, ["tiny"], None)
+            try:
+                pids = {r.provider_id: r.pid for r in local.records()}
+                return {i.provider_id: pids[i.provider_id] for i in local.list({})}
+            finally:
+                local.close()
+
+        def running_as_planned() -> dict[str, int] | None:
+            rows = api.get("/v1/instances", params={"app": "local-app", "state": "running"})
+            recorded = {r["provider_id"] for r in rows.json()}
+            alive = workers()
+            return alive if len(recorded) == planned and set(alive) == recorded else None
+
+        first = wait_for("the plan's workers", running_as_planned, logs)
+        leader.process.kill()
+        leader.process.wait(timeout=60)
+        wait_for("takeover", lambda: True if role(standby) == "leader" else None, logs)
+        runs = reconcile_runs(api)
+        wait_for("reconcile runs", lambda: True if reconcile_runs(api) >= runs + 3 else None, logs)
+
+        # The same worker processes serve; nothing was launched again, nothing is orphaned.
+        assert running_as_planned() == first
+        rows = api.get("/v1/instances", params={"app": "local-app"}).json()
+        assert len(rows) == planned and {r["state"] for r in rows} == {"running"}
+        api.close()
+    finally:
+        for server in servers:
+            server.stop()
+        stopper = LocalProvisioner(data_dir / LOCAL_WORKERS_DIR, {}, ["tiny"], None)
+        try:
+            stopper.terminate([record.provider_id for record in stopper.records()])
+        finally:
+            stopper.close()
