@@ -64,9 +64,9 @@ DIRECT_QUERIES = 300
 JSON = {"Content-Type": "application/json"}
 
 
-def profile_file(data_dir: Path, workers: int) -> Path:
-    """A profile in which ``large`` on ``emu.cpu.large`` takes 0.5 ms (the planner then plans
-    ``workers`` instances for the rate) and a compute section that pads nothing."""
+def profile_file(data_dir: Path) -> Path:
+    """A profile in which ``large`` on ``emu.cpu.large`` takes 0.5 ms (2,000 q/s an instance,
+    for the planner) and a compute section that pads nothing."""
     path = data_dir / LOCAL_PROFILE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     cells = (np.full(8, 0.5),)
@@ -102,10 +102,11 @@ def direct_p99_ms(data_dir: Path, inputs: np.ndarray) -> float:
     return float(np.percentile(times, 99))
 
 
-def load_process(url: str, token: str, trace_path: Path, env: dict[str, str]) -> dict[str, Any]:
-    """``heteroplane loadgen --json`` on the trace, in a process of its own."""
+def load_process(base: str, token: str, trace_path: Path, env: dict[str, str]) -> dict[str, Any]:
+    """``heteroplane loadgen --json`` on the trace against the service at ``base``, in a process
+    of its own."""
     done = subprocess.run(
-        [sys.executable, "-m", "controlplane", "loadgen", "--url", url.rsplit("/v1/", 1)[0],
+        [sys.executable, "-m", "controlplane", "loadgen", "--url", base,
          "--token", token, "--app", APP, "--trace", str(trace_path), "--json"],
         cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=600,
     )  # fmt: skip
@@ -116,7 +117,7 @@ def load_process(url: str, token: str, trace_path: Path, env: dict[str, str]) ->
 def one_run(
     args: argparse.Namespace,
     n: int,
-    url: str,
+    base: str,
     token: str,
     pid: int,
     root: Path,
@@ -128,7 +129,7 @@ def one_run(
         "arrival_s,batch_size\n" + "".join(f"{a:.6f},1\n" for a in arrivals), encoding="utf-8"
     )
     before = cpu_s(pid)
-    summary = load_process(url, token, trace_path, env)
+    summary = load_process(base, token, trace_path, env)
     used = cpu_s(pid) - before
     answered = int(summary["answered"])
     return {
@@ -165,7 +166,7 @@ def main() -> int:
     data_dir = root / "data"
     try:
         local_service.prepare_family(data_dir)
-        profile = profile_file(data_dir, args.workers)
+        profile = profile_file(data_dir)
         token = local_service.issue_token(data_dir, "api-speed")
         port = local_service.free_port()
         base = f"http://127.0.0.1:{port}"
@@ -214,7 +215,7 @@ def main() -> int:
             env = local_service.clean_env()
             runs = []
             for n in range(args.runs):
-                run = one_run(args, n, url, token, process.pid, root, env)
+                run = one_run(args, n, base, token, process.pid, root, env)
                 run["p99_added_ms"] = None if run["p99_ms"] is None else run["p99_ms"] - direct
                 runs.append(run)
                 local_service.log(json.dumps(run))

@@ -42,11 +42,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -512,10 +509,6 @@ def print_report(result: dict[str, Any]) -> None:
     )
 
 
-def _terminated(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # unwinds through the finally that stops the demo
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -532,17 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cycles < 1 or args.seed < 0:
         parser.error("--cycles must be >= 1 and --seed >= 0")
-    signal.signal(signal.SIGTERM, _terminated)
-    loadavg_start = [round(x, 2) for x in os.getloadavg()]
-    try:
-        with tempfile.TemporaryDirectory(prefix="heteroplane-cycle-") as folder:
-            result = measure(args, Path(folder))
-    except KeyboardInterrupt:
-        local_service.log("interrupted; the demo and its workers are stopped")
+    result = demo_fidelity.measured(measure, args, "heteroplane-cycle-")
+    if result is None:
         return 130
-    result["loadavg_start"] = loadavg_start
-    result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    result["cpus"] = os.cpu_count()
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -301,6 +301,28 @@ def _terminated(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # unwinds through the finally that stops the demo
 
 
+def measured(
+    measure_fn: Callable[[argparse.Namespace, Path], dict[str, Any]],
+    args: argparse.Namespace,
+    prefix: str,
+) -> dict[str, Any] | None:
+    """``measure_fn(args, folder)`` in a temporary folder named ``prefix...``, SIGTERM unwinding
+    as Ctrl-C does (the demo and its workers stopped); its result with the load average at the
+    start and the end and the CPU count, or None when interrupted."""
+    signal.signal(signal.SIGTERM, _terminated)
+    loadavg_start = [round(x, 2) for x in os.getloadavg()]
+    try:
+        with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+            result = measure_fn(args, Path(folder))
+    except KeyboardInterrupt:
+        local_service.log("interrupted; the demo and its workers are stopped")
+        return None
+    result["loadavg_start"] = loadavg_start
+    result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    result["cpus"] = os.cpu_count()
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -323,17 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.runs < 1 or args.duration_s <= 0:
         parser.error("--runs must be >= 1 and --duration-s > 0")
-    signal.signal(signal.SIGTERM, _terminated)
-    loadavg_start = [round(x, 2) for x in os.getloadavg()]
-    try:
-        with tempfile.TemporaryDirectory(prefix="heteroplane-fidelity-") as folder:
-            result = measure(args, Path(folder))
-    except KeyboardInterrupt:
-        local_service.log("interrupted; the demo and its workers are stopped")
+    result = measured(measure, args, "heteroplane-fidelity-")
+    if result is None:
         return 130
-    result["loadavg_start"] = loadavg_start
-    result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    result["cpus"] = os.cpu_count()
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, Store
+from controlplane.errors import NotFoundError
 from controlplane.loops.live_tuner import ArrivalSource, ResolveFn
 from controlplane.policies.gears import (
     ALPHA,
@@ -44,6 +45,7 @@ from controlplane.policies.gears import (
     start_switcher,
     switch,
 )
+from controlplane.policies.lifecycle import KEPT_STATES
 from controlplane.serving.dispatcher import AppStatus, ServingGear
 from estimator.errors import EstimatorError
 from estimator.profiles import LatencyProfile
@@ -111,10 +113,6 @@ def ready_share(
     return max(min(shares, default=1.0), 1e-6)
 
 
-# The instances a budget drain chooses among (draining and ending ones are already going).
-_KEPT_STATES = frozenset({"requested", "pending", "running"})
-
-
 class LiveGears:
     """CascadeServe's gear switcher over every app whose applied plan has a gear plan
     (thread-safe: :meth:`gear` is read by the serving loop, :meth:`tick` runs in the scheduler).
@@ -177,8 +175,9 @@ class LiveGears:
         """Run the switcher for ``app`` now (its budget has just changed): a budget below the
         fleet's cost moves the gear before the reconciler drains (the switch is recorded before
         this returns). The decision that changed the gear, if any."""
-        record = next((a for a in self._store.list_apps() if a.name == app), None)
-        if record is None:
+        try:
+            record = self._store.get_app(app)
+        except NotFoundError:
             return None
         status = next((s for s in self._statuses() if s.app == app), None)
         try:
@@ -194,7 +193,7 @@ class LiveGears:
         cost = sum(
             i.price_usd_per_hr
             for i in self._store.list_instances(app.name)
-            if i.state in _KEPT_STATES
+            if i.state in KEPT_STATES
         )
         if cost <= app.budget_usd_per_hr or cost <= 0:
             return 1.0

@@ -102,7 +102,12 @@ from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.errors import ControlPlaneError
 from controlplane.policies.disruption import DisruptionBudget
 from controlplane.policies.drain import DrainInstance, plan_drain, spare_last_serving
-from controlplane.policies.lifecycle import LIVE_STATES, TERMINAL_STATES, InstanceState
+from controlplane.policies.lifecycle import (
+    KEPT_STATES,
+    LIVE_STATES,
+    TERMINAL_STATES,
+    InstanceState,
+)
 from controlplane.settings import Settings
 from estimator.catalog import Catalog
 from estimator.errors import EstimatorError
@@ -162,7 +167,7 @@ _BUDGET_SLACK_USD_PER_HR = 1e-9
 
 _S = InstanceState
 # The rows that count toward the fleet's size and its cost.
-_KEPT = frozenset({_S.REQUESTED, _S.PENDING, _S.RUNNING})
+_KEPT = KEPT_STATES
 _LIVE = LIVE_STATES
 # Which kept rows go first when a type has too many: not launched yet, booting, serving.
 _DROP_ORDER = {_S.REQUESTED: 0, _S.PENDING: 1, _S.RUNNING: 2}

@@ -25,6 +25,7 @@ from types import MappingProxyType
 from controlplane.errors import InvalidTransitionError
 
 __all__ = [
+    "KEPT_STATES",
     "LIVE_STATES",
     "TERMINAL_STATES",
     "TRANSITIONS",
@@ -63,6 +64,8 @@ TRANSITIONS: MappingProxyType[InstanceState, frozenset[InstanceState]] = Mapping
 TERMINAL_STATES = frozenset(state for state, moves in TRANSITIONS.items() if not moves)
 # States that count toward a fleet's size and cost (everything not yet ended).
 LIVE_STATES = frozenset(InstanceState) - TERMINAL_STATES
+# The instances a fleet keeps (not draining or ending): what a budget drain chooses among.
+KEPT_STATES = frozenset({InstanceState.REQUESTED, InstanceState.PENDING, InstanceState.RUNNING})
 
 
 def parse_state(state: str) -> InstanceState:
