@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal, Protocol, get_args, runtime_checkable
 
+from provisioners.artifacts import ArtifactRef
+
 __all__ = [
     "APP_TAG",
     "INSTANCE_TAG",
@@ -58,12 +60,15 @@ EventKind = Literal["capacity", "quota", "throttled", "failed", "info"]
 @dataclass(frozen=True, slots=True)
 class LaunchRequest:
     """Launch ``count`` instances of ``instance_type`` carrying ``tags``; ``request_id`` makes the
-    call idempotent (the reconciler records it before acting)."""
+    call idempotent (the reconciler records it before acting). ``artifacts`` are the registered
+    models the instances' workers load and serve (:mod:`provisioners.artifacts`); empty: the
+    provisioner's own default models (the demo family, by name)."""
 
     request_id: str
     instance_type: str
     count: int
     tags: Mapping[str, str]
+    artifacts: tuple[ArtifactRef, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.request_id:

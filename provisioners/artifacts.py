@@ -1,0 +1,313 @@
+"""Model artifacts a user brings, as the worker and the control plane both see them.
+
+This module is the small vocabulary that the registry (``controlplane.registry``), the launch
+path (``provisioners.base.LaunchRequest.artifacts``), the worker agent and the Open Inference
+Protocol code share, without torch or onnxruntime:
+
+- :class:`TensorSpec`: one input or output of a model, named, typed with an Open Inference
+  Protocol v2 datatype (``FP32``, ``INT64``, ...) and shaped, ``-1`` for a dynamic dimension.
+  heteroplane batches queries along the first dimension, so a servable model's inputs and outputs
+  have a dynamic first dimension; :meth:`TensorSpec.sample_shape` is the rest.
+- :class:`ArtifactRef`: what a worker needs to load one model: the name it serves it as, the
+  registry's name and version, the format, the sha256 of the file and where the file is
+  (``file:///abs/path`` or ``s3://bucket/key``). :meth:`ArtifactRef.to_arg` and
+  :meth:`ArtifactRef.from_arg` are its spelling on the worker's command line (``--artifact``).
+- :func:`fetch_artifact`: the file behind a reference, copied (S3: downloaded with boto3) into a
+  cache folder and verified against its sha256; a mismatch is an :class:`ArtifactError`.
+
+Like the rest of ``provisioners/``, it imports nothing else from the repository.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+
+__all__ = [
+    "DATATYPES",
+    "FAMILY_SIGNATURE",
+    "FORMATS",
+    "NAME_PATTERN",
+    "ArtifactError",
+    "ArtifactRef",
+    "ModelSignature",
+    "TensorSpec",
+    "datatype_of",
+    "fetch_artifact",
+    "file_sha256",
+    "numpy_dtype",
+    "signature_document",
+]
+
+FORMATS: tuple[str, ...] = ("onnx", "torchscript")
+
+# The Open Inference Protocol's tensor datatypes that heteroplane serves, and their numpy types
+# (BYTES, strings, is not served: a model of strings is outside what the planner can profile).
+DATATYPES: Mapping[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+}
+
+# A model name is a DNS label: lower-case letters, digits and '-', 1 to 63 characters, starting
+# and ending with a letter or digit (it becomes part of URLs, S3 keys and file names).
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+_NAME = re.compile(NAME_PATTERN)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = 1 << 20
+
+
+class ArtifactError(Exception):
+    """An artifact that cannot be used: a bad reference, a missing file, a wrong checksum. The
+    message is one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+def numpy_dtype(datatype: str) -> np.dtype[Any]:
+    """The numpy type of an Open Inference Protocol ``datatype``; :class:`ArtifactError` when it
+    is not one heteroplane serves."""
+    try:
+        return DATATYPES[datatype]
+    except KeyError:
+        raise ArtifactError(
+            f"datatype {datatype!r} is not served (one of {', '.join(DATATYPES)})"
+        ) from None
+
+
+def datatype_of(dtype: np.dtype[Any] | type) -> str:
+    """The Open Inference Protocol datatype of a numpy type; :class:`ArtifactError` when none."""
+    wanted = np.dtype(dtype)
+    for name, candidate in DATATYPES.items():
+        if candidate == wanted:
+            return name
+    raise ArtifactError(f"numpy type {wanted} has no Open Inference Protocol datatype served")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One named tensor of a model: its datatype and its shape (``-1``: any size)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ArtifactError("a tensor needs a name")
+        numpy_dtype(self.datatype)
+        if any((not isinstance(d, int)) or d < -1 for d in self.shape):
+            raise ArtifactError(f"tensor {self.name!r}: bad shape {list(self.shape)}")
+
+    @property
+    def batched(self) -> bool:
+        """Whether the first dimension is dynamic (heteroplane batches along it)."""
+        return len(self.shape) >= 1 and self.shape[0] == -1
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """The shape of one sample: the shape without its first (batch) dimension."""
+        return self.shape[1:]
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return numpy_dtype(self.datatype)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, document: Mapping[str, Any]) -> TensorSpec:
+        """A tensor from ``{"name", "datatype", "shape"}``; :class:`ArtifactError` when
+        malformed."""
+        try:
+            name = document["name"]
+            datatype = document["datatype"]
+            shape = document["shape"]
+        except (KeyError, TypeError):
+            raise ArtifactError("a tensor needs 'name', 'datatype' and 'shape'") from None
+        if not isinstance(name, str) or not isinstance(datatype, str):
+            raise ArtifactError("a tensor's 'name' and 'datatype' are strings")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in shape
+        ):
+            raise ArtifactError(f"tensor {name!r}: 'shape' must be a list of integers")
+        return cls(name, datatype, tuple(shape))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSignature:
+    """A model's inputs and outputs, in order. Certainty (cascades) is read off the first
+    output."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def to_json(self) -> dict[str, list[dict[str, Any]]]:
+        """``{"inputs": [...], "outputs": [...]}`` as the registry and the protocol spell them."""
+        return {
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+        }
+
+    @classmethod
+    def from_json(cls, document: Mapping[str, Any]) -> ModelSignature:
+        """The inverse of :meth:`to_json`; :class:`ArtifactError` when malformed."""
+        try:
+            inputs = document["inputs"]
+            outputs = document["outputs"]
+        except (KeyError, TypeError):
+            raise ArtifactError("a signature needs 'inputs' and 'outputs'") from None
+        if not isinstance(inputs, list) or not isinstance(outputs, list) or not inputs:
+            raise ArtifactError("a signature's 'inputs' (non-empty) and 'outputs' are lists")
+        return cls(
+            tuple(TensorSpec.from_json(t) for t in inputs),
+            tuple(TensorSpec.from_json(t) for t in outputs),
+        )
+
+
+def signature_document(
+    inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]
+) -> dict[str, list[dict[str, Any]]]:
+    """``{"inputs": [...], "outputs": [...]}`` as the registry and the protocol spell them."""
+    return ModelSignature(tuple(inputs), tuple(outputs)).to_json()
+
+
+# The demo family's models (provisioners.worker.family: raw 8x8 pixels in, ten logits out), as
+# the Open Inference Protocol sees them; what a worker serving a family model by name answers.
+FAMILY_SIGNATURE = ModelSignature(
+    (TensorSpec("input", "FP32", (-1, 64)),),
+    (TensorSpec("logits", "FP32", (-1, 10)),),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactRef:
+    """One model for a worker to load: served as ``name``; the registry's ``model`` at
+    ``version``; its ``format`` and ``sha256``; ``uri`` where the file is."""
+
+    name: str
+    model: str
+    version: int
+    format: str
+    sha256: str
+    uri: str
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name) and not re.match(r"^[A-Za-z0-9_.-]{1,128}$", self.name):
+            raise ArtifactError(f"artifact served as {self.name!r}: not a model name")
+        if not _NAME.match(self.model):
+            raise ArtifactError(f"registry model {self.model!r} is not a DNS label")
+        if self.version < 1:
+            raise ArtifactError(f"version must be >= 1, got {self.version}")
+        if self.format not in FORMATS:
+            raise ArtifactError(f"format {self.format!r} is not one of {', '.join(FORMATS)}")
+        if not _SHA256.match(self.sha256):
+            raise ArtifactError("sha256 must be 64 lower-case hex digits")
+        if urlparse(self.uri).scheme not in ("file", "s3"):
+            raise ArtifactError(f"artifact uri {self.uri!r}: expected file:// or s3://")
+
+    def to_arg(self) -> str:
+        """The worker's ``--artifact`` value: ``name:model:version:format:sha256:uri``."""
+        return ":".join(
+            (self.name, self.model, str(self.version), self.format, self.sha256, self.uri)
+        )
+
+    @classmethod
+    def from_arg(cls, text: str) -> ArtifactRef:
+        """Parse :meth:`to_arg`'s spelling; :class:`ArtifactError` when it is not one."""
+        parts = text.split(":", 5)
+        if len(parts) != 6:
+            raise ArtifactError(
+                f"--artifact {text!r}: expected NAME:MODEL:VERSION:FORMAT:SHA256:URI"
+            )
+        name, model, version, fmt, sha256, uri = parts
+        try:
+            number = int(version)
+        except ValueError:
+            raise ArtifactError(
+                f"--artifact {text!r}: version {version!r} is not a number"
+            ) from None
+        return cls(name, model, number, fmt, sha256, uri)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "model": self.model,
+            "version": self.version,
+            "format": self.format,
+            "sha256": self.sha256,
+            "uri": self.uri,
+        }
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, hex."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_artifact(ref: ArtifactRef, cache_dir: str | Path, *, s3_client: Any = None) -> Path:
+    """The local file of ``ref``, verified: a ``file://`` artifact is read where it is; an
+    ``s3://`` one is downloaded into ``cache_dir`` (once; a cached copy is checked again).
+    ``s3_client`` is a boto3 S3 client (made from the environment when ``None``). Raises
+    :class:`ArtifactError` when the file is missing or its sha256 is not the reference's."""
+    parsed = urlparse(ref.uri)
+    if parsed.scheme == "file":
+        path = Path(unquote(parsed.path))
+        if not path.is_file():
+            raise ArtifactError(f"artifact {ref.model} v{ref.version}: no file at {path}")
+    else:
+        cache = Path(cache_dir)
+        cache.mkdir(parents=True, exist_ok=True)
+        suffix = ".onnx" if ref.format == "onnx" else ".pt"
+        path = cache / f"{ref.model}-{ref.version}-{ref.sha256[:16]}{suffix}"
+        if not path.is_file() or file_sha256(path) != ref.sha256:
+            _download_s3(parsed.netloc, parsed.path.lstrip("/"), path, s3_client)
+    actual = file_sha256(path)
+    if actual != ref.sha256:
+        raise ArtifactError(
+            f"artifact {ref.model} v{ref.version}: sha256 {actual[:12]}... is not the registry's"
+            f" {ref.sha256[:12]}... (the file changed or was corrupted)"
+        )
+    return path
+
+
+def _download_s3(bucket: str, key: str, path: Path, client: Any) -> None:
+    if client is None:
+        import boto3  # only where an artifact is in S3
+
+        client = boto3.client("s3", endpoint_url=os.environ.get("HETEROPLANE_S3_ENDPOINT_URL"))
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".download-")
+    os.close(descriptor)
+    try:
+        try:
+            client.download_file(bucket, key, temporary)
+        except Exception as error:  # botocore's errors, without importing botocore here
+            raise ArtifactError(f"cannot download s3://{bucket}/{key}: {error}") from None
+        shutil.move(temporary, path)
+    finally:
+        Path(temporary).unlink(missing_ok=True)
