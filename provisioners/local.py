@@ -65,6 +65,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from provisioners.artifacts import ArtifactRef
 from provisioners.base import (
     EventKind,
     LaunchRequest,
@@ -201,7 +202,9 @@ class LocalProvisioner:
 
     ``catalog_speed`` maps the instance types it may run to their speed factors (from the
     catalog: ``emu.*`` and ``local.cpu``); ``models`` are the family models every worker serves
-    from ``cache_dir`` (``None``: the family's default cache); ``profile`` is an optional profile
+    from ``cache_dir`` (``None``: the family's default cache), unless its launch request names
+    artifacts: then the worker serves those (``--artifact`` each, fetched into ``cache_dir``'s
+    ``artifacts/``) and no family model; ``profile`` is an optional profile
     JSON with the reference type's curves, passed to the workers; ``pad=False`` turns latency
     emulation off. ``python`` runs the workers (this interpreter by default).
     """
@@ -385,7 +388,9 @@ class LocalProvisioner:
             listener.bind((HOST, 0))
             listener.listen(128)
             port = int(listener.getsockname()[1])
-            command = self._command(provider_id, request.instance_type, factor, listener.fileno())
+            command = self._command(
+                provider_id, request.instance_type, factor, listener.fileno(), request.artifacts
+            )
             log_path = self.state_dir / "logs" / f"{provider_id}.log"
             with log_path.open("ab") as log:
                 process = subprocess.Popen(
@@ -420,8 +425,19 @@ class LocalProvisioner:
         return record
 
     def _command(
-        self, provider_id: str, instance_type: str, factor: float, fd: int
+        self,
+        provider_id: str,
+        instance_type: str,
+        factor: float,
+        fd: int,
+        artifacts: Sequence[ArtifactRef] = (),
     ) -> builtins.list[str]:
+        """The worker's command line: the family's models by name, or, when the launch names
+        artifacts, one ``--artifact`` for each and no family model."""
+        if artifacts:
+            served = [arg for ref in artifacts for arg in ("--artifact", ref.to_arg())]
+        else:
+            served = ["--models", ",".join(self.models)]
         command = [
             self.python,
             "-m",
@@ -434,8 +450,7 @@ class LocalProvisioner:
             instance_type,
             "--speed-factor",
             repr(factor),
-            "--models",
-            ",".join(self.models),
+            *served,
             "--threads",
             str(self.threads),
             "--worker-id",

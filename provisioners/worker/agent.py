@@ -1,27 +1,47 @@
 """The worker agent: what a provisioned instance runs to serve the app's models over HTTP.
 
-This module owns the agent's command line, its HTTP interface, the validation of inference
-requests, the batch execution (one batch at a time, as the simulator and the dispatcher assume
-of an instance), latency padding on emulated types (arithmetic in
-:mod:`provisioners.worker.emulation`), the per-model latency statistics it reports, and its
-lifecycle (listening at once, loading the models behind it, draining on SIGTERM).
+This module owns the agent's command line, its HTTP interface (the Open Inference Protocol v2,
+REST; the wire format is :mod:`provisioners.worker.oip`), the batch execution (one batch at a
+time, as the simulator and the dispatcher assume of an instance), latency padding on emulated
+types (arithmetic in :mod:`provisioners.worker.emulation`), the per-model latency statistics it
+reports, and its lifecycle (listening at once, loading the models behind it, draining on
+SIGTERM).
+
+What it serves: the demo family's models by name (``--models tiny,small``; each under
+:data:`~provisioners.artifacts.FAMILY_SIGNATURE`, answering the family's raw logits), and models
+users bring (``--artifact NAME:MODEL:VERSION:FORMAT:SHA256:URI``, repeatable: fetched and
+verified with :func:`~provisioners.artifacts.fetch_artifact` into ``--cache-dir``'s
+``artifacts/`` or a temporary folder, loaded with :mod:`provisioners.worker.runtime`, served as
+NAME). With artifacts and no ``--models``, no family model is loaded.
 
 Routes (every body is JSON; every error is ``{"error": "one line"}``):
 
-- ``GET /health``: 200 ``{"status": "ok", "instance_type", "models", "emulated", "speed_factor",
-  "uptime_s", "worker_id", "pid"}`` once the models are loaded; 503 with ``status`` ``loading``,
-  ``stopping`` or ``failed`` before or after.
+- ``GET /v2/health/live``: 200 ``{"live": true}`` while the process serves HTTP.
+- ``GET /v2/health/ready``: 200 ``{"ready": true}`` once the models are loaded, else 503
+  ``{"ready": false, "status"}``.
+- ``GET /v2/models/{m}``: 200 ``{"name", "versions": ["1"], "platform", "inputs", "outputs"}``
+  (:func:`~provisioners.worker.oip.model_metadata`). ``GET /v2/models/{m}/ready``: 200
+  ``{"name", "ready": true}``.
+- ``POST /v2/models/{m}/infer`` (``/v2/models/{m}/versions/1/infer`` too): an Open Inference
+  Protocol request (:func:`~provisioners.worker.oip.parse_infer_request`); its inputs are one
+  batch, run in one call of the model. 200 ``{"model_name", "model_version": "1", "id" (when the
+  request has one), "outputs": [{"name", "datatype", "shape", "data"}], "parameters":
+  {"instance_type", "served_ms" (compute plus padding, as measured), "latency_ms" (measured
+  compute), "padded_ms" (slept after it), "queued_ms" (waiting for the previous batch),
+  "emulated", "emulated_ms" (the emulated type's latency for this batch, null when not
+  emulated), "emulation_source"}}``.
+- ``GET /health``: 200 ``{"status": "ok", "instance_type", "models", "artifacts", "emulated",
+  "speed_factor", "uptime_s", "worker_id", "pid"}`` once the models are loaded; 503 with
+  ``status`` ``loading``, ``stopping`` or ``failed`` before or after (the local provisioner
+  polls it).
 - ``GET /stats``: per model, the requests and rows served and percentiles (p50, p90, p99, max,
   mean) of the measured compute ``latency_ms``, of ``served_ms`` and of ``padded_ms`` over the
   last :data:`STATS_WINDOW` requests.
-- ``POST /infer`` ``{"model": "tiny", "inputs": [[64 numbers in 0..16], ...]}``: the inputs are
-  one batch, computed in one call of the family's ``predict``; 200 ``{"model", "instance_type",
-  "batch_size", "predictions", "certainty", "latency_ms" (measured compute), "padded_ms" (slept
-  after it), "served_ms" (compute plus padding, as measured), "queued_ms" (waiting for the
-  previous batch), "emulated", "emulated_ms" (the emulated type's latency for this batch, null
-  when not emulated), "emulation_source"}``. 400 on a malformed request, 404 on a model this
-  worker does not serve, 413 on a body over :data:`MAX_BODY_BYTES`, 503 while loading or
-  stopping.
+
+Errors: 400 on a malformed request or one that does not fit the model's signature (the message
+names the input), 404 on a model this worker does not serve (or a route it does not have), 413
+on a body over :data:`MAX_BODY_BYTES`, 500 when the model fails on a batch, 503 while loading or
+stopping.
 
 Emulation: with ``--speed-factor F`` (the local provisioner passes the catalog's), the worker
 stands in for ``--instance-type`` and pads every batch to that type's latency; ``--profile FILE``
@@ -29,10 +49,12 @@ stands in for ``--instance-type`` and pads every batch to that type's latency; `
 (a real model's compute on a type of speed factor 1, over F) when it has one, and without a file
 the target is the measured latency / F. ``--no-pad``, no speed factor, or the reference type
 ``local.cpu`` itself: no padding, ``emulated: false``. The padding sleep holds the batch lock, so
-an emulated slow type also serves fewer batches per second, not only slower ones.
+an emulated slow type also serves fewer batches per second, not only slower ones. Curves are per
+served name, artifacts included.
 
-Like the rest of ``provisioners/``, it imports nothing else from the repository. torch comes in
-with the family when the models are loaded, so ``--help`` and the request parsing do not need it.
+Like the rest of ``provisioners/``, it imports nothing else from the repository. torch and
+onnxruntime come in with the models when they are loaded, so ``--help`` and the request parsing
+do not need them.
 """
 
 from __future__ import annotations
@@ -41,27 +63,40 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 
+from provisioners.artifacts import ArtifactError, ArtifactRef, fetch_artifact
 from provisioners.worker.emulation import (
     REFERENCE_TYPE,
     Emulation,
     EmulationError,
     read_curves,
 )
+from provisioners.worker.oip import (
+    MODEL_VERSION,
+    InferRequest,
+    OipError,
+    infer_response,
+    model_metadata,
+    parse_infer_request,
+)
+from provisioners.worker.runtime import DEVICES, ModelRuntime
 
 __all__ = [
     "DEFAULT_MODELS",
@@ -69,21 +104,17 @@ __all__ = [
     "MAX_BODY_BYTES",
     "STATS_WINDOW",
     "AgentConfig",
-    "InferRequest",
+    "LoadFailedError",
     "RequestError",
     "WorkerAgent",
     "build_emulation",
     "latency_summary",
+    "load_models",
     "main",
     "parse_args",
-    "parse_infer_request",
     "serve",
 ]
 
-# The family's input shape and pixel range (provisioners.worker.family.N_FEATURES, PIXEL_MAX;
-# repeated here so that parsing a request does not import torch; a unit test keeps them equal).
-N_FEATURES = 64
-PIXEL_MAX = 16.0
 DEFAULT_MODELS: tuple[str, ...] = ("tiny", "small", "medium", "large")
 # The profiler's largest batch size; a bigger batch is a client's mistake, not a load to serve.
 MAX_BATCH_SIZE = 4096
@@ -94,8 +125,9 @@ STATS_WINDOW = 4096
 DEFAULT_DRAIN_S = 3.0
 # An idle keep-alive connection is closed after this long, so its thread does not linger.
 IDLE_CONNECTION_S = 30.0
+# Where fetched artifacts are kept under --cache-dir.
+ARTIFACTS_DIR = "artifacts"
 
-PredictFn = Callable[[Any, np.ndarray], tuple[np.ndarray, np.ndarray]]
 SleepFn = Callable[[float], None]
 
 
@@ -105,78 +137,6 @@ class RequestError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(" ".join(message.split()))
         self.status = status
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class InferRequest:
-    """One validated inference request: a batch of ``inputs`` rows (float32, shape (n, 64))."""
-
-    model: str
-    inputs: np.ndarray
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.inputs.shape[0])
-
-
-def parse_infer_request(
-    body: bytes, models: Collection[str], *, max_batch_size: int = MAX_BATCH_SIZE
-) -> InferRequest:
-    """Validate a ``POST /infer`` body: a JSON object with ``model`` (one of ``models``, else
-    404) and ``inputs``, a non-empty list of at most ``max_batch_size`` rows of 64 finite numbers
-    in 0..16 (else 400)."""
-    try:
-        document = json.loads(body, parse_constant=_refuse_constant)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {error}") from None
-    if not isinstance(document, dict):
-        raise RequestError(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
-    unknown = sorted(set(document) - {"model", "inputs"})
-    if unknown:
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"unknown keys: {', '.join(unknown)}")
-    model = document.get("model")
-    if not isinstance(model, str) or not model:
-        raise RequestError(HTTPStatus.BAD_REQUEST, "'model' must be a non-empty string")
-    if model not in models:
-        raise RequestError(
-            HTTPStatus.NOT_FOUND,
-            f"model {model!r} is not served here (served: {', '.join(sorted(models))})",
-        )
-    rows = document.get("inputs")
-    if not isinstance(rows, list) or not rows:
-        raise RequestError(HTTPStatus.BAD_REQUEST, "'inputs' must be a non-empty list of rows")
-    if len(rows) > max_batch_size:
-        raise RequestError(
-            HTTPStatus.BAD_REQUEST, f"batch of {len(rows)} rows is over the limit {max_batch_size}"
-        )
-    return InferRequest(model, _pixel_rows(rows))
-
-
-def _refuse_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number")
-
-
-def _pixel_rows(rows: list[Any]) -> np.ndarray:
-    if not all(isinstance(row, list) and len(row) == N_FEATURES for row in rows):
-        raise RequestError(
-            HTTPStatus.BAD_REQUEST, f"every row of 'inputs' must be a list of {N_FEATURES} numbers"
-        )
-    try:
-        array = np.asarray(rows)
-    except ValueError:
-        array = np.asarray([], dtype=object)
-    # JSON numbers give an integer or float array; strings, booleans alone, nulls or nesting do
-    # not (numpy turns them into str, bool or object arrays).
-    if array.dtype.kind not in "iuf" or array.shape != (len(rows), N_FEATURES):
-        raise RequestError(
-            HTTPStatus.BAD_REQUEST, f"every row of 'inputs' must be a list of {N_FEATURES} numbers"
-        )
-    values = array.astype(np.float64)
-    if not np.all(np.isfinite(values)) or values.min() < 0 or values.max() > PIXEL_MAX:
-        raise RequestError(
-            HTTPStatus.BAD_REQUEST, f"pixel values must lie in 0..{PIXEL_MAX:g} (raw intensities)"
-        )
-    return values.astype(np.float32)
 
 
 def latency_summary(values: Sequence[float]) -> dict[str, float | None]:
@@ -208,7 +168,8 @@ class _ModelStats:
 
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
-    """The agent's settings, from its command line (see :func:`parse_args`)."""
+    """The agent's settings, from its command line (see :func:`parse_args`). ``models`` are
+    every name served, the family's first, then the artifacts' (``artifacts[i].name``)."""
 
     host: str
     port: int
@@ -223,6 +184,14 @@ class AgentConfig:
     listen_fd: int | None = None
     drain_s: float = DEFAULT_DRAIN_S
     max_batch_size: int = MAX_BATCH_SIZE
+    artifacts: tuple[ArtifactRef, ...] = ()
+    device: str = "cpu"
+
+    @property
+    def family_models(self) -> tuple[str, ...]:
+        """The served names that are the demo family's models (not artifacts)."""
+        brought = {ref.name for ref in self.artifacts}
+        return tuple(name for name in self.models if name not in brought)
 
 
 def build_emulation(config: AgentConfig) -> Emulation:
@@ -246,8 +215,10 @@ def build_emulation(config: AgentConfig) -> Emulation:
 class WorkerAgent:
     """The agent's state and behaviour, apart from HTTP: readiness, batches, statistics.
 
-    ``predict`` is the family's ``predict`` (a stand-in in unit tests); ``sleep`` pads (seconds).
-    Batches run one at a time under a lock; the padding sleep holds it too.
+    The models are :class:`~provisioners.worker.runtime.ModelRuntime` objects by served name
+    (stand-ins in unit tests), given by :meth:`set_models` once loaded; ``sleep`` pads
+    (seconds), ``clock`` times (seconds). Batches run one at a time under a lock; the padding
+    sleep holds it too.
     """
 
     def __init__(
@@ -255,17 +226,15 @@ class WorkerAgent:
         config: AgentConfig,
         emulation: Emulation,
         *,
-        predict: PredictFn | None = None,
         sleep: SleepFn = time.sleep,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.config = config
         self.emulation = emulation
-        self._predict = predict
         self._sleep = sleep
         self._clock = clock
         self._started = clock()
-        self._models: dict[str, Any] = {}
+        self._models: dict[str, ModelRuntime] = {}
         self._status = "loading"
         self._failure: str | None = None
         self._batch_lock = threading.Lock()
@@ -281,11 +250,9 @@ class WorkerAgent:
         """``loading``, ``ok``, ``stopping`` or ``failed``."""
         return self._status
 
-    def set_models(self, models: Mapping[str, Any], predict: PredictFn | None = None) -> None:
-        """The loaded models (and the predict function); the agent is ready from now on."""
+    def set_models(self, models: Mapping[str, ModelRuntime]) -> None:
+        """The loaded models by served name; the agent is ready from now on."""
         self._models = dict(models)
-        if predict is not None:
-            self._predict = predict
         if self._status == "loading":
             self._status = "ok"
 
@@ -306,10 +273,12 @@ class WorkerAgent:
     # --- routes ---------------------------------------------------------------------------------
 
     def health(self) -> tuple[int, dict[str, Any]]:
+        """``GET /health``."""
         body: dict[str, Any] = {
             "status": self._status,
             "instance_type": self.config.instance_type,
             "models": list(self.config.models),
+            "artifacts": [ref.to_json() for ref in self.config.artifacts],
             "emulated": self.emulation.emulated,
             "speed_factor": self.emulation.speed_factor,
             "uptime_s": round(self._clock() - self._started, 3),
@@ -320,7 +289,27 @@ class WorkerAgent:
             body["error"] = self._failure
         return (HTTPStatus.OK if self._status == "ok" else HTTPStatus.SERVICE_UNAVAILABLE), body
 
+    def ready(self) -> tuple[int, dict[str, Any]]:
+        """``GET /v2/health/ready``."""
+        if self._status == "ok":
+            return HTTPStatus.OK, {"ready": True}
+        body: dict[str, Any] = {"ready": False, "status": self._status}
+        if self._failure is not None:
+            body["error"] = self._failure
+        return HTTPStatus.SERVICE_UNAVAILABLE, body
+
+    def metadata(self, model: str) -> dict[str, Any]:
+        """``GET /v2/models/{model}``; raises :class:`RequestError` (404, 503)."""
+        runtime = self._runtime(model)
+        return model_metadata(model, runtime.signature, runtime.platform, (MODEL_VERSION,))
+
+    def model_ready(self, model: str) -> dict[str, Any]:
+        """``GET /v2/models/{model}/ready``; raises :class:`RequestError` (404, 503)."""
+        self._runtime(model)
+        return {"name": model, "ready": True}
+
     def stats(self) -> dict[str, Any]:
+        """``GET /stats``."""
         with self._stats_lock:
             models = {
                 name: {
@@ -341,66 +330,96 @@ class WorkerAgent:
             "models": models,
         }
 
-    def infer(self, body: bytes) -> dict[str, Any]:
-        """Serve one ``POST /infer`` body; raises :class:`RequestError` on a refusal."""
-        if self._status != "ok":
-            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, f"worker is {self._status}")
-        request = parse_infer_request(
-            body, self.config.models, max_batch_size=self.config.max_batch_size
-        )
+    def infer(self, model: str, body: bytes | Mapping[str, Any]) -> dict[str, Any]:
+        """Serve one ``POST /v2/models/{model}/infer`` body (bytes, or its JSON decoded); raises
+        :class:`RequestError` on a refusal."""
+        runtime = self._runtime(model)
+        try:
+            request = parse_infer_request(
+                body, runtime.signature, max_batch_size=self.config.max_batch_size
+            )
+        except OipError as error:
+            raise RequestError(error.status, str(error)) from None
         with self._idle:
             self._in_flight += 1
         try:
-            return self._run(request)
+            return self._run(model, runtime, request)
         finally:
             with self._idle:
                 self._in_flight -= 1
                 self._idle.notify_all()
 
-    def _run(self, request: InferRequest) -> dict[str, Any]:
-        predict = self._predict
-        if predict is None:
-            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "worker is loading")
-        model = self._models[request.model]
+    def _runtime(self, model: str) -> ModelRuntime:
+        if self._status != "ok":
+            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, f"worker is {self._status}")
+        runtime = self._models.get(model)
+        if runtime is None:
+            raise RequestError(
+                HTTPStatus.NOT_FOUND,
+                f"model {model!r} is not served here (served: {', '.join(sorted(self._models))})",
+            )
+        return runtime
+
+    def _run(self, model: str, runtime: ModelRuntime, request: InferRequest) -> dict[str, Any]:
+        batch_size = request.batch_size
         arrived = self._clock()
         with self._batch_lock:
             start = self._clock()
-            predictions, certainty = predict(model, request.inputs)
+            try:
+                outputs = runtime.run(request.inputs)
+            except Exception as error:  # the model's own failure on this batch
+                raise RequestError(
+                    HTTPStatus.INTERNAL_SERVER_ERROR,
+                    f"model {model!r} failed on the batch: {_first_line(error)}",
+                ) from None
             measured_ms = (self._clock() - start) * 1000.0
-            target_ms = self.emulation.target_ms(
-                request.model, request.batch_size, measured_ms=measured_ms
-            )
-            pad_ms = self.emulation.padding_ms(
-                request.model, request.batch_size, measured_ms=measured_ms
-            )
+            target_ms = self.emulation.target_ms(model, batch_size, measured_ms=measured_ms)
+            pad_ms = self.emulation.padding_ms(model, batch_size, measured_ms=measured_ms)
             if pad_ms > 0:
                 self._sleep(pad_ms / 1000.0)
             served_ms = (self._clock() - start) * 1000.0
         queued_ms = (start - arrived) * 1000.0
         with self._stats_lock:
-            entry = self._stats[request.model]
+            entry = self._stats[model]
             entry.requests += 1
-            entry.rows += request.batch_size
+            entry.rows += batch_size
             entry.latency_ms.append(measured_ms)
             entry.served_ms.append(served_ms)
             entry.padded_ms.append(pad_ms)
-        return {
-            "model": request.model,
+        names = request.outputs or tuple(spec.name for spec in runtime.signature.outputs)
+        parameters = {
             "instance_type": self.config.instance_type,
-            "batch_size": request.batch_size,
-            "predictions": np.asarray(predictions).astype(int).tolist(),
-            "certainty": np.asarray(certainty, dtype=np.float64).tolist(),
+            "served_ms": round(served_ms, 3),
             "latency_ms": round(measured_ms, 3),
             "padded_ms": round(pad_ms, 3),
-            "served_ms": round(served_ms, 3),
             "queued_ms": round(queued_ms, 3),
             "emulated": self.emulation.emulated,
             "emulated_ms": round(target_ms, 3) if self.emulation.emulated else None,
-            "emulation_source": self.emulation.source(request.model),
+            "emulation_source": self.emulation.source(model),
         }
+        try:
+            return infer_response(
+                model, outputs, names=names, request_id=request.id, parameters=parameters
+            )
+        except (OipError, KeyError) as error:
+            raise RequestError(
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                f"model {model!r} answered outputs that do not fit its signature: {error}",
+            ) from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 # --- HTTP -----------------------------------------------------------------------------------------
+
+# /v2/models/{model}[/versions/{version}][/ready|/infer]
+_MODEL_PATH = re.compile(
+    r"^/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<action>/ready|/infer)?$"
+)
+_GET_ONLY = frozenset({"/health", "/stats", "/v2", "/v2/health/live", "/v2/health/ready"})
 
 
 class _Server(ThreadingHTTPServer):
@@ -431,15 +450,29 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         agent = self.server.agent
         path = self.path.split("?", 1)[0]
-        if path == "/health":
-            status, body = agent.health()
-            self._reply(status, body)
-        elif path == "/stats":
-            self._reply(HTTPStatus.OK, agent.stats())
-        elif path == "/infer":
-            self._error(HTTPStatus.METHOD_NOT_ALLOWED, "use POST /infer")
-        else:
-            self._error(HTTPStatus.NOT_FOUND, f"no route {path}")
+        try:
+            if path == "/health":
+                self._reply(*agent.health())
+            elif path == "/stats":
+                self._reply(HTTPStatus.OK, agent.stats())
+            elif path == "/v2/health/live":
+                self._reply(HTTPStatus.OK, {"live": True})
+            elif path == "/v2/health/ready":
+                self._reply(*agent.ready())
+            elif path == "/v2":
+                self._reply(HTTPStatus.OK, {"name": "heteroplane-worker", "version": "1"})
+            elif (match := _MODEL_PATH.match(path)) is not None:
+                model = _model_of(match)
+                if match["action"] == "/infer":
+                    self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"use POST {path}")
+                elif match["action"] == "/ready":
+                    self._reply(HTTPStatus.OK, agent.model_ready(model))
+                else:
+                    self._reply(HTTPStatus.OK, agent.metadata(model))
+            else:
+                self._error(HTTPStatus.NOT_FOUND, f"no route {path}")
+        except RequestError as error:
+            self._error(error.status, str(error))
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -449,12 +482,16 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._error(error.status, str(error))
             return
-        if path != "/infer":
-            status = HTTPStatus.METHOD_NOT_ALLOWED if path in ("/health", "/stats") else 404
-            self._error(status, f"no route POST {path}")
+        match = _MODEL_PATH.match(path)
+        if match is None or match["action"] != "/infer":
+            if path in _GET_ONLY or match is not None:
+                self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"no route POST {path}")
+            else:
+                hint = " (use POST /v2/models/{model}/infer)" if path == "/infer" else ""
+                self._error(HTTPStatus.NOT_FOUND, f"no route POST {path}{hint}")
             return
         try:
-            self._reply(HTTPStatus.OK, self.server.agent.infer(body))
+            self._reply(HTTPStatus.OK, self.server.agent.infer(_model_of(match), body))
         except RequestError as error:
             self._error(error.status, str(error))
 
@@ -493,6 +530,19 @@ class _Handler(BaseHTTPRequestHandler):
         return
 
 
+def _model_of(match: re.Match[str]) -> str:
+    """The model of a ``/v2/models/...`` path; :class:`RequestError` (404) for a version other
+    than the one a worker serves."""
+    model = unquote(match["model"])
+    version = match["version"]
+    if version is not None and unquote(version) != MODEL_VERSION:
+        raise RequestError(
+            HTTPStatus.NOT_FOUND,
+            f"model {model!r} has no version {unquote(version)!r} here (only {MODEL_VERSION})",
+        )
+    return model
+
+
 # --- command line and main loop -------------------------------------------------------------------
 
 
@@ -500,8 +550,10 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
     """The agent's command line (``python -m provisioners.worker --help``)."""
     parser = argparse.ArgumentParser(
         prog="python -m provisioners.worker",
-        description="heteroplane's worker agent: serve the demo family's models over HTTP"
-        " (GET /health, GET /stats, POST /infer), padding latency to an emulated type's.",
+        description="heteroplane's worker agent: serve the demo family's models and registered"
+        " model artifacts over the Open Inference Protocol v2 (GET /v2/health/ready, GET"
+        " /v2/models/{m}, POST /v2/models/{m}/infer; GET /health, GET /stats), padding latency"
+        " to an emulated type's.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (%(default)s)")
@@ -522,11 +574,31 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
     )
     parser.add_argument(
         "--models",
-        default=",".join(DEFAULT_MODELS),
         metavar="M1,M2,...",
-        help="models of the family to serve (default %(default)s)",
+        help="models of the family to serve (default: "
+        + ",".join(DEFAULT_MODELS)
+        + "; none when --artifact is given)",
     )
-    parser.add_argument("--cache-dir", type=Path, metavar="DIR", help="the family's model cache")
+    parser.add_argument(
+        "--artifact",
+        action="append",
+        default=[],
+        metavar="NAME:MODEL:VERSION:FORMAT:SHA256:URI",
+        help="a registered model to fetch, verify, load and serve as NAME (repeatable)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="the family's model cache; fetched artifacts go to its artifacts/ (default: a"
+        " temporary folder)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where artifacts run (%(default)s; cuda falls back to the CPU where absent)",
+    )
     parser.add_argument(
         "--profile",
         type=Path,
@@ -551,9 +623,19 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
         help="on SIGTERM, wait this long for batches under way (%(default)s)",
     )
     args = parser.parse_args(argv)
-    models = tuple(name.strip() for name in str(args.models).split(","))
-    if not models or any(not name for name in models) or len(set(models)) != len(models):
-        parser.error(f"--models {args.models!r}: expected distinct names separated by commas")
+    try:
+        artifacts = tuple(ArtifactRef.from_arg(text) for text in args.artifact)
+    except ArtifactError as error:
+        parser.error(str(error))
+    if args.models is None:
+        family: tuple[str, ...] = () if artifacts else DEFAULT_MODELS
+    else:
+        family = tuple(name.strip() for name in str(args.models).split(","))
+        if not family or any(not name for name in family) or len(set(family)) != len(family):
+            parser.error(f"--models {args.models!r}: expected distinct names separated by commas")
+    models = family + tuple(ref.name for ref in artifacts)
+    if len(set(models)) != len(models):
+        parser.error(f"a model name is served twice: {', '.join(models)}")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port} is outside 0..65535")
     if args.threads < 1:
@@ -574,30 +656,77 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
         worker_id=args.worker_id,
         listen_fd=args.listen_fd,
         drain_s=max(0.0, args.drain_s),
+        artifacts=artifacts,
+        device=args.device,
     )
 
 
-def _load(agent: WorkerAgent, config: AgentConfig, failed: threading.Event) -> None:
-    """Load the family's models (training them first when the cache lacks them)."""
+class LoadFailedError(Exception):
+    """A model the worker cannot serve (fetch, checksum, load or first batch); one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+def load_models(config: AgentConfig, artifact_dir: Path) -> dict[str, ModelRuntime]:
+    """Every model ``config`` serves, loaded and run once on a batch of zeros: the family's
+    (trained first when the cache lacks them) and the artifacts (fetched into
+    ``artifact_dir``). Raises :class:`LoadFailedError` naming the model."""
+    runtimes: dict[str, ModelRuntime] = {}
+    if config.family_models:
+        try:
+            import torch
+
+            from provisioners.worker import family
+            from provisioners.worker.runtime import family_runtime
+
+            torch.set_num_threads(config.threads)
+            directory = family.ensure_family(config.cache_dir)
+            for name in config.family_models:
+                runtimes[name] = family_runtime(family.load_model(name, directory))
+        except Exception as error:  # a family model that cannot load, for whatever reason
+            raise LoadFailedError(f"family models: {_first_line(error)}") from None
+    for ref in config.artifacts:
+        from provisioners.worker.runtime import load_runtime
+
+        try:
+            path = fetch_artifact(ref, artifact_dir)
+            runtimes[ref.name] = load_runtime(
+                path, ref.format, device=config.device, threads=config.threads
+            )
+        except Exception as error:  # ArtifactError, ModelLoadError, or the runtime's own
+            raise LoadFailedError(
+                f"model {ref.name} ({ref.model} v{ref.version}): {_first_line(error)}"
+            ) from None
+    # One untimed batch each: the first call of a model pays for allocations and lazy
+    # initialisation, which is no part of its serving latency.
+    for name, runtime in runtimes.items():
+        zeros = {
+            spec.name: np.zeros(tuple(1 if d == -1 else d for d in spec.shape), spec.dtype)
+            for spec in runtime.signature.inputs
+        }
+        try:
+            runtime.run(zeros)
+        except Exception as error:  # the model's own failure
+            raise LoadFailedError(
+                f"model {name} fails on a batch of zeros: {_first_line(error)}"
+            ) from None
+    return runtimes
+
+
+def _load(
+    agent: WorkerAgent, config: AgentConfig, artifact_dir: Path, failed: threading.Event
+) -> None:
+    """Load the models behind the listening socket; a failure ends the worker with its reason."""
     try:
-        import torch
-
-        from provisioners.worker import family
-
-        torch.set_num_threads(config.threads)
-        directory = family.ensure_family(config.cache_dir)
-        models = {name: family.load_model(name, directory) for name in config.models}
-        # One untimed batch each: the first call of a model pays for allocations and lazy
-        # initialisation, which is no part of its serving latency.
-        warmup = np.zeros((1, N_FEATURES), dtype=np.float32)
-        for model in models.values():
-            family.predict(model, warmup)
-    except Exception as error:  # any failure to load ends the worker with its reason
-        agent.fail(f"cannot load the models: {error}")
-        print(f"worker: cannot load the models: {error}", file=sys.stderr, flush=True)
+        models = load_models(config, artifact_dir)
+    except Exception as error:  # LoadFailedError, or anything unforeseen: one line either way
+        reason = " ".join(str(error).split()) or type(error).__name__
+        agent.fail(f"cannot load the models: {reason}")
+        print(f"worker: cannot load the models: {reason}", file=sys.stderr, flush=True)
         failed.set()
         return
-    agent.set_models(models, family.predict)
+    agent.set_models(models)
     print(
         f"worker: serving {', '.join(config.models)} as {config.instance_type}"
         f" (emulated: {agent.emulation.emulated})",
@@ -630,18 +759,26 @@ def serve(config: AgentConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    serving = threading.Thread(target=server.serve_forever, args=(0.1,), name="http", daemon=True)
-    serving.start()
-    loading = threading.Thread(target=_load, args=(agent, config, failed), name="load", daemon=True)
-    loading.start()
-    # The main thread waits for a signal (handlers run here) or a failed load.
-    while not stop.wait(0.2):
-        if failed.is_set():
-            break
-    agent.stop()
-    agent.drain(config.drain_s)
-    server.shutdown()
-    server.server_close()
+    with tempfile.TemporaryDirectory(prefix="heteroplane-artifacts-") as temporary:
+        artifact_dir = (
+            config.cache_dir / ARTIFACTS_DIR if config.cache_dir is not None else Path(temporary)
+        )
+        serving = threading.Thread(
+            target=server.serve_forever, args=(0.1,), name="http", daemon=True
+        )
+        serving.start()
+        loading = threading.Thread(
+            target=_load, args=(agent, config, artifact_dir, failed), name="load", daemon=True
+        )
+        loading.start()
+        # The main thread waits for a signal (handlers run here) or a failed load.
+        while not stop.wait(0.2):
+            if failed.is_set():
+                break
+        agent.stop()
+        agent.drain(config.drain_s)
+        server.shutdown()
+        server.server_close()
     return 1 if failed.is_set() else 0
 
 

@@ -46,6 +46,8 @@ __all__ = [
     "FAMILY",
     "MODEL_NAMES",
     "SEED",
+    "SIGNATURE_FILE",
+    "TORCHSCRIPT_DIR",
     "VALIDATION_FORMAT",
     "DigitsSplit",
     "FamilyError",
@@ -55,6 +57,7 @@ __all__ = [
     "default_cache_dir",
     "default_data_dir",
     "ensure_family",
+    "export_torchscript",
     "load_model",
     "load_split",
     "model_spec",
@@ -324,6 +327,43 @@ def load_model(name: str, cache_dir: str | Path | None = None) -> nn.Module:
     spec = model_spec(name)
     directory = ensure_family(cache_dir)
     return _load_state(spec, directory)
+
+
+# Where export_torchscript writes the family's TorchScript archives, under the model cache.
+TORCHSCRIPT_DIR = "torchscript"
+# The archive's extra file that gives its inputs' datatypes and shapes (docs/models.md).
+SIGNATURE_FILE = "heteroplane/signature.json"
+
+
+def export_torchscript(name: str, cache_dir: str | Path | None = None) -> Path:
+    """The family model ``name`` as a TorchScript archive, as a user would push it to the
+    registry: ``<cache>/torchscript/<name>.pt``, traced (the model's forward is plain tensor
+    code), with its input signature (input ``input``, FP32, shape [-1, 64]) in the archive's
+    extra file :data:`SIGNATURE_FILE`.
+
+    TorchScript archives are not byte-for-byte reproducible, so the archive is written once per
+    trained state: a sidecar ``<name>.json`` records the state file's sha256, and the archive is
+    written again only when the model was trained again (the registry then gets a new version).
+    """
+    spec = model_spec(name)
+    directory = ensure_family(cache_dir)
+    state_sha256 = _file_sha256(directory / f"{spec.name}.pt")
+    folder = directory / TORCHSCRIPT_DIR
+    path = folder / f"{spec.name}.pt"
+    sidecar = folder / f"{spec.name}.json"
+    recorded = _read_json(sidecar)
+    if path.is_file() and recorded is not None and recorded.get("state_sha256") == state_sha256:
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    model = _load_state(spec, directory)
+    signature = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, N_FEATURES]}]}
+    with torch.inference_mode(False), torch.no_grad():
+        traced = torch.jit.trace(model, torch.zeros((2, N_FEATURES), dtype=torch.float32))
+    buffer = io.BytesIO()
+    torch.jit.save(traced, buffer, _extra_files={SIGNATURE_FILE: json.dumps(signature)})
+    _write_atomic(path, buffer.getvalue())
+    _write_atomic(sidecar, (json.dumps({"state_sha256": state_sha256}) + "\n").encode())
+    return path
 
 
 def predict(model: nn.Module, inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -51,9 +51,11 @@ def _running(rows: list[InstanceRecord]) -> list[InstanceRecord]:
 
 
 def _infer(address: str) -> dict[str, object]:
-    body = json.dumps({"model": "tiny", "inputs": [[float(i % 17) for i in range(64)]] * 2})
+    pixels = [float(i % 17) for i in range(64)] * 2
+    tensor = {"name": "input", "shape": [2, 64], "datatype": "FP32", "data": pixels}
+    body = json.dumps({"inputs": [tensor]})
     request = urllib.request.Request(
-        f"http://{address}/infer",
+        f"http://{address}/v2/models/tiny/infer",
         data=body.encode(),
         headers={"Content-Type": "application/json"},
         method="POST",
@@ -99,9 +101,11 @@ def test_the_local_fleet_serves_and_a_killed_worker_is_replaced(
         address = listed[row.provider_id].address
         assert address is not None
         answer = _infer(address)
-        assert answer["instance_type"] == row.instance_type
-        assert isinstance(answer["predictions"], list) and len(answer["predictions"]) == 2
-        types_served.add(answer["instance_type"])
+        parameters = answer["parameters"]
+        assert isinstance(parameters, dict) and parameters["instance_type"] == row.instance_type
+        outputs = answer["outputs"]
+        assert isinstance(outputs, list) and outputs[0]["shape"] == [2, 10]
+        types_served.add(parameters["instance_type"])
     assert types_served == {SMALL, LARGE}
 
     provisioner = service.provisioner
@@ -125,6 +129,7 @@ def test_the_local_fleet_serves_and_a_killed_worker_is_replaced(
     assert replacement.provider_id in listed
     address = listed[replacement.provider_id].address
     assert address is not None
-    assert _infer(address)["instance_type"] == SMALL
+    parameters = _infer(address)["parameters"]
+    assert isinstance(parameters, dict) and parameters["instance_type"] == SMALL
     # Four launches in all: the fleet and one replacement, nothing twice.
     assert len([r for r in rows if not r.request_id.startswith("orphan:")]) == 4

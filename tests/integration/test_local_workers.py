@@ -16,6 +16,7 @@ import os
 import signal
 import stat
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -104,10 +105,16 @@ def provisioners() -> Iterator[Provisioners]:
 
 
 def post_infer(address: str, model: str, inputs: np.ndarray) -> dict[str, Any]:
-    body = json.dumps({"model": model, "inputs": inputs.tolist()}).encode()
+    """One Open Inference Protocol request of ``inputs`` (one tensor ``input``) to a worker."""
+    tensor = {
+        "name": "input",
+        "shape": list(inputs.shape),
+        "datatype": "FP32",
+        "data": inputs.ravel().tolist(),
+    }
     request = urllib.request.Request(
-        f"http://{address}/infer",
-        data=body,
+        f"http://{address}/v2/models/{model}/infer",
+        data=json.dumps({"inputs": [tensor]}).encode(),
         headers={"Content-Type": "application/json"},
         method="POST",
     )
@@ -116,6 +123,11 @@ def post_infer(address: str, model: str, inputs: np.ndarray) -> dict[str, Any]:
         assert response.status == 200
         answer: dict[str, Any] = json.loads(response.read())
     return answer
+
+
+def first_output(answer: dict[str, Any]) -> np.ndarray:
+    output = answer["outputs"][0]
+    return np.reshape(np.asarray(output["data"], dtype=np.float32), output["shape"])
 
 
 def states(provisioner: LocalProvisioner) -> dict[str, str]:
@@ -152,18 +164,21 @@ def test_local_workers_serve_fail_are_adopted_and_stop(
         for instance in first.list({APP_TAG: "digits"}):
             assert instance.address is not None
             answer = post_infer(instance.address, model, inputs)
-            assert answer["model"] == model
-            assert answer["instance_type"] == instance.instance_type
-            assert answer["batch_size"] == 16
-            assert answer["predictions"] == expected.tolist()
-            np.testing.assert_allclose(answer["certainty"], certainty, atol=1e-5)
-            assert answer["emulated"] is True
+            assert answer["model_name"] == model
+            parameters = answer["parameters"]
+            assert parameters["instance_type"] == instance.instance_type
+            logits = first_output(answer)
+            assert logits.shape == (16, 10)
+            assert np.argmax(logits, axis=1).tolist() == expected.tolist()
+            top = np.sort(np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True), axis=1)
+            np.testing.assert_allclose(top[:, -1] - top[:, -2], certainty, atol=1e-5)
+            assert parameters["emulated"] is True
             if instance.instance_type == SMALL:
                 # Half as fast as this machine: every batch is padded.
-                assert answer["padded_ms"] > 0
-                assert answer["emulation_source"] == "measured"
+                assert parameters["padded_ms"] > 0
+                assert parameters["emulation_source"] == "measured"
             else:
-                assert answer["padded_ms"] == 0
+                assert parameters["padded_ms"] == 0
 
     # A worker killed behind the provisioner's back is reported failed, and its death once.
     victim = next(r for r in first.records() if r.instance_type == SMALL)
@@ -214,6 +229,44 @@ def test_a_worker_that_cannot_load_its_models_is_reported_failed(
     (event,) = provisioner.poll_events()
     assert event.kind == "failed" and event.provider_id == instance.provider_id
     assert "nonesuch" in event.message  # the worker's last log line says why
+
+
+def test_a_worker_serves_the_artifacts_of_its_launch_request(
+    tmp_path: Path, provisioners: Provisioners
+) -> None:
+    """A launch that names an ONNX artifact: the worker fetches and verifies it, serves it under
+    its name, and no family model; an artifact whose sha256 is wrong fails the worker."""
+    pytest.importorskip("onnxruntime")
+    from provisioners.artifacts import ArtifactRef, file_sha256
+    from tests.unit.worker_models import export_onnx, sample_inputs, tabular_model, torch_outputs
+
+    model = tabular_model()
+    path = export_onnx(model, tmp_path / "tabular.onnx")
+    ref = ArtifactRef("fraud", "tabular", 2, "onnx", file_sha256(path), path.as_uri())
+    provisioner = provisioners.make(tmp_path / "state", cache_dir=tmp_path / "cache")
+    (instance,) = provisioner.launch(LaunchRequest("req-art", LARGE, 1, {}, artifacts=(ref,)))
+    provisioners.note(provisioner)
+    wait_for(
+        lambda: states(provisioner)[instance.provider_id] == "running",
+        START_DEADLINE_S,
+        "a running artifact worker",
+    )
+    (listed,) = provisioner.list({})
+    assert listed.address is not None
+    inputs = sample_inputs(3)
+    answer = post_infer(listed.address, "fraud", inputs)
+    assert answer["outputs"][0]["name"] == "logits"
+    np.testing.assert_allclose(first_output(answer), torch_outputs(model, inputs), atol=1e-5)
+    with pytest.raises(urllib.error.HTTPError) as unknown:
+        post_infer(listed.address, "tiny", np.zeros((1, 64), dtype=np.float32))
+    assert unknown.value.code == 404
+
+    tampered = ArtifactRef("fraud", "tabular", 2, "onnx", "0" * 64, path.as_uri())
+    (bad,) = provisioner.launch(LaunchRequest("req-bad", LARGE, 1, {}, artifacts=(tampered,)))
+    provisioners.note(provisioner)
+    wait_for(lambda: states(provisioner)[bad.provider_id] == "failed", 120.0, "failure")
+    (event,) = [e for e in provisioner.poll_events() if e.provider_id == bad.provider_id]
+    assert "sha256" in event.message
 
 
 def stand_in_python(tmp_path: Path, script: str) -> str:

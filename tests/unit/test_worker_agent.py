@@ -1,15 +1,17 @@
-"""The worker agent without processes: request validation, the padding arithmetic, the compute
-and profile curves, the agent's responses with a stand-in model and clock, and its HTTP routes
-in-process."""
+"""The worker agent without processes: the padding arithmetic, the compute and profile curves,
+the command line, the agent's Open Inference Protocol answers with a stand-in model and clock,
+its HTTP routes in-process, real ONNX and TorchScript artifacts loaded and served, and the local
+provisioner's worker command line."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +19,24 @@ import numpy as np
 import pytest
 
 from estimator.profiles import LatencyProfile, write_profiles_json
+from provisioners.artifacts import (
+    FAMILY_SIGNATURE,
+    ArtifactRef,
+    file_sha256,
+)
+from provisioners.base import LaunchRequest
+from provisioners.local import LocalProvisioner
 from provisioners.worker import agent
 from provisioners.worker.agent import (
     MAX_BODY_BYTES,
     AgentConfig,
+    LoadFailedError,
     RequestError,
     WorkerAgent,
     build_emulation,
     latency_summary,
+    load_models,
     parse_args,
-    parse_infer_request,
 )
 from provisioners.worker.emulation import (
     EMULATED_COMPUTE,
@@ -40,6 +50,7 @@ from provisioners.worker.emulation import (
 )
 
 MODELS = ("tiny", "large")
+SHA = "ab" * 32
 
 
 def body(document: Any) -> bytes:
@@ -50,64 +61,18 @@ def rows(n: int, value: float = 1.0) -> list[list[float]]:
     return [[value] * 64 for _ in range(n)]
 
 
-# --- request validation ---------------------------------------------------------------------------
+def infer_body(n: int, value: float = 1.0, **extra: Any) -> bytes:
+    """An Open Inference Protocol request of ``n`` family rows (flattened data)."""
+    tensor = {"name": "input", "shape": [n, 64], "datatype": "FP32", "data": [value] * (64 * n)}
+    return body({"inputs": [tensor], **extra})
 
 
-def test_a_valid_request_becomes_one_float32_batch() -> None:
-    request = parse_infer_request(body({"model": "tiny", "inputs": rows(3, 16)}), MODELS)
-    assert request.model == "tiny"
-    assert request.batch_size == 3
-    assert request.inputs.dtype == np.float32 and request.inputs.shape == (3, 64)
-    mixed = [[0, 1.5] * 32]  # integers and floats mix
-    assert parse_infer_request(body({"model": "large", "inputs": mixed}), MODELS).batch_size == 1
-
-
-@pytest.mark.parametrize(
-    ("raw", "fragment"),
-    [
-        (b"not json", "not JSON"),
-        (b'{"model": "tiny", "inputs": [[NaN]]}', "NaN is not a number"),
-        (b"\xff\xfe", "not JSON"),
-        (body([1, 2]), "JSON object"),
-        (body({"model": "tiny", "inputs": rows(1), "extra": 1}), "unknown keys: extra"),
-        (body({"inputs": rows(1)}), "'model'"),
-        (body({"model": 3, "inputs": rows(1)}), "'model'"),
-        (body({"model": "tiny"}), "'inputs'"),
-        (body({"model": "tiny", "inputs": []}), "'inputs'"),
-        (body({"model": "tiny", "inputs": [[1.0] * 63]}), "64 numbers"),
-        (body({"model": "tiny", "inputs": [1.0] * 64}), "64 numbers"),
-        (body({"model": "tiny", "inputs": [["1"] * 64]}), "64 numbers"),
-        (body({"model": "tiny", "inputs": [[True] * 64]}), "64 numbers"),
-        (body({"model": "tiny", "inputs": [[None] * 64]}), "64 numbers"),
-        (body({"model": "tiny", "inputs": [[[1.0]] * 64]}), "64 numbers"),
-        (body({"model": "tiny", "inputs": rows(1, 16.5)}), "0..16"),
-        (body({"model": "tiny", "inputs": rows(1, -0.1)}), "0..16"),
-        (body({"model": "tiny", "inputs": [[1e39] * 64]}), "0..16"),
-    ],
-)
-def test_malformed_requests_are_400_with_one_line(raw: bytes, fragment: str) -> None:
-    with pytest.raises(RequestError) as refused:
-        parse_infer_request(raw, MODELS)
-    assert refused.value.status == 400
-    assert fragment in str(refused.value)
-    assert "\n" not in str(refused.value)
-
-
-def test_an_unknown_model_is_404_and_an_oversized_batch_400() -> None:
-    with pytest.raises(RequestError) as unknown:
-        parse_infer_request(body({"model": "medium", "inputs": rows(1)}), MODELS)
-    assert unknown.value.status == 404
-    assert "large, tiny" in str(unknown.value)
-    with pytest.raises(RequestError) as big:
-        parse_infer_request(body({"model": "tiny", "inputs": rows(5)}), MODELS, max_batch_size=4)
-    assert big.value.status == 400 and "over the limit 4" in str(big.value)
-
-
-def test_the_agent_agrees_with_the_family_on_the_input_shape() -> None:
+def test_the_family_signature_is_the_familys_shape() -> None:
     pytest.importorskip("torch")
     from provisioners.worker import family
 
-    assert (agent.N_FEATURES, agent.PIXEL_MAX) == (family.N_FEATURES, family.PIXEL_MAX)
+    assert FAMILY_SIGNATURE.inputs[0].shape == (-1, family.N_FEATURES)
+    assert FAMILY_SIGNATURE.outputs[0].shape == (-1, family.N_CLASSES)
     assert agent.DEFAULT_MODELS == family.MODEL_NAMES
 
 
@@ -315,6 +280,55 @@ def test_latency_summary() -> None:
     assert latency_summary([]) == dict.fromkeys(("mean", "p50", "p90", "p99", "max"))
 
 
+def artifact_arg(name: str, model: str = "tabular", fmt: str = "onnx") -> str:
+    return f"{name}:{model}:3:{fmt}:{SHA}:s3://bucket/models/{model}/3"
+
+
+def test_artifacts_on_the_command_line_replace_the_family() -> None:
+    parsed = parse_args(["--instance-type", "t", "--artifact", artifact_arg("a")])
+    assert parsed.models == ("a",) and parsed.family_models == ()
+    assert parsed.artifacts == (ArtifactRef.from_arg(artifact_arg("a")),)
+    assert parsed.artifacts[0].uri == "s3://bucket/models/tabular/3"
+    both = parse_args(
+        [
+            "--instance-type",
+            "t",
+            "--models",
+            "tiny",
+            "--artifact",
+            artifact_arg("a"),
+            "--artifact",
+            artifact_arg("b", "other", "torchscript"),
+            "--device",
+            "cuda",
+        ]
+    )
+    assert both.models == ("tiny", "a", "b") and both.family_models == ("tiny",)
+    assert both.device == "cuda"
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        ["--artifact", "a:tabular:3:onnx"],
+        ["--artifact", f"a:tabular:x:onnx:{SHA}:file:///m.onnx"],
+        ["--artifact", f"a:tabular:3:pickle:{SHA}:file:///m.onnx"],
+        ["--artifact", "a:tabular:3:onnx:abc:file:///m.onnx"],
+        ["--artifact", f"a:tabular:3:onnx:{SHA}:http://host/m.onnx"],
+        ["--artifact", artifact_arg("a"), "--artifact", artifact_arg("a")],
+        ["--models", "tiny", "--artifact", artifact_arg("tiny")],
+        ["--device", "tpu"],
+    ],
+)
+def test_bad_artifacts_on_the_command_line_are_refused(
+    wrong: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--instance-type", "t", *wrong])
+    assert exited.value.code == 2
+    capsys.readouterr()
+
+
 # --- the agent with a stand-in model and clock ----------------------------------------------------
 
 
@@ -333,50 +347,138 @@ class FakeTime:
         self.slept_s.append(seconds)
         self.now_s += seconds
 
-    def predict(self, model: Any, inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        self.now_s += self.compute_ms / 1000.0
-        n = len(inputs)
-        return np.full(n, model, dtype=np.int64), np.linspace(0.0, 1.0, n)
+
+class FakeRuntime:
+    """A family model that takes ``compute_ms`` of fake time and answers logits whose class is
+    ``label`` for every row."""
+
+    platform = "fake"
+
+    def __init__(self, times: FakeTime, label: int) -> None:
+        self.signature = FAMILY_SIGNATURE
+        self.times = times
+        self.label = label
+        self.batches: list[np.ndarray] = []
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.times.now_s += self.times.compute_ms / 1000.0
+        batch = inputs["input"]
+        self.batches.append(batch)
+        logits = np.zeros((len(batch), 10), dtype=np.float32)
+        logits[:, self.label] = 1.0
+        return {"logits": logits}
 
 
 def ready_agent(times: FakeTime, emulation: Emulation, **changes: Any) -> WorkerAgent:
     worker = WorkerAgent(
         config(worker_id="w-1", **changes), emulation, sleep=times.sleep, clock=times.clock
     )
-    worker.set_models({"tiny": 3, "large": 7}, times.predict)
+    worker.set_models({"tiny": FakeRuntime(times, 3), "large": FakeRuntime(times, 7)})
     return worker
 
 
-def test_an_emulated_slow_type_pads_each_batch_to_its_latency() -> None:
+def test_an_answer_is_the_models_outputs_and_the_serving_parameters() -> None:
     times = FakeTime(compute_ms=2.0)
     worker = ready_agent(times, Emulation("emu.cpu.small", 0.5), speed_factor=0.5)
-    answer = worker.infer(body({"model": "large", "inputs": rows(2)}))
-    assert answer["predictions"] == [7, 7]
-    assert answer["certainty"] == [0.0, 1.0]
-    assert answer["batch_size"] == 2
-    assert answer["latency_ms"] == pytest.approx(2.0)
-    assert answer["padded_ms"] == pytest.approx(2.0)
-    assert answer["served_ms"] == pytest.approx(4.0)
-    assert answer["emulated_ms"] == pytest.approx(4.0)
-    assert answer["queued_ms"] == 0.0
-    assert answer["emulated"] is True and answer["instance_type"] == "emu.cpu.small"
+    answer = worker.infer("large", infer_body(2, id="q-7"))
+    assert answer["model_name"] == "large" and answer["model_version"] == "1"
+    assert answer["id"] == "q-7"
+    (logits,) = answer["outputs"]
+    assert (logits["name"], logits["datatype"], logits["shape"]) == ("logits", "FP32", [2, 10])
+    assert np.argmax(np.reshape(logits["data"], (2, 10)), axis=1).tolist() == [7, 7]
+    parameters = answer["parameters"]
+    assert set(parameters) == {
+        "instance_type",
+        "served_ms",
+        "latency_ms",
+        "padded_ms",
+        "queued_ms",
+        "emulated",
+        "emulated_ms",
+        "emulation_source",
+    }
+    assert parameters["latency_ms"] == pytest.approx(2.0)
+    assert parameters["padded_ms"] == pytest.approx(2.0)
+    assert parameters["served_ms"] == pytest.approx(4.0)
+    assert parameters["emulated_ms"] == pytest.approx(4.0)
+    assert parameters["queued_ms"] == 0.0
+    assert parameters["emulated"] is True and parameters["instance_type"] == "emu.cpu.small"
+    assert parameters["emulation_source"] == "measured"
     assert times.slept_s == [pytest.approx(0.002)]
+    assert "id" not in worker.infer("large", infer_body(1))
+
+
+def test_the_batch_reaches_the_model_as_float32_rows() -> None:
+    times = FakeTime(compute_ms=1.0)
+    worker = WorkerAgent(config(), Emulation("emu.cpu.small", None), clock=times.clock)
+    model = FakeRuntime(times, 0)
+    worker.set_models({"tiny": model})
+    nested = {"name": "input", "shape": [2, 64], "datatype": "FP32", "data": rows(2, 16)}
+    worker.infer("tiny", body({"inputs": [nested]}))
+    (batch,) = model.batches
+    assert batch.dtype == np.float32 and batch.shape == (2, 64) and batch.max() == 16.0
 
 
 def test_a_worker_that_emulates_nothing_never_sleeps() -> None:
     times = FakeTime(compute_ms=5.0)
     worker = ready_agent(times, Emulation("g4dn.xlarge", None), instance_type="g4dn.xlarge")
-    answer = worker.infer(body({"model": "tiny", "inputs": rows(1)}))
-    assert (answer["latency_ms"], answer["padded_ms"], answer["served_ms"]) == (5.0, 0.0, 5.0)
-    assert answer["emulated"] is False and answer["emulated_ms"] is None
+    parameters = worker.infer("tiny", infer_body(1))["parameters"]
+    assert (parameters["latency_ms"], parameters["padded_ms"], parameters["served_ms"]) == (
+        5.0,
+        0.0,
+        5.0,
+    )
+    assert parameters["emulated"] is False and parameters["emulated_ms"] is None
     assert times.slept_s == []
+
+
+def test_requests_that_do_not_fit_the_signature_are_400_naming_the_input() -> None:
+    worker = ready_agent(FakeTime(1.0), Emulation("emu.cpu.small", None))
+    bad_shape = {"name": "input", "shape": [1, 63], "datatype": "FP32", "data": [1.0] * 63}
+    bad_type = {"name": "input", "shape": [1, 64], "datatype": "INT64", "data": [1] * 64}
+    for document, fragment in [
+        ({"inputs": [bad_shape]}, "does not fit [-1, 64]"),
+        ({"inputs": [bad_type]}, "datatype 'INT64', expected 'FP32'"),
+        ({"inputs": [{**bad_shape, "name": "pixels"}]}, "input 'pixels' is not an input"),
+    ]:
+        with pytest.raises(RequestError) as refused:
+            worker.infer("tiny", body(document))
+        assert refused.value.status == 400
+        assert fragment in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(RequestError) as not_json:
+        worker.infer("tiny", b"{")
+    assert not_json.value.status == 400
+    small = WorkerAgent(config(max_batch_size=4), Emulation("emu.cpu.small", None))
+    small.set_models({"tiny": FakeRuntime(FakeTime(1.0), 0)})
+    with pytest.raises(RequestError, match=r"outside 1\.\.4"):
+        small.infer("tiny", infer_body(5))
+
+
+def test_an_unknown_model_is_404_and_a_failing_model_500() -> None:
+    times = FakeTime(1.0)
+    worker = ready_agent(times, Emulation("emu.cpu.small", None))
+    with pytest.raises(RequestError) as unknown:
+        worker.infer("medium", infer_body(1))
+    assert unknown.value.status == 404 and "large, tiny" in str(unknown.value)
+    with pytest.raises(RequestError) as metadata:
+        worker.metadata("medium")
+    assert metadata.value.status == 404
+
+    class Broken(FakeRuntime):
+        def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+            raise RuntimeError("shape mismatch\ninside the graph")
+
+    worker.set_models({"tiny": Broken(times, 0)})
+    with pytest.raises(RequestError) as failed:
+        worker.infer("tiny", infer_body(1))
+    assert failed.value.status == 500 and str(failed.value).endswith("shape mismatch")
 
 
 def test_stats_count_requests_rows_and_latency_per_model() -> None:
     times = FakeTime(compute_ms=2.0)
     worker = ready_agent(times, Emulation("emu.cpu.small", 0.5), speed_factor=0.5)
     for n in (1, 3):
-        worker.infer(body({"model": "tiny", "inputs": rows(n)}))
+        worker.infer("tiny", infer_body(n))
     stats = worker.stats()
     assert stats["models"]["tiny"]["requests"] == 2
     assert stats["models"]["tiny"]["rows"] == 4
@@ -392,31 +494,46 @@ def test_health_follows_the_lifecycle_and_only_a_ready_worker_serves() -> None:
     worker = WorkerAgent(config(worker_id="w-1"), Emulation("emu.cpu.small", None))
     status, health = worker.health()
     assert (status, health["status"], health["worker_id"]) == (503, "loading", "w-1")
-    with pytest.raises(RequestError) as loading:
-        worker.infer(body({"model": "tiny", "inputs": rows(1)}))
-    assert loading.value.status == 503
-    worker.set_models({"tiny": 1, "large": 2}, times.predict)
+    assert worker.ready() == (503, {"ready": False, "status": "loading"})
+    for call_route in (
+        lambda: worker.infer("tiny", infer_body(1)),
+        lambda: worker.metadata("tiny"),
+        lambda: worker.model_ready("tiny"),
+    ):
+        with pytest.raises(RequestError) as loading:
+            call_route()
+        assert loading.value.status == 503
+    worker.set_models({"tiny": FakeRuntime(times, 1), "large": FakeRuntime(times, 2)})
     status, health = worker.health()
     assert (status, health["status"], health["models"]) == (200, "ok", ["tiny", "large"])
+    assert health["artifacts"] == []
+    assert worker.ready() == (200, {"ready": True})
+    assert worker.model_ready("tiny") == {"name": "tiny", "ready": True}
+    assert worker.metadata("tiny")["inputs"] == [
+        {"name": "input", "datatype": "FP32", "shape": [-1, 64]}
+    ]
     worker.stop()
     assert worker.health()[0] == 503 and worker.health()[1]["status"] == "stopping"
     with pytest.raises(RequestError):
-        worker.infer(body({"model": "tiny", "inputs": rows(1)}))
+        worker.infer("tiny", infer_body(1))
     assert worker.drain(0.0)
     broken = WorkerAgent(config(), Emulation("emu.cpu.small", None))
     broken.fail("cannot load\nthe models")
     assert broken.health()[0] == 503 and broken.health()[1]["status"] == "failed"
     assert broken.health()[1]["error"] == "cannot load the models"
+    assert broken.ready()[1] == {
+        "ready": False,
+        "status": "failed",
+        "error": "cannot load the models",
+    }
 
 
 # --- HTTP, in-process -----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def server() -> Iterator[str]:
-    """The agent's HTTP server on a free loopback port, serving a stand-in model."""
-    times = FakeTime(compute_ms=1.0)
-    worker = ready_agent(times, Emulation("emu.cpu.small", 0.5), speed_factor=0.5)
+@contextlib.contextmanager
+def serving(worker: WorkerAgent) -> Iterator[str]:
+    """The agent's HTTP server for ``worker`` on a free loopback port."""
     http = agent._Server(("127.0.0.1", 0), worker, None)
     thread = threading.Thread(target=http.serve_forever, args=(0.05,), daemon=True)
     thread.start()
@@ -426,6 +543,14 @@ def server() -> Iterator[str]:
         http.shutdown()
         http.server_close()
         thread.join()
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    """The agent's HTTP server on a free loopback port, serving stand-in models."""
+    times = FakeTime(compute_ms=1.0)
+    with serving(ready_agent(times, Emulation("emu.cpu.small", 0.5), speed_factor=0.5)) as url:
+        yield url
 
 
 def call(url: str, data: bytes | None = None, method: str = "GET") -> tuple[int, Any]:
@@ -440,17 +565,30 @@ def call(url: str, data: bytes | None = None, method: str = "GET") -> tuple[int,
 
 def test_http_routes_and_their_errors(server: str) -> None:
     assert call(f"{server}/health")[0] == 200
-    status, answer = call(f"{server}/infer", body({"model": "tiny", "inputs": rows(2)}), "POST")
-    assert status == 200 and answer["predictions"] == [3, 3] and answer["padded_ms"] > 0
+    assert call(f"{server}/v2/health/live") == (200, {"live": True})
+    assert call(f"{server}/v2/health/ready") == (200, {"ready": True})
+    assert call(f"{server}/v2/models/tiny/ready") == (200, {"name": "tiny", "ready": True})
+    status, metadata = call(f"{server}/v2/models/tiny")
+    assert status == 200 and metadata["versions"] == ["1"] and metadata["platform"] == "fake"
+    status, answer = call(f"{server}/v2/models/tiny/infer", infer_body(2), "POST")
+    assert status == 200 and answer["outputs"][0]["shape"] == [2, 10]
+    assert answer["parameters"]["padded_ms"] > 0
+    status, answer = call(f"{server}/v2/models/large/versions/1/infer", infer_body(1), "POST")
+    assert status == 200 and answer["model_name"] == "large"
     status, stats = call(f"{server}/stats")
     assert status == 200 and stats["models"]["tiny"]["requests"] == 1
-    status, error = call(f"{server}/infer", b"{", "POST")
+    status, error = call(f"{server}/v2/models/tiny/infer", b"{", "POST")
     assert status == 400 and set(error) == {"error"}
-    assert call(f"{server}/infer", body({"model": "x", "inputs": rows(1)}), "POST")[0] == 404
+    assert call(f"{server}/v2/models/x/infer", infer_body(1), "POST")[0] == 404
+    assert call(f"{server}/v2/models/x")[0] == 404
+    assert call(f"{server}/v2/models/tiny/versions/2/infer", infer_body(1), "POST")[0] == 404
+    status, gone = call(f"{server}/infer", infer_body(1), "POST")
+    assert status == 404 and "/v2/models/{model}/infer" in gone["error"]
     assert call(f"{server}/nowhere")[0] == 404
     assert call(f"{server}/elsewhere", b"{}", "POST")[0] == 404
-    assert call(f"{server}/infer")[0] == 405
+    assert call(f"{server}/v2/models/tiny/infer")[0] == 405
     assert call(f"{server}/health", b"{}", "POST")[0] == 405
+    assert call(f"{server}/v2/models/tiny", b"{}", "POST")[0] == 405
 
 
 def test_http_refuses_an_oversized_body_before_reading_it(server: str) -> None:
@@ -459,7 +597,7 @@ def test_http_refuses_an_oversized_body_before_reading_it(server: str) -> None:
     host, port = server.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=10)
     try:
-        connection.putrequest("POST", "/infer")
+        connection.putrequest("POST", "/v2/models/tiny/infer")
         connection.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
         connection.endheaders()
         response = connection.getresponse()
@@ -467,3 +605,107 @@ def test_http_refuses_an_oversized_body_before_reading_it(server: str) -> None:
         assert "over the limit" in json.loads(response.read())["error"]
     finally:
         connection.close()
+
+
+# --- real artifacts -------------------------------------------------------------------------------
+
+
+def file_ref(name: str, path: Path, fmt: str, sha256: str | None = None) -> ArtifactRef:
+    return ArtifactRef(name, "tabular", 1, fmt, sha256 or file_sha256(path), path.as_uri())
+
+
+def test_artifacts_are_fetched_loaded_and_served_over_http(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    from tests.unit.worker_models import (
+        export_onnx,
+        export_torchscript,
+        sample_inputs,
+        tabular_model,
+        torch_outputs,
+    )
+
+    model = tabular_model()
+    refs = (
+        file_ref("fraud", export_onnx(model, tmp_path / "m.onnx"), "onnx"),
+        file_ref("fraud-ts", export_torchscript(model, tmp_path / "m.pt"), "torchscript"),
+    )
+    settings = config(models=("fraud", "fraud-ts"), artifacts=refs, cache_dir=tmp_path / "cache")
+    assert settings.family_models == ()
+    runtimes = load_models(settings, tmp_path / "artifacts")
+    worker = WorkerAgent(settings, Emulation("emu.cpu.small", None))
+    worker.set_models(runtimes)
+    inputs = sample_inputs(4)
+    expected = torch_outputs(model, inputs)
+    request = {
+        "id": "r-1",
+        "inputs": [
+            {"name": "input", "shape": [4, 13], "datatype": "FP32", "data": inputs.tolist()}
+        ],
+    }
+    with serving(worker) as url:
+        status, metadata = call(f"{url}/v2/models/fraud")
+        assert status == 200 and metadata["platform"] == "onnxruntime_onnx"
+        assert metadata["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 3]}]
+        for name, output in (("fraud", "logits"), ("fraud-ts", "output0")):
+            status, answer = call(f"{url}/v2/models/{name}/infer", body(request), "POST")
+            assert status == 200 and answer["id"] == "r-1"
+            (tensor,) = answer["outputs"]
+            assert (tensor["name"], tensor["shape"]) == (output, [4, 3])
+            np.testing.assert_allclose(np.reshape(tensor["data"], (4, 3)), expected, atol=1e-5)
+        wrong = {
+            "inputs": [{"name": "input", "shape": [1, 12], "datatype": "FP32", "data": [0] * 12}]
+        }
+        status, error = call(f"{url}/v2/models/fraud/infer", body(wrong), "POST")
+        assert status == 400 and "input 'input'" in error["error"]
+        status, health = call(f"{url}/health")
+        assert [a["name"] for a in health["artifacts"]] == ["fraud", "fraud-ts"]
+
+
+def test_an_artifact_that_cannot_be_fetched_or_loaded_fails_the_worker(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    text = tmp_path / "notes.onnx"
+    text.write_text("not a model\n")
+    cases = [
+        (file_ref("m", text, "onnx", sha256=SHA), "sha256"),
+        (file_ref("m", tmp_path / "absent.onnx", "onnx", sha256=SHA), "no file"),
+        (file_ref("m", text, "onnx"), "is not an ONNX model"),
+    ]
+    for ref, fragment in cases:
+        settings = config(models=("m",), artifacts=(ref,))
+        with pytest.raises(LoadFailedError, match=fragment) as refused:
+            load_models(settings, tmp_path / "artifacts")
+        assert str(refused.value).startswith("model m (tabular v1): ")
+        # As the worker's loader reports it: health 503 'failed', one line, the loop told.
+        worker = WorkerAgent(settings, Emulation("emu.cpu.small", None))
+        failed = threading.Event()
+        agent._load(worker, settings, tmp_path / "artifacts", failed)
+        status, health = worker.health()
+        assert failed.is_set() and status == 503 and health["status"] == "failed"
+        assert fragment in health["error"] and "\n" not in health["error"]
+
+
+# --- the local provisioner's worker command -------------------------------------------------------
+
+
+def test_the_local_provisioner_starts_artifact_workers_with_artifact_args(tmp_path: Path) -> None:
+    provisioner = LocalProvisioner(
+        tmp_path / "state", {"emu.cpu.small": 0.5}, ["tiny", "large"], tmp_path / "cache"
+    )
+    refs = (
+        ArtifactRef.from_arg(artifact_arg("fraud")),
+        ArtifactRef.from_arg(artifact_arg("fraud-big", "big", "torchscript")),
+    )
+    request = LaunchRequest("r-1", "emu.cpu.small", 1, {}, artifacts=refs)
+    command = provisioner._command("w-1", "emu.cpu.small", 0.5, 7, request.artifacts)
+    assert command[1:3] == ["-m", "provisioners.worker"]
+    assert "--models" not in command
+    assert [command[i + 1] for i, arg in enumerate(command) if arg == "--artifact"] == [
+        ref.to_arg() for ref in refs
+    ]
+    parsed = parse_args(command[3:])
+    assert parsed.artifacts == refs and parsed.models == ("fraud", "fraud-big")
+    assert parsed.cache_dir == (tmp_path / "cache").resolve()
+    family = provisioner._command("w-2", "emu.cpu.small", 0.5, 7)
+    assert "--artifact" not in family
+    assert parse_args(family[3:]).models == ("tiny", "large")

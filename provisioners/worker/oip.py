@@ -1,0 +1,318 @@
+"""The Open Inference Protocol v2 (REST, JSON tensors) against a model's signature.
+
+This module owns what an inference request and its answer look like on the wire, apart from any
+HTTP server and without torch: :func:`parse_infer_request` checks a ``POST /v2/models/{m}/infer``
+body against the model's :class:`~provisioners.artifacts.ModelSignature` and turns its tensors
+into numpy arrays of the signature's types; :func:`infer_response` and :func:`encode_tensor`
+spell the answer; :func:`model_metadata` is ``GET /v2/models/{m}``. The worker agent
+(:mod:`provisioners.worker.agent`) serves these; the control plane's ``/v2`` routes may reuse
+the same pure functions.
+
+A request (https://kserve.github.io/website/latest/modelserving/data_plane/v2_protocol/)::
+
+    {"id"?: str, "parameters"?: {...},
+     "inputs": [{"name", "shape": [b, ...], "datatype": "FP32", "data": [...]}, ...],
+     "outputs"?: [{"name"}, ...]}
+
+Every input of the signature is given once, with the signature's datatype; ``data`` is the
+row-major flattened list or the same values nested, holding exactly prod(shape) values;
+``shape[0]``, the batch size, is 1..``max_batch_size`` and the same for every input; the other
+dimensions equal the signature's where it fixes them (not ``-1``). Values are cast to the
+signature's numpy type exactly; an integer type takes integers in its range, ``BOOL`` takes
+``true``/``false``, a float type takes numbers finite in it. A refusal is an :class:`OipError`
+(status 400, 404 for an unknown model) whose one-line message names the input.
+
+Conversion is numpy's (one ``np.asarray`` per tensor), not a loop over values: the worker parses
+every batch on the serving path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import numpy as np
+
+from provisioners.artifacts import ArtifactError, ModelSignature, TensorSpec, datatype_of
+
+__all__ = [
+    "MODEL_VERSION",
+    "InferRequest",
+    "OipError",
+    "decode_tensor",
+    "encode_tensor",
+    "infer_response",
+    "load_json",
+    "model_metadata",
+    "parse_infer_request",
+    "requested_outputs",
+]
+
+# A worker serves one version of each model name (the registry's version is in the name's
+# artifact reference); the protocol's version string for it.
+MODEL_VERSION = "1"
+
+_REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
+_INPUT_KEYS = frozenset({"name", "shape", "datatype", "data", "parameters"})
+_OUTPUT_KEYS = frozenset({"name", "parameters"})
+
+
+class OipError(Exception):
+    """A request the protocol refuses: ``status`` is the HTTP status, the message one line."""
+
+    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST) -> None:
+        super().__init__(" ".join(message.split()))
+        self.status = int(status)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class InferRequest:
+    """One checked inference request: ``inputs`` by name in the signature's order, each of the
+    signature's numpy type and ``batch_size`` rows; ``outputs``: the output names asked for, in
+    the order asked (``None``: all, in the signature's order)."""
+
+    inputs: dict[str, np.ndarray]
+    batch_size: int
+    id: str | None = None
+    outputs: tuple[str, ...] | None = None
+
+
+def load_json(body: bytes | str) -> Any:
+    """A request body as JSON; :class:`OipError` (400) when it is not (``NaN`` and
+    ``Infinity``, which JSON does not have, included)."""
+    try:
+        return json.loads(body, parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise OipError(f"body is not JSON: {error}") from None
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number")
+
+
+def parse_infer_request(
+    document: Mapping[str, Any] | bytes | str,
+    signature: ModelSignature,
+    *,
+    max_batch_size: int,
+) -> InferRequest:
+    """Check an infer request (a body, or its JSON already decoded) against ``signature``.
+
+    Raises :class:`OipError` (400) naming the field on any mismatch (see the module
+    docstring).
+    """
+    if isinstance(document, bytes | str):
+        document = load_json(document)
+    if not isinstance(document, Mapping):
+        raise OipError("body must be a JSON object")
+    unknown = sorted(set(document) - _REQUEST_KEYS)
+    if unknown:
+        raise OipError(f"unknown keys: {', '.join(map(str, unknown))}")
+    request_id = document.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise OipError("'id' must be a string")
+    entries = document.get("inputs")
+    if not isinstance(entries, list) or not entries:
+        raise OipError("'inputs' must be a non-empty list of tensors")
+    specs = {spec.name: spec for spec in signature.inputs}
+    given: dict[str, Mapping[str, Any]] = {}
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            raise OipError(f"inputs[{index}] must be an object")
+        name = entry.get("name")
+        if not isinstance(name, str):
+            raise OipError(f"inputs[{index}]: 'name' must be a string")
+        if name not in specs:
+            raise OipError(
+                f"input {name!r} is not an input of the model (inputs: {', '.join(specs)})"
+            )
+        if name in given:
+            raise OipError(f"input {name!r} is given twice")
+        given[name] = entry
+    missing = [name for name in specs if name not in given]
+    if missing:
+        raise OipError(f"input {missing[0]!r} is missing")
+    arrays: dict[str, np.ndarray] = {}
+    batch_size: int | None = None
+    first = ""
+    for spec in signature.inputs:
+        array = decode_tensor(given[spec.name], spec, max_batch_size=max_batch_size)
+        rows = int(array.shape[0])
+        if batch_size is None:
+            batch_size, first = rows, spec.name
+        elif rows != batch_size:
+            raise OipError(
+                f"input {spec.name!r}: batch size {rows} differs from input {first!r}'s"
+                f" {batch_size}"
+            )
+        arrays[spec.name] = array
+    assert batch_size is not None
+    outputs = requested_outputs(document.get("outputs"), signature)
+    return InferRequest(arrays, batch_size, request_id, outputs)
+
+
+def requested_outputs(entries: object, signature: ModelSignature) -> tuple[str, ...] | None:
+    """The ``outputs`` of a request: ``None`` when absent (all of them), else the names asked
+    for, each an output of ``signature`` and asked once."""
+    if entries is None:
+        return None
+    if not isinstance(entries, list):
+        raise OipError("'outputs' must be a list of {\"name\": ...}")
+    known = [spec.name for spec in signature.outputs]
+    names: list[str] = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
+            raise OipError(f"outputs[{index}] must be an object with a 'name'")
+        unknown = sorted(set(entry) - _OUTPUT_KEYS)
+        if unknown:
+            raise OipError(f"outputs[{index}]: unknown keys: {', '.join(map(str, unknown))}")
+        name = entry["name"]
+        if name not in known:
+            raise OipError(
+                f"output {name!r} is not an output of the model (outputs: {', '.join(known)})"
+            )
+        if name in names:
+            raise OipError(f"output {name!r} is asked for twice")
+        names.append(name)
+    return tuple(names)
+
+
+def decode_tensor(entry: Mapping[str, Any], spec: TensorSpec, *, max_batch_size: int) -> np.ndarray:
+    """One request tensor as an array of ``spec``'s numpy type and the request's shape;
+    :class:`OipError` naming the input when its datatype, shape or values do not fit ``spec``."""
+    name = spec.name
+    unknown = sorted(set(entry) - _INPUT_KEYS)
+    if unknown:
+        raise OipError(f"input {name!r}: unknown keys: {', '.join(map(str, unknown))}")
+    datatype = entry.get("datatype")
+    if datatype != spec.datatype:
+        raise OipError(f"input {name!r}: datatype {datatype!r}, expected {spec.datatype!r}")
+    shape = _shape(entry.get("shape"), spec, max_batch_size)
+    data = entry.get("data")
+    if not isinstance(data, list):
+        raise OipError(f"input {name!r}: 'data' must be a list of values")
+    count = math.prod(shape)
+    array = _values(data, spec)
+    if array.size != count:
+        raise OipError(
+            f"input {name!r}: 'data' holds {array.size} values, shape {list(shape)} needs {count}"
+        )
+    return array.reshape(shape)
+
+
+def _shape(shape: object, spec: TensorSpec, max_batch_size: int) -> tuple[int, ...]:
+    name = spec.name
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) for d in shape
+    ):
+        raise OipError(f"input {name!r}: 'shape' must be a list of integers")
+    if len(shape) != len(spec.shape):
+        raise OipError(
+            f"input {name!r}: shape {shape} has {len(shape)} dimensions, expected"
+            f" {len(spec.shape)} like {list(spec.shape)}"
+        )
+    if not 1 <= shape[0] <= max_batch_size:
+        raise OipError(
+            f"input {name!r}: batch size (shape[0]) {shape[0]} is outside 1..{max_batch_size}"
+        )
+    for index, (given, wanted) in enumerate(zip(shape, spec.shape, strict=True)):
+        if given < 0 or (wanted != -1 and given != wanted):
+            raise OipError(
+                f"input {name!r}: shape {shape} does not fit {list(spec.shape)} (dimension {index})"
+            )
+    return tuple(shape)
+
+
+def _values(data: list[Any], spec: TensorSpec) -> np.ndarray:
+    """``data`` (flat or nested) as a flat array of ``spec``'s type, checked value by kind."""
+    name, dtype = spec.name, spec.dtype
+    try:
+        raw = np.asarray(data)
+    except (ValueError, TypeError, OverflowError):
+        raw = None  # ragged nesting
+    # JSON numbers give an integer or float array, booleans alone a bool one; strings, nulls,
+    # objects, ragged nesting or integers past 64 bits give none of these.
+    if raw is None or raw.dtype.kind not in "biuf":
+        raise OipError(
+            f"input {name!r}: 'data' must hold {spec.datatype} values (flat or nested lists)"
+        )
+    if raw.size == 0:
+        return raw.astype(dtype).reshape(-1)
+    kind = dtype.kind
+    if kind == "b":
+        if raw.dtype.kind != "b":
+            raise OipError(f"input {name!r}: BOOL data must be true or false")
+    elif kind in "iu":
+        if raw.dtype.kind not in "iu":
+            raise OipError(f"input {name!r}: {spec.datatype} data must be integers")
+        limits = np.iinfo(dtype)
+        if raw.min() < limits.min or raw.max() > limits.max:
+            raise OipError(
+                f"input {name!r}: a value lies outside {spec.datatype}'s {limits.min}..{limits.max}"
+            )
+    else:
+        if raw.dtype.kind == "b":
+            raise OipError(f"input {name!r}: {spec.datatype} data must be numbers")
+        with np.errstate(over="ignore"):  # an overflow becomes inf, refused just below
+            cast = raw.astype(dtype)
+        if not np.isfinite(cast).all():
+            raise OipError(f"input {name!r}: a value is too large for {spec.datatype}")
+        return cast.reshape(-1)
+    return raw.astype(dtype).reshape(-1)
+
+
+def encode_tensor(name: str, array: np.ndarray) -> dict[str, Any]:
+    """``{"name", "datatype", "shape", "data"}`` of one output; ``data`` row-major flattened.
+    :class:`OipError` (500) when numpy's type has no protocol datatype."""
+    values = np.asarray(array)
+    try:
+        datatype = datatype_of(values.dtype)
+    except ArtifactError as error:
+        raise OipError(f"output {name!r}: {error}", HTTPStatus.INTERNAL_SERVER_ERROR) from None
+    return {
+        "name": name,
+        "datatype": datatype,
+        "shape": list(values.shape),
+        "data": values.ravel().tolist(),
+    }
+
+
+def infer_response(
+    model_name: str,
+    outputs: Mapping[str, np.ndarray],
+    *,
+    names: Sequence[str] | None = None,
+    request_id: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    model_version: str = MODEL_VERSION,
+) -> dict[str, Any]:
+    """The answer to an infer request: ``{"model_name", "model_version", "id"? (when the request
+    had one), "outputs": [encoded tensors], "parameters"? (when given)}``; ``names`` chooses and
+    orders the outputs (default: all of ``outputs``, in its order)."""
+    chosen = list(outputs) if names is None else list(names)
+    answer: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
+    if request_id is not None:
+        answer["id"] = request_id
+    answer["outputs"] = [encode_tensor(name, outputs[name]) for name in chosen]
+    if parameters is not None:
+        answer["parameters"] = dict(parameters)
+    return answer
+
+
+def model_metadata(
+    name: str, signature: ModelSignature, platform: str, versions: Collection[str] = ("1",)
+) -> dict[str, Any]:
+    """``GET /v2/models/{name}``: ``{"name", "versions", "platform", "inputs", "outputs"}``
+    (tensors as ``{"name", "datatype", "shape"}``, ``-1`` a dynamic dimension)."""
+    document = signature.to_json()
+    return {
+        "name": name,
+        "versions": list(versions),
+        "platform": platform,
+        "inputs": document["inputs"],
+        "outputs": document["outputs"],
+    }

@@ -1,0 +1,424 @@
+"""Model runtimes: a model file loaded, its signature read, and batches run through it.
+
+This module owns how the worker (and ``heteroplane cascade evaluate``, and the inspection the
+registry runs before it stores a model) executes a model a user brings, whatever its format:
+
+- ONNX, through onnxruntime's ``InferenceSession`` (``CPUExecutionProvider``; with
+  ``device="cuda"`` the ``CUDAExecutionProvider`` first when onnxruntime has it). The signature
+  is the graph's: onnxruntime's type strings (``tensor(float)``) become protocol datatypes
+  (``FP32``, :data:`ONNX_DATATYPES`), symbolic or unknown dimensions ``-1``.
+- TorchScript, through ``torch.jit.load`` (``eval()``, run under ``torch.inference_mode``). An
+  archive holds no shapes, so the inputs' datatypes and shapes come from the extra file
+  :data:`SIGNATURE_FILE` inside it (``{"inputs": [TensorSpec JSON, ...]}``, written with
+  ``torch.jit.save(..., _extra_files=...)``), or from ``inputs=`` (the registry's
+  ``--inputs NAME:FP32:-1x13``); their names must be ``forward``'s arguments. The outputs are
+  found by running the model on zeros twice, every dynamic dimension 1, then 2: an output's
+  dimension that follows is dynamic (``-1``), the others fixed. A tensor returned is the output
+  ``output0``; a tuple or list of tensors ``output0``, ``output1``, ...; a dict of tensors its
+  keys.
+- The demo family's models, served by name (:func:`family_runtime`): the family's module, whose
+  ``forward`` returns raw logits, under :data:`~provisioners.artifacts.FAMILY_SIGNATURE`.
+
+Every runtime answers :meth:`ModelRuntime.run` with numpy arrays, in the signature's output
+order, and casts its inputs to the signature's types first. heteroplane batches along the first
+dimension, so a model whose inputs or outputs have a fixed first dimension is refused
+(:class:`ModelLoadError`, one line). torch and onnxruntime are imported only when a model of
+their format is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from provisioners.artifacts import (
+    FAMILY_SIGNATURE,
+    FORMATS,
+    ArtifactError,
+    ModelSignature,
+    TensorSpec,
+    datatype_of,
+)
+
+__all__ = [
+    "DEVICES",
+    "ONNX_DATATYPES",
+    "PLATFORMS",
+    "SIGNATURE_FILE",
+    "ModelLoadError",
+    "ModelRuntime",
+    "check_batchable",
+    "detect_format",
+    "family_runtime",
+    "load_runtime",
+]
+
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+# The extra file of a TorchScript archive that holds its inputs' signature.
+SIGNATURE_FILE = "heteroplane/signature.json"
+# The platform names of the Open Inference Protocol's model metadata (Triton's spellings).
+PLATFORMS: Mapping[str, str] = {
+    "onnx": "onnxruntime_onnx",
+    "torchscript": "pytorch_libtorch",
+    "family": "pytorch_torch",
+}
+# onnxruntime's element types that map to a protocol datatype heteroplane serves.
+ONNX_DATATYPES: Mapping[str, str] = {
+    "tensor(bool)": "BOOL",
+    "tensor(uint8)": "UINT8",
+    "tensor(uint16)": "UINT16",
+    "tensor(uint32)": "UINT32",
+    "tensor(uint64)": "UINT64",
+    "tensor(int8)": "INT8",
+    "tensor(int16)": "INT16",
+    "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64",
+    "tensor(float16)": "FP16",
+    "tensor(float)": "FP32",
+    "tensor(double)": "FP64",
+}
+_ZIP_MAGIC = b"PK\x03\x04"
+_BATCH_ADVICE = "heteroplane batches along the first dimension; export with a dynamic batch axis"
+
+
+class ModelLoadError(Exception):
+    """A model file that cannot be served: not a model, truncated, of a type not served, not
+    batchable, without the input shapes it needs. The message is one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+class ModelRuntime(Protocol):
+    """A loaded model: its signature, its protocol platform name, and a batch run."""
+
+    @property
+    def signature(self) -> ModelSignature: ...
+
+    @property
+    def platform(self) -> str: ...
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The outputs of one batch, by name in the signature's order. ``inputs`` holds every
+        input of the signature by name (cast to its type here when it is not already)."""
+        ...
+
+
+def detect_format(path: str | Path) -> str:
+    """``torchscript`` for a zip archive (TorchScript is a zip), else ``onnx``;
+    :class:`ModelLoadError` for a missing or empty file."""
+    try:
+        with Path(path).open("rb") as handle:
+            head = handle.read(4)
+    except OSError as error:
+        raise ModelLoadError(f"cannot read {path}: {error.strerror or error}") from None
+    if not head:
+        raise ModelLoadError(f"{path} is empty")
+    return "torchscript" if head == _ZIP_MAGIC else "onnx"
+
+
+def check_batchable(signature: ModelSignature) -> None:
+    """:class:`ModelLoadError` unless every input and output has a dynamic first dimension."""
+    for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
+        for spec in specs:
+            if not spec.batched:
+                raise ModelLoadError(
+                    f"{kind} {spec.name!r} has shape {list(spec.shape)}: {_BATCH_ADVICE}"
+                )
+
+
+def load_runtime(
+    path: str | Path,
+    format: str | None = None,
+    *,
+    device: str = "cpu",
+    inputs: Sequence[TensorSpec] | None = None,
+    threads: int | None = None,
+) -> ModelRuntime:
+    """Load the model at ``path`` (``format`` ``onnx`` or ``torchscript``; detected when
+    ``None``) on ``device`` (``cpu`` or ``cuda``) and check it is servable.
+
+    ``inputs`` gives a TorchScript model's input signature (it wins over the archive's
+    :data:`SIGNATURE_FILE`; ONNX models carry theirs and ignore it). ``threads`` caps the
+    intra-op threads (onnxruntime's session; torch's process-wide setting). Raises
+    :class:`ModelLoadError` with a one-line reason.
+    """
+    if format is None:
+        format = detect_format(path)
+    if format not in FORMATS:
+        raise ModelLoadError(f"format {format!r} is not one of {', '.join(FORMATS)}")
+    if device not in DEVICES:
+        raise ModelLoadError(f"device {device!r} is not one of {', '.join(DEVICES)}")
+    if not Path(path).is_file():
+        raise ModelLoadError(f"no model file at {path}")
+    runtime: ModelRuntime
+    if format == "onnx":
+        runtime = _OnnxRuntime(Path(path), device, threads)
+    else:
+        runtime = _TorchScriptRuntime(Path(path), device, inputs, threads)
+    check_batchable(runtime.signature)
+    return runtime
+
+
+def family_runtime(model: Any) -> ModelRuntime:
+    """A demo family model (an ``nn.Module`` of :mod:`provisioners.worker.family`: raw pixels in,
+    logits out) as a runtime of :data:`~provisioners.artifacts.FAMILY_SIGNATURE`."""
+    return _ModuleRuntime(model, FAMILY_SIGNATURE, PLATFORMS["family"], "cpu")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _cast(inputs: Mapping[str, np.ndarray], specs: Sequence[TensorSpec]) -> list[np.ndarray]:
+    try:
+        return [np.ascontiguousarray(inputs[spec.name], dtype=spec.dtype) for spec in specs]
+    except KeyError as missing:
+        raise ValueError(f"input {missing.args[0]!r} is missing") from None
+
+
+# --- ONNX -----------------------------------------------------------------------------------------
+
+
+class _OnnxRuntime:
+    def __init__(self, path: Path, device: str, threads: int | None) -> None:
+        # Only where an ONNX model is loaded; onnxruntime ships no type information.
+        import onnxruntime  # type: ignore[import-untyped]
+
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 3  # errors only: warnings would reach a caller's stderr
+        if threads is not None:
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+        providers = ["CPUExecutionProvider"]
+        if device == "cuda" and "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+            providers.insert(0, "CUDAExecutionProvider")
+        try:
+            self._session = onnxruntime.InferenceSession(
+                str(path), sess_options=options, providers=providers
+            )
+        except Exception as error:  # onnxruntime's own exception types (Fail, InvalidProtobuf)
+            raise ModelLoadError(
+                f"{path.name} is not an ONNX model onnxruntime can load: {_first_line(error)}"
+            ) from None
+        self.platform = PLATFORMS["onnx"]
+        self.providers = tuple(self._session.get_providers())
+        inputs = tuple(_onnx_spec("input", arg) for arg in self._session.get_inputs())
+        if not inputs:
+            raise ModelLoadError(f"{path.name}: the ONNX graph has no inputs")
+        self._input_specs = inputs
+        self._output_names = [arg.name for arg in self._session.get_outputs()]
+        outputs = [_onnx_spec("output", arg) for arg in self._session.get_outputs()]
+        if any(spec is None for spec in outputs):
+            # An output of unknown rank: its shape is what a probe batch gives.
+            probed = self._probe(inputs)
+            outputs = [
+                spec if spec is not None else probed[index] for index, spec in enumerate(outputs)
+            ]
+        self.signature = ModelSignature(inputs, tuple(s for s in outputs if s is not None))
+
+    def _probe(self, inputs: Sequence[TensorSpec]) -> list[TensorSpec]:
+        feed = {spec.name: np.zeros(_probe_shape(spec, 1), spec.dtype) for spec in inputs}
+        try:
+            values = self._session.run(self._output_names, feed)
+        except Exception as error:
+            raise ModelLoadError(
+                f"the model fails on a batch of zeros: {_first_line(error)}"
+            ) from None
+        return [
+            _probed_spec(name, np.asarray(value), None)
+            for name, value in zip(self._output_names, values, strict=True)
+        ]
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        arrays = _cast(inputs, self._input_specs)
+        feed = {spec.name: array for spec, array in zip(self._input_specs, arrays, strict=True)}
+        values = self._session.run(self._output_names, feed)
+        return dict(zip(self._output_names, values, strict=True))
+
+
+def _onnx_spec(kind: str, arg: Any) -> Any:
+    datatype = ONNX_DATATYPES.get(arg.type)
+    if datatype is None:
+        raise ModelLoadError(f"{kind} {arg.name!r} has type {arg.type}, which is not served")
+    shape = arg.shape
+    if shape is None:
+        if kind == "input":
+            raise ModelLoadError(f"input {arg.name!r} has no shape in the ONNX graph")
+        return None
+    dims = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in shape)
+    return TensorSpec(arg.name, datatype, dims)
+
+
+# --- TorchScript and torch modules ----------------------------------------------------------------
+
+
+class _ModuleRuntime:
+    """A torch module (a TorchScript one, or a family ``nn.Module``) under a signature."""
+
+    def __init__(self, module: Any, signature: ModelSignature, platform: str, device: str) -> None:
+        self._module = module
+        self.signature = signature
+        self.platform = platform
+        self._device = device
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        arrays = _cast(inputs, self.signature.inputs)
+        tensors = [torch.from_numpy(a).to(self._device) for a in arrays]
+        with torch.inference_mode():
+            result = self._module(*tensors)
+        values = _output_tensors(result)
+        names = [spec.name for spec in self.signature.outputs]
+        if len(values) != len(names):
+            raise ValueError(f"the model returned {len(values)} outputs, not {len(names)}")
+        by_name = dict(values)
+        if not all(name in by_name for name in names):
+            # Named by position (a family module's one tensor is its signature's ``logits``).
+            by_name = {name: value for name, (_, value) in zip(names, values, strict=True)}
+        return {name: by_name[name].detach().cpu().numpy() for name in names}
+
+
+class _TorchScriptRuntime(_ModuleRuntime):
+    def __init__(
+        self, path: Path, device: str, inputs: Sequence[TensorSpec] | None, threads: int | None
+    ) -> None:
+        import torch  # only where a TorchScript model is loaded
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if device == "cuda" and not torch.cuda.is_available():
+            device = "cpu"
+        extra = {SIGNATURE_FILE: ""}
+        try:
+            module = torch.jit.load(  # type: ignore[no-untyped-call]
+                str(path), map_location=device, _extra_files=extra
+            )
+        except Exception as error:  # torch's RuntimeError for a bad or truncated archive
+            raise ModelLoadError(
+                f"{path.name} is not a TorchScript archive torch can load: {_first_line(error)}"
+            ) from None
+        module.eval()
+        specs = tuple(inputs) if inputs else _embedded_inputs(extra[SIGNATURE_FILE], path)
+        names = _forward_arguments(module)
+        if names is not None and [s.name for s in specs] != names:
+            raise ModelLoadError(
+                f"the inputs given ({', '.join(s.name for s in specs)}) are not forward's"
+                f" arguments ({', '.join(names)}), in order"
+            )
+        outputs = _probe_outputs(module, specs, device)
+        super().__init__(module, ModelSignature(specs, outputs), PLATFORMS["torchscript"], device)
+
+
+def _embedded_inputs(raw: bytes | str, path: Path) -> tuple[TensorSpec, ...]:
+    if not raw:
+        raise ModelLoadError(
+            f"{path.name}: a TorchScript archive holds no input shapes; give them"
+            f" (--inputs NAME:FP32:-1x13,...) or save the archive with the extra file"
+            f" {SIGNATURE_FILE}"
+        )
+    try:
+        document = json.loads(raw)
+        entries = document["inputs"]
+        if not isinstance(entries, list) or not entries:
+            raise ValueError("'inputs' must be a non-empty list")
+        return tuple(TensorSpec.from_json(entry) for entry in entries)
+    except (ValueError, KeyError, TypeError, ArtifactError) as error:
+        raise ModelLoadError(f"{path.name}: {SIGNATURE_FILE} is not usable: {error}") from None
+
+
+def _forward_arguments(module: Any) -> list[str] | None:
+    try:
+        arguments = module.forward.schema.arguments
+    except (AttributeError, RuntimeError):
+        return None
+    return [argument.name for argument in arguments if argument.name != "self"]
+
+
+def _probe_shape(spec: TensorSpec, size: int) -> tuple[int, ...]:
+    return tuple(size if d == -1 else d for d in spec.shape)
+
+
+def _probe_outputs(module: Any, specs: Sequence[TensorSpec], device: str) -> tuple[TensorSpec, ...]:
+    """The outputs of two runs on zeros (every dynamic input dimension 1, then 2): an output
+    dimension that changes between them is dynamic."""
+    import torch
+
+    runs: list[list[tuple[str, Any]]] = []
+    for size in (1, 2):
+        tensors = [
+            torch.from_numpy(np.zeros(_probe_shape(spec, size), spec.dtype)).to(device)
+            for spec in specs
+        ]
+        try:
+            with torch.inference_mode():
+                result = module(*tensors)
+        except Exception as error:
+            raise ModelLoadError(
+                f"the model fails on a batch of zeros shaped like its inputs: {_first_line(error)}"
+            ) from None
+        try:
+            runs.append(_output_tensors(result))
+        except ValueError as error:
+            raise ModelLoadError(str(error)) from None
+    first, second = runs
+    if [name for name, _ in first] != [name for name, _ in second]:
+        raise ModelLoadError("the model's outputs change with the batch size")
+    outputs = []
+    for (name, one), (_, two) in zip(first, second, strict=True):
+        try:
+            value = one.detach().cpu().numpy()
+        except (TypeError, RuntimeError) as error:
+            raise ModelLoadError(f"output {name!r}: {_first_line(error)}") from None
+        outputs.append(_probed_spec(name, value, tuple(two.shape)))
+    return tuple(outputs)
+
+
+def _probed_spec(name: str, value: np.ndarray, other: tuple[int, ...] | None) -> TensorSpec:
+    """An output's spec from a probe with batch 1 (and, when given, the shape of the probe with
+    batch 2: dimensions that differ are dynamic). Without a second probe, dimension 0 is taken
+    for the batch dimension when it is 1."""
+    try:
+        datatype = datatype_of(value.dtype)
+    except ArtifactError:
+        raise ModelLoadError(
+            f"output {name!r} has type {value.dtype}, which is not served"
+        ) from None
+    shape = tuple(int(d) for d in value.shape)
+    if other is None:
+        dims = tuple(-1 if index == 0 and d == 1 else d for index, d in enumerate(shape))
+    elif len(other) != len(shape):
+        raise ModelLoadError(f"output {name!r} changes rank with the batch size")
+    else:
+        dims = tuple(-1 if a != b else a for a, b in zip(shape, other, strict=True))
+    return TensorSpec(name, datatype, dims)
+
+
+def _output_tensors(result: Any) -> list[tuple[str, Any]]:
+    """A model's return value as named tensors (see the module docstring for the names)."""
+    import torch
+
+    if isinstance(result, torch.Tensor):
+        return [("output0", result)]
+    if (
+        isinstance(result, tuple | list)
+        and result
+        and all(isinstance(item, torch.Tensor) for item in result)
+    ):
+        return [(f"output{index}", item) for index, item in enumerate(result)]
+    if (
+        isinstance(result, Mapping)
+        and result
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in result.items())
+    ):
+        return list(result.items())
+    raise ValueError(
+        "the model must return a tensor, a tuple or list of tensors or a dict of tensors,"
+        f" not {type(result).__name__}"
+    )

@@ -1,0 +1,232 @@
+"""The Open Inference Protocol v2 wire format against a model's signature
+(provisioners.worker.oip): requests checked and decoded, answers and metadata spelled."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from provisioners.artifacts import FAMILY_SIGNATURE, ModelSignature, TensorSpec
+from provisioners.worker.oip import (
+    OipError,
+    encode_tensor,
+    infer_response,
+    load_json,
+    model_metadata,
+    parse_infer_request,
+)
+
+TABULAR = ModelSignature(
+    (TensorSpec("features", "FP32", (-1, 13)), TensorSpec("ids", "INT64", (-1, 2))),
+    (TensorSpec("logits", "FP32", (-1, 3)), TensorSpec("embedding", "FP16", (-1, 4))),
+)
+
+
+def tensor(name: str, shape: list[int], data: Any, datatype: str = "FP32") -> dict[str, Any]:
+    return {"name": name, "shape": shape, "datatype": datatype, "data": data}
+
+
+def request(batch: int = 2, **changes: Any) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "inputs": [
+            tensor("features", [batch, 13], [0.5] * (13 * batch)),
+            tensor("ids", [batch, 2], list(range(2 * batch)), "INT64"),
+        ]
+    }
+    document.update(changes)
+    return document
+
+
+def refusal(document: Any, signature: ModelSignature = TABULAR, limit: int = 8) -> OipError:
+    with pytest.raises(OipError) as refused:
+        parse_infer_request(document, signature, max_batch_size=limit)
+    assert "\n" not in str(refused.value)
+    return refused.value
+
+
+def test_a_request_becomes_arrays_of_the_signatures_types_in_its_order() -> None:
+    document = request(batch=3, id="q-1")
+    document["inputs"].reverse()  # any order on the wire
+    parsed = parse_infer_request(json.dumps(document).encode(), TABULAR, max_batch_size=8)
+    assert list(parsed.inputs) == ["features", "ids"]
+    assert parsed.batch_size == 3 and parsed.id == "q-1" and parsed.outputs is None
+    features, ids = parsed.inputs["features"], parsed.inputs["ids"]
+    assert features.dtype == np.float32 and features.shape == (3, 13)
+    assert ids.dtype == np.int64 and ids.tolist() == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_nested_data_is_accepted_like_flat_data_and_integers_fill_floats() -> None:
+    rows = [[float(i + 13 * r) for i in range(13)] for r in range(2)]
+    nested = request(
+        inputs=[tensor("features", [2, 13], rows), tensor("ids", [2, 2], [[1, 2]] * 2, "INT64")]
+    )
+    flat = request(
+        inputs=[
+            tensor("features", [2, 13], list(range(26))),
+            tensor("ids", [2, 2], [1, 2, 1, 2], "INT64"),
+        ]
+    )
+    one = parse_infer_request(nested, TABULAR, max_batch_size=8)
+    two = parse_infer_request(flat, TABULAR, max_batch_size=8)
+    np.testing.assert_array_equal(one.inputs["features"], two.inputs["features"])
+    np.testing.assert_array_equal(one.inputs["ids"], two.inputs["ids"])
+    assert one.inputs["features"].dtype == np.float32
+
+
+def test_requested_outputs_are_kept_in_the_order_asked() -> None:
+    parsed = parse_infer_request(
+        request(outputs=[{"name": "embedding"}, {"name": "logits"}]), TABULAR, max_batch_size=8
+    )
+    assert parsed.outputs == ("embedding", "logits")
+
+
+@pytest.mark.parametrize(
+    ("document", "fragment"),
+    [
+        ([1, 2], "JSON object"),
+        (request(extra=1), "unknown keys: extra"),
+        (request(id=3), "'id'"),
+        ({"inputs": []}, "'inputs'"),
+        ({"inputs": [3]}, "inputs[0] must be an object"),
+        (request(inputs=[{"shape": [1, 13]}]), "inputs[0]: 'name'"),
+        (request(inputs=[tensor("other", [1, 1], [1])]), "input 'other' is not an input"),
+        (request(inputs=[tensor("features", [1, 13], [0] * 13)] * 2), "given twice"),
+        (request(inputs=[tensor("features", [1, 13], [0] * 13)]), "input 'ids' is missing"),
+    ],
+)
+def test_malformed_requests_are_refused_with_one_line(document: Any, fragment: str) -> None:
+    error = refusal(document)
+    assert error.status == 400
+    assert fragment in str(error)
+
+
+def with_features(entry: dict[str, Any], batch: int = 1) -> dict[str, Any]:
+    ids = tensor("ids", [batch, 2], [0] * (2 * batch), "INT64")
+    return {"inputs": [entry, ids]}
+
+
+@pytest.mark.parametrize(
+    ("entry", "fragment"),
+    [
+        (tensor("features", [1, 13], [0] * 13, "FP64"), "datatype 'FP64', expected 'FP32'"),
+        ({"name": "features", "shape": [1, 13], "data": [0] * 13}, "datatype None"),
+        (tensor("features", [1, 13], [0] * 12), "holds 12 values, shape [1, 13] needs 13"),
+        (tensor("features", [1, 12], [0] * 12), "does not fit [-1, 13] (dimension 1)"),
+        (tensor("features", [13], [0] * 13), "has 1 dimensions"),
+        (tensor("features", [1, 13.0], [0] * 13), "'shape' must be a list of integers"),
+        (tensor("features", "1x13", [0] * 13), "'shape' must be a list of integers"),
+        (tensor("features", [1, 13], "zeros"), "'data' must be a list"),
+        (tensor("features", [1, 13], ["1"] * 13), "must hold FP32 values"),
+        (tensor("features", [1, 13], [None] * 13), "must hold FP32 values"),
+        (tensor("features", [1, 13], [[1, 2], [3]]), "must hold FP32 values"),
+        (tensor("features", [1, 13], [True] * 13), "must be numbers"),
+        (tensor("features", [1, 13], [1e39] * 13), "too large for FP32"),
+        ({**tensor("features", [1, 13], [0] * 13), "extra": 1}, "unknown keys: extra"),
+    ],
+)
+def test_a_tensor_that_does_not_fit_is_refused_naming_the_input(
+    entry: dict[str, Any], fragment: str
+) -> None:
+    error = refusal(with_features(entry))
+    assert error.status == 400
+    assert "input 'features'" in str(error)
+    assert fragment in str(error)
+
+
+def test_batch_sizes_are_bounded_and_shared_by_the_inputs() -> None:
+    assert "outside 1..8" in str(refusal(request(batch=9)))
+    empty = with_features(tensor("features", [0, 13], []), batch=0)
+    assert "outside 1..8" in str(refusal(empty))
+    mixed = {
+        "inputs": [
+            tensor("features", [2, 13], [0] * 26),
+            tensor("ids", [1, 2], [0, 0], "INT64"),
+        ]
+    }
+    assert "batch size 1 differs from input 'features''s 2" in str(refusal(mixed))
+
+
+def test_integer_and_bool_inputs_take_only_their_values() -> None:
+    signature = ModelSignature(
+        (TensorSpec("mask", "BOOL", (-1, 2)), TensorSpec("small", "UINT8", (-1,))),
+        (TensorSpec("out", "FP32", (-1,)),),
+    )
+
+    def document(mask: Any, small: Any) -> dict[str, Any]:
+        return {
+            "inputs": [
+                tensor("mask", [1, 2], mask, "BOOL"),
+                tensor("small", [1], small, "UINT8"),
+            ]
+        }
+
+    parsed = parse_infer_request(document([True, False], [255]), signature, max_batch_size=4)
+    assert parsed.inputs["mask"].dtype == np.bool_ and parsed.inputs["small"].tolist() == [255]
+    assert "true or false" in str(refusal(document([1, 0], [1]), signature))
+    assert "must be integers" in str(refusal(document([True, True], [1.5]), signature))
+    assert "outside UINT8's 0..255" in str(refusal(document([True, True], [256]), signature))
+    assert "outside UINT8's 0..255" in str(refusal(document([True, True], [-1]), signature))
+    assert "input 'small'" in str(refusal(document([True, True], [2**70]), signature))
+
+
+def test_unknown_or_repeated_outputs_are_refused() -> None:
+    assert "output 'x' is not an output" in str(refusal(request(outputs=[{"name": "x"}])))
+    twice = request(outputs=[{"name": "logits"}, {"name": "logits"}])
+    assert "asked for twice" in str(refusal(twice))
+    assert "'outputs'" in str(refusal(request(outputs={"name": "logits"})))
+    assert "outputs[0]" in str(refusal(request(outputs=["logits"])))
+
+
+def test_bodies_that_are_not_json_are_refused() -> None:
+    for body in (b"{", b"\xff\xfe", b'{"inputs": [NaN]}'):
+        with pytest.raises(OipError) as refused:
+            load_json(body)
+        assert refused.value.status == 400
+        assert "not JSON" in str(refused.value)
+    assert "NaN is not a number" in str(refusal(b'{"inputs": [NaN]}'))
+
+
+def test_an_answer_is_flattened_row_major_with_its_datatype_and_shape() -> None:
+    logits = np.arange(6, dtype=np.float32).reshape(2, 3)
+    embedding = np.ones((2, 4), dtype=np.float16)
+    answer = infer_response(
+        "tabular",
+        {"logits": logits, "embedding": embedding},
+        names=("embedding", "logits"),
+        request_id="q-1",
+        parameters={"served_ms": 1.5},
+    )
+    assert answer == {
+        "model_name": "tabular",
+        "model_version": "1",
+        "id": "q-1",
+        "outputs": [
+            {"name": "embedding", "datatype": "FP16", "shape": [2, 4], "data": [1.0] * 8},
+            {
+                "name": "logits",
+                "datatype": "FP32",
+                "shape": [2, 3],
+                "data": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0],
+            },
+        ],
+        "parameters": {"served_ms": 1.5},
+    }
+    plain = infer_response("tabular", {"logits": logits})
+    assert set(plain) == {"model_name", "model_version", "outputs"}
+    assert encode_tensor("b", np.array([True]))["datatype"] == "BOOL"
+    with pytest.raises(OipError) as refused:
+        encode_tensor("s", np.array(["text"]))
+    assert refused.value.status == 500
+
+
+def test_metadata_names_the_models_tensors() -> None:
+    assert model_metadata("tiny", FAMILY_SIGNATURE, "pytorch_torch") == {
+        "name": "tiny",
+        "versions": ["1"],
+        "platform": "pytorch_torch",
+        "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, 64]}],
+        "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}],
+    }
