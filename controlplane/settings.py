@@ -108,6 +108,19 @@ class Ec2Settings(BaseModel):
         default=None,
         description="EC2 endpoint override; prefer boto3's own AWS_ENDPOINT_URL (a moto server)",
     )
+    model_bucket: str | None = Field(
+        default=None,
+        min_length=3,
+        max_length=63,
+        pattern=r"^[a-z0-9][a-z0-9.-]+[a-z0-9]$",
+        description="S3 bucket of the model registry's artifacts (none: the data directory)",
+    )
+    model_prefix: str = Field(
+        default="models/",
+        max_length=200,
+        pattern=r"^([^/].*/)?$",
+        description="key prefix of the artifacts in model_bucket (empty, or ending in '/')",
+    )
 
     @field_validator("subnet_ids", "security_group_ids", mode="before")
     @classmethod
@@ -230,6 +243,11 @@ class Settings(BaseSettings):
         gt=0,
         allow_inf_nan=False,
         description="the disruption budget's window, s",
+    )
+    model_max_bytes: int = Field(
+        default=1 << 30,
+        ge=1,
+        description="the largest model artifact the registry takes (heteroplane model push), bytes",
     )
     ec2: Ec2Settings | None = None
 

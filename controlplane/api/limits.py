@@ -5,7 +5,8 @@ Every body the API takes is a small JSON document (an app spec is a few hundred 
 megabyte is generous; without a limit, one request could make the server buffer gigabytes. A
 declared ``Content-Length`` over the limit is answered 413 at once; a body sent without one
 (chunked) is counted as it arrives and cut off at the limit, which the route sees as a body it
-cannot parse (400).
+cannot parse (400). The exception is a model push (``POST /v1/models/{name}``): its route streams
+the body to a file under a limit of its own (``model_max_bytes``), so the middleware lets it by.
 
 Header fields over :data:`MAX_HEADER_BYTES` in all are answered 431 Request Header Fields Too
 Large (RFC 6585 section 5) with the API's error body. The HTTP server must let such a head
@@ -15,6 +16,8 @@ through for this middleware to see it: ``heteroplane serve`` reads heads up to
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -43,12 +46,21 @@ class BodyTooLargeError(Exception):
 
 
 class BodySizeLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
+    """Answer 413 to a body over ``max_bytes``; ``exempt(scope)`` names the requests whose route
+    streams the body and enforces a limit of its own (a model push: ``model_max_bytes``)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int = MAX_BODY_BYTES,
+        exempt: Callable[[Scope], bool] | None = None,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.exempt = exempt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (self.exempt is not None and self.exempt(scope)):
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")

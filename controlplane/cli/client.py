@@ -20,7 +20,7 @@ import os
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from controlplane.cli.output import UsageError
 
@@ -113,6 +113,21 @@ class ApiClient:
     def delete(self, path: str, **query: Any) -> Any:
         return self.request("DELETE", path, query=query)
 
+    def upload(self, path: str, content: IO[bytes], **query: Any) -> Any:
+        """POST ``content`` (a file opened for reading bytes, streamed; httpx declares its
+        length) as ``application/octet-stream``; the decoded JSON answer."""
+        return self.request("POST", path, query=query, content=content)
+
+    def download(self, path: str) -> bytes:
+        """GET ``path``'s raw bytes (a model artifact), not JSON."""
+        if not self.token:
+            raise UsageError(f"no API token: pass --token or set {TOKEN_ENV}")
+        headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/octet-stream"}
+        response = self._send("GET", self.url + path, None, headers)
+        if not response.is_success:
+            raise _http_error(response)
+        return response.content
+
     def request(
         self,
         method: str,
@@ -120,8 +135,10 @@ class ApiClient:
         *,
         body: Any = None,
         query: Mapping[str, Any] | None = None,
+        content: IO[bytes] | None = None,
     ) -> Any:
-        """Send one request; the decoded JSON answer (None for an empty one)."""
+        """Send one request (a JSON ``body``, or the raw bytes of ``content``); the decoded JSON
+        answer (None for an empty one)."""
         if not self.token:
             raise UsageError(f"no API token: pass --token or set {TOKEN_ENV}")
         pairs = [(k, v) for k, v in (query or {}).items() if v is not None]
@@ -133,7 +150,9 @@ class ApiClient:
         headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
         if data is not None:
             headers["Content-Type"] = "application/json"
-        response = self._send(method, url, data, headers)
+        if content is not None:
+            headers["Content-Type"] = "application/octet-stream"
+        response = self._send(method, url, data if content is None else content, headers)
         if not response.is_success:
             raise _http_error(response)
         raw = response.content
@@ -145,7 +164,7 @@ class ApiClient:
             raise ApiClientError(f"{self.url} answered something that is not JSON") from None
 
     def _send(
-        self, method: str, url: str, data: bytes | None, headers: dict[str, str]
+        self, method: str, url: str, data: bytes | IO[bytes] | None, headers: dict[str, str]
     ) -> httpx.Response:
         """One exchange with the server; what went wrong on the way is one line."""
         import httpx

@@ -18,7 +18,12 @@ Tables (docs/service.md describes each column):
   measured it (the API's receipt to the dispatch queue), which the planner adds to every
   query's simulated latency;
 - ``dashboard_sessions``: the dashboard's sign-ins (the SHA-256 of a random session id, the token
-  it was opened with, when it ends), shared by every replica of the API.
+  it was opened with, when it ends), shared by every replica of the API;
+- ``model_versions``: the model registry (:mod:`controlplane.registry`): every pushed version of
+  every model, immutable: its format, the sha256 and size of its file, its signature (inputs and
+  outputs) and where the blob store keeps it; not owned by any app (apps name models);
+- ``app_profiles``: the latency profiles measured for an app's artifact models (``heteroplane
+  profile run``), one profile JSON document per app (the format ``estimator.profiles`` reads).
 
 Deleting an app deletes its rows in every other table (``ON DELETE CASCADE``); the store only
 deletes an app without live instances unless forced (see :meth:`Store.delete_app`).
@@ -38,6 +43,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     CheckConstraint,
     DateTime,
     Dialect,
@@ -61,6 +67,7 @@ __all__ = [
     "PLAN_STATUSES",
     "ApiToken",
     "App",
+    "AppProfiles",
     "Base",
     "BudgetChange",
     "DashboardSession",
@@ -68,6 +75,7 @@ __all__ = [
     "Instance",
     "InstanceEvent",
     "MetricSample",
+    "ModelVersion",
     "Plan",
     "ProfileScale",
     "ServingOverhead",
@@ -93,6 +101,8 @@ _LABEL = 100
 _KEY = 200
 PROFILE_SCALE_MODEL_MAX = _LABEL
 PROFILE_SCALE_TYPE_MAX = _ID
+# provisioners.artifacts.FORMATS (the layer rule keeps the models free of the provisioners).
+MODEL_FORMATS = ("onnx", "torchscript")
 
 
 def _one_of(column: str, values: Iterable[str]) -> str:
@@ -316,3 +326,40 @@ class DashboardSession(Base):
     )
     created_at: Mapped[datetime]
     expires_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class ModelVersion(Base):
+    """One pushed version of a registry model; rows are never changed. ``version`` is 1, 2, 3,
+    ... per name (the unique constraint settles two concurrent pushes)."""
+
+    __tablename__ = "model_versions"
+    __table_args__ = (
+        UniqueConstraint("name", "version"),
+        CheckConstraint("version >= 1", name="version_positive"),
+        CheckConstraint("size_bytes >= 0", name="size_non_negative"),
+        CheckConstraint(_one_of("format", MODEL_FORMATS), name="format"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(_NAME))
+    version: Mapped[int] = mapped_column(Integer)
+    format: Mapped[str] = mapped_column(String(_SHORT))
+    # SHA-256 hex of the artifact's bytes: the worker checks the file it loads against it.
+    sha256: Mapped[str] = mapped_column(String(64))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    # {"inputs": [...], "outputs": [...]} (provisioners.artifacts.ModelSignature.to_json).
+    signature: Mapped[dict[str, Any]]
+    # file:///... or s3://bucket/key.
+    uri: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime]
+
+
+class AppProfiles(Base):
+    """An app's measured latency profiles (``heteroplane profile run``): one document per app,
+    replaced by the next measurement."""
+
+    __tablename__ = "app_profiles"
+
+    app_id: Mapped[int] = mapped_column(ForeignKey("apps.id", ondelete="CASCADE"), primary_key=True)
+    document: Mapped[dict[str, Any]]
+    measured_at: Mapped[datetime]

@@ -56,6 +56,7 @@ from controlplane.errors import (
 from controlplane.policies import auth
 from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, check_transition
 from controlplane.policies.plan import PlanDocument
+from provisioners.artifacts import ArtifactError, ArtifactRef, ModelSignature
 
 __all__ = [
     "DECISION_MERGE_WINDOW_S",
@@ -65,6 +66,7 @@ __all__ = [
     "InstanceEventRecord",
     "InstanceRecord",
     "MetricSampleRecord",
+    "ModelVersionRecord",
     "PlanRecord",
     "Principal",
     "ProfileScaleRecord",
@@ -236,6 +238,39 @@ class TokenRecord:
     created_at: datetime
     revoked_at: datetime | None
     last_used_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelVersionRecord:
+    """One pushed version of a registry model (:mod:`controlplane.registry`): immutable."""
+
+    name: str
+    version: int
+    format: str  # onnx, torchscript
+    sha256: str  # hex, of the artifact's bytes
+    size_bytes: int
+    signature: ModelSignature
+    uri: str  # file:///... or s3://bucket/key
+    created_at: datetime
+
+    def ref(self, serve_as: str) -> ArtifactRef:
+        """What a worker needs to load this version and serve it as ``serve_as``."""
+        return ArtifactRef(serve_as, self.name, self.version, self.format, self.sha256, self.uri)
+
+    def to_json(self) -> dict[str, Any]:
+        """The registry's version document (``GET /v1/models/{name}``)."""
+        signature = self.signature.to_json()
+        return {
+            "name": self.name,
+            "version": self.version,
+            "format": self.format,
+            "sha256": self.sha256,
+            "size_bytes": self.size_bytes,
+            "inputs": signature["inputs"],
+            "outputs": signature["outputs"],
+            "uri": self.uri,
+            "created_at": self.created_at.isoformat().replace("+00:00", "Z"),
+        }
 
 
 class Principal(NamedTuple):
@@ -926,6 +961,118 @@ class Store:
                 return None
             return ServingOverheadRecord(app, found.overhead_ms, found.samples, found.updated_at)
 
+    # --- the model registry and measured profiles -----------------------------------------------
+
+    @_translated
+    def next_model_version(self, name: str) -> int:
+        """The version a new push of ``name`` takes: one past its newest (1 for a new name).
+        Two pushes may both see the same number; :meth:`add_model_version` lets one win."""
+        with transaction(self._sessions) as session:
+            newest = session.scalar(
+                select(func.max(m.ModelVersion.version)).where(m.ModelVersion.name == name)
+            )
+            return 1 if newest is None else int(newest) + 1
+
+    @_translated
+    def add_model_version(
+        self,
+        name: str,
+        version: int,
+        format: str,
+        sha256: str,
+        size_bytes: int,
+        signature: ModelSignature,
+        uri: str,
+        *,
+        at: datetime | None = None,
+    ) -> ModelVersionRecord:
+        """Record version ``version`` of model ``name`` (its blob already stored at ``uri``).
+        :class:`ConflictError` when that version exists (a concurrent push took it: ask
+        :meth:`next_model_version` again); :class:`InvalidValueError` for a value that is not
+        a registry version's (a bad name, format, checksum, size or URI)."""
+        if not isinstance(size_bytes, int) or size_bytes < 0:
+            raise InvalidValueError("size_bytes", f"must be an integer >= 0, got {size_bytes!r}")
+        try:
+            # The reference's own checks: a DNS-label name, a version >= 1, a known format,
+            # a sha256 of 64 hex digits, a file:// or s3:// URI.
+            ArtifactRef(name, name, version, format, sha256, uri)
+        except ArtifactError as error:
+            raise InvalidValueError("model", str(error)) from None
+        now = self._now(at)
+        try:
+            with transaction(self._sessions) as session:
+                row = m.ModelVersion(
+                    name=name,
+                    version=version,
+                    format=format,
+                    sha256=sha256,
+                    size_bytes=size_bytes,
+                    signature=_json_document(signature.to_json(), "signature"),
+                    uri=uri,
+                    created_at=now,
+                )
+                session.add(row)
+                session.flush()
+                return _model_version_record(row)
+        except IntegrityError:
+            raise ConflictError(
+                f"model {name!r} version {version} was pushed by another request; push again"
+            ) from None
+
+    @_translated
+    def list_model_versions(self, name: str | None = None) -> list[ModelVersionRecord]:
+        """Every version of every model (of ``name`` only, when given), by name then version;
+        an unknown name has none."""
+        query = select(m.ModelVersion).order_by(m.ModelVersion.name, m.ModelVersion.version)
+        if name is not None:
+            query = query.where(m.ModelVersion.name == name)
+        with transaction(self._sessions) as session:
+            return [_model_version_record(row) for row in session.scalars(query)]
+
+    @_translated
+    def get_model_version(self, name: str, version: int | None = None) -> ModelVersionRecord:
+        """Version ``version`` of model ``name``, its newest when ``version`` is None;
+        :class:`NotFoundError` (kind ``model``) when there is none."""
+        query = select(m.ModelVersion).where(m.ModelVersion.name == name)
+        if version is None:
+            query = query.order_by(m.ModelVersion.version.desc()).limit(1)
+        else:
+            query = query.where(m.ModelVersion.version == version)
+        with transaction(self._sessions) as session:
+            row = session.scalar(query)
+            if row is None:
+                raise NotFoundError("model", name if version is None else f"{name}@{version}")
+            return _model_version_record(row)
+
+    @_translated
+    def put_app_profiles(
+        self, app: str, document: Mapping[str, Any], *, at: datetime | None = None
+    ) -> None:
+        """Store ``app``'s measured latency profiles (a profile JSON document), replacing the
+        ones before; :class:`NotFoundError` for an app not registered."""
+        stored = _json_document(document, "document")
+        now = self._now(at)
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            found = session.get(m.AppProfiles, row.id)
+            if found is None:
+                session.add(m.AppProfiles(app_id=row.id, document=stored, measured_at=now))
+            else:
+                found.document = stored
+                found.measured_at = now
+
+    @_translated
+    def get_app_profiles(self, app: str) -> dict[str, Any] | None:
+        """``app``'s measured latency profiles; None when none were measured (or no such app
+        is registered: an app being registered has none yet)."""
+        with transaction(self._sessions) as session:
+            found = session.execute(
+                select(m.AppProfiles.document)
+                .join(m.App, m.App.id == m.AppProfiles.app_id)
+                .where(m.App.name == app)
+            ).scalar_one_or_none()
+            return None if found is None else dict(found)
+
     # --- decisions and metrics -----------------------------------------------------------------
 
     @_translated
@@ -1538,6 +1685,19 @@ def _sample_record(row: m.MetricSample, app: str) -> MetricSampleRecord:
         fleet_cost_usd_per_hr=row.fleet_cost_usd_per_hr,
         gear=row.gear,
         accuracy=row.accuracy,
+    )
+
+
+def _model_version_record(row: m.ModelVersion) -> ModelVersionRecord:
+    return ModelVersionRecord(
+        name=row.name,
+        version=row.version,
+        format=row.format,
+        sha256=row.sha256,
+        size_bytes=int(row.size_bytes),
+        signature=ModelSignature.from_json(row.signature),
+        uri=row.uri,
+        created_at=row.created_at,
     )
 
 

@@ -69,6 +69,8 @@ BEYOND_THE_SCHEMA: dict[str, set[tuple[int, str, str | None]]] = {
         (422, "unplannable", None),
         (422, "invalid_request", "trace"),
     },
+    # Whether bytes are a servable model only loading them can tell (the registry's inspector).
+    "POST /v1/models/{name}": {(422, "invalid_model", None)},
     # One sample id per input (two arrays of one length); requirements no variant meets.
     "POST /v1/apps/{app}/infer": {
         (422, "invalid_request", "sample_ids"),

@@ -12,15 +12,16 @@ from controlplane.api.schemas import ErrorBody
 __all__ = ["AppName", "PlanId", "errors"]
 
 _DESCRIPTIONS = {
-    400: "Malformed JSON body",
+    400: "Malformed JSON body, or a model name that is not a DNS label",
     401: "Missing, malformed, unknown or revoked token (WWW-Authenticate: Bearer)",
     403: "The token's scope does not allow this",
-    404: "No such app, plan or instance",
+    404: "No such app, plan, instance or model version",
     409: "Conflict: the name is taken, another write won, or the state does not allow it",
+    413: "The body is larger than the limit (1 MiB; a model: model_max_bytes)",
     422: "Invalid request: a field of the wrong type, out of range, unknown, or an invalid spec",
     429: "Overloaded: the queue cannot be served within the SLO (Retry-After says when to retry)",
     502: "The workers could not answer the query (every attempt failed)",
-    503: "The database is unavailable, or no instance serves the app",
+    503: "The database or the artifact store is unavailable, or no instance serves the app",
     504: "The query was not answered in time (far past its SLO)",
 }
 

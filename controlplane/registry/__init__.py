@@ -1,0 +1,48 @@
+"""The model registry: versions of the ONNX and TorchScript models users bring (``heteroplane
+model push``, ``/v1/models``), their rows in the store and their bytes in a blob store.
+
+- :mod:`controlplane.registry.registry`: :class:`Registry` (push, resolve) and
+  :func:`registry_from_settings`;
+- :mod:`controlplane.registry.storage`: the blob stores, :class:`LocalArtifactStorage` (the data
+  directory) and :class:`S3ArtifactStorage`;
+- :mod:`controlplane.registry.inspection`: reading an artifact's format and signature in a
+  separate, limited process.
+
+docs/models.md is the user's guide.
+"""
+
+from __future__ import annotations
+
+from controlplane.registry.inspection import (
+    Inspection,
+    Inspector,
+    SubprocessInspector,
+    inspect_artifact,
+)
+from controlplane.registry.registry import (
+    Registry,
+    artifact_key,
+    check_model_name,
+    parse_reference,
+    registry_from_settings,
+)
+from controlplane.registry.storage import (
+    ArtifactStorage,
+    LocalArtifactStorage,
+    S3ArtifactStorage,
+)
+
+__all__ = [
+    "ArtifactStorage",
+    "Inspection",
+    "Inspector",
+    "LocalArtifactStorage",
+    "Registry",
+    "S3ArtifactStorage",
+    "SubprocessInspector",
+    "artifact_key",
+    "check_model_name",
+    "inspect_artifact",
+    "parse_reference",
+    "registry_from_settings",
+]

@@ -1,0 +1,294 @@
+"""The model registry: immutable, numbered versions of the models users bring.
+
+:meth:`Registry.push` takes a model file and makes it version N+1 of its name:
+
+1. the name is a DNS label (:data:`provisioners.artifacts.NAME_PATTERN`; it becomes part of
+   URLs, S3 keys and file names), the format ``onnx``, ``torchscript`` or None (detected), the
+   file at most ``max_bytes`` (``Settings.model_max_bytes``);
+2. the inspector (:mod:`controlplane.registry.inspection`: another process, time and memory
+   limits) reads its format and signature; every input and output must be batched along a
+   dynamic first dimension;
+3. its sha256 and size are read from the file;
+4. the blob is stored under ``<name>/<version>/<sha256>.<onnx|pt>`` (the storage adds its
+   prefix, ``models/``), then the row is inserted (:meth:`Store.add_model_version`).
+
+Nothing half-written stays: a failure after the blob was stored deletes it, and the row goes in
+last, so there is never a row without its blob. Two concurrent pushes of one name may pick the
+same version; the database's unique (name, version) lets one insert win, and the other deletes
+its blob and tries once more with the next number (then it is a 409 to retry).
+
+:meth:`Registry.resolve` turns ``"name"`` (the newest version) or ``"name@3"`` into a version
+record; :func:`registry_from_settings` builds the registry the settings describe (S3 with the EC2
+provisioner and ``ec2.model_bucket`` set, else ``<data_dir>/registry``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from controlplane.db.store import ModelVersionRecord, Store
+from controlplane.errors import (
+    ArtifactStoreError,
+    ConflictError,
+    ModelNameError,
+    ModelRejectedError,
+    ModelTooLargeError,
+)
+from controlplane.registry.inspection import Inspection, Inspector, SubprocessInspector
+from controlplane.registry.storage import (
+    ArtifactStorage,
+    LocalArtifactStorage,
+    S3ArtifactStorage,
+)
+from controlplane.settings import Settings
+from provisioners.artifacts import FORMATS, NAME_PATTERN, file_sha256
+
+__all__ = [
+    "REGISTRY_DIR",
+    "S3_ENDPOINT_ENV",
+    "Registry",
+    "artifact_key",
+    "check_model_name",
+    "parse_reference",
+    "registry_from_settings",
+]
+
+logger = logging.getLogger(__name__)
+
+REGISTRY_DIR = "registry"
+# The S3 endpoint override that provisioners.artifacts.fetch_artifact also honours (a moto
+# server in tests); boto3's own AWS_ENDPOINT_URL works too.
+S3_ENDPOINT_ENV = "HETEROPLANE_S3_ENDPOINT_URL"
+_NAME = re.compile(NAME_PATTERN)
+_REFERENCE = re.compile(r"^(?P<name>[^@]+)(@(?P<version>[0-9]+))?$")
+_SUFFIX = {"onnx": "onnx", "torchscript": "pt"}
+# One retry after a concurrent push took the version (the contract: retry once, then 409).
+_PUSH_ATTEMPTS = 2
+
+
+def check_model_name(name: str) -> str:
+    """``name`` if it is a DNS label, else :class:`ModelNameError`."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ModelNameError(
+            str(name),
+            f"model name {name!r} is not a DNS label: 1 to 63 lower-case letters, digits and"
+            " '-', starting and ending with a letter or digit",
+        )
+    return name
+
+
+def parse_reference(reference: str) -> tuple[str, int | None]:
+    """``"wine"`` -> ``("wine", None)`` (the newest), ``"wine@3"`` -> ``("wine", 3)``;
+    :class:`ModelNameError` for anything else.
+
+    >>> parse_reference("wine@3")
+    ('wine', 3)
+    """
+    found = _REFERENCE.match(reference) if isinstance(reference, str) else None
+    if found is None:
+        raise ModelNameError(
+            str(reference), f"model reference {reference!r}: expected NAME or NAME@VERSION"
+        )
+    name = check_model_name(found["name"])
+    version = found["version"]
+    if version is None:
+        return name, None
+    number = int(version)
+    if not 1 <= number <= 2**31 - 1:
+        raise ModelNameError(reference, f"model reference {reference!r}: version must be >= 1")
+    return name, number
+
+
+def artifact_key(name: str, version: int, sha256: str, format: str) -> str:
+    """Where a version's blob lives, under the storage's prefix.
+
+    >>> artifact_key("wine", 2, "0" * 64, "torchscript") == "wine/2/" + "0" * 64 + ".pt"
+    True
+    """
+    return f"{name}/{version}/{sha256}.{_SUFFIX[format]}"
+
+
+class Registry:
+    """Model versions: rows in ``store``, bytes in ``storage`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        storage: ArtifactStorage,
+        *,
+        staging_dir: Path,
+        max_bytes: int = 1 << 30,
+        inspector: Inspector | None = None,
+    ) -> None:
+        self.store = store
+        self.storage = storage
+        # Uploads are streamed here first (a folder of the data directory: the same disk as the
+        # local blob store, never a RAM-backed /tmp).
+        self.staging_dir = Path(staging_dir)
+        self.max_bytes = max_bytes
+        self.inspector: Inspector = inspector if inspector is not None else SubprocessInspector()
+
+    # --- pushing ---------------------------------------------------------------------------------
+
+    @contextmanager
+    def staged_file(self) -> Iterator[Path]:
+        """A fresh empty file in the staging folder, removed when the block ends (whatever
+        happened): where an upload is streamed before :meth:`push`."""
+        try:
+            self.staging_dir.mkdir(parents=True, exist_ok=True)
+            descriptor, name = tempfile.mkstemp(dir=self.staging_dir, prefix="upload-")
+        except OSError as error:
+            raise ArtifactStoreError(
+                f"cannot stage an upload in {self.staging_dir}: {error.strerror or error}"
+            ) from None
+        os.close(descriptor)
+        path = Path(name)
+        try:
+            yield path
+        finally:
+            path.unlink(missing_ok=True)
+
+    def check_push(self, name: str, format: str | None) -> None:
+        """Refuse a push by its name and format alone, before any byte is read."""
+        check_model_name(name)
+        if format is not None and format not in FORMATS:
+            raise ModelRejectedError(
+                f"format {format!r} is not one of {', '.join(FORMATS)} (or leave it out)"
+            )
+
+    def push(
+        self,
+        name: str,
+        source_path: Path,
+        format: str | None = None,
+        inputs_spec: str | None = None,
+    ) -> ModelVersionRecord:
+        """Make the file at ``source_path`` the next version of ``name`` (the module docstring
+        says how). The source is only read; the caller keeps (or removes) it."""
+        self.check_push(name, format)
+        source = Path(source_path)
+        try:
+            size_bytes = source.stat().st_size
+        except OSError as error:
+            raise ModelRejectedError(
+                f"cannot read the model file: {error.strerror or error}"
+            ) from None
+        if size_bytes > self.max_bytes:
+            raise ModelTooLargeError(self.max_bytes)
+        if size_bytes == 0:
+            raise ModelRejectedError("the model file is empty")
+        inspection = self.inspector(source, format, inputs_spec)
+        _check_batched(inspection)
+        sha256 = file_sha256(source)
+        for attempt in range(_PUSH_ATTEMPTS):
+            version = self.store.next_model_version(name)
+            key = artifact_key(name, version, sha256, inspection.format)
+            uri = self.storage.put(source, key)
+            try:
+                return self.store.add_model_version(
+                    name,
+                    version,
+                    inspection.format,
+                    sha256,
+                    size_bytes,
+                    inspection.signature,
+                    uri,
+                )
+            except ConflictError:
+                self._forget(name, version, uri)
+                if attempt + 1 == _PUSH_ATTEMPTS:
+                    raise
+            except BaseException:
+                self._forget(name, version, uri)
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _forget(self, name: str, version: int, uri: str) -> None:
+        """Delete a blob whose row was not inserted, unless the version that did get in is
+        the same file at the same URI (two pushes of one file racing for one version)."""
+        try:
+            winner = self.store.get_model_version(name, version)
+        except Exception:
+            winner = None
+        if winner is not None and winner.uri == uri:
+            return
+        try:
+            self.storage.delete(uri)
+        except ArtifactStoreError as error:
+            logger.error("model %s: cannot remove the blob of a failed push: %s", name, error)
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def resolve(self, reference: str) -> ModelVersionRecord:
+        """``"name"`` (its newest version) or ``"name@3"``; :class:`NotFoundError` when there is
+        no such version, :class:`ModelNameError` for a malformed reference."""
+        name, version = parse_reference(reference)
+        return self.store.get_model_version(name, version)
+
+    def versions(self, name: str | None = None) -> list[ModelVersionRecord]:
+        """Every version (of ``name``), by name then version."""
+        return self.store.list_model_versions(name)
+
+    def open(self, record: ModelVersionRecord) -> Iterator[bytes]:
+        """The bytes of a version's blob, in chunks."""
+        return self.storage.open(record.uri)
+
+    def download(self, record: ModelVersionRecord, destination: Path) -> Path:
+        """Copy a version's blob to ``destination`` (a file path); the path."""
+        destination = Path(destination)
+        with destination.open("wb") as handle:
+            for chunk in self.open(record):
+                handle.write(chunk)
+        return destination
+
+
+def _check_batched(inspection: Inspection) -> None:
+    for kind, tensors in (
+        ("input", inspection.signature.inputs),
+        ("output", inspection.signature.outputs),
+    ):
+        for tensor in tensors:
+            if not tensor.batched:
+                raise ModelRejectedError(
+                    f"{kind} {tensor.name!r} has shape {list(tensor.shape)}: heteroplane batches"
+                    " along the first dimension; export with a dynamic batch axis"
+                )
+
+
+def registry_from_settings(
+    settings: Settings,
+    store: Store,
+    *,
+    inspector: Inspector | None = None,
+    s3_client: Any = None,
+) -> Registry:
+    """The registry the settings describe: blobs in S3 (``ec2.model_bucket`` under
+    ``ec2.model_prefix``) when the provisioner is ec2 and a bucket is set, else under
+    ``<data_dir>/registry/models/``; uploads staged in ``<data_dir>/registry/incoming``."""
+    root = settings.data_dir / REGISTRY_DIR
+    storage: ArtifactStorage
+    ec2 = settings.ec2
+    if settings.provisioner == "ec2" and ec2 is not None and ec2.model_bucket:
+        if s3_client is None:
+            import boto3  # only for a registry in S3
+
+            s3_client = boto3.client(
+                "s3", region_name=ec2.region, endpoint_url=os.environ.get(S3_ENDPOINT_ENV)
+            )
+        storage = S3ArtifactStorage(ec2.model_bucket, ec2.model_prefix, client=s3_client)
+    else:
+        storage = LocalArtifactStorage(root)
+    return Registry(
+        store,
+        storage,
+        staging_dir=root / "incoming",
+        max_bytes=settings.model_max_bytes,
+        inspector=inspector,
+    )

@@ -1,0 +1,181 @@
+"""Where the registry keeps artifact bytes: a folder of the data directory, or an S3 bucket.
+
+A blob store is an :class:`ArtifactStorage`: :meth:`~ArtifactStorage.put` stores a local file
+under a key (``<name>/<version>/<sha256>.<onnx|pt>``, relative to the store's prefix) and returns
+its URI, the one a worker fetches (:func:`provisioners.artifacts.fetch_artifact`);
+:meth:`~ArtifactStorage.delete` removes a blob by that URI (nothing there is fine: a push that
+failed half-way cleans up with it); :meth:`~ArtifactStorage.open` reads one back in chunks (``GET
+/v1/models/{name}/versions/{v}/artifact``). Failures are one-line
+:class:`~controlplane.errors.ArtifactStoreError`; botocore's errors never escape.
+
+- :class:`LocalArtifactStorage`: files under ``root`` (``<data_dir>/registry``) with the prefix
+  ``models/``; URIs ``file:///abs/path``. A blob is written beside its final name and renamed
+  into place, so a reader never sees half a file.
+- :class:`S3ArtifactStorage`: objects in ``bucket`` under ``prefix`` (``Ec2Settings.model_prefix``,
+  ``models/``); URIs ``s3://bucket/key``. Uploaded with boto3's managed transfer (multipart for
+  large files); an object appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import unquote, urlparse
+
+from controlplane.errors import ArtifactStoreError
+
+__all__ = [
+    "CHUNK_BYTES",
+    "ArtifactStorage",
+    "LocalArtifactStorage",
+    "S3ArtifactStorage",
+]
+
+# How much of a blob one read hands on (the artifact route streams it in these).
+CHUNK_BYTES = 1 << 20
+DEFAULT_PREFIX = "models/"
+
+
+class ArtifactStorage(Protocol):
+    """A blob store of the registry (see the module docstring)."""
+
+    def put(self, source: Path, key: str) -> str:
+        """Store the file ``source`` under ``key``; its URI."""
+        ...
+
+    def delete(self, uri: str) -> None:
+        """Remove the blob at ``uri`` (one of this store's); nothing there is fine."""
+        ...
+
+    def open(self, uri: str) -> Iterator[bytes]:
+        """The bytes of the blob at ``uri``, in chunks."""
+        ...
+
+
+class LocalArtifactStorage:
+    """Blobs as files under ``root`` (``<data_dir>/registry``), keys under ``prefix``."""
+
+    def __init__(self, root: Path, prefix: str = DEFAULT_PREFIX) -> None:
+        self.root = Path(root).resolve()
+        self.prefix = prefix
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / (self.prefix + key)).resolve()
+        if not path.is_relative_to(self.root):
+            raise ArtifactStoreError(f"artifact key {key!r} leaves the registry folder")
+        return path
+
+    def _path_of(self, uri: str) -> Path:
+        parsed = urlparse(uri)
+        path = Path(unquote(parsed.path)).resolve() if parsed.scheme == "file" else None
+        if path is None or not path.is_relative_to(self.root):
+            raise ArtifactStoreError(f"{uri!r} is not a blob of the registry at {self.root}")
+        return path
+
+    def put(self, source: Path, key: str) -> str:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".incoming-")
+            os.close(descriptor)
+            try:
+                shutil.copyfile(source, temporary)
+                Path(temporary).replace(path)
+            finally:
+                Path(temporary).unlink(missing_ok=True)
+        except OSError as error:
+            raise ArtifactStoreError(
+                f"cannot store {key} under {self.root}: {error.strerror or error}"
+            ) from None
+        return path.as_uri()
+
+    def delete(self, uri: str) -> None:
+        path = self._path_of(uri)
+        try:
+            path.unlink(missing_ok=True)
+            # The version's folder, then the model's, when nothing else is left in them.
+            for folder in (path.parent, path.parent.parent):
+                if folder != self.root and folder.is_relative_to(self.root):
+                    try:
+                        folder.rmdir()
+                    except OSError:
+                        break  # not empty (another version), or gone already
+        except OSError as error:
+            raise ArtifactStoreError(f"cannot delete {path}: {error.strerror or error}") from None
+
+    def open(self, uri: str) -> Iterator[bytes]:
+        path = self._path_of(uri)
+        try:
+            handle = path.open("rb")
+        except OSError as error:
+            raise ArtifactStoreError(f"cannot read {path}: {error.strerror or error}") from None
+        return _chunks(handle)
+
+
+def _chunks(handle: Any) -> Iterator[bytes]:
+    with handle:
+        while chunk := handle.read(CHUNK_BYTES):
+            yield chunk
+
+
+class S3ArtifactStorage:
+    """Blobs as objects in ``bucket`` under ``prefix``, through ``client`` (a boto3 S3
+    client)."""
+
+    def __init__(self, bucket: str, prefix: str = DEFAULT_PREFIX, *, client: Any) -> None:
+        self.bucket = bucket
+        self.prefix = prefix
+        self.client = client
+
+    def _key_of(self, uri: str) -> str:
+        parsed = urlparse(uri)
+        key = parsed.path.lstrip("/")
+        if parsed.scheme != "s3" or parsed.netloc != self.bucket or not key.startswith(self.prefix):
+            raise ArtifactStoreError(
+                f"{uri!r} is not a blob of the registry at s3://{self.bucket}/{self.prefix}"
+            )
+        return key
+
+    def put(self, source: Path, key: str) -> str:
+        full = self.prefix + key
+        try:
+            self.client.upload_file(str(source), self.bucket, full)
+        except Exception as error:  # botocore's and boto3's errors, one line
+            raise ArtifactStoreError(
+                f"cannot upload s3://{self.bucket}/{full}: {_reason(error)}"
+            ) from None
+        return f"s3://{self.bucket}/{full}"
+
+    def delete(self, uri: str) -> None:
+        key = self._key_of(uri)
+        try:
+            # DeleteObject of a key that is not there succeeds: idempotent as the protocol says.
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+        except Exception as error:
+            raise ArtifactStoreError(f"cannot delete {uri}: {_reason(error)}") from None
+
+    def open(self, uri: str) -> Iterator[bytes]:
+        key = self._key_of(uri)
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+        except Exception as error:
+            raise ArtifactStoreError(f"cannot read {uri}: {_reason(error)}") from None
+        return _s3_chunks(body, uri)
+
+
+def _s3_chunks(body: Any, uri: str) -> Iterator[bytes]:
+    try:
+        while chunk := body.read(CHUNK_BYTES):
+            yield chunk
+    except Exception as error:
+        raise ArtifactStoreError(f"cannot read {uri}: {_reason(error)}") from None
+    finally:
+        body.close()
+
+
+def _reason(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__

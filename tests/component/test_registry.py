@@ -1,0 +1,612 @@
+"""The model registry: the store's model tables, :class:`Registry` over the local blob store, the
+inspection subprocess and ``/v1/models`` through FastAPI's TestClient, on a SQLite file migrated
+through the real migrations.
+
+Most tests inject a fake inspector (the registry's seam); the inspection subprocess is driven
+with a stub inspector module (refusal, crash, hang, garbage) and, where helper module
+``provisioners.worker.inspect`` is present, with the real one on a real ONNX file. What is
+checked besides the happy paths: versions count up per name, also under concurrent pushes; a
+failure after the blob was stored leaves no blob and no row; every refusal is one line and a 4xx.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import textwrap
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from controlplane.clock import FakeClock
+from controlplane.db.store import ModelVersionRecord, Store
+from controlplane.errors import (
+    ConflictError,
+    InvalidValueError,
+    ModelNameError,
+    ModelRejectedError,
+    ModelTooLargeError,
+    NotFoundError,
+)
+from controlplane.registry import (
+    Inspection,
+    LocalArtifactStorage,
+    Registry,
+    SubprocessInspector,
+    artifact_key,
+    inspect_artifact,
+    parse_reference,
+    registry_from_settings,
+)
+from controlplane.service.app import create_app
+from controlplane.settings import Settings
+from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec, fetch_artifact
+
+SIGNATURE = ModelSignature(
+    (TensorSpec("input", "FP32", (-1, 4)),), (TensorSpec("logits", "FP32", (-1, 3)),)
+)
+SHA = "ab" * 32
+
+
+def fake_inspector(
+    signature: ModelSignature = SIGNATURE,
+) -> Any:
+    """An inspector that takes any file whose bytes do not start with ``bad`` as ONNX."""
+    calls: list[tuple[Path, str | None, str | None]] = []
+
+    def inspect(path: Path, format: str | None = None, inputs: str | None = None) -> Inspection:
+        calls.append((path, format, inputs))
+        if path.read_bytes().startswith(b"bad"):
+            raise ModelRejectedError("the artifact is not an ONNX model (fake)")
+        return Inspection(format or "onnx", signature)
+
+    inspect.calls = calls  # type: ignore[attr-defined]
+    return inspect
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    settings = Settings(data_dir=tmp_path / "data", provisioner="fake")
+    settings.ensure_data_dir()
+    store = Store.from_url(settings.database_url, FakeClock(), upgrade=True)
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def registry(store: Store, tmp_path: Path) -> Registry:
+    root = tmp_path / "data" / "registry"
+    return Registry(
+        store,
+        LocalArtifactStorage(root),
+        staging_dir=root / "incoming",
+        max_bytes=1000,
+        inspector=fake_inspector(),
+    )
+
+
+def model_file(folder: Path, content: bytes = b"model bytes", name: str = "m.onnx") -> Path:
+    path = folder / name
+    path.write_bytes(content)
+    return path
+
+
+def blobs(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+# --- the store ---------------------------------------------------------------------------------
+
+
+def test_store_model_versions(store: Store) -> None:
+    assert store.next_model_version("wine") == 1
+    first = store.add_model_version("wine", 1, "onnx", SHA, 10, SIGNATURE, "file:///x/1.onnx")
+    assert store.next_model_version("wine") == 2
+    store.add_model_version("wine", 2, "torchscript", SHA, 11, SIGNATURE, "s3://b/models/w/2.pt")
+    store.add_model_version("beer", 1, "onnx", SHA, 12, SIGNATURE, "file:///x/b.onnx")
+    assert first.signature == SIGNATURE and first.created_at.tzinfo is not None
+    assert [(r.name, r.version) for r in store.list_model_versions()] == [
+        ("beer", 1),
+        ("wine", 1),
+        ("wine", 2),
+    ]
+    assert [r.version for r in store.list_model_versions("wine")] == [1, 2]
+    assert store.list_model_versions("ghost") == []
+    assert store.get_model_version("wine").version == 2
+    assert store.get_model_version("wine", 1) == first
+    with pytest.raises(NotFoundError, match="wine@7"):
+        store.get_model_version("wine", 7)
+    with pytest.raises(NotFoundError, match="ghost"):
+        store.get_model_version("ghost")
+    with pytest.raises(ConflictError, match="version 2"):
+        store.add_model_version("wine", 2, "onnx", SHA, 10, SIGNATURE, "file:///x/2.onnx")
+
+
+@pytest.mark.parametrize(
+    ("name", "version", "fmt", "sha", "size", "uri"),
+    [
+        ("Wine", 1, "onnx", SHA, 1, "file:///x"),
+        ("wine", 0, "onnx", SHA, 1, "file:///x"),
+        ("wine", 1, "pickle", SHA, 1, "file:///x"),
+        ("wine", 1, "onnx", "xyz", 1, "file:///x"),
+        ("wine", 1, "onnx", SHA, -1, "file:///x"),
+        ("wine", 1, "onnx", SHA, 1, "http://x"),
+    ],
+)
+def test_store_refuses_bad_versions(
+    store: Store, name: str, version: int, fmt: str, sha: str, size: int, uri: str
+) -> None:
+    with pytest.raises(InvalidValueError):
+        store.add_model_version(name, version, fmt, sha, size, SIGNATURE, uri)
+    assert store.list_model_versions() == []
+
+
+def test_record_json_and_ref(store: Store) -> None:
+    record = store.add_model_version("wine", 1, "onnx", SHA, 10, SIGNATURE, "file:///x/1.onnx")
+    document = record.to_json()
+    assert set(document) == {
+        "name",
+        "version",
+        "format",
+        "sha256",
+        "size_bytes",
+        "inputs",
+        "outputs",
+        "uri",
+        "created_at",
+    }
+    assert document["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
+    assert document["created_at"].endswith("Z")
+    assert record.ref("classifier") == ArtifactRef(
+        "classifier", "wine", 1, "onnx", SHA, "file:///x/1.onnx"
+    )
+
+
+def test_app_profiles(store: Store) -> None:
+    app = {
+        "name": "toy",
+        "models": [{"name": "m", "artifact": "wine@1"}],
+        "slo": {"latency_ms": 40},
+        "budget_usd_per_hr": 4.0,
+        "instance_types": ["c5.xlarge"],
+    }
+    store.create_app(app, who="test")
+    assert store.get_app_profiles("toy") is None
+    assert store.get_app_profiles("ghost") is None
+    store.put_app_profiles("toy", {"profiles": [{"model": "m", "samples_ms": [1.0]}]})
+    store.put_app_profiles("toy", {"profiles": [{"model": "m", "samples_ms": [2.0]}]})
+    assert store.get_app_profiles("toy") == {"profiles": [{"model": "m", "samples_ms": [2.0]}]}
+    with pytest.raises(NotFoundError):
+        store.put_app_profiles("ghost", {})
+    with pytest.raises(InvalidValueError):
+        store.put_app_profiles("toy", {"x": float("nan")})
+    # Deleting the app deletes its profiles (ON DELETE CASCADE); a new app of that name has none.
+    store.delete_app("toy")
+    store.create_app(app, who="test")
+    assert store.get_app_profiles("toy") is None
+
+
+# --- the registry ------------------------------------------------------------------------------
+
+
+def test_push_counts_versions_and_stores_blobs(registry: Registry, tmp_path: Path) -> None:
+    content = b"model bytes"
+    first = registry.push("wine", model_file(tmp_path, content))
+    second = registry.push("wine", model_file(tmp_path, content + b"!"), "onnx")
+    other = registry.push("beer", model_file(tmp_path, content))
+    assert (first.version, second.version, other.version) == (1, 2, 1)
+    assert first.sha256 == hashlib.sha256(content).hexdigest()
+    assert first.size_bytes == len(content)
+    assert first.signature == SIGNATURE and first.format == "onnx"
+    root = tmp_path / "data" / "registry"
+    assert first.uri == (root / "models" / "wine" / "1" / f"{first.sha256}.onnx").as_uri()
+    assert fetch_artifact(first.ref("wine"), tmp_path / "cache").read_bytes() == content
+    assert b"".join(registry.open(second)) == content + b"!"
+    assert registry.resolve("wine") == second
+    assert registry.resolve("wine@1") == first
+    assert [r.version for r in registry.versions("wine")] == [1, 2]
+    # The source is only read; nothing is left in the staging folder.
+    assert (tmp_path / "m.onnx").exists()
+    assert not list((root / "incoming").glob("*")) if (root / "incoming").exists() else True
+
+
+def test_artifact_key_and_references() -> None:
+    assert artifact_key("wine", 3, SHA, "onnx") == f"wine/3/{SHA}.onnx"
+    assert artifact_key("wine", 3, SHA, "torchscript") == f"wine/3/{SHA}.pt"
+    assert parse_reference("wine") == ("wine", None)
+    assert parse_reference("wine@12") == ("wine", 12)
+    for bad in ("Wine", "wine@", "wine@x", "wine@0", "@3", "", "a@1@2", "-x"):
+        with pytest.raises(ModelNameError):
+            parse_reference(bad)
+
+
+@pytest.mark.parametrize("name", ["Wine", "wine_1", "-wine", "wine-", "a" * 64, "", "a/b", "é"])
+def test_push_refuses_bad_names(registry: Registry, tmp_path: Path, name: str) -> None:
+    with pytest.raises(ModelNameError, match="DNS label") as caught:
+        registry.push(name, model_file(tmp_path))
+    assert "\n" not in str(caught.value)
+    assert registry.versions() == []
+
+
+def test_push_refusals_write_nothing(registry: Registry, tmp_path: Path) -> None:
+    root = tmp_path / "data" / "registry"
+    with pytest.raises(ModelTooLargeError, match="1,000 bytes"):
+        registry.push("wine", model_file(tmp_path, b"x" * 1001))
+    with pytest.raises(ModelRejectedError, match="empty"):
+        registry.push("wine", model_file(tmp_path, b""))
+    with pytest.raises(ModelRejectedError, match="fake"):
+        registry.push("wine", model_file(tmp_path, b"bad model"))
+    with pytest.raises(ModelRejectedError, match="cannot read"):
+        registry.push("wine", tmp_path / "missing.onnx")
+    with pytest.raises(ModelRejectedError, match="format 'pickle'"):
+        registry.push("wine", model_file(tmp_path), "pickle")
+    assert registry.versions() == []
+    assert blobs(root) == []
+
+
+def test_push_refuses_a_model_without_a_batch_dimension(store: Store, tmp_path: Path) -> None:
+    fixed = ModelSignature(
+        (TensorSpec("input", "FP32", (1, 4)),), (TensorSpec("logits", "FP32", (-1, 3)),)
+    )
+    root = tmp_path / "registry"
+    registry = Registry(
+        store, LocalArtifactStorage(root), staging_dir=root, inspector=fake_inspector(fixed)
+    )
+    with pytest.raises(ModelRejectedError, match="input 'input' has shape \\[1, 4\\]"):
+        registry.push("wine", model_file(tmp_path))
+    assert store.list_model_versions() == [] and blobs(root) == []
+
+
+def test_a_failed_insert_removes_the_blob(
+    registry: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> ModelVersionRecord:
+        raise InvalidValueError("model", "refused (test)")
+
+    monkeypatch.setattr(registry.store, "add_model_version", broken)
+    with pytest.raises(InvalidValueError):
+        registry.push("wine", model_file(tmp_path))
+    assert blobs(tmp_path / "data" / "registry") == []
+    monkeypatch.undo()
+    assert registry.store.list_model_versions() == []
+
+
+def test_a_lost_race_retries_once_with_the_next_version(
+    registry: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another push takes version 1 between this push's choice of 1 and its insert: this one
+    removes its blob and takes 2. Losing twice is a 409 with no blob of its own left."""
+    store = registry.store
+    real_next = store.next_model_version
+    other = model_file(tmp_path, b"the other push", "other.onnx")
+
+    def stale(name: str) -> int:
+        number = real_next(name)
+        # The other push wins this number (its blob, then its row), after this one chose it.
+        sha = hashlib.sha256(other.read_bytes()).hexdigest()
+        uri = registry.storage.put(other, artifact_key(name, number, sha, "onnx"))
+        store.add_model_version(name, number, "onnx", sha, 14, SIGNATURE, uri)
+        return number
+
+    monkeypatch.setattr(store, "next_model_version", stale)
+    with pytest.raises(ConflictError):
+        registry.push("wine", model_file(tmp_path, b"mine"))
+    monkeypatch.undo()
+    versions = store.list_model_versions("wine")
+    assert [v.version for v in versions] == [1, 2]
+    assert {b.read_bytes() for b in blobs(tmp_path / "data" / "registry")} == {b"the other push"}
+
+    calls = {"n": 0}
+
+    def stale_once(name: str) -> int:
+        calls["n"] += 1
+        return real_next(name) - (1 if calls["n"] == 1 else 0)
+
+    monkeypatch.setattr(store, "next_model_version", stale_once)
+    record = registry.push("wine", model_file(tmp_path, b"mine"))
+    assert record.version == 3
+    assert b"".join(registry.open(record)) == b"mine"
+    assert len(blobs(tmp_path / "data" / "registry")) == 3
+
+
+def test_the_same_file_racing_for_one_version_keeps_the_winners_blob(
+    registry: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = registry.store
+    real_next = store.next_model_version
+    same = model_file(tmp_path, b"same bytes")
+    monkeypatch.setattr(store, "next_model_version", lambda name: 1)
+    first = registry.push("wine", same)
+    with pytest.raises(ConflictError):
+        registry.push("wine", same)
+    monkeypatch.setattr(store, "next_model_version", real_next)
+    assert b"".join(registry.open(first)) == b"same bytes"
+
+
+def test_concurrent_pushes_get_distinct_versions(registry: Registry, tmp_path: Path) -> None:
+    files = [model_file(tmp_path, f"model {i}".encode(), f"m{i}.onnx") for i in range(6)]
+    results: list[ModelVersionRecord] = []
+    failures: list[BaseException] = []
+    barrier = threading.Barrier(len(files))
+
+    def push(path: Path) -> None:
+        barrier.wait()
+        try:
+            results.append(registry.push("wine", path))
+        except ConflictError as error:  # lost twice: allowed, and leaves nothing behind
+            failures.append(error)
+
+    threads = [threading.Thread(target=push, args=(f,)) for f in files]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    versions = sorted(r.version for r in results)
+    assert versions == list(range(1, len(results) + 1))
+    assert len(results) + len(failures) == len(files) and len(results) >= 2
+    stored = blobs(tmp_path / "data" / "registry" / "models")
+    assert len(stored) == len(results)
+    for record in results:
+        assert hashlib.sha256(b"".join(registry.open(record))).hexdigest() == record.sha256
+
+
+def test_registry_from_settings_stores_in_the_data_directory(store: Store, tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path / "data", provisioner="fake", model_max_bytes=123)
+    registry = registry_from_settings(settings, store)
+    assert isinstance(registry.storage, LocalArtifactStorage)
+    assert registry.storage.root == (tmp_path / "data" / "registry").resolve()
+    assert registry.max_bytes == 123
+    assert isinstance(registry.inspector, SubprocessInspector)
+
+
+def test_local_storage_refuses_foreign_uris(tmp_path: Path) -> None:
+    from controlplane.errors import ArtifactStoreError
+
+    storage = LocalArtifactStorage(tmp_path / "registry")
+    with pytest.raises(ArtifactStoreError):
+        storage.delete((tmp_path / "elsewhere.onnx").as_uri())
+    with pytest.raises(ArtifactStoreError):
+        storage.open("s3://bucket/models/x")
+    with pytest.raises(ArtifactStoreError):
+        storage.put(model_file(tmp_path), "../../escape.onnx")
+    storage.delete((tmp_path / "registry" / "models" / "gone.onnx").as_uri())  # idempotent
+
+
+# --- the inspection subprocess -----------------------------------------------------------------
+
+STUB = textwrap.dedent(
+    """
+    import json, sys, time
+    path = sys.argv[1]
+    what = open(path, "rb").read().decode()
+    if what == "ok":
+        print(json.dumps({"format": "onnx", "inputs": [{"name": "x", "datatype": "FP32",
+              "shape": [-1, 2]}], "outputs": [{"name": "y", "datatype": "INT64", "shape": [-1]}]}))
+        print(" ".join(sys.argv[2:]), file=sys.stderr)
+    elif what == "refuse":
+        print(f"{path} is not a model (stub)", file=sys.stderr)
+        sys.exit(2)
+    elif what == "hang":
+        time.sleep(30)
+    elif what == "crash":
+        raise RuntimeError("boom")
+    elif what == "memory":
+        blob = bytearray(1 << 33)
+    elif what == "garbage":
+        print("not json")
+    """
+)
+
+
+@pytest.fixture
+def stub_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    folder = tmp_path / "stubs"
+    folder.mkdir()
+    (folder / "stub_inspect.py").write_text(STUB)
+    monkeypatch.setenv("PYTHONPATH", str(folder))
+    return "stub_inspect"
+
+
+def test_inspection_reads_the_answer(stub_module: str, tmp_path: Path) -> None:
+    found = inspect_artifact(model_file(tmp_path, b"ok"), "onnx", "x:FP32:-1x2", module=stub_module)
+    assert found.format == "onnx"
+    assert found.signature.inputs == (TensorSpec("x", "FP32", (-1, 2)),)
+    assert found.signature.outputs == (TensorSpec("y", "INT64", (-1,)),)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("refuse", r"^the artifact is not a model \(stub\)$"),
+        ("crash", r"^cannot inspect the model: the inspector failed with status 1: RuntimeError"),
+        ("memory", r"more memory than the inspector's limit"),
+    ],
+)
+def test_inspection_refusals_are_one_line(
+    stub_module: str, tmp_path: Path, content: str, message: str
+) -> None:
+    with pytest.raises(ModelRejectedError, match=message) as caught:
+        inspect_artifact(
+            model_file(tmp_path, content.encode()), module=stub_module, memory_bytes=1 << 30
+        )
+    assert "\n" not in str(caught.value)
+    assert str(tmp_path) not in str(caught.value)
+
+
+def test_inspection_times_out(stub_module: str, tmp_path: Path) -> None:
+    inspector = SubprocessInspector(timeout_s=1.0, module=stub_module)
+    with pytest.raises(ModelRejectedError, match="longer than 1 s"):
+        inspector(model_file(tmp_path, b"hang"))
+
+
+def test_an_answer_that_breaks_the_contract_is_a_bug(stub_module: str, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="not an inspection"):
+        inspect_artifact(model_file(tmp_path, b"garbage"), module=stub_module)
+
+
+needs_inspector = pytest.mark.skipif(
+    importlib.util.find_spec("provisioners.worker.inspect") is None
+    or importlib.util.find_spec("onnx") is None,
+    reason="provisioners.worker.inspect (the worker's inspector) or onnx is not installed",
+)
+
+
+def onnx_model(path: Path, batch: str | int = "batch") -> Path:
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    weights = helper.make_tensor(
+        "W", TensorProto.FLOAT, [4, 3], np.ones((4, 3), np.float32).ravel().tolist()
+    )
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["input", "W"], ["logits"])],
+        "g",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, 3])],
+        [weights],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+@needs_inspector
+def test_push_with_the_real_inspector(store: Store, tmp_path: Path) -> None:
+    root = tmp_path / "registry"
+    registry = Registry(store, LocalArtifactStorage(root), staging_dir=root / "incoming")
+    record = registry.push("wine", onnx_model(tmp_path / "wine.onnx"))
+    assert record.format == "onnx"
+    assert record.signature == SIGNATURE
+    with pytest.raises(ModelRejectedError) as caught:
+        registry.push("wine", model_file(tmp_path, b"definitely not a model"))
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ModelRejectedError, match="dynamic"):
+        registry.push("fixed", onnx_model(tmp_path / "fixed.onnx", batch=1))
+    assert [r.version for r in store.list_model_versions()] == [1]
+    assert len(blobs(root)) == 1
+
+
+# --- the API -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Api:
+    client: TestClient
+    store: Store
+    tokens: dict[str, str]
+    data_dir: Path
+
+    def call(
+        self, method: str, url: str, scope: str | None = "operator", **kwargs: Any
+    ) -> httpx.Response:
+        headers = {**kwargs.pop("headers", {})}
+        if scope is not None:
+            headers["Authorization"] = f"Bearer {self.tokens[scope]}"
+        response: httpx.Response = self.client.request(method, url, headers=headers, **kwargs)
+        return response
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Iterator[Api]:
+    data_dir = tmp_path / "data"
+    settings = Settings(data_dir=data_dir, provisioner="fake", model_max_bytes=2 << 20)
+    settings.ensure_data_dir()
+    store = Store.from_url(settings.database_url, FakeClock(), upgrade=True)
+    tokens = {s: store.create_token(s, name=f"{s}-token") for s in ("operator", "viewer", "infer")}
+    registry = registry_from_settings(settings, store, inspector=fake_inspector())
+    app = create_app(settings, store, FakeClock(), registry=registry)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield Api(client, store, tokens, data_dir)
+    store.close()
+
+
+def assert_error(response: httpx.Response, status: int, code: str) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code, error
+    message: str = error["message"]
+    assert message and "\n" not in message
+    return message
+
+
+def test_api_push_list_show_download(api: Api) -> None:
+    content = b"m" * (1 << 20) + b"tail"  # over the API's usual 1 MiB body limit
+    pushed = api.call("POST", "/v1/models/wine?format=onnx", content=content)
+    assert pushed.status_code == 201, pushed.text
+    version = pushed.json()
+    assert version["name"] == "wine" and version["version"] == 1
+    assert version["sha256"] == hashlib.sha256(content).hexdigest()
+    assert version["size_bytes"] == len(content)
+    assert version["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
+    assert version["uri"].startswith("file:///") and version["uri"].endswith(".onnx")
+    again = api.call("POST", "/v1/models/wine", content=b"second")
+    assert again.status_code == 201 and again.json()["version"] == 2
+
+    listing = api.call("GET", "/v1/models", "viewer")
+    assert listing.status_code == 200
+    assert [(v["name"], v["version"]) for v in listing.json()["models"]] == [
+        ("wine", 1),
+        ("wine", 2),
+    ]
+    model = api.call("GET", "/v1/models/wine", "viewer").json()
+    assert model["name"] == "wine" and [v["version"] for v in model["versions"]] == [1, 2]
+    one = api.call("GET", "/v1/models/wine/versions/1", "viewer")
+    assert one.status_code == 200 and one.json() == version
+    artifact = api.call("GET", "/v1/models/wine/versions/1/artifact", "viewer")
+    assert artifact.status_code == 200
+    assert artifact.headers["content-type"] == "application/octet-stream"
+    assert artifact.content == content
+    assert api.store.get_model_version("wine").version == 2
+
+
+def test_api_refusals_are_one_line_4xx(api: Api) -> None:
+    assert_error(api.call("POST", "/v1/models/Wine", content=b"x"), 400, "invalid_model_name")
+    assert_error(api.call("GET", "/v1/models/Wine", "viewer"), 400, "invalid_model_name")
+    assert_error(api.call("POST", "/v1/models/wine", content=b"bad"), 422, "invalid_model")
+    assert_error(api.call("POST", "/v1/models/wine", content=b""), 422, "invalid_model")
+    assert_error(
+        api.call("POST", "/v1/models/wine?format=pickle", content=b"x"), 422, "invalid_request"
+    )
+    assert_error(api.call("GET", "/v1/models/ghost", "viewer"), 404, "not_found")
+    assert_error(api.call("GET", "/v1/models/ghost/versions/1", "viewer"), 404, "not_found")
+    assert_error(
+        api.call("GET", "/v1/models/ghost/versions/1/artifact", "viewer"), 404, "not_found"
+    )
+    assert_error(api.call("GET", "/v1/models/ghost/versions/0", "viewer"), 422, "invalid_request")
+    assert_error(api.call("POST", "/v1/models/wine", "viewer", content=b"x"), 403, "forbidden")
+    assert_error(api.call("POST", "/v1/models/wine", "infer", content=b"x"), 403, "forbidden")
+    assert_error(api.call("GET", "/v1/models", "infer"), 403, "forbidden")
+    assert_error(api.call("POST", "/v1/models/wine", None, content=b"x"), 401, "unauthorized")
+    assert api.store.list_model_versions() == []
+    assert blobs(api.data_dir / "registry") == []
+
+
+def test_api_too_large_leaves_nothing_behind(api: Api) -> None:
+    big = b"x" * ((2 << 20) + 1)
+    message = assert_error(api.call("POST", "/v1/models/wine", content=big), 413, "too_large")
+    assert "2,097,152 bytes" in message
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        for _ in range(3):
+            yield b"x" * (1 << 20)
+
+    assert_error(api.call("POST", "/v1/models/wine", content=chunked()), 413, "too_large")
+    assert api.store.list_model_versions() == []
+    assert blobs(api.data_dir / "registry") == []
+
+
+def test_openapi_documents_the_routes(api: Api) -> None:
+    document = api.client.get("/openapi.json").json()
+    push = document["paths"]["/v1/models/{name}"]["post"]
+    assert "application/octet-stream" in push["requestBody"]["content"]
+    assert {"201", "400", "413", "422"} <= set(push["responses"])
+    artifact = document["paths"]["/v1/models/{name}/versions/{version}/artifact"]["get"]
+    assert "application/octet-stream" in artifact["responses"]["200"]["content"]
