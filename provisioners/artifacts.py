@@ -12,8 +12,9 @@ Protocol code share, without torch or onnxruntime:
   registry's name and version, the format, the sha256 of the file and where the file is
   (``file:///abs/path`` or ``s3://bucket/key``). :meth:`ArtifactRef.to_arg` and
   :meth:`ArtifactRef.from_arg` are its spelling on the worker's command line (``--artifact``).
-- :func:`fetch_artifact`: the file behind a reference, copied (S3: downloaded with boto3) into a
-  cache folder and verified against its sha256; a mismatch is an :class:`ArtifactError`.
+- :func:`file_sha256`: what a reference's checksum is of. Fetching the file behind a reference
+  (S3 through boto3) is :mod:`provisioners.fetch`'s, so that what imports this vocabulary (the app
+  spec, the policies) does not reach a cloud client.
 
 Like the rest of ``provisioners/``, it imports nothing else from the repository.
 """
@@ -21,15 +22,12 @@ Like the rest of ``provisioners/``, it imports nothing else from the repository.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
 import numpy as np
 
@@ -43,7 +41,6 @@ __all__ = [
     "ModelSignature",
     "TensorSpec",
     "datatype_of",
-    "fetch_artifact",
     "file_sha256",
     "numpy_dtype",
     "signature_document",
@@ -268,46 +265,3 @@ def file_sha256(path: str | Path) -> str:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def fetch_artifact(ref: ArtifactRef, cache_dir: str | Path, *, s3_client: Any = None) -> Path:
-    """The local file of ``ref``, verified: a ``file://`` artifact is read where it is; an
-    ``s3://`` one is downloaded into ``cache_dir`` (once; a cached copy is checked again).
-    ``s3_client`` is a boto3 S3 client (made from the environment when ``None``). Raises
-    :class:`ArtifactError` when the file is missing or its sha256 is not the reference's."""
-    parsed = urlparse(ref.uri)
-    if parsed.scheme == "file":
-        path = Path(unquote(parsed.path))
-        if not path.is_file():
-            raise ArtifactError(f"artifact {ref.model} v{ref.version}: no file at {path}")
-    else:
-        cache = Path(cache_dir)
-        cache.mkdir(parents=True, exist_ok=True)
-        suffix = ".onnx" if ref.format == "onnx" else ".pt"
-        path = cache / f"{ref.model}-{ref.version}-{ref.sha256[:16]}{suffix}"
-        if not path.is_file() or file_sha256(path) != ref.sha256:
-            _download_s3(parsed.netloc, parsed.path.lstrip("/"), path, s3_client)
-    actual = file_sha256(path)
-    if actual != ref.sha256:
-        raise ArtifactError(
-            f"artifact {ref.model} v{ref.version}: sha256 {actual[:12]}... is not the registry's"
-            f" {ref.sha256[:12]}... (the file changed or was corrupted)"
-        )
-    return path
-
-
-def _download_s3(bucket: str, key: str, path: Path, client: Any) -> None:
-    if client is None:
-        import boto3  # only where an artifact is in S3
-
-        client = boto3.client("s3", endpoint_url=os.environ.get("HETEROPLANE_S3_ENDPOINT_URL"))
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".download-")
-    os.close(descriptor)
-    try:
-        try:
-            client.download_file(bucket, key, temporary)
-        except Exception as error:  # botocore's errors, without importing botocore here
-            raise ArtifactError(f"cannot download s3://{bucket}/{key}: {error}") from None
-        shutil.move(temporary, path)
-    finally:
-        Path(temporary).unlink(missing_ok=True)

@@ -63,7 +63,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 REGISTRY_DIR = "registry"
-# The S3 endpoint override that provisioners.artifacts.fetch_artifact also honours (a moto
+# The S3 endpoint override that provisioners.fetch.fetch_artifact also honours (a moto
 # server in tests); boto3's own AWS_ENDPOINT_URL works too.
 S3_ENDPOINT_ENV = "HETEROPLANE_S3_ENDPOINT_URL"
 _NAME = re.compile(NAME_PATTERN)

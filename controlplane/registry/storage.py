@@ -2,7 +2,7 @@
 
 A blob store is an :class:`ArtifactStorage`: :meth:`~ArtifactStorage.put` stores a local file
 under a key (``<name>/<version>/<sha256>.<onnx|pt>``, relative to the store's prefix) and returns
-its URI, the one a worker fetches (:func:`provisioners.artifacts.fetch_artifact`);
+its URI, the one a worker fetches (:func:`provisioners.fetch.fetch_artifact`);
 :meth:`~ArtifactStorage.delete` removes a blob by that URI (nothing there is fine: a push that
 failed half-way cleans up with it); :meth:`~ArtifactStorage.open` reads one back in chunks (``GET
 /v1/models/{name}/versions/{v}/artifact``). Failures are one-line

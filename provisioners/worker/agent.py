@@ -10,7 +10,7 @@ SIGTERM).
 What it serves: the demo family's models by name (``--models tiny,small``; each under
 :data:`~provisioners.artifacts.FAMILY_SIGNATURE`, answering the family's raw logits), and models
 users bring (``--artifact NAME:MODEL:VERSION:FORMAT:SHA256:URI``, repeatable: fetched and
-verified with :func:`~provisioners.artifacts.fetch_artifact` into ``--cache-dir``'s
+verified with :func:`~provisioners.fetch.fetch_artifact` into ``--cache-dir``'s
 ``artifacts/`` or a temporary folder, loaded with :mod:`provisioners.worker.runtime`, served as
 NAME). With artifacts and no ``--models``, no family model is loaded.
 
@@ -81,7 +81,8 @@ from urllib.parse import unquote
 
 import numpy as np
 
-from provisioners.artifacts import ArtifactError, ArtifactRef, fetch_artifact
+from provisioners.artifacts import ArtifactError, ArtifactRef
+from provisioners.fetch import fetch_artifact
 from provisioners.worker.emulation import (
     REFERENCE_TYPE,
     Emulation,

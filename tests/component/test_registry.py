@@ -46,7 +46,8 @@ from controlplane.registry import (
 )
 from controlplane.service.app import create_app
 from controlplane.settings import Settings
-from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec, fetch_artifact
+from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec
+from provisioners.fetch import fetch_artifact
 
 SIGNATURE = ModelSignature(
     (TensorSpec("input", "FP32", (-1, 4)),), (TensorSpec("logits", "FP32", (-1, 3)),)

@@ -1,7 +1,7 @@
 """The registry's S3 blob store against a real moto server on 127.0.0.1 (boto3 over HTTP): put,
 read back, delete, foreign URIs refused, errors one line; a push through
 :func:`registry_from_settings` with the EC2 provisioner and a model bucket lands in the bucket
-under the prefix, and a worker's :func:`~provisioners.artifacts.fetch_artifact` downloads and
+under the prefix, and a worker's :func:`~provisioners.fetch.fetch_artifact` downloads and
 verifies it. The inspector is a fake (the registry's seam): what is tested here is the storage.
 """
 
@@ -24,7 +24,8 @@ from controlplane.registry import (
     registry_from_settings,
 )
 from controlplane.settings import Ec2Settings, Settings
-from provisioners.artifacts import ModelSignature, TensorSpec, fetch_artifact
+from provisioners.artifacts import ModelSignature, TensorSpec
+from provisioners.fetch import fetch_artifact
 from tests.integration.moto_server import REGION, aws_env, moto_server
 
 __all__ = ["aws_env", "moto_server"]  # fixtures, imported for pytest
