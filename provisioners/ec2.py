@@ -23,6 +23,20 @@ keeps the :class:`~provisioners.base.Provisioner` contract on EC2:
   every usable subnet as an override, tagging the instances and their volumes at creation as
   ``RunInstances`` does (moto 5.2 accepts the fleet's volume tags but drops them; AWS applies
   them). What spot cannot supply is launched on demand.
+- **Models a user brings** (``request.artifacts``): RunInstances gets ``UserData`` that starts
+  the worker agent with one ``--artifact NAME:MODEL:VERSION:FORMAT:SHA256:URI`` per model (the
+  worker downloads ``s3://`` artifacts with its instance role and checks their sha256). The
+  script is not written here: it is the type's launch template's own user data (terraform's
+  ``templates/worker.sh.tftpl``, read back with ``DescribeLaunchTemplateVersions``, version
+  ``$Default``) with the arguments appended to its ``ExecStart=... -m provisioners.worker``
+  line, so that the install, the port, the bucket and the unit stay in one place
+  (:func:`worker_user_data`). A type without such a template (``ami_id``, or a template made by
+  :meth:`Ec2Provisioner.ensure_launch_templates`, which has no user data) cannot serve artifacts:
+  :class:`~provisioners.errors.InvalidConfigurationError`, as is user data over EC2's 16 KB.
+  Spot fleets take the template's user data as it is (``CreateFleet`` has no per-launch
+  override), so with ``spot=True`` a request with artifacts is launched on demand, with an
+  ``info`` event: the simplest correct way (a template version per artifact set would be
+  the other, at the price of versions piling up on terraform's templates).
 - **Throttling** is retried by botocore's adaptive retry mode (client-side rate limiting and
   backoff); what is still throttled after ``max_attempts`` is a
   :class:`~provisioners.errors.ThrottledError`.
@@ -36,8 +50,12 @@ server with no code path of ours.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import builtins
 import hashlib
+import re
+import shlex
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -56,6 +74,7 @@ from botocore.exceptions import (
     NoRegionError,
 )
 
+from provisioners.artifacts import ArtifactRef
 from provisioners.base import (
     MANAGED_TAG,
     REQUEST_TAG,
@@ -79,9 +98,12 @@ __all__ = [
     "CAPACITY_ERROR_CODES",
     "QUOTA_ERROR_CODES",
     "THROTTLING_ERROR_CODES",
+    "USER_DATA_MAX_BYTES",
+    "WORKER_COMMAND",
     "Ec2Config",
     "Ec2Provisioner",
     "map_client_error",
+    "worker_user_data",
 ]
 
 Market = Literal["on-demand", "spot"]
@@ -165,6 +187,13 @@ _DONE_STATES = frozenset({"shutting-down", "terminated"})
 _CLIENT_TOKEN_CHARS = 64
 _IDS_PER_CALL = 100
 _PROTOCOL_PREFIX = "heteroplane"
+
+# EC2 takes at most 16 KB of user data, counted before the base64 encoding (RunInstances,
+# UserData: "User data is limited to 16 KB, in raw form, before it is base64-encoded").
+USER_DATA_MAX_BYTES = 16 * 1024
+# What the worker template's unit runs (templates/worker.sh.tftpl, ExecStart=).
+WORKER_COMMAND = "-m provisioners.worker"
+_MODELS_OPTION = re.compile(r"\s--models(?:=|\s+)\S+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +347,7 @@ class Ec2Provisioner:
             raise InvalidConfigurationError(
                 "launch_templates", f"no launch template for {request.instance_type} and no ami_id"
             )
+        user_data = self._artifact_user_data(request, template) if request.artifacts else None
         tags = self._aws_tags(launch_tags(request), request.instance_type)
         launched: builtins.list[ProvisionedInstance] = []
         if self.config.spot:
@@ -327,12 +357,21 @@ class Ec2Provisioner:
                     f"spot needs a launch template; launching {request.instance_type} on demand",
                     request.instance_type,
                 )
+            elif user_data is not None:
+                # A fleet launches with the template's user data: no room for the artifacts.
+                self._event(
+                    "info",
+                    f"spot fleets take no per-launch user data; launching {request.count}"
+                    f" {request.instance_type} with {len(request.artifacts)} artifact(s) on"
+                    " demand",
+                    request.instance_type,
+                )
             else:
                 launched = self._launch_spot(request, template, tags)
         remaining = request.count - len(launched)
         if remaining > 0:
             try:
-                launched += self._launch_on_demand(request, remaining, template, tags)
+                launched += self._launch_on_demand(request, remaining, template, tags, user_data)
             except ProvisionerError:
                 if launched:
                     # Spot already gave part of the request: keep it, report the rest.
@@ -426,6 +465,7 @@ class Ec2Provisioner:
         count: int,
         template: str | None,
         tags: builtins.list[dict[str, str]],
+        user_data: str | None = None,
     ) -> builtins.list[ProvisionedInstance]:
         instance_type = request.instance_type
         missed: builtins.list[str] = []  # "zone (why)", for the events
@@ -450,6 +490,9 @@ class Ec2Provisioner:
                 params["ImageId"] = self.config.ami_id
             if self.config.security_group_ids:
                 params["SecurityGroupIds"] = builtins.list(self.config.security_group_ids)
+            if user_data is not None:
+                # Text: botocore base64-encodes RunInstances' UserData itself.
+                params["UserData"] = user_data
             try:
                 response = self._call(
                     "RunInstances", instance_type=instance_type, zone=zone, **params
@@ -564,6 +607,43 @@ class Ec2Provisioner:
                 instance_type,
             )
         return launched
+
+    def _artifact_user_data(self, request: LaunchRequest, template: str | None) -> str:
+        """The user data that starts the worker with ``request.artifacts``: the launch
+        template's own (its default version), the artifacts added (:func:`worker_user_data`)."""
+        instance_type = request.instance_type
+        if template is None:
+            raise InvalidConfigurationError(
+                "launch_templates",
+                f"{instance_type} has no launch template: serving artifacts needs the worker"
+                " template (terraform's), whose user data starts the worker agent",
+            )
+        try:
+            found = self._call(
+                "DescribeLaunchTemplateVersions",
+                instance_type=instance_type,
+                **_template_spec(template),
+                Versions=["$Default"],
+            )
+        except ProvisionerError as error:
+            raise self._reported(error, instance_type) from None
+        versions = found.get("LaunchTemplateVersions") or [{}]
+        encoded = versions[0].get("LaunchTemplateData", {}).get("UserData")
+        if not encoded:
+            raise InvalidConfigurationError(
+                "launch_templates",
+                f"launch template {template} ({instance_type}) has no user data: serving"
+                " artifacts needs the worker template (terraform's), which starts the agent",
+            )
+        try:
+            script = base64.b64decode(encoded, validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            raise InvalidConfigurationError(
+                "launch_templates",
+                f"launch template {template} ({instance_type}): its user data is not a script"
+                " (base64 of UTF-8 text)",
+            ) from None
+        return worker_user_data(script, request.artifacts, source=f"launch template {template}")
 
     def _create_launch_template(self, name: str, instance_type: str) -> str:
         managed = [{"Key": self._aws_key(MANAGED_TAG), "Value": "true"}]
@@ -707,6 +787,63 @@ class Ec2Provisioner:
         event = ProvisionerEvent(self._now(), kind, message, instance_type, zone, provider_id)
         with self._lock:
             self._events.append(event)
+
+
+def worker_user_data(
+    script: str, artifacts: Sequence[ArtifactRef], *, source: str = "the worker template"
+) -> str:
+    """``script`` (the worker template's user data, as terraform renders
+    ``templates/worker.sh.tftpl``) with its one ``ExecStart=... -m provisioners.worker ...`` line
+    serving ``artifacts``: ``--artifact NAME:MODEL:VERSION:FORMAT:SHA256:URI`` appended for each
+    (:meth:`~provisioners.artifacts.ArtifactRef.to_arg`) and any ``--models`` removed. The rest of
+    the script is untouched.
+
+    Each value is quoted for the systemd unit the line is in: shell quoting (:func:`shlex.quote`;
+    systemd splits ``ExecStart`` with the same quotes), ``%`` and ``$`` doubled (systemd's
+    specifiers and variables); control characters and backslashes are refused. Raises
+    :class:`~provisioners.errors.InvalidConfigurationError` when the script has no such line or
+    the result is over :data:`USER_DATA_MAX_BYTES`.
+
+    >>> ref = ArtifactRef("wine", "wine", 1, "onnx", "0" * 64, "s3://b/models/wine/1/x.onnx")
+    >>> line = "ExecStart=/venv/bin/python -m provisioners.worker --port 8080 --models tiny"
+    >>> worker_user_data(line, [ref]).replace("0" * 64, "<sha256>").split()[3:]
+    ['--port', '8080', '--artifact', 'wine:wine:1:onnx:<sha256>:s3://b/models/wine/1/x.onnx']
+    """
+    lines = script.split("\n")
+    starts = [
+        index
+        for index, line in enumerate(lines)
+        if line.startswith("ExecStart=") and WORKER_COMMAND in line
+    ]
+    if len(starts) != 1:
+        raise InvalidConfigurationError(
+            "launch_templates",
+            f"{source}: its user data needs one 'ExecStart=... python {WORKER_COMMAND} ...' line"
+            f" to add the artifacts to, found {len(starts)}",
+        )
+    (index,) = starts
+    command = _MODELS_OPTION.sub("", lines[index]).rstrip()
+    lines[index] = " ".join(
+        [command, *(f"--artifact {_unit_quote(ref.to_arg())}" for ref in artifacts)]
+    )
+    text = "\n".join(lines)
+    size_bytes = len(text.encode("utf-8"))
+    if size_bytes > USER_DATA_MAX_BYTES:
+        raise InvalidConfigurationError(
+            "artifacts",
+            f"the worker's user data with {len(artifacts)} artifact(s) is {size_bytes} bytes,"
+            f" over EC2's limit of {USER_DATA_MAX_BYTES} (16 KB)",
+        )
+    return text
+
+
+def _unit_quote(value: str) -> str:
+    """``value`` as one argument of a systemd ``ExecStart=`` line."""
+    if "\\" in value or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise InvalidConfigurationError(
+            "artifacts", f"{value[:80]!r}: control characters and backslashes are not passed"
+        )
+    return shlex.quote(value).replace("%", "%%").replace("$", "$$")
 
 
 def _fail_fast_on_capacity(response: Any = None, **_: Any) -> None:

@@ -59,7 +59,7 @@ output "admin_token_command" {
 }
 
 output "model_bucket" {
-  description = "S3 bucket the workers read models from (its models/ prefix)."
+  description = "S3 bucket the workers read models from, and the model registry keeps its artifacts in (its models/ prefix; the control plane's ec2.model_bucket)."
   value       = module.heteroplane.model_bucket
 }
 

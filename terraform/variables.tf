@@ -206,7 +206,7 @@ variable "worker_volume_size_gib" {
 }
 
 variable "model_bucket_name" {
-  description = "An existing S3 bucket holding the models (workers get read access to it alone, and sync its models/ prefix into their cache at boot); null creates one."
+  description = "An existing S3 bucket holding the models (workers get read access to it alone and copy the files directly under its models/ prefix into their cache at boot; the control plane's model registry keeps its artifacts below models/); null creates one."
   type        = string
   default     = null
 }

@@ -212,6 +212,7 @@ def test_apply_serve_and_destroy_against_moto(
         assert TOKEN not in shown and TOKEN not in state
 
         _serve_a_plan(ec2, ami, out, tmp_path, monkeypatch)
+        _serve_an_artifact(ec2, iam, s3, out, tmp_path, monkeypatch)
     except BaseException:
         # Clean up, but report what failed first.
         with contextlib.suppress(Exception, pytest.fail.Exception):
@@ -449,6 +450,71 @@ def _apply_fleet(store: Any, fleet: Mapping[str, int]) -> None:
     }
     plan = store.create_plan(APP, document)
     store.apply_plan(APP, plan.id)
+
+
+def _serve_an_artifact(
+    ec2: Any,
+    iam: Any,
+    s3: Any,
+    out: Mapping[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model a user brought, in the model bucket where the registry keeps it (the control
+    plane's settings name the bucket; its role may write there): a worker launched from
+    terraform's template gets the template's user data with the artifact on the agent's command
+    line, and what the worker would download is the artifact, verified."""
+    import hashlib
+
+    from controlplane.service.provisioning import build_provisioner
+    from controlplane.settings import load_settings
+    from provisioners.artifacts import ArtifactRef
+    from provisioners.base import APP_TAG, LaunchRequest
+    from provisioners.ec2 import worker_user_data
+    from provisioners.fetch import fetch_artifact
+
+    for name in list(os.environ):
+        if name.startswith("HETEROPLANE_"):
+            monkeypatch.delenv(name)
+    for name, value in out["control_plane_environment"].items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("HETEROPLANE_DATA_DIR", str(tmp_path / "data"))
+    settings = load_settings()
+    assert settings.ec2 is not None
+    assert settings.ec2.model_bucket == out["model_bucket"] == "e2e-models"
+    assert settings.ec2.model_prefix == "models/"
+    registry = iam.get_role_policy(
+        RoleName="heteroplane-control-plane", PolicyName="model-registry"
+    )["PolicyDocument"]
+    registry = json.loads(registry) if isinstance(registry, str) else registry
+    (objects,) = [s for s in registry["Statement"] if s.get("Sid") == "RegistryObjects"]
+    assert _as_list(objects["Resource"]) == ["arn:aws:s3:::e2e-models/models/*"]
+
+    blob = b"an onnx model, as far as the sha256 goes\n" * 64
+    sha256 = hashlib.sha256(blob).hexdigest()
+    key = f"models/wine/1/{sha256}.onnx"
+    s3.put_object(Bucket="e2e-models", Key=key, Body=blob)
+    ref = ArtifactRef("wine", "wine", 1, "onnx", sha256, f"s3://e2e-models/{key}")
+
+    provisioner = build_provisioner(settings)
+    instance_type = WORKER_TYPES[0]
+    request = LaunchRequest("e2e-artifact", instance_type, 1, {APP_TAG: "wine-app"}, (ref,))
+    (worker,) = provisioner.launch(request)
+    try:
+        versions = ec2.describe_launch_template_versions(
+            LaunchTemplateId=out["launch_templates"][instance_type], Versions=["$Default"]
+        )["LaunchTemplateVersions"]
+        template = base64.b64decode(versions[0]["LaunchTemplateData"]["UserData"]).decode()
+        script = _user_data(ec2, worker.provider_id)
+        assert script == worker_user_data(template, [ref])
+        (line,) = [row for row in script.splitlines() if row.startswith("ExecStart=")]
+        assert line.endswith(f" --artifact {ref.to_arg()}")
+        _assert_bash_syntax(script)
+        fetched = fetch_artifact(ref, tmp_path / "worker-cache", s3_client=s3)
+        assert fetched.read_bytes() == blob
+    finally:
+        provisioner.terminate([worker.provider_id])
+        s3.delete_object(Bucket="e2e-models", Key=key)
 
 
 def _managed_instances(ec2: Any) -> list[dict[str, Any]]:

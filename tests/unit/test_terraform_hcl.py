@@ -211,6 +211,38 @@ def test_the_worker_role_only_reads_the_model_bucket(module: dict[str, Any]) -> 
     }
 
 
+def test_the_control_plane_keeps_the_registry_under_models_only(module: dict[str, Any]) -> None:
+    registry = role_documents(module, "control_plane")["control_plane_registry"]
+    by_action = {a: s for s in statements(registry) for a in s["actions"]}
+    assert {a for a in by_action if a.startswith("s3:")} == {
+        "s3:PutObject",
+        "s3:GetObject",
+        "s3:DeleteObject",
+        "s3:ListBucket",
+    }
+    objects = "${local.model_bucket_arn}/${local.registry_prefix}*"
+    for action in ("s3:PutObject", "s3:GetObject", "s3:DeleteObject"):
+        assert by_action[action]["resources"] == [objects]
+    listing = by_action["s3:ListBucket"]
+    assert listing["resources"] == ["${local.model_bucket_arn}"]
+    assert _conditions(listing) == {"s3:prefix": ("StringLike", ["${local.registry_prefix}*"])}
+    # No other statement of the control plane's touches S3.
+    others = [
+        a
+        for name, document in role_documents(module, "control_plane").items()
+        if name != "control_plane_registry"
+        for s in statements(document)
+        for a in s["actions"]
+        if a.startswith("s3:")
+    ]
+    assert not others
+    (prefix,) = [b["registry_prefix"] for b in module["locals"] if "registry_prefix" in b]
+    assert prefix == "models/"
+    assert _control_plane_environment(module)["HETEROPLANE_EC2_MODEL_PREFIX"] == (
+        "${local.registry_prefix}"
+    )
+
+
 # --- launch templates, security groups --------------------------------------------------------
 
 
@@ -373,6 +405,8 @@ def test_the_control_plane_settings_are_the_service_settings(
         "HETEROPLANE_EC2_SECURITY_GROUP_IDS": "sg-1",
         "HETEROPLANE_EC2_LAUNCH_TEMPLATES": "g4dn.xlarge=lt-1,c5.xlarge=lt-2",
         "HETEROPLANE_EC2_TAG_PREFIX": "heteroplane",
+        "HETEROPLANE_EC2_MODEL_BUCKET": "heteroplane-models-0123",
+        "HETEROPLANE_EC2_MODEL_PREFIX": "models/",
     }
     for name in list(os.environ):
         if name.startswith("HETEROPLANE_"):
@@ -387,6 +421,10 @@ def test_the_control_plane_settings_are_the_service_settings(
     assert dict(settings.ec2.launch_templates) == {"g4dn.xlarge": "lt-1", "c5.xlarge": "lt-2"}
     assert settings.ec2.subnet_ids == ["subnet-a", "subnet-b"]
     assert environment["HETEROPLANE_EC2_TAG_PREFIX"] == "${var.name}"
+    # The model registry: in the model bucket, under the prefix the workers' boot leaves alone.
+    assert environment["HETEROPLANE_EC2_MODEL_BUCKET"] == "${local.model_bucket}"
+    assert settings.ec2.model_bucket == "heteroplane-models-0123"
+    assert settings.ec2.model_prefix == "models/"
 
 
 def test_the_worker_command_line_is_the_agents() -> None:

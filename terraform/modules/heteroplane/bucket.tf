@@ -1,6 +1,8 @@
 # The model bucket (unless var.model_bucket_name names an existing one): private, encrypted with
-# the deployment's key, versioned, TLS only. Workers read it (iam.tf) and sync its models/ prefix
-# into their model cache when they boot.
+# the deployment's key, versioned, TLS only. Workers read it (iam.tf): at boot they copy the files
+# directly under models/ (the demo family's) into their model cache, and a worker serving a
+# user's model downloads that artifact (models/<name>/<version>/...), which the control plane's
+# model registry put there.
 
 resource "aws_s3_bucket" "models" {
   #checkov:skip=CKV_AWS_18:access logs need a second bucket and a retention policy, the account's choice; the bucket is private and read only by the workers' role

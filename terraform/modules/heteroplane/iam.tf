@@ -1,15 +1,17 @@
 # Two roles.
 #
 # The control plane's: exactly the EC2 calls provisioners/ec2.py makes (RunInstances with tags,
-# DescribeInstances, DescribeSubnets, TerminateInstances, CreateFleet for spot, and
-# DescribeLaunchTemplates / CreateLaunchTemplate for the development path), scoped by the
-# "<name>:managed" tag wherever EC2 takes a tag condition, to the instance types the deployment
-# allows (var.allowed_instance_types) and heteroplane's request tags, to this VPC's subnets and
-# groups, to the worker AMI and to this region and account; iam:PassRole for the worker role alone; and
-# what its boot needs (the admin token's parameter, the database secret). Describe* calls take
-# no resource-level permission, so their Resource is "*" (the actions are still named one by
-# one: no wildcard action anywhere). tests/unit/test_terraform_hcl.py checks the actions against
-# the provisioner's code.
+# DescribeInstances, DescribeSubnets, TerminateInstances, CreateFleet for spot,
+# DescribeLaunchTemplates / CreateLaunchTemplate for the development path, and
+# DescribeLaunchTemplateVersions: a template's user data, for workers serving a user's models),
+# scoped by the "<name>:managed" tag wherever EC2 takes a tag condition, to the instance types
+# the deployment allows (var.allowed_instance_types) and heteroplane's request tags, to this
+# VPC's subnets and groups, to the worker AMI and to this region and account; iam:PassRole for
+# the worker role alone; what its boot needs (the admin token's parameter, the database secret);
+# and the model registry's objects, under models/ in the model bucket. Describe* calls take no
+# resource-level permission, so their Resource is "*" (the actions are still named one by one:
+# no wildcard action anywhere). tests/unit/test_terraform_hcl.py checks the actions against the
+# provisioner's code.
 #
 # The workers': read the model bucket, nothing else.
 
@@ -44,6 +46,12 @@ resource "aws_iam_role_policy" "control_plane_provisioner" {
   policy = data.aws_iam_policy_document.control_plane_provisioner.json
 }
 
+resource "aws_iam_role_policy" "control_plane_registry" {
+  name   = "model-registry"
+  role   = aws_iam_role.control_plane.id
+  policy = data.aws_iam_policy_document.control_plane_registry.json
+}
+
 resource "aws_iam_role_policy" "control_plane_bootstrap" {
   name   = "bootstrap"
   role   = aws_iam_role.control_plane.id
@@ -58,6 +66,7 @@ data "aws_iam_policy_document" "control_plane_provisioner" {
     actions = [
       "ec2:DescribeInstances",
       "ec2:DescribeLaunchTemplates",
+      "ec2:DescribeLaunchTemplateVersions",
       "ec2:DescribeSubnets",
     ]
     resources = ["*"]
@@ -240,6 +249,40 @@ data "aws_iam_policy_document" "control_plane_provisioner" {
       test     = "StringEquals"
       variable = "kms:ViaService"
       values   = ["ec2.${local.region}.amazonaws.com"]
+    }
+  }
+}
+
+# The model registry (controlplane/registry): the artifacts users push are stored, read back
+# (GET /v1/models/.../artifact) and removed (a push that fails half way) under models/ in the
+# model bucket, encrypted with the deployment's key; nothing else in the bucket.
+data "aws_iam_policy_document" "control_plane_registry" {
+  statement {
+    sid       = "RegistryObjects"
+    actions   = ["s3:PutObject", "s3:GetObject", "s3:DeleteObject"]
+    resources = ["${local.model_bucket_arn}/${local.registry_prefix}*"]
+  }
+
+  # Listing only under models/ (and a missing object answers 404 rather than 403).
+  statement {
+    sid       = "ListRegistry"
+    actions   = ["s3:ListBucket"]
+    resources = [local.model_bucket_arn]
+    condition {
+      test     = "StringLike"
+      variable = "s3:prefix"
+      values   = ["${local.registry_prefix}*"]
+    }
+  }
+
+  statement {
+    sid       = "RegistryEncryption"
+    actions   = ["kms:Decrypt", "kms:GenerateDataKey"]
+    resources = [local.kms_key_arn]
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["s3.${local.region}.amazonaws.com"]
     }
   }
 }

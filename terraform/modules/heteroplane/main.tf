@@ -58,6 +58,9 @@ locals {
 
   model_bucket     = var.model_bucket_name != null ? var.model_bucket_name : aws_s3_bucket.models[0].id
   model_bucket_arn = "arn:${local.partition}:s3:::${local.model_bucket}"
+  # Where the registry's artifacts live in it (models/<name>/<version>/<sha256>.<ext>); the
+  # files directly under it are the demo family's, which workers copy at boot.
+  registry_prefix = "models/"
 
   launch_templates = { for t in var.worker_instance_types : t => aws_launch_template.worker[t].id }
 
@@ -75,6 +78,10 @@ locals {
     HETEROPLANE_EC2_SECURITY_GROUP_IDS = aws_security_group.workers.id
     HETEROPLANE_EC2_LAUNCH_TEMPLATES   = join(",", [for t in var.worker_instance_types : "${t}=${local.launch_templates[t]}"])
     HETEROPLANE_EC2_TAG_PREFIX         = var.name
+    # The model registry keeps the artifacts users push in the model bucket, under models/
+    # (iam.tf: the control plane writes there, the workers read).
+    HETEROPLANE_EC2_MODEL_BUCKET = local.model_bucket
+    HETEROPLANE_EC2_MODEL_PREFIX = local.registry_prefix
   }
   # Behind the load balancer: the dashboard's cookie is Secure, and uvicorn takes the scheme
   # and client address from the load balancer's X-Forwarded-* headers ("*": the host's API

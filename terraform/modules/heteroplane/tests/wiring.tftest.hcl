@@ -157,6 +157,10 @@ run "control_plane_settings_come_from_the_resources" {
     error_message = "the service runs the EC2 provisioner with the deployment's tag prefix"
   }
   assert {
+    condition     = output.control_plane_environment["HETEROPLANE_EC2_MODEL_BUCKET"] == aws_s3_bucket.models[0].id && output.control_plane_environment["HETEROPLANE_EC2_MODEL_PREFIX"] == "models/" && output.model_bucket == aws_s3_bucket.models[0].id
+    error_message = "the model registry stores its artifacts in the model bucket, under models/"
+  }
+  assert {
     condition     = alltrue([for k, v in output.control_plane_environment : strcontains(aws_instance.control_plane.user_data, "${k}=${v}\n")])
     error_message = "the host's settings file holds every setting"
   }
