@@ -2,8 +2,10 @@
 
 The API maps these to HTTP in one place (``NotFoundError`` -> 404, ``ConflictError`` and its
 subclasses -> 409, ``InvalidValueError`` and ``UnknownScopeError`` -> 422, ``DatabaseError`` ->
-503; ``SettingsError`` never reaches it); the CLI turns any :class:`ControlPlaneError` into a
-one-line message and exit status 2. Every message is one line that names what was wrong.
+503, the registry's ``ModelNameError`` -> 400, ``ModelTooLargeError`` -> 413,
+``ModelRejectedError`` -> 422, ``ArtifactStoreError`` -> 503; ``SettingsError`` never reaches
+it); the CLI turns any :class:`ControlPlaneError` into a one-line message and exit status 2.
+Every message is one line that names what was wrong.
 
 The serving loop's errors (:class:`ServingError` and below) are answers to an inference request:
 the API maps them to 429 (:class:`OverloadedError`, with ``Retry-After``), 422
@@ -16,15 +18,22 @@ from __future__ import annotations
 
 __all__ = [
     "AppExistsError",
+    "ArtifactStoreError",
     "BudgetBelowServingFleetError",
     "ConflictError",
     "ControlPlaneError",
     "DatabaseError",
     "InvalidTransitionError",
     "InvalidValueError",
+    "ModelError",
+    "ModelNameError",
+    "ModelRejectedError",
+    "ModelTooLargeError",
     "NoServingInstanceError",
     "NotFoundError",
     "OverloadedError",
+    "ProfilesNotMeasuredError",
+    "ProfilingBudgetError",
     "QueryFailedError",
     "QueryTimeoutError",
     "RequirementsUnmetError",
@@ -106,6 +115,45 @@ class BudgetBelowServingFleetError(ConflictError):
         )
 
 
+class ProfilesNotMeasuredError(ConflictError):
+    """An app whose registered model (an ``artifact``, no ``profiles`` file) has no latency
+    profiles measured yet (on ``instance_types``, empty: on any candidate type), so nothing can be
+    planned for it: ``heteroplane profile run`` measures them."""
+
+    def __init__(self, app: str, model: str, instance_types: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.model = model
+        self.instance_types = instance_types
+        on = f" on {', '.join(instance_types)}" if instance_types else ""
+        super().__init__(
+            f"app {app} has no latency profiles for model {model}{on}:"
+            f" run heteroplane profile run --app {app}"
+        )
+
+
+class ProfilingBudgetError(ConflictError):
+    """Profiling workers that the app's budget cannot pay for on top of its fleet: the fleet
+    costs ``fleet_usd_per_hr``, the workers ``workers_usd_per_hr``, the budget is
+    ``budget_usd_per_hr``."""
+
+    def __init__(
+        self,
+        app: str,
+        fleet_usd_per_hr: float,
+        workers_usd_per_hr: float,
+        budget_usd_per_hr: float,
+    ) -> None:
+        self.app = app
+        self.fleet_usd_per_hr = fleet_usd_per_hr
+        self.workers_usd_per_hr = workers_usd_per_hr
+        self.budget_usd_per_hr = budget_usd_per_hr
+        super().__init__(
+            f"app {app!r}: profiling costs {workers_usd_per_hr:.4g} USD/hr (one worker per type)"
+            f" on top of the fleet's {fleet_usd_per_hr:.4g} USD/hr, over the budget of"
+            f" {budget_usd_per_hr:g} USD/hr; profile fewer types (--types) or raise the budget"
+        )
+
+
 class InvalidValueError(ControlPlaneError, ValueError):
     """A value handed to the store that it refuses (a budget <= 0, a NaN latency, a naive time);
     ``field`` names it. The API validates requests first, so this is a caller's bug or a bad
@@ -129,6 +177,46 @@ class UnknownScopeError(ControlPlaneError, ValueError):
 class DatabaseError(ControlPlaneError):
     """The database cannot be reached, is not migrated, or refused a statement; the message says
     which, on one line, with the URL's password hidden."""
+
+
+# --- the model registry ----------------------------------------------------------------------
+
+
+class ModelError(ControlPlaneError):
+    """A model artifact the registry (:mod:`controlplane.registry`) refuses or cannot keep; the
+    message is one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+class ModelNameError(ModelError, ValueError):
+    """A model name that is not a DNS label, or a reference that is not ``NAME`` or
+    ``NAME@VERSION``; ``name`` is what was given."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        self.name = name
+        super().__init__(problem)
+
+
+class ModelTooLargeError(ModelError):
+    """An artifact over the registry's limit (``model_max_bytes``)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        super().__init__(
+            f"the model is larger than {max_bytes:,} bytes (the service's model_max_bytes)"
+        )
+
+
+class ModelRejectedError(ModelError):
+    """An artifact whose inspection refused it (not ONNX or TorchScript, truncated, no dynamic
+    first dimension, TorchScript without input shapes) or did not finish in time; the message
+    is the inspector's one line."""
+
+
+class ArtifactStoreError(ModelError):
+    """The registry's blob store (the data directory, an S3 bucket) failed a read or a write."""
 
 
 # --- serving ---------------------------------------------------------------------------------

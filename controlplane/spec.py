@@ -29,13 +29,15 @@ controlplane.spec.SpecError: models: must hold at least 1 item, got []
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -59,6 +61,7 @@ __all__ = [
     "AppSpec",
     "ModelSpec",
     "ResolvedApp",
+    "ResolvedArtifact",
     "SLOSpec",
     "SpecError",
     "SpecMissingProfileError",
@@ -66,6 +69,7 @@ __all__ = [
     "SpecUnknownModelError",
     "anchor_paths",
     "load_spec",
+    "parse_artifact",
     "resolve_spec",
     "spec_error_from",
     "validate_spec",
@@ -75,6 +79,28 @@ __all__ = [
 # (RFC 1123): lowercase letters, digits and '-', not starting or ending with '-', at most 63.
 _APP_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$"
 _APP_NAME_MAX = 63
+
+
+def parse_artifact(text: str) -> tuple[str, int | None]:
+    """A model spec's ``artifact``, ``NAME`` or ``NAME@VERSION``, as (name, version), version
+    ``None`` for the latest; :class:`SpecError` (no field: the caller names it) when it is
+    neither. A registry name is a DNS label, as an app's name is.
+
+    >>> parse_artifact("digits@3"), parse_artifact("digits")
+    (('digits', 3), ('digits', None))
+    """
+    name, at, version = text.partition("@")
+    if not re.match(_APP_NAME_PATTERN, name) or len(name) > _APP_NAME_MAX:
+        raise SpecError(
+            "",
+            f"{text!r} is not NAME or NAME@VERSION (a name is lowercase letters, digits and '-',"
+            f" at most {_APP_NAME_MAX})",
+        )
+    if not at:
+        return name, None
+    if not version.isdigit() or int(version) < 1 or len(version) > 9:
+        raise SpecError("", f"{text!r}: the version after '@' must be a whole number >= 1")
+    return name, int(version)
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -147,17 +173,36 @@ _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
 class ModelSpec(BaseModel):
-    """One model of the app and where its latency profiles are."""
+    """One model of the app: where its latency profiles are, the registered artifact that
+    serves it, or both; and how its certainty is read (cascades)."""
 
     model_config = _STRICT
 
     name: str = Field(min_length=1, description="the model's name as the profile file spells it")
-    profiles: str = Field(
+    profiles: str | None = Field(
+        default=None,
         min_length=1,
         pattern=_PATH_PATTERN,
         description="Kairos samples CSV (.csv or .csv.gz) or the project's profile JSON; a"
-        " relative path resolves against the spec file's folder",
+        " relative path resolves against the spec file's folder. Left out for an artifact"
+        " model: the service measures them (heteroplane profile run)",
     )
+    artifact: str | None = Field(
+        default=None,
+        min_length=1,
+        description="a model of the service's registry that serves this model: NAME (pinned to"
+        " its latest version when the app is registered) or NAME@VERSION",
+    )
+    certainty: Literal["margin", "max_prob"] = Field(
+        default="margin",
+        description="how a cascade reads a stage's certainty off the model's first output:"
+        " margin (top-1 minus top-2 of its softmax) or max_prob (top-1 of its softmax)",
+    )
+
+    @property
+    def artifact_ref(self) -> tuple[str, int | None] | None:
+        """``artifact`` as (registry name, version or None for the latest); None without one."""
+        return None if self.artifact is None else parse_artifact(self.artifact)
 
 
 class SLOSpec(BaseModel):
@@ -209,6 +254,17 @@ class AppSpec(BaseModel):
     @model_validator(mode="after")
     def _check_fields_together(self) -> AppSpec:
         _check_unique(self.model_names, "models[{}].name", "model")
+        for i, model in enumerate(self.models):
+            if model.profiles is None and model.artifact is None:
+                raise SpecError(
+                    f"models[{i}]",
+                    "needs profiles (a profile file), artifact (a model of the registry), or both",
+                )
+            if model.artifact is not None:
+                try:
+                    parse_artifact(model.artifact)
+                except SpecError as error:
+                    raise SpecError(f"models[{i}].artifact", error.problem) from None
         _check_cascade(self.model_names, self.cascade)
         _check_thresholds(self.cascade, self.thresholds, self.validation)
         _check_unique(self.instance_types, "instance_types[{}]", "instance type")
@@ -487,7 +543,10 @@ def anchor_paths(spec: AppSpec, base_dir: str | Path) -> AppSpec:
         return str(candidate if candidate.is_absolute() else (base / candidate).resolve())
 
     models = [
-        model.model_copy(update={"profiles": anchored(model.profiles)}) for model in spec.models
+        model.model_copy(update={"profiles": anchored(model.profiles)})
+        if model.profiles is not None
+        else model
+        for model in spec.models
     ]
     catalog = anchored(spec.catalog) if spec.catalog is not None else None
     validation = anchored(spec.validation) if spec.validation is not None else None
@@ -495,6 +554,19 @@ def anchor_paths(spec: AppSpec, base_dir: str | Path) -> AppSpec:
 
 
 # --- checking it against the data ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedArtifact:
+    """A model's registered artifact: ``ref`` what a worker loads (served as the model's name,
+    pinned to one version), ``signature`` its inputs and outputs, ``certainty`` how a cascade
+    reads it (``margin`` or ``max_prob``)."""
+
+    # provisioners.artifacts' ArtifactRef and ModelSignature, not imported: the policies read
+    # this module and stay clear of provisioners (the import-linter's contract).
+    ref: Any
+    signature: Any
+    certainty: str = "margin"
 
 
 @dataclass(frozen=True, slots=True)
@@ -507,7 +579,11 @@ class ResolvedApp:
     ``serving_overhead_ms`` is the control plane's own time per query that no worker profile
     holds (the API before the serving loop), as the service measured it for this app (0 when it
     has not: a spec resolved offline, or an app not served yet); the planner adds it to every
-    query's simulated latency.
+    query's simulated latency. ``artifacts`` maps each model served from the registry to its
+    :class:`ResolvedArtifact` (the spec then names its version: pinned). ``unprofiled`` maps each
+    artifact model whose profiles the service has not measured yet (no ``profiles`` file, and
+    the stored measurements lack some candidate type) to the candidate types it lacks; such a
+    model is not in ``profiles``, and nothing can be planned until it is measured.
     """
 
     spec: AppSpec
@@ -516,6 +592,19 @@ class ResolvedApp:
     prices_usd_per_hr: Mapping[str, float]
     validation: ValidationRecords | None = None
     serving_overhead_ms: float = 0.0
+    artifacts: Mapping[str, ResolvedArtifact] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    unprofiled: Mapping[str, tuple[str, ...]] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+    def certainty(self, model: str) -> str:
+        """How a cascade reads ``model``'s certainty: ``margin`` or ``max_prob``."""
+        for entry in self.spec.models:
+            if entry.name == model:
+                return entry.certainty
+        raise UnknownModelError(model, self.spec.model_names)
 
     @property
     def cascade(self) -> Cascade | None:
@@ -540,7 +629,13 @@ class ResolvedApp:
         return profiles.get_profile(model, instance_type)
 
 
-def resolve_spec(spec: AppSpec, base_dir: str | Path | None = None) -> ResolvedApp:
+def resolve_spec(
+    spec: AppSpec,
+    base_dir: str | Path | None = None,
+    *,
+    artifacts: Mapping[str, ResolvedArtifact] | None = None,
+    measured: ProfileSet | None = None,
+) -> ResolvedApp:
     """Load the catalog and profiles a spec names and check the spec against them.
 
     Checks: every candidate type is in the catalog (default catalog, with ``catalog`` added or
@@ -548,9 +643,24 @@ def resolve_spec(spec: AppSpec, base_dir: str | Path | None = None) -> ResolvedA
     profile, and the budget buys at least one instance of the cheapest candidate. Relative paths
     resolve against ``base_dir`` (for a spec that came as an API body; :func:`load_spec` has
     already anchored them), else the working directory.
+
+    ``artifacts`` are the models with an ``artifact`` as the service's registry resolved them
+    (by model name; :mod:`controlplane.apps.resolver` looks them up and pins the spec). Such a
+    model's profiles are its ``profiles`` file when it names one, else ``measured`` (what the
+    service measured for the app, ``heteroplane profile run``); a candidate type measured for
+    neither is in :attr:`ResolvedApp.unprofiled`, not an error. Without ``artifacts`` (offline
+    planning) an artifact model needs its ``profiles`` file.
     """
     if base_dir is not None:
         spec = anchor_paths(spec, base_dir)
+    found = dict(artifacts or {})
+    for i, model in enumerate(spec.models):
+        if model.artifact is not None and model.name not in found and model.profiles is None:
+            raise SpecError(
+                f"models[{i}].artifact",
+                "a registry model is measured and served by the service: register the app"
+                " there (heteroplane app register), or name a profiles file to plan offline",
+            )
     catalog = _load_spec_catalog(spec.catalog)
     for i, name in enumerate(spec.instance_types):
         if name not in catalog:
@@ -574,8 +684,23 @@ def resolve_spec(spec: AppSpec, base_dir: str | Path | None = None) -> ResolvedA
 
     files: dict[str, ProfileSet] = {}
     profiles: dict[str, ProfileSet] = {}
+    unprofiled: dict[str, tuple[str, ...]] = {}
     for i, model in enumerate(spec.models):
         field = f"models[{i}].profiles"
+        if model.profiles is None:
+            # An artifact model (the schema asks for one of the two): the service measures it.
+            have = (
+                set(measured.instance_types(model.name))
+                if measured is not None and model.name in measured.models
+                else set()
+            )
+            lacking = tuple(name for name in spec.instance_types if name not in have)
+            if lacking:
+                unprofiled[model.name] = lacking
+            else:
+                assert measured is not None
+                profiles[model.name] = measured
+            continue
         if model.profiles not in files:
             files[model.profiles] = _load_spec_profiles(field, model.profiles)
         profile_set = files[model.profiles]
@@ -583,9 +708,9 @@ def resolve_spec(spec: AppSpec, base_dir: str | Path | None = None) -> ResolvedA
             raise SpecUnknownModelError(
                 f"models[{i}].name", model.name, profile_set.models, model.profiles
             )
-        measured = set(profile_set.instance_types(model.name))
+        covered = set(profile_set.instance_types(model.name))
         for name in spec.instance_types:
-            if name not in measured:
+            if name not in covered:
                 raise SpecMissingProfileError(field, model.name, name, model.profiles)
         profiles[model.name] = profile_set
     return ResolvedApp(
@@ -594,6 +719,8 @@ def resolve_spec(spec: AppSpec, base_dir: str | Path | None = None) -> ResolvedA
         profiles=MappingProxyType(profiles),
         prices_usd_per_hr=MappingProxyType(prices),
         validation=_load_spec_validation(spec),
+        artifacts=MappingProxyType(found),
+        unprofiled=MappingProxyType(unprofiled),
     )
 
 

@@ -565,6 +565,12 @@ def _parse_profiles_json(text: str, where: str) -> ProfileSet:
         raise ProfileError(
             f"{where}: malformed JSON ({error.msg} at line {error.lineno})"
         ) from None
+    return profiles_from_document(document, where)
+
+
+def profiles_from_document(document: Any, where: str) -> ProfileSet:
+    """The profiles of a parsed profile JSON document (:func:`profiles_document`'s output);
+    ``where`` names it in errors."""
     if not isinstance(document, dict) or not isinstance(document.get("profiles"), list):
         raise ProfileError(f"{where}: expected an object with a 'profiles' list ({PROFILE_FORMAT})")
     if document.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:

@@ -25,7 +25,9 @@ from controlplane.db.store import Principal, Store
 from controlplane.loops.leadership import Leadership
 from controlplane.loops.scheduler import Scheduler
 from controlplane.policies.auth import Scope, scope_allows
+from controlplane.registry import Registry
 from controlplane.settings import Settings
+from provisioners.base import Provisioner
 
 if TYPE_CHECKING:  # the serving loop imports the API's resolver: only a type here
     from controlplane.serving.loop import ServingLoop
@@ -53,6 +55,10 @@ class Services:
     # Called with an app's name after its budget changed (the gear switcher's, so that a lower
     # budget moves a cascade's gear before the reconciler drains).
     budget_changed: Callable[[str], object] | None = None
+    # The model registry behind /v1/models (create_app builds the settings' one by default).
+    registry: Registry | None = None
+    # The service's provisioner: profile runs launch their workers through it (None: refused).
+    provisioner: Provisioner | None = None
 
 
 def get_services(request: Request) -> Services:

@@ -21,6 +21,11 @@ can meet)
 :class:`InvalidValueError` (the store  422     ``invalid_value``
 refuses a value the schemas let by)
 :class:`DatabaseError`                 503     ``database_unavailable``
+:class:`ModelNameError` (registry)     400     ``invalid_model_name``
+:class:`ModelTooLargeError`            413     ``too_large``
+:class:`ModelRejectedError` (the       422     ``invalid_model``
+inspection refused the artifact)
+:class:`ArtifactStoreError`            503     ``artifact_store_unavailable``
 :class:`OverloadedError` (admission)   429     ``overloaded`` (with
                                                ``Retry-After``)
 :class:`RequirementsUnmetError`        422     ``requirements_unmet``
@@ -56,6 +61,10 @@ from controlplane.errors import (
     DatabaseError,
     InvalidTransitionError,
     InvalidValueError,
+    ModelError,
+    ModelNameError,
+    ModelRejectedError,
+    ModelTooLargeError,
     NoServingInstanceError,
     NotFoundError,
     OverloadedError,
@@ -244,7 +253,21 @@ def _on_control_plane_error(request: Request, error: Exception) -> JSONResponse:
     if isinstance(error, DatabaseError):
         logger.error("database error on %s %s: %s", request.method, request.url.path, error)
         return error_response(503, "database_unavailable", "the database is unavailable")
+    if isinstance(error, ModelError):
+        return _on_model_error(request, error)
     return _internal(request, error)
+
+
+def _on_model_error(request: Request, error: ModelError) -> JSONResponse:
+    if isinstance(error, ModelNameError):
+        return error_response(400, "invalid_model_name", str(error), "name")
+    if isinstance(error, ModelTooLargeError):
+        return error_response(413, "too_large", str(error))
+    if isinstance(error, ModelRejectedError):
+        return error_response(422, "invalid_model", str(error))
+    # ArtifactStoreError: the blob store failed; what it said is for the log, not the caller.
+    logger.error("artifact store error on %s %s: %s", request.method, request.url.path, error)
+    return error_response(503, "artifact_store_unavailable", "the artifact store is unavailable")
 
 
 def _on_http_error(request: Request, error: Exception) -> JSONResponse:

@@ -32,7 +32,7 @@ import numpy as np
 
 from controlplane.apps.resolver import AppResolver, smallest_common_batch_size
 from controlplane.db.store import PlanRecord, Store
-from controlplane.errors import ConflictError, InvalidValueError
+from controlplane.errors import ConflictError, InvalidValueError, ProfilesNotMeasuredError
 from controlplane.policies.planner import plan_app
 from controlplane.spec import ResolvedApp
 from estimator import deadline
@@ -48,6 +48,7 @@ __all__ = [
     "apply_plan",
     "planning_trace",
     "preview_plan",
+    "require_profiles",
 ]
 
 
@@ -180,6 +181,7 @@ def preview_plan(
 
     Raises:
         NotFoundError: no such app.
+        ProfilesNotMeasuredError: a registered model of the app has no profiles yet.
         ConflictError: the app changed while it was being planned.
         InvalidValueError, EstimatorError: a request or a spec the planner cannot plan for
             (``PlanningDeadlineError`` past the deadline, ``PlanningCancelledError`` once
@@ -187,6 +189,7 @@ def preview_plan(
     """
     record = store.get_app(app)
     resolved = resolver.resolve(record.spec)
+    require_profiles(resolved)
     trace, stats = planning_trace(resolved, request)
     with deadline.limit(deadline_s, cancelled):
         plan = plan_app(resolved, trace, seed=request.seed)
@@ -194,6 +197,20 @@ def preview_plan(
         raise ConflictError(f"app {app!r} changed while it was being planned; preview again")
     document = dataclasses.replace(plan, seed=request.seed, trace=stats).to_document()
     return store.create_plan(app, document)
+
+
+def require_profiles(app: ResolvedApp) -> None:
+    """Refuse to plan an app whose registered model has no latency profiles yet (measured by
+    ``heteroplane profile run``).
+
+    Raises:
+        ProfilesNotMeasuredError: naming the first such model (in spec order).
+    """
+    for model in app.spec.model_names:
+        lacking = app.unprofiled.get(model)
+        if lacking:
+            on = () if len(lacking) == len(app.instance_types) else lacking
+            raise ProfilesNotMeasuredError(app.spec.name, model, on)
 
 
 def apply_plan(store: Store, app: str, plan_id: int, who: str) -> PlanRecord:

@@ -8,7 +8,9 @@ This module owns how a latency profile is measured, in two ways:
   (``python -m provisioners.worker``, started by :class:`provisioners.local.LocalProvisioner` as
   the local provisioner starts any worker, on loopback), and once it is ready, batches of real
   validation inputs sent to it over kept-alive HTTP/1.1 as the serving loop's transport sends them
-  (``controlplane.serving.transport``); each sample is one call's round trip as the caller sees
+  (``controlplane.serving.transport``: Open Inference Protocol v2, ``POST
+  /v2/models/{m}/infer`` with the family's signature, an FP32 input ``input`` of [n, 64]); each
+  sample is one call's round trip as the caller sees
   it: the request's JSON, the worker's parsing and validation, the model, the emulation's padding
   (emulated types), the answer's JSON and its parsing. The types are measured side by side (one
   thread and one connection per type, each worker sent one batch at a time, as the dispatcher
@@ -42,6 +44,7 @@ import platform
 import socket
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,6 +56,7 @@ import numpy as np
 from controlplane.errors import ControlPlaneError
 from estimator.catalog import Catalog, InstanceType
 from estimator.profiles import LatencyProfile, write_profiles_json
+from provisioners.artifacts import FAMILY_SIGNATURE, datatype_of
 from provisioners.base import APP_TAG, LaunchRequest
 from provisioners.worker.emulation import EMULATED_COMPUTE, ComputeCurve, compute_document
 
@@ -157,7 +161,7 @@ def measure_serving_path(
         try:
             say(f"starting a worker of each of {', '.join(names)} on this machine")
             addresses = _start_workers(provisioner, names)
-            clients = {name: _Client(addresses[name]) for name in names}
+            clients = {name: WorkerClient(addresses[name]) for name in names}
             try:
                 samples = _time_calls(clients, models, inputs, batch_sizes, settings, say)
             finally:
@@ -399,47 +403,82 @@ def _stop_workers(provisioner: LocalProvisioner) -> None:
     provisioner.close()
 
 
-class _Client:
-    """One kept-alive HTTP/1.1 connection to a worker agent, without Nagle's delay (as
-    ``controlplane.serving.transport`` talks to workers): the profiler's side of a call."""
+def v2_inputs(inputs: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
+    """Tensors as the Open Inference Protocol's JSON ``inputs``: name, shape, datatype and the
+    row-major flattened data."""
+    return [
+        {
+            "name": name,
+            "shape": list(array.shape),
+            "datatype": datatype_of(array.dtype),
+            "data": array.reshape(-1).tolist(),
+        }
+        for name, array in inputs.items()
+    ]
 
-    def __init__(self, address: str) -> None:
+
+class WorkerClient:
+    """One kept-alive HTTP/1.1 connection to a worker agent, without Nagle's delay (as
+    ``controlplane.serving.transport`` talks to workers): the profiler's side of a call, an Open
+    Inference Protocol v2 ``POST /v2/models/{model}/infer``."""
+
+    def __init__(self, address: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
         host, _, port = address.rpartition(":")
         self.address = address
-        self._host, self._port = host, int(port)
+        self._host, self._port = host.strip("[]"), int(port)
+        self._timeout_s = timeout_s
         self._connection: http.client.HTTPConnection | None = None
 
-    def infer_ms(self, model: str, rows: np.ndarray) -> float:
+    def infer_ms(self, model: str, inputs: Mapping[str, np.ndarray]) -> float:
         """One batch's round trip (ms): from encoding the request to decoding the answer. A
         connection that broke is replaced and the call made once more (the broken attempt is
         not a sample)."""
         try:
-            return self._call(model, rows)
+            return self._call(model, inputs)
         except (ConnectionError, http.client.HTTPException):
             self.close()
-            return self._call(model, rows)
+            return self._call(model, inputs)
 
-    def _call(self, model: str, rows: np.ndarray) -> float:
+    def ready(self) -> bool:
+        """Whether the worker answers ``GET /v2/health/ready`` with 200 (a fresh connection)."""
+        connection = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
+        try:
+            connection.request("GET", "/v2/health/ready")
+            response = connection.getresponse()
+            response.read()
+            return response.status == 200
+        except (OSError, http.client.HTTPException):
+            return False
+        finally:
+            connection.close()
+
+    def _call(self, model: str, inputs: Mapping[str, np.ndarray]) -> float:
         connection = self._connect()
         start = time.perf_counter()
-        body = json.dumps({"model": model, "inputs": rows.tolist()}, separators=(",", ":"))
+        body = json.dumps({"inputs": v2_inputs(inputs)}, separators=(",", ":"))
+        path = f"/v2/models/{urllib.parse.quote(model, safe='')}/infer"
         connection.request(
-            "POST", "/infer", body=body.encode(), headers={"Content-Type": "application/json"}
+            "POST", path, body=body.encode(), headers={"Content-Type": "application/json"}
         )
         response = connection.getresponse()
-        answer = json.loads(response.read())
+        raw = response.read()
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = raw[:200].decode("utf-8", "replace")
         elapsed_ms = (time.perf_counter() - start) * 1000.0
         if response.status != 200:
             error = answer.get("error") if isinstance(answer, dict) else answer
+            rows = next(iter(inputs.values())).shape[0] if inputs else 0
             raise ProfilingError(
-                f"the worker at {self.address} refused a batch of {len(rows)} of {model}:"
+                f"the worker at {self.address} refused a batch of {rows} of {model}:"
                 f" HTTP {response.status}: {error}"
             )
         return elapsed_ms
 
     def _connect(self) -> http.client.HTTPConnection:
         if self._connection is None:
-            connection = http.client.HTTPConnection(self._host, self._port, timeout=CALL_TIMEOUT_S)
+            connection = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
             connection.connect()
             assert connection.sock is not None
             connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -453,7 +492,7 @@ class _Client:
 
 
 def _time_calls(
-    clients: Mapping[str, _Client],
+    clients: Mapping[str, WorkerClient],
     models: Sequence[str],
     inputs: np.ndarray,
     batch_sizes: Sequence[int],
@@ -463,7 +502,9 @@ def _time_calls(
     """Samples (ms) by type, model and batch size: for each batch size, every type's worker at
     once (a thread each), round k sending every model in turn the same batch (rows k*b ..
     k*b+b-1 of ``inputs``, wrapping around); the first ``settings.warmup`` rounds not kept."""
-    rows = np.asarray(inputs, dtype=np.float64)
+    # The family's signature (provisioners.artifacts.FAMILY_SIGNATURE): FP32 rows of 64 pixels.
+    (tensor,) = FAMILY_SIGNATURE.inputs
+    rows = np.asarray(inputs, dtype=tensor.dtype)
     rounds = settings.warmup + settings.samples
     samples: dict[str, dict[str, list[np.ndarray]]] = {
         name: {model: [] for model in models} for name in clients
@@ -474,7 +515,7 @@ def _time_calls(
         for k in range(rounds):
             batch = rows[(k * batch_size + np.arange(batch_size)) % len(rows)]
             for model in models:
-                elapsed_ms = clients[name].infer_ms(model, batch)
+                elapsed_ms = clients[name].infer_ms(model, {tensor.name: batch})
                 if k >= settings.warmup:
                     timed[model].append(elapsed_ms)
         return {model: np.array(values) for model, values in timed.items()}

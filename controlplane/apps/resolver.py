@@ -21,11 +21,21 @@ resolved app (the live tuner, the gear switcher, the serving loop, a plan previe
 calibrated profiles. The factors of an app are read once and kept until :meth:`AppResolver.
 invalidate` (the calibration loop calls it when it stores a new one); they live in the database,
 so they survive restarts.
+
+Models a user brings (``artifact:`` in the spec, the service's registry) resolve through an
+``artifacts`` source (:data:`ArtifactSource`, the store's ``get_model_version``): a spec that
+names ``NAME`` comes back pinned to ``NAME@VERSION``, the latest (what registering an app
+stores), and the resolved app carries each model's :class:`~controlplane.spec.ResolvedArtifact`.
+An artifact model without a ``profiles`` file takes the profiles the service measured for the
+app (``heteroplane profile run``), read through a ``measured`` source (:data:`ProfileSource`,
+the store's ``get_app_profiles``) once and kept until :meth:`AppResolver.invalidate`; until they
+exist, the app resolves with the model in ``unprofiled`` (registered, not plannable).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import re
@@ -33,24 +43,32 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from controlplane.spec import (
     AppSpec,
     ResolvedApp,
+    ResolvedArtifact,
     SpecError,
     anchor_paths,
     resolve_spec,
     validate_spec,
 )
-from estimator.profiles import LatencyProfile, ProfileSet
+from estimator.errors import ProfileError
+from estimator.profiles import LatencyProfile, ProfileSet, profiles_from_document
+from provisioners.artifacts import FAMILY_SIGNATURE, ArtifactError, ArtifactRef, ModelSignature
 
 __all__ = [
     "AppResolver",
+    "ArtifactSource",
     "OverheadSource",
+    "ProfileSource",
+    "RegisteredModel",
     "ScaleSource",
+    "pin_artifacts",
+    "resolve_artifacts",
     "scaled_profiles",
     "smallest_common_batch_size",
     "spec_document",
@@ -64,7 +82,29 @@ OverheadSource = Callable[[str], float | None]
 """An app name -> the control plane's measured overhead per query, ms (None: not measured, or
 not registered)."""
 
+
+class RegisteredModel(Protocol):
+    """A version of a registry model as the resolver needs it (the store's
+    ``ModelVersionRecord`` is one)."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def signature(self) -> ModelSignature: ...
+
+    def ref(self, serve_as: str) -> ArtifactRef: ...
+
+
+ArtifactSource = Callable[[str, int | None], RegisteredModel]
+"""A registry model's name and version (None: the latest) -> that version (the store's
+``get_model_version``); raises ``NotFoundError`` (a ``LookupError``) when there is none."""
+
+ProfileSource = Callable[[str], Mapping[str, Any] | None]
+"""An app name -> the profile JSON document the service measured for it (None: none yet)."""
+
 _CACHED_APPS = 32
+_measured_tokens = itertools.count(1)
 
 
 def spec_document(spec: AppSpec) -> dict[str, Any]:
@@ -122,6 +162,8 @@ class AppResolver:
         *,
         scales: ScaleSource | None = None,
         overheads: OverheadSource | None = None,
+        artifacts: ArtifactSource | None = None,
+        measured: ProfileSource | None = None,
     ) -> None:
         self.base_dir = base_dir
         self._capacity = capacity
@@ -131,13 +173,36 @@ class AppResolver:
         self._scales: dict[str, tuple[tuple[tuple[str, str], float], ...]] = {}
         self._overhead_source = overheads
         self._overheads: dict[str, float] = {}
+        self._artifact_source = artifacts
+        self._measured_source = measured
+        # app -> (a token that changes whenever the document is read again, its profiles).
+        self._measured: dict[str, tuple[int, ProfileSet | None]] = {}
 
     def invalidate(self, app: str) -> None:
-        """Forget ``app``'s calibration factors and overhead: the next resolve reads them
-        again."""
+        """Forget ``app``'s calibration factors, overhead and measured profiles: the next
+        resolve reads them again."""
         with self._lock:
             self._scales.pop(app, None)
             self._overheads.pop(app, None)
+            self._measured.pop(app, None)
+
+    def _app_measured(self, app: str) -> tuple[int, ProfileSet | None]:
+        if self._measured_source is None:
+            return 0, None
+        with self._lock:
+            found = self._measured.get(app)
+        if found is None:
+            document = self._measured_source(app)
+            profiles = None
+            if document is not None:
+                try:
+                    profiles = profiles_from_document(document, f"the profiles measured for {app}")
+                except ProfileError as error:
+                    raise SpecError("models", str(error)) from None
+            found = (next(_measured_tokens), profiles)
+            with self._lock:
+                self._measured[app] = found
+        return found
 
     def _app_overhead(self, app: str) -> float:
         if self._overhead_source is None:
@@ -176,6 +241,10 @@ class AppResolver:
         budget lowered below it is allowed: the fleet drains)."""
         if not isinstance(spec, AppSpec):
             spec = validate_spec(spec)
+        if self._artifact_source is not None:
+            # NAME -> NAME@latest first: the cache is keyed by pinned specs (versions never
+            # change), and a registered spec is stored pinned.
+            spec = pin_artifacts(spec, self._artifact_source)
         scales = self._app_scales(spec.name)
         key = json.dumps(
             {k: v for k, v in spec_document(spec).items() if k != "budget_usd_per_hr"},
@@ -183,6 +252,10 @@ class AppResolver:
         )
         if scales:
             key += json.dumps([[m, t, f] for (m, t), f in scales])
+        measured: ProfileSet | None = None
+        if any(model.profiles is None for model in spec.models):
+            token, measured = self._app_measured(spec.name)
+            key += f"|measured:{token}"
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
@@ -191,7 +264,12 @@ class AppResolver:
             # Resolved without a budget (an infinite one), so one cached entry serves them all.
             unbounded = spec.model_copy(update={"budget_usd_per_hr": math.inf})
             try:
-                cached = resolve_spec(unbounded, self.base_dir)
+                found = (
+                    resolve_artifacts(spec, self._artifact_source)
+                    if self._artifact_source is not None
+                    else None
+                )
+                cached = resolve_spec(unbounded, self.base_dir, artifacts=found, measured=measured)
             except SpecError as error:
                 raise _without_file_content(error, anchor_paths(spec, self.base_dir)) from None
             cached = scaled_profiles(cached, dict(scales))
@@ -209,6 +287,81 @@ class AppResolver:
         return resolved
 
 
+def resolve_artifacts(spec: AppSpec, lookup: ArtifactSource) -> dict[str, ResolvedArtifact]:
+    """The registered artifact of each model of ``spec`` that names one (by model name), looked
+    up with ``lookup``; :class:`SpecError` naming ``models[i].artifact`` for one the registry
+    does not have, or a cascade whose models take different inputs."""
+    found: dict[str, ResolvedArtifact] = {}
+    for i, model in enumerate(spec.models):
+        reference = model.artifact_ref
+        if reference is None:
+            continue
+        field = f"models[{i}].artifact"
+        name, version = reference
+        registered = _look_up(lookup, field, name, version)
+        try:
+            ref = registered.ref(model.name)
+        except ArtifactError as error:
+            raise SpecError(f"models[{i}].name", str(error)) from None
+        found[model.name] = ResolvedArtifact(ref, registered.signature, model.certainty)
+    if found:
+        _check_cascade_inputs(spec, found)
+    return found
+
+
+def pin_artifacts(spec: AppSpec, lookup: ArtifactSource) -> AppSpec:
+    """``spec`` with every ``artifact: NAME`` pinned to ``NAME@VERSION``, the latest version
+    ``lookup`` finds (what registering an app stores); :class:`SpecError` naming
+    ``models[i].artifact`` for a name the registry does not have."""
+    models = list(spec.models)
+    for i, model in enumerate(spec.models):
+        reference = model.artifact_ref
+        if reference is None or reference[1] is not None:
+            continue
+        registered = _look_up(lookup, f"models[{i}].artifact", reference[0], None)
+        models[i] = model.model_copy(update={"artifact": f"{reference[0]}@{registered.version}"})
+    return spec if models == list(spec.models) else spec.model_copy(update={"models": models})
+
+
+def _look_up(lookup: ArtifactSource, field: str, name: str, version: int | None) -> RegisteredModel:
+    try:
+        return lookup(name, version)
+    except LookupError:
+        which = f"version {version} of model {name!r}" if version else f"model {name!r}"
+        raise SpecError(
+            field, f"the registry has no {which} (heteroplane model list shows what it has)"
+        ) from None
+
+
+def _check_cascade_inputs(spec: AppSpec, found: Mapping[str, ResolvedArtifact]) -> None:
+    """The members of a cascade take the same inputs: a query goes to each in turn."""
+    if spec.cascade is None:
+        return
+    index = {model.name: i for i, model in enumerate(spec.models)}
+
+    def inputs(name: str) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        artifact = found.get(name)
+        signature = artifact.signature if artifact is not None else FAMILY_SIGNATURE
+        return tuple((t.name, t.datatype, t.shape) for t in signature.inputs)
+
+    def shown(name: str) -> str:
+        return ", ".join(
+            f"{tensor}:{datatype}:{'x'.join(map(str, shape))}"
+            for tensor, datatype, shape in inputs(name)
+        )
+
+    first = spec.cascade[0]
+    for name in spec.cascade[1:]:
+        if inputs(name) != inputs(first):
+            i = index[name]
+            field = f"models[{i}].artifact" if name in found else f"models[{index[first]}].artifact"
+            raise SpecError(
+                field,
+                f"the cascade's models must take the same inputs: {first} takes {shown(first)},"
+                f" {name} takes {shown(name)}",
+            )
+
+
 _FILE_FIELD = re.compile(r"^(catalog|models\[(\d+)\]\.profiles)$")
 
 
@@ -219,7 +372,7 @@ def _without_file_content(error: SpecError, spec: AppSpec) -> SpecError:
     if found is None or error.problem.startswith("no such file"):
         return error
     if found.group(2) is not None:
-        path = spec.models[int(found.group(2))].profiles
+        path = str(spec.models[int(found.group(2))].profiles)
         what = "a profile file (a Kairos samples CSV or the project's profile JSON)"
     else:
         path = str(spec.catalog)

@@ -1,4 +1,6 @@
-"""``heteroplane cascade evaluate``: the demo family's models alone and the Pareto set of cascades.
+"""``heteroplane cascade evaluate``: the demo family's models alone and the Pareto set of cascades
+(with ``--app``: the validation records of an app's registered models instead,
+:mod:`controlplane.cli.cascade_registered`).
 
 Trains (or loads) the demo model family, reads its validation records, measures each model's
 compute per query on this machine (its mean latency at batch size 1, ``controlplane.apps.profiler``;
@@ -46,6 +48,13 @@ def parse_thresholds(text: str) -> tuple[float, ...]:
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
+    if getattr(args, "app", None) is not None:
+        # An app's registered models, fetched from the service: controlplane.cli.cascade_registered.
+        from controlplane.cli.cascade_registered import run_evaluate_app
+
+        return run_evaluate_app(args)
+    if getattr(args, "data", None) is not None or getattr(args, "out", None) is not None:
+        raise UsageError("--data and --out go with --app (an app's registered models)")
     family = load_family()
     models = parse_models(args.models)
     grid = parse_thresholds(args.thresholds)

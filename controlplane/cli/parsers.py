@@ -60,6 +60,8 @@ DEMO_PROFILE_SAMPLES = 20
 LOADGEN_TIMEOUT_S = 10.0
 LOADGEN_PROGRESS_S = 5.0
 LOADGEN_MAX_IN_FLIGHT = 512
+MODEL_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+MODEL_FORMATS = ("onnx", "torchscript")
 
 # Each copy above and the name it copies, as ``module.NAME``.
 LIBRARY_COPIES: dict[str, object] = {
@@ -79,6 +81,8 @@ LIBRARY_COPIES: dict[str, object] = {
     "controlplane.clients.loadgen.DEFAULT_TIMEOUT_S": LOADGEN_TIMEOUT_S,
     "controlplane.clients.loadgen.DEFAULT_PROGRESS_S": LOADGEN_PROGRESS_S,
     "controlplane.clients.loadgen.DEFAULT_MAX_IN_FLIGHT": LOADGEN_MAX_IN_FLIGHT,
+    "provisioners.artifacts.NAME_PATTERN": MODEL_NAME_PATTERN,
+    "provisioners.artifacts.FORMATS": MODEL_FORMATS,
 }
 
 # --- the command line's own defaults and choices (some implementations import them from here) --
@@ -146,6 +150,7 @@ def register_commands(subparsers: Subparsers) -> None:
         _token,
         _serve,
         _app,
+        _model,
         _plans,
         _budget,
         _fleet,
@@ -738,10 +743,11 @@ def _loadgen(subparsers: Subparsers) -> None:
 
 
 def _profile(subparsers: Subparsers) -> None:
-    """Add ``profile measure`` and ``profile show``."""
+    """Add ``profile measure``, ``profile show`` and ``profile run``."""
     parser = subparsers.add_parser(
         "profile",
-        help="measure the demo model family's latency profiles, or summarise a profile file",
+        help="measure the demo model family's latency profiles, summarise a profile file, or"
+        " have the service measure an app's registered models",
         description="Measure latency profiles of the demo model family on this machine (and the"
         " emulated instance types derived from it), or summarise a profile file.",
     )
@@ -839,6 +845,35 @@ def _profile(subparsers: Subparsers) -> None:
     show.add_argument("--json", action="store_true", help="print one JSON object")
     show.set_defaults(handler=Handler("profile", "run_show"))
 
+    run = actions.add_parser(
+        "run",
+        help="have the service measure an app's registered models on its instance types",
+        description="Ask the service (POST /v1/apps/APP/profiles) to launch one worker per"
+        " candidate type of the app (or --types) with the app's registered models, time Open"
+        " Inference Protocol batches of random inputs matching each model's signature at each"
+        " batch size through them, store the profiles for the planner and stop the workers."
+        " The workers must fit the app's budget next to its fleet. Takes minutes: the request"
+        " waits up to --timeout (default an hour).",
+    )
+    _app_option(run)
+    run.add_argument("--types", metavar="T1,T2,...", help="types (default: every candidate)")
+    run.add_argument(
+        "--batch-sizes",
+        metavar="B1,B2,...",
+        help="batch sizes to time (default: the service's, "
+        + ",".join(str(b) for b in PROFILE_BATCH_SIZES)
+        + ")",
+    )
+    run.add_argument(
+        "--samples", type=int, metavar="N", help="timed calls per model, type and batch size"
+    )
+    add_client_options(run)
+    for action in run._actions:
+        if action.dest == "timeout":
+            action.default = None
+            action.help = "seconds to wait for the run (default 3600)"
+    run.set_defaults(handler=Handler("profile_run", "run_profile_run"))
+
 
 def _cascade(subparsers: Subparsers) -> None:
     """Add ``cascade evaluate``."""
@@ -918,6 +953,40 @@ def _cascade(subparsers: Subparsers) -> None:
         help="with --profiles: whose latency is the compute (default %(default)s)",
     )
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    registered = evaluate.add_argument_group(
+        "an app's registered models (--app): validation records instead of the family's"
+    )
+    registered.add_argument(
+        "--app",
+        metavar="APP",
+        help="evaluate this app's registered models (fetched from the service) on --data and"
+        " write their validation records (heteroplane.validation/v1) instead",
+    )
+    registered.add_argument(
+        "--data",
+        type=Path,
+        metavar="FILE.npz",
+        help="with --app: arrays 'inputs' (the first input's samples) and 'labels'",
+    )
+    registered.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE",
+        help="with --app: where to write the records (default: APP-validation.json)",
+    )
+    registered.add_argument(
+        "--url", metavar="URL", help=f"the API's base URL (default: ${URL_ENV} or {DEFAULT_URL})"
+    )
+    registered.add_argument(
+        "--token", metavar="TOKEN", help=f"the API token (default: ${TOKEN_ENV})"
+    )
+    registered.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds to wait for each answer (default %(default)s)",
+    )
     evaluate.set_defaults(handler=Handler("cascade", "run_evaluate"))
 
 
@@ -1112,6 +1181,43 @@ def _app(subparsers: Subparsers) -> None:
     )
     down.set_defaults(handler=Handler("operate", "app_down"))
     for action in (apply, listing, get, delete, down):
+        add_client_options(action)
+
+
+def _model(subparsers: Subparsers) -> None:
+    actions = _actions(
+        subparsers,
+        "model",
+        "push ONNX or TorchScript models to the service's registry and list them",
+        "model_command",
+    )
+    push = actions.add_parser(
+        "push",
+        help="upload a model file as the next version of NAME",
+        description="Upload FILE (streamed) to the service, which inspects it in a separate"
+        " process (format, inputs and outputs), stores it and answers the new version: 1 for a"
+        " new name, then 2, 3, ... Refused with one line (exit 2): a name that is not a DNS"
+        " label, a file that is not an ONNX model or TorchScript archive, one over the"
+        " service's model_max_bytes, a model without a dynamic first (batch) dimension.",
+    )
+    push.add_argument("name", metavar="NAME", help="the model's name (a DNS label)")
+    push.add_argument("file", type=Path, metavar="FILE", help="the .onnx or TorchScript file")
+    push.add_argument(
+        "--format", choices=MODEL_FORMATS, help="the file's format (default: detected)"
+    )
+    push.add_argument(
+        "--inputs",
+        metavar="SPEC",
+        help="a TorchScript model's inputs when the archive does not name them:"
+        " name:FP32:-1x13[,name:...]",
+    )
+    push.set_defaults(handler=Handler("model", "model_push"))
+    listing = actions.add_parser("list", help="every version of every model")
+    listing.set_defaults(handler=Handler("model", "model_list"))
+    show = actions.add_parser("show", help="a model's versions, or one version (NAME@VERSION)")
+    show.add_argument("reference", metavar="NAME[@VERSION]")
+    show.set_defaults(handler=Handler("model", "model_show"))
+    for action in (push, listing, show):
         add_client_options(action)
 
 

@@ -23,7 +23,9 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    anything else tagged ours is a leftover (a database restored from a backup, a forced app
    delete, a launch given up on) and costs money nobody planned. Managed instances whose app tag
    names no app are terminated by :meth:`Reconciler.run_once`. Instances without our managed tag
-   are never touched, only reported.
+   are never touched, only reported. A profile run's workers
+   (:mod:`controlplane.apps.profile_run`: no app tag, a ``heteroplane:profile-run-until`` time)
+   are the run's until that time, and strays after it.
 3. **Liveness.** The provider's word moves rows along the lifecycle: ``pending`` and ``running``
    (``running`` only once the optional health probe passes) forward; ``terminated`` or
    ``failed`` ends a row (``terminated`` if we were terminating it, ``failed`` otherwise); a
@@ -96,6 +98,7 @@ from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
+from controlplane.apps.profile_run import profiling_until
 from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, InstanceRecord, Store
@@ -111,6 +114,7 @@ from controlplane.policies.lifecycle import (
 from controlplane.settings import Settings
 from estimator.catalog import Catalog
 from estimator.errors import EstimatorError
+from provisioners.artifacts import ArtifactRef
 from provisioners.base import (
     APP_TAG,
     INSTANCE_TAG,
@@ -134,6 +138,7 @@ __all__ = [
     "Adopt",
     "AppPricing",
     "AppReport",
+    "ArtifactsFn",
     "BudgetCapped",
     "DrainDeferred",
     "Launch",
@@ -870,6 +875,15 @@ def _any_type(_instance_type: str) -> str | None:
     return None
 
 
+ArtifactsFn = Callable[[AppRecord], Sequence[ArtifactRef]]
+"""An app -> the registered models its workers load (empty: the provisioner's default models);
+raises ``EstimatorError`` or ``ControlPlaneError`` when the app's spec does not resolve."""
+
+
+def _no_artifacts(_app: AppRecord) -> Sequence[ArtifactRef]:
+    return ()
+
+
 _DEFAULT_DISRUPTION = DisruptionBudget()
 
 
@@ -934,6 +948,7 @@ class Reconciler:
     ``desired_fleet`` is the hook where the tuner plugs in (default: the applied plan's fleet);
     ``pricing`` gives each app's prices and Q_t; ``launchable`` says which types the provisioner
     can launch (a plan that names any other is not launched, with one decision saying so);
+    ``artifacts`` the registered models an app's workers load (its resolved spec's);
     ``probe`` checks that the worker of an instance the provider calls running answers (None:
     the provider's ``running`` is taken as healthy); ``disruption`` is the disruption budget of
     rule 5 (``None``: voluntary drains are not rate-limited).
@@ -948,6 +963,7 @@ class Reconciler:
         *,
         desired_fleet: DesiredFleet | None = None,
         launchable: LaunchableFn = _any_type,
+        artifacts: ArtifactsFn = _no_artifacts,
         probe: Callable[[ProvisionedInstance], bool] | None = None,
         straggler_timeout_s: float = DEFAULT_STRAGGLER_TIMEOUT_S,
         missing_grace_s: float = DEFAULT_MISSING_GRACE_S,
@@ -962,6 +978,7 @@ class Reconciler:
             desired_fleet if desired_fleet is not None else applied_plan_fleet(store)
         )
         self.launchable = launchable
+        self.artifacts = artifacts
         self.probe = probe
         self.straggler_timeout_s = straggler_timeout_s
         self.missing_grace_s = missing_grace_s
@@ -1008,6 +1025,9 @@ class Reconciler:
         unmanaged: list[str] = []
         strays: list[ProvisionedInstance] = []
         for instance in observed:
+            expires = profiling_until(instance.tags)
+            if expires is not None and now < expires:
+                continue  # a profile run's worker: the run ends it (past expiry: a stray)
             if instance.tags.get(MANAGED_TAG) != "true":
                 unmanaged.append(instance.provider_id)
                 self._report_unmanaged(instance)
@@ -1264,6 +1284,12 @@ class Reconciler:
 
     def _launch(self, app: AppRecord, launches: Sequence[Launch], errors: _Errors) -> None:
         """Record every launch (rows, then one decision), then ask the provider for each."""
+        try:
+            artifacts = tuple(self.artifacts(app))
+        except (ControlPlaneError, EstimatorError) as error:
+            # Launched without its models a worker would serve nothing: not launched this tick.
+            errors.append(f"launch: the app's models do not resolve: {error}")
+            return
         rows: list[tuple[Launch, InstanceRecord]] = []
         for launch in launches:
             row = self.store.record_instance(
@@ -1304,6 +1330,7 @@ class Reconciler:
                 launch.instance_type,
                 1,
                 {APP_TAG: app.name, PLAN_TAG: plan, INSTANCE_TAG: row.id},
+                artifacts,
             )
             try:
                 launched = self.provisioner.launch(request)

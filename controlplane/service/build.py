@@ -67,6 +67,7 @@ from controlplane.loops.live_gears import LiveGears
 from controlplane.loops.live_tuner import LiveTuner, ResolveFn
 from controlplane.loops.reconciler import (
     AppPricing,
+    ArtifactsFn,
     DesiredFleet,
     LaunchableFn,
     PricingFn,
@@ -86,11 +87,13 @@ from controlplane.serving.workers import ProvisionedInstances
 from controlplane.settings import Settings
 from estimator.catalog import default_catalog
 from estimator.errors import EstimatorError
+from provisioners.artifacts import ArtifactRef
 from provisioners.base import Provisioner
 from provisioners.local import LocalProvisioner
 
 __all__ = [
     "Service",
+    "app_artifacts",
     "build_calibrator",
     "build_leadership",
     "build_live_gears",
@@ -148,6 +151,8 @@ def spec_pricing(resolver: AppResolver) -> PricingFn:
         try:
             resolved = resolver.resolve(app.spec, check_budget=False)
             prices = {t.name: t.price_usd_per_hr for t in resolved.catalog.values()}
+            if resolved.unprofiled:  # a registered model not profiled yet: by price alone
+                return AppPricing(prices)
             return AppPricing(prices, qps_by_type(resolved, smallest_common_batch_size(resolved)))
         except EstimatorError as error:
             if (app.name, app.version) not in warned:
@@ -170,6 +175,19 @@ def launchable_types(provisioner: Provisioner) -> LaunchableFn:
         return None if instance_type in runs else why
 
     return launchable
+
+
+def app_artifacts(resolver: AppResolver) -> ArtifactsFn:
+    """An app record -> the registered models its workers load (its resolved spec's, each
+    served as the model's name; none for an app of profile files only)."""
+
+    def artifacts(app: AppRecord) -> tuple[ArtifactRef, ...]:
+        if not any("artifact" in model for model in app.spec.get("models", ())):
+            return ()
+        resolved = resolver.resolve(app.spec, check_budget=False)
+        return tuple(artifact.ref for artifact in resolved.artifacts.values())
+
+    return artifacts
 
 
 def stored_apps(resolver: AppResolver) -> ResolveFn:
@@ -197,6 +215,7 @@ def build_reconciler(
         spec_pricing(resolver),
         desired_fleet=desired_fleet,
         launchable=launchable_types(provisioner),
+        artifacts=app_artifacts(resolver),
         **extra,
     )
 
@@ -379,7 +398,11 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
     # One resolver for the serving loop and the background jobs: it is thread-safe, and its
     # cache (keyed by the spec) then loads each app's profile files once, not once per part.
     resolver = AppResolver(
-        settings.data_dir, scales=stored_scales(store), overheads=stored_overhead(store)
+        settings.data_dir,
+        scales=stored_scales(store),
+        overheads=stored_overhead(store),
+        artifacts=store.get_model_version,
+        measured=store.get_app_profiles,
     )
     serving = ServingLoop(store, resolver, ProvisionedInstances(store, provisioner), clock=clock)
     live_tuner = build_live_tuner(settings, store, clock, serving, resolver)
@@ -423,6 +446,7 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         resolver,
         leadership,
         budget_changed=live_gears.budget_changed,
+        provisioner=provisioner,
     )
     return Service(
         settings,

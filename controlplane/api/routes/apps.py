@@ -3,23 +3,40 @@
 
 The body of ``POST`` and ``PUT`` is the app spec document (docs/app-spec.md), checked with
 :func:`controlplane.spec.validate_spec` and against its catalog and profiles (relative paths
-resolve against the service's ``data_dir``); a problem is a 422 naming the field.
+resolve against the service's ``data_dir``) and the model registry; a problem is a 422 naming the
+field. A model's ``artifact: NAME`` is stored pinned to ``NAME@VERSION``, the latest version when
+the app is registered (or replaced).
+
+``POST /v1/apps/{app}/profiles`` measures the latency profiles of the app's registered models
+through one worker per candidate type (:mod:`controlplane.apps.profile_run`; minutes, in a
+thread), ``GET`` reads the ones stored.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Query, Response
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.api.deps import Admin, Operator, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
 from controlplane.api.routes import AppName, errors
 from controlplane.api.schemas import AppOut, InstanceOut, TeardownOut
+from controlplane.apps.profile_run import DEFAULT_SAMPLES, ProfileRunRequest, run_profile
+from controlplane.apps.profiler import (
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_WARMUP,
+    MAX_BATCH_SIZE,
+    ProfilingError,
+)
 from controlplane.apps.resolver import spec_document
 from controlplane.apps.teardown import request_teardown
 from controlplane.db.store import AppRecord
+from controlplane.errors import NotFoundError
+from controlplane.serving.workers import DEFAULT_WORKER_PORT
 
 __all__ = ["SPEC_BODY_MARK", "app_out", "router"]
 
@@ -129,3 +146,69 @@ def delete_app(
         message=teardown.describe(),
     )
     return JSONResponse(status_code=202, content=body.model_dump(mode="json"))
+
+
+class ProfileRunIn(BaseModel):
+    """What a profile run measures (every field optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    types: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, description="instance types (default: every candidate type)"
+    )
+    batch_sizes: list[Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)]] = Field(
+        default=list(DEFAULT_BATCH_SIZES), min_length=1, max_length=32
+    )
+    samples: int = Field(default=DEFAULT_SAMPLES, ge=1, le=1000)
+    warmup: int = Field(default=DEFAULT_WARMUP, ge=0, le=100)
+
+
+@router.post(
+    "/apps/{app}/profiles",
+    summary="Measure the latency profiles of the app's registered models (operator): one worker"
+    " per type, within the app's budget; blocks for minutes",
+    responses=errors(401, 403, 404, 409, 422, 502, 503),
+)
+async def run_profiles(
+    app: AppName,
+    services: ServicesDep,
+    who: Operator,
+    body: Annotated[ProfileRunIn | None, Body(description="what to measure")] = None,
+) -> dict[str, Any]:
+    if services.provisioner is None:
+        raise ApiError(503, "no_provisioner", "this service runs no provisioner to profile with")
+    given = body if body is not None else ProfileRunIn()
+    request = ProfileRunRequest(
+        types=tuple(given.types) if given.types is not None else None,
+        batch_sizes=tuple(sorted(set(given.batch_sizes))),
+        samples=given.samples,
+        warmup=given.warmup,
+    )
+    try:
+        result = await asyncio.to_thread(
+            run_profile,
+            services.store,
+            services.resolver,
+            services.provisioner,
+            services.clock,
+            app,
+            request,
+            who=who.name,
+            worker_port=DEFAULT_WORKER_PORT,
+        )
+    except ProfilingError as error:
+        raise ApiError(502, "profiling_failed", str(error)) from None
+    return result.to_json()
+
+
+@router.get(
+    "/apps/{app}/profiles",
+    summary="The latency profiles measured for the app (viewer): a profile JSON document",
+    responses=errors(401, 403, 404, 422),
+)
+def get_profiles(app: AppName, services: ServicesDep, _who: Viewer) -> dict[str, Any]:
+    services.store.get_app(app)
+    document = services.store.get_app_profiles(app)
+    if document is None:
+        raise NotFoundError("profiles of app", app)
+    return document

@@ -1,0 +1,349 @@
+"""Profile runs (controlplane.apps.profile_run) and what the reconciler and the API do with
+registered models: the fake provisioner (its addresses pointed at a fake OIP v2 worker on
+loopback), a real SQLite store through the migrations, a fake clock.
+
+- a run launches one worker per type with the app's artifacts and the profile-run tags, sends
+  v2 batches matching the signature at every batch size, stores the profile document, records a
+  decision and terminates the workers (also when a worker refuses a batch);
+- the budget: the fleet plus one worker per type must fit, else a 409 naming the cost;
+- the reconciler launches an artifact app's workers with its artifacts, and leaves a profile
+  run's workers alone until their lease ends;
+- the API: registering pins ``NAME`` to ``NAME@latest``; a plan preview is refused (409, one
+  line) until the profiles are measured; ``POST /v1/apps/{app}/profiles`` measures them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from controlplane.apps.profile_run import (
+    PROFILE_RUN_TAG,
+    PROFILE_UNTIL_TAG,
+    ProfileRunRequest,
+    profiling_until,
+    run_profile,
+)
+from controlplane.apps.profiler import ProfilingError
+from controlplane.apps.resolver import AppResolver, spec_document
+from controlplane.clock import FakeClock
+from controlplane.db.store import Store
+from controlplane.errors import ProfilingBudgetError
+from controlplane.loops.reconciler import Reconciler, catalog_pricing
+from controlplane.service.app import create_app
+from controlplane.service.build import app_artifacts
+from controlplane.settings import Settings
+from estimator.catalog import default_catalog
+from provisioners.artifacts import FAMILY_SIGNATURE
+from provisioners.base import APP_TAG, LaunchRequest, ProvisionedInstance
+from provisioners.fake import FakeProvisioner
+
+SMALL, GPU = "emu.cpu.small", "emu.gpu"
+APP = "digits"
+SHA = "cd" * 32
+
+
+@dataclass
+class WorkerLog:
+    calls: list[tuple[str, list[int], str, str]] = field(default_factory=list)
+    status: int = 200
+
+
+class FakeV2Worker:
+    """A threaded OIP v2 worker on loopback: ready, and answers every infer with ten logits per
+    row (or ``log.status``), recording (model, shape, datatype, input name)."""
+
+    def __init__(self) -> None:
+        self.log = WorkerLog()
+        log = self.log
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *_args: object) -> None:
+                pass
+
+            def _send(self, status: int, document: object) -> None:
+                body = json.dumps(document).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._send(200 if self.path == "/v2/health/ready" else 404, {"ready": True})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                parts = self.path.split("/")  # ['', 'v2', 'models', m, 'infer']
+                (tensor,) = body["inputs"]
+                log.calls.append((parts[3], tensor["shape"], tensor["datatype"], tensor["name"]))
+                assert len(tensor["data"]) == int(np.prod(tensor["shape"]))
+                if log.status != 200:
+                    self._send(log.status, {"error": "input: wrong shape"})
+                    return
+                rows = tensor["shape"][0]
+                self._send(
+                    200,
+                    {
+                        "model_name": parts[3],
+                        "outputs": [
+                            {
+                                "name": "logits",
+                                "datatype": "FP32",
+                                "shape": [rows, 10],
+                                "data": [0.0] * (rows * 10),
+                            }
+                        ],
+                    },
+                )
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Addressed(FakeProvisioner):
+    """The fake provisioner, every instance's address the fake worker's; remembers requests."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(running_on_launch=True)
+        self.worker_address = address
+        self.requests: list[LaunchRequest] = []
+
+    def launch(self, request: LaunchRequest) -> list[ProvisionedInstance]:
+        self.requests.append(request)
+        return [replace(i, address=self.worker_address) for i in super().launch(request)]
+
+    def list(self, tags: Mapping[str, str]) -> list[ProvisionedInstance]:
+        return [replace(i, address=self.worker_address) for i in super().list(tags)]
+
+
+def spec(budget: float = 5.0, types: tuple[str, ...] = (SMALL, GPU)) -> dict[str, Any]:
+    return {
+        "name": APP,
+        "models": [{"name": "small", "artifact": "digits-small"}],
+        "slo": {"latency_ms": 300},
+        "budget_usd_per_hr": budget,
+        "instance_types": list(types),
+    }
+
+
+@pytest.fixture
+def worker() -> Iterator[FakeV2Worker]:
+    found = FakeV2Worker()
+    yield found
+    found.close()
+
+
+@dataclass
+class World:
+    store: Store
+    resolver: AppResolver
+    provisioner: Addressed
+    clock: FakeClock
+    data_dir: Path
+
+
+@pytest.fixture
+def world(tmp_path: Path, worker: FakeV2Worker) -> Iterator[World]:
+    clock = FakeClock()
+    store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
+    store.add_model_version(
+        "digits-small", 1, "onnx", SHA, 10, FAMILY_SIGNATURE, "file:///registry/s1.onnx"
+    )
+    resolver = AppResolver(
+        tmp_path, artifacts=store.get_model_version, measured=store.get_app_profiles
+    )
+    yield World(store, resolver, Addressed(worker.address), clock, tmp_path)
+    store.close()
+
+
+def register(world: World, document: dict[str, Any]) -> None:
+    resolved = world.resolver.check(document)
+    world.store.create_app(spec_document(resolved.spec), who="test")
+
+
+def profile(world: World, **request: Any) -> Any:
+    return run_profile(
+        world.store,
+        world.resolver,
+        world.provisioner,
+        world.clock,
+        APP,
+        ProfileRunRequest(**{"batch_sizes": (1, 4), "samples": 3, "warmup": 1, **request}),
+        who="tester",
+        worker_port=8080,
+        rng=np.random.default_rng(0),
+        sleep=lambda _s: None,
+    )
+
+
+def live(provisioner: FakeProvisioner) -> list[ProvisionedInstance]:
+    return [i for i in provisioner.list({}) if i.state in ("pending", "running")]
+
+
+def test_a_run_measures_through_one_worker_per_type_stores_and_stops_them(
+    world: World, worker: FakeV2Worker
+) -> None:
+    register(world, spec())
+    assert world.resolver.resolve(world.store.get_app(APP).spec).unprofiled
+    result = profile(world)
+    # One worker per type, with the app's artifact and the tags the reconciler leaves alone.
+    assert sorted(r.instance_type for r in world.provisioner.requests) == [SMALL, GPU]
+    for request in world.provisioner.requests:
+        (ref,) = request.artifacts
+        assert (ref.name, ref.model, ref.version, ref.sha256) == ("small", "digits-small", 1, SHA)
+        assert request.tags[PROFILE_RUN_TAG] == APP and APP_TAG not in request.tags
+        assert profiling_until(request.tags) is not None
+    assert live(world.provisioner) == []  # terminated after
+    # (1 warm-up + 3 timed) rounds x 2 batch sizes x 2 types, each one FP32 [b, 64] batch.
+    assert len(worker.log.calls) == 16
+    assert {(c[0], tuple(c[1]), c[2], c[3]) for c in worker.log.calls} == {
+        ("small", (1, 64), "FP32", "input"),
+        ("small", (4, 64), "FP32", "input"),
+    }
+    assert [(p.model, p.instance_type) for p in result.profiles] == [
+        ("small", SMALL),
+        ("small", GPU),
+    ]
+    assert all(cell.size == 3 for p in result.profiles for cell in p.samples_ms)
+    stored = world.store.get_app_profiles(APP)
+    assert stored == dict(result.document)
+    assert stored["measurement"] == "profile_run"
+    resolved = world.resolver.resolve(world.store.get_app(APP).spec)
+    assert not resolved.unprofiled
+    assert resolved.profile("small", GPU).batch_sizes.tolist() == [1, 4]
+    (decision,) = [d for d in world.store.list_decisions(APP) if d.kind == "profiles_measured"]
+    assert "tester" in decision.reason and decision.numbers["instance_types"] == [SMALL, GPU]
+
+
+def test_a_worker_that_refuses_a_batch_fails_the_run_and_the_workers_stop(
+    world: World, worker: FakeV2Worker
+) -> None:
+    register(world, spec())
+    worker.log.status = 400
+    with pytest.raises(ProfilingError, match="HTTP 400: input: wrong shape"):
+        profile(world, types=(SMALL,))
+    assert len(world.provisioner.requests) == 1
+    assert live(world.provisioner) == []
+    assert world.store.get_app_profiles(APP) is None
+
+
+def test_the_workers_must_fit_the_budget_next_to_the_fleet(world: World) -> None:
+    prices = {t.name: t.price_usd_per_hr for t in default_catalog().values()}
+    register(world, spec(budget=prices[SMALL] + prices[GPU] - 0.001))
+    with pytest.raises(ProfilingBudgetError) as refused:
+        profile(world)
+    assert f"{prices[SMALL] + prices[GPU]:.4g} USD/hr" in str(refused.value)
+    assert len(str(refused.value).splitlines()) == 1
+    assert world.provisioner.requests == []
+    profile(world, types=(SMALL,))  # one type fits
+    # A running fleet counts: with one GPU instance kept, not even the small type fits.
+    world.store.record_instance(
+        APP, request_id="r-1", instance_type=GPU, price_usd_per_hr=prices[GPU], reason="test"
+    )
+    with pytest.raises(ProfilingBudgetError):
+        profile(world, types=(SMALL,))
+
+
+def test_the_reconciler_launches_an_artifact_app_with_its_artifacts(world: World) -> None:
+    register(world, spec())
+    reconciler = Reconciler(
+        world.store,
+        world.provisioner,
+        world.clock,
+        catalog_pricing(default_catalog()),
+        desired_fleet=lambda _app: {SMALL: 1},
+        artifacts=app_artifacts(world.resolver),
+    )
+    reconciler.run_once()
+    (request,) = world.provisioner.requests
+    (ref,) = request.artifacts
+    assert ref.to_arg() == f"small:digits-small:1:onnx:{SHA}:file:///registry/s1.onnx"
+    assert request.tags[APP_TAG] == APP
+
+
+def test_the_reconciler_leaves_a_profile_runs_workers_until_their_lease_ends(
+    world: World,
+) -> None:
+    register(world, spec())
+    until = world.clock.utcnow() + timedelta(seconds=600)
+    tags = {PROFILE_RUN_TAG: APP, PROFILE_UNTIL_TAG: str(int(until.timestamp()))}
+    world.provisioner.launch(LaunchRequest("profile-x", SMALL, 1, tags))
+    reconciler = Reconciler(
+        world.store, world.provisioner, world.clock, catalog_pricing(default_catalog())
+    )
+    report = reconciler.run_once()
+    assert report.unknown_app == () and len(live(world.provisioner)) == 1
+    assert world.store.list_instances(APP) == []  # not adopted either
+    world.clock.advance(601)
+    report = reconciler.run_once()
+    assert len(report.unknown_app) == 1 and live(world.provisioner) == []
+
+
+def test_the_api_pins_refuses_the_plan_then_profiles_the_app(
+    world: World, worker: FakeV2Worker
+) -> None:
+    data_dir = world.data_dir / "data"
+    data_dir.mkdir()
+    settings = Settings(data_dir=data_dir, provisioner="fake")
+    token = world.store.create_token("operator", name="op")
+    world.store.add_model_version(
+        "digits-small", 2, "onnx", SHA, 10, FAMILY_SIGNATURE, "file:///registry/s2.onnx"
+    )
+    app = create_app(
+        settings,
+        world.store,
+        world.clock,
+        resolver=world.resolver,
+        provisioner=world.provisioner,
+    )
+    auth = {"Authorization": f"Bearer {token}"}
+    with TestClient(app, raise_server_exceptions=False) as client:
+        created = client.post("/v1/apps", json=spec(types=(SMALL,)), headers=auth)
+        assert created.status_code == 201, created.text
+        assert created.json()["spec"]["models"][0]["artifact"] == "digits-small@2"
+        refused = client.post(f"/v1/apps/{APP}/plans", json={"rate_qps": 5}, headers=auth)
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["message"] == (
+            "app digits has no latency profiles for model small: run heteroplane profile run"
+            " --app digits"
+        )
+        assert client.get(f"/v1/apps/{APP}/profiles", headers=auth).status_code == 404
+        ran = client.post(
+            f"/v1/apps/{APP}/profiles",
+            json={"batch_sizes": [1, 4], "samples": 2, "warmup": 0},
+            headers=auth,
+        )
+        assert ran.status_code == 200, ran.text
+        assert ran.json()["instance_types"] == [SMALL] and ran.json()["models"] == ["small"]
+        (request,) = world.provisioner.requests
+        assert request.artifacts[0].version == 2
+        stored = client.get(f"/v1/apps/{APP}/profiles", headers=auth)
+        assert stored.json()["format"] == "heteroplane.profiles/v1"
+        planned = client.post(f"/v1/apps/{APP}/plans", json={"rate_qps": 5}, headers=auth)
+        assert planned.status_code == 201, planned.text
+        unknown = client.post(
+            "/v1/apps",
+            json={**spec(), "name": "other", "models": [{"name": "m", "artifact": "nope"}]},
+            headers=auth,
+        )
+        assert unknown.status_code == 422
+        assert unknown.json()["error"]["field"] == "models[0].artifact"

@@ -1,0 +1,87 @@
+"""``heteroplane profile run``: the request it sends the service and the summary it prints."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from controlplane.cli import main, profile_run
+
+RESULT = {
+    "app": "digits",
+    "models": ["small"],
+    "instance_types": ["emu.cpu.small"],
+    "batch_sizes": [1, 4],
+    "samples": 5,
+    "cost_usd_per_hr": 0.05,
+    "elapsed_s": 12.0,
+    "measured_at": "2024-01-01T00:00:00+00:00",
+    "profiles": [
+        {
+            "model": "small",
+            "instance_type": "emu.cpu.small",
+            "batch_sizes": [1, 4],
+            "mean_ms": [2.5, 7.0],
+            "p99_ms": [3.0, 8.0],
+        }
+    ],
+}
+
+
+class FakeClient:
+    def __init__(self, args: Any) -> None:
+        self.timeout = args.timeout
+        self.sent: list[tuple[str, Any]] = []
+
+    def __enter__(self) -> FakeClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        pass
+
+    def post(self, path: str, body: Any) -> Any:
+        self.sent.append((path, body))
+        return RESULT
+
+
+def test_profile_run_posts_the_request_and_prints_a_summary(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    made: list[FakeClient] = []
+
+    def client_from(args: Any) -> FakeClient:
+        made.append(FakeClient(args))
+        return made[-1]
+
+    monkeypatch.setattr(profile_run, "client_from", client_from)
+    argv = ["profile", "run", "--app", "digits", "--types", "emu.cpu.small"]
+    assert main([*argv, "--batch-sizes", "4,1", "--samples", "5"]) == 0
+    (client,) = made
+    assert client.timeout == profile_run.DEFAULT_RUN_TIMEOUT_S
+    assert client.sent == [
+        (
+            "/v1/apps/digits/profiles",
+            {"types": ["emu.cpu.small"], "batch_sizes": [1, 4], "samples": 5},
+        )
+    ]
+    captured = capsys.readouterr()
+    assert "profiles of digits stored" in captured.out and "7" in captured.out
+    assert "takes minutes" in captured.err
+    assert main(["profile", "run", "--app", "digits", "--json", "--timeout", "9"]) == 0
+    assert json.loads(capsys.readouterr().out) == RESULT
+    assert made[-1].timeout == 9 and made[-1].sent == [("/v1/apps/digits/profiles", {})]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [("--batch-sizes", "1,x", "not a whole number"), ("--samples", "0", "--samples must be")],
+)
+def test_bad_options_are_one_line(
+    capsys: pytest.CaptureFixture[str], option: str, value: str, message: str
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["profile", "run", "--app", "digits", option, value])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
