@@ -49,6 +49,7 @@ except ModuleNotFoundError:  # run as a script: the sibling module
 
 from controlplane.clients import loadgen
 from controlplane.service.provisioning import LOCAL_PROFILE_FILE, LOCAL_WORKERS_DIR
+from controlplane.serving.modelio import ModelIO
 from estimator.profiles import LatencyProfile, write_profiles_json
 from estimator.traces import poisson_arrivals
 from provisioners.worker.emulation import ComputeCurve, compute_document
@@ -92,12 +93,15 @@ def direct_p99_ms(data_dir: Path, inputs: np.ndarray) -> float:
         record = provisioner.records()[0]
     finally:
         provisioner.close()
-    body = {"model": MODEL, "inputs": [inputs[0].astype(int).tolist()]}
+    io = ModelIO(MODEL)  # the request the dispatcher sends: Open Inference Protocol v2
+    body = io.encode([inputs[0].astype(float).tolist()])
+    url = f"http://{record.address}{io.path}"
+    headers = {"Content-Type": "application/json"}
     times = []
     with httpx.Client(timeout=30.0, trust_env=False) as client:
         for _ in range(DIRECT_QUERIES):
             start = time.perf_counter()
-            client.post(f"http://{record.address}/infer", json=body).raise_for_status()
+            client.post(url, content=body, headers=headers).raise_for_status()
             times.append((time.perf_counter() - start) * 1000.0)
     return float(np.percentile(times, 99))
 

@@ -463,8 +463,10 @@ INFER_PIXEL_MAX = 16.0
 # A latency bound above a day is a typo.
 _MAX_LATENCY_MS = 86_400_000.0
 
-_Pixel = Annotated[float, Field(ge=0.0, le=INFER_PIXEL_MAX, allow_inf_nan=False)]
-_Sample = Annotated[list[_Pixel], Field(min_length=INFER_FEATURES, max_length=INFER_FEATURES)]
+# A sample's values: what they must be depends on the app (checked by the route against its
+# models' input: the demo family's 64 pixels in 0..16, or a model's first input, flattened).
+_Value = Annotated[float, Field(allow_inf_nan=False)]
+_Sample = Annotated[list[_Value], Field(min_length=1)]
 
 
 class RequirementsIn(BaseModel):
@@ -489,8 +491,11 @@ class InferIn(BaseModel):
     inputs: list[_Sample] = Field(
         min_length=1,
         max_length=MAX_INFER_SAMPLES,
-        description=f"1..{MAX_INFER_SAMPLES} samples, each {INFER_FEATURES} pixel values in"
-        f" 0..{INFER_PIXEL_MAX:g}",
+        description=f"1..{MAX_INFER_SAMPLES} samples. For an app of the demo family each is"
+        f" {INFER_FEATURES} pixel values in 0..{INFER_PIXEL_MAX:g}; for an app of a model"
+        " brought to the registry, the model's first input's sample flattened row-major, its"
+        " values of that input's datatype (a model of several inputs: POST"
+        " /v2/models/{app}/infer)",
     )
     # The bounds before the validator: pydantic leaves constraints that follow a
     # BeforeValidator out of the JSON Schema (they would still be enforced, undocumented).

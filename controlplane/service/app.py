@@ -7,9 +7,10 @@ returns an independent app. The lifespan starts the serving loop and the schedul
 and stops them, waiting for running jobs, when the server stops. With a leader lease
 (:class:`~controlplane.loops.leadership.Leadership`), the lifespan runs the lease instead, which
 starts the scheduler only while this replica is the leader. Routes are under ``/v1`` except
-``/healthz``, ``/metrics`` and the dashboard (``/dashboard``: :mod:`controlplane.dashboard`,
-signed in with a token kept in a cookie, not in the OpenAPI document); the OpenAPI document is
-at ``/openapi.json`` (and a browsable page at ``/docs``).
+``/healthz``, ``/metrics``, the Open Inference Protocol's ``/v2``
+(:mod:`controlplane.api.routes.oip`) and the dashboard (``/dashboard``:
+:mod:`controlplane.dashboard`, signed in with a token kept in a cookie, not in the OpenAPI
+document); the OpenAPI document is at ``/openapi.json`` (and a browsable page at ``/docs``).
 """
 
 from __future__ import annotations
@@ -28,16 +29,28 @@ from controlplane.api.counters import RequestCounter, RequestCountingMiddleware
 from controlplane.api.deps import Services
 from controlplane.api.errors import install_error_handlers
 from controlplane.api.limits import BodySizeLimitMiddleware, HeaderSizeLimitMiddleware
-from controlplane.api.routes import apps, budget, events, fleet, health, infer, plans
+from controlplane.api.routes import (
+    apps,
+    budget,
+    events,
+    fleet,
+    health,
+    infer,
+    models,
+    oip,
+    plans,
+)
 from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
 from controlplane.dashboard import install_dashboard
 from controlplane.db.store import Store
 from controlplane.loops.leadership import Leadership
 from controlplane.loops.scheduler import Scheduler
+from controlplane.registry import Registry, registry_from_settings
 from controlplane.serving.loop import ServingLoop
 from controlplane.settings import Settings
 from controlplane.spec import AppSpec
+from provisioners.base import Provisioner
 
 __all__ = ["create_app"]
 
@@ -58,22 +71,35 @@ def create_app(
     resolver: AppResolver | None = None,
     leadership: Leadership | None = None,
     budget_changed: Callable[[str], object] | None = None,
+    registry: Registry | None = None,
+    provisioner: Provisioner | None = None,
 ) -> FastAPI:
     """The API over ``store``; ``scheduler`` and ``serving`` (if any) run while the app is
     served (without a serving loop the inference route answers 503). ``resolver`` is the
     service's one (the loops', carrying the calibrated profiles); a new one by default. With
     ``leadership``, the scheduler runs only while this replica holds the leader lease;
-    ``budget_changed(app)`` runs after each budget change (the gear switcher's)."""
+    ``budget_changed(app)`` runs after each budget change (the gear switcher's). ``registry``
+    serves ``/v1/models`` (default: the settings' one, :func:`registry_from_settings`);
+    ``provisioner`` launches profile runs' workers (``POST /v1/apps/{app}/profiles``; without
+    one that route answers 503)."""
     services = Services(
         settings=settings,
         store=store,
         clock=clock,
-        resolver=resolver if resolver is not None else AppResolver(settings.data_dir),
+        resolver=resolver
+        if resolver is not None
+        else AppResolver(
+            settings.data_dir,
+            artifacts=store.get_model_version,
+            measured=store.get_app_profiles,
+        ),
         requests=RequestCounter(),
         scheduler=scheduler,
         serving=serving,
         leadership=leadership,
         budget_changed=budget_changed,
+        registry=registry if registry is not None else registry_from_settings(settings, store),
+        provisioner=provisioner,
     )
 
     @asynccontextmanager
@@ -111,7 +137,7 @@ def create_app(
     )
     app.state.services = services
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware)
+    app.add_middleware(BodySizeLimitMiddleware, exempt=models.streams_own_body)
     app.add_middleware(HeaderSizeLimitMiddleware)
     app.add_middleware(RequestCountingMiddleware, counter=services.requests)
     # Added last, so called first: a query's latency runs from here (on the serving loop's
@@ -120,7 +146,7 @@ def create_app(
         infer.ReceivedAtMiddleware,
         clock_s=serving.clock.now_s if serving is not None else time.monotonic,
     )
-    for module in (health, apps, plans, budget, fleet, events, infer):
+    for module in (health, apps, plans, budget, fleet, events, infer, models, oip):
         app.include_router(module.router)
     install_dashboard(app)
 

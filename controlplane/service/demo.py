@@ -17,12 +17,17 @@ docs/catalog.md, "Emulated types"):
    they are measured again only when that file is missing, was measured another way (compute
    only, or by an older version), pads to other curves, or does not cover the family on those
    types and batch sizes;
-3. the cascade is the cheapest of the Pareto set (``estimator.cascades.pareto_cascades``, on
+3. each model of the family is exported to TorchScript and pushed to the model registry as a
+   user would push a model (:func:`ensure_demo_artifacts`; a version holding the same bytes is
+   reused), and the spec names each model's registry version (``artifact: tiny@1``): the
+   workers load the family from the registry, through the same path as any user's models
+   (docs/models.md);
+4. the cascade is the cheapest of the Pareto set (``estimator.cascades.pareto_cascades``, on
    the validation records and each model's cost per query, its end-to-end latency at batch size
    1 on :data:`COST_TYPE`) within
    :data:`~controlplane.policies.cascade_choice.ACCURACY_TOLERANCE` of the most accurate model
    alone, as ``heteroplane cascade evaluate`` picks it;
-4. the spec (:func:`demo_spec`) names those models, the cascade with its thresholds, the
+5. the spec (:func:`demo_spec`) names those models, the cascade with its thresholds, the
    validation records, a :data:`DEMO_SLO_MS` p99 SLO, a :data:`DEMO_BUDGET_USD_PER_HR` budget and
    the two emulated types (capped by :data:`DEMO_MAX_COUNTS`, so that the local machine runs at
    most eight workers); it is registered, a plan is previewed for :data:`DEMO_RATE_QPS` (the demo
@@ -62,7 +67,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +85,7 @@ from controlplane.db.store import AppRecord, PlanRecord, Principal, Store
 from controlplane.errors import AppExistsError, NotFoundError
 from controlplane.policies.auth import Scope
 from controlplane.policies.cascade_choice import best_point
+from controlplane.registry import Registry
 from controlplane.service.build import Service
 from controlplane.service.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE
 from estimator.cascades import Cascade, ValidationRecords, load_validation, pareto_cascades
@@ -87,6 +93,7 @@ from estimator.catalog import default_catalog
 from estimator.errors import EstimatorError
 from estimator.profiles import load_profiles, write_profiles_json
 from estimator.traces import Trace, diurnal_profile, renewal_arrivals
+from provisioners.artifacts import file_sha256
 from provisioners.base import APP_TAG, MANAGED_TAG
 from provisioners.worker.emulation import compute_document
 
@@ -113,6 +120,7 @@ __all__ = [
     "choose_cascade",
     "demo_spec",
     "ensure_demo_app",
+    "ensure_demo_artifacts",
     "ensure_demo_plan",
     "ensure_demo_profiles",
     "ensure_demo_token",
@@ -175,6 +183,9 @@ class DemoFamily:
     accuracy: float
     compute_ms_per_query: float
     profiles_measured: bool = False
+    # Each model's registry reference (``tiny@1``): the demo serves the family from the model
+    # registry, as a user's models are served (:func:`ensure_demo_artifacts`); empty until then.
+    artifacts: Mapping[str, str] = field(default_factory=dict)
 
 
 def demo_spec(family: DemoFamily) -> dict[str, Any]:
@@ -185,7 +196,11 @@ def demo_spec(family: DemoFamily) -> dict[str, Any]:
     profiles = str(family.profiles.resolve())
     spec: dict[str, Any] = {
         "name": DEMO_APP,
-        "models": [{"name": name, "profiles": profiles} for name in family.cascade.models],
+        "models": [
+            {"name": name, "profiles": profiles}
+            | ({"artifact": family.artifacts[name]} if name in family.artifacts else {})
+            for name in family.cascade.models
+        ],
     }
     if len(family.cascade.models) > 1:
         spec["cascade"] = list(family.cascade.models)
@@ -197,6 +212,30 @@ def demo_spec(family: DemoFamily) -> dict[str, Any]:
         "instance_types": list(DEMO_INSTANCE_TYPES),
         "max_counts": dict(DEMO_MAX_COUNTS),
     }
+
+
+def ensure_demo_artifacts(
+    registry: Registry, cache_dir: Path, progress: Progress
+) -> dict[str, str]:
+    """Each family model in the model registry, as a user would push it: exported to
+    TorchScript (``provisioners.worker.family.export_torchscript``) and pushed as the next
+    version of its name unless a version of it holds those very bytes already; its reference
+    (``tiny@1``) by model name. The demo's workers then load the family from the registry like
+    any user's models (docs/models.md)."""
+    from provisioners.worker import family
+
+    references: dict[str, str] = {}
+    for name in family.MODEL_NAMES:
+        path = family.export_torchscript(name, cache_dir)
+        digest = file_sha256(path)
+        same = [record for record in registry.versions(name) if record.sha256 == digest]
+        if same:
+            record = same[-1]
+        else:
+            progress(f"pushing {name} (TorchScript, {path}) to the model registry")
+            record = registry.push(name, path, "torchscript")
+        references[name] = f"{record.name}@{record.version}"
+    return references
 
 
 def choose_cascade(
@@ -457,6 +496,10 @@ def prepare_demo(
     token = ensure_demo_token(service.store, data_dir, progress)
     if family is None:
         family = prepare_family(data_dir, profile_samples, progress)
+    if services.registry is not None and not family.artifacts:
+        family = replace(
+            family, artifacts=ensure_demo_artifacts(services.registry, family.cache_dir, progress)
+        )
     app, app_created = ensure_demo_app(services, family, token.principal, progress)
     if not app_created:
         progress(f"the app {DEMO_APP!r} is registered already (version {app.version})")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from controlplane.policies.plan import StagePlan
 from controlplane.serving.admission import DEFAULT_MAX_QUEUED_SAMPLES
+from controlplane.serving.modelio import ModelIO
 from estimator.cascades import Cascade, ValidationRecords
 from estimator.profiles import LatencyProfile
 
@@ -33,7 +34,9 @@ class AppConfig:
     """What the dispatcher needs of an app: its SLO, its models (one stage each), the cascade it
     serves by default (a single model is the cascade of one), each model's profile per instance
     type, prices, the validation records of its models (cascade accuracy and reach; optional),
-    the applied plan's stages by model, and a ``version`` that changes whenever any of it does."""
+    the applied plan's stages by model, each model's :class:`~controlplane.serving.modelio.
+    ModelIO` (its signature and certainty kind; a model not in ``io`` is a demo family model
+    with the margin certainty), and a ``version`` that changes whenever any of it does."""
 
     name: str
     slo_ms: float
@@ -44,11 +47,17 @@ class AppConfig:
     validation: ValidationRecords | None = None
     stage_plans: Mapping[str, StagePlan] = field(default_factory=dict)
     version: tuple[object, ...] = ()
+    io: Mapping[str, ModelIO] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         missing = [m for m in self.cascade.models if m not in self.models]
         if missing:
             raise ValueError(f"the cascade names models the app does not serve: {missing}")
+
+    def model_io(self, model: str) -> ModelIO:
+        """How the dispatcher talks to ``model`` (:attr:`io`, else a family model's)."""
+        found = self.io.get(model)
+        return found if found is not None else ModelIO(model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,10 @@ judges).
   mark stages dirty; one round per dirty stage runs at the next turn of the event loop (so the
   arrivals of one turn are matched together, later stages first: their queries are older).
 - **Batches.** Each :class:`~matching.policy.Dispatch` sends the rows of its queries as one batch
-  to the worker over a kept-alive HTTP connection (:mod:`controlplane.serving.transport`); the
+  to the worker over a kept-alive HTTP connection (:mod:`controlplane.serving.transport`), as an
+  Open Inference Protocol request against the stage's model signature (its
+  :class:`~controlplane.serving.modelio.ModelIO`, which also reads each row's prediction and
+  certainty off the answer and keeps its raw outputs for the caller); the
   worker is busy until the answer returns (its predicted end, start plus the profile's mean, is
   what the policy sees meanwhile), and the measured round trip is fed back to the policy
   (``observe``: Kairos' online latency model learns from it), and recorded per (model, instance
@@ -83,11 +86,12 @@ from controlplane.serving.config import (
     batch_cap,
 )
 from controlplane.serving.health import Health, WorkerLoss
+from controlplane.serving.modelio import ModelIO, Row, WorkerReply
 from controlplane.serving.observations import Observations, Split, outcome_of
 from controlplane.serving.placement import Placement, policy_name
 from controlplane.serving.stages import Slot, Stage
 from controlplane.serving.states import ModelState, StateTracker, is_overloaded, model_state
-from controlplane.serving.transport import WorkerReply, WorkerTransport
+from controlplane.serving.transport import WorkerTransport
 from controlplane.serving.variants import AppVariants
 from controlplane.serving.workers import Worker, WorkerEndpoint
 from estimator.cascades import Cascade
@@ -113,6 +117,8 @@ logger = logging.getLogger(__name__)
 
 # How often unanswered requests are checked against their give-up time.
 _SWEEP_S = 0.25
+# A sample's reply until one answers it.
+_NO_REPLY: tuple[WorkerReply, int] = (WorkerReply((), (), None, ""), -1)
 
 
 # --- answers and status ------------------------------------------------------------------------
@@ -127,7 +133,9 @@ class InferResult:
     service time and ``transport_ms`` the rest, ``api_ms`` the API's part before the loop
     (receipt to submit: parsing, the token check, validation, the event loop's own queue),
     ``queue_ms`` the rest of ``total_ms`` (admission, the stages' queues, the loop); ``late``
-    when ``total_ms`` is over the SLO."""
+    when ``total_ms`` is over the SLO. ``replies``: per sample, the worker's reply that answered
+    it and the sample's row in that reply's batch: the answering model's raw outputs
+    (:func:`~controlplane.serving.modelio.stack_outputs`, what ``/v2`` answers)."""
 
     outputs: tuple[int, ...]
     models: tuple[str, ...]
@@ -140,6 +148,7 @@ class InferResult:
     transport_ms: float = 0.0
     compute_ms: float = 0.0
     api_ms: float = 0.0
+    replies: tuple[tuple[WorkerReply, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,13 +207,14 @@ class _Request:
         "outputs",
         "pending",
         "queued",
+        "replies",
         "sample_ids",
         "service_ms",
     )
 
     def __init__(
         self,
-        inputs: Sequence[Sequence[float]],
+        inputs: Sequence[Row],
         sample_ids: Sequence[int] | None,
         cascade: Cascade,
         arrival_s: float,
@@ -221,6 +231,7 @@ class _Request:
         self.outputs: list[int] = [0] * n
         self.models: list[str] = [""] * n
         self.certainty: list[float] = [0.0] * n
+        self.replies: list[tuple[WorkerReply, int]] = [_NO_REPLY] * n
         self.pending = n
         self.service_ms = 0.0
         self.compute_ms = 0.0
@@ -251,8 +262,8 @@ class _Stage(Stage):
 
     __slots__ = ("parts",)
 
-    def __init__(self, model: str) -> None:
-        super().__init__(model)
+    def __init__(self, model: str, io: ModelIO | None = None) -> None:
+        super().__init__(model, io)
         self.parts: dict[int, _Part] = {}
 
 
@@ -316,7 +327,12 @@ class AppDispatcher:
             for part in list(stage.parts.values()):
                 self._fail(part.request, QueryFailedError(self.app, "the app's spec changed", 0))
         for model in config.models:
-            self._stages.setdefault(model, _Stage(model))
+            io = config.model_io(model)
+            current = self._stages.get(model)
+            if current is None:
+                self._stages[model] = _Stage(model, io)
+            else:
+                current.io = io
         self._place()
 
     def set_workers(self, endpoints: Sequence[WorkerEndpoint]) -> None:
@@ -353,7 +369,7 @@ class AppDispatcher:
 
     async def infer(
         self,
-        inputs: Sequence[Sequence[float]],
+        inputs: Sequence[Row],
         sample_ids: Sequence[int] | None = None,
         requirements: Requirements | None = None,
         received_s: float | None = None,
@@ -368,7 +384,7 @@ class AppDispatcher:
 
     def submit(
         self,
-        inputs: Sequence[Sequence[float]],
+        inputs: Sequence[Row],
         sample_ids: Sequence[int] | None = None,
         cascade: Cascade | None = None,
         received_s: float | None = None,
@@ -413,6 +429,15 @@ class AppDispatcher:
             self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
         self._enqueue(request, 0, list(range(n)), now)
         return future
+
+    def unserved(self) -> str | None:
+        """Why a query arriving now would be refused for want of a worker (503), or None when
+        every model of the gear in force has a healthy one."""
+        try:
+            self._check_serving(self.current_gear().cascade)
+        except NoServingInstanceError as error:
+            return str(error)
+        return None
 
     def _check_serving(self, cascade: Cascade) -> None:
         """Every model the cascade may send a sample to needs a healthy instance."""
@@ -552,7 +577,7 @@ class AppDispatcher:
         stage: _Stage,
         worker: Worker,
         parts: list[_Part],
-        rows: list[Sequence[float]],
+        rows: list[Row],
         started_s: float,
         predicted_ms: float,
     ) -> None:
@@ -561,7 +586,7 @@ class AppDispatcher:
             settings.call_timeout_floor_s, settings.call_timeout_factor * predicted_ms / 1000.0
         )
         try:
-            reply = await self.transport.infer(worker.address, stage.model, rows, timeout_s)
+            reply = await self.transport.infer(worker.address, stage.io, rows, timeout_s)
         except WorkerCallError as error:
             self._failed(stage, worker, parts, len(rows), error)
         except asyncio.CancelledError:
@@ -587,7 +612,7 @@ class AppDispatcher:
         stage: _Stage,
         worker: Worker,
         parts: list[_Part],
-        rows: list[Sequence[float]],
+        rows: list[Row],
         reply: WorkerReply,
         started_s: float,
         predicted_ms: float,
@@ -636,6 +661,7 @@ class AppDispatcher:
                     request.outputs[i] = predictions[offset]
                     request.certainty[i] = confidence
                     request.models[i] = model
+                    request.replies[i] = (reply, offset)
                     request.pending -= 1
                 else:
                     forward.append(i)
@@ -721,6 +747,7 @@ class AppDispatcher:
             transport_ms=split.transport_ms,
             compute_ms=compute_ms,
             api_ms=api_ms,
+            replies=tuple(request.replies),
         )
         correct = labelled = 0
         records = self.config.validation

@@ -2,11 +2,23 @@
 loop's component tests and its benchmark.
 
 :class:`FakeWorker` is an asyncio HTTP/1.1 server on 127.0.0.1 that speaks the agent's
-interface (``POST /infer`` and ``GET /health``, :mod:`provisioners.worker.agent`) on the event
-loop of its caller, answering at once or after ``delay_s``. Its answer for a row is
-``predict(model, row)`` and ``certainty(model, row)``: by default the class ``int(row[0]) % 10``
-and the certainty ``row[1] / 16``, so a test steers a cascade's forwarding through its inputs.
-Knobs, settable at any time: ``status`` (answer every ``/infer`` with this HTTP status),
+interface, the Open Inference Protocol v2 (``POST /v2/models/{m}/infer``, ``GET
+/v2/models/{m}``, ``GET /v2/models/{m}/ready``, ``GET /v2/health/ready`` and ``/live``; ``GET
+/health``: :mod:`provisioners.worker.agent`) on the event loop of its caller, answering at once
+or after ``delay_s``. Every model it serves has a signature (``signatures``, by model name;
+:data:`~provisioners.artifacts.FAMILY_SIGNATURE` for the others); a request whose inputs do not
+fit it is a 400 naming the input (names, datatypes, shapes: the values are not checked).
+
+Its answer for a row (the first input's flattened sample) comes from ``predict(model, row)`` and
+``certainty(model, row)``: by default the class ``int(row[0]) % 10`` and the certainty
+``row[1] / 16``, so a test steers a cascade's forwarding through its inputs. The first output's
+sample is the logarithm of a distribution whose argmax is the class and whose certainty, as
+``kind`` measures it (``margin``: top-1 minus top-2 probability; ``max_prob``: top-1), is the
+one asked for (to rounding); the other outputs are zeros. ``parameters`` (the agent's
+``served_ms``, ``instance_type``, ...) are in every answer unless ``foreign`` (an Open Inference
+Protocol server that is not the agent).
+
+Knobs, settable at any time: ``status`` (answer every infer request with this HTTP status),
 ``drop`` (close the connection instead of answering), ``hang`` (never answer); :meth:`kill`
 closes the listening socket and every connection, as a worker process that dies does.
 """
@@ -15,12 +27,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-__all__ = ["FakeWorker", "default_certainty", "default_prediction"]
+from provisioners.artifacts import FAMILY_SIGNATURE, ModelSignature
+
+__all__ = ["FakeWorker", "default_certainty", "default_prediction", "logits"]
 
 RowFn = Callable[[str, Sequence[float]], float]
+
+_TIE = 1e-6  # distinct in FP32, as a real worker's logits are
+_UP = 1e-9
 
 
 def default_prediction(model: str, row: Sequence[float]) -> float:
@@ -29,6 +48,28 @@ def default_prediction(model: str, row: Sequence[float]) -> float:
 
 def default_certainty(model: str, row: Sequence[float]) -> float:
     return float(row[1]) / 16.0
+
+
+def logits(klass: int, certainty: float, width: int, kind: str = "margin") -> list[float]:
+    """``width`` logits whose softmax has its maximum at ``klass`` and, as ``kind`` measures
+    it, the ``certainty`` given (clipped into what ``width`` classes allow)."""
+    if width <= 1:
+        return [float(klass)] * width
+    klass %= width
+    # A gap of at least _TIE keeps the class the argmax when the certainty asked is nil; _UP
+    # keeps a certainty asked at a cascade's threshold at or over it after the rounding of the
+    # logits' text (12 digits).
+    if kind == "max_prob":
+        top = min(max(certainty + _UP, 1.0 / width + _TIE), 1.0)
+        rest = (1.0 - top) / (width - 1)
+    else:
+        gap = min(max(certainty + _UP, _TIE), 1.0)
+        rest = (1.0 - gap) / width
+        top = rest + gap
+    floor = 1e-30  # log(0) is not a JSON number
+    values = [math.log(max(rest, floor))] * width
+    values[klass] = math.log(max(top, floor))
+    return values
 
 
 class _Protocol(asyncio.Protocol):
@@ -70,7 +111,10 @@ class _Protocol(asyncio.Protocol):
     def send(self, status: int, document: object) -> None:
         if self.transport is None or self.transport.is_closing():
             return
-        body = json.dumps(document, separators=(",", ":")).encode()
+        if isinstance(document, bytes):
+            body = document
+        else:
+            body = json.dumps(document, separators=(",", ":")).encode()
         self.transport.write(
             b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
             % (status, len(body))
@@ -88,11 +132,17 @@ class FakeWorker:
         delay_s: float = 0.0,
         predict: RowFn = default_prediction,
         certainty: RowFn = default_certainty,
+        signatures: Mapping[str, ModelSignature] | None = None,
+        kind: str = "margin",
+        foreign: bool = False,
     ) -> None:
         self.instance_type = instance_type
         self.delay_s = delay_s
         self.predict = predict
         self.certainty = certainty
+        self.signatures = dict(signatures or {})
+        self.kind = kind
+        self.foreign = foreign
         self.status: int | None = None
         self.drop = False
         self.hang = False
@@ -101,8 +151,12 @@ class FakeWorker:
         self.rows = 0
         self.rows_by_model: Counter[str] = Counter()
         self.batch_sizes: list[int] = []
+        self.last_request: dict[str, Any] | None = None
         self._server: asyncio.Server | None = None
         self._connections: set[_Protocol] = set()
+        # (model, class, certainty) -> the first output's sample as JSON text (without
+        # brackets): the benchmark's workers answer thousands of rows a second on its loop.
+        self._samples: dict[tuple[str, int, float], str] = {}
         self.address = ""
 
     async def start(self) -> str:
@@ -129,10 +183,32 @@ class FakeWorker:
         if server is not None:
             await server.wait_closed()
 
+    def signature(self, model: str) -> ModelSignature:
+        return self.signatures.get(model, FAMILY_SIGNATURE)
+
     def _handle(self, connection: _Protocol, method: str, path: str, body: bytes) -> None:
-        if path == "/health":
-            status = 200 if self.healthy else 503
-            connection.send(status, {"status": "ok" if self.healthy else "stopping"})
+        if path in ("/health", "/v2/health/ready", "/v2/health/live"):
+            status = 200 if self.healthy or path.endswith("/live") else 503
+            if path == "/health":
+                connection.send(status, {"status": "ok" if self.healthy else "stopping"})
+            else:
+                key = "live" if path.endswith("/live") else "ready"
+                connection.send(status, {key: status == 200})
+            return
+        parts = path.split("/")
+        if len(parts) < 4 or parts[:3] != ["", "v2", "models"]:
+            connection.send(404, {"error": f"no route {path}"})
+            return
+        model, action = parts[3], "/".join(parts[4:])
+        signature = self.signature(model)
+        if method == "GET":
+            if action == "ready":
+                connection.send(200, {"name": model, "ready": True})
+            else:
+                document = signature.to_json()
+                connection.send(
+                    200, {"name": model, "versions": ["1"], "platform": "fake", **document}
+                )
             return
         if self.hang:
             return
@@ -143,26 +219,97 @@ class FakeWorker:
         if self.status is not None:
             connection.send(self.status, {"error": f"fake failure {self.status}"})
             return
-        document = json.loads(body)
-        model = str(document["model"])
-        rows = document["inputs"]
+        try:
+            document = json.loads(body)
+            rows = self._rows(signature, document)
+        except (ValueError, KeyError, TypeError) as error:
+            connection.send(400, {"error": str(error)})
+            return
+        self.last_request = document
+        n = len(rows)
         self.requests += 1
-        self.rows += len(rows)
-        self.rows_by_model[model] += len(rows)
-        self.batch_sizes.append(len(rows))
-        answer = {
-            "model": model,
-            "instance_type": self.instance_type,
-            "batch_size": len(rows),
-            "predictions": [int(self.predict(model, row)) for row in rows],
-            "certainty": [float(self.certainty(model, row)) for row in rows],
-            "latency_ms": self.delay_s * 1000.0,
-            "padded_ms": 0.0,
-            "served_ms": self.delay_s * 1000.0,
-            "queued_ms": 0.0,
-            "emulated": False,
-        }
+        self.rows += n
+        self.rows_by_model[model] += n
+        self.batch_sizes.append(n)
+        answer = self._answer(model, signature, rows, document.get("id"))
         if self.delay_s > 0:
             asyncio.get_running_loop().call_later(self.delay_s, connection.send, 200, answer)
         else:
             connection.send(200, answer)
+
+    def _rows(self, signature: ModelSignature, document: Mapping[str, Any]) -> list[list[Any]]:
+        """The first input's samples, flattened; ValueError naming the input when the inputs do
+        not fit the signature."""
+        given = {entry["name"]: entry for entry in document["inputs"]}
+        rows: list[list[Any]] = []
+        for index, spec in enumerate(signature.inputs):
+            entry = given.pop(spec.name, None)
+            if entry is None:
+                raise ValueError(f"input {spec.name!r} is missing")
+            if entry["datatype"] != spec.datatype:
+                raise ValueError(
+                    f"input {spec.name!r}: datatype {entry['datatype']!r}, expected"
+                    f" {spec.datatype!r}"
+                )
+            shape = entry["shape"]
+            if len(shape) != len(spec.shape) or any(
+                want not in (-1, got) for got, want in zip(shape, spec.shape, strict=True)
+            ):
+                raise ValueError(f"input {spec.name!r}: shape {shape} does not fit {spec.shape}")
+            data = entry["data"]
+            if len(data) != math.prod(shape):
+                raise ValueError(f"input {spec.name!r}: {len(data)} values for shape {shape}")
+            if index == 0:
+                width = math.prod(shape[1:])
+                rows = [data[i : i + width] for i in range(0, len(data), width)]
+        if given:
+            raise ValueError(f"input {next(iter(given))!r} is not an input of the model")
+        return rows
+
+    def _answer(
+        self,
+        model: str,
+        signature: ModelSignature,
+        rows: list[list[Any]],
+        request_id: object,
+    ) -> bytes:
+        n = len(rows)
+        first, *others = signature.outputs
+        sample = [1 if d < 0 else d for d in first.sample_shape]
+        width = math.prod(sample)
+        samples = self._samples
+        texts = []
+        for row in rows:
+            key = (model, int(self.predict(model, row)), float(self.certainty(model, row)))
+            text = samples.get(key)
+            if text is None:
+                # 12 digits: the certainty to 1e-11, in half the text of a float's repr.
+                text = ",".join(f"{v:.12g}" for v in logits(key[1], key[2], width, self.kind))
+                if len(samples) < 100_000:
+                    samples[key] = text
+            texts.append(text)
+        tensors = [_tensor_text(first.name, first.datatype, [n, *sample], ",".join(texts))]
+        for spec in others:
+            shape = [n, *(1 if d < 0 else d for d in spec.sample_shape)]
+            zero = "false" if spec.datatype == "BOOL" else "0"
+            tensors.append(
+                _tensor_text(spec.name, spec.datatype, shape, ",".join([zero] * math.prod(shape)))
+            )
+        head = f'{{"model_name":"{model}","model_version":"1"'
+        if isinstance(request_id, str):
+            head += f',"id":{json.dumps(request_id)}'
+        body = head + ',"outputs":[' + ",".join(tensors) + "]"
+        if not self.foreign:
+            served_ms = self.delay_s * 1000.0
+            body += (
+                f',"parameters":{{"instance_type":"{self.instance_type}","served_ms":{served_ms},'
+                f'"latency_ms":{served_ms},"padded_ms":0.0,"queued_ms":0.0,"emulated":false}}'
+            )
+        return (body + "}").encode()
+
+
+def _tensor_text(name: str, datatype: str, shape: list[int], data: str) -> str:
+    """One output tensor as JSON text, its ``data`` given as text (without brackets); names are
+    model and tensor names (no character JSON escapes)."""
+    dims = ",".join(map(str, shape))
+    return f'{{"name":"{name}","datatype":"{datatype}","shape":[{dims}],"data":[{data}]}}'

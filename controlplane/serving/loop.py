@@ -4,8 +4,9 @@ per app, kept in step with the store and the fleet, started and stopped with the
 :class:`ServingLoop` owns
 
 - the dispatchers, made on an app's first request (or status read) from its stored spec,
-  resolved against its profiles, catalog and validation records, and its applied plan's stages
-  (:func:`load_config`);
+  resolved against its profiles, catalog and validation records, and its applied plan's stages,
+  each model spoken to through the signature of its artifact (the demo family's without one)
+  and the certainty kind its spec names (:func:`load_config`, :func:`model_io`);
 - a background task that every ``refresh_s`` re-reads, for each app it serves, the app's version
   and applied plan (a change rebuilds the configuration in place: queues carry over) and its
   running workers (:class:`~controlplane.serving.workers.InstanceSource`), and probes the
@@ -29,7 +30,7 @@ import asyncio
 import contextlib
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +51,7 @@ from controlplane.serving.dispatcher import (
     StagePlan,
     WorkerLoss,
 )
+from controlplane.serving.modelio import ModelIO, Row
 from controlplane.serving.observations import Observations, WindowSummary
 from controlplane.serving.states import StateTracker
 from controlplane.serving.transport import HttpWorkerTransport, WorkerTransport
@@ -58,7 +60,14 @@ from controlplane.spec import SpecError
 from estimator.cascades import Cascade
 from estimator.errors import EstimatorError
 
-__all__ = ["DEFAULT_REFRESH_S", "GearHook", "ServingLoop", "ServingSettings", "load_config"]
+__all__ = [
+    "DEFAULT_REFRESH_S",
+    "GearHook",
+    "ServingLoop",
+    "ServingSettings",
+    "load_config",
+    "model_io",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +115,10 @@ def load_config(store: Store, resolver: AppResolver, app: str) -> AppConfig:
     profiles = {
         model: {t: resolved.profile(model, t) for t in resolved.instance_types} for model in models
     }
+    try:
+        ios = {model: model_io(resolved, model) for model in models}
+    except ValueError as error:  # a signature or certainty kind the dispatcher cannot serve
+        raise ServingUnavailableError(app, str(error)) from None
     stage_plans: dict[str, StagePlan] = {}
     if plan is not None:
         for stage in plan.plan.stages:
@@ -121,7 +134,20 @@ def load_config(store: Store, resolver: AppResolver, app: str) -> AppConfig:
         validation=resolved.validation,
         stage_plans=stage_plans,
         version=(record.version, plan.id if plan is not None else None),
+        io=ios,
     )
+
+
+def model_io(resolved: object, model: str) -> ModelIO:
+    """How the dispatcher talks to ``model`` of a resolved app: the signature of its artifact
+    (``resolved.artifacts``), else the demo family's; the certainty kind its spec names."""
+    artifacts = getattr(resolved, "artifacts", None) or {}
+    certainty_of = getattr(resolved, "certainty", None)
+    artifact = artifacts.get(model)
+    if artifact is not None:
+        return ModelIO(model, artifact.signature, artifact.certainty, family=False)
+    certainty = certainty_of(model) if callable(certainty_of) else "margin"
+    return ModelIO(model, certainty=certainty, family=True)
 
 
 class ServingLoop:
@@ -196,7 +222,7 @@ class ServingLoop:
     async def infer(
         self,
         app: str,
-        inputs: list[list[float]],
+        inputs: Sequence[Row],
         sample_ids: list[int] | None = None,
         requirements: Requirements | None = None,
         received_s: float | None = None,
@@ -211,18 +237,33 @@ class ServingLoop:
         the loop is stopped: the name would not have been checked against the store).
         """
         received = self.clock.now_s() if received_s is None else received_s
+        dispatcher = await self.dispatcher_for(app, received)
+        if not dispatcher.workers():
+            await self._refresh_app(app, dispatcher)
+        return await dispatcher.infer(inputs, sample_ids, requirements, received)
+
+    async def dispatcher_for(self, app: str, received_s: float | None = None) -> AppDispatcher:
+        """:meth:`dispatcher` for a query received at ``received_s``: when the app's spec no
+        longer resolves, the query is recorded as refused before the error is raised (what the
+        API reads before it submits, the app's model signatures, comes from here)."""
         try:
-            dispatcher = await self.dispatcher(app)
+            return await self.dispatcher(app)
         except ServingUnavailableError:
             if not self._running:
                 raise
             now = self.clock.now_s()
+            received = now if received_s is None else received_s
             self.observations.arrival(app, now)
             self.observations.refused(app, now, max(now - received, 0.0) * 1000.0)
             raise
+
+    async def unserved(self, app: str) -> str | None:
+        """Why ``app`` cannot serve a query now (no healthy worker for a model of its gear), or
+        None when it can (its fleet read at once when no worker is known yet)."""
+        dispatcher = await self.dispatcher(app)
         if not dispatcher.workers():
             await self._refresh_app(app, dispatcher)
-        return await dispatcher.infer(inputs, sample_ids, requirements, received)
+        return dispatcher.unserved()
 
     async def dispatcher(self, app: str) -> AppDispatcher:
         """The app's dispatcher, made (and its workers read) on first use."""

@@ -4,13 +4,15 @@ policy sees them, their latency tables, the policy itself, and what it can serve
 :mod:`~controlplane.serving.placement` fills in who serves a stage (``slots``, ``latency``,
 ``policy``); :mod:`~controlplane.serving.dispatcher` moves queries through it (``queue``, the
 sample counts, ``dirty``); :mod:`~controlplane.serving.variants` and admission read its capacity
-(:meth:`Stage.capacity_sps`, cached in ``capacity``).
+(:meth:`Stage.capacity_sps`, cached in ``capacity``); the transport encodes its batches with its
+``io`` (:class:`~controlplane.serving.modelio.ModelIO`).
 """
 
 from __future__ import annotations
 
 import math
 
+from controlplane.serving.modelio import ModelIO
 from controlplane.serving.workers import Worker
 from estimator.profiles import LatencyProfile
 from matching.policy import DispatchPolicy
@@ -74,6 +76,7 @@ class Stage:
         "capacity",
         "dirty",
         "in_service_samples",
+        "io",
         "latency",
         "model",
         "policy",
@@ -84,8 +87,9 @@ class Stage:
         "slots",
     )
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, io: ModelIO | None = None) -> None:
         self.model = model
+        self.io = io if io is not None else ModelIO(model)  # what its batches are on the wire
         self.queue = CentralQueue()
         self.slots: list[Slot] = []
         self.latency: dict[str, LatencyTable] = {}

@@ -1,12 +1,15 @@
 """Calls to worker agents over kept-alive HTTP/1.1: the :class:`WorkerTransport` seam and the
 client the serving loop uses (:class:`HttpWorkerTransport`).
 
-The worker agent (:mod:`provisioners.worker.agent`) answers ``POST /infer`` and ``GET /health``
-with JSON bodies that always carry ``Content-Length``. This module owns the client side: one pool
-of open connections per worker address (the dispatcher sends a worker one batch at a time, so one
-connection per worker is what it uses; a health probe may take a second), reuse while the worker
-keeps the connection alive, and the failure modes turned into one :class:`~controlplane.errors.
-WorkerCallError` with a ``kind`` the dispatcher acts on.
+Workers speak the Open Inference Protocol v2 (REST): the worker agent
+(:mod:`provisioners.worker.agent`), or any other server of the protocol, answers ``POST
+/v2/models/{model}/infer`` and ``GET /v2/health/ready`` with bodies that carry
+``Content-Length``. What a batch's body is and what its answer means is the business of the
+model's :class:`~controlplane.serving.modelio.ModelIO`. This module owns the client side: one
+pool of open connections per worker address (the dispatcher sends a worker one batch at a
+time, so one connection per worker is what it uses; a health probe may take a second), reuse
+while the worker keeps the connection alive, and the failure modes turned into one
+:class:`~controlplane.errors.WorkerCallError` with a ``kind`` the dispatcher acts on.
 
 Why not httpx: on this project's 2-core reference machine an ``httpx.AsyncClient`` against an
 in-process loopback server that answers at once served about 1,200 requests per second, which
@@ -29,14 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from controlplane.errors import WorkerCallError
+from controlplane.serving.modelio import ModelIO, ModelIOError, Row, WorkerReply
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
@@ -45,7 +47,6 @@ __all__ = [
     "HttpWorkerTransport",
     "WorkerReply",
     "WorkerTransport",
-    "parse_infer_reply",
 ]
 
 # The agent closes a connection idle for 30 s (provisioners.worker.agent.IDLE_CONNECTION_S); one
@@ -61,59 +62,24 @@ MAX_IDLE_PER_ADDRESS = 4
 _MAX_HEAD_BYTES = 16 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerReply:
-    """A worker's answer to one batch: per input row its predicted class and certainty (top-1
-    minus top-2 score); ``served_ms`` is the batch's service time on the worker (compute plus
-    emulation padding; None when the worker does not say), ``instance_type`` what the worker
-    runs as."""
-
-    predictions: tuple[int, ...]
-    certainty: tuple[float, ...]
-    served_ms: float | None
-    instance_type: str
-
-
 class WorkerTransport(Protocol):
     """How the dispatcher talks to workers (the live one, or a stub in a benchmark)."""
 
     async def infer(
-        self, address: str, model: str, rows: Sequence[Sequence[float]], timeout_s: float
+        self, address: str, io: ModelIO, rows: Sequence[Row], timeout_s: float
     ) -> WorkerReply:
-        """Run ``rows`` (one batch) through ``model`` on the worker at ``address``; raises
-        :class:`~controlplane.errors.WorkerCallError` when no answer comes."""
+        """Run ``rows`` (one batch) through the model ``io`` speaks for, on the worker at
+        ``address``; raises :class:`~controlplane.errors.WorkerCallError` when no answer comes
+        (``status`` with ``worker_fault=False`` when the rows themselves are refused)."""
         ...
 
     async def health(self, address: str, timeout_s: float) -> bool:
-        """Whether the worker at ``address`` answers ``GET /health`` with ``ok``."""
+        """Whether the worker at ``address`` answers ``GET /v2/health/ready`` with 200."""
         ...
 
     async def close(self) -> None:
         """Close every open connection."""
         ...
-
-
-def parse_infer_reply(address: str, body: bytes, rows: int) -> WorkerReply:
-    """The agent's ``POST /infer`` answer for a batch of ``rows`` rows; ``malformed``
-    :class:`~controlplane.errors.WorkerCallError` when it is not one."""
-    try:
-        document = json.loads(body)
-        predictions = tuple(int(p) for p in document["predictions"])
-        certainty = tuple(float(c) for c in document["certainty"])
-        served = document.get("served_ms")
-        served_ms = float(served) if isinstance(served, int | float) else None
-        instance_type = str(document.get("instance_type", ""))
-    except (ValueError, KeyError, TypeError) as error:
-        raise WorkerCallError(address, "malformed", f"not an inference answer: {error}") from None
-    if len(predictions) != rows or len(certainty) != rows:
-        raise WorkerCallError(
-            address,
-            "malformed",
-            f"{len(predictions)} predictions and {len(certainty)} certainties for {rows} rows",
-        )
-    if served_ms is not None and not (math.isfinite(served_ms) and served_ms >= 0):
-        served_ms = None
-    return WorkerReply(predictions, certainty, served_ms, instance_type)
 
 
 class _BrokenError(Exception):
@@ -237,10 +203,15 @@ class HttpWorkerTransport:
             self._watchdog = asyncio.get_running_loop().call_later(WATCH_S, self._watch)
 
     async def infer(
-        self, address: str, model: str, rows: Sequence[Sequence[float]], timeout_s: float
+        self, address: str, io: ModelIO, rows: Sequence[Row], timeout_s: float
     ) -> WorkerReply:
-        body = json.dumps({"model": model, "inputs": rows}, separators=(",", ":")).encode()
-        status, answer = await self._request(address, "POST", "/infer", body, timeout_s)
+        try:
+            body = io.encode(rows)
+        except ModelIOError as error:
+            raise WorkerCallError(
+                address, "status", str(error), status=400, worker_fault=False
+            ) from None
+        status, answer = await self._request(address, "POST", io.path, body, timeout_s)
         if status != 200:
             raise WorkerCallError(
                 address,
@@ -250,15 +221,15 @@ class HttpWorkerTransport:
                 # 400 and 413 refuse the inputs themselves: another worker would refuse them too.
                 worker_fault=status not in (400, 413),
             )
-        return parse_infer_reply(address, answer, len(rows))
+        return io.decode(address, answer, len(rows))
 
     async def health(self, address: str, timeout_s: float) -> bool:
+        # Ready, not live: a worker still loading its models, or draining, answers 503.
         try:
-            status, answer = await self._request(address, "GET", "/health", b"", timeout_s)
-            document: Any = json.loads(answer)
-        except (WorkerCallError, ValueError):
+            status, _ = await self._request(address, "GET", "/v2/health/ready", b"", timeout_s)
+        except WorkerCallError:
             return False
-        return status == 200 and isinstance(document, dict) and document.get("status") == "ok"
+        return status == 200
 
     async def close(self) -> None:
         self._closed = True

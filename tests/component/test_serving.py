@@ -49,6 +49,7 @@ from controlplane.serving.dispatcher import (
 )
 from controlplane.serving.fake_worker import FakeWorker
 from controlplane.serving.loop import ServingLoop, ServingSettings
+from controlplane.serving.modelio import ModelIO, Row
 from controlplane.serving.observations import Observations
 from controlplane.serving.transport import HttpWorkerTransport, WorkerReply
 from controlplane.serving.workers import ProvisionedInstances, StaticInstances, WorkerEndpoint
@@ -324,7 +325,7 @@ class _AnswersButProbesSlowly:
         self.release = asyncio.Event()
 
     async def infer(
-        self, address: str, model: str, rows: Sequence[Sequence[float]], timeout_s: float
+        self, address: str, io: ModelIO, rows: Sequence[Row], timeout_s: float
     ) -> WorkerReply:
         return WorkerReply(tuple(1 for _ in rows), tuple(0.9 for _ in rows), 1.0, LARGE)
 
@@ -661,7 +662,7 @@ def test_the_endpoint_answers_with_outputs_models_gear_and_timings(world: ApiWor
         assert set(answer) == {"outputs", "models", "certainty", "gear", "timings", "late"}
         assert answer["outputs"] == [3, 4]
         assert answer["models"] == ["tiny", "large"]
-        assert answer["certainty"] == [0.9, 0.1]
+        assert answer["certainty"] == pytest.approx([0.9, 0.1])
         assert answer["gear"] == "tiny@0.5 -> large"
         timings = answer["timings"]
         assert set(timings) == {

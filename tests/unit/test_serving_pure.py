@@ -23,6 +23,7 @@ from controlplane.serving.admission import (
     wait_ms,
 )
 from controlplane.serving.dispatcher import policy_name
+from controlplane.serving.modelio import ModelIO
 from controlplane.serving.observations import ARRIVALS_KEPT, Observations, summarise
 from controlplane.serving.states import (
     StateTracker,
@@ -30,7 +31,7 @@ from controlplane.serving.states import (
     is_overloaded,
     model_state,
 )
-from controlplane.serving.transport import _parse_head, parse_infer_reply
+from controlplane.serving.transport import _parse_head
 from controlplane.serving.workers import BACKOFF_MAX_S, Worker, WorkerEndpoint, backoff_s
 from estimator.fleet import Fleet
 from estimator.profiles import LatencyProfile
@@ -281,11 +282,16 @@ def test_answer_heads_and_bodies_are_checked() -> None:
         with pytest.raises(WorkerCallError) as caught:
             _parse_head("w", bad)
         assert caught.value.kind == "malformed"
-    reply = parse_infer_reply(
-        "w", b'{"predictions":[1,2],"certainty":[0.5,0.9],"served_ms":3.5}', rows=2
+    io = ModelIO("tiny")
+    answer = (
+        b'{"model_name":"tiny","outputs":[{"name":"logits","datatype":"FP32","shape":[2,10],'
+        b'"data":[' + b",".join([b"0"] * 9 + [b"5"] + [b"5"] + [b"0"] * 9) + b"]}],"
+        b'"parameters":{"served_ms":3.5,"instance_type":"emu.gpu"}}'
     )
-    assert reply.predictions == (1, 2) and reply.served_ms == 3.5
-    with pytest.raises(WorkerCallError, match="for 3 rows"):
-        parse_infer_reply("w", b'{"predictions":[1,2],"certainty":[0.5,0.9]}', rows=3)
+    reply = io.decode("w", answer, rows=2)
+    assert reply.predictions == (9, 0) and reply.served_ms == 3.5
+    assert reply.instance_type == "emu.gpu"
+    with pytest.raises(WorkerCallError, match="for a batch of 3 rows"):
+        io.decode("w", answer, rows=3)
     with pytest.raises(WorkerCallError, match="not an inference answer"):
-        parse_infer_reply("w", b"[]", rows=1)
+        io.decode("w", b"[]", rows=1)

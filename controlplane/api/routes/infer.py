@@ -1,6 +1,9 @@
 """``POST /v1/apps/{app}/infer`` (infer scope): a batch of samples in, per sample the output, the
-model that answered it and its certainty out; ``GET /v1/apps/{app}/serving`` (viewer): what the
-serving loop sees of the app (gear, workers, queues, INFaaS model states, counters).
+model that answered it and its certainty out (a sample is checked against the app's models'
+input, :func:`check_inputs`; ``/v2/models/{app}/infer``, :mod:`controlplane.api.routes.oip`,
+speaks the Open Inference Protocol and answers the raw outputs); ``GET /v1/apps/{app}/serving``
+(viewer): what the serving loop sees of the app (gear, workers, queues, INFaaS model states,
+counters).
 
 The request may carry INFaaS's model-less requirements (a latency bound, a minimum accuracy):
 the serving loop then picks the cheapest variant that meets them, or the answer is 422 with the
@@ -20,13 +23,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.api.deps import Inferrer, ServicesDep, Viewer
+from controlplane.api.errors import ApiError
 from controlplane.api.routes import AppName, errors
 from controlplane.api.schemas import (
+    INFER_FEATURES,
+    INFER_PIXEL_MAX,
     InferIn,
     InferOut,
     ServingLatencyOut,
@@ -38,9 +46,10 @@ from controlplane.api.schemas import (
 )
 from controlplane.errors import ServingUnavailableError
 from controlplane.policies.variants import Requirements
+from controlplane.serving.modelio import ModelIO, resolve_sample_shape
 from controlplane.serving.observations import AppTotals
 
-__all__ = ["RECEIVED_S", "ReceivedAtMiddleware", "router"]
+__all__ = ["RECEIVED_S", "ReceivedAtMiddleware", "check_inputs", "received_s", "router"]
 
 router = APIRouter(prefix="/v1", tags=["serving"])
 
@@ -63,7 +72,7 @@ class ReceivedAtMiddleware:
         await self.app(scope, receive, send)
 
 
-def _received_s(request: Request) -> float | None:
+def received_s(request: Request) -> float | None:
     stamp = request.scope.get(RECEIVED_S)
     return float(stamp) if isinstance(stamp, int | float) else None
 
@@ -84,9 +93,10 @@ async def infer(
         requirements = Requirements(
             app, body.requirements.latency_ms, body.requirements.min_accuracy
         )
-    result = await serving.infer(
-        app, body.inputs, body.sample_ids, requirements, _received_s(request)
-    )
+    received = received_s(request)
+    config = (await serving.dispatcher_for(app, received)).config
+    inputs = check_inputs(app, config.model_io(config.models[0]), body.inputs)
+    result = await serving.infer(app, inputs, body.sample_ids, requirements, received)
     return InferOut(
         outputs=list(result.outputs),
         models=list(result.models),
@@ -102,6 +112,65 @@ async def infer(
         ),
         late=result.late,
     )
+
+
+def check_inputs(app: str, io: ModelIO, inputs: list[list[float]]) -> list[list[Any]]:
+    """The rows of a ``/v1`` request for the app whose first model is ``io``'s: a demo family
+    model takes 64 pixel values in 0..16; a model brought to the registry its first (and only)
+    input's sample, flattened, of that input's datatype (integers for an integer type, 0 or 1
+    for ``BOOL``). Raises a 422 ``invalid_request`` naming the sample (``inputs[i]``) or value
+    (``inputs[i][j]``)."""
+    if io.family:
+        for i, row in enumerate(inputs):
+            if len(row) != INFER_FEATURES:
+                raise _invalid(f"has {len(row)} values; a sample is {INFER_FEATURES} pixels", i)
+            if min(row) < 0.0 or max(row) > INFER_PIXEL_MAX:
+                j = next(j for j, v in enumerate(row) if not 0.0 <= v <= INFER_PIXEL_MAX)
+                raise _invalid(f"{row[j]:g} is outside 0..{INFER_PIXEL_MAX:g}", i, j)
+        return inputs
+    specs = io.signature.inputs
+    if len(specs) != 1:
+        names = ", ".join(spec.name for spec in specs)
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"app {app}'s model {io.model} takes {len(specs)} inputs ({names}): send them to"
+            f" POST /v2/models/{app}/infer",
+            "inputs",
+        )
+    spec = specs[0]
+    kind = spec.dtype.kind
+    rows: list[list[Any]] = []
+    for i, row in enumerate(inputs):
+        if resolve_sample_shape(spec, len(row)) is None:
+            raise _invalid(
+                f"has {len(row)} values; input {spec.name!r} takes samples of shape"
+                f" {list(spec.sample_shape)}, flattened",
+                i,
+            )
+        if kind == "f":
+            limit = float(np.finfo(spec.dtype).max)
+            if max(abs(v) for v in row) > limit:
+                j = next(j for j, v in enumerate(row) if abs(v) > limit)
+                raise _invalid(f"{row[j]:g} is too large for {spec.datatype}", i, j)
+            rows.append(row)
+            continue
+        low, high = (0, 1) if kind == "b" else _int_range(spec.dtype)
+        for j, v in enumerate(row):
+            if not (v.is_integer() and low <= v <= high):
+                raise _invalid(f"{v:g} is not a {spec.datatype} value ({low}..{high})", i, j)
+        rows.append([bool(v) for v in row] if kind == "b" else [int(v) for v in row])
+    return rows
+
+
+def _int_range(dtype: np.dtype[Any]) -> tuple[int, int]:
+    limits = np.iinfo(dtype)
+    return int(limits.min), int(limits.max)
+
+
+def _invalid(message: str, i: int, j: int | None = None) -> ApiError:
+    field = f"inputs[{i}]" if j is None else f"inputs[{i}][{j}]"
+    return ApiError(422, "invalid_request", f"{field}: {message}", field)
 
 
 @router.get(

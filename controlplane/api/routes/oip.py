@@ -1,0 +1,335 @@
+"""The Open Inference Protocol v2 (REST) in front of the serving loop: an app is a model.
+
+- ``GET /v2/health/live`` and ``GET /v2/health/ready`` (no token, like ``/healthz``): 200
+  ``{"live": true}``; 200 ``{"ready": true}`` while the service runs its serving loop, else 503
+  ``{"ready": false}``.
+- ``GET /v2/models/{app}`` (infer scope): ``{"name", "versions": ["1"], "platform":
+  "heteroplane", "inputs", "outputs"}``, the app's first model's inputs (a cascade's models share
+  them) and its last model's outputs.
+- ``GET /v2/models/{app}/ready`` (infer): 200 ``{"name", "ready": true}`` when a query would be
+  served now, 503 with the reason when no healthy worker serves a model of the app's gear.
+- ``POST /v2/models/{app}/infer`` (infer): an Open Inference Protocol request checked against
+  the app's input signature (:func:`provisioners.worker.oip.parse_infer_request`: a mismatch is
+  a 400 naming the input, its datatype or its shape), its rows (the batch dimension, at most
+  256) served through the serving loop as ``/v1/apps/{app}/infer`` serves them (dispatcher,
+  cascade, gear, admission: 429 with ``Retry-After``; 503 without a worker). The answer:
+  ``{"model_name": app, "model_version": "1", "id"? (the request's), "outputs": [...],
+  "parameters": {"models": [per row, the model that answered it], "gear", "late", and the
+  timings of ``/v1`` (``total_ms``, ``queue_ms``, ...)}}``, each output the answering models'
+  raw outputs stacked per request row, in the request's order. ``/v2/models/{app}/versions/1``
+  serves the same (another version: 404).
+
+Tensors travel as JSON (``data``, flat or nested) or with Triton's binary tensor extension, as
+``tritonclient.http`` sends them: the header ``Inference-Header-Content-Length`` gives the size
+of the JSON part, the rest of the body is the raw little-endian bytes of the inputs whose
+``parameters.binary_data_size`` says how many, in order. Outputs are answered in binary when
+the request's ``parameters.binary_data_output`` is true or the output's own
+``parameters.binary_data`` is (the latter wins), with ``parameters.binary_data_size`` and the
+same header; else as JSON.
+
+Errors are the protocol's ``{"error": "one line"}`` with the status the rest of the API gives
+(:mod:`controlplane.api.errors`: 401/403 without an infer token, 404 for an unknown app, ...):
+the route class rewrites the API's error body. These routes are left out of the OpenAPI
+document: the protocol is documented by KServe
+(https://kserve.github.io/website/latest/modelserving/data_plane/v2_protocol/).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+
+from controlplane.api.deps import Inferrer, Services, ServicesDep
+from controlplane.api.errors import ApiError
+from controlplane.api.routes import AppName
+from controlplane.api.routes.infer import received_s
+from controlplane.api.schemas import MAX_INFER_SAMPLES
+from controlplane.errors import ServingUnavailableError
+from controlplane.serving.dispatcher import InferResult
+from controlplane.serving.loop import ServingLoop
+from controlplane.serving.modelio import ModelIOError, app_signature, stack_outputs
+from provisioners.artifacts import ArtifactError, ModelSignature, numpy_dtype
+from provisioners.worker.oip import MODEL_VERSION, OipError, load_json, parse_infer_request
+
+__all__ = ["HEADER_LENGTH", "router"]
+
+# Triton's binary tensor extension: the size of the JSON part of a body that has binary parts.
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_PLATFORM = "heteroplane"
+
+
+class _OipRoute(APIRoute):
+    """A route whose errors are the protocol's ``{"error": "..."}``: whatever the API answers
+    for an exception (its handlers, with their statuses and headers), the body rewritten."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except OipError as error:
+                return JSONResponse({"error": str(error)}, status_code=error.status)
+            except Exception as error:
+                answer = await _api_answer(request, error)
+                if answer is None:
+                    raise
+                return answer
+
+        return route
+
+
+async def _api_answer(request: Request, error: Exception) -> Response | None:
+    handlers = request.app.exception_handlers
+    for kind in type(error).__mro__:
+        handler = handlers.get(kind)
+        if handler is not None:
+            break
+    else:
+        return None
+    answer: Response = handler(request, error)
+    if inspect.isawaitable(answer):
+        answer = await answer
+    try:
+        message = json.loads(bytes(answer.body))["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return answer
+    headers = {
+        k: v for k, v in answer.headers.items() if k not in ("content-length", "content-type")
+    }
+    return JSONResponse({"error": message}, status_code=answer.status_code, headers=headers)
+
+
+router = APIRouter(
+    prefix="/v2", tags=["open inference protocol"], route_class=_OipRoute, include_in_schema=False
+)
+
+
+@router.get("/health/live")
+async def live() -> dict[str, bool]:
+    return {"live": True}
+
+
+@router.get("/health/ready")
+async def ready(services: ServicesDep) -> JSONResponse:
+    serving = services.serving
+    running = serving is not None and serving.running
+    return JSONResponse({"ready": running}, status_code=200 if running else 503)
+
+
+def _serving(services: Services, app: str) -> ServingLoop:
+    serving: ServingLoop | None = services.serving
+    if serving is None:
+        raise ServingUnavailableError(app, "this service runs no serving loop")
+    return serving
+
+
+def _version(version: str) -> None:
+    if version != MODEL_VERSION:
+        raise OipError(f"version {version!r} is not served (versions: {MODEL_VERSION})", 404)
+
+
+async def _signature(serving: ServingLoop, app: str, received: float | None) -> ModelSignature:
+    config = (await serving.dispatcher_for(app, received)).config
+    return app_signature([config.model_io(m) for m in config.models])
+
+
+@router.get("/models/{app}")
+async def metadata(app: AppName, services: ServicesDep, _who: Inferrer) -> dict[str, Any]:
+    signature = await _signature(_serving(services, app), app, None)
+    document = signature.to_json()
+    return {"name": app, "versions": [MODEL_VERSION], "platform": _PLATFORM, **document}
+
+
+@router.get("/models/{app}/versions/{version}")
+async def metadata_of_version(
+    app: AppName, version: str, services: ServicesDep, who: Inferrer
+) -> dict[str, Any]:
+    _version(version)
+    return await metadata(app, services, who)
+
+
+@router.get("/models/{app}/ready")
+async def model_ready(app: AppName, services: ServicesDep, _who: Inferrer) -> dict[str, Any]:
+    serving = _serving(services, app)
+    reason = await serving.unserved(app)
+    if reason is not None:
+        raise OipError(reason, 503)
+    return {"name": app, "ready": True}
+
+
+@router.get("/models/{app}/versions/{version}/ready")
+async def model_ready_of_version(
+    app: AppName, version: str, services: ServicesDep, who: Inferrer
+) -> dict[str, Any]:
+    _version(version)
+    return await model_ready(app, services, who)
+
+
+@router.post("/models/{app}/infer")
+async def infer(app: AppName, services: ServicesDep, _who: Inferrer, request: Request) -> Response:
+    received = received_s(request)
+    serving = _serving(services, app)
+    if request.headers.get("content-encoding", "identity").lower() != "identity":
+        raise OipError("compressed requests are not served (Content-Encoding)")
+    body = await request.body()
+    document, binary = _split(body, request.headers.get(HEADER_LENGTH))
+    signature = await _signature(serving, app, received)
+    if not isinstance(document, Mapping):
+        raise OipError("body must be a JSON object")
+    document = _with_binary_inputs(document, binary, signature)
+    parsed = parse_infer_request(document, signature, max_batch_size=MAX_INFER_SAMPLES)
+    arrays = [parsed.inputs[spec.name] for spec in signature.inputs]
+    rows: list[Any] = list(arrays[0]) if len(arrays) == 1 else list(zip(*arrays, strict=True))
+    result = await serving.infer(app, rows, None, None, received)
+    names = parsed.outputs or tuple(spec.name for spec in signature.outputs)
+    try:
+        outputs = stack_outputs(result.replies, names)
+    except ModelIOError as error:
+        raise ApiError(
+            502, "bad_gateway", f"the models' answers cannot be stacked: {error}"
+        ) from None
+    binary_names = _binary_outputs(document, names)
+    return _answer(app, parsed.id, outputs, binary_names, result)
+
+
+@router.post("/models/{app}/versions/{version}/infer")
+async def infer_version(
+    app: AppName, version: str, services: ServicesDep, who: Inferrer, request: Request
+) -> Response:
+    _version(version)
+    return await infer(app, services, who, request)
+
+
+def _split(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
+    """The JSON part of a body, decoded, and its binary part (Triton's extension)."""
+    if header_length is None:
+        return load_json(body), b""
+    try:
+        size = int(header_length)
+    except ValueError:
+        size = -1
+    if not 0 <= size <= len(body):
+        raise OipError(f"{HEADER_LENGTH} {header_length!r} is not a size within the body")
+    return load_json(body[:size]), body[size:]
+
+
+def _with_binary_inputs(
+    document: Mapping[str, Any], binary: bytes, signature: ModelSignature
+) -> Mapping[str, Any]:
+    """``document`` with the data of its binary inputs filled in from ``binary`` (in the order
+    of the inputs); OipError naming the input when the sizes do not add up."""
+    entries = document.get("inputs")
+    if not isinstance(entries, list):
+        return document  # parse_infer_request says what is wrong
+    specs = {spec.name: spec for spec in signature.inputs}
+    offset = 0
+    filled = []
+    for entry in entries:
+        parameters = entry.get("parameters") if isinstance(entry, Mapping) else None
+        size = parameters.get("binary_data_size") if isinstance(parameters, Mapping) else None
+        if size is None:
+            filled.append(entry)
+            continue
+        name = entry.get("name")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise OipError(f"input {name!r}: binary_data_size must be a byte count")
+        if "data" in entry:
+            raise OipError(f"input {name!r}: both 'data' and binary_data_size")
+        spec = specs.get(name) if isinstance(name, str) else None
+        if spec is None:
+            raise OipError(
+                f"input {name!r} is not an input of the model (inputs: {', '.join(specs)})"
+            )
+        chunk = binary[offset : offset + size]
+        if len(chunk) != size:
+            raise OipError(f"input {name!r}: the body ends before its {size} bytes")
+        offset += size
+        dtype = spec.dtype.newbyteorder("<")
+        if size % dtype.itemsize:
+            raise OipError(
+                f"input {name!r}: {size} bytes are not a whole number of {spec.datatype} values"
+            )
+        values = np.frombuffer(chunk, dtype=dtype)
+        if spec.datatype == "BOOL" and values.size and values.view(np.uint8).max() > 1:
+            raise OipError(f"input {name!r}: BOOL bytes must be 0 or 1")
+        data = values.tolist()
+        # Kept as parse_infer_request checks them: the shape against the values' count.
+        rest = {k: v for k, v in entry.items() if k != "parameters"}
+        filled.append({**rest, "data": data})
+    if offset != len(binary):
+        raise OipError(f"the body has {len(binary) - offset} bytes no input claims")
+    return {**document, "inputs": filled}
+
+
+def _binary_outputs(document: Mapping[str, Any], names: Sequence[str]) -> set[str]:
+    """The outputs to answer in binary (see the module docstring)."""
+    parameters = document.get("parameters")
+    everything = isinstance(parameters, Mapping) and parameters.get("binary_data_output") is True
+    own: dict[str, Any] = {}
+    entries = document.get("outputs")
+    for entry in entries if isinstance(entries, list) else ():
+        settings = entry.get("parameters")
+        own[entry["name"]] = settings.get("binary_data") if isinstance(settings, Mapping) else None
+    return {n for n in names if own.get(n) is True or (own.get(n) is None and everything)}
+
+
+def _answer(
+    app: str,
+    request_id: str | None,
+    outputs: Sequence[tuple[str, str, np.ndarray]],
+    binary_names: set[str],
+    result: InferResult,
+) -> Response:
+    tensors = []
+    blobs = []
+    for name, datatype, array in outputs:
+        tensor: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        if name in binary_names:
+            try:
+                raw = array.astype(numpy_dtype(datatype).newbyteorder("<"), copy=False).tobytes()
+            except ArtifactError:
+                raw = array.tobytes()
+            tensor["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            tensor["data"] = array.ravel().tolist()
+        tensors.append(tensor)
+    answer: dict[str, Any] = {"model_name": app, "model_version": MODEL_VERSION}
+    if request_id is not None:
+        answer["id"] = request_id
+    answer["outputs"] = tensors
+    answer["parameters"] = {
+        "models": list(result.models),
+        "gear": result.gear,
+        "late": result.late,
+        "total_ms": result.total_ms,
+        "queue_ms": result.queue_ms,
+        "service_ms": result.service_ms,
+        "transport_ms": result.transport_ms,
+        "compute_ms": result.compute_ms,
+        "api_ms": result.api_ms,
+    }
+    try:
+        header = json.dumps(answer, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        raise ApiError(
+            502,
+            "bad_gateway",
+            "an output holds values JSON cannot carry (NaN, infinity): ask for it in binary"
+            " (parameters.binary_data)",
+        ) from None
+    if not blobs:
+        return Response(header, media_type="application/json")
+    return Response(
+        b"".join([header, *blobs]),
+        media_type="application/octet-stream",
+        headers={HEADER_LENGTH: str(len(header))},
+    )

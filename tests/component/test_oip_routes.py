@@ -1,0 +1,439 @@
+"""The control plane's Open Inference Protocol v2 routes (:mod:`controlplane.api.routes.oip`)
+over the serving loop and fake workers speaking v2 (:mod:`controlplane.serving.fake_worker`):
+health without a token, metadata and readiness, inference with JSON tensors and with Triton's
+binary tensor extension (read back with ``tritonclient``'s own parser), a 400 naming the field
+for a request that does not fit the app's signature, 401/403 without an infer token, an app of
+models brought to the registry (several inputs, integer and boolean datatypes) on ``/v2`` and on
+``/v1``; and ``tritonclient.http.InferenceServerClient`` against a real uvicorn server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+from controlplane.serving.fake_worker import FakeWorker
+from provisioners.artifacts import ModelSignature, TensorSpec
+from tests.component.test_serving import (
+    LARGE,
+    SMALL,
+    ApiWorld,
+    api_run,
+    endpoints,
+    fleet,
+    row,
+    world,
+)
+
+__all__ = ["world"]  # the fixture, imported for this module's tests
+
+TWO_INPUTS = ModelSignature(
+    (TensorSpec("ids", "INT64", (-1, 3)), TensorSpec("mask", "BOOL", (-1, 3))),
+    (TensorSpec("scores", "FP32", (-1, 4)), TensorSpec("label", "INT64", (-1,))),
+)
+ONE_INT_INPUT = ModelSignature(
+    (TensorSpec("ids", "INT64", (-1, 2, 2)),), (TensorSpec("scores", "FP32", (-1, 3)),)
+)
+
+
+class _WithArtifacts:
+    """A resolved app whose models are artifacts of ``signature`` (what the resolver's
+    ``artifacts`` gives once an app names registry models)."""
+
+    def __init__(self, resolved: Any, signature: ModelSignature) -> None:
+        self._resolved = resolved
+        self.artifacts = {
+            m: SimpleNamespace(signature=signature, certainty="max_prob")
+            for m in resolved.spec.serving_order
+        }
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._resolved, name)
+
+
+class _ArtifactResolver:
+    def __init__(self, inner: Any, signature: ModelSignature) -> None:
+        self.inner = inner
+        self.signature = signature
+
+    def resolve(self, *args: Any, **kwargs: Any) -> Any:
+        return _WithArtifacts(self.inner.resolve(*args, **kwargs), self.signature)
+
+
+def as_artifacts(world: ApiWorld, signature: ModelSignature) -> None:
+    world.serving.resolver = _ArtifactResolver(world.serving.resolver, signature)  # type: ignore[assignment]
+
+
+def tensor(name: str, datatype: str, array: np.ndarray) -> dict[str, Any]:
+    return {
+        "name": name,
+        "datatype": datatype,
+        "shape": list(array.shape),
+        "data": array.ravel().tolist(),
+    }
+
+
+def family_request(rows: list[list[float]], **extra: Any) -> dict[str, Any]:
+    return {"inputs": [tensor("input", "FP32", np.array(rows, dtype=np.float32))], **extra}
+
+
+def test_health_metadata_readiness_and_tokens(world: ApiWorld) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        for path, key in (("/v2/health/live", "live"), ("/v2/health/ready", "ready")):
+            response = await client.get(path)
+            assert (response.status_code, response.json()) == (200, {key: True})
+        response = await client.get("/v2/models/demo", headers=world.auth())
+        assert response.status_code == 200, response.text
+        assert response.json() == {
+            "name": "demo",
+            "versions": ["1"],
+            "platform": "heteroplane",
+            "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, 64]}],
+            "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}],
+        }
+        response = await client.get("/v2/models/demo/versions/1", headers=world.auth())
+        assert response.json()["name"] == "demo"
+        response = await client.get("/v2/models/demo/versions/2", headers=world.auth())
+        assert response.status_code == 404 and "version '2'" in response.json()["error"]
+        response = await client.get("/v2/models/nope", headers=world.auth())
+        assert response.status_code == 404
+        assert isinstance(response.json()["error"], str)  # the protocol's error body
+        # Not ready without a worker; ready once the fleet has them.
+        response = await client.get("/v2/models/demo/ready", headers=world.auth())
+        assert response.status_code == 503 and "no running worker" in response.json()["error"]
+        world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
+        response = await client.get("/v2/models/demo/ready", headers=world.auth())
+        assert (response.status_code, response.json()) == (200, {"name": "demo", "ready": True})
+        payload = family_request([row(1, 0.9)])
+        for path in ("/v2/models/demo", "/v2/models/demo/ready", "/v2/models/demo/infer"):
+            method = "POST" if path.endswith("infer") else "GET"
+            response = await client.request(method, path, json=payload)
+            assert response.status_code == 401, path
+            assert response.headers["www-authenticate"] == "Bearer"
+            assert response.json()["error"].startswith("an API token is required")
+            response = await client.request(
+                method, path, json=payload, headers=world.auth("viewer")
+            )
+            assert response.status_code == 403, path
+            assert "this needs infer" in response.json()["error"]
+
+    api_run(world, body)
+
+
+def test_json_inference_answers_the_raw_outputs_per_row(world: ApiWorld) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        response = await client.post(
+            "/v2/models/demo/infer", json=family_request([row(1, 0.9)]), headers=world.auth()
+        )
+        assert response.status_code == 503, response.text  # no worker yet
+        assert "no running worker" in response.json()["error"]
+        workers = await fleet([SMALL, LARGE])
+        world.instances.set("demo", endpoints(workers))
+        rows = [row(3, 0.9), row(4, 0.1), row(5, 0.7)]
+        response = await client.post(
+            "/v2/models/demo/infer",
+            json=family_request(rows, id="req-1"),
+            headers=world.auth(),
+        )
+        assert response.status_code == 200, response.text
+        assert "inference-header-content-length" not in response.headers
+        answer = response.json()
+        assert (answer["model_name"], answer["model_version"], answer["id"]) == (
+            "demo",
+            "1",
+            "req-1",
+        )
+        (output,) = answer["outputs"]
+        assert (output["name"], output["datatype"], output["shape"]) == ("logits", "FP32", [3, 10])
+        values = np.array(output["data"]).reshape(3, 10)
+        assert values.argmax(axis=1).tolist() == [3, 4, 5]
+        parameters = answer["parameters"]
+        assert parameters["models"] == ["tiny", "large", "tiny"]  # 0.1 is forwarded
+        assert parameters["gear"] == "tiny@0.5 -> large" and parameters["late"] is False
+        assert parameters["total_ms"] >= parameters["service_ms"] >= 0.0
+        # The worker got the rows as one flat FP32 tensor per batch.
+        sent = workers[0].last_request or workers[1].last_request
+        assert sent is not None and sent["inputs"][0]["name"] == "input"
+        # Asking for one output by name, on the versioned path.
+        response = await client.post(
+            "/v2/models/demo/versions/1/infer",
+            json=family_request([row(2, 0.9)], outputs=[{"name": "logits"}]),
+            headers=world.auth(),
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["outputs"][0]["shape"] == [1, 10]
+
+    api_run(world, body)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda r: r["inputs"][0].update(name="pixels"), "input 'pixels'"),
+        (lambda r: r["inputs"][0].update(datatype="INT64"), "datatype 'INT64'"),
+        (lambda r: r["inputs"][0].update(shape=[1, 63]), "input 'input': shape"),
+        (lambda r: r["inputs"][0].update(data=[1.0] * 10), "input 'input': 'data' holds 10"),
+        (lambda r: r.update(outputs=[{"name": "probs"}]), "output 'probs'"),
+        (lambda r: r.update(inputs=[]), "'inputs'"),
+    ],
+)
+def test_a_request_that_does_not_fit_is_a_400_naming_the_field(
+    world: ApiWorld, change: Any, named: str
+) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", endpoints(await fleet([SMALL])))
+        request = family_request([row(1, 0.9)])
+        change(request)
+        response = await client.post("/v2/models/demo/infer", json=request, headers=world.auth())
+        assert response.status_code == 400, response.text
+        assert named in response.json()["error"]
+        response = await client.post(
+            "/v2/models/demo/infer", content=b"{not json", headers=world.auth()
+        )
+        assert response.status_code == 400 and "not JSON" in response.json()["error"]
+
+    api_run(world, body)
+
+
+def binary_request(
+    arrays: dict[str, tuple[str, np.ndarray]], **parameters: Any
+) -> tuple[bytes, int]:
+    """A request as tritonclient sends it: the JSON header, then each input's raw bytes."""
+    inputs = [
+        {
+            "name": name,
+            "shape": list(array.shape),
+            "datatype": datatype,
+            "parameters": {"binary_data_size": array.nbytes},
+        }
+        for name, (datatype, array) in arrays.items()
+    ]
+    document: dict[str, Any] = {"inputs": inputs}
+    if parameters:
+        document["parameters"] = parameters
+    header = json.dumps(document).encode()
+    return header + b"".join(a.tobytes() for _, a in arrays.values()), len(header)
+
+
+def test_the_binary_tensor_extension_in_and_out(world: ApiWorld) -> None:
+    from tritonclient.http import InferResult
+
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
+        pixels = np.array([row(6, 0.9), row(7, 0.2)], dtype=np.float32)
+        content, size = binary_request({"input": ("FP32", pixels)}, binary_data_output=True)
+        headers = {**world.auth(), "Inference-Header-Content-Length": str(size)}
+        response = await client.post("/v2/models/demo/infer", content=content, headers=headers)
+        assert response.status_code == 200, response.text
+        length = int(response.headers["inference-header-content-length"])
+        result = InferResult.from_response_body(response.content, header_length=length)
+        logits = result.as_numpy("logits")
+        assert logits.dtype == np.float32 and logits.shape == (2, 10)
+        assert logits.argmax(axis=1).tolist() == [6, 7]
+        assert result.get_response()["parameters"]["models"] == ["tiny", "large"]
+        # Binary in, JSON out (no binary_data_output).
+        content, size = binary_request({"input": ("FP32", pixels)})
+        headers = {**world.auth(), "Inference-Header-Content-Length": str(size)}
+        response = await client.post("/v2/models/demo/infer", content=content, headers=headers)
+        assert response.status_code == 200, response.text
+        assert len(response.json()["outputs"][0]["data"]) == 20
+        # Sizes that do not add up, and a header length beyond the body.
+        for bad, length_text, named in [
+            (content[:-4], str(size), "ends before"),
+            (content + b"xxxx", str(size), "4 bytes no input claims"),
+            (content, str(len(content) + 1), "not a size within the body"),
+        ]:
+            headers = {**world.auth(), "Inference-Header-Content-Length": length_text}
+            response = await client.post("/v2/models/demo/infer", content=bad, headers=headers)
+            assert response.status_code == 400, response.text
+            assert named in response.json()["error"]
+
+    api_run(world, body)
+
+
+def test_an_app_of_registry_models_on_v2_and_v1(world: ApiWorld) -> None:
+    as_artifacts(world, TWO_INPUTS)
+
+    async def body(client: httpx.AsyncClient) -> None:
+        signatures = {"tiny": TWO_INPUTS, "large": TWO_INPUTS}
+        workers = [FakeWorker(t, signatures=signatures, kind="max_prob") for t in (SMALL, LARGE)]
+        for worker in workers:
+            await worker.start()
+        world.instances.set("demo", endpoints(workers))
+        response = await client.get("/v2/models/demo", headers=world.auth())
+        assert [t["name"] for t in response.json()["inputs"]] == ["ids", "mask"]
+        # The fake answers class ids[0] % 4 with certainty ids[1] / 16 (max_prob).
+        ids = np.array([[2, 15, 0], [1, 2, 0]], dtype=np.int64)
+        mask = np.array([[True, False, True], [False, False, True]])
+        content, size = binary_request(
+            {"ids": ("INT64", ids), "mask": ("BOOL", mask)}, binary_data_output=True
+        )
+        headers = {**world.auth(), "Inference-Header-Content-Length": str(size)}
+        response = await client.post("/v2/models/demo/infer", content=content, headers=headers)
+        assert response.status_code == 200, response.text
+        from tritonclient.http import InferResult
+
+        length = int(response.headers["inference-header-content-length"])
+        result = InferResult.from_response_body(response.content, header_length=length)
+        assert result.as_numpy("scores").argmax(axis=1).tolist() == [2, 1]
+        assert result.as_numpy("label").tolist() == [0, 0]
+        assert result.get_response()["parameters"]["models"] == ["tiny", "large"]
+        sent = workers[0].last_request
+        assert sent is not None and [t["datatype"] for t in sent["inputs"]] == ["INT64", "BOOL"]
+        # JSON tensors: a wrong datatype for the second input names it.
+        request = {
+            "inputs": [tensor("ids", "INT64", ids), tensor("mask", "FP32", mask.astype(float))]
+        }
+        response = await client.post("/v2/models/demo/infer", json=request, headers=world.auth())
+        assert response.status_code == 400 and "input 'mask'" in response.json()["error"]
+        # /v1 cannot give a model of two inputs its samples.
+        response = await client.post(
+            "/v1/apps/demo/infer", json={"inputs": [[1.0] * 3]}, headers=world.auth()
+        )
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["field"] == "inputs" and "/v2/models/demo/infer" in error["message"]
+
+    api_run(world, body)
+
+
+def test_v1_rows_of_an_artifact_app_are_its_first_inputs_flattened_sample(
+    world: ApiWorld,
+) -> None:
+    as_artifacts(world, ONE_INT_INPUT)
+
+    async def body(client: httpx.AsyncClient) -> None:
+        signatures = {"tiny": ONE_INT_INPUT, "large": ONE_INT_INPUT}
+        workers = [FakeWorker(t, signatures=signatures) for t in (SMALL, LARGE)]
+        for worker in workers:
+            await worker.start()
+        world.instances.set("demo", endpoints(workers))
+        response = await client.post(
+            "/v1/apps/demo/infer",
+            json={"inputs": [[2.0, 16.0, 5.0, 7.0], [1.0, 0.0, 300.0, -4.0]]},
+            headers=world.auth(),
+        )
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["outputs"] == [2, 1]  # ids[0] % 3, argmax of the three scores
+        assert answer["models"] == ["tiny", "large"]
+        # The large model got the second row, its values as INT64 integers, in shape [1, 2, 2].
+        sent = [w.last_request["inputs"][0] for w in workers if w.last_request is not None]
+        assert {
+            "name": "ids",
+            "datatype": "INT64",
+            "shape": [1, 2, 2],
+            "data": [1, 0, 300, -4],
+        } in (sent)
+        for inputs, field in [
+            ([[1.0, 2.0, 3.0]], "inputs[0]"),
+            ([[1.0, 2.5, 3.0, 4.0]], "inputs[0][1]"),
+            ([[1.0] * 4, [1.0, 2.0, 3.0, 1e20]], "inputs[1][3]"),
+        ]:
+            response = await client.post(
+                "/v1/apps/demo/infer", json={"inputs": inputs}, headers=world.auth()
+            )
+            assert response.status_code == 422, response.text
+            assert response.json()["error"]["field"] == field
+
+    api_run(world, body)
+
+
+# --- tritonclient against a real server ------------------------------------------------------
+
+
+class _Background:
+    """An event loop in a thread, for the fake workers the real server's loop calls."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(10)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def live_world(world: ApiWorld) -> Iterator[tuple[ApiWorld, str]]:
+    background = _Background()
+    workers = background.run(fleet([SMALL, LARGE]))
+    world.instances.set("demo", endpoints(workers))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(world.app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20.0
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield world, f"127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        for worker in workers:
+            background.run(worker.stop())
+        background.close()
+        sock.close()
+
+
+def test_tritonclient_against_a_real_server(live_world: tuple[ApiWorld, str]) -> None:
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    world, url = live_world
+    auth = world.auth()
+
+    def headers() -> dict[str, str]:
+        return dict(auth)  # tritonclient adds its own to the dict it is given: one per call
+
+    client = httpclient.InferenceServerClient(url)
+    try:
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("demo", headers=headers())
+        metadata = client.get_model_metadata("demo", headers=headers())
+        assert metadata["inputs"][0]["shape"] == [-1, 64]
+        pixels = np.array([row(8, 0.9), row(9, 0.1)], dtype=np.float32)
+        for binary in (True, False):
+            given = httpclient.InferInput("input", list(pixels.shape), "FP32")
+            given.set_data_from_numpy(pixels, binary_data=binary)
+            wanted = [httpclient.InferRequestedOutput("logits", binary_data=binary)]
+            result = client.infer(
+                "demo", [given], outputs=wanted, request_id="r7", headers=headers()
+            )
+            assert result.as_numpy("logits").argmax(axis=1).tolist() == [8, 9]
+            response = result.get_response()
+            assert response["id"] == "r7" and response["parameters"]["models"] == ["tiny", "large"]
+        # No outputs named: tritonclient asks for every output in binary.
+        given = httpclient.InferInput("input", list(pixels.shape), "FP32")
+        given.set_data_from_numpy(pixels)
+        result = client.infer("demo", [given], headers=headers())
+        assert result.as_numpy("logits").shape == (2, 10)
+        wrong = httpclient.InferInput("input", [2, 64], "FP64")
+        wrong.set_data_from_numpy(pixels.astype(np.float64))
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("demo", [wrong], headers=headers())
+        assert caught.value.status() == "400" and "datatype 'FP64'" in caught.value.message()
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("demo", [given])
+        assert caught.value.status() == "401"
+    finally:
+        client.close()

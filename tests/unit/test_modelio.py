@@ -1,0 +1,190 @@
+"""The dispatcher's Open Inference Protocol codec (:mod:`controlplane.serving.modelio`): request
+bodies against a model's signature, predictions and certainty off the first output (margin and
+max_prob against closed forms, the Python and numpy paths alike), the answer's parameters, raw
+outputs stacked per request row, and the fake worker's logits that invert it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controlplane.errors import WorkerCallError
+from controlplane.serving.fake_worker import logits
+from controlplane.serving.modelio import (
+    ModelIO,
+    ModelIOError,
+    WorkerReply,
+    app_signature,
+    resolve_sample_shape,
+    stack_outputs,
+)
+from provisioners.artifacts import FAMILY_SIGNATURE, ModelSignature, TensorSpec
+from provisioners.worker.oip import parse_infer_request
+
+TWO_INPUTS = ModelSignature(
+    (TensorSpec("ids", "INT64", (-1, 3)), TensorSpec("mask", "BOOL", (-1, 3))),
+    (TensorSpec("scores", "FP32", (-1, 4)), TensorSpec("label", "INT64", (-1,))),
+)
+
+
+def answer(outputs: list[dict[str, object]], parameters: dict[str, object] | None = None) -> bytes:
+    document: dict[str, object] = {"model_name": "m", "model_version": "1", "outputs": outputs}
+    if parameters is not None:
+        document["parameters"] = parameters
+    return json.dumps(document).encode()
+
+
+def test_a_family_batch_is_one_flat_fp32_tensor_the_worker_parses() -> None:
+    io = ModelIO("tiny")
+    assert io.family and io.path == "/v2/models/tiny/infer"
+    rows = [[float(i)] * 64 for i in range(3)]
+    body = io.encode(rows)
+    document = json.loads(body)
+    (tensor,) = document["inputs"]
+    assert tensor["name"] == "input" and tensor["datatype"] == "FP32"
+    assert tensor["shape"] == [3, 64] and len(tensor["data"]) == 192
+    parsed = parse_infer_request(body, FAMILY_SIGNATURE, max_batch_size=256)
+    assert parsed.inputs["input"].shape == (3, 64)
+    assert parsed.inputs["input"][2, 0] == 2.0
+
+
+def test_several_inputs_numpy_rows_and_dynamic_dimensions_encode() -> None:
+    io = ModelIO("two", TWO_INPUTS, family=False)
+    rows = [([1, 2, 3], [True, False, True]), (np.array([4, 5, 6]), np.array([0, 1, 1]))]
+    parsed = parse_infer_request(io.encode(rows), TWO_INPUTS, max_batch_size=8)
+    assert parsed.inputs["ids"].tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert parsed.inputs["mask"].tolist() == [[True, False, True], [False, True, True]]
+    with pytest.raises(ModelIOError, match="2 inputs"):
+        io.encode([[1, 2, 3]])  # type: ignore[list-item]
+    with pytest.raises(ModelIOError, match="3 values"):
+        io.encode([([1, 2], [True, True, True])])
+    # An image of any size: numpy rows keep their shape, flat rows fill the one dynamic one.
+    image = ModelSignature(
+        (TensorSpec("image", "FP32", (-1, 3, -1)),), (TensorSpec("y", "FP32", (-1, 2)),)
+    )
+    dynamic = ModelIO("img", image)
+    document = json.loads(dynamic.encode([np.zeros((3, 5)), [1.0] * 15]))
+    assert document["inputs"][0]["shape"] == [2, 3, 5]
+    with pytest.raises(ModelIOError, match="cannot be stacked"):
+        dynamic.encode([np.zeros((3, 5)), np.zeros((3, 4))])
+    assert resolve_sample_shape(image.inputs[0], 12) == (3, 4)
+    assert resolve_sample_shape(image.inputs[0], 13) is None
+    with pytest.raises(ModelIOError, match=r"NaN|Out of range"):
+        ModelIO("tiny").encode([[math.nan] * 64])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])  # both sides of the Python / numpy switch
+def test_margin_and_max_prob_are_the_softmax_top_two(rows: int) -> None:
+    rng = np.random.default_rng(rows)
+    values = rng.normal(size=(rows, 10)) * 3
+    body = answer(
+        [
+            {
+                "name": "logits",
+                "datatype": "FP32",
+                "shape": [rows, 10],
+                "data": values.ravel().tolist(),
+            }
+        ]
+    )
+    p = np.exp(values - values.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    top2 = np.sort(p, axis=1)[:, -2:]
+    margin = ModelIO("m").decode("w", body, rows)
+    assert margin.predictions == tuple(values.argmax(axis=1).tolist())
+    assert margin.certainty == pytest.approx((top2[:, 1] - top2[:, 0]).tolist(), abs=1e-12)
+    most = ModelIO("m", certainty="max_prob").decode("w", body, rows)
+    assert most.predictions == margin.predictions
+    assert most.certainty == pytest.approx(top2[:, 1].tolist(), abs=1e-12)
+    # A foreign server: no parameters, nested data, the outputs in another order.
+    nested = answer(
+        [
+            {"name": "other", "datatype": "FP32", "shape": [rows, 1], "data": [[0.0]] * rows},
+            {"name": "logits", "datatype": "FP32", "shape": [rows, 10], "data": values.tolist()},
+        ]
+    )
+    foreign = ModelIO("m").decode("w", nested, rows)
+    assert foreign.predictions == margin.predictions
+    assert foreign.certainty == pytest.approx(margin.certainty, abs=1e-12)
+    assert (foreign.served_ms, foreign.instance_type) == (None, "")
+
+
+@given(
+    st.integers(0, 9),
+    st.floats(0.0, 1.0),
+    st.sampled_from(["margin", "max_prob"]),
+    st.integers(1, 12),
+)
+def test_the_fake_workers_logits_give_back_the_class_and_certainty(
+    klass: int, certainty: float, kind: str, rows: int
+) -> None:
+    data = logits(klass, certainty, 10, kind) * rows
+    body = answer([{"name": "logits", "datatype": "FP32", "shape": [rows, 10], "data": data}])
+    reply = ModelIO("m", certainty=kind).decode("w", body, rows)
+    assert reply.predictions == (klass,) * rows
+    wanted = certainty if kind == "margin" else max(certainty, 0.1)
+    assert reply.certainty == pytest.approx((wanted,) * rows, abs=1e-5)
+
+
+def test_one_value_outputs_parameters_and_malformed_answers() -> None:
+    labels = ModelSignature(FAMILY_SIGNATURE.inputs, (TensorSpec("label", "INT64", (-1, 1)),))
+    body = answer(
+        [{"name": "label", "datatype": "INT64", "shape": [2, 1], "data": [7, 3]}],
+        {"served_ms": 2.5, "instance_type": "g4dn.xlarge", "emulated": False},
+    )
+    reply = ModelIO("m", labels).decode("w", body, 2)
+    assert reply.predictions == (7, 3) and reply.certainty == (1.0, 1.0)
+    assert (reply.served_ms, reply.instance_type) == (2.5, "g4dn.xlarge")
+    score = ModelSignature(FAMILY_SIGNATURE.inputs, (TensorSpec("score", "FP32", (-1,)),))
+    body = answer([{"name": "score", "datatype": "FP32", "shape": [2], "data": [0.2, 0.9]}])
+    assert ModelIO("m", score).decode("w", body, 2).predictions == (0, 0)
+    bad_served = answer(
+        [{"name": "score", "datatype": "FP32", "shape": [1], "data": [0.2]}],
+        {"served_ms": -1.0},
+    )
+    assert ModelIO("m", score).decode("w", bad_served, 1).served_ms is None
+    for broken, match in [
+        (b"not json", "not an inference answer"),
+        (b'{"outputs": []}', "without outputs"),
+        (answer([{"name": "x", "datatype": "FP32", "shape": [2, 2], "data": [1]}]), "1 values"),
+        (answer([{"name": "x", "datatype": "FP32", "shape": [2, 2], "data": 5}]), "not a list"),
+    ]:
+        with pytest.raises(WorkerCallError, match=match) as caught:
+            ModelIO("m").decode("w", broken, 2)
+        assert caught.value.kind == "malformed"
+    with pytest.raises(ValueError, match="certainty"):
+        ModelIO("m", certainty="entropy")
+
+
+def test_raw_outputs_stack_per_request_row_across_replies() -> None:
+    io = ModelIO("two", TWO_INPUTS, family=False)
+
+    def reply(scores: list[list[float]], labels: list[int]) -> WorkerReply:
+        n = len(labels)
+        return io.decode(
+            "w",
+            answer(
+                [
+                    {"name": "scores", "datatype": "FP32", "shape": [n, 4], "data": scores},
+                    {"name": "label", "datatype": "INT64", "shape": [n], "data": labels},
+                ]
+            ),
+            n,
+        )
+
+    first = reply([[0, 0, 0, 1], [1, 0, 0, 0]], [3, 0])
+    second = reply([[0, 1, 0, 0]], [1])
+    stacked = stack_outputs([(first, 1), (second, 0), (first, 0)], ["label", "scores"])
+    (label_name, label_type, labels), (_, scores_type, scores) = stacked
+    assert (label_name, label_type, labels.tolist()) == ("label", "INT64", [0, 1, 3])
+    assert labels.dtype == np.int64 and scores_type == "FP32" and scores.dtype == np.float32
+    assert scores.tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 1]]
+    with pytest.raises(ModelIOError, match="no output 'nope'"):
+        stack_outputs([(first, 0)], ["nope"])
+    signature = app_signature([ModelIO("a"), io])
+    assert signature.inputs == FAMILY_SIGNATURE.inputs and signature.outputs == TWO_INPUTS.outputs
