@@ -358,7 +358,7 @@ def export_torchscript(name: str, cache_dir: str | Path | None = None) -> Path:
     model = _load_state(spec, directory)
     signature = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, N_FEATURES]}]}
     with torch.inference_mode(False), torch.no_grad():
-        traced = torch.jit.trace(model, torch.zeros((2, N_FEATURES), dtype=torch.float32))
+        traced = torch.jit.trace(model, torch.zeros((2, N_FEATURES), dtype=torch.float32))  # type: ignore[no-untyped-call]
     buffer = io.BytesIO()
     torch.jit.save(traced, buffer, _extra_files={SIGNATURE_FILE: json.dumps(signature)})
     _write_atomic(path, buffer.getvalue())
