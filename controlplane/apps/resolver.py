@@ -334,32 +334,34 @@ def _look_up(lookup: ArtifactSource, field: str, name: str, version: int | None)
 
 
 def _check_cascade_inputs(spec: AppSpec, found: Mapping[str, ResolvedArtifact]) -> None:
-    """The members of a cascade take the same inputs: a query goes to each in turn."""
+    """The members of a cascade take the same inputs (a query goes to each in turn) and answer
+    the same outputs (an answer stacks rows that different members answered)."""
     if spec.cascade is None:
         return
     index = {model.name: i for i, model in enumerate(spec.models)}
 
-    def inputs(name: str) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    def tensors(name: str, side: str) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
         artifact = found.get(name)
         signature = artifact.signature if artifact is not None else FAMILY_SIGNATURE
-        return tuple((t.name, t.datatype, t.shape) for t in signature.inputs)
+        specs = signature.inputs if side == "inputs" else signature.outputs
+        return tuple((t.name, t.datatype, t.shape) for t in specs)
 
-    def shown(name: str) -> str:
+    def shown(name: str, side: str) -> str:
         return ", ".join(
             f"{tensor}:{datatype}:{'x'.join(map(str, shape))}"
-            for tensor, datatype, shape in inputs(name)
+            for tensor, datatype, shape in tensors(name, side)
         )
 
     first = spec.cascade[0]
-    for name in spec.cascade[1:]:
-        if inputs(name) != inputs(first):
-            i = index[name]
-            field = f"models[{i}].artifact" if name in found else f"models[{index[first]}].artifact"
-            raise SpecError(
-                field,
-                f"the cascade's models must take the same inputs: {first} takes {shown(first)},"
-                f" {name} takes {shown(name)}",
-            )
+    for side, verb in (("inputs", "take"), ("outputs", "answer")):
+        for name in spec.cascade[1:]:
+            if tensors(name, side) != tensors(first, side):
+                i = index[name] if name in found else index[first]
+                raise SpecError(
+                    f"models[{i}].artifact",
+                    f"the cascade's models must {verb} the same {side}: {first} {verb}s"
+                    f" {shown(first, side)}, {name} {verb}s {shown(name, side)}",
+                )
 
 
 _FILE_FIELD = re.compile(r"^(catalog|models\[(\d+)\]\.profiles)$")

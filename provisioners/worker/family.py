@@ -338,12 +338,13 @@ SIGNATURE_FILE = "heteroplane/signature.json"
 def export_torchscript(name: str, cache_dir: str | Path | None = None) -> Path:
     """The family model ``name`` as a TorchScript archive, as a user would push it to the
     registry: ``<cache>/torchscript/<name>.pt``, traced (the model's forward is plain tensor
-    code), with its input signature (input ``input``, FP32, shape [-1, 64]) in the archive's
-    extra file :data:`SIGNATURE_FILE`.
+    code), with its signature (input ``input``, FP32, shape [-1, 64]; output ``logits``) in the
+    archive's extra file :data:`SIGNATURE_FILE`.
 
     TorchScript archives are not byte-for-byte reproducible, so the archive is written once per
     trained state: a sidecar ``<name>.json`` records the state file's sha256, and the archive is
-    written again only when the model was trained again (the registry then gets a new version).
+    written again only when the model was trained again or the signature changed (the registry
+    then gets a new version).
     """
     spec = model_spec(name)
     directory = ensure_family(cache_dir)
@@ -351,18 +352,22 @@ def export_torchscript(name: str, cache_dir: str | Path | None = None) -> Path:
     folder = directory / TORCHSCRIPT_DIR
     path = folder / f"{spec.name}.pt"
     sidecar = folder / f"{spec.name}.json"
-    recorded = _read_json(sidecar)
-    if path.is_file() and recorded is not None and recorded.get("state_sha256") == state_sha256:
+    # The inputs' datatypes and shapes, and the output's name (FAMILY_SIGNATURE's).
+    signature = {
+        "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, N_FEATURES]}],
+        "outputs": [{"name": "logits"}],
+    }
+    made = {"state_sha256": state_sha256, "signature": signature}
+    if path.is_file() and _read_json(sidecar) == made:
         return path
     folder.mkdir(parents=True, exist_ok=True)
     model = _load_state(spec, directory)
-    signature = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, N_FEATURES]}]}
     with torch.inference_mode(False), torch.no_grad():
         traced = torch.jit.trace(model, torch.zeros((2, N_FEATURES), dtype=torch.float32))  # type: ignore[no-untyped-call]
     buffer = io.BytesIO()
     torch.jit.save(traced, buffer, _extra_files={SIGNATURE_FILE: json.dumps(signature)})
     _write_atomic(path, buffer.getvalue())
-    _write_atomic(sidecar, (json.dumps({"state_sha256": state_sha256}) + "\n").encode())
+    _write_atomic(sidecar, (json.dumps(made) + "\n").encode())
     return path
 
 

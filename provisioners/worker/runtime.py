@@ -15,7 +15,9 @@ registry runs before it stores a model) executes a model a user brings, whatever
   found by running the model on zeros twice, every dynamic dimension 1, then 2: an output's
   dimension that follows is dynamic (``-1``), the others fixed. A tensor returned is the output
   ``output0``; a tuple or list of tensors ``output0``, ``output1``, ...; a dict of tensors its
-  keys.
+  keys; unless the extra file names them (``"outputs": [{"name": "logits"}, ...]``, one entry
+  per output in order: only the names are read), so that a TorchScript model can answer under
+  the same names as an ONNX model of a cascade.
 - The demo family's models, served by name (:func:`family_runtime`): the family's module, whose
   ``forward`` returns raw logits, under :data:`~provisioners.artifacts.FAMILY_SIGNATURE`.
 
@@ -312,7 +314,7 @@ class _TorchScriptRuntime(_ModuleRuntime):
                 f"the inputs given ({', '.join(s.name for s in specs)}) are not forward's"
                 f" arguments ({', '.join(names)}), in order"
             )
-        outputs = _probe_outputs(module, specs, device)
+        outputs = _named(_probe_outputs(module, specs, device), extra[SIGNATURE_FILE], path)
         super().__init__(module, ModelSignature(specs, outputs), PLATFORMS["torchscript"], device)
 
 
@@ -331,6 +333,34 @@ def _embedded_inputs(raw: bytes | str, path: Path) -> tuple[TensorSpec, ...]:
         return tuple(TensorSpec.from_json(entry) for entry in entries)
     except (ValueError, KeyError, TypeError, ArtifactError) as error:
         raise ModelLoadError(f"{path.name}: {SIGNATURE_FILE} is not usable: {error}") from None
+
+
+def _named(outputs: tuple[TensorSpec, ...], raw: bytes | str, path: Path) -> tuple[TensorSpec, ...]:
+    """``outputs`` renamed as the signature file's ``outputs`` entries say, when it has them."""
+    if not raw:
+        return outputs
+    try:
+        entries = json.loads(raw).get("outputs")
+    except (ValueError, AttributeError):
+        return outputs  # _embedded_inputs reports an unreadable file
+    if entries is None:
+        return outputs
+    names = (
+        [e.get("name") if isinstance(e, dict) else None for e in entries]
+        if isinstance(entries, list)
+        else None
+    )
+    if names is None or not all(isinstance(n, str) and n for n in names):
+        raise ModelLoadError(f"{path.name}: {SIGNATURE_FILE}: 'outputs' must list named entries")
+    if len(names) != len(outputs) or len(set(names)) != len(names):
+        raise ModelLoadError(
+            f"{path.name}: {SIGNATURE_FILE} names {len(names)} distinct outputs; the model"
+            f" returns {len(outputs)}"
+        )
+    return tuple(
+        TensorSpec(name, spec.datatype, spec.shape)
+        for name, spec in zip(names, outputs, strict=True)
+    )
 
 
 def _forward_arguments(module: Any) -> list[str] | None:
