@@ -345,13 +345,14 @@ def _named(outputs: tuple[TensorSpec, ...], raw: bytes | str, path: Path) -> tup
         return outputs  # _embedded_inputs reports an unreadable file
     if entries is None:
         return outputs
-    names = (
-        [e.get("name") if isinstance(e, dict) else None for e in entries]
-        if isinstance(entries, list)
-        else None
-    )
-    if names is None or not all(isinstance(n, str) and n for n in names):
-        raise ModelLoadError(f"{path.name}: {SIGNATURE_FILE}: 'outputs' must list named entries")
+    names: list[str] = []
+    for entry in entries if isinstance(entries, list) else [None]:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ModelLoadError(
+                f"{path.name}: {SIGNATURE_FILE}: 'outputs' must list named entries"
+            )
+        names.append(name)
     if len(names) != len(outputs) or len(set(names)) != len(names):
         raise ModelLoadError(
             f"{path.name}: {SIGNATURE_FILE} names {len(names)} distinct outputs; the model"

@@ -23,7 +23,6 @@ Everything is polled against deadlines; nothing is timed.
 
 from __future__ import annotations
 
-import io
 import json
 import time
 from collections.abc import Iterator
@@ -71,7 +70,7 @@ def _wine_model() -> tuple[Any, np.ndarray, np.ndarray]:
             self.hidden = torch.nn.Linear(13, 16)
             self.out = torch.nn.Linear(16, 3)
 
-        def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (the input's name)
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
             return self.out(torch.relu(self.hidden((input - self.mean) / self.std)))
 
     torch.manual_seed(0)
@@ -163,7 +162,12 @@ def test_a_model_of_ours_pushed_profiled_planned_and_served_over_oip(
 
         pushed_onnx = _cli(capsys, "model", "push", ONNX_MODEL, str(artifacts["onnx"]))
         pushed_ts = _cli(
-            capsys, "model", "push", TS_MODEL, str(artifacts["torchscript"]), "--format",
+            capsys,
+            "model",
+            "push",
+            TS_MODEL,
+            str(artifacts["torchscript"]),
+            "--format",
             "torchscript",
         )
         assert (pushed_onnx["version"], pushed_onnx["format"]) == (1, "onnx")
@@ -201,8 +205,17 @@ def test_a_model_of_ours_pushed_profiled_planned_and_served_over_oip(
         assert "profile run" in refusal and "\n" not in refusal
 
         measured = _cli(
-            capsys, "profile", "run", "--app", APP, "--types", TYPES, "--batch-sizes", "1,2,4",
-            "--samples", "5",
+            capsys,
+            "profile",
+            "run",
+            "--app",
+            APP,
+            "--types",
+            TYPES,
+            "--batch-sizes",
+            "1,2,4",
+            "--samples",
+            "5",
         )
         assert measured  # the summary names what was measured (its shape: docs/models.md)
 
@@ -233,9 +246,7 @@ def test_a_model_of_ours_pushed_profiled_planned_and_served_over_oip(
             models = answer.get_response()["parameters"]["models"]
             assert len(models) == len(rows)
             for i, model in enumerate(models):
-                np.testing.assert_allclose(
-                    logits[i], expected[model][start + i], rtol=0, atol=1e-5
-                )
+                np.testing.assert_allclose(logits[i], expected[model][start + i], rtol=0, atol=1e-5)
 
         wrong_shape = http.InferInput("input", [2, 12], "FP32")
         wrong_shape.set_data_from_numpy(np.zeros((2, 12), dtype=np.float32))
@@ -253,8 +264,14 @@ def test_a_model_of_ours_pushed_profiled_planned_and_served_over_oip(
         assert (
             main(
                 [
-                    "cascade", "evaluate", "--app", APP, "--data", str(artifacts["data"]),
-                    "--out", str(records_file),
+                    "cascade",
+                    "evaluate",
+                    "--app",
+                    APP,
+                    "--data",
+                    str(artifacts["data"]),
+                    "--out",
+                    str(records_file),
                 ]
             )
             == 0
@@ -265,4 +282,6 @@ def test_a_model_of_ours_pushed_profiled_planned_and_served_over_oip(
         truth = artifacts["y"]
         for name, out in expected.items():
             assert by_name[name]["predictions"] == np.argmax(out, axis=1).tolist()
-            assert by_name[name]["accuracy"] == pytest.approx(float((np.argmax(out, 1) == truth).mean()))
+            assert by_name[name]["accuracy"] == pytest.approx(
+                float((np.argmax(out, 1) == truth).mean())
+            )
