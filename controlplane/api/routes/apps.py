@@ -167,7 +167,7 @@ class ProfileRunIn(BaseModel):
     "/apps/{app}/profiles",
     summary="Measure the latency profiles of the app's registered models (operator): one worker"
     " per type, within the app's budget; blocks for minutes",
-    responses=errors(401, 403, 404, 409, 422, 502, 503),
+    responses=errors(400, 401, 403, 404, 409, 422, 502, 503),
 )
 async def run_profiles(
     app: AppName,
