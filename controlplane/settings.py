@@ -179,8 +179,8 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8000, ge=1, le=65535)
     tuner_tick_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
-    # How long one plan (a preview, the capacity replanner's) may run before it is given up with
-    # a one-line reason (estimator.deadline).
+    # How long one plan (a preview, the capacity or the traffic replanner's) may run before it is
+    # given up with a one-line reason (estimator.deadline).
     plan_deadline_s: float = Field(default=60.0, gt=0, le=3600, allow_inf_nan=False)
     tuner_max_window_s: float = Field(
         default=60.0,
@@ -211,6 +211,46 @@ class Settings(BaseSettings):
         ge=0,
         allow_inf_nan=False,
         description="how long a planned type may lack capacity before the app is re-planned, s",
+    )
+    replan_enabled: bool = Field(
+        default=True,
+        description="whether the replan job re-plans apps on their recorded traffic",
+    )
+    replan_s: float = Field(
+        default=60.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="period of the replan job: each run checks the traffic since the last, s",
+    )
+    replan_window_s: float = Field(
+        default=600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="the most recorded traffic a re-plan plans on, s",
+    )
+    replan_hold_s: float = Field(
+        default=300.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="how long every check must find the traffic out of the band to re-plan, s",
+    )
+    replan_above: float = Field(
+        default=1.3,
+        gt=1,
+        allow_inf_nan=False,
+        description="live / planned envelope ratio above which the traffic is out of the band",
+    )
+    replan_below: float = Field(
+        default=0.6,
+        gt=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="live / planned envelope ratio below which the traffic is out of the band",
+    )
+    replan_min_queries: int = Field(
+        default=1_000,
+        ge=2,
+        description="recorded queries a re-plan needs at least",
     )
     rollup_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
     decision_retention_days: float = Field(

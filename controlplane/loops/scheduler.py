@@ -1,9 +1,11 @@
-"""The service's periodic jobs: the tuner tick, reconcile and the metric roll-up.
+"""The service's periodic jobs: the tuner tick, reconcile, the metric roll-up and the replan.
 
 This module owns *when* the jobs run and how a run is guarded, not what a job does: the bodies
 are plain callables handed in by the composition root (:class:`JobBodies`: it plugs in the
-tuner, the reconciler and the roll-up by replacing one field each). There is no periodic replan:
-the capacity replanner runs inside the reconcile job, after the reconciler's tick
+tuner, the reconciler, the roll-up and the traffic replanner by replacing one field each). The
+``replan`` job re-plans apps whose traffic has left their plan's envelope for good
+(``controlplane.loops.traffic_replan``; idle when ``replan_enabled`` is off); the capacity
+replanner runs inside the reconcile job, after the reconciler's tick
 (``controlplane.service.build``). The loop is APScheduler 3.x's
 ``BackgroundScheduler`` (a thread pool); every job is registered with ``max_instances=1`` and
 ``coalesce=True``, so a job that overruns its interval is neither run twice at once nor replayed
@@ -49,7 +51,7 @@ logger = logging.getLogger(__name__)
 JobBody = Callable[[], None]
 Outcome = Literal["ran", "failed", "skipped"]
 
-JOB_NAMES = ("tuner_tick", "reconcile", "rollup")
+JOB_NAMES = ("tuner_tick", "reconcile", "rollup", "replan")
 
 
 def _idle(name: str) -> JobBody:
@@ -68,12 +70,14 @@ class JobBodies:
     """What each periodic job does; replace a field (``dataclasses.replace``) to plug one in.
 
     The defaults do nothing but log at debug (what a job does where nothing is plugged in: a
-    service built without a reconciler or a serving loop, a test).
+    service built without a reconciler or a serving loop, the replan job with ``replan_enabled``
+    off, a test).
     """
 
     tuner_tick: JobBody = _IDLE["tuner_tick"]
     reconcile: JobBody = _IDLE["reconcile"]
     rollup: JobBody = _IDLE["rollup"]
+    replan: JobBody = _IDLE["replan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,14 +154,17 @@ class SchedulerIntervals(Protocol):
     def reconcile_s(self) -> float: ...
     @property
     def rollup_s(self) -> float: ...
+    @property
+    def replan_s(self) -> float: ...
 
 
 def service_schedule(intervals: SchedulerIntervals, bodies: JobBodies) -> list[JobSchedule]:
-    """The service's three jobs with their periods from the settings."""
+    """The service's four jobs with their periods from the settings."""
     return [
         JobSchedule("tuner_tick", bodies.tuner_tick, intervals.tuner_tick_s),
         JobSchedule("reconcile", bodies.reconcile, intervals.reconcile_s),
         JobSchedule("rollup", bodies.rollup, intervals.rollup_s),
+        JobSchedule("replan", bodies.replan, intervals.replan_s),
     ]
 
 

@@ -15,8 +15,10 @@ carry a gear plan; the serving loop's gear hook, told by the tuner when the budg
 the capacity replanner (:class:`~controlplane.loops.capacity_replan.CapacityReplanner`: an app whose
 planned type the cloud cannot supply is re-planned around it, after the reconcile tick), and the
 scheduler with its job bodies (the tuner tick, then the gear tick; the reconcile tick, then the
-capacity replanner; the metric roll-up, which reads the serving loop's windows; there is no
-periodic replan job) and the FastAPI app around them. The online calibration
+capacity replanner; the metric roll-up, which reads the serving loop's windows; the replan job,
+the :class:`~controlplane.loops.traffic_replan.TrafficReplanner`: an app whose observed traffic has
+stayed out of its plan's envelope band for ``replan_hold_s`` is re-planned on it, unless
+``replan_enabled`` is off) and the FastAPI app around them. The online calibration
 (:class:`~controlplane.loops.calibration.ProfileCalibrator`) runs in the tuner's tick after the
 gear switcher; the one resolver (shared with the API) reads the calibration factors from the
 store, so every resolved app carries the calibrated profiles.
@@ -77,6 +79,7 @@ from controlplane.loops.reconciler import (
 )
 from controlplane.loops.rollup import make_rollup
 from controlplane.loops.scheduler import JobBodies, Scheduler, service_schedule
+from controlplane.loops.traffic_replan import ReplanBand, TrafficReplanner
 from controlplane.policies.calibration import CalibrationRule
 from controlplane.policies.disruption import DisruptionBudget
 from controlplane.policies.drain import qps_by_type
@@ -101,6 +104,7 @@ __all__ = [
     "build_reconciler",
     "build_scheduler",
     "build_service",
+    "build_traffic_replanner",
     "launchable_types",
     "spec_pricing",
     "stored_apps",
@@ -250,6 +254,26 @@ def build_live_gears(
     )
 
 
+def build_traffic_replanner(
+    settings: Settings, store: Store, clock: Clock, serving: ServingLoop, resolver: AppResolver
+) -> TrafficReplanner:
+    """The re-planning on recorded traffic over the apps the serving loop observes (the others
+    stay on their plans), with the settings' period, window, hold, band, minimum of queries and
+    plan deadline; apps resolve through ``resolver``."""
+    return TrafficReplanner(
+        store,
+        clock,
+        serving.observed_arrivals,
+        stored_apps(resolver),
+        check_s=settings.replan_s,
+        window_s=settings.replan_window_s,
+        hold_s=settings.replan_hold_s,
+        band=ReplanBand(above=settings.replan_above, below=settings.replan_below),
+        min_queries=settings.replan_min_queries,
+        deadline_s=settings.plan_deadline_s,
+    )
+
+
 def stored_scales(store: Store) -> ScaleSource:
     """An app's calibration factors from ``store`` (none for an app not registered)."""
 
@@ -315,11 +339,13 @@ def build_scheduler(
     replanner: CapacityReplanner | None = None,
     calibrator: ProfileCalibrator | None = None,
     leadership: Leadership | None = None,
+    traffic_replanner: TrafficReplanner | None = None,
 ) -> Scheduler:
     """The service's periodic jobs at the settings' periods (reconcile idles without a
     reconciler, and re-plans around missing capacity after its tick when there is a replanner;
-    the roll-up records the serving loop's windows when there is one). With ``leadership``,
-    each job runs only while the replica holds the leader lease (its fence)."""
+    the roll-up records the serving loop's windows when there is one; the replan job idles
+    without a traffic replanner). With ``leadership``, each job runs only while the replica holds
+    the leader lease (its fence)."""
     window = serving.take_window if serving is not None else None
     rollup = make_rollup(
         store,
@@ -350,6 +376,12 @@ def build_scheduler(
                     logger.info("calibration %s: %s", drift.app, drift.calibration)
 
         bodies = dataclasses.replace(bodies, tuner_tick=tuner_tick)
+    if traffic_replanner is not None:
+
+        def replan() -> None:
+            traffic_replanner.tick()
+
+        bodies = dataclasses.replace(bodies, replan=replan)
     if leadership is not None:
         bodies = leadership.fence(bodies)
     return Scheduler(service_schedule(settings, bodies))
@@ -424,6 +456,11 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         deadline_s=settings.plan_deadline_s,
     )
     calibrator = build_calibrator(settings, store, serving, resolver, live_tuner)
+    traffic_replanner = (
+        build_traffic_replanner(settings, store, clock, serving, resolver)
+        if settings.replan_enabled
+        else None
+    )
     scheduler = build_scheduler(
         settings,
         store,
@@ -435,6 +472,7 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         replanner,
         calibrator,
         leadership,
+        traffic_replanner,
     )
     # The API resolves through the same resolver, so a plan preview sees the calibrated profiles.
     app = create_app(

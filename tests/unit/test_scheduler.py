@@ -27,6 +27,7 @@ class Intervals:
     tuner_tick_s: float = 1.0
     reconcile_s: float = 5.0
     rollup_s: float = 10.0
+    replan_s: float = 60.0
 
 
 def test_a_failing_job_is_logged_with_its_name_and_the_next_run_still_happens(
@@ -101,12 +102,13 @@ def test_base_exceptions_are_not_swallowed() -> None:
     assert job() == "ran"
 
 
-def test_the_service_schedule_has_the_three_jobs_at_the_settings_periods() -> None:
+def test_the_service_schedule_has_the_four_jobs_at_the_settings_periods() -> None:
     schedule = service_schedule(Intervals(rollup_s=30.0), JobBodies())
     assert [(job.name, job.interval_s) for job in schedule] == [
         ("tuner_tick", 1.0),
         ("reconcile", 5.0),
         ("rollup", 30.0),
+        ("replan", 60.0),
     ]
     assert tuple(job.name for job in schedule) == JOB_NAMES
 
@@ -143,6 +145,7 @@ def test_start_registers_guarded_non_overlapping_jobs_and_shutdown_stops_cleanly
                 ("tuner_tick", 1.0, 1, True),
                 ("reconcile", 5.0, 1, True),
                 ("rollup", 10.0, 1, True),
+                ("replan", 60.0, 1, True),
             ]
         )
     finally:
