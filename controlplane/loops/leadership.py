@@ -2,7 +2,8 @@
 
 Any number of ``heteroplane serve`` replicas may run on one PostgreSQL database. All of them serve
 the API and inference; one, the *leader*, also runs the scheduler's jobs (the tuner tick with the
-gear switcher and the calibration, the reconcile tick with the capacity replanner, the roll-up):
+gear switcher and the calibration, the reconcile tick with the capacity replanner, the roll-up,
+the re-planning on recorded traffic):
 everything that launches or drains instances or writes decisions on a timer. The lease is a
 :class:`LeaderLock` (:class:`controlplane.db.lease.AdvisoryLock` on PostgreSQL: a session-level
 advisory lock that PostgreSQL releases when the holder's connection ends; :class:`SoleLock` on
