@@ -1,4 +1,4 @@
-"""InferLine's tuner against the oracle: a plan per minute at that minute's rate.
+"""The tuner (the load model, or InferLine's) against the oracle: a plan per minute at its rate.
 
     .venv/bin/python benchmarks/tuner_oracle.py [--seeds 0 1 2] [--traces steady ramp bursty]
         [--model curve|inferline] [--json]

@@ -648,7 +648,8 @@ def _replay(subparsers: Subparsers) -> None:
         "--policy",
         choices=REPLAY_POLICIES,
         default=None,
-        help="tuner (InferLine, the default), static (the plan's fleet, unchanged), peak or mean"
+        help="tuner (the default: InferLine's tuner, sized by the load model of --tuner-model),"
+        " static (the plan's fleet, unchanged), peak or mean"
         " (CG-Peak, CG-Mean: plan for the trace's peak or mean rate, then static), utilization"
         " (target tracking at 70%%)",
     )
@@ -661,11 +662,12 @@ def _replay(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--tuner-model",
-        choices=("rho", "curve"),
-        default="rho",
-        help="how the tuner sizes the stage: rho (InferLine's one provisioning ratio, the"
-        " default) or curve (the planner's capacity at the live load, measured by planning the"
-        " planning trace at 0.5x-2x its rate; docs/tuner.md)",
+        choices=("curve", "inferline"),
+        default=None,
+        help="how the tuner sizes the stage: curve (the default: the planner's capacity at the"
+        " live load, measured by planning the planning trace at 0.5x-2x its rate, and a 180 s"
+        " live envelope; docs/tuner.md) or inferline (InferLine's one provisioning ratio rho and"
+        " a 60 s live envelope, for comparison)",
     )
     parser.add_argument(
         "--peak-window-s",

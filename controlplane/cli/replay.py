@@ -4,6 +4,9 @@ The work is :func:`controlplane.policies.replay.replay`; this module reads the s
 the traces, maps the options to a scaling policy and prints the result (``docs/replay.md``). The
 baselines ``--policy peak`` and ``--policy mean`` make their own plan, for the replayed trace's
 peak or mean rate (:func:`controlplane.policies.baselines.plan_baseline`), and replay it static.
+The tuner runs the load model of docs/tuner.md by default (``--tuner-model curve``: the planner's
+capacity curve of the plan's stage on the planning trace, a 180 s live envelope);
+``--tuner-model inferline`` is InferLine's one provisioning ratio, for comparison.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def check_options(args: argparse.Namespace, label: str) -> None:
         )
     if args.peak_window_s is not None and label != "peak":
         raise UsageError("--peak-window-s is for --policy peak")
-    if args.tuner_model != "rho" and label != "tuner":
+    if args.tuner_model is not None and label != "tuner":
         raise UsageError("--tuner-model is for the tuner (--policy tuner)")
 
 
@@ -95,17 +98,25 @@ def run(args: argparse.Namespace) -> int:
         plan: PlanDocument = parse_plan(made.plan.to_document(), f"the {label} plan")
     else:
         plan = read_plan(args.plan)
+    model = args.tuner_model or "curve"
     curve = None
-    if args.tuner_model == "curve":
+    if policy == "tuner" and model == "curve":
         stage = check_plan(plan, app)
-        curve = capacity_curve(
-            app,
-            stage.name,
-            leading_share(trace) if planning is None else planning,
-            kairos=(args.dispatch or stage.policy) == "kairos",
-            batch_size=stage.batch_size,
-            seed=args.seed,
+        curve = (
+            capacity_curve(
+                app,
+                stage.name,
+                leading_share(trace) if planning is None else planning,
+                kairos=(args.dispatch or stage.policy) == "kairos",
+                batch_size=stage.batch_size,
+                seed=args.seed,
+            )
+            or None
         )
+        if curve is None:
+            # The planner placed nothing for the planning trace at its own rate: no curve to
+            # read, so the tuner sizes the stage InferLine's way.
+            model = "inferline"
     result = replay(
         trace,
         app,
@@ -128,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         data["planning_trace"] = None
     data["baseline"] = None if made is None else baseline_document(made)
     if policy == "tuner":
-        data["tuner_model"] = args.tuner_model
+        data["tuner_model"] = model
         data["capacity_curve"] = None if curve is None else [list(p) for p in curve]
     data["seed"] = args.seed
 

@@ -1,5 +1,5 @@
-"""The tuner on live traffic: InferLine's tuner (:mod:`controlplane.policies.tuner`) fed by the
-service.
+"""The tuner on live traffic: InferLine's tuner (:mod:`controlplane.policies.tuner`) with the load
+model of docs/tuner.md, fed by the service.
 
 This module owns :class:`LiveTuner`, the composition of the pure tuner with the service: once per
 scheduler tick it reads each app's applied plan, the app's recent arrival times (an injected
@@ -30,6 +30,23 @@ and ``tuner_scale_down_delay_s``): the longest envelope window, which is also ho
 live envelope looks (InferLine's 60 s), and how long after the last change a scale-down may
 come (InferLine's 15 s). Shorter ones make the tuner react, and forget a burst, sooner; a test
 uses them to see a whole step up and down in a minute.
+
+The load model (``model="curve"``, the default; docs/tuner.md, "The model now"): a stage is sized
+by the planner's capacity at the live load rather than by one provisioning ratio, which needs the
+applied plan's capacity curve (:func:`controlplane.policies.capacity_curve.capacity_curve`: six
+plans, a few seconds). That never runs in the tick: when the tuner first sets up an app on a plan
+it hands :func:`plan_capacity_curve` to a worker (``submit``; by default a daemon thread) under a
+deadline (``curve_deadline_s``, :mod:`estimator.deadline`; :meth:`LiveTuner.close` cancels it),
+and caches the answer per (app, plan id, budget). Until the curve is ready the app runs
+InferLine's model; once it is, the next tick gives the stage the curve and the live envelope
+:data:`controlplane.policies.capacity_curve.LOAD_MODEL_RECENT_S` (180 s; three of the longest
+windows where the service shortens them) of memory, keeping the fleet the tuner has reached.
+A curve that cannot be made (the planner fails, runs past the deadline, or places nothing at
+the planned rate) leaves the app on InferLine's model, with the reason logged. A cascade
+(several stages) stays on InferLine's model: its later stages see the share of queries the gear
+switcher's thresholds forward, which the app's load does not tell.
+Every recorded decision says which model decided (``model`` in its numbers, and ``model_note``
+for why InferLine's decided where the load model was asked for).
 """
 
 from __future__ import annotations
@@ -40,12 +57,15 @@ import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from numpy.typing import NDArray
 
+from controlplane.apps.plans import PlanRequest, TraceRequest, planning_trace
 from controlplane.clock import Clock
-from controlplane.db.store import AppRecord, Store
+from controlplane.db.store import AppRecord, PlanRecord, Store
+from controlplane.policies.capacity_curve import LOAD_MODEL_RECENT_S, capacity_curve
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S
 from controlplane.policies.replay import kairos_capacity_model, rate_per_instance_qps
@@ -60,11 +80,21 @@ from controlplane.policies.tuner import (
     utilisation_target,
 )
 from controlplane.spec import ResolvedApp
+from estimator import deadline
 from estimator.envelope import DEFAULT_MAX_WINDOW_S
 from estimator.errors import EstimatorError
 from estimator.traces import Trace, poisson_arrivals
 
-__all__ = ["ArrivalSource", "LiveTuner", "ResolveFn"]
+__all__ = [
+    "DEFAULT_CURVE_DEADLINE_S",
+    "ArrivalSource",
+    "CurveBuilder",
+    "LiveTuner",
+    "ResolveFn",
+    "Submit",
+    "TunerModel",
+    "plan_capacity_curve",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +103,17 @@ ArrivalSource = Callable[[str], NDArray[np.float64] | None]
 when nothing observes the app's traffic (no serving loop): the tuner then leaves it on its plan."""
 ResolveFn = Callable[[AppRecord], ResolvedApp]
 """An app record -> its spec checked against its data (the API's resolver)."""
+CurveBuilder = Callable[[ResolvedApp, PlanRecord], tuple[tuple[float, float], ...]]
+"""(the app, its applied plan) -> the plan's single stage's capacity curve, points (f, m(f));
+raises when there is none to be had (:func:`plan_capacity_curve`)."""
+Submit = Callable[[Callable[[], None]], None]
+"""Runs a piece of work off the tick (by default on a daemon thread; a test may run it at once,
+or later, or never)."""
+TunerModel = Literal["curve", "inferline"]
+
+# The capacity curve's six plans take a few seconds; past this the planner stops and the app stays
+# on InferLine's model (the settings' plan_deadline_s default: as long as any one plan may take).
+DEFAULT_CURVE_DEADLINE_S = 60.0
 
 # The planned envelope of a plan without one in its document: a Poisson trace this long, with this
 # seed.
@@ -94,6 +135,18 @@ class _AppTuner:
     capped: tuple[str, str, int] | None = None
     # Whether the last tick said budget_capped (the gear switcher's signal).
     capped_now: bool = False
+    # Why the stages run InferLine's model where the load model was asked for (None: they run
+    # the load model, or InferLine's was asked for).
+    model_note: str | None = None
+
+
+@dataclass(slots=True)
+class _Curve:
+    """The capacity curve of one (app, plan id, budget): being built, built, or failed."""
+
+    status: Literal["building", "ready", "failed"]
+    curve: tuple[tuple[float, float], ...] = ()
+    reason: str = ""
 
 
 class LiveTuner:
@@ -101,9 +154,15 @@ class LiveTuner:
 
     ``tick()`` is the scheduler's tuner job; ``desired_fleet(app)`` is the reconciler's hook (the
     plan's fleet until the tuner has run for the app). ``max_window_s`` is the longest envelope
-    window and the span of the live envelope; ``scale_down_delay_s`` the quiet time before a
-    scale-down (both :class:`controlplane.policies.tuner.TunerConfig`'s, InferLine's 60 s and 15 s
-    by default).
+    window and, with InferLine's model, the span of the live envelope; ``scale_down_delay_s`` the
+    quiet time before a scale-down (both :class:`controlplane.policies.tuner.TunerConfig`'s,
+    InferLine's 60 s and 15 s by default). ``model`` picks the load model (``curve``, the default;
+    the module docstring) or InferLine's one provisioning ratio (``inferline``);
+    ``load_model_recent_s`` is the load model's live envelope span (by default
+    :data:`controlplane.policies.capacity_curve.LOAD_MODEL_RECENT_S`, 180 s, scaled by
+    ``max_window_s`` / 60 s; never shorter than ``max_window_s``), ``build_curve`` makes a
+    plan's capacity curve (:func:`plan_capacity_curve`) within ``curve_deadline_s``, and
+    ``submit`` runs it off the tick.
     """
 
     def __init__(
@@ -115,6 +174,11 @@ class LiveTuner:
         *,
         max_window_s: float = DEFAULT_MAX_WINDOW_S,
         scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S,
+        model: TunerModel = "curve",
+        load_model_recent_s: float | None = None,
+        build_curve: CurveBuilder | None = None,
+        curve_deadline_s: float = DEFAULT_CURVE_DEADLINE_S,
+        submit: Submit | None = None,
     ) -> None:
         if not (math.isfinite(max_window_s) and max_window_s > 0):
             raise ValueError(f"max_window_s must be finite and > 0, got {max_window_s!r}")
@@ -122,12 +186,33 @@ class LiveTuner:
             raise ValueError(
                 f"scale_down_delay_s must be finite and >= 0, got {scale_down_delay_s!r}"
             )
+        if model not in ("curve", "inferline"):
+            raise ValueError(f"model must be curve or inferline, got {model!r}")
+        if load_model_recent_s is None:
+            # The load model's memory is three of its longest windows (180 s at InferLine's 60 s):
+            # a service that shortens its windows (a test, a demo) shortens the memory with them.
+            load_model_recent_s = LOAD_MODEL_RECENT_S * max_window_s / DEFAULT_MAX_WINDOW_S
+        for name, value in (
+            ("load_model_recent_s", load_model_recent_s),
+            ("curve_deadline_s", curve_deadline_s),
+        ):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {value!r}")
         self._store = store
         self._clock = clock
         self._arrivals = arrivals
         self._resolve = resolve
         self._max_window_s = float(max_window_s)
         self._scale_down_delay_s = float(scale_down_delay_s)
+        self._model: TunerModel = model
+        self._load_model_recent_s = max(float(load_model_recent_s), self._max_window_s)
+        self._build_curve = build_curve or plan_capacity_curve
+        self._curve_deadline_s = float(curve_deadline_s)
+        self._submit = submit or _in_daemon_thread
+        # Capacity curves by (app, plan id, budget), written by the workers.
+        self._curves: dict[tuple[str, int, float], _Curve] = {}
+        # Set by close(): curve builds in flight stop at the planner's next deadline check.
+        self._closing = threading.Event()
         self._apps: dict[str, _AppTuner] = {}
         # Apps whose profiles were recalibrated: set up again at their next tick, state kept.
         self._recalibrated: set[str] = set()
@@ -150,6 +235,11 @@ class LiveTuner:
         with self._lock:
             self._recalibrated.add(app)
 
+    def close(self) -> None:
+        """Cancel the capacity curves being built (the service is stopping); the tuner keeps
+        whatever model each app runs."""
+        self._closing.set()
+
     def budget_capped(self, app: str) -> bool:
         """Whether the tuner's last tick for ``app`` found the budget stopping a scale-up (the
         gear switcher then keeps the faster gear: ``controlplane.loops.live_gears``)."""
@@ -165,6 +255,7 @@ class LiveTuner:
             if app.applied_plan_id is None:
                 with self._lock:
                     self._apps.pop(app.name, None)
+                    self._forget_curves(app.name, None)
                 continue
             try:
                 made.extend((app.name, d) for d in self._tick_app(app, now_s))
@@ -201,12 +292,15 @@ class LiveTuner:
                 ]
                 fresh.state, fresh.capped = tuned.state, tuned.capped
                 tuned = fresh
+        if self._model == "curve":
+            self._load_model(app, tuned)
         arrivals = np.ascontiguousarray(observed, dtype=np.float64)
         decisions, state = tune(arrivals, now_s, tuned.state, tuned.stages, tuned.config)
         tuned.state = state
         tuned.capped_now = any(d.action == "budget_capped" for d in decisions)
         with self._lock:
             self._apps[app.name] = tuned
+        models = {stage.name: stage.model for stage in tuned.stages}
         recorded = []
         for d in decisions:
             if d.action == "budget_capped":
@@ -228,6 +322,9 @@ class LiveTuner:
                     "count": d.count,
                     "cost_usd_per_hr_after": d.cost_usd_per_hr_after,
                     "at_s": d.at_s,
+                    # Which load model sized the stage, and why not the load model if asked.
+                    "model": models[d.stage],
+                    "model_note": tuned.model_note if models[d.stage] == "inferline" else None,
                 },
                 # A cap that lasts (per stage and what it wanted) is one row with a count.
                 key=_cap_key(d) if d.action == "budget_capped" else None,
@@ -313,6 +410,140 @@ class LiveTuner:
             config=config,
             state=initial_state(stages, now_s),
         )
+
+    # --- the load model ------------------------------------------------------------------------
+
+    def _load_model(self, app: AppRecord, tuned: _AppTuner) -> None:
+        """Give ``tuned``'s stage its plan's capacity curve once it is ready (starting the build
+        the first time), else note why InferLine's model decides for now."""
+        if any(stage.capacity_curve is not None for stage in tuned.stages):
+            return
+        if len(tuned.stages) > 1:
+            tuned.model_note = "a cascade: InferLine's model per stage"
+            return
+        key = (app.name, tuned.plan_id, tuned.budget_usd_per_hr)
+        with self._lock:
+            entry = self._curves.get(key)
+            if entry is None:
+                self._forget_curves(app.name, key)
+                entry = self._curves[key] = _Curve("building")
+                start = True
+            else:
+                start = False
+        if start:
+            self._start_curve(app, key)
+            with self._lock:  # a synchronous submit has finished it already
+                entry = self._curves.get(key, entry)
+        if entry.status == "building":
+            tuned.model_note = "the plan's capacity curve is being built"
+        elif entry.status == "failed":
+            tuned.model_note = f"no capacity curve: {entry.reason}"
+        else:
+            tuned.stages = [
+                dataclasses.replace(stage, capacity_curve=entry.curve) for stage in tuned.stages
+            ]
+            tuned.config = dataclasses.replace(tuned.config, recent_s=self._load_model_recent_s)
+            tuned.model_note = None
+            logger.info(
+                "tuner: %s: plan %s runs the load model, capacity curve %s",
+                app.name,
+                tuned.plan_id,
+                ", ".join(f"x{f:g}: {m:.3f}" for f, m in entry.curve),
+            )
+
+    def _start_curve(self, app: AppRecord, key: tuple[str, int, float]) -> None:
+        """Hand the build of ``key``'s curve to ``submit``; what it finds (or why it failed)
+        lands in the cache."""
+        plan = self._store.get_applied_plan(app.name)
+        try:
+            if plan is None or plan.id != key[1]:
+                raise ValueError("the applied plan changed before its curve was built")
+            resolved = self._resolve(app)
+        except Exception as error:  # the tick goes on; the app stays on InferLine's model
+            self._curve_failed(key, error)
+            return
+        build, seconds, closing = self._build_curve, self._curve_deadline_s, self._closing
+
+        def work() -> None:
+            try:
+                with deadline.limit(seconds, closing):
+                    curve = build(resolved, plan)
+            except Exception as error:  # any failure leaves the app on InferLine's model
+                self._curve_failed(key, error)
+                return
+            with self._lock:
+                if key in self._curves:  # not forgotten (a newer plan) meanwhile
+                    self._curves[key] = _Curve("ready", tuple(curve))
+
+        logger.info("tuner: %s: building plan %s's capacity curve", key[0], key[1])
+        try:
+            self._submit(work)
+        except Exception as error:  # no worker to run it
+            self._curve_failed(key, error)
+
+    def _curve_failed(self, key: tuple[str, int, float], error: BaseException) -> None:
+        reason = str(error) or type(error).__name__
+        logger.warning(
+            "tuner: %s: plan %s has no capacity curve (%s); the tuner keeps InferLine's model",
+            key[0],
+            key[1],
+            reason,
+        )
+        with self._lock:
+            if key in self._curves:
+                self._curves[key] = _Curve("failed", reason=reason)
+
+    def _forget_curves(self, app: str, keep: tuple[str, int, float] | None) -> None:
+        """Drop ``app``'s cached curves but ``keep`` (call with the lock held)."""
+        for key in [k for k in self._curves if k[0] == app and k != keep]:
+            del self._curves[key]
+
+
+def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float, float], ...]:
+    """The capacity curve of ``plan``'s single stage (:func:`controlplane.policies.capacity_curve.
+    capacity_curve`) on the plan's own planning trace, made again from the generator parameters
+    the API stored with it (``trace.request``; a plan without them: a Poisson trace at its
+    planned rate), with the plan's seed. Six plans: seconds, so never on the tick.
+
+    Raises:
+        ValueError: a plan of several stages, or one the planner places nothing for at its rate.
+        EstimatorError, InvalidValueError: what the planner or the trace generator raise.
+    """
+    document = plan.plan
+    if len(document.stages) != 1:
+        raise ValueError(f"plan {plan.number} has {len(document.stages)} stages, not one")
+    (stage,) = document.stages
+    trace, _ = planning_trace(app, _planning_request(document))
+    curve = capacity_curve(
+        app,
+        stage.name,
+        trace,
+        kairos=stage.policy == "kairos",
+        batch_size=stage.batch_size,
+        seed=document.seed or 0,
+    )
+    if not curve:
+        raise ValueError("the planner places nothing for the planning trace at its own rate")
+    return curve
+
+
+def _planning_request(document: PlanDocument) -> PlanRequest:
+    """What ``document`` was planned on: the trace generator's parameters the API stored with it
+    (``trace.request``), else a Poisson trace at its planned rate (as the capacity re-planner
+    reads it)."""
+    seed = document.seed or 0
+    stored = document.trace.get("request") if document.trace is not None else None
+    if isinstance(stored, Mapping):
+        return PlanRequest(trace=TraceRequest.from_document(stored), seed=seed)
+    rate = document.planned_rate_qps
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError("the plan has no planned rate to plan for again")
+    return PlanRequest(rate_qps=rate, seed=seed)
+
+
+def _in_daemon_thread(work: Callable[[], None]) -> None:
+    """Run ``work`` on its own daemon thread: a build in flight never holds the process open."""
+    threading.Thread(target=work, name="capacity-curve", daemon=True).start()
 
 
 def _cap_key(decision: Decision) -> str:

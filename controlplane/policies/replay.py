@@ -456,7 +456,9 @@ def tuner_timeline(
     With ``capacity_curve`` (:func:`controlplane.policies.capacity_curve.capacity_curve`) the
     tuner sizes the stage by the planner's capacity at the live load instead of a constant rho
     (:meth:`controlplane.policies.tuner.TunerStage.capacity_at_load_qps`). ``recent_s`` is how
-    far back the live envelope looks (InferLine's 60 s by default).
+    far back the live envelope looks (InferLine's 60 s by default). The curve costs six plans,
+    so the caller makes it and passes it: ``heteroplane replay`` does by default (the load
+    model, with ``LOAD_MODEL_RECENT_S``), as does ``benchmarks/tuner_oracle.py``.
     """
     mu = _stage_rates(app, stage, trace)
     if planning_arrival_s.size == 0:

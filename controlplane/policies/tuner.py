@@ -181,6 +181,13 @@ class TunerStage:
             object.__setattr__(self, "capacity_curve", points)
 
     @property
+    def model(self) -> Literal["curve", "inferline"]:
+        """Which load model sizes the stage: ``curve`` (the planner's capacity at the live load,
+        with a ``capacity_curve``) or ``inferline`` (one provisioning ratio rho_m); the live
+        tuner records it with each decision."""
+        return "inferline" if self.capacity_curve is None else "curve"
+
+    @property
     def planned_capacity_qps(self) -> float:
         """The planned fleet's throughput: the capacity model's, else sum over types of count x
         mu_t."""
@@ -763,17 +770,25 @@ def equivalent_loads(
 
 
 def _scale_up_to_load(
-    tick: _Tick, plan: TunerStage, capacity_qps: float, target: float, exceeded: bool, why: str
+    tick: _Tick,
+    plan: TunerStage,
+    capacity_qps: float,
+    target: float,
+    exceed_why: str,
+    why: str,
 ) -> None:
     """Algorithm 3 with a capacity curve: the stage needs ``target`` (:meth:`TunerStage.
-    capacity_for_loads_qps`) when the live envelope exceeds the planned one; a stage below its
-    planned capacity is brought back to min(planned capacity, target)."""
+    capacity_for_loads_qps`) when the live envelope exceeds the planned one (``exceed_why`` says
+    where; empty when it does not); a stage below its planned capacity is brought back to
+    min(planned capacity, target). The reasons open as InferLine's do (the window over the plan,
+    or "below plan")."""
     needed = 0.0
-    if exceeded:
+    if exceed_why:
         needed = target
+        why = f"{exceed_why}; {why}"
     elif capacity_qps < plan.planned_capacity_qps:
         needed = min(plan.planned_capacity_qps, target)
-        why = f"below plan ({plan.planned_capacity_qps:.6g} qps planned); {why}"
+        why = f"below plan: planned capacity {plan.planned_capacity_qps:.6g} qps; {why}"
     if needed > 0.0:
         text = f"{why}; the planner's capacity at that load {target:.6g} qps"
         _scale_up(tick, plan, needed, text)
@@ -862,7 +877,7 @@ def tune(
         capacity = plan.capacity_qps(tick.fleets[plan.name])
         if plan.capacity_curve is not None:
             target = plan.capacity_for_loads_qps(f_live, f_sustained)
-            _scale_up_to_load(tick, plan, capacity, target, bool(exceeding), load_why)
+            _scale_up_to_load(tick, plan, capacity, target, exceed_why, load_why)
             continue
         need_exceed = r_max * s / rho
         need_restore = 0.0

@@ -1,11 +1,15 @@
 """The tuner on live traffic: a real store (SQLite through the migrations), a fake clock and
-arrivals fed by hand; what the reconciler would read and what the decision log says."""
+arrivals fed by hand; what the reconciler would read and what the decision log says.
+
+The tests of InferLine's arithmetic (and of the planned envelope) run the tuner with
+``model="inferline"``; the load model's tests at the end hold its curve builds in a queue they
+run by hand, so that "not ready yet" and "ready" are steps of the test, not races."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +20,7 @@ from controlplane.apps.resolver import scaled_profiles
 from controlplane.clock import FakeClock
 from controlplane.db import migrate
 from controlplane.db.store import AppRecord, Store
-from controlplane.loops.live_tuner import LiveTuner
+from controlplane.loops.live_tuner import LiveTuner, plan_capacity_curve
 from controlplane.spec import resolve_spec, validate_spec
 from estimator.envelope import tuner_windows_s
 
@@ -87,10 +91,12 @@ class Feed:
 
 
 def live_tuner(store: Store, clock: FakeClock, feed: Feed) -> LiveTuner:
-    def resolve(app: AppRecord) -> Any:
-        return resolve_spec(validate_spec(app.spec))
+    """The tuner with InferLine's model (one provisioning ratio, a 60 s live envelope)."""
+    return LiveTuner(store, clock, feed, resolve, model="inferline")
 
-    return LiveTuner(store, clock, feed, resolve)
+
+def resolve(app: AppRecord) -> Any:
+    return resolve_spec(validate_spec(app.spec))
 
 
 def applied(
@@ -175,9 +181,7 @@ def test_an_app_nobody_observes_stays_on_its_plan(store: Store, tmp_path: Path) 
     def unobserved(name: str) -> None:
         return None
 
-    tuner = LiveTuner(
-        store, FakeClock(start_s=1000.0), unobserved, lambda a: resolve_spec(validate_spec(a.spec))
-    )
+    tuner = LiveTuner(store, FakeClock(start_s=1000.0), unobserved, resolve)
     assert tuner.tick() == []
     assert tuner.desired_fleet(app) == {SMALL: 2}
     assert store.list_decisions(APP) == [] or all(
@@ -226,8 +230,9 @@ def test_a_planned_envelope_below_the_live_rate_scales_up_on_its_windows(
         store,
         clock,
         feed,
-        lambda a: resolve_spec(validate_spec(a.spec)),
+        resolve,
         max_window_s=max_window_s,
+        model="inferline",
     )
     feed.arrival_s = steady(50.0, 940.0, 1000.0)
     made = tuner.tick()
@@ -296,10 +301,10 @@ def test_a_recalibrated_profile_reaches_the_tuner_at_its_next_tick(
     app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
     factors: dict[tuple[str, str], float] = {}
 
-    def resolve(record: AppRecord) -> Any:
+    def recalibrated(record: AppRecord) -> Any:
         return scaled_profiles(resolve_spec(validate_spec(record.spec)), factors)
 
-    tuner = LiveTuner(store, clock, feed, resolve)
+    tuner = LiveTuner(store, clock, feed, recalibrated, model="inferline")
     feed.arrival_s = steady(50.0, 940.0, 1000.0)  # the planned rate: nothing to do
     assert tuner.tick() == []
     assert tuner.desired_fleet(app) == {SMALL: 2}
@@ -314,3 +319,173 @@ def test_a_recalibrated_profile_reaches_the_tuner_at_its_next_tick(
     made = tuner.tick()
     assert [d.action for _, d in made][:1] == ["scale_up"]
     assert tuner.desired_fleet(app)[SMALL] > 2
+
+
+# --- the load model ------------------------------------------------------------------------------
+
+
+class Worker:
+    """The curve builds the tuner hands off, run when the test says."""
+
+    def __init__(self) -> None:
+        self.queued: list[Callable[[], None]] = []
+
+    def __call__(self, work: Callable[[], None]) -> None:
+        self.queued.append(work)
+
+    def run(self) -> None:
+        queued, self.queued = self.queued, []
+        for work in queued:
+            work()
+
+
+CURVE = ((0.5, 0.6), (1.0, 1.0), (2.0, 1.6))
+
+
+def decisions_of(store: Store, kind: str) -> list[Any]:
+    return [d for d in store.list_decisions(APP) if d.kind == kind]
+
+
+def step_up_and_down(tuner: LiveTuner, clock: FakeClock, feed: Feed) -> None:
+    """Five times the plan for a minute, then quiet for four: a scale-up, then a scale-down."""
+    clock.advance(60.0)
+    feed.arrival_s = steady(256.0, 1000.0, 1060.0)
+    tuner.tick()
+    clock.advance(240.0)
+    feed.arrival_s = steady(16.0, 1060.0, 1300.0)
+    tuner.tick()
+
+
+def test_the_load_model_waits_for_its_curve_off_the_tick_and_then_decides(
+    store: Store, tmp_path: Path
+) -> None:
+    clock, feed, worker = FakeClock(start_s=1000.0), Feed(), Worker()
+    built: list[int] = []
+
+    def build(app: Any, plan: Any) -> Any:
+        built.append(plan.id)
+        return CURVE
+
+    app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
+    tuner = LiveTuner(store, clock, feed, resolve, build_curve=build, submit=worker)
+    feed.arrival_s = steady(256.0, 940.0, 1000.0)
+    tuner.tick()
+    # The build was handed off, not run in the tick: InferLine's model decided meanwhile.
+    assert len(worker.queued) == 1 and built == []
+    (up,) = decisions_of(store, "scale_up")
+    assert up.numbers["model"] == "inferline"
+    assert "being built" in up.numbers["model_note"]
+    clock.advance(1.0)
+    tuner.tick()
+    assert len(worker.queued) == 1  # one build per plan, however many ticks wait for it
+
+    worker.run()
+    assert built == [app.applied_plan_id]
+    store.apply_plan(APP, store.create_plan(APP, plan_document(2, 50.0)).id)  # a fresh start
+    feed.arrival_s = steady(50.0, 941.0, 1001.0)  # the planned rate: nothing to decide
+    assert tuner.tick() == []
+    assert len(worker.queued) == 1  # the new plan gets its own curve
+    worker.run()
+    before = len(decisions_of(store, "scale_up"))
+    step_up_and_down(tuner, clock, feed)
+    ups, downs = decisions_of(store, "scale_up")[before:], decisions_of(store, "scale_down")
+    assert ups and downs
+    for decision in (*ups, *downs):
+        assert decision.numbers["model"] == "curve" and decision.numbers["model_note"] is None
+    assert "the planner's capacity at that load" in ups[-1].reason
+    # The load model's scale-down memory: the live envelope over the last 180 s, not 60 s.
+    assert "over the last 180 s" in downs[-1].reason
+
+
+def test_without_its_curve_the_tuner_keeps_inferlines_model_and_says_why(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock, feed, worker = FakeClock(start_s=1000.0), Feed(), Worker()
+
+    def broken(app: Any, plan: Any) -> Any:
+        raise ValueError("the planner places nothing")
+
+    applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
+    tuner = LiveTuner(store, clock, feed, resolve, build_curve=broken, submit=worker)
+    feed.arrival_s = steady(50.0, 940.0, 1000.0)
+    assert tuner.tick() == []
+    with caplog.at_level(logging.WARNING, logger="controlplane.loops.live_tuner"):
+        worker.run()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "no capacity curve (the planner places nothing)" in warning
+    assert "InferLine's model" in warning
+    step_up_and_down(tuner, clock, feed)
+    assert worker.queued == []  # a failed curve is not tried again for the same plan
+    ups, downs = decisions_of(store, "scale_up"), decisions_of(store, "scale_down")
+    assert ups and downs
+    for decision in (*ups, *downs):
+        assert decision.numbers["model"] == "inferline"
+        assert decision.numbers["model_note"] == "no capacity curve: the planner places nothing"
+    assert "over the last 60 s" in downs[-1].reason
+
+
+def test_inferlines_model_when_asked_builds_no_curve(store: Store, tmp_path: Path) -> None:
+    clock, feed, worker = FakeClock(start_s=1000.0), Feed(), Worker()
+    applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
+    tuner = LiveTuner(store, clock, feed, resolve, model="inferline", submit=worker)
+    step_up_and_down(tuner, clock, feed)
+    assert worker.queued == []
+    ups = decisions_of(store, "scale_up")
+    assert ups and all(d.numbers["model"] == "inferline" for d in ups)
+    assert all(d.numbers["model_note"] is None for d in ups)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"seed": 1, "trace": {"request": {"rate_qps": 50.0, "kind": "gamma", "cv2": 2.0}}}],
+    ids=["a Poisson trace at the planned rate", "the trace request the API stored"],
+)
+def test_the_plans_capacity_curve_is_the_planners_on_its_planning_trace(
+    store: Store, tmp_path: Path, extra: dict[str, Any]
+) -> None:
+    # The real builder, on the trace the plan names.
+    applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5, **extra)
+    record = store.get_applied_plan(APP)
+    assert record is not None
+    curve = plan_capacity_curve(resolve(store.get_app(APP)), record)
+    assert [f for f, _ in curve] == [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]
+    assert dict(curve)[1.0] == 1.0
+    assert [m for _, m in curve] == sorted(m for _, m in curve)
+
+
+def test_a_cascade_keeps_inferlines_model_on_every_stage(store: Store, tmp_path: Path) -> None:
+    profiles = {
+        "format": "heteroplane.profiles/v1",
+        "profiles": [
+            {"model": m, "instance_type": SMALL, "batch_sizes": [1], "latency_ms": [[20.0]]}
+            for m in ("tiny", "large")
+        ],
+    }
+    (tmp_path / "profiles.json").write_text(json.dumps(profiles))
+    store.create_app(
+        {
+            "name": APP,
+            "models": [
+                {"name": m, "profiles": str(tmp_path / "profiles.json")} for m in ("tiny", "large")
+            ],
+            "cascade": ["tiny", "large"],
+            "slo": {"latency_ms": 100},
+            "budget_usd_per_hr": 1.0,
+            "instance_types": [SMALL],
+        },
+        who="test",
+    )
+    document = plan_document(2, 50.0)
+    (first,) = document["stages"]
+    document["stages"] = [first, {**first, "name": "large", "scale_factor": 0.5}]
+    store.apply_plan(APP, store.create_plan(APP, document).id)
+    clock, feed, worker = FakeClock(start_s=1000.0), Feed(), Worker()
+    tuner = LiveTuner(store, clock, feed, resolve, submit=worker)
+    feed.arrival_s = steady(256.0, 940.0, 1000.0)
+    tuner.tick()
+    assert worker.queued == []  # no curve is built for a cascade
+    ups = decisions_of(store, "scale_up")
+    assert {d.numbers["stage"] for d in ups} == {"tiny", "large"}
+    for decision in ups:
+        assert decision.numbers["model"] == "inferline"
+        assert decision.numbers["model_note"] == "a cascade: InferLine's model per stage"

@@ -131,16 +131,20 @@ def test_the_capacity_curve_is_the_planners_capacity_by_load(tmp_path: Path) -> 
     assert 1.0 < multipliers[2] <= 2.0
 
 
-def test_replay_tuner_model_curve_reports_its_curve(
+def test_replay_runs_the_load_model_by_default_and_reports_its_curve(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = cli_inputs(tmp_path, plan_document({"g4dn.xlarge": 1}))
-    assert main([*args, "--tuner-model", "curve", "--json"]) == 0
+    assert main([*args, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tuner_model"] == "curve"
     curve = out["capacity_curve"]
     assert [f for f, _ in curve] == [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]
     assert dict(curve)[1.0] == 1.0
+    # InferLine's one provisioning ratio, for comparison: no curve.
+    assert main([*args, "--tuner-model", "inferline", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tuner_model"] == "inferline" and out["capacity_curve"] is None
     with pytest.raises(SystemExit) as caught:
         main([*args, "--policy", "static", "--tuner-model", "curve"])
     assert caught.value.code == 2
