@@ -250,6 +250,14 @@ def test_prepare_demo_registers_and_plans_once(service: Service) -> None:
     assert spec["cascade"] == list(first.family.cascade.models)
     assert spec["validation"] == str(first.family.validation.resolve())
     assert spec["models"][0]["profiles"] == str(service.settings.data_dir / PROFILES_FILE)
+    # The family went through the model registry as a user's models do: each model of the
+    # cascade names its pushed TorchScript version, and the reconciler launches workers with it.
+    registry = service.app.state.services.registry
+    for model in spec["models"]:
+        record = registry.resolve(model["artifact"])
+        assert (record.name, record.format) == (model["name"], "torchscript")
+        assert record.signature.outputs[0].name == "logits"
+    assert {r.name for r in registry.versions()} == {"tiny", "small", "medium", "large"}
     stages = first.plan.document["stages"]
     assert len(stages) == len(spec["cascade"])
     # The plan predicts what a batch costs through the workers: tens of ms per stage.
@@ -260,6 +268,7 @@ def test_prepare_demo_registers_and_plans_once(service: Service) -> None:
     second = prepare_demo(service, 12.0, said.append, profile_samples=SAMPLES)
     assert not (second.token.created or second.app_created or second.plan_created)
     assert second.app == first.app and second.plan == first.plan
+    assert len(registry.versions()) == 4  # the same bytes: no new versions
     assert said == [
         f"the app {DEMO_APP!r} is registered already (version {first.app.version})",
         f"plan 1 of {DEMO_APP!r} is applied already",
