@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from controlplane.apps.resolver import spec_document
 from controlplane.service.build import Service, build_service
 from controlplane.settings import Ec2Settings, Settings
 from estimator.profiles import LatencyProfile, write_profiles_json
@@ -169,3 +170,65 @@ def test_an_app_of_a_pushed_model_launches_ec2_workers_that_fetch_it_from_s3(
 
     fetched = fetch_artifact(ref, tmp_path / "worker-cache")
     assert fetched.read_bytes() == data
+
+
+def test_a_profile_run_on_ec2_launches_artifact_workers_within_the_budget_and_stops_them(
+    service: Service, tmp_path: Path
+) -> None:
+    """``profile run`` on EC2: the profiling workers are real instances (here moto's, which
+    never answer), launched with the artifact in their user data and terminated when the run
+    fails; a budget that cannot carry them refuses the run before anything launches."""
+    from controlplane.apps.profile_run import PROFILE_RUN_TAG, ProfileRunRequest, run_profile
+    from controlplane.apps.profiler import ProfilingError
+    from controlplane.errors import ProfilingBudgetError
+
+    services = service.app.state.services
+    record = services.registry.push("wine", _write(tmp_path, _onnx_model()))
+    spec = {
+        "name": APP,
+        "models": [{"name": "wine", "artifact": "wine"}],
+        "slo": {"latency_ms": 200},
+        "budget_usd_per_hr": 1.0,
+        "instance_types": [TYPE],
+    }
+    service.store.create_app(spec_document(services.resolver.check(spec).spec), who="test")
+    request = ProfileRunRequest(types=None, batch_sizes=(1, 2), samples=2, warmup=0)
+
+    def run() -> Any:
+        return run_profile(
+            service.store,
+            services.resolver,
+            service.provisioner,
+            services.clock,
+            APP,
+            request,
+            who="test",
+            worker_port=8080,
+            start_timeout_s=1.0,
+        )
+
+    with pytest.raises(ProfilingError):
+        run()
+    ref = ArtifactRef("wine", "wine", 1, "onnx", record.sha256, record.uri)
+    ec2 = boto3.client("ec2", region_name=REGION)
+    launched = service.provisioner.list({PROFILE_RUN_TAG: APP})
+    assert launched, "the profile run launched no worker"
+    for instance in launched:
+        assert instance.state in ("shutting-down", "terminated"), instance
+        attribute = ec2.describe_instance_attribute(
+            InstanceId=instance.provider_id, Attribute="userData"
+        )
+        script = base64.b64decode(attribute["UserData"]["Value"]).decode()
+        assert f"--artifact {ref.to_arg()}" in script
+
+    service.store.change_budget(APP, 0.01, who="test", reason="too small for a worker")
+    before = len(service.provisioner.list({PROFILE_RUN_TAG: APP}))
+    with pytest.raises(ProfilingBudgetError):
+        run()
+    assert len(service.provisioner.list({PROFILE_RUN_TAG: APP})) == before
+
+
+def _write(folder: Path, data: bytes) -> Path:
+    path = folder / "wine.onnx"
+    path.write_bytes(data)
+    return path
