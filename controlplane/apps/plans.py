@@ -33,6 +33,7 @@ import numpy as np
 from controlplane.apps.resolver import AppResolver, smallest_common_batch_size
 from controlplane.db.store import PlanRecord, Store
 from controlplane.errors import ConflictError, InvalidValueError, ProfilesNotMeasuredError
+from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import plan_app
 from controlplane.spec import ResolvedApp
 from estimator import deadline
@@ -48,6 +49,7 @@ __all__ = [
     "apply_plan",
     "planning_trace",
     "preview_plan",
+    "replanning_request",
     "require_profiles",
 ]
 
@@ -112,6 +114,25 @@ class PlanRequest:
     trace: TraceRequest | None = None
     rate_qps: float | None = None
     seed: int = 0
+
+
+def replanning_request(document: PlanDocument) -> PlanRequest:
+    """What the plan ``document`` was planned on, to plan on it again (the capacity re-planner,
+    the live tuner's capacity curve): the trace generator's parameters the API stored with it
+    (``trace.request``), else a Poisson trace at its planned rate.
+
+    Raises:
+        InvalidValueError: a stored trace request that is not usable.
+        ValueError: a plan without a planned rate to plan for again.
+    """
+    seed = document.seed or 0
+    stored = document.trace.get("request") if document.trace is not None else None
+    if isinstance(stored, Mapping):
+        return PlanRequest(trace=TraceRequest.from_document(stored), seed=seed)
+    rate = document.planned_rate_qps
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError("the plan has no planned rate to plan for again")
+    return PlanRequest(rate_qps=rate, seed=seed)
 
 
 def planning_trace(app: ResolvedApp, request: PlanRequest) -> tuple[Trace, dict[str, Any]]:

@@ -44,7 +44,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from controlplane.apps.plans import PlanRequest, TraceRequest, planning_trace
+from controlplane.apps.plans import PlanRequest, planning_trace, replanning_request
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import ControlPlaneError, InvalidValueError
 from controlplane.loops.live_tuner import ResolveFn
@@ -216,20 +216,16 @@ class CapacityReplanner:
 
 
 def _planning_request(plan: PlanRecord) -> PlanRequest:
-    """What ``plan`` was planned on, to plan on it again: the trace generator's parameters the API
-    stored with it (``trace.request``), else a Poisson trace at its planned rate."""
-    document = plan.plan
-    seed = document.seed or 0
-    stored = document.trace.get("request") if document.trace is not None else None
-    if isinstance(stored, Mapping):
-        try:
-            return PlanRequest(trace=TraceRequest.from_document(stored), seed=seed)
-        except InvalidValueError as error:
-            logger.warning("capacity: plan %s's trace request is not usable: %s", plan.id, error)
-    rate = document.planned_rate_qps
+    """What ``plan`` was planned on (:func:`~controlplane.apps.plans.replanning_request`); a
+    stored trace request that is no longer usable gives way to the planned rate."""
+    try:
+        return replanning_request(plan.plan)
+    except InvalidValueError as error:
+        logger.warning("capacity: plan %s's trace request is not usable: %s", plan.id, error)
+    rate = plan.plan.planned_rate_qps
     if not (math.isfinite(rate) and rate > 0):
         raise ValueError(f"plan {plan.number} has no planned rate to plan for again")
-    return PlanRequest(rate_qps=rate, seed=seed)
+    return PlanRequest(rate_qps=rate, seed=plan.plan.seed or 0)
 
 
 def _fleet_text(fleet: Mapping[str, int]) -> str:

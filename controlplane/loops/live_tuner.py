@@ -62,7 +62,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from controlplane.apps.plans import PlanRequest, TraceRequest, planning_trace
+from controlplane.apps.plans import planning_trace, replanning_request
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.policies.capacity_curve import LOAD_MODEL_RECENT_S, capacity_curve
@@ -513,7 +513,7 @@ def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float
     if len(document.stages) != 1:
         raise ValueError(f"plan {plan.number} has {len(document.stages)} stages, not one")
     (stage,) = document.stages
-    trace, _ = planning_trace(app, _planning_request(document))
+    trace, _ = planning_trace(app, replanning_request(document))
     curve = capacity_curve(
         app,
         stage.name,
@@ -525,20 +525,6 @@ def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float
     if not curve:
         raise ValueError("the planner places nothing for the planning trace at its own rate")
     return curve
-
-
-def _planning_request(document: PlanDocument) -> PlanRequest:
-    """What ``document`` was planned on: the trace generator's parameters the API stored with it
-    (``trace.request``), else a Poisson trace at its planned rate (as the capacity re-planner
-    reads it)."""
-    seed = document.seed or 0
-    stored = document.trace.get("request") if document.trace is not None else None
-    if isinstance(stored, Mapping):
-        return PlanRequest(trace=TraceRequest.from_document(stored), seed=seed)
-    rate = document.planned_rate_qps
-    if not (math.isfinite(rate) and rate > 0):
-        raise ValueError("the plan has no planned rate to plan for again")
-    return PlanRequest(rate_qps=rate, seed=seed)
 
 
 def _in_daemon_thread(work: Callable[[], None]) -> None:
