@@ -250,6 +250,12 @@ class AppSpec(BaseModel):
     instance_types: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
     max_counts: dict[str, Annotated[int, Field(ge=0)]] | None = None
     catalog: str | None = Field(default=None, min_length=1, pattern=_PATH_PATTERN)
+    scaling: Literal["inferline", "infaas"] = Field(
+        default="inferline",
+        description="who scales the running fleet: inferline (InferLine's tuner on the plan's"
+        " envelope, docs/tuner.md) or infaas (INFaaS's model- and VM-level autoscaler on the"
+        " serving loop's Active/Overloaded/Interfered/Inactive states, docs/serving.md)",
+    )
 
     @model_validator(mode="after")
     def _check_fields_together(self) -> AppSpec:

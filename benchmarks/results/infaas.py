@@ -42,7 +42,12 @@ and takes the cheapest variant that meets the app's latency SLO and accuracy flo
   T_v chose it (a downgrade); its n_v instances start, the current variant serves until they are
   ready, then arrivals go to the new variant and the old instances drain and stop.
 
-The controller sees only past arrivals, so its whole schedule is computed from the trace first;
+The sizing rule, the ILP's cost and the Model-Autoscaler's step (replicate, switch, remove after
+T_v) are the service's (``controlplane.policies.infaas_scaling``: :func:`instances_for`,
+:func:`scaling_cost_usd_per_s`, :func:`model_action`; the service runs the same rules per
+instance on live states for apps with ``scaling: infaas``); this module keeps the bookkeeping of
+a simulated schedule. The controller sees only past arrivals, so its whole schedule is computed
+from the trace first;
 then each stretch of one variant is simulated with its instances joining and leaving
 (``InstanceSpec`` ready and stop times). Cost: every instance's price from its start to its stop
 (or, for instances retired by a switch, to the later of the switch and their last answer).
@@ -79,6 +84,7 @@ from benchmarks.results.common import (
     save_figure,
 )
 from controlplane.apps.profiler import emulated_profiles
+from controlplane.policies.infaas_scaling import instances_for, model_action, scaling_cost_usd_per_s
 from controlplane.policies.tuner import default_boot_s
 from controlplane.policies.variants import Requirements, VariantOption, choose
 from estimator.catalog import default_catalog
@@ -138,8 +144,8 @@ class Variant:
         return f"{self.model} on {self.instance_type}"
 
     def instances_for(self, load_qps: float) -> int:
-        """n_v = ceil(lambda / (U Q_v)), at least one."""
-        return max(1, math.ceil(load_qps / (UTILISATION * self.saturation_qps) - 1e-9))
+        """n_v = ceil(lambda / (U Q_v)), at least one (the service's policy's arithmetic)."""
+        return instances_for(load_qps, self.saturation_qps, UTILISATION)
 
     def tail_ms_at(self, rate_qps: float) -> float:
         """The P99 of one instance at ``rate_qps``: linear between the probes, infinite past
@@ -254,8 +260,13 @@ def offers(
     options = []
     for variant, have in zip(variants, running, strict=True):
         n = variant.instances_for(load_qps)
-        usd_per_s = variant.price_usd_per_hr / 3600.0
-        cost = usd_per_s * (n + LOAD_WEIGHT * max(0, n - have)) / max(load_qps, 1.0)
+        # The ILP's cost of the action (n - have instances, lambda T_load = LOAD_WEIGHT) plus
+        # the instances kept: C (n + lambda T_load max(0, n - have)).
+        kept_usd_per_s = variant.price_usd_per_hr / 3600.0 * have
+        action = scaling_cost_usd_per_s(
+            variant.price_usd_per_hr, n - have, LOAD_WEIGHT / variant.boot_s, variant.boot_s
+        )
+        cost = (kept_usd_per_s + action) / max(load_qps, 1.0)
         options.append(
             VariantOption(
                 name=variant.name,
@@ -351,25 +362,27 @@ def autoscale(
             continue
         hold = variants[current].boot_s
         recent = [h for h in history if h[0] > now - hold]
-        short = need > running[current]
-        held = len(recent) * TICK_S >= hold and all(h[1] == chosen for h in recent)
-        if chosen != current and (short or held):
+        action, count = model_action(
+            chosen_is_current=chosen == current,
+            need=need,
+            running=running[current],
+            recent_needs=[h[2] for h in recent],
+            recent_same_choice=[h[1] == chosen for h in recent],
+            held=len(recent) * TICK_S >= hold,
+        )
+        if action == "switch":
             start(chosen, variants[chosen].instances_for(load), now, epoch + 1, boot=True)
             pending = (chosen, now + variants[chosen].boot_s)
             out.switches += 1
-            continue
-        if short:
-            start(current, need - running[current], now, epoch, boot=True)
+        elif action == "replicate":
+            start(current, count, now, epoch, boot=True)
             out.scale_ups += 1
-        else:
-            keep = max(h[2] for h in recent)
-            extra = running[current] - keep
-            if extra > 0 and len(recent) * TICK_S >= hold:
-                # Booting instances go first, then the youngest.
-                victims = sorted(alive(current, now), key=lambda i: (-i.ready_s, -i.started_s))
-                for inst in victims[:extra]:
-                    inst.stop_s = now
-                out.scale_downs += 1
+        elif action == "remove":
+            # Booting instances go first, then the youngest.
+            victims = sorted(alive(current, now), key=lambda i: (-i.ready_s, -i.started_s))
+            for inst in victims[:count]:
+                inst.stop_s = now
+            out.scale_downs += 1
     return out
 
 

@@ -252,7 +252,8 @@ class LiveTuner:
         made: list[tuple[str, Decision]] = []
         now_s = self._clock.now_s()
         for app in self._store.list_apps():
-            if app.applied_plan_id is None:
+            if app.applied_plan_id is None or app.spec.get("scaling") == "infaas":
+                # An app that scales the INFaaS way is controlplane.loops.infaas_scaler's.
                 with self._lock:
                     self._apps.pop(app.name, None)
                     self._forget_curves(app.name, None)

@@ -23,6 +23,12 @@ stayed out of its plan's envelope band for ``replan_hold_s`` is re-planned on it
 gear switcher; the one resolver (shared with the API) reads the calibration factors from the
 store, so every resolved app carries the calibrated profiles.
 
+Scaling is per app (the spec's ``scaling``): InferLine's live tuner by default, INFaaS's
+autoscaler (:class:`~controlplane.loops.infaas_scaler.InfaasScaler`, on the serving loop's
+states) for ``scaling: infaas``. The INFaaS scaler runs in the tuner's tick right after the live
+tuner, and the reconciler's desired fleet is the scaler's for those apps, the tuner's for the
+others (:func:`scaled_fleet`).
+
 Replicas (docs/service.md, "Replicas and the leader lease"): every job body is fenced by the
 replica's :class:`~controlplane.loops.leadership.Leadership`, whose lock is a PostgreSQL advisory
 lock (:class:`~controlplane.db.lease.AdvisoryLock`) or, on SQLite, the lone replica's
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +71,7 @@ from controlplane.db.store import AppRecord, Store
 from controlplane.errors import NotFoundError
 from controlplane.loops.calibration import ProfileCalibrator
 from controlplane.loops.capacity_replan import CapacityReplanner
+from controlplane.loops.infaas_scaler import InfaasScaler, scales_with_infaas
 from controlplane.loops.leadership import LeaderLock, Leadership, SoleLock
 from controlplane.loops.live_gears import LiveGears
 from controlplane.loops.live_tuner import LiveTuner, ResolveFn
@@ -83,6 +91,7 @@ from controlplane.loops.traffic_replan import ReplanBand, TrafficReplanner
 from controlplane.policies.calibration import CalibrationRule
 from controlplane.policies.disruption import DisruptionBudget
 from controlplane.policies.drain import qps_by_type
+from controlplane.policies.infaas_scaling import ScalingConfig
 from controlplane.service.app import create_app
 from controlplane.service.provisioning import build_provisioner
 from controlplane.serving.loop import ServingLoop
@@ -98,6 +107,7 @@ __all__ = [
     "Service",
     "app_artifacts",
     "build_calibrator",
+    "build_infaas_scaler",
     "build_leadership",
     "build_live_gears",
     "build_live_tuner",
@@ -106,6 +116,7 @@ __all__ = [
     "build_service",
     "build_traffic_replanner",
     "launchable_types",
+    "scaled_fleet",
     "spec_pricing",
     "stored_apps",
     "stored_scales",
@@ -239,6 +250,34 @@ def build_live_tuner(
     )
 
 
+def build_infaas_scaler(
+    settings: Settings, store: Store, clock: Clock, serving: ServingLoop, resolver: AppResolver
+) -> InfaasScaler:
+    """INFaaS's autoscaler over the apps with ``scaling: infaas`` that the serving loop serves,
+    on its states and arrivals; a drain waits the tuner's ``tuner_scale_down_delay_s`` (the
+    service's one scale-down delay)."""
+    return InfaasScaler(
+        store,
+        clock,
+        serving.observed_arrivals,
+        serving.statuses,
+        stored_apps(resolver),
+        config=ScalingConfig(hold_s=settings.tuner_scale_down_delay_s),
+    )
+
+
+def scaled_fleet(live_tuner: LiveTuner, infaas: InfaasScaler | None) -> DesiredFleet:
+    """The reconciler's desired fleet: INFaaS's autoscaler's for an app with ``scaling:
+    infaas``, the live tuner's for the others."""
+
+    def desired(app: AppRecord) -> Mapping[str, int]:
+        if infaas is not None and scales_with_infaas(app):
+            return infaas.desired_fleet(app)
+        return live_tuner.desired_fleet(app)
+
+    return desired
+
+
 def build_live_gears(
     store: Store, clock: Clock, serving: ServingLoop, resolver: AppResolver
 ) -> LiveGears:
@@ -340,6 +379,7 @@ def build_scheduler(
     calibrator: ProfileCalibrator | None = None,
     leadership: Leadership | None = None,
     traffic_replanner: TrafficReplanner | None = None,
+    infaas_scaler: InfaasScaler | None = None,
 ) -> Scheduler:
     """The service's periodic jobs at the settings' periods (reconcile idles without a
     reconciler, and re-plans around missing capacity after its tick when there is a replanner;
@@ -368,6 +408,9 @@ def build_scheduler(
         def tuner_tick() -> None:
             for app, decision in live_tuner.tick():
                 logger.info("tuner %s: %s", app, decision.reason)
+            if infaas_scaler is not None:
+                for app, scaled in infaas_scaler.tick():
+                    logger.info("infaas %s: %s", app, scaled.reason)
             if live_gears is not None:
                 for change in live_gears.tick(live_tuner.budget_capped):
                     logger.info("gears: %s", change.reason)
@@ -438,6 +481,7 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
     )
     serving = ServingLoop(store, resolver, ProvisionedInstances(store, provisioner), clock=clock)
     live_tuner = build_live_tuner(settings, store, clock, serving, resolver)
+    infaas_scaler = build_infaas_scaler(settings, store, clock, serving, resolver)
     live_gears = build_live_gears(store, clock, serving, resolver)
     serving.gears = live_gears.gear
     reconciler = build_reconciler(
@@ -445,7 +489,7 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         clock,
         provisioner,
         resolver,
-        live_tuner.desired_fleet,
+        scaled_fleet(live_tuner, infaas_scaler),
         disruption=disruption_budget(settings),
     )
     replanner = CapacityReplanner(
@@ -473,6 +517,7 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         calibrator,
         leadership,
         traffic_replanner,
+        infaas_scaler,
     )
     # The API resolves through the same resolver, so a plan preview sees the calibrated profiles.
     app = create_app(

@@ -1,4 +1,5 @@
-"""INFaaS model states: each (model, instance) is *active*, *overloaded* or *interfered*.
+"""INFaaS model states: each (model, instance) is *active*, *overloaded* or *interfered*, and a
+variant (a model on an instance type) loaded nowhere is *inactive*.
 
 INFaaS (Romero et al., USENIX ATC'21, section 4.2) keeps, for every model variant on every
 worker, a state that routing and scaling read: a variant is *overloaded* when its queue holds
@@ -22,12 +23,25 @@ module owns the two verdicts as pure functions and a small tracker of measured l
   stopped sending work to (it avoids interfered ones) comes back as active once its old
   measurements age out, and is tried again.
 
+- **Inactive** (:func:`variant_states`, :func:`loading_latency_s`): INFaaS's variants start
+  *inactive*, loaded on no worker, and cost their *loading latency* before they serve (section
+  4, Figure 4). Here a variant is a model of the app on an instance type, and it is inactive
+  when no running instance of that type serves the model. Every worker agent loads the app's
+  whole family when it starts, so loading a variant is starting an instance of its type: its
+  loading latency is the type's start-up time
+  (:func:`controlplane.policies.tuner.default_boot_s`: 30 s for CPU types, 60 s for GPU
+  types); a loaded (active, overloaded or interfered) variant serves without it. The INFaaS
+  autoscaler (:mod:`controlplane.policies.infaas_scaling`) weighs it in the cost of a scaling
+  action and counts a new instance's capacity only once it has loaded.
+
 An instance is interfered before it is overloaded (:func:`model_state`): the remedy for
 interference is elsewhere (another instance), for overload more capacity or a faster variant.
 The dispatcher leaves interfered instances out of matching while the model has an active one;
 overload is a verdict on the model's queue, which the model-less variant choice
-(:mod:`controlplane.policies.variants`) and admission control read. The tuner and the dashboard read
-both through ``GET /v1/apps/{app}/serving`` and ``/metrics``.
+(:mod:`controlplane.policies.variants`) and admission control read. The INFaaS autoscaler
+(``scaling: infaas`` in the app spec, :mod:`controlplane.loops.infaas_scaler`) reads all four
+from the loop's status every tick; the dashboard reads them through
+``GET /v1/apps/{app}/serving`` and ``/metrics``.
 
 >>> is_overloaded(queued_samples=300, capacity_sps=1000.0, slo_ms=200.0)
 True
@@ -35,6 +49,10 @@ True
 True
 >>> model_state(overloaded=True, interfered=False)
 'overloaded'
+>>> variant_states({"i-1": "overloaded", "i-2": "active"}, {"i-1": "c", "i-2": "c"}, ["c", "g"])
+{'c': 'overloaded', 'g': 'inactive'}
+>>> loading_latency_s("inactive", boot_s=60.0), loading_latency_s("active", boot_s=60.0)
+(60.0, 0.0)
 """
 
 from __future__ import annotations
@@ -42,7 +60,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,10 +73,12 @@ __all__ = [
     "StateTracker",
     "is_interfered",
     "is_overloaded",
+    "loading_latency_s",
     "model_state",
+    "variant_states",
 ]
 
-ModelState = Literal["active", "overloaded", "interfered"]
+ModelState = Literal["inactive", "active", "overloaded", "interfered"]
 
 # Measured latency 50% above the profile: beyond the spread of a profile's own samples (the
 # family's p99 is within about 30% of its mean on an idle machine), so noise is not interference.
@@ -93,6 +113,41 @@ def model_state(*, overloaded: bool, interfered: bool) -> ModelState:
     if interfered:
         return "interfered"
     return "overloaded" if overloaded else "active"
+
+
+def variant_states(
+    states: Mapping[str, ModelState],
+    instance_types: Mapping[str, str],
+    types: Iterable[str],
+) -> dict[str, ModelState]:
+    """The state of a model's variant on each of ``types``, from the model's state on each
+    instance (``states``, by instance id) and the instances' types: *inactive* where no instance
+    of the type serves the model; else *interfered* when every instance of the type is, else
+    *overloaded* when one is (the verdict is the model's queue's: shared), else *active*."""
+    by_type: dict[str, list[ModelState]] = {}
+    for instance, state in states.items():
+        found = instance_types.get(instance)
+        if found is not None:
+            by_type.setdefault(found, []).append(state)
+    out: dict[str, ModelState] = {}
+    for name in types:
+        seen = by_type.get(name, [])
+        if not seen or all(s == "inactive" for s in seen):
+            out[name] = "inactive"
+        elif all(s == "interfered" for s in seen):
+            out[name] = "interfered"
+        elif "overloaded" in seen:
+            out[name] = "overloaded"
+        else:
+            out[name] = "active"
+    return out
+
+
+def loading_latency_s(state: ModelState, boot_s: float) -> float:
+    """The time before the variant serves a query sent to it: an inactive variant's loading
+    latency (the start-up of an instance of its type, ``boot_s``: every worker loads the app's
+    whole family as it starts); 0 for a loaded one."""
+    return float(boot_s) if state == "inactive" else 0.0
 
 
 @dataclass(frozen=True, slots=True)

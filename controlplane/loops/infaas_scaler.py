@@ -1,0 +1,237 @@
+"""INFaaS's autoscaler on live traffic: the scaling policy of apps whose spec says
+``scaling: infaas``.
+
+This module owns :class:`InfaasScaler`, the composition of the pure policy
+(:func:`controlplane.policies.infaas_scaling.decide`) with the service, as
+:class:`~controlplane.loops.live_tuner.LiveTuner` is InferLine's: once per tuner tick (the
+service runs it in the ``tuner_tick`` job, after the live tuner) it reads, for each app with
+``scaling: infaas`` and an applied plan,
+
+- the serving loop's status as of its last refresh (an injected :data:`StatusSource`,
+  ``ServingLoop.statuses``): the running workers, their types and busy shares, and the INFaaS
+  state of each model on each of them (:mod:`controlplane.serving.states`);
+- the app's recent arrivals (an injected :data:`ArrivalSource`, ``ServingLoop.observed_arrivals``):
+  the load of each model is the arrivals of the last ``window_s`` (INFaaS's monitoring daemon
+  reports every 2 s) over ``window_s``, times the share of queries reaching the model (the
+  applied plan's ``scale_factor`` of its stage, 1 when absent);
+- the app's resolved spec: per model and candidate type, Q_v, the rate one instance serves at
+  the plan's batch size (:func:`controlplane.policies.replay.rate_per_instance_qps`; 0 when the
+  profile's batch time misses the SLO: INFaaS's Constraint 2), and T_load, the type's start-up
+  (:func:`controlplane.policies.tuner.default_boot_s`, the loading latency of an inactive
+  variant); its prices, its ``max_counts`` and the app's budget;
+
+calls the policy, records every decision (``infaas_replicate``, ``infaas_upgrade``,
+``infaas_drain``, ``infaas_relieve``, ``infaas_budget_capped``) with its reason and numbers in the
+store, and keeps the fleet the policy wants, which the reconciler reads through
+:meth:`InfaasScaler.desired_fleet` (the reconciler stays the only code that acts on provisioners:
+it launches toward a larger count and drains toward a smaller one, never past the budget).
+
+The policy starts from the applied plan's fleet; a new applied plan (a new plan id) or a budget
+change starts it again from the plan's fleet. An app the serving loop does not serve (no status,
+or no arrival source) stays on its plan. The live tuner leaves these apps alone
+(``scaling`` decides which of the two scales an app).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from controlplane.clock import Clock
+from controlplane.db.store import AppRecord, Store
+from controlplane.policies.infaas_scaling import (
+    ScalerState,
+    ScalingConfig,
+    ScalingContext,
+    ScalingDecision,
+    ServedInstance,
+    VariantProfile,
+    decide,
+    initial_state,
+)
+from controlplane.policies.replay import rate_per_instance_qps
+from controlplane.policies.tuner import default_boot_s
+from controlplane.serving.dispatcher import AppStatus
+from controlplane.spec import ResolvedApp
+from estimator.errors import EstimatorError
+
+__all__ = [
+    "DEFAULT_LOAD_WINDOW_S",
+    "ArrivalSource",
+    "InfaasScaler",
+    "StatusSource",
+    "scales_with_infaas",
+]
+
+logger = logging.getLogger(__name__)
+
+ArrivalSource = Callable[[str], NDArray[np.float64] | None]
+"""App name -> its recent arrival times (the clock's seconds), ``None`` when nothing observes it."""
+StatusSource = Callable[[], Sequence[AppStatus]]
+"""The serving loop's status of every app it serves, as of its last refresh."""
+ResolveFn = Callable[[AppRecord], ResolvedApp]
+
+# INFaaS's monitoring daemons report every 2 s (section 5): the load is measured over as long.
+DEFAULT_LOAD_WINDOW_S = 2.0
+
+
+def scales_with_infaas(app: AppRecord) -> bool:
+    """Whether ``app``'s spec hands its scaling to INFaaS's autoscaler (``scaling: infaas``)."""
+    return app.spec.get("scaling") == "infaas"
+
+
+@dataclass(slots=True)
+class _AppScaler:
+    plan_id: int
+    budget_usd_per_hr: float
+    state: ScalerState
+
+
+class InfaasScaler:
+    """INFaaS's autoscaler over every app with ``scaling: infaas`` and an applied plan
+    (thread-safe). ``tick()`` runs in the scheduler's tuner job; ``desired_fleet(app)`` is the
+    reconciler's hook for these apps (the plan's fleet until the policy has run)."""
+
+    def __init__(
+        self,
+        store: Store,
+        clock: Clock,
+        arrivals: ArrivalSource,
+        statuses: StatusSource,
+        resolve: ResolveFn,
+        *,
+        config: ScalingConfig | None = None,
+        window_s: float = DEFAULT_LOAD_WINDOW_S,
+    ) -> None:
+        if not (math.isfinite(window_s) and window_s > 0):
+            raise ValueError(f"window_s must be finite and > 0, got {window_s!r}")
+        self._store = store
+        self._clock = clock
+        self._arrivals = arrivals
+        self._statuses = statuses
+        self._resolve = resolve
+        self._config = config or ScalingConfig()
+        self._window_s = float(window_s)
+        self._apps: dict[str, _AppScaler] = {}
+        self._lock = threading.Lock()
+
+    def desired_fleet(self, app: AppRecord) -> Mapping[str, int]:
+        """Counts by type ``app`` should run: the policy's fleet, or its applied plan's."""
+        with self._lock:
+            scaled = self._apps.get(app.name)
+            if scaled is not None and scaled.plan_id == app.applied_plan_id:
+                return dict(scaled.state.fleet)
+        plan = self._store.get_applied_plan(app.name)
+        return {} if plan is None else plan.plan.fleet
+
+    def tick(self) -> list[tuple[str, ScalingDecision]]:
+        """One tick for every app with ``scaling: infaas``; the decisions it recorded."""
+        made: list[tuple[str, ScalingDecision]] = []
+        now_s = self._clock.now_s()
+        statuses = {status.app: status for status in self._statuses()}
+        for app in self._store.list_apps():
+            if not scales_with_infaas(app) or app.applied_plan_id is None:
+                with self._lock:
+                    self._apps.pop(app.name, None)
+                continue
+            status = statuses.get(app.name)
+            observed = self._arrivals(app.name)
+            if status is None or observed is None:
+                continue
+            try:
+                made.extend((app.name, d) for d in self._tick_app(app, status, observed, now_s))
+            except (EstimatorError, KeyError, ValueError) as error:
+                # A spec or plan the policy cannot read leaves the app where it is; next tick
+                # tries again.
+                logger.warning("infaas: %s left as it is: %s", app.name, error)
+        return made
+
+    def _tick_app(
+        self, app: AppRecord, status: AppStatus, observed: NDArray[np.float64], now_s: float
+    ) -> list[ScalingDecision]:
+        plan = self._store.get_applied_plan(app.name)
+        if plan is None:
+            return []
+        with self._lock:
+            scaled = self._apps.get(app.name)
+        if (
+            scaled is None
+            or scaled.plan_id != plan.id
+            or scaled.budget_usd_per_hr != app.budget_usd_per_hr
+        ):
+            scaled = _AppScaler(
+                plan.id, app.budget_usd_per_hr, initial_state(plan.plan.fleet, now_s)
+            )
+        resolved = self._resolve(app)
+        document = plan.plan
+        stages = {stage.name: stage for stage in document.stages}
+        models = list(resolved.spec.serving_order)
+        types = list(resolved.instance_types)
+        boot_s = default_boot_s(resolved.catalog, types)
+        slo_ms = float(resolved.spec.slo.latency_ms)
+        variants = []
+        for model in models:
+            entry = stages.get(model)
+            batch = entry.batch_size if entry is not None else 1
+            for t in types:
+                profile = resolved.profile(model, t)
+                smallest = profile.min_batch_size
+                meets = profile.mean_latency_ms(smallest) <= slo_ms
+                rate = (
+                    rate_per_instance_qps(profile, np.array([smallest], dtype=np.int64), batch)
+                    if meets
+                    else 0.0
+                )
+                variants.append(VariantProfile(model, t, rate, boot_s[t]))
+        arrivals = np.asarray(observed, dtype=np.float64)
+        recent = int(np.count_nonzero(arrivals > now_s - self._window_s))
+        rate_qps = recent / self._window_s
+        load = {
+            model: rate_qps * (stages[model].scale_factor if model in stages else 1.0)
+            for model in models
+        }
+        instances = []
+        for worker in status.workers:
+            if not worker.healthy:
+                continue
+            served = {
+                stage.model: stage.states[worker.instance_id]
+                for stage in status.stages
+                if worker.instance_id in stage.states
+            }
+            instances.append(
+                ServedInstance(
+                    worker.instance_id, worker.instance_type, served, worker.utilisation_share
+                )
+            )
+        context = ScalingContext(
+            app=app.name,
+            now_s=now_s,
+            load_qps=load,
+            instances=instances,
+            variants=variants,
+            prices_usd_per_hr=dict(resolved.prices_usd_per_hr),
+            budget_usd_per_hr=app.budget_usd_per_hr,
+            max_counts={t: n for t in types if (n := resolved.spec.max_count(t)) is not None},
+        )
+        decisions, scaled.state = decide(context, scaled.state, self._config)
+        with self._lock:
+            self._apps[app.name] = scaled
+        for d in decisions:
+            self._store.record_decision(
+                app.name,
+                d.action,
+                d.reason,
+                {**d.numbers, "policy": "infaas", "at_s": now_s},
+                # A cap that lasts is one row (per model and type), as the tuner's.
+                key=f"infaas:{d.model}:{d.instance_type}"
+                if d.action == "infaas_budget_capped"
+                else None,
+            )
+        return decisions

@@ -1,0 +1,561 @@
+"""INFaaS's autoscaling (model level and VM level) as a pure policy over the variants' states.
+
+This module owns what INFaaS (Romero et al., USENIX ATC'21, section 4.2) decides when the load
+changes, for an app whose spec says ``scaling: infaas``: a pure function of a context record
+(:func:`decide`: :class:`ScalingContext` and the :class:`ScalerState` it reached, in; decisions,
+the fleet and the next state, out), and the arithmetic the results experiment shares with it
+(:func:`instances_for`, :func:`scaling_cost_usd_per_s`, :func:`model_action`).
+
+Vocabulary. A *variant* is a model of the app on an instance type (its batch cap is the
+dispatcher's); an *instance* is one machine of the app, and every instance serves every model
+of the app it is placed on. Each (model, instance) pair has the serving loop's INFaaS state
+(:mod:`controlplane.serving.states`): *active*, *overloaded* (the model's queue takes longer
+than the SLO to drain at its profiled capacity) or *interfered* (measured service times over
+the profile); a variant no running instance serves is *inactive*, and costs its loading
+latency T_load (its type's start-up: every worker loads the whole family as it starts) before
+it serves. Q_v is what one instance of variant v serves (qps, from its profile), U the
+utilisation target (INFaaS's VM-Autoscaler threshold, 80%, section 4.2.3), lambda the weight of
+loading latency (section 4.2.1).
+
+The rules of :func:`decide`, per model m of the app, in order, at most one scaling action per
+tick:
+
+1. **Relieve interference** (section 4.1, "Mitigating performance degradation"). An instance
+   interfered on m while another instance of m is not has its load moved: the dispatcher leaves
+   it out of matching (its share of m's traffic drops to 0) and its capacity is not counted.
+   One ``infaas_relieve`` decision per (model, instance) each time it becomes interfered. When
+   *every* instance of m is interfered, each counts at ``interfered_share`` of Q_v (the
+   interference margin: measured times are at least 1.5x the profile) and m needs capacity
+   (VM-Autoscaler rule 2: "variants ... in the Interfered state across all workers").
+2. **Scale up** (section 4.2.2, "Scaling up algorithm"). m needs capacity when one of its
+   instances is *overloaded* and no instance is still loading, or when its measured load
+   lambda_m exceeds U times its capacity, the capacity of the instances still loading counted
+   (Constraint 1; they serve once their T_load is over, so they are not asked for twice).
+   The options are every variant (m, t) that meets the SLO at all (Q > 0; Constraint 2):
+   delta_t = max(1, ceil((lambda_m / U - capacity) / Q_{m,t})) new instances of t, priced by
+   the ILP's objective, C_t (delta_t + lambda T_load_t delta_t) (:func:`scaling_cost_usd_per_s`,
+   section 4.2.1), within the budget and the spec's ``max_counts`` (Constraint 3: here the
+   budget is the resource, a hard limit). The cheapest option that covers the need is taken;
+   when none fits whole, the one adding the most capacity that fits (``infaas_budget_capped``
+   says what was missing); when not even one instance fits, only ``infaas_budget_capped``.
+   Taking a variant that is already loaded is ``infaas_replicate`` (model-horizontal); taking
+   an inactive one is ``infaas_upgrade`` (model-vertical: another type, paying its loading
+   latency). Adding an instance is the VM-level action (VM-Autoscaler rule 1): every variant
+   instance here is a whole instance.
+3. **Drain** (section 4.2.2, "Scaling down algorithm", and VM-Autoscaler). An instance is
+   *underused* when no model it serves is overloaded, its busy share (when known) is at most
+   U, and without it every model it serves still carries its load at U
+   (Q_m - Q_{m,t}) U >= lambda_m. One that has stayed underused for the hold (``hold_s``;
+   INFaaS's T_v, the variant's loading latency, when ``None``), with no scaling action within
+   the hold and nothing of its type still loading, is drained: ``infaas_drain``, its type's
+   count down by one, the most expensive type first (so a cheaper variant that carries the load
+   alone is kept: a downgrade). The app keeps at least one instance.
+
+Every decision carries its reason (one line, with the numbers) and the numbers as a mapping.
+
+>>> instances_for(load_qps=90.0, saturation_qps=50.0, utilisation=0.8)
+3
+>>> round(scaling_cost_usd_per_s(3.6, delta=2, load_weight_per_s=0.01, loading_s=30.0), 6)
+0.0026
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+__all__ = [
+    "DEFAULT_LOAD_WEIGHT_PER_S",
+    "DEFAULT_UTILISATION",
+    "InstanceState",
+    "ModelAction",
+    "ScalerState",
+    "ScalingConfig",
+    "ScalingContext",
+    "ScalingDecision",
+    "ServedInstance",
+    "VariantProfile",
+    "decide",
+    "initial_state",
+    "instances_for",
+    "model_action",
+    "scaling_cost_usd_per_s",
+]
+
+InstanceState = Literal["inactive", "active", "overloaded", "interfered"]
+
+# INFaaS's VM-Autoscaler threshold (section 4.2.3): "we empirically set the threshold to 80%".
+DEFAULT_UTILISATION = 0.8
+# lambda of the ILP's cost (section 4.2.1; INFaaS leaves it tunable): at 1/120 per s a CPU
+# instance's 30 s of loading weighs a quarter of its price, as the results experiment's weight.
+DEFAULT_LOAD_WEIGHT_PER_S = 1.0 / 120.0
+# An instance interfered everywhere serves at most 1 / (1 + margin) of its profile (the state's
+# margin, 0.5: controlplane.serving.states.DEFAULT_MARGIN).
+DEFAULT_INTERFERED_SHARE = 1.0 / 1.5
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class VariantProfile:
+    """A variant: a model on an instance type, what one instance of it serves (Q_v, qps; 0
+    when its profile misses the SLO even alone) and its loading latency (s)."""
+
+    model: str
+    instance_type: str
+    saturation_qps: float
+    loading_s: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.saturation_qps) and self.saturation_qps >= 0):
+            raise ValueError(f"{self.model} on {self.instance_type}: saturation_qps must be >= 0")
+        if not (math.isfinite(self.loading_s) and self.loading_s >= 0):
+            raise ValueError(f"{self.model} on {self.instance_type}: loading_s must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ServedInstance:
+    """A running instance of the app as the serving loop sees it: its type, the state of each
+    model it serves, and its busy share of the last minute (None: not known yet)."""
+
+    instance_id: str
+    instance_type: str
+    states: Mapping[str, InstanceState]
+    utilisation_share: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingConfig:
+    """The policy's knobs: U, lambda (per s), the capacity share of an instance interfered
+    everywhere, and the hold before a drain (None: the variant's loading latency, INFaaS's
+    T_v)."""
+
+    utilisation: float = DEFAULT_UTILISATION
+    load_weight_per_s: float = DEFAULT_LOAD_WEIGHT_PER_S
+    interfered_share: float = DEFAULT_INTERFERED_SHARE
+    hold_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.utilisation <= 1:
+            raise ValueError(f"utilisation must be in (0, 1], got {self.utilisation!r}")
+        if not (math.isfinite(self.load_weight_per_s) and self.load_weight_per_s >= 0):
+            raise ValueError(f"load_weight_per_s must be >= 0, got {self.load_weight_per_s!r}")
+        if not 0 <= self.interfered_share <= 1:
+            raise ValueError(f"interfered_share must be in [0, 1], got {self.interfered_share!r}")
+        if self.hold_s is not None and not (math.isfinite(self.hold_s) and self.hold_s >= 0):
+            raise ValueError(f"hold_s must be >= 0, got {self.hold_s!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingContext:
+    """What one tick sees for one app: the time, the measured load of each model (qps: the
+    app's arrivals times the share of queries reaching the model), the running instances, the
+    variants, prices, the budget (USD/hr, a hard limit) and the spec's caps per type."""
+
+    app: str
+    now_s: float
+    load_qps: Mapping[str, float]
+    instances: Sequence[ServedInstance]
+    variants: Sequence[VariantProfile]
+    prices_usd_per_hr: Mapping[str, float]
+    budget_usd_per_hr: float
+    max_counts: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ScalerState:
+    """What the policy carries from tick to tick: the fleet it wants (counts by type, what the
+    reconciler launches or terminates toward), the last scaling action, since when each instance
+    has been underused, the (model, instance) pairs already relieved, and the last cap said."""
+
+    fleet: Mapping[str, int]
+    last_change_s: float
+    underused_since_s: Mapping[str, float] = field(default_factory=dict)
+    relieved: frozenset[tuple[str, str]] = frozenset()
+    capped: tuple[str, str, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingDecision:
+    """One decision: its action (``infaas_replicate``, ``infaas_upgrade``, ``infaas_drain``,
+    ``infaas_relieve``, ``infaas_budget_capped``), the model and type it concerns, the instance
+    (relieve, drain), the count added or removed, a one-line reason and its numbers."""
+
+    action: str
+    model: str
+    instance_type: str
+    count: int
+    reason: str
+    numbers: Mapping[str, object]
+    instance_id: str | None = None
+
+
+def initial_state(fleet: Mapping[str, int], now_s: float) -> ScalerState:
+    """The state of a policy starting from ``fleet`` (an applied plan's) at ``now_s``."""
+    return ScalerState({t: n for t, n in fleet.items() if n > 0}, now_s)
+
+
+def instances_for(load_qps: float, saturation_qps: float, utilisation: float) -> int:
+    """n_v = ceil(lambda / (U Q_v)), at least one: the instances of a variant that carry
+    ``load_qps`` at utilisation U (INFaaS's Constraint 1 with the VM-Autoscaler's threshold)."""
+    if saturation_qps <= 0:
+        raise ValueError("a variant that serves nothing within the SLO carries no load")
+    return max(1, math.ceil(load_qps / (utilisation * saturation_qps) - _EPS))
+
+
+def scaling_cost_usd_per_s(
+    price_usd_per_hr: float, delta: int, load_weight_per_s: float, loading_s: float
+) -> float:
+    """INFaaS's cost of a scaling action (section 4.2.1): C (delta + lambda T_load max(delta,
+    0)), C the type's price per second, delta the instances added (negative: removed)."""
+    return price_usd_per_hr / 3600.0 * (delta + load_weight_per_s * loading_s * max(delta, 0))
+
+
+ModelAction = Literal["keep", "replicate", "switch", "remove"]
+
+
+def model_action(
+    *,
+    chosen_is_current: bool,
+    need: int,
+    running: int,
+    recent_needs: Sequence[int],
+    recent_same_choice: Sequence[bool],
+    held: bool,
+) -> tuple[ModelAction, int]:
+    """The Model-Autoscaler's step for an app served by one variant at a time (section 4.2.2),
+    as the results experiment runs it: the variant selection chose a variant at the current
+    load (``chosen_is_current``: the one in force), the one in force needs ``need`` instances
+    and runs ``running``; ``recent_*`` are the last T_v's ticks (the needs of the variant in
+    force, and whether the tick chose the variant chosen now), ``held`` whether they span T_v.
+    Returns the action and its count:
+
+    - another variant is taken at once when the current one is short of instances (an upgrade),
+      else only when every tick of the last T_v chose it (a downgrade): ``switch``;
+    - same variant, short: ``replicate`` the missing instances;
+    - same variant, more than the largest need of the last T_v, once T_v has passed:
+      ``remove`` the extra (scaling down waits T_v, the loading latency);
+    - else ``keep``.
+
+    >>> model_action(chosen_is_current=True, need=3, running=2, recent_needs=[3],
+    ...              recent_same_choice=[True], held=False)
+    ('replicate', 1)
+    >>> model_action(chosen_is_current=True, need=1, running=3, recent_needs=[2, 1],
+    ...              recent_same_choice=[True, True], held=True)
+    ('remove', 1)
+    """
+    short = need > running
+    if not chosen_is_current and (short or (held and all(recent_same_choice))):
+        return "switch", 0
+    if short:
+        return "replicate", need - running
+    keep = max(recent_needs, default=need)
+    if running - keep > 0 and held:
+        return "remove", running - keep
+    return "keep", 0
+
+
+# --- the service's policy ----------------------------------------------------------------------
+
+
+def _cost_usd_per_hr(fleet: Mapping[str, int], prices: Mapping[str, float]) -> float:
+    return sum(n * prices.get(t, 0.0) for t, n in fleet.items())
+
+
+def decide(
+    ctx: ScalingContext, state: ScalerState, config: ScalingConfig | None = None
+) -> tuple[list[ScalingDecision], ScalerState]:
+    """One tick of INFaaS's autoscaling for one app (the module docstring's rules); returns the
+    decisions and the next state, whose ``fleet`` the reconciler keeps.
+
+    >>> v = [VariantProfile("m", "cpu", 10.0, 30.0), VariantProfile("m", "gpu", 40.0, 60.0)]
+    >>> ctx = ScalingContext("a", 100.0, {"m": 12.0}, [ServedInstance("i-1", "cpu",
+    ...     {"m": "overloaded"}, 1.0)], v, {"cpu": 0.1, "gpu": 0.5}, budget_usd_per_hr=1.0)
+    >>> decisions, after = decide(ctx, initial_state({"cpu": 1}, 0.0))
+    >>> [(d.action, d.instance_type, d.count) for d in decisions], dict(after.fleet)
+    ([('infaas_replicate', 'cpu', 1)], {'cpu': 2})
+    """
+    config = config or ScalingConfig()
+    u = config.utilisation
+    now = ctx.now_s
+    q = {(v.model, v.instance_type): v.saturation_qps for v in ctx.variants}
+    loading = {(v.model, v.instance_type): v.loading_s for v in ctx.variants}
+    models = sorted({v.model for v in ctx.variants})
+    types = sorted({v.instance_type for v in ctx.variants})
+    fleet = dict(state.fleet)
+    ready: dict[str, int] = {}
+    for inst in ctx.instances:
+        ready[inst.instance_type] = ready.get(inst.instance_type, 0) + 1
+    pending = {t: max(0, fleet.get(t, 0) - ready.get(t, 0)) for t in set(fleet) | set(ready)}
+    decisions: list[ScalingDecision] = []
+    relieved = set(state.relieved)
+    capped = state.capped
+    scaled_up = False
+    drained = False
+
+    # Rule 1 (and the capacity each model counts now, per instance).
+    capacity_now: dict[str, float] = {}
+    counted: dict[tuple[str, str], float] = {}
+    for m in models:
+        serving = [i for i in ctx.instances if m in i.states]
+        interfered = [i for i in serving if i.states[m] == "interfered"]
+        everywhere = bool(serving) and len(interfered) == len(serving)
+        share = config.interfered_share if everywhere else 0.0
+        for i in serving:
+            rate = q.get((m, i.instance_type), 0.0)
+            counted[(m, i.instance_id)] = rate * (share if i.states[m] == "interfered" else 1.0)
+        capacity_now[m] = sum(counted[(m, i.instance_id)] for i in serving)
+        for i in interfered:
+            pair = (m, i.instance_id)
+            if pair in relieved or everywhere:
+                continue
+            relieved.add(pair)
+            left = len(serving) - len(interfered)
+            decisions.append(
+                ScalingDecision(
+                    "infaas_relieve",
+                    m,
+                    i.instance_type,
+                    0,
+                    f"infaas_relieve: {m} is interfered on {i.instance_id} ({i.instance_type}):"
+                    f" its load moves to the {left} other instance(s) serving {m} (its share"
+                    f" drops to 0 while one of them is active); capacity counted without it"
+                    f" {capacity_now[m]:.3g} qps for a load of {ctx.load_qps.get(m, 0.0):.3g} qps",
+                    {
+                        "model": m,
+                        "instance_id": i.instance_id,
+                        "instance_type": i.instance_type,
+                        "share": 0.0,
+                        "capacity_qps": capacity_now[m],
+                        "load_qps": ctx.load_qps.get(m, 0.0),
+                    },
+                    instance_id=i.instance_id,
+                )
+            )
+    # Pairs no longer interfered may be relieved again when they are next time.
+    relieved = {
+        (m, iid)
+        for m, iid in relieved
+        if any(i.instance_id == iid and i.states.get(m) == "interfered" for i in ctx.instances)
+    }
+
+    # Rule 2: scale up, the first model that needs it.
+    for m in models:
+        load = float(ctx.load_qps.get(m, 0.0))
+        serving = [i for i in ctx.instances if m in i.states]
+        loading_capacity = sum(pending.get(t, 0) * q.get((m, t), 0.0) for t in pending)
+        capacity = capacity_now[m] + loading_capacity
+        overloaded = any(i.states[m] == "overloaded" for i in serving)
+        everywhere = bool(serving) and all(i.states[m] == "interfered" for i in serving)
+        loading_any = any(pending.get(t, 0) > 0 and q.get((m, t), 0.0) > 0 for t in pending)
+        short = load > u * capacity + _EPS
+        why = ""
+        if short:
+            why = (
+                f"load {load:.3g} qps > U {u:g} x capacity {capacity:.3g} qps"
+                f" ({loading_capacity:.3g} of it still loading)"
+            )
+        elif overloaded and not loading_any:
+            why = f"{m} is overloaded (its queue takes longer than the SLO to drain)"
+        elif everywhere and not loading_any:
+            why = f"{m} is interfered on every instance serving it"
+        if not why:
+            continue
+        wanted_qps = max(load / u - capacity, 0.0)
+        if not short:
+            # Overloaded (or interfered everywhere) at a load the profiles say it carries: the
+            # queue, not the rate, says it is short; one more instance of what serves it now.
+            wanted_qps = max(
+                (q.get((m, i.instance_type), 0.0) for i in serving), default=wanted_qps
+            )
+        cost_now = _cost_usd_per_hr(fleet, ctx.prices_usd_per_hr)
+        # (cost, inactive, type, delta): at equal cost the loaded variant (replication).
+        whole: list[tuple[float, bool, str, int]] = []
+        partial: list[tuple[float, bool, str, int]] = []
+        for t in types:
+            rate = q.get((m, t), 0.0)
+            if rate <= 0 or t not in ctx.prices_usd_per_hr:
+                continue
+            price = ctx.prices_usd_per_hr[t]
+            delta = max(1, math.ceil(wanted_qps / rate - _EPS))
+            room = math.floor((ctx.budget_usd_per_hr - cost_now) / price + _EPS) if price else delta
+            cap = ctx.max_counts.get(t)
+            if cap is not None:
+                room = min(room, cap - fleet.get(t, 0))
+            t_load = loading.get((m, t), 0.0)
+            loaded = any(i.instance_type == t for i in serving)
+            if room >= delta:
+                cost = scaling_cost_usd_per_s(price, delta, config.load_weight_per_s, t_load)
+                whole.append((round(cost * 3600.0, 9), not loaded, t, delta))
+            elif room >= 1:
+                partial.append((-room * rate, not loaded, t, room))
+        if whole:
+            _, _, t, delta = min(whole)
+        elif partial:
+            _, _, t, delta = min(partial)
+        else:
+            key = (m, "", 0)
+            if capped != key:
+                capped = key
+                decisions.append(
+                    ScalingDecision(
+                        "infaas_budget_capped",
+                        m,
+                        "",
+                        0,
+                        f"infaas_budget_capped: {why}; no variant of {m} fits: the fleet costs"
+                        f" {cost_now:.4g} of {ctx.budget_usd_per_hr:.4g} USD/hr",
+                        {
+                            "model": m,
+                            "load_qps": load,
+                            "capacity_qps": capacity,
+                            "cost_usd_per_hr": cost_now,
+                            "budget_usd_per_hr": ctx.budget_usd_per_hr,
+                        },
+                    )
+                )
+            break
+        rate = q[(m, t)]
+        active = any(i.instance_type == t for i in serving)
+        action = "infaas_replicate" if active else "infaas_upgrade"
+        t_load = loading.get((m, t), 0.0)
+        before = fleet.get(t, 0)
+        fleet[t] = before + delta
+        after_cost = _cost_usd_per_hr(fleet, ctx.prices_usd_per_hr)
+        kind = (
+            f"replicate the loaded variant {m} on {t}"
+            if active
+            else f"upgrade to the inactive variant {m} on {t} (loading {t_load:g} s before it"
+            " serves)"
+        )
+        reason = (
+            f"{action}: {why}; {kind}: +{delta} x {t} (Q {rate:.3g} qps each): capacity"
+            f" {capacity:.3g} -> {capacity + delta * rate:.3g} qps for {load:.3g} qps;"
+            f" cost {cost_now:.4g} -> {after_cost:.4g} of {ctx.budget_usd_per_hr:.4g} USD/hr"
+        )
+        numbers: dict[str, object] = {
+            "model": m,
+            "instance_type": t,
+            "count": delta,
+            "count_before": before,
+            "count_after": fleet[t],
+            "load_qps": load,
+            "capacity_qps_before": capacity,
+            "capacity_qps_after": capacity + delta * rate,
+            "saturation_qps": rate,
+            "loading_s": t_load,
+            "overloaded": overloaded,
+            "cost_usd_per_hr_after": after_cost,
+            "budget_usd_per_hr": ctx.budget_usd_per_hr,
+            "at_s": now,
+        }
+        decisions.append(ScalingDecision(action, m, t, delta, reason, numbers))
+        if not whole:
+            capped = (m, t, delta)
+            decisions.append(
+                ScalingDecision(
+                    "infaas_budget_capped",
+                    m,
+                    t,
+                    delta,
+                    f"infaas_budget_capped: {m} wanted {wanted_qps:.3g} qps more; the budget"
+                    f" ({ctx.budget_usd_per_hr:.4g} USD/hr) and caps allow {delta} x {t}",
+                    {**numbers, "wanted_qps": wanted_qps},
+                )
+            )
+        else:
+            capped = None
+        scaled_up = True
+        break
+
+    # Rule 3: drain an instance underused for the hold.
+    underused: dict[str, float] = {}
+    if not scaled_up:
+        loads = {m: float(ctx.load_qps.get(m, 0.0)) for m in models}
+        for inst in ctx.instances:
+            served = [m for m in inst.states if m in capacity_now]
+            busy = inst.utilisation_share
+            ok = (
+                bool(served)
+                and all(inst.states[m] != "overloaded" for m in served)
+                and (busy is None or busy <= u)
+                and all(
+                    (capacity_now[m] - counted[(m, inst.instance_id)]) * u >= loads[m] - _EPS
+                    for m in served
+                )
+            )
+            if ok:
+                underused[inst.instance_id] = state.underused_since_s.get(inst.instance_id, now)
+        total = sum(fleet.values())
+        candidates = sorted(
+            (i for i in ctx.instances if i.instance_id in underused),
+            key=lambda i: (-ctx.prices_usd_per_hr.get(i.instance_type, 0.0), i.instance_id),
+        )
+        for inst in candidates:
+            t = inst.instance_type
+            hold = config.hold_s
+            if hold is None:
+                hold = max((loading.get((m, t), 0.0) for m in inst.states), default=0.0)
+            idle_s = now - underused[inst.instance_id]
+            if (
+                total <= 1
+                or fleet.get(t, 0) <= 0
+                or pending.get(t, 0) > 0
+                or idle_s < hold - _EPS
+                or now - state.last_change_s < hold - _EPS
+            ):
+                continue
+            before_cost = _cost_usd_per_hr(fleet, ctx.prices_usd_per_hr)
+            fleet[t] -= 1
+            after_cost = _cost_usd_per_hr(fleet, ctx.prices_usd_per_hr)
+            served = sorted(inst.states)
+            remaining = {m: capacity_now[m] - counted[(m, inst.instance_id)] for m in served}
+            carry = ", ".join(
+                f"{m} {loads[m]:.3g} qps on {remaining[m]:.3g} qps left" for m in served
+            )
+            shown = (
+                "unknown"
+                if inst.utilisation_share is None
+                else f"{100 * inst.utilisation_share:.0f}%"
+            )
+            decisions.append(
+                ScalingDecision(
+                    "infaas_drain",
+                    ",".join(served),
+                    t,
+                    1,
+                    f"infaas_drain: {inst.instance_id} ({t}) underused for {idle_s:.3g} s >="
+                    f" hold {hold:g} s (busy {shown}; without it {carry}, within U {u:g}):"
+                    f" -1 x {t}, cost {before_cost:.4g} -> {after_cost:.4g} USD/hr",
+                    {
+                        "instance_id": inst.instance_id,
+                        "instance_type": t,
+                        "count": 1,
+                        "count_after": fleet[t],
+                        "models": served,
+                        "load_qps": {m: loads[m] for m in served},
+                        "capacity_qps_after": remaining,
+                        "underused_s": idle_s,
+                        "hold_s": hold,
+                        "utilisation_share": inst.utilisation_share,
+                        "cost_usd_per_hr_after": after_cost,
+                        "at_s": now,
+                    },
+                    instance_id=inst.instance_id,
+                )
+            )
+            underused.pop(inst.instance_id)
+            drained = True
+            break
+    fleet = {t: n for t, n in fleet.items() if n > 0}
+    return decisions, replace(
+        state,
+        fleet=fleet,
+        last_change_s=now if scaled_up or drained else state.last_change_s,
+        # A scale-up restarts every hold: the load that needed it is recent.
+        underused_since_s={} if scaled_up else underused,
+        relieved=frozenset(relieved),
+        capped=capped,
+    )

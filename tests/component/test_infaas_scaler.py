@@ -1,0 +1,264 @@
+"""INFaaS's autoscaler in the service: an app with ``scaling: infaas`` whose variant becomes
+overloaded is replicated, and drained once the load is gone.
+
+Real parts but the machines: a store through the migrations, the serving loop with its
+dispatcher over fake in-process workers (:mod:`controlplane.serving.fake_worker`, held back by
+a gate so that a queue builds up and the INFaaS state becomes *overloaded* without timing), the
+reconciler over the fake provisioner, and the scaler wired as the service wires it
+(:func:`controlplane.service.build.scaled_fleet`). The clock is a fake one, advanced by hand;
+nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from controlplane.apps.resolver import AppResolver, spec_document
+from controlplane.clock import FakeClock
+from controlplane.db.store import Store
+from controlplane.errors import OverloadedError
+from controlplane.loops.infaas_scaler import InfaasScaler
+from controlplane.loops.live_tuner import LiveTuner
+from controlplane.policies.infaas_scaling import ScalingConfig
+from controlplane.service.build import build_reconciler, scaled_fleet, stored_apps
+from controlplane.serving.fake_worker import FakeWorker
+from controlplane.serving.loop import ServingLoop, ServingSettings
+from controlplane.serving.workers import WorkerEndpoint
+from provisioners.fake import FakeProvisioner
+
+LARGE = "emu.cpu.large"
+APP = "recs"
+HOLD_S = 5.0
+BATCHES = (1, 2, 4, 8, 16, 32)
+# tiny: 10 ms a sample on emu.cpu.large at every batch size (one instance: 100 samples/s).
+PROFILES = {
+    "format": "heteroplane.profiles/v1",
+    "profiles": [
+        {
+            "model": "tiny",
+            "instance_type": LARGE,
+            "batch_sizes": list(BATCHES),
+            "latency_ms": [[10.0 * b] for b in BATCHES],
+        }
+    ],
+}
+
+
+def spec(folder: Path) -> dict[str, Any]:
+    (folder / "profiles.json").write_text(json.dumps(PROFILES))
+    return {
+        "name": APP,
+        "models": [{"name": "tiny", "profiles": str(folder / "profiles.json")}],
+        "slo": {"latency_ms": 100},
+        "budget_usd_per_hr": 0.25,  # two emu.cpu.large (0.10 USD/hr each), not three
+        "instance_types": [LARGE],
+        "scaling": "infaas",
+    }
+
+
+PLAN = {
+    "feasible": True,
+    "cost_usd_per_hr": 0.1,
+    "stages": [
+        {
+            "name": "tiny",
+            "fleet": {LARGE: 1},
+            "batch_size": 1,
+            "predicted_p99_ms": 20.0,
+            "throughput_qps": 100.0,
+            "policy": "fcfs",
+        }
+    ],
+    "planned_rate_qps": 5.0,
+    "steps": [],
+}
+
+
+class GatedWorker(FakeWorker):
+    """A fake worker whose answers to inference requests wait until :meth:`release`."""
+
+    def __init__(self) -> None:
+        super().__init__(LARGE)
+        self.gated = True
+        self.held: list[tuple[Any, ...]] = []
+
+    def _handle(self, connection: Any, method: str, path: str, body: bytes) -> None:
+        if self.gated and method == "POST":
+            self.held.append((connection, method, path, body))
+            return
+        super()._handle(connection, method, path, body)
+
+    def release(self) -> None:
+        self.gated = False
+        held, self.held = self.held, []
+        for args in held:
+            super()._handle(*args)
+
+
+class PooledInstances:
+    """The serving loop's instance source: the store's running instances of the app, each
+    answered by the next fake worker of the pool (as a launched worker would be)."""
+
+    def __init__(self, store: Store, pool: Sequence[FakeWorker]) -> None:
+        self.store = store
+        self.pool = list(pool)
+        self.assigned: dict[str, FakeWorker] = {}
+
+    def running(self, app: str) -> list[WorkerEndpoint]:
+        out = []
+        for inst in self.store.list_instances(app, states=["running"]):
+            worker = self.assigned.get(inst.id)
+            if worker is None:
+                worker = self.assigned[inst.id] = self.pool[len(self.assigned)]
+            out.append(WorkerEndpoint(inst.id, inst.instance_type, worker.address))
+        return out
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Yield to the loop until ``condition`` holds (the scenario's deadline bounds it)."""
+    while not condition():
+        await asyncio.sleep(0)
+
+
+def kinds(store: Store) -> list[str]:
+    return [d.kind for d in reversed(store.list_decisions(APP))]
+
+
+def test_an_overloaded_variant_is_replicated_and_drained_once_the_load_is_gone(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock(start_s=1000.0)
+    store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
+    resolver = AppResolver(tmp_path)
+    store.create_app(spec_document(resolver.check(spec(tmp_path)).spec), who="test")
+    plan = store.create_plan(APP, PLAN)
+    store.apply_plan(APP, plan.id)
+    provisioner = FakeProvisioner(running_on_launch=True)
+
+    async def scenario() -> None:
+        pool = [GatedWorker() for _ in range(3)]
+        for worker in pool:
+            await worker.start()
+        instances = PooledInstances(store, pool)
+        serving = ServingLoop(
+            store, resolver, instances, clock=clock, settings=ServingSettings(refresh_s=3600.0)
+        )
+        scaler = InfaasScaler(
+            store,
+            clock,
+            serving.observed_arrivals,
+            serving.statuses,
+            stored_apps(resolver),
+            config=ScalingConfig(hold_s=HOLD_S),
+        )
+        tuner = LiveTuner(store, clock, serving.observed_arrivals, stored_apps(resolver))
+        reconciler = build_reconciler(
+            store, clock, provisioner, resolver, scaled_fleet(tuner, scaler)
+        )
+
+        def reconcile() -> None:
+            for _ in range(3):  # launch, then see it running
+                reconciler.run_once()
+                provisioner.step()
+
+        await serving.start()
+        try:
+            await asyncio.to_thread(reconcile)
+            assert len(store.list_instances(APP, states=["running"])) == 1
+            await serving.dispatcher(APP)
+            await serving.refresh()
+
+            # A query of 12 samples takes 120 ms on the held worker: the queue cannot drain
+            # within the 100 ms SLO, so tiny is overloaded; admission refuses what follows.
+            tasks = [
+                asyncio.create_task(serving.infer(APP, [[1.0, 8.0] + [0.0] * 62] * 12))
+                for _ in range(4)
+            ]
+            await until(lambda: bool(pool[0].held))  # the first batch is on the worker
+            await until(lambda: all(t.done() for t in tasks[1:]))  # the others refused
+            await serving.refresh()
+            (status,) = serving.statuses()
+            (stage,) = status.stages
+            assert set(stage.states.values()) == {"overloaded"}, stage
+
+            made = await asyncio.to_thread(scaler.tick)
+            assert [d.action for _, d in made] == ["infaas_replicate"]
+            (replicate,) = store.list_decisions(APP, kinds=["infaas_replicate"])
+            assert replicate.numbers["instance_type"] == LARGE
+            assert replicate.numbers["count_after"] == 2
+            assert replicate.numbers["overloaded"] is True
+            assert "overloaded" in replicate.reason
+            assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 2}
+            # Not asked twice while the new instance loads.
+            assert await asyncio.to_thread(scaler.tick) == []
+
+            await asyncio.to_thread(reconcile)
+            assert kinds(store).count("launch") == 2
+            assert len(store.list_instances(APP, states=["running"])) == 2
+            await serving.refresh()
+            (status,) = serving.statuses()
+            assert len(status.workers) == 2
+
+            # The load goes away: the held answers go out, nothing more arrives.
+            for worker in pool:
+                worker.release()
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            assert any(not isinstance(o, BaseException) for o in outcomes)
+            assert all(
+                not isinstance(o, BaseException) or isinstance(o, OverloadedError) for o in outcomes
+            ), outcomes
+            clock.advance(3.0)  # past the 2 s load window
+            await serving.refresh()
+            (stage,) = serving.statuses()[0].stages
+            assert set(stage.states.values()) == {"active"}
+            assert await asyncio.to_thread(scaler.tick) == []  # underused from now
+            clock.advance(HOLD_S)
+            await serving.refresh()
+            made = await asyncio.to_thread(scaler.tick)
+            assert [d.action for _, d in made] == ["infaas_drain"]
+            (drain,) = store.list_decisions(APP, kinds=["infaas_drain"])
+            assert drain.numbers["instance_type"] == LARGE
+            assert drain.numbers["count_after"] == 1
+            assert drain.numbers["underused_s"] >= HOLD_S
+            assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 1}
+
+            await asyncio.to_thread(reconcile)
+            assert "terminate" in kinds(store)
+            assert len(store.list_instances(APP, states=["running"])) == 1
+            assert "terminate" in provisioner.calls
+            assert [i.state for i in provisioner.list({})] == ["running"]
+            # The live tuner would have wanted the plan's fleet: the reconciler read INFaaS's.
+            assert kinds(store).count("launch") == 2
+        finally:
+            await serving.stop()
+            for worker in pool:
+                await worker.stop()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 60.0))
+    finally:
+        store.close()
+
+
+def test_the_scaler_leaves_inferline_apps_alone(tmp_path: Path) -> None:
+    clock = FakeClock(start_s=1000.0)
+    store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
+    try:
+        resolver = AppResolver(tmp_path)
+        document = {**spec(tmp_path), "scaling": "inferline"}
+        store.create_app(spec_document(resolver.check(document).spec), who="test")
+        plan = store.create_plan(APP, PLAN)
+        store.apply_plan(APP, plan.id)
+        scaler = InfaasScaler(
+            store, clock, lambda _app: np.empty(0), lambda: [], stored_apps(resolver)
+        )
+        assert scaler.tick() == []
+        assert store.get_app(APP).spec["scaling"] == "inferline"
+    finally:
+        store.close()

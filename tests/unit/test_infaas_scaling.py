@@ -1,0 +1,99 @@
+"""INFaaS's autoscaling policy (controlplane.policies.infaas_scaling), hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.policies.infaas_scaling import (
+    ScalingConfig,
+    ScalingContext,
+    ServedInstance,
+    VariantProfile,
+    decide,
+    initial_state,
+    instances_for,
+    scaling_cost_usd_per_s,
+)
+
+VARIANTS = [VariantProfile("m", "cpu", 10.0, 30.0), VariantProfile("m", "gpu", 100.0, 60.0)]
+PRICES = {"cpu": 0.1, "gpu": 0.5}
+
+
+def context(
+    now_s: float, load_qps: float, instances: list[ServedInstance], budget: float = 2.0
+) -> ScalingContext:
+    return ScalingContext("a", now_s, {"m": load_qps}, instances, VARIANTS, PRICES, budget)
+
+
+def cpu(name: str, state: str = "active", busy: float | None = 0.1) -> ServedInstance:
+    return ServedInstance(name, "cpu", {"m": state}, busy)  # type: ignore[dict-item]
+
+
+def test_the_cheaper_option_by_the_ilps_cost_is_an_upgrade_to_an_inactive_variant() -> None:
+    # 80 qps at U 0.8 wants 100 qps; 10 are there: 9 cpu (0.1 x 9 x 1.25 = 1.125 USD/hr) or one
+    # gpu (0.5 x (1 + 60/120) = 0.75 USD/hr), which is inactive and loads for 60 s.
+    decisions, state = decide(context(10.0, 80.0, [cpu("i-1")]), initial_state({"cpu": 1}, 0.0))
+    (up,) = decisions
+    assert (up.action, up.instance_type, up.count) == ("infaas_upgrade", "gpu", 1)
+    assert up.numbers["loading_s"] == 60.0
+    assert "inactive" in up.reason
+    assert dict(state.fleet) == {"cpu": 1, "gpu": 1}
+    # While it loads, its capacity counts: nothing more is asked.
+    again, _ = decide(context(11.0, 80.0, [cpu("i-1", "overloaded")]), state)
+    assert again == []
+
+
+def test_the_budget_is_a_hard_limit() -> None:
+    decisions, state = decide(
+        context(10.0, 80.0, [cpu("i-1")], budget=0.35), initial_state({"cpu": 1}, 0.0)
+    )
+    assert [(d.action, d.count) for d in decisions] == [
+        ("infaas_replicate", 2),
+        ("infaas_budget_capped", 2),
+    ]
+    assert dict(state.fleet) == {"cpu": 3}
+    full, _ = decide(context(10.0, 80.0, [cpu("i-1")], budget=0.1), initial_state({"cpu": 1}, 0))
+    assert [d.action for d in full] == ["infaas_budget_capped"]
+
+
+def test_an_interfered_instance_is_relieved_once_and_one_interfered_everywhere_scales() -> None:
+    two = [cpu("i-1"), cpu("i-2", "interfered")]
+    decisions, state = decide(context(10.0, 2.0, two), initial_state({"cpu": 2}, 0.0))
+    assert [(d.action, d.instance_id) for d in decisions] == [("infaas_relieve", "i-2")]
+    assert decisions[0].numbers["share"] == 0.0
+    again, state = decide(context(11.0, 2.0, two), state)
+    assert [d.action for d in again] == []
+    alone = [cpu("i-1", "interfered")]
+    up, _ = decide(context(12.0, 2.0, alone), initial_state({"cpu": 1}, 0.0))
+    assert [d.action for d in up] == ["infaas_replicate"]
+    assert "interfered on every instance" in up[0].reason
+
+
+def test_an_underused_instance_is_drained_after_the_hold_the_dearest_first() -> None:
+    config = ScalingConfig(hold_s=5.0)
+    fleet = [cpu("i-1"), ServedInstance("g-1", "gpu", {"m": "active"}, 0.0)]
+    state = initial_state({"cpu": 1, "gpu": 1}, 0.0)
+    decisions, state = decide(context(10.0, 4.0, fleet), state, config)
+    assert decisions == []
+    decisions, state = decide(context(14.0, 4.0, fleet), state, config)
+    assert decisions == []
+    (drain,) = decide(context(15.0, 4.0, fleet), state, config)[0]
+    assert (drain.action, drain.instance_id, drain.instance_type) == ("infaas_drain", "g-1", "gpu")
+    assert drain.numbers["underused_s"] == 5.0
+
+
+def test_the_last_instance_and_a_busy_one_stay() -> None:
+    config = ScalingConfig(hold_s=0.0)
+    (none, _) = decide(context(10.0, 0.0, [cpu("i-1")]), initial_state({"cpu": 1}, 0.0), config)
+    assert none == []
+    busy = [cpu("i-1", busy=0.9), cpu("i-2", busy=0.9)]
+    (none, _) = decide(context(10.0, 0.0, busy), initial_state({"cpu": 2}, 0.0), config)
+    assert none == []
+
+
+def test_the_arithmetic() -> None:
+    assert instances_for(0.0, 10.0, 0.8) == 1
+    assert instances_for(16.0, 10.0, 0.8) == 2
+    assert scaling_cost_usd_per_s(3.6, -1, 1.0, 30.0) == pytest.approx(-0.001)
+    with pytest.raises(ValueError, match="utilisation"):
+        ScalingConfig(utilisation=0.0)
