@@ -5,6 +5,10 @@ This module owns what a cascade *is* and how good it is, independent of any flee
 - :class:`ValidationRecords`, the per-sample outcome of every model of a family on a labelled
   validation set (the ``heteroplane.validation/v1`` document: labels, and per model its
   predictions, whether each was correct and its *certainty*), read by :func:`load_validation`;
+- :meth:`ValidationRecords.split` (:func:`split_sample_ids`), the held-out protocol's two
+  disjoint, label-stratified halves: *choose*, on which thresholds and gears are chosen, and
+  *score*, on which the chosen cascade's accuracy is reported (docs/cascades.md, "The held-out
+  protocol");
 - :class:`Cascade`, a chain of models, cheapest first, with one threshold per model but the last;
 - :func:`evaluate` (accuracy, and the share of queries that reach and that are answered at each
   stage), :func:`forward_flags` (per query, whether it goes on: what the simulator's ``Stage``
@@ -26,7 +30,8 @@ reach_i is InferLine's scale factor s_m of stage i. The Pareto set keeps a casca
 has accuracy >= and compute <= with one of them strict (CascadeServe's SP1 output).
 
 Randomness only through an explicit ``numpy.random.Generator`` (:func:`synthetic_validation`,
-:func:`with_sample_ids`); the only I/O is :func:`load_validation` reading the document.
+:func:`with_sample_ids`) or an explicit seed (:func:`split_sample_ids`); the only I/O is
+:func:`load_validation` reading the document.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ from matching.fcfs import FcfsPolicy
 from matching.policy import DispatchPolicy
 
 __all__ = [
+    "DEFAULT_CHOOSE_SHARE",
+    "DEFAULT_SPLIT_SEED",
     "DEFAULT_THRESHOLD_GRID",
     "MAX_CANDIDATES",
     "VALIDATION_FORMAT",
@@ -67,6 +74,7 @@ __all__ = [
     "load_validation",
     "pareto_cascades",
     "pareto_mask",
+    "split_sample_ids",
     "synthetic_validation",
     "validation_document",
     "validation_from_document",
@@ -79,6 +87,10 @@ VALIDATION_FORMAT = "heteroplane.validation/v1"
 DEFAULT_THRESHOLD_GRID: tuple[float, ...] = tuple(round(0.1 * k, 10) for k in range(1, 10))
 # A guard for the Pareto search: chains x grid^(length - 1) candidates are evaluated one by one.
 MAX_CANDIDATES = 200_000
+# The held-out protocol (docs/cascades.md): half the validation samples choose thresholds and
+# gears, the other half score them. Half and half keeps both estimates' standard errors equal.
+DEFAULT_CHOOSE_SHARE = 0.5
+DEFAULT_SPLIT_SEED = 0
 # Certainty is a difference of two softmax scores; float32 rounding may push it a hair past 1.
 _CERTAINTY_SLACK = 1e-6
 
@@ -190,6 +202,87 @@ class ValidationRecords:
     def model_accuracy(self, model: str) -> float:
         """The share of samples ``model`` gets right (from the correct flags)."""
         return float(self.correct[self.model_index(model)].mean())
+
+    def subset(self, sample_ids: Sequence[int] | IntArray) -> ValidationRecords:
+        """The records of the samples ``sample_ids`` (in that order), each model's accuracy
+        recomputed over them.
+
+        Raises:
+            CascadeError: no sample, or a sample id outside the records.
+        """
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        if ids.ndim != 1 or ids.size == 0:
+            raise CascadeError("sample_ids", "needs at least one sample")
+        ids = _samples(self, ids)
+        return ValidationRecords(
+            dataset=self.dataset,
+            seed=self.seed,
+            labels=self.labels[ids],
+            models=self.models,
+            predictions=self.predictions[:, ids],
+            correct=self.correct[:, ids],
+            certainty=self.certainty[:, ids],
+            accuracy=self.correct[:, ids].mean(axis=1),
+            params=self.params,
+        )
+
+    def split(
+        self, share: float = DEFAULT_CHOOSE_SHARE, seed: int = DEFAULT_SPLIT_SEED
+    ) -> tuple[ValidationRecords, ValidationRecords]:
+        """(choose, score): the held-out protocol's two disjoint halves of the records
+        (:func:`split_sample_ids`): thresholds and gears are chosen on ``choose`` and their
+        accuracy reported on ``score``, which the choice never saw.
+
+        >>> records = synthetic_validation(np.random.default_rng(0), [0.9, 0.97], n_samples=101)
+        >>> choose, score = records.split()
+        >>> choose.n_samples, score.n_samples
+        (51, 50)
+        """
+        choose_ids, score_ids = split_sample_ids(self, share, seed)
+        return self.subset(choose_ids), self.subset(score_ids)
+
+
+def split_sample_ids(
+    records: ValidationRecords,
+    share: float = DEFAULT_CHOOSE_SHARE,
+    seed: int = DEFAULT_SPLIT_SEED,
+) -> tuple[IntArray, IntArray]:
+    """The sample ids of the *choose* and the *score* split (each sorted), disjoint and covering
+    every sample; deterministic for (records' labels, ``share``, ``seed``).
+
+    Stratified by label: the samples are ordered by (label, a random rank drawn from
+    ``numpy.random.default_rng(seed)``), and the sample at position p of that order goes to
+    *choose* when floor((p + 1) s + 1/2) > floor(p s + 1/2), s = ``share`` (systematic sampling
+    along the stratified order). So *choose* holds round(n s) samples and every label's count
+    in it is within one of its share s of that label's samples; with s = 1/2 the order alternates
+    choose, score, choose, ... The records always carry labels (the validation format requires
+    them), so there is no unlabelled case to stratify otherwise.
+
+    >>> records = synthetic_validation(np.random.default_rng(0), [0.9], n_samples=10)
+    >>> choose, score = split_sample_ids(records, 0.5, seed=3)
+    >>> len(choose), len(score), sorted([*choose, *score]) == list(range(10))
+    (5, 5, True)
+
+    Raises:
+        CascadeError: ``share`` outside (0, 1), or a split that would leave one side empty.
+    """
+    s = float(share)
+    if not (math.isfinite(s) and 0.0 < s < 1.0):
+        raise CascadeError("share", f"must be in (0, 1), got {share!r}")
+    n = records.n_samples
+    rank = np.random.default_rng(seed).permutation(n)
+    order = np.lexsort((rank, records.labels))
+    position = np.arange(n, dtype=np.float64)
+    to_choose = np.floor((position + 1.0) * s + 0.5) > np.floor(position * s + 0.5)
+    choose = np.sort(order[to_choose]).astype(np.int64)
+    score = np.sort(order[~to_choose]).astype(np.int64)
+    if choose.size == 0 or score.size == 0:
+        raise CascadeError(
+            "share",
+            f"a share of {s:g} of {n} sample{'s' if n != 1 else ''} leaves one split empty"
+            " (the held-out protocol needs at least one sample on each side)",
+        )
+    return choose, score
 
 
 def _frozen(array: NDArray[Any]) -> NDArray[Any]:

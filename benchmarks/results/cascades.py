@@ -37,15 +37,22 @@ the level's result. The search stops when every target is reached, when the appr
 accurate gear is predicted and verified, for cascades after :data:`PATIENCE` levels without a
 better prediction, or at :data:`MAX_INSTANCES`.
 
-Accuracy of a run: the mean over queries of the validation accuracy of the cascade (or model) in
-force when the query arrived (the same measure as a single model's validation accuracy, so the
-three approaches compare on one scale); the accuracy of the answers to the drawn validation
+Held-out accuracy (docs/cascades.md, "The held-out protocol"): the validation records are split
+half and half (``ValidationRecords.split``, label-stratified, seed :data:`SEED`). The gear plans
+choose thresholds, finalists and gears on the *choose* half (``plan_gears(choose, ...,
+held_out=score)``); every accuracy the experiment compares with a target (a model's, a gear's, a
+run's) is measured on the *score* half, and the trace's queries carry samples of the score half.
+The in-sample (choose half) figures are reported beside them.
+
+Accuracy of a run: the mean over queries of the held-out accuracy of the cascade (or model) in
+force when the query arrived (the same measure as a single model's held-out accuracy, so the
+three approaches compare on one scale); the accuracy of the answers to the drawn (score half)
 samples is in the data too. Accuracies are compared with the targets at two decimals of a
 percent, as the tables show them.
 
 Caveats: the placement search is a heuristic (a beam for cascades, and only the best predicted
 placements simulated), so the gear approaches' counts are upper bounds on their least counts;
-accuracies are measured on the validation samples the cascade thresholds were chosen on; each
+the score half holds about 360 samples, so one sample is about 0.28 points; each
 model has its own instances (``controlplane.policies.gears.Placement``), where the paper's MS+ and
 CascadeServe co-locate several models on a GPU; the latency profiles are measured when the
 experiment runs, with preempted samples clipped (:func:`clip_outliers`).
@@ -73,7 +80,13 @@ from benchmarks.results.common import (
     save_figure,
 )
 from controlplane.policies.gears import GearPlan, Placement, plan_gears, simulate_gear_switching
-from estimator.cascades import candidate_cascades, cascade_chains, evaluate
+from estimator.cascades import (
+    DEFAULT_CHOOSE_SHARE,
+    ValidationRecords,
+    candidate_cascades,
+    cascade_chains,
+    evaluate,
+)
 from estimator.errors import NoFeasibleGearError
 from estimator.fleet import Fleet
 from estimator.profiles import LatencyProfile
@@ -327,9 +340,14 @@ class Setup:
     qps_max: float
     weights: np.ndarray
     best_cascade: str
-    best_cascade_accuracy: float
+    best_cascade_accuracy: float  # held-out (score half)
     top_capacity_qps: float
     top_cap: int
+    # The held-out protocol's halves of family.records: plans choose on ``choose``, every
+    # accuracy compared with a target is measured on ``score``.
+    choose: ValidationRecords
+    score: ValidationRecords
+    best_cascade_in_sample: float
 
     @property
     def prices(self) -> dict[str, float]:
@@ -367,23 +385,27 @@ def make_setup(ctx: Context) -> Setup:
         amplitude=AMPLITUDE,
         spikes=[(0.5 * period - 0.5 * spike_s, spike_s, SPIKE_FACTOR)],
     )
+    choose, score = family.records.split(DEFAULT_CHOOSE_SHARE, SEED)
     rng = np.random.default_rng(SEED)
     arrival = renewal_arrivals(profile, duration, 1.0, rng)
+    # Queries carry samples of the score half: the answers a run counts are held-out too.
     trace = Trace(
         arrival,
         np.ones(arrival.size, dtype=np.int64),
-        rng.integers(0, family.records.n_samples, size=arrival.size),
+        rng.integers(0, score.n_samples, size=arrival.size),
     )
-    records = family.records
-    # The most accurate cascade of the grid, the shortest of equals.
+    # The most accurate cascade of the grid on the choose half (the shortest of equals), and
+    # its held-out accuracy.
     best = max(
         (
-            (evaluate(c, records).accuracy, -len(c.models), c.label)
-            for c in candidate_cascades(cascade_chains(records.models))
+            (evaluate(c, choose).accuracy, -len(c.models), c.label, c)
+            for c in candidate_cascades(cascade_chains(choose.models))
         ),
+        key=lambda entry: entry[:3],
     )
+    best_held_out = evaluate(best[3], score).accuracy
     step = QUICK_TARGET_STEP_POINTS if ctx.quick else TARGET_STEP_POINTS
-    targets = accuracy_targets([records.model_accuracy(m) for m in records.models], best[0], step)
+    targets = accuracy_targets([score.model_accuracy(m) for m in score.models], best_held_out, step)
     rates = profile.rate_at(np.arange(0.0, duration, RATE_STEP_S))
     peak_rate = float(np.max(rates))
     qps_max = QPS_MAX_HEADROOM * peak_rate
@@ -400,9 +422,12 @@ def make_setup(ctx: Context) -> Setup:
         qps_max=qps_max,
         weights=range_weights(rates, qps_max, N_RANGES),
         best_cascade=best[2],
-        best_cascade_accuracy=best[0],
+        best_cascade_accuracy=best_held_out,
         top_capacity_qps=capacity,
         top_cap=cap,
+        choose=choose,
+        score=score,
+        best_cascade_in_sample=best[0],
     )
 
 
@@ -412,10 +437,11 @@ def make_setup(ctx: Context) -> Setup:
 @dataclass(frozen=True, slots=True)
 class SingleResult:
     model: str
-    accuracy: float
+    accuracy: float  # held-out (score half)
     instances: int | None
     batch_cap: int | None
     p99_ms: float | None
+    in_sample_accuracy: float | None = None  # the choose half
 
 
 def single_model(setup: Setup, model: str, slo_ms: float) -> SingleResult:
@@ -454,10 +480,11 @@ def single_model(setup: Setup, model: str, slo_ms: float) -> SingleResult:
         n = least_instances(functools.partial(_within, p99, cap, slo_ms), MAX_INSTANCES)
         if n is not None and (best is None or (n, p99(n, cap)) < best[:2]):
             best = (n, p99(n, cap), cap)
-    accuracy = family.records.model_accuracy(model)
+    accuracy = setup.score.model_accuracy(model)
+    in_sample = setup.choose.model_accuracy(model)
     if best is None:
-        return SingleResult(model, accuracy, None, None, None)
-    return SingleResult(model, accuracy, best[0], best[2], best[1])
+        return SingleResult(model, accuracy, None, None, None, in_sample)
+    return SingleResult(model, accuracy, best[0], best[2], best[1], in_sample)
 
 
 def _within(p99: Callable[[int, int], float], cap: int, slo_ms: float, n: int) -> bool:
@@ -496,12 +523,13 @@ class Verified:
     placement: str
     p99_ms: float
     attainment: float
-    accuracy: float  # query-weighted validation accuracy of the gear in force at arrival
-    answered_accuracy: float  # answers to the drawn validation samples
+    accuracy: float  # query-weighted held-out accuracy of the gear in force at arrival
+    answered_accuracy: float  # answers to the drawn (score half) validation samples
     cascades: dict[str, float]  # share of queries per cascade
     cascade_changes: int
     predicted: float
     series_accuracy: list[float]  # per 1 s window by arrival: mean accuracy of the gear in force
+    in_sample_accuracy: float | None = None  # as ``accuracy``, with the choose half's accuracies
 
     @property
     def instances(self) -> int:
@@ -514,6 +542,8 @@ class Verified:
             "p99_ms": self.p99_ms,
             "attainment": self.attainment,
             "accuracy": self.accuracy,
+            "held_out_accuracy": self.accuracy,
+            "in_sample_accuracy": self.in_sample_accuracy,
             "answered_accuracy": self.answered_accuracy,
             "predicted_accuracy": self.predicted,
             "cascade_share": self.cascades,
@@ -531,7 +561,7 @@ def make_plan(setup: Setup, counts: Counts, slo_ms: float, single_only: bool) ->
     family = setup.family
     try:
         return plan_gears(
-            family.records,
+            setup.choose,
             placement_of(family.models, counts, family.instance_type),
             family.profiles,
             setup.prices,
@@ -540,15 +570,16 @@ def make_plan(setup: Setup, counts: Counts, slo_ms: float, single_only: bool) ->
             n_ranges=N_RANGES,
             grid=() if single_only else (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
             seed=SEED,
+            held_out=setup.score,
         )
     except NoFeasibleGearError:
         return None
 
 
 def plan_prediction(plan: GearPlan, weights: np.ndarray) -> float | None:
-    gear_accuracy = [
-        plan.options[g.option].quality.accuracy if g.meets_slo else None for g in plan.gears
-    ]
+    """The plan's predicted accuracy over the trace: its gears' ``GearOption.accuracy`` (held-out
+    when the plan was scored on held-out records), weighted by the load's ranges."""
+    gear_accuracy = [plan.options[g.option].accuracy if g.meets_slo else None for g in plan.gears]
     return predicted_accuracy(gear_accuracy, weights)
 
 
@@ -558,7 +589,7 @@ def verify(setup: Setup, candidate: Candidate, slo_ms: float, plan: GearPlan) ->
     run = simulate_gear_switching(
         trace,
         plan,
-        family.records,
+        setup.score,
         family.profiles,
         setup.prices,
         np.random.default_rng(SEED + 1),
@@ -566,7 +597,8 @@ def verify(setup: Setup, candidate: Candidate, slo_ms: float, plan: GearPlan) ->
         start_gear=plan.gear_for(float(setup.profile.rate_at(0.0))),
     )
     response = run.simulation.response_ms
-    gear_accuracy = np.array([plan.option_of(g).quality.accuracy for g in range(len(plan.gears))])
+    gear_accuracy = np.array([plan.option_of(g).accuracy for g in range(len(plan.gears))])
+    in_sample = np.array([plan.option_of(g).quality.accuracy for g in range(len(plan.gears))])
     served = gear_accuracy[run.gear]
     labels = [plan.option_of(g).cascade.label for g in range(len(plan.gears))]
     shares: dict[str, float] = {}
@@ -589,6 +621,7 @@ def verify(setup: Setup, candidate: Candidate, slo_ms: float, plan: GearPlan) ->
         ),
         predicted=candidate.predicted or 0.0,
         series_accuracy=[round(float(v), 6) for v in series],
+        in_sample_accuracy=float(in_sample[run.gear].mean()),
     )
 
 
@@ -683,11 +716,11 @@ def search(
 
 
 def ceiling_accuracy(setup: Setup, single_only: bool) -> float:
-    """The most accurate gear an approach has: the best model, or the best cascade."""
-    records = setup.family.records
-    if single_only:
-        return max(records.model_accuracy(m) for m in records.models)
-    return setup.best_cascade_accuracy
+    """The most accurate gear an approach has, held-out: the best model, or the best cascade."""
+    records = setup.score
+    top_model = max(records.model_accuracy(m) for m in records.models)
+    # A cascade plan holds the single models too (chains of one).
+    return top_model if single_only else max(top_model, setup.best_cascade_accuracy)
 
 
 def cascade_search(setup: Setup, slo_ms: float, beam: int, log: Callable[[str], None]) -> SearchLog:
@@ -726,9 +759,7 @@ def switching_search(setup: Setup, slo_ms: float, log: Callable[[str], None]) ->
             counts = tuple(count if j == model else 0 for j in range(len(family.models)))
             plan = make_plan(setup, counts, slo_ms, single_only=True)
             alone[model, count] = (
-                None
-                if plan is None
-                else (plan.options[0].quality.accuracy, plan.options[0].max_qps)
+                None if plan is None else (plan.options[0].accuracy, plan.options[0].max_qps)
             )
         return alone[model, count]
 
@@ -953,15 +984,22 @@ _NAMES = {
 def _what(setup: Setup, beam: int, cap_note: str) -> str:
     family = setup.family
     accuracy = ", ".join(
-        f"{m} {100 * family.records.model_accuracy(m):.2f}%" for m in family.models
+        f"{m} {100 * setup.score.model_accuracy(m):.2f}%"
+        f" ({100 * setup.choose.model_accuracy(m):.2f}%)"
+        for m in family.models
     )
     slos = ", ".join(f"{s:g}" for s in setup.slos_ms)
     targets = ", ".join(f"{t:g}" for t in setup.targets)
     window, n_ranges, headroom = WINDOW_S, N_RANGES, QPS_MAX_HEADROOM
     return f"""
 - Family: {family.source}; {setup.family_note}.
-  Validation accuracy: {accuracy}; the best cascade of the threshold grid 0.1-0.9 is
-  `{setup.best_cascade}` at {100 * setup.best_cascade_accuracy:.2f}%. Every instance is
+  Held-out protocol (docs/cascades.md): the {family.records.n_samples} validation samples are
+  split by label into a choose half ({setup.choose.n_samples}) and a score half
+  ({setup.score.n_samples}), seed {SEED}; thresholds and gears are chosen on the choose half,
+  every accuracy below is the score half's (held-out), in-sample (choose half) in parentheses.
+  Accuracy: {accuracy}; the best cascade of the threshold grid 0.1-0.9 on the choose half is
+  `{setup.best_cascade}` at {100 * setup.best_cascade_accuracy:.2f}% held-out
+  ({100 * setup.best_cascade_in_sample:.2f}% in-sample). Every instance is
   `{family.instance_type}` (${family.price_usd_per_hr:g}/hr), so cost is proportional to the
   instance counts below.
 - Load: {len(setup.trace):,} Poisson arrivals over {setup.duration_s:g} s (seed {SEED}), rate
@@ -969,8 +1007,8 @@ def _what(setup: Setup, beam: int, cap_note: str) -> str:
   {SPIKE_FACTOR:g}x spike for {SPIKE_SHARE * setup.duration_s:.3g} s around the first crest:
   mean {setup.mean_qps:.0f} qps, peak rate {setup.peak_qps:.0f} qps, i.e. {PEAK_INSTANCES}
   instances' worth of `{family.most_accurate}` at batch cap {setup.top_cap}
-  ({setup.top_capacity_qps:.0f} qps each). Each query carries a validation sample drawn
-  uniformly.
+  ({setup.top_capacity_qps:.0f} qps each). Each query carries a validation sample of the score
+  half, drawn uniformly.
 - SLO: P99 of the response time over the whole trace <= {slos} ms. Accuracy targets:
   {targets}%.
 - Approaches (module docstring of `benchmarks/results/cascades.py`): *single model*: the least
@@ -984,10 +1022,11 @@ def _what(setup: Setup, beam: int, cap_note: str) -> str:
   (width {beam}), for model switching every placement; scored by the plan's predicted accuracy
   over the trace, the best {VERIFY_TRIES} of a level simulated on the whole trace; up to
   {MAX_INSTANCES} instances. The cascade counts are therefore upper bounds on the least counts.
-- Accuracy of a gear run: the mean over queries of the validation accuracy of the cascade in force
+- Accuracy of a gear run: the mean over queries of the held-out accuracy of the cascade in force
   at arrival; compared with the targets at two decimals.
-- Caveats: accuracies are measured on the validation samples the thresholds were chosen on; each
-  model runs on its own instances (the paper co-locates models on GPUs); the latency profiles are
+- Caveats: the score half holds {setup.score.n_samples} samples, so one sample moves an accuracy
+  by {100 / setup.score.n_samples:.2f} points; each model runs on its own instances (the paper
+  co-locates models on GPUs); the latency profiles are
   measured on this machine and move from run to run (see the family line above).{cap_note}
 """
 
@@ -1009,10 +1048,10 @@ def _body(setup: Setup, per_slo: Sequence[dict[str, Any]]) -> str:
                 ]
             )
         parts.append(
-            f"### P99 <= {slo:g} ms: least instances per accuracy target\n\n"
+            f"### P99 <= {slo:g} ms: least instances per held-out accuracy target\n\n"
             + md_table(
                 [
-                    "accuracy target",
+                    "held-out accuracy target",
                     _NAMES["single"],
                     _NAMES["switching"],
                     _NAMES["cascades"],
@@ -1026,6 +1065,7 @@ def _body(setup: Setup, per_slo: Sequence[dict[str, Any]]) -> str:
             [
                 r.model,
                 f"{100 * r.accuracy:.2f}%",
+                "-" if r.in_sample_accuracy is None else f"{100 * r.in_sample_accuracy:.2f}%",
                 "cannot meet the SLO" if r.instances is None else r.instances,
                 "-" if r.batch_cap is None else r.batch_cap,
                 "-" if r.p99_ms is None else f"{r.p99_ms:.1f}",
@@ -1037,9 +1077,17 @@ def _body(setup: Setup, per_slo: Sequence[dict[str, Any]]) -> str:
             f"Single models at {slo:g} ms (least instances within the SLO, best batch cap;"
             " the gear planner's cap for the model alone in the last column):\n\n"
             + md_table(
-                ["model", "accuracy", "instances", "batch cap", "P99 ms", "planner's cap"],
+                [
+                    "model",
+                    "held-out accuracy",
+                    "in-sample",
+                    "instances",
+                    "batch cap",
+                    "P99 ms",
+                    "planner's cap",
+                ],
                 singles,
-                "1,2,3,4,5",
+                "1,2,3,4,5,6",
             )
         )
         for name in ("switching", "cascades"):
@@ -1050,6 +1098,7 @@ def _body(setup: Setup, per_slo: Sequence[dict[str, Any]]) -> str:
                     f"`{v.placement}`",
                     f"{100 * v.predicted:.2f}%",
                     f"{100 * v.accuracy:.2f}%",
+                    "-" if v.in_sample_accuracy is None else f"{100 * v.in_sample_accuracy:.2f}%",
                     f"{100 * v.answered_accuracy:.2f}%",
                     f"{v.p99_ms:.1f}",
                     ", ".join(
@@ -1068,13 +1117,14 @@ def _body(setup: Setup, per_slo: Sequence[dict[str, Any]]) -> str:
                         "instances",
                         "placement",
                         "predicted",
-                        "accuracy",
+                        "held-out accuracy",
+                        "in-sample",
                         "answers right",
                         "P99 ms",
                         "queries per gear cascade",
                     ],
                     rows,
-                    "0,2,3,4,5",
+                    "0,2,3,4,5,6",
                 )
             )
     return "\n\n".join(parts)
@@ -1093,8 +1143,18 @@ def _summary(
         def count(c: Cell) -> str:
             return "cannot reach it" if c.instances is None else f"{c.instances}"
 
+        run = next((v for v in block["cascades"].levels if v.instances == cascades.instances), None)
+        in_sample = (
+            f"; the cascades' run scores {100 * run.accuracy:.2f}% held-out,"
+            f" {100 * run.in_sample_accuracy:.2f}% in-sample"
+            if run is not None and run.in_sample_accuracy is not None
+            else ""
+        )
         lines.append(
-            f"At {cell['target']:g}% accuracy and P99 <= {block['slo_ms']:g} ms on a load"
+            f"At {cell['target']:g}% held-out accuracy (thresholds and gears chosen on"
+            f" {setup.choose.n_samples} of the {setup.family.records.n_samples} validation"
+            f" samples, accuracy measured on the other {setup.score.n_samples}{in_sample}) and"
+            f" P99 <= {block['slo_ms']:g} ms on a load"
             f" peaking at {setup.peak_qps:.0f} qps, cascades with gear switching need"
             f" {count(cascades)} instances of the demo family, switching between single models"
             f" {count(switching)}, a single model with dynamic batching {count(single)}"
@@ -1146,13 +1206,13 @@ def _summary(
         for cell in block["cells"]
         if cell["cascades"].instances is not None and cell["single"].instances is None
     ]
-    top_single = max(setup.family.records.model_accuracy(m) for m in setup.family.models)
+    top_single = max(setup.score.model_accuracy(m) for m in setup.family.models)
     if only:
         lines.append(
             f"Cascades reach {len(only)} point{'s' if len(only) > 1 else ''} no single model"
             f" reaches (up to"
             f" {max(t for t, _ in only):g}% against the best model's"
-            f" {100 * top_single:.2f}%)."
+            f" {100 * top_single:.2f}%, both held-out)."
         )
     unreachable = [
         (cell["target"], block["slo_ms"])
@@ -1177,8 +1237,21 @@ def _data(
         "family": family.source,
         "instance_type": family.instance_type,
         "price_usd_per_hr": family.price_usd_per_hr,
-        "model_accuracy": {m: family.records.model_accuracy(m) for m in family.models},
-        "best_cascade": {"label": setup.best_cascade, "accuracy": setup.best_cascade_accuracy},
+        "split": {
+            "choose_share": DEFAULT_CHOOSE_SHARE,
+            "seed": SEED,
+            "choose_samples": setup.choose.n_samples,
+            "score_samples": setup.score.n_samples,
+        },
+        "model_accuracy": {m: setup.score.model_accuracy(m) for m in family.models},
+        "model_accuracy_in_sample": {m: setup.choose.model_accuracy(m) for m in family.models},
+        "model_accuracy_all_samples": {m: family.records.model_accuracy(m) for m in family.models},
+        "best_cascade": {
+            "label": setup.best_cascade,
+            "accuracy": setup.best_cascade_accuracy,
+            "held_out_accuracy": setup.best_cascade_accuracy,
+            "in_sample_accuracy": setup.best_cascade_in_sample,
+        },
         "trace": {
             "queries": len(setup.trace),
             "duration_s": setup.duration_s,
@@ -1204,6 +1277,8 @@ def _data(
                     {
                         "model": r.model,
                         "accuracy": r.accuracy,
+                        "held_out_accuracy": r.accuracy,
+                        "in_sample_accuracy": r.in_sample_accuracy,
                         "instances": r.instances,
                         "batch_cap": r.batch_cap,
                         "p99_ms": r.p99_ms,
@@ -1267,7 +1342,7 @@ def _grid_figure(ctx: Context, setup: Setup, per_slo: Sequence[dict[str, Any]]) 
                 ax.scatter(missed, [row] * len(missed), color=color, marker="x", s=40)
         ax.axhline(ceiling - 0.7, color="grey", linewidth=0.5, linestyle=":")
         ax.set_title(f"P99 <= {block['slo_ms']:g} ms")
-        ax.set_xlabel("accuracy target (%)")
+        ax.set_xlabel("held-out accuracy target (%)")
         ax.grid(alpha=0.3)
     axes[0][0].yaxis.get_major_locator().set_params(integer=True)
     axes[0][0].set_ylabel(f"instances needed ({setup.family.instance_type})")
@@ -1336,13 +1411,13 @@ def _trace_figure(
         )
     acc_ax.axhline(target, color="grey", linestyle=":", label=f"target {target:g}%")
     acc_ax.set_xlabel("time (s)")
-    acc_ax.set_ylabel("accuracy in force (%)")
+    acc_ax.set_ylabel("held-out accuracy in force (%)")
     acc_ax.legend(fontsize=8)
     return save_figure(
         ctx,
         fig,
         f"{KEY}-trace.png",
-        f"Top: the load trace. Bottom: per 1 s window, the mean validation accuracy of the gear in"
+        f"Top: the load trace. Bottom: per 1 s window, the mean held-out accuracy of the gear in"
         f" force for the placements that reach {target:g}% at P99 <= {block['slo_ms']:g} ms.",
     )
 

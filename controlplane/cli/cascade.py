@@ -8,6 +8,11 @@ or takes it from a profile file), evaluates every ordered chain of models, cheap
 every threshold combination of a grid (``estimator.cascades``), and prints the Pareto set
 (accuracy up, compute down). The *best* cascade is the cheapest whose accuracy is within
 :data:`ACCURACY_TOLERANCE` of the most accurate single model.
+
+Held-out protocol (``controlplane.policies.cascade_choice.choose_held_out``): the front, the most
+accurate model and the best cascade are chosen on the *choose* half of the validation records;
+every model and cascade is also scored on the *score* half. ``accuracy`` is the in-sample
+(choose split) figure, ``held_out_accuracy`` the score split's, the one to quote.
 """
 
 from __future__ import annotations
@@ -20,12 +25,16 @@ from typing import Any
 from controlplane.apps import profiler
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.profile import load_family, parse_models
-from controlplane.policies.cascade_choice import ACCURACY_TOLERANCE, best_point
+from controlplane.policies.cascade_choice import (
+    ACCURACY_TOLERANCE,
+    HeldOutChoice,
+    choose_held_out,
+)
 from estimator.cascades import (
-    CascadePoint,
+    DEFAULT_CHOOSE_SHARE,
+    DEFAULT_SPLIT_SEED,
     ValidationRecords,
     load_validation,
-    pareto_cascades,
 )
 from estimator.profiles import load_profiles
 
@@ -82,10 +91,16 @@ def run_evaluate(args: argparse.Namespace) -> int:
             f" {args.threads} thread{'s' if args.threads > 1 else ''}"
         )
     progress(f"evaluating cascades of up to {args.max_stages} models, {len(grid)} thresholds")
-    front = pareto_cascades(
-        records, compute_ms, models=models, grid=grid, max_length=args.max_stages
+    choice = choose_held_out(
+        records,
+        compute_ms,
+        models=models,
+        grid=grid,
+        max_length=args.max_stages,
+        share=getattr(args, "choose_share", DEFAULT_CHOOSE_SHARE),
+        seed=getattr(args, "split_seed", DEFAULT_SPLIT_SEED),
     )
-    data = evaluation(records, models, compute_ms, front)
+    data = evaluation(records, models, compute_ms, choice)
     data["compute_source"] = compute_source
     data["thresholds"] = list(grid)
     data["max_stages"] = args.max_stages
@@ -96,31 +111,34 @@ def evaluation(
     records: ValidationRecords,
     models: Sequence[str],
     compute_ms: dict[str, float],
-    front: Sequence[CascadePoint],
+    choice: HeldOutChoice,
 ) -> dict[str, Any]:
-    """The command's JSON object: each model alone, the Pareto cascades, and the best one."""
+    """The command's JSON object: each model alone, the Pareto cascades, and the best one, each
+    with its in-sample (``accuracy``, the choose split) and ``held_out_accuracy`` (score split)."""
     singles: list[dict[str, Any]] = [
         {
             "name": name,
-            "accuracy": records.model_accuracy(name),
+            "accuracy": choice.choose.model_accuracy(name),
+            "held_out_accuracy": choice.score.model_accuracy(name),
             "compute_ms_per_query": compute_ms[name],
             "params": int(records.params[records.model_index(name)]),
         }
         for name in models
     ]
-    top = max(singles, key=lambda m: (m["accuracy"], -m["compute_ms_per_query"]))
-    best = best_point(front, float(top["accuracy"]))
+    top = next(m for m in singles if m["name"] == choice.top_model)
+    best = choice.best
     cascades = [
         {
             **point.cascade.to_document(),
             "label": point.cascade.label,
             "accuracy": point.quality.accuracy,
+            "held_out_accuracy": choice.held_out_accuracy(point.cascade),
             "compute_ms_per_query": point.compute_ms_per_query,
             "reach_share": list(point.quality.reach_share),
             "answered_share": list(point.quality.answered_share),
             "best": point is best,
         }
-        for point in front
+        for point in choice.front
     ]
     best_entry = next((c for c in cascades if c["best"]), None)
     ratio = (
@@ -131,6 +149,12 @@ def evaluation(
     return {
         "dataset": records.dataset,
         "validation_samples": records.n_samples,
+        "split": {
+            "choose_share": choice.share,
+            "seed": choice.seed,
+            "choose_samples": choice.choose.n_samples,
+            "score_samples": choice.score.n_samples,
+        },
         "models": singles,
         "cascades": cascades,
         "most_accurate_model": top["name"],
@@ -141,29 +165,33 @@ def evaluation(
 
 
 def _human(data: dict[str, Any]) -> str:
+    split = data["split"]
     lines = [
         f"{data['dataset']}: {data['validation_samples']} validation samples;"
         f" compute per query = mean latency at batch size 1, {data['compute_source']}",
+        f"thresholds chosen on {split['choose_samples']} samples (in-sample), scored on the other"
+        f" {split['score_samples']} (held-out; split seed {split['seed']})",
         "",
-        f"{'model':<10}{'accuracy':>10}{'compute ms/query':>18}{'params':>10}",
+        f"{'model':<10}{'in-sample':>10}{'held-out':>10}{'compute ms/query':>18}{'params':>10}",
     ]
     for m in data["models"]:
         lines.append(
-            f"{m['name']:<10}{m['accuracy'] * 100:>9.2f}%{m['compute_ms_per_query']:>18.4f}"
-            f"{m['params']:>10,}"
+            f"{m['name']:<10}{m['accuracy'] * 100:>9.2f}%{m['held_out_accuracy'] * 100:>9.2f}%"
+            f"{m['compute_ms_per_query']:>18.4f}{m['params']:>10,}"
         )
     width = max(len(c["label"]) for c in data["cascades"]) + 2
     lines += [
         "",
         "Pareto set of cascades, cheapest first (* = best):",
-        f"  {'cascade':<{width}}{'accuracy':>10}{'compute ms/query':>18}  reach share per stage",
+        f"  {'cascade':<{width}}{'in-sample':>10}{'held-out':>10}{'compute ms/query':>18}"
+        "  reach share per stage",
     ]
     for c in data["cascades"]:
         mark = "*" if c["best"] else " "
         reach = ", ".join(f"{r:.3f}" for r in c["reach_share"])
         lines.append(
             f"{mark} {c['label']:<{width}}{c['accuracy'] * 100:>9.2f}%"
-            f"{c['compute_ms_per_query']:>18.4f}  {reach}"
+            f"{c['held_out_accuracy'] * 100:>9.2f}%{c['compute_ms_per_query']:>18.4f}  {reach}"
         )
     best = data["best"]
     top = next(m for m in data["models"] if m["name"] == data["most_accurate_model"])
@@ -172,9 +200,10 @@ def _human(data: dict[str, Any]) -> str:
     else:
         lines += [
             "",
-            f"best: {best['label']}: {best['accuracy'] * 100:.2f}% against"
-            f" {top['accuracy'] * 100:.2f}% for {top['name']} alone, at"
-            f" {best['compute_ms_per_query']:.4f} ms/query, {data['compute_ratio']:.1f}x less"
-            " compute",
+            f"best: {best['label']}: {best['held_out_accuracy'] * 100:.2f}% held-out"
+            f" ({best['accuracy'] * 100:.2f}% in-sample) against"
+            f" {top['held_out_accuracy'] * 100:.2f}% ({top['accuracy'] * 100:.2f}%) for"
+            f" {top['name']} alone, at {best['compute_ms_per_query']:.4f} ms/query,"
+            f" {data['compute_ratio']:.1f}x less compute",
         ]
     return "\n".join(lines)

@@ -5,6 +5,11 @@ allocation"); this module reads the spec, the validation records, the profiles a
 (``--placement`` text, or the fleets of a ``heteroplane plan --json`` document) and prints the
 gear plan: the finalist cascades with their max sustainable QPS under the SLO, and the gear of
 each QPS range.
+
+Held-out protocol (docs/cascades.md): the records are split (``ValidationRecords.split``, half and
+half); thresholds and gears are chosen on the *choose* split and every finalist is scored on the
+*score* split. Each option and gear carries ``accuracy`` (in-sample) and ``held_out_accuracy``;
+the spec's accuracy floor is checked against the held-out figure.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from controlplane.cli.output import UsageError, emit, progress
 from controlplane.policies.gears import GearPlan, Placement, plan_gears
 from controlplane.policies.replay import read_plan
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
-from estimator.cascades import load_validation
+from estimator.cascades import DEFAULT_CHOOSE_SHARE, DEFAULT_SPLIT_SEED, load_validation
 from estimator.fleet import Fleet
 
 
@@ -77,11 +82,14 @@ def run(args: argparse.Namespace) -> int:
     placement = placement_from(args, app)
     for model in placement.order:
         records.model_index(model)
+    share = getattr(args, "choose_share", DEFAULT_CHOOSE_SHARE)
+    split_seed = getattr(args, "split_seed", DEFAULT_SPLIT_SEED)
+    choose, score = records.split(share, split_seed)
     profiles = {m: {t: app.profile(m, t) for t in placement.fleets[m]} for m in placement.order}
     slo = app.spec.slo
     progress(f"planning gears for {app.spec.name} on {placement}")
     plan = plan_gears(
-        records,
+        choose,
         placement,
         profiles,
         app.prices_usd_per_hr,
@@ -92,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         n_ranges=args.ranges,
         grid=grid,
         seed=args.seed,
+        held_out=score,
     )
     data: dict[str, Any] = {
         "app": app.spec.name,
@@ -99,6 +108,12 @@ def run(args: argparse.Namespace) -> int:
         **plan.to_document(),
         "cost_usd_per_hr": placement.cost_usd_per_hr(app.prices_usd_per_hr),
         "seed": args.seed,
+        "split": {
+            "choose_share": share,
+            "seed": split_seed,
+            "choose_samples": choose.n_samples,
+            "score_samples": score.n_samples,
+        },
     }
     return emit(args.json, data, lambda: human(data, plan))
 
@@ -106,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 def human(data: dict[str, Any], plan: GearPlan) -> str:
     floor = plan.accuracy_floor
     goal = (
-        f"accuracy >= {100 * floor:.2f}%, fastest first"
+        f"held-out accuracy >= {100 * floor:.2f}%, fastest first"
         if floor is not None
         else "most accurate within the SLO"
     )
@@ -115,12 +130,15 @@ def human(data: dict[str, Any], plan: GearPlan) -> str:
         f" P{plan.percentile:g} <= {plan.slo_ms:g} ms, {goal}",
         f"  {data['candidates']} candidate cascades, {len(plan.options)} finalists,"
         f" {plan.simulations} simulations",
-        "  finalists (max QPS within the SLO):",
+        f"  chosen on {data['split']['choose_samples']} validation samples (in-sample), scored on"
+        f" the other {data['split']['score_samples']} (held-out)",
+        "  finalists (max QPS within the SLO; accuracy held-out / in-sample):",
     ]
     for option in plan.options:
         caps = ",".join(str(k) for k in option.max_batch_queries)
         lines.append(
-            f"    {option.cascade.label:<44} {100 * option.quality.accuracy:6.2f}%"
+            f"    {option.cascade.label:<44} {100 * option.accuracy:6.2f}% /"
+            f" {100 * option.quality.accuracy:6.2f}%"
             f" {option.max_qps:>10.1f} qps  batch caps {caps}"
         )
     lines.append("  gears:")
@@ -129,6 +147,7 @@ def human(data: dict[str, Any], plan: GearPlan) -> str:
         flag = "" if gear.meets_slo else "  (does not meet the SLO)"
         lines.append(
             f"    [{gear.low_qps:>9.1f}, {gear.high_qps:>9.1f}) qps: {option.cascade.label}"
-            f" ({100 * option.quality.accuracy:.2f}%){flag}"
+            f" ({100 * option.accuracy:.2f}% held-out, {100 * option.quality.accuracy:.2f}%"
+            f" in-sample){flag}"
         )
     return "\n".join(lines)

@@ -44,6 +44,12 @@ is given, SP3, and batch caps follow a closed-form rule, SP4):
    finalist serves within the SLO gets the fastest (or, with an accuracy floor none meets, the
    most accurate) and is marked ``meets_slo = False``.
 
+*Held-out accuracy* (docs/cascades.md, "The held-out protocol"): given the *score* split of the
+records as ``held_out`` (``records`` being the *choose* split), steps 1 to 5 run on the choose
+split, every finalist is also scored on the score split, and the accuracy floor of step 5 is
+checked against that held-out accuracy A'(c), not A(c): the floor is a promise about samples the
+thresholds were not fitted to.
+
 **Switching** (section 5, "Producer"): the producer measures the QPS over a fixed interval
 (100 ms in the paper) and looks up the gear of the range it falls in. CascadeServe keeps the
 gear "if qps < alpha x Q_0", Q_0 the length of the first model's queue, alpha = 8. The paper
@@ -219,6 +225,17 @@ class GearOption:
     max_qps: float
     latency_curve: tuple[tuple[float, float], ...]
     compute_ms_per_query: float
+    # Its accuracy on the held-out (score) split of the records, when the plan was given one;
+    # ``quality`` is then the choose split's (in-sample).
+    held_out_accuracy: float | None = None
+
+    @property
+    def accuracy(self) -> float:
+        """The accuracy the plan reports and checks an accuracy floor against: the held-out one
+        when the plan was scored on held-out records, else the in-sample one."""
+        if self.held_out_accuracy is not None:
+            return self.held_out_accuracy
+        return self.quality.accuracy
 
     def tail_ms_at(self, rate_qps: float) -> float:
         """The predicted tail latency at ``rate_qps``: linear between the probes, infinite past
@@ -254,6 +271,8 @@ class GearPlan:
     qps_max: float
     candidates: int
     simulations: int
+    # Samples of the held-out (score) split the options were scored on; None: in-sample only.
+    held_out_samples: int | None = None
 
     def gear_for(self, qps: float) -> int:
         """The index of the gear whose range [low, high) holds ``qps`` (the last one above
@@ -284,11 +303,13 @@ class GearPlan:
             "qps_max": self.qps_max,
             "candidates": self.candidates,
             "simulations": self.simulations,
+            "held_out_samples": self.held_out_samples,
             "options": [
                 {
                     **o.cascade.to_document(),
                     "label": o.cascade.label,
                     "accuracy": o.quality.accuracy,
+                    "held_out_accuracy": o.held_out_accuracy,
                     "reach_share": list(o.quality.reach_share),
                     "answered_share": list(o.quality.answered_share),
                     "max_batch_queries": list(o.max_batch_queries),
@@ -306,6 +327,7 @@ class GearPlan:
                     "option": g.option,
                     "cascade": self.options[g.option].cascade.label,
                     "accuracy": self.options[g.option].quality.accuracy,
+                    "held_out_accuracy": self.options[g.option].held_out_accuracy,
                     "meets_slo": g.meets_slo,
                 }
                 for g in self.gears
@@ -339,6 +361,11 @@ class GearPlan:
                         (float(r), float(t)) for r, t in o.get("latency_curve", ())
                     ),
                     compute_ms_per_query=float(o["compute_ms_per_query"]),
+                    held_out_accuracy=(
+                        None
+                        if o.get("held_out_accuracy") is None
+                        else float(o["held_out_accuracy"])
+                    ),
                 )
                 for o in document["options"]
             )
@@ -352,6 +379,7 @@ class GearPlan:
                 for g in document["gears"]
             )
             floor = document.get("accuracy_floor")
+            held_out_samples = document.get("held_out_samples")
             plan = cls(
                 placement=Placement(fleets, order),
                 slo_ms=float(document["slo_ms"]),
@@ -362,6 +390,7 @@ class GearPlan:
                 qps_max=float(document["qps_max"]),
                 candidates=int(document.get("candidates", 0)),
                 simulations=int(document.get("simulations", 0)),
+                held_out_samples=None if held_out_samples is None else int(held_out_samples),
             )
         except CascadeError:
             raise
@@ -546,6 +575,7 @@ def plan_gears(
     max_finalists: int = DEFAULT_MAX_FINALISTS,
     bisection_steps: int = DEFAULT_BISECTION_STEPS,
     seed: int = 0,
+    held_out: ValidationRecords | None = None,
 ) -> GearPlan:
     """The gear plan of ``placement`` (see the module docstring for the algorithm).
 
@@ -553,10 +583,18 @@ def plan_gears(
     ``batch_size`` the size of each query (cascades of single samples: 1). Deterministic for a
     seed.
 
+    The held-out protocol (docs/cascades.md): with ``held_out`` (the *score* split of
+    ``ValidationRecords.split``, ``records`` being its *choose* split), candidates, finalists and
+    the most accurate gear of a range are chosen on ``records`` as before, each option is also
+    scored on ``held_out`` (``GearOption.held_out_accuracy``), and an ``accuracy_floor`` is
+    checked against that held-out figure, not the in-sample one.
+
     Raises:
         CascadeError: a placed model without records or profiles, bad parameters.
         NoFeasibleGearError: no candidate meets the latency SLO even at almost no load.
     """
+    if held_out is not None and held_out.models != records.models:
+        raise CascadeError("held_out", "must hold the same models as the records (a split)")
     if not (math.isfinite(slo_ms) and slo_ms > 0):
         raise CascadeError("slo_ms", f"must be a number > 0, got {slo_ms!r}")
     if n_ranges < 1 or max_finalists < 2 or bisection_steps < 1 or batch_size < 1:
@@ -605,8 +643,11 @@ def plan_gears(
         max_qps, curve = _max_qps(prober, c, bisection_steps)
         best_idle = min(best_idle, (curve[0][1], c.cascade.label))
         if max_qps > 0:
+            scored = None if held_out is None else evaluate(c.cascade, held_out).accuracy
             options.append(
-                GearOption(c.cascade, c.quality, c.caps, c.bound_qps, max_qps, curve, c.compute_ms)
+                GearOption(
+                    c.cascade, c.quality, c.caps, c.bound_qps, max_qps, curve, c.compute_ms, scored
+                )
             )
     if not options:
         raise NoFeasibleGearError(slo_ms, best_idle[0], best_idle[1])
@@ -629,13 +670,16 @@ def plan_gears(
         qps_max=top,
         candidates=len(candidates),
         simulations=prober.simulations,
+        held_out_samples=None if held_out is None else held_out.n_samples,
     )
 
 
 def _gear(
     options: Sequence[GearOption], low: float, high: float, accuracy_floor: float | None
 ) -> Gear:
-    """SP2 for one range (module docstring, step 5)."""
+    """SP2 for one range (module docstring, step 5); the floor is checked against
+    ``GearOption.accuracy`` (held-out when the plan has it), the most accurate gear without a
+    floor is the in-sample one (a choice, made on the choose split)."""
     indices = range(len(options))
     fastest = max(indices, key=lambda i: (options[i].max_qps, options[i].quality.accuracy))
     if accuracy_floor is None:
@@ -644,16 +688,16 @@ def _gear(
             return Gear(low, high, fastest, False)
         best = max(serving, key=lambda i: (options[i].quality.accuracy, options[i].max_qps))
         return Gear(low, high, best, True)
-    accurate = [i for i in indices if options[i].quality.accuracy >= accuracy_floor]
+    accurate = [i for i in indices if options[i].accuracy >= accuracy_floor]
     if not accurate:
-        best = max(indices, key=lambda i: (options[i].quality.accuracy, options[i].max_qps))
+        best = max(indices, key=lambda i: (options[i].accuracy, options[i].max_qps))
         return Gear(low, high, best, False)
     best = min(
         accurate,
         key=lambda i: (
             options[i].tail_ms_at(high),
             -options[i].max_qps,
-            -options[i].quality.accuracy,
+            -options[i].accuracy,
         ),
     )
     return Gear(low, high, best, True)
@@ -968,8 +1012,9 @@ def time_weighted_accuracy(
     start_s: float,
     end_s: float,
 ) -> float:
-    """The validation accuracy of the gear in force, averaged over [start_s, end_s) by time
-    (CascadeServe appendix C: "the time-weighted average of all cascades being used")."""
+    """The validation accuracy of the gear in force (``GearOption.accuracy``: held-out when the
+    plan has it), averaged over [start_s, end_s) by time (CascadeServe appendix C: "the
+    time-weighted average of all cascades being used")."""
     if not end_s > start_s:
         raise CascadeError("", f"needs end_s > start_s, got {start_s}, {end_s}")
     gear, t, total = start_gear, start_s, 0.0
@@ -979,7 +1024,7 @@ def time_weighted_accuracy(
             continue
         if change.at_s >= end_s:
             break
-        total += plan.option_of(gear).quality.accuracy * (change.at_s - t)
+        total += plan.option_of(gear).accuracy * (change.at_s - t)
         gear, t = change.gear, change.at_s
-    total += plan.option_of(gear).quality.accuracy * (end_s - t)
+    total += plan.option_of(gear).accuracy * (end_s - t)
     return total / (end_s - start_s)

@@ -23,10 +23,11 @@ docs/catalog.md, "Emulated types"):
    workers load the family from the registry, through the same path as any user's models
    (docs/models.md);
 4. the cascade is the cheapest of the Pareto set (``estimator.cascades.pareto_cascades``, on
-   the validation records and each model's cost per query, its end-to-end latency at batch size
-   1 on :data:`COST_TYPE`) within
+   the *choose* half of the validation records and each model's cost per query, its end-to-end
+   latency at batch size 1 on :data:`COST_TYPE`) within
    :data:`~controlplane.policies.cascade_choice.ACCURACY_TOLERANCE` of the most accurate model
-   alone, as ``heteroplane cascade evaluate`` picks it;
+   alone, as ``heteroplane cascade evaluate`` picks it; its accuracy is the held-out one, on the
+   other half (:func:`~controlplane.policies.cascade_choice.choose_held_out`);
 5. the spec (:func:`demo_spec`) names those models, the cascade with its thresholds, the
    validation records, a :data:`DEMO_SLO_MS` p99 SLO, a :data:`DEMO_BUDGET_USD_PER_HR` budget and
    the two emulated types (capped by :data:`DEMO_MAX_COUNTS`, so that the local machine runs at
@@ -84,11 +85,11 @@ from controlplane.clients import loadgen
 from controlplane.db.store import AppRecord, PlanRecord, Principal, Store
 from controlplane.errors import AppExistsError, NotFoundError
 from controlplane.policies.auth import Scope
-from controlplane.policies.cascade_choice import best_point
+from controlplane.policies.cascade_choice import choose_held_out
 from controlplane.registry import Registry
 from controlplane.service.build import Service
 from controlplane.service.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE
-from estimator.cascades import Cascade, ValidationRecords, load_validation, pareto_cascades
+from estimator.cascades import Cascade, ValidationRecords, load_validation
 from estimator.catalog import default_catalog
 from estimator.errors import EstimatorError
 from estimator.profiles import load_profiles, write_profiles_json
@@ -174,7 +175,8 @@ Progress = Callable[[str], None]
 class DemoFamily:
     """What the demo app is made of: the family's model cache and validation records, the
     measured profiles (``profiles_measured``: measured by this run), and the cascade chosen from
-    them with its accuracy and its cost per query (ms, end to end on :data:`COST_TYPE`)."""
+    them with its held-out accuracy (:func:`choose_cascade`) and its cost per query (ms, end to
+    end on :data:`COST_TYPE`)."""
 
     cache_dir: Path
     validation: Path
@@ -243,14 +245,14 @@ def choose_cascade(
 ) -> tuple[Cascade, float, float]:
     """The cheapest cascade of the Pareto set (accuracy against compute per query, chains of up
     to three models) whose accuracy is within ``ACCURACY_TOLERANCE`` of the most accurate model
-    alone: (cascade, its accuracy, its compute per query in ms)."""
+    alone, chosen on the *choose* half of ``records`` (the held-out protocol, ``choose_held_out``):
+    (cascade, its held-out accuracy on the *score* half, its compute per query in ms)."""
     models = [name for name in records.models if name in compute_ms]
-    front = pareto_cascades(records, compute_ms, models=models, max_length=3)
-    top = max(records.model_accuracy(name) for name in models)
-    best = best_point(front, top)
+    choice = choose_held_out(records, compute_ms, models=models, max_length=3)
+    best = choice.best
     if best is None:  # the most accurate model alone is on the front
         raise AssertionError("the Pareto front lacks the most accurate model")
-    return best.cascade, best.quality.accuracy, best.compute_ms_per_query
+    return best.cascade, choice.held_out_accuracy(best.cascade), best.compute_ms_per_query
 
 
 def ensure_demo_profiles(
@@ -413,7 +415,7 @@ def ensure_demo_app(
     older version's SLO, types or caps, or another cascade), its budget kept."""
     store = services.store
     label = (
-        f"the cascade {family.cascade.label} ({family.accuracy * 100:.2f}% accurate,"
+        f"the cascade {family.cascade.label} ({family.accuracy * 100:.2f}% accurate held-out,"
         f" {family.compute_ms_per_query:.1f} ms per query end to end on {COST_TYPE})"
     )
     try:

@@ -23,6 +23,7 @@ from estimator.cascades import (
     load_validation,
     pareto_cascades,
     pareto_mask,
+    split_sample_ids,
     validation_document,
     validation_from_document,
     with_sample_ids,
@@ -377,3 +378,115 @@ def test_routing_is_checked() -> None:
             prices_usd_per_hr=family.PRICES,
             controller=_SwitchAt(1.0),
         )
+
+
+# --- the held-out protocol -------------------------------------------------------------------
+
+
+def test_the_split_is_deterministic_disjoint_and_covers_every_sample() -> None:
+    records = family.records(n_samples=401)
+    choose_ids, score_ids = split_sample_ids(records, 0.5, seed=7)
+    again = split_sample_ids(records, 0.5, seed=7)
+    assert np.array_equal(choose_ids, again[0]) and np.array_equal(score_ids, again[1])
+    assert not set(choose_ids.tolist()) & set(score_ids.tolist())
+    assert sorted([*choose_ids.tolist(), *score_ids.tolist()]) == list(range(401))
+    assert choose_ids.size == 201  # round(401 / 2), half up
+    other = split_sample_ids(records, 0.5, seed=8)
+    assert not np.array_equal(choose_ids, other[0])  # another seed, another split
+
+
+def test_the_split_is_stratified_by_label() -> None:
+    records = family.records(n_samples=600)
+    for share in (0.5, 0.3):
+        choose_ids, _ = split_sample_ids(records, share, seed=0)
+        for label in np.unique(records.labels):
+            in_class = int(np.sum(records.labels == label))
+            chosen = int(np.sum(records.labels[choose_ids] == label))
+            assert abs(chosen - share * in_class) <= 1
+
+
+def test_split_records_are_the_subsets_with_their_own_accuracy() -> None:
+    records = family.records(n_samples=300)
+    choose, score = records.split(0.5, 3)
+    choose_ids, score_ids = split_sample_ids(records, 0.5, 3)
+    assert choose.n_samples + score.n_samples == records.n_samples
+    assert np.array_equal(choose.labels, records.labels[choose_ids])
+    assert np.array_equal(score.certainty, records.certainty[:, score_ids])
+    for model in records.models:
+        row = records.model_index(model)
+        assert score.model_accuracy(model) == pytest.approx(records.correct[row, score_ids].mean())
+    # Scoring a cascade on a split is scoring it on those samples of the whole.
+    cascade = Cascade(records.models[:2], (0.6,))
+    whole = answering_stage(cascade, records)
+    assert np.array_equal(answering_stage(cascade, choose), whole[choose_ids])
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0, -0.1, float("nan")])
+def test_the_split_refuses_a_share_outside_the_open_interval(share: float) -> None:
+    with pytest.raises(CascadeError, match="share"):
+        family.records().split(share, 0)
+
+
+def test_a_split_that_would_leave_one_side_empty_is_refused() -> None:
+    one = family.records(n_samples=1)
+    with pytest.raises(CascadeError, match="empty"):
+        one.split(0.5, 0)
+
+
+def overfit_records() -> ValidationRecords:
+    """Two models, ``tiny`` (cheap) and ``large``, where ``tiny``'s certainty means something
+    only on the choose split of seed 0: there it is certain (0.95) exactly when right; on the
+    score split it is as certain on half the samples it gets wrong."""
+    n = 40
+    labels = np.arange(n) % 2
+    shape_only = ValidationRecords(
+        dataset="overfit",
+        seed=0,
+        labels=labels,
+        models=("tiny",),
+        predictions=labels[None, :],
+        correct=np.ones((1, n), dtype=bool),
+        certainty=np.full((1, n), 0.5),
+        accuracy=np.array([1.0]),
+        params=np.array([1]),
+    )
+    choose_ids, score_ids = split_sample_ids(shape_only, 0.5, 0)  # depends on the labels only
+    right = np.zeros(n, dtype=bool)
+    certainty = np.full(n, 0.2)
+    right[choose_ids[::2]] = True  # half the choose split: right and certain
+    certainty[choose_ids[::2]] = 0.95
+    right[score_ids[::2]] = True  # half the score split: right and certain...
+    certainty[score_ids] = 0.95  # ...but certain on the other half too, where it is wrong
+    predictions = np.where(right, labels, 1 - labels)
+    correct = np.array([right, np.ones(n, dtype=bool)])
+    return ValidationRecords(
+        dataset="overfit",
+        seed=0,
+        labels=labels,
+        models=("tiny", "large"),
+        predictions=np.array([predictions, labels]),
+        correct=correct,
+        certainty=np.array([certainty, np.full(n, 0.5)]),
+        accuracy=correct.mean(axis=1),
+        params=np.array([1, 100]),
+    )
+
+
+def test_a_cascade_chosen_on_one_split_is_scored_on_the_other() -> None:
+    from controlplane.policies.cascade_choice import best_point, choose_held_out
+
+    records = overfit_records()
+    compute_ms = {"tiny": 1.0, "large": 3.0}
+    choice = choose_held_out(records, compute_ms, share=0.5, seed=0)
+    assert choice.best is not None
+    # On the choose split tiny's certainty separates right from wrong: the cheapest cascade as
+    # accurate as large alone stops the certain half at tiny.
+    assert choice.best.cascade == Cascade(("tiny", "large"), (0.3,))
+    assert choice.best.quality.accuracy == 1.0  # in-sample
+    # On the score split the same thresholds stop wrong answers at tiny.
+    assert choice.held_out_accuracy(choice.best.cascade) == 0.5
+    assert evaluate(choice.best.cascade, records).accuracy == 0.75  # the old, pooled figure
+    assert choice.model_accuracy("large") == (1.0, 1.0)
+    # The choice is the rule applied to the choose split alone.
+    front = pareto_cascades(choice.choose, compute_ms)
+    assert best_point(front, 1.0) == choice.best

@@ -61,6 +61,12 @@ def test_json_contract(trained_family: Path, capsys: pytest.CaptureFixture[str])
         c for c in out["cascades"] if c["compute_ms_per_query"] < flagged[0]["compute_ms_per_query"]
     ]
     assert all(c["accuracy"] < top - ACCURACY_TOLERANCE for c in cheaper)
+    # The held-out protocol: ``accuracy`` is the choose split's, ``held_out_accuracy`` the
+    # score split's; the two splits share nothing and hold every sample.
+    split = out["split"]
+    assert split["choose_samples"] + split["score_samples"] == out["validation_samples"]
+    for entry in (*out["models"], *out["cascades"], out["best"]):
+        assert 0 < entry["held_out_accuracy"] <= 1
 
 
 def test_human_summary(trained_family: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -68,6 +74,7 @@ def test_human_summary(trained_family: Path, capsys: pytest.CaptureFixture[str])
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "Pareto set of cascades" in captured.out and "best:" in captured.out
+    assert "held-out" in captured.out and "in-sample" in captured.out
     assert "timing" in captured.err  # progress goes to stderr
 
 

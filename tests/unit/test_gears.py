@@ -29,7 +29,13 @@ from controlplane.policies.gears import (
     time_weighted_accuracy,
 )
 from controlplane.policies.tuner import Decision
-from estimator.cascades import Cascade, CascadeQuality, answering_stage, validation_document
+from estimator.cascades import (
+    Cascade,
+    CascadeQuality,
+    answering_stage,
+    evaluate,
+    validation_document,
+)
 from estimator.errors import CascadeError, NoFeasibleGearError
 from estimator.profiles import LatencyProfile, write_profiles_json
 from estimator.traces import Trace, constant_profile, renewal_arrivals, with_spikes
@@ -507,6 +513,21 @@ def test_gears_command_prints_one_json_object(
     assert out["app"] == "digits" and len(out["gears"]) == 3
     assert out["cost_usd_per_hr"] == pytest.approx(4 * 0.17)
     assert all(math.isfinite(o["max_qps"]) for o in out["options"])
+    # The held-out protocol: chosen on one half of the records, scored on the other.
+    assert out["split"]["choose_samples"] + out["split"]["score_samples"] == 400
+    assert out["held_out_samples"] == out["split"]["score_samples"]
+    for entry in (*out["options"], *out["gears"]):
+        assert 0 <= entry["accuracy"] <= 1 and 0 <= entry["held_out_accuracy"] <= 1
+
+
+def test_gears_command_prints_both_accuracies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec, validation = _app(tmp_path)
+    args = ["gears", "--spec", str(spec), "--validation", str(validation)]
+    assert main([*args, "--placement", PLACEMENT, "--thresholds", "0.3,0.9", "--ranges", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out" in out and "in-sample" in out
 
 
 def test_gears_command_refuses_a_foreign_model(
@@ -518,3 +539,58 @@ def test_gears_command_refuses_a_foreign_model(
         main([*args, "--placement", "huge:c5.xlarge=1"])
     assert exit_.value.code == 2
     assert "'huge', not a model of the app" in capsys.readouterr().err
+
+
+# --- the held-out protocol -------------------------------------------------------------------
+
+
+def test_options_carry_held_out_accuracy_and_round_trip() -> None:
+    choose, score = family.records().split(0.5, 0)
+    plan = plan_gears(
+        choose,
+        Placement.parse(PLACEMENT),
+        family.profiles(),
+        family.PRICES,
+        slo_ms=SLO_MS,
+        grid=(0.3, 0.9),
+        n_ranges=3,
+        seed=1,
+        held_out=score,
+    )
+    assert plan.held_out_samples == score.n_samples
+    for option in plan.options:
+        assert option.held_out_accuracy == evaluate(option.cascade, score).accuracy
+        assert option.quality.accuracy == evaluate(option.cascade, choose).accuracy
+        assert option.accuracy == option.held_out_accuracy
+    document = plan.to_document()
+    assert all("held_out_accuracy" in g for g in document["gears"])
+    again = GearPlan.from_document(json.loads(json.dumps(document)))
+    assert [o.held_out_accuracy for o in again.options] == [
+        o.held_out_accuracy for o in plan.options
+    ]
+    assert again.held_out_samples == plan.held_out_samples
+
+
+def test_the_accuracy_floor_is_checked_against_the_held_out_accuracy() -> None:
+    from tests.unit.test_cascades import overfit_records
+
+    records = overfit_records()
+    choose, score = records.split(0.5, 0)
+    placement = Placement.parse("tiny:c5.xlarge=1;large:c5.xlarge=1")
+    common = {
+        "slo_ms": SLO_MS,
+        "accuracy_floor": 0.9,
+        "grid": (0.3, 0.6),
+        "n_ranges": 2,
+        "seed": 1,
+    }
+    profiles = family.profiles()
+    in_sample = plan_gears(choose, placement, profiles, family.PRICES, **common)
+    held_out = plan_gears(choose, placement, profiles, family.PRICES, held_out=score, **common)
+    # In-sample, tiny's certainty looks perfect: a cascade meets the floor in every range.
+    assert all(g.meets_slo for g in in_sample.gears)
+    assert all(in_sample.options[g.option].quality.accuracy >= 0.9 for g in in_sample.gears)
+    # Held-out, the same cascades score 50%: no finalist meets the floor, and the plan says so.
+    assert any(o.quality.accuracy >= 0.9 for o in held_out.options)
+    assert all(o.accuracy < 0.9 for o in held_out.options)
+    assert not any(g.meets_slo for g in held_out.gears)
