@@ -83,6 +83,7 @@ __all__ = [
     "StageDemand",
     "allocate",
     "candidate_allocations",
+    "cheapest_within",
     "stage_latency_ms",
     "tchebycheff_front",
 ]
@@ -413,6 +414,78 @@ def _solve(
     )
     solution = second.x if second.x is not None else first.x
     return [int(np.argmax(solution[offsets[i] : offsets[i + 1]])) for i in range(len(blocks))]
+
+
+def cheapest_within(
+    options: Sequence[tuple[NDArray[np.int64], NDArray[np.float64], NDArray[np.float64]]],
+    types: Sequence[str],
+    latency_bound_ms: float,
+    *,
+    budget_usd_per_hr: float | None = None,
+    max_counts: Mapping[str, int] | None = None,
+) -> list[int] | None:
+    """The cheapest choice of one option per stage whose latencies sum to at most
+    ``latency_bound_ms``, within the budget and the caps; ``None`` when no choice is.
+
+    Cascadia's MILP (section 3.2) with its objective and latency constraint exchanged, as a planner
+    for an SLO needs them: ``options[i]`` is stage i's (counts by ``types``, latency l_i(a) ms,
+    cost P(a) USD/hr) per candidate allocation a, the latencies precomputed (the planner
+    simulates them), and with binaries x_{i,a}
+
+        minimise    sum_i sum_a P(a) x_{i,a}
+        subject to  sum_a x_{i,a} = 1                        (one allocation per stage)
+                    sum_i sum_a l_i(a) x_{i,a} <= bound      (the pipeline's latency)
+                    sum_i sum_a n_t(a) x_{i,a} <= c_t        (caps, per type)
+                    sum_i sum_a P(a) x_{i,a} <= B            (budget)
+
+    >>> one = (np.array([[1], [2]]), np.array([30.0, 12.0]), np.array([1.0, 2.0]))
+    >>> two = (np.array([[1], [3]]), np.array([40.0, 15.0]), np.array([1.0, 3.0]))
+    >>> cheapest_within([one, two], ["c"], 60.0)  # 12 + 40 ms at $3/hr (30 + 40 is $2, too slow)
+    [1, 0]
+    >>> cheapest_within([one, two], ["c"], 20.0) is None
+    True
+    """
+    if not options or any(block[0].shape[0] == 0 for block in options):
+        return None
+    sizes = [block[0].shape[0] for block in options]
+    offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    n_x = int(offsets[-1])
+    all_counts = np.concatenate([b[0] for b in options]).astype(np.float64)
+    all_latency = np.concatenate([b[1] for b in options])
+    all_cost = np.concatenate([b[2] for b in options])
+    rows: list[NDArray[np.float64]] = []
+    lower: list[float] = []
+    upper: list[float] = []
+    for i in range(len(options)):
+        row = np.zeros(n_x)
+        row[offsets[i] : offsets[i + 1]] = 1.0
+        rows += [row]
+        lower.append(1.0)
+        upper.append(1.0)
+    rows.append(all_latency)
+    lower.append(-np.inf)
+    upper.append(latency_bound_ms)
+    for k, t in enumerate(types):
+        cap = (max_counts or {}).get(t)
+        if cap is not None and all_counts[:, k].any():
+            rows.append(all_counts[:, k])
+            lower.append(-np.inf)
+            upper.append(float(cap))
+    if budget_usd_per_hr is not None:
+        rows.append(all_cost)
+        lower.append(-np.inf)
+        upper.append(budget_usd_per_hr + 1e-9)
+    constraints = [LinearConstraint(np.vstack(rows), np.array(lower), np.array(upper))]
+    result = milp(
+        all_cost,
+        constraints=constraints,
+        integrality=np.ones(n_x),
+        bounds=Bounds(np.zeros(n_x), np.ones(n_x)),
+        options={"mip_rel_gap": 0.0},
+    )
+    if result.x is None:
+        return None
+    return [int(np.argmax(result.x[offsets[i] : offsets[i + 1]])) for i in range(len(options))]
 
 
 # --- the weighted-Tchebycheff sweep ----------------------------------------------------------

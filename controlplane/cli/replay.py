@@ -6,7 +6,8 @@ baselines ``--policy peak`` and ``--policy mean`` make their own plan, for the r
 peak or mean rate (:func:`controlplane.policies.baselines.plan_baseline`), and replay it static.
 The tuner runs the load model of docs/tuner.md by default (``--tuner-model curve``: the planner's
 capacity curve of the plan's stage on the planning trace, a 180 s live envelope);
-``--tuner-model inferline`` is InferLine's one provisioning ratio, for comparison.
+``--tuner-model inferline`` is InferLine's one provisioning ratio, for comparison. A plan of
+several stages (a cascade) replays with ``--tuner off`` only: the whole pipeline, static.
 """
 
 from __future__ import annotations
@@ -98,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
         plan: PlanDocument = parse_plan(made.plan.to_document(), f"the {label} plan")
     else:
         plan = read_plan(args.plan)
+    if len(plan.stages) > 1 and policy != "static":
+        raise UsageError(
+            f"the plan has {len(plan.stages)} stages: a cascade replays static, the whole pipeline"
+            " under the plan's fleets (pass --tuner off); the tuner scales one stage"
+        )
     model = args.tuner_model or "curve"
     curve = None
     if policy == "tuner" and model == "curve":

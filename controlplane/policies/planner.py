@@ -8,8 +8,9 @@ a configuration is feasible when the simulated P-th percentile of the response t
 planning trace is within the SLO (P = ``slo.percentile``, 99 by default).
 
 docs/planner.md states the algorithm step by step (the service-time bound, the Kairos start mix,
-Algorithm 1's added capacity, Algorithm 2's greedy cuts, the budget rule, cascades planned for
-the share of queries that reach each stage, the end-to-end prediction, the planned envelope and
+Algorithm 1's added capacity, Algorithm 2's greedy cuts, the budget rule, cascades planned
+jointly against the end-to-end SLO (Cascadia's MILP proposes, the pipeline simulation judges),
+the end-to-end prediction, the planned envelope and
 the document's contract); the functions below cite the step they implement. Why the constants
 have their values is said where they are defined.
 """
@@ -26,12 +27,18 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.policies.gears import Placement, plan_gears
+from controlplane.policies.pipeline import (
+    answering_stages,
+    dispatch_factory,
+    pipeline_stages,
+    reaching_batch_sizes,
+)
 from controlplane.policies.plan import DispatchName, PlanDocument, StagePlan
 from controlplane.policies.replay import rate_per_instance_qps
 from controlplane.spec import ResolvedApp
 from estimator import deadline
+from estimator.allocation import cheapest_within
 from estimator.bounds import KairosQuantities, Ranking, kairos_quantities, rank_configurations
-from estimator.cascades import answering_stage, with_sample_ids
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope, tuner_windows_s
 from estimator.errors import (
     BatchSizeOutOfRangeError,
@@ -438,6 +445,8 @@ class _Setup:
     cheapest_usd_per_hr: tuple[float, ...]  # per stage: its cheapest candidate's price
     # per stage: which of the trace's queries reach it (None: all of them, s_m = 1)
     reach: tuple[NDArray[np.bool_] | None, ...]
+    # per query: the stage that answers it (None: one stage, or every query reaches every stage)
+    answered: NDArray[np.int64] | None = None
 
     def stage_trace(self, i: int, trace: Trace) -> Trace:
         """The queries of ``trace`` that reach stage ``i`` (the whole trace when all do)."""
@@ -454,28 +463,26 @@ class _Setup:
 
 def _reach(
     app: ResolvedApp, trace: Trace, seed: int, slo_ms: float, steps: list[str]
-) -> tuple[NDArray[np.bool_] | None, ...]:
-    """Per stage, which queries reach it (see the module docstring); ``None`` for all."""
+) -> tuple[tuple[NDArray[np.bool_] | None, ...], NDArray[np.int64] | None]:
+    """Per stage, which queries reach it (see the module docstring; ``None`` for all), and per
+    query the stage that answers it (``None``: one stage, or no validation records)."""
     order = app.spec.serving_order
     cascade, records = app.cascade, app.validation
     if len(order) == 1:
-        return (None,)
+        return (None,), None
     if cascade is None or records is None:
         steps.append(
-            f"cascade {' -> '.join(order)}: planned stage by stage with scale factor 1.0 (every"
-            f" query reaches every stage: the spec gives no thresholds or validation records)"
-            f" and an equal share {slo_ms:g} ms of the SLO each"
+            f"cascade {' -> '.join(order)}: planned jointly with scale factor 1.0 (every query"
+            f" reaches every stage: the spec gives no thresholds or validation records) against"
+            f" the end-to-end SLO {slo_ms:g} ms"
         )
-        return tuple(None for _ in order)
+        return tuple(None for _ in order), None
     if trace.sample_id is not None:
-        sample_id = trace.sample_id
         source = "the trace's sample ids"
     else:
-        drawn = with_sample_ids(trace, records, np.random.default_rng(seed)).sample_id
-        assert drawn is not None
-        sample_id = drawn
         source = f"validation samples drawn uniformly (seed {seed})"
-    stage = answering_stage(cascade, records, sample_id)
+    stage = answering_stages(app, trace, np.random.default_rng(seed))
+    assert stage is not None
     masks: list[NDArray[np.bool_] | None] = [None]
     for i in range(1, len(order)):
         mask = stage >= i
@@ -491,10 +498,10 @@ def _reach(
     )
     steps.append(
         f"cascade {cascade.label}: scale factors from the validation records ({source}):"
-        f" {shares}; each stage planned on the queries that reach it, with an equal share"
-        f" {slo_ms:g} ms of the SLO"
+        f" {shares}; the stages planned jointly against the end-to-end SLO {slo_ms:g} ms, the"
+        f" whole pipeline simulated with each query forwarded as its sample says"
     )
-    return tuple(masks)
+    return tuple(masks), stage
 
 
 def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _Setup:
@@ -510,15 +517,15 @@ def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _
             spec.slo.percentile,
         )
     # The control plane's own time per query (measured by the service) comes off the SLO first:
-    # the stages share what is left.
-    slo_ms = (spec.slo.latency_ms - overhead_ms) / len(order)
+    # the stages (planned jointly when there are several) share what is left.
+    slo_ms = spec.slo.latency_ms - overhead_ms
     if overhead_ms > 0:
         steps.append(
             f"the control plane's own time per query, {overhead_ms:.2f} ms as the service"
             f" measured it (the API before the serving loop), is added to every query's"
             f" simulated latency: the stages share the SLO less it"
         )
-    reach = _reach(app, trace, seed, slo_ms, steps)
+    reach, answered = _reach(app, trace, seed, slo_ms, steps)
     smallest, largest = int(trace.batch_size.min()), int(trace.batch_size.max())
     stages = []
     for model in order:
@@ -557,7 +564,7 @@ def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _
             )
         )
     cheapest = tuple(min(s.prices_usd_per_hr.values()) for s in stages)
-    return _Setup(tuple(stages), cheapest, reach)
+    return _Setup(tuple(stages), cheapest, reach, answered)
 
 
 def _value_per_usd(inputs: _StageInputs, sizes: np.ndarray) -> dict[str, float]:
@@ -579,7 +586,10 @@ def _run(
     counter: list[int],
 ) -> list[StagePlan] | None:
     """Plan every stage on ``trace``; ``None`` when some stage has no plan within the budget.
-    Without ``optimise`` only Algorithm 1 runs (a feasibility probe)."""
+    Without ``optimise`` only Algorithm 1 runs (a feasibility probe). Several stages are planned
+    jointly (:func:`_run_joint`)."""
+    if len(setup.stages) > 1:
+        return _run_joint(setup, app, trace, seed, steps, optimise, counter)
     left_usd_per_hr = app.spec.budget_usd_per_hr
     plans = []
     for i, stage in enumerate(setup.stages):
@@ -611,6 +621,415 @@ def _run(
                 tail_ms,
                 throughput,
                 cost,
+                policy,
+                setup.scale_factor(i),
+            )
+        )
+    return plans
+
+
+# --- cascades: the stages planned jointly ----------------------------------------------------
+
+# The pipeline simulations one joint plan may spend on Algorithm 2's cuts (each of a 20,000-query
+# planning sample through three stages takes about half a second on the event engine): past it
+# the plan keeps the cheapest feasible allocation reached so far, and a step says so.
+MAX_JOINT_CUT_SIMULATIONS = 60
+# The proposal's candidate allocations per stage, type and batch size: counts from the fewest
+# that keep the stage stable to this many more (the stage's latency has flattened long before on
+# every trace we plan; the enumeration also stops once one more instance gains under 2%).
+MAX_PROPOSAL_EXTRA = 12
+PROPOSAL_FLAT = 0.98
+# The largest batch size (queries per batch) the proposal tries; Algorithm 2 may double past it.
+MAX_PROPOSAL_BATCH = 16
+# The sum of stage latencies over-states the pipeline's tail (the slowest queries of one stage
+# are rarely those of the next), so the MILP is solved with the SLO times each of these as the
+# bound and the cheapest proposal that the pipeline simulation finds feasible is taken (on the
+# test cascade the feasible proposals reach twice the SLO in the sum of stage tails).
+PROPOSAL_BOUND_FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0)
+
+# A joint allocation: per stage, its fleet as sorted (type, count) pairs and its batch size.
+_Joint = tuple[tuple[tuple[tuple[str, int], ...], int], ...]
+
+
+def _joint(fleets: list[dict[str, int]], batches: list[int]) -> _Joint:
+    return tuple(
+        (tuple(sorted((t, n) for t, n in f.items() if n)), b)
+        for f, b in zip(fleets, batches, strict=True)
+    )
+
+
+@dataclass(slots=True)
+class _PipelineJudge:
+    """Simulates joint allocations end to end on the planning trace with one seed (the pipeline
+    of :mod:`controlplane.policies.pipeline`, the one ``replay`` builds); caches the answers.
+    The tail includes the control plane's own time per query."""
+
+    setup: _Setup
+    app: ResolvedApp
+    trace: Trace
+    seed: int
+    cache: dict[_Joint, float] = field(default_factory=dict)
+    simulations: int = 0
+
+    def __call__(self, joint: _Joint) -> float:
+        if joint not in self.cache:
+            deadline.check()
+            stages = pipeline_stages(
+                self.app,
+                [
+                    (s.model, [InstanceSpec(t) for t, n in fleet for _ in range(n)], batch, None)
+                    for s, (fleet, batch) in zip(self.setup.stages, joint, strict=True)
+                ],
+                self.trace,
+                self.setup.answered,
+            )
+            result = simulate(
+                self.trace,
+                stages,
+                np.random.default_rng(self.seed),
+                prices_usd_per_hr=self.app.prices_usd_per_hr,
+                qos_ms=self.app.spec.slo.latency_ms,
+            )
+            self.simulations += 1
+            tail_ms = float(np.percentile(result.response_ms, self.app.spec.slo.percentile))
+            self.cache[joint] = tail_ms + self.app.serving_overhead_ms
+        return self.cache[joint]
+
+
+def _joint_cost(setup: _Setup, joint: _Joint) -> float:
+    return sum(
+        _cost(dict(fleet), s.prices_usd_per_hr)
+        for s, (fleet, _) in zip(setup.stages, joint, strict=True)
+    )
+
+
+def _joint_text(setup: _Setup, joint: _Joint) -> str:
+    return "; ".join(
+        f"{s.model}: {_fleet_text(dict(fleet))} at batch {batch}"
+        for s, (fleet, batch) in zip(setup.stages, joint, strict=True)
+    )
+
+
+def _within_caps(app: ResolvedApp, joint: _Joint) -> bool:
+    """The spec's caps hold for the whole pipeline (a type's instances summed over stages)."""
+    used: dict[str, int] = {}
+    for fleet, _ in joint:
+        for t, n in fleet:
+            used[t] = used.get(t, 0) + n
+    return all(n <= (app.spec.max_count(t) or math.inf) for t, n in used.items())
+
+
+def _stage_rate_qps(setup: _Setup, i: int, trace: Trace) -> float:
+    mask = setup.reach[i]
+    share = 1.0 if mask is None else float(np.count_nonzero(mask)) / mask.size
+    return share * _rate_qps(trace)
+
+
+def _stable(setup: _Setup, i: int, trace: Trace, fleet: Mapping[str, int], batch: int) -> bool:
+    """Whether stage ``i``'s fleet serves at least its share of the trace's mean rate (an
+    unstable stage's queue grows without bound: no need to simulate it)."""
+    inputs = setup.stages[i]
+    sizes = setup.stage_trace(i, trace).batch_size
+    capacity = sum(
+        n * rate_per_instance_qps(inputs.profiles[t], sizes, batch) for t, n in fleet.items()
+    )
+    return capacity > _stage_rate_qps(setup, i, trace)
+
+
+def _stage_options(
+    setup: _Setup, i: int, trace: Trace, seed: int, bound_percentile: float, counter: list[int]
+) -> tuple[list[tuple[dict[str, int], int]], NDArray[np.float64], NDArray[np.float64]]:
+    """The proposal's candidates for stage ``i``: one type, a batch size and a count, each with
+    the stage's simulated latency alone on the queries that reach it (the ``bound_percentile``-th
+    percentile of their response times) and its cost."""
+    inputs = setup.stages[i]
+    stage_trace = setup.stage_trace(i, trace)
+    sizes = stage_trace.batch_size
+    smallest = int(sizes.min())
+    rate = _stage_rate_qps(setup, i, trace)
+    options: list[tuple[dict[str, int], int]] = []
+    latency: list[float] = []
+    cost: list[float] = []
+    for t in sorted(inputs.profiles):
+        price = inputs.prices_usd_per_hr[t]
+        cap = min(inputs.max_counts.get(t, MAX_ADDED_INSTANCES), MAX_ADDED_INSTANCES)
+        batch = 1
+        while batch <= MAX_PROPOSAL_BATCH and _batch_fits(inputs, {t: 1}, batch, smallest):
+            mu = rate_per_instance_qps(inputs.profiles[t], sizes, batch)
+            first = max(1, math.floor(rate / mu) + 1) if mu > 0 else cap + 1
+            previous = math.inf
+            for n in range(first, min(cap, first + MAX_PROPOSAL_EXTRA) + 1):
+                if n * price > inputs.budget_usd_per_hr + 1e-9:
+                    break
+                deadline.check()
+                _, stage = _simulated_stage(inputs, {t: n}, batch, sizes)
+                result = simulate(
+                    stage_trace,
+                    [stage],
+                    np.random.default_rng(seed),
+                    prices_usd_per_hr=inputs.prices_usd_per_hr,
+                )
+                counter[0] += 1
+                tail_ms = float(np.percentile(result.response_ms, bound_percentile))
+                options.append(({t: n}, batch))
+                latency.append(tail_ms)
+                cost.append(n * price)
+                if tail_ms > PROPOSAL_FLAT * previous:
+                    break
+                previous = tail_ms
+            batch *= 2
+    return options, np.array(latency), np.array(cost)
+
+
+def _proposal(
+    setup: _Setup,
+    app: ResolvedApp,
+    trace: Trace,
+    seed: int,
+    judge: _PipelineJudge,
+    steps: list[str],
+    counter: list[int],
+) -> _Joint | None:
+    """Cascadia's MILP (:func:`estimator.allocation.cheapest_within`) over each stage's
+    simulated candidates: the cheapest choice whose stage latencies sum to the SLO times each of
+    :data:`PROPOSAL_BOUND_FACTORS`; of those proposals, the cheapest the pipeline simulation
+    finds within the SLO, else the one of lowest simulated tail. A stage reached by the share s of
+    the queries contributes to the pipeline's P-th percentile through its own
+    (100 - (100 - P) / s)-th (at least its median), so that is its latency. When no choice fits,
+    each stage takes the cheapest candidate within its share of the SLO by load (s_i over its
+    fastest type's rate, summed over stages to 1), else its fastest."""
+    slo = app.spec.slo
+    bound_ms = slo.latency_ms - app.serving_overhead_ms
+    types = sorted({t for s in setup.stages for t in s.profiles})
+    blocks = []
+    choices = []
+    load = []
+    for i, inputs in enumerate(setup.stages):
+        share = setup.scale_factor(i)
+        percentile = min(slo.percentile, max(50.0, 100.0 - (100.0 - slo.percentile) / share))
+        options, latency, cost = _stage_options(setup, i, trace, seed, percentile, counter)
+        if not options:
+            steps.append(f"{inputs.model}: no candidate allocation within the budget is stable")
+            return None
+        counts = np.array([[f.get(t, 0) for t in types] for f, _ in options], dtype=np.int64)
+        blocks.append((counts, latency, cost))
+        choices.append(options)
+        sizes = setup.stage_trace(i, trace).batch_size
+        load.append(share / max(p.rate_qps(sizes) for p in inputs.profiles.values()))
+    caps = {t: n for t in types if (n := app.spec.max_count(t)) is not None}
+    proposals: dict[_Joint, float] = {}
+    for factor in PROPOSAL_BOUND_FACTORS:
+        picked = cheapest_within(
+            blocks,
+            types,
+            factor * bound_ms,
+            budget_usd_per_hr=app.spec.budget_usd_per_hr,
+            max_counts=caps,
+        )
+        if picked is not None:
+            joint = _joint(
+                [dict(choices[i][k][0]) for i, k in enumerate(picked)],
+                [choices[i][k][1] for i, k in enumerate(picked)],
+            )
+            proposals.setdefault(joint, factor)
+    candidates = len([None for c in choices for _ in c])
+    if proposals:
+        ordered = sorted(proposals, key=lambda j: (_joint_cost(setup, j), proposals[j]))
+        tails = {}
+        for joint in ordered:
+            tails[joint] = judge(joint)
+            if tails[joint] <= app.spec.slo.latency_ms:
+                break
+        feasible = [j for j in tails if tails[j] <= app.spec.slo.latency_ms]
+        joint = (
+            feasible[0] if feasible else min(tails, key=lambda j: (tails[j], _joint_cost(setup, j)))
+        )
+        how = (
+            f"Cascadia's MILP over {candidates} simulated stage candidates (one type, count and"
+            f" batch size each): the cheapest whose stage latencies sum to"
+            f" {proposals[joint]:g} x {bound_ms:g} ms, the cheapest of {len(tails)} such"
+            f" proposals {'within the SLO' if feasible else 'of lowest tail'} end to end"
+        )
+    else:
+        picked = []
+        for i, (_, latency, cost) in enumerate(blocks):
+            within = np.flatnonzero(latency <= bound_ms * load[i] / sum(load))
+            picked.append(
+                int(within[np.argmin(cost[within])]) if within.size else int(np.argmin(latency))
+            )
+        joint = _joint(
+            [dict(choices[i][k][0]) for i, k in enumerate(picked)],
+            [choices[i][k][1] for i, k in enumerate(picked)],
+        )
+        how = (
+            "no choice of the simulated stage candidates sums to the SLO within the budget (the"
+            " MILP); per stage, the cheapest within its share of the SLO by load, else the fastest"
+        )
+    steps.append(
+        f"joint proposal: {_joint_text(setup, joint)} (${_joint_cost(setup, joint):.3f}/hr): {how}"
+    )
+    return joint
+
+
+def _joint_add(
+    setup: _Setup, app: ResolvedApp, judge: _PipelineJudge, joint: _Joint, steps: list[str]
+) -> _Joint | None:
+    """Algorithm 1 on the pipeline: while the end-to-end tail is above the SLO, add the one
+    instance (any stage, any type, within the budget and caps) that lowers it most; ``None``
+    when none lowers it."""
+    slo = app.spec.slo
+    budget = app.spec.budget_usd_per_hr
+    tail_ms = judge(joint)
+    steps.append(
+        f"end-to-end P{slo.percentile:g} of the proposal: {tail_ms:.1f} ms"
+        f" (SLO {slo.latency_ms:g} ms)"
+    )
+    for _ in range(MAX_ADDED_INSTANCES):
+        if tail_ms <= slo.latency_ms:
+            return joint
+        best: tuple[float, _Joint, str] | None = None
+        for i, inputs in enumerate(setup.stages):
+            fleet, batch = dict(joint[i][0]), joint[i][1]
+            for t in sorted(inputs.profiles):
+                grown = list(joint)
+                grown[i] = _joint([{**fleet, t: fleet.get(t, 0) + 1}], [batch])[0]
+                candidate = tuple(grown)
+                if _joint_cost(setup, candidate) > budget + 1e-9 or not _within_caps(
+                    app, candidate
+                ):
+                    continue
+                grown_ms = judge(candidate)
+                if best is None or grown_ms < best[0]:
+                    best = (grown_ms, candidate, f"{inputs.model}: add one {t}")
+        if best is None or best[0] >= tail_ms:
+            steps.append(
+                f"no instance that fits the budget ${budget:g}/hr lowers the end-to-end"
+                f" P{slo.percentile:g} below {slo.latency_ms:g} ms (it is {tail_ms:.1f} ms on"
+                f" {_joint_text(setup, joint)})"
+            )
+            return None
+        steps.append(
+            f"{best[2]} (end-to-end P{slo.percentile:g} {tail_ms:.1f} -> {best[0]:.1f} ms,"
+            f" ${_joint_cost(setup, best[1]):.3f}/hr)"
+        )
+        tail_ms, joint = best[0], best[1]
+    return joint if tail_ms <= slo.latency_ms else None
+
+
+def _joint_cut(
+    setup: _Setup,
+    app: ResolvedApp,
+    judge: _PipelineJudge,
+    joint: _Joint,
+    trace: Trace,
+    steps: list[str],
+) -> _Joint:
+    """Algorithm 2 on the pipeline: the actions of :func:`_algorithm_2` on every stage, in order
+    of saving, the first whose end-to-end tail stays within the SLO applied, until none does (or
+    :data:`MAX_JOINT_CUT_SIMULATIONS` are spent). Stages left unstable are not simulated."""
+    slo = app.spec.slo
+    smallest = int(trace.batch_size.min())
+    spent = judge.simulations
+    while True:
+        moves: list[tuple[float, int, str, int, dict[str, int], int, str]] = []
+        for i, inputs in enumerate(setup.stages):
+            fleet, batch = dict(joint[i][0]), joint[i][1]
+            prices = inputs.prices_usd_per_hr
+            total = sum(fleet.values())
+            for t in sorted(t for t in fleet if fleet[t]):
+                if total > 1:
+                    fewer = {**fleet, t: fleet[t] - 1}
+                    moves.append((prices[t], 0, t, i, fewer, batch, f"remove one {t}"))
+                    if _batch_fits(inputs, fewer, 2 * batch, smallest):
+                        what = f"double the batch size to {2 * batch} and remove one {t}"
+                        moves.append((prices[t], 2, t, i, fewer, 2 * batch, what))
+                for u in sorted(inputs.profiles):
+                    if prices[u] < prices[t]:
+                        moved = {**fleet, t: fleet[t] - 1, u: fleet.get(u, 0) + 1}
+                        what = f"move one {t} to {u}"
+                        moves.append((prices[t] - prices[u], 1, t + u, i, moved, batch, what))
+        actions: list[tuple[float, int, str, _Joint, str]] = []
+        for saving, kind, key, i, fleet, batch, what in moves:
+            fleet = {t: n for t, n in fleet.items() if n}
+            if not _stable(setup, i, trace, fleet, batch):
+                continue
+            changed = list(joint)
+            changed[i] = _joint([fleet], [batch])[0]
+            candidate = tuple(changed)
+            if _within_caps(app, candidate):
+                model = setup.stages[i].model
+                actions.append((saving, kind, f"{i}:{key}", candidate, f"{model}: {what}"))
+        actions.sort(key=lambda a: (-a[0], a[1], a[2]))
+        for saving, _, _, candidate, what in actions:
+            if judge.simulations - spent >= MAX_JOINT_CUT_SIMULATIONS:
+                steps.append(
+                    f"the cuts stop after {MAX_JOINT_CUT_SIMULATIONS} pipeline simulations (a"
+                    f" bound on planning time); the plan keeps the last feasible allocation"
+                )
+                return joint
+            tail_ms = judge(candidate)
+            if tail_ms <= slo.latency_ms:
+                joint = candidate
+                steps.append(
+                    f"{what}: saves ${saving:.3f}/hr (now ${_joint_cost(setup, joint):.3f}/hr),"
+                    f" end-to-end P{slo.percentile:g} {tail_ms:.1f} ms"
+                )
+                break
+        else:
+            steps.append(
+                f"no action that cuts cost keeps the end-to-end P{slo.percentile:g} within"
+                f" {slo.latency_ms:g} ms; done"
+            )
+            return joint
+
+
+def _run_joint(
+    setup: _Setup,
+    app: ResolvedApp,
+    trace: Trace,
+    seed: int,
+    steps: list[str],
+    optimise: bool,
+    counter: list[int],
+) -> list[StagePlan] | None:
+    """Plan a cascade's stages together against the end-to-end SLO (docs/planner.md, Cascades):
+    Cascadia's MILP proposes, the pipeline simulation judges, Algorithm 1 adds and Algorithm 2
+    cuts on the joint allocation; the budget is the pipeline's. ``None`` when no allocation within
+    the budget meets the SLO. Without ``optimise`` no cuts (a feasibility probe)."""
+    judge = _PipelineJudge(setup, app, trace, seed)
+    try:
+        joint = _proposal(setup, app, trace, seed, judge, steps, counter)
+        if joint is not None:
+            joint = _joint_add(setup, app, judge, joint, steps)
+        if joint is not None and optimise:
+            joint = _joint_cut(setup, app, judge, joint, trace, steps)
+    finally:
+        counter[0] += judge.simulations
+    if joint is None:
+        return None
+    plans = []
+    slo_ms = app.spec.slo.latency_ms - app.serving_overhead_ms
+    for i, (inputs, (fleet_items, batch)) in enumerate(zip(setup.stages, joint, strict=True)):
+        fleet = dict(fleet_items)
+        stage_trace = setup.stage_trace(i, trace)
+        evaluate = _Evaluator(inputs, stage_trace, seed)
+        tail_ms, throughput, _ = evaluate(fleet, batch)
+        counter[0] += evaluate.simulations
+        policy, _ = dispatch_factory(
+            None,
+            {t: inputs.profiles[t] for t in fleet},
+            inputs.prices_usd_per_hr,
+            reaching_batch_sizes(trace, setup.answered, i),
+            slo_ms,
+        )
+        plans.append(
+            StagePlan(
+                inputs.model,
+                Fleet.of(dict(sorted(fleet.items()))),
+                batch,
+                tail_ms,
+                throughput,
+                _cost(fleet, inputs.prices_usd_per_hr),
                 policy,
                 setup.scale_factor(i),
             )
@@ -729,15 +1148,20 @@ def _pipeline_tail_ms(
         how = "the stage's own simulation (one stage is the whole pipeline)"
     else:
         say(f"simulating the whole pipeline ({len(plans)} stages) end to end")
-        stages = []
-        for i, (inputs, plan) in enumerate(zip(setup.stages, plans, strict=True)):
-            forward: NDArray[np.bool_] | None = None
-            if i + 1 < len(plans):
-                reach = setup.reach[i + 1]
-                forward = np.ones(len(trace), dtype=np.bool_) if reach is None else reach
-            batch_sizes = setup.stage_trace(i, trace).batch_size
-            _, stage = _simulated_stage(inputs, plan.fleet, plan.batch_size, batch_sizes, forward)
-            stages.append(stage)
+        stages = pipeline_stages(
+            app,
+            [
+                (
+                    plan.name,
+                    [InstanceSpec(t) for t, n in sorted(plan.fleet.items()) for _ in range(n)],
+                    plan.batch_size,
+                    plan.policy,
+                )
+                for plan in plans
+            ],
+            trace,
+            setup.answered,
+        )
         result = simulate(
             trace,
             stages,

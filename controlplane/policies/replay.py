@@ -15,8 +15,10 @@ policy over the arrivals first, and one simulation of the resulting timeline giv
 closed loop's latencies. A policy that read latencies (queue lengths, measured p99) would need the
 loop; ``docs/replay.md`` says more.
 
-Single-stage apps only: a plan with several stages is refused (cascades replay through the gear
-logic, which comes with them).
+A plan with several stages (a cascade) replays static (:func:`replay_pipeline`): the whole
+pipeline simulated once under the plan's per-stage fleets, each query forwarded as the validation
+records say (:mod:`controlplane.policies.pipeline`, the pipeline the planner judges plans with).
+The tuner and the utilisation autoscaler scale one stage; for several they are refused.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
+from controlplane.policies.pipeline import answering_stages, pipeline_stages
 from controlplane.policies.plan import (
     DISPATCH_NAMES,
     DispatchName,
@@ -74,11 +77,13 @@ __all__ = [
     "TimelineWindow",
     "UtilizationConfig",
     "check_plan",
+    "check_stages",
     "parse_plan",
     "planning_arrivals",
     "rate_per_instance_qps",
     "read_plan",
     "replay",
+    "replay_pipeline",
     "replay_timeline",
     "static_timeline",
     "tuner_timeline",
@@ -152,7 +157,10 @@ def check_plan(plan: PlanDocument, app: ResolvedApp) -> StagePlan:
             fleet over the budget.
     """
     if len(plan.stages) > 1:
-        raise ReplayError("replay of multi-stage plans comes with cascades")
+        raise ReplayError(
+            "multi-stage plans replay static only (the whole pipeline: --tuner off); a scaling"
+            " policy scales one stage"
+        )
     (stage,) = plan.stages
     if stage.name not in app.spec.model_names:
         raise ReplayError(
@@ -725,12 +733,17 @@ def replay(
     ``dispatch`` (fcfs or kairos; by default the plan stage's ``policy``, else fcfs) over the
     stage's types, the plan's batch size as the most
     queries per batch, and service times drawn from ``rng``. Exact because the policies decide
-    from arrivals only. A static replay is the plain simulation of the plan's fleet.
+    from arrivals only. A static replay is the plain simulation of the plan's fleet. A plan of
+    several stages replays static only, the whole pipeline at once (:func:`replay_pipeline`).
 
     Raises:
         ReplayError: a plan that does not fit the app (:func:`check_plan`), an unknown policy.
         EstimatorError: the simulator's errors (a batch size outside a profile).
     """
+    if len(plan.stages) > 1:
+        if policy != "static":
+            check_plan(plan, app)  # refuses, saying why
+        return replay_pipeline(trace, app, plan, rng)
     stage = check_plan(plan, app)
     if policy == "static":
         timeline = static_timeline(stage.fleet)
@@ -815,3 +828,89 @@ def _dispatch_factory(
             f"kairos needs a type that meets the SLO of {qos_ms:g} ms at every batch size"
         )
     return policy_factory(dispatch, profiles, base_types)
+
+
+# --- multi-stage plans -----------------------------------------------------------------------
+
+
+def check_stages(plan: PlanDocument, app: ResolvedApp) -> tuple[StagePlan, ...]:
+    """A multi-stage plan's stages, checked against the app: one per model of the spec's serving
+    order, in that order, each fleet of the spec's types, and all of them within the budget.
+
+    Raises:
+        ReplayError: stages that are not the app's models in its order, an unknown type, or
+            fleets over the budget.
+    """
+    order = tuple(app.spec.serving_order)
+    names = tuple(stage.name for stage in plan.stages)
+    if names != order:
+        raise ReplayError(
+            f"the plan's stages ({', '.join(names)}) are not the spec's serving order"
+            f" ({', '.join(order)})"
+        )
+    cost = 0.0
+    for stage in plan.stages:
+        for name, count in stage.fleet.items():
+            if name not in app.prices_usd_per_hr:
+                raise ReplayError(
+                    f"the plan's type {name!r} is not one of the spec's instance types "
+                    f"({', '.join(app.instance_types)})"
+                )
+            cost += count * app.prices_usd_per_hr[name]
+    if cost > app.spec.budget_usd_per_hr + 1e-9:
+        raise ReplayError(
+            f"the plan's fleets cost {cost:.6g} USD/hr, over the spec's budget of "
+            f"{app.spec.budget_usd_per_hr:g} USD/hr"
+        )
+    return tuple(plan.stages)
+
+
+def replay_pipeline(
+    trace: Trace, app: ResolvedApp, plan: PlanDocument, rng: np.random.Generator
+) -> ReplayResult:
+    """Replay ``trace`` through every stage of ``plan`` at once, each with its planned fleet,
+    batch size and dispatch (static: no scaling), each query forwarded to the next stage as the
+    validation records say (its ``sample_id``, else a sample drawn with ``rng`` before the
+    service times are), as the planner simulates the pipeline
+    (:func:`controlplane.policies.pipeline.pipeline_stages`). The timeline's fleet is the
+    stages' together; ``p99_ms`` is end to end.
+
+    Raises:
+        ReplayError: stages that do not fit the app (:func:`check_stages`).
+        EstimatorError: the simulator's errors (a batch size outside a profile).
+    """
+    stages = check_stages(plan, app)
+    answered = answering_stages(app, trace, rng)
+    built = pipeline_stages(
+        app,
+        [
+            (
+                stage.name,
+                [InstanceSpec(t) for t, n in stage.fleet.items() for _ in range(n)],
+                stage.batch_size,
+                stage.policy,
+            )
+            for stage in stages
+        ],
+        trace,
+        answered,
+    )
+    prices = dict(app.prices_usd_per_hr)
+    qos_ms = app.spec.slo.latency_ms
+    result = simulate(trace, built, rng, prices_usd_per_hr=prices, qos_ms=qos_ms)
+    total: dict[str, int] = {}
+    for stage in stages:
+        for name, count in stage.fleet.items():
+            total[name] = total.get(name, 0) + count
+    timeline = static_timeline(Fleet.of(total))
+    response = result.response_ms
+    return ReplayResult(
+        policy="static",
+        p99_ms=float(np.percentile(response, REPORTED_PERCENTILE)),
+        slo_miss_share=float(np.count_nonzero(response > qos_ms) / response.size),
+        cost_usd=result.cost_usd,
+        scaling_actions=0,
+        timeline=_windows(result, timeline, list(total), prices),
+        fleet_timeline=timeline,
+        simulation=result,
+    )

@@ -393,7 +393,7 @@ def test_plans_that_do_not_fit_the_spec_are_refused(tmp_path: Path) -> None:
         check_plan(parse_plan(plan_document({GPU: 1}, name="other")), app)
     two = plan_document({GPU: 1})
     two["stages"] = [*two["stages"], *two["stages"]]  # type: ignore[misc]
-    with pytest.raises(ReplayError, match="multi-stage plans comes with cascades"):
+    with pytest.raises(ReplayError, match="multi-stage plans replay static only"):
         check_plan(parse_plan(two), app)
 
 

@@ -1,0 +1,130 @@
+"""The simulated pipeline of a plan: every stage's simulator stage and the cascade's forwarding.
+
+This module owns how a multi-stage plan becomes one end-to-end simulation (InferLine section 4.2,
+"conditional control flow using scale factor s", with the scale factors made per query by the
+validation records): which stage answers each query (:func:`answering_stages`: the trace's
+``sample_id`` column, else samples drawn uniformly with the caller's generator, and the spec's
+thresholds), which queries each stage forwards (:func:`forward_flags`), and each stage's fleet,
+batch size and dispatch policy (:func:`dispatch_factory`, :func:`pipeline_stages`). The planner
+judges joint cascade allocations with it and ``replay`` re-simulates multi-stage plans with it, so
+the two build the same pipeline from the same plan (docs/planner.md, Cascades).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+from controlplane.policies.plan import DispatchName
+from controlplane.spec import ResolvedApp
+from estimator.cascades import answering_stage, with_sample_ids
+from estimator.policies import full_range_types, policy_factory
+from estimator.profiles import LatencyProfile
+from estimator.simulator import InstanceSpec, Stage
+from estimator.traces import Trace
+from matching.policy import DispatchPolicy
+
+__all__ = [
+    "answering_stages",
+    "dispatch_factory",
+    "forward_flags",
+    "pipeline_stages",
+    "reaching_batch_sizes",
+]
+
+
+def answering_stages(
+    app: ResolvedApp, trace: Trace, rng: np.random.Generator
+) -> NDArray[np.int64] | None:
+    """Per query of ``trace``, the index of the stage that answers it (the first whose certainty
+    reaches its threshold, :func:`estimator.cascades.answering_stage`); ``None`` when the app has
+    one stage or no validation records (every query then reaches every stage). The trace's
+    ``sample_id`` column picks each query's validation sample; without it one is drawn uniformly
+    with ``rng`` (the planner passes ``default_rng(seed)``)."""
+    cascade, records = app.cascade, app.validation
+    if len(app.spec.serving_order) < 2 or cascade is None or records is None:
+        return None
+    ids = trace.sample_id
+    if ids is None:
+        ids = with_sample_ids(trace, records, rng).sample_id
+        assert ids is not None
+    return answering_stage(cascade, records, ids)
+
+
+def forward_flags(
+    answered: NDArray[np.int64] | None, stages: int, queries: int
+) -> tuple[NDArray[np.bool_] | None, ...]:
+    """Per stage, which queries it forwards to the next one (the last stage: ``None``): those
+    answered later than it, or every query when ``answered`` is ``None``.
+
+    >>> [None if f is None else f.tolist() for f in forward_flags(np.array([0, 1, 1]), 2, 3)]
+    [[False, True, True], None]
+    """
+    flags: list[NDArray[np.bool_] | None] = []
+    for i in range(stages):
+        if i + 1 == stages:
+            flags.append(None)
+        elif answered is None:
+            flags.append(np.ones(queries, dtype=np.bool_))
+        else:
+            flags.append(answered >= i + 1)
+    return tuple(flags)
+
+
+def reaching_batch_sizes(
+    trace: Trace, answered: NDArray[np.int64] | None, stage: int
+) -> NDArray[np.int64]:
+    """The batch sizes of the queries of ``trace`` that reach ``stage`` (all of them when
+    ``answered`` is ``None`` or no query does)."""
+    if answered is None or stage == 0 or not np.any(answered >= stage):
+        return trace.batch_size
+    return trace.batch_size[answered >= stage]
+
+
+def dispatch_factory(
+    policy: DispatchName | None,
+    profiles: Mapping[str, LatencyProfile],
+    prices_usd_per_hr: Mapping[str, float],
+    batch_sizes: NDArray[np.int64],
+    slo_ms: float,
+) -> tuple[DispatchName, Callable[[], DispatchPolicy]]:
+    """The dispatch of a stage whose fleet uses the types of ``profiles``, as the planner chooses
+    it: one type is FCFS; several are Kairos with the full-range types (those that meet
+    ``slo_ms`` at every size of ``batch_sizes``, the sizes of the queries reaching the stage) as
+    its base, FCFS when there is none or ``policy`` says ``fcfs``."""
+    used = dict(profiles)
+    if len(used) == 1:
+        return "fcfs", policy_factory("fcfs", used, list(used))
+    prices = {t: prices_usd_per_hr[t] for t in used}
+    base = full_range_types(used, batch_sizes, slo_ms, prices)
+    if base and policy != "fcfs":
+        return "kairos", policy_factory("kairos", used, base)
+    return "fcfs", policy_factory("fcfs", used, [])
+
+
+def pipeline_stages(
+    app: ResolvedApp,
+    stages: Sequence[tuple[str, Sequence[InstanceSpec], int, DispatchName | None]],
+    trace: Trace,
+    answered: NDArray[np.int64] | None,
+) -> list[Stage]:
+    """The simulator's stages of a pipeline on ``trace``: per stage (model, instances, batch
+    size, dispatch policy name or ``None`` for the planner's choice), forwarding as ``answered``
+    says (:func:`forward_flags`). The Kairos base is judged against the SLO less the control
+    plane's own time per query, on the batch sizes of the queries that reach the stage."""
+    slo_ms = app.spec.slo.latency_ms - app.serving_overhead_ms
+    flags = forward_flags(answered, len(stages), len(trace))
+    built = []
+    for i, (model, instances, batch, policy) in enumerate(stages):
+        types = sorted({spec.instance_type for spec in instances})
+        profiles = {t: app.profile(model, t) for t in types}
+        sizes = reaching_batch_sizes(trace, answered, i)
+        _, make = dispatch_factory(policy, profiles, app.prices_usd_per_hr, sizes, slo_ms)
+        built.append(
+            Stage(
+                model, tuple(instances), profiles, make(), max_batch_queries=batch, forward=flags[i]
+            )
+        )
+    return built
