@@ -1244,8 +1244,11 @@ def _gear_plan(
     say(f"planning the gears of the cascade on {len(order)} placed models")
     try:
         placement = Placement(fleets, order)
+        # The held-out protocol (docs/cascades.md): gears chosen on one half of the records,
+        # their accuracy (and the SLO's floor) judged on the other.
+        choose, score = records.split()
         gears = plan_gears(
-            records,
+            choose,
             placement,
             {m: {t: app.profile(m, t) for t in placement.fleets[m]} for m in order},
             app.prices_usd_per_hr,
@@ -1253,6 +1256,7 @@ def _gear_plan(
             percentile=slo.percentile,
             accuracy_floor=slo.accuracy,
             seed=seed,
+            held_out=score,
         )
     except CascadeError as error:
         steps.append(f"no gear plan for the cascade on this placement: {error}")
