@@ -4,8 +4,8 @@
     make results            # the same, full mode, into docs/results and the README
 
 Runs each experiment of this package in turn (``EXPERIMENTS``: Kairos, InferLine, CascadeServe,
-INFaaS, the control plane's own speed), each writing ``<key>.md``, ``<key>.json`` and its PNGs
-into the output folder (docs/results by default); then writes the folder's index
+Cascadia, INFaaS, the control plane's own speed), each writing ``<key>.md``, ``<key>.json`` and
+its PNGs into the output folder (docs/results by default); then writes the folder's index
 (``README.md`` there) and, in full mode into docs/results, replaces the block between the
 ``results:begin``/``results:end`` markers of the repository's README.md with every section's
 summary lines, read back from the JSON files: the README quotes no figure that is not in them.
@@ -37,6 +37,7 @@ EXPERIMENTS: tuple[tuple[str, str], ...] = (
     ("kairos", "kairos"),
     ("inferline", "inferline"),
     ("cascades", "cascadeserve"),
+    ("cascadia", "cascadia"),
     ("infaas", "infaas"),
     ("controlplane", "controlplane"),
     ("fidelity", "fidelity"),
