@@ -100,7 +100,8 @@ def serve_until_stopped(service: Service, sock: socket.socket, log_level: str) -
         lifespan="on",
         # The process is the service's only server: no access log on every poll by default.
         access_log=log_level == "debug",
-        # h11, reading heads up to 1 MiB: an oversized head is a 431, not a connection reset.
+        # httptools (h11 without it) on asyncio, reading heads up to 1 MiB: an oversized head is
+        # a 431, not a connection reset.
         **server_options(),
     )
     server = uvicorn.Server(config)
