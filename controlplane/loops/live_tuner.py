@@ -55,6 +55,7 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -114,6 +115,8 @@ TunerModel = Literal["curve", "inferline"]
 # The capacity curve's six plans take a few seconds; past this the planner stops and the app stays
 # on InferLine's model (the settings' plan_deadline_s default: as long as any one plan may take).
 DEFAULT_CURVE_DEADLINE_S = 60.0
+# How long close() waits for the curve builds it cancelled to stop.
+CLOSE_WAIT_S = 10.0
 
 # The planned envelope of a plan without one in its document: a Poisson trace this long, with this
 # seed.
@@ -208,7 +211,8 @@ class LiveTuner:
         self._load_model_recent_s = max(float(load_model_recent_s), self._max_window_s)
         self._build_curve = build_curve or plan_capacity_curve
         self._curve_deadline_s = float(curve_deadline_s)
-        self._submit = submit or _in_daemon_thread
+        self._builds: list[threading.Thread] = []
+        self._submit = submit or self._in_thread
         # Capacity curves by (app, plan id, budget), written by the workers.
         self._curves: dict[tuple[str, int, float], _Curve] = {}
         # Set by close(): curve builds in flight stop at the planner's next deadline check.
@@ -235,10 +239,25 @@ class LiveTuner:
         with self._lock:
             self._recalibrated.add(app)
 
-    def close(self) -> None:
-        """Cancel the capacity curves being built (the service is stopping); the tuner keeps
+    def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
+        """Cancel the capacity curves being built (the service is stopping) and wait up to
+        ``timeout_s`` for their threads to stop at the planner's next deadline check: a thread
+        left inside compiled code as the interpreter exits can abort the process. The tuner keeps
         whatever model each app runs."""
         self._closing.set()
+        with self._lock:
+            builds, self._builds = self._builds, []
+        ends_at = time.monotonic() + timeout_s
+        for thread in builds:
+            thread.join(max(0.0, ends_at - time.monotonic()))
+
+    def _in_thread(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on a daemon thread of its own, kept for :meth:`close` to wait for."""
+        thread = threading.Thread(target=work, name="capacity-curve", daemon=True)
+        with self._lock:
+            self._builds = [t for t in self._builds if t.is_alive()]
+            self._builds.append(thread)
+        thread.start()
 
     def budget_capped(self, app: str) -> bool:
         """Whether the tuner's last tick for ``app`` found the budget stopping a scale-up (the
@@ -526,11 +545,6 @@ def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float
     if not curve:
         raise ValueError("the planner places nothing for the planning trace at its own rate")
     return curve
-
-
-def _in_daemon_thread(work: Callable[[], None]) -> None:
-    """Run ``work`` on its own daemon thread: a build in flight never holds the process open."""
-    threading.Thread(target=work, name="capacity-curve", daemon=True).start()
 
 
 def _cap_key(decision: Decision) -> str:

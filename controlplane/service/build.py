@@ -138,6 +138,7 @@ class Service:
     serving: ServingLoop | None = None
     leadership: Leadership | None = None
     database_lock: SqliteFileLock | None = None
+    live_tuner: LiveTuner | None = None
 
     def close(self) -> None:
         """Stop the jobs, give up the leader lease and release the database. The provisioner's
@@ -145,6 +146,8 @@ class Service:
         if self.leadership is not None:
             self.leadership.stop()
         self.scheduler.shutdown(wait=True)
+        if self.live_tuner is not None:
+            self.live_tuner.close()
         if isinstance(self.provisioner, LocalProvisioner):
             self.provisioner.close()
         self.store.close()
@@ -541,4 +544,5 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         serving,
         leadership,
         database_lock,
+        live_tuner,
     )
