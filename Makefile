@@ -26,13 +26,14 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# Two processes, a test file per process at a time (its fixtures stay together): the suite's
-# long tests (the demo's loadgen replay, terraform against moto) mostly wait, so the
-# other process runs the rest meanwhile. tests/conftest.py puts the slow tests first, and
+# Three processes on the 2-core machine, a test file per process at a time (its fixtures stay
+# together): the suite's long tests (terraform against moto, the demo's loadgen replay, the
+# README commands against a real demo) mostly wait on other processes, so the others run the
+# rest meanwhile. tests/conftest.py puts the slow tests first, and
 # --no-loadscope-reorder keeps that order (xdist would otherwise hand out the files with the
 # most tests first, leaving the one-test replay to start last and run alone).
 test: lint
-	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	$(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=15
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/estimator_speed.py
