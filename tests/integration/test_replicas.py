@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -201,6 +201,25 @@ def role(server: Server) -> str | None:
     return found
 
 
+def tails_of(servers: Sequence[Server]) -> Callable[[], str]:
+    """What a failed wait shows: the tail of each server's log."""
+
+    def logs() -> str:
+        return "\n".join(
+            f"--- {s.log_path.name}\n{s.log_path.read_text()[-4000:]}" for s in servers
+        )
+
+    return logs
+
+
+def one_leader(servers: Sequence[Server]) -> tuple[Server, Server] | None:
+    """(leader, standby) once exactly one of the two servers leads; else None."""
+    roles = [role(s) for s in servers]
+    if sorted(map(str, roles)) != ["leader", "standby"]:
+        return None
+    return (servers[0], servers[1]) if roles[0] == "leader" else (servers[1], servers[0])
+
+
 def token(data_dir: Path, database_url: str) -> str:
     done = subprocess.run(
         [*TOKEN_CREATE, "--scope", "admin", "--name", "ops"],
@@ -249,18 +268,8 @@ def test_a_standby_takes_over_from_a_killed_leader_without_duplicates(
 ) -> None:
     servers = replicas
 
-    def logs() -> str:
-        return "\n".join(
-            f"--- {s.log_path.name}\n{s.log_path.read_text()[-4000:]}" for s in servers
-        )
-
-    def one_leader() -> tuple[Server, Server] | None:
-        roles = [role(s) for s in servers]
-        if sorted(map(str, roles)) != ["leader", "standby"]:
-            return None
-        return (servers[0], servers[1]) if roles[0] == "leader" else (servers[1], servers[0])
-
-    leader, standby = wait_for("single leader", one_leader, logs)
+    logs = tails_of(servers)
+    leader, standby = wait_for("single leader", lambda: one_leader(servers), logs)
     headers = {"Authorization": f"Bearer {token(standby.data_dir, postgres_url)}"}
     api = httpx.Client(base_url=standby.url, headers=headers, timeout=120.0)
 
@@ -363,19 +372,8 @@ def test_a_standby_adopts_the_killed_leaders_local_workers(
     }
     servers = [Server(data_dir, tmp_path / f"{n}.log", **settings) for n in ("a", "b")]
     try:
-
-        def logs() -> str:
-            return "\n".join(
-                f"--- {s.log_path.name}\n{s.log_path.read_text()[-4000:]}" for s in servers
-            )
-
-        def one_leader() -> tuple[Server, Server] | None:
-            roles = [role(s) for s in servers]
-            if sorted(map(str, roles)) != ["leader", "standby"]:
-                return None
-            return (servers[0], servers[1]) if roles[0] == "leader" else (servers[1], servers[0])
-
-        leader, standby = wait_for("single leader", one_leader, logs)
+        logs = tails_of(servers)
+        leader, standby = wait_for("single leader", lambda: one_leader(servers), logs)
         headers = {"Authorization": f"Bearer {token(data_dir, postgres_url)}"}
         api = httpx.Client(base_url=standby.url, headers=headers, timeout=120.0)
         spec: dict[str, Any] = {
