@@ -42,6 +42,7 @@ __all__ = [
     "ProvisionerEvent",
     "launch_tags",
     "tags_match",
+    "with_port",
 ]
 
 MANAGED_TAG = "heteroplane:managed"
@@ -146,6 +147,16 @@ class Provisioner(Protocol):
         implied). Instances terminated recently may be listed with state ``terminated`` (EC2 keeps
         them visible for about an hour); callers count only the others."""
         ...
+
+
+def with_port(address: str, port: int) -> str:
+    """A provider address as ``host:port``: as it is when it names a port (``127.0.0.1:8080``,
+    ``[::1]:8080``), else with ``port`` (an EC2 private IP; a bare IPv6 address in brackets)."""
+    if address.startswith("[") or address.count(":") == 1:
+        return address
+    if ":" in address:  # a bare IPv6 address
+        return f"[{address}]:{port}"
+    return f"{address}:{port}"
 
 
 def launch_tags(request: LaunchRequest) -> dict[str, str]:

@@ -50,7 +50,7 @@ from controlplane.clock import Clock
 from controlplane.errors import InvalidValueError, ProfilingBudgetError
 from controlplane.policies.lifecycle import KEPT_STATES
 from estimator.profiles import LatencyProfile, profiles_document
-from provisioners.base import LaunchRequest, ProvisionedInstance, Provisioner
+from provisioners.base import LaunchRequest, ProvisionedInstance, Provisioner, with_port
 from provisioners.errors import ProvisionerError
 
 if TYPE_CHECKING:
@@ -337,14 +337,6 @@ def _check_budget(
     return workers
 
 
-def _with_port(address: str, port: int) -> str:
-    if address.startswith("[") or address.count(":") == 1:
-        return address
-    if ":" in address:  # a bare IPv6 address
-        return f"[{address}]:{port}"
-    return f"{address}:{port}"
-
-
 def _wait_ready(
     provisioner: Provisioner,
     tags: Mapping[str, str],
@@ -383,7 +375,7 @@ def _wait_ready(
                 and instance.state == "running"
                 and instance.address
             ):
-                address = _with_port(instance.address, port)
+                address = with_port(instance.address, port)
                 if WorkerClient(address).ready():
                     ready[instance.instance_type] = address
                     say(f"{instance.instance_type} is ready at {address}")

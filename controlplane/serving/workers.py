@@ -35,7 +35,7 @@ from typing import Protocol
 
 from controlplane.db.store import Store
 from controlplane.policies.lifecycle import InstanceState
-from provisioners.base import APP_TAG, Provisioner
+from provisioners.base import APP_TAG, Provisioner, with_port
 from provisioners.errors import ProvisionerError
 
 __all__ = [
@@ -77,14 +77,6 @@ class InstanceSource(Protocol):
     """Where an app's running workers are (blocking: the loop calls it in a thread)."""
 
     def running(self, app: str) -> list[WorkerEndpoint]: ...
-
-
-def _with_port(address: str, port: int) -> str:
-    if address.startswith("[") or address.count(":") == 1:
-        return address
-    if ":" in address:  # a bare IPv6 address
-        return f"[{address}]:{port}"
-    return f"{address}:{port}"
 
 
 class ProvisionedInstances:
@@ -129,7 +121,7 @@ class ProvisionedInstances:
             if address is not None:
                 endpoints.append(
                     WorkerEndpoint(
-                        row.id, row.instance_type, _with_port(address, self.port), row.provider_id
+                        row.id, row.instance_type, with_port(address, self.port), row.provider_id
                     )
                 )
         return endpoints
