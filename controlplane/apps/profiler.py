@@ -56,9 +56,10 @@ import numpy as np
 from controlplane.errors import ControlPlaneError
 from estimator.catalog import Catalog, InstanceType
 from estimator.profiles import LatencyProfile, write_profiles_json
-from provisioners.artifacts import FAMILY_SIGNATURE, datatype_of
+from provisioners.artifacts import FAMILY_SIGNATURE
 from provisioners.base import APP_TAG, LaunchRequest
 from provisioners.worker.emulation import EMULATED_COMPUTE, ComputeCurve, compute_document
+from provisioners.worker.oip import encode_tensor
 
 if TYPE_CHECKING:
     from torch import nn
@@ -403,20 +404,6 @@ def _stop_workers(provisioner: LocalProvisioner) -> None:
     provisioner.close()
 
 
-def v2_inputs(inputs: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
-    """Tensors as the Open Inference Protocol's JSON ``inputs``: name, shape, datatype and the
-    row-major flattened data."""
-    return [
-        {
-            "name": name,
-            "shape": list(array.shape),
-            "datatype": datatype_of(array.dtype),
-            "data": array.reshape(-1).tolist(),
-        }
-        for name, array in inputs.items()
-    ]
-
-
 class WorkerClient:
     """One kept-alive HTTP/1.1 connection to a worker agent, without Nagle's delay (as
     ``controlplane.serving.transport`` talks to workers): the profiler's side of a call, an Open
@@ -455,7 +442,10 @@ class WorkerClient:
     def _call(self, model: str, inputs: Mapping[str, np.ndarray]) -> float:
         connection = self._connect()
         start = time.perf_counter()
-        body = json.dumps({"inputs": v2_inputs(inputs)}, separators=(",", ":"))
+        body = json.dumps(
+            {"inputs": [encode_tensor(name, array) for name, array in inputs.items()]},
+            separators=(",", ":"),
+        )
         path = f"/v2/models/{urllib.parse.quote(model, safe='')}/infer"
         connection.request(
             "POST", path, body=body.encode(), headers={"Content-Type": "application/json"}

@@ -97,7 +97,7 @@ from provisioners.worker.oip import (
     model_metadata,
     parse_infer_request,
 )
-from provisioners.worker.runtime import DEVICES, ModelRuntime
+from provisioners.worker.runtime import DEVICES, ModelRuntime, first_line
 
 __all__ = [
     "DEFAULT_MODELS",
@@ -371,7 +371,7 @@ class WorkerAgent:
             except Exception as error:  # the model's own failure on this batch
                 raise RequestError(
                     HTTPStatus.INTERNAL_SERVER_ERROR,
-                    f"model {model!r} failed on the batch: {_first_line(error)}",
+                    f"model {model!r} failed on the batch: {first_line(error)}",
                 ) from None
             measured_ms = (self._clock() - start) * 1000.0
             target_ms = self.emulation.target_ms(model, batch_size, measured_ms=measured_ms)
@@ -407,11 +407,6 @@ class WorkerAgent:
                 HTTPStatus.INTERNAL_SERVER_ERROR,
                 f"model {model!r} answered outputs that do not fit its signature: {error}",
             ) from None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 # --- HTTP -----------------------------------------------------------------------------------------
@@ -686,7 +681,7 @@ def load_models(config: AgentConfig, artifact_dir: Path) -> dict[str, ModelRunti
             for name in config.family_models:
                 runtimes[name] = family_runtime(family.load_model(name, directory))
         except Exception as error:  # a family model that cannot load, for whatever reason
-            raise LoadFailedError(f"family models: {_first_line(error)}") from None
+            raise LoadFailedError(f"family models: {first_line(error)}") from None
     for ref in config.artifacts:
         from provisioners.worker.runtime import load_runtime
 
@@ -697,7 +692,7 @@ def load_models(config: AgentConfig, artifact_dir: Path) -> dict[str, ModelRunti
             )
         except Exception as error:  # ArtifactError, ModelLoadError, or the runtime's own
             raise LoadFailedError(
-                f"model {ref.name} ({ref.model} v{ref.version}): {_first_line(error)}"
+                f"model {ref.name} ({ref.model} v{ref.version}): {first_line(error)}"
             ) from None
     # One untimed batch each: the first call of a model pays for allocations and lazy
     # initialisation, which is no part of its serving latency.
@@ -710,7 +705,7 @@ def load_models(config: AgentConfig, artifact_dir: Path) -> dict[str, ModelRunti
             runtime.run(zeros)
         except Exception as error:  # the model's own failure
             raise LoadFailedError(
-                f"model {name} fails on a batch of zeros: {_first_line(error)}"
+                f"model {name} fails on a batch of zeros: {first_line(error)}"
             ) from None
     return runtimes
 

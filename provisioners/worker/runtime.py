@@ -56,6 +56,7 @@ __all__ = [
     "check_batchable",
     "detect_format",
     "family_runtime",
+    "first_line",
     "load_runtime",
 ]
 
@@ -172,7 +173,8 @@ def family_runtime(model: Any) -> ModelRuntime:
     return _ModuleRuntime(model, FAMILY_SIGNATURE, PLATFORMS["family"], "cpu")
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """An error's first line (its type's name when it says nothing): a one-line reason."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
 
@@ -206,7 +208,7 @@ class _OnnxRuntime:
             )
         except Exception as error:  # onnxruntime's own exception types (Fail, InvalidProtobuf)
             raise ModelLoadError(
-                f"{path.name} is not an ONNX model onnxruntime can load: {_first_line(error)}"
+                f"{path.name} is not an ONNX model onnxruntime can load: {first_line(error)}"
             ) from None
         self.platform = PLATFORMS["onnx"]
         self.providers = tuple(self._session.get_providers())
@@ -230,7 +232,7 @@ class _OnnxRuntime:
             values = self._session.run(self._output_names, feed)
         except Exception as error:
             raise ModelLoadError(
-                f"the model fails on a batch of zeros: {_first_line(error)}"
+                f"the model fails on a batch of zeros: {first_line(error)}"
             ) from None
         return [
             _probed_spec(name, np.asarray(value), None)
@@ -304,7 +306,7 @@ class _TorchScriptRuntime(_ModuleRuntime):
             )
         except Exception as error:  # torch's RuntimeError for a bad or truncated archive
             raise ModelLoadError(
-                f"{path.name} is not a TorchScript archive torch can load: {_first_line(error)}"
+                f"{path.name} is not a TorchScript archive torch can load: {first_line(error)}"
             ) from None
         module.eval()
         specs = tuple(inputs) if inputs else _embedded_inputs(extra[SIGNATURE_FILE], path)
@@ -392,7 +394,7 @@ def _probe_outputs(module: Any, specs: Sequence[TensorSpec], device: str) -> tup
                 result = module(*tensors)
         except Exception as error:
             raise ModelLoadError(
-                f"the model fails on a batch of zeros shaped like its inputs: {_first_line(error)}"
+                f"the model fails on a batch of zeros shaped like its inputs: {first_line(error)}"
             ) from None
         try:
             runs.append(_output_tensors(result))
@@ -406,7 +408,7 @@ def _probe_outputs(module: Any, specs: Sequence[TensorSpec], device: str) -> tup
         try:
             value = one.detach().cpu().numpy()
         except (TypeError, RuntimeError) as error:
-            raise ModelLoadError(f"output {name!r}: {_first_line(error)}") from None
+            raise ModelLoadError(f"output {name!r}: {first_line(error)}") from None
         outputs.append(_probed_spec(name, value, tuple(two.shape)))
     return tuple(outputs)
 

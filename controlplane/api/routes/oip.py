@@ -56,7 +56,13 @@ from controlplane.serving.dispatcher import InferResult
 from controlplane.serving.loop import ServingLoop
 from controlplane.serving.modelio import ModelIOError, app_signature, stack_outputs
 from provisioners.artifacts import ArtifactError, ModelSignature, numpy_dtype
-from provisioners.worker.oip import MODEL_VERSION, OipError, load_json, parse_infer_request
+from provisioners.worker.oip import (
+    MODEL_VERSION,
+    OipError,
+    load_json,
+    model_metadata,
+    parse_infer_request,
+)
 
 __all__ = ["HEADER_LENGTH", "router"]
 
@@ -144,8 +150,7 @@ async def _signature(serving: ServingLoop, app: str, received: float | None) -> 
 @router.get("/models/{app}")
 async def metadata(app: AppName, services: ServicesDep, _who: Inferrer) -> dict[str, Any]:
     signature = await _signature(_serving(services, app), app, None)
-    document = signature.to_json()
-    return {"name": app, "versions": [MODEL_VERSION], "platform": _PLATFORM, **document}
+    return model_metadata(app, signature, _PLATFORM, (MODEL_VERSION,))
 
 
 @router.get("/models/{app}/versions/{version}")
