@@ -66,6 +66,7 @@ from numpy.typing import NDArray
 from controlplane.apps.plans import planning_trace, replanning_request
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
+from controlplane.loops.infaas_scaler import scales_with_infaas
 from controlplane.policies.capacity_curve import LOAD_MODEL_RECENT_S, capacity_curve
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S
@@ -271,8 +272,8 @@ class LiveTuner:
         made: list[tuple[str, Decision]] = []
         now_s = self._clock.now_s()
         for app in self._store.list_apps():
-            if app.applied_plan_id is None or app.spec.get("scaling") == "infaas":
-                # An app that scales the INFaaS way is controlplane.loops.infaas_scaler's.
+            if app.applied_plan_id is None or scales_with_infaas(app):
+                # An app that scales the INFaaS way is the InfaasScaler's.
                 with self._lock:
                     self._apps.pop(app.name, None)
                     self._forget_curves(app.name, None)

@@ -21,6 +21,7 @@ the route hands the stamp to the serving loop, which records every outcome from 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -140,6 +141,9 @@ def check_inputs(app: str, io: ModelIO, inputs: list[list[float]]) -> list[list[
         )
     spec = specs[0]
     kind = spec.dtype.kind
+    # What each value must lie within, from the input's datatype (once, not per row).
+    limit = float(np.finfo(spec.dtype).max) if kind == "f" else math.inf
+    low, high = (0, 1) if kind == "b" else (0, 0) if kind == "f" else _int_range(spec.dtype)
     rows: list[list[Any]] = []
     for i, row in enumerate(inputs):
         if resolve_sample_shape(spec, len(row)) is None:
@@ -149,13 +153,11 @@ def check_inputs(app: str, io: ModelIO, inputs: list[list[float]]) -> list[list[
                 i,
             )
         if kind == "f":
-            limit = float(np.finfo(spec.dtype).max)
             if max(abs(v) for v in row) > limit:
                 j = next(j for j, v in enumerate(row) if abs(v) > limit)
                 raise _invalid(f"{row[j]:g} is too large for {spec.datatype}", i, j)
             rows.append(row)
             continue
-        low, high = (0, 1) if kind == "b" else _int_range(spec.dtype)
         for j, v in enumerate(row):
             if not (v.is_integer() and low <= v <= high):
                 raise _invalid(f"{v:g} is not a {spec.datatype} value ({low}..{high})", i, j)
