@@ -49,7 +49,6 @@ from estimator.errors import (
     SearchSpaceError,
 )
 from estimator.fleet import Fleet
-from estimator.policies import full_range_types, policy_factory
 from estimator.profiles import LatencyProfile, ProfileSet
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace
@@ -193,15 +192,7 @@ def _simulated_stage(
     the module docstring, Dispatch); ``batch_sizes`` are those of the queries that reach the
     stage (they pick the Kairos base), ``forward`` which queries go on to the next stage."""
     used = {t: inputs.profiles[t] for t in fleet if fleet[t]}
-    name: DispatchName
-    if len(used) == 1:
-        name, make = "fcfs", policy_factory("fcfs", used, list(used))
-    else:
-        base = full_range_types(used, batch_sizes, inputs.slo_ms, inputs.prices_usd_per_hr)
-        if base:
-            name, make = "kairos", policy_factory("kairos", used, base)
-        else:
-            name, make = "fcfs", policy_factory("fcfs", used, [])
+    name, make = dispatch_factory(None, used, inputs.prices_usd_per_hr, batch_sizes, inputs.slo_ms)
     instances = tuple(InstanceSpec(t) for t in sorted(used) for _ in range(fleet[t]))
     stage = Stage(inputs.model, instances, used, make(), max_batch_queries=batch, forward=forward)
     return name, stage
