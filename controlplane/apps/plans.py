@@ -49,6 +49,7 @@ __all__ = [
     "apply_plan",
     "planning_trace",
     "preview_plan",
+    "rate_request",
     "replanning_request",
     "require_profiles",
 ]
@@ -125,14 +126,19 @@ def replanning_request(document: PlanDocument) -> PlanRequest:
         InvalidValueError: a stored trace request that is not usable.
         ValueError: a plan without a planned rate to plan for again.
     """
-    seed = document.seed or 0
     stored = document.trace.get("request") if document.trace is not None else None
     if isinstance(stored, Mapping):
-        return PlanRequest(trace=TraceRequest.from_document(stored), seed=seed)
+        return PlanRequest(trace=TraceRequest.from_document(stored), seed=document.seed or 0)
+    return rate_request(document)
+
+
+def rate_request(document: PlanDocument) -> PlanRequest:
+    """A Poisson trace at the plan ``document``'s planned rate, with its seed; ValueError for a
+    plan without a planned rate to plan for again."""
     rate = document.planned_rate_qps
     if not (math.isfinite(rate) and rate > 0):
         raise ValueError("the plan has no planned rate to plan for again")
-    return PlanRequest(rate_qps=rate, seed=seed)
+    return PlanRequest(rate_qps=rate, seed=document.seed or 0)
 
 
 def planning_trace(app: ResolvedApp, request: PlanRequest) -> tuple[Trace, dict[str, Any]]:

@@ -44,7 +44,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from controlplane.apps.plans import PlanRequest, planning_trace, replanning_request
+from controlplane.apps.plans import (
+    PlanRequest,
+    planning_trace,
+    rate_request,
+    replanning_request,
+)
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import ControlPlaneError, InvalidValueError
 from controlplane.loops.live_tuner import ResolveFn
@@ -174,8 +179,7 @@ class CapacityReplanner:
             return False
         if not new.feasible or over:
             why = (
-                f"the plan that serves it needs {_fleet_text(over)} in all (the caps hold per"
-                " stage)"
+                f"the plan that serves it needs {fleet_text(over)} in all (the caps hold per stage)"
                 if new.feasible
                 else f"at most {new.max_feasible_qps or 0.0:.4g} qps"
             )
@@ -201,8 +205,8 @@ class CapacityReplanner:
             app.name,
             "capacity_replan",
             f"no capacity of {names} for {self._after_s:g} s or more: plan {applied.number}"
-            f" ({_fleet_text(fleet)}, {new.cost_usd_per_hr:.4g} USD/hr) replaces plan"
-            f" {plan.number} ({_fleet_text(planned)}), with {caps_text}",
+            f" ({fleet_text(fleet)}, {new.cost_usd_per_hr:.4g} USD/hr) replaces plan"
+            f" {plan.number} ({fleet_text(planned)}), with {caps_text}",
             {
                 **numbers,
                 "plan_id": applied.id,
@@ -222,11 +226,9 @@ def _planning_request(plan: PlanRecord) -> PlanRequest:
         return replanning_request(plan.plan)
     except InvalidValueError as error:
         logger.warning("capacity: plan %s's trace request is not usable: %s", plan.id, error)
-    rate = plan.plan.planned_rate_qps
-    if not (math.isfinite(rate) and rate > 0):
-        raise ValueError(f"plan {plan.number} has no planned rate to plan for again")
-    return PlanRequest(rate_qps=rate, seed=plan.plan.seed or 0)
+    return rate_request(plan.plan)
 
 
-def _fleet_text(fleet: Mapping[str, int]) -> str:
+def fleet_text(fleet: Mapping[str, int]) -> str:
+    """A fleet in words for decisions: ``2 x r5n.large, 1 x t3.xlarge`` (``nothing`` if empty)."""
     return ", ".join(f"{n} x {t}" for t, n in sorted(fleet.items()) if n) or "nothing"

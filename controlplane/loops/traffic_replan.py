@@ -89,6 +89,7 @@ from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import ConflictError, ControlPlaneError
+from controlplane.loops.capacity_replan import fleet_text
 from controlplane.loops.live_tuner import ArrivalSource, ResolveFn
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S, PLANNING_QUERIES, plan_app
@@ -493,9 +494,9 @@ class TrafficReplanner:
         self._store.record_decision(
             app.name,
             "replan",
-            f"{moved}: plan {applied.number} ({_fleet_text(new.fleet)},"
+            f"{moved}: plan {applied.number} ({fleet_text(new.fleet)},"
             f" {new.cost_usd_per_hr:.4g} USD/hr, {new.planned_rate_qps:.4g} qps) replaces plan"
-            f" {plan.number} ({_fleet_text(old.fleet)}, {old.cost_usd_per_hr:.4g} USD/hr,"
+            f" {plan.number} ({fleet_text(old.fleet)}, {old.cost_usd_per_hr:.4g} USD/hr,"
             f" {old.planned_rate_qps:.4g} qps)",
             {
                 **numbers,
@@ -542,7 +543,3 @@ def _batch_sizes(
 
 def _nonzero(fleet: Mapping[str, int]) -> dict[str, int]:
     return {t: n for t, n in fleet.items() if n}
-
-
-def _fleet_text(fleet: Mapping[str, int]) -> str:
-    return ", ".join(f"{n} x {t}" for t, n in sorted(fleet.items()) if n) or "nothing"
