@@ -52,6 +52,7 @@ for why InferLine's decided where the load model was asked for).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -361,8 +362,7 @@ class LiveTuner:
         planned_rate = document.planned_rate_qps
         if not document.stages or not (math.isfinite(planned_rate) and planned_rate > 0):
             return None
-        rng = np.random.default_rng(SYNTHETIC_SEED)
-        planning = poisson_arrivals(planned_rate, SYNTHETIC_PLANNING_S, rng)
+        planning = synthetic_planning_arrivals(planned_rate)
         ones = np.ones(planning.size, dtype=np.int64)
         stages: list[TunerStage] = []
         service_time_s = 0.0
@@ -546,6 +546,18 @@ def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float
     if not curve:
         raise ValueError("the planner places nothing for the planning trace at its own rate")
     return curve
+
+
+@functools.lru_cache(maxsize=4)
+def synthetic_planning_arrivals(rate_qps: float) -> NDArray[np.float64]:
+    """The stand-in planning trace of a plan at ``rate_qps``: :data:`SYNTHETIC_PLANNING_S` of
+    Poisson arrivals, seeded :data:`SYNTHETIC_SEED` (read-only; drawn once per rate, since a
+    recalibration or a re-plan check asks for the same one again)."""
+    arrivals = poisson_arrivals(
+        rate_qps, SYNTHETIC_PLANNING_S, np.random.default_rng(SYNTHETIC_SEED)
+    )
+    arrivals.flags.writeable = False
+    return arrivals
 
 
 def _cap_key(decision: Decision) -> str:

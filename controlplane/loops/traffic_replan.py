@@ -90,7 +90,7 @@ from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import ConflictError, ControlPlaneError
 from controlplane.loops.capacity_replan import fleet_text
-from controlplane.loops.live_tuner import ArrivalSource, ResolveFn
+from controlplane.loops.live_tuner import ArrivalSource, ResolveFn, synthetic_planning_arrivals
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S, PLANNING_QUERIES, plan_app
 from controlplane.spec import ResolvedApp, SpecError
@@ -98,7 +98,7 @@ from estimator import deadline
 from estimator.batches import parse_batch_distribution
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope
 from estimator.errors import EstimatorError
-from estimator.traces import Trace, poisson_arrivals, trace_stats
+from estimator.traces import Trace, trace_stats
 
 __all__ = [
     "DEFAULT_REPLAN_ABOVE",
@@ -136,10 +136,9 @@ DEFAULT_REPLAN_BELOW = 0.6
 DEFAULT_REPLAN_MIN_QUERIES = 1_000
 DEFAULT_PLAN_DEADLINE_S = 60.0
 
-# The planned envelope of a plan without one: a Poisson trace at its planned rate, this long,
-# this seed, on the shortest and the longest of the tuner's windows (the live tuner's proxy).
-_PROXY_S = 600.0
-_PROXY_SEED = 0
+# The planned envelope of a plan without one: the live tuner's stand-in planning trace at its
+# planned rate (live_tuner.synthetic_planning_arrivals), on the shortest and the longest of the
+# tuner's windows.
 _PROXY_WINDOWS_S = (MIN_ENVELOPE_WINDOW_S, DEFAULT_MAX_WINDOW_S)
 
 WHO = "the traffic replanner"
@@ -521,8 +520,7 @@ def _planned_envelope(plan: PlanDocument) -> tuple[tuple[float, ...], tuple[floa
     rate = plan.planned_rate_qps
     if not (math.isfinite(rate) and rate > 0):
         return None
-    arrivals = poisson_arrivals(rate, _PROXY_S, np.random.default_rng(_PROXY_SEED))
-    envelope = arrival_envelope(arrivals, _PROXY_WINDOWS_S)
+    envelope = arrival_envelope(synthetic_planning_arrivals(rate), _PROXY_WINDOWS_S)
     rates = tuple(max(float(r), rate) for r in envelope.rate_qps)
     return _PROXY_WINDOWS_S, rates
 
