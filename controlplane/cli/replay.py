@@ -7,7 +7,10 @@ peak or mean rate (:func:`controlplane.policies.baselines.plan_baseline`), and r
 The tuner runs the load model of docs/tuner.md by default (``--tuner-model curve``: the planner's
 capacity curve of the plan's stage on the planning trace, a 180 s live envelope);
 ``--tuner-model inferline`` is InferLine's one provisioning ratio, for comparison. A plan of
-several stages (a cascade) replays with ``--tuner off`` only: the whole pipeline, static.
+several stages (a cascade) replays as one pipeline: static (``--tuner off``), or with one tuner
+per stage on the queries that reach it, all within the one budget (docs/tuner.md, "Cascades: one
+tuner per stage"); the stages' tuners run InferLine's model (the capacity curve is a single
+stage's), and the output adds a section per stage.
 """
 
 from __future__ import annotations
@@ -99,14 +102,24 @@ def run(args: argparse.Namespace) -> int:
         plan: PlanDocument = parse_plan(made.plan.to_document(), f"the {label} plan")
     else:
         plan = read_plan(args.plan)
-    if len(plan.stages) > 1 and policy != "static":
+    cascade = len(plan.stages) > 1
+    if cascade and policy == "utilization":
         raise UsageError(
-            f"the plan has {len(plan.stages)} stages: a cascade replays static, the whole pipeline"
-            " under the plan's fleets (pass --tuner off); the tuner scales one stage"
+            f"the plan has {len(plan.stages)} stages: a cascade replays static (--tuner off) or"
+            " with one tuner per stage; the utilization policy scales one stage"
         )
     model = args.tuner_model or "curve"
+    model_note = None
     curve = None
-    if policy == "tuner" and model == "curve":
+    if policy == "tuner" and cascade:
+        # The capacity curve plans a single stage; each stage of a cascade is sized by
+        # InferLine's provisioning ratio on its own envelope (docs/tuner.md, Cascades).
+        if model == "curve":
+            model_note = (
+                "a cascade: InferLine's model per stage (the capacity curve is one stage's)"
+            )
+        model = "inferline"
+    elif policy == "tuner" and model == "curve":
         stage = check_plan(plan, app)
         curve = (
             capacity_curve(
@@ -147,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     if policy == "tuner":
         data["tuner_model"] = model
         data["capacity_curve"] = None if curve is None else [list(p) for p in curve]
+        if cascade:
+            data["tuner_model_note"] = model_note
     data["seed"] = args.seed
 
     def human() -> str:
@@ -164,6 +179,21 @@ def run(args: argparse.Namespace) -> int:
             p99 = "-" if window.p99_ms is None else f"{window.p99_ms:.1f}"
             fleet = ",".join(f"{name}={count}" for name, count in window.fleet.items())
             lines.append(f"  {window.t_s:<8g} {window.rate_qps:<9.1f} {p99:<11} {fleet}")
+        for stage in result.stages:
+            rho = (
+                "" if stage.utilisation_target is None else f", rho {stage.utilisation_target:.3g}"
+            )
+            lines.append(
+                f"  stage {stage.name}: reached by {100 * stage.reach_share:.1f}% of the queries,"
+                f" SLO share {stage.slo_target_ms:.2f} ms{rho}; {stage.scaling_actions} scaling"
+                f" actions; peak {max(w.cost_usd_per_hr for w in stage.timeline):.4f} USD/hr"
+            )
+            if stage.note:
+                lines.append(f"    {stage.note}")
+            lines.append("    t_s      rate_qps  fleet")
+            for window in stage.timeline:
+                fleet = ",".join(f"{name}={count}" for name, count in window.fleet.items())
+                lines.append(f"    {window.t_s:<8g} {window.rate_qps:<9.1f} {fleet}")
         return "\n".join(lines)
 
     return emit(args.json, data, human)

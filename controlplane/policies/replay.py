@@ -15,14 +15,20 @@ policy over the arrivals first, and one simulation of the resulting timeline giv
 closed loop's latencies. A policy that read latencies (queue lengths, measured p99) would need the
 loop; ``docs/replay.md`` says more.
 
-A plan with several stages (a cascade) replays static (:func:`replay_pipeline`): the whole
-pipeline simulated once under the plan's per-stage fleets, each query forwarded as the validation
-records say (:mod:`controlplane.policies.pipeline`, the pipeline the planner judges plans with).
-The tuner and the utilisation autoscaler scale one stage; for several they are refused.
+A plan with several stages (a cascade) replays as one pipeline (:func:`replay_pipeline`): the
+whole pipeline simulated once, each query forwarded as the validation records say
+(:mod:`controlplane.policies.pipeline`, the pipeline the planner judges plans with), under the
+plan's per-stage fleets (static) or under one tuner per stage (:func:`cascade_tuner_timelines`):
+each on the arrivals of the queries that reach its stage, sized for its own envelope, all within
+the one budget (docs/tuner.md, "Cascades: one tuner per stage"). The same two passes stay exact:
+the tuners decide from arrivals, and which query reaches which stage is fixed by its validation
+sample before anything is simulated. The utilisation autoscaler scales one stage; for several it
+is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,9 +50,12 @@ from controlplane.policies.plan import read_plan as read_plan_document
 from controlplane.policies.tuner import (
     DEFAULT_RECENT_S,
     CapacityModel,
+    Decision,
     TunerConfig,
     TunerStage,
+    TunerState,
     default_boot_s,
+    fleet_cost_usd_per_hr,
     initial_state,
     tune,
     utilisation_target,
@@ -74,8 +83,10 @@ __all__ = [
     "ReplayResult",
     "ScalingPolicy",
     "StagePlan",
+    "StageReplay",
     "TimelineWindow",
     "UtilizationConfig",
+    "cascade_tuner_timelines",
     "check_plan",
     "check_stages",
     "parse_plan",
@@ -85,7 +96,10 @@ __all__ = [
     "replay",
     "replay_pipeline",
     "replay_timeline",
+    "split_slo_ms",
+    "stage_slo_targets_ms",
     "static_timeline",
+    "thin_planning_arrivals",
     "tuner_timeline",
     "utilization_timeline",
 ]
@@ -153,13 +167,13 @@ def check_plan(plan: PlanDocument, app: ResolvedApp) -> StagePlan:
     spec's candidates, and its fleet costs no more than the budget.
 
     Raises:
-        ReplayError: a multi-stage plan, an unknown stage, a type the spec does not name, or a
-            fleet over the budget.
+        ReplayError: a multi-stage plan (:func:`check_stages` checks those), an unknown stage, a
+            type the spec does not name, or a fleet over the budget.
     """
     if len(plan.stages) > 1:
         raise ReplayError(
-            "multi-stage plans replay static only (the whole pipeline: --tuner off); a scaling"
-            " policy scales one stage"
+            f"the plan has {len(plan.stages)} stages: a multi-stage plan is checked stage by"
+            " stage (check_stages) and replays as one pipeline (replay_pipeline)"
         )
     (stage,) = plan.stages
     if stage.name not in app.spec.model_names:
@@ -354,10 +368,15 @@ def rate_per_instance_qps(
 
 
 def kairos_capacity_model(
-    app: ResolvedApp, model: str, types: Sequence[str], trace: Trace
+    app: ResolvedApp,
+    model: str,
+    types: Sequence[str],
+    trace: Trace,
+    slo_ms: float | None = None,
 ) -> CapacityModel | None:
     """The Kairos throughput upper bound (:func:`estimator.bounds.upper_bounds`) of ``model`` on
-    counts of ``types``, for the trace's batch mix and the app's SLO, as a tuner capacity model;
+    counts of ``types``, for the trace's batch mix and the app's SLO (``slo_ms`` where given: a
+    cascade stage's share of it, :func:`stage_slo_targets_ms`), as a tuner capacity model;
     ``None`` when the bound does not apply (no type meets the SLO at every batch size, a batch
     size outside a profile)."""
     sizes, counts = np.unique(trace.batch_size, return_counts=True)
@@ -368,7 +387,7 @@ def kairos_capacity_model(
             model,
             list(types),
             {name: prices[name] for name in types},
-            app.spec.slo.latency_ms,
+            app.spec.slo.latency_ms if slo_ms is None else slo_ms,
             (sizes, counts / counts.sum()),
         )
     except EstimatorError:
@@ -617,12 +636,59 @@ class TimelineWindow:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class StageReplay:
+    """One stage of a multi-stage replay (:func:`replay_pipeline`).
+
+    ``reach_share`` is the share of the trace's queries that reach the stage (the validation
+    records' forwarding); ``slo_target_ms`` the stage's share of the SLO
+    (:func:`stage_slo_targets_ms`); ``utilisation_target`` the tuner's rho for the stage (None:
+    static, or a stage the tuner leaves on its plan, ``note`` says why). ``timeline`` has the
+    stage's serving fleet, the rate of the queries reaching it and its cost per 10 s window
+    (``p99_ms`` is None: the simulation times queries end to end, not per stage).
+    """
+
+    name: str
+    reach_share: float
+    slo_target_ms: float
+    utilisation_target: float | None
+    fleet_timeline: FleetTimeline
+    timeline: tuple[TimelineWindow, ...]
+    note: str | None = None
+
+    @property
+    def scaling_actions(self) -> int:
+        return self.fleet_timeline.scaling_actions
+
+    def to_document(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "reach_share": self.reach_share,
+            "slo_target_ms": self.slo_target_ms,
+            "utilisation_target": self.utilisation_target,
+            "scaling_actions": self.scaling_actions,
+            "peak_cost_usd_per_hr": max((w.cost_usd_per_hr for w in self.timeline), default=0.0),
+            "note": self.note,
+            "timeline": [
+                {
+                    "t_s": w.t_s,
+                    "fleet": w.fleet,
+                    "rate_qps": w.rate_qps,
+                    "cost_usd_per_hr": w.cost_usd_per_hr,
+                }
+                for w in self.timeline
+            ],
+        }
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class ReplayResult:
     """What the replay found.
 
     ``cost_usd`` integrates every instance's price from launch to stop (or the run's end),
     booting ones included: the simulation's cost plus the aborted boots'. ``slo_miss_share`` is
-    the share of queries slower than the SLO's latency.
+    the share of queries slower than the SLO's latency. A multi-stage replay adds ``stages``
+    (:class:`StageReplay`, in serving order); the timeline's fleet and cost are then the stages'
+    together and ``p99_ms`` is end to end.
     """
 
     policy: str
@@ -633,13 +699,23 @@ class ReplayResult:
     timeline: tuple[TimelineWindow, ...]
     fleet_timeline: FleetTimeline
     simulation: SimulationResult
+    stages: tuple[StageReplay, ...] = ()
 
     @property
     def decisions(self) -> tuple[ReplayDecision, ...]:
         return self.fleet_timeline.decisions
 
     def to_document(self) -> dict[str, Any]:
-        """The ``replay --json`` contract (``docs/replay.md``)."""
+        """The ``replay --json`` contract (``docs/replay.md``); a multi-stage replay adds
+        ``stages`` (one object per stage, :meth:`StageReplay.to_document`) and
+        ``peak_cost_usd_per_hr`` (the highest cost rate of all stages together)."""
+        document = self._document()
+        if self.stages:
+            document["peak_cost_usd_per_hr"] = max(w.cost_usd_per_hr for w in self.timeline)
+            document["stages"] = [stage.to_document() for stage in self.stages]
+        return document
+
+    def _document(self) -> dict[str, Any]:
         return {
             "policy": self.policy,
             "queries": int(self.simulation.arrival_s.size),
@@ -733,17 +809,37 @@ def replay(
     ``dispatch`` (fcfs or kairos; by default the plan stage's ``policy``, else fcfs) over the
     stage's types, the plan's batch size as the most
     queries per batch, and service times drawn from ``rng``. Exact because the policies decide
-    from arrivals only. A static replay is the plain simulation of the plan's fleet. A plan of
-    several stages replays static only, the whole pipeline at once (:func:`replay_pipeline`).
+    from arrivals only. A static replay is the plain simulation of the plan's fleet.
+
+    A plan of several stages (a cascade) replays as one pipeline (:func:`replay_pipeline`):
+    static, or with one tuner per stage, each on the arrivals that reach its stage and all of
+    them within the one budget (docs/tuner.md, "Cascades: one tuner per stage"); the
+    utilisation autoscaler scales one stage only. A cascade's tuner runs InferLine's model
+    (``tuner_capacity_curve`` is for a single stage and is not used).
 
     Raises:
-        ReplayError: a plan that does not fit the app (:func:`check_plan`), an unknown policy.
+        ReplayError: a plan that does not fit the app (:func:`check_plan`, :func:`check_stages`),
+            an unknown policy, the utilisation policy on several stages.
         EstimatorError: the simulator's errors (a batch size outside a profile).
     """
     if len(plan.stages) > 1:
-        if policy != "static":
-            check_plan(plan, app)  # refuses, saying why
-        return replay_pipeline(trace, app, plan, rng)
+        if policy not in ("static", "tuner"):
+            raise ReplayError(
+                f"a plan of {len(plan.stages)} stages replays static or with the tuner (one per"
+                f" stage); the {policy} policy scales one stage"
+            )
+        return replay_pipeline(
+            trace,
+            app,
+            plan,
+            rng,
+            policy=policy,
+            planning_arrival_s=planning_arrival_s,
+            boot_s=boot_s,
+            dispatch=dispatch,
+            tuner_min_window_s=tuner_min_window_s,
+            tuner_recent_s=tuner_recent_s,
+        )
     stage = check_plan(plan, app)
     if policy == "static":
         timeline = static_timeline(stage.fleet)
@@ -865,52 +961,396 @@ def check_stages(plan: PlanDocument, app: ResolvedApp) -> tuple[StagePlan, ...]:
     return tuple(plan.stages)
 
 
+def split_slo_ms(slo_ms: float, predicted_p99_ms: Sequence[float]) -> tuple[float, ...]:
+    """``slo_ms`` split over stages in proportion to their predicted P99s; equally when some
+    stage has no prediction (0: a plan document without them).
+
+    >>> split_slo_ms(48.0, [6.0, 18.0])
+    (12.0, 36.0)
+    >>> split_slo_ms(48.0, [6.0, 0.0])
+    (24.0, 24.0)
+    """
+    weights = [float(p) for p in predicted_p99_ms]
+    if not weights:
+        return ()
+    if not all(math.isfinite(w) and w > 0.0 for w in weights):
+        weights = [1.0] * len(weights)
+    total = sum(weights)
+    return tuple(slo_ms * w / total for w in weights)
+
+
+def stage_slo_targets_ms(plan: PlanDocument, app: ResolvedApp) -> tuple[float, ...]:
+    """Each stage's share of the SLO: the tuner's latency target for the stage. The planner plans
+    a cascade's stages jointly against the end-to-end SLO and stores no per-stage target, so the
+    SLO less the control plane's own time per query (what the stages share, as the planner
+    counts it) is split in proportion to the plan's per-stage predicted P99s (each stage's tail on
+    the queries that reach it), equally when the plan has none (:func:`split_slo_ms`)."""
+    slo_ms = app.spec.slo.latency_ms - app.serving_overhead_ms
+    return split_slo_ms(slo_ms, [stage.predicted_p99_ms for stage in plan.stages])
+
+
+def _reach_masks(
+    answered: NDArray[np.int64] | None, stages: int, queries: int
+) -> list[NDArray[np.bool_]]:
+    """Per stage, which queries reach it: every query reaches the first stage, and stage i the
+    queries answered at i or later (all of them without validation records)."""
+    masks: list[NDArray[np.bool_]] = []
+    for i in range(stages):
+        if answered is None or i == 0:
+            masks.append(np.ones(queries, dtype=np.bool_))
+        else:
+            masks.append(answered >= i)
+    return masks
+
+
+def thin_planning_arrivals(
+    planning_arrival_s: NDArray[np.float64], trace: Trace, reach: NDArray[np.bool_]
+) -> NDArray[np.float64]:
+    """The planning arrivals that reach a stage. When they are the replayed trace's own first
+    queries (the default planning trace, :func:`planning_arrivals`), exactly those of them that
+    ``reach`` marks (the same forwarding the replay simulates); otherwise (a planning trace of its
+    own, whose queries have no validation samples here) a systematic thinning at the replayed
+    trace's reach share s: query k is kept when floor((k + 1) s) > floor(k s), deterministic and
+    within one query of s k at every k.
+
+    >>> t = Trace(np.arange(4.0), np.ones(4, dtype=np.int64))
+    >>> reach = np.array([True, False, True, False])
+    >>> thin_planning_arrivals(np.arange(2.0), t, reach).tolist()
+    [0.0]
+    >>> thin_planning_arrivals(np.arange(10.0, 14.0), t, reach).tolist()
+    [11.0, 13.0]
+    """
+    planning = np.asarray(planning_arrival_s, dtype=np.float64)
+    n = planning.size
+    if n <= len(trace) and np.array_equal(planning, trace.arrival_s[:n]):
+        own: NDArray[np.float64] = planning[reach[:n]]
+        return own
+    share = float(np.count_nonzero(reach)) / reach.size if reach.size else 0.0
+    k = np.arange(n, dtype=np.float64)
+    keep = np.floor((k + 1.0) * share + 1e-9) > np.floor(k * share + 1e-9)
+    thinned: NDArray[np.float64] = planning[keep]
+    return thinned
+
+
+@dataclass(slots=True)
+class _StageTuner:
+    """One stage's tuner in a cascade replay (never escapes this module)."""
+
+    plan: TunerStage
+    config: TunerConfig
+    state: TunerState
+    arrival_s: NDArray[np.float64]
+    log: _FleetLog
+
+    def window(self, now_s: float) -> NDArray[np.float64]:
+        lo, hi = np.searchsorted(self.arrival_s, [now_s - self.config.recent_s, now_s], "right")
+        window: NDArray[np.float64] = self.arrival_s[lo:hi]
+        return window
+
+    def run(self, now_s: float, budget_usd_per_hr: float) -> tuple[list[Decision], TunerState]:
+        config = dataclasses.replace(self.config, budget_usd_per_hr=budget_usd_per_hr)
+        return tune(self.window(now_s), now_s, self.state, [self.plan], config)
+
+    def deficit(self, decisions: Sequence[Decision], state: TunerState) -> float:
+        """The share of the capacity the stage wants that it lacks now: (wanted - now) / wanted,
+        wanted = what the decisions launched plus what the budget kept them short of (0: no
+        scale-up wanted)."""
+        plan = self.plan
+        before = plan.capacity_qps(self.state.fleets[plan.name])
+        wanted = plan.capacity_qps(state.fleets[plan.name])
+        mu = plan.rate_per_instance_qps
+        wanted += sum(
+            d.count * mu[d.instance_type] for d in decisions if d.action == "budget_capped"
+        )
+        return max(0.0, (wanted - before) / wanted) if wanted > before else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _CascadeStage:
+    timeline: FleetTimeline
+    utilisation_target: float | None
+    note: str | None
+
+
+def cascade_tuner_timelines(
+    trace: Trace,
+    app: ResolvedApp,
+    stages: Sequence[StagePlan],
+    answered: NDArray[np.int64] | None,
+    planning_arrival_s: NDArray[np.float64],
+    targets_ms: Sequence[float],
+    *,
+    boot_s: Mapping[str, float] | None = None,
+    min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S,
+    dispatch: DispatchName | None = None,
+    recent_s: float = DEFAULT_RECENT_S,
+) -> tuple[_CascadeStage, ...]:
+    """Roll one InferLine tuner per stage over ``trace`` once per second (docs/tuner.md,
+    "Cascades: one tuner per stage").
+
+    Stage i sees the arrivals of the queries that reach it (``answered`` >= i, the validation
+    records' forwarding, the same queries the pipeline simulation forwards); its tuner is set up
+    as :func:`tuner_timeline` sets up a single stage, but on the stage's own planning envelope
+    (:func:`thin_planning_arrivals`) and its own batch mix, so with scale factor 1 (the reach is
+    in the arrivals), the spec's ``max_counts`` per type, and, for a Kairos mix, the Kairos bound
+    at the stage's share of the SLO (``targets_ms``). A stage whose planning arrivals reach it
+    fewer than twice keeps its planned fleet.
+
+    The budget binds all stages together. Each tick every tuner first decides alone, under the
+    budget less what the other stages run; stages that want no scale-up then act first (their
+    scale-downs free budget), then those that do, the largest deficit first (the share of the
+    capacity the stage wants that it lacks; ties in serving order), each under the budget less
+    what the others run by then. A scale-up the budget cuts is recorded ``budget_capped``.
+    """
+    budget = app.spec.budget_usd_per_hr
+    prices = app.prices_usd_per_hr
+    masks = _reach_masks(answered, len(stages), len(trace))
+    tuners: list[_StageTuner | None] = []
+    fixed: list[float] = []  # the cost of a stage left on its plan
+    made: list[tuple[float | None, str | None]] = []
+    logs: list[_FleetLog] = []
+    for i, stage in enumerate(stages):
+        mask = masks[i]
+        reached = Trace(trace.arrival_s[mask], trace.batch_size[mask]) if mask.any() else trace
+        mu = _stage_rates(app, stage, reached)
+        boot = _boot_s(app, list(mu), boot_s)
+        fleet = {name: stage.fleet[name] for name in mu}
+        log = _FleetLog.planned(Fleet.of(fleet), boot)
+        logs.append(log)
+        planning = thin_planning_arrivals(planning_arrival_s, trace, mask)
+        if planning.size < 2:
+            tuners.append(None)
+            fixed.append(sum(n * prices[t] for t, n in fleet.items()))
+            made.append(
+                (
+                    None,
+                    f"{planning.size} planning queries reach {stage.name}: no"
+                    " envelope to tune on, the stage keeps its planned fleet",
+                )
+            )
+            continue
+        service_time_s = max(_batch_latency_s(app, stage, reached, t, mu[t]) for t in mu)
+        service_time_s = min(max(service_time_s, min_window_s), DEFAULT_MAX_WINDOW_S)
+        config = TunerConfig.from_planning_trace(
+            planning,
+            service_time_s,
+            budget_usd_per_hr=budget,
+            catalog=app.catalog,
+            types=list(mu),
+            boot_s=boot,
+            recent_s=recent_s,
+        )
+        caps = {t: n for t in mu if (n := app.spec.max_count(t)) is not None}
+        config = dataclasses.replace(config, max_counts=caps)
+        model = None
+        policy = dispatch if dispatch is not None else stage.policy
+        if policy == "kairos" and len(mu) > 1 and stage.batch_size <= 1:
+            model = kairos_capacity_model(app, stage.name, list(mu), reached, targets_ms[i])
+        rho = utilisation_target(fleet, mu, 1.0, config.planned_peak_rate_qps, model)
+        plan = TunerStage(stage.name, 1.0, fleet, mu, rho, capacity_model=model)
+        state = initial_state([plan], now_s=0.0)
+        tuners.append(_StageTuner(plan, config, state, trace.arrival_s[mask], log))
+        fixed.append(0.0)
+        made.append((rho, None))
+
+    def costs() -> list[float]:
+        return [
+            fixed[i] if t is None else fleet_cost_usd_per_hr(t.state, prices)
+            for i, t in enumerate(tuners)
+        ]
+
+    def left_for(i: int, cost: Sequence[float]) -> float:
+        others = sum(c for j, c in enumerate(cost) if j != i)
+        return max(0.0, budget - others)
+
+    active = [i for i, t in enumerate(tuners) if t is not None]
+    for now_s in (float(t) for t in _ticks(float(trace.arrival_s[-1]), TUNER_TICK_S)):
+        cost = costs()
+        alone: dict[int, tuple[float, list[Decision], TunerState]] = {}
+        deficit: dict[int, float] = {}
+        for i in active:
+            tuner = tuners[i]
+            assert tuner is not None
+            allowed = left_for(i, cost)
+            decisions, state = tuner.run(now_s, allowed)
+            alone[i] = (allowed, decisions, state)
+            deficit[i] = tuner.deficit(decisions, state)
+        order = sorted(active, key=lambda i: (deficit[i] > 0.0, -deficit[i], i))
+        for rank, i in enumerate(order):
+            tuner = tuners[i]
+            assert tuner is not None
+            allowed = left_for(i, cost)
+            if allowed == alone[i][0]:
+                decisions, state = alone[i][1], alone[i][2]
+            else:
+                decisions, state = tuner.run(now_s, allowed)
+            tuner.state = state
+            cost[i] = fleet_cost_usd_per_hr(state, prices)
+            for d in decisions:
+                if d.action == "scale_up":
+                    tuner.log.launch(d.instance_type, d.count, d.at_s)
+                elif d.action == "scale_down":
+                    tuner.log.stop(d.instance_type, d.count, d.at_s)
+                reason = d.reason
+                if d.action == "budget_capped":
+                    reason += (
+                        f"; the {budget:g} USD/hr budget is shared by the stages: the others run"
+                        f" {budget - allowed:.6g} USD/hr, this stage went {rank + 1} of"
+                        f" {len(order)} (deficit {deficit[i]:.3g}; the largest deficit first)"
+                    )
+                tuner.log.decide(
+                    ReplayDecision(d.at_s, d.stage, d.action, d.instance_type, d.count, reason)
+                )
+    return tuple(
+        _CascadeStage(log.timeline(), rho, note)
+        for log, (rho, note) in zip(logs, made, strict=True)
+    )
+
+
+def _window_starts(end_s: float) -> NDArray[np.float64]:
+    starts: NDArray[np.float64] = TIMELINE_STEP_S * np.arange(
+        max(1, math.floor(end_s / TIMELINE_STEP_S) + 1), dtype=np.float64
+    )
+    return starts
+
+
+def _stage_windows(
+    arrival_s: NDArray[np.float64],
+    end_s: float,
+    timeline: FleetTimeline,
+    types: Sequence[str],
+    prices: Mapping[str, float],
+) -> tuple[TimelineWindow, ...]:
+    starts = _window_starts(end_s)
+    bounds = np.searchsorted(arrival_s, np.append(starts, starts[-1] + TIMELINE_STEP_S))
+    return tuple(
+        TimelineWindow(
+            t_s=t_s,
+            fleet=timeline.ready_fleet_at(t_s, types),
+            rate_qps=float(bounds[k + 1] - bounds[k]) / TIMELINE_STEP_S,
+            p99_ms=None,
+            cost_usd_per_hr=timeline.peak_cost_usd_per_hr(prices, t_s, t_s + TIMELINE_STEP_S),
+        )
+        for k, t_s in enumerate(float(t) for t in starts)
+    )
+
+
 def replay_pipeline(
-    trace: Trace, app: ResolvedApp, plan: PlanDocument, rng: np.random.Generator
+    trace: Trace,
+    app: ResolvedApp,
+    plan: PlanDocument,
+    rng: np.random.Generator,
+    *,
+    policy: ScalingPolicy = "static",
+    planning_arrival_s: NDArray[np.float64] | None = None,
+    boot_s: Mapping[str, float] | None = None,
+    dispatch: DispatchName | None = None,
+    tuner_min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S,
+    tuner_recent_s: float = DEFAULT_RECENT_S,
 ) -> ReplayResult:
-    """Replay ``trace`` through every stage of ``plan`` at once, each with its planned fleet,
-    batch size and dispatch (static: no scaling), each query forwarded to the next stage as the
+    """Replay ``trace`` through every stage of ``plan`` at once, each with its batch size and
+    dispatch (``dispatch`` overrides the plan's), each query forwarded to the next stage as the
     validation records say (its ``sample_id``, else a sample drawn with ``rng`` before the
     service times are), as the planner simulates the pipeline
-    (:func:`controlplane.policies.pipeline.pipeline_stages`). The timeline's fleet is the
-    stages' together; ``p99_ms`` is end to end.
+    (:func:`controlplane.policies.pipeline.pipeline_stages`).
+
+    ``static``: every stage keeps its planned fleet. ``tuner``: one tuner per stage on the
+    arrivals that reach it, within the one budget (:func:`cascade_tuner_timelines`, planning on
+    ``planning_arrival_s``, by default the trace's first 10%), and the pipeline simulated once on
+    the stages' changing fleets (exact for the reason :func:`replay` gives: the tuners decide
+    from arrivals only). The timeline's fleet and cost are the stages' together; ``p99_ms`` and
+    ``slo_miss_share`` are end to end; ``stages`` has each stage's reach, SLO share
+    (:func:`stage_slo_targets_ms`), fleet over time and decisions.
 
     Raises:
-        ReplayError: stages that do not fit the app (:func:`check_stages`).
+        ReplayError: stages that do not fit the app (:func:`check_stages`), a policy other than
+            static or tuner.
         EstimatorError: the simulator's errors (a batch size outside a profile).
     """
     stages = check_stages(plan, app)
+    if policy not in ("static", "tuner"):
+        raise ReplayError(f"a multi-stage plan replays static or with the tuner, not {policy!r}")
     answered = answering_stages(app, trace, rng)
+    targets = stage_slo_targets_ms(plan, app)
+    masks = _reach_masks(answered, len(stages), len(trace))
+    prices = dict(app.prices_usd_per_hr)
+    qos_ms = app.spec.slo.latency_ms
+    if policy == "tuner":
+        planning = planning_arrivals(trace) if planning_arrival_s is None else planning_arrival_s
+        made = cascade_tuner_timelines(
+            trace,
+            app,
+            stages,
+            answered,
+            np.asarray(planning, dtype=np.float64),
+            targets,
+            boot_s=boot_s,
+            min_window_s=tuner_min_window_s,
+            dispatch=dispatch,
+            recent_s=tuner_recent_s,
+        )
+        fleets: list[Sequence[InstanceSpec]] = [m.timeline.instances for m in made]
+    else:
+        made = tuple(_CascadeStage(static_timeline(stage.fleet), None, None) for stage in stages)
+        fleets = [
+            [InstanceSpec(t) for t, n in stage.fleet.items() for _ in range(n)] for stage in stages
+        ]
     built = pipeline_stages(
         app,
         [
             (
                 stage.name,
-                [InstanceSpec(t) for t, n in stage.fleet.items() for _ in range(n)],
+                fleet,
                 stage.batch_size,
-                stage.policy,
+                dispatch if dispatch is not None else stage.policy,
             )
-            for stage in stages
+            for stage, fleet in zip(stages, fleets, strict=True)
         ],
         trace,
         answered,
     )
-    prices = dict(app.prices_usd_per_hr)
-    qos_ms = app.spec.slo.latency_ms
     result = simulate(trace, built, rng, prices_usd_per_hr=prices, qos_ms=qos_ms)
-    total: dict[str, int] = {}
-    for stage in stages:
-        for name, count in stage.fleet.items():
-            total[name] = total.get(name, 0) + count
-    timeline = static_timeline(Fleet.of(total))
+    timeline = FleetTimeline(
+        tuple(spec for m in made for spec in m.timeline.instances),
+        tuple(a for m in made for a in m.timeline.aborted),
+        tuple(sorted((d for m in made for d in m.timeline.decisions), key=lambda d: d.at_s)),
+    )
+    types = list(
+        dict.fromkeys(
+            [
+                *(t for stage in stages for t in stage.fleet),
+                *(s.instance_type for s in timeline.instances),
+            ]
+        )
+    )
+    end_s = float(result.arrival_s[-1])
+    per_stage = []
+    for i, (stage, m) in enumerate(zip(stages, made, strict=True)):
+        stage_types = list(
+            dict.fromkeys([*stage.fleet, *(s.instance_type for s in m.timeline.instances)])
+        )
+        per_stage.append(
+            StageReplay(
+                name=stage.name,
+                reach_share=float(np.count_nonzero(masks[i])) / len(trace),
+                slo_target_ms=targets[i],
+                utilisation_target=m.utilisation_target,
+                fleet_timeline=m.timeline,
+                timeline=_stage_windows(
+                    trace.arrival_s[masks[i]], end_s, m.timeline, stage_types, prices
+                ),
+                note=m.note,
+            )
+        )
     response = result.response_ms
     return ReplayResult(
-        policy="static",
+        policy=policy,
         p99_ms=float(np.percentile(response, REPORTED_PERCENTILE)),
         slo_miss_share=float(np.count_nonzero(response > qos_ms) / response.size),
-        cost_usd=result.cost_usd,
-        scaling_actions=0,
-        timeline=_windows(result, timeline, list(total), prices),
+        cost_usd=result.cost_usd + _aborted_cost_usd(timeline.aborted, prices, result.horizon_s),
+        scaling_actions=timeline.scaling_actions,
+        timeline=_windows(result, timeline, types, prices),
         fleet_timeline=timeline,
         simulation=result,
+        stages=tuple(per_stage),
     )

@@ -36,6 +36,7 @@ from estimator.policies import full_range_types, policy_factory
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import RateProfile, Trace, renewal_arrivals, step_profile, write_trace_csv
 from tests.conftest import KAIROS_CSV, needs_shared
+from tests.unit.test_planner import write_cascade_app
 
 GPU, CPU = "g4dn.xlarge", "r5n.large"  # 0.526 and 0.149 USD/hr in the shipped catalog
 GPU_PRICE = 0.526
@@ -393,7 +394,7 @@ def test_plans_that_do_not_fit_the_spec_are_refused(tmp_path: Path) -> None:
         check_plan(parse_plan(plan_document({GPU: 1}, name="other")), app)
     two = plan_document({GPU: 1})
     two["stages"] = [*two["stages"], *two["stages"]]  # type: ignore[misc]
-    with pytest.raises(ReplayError, match="multi-stage plans replay static only"):
+    with pytest.raises(ReplayError, match="checked stage by stage"):
         check_plan(parse_plan(two), app)
 
 
@@ -433,6 +434,46 @@ def test_replay_human_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main([*args, "--policy", "static"]) == 0
     text = capsys.readouterr().out
     assert "under static" in text and "p99" in text and "0 scaling actions" in text
+
+
+@pytest.mark.parametrize("extra", [[], ["--tuner", "off"]])
+def test_replay_of_a_cascade_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> None:
+    # A two-stage plan replays with the tuner (one per stage) as with --tuner off: one pipeline.
+    write_cascade_app(tmp_path, records=True)
+    spec = tmp_path / "cascade-True-0.6-50.yaml"
+    plan = {
+        "feasible": True,
+        "cost_usd_per_hr": 0.298,
+        "steps": [],
+        "stages": [
+            {"name": "cheap", "fleet": {CPU: 1}, "batch_size": 1, "predicted_p99_ms": 10.0},
+            {"name": "large", "fleet": {CPU: 1}, "batch_size": 1, "predicted_p99_ms": 20.0},
+        ],
+    }
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    trace_path = tmp_path / "trace.csv"
+    write_trace_csv(trace_of(step_profile(40.0, 200.0, 40.0), 80.0), trace_path)
+    args = ["replay", "--spec", str(spec), "--plan", str(plan_path), "--trace", str(trace_path)]
+    assert main([*args, *extra, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("p99_ms", "slo_miss_share", "cost_usd", "scaling_actions", "timeline"):
+        assert key in out
+    assert [s["name"] for s in out["stages"]] == ["cheap", "large"]
+    assert out["stages"][0]["reach_share"] == 1.0 and out["stages"][1]["reach_share"] < 1.0
+    assert out["peak_cost_usd_per_hr"] <= out["budget_usd_per_hr"]
+    assert out["scaling_actions"] == sum(s["scaling_actions"] for s in out["stages"])
+    if extra:
+        assert out["policy"] == "static" and out["scaling_actions"] == 0
+    else:
+        assert out["policy"] == "tuner" and out["tuner_model"] == "inferline"
+        assert out["scaling_actions"] > 0
+        assert {d["stage"] for d in out["decisions"]} <= {"cheap", "large"}
+    assert main([*args, *extra]) == 0
+    text = capsys.readouterr().out
+    assert "stage cheap: reached by 100.0% of the queries" in text and "stage large" in text
 
 
 @pytest.mark.parametrize(
