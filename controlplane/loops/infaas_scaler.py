@@ -9,7 +9,9 @@ service runs it in the ``tuner_tick`` job, after the live tuner) it reads, for e
 
 - the serving loop's status as of its last refresh (an injected :data:`StatusSource`,
   ``ServingLoop.statuses``): the running workers, their types and busy shares, and the INFaaS
-  state of each model on each of them (:mod:`controlplane.serving.states`);
+  state of each model on each of them (:mod:`controlplane.serving.states`), and what an
+  overloaded model's state was judged on (refusals, arrival rate, backlog: the decision's reason
+  says it);
 - the app's recent arrivals (an injected :data:`ArrivalSource`, ``ServingLoop.observed_arrivals``):
   the load of each model is the arrivals of the last ``window_s`` (INFaaS's monitoring daemon
   reports every 2 s) over ``window_s``, times the share of queries reaching the model (the
@@ -46,6 +48,7 @@ from numpy.typing import NDArray
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, Store
 from controlplane.policies.infaas_scaling import (
+    OverloadNote,
     ScalerState,
     ScalingConfig,
     ScalingContext,
@@ -210,6 +213,14 @@ class InfaasScaler:
                     worker.instance_id, worker.instance_type, served, worker.utilisation_share
                 )
             )
+        # What each overloaded model's state was judged on, for the decision's reason.
+        overload = {
+            stage.model: OverloadNote(
+                tuple(stage.overload.reasons()), dict(stage.overload.numbers())
+            )
+            for stage in status.stages
+            if stage.overload is not None and stage.overload.overloaded
+        }
         context = ScalingContext(
             app=app.name,
             now_s=now_s,
@@ -219,6 +230,7 @@ class InfaasScaler:
             prices_usd_per_hr=dict(resolved.prices_usd_per_hr),
             budget_usd_per_hr=app.budget_usd_per_hr,
             max_counts={t: n for t in types if (n := resolved.spec.max_count(t)) is not None},
+            overload=overload,
         )
         decisions, scaled.state = decide(context, scaled.state, self._config)
         with self._lock:

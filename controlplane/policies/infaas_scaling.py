@@ -9,13 +9,14 @@ the fleet and the next state, out), and the arithmetic the results experiment sh
 Vocabulary. A *variant* is a model of the app on an instance type (its batch cap is the
 dispatcher's); an *instance* is one machine of the app, and every instance serves every model
 of the app it is placed on. Each (model, instance) pair has the serving loop's INFaaS state
-(:mod:`controlplane.serving.states`): *active*, *overloaded* (the model's queue takes longer
-than the SLO to drain at its profiled capacity) or *interfered* (measured service times over
-the profile); a variant no running instance serves is *inactive*, and costs its loading
-latency T_load (its type's start-up: every worker loads the whole family as it starts) before
-it serves. Q_v is what one instance of variant v serves (qps, from its profile), U the
-utilisation target (INFaaS's VM-Autoscaler threshold, 80%, section 4.2.3), lambda the weight of
-loading latency (section 4.2.1).
+(:mod:`controlplane.serving.states`): *active*, *overloaded* (the model cannot keep up with its
+load: within the state's window admission refused queries of it, or its arrivals reached its
+profiled capacity, or its queue takes longer than the SLO to drain) or *interfered* (measured
+service times over the profile); a variant no running instance serves is *inactive*, and costs
+its loading latency T_load (its type's start-up: every worker loads the whole family as it
+starts) before it serves. Q_v is what one instance of variant v serves (qps, from its profile),
+U the utilisation target (INFaaS's VM-Autoscaler threshold, 80%, section 4.2.3), lambda the
+weight of loading latency (section 4.2.1).
 
 The rules of :func:`decide`, per model m of the app, in order, at most one scaling action per
 tick:
@@ -31,6 +32,8 @@ tick:
    instances is *overloaded* and no instance is still loading, or when its measured load
    lambda_m exceeds U times its capacity, the capacity of the instances still loading counted
    (Constraint 1; they serve once their T_load is over, so they are not asked for twice).
+   A scale-up that m's overload takes part in says so in its reason, with what the state was
+   judged on (the context's ``overload``: refusals, arrival rate, backlog).
    The options are every variant (m, t) that meets the SLO at all (Q > 0; Constraint 2):
    delta_t = max(1, ceil((lambda_m / U - capacity) / Q_{m,t})) new instances of t, priced by
    the ILP's objective, C_t (delta_t + lambda T_load_t delta_t) (:func:`scaling_cost_usd_per_s`,
@@ -71,6 +74,7 @@ __all__ = [
     "DEFAULT_UTILISATION",
     "InstanceState",
     "ModelAction",
+    "OverloadNote",
     "ScalerState",
     "ScalingConfig",
     "ScalingContext",
@@ -149,10 +153,21 @@ class ScalingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class OverloadNote:
+    """What a model's *overloaded* state was judged on, as the serving loop says it: one phrase
+    per criterion that holds (with its numbers) and the numbers as a mapping
+    (:class:`controlplane.serving.states.Overload`)."""
+
+    reasons: tuple[str, ...]
+    numbers: Mapping[str, float | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class ScalingContext:
     """What one tick sees for one app: the time, the measured load of each model (qps: the
     app's arrivals times the share of queries reaching the model), the running instances, the
-    variants, prices, the budget (USD/hr, a hard limit) and the spec's caps per type."""
+    variants, prices, the budget (USD/hr, a hard limit), the spec's caps per type, and, per
+    overloaded model, what its state was judged on."""
 
     app: str
     now_s: float
@@ -162,6 +177,7 @@ class ScalingContext:
     prices_usd_per_hr: Mapping[str, float]
     budget_usd_per_hr: float
     max_counts: Mapping[str, int] = field(default_factory=dict)
+    overload: Mapping[str, OverloadNote] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,22 +363,26 @@ def decide(
         serving = [i for i in ctx.instances if m in i.states]
         loading_capacity = sum(pending.get(t, 0) * q.get((m, t), 0.0) for t in pending)
         capacity = capacity_now[m] + loading_capacity
-        overloaded = any(i.states[m] == "overloaded" for i in serving)
+        overloaded_on = sorted(i.instance_id for i in serving if i.states[m] == "overloaded")
+        overloaded = bool(overloaded_on)
         everywhere = bool(serving) and all(i.states[m] == "interfered" for i in serving)
         loading_any = any(pending.get(t, 0) > 0 and q.get((m, t), 0.0) > 0 for t in pending)
         short = load > u * capacity + _EPS
-        why = ""
+        if not (short or ((overloaded or everywhere) and not loading_any)):
+            continue
+        note = ctx.overload.get(m)
+        parts = []
+        if overloaded:
+            judged = f": {'; '.join(note.reasons)}" if note is not None and note.reasons else ""
+            parts.append(f"{m} is overloaded on {', '.join(overloaded_on)}{judged}")
         if short:
-            why = (
+            parts.append(
                 f"load {load:.3g} qps > U {u:g} x capacity {capacity:.3g} qps"
                 f" ({loading_capacity:.3g} of it still loading)"
             )
-        elif overloaded and not loading_any:
-            why = f"{m} is overloaded (its queue takes longer than the SLO to drain)"
-        elif everywhere and not loading_any:
-            why = f"{m} is interfered on every instance serving it"
-        if not why:
-            continue
+        elif everywhere and not overloaded:
+            parts.append(f"{m} is interfered on every instance serving it")
+        why = "; ".join(parts)
         wanted_qps = max(load / u - capacity, 0.0)
         if not short:
             # Overloaded (or interfered everywhere) at a load the profiles say it carries: the
@@ -447,6 +467,8 @@ def decide(
             "saturation_qps": rate,
             "loading_s": t_load,
             "overloaded": overloaded,
+            "overloaded_instances": overloaded_on,
+            "overload": dict(note.numbers) if overloaded and note is not None else None,
             "cost_usd_per_hr_after": after_cost,
             "budget_usd_per_hr": ctx.budget_usd_per_hr,
             "at_s": now,

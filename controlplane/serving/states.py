@@ -2,17 +2,34 @@
 variant (a model on an instance type) loaded nowhere is *inactive*.
 
 INFaaS (Romero et al., USENIX ATC'21, section 4.2) keeps, for every model variant on every
-worker, a state that routing and scaling read: a variant is *overloaded* when its queue holds
-more than it can serve at its profiled throughput, and *interfered* when its measured latency
-is above its profile by a margin (another tenant, a noisy neighbour, a throttled CPU). This
-module owns the two verdicts as pure functions and a small tracker of measured latencies:
+worker, a state that routing and scaling read: "variant instances enter the Overloaded state
+when they serve at their peak throughput", and are *interfered* when "not overloaded but still
+experiencing higher inference latencies than the profiled values" (another tenant, a noisy
+neighbour, a throttled CPU). This module owns the two verdicts as pure functions and a small
+tracker of what they are judged on (measured latencies, arrivals, refusals):
 
-- **Overloaded** (:func:`is_overloaded`): the serving loop keeps one central queue per model
-  (InferLine's centralized queue), so the backlog an instance faces is the model's queue; the
-  instances of a model serve it together at their profiled rates, and the model is overloaded
-  on each of them when draining its backlog takes longer than the SLO,
-  ``1000 * queued_samples / capacity_sps > slo_ms``. The verdict is shared by the model's
-  instances: a central queue has no per-instance backlog to tell them apart.
+- **Overloaded** (:func:`is_overloaded`, :meth:`StateTracker.overload`): the model cannot keep
+  up with its load. The serving loop keeps one central queue per model (InferLine's centralized
+  queue), and the instances of a model serve it together at their profiled rates (its capacity
+  C, samples/s), so the verdict is the model's and shared by its instances (a central queue has
+  no per-instance backlog or arrival rate to tell them apart). Over the last ``window_s``
+  seconds, the model is overloaded when any of
+
+  1. *backlog*: draining its backlog B (queued plus in-service samples) takes longer than the
+     SLO, ``1000 B / C > slo_ms`` (no capacity: as soon as anything waits);
+  2. *refused*: admission control (:mod:`controlplane.serving.admission`) refused (429) a query
+     that would have reached it, judged at a capacity at least C: its queue could not serve the
+     query within the SLO. A refusal judged at a smaller capacity (before an instance joined)
+     says nothing of the larger one and does not count;
+  3. *rate*: its arrivals, admitted and refused, in samples per second over the window (or
+     since the first of them, when the load began within it, over at least ``rate_min_s``,
+     2 s: INFaaS's monitoring period), reach C: it serves at its peak throughput (INFaaS's
+     wording), and its queue grows.
+
+  The first alone never fires under admission control with one-sample queries: admission keeps
+  the backlog drainable within the SLO less the query's own service, so the backlog drains in
+  at most the SLO. The other two say what the backlog cannot: the queue is held at the SLO only
+  by turning load away, or the load is at least what the instances serve.
 - **Interfered** (:func:`is_interfered`): over the last ``window_s`` seconds, the median of
   measured service time / profiled mean service time (same batch size, same instance type)
   of the model on the instance exceeds ``1 + margin``, given at least ``min_samples``
@@ -36,15 +53,20 @@ module owns the two verdicts as pure functions and a small tracker of measured l
 
 An instance is interfered before it is overloaded (:func:`model_state`): the remedy for
 interference is elsewhere (another instance), for overload more capacity or a faster variant.
-The dispatcher leaves interfered instances out of matching while the model has an active one;
-overload is a verdict on the model's queue, which the model-less variant choice
-(:mod:`controlplane.policies.variants`) and admission control read. The INFaaS autoscaler
+The dispatcher leaves interfered instances out of matching while the model has an active one and
+feeds the tracker its arrivals (each sample a stage queues) and admission's refusals; the
+model-less variant choice (:mod:`controlplane.serving.variants`) judges the backlog criterion
+for the query at hand. The INFaaS autoscaler
 (``scaling: infaas`` in the app spec, :mod:`controlplane.loops.infaas_scaler`) reads all four
 from the loop's status every tick; the dashboard reads them through
 ``GET /v1/apps/{app}/serving`` and ``/metrics``.
 
 >>> is_overloaded(queued_samples=300, capacity_sps=1000.0, slo_ms=200.0)
 True
+>>> is_overloaded(0, 10.0, 1000.0, refused=3), is_overloaded(0, 10.0, 1000.0, arrival_sps=12.0)
+(True, True)
+>>> is_overloaded(9, 10.0, 1000.0, refused=0, arrival_sps=8.0)
+False
 >>> is_interfered([1.1, 1.9, 2.0, 2.1, 1.7], margin=0.5, min_samples=5)
 True
 >>> model_state(overloaded=True, interfered=False)
@@ -68,9 +90,12 @@ __all__ = [
     "DEFAULT_FLOOR_MS",
     "DEFAULT_MARGIN",
     "DEFAULT_MIN_SAMPLES",
+    "DEFAULT_RATE_MIN_S",
     "DEFAULT_WINDOW_S",
     "ModelState",
+    "Overload",
     "StateTracker",
+    "backlog_ms",
     "is_interfered",
     "is_overloaded",
     "loading_latency_s",
@@ -86,18 +111,92 @@ DEFAULT_MARGIN = 0.5
 DEFAULT_WINDOW_S = 10.0
 DEFAULT_MIN_SAMPLES = 5
 DEFAULT_FLOOR_MS = 1.0
+# The shortest time an arrival rate is measured over (INFaaS's monitoring daemons report every
+# 2 s, section 5): a load that began less than a window ago is judged over its own span.
+DEFAULT_RATE_MIN_S = 2.0
 # Measurements kept per (model, instance), whatever the window: a bound on memory.
 _MAX_KEPT = 256
+# Arrivals and refusals are counted in buckets of a window's 1/_BUCKETS: memory bounded by the
+# window whatever the rate.
+_BUCKETS = 20
 
 
-def is_overloaded(queued_samples: float, capacity_sps: float, slo_ms: float) -> bool:
-    """Whether a backlog of ``queued_samples`` takes longer than ``slo_ms`` to drain at
-    ``capacity_sps`` samples per second (no capacity: overloaded as soon as anything waits)."""
+def backlog_ms(queued_samples: float, capacity_sps: float) -> float:
+    """The time a backlog of ``queued_samples`` takes to drain at ``capacity_sps`` samples per
+    second (0 when nothing waits, infinite when something waits and nothing serves)."""
     if queued_samples <= 0:
-        return False
+        return 0.0
     if capacity_sps <= 0:
+        return math.inf
+    return 1000.0 * queued_samples / capacity_sps
+
+
+def is_overloaded(
+    queued_samples: float,
+    capacity_sps: float,
+    slo_ms: float,
+    *,
+    refused: int = 0,
+    arrival_sps: float = 0.0,
+) -> bool:
+    """Whether a model cannot keep up with its load (the module docstring's three criteria):
+    its backlog of ``queued_samples`` takes longer than ``slo_ms`` to drain at ``capacity_sps``
+    samples per second, or admission ``refused`` queries of it within the window, or its
+    arrivals (``arrival_sps``, admitted and refused) reach its capacity."""
+    if backlog_ms(queued_samples, capacity_sps) > slo_ms:
         return True
-    return 1000.0 * queued_samples / capacity_sps > slo_ms
+    if refused > 0:
+        return True
+    return arrival_sps > 0 and arrival_sps >= capacity_sps
+
+
+@dataclass(frozen=True, slots=True)
+class Overload:
+    """What the overload verdict of a model was judged on (:meth:`StateTracker.overload`): the
+    backlog's drain time (ms) against the SLO, the queries refused within the window at a
+    capacity at least the current one, and the arrival rate (samples/s, admitted and refused, over
+    the window) against the capacity (samples/s)."""
+
+    backlog_ms: float
+    slo_ms: float
+    refused: int
+    arrival_sps: float
+    capacity_sps: float
+    window_s: float
+
+    @property
+    def overloaded(self) -> bool:
+        return (
+            self.backlog_ms > self.slo_ms
+            or self.refused > 0
+            or (self.arrival_sps > 0 and self.arrival_sps >= self.capacity_sps)
+        )
+
+    def reasons(self) -> list[str]:
+        """One phrase, with its numbers, per criterion that holds (empty: not overloaded)."""
+        out = []
+        if self.backlog_ms > self.slo_ms:
+            out.append(f"backlog drains in {self.backlog_ms:.4g} ms > SLO {self.slo_ms:g} ms")
+        if self.refused > 0:
+            out.append(f"{self.refused} queries refused (429) in the last {self.window_s:g} s")
+        if self.arrival_sps > 0 and self.arrival_sps >= self.capacity_sps:
+            out.append(
+                f"arrivals {self.arrival_sps:.3g} samples/s >= capacity"
+                f" {self.capacity_sps:.3g} samples/s"
+            )
+        return out
+
+    def numbers(self) -> dict[str, float | None]:
+        """The numbers, as a plain mapping (a decision's, the scaler's; an infinite drain time,
+        nothing serving, is None)."""
+        return {
+            "backlog_ms": self.backlog_ms if math.isfinite(self.backlog_ms) else None,
+            "slo_ms": self.slo_ms,
+            "refused": float(self.refused),
+            "arrival_sps": self.arrival_sps,
+            "capacity_sps": self.capacity_sps,
+            "window_s": self.window_s,
+        }
 
 
 def is_interfered(ratios: Sequence[float], margin: float, min_samples: int) -> bool:
@@ -156,8 +255,19 @@ class _Sample:
     ratio: float
 
 
+@dataclass(slots=True)
+class _Count:
+    """Arrivals of a model in one bucket (samples), or refusals (queries) at one capacity."""
+
+    bucket: int
+    amount: float
+    capacity_sps: float = 0.0
+
+
 class StateTracker:
-    """Measured-over-profiled service-time ratios per (model, instance) over a time window.
+    """What the states are judged on, over a time window: measured-over-profiled service-time
+    ratios per (model, instance) (interference), and per model's queue its arrivals and
+    admission's refusals (overload, with the backlog and capacity the caller gives).
 
     ``instance`` is any hashable key (the serving loop uses the instance's id). Not
     thread-safe: the serving loop's event loop owns it.
@@ -169,6 +279,7 @@ class StateTracker:
         margin: float = DEFAULT_MARGIN,
         min_samples: int = DEFAULT_MIN_SAMPLES,
         floor_ms: float = DEFAULT_FLOOR_MS,
+        rate_min_s: float = DEFAULT_RATE_MIN_S,
     ) -> None:
         if not (math.isfinite(window_s) and window_s > 0):
             raise ValueError(f"window_s must be > 0, got {window_s!r}")
@@ -178,7 +289,11 @@ class StateTracker:
         self.margin = margin
         self.min_samples = min_samples
         self.floor_ms = floor_ms
+        self.rate_min_s = min(rate_min_s, window_s)
         self._samples: dict[tuple[str, Hashable], deque[_Sample]] = {}
+        self._bucket_s = window_s / _BUCKETS
+        self._arrivals: dict[Hashable, deque[_Count]] = {}
+        self._refusals: dict[Hashable, deque[_Count]] = {}
 
     def observe(
         self, model: str, instance: Hashable, now_s: float, measured_ms: float, profiled_ms: float
@@ -209,6 +324,97 @@ class StateTracker:
 
     def interfered(self, model: str, instance: Hashable, now_s: float) -> bool:
         return is_interfered(self.ratios(model, instance, now_s), self.margin, self.min_samples)
+
+    # --- overload ---------------------------------------------------------------------------------
+
+    def _bucket(self, now_s: float) -> int:
+        return math.floor(now_s / self._bucket_s)
+
+    def _add(
+        self,
+        kept: dict[Hashable, deque[_Count]],
+        queue: Hashable,
+        now_s: float,
+        amount: float,
+        cap: float,
+    ) -> None:
+        counts = kept.get(queue)
+        if counts is None:
+            counts = kept[queue] = deque()
+        bucket = self._bucket(now_s)
+        last = counts[-1] if counts else None
+        if last is not None and last.bucket == bucket and last.capacity_sps == cap:
+            last.amount += amount
+        else:
+            counts.append(_Count(bucket, amount, cap))
+        self._trim(counts, now_s)
+
+    def _trim(self, counts: deque[_Count], now_s: float) -> float:
+        """Drop the buckets wholly before the last ``window_s``; the time the ones kept span
+        (from the first one's start to now: the window and at most one bucket more)."""
+        first = self._bucket(now_s - self.window_s)
+        while counts and counts[0].bucket < first:
+            counts.popleft()
+        return max(now_s - first * self._bucket_s, self.window_s)
+
+    def arrived(self, queue: Hashable, now_s: float, samples: float) -> None:
+        """``samples`` samples of an admitted query reached a model's ``queue`` (any hashable
+        key: the serving loop, one tracker for every app, uses (app, model))."""
+        if samples > 0:
+            self._add(self._arrivals, queue, now_s, float(samples), 0.0)
+
+    def refused(self, queue: Hashable, now_s: float, samples: float, capacity_sps: float) -> None:
+        """Admission refused a query that would have brought ``samples`` samples to ``queue``,
+        judging its capacity ``capacity_sps`` (samples/s) too small: an arrival, and a sign of
+        overload while the capacity is no larger."""
+        if samples <= 0:
+            return
+        self._add(self._arrivals, queue, now_s, float(samples), 0.0)
+        self._add(self._refusals, queue, now_s, 1.0, float(capacity_sps))
+
+    def arrival_sps(self, queue: Hashable, now_s: float) -> float:
+        """The samples that arrived at ``queue`` (admitted and refused) over the last window,
+        per second; over the time since the first of them when it is more recent (a load that
+        just began), but at least ``rate_min_s``."""
+        counts = self._arrivals.get(queue)
+        if not counts:
+            return 0.0
+        span_s = self._trim(counts, now_s)
+        if not counts:
+            return 0.0
+        since_s = now_s - counts[0].bucket * self._bucket_s
+        return sum(c.amount for c in counts) / min(span_s, max(since_s, self.rate_min_s))
+
+    def refusals(self, queue: Hashable, now_s: float, capacity_sps: float) -> int:
+        """The queries for ``queue`` refused over the last window at a capacity at least
+        ``capacity_sps`` (a refusal before the capacity grew does not say the new one is
+        short)."""
+        counts = self._refusals.get(queue)
+        if not counts:
+            return 0
+        self._trim(counts, now_s)
+        limit = capacity_sps * (1.0 - 1e-9)
+        return round(sum(c.amount for c in counts if c.capacity_sps >= limit))
+
+    def overload(
+        self,
+        queue: Hashable,
+        now_s: float,
+        backlog_samples: float,
+        capacity_sps: float,
+        slo_ms: float,
+    ) -> Overload:
+        """The overload verdict of a model's ``queue`` now, with what it was judged on: its backlog
+        (queued plus in-service samples) and capacity (samples/s) as the caller sees them, its
+        arrivals and refusals as observed."""
+        return Overload(
+            backlog_ms=backlog_ms(backlog_samples, capacity_sps),
+            slo_ms=slo_ms,
+            refused=self.refusals(queue, now_s, capacity_sps),
+            arrival_sps=self.arrival_sps(queue, now_s),
+            capacity_sps=capacity_sps,
+            window_s=self.window_s,
+        )
 
     def forget(self, instances: Iterable[Hashable]) -> None:
         """Drop what was measured on ``instances`` (they left the fleet)."""

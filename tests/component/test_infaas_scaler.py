@@ -6,7 +6,8 @@ dispatcher over fake in-process workers (:mod:`controlplane.serving.fake_worker`
 a gate so that a queue builds up and the INFaaS state becomes *overloaded* without timing), the
 reconciler over the fake provisioner, and the scaler wired as the service wires it
 (:func:`controlplane.service.build.scaled_fleet`). The clock is a fake one, advanced by hand;
-nothing sleeps.
+nothing sleeps. ``tests/integration/test_infaas_scaling.py`` runs the same replicate and drain on
+the whole service, with real worker processes and load through the HTTP API.
 """
 
 from __future__ import annotations

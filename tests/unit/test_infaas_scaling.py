@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from controlplane.policies.infaas_scaling import (
+    OverloadNote,
     ScalingConfig,
     ScalingContext,
     ServedInstance,
@@ -41,6 +44,35 @@ def test_the_cheaper_option_by_the_ilps_cost_is_an_upgrade_to_an_inactive_varian
     # While it loads, its capacity counts: nothing more is asked.
     again, _ = decide(context(11.0, 80.0, [cpu("i-1", "overloaded")]), state)
     assert again == []
+
+
+def test_an_overloaded_variant_is_replicated_with_what_its_state_was_judged_on() -> None:
+    # 7 qps on one cpu (Q 10) is within U: only the state says it cannot keep up (admission
+    # refused queries of it). One more instance of what serves it, the reason says why.
+    note = OverloadNote(
+        ("4 queries refused (429) in the last 10 s",), {"refused": 4.0, "capacity_sps": 10.0}
+    )
+    ctx = replace(context(10.0, 7.0, [cpu("i-1", "overloaded", busy=0.9)]), overload={"m": note})
+    decisions, state = decide(ctx, initial_state({"cpu": 1}, 0.0))
+    (up,) = decisions
+    assert (up.action, up.instance_type, up.count) == ("infaas_replicate", "cpu", 1)
+    assert up.reason.startswith(
+        "infaas_replicate: m is overloaded on i-1: 4 queries refused (429) in the last 10 s;"
+        " replicate the loaded variant m on cpu: +1 x cpu"
+    ), up.reason
+    assert up.numbers["overloaded"] is True
+    assert up.numbers["overloaded_instances"] == ["i-1"]
+    assert up.numbers["overload"] == {"refused": 4.0, "capacity_sps": 10.0}
+    assert dict(state.fleet) == {"cpu": 2}
+    # Overloaded and short of capacity at once: the reason names both.
+    both = context(10.0, 12.0, [cpu("i-1", "overloaded", busy=0.9)])
+    (up,) = decide(both, initial_state({"cpu": 1}, 0.0))[0]
+    assert up.reason.startswith("infaas_replicate: m is overloaded on i-1; load 12 qps > U 0.8")
+    assert up.numbers["overload"] is None  # the serving loop said nothing more
+    # Active at that load: no overload in the reason.
+    (up,) = decide(context(10.0, 12.0, [cpu("i-1")]), initial_state({"cpu": 1}, 0.0))[0]
+    assert up.reason.startswith("infaas_replicate: load 12 qps")
+    assert up.numbers["overloaded"] is False and up.numbers["overloaded_instances"] == []
 
 
 def test_the_budget_is_a_hard_limit() -> None:

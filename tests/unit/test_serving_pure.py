@@ -48,6 +48,66 @@ def test_overloaded_when_the_backlog_takes_longer_than_the_slo_to_drain() -> Non
     assert is_overloaded(101, 1000.0, 100.0)
 
 
+def test_overloaded_when_admission_refused_it_or_its_arrivals_reach_its_capacity() -> None:
+    # Admission keeps a one-sample backlog drainable within the SLO: the backlog alone says
+    # active, the refusals or the rate say overloaded (INFaaS: "serve at their peak throughput").
+    assert not is_overloaded(10, 10.0, 1000.0)  # drains in exactly the SLO
+    assert is_overloaded(10, 10.0, 1000.0, refused=1)
+    assert is_overloaded(0, 10.0, 1000.0, arrival_sps=10.0)  # at its peak
+    assert is_overloaded(0, 10.0, 1000.0, arrival_sps=12.0)
+    assert not is_overloaded(10, 10.0, 1000.0, refused=0, arrival_sps=9.9)
+    assert not is_overloaded(0, 0.0, 1000.0, arrival_sps=0.0)  # nothing comes, nothing serves
+
+
+def test_the_tracker_judges_overload_on_refusals_and_arrivals_over_its_window() -> None:
+    tracker = StateTracker(window_s=10.0)
+    for i in range(120):  # 12 samples/s for 10 s on a model serving 10
+        tracker.arrived("tiny", 100.0 + i / 12.0, 1)
+    over = tracker.overload("tiny", 110.0, backlog_samples=5, capacity_sps=10.0, slo_ms=1000.0)
+    assert over.arrival_sps == pytest.approx(12.0, rel=0.06)
+    assert (over.refused, over.backlog_ms) == (0, 500.0)
+    assert over.overloaded
+    assert over.reasons() == [f"arrivals {over.arrival_sps:.3g} samples/s >= capacity 10 samples/s"]
+    # Twice the capacity (an instance joined): the same arrivals are within it.
+    assert not tracker.overload("tiny", 110.0, 5, 20.0, 1000.0).overloaded
+    # A load that began within the window is judged over its own span (2 s at least).
+    onset = StateTracker(window_s=10.0)
+    for i in range(12):  # 12 samples/s for 1 s
+        onset.arrived("tiny", 50.0 + i / 12.0, 1)
+    assert onset.arrival_sps("tiny", 51.0) == pytest.approx(12 / 2.0)  # 1 s in: over 2 s
+    for i in range(12, 24):  # and another
+        onset.arrived("tiny", 50.0 + i / 12.0, 1)
+    assert onset.arrival_sps("tiny", 52.0) == pytest.approx(12.0)
+    assert onset.overload("tiny", 52.0, 0, 10.0, 1000.0).overloaded
+    # Aged out of the window: nothing arrives.
+    assert tracker.arrival_sps("tiny", 125.0) == 0.0
+    assert not tracker.overload("tiny", 125.0, 0, 10.0, 1000.0).overloaded
+
+    # A refusal counts (and is an arrival) while the capacity is no larger than it was judged at.
+    tracker.refused("tiny", 200.0, samples=1, capacity_sps=10.0)
+    tracker.refused("tiny", 200.1, samples=1, capacity_sps=10.0)
+    over = tracker.overload("tiny", 201.0, 0, 10.0, 1000.0)
+    assert (over.refused, over.overloaded) == (2, True)
+    assert over.arrival_sps == pytest.approx(2 / 2.0)  # a load just begun: over 2 s at least
+    assert tracker.arrival_sps("tiny", 203.0) == pytest.approx(2 / 3.0)  # since it began
+    assert tracker.arrival_sps("tiny", 209.2) == pytest.approx(2 / 9.2)
+    assert over.reasons() == ["2 queries refused (429) in the last 10 s"]
+    assert over.numbers()["refused"] == 2.0
+    assert tracker.refusals("tiny", 201.0, capacity_sps=5.0) == 2  # an instance left
+    assert tracker.refusals("tiny", 201.0, capacity_sps=20.0) == 0  # an instance joined
+    assert not tracker.overload("tiny", 201.0, 0, 20.0, 1000.0).overloaded
+    assert tracker.refusals("tiny", 211.0, capacity_sps=10.0) == 0  # aged out
+    assert tracker.refusals("other", 201.0, capacity_sps=10.0) == 0
+    tracker.refused("tiny", 300.0, samples=0, capacity_sps=10.0)  # reaches nothing: ignored
+    assert tracker.refusals("tiny", 300.0, capacity_sps=10.0) == 0
+
+    # The backlog criterion, with nothing serving: an infinite drain, None in the numbers.
+    over = tracker.overload("idle", 0.0, backlog_samples=3, capacity_sps=0.0, slo_ms=100.0)
+    assert over.overloaded and math.isinf(over.backlog_ms)
+    assert over.numbers()["backlog_ms"] is None
+    assert over.reasons() == ["backlog drains in inf ms > SLO 100 ms"]
+
+
 def test_interfered_needs_enough_samples_and_a_median_above_the_margin() -> None:
     assert not is_interfered([3.0, 3.0], margin=0.5, min_samples=3)
     assert not is_interfered([1.0, 1.2, 1.5, 9.0, 9.0], margin=0.5, min_samples=3)
