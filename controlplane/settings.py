@@ -179,6 +179,13 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8000, ge=1, le=65535)
     tuner_tick_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    gear_interval_s: float = Field(
+        default=0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="how often the gear switcher evaluates the gear of an app served by gears"
+        " (CascadeServe's producer: 100 ms), s",
+    )
     # How long one plan (a preview, the capacity or the traffic replanner's) may run before it is
     # given up with a one-line reason (estimator.deadline).
     plan_deadline_s: float = Field(default=60.0, gt=0, le=3600, allow_inf_nan=False)

@@ -198,6 +198,14 @@ class ModelSpec(BaseModel):
         description="how a cascade reads a stage's certainty off the model's first output:"
         " margin (top-1 minus top-2 of its softmax) or max_prob (top-1 of its softmax)",
     )
+    memory_mb: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="memory the model takes on an instance, MB (GPU memory on a GPU type, host"
+        " memory otherwise): what the cascade placement packs (docs/cascades.md, SP3). Left"
+        " out: twice its registered artifact's size, else 64 MB (a demo family model)",
+    )
 
     @property
     def artifact_ref(self) -> tuple[str, int | None] | None:
@@ -573,6 +581,7 @@ class ResolvedArtifact:
     ref: Any
     signature: Any
     certainty: str = "margin"
+    size_bytes: int | None = None  # the registered file's size (None: not known)
 
 
 @dataclass(frozen=True, slots=True)

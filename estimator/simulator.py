@@ -18,6 +18,15 @@ then on. A query takes the route of the mode in force when it arrives (the produ
 the queue of the gear's first model); batch caps change at once; queued queries stay where they
 are, so queues carry across a change. That is the whole hook: the engine knows nothing of gears.
 
+**The batch trigger** (CascadeServe section 4.5, "minimum queue length"): a stage with
+``min_queue`` m > 1 starts a batch only once its queue holds at least m queries, or once its
+oldest queued query has waited ``max_wait_s`` in that queue (the starvation guard: a lone query at
+low load is never stranded); then the policy takes the queue as usual (up to the batch cap). The
+engine wakes the stage at the guard's expiry, so a stage waiting for its trigger needs no other
+event. m = 1 (the default) is dispatch-at-once. A :class:`Routing` may give each mode its own m
+and guard per stage. The live dispatcher applies the same rule
+(``controlplane.serving.dispatcher``).
+
 Two engines compute the same thing:
 
 - the **event engine** (plain Python) keeps an event heap keyed by (time, priority, sequence), as
@@ -91,17 +100,32 @@ class Stage:
     policy: DispatchPolicy = field(default_factory=FcfsPolicy)
     max_batch_queries: int = 1
     forward: np.ndarray | None = None
+    # The batch trigger (module docstring): a batch starts once min_queue queries are queued, or
+    # once the oldest has waited max_wait_s (needed, finite, when min_queue > 1).
+    min_queue: int = 1
+    max_wait_s: float = math.inf
 
     def __post_init__(self) -> None:
         if not self.instances:
             raise SimulationError(f"stage {self.model!r} has no instances")
         if self.max_batch_queries < 1:
             raise SimulationError(f"stage {self.model!r}: max batch must be >= 1")
+        _check_trigger(self.model, self.min_queue, self.max_wait_s)
         for spec in self.instances:
             if spec.instance_type not in self.profiles:
                 raise SimulationError(
                     f"stage {self.model!r}: no profile for instance type {spec.instance_type!r}"
                 )
+
+
+def _check_trigger(model: str, min_queue: int, max_wait_s: float) -> None:
+    if min_queue < 1:
+        raise SimulationError(f"stage {model!r}: min_queue must be >= 1, got {min_queue}")
+    if min_queue > 1 and not (math.isfinite(max_wait_s) and max_wait_s >= 0):
+        raise SimulationError(
+            f"stage {model!r}: a min_queue above 1 needs a finite max_wait_s >= 0 (the guard),"
+            f" got {max_wait_s!r}"
+        )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -110,13 +134,16 @@ class Routing:
 
     ``entry[g, q]`` is the stage query q enters when it arrives under mode g;
     ``next_stage[g, s, q]`` where it goes after stage s (a later stage, or -1: it is answered
-    there); ``max_batch_queries[g, s]`` stage s's batch cap while mode g holds. A stage a route
-    never visits still needs its instances (they stay idle).
+    there); ``max_batch_queries[g, s]`` stage s's batch cap while mode g holds; ``min_queue[g,
+    s]`` and ``max_wait_s[g, s]`` its batch trigger and guard (default: 1, dispatch at once). A
+    stage a route never visits still needs its instances (they stay idle).
     """
 
     entry: np.ndarray
     next_stage: np.ndarray
     max_batch_queries: np.ndarray
+    min_queue: np.ndarray | None = None
+    max_wait_s: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         entry = np.ascontiguousarray(self.entry, dtype=np.int64)
@@ -140,7 +167,26 @@ class Routing:
             raise SimulationError("routing: a next stage must be a later stage, or -1 to answer")
         if caps.size and caps.min() < 1:
             raise SimulationError("routing: batch caps must be >= 1")
-        for name, value in (("entry", entry), ("next_stage", nxt), ("max_batch_queries", caps)):
+        trigger = np.ascontiguousarray(
+            np.ones_like(caps) if self.min_queue is None else self.min_queue, dtype=np.int64
+        )
+        wait = np.ascontiguousarray(
+            np.full(caps.shape, math.inf) if self.max_wait_s is None else self.max_wait_s,
+            dtype=np.float64,
+        )
+        if trigger.shape != caps.shape or wait.shape != caps.shape:
+            raise SimulationError(
+                "routing: min_queue and max_wait_s need the shape (modes, stages)"
+            )
+        for (g, s), m in np.ndenumerate(trigger):
+            _check_trigger(f"{s} of mode {g}", int(m), float(wait[g, s]))
+        for name, value in (
+            ("entry", entry),
+            ("next_stage", nxt),
+            ("max_batch_queries", caps),
+            ("min_queue", trigger),
+            ("max_wait_s", wait),
+        ):
             value.setflags(write=False)
             object.__setattr__(self, name, value)
 
@@ -362,6 +408,7 @@ def simulate(
     kernel_fits = (
         len(stages) == 1
         and routing is None
+        and stages[0].min_queue == 1
         and isinstance(stages[0].policy, FcfsPolicy)
         and all(s.ready_s == 0 and s.stop_s == math.inf for s in stages[0].instances)
     )
@@ -490,7 +537,17 @@ class _Instance:
 
 
 class _StageState:
-    __slots__ = ("context", "forward", "instances", "policy", "queue", "table")
+    __slots__ = (
+        "context",
+        "forward",
+        "instances",
+        "max_wait_s",
+        "min_queue",
+        "policy",
+        "queue",
+        "table",
+        "wake_s",
+    )
 
     def __init__(
         self, stage: Stage, table: ServiceTable, reference: int, qos_ms: float | None
@@ -512,6 +569,9 @@ class _StageState:
         self.table = table
         self.forward = stage.forward
         self.context = StageContext(max_batch_queries=stage.max_batch_queries, qos_ms=qos_ms)
+        self.min_queue = stage.min_queue
+        self.max_wait_s = stage.max_wait_s
+        self.wake_s = -math.inf  # the time of the guard's wake-up event pushed last
 
 
 class _EventEngine:
@@ -562,6 +622,9 @@ class _EventEngine:
             cap = int(routing.max_batch_queries[mode, s])
             if cap != state.context.max_batch_queries:
                 state.context = StageContext(max_batch_queries=cap, qos_ms=self.qos_ms)
+            assert routing.min_queue is not None and routing.max_wait_s is not None
+            state.min_queue = int(routing.min_queue[mode, s])
+            state.max_wait_s = float(routing.max_wait_s[mode, s])
 
     def _tick(self, now: float) -> None:
         controller = self.controller
@@ -597,7 +660,7 @@ class _EventEngine:
                     self._complete(now, s, index, dirty)
                 elif priority == _TICK:
                     self._tick(now)
-                    dirty.update(range(len(self.stages)))  # batch caps may have changed
+                    dirty.update(range(len(self.stages)))  # batch caps, triggers may change
                     if next_arrival < n:
                         assert self.controller is not None
                         self._push(now + self.controller.period_s, _TICK, -1, -1)
@@ -664,6 +727,14 @@ class _EventEngine:
         state = self.stages[s]
         if not state.queue or not any(inst.is_idle(now) for inst in state.instances):
             return
+        if len(state.queue) < state.min_queue:
+            # The trigger (module docstring): wait for min_queue queries, or for the guard.
+            due = state.queue[0].enqueued_s + state.max_wait_s
+            if now < due:
+                if state.wake_s != due:
+                    state.wake_s = due
+                    self._push(due, _JOIN, s, -1)  # handled like a join: a round for stage s
+                return
         for dispatch in state.policy.dispatch(now, state.queue, state.instances, state.context):
             self._start(now, s, state, dispatch)
 

@@ -580,6 +580,16 @@ class ServingStageOut(BaseModel):
     states: dict[str, str] = Field(
         description="INFaaS state of the model per instance id: active, overloaded, interfered"
     )
+    shares: dict[str, float] = Field(
+        default_factory=dict,
+        description="a cascade's co-located placement (SP3): the instances hosting the model"
+        " by id, with the load balancer's share of its queries (empty otherwise)",
+    )
+    lp_utilisation: float | None = Field(
+        default=None,
+        description="the load balancer's u: the busiest instance's busy share at the load in"
+        " force (null outside a cascade's co-located placement)",
+    )
 
 
 class ServingLatencyOut(BaseModel):

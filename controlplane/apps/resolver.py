@@ -303,7 +303,14 @@ def resolve_artifacts(spec: AppSpec, lookup: ArtifactSource) -> dict[str, Resolv
             ref = registered.ref(model.name)
         except ArtifactError as error:
             raise SpecError(f"models[{i}].name", str(error)) from None
-        found[model.name] = ResolvedArtifact(ref, registered.signature, model.certainty)
+        # The file's size sizes the model's memory where the spec gives none (load_balance).
+        size_bytes = getattr(registered, "size_bytes", None)
+        found[model.name] = ResolvedArtifact(
+            ref,
+            registered.signature,
+            model.certainty,
+            size_bytes=size_bytes if isinstance(size_bytes, int) else None,
+        )
     if found:
         _check_cascade_inputs(spec, found)
     return found

@@ -3,10 +3,23 @@ fed by the service.
 
 This module owns :class:`LiveGears`, the composition of the pure switcher with the service. An
 app whose applied plan carries a ``gear_plan`` (the planner adds one to a cascade with validation
-records, ``controlplane.policies.planner``) is served by gears: once per tuner tick, after the
-tuner, :meth:`LiveGears.tick` measures the app's arrival rate over the last ``window_s`` (the
-serving loop's observed arrivals), reads the first model's queue and each stage's ready capacity
-from the loop's status snapshot, and calls :func:`controlplane.policies.gears.switch`:
+records, ``controlplane.policies.planner``) is served by gears. The work is split in two:
+
+- :meth:`LiveGears.refresh`, once per tuner tick (about 1 s), after the tuner, does what reads
+  the store: which apps have an applied gear plan (parsed, with its profiles, once per plan),
+  the share of the fleet the budget pays for, and whether the tuner's budget caps the app now;
+- :meth:`LiveGears.switch_tick`, CascadeServe's producer, runs every ``gear_interval_s`` (the
+  settings', 0.1 s as in the paper: the service's ``gears`` job) on that cached state only: it
+  measures the app's arrival rate over the sliding window of the last ``window_s`` (the serving
+  loop's observed arrivals), reads the first model's queue and each stage's ready capacity from
+  the loop's status snapshot (in memory) and calls :func:`controlplane.policies.gears.switch`.
+  It touches the store only to record a change. The paper counts the queries of each 100 ms
+  interval, at thousands of QPS; at the tens of QPS of a small fleet a 100 ms count is 0 to a
+  few queries, so the rate is measured over a sliding window (``DEFAULT_WINDOW_S``, 5 s)
+  evaluated every 100 ms: the gear reacts within 100 ms to what the window shows, the window
+  keeps the count from being noise.
+
+Each evaluation:
 
 - the QPS is divided by the capacity share (ready capacity over the placement's, per stage at its
   batch cap; the smallest), so that while instances boot, or after one died, a faster gear carries
@@ -20,8 +33,9 @@ Every change (and the start, when a plan with gears is applied) is recorded as a
 decision with its reason and numbers. :meth:`LiveGears.gear` is the serving loop's hook
 (``controlplane.serving.loop.GearHook``): the gear in force as a
 :class:`~controlplane.serving.dispatcher.ServingGear` (its cascade, batch caps, and the fastest
-gear of the plan, which admission control judges by). Apps without a gear plan are served as
-their spec says (the hook answers None).
+gear of the plan, which admission control judges by, and the gear's batch trigger: the minimum
+queue length of each model and the starvation guard). Apps without a gear plan are served as
+their spec says (the hook answers None). :meth:`LiveGears.tick` is both steps at once.
 """
 
 from __future__ import annotations
@@ -31,6 +45,8 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, Store
@@ -54,8 +70,9 @@ __all__ = ["DEFAULT_WINDOW_S", "LiveGears"]
 
 logger = logging.getLogger(__name__)
 
-# The producer's measuring interval. CascadeServe measures every 100 ms at thousands of QPS; at
-# the tens of QPS of a small fleet a few seconds are needed for a count that is not noise.
+# The producer's measuring window, sliding: evaluated every gear_interval_s (0.1 s). CascadeServe
+# counts each 100 ms at thousands of QPS; at the tens of QPS of a small fleet a few seconds are
+# needed for a count that is not noise.
 DEFAULT_WINDOW_S = 5.0
 
 
@@ -68,6 +85,10 @@ class _AppGears:
     # Whether any of the app's stages has had ready capacity since the plan took force: before
     # the first worker is up there is nothing to switch for (the share would read as none).
     ready_once: bool = False
+    # From the last refresh (the store and the tuner): the share of the fleet the budget pays
+    # for, and whether the budget caps the fleet.
+    affordable: float = 1.0
+    budget_capped: bool = False
 
 
 def serving_gear(plan: GearPlan, gear: int) -> ServingGear:
@@ -79,6 +100,8 @@ def serving_gear(plan: GearPlan, gear: int) -> ServingGear:
         cascade=option.cascade,
         max_batch_queries=dict(zip(option.cascade.models, option.max_batch_queries, strict=True)),
         cheapest=fastest.cascade,
+        min_queue=dict(zip(option.cascade.models, plan.min_queue_of(gear), strict=True)),
+        max_wait_s=plan.gears[gear].max_wait_ms / 1000.0,
     )
 
 
@@ -115,7 +138,8 @@ def ready_share(
 
 class LiveGears:
     """CascadeServe's gear switcher over every app whose applied plan has a gear plan
-    (thread-safe: :meth:`gear` is read by the serving loop, :meth:`tick` runs in the scheduler).
+    (thread-safe: :meth:`gear` is read by the serving loop, :meth:`refresh` and
+    :meth:`switch_tick` run in the scheduler's threads).
 
     ``arrivals`` and ``statuses`` are the serving loop's (``observed_arrivals``, ``statuses``);
     ``resolve`` gives an app's profiles (the API's resolver).
@@ -145,7 +169,8 @@ class LiveGears:
         self._cap_hold_s = float(cap_hold_s)
         self._apps: dict[str, _AppGears] = {}
         self._serving: dict[str, ServingGear] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # _apps and _serving (read by the serving loop)
+        self._ticking = threading.RLock()  # one refresh or switch at a time
 
     def gear(self, app: str) -> ServingGear | None:
         """The gear in force for ``app``; None when it is not served by gears."""
@@ -153,23 +178,49 @@ class LiveGears:
             return self._serving.get(app)
 
     def tick(self, capped: Callable[[str], bool] = lambda _app: False) -> list[GearDecision]:
-        """One producer tick for every app with an applied plan; the decisions that changed a
-        gear (each recorded). ``capped(app)``: whether the tuner's budget caps the app now."""
-        now_s = self._clock.now_s()
-        statuses = {status.app: status for status in self._statuses()}
-        changed: list[GearDecision] = []
-        for app in self._store.list_apps():
-            try:
-                decision = self._tick_app(app, now_s, statuses.get(app.name), capped(app.name))
-            except (EstimatorError, KeyError, ValueError) as error:
-                # A gear plan that no longer reads (a profile gone): the app is served as its
-                # spec says until the next tick reads one again.
-                logger.warning("gears: %s served without gears: %s", app.name, error)
-                self._forget(app.name)
-                continue
-            if decision is not None:
-                changed.append(decision)
-        return changed
+        """:meth:`refresh` then :meth:`switch_tick`: the decisions that changed a gear."""
+        self.refresh(capped)
+        return self.switch_tick()
+
+    def refresh(self, capped: Callable[[str], bool] = lambda _app: False) -> None:
+        """Read the store (once per tuner tick): every app with an applied gear plan is tracked
+        (a new plan starts its switcher, recorded), the others are served as their spec says;
+        each tracked app's affordable share and ``capped(app)`` (whether the tuner's budget caps
+        it now) are kept for :meth:`switch_tick`."""
+        with self._ticking:
+            now_s = self._clock.now_s()
+            listed = set()
+            for app in self._store.list_apps():
+                listed.add(app.name)
+                try:
+                    self._refresh_app(app, now_s, capped(app.name))
+                except (EstimatorError, KeyError, ValueError) as error:
+                    # A gear plan that no longer reads (a profile gone): the app is served as
+                    # its spec says until the next refresh reads one again.
+                    logger.warning("gears: %s served without gears: %s", app.name, error)
+                    self._forget(app.name)
+            with self._lock:
+                gone = [name for name in self._apps if name not in listed]
+            for name in gone:
+                self._forget(name)
+
+    def switch_tick(self) -> list[GearDecision]:
+        """One producer evaluation (every ``gear_interval_s``) for every tracked app, on the
+        state the last :meth:`refresh` cached and the serving loop's memory: no store reads;
+        a change is recorded. The decisions that changed a gear."""
+        with self._ticking:
+            now_s = self._clock.now_s()
+            with self._lock:
+                tracked_apps = list(self._apps.items())
+            if not tracked_apps:
+                return []
+            statuses = {status.app: status for status in self._statuses()}
+            changed: list[GearDecision] = []
+            for name, tracked in tracked_apps:
+                decision = self._switch_app(name, tracked, now_s, statuses.get(name))
+                if decision is not None:
+                    changed.append(decision)
+            return changed
 
     def budget_changed(self, app: str) -> GearDecision | None:
         """Run the switcher for ``app`` now (its budget has just changed): a budget below the
@@ -179,13 +230,20 @@ class LiveGears:
             record = self._store.get_app(app)
         except NotFoundError:
             return None
-        status = next((s for s in self._statuses() if s.app == app), None)
-        try:
-            return self._tick_app(record, self._clock.now_s(), status, False)
-        except (EstimatorError, KeyError, ValueError) as error:
-            logger.warning("gears: %s served without gears: %s", app, error)
-            self._forget(app)
-            return None
+        with self._ticking:
+            now_s = self._clock.now_s()
+            try:
+                self._refresh_app(record, now_s, False)
+            except (EstimatorError, KeyError, ValueError) as error:
+                logger.warning("gears: %s served without gears: %s", app, error)
+                self._forget(app)
+                return None
+            with self._lock:
+                tracked = self._apps.get(app)
+            if tracked is None:
+                return None
+            status = next((s for s in self._statuses() if s.app == app), None)
+            return self._switch_app(app, tracked, now_s, status)
 
     def _affordable_share(self, app: AppRecord) -> float:
         """The share of the app's kept fleet (requested, pending, running) its budget pays for:
@@ -204,23 +262,28 @@ class LiveGears:
             self._apps.pop(app, None)
             self._serving.pop(app, None)
 
-    def _tick_app(
-        self, app: AppRecord, now_s: float, status: AppStatus | None, budget_capped: bool
-    ) -> GearDecision | None:
+    def _measured_qps(self, app: str, now_s: float) -> float | None:
+        """Arrivals per second over the sliding window; None for an app not served yet."""
+        observed = self._arrivals(app)
+        if observed is None:
+            return None
+        since = int(np.searchsorted(observed, now_s - self._window_s, side="right"))
+        return float(observed.size - since) / self._window_s
+
+    def _refresh_app(self, app: AppRecord, now_s: float, budget_capped: bool) -> None:
         plan_record = (
             self._store.get_applied_plan(app.name) if app.applied_plan_id is not None else None
         )
         document = plan_record.plan.gear_plan if plan_record is not None else None
         if plan_record is None or not document:
             self._forget(app.name)
-            return None
-        observed = self._arrivals(app.name)
-        if observed is None:  # not served yet: nothing measured, nothing to switch
-            return None
-        measured_qps = float((observed > now_s - self._window_s).sum()) / self._window_s
+            return
         with self._lock:
             tracked = self._apps.get(app.name)
         if tracked is None or tracked.plan_id != plan_record.id:
+            measured_qps = self._measured_qps(app.name, now_s)
+            if measured_qps is None:  # not served yet: nothing measured, nothing to switch
+                return
             plan = GearPlan.from_document(document)
             resolved = self._resolve(app)
             profiles = {
@@ -242,21 +305,30 @@ class LiveGears:
                 f" {measured_qps:.3g} qps measured",
                 {"gear": state.gear, "measured_qps": measured_qps},
             )
+        tracked.affordable = self._affordable_share(app)
+        tracked.budget_capped = budget_capped
+        self._keep(app.name, tracked)
+
+    def _switch_app(
+        self, app: str, tracked: _AppGears, now_s: float, status: AppStatus | None
+    ) -> GearDecision | None:
+        measured_qps = self._measured_qps(app, now_s)
+        if measured_qps is None:
+            return None
         if status is not None and any(s.capacity_sps > 0 for s in status.stages):
             tracked.ready_once = True
         if status is not None and not tracked.ready_once:
-            self._keep(app.name, tracked)
             return None  # no worker up yet: the gear in force stays
         share = ready_share(tracked.plan, status, tracked.profiles)
-        affordable = self._affordable_share(app)
-        if affordable < share:
+        if tracked.affordable < share:
             # A budget below the fleet's cost: the reconciler is about to drain to it. The gear
             # moves first, for the capacity the budget leaves.
-            share = affordable
+            share = tracked.affordable
         first = tracked.state.option.cascade.models[0]
         first_queue = next(
             (s.queued_queries for s in (status.stages if status else ()) if s.model == first), 0
         )
+        budget_capped = tracked.budget_capped
         decision, tracked.state = switch(
             measured_qps,
             first_queue,
@@ -265,11 +337,11 @@ class LiveGears:
             capacity_share=share,
             budget_capped=budget_capped,
         )
-        self._keep(app.name, tracked)
         if not decision.changed:
             return None
+        self._keep(app, tracked)
         self._record(
-            app.name,
+            app,
             tracked,
             decision.reason,
             {

@@ -1,10 +1,14 @@
-"""The service's periodic jobs: the tuner tick, reconcile, the metric roll-up and the replan.
+"""The service's periodic jobs: the tuner tick, reconcile, the metric roll-up, the replan and the
+gear switcher.
 
 This module owns *when* the jobs run and how a run is guarded, not what a job does: the bodies
 are plain callables handed in by the composition root (:class:`JobBodies`: it plugs in the
 tuner, the reconciler, the roll-up and the traffic replanner by replacing one field each). The
 ``replan`` job re-plans apps whose traffic has left their plan's envelope for good
-(``controlplane.loops.traffic_replan``; idle when ``replan_enabled`` is off); the capacity
+(``controlplane.loops.traffic_replan``; idle when ``replan_enabled`` is off); the ``gears`` job
+is CascadeServe's producer, which evaluates the gear of every app served by gears every
+``gear_interval_s`` (0.1 s) on state the tuner tick refreshes (``controlplane.loops.live_gears``);
+the capacity
 replanner runs inside the reconcile job, after the reconciler's tick
 (``controlplane.service.build``). The loop is APScheduler 3.x's
 ``BackgroundScheduler`` (a thread pool); every job is registered with ``max_instances=1`` and
@@ -51,7 +55,7 @@ logger = logging.getLogger(__name__)
 JobBody = Callable[[], None]
 Outcome = Literal["ran", "failed", "skipped"]
 
-JOB_NAMES = ("tuner_tick", "reconcile", "rollup", "replan")
+JOB_NAMES = ("tuner_tick", "reconcile", "rollup", "replan", "gears")
 
 
 def _idle(name: str) -> JobBody:
@@ -78,6 +82,7 @@ class JobBodies:
     reconcile: JobBody = _IDLE["reconcile"]
     rollup: JobBody = _IDLE["rollup"]
     replan: JobBody = _IDLE["replan"]
+    gears: JobBody = _IDLE["gears"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,15 +161,18 @@ class SchedulerIntervals(Protocol):
     def rollup_s(self) -> float: ...
     @property
     def replan_s(self) -> float: ...
+    @property
+    def gear_interval_s(self) -> float: ...
 
 
 def service_schedule(intervals: SchedulerIntervals, bodies: JobBodies) -> list[JobSchedule]:
-    """The service's four jobs with their periods from the settings."""
+    """The service's five jobs with their periods from the settings."""
     return [
         JobSchedule("tuner_tick", bodies.tuner_tick, intervals.tuner_tick_s),
         JobSchedule("reconcile", bodies.reconcile, intervals.reconcile_s),
         JobSchedule("rollup", bodies.rollup, intervals.rollup_s),
         JobSchedule("replan", bodies.replan, intervals.replan_s),
+        JobSchedule("gears", bodies.gears, intervals.gear_interval_s),
     ]
 
 

@@ -8,12 +8,14 @@ maps (measured QPS, first-queue length, state, now) to a :class:`GearDecision` a
 the switcher inside the simulator (its mode hook, ``estimator.simulator.Routing``).
 
 **The gear plan** (section 4; the EM loop over four sub-problems collapses because the placement
-is given, SP3, and batch caps follow a closed-form rule, SP4):
+is given, SP3, and SP4 is a closed-form cap rule per cascade plus the paper's minimum queue
+length per gear, step 6):
 
 1. *SP1, candidates.* Every ordered chain of the placed models (cheapest first) with every
    threshold combination of a grid (``estimator.cascades``), evaluated on the validation records:
    accuracy A(c) and reach shares s_i(c).
-2. *SP4, batch caps.* Stage i of c on model m with n_t instances of type t and batch cap k_i
+2. *Batch caps* (the upper bound of a batch; SP4's trigger is step 6). Stage i of c on model m
+   with n_t instances of type t and batch cap k_i
    serves C_i(k_i) = sum_t n_t k_i / L_{m,t}(k_i b) queries per second (L the mean profiled
    latency, b the queries' batch size). The path bound is P = sum_i 2 max_t L_{m_i,t}(k_i b) (a
    query waits at most for the batch in service, then for its own, at each stage). Starting
@@ -27,7 +29,8 @@ is given, SP3, and batch caps follow a closed-form rule, SP4):
    doubling matters on measured profiles: cap 2 can serve less than cap 1 where cap 8 serves
    much more. Taking the first doubling that serves more, not the best, keeps a stage from
    spending more of the SLO than it needs to stop being the bottleneck. The throughput bound of
-   c is B(c) = min_i C_i(k_i) / s_i.
+   c is B(c) = min_i C_i(k_i) / s_i. A batch takes at most k_i queued queries: the cap keeps
+   every batch within the profile and the SLO's path bound.
 3. *Finalists.* The candidates no other beats on both A and B (Pareto), thinned to at most
    ``max_finalists`` spread evenly over the accuracy range (the most accurate and the fastest
    always kept).
@@ -43,6 +46,26 @@ is given, SP3, and batch caps follow a closed-form rule, SP4):
    lowest predicted tail latency at hi (interpolated from its bisection probes). A range no
    finalist serves within the SLO gets the fastest (or, with an accuracy floor none meets, the
    most accurate) and is marked ``meets_slo = False``.
+6. *SP4, the minimum queue length* (section 4.5; :func:`choose_min_queue`). Online, a stage
+   starts a batch only once its queue holds at least its minimum queue length (the batch then
+   takes the queue up to its cap). For each gear [lo, hi) that meets the SLO, the minimum m of
+   the cascade's first model starts at 1 and rises by 1 until the throughput at the batches
+   the trigger forms, T(m) = min(C_1(m), min_{i>1} C_i(k_i) / s_i), reaches hi; the later
+   models keep a minimum of 1 and are counted at their caps (in the paper the models of a
+   cascade share GPUs and a first-model batch of m "includes more samples in each batch of
+   the later models"; here each model has its own instances, and a later stage takes its
+   queue, which grows by about m s_i per first-stage batch, up to its cap). SP4 errs (the
+   message names the range and the bottleneck model) when m would pass the first model's cap
+   k_1 (its largest profiled batch within the SLO) or the guard plus the path bound,
+   sum_i 2 max_t L(batch_i b), would pass the SLO; the gear then keeps a minimum of 1. So that
+   no query is stranded at low load, a stage below its minimum also starts once its oldest
+   queued query has waited the *guard* ``max_wait_ms`` = min(``GUARD_FILLS`` (2) x the fill
+   time (m - 1) / hi, ``GUARD_SLO_SHARE`` (1/4) x the SLO). The gear is then simulated at hi
+   with its trigger and guard (the prober, common random numbers); if the tail misses the SLO
+   there the gear falls back to a minimum of 1 (what the bisection simulated; past the paper).
+   Gears that do not meet the SLO keep 1. The simulator (``estimator.simulator``) and the
+   live dispatcher (``controlplane.serving.dispatcher``) run the same trigger and guard; a
+   plan document without minimum queue lengths reads as 1 everywhere (dispatch at once).
 
 *Held-out accuracy* (docs/cascades.md, "The held-out protocol"): given the *score* split of the
 records as ``held_out`` (``records`` being the *choose* split), steps 1 to 5 run on the choose
@@ -51,13 +74,15 @@ checked against that held-out accuracy A'(c), not A(c): the floor is a promise a
 thresholds were not fitted to.
 
 **Switching** (section 5, "Producer"): the producer measures the QPS over a fixed interval
-(100 ms in the paper) and looks up the gear of the range it falls in. CascadeServe keeps the
-gear "if qps < alpha x Q_0", Q_0 the length of the first model's queue, alpha = 8. The paper
-states the rule for *high QPS followed by low QPS*: "CascadeServe must avoid downgrading the
-gear while there are still many samples queued from the high QPS interval". So the rule guards
-the move to a gear of a *lower* QPS range (slower, more accurate): while the backlog Q_0 is more
-than 1/alpha of a second of arrivals, the faster gear stays to drain it. A move to a faster gear
-is always taken at once: holding a slow gear under a growing queue is what the rule must not do.
+(100 ms in the paper) and looks up the gear of the range it falls in (live, every
+``gear_interval_s`` = 0.1 s over a sliding window: ``controlplane.loops.live_gears``).
+CascadeServe keeps the gear "if qps < alpha x Q_0", Q_0 the length of the first model's
+queue, alpha = 8. The paper states the rule for *high QPS followed by low QPS*: "CascadeServe
+must avoid downgrading the gear while there are still many samples queued from the high QPS
+interval". So the rule guards the move to a gear of a *lower* QPS range (slower, more
+accurate): while the backlog Q_0 is more than 1/alpha of a second of arrivals, the faster gear
+stays to drain it. A move to a faster gear is always taken at once: holding a slow gear under a
+growing queue is what the rule must not do.
 
 Past the paper, the fleet moves under the switcher (``controlplane.policies.tuner``):
 
@@ -106,6 +131,8 @@ __all__ = [
     "DEFAULT_CAP_HOLD_S",
     "DEFAULT_RANGES",
     "DEFAULT_TICK_S",
+    "GUARD_FILLS",
+    "GUARD_SLO_SHARE",
     "PLAN_QUERIES",
     "PLAN_UTILISATION_CAP",
     "Gear",
@@ -116,6 +143,7 @@ __all__ = [
     "GearSwitcher",
     "Placement",
     "capacity_share",
+    "choose_min_queue",
     "plan_gears",
     "simulate_gear_switching",
     "start_switcher",
@@ -143,6 +171,11 @@ DEFAULT_BISECTION_STEPS = 5
 # SLO from about 94%; at 90% they hold.
 PLAN_UTILISATION_CAP = 0.9
 DEFAULT_MAX_FINALISTS = 8
+# The starvation guard of a stage waiting for its minimum queue length (module docstring, step
+# 6): twice the planned fill time at the top of the gear's range (a Poisson fill rarely takes
+# longer there), never more than a quarter of the SLO.
+GUARD_FILLS = 2.0
+GUARD_SLO_SHARE = 0.25
 # The lowest rate probed, as a share of the throughput bound: the cascade's latency at (almost)
 # no load. If it misses the SLO there, the cascade misses it at every load.
 _IDLE_SHARE = 0.02
@@ -250,12 +283,18 @@ class GearOption:
 @dataclass(frozen=True, slots=True)
 class Gear:
     """The gear of the QPS range [low_qps, high_qps): the option (index into the plan's
-    options) that serves it, and whether it meets the SLO over the whole range."""
+    options) that serves it, whether it meets the SLO over the whole range, and its batch
+    trigger (SP4, module docstring step 6): the *minimum queue length* of each stage of the
+    option's cascade (empty: 1 for every stage, dispatch at once) and the starvation guard
+    ``max_wait_ms`` (a stage below its minimum starts anyway once its oldest query has waited
+    that long)."""
 
     low_qps: float
     high_qps: float
     option: int
     meets_slo: bool
+    min_queue: tuple[int, ...] = ()
+    max_wait_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +329,12 @@ class GearPlan:
 
     def option_of(self, gear: int) -> GearOption:
         return self.options[self.gears[gear].option]
+
+    def min_queue_of(self, gear: int) -> tuple[int, ...]:
+        """The minimum queue length of each stage of gear ``gear``'s cascade (1 where the gear
+        has none: a plan made before SP4 chose them)."""
+        found = self.gears[gear].min_queue
+        return found if found else (1,) * len(self.option_of(gear).cascade.models)
 
     def to_document(self) -> dict[str, Any]:
         """The plan as JSON (``heteroplane gears --json``; a cascade plan's ``gear_plan``);
@@ -329,8 +374,10 @@ class GearPlan:
                     "accuracy": self.options[g.option].quality.accuracy,
                     "held_out_accuracy": self.options[g.option].held_out_accuracy,
                     "meets_slo": g.meets_slo,
+                    "min_queue": list(self.min_queue_of(k)),
+                    "max_wait_ms": g.max_wait_ms,
                 }
-                for g in self.gears
+                for k, g in enumerate(self.gears)
             ],
         }
 
@@ -338,7 +385,9 @@ class GearPlan:
     def from_document(cls, document: Mapping[str, Any]) -> GearPlan:
         """The plan :meth:`to_document` wrote (a plan document's ``gear_plan``, stored as JSON:
         the serving order comes from ``order``, since a JSON object's keys may come back in
-        another order).
+        another order). A gear without ``min_queue`` (a document written before SP4 chose
+        minimum queue lengths) reads as 1 for every stage, and without ``max_wait_ms`` as 0:
+        dispatch at once, as such plans were served.
 
         Raises:
             CascadeError: a document that is not a gear plan (its message names the field).
@@ -375,6 +424,8 @@ class GearPlan:
                     float(g["high_qps"]),
                     int(g["option"]),
                     bool(g["meets_slo"]),
+                    tuple(int(k) for k in g.get("min_queue") or ()),
+                    float(g.get("max_wait_ms") or 0.0),
                 )
                 for g in document["gears"]
             )
@@ -398,6 +449,14 @@ class GearPlan:
             raise CascadeError("gear_plan", f"not a gear plan document: {error!r}") from None
         if not gears or any(not 0 <= g.option < len(options) for g in gears):
             raise CascadeError("gear_plan", "its gears must name options of the plan")
+        for g in gears:
+            stages = len(options[g.option].cascade.models)
+            if g.min_queue and (len(g.min_queue) != stages or min(g.min_queue) < 1):
+                raise CascadeError(
+                    "gear_plan", f"a gear's min_queue needs {stages} numbers >= 1: {g.min_queue}"
+                )
+            if not (math.isfinite(g.max_wait_ms) and g.max_wait_ms >= 0):
+                raise CascadeError("gear_plan", f"max_wait_ms must be >= 0: {g.max_wait_ms!r}")
         return plan
 
 
@@ -478,6 +537,85 @@ def _batch_caps(
     return tuple(caps), min(per_query(i) for i in range(len(models)))
 
 
+def _guard_ms(min_queue: int, high_qps: float, slo_ms: float) -> float:
+    """The starvation guard of a first stage with minimum queue length ``min_queue`` in a range
+    up to ``high_qps`` (module docstring, step 6): ``GUARD_FILLS`` times the time the trigger
+    takes to fill at ``high_qps``, at most ``GUARD_SLO_SHARE`` of the SLO; 0 for min_queue 1.
+
+    >>> _guard_ms(1, 100.0, 200.0), _guard_ms(3, 100.0, 200.0), _guard_ms(9, 100.0, 200.0)
+    (0.0, 40.0, 50.0)
+    """
+    if min_queue <= 1:
+        return 0.0
+    fill_ms = 1000.0 * (min_queue - 1) / high_qps if high_qps > 0 else math.inf
+    return min(GUARD_FILLS * fill_ms, GUARD_SLO_SHARE * slo_ms)
+
+
+def choose_min_queue(
+    cascade: Cascade,
+    reach: Sequence[float],
+    caps: Sequence[int],
+    placement: Placement,
+    profiles: Mapping[str, Mapping[str, LatencyProfile]],
+    *,
+    slo_ms: float,
+    high_qps: float,
+    batch_size: int = 1,
+) -> tuple[tuple[int, ...], float]:
+    """SP4 for one QPS range up to ``high_qps`` (module docstring, step 6): the minimum queue
+    length of each stage of ``cascade`` (m for the first, 1 for the others) and the guard in ms.
+
+    m starts at 1 and rises by 1 until the throughput at the batches the trigger forms, T(m) =
+    min(C_1(m), min_{i>1} C_i(cap_i) / s_i), reaches ``high_qps``: the first stage is counted at
+    batches of m (what its trigger guarantees), a later stage at its cap (its minimum stays 1:
+    it takes its queue up to its cap, and the queue it gets grows with the first stage's
+    batches, since each batch of m forwards about m s_i queries at once).
+
+    Raises:
+        CascadeError: no m meets the range: T(m) stays below ``high_qps`` up to m = cap_1 (the
+            first stage's batch cap: its largest profiled batch within the SLO), or the guard
+            plus the path bound, sum_i 2 max_t L_{m_i,t}(k_i b), passes the SLO first. The
+            message names the range and the bottleneck model (CascadeServe's SP4 error).
+    """
+    models = cascade.models
+    if not high_qps > 0:
+        return (1,) * len(models), 0.0
+    m = 1
+    while True:
+        batches = [m, *caps[1:]]
+        per_query = [
+            _stage_capacity_qps(placement.fleets[models[i]], profiles[models[i]], k, batch_size)
+            / reach[i]
+            if reach[i] > 0
+            else math.inf
+            for i, k in enumerate(batches)
+        ]
+        throughput = min(per_query)
+        bottleneck = models[per_query.index(throughput)]
+        guard = _guard_ms(m, high_qps, slo_ms)
+        path = guard + sum(
+            2.0 * _slowest_ms(placement.fleets[model], profiles[model], k * batch_size)
+            for model, k in zip(models, batches, strict=True)
+        )
+        where = f"{cascade.label} up to {high_qps:.6g} qps"
+        if path > slo_ms:
+            raise CascadeError(
+                "min_queue",
+                f"{where}: at minimum queue length {m} the wait and the batches take"
+                f" {path:.6g} ms, past the SLO of {slo_ms:g} ms, before the throughput"
+                f" ({throughput:.6g} qps, bottleneck {bottleneck!r}) meets the range",
+            )
+        if throughput >= high_qps:
+            return (m,) + (1,) * (len(models) - 1), guard
+        if m + 1 > caps[0]:
+            raise CascadeError(
+                "min_queue",
+                f"{where}: {throughput:.6g} qps at minimum queue length {m}, the largest batch"
+                f" of {models[0]!r}; bottleneck {bottleneck!r}",
+            )
+        m += 1
+
+
 def _thin(indices: list[int], accuracy: Sequence[float], keep: int) -> list[int]:
     """At most ``keep`` of ``indices`` (sorted by accuracy), spread evenly over the accuracy
     range, the first and the last always among them."""
@@ -512,7 +650,15 @@ class _Prober:
         self.unit_arrival_s = np.cumsum(rng.exponential(1.0, size=PLAN_QUERIES))
         self.sample_id = rng.integers(0, self.records.n_samples, size=PLAN_QUERIES)
 
-    def tail_ms(self, candidate: _Candidate, rate_qps: float) -> float:
+    def tail_ms(
+        self,
+        candidate: _Candidate,
+        rate_qps: float,
+        min_queue: Sequence[int] = (),
+        max_wait_ms: float = 0.0,
+    ) -> float:
+        """The tail at ``rate_qps``, each stage under its batch trigger (``min_queue``, one per
+        stage; empty: dispatch at once) and the guard ``max_wait_ms``."""
         trace = Trace(
             self.unit_arrival_s / rate_qps,
             np.full(PLAN_QUERIES, self.batch_size, dtype=np.int64),
@@ -526,6 +672,11 @@ class _Prober:
             self.profiles,
             max_batch_queries=dict(zip(candidate.cascade.models, candidate.caps, strict=True)),
         )
+        if any(m > 1 for m in min_queue):
+            stages = [
+                replace(stage, min_queue=m, max_wait_s=max_wait_ms / 1000.0)
+                for stage, m in zip(stages, min_queue, strict=True)
+            ]
         result = simulate(
             trace, stages, np.random.default_rng(self.seed + 1), prices_usd_per_hr=self.prices
         )
@@ -660,6 +811,11 @@ def plan_gears(
         _gear(options, top * k / n_ranges, top * (k + 1) / n_ranges, accuracy_floor)
         for k in range(n_ranges)
     )
+    by_cascade = {c.cascade: c for c in candidates}
+    gears = tuple(
+        _triggered(gear, options[gear.option], by_cascade, prober, placement, profiles)
+        for gear in gears
+    )
     return GearPlan(
         placement=placement,
         slo_ms=slo_ms,
@@ -672,6 +828,42 @@ def plan_gears(
         simulations=prober.simulations,
         held_out_samples=None if held_out is None else held_out.n_samples,
     )
+
+
+def _triggered(
+    gear: Gear,
+    option: GearOption,
+    candidates: Mapping[Cascade, _Candidate],
+    prober: _Prober,
+    placement: Placement,
+    profiles: Mapping[str, Mapping[str, LatencyProfile]],
+) -> Gear:
+    """SP4 for one gear (module docstring, step 6): its minimum queue lengths and guard, checked
+    in the simulator at the top of the range; 1 everywhere (dispatch at once, what the bisection
+    simulated) where SP4 finds none or the simulated tail with them misses the SLO there."""
+    stages = len(option.cascade.models)
+    at_once = replace(gear, min_queue=(1,) * stages, max_wait_ms=0.0)
+    if not gear.meets_slo:
+        return at_once
+    try:
+        min_queue, wait_ms = choose_min_queue(
+            option.cascade,
+            option.quality.reach_share,
+            option.max_batch_queries,
+            placement,
+            profiles,
+            slo_ms=prober.slo_ms,
+            high_qps=gear.high_qps,
+            batch_size=prober.batch_size,
+        )
+    except CascadeError:
+        return at_once
+    if min_queue[0] == 1:
+        return at_once
+    tail = prober.tail_ms(candidates[option.cascade], gear.high_qps, min_queue, wait_ms)
+    if tail > prober.slo_ms:
+        return at_once
+    return replace(gear, min_queue=min_queue, max_wait_ms=wait_ms)
 
 
 def _gear(
@@ -933,8 +1125,13 @@ def _routing(plan: GearPlan, records: ValidationRecords, sample_id: NDArray[np.i
     entry = np.zeros((modes, n), dtype=np.int64)
     nxt = np.full((modes, stages, n), -1, dtype=np.int64)
     caps = np.ones((modes, stages), dtype=np.int64)
+    trigger = np.ones((modes, stages), dtype=np.int64)
+    wait_s = np.full((modes, stages), math.inf)
     routes: dict[int, tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]] = {}
     for g, gear in enumerate(plan.gears):
+        positions = [order.index(m) for m in plan.option_of(g).cascade.models]
+        trigger[g, positions] = plan.min_queue_of(g)
+        wait_s[g, positions] = gear.max_wait_ms / 1000.0
         if gear.option not in routes:
             option = plan.options[gear.option]
             positions = [order.index(m) for m in option.cascade.models]
@@ -946,7 +1143,7 @@ def _routing(plan: GearPlan, records: ValidationRecords, sample_id: NDArray[np.i
             cap[positions] = option.max_batch_queries
             routes[gear.option] = (np.full(n, positions[0], dtype=np.int64), table, cap)
         entry[g], nxt[g], caps[g] = routes[gear.option]
-    return Routing(entry, nxt, caps)
+    return Routing(entry, nxt, caps, trigger, wait_s)
 
 
 def simulate_gear_switching(

@@ -285,8 +285,9 @@ def build_live_gears(
     store: Store, clock: Clock, serving: ServingLoop, resolver: AppResolver
 ) -> LiveGears:
     """CascadeServe's gear switcher over the apps whose plans carry a gear plan, on what the
-    serving loop observes; it runs right after the tuner in the tuner's tick. Apps resolve
-    through ``resolver``."""
+    serving loop observes; its store side refreshes right after the tuner in the tuner's tick,
+    its producer runs in the ``gears`` job (every ``gear_interval_s``). Apps resolve through
+    ``resolver``."""
     return LiveGears(
         store,
         clock,
@@ -415,13 +416,20 @@ def build_scheduler(
                 for app, scaled in infaas_scaler.tick():
                     logger.info("infaas %s: %s", app, scaled.reason)
             if live_gears is not None:
-                for change in live_gears.tick(live_tuner.budget_capped):
-                    logger.info("gears: %s", change.reason)
+                # The store's side of the switcher; the gears job switches every 100 ms.
+                live_gears.refresh(live_tuner.budget_capped)
             if calibrator is not None:
                 for drift in calibrator.tick():
                     logger.info("calibration %s: %s", drift.app, drift.calibration)
 
         bodies = dataclasses.replace(bodies, tuner_tick=tuner_tick)
+    if live_gears is not None:
+
+        def gears() -> None:
+            for change in live_gears.switch_tick():
+                logger.info("gears: %s", change.reason)
+
+        bodies = dataclasses.replace(bodies, gears=gears)
     if traffic_replanner is not None:
 
         def replan() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from controlplane.policies.gears import GearPlan
 from controlplane.policies.plan import StagePlan
 from controlplane.serving.admission import DEFAULT_MAX_QUEUED_SAMPLES
 from controlplane.serving.modelio import ModelIO
@@ -26,6 +27,7 @@ __all__ = [
     "GearSource",
     "ServingGear",
     "batch_cap",
+    "batch_trigger",
 ]
 
 
@@ -48,6 +50,13 @@ class AppConfig:
     stage_plans: Mapping[str, StagePlan] = field(default_factory=dict)
     version: tuple[object, ...] = ()
     io: Mapping[str, ModelIO] = field(default_factory=dict)
+    # The cascade placement's inputs (controlplane.policies.load_balance, SP3): the applied
+    # plan's rate and gear plan (the loads the placement must serve), each model's memory (MB)
+    # and each instance type's memory for models (MB; a type not listed has no limit).
+    planned_rate_qps: float = 0.0
+    gear_plan: GearPlan | None = None
+    model_memory_mb: Mapping[str, float] = field(default_factory=dict)
+    instance_memory_mb: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         missing = [m for m in self.cascade.models if m not in self.models]
@@ -63,11 +72,19 @@ class AppConfig:
 @dataclass(frozen=True, slots=True)
 class ServingGear:
     """A gear the switcher puts in force: its cascade, the batch cap of each of its models, and
-    the cheapest (fastest) gear the app may switch to, which admission control judges by."""
+    the cheapest (fastest) gear the app may switch to, which admission control judges by.
+
+    Its batch trigger (CascadeServe's minimum queue length, ``controlplane.policies.gears``,
+    SP4): a stage of a model in ``min_queue`` with a value m > 1 starts a batch only once m
+    queries are queued, or once its oldest queued query has waited ``max_wait_s`` (the
+    starvation guard). A model not in ``min_queue`` starts at once, as apps without a gear
+    plan do."""
 
     cascade: Cascade
     max_batch_queries: Mapping[str, int] = field(default_factory=dict)
     cheapest: Cascade | None = None
+    min_queue: Mapping[str, int] = field(default_factory=dict)
+    max_wait_s: float = 0.0
 
 
 GearSource = Callable[[], ServingGear | None]
@@ -106,3 +123,10 @@ def batch_cap(config: AppConfig, model: str, gear: ServingGear) -> int:
         plan = config.stage_plans.get(model)
         cap = plan.batch_size if plan is not None else 1
     return max(int(cap), 1)
+
+
+def batch_trigger(gear: ServingGear, model: str) -> tuple[int, float]:
+    """The minimum queue length of ``model``'s stage under ``gear`` and its guard in seconds:
+    (1, 0.0), start at once, for a model the gear sets none for."""
+    minimum = max(int(gear.min_queue.get(model, 1)), 1)
+    return (minimum, max(gear.max_wait_s, 0.0)) if minimum > 1 else (1, 0.0)

@@ -17,11 +17,18 @@ judges).
   names one, else the planner's rule (:func:`~controlplane.serving.placement.policy_name`: FCFS
   for one instance type, Kairos over a mix when some type serves the whole range within the
   SLO). Its batch cap (``max_batch_queries``) comes from the gear in force, else the plan's stage
-  ``batch_size``, else 1.
+  ``batch_size``, else 1. An app of several models is co-located instead (CascadeServe SP3,
+  :mod:`~controlplane.serving.placement`): a stage's instances are its model's hosts and its
+  policy follows the load balancer's shares (:class:`~controlplane.serving.shares.SharePolicy`);
+  the placement follows the gear in force.
 - **Rounds.** A round asks a stage's policy which queued queries start on which idle instances
   (:class:`matching.policy.DispatchPolicy`). Arrivals, completions, failures and fleet changes
   mark stages dirty; one round per dirty stage runs at the next turn of the event loop (so the
   arrivals of one turn are matched together, later stages first: their queries are older).
+  Under a gear with a minimum queue length m > 1 for the model (CascadeServe's batch trigger,
+  :mod:`controlplane.policies.gears` SP4) a round starts no batch while fewer than m queries
+  are queued, until the oldest has waited the gear's guard (``max_wait_s``); one timer per
+  stage runs the round when the guard expires.
 - **Batches.** Each :class:`~matching.policy.Dispatch` sends the rows of its queries as one batch
   to the worker over a kept-alive HTTP connection (:mod:`controlplane.serving.transport`), as an
   Open Inference Protocol request against the stage's model signature (its
@@ -65,7 +72,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from controlplane.errors import (
     NoServingInstanceError,
@@ -84,13 +91,14 @@ from controlplane.serving.config import (
     GearSource,
     ServingGear,
     batch_cap,
+    batch_trigger,
 )
 from controlplane.serving.health import Health, WorkerLoss
 from controlplane.serving.modelio import ModelIO, Row, WorkerReply
 from controlplane.serving.observations import Observations, Split, outcome_of
 from controlplane.serving.placement import Placement, policy_name
 from controlplane.serving.stages import Slot, Stage
-from controlplane.serving.states import ModelState, StateTracker, is_overloaded, model_state
+from controlplane.serving.states import ModelState, Overload, StateTracker, model_state
 from controlplane.serving.transport import WorkerTransport
 from controlplane.serving.variants import AppVariants
 from controlplane.serving.workers import Worker, WorkerEndpoint
@@ -169,7 +177,12 @@ class WorkerStatus:
 @dataclass(frozen=True, slots=True)
 class StageStatus:
     """A model's stage: its queue (queries and samples), samples in service, capacity
-    (samples/s), policy and batch cap, and the INFaaS state of the model on each instance."""
+    (samples/s), policy and batch cap, and the INFaaS state of the model on each instance. In a
+    cascade's co-located placement (SP3), ``shares`` is each hosting instance's share of the
+    model's queries (by instance id) and ``lp_utilisation`` the load balancer's u (the busiest
+    instance's busy share at the load in force); empty and None otherwise. ``overload`` is
+    what the model's overload verdict was judged on (:class:`~controlplane.serving.states.
+    Overload`: backlog, refusals, arrival rate, capacity)."""
 
     model: str
     queued_queries: int
@@ -179,6 +192,9 @@ class StageStatus:
     policy: str
     max_batch_queries: int
     states: Mapping[str, ModelState]
+    shares: Mapping[str, float] = field(default_factory=dict)
+    lp_utilisation: float | None = None
+    overload: Overload | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,11 +276,14 @@ class _Stage(Stage):
     """A stage as the dispatcher keeps it: also the request part of each of its queued queries
     (by query id)."""
 
-    __slots__ = ("parts",)
+    __slots__ = ("parts", "wake", "wake_s")
 
     def __init__(self, model: str, io: ModelIO | None = None) -> None:
         super().__init__(model, io)
         self.parts: dict[int, _Part] = {}
+        # The batch trigger's guard timer (AppDispatcher._held): one per stage, moved, not added.
+        self.wake: asyncio.TimerHandle | None = None
+        self.wake_s = math.inf
 
 
 # --- the dispatcher ----------------------------------------------------------------------------
@@ -354,7 +373,7 @@ class AppDispatcher:
         """Place the workers on the stages again (:meth:`~controlplane.serving.placement.
         Placement.place`: after a fleet or a health change, which also drops the capacity
         estimates) and give every stage a round."""
-        self.placement.place(self.config, self._stages)
+        self.placement.place(self.config, self._stages, self.current_gear())
         self._mark_all()
 
     # --- requests -------------------------------------------------------------------------------
@@ -406,6 +425,8 @@ class AppDispatcher:
         if gear is not self._last_gear:
             self._last_gear = gear
             self.gear_label = gear.cascade.label
+            if self.placement.stale(self.config, gear):  # a cascade's shares follow the gear
+                self._place()
         if cascade is None:
             cascade = gear.cascade
         n = len(inputs)
@@ -455,10 +476,16 @@ class AppDispatcher:
         candidates = [gear.cascade, self.config.cascade]
         if gear.cheapest is not None and all(m in self._stages for m in gear.cheapest.models):
             candidates.append(gear.cheapest)
-        loads = [self.variants.loads(c, samples, gear) for c in dict.fromkeys(candidates)]
-        best = min(loads, key=predicted_latency_ms)
+        loads = {c: self.variants.loads(c, samples, gear) for c in dict.fromkeys(candidates)}
+        cascade, best = min(loads.items(), key=lambda item: predicted_latency_ms(item[1]))
         verdict = decide(best, self.config.slo_ms)
         if not verdict.admitted:
+            # An overload sign for each model the query would have reached (states.py).
+            now = self.clock_s()
+            for model, load in zip(cascade.models, best, strict=True):
+                if load.reach_share > 0:
+                    reached = load.reach_share * samples
+                    self.tracker.refused((self.app, model), now, reached, load.capacity_sps)
             raise OverloadedError(
                 self.app, verdict.predicted_ms, self.config.slo_ms, verdict.retry_after_s
             )
@@ -476,6 +503,7 @@ class AppDispatcher:
         stage.parts[query.query_id] = part
         stage.queued_samples += len(samples)
         request.queued[query.query_id] = stage
+        self.tracker.arrived((self.app, model), now, len(samples))
         self._mark(stage)
 
     def _requeue(self, stage: _Stage, parts: Sequence[_Part]) -> None:
@@ -530,6 +558,8 @@ class AppDispatcher:
             return
         slots = self._eligible(stage)
         if not any(s.worker.healthy and not s.worker.running for s in slots):
+            return
+        if self._held(stage, now, gear):
             return
         context = StageContext(batch_cap(self.config, stage.model, gear), self.config.slo_ms)
         by_index = {s.index: s for s in slots}
@@ -854,9 +884,14 @@ class AppDispatcher:
             stage = self._stages[model]
             cap = batch_cap(self.config, model, gear)
             capacity = stage.capacity_sps(1, cap)
-            overloaded = is_overloaded(
-                stage.queued_samples + stage.in_service_samples, capacity, self.config.slo_ms
+            overload = self.tracker.overload(
+                (self.app, model),
+                now,
+                stage.queued_samples + stage.in_service_samples,
+                capacity,
+                self.config.slo_ms,
             )
+            overloaded = overload.overloaded
             states = {
                 s.worker.instance_id: model_state(
                     overloaded=overloaded,
@@ -874,6 +909,9 @@ class AppDispatcher:
                     policy=stage.policy_name,
                     max_batch_queries=cap,
                     states=states,
+                    shares=dict(stage.shares),
+                    lp_utilisation=stage.lp_utilisation,
+                    overload=overload,
                 )
             )
         workers = tuple(
@@ -897,9 +935,36 @@ class AppDispatcher:
             in_flight_requests=len(self._open),
         )
 
+    def _held(self, stage: _Stage, now: float, gear: ServingGear) -> bool:
+        """Whether the gear's batch trigger holds ``stage`` back (CascadeServe's minimum queue
+        length, the rule the planner simulated): fewer queries queued than its minimum and the
+        oldest queued for less than the guard. The stage's timer then runs a round when the
+        guard expires, so a lone query at low load waits at most the guard."""
+        minimum, wait_s = batch_trigger(gear, stage.model)
+        if len(stage.queue) >= minimum:
+            return False
+        due = stage.queue[0].enqueued_s + wait_s  # the front is the oldest (requeues go there)
+        if now >= due:
+            return False
+        if stage.wake is None or stage.wake_s != due:
+            if stage.wake is not None:
+                stage.wake.cancel()
+            loop = asyncio.get_running_loop()
+            stage.wake = loop.call_at(loop.time() + (due - now), self._wake, stage)
+            stage.wake_s = due
+        return True
+
+    def _wake(self, stage: _Stage) -> None:
+        stage.wake, stage.wake_s = None, math.inf
+        self._mark(stage)
+
     async def close(self) -> None:
         """Stop: queued and in-service queries are answered with an error."""
         self._closed = True
+        for stage in self._stages.values():
+            if stage.wake is not None:
+                stage.wake.cancel()
+                stage.wake, stage.wake_s = None, math.inf
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None

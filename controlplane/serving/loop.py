@@ -30,8 +30,10 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -40,6 +42,9 @@ from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock, SystemClock
 from controlplane.db.store import Store
 from controlplane.errors import ControlPlaneError, NotFoundError, ServingUnavailableError
+from controlplane.policies.gears import GearPlan
+from controlplane.policies.load_balance import instance_memory_mb, model_memory_mb
+from controlplane.policies.plan import PlanDocument
 from controlplane.policies.variants import Requirements
 from controlplane.serving.dispatcher import (
     AppConfig,
@@ -56,7 +61,7 @@ from controlplane.serving.observations import Observations, WindowSummary
 from controlplane.serving.states import StateTracker
 from controlplane.serving.transport import HttpWorkerTransport, WorkerTransport
 from controlplane.serving.workers import InstanceSource
-from controlplane.spec import SpecError
+from controlplane.spec import ResolvedApp, SpecError
 from estimator.cascades import Cascade
 from estimator.errors import EstimatorError
 
@@ -125,6 +130,7 @@ def load_config(store: Store, resolver: AppResolver, app: str) -> AppConfig:
             if stage.name in models:
                 stage_plans[stage.name] = stage
     return AppConfig(
+        **placement_inputs(resolved, plan.plan if plan is not None else None, models),
         name=app,
         slo_ms=float(spec.slo.latency_ms),
         models=models,
@@ -136,6 +142,40 @@ def load_config(store: Store, resolver: AppResolver, app: str) -> AppConfig:
         version=(record.version, plan.id if plan is not None else None),
         io=ios,
     )
+
+
+def placement_inputs(
+    resolved: ResolvedApp, plan: PlanDocument | None, models: Sequence[str]
+) -> dict[str, Any]:
+    """What the cascade placement (:mod:`controlplane.policies.load_balance`) needs of an app:
+    its plan's rate and gear plan (None when the document is not one: the placement then
+    serves the planned rate), each model's memory (the spec's ``memory_mb``, else twice its
+    artifact's size, else the demo family's default) and each candidate type's memory for
+    models (:func:`~controlplane.policies.load_balance.instance_memory_mb`; a type the catalog
+    gives no memory has no limit)."""
+    gear_plan = None
+    if plan is not None and plan.gear_plan is not None:
+        with contextlib.suppress(EstimatorError):
+            gear_plan = GearPlan.from_document(plan.gear_plan)
+    given = {entry.name: entry.memory_mb for entry in resolved.spec.models}
+    artifacts = resolved.artifacts
+    model_memory = {
+        m: model_memory_mb(given.get(m), artifacts[m].size_bytes if m in artifacts else None)
+        for m in models
+    }
+    instance_memory: dict[str, float] = {}
+    for name in resolved.instance_types:
+        found = resolved.catalog.get(name)
+        if found is not None:
+            memory = instance_memory_mb(found.memory_gib, found.gpus, found.gpu_memory_gib)
+            if math.isfinite(memory):
+                instance_memory[name] = memory
+    return {
+        "planned_rate_qps": plan.rate_qps if plan is not None else 0.0,
+        "gear_plan": gear_plan,
+        "model_memory_mb": model_memory,
+        "instance_memory_mb": instance_memory,
+    }
 
 
 def model_io(resolved: object, model: str) -> ModelIO:

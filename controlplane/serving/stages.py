@@ -78,12 +78,14 @@ class Stage:
         "in_service_samples",
         "io",
         "latency",
+        "lp_utilisation",
         "model",
         "policy",
         "policy_key",
         "policy_name",
         "queue",
         "queued_samples",
+        "shares",
         "slots",
     )
 
@@ -102,6 +104,10 @@ class Stage:
         # (samples, batch cap) -> (capacity in samples/s, fastest service ms): cleared whenever
         # the stage's instances or their health change.
         self.capacity: dict[tuple[int, int], tuple[float, float]] = {}
+        # A cascade's co-located placement (SP3): each hosting instance's share of the model's
+        # queries by instance id, and the load balancer's u (empty and None otherwise).
+        self.shares: dict[str, float] = {}
+        self.lp_utilisation: float | None = None
 
     def capacity_sps(self, samples: int, cap: int) -> float:
         """Samples per second the stage's healthy instances serve at batches of ``cap`` queries

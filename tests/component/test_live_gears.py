@@ -279,3 +279,61 @@ def test_a_broken_gear_plan_leaves_the_app_on_its_spec(store: Store, tmp_path: P
     loop.rate(60.0, clock.now_s())
     assert gears.tick() == []
     assert gears.gear(APP) is None
+
+
+def test_the_producer_evaluates_every_100_ms_without_reading_the_store(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    applied(store, tmp_path, PLAN.to_document())
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    evaluations: list[float] = []
+    arrivals = loop.arrivals
+
+    def counted(app: str) -> np.ndarray | None:
+        evaluations.append(clock.now_s())
+        return arrivals(app)
+
+    loop.arrivals = counted  # type: ignore[method-assign]
+    gears = switcher(store, clock, loop)
+    loop.rate(10.0, clock.now_s())
+    gears.refresh()  # the tuner tick's side: the plan, its start recorded
+    assert [n["gear"] for n in gear_log(store)] == [0]
+
+    reads: list[str] = []
+    for name in ("list_apps", "get_app", "get_applied_plan", "list_instances"):
+        method = getattr(store, name)
+
+        def spy(*args: Any, _name: str = name, _method: Any = method, **kwargs: Any) -> Any:
+            reads.append(_name)
+            return _method(*args, **kwargs)
+
+        monkeypatch.setattr(store, name, spy)
+    evaluations.clear()
+    changes = []
+    for tick in range(20):  # two seconds of the gears job at 100 ms
+        clock.advance(0.1)
+        loop.rate(10.0 if tick < 10 else 60.0, clock.now_s())
+        changes += gears.switch_tick()
+    assert len(evaluations) == 20  # ten evaluations a second
+    assert reads == []  # the store is only written to, on a change
+    (up,) = changes  # the first evaluation past the accurate gear's range moves up, once
+    assert (up.previous, up.gear) == (0, 1) and up.at_s == pytest.approx(100.0 + 1.1)
+    assert [n["gear"] for n in gear_log(store)] == [0, 1]
+    served = gears.gear(APP)
+    assert served is not None and served.cascade == FAST.cascade
+    assert served.min_queue == {"tiny": 1}  # a plan without triggers dispatches at once
+
+
+def test_the_gear_in_force_carries_its_trigger(store: Store, tmp_path: Path) -> None:
+    fast = Gear(20.0, 100.0, 0, True, (3,), 40.0)
+    plan = GearPlan(
+        PLAN.placement, 100.0, 99.0, None, PLAN.options, (PLAN.gears[0], fast), 100.0, 7, 42
+    )
+    applied(store, tmp_path, plan.to_document())
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    gears = switcher(store, clock, loop)
+    loop.rate(60.0, clock.now_s())
+    gears.tick()
+    served = gears.gear(APP)
+    assert served is not None and served.cascade == FAST.cascade
+    assert served.min_queue == {"tiny": 3} and served.max_wait_s == pytest.approx(0.04)

@@ -54,7 +54,7 @@ class _WithArtifacts:
     def __init__(self, resolved: Any, signature: ModelSignature) -> None:
         self._resolved = resolved
         self.artifacts = {
-            m: SimpleNamespace(signature=signature, certainty="max_prob")
+            m: SimpleNamespace(signature=signature, certainty="max_prob", size_bytes=None)
             for m in resolved.spec.serving_order
         }
 
@@ -289,7 +289,8 @@ def test_an_app_of_registry_models_on_v2_and_v1(world: ApiWorld) -> None:
         assert result.as_numpy("scores").argmax(axis=1).tolist() == [2, 1]
         assert result.as_numpy("label").tolist() == [0, 0]
         assert result.get_response()["parameters"]["models"] == ["tiny", "large"]
-        sent = workers[0].last_request
+        # Both workers host both models (co-located, SP3): whichever took the batch.
+        sent = next((w.last_request for w in workers if w.last_request is not None), None)
         assert sent is not None and [t["datatype"] for t in sent["inputs"]] == ["INT64", "BOOL"]
         # JSON tensors: a wrong datatype for the second input names it.
         request = {

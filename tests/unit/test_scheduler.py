@@ -28,6 +28,7 @@ class Intervals:
     reconcile_s: float = 5.0
     rollup_s: float = 10.0
     replan_s: float = 60.0
+    gear_interval_s: float = 0.1
 
 
 def test_a_failing_job_is_logged_with_its_name_and_the_next_run_still_happens(
@@ -102,13 +103,14 @@ def test_base_exceptions_are_not_swallowed() -> None:
     assert job() == "ran"
 
 
-def test_the_service_schedule_has_the_four_jobs_at_the_settings_periods() -> None:
+def test_the_service_schedule_has_the_five_jobs_at_the_settings_periods() -> None:
     schedule = service_schedule(Intervals(rollup_s=30.0), JobBodies())
     assert [(job.name, job.interval_s) for job in schedule] == [
         ("tuner_tick", 1.0),
         ("reconcile", 5.0),
         ("rollup", 30.0),
         ("replan", 60.0),
+        ("gears", 0.1),
     ]
     assert tuple(job.name for job in schedule) == JOB_NAMES
 
@@ -146,6 +148,7 @@ def test_start_registers_guarded_non_overlapping_jobs_and_shutdown_stops_cleanly
                 ("reconcile", 5.0, 1, True),
                 ("rollup", 10.0, 1, True),
                 ("replan", 60.0, 1, True),
+                ("gears", 0.1, 1, True),
             ]
         )
     finally:

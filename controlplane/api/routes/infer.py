@@ -214,6 +214,8 @@ async def serving_status(app: AppName, services: ServicesDep, _who: Viewer) -> S
                 policy=s.policy,
                 max_batch_queries=s.max_batch_queries,
                 states=dict(s.states),
+                shares=dict(s.shares),
+                lp_utilisation=s.lp_utilisation,
             )
             for s in status.stages
         ],
