@@ -26,7 +26,7 @@ from controlplane.cli.client import (
 )
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.profile import load_family
-from controlplane.clients import loadgen
+from controlplane.clients import loadgen, rawload
 from controlplane.clients.loadgen import LoadProgress, LoadSummary
 from estimator.traces import read_trace_csv
 
@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     token: str | None = args.token or os.environ.get(TOKEN_ENV)
     if not token:
         raise UsageError(f"no API token: pass --token or set {TOKEN_ENV}")
+    if args.engine == "raw" and not url.startswith("http://"):
+        raise UsageError(f"--engine raw sends to http:// URLs only, got {url}")
     client = ApiClient(url, token, _APP_TIMEOUT_S)  # checks the URL's shape
     trace = read_trace_csv(args.trace)
     if len(trace) == 0:
@@ -127,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     def show(snapshot: LoadProgress) -> None:
         progress(snapshot.line())
 
-    result = loadgen.run_load(
+    send = rawload.run_raw_load if args.engine == "raw" else loadgen.run_load
+    result = send(
         queries,
         loadgen.infer_url(client.url, args.app),
         token,

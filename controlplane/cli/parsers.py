@@ -627,7 +627,10 @@ def _replay(subparsers: Subparsers) -> None:
         " baselines CG-Peak and CG-Mean (--policy peak|mean), which plan for the trace's peak"
         f" rate (most arrivals in any {PEAK_WINDOW_S:g} s window, --peak-window-s) or mean rate"
         " themselves, on the planning trace scaled to that rate, and keep that fleet. New"
-        " instances serve after their boot time and cost from launch.",
+        " instances serve after their boot time and cost from launch. A plan of several stages"
+        " (a cascade) replays as one pipeline, static or with one tuner per stage: each stage"
+        " scaled on the queries that reach it (the validation records' forwarding), all stages"
+        " within the one budget (docs/tuner.md, Cascades).",
     )
     parser.add_argument("--spec", required=True, type=Path, metavar="FILE", help="app spec YAML")
     parser.add_argument(
@@ -667,7 +670,7 @@ def _replay(subparsers: Subparsers) -> None:
         help="how the tuner sizes the stage: curve (the default: the planner's capacity at the"
         " live load, measured by planning the planning trace at 0.5x-2x its rate, and a 180 s"
         " live envelope; docs/tuner.md) or inferline (InferLine's one provisioning ratio rho and"
-        " a 60 s live envelope, for comparison)",
+        " a 60 s live envelope, for comparison); a cascade's stages run inferline",
     )
     parser.add_argument(
         "--peak-window-s",
@@ -739,6 +742,14 @@ def _loadgen(subparsers: Subparsers) -> None:
         default=LOADGEN_MAX_IN_FLIGHT,
         metavar="N",
         help="connections open at once at most (default %(default)d)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("httpx", "raw"),
+        default="httpx",
+        help="httpx (any URL, https and proxies included) or raw: HTTP/1.1 keep-alive"
+        " connections of our own, http:// only, about a tenth of the CPU per query, for"
+        " benchmarks at thousands of q/s (default %(default)s)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=Handler("loadgen", "run"))
