@@ -82,6 +82,7 @@ __all__ = [
     "CatchAllMiddleware",
     "error_response",
     "install_error_handlers",
+    "render_error",
     "unauthorized",
 ]
 
@@ -304,6 +305,20 @@ def _allowed_methods(request: Request) -> list[str]:
 def _internal(request: Request, error: BaseException) -> JSONResponse:
     logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=error)
     return error_response(500, "internal", "internal error; the server log has the details")
+
+
+def render_error(request: Request, error: BaseException) -> JSONResponse:
+    """The answer the handlers below give ``error`` (the 500 for one none of them takes): for a
+    path that answers outside FastAPI's exception handling (``controlplane.api.fast_infer``)."""
+    if isinstance(error, ApiError):
+        return _on_api_error(request, error)
+    if isinstance(error, SpecError):
+        return _on_spec_error(request, error)
+    if isinstance(error, EstimatorError):
+        return _on_estimator_error(request, error)
+    if isinstance(error, ControlPlaneError):
+        return _on_control_plane_error(request, error)
+    return _internal(request, error)
 
 
 def install_error_handlers(app: FastAPI) -> None:

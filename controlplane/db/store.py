@@ -1294,6 +1294,21 @@ class Store:
             raise ConflictError(f"a token named {label!r} already exists") from None
 
     @_translated
+    def cached_principal(self, token: str) -> Principal | None:
+        """Who ``token`` belongs to when :meth:`verify_token` answered that within the last
+        ``TOKEN_CACHE_S`` (no database read: cheap enough for the event loop); None otherwise,
+        and then only :meth:`verify_token` can tell. A revocation in this process clears the
+        cache at once; one in another process is seen within ``TOKEN_CACHE_S``, as it is by
+        :meth:`verify_token`."""
+        if not auth.looks_like_token(token):
+            return None
+        digest = auth.hash_token(token)
+        with self._token_lock:
+            cached = self._token_cache.get(digest)
+        if cached is not None and self._now(None) < cached[1]:
+            return cached[0]
+        return None
+
     def verify_token(self, token: str, *, at: datetime | None = None) -> Principal | None:
         """Who ``token`` belongs to, or None when it is unknown or revoked. Looked up by its
         SHA-256 and compared in constant time; ``last_used_at`` is refreshed (at most once a

@@ -28,6 +28,7 @@ from controlplane import __version__
 from controlplane.api.counters import RequestCounter, RequestCountingMiddleware
 from controlplane.api.deps import Services
 from controlplane.api.errors import install_error_handlers
+from controlplane.api.fast_infer import FastInferMiddleware
 from controlplane.api.limits import BodySizeLimitMiddleware, HeaderSizeLimitMiddleware
 from controlplane.api.routes import (
     apps,
@@ -142,10 +143,11 @@ def create_app(
     app.add_middleware(RequestCountingMiddleware, counter=services.requests)
     # Added last, so called first: a query's latency runs from here (on the serving loop's
     # clock), before the body is read and the token checked in the thread pool.
-    app.add_middleware(
-        infer.ReceivedAtMiddleware,
-        clock_s=serving.clock.now_s if serving is not None else time.monotonic,
-    )
+    clock_s = serving.clock.now_s if serving is not None else time.monotonic
+    app.add_middleware(infer.ReceivedAtMiddleware, clock_s=clock_s)
+    # Outermost of ours: the common inference request is answered here, without the layers
+    # below (controlplane.api.fast_infer); anything else passes through unchanged.
+    app.add_middleware(FastInferMiddleware, services=services, clock_s=clock_s)
     for module in (health, apps, plans, budget, fleet, events, infer, models, oip):
         app.include_router(module.router)
     install_dashboard(app)

@@ -68,7 +68,7 @@ class ReceivedAtMiddleware:
         self.clock_s = clock_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and RECEIVED_S not in scope:  # the fast path's stamp stays
             scope[RECEIVED_S] = self.clock_s()
         await self.app(scope, receive, send)
 

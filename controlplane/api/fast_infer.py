@@ -1,0 +1,238 @@
+"""The inference request's fast path: ``POST /v1/apps/{app}/infer`` answered without FastAPI's
+per-request machinery when nothing about the request is unusual.
+
+A query through FastAPI passes a dozen ASGI layers, its token is checked in the thread pool (a
+hop to another thread and back), its body is validated by pydantic and its answer serialised
+by it: on the 2-core machine this was most of the service's CPU per query (docs/serving.md,
+"Through the API"). :class:`FastInferMiddleware` sits outermost among the app's middleware and
+answers the common case itself, with the same contract:
+
+- the request is ``POST /v1/apps/{app}/infer`` with a valid app name, JSON content, headers and
+  a body within the limits, a bearer token that the store verified within the last second
+  (:meth:`~controlplane.db.store.Store.cached_principal`: no database read, no thread) and whose
+  scope allows ``infer``, and a body of plain ``inputs`` (and optionally ``sample_ids``) that
+  parse as the route's schema would accept them;
+- then it stamps the receipt, checks the inputs against the app's model
+  (:func:`~controlplane.api.routes.infer.check_inputs`), hands them to the serving loop and
+  answers the same JSON document the route does (:func:`answer_document`), counting the answer
+  like :class:`~controlplane.api.counters.RequestCountingMiddleware`; a service error becomes
+  the same error answer the app's handlers give it (:func:`~controlplane.api.errors.render_error`).
+
+Anything else (no or unknown token, another scope, a body the fast checks do not accept, INFaaS
+``requirements``, a body or headers over a limit) goes to FastAPI unchanged, with the body read
+so far handed on: the route then answers exactly as it always did, errors included. The fast
+path never answers an error the route would not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from controlplane.api.counters import RequestCounter
+from controlplane.api.errors import render_error
+from controlplane.api.limits import MAX_BODY_BYTES, MAX_HEADER_BYTES
+from controlplane.api.routes.infer import RECEIVED_S, check_inputs
+from controlplane.api.schemas import MAX_INFER_SAMPLES
+from controlplane.policies.auth import Scope as TokenScope
+from controlplane.policies.auth import scope_allows
+
+try:  # orjson parses and writes JSON several times faster; the json module does the same work
+    import orjson
+
+    _loads: Callable[[bytes], Any] = orjson.loads
+
+    def _dumps(document: Any) -> bytes:
+        return orjson.dumps(document)
+
+except ImportError:  # pragma: no cover - orjson is a dependency; this keeps the path working
+    _loads = json.loads
+
+    def _dumps(document: Any) -> bytes:
+        return json.dumps(document, separators=(",", ":")).encode()
+
+
+__all__ = ["FastInferMiddleware", "answer_document", "plain_body"]
+
+# The path of the route, its app name a DNS label (controlplane.api.routes.AppName).
+_PATH = re.compile(r"/v1/apps/([a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)/infer")
+_SAMPLE_ID_MAX = 2**31 - 1
+
+
+def plain_body(document: Any) -> tuple[list[list[float]], list[int] | None] | None:
+    """``inputs`` and ``sample_ids`` of a request body the route's schema
+    (:class:`~controlplane.api.schemas.InferIn`) accepts as it stands, or None where the route
+    must judge: any other key, an empty or over-long ``inputs``, a sample that is not a
+    non-empty list of finite numbers (bool is not a number), ``sample_ids`` that are not one
+    whole number in 0..2^31-1 per input.
+
+    >>> plain_body({"inputs": [[1, 2.5]], "sample_ids": [3]})
+    ([[1, 2.5]], [3])
+    >>> plain_body({"inputs": [[True]]}) is None, plain_body({"inputs": [], "x": 1}) is None
+    (True, True)
+    """
+    if type(document) is not dict:
+        return None
+    inputs = document.get("inputs")
+    sample_ids = document.get("sample_ids")
+    if len(document) != 1 + ("sample_ids" in document) or type(inputs) is not list:
+        return None
+    if not 1 <= len(inputs) <= MAX_INFER_SAMPLES:
+        return None
+    for row in inputs:
+        if type(row) is not list or not row:
+            return None
+        for value in row:
+            kind = type(value)
+            if kind is float:
+                if not math.isfinite(value):
+                    return None
+            elif kind is not int:
+                return None
+    if sample_ids is None:
+        return inputs, None
+    if type(sample_ids) is not list or len(sample_ids) != len(inputs):
+        return None
+    if any(type(i) is not int or not 0 <= i <= _SAMPLE_ID_MAX for i in sample_ids):
+        return None
+    return inputs, sample_ids
+
+
+def answer_document(result: Any) -> dict[str, Any]:
+    """The route's answer (:class:`~controlplane.api.schemas.InferOut`) to an
+    :class:`~controlplane.serving.dispatcher.InferResult`, as JSON-ready data."""
+    return {
+        "outputs": list(result.outputs),
+        "models": list(result.models),
+        "certainty": [float(c) for c in result.certainty],
+        "gear": result.gear,
+        "timings": {
+            "queue_ms": float(result.queue_ms),
+            "service_ms": float(result.service_ms),
+            "total_ms": float(result.total_ms),
+            "transport_ms": float(result.transport_ms),
+            "compute_ms": float(result.compute_ms),
+            "api_ms": float(result.api_ms),
+        },
+        "late": bool(result.late),
+    }
+
+
+class FastInferMiddleware:
+    """Answer the common ``POST /v1/apps/{app}/infer`` outside FastAPI (module docstring).
+
+    ``services`` is the app's :class:`~controlplane.api.deps.Services` (its store, serving loop
+    and request counter); ``clock_s`` the serving loop's clock, which stamps the receipt."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        services: Any,
+        clock_s: Callable[[], float],
+        max_body_bytes: int = MAX_BODY_BYTES,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+    ) -> None:
+        self.app = app
+        self.services = services
+        self.clock_s = clock_s
+        self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
+        self.counter: RequestCounter = services.requests
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        match = _PATH.fullmatch(scope["path"])
+        serving = self.services.serving
+        if match is None or serving is None:
+            await self.app(scope, receive, send)
+            return
+        scope[RECEIVED_S] = self.clock_s()
+        principal = None
+        json_content = False
+        size = 0
+        for name, value in scope["headers"]:
+            size += len(name) + len(value) + 4
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer" and token:
+                    principal = self.services.store.cached_principal(token.strip())
+            elif name == b"content-type":
+                json_content = value.split(b";", 1)[0].strip().lower() == b"application/json"
+        if (
+            principal is None
+            or not json_content
+            or size > self.max_header_bytes
+            or not scope_allows(principal.scope, TokenScope.INFER)
+        ):
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        read = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            chunks.append(chunk)
+            read += len(chunk)
+            more = message.get("more_body", False)
+            if read > self.max_body_bytes:
+                break
+        body = b"".join(chunks)
+        parsed = None
+        if not more and read <= self.max_body_bytes:
+            try:
+                parsed = plain_body(_loads(body))
+            except ValueError:
+                parsed = None
+        if parsed is None:
+            await self.app(scope, _replay(body, more, receive), send)
+            return
+        app = match.group(1)
+        scope.setdefault("path_params", {})["app"] = app
+        try:
+            received = scope[RECEIVED_S]
+            config = (await serving.dispatcher_for(app, received)).config
+            rows = check_inputs(app, config.model_io(config.models[0]), parsed[0])
+            result = await serving.infer(app, rows, parsed[1], None, received)
+        except Exception as error:  # every failure gets the answer the route's handlers give
+            response = render_error(Request(scope), error)
+            self.counter.add(app, response.status_code)
+            await response(scope, receive, send)
+            return
+        payload = _dumps(answer_document(result))
+        self.counter.add(app, 200)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload})
+
+
+def _replay(body: bytes, more: bool, receive: Receive) -> Receive:
+    """A ``receive`` that hands on ``body`` (what was read) first, then the rest as it comes."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": more}
+        return await receive()
+
+    return replay

@@ -1,0 +1,157 @@
+"""The inference request's fast path (``controlplane.api.fast_infer``) against the route it
+stands in for: the same answers, the same errors, every unusual request handed to the route, a
+revoked token refused at once. The API, the store and the serving loop are real; the workers are
+the fake ones of ``test_serving``.
+
+The fast path is the one that answers when the store's ``verify_token`` (the route's token
+check, which reads the database) is never called: it reads the token cache only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from controlplane.api.fast_infer import plain_body
+from tests.component.test_serving import (
+    LARGE,
+    SMALL,
+    ApiWorld,
+    api_run,
+    endpoints,
+    fleet,
+    row,
+)
+
+URL = "/v1/apps/demo/infer"
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[ApiWorld]:
+    made = ApiWorld(tmp_path)
+    yield made
+    made.store.close()
+
+
+class _Checks:
+    """Counts the store's full token checks (the route's path)."""
+
+    def __init__(self, world: ApiWorld) -> None:
+        self.count = 0
+        verify = world.store.verify_token
+
+        def counted(token: str, **kwargs: Any) -> Any:
+            self.count += 1
+            return verify(token, **kwargs)
+
+        world.store.verify_token = counted  # type: ignore[method-assign]
+
+
+def _answer_fields(answer: dict[str, Any]) -> tuple[Any, ...]:
+    return answer["outputs"], answer["models"], answer["certainty"], answer["gear"], answer["late"]
+
+
+def test_the_fast_path_answers_as_the_route_does(world: ApiWorld) -> None:
+    checks = _Checks(world)
+    payload = {"inputs": [row(3, 0.9), row(4, 0.1)], "sample_ids": [10, 11]}
+
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
+        first = await client.post(URL, json=payload, headers=world.auth())
+        assert first.status_code == 200, first.text
+        assert checks.count == 1  # the route checked the token (and cached it)
+        second = await client.post(URL, json=payload, headers=world.auth())
+        assert second.status_code == 200, second.text
+        assert checks.count == 1  # answered without the route's check: the fast path
+        assert set(second.json()) == set(first.json())
+        assert set(second.json()["timings"]) == set(first.json()["timings"])
+        assert _answer_fields(second.json()) == _answer_fields(first.json())
+        assert second.headers["content-type"] == "application/json"
+
+    api_run(world, body)
+    counts = world.app.state.services.requests.snapshot()
+    assert counts[("demo", 200)] == 2
+    assert world.serving.observations.totals()["demo"].answered == 2
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "field"),
+    [
+        ({"inputs": [row(1, 0.5)], "requirements": {"latency_ms": 250}}, 200, None),
+        ({"inputs": [[True] * 64]}, 422, "inputs[0][0]"),
+        ({"inputs": [[*row(1, 0.5), 1.0]]}, 422, "inputs[0]"),
+        ({"inputs": [row(1, 0.5)], "extra": 1}, 422, "extra"),
+        ({"inputs": []}, 422, "inputs"),
+        ({"inputs": [row(1, 0.5)], "sample_ids": [1, 2]}, 422, "sample_ids"),
+        ({"inputs": [[99.0] * 64]}, 422, "inputs[0][0]"),
+    ],
+)
+def test_what_the_fast_path_does_not_take_gets_the_routes_answer(
+    world: ApiWorld, payload: dict[str, Any], status: int, field: str | None
+) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
+        warm = await client.post(URL, json={"inputs": [row(2, 0.9)]}, headers=world.auth())
+        assert warm.status_code == 200, warm.text  # the token is cached from here on
+        response = await client.post(URL, json=payload, headers=world.auth())
+        assert response.status_code == status, response.text
+        if status != 200:
+            assert response.json()["error"]["field"] == field
+
+    api_run(world, body)
+
+
+def test_tokens_apps_and_bodies_the_fast_path_refuses_as_the_route_does(world: ApiWorld) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
+        ok = {"inputs": [row(2, 0.9)]}
+        assert (await client.post(URL, json=ok, headers=world.auth())).status_code == 200
+        assert (await client.post(URL, json=ok)).status_code == 401
+        viewer = await client.post(URL, json=ok, headers=world.auth("viewer"))
+        assert viewer.status_code == 403
+        unknown = await client.post("/v1/apps/nope/infer", json=ok, headers=world.auth())
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
+        bad_json = await client.post(
+            URL, content=b"{", headers={**world.auth(), "Content-Type": "application/json"}
+        )
+        assert bad_json.status_code == 400
+        # A revoked token is refused on the very next request, cached or not.
+        world.store.revoke_token("infer-token")
+        revoked = await client.post(URL, json=ok, headers=world.auth())
+        assert revoked.status_code == 401
+
+    api_run(world, body)
+
+
+def test_no_serving_instance_is_the_routes_503(world: ApiWorld) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", [])
+        ok = {"inputs": [row(2, 0.9)]}
+        first = await client.post(URL, json=ok, headers=world.auth())
+        second = await client.post(URL, json=ok, headers=world.auth())  # the fast path
+        assert first.status_code == second.status_code == 503
+        assert first.json() == second.json()
+
+    api_run(world, body)
+
+
+def test_plain_bodies() -> None:
+    assert plain_body({"inputs": [[1, 2.5]]}) == ([[1, 2.5]], None)
+    assert plain_body({"inputs": [[1]], "sample_ids": [0]}) == ([[1]], [0])
+    refused: Any
+    for refused in (
+        [],
+        {"inputs": [[1]], "requirements": {}},
+        {"inputs": [[float("nan")]]},
+        {"inputs": [["1"]]},
+        {"inputs": [[]]},
+        {"inputs": [[1]], "sample_ids": [-1]},
+        {"inputs": [[1]], "sample_ids": [2**31]},
+        {"inputs": [[1]], "sample_ids": [True]},
+        {"inputs": [[1]] * 257},
+    ):
+        assert plain_body(refused) is None, refused
