@@ -26,12 +26,12 @@ path never answers an error the route would not.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -42,21 +42,6 @@ from controlplane.api.routes.infer import RECEIVED_S, check_inputs
 from controlplane.api.schemas import MAX_INFER_SAMPLES
 from controlplane.policies.auth import Scope as TokenScope
 from controlplane.policies.auth import scope_allows
-
-try:  # orjson parses and writes JSON several times faster; the json module does the same work
-    import orjson
-
-    _loads: Callable[[bytes], Any] = orjson.loads
-
-    def _dumps(document: Any) -> bytes:
-        return orjson.dumps(document)
-
-except ImportError:  # pragma: no cover - orjson is a dependency; this keeps the path working
-    _loads = json.loads
-
-    def _dumps(document: Any) -> bytes:
-        return json.dumps(document, separators=(",", ":")).encode()
-
 
 __all__ = ["FastInferMiddleware", "answer_document", "plain_body"]
 
@@ -191,7 +176,7 @@ class FastInferMiddleware:
         parsed = None
         if not more and read <= self.max_body_bytes:
             try:
-                parsed = plain_body(_loads(body))
+                parsed = plain_body(orjson.loads(body))
             except ValueError:
                 parsed = None
         if parsed is None:
@@ -209,7 +194,7 @@ class FastInferMiddleware:
             self.counter.add(app, response.status_code)
             await response(scope, receive, send)
             return
-        payload = _dumps(answer_document(result))
+        payload = orjson.dumps(answer_document(result))
         self.counter.add(app, 200)
         await send(
             {
