@@ -179,6 +179,11 @@ class Sizes:
     dispatcher_duration_s: float = 10.0
     dispatcher_warmup_s: float = 1.0
     dispatcher_headroom_qps: tuple[float, ...] = (4000.0,)
+    # benchmarks/api_speed.py: runs of the whole API path (0: not run, as in quick mode: it
+    # starts the service and worker processes, which takes longer than the quick section).
+    api_rate_qps: float = 2000.0
+    api_duration_s: float = 10.0
+    api_runs: int = 3
 
 
 FULL = Sizes()
@@ -203,6 +208,7 @@ QUICK = Sizes(
     dispatcher_duration_s=1.5,
     dispatcher_warmup_s=0.5,
     dispatcher_headroom_qps=(),
+    api_runs=0,
 )
 
 
@@ -630,6 +636,48 @@ def dispatcher_figure(ctx: Context, runs: Sequence[dict[str, Any]], goal_ms: flo
     return save_figure(ctx, fig, f"{KEY}-dispatcher.png", caption)
 
 
+def api_rows(ctx: Context, sizes: Sizes) -> tuple[list[Row], dict[str, Any] | None]:
+    """The serving path where clients enter (``benchmarks/api_speed.py``): the median of
+    ``api_runs`` runs, p99 added against its goal, the sustained rate as its condition."""
+    from benchmarks import api_speed
+
+    command = _script("api_speed", "--json")
+    name = (
+        f"through the API (heteroplane serve, worker agent processes, loadgen --engine raw), at"
+        f" {sizes.api_rate_qps:,.0f} q/s offered: p99 added"
+    )
+    goal = Goal("<=", api_speed.GOAL_ADDED_MS)
+    if sizes.api_runs == 0:
+        note = "not run in quick mode (it starts the service and worker processes)"
+        return [Row("api_path", name, None, "ms", goal, "-", command, note=note)], None
+    ctx.log(
+        f"api path: {sizes.api_runs} runs at {sizes.api_rate_qps:,.0f} q/s for"
+        f" {sizes.api_duration_s:g} s"
+    )
+    result = api_speed.measure(sizes.api_rate_qps, sizes.api_duration_s, 2, sizes.api_runs)
+    added = result["p99_added_ms"]
+    sustained = result["sustained_qps"]
+    kept = sustained is not None and sustained["median"] >= api_speed.GOAL_QPS * 0.99
+    cpu = result["cpu_ms_per_query"]
+    row = Row(
+        "api_path",
+        name,
+        None if added is None else added["median"],
+        "ms",
+        goal,
+        f"median of {sizes.api_runs} runs of {sizes.api_duration_s:g} s (range"
+        f" {fmt(added['min']) if added else '-'}-{fmt(added['max']) if added else '-'} ms);"
+        f" sustained {fmt(sustained['median']) if sustained else '-'} q/s, service CPU"
+        f" {fmt(cpu['median']) if cpu else '-'} ms a query; load average"
+        f" {result['loadavg_before'][0]:.1f} before, {result['loadavg_after'][0]:.1f} after",
+        command,
+        note="" if kept else f"did not sustain {api_speed.GOAL_QPS:,.0f} q/s",
+        condition_ok=kept,
+        short=f"API path at {sizes.api_rate_qps:,.0f} q/s, p99 added",
+    )
+    return [row], result
+
+
 def run(ctx: Context) -> Section:
     if not kairos_samples().exists():
         raise FileNotFoundError(f"needs the shared data at {kairos_samples()}")
@@ -651,6 +699,7 @@ def run(ctx: Context) -> Section:
     step("planner", planner_rows(ctx, sizes))
     step("gear_planner", gear_rows(ctx, sizes))
     step("dispatcher", dispatcher_rows(ctx, sizes))
+    step("api", api_rows(ctx, sizes))
     load_after = os.getloadavg()
 
     from benchmarks import dispatcher_speed
@@ -737,6 +786,15 @@ def summary_lines(rows: Sequence[Row], sizes: Sizes) -> list[str]:
         )
         + f"; {met} of {judged} control-plane speed goals are met on this shared 2-core machine."
     )
+    api = by.get("api_path")
+    if api is not None and api.value is not None:
+        lines.append(
+            f"Through the API (the service, worker agent processes and the load generator on the"
+            f" same two cores) at {sizes.api_rate_qps:,.0f} q/s offered the control plane adds"
+            f" {_said(api, ' at p99')}; {api.measured_on}"
+            + (f" ({api.note})" if api.note else "")
+            + "."
+        )
     return lines
 
 
@@ -766,7 +824,10 @@ the same figures):
 - serving path: `AppDispatcher` with its real HTTP transport to in-process fake workers that
   answer at once, open-loop Poisson load from scheduled arrivals, so the latency is what the
   dispatcher adds (a lower bound's worth of work on the loop: the fake workers' HTTP parsing runs
-  on it too).
+  on it too);
+- the API path (`benchmarks/api_speed.py`, full mode only): `heteroplane serve` with two worker
+  agent processes that answer at once and `heteroplane loadgen --engine raw` in a process of its
+  own, all on the same two cores; p99 added is the client's p99 less a worker round trip's.
 
 {mode}
 
