@@ -8,9 +8,10 @@ loop's dispatcher, its HTTP transport) with the local provisioner, an app whose 
 runs on ``--workers`` real worker agents (``python -m provisioners.worker``, processes of their
 own) of an emulated type padded to nothing: each answers as soon as the digits model has run
 (well under a millisecond), so what a query waits for is the serving path. The load generator is
-``controlplane.clients.loadgen`` (what ``heteroplane loadgen`` runs) in a process of its own:
-open loop (query i sent at its scheduled time whatever happened to the earlier ones, latency
-from the scheduled time, so a path that falls behind shows as latency), a Poisson trace at
+``heteroplane loadgen --engine raw`` (``controlplane.clients.rawload``: raw keep-alive HTTP/1.1
+connections, about 0.1 ms of CPU a query where httpx took 0.5) in a process of its own: open loop
+(query i sent at its scheduled time whatever happened to the earlier ones, latency from the
+scheduled time, so a path that falls behind shows as latency), a Poisson trace at
 ``--rate-qps`` for ``--duration-s``, one sample of 64 pixels a query. It is ours, not wrk2 or
 oha (neither is in the package registries this machine reaches; Debian's wrk and hey are closed
 loop, which hides queueing): its own send lag is printed, and a run whose send lag p99 exceeds
@@ -20,9 +21,9 @@ Printed, per run and as the median over ``--runs`` with the spread: ``sustained_
 over the span of the trace), ``p50_ms``, ``p99_ms`` (at the client), ``p99_added_ms`` (the P99
 less the worker round trip's P99, timed straight to a worker with no service in between: the
 control plane's share), ``cpu_ms_per_query`` (the service process's CPU time per query,
-``/proc/<pid>/stat``), ``errors`` and the load generator's ``send_lag_p99_ms``; the load average
-before and after. Goal (the serving-path issue): >= 2,000 q/s at <= 10 ms added P99 on this
-machine.
+``/proc/<pid>/stat``), ``worker_cpu_ms_per_query`` (the worker agents', together), ``errors``
+and the load generator's ``send_lag_p99_ms``; the load average before and after. Goal (the
+serving-path issue): >= 2,000 q/s at <= 10 ms added P99 on this machine.
 """
 
 from __future__ import annotations
@@ -88,6 +89,17 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
+def worker_pids(data_dir: Path) -> list[int]:
+    """The worker agents' process ids, from the local provisioner's records."""
+    from provisioners.local import LocalProvisioner
+
+    provisioner = LocalProvisioner(data_dir / LOCAL_WORKERS_DIR, {}, [MODEL], None)
+    try:
+        return [record.pid for record in provisioner.records()]
+    finally:
+        provisioner.close()
+
+
 def direct_p99_ms(data_dir: Path, inputs: np.ndarray) -> float:
     """P99 of single batches sent one after another straight to one worker."""
     from provisioners.local import LocalProvisioner
@@ -129,6 +141,7 @@ def one_run(
     base: str,
     token: str,
     pid: int,
+    worker_pids_: list[int],
     root: Path,
     env: dict[str, str],
 ) -> dict[str, Any]:
@@ -138,8 +151,10 @@ def one_run(
         "arrival_s,batch_size\n" + "".join(f"{a:.6f},1\n" for a in arrivals), encoding="utf-8"
     )
     before = cpu_s(pid)
+    workers_before = sum(cpu_s(w) for w in worker_pids_)
     summary = load_process(base, token, trace_path, env)
     used = cpu_s(pid) - before
+    workers_used = sum(cpu_s(w) for w in worker_pids_) - workers_before
     answered = int(summary["answered"])
     return {
         "run": n + 1,
@@ -150,6 +165,7 @@ def one_run(
         "p50_ms": summary.get("p50_ms"),
         "p99_ms": summary.get("p99_ms"),
         "cpu_ms_per_query": 1000.0 * used / max(1, answered),
+        "worker_cpu_ms_per_query": 1000.0 * workers_used / max(1, answered),
         "send_lag_p99_ms": summary.get("send_lag_p99_ms"),
     }
 
@@ -225,16 +241,24 @@ def measure(rate_qps: float, duration_s: float, workers: int, n_runs: int) -> di
                 )
             direct = direct_p99_ms(data_dir, inputs)
             local_service.log(f"straight to a worker: p99 {direct:.2f} ms")
+            workers = worker_pids(data_dir)
             env = local_service.clean_env()
             runs = []
             for n in range(args.runs):
-                run = one_run(args, n, base, token, process.pid, root, env)
+                run = one_run(args, n, base, token, process.pid, workers, root, env)
                 run["p99_added_ms"] = None if run["p99_ms"] is None else run["p99_ms"] - direct
                 runs.append(run)
                 local_service.log(json.dumps(run))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    keys = ("sustained_qps", "p50_ms", "p99_ms", "p99_added_ms", "cpu_ms_per_query")
+    keys = (
+        "sustained_qps",
+        "p50_ms",
+        "p99_ms",
+        "p99_added_ms",
+        "cpu_ms_per_query",
+        "worker_cpu_ms_per_query",
+    )
     result: dict[str, Any] = {
         "rate_qps": args.rate_qps,
         "duration_s": args.duration_s,
@@ -267,7 +291,14 @@ def main() -> int:
     if not (args.rate_qps > 0 and args.duration_s > 0 and args.workers >= 1 and args.runs >= 1):
         parser.error("--rate-qps, --duration-s > 0; --workers, --runs >= 1")
     result = measure(args.rate_qps, args.duration_s, args.workers, args.runs)
-    keys = ("sustained_qps", "p50_ms", "p99_ms", "p99_added_ms", "cpu_ms_per_query")
+    keys = (
+        "sustained_qps",
+        "p50_ms",
+        "p99_ms",
+        "p99_added_ms",
+        "cpu_ms_per_query",
+        "worker_cpu_ms_per_query",
+    )
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -12,7 +12,6 @@ database connections are closed. ``heteroplane demo`` serves through the same
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import signal
 import socket
@@ -106,12 +105,6 @@ def serve_until_stopped(service: Service, sock: socket.socket, log_level: str) -
         **server_options(),
     )
     server = uvicorn.Server(config)
-    # What the service built at startup (modules, the app, the models, the ORM's registries: a
-    # few hundred thousand objects) lives as long as the process: out of the collector's sight,
-    # so that a full collection walks only what serving allocates (one such walk over all of it
-    # stalled the event loop for tens of ms, the service's whole P99 at 1,000 q/s).
-    gc.collect()
-    gc.freeze()
     stopped_by: list[int] = []
     with _stop_quietly(stopped_by):
         try:
