@@ -24,7 +24,9 @@ where a value is unknown, so that a chart breaks its line there). The sections:
   that window's attainment reaches the SLO's percentile. With a :data:`ServingFn`, ``outcomes``
   is what the serving loop counted since the service started: queries by outcome and the
   answered ones' mean time by stage (queue, transport, compute);
-- ``cascade``: the gear and the accuracy over time, against the accuracy floor;
+- ``cascade``: the gear and the accuracy over time, against the accuracy floor; the accuracy
+  the plan's gear plan scored each gear's cascade at (``planned_accuracy``, held out and
+  in-sample) and the held-out figure of the gear in force (``held_out_accuracy``);
 - ``decisions``: the newest decisions first (what the policies did, why, and the numbers);
 - ``plan``: the applied plan (or the newest preview): the rate it is planned for, its predicted
   end-to-end P99, its stages, its steps and the Kairos bound ranking that explains the chosen mix
@@ -610,8 +612,24 @@ def _latency_section(
     }
 
 
+def _planned_accuracy(plan: PlanDocument | None) -> dict[str, dict[str, float | None]]:
+    """Per cascade label of the plan's gear plan, its accuracy as the planner scored it: held out
+    (on validation samples its thresholds were not chosen on; None when the plan was scored
+    in-sample only) and in-sample."""
+    gear_plan = plan.gear_plan if plan is not None else None
+    options = gear_plan.get("options") if gear_plan is not None else None
+    found: dict[str, dict[str, float | None]] = {}
+    for option in options if isinstance(options, list) else []:
+        if isinstance(option, Mapping) and isinstance(option.get("label"), str):
+            found[option["label"]] = {
+                "held_out": _finite(option.get("held_out_accuracy")),
+                "in_sample": _finite(option.get("accuracy")),
+            }
+    return found
+
+
 def _cascade_section(
-    spec: Mapping[str, Any], samples: Sequence[MetricSampleRecord]
+    spec: Mapping[str, Any], samples: Sequence[MetricSampleRecord], plan: PlanDocument | None
 ) -> dict[str, Any]:
     slo = _slo(spec)
     gears = [s.gear for s in samples]
@@ -621,12 +639,16 @@ def _cascade_section(
         if gear is not None and gear not in seen:
             seen.append(gear)
     cascade = spec.get("cascade")
+    planned = _planned_accuracy(plan)
+    gear = next((g for g in reversed(gears) if g is not None), None)
     return {
         "cascade": list(cascade) if isinstance(cascade, list) else None,
+        "planned_accuracy": planned,
+        "held_out_accuracy": planned.get(gear, {}).get("held_out") if gear else None,
         "accuracy_floor": _finite(slo.get("accuracy")),
         "series": {"t": [_epoch_s(s.at) for s in samples], "gear": gears, "accuracy": accuracy},
         "gears": seen,
-        "gear": next((g for g in reversed(gears) if g is not None), None),
+        "gear": gear,
         "accuracy": _newest(accuracy),
         "has_data": bool(seen) or any(a is not None for a in accuracy),
     }
@@ -741,7 +763,7 @@ def build_snapshot(
         "latency": _latency_section(
             spec, samples, document, serving(app) if serving is not None else None
         ),
-        "cascade": _cascade_section(spec, samples),
+        "cascade": _cascade_section(spec, samples, document),
         "decisions": [_decision(d) for d in decisions],
         "plan": _plan_section(app, plan, document, ranking),
     }

@@ -364,6 +364,8 @@ def test_the_snapshot_of_an_app_at_work(dash: Dash) -> None:
     cascade = snap["cascade"]
     assert cascade["gears"] == ["g1", "g2"] and cascade["gear"] == "g2"
     assert cascade["accuracy"] == 0.95
+    # The plan has no gear plan: nothing planned to show beside the observed accuracy.
+    assert cascade["planned_accuracy"] == {} and cascade["held_out_accuracy"] is None
 
     kinds = [d["kind"] for d in snap["decisions"]]
     assert kinds == ["scale_down", "scale_up", "plan_applied"]  # newest first
@@ -466,3 +468,24 @@ def test_a_window_below_the_slos_percentile_misses_it(dash: Dash) -> None:
     latency = dash.data(app="toy")["snapshot"]["latency"]
     assert latency["p99_ms"] == 30.0 and latency["answered_none"] is False
     assert latency["slo_met"] is False
+
+
+def test_the_cascade_panel_shows_each_gears_held_out_accuracy_from_the_plan() -> None:
+    from types import SimpleNamespace
+
+    from controlplane.dashboard.snapshot import _planned_accuracy
+
+    gear_plan = {
+        "options": [
+            {"label": "tiny@0.5 -> large", "accuracy": 0.99, "held_out_accuracy": 0.97},
+            {"label": "tiny", "accuracy": 0.93, "held_out_accuracy": None},
+            {"accuracy": 0.5},  # no label: not shown
+        ]
+    }
+    planned = _planned_accuracy(SimpleNamespace(gear_plan=gear_plan))  # type: ignore[arg-type]
+    assert planned == {
+        "tiny@0.5 -> large": {"held_out": 0.97, "in_sample": 0.99},
+        "tiny": {"held_out": None, "in_sample": 0.93},
+    }
+    assert _planned_accuracy(None) == {}
+    assert _planned_accuracy(SimpleNamespace(gear_plan=None)) == {}  # type: ignore[arg-type]

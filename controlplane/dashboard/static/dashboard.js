@@ -287,7 +287,8 @@
     legend.push({ label: "accuracy", color: "#e15759", kind: "line" });
     if (hlines.length) legend.push({ label: "accuracy floor", color: "#d62728", kind: "dash" });
     H.legend($("cascade-legend"), legend);
-    tile("tile-gear", cas.gear || "–", "accuracy " + pct(cas.accuracy));
+    tile("tile-gear", cas.gear || "–", "accuracy " + pct(cas.accuracy)
+      + (finite(cas.held_out_accuracy) ? " (planned " + pct(cas.held_out_accuracy) + " held out)" : ""));
     if (!cas.has_data) {
       setPanel("cascade", "empty", cas.cascade
         ? "No gear data yet: gears appear once the cascade serves queries."
