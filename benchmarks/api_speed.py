@@ -64,6 +64,15 @@ GOAL_ADDED_MS = 10.0
 LAG_LIMIT_MS = 10.0
 DIRECT_QUERIES = 300
 JSON = {"Content-Type": "application/json"}
+# The figures of each run that are summarised as median and spread over the runs.
+FIGURES = (
+    "sustained_qps",
+    "p50_ms",
+    "p99_ms",
+    "p99_added_ms",
+    "cpu_ms_per_query",
+    "worker_cpu_ms_per_query",
+)
 
 
 def profile_file(data_dir: Path) -> Path:
@@ -251,14 +260,6 @@ def measure(rate_qps: float, duration_s: float, workers: int, n_runs: int) -> di
                 local_service.log(json.dumps(run))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    keys = (
-        "sustained_qps",
-        "p50_ms",
-        "p99_ms",
-        "p99_added_ms",
-        "cpu_ms_per_query",
-        "worker_cpu_ms_per_query",
-    )
     result: dict[str, Any] = {
         "rate_qps": args.rate_qps,
         "duration_s": args.duration_s,
@@ -268,7 +269,7 @@ def measure(rate_qps: float, duration_s: float, workers: int, n_runs: int) -> di
         "loadavg_before": load_before,
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
-    for key in keys:
+    for key in FIGURES:
         values = [float(r[key]) for r in runs if r[key] is not None]
         result[key] = median_spread(values) if values else None
     lag = [float(r["send_lag_p99_ms"]) for r in runs if r["send_lag_p99_ms"] is not None]
@@ -291,18 +292,10 @@ def main() -> int:
     if not (args.rate_qps > 0 and args.duration_s > 0 and args.workers >= 1 and args.runs >= 1):
         parser.error("--rate-qps, --duration-s > 0; --workers, --runs >= 1")
     result = measure(args.rate_qps, args.duration_s, args.workers, args.runs)
-    keys = (
-        "sustained_qps",
-        "p50_ms",
-        "p99_ms",
-        "p99_added_ms",
-        "cpu_ms_per_query",
-        "worker_cpu_ms_per_query",
-    )
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        for key in (*keys, "send_lag_p99_ms"):
+        for key in (*FIGURES, "send_lag_p99_ms"):
             v = result[key]
             if v is not None:
                 print(f"{key:>18}: {v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})")

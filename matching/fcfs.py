@@ -42,17 +42,34 @@ class FcfsPolicy:
         for instance in idle:
             if head >= len(queue):
                 break
-            batch = [queue[head].query_id]
-            total = queue[head].batch_size
-            head += 1
-            while head < len(queue) and len(batch) < context.max_batch_queries:
-                if total + queue[head].batch_size > instance.max_batch_size:
-                    break
-                total += queue[head].batch_size
-                batch.append(queue[head].query_id)
-                head += 1
-            dispatches.append(Dispatch(instance.index, tuple(batch)))
+            batch, _, head = take_batch(
+                queue, head, context.max_batch_queries, instance.max_batch_size
+            )
+            dispatches.append(Dispatch(instance.index, batch))
         return dispatches
 
     def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
         """FCFS predicts nothing, so it learns nothing."""
+
+
+def take_batch(
+    queue: Sequence[QueuedQuery], head: int, max_queries: int, max_samples: int
+) -> tuple[tuple[int, ...], int, int]:
+    """The FCFS batch from ``queue[head]`` on: the head query, then the next ones while the
+    batch holds fewer than ``max_queries`` queries and their samples fit ``max_samples``.
+    Returns (the batch's query ids, its samples, the new head).
+
+    >>> q = [QueuedQuery(i, b, 0.0, 0.0) for i, b in enumerate([2, 2, 3])]
+    >>> take_batch(q, 0, 8, 4), take_batch(q, 2, 8, 4)
+    (((0, 1), 4, 2), ((2,), 3, 3))
+    """
+    batch = [queue[head].query_id]
+    samples = queue[head].batch_size
+    head += 1
+    while head < len(queue) and len(batch) < max_queries:
+        if samples + queue[head].batch_size > max_samples:
+            break
+        samples += queue[head].batch_size
+        batch.append(queue[head].query_id)
+        head += 1
+    return tuple(batch), samples, head

@@ -26,7 +26,7 @@ from controlplane.cli.client import (
 )
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.profile import load_family
-from controlplane.clients import loadgen, rawload
+from controlplane.clients import loadgen
 from controlplane.clients.loadgen import LoadProgress, LoadSummary
 from estimator.traces import read_trace_csv
 
@@ -129,8 +129,7 @@ def run(args: argparse.Namespace) -> int:
     def show(snapshot: LoadProgress) -> None:
         progress(snapshot.line())
 
-    send = rawload.run_raw_load if args.engine == "raw" else loadgen.run_load
-    result = send(
+    result = loadgen.run_load(
         queries,
         loadgen.infer_url(client.url, args.app),
         token,
@@ -138,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight,
         progress=show,
         progress_every_s=args.progress_s,
+        engine=args.engine,
     )
     summary = result.summary(target.slo_ms)
     return emit(args.json, summary.to_json(), lambda: human(summary, duration_s))

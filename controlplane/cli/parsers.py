@@ -745,7 +745,7 @@ def _loadgen(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--engine",
-        choices=("httpx", "raw"),
+        choices=("httpx", "raw"),  # controlplane.clients.loadgen.ENGINES (not imported: startup)
         default="httpx",
         help="httpx (any URL, https and proxies included) or raw: HTTP/1.1 keep-alive"
         " connections of our own, http:// only, about a tenth of the CPU per query, for"

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import gc
 import itertools
 import json
 import threading
@@ -46,7 +45,7 @@ from controlplane.clients.loadgen import (
     Query,
 )
 
-__all__ = ["request_head", "run_raw_load", "run_raw_load_async"]
+__all__ = ["request_head", "run_raw_load_async"]
 
 # Connections opened before the run starts.
 WARM_CONNECTIONS = 16
@@ -344,51 +343,3 @@ async def run_raw_load_async(
     end = max((o.finished_s for o in engine.done), default=engine.now())
     ordered = tuple(sorted(engine.done, key=lambda o: o.index))
     return LoadResult(ordered, max(0.0, end - start), sent, stopped)
-
-
-def run_raw_load(
-    queries: Sequence[Query],
-    url: str,
-    token: str | None,
-    *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-    progress: ProgressFn | None = None,
-    progress_every_s: float = DEFAULT_PROGRESS_S,
-    stop: threading.Event | None = None,
-) -> LoadResult:
-    """:func:`run_raw_load_async` in real time on a new event loop (the calling thread waits).
-
-    The queries and everything built before the run are kept out of the garbage collector's
-    sight while it runs (:func:`gc.freeze`): a full collection walking them would hold up the
-    answers' handling and show as the service's latency."""
-    gc.collect()
-    gc.freeze()
-    try:
-        return _run(queries, url, token, timeout_s, max_in_flight, progress, progress_every_s, stop)
-    finally:
-        gc.unfreeze()
-
-
-def _run(
-    queries: Sequence[Query],
-    url: str,
-    token: str | None,
-    timeout_s: float,
-    max_in_flight: int,
-    progress: ProgressFn | None,
-    progress_every_s: float,
-    stop: threading.Event | None,
-) -> LoadResult:
-    return asyncio.run(
-        run_raw_load_async(
-            queries,
-            url,
-            token,
-            timeout_s=timeout_s,
-            max_in_flight=max_in_flight,
-            progress=progress,
-            progress_every_s=progress_every_s,
-            stop=stop,
-        )
-    )

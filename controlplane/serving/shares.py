@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from matching.fcfs import take_batch
 from matching.policy import Dispatch, InstanceView, QueuedQuery, StageContext
 
 __all__ = ["SHARE_POLICY", "SharePolicy"]
@@ -65,18 +66,12 @@ class SharePolicy:
                 ),
             )
             idle.remove(best)
-            batch = [queue[head].query_id]
-            samples = queue[head].batch_size
-            head += 1
-            while head < len(queue) and len(batch) < context.max_batch_queries:
-                if samples + queue[head].batch_size > best.max_batch_size:
-                    break
-                samples += queue[head].batch_size
-                batch.append(queue[head].query_id)
-                head += 1
+            batch, samples, head = take_batch(
+                queue, head, context.max_batch_queries, best.max_batch_size
+            )
             served[best.index] = served.get(best.index, 0.0) + samples
             self.served_total = total + samples
-            dispatches.append(Dispatch(best.index, tuple(batch)))
+            dispatches.append(Dispatch(best.index, batch))
         return dispatches
 
     def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:

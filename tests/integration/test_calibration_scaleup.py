@@ -36,7 +36,6 @@ running.
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,12 +45,11 @@ import httpx
 import numpy as np
 import pytest
 
-from controlplane.clients import loadgen
 from controlplane.service.build import Service
 from controlplane.service.provisioning import LOCAL_PROFILE_FILE
 from estimator.catalog import default_catalog
 from estimator.profiles import LatencyProfile, write_profiles_json
-from estimator.traces import Trace, poisson_arrivals
+from tests.integration.background_load import BackgroundLoad
 from tests.integration.conftest import ApiServer, local_data_dir, running_local_service
 
 pytest.importorskip("torch")
@@ -108,39 +106,6 @@ def service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
         calibration_threshold=THRESHOLD,
     ) as built:
         yield built
-
-
-class _Load:
-    """Open-loop Poisson traffic at ``rate_qps`` from ``controlplane.clients.loadgen`` in a
-    thread, until :meth:`stop`."""
-
-    def __init__(self, url: str, token: str) -> None:
-        self.url = loadgen.infer_url(url, APP)
-        self.token = token
-        self.result: loadgen.LoadResult | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, rate_qps: float, seed: int) -> None:
-        from provisioners.worker.family import load_split
-
-        arrivals = poisson_arrivals(rate_qps, LOAD_S, np.random.default_rng(seed))
-        queries = loadgen.build_queries(
-            Trace(arrivals, np.ones(arrivals.size, dtype=np.int64)), load_split().validation_inputs
-        )
-
-        def send() -> None:
-            self.result = loadgen.run_load(queries, self.url, self.token, stop=self._stop)
-
-        self._thread = threading.Thread(target=send, name="loadgen", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join(timeout=120.0)
-            assert not self._thread.is_alive(), "loadgen did not stop"
-            self._thread = None
 
 
 class _Watch:
@@ -220,13 +185,13 @@ def test_a_worker_slower_than_its_profile_triggers_profile_drift_then_a_scale_up
         # A preview for the load's rate, on the profile the service believes: one instance.
         before = _preview_fleet(api, LOAD_QPS)
         watch = _Watch(service, api)
-        load = _Load(url, admin)
+        load = BackgroundLoad(url, APP, admin, LOAD_S)
         try:
             watch.until(
                 "the planned worker running",
                 lambda: [r for r in watch.instances() if r["state"] == "running"],
             )
-            load.start(LOAD_QPS, seed=17)
+            load.phase(LOAD_QPS, seed=17)
             drift = watch.until(
                 "a profile_drift decision", lambda: watch.decisions("profile_drift")
             )[0]

@@ -38,7 +38,6 @@ tick by tick on a fake clock, with the *overloaded* state of a queue that cannot
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,13 +47,12 @@ import httpx
 import numpy as np
 import pytest
 
-from controlplane.clients import loadgen
 from controlplane.service.build import Service
 from controlplane.service.provisioning import LOCAL_PROFILE_FILE
 from estimator.catalog import default_catalog
 from estimator.profiles import LatencyProfile, write_profiles_json
-from estimator.traces import Trace, poisson_arrivals
 from provisioners.local import LocalProvisioner
+from tests.integration.background_load import BackgroundLoad
 from tests.integration.conftest import (
     ApiServer,
     local_data_dir,
@@ -110,39 +108,6 @@ def service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
         replan_enabled=False,  # the plan stays the one applied: the scaler's starting fleet
     ) as built:
         yield built
-
-
-class _Load:
-    """Open-loop Poisson traffic at ``rate_qps`` from ``controlplane.clients.loadgen`` in a
-    thread, until :meth:`stop`."""
-
-    def __init__(self, url: str, token: str) -> None:
-        self.url = loadgen.infer_url(url, APP)
-        self.token = token
-        self.result: loadgen.LoadResult | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, rate_qps: float, seed: int) -> None:
-        from provisioners.worker.family import load_split
-
-        arrivals = poisson_arrivals(rate_qps, LOAD_S, np.random.default_rng(seed))
-        queries = loadgen.build_queries(
-            Trace(arrivals, np.ones(arrivals.size, dtype=np.int64)), load_split().validation_inputs
-        )
-
-        def send() -> None:
-            self.result = loadgen.run_load(queries, self.url, self.token, stop=self._stop)
-
-        self._thread = threading.Thread(target=send, name="loadgen", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join(timeout=120.0)
-            assert not self._thread.is_alive(), "loadgen did not stop"
-            self._thread = None
 
 
 class _Watch:
@@ -244,14 +209,14 @@ def test_an_overloaded_variant_is_replicated_on_a_new_worker_and_drained_once_th
         plan = _deploy(api, service.settings.data_dir / LOCAL_PROFILE_FILE)
         assert [s["fleet"] for s in plan["stages"]] == [{INSTANCE_TYPE: 1}]
         watch = _Watch(service, api)
-        load = _Load(url, admin)
+        load = BackgroundLoad(url, APP, admin, LOAD_S)
         try:
             (first,) = watch.until("the planned worker running", watch.running)
             before_load = watch.last_decision_id()
 
             # More load than one worker carries: the variant is overloaded (the serving status
             # says so while the one worker serves alone), and the scaler replicates it.
-            load.start(HIGH_QPS, seed=20)
+            load.phase(HIGH_QPS, seed=20)
             watch.until(f"{MODEL} overloaded on the one worker", watch.overloaded_seen)
 
             def replicated() -> list[dict[str, Any]]:

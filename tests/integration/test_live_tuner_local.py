@@ -26,7 +26,6 @@ otherwise. Nothing sleeps but the polling of deadlines; nothing is timed.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,13 +35,12 @@ import httpx
 import numpy as np
 import pytest
 
-from controlplane.clients import loadgen
 from controlplane.service.build import Service
 from controlplane.service.provisioning import LOCAL_PROFILE_FILE
 from estimator.catalog import default_catalog
 from estimator.profiles import LatencyProfile, write_profiles_json
-from estimator.traces import Trace, poisson_arrivals
 from provisioners.local import LocalProvisioner
+from tests.integration.background_load import BackgroundLoad
 from tests.integration.conftest import (
     ApiServer,
     local_data_dir,
@@ -97,44 +95,6 @@ def service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
         tuner_scale_down_delay_s=SCALE_DOWN_DELAY_S,
     ) as built:
         yield built
-
-
-class _Load:
-    """``controlplane.clients.loadgen`` in a thread: one phase of Poisson traffic at a time, sent
-    open loop until the next phase starts (or :meth:`stop`)."""
-
-    def __init__(self, url: str, token: str) -> None:
-        from provisioners.worker.family import load_split
-
-        self.url = loadgen.infer_url(url, APP)
-        self.token = token
-        self.inputs = load_split().validation_inputs
-        self.results: list[tuple[float, loadgen.LoadResult]] = []
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-
-    def phase(self, rate_qps: float, seed: int) -> None:
-        self.stop()
-        rng = np.random.default_rng(seed)
-        arrivals = poisson_arrivals(rate_qps, PHASE_DEADLINE_S + WORKER_DEADLINE_S, rng)
-        queries = loadgen.build_queries(
-            Trace(arrivals, np.ones(arrivals.size, dtype=np.int64)), self.inputs
-        )
-        self._stop = threading.Event()
-
-        def send() -> None:
-            result = loadgen.run_load(queries, self.url, self.token, stop=self._stop)
-            self.results.append((rate_qps, result))
-
-        self._thread = threading.Thread(target=send, name=f"loadgen-{rate_qps:g}", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join(timeout=120.0)
-            assert not self._thread.is_alive(), "loadgen did not stop"
-            self._thread = None
 
 
 class _Watch:
@@ -236,7 +196,7 @@ def test_a_step_in_the_load_scales_the_fleet_up_within_the_budget_and_back_down(
         plan = _deploy(api, service.settings.data_dir / LOCAL_PROFILE_FILE)
         assert [s["fleet"] for s in plan["stages"]] == [{INSTANCE_TYPE: 1}]
         watch = _Watch(service, api)
-        load = _Load(url, admin)
+        load = BackgroundLoad(url, APP, admin, PHASE_DEADLINE_S + WORKER_DEADLINE_S)
         try:
             watch.until("the planned worker running", watch.running, WORKER_DEADLINE_S)
 
