@@ -332,8 +332,10 @@ def _algorithm_1(
     evaluate: _Evaluator,
     value: Mapping[str, float],
     steps: list[str],
-) -> dict[str, int] | None:
-    """A feasible fleet at batch 1 within the budget and caps, or ``None``."""
+) -> tuple[dict[str, int], int] | None:
+    """A feasible (fleet, batch size) within the budget and caps, or ``None``: InferLine's
+    Algorithm 1 at batch 1; when the budget or the caps allow no instance that helps, the
+    fleet's batch size is doubled while the profiles hold it (:func:`_batched`)."""
     fleet, why = _start_fleet(inputs, evaluate.trace, value)
     prices = inputs.prices_usd_per_hr
     tail_ms, _, _ = evaluate(fleet, 1)
@@ -344,7 +346,7 @@ def _algorithm_1(
     by_value = sorted(inputs.profiles, key=lambda t: (-value[t], t))
     for _ in range(MAX_ADDED_INSTANCES):
         if tail_ms <= inputs.slo_ms:
-            return fleet
+            return fleet, 1
         for t in by_value:
             grown = {**fleet, t: fleet.get(t, 0) + 1}
             if grown[t] > inputs.max_counts.get(t, math.inf):
@@ -365,8 +367,35 @@ def _algorithm_1(
                 f" ${inputs.budget_usd_per_hr:g}/hr lowers P{inputs.percentile:g} below"
                 f" {inputs.slo_ms:g} ms (it is {tail_ms:.1f} ms on {_fleet_text(fleet)})"
             )
-            return None
-    return fleet if tail_ms <= inputs.slo_ms else None
+            return _batched(inputs, evaluate, fleet, tail_ms, steps)
+    if tail_ms <= inputs.slo_ms:
+        return fleet, 1
+    return _batched(inputs, evaluate, fleet, tail_ms, steps)
+
+
+def _batched(
+    inputs: _StageInputs,
+    evaluate: _Evaluator,
+    fleet: dict[str, int],
+    tail_ms: float,
+    steps: list[str],
+) -> tuple[dict[str, int], int] | None:
+    """``fleet`` at the smallest of the batch sizes 2, 4, 8, ... (while every type's profile
+    holds it) whose simulated tail meets the SLO, or ``None``: when no more instances can be
+    bought, batching is what raises the fleet's throughput (it is among Algorithm 2's actions;
+    here it makes a fleet feasible that is not at batch 1)."""
+    smallest = int(evaluate.trace.batch_size.min())
+    batch = 2
+    while _batch_fits(inputs, fleet, batch, smallest):
+        batched_ms, _, _ = evaluate(fleet, batch)
+        if batched_ms <= inputs.slo_ms:
+            steps.append(
+                f"{inputs.model}: batch up to {batch} queries on {_fleet_text(fleet)}"
+                f" (P{inputs.percentile:g} {tail_ms:.1f} -> {batched_ms:.1f} ms)"
+            )
+            return fleet, batch
+        batch *= 2
+    return None
 
 
 def _batch_fits(inputs: _StageInputs, fleet: Mapping[str, int], batch: int, smallest: int) -> bool:
@@ -378,11 +407,11 @@ def _algorithm_2(
     evaluate: _Evaluator,
     fleet: dict[str, int],
     steps: list[str],
+    batch: int = 1,
 ) -> tuple[dict[str, int], int]:
-    """Greedy cost cuts from a feasible (fleet, batch 1) while the estimator says feasible."""
+    """Greedy cost cuts from a feasible (fleet, batch) while the estimator says feasible."""
     prices = inputs.prices_usd_per_hr
     smallest = int(evaluate.trace.batch_size.min())
-    batch = 1
     while True:
         actions: list[tuple[float, int, str, dict[str, int], int, str]] = []
         total = sum(fleet.values())
@@ -593,12 +622,12 @@ def _run(
         evaluate = _Evaluator(inputs, stage_trace, seed)
         value = _value_per_usd(inputs, stage_trace.batch_size)
         try:
-            fleet = _algorithm_1(inputs, evaluate, value, steps)
-            if fleet is None:
+            found = _algorithm_1(inputs, evaluate, value, steps)
+            if found is None:
                 return None
-            batch = 1
+            fleet, batch = found
             if optimise:
-                fleet, batch = _algorithm_2(inputs, evaluate, fleet, steps)
+                fleet, batch = _algorithm_2(inputs, evaluate, fleet, steps, batch)
         finally:
             counter[0] += evaluate.simulations
         tail_ms, throughput, policy = evaluate(fleet, batch)
