@@ -228,17 +228,24 @@ def measure(rate_qps: float, duration_s: float, workers: int, n_runs: int) -> di
                     "max_counts": {INSTANCE_TYPE: args.workers},
                 }
                 api.post("/v1/apps", json=spec).raise_for_status()
-                # Planned for a rate no fewer workers can serve (1 ms a call: 1,000 q/s each
-                # one query at a time); the planner plans the highest rate the budget allows.
-                rate = 1800.0 * args.workers
+                # Planned for more than the workers serve (at most 3,480 q/s each, four
+                # queries a call): the planner plans the highest rate the budget (--workers
+                # instances) serves, on all of them.
+                rate = 3600.0 * args.workers
                 preview = api.post(f"/v1/apps/{APP}/plans", json={"rate_qps": rate})
                 preview.raise_for_status()
                 plan = preview.json()
                 api.post(f"/v1/apps/{APP}/plans/{plan['id']}/apply").raise_for_status()
+                (stage,) = plan["stages"]
+                planned = sum(stage["fleet"].values())
+                local_service.log(
+                    f"plan: {stage['fleet']} at batch {stage['batch_size']},"
+                    f" for {plan['rate_qps']:,.0f} q/s"
+                )
 
                 def running() -> bool:
                     rows = api.get("/v1/instances", params={"app": APP}).json()
-                    return sum(r["state"] == "running" for r in rows) >= args.workers
+                    return sum(r["state"] == "running" for r in rows) >= planned
 
                 local_service.wait_for("the workers", running, process, log_path)
                 probe = json.dumps({"inputs": [inputs[0].astype(int).tolist()]})
