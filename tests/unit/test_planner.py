@@ -584,3 +584,17 @@ def test_a_plan_without_stages_predicts_nothing(tmp_path: Path) -> None:
     assert plan.rate_qps == 0.0 and plan.predicted_p99_ms is None
     assert plan.to_document()["predicted_p99_ms"] is None
     assert not any(step.startswith("end to end") for step in plan.steps)
+
+
+def test_a_fleet_the_budget_caps_batches_to_serve_the_trace(tmp_path: Path) -> None:
+    # One r5n.large is all $0.2/hr buys: 12 ms a query at batch 1 (about 83 qps), so 120 qps is
+    # infeasible one query at a time; batches of a few queries serve it (8 + 4b ms for b).
+    app = app_for(tmp_path, 100.0, 0.2)
+    trace = poisson_trace(120.0)
+    plan = plan_app(app, trace)
+    assert plan.feasible, plan.steps
+    (stage,) = plan.stages
+    assert dict(stage.fleet) == {"r5n.large": 1} and stage.batch_size > 1
+    assert any("batch up to" in step for step in plan.steps)
+    assert plan.cost_usd_per_hr <= 0.2
+    assert resimulated_p99_ms(app, plan, trace) <= 100.0
