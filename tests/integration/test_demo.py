@@ -252,6 +252,7 @@ def plans_applied(api: httpx.Client) -> list[Any]:
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+@pytest.mark.slow
 def test_readme_commands_work_against_the_demo_and_a_restart_adds_nothing(
     home_with_family: Path, tmp_path: Path
 ) -> None:
