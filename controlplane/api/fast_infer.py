@@ -14,7 +14,8 @@ answers the common case itself, with the same contract:
   parse as the route's schema would accept them;
 - then it stamps the receipt, checks the inputs against the app's model
   (:func:`~controlplane.api.routes.infer.check_inputs`), hands them to the serving loop and
-  answers the same JSON document the route does (:func:`answer_document`), counting the answer
+  answers the same JSON document the route does
+  (:func:`~controlplane.api.routes.infer.answer_document`), counting the answer
   like :class:`~controlplane.api.counters.RequestCountingMiddleware`; a service error becomes
   the same error answer the app's handlers give it (:func:`~controlplane.api.errors.render_error`).
 
@@ -38,15 +39,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from controlplane.api.counters import RequestCounter
 from controlplane.api.errors import render_error
 from controlplane.api.limits import MAX_BODY_BYTES, MAX_HEADER_BYTES
-from controlplane.api.routes.infer import RECEIVED_S, check_inputs
+from controlplane.api.routes import APP_NAME_MAX, APP_NAME_PATTERN
+from controlplane.api.routes.infer import RECEIVED_S, answer_document, check_inputs
 from controlplane.api.schemas import MAX_INFER_SAMPLES
 from controlplane.policies.auth import Scope as TokenScope
 from controlplane.policies.auth import scope_allows
 
-__all__ = ["FastInferMiddleware", "answer_document", "plain_body"]
+__all__ = ["FastInferMiddleware", "plain_body"]
 
-# The path of the route, its app name a DNS label (controlplane.api.routes.AppName).
-_PATH = re.compile(r"/v1/apps/([a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)/infer")
+# The path of the route, its app name as the route's (controlplane.api.routes.AppName).
+_PATH = re.compile(f"/v1/apps/({APP_NAME_PATTERN})/infer")
 _SAMPLE_ID_MAX = 2**31 - 1
 
 
@@ -89,26 +91,6 @@ def plain_body(document: Any) -> tuple[list[list[float]], list[int] | None] | No
     return inputs, sample_ids
 
 
-def answer_document(result: Any) -> dict[str, Any]:
-    """The route's answer (:class:`~controlplane.api.schemas.InferOut`) to an
-    :class:`~controlplane.serving.dispatcher.InferResult`, as JSON-ready data."""
-    return {
-        "outputs": list(result.outputs),
-        "models": list(result.models),
-        "certainty": [float(c) for c in result.certainty],
-        "gear": result.gear,
-        "timings": {
-            "queue_ms": float(result.queue_ms),
-            "service_ms": float(result.service_ms),
-            "total_ms": float(result.total_ms),
-            "transport_ms": float(result.transport_ms),
-            "compute_ms": float(result.compute_ms),
-            "api_ms": float(result.api_ms),
-        },
-        "late": bool(result.late),
-    }
-
-
 class FastInferMiddleware:
     """Answer the common ``POST /v1/apps/{app}/infer`` outside FastAPI (module docstring).
 
@@ -136,7 +118,7 @@ class FastInferMiddleware:
             return
         match = _PATH.fullmatch(scope["path"])
         serving = self.services.serving
-        if match is None or serving is None:
+        if match is None or serving is None or len(match.group(1)) > APP_NAME_MAX:
             await self.app(scope, receive, send)
             return
         scope[RECEIVED_S] = self.clock_s()

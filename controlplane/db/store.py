@@ -1293,7 +1293,6 @@ class Store:
         except IntegrityError:
             raise ConflictError(f"a token named {label!r} already exists") from None
 
-    @_translated
     def cached_principal(self, token: str) -> Principal | None:
         """Who ``token`` belongs to when :meth:`verify_token` answered that within the last
         ``TOKEN_CACHE_S`` (no database read: cheap enough for the event loop); None otherwise,
@@ -1302,13 +1301,14 @@ class Store:
         :meth:`verify_token`."""
         if not auth.looks_like_token(token):
             return None
-        digest = auth.hash_token(token)
+        return self._cached_principal(auth.hash_token(token), self._now(None))
+
+    def _cached_principal(self, digest: str, now: datetime) -> Principal | None:
         with self._token_lock:
             cached = self._token_cache.get(digest)
-        if cached is not None and self._now(None) < cached[1]:
-            return cached[0]
-        return None
+        return cached[0] if cached is not None and now < cached[1] else None
 
+    @_translated
     def verify_token(self, token: str, *, at: datetime | None = None) -> Principal | None:
         """Who ``token`` belongs to, or None when it is unknown or revoked. Looked up by its
         SHA-256 and compared in constant time; ``last_used_at`` is refreshed (at most once a
@@ -1317,10 +1317,9 @@ class Store:
             return None
         digest = auth.hash_token(token)
         now = self._now(at)
-        with self._token_lock:
-            cached = self._token_cache.get(digest)
-        if cached is not None and now < cached[1]:
-            return cached[0]
+        cached = self._cached_principal(digest, now)
+        if cached is not None:
+            return cached
         with transaction(self._sessions) as session:
             row = session.scalar(select(m.ApiToken).where(m.ApiToken.token_hash == digest))
             if row is None or not auth.hashes_match(token, row.token_hash):

@@ -9,7 +9,7 @@ from fastapi import Path
 
 from controlplane.api.schemas import ErrorBody
 
-__all__ = ["AppName", "PlanId", "errors"]
+__all__ = ["APP_NAME_MAX", "APP_NAME_PATTERN", "AppName", "PlanId", "errors"]
 
 _DESCRIPTIONS = {
     400: "Malformed JSON body, or a model name that is not a DNS label",
@@ -26,11 +26,13 @@ _DESCRIPTIONS = {
 }
 
 # An app name is a DNS label (controlplane.spec): anything else is a 422, not a 404.
+APP_NAME_PATTERN = r"[a-z0-9]([a-z0-9-]*[a-z0-9])?"
+APP_NAME_MAX = 63
 AppName = Annotated[
     str,
     Path(
-        pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
-        max_length=63,
+        pattern=f"^{APP_NAME_PATTERN}$",
+        max_length=APP_NAME_MAX,
         description="the app's name",
     ),
 ]

@@ -43,14 +43,20 @@ from controlplane.api.schemas import (
     ServingStageOut,
     ServingTotalsOut,
     ServingWorkerOut,
-    TimingsOut,
 )
 from controlplane.errors import ServingUnavailableError
 from controlplane.policies.variants import Requirements
 from controlplane.serving.modelio import ModelIO, resolve_sample_shape
 from controlplane.serving.observations import AppTotals
 
-__all__ = ["RECEIVED_S", "ReceivedAtMiddleware", "check_inputs", "received_s", "router"]
+__all__ = [
+    "RECEIVED_S",
+    "ReceivedAtMiddleware",
+    "answer_document",
+    "check_inputs",
+    "received_s",
+    "router",
+]
 
 router = APIRouter(prefix="/v1", tags=["serving"])
 
@@ -98,21 +104,28 @@ async def infer(
     config = (await serving.dispatcher_for(app, received)).config
     inputs = check_inputs(app, config.model_io(config.models[0]), body.inputs)
     result = await serving.infer(app, inputs, body.sample_ids, requirements, received)
-    return InferOut(
-        outputs=list(result.outputs),
-        models=list(result.models),
-        certainty=list(result.certainty),
-        gear=result.gear,
-        timings=TimingsOut(
-            queue_ms=result.queue_ms,
-            service_ms=result.service_ms,
-            total_ms=result.total_ms,
-            transport_ms=result.transport_ms,
-            compute_ms=result.compute_ms,
-            api_ms=result.api_ms,
-        ),
-        late=result.late,
-    )
+    return InferOut.model_validate(answer_document(result))
+
+
+def answer_document(result: Any) -> dict[str, Any]:
+    """The route's answer (:class:`~controlplane.api.schemas.InferOut`) to an
+    :class:`~controlplane.serving.dispatcher.InferResult`, as JSON-ready data (the fast path,
+    :mod:`controlplane.api.fast_infer`, writes it as it is)."""
+    return {
+        "outputs": list(result.outputs),
+        "models": list(result.models),
+        "certainty": [float(c) for c in result.certainty],
+        "gear": result.gear,
+        "timings": {
+            "queue_ms": float(result.queue_ms),
+            "service_ms": float(result.service_ms),
+            "total_ms": float(result.total_ms),
+            "transport_ms": float(result.transport_ms),
+            "compute_ms": float(result.compute_ms),
+            "api_ms": float(result.api_ms),
+        },
+        "late": bool(result.late),
+    }
 
 
 def check_inputs(app: str, io: ModelIO, inputs: list[list[float]]) -> list[list[Any]]:
