@@ -98,26 +98,19 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
-def worker_pids(data_dir: Path) -> list[int]:
-    """The worker agents' process ids, from the local provisioner's records."""
+def worker_records(data_dir: Path) -> list[Any]:
+    """The worker agents' records (pid, address) from the local provisioner."""
     from provisioners.local import LocalProvisioner
 
     provisioner = LocalProvisioner(data_dir / LOCAL_WORKERS_DIR, {}, [MODEL], None)
     try:
-        return [record.pid for record in provisioner.records()]
+        return list(provisioner.records())
     finally:
         provisioner.close()
 
 
-def direct_p99_ms(data_dir: Path, inputs: np.ndarray) -> float:
-    """P99 of single batches sent one after another straight to one worker."""
-    from provisioners.local import LocalProvisioner
-
-    provisioner = LocalProvisioner(data_dir / LOCAL_WORKERS_DIR, {}, [MODEL], None)
-    try:
-        record = provisioner.records()[0]
-    finally:
-        provisioner.close()
+def direct_p99_ms(record: Any, inputs: np.ndarray) -> float:
+    """P99 of single batches sent one after another straight to the worker of ``record``."""
     io = ModelIO(MODEL)  # the request the dispatcher sends: Open Inference Protocol v2
     body = io.encode([inputs[0].astype(float).tolist()])
     url = f"http://{record.address}{io.path}"
@@ -255,9 +248,10 @@ def measure(rate_qps: float, duration_s: float, workers: int, n_runs: int) -> di
                     process,
                     log_path,
                 )
-            direct = direct_p99_ms(data_dir, inputs)
+            records = worker_records(data_dir)
+            direct = direct_p99_ms(records[0], inputs)
             local_service.log(f"straight to a worker: p99 {direct:.2f} ms")
-            workers = worker_pids(data_dir)
+            workers = [record.pid for record in records]
             env = local_service.clean_env()
             runs = []
             for n in range(args.runs):
