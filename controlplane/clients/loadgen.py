@@ -309,6 +309,31 @@ class LoadResult:
 ProgressFn = Callable[[LoadProgress], None]
 
 
+def check_run(queries: Sequence[Query], timeout_s: float, max_in_flight: int) -> None:
+    """Refuse a run's arguments (``ValueError``): a timeout that is not > 0, fewer than one
+    connection, queries out of send order. Both engines check the same."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    if any(b.send_at_s < a.send_at_s for a, b in itertools.pairwise(queries)):
+        raise ValueError("queries must be in send order")
+
+
+def snapshot(
+    elapsed_s: float,
+    total: int,
+    sent: int,
+    done: Sequence[Outcome],
+    answered_ms: Sequence[float],
+    in_flight: int,
+) -> LoadProgress:
+    """The progress of a run so far, from its outcomes (both engines report the same)."""
+    errors = sum(1 for o in done if not o.answered)
+    p99 = float(np.percentile(answered_ms, 99.0)) if answered_ms else None
+    return LoadProgress(elapsed_s, total, sent, len(done) - errors, errors, in_flight, p99)
+
+
 async def _send(
     client: httpx.AsyncClient, url: str, query: Query, scheduled_s: float, timer: Timer
 ) -> Outcome:
@@ -358,12 +383,7 @@ async def run_load_async(
     at the end. Setting ``stop`` ends the sending; the queries in flight are cancelled and not
     counted.
     """
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-    if max_in_flight < 1:
-        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-    if any(b.send_at_s < a.send_at_s for a, b in itertools.pairwise(queries)):
-        raise ValueError("queries must be in send order")
+    check_run(queries, timeout_s, max_in_flight)
     clock = timer if timer is not None else RealTimer()
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
     if token:
@@ -387,13 +407,7 @@ async def run_load_async(
         if progress is None or (not force and now - last_report < progress_every_s):
             return
         last_report = now
-        errors = sum(1 for o in done if not o.answered)
-        p99 = float(np.percentile(answered_ms, 99.0)) if answered_ms else None
-        progress(
-            LoadProgress(
-                now - start, len(queries), sent, len(done) - errors, errors, len(tasks), p99
-            )
-        )
+        progress(snapshot(now - start, len(queries), sent, done, answered_ms, len(tasks)))
 
     def finished(task: asyncio.Task[Outcome]) -> None:
         tasks.discard(task)

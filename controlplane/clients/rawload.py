@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import json
 import threading
 import urllib.parse
@@ -38,11 +37,12 @@ from controlplane.clients.loadgen import (
     DEFAULT_PROGRESS_S,
     DEFAULT_TIMEOUT_S,
     OK,
-    LoadProgress,
     LoadResult,
     Outcome,
     ProgressFn,
     Query,
+    check_run,
+    snapshot,
 )
 
 __all__ = ["request_head", "run_raw_load_async"]
@@ -286,12 +286,7 @@ async def run_raw_load_async(
     stop: threading.Event | None = None,
 ) -> LoadResult:
     """:func:`controlplane.clients.loadgen.run_load_async`'s contract over raw connections."""
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-    if max_in_flight < 1:
-        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-    if any(b.send_at_s < a.send_at_s for a, b in itertools.pairwise(queries)):
-        raise ValueError("queries must be in send order")
+    check_run(queries, timeout_s, max_in_flight)
     engine = _Engine(url, token, timeout_s, max_in_flight)
     # Connections opened before the clock starts, as a client that has been running has them:
     # the first queries of a run must not pay the service's accepting of a burst of them.
@@ -309,15 +304,11 @@ async def run_raw_load_async(
         if progress is None or (not force and now - last_report < progress_every_s):
             return
         last_report = now
-        errors = sum(1 for o in engine.done if not o.answered)
-        ms = sorted(engine.answered_ms)
-        p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None
         progress(
-            LoadProgress(
-                now - start, len(queries), sent, len(engine.done) - errors, errors,
-                engine.pending(), p99,
+            snapshot(
+                now - start, len(queries), sent, engine.done, engine.answered_ms, engine.pending()
             )
-        )  # fmt: skip
+        )
 
     try:
         while sent < len(queries) or engine.pending():
