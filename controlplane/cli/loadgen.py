@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ from controlplane.cli.client import (
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.profile import load_family
 from controlplane.clients import loadgen
-from controlplane.clients.loadgen import LoadProgress, LoadSummary
+from controlplane.clients.loadgen import LoadProgress, LoadSummary, Outcome, Query
 from estimator.traces import read_trace_csv
 
 if TYPE_CHECKING:
@@ -119,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
         queries = loadgen.build_queries(trace, validation_inputs(target.seed))
     except ValueError as error:
         raise UsageError(f"--trace {args.trace}: {error}") from None
+    if args.outcomes is not None:
+        # Before sending: a file that cannot be written is found now, not after the run.
+        _writable(args.outcomes)
     duration_s = queries[-1].send_at_s
     offered = f", {(len(queries) - 1) / duration_s:.1f} qps offered" if duration_s > 0 else ""
     progress(
@@ -139,8 +143,34 @@ def run(args: argparse.Namespace) -> int:
         progress_every_s=args.progress_s,
         engine=args.engine,
     )
+    if args.outcomes is not None:
+        write_outcomes(args.outcomes, queries, result.outcomes)
     summary = result.summary(target.slo_ms)
     return emit(args.json, summary.to_json(), lambda: human(summary, duration_s))
+
+
+def _writable(path: Path) -> None:
+    try:
+        path.open("w", encoding="utf-8").close()
+    except OSError as error:
+        raise UsageError(f"--outcomes {path}: {error.strerror or error}") from None
+
+
+def write_outcomes(path: Path, queries: Sequence[Query], outcomes: Sequence[Outcome]) -> None:
+    """Every query's outcome as a CSV row (``--outcomes``): its trace index, scheduled send
+    time (s from the start), kind, latency from the scheduled send and send lag (ms), and the
+    service's late flag (empty when it gave none)."""
+    rows = ["index,send_at_s,kind,latency_ms,send_lag_ms,late\n"]
+    for o in outcomes:
+        late = "" if o.late is None else str(o.late).lower()
+        rows.append(
+            f"{o.index},{queries[o.index].send_at_s:.6f},{o.kind},{o.latency_ms:.3f},"
+            f"{o.send_lag_ms:.3f},{late}\n"
+        )
+    try:
+        path.write_text("".join(rows), encoding="utf-8")
+    except OSError as error:
+        raise UsageError(f"--outcomes {path}: {error.strerror or error}") from None
 
 
 def human(summary: LoadSummary, offered_s: float) -> str:

@@ -751,6 +751,13 @@ def _loadgen(subparsers: Subparsers) -> None:
         " connections of our own, http:// only, about a tenth of the CPU per query, for"
         " benchmarks at thousands of q/s (default %(default)s)",
     )
+    parser.add_argument(
+        "--outcomes",
+        type=Path,
+        metavar="FILE",
+        help="also write every query's outcome to FILE, a CSV: index, send_at_s (scheduled),"
+        " kind (ok or the error kind), latency_ms, send_lag_ms, late",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=Handler("loadgen", "run"))
 

@@ -10,6 +10,7 @@ The fake service is ``http.server`` in a thread. It answers ``GET /v1/apps/{app}
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 import socket
 import threading
@@ -422,6 +423,29 @@ def test_an_infer_token_needs_the_slo_on_the_command_line(
     status, out, err = loadgen_cli(capsys, *base, "--slo-ms", "250", "--json")
     assert status == 0, err
     assert json.loads(out)["answered"] == 1
+
+
+def test_every_querys_outcome_can_be_written_out(
+    fake: FakeService, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_trace(tmp_path / "t.csv", [0.0, 0.01, 0.02, 0.03], [0, 8, 12, 3])
+    out_path = tmp_path / "outcomes.csv"
+    argv = ("--url", fake.url, "--app", APP, "--trace", str(trace), "--token", TOKEN, "--json")
+    status, out, err = loadgen_cli(capsys, *argv, "--outcomes", str(out_path))
+    assert status == 0, err
+    with out_path.open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [int(r["index"]) for r in rows] == [0, 1, 2, 3]
+    assert [float(r["send_at_s"]) for r in rows] == pytest.approx([0.0, 0.01, 0.02, 0.03])
+    # The same queries the summary counts: three answered, the fake's 503 for sample 8.
+    assert [r["kind"] for r in rows] == ["ok", "http_503", "ok", "ok"]
+    assert json.loads(out)["answered"] == sum(r["kind"] == "ok" for r in rows)
+    assert all(float(r["latency_ms"]) >= 0.0 and float(r["send_lag_ms"]) >= 0.0 for r in rows)
+    # A file that cannot be written is one line and exit 2, before anything is sent.
+    sent = len(fake.requests)
+    status, _, err = loadgen_cli(capsys, *argv, "--outcomes", str(tmp_path / "no" / "x.csv"))
+    assert status == 2 and err.count("\n") == 1 and "--outcomes" in err, err
+    assert len(fake.requests) == sent
 
 
 def test_the_seed_comes_from_the_apps_validation_records(
