@@ -329,6 +329,7 @@ class Store:
         # verify_token's answers for a second (token digest -> who, until when): the inference
         # path checks a token per request. A revocation through this store clears it at once.
         self._token_cache: dict[str, tuple[Principal, datetime]] = {}
+        self._token_generation = 0  # bumped by each revocation
         self._token_lock = threading.Lock()
 
     @classmethod
@@ -1299,9 +1300,22 @@ class Store:
         and then only :meth:`verify_token` can tell. A revocation in this process clears the
         cache at once; one in another process is seen within ``TOKEN_CACHE_S``, as it is by
         :meth:`verify_token`."""
+        return self.cached_token(token)[0]
+
+    def cached_token(self, token: str) -> tuple[Principal | None, bool]:
+        """:meth:`cached_principal`, and whether a new :meth:`verify_token` with ``fresh`` is
+        due: no answer is cached, or the cached one is past half of its ``TOKEN_CACHE_S``. A
+        caller that verifies again when it is due (in the background, the cached answer still
+        standing meanwhile) keeps a token in use cached without ever trusting an answer older
+        than ``TOKEN_CACHE_S``."""
         if not auth.looks_like_token(token):
-            return None
-        return self._cached_principal(auth.hash_token(token), self._now(None))
+            return None, False
+        now = self._now(None)
+        with self._token_lock:
+            cached = self._token_cache.get(auth.hash_token(token))
+        if cached is None or now >= cached[1]:
+            return None, True
+        return cached[0], now >= cached[1] - timedelta(seconds=TOKEN_CACHE_S / 2)
 
     def _cached_principal(self, digest: str, now: datetime) -> Principal | None:
         with self._token_lock:
@@ -1309,28 +1323,37 @@ class Store:
         return cached[0] if cached is not None and now < cached[1] else None
 
     @_translated
-    def verify_token(self, token: str, *, at: datetime | None = None) -> Principal | None:
+    def verify_token(
+        self, token: str, *, at: datetime | None = None, fresh: bool = False
+    ) -> Principal | None:
         """Who ``token`` belongs to, or None when it is unknown or revoked. Looked up by its
         SHA-256 and compared in constant time; ``last_used_at`` is refreshed (at most once a
-        minute)."""
+        minute). An answer of the last ``TOKEN_CACHE_S`` stands unless ``fresh``: then the
+        database is read whatever is cached, and a token it no longer knows leaves the cache."""
         if not auth.looks_like_token(token):
             return None
         digest = auth.hash_token(token)
         now = self._now(at)
-        cached = self._cached_principal(digest, now)
+        cached = None if fresh else self._cached_principal(digest, now)
         if cached is not None:
             return cached
+        with self._token_lock:
+            generation = self._token_generation
         with transaction(self._sessions) as session:
             row = session.scalar(select(m.ApiToken).where(m.ApiToken.token_hash == digest))
-            if row is None or not auth.hashes_match(token, row.token_hash):
-                return None
-            if row.revoked_at is not None:
-                return None
-            last = row.last_used_at
-            if last is None or (now - last).total_seconds() >= LAST_USED_RESOLUTION_S:
-                row.last_used_at = now
-            principal = Principal(row.name, row.scope)
+            if row is None or not auth.hashes_match(token, row.token_hash) or row.revoked_at:
+                principal = None
+            else:
+                last = row.last_used_at
+                if last is None or (now - last).total_seconds() >= LAST_USED_RESOLUTION_S:
+                    row.last_used_at = now
+                principal = Principal(row.name, row.scope)
         with self._token_lock:
+            if principal is None:
+                self._token_cache.pop(digest, None)
+                return None
+            if generation != self._token_generation:
+                return principal  # a revocation meanwhile: this answer may predate it
             if len(self._token_cache) >= TOKEN_CACHE_MAX:
                 self._token_cache.clear()
             self._token_cache[digest] = (principal, now + timedelta(seconds=TOKEN_CACHE_S))
@@ -1347,9 +1370,11 @@ class Store:
                 row.revoked_at = self._now(at)
             session.flush()
             record = _token_record(row)
-        # After the commit: an answer cached meanwhile from the old row goes too.
+        # After the commit: an answer cached meanwhile from the old row goes too, and one read
+        # before the commit but not cached yet is not cached.
         with self._token_lock:
             self._token_cache.clear()
+            self._token_generation += 1
         return record
 
     @_translated

@@ -4,11 +4,14 @@ revoked token refused at once. The API, the store and the serving loop are real;
 the fake ones of ``test_serving``.
 
 The fast path is the one that answers when the store's ``verify_token`` (the route's token
-check, which reads the database) is never called: it reads the token cache only.
+check, which reads the database) is not called for the request: it reads the token cache, and
+verifies a token (once, however many requests wait for it) only when no answer is cached.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from controlplane.api.fast_infer import plain_body
+from controlplane.api.fast_infer import TokenCheck, plain_body
+from controlplane.db.store import Principal
 from tests.component.test_serving import (
     LARGE,
     SMALL,
@@ -63,7 +67,7 @@ def test_the_fast_path_answers_as_the_route_does(world: ApiWorld) -> None:
         world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
         first = await client.post(URL, json=payload, headers=world.auth())
         assert first.status_code == 200, first.text
-        assert checks.count == 1  # the route checked the token (and cached it)
+        assert checks.count == 1  # the token was checked (and cached)
         second = await client.post(URL, json=payload, headers=world.auth())
         assert second.status_code == 200, second.text
         assert checks.count == 1  # answered without the route's check: the fast path
@@ -127,6 +131,22 @@ def test_tokens_apps_and_bodies_the_fast_path_refuses_as_the_route_does(world: A
     api_run(world, body)
 
 
+def test_concurrent_requests_with_an_uncached_token_share_one_check(world: ApiWorld) -> None:
+    checks = _Checks(world)
+    ok = {"inputs": [row(2, 0.9)]}
+
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
+        answers = await asyncio.gather(
+            *(client.post(URL, json=ok, headers=world.auth()) for _ in range(8))
+        )
+        assert [a.status_code for a in answers] == [200] * 8
+        # One database read for the eight: none of them took the route's own check.
+        assert checks.count == 1
+
+    api_run(world, body)
+
+
 def test_no_serving_instance_is_the_routes_503(world: ApiWorld) -> None:
     async def body(client: httpx.AsyncClient) -> None:
         world.instances.set("demo", [])
@@ -155,3 +175,72 @@ def test_plain_bodies() -> None:
         {"inputs": [[1]] * 257},
     ):
         assert plain_body(refused) is None, refused
+
+
+# --- the token check on its own (a stand-in store) --------------------------------------------
+
+
+class _Store:
+    """``cached_token`` answers what the test sets; ``verify_token`` counts its calls and
+    holds each until ``release`` (or raises ``error``)."""
+
+    def __init__(self, cached: tuple[Principal | None, bool]) -> None:
+        self.cached = cached
+        self.calls = 0
+        self.release = threading.Event()
+        self.error: Exception | None = None
+
+    def cached_token(self, token: str) -> tuple[Principal | None, bool]:
+        return self.cached
+
+    def verify_token(self, token: str, *, fresh: bool = False) -> Principal | None:
+        assert fresh
+        self.calls += 1
+        self.release.wait(timeout=30)
+        if self.error is not None:
+            raise self.error
+        return PRINCIPAL
+
+
+PRINCIPAL = Principal("client", "infer")
+
+
+def test_a_cached_token_not_due_is_answered_without_a_check() -> None:
+    store = _Store((PRINCIPAL, False))
+    assert asyncio.run(TokenCheck(store).principal("hp_x")) == PRINCIPAL
+    assert store.calls == 0
+
+
+def test_a_token_due_is_checked_again_in_the_background_once() -> None:
+    store = _Store((PRINCIPAL, True))
+
+    async def scenario() -> None:
+        check = TokenCheck(store)
+        # Answered from the cache at once, the check still held in its thread.
+        assert await check.principal("hp_x") == PRINCIPAL
+        assert await check.principal("hp_x") == PRINCIPAL
+        pending = check._pending["hp_x"]
+        store.release.set()
+        assert await pending == PRINCIPAL
+        assert store.calls == 1 and "hp_x" not in check._pending
+
+    asyncio.run(scenario())
+
+
+def test_waiters_for_an_uncached_token_share_its_check_and_its_failure() -> None:
+    store = _Store((None, True))
+
+    async def scenario() -> None:
+        check = TokenCheck(store)
+        # Five requests in one turn of the loop: the check's answer cannot come back before
+        # all of them have asked (it reaches the loop as a callback of a later turn).
+        waiting = [asyncio.ensure_future(check.principal("hp_x")) for _ in range(5)]
+        store.release.set()
+        assert await asyncio.gather(*waiting) == [PRINCIPAL] * 5
+        assert store.calls == 1
+        # A store that cannot answer: None (the route reads it again and answers the error).
+        store.error = RuntimeError("database is down")
+        assert await check.principal("hp_x") is None
+        assert store.calls == 2 and not check._pending
+
+    asyncio.run(scenario())

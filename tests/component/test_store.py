@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from controlplane.db import migrate
-from controlplane.db.store import AppRecord, Principal, Store
+from controlplane.db.store import TOKEN_CACHE_S, AppRecord, Principal, Store
 from controlplane.errors import (
     AppExistsError,
     ConflictError,
@@ -553,6 +553,33 @@ def test_token_last_used_is_refreshed_at_most_once_a_minute(store: Store, clock:
     clock.advance(31)
     store.verify_token(token)
     assert store.get_token("dash").last_used_at == T0 + timedelta(seconds=61)
+
+
+def test_the_token_cache_says_when_to_verify_again_and_never_outlives_its_second(
+    store: Store, clock: StepClock, db_path: Path
+) -> None:
+    token = store.create_token("infer", "client")
+    principal = Principal("client", "infer")
+    assert store.cached_token(token) == (None, True)  # nothing cached: a check is due
+    assert store.cached_token("not-a-token") == (None, False)  # never worth a read
+    assert store.verify_token(token) == principal
+    assert store.cached_token(token) == (principal, False)
+    clock.advance(TOKEN_CACHE_S * 0.6)  # past half its life: still good, a check is due
+    assert store.cached_token(token) == (principal, True)
+    assert store.verify_token(token, fresh=True) == principal  # read again: a new second
+    clock.advance(TOKEN_CACHE_S * 0.6)
+    assert store.cached_token(token) == (principal, True)
+    clock.advance(TOKEN_CACHE_S * 0.6)  # past its second unverified: not trusted
+    assert store.cached_token(token) == (None, True)
+    # Revoked elsewhere (another replica's store: the database only): a fresh check sees it
+    # and drops the cached answer at once, not a second later.
+    assert store.verify_token(token) == principal
+    with sqlite3.connect(db_path) as connection:
+        connection.execute("UPDATE api_tokens SET revoked_at = created_at WHERE name = 'client'")
+    assert store.cached_principal(token) == principal  # cached, as the contract allows
+    assert store.verify_token(token, fresh=True) is None
+    assert store.cached_token(token) == (None, True)
+    assert store.verify_token(token) is None
 
 
 def test_token_refusals(store: Store) -> None:
