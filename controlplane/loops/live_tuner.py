@@ -84,7 +84,7 @@ from controlplane.policies.tuner import (
 )
 from controlplane.spec import ResolvedApp
 from estimator import deadline
-from estimator.envelope import DEFAULT_MAX_WINDOW_S
+from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope, tuner_windows_s
 from estimator.errors import EstimatorError
 from estimator.traces import Trace, poisson_arrivals
 
@@ -362,8 +362,6 @@ class LiveTuner:
         planned_rate = document.planned_rate_qps
         if not document.stages or not (math.isfinite(planned_rate) and planned_rate > 0):
             return None
-        planning = synthetic_planning_arrivals(planned_rate)
-        ones = np.ones(planning.size, dtype=np.int64)
         stages: list[TunerStage] = []
         service_time_s = 0.0
         types: set[str] = set()
@@ -381,21 +379,10 @@ class LiveTuner:
             scale = entry.scale_factor
             model = None
             if entry.policy == "kairos" and len(mu) > 1 and batch <= 1:
+                planning = synthetic_planning_arrivals(planned_rate)
+                ones = np.ones(planning.size, dtype=np.int64)
                 model = kairos_capacity_model(resolved, name, list(mu), Trace(planning, ones))
             stages.append(TunerStage(name, scale, fleet, mu, 1.0, capacity_model=model))
-        config = TunerConfig.from_planning_trace(
-            planning,
-            max(service_time_s, MIN_ENVELOPE_WINDOW_S),
-            budget_usd_per_hr=app.budget_usd_per_hr,
-            catalog=resolved.catalog,
-            types=sorted(types),
-            scale_down_delay_s=self._scale_down_delay_s,
-            recent_s=self._max_window_s,
-            max_window_s=self._max_window_s,
-        )
-        # The spec's caps bound the tuner as they bound the planner (per stage and type).
-        caps = {t: n for t in sorted(types) if (n := resolved.spec.max_count(t)) is not None}
-        config = dataclasses.replace(config, max_counts=caps)
         planned = _planned_envelope(document, self._max_window_s)
         if isinstance(planned, str):
             logger.warning(
@@ -405,8 +392,25 @@ class LiveTuner:
                 plan.id,
                 planned,
             )
-        elif planned is not None:
-            config = dataclasses.replace(config, windows_s=planned[0], planned_rate_qps=planned[1])
+        if not isinstance(planned, tuple):
+            # Computed once per rate and windows (a recalibration sets the app up again with
+            # the same plan): 600 s of arrivals at the planned rate, millions at thousands of
+            # q/s, took the tick hundreds of milliseconds of the serving loop's interpreter.
+            planned = synthetic_planning_envelope(
+                planned_rate, max(service_time_s, MIN_ENVELOPE_WINDOW_S), self._max_window_s
+            )
+        config = TunerConfig.from_envelope(
+            planned[0],
+            planned[1],
+            budget_usd_per_hr=app.budget_usd_per_hr,
+            catalog=resolved.catalog,
+            types=sorted(types),
+            scale_down_delay_s=self._scale_down_delay_s,
+            recent_s=self._max_window_s,
+        )
+        # The spec's caps bound the tuner as they bound the planner (per stage and type).
+        caps = {t: n for t in sorted(types) if (n := resolved.spec.max_count(t)) is not None}
+        config = dataclasses.replace(config, max_counts=caps)
         stages = [
             TunerStage(
                 s.name,
@@ -558,6 +562,19 @@ def synthetic_planning_arrivals(rate_qps: float) -> NDArray[np.float64]:
     )
     arrivals.flags.writeable = False
     return arrivals
+
+
+@functools.lru_cache(maxsize=16)
+def synthetic_planning_envelope(
+    rate_qps: float, service_time_s: float, max_window_s: float
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The envelope (windows s, rates qps) of :func:`synthetic_planning_arrivals` at
+    ``rate_qps`` on the tuner's windows (:func:`~controlplane.policies.tuner.tuner_windows_s`
+    from ``service_time_s`` to ``max_window_s``), for a plan that stores none; kept, since a
+    recalibration or a re-plan check asks for the same one again."""
+    windows = tuner_windows_s(service_time_s, max_window_s)
+    envelope = arrival_envelope(synthetic_planning_arrivals(rate_qps), windows)
+    return tuple(float(w) for w in windows), tuple(float(r) for r in envelope.rate_qps)
 
 
 def _cap_key(decision: Decision) -> str:

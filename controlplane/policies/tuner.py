@@ -321,12 +321,38 @@ class TunerConfig:
         (``boot_s`` overrides per type)."""
         windows = tuner_windows_s(service_time_s, max_window_s)
         envelope = arrival_envelope(planning_arrival_s, windows)
+        return cls.from_envelope(
+            tuple(float(w) for w in windows),
+            tuple(float(r) for r in envelope.rate_qps),
+            budget_usd_per_hr=budget_usd_per_hr,
+            catalog=catalog,
+            types=types,
+            boot_s=boot_s,
+            scale_down_delay_s=scale_down_delay_s,
+            recent_s=recent_s,
+        )
+
+    @classmethod
+    def from_envelope(
+        cls,
+        windows_s: Sequence[float],
+        planned_rate_qps: Sequence[float],
+        *,
+        budget_usd_per_hr: float,
+        catalog: Catalog,
+        types: Iterable[str] | None = None,
+        boot_s: Mapping[str, float] | None = None,
+        scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S,
+        recent_s: float = DEFAULT_RECENT_S,
+    ) -> TunerConfig:
+        """:meth:`from_planning_trace` with the planning envelope already known (a plan's own,
+        or one computed once and kept): the rate at each window."""
         names = list(catalog) if types is None else list(types)
         boot = default_boot_s(catalog, names)
         boot.update(boot_s or {})
         return cls(
-            windows_s=tuple(float(w) for w in windows),
-            planned_rate_qps=tuple(float(r) for r in envelope.rate_qps),
+            windows_s=tuple(windows_s),
+            planned_rate_qps=tuple(planned_rate_qps),
             budget_usd_per_hr=budget_usd_per_hr,
             prices_usd_per_hr={name: catalog.price_usd_per_hr(name) for name in names},
             boot_s=boot,

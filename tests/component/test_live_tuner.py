@@ -21,8 +21,9 @@ from controlplane.clock import FakeClock
 from controlplane.db import migrate
 from controlplane.db.store import AppRecord, Store
 from controlplane.loops.live_tuner import LiveTuner, plan_capacity_curve
+from controlplane.policies.tuner import TunerConfig
 from controlplane.spec import resolve_spec, validate_spec
-from estimator.envelope import tuner_windows_s
+from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope, tuner_windows_s
 
 SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
 APP = "recs"
@@ -319,6 +320,44 @@ def test_a_recalibrated_profile_reaches_the_tuner_at_its_next_tick(
     made = tuner.tick()
     assert [d.action for _, d in made][:1] == ["scale_up"]
     assert tuner.desired_fleet(app)[SMALL] > 2
+
+
+def test_a_recalibration_sets_the_app_up_without_computing_the_planning_envelope_again(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Poisson proxy's envelope (600 s of arrivals at the planned rate: millions at
+    thousands of q/s) is computed once per rate, not at every set-up: a recalibration that sets
+    the app up again took the tick, which shares the serving loop's interpreter, hundreds of
+    milliseconds at 2,000 q/s."""
+    from controlplane.loops import live_tuner as module
+
+    computed: list[int] = []
+    real = arrival_envelope
+
+    def counted(arrivals: Any, windows: Any) -> Any:
+        computed.append(len(arrivals))
+        return real(arrivals, windows)
+
+    monkeypatch.setattr(module, "arrival_envelope", counted)
+    module.synthetic_planning_envelope.cache_clear()
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
+    tuner = live_tuner(store, clock, feed)
+    for step in range(3):
+        feed.arrival_s = steady(50.0, 940.0 + step, 1000.0 + step)
+        tuner.tick()
+        tuner.recalibrate(APP)
+        clock.advance(1.0)
+    assert len(computed) == 1  # three set-ups, one envelope
+    # It is the envelope the tuner's config computes from the planning trace itself.
+    catalog = resolve_spec(validate_spec(store.get_app(APP).spec)).catalog
+    direct = TunerConfig.from_planning_trace(
+        module.synthetic_planning_arrivals(50.0), 0.02, budget_usd_per_hr=1.0, catalog=catalog
+    )
+    assert module.synthetic_planning_envelope(50.0, 0.02, DEFAULT_MAX_WINDOW_S) == (
+        direct.windows_s,
+        direct.planned_rate_qps,
+    )
 
 
 # --- the load model ------------------------------------------------------------------------------
