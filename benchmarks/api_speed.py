@@ -1,7 +1,7 @@
 """The serving path at full speed, measured where clients enter: through the real API.
 
     .venv/bin/python benchmarks/api_speed.py [--json] [--rate-qps 2000] [--duration-s 10]
-        [--workers 2] [--runs 3]
+        [--workers 2] [--runs 3] [--service-setting HETEROPLANE_X=V ...]
 
 What runs: ``heteroplane serve`` (uvicorn, FastAPI, the token check, validation, the serving
 loop's dispatcher, its HTTP transport) with the local provisioner, an app whose model ``tiny``
@@ -176,10 +176,17 @@ def median_spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def measure(rate_qps: float, duration_s: float, workers: int, n_runs: int) -> dict[str, Any]:
+def measure(
+    rate_qps: float,
+    duration_s: float,
+    workers: int,
+    n_runs: int,
+    service_settings: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Start the service and ``workers`` worker agents, run the load ``n_runs`` times, return
     the figures (per run, and the median with the spread of each) with the load averages and
-    whether the goal is met (``goal_met``: the medians meet it)."""
+    whether the goal is met (``goal_met``: the medians meet it). ``service_settings``: more
+    ``HETEROPLANE_*`` settings for the service than the benchmark's own."""
     from provisioners.worker import family
 
     args = argparse.Namespace(
@@ -196,12 +203,13 @@ def measure(rate_qps: float, duration_s: float, workers: int, n_runs: int) -> di
         base = f"http://127.0.0.1:{port}"
         url = loadgen.infer_url(base, APP)
         inputs = family.load_split().validation_inputs
-        # The fleet stays at --workers for the measurement: no scale-down (the tuner would
-        # otherwise size it down to the offered rate) and no re-plan on the recorded traffic.
+        # The service runs on its defaults but for these: the fleet stays at --workers for the
+        # measurement, no scale-down (the tuner would otherwise size it down to the offered
+        # rate) and no re-plan on the recorded traffic.
         settings = {
-            "HETEROPLANE_RECONCILE_S": "1",
             "HETEROPLANE_TUNER_SCALE_DOWN_DELAY_S": "86400",
             "HETEROPLANE_REPLAN_ENABLED": "false",
+            **(service_settings or {}),
         }
         with local_service.running_service(
             data_dir, port, model=MODEL, settings=settings
@@ -267,6 +275,7 @@ def measure(rate_qps: float, duration_s: float, workers: int, n_runs: int) -> di
         "workers": args.workers,
         "direct_p99_ms": direct,
         "runs": runs,
+        "service_settings": dict(service_settings or {}),
         "loadavg_before": load_before,
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
@@ -288,11 +297,24 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=10.0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--service-setting",
+        action="append",
+        default=[],
+        metavar="HETEROPLANE_X=V",
+        help="one more setting for the service (repeatable), e.g. HETEROPLANE_RECONCILE_S=1",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if not (args.rate_qps > 0 and args.duration_s > 0 and args.workers >= 1 and args.runs >= 1):
         parser.error("--rate-qps, --duration-s > 0; --workers, --runs >= 1")
-    result = measure(args.rate_qps, args.duration_s, args.workers, args.runs)
+    settings = {}
+    for item in args.service_setting:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("HETEROPLANE_"):
+            parser.error(f"--service-setting: expected HETEROPLANE_NAME=VALUE, got {item!r}")
+        settings[key] = value
+    result = measure(args.rate_qps, args.duration_s, args.workers, args.runs, settings)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
