@@ -163,6 +163,7 @@ def one_run(
         "sent": int(summary["sent"]),
         "answered": answered,
         "errors": int(summary["errors"]),
+        "errors_by_kind": dict(summary.get("errors_by_kind") or {}),
         "sustained_qps": answered / float(arrivals[-1]) if arrivals.size else 0.0,
         "p50_ms": summary.get("p50_ms"),
         "p99_ms": summary.get("p99_ms"),
