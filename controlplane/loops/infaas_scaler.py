@@ -232,9 +232,7 @@ class InfaasScaler:
             max_counts={t: n for t in types if (n := resolved.spec.max_count(t)) is not None},
             overload=overload,
         )
-        decisions, scaled.state = decide(context, scaled.state, self._config)
-        with self._lock:
-            self._apps[app.name] = scaled
+        decisions, state = decide(context, scaled.state, self._config)
         for d in decisions:
             self._store.record_decision(
                 app.name,
@@ -246,4 +244,9 @@ class InfaasScaler:
                 if d.action == "infaas_budget_capped"
                 else None,
             )
+        # Only now does the reconciler see the new fleet: a decision is in the log before what
+        # the reconciler does about it (a drain before its terminate, a replica before its launch).
+        with self._lock:
+            scaled.state = state
+            self._apps[app.name] = scaled
         return decisions

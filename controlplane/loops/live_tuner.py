@@ -318,10 +318,6 @@ class LiveTuner:
             self._load_model(app, tuned)
         arrivals = np.ascontiguousarray(observed, dtype=np.float64)
         decisions, state = tune(arrivals, now_s, tuned.state, tuned.stages, tuned.config)
-        tuned.state = state
-        tuned.capped_now = any(d.action == "budget_capped" for d in decisions)
-        with self._lock:
-            self._apps[app.name] = tuned
         models = {stage.name: stage.model for stage in tuned.stages}
         recorded = []
         for d in decisions:
@@ -351,6 +347,12 @@ class LiveTuner:
                 # A cap that lasts (per stage and what it wanted) is one row with a count.
                 key=_cap_key(d) if d.action == "budget_capped" else None,
             )
+        # Only now does the reconciler see the new fleet: a decision is in the log before what
+        # the reconciler does about it (a scale-up before its launch).
+        with self._lock:
+            tuned.state = state
+            tuned.capped_now = any(d.action == "budget_capped" for d in decisions)
+            self._apps[app.name] = tuned
         return recorded
 
     def _set_up(self, app: AppRecord, now_s: float) -> _AppTuner | None:

@@ -188,8 +188,19 @@ def test_an_overloaded_variant_is_replicated_and_drained_once_the_load_is_gone(
             (stage,) = status.stages
             assert set(stage.states.values()) == {"overloaded"}, stage
 
+            # While a decision is written, the reconciler (another thread) still sees the old
+            # fleet: the decision is in the log before what the reconciler does about it.
+            seen: list[dict[str, int]] = []
+            record = store.record_decision
+
+            def recording(*args: Any, **kwargs: Any) -> Any:
+                seen.append(dict(scaler.desired_fleet(store.get_app(APP))))
+                return record(*args, **kwargs)
+
+            store.record_decision = recording  # type: ignore[method-assign]
             made = await asyncio.to_thread(scaler.tick)
             assert [d.action for _, d in made] == ["infaas_replicate"]
+            assert seen == [{LARGE: 1}]
             (replicate,) = store.list_decisions(APP, kinds=["infaas_replicate"])
             assert replicate.numbers["instance_type"] == LARGE
             assert replicate.numbers["count_after"] == 2
@@ -223,6 +234,7 @@ def test_an_overloaded_variant_is_replicated_and_drained_once_the_load_is_gone(
             await serving.refresh()
             made = await asyncio.to_thread(scaler.tick)
             assert [d.action for _, d in made] == ["infaas_drain"]
+            assert seen[-1] == {LARGE: 2}
             (drain,) = store.list_decisions(APP, kinds=["infaas_drain"])
             assert drain.numbers["instance_type"] == LARGE
             assert drain.numbers["count_after"] == 1

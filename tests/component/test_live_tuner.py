@@ -141,6 +141,33 @@ def test_a_step_in_the_rate_scales_up_within_the_budget_and_back_down(
     assert reasons and "since the last change" in reasons[-1]
 
 
+def test_a_decision_is_in_the_log_before_the_reconciler_can_act_on_it(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reconciler runs on another thread and reads ``desired_fleet``: while the tuner writes
+    its scale-up, the fleet the reconciler sees is still the old one (else a launch could be
+    logged before the decision that caused it)."""
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
+    tuner = live_tuner(store, clock, feed)
+    feed.arrival_s = steady(50.0, 940.0, 1000.0)
+    tuner.tick()
+    seen: list[dict[str, int]] = []
+    record = store.record_decision
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(dict(tuner.desired_fleet(app)))
+        return record(*args, **kwargs)
+
+    monkeypatch.setattr(store, "record_decision", recording)
+    clock.advance(60.0)
+    feed.arrival_s = steady(256.0, 1000.0, 1060.0)
+    made = tuner.tick()
+    assert [d.action for _, d in made][:1] == ["scale_up"]
+    assert seen and all(fleet == {SMALL: 2} for fleet in seen)
+    assert tuner.desired_fleet(app)[SMALL] > 2  # and right after, the new fleet
+
+
 def test_the_budget_cap_is_recorded_once_while_it_binds(store: Store, tmp_path: Path) -> None:
     clock, feed = FakeClock(start_s=1000.0), Feed()
     app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.15)  # 3 x 0.05 at most

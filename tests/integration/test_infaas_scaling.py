@@ -335,7 +335,9 @@ def test_an_overloaded_variant_is_replicated_on_a_new_worker_and_drained_once_th
     assert numbers["capacity_qps_after"] == {MODEL: pytest.approx(1000.0 / SERVICE_MS)}
     assert numbers["load_qps"][MODEL] <= 0.8 * numbers["capacity_qps_after"][MODEL] + 1e-9
     terminations = [d for d in decisions if d["kind"] == "terminate"]
-    assert terminations and all(int(t["id"]) > int(drain["id"]) for t in terminations)
+    assert terminations and all(int(t["id"]) > int(drain["id"]) for t in terminations), [
+        (d["id"], d["kind"], d["reason"][:120]) for d in decisions
+    ]
     assert fleet["instances"] == 1 and fleet["by_type"][0]["states"] == {"running": 1}
     assert kept["id"] in ids
     assert len(gone) == 1 and not any(process_alive(pid) for pid in gone.values())
