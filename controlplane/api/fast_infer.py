@@ -48,13 +48,16 @@ from controlplane.api.schemas import MAX_INFER_SAMPLES
 from controlplane.policies.auth import Scope as TokenScope
 from controlplane.policies.auth import scope_allows
 
-__all__ = ["FastInferMiddleware", "TokenCheck", "plain_body"]
+__all__ = ["MAX_PENDING_CHECKS", "FastInferMiddleware", "TokenCheck", "plain_body"]
 
 logger = logging.getLogger(__name__)
 
 # The path of the route, its app name as the route's (controlplane.api.routes.AppName).
 _PATH = re.compile(f"/v1/apps/({APP_NAME_PATTERN})/infer")
 _SAMPLE_ID_MAX = 2**31 - 1
+# Tokens with no cached answer checked at once at most; past it, such a request goes the
+# route's way (a flood of made-up tokens must not queue up in the serving loop's thread pool).
+MAX_PENDING_CHECKS = 64
 
 
 def plain_body(document: Any) -> tuple[list[list[float]], list[int] | None] | None:
@@ -101,8 +104,10 @@ class TokenCheck:
     (:meth:`~controlplane.db.store.Store.cached_token`), verified again in a thread before it
     ages out, so that a token in use stays cached and no request waits for the database; a
     token with no cached answer is verified once however many requests carry it meanwhile
-    (they all wait for that one read). None (the route decides) when the store says no or
-    cannot answer.
+    (they all wait for that one read, then take what it left in the cache: nothing, if a
+    revocation came while it read). None (the route decides) when the store says no or cannot
+    answer, and for a token with no cached answer while :data:`MAX_PENDING_CHECKS` others are
+    being checked (a flood of unknown tokens goes the route's way, not into this thread pool).
 
     Without this, the cached answer of a busy client's token expired every ``TOKEN_CACHE_S``
     and every request until the route's check had read the database again took the route's
@@ -117,13 +122,17 @@ class TokenCheck:
         principal, due = self.store.cached_token(token)
         if not due:
             return principal
-        pending = self._verify(token)
         if principal is not None:
-            return principal  # still valid: the new answer comes in the background
+            self._verify(token)  # still valid: the new answer comes in the background
+            return principal
+        if token not in self._pending and len(self._pending) >= MAX_PENDING_CHECKS:
+            return None
         try:
-            return await asyncio.shield(pending)
+            await asyncio.shield(self._verify(token))
         except Exception:  # the route reads the store again and answers its error
             return None
+        # What the check cached, not what it read: a revocation while it read left nothing.
+        return self.store.cached_principal(token)
 
     def _verify(self, token: str) -> asyncio.Future[Any]:
         pending = self._pending.get(token)
@@ -185,7 +194,7 @@ class FastInferMiddleware:
                     token = credentials.strip()
             elif name == b"content-type":
                 json_content = value.split(b";", 1)[0].strip().lower() == b"application/json"
-        if token:
+        if token and json_content and size <= self.max_header_bytes:
             principal = await self.tokens.principal(token)
         if (
             principal is None

@@ -143,17 +143,22 @@ def run(args: argparse.Namespace) -> int:
         progress_every_s=args.progress_s,
         engine=args.engine,
     )
-    if args.outcomes is not None:
-        write_outcomes(args.outcomes, queries, result.outcomes)
     summary = result.summary(target.slo_ms)
-    return emit(args.json, summary.to_json(), lambda: human(summary, duration_s))
+    status = emit(args.json, summary.to_json(), lambda: human(summary, duration_s))
+    if args.outcomes is not None:  # after the summary: a failed write does not lose it
+        write_outcomes(args.outcomes, queries, result.outcomes)
+    return status
 
 
 def _writable(path: Path) -> None:
-    try:
-        path.open("w", encoding="utf-8").close()
-    except OSError as error:
-        raise UsageError(f"--outcomes {path}: {error.strerror or error}") from None
+    """Refuse a path the outcomes could not be written to, leaving an existing file as it is."""
+    folder = path.parent
+    if path.is_dir():
+        raise UsageError(f"--outcomes {path}: is a folder")
+    if not folder.is_dir():
+        raise UsageError(f"--outcomes {path}: no folder {folder}")
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        raise UsageError(f"--outcomes {path}: not writable")
 
 
 def write_outcomes(path: Path, queries: Sequence[Query], outcomes: Sequence[Outcome]) -> None:

@@ -246,6 +246,8 @@ class InfaasScaler:
             )
         # Only now does the reconciler see the new fleet: a decision is in the log before what
         # the reconciler does about it (a drain before its terminate, a replica before its launch).
+        # A write that fails leaves the scaler as it was (the decisions written before it may be
+        # written again next tick).
         with self._lock:
             scaled.state = state
             self._apps[app.name] = scaled

@@ -320,14 +320,15 @@ class LiveTuner:
         decisions, state = tune(arrivals, now_s, tuned.state, tuned.stages, tuned.config)
         models = {stage.name: stage.model for stage in tuned.stages}
         recorded = []
+        capped = tuned.capped
         for d in decisions:
             if d.action == "budget_capped":
                 key = (d.stage, d.instance_type, d.count)
-                if key == tuned.capped:
+                if key == capped:
                     continue
-                tuned.capped = key
+                capped = key
             elif d.action == "scale_up":
-                tuned.capped = None
+                capped = None
             recorded.append(d)
         for d in recorded:
             self._store.record_decision(
@@ -348,9 +349,11 @@ class LiveTuner:
                 key=_cap_key(d) if d.action == "budget_capped" else None,
             )
         # Only now does the reconciler see the new fleet: a decision is in the log before what
-        # the reconciler does about it (a scale-up before its launch).
+        # the reconciler does about it (a scale-up before its launch). A write that fails leaves
+        # the tuner as it was (the decisions written before it may be written again next tick).
         with self._lock:
             tuned.state = state
+            tuned.capped = capped
             tuned.capped_now = any(d.action == "budget_capped" for d in decisions)
             self._apps[app.name] = tuned
         return recorded

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from controlplane.api.fast_infer import TokenCheck, plain_body
+from controlplane.api.fast_infer import MAX_PENDING_CHECKS, TokenCheck, plain_body
 from controlplane.db.store import Principal
 from tests.component.test_serving import (
     LARGE,
@@ -141,7 +141,8 @@ def test_concurrent_requests_with_an_uncached_token_share_one_check(world: ApiWo
             *(client.post(URL, json=ok, headers=world.auth()) for _ in range(8))
         )
         assert [a.status_code for a in answers] == [200] * 8
-        # One database read for the eight: none of them took the route's own check.
+        # One database read for the eight (shared, or cached by the time a request asked):
+        # none of them took the route's own check.
         assert checks.count == 1
 
     api_run(world, body)
@@ -181,17 +182,23 @@ def test_plain_bodies() -> None:
 
 
 class _Store:
-    """``cached_token`` answers what the test sets; ``verify_token`` counts its calls and
-    holds each until ``release`` (or raises ``error``)."""
+    """``cached_token`` answers what the test set (or what the last check cached);
+    ``verify_token`` counts its calls, holds each until ``release`` (or raises ``error``), and
+    caches its answer unless ``revoked_while_reading`` (as the store does when a revocation
+    comes during the read)."""
 
     def __init__(self, cached: tuple[Principal | None, bool]) -> None:
         self.cached = cached
         self.calls = 0
         self.release = threading.Event()
         self.error: Exception | None = None
+        self.revoked_while_reading = False
 
     def cached_token(self, token: str) -> tuple[Principal | None, bool]:
         return self.cached
+
+    def cached_principal(self, token: str) -> Principal | None:
+        return self.cached[0]
 
     def verify_token(self, token: str, *, fresh: bool = False) -> Principal | None:
         assert fresh
@@ -199,7 +206,9 @@ class _Store:
         self.release.wait(timeout=30)
         if self.error is not None:
             raise self.error
-        return PRINCIPAL
+        if not self.revoked_while_reading:
+            self.cached = (PRINCIPAL, False)
+        return PRINCIPAL  # what it read
 
 
 PRINCIPAL = Principal("client", "infer")
@@ -239,8 +248,35 @@ def test_waiters_for_an_uncached_token_share_its_check_and_its_failure() -> None
         assert await asyncio.gather(*waiting) == [PRINCIPAL] * 5
         assert store.calls == 1
         # A store that cannot answer: None (the route reads it again and answers the error).
+        store.cached = (None, True)
         store.error = RuntimeError("database is down")
         assert await check.principal("hp_x") is None
         assert store.calls == 2 and not check._pending
+
+    asyncio.run(scenario())
+
+
+def test_a_revocation_while_the_check_reads_is_not_let_through() -> None:
+    """The check read the token as valid, then it was revoked (so the store did not cache that
+    read): a request waiting on the check gets None, and the route reads the store again."""
+    store = _Store((None, True))
+    store.revoked_while_reading = True
+    store.release.set()
+    assert asyncio.run(TokenCheck(store).principal("hp_x")) is None
+    assert store.calls == 1
+
+
+def test_past_the_pending_checks_an_uncached_token_goes_to_the_route() -> None:
+    store = _Store((None, True))
+
+    async def scenario() -> None:
+        check = TokenCheck(store)
+        waiting = [check._verify(f"hp_{i}") for i in range(MAX_PENDING_CHECKS)]
+        assert len(check._pending) == MAX_PENDING_CHECKS
+        assert await check.principal("hp_one_more") is None  # no check started for it
+        assert "hp_one_more" not in check._pending
+        store.release.set()
+        await asyncio.gather(*waiting)
+        assert store.calls == MAX_PENDING_CHECKS and not check._pending
 
     asyncio.run(scenario())

@@ -582,6 +582,28 @@ def test_the_token_cache_says_when_to_verify_again_and_never_outlives_its_second
     assert store.verify_token(token) is None
 
 
+def test_a_read_that_a_revocation_overtook_is_not_cached(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A check that read the row before a revocation committed (here: the revocation's own
+    step after its commit, run while the read is under way) returns what it read but leaves
+    nothing cached, so the next check reads the database again."""
+    from controlplane.policies import auth
+
+    token = store.create_token("infer", "client")
+    matches = auth.hashes_match
+
+    def revoked_meanwhile(presented: str, stored: str) -> bool:
+        with store._token_lock:  # what revoke_token does once its commit is done
+            store._token_cache.clear()
+            store._token_generation += 1
+        return matches(presented, stored)
+
+    monkeypatch.setattr(auth, "hashes_match", revoked_meanwhile)
+    assert store.verify_token(token, fresh=True) == Principal("client", "infer")
+    assert store.cached_token(token) == (None, True)
+
+
 def test_token_refusals(store: Store) -> None:
     store.create_token("admin", "root")
     with pytest.raises(ConflictError, match="a token named 'root' already exists"):

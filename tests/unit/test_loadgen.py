@@ -441,10 +441,12 @@ def test_every_querys_outcome_can_be_written_out(
     assert [r["kind"] for r in rows] == ["ok", "http_503", "ok", "ok"]
     assert json.loads(out)["answered"] == sum(r["kind"] == "ok" for r in rows)
     assert all(float(r["latency_ms"]) >= 0.0 and float(r["send_lag_ms"]) >= 0.0 for r in rows)
-    # A file that cannot be written is one line and exit 2, before anything is sent.
+    # A file that cannot be written is one line and exit 2, before anything is sent; an
+    # existing file is left as it is until the run's outcomes replace it.
     sent = len(fake.requests)
-    status, _, err = loadgen_cli(capsys, *argv, "--outcomes", str(tmp_path / "no" / "x.csv"))
-    assert status == 2 and err.count("\n") == 1 and "--outcomes" in err, err
+    for bad in (tmp_path / "no" / "x.csv", tmp_path):
+        status, _, err = loadgen_cli(capsys, *argv, "--outcomes", str(bad))
+        assert status == 2 and err.count("\n") == 1 and "--outcomes" in err, err
     assert len(fake.requests) == sent
 
 
