@@ -270,6 +270,20 @@ def _check_tls(ec2: Any, out: Mapping[str, Any], certificate: str) -> None:
     assert environment["HETEROPLANE_DASHBOARD_SECURE_COOKIE"] == "true"
 
 
+def _host_settings(monkeypatch: pytest.MonkeyPatch, out: Mapping[str, Any], tmp_path: Path) -> Any:
+    """The control plane's settings as the host has them: terraform's outputs as the whole
+    ``HETEROPLANE_*`` environment, a data folder of the test's own."""
+    from controlplane.settings import load_settings
+
+    for name in list(os.environ):
+        if name.startswith("HETEROPLANE_"):
+            monkeypatch.delenv(name)
+    for name, value in out["control_plane_environment"].items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("HETEROPLANE_DATA_DIR", str(tmp_path / "data"))
+    return load_settings()
+
+
 def _serve_a_plan(
     ec2: Any, ami: str, out: Mapping[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -281,16 +295,9 @@ def _serve_a_plan(
     from controlplane.db.store import Store
     from controlplane.loops.reconciler import Launch, Reconciler, Terminate, catalog_pricing
     from controlplane.service.provisioning import build_provisioner
-    from controlplane.settings import load_settings
     from estimator.catalog import default_catalog
 
-    for name in list(os.environ):
-        if name.startswith("HETEROPLANE_"):
-            monkeypatch.delenv(name)
-    for name, value in out["control_plane_environment"].items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("HETEROPLANE_DATA_DIR", str(tmp_path / "data"))
-    settings = load_settings()
+    settings = _host_settings(monkeypatch, out, tmp_path)
     provisioner = build_provisioner(settings)
     assert provisioner.name == "ec2"
     settings.ensure_data_dir()
@@ -374,19 +381,12 @@ def _serve_an_artifact(
     import hashlib
 
     from controlplane.service.provisioning import build_provisioner
-    from controlplane.settings import load_settings
     from provisioners.artifacts import ArtifactRef
     from provisioners.base import APP_TAG, LaunchRequest
     from provisioners.ec2 import worker_user_data
     from provisioners.fetch import fetch_artifact
 
-    for name in list(os.environ):
-        if name.startswith("HETEROPLANE_"):
-            monkeypatch.delenv(name)
-    for name, value in out["control_plane_environment"].items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("HETEROPLANE_DATA_DIR", str(tmp_path / "data"))
-    settings = load_settings()
+    settings = _host_settings(monkeypatch, out, tmp_path)
     assert settings.ec2 is not None
     assert settings.ec2.model_bucket == out["model_bucket"] == "e2e-models"
     assert settings.ec2.model_prefix == "models/"
