@@ -67,7 +67,6 @@ import gc
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,6 +78,10 @@ from typing import Any
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
+try:  # imported as benchmarks.api_layers
+    from benchmarks.api_speed import median_spread
+except ModuleNotFoundError:  # run as a script: the sibling module
+    from api_speed import median_spread  # type: ignore[no-redef]
 from controlplane.api.routes.infer import answer_document
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import SystemClock
@@ -128,10 +131,6 @@ FIGURES = (
     "fast_path_saves_us",
     "uvicorn_http_us",
 )
-
-
-def median_spread(values: Sequence[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def cpu_us_per_call(call: Callable[[], object], n: int) -> float:

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +174,8 @@ def one_run(
     }
 
 
-def median_spread(values: list[float]) -> dict[str, float]:
+def median_spread(values: Sequence[float]) -> dict[str, float]:
+    """The median of ``values`` with the smallest and the largest."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
