@@ -88,7 +88,8 @@ def test_the_loop_is_open_no_query_waits_for_an_answer(fake: FakeService) -> Non
 
 
 def test_a_query_without_an_answer_in_time_is_a_timeout(fake: FakeService) -> None:
-    result = run(build_queries(trace_of([0.0, 0.0], [11, 0]), inputs()), fake.url, timeout_s=0.05)
+    result = run(build_queries(trace_of([0.0, 0.0], [11, 0]), inputs()), fake.url, timeout_s=1.0)
+    # The answered query has a second, not 50 ms: on a loaded CI machine 50 ms was missed.
     fake.release.set()
     assert [o.kind for o in result.outcomes] == ["timeout", "ok"]
 
