@@ -380,7 +380,7 @@ def test_a_hanging_worker_times_out_and_is_taken_out() -> None:
         workers = await fleet([LARGE, LARGE])
         workers[0].hang = True
         dispatcher = await dispatcher_over(
-            workers, config(models=("tiny",)), admission=False, call_timeout_floor_s=0.05
+            workers, config(models=("tiny",)), admission=False, call_timeout_floor_s=0.5
         )
         results = await settle([dispatcher.submit([row(q, 0.9)]) for q in range(10)])
         assert all(isinstance(r, InferResult) for r in results), results
