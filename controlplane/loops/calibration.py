@@ -94,10 +94,11 @@ class ProfileCalibrator:
         self._forget = forget
         self._rule = rule if rule is not None else CalibrationRule()
 
-    def tick(self) -> list[Drift]:
-        """One calibration pass over every app; the recalibrations it made."""
+    def tick(self, apps: Sequence[AppRecord] | None = None) -> list[Drift]:
+        """One calibration pass over every app (``apps``, the tick's snapshot of the store's
+        apps, else read now); the recalibrations it made."""
         made: list[Drift] = []
-        for app in self._store.list_apps():
+        for app in self._store.list_apps() if apps is None else apps:
             try:
                 made.extend(self._tick_app(app))
             except (ControlPlaneError, EstimatorError, KeyError, ValueError) as error:

@@ -133,12 +133,13 @@ class InfaasScaler:
         plan = self._store.get_applied_plan(app.name)
         return {} if plan is None else plan.plan.fleet
 
-    def tick(self) -> list[tuple[str, ScalingDecision]]:
-        """One tick for every app with ``scaling: infaas``; the decisions it recorded."""
+    def tick(self, apps: Sequence[AppRecord] | None = None) -> list[tuple[str, ScalingDecision]]:
+        """One tick for every app with ``scaling: infaas`` (``apps``, the tick's snapshot of the
+        store's apps, else read now); the decisions it recorded."""
         made: list[tuple[str, ScalingDecision]] = []
         now_s = self._clock.now_s()
         statuses = {status.app: status for status in self._statuses()}
-        for app in self._store.list_apps():
+        for app in self._store.list_apps() if apps is None else apps:
             if not scales_with_infaas(app) or app.applied_plan_id is None:
                 with self._lock:
                     self._apps.pop(app.name, None)

@@ -182,15 +182,20 @@ class LiveGears:
         self.refresh(capped)
         return self.switch_tick()
 
-    def refresh(self, capped: Callable[[str], bool] = lambda _app: False) -> None:
+    def refresh(
+        self,
+        capped: Callable[[str], bool] = lambda _app: False,
+        apps: Sequence[AppRecord] | None = None,
+    ) -> None:
         """Read the store (once per tuner tick): every app with an applied gear plan is tracked
         (a new plan starts its switcher, recorded), the others are served as their spec says;
         each tracked app's affordable share and ``capped(app)`` (whether the tuner's budget caps
-        it now) are kept for :meth:`switch_tick`."""
+        it now) are kept for :meth:`switch_tick`. ``apps``: the tick's snapshot of the store's
+        apps, else read now."""
         with self._ticking:
             now_s = self._clock.now_s()
             listed = set()
-            for app in self._store.list_apps():
+            for app in self._store.list_apps() if apps is None else apps:
                 listed.add(app.name)
                 try:
                     self._refresh_app(app, now_s, capped(app.name))

@@ -57,7 +57,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -268,11 +268,12 @@ class LiveTuner:
             tuned = self._apps.get(app)
             return tuned is not None and tuned.capped_now
 
-    def tick(self) -> list[tuple[str, Decision]]:
-        """One tuner tick for every app with an applied plan; the decisions it made."""
+    def tick(self, apps: Sequence[AppRecord] | None = None) -> list[tuple[str, Decision]]:
+        """One tuner tick for every app with an applied plan (``apps``, the tick's snapshot of
+        the store's apps, else read now); the decisions it made."""
         made: list[tuple[str, Decision]] = []
         now_s = self._clock.now_s()
-        for app in self._store.list_apps():
+        for app in self._store.list_apps() if apps is None else apps:
             if app.applied_plan_id is None or scales_with_infaas(app):
                 # An app that scales the INFaaS way is the InfaasScaler's.
                 with self._lock:

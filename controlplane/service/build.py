@@ -410,16 +410,19 @@ def build_scheduler(
     if live_tuner is not None:
 
         def tuner_tick() -> None:
-            for app, decision in live_tuner.tick():
+            # One read of the apps for the whole tick: each sub-loop listing them again took
+            # the serving process's interpreter for a transaction each, every second.
+            apps = store.list_apps()
+            for app, decision in live_tuner.tick(apps):
                 logger.info("tuner %s: %s", app, decision.reason)
             if infaas_scaler is not None:
-                for app, scaled in infaas_scaler.tick():
+                for app, scaled in infaas_scaler.tick(apps):
                     logger.info("infaas %s: %s", app, scaled.reason)
             if live_gears is not None:
                 # The store's side of the switcher; the gears job switches every 100 ms.
-                live_gears.refresh(live_tuner.budget_capped)
+                live_gears.refresh(live_tuner.budget_capped, apps)
             if calibrator is not None:
-                for drift in calibrator.tick():
+                for drift in calibrator.tick(apps):
                     logger.info("calibration %s: %s", drift.app, drift.calibration)
 
         bodies = dataclasses.replace(bodies, tuner_tick=tuner_tick)
