@@ -79,12 +79,13 @@ from controlplane.policies.tuner import (
     TunerStage,
     TunerState,
     initial_state,
+    planning_envelope,
     tune,
     utilisation_target,
 )
 from controlplane.spec import ResolvedApp
 from estimator import deadline
-from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope, tuner_windows_s
+from estimator.envelope import DEFAULT_MAX_WINDOW_S
 from estimator.errors import EstimatorError
 from estimator.traces import Trace, poisson_arrivals
 
@@ -574,13 +575,10 @@ def synthetic_planning_arrivals(rate_qps: float) -> NDArray[np.float64]:
 def synthetic_planning_envelope(
     rate_qps: float, service_time_s: float, max_window_s: float
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The envelope (windows s, rates qps) of :func:`synthetic_planning_arrivals` at
-    ``rate_qps`` on the tuner's windows (:func:`~controlplane.policies.tuner.tuner_windows_s`
-    from ``service_time_s`` to ``max_window_s``), for a plan that stores none; kept, since a
-    recalibration or a re-plan check asks for the same one again."""
-    windows = tuner_windows_s(service_time_s, max_window_s)
-    envelope = arrival_envelope(synthetic_planning_arrivals(rate_qps), windows)
-    return tuple(float(w) for w in windows), tuple(float(r) for r in envelope.rate_qps)
+    """:func:`~controlplane.policies.tuner.planning_envelope` of
+    :func:`synthetic_planning_arrivals` at ``rate_qps``, for a plan that stores none; kept, since
+    a recalibration or a re-plan check asks for the same one again."""
+    return planning_envelope(synthetic_planning_arrivals(rate_qps), service_time_s, max_window_s)
 
 
 def _cap_key(decision: Decision) -> str:

@@ -87,6 +87,7 @@ __all__ = [
     "fleet_cost_usd_per_hr",
     "initial_state",
     "load_factors",
+    "planning_envelope",
     "ready_fleets",
     "tune",
     "utilisation_target",
@@ -107,6 +108,19 @@ _COST_SLACK_USD_PER_HR = 1e-9
 _RELATIVE_SLACK = 1e-12
 
 Action = Literal["scale_up", "scale_down", "budget_capped"]
+
+
+def planning_envelope(
+    planning_arrival_s: ArrayLike,
+    service_time_s: float,
+    max_window_s: float = DEFAULT_MAX_WINDOW_S,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The planning trace's envelope on the tuner's windows (:func:`tuner_windows_s` from
+    ``service_time_s`` doubling to ``max_window_s``): (windows s, the peak rate at each, qps)."""
+    windows = tuner_windows_s(service_time_s, max_window_s)
+    envelope = arrival_envelope(planning_arrival_s, windows)
+    return tuple(float(w) for w in windows), tuple(float(r) for r in envelope.rate_qps)
+
 
 CapacityModel = Callable[[Mapping[str, int]], float]
 """A stage's throughput (qps) for counts by type; non-decreasing in every count."""
@@ -319,11 +333,10 @@ class TunerConfig:
         """The windows from ``service_time_s`` doubling to ``max_window_s``, the planning trace's
         envelope on them, prices from ``catalog`` and boot times from :func:`default_boot_s`
         (``boot_s`` overrides per type)."""
-        windows = tuner_windows_s(service_time_s, max_window_s)
-        envelope = arrival_envelope(planning_arrival_s, windows)
+        windows_s, rates_qps = planning_envelope(planning_arrival_s, service_time_s, max_window_s)
         return cls.from_envelope(
-            tuple(float(w) for w in windows),
-            tuple(float(r) for r in envelope.rate_qps),
+            windows_s,
+            rates_qps,
             budget_usd_per_hr=budget_usd_per_hr,
             catalog=catalog,
             types=types,

@@ -21,9 +21,9 @@ from controlplane.clock import FakeClock
 from controlplane.db import migrate
 from controlplane.db.store import AppRecord, Store
 from controlplane.loops.live_tuner import LiveTuner, plan_capacity_curve
-from controlplane.policies.tuner import TunerConfig
+from controlplane.policies.tuner import TunerConfig, planning_envelope
 from controlplane.spec import resolve_spec, validate_spec
-from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope, tuner_windows_s
+from estimator.envelope import DEFAULT_MAX_WINDOW_S, tuner_windows_s
 
 SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
 APP = "recs"
@@ -359,13 +359,13 @@ def test_a_recalibration_sets_the_app_up_without_computing_the_planning_envelope
     from controlplane.loops import live_tuner as module
 
     computed: list[int] = []
-    real = arrival_envelope
+    real = planning_envelope
 
-    def counted(arrivals: Any, windows: Any) -> Any:
+    def counted(arrivals: Any, service_time_s: float, max_window_s: float) -> Any:
         computed.append(len(arrivals))
-        return real(arrivals, windows)
+        return real(arrivals, service_time_s, max_window_s)
 
-    monkeypatch.setattr(module, "arrival_envelope", counted)
+    monkeypatch.setattr(module, "planning_envelope", counted)
     module.synthetic_planning_envelope.cache_clear()
     clock, feed = FakeClock(start_s=1000.0), Feed()
     applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
