@@ -1311,16 +1311,16 @@ class Store:
         if not auth.looks_like_token(token):
             return None, False
         now = self._now(None)
-        with self._token_lock:
-            cached = self._token_cache.get(auth.hash_token(token))
-        if cached is None or now >= cached[1]:
+        cached = self._cached(auth.hash_token(token), now)
+        if cached is None:
             return None, True
         return cached[0], now >= cached[1] - timedelta(seconds=TOKEN_CACHE_S / 2)
 
-    def _cached_principal(self, digest: str, now: datetime) -> Principal | None:
+    def _cached(self, digest: str, now: datetime) -> tuple[Principal, datetime] | None:
+        """The cached answer for ``digest`` and when it expires, while it has not."""
         with self._token_lock:
             cached = self._token_cache.get(digest)
-        return cached[0] if cached is not None and now < cached[1] else None
+        return cached if cached is not None and now < cached[1] else None
 
     @_translated
     def verify_token(
@@ -1334,9 +1334,9 @@ class Store:
             return None
         digest = auth.hash_token(token)
         now = self._now(at)
-        cached = None if fresh else self._cached_principal(digest, now)
+        cached = None if fresh else self._cached(digest, now)
         if cached is not None:
-            return cached
+            return cached[0]
         with self._token_lock:
             generation = self._token_generation
         with transaction(self._sessions) as session:
