@@ -79,8 +79,10 @@ import orjson
 from starlette.types import Message, Receive, Scope, Send
 
 try:  # imported as benchmarks.api_layers
+    from benchmarks import local_service
     from benchmarks.api_speed import median_spread
-except ModuleNotFoundError:  # run as a script: the sibling module
+except ModuleNotFoundError:  # run as a script: the sibling modules
+    import local_service  # type: ignore[no-redef]
     from api_speed import median_spread  # type: ignore[no-redef]
 from controlplane.api.routes.infer import answer_document
 from controlplane.apps.resolver import AppResolver, spec_document
@@ -448,12 +450,7 @@ def uvicorn_figures(token: str, n: int, repeats: int) -> dict[str, list[float]]:
         finally:
             client.close()
     finally:
-        child.terminate()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        local_service.stop(child, deadline_s=10.0)
     return {"uvicorn_http_us": figures}
 
 

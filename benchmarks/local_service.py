@@ -197,7 +197,7 @@ def wait_ready(
     raise SystemExit(f"not ready in {deadline_s:g} s:\n{log.read_text()}")
 
 
-def stop(process: subprocess.Popen[bytes], deadline_s: float = 30.0) -> None:
+def stop(process: subprocess.Popen[Any], deadline_s: float = 30.0) -> None:
     """SIGTERM, then SIGKILL past ``deadline_s``."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
