@@ -23,6 +23,7 @@ from controlplane.policies.gears import (
     _batch_caps,
     capacity_share,
     plan_gears,
+    same_cascade,
     simulate_gear_switching,
     start_switcher,
     switch,
@@ -610,3 +611,25 @@ def test_the_accuracy_floor_is_checked_against_the_held_out_accuracy() -> None:
     assert any(o.quality.accuracy >= 0.9 for o in held_out.options)
     assert all(o.accuracy < 0.9 for o in held_out.options)
     assert not any(g.meets_slo for g in held_out.gears)
+
+
+def test_switching_in_the_simulator_keeps_the_hysteresis(plan: GearPlan) -> None:
+    # A steady load at a boundary between two cascades: the paper's rule flaps on the 100 ms
+    # counts, the service's rule (the default) switches at most once, as the live loop does.
+    records = family.records()
+    k = next(k for k in range(1, len(plan.gears)) if not same_cascade(plan, k - 1, k))
+    rate = plan.gears[k].low_qps
+    rng = np.random.default_rng(5)
+    arrival = renewal_arrivals(constant_profile(rate), 20.0, 1.0, rng)
+    samples = rng.integers(0, records.n_samples, size=arrival.size)
+    trace = Trace(arrival, np.ones(arrival.size, dtype=np.int64), samples)
+
+    def run(hysteresis: Hysteresis | None) -> int:
+        simulated = simulate_gear_switching(
+            trace, plan, records, family.profiles(), family.PRICES, np.random.default_rng(6),
+            start_gear=k - 1, hysteresis=hysteresis,
+        )  # fmt: skip
+        return len(simulated.switches)
+
+    assert run(None) <= 1
+    assert run(PAPER) > 5
