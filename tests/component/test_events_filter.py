@@ -1,21 +1,19 @@
 """``heteroplane events`` and ``GET /v1/apps/{app}/decisions`` by kind, and repeats collapsed: a
 real SQLite store through the migrations, the real API on uvicorn on 127.0.0.1, the real command
-line. The app's log is a scaling decision, a burst of 120 gear switches, then another scaling
-decision: the case where the newest 100 hid every scaling decision (issue 35, item 9)."""
+line (the API served as the integration tests serve it, ``ApiServer``). The app's log is a
+scaling decision, a burst of 120 gear switches, then another scaling decision: the case where the
+newest 100 hid every scaling decision (issue 35, item 9)."""
 
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from controlplane.cli import main
 from controlplane.cli.operate import EventLine, collapse
@@ -24,6 +22,7 @@ from controlplane.db.store import Store
 from controlplane.service.app import create_app
 from controlplane.settings import Settings
 from tests.component.test_api import spec, write_profiles
+from tests.integration.conftest import ApiServer
 
 APP = "toy"
 BURST = 120
@@ -31,9 +30,10 @@ BURST = 120
 
 @dataclass
 class Service:
-    url: str
+    app: Any  # the FastAPI app (what ApiServer serves)
     token: str
     store: Store
+    url: str = ""
 
 
 def _history(store: Store) -> None:
@@ -62,27 +62,16 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     settings = Settings(data_dir=data_dir, provisioner="fake")
     store = Store.from_url(settings.database_url, FakeClock(), upgrade=True)
     token = store.create_token("operator", name="operator-token")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    app = create_app(settings, store, FakeClock())
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20.0
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
+    service = Service(create_app(settings, store, FakeClock()), token, store)
     try:
-        headers = {"Authorization": f"Bearer {token}"}
-        made = httpx.post(f"{url}/v1/apps", json=spec(APP), headers=headers)
-        assert made.status_code == 201, made.text
-        _history(store)
-        yield Service(url, token, store)
+        with ApiServer(service) as url:  # type: ignore[arg-type]  # it serves service.app
+            service.url = url
+            headers = {"Authorization": f"Bearer {token}"}
+            made = httpx.post(f"{url}/v1/apps", json=spec(APP), headers=headers)
+            assert made.status_code == 201, made.text
+            _history(store)
+            yield service
     finally:
-        server.should_exit = True
-        thread.join(20)
-        sock.close()
         store.close()
 
 
