@@ -155,7 +155,7 @@ def run_cycle(
         arrival_s, ticks - DEFAULT_WINDOW_S, side="right"
     )
     measured = counts / DEFAULT_WINDOW_S
-    state = start_switcher(plan, 0.0, expected_qps=float(measured[0]), hysteresis=rule)
+    state = start_switcher(plan, expected_qps=float(measured[0]), hysteresis=rule)
     accuracy = [plan.option_of(g).accuracy for g in range(len(plan.gears))]
     switches = changes = slow = 0
     loss = 0.0

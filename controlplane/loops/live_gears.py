@@ -305,7 +305,6 @@ class LiveGears:
             }
             state = start_switcher(
                 plan,
-                now_s,
                 expected_qps=measured_qps,
                 alpha=self._alpha,
                 cap_hold_s=self._cap_hold_s,

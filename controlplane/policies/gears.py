@@ -101,7 +101,7 @@ times. So the rule has a dead band and a dwell, and a *switch* is a change of ca
 - *same cascade*: gears whose option (cascade, thresholds and caps) is the same differ only in
   their batch trigger; moving between them changes the trigger the loop uses, is no switch
   (:attr:`GearDecision.switched` is False), waits for no dwell and is not logged.
-  ``since_s`` is when the current cascade took force.
+  ``since_s`` is the last switch (-inf before the first: the start waits for no dwell).
 
 :meth:`Hysteresis.off` is the paper's rule without any of these (``benchmarks/gear_flapping.py``
 measures both).
@@ -979,7 +979,7 @@ class GearSwitcher:
 
     plan: GearPlan
     gear: int
-    # When the cascade in force took force (the last switch, or the start); -inf: no dwell.
+    # When the cascade in force took force (the last switch); -inf: none yet, no dwell.
     since_s: float = -math.inf
     capped_until_s: float = -math.inf
     alpha: float = ALPHA
@@ -1022,19 +1022,20 @@ class GearDecision:
 
 def start_switcher(
     plan: GearPlan,
-    now_s: float = 0.0,
     *,
     expected_qps: float = 0.0,
     alpha: float = ALPHA,
     cap_hold_s: float = DEFAULT_CAP_HOLD_S,
     hysteresis: Hysteresis | None = None,
 ) -> GearSwitcher:
-    """The switcher in the gear of ``expected_qps`` (default: the lowest range's) from
-    ``now_s``: the start counts as a switch for the dwell (the live loop records it as one)."""
+    """The switcher in the gear of ``expected_qps`` (default: the lowest range's). The start is
+    no switch for the dwell: a gear chosen for the load measured now has nothing to flap
+    against, and a budget cut right after a plan applies must move it at once (the hold still
+    applies to a move down)."""
     return GearSwitcher(
         plan,
         plan.gear_for(expected_qps),
-        now_s,
+        -math.inf,
         -math.inf,
         alpha,
         cap_hold_s,

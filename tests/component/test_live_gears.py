@@ -252,7 +252,7 @@ def test_a_budget_below_the_fleets_cost_moves_the_gear_before_the_drain(
             APP, request_id=f"r{n}", instance_type=TYPE, price_usd_per_hr=0.3, state="running"
         )
     clock, loop = FakeClock(start_s=100.0), Loop()
-    gears = switcher(store, clock, loop)
+    gears = switcher(store, clock, loop, hysteresis=None)  # the service's: the start is no dwell
     loop.rate(15.0, clock.now_s())
     gears.tick()
     assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
