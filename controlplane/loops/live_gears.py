@@ -333,9 +333,10 @@ class LiveGears:
         if status is not None and not tracked.ready_once:
             return None  # no worker up yet: the gear in force stays
         share = ready_share(tracked.plan, status, tracked.profiles)
-        if tracked.affordable < share:
+        budget_cut = tracked.affordable < share
+        if budget_cut:
             # A budget below the fleet's cost: the reconciler is about to drain to it. The gear
-            # moves first, for the capacity the budget leaves.
+            # moves first (no dwell), for the capacity the budget leaves.
             share = tracked.affordable
         first = tracked.state.option.cascade.models[0]
         first_queue = next(
@@ -349,6 +350,7 @@ class LiveGears:
             now_s,
             capacity_share=share,
             budget_capped=budget_capped,
+            budget_cut=budget_cut,
         )
         if decision.changed:  # a new gear, or only a new batch trigger on the same cascade
             self._keep(app, tracked)

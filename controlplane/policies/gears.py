@@ -1060,6 +1060,7 @@ def switch(
     *,
     capacity_share: float = 1.0,
     budget_capped: bool = False,
+    budget_cut: bool = False,
 ) -> tuple[GearDecision, GearSwitcher]:
     """One producer tick: the gear for ``measured_qps`` and the next state.
 
@@ -1071,7 +1072,9 @@ def switch(
     while measured_qps < alpha x first_queue_len (CascadeServe's rule: the backlog of the
     high-QPS interval drains first) and while the budget cap holds (``budget_capped`` now or
     within ``cap_hold_s``); a switch to another cascade also until ``down_dwell_s`` since the
-    last switch. ``first_queue_len`` is the queue of the current gear's first model. Pure.
+    last switch. ``budget_cut``: the capacity share is what a budget below the fleet's cost
+    leaves, about to be drained; a switch up then waits for no dwell (the gear must move before
+    the fleet shrinks). ``first_queue_len`` is the queue of the current gear's first model. Pure.
 
     >>> plan = GearPlan(Placement.parse("m:c=1"), 100.0, 99.0, None, (), (
     ...     Gear(0.0, 10.0, 0, True), Gear(10.0, 20.0, 0, True)), 20.0, 0, 0)
@@ -1104,7 +1107,7 @@ def switch(
     gear, reason = current, f"{seen}: gear {current} holds"
     up = plan.gear_for(effective)
     if up > current:
-        if same_cascade(plan, current, up) or in_force_s >= rule.up_dwell_s:
+        if budget_cut or same_cascade(plan, current, up) or in_force_s >= rule.up_dwell_s:
             gear, reason = up, f"{seen}: up from gear {current} to {up}"
         else:
             reason = (

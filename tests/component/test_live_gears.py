@@ -256,7 +256,8 @@ def test_a_budget_below_the_fleets_cost_moves_the_gear_before_the_drain(
     loop.rate(15.0, clock.now_s())
     gears.tick()
     assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
-    # The budget drops to a third of the fleet's cost; no instance has been drained yet.
+    # The budget drops to a third of the fleet's cost; no instance has been drained yet. A
+    # second after the start: no dwell holds a switch the budget forces.
     store.change_budget(APP, 0.3, reason="cut", who="test")
     clock.advance(1.0)
     up = gears.budget_changed(APP)

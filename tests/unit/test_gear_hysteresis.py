@@ -152,3 +152,12 @@ def test_the_service_settings_default_to_the_policys_hysteresis() -> None:
         settings.gear_down_dwell_s,
         settings.gear_up_dwell_s,
     ) == (rule.band_share, rule.down_hold_s, rule.down_dwell_s, rule.up_dwell_s)
+
+
+def test_a_budget_cut_switches_up_without_waiting_for_the_dwell() -> None:
+    plan = fake_plan()
+    state = GearSwitcher(plan, gear=0, since_s=10.0)  # a switch a second ago
+    decision, _ = switch(5.0, 0, state, 11.0, capacity_share=0.25)  # 20 qps on a quarter
+    assert decision.gear == 0 and "before a switch up" in decision.reason
+    decision, _ = switch(5.0, 0, state, 11.0, capacity_share=0.25, budget_cut=True)
+    assert (decision.gear, decision.switched) == (2, True)
