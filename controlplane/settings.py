@@ -186,6 +186,34 @@ class Settings(BaseSettings):
         description="how often the gear switcher evaluates the gear of an app served by gears"
         " (CascadeServe's producer: 100 ms), s",
     )
+    # The gear switcher's hysteresis (controlplane.policies.gears.Hysteresis; the defaults and
+    # why: docs/gear-switching.md, "Hysteresis").
+    gear_dead_band_share: float = Field(
+        default=0.25,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="the gear switches down only once the load falls below its range's low"
+        " boundary x (1 - this share)",
+    )
+    gear_down_hold_s: float = Field(
+        default=10.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="how long the load must stay below the dead band before the gear moves down, s",
+    )
+    gear_down_dwell_s: float = Field(
+        default=30.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="the least time a cascade serves before a switch to a slower one, s",
+    )
+    gear_up_dwell_s: float = Field(
+        default=5.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="the least time a cascade serves before a switch to a faster one, s",
+    )
     # How long one plan (a preview, the capacity or the traffic replanner's) may run before it is
     # given up with a one-line reason (estimator.deadline).
     plan_deadline_s: float = Field(default=60.0, gt=0, le=3600, allow_inf_nan=False)

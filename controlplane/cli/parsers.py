@@ -1324,6 +1324,27 @@ def _events(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--limit", type=int, default=100, metavar="N", help="the newest N of each (default 100)"
     )
+    # --- filter by kind and collapse repeats (issues 29 and 35) ---
+    parser.add_argument(
+        "--kind",
+        action="append",
+        metavar="KIND[,KIND]",
+        help="only these decision kinds (gear_switch, scale_up, ...; 'instance' for the"
+        " instances' events); repeatable; --limit counts after the filter",
+    )
+    parser.add_argument(
+        "--exclude-kind",
+        action="append",
+        metavar="KIND[,KIND]",
+        help="none of these kinds ('instance': no instance events); repeatable",
+    )
+    parser.add_argument(
+        "--no-collapse",
+        action="store_true",
+        help="one line per record (default: a run of the same kind is one line with its count"
+        " and time span)",
+    )
+    # --- end of the kind options ---
     add_client_options(parser)
     parser.set_defaults(handler=Handler("operate", "events"))
 

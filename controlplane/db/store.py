@@ -1150,8 +1150,12 @@ class Store:
         *,
         since: datetime | None = None,
         kinds: Iterable[str] | None = None,
+        exclude_kinds: Iterable[str] | None = None,
         limit: int | None = None,
     ) -> list[DecisionRecord]:
+        """The decisions (of ``app``), oldest first: after ``since``, of ``kinds`` only and of
+        none of ``exclude_kinds``, filtered in the query, so ``limit`` (the newest that many)
+        counts only the decisions that pass."""
         with transaction(self._sessions) as session:
             query = select(m.Decision, m.App.name).join(m.App, m.App.id == m.Decision.app_id)
             if app is not None:
@@ -1160,6 +1164,8 @@ class Store:
                 query = query.where(m.Decision.at > self._now(since))
             if kinds is not None:
                 query = query.where(m.Decision.kind.in_(list(kinds)))
+            if exclude_kinds is not None:
+                query = query.where(m.Decision.kind.not_in(list(exclude_kinds)))
             rows = _newest_rows(session, query, m.Decision.at, m.Decision.id, limit)
             return [_decision_record(decision, name) for decision, name in rows]
 
