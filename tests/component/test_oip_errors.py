@@ -136,9 +136,7 @@ def test_the_body_limit_admits_256_rows_of_the_models_input(world: ApiWorld) -> 
         )
         assert "256" in oip_error(response, 400)
         limit = body_limit(IMAGES, world.settings.oip_body_max_bytes)
-        response = await client.post(
-            INFER, content=chunks(content + b" " * limit), headers=headers
-        )
+        response = await client.post(INFER, content=chunks(content + b" " * limit), headers=headers)
         assert f"{limit:,}" in oip_error(response, 413)
 
     api_run(world, body)

@@ -121,7 +121,9 @@ def test_a_prompt_client_is_not_cut_off(quick: Server) -> None:
     with httpx.Client(base_url=quick.url) as client:
         for _ in range(3):
             assert client.get("/healthz").status_code == 200
-        answer = client.post("/v1/apps", content=b"{}", headers={"Content-Type": "application/json"})
+        answer = client.post(
+            "/v1/apps", content=b"{}", headers={"Content-Type": "application/json"}
+        )
     assert answer.status_code == 401
 
 
