@@ -220,7 +220,28 @@ def _on_validation_error(request: Request, error: Exception) -> JSONResponse:
     # An unknown field first: a misspelt key also makes the real one "missing".
     detail = next((d for d in details if d.get("type") == "extra_forbidden"), details[0])
     field = _field_path(tuple(detail.get("loc", ())))
-    return error_response(422, "invalid_request", _validation_message(detail, field), field)
+    message = _validation_message(detail, field)
+    if field is None and detail.get("type") in ("dict_type", "model_attributes_type"):
+        message = _content_type_message(request) or message
+    return error_response(422, "invalid_request", message, field)
+
+
+def _content_type_message(request: Request) -> str | None:
+    """What is wrong when a JSON body was not taken as JSON because of its Content-Type (None
+    when the request said JSON)."""
+    given = request.headers.get("content-type")
+    if given is None:
+        return (
+            "the body must be a JSON object sent with Content-Type: application/json;"
+            " the request has no Content-Type"
+        )
+    kind = given.split(";", 1)[0].strip().lower()
+    if kind == "application/json" or kind.endswith("+json"):
+        return None
+    return (
+        "the body must be a JSON object sent with Content-Type: application/json;"
+        f" the request's Content-Type is {given[:60]!r}"
+    )
 
 
 def _on_api_error(request: Request, error: Exception) -> JSONResponse:
