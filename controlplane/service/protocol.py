@@ -296,7 +296,9 @@ if HttpToolsProtocol is not None:
             self._cancel_head_timer()
             super().on_headers_complete()
             if self.scope is not None:
-                self.scope.setdefault("extensions", {})[CONNECTION_EXTENSION] = self  # type: ignore[typeddict-unknown-key]
+                # The route's token check marks the connection through it (mark_authenticated).
+                extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+                extensions[CONNECTION_EXTENSION] = self
             self._body_bytes = 0
             if self.limits.body_min_rate_bytes_per_s > 0:
                 self._body_timer = self.loop.call_later(

@@ -7,6 +7,7 @@ Concurrency (two writers at once) and PostgreSQL are in tests/integration/test_s
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sqlite3
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
@@ -200,7 +201,7 @@ def test_budget_history_is_listed_in_chain_order_not_by_time(store: Store) -> No
     store.change_budget("recs", 4.0, reason="c", who="z", at=T0 + timedelta(seconds=20))
     history = store.list_budget_changes("recs")
     assert [c.new_usd_per_hr for c in history] == [10.0, 8.0, 6.0, 4.0]
-    assert all(a.new_usd_per_hr == b.old_usd_per_hr for a, b in zip(history, history[1:]))
+    assert all(a.new_usd_per_hr == b.old_usd_per_hr for a, b in itertools.pairwise(history))
     assert [c.new_usd_per_hr for c in store.list_budget_changes("recs", limit=2)] == [6.0, 4.0]
 
 
