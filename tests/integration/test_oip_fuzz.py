@@ -3,7 +3,8 @@ left out of the API's OpenAPI document (the protocol is KServe's), so :data:`OIP
 describes them as the protocol does (its REST API, with Triton's binary tensor extension as an
 ``application/octet-stream`` body and the ``Inference-Header-Content-Length`` header), and
 schemathesis runs its example, coverage and fuzzing phases over it, derandomized and bounded,
-against a real uvicorn server on loopback serving the demo app through fake workers.
+against a real uvicorn server with heteroplane serve's protocol on loopback, serving the demo app
+through fake workers (``live_world``).
 
 Every answer must be no server error (no 5xx at all: the app has running workers) and every
 error the protocol's ``{"error": "one line"}`` (tritonclient formats nothing else).
@@ -13,23 +14,16 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import time
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import schemathesis
-import uvicorn
 from schemathesis.core.failures import Failure
-from schemathesis.engine import Status, events, from_schema
 
-from controlplane.cli.serve import listen
-from controlplane.service.protocol import server_options
-from tests.component.test_oip_routes import _Background
-from tests.component.test_serving import LARGE, SMALL, ApiWorld, endpoints, fleet, row, world
+from tests.component.test_oip_routes import live_world
+from tests.component.test_serving import ApiWorld, row, world
+from tests.integration.test_api_fuzz import run_schema
 
-__all__ = ["world"]  # the fixture, imported for this module's tests
+__all__ = ["live_world", "world"]  # the fixtures, imported for this module's tests
 
 MAX_EXAMPLES = int(os.environ.get("HETEROPLANE_FUZZ_EXAMPLES", "15"))
 SEED = int(os.environ.get("HETEROPLANE_FUZZ_SEED", "31"))
@@ -183,35 +177,6 @@ OIP_DOCUMENT: dict[str, Any] = {
 }
 
 
-@pytest.fixture
-def served(world: ApiWorld) -> Iterator[tuple[ApiWorld, str]]:
-    """The world's app under uvicorn with heteroplane serve's protocol on a loopback port
-    (:func:`~controlplane.cli.serve.listen`'s socket: TCP_NODELAY, no delayed-ACK stalls), the
-    demo app served by two fake workers on a loop of their own."""
-    background = _Background()
-    workers = background.run(fleet([SMALL, LARGE]))
-    world.instances.set("demo", endpoints(workers))
-    sock = listen("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(world.app, log_level="warning", lifespan="on", **server_options())
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20.0
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield world, f"127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        for worker in workers:
-            background.run(worker.stop())
-        background.close()
-        sock.close()
-
-
 class NotTheProtocolsError(Failure):
     """An error answer whose body is not ``{"error": "..."}``."""
 
@@ -252,36 +217,14 @@ def fuzz(url: str, token: str) -> tuple[int, list[str], list[int]]:
         }
     )
     schema = schemathesis.openapi.from_dict(OIP_DOCUMENT, config=config)
-    requests = 0
-    failures: list[str] = []
-    statuses: list[int] = []
-    for event in from_schema(schema).execute():
-        if isinstance(event, events.ScenarioFinished):
-            recorder = event.recorder
-            for interaction in recorder.interactions.values():
-                if interaction.response is not None:
-                    requests += 1
-                    statuses.append(interaction.response.status_code)
-            for case_id, checks in recorder.checks.items():
-                for check in checks:
-                    if check.status != Status.FAILURE or check.failure_info is None:
-                        continue
-                    interaction = recorder.interactions.get(case_id)
-                    answer = interaction.response if interaction is not None else None
-                    body = answer.content[:300].decode(errors="replace") if answer else ""
-                    failures.append(
-                        f"{event.label}: {check.name}: {check.failure_info.failure.title}\n"
-                        f"  {check.failure_info.code_sample}\n  -> {body}"
-                    )
-        elif isinstance(event, events.NonFatalError | events.FatalError):
-            failures.append(f"schemathesis error: {event}")
-    return requests, failures, statuses
+    statuses, failures = run_schema(schema)
+    return len(statuses), failures, statuses
 
 
 def test_the_v2_routes_answer_no_5xx_and_errors_in_the_protocols_shape(
-    served: tuple[ApiWorld, str],
+    live_world: tuple[ApiWorld, str],
 ) -> None:
-    world, address = served
+    world, address = live_world
     requests, failures, statuses = fuzz(f"http://{address}", world.tokens["infer"])
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(sorted(set(failures)))
     assert [s for s in statuses if s >= 500] == []
