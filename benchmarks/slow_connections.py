@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 try:  # imported as benchmarks.slow_connections
-    from benchmarks.local_service import ROOT, free_port, log, stop, wait_ready
+    from benchmarks.local_service import free_port, log, running_service, wait_ready
 except ModuleNotFoundError:  # run as a script: the sibling module
-    from local_service import ROOT, free_port, log, stop, wait_ready
+    from local_service import free_port, log, running_service, wait_ready
 
 PROBE_EVERY_S = 0.02
 PROBE_TIMEOUT_S = 5.0
@@ -116,25 +116,12 @@ def one_run(args: argparse.Namespace, settings: dict[str, str], index: int) -> d
         data_dir = Path(folder) / "data"
         data_dir.mkdir()
         port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HETEROPLANE_")}
-        env |= {"HETEROPLANE_DATA_DIR": str(data_dir), "HETEROPLANE_PROVISIONER": "fake"}
-        env |= settings
-        log_path = Path(folder) / "serve.log"
-        with log_path.open("wb") as log_file:
-            service = subprocess.Popen(
-                [sys.executable, "-m", "controlplane", "serve", "--port", str(port)],
-                cwd=ROOT,
-                env=env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            )
-            try:
-                wait_ready(f"http://127.0.0.1:{port}", service, log_path, 120.0)
-                for _ in range(20):  # warm: the first answers import and cache
-                    probe(port)
-                return measure(args, service.pid, port, Path(folder) / "attack.json", index)
-            finally:
-                stop(service)
+        settings = {"HETEROPLANE_PROVISIONER": "fake", **settings}
+        with running_service(data_dir, port, model="none", settings=settings) as service:
+            wait_ready(f"http://127.0.0.1:{port}", service, data_dir / "serve.log", 120.0)
+            for _ in range(20):  # warm: the first answers import and cache
+                probe(port)
+            return measure(args, service.pid, port, Path(folder) / "attack.json", index)
 
 
 def measure(
