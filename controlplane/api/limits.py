@@ -4,9 +4,11 @@ it) and its header fields (:data:`MAX_HEADER_BYTES`, enforced before anything el
 Every body the API takes is a small JSON document (an app spec is a few hundred bytes), so a
 megabyte is generous; without a limit, one request could make the server buffer gigabytes. A
 declared ``Content-Length`` over the limit is answered 413 at once; a body sent without one
-(chunked) is counted as it arrives and cut off at the limit, which the route sees as a body it
-cannot parse (400). The exception is a model push (``POST /v1/models/{name}``): its route streams
-the body to a file under a limit of its own (``model_max_bytes``), so the middleware lets it by.
+(chunked) is counted as it arrives and cut off at the limit with the same 413, whatever the
+route made of the cut (FastAPI's body parsing would answer 400). The exceptions are a model push
+(``POST /v1/models/{name}``), whose route streams the body to a file under a limit of its own
+(``model_max_bytes``), and an Open Inference Protocol query, whose route reads it under its
+model's limit (:func:`controlplane.api.routes.oip.body_limit`): the middleware lets them by.
 
 Header fields over :data:`MAX_HEADER_BYTES` in all are answered 431 Request Header Fields Too
 Large (RFC 6585 section 5) with the API's error body. The HTTP server must let such a head
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.api.errors import error_response
@@ -84,36 +87,44 @@ class BodySizeLimitMiddleware:
             except ValueError:
                 too_large = False  # the server's parser deals with a malformed header
             if too_large:
-                response = error_response(
-                    413, "too_large", f"the body is larger than {self.max_bytes:,} bytes"
-                )
-                await response(scope, receive, send)
+                await self._too_large()(scope, receive, send)
                 return
         seen = 0
-        started = False
+        started = overflowed = False
 
         async def counting_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, overflowed
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    overflowed = True
                     raise BodyTooLargeError(f"the body is larger than {self.max_bytes:,} bytes")
             return message
 
-        async def tracking_send(message: Message) -> None:
+        async def answering_send(message: Message) -> None:
+            # A body cut off at the limit (sent chunked, without a length) is the same 413 as a
+            # declared length over it, whatever the route made of the error (FastAPI's body
+            # parsing answers 400): its answer is replaced.
             nonlocal started
+            if overflowed:
+                if not started:
+                    started = True
+                    await self._too_large()(scope, receive, send)
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
-            await self.app(scope, counting_receive, tracking_send)
-        except BodyTooLargeError as error:
-            # A route that reads the body itself (not through FastAPI's parsing, which
-            # answers 400) let the error by: the same 413 as a declared length over the limit.
+            await self.app(scope, counting_receive, answering_send)
+        except BodyTooLargeError:
+            # A route that reads the body itself let the error by.
             if started:
                 raise
-            await error_response(413, "too_large", str(error))(scope, receive, send)
+            await self._too_large()(scope, receive, send)
+
+    def _too_large(self) -> Response:
+        return error_response(413, "too_large", f"the body is larger than {self.max_bytes:,} bytes")
 
 
 def header_bytes(headers: list[tuple[bytes, bytes]]) -> int:
