@@ -29,7 +29,12 @@ same header; else as JSON.
 
 Errors are the protocol's ``{"error": "one line"}`` with the status the rest of the API gives
 (:mod:`controlplane.api.errors`: 401/403 without an infer token, 404 for an unknown app, ...):
-the route class rewrites the API's error body. These routes are left out of the OpenAPI
+the route class rewrites the API's error body, and
+:class:`~controlplane.api.errors.OipErrorShapeMiddleware` the answers of the layers around the
+routes (the limits, an unknown route, 405). A query's body is read under the limit of its model
+(:func:`body_limit`: what 256 rows of its inputs take as JSON, up to ``oip_body_max_bytes``; 413
+past it, declared or chunked) and its JSON's nesting checked before it is decoded (400 past
+:data:`~controlplane.api.limits.MAX_JSON_DEPTH`). These routes are left out of the OpenAPI
 document: the protocol is documented by KServe
 (https://kserve.github.io/website/latest/modelserving/data_plane/v2_protocol/).
 """
