@@ -116,6 +116,20 @@ def test_a_body_that_trickles_is_a_408(quick: Server) -> None:
     assert "slower than 1000 bytes/s" in body["error"]["message"]  # type: ignore[index]
 
 
+def test_a_model_push_that_declares_900_mb_and_sends_10_bytes_is_a_408(quick: Server) -> None:
+    """The push route streams its body under its own 1 GiB limit: the rate still applies."""
+    token = create_token(quick.data_dir, "operator", "slow-push")
+    with connect(quick) as sock:
+        sock.sendall(
+            b"POST /v1/models/slow?format=onnx HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/octet-stream\r\n"
+            b"Authorization: Bearer " + token.encode() + b"\r\n"
+            b"Content-Length: 900000000\r\n\r\n0123456789"
+        )
+        status_line, _ = status_and_error(read_until_closed(sock))
+    assert status_line == b"HTTP/1.1 408 Request Timeout"
+
+
 def test_a_prompt_client_is_not_cut_off(quick: Server) -> None:
     """Heads and bodies that arrive at once are served, over a kept-alive connection too."""
     with httpx.Client(base_url=quick.url) as client:
