@@ -226,8 +226,8 @@ if HttpToolsProtocol is not None:
           connection.
         - A body must arrive at ``body_min_rate_bytes_per_s`` or faster over each
           ``body_rate_window_s`` while it is read (a window in which the app had reading
-          paused, its buffer full, does not count): else 408 (when nothing was answered yet)
-          and closed.
+          paused, its buffer full, or the client waited for a 100 Continue does not count):
+          else 408 (when nothing was answered yet) and closed.
         - At most ``unauthenticated_max`` connections that have not shown a valid token are
           open (:class:`ConnectionGuard`): the route's token check marks its connection through
           the scope's extension :data:`~controlplane.api.limits.CONNECTION_EXTENSION`.
@@ -363,7 +363,10 @@ if HttpToolsProtocol is not None:
                 return
             window = self.limits.body_rate_window_s
             needed = self.limits.body_min_rate_bytes_per_s * window
-            if self._body_bytes < needed and not self.flow.read_paused:
+            # Not the client's fault: the app holds reading back (its buffer is full), or the
+            # client waits for the 100 Continue the app's first read sends.
+            waiting = self.flow.read_paused or cycle.waiting_for_100_continue
+            if self._body_bytes < needed and not waiting:
                 if cycle.response_started:
                     self.transport.close()
                     return
