@@ -324,6 +324,45 @@ class Settings(BaseSettings):
         ge=1,
         description="the largest model artifact the registry takes (heteroplane model push), bytes",
     )
+    http_head_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="how long a request head may take to arrive whole (else 408 and the"
+        " connection closed; a connection that sent nothing is closed), s",
+    )
+    http_head_max_bytes: int = Field(
+        default=64 << 10,
+        ge=8 << 10,
+        description="the longest request head the HTTP server reads (longer: 431 and the"
+        " connection closed), bytes",
+    )
+    http_body_min_rate_bytes_per_s: float = Field(
+        default=1024.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="the slowest a request body may arrive, over each http_body_rate_window_s"
+        " while the service is reading it (slower: 408 and the connection closed; 0: no"
+        " minimum), bytes/s",
+    )
+    http_body_rate_window_s: float = Field(
+        default=10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="the window over which a body's arrival rate is measured, s",
+    )
+    http_unauthenticated_connections_max: int = Field(
+        default=1000,
+        ge=1,
+        description="open connections that have not yet shown a valid token, at most; a new one"
+        " past it closes the one of them idle or waiting longest",
+    )
+    oip_body_max_bytes: int = Field(
+        default=64 << 20,
+        ge=1 << 20,
+        description="the ceiling on a /v2 inference body, bytes (the limit of an app is what"
+        " 256 rows of its model's inputs take, up to this)",
+    )
     ec2: Ec2Settings | None = None
 
     @classmethod

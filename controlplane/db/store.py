@@ -569,7 +569,10 @@ class Store:
         with transaction(self._sessions) as session:
             row = _app_row(session, app)
             query = select(m.BudgetChange).where(m.BudgetChange.app_id == row.id)
-            changes = _newest(session, query, m.BudgetChange.at, m.BudgetChange.id, limit)
+            # In chain order, not by time: each change is written under the app's row lock, so
+            # ids follow the chain, while ``at`` is read before the lock (and from the clock of
+            # whichever replica made the change).
+            changes = _newest(session, query, m.BudgetChange.id, m.BudgetChange.id, limit)
             return [_budget_record(change, app) for change in changes]
 
     # --- plans ---------------------------------------------------------------------------------

@@ -23,11 +23,12 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Scope
 
 from controlplane import __version__
 from controlplane.api.counters import RequestCounter, RequestCountingMiddleware
 from controlplane.api.deps import Services
-from controlplane.api.errors import install_error_handlers
+from controlplane.api.errors import OipErrorShapeMiddleware, install_error_handlers
 from controlplane.api.fast_infer import FastInferMiddleware
 from controlplane.api.limits import BodySizeLimitMiddleware, HeaderSizeLimitMiddleware
 from controlplane.api.routes import (
@@ -138,8 +139,10 @@ def create_app(
     )
     app.state.services = services
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, exempt=models.streams_own_body)
+    app.add_middleware(BodySizeLimitMiddleware, exempt=_reads_own_body)
     app.add_middleware(HeaderSizeLimitMiddleware)
+    # Outside the limits and the catch-all: their answers on /v2 take the protocol's shape too.
+    app.add_middleware(OipErrorShapeMiddleware)
     app.add_middleware(RequestCountingMiddleware, counter=services.requests)
     # Added last, so called first: a query's latency runs from here (on the serving loop's
     # clock), before the body is read and the token checked in the thread pool.
@@ -166,6 +169,12 @@ def create_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _reads_own_body(scope: Scope) -> bool:
+    """The routes that read their body under a limit of their own: a model push
+    (``model_max_bytes``) and an Open Inference Protocol query (its model's 256 rows)."""
+    return models.streams_own_body(scope) or oip.reads_own_body(scope)
 
 
 def _add_spec_schemas(document: dict[str, Any]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +22,8 @@ import numpy as np
 import pytest
 import uvicorn
 
+from controlplane.cli.serve import listen
+from controlplane.service.protocol import server_options
 from controlplane.serving.fake_worker import FakeWorker
 from provisioners.artifacts import ModelSignature, TensorSpec
 from tests.component.test_serving import (
@@ -375,10 +376,11 @@ def live_world(world: ApiWorld) -> Iterator[tuple[ApiWorld, str]]:
     background = _Background()
     workers = background.run(fleet([SMALL, LARGE]))
     world.instances.set("demo", endpoints(workers))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    # heteroplane serve's socket (TCP_NODELAY: no delayed-ACK stalls) and HTTP protocol.
+    sock = listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(world.app, log_level="warning", lifespan="on"))
+    config = uvicorn.Config(world.app, log_level="warning", lifespan="on", **server_options())
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -111,9 +112,14 @@ def create_token(data_dir: Path, scope: str = "admin", name: str = "ops") -> str
     return done.stdout.strip()
 
 
-def rm2_spec() -> dict[str, Any]:
+def rm2_spec(data_dir: Path) -> dict[str, Any]:
+    """examples/rm2.yaml with its profiles copied into the service's ``data_dir`` (a spec sent
+    to the API may name files there only) and named by their absolute path."""
     document: dict[str, Any] = yaml.safe_load((REPO / "examples" / "rm2.yaml").read_text())
-    document["models"][0]["profiles"] = str(KAIROS_CSV)
+    profiles = data_dir / KAIROS_CSV.name
+    if not profiles.exists():
+        shutil.copyfile(KAIROS_CSV, profiles)
+    document["models"][0]["profiles"] = str(profiles)
     return document
 
 
@@ -133,7 +139,7 @@ def test_serve_survives_a_restart(data_dir: Path, tmp_path: Path) -> None:
         assert api.get("/v1/apps").json() == []
         assert httpx.get(f"{server.url}/v1/apps").status_code == 401
 
-        created = api.post("/v1/apps", json=rm2_spec())
+        created = api.post("/v1/apps", json=rm2_spec(data_dir))
         assert created.status_code == 201, created.text
         changed = api.put(
             "/v1/apps/rm2-kairos/budget", json={"budget_usd_per_hr": 6.0, "reason": "quarter end"}
@@ -216,7 +222,7 @@ def test_client_commands_against_a_live_server(
     monkeypatch.setenv("HETEROPLANE_URL", live.url)
     monkeypatch.setenv("HETEROPLANE_TOKEN", token)
     spec_file = tmp_path / "rm2.yaml"
-    spec_file.write_text(yaml.safe_dump(rm2_spec()))
+    spec_file.write_text(yaml.safe_dump(rm2_spec(data_dir)))
 
     status, out, _ = cli(capsys, "app", "apply", "-f", str(spec_file))
     assert status == 0 and out.startswith("registered rm2-kairos: budget $10/hr")
