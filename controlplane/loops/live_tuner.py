@@ -595,6 +595,7 @@ def plan_ladder(app: ResolvedApp, plan: PlanRecord) -> SizingLadder:
         kairos=stage.policy == "kairos",
         batch_size=stage.batch_size,
         seed=document.seed or 0,
+        also_types=[t for t, n in stage.fleet.items() if n],
     )
     if ladder is None:
         raise ValueError("the planner places nothing for the planning trace at its own rate")

@@ -24,7 +24,7 @@ mix as the load moves, not only the capacity.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 from controlplane.policies.planner import plan_app, scale_trace
@@ -59,10 +59,13 @@ def build_ladder(
     loads: Sequence[float] = DEFAULT_LADDER_LOADS,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    also_types: Iterable[str] = (),
 ) -> SizingLadder | None:
     """The ladder of ``stage`` (of a single-stage app) on ``planning``: the planner's plan for
     the planning trace at f times its rate, for each f in ``loads`` and 1 (module docstring);
-    None when the planner places nothing at f = 1. Deterministic for a seed."""
+    None when the planner places nothing at f = 1. Its rates and capacity model cover the rungs'
+    types and ``also_types`` (an applied plan's own, where it differs). Deterministic for a
+    seed."""
     say = progress or (lambda _message: None)
     rate_qps = (len(planning) - 1) / planning.duration_s
     fleets: dict[float, Mapping[str, int]] = {}
@@ -74,7 +77,7 @@ def build_ladder(
         say(f"ladder x{f:g}: {fleet} ${plan.cost_usd_per_hr:.3f}/hr")
     if 1.0 not in fleets:
         return None
-    types = sorted({t for fleet in fleets.values() for t in fleet})
+    types = sorted({*also_types, *(t for fleet in fleets.values() for t in fleet)})
     mu = {
         t: rate_per_instance_qps(app.profile(stage, t), planning.batch_size, batch_size)
         for t in types
