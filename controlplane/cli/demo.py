@@ -34,6 +34,7 @@ from controlplane.cli.serve import (
 )
 from controlplane.db.session import redact_url
 from controlplane.db.store import PlanRecord
+from controlplane.errors import DatabaseInUseError
 from controlplane.service.build import build_service
 from controlplane.service.demo import (
     DEMO_APP,
@@ -130,7 +131,15 @@ def _down(args: argparse.Namespace) -> int:
         f"heteroplane demo --down: data in {settings.data_dir}, database"
         f" {redact_url(settings.database_url)}, provisioner {settings.provisioner}"
     )
-    service = build_service(settings)
+    try:
+        service = build_service(settings)
+    except DatabaseInUseError as error:
+        who = f" (pid {error.holder})" if error.holder else ""
+        raise UsageError(
+            f"--down: the demo{who} is running on {settings.data_dir}; stop it with Ctrl-C,"
+            f" then run --down again, or take the app down on the running service:"
+            f" heteroplane app down {DEMO_APP} (with HETEROPLANE_TOKEN set, as in README.md)"
+        ) from None
     try:
         down = stop_demo(service, progress)
     finally:
@@ -188,7 +197,7 @@ def _plan_summary(plan: PlanRecord | None, budget_usd_per_hr: float) -> str:
     )
     p99 = "n/a" if typed.predicted_p99_ms is None else f"{typed.predicted_p99_ms:.0f} ms"
     return (
-        f"plan {plan.number} applied: {fleets}, ${typed.cost_usd_per_hr:.2f}/hr,"
+        f"plan {plan.id} applied: {fleets}, ${typed.cost_usd_per_hr:.2f}/hr,"
         f" predicted end-to-end p99 {p99} at {typed.rate_qps:.0f} qps"
     )
 

@@ -543,7 +543,7 @@ def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float
     """
     document = plan.plan
     if len(document.stages) != 1:
-        raise ValueError(f"plan {plan.number} has {len(document.stages)} stages, not one")
+        raise ValueError(f"plan {plan.id} has {len(document.stages)} stages, not one")
     (stage,) = document.stages
     trace, _ = planning_trace(app, replanning_request(document))
     curve = capacity_curve(

@@ -28,7 +28,8 @@ the request's ``parameters.binary_data_output`` is true or the output's own
 same header; else as JSON.
 
 Errors are the protocol's ``{"error": "one line"}`` with the status the rest of the API gives
-(:mod:`controlplane.api.errors`: 401/403 without an infer token, 404 for an unknown app, ...):
+(:mod:`controlplane.api.errors`: 401/403 without an infer token, 404 ``no model 'x'`` for an
+unknown app, ...):
 the route class rewrites the API's error body. These routes are left out of the OpenAPI
 document: the protocol is documented by KServe
 (https://kserve.github.io/website/latest/modelserving/data_plane/v2_protocol/).
@@ -51,7 +52,7 @@ from controlplane.api.errors import ApiError
 from controlplane.api.routes import AppName
 from controlplane.api.routes.infer import received_s
 from controlplane.api.schemas import MAX_INFER_SAMPLES
-from controlplane.errors import ServingUnavailableError
+from controlplane.errors import NotFoundError, ServingUnavailableError
 from controlplane.serving.dispatcher import InferResult
 from controlplane.serving.loop import ServingLoop
 from controlplane.serving.modelio import ModelIOError, app_signature, stack_outputs
@@ -93,6 +94,8 @@ class _OipRoute(APIRoute):
 
 
 async def _api_answer(request: Request, error: Exception) -> Response | None:
+    if isinstance(error, NotFoundError) and error.kind == "app":
+        error = NotFoundError("model", error.key)  # an app is a model here: "no model 'x'"
     handlers = request.app.exception_handlers
     for kind in type(error).__mro__:
         handler = handlers.get(kind)

@@ -380,7 +380,7 @@
       setPanel("plan", "empty", "No plan yet: preview one (POST /v1/apps/" + snap.app.name + "/plans) and apply it.");
       return;
     }
-    $("plan-title").textContent = "#" + plan.number + " · " + plan.status +
+    $("plan-title").textContent = "#" + plan.id + " · " + plan.status +
       (plan.applied_at ? " " + H.clock(Date.parse(plan.applied_at) / 1000, false) : "");
     const rate = finite(plan.rate_qps) ? plan.rate_qps : plan.planned_rate_qps;
     const lat = snap.latency;  // the SLO and its percentile, read from the spec
