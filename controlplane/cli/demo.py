@@ -38,6 +38,7 @@ from controlplane.errors import DatabaseInUseError
 from controlplane.service.build import build_service
 from controlplane.service.demo import (
     DEMO_APP,
+    TOKEN_FILE,
     DemoLoad,
     DemoState,
     prepare_demo,
@@ -50,6 +51,10 @@ __all__ = ["run"]
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.print_token:
+        if args.down or args.offline:
+            raise UsageError("--print-token: alone (it reads the token a demo made and exits)")
+        return _print_token(args)
     if args.down:
         if args.offline:
             raise UsageError("--down and --offline: choose one (the offline demo runs no workers)")
@@ -154,6 +159,18 @@ def _down(args: argparse.Namespace) -> int:
         progress(f"heteroplane demo --down: app {DEMO_APP!r} is down, its workers stopped")
     else:
         progress(f"heteroplane demo --down: no app {DEMO_APP!r} and no worker of it: nothing to do")
+    return 0
+
+
+def _print_token(args: argparse.Namespace) -> int:
+    """The demo's admin token on stdout, read from the data directory the settings name (so
+    ``HETEROPLANE_DATA_DIR`` and ``XDG_DATA_HOME`` are respected); one line when there is none."""
+    path = load_settings(args.config).data_dir / TOKEN_FILE
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise UsageError(f"no demo token in {path}: start the demo first (make demo)") from None
+    print(token)
     return 0
 
 

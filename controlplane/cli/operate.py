@@ -279,8 +279,10 @@ def plans_apply(args: argparse.Namespace) -> int:
     return emit(
         args.json,
         plan,
-        lambda: _plan_text(plan)
-        + (f"\n{args.app} serves (after {waited_s:.1f} s)" if args.wait else ""),
+        lambda: (
+            _plan_text(plan)
+            + (f"\n{args.app} serves (after {waited_s:.1f} s)" if args.wait else "")
+        ),
     )
 
 

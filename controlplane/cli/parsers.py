@@ -270,6 +270,11 @@ def _demo(subparsers: Subparsers) -> None:
         " workers (which a stopped demo leaves running), and exit",
     )
     parser.add_argument(
+        "--print-token",
+        action="store_true",
+        help="print the demo's admin token (from <data dir>/demo-token) and exit",
+    )
+    parser.add_argument(
         "--profile-samples",
         type=count,
         default=DEMO_PROFILE_SAMPLES,

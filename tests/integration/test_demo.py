@@ -37,6 +37,7 @@ import httpx
 import pytest
 
 from controlplane.cli import main
+from controlplane.db.lease import lock_sqlite_database
 from controlplane.db.store import Store
 from provisioners.local import LocalProvisioner
 from tests.integration.conftest import free_port, stop_every_worker
@@ -362,3 +363,21 @@ def test_demo_refuses_bad_input_in_one_line(home: Path, capsys: pytest.CaptureFi
 
     status, err = run_demo(capsys, "--json")
     assert status == 2 and err.count("\n") == 1 and "only with --offline" in err
+
+
+@pytest.mark.usefixtures("quiet_env")
+def test_demo_down_while_the_demo_runs_says_what_to_do(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The running demo holds its SQLite database (here: this test holds the same lock)."""
+    lock = lock_sqlite_database(f"sqlite:///{home / 'data' / 'heteroplane.db'}")
+    assert lock is not None
+    try:
+        status, err = run_demo(capsys, "--down")
+    finally:
+        lock.close()
+    assert status == 2
+    last = err.splitlines()[-1]
+    assert f"the demo (pid {os.getpid()}) is running on {home / 'data'}" in last
+    assert "stop it with Ctrl-C" in last and "heteroplane app down demo" in last
+    assert "standby" not in err

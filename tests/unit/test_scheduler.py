@@ -179,9 +179,7 @@ def test_apscheduler_skipped_run_warnings_are_debug_records_once_started(
     with caplog.at_level(logging.DEBUG, logger=APSCHEDULER_LOGGER):
         caplog.clear()
         apscheduler.warning(skipped, "gears", 1)
-    assert [(r.levelname, "skipped" in r.getMessage()) for r in caplog.records] == [
-        ("DEBUG", True)
-    ]
+    assert [(r.levelname, "skipped" in r.getMessage()) for r in caplog.records] == [("DEBUG", True)]
 
 
 def test_bad_schedules_are_refused() -> None:
