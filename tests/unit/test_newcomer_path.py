@@ -32,12 +32,13 @@ def test_demo_help_is_short_plain_text(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_a_reader_that_leaves_the_pipe_ends_the_command_quietly(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "controlplane", "trace", "generate", "--kind", "poisson"]
+    command += ["--rate", "5", "--duration", "10", "--out", str(tmp_path / "t.csv")]
     read, write = os.pipe()
     os.close(read)  # the reader left before a line was written (`| head -0`)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "controlplane", "trace", "generate", "--kind", "poisson"]
-            + ["--rate", "5", "--duration", "10", "--out", str(tmp_path / "t.csv")],
+            command,
             cwd=REPO,
             stdout=write,
             stderr=subprocess.PIPE,
