@@ -76,10 +76,11 @@ __all__ = [
     "RankingFn",
     "ServingFn",
     "SpendLedger",
-    "WeightsFn",
+    "StageRatesFn",
     "WorkersFn",
     "build_snapshot",
     "capacity_scale",
+    "fleet_capacity_qps",
     "fleet_series",
     "integrate_cost_usd",
 ]
@@ -103,7 +104,10 @@ _RUNNING = InstanceState.RUNNING.value
 _HOUR_S = 3600.0
 
 RankingFn = Callable[[AppRecord, PlanRecord], dict[str, Any] | None]
-WeightsFn = Callable[[AppRecord], Mapping[str, float] | None]
+# Per stage of the plan, mu_t: the queries per second one instance of each type serves of the
+# stage's model, as the tuner rates it (``controlplane.loops.live_tuner.stage_rates_qps``);
+# None when the app's profiles cannot be read.
+StageRatesFn = Callable[[AppRecord, PlanDocument], Sequence[Mapping[str, float]] | None]
 # Per instance id, what the serving loop measures of a worker: ``utilisation_share`` (its busy
 # share of about the last minute) and ``models`` (model -> INFaaS state on it).
 WorkersFn = Callable[[AppRecord], Mapping[str, Mapping[str, Any]]]
@@ -354,6 +358,41 @@ def _typed(plan: PlanRecord | None) -> PlanDocument | None:
         return None
 
 
+def fleet_capacity_qps(
+    running: Mapping[str, int], plan: PlanDocument, rates: Sequence[Mapping[str, float]]
+) -> float:
+    """The rate the ``running`` fleet (counts by type) serves at the front, on the tuner's
+    per-instance rates: min over stages of sum_t n_{s,t} mu_{s,t} / s_s (the share of queries
+    that reach the stage), each type's running instances shared among the stages as the plan
+    shares them (a type the plan has none of, as the plan shares its instances). On the planned
+    fleet, the tuner's capacity of the plan.
+
+    >>> plan = PlanDocument.parse({"feasible": True, "cost_usd_per_hr": 1.0,
+    ...     "rate_qps": 10.0, "stages": [
+    ...         {"name": "a", "fleet": {"g": 2}, "batch_size": 1, "scale_factor": 1.0},
+    ...         {"name": "b", "fleet": {"g": 1, "h": 1}, "batch_size": 1, "scale_factor": 0.5}]})
+    >>> fleet_capacity_qps({"g": 3, "h": 1}, plan, [{"g": 100.0}, {"g": 10.0, "h": 20.0}])
+    60.0
+    >>> fleet_capacity_qps({"g": 6, "h": 1}, plan, [{"g": 100.0}, {"g": 10.0, "h": 20.0}])
+    80.0
+    """
+    shared: dict[str, int] = defaultdict(int)
+    for stage in plan.stages:
+        for t, n in stage.fleet.items():
+            shared[t] += max(0, n)
+    planned = sum(shared.values())
+    fronts = []
+    for stage, mu in zip(plan.stages, rates, strict=False):
+        own = sum(max(0, n) for n in stage.fleet.values())
+        served = 0.0
+        for t, count in running.items():
+            if count > 0 and t in mu:
+                share = stage.fleet.get(t, 0) / shared[t] if shared.get(t) else own / planned
+                served += mu[t] * count * share
+        fronts.append(served / stage.scale_factor if stage.scale_factor else served)
+    return min(fronts) if fronts else 0.0
+
+
 def capacity_scale(
     running: Mapping[str, int], planned: Mapping[str, int], weights: Mapping[str, float] | None
 ) -> float:
@@ -505,17 +544,24 @@ def _load_section(
     samples: Sequence[MetricSampleRecord],
     series: FleetSeries,
     document: PlanDocument | None,
-    weights: Mapping[str, float] | None,
+    rates: Sequence[Mapping[str, float]] | None,
 ) -> dict[str, Any]:
-    planned_capacity = _plan_capacity_qps(document) if document else None
+    """The capacity is the tuner's (:func:`fleet_capacity_qps`) on its per-instance rates;
+    without them, the plan's throughput scaled by the share of the planned fleet running."""
     planned_fleet = document.fleet if document else {}
+    if document is not None and rates is not None:
+        planned_capacity: float | None = fleet_capacity_qps(planned_fleet, document, rates)
+    else:
+        planned_capacity = _plan_capacity_qps(document) if document else None
     capacity: list[float | None] = []
     for i in range(len(series.t_s)):
         running = {t: counts[i] for t, counts in series.running.items()}
-        if planned_capacity is None or not planned_fleet:
+        if planned_capacity is None or not planned_fleet or document is None:
             capacity.append(None)
+        elif rates is not None:
+            capacity.append(fleet_capacity_qps(running, document, rates))
         else:
-            capacity.append(planned_capacity * capacity_scale(running, planned_fleet, weights))
+            capacity.append(planned_capacity * capacity_scale(running, planned_fleet, None))
     envelope = _envelope(document)
     if envelope is not None:
         envelope["live_rate_qps"] = _live_envelope(samples, envelope["windows_s"])
@@ -717,7 +763,7 @@ def build_snapshot(
     *,
     window_s: float = DEFAULT_WINDOW_S,
     ledger: SpendLedger,
-    weights: WeightsFn | None = None,
+    rates: StageRatesFn | None = None,
     ranking: RankingFn | None = None,
     workers: WorkersFn | None = None,
     serving: ServingFn | None = None,
@@ -759,7 +805,9 @@ def build_snapshot(
         "samples": len(samples),
         "fleet": fleet,
         "cost": _cost_section(store, app, samples, live, ledger, start, now),
-        "load": _load_section(samples, series, document, weights(app) if weights else None),
+        "load": _load_section(
+            samples, series, document, rates(app, document) if rates and document else None
+        ),
         "latency": _latency_section(
             spec, samples, document, serving(app) if serving is not None else None
         ),
