@@ -27,7 +27,8 @@ where a value is unknown, so that a chart breaks its line there). The sections:
 - ``cascade``: the gear and the accuracy over time, against the accuracy floor; the accuracy
   the plan's gear plan scored each gear's cascade at (``planned_accuracy``, held out and
   in-sample) and the held-out figure of the gear in force (``held_out_accuracy``);
-- ``decisions``: the newest decisions first (what the policies did, why, and the numbers);
+- ``decisions``: the newest decisions first (what the policies did, why, and the numbers), a run
+  of consecutive decisions of one kind folded into one entry (:func:`collapse_runs`);
 - ``plan``: the applied plan (or the newest preview): the rate it is planned for, its predicted
   end-to-end P99, its stages, its steps and the Kairos bound ranking that explains the chosen mix
   (:mod:`controlplane.dashboard.ranking`).
@@ -67,6 +68,7 @@ from controlplane.serving.observations import AppTotals
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "DECISIONS_READ",
     "DECISIONS_SHOWN",
     "DEFAULT_WINDOW_S",
     "MAX_POINTS",
@@ -80,6 +82,7 @@ __all__ = [
     "WorkersFn",
     "build_snapshot",
     "capacity_scale",
+    "collapse_runs",
     "fleet_capacity_qps",
     "fleet_series",
     "integrate_cost_usd",
@@ -97,6 +100,8 @@ MAX_POINTS = 600
 # Samples read for one window: a day at the default 10 s roll-up is 8,640.
 _MAX_SAMPLES = 10_000
 DECISIONS_SHOWN = 50
+# Decisions read for them: runs of one kind are folded into one entry (:func:`collapse_runs`).
+DECISIONS_READ = 1000
 # Ended instances listed under the live ones in the table (the newest first).
 ENDED_SHOWN = 20
 _LIVE = frozenset(state.value for state in LIVE_STATES)
@@ -700,6 +705,39 @@ def _cascade_section(
     }
 
 
+def collapse_runs(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive decisions of one kind (newest first, as :func:`_decision` shapes them) as one
+    entry, so that a burst of gear switches does not hide the scaling decisions around it: the
+    newest one's id, reason and numbers, ``run`` (how many decisions), ``count`` (how many times
+    they were made, together), ``at``/``t`` the oldest's time and ``last_at``/``last_t`` the
+    newest time (None when the entry is one decision made once).
+
+    >>> d = lambda i, kind, t: {"id": i, "kind": kind, "t": t, "at": str(t), "count": 1,
+    ...     "last_t": None, "last_at": None, "reason": kind + str(i)}
+    >>> runs = collapse_runs([d(4, "gear_switch", 40), d(3, "gear_switch", 30),
+    ...     d(2, "scale_up", 20), d(1, "gear_switch", 10)])
+    >>> [(r["id"], r["kind"], r["run"], r["count"], r["t"], r["last_t"]) for r in runs]
+    [(4, 'gear_switch', 2, 2, 30, 40), (2, 'scale_up', 1, 1, 20, None), (1, 'gear_switch', 1, 1, 10, None)]
+    """
+    entries: list[dict[str, Any]] = []
+    for decision in decisions:
+        last = entries[-1] if entries else None
+        if last is None or last["kind"] != decision["kind"]:
+            entries.append({**decision, "run": 1})
+            continue
+        newest_t = last["last_t"] if last["last_t"] is not None else last["t"]
+        newest_at = last["last_at"] if last["last_at"] is not None else last["at"]
+        last.update(
+            run=last["run"] + 1,
+            count=last["count"] + decision["count"],
+            t=decision["t"],
+            at=decision["at"],
+            last_t=newest_t,
+            last_at=newest_at,
+        )
+    return entries
+
+
 def _decision(record: DecisionRecord) -> dict[str, Any]:
     return {
         "id": record.id,
@@ -784,7 +822,7 @@ def build_snapshot(
         newest = store.list_plans(app.name, limit=1)
         plan = newest[0] if newest else None
     document = _typed(plan)  # parsed once: a plan that is not one is logged once
-    decisions = store.list_decisions(app.name, limit=DECISIONS_SHOWN)
+    decisions = store.list_decisions(app.name, limit=DECISIONS_READ)
     decisions.reverse()
     spec = app.spec
     snapshot = {
@@ -812,7 +850,7 @@ def build_snapshot(
             spec, samples, document, serving(app) if serving is not None else None
         ),
         "cascade": _cascade_section(spec, samples, document),
-        "decisions": [_decision(d) for d in decisions],
+        "decisions": collapse_runs([_decision(d) for d in decisions])[:DECISIONS_SHOWN],
         "plan": _plan_section(app, plan, document, ranking),
     }
     cleaned: dict[str, Any] = _clean(snapshot)
