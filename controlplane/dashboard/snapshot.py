@@ -716,8 +716,11 @@ def collapse_runs(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     ...     "last_t": None, "last_at": None, "reason": kind + str(i)}
     >>> runs = collapse_runs([d(4, "gear_switch", 40), d(3, "gear_switch", 30),
     ...     d(2, "scale_up", 20), d(1, "gear_switch", 10)])
-    >>> [(r["id"], r["kind"], r["run"], r["count"], r["t"], r["last_t"]) for r in runs]
-    [(4, 'gear_switch', 2, 2, 30, 40), (2, 'scale_up', 1, 1, 20, None), (1, 'gear_switch', 1, 1, 10, None)]
+    >>> for r in runs:
+    ...     print(r["id"], r["kind"], r["run"], r["count"], r["t"], r["last_t"])
+    4 gear_switch 2 2 30 40
+    2 scale_up 1 1 20 None
+    1 gear_switch 1 1 10 None
     """
     entries: list[dict[str, Any]] = []
     for decision in decisions:

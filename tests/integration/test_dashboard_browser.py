@@ -247,7 +247,8 @@ def assert_wide_layout(page: Any, width: int) -> None:
           const wrap = t.parentElement;
           return {
             width: t.scrollWidth, room: wrap.clientWidth,
-            cols: Array.from(t.querySelectorAll("thead th")).map((h) => Math.round(h.getBoundingClientRect().width)),
+            cols: Array.from(t.querySelectorAll("thead th"))
+              .map((h) => Math.round(h.getBoundingClientRect().width)),
             height: wrap.scrollHeight, shown: wrap.clientHeight,
             idLines: Array.from(t.querySelectorAll("tbody td:last-child code"))
               .map((c) => c.getClientRects().length),
