@@ -255,7 +255,6 @@ def apply_plan(store: Store, app: str, plan_id: int, who: str) -> PlanRecord:
         f"plan {record.id} applied by {who}",
         {
             "plan_id": record.id,
-            "plan_number": record.number,
             "cost_usd_per_hr": plan.cost_usd_per_hr,
             "fleet": plan.fleet,
         },

@@ -210,7 +210,6 @@ class CapacityReplanner:
             {
                 **numbers,
                 "plan_id": applied.id,
-                "plan_number": applied.number,
                 "fleet": fleet,
                 "cost_usd_per_hr": new.cost_usd_per_hr,
             },
