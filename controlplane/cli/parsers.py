@@ -212,7 +212,7 @@ _DEMO_DESCRIPTION = """\
 The main job: the control plane on http://127.0.0.1:8000 (the settings of `heteroplane serve`)
 with the demo app, a cascade of digit classifiers, trained, profiled, planned and served by local
 workers, and a demo load against it, until Ctrl-C. The first start takes a few minutes; a restart
-finds everything there. The admin token is in <data dir>/demo-token (the ready banner says where).
+finds everything there. The admin token is in <data dir>/demo-token (--print-token prints it).
 --down takes the demo down instead (stop a running demo first); --offline is the estimator demo,
 with no service. More: README.md and docs/cli.md.
 """
