@@ -252,10 +252,9 @@ def apply_plan(store: Store, app: str, plan_id: int, who: str) -> PlanRecord:
     store.record_decision(
         app,
         "plan_applied",
-        f"plan {record.number} applied by {who}",
+        f"plan {record.id} applied by {who}",
         {
             "plan_id": record.id,
-            "plan_number": record.number,
             "cost_usd_per_hr": plan.cost_usd_per_hr,
             "fleet": plan.fleet,
         },

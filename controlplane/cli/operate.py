@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import time
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from controlplane.cli.client import (
+    ApiClient,
     ApiClientError,
     app_path,
     client_from,
@@ -246,7 +248,6 @@ def plans_list(args: argparse.Namespace) -> int:
     rows = [
         [
             p["id"],
-            p["number"],
             p["status"],
             "yes" if p["feasible"] else "no",
             p["cost_usd_per_hr"],
@@ -258,7 +259,6 @@ def plans_list(args: argparse.Namespace) -> int:
     ]
     headers = [
         "ID",
-        "NUMBER",
         "STATUS",
         "FEASIBLE",
         "COST_USD_PER_HR",
@@ -274,9 +274,45 @@ def plans_list(args: argparse.Namespace) -> int:
 
 
 def plans_apply(args: argparse.Namespace) -> int:
+    """``POST .../plans/ID/apply``; with ``--wait``, then ``GET /v2/models/APP/ready`` every
+    ``--poll-s`` until it answers 200 (a worker serves the app), for at most ``--timeout-s``."""
     with client_from(args) as client:
         plan = client.post(app_path(args.app, "plans", str(args.id), "apply"))
-    return emit(args.json, plan, lambda: _plan_text(plan))
+        if args.wait:
+            progress(f"plan {plan['id']} applied; waiting for a worker to serve {args.app}")
+            waited_s = _wait_until_served(client, args.app, args.timeout_s, args.poll_s)
+            plan = {**plan, "waited_s": round(waited_s, 3)}
+    return emit(
+        args.json,
+        plan,
+        lambda: (
+            _plan_text(plan)
+            + (f"\n{args.app} serves (after {waited_s:.1f} s)" if args.wait else "")
+        ),
+    )
+
+
+def _wait_until_served(client: ApiClient, app: str, timeout_s: float, poll_s: float) -> float:
+    """Seconds until ``/v2/models/APP/ready`` answered 200; ApiClientError (one line) after
+    ``timeout_s`` of 503s, with the service's last reason."""
+    path = "/v2/models/" + urllib.parse.quote(app, safe="") + "/ready"
+    started_s = time.monotonic()
+    while True:
+        try:
+            client.get(path)
+            return time.monotonic() - started_s
+        except ApiClientError as error:
+            if error.status == 403:
+                raise ApiClientError(f"--wait asks GET {path}: {error}", 403) from None
+            if error.status != 503:
+                raise
+            reason = str(error)
+        if time.monotonic() - started_s >= timeout_s:
+            raise ApiClientError(
+                f"{app} is not served after {timeout_s:g} s ({reason}); the plan stays applied:"
+                f" see heteroplane fleet --app {app}"
+            )
+        time.sleep(poll_s)
 
 
 # --- budget ----------------------------------------------------------------------------------

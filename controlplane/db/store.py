@@ -662,7 +662,7 @@ class Store:
                 _compare_and_set(session, row, applied_plan_id=plan.id, updated_at=now)
             except _LostRaceError:
                 raise ConflictError(
-                    f"app {app!r} changed while plan {plan.number} was being applied"
+                    f"app {app!r} changed while plan {plan.id} was being applied"
                 ) from None
             if superseded is not None:
                 session.execute(

@@ -188,7 +188,7 @@ class CapacityReplanner:
                 "capacity_unavailable",
                 f"no capacity of {names} for {self._after_s:g} s or more; no plan with"
                 f" {caps_text} serves {rate:g} qps within the SLO and the budget ({why}):"
-                f" plan {plan.number} stays, its launches are retried",
+                f" plan {plan.id} stays, its launches are retried",
                 {**numbers, "max_feasible_qps": new.max_feasible_qps},
             )
             return False
@@ -204,13 +204,12 @@ class CapacityReplanner:
         self._store.record_decision(
             app.name,
             "capacity_replan",
-            f"no capacity of {names} for {self._after_s:g} s or more: plan {applied.number}"
+            f"no capacity of {names} for {self._after_s:g} s or more: plan {applied.id}"
             f" ({fleet_text(fleet)}, {new.cost_usd_per_hr:.4g} USD/hr) replaces plan"
-            f" {plan.number} ({fleet_text(planned)}), with {caps_text}",
+            f" {plan.id} ({fleet_text(planned)}), with {caps_text}",
             {
                 **numbers,
                 "plan_id": applied.id,
-                "plan_number": applied.number,
                 "fleet": fleet,
                 "cost_usd_per_hr": new.cost_usd_per_hr,
             },

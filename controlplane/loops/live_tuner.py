@@ -100,6 +100,7 @@ __all__ = [
     "TunerModel",
     "plan_capacity_curve",
     "plan_ladder",
+    "stage_rates_qps",
 ]
 
 logger = logging.getLogger(__name__)
@@ -377,15 +378,10 @@ class LiveTuner:
         stages: list[TunerStage] = []
         service_time_s = 0.0
         types: set[str] = set()
-        for entry in document.stages:
+        for entry, mu in zip(document.stages, stage_rates_qps(resolved, document), strict=True):
             name = entry.name
             fleet = {t: n for t, n in entry.fleet.items() if n > 0}
             batch = entry.batch_size
-            mu = {}
-            for t in fleet:
-                profile = resolved.profile(name, t)
-                smallest = np.array([profile.min_batch_size], dtype=np.int64)
-                mu[t] = rate_per_instance_qps(profile, smallest, batch)
             service_time_s = max(service_time_s, *(1.0 / rate for rate in mu.values()))
             types.update(fleet)
             scale = entry.scale_factor
@@ -585,7 +581,7 @@ def plan_ladder(app: ResolvedApp, plan: PlanRecord) -> SizingLadder:
     """
     document = plan.plan
     if len(document.stages) != 1:
-        raise ValueError(f"plan {plan.number} has {len(document.stages)} stages, not one")
+        raise ValueError(f"plan {plan.id} has {len(document.stages)} stages, not one")
     (stage,) = document.stages
     trace, _ = planning_trace(app, replanning_request(document))
     ladder = build_ladder(
@@ -614,7 +610,7 @@ def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float
     """
     document = plan.plan
     if len(document.stages) != 1:
-        raise ValueError(f"plan {plan.number} has {len(document.stages)} stages, not one")
+        raise ValueError(f"plan {plan.id} has {len(document.stages)} stages, not one")
     (stage,) = document.stages
     trace, _ = planning_trace(app, replanning_request(document))
     ladder = build_ladder(
@@ -630,6 +626,25 @@ def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float
     if not curve:
         raise ValueError("the planner places nothing for the planning trace at its own rate")
     return curve
+
+
+def stage_rates_qps(
+    resolved: ResolvedApp, document: PlanDocument, types: Sequence[str] | None = None
+) -> list[dict[str, float]]:
+    """mu_t of each stage of the plan, for each type of its fleet (or each of ``types``): what
+    one instance of type t serves of the stage's model at the stage's batch size
+    (:func:`rate_per_instance_qps` on the profile's smallest batch), the rate the tuner sizes
+    the stage with (and the dashboard's capacity figure reads)."""
+    rates: list[dict[str, float]] = []
+    for entry in document.stages:
+        mu: dict[str, float] = {}
+        for t in types if types is not None else entry.fleet:
+            if types is not None or entry.fleet[t] > 0:
+                profile = resolved.profile(entry.name, t)
+                smallest = np.array([profile.min_batch_size], dtype=np.int64)
+                mu[t] = rate_per_instance_qps(profile, smallest, entry.batch_size)
+        rates.append(mu)
+    return rates
 
 
 @functools.lru_cache(maxsize=4)

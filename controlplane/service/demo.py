@@ -515,7 +515,7 @@ def prepare_demo(
         replan=app_created or family.profiles_measured,
     )
     if plan is not None and not plan_created:
-        progress(f"plan {plan.number} of {DEMO_APP!r} is applied already")
+        progress(f"plan {plan.id} of {DEMO_APP!r} is applied already")
     # Read again: applying a plan moved the app's version on.
     app = service.store.get_app(DEMO_APP)
     return DemoState(token, app, app_created, plan, plan_created, family)

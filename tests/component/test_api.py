@@ -697,6 +697,19 @@ def test_preview_list_read_and_apply_a_plan(api: Api) -> None:
     assert statuses == ["superseded", "applied"]
 
 
+def test_a_plan_is_named_by_its_id_everywhere(api: Api) -> None:
+    """``plans apply --id`` takes the plan's id, so the decision log names the id, not the
+    per-app number (here they differ: another app's plan came first)."""
+    api.register(name="other")
+    api.preview(app="other")
+    api.register()
+    plan = api.preview()
+    assert (plan["id"], plan["number"]) == (2, 1)
+    assert api.call("POST", f"/v1/apps/toy/plans/{plan['id']}/apply").status_code == 200
+    decisions = api.call("GET", "/v1/apps/toy/decisions", "viewer").json()
+    assert decisions[0]["reason"].startswith("plan 2 applied by ")
+
+
 def test_a_gamma_trace_plan(api: Api) -> None:
     api.register()
     plan = api.preview(

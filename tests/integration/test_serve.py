@@ -231,10 +231,9 @@ def test_client_commands_against_a_live_server(
     status, out, _ = cli(capsys, "app", "list")
     assert status == 0 and "rm2-kairos" in out and "BUDGET_USD_PER_HR" in out
 
-    status, out, _ = cli(
-        capsys, "plans", "preview", "--app", "rm2-kairos", "--rate-qps", "40",
-        "--batch-dist", "kairos", "--duration", "60", "--json",
-    )  # fmt: skip
+    preview_rm2 = ["plans", "preview", "--app", "rm2-kairos", "--rate-qps", "40"]
+    preview_rm2 += ["--batch-dist", "kairos", "--duration", "60"]
+    status, out, _ = cli(capsys, *preview_rm2, "--json")
     assert status == 0
     plan = json.loads(out)
     assert plan["status"] == "previewed" and plan["feasible"] is True
@@ -285,6 +284,30 @@ def test_client_commands_against_a_live_server(
     monkeypatch.delenv("HETEROPLANE_TOKEN")
     status, _, err = cli(capsys, "fleet")
     assert status == 2 and "no API token" in err
+
+    # --wait: no worker ever serves rm2 here (the fake provisioner), so it gives up in one line;
+    # its readiness route needs an infer-scoped token, which the operator's is not.
+    monkeypatch.setenv("HETEROPLANE_TOKEN", token)
+    admin = create_token(data_dir, "admin", "root")
+    wait = ["--wait", "--timeout-s", "0.2", "--poll-s", "0.05"]
+    again = json.loads(cli(capsys, *preview_rm2, "--json")[1])
+    status, _, err = cli(
+        capsys, "plans", "apply", "--app", "rm2-kairos", "--id", str(again["id"]), *wait
+    )
+    assert status == 2 and err.count("\n") == 2  # the progress line, then the reason
+    assert "has scope operator; this needs infer" in err
+    again = json.loads(cli(capsys, *preview_rm2, "--json")[1])
+    apply_again = ["plans", "apply", "--app", "rm2-kairos", "--id", str(again["id"])]
+    status, _, err = cli(capsys, *apply_again, *wait, "--token", admin)
+    assert status == 2
+    assert err.splitlines()[-1].startswith(
+        "heteroplane plans: rm2-kairos is not served after 0.2 s (app 'rm2-kairos'"
+    )
+    assert "503" in err and "heteroplane fleet --app rm2-kairos" in err
+    unknown = httpx.get(
+        f"{live.url}/v2/models/ghost/ready", headers={"Authorization": f"Bearer {admin}"}
+    )
+    assert (unknown.status_code, unknown.json()) == (404, {"error": "no model 'ghost'"})
 
 
 def test_serve_refuses_a_port_in_use(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,8 +28,8 @@ the request's ``parameters.binary_data_output`` is true or the output's own
 same header; else as JSON.
 
 Errors are the protocol's ``{"error": "one line"}`` with the status the rest of the API gives
-(:mod:`controlplane.api.errors`: 401/403 without an infer token, 404 for an unknown app, ...):
-the route class rewrites the API's error body, and
+(:mod:`controlplane.api.errors`: 401/403 without an infer token, 404 ``no model 'x'`` for an
+unknown app, ...): the route class rewrites the API's error body, and
 :class:`~controlplane.api.errors.OipErrorShapeMiddleware` the answers of the layers around the
 routes (the limits, an unknown route, 405). A query's body is read under the limit of its model
 (:func:`body_limit`: what 256 rows of its inputs take as JSON, up to ``oip_body_max_bytes``; 413
@@ -60,7 +60,7 @@ from controlplane.api.limits import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_depth_e
 from controlplane.api.routes import AppName
 from controlplane.api.routes.infer import received_s
 from controlplane.api.schemas import MAX_INFER_SAMPLES
-from controlplane.errors import ServingUnavailableError
+from controlplane.errors import NotFoundError, ServingUnavailableError
 from controlplane.serving.dispatcher import InferResult
 from controlplane.serving.loop import ServingLoop
 from controlplane.serving.modelio import ModelIOError, app_signature, stack_outputs
@@ -107,6 +107,8 @@ class _OipRoute(APIRoute):
 
 
 async def _api_answer(request: Request, error: Exception) -> Response | None:
+    if isinstance(error, NotFoundError) and error.kind == "app":
+        error = NotFoundError("model", error.key)  # an app is a model here: "no model 'x'"
     handlers = request.app.exception_handlers
     for kind in type(error).__mro__:
         handler = handlers.get(kind)
