@@ -231,6 +231,13 @@ class LiveTuner:
         self._recalibrated: set[str] = set()
         self._lock = threading.Lock()
 
+    def stages(self, app: str) -> tuple[TunerStage, ...]:
+        """The stages the tuner sizes ``app`` with now (empty before its first tick): with the
+        sizing model, each one's rates, capacity model and rungs."""
+        with self._lock:
+            tuned = self._apps.get(app)
+            return () if tuned is None else tuple(tuned.stages)
+
     def desired_fleet(self, app: AppRecord) -> Mapping[str, int]:
         """Counts by type the app should run: the tuner's fleet, summed over its stages."""
         with self._lock:

@@ -548,6 +548,36 @@ def _ladder_timeline(
     persistence_s: float | None,
 ) -> FleetTimeline:
     """:func:`tuner_timeline` on the sizing model's stage (``ladder``)."""
+    plan, config, boot = ladder_tuner(
+        trace,
+        app,
+        stage,
+        planning_arrival_s,
+        ladder,
+        boot_s=boot_s,
+        min_window_s=min_window_s,
+        recent_s=recent_s,
+        persistence_s=persistence_s,
+    )
+    return _roll_tuner(trace, plan, config, boot)
+
+
+def ladder_tuner(
+    trace: Trace,
+    app: ResolvedApp,
+    stage: StagePlan,
+    planning_arrival_s: NDArray[np.float64],
+    ladder: SizingLadder,
+    *,
+    boot_s: Mapping[str, float] | None = None,
+    min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S,
+    recent_s: float = DEFAULT_RECENT_S,
+    persistence_s: float | None = None,
+) -> tuple[TunerStage, TunerConfig, dict[str, float]]:
+    """The replay's tuner of the sizing model: the stage
+    (:func:`controlplane.policies.sizing.tuner_stage` from ``stage``'s fleet), its config (the
+    planning envelope, prices, boot times and caps over every type of the ladder) and the boot
+    times."""
     if planning_arrival_s.size == 0:
         raise ReplayError("the planning trace has no queries")
     mu = ladder.rate_per_instance_qps
@@ -571,7 +601,7 @@ def _ladder_timeline(
     )
     caps = {t: n for t in types if (n := app.spec.max_count(t)) is not None}
     config = dataclasses.replace(config, max_counts=caps)
-    return _roll_tuner(trace, tuner_stage(ladder, fleet, config), config, boot)
+    return tuner_stage(ladder, fleet, config), config, boot
 
 
 def _roll_tuner(

@@ -961,7 +961,8 @@ def _scale_up_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: str)
 def _scale_down_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: str) -> bool:
     """Move the stage towards the sizing model's fleet for ``needed_qps``, adding before
     removing: stop what it has beyond that fleet when it has all of it; else, when that fleet
-    saves at least :data:`MIX_CHANGE_SAVING_SHARE` of the stage's cost and the budget holds
+    saves at least :data:`MIX_CHANGE_SAVING_SHARE` of what the current mix trimmed to the need
+    would cost (:func:`_trim`, keeping one of each type it has) and the budget holds
     both while they overlap, launch what it lacks (the surplus stops on a later tick, once they
     serve); else trim within the current mix (:func:`_scale_down`). True when something
     changed."""
@@ -985,7 +986,8 @@ def _scale_down_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
             )
             before = plan.capacity_qps(fleet)
         return bool(surplus)
-    cost_now = _fleet_cost(fleet, prices)
+    # The alternative is the current mix trimmed to the need, not the current fleet.
+    cost_now = _fleet_cost(_trim(plan, fleet, needed_qps, prices), prices)
     cost_target = _fleet_cost(target, prices)
     extra = _fleet_cost(lacking, prices)
     affordable = tick.cost_usd_per_hr + extra <= config.budget_usd_per_hr + _COST_SLACK_USD_PER_HR
@@ -996,7 +998,8 @@ def _scale_down_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
                 name,
                 count,
                 f"mix change: {why}; need {needed_qps:.6g} qps; {aim} (${cost_target:.4g}/hr "
-                f"against ${cost_now:.4g}/hr now); added {count} x {name}, the surplus "
+                f"against ${cost_now:.4g}/hr in the current mix); added {count} x {name}, the "
+                f"surplus "
                 f"({_fleet_text(surplus)}) stops once it serves",
             )
         return True
