@@ -228,12 +228,15 @@ class AppResolver:
                 self._scales[app] = found
         return found
 
-    def check(self, document: object) -> ResolvedApp:
+    def check(self, document: object, *, confine: bool = True) -> ResolvedApp:
         """Validate a request body as an app spec and resolve it (:class:`SpecError` naming the
         field on any problem: a file path outside ``base_dir`` is one,
-        :func:`~controlplane.spec.confine_paths`); the resolved spec's paths are absolute."""
+        :func:`~controlplane.spec.confine_paths`); the resolved spec's paths are absolute.
+        ``confine=False`` is for the service's own specs (the demo's, naming its family's files
+        wherever the demo trained them), never for a request's."""
         spec = validate_spec(document)
-        confine_paths(spec, self.base_dir)
+        if confine:
+            confine_paths(spec, self.base_dir)
         return self.resolve(spec)
 
     def resolve(

@@ -254,6 +254,8 @@ class LiveTuner:
         per instance change), keeping the fleet and timers the tuner has reached."""
         with self._lock:
             self._recalibrated.add(app)
+            # The sizing ladder was planned on the old profiles: it is planned again.
+            self._forget_curves(app, None)
 
     def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
         """Cancel the capacity curves being built (the service is stopping) and wait up to

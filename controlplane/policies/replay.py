@@ -559,7 +559,8 @@ def _ladder_timeline(
         recent_s=recent_s,
         persistence_s=persistence_s,
     )
-    return _roll_tuner(trace, plan, config, boot)
+    start = {name: n for name, n in stage.fleet.items() if n > 0}
+    return _roll_tuner(trace, plan, config, boot, start)
 
 
 def ladder_tuner(
@@ -605,11 +606,17 @@ def ladder_tuner(
 
 
 def _roll_tuner(
-    trace: Trace, plan: TunerStage, config: TunerConfig, boot: Mapping[str, float]
+    trace: Trace,
+    plan: TunerStage,
+    config: TunerConfig,
+    boot: Mapping[str, float],
+    start: Mapping[str, int] | None = None,
 ) -> FleetTimeline:
-    """Tick the tuner over ``trace`` once a second from ``plan``'s fleet."""
-    state = initial_state([plan], now_s=0.0)
-    log = _FleetLog.planned(Fleet.of(dict(plan.fleet)), boot)
+    """Tick the tuner over ``trace`` once a second from ``start`` (by default ``plan``'s
+    fleet)."""
+    first = Fleet.of(dict(plan.fleet if start is None else start))
+    state = dataclasses.replace(initial_state([plan], now_s=0.0), fleets={plan.name: first})
+    log = _FleetLog.planned(first, boot)
     arrivals = trace.arrival_s
     for now_s in _ticks(float(arrivals[-1]), TUNER_TICK_S):
         lo, hi = np.searchsorted(arrivals, [now_s - config.recent_s, now_s], side="right")

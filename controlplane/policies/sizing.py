@@ -92,15 +92,21 @@ def tuner_stage(
     scale_factor: float = 1.0,
     min_instances: int = 1,
 ) -> TunerStage:
-    """The tuner's view of a stage sized by ``ladder``, starting from ``fleet`` (the applied
-    plan's counts): mu_t and the capacity model over every type of the ladder and the fleet, the
-    capacity curve, the rungs, and rho_m on the planning envelope of ``config``. The replay and
+    """The tuner's view of a stage sized by ``ladder`` whose applied plan runs ``fleet``: mu_t and
+    the capacity model over every type of the ladder (``fleet``'s must be among them), the
+    capacity curve, the rungs, the planned fleet (the ladder's rung at 1x, the one the curve is
+    relative to) and rho_m on the planning envelope of ``config``. The tuner's state keeps the
+    fleet it runs. The replay and
     the live tuner both build their stage here, so both size the same way."""
     mu = dict(ladder.rate_per_instance_qps)
     missing = [t for t, n in fleet.items() if n and t not in mu]
     if missing:
         raise KeyError(f"the ladder of {ladder.stage} has no rate for {', '.join(missing)}")
-    counts = {t: n for t, n in fleet.items() if n}
+    # The curve's multipliers are relative to the rung at 1x: its fleet is the planned one.
+    try:
+        counts = {t: n for t, n in ladder.fleet_at(1.0).items() if n}
+    except KeyError:
+        counts = {t: n for t, n in fleet.items() if n}
     rho = utilisation_target(
         counts, mu, scale_factor, config.planned_peak_rate_qps, ladder.capacity_model
     )

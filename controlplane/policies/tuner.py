@@ -950,8 +950,8 @@ def _scale_up_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: str)
                 count,
                 f"scale_up: {why}; need {needed_qps:.6g} qps; the sizing model's fleet for it "
                 f"is {_fleet_text(target)} (${_fleet_cost(target, prices):.4g}/hr); added "
-                f"{count} x {name}: capacity {before:.6g} -> {plan.capacity_qps(fleet):.6g} qps"
-                f", k {sum(fleet.values())}",
+                f"{count} x {name} (mu {plan.rate_per_instance_qps[name]:.6g} qps): capacity "
+                f"{before:.6g} -> {plan.capacity_qps(fleet):.6g} qps, k {sum(fleet.values())}",
             )
             before = plan.capacity_qps(fleet)
     if _short_qps(needed_qps, plan.capacity_qps(fleet)) > 0.0:
@@ -1213,6 +1213,11 @@ def tune(
             target = plan.capacity_at_load_qps(up.f_live)
             if _short_qps(target, capacity) > 0.0:
                 text = f"{up.load_why}; the planner's capacity at that load {target:.6g} qps"
+                if not up.exceed_why and capacity < plan.planned_capacity_qps:
+                    # Not more load than planned: the stage is short of what it was sized for.
+                    text = (
+                        f"below plan: planned capacity {plan.planned_capacity_qps:.6g} qps; {text}"
+                    )
                 _scale_up_ladder(tick, plan, target, text)
             continue
         if plan.capacity_curve is not None:

@@ -422,7 +422,7 @@ def ensure_demo_app(
         found = store.get_app(DEMO_APP)
     except NotFoundError:
         found = None
-    resolved = services.resolver.check(demo_spec(family))
+    resolved = services.resolver.check(demo_spec(family), confine=False)
     document = spec_document(resolved.spec)
     if found is not None and _is_cascade_demo(found.spec):
         if _without_budget(found.spec) == _without_budget(document):
