@@ -258,7 +258,7 @@ def run_profile(
             store, provisioner, app, record.budget_usd_per_hr, rows, resolved.prices_usd_per_hr
         )
         say(f"starting a worker of each of {', '.join(types)} for {app} ({', '.join(models)})")
-        for instance_type, row in rows.items():
+        for row in rows.values():
             _launch(store, provisioner, app, row, artifacts)
         crash_point("profile_run.after_launch")
         tags = {PROFILE_RUN_TAG: app, APP_TAG: app}

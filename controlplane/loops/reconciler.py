@@ -142,8 +142,8 @@ __all__ = [
     "DEFAULT_LAUNCH_BACKOFF_S",
     "DEFAULT_MISSING_GRACE_S",
     "DEFAULT_PROFILE_RUN_TIMEOUT_S",
-    "PROFILE_RUN_MISSED_BEATS",
     "DEFAULT_STRAGGLER_TIMEOUT_S",
+    "PROFILE_RUN_MISSED_BEATS",
     "Action",
     "Adopt",
     "AppPricing",
@@ -213,8 +213,8 @@ class Launch:
 class Terminate:
     """Terminate: the rows ``instance_ids`` move to ``terminating`` (a decision recorded first),
     then the provider is asked to stop ``provider_ids``. ``cause`` is ``scale_down``, ``budget``,
-    ``straggler``, ``profile_run_gone``, ``teardown``, ``stopped`` or ``ended`` (a row that ended while its machine runs on: only the
-    provider is asked, again)."""
+    ``straggler``, ``profile_run_gone``, ``teardown``, ``stopped`` or ``ended`` (a row that ended
+    while its machine runs on: only the provider is asked, again)."""
 
     instance_ids: tuple[str, ...]
     provider_ids: tuple[str, ...]
@@ -393,8 +393,8 @@ def reconcile(
     disruption budget of rule 5 (``None``: none), with ``disrupted_in_window`` serving
     instances of the app already moved out within its window. ``teardown``: end every kept row,
     launch nothing. ``profile_run_timeout_s``: how long a profile worker's row may go untouched
-    before its run is taken for gone (rule 8). The rules are the module docstring's; the actions come in the order they
-    must be carried out.
+    before its run is taken for gone (rule 8). The rules are the module docstring's; the actions
+    come in the order they must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")

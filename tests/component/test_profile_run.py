@@ -21,7 +21,6 @@ import json
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -35,9 +34,9 @@ from controlplane.apps.profile_run import (
     ProfileRunRequest,
     run_profile,
 )
-from controlplane.apps.teardown import request_teardown
 from controlplane.apps.profiler import ProfilingError
 from controlplane.apps.resolver import AppResolver, spec_document
+from controlplane.apps.teardown import request_teardown
 from controlplane.clock import FakeClock
 from controlplane.db.store import Store
 from controlplane.errors import ProfilingBudgetError
@@ -346,7 +345,9 @@ def test_a_live_profile_run_counts_against_the_budget_but_not_the_fleet_and_is_r
     world.clock.advance(41)
     report = reconciler.run_once()
     assert world.store.get_instance(row_id).state == "terminating"
-    (ended,) = [a for a in report.apps[APP].actions if getattr(a, "cause", "") == "profile_run_gone"]
+    (ended,) = [
+        a for a in report.apps[APP].actions if getattr(a, "cause", "") == "profile_run_gone"
+    ]
     assert ended.instance_ids == (row_id,)
     reconciler.run_once()
     assert world.store.get_instance(row_id).state == "terminated"

@@ -44,6 +44,8 @@ from controlplane.registry import (
     parse_reference,
     registry_from_settings,
 )
+from controlplane.registry.registry import STAGING_PREFIX
+from controlplane.registry.storage import held
 from controlplane.service.app import create_app
 from controlplane.settings import Settings
 from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec
@@ -611,3 +613,60 @@ def test_openapi_documents_the_routes(api: Api) -> None:
     assert {"201", "400", "413", "422"} <= set(push["responses"])
     artifact = document["paths"]["/v1/models/{name}/versions/{version}/artifact"]["get"]
     assert "application/octet-stream" in artifact["responses"]["200"]["content"]
+
+
+# --- staging: removed on any failure, swept at start --------------------------------------------
+
+
+def test_a_staged_upload_is_held_while_in_use_and_removed_on_failure(registry: Registry) -> None:
+    with pytest.raises(RuntimeError), registry.staged_file() as path:
+        path.write_bytes(b"half an upload")
+        assert held(path)  # this process holds it: a sweep leaves it alone
+        assert registry.sweep() == []
+        assert path.exists()
+        raise RuntimeError("the client went away")
+    assert not path.exists()
+    assert list(registry.staging_dir.iterdir()) == []
+
+
+def test_the_sweep_removes_what_a_crashed_push_left(registry: Registry, tmp_path: Path) -> None:
+    kept = registry.push("wine", model_file(tmp_path))
+    root = tmp_path / "data" / "registry"
+    # What a push killed at each step leaves: a staged upload, a blob store temporary file, a
+    # blob stored but without its row (no process holds any of them any more).
+    registry.staging_dir.mkdir(parents=True)
+    staged = registry.staging_dir / f"{STAGING_PREFIX}crashed"
+    staged.write_bytes(b"x" * 100)
+    temporary = root / "models" / "wine" / "2" / ".incoming-crashed"
+    temporary.parent.mkdir(parents=True)
+    temporary.write_bytes(b"y")
+    rowless = root / "models" / "wine" / "2" / ("ab" * 32 + ".onnx")
+    rowless.write_bytes(b"z")
+    # A push in flight (held) keeps its file and holds back the sweep of blobs without a row.
+    with registry.staged_file() as in_flight:
+        removed = registry.sweep()
+        assert sorted(removed) == sorted([str(staged), str(temporary)])
+        assert in_flight.exists() and rowless.exists()
+    removed = registry.sweep()
+    assert removed == [str(rowless)]
+    assert [p for p in blobs(root) if "incoming" not in p.parts] == [
+        Path(kept.uri.removeprefix("file://"))
+    ]
+    assert not rowless.parent.exists()  # its empty folder went with it
+    assert registry.store.get_model_version("wine").uri == kept.uri
+
+
+def test_the_service_sweeps_the_staging_folder_as_it_starts(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    settings = Settings(data_dir=data_dir, provisioner="fake")
+    settings.ensure_data_dir()
+    store = Store.from_url(settings.database_url, FakeClock(), upgrade=True)
+    registry = registry_from_settings(settings, store, inspector=fake_inspector())
+    registry.staging_dir.mkdir(parents=True)
+    leftover = registry.staging_dir / f"{STAGING_PREFIX}from-before-the-crash"
+    leftover.write_bytes(b"x" * 1000)
+    app = create_app(settings, store, FakeClock(), registry=registry)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert client.get("/healthz").status_code == 200
+        assert not leftover.exists()
+    store.close()
