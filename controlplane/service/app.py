@@ -51,6 +51,7 @@ from controlplane.errors import ControlPlaneError
 from controlplane.loops.leadership import Leadership
 from controlplane.loops.scheduler import Scheduler
 from controlplane.registry import Registry, registry_from_settings
+from controlplane.registry.inspection import end_orphaned_inspectors
 from controlplane.serving.loop import ServingLoop
 from controlplane.settings import Settings
 from controlplane.spec import AppSpec
@@ -184,8 +185,9 @@ def _reads_own_body(scope: Scope) -> bool:
 
 def sweep_leftovers(services: Services) -> None:
     """What a crashed run of the service left, found and ended as it starts (docs/operations.md,
-    "Crash guarantees"): staged uploads and half-written blobs of the registry. A failure is
-    logged; the service starts all the same."""
+    "Crash guarantees"): model inspectors whose service is gone, staged uploads and
+    half-written blobs of the registry. A failure is logged; the service starts all the same."""
+    end_orphaned_inspectors()
     if services.registry is not None:
         try:
             services.registry.sweep()

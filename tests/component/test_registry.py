@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
+import signal
+import subprocess
+import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +48,11 @@ from controlplane.registry import (
     inspect_artifact,
     parse_reference,
     registry_from_settings,
+)
+from controlplane.registry.inspection import (
+    INSPECTOR_MARKER,
+    end_orphaned_inspectors,
+    inspector_command,
 )
 from controlplane.registry.registry import STAGING_PREFIX
 from controlplane.registry.storage import held
@@ -397,6 +407,9 @@ STUB = textwrap.dedent(
         sys.exit(2)
     elif what == "hang":
         time.sleep(30)
+    elif what == "spin":  # a forward that never returns
+        while True:
+            pass
     elif what == "crash":
         raise RuntimeError("boom")
     elif what == "memory":
@@ -446,6 +459,108 @@ def test_inspection_times_out(stub_module: str, tmp_path: Path) -> None:
     inspector = SubprocessInspector(timeout_s=1.0, module=stub_module)
     with pytest.raises(ModelRejectedError, match="longer than 1 s"):
         inspector(model_file(tmp_path, b"hang"))
+
+
+def inspectors_of(owner: int) -> list[int]:
+    """The pids of the inspectors ``owner`` started (by their marker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if INSPECTOR_MARKER.encode() in argv:
+            at = argv.index(INSPECTOR_MARKER.encode())
+            if argv[at + 1] == str(owner).encode():
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+    """Poll ``condition`` until it holds or ``timeout_s`` passes; whether it held."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux /proc")
+
+
+@needs_proc
+def test_an_inspector_dies_with_its_parent(stub_module: str, tmp_path: Path) -> None:
+    spinning = model_file(tmp_path, b"spin")
+    script = (
+        "import sys; from pathlib import Path;"
+        " from controlplane.registry.inspection import inspect_artifact;"
+        f" inspect_artifact(Path(sys.argv[1]), module={stub_module!r}, timeout_s=600)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script, str(spinning)])
+    try:
+        assert wait_until(lambda: len(inspectors_of(parent.pid)) == 1), "no inspector started"
+        (child,) = inspectors_of(parent.pid)
+        parent.kill()  # SIGKILL: the parent's limits and timeout die with it
+        parent.wait()
+        assert wait_until(lambda: not alive(child)), f"inspector {child} outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait()
+        for pid in inspectors_of(parent.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@needs_proc
+def test_an_inspector_stops_at_its_own_cpu_limit(stub_module: str, tmp_path: Path) -> None:
+    command = inspector_command(
+        sys.executable,
+        stub_module,
+        [str(model_file(tmp_path, b"spin"))],
+        memory_bytes=1 << 30,
+        cpu_s=1,
+    )
+    child = subprocess.Popen(command, env={**os.environ}, start_new_session=True)
+    try:
+        returncode = child.wait(timeout=60)
+    finally:
+        child.kill()
+    assert returncode in (-signal.SIGXCPU, -signal.SIGKILL)
+
+
+@needs_proc
+def test_inspectors_left_by_a_dead_service_are_ended_at_start(
+    stub_module: str, tmp_path: Path
+) -> None:
+    spinning = [str(model_file(tmp_path, b"spin"))]
+    me = (os.getpid(), int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]))
+    # One whose owner is gone (a start time that is not this process's), one of this live one.
+    orphan_command = inspector_command(
+        sys.executable, stub_module, spinning, memory_bytes=1 << 30, cpu_s=60, owner=(me[0], 1)
+    )
+    owned_command = inspector_command(
+        sys.executable, stub_module, spinning, memory_bytes=1 << 30, cpu_s=60, owner=me
+    )
+    orphan = subprocess.Popen(orphan_command, start_new_session=True)
+    owned = subprocess.Popen(owned_command, start_new_session=True)
+    try:
+        assert wait_until(lambda: len(inspectors_of(me[0])) == 2)
+        ended = end_orphaned_inspectors()
+        assert orphan.pid in ended and owned.pid not in ended
+        assert orphan.wait(timeout=20) == -signal.SIGKILL
+        assert owned.poll() is None
+    finally:
+        for child in (orphan, owned):
+            child.kill()
+            child.wait()
 
 
 def test_an_answer_that_breaks_the_contract_is_a_bug(stub_module: str, tmp_path: Path) -> None:
