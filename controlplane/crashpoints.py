@@ -8,7 +8,7 @@ SIGKILLs itself there, as ``kill -9`` from outside would, leaving no chance to c
 points (docs/operations.md, "Crash guarantees"):
 
 >>> sorted(POINTS)[:3]
-['app_down.after_mark', 'app_down.after_terminate', 'budget.after_change']
+['app_down.after_mark', 'budget.after_change', 'model_push.after_row']
 >>> crash_point("model_push.after_row")  # not set: nothing happens
 """
 
@@ -32,9 +32,9 @@ POINTS = frozenset(
         "plan_apply.after_apply",
         "reconcile.after_row",
         "reconcile.after_launch",
+        "reconcile.before_terminate",
         "budget.after_change",
         "app_down.after_mark",
-        "app_down.after_terminate",
     }
 )
 

@@ -271,6 +271,7 @@ def run_profile(
             provisioner, tags, launched, types, worker_port, start_timeout_s, sleep, say
         )
         clients = {t: WorkerClient(addresses[t]) for t in types}
+        crash_point("profile_run.measuring")
         samples = _time_calls(clients, models, signatures, request, rng, say)
     finally:
         heartbeat.stop()

@@ -108,6 +108,7 @@ from typing import Any
 from controlplane.apps.profile_run import DEFAULT_HEARTBEAT_S
 from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
+from controlplane.crashpoints import crash_point
 from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.errors import ControlPlaneError
 from controlplane.policies.disruption import DisruptionBudget
@@ -1292,6 +1293,7 @@ class Reconciler:
                     reason=f"{action.cause}: {action.reason}",
                 )
             )
+        crash_point("reconcile.before_terminate")
         self._provider_terminate(app.name, action.provider_ids, errors)
 
     def _provider_terminate(self, app: str, provider_ids: Sequence[str], errors: _Errors) -> None:
@@ -1358,6 +1360,7 @@ class Reconciler:
                 reason=launch.reason,
             )
             rows.append((launch, row))
+        crash_point("reconcile.after_row")
         new = [(launch, row) for launch, row in rows if not launch.retry]
         if new:
             self.store.record_decision(
@@ -1395,6 +1398,7 @@ class Reconciler:
             except ProvisionerError as error:
                 self._launch_failed(app, launch, row, error, errors)
                 continue
+            crash_point("reconcile.after_launch")
             live = [i for i in launched if i.state in ("pending", "running")]
             if not live:
                 errors.append(f"launch {launch.request_id}: the provider returned no live instance")

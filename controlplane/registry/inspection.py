@@ -33,6 +33,7 @@ is one line; an answer that breaks the contract is a bug (``RuntimeError``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -251,10 +252,8 @@ def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
     except OSError:
-        try:
+        with contextlib.suppress(OSError):  # gone already
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass  # gone already
 
 
 def _start_time(pid: int) -> int | None:

@@ -15,9 +15,9 @@ document); the OpenAPI document is at ``/openapi.json`` (and a browsable page at
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
-import logging
 from contextlib import asynccontextmanager
 from typing import Any
 
