@@ -25,16 +25,16 @@ one:
    with its replica (a crash, a failover). The reconciler never counts these rows against the
    desired fleet, and the serving loop never sends them traffic. The run waits for each worker's
    address and for ``GET /v2/health/ready``.
-3. **Measurement,** as :func:`controlplane.apps.profiler.measure_serving_path` measures the
+4. **Measurement,** as :func:`controlplane.apps.profiler.measure_serving_path` measures the
    serving path: per batch size, every type's worker at once (a thread and a kept-alive
    connection each), warm-up rounds then ``samples`` timed rounds, each round sending every
    model in turn one batch; a sample is the round trip of an Open Inference Protocol v2
    ``POST /v2/models/{m}/infer`` of random inputs matching the model's signature (uniform in
    [0, 1) for floats, small integers otherwise; a dynamic dimension past the batch is 1).
-4. **Cleanup.** The workers are ended in a ``finally``, after a failure too: their rows move to
+5. **Cleanup.** The workers are ended in a ``finally``, after a failure too: their rows move to
    ``terminating`` (written before the provider is asked), the provider terminates them, and the
    rows of workers the provider no longer runs become ``terminated``.
-5. **Result.** The profile JSON document (``estimator.profiles``' format, what the resolver
+6. **Result.** The profile JSON document (``estimator.profiles``' format, what the resolver
    reads for the app's artifact models) is stored with ``store.put_app_profiles``, the resolver
    forgets the app's old ones, and a ``profiles_measured`` decision is recorded.
 """
