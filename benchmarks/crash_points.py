@@ -38,13 +38,20 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 try:  # imported as benchmarks.crash_points
-    from benchmarks.local_service import clean_env, free_port, issue_token, stop, stop_workers
+    from benchmarks.local_service import (
+        clean_env,
+        family_onnx,
+        free_port,
+        issue_token,
+        stop,
+        stop_workers,
+    )
 except ModuleNotFoundError:  # run as a script: the sibling module
     from local_service import (  # type: ignore[no-redef]
         clean_env,
+        family_onnx,
         free_port,
         issue_token,
         stop,
@@ -55,7 +62,7 @@ from controlplane.apps.teardown import teardown_requested
 from controlplane.crashpoints import CRASH_AT_ENV, POINTS
 from controlplane.db.store import Store
 from controlplane.policies.lifecycle import KEPT_STATES, InstanceState, is_profile_worker
-from controlplane.registry.inspection import INSPECTOR_MARKER
+from controlplane.registry.inspection import running_inspectors
 from controlplane.registry.registry import REGISTRY_DIR, STAGING_PREFIX
 from controlplane.service.provisioning import LOCAL_WORKERS_DIR
 from estimator.catalog import default_catalog
@@ -77,25 +84,6 @@ SETTINGS = {
 }
 _LIVE_ROWS = (InstanceState.PENDING.value, InstanceState.RUNNING.value)
 _KEPT_ROWS = frozenset(s.value for s in KEPT_STATES)
-
-
-def family_onnx(path: Path) -> Path:
-    """input FP32 [n, 64] -> logits FP32 [n, 10], a fixed linear map (the family's signature)."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    weights = np.random.default_rng(0).normal(size=(64, 10)).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["input", "w"], ["logits"])],
-        "clf",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", 64])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 10])],
-        [numpy_helper.from_array(weights, "w")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    onnx.save(model, path)
-    return path
 
 
 # --- the service -------------------------------------------------------------------------------
@@ -325,24 +313,8 @@ def check(data_dir: Path, dead_pid: int) -> Checks:
         str(p.relative_to(data_dir))
         for p in registry.rglob("*")
         if p.is_file() and (p.name.startswith(STAGING_PREFIX) or p.name.startswith(".incoming-"))
-    ) + [f"inspector {pid}" for pid in inspectors_of(dead_pid)]
+    ) + [f"inspector {pid}" for pid, owner, _ in running_inspectors() if owner == dead_pid]
     return found
-
-
-def inspectors_of(owner: int) -> list[int]:
-    """Live model inspectors started by the process ``owner``."""
-    marker = INSPECTOR_MARKER.encode()
-    pids = []
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if marker in argv and argv[argv.index(marker) + 1 : argv.index(marker) + 2] == [
-            str(owner).encode()
-        ]:
-            pids.append(int(entry.name))
-    return pids
 
 
 def outcome(data_dir: Path, operation: str) -> str:

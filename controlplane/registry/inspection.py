@@ -60,6 +60,7 @@ __all__ = [
     "end_orphaned_inspectors",
     "inspect_artifact",
     "inspector_command",
+    "running_inspectors",
 ]
 
 logger = logging.getLogger(__name__)
@@ -218,29 +219,33 @@ def inspector_command(
     ]
 
 
-def end_orphaned_inspectors() -> list[int]:
-    """SIGKILL every inspector (its process group) whose owner is no longer alive (its pid is
-    gone, or taken by a process that started at another time); their pids. Linux (``/proc``);
-    elsewhere nothing."""
-    ended: list[int] = []
+def running_inspectors() -> list[tuple[int, int, int]]:
+    """The inspectors running on this machine, by their marker: (pid, owner pid, owner start
+    time). Linux (``/proc``); elsewhere none."""
+    found: list[tuple[int, int, int]] = []
     proc = Path("/proc")
     if not proc.is_dir():
-        return ended
+        return found
+    marker = INSPECTOR_MARKER.encode()
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            at = argv.index(marker)
+            found.append((int(entry.name), int(argv[at + 1]), int(argv[at + 2])))
+        except (OSError, ValueError, IndexError):
             continue
-        try:
-            at = argv.index(INSPECTOR_MARKER.encode())
-            owner, start = int(argv[at + 1]), int(argv[at + 2])
-        except (ValueError, IndexError):
-            continue
+    return found
+
+
+def end_orphaned_inspectors() -> list[int]:
+    """SIGKILL every inspector (its process group) whose owner is no longer alive (its pid is
+    gone, or taken by a process that started at another time); their pids."""
+    ended: list[int] = []
+    for pid, owner, start in running_inspectors():
         if _start_time(owner) == start:
             continue  # its service is alive: its inspection is running
-        pid = int(entry.name)
         logger.warning("ending inspector %d, left by a service (pid %d) that is gone", pid, owner)
         _kill_group(pid)
         ended.append(pid)

@@ -50,9 +50,9 @@ from controlplane.registry import (
     registry_from_settings,
 )
 from controlplane.registry.inspection import (
-    INSPECTOR_MARKER,
     end_orphaned_inspectors,
     inspector_command,
+    running_inspectors,
 )
 from controlplane.registry.registry import STAGING_PREFIX
 from controlplane.registry.storage import held
@@ -463,17 +463,7 @@ def test_inspection_times_out(stub_module: str, tmp_path: Path) -> None:
 
 def inspectors_of(owner: int) -> list[int]:
     """The pids of the inspectors ``owner`` started (by their marker)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if INSPECTOR_MARKER.encode() in argv:
-            at = argv.index(INSPECTOR_MARKER.encode())
-            if argv[at + 1] == str(owner).encode():
-                found.append(int(entry.name))
-    return found
+    return [pid for pid, started_by, _ in running_inspectors() if started_by == owner]
 
 
 def alive(pid: int) -> bool:
