@@ -435,3 +435,52 @@ def test_without_the_providers_list_only_the_budget_guard_acts() -> None:
     ]
     (drain,) = terminations(actions)
     assert drain.cause == "budget" and drain.instance_ids == (rows[0].id,)
+
+
+# --- rule 8: profile workers ---------------------------------------------------------------------
+
+
+def profile_row(instance_type: str, state: str = "running", **kwargs: object) -> InstanceRecord:
+    n = next(_ids)
+    return row(instance_type, state, request_id=f"profile:app-run{n}-{instance_type}", **kwargs)  # type: ignore[arg-type]
+
+
+def test_profile_workers_are_not_the_fleet_but_their_cost_is_reserved() -> None:
+    worker = profile_row("gpu", updated_age_s=1.0)
+    # Desired: one gpu. The profile run's gpu is not it: a gpu for the fleet would not fit next
+    # to it (0.5 + 0.5 > 0.8), and the profile worker is neither ended nor launched again.
+    actions = run({"gpu": 1}, [worker], budget=0.8)
+    assert not any(isinstance(a, Launch | Terminate) for a in actions)
+    (capped,) = [a for a in actions if isinstance(a, BudgetCapped)]
+    assert capped.wanted == {"gpu": 1} and capped.committed_usd_per_hr == 0.5
+    # Desired: nothing. The profile worker is not excess.
+    assert not any(isinstance(a, Terminate) for a in run({}, [worker], budget=0.8))
+
+
+def test_a_profile_worker_whose_run_stopped_beating_is_ended() -> None:
+    beating = profile_row("small", updated_age_s=10.0)
+    gone = profile_row("large", updated_age_s=41.0)
+    unlaunched = profile_row("small", "requested", updated_age_s=41.0)
+    actions = run({}, [beating, gone, unlaunched], profile_run_timeout_s=40.0)
+    (ended,) = [a for a in actions if isinstance(a, Terminate)]
+    assert ended.cause == "profile_run_gone" and ended.instance_ids == (gone.id,)
+    marks = [a for a in actions if isinstance(a, Mark)]
+    assert [(m.instance_id, m.to_state) for m in marks] == [(unlaunched.id, InstanceState.FAILED)]
+    # A requested profile row is the run's to launch, never the reconciler's.
+    fresh = profile_row("small", "requested", updated_age_s=1.0)
+    assert not any(isinstance(a, Launch) for a in run({}, [fresh]))
+
+
+def test_over_the_budget_the_profile_workers_go_first() -> None:
+    fleet = row("large")
+    worker = profile_row("gpu", updated_age_s=1.0)
+    actions = run({"large": 1}, [fleet, worker], budget=0.3)
+    (ended,) = [a for a in actions if isinstance(a, Terminate)]
+    assert ended.cause == "budget" and ended.instance_ids == (worker.id,)
+
+
+def test_app_down_ends_the_profile_workers_too() -> None:
+    worker = profile_row("small", updated_age_s=1.0)
+    actions = run({"small": 1}, [row("small"), worker], teardown=True)
+    (ended,) = [a for a in actions if isinstance(a, Terminate)]
+    assert ended.cause == "teardown" and worker.id in ended.instance_ids
