@@ -433,9 +433,19 @@ def _launch(
             row.id, InstanceState.PENDING.value, reason="launched", provider_id=live[0].provider_id
         )
     except ControlPlaneError:
-        # The reconciler adopted it meanwhile (rule 1), or ended it (app down): either way the
-        # row is no longer waiting, and the run reads its provider id from the store.
-        logger.info("profile worker %s moved on before its launch was recorded", row.id)
+        # The reconciler adopted it meanwhile (rule 1): the row has its provider id. Or it ended
+        # the row (app down, the budget): then the worker goes now, and the run with it.
+        current = store.get_instance(row.id)
+        if current.provider_id == live[0].provider_id and current.state in KEPT_STATES:
+            return
+        try:
+            provisioner.terminate([live[0].provider_id])
+        except ProvisionerError as error:  # an orphan now: the reconciler ends it
+            logger.warning("profile worker %s: %s", live[0].provider_id, error)
+        raise ProfilingError(
+            f"the {row.instance_type} worker's row was ended meanwhile ({current.state}):"
+            " the app is being taken down or its budget lowered"
+        ) from None
 
 
 def _end_workers(

@@ -437,3 +437,20 @@ def test_the_api_pins_refuses_the_plan_then_profiles_the_app(
         )
         assert unknown.status_code == 422
         assert unknown.json()["error"]["field"] == "models[0].artifact"
+
+
+def test_a_run_whose_rows_are_ended_meanwhile_stops_and_leaves_no_worker(world: World) -> None:
+    register(world, spec())
+    launch = world.provisioner.launch
+
+    def app_down_during_the_launch(request: LaunchRequest) -> list[ProvisionedInstance]:
+        # The reconciler's teardown ends the rows between the run's record and its launch.
+        for r in world.store.list_instances(APP, states=["requested"]):
+            world.store.transition_instance(r.id, "failed", reason="teardown (test)")
+        return launch(request)
+
+    world.provisioner.launch = app_down_during_the_launch  # type: ignore[method-assign]
+    with pytest.raises(ProfilingError, match="row was ended meanwhile"):
+        profile(world, types=(SMALL,))
+    assert live(world.provisioner) == []
+    assert world.store.get_app_profiles(APP) is None
