@@ -61,6 +61,11 @@ def row(
     )
 
 
+def profile_row(instance_type: str, state: str = "running", **kwargs: object) -> InstanceRecord:
+    n = next(_ids)
+    return row(instance_type, state, request_id=f"profile:app-run{n}-{instance_type}", **kwargs)  # type: ignore[arg-type]
+
+
 def seen(
     record: InstanceRecord | None = None,
     state: str = "running",
@@ -362,6 +367,7 @@ _rows = st.lists(
         st.sampled_from(["requested", "pending", "running", "terminating", "failed"]),
         st.floats(0, 1000),
         st.sampled_from(["agree", "terminated", "missing", "running"]),
+        st.booleans(),  # a profile run's worker (rule 8)
     ),
     max_size=12,
 )
@@ -374,14 +380,14 @@ _rows = st.lists(
     budget=st.floats(0.0, 3.0),
 )
 def test_the_kept_fleet_never_exceeds_the_budget_and_every_row_moves_legally(
-    rows_spec: list[tuple[str, str, float, str]], desired: dict[str, int], budget: float
+    rows_spec: list[tuple[str, str, float, str, bool]], desired: dict[str, int], budget: float
 ) -> None:
-    from controlplane.policies.lifecycle import can_transition
+    from controlplane.policies.lifecycle import can_transition, is_profile_worker
 
     rows: list[InstanceRecord] = []
     observed: list[ProvisionedInstance] = []
-    for instance_type, state, age_s, provider in rows_spec:
-        r = row(instance_type, state, age_s=age_s)
+    for instance_type, state, age_s, provider, profiling in rows_spec:
+        r = (profile_row if profiling else row)(instance_type, state, age_s=age_s)
         rows.append(r)
         if r.provider_id is not None and provider != "missing":
             where = {"agree": "pending" if state == "pending" else "running"}.get(
@@ -399,14 +405,17 @@ def test_the_kept_fleet_never_exceeds_the_budget_and_every_row_moves_legally(
                 assert can_transition(state[instance_id], "terminating")
                 state[instance_id] = "terminating"
     after = _apply(rows, actions)
+    # Profile workers included: they cost money like the fleet.
     kept_cost = sum(price for s, price in after.values() if s in _KEPT)
     assert kept_cost <= budget + 1e-6
-    # And no more than desired of any type is kept.
+    # And no more than desired of any type is kept (profile workers are not the fleet).
+    profiling = {r.id for r in rows if is_profile_worker(r.request_id)}
     for instance_type in PRICES:
         kept = sum(
             1
             for key, (s, _) in after.items()
             if s in _KEPT
+            and key not in profiling
             and (
                 next((r.instance_type for r in rows if r.id == key), None)
                 or next(a.instance_type for a in launches(actions) if a.request_id == key)
@@ -438,11 +447,6 @@ def test_without_the_providers_list_only_the_budget_guard_acts() -> None:
 
 
 # --- rule 8: profile workers ---------------------------------------------------------------------
-
-
-def profile_row(instance_type: str, state: str = "running", **kwargs: object) -> InstanceRecord:
-    n = next(_ids)
-    return row(instance_type, state, request_id=f"profile:app-run{n}-{instance_type}", **kwargs)  # type: ignore[arg-type]
 
 
 def test_profile_workers_are_not_the_fleet_but_their_cost_is_reserved() -> None:
