@@ -74,7 +74,7 @@ TYPES = ("emu.cpu.small", "emu.cpu.large")
 BUDGET_USD_PER_HR = 0.4
 LOWERED_USD_PER_HR = 0.06  # one emu.cpu.small: the budget change drains the rest
 START_S = 60.0
-SETTLE_S = 30.0
+SETTLE_S = 60.0
 REQUEST_S = 120.0
 # Fast loops, so that a restarted service settles within seconds.
 SETTINGS = {
@@ -158,7 +158,7 @@ def call(service: Service, method: str, url: str, ok: Sequence[int], **kwargs: A
     return response.json() if response.content else None
 
 
-def until(what: str, service: Service, check: Callable[[], Any], deadline_s: float = 60.0) -> Any:
+def until(what: str, service: Service, check: Callable[[], Any], deadline_s: float = 180.0) -> Any:
     """Poll ``check`` until it returns something true; :class:`ServiceCrashedError` if the
     service dies."""
     deadline = time.monotonic() + deadline_s
