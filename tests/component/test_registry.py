@@ -542,9 +542,11 @@ def test_inspectors_left_by_a_dead_service_are_ended_at_start(
     orphan = subprocess.Popen(orphan_command, start_new_session=True)
     owned = subprocess.Popen(owned_command, start_new_session=True)
     try:
-        assert wait_until(lambda: len(inspectors_of(me[0])) == 2)
+        # Popen returns once the command is exec'd: both carry their marker now.
         ended = end_orphaned_inspectors()
-        assert orphan.pid in ended and owned.pid not in ended
+        # (Another service starting on this machine meanwhile may have ended the orphan first.)
+        assert orphan.pid in ended or orphan.poll() is not None
+        assert owned.pid not in ended
         assert orphan.wait(timeout=20) == -signal.SIGKILL
         assert owned.poll() is None
     finally:
