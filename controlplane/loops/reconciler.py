@@ -411,7 +411,10 @@ def reconcile(
         if teardown:
             _tear_down(kept, actions)
         else:
-            _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
+            fleet = [row for row in kept if not _profiling(row)]
+            profiling = [row for row in kept if _profiling(row)]
+            _end_profiling_over_budget(fleet, profiling, budget_usd_per_hr, actions)
+            _fit_budget(fleet, budget_usd_per_hr, values, stages, actions)
         return actions
     _match(rows, observed, prices_usd_per_hr, actions)
     for row in rows:
@@ -429,18 +432,7 @@ def reconcile(
         kept, spared = _drop_excess(
             kept, desired, values, stages, disruption, disrupted_in_window, actions
         )
-    reserved = float(sum(row.record.price_usd_per_hr for row in profiling))
-    fleet_cost = float(sum(row.record.price_usd_per_hr for row in kept))
-    if profiling and fleet_cost + reserved > budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
-        # Over the budget: the profile workers go first (they serve nothing), rule 8.
-        _terminate(
-            profiling,
-            "budget",
-            f"the fleet and its profile workers cost {fleet_cost + reserved:.3f} USD/hr, over"
-            f" the budget of {budget_usd_per_hr:g} USD/hr: the profile workers go first",
-            actions,
-        )
-        reserved = 0.0
+    reserved = _end_profiling_over_budget(kept, profiling, budget_usd_per_hr, actions)
     kept = _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
     staying = {row.id for row in kept}
     spared = [row for row in spared if row.id in staying]
@@ -495,6 +487,28 @@ def reconcile(
 
 def _profiling(row: _Row) -> bool:
     return is_profile_worker(row.record.request_id)
+
+
+def _end_profiling_over_budget(
+    fleet: Sequence[_Row],
+    profiling: Sequence[_Row],
+    budget_usd_per_hr: float,
+    actions: list[Action],
+) -> float:
+    """Rule 8 and the budget guard: when the fleet and the profile workers cost more than the
+    budget, the profile workers go first (they serve nothing). What the ones that stay cost."""
+    reserved = float(sum(row.record.price_usd_per_hr for row in profiling))
+    fleet_cost = float(sum(row.record.price_usd_per_hr for row in fleet))
+    if not profiling or fleet_cost + reserved <= budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
+        return reserved
+    _terminate(
+        profiling,
+        "budget",
+        f"the fleet and its profile workers cost {fleet_cost + reserved:.3f} USD/hr, over the"
+        f" budget of {budget_usd_per_hr:g} USD/hr: the profile workers go first",
+        actions,
+    )
+    return 0.0
 
 
 def _reap_profile_workers(

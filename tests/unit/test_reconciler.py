@@ -488,3 +488,11 @@ def test_app_down_ends_the_profile_workers_too() -> None:
     actions = run({"small": 1}, [row("small"), worker], teardown=True)
     (ended,) = [a for a in actions if isinstance(a, Terminate)]
     assert ended.cause == "teardown" and worker.id in ended.instance_ids
+
+
+def test_without_the_providers_list_the_profile_workers_still_go_first() -> None:
+    fleet = row("large")
+    worker = profile_row("gpu", updated_age_s=1.0)
+    actions = reconcile({"large": 1}, [fleet, worker], None, PRICES, 0.3, NOW, 600.0)
+    (ended,) = terminations(actions)
+    assert ended.cause == "budget" and ended.instance_ids == (worker.id,)
