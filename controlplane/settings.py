@@ -319,6 +319,14 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="the disruption budget's window, s",
     )
+    profile_run_heartbeat_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="how often a profile run touches its workers' rows; the reconciler ends the"
+        " workers of a run not heard of for four of these (its replica crashed), s",
+    )
     model_max_bytes: int = Field(
         default=1 << 30,
         ge=1,

@@ -831,6 +831,23 @@ class Store:
         raise ConflictError(f"instance {instance_id!r} kept changing state; try again")
 
     @_translated
+    def touch_instances(self, instance_ids: Iterable[str], *, at: datetime | None = None) -> int:
+        """Set ``updated_at`` of the live ones of ``instance_ids`` to now (a heartbeat: a
+        profile run says it still owns its workers, :mod:`controlplane.apps.profile_run`);
+        how many rows were touched."""
+        ids = list(instance_ids)
+        if not ids:
+            return 0
+        with transaction(self._sessions) as session:
+            result = session.execute(
+                update(m.Instance)
+                .where(m.Instance.id.in_(ids), m.Instance.state.in_(_values(LIVE_STATES)))
+                .values(updated_at=self._now(at))
+                .execution_options(synchronize_session=False)
+            )
+            return cast(CursorResult[Any], result).rowcount
+
+    @_translated
     def set_provider_id(self, instance_id: str, provider_id: str) -> InstanceRecord:
         """Record the provider's id of the instance (without a state change)."""
         try:

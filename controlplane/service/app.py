@@ -15,6 +15,7 @@ document); the OpenAPI document is at ``/openapi.json`` (and a browsable page at
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -46,15 +47,19 @@ from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
 from controlplane.dashboard import install_dashboard
 from controlplane.db.store import Store
+from controlplane.errors import ControlPlaneError
 from controlplane.loops.leadership import Leadership
 from controlplane.loops.scheduler import Scheduler
 from controlplane.registry import Registry, registry_from_settings
+from controlplane.registry.inspection import end_orphaned_inspectors
 from controlplane.serving.loop import ServingLoop
 from controlplane.settings import Settings
 from controlplane.spec import AppSpec
 from provisioners.base import Provisioner
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "sweep_leftovers"]
+
+logger = logging.getLogger(__name__)
 
 _DESCRIPTION = (
     "The heteroplane control plane: register apps, preview and apply plans, set budgets, and"
@@ -106,6 +111,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await run_in_threadpool(sweep_leftovers, services)
         if serving is not None:
             await serving.start()
         try:
@@ -175,6 +181,18 @@ def _reads_own_body(scope: Scope) -> bool:
     """The routes that read their body under a limit of their own: a model push
     (``model_max_bytes``) and an Open Inference Protocol query (its model's 256 rows)."""
     return models.streams_own_body(scope) or oip.reads_own_body(scope)
+
+
+def sweep_leftovers(services: Services) -> None:
+    """What a crashed run of the service left, found and ended as it starts (docs/operations.md,
+    "Crash guarantees"): model inspectors whose service is gone, staged uploads and
+    half-written blobs of the registry. A failure is logged; the service starts all the same."""
+    end_orphaned_inspectors()
+    if services.registry is not None:
+        try:
+            services.registry.sweep()
+        except (ControlPlaneError, OSError) as error:
+            logger.error("startup sweep: the registry's leftovers stay: %s", error)
 
 
 def _add_spec_schemas(document: dict[str, Any]) -> None:

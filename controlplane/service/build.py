@@ -76,6 +76,7 @@ from controlplane.loops.leadership import LeaderLock, Leadership, SoleLock
 from controlplane.loops.live_gears import LiveGears
 from controlplane.loops.live_tuner import LiveTuner, ResolveFn
 from controlplane.loops.reconciler import (
+    PROFILE_RUN_MISSED_BEATS,
     AppPricing,
     ArtifactsFn,
     DesiredFleet,
@@ -222,11 +223,16 @@ def build_reconciler(
     desired_fleet: DesiredFleet | None = None,
     *,
     disruption: DisruptionBudget | None = None,
+    profile_run_heartbeat_s: float | None = None,
 ) -> Reconciler:
     """The reconciler over ``provisioner``, pricing apps from their specs (through
     ``resolver``); ``desired_fleet`` is the live tuner's (default: each app's applied plan);
-    ``disruption`` bounds its voluntary drains (default: the reconciler's)."""
+    ``disruption`` bounds its voluntary drains (default: the reconciler's); a profile run's
+    workers are its run's for four ``profile_run_heartbeat_s`` after its last heartbeat
+    (default: the reconciler's)."""
     extra: dict[str, Any] = {} if disruption is None else {"disruption": disruption}
+    if profile_run_heartbeat_s is not None:
+        extra["profile_run_timeout_s"] = PROFILE_RUN_MISSED_BEATS * profile_run_heartbeat_s
     return Reconciler(
         store,
         provisioner,
@@ -512,6 +518,7 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         resolver,
         scaled_fleet(live_tuner, infaas_scaler),
         disruption=disruption_budget(settings),
+        profile_run_heartbeat_s=settings.profile_run_heartbeat_s,
     )
     replanner = CapacityReplanner(
         store,
