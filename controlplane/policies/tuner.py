@@ -944,6 +944,8 @@ def _scale_up_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: str)
             count = wanted if price == 0.0 else min(wanted, max(0, math.floor(left / price)))
             if count <= 0:
                 continue
+            after_fleet = {**fleet, name: fleet.get(name, 0) + count}
+            after = plan.capacity_qps(after_fleet)
             tick.launch(
                 plan,
                 name,
@@ -951,9 +953,9 @@ def _scale_up_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: str)
                 f"scale_up: {why}; need {needed_qps:.6g} qps; the sizing model's fleet for it "
                 f"is {_fleet_text(target)} (${_fleet_cost(target, prices):.4g}/hr); added "
                 f"{count} x {name} (mu {plan.rate_per_instance_qps[name]:.6g} qps): capacity "
-                f"{before:.6g} -> {plan.capacity_qps(fleet):.6g} qps, k {sum(fleet.values())}",
+                f"{before:.6g} -> {after:.6g} qps, k {sum(after_fleet.values())}",
             )
-            before = plan.capacity_qps(fleet)
+            before = after
     if _short_qps(needed_qps, plan.capacity_qps(fleet)) > 0.0:
         _scale_up(tick, plan, needed_qps, why)
 
@@ -977,14 +979,16 @@ def _scale_down_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
     if not lacking:
         before = plan.capacity_qps(fleet)
         for name, count in sorted(surplus.items()):
+            after_fleet = {**fleet, name: fleet[name] - count}
+            after = plan.capacity_qps(after_fleet)
             tick.stop(
                 plan,
                 name,
                 count,
                 f"{why}; need {needed_qps:.6g} qps; {aim}; stopped {count} x {name}: capacity "
-                f"{before:.6g} -> {plan.capacity_qps(fleet):.6g} qps, k {sum(fleet.values())}",
+                f"{before:.6g} -> {after:.6g} qps, k {sum(after_fleet.values())}",
             )
-            before = plan.capacity_qps(fleet)
+            before = after
         return bool(surplus)
     # The alternative is the current mix trimmed to the need, not the current fleet.
     cost_now = _fleet_cost(_trim(plan, fleet, needed_qps, prices), prices)
@@ -1213,7 +1217,9 @@ def tune(
             target = plan.capacity_at_load_qps(up.f_live)
             if _short_qps(target, capacity) > 0.0:
                 text = f"{up.load_why}; the planner's capacity at that load {target:.6g} qps"
-                if not up.exceed_why and capacity < plan.planned_capacity_qps:
+                if up.exceed_why:
+                    text = f"{up.exceed_why}; {text}"
+                elif capacity < plan.planned_capacity_qps:
                     # Not more load than planned: the stage is short of what it was sized for.
                     text = (
                         f"below plan: planned capacity {plan.planned_capacity_qps:.6g} qps; {text}"

@@ -206,7 +206,9 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 @pytest.fixture
 def live(data_dir: Path, tmp_path: Path) -> Iterator[Server]:
-    server = Server(data_dir, tmp_path / "serve.log")
+    # The reconciler held off: the fleet commands check what the API wrote, which a reconcile
+    # tick after `plans apply` (the fake provisioner's launches) would add to on a slow machine.
+    server = Server(data_dir, tmp_path / "serve.log", **HELD_OFF)
     yield server
     assert server.stop() == 0, server.log_path.read_text()
 

@@ -40,13 +40,12 @@ def _utc(at: datetime | None, field: str) -> datetime | None:
 
 
 def _kinds(values: list[str] | None, field: str) -> list[str] | None:
-    """The kinds of ``kind=a&kind=b`` or ``kind=a,b`` (None: no filter); an empty name is a 422."""
+    """The kinds of ``kind=a&kind=b`` or ``kind=a,b`` (None: no filter); empty names (``kind=``,
+    ``kind=a,``) name nothing, so a parameter of only empty names filters nothing."""
     if values is None:
         return None
     kinds = [name.strip() for value in values for name in value.split(",")]
-    if not all(kinds):
-        raise ApiError(422, "invalid_request", f"{field}: a kind must not be empty", field)
-    return kinds
+    return [name for name in kinds if name] or None
 
 
 @router.get(
