@@ -43,10 +43,15 @@ judges).
   reaches the threshold h_i (or at the last stage), and the others go together, as one new
   query, to the next model's queue, keeping the original arrival time (the SLO clock runs from
   arrival). The request resolves when every sample is final.
-- **Failures.** A worker whose call fails is unhealthy at once and its batch goes back to the
-  front of its stage's queue, up to ``max_attempts`` tries per query, then an explicit error
-  (502); a worker that refuses the inputs themselves (400) fails the queries at once
-  (:mod:`controlplane.serving.health`, which also probes idle and unhealthy workers). A query
+- **Failures.** A worker whose call fails (no connection, a timeout, a broken connection, a
+  status saying it cannot serve) is unhealthy at once and its batch goes back to the front of
+  its stage's queue, up to ``max_attempts`` tries per query, then an explicit error (502;
+  :mod:`controlplane.serving.health`, which also probes idle and unhealthy workers). A worker
+  that answers that the model raised on the batch, or that its inputs are refused, stays
+  healthy: a bad query fails alone (422 when the worker says its inputs are at fault, else
+  502) and the other queries of its batch go back to the front of the queue. The agent names
+  the rows that failed (it runs a failed batch again row by row); when a worker names none,
+  each query of the batch is tried again in a batch of its own. A query
   past its SLO is still served and answered, flagged ``late``; only past ``give_up_s`` (far
   beyond the SLO) is it answered with an explicit timeout (504), and a query nothing can serve
   (no healthy instance of its model) is refused at arrival (503), so nothing waits without bound.
@@ -78,6 +83,7 @@ from controlplane.errors import (
     NoServingInstanceError,
     OverloadedError,
     QueryFailedError,
+    QueryRejectedError,
     QueryTimeoutError,
     ServingError,
     WorkerCallError,
@@ -255,9 +261,11 @@ class _Request:
 
 
 class _Part:
-    """A request's samples at one stage: one queued query."""
+    """A request's samples at one stage: one queued query. ``alone``: it was in a batch the model
+    raised on, with no word of which rows failed; it goes in a batch of its own from now on, so
+    that its failure is its own."""
 
-    __slots__ = ("attempts", "position", "query", "request", "samples")
+    __slots__ = ("alone", "attempts", "position", "query", "request", "samples")
 
     def __init__(
         self, request: _Request, position: int, samples: list[int], query: QueuedQuery
@@ -267,6 +275,7 @@ class _Part:
         self.samples = samples
         self.query = query
         self.attempts = 0
+        self.alone = False
 
 
 # --- stages ------------------------------------------------------------------------------------
@@ -587,6 +596,11 @@ class AppDispatcher:
                     part.request.queued.pop(query_id, None)
                     stage.queued_samples -= len(part.samples)
                     parts.append(part)
+            if len(parts) > 1 and any(part.alone for part in parts):
+                # A suspect of a failed batch goes alone; the others wait at the front.
+                lone = next(part for part in parts if part.alone)
+                self._requeue(stage, [part for part in parts if part is not lone])
+                parts = [lone]
             if parts:
                 self._start(stage, slot, parts, now)
 
@@ -713,6 +727,9 @@ class AppDispatcher:
         now = self.clock_s()
         stage.in_service_samples -= batch
         worker.finish(now)
+        if not error.worker_fault:
+            self._rejected(stage, worker, parts, error, now)
+            return
         reason = str(error)
         health = self.health
         lost = health.call_failed(worker, error, now)
@@ -741,6 +758,52 @@ class AppDispatcher:
                 WorkerLoss(worker.endpoint, reason, len(live), len(live) - failed, failed)
             )
         self._mark_all()
+
+    def _rejected(
+        self, stage: _Stage, worker: Worker, parts: list[_Part], error: WorkerCallError, now: float
+    ) -> None:
+        """The worker answered that the batch's inputs are refused or that the model raised on
+        them: the worker is as healthy as before (:meth:`Health.call_failed` says so), and only
+        the queries at fault fail. Those are the ones holding the rows the worker named, or the
+        batch's one query; when the worker named none in a batch of several, every query of it
+        is tried again alone (:attr:`_Part.alone`). The others go back to the front of the
+        queue, their attempts as they were (nothing went wrong with them)."""
+        self.health.call_failed(worker, error, now)
+        at_fault: list[_Part] = []
+        innocent: list[_Part] = []
+        if error.rows is not None:
+            named = set(error.rows)
+            offset = 0
+            for part in parts:
+                end = offset + len(part.samples)
+                hit = any(offset <= row < end for row in named)
+                (at_fault if hit else innocent).append(part)
+                offset = end
+        elif len(parts) == 1:
+            at_fault = parts
+        else:
+            for part in parts:
+                part.alone = True
+            innocent = parts
+        for part in at_fault:
+            part.attempts += 1
+            self._fail(part.request, self._rejection(error, part.attempts))
+        again = [part for part in innocent if not part.request.future.done()]
+        if again:
+            current = self._stages.get(stage.model)
+            if current is None:
+                for part in again:
+                    self._fail(part.request, QueryFailedError(self.app, "model gone", 0))
+            else:
+                self._requeue(current, again)
+        self._mark_all()
+
+    def _rejection(self, error: WorkerCallError, attempts: int) -> ServingError:
+        """What a query the model refused or raised on is answered with: 422 when the worker
+        says its inputs are at fault, else 502."""
+        if error.kind == "input":
+            return QueryRejectedError(self.app, error.detail)
+        return QueryFailedError(self.app, str(error), attempts)
 
     def _fail_stranded(self, reason: str) -> None:
         """Queries queued at a stage that no healthy instance serves any more are answered

@@ -19,8 +19,11 @@ one asked for (to rounding); the other outputs are zeros. ``parameters`` (the ag
 Protocol server that is not the agent).
 
 Knobs, settable at any time: ``status`` (answer every infer request with this HTTP status),
-``drop`` (close the connection instead of answering), ``hang`` (never answer); :meth:`kill`
-closes the listening socket and every connection, as a worker process that dies does.
+``drop`` (close the connection instead of answering), ``hang`` (never answer), ``poison`` (a
+function of (model, row): the rows the model raises on; a batch holding one is answered as the
+agent answers it, 422 with ``failed_rows``, or, when ``foreign``, 500 without them);
+:meth:`kill` closes the listening socket and every connection, as a worker process that dies
+does.
 """
 
 from __future__ import annotations
@@ -144,6 +147,8 @@ class FakeWorker:
         self.kind = kind
         self.foreign = foreign
         self.status: int | None = None
+        self.poison: Callable[[str, Sequence[float]], bool] | None = None
+        self.poisoned: list[int] = []  # the sizes of the batches refused for a poison row
         self.drop = False
         self.hang = False
         self.healthy = True
@@ -226,6 +231,16 @@ class FakeWorker:
             connection.send(400, {"error": str(error)})
             return
         self.last_request = document
+        poison = self.poison
+        bad = [i for i, r in enumerate(rows) if poison(model, r)] if poison is not None else []
+        if bad:
+            self.poisoned.append(len(rows))
+            error = f"model {model!r} failed on {len(bad)} of {len(rows)} rows: index out of range"
+            if self.foreign:
+                connection.send(500, {"error": error})
+            else:
+                connection.send(422, {"error": error, "failed_rows": bad})
+            return
         n = len(rows)
         self.requests += 1
         self.rows += n
