@@ -463,9 +463,17 @@ def _rows_alone(
     which = "the query" if n == 1 else f"{len(rows)} of {n} rows"
     raise RequestError(
         HTTPStatus.UNPROCESSABLE_ENTITY if fault else HTTPStatus.INTERNAL_SERVER_ERROR,
-        f"model {model!r} failed on {which}: {first_line(first)}",
+        f"model {model!r} failed on {which}: {_reason(first)}",
         rows,
     )
+
+
+def _reason(error: BaseException) -> str:
+    """A model error's one line, short: onnxruntime's ends with what went wrong (``... Status
+    Message: indices element out of data bounds, ...``) after a long preamble."""
+    line = first_line(error)
+    _, marker, message = line.partition("Status Message: ")
+    return message.strip() if marker and message.strip() else line
 
 
 # --- HTTP -----------------------------------------------------------------------------------------

@@ -1,0 +1,216 @@
+"""A user's model served by real worker processes, with bad queries among good ones (issue 30).
+
+The model is a bag-of-tokens classifier that heteroplane has never seen: an embedding of a
+:data:`VOCABULARY`-token vocabulary (INT64 token ids, [N, 4]), averaged, then a linear layer to
+three scores, exported to ONNX with a dynamic batch axis and pushed with ``heteroplane model
+push``. A token id outside the vocabulary makes the model raise (onnxruntime's Gather: "indices
+element out of data bounds"): the poison query.
+
+Through the real service behind a real uvicorn server, on the local provisioner (real worker
+processes that fetch the artifact from the registry), one ``emu.cpu.large`` worker serves the
+app with a batch cap of 8 and ``fcfs``. Concurrent clients send good queries over ``/v1`` (JSON
+integers for an INT64 input) with a poison query among every few: every good query is
+answered with the model's own output (run in-process by onnxruntime), every poison query gets
+a 422 ``query_rejected``, and the worker is never taken out of matching (healthy in the
+serving status, no ``worker_unhealthy`` decision).
+
+Everything is polled against deadlines; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from controlplane.cli import main
+from controlplane.service.build import Service
+from tests.integration.conftest import ApiServer, launch_fleet, running_local_service
+
+torch = pytest.importorskip("torch")
+onnxruntime = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+APP = "tokens"
+MODEL = "bag-of-tokens"
+TYPE = "emu.cpu.large"
+VOCABULARY = 10
+TOKENS = 4
+GOOD_QUERIES = 96
+POISON_EVERY = 6  # one query in six carries a token outside the vocabulary
+IN_FLIGHT = 8
+RUN_DEADLINE_S = 240.0
+
+
+def _export(folder: Path) -> Path:
+    """The bag-of-tokens model (seeded weights), exported to ONNX."""
+
+    class BagOfTokens(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = torch.nn.Embedding(VOCABULARY, 8)
+            self.out = torch.nn.Linear(8, 3)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.out(self.embedding(tokens).mean(dim=1))
+
+    torch.manual_seed(0)
+    model = BagOfTokens().eval()
+    path = folder / "tokens.onnx"
+    torch.onnx.export(
+        model,
+        (torch.zeros((2, TOKENS), dtype=torch.int64),),
+        str(path),
+        dynamo=False,
+        input_names=["tokens"],
+        output_names=["scores"],
+        dynamic_axes={"tokens": {0: "batch"}, "scores": {0: "batch"}},
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _export(tmp_path_factory.mktemp("tokens"))
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Service]:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    with running_local_service(data_dir, reconcile_s=0.5) as built:
+        yield built
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    """Run the CLI with ``--json``; its JSON answer (the exit status must be 0)."""
+    capsys.readouterr()
+    status = main([*argv, "--json"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    return json.loads(captured.out)
+
+
+def _serve(service: Service, tmp_path: Path) -> None:
+    """The app over the pushed model, with latency profiles from a file (the numbers only
+    price and rank: nothing is timed), a plan of one worker with a batch cap of 8, applied, and
+    its worker running."""
+    profiles = tmp_path / "profiles.json"
+    sizes = [1, 2, 4, 8]
+    profiles.write_text(
+        json.dumps(
+            {
+                "profiles": [
+                    {
+                        "model": MODEL,
+                        "instance_type": TYPE,
+                        "batch_sizes": sizes,
+                        "latency_ms": [1.0 + 0.1 * b for b in sizes],
+                    }
+                ]
+            }
+        )
+    )
+    store = service.store
+    store.create_app(
+        {
+            "name": APP,
+            "models": [{"name": MODEL, "artifact": MODEL, "profiles": str(profiles)}],
+            "slo": {"latency_ms": 1000},
+            "budget_usd_per_hr": 1.0,
+            "instance_types": [TYPE],
+        },
+        who="test",
+    )
+    plan = store.create_plan(
+        APP,
+        {
+            "feasible": True,
+            "cost_usd_per_hr": 0.2,
+            "stages": [{"name": MODEL, "fleet": {TYPE: 1}, "batch_size": 8, "policy": "fcfs"}],
+        },
+    )
+    store.apply_plan(APP, plan.id)
+    launch_fleet(service, APP, 1)
+
+
+def _queries() -> tuple[list[list[int]], list[bool]]:
+    """The queries' token rows (one sample each) and which of them are poison."""
+    rng = np.random.default_rng(0)
+    rows: list[list[int]] = []
+    poison: list[bool] = []
+    for q in range(GOOD_QUERIES + GOOD_QUERIES // (POISON_EVERY - 1)):
+        bad = q % POISON_EVERY == POISON_EVERY - 1
+        tokens = rng.integers(0, VOCABULARY, size=TOKENS).tolist()
+        if bad:
+            tokens[int(rng.integers(0, TOKENS))] = VOCABULARY + int(rng.integers(0, 1000))
+        rows.append(tokens)
+        poison.append(bad)
+    return rows, poison
+
+
+async def _send(url: str, token: str, rows: list[list[int]]) -> list[httpx.Response]:
+    """Every row as one query, IN_FLIGHT at once."""
+    answers: list[httpx.Response | None] = [None] * len(rows)
+    pending = iter(range(len(rows)))
+    headers = {"Authorization": f"Bearer {token}"}
+
+    async def sender(client: httpx.AsyncClient) -> None:
+        for index in pending:
+            answers[index] = await client.post(
+                f"/v1/apps/{APP}/infer", json={"inputs": [rows[index]]}, headers=headers
+            )
+
+    async with httpx.AsyncClient(base_url=url, timeout=120.0, trust_env=False) as client:
+        await asyncio.wait_for(
+            asyncio.gather(*(sender(client) for _ in range(IN_FLIGHT))), RUN_DEADLINE_S
+        )
+    assert all(answer is not None for answer in answers)
+    return [answer for answer in answers if answer is not None]
+
+
+def test_a_poison_query_fails_alone_and_the_worker_keeps_serving(
+    service: Service,
+    model_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    admin = service.store.create_token("admin", name="operator")
+    infer_token = service.store.create_token("infer", name="client")
+    session = onnxruntime.InferenceSession(str(model_file), providers=["CPUExecutionProvider"])
+    with ApiServer(service) as url:
+        monkeypatch.setenv("HETEROPLANE_URL", url)
+        monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
+        pushed = _cli(capsys, "model", "push", MODEL, str(model_file))
+        assert pushed["inputs"] == [{"name": "tokens", "datatype": "INT64", "shape": [-1, 4]}]
+        _serve(service, tmp_path)
+
+        rows, poison = _queries()
+        answers = asyncio.run(_send(url, infer_token, rows))
+        serving = httpx.get(
+            f"{url}/v1/apps/{APP}/serving",
+            headers={"Authorization": f"Bearer {admin}"},
+            trust_env=False,
+            timeout=30.0,
+        ).json()
+    for tokens, bad, answer in zip(rows, poison, answers, strict=True):
+        if bad:
+            assert answer.status_code == 422, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "query_rejected" and "out of" in error["message"], error
+            continue
+        assert answer.status_code == 200, answer.text
+        (scores,) = session.run(None, {"tokens": np.array([tokens], dtype=np.int64)})
+        assert answer.json()["outputs"] == [int(np.argmax(scores[0]))]
+    (worker,) = serving["workers"]
+    assert worker["healthy"] and worker["last_error"] == "", worker
+    assert serving["totals"]["answered"] == GOOD_QUERIES
+    decisions = [d.kind for d in service.store.list_decisions(APP)]
+    assert "worker_unhealthy" not in decisions
