@@ -14,6 +14,10 @@ answered with the model's own output (run in-process by onnxruntime), every pois
 a 422 ``query_rejected``, and the worker is never taken out of matching (healthy in the
 serving status, no ``worker_unhealthy`` decision).
 
+``heteroplane loadgen --inputs`` then drives the same app over ``/v2`` with the model's rows
+from a ``.npz`` and from Open Inference Protocol JSON rows, as JSON and as binary tensors, on both
+engines: every query is answered.
+
 Everything is polled against deadlines; nothing is timed.
 """
 
@@ -31,6 +35,7 @@ import pytest
 
 from controlplane.cli import main
 from controlplane.service.build import Service
+from estimator.traces import Trace, write_trace_csv
 from tests.integration.conftest import ApiServer, launch_fleet, running_local_service
 
 torch = pytest.importorskip("torch")
@@ -214,3 +219,72 @@ def test_a_poison_query_fails_alone_and_the_worker_keeps_serving(
     assert serving["totals"]["answered"] == GOOD_QUERIES
     decisions = [d.kind for d in service.store.list_decisions(APP)]
     assert "worker_unhealthy" not in decisions
+
+
+def test_loadgen_drives_the_model_over_v2_json_and_binary(
+    service: Service,
+    model_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    admin = service.store.create_token("admin", name="operator")
+    infer_token = service.store.create_token("infer", name="client")
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, VOCABULARY, size=(24, TOKENS)).astype(np.int64)
+    npz = tmp_path / "rows.npz"
+    np.savez(npz, tokens=tokens)
+    rows_json = tmp_path / "rows.json"
+    rows_json.write_text(
+        json.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": "tokens",
+                        "datatype": "INT64",
+                        "shape": list(tokens.shape),
+                        "data": tokens.tolist(),
+                    }
+                ]
+            }
+        )
+    )
+    queries = 40
+    trace = tmp_path / "trace.csv"
+    write_trace_csv(Trace(np.arange(queries) * 0.01, rng.integers(1, 4, size=queries)), trace)
+    with ApiServer(service) as url:
+        monkeypatch.setenv("HETEROPLANE_URL", url)
+        monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
+        _cli(capsys, "model", "push", MODEL, str(model_file))
+        _serve(service, tmp_path)
+        for inputs, extra in [
+            (npz, []),
+            (npz, ["--binary"]),
+            (rows_json, ["--engine", "raw"]),
+            (rows_json, ["--binary", "--engine", "raw"]),
+            (npz, ["--protocol", "v1"]),
+        ]:
+            summary = _cli(
+                capsys,
+                "loadgen",
+                "--app",
+                APP,
+                "--trace",
+                str(trace),
+                "--inputs",
+                str(inputs),
+                "--token",
+                infer_token,
+                "--slo-ms",
+                "1000",
+                *extra,
+            )
+            assert (summary["sent"], summary["answered"]) == (queries, queries), (extra, summary)
+            assert summary["errors_by_kind"] == {}
+        serving = httpx.get(
+            f"{url}/v1/apps/{APP}/serving",
+            headers={"Authorization": f"Bearer {admin}"},
+            trust_env=False,
+            timeout=30.0,
+        ).json()
+    assert serving["totals"]["answered"] == 5 * queries
