@@ -254,8 +254,13 @@ class ModelVersionRecord:
     created_at: datetime
 
     def ref(self, serve_as: str) -> ArtifactRef:
-        """What a worker needs to load this version and serve it as ``serve_as``."""
-        return ArtifactRef(serve_as, self.name, self.version, self.format, self.sha256, self.uri)
+        """What a worker needs to load this version and serve it as ``serve_as``: for a
+        TorchScript module, its input signature too (one pushed with ``--inputs`` has it only
+        here, not in its archive)."""
+        inputs = self.signature.inputs if self.format == "torchscript" else ()
+        return ArtifactRef(
+            serve_as, self.name, self.version, self.format, self.sha256, self.uri, inputs
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The registry's version document (``GET /v1/models/{name}``)."""

@@ -12,7 +12,9 @@ What it serves: the demo family's models by name (``--models tiny,small``; each 
 users bring (``--artifact NAME:MODEL:VERSION:FORMAT:SHA256:URI``, repeatable: fetched and
 verified with :func:`~provisioners.fetch.fetch_artifact` into ``--cache-dir``'s
 ``artifacts/`` or a temporary folder, loaded with :mod:`provisioners.worker.runtime`, served as
-NAME). With artifacts and no ``--models``, no family model is loaded.
+NAME; ``--artifact-inputs NAME=JSON`` gives the inputs of a TorchScript module whose archive does
+not name them, as the registry stored them). With artifacts and no ``--models``, no family model
+is loaded.
 
 Routes (every body is JSON; every error is ``{"error": "one line"}``):
 
@@ -65,6 +67,7 @@ do not need them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -87,7 +90,7 @@ from urllib.parse import unquote
 
 import numpy as np
 
-from provisioners.artifacts import ArtifactError, ArtifactRef
+from provisioners.artifacts import ArtifactError, ArtifactRef, parse_artifact_inputs
 from provisioners.fetch import fetch_artifact
 from provisioners.worker.emulation import (
     REFERENCE_TYPE,
@@ -655,6 +658,14 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
         help="a registered model to fetch, verify, load and serve as NAME (repeatable)",
     )
     parser.add_argument(
+        "--artifact-inputs",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="the inputs of the artifact served as NAME, a JSON list of {name, datatype, shape}:"
+        " for a TorchScript module whose archive does not name them (repeatable)",
+    )
+    parser.add_argument(
         "--cache-dir",
         type=Path,
         metavar="DIR",
@@ -693,8 +704,16 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
     args = parser.parse_args(argv)
     try:
         artifacts = tuple(ArtifactRef.from_arg(text) for text in args.artifact)
+        given = dict(parse_artifact_inputs(text) for text in args.artifact_inputs)
     except ArtifactError as error:
         parser.error(str(error))
+    unknown = sorted(set(given) - {ref.name for ref in artifacts})
+    if unknown:
+        parser.error(f"--artifact-inputs for {', '.join(unknown)}: no such --artifact")
+    artifacts = tuple(
+        dataclasses.replace(ref, inputs=given[ref.name]) if ref.name in given else ref
+        for ref in artifacts
+    )
     if args.models is None:
         family: tuple[str, ...] = () if artifacts else DEFAULT_MODELS
     else:
@@ -760,7 +779,11 @@ def load_models(config: AgentConfig, artifact_dir: Path) -> dict[str, ModelRunti
         try:
             path = fetch_artifact(ref, artifact_dir)
             runtimes[ref.name] = load_runtime(
-                path, ref.format, device=config.device, threads=config.threads
+                path,
+                ref.format,
+                device=config.device,
+                inputs=ref.inputs or None,
+                threads=config.threads,
             )
         except Exception as error:  # ArtifactError, ModelLoadError, or the runtime's own
             raise LoadFailedError(

@@ -18,6 +18,10 @@ serving status, no ``worker_unhealthy`` decision).
 from a ``.npz`` and from Open Inference Protocol JSON rows, as JSON and as binary tensors, on both
 engines: every query is answered.
 
+A TorchScript module scripted without a signature file, pushed with ``--inputs`` (the
+documented route for one), is profiled (``heteroplane profile run``), planned, applied and
+served: the signature the registry stored reaches the workers with the artifact reference.
+
 Everything is polled against deadlines; nothing is timed.
 """
 
@@ -288,3 +292,82 @@ def test_loadgen_drives_the_model_over_v2_json_and_binary(
             timeout=30.0,
         ).json()
     assert serving["totals"]["answered"] == 5 * queries
+
+
+def test_torchscript_pushed_with_inputs_is_profiled_and_served(
+    service: Service,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    scripted = torch.jit.script(module.eval())
+    path = tmp_path / "plain.pt"
+    torch.jit.save(scripted, str(path))  # no heteroplane/signature.json inside
+    name, app = "plain-ts", "plain"
+    admin = service.store.create_token("admin", name="operator")
+    infer_token = service.store.create_token("infer", name="client")
+    with ApiServer(service) as url:
+        monkeypatch.setenv("HETEROPLANE_URL", url)
+        monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
+        pushed = _cli(
+            capsys,
+            "model",
+            "push",
+            name,
+            str(path),
+            "--format",
+            "torchscript",
+            "--inputs",
+            "input:FP32:-1x4",
+        )
+        assert pushed["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
+        spec = tmp_path / "plain.json"
+        spec.write_text(
+            json.dumps(
+                {
+                    "name": app,
+                    "models": [{"name": name, "artifact": name}],
+                    "slo": {"latency_ms": 1000},
+                    "budget_usd_per_hr": 1.0,
+                    "instance_types": [TYPE],
+                }
+            )
+        )
+        _cli(capsys, "app", "apply", "--file", str(spec))
+        _cli(
+            capsys,
+            "profile",
+            "run",
+            "--app",
+            app,
+            "--types",
+            TYPE,
+            "--batch-sizes",
+            "1,2",
+            "--samples",
+            "3",
+        )
+        plan = _cli(capsys, "plans", "preview", "--app", app, "--rate-qps", "5")
+        assert plan["feasible"], plan
+        _cli(capsys, "plans", "apply", "--app", app, "--id", str(plan["id"]))
+        launch_fleet(service, app, 1)
+        x = np.random.default_rng(2).normal(size=(5, 4)).astype(np.float32)
+        answer = httpx.post(
+            f"{url}/v2/models/{app}/infer",
+            json={
+                "inputs": [
+                    {"name": "input", "datatype": "FP32", "shape": [5, 4], "data": x.tolist()}
+                ]
+            },
+            headers={"Authorization": f"Bearer {infer_token}"},
+            trust_env=False,
+            timeout=60.0,
+        )
+    assert answer.status_code == 200, answer.text
+    (output,) = answer.json()["outputs"]
+    assert output["shape"] == [5, 3]
+    with torch.inference_mode():
+        expected = scripted(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(np.reshape(output["data"], (5, 3)), expected, rtol=0, atol=1e-5)

@@ -22,6 +22,7 @@ from estimator.profiles import LatencyProfile, write_profiles_json
 from provisioners.artifacts import (
     FAMILY_SIGNATURE,
     ArtifactRef,
+    TensorSpec,
     file_sha256,
 )
 from provisioners.base import LaunchRequest
@@ -308,9 +309,29 @@ def test_artifacts_on_the_command_line_replace_the_family() -> None:
     assert both.device == "cuda"
 
 
+def test_a_torchscript_artifacts_inputs_travel_on_the_command_line() -> None:
+    inputs = (TensorSpec("x", "FP32", (-1, 4)), TensorSpec("ids", "INT64", (-1, 2)))
+    ref = ArtifactRef.from_arg(artifact_arg("ts", "plain", "torchscript"))
+    with_inputs = dataclasses.replace(ref, inputs=inputs)
+    argv = [part for pair in with_inputs.worker_options() for part in pair]
+    assert argv[0::2] == ["--artifact", "--artifact-inputs"]
+    parsed = parse_args(["--instance-type", "t", *argv])
+    assert parsed.artifacts == (with_inputs,)
+    assert with_inputs.to_json()["inputs"][1] == {
+        "name": "ids",
+        "datatype": "INT64",
+        "shape": [-1, 2],
+    }
+    assert "inputs" not in ref.to_json() and ref.worker_options() == [("--artifact", ref.to_arg())]
+
+
 @pytest.mark.parametrize(
     "wrong",
     [
+        ["--artifact", artifact_arg("a"), "--artifact-inputs", "b=[]"],
+        ["--artifact", artifact_arg("a"), "--artifact-inputs", "a=[]"],
+        ["--artifact", artifact_arg("a"), "--artifact-inputs", "a:x"],
+        ["--artifact", artifact_arg("a"), "--artifact-inputs", 'a=[{"name": "x"}]'],
         ["--artifact", "a:tabular:3:onnx"],
         ["--artifact", f"a:tabular:x:onnx:{SHA}:file:///m.onnx"],
         ["--artifact", f"a:tabular:3:pickle:{SHA}:file:///m.onnx"],
