@@ -55,6 +55,12 @@ judges).
   past its SLO is still served and answered, flagged ``late``; only past ``give_up_s`` (far
   beyond the SLO) is it answered with an explicit timeout (504), and a query nothing can serve
   (no healthy instance of its model) is refused at arrival (503), so nothing waits without bound.
+- **Overload without collapse.** Past saturation, work on queries nobody will read is work
+  taken from those that will be: a query whose client has gone (the API cancels its call,
+  :class:`~controlplane.api.disconnect.CancelOnDisconnect`) leaves its queue at once, and a
+  query whose give-up time comes before the predicted end of the batch it would join is
+  answered with its timeout instead of being sent (:meth:`AppDispatcher._in_time`): neither
+  costs a worker call.
 - **Admission and states.** :mod:`controlplane.serving.admission` refuses a query (429) whose
   queue cannot be served within the SLO even at the cheapest gear; :mod:`controlplane.serving.
   states` marks (model, instance) pairs overloaded or interfered, and rounds leave interfered
@@ -101,7 +107,7 @@ from controlplane.serving.config import (
 )
 from controlplane.serving.health import Health, WorkerLoss
 from controlplane.serving.modelio import ModelIO, Row, WorkerReply
-from controlplane.serving.observations import Observations, Split, outcome_of
+from controlplane.serving.observations import Observations, Outcome, Split, outcome_of
 from controlplane.serving.placement import Placement, policy_name
 from controlplane.serving.stages import Slot, Stage
 from controlplane.serving.states import ModelState, Overload, StateTracker, model_state
@@ -602,7 +608,28 @@ class AppDispatcher:
                 self._requeue(stage, [part for part in parts if part is not lone])
                 parts = [lone]
             if parts:
+                parts = self._in_time(stage, slot.worker, parts, now)
+            if parts:
                 self._start(stage, slot, parts, now)
+
+    def _in_time(
+        self, stage: _Stage, worker: Worker, parts: list[_Part], now: float
+    ) -> list[_Part]:
+        """The parts of a batch about to start whose answer can still come in time: a query
+        whose give-up time (``give_up_s`` after its arrival) comes before the batch's predicted
+        end is answered with its timeout now, without costing the worker a call (its answer
+        would be thrown away). Its client gone, a query has left the queue already
+        (:meth:`_on_done`)."""
+        give_up_s = self.settings.give_up_after_s(self.config.slo_ms)
+        samples = sum(len(part.samples) for part in parts)
+        end_s = now + stage.latency[worker.instance_type].ms(samples) / 1000.0
+        late = [part for part in parts if part.request.arrival_s + give_up_s < end_s]
+        if not late:
+            return parts
+        for part in late:
+            self._fail(part.request, QueryTimeoutError(self.app, give_up_s))
+        self._mark(stage)  # the instance may stay idle: the next queries get a round
+        return [part for part in parts if not part.request.future.done()]
 
     def _start(self, stage: _Stage, slot: Slot, parts: list[_Part], now: float) -> None:
         rows = [part.request.inputs[i] for part in parts for i in part.samples]
@@ -889,8 +916,14 @@ class AppDispatcher:
 
     def _on_done(self, request: _Request, future: asyncio.Future[InferResult]) -> None:
         """Whatever ended the request (answer, error, timeout, the caller going away): its
-        queued queries leave their queues and its timer stops."""
+        queued queries leave their queues and its timer stops. A request cancelled (its client
+        gone: the API cancels the call) is recorded as timed out, a miss, and never reaches a
+        worker once it has left its queue."""
         self._open.pop(request, None)
+        if future.cancelled():
+            now = self.clock_s()
+            latency_ms = (now - request.arrival_s) * 1000.0
+            self.observations.ended_in_error(self.app, now, Outcome.TIMED_OUT, latency_ms)
         for query_id, stage in request.queued.items():
             if stage.queue.take(query_id) is not None:
                 part = stage.parts.pop(query_id)

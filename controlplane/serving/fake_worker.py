@@ -152,7 +152,8 @@ class FakeWorker:
         self.drop = False
         self.hang = False
         self.healthy = True
-        self.requests = 0
+        self.requests = 0  # answered
+        self.received = 0  # every inference request, answered or not
         self.rows = 0
         self.rows_by_model: Counter[str] = Counter()
         self.batch_sizes: list[int] = []
@@ -215,6 +216,7 @@ class FakeWorker:
                     200, {"name": model, "versions": ["1"], "platform": "fake", **document}
                 )
             return
+        self.received += 1
         if self.hang:
             return
         if self.drop:
