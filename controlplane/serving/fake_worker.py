@@ -237,11 +237,13 @@ class FakeWorker:
         bad = [i for i, r in enumerate(rows) if poison(model, r)] if poison is not None else []
         if bad:
             self.poisoned.append(len(rows))
-            error = f"model {model!r} failed on {len(bad)} of {len(rows)} rows: index out of range"
+            message = (
+                f"model {model!r} failed on {len(bad)} of {len(rows)} rows: index out of range"
+            )
             if self.foreign:
-                connection.send(500, {"error": error})
+                connection.send(500, {"error": message})
             else:
-                connection.send(422, {"error": error, "failed_rows": bad})
+                connection.send(422, {"error": message, "failed_rows": bad})
             return
         n = len(rows)
         self.requests += 1
