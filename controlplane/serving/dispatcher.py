@@ -771,13 +771,7 @@ class AppDispatcher:
                 again.append(part)
             else:
                 self._fail(request, QueryFailedError(self.app, reason, part.attempts))
-        if again:
-            current = self._stages.get(stage.model)
-            if current is None:
-                for part in again:
-                    self._fail(part.request, QueryFailedError(self.app, "model gone", 0))
-            else:
-                self._requeue(current, again)
+        self._send_again(stage.model, again)
         self._fail_stranded(reason)
         if lost:
             failed = sum(1 for part in live if part.request.future.done())
@@ -816,14 +810,20 @@ class AppDispatcher:
             part.attempts += 1
             self._fail(part.request, self._rejection(error, part.attempts))
         again = [part for part in innocent if not part.request.future.done()]
-        if again:
-            current = self._stages.get(stage.model)
-            if current is None:
-                for part in again:
-                    self._fail(part.request, QueryFailedError(self.app, "model gone", 0))
-            else:
-                self._requeue(current, again)
+        self._send_again(stage.model, again)
         self._mark_all()
+
+    def _send_again(self, model: str, parts: list[_Part]) -> None:
+        """``parts`` of a failed batch back to the front of their model's queue (answered with
+        an error when the app no longer serves the model)."""
+        if not parts:
+            return
+        current = self._stages.get(model)
+        if current is None:
+            for part in parts:
+                self._fail(part.request, QueryFailedError(self.app, "model gone", 0))
+        else:
+            self._requeue(current, parts)
 
     def _rejection(self, error: WorkerCallError, attempts: int) -> ServingError:
         """What a query the model refused or raised on is answered with: 422 when the worker

@@ -19,7 +19,8 @@ one asked for (to rounding); the other outputs are zeros. ``parameters`` (the ag
 Protocol server that is not the agent).
 
 Knobs, settable at any time: ``status`` (answer every infer request with this HTTP status),
-``drop`` (close the connection instead of answering), ``hang`` (never answer), ``poison`` (a
+``drop`` (close the connection instead of answering), ``hang`` (never answer), ``holding``
+(keep the answers until :meth:`release`), ``poison`` (a
 function of (model, row): the rows the model raises on; a batch holding one is answered as the
 agent answers it, 422 with ``failed_rows``, or, when ``foreign``, 500 without them);
 :meth:`kill` closes the listening socket and every connection, as a worker process that dies
@@ -151,6 +152,8 @@ class FakeWorker:
         self.poisoned: list[int] = []  # the sizes of the batches refused for a poison row
         self.drop = False
         self.hang = False
+        self.holding = False
+        self._held: list[tuple[_Protocol, bytes]] = []
         self.healthy = True
         self.requests = 0  # answered
         self.received = 0  # every inference request, answered or not
@@ -188,6 +191,13 @@ class FakeWorker:
         self.kill()
         if server is not None:
             await server.wait_closed()
+
+    def release(self) -> None:
+        """Stop holding answers and send the ones held."""
+        self.holding = False
+        held, self._held = self._held, []
+        for connection, answer in held:
+            connection.send(200, answer)
 
     def signature(self, model: str) -> ModelSignature:
         return self.signatures.get(model, FAMILY_SIGNATURE)
@@ -251,7 +261,9 @@ class FakeWorker:
         self.rows_by_model[model] += n
         self.batch_sizes.append(n)
         answer = self._answer(model, signature, rows, document.get("id"))
-        if self.delay_s > 0:
+        if self.holding:
+            self._held.append((connection, answer))
+        elif self.delay_s > 0:
             asyncio.get_running_loop().call_later(self.delay_s, connection.send, 200, answer)
         else:
             connection.send(200, answer)

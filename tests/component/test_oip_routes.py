@@ -10,11 +10,12 @@ models brought to the registry (several inputs, integer and boolean datatypes) o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -442,10 +443,13 @@ class _Background:
         self.thread.join(10)
 
 
-@pytest.fixture
-def live_world(world: ApiWorld) -> Iterator[tuple[ApiWorld, str]]:
+@contextlib.contextmanager
+def live_server(world: ApiWorld, types: Sequence[str]) -> Iterator[tuple[list[FakeWorker], str]]:
+    """The world's API on a real uvicorn server on a free loopback port, over fake workers of
+    ``types`` on an event loop of their own; yields the workers and ``host:port``. The workers
+    stop first on the way out: a call one holds ends, and the server can stop."""
     background = _Background()
-    workers = background.run(fleet([SMALL, LARGE]))
+    workers = background.run(fleet(list(types)))
     world.instances.set("demo", endpoints(workers))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -458,14 +462,20 @@ def live_world(world: ApiWorld) -> Iterator[tuple[ApiWorld, str]]:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
     try:
-        yield world, f"127.0.0.1:{port}"
+        yield workers, f"127.0.0.1:{port}"
     finally:
-        server.should_exit = True
-        thread.join(20)
         for worker in workers:
             background.run(worker.stop())
+        server.should_exit = True
+        thread.join(20)
         background.close()
         sock.close()
+
+
+@pytest.fixture
+def live_world(world: ApiWorld) -> Iterator[tuple[ApiWorld, str]]:
+    with live_server(world, [SMALL, LARGE]) as (_, address):
+        yield world, address
 
 
 def test_tritonclient_against_a_real_server(live_world: tuple[ApiWorld, str]) -> None:

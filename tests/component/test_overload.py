@@ -26,7 +26,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from controlplane.api.disconnect import CancelOnDisconnect
 from controlplane.errors import QueryTimeoutError
@@ -36,6 +35,7 @@ from controlplane.serving.fake_worker import FakeWorker
 from controlplane.serving.observations import Observations
 from controlplane.serving.transport import HttpWorkerTransport
 from estimator.fleet import Fleet
+from tests.component.test_oip_routes import live_server
 from tests.component.test_serving import (
     LARGE,
     ApiWorld,
@@ -54,9 +54,11 @@ __all__ = ["world"]  # the fixture, imported for this module's tests
 ONE_AT_A_TIME = {"tiny": StagePlan("tiny", Fleet.of({}), 1, policy="fcfs")}
 
 
-async def one_worker(
+async def held_worker(
     clock_s: Any = time.monotonic, **settings: Any
-) -> tuple[FakeWorker, AppDispatcher]:
+) -> tuple[FakeWorker, AppDispatcher, asyncio.Future[InferResult]]:
+    """One worker (batch cap 1) holding the answer to a first query, which is returned: what
+    is submitted next queues until :meth:`FakeWorker.release`."""
     (worker,) = await fleet([LARGE])
     app = config(models=("tiny",), stage_plans=ONE_AT_A_TIME, slo_ms=10_000.0)
     dispatcher = AppDispatcher(
@@ -67,21 +69,22 @@ async def one_worker(
         clock_s=clock_s,
     )
     dispatcher.set_workers(endpoints([worker]))
-    return worker, dispatcher
+    worker.holding = True
+    first = dispatcher.submit([row(1, 0.9)])
+    await until(lambda: worker.requests == 1)
+    return worker, dispatcher, first
 
 
 def test_a_cancelled_query_leaves_the_queue_and_is_never_sent() -> None:
     async def scenario() -> None:
-        worker, dispatcher = await one_worker()
-        worker.delay_s = 0.05  # the first query holds the worker while the others queue
-        first = dispatcher.submit([row(1, 0.9)])
-        await until(lambda: worker.requests == 1)
+        worker, dispatcher, first = await held_worker()
         gone = dispatcher.submit([row(2, 0.9)])
         kept = dispatcher.submit([row(3, 0.9)])
         assert dispatcher.status().stages[0].queued_queries == 2
         gone.cancel()  # its client went away
         await asyncio.sleep(0)  # the done callbacks run
         assert dispatcher.status().stages[0].queued_queries == 1
+        worker.release()
         answers = await settle([first, kept])
         assert [a.outputs for a in answers if isinstance(a, InferResult)] == [(1,), (3,)]
         assert worker.requests == 2 and worker.rows == 2  # the cancelled query never went
@@ -92,42 +95,33 @@ def test_a_cancelled_query_leaves_the_queue_and_is_never_sent() -> None:
     run(scenario())
 
 
-def test_a_query_past_its_give_up_time_is_answered_without_a_worker_call() -> None:
-    now = [1000.0]
-
-    async def scenario() -> None:
-        worker, dispatcher = await one_worker(lambda: now[0], give_up_s=5.0)
-        worker.delay_s = 0.05
-        first = dispatcher.submit([row(1, 0.9)])
-        await until(lambda: worker.requests == 1)
-        expired = dispatcher.submit([row(2, 0.9)])
-        now[0] += 4.0
-        # Its give-up time is 1 s away: in time for a batch that takes a few ms.
-        in_time = dispatcher.submit([row(3, 0.9)])
-        now[0] += 1.5  # the first queued query is now past its 5 s; the other is not
-        answers = await settle([first, expired, in_time])
-        assert isinstance(answers[0], InferResult) and isinstance(answers[2], InferResult)
-        assert isinstance(answers[1], QueryTimeoutError), answers[1]
-        assert worker.requests == 2  # the expired query cost no call
-        await dispatcher.close()
-
-    run(scenario())
-
-
-def test_a_query_whose_batch_would_end_past_its_give_up_time_is_not_sent() -> None:
-    now = [1000.0]
-
-    async def scenario() -> None:
-        worker, dispatcher = await one_worker(lambda: now[0], give_up_s=5.0)
-        worker.delay_s = 0.05
-        first = dispatcher.submit([row(1, 0.9)])
-        await until(lambda: worker.requests == 1)
-        doomed = dispatcher.submit([row(2, 0.9)])
+@pytest.mark.parametrize(
+    ("later_s", "kept"),
+    [
+        # The first queued query past its 5 s give-up time; the second 1.5 s from it, in time
+        # for a batch that takes a ms or so.
+        ((4.0, 1.5), True),
         # 0.1 ms short of its give-up time: the batch (a ms or so predicted) would end past it.
-        now[0] += 5.0 - 0.0001
-        answers = await settle([first, doomed])
-        assert isinstance(answers[1], QueryTimeoutError), answers[1]
-        assert worker.requests == 1
+        ((5.0 - 0.0001,), False),
+    ],
+)
+def test_a_query_that_cannot_be_answered_in_time_costs_no_worker_call(
+    later_s: tuple[float, ...], kept: bool
+) -> None:
+    now = [1000.0]
+
+    async def scenario() -> None:
+        worker, dispatcher, first = await held_worker(lambda: now[0], give_up_s=5.0)
+        submitted = []
+        for seconds in later_s:
+            submitted.append(dispatcher.submit([row(2, 0.9)]))
+            now[0] += seconds
+        worker.release()
+        doomed, *rest = await settle(submitted)
+        assert isinstance(doomed, QueryTimeoutError), doomed
+        assert all(isinstance(answer, InferResult) for answer in rest) and len(rest) == kept
+        assert worker.requests == 1 + len(rest)  # the doomed query cost no call
+        assert isinstance(await first, InferResult)
         await dispatcher.close()
 
     run(scenario())
@@ -210,45 +204,10 @@ def test_the_middleware_leaves_an_answered_request_and_other_routes_alone(
 # --- end to end on a real server -----------------------------------------------------------------
 
 
-class _Background:
-    """An event loop in a thread, for the fake worker the real server's loop calls."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coroutine: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(10)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture
 def served(world: ApiWorld) -> Iterator[tuple[ApiWorld, FakeWorker, str]]:
-    background = _Background()
-    (worker,) = background.run(fleet([LARGE]))
-    world.instances.set("demo", endpoints([worker]))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(world.app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20.0
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield world, worker, f"http://127.0.0.1:{port}"
-    finally:
-        background.run(worker.stop())  # first: a call it holds ends, and the server can stop
-        server.should_exit = True
-        thread.join(20)
-        background.close()
-        sock.close()
+    with live_server(world, [LARGE]) as ((worker,), address):
+        yield world, worker, f"http://{address}"
 
 
 def _serving(url: str, world: ApiWorld) -> dict[str, Any]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +36,12 @@ import httpx
 import numpy as np
 import pytest
 
-from controlplane.cli import main
 from controlplane.service.build import Service
 from estimator.traces import Trace, write_trace_csv
-from tests.integration.conftest import ApiServer, launch_fleet, running_local_service
+from tests.integration.conftest import ApiServer, launch_fleet
+from tests.integration.test_byom import _cli, service
+
+__all__ = ["service"]  # the fixture, imported for this module's tests
 
 torch = pytest.importorskip("torch")
 onnxruntime = pytest.importorskip("onnxruntime")
@@ -89,21 +90,16 @@ def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _export(tmp_path_factory.mktemp("tokens"))
 
 
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[Service]:
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    with running_local_service(data_dir, reconcile_s=0.5) as built:
-        yield built
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
-    """Run the CLI with ``--json``; its JSON answer (the exit status must be 0)."""
-    capsys.readouterr()
-    status = main([*argv, "--json"])
-    captured = capsys.readouterr()
-    assert status == 0, captured.err
-    return json.loads(captured.out)
+def _serving_status(url: str, token: str) -> dict[str, Any]:
+    """``GET /v1/apps/APP/serving``."""
+    response = httpx.get(
+        f"{url}/v1/apps/{APP}/serving",
+        headers={"Authorization": f"Bearer {token}"},
+        trust_env=False,
+        timeout=30.0,
+    )
+    assert response.status_code == 200, response.text
+    return dict(response.json())
 
 
 def _serve(service: Service, tmp_path: Path) -> None:
@@ -203,12 +199,7 @@ def test_a_poison_query_fails_alone_and_the_worker_keeps_serving(
 
         rows, poison = _queries()
         answers = asyncio.run(_send(url, infer_token, rows))
-        serving = httpx.get(
-            f"{url}/v1/apps/{APP}/serving",
-            headers={"Authorization": f"Bearer {admin}"},
-            trust_env=False,
-            timeout=30.0,
-        ).json()
+        serving = _serving_status(url, admin)
     for tokens, bad, answer in zip(rows, poison, answers, strict=True):
         if bad:
             assert answer.status_code == 422, answer.text
@@ -285,12 +276,7 @@ def test_loadgen_drives_the_model_over_v2_json_and_binary(
             )
             assert (summary["sent"], summary["answered"]) == (queries, queries), (extra, summary)
             assert summary["errors_by_kind"] == {}
-        serving = httpx.get(
-            f"{url}/v1/apps/{APP}/serving",
-            headers={"Authorization": f"Bearer {admin}"},
-            trust_env=False,
-            timeout=30.0,
-        ).json()
+        serving = _serving_status(url, admin)
     assert serving["totals"]["answered"] == 5 * queries
 
 
