@@ -213,7 +213,7 @@ class HttpWorkerTransport:
             body = io.encode(rows)
         except ModelIOError as error:
             raise WorkerCallError(
-                address, "status", str(error), status=400, worker_fault=False
+                address, "input", str(error), status=400, worker_fault=False
             ) from None
         status, answer = await self._request(address, "POST", io.path, body, timeout_s)
         if status != 200:

@@ -324,6 +324,26 @@ def test_a_poison_query_fails_alone_and_the_worker_keeps_serving(foreign: bool) 
     run(scenario())
 
 
+def test_a_row_that_does_not_fit_the_signature_fails_alone_in_its_batch() -> None:
+    """A row the dispatcher cannot encode (63 values for a 64-value input) refuses the batch
+    before any call; each of its queries is tried again alone, and only the bad one fails."""
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE], delay_s=0.01)
+        plan = {"tiny": StagePlan("tiny", Fleet.of({}), 8, policy="fcfs")}
+        app = config(models=("tiny",), stage_plans=plan, slo_ms=10_000.0)
+        dispatcher = await dispatcher_over(workers, app, admission=False)
+        inputs = [row(q % 10, 0.9)[:63] if q == 5 else row(q % 10, 0.9) for q in range(12)]
+        results = await settle([dispatcher.submit([x]) for x in inputs])
+        assert isinstance(results[5], QueryRejectedError), results[5]
+        assert "64 values" in str(results[5])
+        assert all(isinstance(r, InferResult) for q, r in enumerate(results) if q != 5)
+        assert all(w.healthy for w in dispatcher.status().workers)
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_a_worker_that_dies_mid_run_loses_no_query() -> None:
     async def scenario() -> None:
         workers = await fleet([LARGE, LARGE, LARGE], delay_s=0.005)
