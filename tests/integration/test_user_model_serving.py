@@ -36,6 +36,7 @@ import httpx
 import numpy as np
 import pytest
 
+from benchmarks.bad_queries import MODEL, TOKENS, VOCABULARY, export_model, profile_file
 from controlplane.service.build import Service
 from estimator.traces import Trace, write_trace_csv
 from tests.integration.conftest import ApiServer, launch_fleet
@@ -48,46 +49,16 @@ onnxruntime = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
 APP = "tokens"
-MODEL = "bag-of-tokens"
 TYPE = "emu.cpu.large"
-VOCABULARY = 10
-TOKENS = 4
 GOOD_QUERIES = 96
 POISON_EVERY = 6  # one query in six carries a token outside the vocabulary
 IN_FLIGHT = 8
 RUN_DEADLINE_S = 240.0
 
 
-def _export(folder: Path) -> Path:
-    """The bag-of-tokens model (seeded weights), exported to ONNX."""
-
-    class BagOfTokens(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embedding = torch.nn.Embedding(VOCABULARY, 8)
-            self.out = torch.nn.Linear(8, 3)
-
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            return self.out(self.embedding(tokens).mean(dim=1))
-
-    torch.manual_seed(0)
-    model = BagOfTokens().eval()
-    path = folder / "tokens.onnx"
-    torch.onnx.export(
-        model,
-        (torch.zeros((2, TOKENS), dtype=torch.int64),),
-        str(path),
-        dynamo=False,
-        input_names=["tokens"],
-        output_names=["scores"],
-        dynamic_axes={"tokens": {0: "batch"}, "scores": {0: "batch"}},
-    )
-    return path
-
-
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _export(tmp_path_factory.mktemp("tokens"))
+    return export_model(tmp_path_factory.mktemp("tokens"))
 
 
 def _serving_status(url: str, token: str) -> dict[str, Any]:
@@ -106,22 +77,7 @@ def _serve(service: Service, tmp_path: Path) -> None:
     """The app over the pushed model, with latency profiles from a file (the numbers only
     price and rank: nothing is timed), a plan of one worker with a batch cap of 8, applied, and
     its worker running."""
-    profiles = tmp_path / "profiles.json"
-    sizes = [1, 2, 4, 8]
-    profiles.write_text(
-        json.dumps(
-            {
-                "profiles": [
-                    {
-                        "model": MODEL,
-                        "instance_type": TYPE,
-                        "batch_sizes": sizes,
-                        "latency_ms": [1.0 + 0.1 * b for b in sizes],
-                    }
-                ]
-            }
-        )
-    )
+    profiles = profile_file(tmp_path)
     store = service.store
     store.create_app(
         {
