@@ -123,66 +123,62 @@ def measure(rate_qps: float, duration_s: float, poison_every_s: float) -> dict[s
         port = local_service.free_port()
         base = f"http://127.0.0.1:{port}"
         settings = {"HETEROPLANE_REPLAN_ENABLED": "false"}
-        with local_service.running_service(
-            data_dir, port, model=MODEL, settings=settings
-        ) as process:
-            log_path = data_dir / "serve.log"
-            headers = {"Authorization": f"Bearer {token}"}
-            with httpx.Client(base_url=base, headers=headers, timeout=120.0) as api:
-                local_service.wait_for(
-                    "the service", lambda: api.get("/healthz").status_code == 200, process, log_path
-                )
-                env = local_service.clean_env(HETEROPLANE_URL=base, HETEROPLANE_TOKEN=token)
-                subprocess.run(
-                    [sys.executable, "-m", "controlplane", "model", "push", MODEL, str(model)],
-                    check=True,
-                    env=env,
-                    capture_output=True,
-                )
-                spec = {
-                    "name": APP,
-                    "models": [{"name": MODEL, "artifact": MODEL, "profiles": str(profiles)}],
-                    "slo": {"latency_ms": 200, "percentile": 99},
-                    "budget_usd_per_hr": 0.2,
-                    "instance_types": [INSTANCE_TYPE],
-                    "max_counts": {INSTANCE_TYPE: 1},
-                }
-                api.post("/v1/apps", json=spec).raise_for_status()
-                preview = api.post(f"/v1/apps/{APP}/plans", json={"rate_qps": rate_qps})
-                preview.raise_for_status()
-                plan = preview.json()
-                api.post(f"/v1/apps/{APP}/plans/{plan['id']}/apply").raise_for_status()
+        with local_service.serving_api(data_dir, port, token, model=MODEL, settings=settings) as (
+            process,
+            api,
+            log_path,
+        ):
+            env = local_service.clean_env(HETEROPLANE_URL=base, HETEROPLANE_TOKEN=token)
+            subprocess.run(
+                [sys.executable, "-m", "controlplane", "model", "push", MODEL, str(model)],
+                check=True,
+                env=env,
+                capture_output=True,
+            )
+            spec = {
+                "name": APP,
+                "models": [{"name": MODEL, "artifact": MODEL, "profiles": str(profiles)}],
+                "slo": {"latency_ms": 200, "percentile": 99},
+                "budget_usd_per_hr": 0.2,
+                "instance_types": [INSTANCE_TYPE],
+                "max_counts": {INSTANCE_TYPE: 1},
+            }
+            api.post("/v1/apps", json=spec).raise_for_status()
+            preview = api.post(f"/v1/apps/{APP}/plans", json={"rate_qps": rate_qps})
+            preview.raise_for_status()
+            plan = preview.json()
+            api.post(f"/v1/apps/{APP}/plans/{plan['id']}/apply").raise_for_status()
 
-                def running() -> bool:
-                    rows = api.get("/v1/instances", params={"app": APP}).json()
-                    return any(r["state"] == "running" for r in rows)
+            def running() -> bool:
+                rows = api.get("/v1/instances", params={"app": APP}).json()
+                return any(r["state"] == "running" for r in rows)
 
-                local_service.wait_for("the worker", running, process, log_path)
-                ready = f"/v2/models/{APP}/ready"
-                local_service.wait_for(
-                    "readiness", lambda: api.get(ready).status_code == 200, process, log_path
-                )
-                rng = np.random.default_rng(0)
-                rows = {"tokens": rng.integers(0, VOCABULARY, size=(256, TOKENS))}
-                arrivals = poisson_arrivals(rate_qps, duration_s, rng)
-                trace = Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
-                queries = loadgen.build_tensor_queries(trace, rows, SPECS, "v2")
-                infer = loadgen.infer_url(base, APP, "v2")
-                stop = threading.Event()
-                poison: Counter[str] = Counter()
-                sender = threading.Thread(
-                    target=poison_sender, args=(infer, token, poison_every_s, stop, poison)
-                )
-                sender.start()
-                try:
-                    result = loadgen.run_load(queries, infer, token, engine="raw")
-                finally:
-                    stop.set()
-                    sender.join()
-                status = api.get(f"/v1/apps/{APP}/serving").json()
-                decisions = api.get(
-                    f"/v1/apps/{APP}/decisions", params={"kind": "worker_unhealthy"}
-                ).json()
+            local_service.wait_for("the worker", running, process, log_path)
+            ready = f"/v2/models/{APP}/ready"
+            local_service.wait_for(
+                "readiness", lambda: api.get(ready).status_code == 200, process, log_path
+            )
+            rng = np.random.default_rng(0)
+            rows = {"tokens": rng.integers(0, VOCABULARY, size=(256, TOKENS))}
+            arrivals = poisson_arrivals(rate_qps, duration_s, rng)
+            trace = Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
+            queries = loadgen.build_tensor_queries(trace, rows, SPECS, "v2")
+            infer = loadgen.infer_url(base, APP, "v2")
+            stop = threading.Event()
+            poison: Counter[str] = Counter()
+            sender = threading.Thread(
+                target=poison_sender, args=(infer, token, poison_every_s, stop, poison)
+            )
+            sender.start()
+            try:
+                result = loadgen.run_load(queries, infer, token, engine="raw")
+            finally:
+                stop.set()
+                sender.join()
+            status = api.get(f"/v1/apps/{APP}/serving").json()
+            decisions = api.get(
+                f"/v1/apps/{APP}/decisions", params={"kind": "worker_unhealthy"}
+            ).json()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     summary = result.summary(None).to_json()
