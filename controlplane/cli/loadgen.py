@@ -193,7 +193,9 @@ def build(
     except ValueError as error:
         raise UsageError(f"{where}: app {args.app!r}: {error}") from None
     try:
-        return loadgen.build_tensor_queries(trace, fitted, specs, protocol, args.binary)
+        return loadgen.build_tensor_queries(
+            trace, fitted, specs, protocol, args.binary, args.timeout_s
+        )
     except ValueError as error:
         raise UsageError(f"{where}: app {args.app!r}: {error}") from None
 

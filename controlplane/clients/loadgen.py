@@ -201,18 +201,20 @@ def build_tensor_queries(
     specs: Sequence[InputSpec],
     protocol: str = "v2",
     binary: bool = False,
+    timeout_s: float | None = None,
 ) -> list[Query]:
     """The requests for ``trace`` carrying rows of ``arrays`` (fitted to the app's inputs
     ``specs``: :func:`~controlplane.clients.tensors.fit_inputs`), drawn in order
     (:func:`draw_rows`), as ``protocol`` (``v1`` or ``v2``) bodies, ``binary`` tensors on
-    ``v2``; ValueError for ``v1`` and a model of several inputs."""
+    ``v2``, each with the client's ``timeout_s`` (``parameters.timeout`` on ``v2``);
+    ValueError for ``v1`` and a model of several inputs."""
     n_rows = next(iter(arrays.values())).shape[0]
     origin = float(trace.arrival_s[0]) if len(trace) else 0.0
     queries = []
     for index, (arrival, rows) in enumerate(
         zip(trace.arrival_s.tolist(), draw_rows(trace, n_rows), strict=True)
     ):
-        made = tensor_body(arrays, specs, rows, protocol, binary)
+        made = tensor_body(arrays, specs, rows, protocol, binary, timeout_s)
         queries.append(
             Query(index, arrival - origin, rows, made.body, made.content_type, made.header_length)
         )

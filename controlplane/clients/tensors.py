@@ -181,9 +181,12 @@ def tensor_body(
     rows: Sequence[int],
     protocol: str,
     binary: bool = False,
+    timeout_s: float | None = None,
 ) -> TensorBody:
     """The body of one query carrying ``rows`` of the fitted ``arrays`` (see the module
-    docstring); ValueError for ``/v1`` and a model of several inputs."""
+    docstring); on ``/v2``, ``timeout_s`` is sent as ``parameters.timeout`` (microseconds, as
+    Triton's clients send it: the service drops a query that cannot be answered in time).
+    ValueError for ``/v1`` and a model of several inputs."""
     index = list(rows)
     if protocol == "v1":
         if len(specs) != 1:
@@ -210,7 +213,10 @@ def tensor_body(
         else:
             tensor["data"] = batch.ravel().tolist()
         tensors.append(tensor)
-    header = json.dumps({"inputs": tensors}, separators=(",", ":")).encode()
+    document: dict[str, Any] = {"inputs": tensors}
+    if timeout_s is not None:
+        document["parameters"] = {"timeout": round(timeout_s * 1e6)}
+    header = json.dumps(document, separators=(",", ":")).encode()
     if not binary:
         return TensorBody(header)
     return TensorBody(b"".join([header, *blobs]), "application/octet-stream", len(header))

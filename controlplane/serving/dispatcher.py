@@ -229,6 +229,7 @@ class _Request:
         "cascade",
         "certainty",
         "compute_ms",
+        "deadline_s",
         "future",
         "inputs",
         "models",
@@ -264,6 +265,7 @@ class _Request:
         self.service_ms = 0.0
         self.compute_ms = 0.0
         self.queued: dict[int, _Stage] = {}  # query id -> the stage whose queue holds it
+        self.deadline_s = math.inf  # when its client stops waiting, if it said
 
 
 class _Part:
@@ -407,6 +409,7 @@ class AppDispatcher:
         sample_ids: Sequence[int] | None = None,
         requirements: Requirements | None = None,
         received_s: float | None = None,
+        deadline_s: float | None = None,
     ) -> InferResult:
         """Answer one request (see the module docstring); raises the
         :class:`~controlplane.errors.ServingError` that says why not. ``received_s``: when the
@@ -414,7 +417,7 @@ class AppDispatcher:
         cascade = None
         if requirements is not None:
             cascade = self.choose_variant(requirements, len(inputs))
-        return await self.submit(inputs, sample_ids, cascade, received_s)
+        return await self.submit(inputs, sample_ids, cascade, received_s, deadline_s)
 
     def submit(
         self,
@@ -422,11 +425,13 @@ class AppDispatcher:
         sample_ids: Sequence[int] | None = None,
         cascade: Cascade | None = None,
         received_s: float | None = None,
+        deadline_s: float | None = None,
     ) -> asyncio.Future[InferResult]:
         """Queue a request under ``cascade`` (default: the gear in force) and return the future
         of its answer. Raises at once when it is refused (503 or 429 kinds). Its latency, and its
         SLO clock, run from ``received_s`` (when the API received it, on ``clock_s``; default
-        and upper bound: now)."""
+        and upper bound: now). ``deadline_s`` (on ``clock_s``): when its client stops waiting,
+        if it said (a batch that would end later is not sent for it: :meth:`_in_time`)."""
         if not inputs:
             raise ValueError("a request needs at least one sample")
         now = self.clock_s()
@@ -459,6 +464,7 @@ class AppDispatcher:
         request = _Request(
             inputs, sample_ids, cascade, arrival_s, future, (now - arrival_s) * 1000.0
         )
+        request.deadline_s = math.inf if deadline_s is None else deadline_s
         future.add_done_callback(functools.partial(self._on_done, request))
         self._open[request] = None
         if self._sweeper is None:
@@ -616,18 +622,24 @@ class AppDispatcher:
         self, stage: _Stage, worker: Worker, parts: list[_Part], now: float
     ) -> list[_Part]:
         """The parts of a batch about to start whose answer can still come in time: a query
-        whose give-up time (``give_up_s`` after its arrival) comes before the batch's predicted
-        end is answered with its timeout now, without costing the worker a call (its answer
-        would be thrown away). Its client gone, a query has left the queue already
-        (:meth:`_on_done`)."""
+        whose deadline (its give-up time, ``give_up_s`` after its arrival, or its client's own
+        deadline when it gave one) comes before the batch's predicted end is answered with its
+        timeout now, without costing the worker a call (its answer would be thrown away). Its
+        client gone, a query has left the queue already (:meth:`_on_done`)."""
         give_up_s = self.settings.give_up_after_s(self.config.slo_ms)
         samples = sum(len(part.samples) for part in parts)
         end_s = now + stage.latency[worker.instance_type].ms(samples) / 1000.0
-        late = [part for part in parts if part.request.arrival_s + give_up_s < end_s]
+        late = [
+            part
+            for part in parts
+            if min(part.request.arrival_s + give_up_s, part.request.deadline_s) < end_s
+        ]
         if not late:
             return parts
         for part in late:
-            self._fail(part.request, QueryTimeoutError(self.app, give_up_s))
+            request = part.request
+            within_s = min(give_up_s, request.deadline_s - request.arrival_s)
+            self._fail(request, QueryTimeoutError(self.app, round(within_s, 3)))
         self._mark(stage)  # the instance may stay idle: the next queries get a round
         return [part for part in parts if not part.request.future.done()]
 

@@ -352,6 +352,28 @@ def test_v1_rows_of_an_artifact_app_are_its_first_inputs_flattened_sample(
     api_run(world, body)
 
 
+def test_a_clients_timeout_is_its_deadline(world: ApiWorld) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
+        request = family_request([row(1, 0.9)])
+        response = await client.post(
+            "/v2/models/demo/infer",
+            json={**request, "parameters": {"timeout": 30_000_000}},
+            headers=world.auth(),
+        )
+        assert response.status_code == 200, response.text
+        for bad in (0, -5, "soon", True):
+            response = await client.post(
+                "/v2/models/demo/infer",
+                json={**request, "parameters": {"timeout": bad}},
+                headers=world.auth(),
+            )
+            assert response.status_code == 400, (bad, response.text)
+            assert "parameters.timeout" in response.json()["error"]
+
+    api_run(world, body)
+
+
 @pytest.mark.parametrize(
     ("datatype", "sample", "sent"),
     [

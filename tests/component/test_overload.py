@@ -127,6 +127,24 @@ def test_a_query_that_cannot_be_answered_in_time_costs_no_worker_call(
     run(scenario())
 
 
+def test_a_query_past_its_clients_deadline_costs_no_worker_call() -> None:
+    now = [1000.0]
+
+    async def scenario() -> None:
+        worker, dispatcher, first = await held_worker(lambda: now[0])
+        doomed = dispatcher.submit([row(2, 0.9)], deadline_s=now[0] + 0.5)
+        patient = dispatcher.submit([row(3, 0.9)], deadline_s=now[0] + 60.0)
+        now[0] += 0.6  # the first client's deadline has passed; the give-up time is 30 s away
+        worker.release()
+        answers = await settle([first, doomed, patient])
+        assert isinstance(answers[1], QueryTimeoutError) and "0.5 s" in str(answers[1])
+        assert isinstance(answers[2], InferResult)
+        assert worker.requests == 2
+        await dispatcher.close()
+
+    run(scenario())
+
+
 # --- the API's middleware --------------------------------------------------------------------
 
 

@@ -206,3 +206,12 @@ def test_binary_needs_v2_one_line_and_exit_2(
     assert exited.value.code == 2
     error = capsys.readouterr().err.strip()
     assert "--protocol v2" in error and "\n" not in error
+
+
+def test_v2_bodies_carry_the_clients_timeout_in_microseconds() -> None:
+    arrays = fit_inputs({"image": np.zeros((1, 2, 2))}, IMAGE)
+    for binary in (False, True):
+        made = tensor_body(arrays, IMAGE, [0], "v2", binary, timeout_s=2.5)
+        split = made.header_length or len(made.body)
+        assert json.loads(made.body[:split])["parameters"] == {"timeout": 2_500_000}
+    assert "parameters" not in json.loads(tensor_body(arrays, IMAGE, [0], "v2").body)
