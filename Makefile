@@ -6,18 +6,27 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The demo needs the worker extra (torch, scikit-learn, onnxruntime); the tests also the test
+# extra (pytest, ruff, mypy, a browser driver, ...). One virtualenv, a stamp per install.
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-worker
 
 .PHONY: demo test lint bench reproduce results clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "heteroplane needs Python >= 3.11; set PYTHON=python3.11 (or newer)")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,worker]'
-	@touch $(STAMP)
 
-demo: $(STAMP)
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[worker]'
+	@touch $(DEMO_STAMP)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[test,worker]'
+	@touch $(STAMP) $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/heteroplane demo
 
 lint: $(STAMP)

@@ -1,8 +1,15 @@
-"""Regenerate ``docs/dashboard.png``: the dashboard at 1280x800 in headless Chromium.
+"""A picture of the dashboard at 1280x800 in headless Chromium (``docs/dashboard.png`` is one).
 
-    .venv/bin/python benchmarks/dashboard_screenshot.py [--out docs/dashboard.png]
+    .venv/bin/python benchmarks/dashboard_screenshot.py [--out FILE] [--url URL [--token T]]
 
-By default it runs the demo (``heteroplane demo`` in a temporary home, as a user would: the
+It writes ``--out`` (default: ``heteroplane-dashboard.png`` in the temporary directory, so that
+the tracked ``docs/dashboard.png`` changes only when asked: ``--out docs/dashboard.png``).
+
+``--url URL`` photographs a service that runs already (``make demo``, say), signing in with
+``--token`` (default ``$HETEROPLANE_TOKEN``; a viewer, operator or admin token) and showing
+``--app`` (default: the dashboard's first app) over ``--window-s`` (default 30 min).
+
+Without ``--url`` it runs the demo (``heteroplane demo`` in a temporary home, as a user would: the
 demo family trained and profiled, the cascade app registered and planned, its local workers
 launched, the demo load running), makes a viewer token with ``heteroplane token create``, waits
 until the dashboard shows traffic and then ``--settle-s`` more seconds so that the charts have a
@@ -35,10 +42,12 @@ import argparse
 import dataclasses
 import itertools
 import math
+import os
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -68,7 +77,7 @@ APP = "rm2-kairos"
 # What ``heteroplane demo`` plans its app for (controlplane.service.demo).
 PLANNED_RATE_QPS = 60.0
 PLANNED_BATCH_DIST = "kairos"
-DEFAULT_OUT = REPO / "docs" / "dashboard.png"
+DEFAULT_OUT = Path(tempfile.gettempdir()) / "heteroplane-dashboard.png"
 DEFAULT_PROFILES = kairos_samples()  # $HETEROPLANE_SHARED or ../shared
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -207,7 +216,7 @@ def write_history(store: Store, resolved: ResolvedApp, now: datetime) -> None:
     store.record_decision(
         APP,
         "plan_applied",
-        f"plan {applied.number} applied by ops",
+        f"plan {applied.id} applied by ops",
         {"plan_id": applied.id, "cost_usd_per_hr": plan.cost_usd_per_hr, "fleet": fleet},
         at=applied_at,
     )
@@ -299,8 +308,7 @@ def write_history(store: Store, resolved: ResolvedApp, now: datetime) -> None:
     store.record_decision(
         APP,
         "replan",
-        f"the last 6 h peaked at 92 qps, within plan {applied.number}'s bound x headroom:"
-        " plan kept",
+        f"the last 6 h peaked at 92 qps, within plan {applied.id}'s bound x headroom: plan kept",
         {"peak_qps": 92.4, "plan_id": applied.id, "kept": True},
         at=now - timedelta(minutes=2),
     )
@@ -496,6 +504,24 @@ def run_demo(args: argparse.Namespace, root: Path) -> None:
         stop_workers(data_dir / "workers")
 
 
+def run_against(args: argparse.Namespace, root: Path) -> None:
+    """The dashboard of the service at ``--url``, as it is now."""
+    token = args.token or os.environ.get("HETEROPLANE_TOKEN")
+    if not token:
+        raise SystemExit("--url needs a token: --token T or $HETEROPLANE_TOKEN")
+    url = args.url.rstrip("/")
+    try:
+        httpx.get(f"{url}/healthz", timeout=10.0).raise_for_status()
+    except httpx.HTTPError as error:
+        raise SystemExit(f"no heteroplane service answers at {url}: {error}") from None
+    query = urllib.parse.urlencode(
+        {k: v for k, v in (("app", args.app), ("window_s", args.window_s)) if v is not None}
+    )
+    profile = root / "chromium"
+    profile.mkdir()
+    screenshot(url, token, args.out, (args.width, args.height), profile, args.full_page, query)
+
+
 def run_scripted(args: argparse.Namespace, root: Path) -> None:
     profiles: Path = args.profiles.resolve()
     if not profiles.is_file():
@@ -530,7 +556,12 @@ def run_scripted(args: argparse.Namespace, root: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the PNG to write")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"the PNG to write (default {DEFAULT_OUT})"
+    )
+    parser.add_argument("--url", help="photograph the service that runs at this base URL")
+    parser.add_argument("--token", help="--url: the token to sign in with ($HETEROPLANE_TOKEN)")
+    parser.add_argument("--app", help="--url: the app to show (default: the first)")
     parser.add_argument(
         "--scripted", action="store_true", help="a scripted history instead of the demo"
     )
@@ -561,7 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     if not CHROMIUM.exists():
         raise SystemExit(f"no {CHROMIUM}: apt-get install chromium")
     with tempfile.TemporaryDirectory(prefix="heteroplane-shot-") as folder:
-        if args.scripted:
+        if args.url is not None:
+            run_against(args, Path(folder))
+        elif args.scripted:
             run_scripted(args, Path(folder))
         else:
             run_demo(args, Path(folder))

@@ -88,6 +88,25 @@ def prepare_data_dir(
     return path
 
 
+def family_onnx(path: Path) -> Path:
+    """input FP32 [n, 64] -> logits FP32 [n, 10], a fixed linear map (the family's signature)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = np.random.default_rng(0).normal(size=(64, 10)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["input", "w"], ["logits"])],
+        "clf",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", 64])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 10])],
+        [numpy_helper.from_array(weights, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
 def issue_token(data_dir: Path, label: str) -> str:
     """An admin token, labelled ``label``, in the store of ``data_dir`` (created if need be)."""
     store = Store.from_url(f"sqlite:///{data_dir / 'heteroplane.db'}", upgrade=True)

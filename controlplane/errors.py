@@ -180,6 +180,14 @@ class DatabaseError(ControlPlaneError):
     which, on one line, with the URL's password hidden."""
 
 
+class DatabaseInUseError(DatabaseError):
+    """Another process serves the SQLite database (``holder``: its pid, "" when unknown)."""
+
+    def __init__(self, message: str, holder: str) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
 # --- the model registry ----------------------------------------------------------------------
 
 

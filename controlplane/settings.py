@@ -186,6 +186,34 @@ class Settings(BaseSettings):
         description="how often the gear switcher evaluates the gear of an app served by gears"
         " (CascadeServe's producer: 100 ms), s",
     )
+    # The gear switcher's hysteresis (controlplane.policies.gears.Hysteresis; the defaults and
+    # why: docs/gear-switching.md, "Hysteresis").
+    gear_dead_band_share: float = Field(
+        default=0.25,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="the gear switches down only once the load falls below its range's low"
+        " boundary x (1 - this share)",
+    )
+    gear_down_hold_s: float = Field(
+        default=10.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="how long the load must stay below the dead band before the gear moves down, s",
+    )
+    gear_down_dwell_s: float = Field(
+        default=30.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="the least time a cascade serves before a switch to a slower one, s",
+    )
+    gear_up_dwell_s: float = Field(
+        default=5.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="the least time a cascade serves before a switch to a faster one, s",
+    )
     # How long one plan (a preview, the capacity or the traffic replanner's) may run before it is
     # given up with a one-line reason (estimator.deadline).
     plan_deadline_s: float = Field(default=60.0, gt=0, le=3600, allow_inf_nan=False)
@@ -291,10 +319,57 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="the disruption budget's window, s",
     )
+    profile_run_heartbeat_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="how often a profile run touches its workers' rows; the reconciler ends the"
+        " workers of a run not heard of for four of these (its replica crashed), s",
+    )
     model_max_bytes: int = Field(
         default=1 << 30,
         ge=1,
         description="the largest model artifact the registry takes (heteroplane model push), bytes",
+    )
+    http_head_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="how long a request head may take to arrive whole (else 408 and the"
+        " connection closed; a connection that sent nothing is closed), s",
+    )
+    http_head_max_bytes: int = Field(
+        default=64 << 10,
+        ge=8 << 10,
+        description="the longest request head the HTTP server reads (longer: 431 and the"
+        " connection closed), bytes",
+    )
+    http_body_min_rate_bytes_per_s: float = Field(
+        default=1024.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="the slowest a request body may arrive, over each http_body_rate_window_s"
+        " while the service is reading it (slower: 408 and the connection closed; 0: no"
+        " minimum), bytes/s",
+    )
+    http_body_rate_window_s: float = Field(
+        default=10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="the window over which a body's arrival rate is measured, s",
+    )
+    http_unauthenticated_connections_max: int = Field(
+        default=1000,
+        ge=1,
+        description="open connections that have not yet shown a valid token, at most; a new one"
+        " past it closes the one of them idle or waiting longest",
+    )
+    oip_body_max_bytes: int = Field(
+        default=64 << 20,
+        ge=1 << 20,
+        description="the ceiling on a /v2 inference body, bytes (the limit of an app is what"
+        " 256 rows of its model's inputs take, up to this)",
     )
     ec2: Ec2Settings | None = None
 

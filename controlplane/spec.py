@@ -68,6 +68,7 @@ __all__ = [
     "SpecUnknownInstanceTypeError",
     "SpecUnknownModelError",
     "anchor_paths",
+    "confine_paths",
     "load_spec",
     "parse_artifact",
     "resolve_spec",
@@ -565,6 +566,26 @@ def anchor_paths(spec: AppSpec, base_dir: str | Path) -> AppSpec:
     catalog = anchored(spec.catalog) if spec.catalog is not None else None
     validation = anchored(spec.validation) if spec.validation is not None else None
     return spec.model_copy(update={"models": models, "catalog": catalog, "validation": validation})
+
+
+def confine_paths(spec: AppSpec, root: str | Path) -> None:
+    """Refuse a spec (from the API) whose ``profiles``, ``catalog`` or ``validation`` path leads
+    outside ``root`` (the service's data directory, which holds its uploads), relative paths
+    taken under it, ``..`` and links followed: :class:`SpecError` naming the field, with one
+    message whatever the path, so that the answer says nothing of what exists elsewhere."""
+    base = Path(root).expanduser().resolve()
+    named = [(f"models[{k}].profiles", m.profiles) for k, m in enumerate(spec.models)]
+    named += [("catalog", spec.catalog), ("validation", spec.validation)]
+    for field, text in named:
+        if text is None:
+            continue
+        candidate = Path(text).expanduser()
+        if not (base / candidate).resolve().is_relative_to(base):
+            raise SpecError(
+                field,
+                "must name a file in the service's data directory (a path relative to it, or"
+                " under it); the service reads no other",
+            )
 
 
 # --- checking it against the data ------------------------------------------------------------

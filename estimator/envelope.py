@@ -27,6 +27,11 @@ IntArray = NDArray[np.int64]
 
 # The longest time scale the tuner watches (this project's choice for InferLine's ladder).
 DEFAULT_MAX_WINDOW_S = 60.0
+# How long a burst must last before it counts as load rather than noise
+# (:func:`recurring_envelope`): half a CPU instance's 30 s boot. A burst that is over sooner is
+# over before most of the boot of the instance it would buy, so the tuner rides it on the fleet
+# it has (docs/tuner.md, "Noise", says how the value was chosen on the tuning traces).
+DEFAULT_PERSISTENCE_S = 15.0
 
 
 def tuner_windows_s(
@@ -117,6 +122,66 @@ def _max_arrivals_py(arrival_s: FloatArray, window_s: FloatArray) -> IntArray:
 _max_arrivals: Callable[[FloatArray, FloatArray], IntArray] = numba.njit(cache=True, nogil=True)(
     _max_arrivals_py
 )
+
+
+def _busiest_start(arrival_s: FloatArray, window_s: float) -> int:
+    """The index of the first arrival of a busiest window [a_i, a_i + w) (the earliest one)."""
+    ends = np.searchsorted(arrival_s, arrival_s + window_s, side="left")
+    return int(np.argmax(ends - np.arange(arrival_s.size)))
+
+
+def recurring_envelope(
+    arrival_s: ArrayLike,
+    window_s: ArrayLike | Sequence[float],
+    persistence_s: float = DEFAULT_PERSISTENCE_S,
+) -> Envelope:
+    """The arrival envelope without the trace's single busiest stretch: for each window w, the
+    most arrivals in any window [t, t + w) once the arrivals of the stretch of length
+    L = max(w, ``persistence_s``) centred on the busiest window of length w are taken out (their
+    times kept, so no window spans the gap with more than it had).
+
+    A burst shorter than ``persistence_s`` then counts only if another like it comes within the
+    same arrivals: a blip (a few hundred queries in one second) leaves the envelope as the rest of
+    the traffic has it, while a rise in load, a burst that lasts, or bursts that recur are in it
+    as before (every window inside them sees them again outside the stretch taken out). It is the
+    tuner's reading of "a deficit that will still be there when an instance has booted"
+    (docs/tuner.md, "Noise"). With ``persistence_s`` = 0 it is the second-busiest window of each
+    length. Arrivals that span less than twice the stretch keep their whole envelope.
+
+    >>> steady = np.arange(0.0, 60.0, 0.125)          # 8 qps for a minute
+    >>> blip = np.sort(np.concatenate([steady, 30.0 + np.arange(200) / 400]))  # +200 in 0.5 s
+    >>> arrival_envelope(blip, [1.0]).max_arrivals.tolist()
+    [208]
+    >>> recurring_envelope(blip, [1.0], persistence_s=5.0).max_arrivals.tolist()
+    [8]
+
+    Raises:
+        TraceError, WorkloadError: as :func:`arrival_envelope`; a ``persistence_s`` that is not
+            finite and >= 0.
+    """
+    full = arrival_envelope(arrival_s, window_s)
+    persist = float(persistence_s)
+    if not (math.isfinite(persist) and persist >= 0.0):
+        raise WorkloadError(f"persistence_s must be a finite number >= 0, got {persistence_s!r}")
+    arrivals = np.ascontiguousarray(arrival_s, dtype=np.float64)
+    if arrivals.size == 0:
+        return full
+    best = np.empty_like(full.max_arrivals)
+    for k, window in enumerate(full.window_s):
+        stretch = max(float(window), persist)
+        if arrivals[-1] - arrivals[0] < 2.0 * stretch:
+            # The busiest stretch would be half of what was seen, not an exception to it.
+            best[k] = full.max_arrivals[k]
+            continue
+        # The stretch is centred on the busiest window of this length (a blip's own second,
+        # not the busiest 15 s of a bursty stream elsewhere).
+        centre = arrivals[_busiest_start(arrivals, float(window))] + 0.5 * float(window)
+        first, last = np.searchsorted(
+            arrivals, [centre - 0.5 * stretch, centre + 0.5 * stretch], side="left"
+        )
+        rest = np.concatenate([arrivals[:first], arrivals[last:]])
+        best[k] = _max_arrivals(rest, np.array([window], dtype=np.float64))[0] if rest.size else 0
+    return Envelope(window_s=full.window_s, max_arrivals=best)
 
 
 def arrival_envelope(arrival_s: ArrayLike, window_s: ArrayLike | Sequence[float]) -> Envelope:

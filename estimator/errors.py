@@ -22,11 +22,32 @@ class UnknownInstanceTypeError(EstimatorError):
     def __init__(self, instance_type: str, known: list[str] | None = None, where: str = "catalog"):
         self.instance_type = instance_type
         self.known = sorted(known or [])
-        hint = ""
-        if self.known:
-            shown = ", ".join(self.known[:8]) + (", ..." if len(self.known) > 8 else "")
-            hint = f" (known: {shown})"
+        hint = f" ({known_types_hint(instance_type, self.known)})" if self.known else ""
         super().__init__(f"unknown instance type {instance_type!r} in the {where}{hint}")
+
+
+def known_types_hint(name: str, known: list[str]) -> str:
+    """``did you mean ...? known: ...``: the close matches to ``name``, then every known type on
+    one line, a family of more than three sizes folded to ``g5.* (8)``, so that no family (the
+    emulated ``emu.*`` ones) falls off the end of a cut list.
+
+    >>> known_types_hint("emu.cpu.smal", ["emu.cpu.large", "emu.cpu.small", "g5.xlarge"])
+    "did you mean 'emu.cpu.small'? known: emu.cpu.large, emu.cpu.small, g5.xlarge"
+    >>> known_types_hint("x", [f"g5.{n}xlarge" for n in (2, 4, 8, 12)] + ["local.cpu"])
+    'known: g5.* (4), local.cpu'
+    """
+    import difflib
+
+    families: dict[str, list[str]] = {}
+    for type_name in sorted(known):
+        families.setdefault(type_name.split(".", 1)[0], []).append(type_name)
+    shown = [
+        ", ".join(members) if len(members) <= 3 else f"{family}.* ({len(members)})"
+        for family, members in families.items()
+    ]
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.75)
+    guess = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    return f"{guess}known: {', '.join(shown)}"
 
 
 class ProfileError(EstimatorError):

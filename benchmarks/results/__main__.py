@@ -7,8 +7,8 @@ Runs each experiment of this package in turn (``EXPERIMENTS``: Kairos, InferLine
 Cascadia, INFaaS, the control plane's own speed), each writing ``<key>.md``, ``<key>.json`` and
 its PNGs into the output folder (docs/results by default); then writes the folder's index
 (``README.md`` there) and, in full mode into docs/results, replaces the block between the
-``results:begin``/``results:end`` markers of the repository's README.md with every section's
-summary lines, read back from the JSON files: the README quotes no figure that is not in them.
+``results:begin``/``results:end`` markers of the repository's README.md with a line per section
+(its title, linked to its page), read back from the JSON files: the README quotes no figure.
 About 25 minutes on a quiet 2-core machine; ``--quick`` (what CI runs) takes a few minutes and
 writes to build/results-quick. An experiment that fails is reported and the others still run;
 the exit status is then 1.
@@ -74,22 +74,12 @@ def index_markdown(sections: list[Section]) -> str:
 
 
 def readme_block(sections: list[Section], link_prefix: str = "docs/results/") -> str:
-    """The README's results block: each section's title and headline (its first summary line),
-    linked to the section's page; the index (``docs/results/README.md``) has every line."""
-    lines = [BEGIN, ""]
-    if sections:
-        minutes = sum(section.seconds for section in sections) / 60
-        lines += [
-            f"The last full run took {minutes:.1f} min on {sections[-1].machine}; every finding,"
-            f" table and plot: [{link_prefix}README.md]({link_prefix}README.md).",
-            "",
-        ]
-    for section in sections:
-        headline = section.summary[0] if section.summary else "no findings recorded"
-        lines.append(
-            f"- **{section.title}**: {headline} ([details]({link_prefix}{section.key}.md))"
-        )
-    lines += ["", END]
+    """The README's results block: one line per section, its title linked to the section's page
+    (the README stays short: the figures are on those pages and in the index,
+    ``docs/results/README.md``, which has every summary line)."""
+    lines = [BEGIN]
+    lines += [f"- [{section.title}]({link_prefix}{section.key}.md)" for section in sections]
+    lines.append(END)
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from controlplane.api.counters import RequestCounter
 from controlplane.api.errors import ApiError, unauthorized
+from controlplane.api.limits import mark_authenticated
 from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
 from controlplane.db.store import Principal, Store
@@ -84,6 +85,7 @@ def require(scope: Scope) -> Callable[..., Principal]:
         principal = services.store.verify_token(credentials.credentials)
         if principal is None:
             raise unauthorized("unknown or revoked API token")
+        mark_authenticated(request.scope)
         if not scope_allows(principal.scope, scope):
             raise ApiError(
                 403,

@@ -44,6 +44,7 @@ anything else                          500     ``internal`` (logged;
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
@@ -83,8 +84,11 @@ from estimator.errors import EstimatorError
 __all__ = [
     "ApiError",
     "CatchAllMiddleware",
+    "OipErrorShapeMiddleware",
+    "error_document",
     "error_response",
     "install_error_handlers",
+    "is_oip_path",
     "render_error",
     "unauthorized",
 ]
@@ -151,8 +155,23 @@ def error_response(
     headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     """The JSON error answer every failure takes."""
-    body = {"error": {"code": code, "message": _one_line(message), "field": field}}
-    return JSONResponse(body, status_code=status, headers=dict(headers or {}))
+    return JSONResponse(
+        error_document(False, code, message, field), status_code=status, headers=dict(headers or {})
+    )
+
+
+def is_oip_path(path: str) -> bool:
+    """Whether ``path`` is under the Open Inference Protocol's ``/v2``."""
+    return path.startswith("/v2/") or path == "/v2"
+
+
+def error_document(oip: bool, code: str, message: str, field: str | None = None) -> dict[str, Any]:
+    """An error body: the API's ``{"error": {"code", "message", "field"}}``, or with ``oip``
+    the Open Inference Protocol's ``{"error": "message"}``."""
+    line = _one_line(message)
+    if oip:
+        return {"error": line}
+    return {"error": {"code": code, "message": line, "field": field}}
 
 
 def _field_path(loc: Sequence[int | str]) -> str | None:
@@ -204,7 +223,28 @@ def _on_validation_error(request: Request, error: Exception) -> JSONResponse:
     # An unknown field first: a misspelt key also makes the real one "missing".
     detail = next((d for d in details if d.get("type") == "extra_forbidden"), details[0])
     field = _field_path(tuple(detail.get("loc", ())))
-    return error_response(422, "invalid_request", _validation_message(detail, field), field)
+    message = _validation_message(detail, field)
+    if field is None and detail.get("type") in ("dict_type", "model_attributes_type"):
+        message = _content_type_message(request) or message
+    return error_response(422, "invalid_request", message, field)
+
+
+def _content_type_message(request: Request) -> str | None:
+    """What is wrong when a JSON body was not taken as JSON because of its Content-Type (None
+    when the request said JSON)."""
+    given = request.headers.get("content-type")
+    if given is None:
+        return (
+            "the body must be a JSON object sent with Content-Type: application/json;"
+            " the request has no Content-Type"
+        )
+    kind = given.split(";", 1)[0].strip().lower()
+    if kind == "application/json" or kind.endswith("+json"):
+        return None
+    return (
+        "the body must be a JSON object sent with Content-Type: application/json;"
+        f" the request's Content-Type is {given[:60]!r}"
+    )
 
 
 def _on_api_error(request: Request, error: Exception) -> JSONResponse:
@@ -368,3 +408,58 @@ class CatchAllMiddleware:
                 # Too late to change the answer: the client sees a cut-off response.
                 return
             await response(scope, receive, send)
+
+
+class OipErrorShapeMiddleware:
+    """On ``/v2``, the Open Inference Protocol's error body ``{"error": "message"}`` in place of
+    the API's ``{"error": {"code", "message", "field"}}`` for every error answer, whichever layer
+    gave it (the body and header limits, an unknown route, 405, the catch-all 500); status and
+    headers unchanged. Anything else passes through untouched."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not is_oip_path(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        start: Message | None = None
+        chunks: list[bytes] = []
+
+        async def shaping_send(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start" and _is_json_error(message):
+                start = message  # held until the body is whole
+                return
+            if start is None or message["type"] != "http.response.body":
+                await send(message)
+                return
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = _oip_error_body(b"".join(chunks))
+            headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode("ascii")))
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, shaping_send)
+
+
+def _is_json_error(start: Message) -> bool:
+    return start["status"] >= 400 and any(
+        k == b"content-type" and v.startswith(b"application/json")
+        for k, v in start.get("headers", [])
+    )
+
+
+def _oip_error_body(body: bytes) -> bytes:
+    """``body`` with an API error document rewritten to the protocol's (else as it was)."""
+    try:
+        document = json.loads(body)
+        message = document["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return body
+    if not isinstance(message, str):
+        return body
+    return json.dumps({"error": message}, separators=(",", ":")).encode()

@@ -41,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.api.counters import RequestCounter
 from controlplane.api.errors import render_error
-from controlplane.api.limits import MAX_BODY_BYTES, MAX_HEADER_BYTES
+from controlplane.api.limits import MAX_BODY_BYTES, MAX_HEADER_BYTES, mark_authenticated
 from controlplane.api.routes import APP_NAME_MAX, APP_NAME_PATTERN
 from controlplane.api.routes.infer import RECEIVED_S, answer_document, check_inputs
 from controlplane.api.schemas import MAX_INFER_SAMPLES
@@ -204,6 +204,7 @@ class FastInferMiddleware:
         ):
             await self.app(scope, receive, send)
             return
+        mark_authenticated(scope)
         chunks = []
         read = 0
         more = True

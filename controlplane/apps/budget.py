@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from controlplane.apps.resolver import AppResolver, smallest_common_batch_size
+from controlplane.crashpoints import crash_point
 from controlplane.db.store import BudgetChangeRecord, InstanceRecord, Store
 from controlplane.errors import BudgetBelowServingFleetError
 from controlplane.policies.drain import (
@@ -105,6 +106,7 @@ def change_budget(
     if below and not force:
         raise BudgetBelowServingFleetError(app, usd_per_hr, floor.cost_usd_per_hr, floor.describe())
     change = store.change_budget(app, usd_per_hr, reason=reason, who=who)
+    crash_point("budget.after_change")
     live = live_instances(store, app)
     drain = plan_drain(
         [

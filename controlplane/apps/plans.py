@@ -31,6 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from controlplane.apps.resolver import AppResolver, smallest_common_batch_size
+from controlplane.crashpoints import crash_point
 from controlplane.db.store import PlanRecord, Store
 from controlplane.errors import ConflictError, InvalidValueError, ProfilesNotMeasuredError
 from controlplane.policies.plan import PlanDocument
@@ -248,14 +249,14 @@ def apply_plan(store: Store, app: str, plan_id: int, who: str) -> PlanRecord:
         ConflictError: the plan is stale, applied already, or another apply won.
     """
     record = store.apply_plan(app, plan_id)
+    crash_point("plan_apply.after_apply")
     plan = record.plan
     store.record_decision(
         app,
         "plan_applied",
-        f"plan {record.number} applied by {who}",
+        f"plan {record.id} applied by {who}",
         {
             "plan_id": record.id,
-            "plan_number": record.number,
             "cost_usd_per_hr": plan.cost_usd_per_hr,
             "fleet": plan.fleet,
         },

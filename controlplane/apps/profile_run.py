@@ -5,32 +5,45 @@ A model a user brings (``artifact:`` in the spec, :mod:`controlplane.registry`) 
 file; :func:`run_profile` (``POST /v1/apps/{app}/profiles``, ``heteroplane profile run``) makes
 one:
 
-1. **Budget.** One worker per type profiled runs next to the app's fleet, so the fleet's cost
-   (its kept instances' recorded prices) plus one instance of each type must stay within the
-   app's budget, else :class:`~controlplane.errors.ProfilingBudgetError` naming the cost.
-2. **Workers.** One worker per type, launched through the service's provisioner with the app's
+1. **Rows first.** One worker per type profiled runs next to the app's fleet. Each gets an
+   instance row of the app (request id ``profile:<app>-<run>-<type>``,
+   :data:`~controlplane.policies.lifecycle.PROFILE_REQUEST_PREFIX`) *before* the provider is
+   asked for it, as the reconciler records its own launches: the row counts against the budget
+   while the worker lives, ``app down`` ends it, and the reconciler reaps it when the run is gone.
+2. **Budget.** With the rows recorded, everything the app pays for must stay within its budget,
+   else :class:`~controlplane.errors.ProfilingBudgetError` naming the cost (and the rows are
+   ended unlaunched): its kept rows (the fleet, other runs' workers, these) plus every instance
+   the provider lists with the app's tags that has no live row (an orphan the reconciler has not
+   ended yet still costs money). Recording before checking means two runs at once can both be
+   refused, never both admitted past the budget.
+3. **Workers.** One worker per type, launched through the service's provisioner with the app's
    artifacts (the reconciler's :class:`~provisioners.base.LaunchRequest`, so EC2 workers get
-   the same user data the app's own would). They carry :data:`PROFILE_RUN_TAG` (the app) and
-   :data:`PROFILE_UNTIL_TAG` (a time) and no app tag: the reconciler neither adopts them into
-   the app's fleet nor terminates them as strays until that time has passed
-   (:func:`profiling_until`), so a run cut short by a crash still leaves no machine behind for
-   long. The run waits for each worker's address and for ``GET /v2/health/ready``.
-3. **Measurement,** as :func:`controlplane.apps.profiler.measure_serving_path` measures the
+   the same user data the app's own would), tagged with the app, :data:`PROFILE_RUN_TAG` and
+   their row's id. While the run lasts, a heartbeat thread touches the rows every
+   ``heartbeat_s``; the reconciler (:mod:`controlplane.loops.reconciler`, rule 8) terminates a
+   profile worker whose row has not been touched for its ``profile_run_timeout_s``: the run died
+   with its replica (a crash, a failover). The reconciler never counts these rows against the
+   desired fleet, and the serving loop never sends them traffic. The run waits for each worker's
+   address and for ``GET /v2/health/ready``.
+4. **Measurement,** as :func:`controlplane.apps.profiler.measure_serving_path` measures the
    serving path: per batch size, every type's worker at once (a thread and a kept-alive
    connection each), warm-up rounds then ``samples`` timed rounds, each round sending every
    model in turn one batch; a sample is the round trip of an Open Inference Protocol v2
    ``POST /v2/models/{m}/infer`` of random inputs matching the model's signature (uniform in
    [0, 1) for floats, small integers otherwise; a dynamic dimension past the batch is 1).
-4. **Cleanup.** The workers are terminated in a ``finally``: after a failure too.
-5. **Result.** The profile JSON document (``estimator.profiles``' format, what the resolver
+5. **Cleanup.** The workers are ended in a ``finally``, after a failure too: their rows move to
+   ``terminating`` (written before the provider is asked), the provider terminates them, and the
+   rows of workers the provider no longer runs become ``terminated``.
+6. **Result.** The profile JSON document (``estimator.profiles``' format, what the resolver
    reads for the app's artifact models) is stored with ``store.put_app_profiles``, the resolver
    forgets the app's old ones, and a ``profiles_measured`` decision is recorded.
 """
 
 from __future__ import annotations
 
-import datetime
+import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,38 +60,56 @@ from controlplane.apps.profiler import (
 )
 from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
-from controlplane.errors import InvalidValueError, ProfilingBudgetError
-from controlplane.policies.lifecycle import KEPT_STATES
+from controlplane.crashpoints import crash_point
+from controlplane.errors import ControlPlaneError, InvalidValueError, ProfilingBudgetError
+from controlplane.policies.lifecycle import (
+    KEPT_STATES,
+    LIVE_STATES,
+    PROFILE_REQUEST_PREFIX,
+    InstanceState,
+)
 from estimator.profiles import LatencyProfile, profiles_document
-from provisioners.base import LaunchRequest, ProvisionedInstance, Provisioner, with_port
+from provisioners.base import (
+    APP_TAG,
+    INSTANCE_TAG,
+    MANAGED_TAG,
+    PLAN_TAG,
+    LaunchRequest,
+    ProvisionedInstance,
+    Provisioner,
+    with_port,
+)
 from provisioners.errors import ProvisionerError
 
 if TYPE_CHECKING:
-    from controlplane.db.store import Store
-    from provisioners.artifacts import ModelSignature, TensorSpec
+    from controlplane.db.store import InstanceRecord, Store
+    from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec
 
 __all__ = [
+    "DEFAULT_HEARTBEAT_S",
     "DEFAULT_SAMPLES",
     "PROFILE_RUN_TAG",
-    "PROFILE_UNTIL_TAG",
     "ProfileRunRequest",
     "ProfileRunResult",
     "ProfilingRequestError",
-    "profiling_until",
     "random_inputs",
     "run_profile",
+    "unrecorded_cost",
 ]
 
+logger = logging.getLogger(__name__)
+
 PROFILE_RUN_TAG = "heteroplane:profile-run"
-PROFILE_UNTIL_TAG = "heteroplane:profile-run-until"
+# The plan tag of a profile run's workers (they serve no plan).
+PROFILE_PLAN = "profile"
 # Fewer than the profiler's 30: every sample here is a paid machine's time.
 DEFAULT_SAMPLES = 20
 # An EC2 worker boots, installs and loads its models in a few minutes (the reconciler's
 # straggler timeout is ten).
 DEFAULT_START_TIMEOUT_S = 600.0
-# How long the reconciler leaves a profile run's workers alone: the start plus an hour of
-# measuring; a run still going then has gone wrong.
-DEFAULT_LEASE_S = DEFAULT_START_TIMEOUT_S + 3600.0
+# How often a run touches its workers' rows (the reconciler reaps them after a few missed beats:
+# its profile_run_timeout_s, by default four of these).
+DEFAULT_HEARTBEAT_S = 10.0
 _POLL_S = 0.5
 _BUDGET_SLACK_USD_PER_HR = 1e-9
 DECISION_KIND = "profiles_measured"
@@ -89,18 +120,6 @@ ProgressFn = Callable[[str], None]
 class ProfilingRequestError(InvalidValueError):
     """A profile run that cannot be asked for: an app without registered models, a type that
     is not one of its candidates, a bad batch size or sample count."""
-
-
-def profiling_until(tags: Mapping[str, str]) -> datetime.datetime | None:
-    """When a profile run's worker (tags with :data:`PROFILE_UNTIL_TAG`) stops being the run's
-    to end (UTC); ``None`` for any other instance, or a tag that does not read."""
-    value = tags.get(PROFILE_UNTIL_TAG)
-    if value is None:
-        return None
-    try:
-        return datetime.datetime.fromtimestamp(int(value), datetime.UTC)
-    except (ValueError, OverflowError, OSError):
-        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +208,7 @@ def run_profile(
     who: str,
     worker_port: int,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-    lease_s: float = DEFAULT_LEASE_S,
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S,
     progress: ProgressFn | None = None,
     rng: np.random.Generator | None = None,
     sleep: Callable[[float], None] = time.sleep,
@@ -218,40 +237,47 @@ def run_profile(
     types = _requested_types(request, resolved.instance_types)
     _check_numbers(request)
     prices = {t: resolved.prices_usd_per_hr[t] for t in types}
-    cost = _check_budget(store, app, record.budget_usd_per_hr, prices)
     artifacts = tuple(resolved.artifacts[m].ref for m in models)
     signatures = {m: resolved.artifacts[m].signature for m in models}
     run_id = secrets.token_hex(4)
-    until = clock.utcnow() + datetime.timedelta(seconds=lease_s)
-    tags = {PROFILE_RUN_TAG: app, PROFILE_UNTIL_TAG: str(int(until.timestamp()))}
-    launched: list[str] = []
+    rows = {
+        t: store.record_instance(
+            app,
+            request_id=f"{PROFILE_REQUEST_PREFIX}{app[:20]}-{run_id}-{t}",
+            instance_type=t,
+            price_usd_per_hr=prices[t],
+            reason=f"profile run {run_id} by {who}",
+        )
+        for t in types
+    }
+    crash_point("profile_run.after_row")
     clients: dict[str, WorkerClient] = {}
+    heartbeat = _Heartbeat(store, [row.id for row in rows.values()], heartbeat_s)
     try:
+        cost = _check_budget(
+            store, provisioner, app, record.budget_usd_per_hr, rows, resolved.prices_usd_per_hr
+        )
         say(f"starting a worker of each of {', '.join(types)} for {app} ({', '.join(models)})")
-        for instance_type in types:
-            launch = LaunchRequest(
-                f"profile-{app}-{run_id}-{instance_type}", instance_type, 1, tags, artifacts
-            )
-            try:
-                instances = provisioner.launch(launch)
-            except ProvisionerError as error:
-                raise ProfilingError(f"cannot launch {instance_type} to profile: {error}") from None
-            launched.extend(i.provider_id for i in instances)
+        for row in rows.values():
+            _launch(store, provisioner, app, row, artifacts)
+        crash_point("profile_run.after_launch")
+        tags = {PROFILE_RUN_TAG: app, APP_TAG: app}
+        launched = [
+            found.provider_id
+            for row in rows.values()
+            if (found := store.get_instance(row.id)).provider_id is not None
+        ]
         addresses = _wait_ready(
             provisioner, tags, launched, types, worker_port, start_timeout_s, sleep, say
         )
         clients = {t: WorkerClient(addresses[t]) for t in types}
+        crash_point("profile_run.measuring")
         samples = _time_calls(clients, models, signatures, request, rng, say)
     finally:
+        heartbeat.stop()
         for client in clients.values():
             client.close()
-        if launched:
-            say(f"terminating the {len(launched)} profiling worker(s)")
-            try:
-                provisioner.terminate(launched)
-            except ProvisionerError as error:
-                # The reconciler ends them once their lease (PROFILE_UNTIL_TAG) is over.
-                say(f"terminating the profiling workers failed ({error}); the reconciler will")
+        _end_workers(store, provisioner, list(rows.values()), say)
     sizes = np.array(request.batch_sizes)
     profiles = tuple(
         LatencyProfile(model, t, sizes, tuple(samples[t][model])) for t in types for model in models
@@ -326,15 +352,171 @@ def _check_numbers(request: ProfileRunRequest) -> None:
         raise ProfilingRequestError("warmup", f"must be >= 0, got {request.warmup}")
 
 
-def _check_budget(
-    store: Store, app: str, budget_usd_per_hr: float, prices: Mapping[str, float]
+def unrecorded_cost(
+    provisioner: Provisioner,
+    app: str,
+    rows: Sequence[InstanceRecord],
+    prices_usd_per_hr: Mapping[str, float],
 ) -> float:
-    """The workers' cost; :class:`ProfilingBudgetError` when it does not fit next to the fleet."""
-    fleet = sum(i.price_usd_per_hr for i in store.list_instances(app) if i.state in KEPT_STATES)
-    workers = sum(prices.values())
+    """What the provider runs for ``app`` (its tags) that no live row of ``rows`` accounts for,
+    USD/hr: orphans the reconciler has not ended yet (a crash between a launch and its row's
+    update, a database restored from a backup). A type without a price counts at the highest
+    price known. Raises :class:`~provisioners.errors.ProvisionerError` when the provider cannot
+    be listed."""
+    live = [r for r in rows if r.state in LIVE_STATES]
+    known_ids = {r.provider_id for r in live if r.provider_id is not None}
+    # A launch whose answer is not recorded yet is its row's (matched by request id).
+    waiting = {r.request_id for r in live if r.provider_id is None}
+    highest = max(prices_usd_per_hr.values(), default=0.0)
+    cost = 0.0
+    for instance in provisioner.list({MANAGED_TAG: "true"}):
+        tags = instance.tags
+        if app not in (tags.get(APP_TAG), tags.get(PROFILE_RUN_TAG)):
+            continue
+        if instance.state not in ("pending", "running", "stopping"):
+            continue
+        if instance.provider_id in known_ids or instance.request_id in waiting:
+            continue
+        cost += prices_usd_per_hr.get(instance.instance_type, highest)
+    return cost
+
+
+def _check_budget(
+    store: Store,
+    provisioner: Provisioner,
+    app: str,
+    budget_usd_per_hr: float,
+    ours: Mapping[str, InstanceRecord],
+    prices_usd_per_hr: Mapping[str, float],
+) -> float:
+    """The workers' cost; :class:`ProfilingBudgetError` when it does not fit next to the rest
+    of what the app pays for (its other kept rows and what the provider runs without a row)."""
+    own = {row.id for row in ours.values()}
+    rows = store.list_instances(app)
+    fleet = sum(i.price_usd_per_hr for i in rows if i.state in KEPT_STATES and i.id not in own)
+    try:
+        fleet += unrecorded_cost(provisioner, app, rows, prices_usd_per_hr)
+    except ProvisionerError as error:
+        raise ProfilingError(
+            f"cannot list the provider's instances to check the budget: {error}"
+        ) from None
+    workers = sum(row.price_usd_per_hr for row in ours.values())
     if fleet + workers > budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
         raise ProfilingBudgetError(app, fleet, workers, budget_usd_per_hr)
     return workers
+
+
+def _launch(
+    store: Store,
+    provisioner: Provisioner,
+    app: str,
+    row: InstanceRecord,
+    artifacts: tuple[ArtifactRef, ...],
+) -> None:
+    """Launch the worker of ``row`` (recorded already) and record its provider id."""
+    tags = {
+        APP_TAG: app,
+        PLAN_TAG: PROFILE_PLAN,
+        PROFILE_RUN_TAG: app,
+        INSTANCE_TAG: row.id,
+    }
+    request = LaunchRequest(row.request_id, row.instance_type, 1, tags, artifacts)
+    try:
+        instances = provisioner.launch(request)
+    except ProvisionerError as error:
+        raise ProfilingError(f"cannot launch {row.instance_type} to profile: {error}") from None
+    live = [i for i in instances if i.state in ("pending", "running")]
+    if not live:
+        raise ProfilingError(f"the provider returned no live {row.instance_type} to profile")
+    try:
+        store.transition_instance(
+            row.id, InstanceState.PENDING.value, reason="launched", provider_id=live[0].provider_id
+        )
+    except ControlPlaneError:
+        # The reconciler adopted it meanwhile (rule 1): the row has its provider id. Or it ended
+        # the row (app down, the budget): then the worker goes now, and the run with it.
+        current = store.get_instance(row.id)
+        if current.provider_id == live[0].provider_id and current.state in KEPT_STATES:
+            return
+        try:
+            provisioner.terminate([live[0].provider_id])
+        except ProvisionerError as error:  # an orphan now: the reconciler ends it
+            logger.warning("profile worker %s: %s", live[0].provider_id, error)
+        raise ProfilingError(
+            f"the {row.instance_type} worker's row was ended meanwhile ({current.state}):"
+            " the app is being taken down or its budget lowered"
+        ) from None
+
+
+def _end_workers(
+    store: Store, provisioner: Provisioner, rows: Sequence[InstanceRecord], say: ProgressFn
+) -> None:
+    """End a run's workers: rows first (unlaunched ones ``failed``, launched ones
+    ``terminating``), then the provider, then ``terminated`` for those it no longer runs."""
+    ending: dict[str, str] = {}  # provider id -> row id
+    for row in rows:
+        try:
+            current = store.get_instance(row.id)
+            if current.state == InstanceState.REQUESTED and current.provider_id is None:
+                store.transition_instance(
+                    row.id, InstanceState.FAILED.value, reason="profile run over (not launched)"
+                )
+                continue
+            if current.provider_id is None or current.state not in LIVE_STATES:
+                continue
+            if current.state != InstanceState.TERMINATING:
+                store.transition_instance(
+                    row.id, InstanceState.TERMINATING.value, reason="profile run over"
+                )
+            ending[current.provider_id] = row.id
+        except ControlPlaneError as error:  # moved meanwhile: the reconciler follows it
+            logger.warning("profile worker %s: %s", row.id, error)
+    if not ending:
+        return
+    say(f"terminating the {len(ending)} profiling worker(s)")
+    try:
+        provisioner.terminate(list(ending))
+        listed = {
+            i.provider_id: i.state
+            for i in provisioner.list({MANAGED_TAG: "true"})
+            if i.provider_id in ending
+        }
+    except ProvisionerError as error:
+        # The rows stay terminating: the reconciler asks the provider again.
+        say(f"terminating the profiling workers failed ({error}); the reconciler will")
+        return
+    for provider_id, row_id in ending.items():
+        if listed.get(provider_id, "terminated") == "terminated":
+            try:
+                store.transition_instance(
+                    row_id, InstanceState.TERMINATED.value, reason="the provider ended it"
+                )
+            except ControlPlaneError as error:
+                logger.warning("profile worker %s: %s", row_id, error)
+
+
+class _Heartbeat:
+    """Touches a run's rows every ``interval_s`` until :meth:`stop` (the reconciler reaps a
+    profile worker whose row goes untouched: its run is gone)."""
+
+    def __init__(self, store: Store, instance_ids: Sequence[str], interval_s: float) -> None:
+        self._store = store
+        self._ids = tuple(instance_ids)
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="profile-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(self._interval_s):
+            try:
+                self._store.touch_instances(self._ids)
+            except ControlPlaneError as error:  # a database hiccup: the next beat tries again
+                logger.warning("profile run heartbeat: %s", error)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
 
 
 def _wait_ready(

@@ -53,6 +53,7 @@ from controlplane.spec import (
     ResolvedArtifact,
     SpecError,
     anchor_paths,
+    confine_paths,
     resolve_spec,
     validate_spec,
 )
@@ -235,10 +236,16 @@ class AppResolver:
                 self._scales[app] = found
         return found
 
-    def check(self, document: object) -> ResolvedApp:
+    def check(self, document: object, *, confine: bool = True) -> ResolvedApp:
         """Validate a request body as an app spec and resolve it (:class:`SpecError` naming the
-        field on any problem); the resolved spec's paths are absolute."""
-        return self.resolve(validate_spec(document))
+        field on any problem: a file path outside ``base_dir`` is one,
+        :func:`~controlplane.spec.confine_paths`); the resolved spec's paths are absolute.
+        ``confine=False`` is for the service's own specs (the demo's, naming its family's files
+        wherever the demo trained them), never for a request's."""
+        spec = validate_spec(document)
+        if confine:
+            confine_paths(spec, self.base_dir)
+        return self.resolve(spec)
 
     def resolve(
         self, spec: AppSpec | Mapping[str, Any], *, check_budget: bool = True

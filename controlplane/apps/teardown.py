@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from controlplane.crashpoints import crash_point
 from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.errors import ConflictError
 from controlplane.policies.lifecycle import LIVE_STATES
@@ -72,6 +73,7 @@ def request_teardown(store: Store, app: str, who: str) -> Teardown:
         {"who": who, "instance_ids": [i.id for i in live]},
         key=TEARDOWN_KIND,
     )
+    crash_point("app_down.after_mark")
     return Teardown(app, False, tuple(live))
 
 

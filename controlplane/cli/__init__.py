@@ -12,6 +12,7 @@ module that implements a command is imported when that command runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -20,6 +21,9 @@ from controlplane.cli.output import UsageError, fail
 from controlplane.cli.parsers import Parser, register_commands
 from controlplane.errors import ControlPlaneError
 from estimator.errors import EstimatorError
+
+# 128 + SIGPIPE: what a shell reports for a writer whose reader left.
+EXIT_BROKEN_PIPE = 141
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         status: int = args.handler(args)
+        sys.stdout.flush()  # a reader that left (`| head`) is found here, not at exit
+    except BrokenPipeError:
+        return _reader_left()
     except (EstimatorError, UsageError, ControlPlaneError) as error:
         fail(f"heteroplane {args.command}: {error}")
     except OSError as error:
@@ -50,3 +57,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     return status
+
+
+def _reader_left() -> int:
+    """stdout's reader closed the pipe (``heteroplane events | head``): stop quietly, with the
+    status of a process that SIGPIPE ended (as ``seq 1000000 | head`` does). stdout points at
+    /dev/null from here on, so that the interpreter's last flush at exit finds nothing to say."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE

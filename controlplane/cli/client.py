@@ -194,6 +194,8 @@ def _http_error(response: httpx.Response) -> ApiClientError:
     status = response.status_code
     try:
         detail = json.loads(response.content or b"{}")["error"]
+        if isinstance(detail, str):  # the Open Inference Protocol's {"error": "one line"}
+            detail = {"message": detail, "code": "error"}
         message, code = str(detail["message"]), str(detail["code"])
     except (ValueError, KeyError, TypeError):
         message, code = f"HTTP {status} {response.reason_phrase}", "http_error"

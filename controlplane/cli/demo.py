@@ -34,9 +34,11 @@ from controlplane.cli.serve import (
 )
 from controlplane.db.session import redact_url
 from controlplane.db.store import PlanRecord
+from controlplane.errors import DatabaseInUseError
 from controlplane.service.build import build_service
 from controlplane.service.demo import (
     DEMO_APP,
+    TOKEN_FILE,
     DemoLoad,
     DemoState,
     prepare_demo,
@@ -49,6 +51,10 @@ __all__ = ["run"]
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.print_token:
+        if args.down or args.offline:
+            raise UsageError("--print-token: alone (it reads the token a demo made and exits)")
+        return _print_token(args)
     if args.down:
         if args.offline:
             raise UsageError("--down and --offline: choose one (the offline demo runs no workers)")
@@ -130,7 +136,15 @@ def _down(args: argparse.Namespace) -> int:
         f"heteroplane demo --down: data in {settings.data_dir}, database"
         f" {redact_url(settings.database_url)}, provisioner {settings.provisioner}"
     )
-    service = build_service(settings)
+    try:
+        service = build_service(settings)
+    except DatabaseInUseError as error:
+        who = f" (pid {error.holder})" if error.holder else ""
+        raise UsageError(
+            f"--down: the demo{who} is running on {settings.data_dir}; stop it with Ctrl-C,"
+            f" then run --down again, or take the app down on the running service:"
+            f" heteroplane app down {DEMO_APP} (with HETEROPLANE_TOKEN set, as in README.md)"
+        ) from None
     try:
         down = stop_demo(service, progress)
     finally:
@@ -145,6 +159,18 @@ def _down(args: argparse.Namespace) -> int:
         progress(f"heteroplane demo --down: app {DEMO_APP!r} is down, its workers stopped")
     else:
         progress(f"heteroplane demo --down: no app {DEMO_APP!r} and no worker of it: nothing to do")
+    return 0
+
+
+def _print_token(args: argparse.Namespace) -> int:
+    """The demo's admin token on stdout, read from the data directory the settings name (so
+    ``HETEROPLANE_DATA_DIR`` and ``XDG_DATA_HOME`` are respected); one line when there is none."""
+    path = load_settings(args.config).data_dir / TOKEN_FILE
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise UsageError(f"no demo token in {path}: start the demo first (make demo)") from None
+    print(token)
     return 0
 
 
@@ -188,7 +214,7 @@ def _plan_summary(plan: PlanRecord | None, budget_usd_per_hr: float) -> str:
     )
     p99 = "n/a" if typed.predicted_p99_ms is None else f"{typed.predicted_p99_ms:.0f} ms"
     return (
-        f"plan {plan.number} applied: {fleets}, ${typed.cost_usd_per_hr:.2f}/hr,"
+        f"plan {plan.id} applied: {fleets}, ${typed.cost_usd_per_hr:.2f}/hr,"
         f" predicted end-to-end p99 {p99} at {typed.rate_qps:.0f} qps"
     )
 

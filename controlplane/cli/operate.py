@@ -9,7 +9,9 @@
 - ``heteroplane budget get --app APP``, ``budget set --app APP --usd-per-hr X --reason R
   [--force]`` (``--force`` sends ``"force": true``: a budget below the smallest serving fleet);
 - ``heteroplane fleet [--app APP]``;
-- ``heteroplane events --app APP`` (decisions and instance events, in time order).
+- ``heteroplane events --app APP [--kind K[,K]] [--exclude-kind K[,K]] [--no-collapse]``
+  (decisions and instance events, in time order; a run of the same kind is one line with its
+  count and time span).
 
 Each prints a table or a summary, or with ``--json`` the server's JSON as one object. Their
 parsers are in :mod:`controlplane.cli.parsers`; the transport and the shared options are
@@ -21,15 +23,20 @@ from __future__ import annotations
 
 import argparse
 import time
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from controlplane.cli.client import (
+    ApiClient,
     ApiClientError,
     app_path,
     client_from,
     table,
 )
-from controlplane.cli.output import emit, progress
+from controlplane.cli.output import UsageError, emit, progress
 
 __all__ = [
     "app_apply",
@@ -39,6 +46,7 @@ __all__ = [
     "app_list",
     "budget_get",
     "budget_set",
+    "collapse",
     "events",
     "fleet",
     "plans_apply",
@@ -240,7 +248,6 @@ def plans_list(args: argparse.Namespace) -> int:
     rows = [
         [
             p["id"],
-            p["number"],
             p["status"],
             "yes" if p["feasible"] else "no",
             p["cost_usd_per_hr"],
@@ -252,7 +259,6 @@ def plans_list(args: argparse.Namespace) -> int:
     ]
     headers = [
         "ID",
-        "NUMBER",
         "STATUS",
         "FEASIBLE",
         "COST_USD_PER_HR",
@@ -268,9 +274,45 @@ def plans_list(args: argparse.Namespace) -> int:
 
 
 def plans_apply(args: argparse.Namespace) -> int:
+    """``POST .../plans/ID/apply``; with ``--wait``, then ``GET /v2/models/APP/ready`` every
+    ``--poll-s`` until it answers 200 (a worker serves the app), for at most ``--timeout-s``."""
     with client_from(args) as client:
         plan = client.post(app_path(args.app, "plans", str(args.id), "apply"))
-    return emit(args.json, plan, lambda: _plan_text(plan))
+        if args.wait:
+            progress(f"plan {plan['id']} applied; waiting for a worker to serve {args.app}")
+            waited_s = _wait_until_served(client, args.app, args.timeout_s, args.poll_s)
+            plan = {**plan, "waited_s": round(waited_s, 3)}
+    return emit(
+        args.json,
+        plan,
+        lambda: (
+            _plan_text(plan)
+            + (f"\n{args.app} serves (after {waited_s:.1f} s)" if args.wait else "")
+        ),
+    )
+
+
+def _wait_until_served(client: ApiClient, app: str, timeout_s: float, poll_s: float) -> float:
+    """Seconds until ``/v2/models/APP/ready`` answered 200; ApiClientError (one line) after
+    ``timeout_s`` of 503s, with the service's last reason."""
+    path = "/v2/models/" + urllib.parse.quote(app, safe="") + "/ready"
+    started_s = time.monotonic()
+    while True:
+        try:
+            client.get(path)
+            return time.monotonic() - started_s
+        except ApiClientError as error:
+            if error.status == 403:
+                raise ApiClientError(f"--wait asks GET {path}: {error}", 403) from None
+            if error.status != 503:
+                raise
+            reason = str(error)
+        if time.monotonic() - started_s >= timeout_s:
+            raise ApiClientError(
+                f"{app} is not served after {timeout_s:g} s ({reason}); the plan stays applied:"
+                f" see heteroplane fleet --app {app}"
+            )
+        time.sleep(poll_s)
 
 
 # --- budget ----------------------------------------------------------------------------------
@@ -383,24 +425,128 @@ def fleet(args: argparse.Namespace) -> int:
     return emit(args.json, data, human)
 
 
+# The kind that stands for the instances' lifecycle events in --kind and --exclude-kind (no
+# decision has it).
+INSTANCE_KIND = "instance"
+
+
+@dataclass(frozen=True, slots=True)
+class EventLine:
+    """One line of ``heteroplane events``: a decision or an instance event, or a run of them of
+    the same kind (``count`` of them from ``at`` to ``last_at``; ``detail`` is the newest's)."""
+
+    at: str
+    what: str
+    kind: str
+    detail: str
+    count: int = 1
+    last_at: str | None = None
+
+
+def _kind_list(values: Sequence[str] | None, option: str) -> list[str] | None:
+    """The kinds of ``--kind a,b --kind c`` (None: not given); an empty name is a usage error."""
+    if values is None:
+        return None
+    kinds = [name.strip() for value in values for name in value.split(",")]
+    if not all(kinds):
+        raise UsageError(f"{option}: a kind must not be empty, got {','.join(values)!r}")
+    return kinds
+
+
+def _instant(at: str) -> datetime:
+    """An API time as a datetime: as strings, ``...:11Z`` would sort after ``...:11.1Z``."""
+    return datetime.fromisoformat(at)
+
+
+def collapse(lines: Sequence[EventLine]) -> list[EventLine]:
+    """Each run of consecutive lines of the same (what, kind) as one line: the counts summed
+    (a decision the store merged already counts ``count``), from the first's ``at`` to the
+    newest time seen, with the newest's detail.
+
+    >>> one = EventLine("2026-01-01T00:00:00", "decision", "gear_switch", "up")
+    >>> two = EventLine("2026-01-01T00:00:05", "decision", "gear_switch", "down", 2,
+    ...                 "2026-01-01T00:00:09")
+    >>> other = EventLine("2026-01-01T00:00:10", "decision", "scale_up", "need 3")
+    >>> [(x.kind, x.count, x.last_at, x.detail) for x in collapse([one, two, other])]
+    [('gear_switch', 3, '2026-01-01T00:00:09', 'down'), ('scale_up', 1, None, 'need 3')]
+    """
+    out: list[EventLine] = []
+    for line in lines:
+        before = out[-1] if out else None
+        if before is None or (before.what, before.kind) != (line.what, line.kind):
+            out.append(line)
+            continue
+        newest = line.last_at or line.at
+        seen = before.last_at or before.at
+        out[-1] = EventLine(
+            before.at,
+            line.what,
+            line.kind,
+            line.detail,
+            before.count + line.count,
+            max(seen, newest, key=_instant),
+        )
+    return out
+
+
+def _times(line: EventLine) -> str:
+    if line.count == 1:
+        return ""
+    span_s = (_instant(line.last_at or line.at) - _instant(line.at)).total_seconds()
+    return f"{line.count}x over {span_s:.3g} s"
+
+
 def events(args: argparse.Namespace) -> int:
+    kinds = _kind_list(args.kind, "--kind")
+    excluded = _kind_list(args.exclude_kind, "--exclude-kind")
+    decision_kinds = None if kinds is None else [k for k in kinds if k != INSTANCE_KIND]
+    decision_excluded = None if excluded is None else [k for k in excluded if k != INSTANCE_KIND]
+    want_decisions = decision_kinds is None or bool(decision_kinds)
+    want_instances = (kinds is None or INSTANCE_KIND in kinds) and INSTANCE_KIND not in (
+        excluded or ()
+    )
+    decisions: list[dict[str, Any]] = []
+    instance_events: list[dict[str, Any]] = []
     with client_from(args) as client:
-        decisions = client.get(app_path(args.app, "decisions"), since=args.since, limit=args.limit)
-        events = client.get(app_path(args.app, "events"), since=args.since, limit=args.limit)
+        if want_decisions:
+            decisions = client.get(
+                app_path(args.app, "decisions"),
+                since=args.since,
+                limit=args.limit,
+                kind=decision_kinds,
+                exclude_kind=decision_excluded or None,
+            )
+        if want_instances:
+            instance_events = client.get(
+                app_path(args.app, "events"), since=args.since, limit=args.limit
+            )
     merged = sorted(
-        [(d["at"], "decision", d["kind"], d["reason"]) for d in decisions]
+        [
+            EventLine(d["at"], "decision", d["kind"], d["reason"], d.get("count") or 1,
+                      d.get("last_at"))
+            for d in decisions
+        ]
         + [
-            (
+            EventLine(
                 e["at"],
                 "instance",
                 f"{e['from_state'] or 'new'} -> {e['to_state']}",
                 f"{e['instance_id']}: {e['reason']}",
             )
-            for e in events
-        ]
-    )
+            for e in instance_events
+        ],
+        key=lambda line: (_instant(line.at), line.what, line.kind, line.detail),
+    )  # fmt: skip
+
+    def human() -> str:
+        if not merged:
+            return "no events"
+        if args.no_collapse:
+            rows = [[x.at, x.what, x.kind, x.detail] for x in merged]
+            return table(["AT", "WHAT", "KIND", "DETAIL"], rows)
+        rows = [[x.at, x.what, x.kind, _times(x), x.detail] for x in collapse(merged)]
+        return table(["AT", "WHAT", "KIND", "TIMES", "DETAIL"], rows)
+
     return emit(
-        args.json,
-        {"app": args.app, "decisions": decisions, "events": events},
-        lambda: table(["AT", "WHAT", "KIND", "DETAIL"], merged) if merged else "no events",
+        args.json, {"app": args.app, "decisions": decisions, "events": instance_events}, human
     )

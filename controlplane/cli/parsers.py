@@ -209,33 +209,12 @@ def count(text: str) -> int:
 # --- the commands ------------------------------------------------------------------------------
 
 _DEMO_DESCRIPTION = """\
-``heteroplane demo``: the main job. It starts the control plane on the embedded defaults (SQLite
-in the data directory, the local provisioner, http://127.0.0.1:8000; the settings of ``heteroplane
-serve``, with ``--host``/``--port`` over them) with the demo app registered, planned and served
-by local workers, drives a demo load against it, and serves until SIGINT or SIGTERM.
-
-Before serving it makes sure, idempotently (:mod:`controlplane.service.demo`), that the demo model
-family is trained into the data directory, that its latency profiles are measured through a
-worker of each type it runs (``<data_dir>/profiles/family.json``, ``--profile-samples`` calls per
-cell, once: about a minute and a half), that the demo app is registered (the cheapest cascade of
-the family as accurate as its best model, on the emulated types ``emu.cpu.small`` and
-``emu.cpu.large``, which pad each batch to a real model's tens of ms), that it has an applied plan
-(one previewed for ``--rate-qps`` and applied when it has none or the profiles were measured anew;
-the reconciler then launches its workers), and that an admin token for the demo is in
-``<data_dir>/demo-token``; then it prints a "ready" banner on stderr with the URL, where the token
-is and commands to try, and, unless ``--no-load``, starts the demo load
-(``controlplane.clients.loadgen`` against itself at a rate that rises above the planned one and
-falls below it every few minutes, a line per period on stderr with the share of queries answered
-within the SLO), so that the tuner grows and drains the fleet and the dashboard moves. Starting it
-again on the same data directory finds everything there and adds nothing.
-
-Stopped, it leaves its local workers running (a restart finds them). ``heteroplane demo --down``
-takes the demo down instead of serving it: the demo app drained (its workers stopped) and deleted
-on the same data directory, as ``heteroplane app down demo`` would; then it exits.
-
-``heteroplane demo --offline`` is the estimator demo, with no service
-(:mod:`controlplane.cli.demo_offline`): rm2 on a GPU fleet and on a mixed fleet over a sweep of
-rates, with ``--profiles`` (the Kairos samples), ``--json``, ``--duration`` and ``--seed``.
+The main job: the control plane on http://127.0.0.1:8000 (the settings of `heteroplane serve`)
+with the demo app, a cascade of digit classifiers, trained, profiled, planned and served by local
+workers, and a demo load against it, until Ctrl-C. The first start takes a few minutes; a restart
+finds everything there. The admin token is in <data dir>/demo-token (--print-token prints it).
+--down takes the demo down instead (stop a running demo first); --offline is the estimator demo,
+with no service. More: README.md and docs/cli.md.
 """
 
 _CAPACITY_DESCRIPTION = """\
@@ -295,6 +274,11 @@ def _demo(subparsers: Subparsers) -> None:
         action="store_true",
         help="take the demo down instead: drain and delete the demo app, stop its local"
         " workers (which a stopped demo leaves running), and exit",
+    )
+    parser.add_argument(
+        "--print-token",
+        action="store_true",
+        help="print the demo's admin token (from <data dir>/demo-token) and exit",
     )
     parser.add_argument(
         "--profile-samples",
@@ -1299,6 +1283,25 @@ def _plans(subparsers: Subparsers) -> None:
     apply = actions.add_parser("apply", help="apply a previewed plan")
     _app_option(apply)
     apply.add_argument("--id", required=True, type=int, metavar="ID", help="the plan's id")
+    apply.add_argument(
+        "--wait",
+        action="store_true",
+        help="then wait until the app serves: GET /v2/models/APP/ready answers 200",
+    )
+    apply.add_argument(
+        "--timeout-s",
+        type=positive_number,
+        default=300.0,
+        metavar="S",
+        help="with --wait: give up after this long, s (exit status 2; default %(default)g)",
+    )
+    apply.add_argument(
+        "--poll-s",
+        type=positive_number,
+        default=0.5,
+        metavar="S",
+        help="with --wait: how often to ask, s (default %(default)g)",
+    )
     apply.set_defaults(handler=Handler("operate", "plans_apply"))
     for action in (preview, listing, apply):
         add_client_options(action)
@@ -1350,6 +1353,27 @@ def _events(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--limit", type=int, default=100, metavar="N", help="the newest N of each (default 100)"
     )
+    # --- filter by kind and collapse repeats (issues 29 and 35) ---
+    parser.add_argument(
+        "--kind",
+        action="append",
+        metavar="KIND[,KIND]",
+        help="only these decision kinds (gear_switch, scale_up, ...; 'instance' for the"
+        " instances' events); repeatable; --limit counts after the filter",
+    )
+    parser.add_argument(
+        "--exclude-kind",
+        action="append",
+        metavar="KIND[,KIND]",
+        help="none of these kinds ('instance': no instance events); repeatable",
+    )
+    parser.add_argument(
+        "--no-collapse",
+        action="store_true",
+        help="one line per record (default: a run of the same kind is one line with its count"
+        " and time span)",
+    )
+    # --- end of the kind options ---
     add_client_options(parser)
     parser.set_defaults(handler=Handler("operate", "events"))
 

@@ -28,7 +28,7 @@ from controlplane.policies.baselines import (
     leading_share,
     plan_baseline,
 )
-from controlplane.policies.capacity_curve import LOAD_MODEL_RECENT_S, capacity_curve
+from controlplane.policies.capacity_curve import LOAD_MODEL_RECENT_S, build_ladder
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.replay import (
     ScalingPolicy,
@@ -39,6 +39,7 @@ from controlplane.policies.replay import (
 )
 from controlplane.policies.tuner import DEFAULT_RECENT_S
 from controlplane.spec import load_spec, resolve_spec
+from estimator.envelope import DEFAULT_PERSISTENCE_S
 from estimator.traces import read_trace_csv
 
 
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.tuner_model or "curve"
     model_note = None
     curve = None
+    ladder = None
     if policy == "tuner" and cascade:
         # The capacity curve plans a single stage; each stage of a cascade is sized by
         # InferLine's provisioning ratio on its own envelope (docs/tuner.md, Cascades).
@@ -121,17 +123,16 @@ def run(args: argparse.Namespace) -> int:
         model = "inferline"
     elif policy == "tuner" and model == "curve":
         stage = check_plan(plan, app)
-        curve = (
-            capacity_curve(
-                app,
-                stage.name,
-                leading_share(trace) if planning is None else planning,
-                kairos=(args.dispatch or stage.policy) == "kairos",
-                batch_size=stage.batch_size,
-                seed=args.seed,
-            )
-            or None
+        ladder = build_ladder(
+            app,
+            stage.name,
+            leading_share(trace) if planning is None else planning,
+            kairos=(args.dispatch or stage.policy) == "kairos",
+            batch_size=stage.batch_size,
+            seed=args.seed,
+            also_types=[t for t, n in stage.fleet.items() if n],
         )
+        curve = None if ladder is None else ladder.curve
         if curve is None:
             # The planner placed nothing for the planning trace at its own rate: no curve to
             # read, so the tuner sizes the stage InferLine's way.
@@ -144,8 +145,9 @@ def run(args: argparse.Namespace) -> int:
         policy=policy,
         planning_arrival_s=None if planning is None or made else planning.arrival_s,
         dispatch=args.dispatch,
-        tuner_capacity_curve=curve,
+        tuner_ladder=ladder,
         tuner_recent_s=DEFAULT_RECENT_S if curve is None else LOAD_MODEL_RECENT_S,
+        tuner_persistence_s=DEFAULT_PERSISTENCE_S if policy == "tuner" else None,
     )
     data = result.to_document()
     data["policy"] = label
@@ -160,6 +162,11 @@ def run(args: argparse.Namespace) -> int:
     if policy == "tuner":
         data["tuner_model"] = model
         data["capacity_curve"] = None if curve is None else [list(p) for p in curve]
+        data["sizing_ladder"] = (
+            None
+            if ladder is None
+            else [{"load": f, "fleet": dict(fleet)} for f, fleet in ladder.rungs]
+        )
         if cascade:
             data["tuner_model_note"] = model_note
     data["seed"] = args.seed

@@ -26,7 +26,7 @@ import uvicorn
 from controlplane.cli.output import UsageError
 from controlplane.db.session import redact_url
 from controlplane.service.build import Service, build_service
-from controlplane.service.protocol import server_options
+from controlplane.service.protocol import ConnectionLimits, server_options
 from controlplane.settings import load_settings
 
 __all__ = [
@@ -100,9 +100,9 @@ def serve_until_stopped(service: Service, sock: socket.socket, log_level: str) -
         lifespan="on",
         # The process is the service's only server: no access log on every poll by default.
         access_log=log_level == "debug",
-        # httptools (h11 without it) on asyncio, reading heads up to 1 MiB: an oversized head is
-        # a 431, not a connection reset.
-        **server_options(),
+        # httptools (h11 without it) on asyncio, with the settings' bounds on heads, bodies and
+        # unauthenticated connections (an oversized head is a 431, not a connection reset).
+        **server_options(ConnectionLimits.from_settings(service.settings)),
     )
     server = uvicorn.Server(config)
     stopped_by: list[int] = []

@@ -57,14 +57,15 @@ from controlplane.dashboard.snapshot import (
     RankingFn,
     ServingFn,
     SpendLedger,
-    WeightsFn,
+    StageRatesFn,
     WorkersFn,
     build_snapshot,
 )
 from controlplane.db.store import AppRecord, PlanRecord, Principal
 from controlplane.errors import ControlPlaneError, NotFoundError
+from controlplane.loops.live_tuner import stage_rates_qps
 from controlplane.policies.auth import Scope, scope_allows
-from controlplane.policies.drain import qps_by_type
+from controlplane.policies.plan import PlanDocument
 from controlplane.serving.observations import AppTotals
 from estimator.errors import EstimatorError
 
@@ -279,15 +280,25 @@ def viewer(request: Request, services: ServicesDep) -> Principal:
     return principal
 
 
-def _weights(services: Services) -> WeightsFn:
-    def weights(app: AppRecord) -> dict[str, float] | None:
+def _rates(services: Services) -> StageRatesFn:
+    """The tuner's per-instance rates of each stage of a plan (None: the app's profiles cannot
+    be read)."""
+
+    def rates(app: AppRecord, plan: PlanDocument) -> list[dict[str, float]] | None:
         try:
             resolved = services.resolver.resolve(app.spec, check_budget=False)
-            return qps_by_type(resolved, smallest_common_batch_size(resolved))
         except (EstimatorError, ControlPlaneError, ValueError):
             return None
+        # Every candidate type (the fleet may run one the plan has none of); the plan's types
+        # when a candidate has no profile for a stage's model.
+        for types in (list(resolved.instance_types), None):
+            try:
+                return stage_rates_qps(resolved, plan, types)
+            except (EstimatorError, ControlPlaneError, ValueError, KeyError):
+                continue
+        return None
 
-    return weights
+    return rates
 
 
 def _serving(services: Services) -> ServingFn:
@@ -377,7 +388,7 @@ def data(
             services.clock.utcnow(),
             window_s=window_s,
             ledger=state.ledger,
-            weights=_weights(services),
+            rates=_rates(services),
             ranking=_ranking(services, state),
             workers=_workers(services),
             serving=_serving(services),

@@ -27,7 +27,8 @@ where a value is unknown, so that a chart breaks its line there). The sections:
 - ``cascade``: the gear and the accuracy over time, against the accuracy floor; the accuracy
   the plan's gear plan scored each gear's cascade at (``planned_accuracy``, held out and
   in-sample) and the held-out figure of the gear in force (``held_out_accuracy``);
-- ``decisions``: the newest decisions first (what the policies did, why, and the numbers);
+- ``decisions``: the newest decisions first (what the policies did, why, and the numbers), a run
+  of consecutive decisions of one kind folded into one entry (:func:`collapse_runs`);
 - ``plan``: the applied plan (or the newest preview): the rate it is planned for, its predicted
   end-to-end P99, its stages, its steps and the Kairos bound ranking that explains the chosen mix
   (:mod:`controlplane.dashboard.ranking`).
@@ -67,6 +68,7 @@ from controlplane.serving.observations import AppTotals
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "DECISIONS_READ",
     "DECISIONS_SHOWN",
     "DEFAULT_WINDOW_S",
     "MAX_POINTS",
@@ -76,10 +78,12 @@ __all__ = [
     "RankingFn",
     "ServingFn",
     "SpendLedger",
-    "WeightsFn",
+    "StageRatesFn",
     "WorkersFn",
     "build_snapshot",
     "capacity_scale",
+    "collapse_runs",
+    "fleet_capacity_qps",
     "fleet_series",
     "integrate_cost_usd",
 ]
@@ -96,6 +100,8 @@ MAX_POINTS = 600
 # Samples read for one window: a day at the default 10 s roll-up is 8,640.
 _MAX_SAMPLES = 10_000
 DECISIONS_SHOWN = 50
+# Decisions read for them: runs of one kind are folded into one entry (:func:`collapse_runs`).
+DECISIONS_READ = 1000
 # Ended instances listed under the live ones in the table (the newest first).
 ENDED_SHOWN = 20
 _LIVE = frozenset(state.value for state in LIVE_STATES)
@@ -103,7 +109,10 @@ _RUNNING = InstanceState.RUNNING.value
 _HOUR_S = 3600.0
 
 RankingFn = Callable[[AppRecord, PlanRecord], dict[str, Any] | None]
-WeightsFn = Callable[[AppRecord], Mapping[str, float] | None]
+# Per stage of the plan, mu_t: the queries per second one instance of each type serves of the
+# stage's model, as the tuner rates it (``controlplane.loops.live_tuner.stage_rates_qps``);
+# None when the app's profiles cannot be read.
+StageRatesFn = Callable[[AppRecord, PlanDocument], Sequence[Mapping[str, float]] | None]
 # Per instance id, what the serving loop measures of a worker: ``utilisation_share`` (its busy
 # share of about the last minute) and ``models`` (model -> INFaaS state on it).
 WorkersFn = Callable[[AppRecord], Mapping[str, Mapping[str, Any]]]
@@ -354,6 +363,41 @@ def _typed(plan: PlanRecord | None) -> PlanDocument | None:
         return None
 
 
+def fleet_capacity_qps(
+    running: Mapping[str, int], plan: PlanDocument, rates: Sequence[Mapping[str, float]]
+) -> float:
+    """The rate the ``running`` fleet (counts by type) serves at the front, on the tuner's
+    per-instance rates: min over stages of sum_t n_{s,t} mu_{s,t} / s_s (the share of queries
+    that reach the stage), each type's running instances shared among the stages as the plan
+    shares them (a type the plan has none of, as the plan shares its instances). On the planned
+    fleet, the tuner's capacity of the plan.
+
+    >>> plan = PlanDocument.parse({"feasible": True, "cost_usd_per_hr": 1.0,
+    ...     "rate_qps": 10.0, "stages": [
+    ...         {"name": "a", "fleet": {"g": 2}, "batch_size": 1, "scale_factor": 1.0},
+    ...         {"name": "b", "fleet": {"g": 1, "h": 1}, "batch_size": 1, "scale_factor": 0.5}]})
+    >>> fleet_capacity_qps({"g": 3, "h": 1}, plan, [{"g": 100.0}, {"g": 10.0, "h": 20.0}])
+    60.0
+    >>> fleet_capacity_qps({"g": 6, "h": 1}, plan, [{"g": 100.0}, {"g": 10.0, "h": 20.0}])
+    80.0
+    """
+    shared: dict[str, int] = defaultdict(int)
+    for stage in plan.stages:
+        for t, n in stage.fleet.items():
+            shared[t] += max(0, n)
+    planned = sum(shared.values())
+    fronts = []
+    for stage, mu in zip(plan.stages, rates, strict=False):
+        own = sum(max(0, n) for n in stage.fleet.values())
+        served = 0.0
+        for t, count in running.items():
+            if count > 0 and t in mu:
+                share = stage.fleet.get(t, 0) / shared[t] if shared.get(t) else own / planned
+                served += mu[t] * count * share
+        fronts.append(served / stage.scale_factor if stage.scale_factor else served)
+    return min(fronts) if fronts else 0.0
+
+
 def capacity_scale(
     running: Mapping[str, int], planned: Mapping[str, int], weights: Mapping[str, float] | None
 ) -> float:
@@ -505,17 +549,24 @@ def _load_section(
     samples: Sequence[MetricSampleRecord],
     series: FleetSeries,
     document: PlanDocument | None,
-    weights: Mapping[str, float] | None,
+    rates: Sequence[Mapping[str, float]] | None,
 ) -> dict[str, Any]:
-    planned_capacity = _plan_capacity_qps(document) if document else None
+    """The capacity is the tuner's (:func:`fleet_capacity_qps`) on its per-instance rates;
+    without them, the plan's throughput scaled by the share of the planned fleet running."""
     planned_fleet = document.fleet if document else {}
+    if document is not None and rates is not None:
+        planned_capacity: float | None = fleet_capacity_qps(planned_fleet, document, rates)
+    else:
+        planned_capacity = _plan_capacity_qps(document) if document else None
     capacity: list[float | None] = []
     for i in range(len(series.t_s)):
         running = {t: counts[i] for t, counts in series.running.items()}
-        if planned_capacity is None or not planned_fleet:
+        if planned_capacity is None or not planned_fleet or document is None:
             capacity.append(None)
+        elif rates is not None:
+            capacity.append(fleet_capacity_qps(running, document, rates))
         else:
-            capacity.append(planned_capacity * capacity_scale(running, planned_fleet, weights))
+            capacity.append(planned_capacity * capacity_scale(running, planned_fleet, None))
     envelope = _envelope(document)
     if envelope is not None:
         envelope["live_rate_qps"] = _live_envelope(samples, envelope["windows_s"])
@@ -654,6 +705,42 @@ def _cascade_section(
     }
 
 
+def collapse_runs(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive decisions of one kind (newest first, as :func:`_decision` shapes them) as one
+    entry, so that a burst of gear switches does not hide the scaling decisions around it: the
+    newest one's id, reason and numbers, ``run`` (how many decisions), ``count`` (how many times
+    they were made, together), ``at``/``t`` the oldest's time and ``last_at``/``last_t`` the
+    newest time (None when the entry is one decision made once).
+
+    >>> d = lambda i, kind, t: {"id": i, "kind": kind, "t": t, "at": str(t), "count": 1,
+    ...     "last_t": None, "last_at": None, "reason": kind + str(i)}
+    >>> runs = collapse_runs([d(4, "gear_switch", 40), d(3, "gear_switch", 30),
+    ...     d(2, "scale_up", 20), d(1, "gear_switch", 10)])
+    >>> for r in runs:
+    ...     print(r["id"], r["kind"], r["run"], r["count"], r["t"], r["last_t"])
+    4 gear_switch 2 2 30 40
+    2 scale_up 1 1 20 None
+    1 gear_switch 1 1 10 None
+    """
+    entries: list[dict[str, Any]] = []
+    for decision in decisions:
+        last = entries[-1] if entries else None
+        if last is None or last["kind"] != decision["kind"]:
+            entries.append({**decision, "run": 1})
+            continue
+        newest_t = last["last_t"] if last["last_t"] is not None else last["t"]
+        newest_at = last["last_at"] if last["last_at"] is not None else last["at"]
+        last.update(
+            run=last["run"] + 1,
+            count=last["count"] + decision["count"],
+            t=decision["t"],
+            at=decision["at"],
+            last_t=newest_t,
+            last_at=newest_at,
+        )
+    return entries
+
+
 def _decision(record: DecisionRecord) -> dict[str, Any]:
     return {
         "id": record.id,
@@ -717,7 +804,7 @@ def build_snapshot(
     *,
     window_s: float = DEFAULT_WINDOW_S,
     ledger: SpendLedger,
-    weights: WeightsFn | None = None,
+    rates: StageRatesFn | None = None,
     ranking: RankingFn | None = None,
     workers: WorkersFn | None = None,
     serving: ServingFn | None = None,
@@ -738,7 +825,7 @@ def build_snapshot(
         newest = store.list_plans(app.name, limit=1)
         plan = newest[0] if newest else None
     document = _typed(plan)  # parsed once: a plan that is not one is logged once
-    decisions = store.list_decisions(app.name, limit=DECISIONS_SHOWN)
+    decisions = store.list_decisions(app.name, limit=DECISIONS_READ)
     decisions.reverse()
     spec = app.spec
     snapshot = {
@@ -759,12 +846,14 @@ def build_snapshot(
         "samples": len(samples),
         "fleet": fleet,
         "cost": _cost_section(store, app, samples, live, ledger, start, now),
-        "load": _load_section(samples, series, document, weights(app) if weights else None),
+        "load": _load_section(
+            samples, series, document, rates(app, document) if rates and document else None
+        ),
         "latency": _latency_section(
             spec, samples, document, serving(app) if serving is not None else None
         ),
         "cascade": _cascade_section(spec, samples, document),
-        "decisions": [_decision(d) for d in decisions],
+        "decisions": collapse_runs([_decision(d) for d in decisions])[:DECISIONS_SHOWN],
         "plan": _plan_section(app, plan, document, ranking),
     }
     cleaned: dict[str, Any] = _clean(snapshot)

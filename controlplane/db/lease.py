@@ -42,7 +42,7 @@ from sqlalchemy.exc import ProgrammingError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
 from controlplane.db.session import CONNECT_TIMEOUT_S, parse_url, redact_url
-from controlplane.errors import DatabaseError
+from controlplane.errors import DatabaseError, DatabaseInUseError
 
 __all__ = [
     "LEADER_LOCK_KEY",
@@ -263,10 +263,11 @@ class SqliteFileLock:
             if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise DatabaseError(f"cannot lock {path}: {error.strerror or error}") from None
             who = f" (pid {holder})" if holder else ""
-            raise DatabaseError(
+            raise DatabaseInUseError(
                 f"another heteroplane process{who} already serves the SQLite database"
                 f" {database}: SQLite serves one replica; stop it, or use PostgreSQL for"
-                " standby replicas (docs/service.md)"
+                " standby replicas (docs/service.md)",
+                holder,
             ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())

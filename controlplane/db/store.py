@@ -578,7 +578,10 @@ class Store:
         with transaction(self._sessions) as session:
             row = _app_row(session, app)
             query = select(m.BudgetChange).where(m.BudgetChange.app_id == row.id)
-            changes = _newest(session, query, m.BudgetChange.at, m.BudgetChange.id, limit)
+            # In chain order, not by time: each change is written under the app's row lock, so
+            # ids follow the chain, while ``at`` is read before the lock (and from the clock of
+            # whichever replica made the change).
+            changes = _newest(session, query, m.BudgetChange.id, m.BudgetChange.id, limit)
             return [_budget_record(change, app) for change in changes]
 
     # --- plans ---------------------------------------------------------------------------------
@@ -668,7 +671,7 @@ class Store:
                 _compare_and_set(session, row, applied_plan_id=plan.id, updated_at=now)
             except _LostRaceError:
                 raise ConflictError(
-                    f"app {app!r} changed while plan {plan.number} was being applied"
+                    f"app {app!r} changed while plan {plan.id} was being applied"
                 ) from None
             if superseded is not None:
                 session.execute(
@@ -835,6 +838,23 @@ class Store:
                     f"provider id {provider_id!r} is already recorded for another instance"
                 ) from None
         raise ConflictError(f"instance {instance_id!r} kept changing state; try again")
+
+    @_translated
+    def touch_instances(self, instance_ids: Iterable[str], *, at: datetime | None = None) -> int:
+        """Set ``updated_at`` of the live ones of ``instance_ids`` to now (a heartbeat: a
+        profile run says it still owns its workers, :mod:`controlplane.apps.profile_run`);
+        how many rows were touched."""
+        ids = list(instance_ids)
+        if not ids:
+            return 0
+        with transaction(self._sessions) as session:
+            result = session.execute(
+                update(m.Instance)
+                .where(m.Instance.id.in_(ids), m.Instance.state.in_(_values(LIVE_STATES)))
+                .values(updated_at=self._now(at))
+                .execution_options(synchronize_session=False)
+            )
+            return cast(CursorResult[Any], result).rowcount
 
     @_translated
     def set_provider_id(self, instance_id: str, provider_id: str) -> InstanceRecord:
@@ -1172,8 +1192,12 @@ class Store:
         *,
         since: datetime | None = None,
         kinds: Iterable[str] | None = None,
+        exclude_kinds: Iterable[str] | None = None,
         limit: int | None = None,
     ) -> list[DecisionRecord]:
+        """The decisions (of ``app``), oldest first: after ``since``, of ``kinds`` only and of
+        none of ``exclude_kinds``, filtered in the query, so ``limit`` (the newest that many)
+        counts only the decisions that pass."""
         with transaction(self._sessions) as session:
             query = select(m.Decision, m.App.name).join(m.App, m.App.id == m.Decision.app_id)
             if app is not None:
@@ -1182,6 +1206,8 @@ class Store:
                 query = query.where(m.Decision.at > self._now(since))
             if kinds is not None:
                 query = query.where(m.Decision.kind.in_(list(kinds)))
+            if exclude_kinds is not None:
+                query = query.where(m.Decision.kind.not_in(list(exclude_kinds)))
             rows = _newest_rows(session, query, m.Decision.at, m.Decision.id, limit)
             return [_decision_record(decision, name) for decision, name in rows]
 

@@ -53,7 +53,7 @@ from controlplane.apps.plans import (
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import ControlPlaneError, InvalidValueError
 from controlplane.loops.live_tuner import ResolveFn
-from controlplane.policies.lifecycle import InstanceState
+from controlplane.policies.lifecycle import InstanceState, is_profile_worker
 from controlplane.policies.planner import plan_app
 from controlplane.spec import SpecError
 from estimator import deadline
@@ -127,7 +127,11 @@ class CapacityReplanner:
         due = [t for t, since_s in self._misses(app.name).items() if since_s >= self._after_s]
         if not due:
             return False
-        live = Counter(i.instance_type for i in self._store.list_instances(app.name, _LIVE))
+        live = Counter(
+            i.instance_type
+            for i in self._store.list_instances(app.name, _LIVE)
+            if not is_profile_worker(i.request_id)  # a profile run's worker serves no plan
+        )
         # Missing: the plan asks for more than run (or are pending); what the tuner added above
         # the plan is the tuner's to give up.
         missing = frozenset(t for t in due if planned.get(t, 0) > live.get(t, 0))
@@ -188,7 +192,7 @@ class CapacityReplanner:
                 "capacity_unavailable",
                 f"no capacity of {names} for {self._after_s:g} s or more; no plan with"
                 f" {caps_text} serves {rate:g} qps within the SLO and the budget ({why}):"
-                f" plan {plan.number} stays, its launches are retried",
+                f" plan {plan.id} stays, its launches are retried",
                 {**numbers, "max_feasible_qps": new.max_feasible_qps},
             )
             return False
@@ -204,13 +208,12 @@ class CapacityReplanner:
         self._store.record_decision(
             app.name,
             "capacity_replan",
-            f"no capacity of {names} for {self._after_s:g} s or more: plan {applied.number}"
+            f"no capacity of {names} for {self._after_s:g} s or more: plan {applied.id}"
             f" ({fleet_text(fleet)}, {new.cost_usd_per_hr:.4g} USD/hr) replaces plan"
-            f" {plan.number} ({fleet_text(planned)}), with {caps_text}",
+            f" {plan.id} ({fleet_text(planned)}), with {caps_text}",
             {
                 **numbers,
                 "plan_id": applied.id,
-                "plan_number": applied.number,
                 "fleet": fleet,
                 "cost_usd_per_hr": new.cost_usd_per_hr,
             },

@@ -27,15 +27,20 @@ Each evaluation:
 - a move to a slower, more accurate gear waits while qps < alpha x the first queue (the backlog of
   the fast interval drains first, alpha = 8) or while the tuner reports that the budget caps the
   fleet (``capped(app)``; the gear holds ``cap_hold_s`` past the last such tick): the load the
-  budget cannot buy is carried by the faster gear instead of missing the SLO.
+  budget cannot buy is carried by the faster gear instead of missing the SLO;
+- the switcher's :class:`~controlplane.policies.gears.Hysteresis` (the settings' ``gear_*``: a
+  dead band below each range, a hold before a move down, a dwell between switches) keeps the
+  gear from flapping on the window's noise.
 
-Every change (and the start, when a plan with gears is applied) is recorded as a ``gear_switch``
-decision with its reason and numbers. :meth:`LiveGears.gear` is the serving loop's hook
-(``controlplane.serving.loop.GearHook``): the gear in force as a
-:class:`~controlplane.serving.dispatcher.ServingGear` (its cascade, batch caps, and the fastest
-gear of the plan, which admission control judges by, and the gear's batch trigger: the minimum
-queue length of each model and the starvation guard). Apps without a gear plan are served as
-their spec says (the hook answers None). :meth:`LiveGears.tick` is both steps at once.
+Every switch to another cascade (and the start, when a plan with gears is applied) is recorded
+as a ``gear_switch`` decision with its reason and numbers; a move between gears of the same
+cascade changes only the batch trigger the loop is given, and is not recorded.
+:meth:`LiveGears.gear` is the serving loop's hook (``controlplane.serving.loop.GearHook``): the
+gear in force as a :class:`~controlplane.serving.dispatcher.ServingGear` (its cascade, batch caps,
+and the fastest gear of the plan, which admission control judges by, and the gear's batch
+trigger: the minimum queue length of each model and the starvation guard). Apps without a gear
+plan are served as their spec says (the hook answers None). :meth:`LiveGears.tick` is both steps
+at once.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from controlplane.policies.gears import (
     GearDecision,
     GearPlan,
     GearSwitcher,
+    Hysteresis,
     start_switcher,
     switch,
 )
@@ -156,6 +162,7 @@ class LiveGears:
         window_s: float = DEFAULT_WINDOW_S,
         alpha: float = ALPHA,
         cap_hold_s: float = DEFAULT_CAP_HOLD_S,
+        hysteresis: Hysteresis | None = None,
     ) -> None:
         if not (math.isfinite(window_s) and window_s > 0):
             raise ValueError(f"window_s must be finite and > 0, got {window_s!r}")
@@ -167,6 +174,7 @@ class LiveGears:
         self._window_s = float(window_s)
         self._alpha = float(alpha)
         self._cap_hold_s = float(cap_hold_s)
+        self._hysteresis = Hysteresis() if hysteresis is None else hysteresis
         self._apps: dict[str, _AppGears] = {}
         self._serving: dict[str, ServingGear] = {}
         self._lock = threading.Lock()  # _apps and _serving (read by the serving loop)
@@ -178,7 +186,7 @@ class LiveGears:
             return self._serving.get(app)
 
     def tick(self, capped: Callable[[str], bool] = lambda _app: False) -> list[GearDecision]:
-        """:meth:`refresh` then :meth:`switch_tick`: the decisions that changed a gear."""
+        """:meth:`refresh` then :meth:`switch_tick`: the decisions that switched a gear."""
         self.refresh(capped)
         return self.switch_tick()
 
@@ -212,7 +220,7 @@ class LiveGears:
     def switch_tick(self) -> list[GearDecision]:
         """One producer evaluation (every ``gear_interval_s``) for every tracked app, on the
         state the last :meth:`refresh` cached and the serving loop's memory: no store reads;
-        a change is recorded. The decisions that changed a gear."""
+        a switch is recorded. The decisions that switched a gear's cascade."""
         with self._ticking:
             now_s = self._clock.now_s()
             with self._lock:
@@ -230,7 +238,7 @@ class LiveGears:
     def budget_changed(self, app: str) -> GearDecision | None:
         """Run the switcher for ``app`` now (its budget has just changed): a budget below the
         fleet's cost moves the gear before the reconciler drains (the switch is recorded before
-        this returns). The decision that changed the gear, if any."""
+        this returns). The decision that switched the cascade, if any."""
         try:
             record = self._store.get_app(app)
         except NotFoundError:
@@ -297,10 +305,10 @@ class LiveGears:
             }
             state = start_switcher(
                 plan,
-                now_s,
                 expected_qps=measured_qps,
                 alpha=self._alpha,
                 cap_hold_s=self._cap_hold_s,
+                hysteresis=self._hysteresis,
             )
             tracked = _AppGears(plan_record.id, plan, state, profiles)
             self._record(
@@ -325,9 +333,10 @@ class LiveGears:
         if status is not None and not tracked.ready_once:
             return None  # no worker up yet: the gear in force stays
         share = ready_share(tracked.plan, status, tracked.profiles)
-        if tracked.affordable < share:
+        budget_cut = tracked.affordable < share
+        if budget_cut:
             # A budget below the fleet's cost: the reconciler is about to drain to it. The gear
-            # moves first, for the capacity the budget leaves.
+            # moves first (no dwell), for the capacity the budget leaves.
             share = tracked.affordable
         first = tracked.state.option.cascade.models[0]
         first_queue = next(
@@ -341,10 +350,12 @@ class LiveGears:
             now_s,
             capacity_share=share,
             budget_capped=budget_capped,
+            budget_cut=budget_cut,
         )
-        if not decision.changed:
+        if decision.changed:  # a new gear, or only a new batch trigger on the same cascade
+            self._keep(app, tracked)
+        if not decision.switched:
             return None
-        self._keep(app, tracked)
         self._record(
             app,
             tracked,

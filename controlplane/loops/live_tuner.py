@@ -68,10 +68,11 @@ from controlplane.apps.plans import planning_trace, replanning_request
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.loops.infaas_scaler import scales_with_infaas
-from controlplane.policies.capacity_curve import LOAD_MODEL_RECENT_S, capacity_curve
+from controlplane.policies.capacity_curve import DEFAULT_LOADS, LOAD_MODEL_RECENT_S, build_ladder
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S
 from controlplane.policies.replay import kairos_capacity_model, rate_per_instance_qps
+from controlplane.policies.sizing import SizingLadder, tuner_stage
 from controlplane.policies.tuner import (
     DEFAULT_SCALE_DOWN_DELAY_S,
     Decision,
@@ -85,7 +86,7 @@ from controlplane.policies.tuner import (
 )
 from controlplane.spec import ResolvedApp
 from estimator import deadline
-from estimator.envelope import DEFAULT_MAX_WINDOW_S
+from estimator.envelope import DEFAULT_MAX_WINDOW_S, DEFAULT_PERSISTENCE_S
 from estimator.errors import EstimatorError
 from estimator.traces import Trace, poisson_arrivals
 
@@ -98,6 +99,8 @@ __all__ = [
     "Submit",
     "TunerModel",
     "plan_capacity_curve",
+    "plan_ladder",
+    "stage_rates_qps",
 ]
 
 logger = logging.getLogger(__name__)
@@ -107,9 +110,11 @@ ArrivalSource = Callable[[str], NDArray[np.float64] | None]
 when nothing observes the app's traffic (no serving loop): the tuner then leaves it on its plan."""
 ResolveFn = Callable[[AppRecord], ResolvedApp]
 """An app record -> its spec checked against its data (the API's resolver)."""
-CurveBuilder = Callable[[ResolvedApp, PlanRecord], tuple[tuple[float, float], ...]]
-"""(the app, its applied plan) -> the plan's single stage's capacity curve, points (f, m(f));
-raises when there is none to be had (:func:`plan_capacity_curve`)."""
+CurveBuilder = Callable[[ResolvedApp, PlanRecord], "SizingLadder | tuple[tuple[float, float], ...]"]
+"""(the app, its applied plan) -> the plan's single stage's sizing ladder (:func:`plan_ladder`,
+the default: the mix is re-chosen as the load moves), or only its capacity curve, points
+(f, m(f)) (:func:`plan_capacity_curve`: the planned types alone); raises when there is none to be
+had."""
 Submit = Callable[[Callable[[], None]], None]
 """Runs a piece of work off the tick (by default on a daemon thread; a test may run it at once,
 or later, or never)."""
@@ -153,6 +158,7 @@ class _Curve:
     status: Literal["building", "ready", "failed"]
     curve: tuple[tuple[float, float], ...] = ()
     reason: str = ""
+    ladder: SizingLadder | None = None
 
 
 class LiveTuner:
@@ -212,7 +218,7 @@ class LiveTuner:
         self._scale_down_delay_s = float(scale_down_delay_s)
         self._model: TunerModel = model
         self._load_model_recent_s = max(float(load_model_recent_s), self._max_window_s)
-        self._build_curve = build_curve or plan_capacity_curve
+        self._build_curve = build_curve or plan_ladder
         self._curve_deadline_s = float(curve_deadline_s)
         self._builds: list[threading.Thread] = []
         self._submit = submit or self._in_thread
@@ -224,6 +230,13 @@ class LiveTuner:
         # Apps whose profiles were recalibrated: set up again at their next tick, state kept.
         self._recalibrated: set[str] = set()
         self._lock = threading.Lock()
+
+    def stages(self, app: str) -> tuple[TunerStage, ...]:
+        """The stages the tuner sizes ``app`` with now (empty before its first tick): with the
+        sizing model, each one's rates, capacity model and rungs."""
+        with self._lock:
+            tuned = self._apps.get(app)
+            return () if tuned is None else tuple(tuned.stages)
 
     def desired_fleet(self, app: AppRecord) -> Mapping[str, int]:
         """Counts by type the app should run: the tuner's fleet, summed over its stages."""
@@ -241,6 +254,8 @@ class LiveTuner:
         per instance change), keeping the fleet and timers the tuner has reached."""
         with self._lock:
             self._recalibrated.add(app)
+            # The sizing ladder was planned on the old profiles: it is planned again.
+            self._forget_curves(app, None)
 
     def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
         """Cancel the capacity curves being built (the service is stopping) and wait up to
@@ -372,15 +387,10 @@ class LiveTuner:
         stages: list[TunerStage] = []
         service_time_s = 0.0
         types: set[str] = set()
-        for entry in document.stages:
+        for entry, mu in zip(document.stages, stage_rates_qps(resolved, document), strict=True):
             name = entry.name
             fleet = {t: n for t, n in entry.fleet.items() if n > 0}
             batch = entry.batch_size
-            mu = {}
-            for t in fleet:
-                profile = resolved.profile(name, t)
-                smallest = np.array([profile.min_batch_size], dtype=np.int64)
-                mu[t] = rate_per_instance_qps(profile, smallest, batch)
             service_time_s = max(service_time_s, *(1.0 / rate for rate in mu.values()))
             types.update(fleet)
             scale = entry.scale_factor
@@ -417,7 +427,10 @@ class LiveTuner:
         )
         # The spec's caps bound the tuner as they bound the planner (per stage and type).
         caps = {t: n for t in sorted(types) if (n := resolved.spec.max_count(t)) is not None}
-        config = dataclasses.replace(config, max_counts=caps)
+        # A burst shorter than the persistence (scaled with the windows, as the memory is) is
+        # ridden on the fleet unless it recurs: 56 queries in a second once buy nothing.
+        persistence_s = DEFAULT_PERSISTENCE_S * self._max_window_s / DEFAULT_MAX_WINDOW_S
+        config = dataclasses.replace(config, max_counts=caps, persistence_s=persistence_s)
         stages = [
             TunerStage(
                 s.name,
@@ -470,6 +483,38 @@ class LiveTuner:
             tuned.model_note = "the plan's capacity curve is being built"
         elif entry.status == "failed":
             tuned.model_note = f"no capacity curve: {entry.reason}"
+        elif entry.ladder is not None:
+            ladder = entry.ladder
+            config = tuned.config
+            types = sorted({*config.prices_usd_per_hr, *ladder.rate_per_instance_qps})
+            resolved = self._resolve(app)
+            sized = TunerConfig.from_envelope(
+                config.windows_s,
+                config.planned_rate_qps,
+                budget_usd_per_hr=config.budget_usd_per_hr,
+                catalog=resolved.catalog,
+                types=types,
+                scale_down_delay_s=config.scale_down_delay_s,
+                recent_s=self._load_model_recent_s,
+            )
+            caps = {t: n for t in types if (n := resolved.spec.max_count(t)) is not None}
+            tuned.config = dataclasses.replace(
+                sized, max_counts=caps, persistence_s=config.persistence_s
+            )
+            tuned.stages = [
+                tuner_stage(ladder, stage.fleet, tuned.config, scale_factor=stage.scale_factor)
+                for stage in tuned.stages
+            ]
+            tuned.model_note = None
+            logger.info(
+                "tuner: %s: plan %s runs the sizing model, rungs %s",
+                app.name,
+                tuned.plan_id,
+                "; ".join(
+                    f"x{f:g}: {', '.join(f'{n} {t}' for t, n in sorted(r.items()))}"
+                    for f, r in ladder.rungs
+                ),
+            )
         else:
             tuned.stages = [
                 dataclasses.replace(stage, capacity_curve=entry.curve) for stage in tuned.stages
@@ -505,7 +550,10 @@ class LiveTuner:
                 return
             with self._lock:
                 if key in self._curves:  # not forgotten (a newer plan) meanwhile
-                    self._curves[key] = _Curve("ready", tuple(curve))
+                    if isinstance(curve, SizingLadder):
+                        self._curves[key] = _Curve("ready", curve.curve, ladder=curve)
+                    else:
+                        self._curves[key] = _Curve("ready", tuple(curve))
 
         logger.info("tuner: %s: building plan %s's capacity curve", key[0], key[1])
         try:
@@ -531,6 +579,34 @@ class LiveTuner:
             del self._curves[key]
 
 
+def plan_ladder(app: ResolvedApp, plan: PlanRecord) -> SizingLadder:
+    """The sizing ladder of ``plan``'s single stage (:func:`controlplane.policies.capacity_curve.
+    build_ladder`) on the plan's own planning trace (as :func:`plan_capacity_curve` makes it),
+    with the plan's seed. Twelve plans: seconds, so never on the tick.
+
+    Raises:
+        ValueError: a plan of several stages, or one the planner places nothing for at its rate.
+        EstimatorError, InvalidValueError: what the planner or the trace generator raise.
+    """
+    document = plan.plan
+    if len(document.stages) != 1:
+        raise ValueError(f"plan {plan.id} has {len(document.stages)} stages, not one")
+    (stage,) = document.stages
+    trace, _ = planning_trace(app, replanning_request(document))
+    ladder = build_ladder(
+        app,
+        stage.name,
+        trace,
+        kairos=stage.policy == "kairos",
+        batch_size=stage.batch_size,
+        seed=document.seed or 0,
+        also_types=[t for t, n in stage.fleet.items() if n],
+    )
+    if ladder is None:
+        raise ValueError("the planner places nothing for the planning trace at its own rate")
+    return ladder
+
+
 def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float, float], ...]:
     """The capacity curve of ``plan``'s single stage (:func:`controlplane.policies.capacity_curve.
     capacity_curve`) on the plan's own planning trace, made again from the generator parameters
@@ -543,20 +619,41 @@ def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float
     """
     document = plan.plan
     if len(document.stages) != 1:
-        raise ValueError(f"plan {plan.number} has {len(document.stages)} stages, not one")
+        raise ValueError(f"plan {plan.id} has {len(document.stages)} stages, not one")
     (stage,) = document.stages
     trace, _ = planning_trace(app, replanning_request(document))
-    curve = capacity_curve(
+    ladder = build_ladder(
         app,
         stage.name,
         trace,
         kairos=stage.policy == "kairos",
         batch_size=stage.batch_size,
         seed=document.seed or 0,
+        loads=DEFAULT_LOADS,
     )
+    curve = () if ladder is None else ladder.curve
     if not curve:
         raise ValueError("the planner places nothing for the planning trace at its own rate")
     return curve
+
+
+def stage_rates_qps(
+    resolved: ResolvedApp, document: PlanDocument, types: Sequence[str] | None = None
+) -> list[dict[str, float]]:
+    """mu_t of each stage of the plan, for each type of its fleet (or each of ``types``): what
+    one instance of type t serves of the stage's model at the stage's batch size
+    (:func:`rate_per_instance_qps` on the profile's smallest batch), the rate the tuner sizes
+    the stage with (and the dashboard's capacity figure reads)."""
+    rates: list[dict[str, float]] = []
+    for entry in document.stages:
+        mu: dict[str, float] = {}
+        for t in types if types is not None else entry.fleet:
+            if types is not None or entry.fleet[t] > 0:
+                profile = resolved.profile(entry.name, t)
+                smallest = np.array([profile.min_batch_size], dtype=np.int64)
+                mu[t] = rate_per_instance_qps(profile, smallest, entry.batch_size)
+        rates.append(mu)
+    return rates
 
 
 @functools.lru_cache(maxsize=4)

@@ -23,9 +23,7 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    anything else tagged ours is a leftover (a database restored from a backup, a forced app
    delete, a launch given up on) and costs money nobody planned. Managed instances whose app tag
    names no app are terminated by :meth:`Reconciler.run_once`. Instances without our managed tag
-   are never touched, only reported. A profile run's workers
-   (:mod:`controlplane.apps.profile_run`: no app tag, a ``heteroplane:profile-run-until`` time)
-   are the run's until that time, and strays after it.
+   are never touched, only reported.
 3. **Liveness.** The provider's word moves rows along the lifecycle: ``pending`` and ``running``
    (``running`` only once the optional health probe passes) forward; ``terminated`` or
    ``failed`` ends a row (``terminated`` if we were terminating it, ``failed`` otherwise); a
@@ -66,6 +64,15 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    :meth:`Reconciler.capacity_misses` reports; :mod:`controlplane.loops.capacity_replan` re-plans an
    app around a type that has missed for long enough.
 
+8. **Profile workers** (:mod:`controlplane.apps.profile_run`; request ids starting
+   ``profile:``, :func:`~controlplane.policies.lifecycle.is_profile_worker`) are rows of the app
+   like any other for rules 1-4 and 6 and the teardown: matched, adopted, orphaned, followed,
+   counted against the budget (drained first by the guard: they serve nothing) and ended by
+   ``app down``. They are no part of the fleet of rule 5 (neither counted against the desired
+   count nor launched again by the reconciler), and while their run lives it touches their rows
+   (a heartbeat); a kept profile row untouched for ``profile_run_timeout_s`` belongs to a run
+   that is gone (its replica crashed or lost the lead) and is ended (cause ``profile_run_gone``).
+
 **Teardown** (``heteroplane app down``, :mod:`controlplane.apps.teardown`): every kept row is
 ended at once (cause ``teardown``; neither guard of rule 5 applies) and nothing is launched;
 once no row of the app is live, :meth:`Reconciler.reconcile_app` deletes the app.
@@ -98,9 +105,10 @@ from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
-from controlplane.apps.profile_run import profiling_until
+from controlplane.apps.profile_run import DEFAULT_HEARTBEAT_S
 from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
+from controlplane.crashpoints import crash_point
 from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.errors import ControlPlaneError
 from controlplane.policies.disruption import DisruptionBudget
@@ -110,6 +118,7 @@ from controlplane.policies.lifecycle import (
     LIVE_STATES,
     TERMINAL_STATES,
     InstanceState,
+    is_profile_worker,
 )
 from controlplane.settings import Settings
 from estimator.catalog import Catalog
@@ -133,7 +142,9 @@ from provisioners.errors import (
 __all__ = [
     "DEFAULT_LAUNCH_BACKOFF_S",
     "DEFAULT_MISSING_GRACE_S",
+    "DEFAULT_PROFILE_RUN_TIMEOUT_S",
     "DEFAULT_STRAGGLER_TIMEOUT_S",
+    "PROFILE_RUN_MISSED_BEATS",
     "Action",
     "Adopt",
     "AppPricing",
@@ -164,6 +175,10 @@ DEFAULT_STRAGGLER_TIMEOUT_S = 600.0
 # EC2's DescribeInstances is eventually consistent: an instance launched a moment ago may be
 # missing from it for a few seconds. A row is not ended for being missing before this.
 DEFAULT_MISSING_GRACE_S = 30.0
+# A profile run touches its workers' rows every DEFAULT_HEARTBEAT_S; four missed beats and the run
+# is taken for gone.
+PROFILE_RUN_MISSED_BEATS = 4
+DEFAULT_PROFILE_RUN_TIMEOUT_S = PROFILE_RUN_MISSED_BEATS * DEFAULT_HEARTBEAT_S
 # After a launch error that waiting does not cure (a quota, a bad configuration), the type is
 # not launched again for the app before this (then one new attempt, one new row).
 DEFAULT_LAUNCH_BACKOFF_S = 300.0
@@ -199,8 +214,8 @@ class Launch:
 class Terminate:
     """Terminate: the rows ``instance_ids`` move to ``terminating`` (a decision recorded first),
     then the provider is asked to stop ``provider_ids``. ``cause`` is ``scale_down``, ``budget``,
-    ``straggler``, ``stopped`` or ``ended`` (a row that ended while its machine runs on: only the
-    provider is asked, again)."""
+    ``straggler``, ``profile_run_gone``, ``teardown``, ``stopped`` or ``ended`` (a row that ended
+    while its machine runs on: only the provider is asked, again)."""
 
     instance_ids: tuple[str, ...]
     provider_ids: tuple[str, ...]
@@ -361,6 +376,7 @@ def reconcile(
     disruption: DisruptionBudget | None = None,
     disrupted_in_window: int = 0,
     teardown: bool = False,
+    profile_run_timeout_s: float = DEFAULT_PROFILE_RUN_TIMEOUT_S,
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -377,8 +393,9 @@ def reconcile(
     whose last serving instances rule 5 and the budget guard keep. ``disruption``: the
     disruption budget of rule 5 (``None``: none), with ``disrupted_in_window`` serving
     instances of the app already moved out within its window. ``teardown``: end every kept row,
-    launch nothing. The rules are the module docstring's; the actions come in the order they
-    must be carried out.
+    launch nothing. ``profile_run_timeout_s``: how long a profile worker's row may go untouched
+    before its run is taken for gone (rule 8). The rules are the module docstring's; the actions
+    come in the order they must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
@@ -394,21 +411,28 @@ def reconcile(
         if teardown:
             _tear_down(kept, actions)
         else:
-            _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
+            fleet = [row for row in kept if not _profiling(row)]
+            profiling = [row for row in kept if _profiling(row)]
+            _end_profiling_over_budget(fleet, profiling, budget_usd_per_hr, actions)
+            _fit_budget(fleet, budget_usd_per_hr, values, stages, actions)
         return actions
     _match(rows, observed, prices_usd_per_hr, actions)
     for row in rows:
         _follow_provider(row, now, straggler_timeout_s, missing_grace_s, unhealthy, actions)
     _replace_stragglers(rows, now, straggler_timeout_s, actions)
+    _reap_profile_workers(rows, now, profile_run_timeout_s, actions)
     kept = [row for row in rows if row.state in _KEPT]
     if teardown:
         _tear_down(kept, actions)
         return actions
+    profiling = [row for row in kept if _profiling(row)]
+    kept = [row for row in kept if not _profiling(row)]
     spared: list[_Row] = []
     if desired is not None:
         kept, spared = _drop_excess(
             kept, desired, values, stages, disruption, disrupted_in_window, actions
         )
+    reserved = _end_profiling_over_budget(kept, profiling, budget_usd_per_hr, actions)
     kept = _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
     staying = {row.id for row in kept}
     spared = [row for row in spared if row.id in staying]
@@ -434,6 +458,7 @@ def reconcile(
             qps_by_type=values,
             held_types=held_types,
             prefix=request_prefix,
+            reserved_usd_per_hr=reserved,
         )
         planned = launches(kept)
         if spared and any(isinstance(a, BudgetCapped) for a in planned):
@@ -458,6 +483,51 @@ def reconcile(
                 planned = instead
         actions.extend(planned)
     return actions
+
+
+def _profiling(row: _Row) -> bool:
+    return is_profile_worker(row.record.request_id)
+
+
+def _end_profiling_over_budget(
+    fleet: Sequence[_Row],
+    profiling: Sequence[_Row],
+    budget_usd_per_hr: float,
+    actions: list[Action],
+) -> float:
+    """Rule 8 and the budget guard: when the fleet and the profile workers cost more than the
+    budget, the profile workers go first (they serve nothing). What the ones that stay cost."""
+    reserved = float(sum(row.record.price_usd_per_hr for row in profiling))
+    fleet_cost = float(sum(row.record.price_usd_per_hr for row in fleet))
+    if not profiling or fleet_cost + reserved <= budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
+        return reserved
+    _terminate(
+        profiling,
+        "budget",
+        f"the fleet and its profile workers cost {fleet_cost + reserved:.3f} USD/hr, over the"
+        f" budget of {budget_usd_per_hr:g} USD/hr: the profile workers go first",
+        actions,
+    )
+    return 0.0
+
+
+def _reap_profile_workers(
+    rows: Sequence[_Row], now: datetime, timeout_s: float, actions: list[Action]
+) -> None:
+    """Rule 8: end the kept profile workers whose run stopped touching their rows."""
+    gone = [
+        row
+        for row in rows
+        if row.state in _KEPT and _profiling(row) and _since_update_s(row.record, now) > timeout_s
+    ]
+    if gone:
+        _terminate(
+            gone,
+            "profile_run_gone",
+            f"a profile run's worker whose run has not been heard of for {timeout_s:g} s"
+            " (its replica crashed or lost the lead)",
+            actions,
+        )
 
 
 def _launch_count(actions: Sequence[Action]) -> int:
@@ -789,11 +859,13 @@ def _launch_shortfall(
     qps_by_type: Mapping[str, float],
     held_types: Collection[str],
     prefix: str,
+    reserved_usd_per_hr: float = 0.0,
 ) -> list[Action]:
-    """Rules 6 and 7: launch what is missing, most cost-effective first, while it fits."""
+    """Rules 6 and 7: launch what is missing, most cost-effective first, while it fits (next to
+    ``reserved_usd_per_hr``: what the app pays for outside its fleet, its profile workers)."""
     actions: list[Action] = []
     have = Counter(row.record.instance_type for row in kept)
-    committed = float(sum(row.record.price_usd_per_hr for row in kept))
+    committed = reserved_usd_per_hr + float(sum(row.record.price_usd_per_hr for row in kept))
     wanted: list[tuple[str, float]] = []
     for instance_type in sorted(desired):
         missing = desired[instance_type] - have[instance_type]
@@ -951,7 +1023,8 @@ class Reconciler:
     ``artifacts`` the registered models an app's workers load (its resolved spec's);
     ``probe`` checks that the worker of an instance the provider calls running answers (None:
     the provider's ``running`` is taken as healthy); ``disruption`` is the disruption budget of
-    rule 5 (``None``: voluntary drains are not rate-limited).
+    rule 5 (``None``: voluntary drains are not rate-limited); ``profile_run_timeout_s`` is
+    rule 8's.
     """
 
     def __init__(
@@ -969,6 +1042,7 @@ class Reconciler:
         missing_grace_s: float = DEFAULT_MISSING_GRACE_S,
         launch_backoff_s: float = DEFAULT_LAUNCH_BACKOFF_S,
         disruption: DisruptionBudget | None = _DEFAULT_DISRUPTION,
+        profile_run_timeout_s: float = DEFAULT_PROFILE_RUN_TIMEOUT_S,
     ) -> None:
         self.store = store
         self.provisioner = provisioner
@@ -984,6 +1058,7 @@ class Reconciler:
         self.missing_grace_s = missing_grace_s
         self.launch_backoff_s = launch_backoff_s
         self.disruption = disruption
+        self.profile_run_timeout_s = profile_run_timeout_s
         # (app, instance type) -> monotonic time before which it is not launched again.
         self._held_until_s: dict[tuple[str, str], float] = {}
         self._reported: set[str] = set()
@@ -1025,9 +1100,6 @@ class Reconciler:
         unmanaged: list[str] = []
         strays: list[ProvisionedInstance] = []
         for instance in observed:
-            expires = profiling_until(instance.tags)
-            if expires is not None and now < expires:
-                continue  # a profile run's worker: the run ends it (past expiry: a stray)
             if instance.tags.get(MANAGED_TAG) != "true":
                 unmanaged.append(instance.provider_id)
                 self._report_unmanaged(instance)
@@ -1106,6 +1178,7 @@ class Reconciler:
             disruption=self.disruption,
             disrupted_in_window=self._disrupted_in_window(app.name, now),
             teardown=teardown,
+            profile_run_timeout_s=self.profile_run_timeout_s,
         )
         errors = _Errors()
         launches = [a for a in actions if isinstance(a, Launch)]
@@ -1234,6 +1307,7 @@ class Reconciler:
                     reason=f"{action.cause}: {action.reason}",
                 )
             )
+        crash_point("reconcile.before_terminate")
         self._provider_terminate(app.name, action.provider_ids, errors)
 
     def _provider_terminate(self, app: str, provider_ids: Sequence[str], errors: _Errors) -> None:
@@ -1300,6 +1374,7 @@ class Reconciler:
                 reason=launch.reason,
             )
             rows.append((launch, row))
+        crash_point("reconcile.after_row")
         new = [(launch, row) for launch, row in rows if not launch.retry]
         if new:
             self.store.record_decision(
@@ -1337,6 +1412,7 @@ class Reconciler:
             except ProvisionerError as error:
                 self._launch_failed(app, launch, row, error, errors)
                 continue
+            crash_point("reconcile.after_launch")
             live = [i for i in launched if i.state in ("pending", "running")]
             if not live:
                 errors.append(f"launch {launch.request_id}: the provider returned no live instance")

@@ -39,6 +39,7 @@ from typing import Literal, Protocol
 from apscheduler.schedulers.background import BackgroundScheduler
 
 __all__ = [
+    "APSCHEDULER_LOGGER",
     "JOB_NAMES",
     "GuardedJob",
     "JobBodies",
@@ -47,6 +48,7 @@ __all__ = [
     "JobStats",
     "Scheduler",
     "SchedulerIntervals",
+    "SkippedRunsAtDebug",
     "service_schedule",
 ]
 
@@ -92,6 +94,23 @@ class JobStats:
     runs: int = 0
     failures: int = 0
     skips: int = 0
+
+
+class SkippedRunsAtDebug(logging.Filter):
+    """APScheduler warns each time it skips a run because the job's previous run still goes
+    (``max_instances=1``, by design; :class:`GuardedJob` counts them as skips): on a busy machine
+    that is a warning a second on the user's stderr. This filter, on APScheduler's scheduler
+    logger, turns those records into debug records (dropped unless that logger logs debug)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "maximum number of running instances" not in str(record.msg):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_SKIPPED_RUNS = SkippedRunsAtDebug()
+APSCHEDULER_LOGGER = "apscheduler.scheduler"
 
 
 class GuardedJob:
@@ -206,6 +225,7 @@ class Scheduler:
         with self._lock:
             if self._loop is not None:
                 raise RuntimeError("the scheduler is already running")
+            logging.getLogger(APSCHEDULER_LOGGER).addFilter(_SKIPPED_RUNS)  # once: same object
             loop = BackgroundScheduler(timezone="UTC")
             for job in self._schedule:
                 loop.add_job(

@@ -442,13 +442,12 @@ class TrafficReplanner:
             "trace_queries": stats.count,
             "trace_span_s": stats.duration_s,
             "old_plan_id": plan.id,
-            "old_plan_number": plan.number,
             "old_fleet": old.fleet,
             "old_cost_usd_per_hr": old.cost_usd_per_hr,
             "budget_usd_per_hr": budget,
         }
         moved = (
-            f"traffic {episode.direction} plan {plan.number}'s envelope for {held_s:g} s"
+            f"traffic {episode.direction} plan {plan.id}'s envelope for {held_s:g} s"
             f" ({comparison.describe()})"
         )
         if not new.feasible:
@@ -457,7 +456,7 @@ class TrafficReplanner:
                 "replan_infeasible",
                 f"{moved}: no plan within the budget ${budget:g}/hr serves the recorded"
                 f" {stats.rate_qps:.4g} qps (at most {new.max_feasible_qps or 0.0:.4g} qps);"
-                f" plan {plan.number} stays",
+                f" plan {plan.id} stays",
                 {**numbers, "max_feasible_qps": new.max_feasible_qps},
                 key=f"{plan.id}:{episode.direction}",
             )
@@ -468,7 +467,7 @@ class TrafficReplanner:
                 "replan: %s: %s; the plan for it has the same fleet, plan %s stays",
                 app.name,
                 moved,
-                plan.number,
+                plan.id,
             )
             return False
         because = (
@@ -493,15 +492,14 @@ class TrafficReplanner:
         self._store.record_decision(
             app.name,
             "replan",
-            f"{moved}: plan {applied.number} ({fleet_text(new.fleet)},"
+            f"{moved}: plan {applied.id} ({fleet_text(new.fleet)},"
             f" {new.cost_usd_per_hr:.4g} USD/hr, {new.planned_rate_qps:.4g} qps) replaces plan"
-            f" {plan.number} ({fleet_text(old.fleet)}, {old.cost_usd_per_hr:.4g} USD/hr,"
+            f" {plan.id} ({fleet_text(old.fleet)}, {old.cost_usd_per_hr:.4g} USD/hr,"
             f" {old.planned_rate_qps:.4g} qps)",
             {
                 **numbers,
                 "new_rate_qps": new.planned_rate_qps,
                 "plan_id": applied.id,
-                "plan_number": applied.number,
                 "fleet": new.fleet,
                 "cost_usd_per_hr": new.cost_usd_per_hr,
             },

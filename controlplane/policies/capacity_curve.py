@@ -16,20 +16,24 @@ sum of mu_t). :meth:`controlplane.policies.tuner.TunerStage.capacity_at_load_qps
 the live load f (:func:`controlplane.policies.tuner.load_factors`) the tuner needs the planned
 capacity times m(f), so a live envelope equal to the planned one keeps the planned fleet. Each
 point costs one plan (a second or two for one model).
+
+:func:`build_ladder` keeps the plans' fleets as well (the sizing model's rungs,
+:mod:`controlplane.policies.sizing`), from 0.2x to 5x of the plan: the tuner then re-chooses the
+mix as the load moves, not only the capacity.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-
-import numpy as np
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 
 from controlplane.policies.planner import plan_app, scale_trace
 from controlplane.policies.replay import kairos_capacity_model, rate_per_instance_qps
+from controlplane.policies.sizing import DEFAULT_LADDER_LOADS, SizingLadder
 from controlplane.spec import ResolvedApp
 from estimator.traces import Trace
 
-__all__ = ["DEFAULT_LOADS", "LOAD_MODEL_RECENT_S", "capacity_curve"]
+__all__ = ["DEFAULT_LOADS", "LOAD_MODEL_RECENT_S", "build_ladder", "capacity_curve"]
 
 # The loads the curve is measured at: from half the planned rate to twice it, finer near the plan
 # where the tuner spends most of its time. Outside them the tuner extrapolates proportionally
@@ -45,6 +49,53 @@ DEFAULT_LOADS: tuple[float, ...] = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
 LOAD_MODEL_RECENT_S = 180.0
 
 
+def build_ladder(
+    app: ResolvedApp,
+    stage: str,
+    planning: Trace,
+    *,
+    kairos: bool,
+    batch_size: int = 1,
+    loads: Sequence[float] = DEFAULT_LADDER_LOADS,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+    also_types: Iterable[str] = (),
+) -> SizingLadder | None:
+    """The ladder of ``stage`` (of a single-stage app) on ``planning``: the planner's plan for
+    the planning trace at f times its rate, for each f in ``loads`` and 1 (module docstring);
+    None when the planner places nothing at f = 1. Its rates and capacity model cover the rungs'
+    types and ``also_types`` (an applied plan's own, where it differs). Deterministic for a
+    seed."""
+    say = progress or (lambda _message: None)
+    rate_qps = (len(planning) - 1) / planning.duration_s
+    fleets: dict[float, Mapping[str, int]] = {}
+    for f in sorted({1.0, *(float(x) for x in loads)}):
+        plan = plan_app(app, scale_trace(planning, f * rate_qps), seed=seed)
+        fleet = {t: n for s in plan.stages if s.name == stage for t, n in s.fleet.items() if n}
+        if fleet:
+            fleets[f] = MappingProxyType(fleet)
+        say(f"ladder x{f:g}: {fleet} ${plan.cost_usd_per_hr:.3f}/hr")
+    if 1.0 not in fleets:
+        return None
+    types = sorted({*also_types, *(t for fleet in fleets.values() for t in fleet)})
+    mu = {
+        t: rate_per_instance_qps(app.profile(stage, t), planning.batch_size, batch_size)
+        for t in types
+    }
+    use_model = kairos and len(types) > 1 and batch_size <= 1
+    model = kairos_capacity_model(app, stage, types, planning) if use_model else None
+    ladder = SizingLadder(stage, tuple(sorted(fleets.items())), MappingProxyType(mu), (), model)
+    anchor = ladder.capacity_qps(fleets[1.0])
+    if anchor <= 0.0:
+        return None
+    points = []
+    running = 0.0
+    for f, planned in ladder.rungs:
+        running = max(running, ladder.capacity_qps(planned) / anchor)
+        points.append((f, running))
+    return SizingLadder(stage, ladder.rungs, ladder.rate_per_instance_qps, tuple(points), model)
+
+
 def capacity_curve(
     app: ResolvedApp,
     stage: str,
@@ -56,43 +107,9 @@ def capacity_curve(
     seed: int = 0,
 ) -> tuple[tuple[float, float], ...]:
     """The points (f, m(f)) for ``stage`` of a single-stage app (the module docstring), m made
-    non-decreasing in f (a running maximum); empty when the planner places nothing at f = 1.
-    Deterministic for a seed."""
-    rate_qps = (len(planning) - 1) / planning.duration_s
-    fleets: dict[float, Mapping[str, int]] = {}
-    for f in sorted({1.0, *(float(x) for x in loads)}):
-        plan = plan_app(app, scale_trace(planning, f * rate_qps), seed=seed)
-        fleet = {t: n for s in plan.stages if s.name == stage for t, n in s.fleet.items() if n}
-        if fleet:
-            fleets[f] = fleet
-    if 1.0 not in fleets:
-        return ()
-    types = sorted({t for fleet in fleets.values() for t in fleet})
-    measure = _capacity_measure(app, stage, types, planning, kairos, batch_size)
-    anchor = measure(fleets[1.0])
-    if anchor <= 0.0:
-        return ()
-    points = []
-    running = 0.0
-    for f, planned in sorted(fleets.items()):
-        running = max(running, measure(planned) / anchor)
-        points.append((f, running))
-    return tuple(points)
-
-
-def _capacity_measure(
-    app: ResolvedApp,
-    stage: str,
-    types: Sequence[str],
-    trace: Trace,
-    kairos: bool,
-    batch_size: int,
-) -> Callable[[Mapping[str, int]], float]:
-    use_model = kairos and len(types) > 1 and batch_size <= 1
-    model = kairos_capacity_model(app, stage, types, trace) if use_model else None
-    if model is not None:
-        return model
-    mu = {
-        t: rate_per_instance_qps(app.profile(stage, t), trace.batch_size, batch_size) for t in types
-    }
-    return lambda fleet: float(np.sum([n * mu[t] for t, n in fleet.items()]))
+    non-decreasing in f (a running maximum): :func:`build_ladder`'s curve at ``loads``; empty
+    when the planner places nothing at f = 1. Deterministic for a seed."""
+    ladder = build_ladder(
+        app, stage, planning, kairos=kairos, batch_size=batch_size, loads=loads, seed=seed
+    )
+    return () if ladder is None else ladder.curve

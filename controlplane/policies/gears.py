@@ -84,6 +84,28 @@ accurate): while the backlog Q_0 is more than 1/alpha of a second of arrivals, t
 stays to drain it. A move to a faster gear is always taken at once: holding a slow gear under a
 growing queue is what the rule must not do.
 
+**Hysteresis** (past the paper; :class:`Hysteresis`, docs/gear-switching.md "Hysteresis"). The
+paper's producer re-decides every 100 ms on a count that, at the tens of QPS of a small fleet, is
+noise around any range boundary: the live demo switched 169 times in 3.8 minutes, every 100 ms at
+times. So the rule has a dead band and a dwell, and a *switch* is a change of cascade:
+
+- *dead band*: the gear moves up once the load reaches the next range's low boundary (as before),
+  but moves down only once it falls below the current range's low boundary times (1 - ``band``);
+  the gear moved down to is then that of load / (1 - ``band``), so no boundary it crossed is
+  within the band;
+- *hold*: a move down waits until the load has stayed below that line for ``down_hold_s`` (every
+  evaluation in a row): a dip of the measuring window is not a fall of the load;
+- *dwell*: a switch down to another cascade waits until the current cascade has been in force
+  ``down_dwell_s``; a switch up (faster, for a load the current cascade cannot carry) waits only
+  ``up_dwell_s``, so that no two switches come within seconds of each other, back or forth;
+- *same cascade*: gears whose option (cascade, thresholds and caps) is the same differ only in
+  their batch trigger; moving between them changes the trigger the loop uses, is no switch
+  (:attr:`GearDecision.switched` is False), waits for no dwell and is not logged.
+  ``since_s`` is the last switch (-inf before the first: the start waits for no dwell).
+
+:meth:`Hysteresis.off` is the paper's rule without any of these (``benchmarks/gear_flapping.py``
+measures both).
+
 Past the paper, the fleet moves under the switcher (``controlplane.policies.tuner``):
 
 - ``capacity_share`` = ready capacity / planned capacity of the placement (instances still
@@ -129,8 +151,12 @@ from estimator.traces import Trace
 __all__ = [
     "ALPHA",
     "DEFAULT_CAP_HOLD_S",
+    "DEFAULT_DEAD_BAND_SHARE",
+    "DEFAULT_DOWN_DWELL_S",
+    "DEFAULT_DOWN_HOLD_S",
     "DEFAULT_RANGES",
     "DEFAULT_TICK_S",
+    "DEFAULT_UP_DWELL_S",
     "GUARD_FILLS",
     "GUARD_SLO_SHARE",
     "PLAN_QUERIES",
@@ -141,10 +167,12 @@ __all__ = [
     "GearPlan",
     "GearRun",
     "GearSwitcher",
+    "Hysteresis",
     "Placement",
     "capacity_share",
     "choose_min_queue",
     "plan_gears",
+    "same_cascade",
     "simulate_gear_switching",
     "start_switcher",
     "switch",
@@ -162,6 +190,20 @@ DEFAULT_RANGES = 8
 # second and repeats the report every tick while short, so a few ticks without one mean the cap
 # has cleared.
 DEFAULT_CAP_HOLD_S = 5.0
+# The switcher's hysteresis (module docstring, "Hysteresis"; the reasons and the measurement are
+# in docs/gear-switching.md, "Hysteresis"). The band: a 5 s window of Poisson arrivals at the
+# demo's 12 qps counts 60 queries, one standard deviation 13%; 25% is about two of them, so a
+# steady load does not dip out of the band by chance within the hold.
+DEFAULT_DEAD_BAND_SHARE = 0.25
+# A dip must last this long, two measuring windows (live_gears.DEFAULT_WINDOW_S, 5 s), so that
+# one window's noise does not switch down.
+DEFAULT_DOWN_HOLD_S = 10.0
+# A slower, more accurate cascade only after the current one has served this long: twice the
+# tuner's scale-down quiet time (15 s), so a switch down does not race the fleet's own change.
+DEFAULT_DOWN_DWELL_S = 30.0
+# A faster cascade under overload after this long: the SLO cannot wait for the down dwell, but
+# no two switches come within seconds of each other.
+DEFAULT_UP_DWELL_S = 5.0
 # Queries per simulated probe of the bisection: 2,000 resolve a P99 by 20 queries above it and
 # keep a probe of a three-stage cascade near 40 ms.
 PLAN_QUERIES = 2_000
@@ -899,16 +941,51 @@ def _gear(
 
 
 @dataclass(frozen=True, slots=True)
+class Hysteresis:
+    """The switcher's guard against flapping (module docstring, "Hysteresis"): the dead band
+    below each range's low boundary (a share of it), how long a low load must hold before a move
+    down, and the least time a cascade stays in force before a switch down (``down_dwell_s``)
+    or up (``up_dwell_s``).
+
+    >>> Hysteresis.off()
+    Hysteresis(band_share=0.0, down_hold_s=0.0, down_dwell_s=0.0, up_dwell_s=0.0)
+    """
+
+    band_share: float = DEFAULT_DEAD_BAND_SHARE
+    down_hold_s: float = DEFAULT_DOWN_HOLD_S
+    down_dwell_s: float = DEFAULT_DOWN_DWELL_S
+    up_dwell_s: float = DEFAULT_UP_DWELL_S
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.band_share) and 0 <= self.band_share < 1):
+            raise CascadeError("band_share", f"must be in [0, 1), got {self.band_share!r}")
+        for name in ("down_hold_s", "down_dwell_s", "up_dwell_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise CascadeError(name, f"must be a finite number >= 0, got {value!r}")
+
+    @classmethod
+    def off(cls) -> Hysteresis:
+        """CascadeServe's rule as the paper states it: no band, no hold, no dwell."""
+        return cls(0.0, 0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
 class GearSwitcher:
     """The online switcher's state: the plan, the gear in force (an index into ``plan.gears``)
-    and since when, until when the budget cap holds downshifts, and the rule's parameters."""
+    and since when its cascade is (the last switch), since when the load has stayed below the
+    gear's dead band (None: it has not), until when the budget cap holds downshifts, and the
+    rule's parameters."""
 
     plan: GearPlan
     gear: int
-    since_s: float = 0.0
+    # When the cascade in force took force (the last switch); -inf: none yet, no dwell.
+    since_s: float = -math.inf
     capped_until_s: float = -math.inf
     alpha: float = ALPHA
     cap_hold_s: float = DEFAULT_CAP_HOLD_S
+    hysteresis: Hysteresis = field(default_factory=Hysteresis)
+    below_since_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.gear < len(self.plan.gears):
@@ -925,7 +1002,9 @@ class GearSwitcher:
 
 @dataclass(frozen=True, slots=True)
 class GearDecision:
-    """What :func:`switch` decided at ``at_s``: the gear now in force, the one before, and why."""
+    """What :func:`switch` decided at ``at_s``: the gear now in force, the one before, and why.
+    ``changed``: the gear index moved (the batch trigger may differ); ``switched``: the cascade
+    did (a switch, what the live loop records)."""
 
     at_s: float
     gear: int
@@ -934,6 +1013,7 @@ class GearDecision:
     effective_qps: float
     first_queue_len: int
     reason: str
+    switched: bool = False
 
     @property
     def changed(self) -> bool:
@@ -942,14 +1022,34 @@ class GearDecision:
 
 def start_switcher(
     plan: GearPlan,
-    now_s: float = 0.0,
     *,
     expected_qps: float = 0.0,
     alpha: float = ALPHA,
     cap_hold_s: float = DEFAULT_CAP_HOLD_S,
+    hysteresis: Hysteresis | None = None,
 ) -> GearSwitcher:
-    """The switcher in the gear of ``expected_qps`` (default: the lowest range's)."""
-    return GearSwitcher(plan, plan.gear_for(expected_qps), now_s, -math.inf, alpha, cap_hold_s)
+    """The switcher in the gear of ``expected_qps`` (default: the lowest range's). The start is
+    no switch for the dwell: a gear chosen for the load measured now has nothing to flap
+    against, and a budget cut right after a plan applies must move it at once (the hold still
+    applies to a move down)."""
+    return GearSwitcher(
+        plan,
+        plan.gear_for(expected_qps),
+        -math.inf,
+        -math.inf,
+        alpha,
+        cap_hold_s,
+        Hysteresis() if hysteresis is None else hysteresis,
+    )
+
+
+def same_cascade(plan: GearPlan, gear: int, other: int) -> bool:
+    """Whether gears ``gear`` and ``other`` serve the same cascade (thresholds and caps too):
+    a move between them changes only the batch trigger, no switch."""
+    return plan.gears[gear].option == plan.gears[other].option or (
+        plan.option_of(gear).cascade == plan.option_of(other).cascade
+        and plan.option_of(gear).max_batch_queries == plan.option_of(other).max_batch_queries
+    )
 
 
 def switch(
@@ -960,22 +1060,32 @@ def switch(
     *,
     capacity_share: float = 1.0,
     budget_capped: bool = False,
+    budget_cut: bool = False,
 ) -> tuple[GearDecision, GearSwitcher]:
     """One producer tick: the gear for ``measured_qps`` and the next state.
 
-    The target is the gear of the range that holds measured_qps / capacity_share. A faster
-    target (a higher range) is taken at once. A slower one is held back while measured_qps <
-    alpha x first_queue_len (CascadeServe's rule: the backlog of the high-QPS interval drains
-    first) or while the budget cap holds (``budget_capped`` now or within ``cap_hold_s``).
-    ``first_queue_len`` is the queue of the current gear's first model. Pure.
+    The load is q = measured_qps / capacity_share, the current gear's range [lo, hi), the band
+    share w, the state's :class:`Hysteresis`. Up: at q >= hi the target is the gear of q's
+    range; a switch to another cascade waits until that has been ``up_dwell_s`` since the last
+    switch (a move within the cascade does not wait). Down: at q < lo (1 - w) the target is the
+    gear of q / (1 - w); the move waits until q has stayed below lo (1 - w) for ``down_hold_s``,
+    while measured_qps < alpha x first_queue_len (CascadeServe's rule: the backlog of the
+    high-QPS interval drains first) and while the budget cap holds (``budget_capped`` now or
+    within ``cap_hold_s``); a switch to another cascade also until ``down_dwell_s`` since the
+    last switch. ``budget_cut``: the capacity share is what a budget below the fleet's cost
+    leaves, about to be drained; a switch up then waits for no dwell (the gear must move before
+    the fleet shrinks). ``first_queue_len`` is the queue of the current gear's first model. Pure.
 
     >>> plan = GearPlan(Placement.parse("m:c=1"), 100.0, 99.0, None, (), (
     ...     Gear(0.0, 10.0, 0, True), Gear(10.0, 20.0, 0, True)), 20.0, 0, 0)
-    >>> fast = GearSwitcher(plan, gear=1)
+    >>> fast = GearSwitcher(plan, gear=1, hysteresis=Hysteresis.off())
     >>> switch(5.0, 2, fast, 1.0)[0].gear   # 5 < 8 x 2: the backlog holds the fast gear
     1
     >>> switch(5.0, 0, fast, 1.0)[0].gear
     0
+    >>> banded = GearSwitcher(plan, gear=1, hysteresis=Hysteresis(0.25, 0.0, 0.0, 0.0))
+    >>> switch(8.0, 0, banded, 1.0)[0].gear, switch(7.0, 0, banded, 1.0)[0].gear  # 7.5: the band
+    (1, 0)
     """
     if not (math.isfinite(measured_qps) and measured_qps >= 0):
         raise CascadeError("measured_qps", f"must be a finite number >= 0, got {measured_qps!r}")
@@ -983,34 +1093,64 @@ def switch(
         raise CascadeError("capacity_share", f"must be > 0, got {capacity_share!r}")
     if first_queue_len < 0:
         raise CascadeError("first_queue_len", f"must be >= 0, got {first_queue_len}")
+    plan, rule, current = state.plan, state.hysteresis, state.gear
     effective = measured_qps / capacity_share
-    target = state.plan.gear_for(effective)
     capped_until = now_s + state.cap_hold_s if budget_capped else state.capped_until_s
-    current = state.gear
     seen = f"{measured_qps:.6g} qps measured"
     if capacity_share != 1.0:
         seen += f", {effective:.6g} qps on the planned capacity (share {capacity_share:.3g})"
-    if target == current:
-        gear, reason = current, f"{seen}: gear {current} holds"
-    elif target > current:
-        gear, reason = target, f"{seen}: up from gear {current} to {target}"
-    elif measured_qps < state.alpha * first_queue_len:
-        gear = current
-        reason = (
-            f"{seen}: keep gear {current} over {target}: qps < alpha {state.alpha:g} x first"
-            f" queue {first_queue_len} (backlog first)"
-        )
-    elif now_s < capped_until:
-        gear = current
-        reason = (
-            f"{seen}: keep gear {current} over {target}: the budget caps the fleet (until"
-            f" {capped_until:.6g} s)"
-        )
-    else:
-        gear, reason = target, f"{seen}: down from gear {current} to {target}"
-    decision = GearDecision(now_s, gear, current, measured_qps, effective, first_queue_len, reason)
-    since = now_s if gear != current else state.since_s
-    return decision, replace(state, gear=gear, since_s=since, capped_until_s=capped_until)
+    line = plan.gears[current].low_qps * (1.0 - rule.band_share)
+    below_since = None
+    if current > 0 and effective < line:
+        below_since = now_s if state.below_since_s is None else state.below_since_s
+    in_force_s = now_s - state.since_s
+    gear, reason = current, f"{seen}: gear {current} holds"
+    up = plan.gear_for(effective)
+    if up > current:
+        if budget_cut or same_cascade(plan, current, up) or in_force_s >= rule.up_dwell_s:
+            gear, reason = up, f"{seen}: up from gear {current} to {up}"
+        else:
+            reason = (
+                f"{seen}: keep gear {current} over {up}: its cascade has served {in_force_s:.3g}"
+                f" s of the {rule.up_dwell_s:g} s before a switch up"
+            )
+    elif below_since is not None:
+        down = min(current - 1, plan.gear_for(effective / (1.0 - rule.band_share)))
+        held_s = now_s - below_since
+        if held_s < rule.down_hold_s:
+            reason = (
+                f"{seen}: keep gear {current} over {down}: below {line:.6g} qps for {held_s:.3g}"
+                f" s of the {rule.down_hold_s:g} s hold"
+            )
+        elif measured_qps < state.alpha * first_queue_len:
+            reason = (
+                f"{seen}: keep gear {current} over {down}: qps < alpha {state.alpha:g} x first"
+                f" queue {first_queue_len} (backlog first)"
+            )
+        elif now_s < capped_until:
+            reason = (
+                f"{seen}: keep gear {current} over {down}: the budget caps the fleet (until"
+                f" {capped_until:.6g} s)"
+            )
+        elif not same_cascade(plan, current, down) and in_force_s < rule.down_dwell_s:
+            reason = (
+                f"{seen}: keep gear {current} over {down}: its cascade has served"
+                f" {in_force_s:.3g} s of the {rule.down_dwell_s:g} s before a switch down"
+            )
+        else:
+            gear, reason = down, f"{seen}: down from gear {current} to {down}"
+    switched = gear != current and not same_cascade(plan, current, gear)
+    decision = GearDecision(
+        now_s, gear, current, measured_qps, effective, first_queue_len, reason, switched
+    )
+    following = replace(
+        state,
+        gear=gear,
+        since_s=now_s if switched else state.since_s,
+        capped_until_s=capped_until,
+        below_since_s=below_since if gear == current else None,
+    )
+    return decision, following
 
 
 def switch_with_tuner(
@@ -1082,7 +1222,13 @@ class GearRun:
 
     @property
     def changes(self) -> tuple[GearDecision, ...]:
+        """Every move of the gear index (a switch, or a new batch trigger on the same cascade)."""
         return tuple(d for d in self.decisions if d.changed)
+
+    @property
+    def switches(self) -> tuple[GearDecision, ...]:
+        """The moves to another cascade (what the live loop records as ``gear_switch``)."""
+        return tuple(d for d in self.decisions if d.switched)
 
 
 class _Controller:
@@ -1158,10 +1304,12 @@ def simulate_gear_switching(
     window_s: float | None = None,
     alpha: float = ALPHA,
     start_gear: int | None = None,
+    hysteresis: Hysteresis | None = None,
 ) -> GearRun:
     """Simulate ``trace`` on the plan's placement (one stage per placed model, each with its own
     instances and queue) while :func:`switch` picks the gear every ``tick_s`` from the QPS
-    measured over the last ``window_s`` (default ``tick_s``) and the current gear's first queue.
+    measured over the last ``window_s`` (default ``tick_s``) and the current gear's first queue,
+    with ``hysteresis`` (default :class:`Hysteresis`'s, as the live switcher).
     A query follows the cascade of the gear in force when it arrives; queues carry across gear
     changes (the simulator's mode hook, ``estimator.simulator.Routing``).
 
@@ -1176,7 +1324,8 @@ def simulate_gear_switching(
     ]
     routing = _routing(plan, records, trace.sample_id)
     first = 0 if start_gear is None else start_gear
-    state = GearSwitcher(plan, first, 0.0, -math.inf, alpha)
+    rule = Hysteresis() if hysteresis is None else hysteresis
+    state = GearSwitcher(plan, first, 0.0, -math.inf, alpha, hysteresis=rule)
     controller = _Controller(
         state, trace.arrival_s, tick_s, tick_s if window_s is None else window_s
     )

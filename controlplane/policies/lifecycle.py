@@ -27,11 +27,13 @@ from controlplane.errors import InvalidTransitionError
 __all__ = [
     "KEPT_STATES",
     "LIVE_STATES",
+    "PROFILE_REQUEST_PREFIX",
     "TERMINAL_STATES",
     "TRANSITIONS",
     "InstanceState",
     "can_transition",
     "check_transition",
+    "is_profile_worker",
     "parse_state",
 ]
 
@@ -66,6 +68,21 @@ TERMINAL_STATES = frozenset(state for state, moves in TRANSITIONS.items() if not
 LIVE_STATES = frozenset(InstanceState) - TERMINAL_STATES
 # The instances a fleet keeps (not draining or ending): what a budget drain chooses among.
 KEPT_STATES = frozenset({InstanceState.REQUESTED, InstanceState.PENDING, InstanceState.RUNNING})
+
+
+# The request ids of a profile run's workers (controlplane.apps.profile_run) start with this: their
+# rows count toward the app's cost but are no part of its serving fleet (not counted against the
+# desired fleet, never served traffic).
+PROFILE_REQUEST_PREFIX = "profile:"
+
+
+def is_profile_worker(request_id: str) -> bool:
+    """Whether the instance launched under ``request_id`` is a profile run's worker.
+
+    >>> is_profile_worker("profile:digits-1a2b3c4d-emu.gpu"), is_profile_worker("digits-1a2b-3")
+    (True, False)
+    """
+    return request_id.startswith(PROFILE_REQUEST_PREFIX)
 
 
 def parse_state(state: str) -> InstanceState:

@@ -28,6 +28,7 @@ from matching.policy import DispatchPolicy
 
 __all__ = [
     "answering_stages",
+    "dispatch_choice",
     "dispatch_factory",
     "forward_flags",
     "pipeline_stages",
@@ -94,14 +95,29 @@ def dispatch_factory(
     it: one type is FCFS; several are Kairos with the full-range types (those that meet
     ``slo_ms`` at every size of ``batch_sizes``, the sizes of the queries reaching the stage) as
     its base, FCFS when there is none or ``policy`` says ``fcfs``."""
+    name, base = dispatch_choice(policy, profiles, prices_usd_per_hr, batch_sizes, slo_ms)
+    return name, policy_factory(name, dict(profiles), base)
+
+
+def dispatch_choice(
+    policy: DispatchName | None,
+    profiles: Mapping[str, LatencyProfile],
+    prices_usd_per_hr: Mapping[str, float],
+    batch_sizes: NDArray[np.int64],
+    slo_ms: float,
+) -> tuple[DispatchName, list[str]]:
+    """:func:`dispatch_factory`'s choice: the policy's name and its base types, preferred first
+    (Kairos takes the first as its base: the most throughput per USD/hr on the queries reaching
+    the stage among those that serve every size within the SLO). A plan records both
+    (``StagePlan.base_types``) so that the live dispatcher serves as the simulator did."""
     used = dict(profiles)
     if len(used) == 1:
-        return "fcfs", policy_factory("fcfs", used, list(used))
+        return "fcfs", list(used)
     prices = {t: prices_usd_per_hr[t] for t in used}
     base = full_range_types(used, batch_sizes, slo_ms, prices)
     if base and policy != "fcfs":
-        return "kairos", policy_factory("kairos", used, base)
-    return "fcfs", policy_factory("fcfs", used, [])
+        return "kairos", base
+    return "fcfs", []
 
 
 def pipeline_stages(

@@ -76,9 +76,13 @@ class StagePlan:
     cost_usd_per_hr: float = 0.0
     policy: DispatchName | None = None
     scale_factor: float = 1.0
+    # The dispatch policy's base types, preferred first, as the planner simulated them (the
+    # live dispatcher keeps this order; empty: a document older than the field, or FCFS).
+    base_types: tuple[str, ...] = ()
 
     def to_document(self) -> dict[str, Any]:
         return {
+            "base_types": list(self.base_types),
             "name": self.name,
             "fleet": dict(self.fleet),
             "batch_size": self.batch_size,
@@ -307,7 +311,17 @@ def _stage(entry: object, where: str, source: str | None) -> StagePlan:
             ("scale_factor", 1.0),
         )
     }
-    return StagePlan(name=name, fleet=fleet, batch_size=batch, policy=policy, **numbers)
+    raw_base = entry.get("base_types", [])
+    if not isinstance(raw_base, list) or not all(isinstance(t, str) for t in raw_base):
+        raise PlanError(f"{where}.base_types", "must be a list of instance type names", source)
+    return StagePlan(
+        name=name,
+        fleet=fleet,
+        batch_size=batch,
+        policy=policy,
+        base_types=tuple(raw_base),
+        **numbers,
+    )
 
 
 def _envelope(raw: object) -> tuple[tuple[float, ...], tuple[float, ...], str | None]:

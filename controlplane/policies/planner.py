@@ -30,6 +30,7 @@ from controlplane.policies.calibration import OVERHEAD_QUANTILES, draw_overhead_
 from controlplane.policies.gears import Placement, plan_gears
 from controlplane.policies.pipeline import (
     answering_stages,
+    dispatch_choice,
     dispatch_factory,
     pipeline_stages,
     reaching_batch_sizes,
@@ -637,6 +638,13 @@ def _run(
         tail_ms, throughput, policy = evaluate(fleet, batch)
         cost = _cost(fleet, inputs.prices_usd_per_hr)
         left_usd_per_hr -= cost
+        _, base = dispatch_choice(
+            None,
+            {t: inputs.profiles[t] for t in fleet if fleet[t]},
+            inputs.prices_usd_per_hr,
+            stage_trace.batch_size,
+            inputs.slo_ms,
+        )
         plans.append(
             StagePlan(
                 stage.model,
@@ -647,6 +655,7 @@ def _run(
                 cost,
                 policy,
                 setup.scale_factor(i),
+                tuple(base),
             )
         )
     return plans
@@ -1055,7 +1064,7 @@ def _run_joint(
         evaluate = _Evaluator(inputs, stage_trace, seed)
         tail_ms, throughput, _ = evaluate(fleet, batch)
         counter[0] += evaluate.simulations
-        policy, _ = dispatch_factory(
+        policy, base = dispatch_choice(
             None,
             {t: inputs.profiles[t] for t in fleet},
             inputs.prices_usd_per_hr,
@@ -1072,6 +1081,7 @@ def _run_joint(
                 _cost(fleet, inputs.prices_usd_per_hr),
                 policy,
                 setup.scale_factor(i),
+                tuple(base),
             )
         )
     return plans

@@ -47,6 +47,7 @@ from controlplane.policies.plan import (
     StagePlan,
 )
 from controlplane.policies.plan import read_plan as read_plan_document
+from controlplane.policies.sizing import SizingLadder, tuner_stage
 from controlplane.policies.tuner import (
     DEFAULT_RECENT_S,
     CapacityModel,
@@ -464,6 +465,8 @@ def tuner_timeline(
     dispatch: DispatchName = "fcfs",
     capacity_curve: Sequence[tuple[float, float]] | None = None,
     recent_s: float = DEFAULT_RECENT_S,
+    ladder: SizingLadder | None = None,
+    persistence_s: float | None = None,
 ) -> FleetTimeline:
     """Roll InferLine's tuner (:func:`controlplane.policies.tuner.tune`) over ``trace`` once per
     second.
@@ -486,7 +489,25 @@ def tuner_timeline(
     far back the live envelope looks (InferLine's 60 s by default). The curve costs six plans,
     so the caller makes it and passes it: ``heteroplane replay`` does by default (the load
     model, with ``LOAD_MODEL_RECENT_S``), as does ``benchmarks/tuner_oracle.py``.
+
+    With ``ladder`` (:func:`controlplane.policies.capacity_curve.build_ladder`, the sizing model)
+    the stage is the sizing model's (:func:`controlplane.policies.sizing.tuner_stage`: its rates,
+    capacity model and curve, every type of its rungs), and the tuner moves the fleet towards the
+    cheapest mix for the live load, as the live tuner does. ``persistence_s`` reads bursts
+    shorter than it as noise unless they recur (:func:`estimator.envelope.recurring_envelope`).
     """
+    if ladder is not None:
+        return _ladder_timeline(
+            trace,
+            app,
+            stage,
+            planning_arrival_s,
+            ladder,
+            boot_s=boot_s,
+            min_window_s=min_window_s,
+            recent_s=recent_s,
+            persistence_s=persistence_s,
+        )
     mu = _stage_rates(app, stage, trace)
     if planning_arrival_s.size == 0:
         raise ReplayError("the planning trace has no queries")
@@ -502,6 +523,7 @@ def tuner_timeline(
         types=list(mu),
         boot_s=boot,
         recent_s=recent_s,
+        persistence_s=persistence_s,
     )
     fleet = {name: stage.fleet[name] for name in mu}
     model = None
@@ -510,8 +532,91 @@ def tuner_timeline(
     rho = utilisation_target(fleet, mu, 1.0, config.planned_peak_rate_qps, model)
     curve = tuple(capacity_curve) if capacity_curve else None
     plan = TunerStage(stage.name, 1.0, fleet, mu, rho, capacity_model=model, capacity_curve=curve)
-    state = initial_state([plan], now_s=0.0)
-    log = _FleetLog.planned(Fleet.of(fleet), boot)
+    return _roll_tuner(trace, plan, config, boot)
+
+
+def _ladder_timeline(
+    trace: Trace,
+    app: ResolvedApp,
+    stage: StagePlan,
+    planning_arrival_s: NDArray[np.float64],
+    ladder: SizingLadder,
+    *,
+    boot_s: Mapping[str, float] | None,
+    min_window_s: float,
+    recent_s: float,
+    persistence_s: float | None,
+) -> FleetTimeline:
+    """:func:`tuner_timeline` on the sizing model's stage (``ladder``)."""
+    plan, config, boot = ladder_tuner(
+        trace,
+        app,
+        stage,
+        planning_arrival_s,
+        ladder,
+        boot_s=boot_s,
+        min_window_s=min_window_s,
+        recent_s=recent_s,
+        persistence_s=persistence_s,
+    )
+    start = {name: n for name, n in stage.fleet.items() if n > 0}
+    return _roll_tuner(trace, plan, config, boot, start)
+
+
+def ladder_tuner(
+    trace: Trace,
+    app: ResolvedApp,
+    stage: StagePlan,
+    planning_arrival_s: NDArray[np.float64],
+    ladder: SizingLadder,
+    *,
+    boot_s: Mapping[str, float] | None = None,
+    min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S,
+    recent_s: float = DEFAULT_RECENT_S,
+    persistence_s: float | None = None,
+) -> tuple[TunerStage, TunerConfig, dict[str, float]]:
+    """The replay's tuner of the sizing model: the stage
+    (:func:`controlplane.policies.sizing.tuner_stage` from ``stage``'s fleet), its config (the
+    planning envelope, prices, boot times and caps over every type of the ladder) and the boot
+    times."""
+    if planning_arrival_s.size == 0:
+        raise ReplayError("the planning trace has no queries")
+    mu = ladder.rate_per_instance_qps
+    fleet = {name: n for name, n in stage.fleet.items() if n > 0}
+    planned = {name: mu[name] for name in fleet if name in mu}
+    if len(planned) != len(fleet):
+        raise ReplayError(f"the ladder of {stage.name} does not cover the plan's types")
+    service_time_s = max(_batch_latency_s(app, stage, trace, n, planned[n]) for n in planned)
+    service_time_s = min(max(service_time_s, min_window_s), DEFAULT_MAX_WINDOW_S)
+    types = sorted(mu)
+    boot = _boot_s(app, types, boot_s)
+    config = TunerConfig.from_planning_trace(
+        planning_arrival_s,
+        service_time_s,
+        budget_usd_per_hr=app.spec.budget_usd_per_hr,
+        catalog=app.catalog,
+        types=types,
+        boot_s=boot,
+        recent_s=recent_s,
+        persistence_s=persistence_s,
+    )
+    caps = {t: n for t in types if (n := app.spec.max_count(t)) is not None}
+    config = dataclasses.replace(config, max_counts=caps)
+    return tuner_stage(ladder, fleet, config), config, boot
+
+
+def _roll_tuner(
+    trace: Trace,
+    plan: TunerStage,
+    config: TunerConfig,
+    boot: Mapping[str, float],
+    start: Mapping[str, int] | None = None,
+) -> FleetTimeline:
+    """Tick the tuner over ``trace`` once a second from ``start`` (by default ``plan``'s
+    fleet)."""
+    first = Fleet.of(dict(plan.fleet if start is None else start))
+    state = dataclasses.replace(initial_state([plan], now_s=0.0), fleets={plan.name: first})
+    log = _FleetLog.planned(first, boot)
     arrivals = trace.arrival_s
     for now_s in _ticks(float(arrivals[-1]), TUNER_TICK_S):
         lo, hi = np.searchsorted(arrivals, [now_s - config.recent_s, now_s], side="right")
@@ -798,13 +903,17 @@ def replay(
     tuner_min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S,
     tuner_capacity_curve: Sequence[tuple[float, float]] | None = None,
     tuner_recent_s: float = DEFAULT_RECENT_S,
+    tuner_ladder: SizingLadder | None = None,
+    tuner_persistence_s: float | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` on ``plan``'s single stage with the fleet as ``policy`` scales it.
 
     Pass 1 rolls the policy over the arrivals into a :class:`FleetTimeline` (``static``: the
     plan's fleet throughout; ``tuner``: :func:`tuner_timeline`, planning on
     ``planning_arrival_s``, by default the trace's first 10% (:func:`planning_arrivals`), sized
-    by ``tuner_capacity_curve`` where given, its live envelope over the last ``tuner_recent_s``;
+    by ``tuner_capacity_curve`` where given, or by the sizing model's ``tuner_ladder`` (which
+    re-chooses the mix), its live envelope over the last ``tuner_recent_s``, bursts shorter than
+    ``tuner_persistence_s`` read as noise unless they recur;
     ``utilization``: :func:`utilization_timeline`). Pass 2 simulates the trace once on it, with
     ``dispatch`` (fcfs or kairos; by default the plan stage's ``policy``, else fcfs) over the
     stage's types, the plan's batch size as the most
@@ -855,6 +964,8 @@ def replay(
             dispatch=dispatch if dispatch is not None else (stage.policy or "fcfs"),
             capacity_curve=tuner_capacity_curve,
             recent_s=tuner_recent_s,
+            ladder=tuner_ladder,
+            persistence_s=tuner_persistence_s,
         )
     elif policy == "utilization":
         timeline = utilization_timeline(trace, app, stage, config=utilization, boot_s=boot_s)

@@ -55,6 +55,7 @@ the planner's capacity by load (:meth:`TunerStage.capacity_for_loads_qps`,
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -66,7 +67,12 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from estimator.catalog import Catalog
-from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope, tuner_windows_s
+from estimator.envelope import (
+    DEFAULT_MAX_WINDOW_S,
+    arrival_envelope,
+    recurring_envelope,
+    tuner_windows_s,
+)
 from estimator.errors import BudgetError, UnknownInstanceTypeError, WorkloadError
 from estimator.fleet import Fleet
 
@@ -86,6 +92,7 @@ __all__ = [
     "equivalent_loads",
     "fleet_cost_usd_per_hr",
     "initial_state",
+    "ladder_fleet",
     "load_factors",
     "planning_envelope",
     "ready_fleets",
@@ -106,6 +113,15 @@ DEFAULT_RECENT_S = DEFAULT_MAX_WINDOW_S
 # to the last bit is within it, and r s / rho = k mu to the last bit needs k, not k + 1.
 _COST_SLACK_USD_PER_HR = 1e-9
 _RELATIVE_SLACK = 1e-12
+# A mix change (launching other types to stop more expensive ones) must save at least this share
+# of the stage's cost: two mixes a few cents apart do not trade places at every wobble of the
+# load, and the saving pays for the new instances' boot (at 10% a 60 s GPU boot is paid back
+# within ten minutes).
+MIX_CHANGE_SAVING_SHARE = 0.1
+# The sizing model's target fleet is looked up for the needed capacity rounded up to this share
+# of the planned capacity (and cached per stage): the live need moves by a few qps from tick to
+# tick, the fleet for it does not.
+_TARGET_STEP_SHARE = 0.005
 
 Action = Literal["scale_up", "scale_down", "budget_capped"]
 
@@ -159,6 +175,13 @@ class TunerStage:
     min_instances: int = 1
     capacity_model: CapacityModel | None = field(default=None, compare=False)
     capacity_curve: tuple[tuple[float, float], ...] | None = None
+    # The sizing model's rungs (:mod:`controlplane.policies.sizing`): (load f, the planner's
+    # counts by type at f times the planned rate). With them the tuner moves the stage towards
+    # the cheapest fleet for the live load (:func:`ladder_fleet`), other types included.
+    ladder: tuple[tuple[float, Mapping[str, int]], ...] | None = None
+    _targets: dict[tuple[object, ...], Mapping[str, int] | None] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -193,6 +216,24 @@ class TunerStage:
             if len({load for load, _ in points}) != len(points):
                 raise WorkloadError(f"stage {self.name}: capacity_curve repeats a load")
             object.__setattr__(self, "capacity_curve", points)
+        if self.ladder is not None:
+            rungs = []
+            for load, rung in sorted(self.ladder, key=lambda item: float(item[0])):
+                _finite(f"stage {self.name}: a ladder's load", load, strict=True)
+                counts = dict(Fleet.of(dict(rung)))
+                for type_name in counts:
+                    if type_name not in self.rate_per_instance_qps:
+                        raise UnknownInstanceTypeError(
+                            type_name,
+                            list(self.rate_per_instance_qps),
+                            where=f"stage {self.name}'s rates (its ladder uses it)",
+                        )
+                rungs.append((float(load), MappingProxyType(counts)))
+            if not rungs:
+                raise WorkloadError(f"stage {self.name}: the ladder has no rung")
+            if self.capacity_curve is None:
+                raise WorkloadError(f"stage {self.name}: a ladder needs its capacity curve")
+            object.__setattr__(self, "ladder", tuple(rungs))
 
     @property
     def model(self) -> Literal["curve", "inferline"]:
@@ -281,6 +322,10 @@ class TunerConfig:
     # The spec's max_counts: at most this many instances of a type per stage (as the planner
     # caps each stage); a type left out is bounded by the budget alone.
     max_counts: Mapping[str, int] = field(default_factory=dict)
+    # A burst shorter than this is noise unless it recurs within ``recent_s``
+    # (:func:`estimator.envelope.recurring_envelope`; the replay and the live tuner use
+    # DEFAULT_PERSISTENCE_S); None reads every burst as load, InferLine's envelope as written.
+    persistence_s: float | None = None
 
     def __post_init__(self) -> None:
         windows = tuple(_finite("a window", w, strict=True) for w in self.windows_s)
@@ -306,6 +351,9 @@ class TunerConfig:
             self, "scale_down_delay_s", _finite("scale_down_delay_s", self.scale_down_delay_s)
         )
         object.__setattr__(self, "recent_s", _finite("recent_s", self.recent_s, strict=True))
+        if self.persistence_s is not None:
+            persist = _finite("persistence_s", self.persistence_s)
+            object.__setattr__(self, "persistence_s", persist)
         for name, cap in self.max_counts.items():
             if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
                 raise WorkloadError(f"max count of {name} must be an integer >= 0, got {cap!r}")
@@ -329,12 +377,13 @@ class TunerConfig:
         scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S,
         recent_s: float = DEFAULT_RECENT_S,
         max_window_s: float = DEFAULT_MAX_WINDOW_S,
+        persistence_s: float | None = None,
     ) -> TunerConfig:
         """The windows from ``service_time_s`` doubling to ``max_window_s``, the planning trace's
         envelope on them, prices from ``catalog`` and boot times from :func:`default_boot_s`
         (``boot_s`` overrides per type)."""
         windows_s, rates_qps = planning_envelope(planning_arrival_s, service_time_s, max_window_s)
-        return cls.from_envelope(
+        config = cls.from_envelope(
             windows_s,
             rates_qps,
             budget_usd_per_hr=budget_usd_per_hr,
@@ -344,6 +393,7 @@ class TunerConfig:
             scale_down_delay_s=scale_down_delay_s,
             recent_s=recent_s,
         )
+        return dataclasses.replace(config, persistence_s=persistence_s)
 
     @classmethod
     def from_envelope(
@@ -387,11 +437,15 @@ class Booting:
 @dataclass(frozen=True, slots=True)
 class TunerState:
     """What the tuner has launched: counts by type per stage (booting instances included), the
-    instances still booting, and when the fleet last changed (None: never)."""
+    instances still booting, when the fleet last changed (None: never) and when the tuner started
+    watching."""
 
     fleets: Mapping[str, Fleet]
     booting: tuple[Booting, ...] = ()
     last_change_s: float | None = None
+    # When the tuner started watching (None: long ago). It stops nothing before it has seen its
+    # longest window of traffic: a shorter history reads every long window's rate low.
+    started_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fleets", MappingProxyType(dict(self.fleets)))
@@ -457,7 +511,9 @@ def utilisation_target(
 def initial_state(plans: Sequence[TunerStage], now_s: float) -> TunerState:
     """The planned fleets, all of them serving, changed last at ``now_s``."""
     return TunerState(
-        fleets={plan.name: Fleet.of(dict(plan.fleet)) for plan in plans}, last_change_s=now_s
+        fleets={plan.name: Fleet.of(dict(plan.fleet)) for plan in plans},
+        last_change_s=now_s,
+        started_s=now_s,
     )
 
 
@@ -749,6 +805,207 @@ def _scale_down_marginal(tick: _Tick, plan: TunerStage, needed_qps: float, why: 
     return bool(removed)
 
 
+# --- the sizing model's ladder ----------------------------------------------------------------
+
+
+def _fleet_cost(fleet: Mapping[str, int], prices: Mapping[str, float]) -> float:
+    return sum(n * prices[t] for t, n in fleet.items() if n)
+
+
+def _fleet_text(fleet: Mapping[str, int]) -> str:
+    return " + ".join(f"{n} x {t}" for t, n in sorted(fleet.items()) if n) or "nothing"
+
+
+def _trim(
+    plan: TunerStage, rung: Mapping[str, int], need_qps: float, prices: Mapping[str, float]
+) -> dict[str, int]:
+    """``rung`` less the instances whose loss costs the least capacity per USD/hr saved, while
+    it still serves ``need_qps``, keeps one instance of each of its types (the planner chose
+    the mix) and ``min_instances``."""
+    trial = {t: n for t, n in rung.items() if n}
+    capacity = plan.capacity_qps(trial)
+    slack = _RELATIVE_SLACK * max(1.0, need_qps)
+    while sum(trial.values()) > plan.min_instances:
+        best: tuple[float, float, str, float] | None = None
+        for name in sorted(trial):
+            if trial[name] <= 1:
+                continue
+            trial[name] -= 1
+            after = plan.capacity_qps(trial)
+            trial[name] += 1
+            if after + slack < need_qps:
+                continue
+            price = prices[name]
+            rank = max(0.0, capacity - after) / price if price > 0.0 else math.inf
+            if best is None or (rank, -price, name) < best[:3]:
+                best = (rank, -price, name, after)
+        if best is None:
+            break
+        trial[best[2]] -= 1
+        capacity = best[3]
+    return trial
+
+
+def _fill(
+    plan: TunerStage,
+    rung: Mapping[str, int],
+    need_qps: float,
+    prices: Mapping[str, float],
+    max_counts: Mapping[str, int],
+) -> dict[str, int] | None:
+    """``rung`` plus, one at a time, the instance with the largest capacity gain per USD/hr
+    (any type the stage has a rate for, within the caps) until it serves ``need_qps``; None when
+    the caps stop it first."""
+    trial = {t: n for t, n in rung.items() if n}
+    capacity = plan.capacity_qps(trial)
+    while _short_qps(need_qps, capacity) > 0.0:
+        best: tuple[float, float, str, float] | None = None
+        for name in sorted(plan.rate_per_instance_qps):
+            cap = max_counts.get(name)
+            if cap is not None and trial.get(name, 0) >= cap:
+                continue
+            trial[name] = trial.get(name, 0) + 1
+            gained = plan.capacity_qps(trial) - capacity
+            trial[name] -= 1
+            value = _per_usd(gained, prices[name])
+            if value > 0.0 and (best is None or (-value, prices[name], name) < best[:3]):
+                best = (-value, prices[name], name, gained)
+        if best is None:
+            return None
+        trial[best[2]] = trial.get(best[2], 0) + 1
+        capacity += best[3]
+    return {t: n for t, n in trial.items() if n}
+
+
+def ladder_fleet(
+    plan: TunerStage,
+    need_qps: float,
+    prices_usd_per_hr: Mapping[str, float],
+    budget_usd_per_hr: float,
+    max_counts: Mapping[str, int] | None = None,
+) -> Mapping[str, int] | None:
+    """The sizing model's fleet for a stage that needs ``need_qps`` (docs/tuner.md, "The mix"):
+    the cheaper of the lowest rung that serves it, trimmed to it (:func:`_trim`), and the highest
+    rung that does not, filled up to it (:func:`_fill`), among those within the budget and the
+    caps; None when the stage has no ladder or neither fits. At the planned load the planned
+    fleet itself (its rung, nothing to trim). The need is rounded up to half a percent of the
+    planned capacity and the answer kept on the stage."""
+    if plan.ladder is None:
+        return None
+    caps = dict(max_counts or {})
+    step = max(plan.planned_capacity_qps, 1e-9) * _TARGET_STEP_SHARE
+    units = max(1, _ceil(max(0.0, need_qps) / step))
+    key = (units, round(budget_usd_per_hr, 9), tuple(sorted(caps.items())))
+    if key in plan._targets:
+        return plan._targets[key]
+    need = units * step
+    rungs = [(fleet, plan.capacity_qps(fleet)) for _, fleet in plan.ladder]
+    above = next((fleet for fleet, cap in rungs if cap + _RELATIVE_SLACK * need >= need), None)
+    below = next((fleet for fleet, cap in reversed(rungs) if cap < need), None)
+    candidates: list[dict[str, int]] = []
+    if above is not None:
+        candidates.append(_trim(plan, above, need, prices_usd_per_hr))
+    if below is not None:
+        filled = _fill(plan, below, need, prices_usd_per_hr, caps)
+        if filled is not None:
+            candidates.append(filled)
+    fits = [
+        c
+        for c in candidates
+        if _fleet_cost(c, prices_usd_per_hr) <= budget_usd_per_hr + _COST_SLACK_USD_PER_HR
+        and all(n <= caps.get(t, _UNCAPPED) for t, n in c.items())
+    ]
+    best = (
+        min(
+            fits,
+            key=lambda c: (_fleet_cost(c, prices_usd_per_hr), sum(c.values()), sorted(c.items())),
+        )
+        if fits
+        else None
+    )
+    answer = None if best is None else MappingProxyType(best)
+    plan._targets[key] = answer
+    return answer
+
+
+def _scale_up_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: str) -> None:
+    """Launch what the sizing model's fleet for ``needed_qps`` has that the stage lacks (other
+    types included), as the budget allows; then, if the stage is still short (no target within
+    the budget), :func:`_scale_up` buys the most capacity per USD/hr and says what is capped."""
+    config, prices = tick.config, tick.config.prices_usd_per_hr
+    fleet = tick.fleets[plan.name]
+    target = ladder_fleet(plan, needed_qps, prices, config.budget_usd_per_hr, config.max_counts)
+    if target is not None:
+        before = plan.capacity_qps(fleet)
+        for name in sorted(target, key=lambda t: (-prices[t], t)):
+            wanted = target[name] - fleet.get(name, 0)
+            left = config.budget_usd_per_hr - tick.cost_usd_per_hr + _COST_SLACK_USD_PER_HR
+            price = prices[name]
+            count = wanted if price == 0.0 else min(wanted, max(0, math.floor(left / price)))
+            if count <= 0:
+                continue
+            tick.launch(
+                plan,
+                name,
+                count,
+                f"scale_up: {why}; need {needed_qps:.6g} qps; the sizing model's fleet for it "
+                f"is {_fleet_text(target)} (${_fleet_cost(target, prices):.4g}/hr); added "
+                f"{count} x {name} (mu {plan.rate_per_instance_qps[name]:.6g} qps): capacity "
+                f"{before:.6g} -> {plan.capacity_qps(fleet):.6g} qps, k {sum(fleet.values())}",
+            )
+            before = plan.capacity_qps(fleet)
+    if _short_qps(needed_qps, plan.capacity_qps(fleet)) > 0.0:
+        _scale_up(tick, plan, needed_qps, why)
+
+
+def _scale_down_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: str) -> bool:
+    """Move the stage towards the sizing model's fleet for ``needed_qps``, adding before
+    removing: stop what it has beyond that fleet when it has all of it; else, when that fleet
+    saves at least :data:`MIX_CHANGE_SAVING_SHARE` of what the current mix trimmed to the need
+    would cost (:func:`_trim`, keeping one of each type it has) and the budget holds
+    both while they overlap, launch what it lacks (the surplus stops on a later tick, once they
+    serve); else trim within the current mix (:func:`_scale_down`). True when something
+    changed."""
+    config, prices = tick.config, tick.config.prices_usd_per_hr
+    fleet = tick.fleets[plan.name]
+    target = ladder_fleet(plan, needed_qps, prices, config.budget_usd_per_hr, config.max_counts)
+    if target is None:
+        return _scale_down(tick, plan, needed_qps, why)
+    lacking = {t: n - fleet.get(t, 0) for t, n in target.items() if n > fleet.get(t, 0)}
+    surplus = {t: n - target.get(t, 0) for t, n in fleet.items() if n > target.get(t, 0)}
+    aim = f"the sizing model's fleet for it is {_fleet_text(target)}"
+    if not lacking:
+        before = plan.capacity_qps(fleet)
+        for name, count in sorted(surplus.items()):
+            tick.stop(
+                plan,
+                name,
+                count,
+                f"{why}; need {needed_qps:.6g} qps; {aim}; stopped {count} x {name}: capacity "
+                f"{before:.6g} -> {plan.capacity_qps(fleet):.6g} qps, k {sum(fleet.values())}",
+            )
+            before = plan.capacity_qps(fleet)
+        return bool(surplus)
+    # The alternative is the current mix trimmed to the need, not the current fleet.
+    cost_now = _fleet_cost(_trim(plan, fleet, needed_qps, prices), prices)
+    cost_target = _fleet_cost(target, prices)
+    extra = _fleet_cost(lacking, prices)
+    affordable = tick.cost_usd_per_hr + extra <= config.budget_usd_per_hr + _COST_SLACK_USD_PER_HR
+    if cost_target <= cost_now * (1.0 - MIX_CHANGE_SAVING_SHARE) and affordable:
+        for name, count in sorted(lacking.items()):
+            tick.launch(
+                plan,
+                name,
+                count,
+                f"mix change: {why}; need {needed_qps:.6g} qps; {aim} (${cost_target:.4g}/hr "
+                f"against ${cost_now:.4g}/hr in the current mix); added {count} x {name}, the "
+                f"surplus "
+                f"({_fleet_text(surplus)}) stops once it serves",
+            )
+        return True
+    return _scale_down(tick, plan, needed_qps, why)
+
+
 def load_factors(live_qps: ArrayLike, planned_qps: ArrayLike) -> np.ndarray:
     """f_i = r_i / p_i: the live envelope's rate over the planned one's at each window (0 where
     the planned rate is 0). The live arrivals look like the planning trace at f times its rate
@@ -833,6 +1090,53 @@ def _scale_up_to_load(
         _scale_up(tick, plan, needed, text)
 
 
+@dataclass(frozen=True, slots=True)
+class _Reading:
+    """What one live envelope says against the planned one: the recent peak rate and its window,
+    r_max over the windows that exceed the plan (and where), and the equivalent loads f (the
+    largest, f_live, and the longest window's, f_sustained) with the text the reasons quote."""
+
+    r_recent: float
+    peak: int
+    r_max: float
+    exceed_why: str
+    f_live: float
+    f_sustained: float
+    load_why: str
+
+    @classmethod
+    def of(cls, live: np.ndarray, windows_s: Sequence[float], planned: Sequence[float]) -> _Reading:
+        exceeding = [i for i in range(len(planned)) if live[i] > planned[i]]
+        r_max = 0.0
+        exceed_why = ""
+        if exceeding:
+            top = max(exceeding, key=lambda i: (live[i], -i))
+            r_max = float(live[top])
+            exceed_why = (
+                f"window {windows_s[top]:g} s saw {r_max:.6g} qps > planned "
+                f"{planned[top]:.6g} qps ({len(exceeding)} of {len(planned)} windows over); "
+                f"r_max {r_max:.6g} qps"
+            )
+        loads = equivalent_loads(live, windows_s, planned)
+        f_top = int(np.argmax(loads))
+        f_live = float(loads[f_top])
+        f_sustained = float(loads[-1])
+        load_why = (
+            f"load x{f_live:.4g} of the planned envelope (window {windows_s[f_top]:g} s: "
+            f"{live[f_top]:.6g} qps vs planned {planned[f_top]:.6g} qps), sustained load "
+            f"x{f_sustained:.4g} (window {windows_s[-1]:g} s)"
+        )
+        return cls(
+            float(live.max()),
+            int(np.argmax(live)),
+            r_max,
+            exceed_why,
+            f_live,
+            f_sustained,
+            load_why,
+        )
+
+
 def tune(
     arrival_s: ArrayLike,
     now_s: float,
@@ -878,11 +1182,19 @@ def tune(
     if arrivals.ndim == 1 and arrivals.size:
         lo, hi = np.searchsorted(arrivals, [now - config.recent_s, now], side="right")
         arrivals = arrivals[lo:hi]
-    live = arrival_envelope(arrivals, config.windows_s).rate_qps
     planned = config.planned_rate_qps
-    r_recent = float(live.max())
-    peak = int(np.argmax(live))
-    exceeding = [i for i in range(len(planned)) if live[i] > planned[i]]
+    full = arrival_envelope(arrivals, config.windows_s).rate_qps
+    # Scale-up reads the envelope without a single short burst (one that will be over before
+    # an instance boots buys nothing), scale-down the whole one (capacity stays while a burst is
+    # in memory): the band between the two readings is the tuner's hysteresis.
+    up = _Reading.of(
+        full
+        if config.persistence_s is None
+        else recurring_envelope(arrivals, config.windows_s, config.persistence_s).rate_qps,
+        config.windows_s,
+        planned,
+    )
+    down = _Reading.of(full, config.windows_s, planned)
 
     tick = _Tick(
         now_s=now,
@@ -892,42 +1204,36 @@ def tune(
         cost_usd_per_hr=fleet_cost_usd_per_hr(state, config.prices_usd_per_hr),
     )
 
-    r_max = 0.0
-    exceed_why = ""
-    if exceeding:
-        top = max(exceeding, key=lambda i: (live[i], -i))
-        r_max = float(live[top])
-        exceed_why = (
-            f"window {config.windows_s[top]:g} s saw {r_max:.6g} qps > planned "
-            f"{planned[top]:.6g} qps ({len(exceeding)} of {len(planned)} windows over); "
-            f"r_max {r_max:.6g} qps"
-        )
-    loads = equivalent_loads(live, config.windows_s, planned)
-    f_top = int(np.argmax(loads))
-    f_live = float(loads[f_top])
-    f_sustained = float(loads[-1])
-    load_why = (
-        f"load x{f_live:.4g} of the planned envelope (window {config.windows_s[f_top]:g} s: "
-        f"{live[f_top]:.6g} qps vs planned {planned[f_top]:.6g} qps), sustained load "
-        f"x{f_sustained:.4g} (window {config.windows_s[-1]:g} s)"
-    )
     for plan in plans:
         s, rho = plan.scale_factor, plan.utilisation_target
         capacity = plan.capacity_qps(tick.fleets[plan.name])
-        if plan.capacity_curve is not None:
-            target = plan.capacity_for_loads_qps(f_live, f_sustained)
-            _scale_up_to_load(tick, plan, capacity, target, exceed_why, load_why)
+        if plan.ladder is not None:
+            # The planning trace at f_live times its rate has an envelope over the live one at
+            # every window: the planner's capacity for it serves the live traffic.
+            target = plan.capacity_at_load_qps(up.f_live)
+            if _short_qps(target, capacity) > 0.0:
+                text = f"{up.load_why}; the planner's capacity at that load {target:.6g} qps"
+                if not up.exceed_why and capacity < plan.planned_capacity_qps:
+                    # Not more load than planned: the stage is short of what it was sized for.
+                    text = (
+                        f"below plan: planned capacity {plan.planned_capacity_qps:.6g} qps; {text}"
+                    )
+                _scale_up_ladder(tick, plan, target, text)
             continue
-        need_exceed = r_max * s / rho
+        if plan.capacity_curve is not None:
+            target = plan.capacity_for_loads_qps(up.f_live, up.f_sustained)
+            _scale_up_to_load(tick, plan, capacity, target, up.exceed_why, up.load_why)
+            continue
+        need_exceed = up.r_max * s / rho
         need_restore = 0.0
         if capacity < plan.planned_capacity_qps:
-            need_restore = min(plan.planned_capacity_qps, r_recent * s / rho)
+            need_restore = min(plan.planned_capacity_qps, up.r_recent * s / rho)
         if need_exceed >= need_restore and need_exceed > 0.0:
-            why, needed = f"{exceed_why}, s {s:.6g}, rho {rho:.6g}", need_exceed
+            why, needed = f"{up.exceed_why}, s {s:.6g}, rho {rho:.6g}", need_exceed
         else:
             why = (
-                f"below plan: recent peak {r_recent:.6g} qps at window "
-                f"{config.windows_s[peak]:g} s, s {s:.6g}, rho {rho:.6g}, planned capacity "
+                f"below plan: recent peak {up.r_recent:.6g} qps at window "
+                f"{config.windows_s[up.peak]:g} s, s {s:.6g}, rho {rho:.6g}, planned capacity "
                 f"{plan.planned_capacity_qps:.6g} qps"
             )
             needed = need_restore
@@ -939,34 +1245,44 @@ def tune(
         ):
             # One type: k_m = ceil(r_max s_m / (mu_m rho_m)) exactly as InferLine writes it.
             (mu,) = plan.rate_per_instance_qps.values()
-            k_m = _ceil(r_max * s / (mu * rho))
+            k_m = _ceil(up.r_max * s / (mu * rho))
         _scale_up(tick, plan, needed, why, k_m)
 
     changed = any(d.action == "scale_up" for d in tick.decisions)
     quiet_s = math.inf if state.last_change_s is None else now - state.last_change_s
-    if not changed and quiet_s >= config.scale_down_delay_s:
+    watched_s = math.inf if state.started_s is None else now - state.started_s
+    if not changed and quiet_s >= config.scale_down_delay_s and watched_s >= config.windows_s[-1]:
         for plan in plans:
             s, rho = plan.scale_factor, plan.utilisation_target
             if plan.capacity_curve is not None:
-                needed = plan.capacity_for_loads_qps(f_live, f_sustained)
+                needed = (
+                    plan.capacity_for_loads_qps(down.f_live, down.f_sustained)
+                    if plan.ladder is None
+                    else plan.capacity_at_load_qps(down.f_live)
+                )
                 why = (
                     f"scale_down: {quiet_s:.6g} s since the last change >= "
                     f"{config.scale_down_delay_s:g} s; over the last {config.recent_s:g} s "
-                    f"{load_why}; the planner's capacity at that load {needed:.6g} qps"
+                    f"{down.load_why}; the planner's capacity at that load {needed:.6g} qps"
                 )
-                changed = _scale_down(tick, plan, needed, why) or changed
+                if plan.ladder is None:
+                    changed = _scale_down(tick, plan, needed, why) or changed
+                elif not any(b.stage == plan.name for b in tick.booting):
+                    # Adding before removing: nothing stops while the stage still boots.
+                    changed = _scale_down_ladder(tick, plan, needed, why) or changed
                 continue
             why = (
                 f"scale_down: {quiet_s:.6g} s since the last change >= "
-                f"{config.scale_down_delay_s:g} s; recent peak {r_recent:.6g} qps at window "
-                f"{config.windows_s[peak]:g} s over the last {config.recent_s:g} s, s {s:.6g}, "
-                f"rho {rho:.6g}"
+                f"{config.scale_down_delay_s:g} s; recent peak {down.r_recent:.6g} qps at "
+                f"window {config.windows_s[down.peak]:g} s over the last {config.recent_s:g} s, "
+                f"s {s:.6g}, rho {rho:.6g}"
             )
-            changed = _scale_down(tick, plan, r_recent * s / rho, why) or changed
+            changed = _scale_down(tick, plan, down.r_recent * s / rho, why) or changed
 
     next_state = TunerState(
         fleets={stage: Fleet.of(counts) for stage, counts in tick.fleets.items()},
         booting=tuple(tick.booting),
         last_change_s=now if changed else state.last_change_s,
+        started_s=state.started_s,
     )
     return tick.decisions, next_state

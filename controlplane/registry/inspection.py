@@ -5,10 +5,23 @@ a hostile or broken file must not take it down): :func:`inspect_artifact` runs
 ``python -m provisioners.worker.inspect FILE [--format F] [--inputs SPEC]`` (the worker's own
 loader, :mod:`provisioners.worker.runtime`) as a subprocess of this interpreter with
 
-- a time limit (:data:`INSPECT_TIMEOUT_S`): past it the process is killed and the push refused;
-- an address-space limit (``RLIMIT_AS``: :data:`INSPECT_MEMORY_BYTES` plus twice the file's
-  size, room for the runtime and one copy of the weights), set by a two-line bootstrap inside the
-  child before it imports anything (not ``preexec_fn``, which is unsafe in a threaded server).
+- a time limit (:data:`INSPECT_TIMEOUT_S`): past it the process group is killed and the push
+  refused;
+- limits of its own, which hold without the parent: an address-space limit (``RLIMIT_AS``:
+  :data:`INSPECT_MEMORY_BYTES` plus twice the file's size, room for the runtime and one copy of
+  the weights) and a CPU-time limit (``RLIMIT_CPU``: the time limit plus
+  :data:`CPU_GRACE_S`, so a forward that never returns dies by ``SIGXCPU``/``SIGKILL`` even if
+  nobody waits for it any more);
+- the parent's death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)`` through ctypes, Linux): the
+  child dies with the service (a ``kill -9`` of the service takes its inspector along), and
+  exits at once should the parent be gone before that was set;
+- a process group (session) of its own, killed whole on a timeout.
+
+The limits and the death signal are set by a short bootstrap inside the child before it imports
+anything (not ``preexec_fn``, which is unsafe in a threaded server). The child's command line
+carries :data:`INSPECTOR_MARKER`, its owner's pid and start time:
+:func:`end_orphaned_inspectors` (the service's start) ends any inspector whose owner is gone,
+what a service without the death signal (another OS, an older version) leaves running.
 
 Its contract: one JSON object ``{"format", "inputs", "outputs"}`` on stdout and exit status 0, or
 exit status 2 and one line on stderr saying what is wrong with the artifact. Any refusal (that
@@ -20,8 +33,12 @@ is one line; an answer that breaks the contract is a bug (``RuntimeError``).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import math
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -32,29 +49,51 @@ from controlplane.errors import ModelRejectedError
 from provisioners.artifacts import FORMATS, ArtifactError, ModelSignature
 
 __all__ = [
+    "CPU_GRACE_S",
+    "INSPECTOR_MARKER",
     "INSPECT_MEMORY_BYTES",
     "INSPECT_MODULE",
     "INSPECT_TIMEOUT_S",
     "Inspection",
     "Inspector",
     "SubprocessInspector",
+    "end_orphaned_inspectors",
     "inspect_artifact",
+    "inspector_command",
+    "running_inspectors",
 ]
+
+logger = logging.getLogger(__name__)
 
 INSPECT_MODULE = "provisioners.worker.inspect"
 INSPECT_TIMEOUT_S = 60.0
 # torch and onnxruntime import within 1 GiB of address space (measured: CPU builds); 4 GiB leaves
 # room for a model's working memory on top of its weights (added per file, below).
 INSPECT_MEMORY_BYTES = 4 << 30
+# CPU seconds the inspector may use past its time limit before the kernel ends it.
+CPU_GRACE_S = 5.0
+# The first argument of every inspector's bootstrap: how the service's start finds them.
+INSPECTOR_MARKER = "heteroplane-inspector"
 _MESSAGE_CHARS = 400
+_PR_SET_PDEATHSIG = 1
 
-# Runs in the child: the limit is set before the inspector (and torch) is imported.
-_BOOTSTRAP = (
-    "import resource, runpy, sys; limit = int(sys.argv[1]);"
-    " resource.setrlimit(resource.RLIMIT_AS, (limit, limit));"
-    " sys.argv = [sys.argv[2], *sys.argv[3:]];"
-    " runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
-)
+# Runs in the child (argv: marker, owner pid, owner start, address-space limit, CPU limit,
+# module, arguments): the death signal and the limits are set before the inspector (and torch)
+# is imported.
+_BOOTSTRAP = f"""\
+import ctypes, os, resource, runpy, signal, sys
+_, _marker, owner, _start, memory, cpu, *rest = sys.argv
+try:
+    ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, int(signal.SIGKILL))
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(owner):
+    os._exit(3)
+resource.setrlimit(resource.RLIMIT_AS, (int(memory), int(memory)))
+resource.setrlimit(resource.RLIMIT_CPU, (int(cpu), int(cpu) + 1))
+sys.argv = rest
+runpy.run_module(rest[0], run_name="__main__", alter_sys=True)
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,22 +154,35 @@ def inspect_artifact(
         arguments += ["--format", format]
     if inputs_spec is not None:
         arguments += ["--inputs", inputs_spec]
-    limit = memory_bytes + 2 * _size(path)
-    command = [python, "-c", _BOOTSTRAP, str(limit), module, *arguments]
+    command = inspector_command(
+        python,
+        module,
+        arguments,
+        memory_bytes=memory_bytes + 2 * _size(path),
+        cpu_s=timeout_s + CPU_GRACE_S,
+    )
+    child = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_environment(),
+        start_new_session=True,
+    )
     try:
-        finished = subprocess.run(
-            command,
-            capture_output=True,
-            timeout=timeout_s,
-            stdin=subprocess.DEVNULL,
-            env=_environment(),
-            check=False,
-        )
+        stdout, stderr = child.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        _kill_group(child.pid)
+        child.communicate()
         raise ModelRejectedError(
             f"inspecting the model took longer than {timeout_s:g} s; is it a model this size"
             " loads in that time?"
         ) from None
+    except BaseException:
+        _kill_group(child.pid)
+        child.communicate()
+        raise
+    finished = subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
     if finished.returncode != 0:
         message = _refusal(finished.returncode, finished.stderr)
         # The file is the server's staging copy: its path means nothing to the one who pushed.
@@ -138,6 +190,88 @@ def inspect_artifact(
             message = message.replace(shown, "the artifact")
         raise ModelRejectedError(message)
     return _parse(finished.stdout)
+
+
+def inspector_command(
+    python: str,
+    module: str,
+    arguments: list[str],
+    *,
+    memory_bytes: int,
+    cpu_s: float,
+    owner: tuple[int, int] | None = None,
+) -> list[str]:
+    """The command line of an inspector: ``python -m module arguments`` under the bootstrap
+    (death signal, ``RLIMIT_AS`` of ``memory_bytes``, ``RLIMIT_CPU`` of ``cpu_s`` rounded up),
+    marked with its ``owner`` (pid, start time; default: this process)."""
+    pid, start = owner if owner is not None else (os.getpid(), _start_time(os.getpid()) or 0)
+    return [
+        python,
+        "-c",
+        _BOOTSTRAP,
+        INSPECTOR_MARKER,
+        str(pid),
+        str(start),
+        str(memory_bytes),
+        str(max(1, math.ceil(cpu_s))),
+        module,
+        *arguments,
+    ]
+
+
+def running_inspectors() -> list[tuple[int, int, int]]:
+    """The inspectors running on this machine, by their marker: (pid, owner pid, owner start
+    time). Linux (``/proc``); elsewhere none."""
+    found: list[tuple[int, int, int]] = []
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return found
+    marker = INSPECTOR_MARKER.encode()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            at = argv.index(marker)
+            found.append((int(entry.name), int(argv[at + 1]), int(argv[at + 2])))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def end_orphaned_inspectors() -> list[int]:
+    """SIGKILL every inspector (its process group) whose owner is no longer alive (its pid is
+    gone, or taken by a process that started at another time); their pids."""
+    ended: list[int] = []
+    for pid, owner, start in running_inspectors():
+        if _start_time(owner) == start:
+            continue  # its service is alive: its inspection is running
+        logger.warning("ending inspector %d, left by a service (pid %d) that is gone", pid, owner)
+        _kill_group(pid)
+        ended.append(pid)
+    return ended
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the process group ``pid`` leads (the inspector's session), else the process."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        with contextlib.suppress(OSError):  # gone already
+            os.kill(pid, signal.SIGKILL)
+
+
+def _start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, ``/proc/PID/stat``); None when it is gone
+    or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] == "Z":
+        return None
+    return int(fields[19])
 
 
 def _size(path: Path) -> int:

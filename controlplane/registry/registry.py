@@ -17,6 +17,11 @@ last, so there is never a row without its blob. Two concurrent pushes of one nam
 same version; the database's unique (name, version) lets one insert win, and the other deletes
 its blob and tries once more with the next number (then it is a 409 to retry).
 
+A crash leaves no more: an upload is staged in ``<staging_dir>/upload-*`` (:meth:`Registry.
+staged_file`), ``flock``-ed by the process that writes it and removed however the push ends;
+:meth:`Registry.sweep`, at the service's start, removes the staged files and the blob store's
+temporary files that no live process holds, and (no push in flight) blobs without a row.
+
 :meth:`Registry.resolve` turns ``"name"`` (the newest version) or ``"name@3"`` into a version
 record; :func:`registry_from_settings` builds the registry the settings describe (S3 with the EC2
 provisioner and ``ec2.model_bucket`` set, else ``<data_dir>/registry``).
@@ -27,12 +32,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from controlplane.crashpoints import crash_point
 from controlplane.db.store import ModelVersionRecord, Store
 from controlplane.errors import (
     ArtifactStoreError,
@@ -46,6 +51,8 @@ from controlplane.registry.storage import (
     ArtifactStorage,
     LocalArtifactStorage,
     S3ArtifactStorage,
+    locked_file,
+    sweep_unheld,
 )
 from controlplane.settings import Settings
 from provisioners.artifacts import FORMATS, NAME_PATTERN, file_sha256
@@ -53,6 +60,7 @@ from provisioners.artifacts import FORMATS, NAME_PATTERN, file_sha256
 __all__ = [
     "REGISTRY_DIR",
     "S3_ENDPOINT_ENV",
+    "STAGING_PREFIX",
     "Registry",
     "artifact_key",
     "check_model_name",
@@ -66,6 +74,8 @@ REGISTRY_DIR = "registry"
 # The S3 endpoint override that provisioners.fetch.fetch_artifact also honours (a moto
 # server in tests); boto3's own AWS_ENDPOINT_URL works too.
 S3_ENDPOINT_ENV = "HETEROPLANE_S3_ENDPOINT_URL"
+# Staged uploads are <staging_dir>/upload-*.
+STAGING_PREFIX = "upload-"
 _NAME = re.compile(NAME_PATTERN)
 _REFERENCE = re.compile(r"^(?P<name>[^@]+)(@(?P<version>[0-9]+))?$")
 _SUFFIX = {"onnx": "onnx", "torchscript": "pt"}
@@ -140,20 +150,28 @@ class Registry:
     @contextmanager
     def staged_file(self) -> Iterator[Path]:
         """A fresh empty file in the staging folder, removed when the block ends (whatever
-        happened): where an upload is streamed before :meth:`push`."""
-        try:
-            self.staging_dir.mkdir(parents=True, exist_ok=True)
-            descriptor, name = tempfile.mkstemp(dir=self.staging_dir, prefix="upload-")
-        except OSError as error:
-            raise ArtifactStoreError(
-                f"cannot stage an upload in {self.staging_dir}: {error.strerror or error}"
-            ) from None
-        os.close(descriptor)
-        path = Path(name)
-        try:
+        happened): where an upload is streamed before :meth:`push`, which runs inside the block.
+        This process holds the file's ``flock`` meanwhile, so :meth:`sweep` (another replica's
+        start, or this one's after a crash) tells a push in flight from a crashed one."""
+        with ExitStack() as stack:
+            try:
+                path = stack.enter_context(locked_file(self.staging_dir, STAGING_PREFIX))
+            except OSError as error:
+                raise ArtifactStoreError(
+                    f"cannot stage an upload in {self.staging_dir}: {error.strerror or error}"
+                ) from None
             yield path
-        finally:
-            path.unlink(missing_ok=True)
+
+    def sweep(self) -> list[str]:
+        """Remove what crashed pushes left (the service's start calls it): staged uploads no
+        live process holds, the blob store's temporary files and, when no push is in flight,
+        blobs without a row. What went (paths or URIs)."""
+        removed, busy = sweep_unheld(self.staging_dir, STAGING_PREFIX)
+        known = None if busy else {r.uri for r in self.store.list_model_versions()}
+        removed.extend(self.storage.sweep(known))
+        for item in removed:
+            logger.warning("registry: removed %s, left by a push that did not finish", item)
+        return removed
 
     def check_push(self, name: str, format: str | None) -> None:
         """Refuse a push by its name and format alone, before any byte is read."""
@@ -191,8 +209,9 @@ class Registry:
             version = self.store.next_model_version(name)
             key = artifact_key(name, version, sha256, inspection.format)
             uri = self.storage.put(source, key)
+            crash_point("model_push.before_row")
             try:
-                return self.store.add_model_version(
+                record = self.store.add_model_version(
                     name,
                     version,
                     inspection.format,
@@ -201,6 +220,8 @@ class Registry:
                     inspection.signature,
                     uri,
                 )
+                crash_point("model_push.after_row")
+                return record
             except ConflictError:
                 self._forget(name, version, uri)
                 if attempt + 1 == _PUSH_ATTEMPTS:

@@ -9,8 +9,10 @@ failed half-way cleans up with it); :meth:`~ArtifactStorage.open` reads one back
 :class:`~controlplane.errors.ArtifactStoreError`; botocore's errors never escape.
 
 - :class:`LocalArtifactStorage`: files under ``root`` (``<data_dir>/registry``) with the prefix
-  ``models/``; URIs ``file:///abs/path``. A blob is written beside its final name and renamed
-  into place, so a reader never sees half a file.
+  ``models/``; URIs ``file:///abs/path``. A blob is written beside its final name (a
+  ``.incoming-*`` file, ``flock``-ed while it is written) and renamed into place, so a reader never
+  sees half a file; :meth:`~LocalArtifactStorage.sweep` removes what a crash left (a temporary
+  file no live process holds, a blob without a registry row).
 - :class:`S3ArtifactStorage`: objects in ``bucket`` under ``prefix`` (``Ec2Settings.model_prefix``,
   ``models/``); URIs ``s3://bucket/key``. Uploaded with boto3's managed transfer (multipart for
   large files); an object appears whole or not at all.
@@ -18,10 +20,12 @@ failed half-way cleans up with it); :meth:`~ArtifactStorage.open` reads one back
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import unquote, urlparse
@@ -33,11 +37,15 @@ __all__ = [
     "ArtifactStorage",
     "LocalArtifactStorage",
     "S3ArtifactStorage",
+    "held",
+    "locked_file",
+    "sweep_unheld",
 ]
 
 # How much of a blob one read hands on (the artifact route streams it in these).
 CHUNK_BYTES = 1 << 20
 DEFAULT_PREFIX = "models/"
+_TEMPORARY_PREFIX = ".incoming-"
 
 
 class ArtifactStorage(Protocol):
@@ -54,6 +62,59 @@ class ArtifactStorage(Protocol):
     def open(self, uri: str) -> Iterator[bytes]:
         """The bytes of the blob at ``uri``, in chunks."""
         ...
+
+    def sweep(self, known_uris: Collection[str] | None) -> list[str]:
+        """Remove what a crashed push left: temporary files no live process holds and, when
+        ``known_uris`` is given (no push is in flight), blobs not among them; what went."""
+        ...
+
+
+@contextlib.contextmanager
+def locked_file(folder: Path, prefix: str) -> Iterator[Path]:
+    """A fresh empty file in ``folder``, ``flock``-ed by this process until the block ends, then
+    removed (whatever happened). A crash releases the lock with the process, so :func:`held`
+    tells a file in use from one a dead process left."""
+    folder.mkdir(parents=True, exist_ok=True)
+    descriptor, name = tempfile.mkstemp(dir=folder, prefix=prefix)
+    path = Path(name)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(descriptor)
+
+
+def held(path: Path) -> bool:
+    """Whether a live process holds ``path``'s lock (:func:`locked_file`); a file that is gone
+    counts as held (nothing to remove)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(descriptor)  # also releases the lock just taken
+    return False
+
+
+def sweep_unheld(folder: Path, prefix: str) -> tuple[list[str], bool]:
+    """Remove the files of ``folder`` named ``prefix*`` that no live process holds; what went,
+    and whether any is still held (a push in flight)."""
+    removed: list[str] = []
+    busy = False
+    for path in sorted(folder.rglob(f"{prefix}*")) if folder.is_dir() else []:
+        if not path.is_file():
+            continue
+        if held(path):
+            busy = True
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(str(path))
+    return removed, busy
 
 
 class LocalArtifactStorage:
@@ -79,14 +140,9 @@ class LocalArtifactStorage:
     def put(self, source: Path, key: str) -> str:
         path = self._path(key)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".incoming-")
-            os.close(descriptor)
-            try:
+            with locked_file(path.parent, _TEMPORARY_PREFIX) as temporary:
                 shutil.copyfile(source, temporary)
-                Path(temporary).replace(path)
-            finally:
-                Path(temporary).unlink(missing_ok=True)
+                temporary.replace(path)
         except OSError as error:
             raise ArtifactStoreError(
                 f"cannot store {key} under {self.root}: {error.strerror or error}"
@@ -114,6 +170,18 @@ class LocalArtifactStorage:
         except OSError as error:
             raise ArtifactStoreError(f"cannot read {path}: {error.strerror or error}") from None
         return _chunks(handle)
+
+    def sweep(self, known_uris: Collection[str] | None) -> list[str]:
+        blobs = self.root / self.prefix
+        removed, busy = sweep_unheld(blobs, _TEMPORARY_PREFIX)
+        if known_uris is None or busy or not blobs.is_dir():
+            return removed
+        known = set(known_uris)
+        for path in sorted(blobs.rglob("*")):
+            if path.is_file() and not path.name.startswith(".") and path.as_uri() not in known:
+                self.delete(path.as_uri())
+                removed.append(str(path))
+        return removed
 
 
 def _chunks(handle: Any) -> Iterator[bytes]:
@@ -165,6 +233,11 @@ class S3ArtifactStorage:
         except Exception as error:
             raise ArtifactStoreError(f"cannot read {uri}: {_reason(error)}") from None
         return _s3_chunks(body, uri)
+
+    def sweep(self, known_uris: Collection[str] | None) -> list[str]:
+        # An object appears whole or not at all, and a blob without a row is left to the
+        # bucket's lifecycle rules (docs/operations.md, "Crash guarantees").
+        return []
 
 
 def _s3_chunks(body: Any, uri: str) -> Iterator[bytes]:

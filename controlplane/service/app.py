@@ -15,6 +15,7 @@ document); the OpenAPI document is at ``/openapi.json`` (and a browsable page at
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,12 +24,13 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Scope
 
 from controlplane import __version__
 from controlplane.api.counters import RequestCounter, RequestCountingMiddleware
 from controlplane.api.deps import Services
 from controlplane.api.disconnect import CancelOnDisconnect
-from controlplane.api.errors import install_error_handlers
+from controlplane.api.errors import OipErrorShapeMiddleware, install_error_handlers
 from controlplane.api.fast_infer import FastInferMiddleware
 from controlplane.api.limits import BodySizeLimitMiddleware, HeaderSizeLimitMiddleware
 from controlplane.api.routes import (
@@ -46,15 +48,19 @@ from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
 from controlplane.dashboard import install_dashboard
 from controlplane.db.store import Store
+from controlplane.errors import ControlPlaneError
 from controlplane.loops.leadership import Leadership
 from controlplane.loops.scheduler import Scheduler
 from controlplane.registry import Registry, registry_from_settings
+from controlplane.registry.inspection import end_orphaned_inspectors
 from controlplane.serving.loop import ServingLoop
 from controlplane.settings import Settings
 from controlplane.spec import AppSpec
 from provisioners.base import Provisioner
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "sweep_leftovers"]
+
+logger = logging.getLogger(__name__)
 
 _DESCRIPTION = (
     "The heteroplane control plane: register apps, preview and apply plans, set budgets, and"
@@ -106,6 +112,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await run_in_threadpool(sweep_leftovers, services)
         if serving is not None:
             await serving.start()
         try:
@@ -139,8 +146,10 @@ def create_app(
     )
     app.state.services = services
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, exempt=models.streams_own_body)
+    app.add_middleware(BodySizeLimitMiddleware, exempt=_reads_own_body)
     app.add_middleware(HeaderSizeLimitMiddleware)
+    # Outside the limits and the catch-all: their answers on /v2 take the protocol's shape too.
+    app.add_middleware(OipErrorShapeMiddleware)
     app.add_middleware(RequestCountingMiddleware, counter=services.requests)
     # Added last, so called first: a query's latency runs from here (on the serving loop's
     # clock), before the body is read and the token checked in the thread pool.
@@ -170,6 +179,24 @@ def create_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _reads_own_body(scope: Scope) -> bool:
+    """The routes that read their body under a limit of their own: a model push
+    (``model_max_bytes``) and an Open Inference Protocol query (its model's 256 rows)."""
+    return models.streams_own_body(scope) or oip.reads_own_body(scope)
+
+
+def sweep_leftovers(services: Services) -> None:
+    """What a crashed run of the service left, found and ended as it starts (docs/operations.md,
+    "Crash guarantees"): model inspectors whose service is gone, staged uploads and
+    half-written blobs of the registry. A failure is logged; the service starts all the same."""
+    end_orphaned_inspectors()
+    if services.registry is not None:
+        try:
+            services.registry.sweep()
+        except (ControlPlaneError, OSError) as error:
+            logger.error("startup sweep: the registry's leftovers stay: %s", error)
 
 
 def _add_spec_schemas(document: dict[str, Any]) -> None:

@@ -76,6 +76,7 @@ from controlplane.loops.leadership import LeaderLock, Leadership, SoleLock
 from controlplane.loops.live_gears import LiveGears
 from controlplane.loops.live_tuner import LiveTuner, ResolveFn
 from controlplane.loops.reconciler import (
+    PROFILE_RUN_MISSED_BEATS,
     AppPricing,
     ArtifactsFn,
     DesiredFleet,
@@ -91,6 +92,7 @@ from controlplane.loops.traffic_replan import ReplanBand, TrafficReplanner
 from controlplane.policies.calibration import CalibrationRule
 from controlplane.policies.disruption import DisruptionBudget
 from controlplane.policies.drain import qps_by_type
+from controlplane.policies.gears import Hysteresis
 from controlplane.policies.infaas_scaling import ScalingConfig
 from controlplane.service.app import create_app
 from controlplane.service.provisioning import build_provisioner
@@ -221,11 +223,16 @@ def build_reconciler(
     desired_fleet: DesiredFleet | None = None,
     *,
     disruption: DisruptionBudget | None = None,
+    profile_run_heartbeat_s: float | None = None,
 ) -> Reconciler:
     """The reconciler over ``provisioner``, pricing apps from their specs (through
     ``resolver``); ``desired_fleet`` is the live tuner's (default: each app's applied plan);
-    ``disruption`` bounds its voluntary drains (default: the reconciler's)."""
+    ``disruption`` bounds its voluntary drains (default: the reconciler's); a profile run's
+    workers are its run's for four ``profile_run_heartbeat_s`` after its last heartbeat
+    (default: the reconciler's)."""
     extra: dict[str, Any] = {} if disruption is None else {"disruption": disruption}
+    if profile_run_heartbeat_s is not None:
+        extra["profile_run_timeout_s"] = PROFILE_RUN_MISSED_BEATS * profile_run_heartbeat_s
     return Reconciler(
         store,
         provisioner,
@@ -282,18 +289,24 @@ def scaled_fleet(live_tuner: LiveTuner, infaas: InfaasScaler | None) -> DesiredF
 
 
 def build_live_gears(
-    store: Store, clock: Clock, serving: ServingLoop, resolver: AppResolver
+    settings: Settings, store: Store, clock: Clock, serving: ServingLoop, resolver: AppResolver
 ) -> LiveGears:
     """CascadeServe's gear switcher over the apps whose plans carry a gear plan, on what the
-    serving loop observes; its store side refreshes right after the tuner in the tuner's tick,
-    its producer runs in the ``gears`` job (every ``gear_interval_s``). Apps resolve through
-    ``resolver``."""
+    serving loop observes, with the settings' hysteresis (``gear_*``); its store side refreshes
+    right after the tuner in the tuner's tick, its producer runs in the ``gears`` job (every
+    ``gear_interval_s``). Apps resolve through ``resolver``."""
     return LiveGears(
         store,
         clock,
         serving.observed_arrivals,
         serving.statuses,
         stored_apps(resolver),
+        hysteresis=Hysteresis(
+            band_share=settings.gear_dead_band_share,
+            down_hold_s=settings.gear_down_hold_s,
+            down_dwell_s=settings.gear_down_dwell_s,
+            up_dwell_s=settings.gear_up_dwell_s,
+        ),
     )
 
 
@@ -496,7 +509,7 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
     serving = ServingLoop(store, resolver, ProvisionedInstances(store, provisioner), clock=clock)
     live_tuner = build_live_tuner(settings, store, clock, serving, resolver)
     infaas_scaler = build_infaas_scaler(settings, store, clock, serving, resolver)
-    live_gears = build_live_gears(store, clock, serving, resolver)
+    live_gears = build_live_gears(settings, store, clock, serving, resolver)
     serving.gears = live_gears.gear
     reconciler = build_reconciler(
         store,
@@ -505,6 +518,7 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         resolver,
         scaled_fleet(live_tuner, infaas_scaler),
         disruption=disruption_budget(settings),
+        profile_run_heartbeat_s=settings.profile_run_heartbeat_s,
     )
     replanner = CapacityReplanner(
         store,

@@ -422,7 +422,7 @@ def ensure_demo_app(
         found = store.get_app(DEMO_APP)
     except NotFoundError:
         found = None
-    resolved = services.resolver.check(demo_spec(family))
+    resolved = services.resolver.check(demo_spec(family), confine=False)
     document = spec_document(resolved.spec)
     if found is not None and _is_cascade_demo(found.spec):
         if _without_budget(found.spec) == _without_budget(document):
@@ -515,7 +515,7 @@ def prepare_demo(
         replan=app_created or family.profiles_measured,
     )
     if plan is not None and not plan_created:
-        progress(f"plan {plan.number} of {DEMO_APP!r} is applied already")
+        progress(f"plan {plan.id} of {DEMO_APP!r} is applied already")
     # Read again: applying a plan moved the app's version on.
     app = service.store.get_app(DEMO_APP)
     return DemoState(token, app, app_created, plan, plan_created, family)

@@ -1,26 +1,37 @@
 """The HTTP/1.1 protocol ``heteroplane serve`` runs uvicorn with: uvicorn's httptools protocol
-(h11's where httptools is not installed), reading request heads up to
-:data:`~controlplane.api.limits.MAX_HEAD_READ_BYTES`, that answers a head past that 431 Request
-Header Fields Too Large (RFC 6585 section 5) with the API's error body.
+(h11's where httptools is not installed) with bounds on what one client may hold
+(:class:`ConnectionLimits`, from the settings ``http_*``; docs/operations.md, "Connection
+limits"):
 
-A head over :data:`~controlplane.api.limits.MAX_HEADER_BYTES` but within the read limit reaches
-the app, whose :class:`~controlplane.api.limits.HeaderSizeLimitMiddleware` answers the 431. A
-longer one never does: h11 stops buffering it and raises, and uvicorn answers 400 and closes the
-connection while the client is still sending, so the client's kernel sees unread data discarded
-and the client gets a connection reset instead of any answer. This protocol answers 431 instead,
-closes only its sending side (the answer goes out) and reads and drops what the client still
-sends until it stops, or for :data:`LINGER_S`, before it closes (Apache's "lingering close").
+- a head longer than ``head_max_bytes`` is answered 431 Request Header Fields Too Large (RFC
+  6585 section 5); one not whole within ``head_timeout_s`` is answered 408 Request Timeout (a
+  connection that sent nothing is closed without a word);
+- a body arriving slower than ``body_min_rate_bytes_per_s`` is answered 408 and closed;
+- at most ``unauthenticated_max`` connections that have not yet shown a valid token are open: a
+  new one past it closes the least recently active of them (:class:`ConnectionGuard`), so that a
+  flood of idle or slow connections costs a bounded amount of memory and never shuts out a
+  client that asks and goes (``/healthz``, a load balancer's probe).
 
-:func:`server_options` are the ``uvicorn.Config`` keyword arguments that select it; ``h11`` is
-named rather than left to ``auto``, which would pick httptools where it is installed, whose
-parser has a head limit of its own.
+The answers carry the API's error body (the Open Inference Protocol's ``{"error": "..."}`` on
+``/v2``). A head over :data:`~controlplane.api.limits.MAX_HEADER_BYTES` but within the read limit
+reaches the app, whose :class:`~controlplane.api.limits.HeaderSizeLimitMiddleware` answers the
+431. After a refusal the protocol closes only its sending side (the answer goes out) and reads
+and drops what the client still sends until it stops, or for :data:`LINGER_S`, before it closes
+(Apache's "lingering close"): closing at once while the client still sends would make its
+kernel answer a reset, and the client would never read the answer.
+
+:func:`server_options` are the ``uvicorn.Config`` keyword arguments that select it. The h11
+fallback (:class:`HeadLimitedH11Protocol`) keeps the head size limit only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from collections import OrderedDict
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Protocol
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -30,13 +41,22 @@ try:  # imports httptools
 except ImportError:  # httptools is a dependency; h11 serves where it is missing
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
-from controlplane.api.limits import MAX_HEAD_READ_BYTES
+from controlplane.api.errors import error_document
+from controlplane.api.limits import CONNECTION_EXTENSION, MAX_HEAD_READ_BYTES
+from controlplane.settings import Settings
 
 # asyncio's loop, not uvloop: the serving loop's worker transport
 # (controlplane.serving.transport) requires an asyncio.Transport, which uvloop's are not.
 _LOOP = "asyncio"
 
-__all__ = ["LINGER_S", "HeadLimitedH11Protocol", "HeadLimitedHttpToolsProtocol", "server_options"]
+__all__ = [
+    "LINGER_S",
+    "ConnectionGuard",
+    "ConnectionLimits",
+    "HeadLimitedH11Protocol",
+    "HeadLimitedHttpToolsProtocol",
+    "server_options",
+]
 
 # How long a connection whose head was refused is read (and dropped) before it is closed.
 LINGER_S = 5.0
@@ -113,61 +133,267 @@ class HeadLimitedH11Protocol(H11Protocol):
         _linger(self.transport)
 
 
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """How long and how much a client may take (the settings ``http_*``: docs/service.md)."""
+
+    head_timeout_s: float = 10.0
+    head_max_bytes: int = MAX_HEAD_READ_BYTES
+    body_min_rate_bytes_per_s: float = 1024.0
+    body_rate_window_s: float = 10.0
+    unauthenticated_max: int = 1000
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ConnectionLimits:
+        return cls(
+            head_timeout_s=settings.http_head_timeout_s,
+            head_max_bytes=settings.http_head_max_bytes,
+            body_min_rate_bytes_per_s=settings.http_body_min_rate_bytes_per_s,
+            body_rate_window_s=settings.http_body_rate_window_s,
+            unauthenticated_max=settings.http_unauthenticated_connections_max,
+        )
+
+
+class _Guarded(Protocol):
+    """What :class:`ConnectionGuard` needs of a connection."""
+
+    def evict(self) -> None: ...
+
+
+class ConnectionGuard:
+    """The server's connections that have not shown a valid token, least recently active first;
+    admitting one past ``limit`` evicts the first (one server's: no module state)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._waiting: OrderedDict[_Guarded, None] = OrderedDict()
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def admit(self, connection: _Guarded) -> None:
+        self._waiting[connection] = None
+        while len(self._waiting) > self.limit:
+            oldest, _ = self._waiting.popitem(last=False)
+            self.evicted += 1
+            oldest.evict()
+
+    def touch(self, connection: _Guarded) -> None:
+        if connection in self._waiting:
+            self._waiting.move_to_end(connection)
+
+    def forget(self, connection: _Guarded) -> None:
+        self._waiting.pop(connection, None)
+
+
+def _error_answer(
+    status: int, url: bytes, code: str, message: str, default_headers: list[tuple[bytes, bytes]]
+) -> bytes:
+    """A whole ``connection: close`` answer with the API's error body (the protocol's own on
+    ``/v2``, :func:`controlplane.api.limits.error_document`)."""
+    body = json.dumps(
+        error_document(url.startswith(b"/v2/") or url == b"/v2", code, message),
+        separators=(",", ":"),
+    ).encode()
+    content = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()]
+    for name, value in default_headers:
+        content.extend([name, b": ", value, b"\r\n"])
+    content.extend(
+        [
+            b"content-type: application/json\r\n",
+            b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
+            b"connection: close\r\n",
+            b"\r\n",
+            body,
+        ]
+    )
+    return b"".join(content)
+
+
 if HttpToolsProtocol is not None:
 
     class HeadLimitedHttpToolsProtocol(HttpToolsProtocol):
-        """uvicorn's httptools protocol; a head still incomplete after the read limit
-        (:data:`~controlplane.api.limits.MAX_HEAD_READ_BYTES`) is answered 431, then lingered on.
+        """uvicorn's httptools protocol with the limits of :class:`ConnectionLimits`.
 
-        The bytes of a head are counted from the chunk after the previous message ended to the
-        chunk in which the parser completes the head; a chunk is at most what one socket read
-        returns (256 KiB in asyncio and uvloop), so at most that much more than the limit is
-        buffered before the answer."""
+        - A head still incomplete after ``head_max_bytes`` is answered 431, then lingered on.
+          Its bytes are counted from the chunk after the previous message ended to the chunk in
+          which the parser completes the head; a chunk is at most what one socket read returns
+          (256 KiB in asyncio), so at most that much more than the limit is buffered.
+        - A head must arrive whole within ``head_timeout_s`` of the connection opening (or of
+          its first byte after a previous answer): else 408 and closed (closed without a word
+          when nothing arrived). Between requests uvicorn's keep-alive timeout closes an idle
+          connection.
+        - A body must arrive at ``body_min_rate_bytes_per_s`` or faster over each
+          ``body_rate_window_s`` while it is read (a window in which the app had reading
+          paused, its buffer full, or the client waited for a 100 Continue does not count):
+          else 408 (when nothing was answered yet) and closed.
+        - At most ``unauthenticated_max`` connections that have not shown a valid token are
+          open (:class:`ConnectionGuard`): the route's token check marks its connection through
+          the scope's extension :data:`~controlplane.api.limits.CONNECTION_EXTENSION`.
+        """
+
+        limits = ConnectionLimits()
+        guard: ConnectionGuard | None = None
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self._head_limit = self.config.h11_max_incomplete_event_size or MAX_HEAD_READ_BYTES
+            self._head_limit = self.limits.head_max_bytes
             self._head_bytes = 0
             self._in_head = True
             self._lingering = False
+            self._head_timer: asyncio.TimerHandle | None = None
+            self._body_timer: asyncio.TimerHandle | None = None
+            self._body_bytes = 0
+            self._authenticated = False
+
+        # The connection's life
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._start_head_timer()
+            if self.guard is not None:
+                self.guard.admit(self)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_timers()
+            if self.guard is not None:
+                self.guard.forget(self)
+            super().connection_lost(exc)
+
+        def evict(self) -> None:
+            """Closed to make room for a newer connection (:class:`ConnectionGuard`)."""
+            self._stop_timers()
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.close()
+
+        def authenticated(self) -> None:
+            """A request on this connection showed a valid token: out of the guard's count."""
+            if not self._authenticated:
+                self._authenticated = True
+                if self.guard is not None:
+                    self.guard.forget(self)
 
         def data_received(self, data: bytes) -> None:
             if self._lingering:
                 return  # the rest of a refused head: dropped
             if self._in_head:
                 self._head_bytes += len(data)
+                if self._head_timer is None:
+                    self._start_head_timer()
             super().data_received(data)
             if (
                 self._in_head
                 and self._head_bytes > self._head_limit
                 and not self.transport.is_closing()
             ):
-                self._send_431()
+                self._refuse(431, "headers_too_large", self._head_message())
+
+        # The parser's callbacks
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            self._cancel_head_timer()
             super().on_headers_complete()
+            if self.scope is not None:
+                # The route's token check marks the connection through it (mark_authenticated).
+                extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+                extensions[CONNECTION_EXTENSION] = self
+            self._body_bytes = 0
+            if self.limits.body_min_rate_bytes_per_s > 0:
+                self._body_timer = self.loop.call_later(
+                    self.limits.body_rate_window_s, self._check_body_rate
+                )
+
+        def on_body(self, body: bytes) -> None:
+            self._body_bytes += len(body)
+            super().on_body(body)
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
+            self._cancel_body_timer()
             self._in_head = True
             self._head_bytes = 0
 
-        def _send_431(self) -> None:
-            body = _too_large_body(self._head_limit)
-            content = [b"HTTP/1.1 431 " + _TOO_LARGE_REASON + b"\r\n"]
-            for name, value in self.server_state.default_headers:
-                content.extend([name, b": ", value, b"\r\n"])
-            content.extend(
-                [
-                    b"content-type: application/json\r\n",
-                    b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
-                    b"connection: close\r\n",
-                    b"\r\n",
-                    body,
-                ]
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.guard is not None and not self._authenticated:
+                self.guard.touch(self)
+
+        # The limits
+
+        def _head_message(self) -> str:
+            return f"the request's head is larger than {self._head_limit:,} bytes"
+
+        def _start_head_timer(self) -> None:
+            self._head_timer = self.loop.call_later(
+                self.limits.head_timeout_s, self._head_timed_out
             )
-            self.transport.write(b"".join(content))
+
+        def _cancel_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _cancel_body_timer(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+
+        def _stop_timers(self) -> None:
+            self._cancel_head_timer()
+            self._cancel_body_timer()
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing() or self._lingering:
+                return
+            if self._head_bytes == 0:
+                self.transport.close()  # nothing asked: nothing to answer
+                return
+            timeout = self.limits.head_timeout_s
+            self._refuse(
+                408, "request_timeout", f"the request's head did not arrive within {timeout:g} s"
+            )
+
+        def _check_body_rate(self) -> None:
+            self._body_timer = None
+            cycle = self.cycle
+            if cycle is None or not cycle.more_body or self.transport.is_closing():
+                return
+            window = self.limits.body_rate_window_s
+            needed = self.limits.body_min_rate_bytes_per_s * window
+            # Not the client's fault: the app holds reading back (its buffer is full), or the
+            # client waits for the 100 Continue the app's first read sends.
+            waiting = self.flow.read_paused or cycle.waiting_for_100_continue
+            if self._body_bytes < needed and not waiting:
+                if cycle.response_started:
+                    self.transport.close()
+                    return
+                cycle.disconnected = True  # the app's answer, if any, goes nowhere
+                cycle.message_event.set()
+                self._refuse(
+                    408,
+                    "request_timeout",
+                    f"the body arrived slower than {self.limits.body_min_rate_bytes_per_s:g}"
+                    f" bytes/s over {window:g} s",
+                )
+                return
+            self._body_bytes = 0
+            self._body_timer = self.loop.call_later(window, self._check_body_rate)
+
+        def _refuse(self, status: int, code: str, message: str) -> None:
+            """Answer ``status`` and stop reading; the connection closes after a linger."""
+            self._stop_timers()
+            self.transport.write(
+                _error_answer(
+                    status,
+                    getattr(self, "url", b""),
+                    code,
+                    message,
+                    self.server_state.default_headers,
+                )
+            )
             self._lingering = True
             _linger(self.transport)
 
@@ -175,14 +401,21 @@ else:  # pragma: no cover
     HeadLimitedHttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 
-def server_options() -> dict[str, Any]:
-    """``uvicorn.Config`` keyword arguments: the protocol (httptools' where installed, else
-    h11's), the head read limit and asyncio's event loop."""
+def server_options(limits: ConnectionLimits | None = None) -> dict[str, Any]:
+    """``uvicorn.Config`` keyword arguments: the protocol (httptools' with ``limits``, default
+    :class:`ConnectionLimits`, and a :class:`ConnectionGuard` of its own; h11's, with the head
+    read limit only, where httptools is missing), the head read limit and asyncio's loop."""
+    limits = limits if limits is not None else ConnectionLimits()
     protocol: type[asyncio.Protocol] = HeadLimitedH11Protocol
     if HeadLimitedHttpToolsProtocol is not None:
-        protocol = HeadLimitedHttpToolsProtocol
+        # A class per server: its guard counts that server's connections only.
+        protocol = type(
+            "GuardedHttpToolsProtocol",
+            (HeadLimitedHttpToolsProtocol,),
+            {"limits": limits, "guard": ConnectionGuard(limits.unauthenticated_max)},
+        )
     return {
         "http": protocol,
         "loop": _LOOP,
-        "h11_max_incomplete_event_size": MAX_HEAD_READ_BYTES,
+        "h11_max_incomplete_event_size": limits.head_max_bytes,
     }

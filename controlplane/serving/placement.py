@@ -80,12 +80,17 @@ def policy_name(
     """The dispatch policy of a stage over the instance types in ``profiles`` and its base
     types: the plan's when it names one of fcfs or kairos, else the planner's rule (FCFS for one
     type; Kairos over a mix when a type serves the whole batch range within the SLO, the most
-    cost-effective first; else FCFS)."""
+    cost-effective first; else FCFS). The base types are in the plan's order
+    (``StagePlan.base_types``, what the planner simulated), those of them the stage has; types
+    the plan does not rank (a type the tuner added, an older plan) follow by name."""
     types = sorted(profiles)
     wanted = plan.policy if plan is not None else None
     if len(types) <= 1 or wanted == "fcfs":
         return "fcfs", types
     base = full_range_types(profiles, np.array([1]), slo_ms)
+    if plan is not None and plan.base_types:
+        ranked = [t for t in plan.base_types if t in base]
+        base = ranked + [t for t in base if t not in ranked]
     if base and wanted in (None, "kairos"):
         return "kairos", base
     return "fcfs", base

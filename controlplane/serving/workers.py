@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from controlplane.db.store import Store
-from controlplane.policies.lifecycle import InstanceState
+from controlplane.policies.lifecycle import InstanceState, is_profile_worker
 from provisioners.base import APP_TAG, Provisioner, with_port
 from provisioners.errors import ProvisionerError
 
@@ -97,7 +97,11 @@ class ProvisionedInstances:
         self._addresses: dict[str, dict[str, str]] = {}  # app -> provider id -> address
 
     def running(self, app: str) -> list[WorkerEndpoint]:
-        rows = self.store.list_instances(app, states=[InstanceState.RUNNING.value])
+        rows = [
+            row
+            for row in self.store.list_instances(app, states=[InstanceState.RUNNING.value])
+            if not is_profile_worker(row.request_id)  # a profile run's, not the fleet's
+        ]
         running_ids = {r.provider_id for r in rows if r.provider_id is not None}
         with self._lock:
             cached = self._addresses.get(app, {})

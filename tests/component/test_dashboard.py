@@ -14,15 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from controlplane.clock import FakeClock
 from controlplane.dashboard import COOKIE_NAME, ranking, snapshot
 from controlplane.db.store import Store
+from controlplane.policies.replay import rate_per_instance_qps
 from controlplane.service.app import create_app
 from controlplane.serving.observations import AppTotals
 from controlplane.settings import Settings
+from estimator.profiles import load_profiles
 from tests.component.test_api import spec, write_profiles
 
 SCOPES = ("admin", "operator", "viewer", "infer")
@@ -34,6 +37,7 @@ class Dash:
     store: Store
     clock: FakeClock
     tokens: dict[str, str]
+    data_dir: Path
 
     def bearer(self, scope: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.tokens[scope]}"}
@@ -64,7 +68,7 @@ def dash(tmp_path: Path) -> Iterator[Dash]:
     store = Store.from_url(settings.database_url, clock, upgrade=True)
     tokens = {scope: store.create_token(scope, name=f"{scope}-token") for scope in SCOPES}
     with TestClient(create_app(settings, store, clock), raise_server_exceptions=False) as client:
-        yield Dash(client, store, clock, tokens)
+        yield Dash(client, store, clock, tokens, data_dir)
     store.close()
 
 
@@ -238,6 +242,17 @@ def _apply_plan(dash: Dash) -> dict[str, Any]:
     return body
 
 
+def _tuner_rates_qps(dash: Dash, batch_size: int) -> dict[str, float]:
+    """mu_t as the tuner rates one instance of each type of the toy app's model."""
+    profiles = load_profiles(dash.data_dir / "profiles.csv")
+    rates = {}
+    for name in ("r5n.large", "t3.xlarge"):
+        profile = profiles.get_profile("m", name)
+        smallest = np.array([profile.min_batch_size], dtype=np.int64)
+        rates[name] = rate_per_instance_qps(profile, smallest, batch_size)
+    return rates
+
+
 def _launch(dash: Dash, instance_type: str, n: int, price: float) -> str:
     record = dash.store.record_instance(
         "toy", request_id=f"r-{n}", instance_type=instance_type, price_usd_per_hr=price
@@ -343,10 +358,16 @@ def test_the_snapshot_of_an_app_at_work(dash: Dash) -> None:
     load = snap["load"]
     assert load["has_traffic"] is True and load["arrival_rate_qps"] == 90.0 + 59 % 7
     assert load["planned_rate_qps"] == pytest.approx(plan["planned_rate_qps"])
-    assert load["planned_capacity_qps"] == pytest.approx(plan["stages"][0]["throughput_qps"])
+    # Capacity on the tuner's per-instance rate (mu_t at the stage's batch size), not the
+    # plan's SLO-bound throughput: two r5n.large planned.
+    mu = _tuner_rates_qps(dash, plan["stages"][0]["batch_size"])
+    assert load["planned_capacity_qps"] == pytest.approx(2 * mu["r5n.large"])
+    assert load["planned_capacity_qps"] > plan["stages"][0]["throughput_qps"]
     # The plan's two r5n.large run again: the planned capacity; with the t3 it was more.
     assert load["capacity_qps"] == pytest.approx(load["planned_capacity_qps"])
-    assert max(load["capacity"]["capacity_qps"]) > load["capacity_qps"]
+    assert max(load["capacity"]["capacity_qps"]) == pytest.approx(
+        2 * mu["r5n.large"] + mu["t3.xlarge"]
+    )
     # The plan's planned envelope, against the live one from the roll-ups.
     envelope = load["envelope"]
     assert envelope["windows_s"] == plan["envelope"]["windows_s"]

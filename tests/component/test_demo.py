@@ -274,7 +274,7 @@ def test_prepare_demo_registers_and_plans_once(service: Service) -> None:
     assert len(registry.versions()) == 4  # the same bytes: no new versions
     assert said == [
         f"the app {DEMO_APP!r} is registered already (version {first.app.version})",
-        f"plan 1 of {DEMO_APP!r} is applied already",
+        f"plan {first.plan.id} of {DEMO_APP!r} is applied already",
     ]
     store = service.store
     assert [app.name for app in store.list_apps()] == [DEMO_APP]

@@ -17,7 +17,7 @@ from controlplane.clock import FakeClock
 from controlplane.db import migrate
 from controlplane.db.store import AppRecord, Store
 from controlplane.loops.live_gears import LiveGears, ready_share
-from controlplane.policies.gears import Gear, GearOption, GearPlan, Placement
+from controlplane.policies.gears import Gear, GearOption, GearPlan, Hysteresis, Placement
 from controlplane.serving.dispatcher import AppStatus, StageStatus
 from estimator.cascades import Cascade, CascadeQuality
 from tests.unit import cascade_support as family
@@ -34,6 +34,7 @@ ACCURATE = GearOption(
     Cascade(("tiny", "large"), (0.5,)), CascadeQuality(0.97, (1.0, 0.3), (0.7, 0.3)), (1, 1),
     30.0, 20.0, ((0.0, 10.0), (20.0, 90.0)), 3.6,
 )  # fmt: skip
+PAPER = Hysteresis.off()
 PLAN = GearPlan(
     placement=Placement.parse(f"tiny:{TYPE}=1;large:{TYPE}=2"),
     slo_ms=100.0,
@@ -114,11 +115,18 @@ class Loop:
         self.arrival_s = now_s - span_s + (np.arange(n) + 0.5) / rate_qps
 
 
-def switcher(store: Store, clock: FakeClock, loop: Loop) -> LiveGears:
+def switcher(
+    store: Store, clock: FakeClock, loop: Loop, hysteresis: Hysteresis | None = PAPER
+) -> LiveGears:
+    """The live switcher; by default on the paper's rule (no band, hold or dwell), which most
+    tests here exercise; ``hysteresis=None``: the service's default."""
+
     def resolve(app: AppRecord) -> Any:
         return SimpleNamespace(profile=lambda m, t: PROFILES[m][t])
 
-    return LiveGears(store, clock, loop.arrivals, loop.statuses, resolve, window_s=5.0)
+    return LiveGears(
+        store, clock, loop.arrivals, loop.statuses, resolve, window_s=5.0, hysteresis=hysteresis
+    )
 
 
 def gear_log(store: Store) -> list[dict[str, Any]]:
@@ -244,11 +252,12 @@ def test_a_budget_below_the_fleets_cost_moves_the_gear_before_the_drain(
             APP, request_id=f"r{n}", instance_type=TYPE, price_usd_per_hr=0.3, state="running"
         )
     clock, loop = FakeClock(start_s=100.0), Loop()
-    gears = switcher(store, clock, loop)
+    gears = switcher(store, clock, loop, hysteresis=None)  # the service's: the start is no dwell
     loop.rate(15.0, clock.now_s())
     gears.tick()
     assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
-    # The budget drops to a third of the fleet's cost; no instance has been drained yet.
+    # The budget drops to a third of the fleet's cost; no instance has been drained yet. A
+    # second after the start: no dwell holds a switch the budget forces.
     store.change_budget(APP, 0.3, reason="cut", who="test")
     clock.advance(1.0)
     up = gears.budget_changed(APP)
@@ -337,3 +346,52 @@ def test_the_gear_in_force_carries_its_trigger(store: Store, tmp_path: Path) -> 
     served = gears.gear(APP)
     assert served is not None and served.cascade == FAST.cascade
     assert served.min_queue == {"tiny": 3} and served.max_wait_s == pytest.approx(0.04)
+
+
+@pytest.mark.parametrize(("hysteresis", "most", "least"), [(None, 1, 0), (PAPER, None, 10)])
+def test_flapping_stops_at_a_boundary(
+    store: Store,
+    tmp_path: Path,
+    hysteresis: Hysteresis | None,
+    most: int | None,
+    least: int,
+) -> None:
+    """Poisson arrivals at a steady 20 qps, the boundary between the two gears, for 5 minutes:
+    the producer every 100 ms, the store side every second, as the service runs them. With the
+    service's hysteresis the gear switches at most once; on the paper's rule it flaps."""
+    applied(store, tmp_path, PLAN.to_document())
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    gears = switcher(store, clock, loop, hysteresis)
+    rng = np.random.default_rng(7)
+    arrivals = 90.0 + np.cumsum(rng.exponential(1 / 20.0, size=20 * 330))
+    for tick in range(3000):
+        loop.arrival_s = arrivals[: np.searchsorted(arrivals, clock.now_s(), side="right")]
+        if tick % 10 == 0:
+            gears.refresh()
+        gears.switch_tick()
+        clock.advance(0.1)
+    recorded = [n for n in gear_log(store) if "previous" in n]  # the start has no previous
+    assert len(recorded) >= least
+    if most is not None:
+        assert len(recorded) <= most
+
+
+def test_a_move_within_a_cascade_changes_the_trigger_and_is_not_recorded(
+    store: Store, tmp_path: Path
+) -> None:
+    # The fast cascade serves two gears with different batch triggers.
+    lower, upper = Gear(20.0, 60.0, 0, True, (2,), 40.0), Gear(60.0, 100.0, 0, True, (4,), 40.0)
+    plan = GearPlan(
+        PLAN.placement, 100.0, 99.0, None, PLAN.options, (PLAN.gears[0], lower, upper), 100.0, 7, 42
+    )
+    applied(store, tmp_path, plan.to_document())
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    gears = switcher(store, clock, loop, hysteresis=None)
+    loop.rate(40.0, clock.now_s())
+    gears.tick()
+    assert gears.gear(APP).min_queue == {"tiny": 2}  # type: ignore[union-attr]
+    clock.advance(1.0)
+    loop.rate(80.0, clock.now_s())
+    assert gears.tick() == []  # no switch: the same cascade
+    assert gears.gear(APP).min_queue == {"tiny": 4}  # type: ignore[union-attr]
+    assert [n["gear"] for n in gear_log(store)] == [1]  # only the start is recorded

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -24,6 +23,8 @@ import numpy as np
 import pytest
 import uvicorn
 
+from controlplane.cli.serve import listen
+from controlplane.service.protocol import server_options
 from controlplane.serving.fake_worker import FakeWorker
 from provisioners.artifacts import ModelSignature, TensorSpec
 from tests.component.test_serving import (
@@ -473,10 +474,11 @@ def live_server(world: ApiWorld, types: Sequence[str]) -> Iterator[tuple[list[Fa
     background = _Background()
     workers = background.run(fleet(list(types)))
     world.instances.set("demo", endpoints(workers))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    # heteroplane serve's socket (TCP_NODELAY: no delayed-ACK stalls) and HTTP protocol.
+    sock = listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(world.app, log_level="warning", lifespan="on"))
+    config = uvicorn.Config(world.app, log_level="warning", lifespan="on", **server_options())
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20.0

@@ -2,12 +2,15 @@
 registered models: the fake provisioner (its addresses pointed at a fake OIP v2 worker on
 loopback), a real SQLite store through the migrations, a fake clock.
 
-- a run launches one worker per type with the app's artifacts and the profile-run tags, sends
-  v2 batches matching the signature at every batch size, stores the profile document, records a
-  decision and terminates the workers (also when a worker refuses a batch);
-- the budget: the fleet plus one worker per type must fit, else a 409 naming the cost;
-- the reconciler launches an artifact app's workers with its artifacts, and leaves a profile
-  run's workers alone until their lease ends;
+- a run records a row per worker before launching it with the app's artifacts and the
+  profile-run tags, sends v2 batches matching the signature at every batch size, stores the
+  profile document, records a decision and terminates the workers, rows and all (also when a
+  worker refuses a batch);
+- the budget: the fleet, the provider's instances of the app without a row and one worker per
+  type must fit, else a 409 naming the cost;
+- the reconciler launches an artifact app's workers with its artifacts; it leaves a live profile
+  run's workers out of the fleet but in the budget, reaps them once their run stops beating,
+  terminates a profile worker without a row, and ``app down`` takes them;
 - the API: registering pins ``NAME`` to ``NAME@latest``; a plan preview is refused (409, one
   line) until the profiles are measured; ``POST /v1/apps/{app}/profiles`` measures them.
 """
@@ -18,7 +21,6 @@ import json
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -29,23 +31,23 @@ from fastapi.testclient import TestClient
 
 from controlplane.apps.profile_run import (
     PROFILE_RUN_TAG,
-    PROFILE_UNTIL_TAG,
     ProfileRunRequest,
-    profiling_until,
     run_profile,
 )
 from controlplane.apps.profiler import ProfilingError
 from controlplane.apps.resolver import AppResolver, spec_document
+from controlplane.apps.teardown import request_teardown
 from controlplane.clock import FakeClock
 from controlplane.db.store import Store
 from controlplane.errors import ProfilingBudgetError
-from controlplane.loops.reconciler import Reconciler, catalog_pricing
+from controlplane.loops.reconciler import Orphan, Reconciler, catalog_pricing
+from controlplane.policies.lifecycle import is_profile_worker
 from controlplane.service.app import create_app
 from controlplane.service.build import app_artifacts
 from controlplane.settings import Settings
 from estimator.catalog import default_catalog
 from provisioners.artifacts import FAMILY_SIGNATURE
-from provisioners.base import APP_TAG, LaunchRequest, ProvisionedInstance
+from provisioners.base import APP_TAG, INSTANCE_TAG, LaunchRequest, ProvisionedInstance
 from provisioners.fake import FakeProvisioner
 
 SMALL, GPU = "emu.cpu.small", "emu.gpu"
@@ -205,13 +207,18 @@ def test_a_run_measures_through_one_worker_per_type_stores_and_stops_them(
     register(world, spec())
     assert world.resolver.resolve(world.store.get_app(APP).spec).unprofiled
     result = profile(world)
-    # One worker per type, with the app's artifact and the tags the reconciler leaves alone.
+    # One worker per type, with the app's artifact, the app's tags and its row's id.
     assert sorted(r.instance_type for r in world.provisioner.requests) == [SMALL, GPU]
+    rows = {r.id: r for r in world.store.list_instances(APP)}
     for request in world.provisioner.requests:
         (ref,) = request.artifacts
         assert (ref.name, ref.model, ref.version, ref.sha256) == ("small", "digits-small", 1, SHA)
-        assert request.tags[PROFILE_RUN_TAG] == APP and APP_TAG not in request.tags
-        assert profiling_until(request.tags) is not None
+        assert request.tags[PROFILE_RUN_TAG] == APP and request.tags[APP_TAG] == APP
+        row = rows[request.tags[INSTANCE_TAG]]
+        assert is_profile_worker(row.request_id) and row.request_id == request.request_id
+        # Recorded before the launch, ended after the run.
+        events = world.store.list_instance_events(instance_id=row.id)
+        assert [e.to_state for e in events] == ["requested", "pending", "terminating", "terminated"]
     assert live(world.provisioner) == []  # terminated after
     # (1 warm-up + 3 timed) rounds x 2 batch sizes x 2 types, each one FP32 [b, 64] batch.
     assert len(worker.log.calls) == 16
@@ -243,6 +250,7 @@ def test_a_worker_that_refuses_a_batch_fails_the_run_and_the_workers_stop(
         profile(world, types=(SMALL,))
     assert len(world.provisioner.requests) == 1
     assert live(world.provisioner) == []
+    assert [r.state for r in world.store.list_instances(APP)] == ["terminated"]
     assert world.store.get_app_profiles(APP) is None
 
 
@@ -254,6 +262,8 @@ def test_the_workers_must_fit_the_budget_next_to_the_fleet(world: World) -> None
     assert f"{prices[SMALL] + prices[GPU]:.4g} USD/hr" in str(refused.value)
     assert len(str(refused.value).splitlines()) == 1
     assert world.provisioner.requests == []
+    # Refused after recording: the rows end unlaunched.
+    assert {r.state for r in world.store.list_instances(APP)} == {"failed"}
     profile(world, types=(SMALL,))  # one type fits
     # A running fleet counts: with one GPU instance kept, not even the small type fits.
     world.store.record_instance(
@@ -280,22 +290,102 @@ def test_the_reconciler_launches_an_artifact_app_with_its_artifacts(world: World
     assert request.tags[APP_TAG] == APP
 
 
-def test_the_reconciler_leaves_a_profile_runs_workers_until_their_lease_ends(
+def reconciler_of(world: World, fleet: Mapping[str, int] | None = None) -> Reconciler:
+    return Reconciler(
+        world.store,
+        world.provisioner,
+        world.clock,
+        catalog_pricing(default_catalog()),
+        desired_fleet=lambda _app: dict(fleet or {}),
+        profile_run_timeout_s=40.0,
+    )
+
+
+def launch_profile_worker(world: World, instance_type: str = SMALL) -> str:
+    """A profile run's worker as a run records and launches it (the run itself not running)."""
+    price = default_catalog()[instance_type].price_usd_per_hr
+    row = world.store.record_instance(
+        APP,
+        request_id=f"profile:{APP}-0000-{instance_type}",
+        instance_type=instance_type,
+        price_usd_per_hr=price,
+        reason="test",
+    )
+    tags = {APP_TAG: APP, PROFILE_RUN_TAG: APP, INSTANCE_TAG: row.id}
+    (instance,) = world.provisioner.launch(LaunchRequest(row.request_id, instance_type, 1, tags))
+    world.store.transition_instance(
+        row.id, "pending", reason="launched", provider_id=instance.provider_id
+    )
+    return row.id
+
+
+def test_a_live_profile_run_counts_against_the_budget_but_not_the_fleet_and_is_reaped_when_gone(
     world: World,
 ) -> None:
+    prices = {t.name: t.price_usd_per_hr for t in default_catalog().values()}
+    # Room for the GPU profile worker and one small instance, not two.
+    register(world, spec(budget=prices[GPU] + prices[SMALL] * 1.5))
+    row_id = launch_profile_worker(world, GPU)
+    reconciler = reconciler_of(world, {SMALL: 2})
+    reconciler.run_once()
+    rows = world.store.list_instances(APP)
+    assert world.store.get_instance(row_id).state == "running"  # followed, not ended
+    # The fleet launched one small (the profile worker's cost is reserved), not a GPU.
+    fleet = [r for r in rows if not is_profile_worker(r.request_id)]
+    assert [r.instance_type for r in fleet] == [SMALL]
+    capped = world.store.list_decisions(APP, kinds=["budget_capped"])
+    assert capped and capped[-1].numbers["wanted"] == {SMALL: 1}
+    # The run beats: its worker stays past the timeout.
+    world.clock.advance(30)
+    world.store.touch_instances([row_id])
+    world.clock.advance(30)
+    reconciler.run_once()
+    assert world.store.get_instance(row_id).state == "running"
+    # The run is gone (no beat for longer than the timeout): the reconciler ends the worker.
+    world.clock.advance(41)
+    report = reconciler.run_once()
+    assert world.store.get_instance(row_id).state == "terminating"
+    (ended,) = [
+        a for a in report.apps[APP].actions if getattr(a, "cause", "") == "profile_run_gone"
+    ]
+    assert ended.instance_ids == (row_id,)
+    reconciler.run_once()
+    assert world.store.get_instance(row_id).state == "terminated"
+    assert not any(i.instance_type == GPU for i in live(world.provisioner))
+
+
+def test_a_profile_worker_without_a_row_is_terminated_and_counts_until_then(
+    world: World,
+) -> None:
+    prices = {t.name: t.price_usd_per_hr for t in default_catalog().values()}
+    register(world, spec(budget=prices[GPU] + prices[SMALL] * 0.5))
+    # A worker launched by a run that crashed before recording its provider id, row lost too.
+    tags = {APP_TAG: APP, PROFILE_RUN_TAG: APP}
+    world.provisioner.launch(LaunchRequest("profile:lost", GPU, 1, tags))
+    with pytest.raises(ProfilingBudgetError) as refused:
+        profile(world, types=(SMALL,))
+    assert refused.value.fleet_usd_per_hr == pytest.approx(prices[GPU])
+    report = reconciler_of(world).run_once()
+    assert report.apps[APP].count(Orphan) == 1
+    assert live(world.provisioner) == []
+    (orphan,) = [r for r in world.store.list_instances(APP) if r.request_id.startswith("orphan:")]
+    assert orphan.instance_type == GPU
+    # Nothing left unrecorded: the run fits now.
+    world.provisioner.requests.clear()
+    profile(world, types=(SMALL,))
+    assert len(world.provisioner.requests) == 1
+
+
+def test_app_down_ends_a_profile_runs_workers(world: World) -> None:
     register(world, spec())
-    until = world.clock.utcnow() + timedelta(seconds=600)
-    tags = {PROFILE_RUN_TAG: APP, PROFILE_UNTIL_TAG: str(int(until.timestamp()))}
-    world.provisioner.launch(LaunchRequest("profile-x", SMALL, 1, tags))
-    reconciler = Reconciler(
-        world.store, world.provisioner, world.clock, catalog_pricing(default_catalog())
-    )
-    report = reconciler.run_once()
-    assert report.unknown_app == () and len(live(world.provisioner)) == 1
-    assert world.store.list_instances(APP) == []  # not adopted either
-    world.clock.advance(601)
-    report = reconciler.run_once()
-    assert len(report.unknown_app) == 1 and live(world.provisioner) == []
+    row_id = launch_profile_worker(world)
+    assert request_teardown(world.store, APP, "tester").deleted is False
+    reconciler = reconciler_of(world)
+    reconciler.run_once()
+    assert world.store.get_instance(row_id).state == "terminating"
+    assert live(world.provisioner) == []
+    reconciler.run_once()
+    assert APP not in {a.name for a in world.store.list_apps()}
 
 
 def test_the_api_pins_refuses_the_plan_then_profiles_the_app(
@@ -347,3 +437,20 @@ def test_the_api_pins_refuses_the_plan_then_profiles_the_app(
         )
         assert unknown.status_code == 422
         assert unknown.json()["error"]["field"] == "models[0].artifact"
+
+
+def test_a_run_whose_rows_are_ended_meanwhile_stops_and_leaves_no_worker(world: World) -> None:
+    register(world, spec())
+    launch = world.provisioner.launch
+
+    def app_down_during_the_launch(request: LaunchRequest) -> list[ProvisionedInstance]:
+        # The reconciler's teardown ends the rows between the run's record and its launch.
+        for r in world.store.list_instances(APP, states=["requested"]):
+            world.store.transition_instance(r.id, "failed", reason="teardown (test)")
+        return launch(request)
+
+    world.provisioner.launch = app_down_during_the_launch  # type: ignore[method-assign]
+    with pytest.raises(ProfilingError, match="row was ended meanwhile"):
+        profile(world, types=(SMALL,))
+    assert live(world.provisioner) == []
+    assert world.store.get_app_profiles(APP) is None

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
+import signal
+import subprocess
+import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +49,13 @@ from controlplane.registry import (
     parse_reference,
     registry_from_settings,
 )
+from controlplane.registry.inspection import (
+    end_orphaned_inspectors,
+    inspector_command,
+    running_inspectors,
+)
+from controlplane.registry.registry import STAGING_PREFIX
+from controlplane.registry.storage import held
 from controlplane.service.app import create_app
 from controlplane.settings import Settings
 from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec
@@ -395,6 +407,9 @@ STUB = textwrap.dedent(
         sys.exit(2)
     elif what == "hang":
         time.sleep(30)
+    elif what == "spin":  # a forward that never returns
+        while True:
+            pass
     elif what == "crash":
         raise RuntimeError("boom")
     elif what == "memory":
@@ -444,6 +459,100 @@ def test_inspection_times_out(stub_module: str, tmp_path: Path) -> None:
     inspector = SubprocessInspector(timeout_s=1.0, module=stub_module)
     with pytest.raises(ModelRejectedError, match="longer than 1 s"):
         inspector(model_file(tmp_path, b"hang"))
+
+
+def inspectors_of(owner: int) -> list[int]:
+    """The pids of the inspectors ``owner`` started (by their marker)."""
+    return [pid for pid, started_by, _ in running_inspectors() if started_by == owner]
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+    """Poll ``condition`` until it holds or ``timeout_s`` passes; whether it held."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux /proc")
+
+
+@needs_proc
+def test_an_inspector_dies_with_its_parent(stub_module: str, tmp_path: Path) -> None:
+    spinning = model_file(tmp_path, b"spin")
+    script = (
+        "import sys; from pathlib import Path;"
+        " from controlplane.registry.inspection import inspect_artifact;"
+        f" inspect_artifact(Path(sys.argv[1]), module={stub_module!r}, timeout_s=600)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script, str(spinning)])
+    try:
+        assert wait_until(lambda: len(inspectors_of(parent.pid)) == 1), "no inspector started"
+        (child,) = inspectors_of(parent.pid)
+        parent.kill()  # SIGKILL: the parent's limits and timeout die with it
+        parent.wait()
+        assert wait_until(lambda: not alive(child)), f"inspector {child} outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait()
+        for pid in inspectors_of(parent.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@needs_proc
+def test_an_inspector_stops_at_its_own_cpu_limit(stub_module: str, tmp_path: Path) -> None:
+    command = inspector_command(
+        sys.executable,
+        stub_module,
+        [str(model_file(tmp_path, b"spin"))],
+        memory_bytes=1 << 30,
+        cpu_s=1,
+    )
+    child = subprocess.Popen(command, env={**os.environ}, start_new_session=True)
+    try:
+        returncode = child.wait(timeout=60)
+    finally:
+        child.kill()
+    assert returncode in (-signal.SIGXCPU, -signal.SIGKILL)
+
+
+@needs_proc
+def test_inspectors_left_by_a_dead_service_are_ended_at_start(
+    stub_module: str, tmp_path: Path
+) -> None:
+    spinning = [str(model_file(tmp_path, b"spin"))]
+    me = (os.getpid(), int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]))
+    # One whose owner is gone (a start time that is not this process's), one of this live one.
+    orphan_command = inspector_command(
+        sys.executable, stub_module, spinning, memory_bytes=1 << 30, cpu_s=60, owner=(me[0], 1)
+    )
+    owned_command = inspector_command(
+        sys.executable, stub_module, spinning, memory_bytes=1 << 30, cpu_s=60, owner=me
+    )
+    orphan = subprocess.Popen(orphan_command, start_new_session=True)
+    owned = subprocess.Popen(owned_command, start_new_session=True)
+    try:
+        # Popen returns once the command is exec'd: both carry their marker now.
+        ended = end_orphaned_inspectors()
+        # (Another service starting on this machine meanwhile may have ended the orphan first.)
+        assert orphan.pid in ended or orphan.poll() is not None
+        assert owned.pid not in ended
+        assert orphan.wait(timeout=20) == -signal.SIGKILL
+        assert owned.poll() is None
+    finally:
+        for child in (orphan, owned):
+            child.kill()
+            child.wait()
 
 
 def test_an_answer_that_breaks_the_contract_is_a_bug(stub_module: str, tmp_path: Path) -> None:
@@ -611,3 +720,60 @@ def test_openapi_documents_the_routes(api: Api) -> None:
     assert {"201", "400", "413", "422"} <= set(push["responses"])
     artifact = document["paths"]["/v1/models/{name}/versions/{version}/artifact"]["get"]
     assert "application/octet-stream" in artifact["responses"]["200"]["content"]
+
+
+# --- staging: removed on any failure, swept at start --------------------------------------------
+
+
+def test_a_staged_upload_is_held_while_in_use_and_removed_on_failure(registry: Registry) -> None:
+    with pytest.raises(RuntimeError), registry.staged_file() as path:
+        path.write_bytes(b"half an upload")
+        assert held(path)  # this process holds it: a sweep leaves it alone
+        assert registry.sweep() == []
+        assert path.exists()
+        raise RuntimeError("the client went away")
+    assert not path.exists()
+    assert list(registry.staging_dir.iterdir()) == []
+
+
+def test_the_sweep_removes_what_a_crashed_push_left(registry: Registry, tmp_path: Path) -> None:
+    kept = registry.push("wine", model_file(tmp_path))
+    root = tmp_path / "data" / "registry"
+    # What a push killed at each step leaves: a staged upload, a blob store temporary file, a
+    # blob stored but without its row (no process holds any of them any more).
+    registry.staging_dir.mkdir(parents=True)
+    staged = registry.staging_dir / f"{STAGING_PREFIX}crashed"
+    staged.write_bytes(b"x" * 100)
+    temporary = root / "models" / "wine" / "2" / ".incoming-crashed"
+    temporary.parent.mkdir(parents=True)
+    temporary.write_bytes(b"y")
+    rowless = root / "models" / "wine" / "2" / ("ab" * 32 + ".onnx")
+    rowless.write_bytes(b"z")
+    # A push in flight (held) keeps its file and holds back the sweep of blobs without a row.
+    with registry.staged_file() as in_flight:
+        removed = registry.sweep()
+        assert sorted(removed) == sorted([str(staged), str(temporary)])
+        assert in_flight.exists() and rowless.exists()
+    removed = registry.sweep()
+    assert removed == [str(rowless)]
+    assert [p for p in blobs(root) if "incoming" not in p.parts] == [
+        Path(kept.uri.removeprefix("file://"))
+    ]
+    assert not rowless.parent.exists()  # its empty folder went with it
+    assert registry.store.get_model_version("wine").uri == kept.uri
+
+
+def test_the_service_sweeps_the_staging_folder_as_it_starts(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    settings = Settings(data_dir=data_dir, provisioner="fake")
+    settings.ensure_data_dir()
+    store = Store.from_url(settings.database_url, FakeClock(), upgrade=True)
+    registry = registry_from_settings(settings, store, inspector=fake_inspector())
+    registry.staging_dir.mkdir(parents=True)
+    leftover = registry.staging_dir / f"{STAGING_PREFIX}from-before-the-crash"
+    leftover.write_bytes(b"x" * 1000)
+    app = create_app(settings, store, FakeClock(), registry=registry)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert client.get("/healthz").status_code == 200
+        assert not leftover.exists()
+    store.close()

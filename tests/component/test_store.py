@@ -7,6 +7,7 @@ Concurrency (two writers at once) and PostgreSQL are in tests/integration/test_s
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sqlite3
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
@@ -189,6 +190,19 @@ def test_change_budget_audits_and_bumps_version(store: Store, clock: StepClock) 
     assert (app.budget_usd_per_hr, app.spec["budget_usd_per_hr"], app.version) == (6.0, 6.0, 2)
     assert store.list_budget_changes("recs")[-1] == change
     assert len(store.list_budget_changes("recs", limit=1)) == 1
+
+
+def test_budget_history_is_listed_in_chain_order_not_by_time(store: Store) -> None:
+    """Two replicas whose clocks disagree: the second change carries the earlier time, and the
+    history still lists it after the first (each change's old budget is the one before's new)."""
+    store.create_app(spec(budget=10), who="alice")
+    store.change_budget("recs", 8.0, reason="a", who="x", at=T0 + timedelta(seconds=30))
+    store.change_budget("recs", 6.0, reason="b", who="y", at=T0 + timedelta(seconds=10))
+    store.change_budget("recs", 4.0, reason="c", who="z", at=T0 + timedelta(seconds=20))
+    history = store.list_budget_changes("recs")
+    assert [c.new_usd_per_hr for c in history] == [10.0, 8.0, 6.0, 4.0]
+    assert all(a.new_usd_per_hr == b.old_usd_per_hr for a, b in itertools.pairwise(history))
+    assert [c.new_usd_per_hr for c in store.list_budget_changes("recs", limit=2)] == [6.0, 4.0]
 
 
 def test_change_budget_refusals(store: Store) -> None:

@@ -130,7 +130,7 @@ def test_an_app_of_a_pushed_model_launches_ec2_workers_that_fetch_it_from_s3(
     assert record["uri"].startswith(f"s3://{BUCKET}/models/wine/1/")
     assert record["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 13]}]
 
-    profiles = tmp_path / "wine-profiles.json"
+    profiles = tmp_path / "data" / "wine-profiles.json"  # specs name files in the data dir
     write_profiles_json(
         [LatencyProfile("wine", TYPE, np.array([1, 2]), (np.full(8, 5.0), np.full(8, 6.0)))],
         profiles,

@@ -60,6 +60,7 @@ FLEET_DEADLINE_S = 30.0
 DECISION_DEADLINE_MS = 5_000
 DRAW_DEADLINE_MS = 15_000
 DRAWN = re.compile(r"^(ready|partial)$")
+GEAR_SWITCHES = 12
 PANELS = ("fleet", "instances", "cost", "load", "latency", "cascade", "decisions", "plan")
 
 pytestmark = pytest.mark.skipif(
@@ -185,6 +186,11 @@ def prepare(service: Service) -> dict[str, Any]:
             time.sleep(0.2)
         else:
             pytest.fail(f"the reconciler launched no fleet: {fleet}\n{service.log.read_text()}")
+    # A burst of gear switches after the plan: one entry in the log, the plan's still in view.
+    for i in range(GEAR_SWITCHES):
+        service.store.record_decision(
+            "toy", "gear_switch", f"gear {i % 2}", {"gear": "fast" if i % 2 else "accurate"}
+        )
     now = datetime.now(UTC)
     for i in range(30):
         at = now - timedelta(seconds=300 - 10 * i)
@@ -222,6 +228,41 @@ def sign_in(page: Any, url: str, token: str) -> int:
         page.click("#login-button")
     status: int = answer.value.status
     return status
+
+
+def assert_wide_layout(page: Any, width: int) -> None:
+    """Three columns of panels within ``width``; every instance in the table, no row taller
+    than a line for its id and no column behind a sideways scroll; no tile's text cut."""
+    page.wait_for_function(
+        "(w) => document.getElementById('panel-load').getBoundingClientRect().right <= w",
+        arg=width,
+    )
+    fleet_box = page.locator("#panel-fleet").bounding_box()
+    cost_box = page.locator("#panel-cost").bounding_box()
+    load_box = page.locator("#panel-load").bounding_box()
+    assert fleet_box["y"] == cost_box["y"] == load_box["y"], width
+    assert load_box["x"] + load_box["width"] <= width
+    table = page.locator("#instance-table").evaluate(
+        """(t) => {
+          const wrap = t.parentElement;
+          return {
+            width: t.scrollWidth, room: wrap.clientWidth,
+            cols: Array.from(t.querySelectorAll("thead th"))
+              .map((h) => Math.round(h.getBoundingClientRect().width)),
+            height: wrap.scrollHeight, shown: wrap.clientHeight,
+            idLines: Array.from(t.querySelectorAll("tbody td:last-child code"))
+              .map((c) => c.getClientRects().length),
+          };
+        }"""
+    )
+    assert table["width"] <= table["room"] + 1, (width, table)
+    assert table["height"] <= table["shown"] + 1, (width, table)  # every row, no inner scroll
+    assert table["idLines"] and set(table["idLines"]) == {1}, (width, table)
+    cut = page.locator(".tile .s, .tile .v").evaluate_all(
+        "(nodes) => nodes.filter((n) => n.scrollWidth > n.clientWidth + 1)"
+        ".map((n) => n.closest('.tile').id + ': ' + n.textContent)"
+    )
+    assert not cut, (width, cut)
 
 
 def test_the_dashboard_in_a_browser(service: Service, tmp_path: Path) -> None:
@@ -277,6 +318,10 @@ def test_the_dashboard_in_a_browser(service: Service, tmp_path: Path) -> None:
             expect(page.locator('#gear-chart rect[data-series="fast"]')).not_to_have_count(0)
             expect(page.locator('#accuracy-chart path[data-series="accuracy"]')).to_have_count(1)
             expect(page.locator('#decision-log li[data-kind="plan_applied"]')).to_have_count(1)
+            switches = page.locator('#decision-log li[data-kind="gear_switch"]')
+            expect(switches).to_have_count(1)
+            expect(switches).to_have_attribute("data-run", str(GEAR_SWITCHES))
+            expect(switches).to_contain_text(f"x{GEAR_SWITCHES}")
             expect(page.locator("#plan-body")).to_contain_text("feasible")
             expect(page.locator("#plan-ranking table").first).to_be_visible()
             expect(page.locator("#tile-latency .v")).not_to_have_text("–")
@@ -300,17 +345,11 @@ def test_the_dashboard_in_a_browser(service: Service, tmp_path: Path) -> None:
             )]  # fmt: skip
             assert shown == sorted(shown, reverse=True) and len(shown) >= 2
 
-            # 4. Readable at 1280x800 (three columns) and on a narrow screen (one column).
-            fleet_box = page.locator("#panel-fleet").bounding_box()
-            cost_box = page.locator("#panel-cost").bounding_box()
-            load_box = page.locator("#panel-load").bounding_box()
-            assert fleet_box["y"] == cost_box["y"] == load_box["y"]
-            assert load_box["x"] + load_box["width"] <= 1280
-            # Every column of the instance table fits its panel: none hides behind a scroll.
-            widths = page.locator("#instance-table").evaluate(
-                "(t) => [t.scrollWidth, t.parentElement.clientWidth]"
-            )
-            assert widths[0] <= widths[1] + 1, widths
+            # 4. Readable at 1280x800 and 1920x1080 (three columns) and on a narrow screen (one
+            # column).
+            for width, height in ((1280, 800), (1920, 1080)):
+                page.set_viewport_size({"width": width, "height": height})
+                assert_wide_layout(page, width)
             page.set_viewport_size({"width": 400, "height": 800})
             expect(page.locator("#panel-cost")).to_be_visible()
             page.wait_for_function(

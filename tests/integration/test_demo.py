@@ -1,28 +1,27 @@
-"""``heteroplane demo`` as a real process, and README.md's "Talk to it" commands run against it.
+"""``heteroplane demo`` as a real process, and README.md's code blocks run against it as written.
 
-The demo runs with ``HOME`` in a temporary folder (and ``HETEROPLANE_DATA_DIR`` set to that
-home's ``~/.local/share/heteroplane``, which is where the default data directory is anyway), so
-the README's ``~/.local/share/heteroplane/demo-token`` is the demo's token file as written. It
-listens on a free port (``HETEROPLANE_PORT``), not 8000, so that a developer's own demo does not
-get in the way: the README's commands are run through bash with exactly one rewrite,
-``127.0.0.1:8000`` to ``127.0.0.1:<that port>`` (and ``.venv/bin/heteroplane`` to this Python's
-``-m controlplane`` only where the checkout has no ``.venv``).
+The demo runs with ``HOME`` in a temporary folder, its data directory chosen through
+``XDG_DATA_HOME`` (one of the documented settings) and its port through ``HETEROPLANE_PORT`` (a
+free one, not 8000, so that a developer's own demo does not get in the way). README.md's blocks
+read both settings, so they run as written (:mod:`tests.readme_blocks`: every ``sh`` and
+``python`` block in order, but those the README marks as skipped, from a working directory whose
+``.venv/bin`` is this interpreter): talking to the demo with curl and the command line, then
+"Your own model": the ONNX export, push, app, profile run, plan, ``plans apply --wait`` and a
+query over the Open Inference Protocol.
 
 The demo serves the model family from local worker processes: the session's trained family is
 copied into the data directory first (so the demo does not train it again) and the profiles are
 measured through real workers with a few samples (``--profile-samples``), which the emulated
-types' real-time compute makes take a few tens of seconds before the service answers. Readiness
-is polled against ``/healthz``, then against the inference route until the workers answer, with
-deadlines (no fixed sleeps). The workers outlive the demo by design; the test stops them at the
-end.
+types' real-time compute makes take a few tens of seconds before the service answers. The first
+start runs without the demo load (the README's own load generator and profile run are load
+enough on two cores); the restart runs with it. Readiness is polled against ``/healthz``, then
+against the inference route until the workers answer, with deadlines (no fixed sleeps). The
+workers outlive the demo by design; the test stops them at the end.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import shlex
 import shutil
 import signal
 import socket
@@ -37,18 +36,18 @@ import httpx
 import pytest
 
 from controlplane.cli import main
+from controlplane.db.lease import lock_sqlite_database
 from controlplane.db.store import Store
 from provisioners.local import LocalProvisioner
 from tests.integration.conftest import free_port, stop_every_worker
+from tests.readme_blocks import README, Block, BlockRunner, readme_blocks
 
 REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
 # The profiles are measured through real workers before the service listens.
 START_DEADLINE_S = 300.0
 STOP_DEADLINE_S = 30.0
-COMMAND_TIMEOUT_S = 120.0
-README_URL = "127.0.0.1:8000"
-README_CLI = ".venv/bin/heteroplane"
+# A README block: its commands may start workers and wait for them (profile run, --wait).
+BLOCK_TIMEOUT_S = 600.0
 PROFILE_SAMPLES = "3"
 # The first zero of sklearn's digits, as README.md's inference example sends it.
 A_DIGIT = [0, 0, 5, 13, 9, 1, 0, 0, 0, 0, 13, 15, 10, 15, 5, 0, 0, 3, 15, 2, 0, 11, 8, 0, 0, 4]
@@ -58,9 +57,15 @@ A_DIGIT += [10, 12, 0, 0, 0, 0, 6, 13, 10, 0, 0, 0]
 pytest.importorskip("torch")
 
 
+def data_home(home: Path) -> Path:
+    """The ``XDG_DATA_HOME`` the test gives the user whose home is ``home`` (not the default
+    ``~/.local/share``, so that nothing may write that path out)."""
+    return home / "xdg-data"
+
+
 def demo_env(home: Path, port: int) -> dict[str, str]:
     """The environment of a user whose home is ``home``, with no heteroplane settings but the
-    port (and the data directory, set to the default one explicitly)."""
+    port, and ``XDG_DATA_HOME`` (the data directory is ``$XDG_DATA_HOME/heteroplane``)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -68,7 +73,7 @@ def demo_env(home: Path, port: int) -> dict[str, str]:
     }
     env |= {
         "HOME": str(home),
-        "HETEROPLANE_DATA_DIR": str(home / ".local" / "share" / "heteroplane"),
+        "XDG_DATA_HOME": str(data_home(home)),
         "HETEROPLANE_PORT": str(port),
     }
     return env
@@ -93,7 +98,7 @@ class Demo:
 
     @property
     def data_dir(self) -> Path:
-        return self.home / ".local" / "share" / "heteroplane"
+        return data_home(self.home) / "heteroplane"
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_DEADLINE_S
@@ -130,6 +135,18 @@ class Demo:
                 pytest.fail(f"demo exited with {code}:\n{self.log_path.read_text()}")
         pytest.fail(f"the demo's workers did not answer in {START_DEADLINE_S} s: {last}")
 
+    def wait_logged(self, text: str) -> None:
+        """Until the demo's log holds ``text`` (or fail after START_DEADLINE_S)."""
+        deadline = time.monotonic() + START_DEADLINE_S
+        while text not in self.log_path.read_text():
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {text!r} in the demo's log:\n{self.log_path.read_text()}")
+            try:
+                code = self.process.wait(timeout=0.2)  # the pause between looks
+            except subprocess.TimeoutExpired:
+                continue
+            pytest.fail(f"demo exited with {code}:\n{self.log_path.read_text()}")
+
     def stop(self) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -148,75 +165,20 @@ class Demo:
         )
 
 
-def talk_to_it_blocks() -> list[str]:
-    """The ``sh`` code blocks of README.md's "Talk to it" section."""
-    text = README.read_text(encoding="utf-8")
-    found = re.search(r"^## Talk to it\n(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
-    assert found is not None, "README.md has no '## Talk to it' section"
-    blocks = re.findall(r"^```sh\n(.*?)^```", found.group(1), re.MULTILINE | re.DOTALL)
-    assert blocks, "README.md's 'Talk to it' section has no sh block"
-    return blocks
-
-
-def shell_commands(block: str) -> list[str]:
-    """The commands of a shell block: continuation lines joined, blank and comment lines out."""
-    commands: list[str] = []
-    pending = ""
-    for line in block.splitlines():
-        if line.endswith("\\"):
-            pending += line[:-1]
-            continue
-        command = (pending + line).strip()
-        pending = ""
-        if command and not command.startswith("#"):
-            commands.append(command)
-    assert not pending, f"a continuation line ends the block: {pending!r}"
-    return commands
-
-
-def as_run_here(command: str, port: int) -> str:
-    """The README's command with the test's port (and CLI, where there is no .venv here)."""
-    command = command.replace(README_URL, f"127.0.0.1:{port}")
-    if not (REPO / README_CLI).exists():
-        command = command.replace(README_CLI, f"{shlex.quote(sys.executable)} -m controlplane")
-    return command
-
-
-_ASSIGNMENT = re.compile(r"^(export\s+)?[A-Za-z_][A-Za-z0-9_]*=")
-
-
-def run_readme_block(block: str, demo: Demo) -> list[str]:
-    """Run each command of ``block`` through bash, in order (the variables it sets carry over);
-    each must exit 0, and a curl command must answer JSON that is not an error. Returns the
-    commands run."""
+def run_readme(workdir: Path, demo: Demo) -> list[Block]:
+    """Run README.md's blocks in order against ``demo`` (see the module docstring); each must
+    exit 0 without a traceback. The blocks run."""
     assert shutil.which("bash") is not None
-    assignments: list[str] = []
-    ran: list[str] = []
-    for written in shell_commands(block):
-        command = as_run_here(written, demo.port)
-        script = "\n".join(["set -euo pipefail", *assignments, command])
-        done = subprocess.run(
-            ["bash", "-c", script],
-            cwd=REPO,
-            env=demo.env,
-            capture_output=True,
-            text=True,
-            timeout=COMMAND_TIMEOUT_S,
-        )
-        where = f"README command {written!r} (run as {command!r})"
-        assert done.returncode == 0, f"{where} exited {done.returncode}:\n{done.stderr}"
-        assert "Traceback" not in done.stderr, f"{where}:\n{done.stderr}"
-        if _ASSIGNMENT.match(command):
-            assignments.append(command)
-        elif command.startswith("curl "):
-            try:
-                answer: Any = json.loads(done.stdout)
-            except json.JSONDecodeError:
-                pytest.fail(f"{where} did not answer JSON: {done.stdout!r}")
-            assert not (isinstance(answer, dict) and "error" in answer), f"{where}: {answer}"
-        else:
-            assert done.stdout.strip(), f"{where} printed nothing"
-        ran.append(written)
+    runner = BlockRunner(workdir, demo.env, BLOCK_TIMEOUT_S)
+    ran: list[Block] = []
+    for block in readme_blocks(README.read_text(encoding="utf-8")):
+        if block.skip is not None:
+            continue
+        done = runner.run(block, len(ran) + 1)
+        said = f"{block} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        assert done.returncode == 0, said
+        assert "Traceback" not in done.stderr, said
+        ran.append(block)
     return ran
 
 
@@ -231,7 +193,7 @@ def home(tmp_path: Path) -> Path:
 def home_with_family(home: Path, trained_family: Path) -> Iterator[Path]:
     """``home`` whose data directory holds the session's trained family; the local workers the
     demos in it launched are stopped afterwards."""
-    data_dir = home / ".local" / "share" / "heteroplane"
+    data_dir = data_home(home) / "heteroplane"
     data_dir.mkdir(parents=True)
     shutil.copytree(trained_family, data_dir / "models")
     try:
@@ -253,16 +215,17 @@ def plans_applied(api: httpx.Client) -> list[Any]:
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 @pytest.mark.slow
-def test_readme_commands_work_against_the_demo_and_a_restart_adds_nothing(
+def test_the_readme_runs_as_written_against_the_demo_and_a_restart_adds_nothing(
     home_with_family: Path, tmp_path: Path
 ) -> None:
+    pytest.importorskip("onnx", reason="the README's ONNX export writes through onnx")
     home = home_with_family
-    demo = Demo(home, tmp_path / "demo.log")
+    demo = Demo(home, tmp_path / "demo.log", "--no-load")
     try:
         banner = demo.log_path.read_text()
         assert f"heteroplane demo is ready on {demo.url}" in banner
         assert str(demo.data_dir / "demo-token") in banner
-        assert "a demo load runs against it" in banner
+        assert "no demo load (--no-load)" in banner
         assert "training" not in banner  # the family was there already
         assert (demo.data_dir / "profiles" / "family.json").is_file()
         token_file = demo.data_dir / "demo-token"
@@ -271,24 +234,29 @@ def test_readme_commands_work_against_the_demo_and_a_restart_adds_nothing(
         answer = demo.wait_served()
         assert answer["outputs"] == [0] and len(answer["models"]) == 1
 
-        ran = [cmd for block in talk_to_it_blocks() for cmd in run_readme_block(block, demo)]
-        assert any("curl" in command and "/v1/apps/demo/budget" in command for command in ran)
-        assert any("curl" in command and "/v1/apps/demo/infer" in command for command in ran)
-        assert any(command.startswith(f"{README_CLI} budget set") for command in ran)
-        assert any(command.startswith(f"{README_CLI} loadgen") for command in ran)
+        workdir = tmp_path / "checkout"
+        ran = run_readme(workdir, demo)
+        sections = [block.section for block in ran]
+        assert sections.count("Talk to it") == 2 and "Your own model" in sections
+        assert (workdir / "wine.onnx").is_file() and (workdir / "demo-trace.csv").is_file()
 
         with demo.api() as api:
             apps = api.get("/v1/apps").json()
-            assert [app["name"] for app in apps] == ["demo"]
-            spec = apps[0]["spec"]
+            assert sorted(app["name"] for app in apps) == ["demo", "wine"]
+            demo_app = next(app for app in apps if app["name"] == "demo")
+            spec = demo_app["spec"]
             assert len(spec["cascade"]) >= 2 and spec["validation"].endswith("validation.json")
             assert spec["instance_types"] == ["emu.cpu.small", "emu.cpu.large"]
             plans = api.get("/v1/apps/demo/plans").json()
             assert [plan["status"] for plan in plans] == ["applied"]
-            assert apps[0]["applied_plan_id"] == plans[0]["id"]
+            assert demo_app["applied_plan_id"] == plans[0]["id"]
             assert plans[0]["feasible"] is True
+            # The README's own model: applied, and served (`plans apply --wait` returned).
+            wine = api.get("/v1/apps/wine").json()
+            assert wine["applied_plan_id"] is not None
+            assert api.get("/v2/models/wine/ready").json() == {"name": "wine", "ready": True}
             before = {
-                "apps": apps,
+                "apps": api.get("/v1/apps").json(),
                 "plans": plans,
                 "budget": api.get("/v1/apps/demo/budget").json(),
                 "plans_applied": plans_applied(api),
@@ -300,22 +268,24 @@ def test_readme_commands_work_against_the_demo_and_a_restart_adds_nothing(
     log = demo.log_path.read_text()
     assert code == 0, log
     assert "stopped by SIGTERM" in log
-    assert "demo load: started" in log
+    assert "demo load:" not in log
     assert "Traceback" not in log
 
-    again = Demo(home, tmp_path / "demo-again.log", "--no-load")
+    again = Demo(home, tmp_path / "demo-again.log")
     try:
+        assert "a demo load runs against it" in again.log_path.read_text()
         with again.api() as api:
             assert api.get("/v1/apps").json() == before["apps"]
             assert api.get("/v1/apps/demo/plans").json() == before["plans"]
             assert api.get("/v1/apps/demo/budget").json() == before["budget"]
             assert plans_applied(api) == before["plans_applied"]
+        again.wait_logged("demo load: started")
     finally:
         assert again.stop() == 0, again.log_path.read_text()
     log = again.log_path.read_text()
     assert "registered already" in log and "applied already" in log
     assert "made an admin token" not in log and "measuring" not in log
-    assert "demo load:" not in log and "Traceback" not in log
+    assert "Traceback" not in log
     assert (again.data_dir / "demo-token").read_text() == token
 
     store = Store.from_url(f"sqlite:///{again.data_dir / 'heteroplane.db'}")
@@ -362,3 +332,21 @@ def test_demo_refuses_bad_input_in_one_line(home: Path, capsys: pytest.CaptureFi
 
     status, err = run_demo(capsys, "--json")
     assert status == 2 and err.count("\n") == 1 and "only with --offline" in err
+
+
+@pytest.mark.usefixtures("quiet_env")
+def test_demo_down_while_the_demo_runs_says_what_to_do(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The running demo holds its SQLite database (here: this test holds the same lock)."""
+    lock = lock_sqlite_database(f"sqlite:///{home / 'data' / 'heteroplane.db'}")
+    assert lock is not None
+    try:
+        status, err = run_demo(capsys, "--down")
+    finally:
+        lock.close()
+    assert status == 2
+    last = err.splitlines()[-1]
+    assert f"the demo (pid {os.getpid()}) is running on {home / 'data'}" in last
+    assert "stop it with Ctrl-C" in last and "heteroplane app down demo" in last
+    assert "standby" not in err

@@ -1,6 +1,6 @@
 """Oversized request heads against ``heteroplane serve`` on a loopback port: 431 Request Header
 Fields Too Large with the API's error body, whether the app's middleware answers (a head over
-32 KiB) or the HTTP protocol does (a head over the 1 MiB it reads), never a connection reset; and
+32 KiB) or the HTTP protocol does (a head over the 64 KiB it reads), never a connection reset; and
 the server goes on serving.
 """
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
+from benchmarks.local_service import family_onnx
 from controlplane.apps.profile_run import ProfileRunRequest, run_profile
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import SystemClock
@@ -21,24 +21,6 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 TYPES = ("local.cpu", "emu.cpu.small")
-
-
-def family_shaped_onnx(path: Path) -> Path:
-    """input FP32 [n, 64] -> logits FP32 [n, 10], a fixed linear map (the family's signature)."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    weights = np.random.default_rng(0).normal(size=(64, 10)).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["input", "w"], ["logits"])],
-        "clf",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", 64])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 10])],
-        [numpy_helper.from_array(weights, "w")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    onnx.save(model, path)
-    return path
 
 
 @pytest.fixture
@@ -56,7 +38,7 @@ def provisioner(tmp_path: Path) -> Iterator[LocalProvisioner]:
 
 
 def test_a_profile_run_through_real_workers(tmp_path: Path, provisioner: LocalProvisioner) -> None:
-    path = family_shaped_onnx(tmp_path / "clf.onnx")
+    path = family_onnx(tmp_path / "clf.onnx")
     store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", SystemClock(), upgrade=True)
     try:
         store.add_model_version(

@@ -274,7 +274,7 @@ def test_a_standby_takes_over_from_a_killed_leader_without_duplicates(
     api = httpx.Client(base_url=standby.url, headers=headers, timeout=120.0)
 
     # Everything through the standby: every replica serves the API.
-    created = api.post("/v1/apps", json=rm2_spec())
+    created = api.post("/v1/apps", json=rm2_spec(standby.data_dir))
     assert created.status_code == 201, created.text
     plan = api.post(
         f"/v1/apps/{APP}/plans",

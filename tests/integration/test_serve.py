@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -111,9 +112,14 @@ def create_token(data_dir: Path, scope: str = "admin", name: str = "ops") -> str
     return done.stdout.strip()
 
 
-def rm2_spec() -> dict[str, Any]:
+def rm2_spec(data_dir: Path) -> dict[str, Any]:
+    """examples/rm2.yaml with its profiles copied into the service's ``data_dir`` (a spec sent
+    to the API may name files there only) and named by their absolute path."""
     document: dict[str, Any] = yaml.safe_load((REPO / "examples" / "rm2.yaml").read_text())
-    document["models"][0]["profiles"] = str(KAIROS_CSV)
+    profiles = data_dir / KAIROS_CSV.name
+    if not profiles.exists():
+        shutil.copyfile(KAIROS_CSV, profiles)
+    document["models"][0]["profiles"] = str(profiles)
     return document
 
 
@@ -133,7 +139,7 @@ def test_serve_survives_a_restart(data_dir: Path, tmp_path: Path) -> None:
         assert api.get("/v1/apps").json() == []
         assert httpx.get(f"{server.url}/v1/apps").status_code == 401
 
-        created = api.post("/v1/apps", json=rm2_spec())
+        created = api.post("/v1/apps", json=rm2_spec(data_dir))
         assert created.status_code == 201, created.text
         changed = api.put(
             "/v1/apps/rm2-kairos/budget", json={"budget_usd_per_hr": 6.0, "reason": "quarter end"}
@@ -216,7 +222,7 @@ def test_client_commands_against_a_live_server(
     monkeypatch.setenv("HETEROPLANE_URL", live.url)
     monkeypatch.setenv("HETEROPLANE_TOKEN", token)
     spec_file = tmp_path / "rm2.yaml"
-    spec_file.write_text(yaml.safe_dump(rm2_spec()))
+    spec_file.write_text(yaml.safe_dump(rm2_spec(data_dir)))
 
     status, out, _ = cli(capsys, "app", "apply", "-f", str(spec_file))
     assert status == 0 and out.startswith("registered rm2-kairos: budget $10/hr")
@@ -225,10 +231,9 @@ def test_client_commands_against_a_live_server(
     status, out, _ = cli(capsys, "app", "list")
     assert status == 0 and "rm2-kairos" in out and "BUDGET_USD_PER_HR" in out
 
-    status, out, _ = cli(
-        capsys, "plans", "preview", "--app", "rm2-kairos", "--rate-qps", "40",
-        "--batch-dist", "kairos", "--duration", "60", "--json",
-    )  # fmt: skip
+    preview_rm2 = ["plans", "preview", "--app", "rm2-kairos", "--rate-qps", "40"]
+    preview_rm2 += ["--batch-dist", "kairos", "--duration", "60"]
+    status, out, _ = cli(capsys, *preview_rm2, "--json")
     assert status == 0
     plan = json.loads(out)
     assert plan["status"] == "previewed" and plan["feasible"] is True
@@ -279,6 +284,30 @@ def test_client_commands_against_a_live_server(
     monkeypatch.delenv("HETEROPLANE_TOKEN")
     status, _, err = cli(capsys, "fleet")
     assert status == 2 and "no API token" in err
+
+    # --wait: no worker ever serves rm2 here (the fake provisioner), so it gives up in one line;
+    # its readiness route needs an infer-scoped token, which the operator's is not.
+    monkeypatch.setenv("HETEROPLANE_TOKEN", token)
+    admin = create_token(data_dir, "admin", "root")
+    wait = ["--wait", "--timeout-s", "0.2", "--poll-s", "0.05"]
+    again = json.loads(cli(capsys, *preview_rm2, "--json")[1])
+    status, _, err = cli(
+        capsys, "plans", "apply", "--app", "rm2-kairos", "--id", str(again["id"]), *wait
+    )
+    assert status == 2 and err.count("\n") == 2  # the progress line, then the reason
+    assert "has scope operator; this needs infer" in err
+    again = json.loads(cli(capsys, *preview_rm2, "--json")[1])
+    apply_again = ["plans", "apply", "--app", "rm2-kairos", "--id", str(again["id"])]
+    status, _, err = cli(capsys, *apply_again, *wait, "--token", admin)
+    assert status == 2
+    assert err.splitlines()[-1].startswith(
+        "heteroplane plans: rm2-kairos is not served after 0.2 s (app 'rm2-kairos'"
+    )
+    assert "503" in err and "heteroplane fleet --app rm2-kairos" in err
+    unknown = httpx.get(
+        f"{live.url}/v2/models/ghost/ready", headers={"Authorization": f"Bearer {admin}"}
+    )
+    assert (unknown.status_code, unknown.json()) == (404, {"error": "no model 'ghost'"})
 
 
 def test_serve_refuses_a_port_in_use(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

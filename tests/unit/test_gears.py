@@ -18,10 +18,12 @@ from controlplane.policies.gears import (
     GearOption,
     GearPlan,
     GearSwitcher,
+    Hysteresis,
     Placement,
     _batch_caps,
     capacity_share,
     plan_gears,
+    same_cascade,
     simulate_gear_switching,
     start_switcher,
     switch,
@@ -59,11 +61,20 @@ def plan() -> GearPlan:
     )
 
 
-def fake_plan(n_ranges: int = 4, qps_max: float = 40.0) -> GearPlan:
-    """A plan whose gears are only ranges (the switcher needs nothing else)."""
+def fake_plan(
+    n_ranges: int = 4, qps_max: float = 40.0, options: Sequence[int] | None = None
+) -> GearPlan:
+    """A plan whose gears are ranges, each with an option of its own (another batch cap of one
+    model: another cascade to the switcher) unless ``options`` (one per gear) says which."""
     width = qps_max / n_ranges
-    gears = tuple(Gear(k * width, (k + 1) * width, 0, True) for k in range(n_ranges))
-    return GearPlan(Placement.parse("m:c=1"), 100.0, 99.0, None, (), gears, qps_max, 0, 0)
+    chosen = list(range(n_ranges)) if options is None else list(options)
+    gears = tuple(Gear(k * width, (k + 1) * width, chosen[k], True) for k in range(n_ranges))
+    quality = CascadeQuality(0.9, (1.0,), (1.0,))
+    found = tuple(
+        GearOption(Cascade(("m",)), quality, (k + 1,), 10.0, 9.0, ((1.0, 5.0),), 1.0)
+        for k in range(max(chosen) + 1)
+    )
+    return GearPlan(Placement.parse("m:c=1"), 100.0, 99.0, None, found, gears, qps_max, 0, 0)
 
 
 # --- the placement ---------------------------------------------------------------------------
@@ -330,8 +341,12 @@ def test_gear_for_finds_the_range() -> None:
     assert [plan.gear_for(q) for q in (0.0, 9.9, 10.0, 35.0, 1e9)] == [0, 0, 1, 3, 3]
 
 
+# The paper's rule (Hysteresis.off()); tests/unit/test_gear_hysteresis.py has the band and dwell.
+PAPER = Hysteresis.off()
+
+
 def test_a_faster_gear_is_taken_at_once_even_with_a_queue() -> None:
-    state = GearSwitcher(fake_plan(), gear=0)
+    state = GearSwitcher(fake_plan(), gear=0, hysteresis=PAPER)
     decision, state = switch(35.0, 1000, state, 1.0)
     assert (decision.gear, decision.previous, decision.changed) == (3, 0, True)
     assert "up from gear 0 to 3" in decision.reason and state.since_s == 1.0
@@ -339,7 +354,7 @@ def test_a_faster_gear_is_taken_at_once_even_with_a_queue() -> None:
 
 def test_the_fast_gear_stays_while_the_backlog_drains() -> None:
     # CascadeServe: keep the gear while qps < alpha x Q0 (alpha = 8): 5 qps < 8 x 1.
-    state = GearSwitcher(fake_plan(), gear=3, since_s=0.0)
+    state = GearSwitcher(fake_plan(), gear=3, since_s=0.0, hysteresis=PAPER)
     decision, state = switch(5.0, 1, state, 2.0)
     assert decision.gear == 3 and not decision.changed
     assert f"qps < alpha {ALPHA:g} x first queue 1" in decision.reason
@@ -351,7 +366,7 @@ def test_the_fast_gear_stays_while_the_backlog_drains() -> None:
 
 
 def test_budget_cap_holds_downshifts_for_the_hold_time() -> None:
-    state = GearSwitcher(fake_plan(), gear=3, cap_hold_s=5.0)
+    state = GearSwitcher(fake_plan(), gear=3, cap_hold_s=5.0, hysteresis=PAPER)
     decision, state = switch(35.0, 0, state, 10.0, budget_capped=True)
     assert decision.gear == 3 and state.capped_until_s == 15.0
     decision, state = switch(5.0, 0, state, 12.0)
@@ -362,8 +377,9 @@ def test_budget_cap_holds_downshifts_for_the_hold_time() -> None:
 
 def test_booting_capacity_scales_the_measured_load() -> None:
     state = GearSwitcher(fake_plan(), gear=0)
-    # 12 qps on half the planned capacity reads as 24 qps on the plan: gear 2.
-    decision, _ = switch(12.0, 0, state, 1.0, capacity_share=0.5)
+    # 12 qps on half the planned capacity reads as 24 qps on the plan: gear 2 (the cascade in
+    # force has served past the up dwell).
+    decision, _ = switch(12.0, 0, state, 10.0, capacity_share=0.5)
     assert decision.gear == 2 and decision.effective_qps == pytest.approx(24.0)
     assert "share 0.5" in decision.reason
 
@@ -446,6 +462,7 @@ def test_switching_absorbs_a_jump_and_keeps_every_query(plan: GearPlan) -> None:
         family.PRICES,
         np.random.default_rng(4),
         start_gear=plan.gear_for(base),
+        hysteresis=PAPER,  # back down within 5 s of the jump: no hold, no dwell
     )
     result = run.simulation
     assert not np.isnan(result.finish_s).any()
@@ -594,3 +611,25 @@ def test_the_accuracy_floor_is_checked_against_the_held_out_accuracy() -> None:
     assert any(o.quality.accuracy >= 0.9 for o in held_out.options)
     assert all(o.accuracy < 0.9 for o in held_out.options)
     assert not any(g.meets_slo for g in held_out.gears)
+
+
+def test_switching_in_the_simulator_keeps_the_hysteresis(plan: GearPlan) -> None:
+    # A steady load at a boundary between two cascades: the paper's rule flaps on the 100 ms
+    # counts, the service's rule (the default) switches at most once, as the live loop does.
+    records = family.records()
+    k = next(k for k in range(1, len(plan.gears)) if not same_cascade(plan, k - 1, k))
+    rate = plan.gears[k].low_qps
+    rng = np.random.default_rng(5)
+    arrival = renewal_arrivals(constant_profile(rate), 20.0, 1.0, rng)
+    samples = rng.integers(0, records.n_samples, size=arrival.size)
+    trace = Trace(arrival, np.ones(arrival.size, dtype=np.int64), samples)
+
+    def run(hysteresis: Hysteresis | None) -> int:
+        simulated = simulate_gear_switching(
+            trace, plan, records, family.profiles(), family.PRICES, np.random.default_rng(6),
+            start_gear=k - 1, hysteresis=hysteresis,
+        )  # fmt: skip
+        return len(simulated.switches)
+
+    assert run(None) <= 1
+    assert run(PAPER) > 5

@@ -61,6 +61,11 @@ def row(
     )
 
 
+def profile_row(instance_type: str, state: str = "running", **kwargs: object) -> InstanceRecord:
+    n = next(_ids)
+    return row(instance_type, state, request_id=f"profile:app-run{n}-{instance_type}", **kwargs)  # type: ignore[arg-type]
+
+
 def seen(
     record: InstanceRecord | None = None,
     state: str = "running",
@@ -362,6 +367,7 @@ _rows = st.lists(
         st.sampled_from(["requested", "pending", "running", "terminating", "failed"]),
         st.floats(0, 1000),
         st.sampled_from(["agree", "terminated", "missing", "running"]),
+        st.booleans(),  # a profile run's worker (rule 8)
     ),
     max_size=12,
 )
@@ -374,14 +380,14 @@ _rows = st.lists(
     budget=st.floats(0.0, 3.0),
 )
 def test_the_kept_fleet_never_exceeds_the_budget_and_every_row_moves_legally(
-    rows_spec: list[tuple[str, str, float, str]], desired: dict[str, int], budget: float
+    rows_spec: list[tuple[str, str, float, str, bool]], desired: dict[str, int], budget: float
 ) -> None:
-    from controlplane.policies.lifecycle import can_transition
+    from controlplane.policies.lifecycle import can_transition, is_profile_worker
 
     rows: list[InstanceRecord] = []
     observed: list[ProvisionedInstance] = []
-    for instance_type, state, age_s, provider in rows_spec:
-        r = row(instance_type, state, age_s=age_s)
+    for instance_type, state, age_s, provider, profiling in rows_spec:
+        r = (profile_row if profiling else row)(instance_type, state, age_s=age_s)
         rows.append(r)
         if r.provider_id is not None and provider != "missing":
             where = {"agree": "pending" if state == "pending" else "running"}.get(
@@ -399,14 +405,17 @@ def test_the_kept_fleet_never_exceeds_the_budget_and_every_row_moves_legally(
                 assert can_transition(state[instance_id], "terminating")
                 state[instance_id] = "terminating"
     after = _apply(rows, actions)
+    # Profile workers included: they cost money like the fleet.
     kept_cost = sum(price for s, price in after.values() if s in _KEPT)
     assert kept_cost <= budget + 1e-6
-    # And no more than desired of any type is kept.
+    # And no more than desired of any type is kept (profile workers are not the fleet).
+    profiling = {r.id for r in rows if is_profile_worker(r.request_id)}
     for instance_type in PRICES:
         kept = sum(
             1
             for key, (s, _) in after.items()
             if s in _KEPT
+            and key not in profiling
             and (
                 next((r.instance_type for r in rows if r.id == key), None)
                 or next(a.instance_type for a in launches(actions) if a.request_id == key)
@@ -435,3 +444,55 @@ def test_without_the_providers_list_only_the_budget_guard_acts() -> None:
     ]
     (drain,) = terminations(actions)
     assert drain.cause == "budget" and drain.instance_ids == (rows[0].id,)
+
+
+# --- rule 8: profile workers ---------------------------------------------------------------------
+
+
+def test_profile_workers_are_not_the_fleet_but_their_cost_is_reserved() -> None:
+    worker = profile_row("gpu", updated_age_s=1.0)
+    # Desired: one gpu. The profile run's gpu is not it: a gpu for the fleet would not fit next
+    # to it (0.5 + 0.5 > 0.8), and the profile worker is neither ended nor launched again.
+    actions = run({"gpu": 1}, [worker], budget=0.8)
+    assert not any(isinstance(a, Launch | Terminate) for a in actions)
+    (capped,) = [a for a in actions if isinstance(a, BudgetCapped)]
+    assert capped.wanted == {"gpu": 1} and capped.committed_usd_per_hr == 0.5
+    # Desired: nothing. The profile worker is not excess.
+    assert not any(isinstance(a, Terminate) for a in run({}, [worker], budget=0.8))
+
+
+def test_a_profile_worker_whose_run_stopped_beating_is_ended() -> None:
+    beating = profile_row("small", updated_age_s=10.0)
+    gone = profile_row("large", updated_age_s=41.0)
+    unlaunched = profile_row("small", "requested", updated_age_s=41.0)
+    actions = run({}, [beating, gone, unlaunched], profile_run_timeout_s=40.0)
+    (ended,) = [a for a in actions if isinstance(a, Terminate)]
+    assert ended.cause == "profile_run_gone" and ended.instance_ids == (gone.id,)
+    marks = [a for a in actions if isinstance(a, Mark)]
+    assert [(m.instance_id, m.to_state) for m in marks] == [(unlaunched.id, InstanceState.FAILED)]
+    # A requested profile row is the run's to launch, never the reconciler's.
+    fresh = profile_row("small", "requested", updated_age_s=1.0)
+    assert not any(isinstance(a, Launch) for a in run({}, [fresh]))
+
+
+def test_over_the_budget_the_profile_workers_go_first() -> None:
+    fleet = row("large")
+    worker = profile_row("gpu", updated_age_s=1.0)
+    actions = run({"large": 1}, [fleet, worker], budget=0.3)
+    (ended,) = [a for a in actions if isinstance(a, Terminate)]
+    assert ended.cause == "budget" and ended.instance_ids == (worker.id,)
+
+
+def test_app_down_ends_the_profile_workers_too() -> None:
+    worker = profile_row("small", updated_age_s=1.0)
+    actions = run({"small": 1}, [row("small"), worker], teardown=True)
+    (ended,) = [a for a in actions if isinstance(a, Terminate)]
+    assert ended.cause == "teardown" and worker.id in ended.instance_ids
+
+
+def test_without_the_providers_list_the_profile_workers_still_go_first() -> None:
+    fleet = row("large")
+    worker = profile_row("gpu", updated_age_s=1.0)
+    actions = reconcile({"large": 1}, [fleet, worker], None, PRICES, 0.3, NOW, 600.0)
+    (ended,) = terminations(actions)
+    assert ended.cause == "budget" and ended.instance_ids == (worker.id,)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from controlplane.loops.scheduler import (
+    APSCHEDULER_LOGGER,
     JOB_NAMES,
     GuardedJob,
     JobBodies,
@@ -159,6 +160,26 @@ def test_start_registers_guarded_non_overlapping_jobs_and_shutdown_stops_cleanly
     scheduler.start()
     scheduler.shutdown(wait=True)
     assert not scheduler.running
+
+
+def test_apscheduler_skipped_run_warnings_are_debug_records_once_started(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A run skipped because the previous one still goes is by design: not a warning on the
+    user's stderr (APScheduler's own message, as its scheduler logs it); other warnings stay."""
+    scheduler = Scheduler(service_schedule(Intervals(), JobBodies()))
+    scheduler.start()
+    scheduler.shutdown(wait=True)
+    apscheduler = logging.getLogger(APSCHEDULER_LOGGER)
+    skipped = 'Execution of job "%s" skipped: maximum number of running instances reached (%d)'
+    with caplog.at_level(logging.WARNING, logger=APSCHEDULER_LOGGER):
+        apscheduler.warning(skipped, "gears", 1)
+        apscheduler.warning("Run time of job %s was missed", "gears")
+    assert [r.getMessage() for r in caplog.records] == ["Run time of job gears was missed"]
+    with caplog.at_level(logging.DEBUG, logger=APSCHEDULER_LOGGER):
+        caplog.clear()
+        apscheduler.warning(skipped, "gears", 1)
+    assert [(r.levelname, "skipped" in r.getMessage()) for r in caplog.records] == [("DEBUG", True)]
 
 
 def test_bad_schedules_are_refused() -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from controlplane.cli import main
 from controlplane.policies.capacity_curve import capacity_curve
+from controlplane.policies.sizing import DEFAULT_LADDER_LOADS
 from controlplane.policies.tuner import (
     TunerConfig,
     TunerStage,
@@ -139,12 +140,18 @@ def test_replay_runs_the_load_model_by_default_and_reports_its_curve(
     out = json.loads(capsys.readouterr().out)
     assert out["tuner_model"] == "curve"
     curve = out["capacity_curve"]
-    assert [f for f, _ in curve] == [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]
+    assert [f for f, _ in curve] == list(DEFAULT_LADDER_LOADS)
     assert dict(curve)[1.0] == 1.0
+    # The sizing model's rungs: the planner's fleet at each load, the fleets growing with it.
+    rungs = out["sizing_ladder"]
+    assert [r["load"] for r in rungs] == list(DEFAULT_LADDER_LOADS)
+    sizes = [sum(r["fleet"].values()) for r in rungs]
+    assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
     # InferLine's one provisioning ratio, for comparison: no curve.
     assert main([*args, "--tuner-model", "inferline", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tuner_model"] == "inferline" and out["capacity_curve"] is None
+    assert out["sizing_ladder"] is None
     with pytest.raises(SystemExit) as caught:
         main([*args, "--policy", "static", "--tuner-model", "curve"])
     assert caught.value.code == 2

@@ -195,6 +195,7 @@ async def run_profiles(
             request,
             who=who.name,
             worker_port=DEFAULT_WORKER_PORT,
+            heartbeat_s=services.settings.profile_run_heartbeat_s,
         )
     except ProfilingError as error:
         raise ApiError(502, "profiling_failed", str(error)) from None

@@ -1,7 +1,9 @@
 """What happened to an app: ``/v1/apps/{app}/decisions`` (what the policies decided and why),
 ``/v1/apps/{app}/events`` (its instances' lifecycle moves) and ``/v1/apps/{app}/metrics`` (the
 rolled-up time series the dashboard draws). Each is oldest first; ``since`` (exclusive, ISO 8601,
-UTC when no offset is given) and ``limit`` (the newest that many) narrow it."""
+UTC when no offset is given) and ``limit`` (the newest that many) narrow it. Decisions also take
+``kind`` and ``exclude_kind`` (each repeatable, or comma-separated): filtered in the store's query,
+so ``limit`` counts only the decisions that pass."""
 
 from __future__ import annotations
 
@@ -37,6 +39,16 @@ def _utc(at: datetime | None, field: str) -> datetime | None:
         ) from None
 
 
+def _kinds(values: list[str] | None, field: str) -> list[str] | None:
+    """The kinds of ``kind=a&kind=b`` or ``kind=a,b`` (None: no filter); an empty name is a 422."""
+    if values is None:
+        return None
+    kinds = [name.strip() for value in values for name in value.split(",")]
+    if not all(kinds):
+        raise ApiError(422, "invalid_request", f"{field}: a kind must not be empty", field)
+    return kinds
+
+
 @router.get(
     "/apps/{app}/decisions",
     summary="What the policies decided for the app, and why (viewer)",
@@ -47,11 +59,20 @@ def list_decisions(
     services: ServicesDep,
     _who: Viewer,
     since: Since = None,
-    kind: Annotated[list[str] | None, Query(description="only these kinds (repeatable)")] = None,
+    kind: Annotated[
+        list[str] | None, Query(description="only these kinds (repeatable, or comma-separated)")
+    ] = None,
+    exclude_kind: Annotated[
+        list[str] | None, Query(description="none of these kinds (repeatable, or comma-separated)")
+    ] = None,
     limit: Limit = 1000,
 ) -> list[DecisionOut]:
     records = services.store.list_decisions(
-        app, since=_utc(since, "since"), kinds=kind, limit=limit
+        app,
+        since=_utc(since, "since"),
+        kinds=_kinds(kind, "kind"),
+        exclude_kinds=_kinds(exclude_kind, "exclude_kind"),
+        limit=limit,
     )
     return [DecisionOut.model_validate(d) for d in records]
 

@@ -22,6 +22,7 @@ from controlplane.api.deps import Operator, Services, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
 from controlplane.api.model_schemas import ModelListOut, ModelOut, ModelVersionOut, version_out
 from controlplane.api.routes import errors
+from controlplane.crashpoints import crash_point
 from controlplane.errors import ModelTooLargeError, NotFoundError
 from controlplane.registry import Registry, check_model_name
 from provisioners.artifacts import NAME_PATTERN
@@ -109,6 +110,7 @@ async def push_model(
                 if received > registry.max_bytes:
                     raise ModelTooLargeError(registry.max_bytes)
                 handle.write(chunk)
+                crash_point("model_push.mid_upload")
         record = await run_in_threadpool(registry.push, name, path, format, inputs)
     return version_out(record)
 

@@ -30,8 +30,13 @@ the request's ``parameters.binary_data_output`` is true or the output's own
 same header; else as JSON.
 
 Errors are the protocol's ``{"error": "one line"}`` with the status the rest of the API gives
-(:mod:`controlplane.api.errors`: 401/403 without an infer token, 404 for an unknown app, ...):
-the route class rewrites the API's error body. These routes are left out of the OpenAPI
+(:mod:`controlplane.api.errors`: 401/403 without an infer token, 404 ``no model 'x'`` for an
+unknown app, ...): the route class rewrites the API's error body, and
+:class:`~controlplane.api.errors.OipErrorShapeMiddleware` the answers of the layers around the
+routes (the limits, an unknown route, 405). A query's body is read under the limit of its model
+(:func:`body_limit`: what 256 rows of its inputs take as JSON, up to ``oip_body_max_bytes``; 413
+past it, declared or chunked) and its JSON's nesting checked before it is decoded (400 past
+:data:`~controlplane.api.limits.MAX_JSON_DEPTH`). These routes are left out of the OpenAPI
 document: the protocol is documented by KServe
 (https://kserve.github.io/website/latest/modelserving/data_plane/v2_protocol/).
 """
@@ -40,6 +45,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
+import re
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
@@ -47,13 +54,15 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from starlette.types import Scope
 
 from controlplane.api.deps import Inferrer, Services, ServicesDep
 from controlplane.api.errors import ApiError
+from controlplane.api.limits import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_depth_exceeds
 from controlplane.api.routes import AppName
 from controlplane.api.routes.infer import received_s
 from controlplane.api.schemas import MAX_INFER_SAMPLES
-from controlplane.errors import ServingUnavailableError
+from controlplane.errors import NotFoundError, ServingUnavailableError
 from controlplane.serving.dispatcher import InferResult
 from controlplane.serving.loop import ServingLoop
 from controlplane.serving.modelio import ModelIOError, app_signature, stack_outputs
@@ -66,10 +75,15 @@ from provisioners.worker.oip import (
     parse_infer_request,
 )
 
-__all__ = ["HEADER_LENGTH", "router"]
+__all__ = ["HEADER_LENGTH", "body_limit", "reads_own_body", "router"]
 
 # Triton's binary tensor extension: the size of the JSON part of a body that has binary parts.
 HEADER_LENGTH = "Inference-Header-Content-Length"
+# The inference routes (body_limit): with and without a version.
+_INFER_PATH = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/infer")
+# The most JSON text one tensor value takes: a float printed in full (-1.2345678901234567e-05)
+# and its separator.
+_JSON_VALUE_BYTES = 25
 _PLATFORM = "heteroplane"
 
 
@@ -95,6 +109,8 @@ class _OipRoute(APIRoute):
 
 
 async def _api_answer(request: Request, error: Exception) -> Response | None:
+    if isinstance(error, NotFoundError) and error.kind == "app":
+        error = NotFoundError("model", error.key)  # an app is a model here: "no model 'x'"
     handlers = request.app.exception_handlers
     for kind in type(error).__mro__:
         handler = handlers.get(kind)
@@ -186,9 +202,10 @@ async def infer(app: AppName, services: ServicesDep, _who: Inferrer, request: Re
     serving = _serving(services, app)
     if request.headers.get("content-encoding", "identity").lower() != "identity":
         raise OipError("compressed requests are not served (Content-Encoding)")
-    body = await request.body()
-    document, binary = _split(body, request.headers.get(HEADER_LENGTH))
     signature = await _signature(serving, app, received)
+    limit = body_limit(signature, services.settings.oip_body_max_bytes)
+    body = await _read_body(request, limit)
+    document, binary = _split(body, request.headers.get(HEADER_LENGTH))
     if not isinstance(document, Mapping):
         raise OipError("body must be a JSON object")
     document = _with_binary_inputs(document, binary, signature)
@@ -233,14 +250,61 @@ def _deadline_s(document: Mapping[str, Any], received_s: float) -> float | None:
 def _split(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
     """The JSON part of a body, decoded, and its binary part (Triton's extension)."""
     if header_length is None:
-        return load_json(body), b""
+        return _load_bounded_json(body), b""
     try:
         size = int(header_length)
     except ValueError:
         size = -1
     if not 0 <= size <= len(body):
         raise OipError(f"{HEADER_LENGTH} {header_length!r} is not a size within the body")
-    return load_json(body[:size]), body[size:]
+    return _load_bounded_json(body[:size]), body[size:]
+
+
+def reads_own_body(scope: Scope) -> bool:
+    """Whether the request is an inference query, whose route reads its body under the limit
+    of its model (:func:`body_limit`) instead of the API's 1 MiB."""
+    return (
+        scope.get("method") == "POST" and _INFER_PATH.fullmatch(scope.get("path", "")) is not None
+    )
+
+
+def body_limit(signature: ModelSignature, ceiling: int) -> int:
+    """The largest body ``signature``'s model takes: what its inputs take for
+    :data:`MAX_INFER_SAMPLES` rows as JSON text (:data:`_JSON_VALUE_BYTES` a value: more than
+    in binary) and :data:`MAX_BODY_BYTES` for the rest of the document, at most ``ceiling``
+    (the setting ``oip_body_max_bytes``). An input of a size the signature leaves open (a
+    ``-1`` past the batch dimension, text) takes the ceiling."""
+    values = 0
+    for spec in signature.inputs:
+        if spec.datatype == "BYTES" or any(d < 0 for d in spec.sample_shape):
+            return ceiling
+        values += math.prod(spec.sample_shape)
+    return min(ceiling, MAX_BODY_BYTES + MAX_INFER_SAMPLES * values * _JSON_VALUE_BYTES)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, 413 as soon as its declared length or what arrived (chunked, no
+    length) passes ``limit``."""
+    message = f"the body is larger than {limit:,} bytes (256 rows of the model's inputs)"
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "too_large", message)
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "too_large", message)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _load_bounded_json(body: bytes) -> Any:
+    """:func:`load_json`, after a check of the nesting depth (a body nested a hundred thousand
+    deep is a 400, not a decoder's RecursionError)."""
+    if json_depth_exceeds(body, MAX_JSON_DEPTH):
+        raise OipError(f"body is not JSON this service takes: nested deeper than {MAX_JSON_DEPTH}")
+    return load_json(body)
 
 
 def _with_binary_inputs(

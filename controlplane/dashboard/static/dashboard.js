@@ -107,6 +107,16 @@
     renderInstances(fleet.instances);
   }
 
+  // "emu.cpu.small" as text that may break after its dots (and nowhere else) on a narrow panel.
+  function breakable(name) {
+    const nodes = [];
+    name.split(".").forEach((part, i, parts) => {
+      nodes.push(document.createTextNode(part + (i < parts.length - 1 ? "." : "")));
+      if (i < parts.length - 1) nodes.push(el("wbr"));
+    });
+    return nodes;
+  }
+
   function renderInstances(rows) {
     const body = $("instance-table").querySelector("tbody");
     const trs = rows.map((row) => {
@@ -127,7 +137,7 @@
         models = Object.entries(row.models).map(([k, v]) => k + ": " + (typeof v === "object" && v ? (v.state || JSON.stringify(v)) : v)).join(", ");
       }
       return el("tr", { class: row.live ? "" : "ended", "data-instance-id": row.id }, [
-        el("td", { text: row.instance_type }),
+        el("td", {}, breakable(row.instance_type)),
         el("td", {}, [el("span", { class: "state " + row.state, text: row.state })]),
         el("td", { class: "num", text: duration(row.uptime_s) }),
         el("td", { class: "num", text: usd(row.price_usd_per_hr, 3) }),
@@ -261,8 +271,12 @@
     else tile("tile-latency", ms(lat.p99_ms), "SLO P" + lat.percentile + " " + ms(lat.slo_ms), finite(lat.p99_ms) ? (over ? "bad" : "ok") : undefined);
     const share = lat.window_attainment_share;
     const out = lat.outcomes;
-    const errors = out && out.errors ? " · " + out.errors + " errors (" + out.refused + " refused, " + out.timed_out + " timed out, " + out.failed + " failed)" : "";
+    const errors = out && out.errors ? " · " + plural(out.errors, "error") : "";
     tile("tile-attainment", pct(lat.attainment_share), "window " + pct(share) + errors, finite(lat.attainment_share) ? (lat.attainment_share < lat.percentile / 100 ? "bad" : "ok") : undefined);
+    // The errors by kind on hover: the tile has room for their total only.
+    $("tile-attainment").title = out && out.errors
+      ? out.errors + " errors since the service started: " + out.refused + " refused, " + out.timed_out + " timed out, " + out.failed + " failed"
+      : "";
     if (!lat.has_data) setPanel("latency", "empty", "No traffic yet: latency appears once queries are served.");
     else setPanel("latency", "ready");
   }
@@ -344,11 +358,16 @@
         el("span", {}, [el("b", { text: k + " " }), document.createTextNode(numberText(v))]));
       const fresh = (state.freshUntil.get(d.id) || 0) > now;
       const repeated = (d.count || 1) > 1;
-      return el("li", { "data-decision-id": String(d.id), "data-kind": d.kind, "data-count": String(d.count || 1), class: fresh ? "fresh" : "" }, [
+      // A run of one kind (consecutive gear switches, say) is one entry: the newest of it shown.
+      const run = d.run || 1;
+      const why = run > 1
+        ? run + " " + d.kind.replace(/_/g, " ") + " decisions in a row, made " + d.count + " times; the reason and numbers are the newest's"
+        : "made " + d.count + " times; the reason and numbers are the last";
+      return el("li", { "data-decision-id": String(d.id), "data-kind": d.kind, "data-count": String(d.count || 1), "data-run": String(run), class: fresh ? "fresh" : "" }, [
         el("span", { class: "when", text: H.clock(d.t, true) }),
         el("span", { class: "kind " + d.kind.replace(/[^a-z0-9_]/gi, ""), text: d.kind.replace(/_/g, " ") }),
         repeated
-          ? el("span", { class: "repeat", title: "made " + d.count + " times; the reason and numbers are the last",
+          ? el("span", { class: "repeat", title: why,
             text: "x" + d.count + (finite(d.last_t) ? ", last " + H.clock(d.last_t, true) : "") })
           : null,
         el("span", { class: "reason", text: d.reason }),
@@ -380,7 +399,7 @@
       setPanel("plan", "empty", "No plan yet: preview one (POST /v1/apps/" + snap.app.name + "/plans) and apply it.");
       return;
     }
-    $("plan-title").textContent = "#" + plan.number + " · " + plan.status +
+    $("plan-title").textContent = "#" + plan.id + " · " + plan.status +
       (plan.applied_at ? " " + H.clock(Date.parse(plan.applied_at) / 1000, false) : "");
     const rate = finite(plan.rate_qps) ? plan.rate_qps : plan.planned_rate_qps;
     const lat = snap.latency;  // the SLO and its percentile, read from the spec

@@ -1,0 +1,168 @@
+"""``heteroplane events`` and ``GET /v1/apps/{app}/decisions`` by kind, and repeats collapsed: a
+real SQLite store through the migrations, the real API on uvicorn on 127.0.0.1, the real command
+line (the API served as the integration tests serve it, ``ApiServer``). The app's log is a
+scaling decision, a burst of 120 gear switches, then another scaling decision: the case where the
+newest 100 hid every scaling decision (issue 35, item 9)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import pytest
+
+from controlplane.cli import main
+from controlplane.cli.operate import EventLine, collapse
+from controlplane.clock import FAKE_EPOCH, FakeClock
+from controlplane.db.store import Store
+from controlplane.service.app import create_app
+from controlplane.settings import Settings
+from tests.component.test_api import spec, write_profiles
+from tests.integration.conftest import ApiServer
+
+APP = "toy"
+BURST = 120
+
+
+@dataclass
+class Service:
+    app: Any  # the FastAPI app (what ApiServer serves)
+    token: str
+    store: Store
+    url: str = ""
+
+
+def _history(store: Store) -> None:
+    at = FAKE_EPOCH + timedelta(seconds=10)
+    store.record_decision(APP, "scale_up", "need 3 instances", at=at)
+    for k in range(BURST):  # one every 100 ms
+        at_k = at + timedelta(seconds=1 + 0.1 * k)
+        store.record_decision(APP, "gear_switch", f"switch {k}", {"gear": k % 2}, at=at_k)
+    store.record_decision(APP, "scale_down", "need 2 instances", at=at + timedelta(seconds=30))
+    store.record_instance(
+        APP,
+        request_id="r1",
+        instance_type="g4dn.xlarge",
+        price_usd_per_hr=0.526,
+        state="running",
+        at=at + timedelta(seconds=31),
+    )
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """One service for the module: the tests only read its history."""
+    data_dir = tmp_path_factory.mktemp("events") / "data"
+    data_dir.mkdir()
+    write_profiles(data_dir)
+    settings = Settings(data_dir=data_dir, provisioner="fake")
+    store = Store.from_url(settings.database_url, FakeClock(), upgrade=True)
+    token = store.create_token("operator", name="operator-token")
+    service = Service(create_app(settings, store, FakeClock()), token, store)
+    try:
+        with ApiServer(service) as url:  # type: ignore[arg-type]  # it serves service.app
+            service.url = url
+            headers = {"Authorization": f"Bearer {token}"}
+            made = httpx.post(f"{url}/v1/apps", json=spec(APP), headers=headers)
+            assert made.status_code == 201, made.text
+            _history(store)
+            yield service
+    finally:
+        store.close()
+
+
+def decisions(service: Service, query: str) -> httpx.Response:
+    return httpx.get(
+        f"{service.url}/v1/apps/{APP}/decisions?{query}",
+        headers={"Authorization": f"Bearer {service.token}"},
+    )
+
+
+def kinds(service: Service, query: str) -> list[str]:
+    answer = decisions(service, query)
+    assert answer.status_code == 200, answer.text
+    return [d["kind"] for d in answer.json()]
+
+
+def cli(capsys: pytest.CaptureFixture[str], service: Service, *argv: str) -> tuple[int, str, str]:
+    """``heteroplane argv`` against ``service``, in-process: (exit status, stdout, stderr)."""
+    try:
+        status = main([*argv, "--url", service.url, "--token", service.token])
+    except SystemExit as stop:
+        status = int(stop.code or 0)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_the_route_filters_by_kind_before_the_limit(service: Service) -> None:
+    assert "scale_up" not in kinds(service, "limit=100")  # the burst hides it
+    assert kinds(service, "kind=scale_up,scale_down&limit=100") == ["scale_up", "scale_down"]
+    assert kinds(service, "kind=scale_up&kind=scale_down&limit=1") == ["scale_down"]
+    assert kinds(service, "exclude_kind=gear_switch&limit=2") == ["scale_up", "scale_down"]
+    assert kinds(service, "kind=scale_up,gear_switch&exclude_kind=gear_switch") == ["scale_up"]
+    assert kinds(service, "kind=no_such_kind") == []
+    empty = decisions(service, "kind=scale_up,")
+    assert empty.status_code == 422 and "kind: a kind must not be empty" in empty.text
+
+
+def test_events_collapses_a_burst_into_one_line(
+    service: Service, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = cli(capsys, service, "events", "--app", APP, "--limit", "1000")
+    assert status == 0
+    lines = out.strip().splitlines()
+    assert lines[0].split() == ["AT", "WHAT", "KIND", "TIMES", "DETAIL"]
+    body = [line.split()[2] for line in lines[1:]]
+    assert body == ["scale_up", "gear_switch", "scale_down", "new"]  # "new -> running"
+    (burst,) = [line for line in lines if "gear_switch" in line]
+    assert f"{BURST}x over 11.9 s" in burst and f"switch {BURST - 1}" in burst
+    status, out, _ = cli(
+        capsys, service, "events", "--app", APP, "--limit", "1000", "--no-collapse"
+    )
+    assert status == 0 and out.count("gear_switch") == BURST
+
+
+def test_events_filters_by_kind(service: Service, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = cli(capsys, service, "events", "--app", APP, "--kind", "scale_up,scale_down")
+    assert status == 0
+    assert [line.split()[2] for line in out.strip().splitlines()[1:]] == ["scale_up", "scale_down"]
+    status, out, _ = cli(
+        capsys, service, "events", "--app", APP, "--exclude-kind", "gear_switch",
+        "--exclude-kind", "instance",
+    )  # fmt: skip
+    assert status == 0 and "gear_switch" not in out and "running" not in out
+    assert "scale_up" in out and "scale_down" in out
+    status, out, _ = cli(capsys, service, "events", "--app", APP, "--kind", "instance", "--json")
+    answer = json.loads(out)
+    assert answer["decisions"] == [] and [e["to_state"] for e in answer["events"]] == ["running"]
+    # The limit counts after the filter: the newest scaling decision, not a gear switch.
+    status, out, _ = cli(
+        capsys, service, "events", "--app", APP, "--exclude-kind", "instance,gear_switch",
+        "--limit", "1", "--json",
+    )  # fmt: skip
+    assert [d["kind"] for d in json.loads(out)["decisions"]] == ["scale_down"]
+
+
+def test_an_empty_kind_is_a_usage_error(
+    service: Service, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = cli(capsys, service, "events", "--app", APP, "--kind", "scale_up,")
+    assert status == 2 and out == ""
+    assert err.strip() == "heteroplane events: --kind: a kind must not be empty, got 'scale_up,'"
+
+
+def test_collapse_sums_the_stores_own_counts() -> None:
+    first = EventLine("2026-01-01T00:00:00", "decision", "launch_failed", "a", 3,
+                      "2026-01-01T00:00:20")  # fmt: skip
+    second = EventLine("2026-01-01T00:00:30", "decision", "launch_failed", "b")
+    between = EventLine("2026-01-01T00:00:10", "instance", "new -> running", "i-1")
+    (one,) = collapse([first, second])
+    assert (one.count, one.at, one.last_at, one.detail) == (
+        4, "2026-01-01T00:00:00", "2026-01-01T00:00:30", "b"
+    )  # fmt: skip
+    # Only consecutive lines collapse: another kind between them keeps them apart.
+    assert [line.count for line in collapse([first, between, second])] == [3, 1, 1]

@@ -1,0 +1,169 @@
+"""Errors on the Open Inference Protocol's ``/v2`` routes are the protocol's ``{"error": "..."}``
+whichever layer answers (the route, the token check, the body and header limits, an unknown
+route, 405), bodies nested too deep are a 400 and bodies over the limit a 413 whether their
+length is declared or not (chunked), and the limit admits the 256 rows of the model's input
+that docs/models.md promises, computed from its signature (:func:`body_limit`); ``/v1`` keeps
+the API's own error body.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from controlplane.api.limits import MAX_BODY_BYTES, MAX_HEADER_BYTES
+from controlplane.api.routes.oip import body_limit
+from controlplane.api.schemas import MAX_INFER_SAMPLES
+from provisioners.artifacts import ModelSignature, TensorSpec
+from tests.component.test_oip_routes import as_artifacts, binary_request, family_request
+from tests.component.test_serving import ApiWorld, api_run, row, world
+
+__all__ = ["world"]  # the fixture, imported for this module's tests
+
+IMAGES = ModelSignature(
+    (TensorSpec("pixels", "FP32", (-1, 3, 32, 32)),), (TensorSpec("logits", "FP32", (-1, 10)),)
+)
+INFER = "/v2/models/demo/infer"
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+async def chunks(body: bytes, size: int = 65536) -> AsyncIterator[bytes]:
+    """``body`` sent chunked (no Content-Length)."""
+    for start in range(0, len(body), size):
+        yield body[start : start + size]
+
+
+def oip_error(response: httpx.Response, status: int) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert isinstance(error, str) and error, response.text
+    return error
+
+
+def test_every_error_on_v2_is_the_protocols_shape(world: ApiWorld) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        auth = world.auth()
+        json_headers = {**auth, "Content-Type": "application/json"}
+        oversized = json.dumps(family_request([row(1, 0.9)] * 10)).encode() + b" " * (2 << 20)
+        cases: list[tuple[int, str, str, dict[str, Any]]] = [
+            (404, "GET", "/v2/nothing", {}),
+            (404, "GET", "/v2/models/nope", {"headers": auth}),
+            (405, "DELETE", INFER, {"headers": auth}),
+            (401, "POST", INFER, {"json": family_request([row(1, 0.9)])}),
+            (403, "POST", INFER, {"json": {}, "headers": world.auth("viewer")}),
+            (400, "POST", INFER, {"content": b"{not json", "headers": json_headers}),
+            (400, "POST", INFER, {"content": DEEP, "headers": json_headers}),
+            (400, "POST", INFER, {"content": b'{"inputs": ' + DEEP + b"}", "headers": auth}),
+            (413, "POST", INFER, {"content": oversized, "headers": json_headers}),
+            (413, "POST", INFER, {"content": chunks(oversized), "headers": json_headers}),
+            (
+                431,
+                "GET",
+                "/v2/health/live",
+                {"headers": {"X-Padding": "x" * (MAX_HEADER_BYTES + 1)}},
+            ),
+        ]
+        for status, method, path, options in cases:
+            response = await client.request(method, path, **options)
+            message = oip_error(response, status)
+            if status == 413:
+                assert "larger than" in message
+        response = await client.post(INFER, content=DEEP, headers=json_headers)
+        assert "nested deeper" in oip_error(response, 400)
+
+    api_run(world, body)
+
+
+def test_v1_keeps_the_apis_error_body(world: ApiWorld) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        headers = {**world.auth(), "Content-Type": "application/json"}
+        oversized = b'{"inputs": [[1.0]]}' + b" " * (2 * MAX_BODY_BYTES)
+        for status, content in [
+            (400, DEEP),
+            (413, oversized),
+            (413, chunks(oversized)),
+        ]:
+            response = await client.post("/v1/apps/demo/infer", content=content, headers=headers)
+            assert response.status_code == status, response.text
+            error = response.json()["error"]
+            assert set(error) == {"code", "message", "field"}
+
+    api_run(world, body)
+
+
+def test_the_body_limit_admits_256_rows_of_the_models_input(world: ApiWorld) -> None:
+    """256 rows of [3, 32, 32] FP32 as JSON (about 4 MB, past the API's 1 MiB) and in binary
+    get past the limit and the parser (503: no worker serves the app here); 257 rows are the
+    protocol's 400, and more bytes than the limit a 413."""
+    as_artifacts(world, IMAGES)
+    rng = np.random.default_rng(7)
+    pixels = (rng.standard_normal((MAX_INFER_SAMPLES, 3, 32, 32)) * 1e-5).astype(np.float32)
+    request = {
+        "inputs": [
+            {
+                "name": "pixels",
+                "datatype": "FP32",
+                "shape": list(pixels.shape),
+                "data": pixels.tolist(),
+            }
+        ]
+    }
+
+    async def body(client: httpx.AsyncClient) -> None:
+        headers = {**world.auth(), "Content-Type": "application/json"}
+        content = json.dumps(request).encode()
+        assert len(content) > MAX_BODY_BYTES
+        response = await client.post(INFER, content=content, headers=headers)
+        oip_error(response, 503)
+        binary, size = binary_request({"pixels": ("FP32", pixels)})
+        response = await client.post(
+            INFER,
+            content=binary,
+            headers={**world.auth(), "Inference-Header-Content-Length": str(size)},
+        )
+        oip_error(response, 503)
+        more = np.concatenate([pixels, pixels[:1]])
+        binary, size = binary_request({"pixels": ("FP32", more)})
+        response = await client.post(
+            INFER,
+            content=binary,
+            headers={**world.auth(), "Inference-Header-Content-Length": str(size)},
+        )
+        assert "256" in oip_error(response, 400)
+        limit = body_limit(IMAGES, world.settings.oip_body_max_bytes)
+        response = await client.post(INFER, content=chunks(content + b" " * limit), headers=headers)
+        assert f"{limit:,}" in oip_error(response, 413)
+
+    api_run(world, body)
+
+
+@pytest.mark.parametrize(
+    ("signature", "ceiling", "expected"),
+    [
+        (IMAGES, 64 << 20, MAX_BODY_BYTES + 256 * 3 * 32 * 32 * 25),
+        (IMAGES, 4 << 20, 4 << 20),
+        (
+            ModelSignature(
+                (TensorSpec("a", "INT64", (-1, 4)), TensorSpec("b", "BOOL", (-1, 2))),
+                (TensorSpec("y", "FP32", (-1,)),),
+            ),
+            64 << 20,
+            MAX_BODY_BYTES + 256 * 6 * 25,
+        ),
+        (
+            ModelSignature((TensorSpec("t", "FP32", (-1, -1)),), (TensorSpec("y", "FP32", (-1,)),)),
+            8 << 20,
+            8 << 20,
+        ),
+    ],
+    ids=["images", "capped", "two-inputs", "open-size"],
+)
+def test_body_limit_from_the_signature(
+    signature: ModelSignature, ceiling: int, expected: int
+) -> None:
+    assert body_limit(signature, ceiling) == expected

@@ -1,0 +1,170 @@
+"""One sizing model across its entry points, and the live tuner against a blip: a real store
+(SQLite through the migrations), a fake clock, the real planner, and the fake provisioner behind
+the real reconciler.
+
+* The planner, ``heteroplane replay``'s tuner and the live tuner give the same target mix for
+  the same planning trace and load.
+* A blip (the issue's 56 queries inside one second, on an app planned at 5 qps) makes the live
+  tuner launch nothing, and the reconciler with it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from controlplane.apps.plans import PlanRequest, planning_trace, replanning_request
+from controlplane.clock import FakeClock
+from controlplane.db import migrate
+from controlplane.db.store import AppRecord, Store
+from controlplane.loops.live_tuner import LiveTuner
+from controlplane.loops.reconciler import AppPricing, Reconciler
+from controlplane.policies.capacity_curve import build_ladder
+from controlplane.policies.planner import plan_app, scale_trace
+from controlplane.policies.replay import ladder_tuner
+from controlplane.policies.tuner import TunerStage, ladder_fleet
+from controlplane.spec import resolve_spec, validate_spec
+from provisioners.fake import FakeProvisioner
+
+SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
+APP = "recs"
+RATE_QPS = 40.0
+# tiny: 40 ms per query on a small (mu 25 qps for $0.05/hr), 10 ms on a large (mu 100 qps for
+# $0.10/hr): the large serves twice the queries per dollar.
+PROFILES = {
+    "format": "heteroplane.profiles/v1",
+    "profiles": [
+        {"model": "tiny", "instance_type": SMALL, "batch_sizes": [1], "latency_ms": [[40.0]]},
+        {"model": "tiny", "instance_type": LARGE, "batch_sizes": [1], "latency_ms": [[10.0]]},
+    ],
+}
+
+
+def spec(folder: Path, budget: float) -> dict[str, Any]:
+    (folder / "profiles.json").write_text(json.dumps(PROFILES))
+    return {
+        "name": APP,
+        "models": [{"name": "tiny", "profiles": str(folder / "profiles.json")}],
+        "slo": {"latency_ms": 200},
+        "budget_usd_per_hr": budget,
+        "instance_types": [SMALL, LARGE],
+    }
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    url = f"sqlite:///{tmp_path / 'hp.db'}"
+    migrate.upgrade(url)
+    opened = Store.from_url(url, FakeClock())
+    yield opened
+    opened.close()
+
+
+def resolve(app: AppRecord) -> Any:
+    return resolve_spec(validate_spec(app.spec))
+
+
+def applied_plan(store: Store, folder: Path, rate_qps: float, budget: float) -> AppRecord:
+    """The app with the planner's own plan for a Poisson trace at ``rate_qps`` applied (the
+    trace a plan made for a rate alone is planned on again)."""
+    store.create_app(spec(folder, budget), who="test")
+    app = store.get_app(APP)
+    trace, _ = planning_trace(resolve(app), PlanRequest(rate_qps=rate_qps, seed=0))
+    document = plan_app(resolve(app), trace, seed=0).to_document()
+    document["seed"] = 0
+    plan = store.create_plan(APP, document)
+    store.apply_plan(APP, plan.id)
+    return store.get_app(APP)
+
+
+def target(stage: TunerStage, load: float, budget: float) -> dict[str, int]:
+    prices = {t: 0.05 if t == SMALL else 0.1 for t in stage.rate_per_instance_qps}
+    fleet = ladder_fleet(stage, stage.capacity_at_load_qps(load), prices, budget)
+    return {t: n for t, n in (fleet or {}).items() if n}
+
+
+def test_the_planner_the_replay_and_the_live_tuner_size_alike(store: Store, tmp_path: Path) -> None:
+    budget = 2.0
+    app = applied_plan(store, tmp_path, RATE_QPS, budget)
+    resolved = resolve(app)
+    record = store.get_applied_plan(APP)
+    assert record is not None
+    planning, _ = planning_trace(resolved, replanning_request(record.plan))
+    (planned_stage,) = record.plan.stages
+
+    # The planner at each load: its own fleet for the planning trace at f times its rate.
+    by_planner = {}
+    for load in (1.0, 2.0):
+        plan = plan_app(resolved, scale_trace(planning, load * RATE_QPS), seed=0)
+        by_planner[load] = {t: n for t, n in plan.stages[0].fleet.items() if n}
+
+    # The replay's tuner, on the ladder the replay command builds.
+    ladder = build_ladder(
+        resolved,
+        "tiny",
+        planning,
+        kairos=planned_stage.policy == "kairos",
+        also_types=list(planned_stage.fleet),
+    )
+    assert ladder is not None
+    replayed, _, _ = ladder_tuner(planning, resolved, planned_stage, planning.arrival_s, ladder)
+
+    # The live tuner, building its ladder (run at once here instead of on a thread).
+    clock = FakeClock(start_s=1000.0)
+    arrivals = 940.0 + np.arange(int(60 * RATE_QPS)) / RATE_QPS
+    tuner = LiveTuner(store, clock, lambda _app: arrivals, resolve, submit=lambda work: work())
+    tuner.tick()
+    (live,) = tuner.stages(APP)
+
+    assert live.ladder == replayed.ladder
+    assert dict(live.rate_per_instance_qps) == dict(replayed.rate_per_instance_qps)
+    for load, fleet in by_planner.items():
+        assert target(replayed, load, budget) == fleet, load
+        assert target(live, load, budget) == fleet, load
+    # The plan applied is the planner's at its rate, and what the live tuner wants to start.
+    assert by_planner[1.0] == {t: n for t, n in planned_stage.fleet.items() if n}
+    assert {t: n for t, n in tuner.desired_fleet(app).items() if n} == by_planner[1.0]
+
+
+def test_a_blip_makes_the_live_tuner_launch_nothing(store: Store, tmp_path: Path) -> None:
+    # Planned at 5 qps; one instance serves far more. 56 queries inside one second, once.
+    applied_plan(store, tmp_path, 5.0, budget=1.0)
+    clock = FakeClock(start_s=1000.0)
+    steady = 700.0 + np.arange(int(400 * 5.0)) / 5.0  # 5 qps from 700 s to 1100 s
+    blip = 1020.0 + np.arange(56) / 56
+    seen = np.sort(np.concatenate([steady, blip]))
+    tuner = LiveTuner(
+        store,
+        clock,
+        lambda _app: seen[seen <= clock.now_s()],
+        resolve,
+        submit=lambda work: work(),
+    )
+    record = store.get_applied_plan(APP)
+    assert record is not None
+    planned = {t: n for t, n in record.plan.stages[0].fleet.items() if n}
+    fake = FakeProvisioner(now=clock.utcnow)
+    reconciler = Reconciler(
+        store,
+        fake,
+        clock,
+        lambda _app: AppPricing({SMALL: 0.05, LARGE: 0.1}, {SMALL: 25.0, LARGE: 100.0}),
+        desired_fleet=tuner.desired_fleet,
+    )
+    reconciler.run_once()
+    launched_at_start = len(fake.list({}))
+    assert launched_at_start == sum(planned.values())
+    for _ in range(80):  # 1000 s to 1080 s: before, during and after the blip
+        clock.advance(1.0)
+        tuner.tick()
+        reconciler.run_once()
+    kinds = [d.kind for d in store.list_decisions(APP)]
+    assert "scale_up" not in kinds
+    assert len(fake.list({})) == launched_at_start
+    desired = tuner.desired_fleet(store.get_app(APP))
+    assert {t: n for t, n in desired.items() if n} == planned

@@ -1,0 +1,154 @@
+"""The tuner on the sizing model's ladder (a pure policy): the target fleet for a load, a mix
+change when another mix is cheaper (adding before removing), the saving that a mix change must
+bring, the budget while two mixes overlap, and a blip read as noise."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+
+from controlplane.policies.tuner import (
+    TunerConfig,
+    TunerStage,
+    fleet_cost_usd_per_hr,
+    initial_state,
+    ladder_fleet,
+    ready_fleets,
+    tune,
+)
+from estimator.envelope import DEFAULT_PERSISTENCE_S
+
+WINDOWS_S = (1.0, 2.0, 4.0, 8.0)
+PLANNED_QPS = 32.0
+PRICES = {"cpu": 0.1, "gpu": 0.5, "mid": 0.19}
+BOOT_S = {"cpu": 30.0, "gpu": 60.0, "mid": 30.0}
+# mu: a cpu serves 10 qps (100 qps per USD/hr), a gpu 100 qps (200 qps per USD/hr), a mid 20.
+MU = {"cpu": 10.0, "gpu": 100.0, "mid": 20.0}
+
+
+def steady(rate_qps: int, start_s: float, end_s: float) -> np.ndarray:
+    """Evenly spaced arrivals; a power-of-two rate keeps every time exact in binary."""
+    return start_s + np.arange(int((end_s - start_s) * rate_qps)) / rate_qps
+
+
+def stage(ladder: tuple[tuple[float, Mapping[str, int]], ...] | None = None) -> TunerStage:
+    # Planned at 32 qps: 4 cpu (40 qps). At twice the load the planner chose one gpu (100 qps,
+    # $0.5/hr), cheaper than the 8 cpu ($0.8/hr) the same mix would need.
+    rungs = ladder or ((0.5, {"cpu": 2}), (1.0, {"cpu": 4}), (2.0, {"gpu": 1}))
+    return TunerStage(
+        "m",
+        1.0,
+        {"cpu": 4},
+        MU,
+        1.0,
+        capacity_curve=((0.5, 0.5), (1.0, 1.0), (2.0, 2.0)),
+        ladder=rungs,
+    )
+
+
+def config(
+    budget_usd_per_hr: float = 10.0,
+    persistence_s: float | None = None,
+    prices: Mapping[str, float] = PRICES,
+) -> TunerConfig:
+    return TunerConfig(
+        windows_s=WINDOWS_S,
+        planned_rate_qps=(PLANNED_QPS,) * len(WINDOWS_S),
+        budget_usd_per_hr=budget_usd_per_hr,
+        prices_usd_per_hr=prices,
+        boot_s=BOOT_S,
+        scale_down_delay_s=15.0,
+        persistence_s=persistence_s,
+    )
+
+
+def run(plan: TunerStage, cfg: TunerConfig, rate_qps: int, until_s: float) -> list[tuple]:
+    """Tick once a second from 0 to ``until_s`` with ``rate_qps`` arriving from 0; every
+    decision as (at, action, type, count), and the final state's fleet."""
+    arrivals = steady(rate_qps, 0.0, until_s)
+    state = initial_state([plan], now_s=0.0)
+    made = []
+    for now in np.arange(1.0, until_s + 1.0):
+        seen = arrivals[arrivals <= now]
+        decisions, state = tune(seen, float(now), state, [plan], cfg)
+        made += [(d.at_s, d.action, d.instance_type, d.count) for d in decisions]
+        assert fleet_cost_usd_per_hr(state, PRICES) <= cfg.budget_usd_per_hr + 1e-9
+    ready = ready_fleets(state, until_s + 1.0)["m"]
+    made.append(("final", {t: n for t, n in ready.items() if n}))
+    return made
+
+
+def test_the_ladder_gives_the_planned_fleet_at_the_planned_load() -> None:
+    plan = stage()
+    target = ladder_fleet(plan, plan.capacity_at_load_qps(1.0), PRICES, 10.0)
+    assert dict(target or {}) == {"cpu": 4}
+
+
+def test_a_load_twice_the_plan_changes_the_mix_when_another_is_cheaper() -> None:
+    plan = stage()
+    # The target at 2x: the gpu rung ($0.5/hr) beats filling the cpu rung ($0.8/hr or more).
+    assert dict(ladder_fleet(plan, 80.0, PRICES, 10.0) or {}) == {"gpu": 1}
+    made = run(plan, config(), 64, 200.0)
+    actions = [m for m in made if m[0] != "final"]
+    # First the gpu comes (adding before removing), and only once it serves do the cpus stop.
+    assert actions[0][1:] == ("scale_up", "gpu", 1)
+    stops = [m for m in actions if m[1] == "scale_down"]
+    assert stops and stops[0][2] == "cpu" and stops[0][0] >= actions[0][0] + BOOT_S["gpu"]
+    assert made[-1] == ("final", {"gpu": 1})
+
+
+def test_without_a_cheaper_mix_the_stage_grows_in_its_own_mix() -> None:
+    # The 2x rung is the cpu mix doubled: no gpu is ever launched.
+    plan = stage(((1.0, {"cpu": 4}), (2.0, {"cpu": 8})))
+    made = run(plan, config(), 64, 120.0)
+    assert all(m[2] == "cpu" for m in made if m[0] != "final")
+    assert made[-1] == ("final", {"cpu": 8})
+
+
+@pytest.mark.parametrize(("mid_usd_per_hr", "changes"), [(0.19, False), (0.15, True)])
+def test_a_mix_change_needs_a_real_saving(mid_usd_per_hr: float, changes: bool) -> None:
+    # At half the load the stage needs 20 qps: 2 cpu ($0.2/hr) in its own mix, or one mid. At
+    # $0.19/hr the mid saves 5%, too little to launch it; at $0.15/hr it saves 25%.
+    plan = stage(((0.5, {"mid": 1}), (1.0, {"cpu": 4})))
+    cfg = config(prices={**PRICES, "mid": mid_usd_per_hr})
+    state = initial_state([plan], now_s=0.0)
+    arrivals = steady(16, 0.0, 300.0)
+    launched = []
+    for now in np.arange(1.0, 300.0):
+        decisions, state = tune(arrivals[arrivals <= now], float(now), state, [plan], cfg)
+        launched += [d.instance_type for d in decisions if d.action == "scale_up"]
+    final = {t: n for t, n in state.fleets["m"].items() if n}
+    if changes:
+        assert launched == ["mid"] and final == {"mid": 1}
+    else:
+        assert launched == [] and final == {"cpu": 2}
+
+
+def test_the_budget_holds_while_two_mixes_overlap() -> None:
+    # $0.6/hr: the cpus ($0.4) and the gpu ($0.5) cannot run together, so the stage grows in
+    # its own mix as far as the budget goes and says it is capped.
+    plan = stage()
+    made = run(plan, config(budget_usd_per_hr=0.6), 64, 120.0)
+    assert all(m[2] != "gpu" for m in made if m[0] != "final" and m[1] == "scale_up")
+    assert any(m[1] == "budget_capped" for m in made if m[0] != "final")
+
+
+@pytest.mark.parametrize("persistence_s", [None, DEFAULT_PERSISTENCE_S])
+def test_a_blip_buys_nothing_once_bursts_must_persist(persistence_s: float | None) -> None:
+    # The planned rate with 200 extra queries inside half a second at 100 s.
+    base = steady(32, 0.0, 200.0)
+    blip = 100.0 + np.arange(200) / 400
+    arrivals = np.sort(np.concatenate([base, blip]))
+    plan, cfg = stage(), config(persistence_s=persistence_s)
+    state = initial_state([plan], now_s=0.0)
+    ups = []
+    for now in np.arange(1.0, 200.0):
+        decisions, state = tune(arrivals[arrivals <= now], float(now), state, [plan], cfg)
+        ups += [d for d in decisions if d.action == "scale_up"]
+    if persistence_s is None:
+        assert ups  # read as load, the blip buys instances that boot after it is over
+    else:
+        assert ups == []
+        assert dict(state.fleets["m"]) == {"cpu": 4}
