@@ -214,51 +214,47 @@ def measure(
             "HETEROPLANE_REPLAN_ENABLED": "false",
             **(service_settings or {}),
         }
-        with local_service.running_service(
-            data_dir, port, model=MODEL, settings=settings
-        ) as process:
-            log_path = data_dir / "serve.log"
-            headers = {"Authorization": f"Bearer {token}"}
-            with httpx.Client(base_url=base, headers=headers, timeout=120.0) as api:
-                local_service.wait_for(
-                    "the service", lambda: api.get("/healthz").status_code == 200, process, log_path
-                )
-                spec = {
-                    "name": APP,
-                    "models": [{"name": MODEL, "profiles": str(profile)}],
-                    "slo": {"latency_ms": 50, "percentile": 99},
-                    "budget_usd_per_hr": 0.1 * args.workers + 0.05,
-                    "instance_types": [INSTANCE_TYPE],
-                    "max_counts": {INSTANCE_TYPE: args.workers},
-                }
-                api.post("/v1/apps", json=spec).raise_for_status()
-                # Planned for more than the workers serve (at most 3,480 q/s each, four
-                # queries a call): the planner plans the highest rate the budget (--workers
-                # instances) serves, on all of them.
-                rate = 3600.0 * args.workers
-                preview = api.post(f"/v1/apps/{APP}/plans", json={"rate_qps": rate})
-                preview.raise_for_status()
-                plan = preview.json()
-                api.post(f"/v1/apps/{APP}/plans/{plan['id']}/apply").raise_for_status()
-                (stage,) = plan["stages"]
-                planned = sum(stage["fleet"].values())
-                local_service.log(
-                    f"plan: {stage['fleet']} at batch {stage['batch_size']},"
-                    f" for {plan['rate_qps']:,.0f} q/s"
-                )
+        with local_service.serving_api(data_dir, port, token, model=MODEL, settings=settings) as (
+            process,
+            api,
+            log_path,
+        ):
+            spec = {
+                "name": APP,
+                "models": [{"name": MODEL, "profiles": str(profile)}],
+                "slo": {"latency_ms": 50, "percentile": 99},
+                "budget_usd_per_hr": 0.1 * args.workers + 0.05,
+                "instance_types": [INSTANCE_TYPE],
+                "max_counts": {INSTANCE_TYPE: args.workers},
+            }
+            api.post("/v1/apps", json=spec).raise_for_status()
+            # Planned for more than the workers serve (at most 3,480 q/s each, four
+            # queries a call): the planner plans the highest rate the budget (--workers
+            # instances) serves, on all of them.
+            rate = 3600.0 * args.workers
+            preview = api.post(f"/v1/apps/{APP}/plans", json={"rate_qps": rate})
+            preview.raise_for_status()
+            plan = preview.json()
+            api.post(f"/v1/apps/{APP}/plans/{plan['id']}/apply").raise_for_status()
+            (stage,) = plan["stages"]
+            planned = sum(stage["fleet"].values())
+            local_service.log(
+                f"plan: {stage['fleet']} at batch {stage['batch_size']},"
+                f" for {plan['rate_qps']:,.0f} q/s"
+            )
 
-                def running() -> bool:
-                    rows = api.get("/v1/instances", params={"app": APP}).json()
-                    return sum(r["state"] == "running" for r in rows) >= planned
+            def running() -> bool:
+                rows = api.get("/v1/instances", params={"app": APP}).json()
+                return sum(r["state"] == "running" for r in rows) >= planned
 
-                local_service.wait_for("the workers", running, process, log_path)
-                probe = json.dumps({"inputs": [inputs[0].astype(int).tolist()]})
-                local_service.wait_for(
-                    "an answer",
-                    lambda: api.post(url, content=probe, headers=JSON).status_code == 200,
-                    process,
-                    log_path,
-                )
+            local_service.wait_for("the workers", running, process, log_path)
+            probe = json.dumps({"inputs": [inputs[0].astype(int).tolist()]})
+            local_service.wait_for(
+                "an answer",
+                lambda: api.post(url, content=probe, headers=JSON).status_code == 200,
+                process,
+                log_path,
+            )
             records = worker_records(data_dir)
             direct = direct_p99_ms(records[0], inputs)
             local_service.log(f"straight to a worker: p99 {direct:.2f} ms")

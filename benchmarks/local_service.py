@@ -150,6 +150,23 @@ def running_service(
         stop_workers(data_dir / LOCAL_WORKERS_DIR, model)
 
 
+@contextmanager
+def serving_api(
+    data_dir: Path, port: int, token: str, *, model: str, settings: Mapping[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], httpx.Client, Path]]:
+    """:func:`running_service`, once it answers ``/healthz``: the process, a client of its API
+    with ``token`` and the path of its log."""
+    with running_service(data_dir, port, model=model, settings=settings) as process:
+        log_path = data_dir / "serve.log"
+        headers = {"Authorization": f"Bearer {token}"}
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=base, headers=headers, timeout=120.0) as api:
+            wait_for(
+                "the service", lambda: api.get("/healthz").status_code == 200, process, log_path
+            )
+            yield process, api, log_path
+
+
 def stop_workers(state_dir: Path, model: str) -> None:
     """Terminate every local worker recorded in ``state_dir`` (those the service left behind)."""
     from provisioners.local import LocalProvisioner

@@ -9,7 +9,7 @@ Every message is one line that names what was wrong.
 
 The serving loop's errors (:class:`ServingError` and below) are answers to an inference request:
 the API maps them to 429 (:class:`OverloadedError`, with ``Retry-After``), 422
-(:class:`RequirementsUnmetError`), 502 (:class:`QueryFailedError`), 503
+(:class:`RequirementsUnmetError`, :class:`QueryRejectedError`), 502 (:class:`QueryFailedError`), 503
 (:class:`NoServingInstanceError`, :class:`ServingUnavailableError`) and 504
 (:class:`QueryTimeoutError`); :class:`WorkerCallError` stays inside the serving loop.
 """
@@ -35,6 +35,7 @@ __all__ = [
     "ProfilesNotMeasuredError",
     "ProfilingBudgetError",
     "QueryFailedError",
+    "QueryRejectedError",
     "QueryTimeoutError",
     "RequirementsUnmetError",
     "ServingError",
@@ -296,6 +297,16 @@ class QueryFailedError(ServingError):
         )
 
 
+class QueryRejectedError(ServingError):
+    """A worker answered that the query's own inputs make the model fail (an index out of
+    range, a wrong shape or datatype: the model raised on this query while it serves others);
+    ``reason`` is the worker's one line. Not retried: another worker would refuse it too."""
+
+    def __init__(self, app: str, reason: str) -> None:
+        self.reason = reason
+        super().__init__(app, f"app {app!r}: the model refused the query's inputs: {reason}")
+
+
 class QueryTimeoutError(ServingError):
     """The query was not answered within ``give_up_s`` (far past its SLO): an explicit error
     instead of waiting without bound."""
@@ -307,9 +318,14 @@ class QueryTimeoutError(ServingError):
 
 class WorkerCallError(ControlPlaneError):
     """A call to a worker that did not give an answer: ``kind`` is ``connect``, ``timeout``,
-    ``closed`` (the connection broke), ``status`` (an HTTP error status, in ``status``) or
-    ``malformed`` (an answer that is not the agent's). ``worker_fault`` is False when the worker
-    refused the request itself (a 400 or 413: retrying elsewhere would not help)."""
+    ``closed`` (the connection broke), ``malformed`` (an answer that is not the agent's),
+    ``status`` (an HTTP error status that says the worker cannot serve: 503, 404, ...), or one
+    of the two the worker answered about the batch itself: ``input`` (400, 413, 422: the inputs
+    are at fault) and ``model`` (500: the model raised). ``status`` is the HTTP status when
+    there was one. ``worker_fault`` is False for ``input`` and ``model``: the worker answered,
+    so it is as healthy as before, and retrying elsewhere would not help. ``rows``: the rows of
+    the batch (0-based) the worker named as the ones that failed, when it named them (the agent
+    runs a failed batch again row by row); None when it did not."""
 
     def __init__(
         self,
@@ -319,10 +335,12 @@ class WorkerCallError(ControlPlaneError):
         *,
         status: int | None = None,
         worker_fault: bool = True,
+        rows: tuple[int, ...] | None = None,
     ) -> None:
         self.address = address
         self.kind = kind
         self.detail = detail
         self.status = status
         self.worker_fault = worker_fault
+        self.rows = rows
         super().__init__(f"worker {address}: {kind}: {detail}")

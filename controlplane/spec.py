@@ -614,8 +614,11 @@ class ResolvedApp:
     ``validation`` holds the cascade's validation records when the spec names them;
     ``serving_overhead_ms`` is the control plane's own time per query that no worker profile
     holds (the API before the serving loop), as the service measured it for this app (0 when it
-    has not: a spec resolved offline, or an app not served yet); the planner adds it to every
-    query's simulated latency. ``artifacts`` maps each model served from the registry to its
+    has not: a spec resolved offline, or an app not served yet), its median;
+    ``serving_overhead_quantiles_ms`` its measured distribution (quantiles at 0, 1, ..., 100 %;
+    empty when not measured): the planner adds a draw from it to every query's simulated latency
+    (the median when it is empty), and takes the median off the SLO the stages share.
+    ``artifacts`` maps each model served from the registry to its
     :class:`ResolvedArtifact` (the spec then names its version: pinned). ``unprofiled`` maps each
     artifact model whose profiles the service has not measured yet (no ``profiles`` file, and
     the stored measurements lack some candidate type) to the candidate types it lacks; such a
@@ -628,6 +631,7 @@ class ResolvedApp:
     prices_usd_per_hr: Mapping[str, float]
     validation: ValidationRecords | None = None
     serving_overhead_ms: float = 0.0
+    serving_overhead_quantiles_ms: tuple[float, ...] = ()
     artifacts: Mapping[str, ResolvedArtifact] = dataclasses.field(
         default_factory=lambda: MappingProxyType({})
     )

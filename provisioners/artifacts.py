@@ -22,6 +22,7 @@ Like the rest of ``provisioners/``, it imports nothing else from the repository.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ __all__ = [
     "datatype_of",
     "file_sha256",
     "numpy_dtype",
+    "parse_artifact_inputs",
     "signature_document",
 ]
 
@@ -201,7 +203,10 @@ FAMILY_SIGNATURE = ModelSignature(
 @dataclass(frozen=True, slots=True)
 class ArtifactRef:
     """One model for a worker to load: served as ``name``; the registry's ``model`` at
-    ``version``; its ``format`` and ``sha256``; ``uri`` where the file is."""
+    ``version``; its ``format`` and ``sha256``; ``uri`` where the file is; ``inputs``, the input
+    signature the registry stored, for a TorchScript module whose archive does not name its
+    inputs (pushed with ``--inputs``: the worker cannot read them off the file); empty when the
+    file says them itself."""
 
     name: str
     model: str
@@ -209,6 +214,7 @@ class ArtifactRef:
     format: str
     sha256: str
     uri: str
+    inputs: tuple[TensorSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name) and not re.match(r"^[A-Za-z0-9_.-]{1,128}$", self.name):
@@ -247,8 +253,19 @@ class ArtifactRef:
             ) from None
         return cls(name, model, number, fmt, sha256, uri)
 
+    def worker_options(self) -> list[tuple[str, str]]:
+        """The worker's command-line options for this artifact, as (option, value):
+        ``--artifact`` (:meth:`to_arg`) and, when the reference carries its inputs,
+        ``--artifact-inputs NAME=JSON`` (:func:`parse_artifact_inputs` reads it back)."""
+        options = [("--artifact", self.to_arg())]
+        if self.inputs:
+            specs = [spec.to_json() for spec in self.inputs]
+            text = json.dumps(specs, separators=(",", ":"), ensure_ascii=False)
+            options.append(("--artifact-inputs", f"{self.name}={text}"))
+        return options
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        document: dict[str, Any] = {
             "name": self.name,
             "model": self.model,
             "version": self.version,
@@ -256,6 +273,28 @@ class ArtifactRef:
             "sha256": self.sha256,
             "uri": self.uri,
         }
+        if self.inputs:
+            document["inputs"] = [spec.to_json() for spec in self.inputs]
+        return document
+
+
+def parse_artifact_inputs(text: str) -> tuple[str, tuple[TensorSpec, ...]]:
+    """The served name and the inputs of a worker's ``--artifact-inputs NAME=JSON`` value
+    (:meth:`ArtifactRef.worker_options`); :class:`ArtifactError` when it is not one.
+
+    >>> parse_artifact_inputs('m=[{"name":"x","datatype":"FP32","shape":[-1,4]}]')
+    ('m', (TensorSpec(name='x', datatype='FP32', shape=(-1, 4)),))
+    """
+    name, equals, spec_text = text.partition("=")
+    if not equals or not name:
+        raise ArtifactError(f"--artifact-inputs {text!r}: expected NAME=JSON")
+    try:
+        document = json.loads(spec_text)
+    except ValueError:
+        raise ArtifactError(f"--artifact-inputs for {name!r}: not JSON") from None
+    if not isinstance(document, list) or not document:
+        raise ArtifactError(f"--artifact-inputs for {name!r}: expected a list of tensors")
+    return name, tuple(TensorSpec.from_json(entry) for entry in document)
 
 
 def file_sha256(path: str | Path) -> str:

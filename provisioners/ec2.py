@@ -824,7 +824,14 @@ def worker_user_data(
     (index,) = starts
     command = _MODELS_OPTION.sub("", lines[index]).rstrip()
     lines[index] = " ".join(
-        [command, *(f"--artifact {_unit_quote(ref.to_arg())}" for ref in artifacts)]
+        [
+            command,
+            *(
+                f"{option} {_unit_quote(value)}"
+                for ref in artifacts
+                for option, value in ref.worker_options()
+            ),
+        ]
     )
     text = "\n".join(lines)
     size_bytes = len(text.encode("utf-8"))

@@ -435,7 +435,7 @@ class LocalProvisioner:
         """The worker's command line: the family's models by name, or, when the launch names
         artifacts, one ``--artifact`` for each and no family model."""
         if artifacts:
-            served = [arg for ref in artifacts for arg in ("--artifact", ref.to_arg())]
+            served = [arg for ref in artifacts for pair in ref.worker_options() for arg in pair]
         else:
             served = ["--models", ",".join(self.models)]
         command = [

@@ -29,6 +29,8 @@ inspection refused the artifact)
 :class:`OverloadedError` (admission)   429     ``overloaded`` (with
                                                ``Retry-After``)
 :class:`RequirementsUnmetError`        422     ``requirements_unmet``
+:class:`QueryRejectedError` (the       422     ``query_rejected``
+model raised on the query's inputs)
 :class:`QueryFailedError`              502     ``query_failed``
 :class:`NoServingInstanceError`        503     ``no_serving_instance``
 :class:`ServingUnavailableError`       503     ``serving_unavailable``
@@ -70,6 +72,7 @@ from controlplane.errors import (
     NotFoundError,
     OverloadedError,
     QueryFailedError,
+    QueryRejectedError,
     QueryTimeoutError,
     RequirementsUnmetError,
     ServingError,
@@ -265,6 +268,8 @@ def _on_serving_error(error: ServingError) -> JSONResponse | None:
         )
     if isinstance(error, RequirementsUnmetError):
         return error_response(422, "requirements_unmet", str(error), "requirements")
+    if isinstance(error, QueryRejectedError):
+        return error_response(422, "query_rejected", str(error), "inputs")
     if isinstance(error, QueryFailedError):
         return error_response(502, "query_failed", str(error))
     if isinstance(error, NoServingInstanceError):

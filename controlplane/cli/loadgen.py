@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +30,14 @@ from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.profile import load_family
 from controlplane.clients import loadgen
 from controlplane.clients.loadgen import LoadProgress, LoadSummary, Outcome, Query
-from estimator.traces import read_trace_csv
+from controlplane.clients.tensors import InputSpec, fit_inputs, input_specs, read_inputs
+from estimator.traces import Trace, read_trace_csv
 
 if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
-__all__ = ["AppTarget", "app_target", "run", "validation_inputs"]
+__all__ = ["AppTarget", "app_target", "build", "model_inputs", "run", "validation_inputs"]
 
 # Reading the app takes milliseconds; a service that does not answer in this long is not up.
 _APP_TIMEOUT_S = 30.0
@@ -114,12 +116,15 @@ def run(args: argparse.Namespace) -> int:
     trace = read_trace_csv(args.trace)
     if len(trace) == 0:
         raise UsageError(f"--trace {args.trace}: the trace has no queries")
+    protocol: str = args.protocol or ("v2" if args.inputs is not None else "v1")
+    if args.binary and protocol != "v2":
+        raise UsageError(
+            "--binary sends binary tensors over the Open Inference Protocol: --protocol v2"
+        )
     with client:
         target = app_target(client, args.app, args.slo_ms)
-    try:
-        queries = loadgen.build_queries(trace, validation_inputs(target.seed))
-    except ValueError as error:
-        raise UsageError(f"--trace {args.trace}: {error}") from None
+        specs = model_inputs(client, args.app) if args.inputs or protocol == "v2" else None
+    queries = build(args, trace, target, specs, protocol)
     if args.outcomes is not None:
         # Before sending: a file that cannot be written is found now, not after the run.
         _writable(args.outcomes)
@@ -127,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     offered = f", {(len(queries) - 1) / duration_s:.1f} qps offered" if duration_s > 0 else ""
     progress(
         f"loadgen: {len(queries)} queries over {duration_s:.1f} s{offered} to"
-        f" {loadgen.infer_url(client.url, args.app)}; SLO {target.slo_ms:g} ms ({target.source})"
+        f" {loadgen.infer_url(client.url, args.app, protocol)}; SLO {target.slo_ms:g} ms"
+        f" ({target.source})"
     )
 
     def show(snapshot: LoadProgress) -> None:
@@ -135,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
     result = loadgen.run_load(
         queries,
-        loadgen.infer_url(client.url, args.app),
+        loadgen.infer_url(client.url, args.app, protocol),
         token,
         timeout_s=args.timeout_s,
         max_in_flight=args.max_in_flight,
@@ -148,6 +154,50 @@ def run(args: argparse.Namespace) -> int:
     if args.outcomes is not None:  # after the summary: a failed write does not lose it
         write_outcomes(args.outcomes, queries, result.outcomes)
     return status
+
+
+def model_inputs(client: ApiClient, app: str) -> list[InputSpec]:
+    """The app's inputs, from ``GET /v2/models/APP`` (one-line errors)."""
+    document = client.get(f"/v2/models/{urllib.parse.quote(app, safe='')}")
+    try:
+        return input_specs(document)
+    except ValueError as error:
+        raise UsageError(f"app {app!r}: {error}") from None
+
+
+def build(
+    args: argparse.Namespace,
+    trace: Trace,
+    target: AppTarget,
+    specs: list[InputSpec] | None,
+    protocol: str,
+) -> list[Query]:
+    """The run's queries: the demo's digits over ``/v1`` as before, else rows of ``--inputs``
+    (or the digits) fitted to the app's inputs ``specs`` as ``protocol`` bodies."""
+    if specs is None:
+        try:
+            return loadgen.build_queries(trace, validation_inputs(target.seed))
+        except ValueError as error:
+            raise UsageError(f"--trace {args.trace}: {error}") from None
+    if args.inputs is not None:
+        try:
+            arrays = read_inputs(args.inputs)
+        except ValueError as error:
+            raise UsageError(f"--inputs {error}") from None
+        where = f"--inputs {args.inputs}"
+    else:
+        arrays = {"input": validation_inputs(target.seed)}
+        where = "the demo's digits"
+    try:
+        fitted = fit_inputs(arrays, specs)
+    except ValueError as error:
+        raise UsageError(f"{where}: app {args.app!r}: {error}") from None
+    try:
+        return loadgen.build_tensor_queries(
+            trace, fitted, specs, protocol, args.binary, args.timeout_s
+        )
+    except ValueError as error:
+        raise UsageError(f"{where}: app {args.app!r}: {error}") from None
 
 
 def _writable(path: Path) -> None:

@@ -234,6 +234,12 @@ after it for a batch: :mod:`controlplane.clients.loadgen`). The samples are the 
 family's validation split, rebuilt from the seed in the app's validation records when that file can
 be read here (else the family's default seed), so sample i is the one the records describe.
 
+Any model: ``--inputs FILE`` gives the rows instead (a ``.npz`` with one array per model input,
+rows first, or a JSON file of Open Inference Protocol rows), checked against the app's inputs
+(``GET /v2/models/APP``) and drawn in order (query i takes the next ``batch_size`` rows, wrapping
+around). With it the queries go to ``POST /v2/models/APP/infer`` (``--protocol v1`` for ``/v1``,
+a model of one input); ``--binary`` sends the tensors in Triton's binary extension.
+
 Progress goes to stderr every ``--progress-s`` seconds; at the end it prints the queries sent,
 answered and failed (by kind: HTTP status, timeout, connection), p50 and p99 of the end-to-end
 latency, the attainment (share of sent queries answered within the app's SLO, read from ``GET
@@ -741,6 +747,26 @@ def _loadgen(subparsers: Subparsers) -> None:
         metavar="FILE",
         help="also write every query's outcome to FILE, a CSV: index, send_at_s (scheduled),"
         " kind (ok or the error kind), latency_ms, send_lag_ms, late",
+    )
+    # Any model's inputs, over /v1 or the Open Inference Protocol (issue 30).
+    parser.add_argument(
+        "--inputs",
+        type=Path,
+        metavar="FILE",
+        help="the queries' rows instead of the demo's digits: a .npz with one array per model"
+        " input (rows first), or a JSON file of Open Inference Protocol rows (an inference"
+        " request, or a list of them); rows are drawn in order",
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=("v1", "v2"),  # controlplane.clients.tensors.PROTOCOLS
+        help="v1: POST /v1/apps/APP/infer; v2: POST /v2/models/APP/infer, the Open Inference"
+        " Protocol (default: v2 with --inputs, else v1)",
+    )
+    parser.add_argument(
+        "--binary",
+        action="store_true",
+        help="with v2: send the inputs as binary tensors (Triton's binary tensor extension)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=Handler("loadgen", "run"))

@@ -8,6 +8,11 @@ This module owns how a trace becomes requests and how their answers become a sum
   ``i`` (:func:`sample_rows`). The inputs are given by the caller as an (n, features) array (the
   demo family's validation pixels, in the order of its validation records); each request body is
   encoded once, before the run.
+- **Any model's inputs** (:func:`build_tensor_queries`): rows from a file, fitted to the app's
+  inputs (:mod:`controlplane.clients.tensors`), drawn in order (:func:`draw_rows`: query i with
+  batch size b_i takes the next b_i rows, wrapping around; a ``sample_id`` column gives each
+  query's first row instead), sent to ``/v1`` or to ``POST /v2/models/{app}/infer`` (the Open
+  Inference Protocol, JSON or binary tensors; :func:`infer_url`).
 - **Open loop.** Query i is sent at ``start + a_i`` whatever the answers to earlier ones do:
   a slow or failing service never slows the sending down (InferLine's and Clockwork's load
   generators work this way; a closed loop would hide overload by sending less). Each query's
@@ -15,7 +20,8 @@ This module owns how a trace becomes requests and how their answers become a sum
   so a generator that falls behind shows up as latency instead of hiding it (the *coordinated
   omission* of closed-loop benchmarks).
 - **Outcomes and the summary** (:func:`summarise`, pure): a query is *answered* when the service
-  answers 200 with a JSON body; otherwise its error kind is ``http_<status>`` (429 when the
+  answers 200 with a JSON body (its ``late``, or on ``/v2`` its ``parameters.late``, is the
+  service's late flag); otherwise its error kind is ``http_<status>`` (429 when the
   service sheds load, 503 when no instance serves), ``timeout`` (no answer within the per-request
   timeout, or no free connection), ``connection`` (refused, reset) or ``bad_response`` (a 200
   that is not JSON). p50 and p99 are over the answered queries' latencies; *attainment* is the
@@ -51,6 +57,7 @@ import httpx
 import numpy as np
 from numpy.typing import NDArray
 
+from controlplane.clients.tensors import HEADER_LENGTH, InputSpec, tensor_body
 from estimator.traces import Trace
 
 __all__ = [
@@ -66,7 +73,10 @@ __all__ = [
     "RealTimer",
     "Timer",
     "build_queries",
+    "build_tensor_queries",
+    "draw_rows",
     "infer_url",
+    "late_flag",
     "run_load",
     "run_load_async",
     "sample_rows",
@@ -90,12 +100,25 @@ ENGINES = ("httpx", "raw")
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    """One request of the run: sent ``send_at_s`` after the start, carrying ``sample_ids``."""
+    """One request of the run: sent ``send_at_s`` after the start, carrying ``sample_ids`` (the
+    rows of the inputs); ``content_type`` and, for Triton's binary tensors, ``header_length``
+    (the size of the body's JSON part) are how the body is sent."""
 
     index: int
     send_at_s: float
     sample_ids: tuple[int, ...]
     body: bytes = field(repr=False)
+    content_type: str = "application/json"
+    header_length: int | None = None
+
+    def headers(self) -> dict[str, str]:
+        """The request headers the body needs beyond the run's own (JSON) ones."""
+        if self.header_length is None and self.content_type == "application/json":
+            return {}
+        headers = {"Content-Type": self.content_type}
+        if self.header_length is not None:
+            headers[HEADER_LENGTH] = str(self.header_length)
+        return headers
 
 
 def sample_rows(trace: Trace, n_samples: int) -> list[tuple[int, ...]]:
@@ -153,13 +176,75 @@ def build_queries(trace: Trace, inputs: NDArray[np.floating] | NDArray[np.intege
     return queries
 
 
-def infer_url(base_url: str, app: str) -> str:
-    """The inference endpoint of ``app`` on the service at ``base_url``.
+def draw_rows(trace: Trace, n_rows: int) -> list[tuple[int, ...]]:
+    """The rows each query of ``trace`` takes (see the module docstring): the next rows in order, or
+    from each row's ``sample_id`` on.
+
+    >>> draw_rows(Trace(np.array([0.0, 0.1, 0.2]), np.array([2, 2, 1])), 3)
+    [(0, 1), (2, 0), (1,)]
+    """
+    if n_rows < 1:
+        raise ValueError(f"n_rows must be >= 1, got {n_rows}")
+    if trace.sample_id is not None:
+        return sample_rows(trace, n_rows)
+    drawn = []
+    cursor = 0
+    for batch in trace.batch_size.tolist():
+        drawn.append(tuple((cursor + j) % n_rows for j in range(int(batch))))
+        cursor = (cursor + int(batch)) % n_rows
+    return drawn
+
+
+def build_tensor_queries(
+    trace: Trace,
+    arrays: Mapping[str, NDArray[Any]],
+    specs: Sequence[InputSpec],
+    protocol: str = "v2",
+    binary: bool = False,
+    timeout_s: float | None = None,
+) -> list[Query]:
+    """The requests for ``trace`` carrying rows of ``arrays`` (fitted to the app's inputs
+    ``specs``: :func:`~controlplane.clients.tensors.fit_inputs`), drawn in order
+    (:func:`draw_rows`), as ``protocol`` (``v1`` or ``v2``) bodies, ``binary`` tensors on
+    ``v2``, each with the client's ``timeout_s`` (``parameters.timeout`` on ``v2``);
+    ValueError for ``v1`` and a model of several inputs."""
+    n_rows = next(iter(arrays.values())).shape[0]
+    origin = float(trace.arrival_s[0]) if len(trace) else 0.0
+    queries = []
+    for index, (arrival, rows) in enumerate(
+        zip(trace.arrival_s.tolist(), draw_rows(trace, n_rows), strict=True)
+    ):
+        made = tensor_body(arrays, specs, rows, protocol, binary, timeout_s)
+        queries.append(
+            Query(index, arrival - origin, rows, made.body, made.content_type, made.header_length)
+        )
+    return queries
+
+
+def infer_url(base_url: str, app: str, protocol: str = "v1") -> str:
+    """The inference endpoint of ``app`` on the service at ``base_url`` (``v2``: the Open
+    Inference Protocol's).
 
     >>> infer_url("http://127.0.0.1:8000/", "demo")
     'http://127.0.0.1:8000/v1/apps/demo/infer'
+    >>> infer_url("http://127.0.0.1:8000", "demo", "v2")
+    'http://127.0.0.1:8000/v2/models/demo/infer'
     """
-    return f"{base_url.rstrip('/')}/v1/apps/{urllib.parse.quote(app, safe='')}/infer"
+    name = urllib.parse.quote(app, safe="")
+    if protocol == "v2":
+        return f"{base_url.rstrip('/')}/v2/models/{name}/infer"
+    return f"{base_url.rstrip('/')}/v1/apps/{name}/infer"
+
+
+def late_flag(answer: object) -> bool | None:
+    """The service's late flag in an answer: ``late`` (``/v1``) or ``parameters.late``
+    (``/v2``); None when it gives none."""
+    if not isinstance(answer, dict):
+        return None
+    flag = answer.get("late")
+    if flag is None and isinstance(answer.get("parameters"), dict):
+        flag = answer["parameters"].get("late")
+    return flag if isinstance(flag, bool) else None
 
 
 # --- outcomes and the summary ---------------------------------------------------------------------
@@ -340,7 +425,7 @@ async def _send(
     lag_ms = max(0.0, (timer.now() - scheduled_s) * 1000.0)
     late: bool | None = None
     try:
-        response = await client.post(url, content=query.body)
+        response = await client.post(url, content=query.body, headers=query.headers())
     except httpx.TimeoutException:
         kind = "timeout"
     except httpx.TransportError:
@@ -353,8 +438,7 @@ async def _send(
                 kind = "bad_response"
             else:
                 kind = OK
-                flag = answer.get("late") if isinstance(answer, dict) else None
-                late = flag if isinstance(flag, bool) else None
+                late = late_flag(answer)
         else:
             kind = f"http_{response.status_code}"
     finished = timer.now()

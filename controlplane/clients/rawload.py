@@ -42,8 +42,10 @@ from controlplane.clients.loadgen import (
     ProgressFn,
     Query,
     check_run,
+    late_flag,
     snapshot,
 )
+from controlplane.clients.tensors import HEADER_LENGTH
 
 __all__ = ["request_head", "run_raw_load_async"]
 
@@ -53,8 +55,15 @@ WARM_CONNECTIONS = 16
 _SWEEP_S = 0.05
 
 
-def request_head(url: str, token: str | None, length: int) -> bytes:
-    """The request line and headers of a POST of ``length`` JSON bytes to ``url``.
+def request_head(
+    url: str,
+    token: str | None,
+    length: int,
+    content_type: str = "application/json",
+    header_length: int | None = None,
+) -> bytes:
+    """The request line and headers of a POST of ``length`` bytes of ``content_type`` to
+    ``url`` (``header_length``: the size of the JSON part of a body with binary tensors).
 
     >>> request_head("http://127.0.0.1:8000/v1/apps/a/infer", None, 2).decode().splitlines()[:2]
     ['POST /v1/apps/a/infer HTTP/1.1', 'Host: 127.0.0.1:8000']
@@ -66,10 +75,12 @@ def request_head(url: str, token: str | None, length: int) -> bytes:
     lines = [
         f"POST {path} HTTP/1.1",
         f"Host: {parts.netloc}",
-        "Content-Type: application/json",
+        f"Content-Type: {content_type}",
         "Accept: application/json",
         f"Content-Length: {length}",
     ]
+    if header_length is not None:
+        lines.append(f"{HEADER_LENGTH}: {header_length}")
     if token:
         lines.append(f"Authorization: Bearer {token}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
@@ -150,7 +161,7 @@ class _Engine:
         self.busy: set[_Connection] = set()
         self.opening = 0
         self.waiting: collections.deque[tuple[Query, float, float]] = collections.deque()
-        self.heads: dict[int, bytes] = {}
+        self.heads: dict[tuple[int, str, int | None], bytes] = {}
         self.done: list[Outcome] = []
         self.answered_ms: list[float] = []
         self.loop = asyncio.get_running_loop()
@@ -159,10 +170,10 @@ class _Engine:
         return self.loop.time()
 
     def head(self, query: Query) -> bytes:
-        length = len(query.body)
-        head = self.heads.get(length)
+        key = (len(query.body), query.content_type, query.header_length)
+        head = self.heads.get(key)
         if head is None:
-            head = self.heads[length] = request_head(self.url, self.token, length)
+            head = self.heads[key] = request_head(self.url, self.token, *key)
         return head
 
     def submit(self, query: Query, scheduled_s: float) -> None:
@@ -230,8 +241,7 @@ class _Engine:
                 kind = "bad_response"
             else:
                 kind = OK
-                flag = answer.get("late") if isinstance(answer, dict) else None
-                late = flag if isinstance(flag, bool) else None
+                late = late_flag(answer)
         else:
             kind = f"http_{status}"
         self.record(query, kind, connection.scheduled_s, connection.lag_ms, late)

@@ -308,6 +308,8 @@ class ServingOverhead(Base):
     overhead_ms: Mapped[float]
     samples: Mapped[int]
     updated_at: Mapped[datetime]
+    # Their quantiles at calibration.OVERHEAD_QUANTILES (0..100 %); NULL in rows from before.
+    quantiles_ms: Mapped[list[float] | None] = mapped_column(JSON, nullable=True)
 
 
 class DashboardSession(Base):

@@ -27,6 +27,7 @@ store was given.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import numbers
@@ -209,13 +210,16 @@ class MetricSampleRecord:
 @dataclass(frozen=True, slots=True)
 class ServingOverheadRecord:
     """The control plane's own time per query of ``app`` (ms): the median, over ``samples``
-    answered queries, of the API's receipt to the dispatch queue; the planner adds it to every
-    query's simulated latency."""
+    answered queries, of the API's receipt to the dispatch queue, and ``quantiles_ms``, its
+    distribution (the quantiles at :data:`~controlplane.policies.calibration.
+    OVERHEAD_QUANTILES`; empty when not measured): the planner adds a draw from it to every
+    query's simulated latency (the median when it is empty)."""
 
     app: str
     overhead_ms: float
     samples: int
     updated_at: datetime
+    quantiles_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,8 +258,13 @@ class ModelVersionRecord:
     created_at: datetime
 
     def ref(self, serve_as: str) -> ArtifactRef:
-        """What a worker needs to load this version and serve it as ``serve_as``."""
-        return ArtifactRef(serve_as, self.name, self.version, self.format, self.sha256, self.uri)
+        """What a worker needs to load this version and serve it as ``serve_as``: for a
+        TorchScript module, its input signature too (one pushed with ``--inputs`` has it only
+        here, not in its archive)."""
+        inputs = self.signature.inputs if self.format == "torchscript" else ()
+        return ArtifactRef(
+            serve_as, self.name, self.version, self.format, self.sha256, self.uri, inputs
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The registry's version document (``GET /v1/models/{name}``)."""
@@ -945,14 +954,26 @@ class Store:
 
     @_translated
     def set_serving_overhead(
-        self, app: str, overhead_ms: float, samples: int, *, at: datetime | None = None
+        self,
+        app: str,
+        overhead_ms: float,
+        samples: int,
+        *,
+        quantiles_ms: Sequence[float] = (),
+        at: datetime | None = None,
     ) -> ServingOverheadRecord:
         """Set ``app``'s measured control-plane overhead per query (ms, finite, >= 0) over
-        ``samples`` (>= 1) answered queries; it replaces the one before."""
+        ``samples`` (>= 1) answered queries, with its distribution ``quantiles_ms`` (finite,
+        >= 0, non-decreasing; may be empty); it replaces the one before."""
         if not (
             isinstance(overhead_ms, int | float) and math.isfinite(overhead_ms) and overhead_ms >= 0
         ):
             raise InvalidValueError("overhead_ms", f"must be finite and >= 0, got {overhead_ms!r}")
+        quantiles = [float(q) for q in quantiles_ms]
+        if not all(math.isfinite(q) and q >= 0 for q in quantiles) or any(
+            b < a for a, b in itertools.pairwise(quantiles)
+        ):
+            raise InvalidValueError("quantiles_ms", "must be finite, >= 0 and non-decreasing")
         if not (isinstance(samples, int) and samples >= 1):
             raise InvalidValueError("samples", f"must be an integer >= 1, got {samples!r}")
         now = self._now(at)
@@ -967,8 +988,9 @@ class Store:
             found.overhead_ms = float(overhead_ms)
             found.samples = samples
             found.updated_at = now
+            found.quantiles_ms = quantiles or None
             session.flush()
-            return ServingOverheadRecord(app, found.overhead_ms, found.samples, found.updated_at)
+            return _overhead_record(app, found)
 
     @_translated
     def get_serving_overhead(self, app: str) -> ServingOverheadRecord | None:
@@ -980,7 +1002,7 @@ class Store:
             )
             if found is None:
                 return None
-            return ServingOverheadRecord(app, found.overhead_ms, found.samples, found.updated_at)
+            return _overhead_record(app, found)
 
     # --- the model registry and measured profiles -----------------------------------------------
 
@@ -1510,6 +1532,12 @@ class Store:
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def _overhead_record(app: str, row: m.ServingOverhead) -> ServingOverheadRecord:
+    return ServingOverheadRecord(
+        app, row.overhead_ms, row.samples, row.updated_at, tuple(row.quantiles_ms or ())
+    )
 
 
 def _app_row(session: Session, name: str, *, lock: bool = False) -> m.App:

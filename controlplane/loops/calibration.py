@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from controlplane.db.store import AppRecord, Store
 from controlplane.errors import ControlPlaneError
 from controlplane.policies.calibration import (
+    OVERHEAD_QUANTILES,
     Calibration,
     CalibrationRule,
     calibrate,
@@ -121,19 +122,29 @@ class ProfileCalibrator:
         if not times:
             return False
         stored = self._store.get_serving_overhead(app)
-        verdict = overhead_drift(None if stored is None else stored.overhead_ms, times, self._rule)
+        verdict = overhead_drift(
+            None if stored is None else stored.overhead_ms,
+            times,
+            self._rule,
+            () if stored is None else stored.quantiles_ms,
+        )
         if not verdict.drift or verdict.observed_ms is None:
             return False
-        self._store.set_serving_overhead(app, verdict.observed_ms, verdict.samples)
+        self._store.set_serving_overhead(
+            app, verdict.observed_ms, verdict.samples, quantiles_ms=verdict.quantiles_ms
+        )
         before = "none measured" if stored is None else f"{stored.overhead_ms:.2f} ms before"
+        p99_ms = verdict.quantiles_ms[OVERHEAD_QUANTILES.index(99.0)]
         self._store.record_decision(
             app,
             OVERHEAD_KIND,
             f"the control plane's own time per query (the API's receipt to the dispatch) is"
-            f" {verdict.observed_ms:.2f} ms, the median of {verdict.samples} answered queries"
-            f" ({before}); plans add it to every query",
+            f" {verdict.observed_ms:.2f} ms at the median and {p99_ms:.2f} ms at p99 over"
+            f" {verdict.samples} answered queries ({before}); plans add a draw from its"
+            " distribution to every query",
             {
                 "overhead_ms": verdict.observed_ms,
+                "overhead_p99_ms": p99_ms,
                 "previous_ms": None if stored is None else stored.overhead_ms,
                 "queries": verdict.samples,
             },

@@ -36,10 +36,18 @@ median differs from the stored figure by more than ``threshold`` of it and more 
 or when none is stored yet.
 
 >>> o = overhead_drift(None, [2.0, 3.0, 4.0] * 20, CalibrationRule(min_batches=50))
->>> o.drift, o.observed_ms, o.samples
-(True, 3.0, 60)
->>> overhead_drift(3.2, [2.0, 3.0, 4.0] * 20, CalibrationRule(min_batches=50)).drift
+>>> o.drift, o.observed_ms, o.samples, o.quantiles_ms[99]
+(True, 3.0, 60, 4.0)
+>>> overhead_drift(3.2, [2.0, 3.0, 4.0] * 20, CalibrationRule(min_batches=50), o.quantiles_ms).drift
 False
+
+Its tail, not only its median: with the median, the quantiles of the same queries at
+:data:`OVERHEAD_QUANTILES` (0, 1, ..., 100 %) are stored, and the planner draws each simulated
+query's overhead from them (:func:`draw_overhead_ms`): a service whose own time is 1 ms at the
+median and 15 ms at p99 (the periodic jobs on the interpreter that serves, a collection) moves a
+query's P99 by much more than 1 ms. The rule updates the stored figures also when the observed
+P99 moved as the median would have to (more than ``threshold`` of the stored P99 and more than
+:data:`OVERHEAD_FLOOR_MS`), and when the stored figure has no distribution yet.
 """
 
 from __future__ import annotations
@@ -56,10 +64,12 @@ __all__ = [
     "DEFAULT_MIN_BATCHES",
     "DEFAULT_THRESHOLD",
     "OVERHEAD_FLOOR_MS",
+    "OVERHEAD_QUANTILES",
     "Calibration",
     "CalibrationRule",
     "OverheadCalibration",
     "calibrate",
+    "draw_overhead_ms",
     "overhead_drift",
 ]
 
@@ -71,6 +81,9 @@ DEFAULT_MIN_BATCHES = 50
 DEFAULT_THRESHOLD = 0.25
 # A change of the control plane's overhead below this is noise, whatever its share.
 OVERHEAD_FLOOR_MS = 0.5
+# The percentages at which the overhead's distribution is stored: every percent, both ends in.
+OVERHEAD_QUANTILES: tuple[float, ...] = tuple(float(q) for q in range(101))
+_P99 = OVERHEAD_QUANTILES.index(99.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,28 +156,58 @@ def calibrate(
 class OverheadCalibration:
     """What the observed API times say about the stored overhead: ``samples`` counted, the
     ``stored_ms`` figure (None: none yet), the ``observed_ms`` median (None when none was
-    counted) and whether to store it (``drift``)."""
+    counted), their ``quantiles_ms`` at :data:`OVERHEAD_QUANTILES` (empty when none was
+    counted) and whether to store them (``drift``)."""
 
     samples: int
     stored_ms: float | None
     observed_ms: float | None
     drift: bool
+    quantiles_ms: tuple[float, ...] = ()
 
 
 def overhead_drift(
-    stored_ms: float | None, api_times_ms: Sequence[float], rule: CalibrationRule | None = None
+    stored_ms: float | None,
+    api_times_ms: Sequence[float],
+    rule: CalibrationRule | None = None,
+    stored_quantiles_ms: Sequence[float] = (),
 ) -> OverheadCalibration:
-    """Whether the median of ``api_times_ms`` should replace ``stored_ms`` under ``rule``
-    (module docstring)."""
+    """Whether the median and quantiles of ``api_times_ms`` should replace ``stored_ms`` and
+    ``stored_quantiles_ms`` under ``rule`` (module docstring)."""
     rule = rule if rule is not None else CalibrationRule()
     values = np.asarray(api_times_ms, dtype=np.float64)
     values = values[np.isfinite(values) & (values >= 0)]
     if values.size == 0:
         return OverheadCalibration(0, stored_ms, None, False)
     observed = float(np.median(values))
+    quantiles = tuple(float(q) for q in np.percentile(values, OVERHEAD_QUANTILES))
     enough = values.size >= rule.min_batches
-    if stored_ms is None:
-        return OverheadCalibration(int(values.size), None, observed, enough)
-    moved = abs(observed - stored_ms)
-    drift = enough and moved > OVERHEAD_FLOOR_MS and moved > rule.threshold * stored_ms
-    return OverheadCalibration(int(values.size), stored_ms, observed, drift)
+
+    def moved(now_ms: float, before_ms: float) -> bool:
+        change = abs(now_ms - before_ms)
+        return change > OVERHEAD_FLOOR_MS and change > rule.threshold * before_ms
+
+    if stored_ms is None or len(stored_quantiles_ms) != len(OVERHEAD_QUANTILES):
+        return OverheadCalibration(int(values.size), stored_ms, observed, enough, quantiles)
+    drift = enough and (
+        moved(observed, stored_ms) or moved(quantiles[_P99], stored_quantiles_ms[_P99])
+    )
+    return OverheadCalibration(int(values.size), stored_ms, observed, drift, quantiles)
+
+
+def draw_overhead_ms(
+    quantiles_ms: Sequence[float], count: int, rng: np.random.Generator
+) -> np.ndarray:
+    """``count`` draws of the overhead from its quantiles at :data:`OVERHEAD_QUANTILES`
+    (inverse transform, linear between them).
+
+    >>> draws = draw_overhead_ms([float(q) for q in range(101)], 4, np.random.default_rng(0))
+    >>> bool(((draws >= 0) & (draws <= 100)).all()), draws.shape
+    (True, (4,))
+    """
+    if len(quantiles_ms) != len(OVERHEAD_QUANTILES):
+        raise ValueError(
+            f"expected {len(OVERHEAD_QUANTILES)} quantiles (0..100 %), got {len(quantiles_ms)}"
+        )
+    percent = rng.random(count) * 100.0
+    return np.interp(percent, OVERHEAD_QUANTILES, np.asarray(quantiles_ms, dtype=np.float64))

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from controlplane.policies.calibration import OVERHEAD_QUANTILES, draw_overhead_ms
 from controlplane.policies.gears import Placement, plan_gears
 from controlplane.policies.pipeline import (
     answering_stages,
@@ -60,6 +61,7 @@ __all__ = [
     "PEAK_WINDOW_S",
     "PLANNING_QUERIES",
     "InfeasibleSLOError",
+    "end_to_end_tail_ms",
     "peak_rate_qps",
     "plan_app",
     "scale_trace",
@@ -87,6 +89,8 @@ MAX_ADDED_INSTANCES = 500
 # that hold one or two arrivals, whose rates are noise. The live tuner takes the same floor, so a
 # plan's envelope and the tuner's proxy one have the same windows.
 MIN_ENVELOPE_WINDOW_S = 1.0
+# The random stream (with the plan's seed) of the overhead drawn per simulated query.
+_OVERHEAD_STREAM = 7919
 
 
 class InfeasibleSLOError(EstimatorError):
@@ -720,9 +724,25 @@ class _PipelineJudge:
                 qos_ms=self.app.spec.slo.latency_ms,
             )
             self.simulations += 1
-            tail_ms = float(np.percentile(result.response_ms, self.app.spec.slo.percentile))
-            self.cache[joint] = tail_ms + self.app.serving_overhead_ms
+            self.cache[joint] = end_to_end_tail_ms(
+                result.response_ms, self.app, self.app.spec.slo.percentile, self.seed
+            )
         return self.cache[joint]
+
+
+def end_to_end_tail_ms(
+    response_ms: np.ndarray, app: ResolvedApp, percentile: float, seed: int
+) -> float:
+    """The ``percentile`` of simulated responses with the control plane's own time per query
+    added: a draw from its measured distribution for each query when the service measured one
+    (on a random stream of its own, from ``seed``: the tail of the sum, not the sum of a tail
+    and a median), else its median (a constant shifts every percentile by itself)."""
+    quantiles = app.serving_overhead_quantiles_ms
+    if quantiles and response_ms.size:
+        rng = np.random.default_rng([seed, _OVERHEAD_STREAM])
+        total = response_ms + draw_overhead_ms(quantiles, response_ms.size, rng)
+        return float(np.percentile(total, percentile))
+    return float(np.percentile(response_ms, percentile)) + app.serving_overhead_ms
 
 
 def _joint_cost(setup: _Setup, joint: _Joint) -> float:
@@ -1171,10 +1191,11 @@ def _pipeline_tail_ms(
     stage or more) on ``trace``, the one the stages were planned for (see the module docstring,
     End-to-end prediction)."""
     slo = app.spec.slo
-    if len(plans) == 1:
+    if len(plans) == 1 and not app.serving_overhead_quantiles_ms:
         # One stage is the whole pipeline, and its own simulation (same trace, same seed) is the
-        # pipeline's: nothing to simulate again.
-        tail_ms = plans[0].predicted_p99_ms
+        # pipeline's: nothing to simulate again. A constant overhead added to every query
+        # shifts every percentile by itself (a measured distribution needs the responses).
+        tail_ms = plans[0].predicted_p99_ms + app.serving_overhead_ms
         how = "the stage's own simulation (one stage is the whole pipeline)"
     else:
         say(f"simulating the whole pipeline ({len(plans)} stages) end to end")
@@ -1200,19 +1221,24 @@ def _pipeline_tail_ms(
             qos_ms=slo.latency_ms,
         )
         counter[0] += 1
-        tail_ms = float(np.percentile(result.response_ms, slo.percentile))
+        tail_ms = end_to_end_tail_ms(result.response_ms, app, slo.percentile, seed)
         reach_text = (
             "every query reaching every stage"
             if all(r is None for r in setup.reach)
             else "the queries forwarded as the validation records say"
         )
         how = (
-            f"one simulation of the {len(plans)} stages together ({reach_text}), each with its"
-            f" planned fleet, batch size and dispatch"
+            f"one simulation of the {len(plans)} stage(s) together ({reach_text}), each with"
+            f" its planned fleet, batch size and dispatch"
         )
-    # A constant added to every query shifts every percentile by itself.
-    tail_ms += app.serving_overhead_ms
-    if app.serving_overhead_ms > 0:
+    if app.serving_overhead_quantiles_ms:
+        p99_ms = app.serving_overhead_quantiles_ms[OVERHEAD_QUANTILES.index(99.0)]
+        how += (
+            f", plus the control plane's own time per query drawn for each query from its"
+            f" measured distribution ({app.serving_overhead_ms:.2f} ms median, {p99_ms:.2f} ms"
+            " p99)"
+        )
+    elif app.serving_overhead_ms > 0:
         how += f", plus the control plane's own {app.serving_overhead_ms:.2f} ms per query"
     verdict = "within" if tail_ms <= slo.latency_ms else "ABOVE"
     steps.append(

@@ -29,6 +29,7 @@ from starlette.types import Scope
 from controlplane import __version__
 from controlplane.api.counters import RequestCounter, RequestCountingMiddleware
 from controlplane.api.deps import Services
+from controlplane.api.disconnect import CancelOnDisconnect
 from controlplane.api.errors import OipErrorShapeMiddleware, install_error_handlers
 from controlplane.api.fast_infer import FastInferMiddleware
 from controlplane.api.limits import BodySizeLimitMiddleware, HeaderSizeLimitMiddleware
@@ -157,6 +158,9 @@ def create_app(
     # Outermost of ours: the common inference request is answered here, without the layers
     # below (controlplane.api.fast_infer); anything else passes through unchanged.
     app.add_middleware(FastInferMiddleware, services=services, clock_s=clock_s)
+    # Outside the fast path too: an inference request whose client has gone is cancelled, and
+    # its query leaves the serving loop's queue (controlplane.api.disconnect).
+    app.add_middleware(CancelOnDisconnect)
     for module in (health, apps, plans, budget, fleet, events, infer, models, oip):
         app.include_router(module.router)
     install_dashboard(app)

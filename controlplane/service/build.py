@@ -346,12 +346,12 @@ def stored_overhead(store: Store) -> OverheadSource:
     """An app's measured control-plane overhead per query from ``store`` (None for an app not
     registered or not measured yet)."""
 
-    def overhead(app: str) -> float | None:
+    def overhead(app: str) -> tuple[float, tuple[float, ...]] | None:
         try:
             found = store.get_serving_overhead(app)
         except NotFoundError:
             return None
-        return None if found is None else found.overhead_ms
+        return None if found is None else (found.overhead_ms, found.quantiles_ms)
 
     return overhead
 

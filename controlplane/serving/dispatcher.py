@@ -43,13 +43,24 @@ judges).
   reaches the threshold h_i (or at the last stage), and the others go together, as one new
   query, to the next model's queue, keeping the original arrival time (the SLO clock runs from
   arrival). The request resolves when every sample is final.
-- **Failures.** A worker whose call fails is unhealthy at once and its batch goes back to the
-  front of its stage's queue, up to ``max_attempts`` tries per query, then an explicit error
-  (502); a worker that refuses the inputs themselves (400) fails the queries at once
-  (:mod:`controlplane.serving.health`, which also probes idle and unhealthy workers). A query
+- **Failures.** A worker whose call fails (no connection, a timeout, a broken connection, a
+  status saying it cannot serve) is unhealthy at once and its batch goes back to the front of
+  its stage's queue, up to ``max_attempts`` tries per query, then an explicit error (502;
+  :mod:`controlplane.serving.health`, which also probes idle and unhealthy workers). A worker
+  that answers that the model raised on the batch, or that its inputs are refused, stays
+  healthy: a bad query fails alone (422 when the worker says its inputs are at fault, else
+  502) and the other queries of its batch go back to the front of the queue. The agent names
+  the rows that failed (it runs a failed batch again row by row); when a worker names none,
+  each query of the batch is tried again in a batch of its own. A query
   past its SLO is still served and answered, flagged ``late``; only past ``give_up_s`` (far
   beyond the SLO) is it answered with an explicit timeout (504), and a query nothing can serve
   (no healthy instance of its model) is refused at arrival (503), so nothing waits without bound.
+- **Overload without collapse.** Past saturation, work on queries nobody will read is work
+  taken from those that will be: a query whose client has gone (the API cancels its call,
+  :class:`~controlplane.api.disconnect.CancelOnDisconnect`) leaves its queue at once, and a
+  query whose give-up time comes before the predicted end of the batch it would join is
+  answered with its timeout instead of being sent (:meth:`AppDispatcher._in_time`): neither
+  costs a worker call.
 - **Admission and states.** :mod:`controlplane.serving.admission` refuses a query (429) whose
   queue cannot be served within the SLO even at the cheapest gear; :mod:`controlplane.serving.
   states` marks (model, instance) pairs overloaded or interfered, and rounds leave interfered
@@ -78,6 +89,7 @@ from controlplane.errors import (
     NoServingInstanceError,
     OverloadedError,
     QueryFailedError,
+    QueryRejectedError,
     QueryTimeoutError,
     ServingError,
     WorkerCallError,
@@ -95,7 +107,7 @@ from controlplane.serving.config import (
 )
 from controlplane.serving.health import Health, WorkerLoss
 from controlplane.serving.modelio import ModelIO, Row, WorkerReply
-from controlplane.serving.observations import Observations, Split, outcome_of
+from controlplane.serving.observations import Observations, Outcome, Split, outcome_of
 from controlplane.serving.placement import Placement, policy_name
 from controlplane.serving.stages import Slot, Stage
 from controlplane.serving.states import ModelState, Overload, StateTracker, model_state
@@ -217,6 +229,7 @@ class _Request:
         "cascade",
         "certainty",
         "compute_ms",
+        "deadline_s",
         "future",
         "inputs",
         "models",
@@ -252,12 +265,15 @@ class _Request:
         self.service_ms = 0.0
         self.compute_ms = 0.0
         self.queued: dict[int, _Stage] = {}  # query id -> the stage whose queue holds it
+        self.deadline_s = math.inf  # when its client stops waiting, if it said
 
 
 class _Part:
-    """A request's samples at one stage: one queued query."""
+    """A request's samples at one stage: one queued query. ``alone``: it was in a batch the model
+    raised on, with no word of which rows failed; it goes in a batch of its own from now on, so
+    that its failure is its own."""
 
-    __slots__ = ("attempts", "position", "query", "request", "samples")
+    __slots__ = ("alone", "attempts", "position", "query", "request", "samples")
 
     def __init__(
         self, request: _Request, position: int, samples: list[int], query: QueuedQuery
@@ -267,6 +283,7 @@ class _Part:
         self.samples = samples
         self.query = query
         self.attempts = 0
+        self.alone = False
 
 
 # --- stages ------------------------------------------------------------------------------------
@@ -392,6 +409,7 @@ class AppDispatcher:
         sample_ids: Sequence[int] | None = None,
         requirements: Requirements | None = None,
         received_s: float | None = None,
+        deadline_s: float | None = None,
     ) -> InferResult:
         """Answer one request (see the module docstring); raises the
         :class:`~controlplane.errors.ServingError` that says why not. ``received_s``: when the
@@ -399,7 +417,7 @@ class AppDispatcher:
         cascade = None
         if requirements is not None:
             cascade = self.choose_variant(requirements, len(inputs))
-        return await self.submit(inputs, sample_ids, cascade, received_s)
+        return await self.submit(inputs, sample_ids, cascade, received_s, deadline_s)
 
     def submit(
         self,
@@ -407,11 +425,13 @@ class AppDispatcher:
         sample_ids: Sequence[int] | None = None,
         cascade: Cascade | None = None,
         received_s: float | None = None,
+        deadline_s: float | None = None,
     ) -> asyncio.Future[InferResult]:
         """Queue a request under ``cascade`` (default: the gear in force) and return the future
         of its answer. Raises at once when it is refused (503 or 429 kinds). Its latency, and its
         SLO clock, run from ``received_s`` (when the API received it, on ``clock_s``; default
-        and upper bound: now)."""
+        and upper bound: now). ``deadline_s`` (on ``clock_s``): when its client stops waiting,
+        if it said (a batch that would end later is not sent for it: :meth:`_in_time`)."""
         if not inputs:
             raise ValueError("a request needs at least one sample")
         now = self.clock_s()
@@ -444,6 +464,7 @@ class AppDispatcher:
         request = _Request(
             inputs, sample_ids, cascade, arrival_s, future, (now - arrival_s) * 1000.0
         )
+        request.deadline_s = math.inf if deadline_s is None else deadline_s
         future.add_done_callback(functools.partial(self._on_done, request))
         self._open[request] = None
         if self._sweeper is None:
@@ -587,8 +608,40 @@ class AppDispatcher:
                     part.request.queued.pop(query_id, None)
                     stage.queued_samples -= len(part.samples)
                     parts.append(part)
+            if len(parts) > 1 and any(part.alone for part in parts):
+                # A suspect of a failed batch goes alone; the others wait at the front.
+                lone = next(part for part in parts if part.alone)
+                self._requeue(stage, [part for part in parts if part is not lone])
+                parts = [lone]
+            if parts:
+                parts = self._in_time(stage, slot.worker, parts, now)
             if parts:
                 self._start(stage, slot, parts, now)
+
+    def _in_time(
+        self, stage: _Stage, worker: Worker, parts: list[_Part], now: float
+    ) -> list[_Part]:
+        """The parts of a batch about to start whose answer can still come in time: a query
+        whose deadline (its give-up time, ``give_up_s`` after its arrival, or its client's own
+        deadline when it gave one) comes before the batch's predicted end is answered with its
+        timeout now, without costing the worker a call (its answer would be thrown away). Its
+        client gone, a query has left the queue already (:meth:`_on_done`)."""
+        give_up_s = self.settings.give_up_after_s(self.config.slo_ms)
+        samples = sum(len(part.samples) for part in parts)
+        end_s = now + stage.latency[worker.instance_type].ms(samples) / 1000.0
+        late = [
+            part
+            for part in parts
+            if min(part.request.arrival_s + give_up_s, part.request.deadline_s) < end_s
+        ]
+        if not late:
+            return parts
+        for part in late:
+            request = part.request
+            within_s = min(give_up_s, request.deadline_s - request.arrival_s)
+            self._fail(request, QueryTimeoutError(self.app, round(within_s, 3)))
+        self._mark(stage)  # the instance may stay idle: the next queries get a round
+        return [part for part in parts if not part.request.future.done()]
 
     def _start(self, stage: _Stage, slot: Slot, parts: list[_Part], now: float) -> None:
         rows = [part.request.inputs[i] for part in parts for i in part.samples]
@@ -713,6 +766,9 @@ class AppDispatcher:
         now = self.clock_s()
         stage.in_service_samples -= batch
         worker.finish(now)
+        if not error.worker_fault:
+            self._rejected(stage, worker, parts, error, now)
+            return
         reason = str(error)
         health = self.health
         lost = health.call_failed(worker, error, now)
@@ -727,13 +783,7 @@ class AppDispatcher:
                 again.append(part)
             else:
                 self._fail(request, QueryFailedError(self.app, reason, part.attempts))
-        if again:
-            current = self._stages.get(stage.model)
-            if current is None:
-                for part in again:
-                    self._fail(part.request, QueryFailedError(self.app, "model gone", 0))
-            else:
-                self._requeue(current, again)
+        self._send_again(stage.model, again)
         self._fail_stranded(reason)
         if lost:
             failed = sum(1 for part in live if part.request.future.done())
@@ -741,6 +791,58 @@ class AppDispatcher:
                 WorkerLoss(worker.endpoint, reason, len(live), len(live) - failed, failed)
             )
         self._mark_all()
+
+    def _rejected(
+        self, stage: _Stage, worker: Worker, parts: list[_Part], error: WorkerCallError, now: float
+    ) -> None:
+        """The worker answered that the batch's inputs are refused or that the model raised on
+        them: the worker is as healthy as before (:meth:`Health.call_failed` says so), and only
+        the queries at fault fail. Those are the ones holding the rows the worker named, or the
+        batch's one query; when the worker named none in a batch of several, every query of it
+        is tried again alone (:attr:`_Part.alone`). The others go back to the front of the
+        queue, their attempts as they were (nothing went wrong with them)."""
+        self.health.call_failed(worker, error, now)
+        at_fault: list[_Part] = []
+        innocent: list[_Part] = []
+        if error.rows is not None:
+            named = set(error.rows)
+            offset = 0
+            for part in parts:
+                end = offset + len(part.samples)
+                hit = any(offset <= row < end for row in named)
+                (at_fault if hit else innocent).append(part)
+                offset = end
+        elif len(parts) == 1:
+            at_fault = parts
+        else:
+            for part in parts:
+                part.alone = True
+            innocent = parts
+        for part in at_fault:
+            part.attempts += 1
+            self._fail(part.request, self._rejection(error, part.attempts))
+        again = [part for part in innocent if not part.request.future.done()]
+        self._send_again(stage.model, again)
+        self._mark_all()
+
+    def _send_again(self, model: str, parts: list[_Part]) -> None:
+        """``parts`` of a failed batch back to the front of their model's queue (answered with
+        an error when the app no longer serves the model)."""
+        if not parts:
+            return
+        current = self._stages.get(model)
+        if current is None:
+            for part in parts:
+                self._fail(part.request, QueryFailedError(self.app, "model gone", 0))
+        else:
+            self._requeue(current, parts)
+
+    def _rejection(self, error: WorkerCallError, attempts: int) -> ServingError:
+        """What a query the model refused or raised on is answered with: 422 when the worker
+        says its inputs are at fault, else 502."""
+        if error.kind == "input":
+            return QueryRejectedError(self.app, error.detail)
+        return QueryFailedError(self.app, str(error), attempts)
 
     def _fail_stranded(self, reason: str) -> None:
         """Queries queued at a stage that no healthy instance serves any more are answered
@@ -826,8 +928,14 @@ class AppDispatcher:
 
     def _on_done(self, request: _Request, future: asyncio.Future[InferResult]) -> None:
         """Whatever ended the request (answer, error, timeout, the caller going away): its
-        queued queries leave their queues and its timer stops."""
+        queued queries leave their queues and its timer stops. A request cancelled (its client
+        gone: the API cancels the call) is recorded as timed out, a miss, and never reaches a
+        worker once it has left its queue."""
         self._open.pop(request, None)
+        if future.cancelled():
+            now = self.clock_s()
+            latency_ms = (now - request.arrival_s) * 1000.0
+            self.observations.ended_in_error(self.app, now, Outcome.TIMED_OUT, latency_ms)
         for query_id, stage in request.queued.items():
             if stage.queue.take(query_id) is not None:
                 part = stage.parts.pop(query_id)

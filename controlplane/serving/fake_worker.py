@@ -19,8 +19,12 @@ one asked for (to rounding); the other outputs are zeros. ``parameters`` (the ag
 Protocol server that is not the agent).
 
 Knobs, settable at any time: ``status`` (answer every infer request with this HTTP status),
-``drop`` (close the connection instead of answering), ``hang`` (never answer); :meth:`kill`
-closes the listening socket and every connection, as a worker process that dies does.
+``drop`` (close the connection instead of answering), ``hang`` (never answer), ``holding``
+(keep the answers until :meth:`release`), ``poison`` (a
+function of (model, row): the rows the model raises on; a batch holding one is answered as the
+agent answers it, 422 with ``failed_rows``, or, when ``foreign``, 500 without them);
+:meth:`kill` closes the listening socket and every connection, as a worker process that dies
+does.
 """
 
 from __future__ import annotations
@@ -144,10 +148,15 @@ class FakeWorker:
         self.kind = kind
         self.foreign = foreign
         self.status: int | None = None
+        self.poison: Callable[[str, Sequence[float]], bool] | None = None
+        self.poisoned: list[int] = []  # the sizes of the batches refused for a poison row
         self.drop = False
         self.hang = False
+        self.holding = False
+        self._held: list[tuple[_Protocol, bytes]] = []
         self.healthy = True
-        self.requests = 0
+        self.requests = 0  # answered
+        self.received = 0  # every inference request, answered or not
         self.rows = 0
         self.rows_by_model: Counter[str] = Counter()
         self.batch_sizes: list[int] = []
@@ -183,6 +192,13 @@ class FakeWorker:
         if server is not None:
             await server.wait_closed()
 
+    def release(self) -> None:
+        """Stop holding answers and send the ones held."""
+        self.holding = False
+        held, self._held = self._held, []
+        for connection, answer in held:
+            connection.send(200, answer)
+
     def signature(self, model: str) -> ModelSignature:
         return self.signatures.get(model, FAMILY_SIGNATURE)
 
@@ -210,6 +226,7 @@ class FakeWorker:
                     200, {"name": model, "versions": ["1"], "platform": "fake", **document}
                 )
             return
+        self.received += 1
         if self.hang:
             return
         if self.drop:
@@ -226,13 +243,27 @@ class FakeWorker:
             connection.send(400, {"error": str(error)})
             return
         self.last_request = document
+        poison = self.poison
+        bad = [i for i, r in enumerate(rows) if poison(model, r)] if poison is not None else []
+        if bad:
+            self.poisoned.append(len(rows))
+            message = (
+                f"model {model!r} failed on {len(bad)} of {len(rows)} rows: index out of range"
+            )
+            if self.foreign:
+                connection.send(500, {"error": message})
+            else:
+                connection.send(422, {"error": message, "failed_rows": bad})
+            return
         n = len(rows)
         self.requests += 1
         self.rows += n
         self.rows_by_model[model] += n
         self.batch_sizes.append(n)
         answer = self._answer(model, signature, rows, document.get("id"))
-        if self.delay_s > 0:
+        if self.holding:
+            self._held.append((connection, answer))
+        elif self.delay_s > 0:
             asyncio.get_running_loop().call_later(self.delay_s, connection.send, 200, answer)
         else:
             connection.send(200, answer)

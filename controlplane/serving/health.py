@@ -1,11 +1,15 @@
 """The health of an app's workers as its dispatcher sees it: who is marked unhealthy and when,
 who is probed, which failed queries are tried again, and who hears of a lost worker.
 
-- **Failed calls** (:meth:`Health.call_failed`): a worker whose call fails for a reason of its
-  own (no connection, a timeout, a broken connection, an error status: ``worker_fault``) is
-  unhealthy at once (:meth:`~controlplane.serving.workers.Worker.fail`, which sets its probe
-  backoff). A worker that refused the inputs themselves (400) stays healthy, with the error
-  noted: another worker would refuse them too.
+- **Failed calls** (:meth:`Health.call_failed`): only a failure of the call itself counts
+  against a worker: no connection, a timeout, a broken connection, an answer that is not the
+  protocol's, or a status by which the worker says it cannot serve (503 loading or stopping,
+  404 a model it does not have: ``worker_fault``). Such a worker is unhealthy at once
+  (:meth:`~controlplane.serving.workers.Worker.fail`, which sets its probe backoff). A worker
+  that *answered* about the batch (its inputs refused: 400, 413, 422; its model raised: 500;
+  :func:`~controlplane.serving.transport.answer_error`) stays healthy and in matching: one bad
+  query must not take a worker out for the good ones (the dispatcher fails the queries at
+  fault alone and sends the others again).
 - **Retries** (:meth:`Health.retries`): a query of a failed batch is tried again on another
   worker while the failure was the worker's and it has had fewer than ``max_attempts`` tries;
   the dispatcher answers the others with an error (502).
@@ -77,12 +81,18 @@ class Health:
 
     def call_failed(self, worker: Worker, error: WorkerCallError, now_s: float) -> bool:
         """Record a failed call of ``worker``; whether it was lost by it (healthy until now,
-        unhealthy from now)."""
+        unhealthy from now). A call the worker answered (``worker_fault`` False: the batch's
+        inputs refused, or its model raised) never loses it: it counts as a call that reached
+        it (see the module docstring)."""
+        if not error.worker_fault:
+            if worker.healthy:
+                worker.succeeded()
+            return False
         reason = str(error)
-        lost = error.worker_fault and worker.healthy
+        lost = worker.healthy
         if lost:
             worker.fail(now_s, reason)
-        elif error.worker_fault:
+        else:
             worker.last_error = reason
         return lost
 

@@ -266,9 +266,11 @@ class ServingLoop:
         sample_ids: list[int] | None = None,
         requirements: Requirements | None = None,
         received_s: float | None = None,
+        deadline_s: float | None = None,
     ) -> InferResult:
         """Answer one inference request for ``app`` (raises the ServingError that says why
-        not, :class:`NotFoundError` for an unknown app).
+        not, :class:`NotFoundError` for an unknown app). ``deadline_s`` (the loop's clock): when
+        its client stops waiting, if it said.
 
         ``received_s`` is when the API received the request, on the loop's clock (default: now):
         the query's latency runs from there, through making the dispatcher and reading the
@@ -280,7 +282,7 @@ class ServingLoop:
         dispatcher = await self.dispatcher_for(app, received)
         if not dispatcher.workers():
             await self._refresh_app(app, dispatcher)
-        return await dispatcher.infer(inputs, sample_ids, requirements, received)
+        return await dispatcher.infer(inputs, sample_ids, requirements, received, deadline_s)
 
     async def dispatcher_for(self, app: str, received_s: float | None = None) -> AppDispatcher:
         """:meth:`dispatcher` for a query received at ``received_s``: when the app's spec no

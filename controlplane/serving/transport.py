@@ -43,10 +43,13 @@ from controlplane.serving.modelio import ModelIO, ModelIOError, Row, WorkerReply
 __all__ = [
     "CONNECT_TIMEOUT_S",
     "IDLE_S",
+    "INPUT_STATUSES",
+    "MODEL_STATUS",
     "WATCH_S",
     "HttpWorkerTransport",
     "WorkerReply",
     "WorkerTransport",
+    "answer_error",
 ]
 
 # The agent closes a connection idle for 30 s (provisioners.worker.agent.IDLE_CONNECTION_S); one
@@ -70,7 +73,8 @@ class WorkerTransport(Protocol):
     ) -> WorkerReply:
         """Run ``rows`` (one batch) through the model ``io`` speaks for, on the worker at
         ``address``; raises :class:`~controlplane.errors.WorkerCallError` when no answer comes
-        (``status`` with ``worker_fault=False`` when the rows themselves are refused)."""
+        (``input`` or ``model`` with ``worker_fault=False`` when the worker answered that the
+        rows are refused or the model raised on them: :func:`answer_error`)."""
         ...
 
     async def health(self, address: str, timeout_s: float) -> bool:
@@ -209,18 +213,11 @@ class HttpWorkerTransport:
             body = io.encode(rows)
         except ModelIOError as error:
             raise WorkerCallError(
-                address, "status", str(error), status=400, worker_fault=False
+                address, "input", str(error), status=400, worker_fault=False
             ) from None
         status, answer = await self._request(address, "POST", io.path, body, timeout_s)
         if status != 200:
-            raise WorkerCallError(
-                address,
-                "status",
-                f"HTTP {status}: {_error_text(answer)}",
-                status=status,
-                # 400 and 413 refuse the inputs themselves: another worker would refuse them too.
-                worker_fault=status not in (400, 413),
-            )
+            raise answer_error(address, status, answer, len(rows))
         return io.decode(address, answer, len(rows))
 
     async def health(self, address: str, timeout_s: float) -> bool:
@@ -352,10 +349,52 @@ def _parse_head(address: str, head: bytes) -> tuple[int, int, bool]:
     return status, length, close
 
 
-def _error_text(body: bytes) -> str:
+# Statuses by which a worker refuses a batch's inputs themselves, and the one by which it says its
+# model raised on the batch: either way it answered, and is no less healthy for it.
+INPUT_STATUSES = frozenset({400, 413, 422})
+MODEL_STATUS = 500
+
+
+def answer_error(address: str, status: int, body: bytes, batch: int) -> WorkerCallError:
+    """The error of a worker's answer with a status other than 200 to a batch of ``batch`` rows:
+
+    - 400, 413, 422: ``input`` (the rows themselves are refused);
+    - 500: ``model`` (the model raised on the batch);
+    - any other (503 loading or stopping, 404 a model it does not serve, a proxy's 502 or 504):
+      ``status``, the worker's fault (it cannot serve now).
+
+    For ``input`` and ``model``, the body's ``failed_rows`` (the agent's: the rows that failed
+    when it ran the batch again row by row) become ``rows`` when they are distinct indices of
+    the batch.
+    """
+    document = _error_document(body)
+    text = _error_text(body, document)
+    if status not in INPUT_STATUSES and status != MODEL_STATUS:
+        return WorkerCallError(address, "status", f"HTTP {status}: {text}", status=status)
+    rows = None
+    named = document.get("failed_rows") if isinstance(document, dict) else None
+    if (
+        isinstance(named, list)
+        and named
+        and all(type(i) is int and 0 <= i < batch for i in named)
+        and len(set(named)) == len(named)
+    ):
+        rows = tuple(named)
+    kind = "model" if status == MODEL_STATUS else "input"
+    return WorkerCallError(
+        address, kind, f"HTTP {status}: {text}", status=status, worker_fault=False, rows=rows
+    )
+
+
+def _error_document(body: bytes) -> object:
     try:
-        document = json.loads(body)
+        return json.loads(body)
     except ValueError:
+        return None
+
+
+def _error_text(body: bytes, document: object) -> str:
+    if document is None:
         return body[:200].decode("utf-8", "replace").strip() or "no body"
     if isinstance(document, dict) and isinstance(document.get("error"), str):
         return str(document["error"])[:200]

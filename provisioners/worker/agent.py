@@ -12,7 +12,9 @@ What it serves: the demo family's models by name (``--models tiny,small``; each 
 users bring (``--artifact NAME:MODEL:VERSION:FORMAT:SHA256:URI``, repeatable: fetched and
 verified with :func:`~provisioners.fetch.fetch_artifact` into ``--cache-dir``'s
 ``artifacts/`` or a temporary folder, loaded with :mod:`provisioners.worker.runtime`, served as
-NAME). With artifacts and no ``--models``, no family model is loaded.
+NAME; ``--artifact-inputs NAME=JSON`` gives the inputs of a TorchScript module whose archive does
+not name them, as the registry stored them). With artifacts and no ``--models``, no family model
+is loaded.
 
 Routes (every body is JSON; every error is ``{"error": "one line"}``):
 
@@ -40,8 +42,13 @@ Routes (every body is JSON; every error is ``{"error": "one line"}``):
 
 Errors: 400 on a malformed request or one that does not fit the model's signature (the message
 names the input), 404 on a model this worker does not serve (or a route it does not have), 413
-on a body over :data:`MAX_BODY_BYTES`, 500 when the model fails on a batch, 503 while loading or
-stopping.
+on a body over :data:`MAX_BODY_BYTES`, 503 while loading or stopping. When the model raises on
+a batch, each of its rows is run again alone: when every row passes, the batch is answered
+(200); else the answer names the rows that fail, ``{"error", "failed_rows": [i, ...]}``, with
+422 when the inputs are at fault (some rows pass, or the model's error says so: an index out of
+range, a wrong shape or type) and 500 otherwise. Either way the worker serves on: the
+dispatcher fails the queries of those rows alone and sends the others again
+(:func:`input_at_fault`).
 
 Emulation: with ``--speed-factor F`` (the local provisioner passes the catalog's), the worker
 stands in for ``--instance-type`` and pads every batch to that type's latency; ``--profile FILE``
@@ -60,6 +67,7 @@ do not need them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -82,7 +90,7 @@ from urllib.parse import unquote
 
 import numpy as np
 
-from provisioners.artifacts import ArtifactError, ArtifactRef
+from provisioners.artifacts import ArtifactError, ArtifactRef, parse_artifact_inputs
 from provisioners.fetch import fetch_artifact
 from provisioners.worker.emulation import (
     REFERENCE_TYPE,
@@ -110,6 +118,7 @@ __all__ = [
     "RequestError",
     "WorkerAgent",
     "build_emulation",
+    "input_at_fault",
     "latency_summary",
     "load_models",
     "main",
@@ -134,11 +143,32 @@ SleepFn = Callable[[float], None]
 
 
 class RequestError(Exception):
-    """A request the agent refuses: ``status`` is the HTTP status, the message one line."""
+    """A request the agent refuses: ``status`` is the HTTP status, the message one line;
+    ``failed_rows``: for a batch the model raised on, the rows (0-based) that fail alone."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, failed_rows: Sequence[int] | None = None) -> None:
         super().__init__(" ".join(message.split()))
         self.status = status
+        self.failed_rows = None if failed_rows is None else list(failed_rows)
+
+
+# What a model raises on inputs it cannot take (an index out of range, a wrong shape or type):
+# the types, and words of the message (torch raises RuntimeError for a shape mismatch,
+# onnxruntime its own InvalidArgument).
+_INPUT_ERRORS = (IndexError, ValueError, TypeError, KeyError)
+_INPUT_ERROR_NAMES = frozenset({"InvalidArgument", "InvalidGraph"})
+_INPUT_WORDS = re.compile(
+    r"out of (\w+ )?(range|bounds)|invalid argument|shape|dimension|dtype|size mismatch|"
+    r"must match the size|expected .*type",
+    re.IGNORECASE,
+)
+
+
+def input_at_fault(error: BaseException) -> bool:
+    """Whether a model's exception says its inputs are at fault (see :data:`_INPUT_WORDS`)."""
+    if isinstance(error, _INPUT_ERRORS) or type(error).__name__ in _INPUT_ERROR_NAMES:
+        return True
+    return _INPUT_WORDS.search(str(error)) is not None
 
 
 def latency_summary(values: Sequence[float]) -> dict[str, float | None]:
@@ -370,10 +400,7 @@ class WorkerAgent:
             try:
                 outputs = runtime.run(request.inputs)
             except Exception as error:  # the model's own failure on this batch
-                raise RequestError(
-                    HTTPStatus.INTERNAL_SERVER_ERROR,
-                    f"model {model!r} failed on the batch: {first_line(error)}",
-                ) from None
+                outputs = _rows_alone(model, runtime, request, error)
             measured_ms = (self._clock() - start) * 1000.0
             target_ms = self.emulation.target_ms(model, batch_size, measured_ms=measured_ms)
             pad_ms = self.emulation.padding_ms(model, batch_size, measured_ms=measured_ms)
@@ -408,6 +435,48 @@ class WorkerAgent:
                 HTTPStatus.INTERNAL_SERVER_ERROR,
                 f"model {model!r} answered outputs that do not fit its signature: {error}",
             ) from None
+
+
+def _rows_alone(
+    model: str, runtime: ModelRuntime, request: InferRequest, error: Exception
+) -> dict[str, np.ndarray]:
+    """After the model raised ``error`` on a batch: each row of it run alone, so that a bad row
+    fails alone. The rows' outputs stacked when every one passes (the batch failed, its rows do
+    not); else :class:`RequestError` naming the rows that fail (``failed_rows``), 422 when the
+    inputs are at fault (some rows pass, or the model's error says so: :func:`input_at_fault`),
+    else 500."""
+    n = request.batch_size
+    failures: dict[int, Exception] = {0: error} if n == 1 else {}
+    outputs: list[dict[str, np.ndarray]] = []
+    if n > 1:
+        for i in range(n):
+            row = {name: array[i : i + 1] for name, array in request.inputs.items()}
+            try:
+                outputs.append(runtime.run(row))
+            except Exception as row_error:  # this row's own failure
+                failures[i] = row_error
+    if not failures:
+        try:
+            return {name: np.concatenate([o[name] for o in outputs]) for name in outputs[0]}
+        except ValueError:  # rows whose outputs differ in shape: the batch's error stands
+            failures = dict.fromkeys(range(n), error)
+    first = next(iter(failures.values()))
+    fault = len(failures) < n or input_at_fault(first)
+    rows = sorted(failures)
+    which = "the query" if n == 1 else f"{len(rows)} of {n} rows"
+    raise RequestError(
+        HTTPStatus.UNPROCESSABLE_ENTITY if fault else HTTPStatus.INTERNAL_SERVER_ERROR,
+        f"model {model!r} failed on {which}: {_reason(first)}",
+        rows,
+    )
+
+
+def _reason(error: BaseException) -> str:
+    """A model error's one line, short: onnxruntime's ends with what went wrong (``... Status
+    Message: indices element out of data bounds, ...``) after a long preamble."""
+    line = first_line(error)
+    _, marker, message = line.partition("Status Message: ")
+    return message.strip() if marker and message.strip() else line
 
 
 # --- HTTP -----------------------------------------------------------------------------------------
@@ -490,7 +559,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._reply(HTTPStatus.OK, self.server.agent.infer(_model_of(match), body))
         except RequestError as error:
-            self._error(error.status, str(error))
+            if error.failed_rows is None:
+                self._error(error.status, str(error))
+            else:
+                self._reply(error.status, {"error": str(error), "failed_rows": error.failed_rows})
 
     def _body(self) -> bytes:
         length_text = self.headers.get("Content-Length")
@@ -586,6 +658,14 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
         help="a registered model to fetch, verify, load and serve as NAME (repeatable)",
     )
     parser.add_argument(
+        "--artifact-inputs",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="the inputs of the artifact served as NAME, a JSON list of {name, datatype, shape}:"
+        " for a TorchScript module whose archive does not name them (repeatable)",
+    )
+    parser.add_argument(
         "--cache-dir",
         type=Path,
         metavar="DIR",
@@ -624,8 +704,16 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
     args = parser.parse_args(argv)
     try:
         artifacts = tuple(ArtifactRef.from_arg(text) for text in args.artifact)
+        given = dict(parse_artifact_inputs(text) for text in args.artifact_inputs)
     except ArtifactError as error:
         parser.error(str(error))
+    unknown = sorted(set(given) - {ref.name for ref in artifacts})
+    if unknown:
+        parser.error(f"--artifact-inputs for {', '.join(unknown)}: no such --artifact")
+    artifacts = tuple(
+        dataclasses.replace(ref, inputs=given[ref.name]) if ref.name in given else ref
+        for ref in artifacts
+    )
     if args.models is None:
         family: tuple[str, ...] = () if artifacts else DEFAULT_MODELS
     else:
@@ -691,7 +779,11 @@ def load_models(config: AgentConfig, artifact_dir: Path) -> dict[str, ModelRunti
         try:
             path = fetch_artifact(ref, artifact_dir)
             runtimes[ref.name] = load_runtime(
-                path, ref.format, device=config.device, threads=config.threads
+                path,
+                ref.format,
+                device=config.device,
+                inputs=ref.inputs or None,
+                threads=config.threads,
             )
         except Exception as error:  # ArtifactError, ModelLoadError, or the runtime's own
             raise LoadFailedError(

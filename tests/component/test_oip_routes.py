@@ -10,10 +10,11 @@ models brought to the registry (several inputs, integer and boolean datatypes) o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -352,6 +353,100 @@ def test_v1_rows_of_an_artifact_app_are_its_first_inputs_flattened_sample(
     api_run(world, body)
 
 
+def test_a_clients_timeout_is_its_deadline(world: ApiWorld) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
+        request = family_request([row(1, 0.9)])
+        response = await client.post(
+            "/v2/models/demo/infer",
+            json={**request, "parameters": {"timeout": 30_000_000}},
+            headers=world.auth(),
+        )
+        assert response.status_code == 200, response.text
+        for bad in (0, -5, "soon", True):
+            response = await client.post(
+                "/v2/models/demo/infer",
+                json={**request, "parameters": {"timeout": bad}},
+                headers=world.auth(),
+            )
+            assert response.status_code == 400, (bad, response.text)
+            assert "parameters.timeout" in response.json()["error"]
+
+    api_run(world, body)
+
+
+@pytest.mark.parametrize(
+    ("datatype", "sample", "sent"),
+    [
+        ("FP32", [3, 8, 1, 2], [3.0, 8.0, 1.0, 2.0]),
+        ("FP16", [3, 8.5, 1, 2], [3.0, 8.5, 1.0, 2.0]),
+        ("INT64", [3, 8, -1, 2], [3, 8, -1, 2]),
+        ("INT32", [3, 8, 1, -2], [3, 8, 1, -2]),
+        ("BOOL", [1, 0, 1, 1], [True, False, True, True]),
+    ],
+)
+def test_v1_takes_json_integers_for_every_datatype(
+    world: ApiWorld, datatype: str, sample: list[float], sent: list[Any]
+) -> None:
+    """JSON integers reach the fast path as int, not float: every datatype takes them (an
+    INT64 or BOOL input answered 500 once, ``'int' object has no attribute 'is_integer'``)."""
+    signature = ModelSignature(
+        (TensorSpec("x", datatype, (-1, 4)),), (TensorSpec("scores", "FP32", (-1, 3)),)
+    )
+    as_artifacts(world, signature)
+
+    async def body(client: httpx.AsyncClient) -> None:
+        worker = FakeWorker(LARGE, signatures={"tiny": signature, "large": signature})
+        await worker.start()
+        world.instances.set("demo", endpoints([worker]))
+        for _ in range(3):  # the first through the route, the next on the fast path
+            response = await client.post(
+                "/v1/apps/demo/infer", json={"inputs": [sample]}, headers=world.auth()
+            )
+            assert response.status_code == 200, response.text
+        assert worker.last_request is not None
+        (given,) = worker.last_request["inputs"]
+        assert (given["datatype"], given["shape"], given["data"]) == (datatype, [1, 4], sent)
+        response = await client.post(
+            "/v1/apps/demo/infer", json={"inputs": [[1, 0, 1, 2.5]]}, headers=world.auth()
+        )
+        if datatype.startswith("FP"):
+            assert response.status_code == 200, response.text
+        else:
+            assert response.status_code == 422, response.text
+            assert response.json()["error"]["field"] == "inputs[0][3]"
+        await worker.stop()
+
+    api_run(world, body)
+
+
+def test_check_inputs_takes_ints_and_floats_alike() -> None:
+    from controlplane.api.errors import ApiError
+    from controlplane.api.routes.infer import check_inputs
+    from controlplane.serving.modelio import ModelIO
+
+    for datatype, rows, wanted in [
+        ("INT64", [[1, 2.0, -3]], [[1, 2, -3]]),
+        ("INT32", [[2**31 - 1, 0, 1.0]], [[2**31 - 1, 0, 1]]),
+        ("BOOL", [[1, 0, 1.0]], [[True, False, True]]),
+        ("FP32", [[1, 2.5, 3]], [[1, 2.5, 3]]),
+        ("FP16", [[1, 2.5, 3]], [[1, 2.5, 3]]),
+    ]:
+        signature = ModelSignature(
+            (TensorSpec("x", datatype, (-1, 3)),), (TensorSpec("y", "FP32", (-1, 2)),)
+        )
+        io = ModelIO("m", signature)
+        assert check_inputs("app", io, rows) == wanted  # type: ignore[arg-type]
+    int32 = ModelIO(
+        "m",
+        ModelSignature((TensorSpec("x", "INT32", (-1, 1)),), (TensorSpec("y", "FP32", (-1, 2)),)),
+    )
+    for value in (2**31, 1.5):
+        with pytest.raises(ApiError) as refused:
+            check_inputs("app", int32, [[value]])  # type: ignore[list-item]
+        assert refused.value.status == 422 and refused.value.field == "inputs[0][0]"
+
+
 # --- tritonclient against a real server ------------------------------------------------------
 
 
@@ -371,10 +466,13 @@ class _Background:
         self.thread.join(10)
 
 
-@pytest.fixture
-def live_world(world: ApiWorld) -> Iterator[tuple[ApiWorld, str]]:
+@contextlib.contextmanager
+def live_server(world: ApiWorld, types: Sequence[str]) -> Iterator[tuple[list[FakeWorker], str]]:
+    """The world's API on a real uvicorn server on a free loopback port, over fake workers of
+    ``types`` on an event loop of their own; yields the workers and ``host:port``. The workers
+    stop first on the way out: a call one holds ends, and the server can stop."""
     background = _Background()
-    workers = background.run(fleet([SMALL, LARGE]))
+    workers = background.run(fleet(list(types)))
     world.instances.set("demo", endpoints(workers))
     # heteroplane serve's socket (TCP_NODELAY: no delayed-ACK stalls) and HTTP protocol.
     sock = listen("127.0.0.1", 0)
@@ -388,14 +486,20 @@ def live_world(world: ApiWorld) -> Iterator[tuple[ApiWorld, str]]:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
     try:
-        yield world, f"127.0.0.1:{port}"
+        yield workers, f"127.0.0.1:{port}"
     finally:
-        server.should_exit = True
-        thread.join(20)
         for worker in workers:
             background.run(worker.stop())
+        server.should_exit = True
+        thread.join(20)
         background.close()
         sock.close()
+
+
+@pytest.fixture
+def live_world(world: ApiWorld) -> Iterator[tuple[ApiWorld, str]]:
+    with live_server(world, [SMALL, LARGE]) as (_, address):
+        yield world, address
 
 
 def test_tritonclient_against_a_real_server(live_world: tuple[ApiWorld, str]) -> None:

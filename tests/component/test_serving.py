@@ -33,6 +33,7 @@ from controlplane.errors import (
     NoServingInstanceError,
     OverloadedError,
     QueryFailedError,
+    QueryRejectedError,
     RequirementsUnmetError,
 )
 from controlplane.loops.rollup import roll_up
@@ -242,7 +243,7 @@ def test_a_failing_worker_is_marked_unhealthy_and_its_queries_go_elsewhere() -> 
     async def scenario() -> None:
         workers = await fleet([LARGE, LARGE, LARGE])
         bad = workers[0]
-        bad.status = 500
+        bad.status = 503  # a worker that says it cannot serve (a 500 is the model's error)
         unhealthy: list[str] = []
         dispatcher = AppDispatcher(
             config(models=("tiny",)),
@@ -256,14 +257,87 @@ def test_a_failing_worker_is_marked_unhealthy_and_its_queries_go_elsewhere() -> 
         assert all(isinstance(r, InferResult) for r in results), results
         assert unhealthy == ["i-0"]
         status = {w.instance_id: w for w in dispatcher.status().workers}
-        assert not status["i-0"].healthy and "HTTP 500" in status["i-0"].last_error
+        assert not status["i-0"].healthy and "HTTP 503" in status["i-0"].last_error
         assert status["i-1"].healthy and status["i-2"].healthy
-        assert bad.requests == 0  # a 500 is not an answer
+        assert bad.requests == 0  # a 503 is not an answer
         # Probed after its backoff, it serves again once /health says ok.
         bad.status = None
         for worker in dispatcher.workers():
             worker.retry_at_s = 0.0
         await dispatcher.probe()
+        assert all(w.healthy for w in dispatcher.status().workers)
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def poison_row(klass: int) -> list[float]:
+    """A row the fake workers' model raises on (pixel 2 set: see :func:`poisoned`)."""
+    bad = row(klass, 0.9)
+    bad[2] = 1.0
+    return bad
+
+
+def poisoned(model: str, values: Sequence[float]) -> bool:
+    return values[2] == 1.0
+
+
+@pytest.mark.parametrize("foreign", [False, True])
+def test_a_poison_query_fails_alone_and_the_worker_keeps_serving(foreign: bool) -> None:
+    """The agent names the rows that failed (422, failed_rows): those queries get a 422, the
+    others of the batch are sent again. A foreign server says only 500: each query of the batch
+    is tried alone, and the poison one gets a 502. Either way the worker stays healthy."""
+
+    async def scenario() -> None:
+        # One slow worker: queries queue while it serves and go together, poison among them.
+        workers = await fleet([LARGE], delay_s=0.01, foreign=foreign)
+        workers[0].poison = poisoned
+        plan = {"tiny": StagePlan("tiny", Fleet.of({}), 8, policy="fcfs")}
+        app = config(models=("tiny",), stage_plans=plan, slo_ms=10_000.0)
+        unhealthy: list[str] = []
+        dispatcher = AppDispatcher(
+            app,
+            HttpWorkerTransport(),
+            Observations(),
+            settings=DispatcherSettings(admission=False),
+            on_unhealthy=lambda loss: unhealthy.append(loss.endpoint.instance_id),
+        )
+        dispatcher.set_workers(endpoints(workers))
+        inputs = [poison_row(q) if q % 7 == 3 else row(q % 10, 0.9) for q in range(60)]
+        results = await settle([dispatcher.submit([x]) for x in inputs])
+        expected = QueryFailedError if foreign else QueryRejectedError
+        for q, result in enumerate(results):
+            if q % 7 == 3:
+                assert isinstance(result, expected), result
+                assert "index out of range" in str(result)
+            else:
+                assert isinstance(result, InferResult), result
+                assert result.outputs == (q % 10,)
+        assert max(workers[0].poisoned) > 1  # a batch of several held a poison query
+        assert unhealthy == []
+        (status,) = dispatcher.status().workers
+        assert status.healthy and status.last_error == ""
+        totals = dispatcher.observations.totals()["demo"]
+        assert (totals.answered, totals.failed) == (60 - 9, 9)
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_row_that_does_not_fit_the_signature_fails_alone_in_its_batch() -> None:
+    """A row the dispatcher cannot encode (63 values for a 64-value input) refuses the batch
+    before any call; each of its queries is tried again alone, and only the bad one fails."""
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE], delay_s=0.01)
+        plan = {"tiny": StagePlan("tiny", Fleet.of({}), 8, policy="fcfs")}
+        app = config(models=("tiny",), stage_plans=plan, slo_ms=10_000.0)
+        dispatcher = await dispatcher_over(workers, app, admission=False)
+        inputs = [row(q % 10, 0.9)[:63] if q == 5 else row(q % 10, 0.9) for q in range(12)]
+        results = await settle([dispatcher.submit([x]) for x in inputs])
+        assert isinstance(results[5], QueryRejectedError), results[5]
+        assert "64 values" in str(results[5])
+        assert all(isinstance(r, InferResult) for q, r in enumerate(results) if q != 5)
         assert all(w.healthy for w in dispatcher.status().workers)
         await dispatcher.close()
 
@@ -421,7 +495,8 @@ def test_a_worker_refusing_the_inputs_fails_the_query_without_retrying() -> None
             worker.status = 400
         dispatcher = await dispatcher_over(workers, config(models=("tiny",)), admission=False)
         (result,) = await settle([dispatcher.submit([row(1, 0.9)])])
-        assert isinstance(result, QueryFailedError) and result.attempts == 1
+        # The inputs are at fault: a 422 for the caller, no retry, no worker out of matching.
+        assert isinstance(result, QueryRejectedError) and "HTTP 400" in str(result)
         assert all(w.healthy for w in dispatcher.status().workers)
         await dispatcher.close()
 

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.policies.calibration import CalibrationRule, calibrate
+from controlplane.policies.calibration import (
+    OVERHEAD_QUANTILES,
+    CalibrationRule,
+    calibrate,
+    draw_overhead_ms,
+    overhead_drift,
+)
 from estimator.profiles import LatencyProfile
 
 PROFILE = LatencyProfile("m", "t", [1, 4, 8], ([10.0, 12.0], [20.0], [30.0]))  # means 11, 20, 30
@@ -93,3 +100,40 @@ def test_the_profile_scaled_by_the_factor_has_no_drift(times: dict[int, list[flo
         "m", "t", PROFILE.batch_sizes, tuple(cell * c.factor for cell in PROFILE.samples_ms)
     )
     assert calibrate(scaled, times, CalibrationRule(min_batches=1)).factor == pytest.approx(1.0)
+
+
+# --- the control plane's own time per query: its distribution, not only its median -----------
+
+RULE = CalibrationRule(min_batches=50)
+# 1 ms at the median, a tail of 15 ms: what the periodic jobs on the serving interpreter give.
+STEADY = [1.0] * 97 + [15.0] * 3
+
+
+def test_the_overheads_quantiles_are_kept_with_its_median() -> None:
+    verdict = overhead_drift(None, STEADY, RULE)
+    assert verdict.drift and verdict.observed_ms == 1.0
+    assert len(verdict.quantiles_ms) == len(OVERHEAD_QUANTILES) == 101
+    assert verdict.quantiles_ms[0] == 1.0 and verdict.quantiles_ms[100] == 15.0
+    assert verdict.quantiles_ms[99] == pytest.approx(15.0)
+    assert list(verdict.quantiles_ms) == sorted(verdict.quantiles_ms)
+
+
+def test_a_tail_that_moves_is_drift_even_when_the_median_stays() -> None:
+    stored = overhead_drift(None, STEADY, RULE)
+    calmer = [1.0] * 100  # the same median, no tail
+    assert not overhead_drift(1.0, STEADY, RULE, stored.quantiles_ms).drift
+    moved = overhead_drift(1.0, calmer, RULE, stored.quantiles_ms)
+    assert moved.drift and moved.quantiles_ms[99] == 1.0
+    # A figure stored before the distribution was: stored again, with it.
+    assert overhead_drift(1.0, STEADY, RULE, ()).drift
+    assert not overhead_drift(1.0, STEADY[:40], RULE, ()).drift  # too few queries
+
+
+def test_draws_follow_the_quantiles() -> None:
+    quantiles = overhead_drift(None, STEADY, RULE).quantiles_ms
+    draws = draw_overhead_ms(quantiles, 20_000, np.random.default_rng(0))
+    assert float(np.median(draws)) == pytest.approx(1.0)
+    assert 0.03 < float(np.mean(draws > 1.0)) < 0.05  # the 3 % tail, interpolated from 96 %
+    assert draws.max() <= 15.0 and draws.min() >= 1.0
+    with pytest.raises(ValueError, match="101 quantiles"):
+        draw_overhead_ms([1.0, 2.0], 3, np.random.default_rng(0))

@@ -6,6 +6,7 @@ with one line. The launch itself, against moto: tests/integration/test_ec2_artif
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 
 import pytest
@@ -65,6 +66,18 @@ def test_artifacts_go_on_the_agents_command_line_and_nowhere_else() -> None:
     assert config.artifacts == tuple(refs)
     assert (config.host, config.port, config.instance_type) == ("0.0.0.0", 8080, "g4dn.xlarge")
     assert f"--artifact {refs[0].to_arg()}" in script
+
+
+def test_a_torchscript_modules_inputs_survive_systemd() -> None:
+    from provisioners.artifacts import TensorSpec
+    from provisioners.worker.agent import parse_args
+
+    odd = dataclasses.replace(
+        ref("plain"), format="torchscript", inputs=(TensorSpec("x's %", "FP32", (-1, 4)),)
+    )
+    line = exec_start(worker_user_data(render_worker_template("t3.large"), [odd]))
+    config = parse_args(systemd_argv(line)[3:])
+    assert config.artifacts == (odd,)
 
 
 def test_a_uri_that_needs_quoting_survives_systemd() -> None:

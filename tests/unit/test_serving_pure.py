@@ -22,7 +22,9 @@ from controlplane.serving.admission import (
     predicted_latency_ms,
     wait_ms,
 )
+from controlplane.serving.config import DispatcherSettings
 from controlplane.serving.dispatcher import policy_name
+from controlplane.serving.health import Health
 from controlplane.serving.modelio import ModelIO
 from controlplane.serving.observations import ARRIVALS_KEPT, Observations, summarise
 from controlplane.serving.states import (
@@ -31,7 +33,7 @@ from controlplane.serving.states import (
     is_overloaded,
     model_state,
 )
-from controlplane.serving.transport import _parse_head
+from controlplane.serving.transport import _parse_head, answer_error
 from controlplane.serving.workers import BACKOFF_MAX_S, Worker, WorkerEndpoint, backoff_s
 from estimator.fleet import Fleet
 from estimator.profiles import LatencyProfile
@@ -355,3 +357,57 @@ def test_answer_heads_and_bodies_are_checked() -> None:
         io.decode("w", answer, rows=3)
     with pytest.raises(WorkerCallError, match="not an inference answer"):
         io.decode("w", b"[]", rows=1)
+
+
+# --- the health rule: only the call's own failures count against a worker ---------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "kind", "rows"),
+    [
+        (400, "input", None),
+        (413, "input", None),
+        (422, "input", (1, 3)),
+        (500, "model", (0,)),
+        (503, "status", None),
+        (404, "status", None),
+        (502, "status", None),
+    ],
+)
+def test_an_error_answer_is_the_inputs_the_models_or_the_workers(
+    status: int, kind: str, rows: tuple[int, ...] | None
+) -> None:
+    body = b'{"error": "boom", "failed_rows": %s}' % str(list(rows or ())).encode()
+    error = answer_error("w:1", status, body, 4)
+    assert (error.kind, error.status, error.worker_fault) == (kind, status, kind == "status")
+    assert error.rows == (rows if kind != "status" else None)
+    assert "boom" in str(error)
+
+
+@pytest.mark.parametrize("named", ["[4]", "[1, 1]", "[]", '["0"]', "[true]", '"0"'])
+def test_failed_rows_outside_the_batch_name_nothing(named: str) -> None:
+    error = answer_error("w:1", 422, b'{"error": "x", "failed_rows": %s}' % named.encode(), 4)
+    assert error.rows is None and error.kind == "input"
+
+
+def test_a_worker_that_answered_is_never_marked_unhealthy() -> None:
+    settings = DispatcherSettings()
+    health = Health("demo", None, settings, lambda: 0.0)  # type: ignore[arg-type]
+    worker = Worker(WorkerEndpoint("i-1", "emu.cpu.large", "w:1"), 0.0)
+    answered = [
+        WorkerCallError("w:1", "model", "HTTP 500: raised", status=500, worker_fault=False),
+        WorkerCallError("w:1", "input", "HTTP 422: bad", status=422, worker_fault=False),
+    ]
+    for error in answered * 50:  # one bad query after another
+        assert health.call_failed(worker, error, 1.0) is False
+        assert not health.retries(error, 1)
+    assert worker.healthy and worker.last_error == ""
+    for error in (
+        WorkerCallError("w:1", "timeout", "no answer within 30 ms"),
+        WorkerCallError("w:1", "connect", "refused"),
+        WorkerCallError("w:1", "closed", "the worker closed the connection"),
+        WorkerCallError("w:1", "status", "HTTP 503: stopping", status=503),
+    ):
+        fresh = Worker(WorkerEndpoint("i-2", "emu.cpu.large", "w:2"), 0.0)
+        assert health.call_failed(fresh, error, 1.0) is True
+        assert not fresh.healthy and health.retries(error, 1)

@@ -22,6 +22,7 @@ from estimator.profiles import LatencyProfile, write_profiles_json
 from provisioners.artifacts import (
     FAMILY_SIGNATURE,
     ArtifactRef,
+    TensorSpec,
     file_sha256,
 )
 from provisioners.base import LaunchRequest
@@ -34,6 +35,7 @@ from provisioners.worker.agent import (
     RequestError,
     WorkerAgent,
     build_emulation,
+    input_at_fault,
     latency_summary,
     load_models,
     parse_args,
@@ -307,9 +309,29 @@ def test_artifacts_on_the_command_line_replace_the_family() -> None:
     assert both.device == "cuda"
 
 
+def test_a_torchscript_artifacts_inputs_travel_on_the_command_line() -> None:
+    inputs = (TensorSpec("x", "FP32", (-1, 4)), TensorSpec("ids", "INT64", (-1, 2)))
+    ref = ArtifactRef.from_arg(artifact_arg("ts", "plain", "torchscript"))
+    with_inputs = dataclasses.replace(ref, inputs=inputs)
+    argv = [part for pair in with_inputs.worker_options() for part in pair]
+    assert argv[0::2] == ["--artifact", "--artifact-inputs"]
+    parsed = parse_args(["--instance-type", "t", *argv])
+    assert parsed.artifacts == (with_inputs,)
+    assert with_inputs.to_json()["inputs"][1] == {
+        "name": "ids",
+        "datatype": "INT64",
+        "shape": [-1, 2],
+    }
+    assert "inputs" not in ref.to_json() and ref.worker_options() == [("--artifact", ref.to_arg())]
+
+
 @pytest.mark.parametrize(
     "wrong",
     [
+        ["--artifact", artifact_arg("a"), "--artifact-inputs", "b=[]"],
+        ["--artifact", artifact_arg("a"), "--artifact-inputs", "a=[]"],
+        ["--artifact", artifact_arg("a"), "--artifact-inputs", "a:x"],
+        ["--artifact", artifact_arg("a"), "--artifact-inputs", 'a=[{"name": "x"}]'],
         ["--artifact", "a:tabular:3:onnx"],
         ["--artifact", f"a:tabular:x:onnx:{SHA}:file:///m.onnx"],
         ["--artifact", f"a:tabular:3:pickle:{SHA}:file:///m.onnx"],
@@ -466,12 +488,78 @@ def test_an_unknown_model_is_404_and_a_failing_model_500() -> None:
 
     class Broken(FakeRuntime):
         def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-            raise RuntimeError("shape mismatch\ninside the graph")
+            raise RuntimeError("device-side assert triggered\ninside the graph")
 
     worker.set_models({"tiny": Broken(times, 0)})
-    with pytest.raises(RequestError) as failed:
-        worker.infer("tiny", infer_body(1))
-    assert failed.value.status == 500 and str(failed.value).endswith("shape mismatch")
+    for n in (1, 3):
+        with pytest.raises(RequestError) as failed:
+            worker.infer("tiny", infer_body(n))
+        assert failed.value.status == 500 and str(failed.value).endswith("assert triggered")
+        assert failed.value.failed_rows == list(range(n))  # every row fails alone too
+
+
+class Poisoned(FakeRuntime):
+    """Raises, as an embedding does on a token outside its vocabulary, on any batch holding a
+    row whose first value is over 16; ``max_batch`` > 0: also on any batch larger than it."""
+
+    def __init__(self, times: FakeTime, max_batch: int = 0) -> None:
+        super().__init__(times, 3)
+        self.max_batch = max_batch
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        batch = inputs["input"]
+        if (batch[:, 0] > 16).any():
+            raise IndexError("index out of range in self")
+        if self.max_batch and len(batch) > self.max_batch:
+            raise RuntimeError("out of memory")
+        return super().run(inputs)
+
+
+def test_a_bad_row_fails_alone_and_is_named_with_a_422() -> None:
+    times = FakeTime(1.0)
+    worker = ready_agent(times, Emulation("emu.cpu.small", None))
+    model = Poisoned(times)
+    worker.set_models({"tiny": model})
+    data = [1.0] * 64 * 3
+    data[64] = 999.0  # row 1's first value: out of the vocabulary
+    tensor = {"name": "input", "shape": [3, 64], "datatype": "FP32", "data": data}
+    with pytest.raises(RequestError) as refused:
+        worker.infer("tiny", body({"inputs": [tensor]}))
+    assert refused.value.status == 422 and refused.value.failed_rows == [1]
+    assert "1 of 3 rows: index out of range" in str(refused.value)
+    # The batch, then each row alone: the model saw the good rows and the bad one.
+    assert [len(b) for b in model.batches] == [1, 1]
+    # The worker still serves, and a query alone that the model raises on is a 422 too.
+    assert worker.health()[0] == 200
+    with pytest.raises(RequestError) as alone:
+        worker.infer("tiny", infer_body(1, value=999.0))
+    assert (alone.value.status, alone.value.failed_rows) == (422, [0])
+
+
+def test_a_batch_whose_rows_pass_alone_is_answered_row_by_row() -> None:
+    times = FakeTime(1.0)
+    worker = ready_agent(times, Emulation("emu.cpu.small", None))
+    worker.set_models({"tiny": Poisoned(times, max_batch=2)})
+    answer = worker.infer("tiny", infer_body(4))
+    (logits,) = answer["outputs"]
+    assert logits["shape"] == [4, 10]
+    assert np.argmax(np.reshape(logits["data"], (4, 10)), axis=1).tolist() == [3, 3, 3, 3]
+
+
+@pytest.mark.parametrize(
+    ("error", "at_fault"),
+    [
+        (IndexError("index out of range in self"), True),
+        (ValueError("bad value"), True),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (1x3 and 4x2)"), True),
+        (type("InvalidArgument", (Exception,), {})("[ONNXRuntimeError] : 2"), True),
+        (RuntimeError("indices element out of data bounds, idx=100"), True),
+        (RuntimeError("CUDA out of memory"), False),
+        (MemoryError(), False),
+    ],
+)
+def test_input_at_fault_reads_the_models_error(error: Exception, at_fault: bool) -> None:
+    assert input_at_fault(error) is at_fault
 
 
 def test_stats_count_requests_rows_and_latency_per_model() -> None:

@@ -172,7 +172,8 @@ def check_inputs(app: str, io: ModelIO, inputs: list[list[float]]) -> list[list[
             rows.append(row)
             continue
         for j, v in enumerate(row):
-            if not (v.is_integer() and low <= v <= high):
+            # JSON integers reach here as int (the fast path), others as float (the route).
+            if not ((type(v) is int or v.is_integer()) and low <= v <= high):
                 raise _invalid(f"{v:g} is not a {spec.datatype} value ({low}..{high})", i, j)
         rows.append([bool(v) for v in row] if kind == "b" else [int(v) for v in row])
     return rows

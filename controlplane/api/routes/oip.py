@@ -12,7 +12,9 @@
   the app's input signature (:func:`provisioners.worker.oip.parse_infer_request`: a mismatch is
   a 400 naming the input, its datatype or its shape), its rows (the batch dimension, at most
   256) served through the serving loop as ``/v1/apps/{app}/infer`` serves them (dispatcher,
-  cascade, gear, admission: 429 with ``Retry-After``; 503 without a worker). The answer:
+  cascade, gear, admission: 429 with ``Retry-After``; 503 without a worker; ``parameters.
+  timeout``, microseconds as Triton's clients send it, is the client's deadline: a query whose
+  batch would end past it is answered 504 instead of being sent). The answer:
   ``{"model_name": app, "model_version": "1", "id"? (the request's), "outputs": [...],
   "parameters": {"models": [per row, the model that answered it], "gear", "late", and the
   timings of ``/v1`` (``total_ms``, ``queue_ms``, ...)}}``, each output the answering models'
@@ -210,7 +212,8 @@ async def infer(app: AppName, services: ServicesDep, _who: Inferrer, request: Re
     parsed = parse_infer_request(document, signature, max_batch_size=MAX_INFER_SAMPLES)
     arrays = [parsed.inputs[spec.name] for spec in signature.inputs]
     rows: list[Any] = list(arrays[0]) if len(arrays) == 1 else list(zip(*arrays, strict=True))
-    result = await serving.infer(app, rows, None, None, received)
+    deadline = _deadline_s(document, serving.clock.now_s() if received is None else received)
+    result = await serving.infer(app, rows, None, None, received, deadline)
     names = parsed.outputs or tuple(spec.name for spec in signature.outputs)
     try:
         outputs = stack_outputs(result.replies, names)
@@ -228,6 +231,20 @@ async def infer_version(
 ) -> Response:
     _version(version)
     return await infer(app, services, who, request)
+
+
+def _deadline_s(document: Mapping[str, Any], received_s: float) -> float | None:
+    """When the client stops waiting, on the serving loop's clock: the request's
+    ``parameters.timeout`` (microseconds, as Triton's clients send it: ``tritonclient``'s
+    ``infer(..., timeout=...)``) after its receipt; None without one. A query whose batch would
+    end past it is answered 504 instead of being sent (docs/serving.md, "Failures")."""
+    parameters = document.get("parameters")
+    timeout = parameters.get("timeout") if isinstance(parameters, Mapping) else None
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise OipError(f"parameters.timeout must be microseconds > 0, got {timeout!r}")
+    return received_s + float(timeout) / 1e6
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[Any, bytes]:

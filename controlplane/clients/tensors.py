@@ -1,0 +1,222 @@
+"""The load generator's inputs for any model: rows from a file, fitted to the model's inputs, and
+the request bodies that carry them over ``/v1`` or the Open Inference Protocol (``/v2``, JSON or
+binary tensors).
+
+- **Files** (:func:`read_inputs`): a ``.npz`` with one array per model input (the batch
+  dimension first; its names are the inputs' names, or any name for a model of one input), or
+  a JSON file of Open Inference Protocol rows: an inference request (``{"inputs": [{"name",
+  "datatype", "shape", "data"}, ...]}``, each tensor's first dimension the rows) or a list of
+  them, their rows concatenated in order.
+- **Fitting** (:func:`fit_inputs`): against the app's inputs as ``GET /v2/models/{app}`` gives
+  them (:class:`InputSpec`): every input given, each array's sample shape the input's (a
+  ``-1`` takes any size), its values cast to the input's datatype, the same number of rows in
+  each. Anything else is a :class:`ValueError` of one line naming the input.
+- **Bodies** (:func:`tensor_body`): ``/v1`` (``{"inputs": [flattened rows]}``: a model of one
+  input), ``/v2`` JSON (``data`` flat, row-major), or ``/v2`` with Triton's binary tensor
+  extension (each input's raw little-endian bytes after the JSON part,
+  ``parameters.binary_data_size``, and the header ``Inference-Header-Content-Length``: the size
+  of the JSON part). The outputs are asked for as JSON either way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from provisioners.artifacts import ArtifactError, numpy_dtype
+
+__all__ = [
+    "HEADER_LENGTH",
+    "PROTOCOLS",
+    "InputSpec",
+    "TensorBody",
+    "fit_inputs",
+    "input_specs",
+    "read_inputs",
+    "tensor_body",
+]
+
+PROTOCOLS = ("v1", "v2")
+# Triton's binary tensor extension: the size of the JSON part of a body with binary parts.
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    """One input of the app as ``GET /v2/models/{app}`` gives it: its name, Open Inference
+    Protocol datatype and shape (batch first, ``-1`` dynamic)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorBody:
+    """A request body and how it is sent: its ``Content-Type`` and, for binary tensors, the
+    size of its JSON part (:data:`HEADER_LENGTH`; None for plain JSON)."""
+
+    body: bytes
+    content_type: str = "application/json"
+    header_length: int | None = None
+
+
+def input_specs(metadata: object) -> list[InputSpec]:
+    """The inputs of a ``GET /v2/models/{app}`` answer; ValueError when it has none."""
+    entries = metadata.get("inputs") if isinstance(metadata, Mapping) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError("the service gave no inputs for the app's model")
+    specs = []
+    for entry in entries:
+        try:
+            specs.append(
+                InputSpec(
+                    str(entry["name"]),
+                    str(entry["datatype"]),
+                    tuple(int(d) for d in entry["shape"]),
+                )
+            )
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"the service gave an input that is not one: {entry!r}") from None
+    return specs
+
+
+def read_inputs(path: Path) -> dict[str, NDArray[Any]]:
+    """The arrays of an inputs file (see the module docstring), by name in the file's order;
+    ValueError of one line naming the file."""
+    try:
+        if path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as archive:
+                arrays = {name: np.asarray(archive[name]) for name in archive.files}
+        else:
+            arrays = _oip_rows(json.loads(path.read_text(encoding="utf-8")))
+    except OSError as error:
+        raise ValueError(f"{path}: {error.strerror or error}") from None
+    except (ValueError, KeyError, TypeError, ArtifactError) as error:
+        raise ValueError(f"{path}: {error}") from None
+    if not arrays:
+        raise ValueError(f"{path}: no arrays")
+    for name, array in arrays.items():
+        if array.ndim < 1 or array.shape[0] < 1:
+            raise ValueError(f"{path}: array {name!r} has no rows (shape {list(array.shape)})")
+    return arrays
+
+
+def _oip_rows(document: object) -> dict[str, NDArray[Any]]:
+    """The rows of an inference request, or of a list of them, per input name."""
+    requests = document if isinstance(document, list) else [document]
+    parts: dict[str, list[NDArray[Any]]] = {}
+    for request in requests:
+        if not isinstance(request, Mapping) or not isinstance(request.get("inputs"), list):
+            raise ValueError('expected an inference request, {"inputs": [...]}, or a list of them')
+        for tensor in request["inputs"]:
+            name = str(tensor["name"])
+            shape = [int(d) for d in tensor["shape"]]
+            values = np.asarray(tensor["data"], dtype=numpy_dtype(str(tensor["datatype"])))
+            if values.size != math.prod(shape):
+                raise ValueError(f"input {name!r}: {values.size} values for shape {shape}")
+            parts.setdefault(name, []).append(values.reshape(shape))
+    return {name: np.concatenate(arrays) for name, arrays in parts.items()}
+
+
+def fit_inputs(
+    arrays: Mapping[str, NDArray[Any]], specs: Sequence[InputSpec]
+) -> dict[str, NDArray[Any]]:
+    """``arrays`` fitted to the model's inputs (see the module docstring), by input name in the
+    model's order; ValueError of one line naming the input."""
+    if len(specs) == 1 and len(arrays) == 1:
+        arrays = {specs[0].name: next(iter(arrays.values()))}
+    wanted = [spec.name for spec in specs]
+    missing = [name for name in wanted if name not in arrays]
+    extra = [name for name in arrays if name not in wanted]
+    if missing or extra:
+        raise ValueError(
+            f"the model's inputs are {', '.join(wanted)}; the file has {', '.join(arrays)}"
+        )
+    fitted: dict[str, NDArray[Any]] = {}
+    rows = None
+    for spec in specs:
+        array = arrays[spec.name]
+        sample = spec.sample_shape
+        given = array.shape[1:]
+        if len(given) != len(sample) and math.prod(given) == math.prod(sample) > 0:
+            array = array.reshape((array.shape[0], *sample))  # flattened rows of a fixed shape
+            given = array.shape[1:]
+        fits = len(given) == len(sample) and all(
+            d in (-1, g) for d, g in zip(sample, given, strict=True)
+        )
+        if not fits:
+            raise ValueError(
+                f"input {spec.name!r}: rows of shape {list(given)} do not fit {list(spec.shape)}"
+            )
+        try:
+            dtype = numpy_dtype(spec.datatype)
+        except ArtifactError as error:
+            raise ValueError(f"input {spec.name!r}: {error}") from None
+        if array.dtype.kind == "f" and dtype.kind in "biu" and not np.all(array == np.round(array)):
+            raise ValueError(f"input {spec.name!r}: values that are not whole for {spec.datatype}")
+        if rows is not None and array.shape[0] != rows:
+            raise ValueError(
+                f"input {spec.name!r}: {array.shape[0]} rows, the others {rows}: one row each"
+            )
+        rows = array.shape[0]
+        fitted[spec.name] = array.astype(dtype)
+    return fitted
+
+
+def tensor_body(
+    arrays: Mapping[str, NDArray[Any]],
+    specs: Sequence[InputSpec],
+    rows: Sequence[int],
+    protocol: str,
+    binary: bool = False,
+    timeout_s: float | None = None,
+) -> TensorBody:
+    """The body of one query carrying ``rows`` of the fitted ``arrays`` (see the module
+    docstring); on ``/v2``, ``timeout_s`` is sent as ``parameters.timeout`` (microseconds, as
+    Triton's clients send it: the service drops a query that cannot be answered in time).
+    ValueError for ``/v1`` and a model of several inputs."""
+    index = list(rows)
+    if protocol == "v1":
+        if len(specs) != 1:
+            names = ", ".join(spec.name for spec in specs)
+            raise ValueError(f"the model takes {len(specs)} inputs ({names}): use --protocol v2")
+        batch = arrays[specs[0].name][index]
+        flat = batch.reshape(len(index), -1)
+        values = flat.astype(np.int64) if flat.dtype.kind in "biu" else flat
+        text = json.dumps({"inputs": values.tolist()}, separators=(",", ":"))
+        return TensorBody(text.encode())
+    tensors = []
+    blobs = []
+    for spec in specs:
+        batch = arrays[spec.name][index]
+        tensor: dict[str, Any] = {
+            "name": spec.name,
+            "datatype": spec.datatype,
+            "shape": list(batch.shape),
+        }
+        if binary:
+            raw = batch.astype(batch.dtype.newbyteorder("<"), copy=False).tobytes()
+            tensor["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            tensor["data"] = batch.ravel().tolist()
+        tensors.append(tensor)
+    document: dict[str, Any] = {"inputs": tensors}
+    if timeout_s is not None:
+        document["parameters"] = {"timeout": round(timeout_s * 1e6)}
+    header = json.dumps(document, separators=(",", ":")).encode()
+    if not binary:
+        return TensorBody(header)
+    return TensorBody(b"".join([header, *blobs]), "application/octet-stream", len(header))

@@ -1,0 +1,281 @@
+"""Overload without collapse (issue 30): a query nobody will read never costs a worker call.
+
+At the dispatcher, over a fake worker (:mod:`controlplane.serving.fake_worker`): a query whose
+future is cancelled (its client gone) leaves the queue and is never sent; a query whose give-up
+time has passed, or comes before the predicted end of the batch it would join, is answered with
+its timeout instead of being sent. Through the API's middleware
+(:class:`~controlplane.api.disconnect.CancelOnDisconnect`): an inference request whose client
+disconnects before the answer is cancelled (its query with it), one whose client stays is
+answered, and a request to any other route is left alone. Then end to end, on a real uvicorn
+server: a client that sends a query and closes its connection while the worker is busy; its
+query leaves the queue and the worker never sees it.
+
+The worker is held busy by a query it does not answer (``hang``) or answers after a delay, so
+that what queues behind it is decided before any worker is free: nothing depends on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from controlplane.api.disconnect import CancelOnDisconnect
+from controlplane.errors import QueryTimeoutError
+from controlplane.policies.plan import StagePlan
+from controlplane.serving.dispatcher import AppDispatcher, DispatcherSettings, InferResult
+from controlplane.serving.fake_worker import FakeWorker
+from controlplane.serving.observations import Observations
+from controlplane.serving.transport import HttpWorkerTransport
+from estimator.fleet import Fleet
+from tests.component.test_oip_routes import live_server
+from tests.component.test_serving import (
+    LARGE,
+    ApiWorld,
+    config,
+    endpoints,
+    fleet,
+    row,
+    run,
+    settle,
+    until,
+    world,
+)
+
+__all__ = ["world"]  # the fixture, imported for this module's tests
+
+ONE_AT_A_TIME = {"tiny": StagePlan("tiny", Fleet.of({}), 1, policy="fcfs")}
+
+
+async def held_worker(
+    clock_s: Any = time.monotonic, **settings: Any
+) -> tuple[FakeWorker, AppDispatcher, asyncio.Future[InferResult]]:
+    """One worker (batch cap 1) holding the answer to a first query, which is returned: what
+    is submitted next queues until :meth:`FakeWorker.release`."""
+    (worker,) = await fleet([LARGE])
+    app = config(models=("tiny",), stage_plans=ONE_AT_A_TIME, slo_ms=10_000.0)
+    dispatcher = AppDispatcher(
+        app,
+        HttpWorkerTransport(),
+        Observations(),
+        settings=DispatcherSettings(admission=False, **settings),
+        clock_s=clock_s,
+    )
+    dispatcher.set_workers(endpoints([worker]))
+    worker.holding = True
+    first = dispatcher.submit([row(1, 0.9)])
+    await until(lambda: worker.requests == 1)
+    return worker, dispatcher, first
+
+
+def test_a_cancelled_query_leaves_the_queue_and_is_never_sent() -> None:
+    async def scenario() -> None:
+        worker, dispatcher, first = await held_worker()
+        gone = dispatcher.submit([row(2, 0.9)])
+        kept = dispatcher.submit([row(3, 0.9)])
+        assert dispatcher.status().stages[0].queued_queries == 2
+        gone.cancel()  # its client went away
+        await asyncio.sleep(0)  # the done callbacks run
+        assert dispatcher.status().stages[0].queued_queries == 1
+        worker.release()
+        answers = await settle([first, kept])
+        assert [a.outputs for a in answers if isinstance(a, InferResult)] == [(1,), (3,)]
+        assert worker.requests == 2 and worker.rows == 2  # the cancelled query never went
+        totals = dispatcher.observations.totals()["demo"]
+        assert (totals.answered, totals.timed_out) == (2, 1)
+        await dispatcher.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("later_s", "kept"),
+    [
+        # The first queued query past its 5 s give-up time; the second 1.5 s from it, in time
+        # for a batch that takes a ms or so.
+        ((4.0, 1.5), True),
+        # 0.1 ms short of its give-up time: the batch (a ms or so predicted) would end past it.
+        ((5.0 - 0.0001,), False),
+    ],
+)
+def test_a_query_that_cannot_be_answered_in_time_costs_no_worker_call(
+    later_s: tuple[float, ...], kept: bool
+) -> None:
+    now = [1000.0]
+
+    async def scenario() -> None:
+        worker, dispatcher, first = await held_worker(lambda: now[0], give_up_s=5.0)
+        submitted = []
+        for seconds in later_s:
+            submitted.append(dispatcher.submit([row(2, 0.9)]))
+            now[0] += seconds
+        worker.release()
+        doomed, *rest = await settle(submitted)
+        assert isinstance(doomed, QueryTimeoutError), doomed
+        assert all(isinstance(answer, InferResult) for answer in rest) and len(rest) == kept
+        assert worker.requests == 1 + len(rest)  # the doomed query cost no call
+        assert isinstance(await first, InferResult)
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_query_past_its_clients_deadline_costs_no_worker_call() -> None:
+    now = [1000.0]
+
+    async def scenario() -> None:
+        worker, dispatcher, first = await held_worker(lambda: now[0])
+        doomed = dispatcher.submit([row(2, 0.9)], deadline_s=now[0] + 0.5)
+        patient = dispatcher.submit([row(3, 0.9)], deadline_s=now[0] + 60.0)
+        now[0] += 0.6  # the first client's deadline has passed; the give-up time is 30 s away
+        worker.release()
+        answers = await settle([first, doomed, patient])
+        assert isinstance(answers[1], QueryTimeoutError) and "0.5 s" in str(answers[1])
+        assert isinstance(answers[2], InferResult)
+        assert worker.requests == 2
+        await dispatcher.close()
+
+    run(scenario())
+
+
+# --- the API's middleware --------------------------------------------------------------------
+
+
+class _Connection:
+    """An ASGI connection: the request's body, then ``http.disconnect`` when ``leave`` is set
+    (the server says so only when the client goes)."""
+
+    def __init__(self) -> None:
+        self.leave = asyncio.Event()
+        self.sent: list[dict[str, Any]] = []
+        self.body_given = False
+
+    async def receive(self) -> dict[str, Any]:
+        if not self.body_given:
+            self.body_given = True
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+
+def _scope(path: str, method: str = "POST") -> dict[str, Any]:
+    return {"type": "http", "method": method, "path": path, "headers": []}
+
+
+def test_the_middleware_cancels_a_request_whose_client_has_gone() -> None:
+    async def scenario() -> None:
+        waiting: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def handler(scope: Any, receive: Any, send: Any) -> None:
+            await receive()
+            await waiting  # the query in the serving loop
+
+        connection = _Connection()
+        call = asyncio.ensure_future(
+            CancelOnDisconnect(handler)(
+                _scope("/v2/models/demo/infer"), connection.receive, connection.send
+            )
+        )
+        await until(lambda: connection.body_given)
+        await asyncio.sleep(0)
+        connection.leave.set()
+        await asyncio.wait_for(call, 10)  # returns: nobody to answer
+        assert waiting.cancelled() and connection.sent == []
+        assert not call.cancelled()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("path", "method"), [("/v1/apps/demo/infer", "POST"), ("/v1/apps/demo", "POST")]
+)
+def test_the_middleware_leaves_an_answered_request_and_other_routes_alone(
+    path: str, method: str
+) -> None:
+    async def scenario() -> None:
+        async def handler(scope: Any, receive: Any, send: Any) -> None:
+            await receive()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        connection = _Connection()
+        connection.leave.set()  # the server says disconnect after the answer
+        await CancelOnDisconnect(handler)(_scope(path, method), connection.receive, connection.send)
+        assert [m["type"] for m in connection.sent] == [
+            "http.response.start",
+            "http.response.body",
+        ]
+
+    run(scenario())
+
+
+# --- end to end on a real server -----------------------------------------------------------------
+
+
+@pytest.fixture
+def served(world: ApiWorld) -> Iterator[tuple[ApiWorld, FakeWorker, str]]:
+    with live_server(world, [LARGE]) as ((worker,), address):
+        yield world, worker, f"http://{address}"
+
+
+def _serving(url: str, world: ApiWorld) -> dict[str, Any]:
+    response = httpx.get(
+        f"{url}/v1/apps/demo/serving", headers=world.auth("viewer"), trust_env=False
+    )
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def test_a_client_that_goes_away_costs_no_worker_call(
+    served: tuple[ApiWorld, FakeWorker, str],
+) -> None:
+    world, worker, url = served
+    worker.hang = True  # the first query holds the worker: everything else queues
+    # Held for as long as the test may take (not the default call timeout of 2 s).
+    world.serving.settings = dataclasses.replace(
+        world.serving.settings,
+        dispatcher=DispatcherSettings(call_timeout_floor_s=60.0, idle_probe_s=None),
+    )
+    token = world.tokens["infer"]
+    first = threading.Thread(
+        target=lambda: httpx.post(
+            f"{url}/v1/apps/demo/infer",
+            json={"inputs": [row(1, 0.9)]},
+            headers={"Authorization": f"Bearer {token}"},
+            trust_env=False,
+            timeout=30.0,
+        ),
+        daemon=True,
+    )
+    first.start()
+    deadline = time.monotonic() + 20.0
+    while worker.received == 0:
+        assert time.monotonic() < deadline, "the first query never reached the worker"
+        time.sleep(0.02)
+    body = b'{"inputs": [[2.0, 14.4' + b", 0.0" * 62 + b"]]}"
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(
+            b"POST /v1/apps/demo/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {token}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        while _serving(url, world)["stages"][0]["queued_queries"] == 0:
+            assert time.monotonic() < deadline, "the second query never queued"
+            time.sleep(0.02)
+    # The client closed its connection: its query leaves the queue, the worker never sees it.
+    while (status := _serving(url, world))["stages"][0]["queued_queries"] != 0:
+        assert time.monotonic() < deadline, f"the query of the client gone still queued: {status}"
+        time.sleep(0.02)
+    assert status["totals"]["timed_out"] == 1
+    assert worker.received == 1  # only the first, held, query ever reached it

@@ -1,0 +1,315 @@
+"""A user's model served by real worker processes, with bad queries among good ones (issue 30).
+
+The model is a bag-of-tokens classifier that heteroplane has never seen: an embedding of a
+:data:`VOCABULARY`-token vocabulary (INT64 token ids, [N, 4]), averaged, then a linear layer to
+three scores, exported to ONNX with a dynamic batch axis and pushed with ``heteroplane model
+push``. A token id outside the vocabulary makes the model raise (onnxruntime's Gather: "indices
+element out of data bounds"): the poison query.
+
+Through the real service behind a real uvicorn server, on the local provisioner (real worker
+processes that fetch the artifact from the registry), one ``emu.cpu.large`` worker serves the
+app with a batch cap of 8 and ``fcfs``. Concurrent clients send good queries over ``/v1`` (JSON
+integers for an INT64 input) with a poison query among every few: every good query is
+answered with the model's own output (run in-process by onnxruntime), every poison query gets
+a 422 ``query_rejected``, and the worker is never taken out of matching (healthy in the
+serving status, no ``worker_unhealthy`` decision).
+
+``heteroplane loadgen --inputs`` then drives the same app over ``/v2`` with the model's rows
+from a ``.npz`` and from Open Inference Protocol JSON rows, as JSON and as binary tensors, on both
+engines: every query is answered.
+
+A TorchScript module scripted without a signature file, pushed with ``--inputs`` (the
+documented route for one), is profiled (``heteroplane profile run``), planned, applied and
+served: the signature the registry stored reaches the workers with the artifact reference.
+
+Everything is polled against deadlines; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from benchmarks.bad_queries import MODEL, TOKENS, VOCABULARY, export_model, profile_file
+from controlplane.service.build import Service
+from estimator.traces import Trace, write_trace_csv
+from tests.integration.conftest import ApiServer, launch_fleet
+from tests.integration.test_byom import _cli, service
+
+__all__ = ["service"]  # the fixture, imported for this module's tests
+
+torch = pytest.importorskip("torch")
+onnxruntime = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+APP = "tokens"
+TYPE = "emu.cpu.large"
+GOOD_QUERIES = 96
+POISON_EVERY = 6  # one query in six carries a token outside the vocabulary
+IN_FLIGHT = 8
+RUN_DEADLINE_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_model(tmp_path_factory.mktemp("tokens"))
+
+
+def _serving_status(url: str, token: str) -> dict[str, Any]:
+    """``GET /v1/apps/APP/serving``."""
+    response = httpx.get(
+        f"{url}/v1/apps/{APP}/serving",
+        headers={"Authorization": f"Bearer {token}"},
+        trust_env=False,
+        timeout=30.0,
+    )
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def _serve(service: Service, tmp_path: Path) -> None:
+    """The app over the pushed model, with latency profiles from a file (the numbers only
+    price and rank: nothing is timed), a plan of one worker with a batch cap of 8, applied, and
+    its worker running."""
+    profiles = profile_file(tmp_path)
+    store = service.store
+    store.create_app(
+        {
+            "name": APP,
+            "models": [{"name": MODEL, "artifact": MODEL, "profiles": str(profiles)}],
+            "slo": {"latency_ms": 1000},
+            "budget_usd_per_hr": 1.0,
+            "instance_types": [TYPE],
+        },
+        who="test",
+    )
+    plan = store.create_plan(
+        APP,
+        {
+            "feasible": True,
+            "cost_usd_per_hr": 0.2,
+            "stages": [{"name": MODEL, "fleet": {TYPE: 1}, "batch_size": 8, "policy": "fcfs"}],
+        },
+    )
+    store.apply_plan(APP, plan.id)
+    launch_fleet(service, APP, 1)
+
+
+def _queries() -> tuple[list[list[int]], list[bool]]:
+    """The queries' token rows (one sample each) and which of them are poison."""
+    rng = np.random.default_rng(0)
+    rows: list[list[int]] = []
+    poison: list[bool] = []
+    for q in range(GOOD_QUERIES + GOOD_QUERIES // (POISON_EVERY - 1)):
+        bad = q % POISON_EVERY == POISON_EVERY - 1
+        tokens = rng.integers(0, VOCABULARY, size=TOKENS).tolist()
+        if bad:
+            tokens[int(rng.integers(0, TOKENS))] = VOCABULARY + int(rng.integers(0, 1000))
+        rows.append(tokens)
+        poison.append(bad)
+    return rows, poison
+
+
+async def _send(url: str, token: str, rows: list[list[int]]) -> list[httpx.Response]:
+    """Every row as one query, IN_FLIGHT at once."""
+    answers: list[httpx.Response | None] = [None] * len(rows)
+    pending = iter(range(len(rows)))
+    headers = {"Authorization": f"Bearer {token}"}
+
+    async def sender(client: httpx.AsyncClient) -> None:
+        for index in pending:
+            answers[index] = await client.post(
+                f"/v1/apps/{APP}/infer", json={"inputs": [rows[index]]}, headers=headers
+            )
+
+    async with httpx.AsyncClient(base_url=url, timeout=120.0, trust_env=False) as client:
+        await asyncio.wait_for(
+            asyncio.gather(*(sender(client) for _ in range(IN_FLIGHT))), RUN_DEADLINE_S
+        )
+    assert all(answer is not None for answer in answers)
+    return [answer for answer in answers if answer is not None]
+
+
+def test_a_poison_query_fails_alone_and_the_worker_keeps_serving(
+    service: Service,
+    model_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    admin = service.store.create_token("admin", name="operator")
+    infer_token = service.store.create_token("infer", name="client")
+    session = onnxruntime.InferenceSession(str(model_file), providers=["CPUExecutionProvider"])
+    with ApiServer(service) as url:
+        monkeypatch.setenv("HETEROPLANE_URL", url)
+        monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
+        pushed = _cli(capsys, "model", "push", MODEL, str(model_file))
+        assert pushed["inputs"] == [{"name": "tokens", "datatype": "INT64", "shape": [-1, 4]}]
+        _serve(service, tmp_path)
+
+        rows, poison = _queries()
+        answers = asyncio.run(_send(url, infer_token, rows))
+        serving = _serving_status(url, admin)
+    for tokens, bad, answer in zip(rows, poison, answers, strict=True):
+        if bad:
+            assert answer.status_code == 422, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "query_rejected" and "out of" in error["message"], error
+            continue
+        assert answer.status_code == 200, answer.text
+        (scores,) = session.run(None, {"tokens": np.array([tokens], dtype=np.int64)})
+        assert answer.json()["outputs"] == [int(np.argmax(scores[0]))]
+    (worker,) = serving["workers"]
+    assert worker["healthy"] and worker["last_error"] == "", worker
+    assert serving["totals"]["answered"] == GOOD_QUERIES
+    decisions = [d.kind for d in service.store.list_decisions(APP)]
+    assert "worker_unhealthy" not in decisions
+
+
+def test_loadgen_drives_the_model_over_v2_json_and_binary(
+    service: Service,
+    model_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    admin = service.store.create_token("admin", name="operator")
+    infer_token = service.store.create_token("infer", name="client")
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, VOCABULARY, size=(24, TOKENS)).astype(np.int64)
+    npz = tmp_path / "rows.npz"
+    np.savez(npz, tokens=tokens)
+    rows_json = tmp_path / "rows.json"
+    rows_json.write_text(
+        json.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": "tokens",
+                        "datatype": "INT64",
+                        "shape": list(tokens.shape),
+                        "data": tokens.tolist(),
+                    }
+                ]
+            }
+        )
+    )
+    queries = 40
+    trace = tmp_path / "trace.csv"
+    write_trace_csv(Trace(np.arange(queries) * 0.01, rng.integers(1, 4, size=queries)), trace)
+    with ApiServer(service) as url:
+        monkeypatch.setenv("HETEROPLANE_URL", url)
+        monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
+        _cli(capsys, "model", "push", MODEL, str(model_file))
+        _serve(service, tmp_path)
+        for inputs, extra in [
+            (npz, []),
+            (npz, ["--binary"]),
+            (rows_json, ["--engine", "raw"]),
+            (rows_json, ["--binary", "--engine", "raw"]),
+            (npz, ["--protocol", "v1"]),
+        ]:
+            summary = _cli(
+                capsys,
+                "loadgen",
+                "--app",
+                APP,
+                "--trace",
+                str(trace),
+                "--inputs",
+                str(inputs),
+                "--token",
+                infer_token,
+                "--slo-ms",
+                "1000",
+                *extra,
+            )
+            assert (summary["sent"], summary["answered"]) == (queries, queries), (extra, summary)
+            assert summary["errors_by_kind"] == {}
+        serving = _serving_status(url, admin)
+    assert serving["totals"]["answered"] == 5 * queries
+
+
+def test_torchscript_pushed_with_inputs_is_profiled_and_served(
+    service: Service,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    scripted = torch.jit.script(module.eval())
+    path = tmp_path / "plain.pt"
+    torch.jit.save(scripted, str(path))  # no heteroplane/signature.json inside
+    name, app = "plain-ts", "plain"
+    admin = service.store.create_token("admin", name="operator")
+    infer_token = service.store.create_token("infer", name="client")
+    with ApiServer(service) as url:
+        monkeypatch.setenv("HETEROPLANE_URL", url)
+        monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
+        pushed = _cli(
+            capsys,
+            "model",
+            "push",
+            name,
+            str(path),
+            "--format",
+            "torchscript",
+            "--inputs",
+            "input:FP32:-1x4",
+        )
+        assert pushed["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
+        spec = tmp_path / "plain.json"
+        spec.write_text(
+            json.dumps(
+                {
+                    "name": app,
+                    "models": [{"name": name, "artifact": name}],
+                    "slo": {"latency_ms": 1000},
+                    "budget_usd_per_hr": 1.0,
+                    "instance_types": [TYPE],
+                }
+            )
+        )
+        _cli(capsys, "app", "apply", "--file", str(spec))
+        _cli(
+            capsys,
+            "profile",
+            "run",
+            "--app",
+            app,
+            "--types",
+            TYPE,
+            "--batch-sizes",
+            "1,2",
+            "--samples",
+            "3",
+        )
+        plan = _cli(capsys, "plans", "preview", "--app", app, "--rate-qps", "5")
+        assert plan["feasible"], plan
+        _cli(capsys, "plans", "apply", "--app", app, "--id", str(plan["id"]))
+        launch_fleet(service, app, 1)
+        x = np.random.default_rng(2).normal(size=(5, 4)).astype(np.float32)
+        answer = httpx.post(
+            f"{url}/v2/models/{app}/infer",
+            json={
+                "inputs": [
+                    {"name": "input", "datatype": "FP32", "shape": [5, 4], "data": x.tolist()}
+                ]
+            },
+            headers={"Authorization": f"Bearer {infer_token}"},
+            trust_env=False,
+            timeout=60.0,
+        )
+    assert answer.status_code == 200, answer.text
+    (output,) = answer.json()["outputs"]
+    assert output["shape"] == [5, 3]
+    with torch.inference_mode():
+        expected = scripted(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(np.reshape(output["data"], (5, 3)), expected, rtol=0, atol=1e-5)

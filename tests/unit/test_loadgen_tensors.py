@@ -1,0 +1,217 @@
+"""The load generator's inputs for any model (:mod:`controlplane.clients.tensors`,
+:func:`controlplane.clients.loadgen.build_tensor_queries`): files read (``.npz``, Open Inference
+Protocol JSON rows), fitted to the app's inputs with one-line refusals, rows drawn in order, and
+the bodies of ``/v1``, ``/v2`` JSON and ``/v2`` binary tensors read back as the service reads
+them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from controlplane.cli import main
+from controlplane.clients.loadgen import build_tensor_queries, draw_rows, infer_url, late_flag
+from controlplane.clients.rawload import request_head
+from controlplane.clients.tensors import (
+    HEADER_LENGTH,
+    InputSpec,
+    fit_inputs,
+    input_specs,
+    read_inputs,
+    tensor_body,
+)
+from estimator.traces import Trace, write_trace_csv
+
+TWO = [InputSpec("ids", "INT64", (-1, 3)), InputSpec("mask", "BOOL", (-1, 3))]
+IMAGE = [InputSpec("image", "FP32", (-1, 2, 2))]
+
+
+def test_an_npz_and_oip_json_rows_read_alike(tmp_path: Path) -> None:
+    ids = np.arange(12, dtype=np.int64).reshape(4, 3)
+    mask = ids % 2 == 0
+    np.savez(tmp_path / "rows.npz", ids=ids, mask=mask)
+    document = [
+        {
+            "inputs": [
+                {"name": "ids", "datatype": "INT64", "shape": [2, 3], "data": ids[:2].tolist()},
+                {"name": "mask", "datatype": "BOOL", "shape": [2, 3], "data": mask[:2].tolist()},
+            ]
+        },
+        {
+            "inputs": [
+                {
+                    "name": "ids",
+                    "datatype": "INT64",
+                    "shape": [2, 3],
+                    "data": ids[2:].ravel().tolist(),
+                },
+                {"name": "mask", "datatype": "BOOL", "shape": [2, 3], "data": mask[2:].tolist()},
+            ]
+        },
+    ]
+    (tmp_path / "rows.json").write_text(json.dumps(document))
+    for name in ("rows.npz", "rows.json"):
+        arrays = fit_inputs(read_inputs(tmp_path / name), TWO)
+        assert list(arrays) == ["ids", "mask"]
+        np.testing.assert_array_equal(arrays["ids"], ids)
+        np.testing.assert_array_equal(arrays["mask"], mask)
+        assert arrays["mask"].dtype == np.bool_
+
+
+@pytest.mark.parametrize(
+    ("arrays", "specs", "fragment"),
+    [
+        ({"ids": np.zeros((2, 3))}, TWO, "inputs are ids, mask; the file has ids"),
+        ({"ids": np.zeros((2, 4)), "mask": np.zeros((2, 3))}, TWO, "'ids': rows of shape [4]"),
+        ({"ids": np.zeros((2, 3)), "mask": np.zeros((3, 3))}, TWO, "'mask': 3 rows, the others 2"),
+        ({"ids": np.full((1, 3), 0.5), "mask": np.zeros((1, 3))}, TWO, "not whole for INT64"),
+        ({"x": np.zeros((2, 5))}, IMAGE, "'image': rows of shape [5] do not fit [-1, 2, 2]"),
+    ],
+)
+def test_inputs_that_do_not_fit_are_one_line_naming_the_input(
+    arrays: dict[str, np.ndarray], specs: list[InputSpec], fragment: str
+) -> None:
+    with pytest.raises(ValueError) as refused:
+        fit_inputs(arrays, specs)
+    assert fragment in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_one_array_for_one_input_takes_any_name_and_flat_rows() -> None:
+    arrays = fit_inputs({"whatever": np.arange(8).reshape(2, 4)}, IMAGE)
+    assert arrays["image"].shape == (2, 2, 2) and arrays["image"].dtype == np.float32
+
+
+def test_files_that_are_not_inputs_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "bad.json").write_text('{"rows": []}')
+    (tmp_path / "short.json").write_text(
+        '{"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 2], "data": [1, 2, 3]}]}'
+    )
+    for name, fragment in [
+        ("bad.json", "expected an inference request"),
+        ("short.json", "3 values for shape [2, 2]"),
+        ("missing.npz", "No such file"),
+    ]:
+        with pytest.raises(ValueError) as refused:
+            read_inputs(tmp_path / name)
+        assert fragment in str(refused.value) and name in str(refused.value)
+    with pytest.raises(ValueError, match="no inputs"):
+        input_specs({"name": "m"})
+
+
+def test_rows_are_drawn_in_order_or_from_the_sample_id() -> None:
+    trace = Trace(np.array([0.0, 0.1, 0.2, 0.3]), np.array([1, 2, 2, 1]))
+    assert draw_rows(trace, 4) == [(0,), (1, 2), (3, 0), (1,)]
+    with_ids = Trace(np.array([0.0, 0.1]), np.array([2, 1]), np.array([3, 1]))
+    assert draw_rows(with_ids, 4) == [(3, 0), (1,)]
+
+
+def _read_back(
+    body: bytes, header_length: int | None, specs: list[InputSpec]
+) -> dict[str, np.ndarray]:
+    """A /v2 body's tensors as the service reads them (JSON data, or the binary parts)."""
+    from provisioners.artifacts import numpy_dtype
+
+    split = len(body) if header_length is None else header_length
+    document = json.loads(body[:split])
+    binary = body[split:]
+    arrays = {}
+    offset = 0
+    for entry, spec in zip(document["inputs"], specs, strict=True):
+        assert (entry["name"], entry["datatype"]) == (spec.name, spec.datatype)
+        dtype = numpy_dtype(spec.datatype).newbyteorder("<")
+        if "data" in entry:
+            values = np.asarray(entry["data"], dtype=dtype)
+        else:
+            size = entry["parameters"]["binary_data_size"]
+            values = np.frombuffer(binary[offset : offset + size], dtype=dtype)
+            offset += size
+        arrays[spec.name] = values.reshape(entry["shape"])
+    assert offset == len(binary)
+    return arrays
+
+
+def test_v2_bodies_json_and_binary_carry_the_rows() -> None:
+    ids = np.arange(12, dtype=np.int64).reshape(4, 3) - 5
+    arrays = {"ids": ids, "mask": ids > 0}
+    trace = Trace(np.array([1.0, 1.5]), np.array([3, 2]))
+    for binary in (False, True):
+        queries = build_tensor_queries(trace, arrays, TWO, "v2", binary)
+        assert [q.send_at_s for q in queries] == [0.0, 0.5]
+        assert [q.sample_ids for q in queries] == [(0, 1, 2), (3, 0)]
+        for query in queries:
+            got = _read_back(query.body, query.header_length, TWO)
+            rows = list(query.sample_ids)
+            np.testing.assert_array_equal(got["ids"], ids[rows])
+            np.testing.assert_array_equal(got["mask"], ids[rows] > 0)
+            headers = query.headers()
+            if binary:
+                assert headers == {
+                    "Content-Type": "application/octet-stream",
+                    HEADER_LENGTH: str(query.header_length),
+                }
+                head = request_head(
+                    "http://h:1/v2/models/a/infer",
+                    "t",
+                    len(query.body),
+                    query.content_type,
+                    query.header_length,
+                ).decode()
+                assert f"{HEADER_LENGTH}: {query.header_length}\r\n" in head
+                assert "Content-Type: application/octet-stream\r\n" in head
+            else:
+                assert headers == {} and query.header_length is None
+
+
+def test_v1_bodies_are_flattened_rows_of_one_input() -> None:
+    arrays = fit_inputs({"image": np.arange(8, dtype=np.float32).reshape(2, 2, 2)}, IMAGE)
+    made = tensor_body(arrays, IMAGE, [1], "v1")
+    assert json.loads(made.body) == {"inputs": [[4.0, 5.0, 6.0, 7.0]]}
+    booleans = fit_inputs({"m": np.array([[True, False, True]])}, [TWO[1]])
+    assert json.loads(tensor_body(booleans, [TWO[1]], [0], "v1").body) == {"inputs": [[1, 0, 1]]}
+    with pytest.raises(ValueError, match="use --protocol v2"):
+        tensor_body({"ids": np.zeros((1, 3)), "mask": np.zeros((1, 3))}, TWO, [0], "v1")
+
+
+def test_the_v2_url_and_late_flag() -> None:
+    assert infer_url("http://x:1", "a b", "v2") == "http://x:1/v2/models/a%20b/infer"
+    assert late_flag({"parameters": {"late": True}}) is True
+    assert late_flag({"late": False}) is False and late_flag([1]) is None
+
+
+def test_binary_needs_v2_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.csv"
+    write_trace_csv(Trace(np.array([0.0]), np.array([1])), trace)
+    with pytest.raises(SystemExit) as exited:
+        main(
+            [
+                "loadgen",
+                "--url",
+                "http://127.0.0.1:9",
+                "--token",
+                "t",
+                "--app",
+                "a",
+                "--trace",
+                str(trace),
+                "--binary",
+                "--protocol",
+                "v1",
+            ]
+        )
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert "--protocol v2" in error and "\n" not in error
+
+
+def test_v2_bodies_carry_the_clients_timeout_in_microseconds() -> None:
+    arrays = fit_inputs({"image": np.zeros((1, 2, 2))}, IMAGE)
+    for binary in (False, True):
+        made = tensor_body(arrays, IMAGE, [0], "v2", binary, timeout_s=2.5)
+        split = made.header_length or len(made.body)
+        assert json.loads(made.body[:split])["parameters"] == {"timeout": 2_500_000}
+    assert "parameters" not in json.loads(tensor_body(arrays, IMAGE, [0], "v2").body)
