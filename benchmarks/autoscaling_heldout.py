@@ -91,25 +91,13 @@ from typing import Any
 import numpy as np
 
 try:  # imported as benchmarks.autoscaling_heldout
+    from benchmarks import oracle as minute_oracle
     from benchmarks.gear_demo import load_demo_family
-    from benchmarks.oracle import (
-        Oracle,
-        fleet_of,
-        minute_rates_qps,
-        oracle_cost,
-        oracle_timeline,
-    )
     from benchmarks.paths import kairos_samples
 except ModuleNotFoundError:  # run as a script: put the checkout on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import oracle as minute_oracle
     from benchmarks.gear_demo import load_demo_family
-    from benchmarks.oracle import (
-        Oracle,
-        fleet_of,
-        minute_rates_qps,
-        oracle_cost,
-        oracle_timeline,
-    )
     from benchmarks.paths import kairos_samples
 
 from controlplane.policies.baselines import plan_baseline
@@ -430,7 +418,7 @@ class ModelSetup:
     batch_size: Callable[[int, np.random.Generator], np.ndarray]
     planning_s: float
     shapes: dict[float, Trace] = field(default_factory=dict)
-    oracles: dict[float, Oracle] = field(default_factory=dict)
+    oracles: dict[float, minute_oracle.Oracle] = field(default_factory=dict)
     seconds: float = 0.0
 
     @property
@@ -450,10 +438,10 @@ class ModelSetup:
                 self.shapes[cv2] = Trace(arrival_s, self.batch_size(arrival_s.size, rng))
         return self.shapes[cv2]
 
-    def oracle(self, cv2: float) -> Oracle:
+    def oracle(self, cv2: float) -> minute_oracle.Oracle:
         if cv2 not in self.oracles:
             step = ORACLE_STEP_SHARE * self.rate_qps
-            self.oracles[cv2] = Oracle(self.app, self.shape(cv2), PLAN_SEED, step)
+            self.oracles[cv2] = minute_oracle.Oracle(self.app, self.shape(cv2), PLAN_SEED, step)
         return self.oracles[cv2]
 
 
@@ -491,7 +479,8 @@ def model_setup(model: str, quick: bool) -> ModelSetup:
     setup.seconds = time.perf_counter() - started
     _SETUPS[key] = setup
     log(
-        f"{model}: plan {fleet_of(plan)} ${plan.cost_usd_per_hr:.3f}/hr at {rate_qps:g} qps,"
+        f"{model}: plan {minute_oracle.fleet_of(plan)} ${plan.cost_usd_per_hr:.3f}/hr at"
+        f" {rate_qps:g} qps,"
         f" tuner model {tuner_model}, tracking target"
         f" {'n/a' if target is None else f'{target:.3f}'} ({setup.seconds:.0f} s)"
     )
@@ -539,8 +528,8 @@ def run_case(case: TraceCase, quick: bool = False) -> dict[str, Any]:
     else:
         config = UtilizationConfig(target=setup.target)
         policies["target tracking"] = replayed(plan, policy="utilization", utilization=config)
-    rates = minute_rates_qps(trace, case.duration_s)
-    cost, fleets, feasible = oracle_cost(setup.oracle(case.cv2), rates)
+    rates = minute_oracle.minute_rates_qps(trace, case.duration_s)
+    cost, fleets, feasible = minute_oracle.oracle_cost(setup.oracle(case.cv2), rates)
     oracle: dict[str, Any] = {
         "cost_usd": cost,
         "miss_share": None,
@@ -553,7 +542,7 @@ def run_case(case: TraceCase, quick: bool = False) -> dict[str, Any]:
             trace,
             app,
             plan.stages[0],
-            oracle_timeline(fleets),
+            minute_oracle.oracle_timeline(fleets),
             np.random.default_rng(case.seed),
             policy="oracle",
         )
