@@ -709,7 +709,10 @@ def md_rows(headers: Sequence[str], rows: Iterable[Sequence[object]], right: int
 
 def summary_table(summary: dict[str, Any]) -> str:
     rows = []
-    for name, s in summary["policies"].items():
+    for name in POLICIES:  # in this order, also for a summary read back from sorted JSON
+        s = summary["policies"].get(name)
+        if s is None:
+            continue
         rows.append(
             [
                 name,
