@@ -53,7 +53,8 @@ bench: $(STAMP)
 reproduce: $(STAMP)
 	$(BIN)/python benchmarks/kairos_reproduction.py
 
-# Every result table and plot into docs/results, and the README's results block (about 25 min;
+# Every result table and plot into docs/results, and the README's results block (about 25 min, and
+# the held-out autoscaling section about 30 min more;
 # benchmarks/results/__main__.py). `make results QUICK=1` is the small version CI runs.
 results: $(STAMP)
 	$(BIN)/python -m benchmarks.results $(if $(QUICK),--quick)

@@ -25,7 +25,8 @@ Setup (the issue's ramp; every number is a constant below):
   process (gamma with its CV^2: the planning trace for CV^2 = 4, a fresh 10-minute draw at R for
   the bursty trace's 8) scaled to r_m; its cost is sum_m cost_m (USD/hr) x 60 s / 3600 (instance
   seconds: no boot, no scale-down delay, instantly the right fleet). Plans are cached by r_m
-  rounded to ``ORACLE_RATE_STEP_QPS`` (to the nearest, so the rounding is unbiased).
+  rounded to ``ORACLE_RATE_STEP_QPS`` of benchmarks/oracle.py (to the nearest, so the rounding
+  is unbiased).
 
 The tuner: ``--model curve`` (the default) is the load model of docs/tuner.md (the planner's
 capacity curve, equivalent loads, a 180 s live envelope); ``--model inferline`` is InferLine's
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -50,20 +50,32 @@ import numpy as np
 
 try:  # imported as benchmarks.tuner_oracle
     from benchmarks.inferline_tuner import CV2, make_app, ramp_profile, renewal_trace
+    from benchmarks.oracle import (
+        Oracle,
+        fleet_of,
+        minute_rates_qps,
+        oracle_cost,
+        oracle_timeline,
+    )
     from benchmarks.results.inferline import BURSTY_CV2, bursty_profile
 except ModuleNotFoundError:  # run as a script: put the checkout on the path
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     from benchmarks.inferline_tuner import CV2, make_app, ramp_profile, renewal_trace
+    from benchmarks.oracle import (
+        Oracle,
+        fleet_of,
+        minute_rates_qps,
+        oracle_cost,
+        oracle_timeline,
+    )
     from benchmarks.results.inferline import BURSTY_CV2, bursty_profile
 
 from controlplane.policies.capacity_curve import LOAD_MODEL_RECENT_S, capacity_curve
-from controlplane.policies.plan import PlanDocument
-from controlplane.policies.planner import plan_app, scale_trace
-from controlplane.policies.replay import FleetTimeline, parse_plan, replay, replay_timeline
+from controlplane.policies.planner import plan_app
+from controlplane.policies.replay import parse_plan, replay, replay_timeline
 from controlplane.policies.tuner import DEFAULT_RECENT_S
 from controlplane.spec import ResolvedApp
 from estimator.batches import parse_batch_distribution
-from estimator.simulator import InstanceSpec
 from estimator.traces import RateProfile, Trace, constant_profile
 
 RATE_QPS = 60.0
@@ -71,8 +83,6 @@ SLO_MS = 350.0
 BUDGET_USD_PER_HR = 10.0
 PLANNING_S = 600.0
 TEST_S = 1800.0
-MINUTE_S = 60.0
-ORACLE_RATE_STEP_QPS = 0.5
 TRACES = ("steady", "ramp", "bursty")
 DEFAULT_SEEDS = (0, 1, 2)
 DEVELOPMENT_SEEDS = frozenset({0, 1, 2})
@@ -120,67 +130,6 @@ def make_traces(seed: int) -> tuple[Trace, dict[str, Trace], dict[float, Trace]]
     return planning, tests, shapes
 
 
-def minute_rates_qps(trace: Trace, duration_s: float = TEST_S) -> list[float]:
-    """The mean arrival rate of each whole minute of ``trace``."""
-    edges = np.arange(0.0, duration_s + MINUTE_S / 2, MINUTE_S)
-    counts, _ = np.histogram(trace.arrival_s, bins=edges)
-    return [float(c) / MINUTE_S for c in counts]
-
-
-def fleet_of(plan: PlanDocument) -> dict[str, int]:
-    return {t: n for s in plan.stages for t, n in sorted(s.fleet.items()) if n}
-
-
-class Oracle:
-    """Plans per rate, cached by the rate rounded to ORACLE_RATE_STEP_QPS."""
-
-    def __init__(self, app: ResolvedApp, shape: Trace, seed: int) -> None:
-        self.app, self.shape, self.seed = app, shape, seed
-        self.plans: dict[float, PlanDocument] = {}
-
-    def plan(self, rate_qps: float) -> PlanDocument:
-        key = round(rate_qps / ORACLE_RATE_STEP_QPS) * ORACLE_RATE_STEP_QPS
-        if key not in self.plans:
-            self.plans[key] = plan_app(self.app, scale_trace(self.shape, key), seed=self.seed)
-        return self.plans[key]
-
-
-def oracle_cost(
-    oracle: Oracle, rates_qps: Sequence[float]
-) -> tuple[float, list[dict[str, int]], bool]:
-    """(USD, fleet per minute, every minute's plan feasible)."""
-    cost = 0.0
-    fleets = []
-    feasible = True
-    for rate in rates_qps:
-        plan = oracle.plan(rate)
-        cost += plan.cost_usd_per_hr * MINUTE_S / 3600.0
-        fleets.append(fleet_of(plan))
-        feasible = feasible and plan.feasible
-    return cost, fleets, feasible
-
-
-def oracle_timeline(fleets: Sequence[dict[str, int]]) -> FleetTimeline:
-    """The oracle's fleet as the simulator takes it: minute m runs ``fleets[m]``, switched at the
-    minute's start with no boot (instance j of a type serves in every minute whose plan has more
-    than j of it; the last minute's serve to the run's end)."""
-    instances = []
-    types = sorted({name for fleet in fleets for name in fleet})
-    for name in types:
-        most = max(fleet.get(name, 0) for fleet in fleets)
-        for j in range(most):
-            alive = [fleet.get(name, 0) > j for fleet in fleets] + [False]
-            start = None
-            for m, on in enumerate(alive):
-                if on and start is None:
-                    start = m
-                elif not on and start is not None:
-                    stop = math.inf if m == len(fleets) else m * MINUTE_S
-                    instances.append(InstanceSpec(name, start * MINUTE_S, stop, start * MINUTE_S))
-                    start = None
-    return FleetTimeline(tuple(instances))
-
-
 def run_seed(
     app: ResolvedApp, seed: int, traces: Sequence[str], model: str
 ) -> list[dict[str, Any]]:
@@ -214,7 +163,7 @@ def run_seed(
         )
         replay_s = time.perf_counter() - started
         _, cv2 = test_profile(name)
-        rates = minute_rates_qps(test)
+        rates = minute_rates_qps(test, TEST_S)
         started = time.perf_counter()
         cost, fleets, feasible = oracle_cost(oracles[cv2], rates)
         oracle_s = time.perf_counter() - started

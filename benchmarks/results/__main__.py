@@ -3,13 +3,14 @@
     .venv/bin/python -m benchmarks.results [--quick] [--only kairos,inferline,...] [--out DIR]
     make results            # the same, full mode, into docs/results and the README
 
-Runs each experiment of this package in turn (``EXPERIMENTS``: Kairos, InferLine, CascadeServe,
-Cascadia, INFaaS, the control plane's own speed), each writing ``<key>.md``, ``<key>.json`` and
-its PNGs into the output folder (docs/results by default); then writes the folder's index
-(``README.md`` there) and, in full mode into docs/results, replaces the block between the
-``results:begin``/``results:end`` markers of the repository's README.md with a line per section
-(its title, linked to its page), read back from the JSON files: the README quotes no figure.
-About 25 minutes on a quiet 2-core machine; ``--quick`` (what CI runs) takes a few minutes and
+Runs each experiment of this package in turn (``EXPERIMENTS``: Kairos, InferLine, autoscaling on
+held-out traffic, CascadeServe, Cascadia, INFaaS, the control plane's own speed), each writing
+``<key>.md``, ``<key>.json`` and its PNGs into the output folder (docs/results by default); then
+writes the folder's index (``README.md`` there) and, in full mode into docs/results, replaces the
+block between the ``results:begin``/``results:end`` markers of the repository's README.md with a
+line per section (its title, linked to its page), read back from the JSON files: the README quotes
+no figure. About 25 minutes on a quiet 2-core machine (and the autoscaling section's held-out run,
+about 30 minutes more); ``--quick`` (what CI runs) takes a few minutes and
 writes to build/results-quick. An experiment that fails is reported and the others still run;
 the exit status is then 1.
 """
@@ -36,6 +37,7 @@ from benchmarks.results.common import (
 EXPERIMENTS: tuple[tuple[str, str], ...] = (
     ("kairos", "kairos"),
     ("inferline", "inferline"),
+    ("autoscaling", "autoscaling"),
     ("cascades", "cascadeserve"),
     ("cascadia", "cascadia"),
     ("infaas", "infaas"),

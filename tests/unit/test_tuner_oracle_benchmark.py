@@ -1,4 +1,5 @@
-"""benchmarks/tuner_oracle.py's pieces that need no planner: the minute rates and the oracle's
+"""The oracle's pieces (benchmarks/oracle.py, shared by benchmarks/tuner_oracle.py and
+benchmarks/autoscaling_heldout.py) that need no planner: the minute rates and the oracle's
 fleet per minute as the simulator takes it."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.tuner_oracle import MINUTE_S, minute_rates_qps, oracle_timeline
+from benchmarks.oracle import MINUTE_S, minute_rates_qps, oracle_timeline
 from estimator.traces import Trace
 
 
