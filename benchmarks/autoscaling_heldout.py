@@ -42,8 +42,9 @@ the tuner's starting plan.
 case's seed; boot 60 s GPU / 30 s CPU; cost = USD over the run, every instance from launch to stop):
 
 - *tuner*: replay's ``tuner`` policy with its default model, set up as ``heteroplane replay``
-  sets it up (:func:`tuner_options`: the capacity curve of the planning trace for a single
-  stage; InferLine's model for a cascade); planned envelope from the planning trace;
+  sets it up (:func:`tuner_options`: the sizing ladder of the planning trace for a single
+  stage, docs/tuner.md "The sizing model"; InferLine's model for a cascade); planned envelope
+  from the planning trace;
 - *static*: the planning trace's plan, never changed;
 - *CG-Peak*, *CG-Mean*: replay's ``peak`` and ``mean`` (``controlplane.policies.baselines.
   plan_baseline``): the planner for the test trace's peak (10 s) or mean rate, on a steady
@@ -101,7 +102,7 @@ except ModuleNotFoundError:  # run as a script: put the checkout on the path
     from benchmarks.paths import kairos_samples
 
 from controlplane.policies.baselines import plan_baseline
-from controlplane.policies.capacity_curve import LOAD_MODEL_RECENT_S, capacity_curve
+from controlplane.policies.capacity_curve import replay_sizing
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import plan_app
 from controlplane.policies.replay import (
@@ -112,7 +113,6 @@ from controlplane.policies.replay import (
     replay,
     replay_timeline,
 )
-from controlplane.policies.tuner import DEFAULT_RECENT_S
 from controlplane.spec import ResolvedApp, resolve_spec, validate_spec
 from estimator.batches import parse_batch_distribution
 from estimator.cascades import validation_document
@@ -370,23 +370,17 @@ def tuner_options(
     app: ResolvedApp, plan: PlanDocument, planning: Trace
 ) -> tuple[dict[str, Any], str]:
     """The replay options of the tuner's default model, as ``heteroplane replay`` sets them up
-    (controlplane/cli/replay.py): a single stage gets the capacity curve of the planning trace
-    and the load model's memory; a cascade, or a stage the planner cannot place at the planning
-    rate, InferLine's model. Returns (options for ``replay``, the model's name)."""
+    (:func:`controlplane.policies.capacity_curve.replay_sizing`: the sizing ladder of the
+    planning trace, the load model's memory, bursts that must persist); a cascade, or a stage
+    the planner cannot place at the planning rate, InferLine's model. Returns (options for
+    ``replay``, the model's name)."""
     if len(plan.stages) > 1:
         return {}, "inferline"
     stage = plan.stages[0]
-    curve = capacity_curve(
-        app,
-        stage.name,
-        planning,
-        kairos=stage.policy == "kairos",
-        batch_size=stage.batch_size,
-        seed=PLAN_SEED,
+    ladder, options = replay_sizing(
+        app, stage, planning, kairos=stage.policy == "kairos", seed=PLAN_SEED
     )
-    if not curve:
-        return {"tuner_recent_s": DEFAULT_RECENT_S}, "inferline"
-    return {"tuner_capacity_curve": curve, "tuner_recent_s": LOAD_MODEL_RECENT_S}, "curve"
+    return options, "inferline" if ladder is None else "ladder"
 
 
 def tracking_target(app: ResolvedApp, plan: PlanDocument, planning: Trace) -> float:

@@ -28,7 +28,7 @@ from controlplane.policies.baselines import (
     leading_share,
     plan_baseline,
 )
-from controlplane.policies.capacity_curve import LOAD_MODEL_RECENT_S, build_ladder
+from controlplane.policies.capacity_curve import replay_sizing
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.replay import (
     ScalingPolicy,
@@ -37,9 +37,7 @@ from controlplane.policies.replay import (
     read_plan,
     replay,
 )
-from controlplane.policies.tuner import DEFAULT_RECENT_S
 from controlplane.spec import load_spec, resolve_spec
-from estimator.envelope import DEFAULT_PERSISTENCE_S
 from estimator.traces import read_trace_csv
 
 
@@ -113,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     model_note = None
     curve = None
     ladder = None
+    sizing: dict[str, Any] = {}
     if policy == "tuner" and cascade:
         # The capacity curve plans a single stage; each stage of a cascade is sized by
         # InferLine's provisioning ratio on its own envelope (docs/tuner.md, Cascades).
@@ -123,18 +122,16 @@ def run(args: argparse.Namespace) -> int:
         model = "inferline"
     elif policy == "tuner" and model == "curve":
         stage = check_plan(plan, app)
-        ladder = build_ladder(
+        ladder, sizing = replay_sizing(
             app,
-            stage.name,
+            stage,
             leading_share(trace) if planning is None else planning,
             kairos=(args.dispatch or stage.policy) == "kairos",
-            batch_size=stage.batch_size,
             seed=args.seed,
-            also_types=[t for t, n in stage.fleet.items() if n],
         )
         curve = None if ladder is None else ladder.curve
         if curve is None:
-            # The planner placed nothing for the planning trace at its own rate: no curve to
+            # The planner placed nothing for the planning trace at its own rate: no ladder to
             # read, so the tuner sizes the stage InferLine's way.
             model = "inferline"
     result = replay(
@@ -145,9 +142,7 @@ def run(args: argparse.Namespace) -> int:
         policy=policy,
         planning_arrival_s=None if planning is None or made else planning.arrival_s,
         dispatch=args.dispatch,
-        tuner_ladder=ladder,
-        tuner_recent_s=DEFAULT_RECENT_S if curve is None else LOAD_MODEL_RECENT_S,
-        tuner_persistence_s=DEFAULT_PERSISTENCE_S if policy == "tuner" else None,
+        **sizing,
     )
     data = result.to_document()
     data["policy"] = label

@@ -26,14 +26,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
+from typing import Any
 
+from controlplane.policies.plan import StagePlan
 from controlplane.policies.planner import plan_app, scale_trace
 from controlplane.policies.replay import kairos_capacity_model, rate_per_instance_qps
 from controlplane.policies.sizing import DEFAULT_LADDER_LOADS, SizingLadder
+from controlplane.policies.tuner import DEFAULT_RECENT_S
 from controlplane.spec import ResolvedApp
+from estimator.envelope import DEFAULT_PERSISTENCE_S
 from estimator.traces import Trace
 
-__all__ = ["DEFAULT_LOADS", "LOAD_MODEL_RECENT_S", "build_ladder", "capacity_curve"]
+__all__ = [
+    "DEFAULT_LOADS",
+    "LOAD_MODEL_RECENT_S",
+    "build_ladder",
+    "capacity_curve",
+    "replay_sizing",
+]
 
 # The loads the curve is measured at: from half the planned rate to twice it, finer near the plan
 # where the tuner spends most of its time. Outside them the tuner extrapolates proportionally
@@ -113,3 +123,34 @@ def capacity_curve(
         app, stage, planning, kairos=kairos, batch_size=batch_size, loads=loads, seed=seed
     )
     return () if ladder is None else ladder.curve
+
+
+def replay_sizing(
+    app: ResolvedApp,
+    stage: StagePlan,
+    planning: Trace,
+    *,
+    kairos: bool,
+    seed: int = 0,
+) -> tuple[SizingLadder | None, dict[str, Any]]:
+    """What ``heteroplane replay``'s tuner sizes a single-stage plan with, by default: the
+    sizing ladder of ``planning`` (:func:`build_ladder`, covering the plan's own types too),
+    the load model's memory (:data:`LOAD_MODEL_RECENT_S`) and bursts shorter than
+    :data:`estimator.envelope.DEFAULT_PERSISTENCE_S` read as noise; InferLine's 60 s memory
+    where the planner places nothing at the planning rate (no ladder). Returns (the ladder or
+    None, keyword arguments of :func:`controlplane.policies.replay.replay`)."""
+    ladder = build_ladder(
+        app,
+        stage.name,
+        planning,
+        kairos=kairos,
+        batch_size=stage.batch_size,
+        seed=seed,
+        also_types=[t for t, n in stage.fleet.items() if n],
+    )
+    options: dict[str, Any] = {"tuner_persistence_s": DEFAULT_PERSISTENCE_S}
+    if ladder is None:
+        options["tuner_recent_s"] = DEFAULT_RECENT_S
+    else:
+        options.update(tuner_ladder=ladder, tuner_recent_s=LOAD_MODEL_RECENT_S)
+    return ladder, options
