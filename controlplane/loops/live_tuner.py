@@ -72,7 +72,7 @@ from controlplane.policies.capacity_curve import DEFAULT_LOADS, LOAD_MODEL_RECEN
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S
 from controlplane.policies.replay import kairos_capacity_model, rate_per_instance_qps
-from controlplane.policies.sizing import SizingLadder, tuner_stage
+from controlplane.policies.sizing import DEFAULT_LADDER_LOADS, SizingLadder, tuner_stage
 from controlplane.policies.tuner import (
     DEFAULT_SCALE_DOWN_DELAY_S,
     Decision,
@@ -581,42 +581,29 @@ class LiveTuner:
 
 def plan_ladder(app: ResolvedApp, plan: PlanRecord) -> SizingLadder:
     """The sizing ladder of ``plan``'s single stage (:func:`controlplane.policies.capacity_curve.
-    build_ladder`) on the plan's own planning trace (as :func:`plan_capacity_curve` makes it),
-    with the plan's seed. Twelve plans: seconds, so never on the tick.
+    build_ladder`) on the plan's own planning trace, made again from the generator parameters
+    the API stored with it (``trace.request``; a plan without them: a Poisson trace at its
+    planned rate), with the plan's seed. Twelve plans: seconds, so never on the tick.
 
     Raises:
         ValueError: a plan of several stages, or one the planner places nothing for at its rate.
         EstimatorError, InvalidValueError: what the planner or the trace generator raise.
     """
-    document = plan.plan
-    if len(document.stages) != 1:
-        raise ValueError(f"plan {plan.id} has {len(document.stages)} stages, not one")
-    (stage,) = document.stages
-    trace, _ = planning_trace(app, replanning_request(document))
-    ladder = build_ladder(
-        app,
-        stage.name,
-        trace,
-        kairos=stage.policy == "kairos",
-        batch_size=stage.batch_size,
-        seed=document.seed or 0,
-        also_types=[t for t, n in stage.fleet.items() if n],
-    )
-    if ladder is None:
-        raise ValueError("the planner places nothing for the planning trace at its own rate")
-    return ladder
+    return _plan_ladder(app, plan, DEFAULT_LADDER_LOADS)
 
 
 def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float, float], ...]:
     """The capacity curve of ``plan``'s single stage (:func:`controlplane.policies.capacity_curve.
-    capacity_curve`) on the plan's own planning trace, made again from the generator parameters
-    the API stored with it (``trace.request``; a plan without them: a Poisson trace at its
-    planned rate), with the plan's seed. Six plans: seconds, so never on the tick.
+    capacity_curve`) at its six loads, on the planning trace :func:`plan_ladder` uses: the load
+    model without the mix (the planned types only).
 
     Raises:
-        ValueError: a plan of several stages, or one the planner places nothing for at its rate.
-        EstimatorError, InvalidValueError: what the planner or the trace generator raise.
+        As :func:`plan_ladder`.
     """
+    return _plan_ladder(app, plan, DEFAULT_LOADS).curve
+
+
+def _plan_ladder(app: ResolvedApp, plan: PlanRecord, loads: Sequence[float]) -> SizingLadder:
     document = plan.plan
     if len(document.stages) != 1:
         raise ValueError(f"plan {plan.id} has {len(document.stages)} stages, not one")
@@ -629,12 +616,12 @@ def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float
         kairos=stage.policy == "kairos",
         batch_size=stage.batch_size,
         seed=document.seed or 0,
-        loads=DEFAULT_LOADS,
+        loads=loads,
+        also_types=[t for t, n in stage.fleet.items() if n],
     )
-    curve = () if ladder is None else ladder.curve
-    if not curve:
+    if ladder is None or not ladder.curve:
         raise ValueError("the planner places nothing for the planning trace at its own rate")
-    return curve
+    return ladder
 
 
 def stage_rates_qps(

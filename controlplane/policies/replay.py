@@ -497,7 +497,7 @@ def tuner_timeline(
     shorter than it as noise unless they recur (:func:`estimator.envelope.recurring_envelope`).
     """
     if ladder is not None:
-        return _ladder_timeline(
+        sized, sized_config, sized_boot = ladder_tuner(
             trace,
             app,
             stage,
@@ -508,6 +508,8 @@ def tuner_timeline(
             recent_s=recent_s,
             persistence_s=persistence_s,
         )
+        start = {name: n for name, n in stage.fleet.items() if n > 0}
+        return _roll_tuner(trace, sized, sized_config, sized_boot, start)
     mu = _stage_rates(app, stage, trace)
     if planning_arrival_s.size == 0:
         raise ReplayError("the planning trace has no queries")
@@ -533,34 +535,6 @@ def tuner_timeline(
     curve = tuple(capacity_curve) if capacity_curve else None
     plan = TunerStage(stage.name, 1.0, fleet, mu, rho, capacity_model=model, capacity_curve=curve)
     return _roll_tuner(trace, plan, config, boot)
-
-
-def _ladder_timeline(
-    trace: Trace,
-    app: ResolvedApp,
-    stage: StagePlan,
-    planning_arrival_s: NDArray[np.float64],
-    ladder: SizingLadder,
-    *,
-    boot_s: Mapping[str, float] | None,
-    min_window_s: float,
-    recent_s: float,
-    persistence_s: float | None,
-) -> FleetTimeline:
-    """:func:`tuner_timeline` on the sizing model's stage (``ladder``)."""
-    plan, config, boot = ladder_tuner(
-        trace,
-        app,
-        stage,
-        planning_arrival_s,
-        ladder,
-        boot_s=boot_s,
-        min_window_s=min_window_s,
-        recent_s=recent_s,
-        persistence_s=persistence_s,
-    )
-    start = {name: n for name, n in stage.fleet.items() if n > 0}
-    return _roll_tuner(trace, plan, config, boot, start)
 
 
 def ladder_tuner(
