@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.errors import WorkerCallError
-from controlplane.policies.plan import StagePlan
+from controlplane.policies.plan import PlanDocument, StagePlan
 from controlplane.serving import workers as workers_module
 from controlplane.serving.admission import (
     MAX_RETRY_AFTER_S,
@@ -334,6 +334,21 @@ def test_the_stage_policy_follows_the_planners_rule() -> None:
     assert name == "kairos" and base
     assert policy_name(StagePlan("m", Fleet.of({}), 1, policy="fcfs"), mix, 100.0)[0] == "fcfs"
     assert policy_name(None, mix, 1.0)[0] == "fcfs"  # no type serves the range within the SLO
+
+
+def test_the_live_dispatcher_keeps_the_plans_base_type_order() -> None:
+    # Both types serve the whole range within the SLO; by name "a" would be the base. The plan
+    # ranked "b" first (the planner's order: throughput per USD/hr on the trace's batch mix).
+    mix = {"a": _profile("a", 5.0), "b": _profile("b", 20.0)}
+    assert policy_name(None, mix, 100.0) == ("kairos", ["a", "b"])
+    plan = StagePlan("m", Fleet.of({"a": 1, "b": 1}), 1, policy="kairos", base_types=("b", "a"))
+    assert policy_name(plan, mix, 100.0) == ("kairos", ["b", "a"])
+    # A type the plan did not rank (the tuner added it) follows the ranked ones.
+    more = {**mix, "c": _profile("c", 1.0)}
+    assert policy_name(plan, more, 100.0) == ("kairos", ["b", "a", "c"])
+    # The plan document keeps the order through its JSON.
+    document = PlanDocument(True, 0.0, (plan,)).to_document()
+    assert PlanDocument.parse(document).stages[0].base_types == ("b", "a")
 
 
 def test_answer_heads_and_bodies_are_checked() -> None:
