@@ -695,6 +695,57 @@ def _per_usd(gain_qps: float, price_usd_per_hr: float) -> float:
     return math.inf if price_usd_per_hr == 0.0 else gain_qps / price_usd_per_hr
 
 
+def _best_addition(
+    plan: TunerStage,
+    trial: dict[str, int],
+    capacity_qps: float,
+    prices: Mapping[str, float],
+    allowed: Callable[[str], bool],
+) -> tuple[str, float] | None:
+    """The type whose next instance adds the most of ``plan``'s modelled capacity per USD/hr to
+    ``trial`` (ties: cheaper, then by name), among those ``allowed``, with what it adds; None
+    when none adds any."""
+    best: tuple[float, float, str, float] | None = None
+    for name in sorted(plan.rate_per_instance_qps):
+        if not allowed(name):
+            continue
+        trial[name] = trial.get(name, 0) + 1
+        gained = plan.capacity_qps(trial) - capacity_qps
+        trial[name] -= 1
+        value = _per_usd(gained, prices[name])
+        if value > 0.0 and (best is None or (-value, prices[name], name) < best[:3]):
+            best = (-value, prices[name], name, gained)
+    return None if best is None else (best[2], best[3])
+
+
+def _best_removal(
+    plan: TunerStage,
+    trial: dict[str, int],
+    capacity_qps: float,
+    needed_qps: float,
+    prices: Mapping[str, float],
+    keep: Callable[[str], int],
+) -> tuple[str, float] | None:
+    """The instance of ``trial`` whose loss costs the least modelled capacity per USD/hr saved
+    (ties: pricier, then by name) while ``trial`` still serves ``needed_qps`` and keeps
+    ``keep(type)`` of each type, with the capacity after it; None when none may go."""
+    slack = _RELATIVE_SLACK * max(1.0, needed_qps)
+    best: tuple[float, float, str, float] | None = None
+    for name in sorted(trial):
+        if trial[name] <= keep(name):
+            continue
+        trial[name] -= 1
+        after = plan.capacity_qps(trial)
+        trial[name] += 1
+        if after + slack < needed_qps:
+            continue
+        price = prices[name]
+        rank = max(0.0, capacity_qps - after) / price if price > 0.0 else math.inf
+        if best is None or (rank, -price, name) < best[:3]:
+            best = (rank, -price, name, after)
+    return None if best is None else (best[2], best[3])
+
+
 def _scale_up_marginal(tick: _Tick, plan: TunerStage, needed_qps: float, why: str) -> None:
     """With a capacity model: add, one at a time, the affordable instance whose capacity gain per
     USD/hr is largest (ties: cheaper, then by name) until the stage serves ``needed_qps``; one
@@ -708,19 +759,16 @@ def _scale_up_marginal(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
     while _short_qps(needed_qps, capacity) > 0.0:
         left = config.budget_usd_per_hr - tick.cost_usd_per_hr + _COST_SLACK_USD_PER_HR
         left -= sum(prices[name] for name in added)
-        best: tuple[float, float, str, float] | None = None
-        for name in sorted(plan.rate_per_instance_qps):
-            if prices[name] > left or _room(config, trial, name) <= 0:
-                continue
-            trial[name] = trial.get(name, 0) + 1
-            gained = plan.capacity_qps(trial) - capacity
-            trial[name] -= 1
-            value = _per_usd(gained, prices[name])
-            if value > 0.0 and (best is None or (-value, prices[name], name) < best[:3]):
-                best = (-value, prices[name], name, gained)
-        if best is None:
+        found = _best_addition(
+            plan,
+            trial,
+            capacity,
+            prices,
+            lambda t: prices[t] <= left and _room(config, trial, t) > 0,  # noqa: B023
+        )
+        if found is None:
             break
-        name, gained = best[2], best[3]
+        name, gained = found
         trial[name] = trial.get(name, 0) + 1
         capacity += gained
         added.append(name)
@@ -764,27 +812,19 @@ def _scale_down_marginal(tick: _Tick, plan: TunerStage, needed_qps: float, why: 
     fleet = tick.fleets[plan.name]
     trial = dict(fleet)
     capacity = plan.capacity_qps(trial)
-    slack = _RELATIVE_SLACK * max(1.0, needed_qps)
     removed: list[str] = []
     while sum(trial.values()) > plan.min_instances:
-        best: tuple[float, float, str, float] | None = None
-        for name in sorted(trial):
-            keep = 1 if plan.fleet.get(name, 0) > 0 else 0
-            if trial[name] <= keep:
-                continue
-            trial[name] -= 1
-            after = plan.capacity_qps(trial)
-            trial[name] += 1
-            if after + slack < needed_qps:
-                continue
-            loss = max(0.0, capacity - after)
-            price = prices[name]
-            rank = loss / price if price > 0.0 else math.inf
-            if best is None or (rank, -price, name) < best[:3]:
-                best = (rank, -price, name, after)
-        if best is None:
+        found = _best_removal(
+            plan,
+            trial,
+            capacity,
+            needed_qps,
+            prices,
+            lambda t: 1 if plan.fleet.get(t, 0) > 0 else 0,
+        )
+        if found is None:
             break
-        name, capacity = best[2], best[3]
+        name, capacity = found
         trial[name] -= 1
         removed.append(name)
     before = plan.capacity_qps(fleet)
@@ -824,25 +864,12 @@ def _trim(
     the mix) and ``min_instances``."""
     trial = {t: n for t, n in rung.items() if n}
     capacity = plan.capacity_qps(trial)
-    slack = _RELATIVE_SLACK * max(1.0, need_qps)
     while sum(trial.values()) > plan.min_instances:
-        best: tuple[float, float, str, float] | None = None
-        for name in sorted(trial):
-            if trial[name] <= 1:
-                continue
-            trial[name] -= 1
-            after = plan.capacity_qps(trial)
-            trial[name] += 1
-            if after + slack < need_qps:
-                continue
-            price = prices[name]
-            rank = max(0.0, capacity - after) / price if price > 0.0 else math.inf
-            if best is None or (rank, -price, name) < best[:3]:
-                best = (rank, -price, name, after)
-        if best is None:
+        found = _best_removal(plan, trial, capacity, need_qps, prices, lambda _t: 1)
+        if found is None:
             break
-        trial[best[2]] -= 1
-        capacity = best[3]
+        name, capacity = found
+        trial[name] -= 1
     return trial
 
 
@@ -859,21 +886,18 @@ def _fill(
     trial = {t: n for t, n in rung.items() if n}
     capacity = plan.capacity_qps(trial)
     while _short_qps(need_qps, capacity) > 0.0:
-        best: tuple[float, float, str, float] | None = None
-        for name in sorted(plan.rate_per_instance_qps):
-            cap = max_counts.get(name)
-            if cap is not None and trial.get(name, 0) >= cap:
-                continue
-            trial[name] = trial.get(name, 0) + 1
-            gained = plan.capacity_qps(trial) - capacity
-            trial[name] -= 1
-            value = _per_usd(gained, prices[name])
-            if value > 0.0 and (best is None or (-value, prices[name], name) < best[:3]):
-                best = (-value, prices[name], name, gained)
-        if best is None:
+        found = _best_addition(
+            plan,
+            trial,
+            capacity,
+            prices,
+            lambda t: trial.get(t, 0) < max_counts.get(t, _UNCAPPED),
+        )
+        if found is None:
             return None
-        trial[best[2]] = trial.get(best[2], 0) + 1
-        capacity += best[3]
+        name, gained = found
+        trial[name] = trial.get(name, 0) + 1
+        capacity += gained
     return {t: n for t, n in trial.items() if n}
 
 
