@@ -124,10 +124,58 @@ _max_arrivals: Callable[[FloatArray, FloatArray], IntArray] = numba.njit(cache=T
 )
 
 
-def _busiest_start(arrival_s: FloatArray, window_s: float) -> int:
-    """The index of the first arrival of a busiest window [a_i, a_i + w) (the earliest one)."""
-    ends = np.searchsorted(arrival_s, arrival_s + window_s, side="left")
-    return int(np.argmax(ends - np.arange(arrival_s.size)))
+def _recurring_max_py(arrival_s: FloatArray, window_s: FloatArray, persist_s: float) -> IntArray:
+    # Per window w, two sweeps of the two-pointer merge of _max_arrivals_py (no copy of the
+    # arrivals): the first finds the busiest window's first arrival (the earliest of them) and its
+    # count; the second the most arrivals of any window once those of the stretch [centre - L/2,
+    # centre + L/2) are left out, a window's count less its overlap with the stretch's indices.
+    n = arrival_s.size
+    m = window_s.size
+    best = np.zeros(m, dtype=np.int64)
+    if n == 0:
+        return best
+    span = arrival_s[n - 1] - arrival_s[0]
+    for k in range(m):
+        w = window_s[k]
+        top = 0
+        top_count = -1
+        j = 0
+        for i in range(n):
+            if j < i:
+                j = i
+            while j < n and arrival_s[j] < arrival_s[i] + w:
+                j += 1
+            if j - i > top_count:
+                top_count = j - i
+                top = i
+        stretch = max(w, persist_s)
+        if span < 2.0 * stretch:
+            # The busiest stretch would be half of what was seen, not an exception to it.
+            best[k] = top_count
+            continue
+        # The stretch is centred on the busiest window of this length (a blip's own second,
+        # not the busiest 15 s of a bursty stream elsewhere).
+        centre = arrival_s[top] + 0.5 * w
+        first = np.searchsorted(arrival_s, centre - 0.5 * stretch)
+        last = np.searchsorted(arrival_s, centre + 0.5 * stretch)
+        most = 0
+        j = 0
+        for i in range(n):
+            if j < i:
+                j = i
+            while j < n and arrival_s[j] < arrival_s[i] + w:
+                j += 1
+            if first <= i < last:
+                continue
+            overlap = max(0, min(j, last) - max(i, first))
+            most = max(most, j - i - overlap)
+        best[k] = most
+    return best
+
+
+_recurring_max: Callable[[FloatArray, FloatArray, float], IntArray] = numba.njit(
+    cache=True, nogil=True
+)(_recurring_max_py)
 
 
 def recurring_envelope(
@@ -164,23 +212,7 @@ def recurring_envelope(
     if not (math.isfinite(persist) and persist >= 0.0):
         raise WorkloadError(f"persistence_s must be a finite number >= 0, got {persistence_s!r}")
     arrivals = np.ascontiguousarray(arrival_s, dtype=np.float64)
-    if arrivals.size == 0:
-        return full
-    best = np.empty_like(full.max_arrivals)
-    for k, window in enumerate(full.window_s):
-        stretch = max(float(window), persist)
-        if arrivals[-1] - arrivals[0] < 2.0 * stretch:
-            # The busiest stretch would be half of what was seen, not an exception to it.
-            best[k] = full.max_arrivals[k]
-            continue
-        # The stretch is centred on the busiest window of this length (a blip's own second,
-        # not the busiest 15 s of a bursty stream elsewhere).
-        centre = arrivals[_busiest_start(arrivals, float(window))] + 0.5 * float(window)
-        first, last = np.searchsorted(
-            arrivals, [centre - 0.5 * stretch, centre + 0.5 * stretch], side="left"
-        )
-        rest = np.concatenate([arrivals[:first], arrivals[last:]])
-        best[k] = _max_arrivals(rest, np.array([window], dtype=np.float64))[0] if rest.size else 0
+    best = _recurring_max(arrivals, np.ascontiguousarray(full.window_s), persist)
     return Envelope(window_s=full.window_s, max_arrivals=best)
 
 
