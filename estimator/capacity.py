@@ -16,10 +16,11 @@ import numpy as np
 
 from estimator.errors import SimulationError
 from estimator.oracle import oracle_throughput_qps
-from estimator.policies import full_range_types, policy_factory
+from estimator.policies import full_range_types, policy_class, policy_factory
 from estimator.profiles import LatencyProfile
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace
+from matching import registry
 
 TARGET_ATTAINMENT = 0.99
 
@@ -190,11 +191,13 @@ def fleet_capacity(
     """Allowable throughput of the fleet ``instance_types`` under ``policy`` (or the oracle).
 
     The DRS threshold, unless given, is tuned by :func:`tune_threshold` as DeepRecSys does.
-    ``noise_share``, ``noise_seed`` (kairos only): noise on the dispatcher's latency predictions,
-    the same stream in every probe (see :func:`estimator.policies.policy_factory`).
+    ``noise_share``, ``noise_seed`` (a policy that takes noise: kairos): noise on the
+    dispatcher's latency predictions, the same stream in every probe (see
+    :func:`estimator.policies.policy_factory`).
     """
-    if noise_share and policy != "kairos":
-        raise SimulationError(f"prediction noise applies to the kairos policy only, not {policy!r}")
+    takes_noise = policy != "oracle" and policy_class(policy).takes_noise
+    if noise_share and not takes_noise:
+        raise SimulationError(str(registry.noise_refused(policy)))
     used = {name: profiles[name] for name in set(instance_types)}
     base_types = full_range_types(used, workload.batch_size, qos_ms, prices_usd_per_hr)
     if not base_types:
@@ -231,7 +234,7 @@ def fleet_capacity(
         return result
 
     has_auxiliary = any(name not in base_types for name in instance_types)
-    if policy == "drs" and drs_threshold is None:
+    if policy_class(policy).needs_threshold and drs_threshold is None:
         sizes = workload.batch_size
         if not has_auxiliary:  # every query goes to a base instance whatever the threshold
             result = search(int(sizes.max()))

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             app,
             stage,
             leading_share(trace) if planning is None else planning,
-            kairos=(args.dispatch or stage.policy) == "kairos",
+            dispatch=args.dispatch or stage.policy,
             seed=args.seed,
         )
         curve = None if ladder is None else ladder.curve

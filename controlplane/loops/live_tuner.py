@@ -71,7 +71,11 @@ from controlplane.loops.infaas_scaler import scales_with_infaas
 from controlplane.policies.capacity_curve import DEFAULT_LOADS, LOAD_MODEL_RECENT_S, build_ladder
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S
-from controlplane.policies.replay import kairos_capacity_model, rate_per_instance_qps
+from controlplane.policies.replay import (
+    has_matched_capacity,
+    kairos_capacity_model,
+    rate_per_instance_qps,
+)
 from controlplane.policies.sizing import DEFAULT_LADDER_LOADS, SizingLadder, tuner_stage
 from controlplane.policies.tuner import (
     DEFAULT_SCALE_DOWN_DELAY_S,
@@ -397,7 +401,7 @@ class LiveTuner:
             types.update(fleet)
             scale = entry.scale_factor
             model = None
-            if entry.policy == "kairos" and len(mu) > 1 and batch <= 1:
+            if has_matched_capacity(entry.policy, list(mu), batch):
                 planning = synthetic_planning_arrivals(planned_rate)
                 ones = np.ones(planning.size, dtype=np.int64)
                 model = kairos_capacity_model(resolved, name, list(mu), Trace(planning, ones))
@@ -615,7 +619,7 @@ def _plan_ladder(app: ResolvedApp, plan: PlanRecord, loads: Sequence[float]) -> 
         app,
         stage.name,
         trace,
-        kairos=stage.policy == "kairos",
+        dispatch=stage.policy,
         batch_size=stage.batch_size,
         seed=document.seed or 0,
         loads=loads,

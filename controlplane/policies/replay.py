@@ -40,7 +40,6 @@ from numpy.typing import NDArray
 
 from controlplane.policies.pipeline import answering_stages, pipeline_stages
 from controlplane.policies.plan import (
-    DISPATCH_NAMES,
     DispatchName,
     PlanDocument,
     PlanError,
@@ -66,16 +65,16 @@ from estimator.bounds import kairos_quantities, upper_bounds
 from estimator.envelope import DEFAULT_MAX_WINDOW_S
 from estimator.errors import EstimatorError
 from estimator.fleet import Fleet
-from estimator.policies import full_range_types, policy_factory
+from estimator.policies import full_range_types, policy_class, policy_factory
 from estimator.profiles import LatencyProfile
 from estimator.simulator import InstanceSpec, SimulationResult, Stage, simulate
 from estimator.traces import Trace
+from matching import registry
 from matching.policy import DispatchPolicy
 
 __all__ = [
     "DEFAULT_PLANNING_SHARE",
     "DEFAULT_TUNER_MIN_WINDOW_S",
-    "DISPATCH_NAMES",
     "AbortedBoot",
     "FleetTimeline",
     "PlanError",
@@ -402,6 +401,32 @@ def kairos_capacity_model(
     return capacity_qps
 
 
+def matched_capacity_model(
+    app: ResolvedApp,
+    dispatch: str | None,
+    model: str,
+    types: Sequence[str],
+    batch_size: int,
+    trace: Trace,
+    slo_ms: float | None = None,
+) -> CapacityModel | None:
+    """The tuner's capacity model of a stage dispatched by ``dispatch``: Kairos' matching bound
+    (:func:`kairos_capacity_model`) where the policy's capacity is that bound
+    (``matched_capacity``), the stage mixes types and takes one query per batch; else ``None``
+    (the sum of the types' rates)."""
+    if not has_matched_capacity(dispatch, types, batch_size):
+        return None
+    return kairos_capacity_model(app, model, types, trace, slo_ms)
+
+
+def has_matched_capacity(dispatch: str | None, types: Sequence[str], batch_size: int) -> bool:
+    """Whether :func:`matched_capacity_model` applies to a stage (see there; an unknown policy
+    has no such model, and is refused where the stage is dispatched)."""
+    if dispatch not in registry.names() or len(types) <= 1 or batch_size > 1:
+        return False
+    return policy_class(dispatch).matched_capacity
+
+
 def planning_arrivals(trace: Trace, share: float = DEFAULT_PLANNING_SHARE) -> NDArray[np.float64]:
     """The arrivals of the trace's first ``share`` of its duration (the default planning trace).
 
@@ -528,9 +553,7 @@ def tuner_timeline(
         persistence_s=persistence_s,
     )
     fleet = {name: stage.fleet[name] for name in mu}
-    model = None
-    if dispatch == "kairos" and len(mu) > 1 and stage.batch_size <= 1:
-        model = kairos_capacity_model(app, stage.name, list(mu), trace)
+    model = matched_capacity_model(app, dispatch, stage.name, list(mu), stage.batch_size, trace)
     rho = utilisation_target(fleet, mu, 1.0, config.planned_peak_rate_qps, model)
     curve = tuple(capacity_curve) if capacity_curve else None
     plan = TunerStage(stage.name, 1.0, fleet, mu, rho, capacity_model=model, capacity_curve=curve)
@@ -889,8 +912,8 @@ def replay(
     re-chooses the mix), its live envelope over the last ``tuner_recent_s``, bursts shorter than
     ``tuner_persistence_s`` read as noise unless they recur;
     ``utilization``: :func:`utilization_timeline`). Pass 2 simulates the trace once on it, with
-    ``dispatch`` (fcfs or kairos; by default the plan stage's ``policy``, else fcfs) over the
-    stage's types, the plan's batch size as the most
+    ``dispatch`` (a policy a plan may name, ``matching.registry.plan_names()``; by default the
+    plan stage's ``policy``, else fcfs) over the stage's types, the plan's batch size as the most
     queries per batch, and service times drawn from ``rng``. Exact because the policies decide
     from arrivals only. A static replay is the plain simulation of the plan's fleet.
 
@@ -1001,12 +1024,14 @@ def _dispatch_factory(
     qos_ms: float,
     prices: Mapping[str, float],
 ) -> Callable[[], DispatchPolicy]:
-    if dispatch not in DISPATCH_NAMES:
-        raise ReplayError(f"unknown dispatch policy {dispatch!r} (fcfs or kairos)")
+    allowed = registry.plan_names()
+    if dispatch not in allowed:
+        what = "not one a plan may name" if dispatch in registry.names() else "unknown"
+        raise ReplayError(f"dispatch policy {dispatch!r}: {what} ({' or '.join(allowed)})")
     base_types = full_range_types(profiles, trace.batch_size, qos_ms, prices)
-    if dispatch == "kairos" and not base_types:
+    if policy_class(dispatch).needs_base_type and not base_types:
         raise ReplayError(
-            f"kairos needs a type that meets the SLO of {qos_ms:g} ms at every batch size"
+            f"{dispatch} needs a type that meets the SLO of {qos_ms:g} ms at every batch size"
         )
     return policy_factory(dispatch, profiles, base_types)
 
@@ -1227,10 +1252,15 @@ def cascade_tuner_timelines(
         )
         caps = {t: n for t in mu if (n := app.spec.max_count(t)) is not None}
         config = dataclasses.replace(config, max_counts=caps)
-        model = None
-        policy = dispatch if dispatch is not None else stage.policy
-        if policy == "kairos" and len(mu) > 1 and stage.batch_size <= 1:
-            model = kairos_capacity_model(app, stage.name, list(mu), reached, targets_ms[i])
+        model = matched_capacity_model(
+            app,
+            dispatch if dispatch is not None else stage.policy,
+            stage.name,
+            list(mu),
+            stage.batch_size,
+            reached,
+            targets_ms[i],
+        )
         rho = utilisation_target(fleet, mu, 1.0, config.planned_peak_rate_qps, model)
         plan = TunerStage(stage.name, 1.0, fleet, mu, rho, capacity_model=model)
         state = initial_state([plan], now_s=0.0)

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from controlplane.policies.load_balance import DemandPoint, balance, prune_placement
+from controlplane.policies.pipeline import MIX_POLICY, SINGLE_TYPE_POLICY
 from controlplane.policies.plan import StagePlan
 from controlplane.serving.config import AppConfig, ServingGear, batch_cap
 from controlplane.serving.shares import SHARE_POLICY, SharePolicy
@@ -59,7 +60,7 @@ from controlplane.serving.stages import LatencyTable, Slot, Stage
 from controlplane.serving.workers import Worker, WorkerEndpoint
 from estimator.cascades import Cascade, evaluate
 from estimator.errors import CascadeError, EstimatorError
-from estimator.policies import full_range_types, policy_factory
+from estimator.policies import full_range_types, policy_class, policy_factory
 from estimator.profiles import LatencyProfile
 
 __all__ = [
@@ -78,22 +79,24 @@ def policy_name(
     plan: StagePlan | None, profiles: Mapping[str, LatencyProfile], slo_ms: float
 ) -> tuple[str, list[str]]:
     """The dispatch policy of a stage over the instance types in ``profiles`` and its base
-    types: the plan's when it names one of fcfs or kairos, else the planner's rule (FCFS for one
-    type; Kairos over a mix when a type serves the whole batch range within the SLO, the most
-    cost-effective first; else FCFS). The base types are in the plan's order
+    types: the plan's when it names one, else the planner's rule (FCFS for one type; Kairos over
+    a mix); a policy that needs a base type runs when a type serves the whole batch range within
+    the SLO (the most cost-effective first), else FCFS. The base types are in the plan's order
     (``StagePlan.base_types``, what the planner simulated), those of them the stage has; types
     the plan does not rank (a type the tuner added, an older plan) follow by name."""
     types = sorted(profiles)
-    wanted = plan.policy if plan is not None else None
-    if len(types) <= 1 or wanted == "fcfs":
-        return "fcfs", types
+    if len(types) <= 1:
+        return SINGLE_TYPE_POLICY, types
+    wanted = (plan.policy if plan is not None else None) or MIX_POLICY
+    if not policy_class(wanted).needs_base_type:
+        return wanted, types
     base = full_range_types(profiles, np.array([1]), slo_ms)
     if plan is not None and plan.base_types:
         ranked = [t for t in plan.base_types if t in base]
         base = ranked + [t for t in base if t not in ranked]
-    if base and wanted in (None, "kairos"):
-        return "kairos", base
-    return "fcfs", base
+    if base:
+        return wanted, base
+    return SINGLE_TYPE_POLICY, base
 
 
 def build_stage(stage: Stage, workers: Sequence[Worker], config: AppConfig) -> None:
