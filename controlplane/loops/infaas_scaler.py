@@ -178,7 +178,8 @@ class InfaasScaler:
         models = list(resolved.spec.serving_order)
         types = list(resolved.instance_types)
         boot_s = default_boot_s(resolved.catalog, types)
-        slo_ms = float(resolved.spec.slo.latency_ms)
+        limits = resolved.constraints
+        slo_ms = limits.slo_ms
         variants = []
         for model in models:
             entry = stages.get(model)
@@ -230,7 +231,7 @@ class InfaasScaler:
             variants=variants,
             prices_usd_per_hr=dict(resolved.prices_usd_per_hr),
             budget_usd_per_hr=app.budget_usd_per_hr,
-            max_counts={t: n for t in types if (n := resolved.spec.max_count(t)) is not None},
+            max_counts=limits.caps(types),
             overload=overload,
         )
         decisions, state = decide(context, scaled.state, self._config)

@@ -422,21 +422,20 @@ class LiveTuner:
             planned = synthetic_planning_envelope(
                 planned_rate, max(service_time_s, MIN_ENVELOPE_WINDOW_S), self._max_window_s
             )
+        # The app's budget and caps bound the tuner as they bound the planner (per stage and
+        # type). A burst shorter than the persistence (scaled with the windows, as the memory
+        # is) is ridden on the fleet unless it recurs: 56 queries in a second once buy nothing.
         config = TunerConfig.from_envelope(
             planned[0],
             planned[1],
             budget_usd_per_hr=app.budget_usd_per_hr,
+            constraints=resolved.constraints,
             catalog=resolved.catalog,
             types=sorted(types),
             scale_down_delay_s=self._scale_down_delay_s,
             recent_s=self._max_window_s,
+            persistence_s=DEFAULT_PERSISTENCE_S * self._max_window_s / DEFAULT_MAX_WINDOW_S,
         )
-        # The spec's caps bound the tuner as they bound the planner (per stage and type).
-        caps = {t: n for t in sorted(types) if (n := resolved.spec.max_count(t)) is not None}
-        # A burst shorter than the persistence (scaled with the windows, as the memory is) is
-        # ridden on the fleet unless it recurs: 56 queries in a second once buy nothing.
-        persistence_s = DEFAULT_PERSISTENCE_S * self._max_window_s / DEFAULT_MAX_WINDOW_S
-        config = dataclasses.replace(config, max_counts=caps, persistence_s=persistence_s)
         stages = [
             TunerStage(
                 s.name,
@@ -494,18 +493,16 @@ class LiveTuner:
             config = tuned.config
             types = sorted({*config.prices_usd_per_hr, *ladder.rate_per_instance_qps})
             resolved = self._resolve(app)
-            sized = TunerConfig.from_envelope(
+            tuned.config = TunerConfig.from_envelope(
                 config.windows_s,
                 config.planned_rate_qps,
                 budget_usd_per_hr=config.budget_usd_per_hr,
+                constraints=resolved.constraints,
                 catalog=resolved.catalog,
                 types=types,
                 scale_down_delay_s=config.scale_down_delay_s,
                 recent_s=self._load_model_recent_s,
-            )
-            caps = {t: n for t in types if (n := resolved.spec.max_count(t)) is not None}
-            tuned.config = dataclasses.replace(
-                sized, max_counts=caps, persistence_s=config.persistence_s
+                persistence_s=config.persistence_s,
             )
             tuned.stages = [
                 tuner_stage(ladder, stage.fleet, tuned.config, scale_factor=stage.scale_factor)

@@ -530,20 +530,20 @@ def _reach(
 
 
 def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _Setup:
-    spec = app.spec
-    order = spec.serving_order
-    overhead_ms = app.serving_overhead_ms
-    if overhead_ms >= spec.slo.latency_ms:
+    limits = app.constraints
+    order = app.spec.serving_order
+    overhead_ms = limits.serving_overhead_ms
+    if overhead_ms >= limits.slo_ms:
         raise InfeasibleSLOError(
             order[0],
             "the control plane's own path",
             overhead_ms,
-            spec.slo.latency_ms,
-            spec.slo.percentile,
+            limits.slo_ms,
+            limits.percentile,
         )
     # The control plane's own time per query (measured by the service) comes off the SLO first:
     # the stages (planned jointly when there are several) share what is left.
-    slo_ms = spec.slo.latency_ms - overhead_ms
+    slo_ms = limits.stage_slo_ms
     if overhead_ms > 0:
         steps.append(
             f"the control plane's own time per query, {overhead_ms:.2f} ms as the service"
@@ -557,7 +557,7 @@ def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _
         profiles: dict[str, LatencyProfile] = {}
         for t in app.instance_types:
             profile = app.profile(model, t)
-            if spec.max_count(t) == 0:
+            if not limits.usable(t):
                 continue
             if profile.min_batch_size <= smallest and profile.max_batch_size >= largest:
                 profiles[t] = profile
@@ -581,10 +581,10 @@ def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _
                 model=model,
                 profiles=profiles,
                 prices_usd_per_hr={t: app.prices_usd_per_hr[t] for t in profiles},
-                max_counts={t: n for t in profiles if (n := spec.max_count(t)) is not None},
+                max_counts=limits.caps(profiles),
                 slo_ms=slo_ms,
-                percentile=spec.slo.percentile,
-                budget_usd_per_hr=spec.budget_usd_per_hr,
+                percentile=limits.percentile,
+                budget_usd_per_hr=limits.budget_usd_per_hr,
                 profile_set=app.profiles[model],
             )
         )
@@ -615,7 +615,7 @@ def _run(
     jointly (:func:`_run_joint`)."""
     if len(setup.stages) > 1:
         return _run_joint(setup, app, trace, seed, steps, optimise, counter)
-    left_usd_per_hr = app.spec.budget_usd_per_hr
+    left_usd_per_hr = app.constraints.budget_usd_per_hr
     plans = []
     for i, stage in enumerate(setup.stages):
         reserve = sum(setup.cheapest_usd_per_hr[i + 1 :])
@@ -765,7 +765,8 @@ def _within_caps(app: ResolvedApp, joint: _Joint) -> bool:
     for fleet, _ in joint:
         for t, n in fleet:
             used[t] = used.get(t, 0) + n
-    return all(n <= (app.spec.max_count(t) or math.inf) for t, n in used.items())
+    caps = app.constraints.max_counts
+    return all(n <= caps.get(t, math.inf) for t, n in used.items())
 
 
 def _stage_rate_qps(setup: _Setup, i: int, trace: Trace) -> float:
@@ -847,15 +848,15 @@ def _proposal(
     (100 - (100 - P) / s)-th (at least its median), so that is its latency. When no choice fits,
     each stage takes the cheapest candidate within its share of the SLO by load (s_i over its
     fastest type's rate, summed over stages to 1), else its fastest."""
-    slo = app.spec.slo
-    bound_ms = slo.latency_ms - app.serving_overhead_ms
+    limits = app.constraints
+    bound_ms = limits.stage_slo_ms
     types = sorted({t for s in setup.stages for t in s.profiles})
     blocks = []
     choices = []
     load = []
     for i, inputs in enumerate(setup.stages):
         share = setup.scale_factor(i)
-        percentile = min(slo.percentile, max(50.0, 100.0 - (100.0 - slo.percentile) / share))
+        percentile = min(limits.percentile, max(50.0, 100.0 - (100.0 - limits.percentile) / share))
         options, latency, cost = _stage_options(setup, i, trace, seed, percentile, counter)
         if not options:
             steps.append(f"{inputs.model}: no candidate allocation within the budget is stable")
@@ -865,14 +866,14 @@ def _proposal(
         choices.append(options)
         sizes = setup.stage_trace(i, trace).batch_size
         load.append(share / max(p.rate_qps(sizes) for p in inputs.profiles.values()))
-    caps = {t: n for t in types if (n := app.spec.max_count(t)) is not None}
+    caps = limits.caps(types)
     proposals: dict[_Joint, float] = {}
     for factor in PROPOSAL_BOUND_FACTORS:
         picked = cheapest_within(
             blocks,
             types,
             factor * bound_ms,
-            budget_usd_per_hr=app.spec.budget_usd_per_hr,
+            budget_usd_per_hr=limits.budget_usd_per_hr,
             max_counts=caps,
         )
         if picked is not None:
@@ -887,9 +888,9 @@ def _proposal(
         tails = {}
         for joint in ordered:
             tails[joint] = judge(joint)
-            if tails[joint] <= app.spec.slo.latency_ms:
+            if tails[joint] <= limits.slo_ms:
                 break
-        feasible = [j for j in tails if tails[j] <= app.spec.slo.latency_ms]
+        feasible = [j for j in tails if tails[j] <= limits.slo_ms]
         joint = (
             feasible[0] if feasible else min(tails, key=lambda j: (tails[j], _joint_cost(setup, j)))
         )
@@ -926,15 +927,15 @@ def _joint_add(
     """Algorithm 1 on the pipeline: while the end-to-end tail is above the SLO, add the one
     instance (any stage, any type, within the budget and caps) that lowers it most; ``None``
     when none lowers it."""
-    slo = app.spec.slo
-    budget = app.spec.budget_usd_per_hr
+    limits = app.constraints
+    budget = limits.budget_usd_per_hr
     tail_ms = judge(joint)
     steps.append(
-        f"end-to-end P{slo.percentile:g} of the proposal: {tail_ms:.1f} ms"
-        f" (SLO {slo.latency_ms:g} ms)"
+        f"end-to-end P{limits.percentile:g} of the proposal: {tail_ms:.1f} ms"
+        f" (SLO {limits.slo_ms:g} ms)"
     )
     for _ in range(MAX_ADDED_INSTANCES):
-        if tail_ms <= slo.latency_ms:
+        if tail_ms <= limits.slo_ms:
             return joint
         best: tuple[float, _Joint, str] | None = None
         for i, inputs in enumerate(setup.stages):
@@ -953,16 +954,16 @@ def _joint_add(
         if best is None or best[0] >= tail_ms:
             steps.append(
                 f"no instance that fits the budget ${budget:g}/hr lowers the end-to-end"
-                f" P{slo.percentile:g} below {slo.latency_ms:g} ms (it is {tail_ms:.1f} ms on"
+                f" P{limits.percentile:g} below {limits.slo_ms:g} ms (it is {tail_ms:.1f} ms on"
                 f" {_joint_text(setup, joint)})"
             )
             return None
         steps.append(
-            f"{best[2]} (end-to-end P{slo.percentile:g} {tail_ms:.1f} -> {best[0]:.1f} ms,"
+            f"{best[2]} (end-to-end P{limits.percentile:g} {tail_ms:.1f} -> {best[0]:.1f} ms,"
             f" ${_joint_cost(setup, best[1]):.3f}/hr)"
         )
         tail_ms, joint = best[0], best[1]
-    return joint if tail_ms <= slo.latency_ms else None
+    return joint if tail_ms <= limits.slo_ms else None
 
 
 def _joint_cut(
@@ -1057,7 +1058,7 @@ def _run_joint(
     if joint is None:
         return None
     plans = []
-    slo_ms = app.spec.slo.latency_ms - app.serving_overhead_ms
+    slo_ms = app.constraints.stage_slo_ms
     for i, (inputs, (fleet_items, batch)) in enumerate(zip(setup.stages, joint, strict=True)):
         fleet = dict(fleet_items)
         stage_trace = setup.stage_trace(i, trace)

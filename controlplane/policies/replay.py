@@ -545,7 +545,7 @@ def tuner_timeline(
     config = TunerConfig.from_planning_trace(
         planning_arrival_s,
         service_time_s,
-        budget_usd_per_hr=app.spec.budget_usd_per_hr,
+        constraints=app.constraints,
         catalog=app.catalog,
         types=list(mu),
         boot_s=boot,
@@ -590,15 +590,13 @@ def ladder_tuner(
     config = TunerConfig.from_planning_trace(
         planning_arrival_s,
         service_time_s,
-        budget_usd_per_hr=app.spec.budget_usd_per_hr,
+        constraints=app.constraints,
         catalog=app.catalog,
         types=types,
         boot_s=boot,
         recent_s=recent_s,
         persistence_s=persistence_s,
     )
-    caps = {t: n for t in types if (n := app.spec.max_count(t)) is not None}
-    config = dataclasses.replace(config, max_counts=caps)
     return tuner_stage(ladder, fleet, config), config, boot
 
 
@@ -1245,13 +1243,12 @@ def cascade_tuner_timelines(
             planning,
             service_time_s,
             budget_usd_per_hr=budget,
+            constraints=app.constraints,
             catalog=app.catalog,
             types=list(mu),
             boot_s=boot,
             recent_s=recent_s,
         )
-        caps = {t: n for t in mu if (n := app.spec.max_count(t)) is not None}
-        config = dataclasses.replace(config, max_counts=caps)
         model = matched_capacity_model(
             app,
             dispatch if dispatch is not None else stage.policy,

@@ -55,13 +55,12 @@ the planner's capacity by load (:meth:`TunerStage.capacity_for_loads_qps`,
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -75,6 +74,9 @@ from estimator.envelope import (
 )
 from estimator.errors import BudgetError, UnknownInstanceTypeError, WorkloadError
 from estimator.fleet import Fleet
+
+if TYPE_CHECKING:
+    from controlplane.spec import PlanningConstraints
 
 __all__ = [
     "CPU_BOOT_S",
@@ -370,7 +372,8 @@ class TunerConfig:
         planning_arrival_s: ArrayLike,
         service_time_s: float,
         *,
-        budget_usd_per_hr: float,
+        budget_usd_per_hr: float | None = None,
+        constraints: PlanningConstraints | None = None,
         catalog: Catalog,
         types: Iterable[str] | None = None,
         boot_s: Mapping[str, float] | None = None,
@@ -381,19 +384,20 @@ class TunerConfig:
     ) -> TunerConfig:
         """The windows from ``service_time_s`` doubling to ``max_window_s``, the planning trace's
         envelope on them, prices from ``catalog`` and boot times from :func:`default_boot_s`
-        (``boot_s`` overrides per type)."""
+        (``boot_s`` overrides per type); the limits as :meth:`from_envelope` takes them."""
         windows_s, rates_qps = planning_envelope(planning_arrival_s, service_time_s, max_window_s)
-        config = cls.from_envelope(
+        return cls.from_envelope(
             windows_s,
             rates_qps,
             budget_usd_per_hr=budget_usd_per_hr,
+            constraints=constraints,
             catalog=catalog,
             types=types,
             boot_s=boot_s,
             scale_down_delay_s=scale_down_delay_s,
             recent_s=recent_s,
+            persistence_s=persistence_s,
         )
-        return dataclasses.replace(config, persistence_s=persistence_s)
 
     @classmethod
     def from_envelope(
@@ -401,15 +405,25 @@ class TunerConfig:
         windows_s: Sequence[float],
         planned_rate_qps: Sequence[float],
         *,
-        budget_usd_per_hr: float,
+        budget_usd_per_hr: float | None = None,
+        constraints: PlanningConstraints | None = None,
         catalog: Catalog,
         types: Iterable[str] | None = None,
         boot_s: Mapping[str, float] | None = None,
         scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S,
         recent_s: float = DEFAULT_RECENT_S,
+        persistence_s: float | None = None,
     ) -> TunerConfig:
         """:meth:`from_planning_trace` with the planning envelope already known (a plan's own,
-        or one computed once and kept): the rate at each window."""
+        or one computed once and kept): the rate at each window.
+
+        The limits are the app's ``constraints`` (its budget, and its caps over ``types``);
+        ``budget_usd_per_hr`` where given overrides the budget (required without constraints:
+        a tuner with no caps)."""
+        if budget_usd_per_hr is None:
+            if constraints is None:
+                raise BudgetError("the tuner needs a budget or the app's constraints", math.nan)
+            budget_usd_per_hr = constraints.budget_usd_per_hr
         names = list(catalog) if types is None else list(types)
         boot = default_boot_s(catalog, names)
         boot.update(boot_s or {})
@@ -421,6 +435,8 @@ class TunerConfig:
             boot_s=boot,
             scale_down_delay_s=scale_down_delay_s,
             recent_s=recent_s,
+            max_counts={} if constraints is None else constraints.caps(names),
+            persistence_s=persistence_s,
         )
 
 
