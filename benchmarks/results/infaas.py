@@ -87,6 +87,7 @@ from controlplane.apps.profiler import emulated_profiles
 from controlplane.policies.infaas_scaling import instances_for, model_action, scaling_cost_usd_per_s
 from controlplane.policies.tuner import default_boot_s
 from controlplane.policies.variants import Requirements, VariantOption, choose
+from estimator.capacity import highest_rate
 from estimator.catalog import default_catalog
 from estimator.profiles import LatencyProfile
 from estimator.simulator import InstanceSpec, Stage, simulate
@@ -196,22 +197,15 @@ def saturation(
         return float(np.percentile(result.response_ms, 99))
 
     bound = PROBE_UTILISATION_CAP * cap / (profile.mean_latency_ms(cap) / 1000.0)
-    low, high = 0.02 * bound, bound
-    probes = [(low, p99(low))]
-    if probes[0][1] > slo_ms:
-        return 0.0, tuple(probes)
-    probes.append((high, p99(high)))
-    if probes[-1][1] <= slo_ms:
-        return high, tuple(probes)
-    for _ in range(BISECTION_STEPS):
-        middle = 0.5 * (low + high)
-        tail = p99(middle)
-        probes.append((middle, tail))
-        if tail <= slo_ms:
-            low = middle
-        else:
-            high = middle
-    return low, tuple(sorted(probes))
+    probes: list[tuple[float, float]] = []
+
+    def meets(rate_qps: float) -> bool:
+        tail = p99(rate_qps)
+        probes.append((rate_qps, tail))
+        return tail <= slo_ms
+
+    found = highest_rate(meets, 0.02 * bound, bound, steps=BISECTION_STEPS)
+    return found, tuple(sorted(probes))
 
 
 def make_variants(

@@ -130,6 +130,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.policies.tuner import Decision
+from estimator.capacity import highest_rate
 from estimator.cascades import (
     DEFAULT_THRESHOLD_GRID,
     Cascade,
@@ -729,27 +730,19 @@ class _Prober:
 def _max_qps(
     prober: _Prober, candidate: _Candidate, steps: int
 ) -> tuple[float, tuple[tuple[float, float], ...]]:
-    """Bisection for r*(c) over [0, u B(c)]; returns r* (0 when even the idle probe misses) and
-    the probes (rate, tail) sorted by rate, infeasible ones included."""
+    """Bisection for r*(c) over [0, u B(c)] (:func:`estimator.capacity.highest_rate`); returns
+    r* (0 when even the idle probe misses) and the probes (rate, tail) sorted by rate,
+    infeasible ones included."""
     bound = PLAN_UTILISATION_CAP * candidate.bound_qps
-    idle = _IDLE_SHARE * bound
-    probes = [(idle, prober.tail_ms(candidate, idle))]
-    if probes[0][1] > prober.slo_ms:
-        return 0.0, tuple(probes)
-    top = prober.tail_ms(candidate, bound)
-    probes.append((bound, top))
-    if top <= prober.slo_ms:
-        return bound, tuple(probes)
-    low, high = idle, bound
-    for _ in range(steps):
-        middle = 0.5 * (low + high)
-        tail = prober.tail_ms(candidate, middle)
-        probes.append((middle, tail))
-        if tail <= prober.slo_ms:
-            low = middle
-        else:
-            high = middle
-    return low, tuple(sorted(probes))
+    probes: list[tuple[float, float]] = []
+
+    def meets(rate_qps: float) -> bool:
+        tail = prober.tail_ms(candidate, rate_qps)
+        probes.append((rate_qps, tail))
+        return tail <= prober.slo_ms
+
+    found = highest_rate(meets, _IDLE_SHARE * bound, bound, steps=steps)
+    return found, tuple(sorted(probes))
 
 
 def plan_gears(

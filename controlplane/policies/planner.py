@@ -41,6 +41,7 @@ from controlplane.spec import ResolvedApp
 from estimator import deadline
 from estimator.allocation import cheapest_within
 from estimator.bounds import KairosQuantities, Ranking, kairos_quantities, rank_configurations
+from estimator.capacity import bisect_rate
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope, tuner_windows_s
 from estimator.errors import (
     BatchSizeOutOfRangeError,
@@ -1136,15 +1137,14 @@ def plan_app(
     planned_rate = rate
     if plans is None:
         say("no plan within the budget serves the trace; bisecting the highest feasible rate")
-        low, high = 0.0, rate
-        while high - low > RATE_REL_TOL * rate:
-            middle = 0.5 * (low + high)
-            probe_steps: list[str] = []
-            if _run(setup, app, scale_trace(sample, middle), seed, probe_steps, False, counter):
-                low = middle
-            else:
-                high = middle
-            say(f"  {middle:.2f} qps: {'feasible' if low == middle else 'infeasible'}")
+
+        def feasible(rate_qps: float) -> bool:
+            probe = scale_trace(sample, rate_qps)
+            found = bool(_run(setup, app, probe, seed, [], False, counter))
+            say(f"  {rate_qps:.2f} qps: {'feasible' if found else 'infeasible'}")
+            return found
+
+        low = bisect_rate(feasible, 0.0, rate, tolerance_qps=RATE_REL_TOL * rate)
         max_feasible, planned_rate = low, low
         steps.append(
             f"no plan within the budget ${app.spec.budget_usd_per_hr:g}/hr meets the SLO at"
