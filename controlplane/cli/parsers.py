@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from controlplane.cli.client import DEFAULT_URL, TOKEN_ENV, URL_ENV, add_client_options
 from controlplane.cli.output import fail
+from controlplane.policies import scaling
 from controlplane.policies.auth import Scope
 from matching import registry
 
@@ -88,7 +89,6 @@ LIBRARY_COPIES: dict[str, object] = {
 # --- the command line's own defaults and choices (some implementations import them from here) --
 
 TRACE_KINDS = ("poisson", "gamma", "step", "ramp", "diurnal")
-REPLAY_POLICIES = ("tuner", "static", "peak", "mean", "utilization")
 # The default thresholds of ``plan --pareto``: 0 (everyone answered at that stage, so the shorter
 # chains are on the front too) and the cascade grid.
 PARETO_GRID: tuple[float, ...] = (0.0, *THRESHOLD_GRID)
@@ -639,7 +639,7 @@ def _replay(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--policy",
-        choices=REPLAY_POLICIES,
+        choices=scaling.replay_names(),
         default=None,
         help="tuner (the default: InferLine's tuner, sized by the load model of --tuner-model),"
         " static (the plan's fleet, unchanged), peak or mean"

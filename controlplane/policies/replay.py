@@ -33,11 +33,12 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from controlplane.policies import scaling
 from controlplane.policies.pipeline import answering_stages, pipeline_stages
 from controlplane.policies.plan import (
     DispatchName,
@@ -84,6 +85,7 @@ __all__ = [
     "ScalingPolicy",
     "StagePlan",
     "StageReplay",
+    "TimelineOptions",
     "TimelineWindow",
     "UtilizationConfig",
     "cascade_tuner_timelines",
@@ -98,13 +100,17 @@ __all__ = [
     "replay_timeline",
     "split_slo_ms",
     "stage_slo_targets_ms",
+    "static_policy_timeline",
     "static_timeline",
     "thin_planning_arrivals",
+    "tuner_policy_timeline",
     "tuner_timeline",
+    "utilization_policy_timeline",
     "utilization_timeline",
 ]
 
-ScalingPolicy = Literal["tuner", "static", "utilization"]
+# The name of a scaling policy replay runs: one of ``controlplane.policies.scaling.replay_names()``.
+ScalingPolicy = str
 
 # Without a planning trace, the tuner plans on the replayed trace's first 10%: the part an operator
 # would have seen before deploying (docs/replay.md).
@@ -331,6 +337,64 @@ def static_timeline(fleet: Fleet) -> FleetTimeline:
     """The plan's fleet from start to end: no decisions (``--tuner off``, the peak and mean
     baselines)."""
     return _FleetLog.planned(fleet, {}).timeline()
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineOptions:
+    """What :func:`replay` passes to a scaling policy's timeline function (each reads what it
+    uses; see :func:`replay` for their meaning)."""
+
+    planning_arrival_s: NDArray[np.float64] | None = None
+    boot_s: Mapping[str, float] | None = None
+    utilization: UtilizationConfig | None = None
+    dispatch: DispatchName | None = None
+    tuner_min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S
+    tuner_capacity_curve: Sequence[tuple[float, float]] | None = None
+    tuner_recent_s: float = DEFAULT_RECENT_S
+    tuner_ladder: SizingLadder | None = None
+    tuner_persistence_s: float | None = None
+
+
+# A scaling policy as replay runs it (controlplane.policies.scaling: ``replays``).
+TimelineFunction = Callable[[Trace, ResolvedApp, StagePlan, TimelineOptions], FleetTimeline]
+
+
+def static_policy_timeline(
+    trace: Trace, app: ResolvedApp, stage: StagePlan, options: TimelineOptions
+) -> FleetTimeline:
+    """``static`` (and the baselines, on their own plan): :func:`static_timeline`."""
+    return static_timeline(stage.fleet)
+
+
+def tuner_policy_timeline(
+    trace: Trace, app: ResolvedApp, stage: StagePlan, options: TimelineOptions
+) -> FleetTimeline:
+    """``tuner``: :func:`tuner_timeline`, planning on the trace's first 10% unless told."""
+    planning = options.planning_arrival_s
+    if planning is None:
+        planning = planning_arrivals(trace)
+    return tuner_timeline(
+        trace,
+        app,
+        stage,
+        np.asarray(planning, dtype=np.float64),
+        boot_s=options.boot_s,
+        min_window_s=options.tuner_min_window_s,
+        dispatch=options.dispatch if options.dispatch is not None else (stage.policy or "fcfs"),
+        capacity_curve=options.tuner_capacity_curve,
+        recent_s=options.tuner_recent_s,
+        ladder=options.tuner_ladder,
+        persistence_s=options.tuner_persistence_s,
+    )
+
+
+def utilization_policy_timeline(
+    trace: Trace, app: ResolvedApp, stage: StagePlan, options: TimelineOptions
+) -> FleetTimeline:
+    """``utilization``: :func:`utilization_timeline`."""
+    return utilization_timeline(
+        trace, app, stage, config=options.utilization, boot_s=options.boot_s
+    )
 
 
 # --- what the policies know of the fleet -----------------------------------------------------
@@ -926,8 +990,12 @@ def replay(
             an unknown policy, the utilisation policy on several stages.
         EstimatorError: the simulator's errors (a batch size outside a profile).
     """
+    try:
+        run_policy = scaling.timeline_function(policy)
+    except scaling.UnknownScalingPolicyError as error:
+        raise ReplayError(str(error)) from None
     if len(plan.stages) > 1:
-        if policy not in ("static", "tuner"):
+        if not scaling.entry(policy).scales_cascades:
             raise ReplayError(
                 f"a plan of {len(plan.stages)} stages replays static or with the tuner (one per"
                 f" stage); the {policy} policy scales one stage"
@@ -945,27 +1013,18 @@ def replay(
             tuner_recent_s=tuner_recent_s,
         )
     stage = check_plan(plan, app)
-    if policy == "static":
-        timeline = static_timeline(stage.fleet)
-    elif policy == "tuner":
-        planning = planning_arrivals(trace) if planning_arrival_s is None else planning_arrival_s
-        timeline = tuner_timeline(
-            trace,
-            app,
-            stage,
-            np.asarray(planning, dtype=np.float64),
-            boot_s=boot_s,
-            min_window_s=tuner_min_window_s,
-            dispatch=dispatch if dispatch is not None else (stage.policy or "fcfs"),
-            capacity_curve=tuner_capacity_curve,
-            recent_s=tuner_recent_s,
-            ladder=tuner_ladder,
-            persistence_s=tuner_persistence_s,
-        )
-    elif policy == "utilization":
-        timeline = utilization_timeline(trace, app, stage, config=utilization, boot_s=boot_s)
-    else:
-        raise ReplayError(f"unknown scaling policy {policy!r} (tuner, static or utilization)")
+    options = TimelineOptions(
+        planning_arrival_s=planning_arrival_s,
+        boot_s=boot_s,
+        utilization=utilization,
+        dispatch=dispatch,
+        tuner_min_window_s=tuner_min_window_s,
+        tuner_capacity_curve=tuner_capacity_curve,
+        tuner_recent_s=tuner_recent_s,
+        tuner_ladder=tuner_ladder,
+        tuner_persistence_s=tuner_persistence_s,
+    )
+    timeline = run_policy(trace, app, stage, options)
     return replay_timeline(trace, app, stage, timeline, rng, policy=policy, dispatch=dispatch)
 
 
@@ -1380,7 +1439,7 @@ def replay_pipeline(
         EstimatorError: the simulator's errors (a batch size outside a profile).
     """
     stages = check_stages(plan, app)
-    if policy not in ("static", "tuner"):
+    if policy not in scaling.names() or not scaling.entry(policy).scales_cascades:
         raise ReplayError(f"a multi-stage plan replays static or with the tuner, not {policy!r}")
     answered = answering_stages(app, trace, rng)
     targets = stage_slo_targets_ms(plan, app)
