@@ -141,7 +141,7 @@ def pipeline_stages(
     size, dispatch policy name or ``None`` for the planner's choice), forwarding as ``answered``
     says (:func:`forward_flags`). The Kairos base is judged against the SLO less the control
     plane's own time per query, on the batch sizes of the queries that reach the stage."""
-    slo_ms = app.spec.slo.latency_ms - app.serving_overhead_ms
+    slo_ms = app.constraints.stage_slo_ms
     flags = forward_flags(answered, len(stages), len(trace))
     built = []
     for i, (model, instances, batch, policy) in enumerate(stages):

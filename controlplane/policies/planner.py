@@ -722,11 +722,11 @@ class _PipelineJudge:
                 stages,
                 np.random.default_rng(self.seed),
                 prices_usd_per_hr=self.app.prices_usd_per_hr,
-                qos_ms=self.app.spec.slo.latency_ms,
+                qos_ms=self.app.constraints.slo_ms,
             )
             self.simulations += 1
             self.cache[joint] = end_to_end_tail_ms(
-                result.response_ms, self.app, self.app.spec.slo.percentile, self.seed
+                result.response_ms, self.app, self.app.constraints.percentile, self.seed
             )
         return self.cache[joint]
 
@@ -1147,7 +1147,7 @@ def plan_app(
         low = bisect_rate(feasible, 0.0, rate, tolerance_qps=RATE_REL_TOL * rate)
         max_feasible, planned_rate = low, low
         steps.append(
-            f"no plan within the budget ${app.spec.budget_usd_per_hr:g}/hr meets the SLO at"
+            f"no plan within the budget ${app.constraints.budget_usd_per_hr:g}/hr meets the SLO at"
             f" {rate:.2f} qps; the highest rate one does (bisection, arrival times scaled) is"
             f" {low:.2f} qps, and the stages below are planned for it"
         )

@@ -194,10 +194,10 @@ def check_plan(plan: PlanDocument, app: ResolvedApp) -> StagePlan:
                 f"({', '.join(app.instance_types)})"
             )
     cost = sum(count * app.prices_usd_per_hr[name] for name, count in stage.fleet.items())
-    if cost > app.spec.budget_usd_per_hr + 1e-9:
+    if cost > app.constraints.budget_usd_per_hr + 1e-9:
         raise ReplayError(
             f"the plan's fleet {stage.fleet} costs {cost:.6g} USD/hr, over the spec's budget of "
-            f"{app.spec.budget_usd_per_hr:g} USD/hr"
+            f"{app.constraints.budget_usd_per_hr:g} USD/hr"
         )
     return stage
 
@@ -731,8 +731,9 @@ def utilization_timeline(
     ones included, so that a launch is not repeated while it boots) of mu_t. No sooner than
     ``cooldown_s`` after its last change it moves C to C* = r / target with instances of the plan's
     most cost-effective type b (largest mu_b / price_b): it adds ceil((C* - C) / mu_b) when C < C*
-    (as many as the budget affords), and removes floor((C - C*) / mu_b) of them when that many run,
-    keeping one instance; so after a removal u stays <= target.
+    (as many as the budget affords and the spec's cap of b allows), and removes
+    floor((C - C*) / mu_b) of them when that many run, keeping one instance; so after a removal
+    u stays <= target.
     """
     cfg = config if config is not None else UtilizationConfig()
     mu = _stage_rates(app, stage, trace)
@@ -741,7 +742,7 @@ def utilization_timeline(
     boot = _boot_s(app, list(mu), boot_s)
     log = _FleetLog.planned(stage.fleet, boot)
     arrivals = trace.arrival_s
-    budget = app.spec.budget_usd_per_hr
+    budget = app.constraints.budget_usd_per_hr
     last_change_s = -math.inf
     for now_s in (float(t) for t in _ticks(float(arrivals[-1]), cfg.period_s)):
         if now_s - last_change_s < cfg.cooldown_s:
@@ -763,6 +764,11 @@ def utilization_timeline(
             affordable = (
                 wanted if prices[best] == 0 else min(wanted, math.floor(left / prices[best]))
             )
+            cap = app.constraints.max_count(best)
+            limit = f"{budget:g} USD/hr"
+            if cap is not None and counts[best] + affordable > cap:
+                affordable = cap - counts[best]
+                limit = f"the spec's cap of {cap} x {best}"
             if affordable > 0:
                 log.launch(best, affordable, now_s)
                 last_change_s = now_s
@@ -770,7 +776,7 @@ def utilization_timeline(
                 log.decide(ReplayDecision(now_s, stage.name, "scale_up", best, affordable, reason))
             if affordable < wanted:
                 short = wanted - max(affordable, 0)
-                reason = f"budget_capped: {seen}; {short} x {best} over {budget:g} USD/hr"
+                reason = f"budget_capped: {seen}; {short} x {best} over {limit}"
                 log.decide(ReplayDecision(now_s, stage.name, "budget_capped", best, short, reason))
         else:
             spare = math.floor((capacity_qps - needed_qps) / mu[best] + 1e-12)
@@ -1049,7 +1055,7 @@ def replay_timeline(
     types = list(dict.fromkeys(spec.instance_type for spec in timeline.instances))
     profiles = {name: app.profile(stage.name, name) for name in types}
     prices = dict(app.prices_usd_per_hr)
-    qos_ms = app.spec.slo.latency_ms
+    qos_ms = app.constraints.slo_ms
     chosen = dispatch if dispatch is not None else (stage.policy or "fcfs")
     make_policy = _dispatch_factory(chosen, profiles, trace, qos_ms, prices)
     sim_stage = Stage(
@@ -1120,10 +1126,10 @@ def check_stages(plan: PlanDocument, app: ResolvedApp) -> tuple[StagePlan, ...]:
                     f"({', '.join(app.instance_types)})"
                 )
             cost += count * app.prices_usd_per_hr[name]
-    if cost > app.spec.budget_usd_per_hr + 1e-9:
+    if cost > app.constraints.budget_usd_per_hr + 1e-9:
         raise ReplayError(
             f"the plan's fleets cost {cost:.6g} USD/hr, over the spec's budget of "
-            f"{app.spec.budget_usd_per_hr:g} USD/hr"
+            f"{app.constraints.budget_usd_per_hr:g} USD/hr"
         )
     return tuple(plan.stages)
 
@@ -1152,7 +1158,7 @@ def stage_slo_targets_ms(plan: PlanDocument, app: ResolvedApp) -> tuple[float, .
     SLO less the control plane's own time per query (what the stages share, as the planner
     counts it) is split in proportion to the plan's per-stage predicted P99s (each stage's tail on
     the queries that reach it), equally when the plan has none (:func:`split_slo_ms`)."""
-    slo_ms = app.spec.slo.latency_ms - app.serving_overhead_ms
+    slo_ms = app.constraints.stage_slo_ms
     return split_slo_ms(slo_ms, [stage.predicted_p99_ms for stage in plan.stages])
 
 
@@ -1269,7 +1275,7 @@ def cascade_tuner_timelines(
     capacity the stage wants that it lacks; ties in serving order), each under the budget less
     what the others run by then. A scale-up the budget cuts is recorded ``budget_capped``.
     """
-    budget = app.spec.budget_usd_per_hr
+    budget = app.constraints.budget_usd_per_hr
     prices = app.prices_usd_per_hr
     masks = _reach_masks(answered, len(stages), len(trace))
     tuners: list[_StageTuner | None] = []
@@ -1445,7 +1451,7 @@ def replay_pipeline(
     targets = stage_slo_targets_ms(plan, app)
     masks = _reach_masks(answered, len(stages), len(trace))
     prices = dict(app.prices_usd_per_hr)
-    qos_ms = app.spec.slo.latency_ms
+    qos_ms = app.constraints.slo_ms
     if policy == "tuner":
         planning = planning_arrivals(trace) if planning_arrival_s is None else planning_arrival_s
         made = cascade_tuner_timelines(

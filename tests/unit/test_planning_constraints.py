@@ -46,3 +46,14 @@ def test_an_app_under_tighter_constraints_states_them_in_its_spec(tmp_path: Path
     assert capped.spec.max_counts == {GPU: 3, CPU: 2}
     assert capped.constraints == tighter
     assert app.constraints.caps([GPU, CPU]) == {GPU: 3}  # the app itself is unchanged
+
+
+def test_the_utilisation_autoscaler_holds_to_the_specs_max_counts(tmp_path: Path) -> None:
+    app = capped_app(tmp_path, gpu_cap=3)
+    trace = trace_of(step_profile(50.0, 1000.0, 20.0), 100.0)
+    plan = parse_plan(plan_document({GPU: 2}))
+    rng = np.random.default_rng(0)
+    result = replay(trace, app, plan, rng, policy="utilization", boot_s={GPU: 5.0})
+    assert max(w.fleet[GPU] for w in result.timeline) == 3
+    capped = [d for d in result.decisions if d.action == "budget_capped"]
+    assert capped and "cap of 3" in capped[0].reason
