@@ -47,6 +47,7 @@ from numpy.typing import NDArray
 
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, Store
+from controlplane.policies import scaling
 from controlplane.policies.infaas_scaling import (
     OverloadNote,
     ScalerState,
@@ -85,8 +86,9 @@ DEFAULT_LOAD_WINDOW_S = 2.0
 
 
 def scales_with_infaas(app: AppRecord) -> bool:
-    """Whether ``app``'s spec hands its scaling to INFaaS's autoscaler (``scaling: infaas``)."""
-    return app.spec.get("scaling") == "infaas"
+    """Whether ``app``'s spec hands its scaling to INFaaS's autoscaler (``scaling: infaas``,
+    :func:`controlplane.policies.scaling.live_owner`)."""
+    return scaling.live_owner(app.spec.get("scaling")) == "infaas"
 
 
 @dataclass(slots=True)

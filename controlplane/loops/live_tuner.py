@@ -67,7 +67,7 @@ from numpy.typing import NDArray
 from controlplane.apps.plans import planning_trace, replanning_request
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
-from controlplane.loops.infaas_scaler import scales_with_infaas
+from controlplane.policies import scaling
 from controlplane.policies.capacity_curve import DEFAULT_LOADS, LOAD_MODEL_RECENT_S, build_ladder
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S
@@ -296,8 +296,11 @@ class LiveTuner:
         made: list[tuple[str, Decision]] = []
         now_s = self._clock.now_s()
         for app in self._store.list_apps() if apps is None else apps:
-            if app.applied_plan_id is None or scales_with_infaas(app):
-                # An app that scales the INFaaS way is the InfaasScaler's.
+            if (
+                app.applied_plan_id is None
+                or scaling.live_owner(app.spec.get("scaling")) != "tuner"
+            ):
+                # An app another policy scales (scaling: infaas) is that loop's.
                 with self._lock:
                     self._apps.pop(app.name, None)
                     self._forget_curves(app.name, None)

@@ -22,11 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "DEFAULT_LIVE",
     "POLICIES",
     "ScalingEntry",
     "UnknownScalingPolicyError",
     "entry",
     "live_names",
+    "live_owner",
     "names",
     "register",
     "replay_names",
@@ -96,6 +98,24 @@ def replay_names() -> tuple[str, ...]:
 def live_names() -> tuple[str, ...]:
     """The spec's ``scaling:`` values: who may scale a running app."""
     return tuple(e.live for e in POLICIES.values() if e.live is not None)
+
+
+# What the spec's ``scaling:`` says when it says nothing (controlplane.spec.AppSpec).
+DEFAULT_LIVE = "inferline"
+
+
+def live_owner(value: str | None) -> str:
+    """The policy that scales a running app whose spec says ``scaling: value`` (``None``: the
+    spec's default), e.g. ``tuner`` for ``inferline``: each live loop takes the apps it owns.
+
+    Raises:
+        UnknownScalingPolicyError: no policy scales live under that value.
+    """
+    wanted = DEFAULT_LIVE if value is None else value
+    for found in POLICIES.values():
+        if found.live == wanted:
+            return found.name
+    raise UnknownScalingPolicyError(wanted, live_names())
 
 
 def entry(name: str) -> ScalingEntry:

@@ -68,5 +68,11 @@ def test_what_a_scaling_policy_does_is_read_from_its_entry(tmp_path: Path) -> No
 
 
 def test_the_specs_scaling_values_are_the_live_policies() -> None:
+    # The spec sits below the policies (it cannot import the registry): its values are pinned.
     field = AppSpec.model_fields["scaling"]
     assert set(typing.get_args(field.annotation)) == set(scaling.live_names())
+    assert field.default == scaling.DEFAULT_LIVE
+    assert scaling.live_owner(None) == scaling.live_owner("inferline") == "tuner"
+    assert scaling.live_owner("infaas") == "infaas"
+    with pytest.raises(scaling.UnknownScalingPolicyError):
+        scaling.live_owner("karpenter")
