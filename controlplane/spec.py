@@ -618,6 +618,7 @@ class PlanningConstraints:
     once the control plane's own time per query (``serving_overhead_ms``) is taken off.
     ``budget_usd_per_hr``: a hard limit. ``instance_types``: the candidate types, in spec order.
     ``max_counts``: the most instances of a type the app may run (only the capped types).
+    ``accuracy``: a cascade's accuracy floor (``None``: none).
 
     >>> limits = PlanningConstraints(100.0, 99.0, 2.0, ("a", "b"), {"a": 3})
     >>> limits.caps(["a", "b"]), limits.max_count("b"), limits.usable("a")
@@ -632,6 +633,7 @@ class PlanningConstraints:
     instance_types: tuple[str, ...]
     max_counts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     serving_overhead_ms: float = 0.0
+    accuracy: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_counts", MappingProxyType(dict(self.max_counts)))
@@ -646,6 +648,7 @@ class PlanningConstraints:
             instance_types=tuple(spec.instance_types),
             max_counts=dict(spec.max_counts or {}),
             serving_overhead_ms=serving_overhead_ms,
+            accuracy=spec.slo.accuracy,
         )
 
     @property
@@ -721,7 +724,11 @@ class ResolvedApp:
                 "budget_usd_per_hr": constraints.budget_usd_per_hr,
                 "max_counts": dict(constraints.max_counts) or None,
                 "slo": self.spec.slo.model_copy(
-                    update={"latency_ms": constraints.slo_ms, "percentile": constraints.percentile}
+                    update={
+                        "latency_ms": constraints.slo_ms,
+                        "percentile": constraints.percentile,
+                        "accuracy": constraints.accuracy,
+                    }
                 ),
                 "instance_types": list(constraints.instance_types),
             }

@@ -978,7 +978,7 @@ def _joint_cut(
     """Algorithm 2 on the pipeline: the actions of :func:`_algorithm_2` on every stage, in order
     of saving, the first whose end-to-end tail stays within the SLO applied, until none does (or
     :data:`MAX_JOINT_CUT_SIMULATIONS` are spent). Stages left unstable are not simulated."""
-    slo = app.spec.slo
+    limits = app.constraints
     smallest = int(trace.batch_size.min())
     spent = judge.simulations
     while True:
@@ -1019,17 +1019,17 @@ def _joint_cut(
                 )
                 return joint
             tail_ms = judge(candidate)
-            if tail_ms <= slo.latency_ms:
+            if tail_ms <= limits.slo_ms:
                 joint = candidate
                 steps.append(
                     f"{what}: saves ${saving:.3f}/hr (now ${_joint_cost(setup, joint):.3f}/hr),"
-                    f" end-to-end P{slo.percentile:g} {tail_ms:.1f} ms"
+                    f" end-to-end P{limits.percentile:g} {tail_ms:.1f} ms"
                 )
                 break
         else:
             steps.append(
-                f"no action that cuts cost keeps the end-to-end P{slo.percentile:g} within"
-                f" {slo.latency_ms:g} ms; done"
+                f"no action that cuts cost keeps the end-to-end P{limits.percentile:g} within"
+                f" {limits.slo_ms:g} ms; done"
             )
             return joint
 
@@ -1191,7 +1191,7 @@ def _pipeline_tail_ms(
     """The P-th percentile of the end-to-end response time of the whole planned pipeline (one
     stage or more) on ``trace``, the one the stages were planned for (see the module docstring,
     End-to-end prediction)."""
-    slo = app.spec.slo
+    limits = app.constraints
     if len(plans) == 1 and not app.serving_overhead_quantiles_ms:
         # One stage is the whole pipeline, and its own simulation (same trace, same seed) is the
         # pipeline's: nothing to simulate again. A constant overhead added to every query
@@ -1219,10 +1219,10 @@ def _pipeline_tail_ms(
             stages,
             np.random.default_rng(seed),
             prices_usd_per_hr=app.prices_usd_per_hr,
-            qos_ms=slo.latency_ms,
+            qos_ms=limits.slo_ms,
         )
         counter[0] += 1
-        tail_ms = end_to_end_tail_ms(result.response_ms, app, slo.percentile, seed)
+        tail_ms = end_to_end_tail_ms(result.response_ms, app, limits.percentile, seed)
         reach_text = (
             "every query reaching every stage"
             if all(r is None for r in setup.reach)
@@ -1241,10 +1241,10 @@ def _pipeline_tail_ms(
         )
     elif app.serving_overhead_ms > 0:
         how += f", plus the control plane's own {app.serving_overhead_ms:.2f} ms per query"
-    verdict = "within" if tail_ms <= slo.latency_ms else "ABOVE"
+    verdict = "within" if tail_ms <= limits.slo_ms else "ABOVE"
     steps.append(
-        f"end to end: predicted P{slo.percentile:g} {tail_ms:.1f} ms on the planned"
-        f" {_rate_qps(trace):.2f} qps, {verdict} the SLO {slo.latency_ms:g} ms; from {how}"
+        f"end to end: predicted P{limits.percentile:g} {tail_ms:.1f} ms on the planned"
+        f" {_rate_qps(trace):.2f} qps, {verdict} the SLO {limits.slo_ms:g} ms; from {how}"
     )
     return tail_ms
 
@@ -1297,7 +1297,7 @@ def _gear_plan(
     order = tuple(m for m in cascade.models if m in fleets)
     if len(order) < 2:
         return None
-    slo = app.spec.slo
+    limits = app.constraints
     say(f"planning the gears of the cascade on {len(order)} placed models")
     try:
         placement = Placement(fleets, order)
@@ -1309,9 +1309,9 @@ def _gear_plan(
             placement,
             {m: {t: app.profile(m, t) for t in placement.fleets[m]} for m in order},
             app.prices_usd_per_hr,
-            slo_ms=slo.latency_ms,
-            percentile=slo.percentile,
-            accuracy_floor=slo.accuracy,
+            slo_ms=limits.slo_ms,
+            percentile=limits.percentile,
+            accuracy_floor=limits.accuracy,
             seed=seed,
             held_out=score,
         )

@@ -34,7 +34,7 @@ def test_the_constraints_are_the_specs_limits(tmp_path: Path) -> None:
     app = capped_app(tmp_path, gpu_cap=0, budget_usd_per_hr=2.5)
     limits = app.constraints
     assert (limits.slo_ms, limits.percentile, limits.budget_usd_per_hr) == (50.0, 99.0, 2.5)
-    assert limits.instance_types == (GPU, CPU)
+    assert limits.instance_types == (GPU, CPU) and limits.accuracy is None
     assert limits.caps([GPU, CPU]) == {GPU: 0}
     assert not limits.usable(GPU) and limits.usable(CPU) and not limits.usable("t3.nano")
 
