@@ -1,5 +1,5 @@
 """Autoscaling on held-out traffic: the tuner against the oracle, CG-Peak/Mean, the static plan
-and target tracking (issue 29, item 5).
+and target tracking.
 
 This experiment owns the held-out evaluation of autoscaling: benchmarks/autoscaling_heldout.py
 (its docstring has the whole setup: the trace family, the models and the cascade, the planning
@@ -66,7 +66,7 @@ def run(ctx: Context) -> Section:
     }
     return Section(
         key=KEY,
-        title="Autoscaling on held-out traffic (issue 29)",
+        title="Autoscaling on held-out traffic",
         what=what_text(data),
         rerun="python -m benchmarks.results --only autoscaling",
         body=body_text(data),
@@ -93,7 +93,7 @@ def what_text(data: dict[str, Any]) -> str:
   trace's 10 s peak or mean rate on a steady trace of its CV^2), target tracking (replay's
   `utilization` policy, its target the static plan's utilisation at R; single stage only) and
   the clairvoyant per-minute oracle (the planner at each minute's mean rate, instance-seconds).
-- Goals (issue 29), per trace: misses <= {MAX_MISS:.0%} ({MAX_MISS_STEEP_STEP:.0%} across a step
+- Goals, per trace: misses <= {MAX_MISS:.0%} ({MAX_MISS_STEEP_STEP:.0%} across a step
   of more than {STEEP_STEP:g}x), cost <= {MAX_COST_OVER_ORACLE:g}x the oracle and below CG-Peak's;
   a blip: cost <= {MAX_BLIP_COST_OVER_STATIC:g}x the static plan's; across a set, CG-Peak / cost
   averages >= {MIN_MEAN_PEAK_OVER_COST:g}.
@@ -145,7 +145,7 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
         )
         oracle = summary["policies"]["oracle"]
         lines.append(
-            f"On {label} the tuner meets issue 29's per-trace goal on {tuner['meets_goal']} of"
+            f"On {label} the tuner meets the per-trace goal on {tuner['meets_goal']} of"
             f" {tuner['rows']}: it costs {tuner['mean_cost_over_oracle']:.2f}x the clairvoyant"
             f" per-minute oracle on average (worst {tuner['max_cost_over_oracle']:.2f}x), misses"
             f" the SLO on {100 * tuner['mean_miss_share']:.2f}% of queries on average (worst"

@@ -224,3 +224,19 @@ def test_the_api_docs_have_a_row_per_route_and_none_other() -> None:
         _documented_routes("dashboard.md", "| route | auth | answer |"),
     )
     assert not problems, "\n".join(problems)
+
+
+# --- docs/: no issue numbers ---------------------------------------------------------------------
+
+
+def test_the_docs_cite_no_issue_numbers() -> None:
+    """An issue number means nothing to a reader of the docs: they say what instead."""
+    cited = [
+        f"{path.relative_to(DOCS.parent)}:{number}: {line.strip()[:100]}"
+        for path in sorted(DOCS.rglob("*.md"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\bissues? #?\d+", line, flags=re.IGNORECASE)
+    ]
+    assert not cited, "issue numbers in docs/ (say what they stood for instead):\n" + "\n".join(
+        cited
+    )
