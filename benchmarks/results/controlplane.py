@@ -12,8 +12,8 @@ each through its ``measure`` function, so that each figure can be rerun alone wi
   <= 1 ms, issue 22) and the simulator under the Kairos policy (>= 50,000 simulated queries/s);
 - ``planner_speed.py``: the planner on a 3-stage cascade over a 10-minute trace (< 10 s);
 - ``gear_planner_speed.py``: the gear planner on the demo family (< 2 s);
-- ``dispatcher_speed.py``: the serving path's dispatcher with its real HTTP transport to fake
-  workers that answer at once (>= 2,000 queries/s sustained adding <= 5 ms at p99).
+- ``serving_speed/dispatcher.py``: the serving path's dispatcher with its real HTTP transport to
+  fake workers that answer at once (>= 2,000 queries/s sustained adding <= 5 ms at p99).
 
 Full mode runs every script at its own default sizes (about 2-4 minutes on a quiet 2-core
 machine), plus the dispatcher's first sweep step (FCFS at 4,000 q/s) for the headroom; quick mode
@@ -180,7 +180,7 @@ class Sizes:
     dispatcher_warmup_s: float = 1.0
     dispatcher_headroom_qps: tuple[float, ...] = (4000.0,)
     dispatcher_repeats: int = 3  # runs of each scenario: the one of median p99 is reported
-    # benchmarks/api_speed.py: runs of the whole API path (0: not run, as in quick mode: it
+    # benchmarks/serving_speed/api.py: runs of the whole API path (0: not run, as in quick mode: it
     # starts the service and worker processes, which takes longer than the quick section).
     api_rate_qps: float = 2000.0
     api_duration_s: float = 10.0
@@ -215,6 +215,11 @@ QUICK = Sizes(
 
 
 def _script(name: str, *args: str) -> str:
+    """The command that runs ``benchmarks/<name>.py``, or the package part ``name`` names
+    (``"serving_speed dispatcher"``: ``python -m benchmarks.serving_speed dispatcher``)."""
+    package, _, part = name.partition(" ")
+    if part:
+        return " ".join(["python", "-m", f"benchmarks.{package}", part, *args])
     return " ".join(["python", f"benchmarks/{name}.py", *args])
 
 
@@ -494,7 +499,7 @@ def gear_rows(ctx: Context, sizes: Sizes) -> tuple[list[Row], dict[str, Any]]:
 
 
 def dispatcher_rows(ctx: Context, sizes: Sizes) -> tuple[list[Row], list[dict[str, Any]]]:
-    from benchmarks import dispatcher_speed
+    from benchmarks.serving_speed import dispatcher as dispatcher_speed
 
     rate = sizes.dispatcher_rate_qps
     duration = sizes.dispatcher_duration_s
@@ -528,7 +533,7 @@ def dispatcher_rows(ctx: Context, sizes: Sizes) -> tuple[list[Row], list[dict[st
     }
     rows = []
     for run, (p99_low, p99_high) in zip(runs, p99_ranges, strict=True):
-        command = _script("dispatcher_speed", "--scenario", run.scenario)
+        command = _script("serving_speed dispatcher", "--scenario", run.scenario)
         if run.rate_qps != dispatcher_speed.GOAL_QPS:
             command += f" --rate-qps {run.rate_qps:g}"
         if duration != 10.0:
@@ -572,8 +577,9 @@ def dispatcher_rows(ctx: Context, sizes: Sizes) -> tuple[list[Row], list[dict[st
 
 
 def dispatch_verdicts(runs: Sequence[Any], goal_rate_qps: float) -> list[str]:
-    """What ``dispatcher_speed.py`` prints in its goal column: at the goal's rate "met", "kept up"
-    (every query answered, p99 under 100 ms, but not the goal) or "fell behind"; at a higher rate
+    """What ``serving_speed/dispatcher.py`` prints in its goal column: at the goal's rate "met",
+    "kept up" (every query answered, p99 under 100 ms, but not the goal) or "fell behind"; at a
+    higher rate
     (the headroom) "met", "past the goal" or "fell behind"."""
     verdicts = []
     for run in runs:
@@ -656,11 +662,11 @@ def dispatcher_figure(ctx: Context, runs: Sequence[dict[str, Any]], goal_ms: flo
 
 
 def api_rows(ctx: Context, sizes: Sizes) -> tuple[list[Row], dict[str, Any] | None]:
-    """The serving path where clients enter (``benchmarks/api_speed.py``): the median of
+    """The serving path where clients enter (``benchmarks/serving_speed/api.py``): the median of
     ``api_runs`` runs, p99 added against its goal, the sustained rate as its condition."""
-    from benchmarks import api_speed
+    from benchmarks.serving_speed import api as api_speed
 
-    command = _script("api_speed", "--json")
+    command = _script("serving_speed api", "--json")
     name = (
         f"through the API (heteroplane serve, worker agent processes, loadgen --engine raw), at"
         f" {sizes.api_rate_qps:,.0f} q/s offered: p99 added"
@@ -721,7 +727,7 @@ def run(ctx: Context) -> Section:
     step("api", api_rows(ctx, sizes))
     load_after = os.getloadavg()
 
-    from benchmarks import dispatcher_speed
+    from benchmarks.serving_speed import dispatcher as dispatcher_speed
 
     dispatcher_runs = data["dispatcher"]
     figures = [
@@ -844,9 +850,10 @@ the same figures):
   answer at once, open-loop Poisson load from scheduled arrivals, so the latency is what the
   dispatcher adds (a lower bound's worth of work on the loop: the fake workers' HTTP parsing runs
   on it too);
-- the API path (`benchmarks/api_speed.py`, full mode only): `heteroplane serve` with two worker
-  agent processes that answer at once and `heteroplane loadgen --engine raw` in a process of its
-  own, all on the same two cores; p99 added is the client's p99 less a worker round trip's.
+- the API path (`python -m benchmarks.serving_speed api`, full mode only): `heteroplane serve`
+  with two worker agent processes that answer at once and `heteroplane loadgen --engine raw` in a
+  process of its own, all on the same two cores; p99 added is the client's p99 less a worker
+  round trip's.
 
 {mode}
 
@@ -905,7 +912,7 @@ def body_text(
             "Every figure, its goal and whether it holds (`-`: no goal is set for it, or the goal"
             " is for a larger size than this run's):",
             rows_table(rows),
-            "The serving path in detail (`dispatcher_speed.py`; latency from each query's"
+            "The serving path in detail (`serving_speed/dispatcher.py`; latency from each query's"
             " scheduled arrival to its answer; drain: last answer after the last arrival; CPU"
             " counts the fake workers and the load generator too; verdict: the script's, where"
             " 'kept up' answers every query with p99 under 100 ms but misses the goal's 5 ms):",

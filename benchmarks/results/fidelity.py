@@ -3,11 +3,11 @@
 This experiment owns the section ``fidelity`` of docs/results. It runs the two live benchmarks of
 ``benchmarks/`` (imported, so each can be rerun alone with its script):
 
-- ``serving_fidelity.py``: one app, one emulated instance, a service time of about 5 ms and one
+- ``fidelity/serving.py``: one app, one emulated instance, a service time of about 5 ms and one
   of about 50 ms per batch; at 30%, 60% and 90% of the plan's capacity, the P99 a loadgen client
   measures against the planner's model (the serving-path profile plus the overhead per query the
   service measured), from one seeded Poisson trace per level;
-- ``demo_fidelity.py``: the demo's cascade as ``make demo`` serves it, at its applied plan's
+- ``fidelity/demo.py``: the demo's cascade as ``make demo`` serves it, at its applied plan's
   ``rate_qps``, against the plan's ``predicted_p99_ms``: three runs, the median and the spread.
 
 The goal is measured / predicted P99 within 15% everywhere (the acceptance for the demo is 25%).
@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import demo_fidelity, serving_fidelity
+from benchmarks.fidelity import demo as demo_fidelity
+from benchmarks.fidelity import serving as serving_fidelity
 from benchmarks.results.common import (
     Context,
     Figure,

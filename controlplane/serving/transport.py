@@ -14,7 +14,7 @@ while the worker keeps the connection alive, and the failure modes turned into o
 Why not httpx: on this project's 2-core reference machine an ``httpx.AsyncClient`` against an
 in-process loopback server that answers at once served about 1,200 requests per second, which
 alone spends the dispatcher's whole budget (2,000 queries per second with at most 5 ms added at
-p99, ``benchmarks/dispatcher_speed.py``); the same exchange over plain asyncio streams ran at
+p99, ``benchmarks/serving_speed/dispatcher.py``); the same exchange over plain asyncio streams ran at
 about 38,000. The agent speaks a small, fixed subset of HTTP/1.1 (bodies whose end a header
 gives, no redirects, no TLS on the private network), so a client of that subset is short and is
 all the serving loop needs; the answers are parsed by httptools' response parser (uvicorn's, so a
