@@ -44,11 +44,19 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=15
 
+# The quick set: each speed benchmark in its quick mode (small sizes, one repeat; about 30 s in all
+# on a 2-core machine, indicative figures only). Full runs, and which script answers which
+# question: benchmarks/README.md.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/estimator_speed.py
-	$(BIN)/python benchmarks/bounds_speed.py
-	$(BIN)/python benchmarks/matching_speed.py
+	$(BIN)/python benchmarks/estimator_speed.py --quick
+	$(BIN)/python benchmarks/bounds_speed.py --quick
+	$(BIN)/python benchmarks/matching_speed.py --quick
+	$(BIN)/python benchmarks/planner_speed.py --quick
+	$(BIN)/python benchmarks/gear_planner_speed.py --quick
 	$(BIN)/python benchmarks/profile_load.py
+	$(BIN)/python benchmarks/cli_speed.py
+	$(BIN)/python -m benchmarks.serving_speed dispatcher --quick
+	$(BIN)/python -m benchmarks.serving_speed layers --quick
 
 reproduce: $(STAMP)
 	$(BIN)/python benchmarks/kairos_reproduction.py

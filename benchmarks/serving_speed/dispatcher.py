@@ -1,7 +1,7 @@
 """How many queries per second the serving loop's dispatcher sustains, and what it adds to each.
 
     .venv/bin/python -m benchmarks.serving_speed dispatcher [--json] [--rate-qps 2000]
-        [--duration-s 10]
+        [--duration-s 10] [--quick]
 
 What runs: :class:`controlplane.serving.dispatcher.AppDispatcher`, the object behind
 ``POST /v1/apps/{app}/infer`` (queues, the matching policy from ``policy_factory``, admission
@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from benchmarks.sizes import FULL, QUICK, QUICK_HELP
 from controlplane.serving.dispatcher import (
     AppConfig,
     AppDispatcher,
@@ -296,19 +297,34 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m benchmarks.serving_speed dispatcher",
         description=(__doc__ or "").splitlines()[0],
     )
-    parser.add_argument("--rate-qps", type=float, default=2000.0)
-    parser.add_argument("--duration-s", type=float, default=10.0)
+    parser.add_argument("--rate-qps", type=float, default=FULL.dispatcher_rate_qps)
+    parser.add_argument("--duration-s", type=float, default=None, help="default 10")
     parser.add_argument("--scenario", choices=(*SCENARIOS, "all"), default="all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sweep", action="store_true", help="fcfs at rising rates too")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=QUICK_HELP,
+    )
     args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    if args.duration_s is None:
+        args.duration_s = sizes.dispatcher_duration_s
     if not (args.rate_qps > 0 and args.duration_s > 0):
         print("--rate-qps and --duration-s must be > 0", file=sys.stderr)
         return 2
     chosen = SCENARIOS if args.scenario == "all" else (args.scenario,)
     started = time.perf_counter()
-    runs, sweep = measure(chosen, args.rate_qps, args.duration_s, args.seed, sweep=args.sweep)
+    runs, sweep = measure(
+        chosen,
+        args.rate_qps,
+        args.duration_s,
+        args.seed,
+        sweep=args.sweep,
+        warmup_s=sizes.dispatcher_warmup_s,
+    )
     meta = {
         "python": platform.python_version(),
         "machine": platform.machine(),

@@ -1,6 +1,7 @@
 """What each layer of the inference API path costs in CPU per request, measured in process.
 
-    .venv/bin/python -m benchmarks.serving_speed layers [--json] [--requests 2000] [--repeats 5]
+    .venv/bin/python -m benchmarks.serving_speed layers [--quick] [--json] [--requests 2000]
+        [--repeats 5]
 
 Each figure is the CPU time of a loop of ``--requests`` requests (``time.process_time``: every
 thread of this process, so the thread pool's share of a request counts too) divided by their
@@ -80,6 +81,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from benchmarks import local_service
 from benchmarks.serving_speed.api import median_spread
+from benchmarks.sizes import FULL, QUICK, QUICK_HELP
 from controlplane.api.routes.infer import answer_document
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import SystemClock
@@ -484,9 +486,19 @@ def main(argv: list[str] | None = None) -> int:
         description=(__doc__ or "").splitlines()[0],
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--requests", type=int, default=2000, help="requests per loop")
-    parser.add_argument("--repeats", type=int, default=5, help="loops per figure")
+    parser.add_argument("--requests", type=int, default=None, help="requests per loop (2000)")
+    parser.add_argument("--repeats", type=int, default=None, help="loops per figure (5)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=QUICK_HELP,
+    )
     args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    if args.requests is None:
+        args.requests = sizes.layers_requests
+    if args.repeats is None:
+        args.repeats = sizes.layers_repeats
     if args.requests < 1 or args.repeats < 1:
         parser.error("--requests and --repeats must be >= 1")
     result = measure(args.requests, args.repeats)
