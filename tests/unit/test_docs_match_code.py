@@ -240,3 +240,23 @@ def test_the_docs_cite_no_issue_numbers() -> None:
     assert not cited, "issue numbers in docs/ (say what they stood for instead):\n" + "\n".join(
         cited
     )
+
+
+# --- benchmarks/README.md: every command ------------------------------------------------------
+
+
+def test_the_benchmarks_readme_names_every_script_and_package() -> None:
+    """Each script of benchmarks/ (or module shared by them) and each package run with ``-m`` is
+    in benchmarks/README.md, so that a reader finds which one answers their question."""
+    benchmarks = DOCS.parent / "benchmarks"
+    readme = (benchmarks / "README.md").read_text()
+    missing = [
+        f"benchmarks/{path.name}"
+        for path in sorted(benchmarks.glob("*.py"))
+        if path.name != "__init__.py" and f"{path.stem}.py`" not in readme
+    ] + [
+        f"python -m benchmarks.{path.parent.name}"
+        for path in sorted(benchmarks.glob("*/__main__.py"))
+        if f"benchmarks.{path.parent.name}" not in readme
+    ]
+    assert not missing, "benchmarks/README.md does not name: " + ", ".join(missing)
