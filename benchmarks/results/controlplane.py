@@ -39,6 +39,7 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
+from benchmarks.results.findings import finding
 from benchmarks.sizes import FULL, QUICK, Sizes
 
 KEY = "controlplane"
@@ -699,66 +700,108 @@ def _by_key(rows: Sequence[Row]) -> dict[str, Row]:
     return {row.key: row for row in rows}
 
 
-def _said(row: Row | None, where: str = "") -> str:
-    """'12.3 ms<where> (goal <= 5 ms: met)' for a summary line."""
+def _figure(name: str, row: Row | None) -> dict[str, str]:
+    """``{name}`` and ``{name}_goal`` of a findings template: '12.3 ms' (or 'not measured') and
+    ' (goal <= 5 ms: met)' (or '' without a goal)."""
     if row is None or row.value is None:
-        return f"not measured{where}"
+        return {name: "not measured", f"{name}_goal": ""}
     goal = (
         f" (goal {row.goal.text(row.unit)}: {'met' if row.met else 'not met'})" if row.goal else ""
     )
-    return f"{fmt(row.value)} {row.unit}{where}{goal}"
+    return {name: f"{fmt(row.value)} {row.unit}", f"{name}_goal": goal}
 
 
 def summary_lines(rows: Sequence[Row], sizes: Sizes) -> list[str]:
-    """The README lines, one per part, each with its numbers and verdicts."""
+    """The README lines, one per part, each with its numbers and verdicts (their wording:
+    benchmarks/results/findings/controlplane.md)."""
     by = _by_key(rows)
     met, judged = goals_count(rows)
     rate = sizes.matching_rates_qps[0]
-    models = len(sizes.bounds_models)
     lines = [
-        "The estimator's compiled FCFS simulator runs"
-        f" {_said(by.get('fcfs_1_instances'), ' on one instance')} and"
-        f" {_said(by.get('fcfs_64_instances'), ' on 64 instances')}; the tuner's arrival envelope"
-        f" of {sizes.envelope_arrivals:,} arrivals takes {_said(by.get('envelope'))}.",
-        "Kairos' exhaustive ranking bounds"
-        f" {_said(by.get('exhaustive_4_types'), ' on the 4 measured types')}, and the exact top"
-        " 10 of a 10-type catalog at $50/hr takes"
-        f" {_said(by.get('ten_types_50'), f' for the slowest of {models} model(s)')}.",
-        "A Kairos dispatch round decides 32 queued x 16 instances in"
-        f" {_said(by.get('decision_32x16'), ' at the median')} and 256 x 128 in"
-        f" {_said(by.get('decision_256x128'), ' at p99')}; the event simulator runs the Kairos"
-        f" policy at {_said(by.get(f'simulator_kairos_{rate}'), f' on rm2 at {rate} qps')}.",
+        finding(
+            KEY,
+            "estimator",
+            **_figure("fcfs_1", by.get("fcfs_1_instances")),
+            **_figure("fcfs_64", by.get("fcfs_64_instances")),
+            **_figure("envelope", by.get("envelope")),
+            envelope_arrivals=f"{sizes.envelope_arrivals:,}",
+        ),
+        finding(
+            KEY,
+            "bounds",
+            **_figure("exhaustive", by.get("exhaustive_4_types")),
+            **_figure("ten_types", by.get("ten_types_50")),
+            models=len(sizes.bounds_models),
+        ),
+        finding(
+            KEY,
+            "matching",
+            **_figure("small", by.get("decision_32x16")),
+            **_figure("large", by.get("decision_256x128")),
+            **_figure("simulator", by.get(f"simulator_kairos_{rate}")),
+            rate_qps=rate,
+        ),
     ]
     gears = [row for row in rows if row.key.startswith("gear_")]
     gear = next((row for row in gears if row.value is not None), gears[0] if gears else None)
-    family = f" for the {gear.short.split(', ', 1)[1]}" if gear and gear.short else ""
+    family = (
+        " " + finding(KEY, "gear_family", family=gear.short.split(", ", 1)[1])
+        if gear and gear.short
+        else ""
+    )
     lines.append(
-        f"The planner plans a 3-stage cascade over {sizes.planner_duration_s / 60:g} minutes of"
-        f" trace in {_said(by.get('planner'))}, and the gear planner plans the demo app's gears in"
-        f" {_said(gear, family)}."
+        finding(
+            KEY,
+            "planners",
+            trace_min=f"{sizes.planner_duration_s / 60:g}",
+            **_figure("planner", by.get("planner")),
+            **_figure("gears", gear),
+            family=family,
+        )
     )
     dispatch = [row for row in rows if row.key.startswith("dispatcher_") and row.goal]
     headroom = [row for row in rows if row.key.startswith("dispatcher_") and not row.goal]
-    held = sum(bool(row.met) for row in dispatch)
     lines.append(
-        f"At {sizes.dispatcher_rate_qps:,.0f} q/s offered the serving dispatcher adds at p99 "
-        + ", ".join(f"{fmt(row.value)} ms ({row.key.split('_')[1]})" for row in dispatch)
-        + f", so the goal of <= 5 ms with >= 2,000 q/s sustained holds in {held} of"
-        f" {len(dispatch)} scenarios"
-        + "".join(
-            f" (FCFS at {float(row.key.split('_')[2]):,.0f} q/s: p99 {fmt(row.value)} ms)"
-            for row in headroom
+        finding(
+            KEY,
+            "dispatcher",
+            rate_qps=f"{sizes.dispatcher_rate_qps:,.0f}",
+            scenarios=", ".join(
+                finding(
+                    KEY,
+                    "dispatcher_scenario",
+                    p99_ms=fmt(row.value),
+                    scenario=row.key.split("_")[1],
+                )
+                for row in dispatch
+            ),
+            held=sum(bool(row.met) for row in dispatch),
+            judged_scenarios=len(dispatch),
+            headroom="".join(
+                " "
+                + finding(
+                    KEY,
+                    "dispatcher_headroom",
+                    rate_qps=f"{float(row.key.split('_')[2]):,.0f}",
+                    p99_ms=fmt(row.value),
+                )
+                for row in headroom
+            ),
+            met=met,
+            judged=judged,
         )
-        + f"; {met} of {judged} control-plane speed goals are met on this shared 2-core machine."
     )
     api = by.get("api_path")
     if api is not None and api.value is not None:
         lines.append(
-            f"Through the API (the service, worker agent processes and the load generator on the"
-            f" same two cores) at {sizes.api_rate_qps:,.0f} q/s offered the control plane adds"
-            f" {_said(api, ' at p99')}; {api.measured_on}"
-            + (f" ({api.note})" if api.note else "")
-            + "."
+            finding(
+                KEY,
+                "api",
+                rate_qps=f"{sizes.api_rate_qps:,.0f}",
+                **_figure("added", api),
+                measured_on=api.measured_on,
+                note=f" ({api.note})" if api.note else "",
+            )
         )
     return lines
 

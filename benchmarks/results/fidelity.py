@@ -24,6 +24,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
+from benchmarks.results.findings import finding
 
 GOAL = 0.15
 FULL_SERVICE_MS = (5.0, 50.0)
@@ -52,6 +54,9 @@ SEED = 1
 DEMO_RUNS = 3
 
 
+KEY = "fidelity"
+
+
 def ratio_spread(ratios: list[float]) -> tuple[float, float, float]:
     """(median, min, max) of measured / predicted ratios."""
     return statistics.median(ratios), min(ratios), max(ratios)
@@ -60,6 +65,46 @@ def ratio_spread(ratios: list[float]) -> tuple[float, float, float]:
 def within(ratio: float, goal: float = GOAL) -> bool:
     """Whether a measured / predicted ratio meets the goal: |ratio - 1| <= goal."""
     return abs(ratio - 1.0) <= goal
+
+
+def summary_lines(
+    rows: Sequence[dict[str, Any]],
+    service_times: Sequence[float],
+    levels: Sequence[float],
+    demo: dict[str, Any] | None,
+) -> list[str]:
+    """The section's findings (their wording: benchmarks/results/findings/fidelity.md)."""
+    ratios = [float(r["ratio"]) for r in rows]
+    median, low, high = ratio_spread(ratios)
+    lines = [
+        finding(
+            KEY,
+            "levels",
+            levels=len(rows),
+            service_times=", ".join(f"{s:g}" for s in service_times),
+            utilisations=", ".join(f"{u:.0%}" for u in levels),
+            median=f"{median:.3f}",
+            low=f"{low:.3f}",
+            high=f"{high:.3f}",
+            held=sum(within(r) for r in ratios),
+        )
+    ]
+    if demo is not None:
+        spread = demo["spread"]["ratio"]
+        lines.append(
+            finding(
+                KEY,
+                "demo",
+                rate_qps=f"{demo['rate_qps']:.1f}",
+                measured_p99_ms=f"{demo['p99_ms']:.0f}",
+                predicted_p99_ms=f"{demo['predicted_p99_ms']:.0f}",
+                ratio=f"{demo['ratio']:.3f}",
+                runs=len(demo["runs"]),
+                low=f"{spread['min']:.3f}",
+                high=f"{spread['max']:.3f}",
+            )
+        )
+    return lines
 
 
 def run(ctx: Context) -> Section:
@@ -130,14 +175,7 @@ def run(ctx: Context) -> Section:
         f" {s.overhead_ms:.2f} ms per query."
         for s in settings
     )
-    ratios = [float(r["ratio"]) for r in rows]
-    median, low, high = ratio_spread(ratios)
-    held = sum(within(r) for r in ratios)
-    summary = [
-        f"Live local fleet, {len(rows)} levels ({', '.join(f'{s:g}' for s in service_times)} ms"
-        f" per batch at {', '.join(f'{u:.0%}' for u in levels)} of capacity): measured / predicted"
-        f" P99 median {median:.3f} (range {low:.3f}-{high:.3f}); {held} of {len(rows)} within 15%.",
-    ]
+    summary = summary_lines(rows, service_times, levels, demo)
     body = f"""The planner's model of each service time:
 
 {models}
@@ -153,12 +191,6 @@ def run(ctx: Context) -> Section:
 {demo["ratio"]:.3f} (runs {spread["min"]:.3f}-{spread["max"]:.3f}); attainment
 {demo["attainment"]:.3f}.
 """
-        summary.append(
-            f"The demo cascade at its plan's rate ({demo['rate_qps']:.1f} qps): measured P99"
-            f" {demo['p99_ms']:.0f} ms against {demo['predicted_p99_ms']:.0f} ms predicted,"
-            f" ratio {demo['ratio']:.3f} (median of {len(demo['runs'])} runs,"
-            f" {spread['min']:.3f}-{spread['max']:.3f})."
-        )
     body += f"""
 Load average (1 / 5 / 15 min) {" / ".join(map(str, load_before))} before,
 {" / ".join(map(str, load_after))} after. The page docs/serving-fidelity.md explains what the
@@ -166,7 +198,7 @@ model holds and what it leaves out.
 """
     figures = [plot(ctx, rows, demo)]
     return Section(
-        key="fidelity",
+        key=KEY,
         figures=figures,
         title="Fidelity: predicted against measured P99",
         what=__doc__.split("\n\n", 1)[1].strip() if __doc__ else "",
