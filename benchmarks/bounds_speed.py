@@ -36,10 +36,10 @@ from estimator.profiles import LatencyProfile, ProfileSet, load_profiles
 
 try:  # imported as benchmarks.bounds_speed
     from benchmarks.paths import kairos_samples, shared_dir
-    from benchmarks.sizes import FULL, QUICK, QUICK_HELP
+    from benchmarks.sizes import add_quick, chosen
 except ModuleNotFoundError:  # run as a script: the sibling modules
     from paths import kairos_samples, shared_dir
-    from sizes import FULL, QUICK, QUICK_HELP  # type: ignore[no-redef]
+    from sizes import add_quick, chosen  # type: ignore[no-redef]
 
 SHARED = shared_dir()
 PROFILES = kairos_samples()
@@ -139,13 +139,9 @@ def measure(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=QUICK_HELP,
-    )
+    add_quick(parser)
     args = parser.parse_args()
-    sizes = QUICK if args.quick else FULL
+    sizes = chosen(args)
     if not PROFILES.exists():
         print(f"needs the shared data at {PROFILES} (set HETEROPLANE_SHARED)", file=sys.stderr)
         return 2

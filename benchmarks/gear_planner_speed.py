@@ -25,10 +25,10 @@ from controlplane.policies.gears import GearPlan, plan_gears
 
 try:  # imported as benchmarks.gear_planner_speed (benchmarks/results)
     from benchmarks.gear_demo import DemoFamily, load_demo_family
-    from benchmarks.sizes import FULL, QUICK
+    from benchmarks.sizes import add_quick, chosen
 except ModuleNotFoundError:  # run as a script: the sibling modules
     from gear_demo import DemoFamily, load_demo_family
-    from sizes import FULL, QUICK  # type: ignore[no-redef]
+    from sizes import add_quick, chosen  # type: ignore[no-redef]
 
 TARGET_S = 2.0
 
@@ -77,11 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--quick", action="store_true", help="the synthetic family, one run (make bench)"
-    )
+    add_quick(parser, "the synthetic family, one run (make bench)")
     args = parser.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+    sizes = chosen(args)
     if args.family is None:
         args.family = sizes.gear_families[0]
     if args.repeat is None:

@@ -55,10 +55,10 @@ from matching.policy import Dispatch, DispatchPolicy, InstanceView, QueuedQuery,
 
 try:  # imported as benchmarks.matching_speed
     from benchmarks.paths import kairos_samples, shared_dir
-    from benchmarks.sizes import FULL, QUICK, QUICK_HELP
+    from benchmarks.sizes import add_quick, chosen
 except ModuleNotFoundError:  # run as a script: the sibling modules
     from paths import kairos_samples, shared_dir
-    from sizes import FULL, QUICK, QUICK_HELP  # type: ignore[no-redef]
+    from sizes import add_quick, chosen  # type: ignore[no-redef]
 
 SHARED = shared_dir()
 PROFILES = kairos_samples()
@@ -348,13 +348,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--queries", type=int, default=None, help="default 100,000")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=QUICK_HELP,
-    )
+    add_quick(parser)
     args = parser.parse_args()
-    sizes = QUICK if args.quick else FULL
+    sizes = chosen(args)
     if args.queries is None:
         args.queries = sizes.matching_queries
     have_data = PROFILES.exists()

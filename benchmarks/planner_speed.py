@@ -30,10 +30,10 @@ from estimator.traces import Trace, poisson_arrivals
 
 try:  # imported as benchmarks.planner_speed
     from benchmarks.paths import kairos_samples, shared_dir
-    from benchmarks.sizes import FULL, QUICK, QUICK_HELP
+    from benchmarks.sizes import add_quick, chosen
 except ModuleNotFoundError:  # run as a script: the sibling modules
     from paths import kairos_samples, shared_dir
-    from sizes import FULL, QUICK, QUICK_HELP  # type: ignore[no-redef]
+    from sizes import add_quick, chosen  # type: ignore[no-redef]
 
 SHARED = shared_dir()
 PROFILES = kairos_samples()
@@ -109,13 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=QUICK_HELP,
-    )
+    add_quick(parser)
     args = parser.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+    sizes = chosen(args)
     repeat = sizes.planner_repeats if args.repeat is None else args.repeat
     duration_s = sizes.planner_duration_s
 

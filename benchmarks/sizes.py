@@ -9,9 +9,10 @@ parts) and ``benchmarks/results/controlplane.py``
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
-__all__ = ["FULL", "QUICK", "QUICK_HELP", "Sizes"]
+__all__ = ["FULL", "QUICK", "QUICK_HELP", "Sizes", "add_quick", "chosen"]
 
 # The --quick option's help, the same in every script.
 QUICK_HELP = (
@@ -82,3 +83,13 @@ QUICK = Sizes(
     layers_requests=200,
     layers_repeats=1,
 )
+
+
+def add_quick(parser: argparse.ArgumentParser, help: str = QUICK_HELP) -> None:
+    """The ``--quick`` option of a speed script."""
+    parser.add_argument("--quick", action="store_true", help=help)
+
+
+def chosen(args: argparse.Namespace) -> Sizes:
+    """:data:`QUICK` with ``--quick``, else :data:`FULL`."""
+    return QUICK if args.quick else FULL

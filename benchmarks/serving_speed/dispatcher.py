@@ -58,7 +58,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from benchmarks.sizes import FULL, QUICK, QUICK_HELP
+from benchmarks.sizes import FULL, add_quick
+from benchmarks.sizes import chosen as chosen_sizes
 from controlplane.serving.dispatcher import (
     AppConfig,
     AppDispatcher,
@@ -303,13 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sweep", action="store_true", help="fcfs at rising rates too")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=QUICK_HELP,
-    )
+    add_quick(parser)
     args = parser.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+    sizes = chosen_sizes(args)
     if args.duration_s is None:
         args.duration_s = sizes.dispatcher_duration_s
     if not (args.rate_qps > 0 and args.duration_s > 0):

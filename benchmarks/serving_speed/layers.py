@@ -81,7 +81,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from benchmarks import local_service
 from benchmarks.serving_speed.api import median_spread
-from benchmarks.sizes import FULL, QUICK, QUICK_HELP
+from benchmarks.sizes import add_quick, chosen
 from controlplane.api.routes.infer import answer_document
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import SystemClock
@@ -488,13 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--requests", type=int, default=None, help="requests per loop (2000)")
     parser.add_argument("--repeats", type=int, default=None, help="loops per figure (5)")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=QUICK_HELP,
-    )
+    add_quick(parser)
     args = parser.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+    sizes = chosen(args)
     if args.requests is None:
         args.requests = sizes.layers_requests
     if args.repeats is None:
