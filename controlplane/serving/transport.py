@@ -14,11 +14,12 @@ while the worker keeps the connection alive, and the failure modes turned into o
 Why not httpx: on this project's 2-core reference machine an ``httpx.AsyncClient`` against an
 in-process loopback server that answers at once served about 1,200 requests per second, which
 alone spends the dispatcher's whole budget (2,000 queries per second with at most 5 ms added at
-p99, ``benchmarks/serving_speed/dispatcher.py``); the same exchange over plain asyncio streams ran at
-about 38,000. The agent speaks a small, fixed subset of HTTP/1.1 (bodies whose end a header
-gives, no redirects, no TLS on the private network), so a client of that subset is short and is
-all the serving loop needs; the answers are parsed by httptools' response parser (uvicorn's, so a
-dependency already), which took less time per answer than the hand parser it replaced.
+p99, ``python -m benchmarks.serving_speed dispatcher``); the same exchange over plain asyncio
+streams ran at about 38,000. The agent speaks a small, fixed subset of HTTP/1.1 (bodies whose
+end a header gives, no redirects, no TLS on the private network), so a client of that subset is
+short and is all the serving loop needs; the answers are parsed by httptools' response parser
+(uvicorn's, so a dependency already), which took less time per answer than the hand parser it
+replaced.
 
 A connection taken from the pool may have been closed by the worker meanwhile (the agent closes
 an idle connection after 30 s; connections idle for :data:`IDLE_S` are not reused for that
