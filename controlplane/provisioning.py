@@ -15,8 +15,10 @@ kept (:meth:`~provisioners.base.Provisioner.artifact_storage`).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from controlplane.errors import SettingsError
@@ -59,12 +61,26 @@ def build_provisioner(settings: Settings) -> Provisioner:
     return factory(settings)
 
 
+def _ec2_module() -> ModuleType:
+    """:mod:`provisioners.ec2`, imported when it is used: boto3 is slow to import, and it is the
+    optional extra ``aws``."""
+    try:
+        return importlib.import_module("provisioners.ec2")
+    except ModuleNotFoundError as error:
+        if error.name not in ("boto3", "botocore"):
+            raise
+        raise SettingsError(
+            "provisioner",
+            f"ec2 needs {error.name}, which is not installed; install heteroplane with AWS"
+            " support: pip install 'heteroplane[aws]'",
+        ) from None
+
+
 def ec2_config_from(ec2: Ec2Settings) -> Ec2Config:
     """The :class:`~provisioners.ec2.Ec2Config` for these settings."""
-    from provisioners.ec2 import Ec2Config
-
+    config: type[Ec2Config] = _ec2_module().Ec2Config
     try:
-        return Ec2Config(
+        return config(
             region=ec2.region,
             subnet_ids=tuple(ec2.subnet_ids),
             security_group_ids=tuple(ec2.security_group_ids),
@@ -83,13 +99,12 @@ def ec2_config_from(ec2: Ec2Settings) -> Ec2Config:
 
 
 def _build_ec2(settings: Settings) -> Provisioner:
-    # Imported here: boto3 is slow to import and only this provisioner needs it.
-    from provisioners.ec2 import Ec2Provisioner
-
     if settings.ec2 is None:
         raise SettingsError("ec2", "is required when provisioner is 'ec2'")
+    config = ec2_config_from(settings.ec2)
     try:
-        return Ec2Provisioner(ec2_config_from(settings.ec2))
+        provisioner: Provisioner = _ec2_module().Ec2Provisioner(config)
+        return provisioner
     except InvalidConfigurationError as error:
         raise SettingsError(f"ec2.{error.field}", error.problem) from None
 
