@@ -1,28 +1,9 @@
 """Moved to :mod:`controlplane.provisioning` (below the registry, which asks the provider for its
-artifact store); this name is kept for the scripts of ``benchmarks/`` that import it."""
+artifact store). This name keeps the data-directory names the scripts of ``benchmarks/`` import
+from here; new code imports :mod:`controlplane.provisioning`."""
 
 from __future__ import annotations
 
-from controlplane.provisioning import (
-    FACTORIES,
-    LOCAL_FAMILIES,
-    LOCAL_MODELS_DIR,
-    LOCAL_PROFILE_FILE,
-    LOCAL_WORKERS_DIR,
-    ProvisionerFactory,
-    build_provisioner,
-    ec2_config_from,
-    local_speed_factors,
-)
+from controlplane.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE, LOCAL_WORKERS_DIR
 
-__all__ = [
-    "FACTORIES",
-    "LOCAL_FAMILIES",
-    "LOCAL_MODELS_DIR",
-    "LOCAL_PROFILE_FILE",
-    "LOCAL_WORKERS_DIR",
-    "ProvisionerFactory",
-    "build_provisioner",
-    "ec2_config_from",
-    "local_speed_factors",
-]
+__all__ = ["LOCAL_MODELS_DIR", "LOCAL_PROFILE_FILE", "LOCAL_WORKERS_DIR"]
