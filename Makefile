@@ -7,7 +7,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # The demo needs the worker extra (torch, scikit-learn, onnxruntime); the tests also the test
-# extra (pytest, ruff, mypy, a browser driver, ...). One virtualenv, a stamp per install.
+# extra (pytest, ruff, mypy, a browser driver, ...), which brings the optional extras the tests
+# cover: aws (boto3: the EC2 provisioner), postgres (psycopg) and bench (matplotlib: the result
+# plots). One virtualenv, a stamp per install.
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-worker
 
