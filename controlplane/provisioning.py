@@ -3,8 +3,10 @@ out.
 
 This module owns the conversion from the control plane's settings (pydantic, a trust boundary)
 to the provisioners' own configuration (``provisioners`` imports nothing from here), and the
-table of factories by ``settings.provisioner``. Adding a provisioner is one line in
-:data:`FACTORIES`.
+table of factories by ``settings.provisioner``. Adding a provisioner is its module in
+``provisioners/``, one line in :data:`FACTORIES` and its block of settings (docs/design.md,
+"Adding a provider"). It sits below the registry, which asks the provider where artifacts are
+kept (:meth:`~provisioners.base.Provisioner.artifact_storage`).
 
 >>> from controlplane.settings import Settings
 >>> build_provisioner(Settings(provisioner="fake")).name
@@ -13,8 +15,10 @@ table of factories by ``settings.provisioner``. Adding a provisioner is one line
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from controlplane.errors import SettingsError
@@ -57,12 +61,26 @@ def build_provisioner(settings: Settings) -> Provisioner:
     return factory(settings)
 
 
+def _ec2_module() -> ModuleType:
+    """:mod:`provisioners.ec2`, imported when it is used: boto3 is slow to import, and it is the
+    optional extra ``aws``."""
+    try:
+        return importlib.import_module("provisioners.ec2")
+    except ModuleNotFoundError as error:
+        if error.name not in ("boto3", "botocore"):
+            raise
+        raise SettingsError(
+            "provisioner",
+            f"ec2 needs {error.name}, which is not installed; install heteroplane with AWS"
+            " support: pip install 'heteroplane[aws]'",
+        ) from None
+
+
 def ec2_config_from(ec2: Ec2Settings) -> Ec2Config:
     """The :class:`~provisioners.ec2.Ec2Config` for these settings."""
-    from provisioners.ec2 import Ec2Config
-
+    config: type[Ec2Config] = _ec2_module().Ec2Config
     try:
-        return Ec2Config(
+        return config(
             region=ec2.region,
             subnet_ids=tuple(ec2.subnet_ids),
             security_group_ids=tuple(ec2.security_group_ids),
@@ -73,19 +91,20 @@ def ec2_config_from(ec2: Ec2Settings) -> Ec2Config:
             unavailable_ttl_s=ec2.unavailable_ttl_s,
             max_attempts=ec2.max_attempts,
             endpoint_url=ec2.endpoint_url,
+            model_bucket=ec2.model_bucket,
+            model_prefix=ec2.model_prefix,
         )
     except InvalidConfigurationError as error:
         raise SettingsError(f"ec2.{error.field}", error.problem) from None
 
 
 def _build_ec2(settings: Settings) -> Provisioner:
-    # Imported here: boto3 is slow to import and only this provisioner needs it.
-    from provisioners.ec2 import Ec2Provisioner
-
     if settings.ec2 is None:
         raise SettingsError("ec2", "is required when provisioner is 'ec2'")
+    config = ec2_config_from(settings.ec2)
     try:
-        return Ec2Provisioner(ec2_config_from(settings.ec2))
+        provisioner: Provisioner = _ec2_module().Ec2Provisioner(config)
+        return provisioner
     except InvalidConfigurationError as error:
         raise SettingsError(f"ec2.{error.field}", error.problem) from None
 
