@@ -330,6 +330,24 @@ class Settings(BaseSettings):
         description="how often a profile run touches its workers' rows; the reconciler ends the"
         " workers of a run not heard of for four of these (its replica crashed), s",
     )
+    serving_url: str | None = Field(
+        default=None,
+        description="the serving process's base URL, where a loops process running apart"
+        " (heteroplane serve --role loops) reads what the serving loop observes",
+    )
+    internal_token: str | None = Field(
+        default=None,
+        repr=False,
+        description="the admin token a loops process running apart sends to the serving"
+        " process's internal routes",
+    )
+    loops_pull_s: float = Field(
+        default=0.1,
+        gt=0,
+        allow_inf_nan=False,
+        description="how often a loops process running apart exchanges the feed with the"
+        " serving process (arrivals and statuses in, gears out), s",
+    )
     model_max_bytes: int = Field(
         default=1 << 30,
         ge=1,

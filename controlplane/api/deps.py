@@ -24,6 +24,7 @@ from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
 from controlplane.db.store import Principal, Store
 from controlplane.loops.leadership import Leadership
+from controlplane.loops.live_gears import GearTable
 from controlplane.loops.scheduler import Scheduler
 from controlplane.policies.auth import Scope, scope_allows
 from controlplane.registry import Registry
@@ -60,6 +61,9 @@ class Services:
     registry: Registry | None = None
     # The service's provisioner: profile runs launch their workers through it (None: refused).
     provisioner: Provisioner | None = None
+    # The serving loop's gear hook when the loops run in a process of their own (set through
+    # the internal feed route); None when they run here.
+    gear_table: GearTable | None = None
 
 
 def get_services(request: Request) -> Services:

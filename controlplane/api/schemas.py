@@ -127,10 +127,12 @@ class HealthOut(BaseModel):
     status: Literal["ok"] = "ok"
     version: str
     scheduler_running: bool
-    role: Literal["leader", "standby"] = Field(
+    role: Literal["leader", "standby", "serving"] = Field(
         description="leader: this replica holds the leader lease and runs the periodic jobs;"
         " standby: it serves the API and inference and takes over when the leader goes"
-        " (docs/service.md, 'Replicas and the leader lease')"
+        " (docs/service.md, 'Replicas and the leader lease'); serving: it serves the API and"
+        " inference only, the periodic jobs run in a loops process of their own (docs/service.md,"
+        " 'Serving apart from the loops')"
     )
 
 

@@ -1157,6 +1157,15 @@ def _serve(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)"
     )
+    parser.add_argument(
+        "--role",
+        choices=("all", "serving", "loops"),
+        default="all",
+        help="what this process runs (default all): serving: the API and inference, no periodic"
+        " job; loops: the periodic jobs (under the leader lease) and the API without inference,"
+        " reading the serving process at serving_url; both need PostgreSQL (docs/service.md,"
+        " 'Serving apart from the loops')",
+    )
     add_config_option(parser)
     parser.set_defaults(handler=Handler("serve", "run"))
 

@@ -5,7 +5,9 @@ to the newest revision, and serves the API with uvicorn on ``--host``/``--port``
 settings', 127.0.0.1:8000). The listening socket is bound here before uvicorn starts, so an
 address in use is a one-line error and exit status 2. SIGINT and SIGTERM stop it cleanly:
 uvicorn finishes the requests in flight, the scheduler waits for its running jobs, and the
-database connections are closed. ``heteroplane demo`` serves through the same
+database connections are closed. ``--role`` (default ``all``) runs the serving path or the
+periodic jobs alone (:data:`controlplane.service.build.ServiceRole`; docs/service.md, "Serving
+apart from the loops"). ``heteroplane demo`` serves through the same
 :func:`listen` and :func:`serve_until_stopped`.
 """
 
@@ -79,14 +81,19 @@ def run(args: argparse.Namespace) -> int:
     port: int = args.port if args.port is not None else settings.port
     configure_logging(args.log_level)
     sock = listen(host, port)
-    service = build_service(settings)
+    try:
+        service = build_service(settings, role=args.role)
+    except BaseException:
+        sock.close()
+        raise
     bound_host, bound_port = sock.getsockname()[:2]
     _log.info(
-        "heteroplane serving on http://%s:%d (database %s, provisioner %s)",
+        "heteroplane serving on http://%s:%d (database %s, provisioner %s, role %s)",
         bound_host,
         bound_port,
         redact_url(settings.database_url),
         settings.provisioner,
+        args.role,
     )
     return serve_until_stopped(service, sock, args.log_level)
 

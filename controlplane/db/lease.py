@@ -50,6 +50,7 @@ __all__ = [
     "LOCK_IDLE_SESSION_TIMEOUT_S",
     "LOCK_STATEMENT_TIMEOUT_MS",
     "MIGRATION_LOCK_KEY",
+    "SERVING_LOCK_KEY",
     "AdvisoryLock",
     "SqliteFileLock",
     "advisory_key",
@@ -74,6 +75,8 @@ def advisory_key(name: str) -> int:
 
 LEADER_LOCK_KEY = advisory_key("heteroplane.leader")
 MIGRATION_LOCK_KEY = advisory_key("heteroplane.migrations")
+# Held by the one serving process of a database whose loops run apart (``serve --role serving``).
+SERVING_LOCK_KEY = advisory_key("heteroplane.serving")
 # What pg_stat_activity shows for the lock's connection (docs/service.md: "who is leader?").
 LOCK_APPLICATION_NAME = "heteroplane-leader-lease"
 

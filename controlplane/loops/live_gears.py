@@ -72,7 +72,7 @@ from controlplane.serving.dispatcher import AppStatus, ServingGear
 from estimator.errors import EstimatorError
 from estimator.profiles import LatencyProfile
 
-__all__ = ["DEFAULT_WINDOW_S", "LiveGears"]
+__all__ = ["DEFAULT_WINDOW_S", "GearTable", "LiveGears"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +184,12 @@ class LiveGears:
         """The gear in force for ``app``; None when it is not served by gears."""
         with self._lock:
             return self._serving.get(app)
+
+    def in_force(self) -> dict[str, tuple[int, int]]:
+        """Every app served by gears: its applied plan's id and the gear in force (what a loops
+        process running apart sends the serving process, :class:`GearTable`)."""
+        with self._lock:
+            return {app: (t.plan_id, t.state.gear) for app, t in self._apps.items()}
 
     def tick(self, capped: Callable[[str], bool] = lambda _app: False) -> list[GearDecision]:
         """:meth:`refresh` then :meth:`switch_tick`: the decisions that switched a gear."""
@@ -391,3 +397,61 @@ class LiveGears:
                 "accuracy": tracked.state.option.quality.accuracy,
             },
         )
+
+
+class GearTable:
+    """The serving process's gear hook when the loops run in a process of their own: the gears
+    in force as the loops' switcher last sent them (:meth:`LiveGears.in_force`: an app's plan id
+    and gear), each made into a :class:`ServingGear` from the applied plan in ``store``
+    (thread-safe: :meth:`gear` is read on the event loop, :meth:`set_all` runs in a thread).
+
+    A plan id that is not the app's applied plan (applied anew since) is left out until the
+    switcher sends the new one; each plan's document is parsed once.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._plans: dict[int, GearPlan] = {}
+        self._serving: dict[str, tuple[int, int, ServingGear]] = {}
+        self._lock = threading.Lock()
+
+    def gear(self, app: str) -> ServingGear | None:
+        """The gear in force for ``app``; None when it is not served by gears."""
+        with self._lock:
+            found = self._serving.get(app)
+        return found[2] if found is not None else None
+
+    def set_all(self, in_force: Mapping[str, tuple[int, int]]) -> None:
+        """The gears in force now, app -> (plan id, gear); apps not named are served as their
+        specs say (blocking: a new plan is read from the store)."""
+        with self._lock:
+            current = dict(self._serving)
+        kept: dict[str, tuple[int, int, ServingGear]] = {}
+        for app, (plan_id, gear) in in_force.items():
+            found = current.get(app)
+            if found is not None and found[:2] == (plan_id, gear):
+                kept[app] = found
+                continue
+            plan = self._plan(app, plan_id)
+            if plan is not None and 0 <= gear < len(plan.gears):
+                kept[app] = (plan_id, gear, serving_gear(plan, gear))
+        with self._lock:
+            self._serving = kept
+
+    def _plan(self, app: str, plan_id: int) -> GearPlan | None:
+        found = self._plans.get(plan_id)
+        if found is not None:
+            return found
+        try:
+            record = self._store.get_applied_plan(app)
+        except NotFoundError:
+            return None
+        if record is None or record.id != plan_id or not record.plan.gear_plan:
+            return None
+        try:
+            plan = GearPlan.from_document(record.plan.gear_plan)
+        except (EstimatorError, KeyError, ValueError) as error:
+            logger.warning("gears: %s served without gears: %s", app, error)
+            return None
+        self._plans[plan_id] = plan
+        return plan

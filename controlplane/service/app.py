@@ -40,6 +40,7 @@ from controlplane.api.routes import (
     fleet,
     health,
     infer,
+    internal,
     models,
     oip,
     plans,
@@ -50,6 +51,7 @@ from controlplane.dashboard import install_dashboard
 from controlplane.db.store import Store
 from controlplane.errors import ControlPlaneError
 from controlplane.loops.leadership import Leadership
+from controlplane.loops.live_gears import GearTable
 from controlplane.loops.scheduler import Scheduler
 from controlplane.registry import Registry, registry_from_settings
 from controlplane.registry.inspection import end_orphaned_inspectors
@@ -81,6 +83,7 @@ def create_app(
     budget_changed: Callable[[str], object] | None = None,
     registry: Registry | None = None,
     provisioner: Provisioner | None = None,
+    gear_table: GearTable | None = None,
 ) -> FastAPI:
     """The API over ``store``; ``scheduler`` and ``serving`` (if any) run while the app is
     served (without a serving loop the inference route answers 503). ``resolver`` is the
@@ -89,7 +92,9 @@ def create_app(
     ``budget_changed(app)`` runs after each budget change (the gear switcher's). ``registry``
     serves ``/v1/models`` (default: the settings' one, :func:`registry_from_settings`);
     ``provisioner`` launches profile runs' workers (``POST /v1/apps/{app}/profiles``; without
-    one that route answers 503)."""
+    one that route answers 503). ``gear_table``: the serving loop's gear hook when the loops run
+    in a process of their own (``heteroplane serve --role serving``), set by them through
+    ``/internal/v1/feed`` (:mod:`controlplane.api.routes.internal`)."""
     services = Services(
         settings=settings,
         store=store,
@@ -110,6 +115,7 @@ def create_app(
         if registry is not None
         else registry_from_settings(settings, store, provisioner=provisioner),
         provisioner=provisioner,
+        gear_table=gear_table,
     )
 
     @asynccontextmanager
@@ -163,7 +169,7 @@ def create_app(
     # Outside the fast path too: an inference request whose client has gone is cancelled, and
     # its query leaves the serving loop's queue (controlplane.api.disconnect).
     app.add_middleware(CancelOnDisconnect)
-    for module in (health, apps, plans, budget, fleet, events, infer, models, oip):
+    for module in (health, apps, plans, budget, fleet, events, infer, models, oip, internal):
         app.include_router(module.router)
     install_dashboard(app)
 

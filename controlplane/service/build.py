@@ -49,9 +49,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 
@@ -64,18 +64,19 @@ from controlplane.apps.resolver import (
 from controlplane.clock import Clock, SystemClock
 from controlplane.db import migrate
 from controlplane.db.lease import (
+    SERVING_LOCK_KEY,
     AdvisoryLock,
     SqliteFileLock,
     lock_sqlite_database,
     migration_lock,
 )
 from controlplane.db.store import AppRecord, Store
-from controlplane.errors import NotFoundError
+from controlplane.errors import DatabaseError, NotFoundError, SettingsError
 from controlplane.loops.calibration import ProfileCalibrator
 from controlplane.loops.capacity_replan import CapacityReplanner
 from controlplane.loops.infaas_scaler import InfaasScaler, scales_with_infaas
 from controlplane.loops.leadership import LeaderLock, Leadership, SoleLock
-from controlplane.loops.live_gears import LiveGears
+from controlplane.loops.live_gears import GearTable, LiveGears
 from controlplane.loops.live_tuner import LiveTuner, ResolveFn
 from controlplane.loops.reconciler import (
     PROFILE_RUN_MISSED_BEATS,
@@ -88,6 +89,7 @@ from controlplane.loops.reconciler import (
     ReconcileReport,
     disruption_budget,
 )
+from controlplane.loops.remote_serving import RemoteServing, ServingView
 from controlplane.loops.rollup import make_rollup
 from controlplane.loops.scheduler import JobBodies, Scheduler, service_schedule
 from controlplane.loops.traffic_replan import ReplanBand, TrafficReplanner
@@ -107,7 +109,9 @@ from provisioners.artifacts import ArtifactRef
 from provisioners.base import Provisioner
 
 __all__ = [
+    "SERVICE_ROLES",
     "Service",
+    "ServiceRole",
     "app_artifacts",
     "build_calibrator",
     "build_infaas_scaler",
@@ -127,6 +131,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# What one ``heteroplane serve`` process runs (docs/service.md, "Serving apart from the loops"):
+# all of it; the API and inference without the periodic jobs; the periodic jobs and the API
+# without inference, reading the serving process's observations over its internal routes.
+ServiceRole = Literal["all", "serving", "loops"]
+SERVICE_ROLES: tuple[ServiceRole, ...] = ("all", "serving", "loops")
+
 
 @dataclass(frozen=True, slots=True)
 class Service:
@@ -137,11 +147,17 @@ class Service:
     scheduler: Scheduler
     app: FastAPI
     provisioner: Provisioner
-    reconciler: Reconciler
+    # None in a serving process whose loops run apart (``role="serving"``).
+    reconciler: Reconciler | None
     serving: ServingLoop | None = None
     leadership: Leadership | None = None
     database_lock: SqliteFileLock | None = None
     live_tuner: LiveTuner | None = None
+    role: ServiceRole = "all"
+    # A loops process's view of the serving process (``role="loops"``).
+    remote: RemoteServing | None = None
+    # A serving process's lock: one serving process per database (``role="serving"``).
+    serving_lock: AdvisoryLock | None = None
 
     def close(self) -> None:
         """Stop the jobs, give up the leader lease and release the database. The provisioner's
@@ -149,12 +165,16 @@ class Service:
         if self.leadership is not None:
             self.leadership.stop()
         self.scheduler.shutdown(wait=True)
+        if self.remote is not None:
+            self.remote.close()
         if self.live_tuner is not None:
             self.live_tuner.close()
         self.provisioner.close()
         self.store.close()
         if self.leadership is not None and isinstance(self.leadership.lock, AdvisoryLock):
             self.leadership.lock.close()
+        if self.serving_lock is not None:
+            self.serving_lock.close()
         if self.database_lock is not None:
             self.database_lock.close()
 
@@ -239,7 +259,7 @@ def build_reconciler(
 
 
 def build_live_tuner(
-    settings: Settings, store: Store, clock: Clock, serving: ServingLoop, resolver: AppResolver
+    settings: Settings, store: Store, clock: Clock, serving: ServingView, resolver: AppResolver
 ) -> LiveTuner:
     """InferLine's tuner over the apps the serving loop observes (the others stay on their
     plans); apps resolve through ``resolver``."""
@@ -254,7 +274,7 @@ def build_live_tuner(
 
 
 def build_infaas_scaler(
-    settings: Settings, store: Store, clock: Clock, serving: ServingLoop, resolver: AppResolver
+    settings: Settings, store: Store, clock: Clock, serving: ServingView, resolver: AppResolver
 ) -> InfaasScaler:
     """INFaaS's autoscaler over the apps with ``scaling: infaas`` that the serving loop serves,
     on its states and arrivals; a drain waits the tuner's ``tuner_scale_down_delay_s`` (the
@@ -282,7 +302,7 @@ def scaled_fleet(live_tuner: LiveTuner, infaas: InfaasScaler | None) -> DesiredF
 
 
 def build_live_gears(
-    settings: Settings, store: Store, clock: Clock, serving: ServingLoop, resolver: AppResolver
+    settings: Settings, store: Store, clock: Clock, serving: ServingView, resolver: AppResolver
 ) -> LiveGears:
     """CascadeServe's gear switcher over the apps whose plans carry a gear plan, on what the
     serving loop observes, with the settings' hysteresis (``gear_*``); its store side refreshes
@@ -304,7 +324,7 @@ def build_live_gears(
 
 
 def build_traffic_replanner(
-    settings: Settings, store: Store, clock: Clock, serving: ServingLoop, resolver: AppResolver
+    settings: Settings, store: Store, clock: Clock, serving: ServingView, resolver: AppResolver
 ) -> TrafficReplanner:
     """The re-planning on recorded traffic over the apps the serving loop observes (the others
     stay on their plans), with the settings' period, window, hold, band, minimum of queries and
@@ -352,19 +372,23 @@ def stored_overhead(store: Store) -> OverheadSource:
 def build_calibrator(
     settings: Settings,
     store: Store,
-    serving: ServingLoop,
+    serving: ServingView,
     resolver: AppResolver,
     live_tuner: LiveTuner | None = None,
+    also: Callable[[str], None] | None = None,
 ) -> ProfileCalibrator:
     """The online calibration over the batch times the serving loop observes; it stores factors
     that ``resolver`` (built with :func:`stored_scales`) applies, and has ``live_tuner`` take the
-    calibrated profiles at its next tick."""
+    calibrated profiles at its next tick; ``also(app)`` is told too (a serving process apart,
+    whose resolver forgets the app)."""
     observations = serving.observations
 
     def recalibrated(app: str) -> None:
         resolver.invalidate(app)
         if live_tuner is not None:
             live_tuner.recalibrate(app)
+        if also is not None:
+            also(app)
 
     return ProfileCalibrator(
         store,
@@ -382,7 +406,7 @@ def build_scheduler(
     store: Store,
     clock: Clock,
     reconciler: Reconciler | None = None,
-    serving: ServingLoop | None = None,
+    serving: ServingView | None = None,
     live_tuner: LiveTuner | None = None,
     live_gears: LiveGears | None = None,
     replanner: CapacityReplanner | None = None,
@@ -468,9 +492,16 @@ def _log_report(report: ReconcileReport) -> None:
             )
 
 
-def build_service(settings: Settings, clock: Clock | None = None) -> Service:
-    """Migrate the database and wire the service (nothing runs until the app is served)."""
+def build_service(
+    settings: Settings, clock: Clock | None = None, role: ServiceRole = "all"
+) -> Service:
+    """Migrate the database and wire the service (nothing runs until the app is served):
+    everything in one process (``role="all"``), or the serving path or the loops of a service
+    whose two run apart (:data:`ServiceRole`; both need PostgreSQL, which the two processes
+    share: a SQLite file serves one process)."""
     clock = clock if clock is not None else SystemClock()
+    if role != "all":
+        _check_apart(settings, role)
     settings.ensure_data_dir()
     # First: a second process on a SQLite file stops here, before it migrates anything.
     database_lock = lock_sqlite_database(settings.database_url)
@@ -482,11 +513,16 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         if database_lock is not None:
             database_lock.close()
         raise
+    serving_lock = None
     try:
+        if role == "serving":
+            serving_lock = _serving_lock(settings)
         provisioner = build_provisioner(settings)
-        leadership = build_leadership(settings)
+        leadership = build_leadership(settings) if role != "serving" else None
     except BaseException:
         store.close()
+        if serving_lock is not None:
+            serving_lock.close()
         if database_lock is not None:
             database_lock.close()
         raise
@@ -499,11 +535,57 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         artifacts=store.get_model_version,
         measured=store.get_app_profiles,
     )
-    serving = ServingLoop(store, resolver, ProvisionedInstances(store, provisioner), clock=clock)
-    live_tuner = build_live_tuner(settings, store, clock, serving, resolver)
-    infaas_scaler = build_infaas_scaler(settings, store, clock, serving, resolver)
-    live_gears = build_live_gears(settings, store, clock, serving, resolver)
-    serving.gears = live_gears.gear
+    if role == "serving":
+        serving = ServingLoop(
+            store, resolver, ProvisionedInstances(store, provisioner), clock=clock
+        )
+        gear_table = GearTable(store)
+        serving.gears = gear_table.gear
+        app = create_app(
+            settings,
+            store,
+            clock,
+            serving=serving,
+            resolver=resolver,
+            provisioner=provisioner,
+            gear_table=gear_table,
+        )
+        # Never started: a serving process runs no periodic job.
+        idle = Scheduler(service_schedule(settings, JobBodies()))
+        return Service(
+            settings,
+            store,
+            idle,
+            app,
+            provisioner,
+            None,
+            serving,
+            database_lock=database_lock,
+            role=role,
+            serving_lock=serving_lock,
+        )
+    assert leadership is not None
+    remote: RemoteServing | None = None
+    view: ServingView
+    if role == "loops":
+        assert settings.serving_url is not None and settings.internal_token is not None
+        remote = RemoteServing(
+            settings.serving_url, settings.internal_token, clock, pull_s=settings.loops_pull_s
+        )
+        view = remote
+        local_serving = None
+    else:
+        local_serving = ServingLoop(
+            store, resolver, ProvisionedInstances(store, provisioner), clock=clock
+        )
+        view = local_serving
+    live_tuner = build_live_tuner(settings, store, clock, view, resolver)
+    infaas_scaler = build_infaas_scaler(settings, store, clock, view, resolver)
+    live_gears = build_live_gears(settings, store, clock, view, resolver)
+    if local_serving is not None:
+        local_serving.gears = live_gears.gear
+    if remote is not None:
+        remote.gears = live_gears.in_force
     reconciler = build_reconciler(
         store,
         clock,
@@ -520,9 +602,16 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         after_s=settings.capacity_replan_after_s,
         deadline_s=settings.plan_deadline_s,
     )
-    calibrator = build_calibrator(settings, store, serving, resolver, live_tuner)
+    calibrator = build_calibrator(
+        settings,
+        store,
+        view,
+        resolver,
+        live_tuner,
+        also=remote.recalibrated if remote is not None else None,
+    )
     traffic_replanner = (
-        build_traffic_replanner(settings, store, clock, serving, resolver)
+        build_traffic_replanner(settings, store, clock, view, resolver)
         if settings.replan_enabled
         else None
     )
@@ -531,7 +620,7 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         store,
         clock,
         reconciler,
-        serving,
+        view,
         live_tuner,
         live_gears,
         replanner,
@@ -541,17 +630,20 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         infaas_scaler,
     )
     # The API resolves through the same resolver, so a plan preview sees the calibrated profiles.
+    # A loops process serves the API without inference (no serving loop: 503).
     app = create_app(
         settings,
         store,
         clock,
         scheduler,
-        serving,
+        local_serving,
         resolver,
         leadership,
         budget_changed=live_gears.budget_changed,
         provisioner=provisioner,
     )
+    if remote is not None:
+        remote.start()
     return Service(
         settings,
         store,
@@ -559,8 +651,41 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         app,
         provisioner,
         reconciler,
-        serving,
+        local_serving,
         leadership,
         database_lock,
         live_tuner,
+        role=role,
+        remote=remote,
     )
+
+
+def _check_apart(settings: Settings, role: ServiceRole) -> None:
+    """What the serving path and the loops need to run apart: PostgreSQL, which both share
+    (a SQLite file serves one process), and for the loops where the serving process is and
+    the token its internal routes take."""
+    if not settings.is_postgresql:
+        raise SettingsError(
+            "database_url",
+            f"role {role} runs apart from the other half of the service, which needs a"
+            " PostgreSQL database_url (a SQLite file serves one process: use role all)",
+        )
+    if role == "loops" and (settings.serving_url is None or settings.internal_token is None):
+        raise SettingsError(
+            "serving_url",
+            "role loops reads the serving process: set serving_url (HETEROPLANE_SERVING_URL)"
+            " and internal_token (HETEROPLANE_INTERNAL_TOKEN, an admin token)",
+        )
+
+
+def _serving_lock(settings: Settings) -> AdvisoryLock:
+    """The one serving process's lock of the database (a second one is refused: several
+    serving processes dispatching to one fleet are not supported yet)."""
+    lock = AdvisoryLock(settings.database_url, SERVING_LOCK_KEY)
+    if not lock.try_acquire():
+        lock.close()
+        raise DatabaseError(
+            "another serving process already serves this database; several serving processes"
+            " are not supported yet (docs/service.md, 'Serving apart from the loops')"
+        )
+    return lock

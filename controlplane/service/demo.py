@@ -724,8 +724,10 @@ def stop_demo(
         say(f"no app {DEMO_APP!r} in the database; {first} worker(s) of it still run")
     deadline_s = time.monotonic() + wait_s
     last = ""
+    reconciler = service.reconciler
+    assert reconciler is not None  # the demo's service runs everything in one process
     while True:
-        service.reconciler.run_once()
+        reconciler.run_once()
         app_there = _app_exists(service.store)
         workers = _demo_workers(service)
         if not app_there and workers == 0:

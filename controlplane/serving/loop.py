@@ -440,6 +440,10 @@ class ServingLoop:
         snapshots = dict(self._snapshots)
         return [snapshots[app] for app in sorted(snapshots)]
 
+    def served_apps(self) -> list[str]:
+        """The apps the loop has a dispatcher for (it observes their traffic), by name."""
+        return sorted(self._dispatchers)
+
     def serves(self, app: str) -> bool:
         """Whether the loop has a dispatcher for ``app`` (it observes the app's traffic)."""
         return app in self._dispatchers

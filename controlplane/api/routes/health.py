@@ -75,7 +75,9 @@ def healthz(services: ServicesDep) -> HealthOut:
         version=__version__,
         scheduler_running=scheduler is not None and scheduler.running,
         # Without a lease the service is alone (an app built for a test): it leads.
-        role=leadership.role if leadership is not None else "leader",
+        role=leadership.role
+        if leadership is not None
+        else ("serving" if services.gear_table is not None else "leader"),
     )
 
 

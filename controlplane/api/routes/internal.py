@@ -1,0 +1,104 @@
+"""The serving process's internal routes (admin scope, not in the OpenAPI document): what the
+loops process reads of the serving loop when the two run apart (``heteroplane serve --role
+serving`` and ``--role loops``; docs/service.md, "Serving apart from the loops"), read by
+:class:`~controlplane.loops.remote_serving.RemoteServing`.
+
+- ``POST /internal/v1/feed``: the loops' frequent exchange (every ``loops_pull_s``). In: the
+  newest arrival each app already has (``since_s``, on this process's clock), the gears in force
+  (app -> [plan id, gear]: the serving loop's gear hook, :class:`~controlplane.loops.live_gears.
+  GearTable`) and the apps recalibrated since the last exchange (this process's resolver forgets
+  them). Out: this process's clock (``now_s``) and, per app it serves, the arrivals after
+  ``since_s`` and its status (``null`` before its first refresh).
+- ``GET /internal/v1/apps/{app}/observations``: its batch service times and API times (the
+  calibration's); ``POST .../forget-batch-times``: drop one (model, type)'s batch times.
+- ``POST /internal/v1/apps/{app}/window``: the app's serving window since the last call (the
+  roll-up's; ``null`` when the app is not served).
+
+The answers are JSON written with :func:`json.dumps` (a capacity may be infinite).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Response
+from pydantic import BaseModel, Field
+
+from controlplane.api.deps import Admin, Services, ServicesDep
+from controlplane.api.routes import AppName
+from controlplane.errors import ServingUnavailableError
+from controlplane.serving.loop import ServingLoop
+from controlplane.serving.wire import status_to_json, window_to_json
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/internal/v1", tags=["internal"], include_in_schema=False)
+
+
+class FeedIn(BaseModel):
+    since_s: dict[str, float] = Field(default_factory=dict)
+    gears: dict[str, tuple[int, int]] = Field(default_factory=dict)
+    recalibrated: list[str] = Field(default_factory=list)
+
+
+class ForgetIn(BaseModel):
+    model: str
+    instance_type: str
+
+
+def _json(value: Any) -> Response:
+    return Response(json.dumps(value), media_type="application/json")
+
+
+def _serving(services: Services, app: str = "") -> ServingLoop:
+    if services.serving is None:
+        raise ServingUnavailableError(app, "this process runs no serving loop")
+    return services.serving
+
+
+@router.post("/feed")
+def feed(body: FeedIn, services: ServicesDep, _who: Admin) -> Response:
+    serving = _serving(services)
+    if services.gear_table is not None:
+        services.gear_table.set_all(body.gears)
+    for app in body.recalibrated:
+        services.resolver.invalidate(app)
+    statuses = {status.app: status for status in serving.statuses()}
+    apps: dict[str, Any] = {}
+    for app in serving.served_apps():
+        arrivals = serving.observations.arrival_s(app)
+        since = body.since_s.get(app)
+        if since is not None:
+            arrivals = arrivals[int(np.searchsorted(arrivals, since, side="right")) :]
+        status = statuses.get(app)
+        apps[app] = {
+            "arrivals_s": arrivals.tolist(),
+            "status": status_to_json(status) if status is not None else None,
+        }
+    return _json({"now_s": serving.clock.now_s(), "apps": apps})
+
+
+@router.get("/apps/{app}/observations")
+def observations(app: AppName, services: ServicesDep, _who: Admin) -> Response:
+    found = _serving(services, app).observations
+    batch_times = [
+        [model, instance_type, {str(size): times for size, times in by_size.items()}]
+        for (model, instance_type), by_size in found.batch_times_ms(app).items()
+    ]
+    return _json({"batch_times_ms": batch_times, "api_times_ms": found.api_times_ms(app)})
+
+
+@router.post("/apps/{app}/forget-batch-times", status_code=204)
+def forget_batch_times(
+    app: AppName, body: ForgetIn, services: ServicesDep, _who: Admin
+) -> Response:
+    _serving(services, app).observations.forget_batch_times(app, body.model, body.instance_type)
+    return Response(status_code=204)
+
+
+@router.post("/apps/{app}/window")
+def take_window(app: AppName, services: ServicesDep, _who: Admin) -> Response:
+    window = _serving(services, app).take_window(app)
+    return _json(window_to_json(window) if window is not None else None)

@@ -1,0 +1,231 @@
+"""The serving loop as a loops process running apart sees it: over the serving process's
+internal routes (:mod:`controlplane.api.routes.internal`; docs/service.md, "Serving apart from the
+loops").
+
+:class:`RemoteServing` stands in for :class:`~controlplane.serving.loop.ServingLoop` where the
+loops read it (:class:`ServingView`: the observed arrivals, the statuses, the batch and API times,
+the windows). A thread (:meth:`RemoteServing.start`) exchanges the feed every ``pull_s``: it sends
+the gears in force (the switcher's, :meth:`~controlplane.loops.live_gears.LiveGears.in_force`)
+and the apps recalibrated since, and keeps the arrivals (on the serving process's clock, moved
+onto this one's by the offset between the two clocks at the last exchange) and statuses it gets
+back. The calibration's batch and API times and the roll-up's windows are read when asked.
+
+A serving process that does not answer is logged once per outage; meanwhile no app reads as
+served (the tuner leaves apps on their plans, the gears and the INFaaS scaler see no status), no
+batch time is observed and no window is rolled up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import httpx
+import numpy as np
+from numpy.typing import NDArray
+
+from controlplane.clock import Clock
+from controlplane.serving.dispatcher import AppStatus
+from controlplane.serving.observations import ARRIVALS_KEPT, WindowSummary
+from controlplane.serving.wire import status_from_json, window_from_json
+
+__all__ = ["DEFAULT_PULL_S", "RemoteServing", "ServingObservations", "ServingView"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PULL_S = 0.1
+_TIMEOUT_S = 5.0
+
+
+class ServingObservations(Protocol):
+    """What the calibration reads of the serving loop's observations."""
+
+    def batch_times_ms(self, app: str) -> dict[tuple[str, str], dict[int, list[float]]]: ...
+    def api_times_ms(self, app: str) -> list[float]: ...
+    def forget_batch_times(self, app: str, model: str, instance_type: str) -> None: ...
+
+
+class ServingView(Protocol):
+    """What the loops read of the serving loop (the loop itself, or :class:`RemoteServing`)."""
+
+    @property
+    def observations(self) -> ServingObservations: ...
+
+    def observed_arrivals(self, app: str) -> NDArray[np.float64] | None: ...
+    def statuses(self) -> list[AppStatus]: ...
+    def take_window(self, app: str) -> WindowSummary | None: ...
+
+
+class _RemoteObservations:
+    def __init__(self, remote: RemoteServing) -> None:
+        self._remote = remote
+
+    def batch_times_ms(self, app: str) -> dict[tuple[str, str], dict[int, list[float]]]:
+        found = self._remote.call("GET", f"/apps/{app}/observations")
+        if found is None:
+            return {}
+        return {
+            (model, instance_type): {int(size): list(times) for size, times in by_size.items()}
+            for model, instance_type, by_size in found["batch_times_ms"]
+        }
+
+    def api_times_ms(self, app: str) -> list[float]:
+        found = self._remote.call("GET", f"/apps/{app}/observations")
+        return [] if found is None else [float(t) for t in found["api_times_ms"]]
+
+    def forget_batch_times(self, app: str, model: str, instance_type: str) -> None:
+        self._remote.call(
+            "POST",
+            f"/apps/{app}/forget-batch-times",
+            {"model": model, "instance_type": instance_type},
+        )
+
+
+class RemoteServing:
+    """The serving process at ``url`` (its base URL), read with the admin token ``token``
+    (thread-safe; see the module docstring)."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        clock: Clock,
+        *,
+        pull_s: float = DEFAULT_PULL_S,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if not pull_s > 0:
+            raise ValueError(f"pull_s must be > 0, got {pull_s!r}")
+        self.url = url.rstrip("/")
+        self.clock = clock
+        self.pull_s = float(pull_s)
+        self.gears: Callable[[], Mapping[str, tuple[int, int]]] = dict
+        self._client = httpx.Client(
+            base_url=f"{self.url}/internal/v1",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=_TIMEOUT_S,
+            transport=transport,
+        )
+        self._observations = _RemoteObservations(self)
+        self._lock = threading.Lock()
+        self._arrivals: dict[str, NDArray[np.float64]] = {}  # on the serving process's clock
+        self._served: set[str] = set()
+        self._statuses: list[AppStatus] = []
+        self._offset_s = 0.0  # this clock minus the serving process's
+        self._recalibrated: set[str] = set()
+        self._down = False
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def observations(self) -> ServingObservations:
+        return self._observations
+
+    # --- the exchange -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Exchange the feed now, then every ``pull_s`` on a daemon thread until :meth:`close`."""
+        if self._thread is not None:
+            raise RuntimeError("the serving feed is already running")
+        self.pull()
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="serving-feed", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stopping.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        self._client.close()
+
+    def recalibrated(self, app: str) -> None:
+        """Have the serving process's resolver forget ``app`` at the next exchange."""
+        with self._lock:
+            self._recalibrated.add(app)
+
+    def pull(self) -> bool:
+        """One exchange of the feed; whether the serving process answered."""
+        with self._lock:
+            since = {app: float(a[-1]) for app, a in self._arrivals.items() if a.size}
+            recalibrated, self._recalibrated = self._recalibrated, set()
+        body = {
+            "since_s": since,
+            "gears": {app: list(pair) for app, pair in self.gears().items()},
+            "recalibrated": sorted(recalibrated),
+        }
+        found = self.call("POST", "/feed", body)
+        if found is None:
+            with self._lock:
+                self._recalibrated |= recalibrated
+                self._served = set()
+                self._statuses = []
+            return False
+        offset = self.clock.now_s() - float(found["now_s"])
+        apps: dict[str, Any] = found["apps"]
+        statuses = [
+            status_from_json(entry["status"])
+            for _app, entry in sorted(apps.items())
+            if entry["status"] is not None
+        ]
+        with self._lock:
+            for app, entry in apps.items():
+                new = np.asarray(entry["arrivals_s"], dtype=np.float64)
+                kept = self._arrivals.get(app)
+                joined = new if kept is None else np.concatenate((kept, new))
+                self._arrivals[app] = joined[-ARRIVALS_KEPT:]
+            for gone in set(self._arrivals) - set(apps):
+                del self._arrivals[gone]
+            self._served = set(apps)
+            self._statuses = statuses
+            self._offset_s = offset
+        return True
+
+    def call(self, method: str, path: str, body: object = None) -> Any:
+        """One call of an internal route: its JSON answer, or None when the serving process did
+        not answer it (logged once per outage)."""
+        try:
+            answer = self._client.request(method, path, json=body)
+            answer.raise_for_status()
+        except httpx.HTTPError as error:
+            if not self._down:
+                self._down = True
+                logger.warning("the serving process at %s does not answer: %s", self.url, error)
+            return None
+        if self._down:
+            self._down = False
+            logger.info("the serving process at %s answers again", self.url)
+        return None if answer.status_code == 204 else answer.json()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.pull_s):
+            try:
+                self.pull()
+            except Exception:  # the feed must outlive a bad exchange
+                logger.exception("serving feed: an exchange failed")
+
+    # --- what the loops read ------------------------------------------------------------------
+
+    def serves(self, app: str) -> bool:
+        with self._lock:
+            return app in self._served
+
+    def observed_arrivals(self, app: str) -> NDArray[np.float64] | None:
+        """The app's arrivals on this process's clock, oldest first; None when the serving
+        process does not serve it (or did not answer the last exchange)."""
+        with self._lock:
+            if app not in self._served:
+                return None
+            kept = self._arrivals.get(app)
+            offset = self._offset_s
+        return np.empty(0, dtype=np.float64) if kept is None else kept + offset
+
+    def statuses(self) -> list[AppStatus]:
+        with self._lock:
+            return list(self._statuses)
+
+    def take_window(self, app: str) -> WindowSummary | None:
+        found = self.call("POST", f"/apps/{app}/window")
+        return None if found is None else window_from_json(found)
