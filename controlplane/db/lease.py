@@ -52,6 +52,7 @@ __all__ = [
     "MIGRATION_LOCK_KEY",
     "SERVING_LOCK_KEY",
     "AdvisoryLock",
+    "KeptLock",
     "SqliteFileLock",
     "advisory_key",
     "lock_sqlite_database",
@@ -97,6 +98,45 @@ LOCK_STATEMENT_TIMEOUT_MS = 5000
 # freeing the lock of a leader that stopped checking (frozen, stopped, cut off without a FIN)
 # while its socket still looks open. A live replica runs a statement every TRY_EVERY_S (2 s).
 LOCK_IDLE_SESSION_TIMEOUT_S = 10
+
+
+class KeptLock:
+    """An advisory lock held for a process's lifetime (the serving process's, ``SERVING_LOCK_KEY``):
+    taken once by :meth:`start`, then checked every ``every_s`` on a daemon thread (the server
+    ends a session idle for :data:`LOCK_IDLE_SESSION_TIMEOUT_S`) and taken again after a failed
+    check; a loss to another holder is logged once."""
+
+    def __init__(self, lock: AdvisoryLock, every_s: float, what: str) -> None:
+        self.lock = lock
+        self.every_s = float(every_s)
+        self.what = what
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> bool:
+        """Take the lock; False (and nothing started) when another session holds it."""
+        if not self.lock.try_acquire():
+            return False
+        self._thread = threading.Thread(target=self._run, name="kept-lock", daemon=True)
+        self._thread.start()
+        return True
+
+    def close(self) -> None:
+        self._stopping.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        self.lock.close()
+
+    def _run(self) -> None:
+        lost = False
+        while not self._stopping.wait(self.every_s):
+            held = self.lock.check() or self.lock.try_acquire()
+            if not held and not lost:
+                logger.error("%s: the lock is lost to another holder", self.what)
+            elif held and lost:
+                logger.info("%s: the lock is held again", self.what)
+            lost = not held
 
 
 def _lock_engine(url: str | URL, application_name: str, statement_timeout_ms: int) -> Engine:

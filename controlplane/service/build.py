@@ -66,6 +66,7 @@ from controlplane.db import migrate
 from controlplane.db.lease import (
     SERVING_LOCK_KEY,
     AdvisoryLock,
+    KeptLock,
     SqliteFileLock,
     lock_sqlite_database,
     migration_lock,
@@ -75,7 +76,7 @@ from controlplane.errors import DatabaseError, NotFoundError, SettingsError
 from controlplane.loops.calibration import ProfileCalibrator
 from controlplane.loops.capacity_replan import CapacityReplanner
 from controlplane.loops.infaas_scaler import InfaasScaler, scales_with_infaas
-from controlplane.loops.leadership import LeaderLock, Leadership, SoleLock
+from controlplane.loops.leadership import TRY_EVERY_S, LeaderLock, Leadership, SoleLock
 from controlplane.loops.live_gears import GearTable, LiveGears
 from controlplane.loops.live_tuner import LiveTuner, ResolveFn
 from controlplane.loops.reconciler import (
@@ -157,7 +158,7 @@ class Service:
     # A loops process's view of the serving process (``role="loops"``).
     remote: RemoteServing | None = None
     # A serving process's lock: one serving process per database (``role="serving"``).
-    serving_lock: AdvisoryLock | None = None
+    serving_lock: KeptLock | None = None
 
     def close(self) -> None:
         """Stop the jobs, give up the leader lease and release the database. The provisioner's
@@ -503,20 +504,21 @@ def build_service(
     if role != "all":
         _check_apart(settings, role)
     settings.ensure_data_dir()
-    # First: a second process on a SQLite file stops here, before it migrates anything.
+    # First: a second process on a SQLite file, or a second serving process, stops here, before
+    # it migrates anything.
     database_lock = lock_sqlite_database(settings.database_url)
+    serving_lock = _serving_lock(settings) if role == "serving" else None
     try:
         with migration_lock(settings.database_url):
             migrate.upgrade(settings.database_url)
         store = Store.from_url(settings.database_url, clock)
     except BaseException:
+        if serving_lock is not None:
+            serving_lock.close()
         if database_lock is not None:
             database_lock.close()
         raise
-    serving_lock = None
     try:
-        if role == "serving":
-            serving_lock = _serving_lock(settings)
         provisioner = build_provisioner(settings)
         leadership = build_leadership(settings) if role != "serving" else None
     except BaseException:
@@ -678,11 +680,17 @@ def _check_apart(settings: Settings, role: ServiceRole) -> None:
         )
 
 
-def _serving_lock(settings: Settings) -> AdvisoryLock:
-    """The one serving process's lock of the database (a second one is refused: several
-    serving processes dispatching to one fleet are not supported yet)."""
-    lock = AdvisoryLock(settings.database_url, SERVING_LOCK_KEY)
-    if not lock.try_acquire():
+def _serving_lock(settings: Settings) -> KeptLock:
+    """The one serving process's lock of the database, kept while it runs (a second one is
+    refused: several serving processes dispatching to one fleet are not supported yet)."""
+    lock = KeptLock(
+        AdvisoryLock(
+            settings.database_url, SERVING_LOCK_KEY, application_name="heteroplane-serving"
+        ),
+        TRY_EVERY_S,
+        "the serving process's lock of the database",
+    )
+    if not lock.start():
         lock.close()
         raise DatabaseError(
             "another serving process already serves this database; several serving processes"

@@ -48,14 +48,15 @@ def service_env(data_dir: Path, **settings: str) -> dict[str, str]:
 class Server:
     """``python -m controlplane serve`` on a free loopback port."""
 
-    def __init__(self, data_dir: Path, log: Path, **settings: str) -> None:
+    def __init__(self, data_dir: Path, log: Path, *, role: str = "all", **settings: str) -> None:
         self.data_dir = data_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         self._log = log.open("ab")
+        roles = () if role == "all" else ("--role", role)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "controlplane", "serve", "--port", str(self.port)],
+            [sys.executable, "-m", "controlplane", "serve", "--port", str(self.port), *roles],
             cwd=REPO,
             env=service_env(data_dir, **settings),
             stdout=self._log,
