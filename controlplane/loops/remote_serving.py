@@ -85,7 +85,8 @@ class _RemoteObservations:
 
 class RemoteServing:
     """The serving process at ``url`` (its base URL), read with the admin token ``token``
-    (thread-safe; see the module docstring)."""
+    (thread-safe; see the module docstring). ``client``: the HTTP client to send with (a test's
+    client of an app in process; default a new one), closed by :meth:`close`."""
 
     def __init__(
         self,
@@ -94,7 +95,7 @@ class RemoteServing:
         clock: Clock,
         *,
         pull_s: float = DEFAULT_PULL_S,
-        transport: httpx.BaseTransport | None = None,
+        client: httpx.Client | None = None,
     ) -> None:
         if not pull_s > 0:
             raise ValueError(f"pull_s must be > 0, got {pull_s!r}")
@@ -102,12 +103,9 @@ class RemoteServing:
         self.clock = clock
         self.pull_s = float(pull_s)
         self.gears: Callable[[], Mapping[str, tuple[int, int]]] = dict
-        self._client = httpx.Client(
-            base_url=f"{self.url}/internal/v1",
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=_TIMEOUT_S,
-            transport=transport,
-        )
+        self._client = client if client is not None else httpx.Client(timeout=_TIMEOUT_S)
+        self._base = f"{self.url}/internal/v1"
+        self._headers = {"Authorization": f"Bearer {token}"}
         self._observations = _RemoteObservations(self)
         self._lock = threading.Lock()
         self._arrivals: dict[str, NDArray[np.float64]] = {}  # on the serving process's clock
@@ -187,7 +185,9 @@ class RemoteServing:
         """One call of an internal route: its JSON answer, or None when the serving process did
         not answer it (logged once per outage)."""
         try:
-            answer = self._client.request(method, path, json=body)
+            answer = self._client.request(
+                method, f"{self._base}{path}", json=body, headers=self._headers
+            )
             answer.raise_for_status()
         except httpx.HTTPError as error:
             if not self._down:

@@ -16,7 +16,7 @@ import pytest
 from controlplane.clock import FakeClock
 from controlplane.db import migrate
 from controlplane.db.store import AppRecord, Store
-from controlplane.loops.live_gears import LiveGears, ready_share
+from controlplane.loops.live_gears import GearTable, LiveGears, ready_share
 from controlplane.policies.gears import Gear, GearOption, GearPlan, Hysteresis, Placement
 from controlplane.serving.dispatcher import AppStatus, StageStatus
 from estimator.cascades import Cascade, CascadeQuality
@@ -395,3 +395,29 @@ def test_a_move_within_a_cascade_changes_the_trigger_and_is_not_recorded(
     assert gears.tick() == []  # no switch: the same cascade
     assert gears.gear(APP).min_queue == {"tiny": 4}  # type: ignore[union-attr]
     assert [n["gear"] for n in gear_log(store)] == [1]  # only the start is recorded
+
+
+def test_the_serving_processs_gear_table_serves_the_gear_the_switcher_sent(
+    store: Store, tmp_path: Path
+) -> None:
+    """Loops apart from serving: what the switcher has in force (plan id, gear) crosses to the
+    serving process, whose table makes the same gear from the applied plan in the database."""
+    applied(store, tmp_path, PLAN.to_document())
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    gears = switcher(store, clock, loop)
+    loop.rate(60.0, clock.now_s())
+    gears.tick()
+    table = GearTable(store)
+    table.set_all(gears.in_force())
+    assert table.gear(APP) == gears.gear(APP) and gears.gear(APP) is not None
+    assert table.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]
+
+    plan_id = next(iter(gears.in_force().values()))[0]
+    table.set_all({APP: (plan_id + 1, 0)})  # not the applied plan: served without gears
+    assert table.gear(APP) is None
+    table.set_all({APP: (plan_id, len(PLAN.gears))})  # no such gear
+    assert table.gear(APP) is None
+    table.set_all({APP: (plan_id, 0)})
+    assert table.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+    table.set_all({})  # the switcher dropped the app
+    assert table.gear(APP) is None

@@ -1,0 +1,164 @@
+"""The loops' view of a serving process running apart (:class:`RemoteServing`) against the
+serving app's internal routes in process, and its feed's bookkeeping against a scripted one:
+arrivals kept and moved onto the loops' clock, asked for from the newest one held, the gears and
+the recalibrated apps sent, an outage read as nothing served.
+
+The real processes (PostgreSQL, local workers, a SIGKILL of the loops' leader) are in
+tests/integration/test_serving_apart.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from controlplane.apps.resolver import AppResolver
+from controlplane.clock import FakeClock
+from controlplane.db.store import Store
+from controlplane.loops.live_gears import GearTable
+from controlplane.loops.remote_serving import RemoteServing
+from controlplane.service.app import create_app
+from controlplane.serving.dispatcher import AppStatus, StageStatus, WorkerStatus
+from controlplane.serving.loop import ServingLoop
+from controlplane.serving.observations import Split
+from controlplane.serving.states import Overload
+from controlplane.serving.wire import status_from_json, status_to_json
+from controlplane.serving.workers import StaticInstances
+from controlplane.settings import Settings
+
+
+@pytest.fixture
+def serving(tmp_path: Path) -> Iterator[tuple[ServingLoop, TestClient, dict[str, str]]]:
+    """A serving app (its loop not started: the observations are written by hand), its client
+    and an admin and a viewer token."""
+    settings = Settings(data_dir=tmp_path, provisioner="fake")
+    clock = FakeClock(start_s=50.0)
+    store = Store.from_url(settings.database_url, clock, upgrade=True)
+    tokens = {scope: store.create_token(scope, name=scope) for scope in ("admin", "viewer")}
+    resolver = AppResolver(tmp_path)
+    loop = ServingLoop(store, resolver, StaticInstances(), clock=clock)
+    app = create_app(settings, store, clock, serving=loop, resolver=resolver,
+                     gear_table=GearTable(store))  # fmt: skip
+    with TestClient(app) as client:
+        yield loop, client, tokens
+    store.close()
+
+
+def test_the_loops_read_the_calibrations_times_and_the_windows_of_the_serving_process(
+    serving: tuple[ServingLoop, TestClient, dict[str, str]],
+) -> None:
+    loop, client, tokens = serving
+    assert client.get("/healthz").json()["role"] == "serving"
+    observed = loop.observations
+    for ms in (10.0, 12.0, 11.0):
+        observed.batch_served("toy", "tiny", "emu.cpu.large", 4, ms)
+    observed.batch_served("toy", "large", "emu.gpu.small", 1, 30.0)
+    observed.arrival("toy", 50.0)
+    observed.answered("toy", 50.0, 25.0, late=False, models=["tiny"], split=Split(api_ms=2.5))
+    remote = RemoteServing("http://testserver", tokens["admin"], FakeClock(), client=client)
+
+    assert remote.observations.batch_times_ms("toy") == observed.batch_times_ms("toy")
+    assert remote.observations.batch_times_ms("toy")[("tiny", "emu.cpu.large")] == {
+        4: [10.0, 12.0, 11.0]
+    }
+    assert remote.observations.api_times_ms("toy") == observed.api_times_ms("toy") == [2.5]
+    remote.observations.forget_batch_times("toy", "tiny", "emu.cpu.large")
+    assert set(observed.batch_times_ms("toy")) == {("large", "emu.gpu.small")}
+    # No dispatcher for it: the loop serves nothing, so no window and no app in the feed.
+    assert remote.take_window("toy") is None
+    assert remote.pull() and remote.observed_arrivals("toy") is None and remote.statuses() == []
+
+
+def test_the_internal_routes_take_an_admin_token(
+    serving: tuple[ServingLoop, TestClient, dict[str, str]],
+) -> None:
+    _loop, client, tokens = serving
+    assert client.post("/internal/v1/feed", json={}).status_code == 401
+    viewer = {"Authorization": f"Bearer {tokens['viewer']}"}
+    assert client.post("/internal/v1/feed", json={}, headers=viewer).status_code == 403
+    remote = RemoteServing("http://testserver", tokens["viewer"], FakeClock(), client=client)
+    assert not remote.pull()  # refused: read as nothing served
+    assert remote.observations.batch_times_ms("toy") == {}
+    assert "/internal/" not in json.dumps(client.get("/openapi.json").json()["paths"])
+
+
+class ScriptedFeed:
+    """A serving process's feed answered from a script: its clock and each app's arrivals."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+        self.arrivals: dict[str, list[float]] = {}
+        self.status: dict[str, Any] | None = None
+        self.down = False
+        self.asked: list[dict[str, Any]] = []
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            raise httpx.ConnectError("refused", request=request)
+        assert request.url.path == "/internal/v1/feed"
+        assert request.headers["Authorization"] == "Bearer hp_admin"
+        body = json.loads(request.content)
+        self.asked.append(body)
+        apps = {}
+        for app, times in self.arrivals.items():
+            since = body["since_s"].get(app, -np.inf)
+            apps[app] = {"arrivals_s": [t for t in times if t > since], "status": self.status}
+        return httpx.Response(200, json={"now_s": self.now_s, "apps": apps})
+
+
+def test_the_feed_keeps_the_arrivals_on_the_loops_clock_and_sends_the_gears() -> None:
+    feed, clock = ScriptedFeed(), FakeClock(start_s=10.0)
+    client = httpx.Client(transport=httpx.MockTransport(feed.handle))
+    remote = RemoteServing("http://serving:8000", "hp_admin", clock, client=client)
+    remote.gears = lambda: {"toy": (7, 1)}
+    feed.arrivals["toy"] = [998.0, 999.0]
+    assert remote.pull()
+    # The serving clock reads 1000 when this one reads 10: its arrivals are 990 s earlier here.
+    np.testing.assert_allclose(remote.observed_arrivals("toy"), [8.0, 9.0])  # type: ignore[arg-type]
+    assert feed.asked[-1]["gears"] == {"toy": [7, 1]}
+    assert remote.observed_arrivals("other") is None  # not served there
+
+    feed.arrivals["toy"] += [1000.5]
+    feed.now_s = 1001.0
+    clock.advance(1.0)
+    remote.recalibrated("toy")
+    assert remote.pull()
+    assert feed.asked[-1]["since_s"] == {"toy": 999.0}  # only the newer ones come
+    assert feed.asked[-1]["recalibrated"] == ["toy"]
+    np.testing.assert_allclose(remote.observed_arrivals("toy"), [8.0, 9.0, 10.5])  # type: ignore[arg-type]
+
+    feed.down = True
+    remote.recalibrated("toy")
+    assert not remote.pull()
+    assert remote.observed_arrivals("toy") is None and remote.statuses() == []
+    feed.down = False
+    assert remote.pull()
+    assert feed.asked[-1]["recalibrated"] == ["toy"]  # not lost with the failed exchange
+    assert remote.observed_arrivals("toy") is not None
+    remote.close()
+
+
+def test_a_status_crosses_the_wire_whole() -> None:
+    stage = StageStatus(
+        "tiny",
+        3,
+        5,
+        2,
+        float("inf"),
+        "kairos",
+        8,
+        {"i-1": "active"},
+        {"i-1": 1.0},
+        0.4,
+        Overload(12.0, 100.0, 2, 40.0, 50.0, 5.0),
+    )
+    worker = WorkerStatus("i-1", "emu.cpu.large", "127.0.0.1:9", True, False, "", 0.25)
+    status = AppStatus("toy", "tiny>large", 100.0, (worker,), (stage,), 4)
+    assert status_from_json(json.loads(json.dumps(status_to_json(status)))) == status
