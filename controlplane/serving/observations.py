@@ -482,6 +482,32 @@ class Observations:
                 return entry.arrivals[: entry.size].copy()
             return np.concatenate((entry.arrivals[entry.head :], entry.arrivals[: entry.head]))
 
+    def arrival_s_since(self, app: str, since_s: float | None) -> np.ndarray:
+        """The kept arrival times of ``app`` after ``since_s`` (all when None), oldest first:
+        only those are copied (a loops process running apart asks every 100 ms for the new ones).
+
+        >>> o = Observations()
+        >>> for t in (1.0, 2.0, 3.0):
+        ...     o.arrival("a", t)
+        >>> o.arrival_s_since("a", 1.0).tolist(), o.arrival_s_since("a", None).tolist()
+        ([2.0, 3.0], [1.0, 2.0, 3.0])
+        """
+        if since_s is None:
+            return self.arrival_s(app)
+        with self._lock:
+            entry = self._apps.get(app)
+            if entry is None or entry.size == 0:
+                return np.empty(0, dtype=np.float64)
+            # The ring in time order is older + newer (views, not copies).
+            if entry.size < ARRIVALS_KEPT:
+                older, newer = entry.arrivals[:0], entry.arrivals[: entry.size]
+            else:
+                older, newer = entry.arrivals[entry.head :], entry.arrivals[: entry.head]
+            if newer.size and newer[0] <= since_s:  # all of the older ones are before it
+                return newer[int(np.searchsorted(newer, since_s, side="right")) :].copy()
+            start = int(np.searchsorted(older, since_s, side="right"))
+            return np.concatenate((older[start:], newer))
+
     def rate_qps(self, app: str, now_s: float, window_s: float) -> float:
         """Arrivals per second over the last ``window_s`` (CascadeServe's measured QPS)."""
         if window_s <= 0:

@@ -259,6 +259,22 @@ def test_the_arrival_ring_keeps_the_newest_in_order() -> None:
     assert np.all(np.diff(kept) > 0)
 
 
+def test_the_arrivals_since_a_time_are_the_rings_tail_before_and_after_it_wraps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the feed of a loops process running apart asks for: the arrivals after the newest
+    it has, read from the ring without copying the rest, equal to filtering the whole."""
+    monkeypatch.setattr("controlplane.serving.observations.ARRIVALS_KEPT", 8)
+    seen = Observations()
+    assert seen.arrival_s_since("demo", 0.0).size == 0
+    for t in np.cumsum(np.random.default_rng(1).random(30)):
+        seen.arrival("demo", float(t))
+        whole = seen.arrival_s("demo")
+        for since in (None, -1.0, float(t), float(t) - 0.5, float(t) - 3.0, *whole.tolist()):
+            want = whole if since is None else whole[whole > since]
+            assert np.array_equal(seen.arrival_s_since("demo", since), want)
+
+
 # --- workers, queues, policies, the wire ------------------------------------------------------
 
 

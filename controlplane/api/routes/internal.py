@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import numpy as np
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, Field
 
@@ -68,10 +67,7 @@ def feed(body: FeedIn, services: ServicesDep, _who: Admin) -> Response:
     statuses = {status.app: status for status in serving.statuses()}
     apps: dict[str, Any] = {}
     for app in serving.served_apps():
-        arrivals = serving.observations.arrival_s(app)
-        since = body.since_s.get(app)
-        if since is not None:
-            arrivals = arrivals[int(np.searchsorted(arrivals, since, side="right")) :]
+        arrivals = serving.observations.arrival_s_since(app, body.since_s.get(app))
         status = statuses.get(app)
         apps[app] = {
             "arrivals_s": arrivals.tolist(),
