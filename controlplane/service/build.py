@@ -37,6 +37,15 @@ lock (:class:`~controlplane.db.lease.AdvisoryLock`) or, on SQLite, the lone repl
 process out). The API's lifespan runs the lease, which starts the scheduler on the leader only;
 the serving loop runs on every replica (it reads the fleet from the database).
 
+Roles (docs/service.md, "Serving apart from the loops"): ``build_service(..., role=)`` wires the
+whole of the above in one process (``"all"``, the default), or one half of it: ``"serving"`` the
+serving loop and the API with no scheduler (its gear hook a
+:class:`~controlplane.loops.live_gears.GearTable` the loops set over the internal feed; one such
+process per database, held by an advisory lock), ``"loops"`` the scheduler and its jobs under
+the leader lease and the API without inference, reading the serving process through a
+:class:`~controlplane.loops.remote_serving.RemoteServing` where they would read the serving loop
+(:class:`~controlplane.loops.remote_serving.ServingView`). Both halves need PostgreSQL.
+
 The reconciler learns each app's prices and Q_t (for the budget guard's ranking) from the app's
 resolved spec (:func:`spec_pricing`), and which types it may launch from the provisioner
 (:meth:`~provisioners.base.Provisioner.launch_refusal`): the local provisioner runs only the

@@ -128,25 +128,32 @@ def test_one_process_per_sqlite_file(tmp_path: Path) -> None:
     assert lock_sqlite_database("sqlite://") is None
 
 
+def refused_serve(data_dir: Path, *args: str, **settings: str) -> str:
+    """The one line on stderr of a ``serve`` (with ``args`` and ``settings``) that must be
+    refused at start (exit status 2)."""
+    second = subprocess.run(
+        [sys.executable, "-m", "controlplane", "serve", "--port", "0", *args],
+        cwd=REPO,
+        env=service_env(data_dir, **settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert second.returncode == 2, second.stderr
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1, second.stderr
+    return lines[0]
+
+
 def test_a_second_serve_on_one_sqlite_file_exits_with_one_line(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     first = Server(data_dir, tmp_path / "first.log")
     try:
-        second = subprocess.run(
-            [sys.executable, "-m", "controlplane", "serve", "--port", "0"],
-            cwd=REPO,
-            env=service_env(data_dir),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert second.returncode == 2, second.stderr
-        lines = second.stderr.strip().splitlines()
-        assert len(lines) == 1, second.stderr
-        assert lines[0].startswith("heteroplane serve: another heteroplane process (pid ")
-        assert "SQLite serves one replica" in lines[0]
+        line = refused_serve(data_dir)
+        assert line.startswith("heteroplane serve: another heteroplane process (pid ")
+        assert "SQLite serves one replica" in line
         assert httpx.get(f"{first.url}/healthz", timeout=10.0).json()["role"] == "leader"
     finally:
         assert first.stop() == 0
@@ -330,6 +337,19 @@ def test_a_standby_takes_over_from_a_killed_leader_without_duplicates(
     assert "leader lease acquired" in standby.log_path.read_text()
 
 
+def local_spec(name: str, profile: Path) -> dict[str, Any]:
+    """An app of ``tiny`` on up to two ``emu.cpu.large`` local workers (``profile``:
+    :func:`_local_profile`'s)."""
+    return {
+        "name": name,
+        "models": [{"name": "tiny", "profiles": str(profile)}],
+        "slo": {"latency_ms": 500, "percentile": 99},
+        "budget_usd_per_hr": 0.25,
+        "instance_types": ["emu.cpu.large"],
+        "max_counts": {"emu.cpu.large": 2},
+    }
+
+
 def _local_profile(data_dir: Path) -> Path:
     """A profile file in which ``tiny`` on ``emu.cpu.large`` takes 20 ms a batch (and the
     workers pad to it): one instance carries about 50 qps."""
@@ -376,15 +396,7 @@ def test_a_standby_adopts_the_killed_leaders_local_workers(
         leader, standby = wait_for("single leader", lambda: one_leader(servers), logs)
         headers = {"Authorization": f"Bearer {token(data_dir, postgres_url)}"}
         api = httpx.Client(base_url=standby.url, headers=headers, timeout=120.0)
-        spec: dict[str, Any] = {
-            "name": "local-app",
-            "models": [{"name": "tiny", "profiles": str(profile)}],
-            "slo": {"latency_ms": 500, "percentile": 99},
-            "budget_usd_per_hr": 0.25,
-            "instance_types": ["emu.cpu.large"],
-            "max_counts": {"emu.cpu.large": 2},
-        }
-        assert api.post("/v1/apps", json=spec).status_code == 201
+        assert api.post("/v1/apps", json=local_spec("local-app", profile)).status_code == 201
         plan = api.post("/v1/apps/local-app/plans", json={"rate_qps": 70.0})
         assert plan.status_code == 201, plan.text
         planned = sum(n for s in plan.json()["stages"] for n in s["fleet"].values())
@@ -421,8 +433,17 @@ def test_a_standby_adopts_the_killed_leaders_local_workers(
     finally:
         for server in servers:
             server.stop()
-        stopper = LocalProvisioner(data_dir / LOCAL_WORKERS_DIR, {}, ["tiny"], None)
-        try:
-            stopper.terminate([record.provider_id for record in stopper.records()])
-        finally:
-            stopper.close()
+        stop_local_workers(data_dir)
+
+
+def stop_local_workers(data_dir: Path) -> None:
+    """Stop every local worker recorded in ``data_dir`` (they outlive the services that
+    launched them)."""
+    from controlplane.provisioning import LOCAL_WORKERS_DIR
+    from provisioners.local import LocalProvisioner
+
+    stopper = LocalProvisioner(data_dir / LOCAL_WORKERS_DIR, {}, ["tiny"], None)
+    try:
+        stopper.terminate([record.provider_id for record in stopper.records()])
+    finally:
+        stopper.close()

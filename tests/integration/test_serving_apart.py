@@ -17,23 +17,23 @@ Everything waits by polling with a deadline; nothing is timed.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from tests.integration.test_replicas import (
     _local_profile,
+    local_spec,
     one_leader,
+    refused_serve,
     role,
+    stop_local_workers,
     tails_of,
     token,
     wait_for,
 )
-from tests.integration.test_serve import REPO, Server, service_env
+from tests.integration.test_serve import Server
 
 APP = "apart"
 DIGIT = [float(i % 17) for i in range(64)]
@@ -53,8 +53,6 @@ def _rolled_up_latency_samples(api: httpx.Client) -> int:
 def test_serving_answers_apart_from_the_loops_and_outlives_their_leader(
     postgres_url: str, tmp_path: Path, trained_family: Path
 ) -> None:
-    from controlplane.provisioning import LOCAL_WORKERS_DIR
-    from provisioners.local import LocalProvisioner
     from tests.integration.conftest import local_data_dir
 
     data_dir = local_data_dir(tmp_path, trained_family)
@@ -84,15 +82,7 @@ def test_serving_answers_apart_from_the_loops_and_outlives_their_leader(
         api = httpx.Client(
             base_url=serving.url, headers={"Authorization": f"Bearer {admin}"}, timeout=120.0
         )
-        spec: dict[str, Any] = {
-            "name": APP,
-            "models": [{"name": "tiny", "profiles": str(profile)}],
-            "slo": {"latency_ms": 500, "percentile": 99},
-            "budget_usd_per_hr": 0.25,
-            "instance_types": ["emu.cpu.large"],
-            "max_counts": {"emu.cpu.large": 2},
-        }
-        assert api.post("/v1/apps", json=spec).status_code == 201
+        assert api.post("/v1/apps", json=local_spec(APP, profile)).status_code == 201
         plan = api.post(f"/v1/apps/{APP}/plans", json={"rate_qps": 30.0})
         assert plan.status_code == 201, plan.text
         assert api.post(f"/v1/apps/{APP}/plans/{plan.json()['id']}/apply").status_code == 200
@@ -118,25 +108,10 @@ def test_serving_answers_apart_from_the_loops_and_outlives_their_leader(
         )
         assert role(serving) == "serving" and _answers(api)
 
-        second = subprocess.run(
-            [sys.executable, "-m", "controlplane", "serve", "--port", "0", "--role", "serving"],
-            cwd=REPO,
-            env=service_env(data_dir, **common),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert second.returncode == 2, second.stderr
-        lines = second.stderr.strip().splitlines()
-        assert len(lines) == 1, second.stderr
-        assert "another serving process already serves this database" in lines[0]
+        line = refused_serve(data_dir, "--role", "serving", **common)
+        assert "another serving process already serves this database" in line
         api.close()
     finally:
         for server in servers:
             server.stop()
-        stopper = LocalProvisioner(data_dir / LOCAL_WORKERS_DIR, {}, ["tiny"], None)
-        try:
-            stopper.terminate([record.provider_id for record in stopper.records()])
-        finally:
-            stopper.close()
+        stop_local_workers(data_dir)
