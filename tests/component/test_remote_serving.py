@@ -43,9 +43,9 @@ def serving(tmp_path: Path) -> Iterator[tuple[ServingLoop, TestClient, dict[str,
     store = Store.from_url(settings.database_url, clock, upgrade=True)
     tokens = {scope: store.create_token(scope, name=scope) for scope in ("admin", "viewer")}
     resolver = AppResolver(tmp_path)
-    loop = ServingLoop(store, resolver, StaticInstances(), clock=clock)
-    app = create_app(settings, store, clock, serving=loop, resolver=resolver,
-                     gear_table=GearTable(store))  # fmt: skip
+    table = GearTable(store)
+    loop = ServingLoop(store, resolver, StaticInstances(), clock=clock, gears=table.gear)
+    app = create_app(settings, store, clock, serving=loop, resolver=resolver, gear_table=table)
     with TestClient(app) as client:
         yield loop, client, tokens
     store.close()
@@ -162,3 +162,22 @@ def test_a_status_crosses_the_wire_whole() -> None:
     worker = WorkerStatus("i-1", "emu.cpu.large", "127.0.0.1:9", True, False, "", 0.25)
     status = AppStatus("toy", "tiny>large", 100.0, (worker,), (stage,), 4)
     assert status_from_json(json.loads(json.dumps(status_to_json(status)))) == status
+
+
+def test_the_gear_the_loops_send_with_the_feed_is_the_one_the_serving_loop_serves(
+    serving: tuple[ServingLoop, TestClient, dict[str, str]], tmp_path: Path
+) -> None:
+    from tests.component.test_live_gears import APP, FAST, PLAN, applied
+
+    loop, client, tokens = serving
+    applied(loop.store, tmp_path, PLAN.to_document())
+    plan = loop.store.get_applied_plan(APP)
+    assert plan is not None and loop.gears is not None
+    remote = RemoteServing("http://testserver", tokens["admin"], FakeClock(), client=client)
+    assert loop.gears(APP) is None
+    remote.gears = lambda: {APP: (plan.id, 1)}  # gear 1: the fast option
+    assert remote.pull()
+    served = loop.gears(APP)
+    assert served is not None and served.cascade == FAST.cascade
+    remote.gears = dict  # the switcher no longer serves it by gears
+    assert remote.pull() and loop.gears(APP) is None
