@@ -71,7 +71,7 @@ __all__ = [
     "Base",
     "BudgetChange",
     "DashboardSession",
-    "Decision",
+    "DecisionRow",
     "Instance",
     "InstanceEvent",
     "MetricSample",
@@ -228,7 +228,7 @@ class InstanceEvent(Base):
     reason: Mapped[str] = mapped_column(Text)
 
 
-class Decision(Base):
+class DecisionRow(Base):
     __tablename__ = "decisions"
     __table_args__ = (
         Index(None, "app_id", "at"),

@@ -51,7 +51,7 @@ from controlplane.policies.sizing import SizingLadder, tuner_stage
 from controlplane.policies.tuner import (
     DEFAULT_RECENT_S,
     CapacityModel,
-    Decision,
+    ScalingDecision,
     TunerConfig,
     TunerStage,
     TunerState,
@@ -1220,11 +1220,13 @@ class _StageTuner:
         window: NDArray[np.float64] = self.arrival_s[lo:hi]
         return window
 
-    def run(self, now_s: float, budget_usd_per_hr: float) -> tuple[list[Decision], TunerState]:
+    def run(
+        self, now_s: float, budget_usd_per_hr: float
+    ) -> tuple[list[ScalingDecision], TunerState]:
         config = dataclasses.replace(self.config, budget_usd_per_hr=budget_usd_per_hr)
         return tune(self.window(now_s), now_s, self.state, [self.plan], config)
 
-    def deficit(self, decisions: Sequence[Decision], state: TunerState) -> float:
+    def deficit(self, decisions: Sequence[ScalingDecision], state: TunerState) -> float:
         """The share of the capacity the stage wants that it lacks now: (wanted - now) / wanted,
         wanted = what the decisions launched plus what the budget kept them short of (0: no
         scale-up wanted)."""
@@ -1343,7 +1345,7 @@ def cascade_tuner_timelines(
     active = [i for i, t in enumerate(tuners) if t is not None]
     for now_s in (float(t) for t in _ticks(float(trace.arrival_s[-1]), TUNER_TICK_S)):
         cost = costs()
-        alone: dict[int, tuple[float, list[Decision], TunerState]] = {}
+        alone: dict[int, tuple[float, list[ScalingDecision], TunerState]] = {}
         deficit: dict[int, float] = {}
         for i in active:
             tuner = tuners[i]
