@@ -53,9 +53,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_rollouts")),
     )
-    op.create_index(
-        op.f("ix_rollouts_app_id_state"), "rollouts", ["app_id", "state"], unique=False
-    )
+    op.create_index(op.f("ix_rollouts_app_id_state"), "rollouts", ["app_id", "state"], unique=False)
 
 
 def downgrade() -> None:

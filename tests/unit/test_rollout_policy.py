@@ -23,8 +23,9 @@ from controlplane.policies.rollout import (
 T = Thresholds(min_queries=20)
 
 
-def _judge(figures: VersionFigures, *, shadow: bool = False, last: bool = False,
-           elapsed_s: float = 200.0) -> Verdict:
+def _judge(
+    figures: VersionFigures, *, shadow: bool = False, last: bool = False, elapsed_s: float = 200.0
+) -> Verdict:
     return judge(
         figures=figures,
         shadow_step=shadow,
@@ -115,7 +116,14 @@ def test_user_thresholds_are_checked() -> None:
     loose = Thresholds(max_p99_ms=500.0, min_queries=20)
     figures = VersionFigures(queries=100, p99_ms=150.0)
     assert (
-        judge(figures=figures, shadow_step=False, last_step=False, elapsed_s=200,
-              interval_s=120, slo_ms=100, thresholds=loose).verdict
+        judge(
+            figures=figures,
+            shadow_step=False,
+            last_step=False,
+            elapsed_s=200,
+            interval_s=120,
+            slo_ms=100,
+            thresholds=loose,
+        ).verdict
         is Verdict.PROMOTE
     )

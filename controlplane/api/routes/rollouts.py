@@ -1,0 +1,140 @@
+"""``/v1/apps/{app}/rollouts``: start a rollout of a new model version into a running app, read
+it, pause, resume or abort it (the use cases of :mod:`controlplane.apps.rollouts`; the rollout
+loop, :mod:`controlplane.loops.rollouts`, moves it through its steps). docs/rollouts.md.
+
+A second rollout while one is active is a 409; a model the app does not serve, a version it
+already serves, steps that do not end at 1 are 422; a rollout whose extra instances the budget
+cannot pay for is a 409 naming what it needs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path
+from pydantic import BaseModel, ConfigDict, Field
+
+from controlplane.api.deps import Operator, ServicesDep, Viewer
+from controlplane.api.routes import AppName, errors
+from controlplane.apps.rollouts import (
+    RolloutRequest,
+    abort_rollout,
+    pause_rollout,
+    resume_rollout,
+    rollout_document,
+    start_rollout,
+)
+from controlplane.db.rollouts import RolloutRecord, Rollouts
+from controlplane.errors import NotFoundError
+from controlplane.policies.rollout import DEFAULT_INTERVAL_S, DEFAULT_STEPS, Thresholds
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["rollouts"])
+
+RolloutId = Annotated[int, Path(ge=1, le=2**31 - 1, description="the rollout's id")]
+
+
+class ThresholdsIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_p99_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    max_error_share: float = Field(default=0.01, ge=0, le=1)
+    min_agreement_share: float = Field(default=0.95, ge=0, le=1)
+    min_queries: int = Field(default=50, ge=1, le=10_000_000)
+
+
+class RolloutIn(BaseModel):
+    """A rollout to start: ``model`` as ``NAME[@VERSION]`` (a registry model the app serves;
+    default version: the latest), ``steps`` the shares of the queries the new version answers
+    step by step (increasing, the last 1), ``interval_s`` the least time a step lasts,
+    ``shadow`` a first step that mirrors every query to the new version and compares."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, max_length=80)
+    steps: list[float] = Field(default=list(DEFAULT_STEPS), min_length=1, max_length=20)
+    interval_s: float = Field(default=DEFAULT_INTERVAL_S, gt=0, allow_inf_nan=False)
+    shadow: bool = False
+    thresholds: ThresholdsIn = Field(default_factory=ThresholdsIn)
+
+
+def _out(rollout: RolloutRecord) -> dict[str, Any]:
+    return rollout_document(rollout)
+
+
+@router.post(
+    "/apps/{app}/rollouts",
+    status_code=201,
+    summary="Start a rollout of a new model version (operator); 409 while one is active or"
+    " when the budget cannot pay for its instances",
+    responses=errors(400, 401, 403, 404, 409, 422),
+)
+def start(app: AppName, body: RolloutIn, services: ServicesDep, who: Operator) -> dict[str, Any]:
+    thresholds = Thresholds(**body.thresholds.model_dump())
+    request = RolloutRequest(body.model, body.steps, body.interval_s, body.shadow, thresholds)
+    rollout = start_rollout(services.store, services.resolver, app, request, who=who.name)
+    return _out(rollout)
+
+
+@router.get(
+    "/apps/{app}/rollouts",
+    summary="The app's rollouts, oldest first (viewer)",
+    responses=errors(401, 403, 404, 422),
+)
+def list_rollouts(app: AppName, services: ServicesDep, _who: Viewer) -> list[dict[str, Any]]:
+    services.store.get_app(app)
+    return [_out(r) for r in Rollouts(services.store).list(app)]
+
+
+@router.get(
+    "/apps/{app}/rollouts/{rollout_id}",
+    summary="One rollout: its state, step, reason and per-version figures (viewer)",
+    responses=errors(401, 403, 404, 422),
+)
+def get_rollout(
+    app: AppName, rollout_id: RolloutId, services: ServicesDep, _who: Viewer
+) -> dict[str, Any]:
+    return _out(Rollouts(services.store).get(app, rollout_id))
+
+
+def _check_id(services: Any, app: str, rollout_id: int) -> None:
+    found = Rollouts(services.store).get(app, rollout_id)
+    if not found.active:
+        raise NotFoundError("active rollout", rollout_id)
+
+
+@router.post(
+    "/apps/{app}/rollouts/{rollout_id}/abort",
+    summary="Abort the rollout: all traffic back on the old version at once (operator)",
+    responses=errors(401, 403, 404, 409, 422),
+)
+def abort(
+    app: AppName, rollout_id: RolloutId, services: ServicesDep, who: Operator
+) -> dict[str, Any]:
+    _check_id(services, app, rollout_id)
+    return _out(abort_rollout(services.store, app, who=who.name))
+
+
+@router.post(
+    "/apps/{app}/rollouts/{rollout_id}/pause",
+    summary="Pause the rollout where it is (operator)",
+    responses=errors(401, 403, 404, 409, 422),
+)
+def pause(
+    app: AppName, rollout_id: RolloutId, services: ServicesDep, who: Operator
+) -> dict[str, Any]:
+    _check_id(services, app, rollout_id)
+    return _out(pause_rollout(services.store, app, who=who.name))
+
+
+@router.post(
+    "/apps/{app}/rollouts/{rollout_id}/resume",
+    summary="Resume a paused rollout (operator)",
+    responses=errors(401, 403, 404, 409, 422),
+)
+def resume(
+    app: AppName, rollout_id: RolloutId, services: ServicesDep, who: Operator
+) -> dict[str, Any]:
+    _check_id(services, app, rollout_id)
+    return _out(resume_rollout(services.store, app, who=who.name))
