@@ -1,5 +1,6 @@
 """The store's rollouts (docs/rollouts.md): a repository beside the
-:class:`~controlplane.db.store.Store`, on the same database, returning frozen :class:`RolloutRecord` values (never ORM rows).
+:class:`~controlplane.db.store.Store`, on the same database, returning frozen
+:class:`RolloutRecord` values (never ORM rows).
 
 - :meth:`Rollouts.create` records a rollout in ``pending``; an app with a rollout still active
   (pending, running or paused) refuses a second one (:class:`~controlplane.errors.ConflictError`,
