@@ -53,7 +53,8 @@ def _latest(client: ApiClient, app: str) -> dict[str, Any]:
     if not found:
         raise UsageError(f"app {app!r} has no rollout (heteroplane rollout start --app {app} ...)")
     active = [r for r in found if r["state"] in ("pending", "running", "paused")]
-    return (active or found)[-1]
+    latest: dict[str, Any] = (active or found)[-1]
+    return latest
 
 
 def rollout_status(args: argparse.Namespace) -> int:

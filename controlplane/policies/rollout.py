@@ -37,6 +37,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from controlplane.errors import InvalidRolloutTransitionError, InvalidValueError
+from controlplane.policies.lifecycle import PROFILE_REQUEST_PREFIX
 
 __all__ = [
     "ACTIVE_STATES",
@@ -53,6 +54,7 @@ __all__ = [
     "extra_fleet",
     "judge",
     "parse_steps",
+    "rollout_request_prefix",
     "routed_to_new",
     "step_shares",
 ]
@@ -85,6 +87,18 @@ ACTIVE_STATES = frozenset(state for state, moves in TRANSITIONS.items() if moves
 DEFAULT_STEPS: tuple[float, ...] = (0.05, 0.25, 0.5, 1.0)
 # Two minutes an interval, as Flagger's default analysis interval times its iterations.
 DEFAULT_INTERVAL_S = 120.0
+
+
+def rollout_request_prefix(app: str, rollout_id: int) -> str:
+    """The request ids of a rollout's workers start with this. It starts with the profile
+    workers' prefix (:data:`controlplane.policies.lifecycle.PROFILE_REQUEST_PREFIX`) on purpose:
+    the reconciler keeps them out of the fleet but in the budget, and ends them once their
+    owner (the rollout loop, which touches their rows every tick) stops touching them.
+
+    >>> rollout_request_prefix("wine", 3)
+    'profile:rollout-wine-3-'
+    """
+    return f"{PROFILE_REQUEST_PREFIX}rollout-{app[:20]}-{rollout_id}-"
 
 
 def check_rollout_transition(from_state: str, to_state: str) -> None:

@@ -9,9 +9,11 @@ cannot pay for is a 409 naming what it needs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path
+from prometheus_client.core import GaugeMetricFamily, Metric
 from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.api.deps import Operator, ServicesDep, Viewer
@@ -27,8 +29,9 @@ from controlplane.apps.rollouts import (
 from controlplane.db.rollouts import RolloutRecord, Rollouts
 from controlplane.errors import NotFoundError
 from controlplane.policies.rollout import DEFAULT_INTERVAL_S, DEFAULT_STEPS, Thresholds
+from controlplane.serving.versions import VersionMeter
 
-__all__ = ["router"]
+__all__ = ["RolloutCollector", "router"]
 
 router = APIRouter(prefix="/v1", tags=["rollouts"])
 
@@ -138,3 +141,55 @@ def resume(
 ) -> dict[str, Any]:
     _check_id(services, app, rollout_id)
     return _out(resume_rollout(services.store, app, who=who.name))
+
+
+class RolloutCollector:
+    """``/metrics``: each app's current rollout step, per version (``NAME@VERSION``): queries
+    (answered and failed), failed ones, the answered ones' P99 at the client's view, and in a
+    shadow step the samples compared and agreed. Gauges: a new step starts from zero."""
+
+    def __init__(self, meter: VersionMeter) -> None:
+        self.meter = meter
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, ...]:
+        labels = ["app", "rollout", "version"]
+        return (
+            GaugeMetricFamily(
+                "heteroplane_rollout_queries",
+                "Queries of the rollout's current step answered or failed, per version.",
+                labels=labels,
+            ),
+            GaugeMetricFamily(
+                "heteroplane_rollout_errors",
+                "Queries of the rollout's current step that failed, per version.",
+                labels=labels,
+            ),
+            GaugeMetricFamily(
+                "heteroplane_rollout_latency_p99_ms",
+                "P99 latency (from the API's receipt) of the current step's answered queries.",
+                labels=labels,
+            ),
+            GaugeMetricFamily(
+                "heteroplane_rollout_agreement_share",
+                "In a shadow step: the share of compared samples the new version answered as"
+                " the old one did.",
+                labels=labels,
+            ),
+        )
+
+    def describe(self) -> Sequence[Metric]:
+        return self._families()
+
+    def collect(self) -> Sequence[Metric]:
+        queries, failed, p99, agreement = families = self._families()
+        for app, (rollout_id, by_version) in sorted(self.meter.current().items()):
+            for version, figures in sorted(by_version.items()):
+                labels = [app, str(rollout_id), version]
+                queries.add_metric(labels, figures.queries)
+                failed.add_metric(labels, figures.errors)
+                if figures.p99_ms is not None:
+                    p99.add_metric(labels, figures.p99_ms)
+                if figures.agreement_share is not None:
+                    agreement.add_metric(labels, figures.agreement_share)
+        return families

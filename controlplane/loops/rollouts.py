@@ -1,0 +1,367 @@
+"""The rollout loop (docs/rollouts.md): each tick moves every active rollout one step of its
+life, writing the store before it acts, so a restart (or a new leader) picks up where the
+database says it was.
+
+Per rollout, each tick:
+
+1. **Workers.** The rollout's extra instances (``settings.extra_fleet``) are rows of the app
+   under request ids ``rollout_request_prefix(app, id) + type-n`` (recorded before the provider is
+   asked: idempotent), launched with the new version served under the model's name; their rows
+   are touched (the reconciler keeps them out of the fleet, in the budget, and ends them once
+   untouched: rule 8). A row that failed rolls the rollout back (the new version cannot start).
+2. **Pending -> running** once every worker runs: the first step begins (its clock starts).
+3. **Judgement** of a running step (:func:`controlplane.policies.rollout.judge`) on the new
+   version's figures over the step (:class:`~controlplane.serving.versions.VersionMeter`):
+   hold (figures stored), promote (next step, its clock starts), roll back (at once: the route
+   goes, every query back on the old version), or complete: the app's spec is pinned to the new
+   version and the rollout is ``promoted``.
+4. **Handover** after promotion: the new version's workers answer every query while the old
+   version's instances (the app's fleet recorded before the promotion) are ended; the
+   reconciler launches their replacements, which load the version the spec now names; once as
+   many replacements run as were ended, the route goes and the rollout's workers end.
+5. **Routes** (:meth:`RolloutLoop.route`, the serving loop's hook): running and paused rollouts
+   split traffic at their step; a promoted one in handover sends everything to the new version.
+
+Every move is a ``rollout`` decision with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from controlplane.apps.profile_run import end_workers, launch_worker
+from controlplane.apps.resolver import AppResolver
+from controlplane.apps.rollouts import DECISION_KIND
+from controlplane.clock import Clock
+from controlplane.db.rollouts import RolloutRecord, Rollouts
+from controlplane.db.store import InstanceRecord, Store
+from controlplane.errors import ControlPlaneError
+from controlplane.policies.lifecycle import (
+    KEPT_STATES,
+    LIVE_STATES,
+    InstanceState,
+    is_profile_worker,
+)
+from controlplane.policies.rollout import (
+    RolloutState,
+    Thresholds,
+    Verdict,
+    VersionFigures,
+    judge,
+    rollout_request_prefix,
+)
+from controlplane.serving.versions import CanaryRoute, VersionMeter
+from provisioners.base import Provisioner
+
+__all__ = ["RolloutLoop", "RolloutTick"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutTick:
+    """What a tick did to one rollout (for the log)."""
+
+    app: str
+    rollout_id: int
+    what: str
+
+
+class RolloutLoop:
+    """Moves the active rollouts (module docstring); :meth:`route` is the serving loop's hook."""
+
+    def __init__(
+        self,
+        store: Store,
+        resolver: AppResolver,
+        provisioner: Provisioner,
+        clock: Clock,
+        meter: VersionMeter,
+        *,
+        on_change: Callable[[str], object] | None = None,
+    ) -> None:
+        self.store = store
+        self.resolver = resolver
+        self.provisioner = provisioner
+        self.clock = clock
+        self.meter = meter
+        self.rollouts = Rollouts(store)
+        self.on_change = on_change
+        self._routes: dict[str, CanaryRoute] = {}
+
+    def route(self, app: str) -> CanaryRoute | None:
+        return self._routes.get(app)
+
+    # --- the tick --------------------------------------------------------------------------
+
+    def tick(self) -> list[RolloutTick]:
+        done: list[RolloutTick] = []
+        routes: dict[str, CanaryRoute] = {}
+        for rollout in self.rollouts.list():
+            try:
+                route, what = self._one(rollout)
+            except ControlPlaneError as error:
+                logger.warning("rollout %s of %s: %s", rollout.id, rollout.app, error)
+                continue
+            if route is not None:
+                routes[rollout.app] = route
+            if what:
+                done.append(RolloutTick(rollout.app, rollout.id, what))
+        for app in set(self._routes) - set(routes):
+            self.meter.forget(app)
+        self._routes = routes
+        return done
+
+    def _one(self, rollout: RolloutRecord) -> tuple[CanaryRoute | None, str]:
+        rows = self._rows(rollout)
+        live = [r for r in rows if r.state in LIVE_STATES]
+        if rollout.state in (RolloutState.ROLLED_BACK, RolloutState.ABORTED):
+            if live:
+                end_workers(self.store, self.provisioner, live, _log, owner="rollout")
+                return None, f"ended {len(live)} worker(s) of the new version"
+            return None, ""
+        if rollout.state == RolloutState.PROMOTED:
+            return self._handover(rollout, rows)
+        rows = self._ensure_workers(rollout, rows)
+        if any(r.state == InstanceState.FAILED for r in rows):
+            failed = [r.instance_type for r in rows if r.state == InstanceState.FAILED]
+            moved = self._finish(
+                rollout,
+                RolloutState.ROLLED_BACK,
+                f"rolled back: a worker of the new version failed to start ({', '.join(failed)})",
+            )
+            return None, moved.reason
+        self.store.touch_instances([r.id for r in rows])
+        ready = bool(rows) and all(r.state == InstanceState.RUNNING for r in rows)
+        if rollout.state == RolloutState.PENDING:
+            if not ready:
+                return None, ""
+            rollout = self.rollouts.move(
+                rollout,
+                state=RolloutState.RUNNING.value,
+                new_step=True,
+                reason=f"workers of the new version running; step 1: {_share(rollout, 0)}",
+            )
+            self._decide(rollout, rollout.reason)
+            return _route(rollout), rollout.reason
+        if rollout.state == RolloutState.PAUSED:
+            return _route(rollout), ""
+        return self._judge(rollout)
+
+    def _judge(self, rollout: RolloutRecord) -> tuple[CanaryRoute | None, str]:
+        settings = rollout.settings
+        figures = self.meter.figures(rollout.app, rollout.id, rollout.step_index)
+        new_label, old_label = _labels(rollout)
+        new = figures.get(new_label, VersionFigures())
+        elapsed_s = (self.clock.utcnow() - rollout.step_started_at).total_seconds()
+        last = rollout.step_index >= len(rollout.steps) - 1
+        judgement = judge(
+            figures=new,
+            shadow_step=rollout.shadow_step,
+            last_step=last,
+            elapsed_s=elapsed_s,
+            interval_s=float(settings["interval_s"]),
+            slo_ms=float(settings["slo_ms"]),
+            thresholds=Thresholds(**settings["thresholds"]),
+        )
+        stored = {"versions": {v: f.to_json() for v, f in figures.items()}, "elapsed_s": elapsed_s}
+        verdict, reason = judgement.verdict, judgement.reason
+        if verdict == Verdict.HOLD:
+            self.rollouts.move(rollout, figures=stored, reason=f"holding: {reason}")
+            return _route(rollout), ""
+        if verdict == Verdict.ROLL_BACK:
+            moved = self._finish(
+                rollout,
+                RolloutState.ROLLED_BACK,
+                f"rolled back at step {rollout.step_index + 1} ({_share(rollout)}): {reason}",
+                stored,
+            )
+            return None, moved.reason
+        if verdict == Verdict.PROMOTE:
+            nxt = rollout.step_index + 1
+            moved = self.rollouts.move(
+                rollout,
+                step_index=nxt,
+                new_step=True,
+                figures=stored,
+                reason=f"step {nxt} passed: {reason}; step {nxt + 1}: {_share(rollout, nxt)}",
+            )
+            self._decide(moved, moved.reason, stored)
+            return _route(moved), moved.reason
+        # COMPLETE: the app serves the new version from now on.
+        self._pin(rollout)
+        moved = self._finish(
+            rollout,
+            RolloutState.PROMOTED,
+            f"promoted: {reason}; {old_label} instances drain",
+            {**stored, "handover": {"ended": [], "promoted_at": self.clock.utcnow().isoformat()}},
+        )
+        return _full(moved), moved.reason
+
+    # --- after promotion ---------------------------------------------------------------------
+
+    def _handover(
+        self, rollout: RolloutRecord, rows: list[InstanceRecord]
+    ) -> tuple[CanaryRoute | None, str]:
+        live = [r for r in rows if r.state in LIVE_STATES]
+        if not live:
+            return None, ""
+        handover = dict(rollout.figures.get("handover") or {})
+        ended = set(handover.get("ended", []))
+        promoted_at = (
+            datetime.fromisoformat(handover["promoted_at"])
+            if "promoted_at" in handover
+            else rollout.updated_at
+        )
+        fleet = [
+            r for r in self.store.list_instances(rollout.app) if not is_profile_worker(r.request_id)
+        ]
+        old = [r for r in fleet if r.created_at <= promoted_at and r.state in KEPT_STATES]
+        if old:
+            self.store.touch_instances([r.id for r in live])
+            end_workers(self.store, self.provisioner, old, _log, owner="rollout's handover")
+            handover["ended"] = sorted(ended | {r.id for r in old})
+            self.rollouts.move(rollout, figures={**rollout.figures, "handover": handover})
+            return _full(rollout), f"ended {len(old)} instance(s) of the old version"
+        replaced = [
+            r for r in fleet if r.created_at > promoted_at and r.state == InstanceState.RUNNING
+        ]
+        if len(replaced) < len(ended):
+            self.store.touch_instances([r.id for r in live])
+            return _full(rollout), ""
+        end_workers(self.store, self.provisioner, live, _log, owner="rollout")
+        reason = (
+            f"handover done: {len(replaced)} instance(s) serve {_labels(rollout)[0]}; the"
+            " rollout's workers end"
+        )
+        self._decide(rollout, reason)
+        return None, reason
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _rows(self, rollout: RolloutRecord) -> list[InstanceRecord]:
+        prefix = rollout_request_prefix(rollout.app, rollout.id)
+        return [
+            r for r in self.store.list_instances(rollout.app) if r.request_id.startswith(prefix)
+        ]
+
+    def _ensure_workers(
+        self, rollout: RolloutRecord, rows: list[InstanceRecord]
+    ) -> list[InstanceRecord]:
+        """Record and launch the rollout's workers that are missing (idempotent)."""
+        prefix = rollout_request_prefix(rollout.app, rollout.id)
+        have = {r.request_id for r in rows}
+        prices = self.resolver.resolve(
+            self.store.get_app(rollout.app).spec, check_budget=False
+        ).prices_usd_per_hr
+        version = self.store.get_model_version(rollout.artifact, rollout.to_version)
+        ref = version.ref(rollout.model)
+        for instance_type, count in dict(rollout.settings["extra_fleet"]).items():
+            for n in range(1, int(count) + 1):
+                request_id = f"{prefix}{instance_type}-{n}"
+                if request_id in have:
+                    continue
+                rows.append(
+                    self.store.record_instance(
+                        rollout.app,
+                        request_id=request_id,
+                        instance_type=instance_type,
+                        price_usd_per_hr=float(prices[instance_type]),
+                        reason=f"rollout {rollout.id}: a worker of {rollout.artifact}"
+                        f"@{rollout.to_version}",
+                    )
+                )
+        for row in rows:
+            if row.state == InstanceState.REQUESTED and row.provider_id is None:
+                try:
+                    launch_worker(self.store, self.provisioner, rollout.app, row, (ref,))
+                except ControlPlaneError as error:
+                    logger.warning("rollout %s: %s", rollout.id, error)
+                    self.store.transition_instance(
+                        row.id, InstanceState.FAILED.value, reason=f"launch failed: {error}"
+                    )
+        return self._rows(rollout)
+
+    def _pin(self, rollout: RolloutRecord) -> None:
+        """The app's spec names the new version (registering pinned the old one)."""
+        record = self.store.get_app(rollout.app)
+        spec = dict(record.spec)
+        models = [dict(m) for m in spec["models"]]
+        for model in models:
+            if model.get("name") == rollout.model:
+                model["artifact"] = f"{rollout.artifact}@{rollout.to_version}"
+        spec["models"] = models
+        self.store.update_app(rollout.app, spec, who=f"rollout {rollout.id}")
+        self.resolver.invalidate(rollout.app)
+        if self.on_change is not None:
+            self.on_change(rollout.app)
+
+    def _finish(
+        self,
+        rollout: RolloutRecord,
+        state: RolloutState,
+        reason: str,
+        figures: dict[str, Any] | None = None,
+    ) -> RolloutRecord:
+        moved = self.rollouts.move(rollout, state=state.value, reason=reason, figures=figures)
+        self._decide(moved, reason, figures)
+        return moved
+
+    def _decide(
+        self, rollout: RolloutRecord, reason: str, figures: dict[str, Any] | None = None
+    ) -> None:
+        self.store.record_decision(
+            rollout.app,
+            DECISION_KIND,
+            f"rollout {rollout.id}: {reason}",
+            {
+                "rollout_id": rollout.id,
+                "state": rollout.state,
+                "step_index": rollout.step_index,
+                "step_share": rollout.step_share,
+                "figures": figures or {},
+            },
+        )
+
+
+def _labels(rollout: RolloutRecord) -> tuple[str, str]:
+    """(new, old) version labels, ``NAME@VERSION``."""
+    return (
+        f"{rollout.artifact}@{rollout.to_version}",
+        f"{rollout.artifact}@{rollout.from_version}",
+    )
+
+
+def _share(rollout: RolloutRecord, index: int | None = None) -> str:
+    i = rollout.step_index if index is None else index
+    share = rollout.steps[i]
+    if share == 0.0:
+        return "shadow (every query mirrored, 0% answered)"
+    return f"{100 * share:g}% of queries"
+
+
+def _route(rollout: RolloutRecord) -> CanaryRoute:
+    new, old = _labels(rollout)
+    return CanaryRoute(
+        rollout.id,
+        rollout.step_index,
+        rollout.model,
+        rollout.step_share,
+        rollout.shadow_step,
+        old,
+        new,
+    )
+
+
+def _full(rollout: RolloutRecord) -> CanaryRoute:
+    """Every query on the new version (a promoted rollout in handover)."""
+    new, old = _labels(rollout)
+    return CanaryRoute(rollout.id, len(rollout.steps), rollout.model, 1.0, False, old, new)
+
+
+def _log(message: str) -> None:
+    logger.info("rollouts: %s", message)
