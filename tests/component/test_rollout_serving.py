@@ -1,0 +1,270 @@
+"""A rollout moving an app's live traffic: the real serving loop and API (ASGI), fake worker
+agents on loopback (controlplane.serving.fake_worker), a real SQLite store through the
+migrations, the rollout loop ticked by hand on a fake clock (the reconciler's one move, a
+launched worker's row to ``running``, is done by hand too).
+
+- a good version: the split follows the request ids (a client can reproduce it), the steps
+  promote after each interval, the last completes: the app's spec names the new version, the
+  rollout's workers end; no query fails at the client; /metrics shows the figures by version;
+- a slow one rolls back on latency at once, and every query goes back to the old version;
+- a wrong one rolls back on agreement in shadow, while every client got the old version's answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from controlplane.apps.resolver import AppResolver, spec_document
+from controlplane.apps.rollouts import RolloutRequest, start_rollout
+from controlplane.clock import FakeClock, SystemClock
+from controlplane.db.rollouts import Rollouts
+from controlplane.db.store import Store
+from controlplane.loops.rollouts import RolloutLoop
+from controlplane.policies.lifecycle import InstanceState
+from controlplane.policies.rollout import Thresholds, rollout_request_prefix, routed_to_new
+from controlplane.service.app import create_app
+from controlplane.serving.fake_worker import FakeWorker
+from controlplane.serving.loop import ServingLoop, ServingSettings
+from controlplane.serving.workers import StaticInstances, WorkerEndpoint
+from controlplane.settings import Settings
+from provisioners.artifacts import FAMILY_SIGNATURE
+from provisioners.fake import FakeProvisioner
+
+T = TypeVar("T")
+SMALL = "emu.cpu.small"
+APP = "digits"
+SHA = "ef" * 32
+DEADLINE_S = 60.0
+
+
+def run(scenario: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(asyncio.wait_for(scenario, DEADLINE_S))
+
+
+def row(klass: int) -> list[float]:
+    return [float(klass), 16.0 * 0.9] + [0.0] * 62
+
+
+def write_profiles(folder: Path) -> None:
+    lines = ["model,instance_type,batch_size,sample,infer_ms,load_ms"]
+    for b in (1, 2, 4, 8, 16, 32):
+        lines += [f"tiny,{SMALL},{b},{i},{1 + 0.01 * b:.4f},0" for i in range(3)]
+    (folder / "profiles.csv").write_text("\n".join(lines) + "\n")
+
+
+class World:
+    def __init__(self, tmp_path: Path) -> None:
+        data_dir = tmp_path / "data"
+        data_dir.mkdir()
+        write_profiles(data_dir)
+        self.clock = FakeClock()
+        settings = Settings(data_dir=data_dir, provisioner="fake")
+        self.store = Store.from_url(settings.database_url, self.clock, upgrade=True)
+        for version in (1, 2):
+            self.store.add_model_version(
+                "digits-tiny", version, "onnx", SHA, 10, FAMILY_SIGNATURE, f"file:///r/{version}"
+            )
+        self.token = self.store.create_token("admin", name="admin")
+        self.resolver = AppResolver(
+            data_dir, artifacts=self.store.get_model_version, measured=self.store.get_app_profiles
+        )
+        spec = {
+            "name": APP,
+            "models": [{"name": "tiny", "profiles": "profiles.csv", "artifact": "digits-tiny@1"}],
+            # Generous: a good version on a loaded machine stays within it (no timing asserts).
+            "slo": {"latency_ms": 5000},
+            "budget_usd_per_hr": 5,
+            "instance_types": [SMALL],
+        }
+        self.store.create_app(spec_document(self.resolver.check(spec).spec), who="test")
+        self.instances = StaticInstances()
+        self.serving = ServingLoop(
+            self.store,
+            self.resolver,
+            self.instances,
+            clock=SystemClock(),
+            settings=ServingSettings(refresh_s=3600.0),
+        )
+        self.rollouts = RolloutLoop(
+            self.store, self.resolver, FakeProvisioner(), self.clock, self.serving.versions
+        )
+        self.serving.routes = self.rollouts.route
+        self.app = create_app(settings, self.store, self.clock, serving=self.serving)
+
+    def start(
+        self,
+        shadow: bool = False,
+        steps: Sequence[float] = (0.5, 1.0),
+        max_p99_ms: float | None = None,
+    ) -> int:
+        thresholds = Thresholds(max_p99_ms=max_p99_ms, min_queries=10)
+        request = RolloutRequest("digits-tiny@2", steps, 10.0, shadow, thresholds)
+        return start_rollout(self.store, self.resolver, APP, request, who="test").id
+
+    async def tick(self) -> list[str]:
+        return [t.what for t in await asyncio.to_thread(self.rollouts.tick)]
+
+    async def workers_up(self, rollout_id: int, workers: Sequence[FakeWorker]) -> None:
+        """The rollout loop launched its workers; the reconciler saw them healthy."""
+        await self.tick()
+        prefix = rollout_request_prefix(APP, rollout_id)
+        rows = [r for r in self.store.list_instances(APP) if r.request_id.startswith(prefix)]
+        assert [r.state for r in rows] == ["pending"]
+        for r in rows:
+            self.store.transition_instance(r.id, InstanceState.RUNNING.value, reason="healthy")
+        self.instances.set(
+            prefix, [WorkerEndpoint(f"new-{k}", SMALL, w.address) for k, w in enumerate(workers)]
+        )
+        assert "workers of the new version running" in (await self.tick())[0]
+
+    def state(self, rollout_id: int) -> Any:
+        return Rollouts(self.store).get(APP, rollout_id)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[World]:
+    made = World(tmp_path)
+    yield made
+    made.store.close()
+
+
+async def fleet(n: int = 1, **knobs: Any) -> list[FakeWorker]:
+    workers = [FakeWorker(SMALL, **knobs) for _ in range(n)]
+    for worker in workers:
+        await worker.start()
+    return workers
+
+
+def scenario(world: World, body: Callable[[httpx.AsyncClient], Coroutine[Any, Any, T]]) -> T:
+    async def inner() -> T:
+        await world.serving.start()
+        try:
+            transport = httpx.ASGITransport(app=world.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://hp") as client:
+                return await body(client)
+        finally:
+            await world.serving.stop()
+
+    return run(inner())
+
+
+async def send(world: World, client: httpx.AsyncClient, ids: Sequence[str]) -> list[int]:
+    """One query per id (ten at a time); each answer's class (every one must be a 200)."""
+
+    async def one(request_id: str, k: int) -> int:
+        answer = await client.post(
+            f"/v1/apps/{APP}/infer",
+            json={"inputs": [row(k % 10)]},
+            headers={"Authorization": f"Bearer {world.token}", "X-Request-Id": request_id},
+        )
+        assert answer.status_code == 200, answer.text
+        return int(answer.json()["outputs"][0])
+
+    outputs: list[int] = []
+    for start in range(0, len(ids), 10):
+        chunk = enumerate(ids[start : start + 10], start)
+        outputs += await asyncio.gather(*(one(i, k) for k, i in chunk))
+    return outputs
+
+
+def test_a_good_version_promotes_step_by_step_with_no_failed_query(world: World) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        old, new = await fleet(), await fleet()
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        rid = world.start()
+        await world.workers_up(rid, new)
+        ids = [f"q-{k}" for k in range(120)]
+        outputs = await send(world, client, ids)
+        assert outputs == [k % 10 for k in range(120)]
+        expected_new = sum(routed_to_new(i, 0.5) for i in ids)
+        assert new[0].requests == expected_new and old[0].requests == 120 - expected_new
+        assert await world.tick() == []  # the interval is not over: hold
+        assert world.state(rid).reason.startswith("holding: interval not over")
+        world.clock.advance(11.0)
+        (promoted,) = await world.tick()
+        assert "step 1 passed" in promoted and world.state(rid).step_share == 1.0
+        more = [f"r-{k}" for k in range(40)]
+        await send(world, client, more)
+        assert new[0].requests == expected_new + 40  # every query on the new version
+        metrics = await client.get("/metrics", headers={"Authorization": f"Bearer {world.token}"})
+        samples = {
+            (s.name, s.labels.get("version")): s.value
+            for family in text_string_to_metric_families(metrics.text)
+            for s in family.samples
+            if s.name.startswith("heteroplane_rollout")
+        }
+        assert samples[("heteroplane_rollout_queries", "digits-tiny@2")] == 40
+        assert samples[("heteroplane_rollout_errors", "digits-tiny@2")] == 0
+        world.clock.advance(11.0)
+        (completed,) = await world.tick()
+        assert completed.startswith("promoted: last step passed")
+        assert world.state(rid).state == "promoted"
+        spec = world.store.get_app(APP).spec
+        assert spec["models"][0]["artifact"] == "digits-tiny@2"
+        # No old fleet row here to hand over: the route goes, the rollout's workers end.
+        (handed,) = await world.tick()
+        assert handed.startswith("handover done") and world.rollouts.route(APP) is None
+        prefix = rollout_request_prefix(APP, rid)
+        assert {
+            r.state for r in world.store.list_instances(APP) if r.request_id.startswith(prefix)
+        } == {"terminated"}
+        reasons = [d.reason for d in world.store.list_decisions(APP, kinds=["rollout"])]
+        assert len(reasons) == 5, reasons
+
+    scenario(world, body)
+
+
+def test_a_slow_version_rolls_back_on_latency_at_once(world: World) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        # Every answer of the new version takes 150 ms or more: over the 100 ms asked for.
+        old, new = await fleet(), await fleet(4, delay_s=0.15)
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        rid = world.start(steps=(0.5, 1.0), max_p99_ms=100.0)
+        await world.workers_up(rid, new)
+        ids = [f"q-{k}" for k in range(40)]
+        await send(world, client, ids)
+        assert sum(w.requests for w in new) == sum(routed_to_new(i, 0.5) for i in ids) >= 10
+        (rolled,) = await world.tick()  # no time passed: a breach does not wait
+        assert rolled.startswith("rolled back at step 1 (50% of queries): P99")
+        assert world.state(rid).state == "rolled_back"
+        assert world.rollouts.route(APP) is None
+        before = sum(w.requests for w in new)
+        await send(world, client, [f"r-{k}" for k in range(20)])
+        assert sum(w.requests for w in new) == before  # all back on the old version
+        (ended,) = await world.tick()
+        assert ended == "ended 1 worker(s) of the new version"
+        assert world.store.get_app(APP).spec["models"][0]["artifact"] == "digits-tiny@1"
+
+    scenario(world, body)
+
+
+def test_a_wrong_version_rolls_back_on_agreement_in_shadow(world: World) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        old = await fleet()
+        new = await fleet(predict=lambda _model, r: float((int(r[0]) + 1) % 10))
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        rid = world.start(shadow=True)
+        assert world.state(rid).steps == (0.0, 0.5, 1.0)
+        await world.workers_up(rid, new)
+        outputs = await send(world, client, [f"q-{k}" for k in range(30)])
+        assert outputs == [k % 10 for k in range(30)]  # the clients got the old version's
+        assert old[0].requests == 30
+
+        def compared() -> int:
+            figures = world.serving.versions.figures(APP, rid, 0)
+            return figures["digits-tiny@2"].compared if "digits-tiny@2" in figures else 0
+
+        while compared() < 30:  # the shadow answers come back after the clients'
+            await asyncio.sleep(0.001)
+        (rolled,) = await world.tick()
+        assert "agreement with the old version 0.000 (0 of 30 samples)" in rolled
+        assert world.state(rid).state == "rolled_back"
+
+    scenario(world, body)
