@@ -1,0 +1,225 @@
+"""Rollouts on the real service (issue 34's acceptance): ``heteroplane serve``'s whole service
+behind a real uvicorn server, the local provisioner's real worker processes loading ONNX
+artifacts from the registry, the CLI (``heteroplane rollout``), and a client sending queries
+all along with its own request ids; every one of them must be answered (200).
+
+The model is the bag-of-tokens ONNX classifier of ``benchmarks/bad_queries.py`` (version 1),
+served by one ``emu.cpu.large`` worker. Then, one after the other:
+
+- **a good version** (the same weights pushed again, version 2) goes through 50 % and 100 %
+  and is promoted: the app's spec names version 2, the old worker is handed over (ended, and
+  a new one started by the reconciler with version 2), the rollout's worker ends;
+- **a slow one** rolls back on latency: version 1 again, judged against ``--max-p99-ms 0.001``,
+  a bound every real answer is over (a model made slow on purpose would make the test depend on
+  this machine's speed; the bound makes "too slow" certain);
+- **a wrong one** (version 3: the output layer's weights and bias negated, so its argmax is the
+  old one's argmin) rolls back on agreement in shadow mode, while every client still got the
+  serving version's answer.
+
+Everything is polled against deadlines; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from benchmarks.bad_queries import MODEL, TOKENS, VOCABULARY, export_model, profile_file
+from controlplane.service.build import Service
+from tests.integration.conftest import ApiServer, launch_fleet
+from tests.integration.test_byom import _cli, service
+
+__all__ = ["service"]  # the fixture, imported for this module's tests
+
+pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+APP = "tokens"
+TYPE = "emu.cpu.large"
+DEADLINE_S = 240.0
+POLL_S = 0.2
+
+
+def _wrong(model: Path) -> Path:
+    """The model with its output layer negated (every answer's class changes)."""
+    proto = onnx.load(str(model))
+    graph_inputs = {i.name for i in proto.graph.input}
+    changed = 0
+    for tensor in proto.graph.initializer:
+        array = onnx.numpy_helper.to_array(tensor)
+        if tensor.name not in graph_inputs and array.shape in ((3, 8), (8, 3), (3,)):
+            tensor.CopyFrom(onnx.numpy_helper.from_array(-array, tensor.name))
+            changed += 1
+    assert changed == 2, [t.name for t in proto.graph.initializer]
+    path = model.with_name("tokens-wrong.onnx")
+    onnx.save(proto, str(path))
+    return path
+
+
+class Client(threading.Thread):
+    """Queries one after another (request ids ``c-0``, ``c-1``, ...) until stopped; counts the
+    answers' statuses."""
+
+    def __init__(self, url: str, token: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.token = url, token
+        self.statuses: Counter[int] = Counter()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        rng = np.random.default_rng(0)
+        headers = {"Authorization": f"Bearer {self.token}"}
+        with httpx.Client(base_url=self.url, timeout=60.0, trust_env=False) as client:
+            k = 0
+            while not self.stop.is_set():
+                tokens = rng.integers(0, VOCABULARY, size=TOKENS).tolist()
+                answer = client.post(
+                    f"/v1/apps/{APP}/infer",
+                    json={"inputs": [tokens]},
+                    headers={**headers, "X-Request-Id": f"c-{k}"},
+                )
+                self.statuses[answer.status_code] += 1
+                k += 1
+
+
+def _wait_rollout(capsys: pytest.CaptureFixture[str], done: Any) -> dict[str, Any]:
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        status = _cli(capsys, "rollout", "status", "--app", APP)
+        if done(status):
+            return dict(status)
+        if time.monotonic() > deadline:
+            pytest.fail(f"the rollout did not get there within {DEADLINE_S:g} s: {status}")
+        time.sleep(POLL_S)
+
+
+@pytest.mark.slow  # three worker processes start one after the other (seconds each)
+def test_promote_roll_back_on_latency_and_on_agreement_in_shadow(
+    service: Service,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = export_model(tmp_path)
+    admin = service.store.create_token("admin", name="operator")
+    infer = service.store.create_token("infer", name="client")
+    with ApiServer(service) as url:
+        monkeypatch.setenv("HETEROPLANE_URL", url)
+        monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
+        for path in (model, model, _wrong(model)):
+            _cli(capsys, "model", "push", MODEL, str(path))
+        store = service.store
+        store.create_app(
+            {
+                "name": APP,
+                "models": [
+                    {
+                        "name": MODEL,
+                        "artifact": f"{MODEL}@1",
+                        "profiles": str(profile_file(tmp_path)),
+                    }
+                ],
+                "slo": {"latency_ms": 2000},
+                "budget_usd_per_hr": 1.0,
+                "instance_types": [TYPE],
+            },
+            who="test",
+        )
+        plan = store.create_plan(
+            APP,
+            {
+                "feasible": True,
+                "cost_usd_per_hr": 0.1,
+                "stages": [{"name": MODEL, "fleet": {TYPE: 1}, "batch_size": 4, "policy": "fcfs"}],
+            },
+        )
+        store.apply_plan(APP, plan.id)
+        launch_fleet(service, APP, 1)
+        client = Client(url, infer)
+        client.start()
+        try:
+            started = _cli(
+                capsys,
+                "rollout",
+                "start",
+                "--app",
+                APP,
+                "--model",
+                f"{MODEL}@2",
+                "--steps",
+                "50,100",
+                "--interval-s",
+                "1",
+                "--min-queries",
+                "5",
+            )
+            assert (started["state"], started["from_version"], started["to_version"]) == (
+                "pending",
+                1,
+                2,
+            )
+            promoted = _wait_rollout(capsys, lambda s: s["state"] == "promoted")
+            # The last step's figures: the new version answered queries at 100 %, none failed.
+            last = promoted["figures"]["versions"][f"{MODEL}@2"]
+            assert last["queries"] >= 5 and last["errors"] == 0, promoted
+            assert store.get_app(APP).spec["models"][0]["artifact"] == f"{MODEL}@2"
+
+            def decisions() -> list[str]:
+                return [d.reason for d in store.list_decisions(APP, kinds=["rollout"])]
+
+            deadline = time.monotonic() + DEADLINE_S
+            while not any("handover done" in r for r in decisions()):
+                assert time.monotonic() < deadline, decisions()
+                time.sleep(POLL_S)
+
+            _cli(
+                capsys,
+                "rollout",
+                "start",
+                "--app",
+                APP,
+                "--model",
+                f"{MODEL}@1",
+                "--steps",
+                "50,100",
+                "--interval-s",
+                "1",
+                "--min-queries",
+                "5",
+                "--max-p99-ms",
+                "0.001",
+            )
+            slow = _wait_rollout(capsys, lambda s: s["state"] == "rolled_back")
+            assert "P99" in slow["reason"] and "over the limit 0.001 ms" in slow["reason"]
+
+            _cli(
+                capsys,
+                "rollout",
+                "start",
+                "--app",
+                APP,
+                "--model",
+                f"{MODEL}@3",
+                "--shadow",
+                "--interval-s",
+                "1",
+                "--min-queries",
+                "5",
+            )
+            wrong = _wait_rollout(capsys, lambda s: s["state"] == "rolled_back")
+            assert "agreement with the old version" in wrong["reason"], wrong
+            assert store.get_app(APP).spec["models"][0]["artifact"] == f"{MODEL}@2"
+        finally:
+            client.stop.set()
+            client.join(timeout=60.0)
+    assert client.statuses[200] > 0 and set(client.statuses) == {200}, client.statuses
+    print(json.dumps({"answered": client.statuses[200]}))
