@@ -7,7 +7,9 @@ launched worker's row to ``running``, is done by hand too).
   promote after each interval, the last completes: the app's spec names the new version, the
   rollout's workers end; no query fails at the client; /metrics shows the figures by version;
 - a slow one rolls back on latency at once, and every query goes back to the old version;
-- a wrong one rolls back on agreement in shadow, while every client got the old version's answer.
+- a wrong one rolls back on agreement in shadow, while every client got the old version's answer;
+- a restart mid-rollout (a new store, rollout loop and meter) resumes at the step the database
+  says, with the step's clock kept.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from controlplane.policies.rollout import Thresholds, rollout_request_prefix, ro
 from controlplane.service.app import create_app
 from controlplane.serving.fake_worker import FakeWorker
 from controlplane.serving.loop import ServingLoop, ServingSettings
+from controlplane.serving.versions import VersionMeter
 from controlplane.serving.workers import StaticInstances, WorkerEndpoint
 from controlplane.settings import Settings
 from provisioners.artifacts import FAMILY_SIGNATURE
@@ -66,6 +69,7 @@ class World:
         write_profiles(data_dir)
         self.clock = FakeClock()
         settings = Settings(data_dir=data_dir, provisioner="fake")
+        self.database_url = settings.database_url
         self.store = Store.from_url(settings.database_url, self.clock, upgrade=True)
         for version in (1, 2):
             self.store.add_model_version(
@@ -266,5 +270,45 @@ def test_a_wrong_version_rolls_back_on_agreement_in_shadow(world: World) -> None
         (rolled,) = await world.tick()
         assert "agreement with the old version 0.000 (0 of 30 samples)" in rolled
         assert world.state(rid).state == "rolled_back"
+
+    scenario(world, body)
+
+
+def test_a_restart_mid_rollout_resumes_at_its_step(world: World) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        old, new = await fleet(), await fleet()
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        rid = world.start(steps=(0.25, 0.5, 1.0))
+        await world.workers_up(rid, new)
+        await send(world, client, [f"q-{k}" for k in range(80)])
+        world.clock.advance(11.0)
+        (promoted,) = await world.tick()
+        assert promoted.startswith("step 1 passed") and world.state(rid).step_index == 1
+        # The control plane restarts: a new store on the database, a new rollout loop and
+        # meter (what was measured in memory is gone); nothing else is told.
+        store = Store.from_url(world.database_url, world.clock)
+        try:
+            world.serving.versions = VersionMeter()
+            restarted = RolloutLoop(
+                store, world.resolver, FakeProvisioner(), world.clock, world.serving.versions
+            )
+            world.serving.routes = restarted.route
+            assert await asyncio.to_thread(restarted.tick) == []
+            route = restarted.route(APP)
+            assert route is not None and (route.step_index, route.share) == (1, 0.5)
+            # The step's clock kept its start: the interval is over, but this step's queries
+            # were counted by the process that died, so it holds until it has enough.
+            world.clock.advance(11.0)
+            assert await asyncio.to_thread(restarted.tick) == []
+            assert "only 0 queries answered" in Rollouts(store).get(APP, rid).reason
+            ids = [f"r-{k}" for k in range(80)]
+            before = new[0].requests
+            await send(world, client, ids)
+            assert new[0].requests - before == sum(routed_to_new(i, 0.5) for i in ids)
+            (moved,) = [t.what for t in await asyncio.to_thread(restarted.tick)]
+            assert moved.startswith("step 2 passed")
+            assert Rollouts(store).get(APP, rid).step_index == 2
+        finally:
+            store.close()
 
     scenario(world, body)
