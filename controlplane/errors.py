@@ -129,7 +129,7 @@ class RolloutBudgetError(ConflictError):
             f"app {app!r}: the rollout needs {extra_usd_per_hr:.4g} USD/hr of extra instances"
             f"{what} on top of the fleet's {fleet_usd_per_hr:.4g} USD/hr, together"
             f" {self.needed_usd_per_hr:.4g} USD/hr, over the budget of {budget_usd_per_hr:g}"
-            " USD/hr; raise the budget or use smaller --steps"
+            " USD/hr; raise the budget first"
         )
 
 
