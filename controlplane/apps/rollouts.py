@@ -19,8 +19,10 @@ Every move is a ``rollout`` decision of the app with its reason (the events, the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from controlplane.apps.budget import live_instances
@@ -34,9 +36,19 @@ from controlplane.policies.rollout import (
     RolloutState,
     Thresholds,
     extra_fleet,
+    rederive_thresholds,
     step_shares,
 )
 from controlplane.spec import SpecError, parse_artifact
+from estimator.cascades import (
+    DEFAULT_CHOOSE_SHARE,
+    DEFAULT_SPLIT_SEED,
+    Cascade,
+    evaluate,
+    validation_document,
+    validation_from_document,
+)
+from estimator.errors import EstimatorError
 
 __all__ = [
     "DECISION_KIND",
@@ -65,6 +77,9 @@ class RolloutRequest:
     interval_s: float = DEFAULT_INTERVAL_S
     shadow: bool = False
     thresholds: Thresholds = field(default_factory=Thresholds)
+    # heteroplane.validation/v1 records of a cascade's members with the new version (a
+    # cascade member's rollout needs them: its thresholds are re-derived on them).
+    validation: Mapping[str, Any] | None = None
 
 
 def start_rollout(
@@ -120,6 +135,7 @@ def start_rollout(
             f"{name}@{target.version} takes or answers other tensors than {name}@{current.version}"
             " (a rollout needs the same inputs and outputs)",
         )
+    cascade = _cascade_thresholds(resolver, resolved, app, model, name, target.version, request)
     fleet, cost = _check_budget(store, resolved, app, model, record.budget_usd_per_hr)
     shares = (0.0, *steps) if request.shadow else steps
     settings = {
@@ -131,6 +147,8 @@ def start_rollout(
         "extra_cost_usd_per_hr": cost,
         "slo_ms": float(resolved.spec.slo.latency_ms),
     }
+    if cascade is not None:
+        settings["cascade"] = cascade
     rollout = Rollouts(store).create(
         app,
         model=model,
@@ -143,16 +161,107 @@ def start_rollout(
     )
     steps_text = ", ".join(f"{100 * s:g}%" for s in shares)
     shadow_text = ", shadow first" if request.shadow else ""
+    cascade_text = "" if cascade is None else "; " + _cascade_text(cascade)
     store.record_decision(
         app,
         DECISION_KIND,
         f"rollout {rollout.id}: {name}@{current.version} -> {name}@{target.version} of model"
         f" {model} started by {who} (steps {steps_text}{shadow_text},"
         f" every {request.interval_s:g} s); extra instances {_fleet_text(fleet)} cost"
-        f" {cost:.4g} USD/hr",
+        f" {cost:.4g} USD/hr{cascade_text}",
         {"rollout_id": rollout.id, "state": rollout.state, **settings},
     )
     return rollout
+
+
+def _cascade_thresholds(
+    resolver: AppResolver,
+    resolved: Any,
+    app: str,
+    model: str,
+    artifact: str,
+    to_version: int,
+    request: RolloutRequest,
+) -> dict[str, Any] | None:
+    """For a cascade member: its cascade's thresholds re-derived on the validation records
+    with the new version (:func:`~controlplane.policies.rollout.rederive_thresholds`), the
+    held-out accuracy before and after, and where the records are kept (the spec names them
+    once the rollout is promoted); None for a model outside a cascade."""
+    spec = resolved.spec
+    chain = tuple(spec.cascade or ())
+    if model not in chain:
+        if request.validation is not None:
+            raise InvalidValueError(
+                "validation", f"model {model} is in no cascade: there are no thresholds to derive"
+            )
+        return None
+    if request.validation is None:
+        raise InvalidValueError(
+            "validation",
+            f"model {model} is a member of the cascade {' -> '.join(chain)}: its thresholds are"
+            " re-derived for the new version on validation records of the members (heteroplane"
+            " rollout start ... --validation-data FILE.npz)",
+        )
+    try:
+        records = validation_from_document(request.validation, "validation")
+    except EstimatorError as error:
+        raise InvalidValueError("validation", str(error)) from None
+    except (KeyError, TypeError, ValueError) as error:  # a document of another shape
+        raise InvalidValueError(
+            "validation", f"not heteroplane.validation/v1 records ({type(error).__name__}: {error})"
+        ) from None
+    missing = [m for m in chain if m not in records.models]
+    if missing:
+        raise InvalidValueError(
+            "validation", f"no records of {', '.join(missing)} (the cascade's members)"
+        )
+    floor = spec.slo.accuracy
+    choice = rederive_thresholds(records, chain, _compute_ms(resolved, chain), accuracy_floor=floor)
+    if floor is not None and choice.held_out_accuracy < floor:
+        raise ConflictError(
+            f"app {app!r}: with {artifact}@{to_version} the cascade {' -> '.join(chain)} reaches"
+            f" {choice.held_out_accuracy:.4f} held-out accuracy at its best thresholds"
+            f" {list(choice.thresholds)}, under the floor {floor:g}"
+        )
+    before = None
+    if resolved.validation is not None and spec.thresholds:
+        _, score = resolved.validation.split(DEFAULT_CHOOSE_SHARE, DEFAULT_SPLIT_SEED)
+        before = float(evaluate(Cascade(chain, tuple(spec.thresholds)), score).accuracy)
+    path = Path(resolver.base_dir) / "rollouts" / f"{app}-{model}-{to_version}-validation.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(validation_document(records)) + "\n", encoding="utf-8")
+    return {
+        "chain": list(chain),
+        "thresholds_before": list(spec.thresholds or []),
+        "held_out_accuracy_before": before,
+        **choice.to_json(),
+        "validation": str(path),
+    }
+
+
+def _compute_ms(resolved: Any, chain: Sequence[str]) -> dict[str, float]:
+    """Each member's mean latency at batch size 1 on its fastest candidate type (1 ms where it
+    has no profile yet: an unmeasured artifact model)."""
+    found: dict[str, float] = {}
+    for model in chain:
+        means = []
+        for instance_type in resolved.instance_types:
+            try:
+                means.append(resolved.profile(model, instance_type).mean_latency_ms(1))
+            except (KeyError, LookupError, EstimatorError):
+                continue
+        found[model] = min(means) if means else 1.0
+    return found
+
+
+def _cascade_text(cascade: Mapping[str, Any]) -> str:
+    before = cascade.get("held_out_accuracy_before")
+    was = "" if before is None else f" (was {before:.4f} at {cascade['thresholds_before']})"
+    return (
+        f"cascade thresholds re-derived for the new version: {cascade['thresholds']},"
+        f" held-out accuracy {cascade['held_out_accuracy']:.4f} on"
+        f" {cascade['held_out_samples']} samples{was}"
+    )
 
 
 def _check_budget(
@@ -244,6 +353,7 @@ def rollout_document(rollout: RolloutRecord) -> dict[str, Any]:
         "extra_fleet": settings.get("extra_fleet"),
         "extra_cost_usd_per_hr": settings.get("extra_cost_usd_per_hr"),
         "figures": dict(rollout.figures),
+        "cascade": settings.get("cascade"),
         "who": rollout.who,
         "step_started_at": rollout.step_started_at.isoformat(),
         "created_at": rollout.created_at.isoformat(),

@@ -1532,6 +1532,14 @@ def _rollout(subparsers: Subparsers) -> None:
         " compared with the old one's and discarded",
     )
     start.add_argument(
+        "--validation-data",
+        type=Path,
+        metavar="FILE.npz",
+        help="a cascade member: labelled data (arrays inputs, labels) the app's models run on"
+        " here, the new version in its place; the service re-derives the cascade's thresholds"
+        " on the records and states the held-out accuracy before traffic moves",
+    )
+    start.add_argument(
         "--max-p99-ms", type=positive_number, metavar="MS", help="roll back above (default: SLO)"
     )
     start.add_argument(

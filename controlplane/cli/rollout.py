@@ -14,11 +14,19 @@ __all__ = ["rollout_action", "rollout_start", "rollout_status"]
 
 def _line(r: dict[str, Any]) -> str:
     shares = ", ".join(f"{100 * s:g}%" for s in r["steps"])
+    cascade = r.get("cascade")
     line = (
         f"rollout {r['id']} of {r['app']}: {r['model']} {r['artifact']}@{r['from_version']} ->"
         f" @{r['to_version']}, {r['state']}, {100 * r['step_share']:g}% of queries on the new"
         f" version (steps {shares}{'; shadow step' if r.get('shadow_step') else ''}): {r['reason']}"
     )
+    if cascade:
+        before = cascade.get("held_out_accuracy_before")
+        line += (
+            f"\n  cascade thresholds {cascade['thresholds']} (were {cascade['thresholds_before']}):"
+            f" held-out accuracy {cascade['held_out_accuracy']:.4f}"
+            + ("" if before is None else f" (was {before:.4f})")
+        )
     figures = r.get("figures") or {}
     for version, f in sorted(figures.get("versions", {}).items()):
         p99 = "-" if f.get("p99_ms") is None else f"{f['p99_ms']:.1f} ms"
@@ -44,8 +52,26 @@ def rollout_start(args: argparse.Namespace) -> int:
         "thresholds": thresholds,
     }
     with client_from(args) as client:
+        if args.validation_data is not None:
+            body["validation"] = _validation(client, args)
         answer = client.post(app_path(args.app, "rollouts"), body)
     return emit(args.json, answer, lambda: _line(answer))
+
+
+def _validation(client: ApiClient, args: argparse.Namespace) -> dict[str, Any]:
+    """The validation records of the app's models with the new version in its model's place,
+    run here on ``--validation-data`` (as ``cascade evaluate --app`` runs them)."""
+    from controlplane.cli.cascade_registered import load_data, registered_models, validation_records
+
+    inputs, labels = load_data(args.validation_data)
+    spec = client.get(app_path(args.app))["spec"]
+    name, _, version = args.model.partition("@")
+    models = []
+    for model, reference, how in registered_models(spec):
+        if reference.partition("@")[0] == name:
+            reference = f"{name}@{version}" if version else name
+        models.append((model, reference, how))
+    return validation_records(client, models, inputs, labels, args.validation_data.name)
 
 
 def _latest(client: ApiClient, app: str) -> dict[str, Any]:

@@ -295,6 +295,10 @@ class RolloutLoop:
             if model.get("name") == rollout.model:
                 model["artifact"] = f"{rollout.artifact}@{rollout.to_version}"
         spec["models"] = models
+        cascade = rollout.settings.get("cascade")
+        if cascade:  # the thresholds derived for the new version, and the records behind them
+            spec["thresholds"] = list(cascade["thresholds"])
+            spec["validation"] = cascade["validation"]
         self.store.update_app(rollout.app, spec, who=f"rollout {rollout.id}")
         self.resolver.invalidate(rollout.app)
         if self.on_change is not None:
@@ -354,13 +358,21 @@ def _route(rollout: RolloutRecord) -> CanaryRoute:
         rollout.shadow_step,
         old,
         new,
+        _thresholds(rollout),
     )
 
 
 def _full(rollout: RolloutRecord) -> CanaryRoute:
     """Every query on the new version (a promoted rollout in handover)."""
     new, old = _labels(rollout)
-    return CanaryRoute(rollout.id, len(rollout.steps), rollout.model, 1.0, False, old, new)
+    return CanaryRoute(
+        rollout.id, len(rollout.steps), rollout.model, 1.0, False, old, new, _thresholds(rollout)
+    )
+
+
+def _thresholds(rollout: RolloutRecord) -> tuple[float, ...] | None:
+    cascade = rollout.settings.get("cascade")
+    return None if not cascade else tuple(float(h) for h in cascade["thresholds"])
 
 
 def _log(message: str) -> None:

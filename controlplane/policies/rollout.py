@@ -37,7 +37,16 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from controlplane.errors import InvalidRolloutTransitionError, InvalidValueError
+from controlplane.policies.cascade_choice import ACCURACY_TOLERANCE
 from controlplane.policies.lifecycle import PROFILE_REQUEST_PREFIX
+from estimator.cascades import (
+    DEFAULT_CHOOSE_SHARE,
+    DEFAULT_SPLIT_SEED,
+    DEFAULT_THRESHOLD_GRID,
+    ValidationRecords,
+    candidate_cascades,
+    evaluate,
+)
 
 __all__ = [
     "ACTIVE_STATES",
@@ -46,6 +55,7 @@ __all__ = [
     "TRANSITIONS",
     "Judgement",
     "RolloutState",
+    "ThresholdChoice",
     "Thresholds",
     "Verdict",
     "VersionFigures",
@@ -54,6 +64,7 @@ __all__ = [
     "extra_fleet",
     "judge",
     "parse_steps",
+    "rederive_thresholds",
     "rollout_request_prefix",
     "routed_to_new",
     "step_shares",
@@ -350,3 +361,84 @@ def judge(
     if last_step:
         return Judgement(Verdict.COMPLETE, f"last step passed ({checks})")
     return Judgement(Verdict.PROMOTE, f"step passed ({checks})")
+
+
+@dataclass(frozen=True, slots=True)
+class ThresholdChoice:
+    """A cascade's thresholds re-derived for a new member version: ``thresholds``, their
+    accuracy on the choose split (``in_sample_accuracy``) and on the score split the choice never
+    saw (``held_out_accuracy``, of ``held_out_samples``), and whether it reaches the floor the
+    rule asked for (``meets_floor``; else the most accurate thresholds of the chain)."""
+
+    thresholds: tuple[float, ...]
+    in_sample_accuracy: float
+    held_out_accuracy: float
+    held_out_samples: int
+    compute_ms_per_query: float
+    meets_floor: bool
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "thresholds": list(self.thresholds),
+            "in_sample_accuracy": self.in_sample_accuracy,
+            "held_out_accuracy": self.held_out_accuracy,
+            "held_out_samples": self.held_out_samples,
+            "compute_ms_per_query": self.compute_ms_per_query,
+            "meets_floor": self.meets_floor,
+        }
+
+
+def rederive_thresholds(
+    records: ValidationRecords,
+    chain: Sequence[str],
+    compute_ms: Mapping[str, float],
+    *,
+    accuracy_floor: float | None = None,
+    grid: Sequence[float] = DEFAULT_THRESHOLD_GRID,
+    tolerance: float = ACCURACY_TOLERANCE,
+    share: float = DEFAULT_CHOOSE_SHARE,
+    seed: int = DEFAULT_SPLIT_SEED,
+) -> ThresholdChoice:
+    """The thresholds of the cascade ``chain`` (its order kept) for ``records`` of its members,
+    the new version's among them, by the held-out protocol (docs/cascades.md): on the *choose*
+    split, every combination of ``grid`` at the chain's stages is evaluated (accuracy, and
+    compute per query = sum over stages of the share reaching it x its ``compute_ms``); the
+    cheapest whose accuracy is at least the floor (the most accurate member alone minus
+    ``tolerance`` -- :func:`controlplane.policies.cascade_choice.best_point`'s rule -- and at
+    least ``accuracy_floor`` when given) wins, else the most accurate; it is then scored on the
+    *score* split.
+
+    >>> from estimator.cascades import synthetic_validation
+    >>> import numpy as np
+    >>> records = synthetic_validation(np.random.default_rng(0), [0.8, 0.95], n_samples=400)
+    >>> choice = rederive_thresholds(records, records.models, {records.models[0]: 1.0,
+    ...     records.models[1]: 10.0}, grid=(0.2, 0.5, 0.8))
+    >>> len(choice.thresholds), 0.0 <= choice.held_out_accuracy <= 1.0
+    (1, True)
+    """
+    choose, score = records.split(share, seed)
+    models = tuple(chain)
+    top = max(choose.model_accuracy(m) for m in models)
+    floor = top - tolerance - 1e-12
+    if accuracy_floor is not None:
+        floor = max(floor, accuracy_floor - 1e-12)
+    scored = []
+    for cascade in candidate_cascades([models], grid):
+        quality = evaluate(cascade, choose)
+        compute = sum(
+            r * float(compute_ms[m]) for m, r in zip(models, quality.reach_share, strict=True)
+        )
+        scored.append((cascade, quality.accuracy, compute))
+    eligible = [s for s in scored if s[1] >= floor]
+    if eligible:
+        cascade, accuracy, compute = min(eligible, key=lambda s: (s[2], -s[1]))
+    else:
+        cascade, accuracy, compute = max(scored, key=lambda s: (s[1], -s[2]))
+    return ThresholdChoice(
+        tuple(float(h) for h in cascade.thresholds),
+        float(accuracy),
+        float(evaluate(cascade, score).accuracy),
+        int(score.n_samples),
+        float(compute),
+        bool(eligible),
+    )

@@ -101,7 +101,7 @@ async def _on_new(
 ) -> InferResult | None:
     """The new version's answer, or None when it failed (counted)."""
     try:
-        dispatcher = await loop.canary(app, route.rollout_id)
+        dispatcher = await loop.canary(app, route)
         result = await dispatcher.infer(inputs, sample_ids, None, received, deadline_s)
     except _CLIENTS:
         raise

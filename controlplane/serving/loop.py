@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import itertools
 import logging
@@ -322,10 +323,12 @@ class ServingLoop:
             await self._refresh_app(app, dispatcher)
         return await dispatcher.infer(inputs, sample_ids, requirements, received, deadline_s)
 
-    async def canary(self, app: str, rollout_id: int) -> AppDispatcher:
+    async def canary(self, app: str, route: CanaryRoute) -> AppDispatcher:
         """The dispatcher of ``app``'s rollout workers: the app's configuration (the new
-        version takes and answers the same tensors: checked when the rollout started), its own
-        observations (the tuner's arrivals stay the app's), the rollout's workers only."""
+        version takes and answers the same tensors: checked when the rollout started; a
+        cascade's thresholds as the rollout re-derived them), its own observations (the
+        tuner's arrivals stay the app's), the rollout's workers only."""
+        rollout_id = route.rollout_id
         found = self._canaries.get(app)
         if found is not None and found[0] == rollout_id:
             return found[1]
@@ -333,6 +336,9 @@ class ServingLoop:
             del self._canaries[app]
             await found[1].close()
         config = await asyncio.to_thread(load_config, self.store, self.resolver, app)
+        if route.thresholds is not None:
+            cascade = Cascade(config.cascade.models, route.thresholds)
+            config = dataclasses.replace(config, cascade=cascade)
         dispatcher = AppDispatcher(
             config,
             self.transport,

@@ -43,6 +43,9 @@ class CanaryRoute:
     shadow: bool
     old_version: str  # NAME@VERSION
     new_version: str
+    # A cascade member's rollout: the cascade's thresholds re-derived for the new version (the
+    # new version's workers serve the cascade with them).
+    thresholds: tuple[float, ...] | None = None
 
 
 @dataclass

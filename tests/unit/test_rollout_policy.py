@@ -127,3 +127,20 @@ def test_user_thresholds_are_checked() -> None:
         ).verdict
         is Verdict.PROMOTE
     )
+
+
+def test_thresholds_fall_back_to_the_most_accurate_when_no_floor_is_met() -> None:
+    import numpy as np
+
+    from controlplane.policies.rollout import rederive_thresholds
+    from estimator.cascades import synthetic_validation
+
+    records = synthetic_validation(np.random.default_rng(1), [0.7, 0.9], n_samples=300)
+    compute = {records.models[0]: 1.0, records.models[1]: 5.0}
+    reachable = rederive_thresholds(records, records.models, compute, grid=(0.3, 0.6, 0.9))
+    unreachable = rederive_thresholds(
+        records, records.models, compute, accuracy_floor=1.01, grid=(0.3, 0.6, 0.9)
+    )
+    assert reachable.meets_floor and not unreachable.meets_floor
+    assert unreachable.in_sample_accuracy >= reachable.in_sample_accuracy
+    assert unreachable.held_out_samples == reachable.held_out_samples == 150

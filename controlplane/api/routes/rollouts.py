@@ -60,6 +60,9 @@ class RolloutIn(BaseModel):
     interval_s: float = Field(default=DEFAULT_INTERVAL_S, gt=0, allow_inf_nan=False)
     shadow: bool = False
     thresholds: ThresholdsIn = Field(default_factory=ThresholdsIn)
+    # heteroplane.validation/v1 records of the cascade's members with the new version: a
+    # cascade member's rollout re-derives the thresholds on them.
+    validation: dict[str, Any] | None = None
 
 
 def _out(rollout: RolloutRecord) -> dict[str, Any]:
@@ -75,7 +78,9 @@ def _out(rollout: RolloutRecord) -> dict[str, Any]:
 )
 def start(app: AppName, body: RolloutIn, services: ServicesDep, who: Operator) -> dict[str, Any]:
     thresholds = Thresholds(**body.thresholds.model_dump())
-    request = RolloutRequest(body.model, body.steps, body.interval_s, body.shadow, thresholds)
+    request = RolloutRequest(
+        body.model, body.steps, body.interval_s, body.shadow, thresholds, body.validation
+    )
     rollout = start_rollout(services.store, services.resolver, app, request, who=who.name)
     return _out(rollout)
 

@@ -1,0 +1,201 @@
+"""A rollout of a cascade member (controlplane.apps.rollouts, controlplane.loops.rollouts): the
+cascade's thresholds are re-derived on validation records with the new version and its held-out
+accuracy stated before traffic moves; the new version's workers serve the cascade with the new
+thresholds; promotion pins the spec to them. The real serving loop and API over fake worker
+agents, a real SQLite store; the rollout loop ticked by hand on a fake clock.
+
+The validation records are made so that the answer is known: the new ``tiny`` is right exactly
+on the samples of certainty >= 0.65 and ``large`` on all, so the cheapest threshold within half
+a point of ``large`` alone is the grid's 0.7 (the app's was 0.5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from controlplane.apps.resolver import AppResolver, spec_document
+from controlplane.apps.rollouts import RolloutRequest, start_rollout
+from controlplane.clock import FakeClock, SystemClock
+from controlplane.db.rollouts import Rollouts
+from controlplane.db.store import Store
+from controlplane.errors import InvalidValueError
+from controlplane.loops.rollouts import RolloutLoop
+from controlplane.policies.lifecycle import InstanceState
+from controlplane.policies.rollout import Thresholds, rollout_request_prefix
+from controlplane.service.app import create_app
+from controlplane.serving.loop import ServingLoop, ServingSettings
+from controlplane.serving.workers import StaticInstances, WorkerEndpoint
+from controlplane.settings import Settings
+from provisioners.artifacts import FAMILY_SIGNATURE
+from provisioners.fake import FakeProvisioner
+from tests.component.test_rollout_serving import fleet, row, run
+
+SMALL = "emu.cpu.small"
+APP = "digits"
+SHA = "ef" * 32
+SAMPLES = 400
+
+
+def records(tiny_right_from: float = 0.65) -> dict[str, Any]:
+    rng = np.random.default_rng(3)
+    labels = rng.integers(0, 10, SAMPLES)
+    certainty = rng.uniform(0.0, 1.0, SAMPLES)
+    tiny_right = certainty >= tiny_right_from
+    tiny = np.where(tiny_right, labels, (labels + 1) % 10)
+    return {
+        "format": "heteroplane.validation/v1",
+        "labels": labels.tolist(),
+        "models": [
+            {
+                "name": "tiny",
+                "accuracy": float(tiny_right.mean()),
+                "predictions": tiny.tolist(),
+                "correct": tiny_right.tolist(),
+                "certainty": certainty.tolist(),
+            },
+            {
+                "name": "large",
+                "accuracy": 1.0,
+                "predictions": labels.tolist(),
+                "correct": [True] * SAMPLES,
+                "certainty": [0.9] * SAMPLES,
+            },
+        ],
+    }
+
+
+class World:
+    def __init__(self, tmp_path: Path) -> None:
+        data_dir = tmp_path / "data"
+        data_dir.mkdir()
+        lines = ["model,instance_type,batch_size,sample,infer_ms,load_ms"]
+        for model, ms in (("tiny", 1.0), ("large", 4.0)):
+            for b in (1, 2, 4, 8, 16, 32):
+                lines += [f"{model},{SMALL},{b},{i},{ms + 0.01 * b:.4f},0" for i in range(3)]
+        (data_dir / "profiles.csv").write_text("\n".join(lines) + "\n")
+        (data_dir / "validation.json").write_text(json.dumps(records(0.4)))
+        self.clock = FakeClock()
+        settings = Settings(data_dir=data_dir, provisioner="fake")
+        self.store = Store.from_url(settings.database_url, self.clock, upgrade=True)
+        for name in ("digits-tiny", "digits-large"):
+            for version in (1, 2):
+                self.store.add_model_version(
+                    name, version, "onnx", SHA, 10, FAMILY_SIGNATURE, f"file:///{name}/{version}"
+                )
+        self.token = self.store.create_token("admin", name="admin")
+        self.resolver = AppResolver(
+            data_dir, artifacts=self.store.get_model_version, measured=self.store.get_app_profiles
+        )
+        spec = {
+            "name": APP,
+            "models": [
+                {"name": "tiny", "profiles": "profiles.csv", "artifact": "digits-tiny@1"},
+                {"name": "large", "profiles": "profiles.csv", "artifact": "digits-large@1"},
+            ],
+            "cascade": ["tiny", "large"],
+            "thresholds": [0.5],
+            "validation": "validation.json",
+            "slo": {"latency_ms": 5000},
+            "budget_usd_per_hr": 5,
+            "instance_types": [SMALL],
+        }
+        self.store.create_app(spec_document(self.resolver.check(spec).spec), who="test")
+        self.instances = StaticInstances()
+        self.serving = ServingLoop(
+            self.store,
+            self.resolver,
+            self.instances,
+            clock=SystemClock(),
+            settings=ServingSettings(refresh_s=3600.0),
+        )
+        self.rollouts = RolloutLoop(
+            self.store, self.resolver, FakeProvisioner(), self.clock, self.serving.versions
+        )
+        self.serving.routes = self.rollouts.route
+        self.app = create_app(settings, self.store, self.clock, serving=self.serving)
+
+    def start(self, validation: dict[str, Any] | None) -> Any:
+        request = RolloutRequest(
+            "digits-tiny@2", (1.0,), 10.0, False, Thresholds(min_queries=5), validation
+        )
+        return start_rollout(self.store, self.resolver, APP, request, who="test")
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Any:
+    made = World(tmp_path)
+    yield made
+    made.store.close()
+
+
+def test_a_cascade_member_needs_validation_records(world: World) -> None:
+    with pytest.raises(InvalidValueError, match="member of the cascade tiny -> large"):
+        world.start(None)
+    with pytest.raises(InvalidValueError, match="validation"):
+        world.start({"format": "heteroplane.validation/v1", "labels": [1]})
+    assert Rollouts(world.store).list(APP) == []
+
+
+def test_the_thresholds_are_re_derived_served_and_pinned(world: World) -> None:
+    rollout = world.start(records())
+    cascade = rollout.settings["cascade"]
+    assert cascade["thresholds_before"] == [0.5] and cascade["thresholds"] == [0.7]
+    assert cascade["held_out_accuracy"] == pytest.approx(1.0)
+    assert cascade["held_out_samples"] == SAMPLES // 2
+    assert cascade["held_out_accuracy_before"] is not None
+    (started,) = world.store.list_decisions(APP, kinds=["rollout"])
+    assert "cascade thresholds re-derived for the new version: [0.7]" in started.reason
+    assert "held-out accuracy 1.0000 on 200 samples" in started.reason
+
+    async def body() -> None:
+        await world.serving.start()
+        try:
+            old, new = await fleet(), await fleet()
+            world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+            await asyncio.to_thread(world.rollouts.tick)
+            prefix = rollout_request_prefix(APP, rollout.id)
+            for r in world.store.list_instances(APP):
+                if r.request_id.startswith(prefix):
+                    world.store.transition_instance(r.id, InstanceState.RUNNING.value, reason="up")
+            world.instances.set(prefix, [WorkerEndpoint("new-0", SMALL, new[0].address)])
+            await asyncio.to_thread(world.rollouts.tick)
+            transport = httpx.ASGITransport(app=world.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://hp") as client:
+                answer = await client.post(
+                    f"/v1/apps/{APP}/infer",
+                    json={"inputs": [row(3)]},
+                    headers={"Authorization": f"Bearer {world.token}", "X-Request-Id": "a"},
+                )
+            assert answer.status_code == 200, answer.text
+            # The one step is 100 %: the new version's workers, the new thresholds.
+            assert answer.json()["gear"] == "tiny@0.7 -> large"
+            assert new[0].requests >= 1 and old[0].requests == 0
+        finally:
+            await world.serving.stop()
+
+    run(body())
+    # The step's interval passes with enough good answers of the new version (the query above
+    # and five more, recorded as the serving loop records them).
+    world.clock.advance(11.0)
+    for _ in range(5):
+        world.rollouts.meter.answered(APP, _route(world), "digits-tiny@2", 1.0)
+    (promoted,) = [t.what for t in world.rollouts.tick()]
+    assert promoted.startswith("promoted"), promoted
+    spec = world.store.get_app(APP).spec
+    assert spec["thresholds"] == [0.7]
+    assert spec["validation"] == cascade["validation"] and Path(spec["validation"]).exists()
+    assert spec["models"][0]["artifact"] == "digits-tiny@2"
+    assert world.resolver.resolve(spec).validation.model_accuracy("tiny") < 1.0
+
+
+def _route(world: World) -> Any:
+    route = world.rollouts.route(APP)
+    assert route is not None
+    return route
