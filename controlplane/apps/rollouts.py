@@ -268,11 +268,15 @@ def _check_budget(
     store: Store, resolved: Any, app: str, model: str, budget_usd_per_hr: float
 ) -> tuple[dict[str, int], float]:
     plan = store.get_applied_plan(app)
+    # A cascade member's new version answers through the whole cascade on the rollout's workers
+    # (they load every member, the new version in its place): a copy of every stage's fleet.
+    copied = set(resolved.spec.cascade or ()) if model in (resolved.spec.cascade or ()) else {model}
     stage_fleet: dict[str, int] = {}
     if plan is not None:
         for stage in plan.plan.stages:
-            if stage.name == model:
-                stage_fleet = {t: int(n) for t, n in stage.fleet.items()}
+            if stage.name in copied:
+                for t, n in stage.fleet.items():
+                    stage_fleet[t] = stage_fleet.get(t, 0) + int(n)
     prices = dict(resolved.prices_usd_per_hr)
     fleet = extra_fleet(stage_fleet, prices, 1.0)
     if not fleet:

@@ -255,11 +255,15 @@ class RolloutLoop:
         """Record and launch the rollout's workers that are missing (idempotent)."""
         prefix = rollout_request_prefix(rollout.app, rollout.id)
         have = {r.request_id for r in rows}
-        prices = self.resolver.resolve(
-            self.store.get_app(rollout.app).spec, check_budget=False
-        ).prices_usd_per_hr
+        resolved = self.resolver.resolve(self.store.get_app(rollout.app).spec, check_budget=False)
+        prices = resolved.prices_usd_per_hr
         version = self.store.get_model_version(rollout.artifact, rollout.to_version)
-        ref = version.ref(rollout.model)
+        # Every registered model of the app, the new version in its model's place: a cascade's
+        # queries visit the other members on the same workers.
+        refs = tuple(
+            version.ref(rollout.model) if model == rollout.model else artifact.ref
+            for model, artifact in resolved.artifacts.items()
+        )
         for instance_type, count in dict(rollout.settings["extra_fleet"]).items():
             for n in range(1, int(count) + 1):
                 request_id = f"{prefix}{instance_type}-{n}"
@@ -278,7 +282,7 @@ class RolloutLoop:
         for row in rows:
             if row.state == InstanceState.REQUESTED and row.provider_id is None:
                 try:
-                    launch_worker(self.store, self.provisioner, rollout.app, row, (ref,))
+                    launch_worker(self.store, self.provisioner, rollout.app, row, refs)
                 except ControlPlaneError as error:
                     logger.warning("rollout %s: %s", rollout.id, error)
                     self.store.transition_instance(

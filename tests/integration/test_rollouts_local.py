@@ -223,3 +223,103 @@ def test_promote_roll_back_on_latency_and_on_agreement_in_shadow(
             client.join(timeout=60.0)
     assert client.statuses[200] > 0 and set(client.statuses) == {200}, client.statuses
     print(json.dumps({"answered": client.statuses[200]}))
+
+
+@pytest.mark.slow  # three worker processes (two for the cascade, one for the rollout)
+def test_a_cascade_member_rollout_re_derives_the_thresholds(
+    service: Service,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cascade of the ONNX model under two names (``tok-a`` first, ``tok-b`` last), both
+    version 1; ``tok-a``'s version 2 is the wrong (negated) model. ``rollout start
+    --validation-data`` runs the members here on labelled data (the labels are version 1's own
+    answers), the service re-derives the threshold and states the held-out accuracy before any
+    traffic moves; promoted, the spec carries the new threshold and the records."""
+    import onnxruntime
+
+    model = export_model(tmp_path)
+    wrong = _wrong(model)
+    admin = service.store.create_token("admin", name="operator")
+    infer = service.store.create_token("infer", name="client")
+    rng = np.random.default_rng(5)
+    inputs = rng.integers(0, VOCABULARY, size=(400, TOKENS)).astype(np.int64)
+    session = onnxruntime.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    (scores,) = session.run(None, {"tokens": inputs})
+    data = tmp_path / "validation.npz"
+    np.savez(data, inputs=inputs, labels=np.asarray(scores).argmax(axis=1))
+    profiles = tmp_path / "cascade-profiles.json"
+    profiles.write_text(
+        json.dumps(
+            {
+                "profiles": [
+                    {
+                        "model": name,
+                        "instance_type": TYPE,
+                        "batch_sizes": [1, 2, 4, 8],
+                        "latency_ms": [ms + 0.1 * b for b in (1, 2, 4, 8)],
+                    }
+                    for name, ms in (("tok-a", 1.0), ("tok-b", 4.0))
+                ]
+            }
+        )
+    )
+    with ApiServer(service) as url:
+        monkeypatch.setenv("HETEROPLANE_URL", url)
+        monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
+        for name, path in (("tok-a", model), ("tok-b", model), ("tok-a", wrong)):
+            _cli(capsys, "model", "push", name, str(path))
+        store = service.store
+        store.create_app(
+            {
+                "name": APP,
+                "models": [
+                    {"name": n, "artifact": f"{n}@1", "profiles": str(profiles)}
+                    for n in ("tok-a", "tok-b")
+                ],
+                "cascade": ["tok-a", "tok-b"],
+                "thresholds": [0.5],
+                "slo": {"latency_ms": 2000},
+                "budget_usd_per_hr": 1.0,
+                "instance_types": [TYPE],
+            },
+            who="test",
+        )
+        plan = store.create_plan(
+            APP,
+            {
+                "feasible": True,
+                "cost_usd_per_hr": 0.2,
+                "stages": [
+                    {"name": n, "fleet": {TYPE: 1}, "batch_size": 4, "policy": "fcfs"}
+                    for n in ("tok-a", "tok-b")
+                ],
+            },
+        )
+        store.apply_plan(APP, plan.id)
+        launch_fleet(service, APP, 2)
+        client = Client(url, infer)
+        client.start()
+        try:
+            started = _cli(
+                capsys, "rollout", "start", "--app", APP, "--model", "tok-a@2",
+                "--steps", "100", "--interval-s", "1", "--min-queries", "5",
+                "--validation-data", str(data),
+            )  # fmt: skip
+            cascade = started["cascade"]
+            # The new tok-a is always wrong: only thresholds that send every query on to tok-b
+            # keep the cascade within half a point of tok-b alone.
+            assert cascade["thresholds_before"] == [0.5]
+            assert cascade["thresholds"] != [0.5] and cascade["meets_floor"]
+            assert cascade["held_out_accuracy"] >= 0.99 and cascade["held_out_samples"] == 200
+            assert started["extra_fleet"] == {TYPE: 2}  # the whole cascade, once more
+            done = _wait_rollout(capsys, lambda s: s["state"] in ("promoted", "rolled_back"))
+            assert done["state"] == "promoted", done
+            spec = store.get_app(APP).spec
+            assert spec["thresholds"] == cascade["thresholds"]
+            assert spec["validation"] == cascade["validation"]
+        finally:
+            client.stop.set()
+            client.join(timeout=60.0)
+    assert client.statuses[200] > 0 and set(client.statuses) == {200}, client.statuses
