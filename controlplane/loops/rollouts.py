@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from controlplane.apps.profile_run import end_workers, launch_worker
@@ -57,9 +57,13 @@ from controlplane.policies.rollout import (
 from controlplane.serving.versions import CanaryRoute, VersionMeter
 from provisioners.base import Provisioner
 
-__all__ = ["RolloutLoop", "RolloutTick"]
+__all__ = ["RECENT_S", "RolloutLoop", "RolloutTick"]
 
 logger = logging.getLogger(__name__)
+
+# How long after its last move a finished rollout is still looked at (its workers ending, a
+# handover going on): longer than the reconciler's reaping of untouched workers.
+RECENT_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,22 +103,49 @@ class RolloutLoop:
     # --- the tick --------------------------------------------------------------------------
 
     def tick(self) -> list[RolloutTick]:
+        """Move every active rollout (and end the workers of recently finished ones)."""
         done: list[RolloutTick] = []
         routes: dict[str, CanaryRoute] = {}
-        for rollout in self.rollouts.list():
+        for rollout in self._current():
             try:
                 route, what = self._one(rollout)
-            except ControlPlaneError as error:
+            except ControlPlaneError as error:  # the next tick tries again; traffic stays
                 logger.warning("rollout %s of %s: %s", rollout.id, rollout.app, error)
+                kept = self._routes.get(rollout.app)
+                if kept is not None and kept.rollout_id == rollout.id:
+                    routes[rollout.app] = kept
                 continue
             if route is not None:
                 routes[rollout.app] = route
             if what:
                 done.append(RolloutTick(rollout.app, rollout.id, what))
+        self._set_routes(routes)
+        return done
+
+    def refresh_routes(self) -> None:
+        """Read the routes from the database without acting: what a replica that does not run
+        the loop (a standby serving queries) splits traffic by (the serving loop calls it at
+        each refresh)."""
+        routes: dict[str, CanaryRoute] = {}
+        for rollout in self._current():
+            if rollout.state in (RolloutState.RUNNING, RolloutState.PAUSED):
+                routes[rollout.app] = _route(rollout)
+            elif rollout.state == RolloutState.PROMOTED and any(
+                r.state in LIVE_STATES for r in self._rows(rollout)
+            ):
+                routes[rollout.app] = _full(rollout)
+        self._set_routes(routes)
+
+    def _current(self) -> list[RolloutRecord]:
+        """The active rollouts and those that finished within :data:`RECENT_S` (their workers
+        may still be ending; older ones' are the reconciler's to reap, rule 8)."""
+        since = self.clock.utcnow() - timedelta(seconds=RECENT_S)
+        return [r for r in self.rollouts.list() if r.active or r.updated_at >= since]
+
+    def _set_routes(self, routes: dict[str, CanaryRoute]) -> None:
         for app in set(self._routes) - set(routes):
             self.meter.forget(app)
         self._routes = routes
-        return done
 
     def _one(self, rollout: RolloutRecord) -> tuple[CanaryRoute | None, str]:
         rows = self._rows(rollout)

@@ -519,6 +519,7 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
     serving.gears = live_gears.gear
     rollouts = RolloutLoop(store, resolver, provisioner, clock, serving.versions)
     serving.routes = rollouts.route
+    serving.route_refresh = rollouts.refresh_routes
     reconciler = build_reconciler(
         store,
         clock,

@@ -225,6 +225,9 @@ class ServingLoop:
         self.observations = observations or Observations()
         self.tracker = StateTracker()
         self.routes = routes
+        # Re-reads the routes (blocking: run in a thread at each refresh), so that a replica
+        # whose rollout loop does not run still splits traffic as the database says.
+        self.route_refresh: Callable[[], None] | None = None
         self.versions = versions or VersionMeter()
         # app -> (rollout id, the dispatcher of the rollout's workers): controlplane.serving.canary.
         self._canaries: dict[str, tuple[int, AppDispatcher]] = {}
@@ -479,6 +482,11 @@ class ServingLoop:
 
     async def refresh(self) -> None:
         """Re-read every served app's configuration and workers, and probe the unhealthy ones."""
+        if self.route_refresh is not None:
+            try:
+                await asyncio.to_thread(self.route_refresh)
+            except ControlPlaneError as error:  # the routes stay as they were
+                logger.warning("serving refresh: cannot read the rollouts: %s", error)
         # Concurrently: a worker that does not answer its probe holds up its own app only.
         apps = list(self._dispatchers.items())
         outcomes = await asyncio.gather(

@@ -296,6 +296,13 @@ def test_a_restart_mid_rollout_resumes_at_its_step(world: World) -> None:
             assert await asyncio.to_thread(restarted.tick) == []
             route = restarted.route(APP)
             assert route is not None and (route.step_index, route.share) == (1, 0.5)
+            # A replica whose loop does not run (a standby) reads the same route, acting on
+            # nothing.
+            standby = RolloutLoop(
+                store, world.resolver, FakeProvisioner(), world.clock, VersionMeter()
+            )
+            standby.refresh_routes()
+            assert standby.route(APP) == route
             # The step's clock kept its start: the interval is over, but this step's queries
             # were counted by the process that died, so it holds until it has enough.
             world.clock.advance(11.0)
