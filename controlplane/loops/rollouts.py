@@ -40,6 +40,7 @@ from controlplane.clock import Clock
 from controlplane.db.rollouts import RolloutRecord, Rollouts
 from controlplane.db.store import InstanceRecord, Store
 from controlplane.errors import ControlPlaneError
+from controlplane.policies.disruption import DisruptionBudget
 from controlplane.policies.lifecycle import (
     KEPT_STATES,
     LIVE_STATES,
@@ -60,6 +61,10 @@ from provisioners.base import Provisioner
 __all__ = ["RECENT_S", "RolloutLoop", "RolloutTick"]
 
 logger = logging.getLogger(__name__)
+
+# A serving instance moved to one of these counts against the disruption budget (as the
+# reconciler counts it).
+_DISRUPTED = frozenset({InstanceState.DRAINING.value, InstanceState.TERMINATING.value})
 
 # How long after its last move a finished rollout is still looked at (its workers ending, a
 # handover going on): longer than the reconciler's reaping of untouched workers.
@@ -87,8 +92,12 @@ class RolloutLoop:
         meter: VersionMeter,
         *,
         on_change: Callable[[str], object] | None = None,
+        disruption: DisruptionBudget | None = None,
     ) -> None:
         self.store = store
+        # The pace at which the handover ends the old version's serving instances (None: all
+        # at once; they serve nothing once the new version answers every query).
+        self.disruption = disruption
         self.resolver = resolver
         self.provisioner = provisioner
         self.clock = clock
@@ -254,10 +263,13 @@ class RolloutLoop:
         old = [r for r in fleet if r.created_at <= promoted_at and r.state in KEPT_STATES]
         if old:
             self.store.touch_instances([r.id for r in live])
-            end_workers(self.store, self.provisioner, old, _log, owner="rollout's handover")
-            handover["ended"] = sorted(ended | {r.id for r in old})
+            going = self._paced(rollout.app, old, fleet)
+            if not going:  # the disruption budget's window is spent: the next tick goes on
+                return _full(rollout), ""
+            end_workers(self.store, self.provisioner, going, _log, owner="rollout's handover")
+            handover["ended"] = sorted(ended | {r.id for r in going})
             self.rollouts.move(rollout, figures={**rollout.figures, "handover": handover})
-            return _full(rollout), f"ended {len(old)} instance(s) of the old version"
+            return _full(rollout), f"ended {len(going)} instance(s) of the old version"
         replaced = [
             r for r in fleet if r.created_at > promoted_at and r.state == InstanceState.RUNNING
         ]
@@ -271,6 +283,28 @@ class RolloutLoop:
         )
         self._decide(rollout, reason)
         return None, reason
+
+    def _paced(
+        self, app: str, old: list[InstanceRecord], fleet: list[InstanceRecord]
+    ) -> list[InstanceRecord]:
+        """Which of the old version's kept instances end now: every one not serving yet, and
+        as many serving ones as the disruption budget's window has left (counted as the
+        reconciler counts it: serving instances moved out of service within the window)."""
+        waiting = [r for r in old if r.state != InstanceState.RUNNING]
+        serving = sorted(
+            (r for r in old if r.state == InstanceState.RUNNING), key=lambda r: r.created_at
+        )
+        if self.disruption is None:
+            return waiting + serving
+        since = self.clock.utcnow() - timedelta(seconds=self.disruption.window_s)
+        disrupted = sum(
+            1
+            for e in self.store.list_instance_events(app=app, since=since)
+            if e.from_state == InstanceState.RUNNING and e.to_state in _DISRUPTED
+        )
+        serving_now = sum(1 for r in fleet if r.state == InstanceState.RUNNING)
+        allowed = self.disruption.remaining(serving_now, disrupted)
+        return waiting + serving[:allowed]
 
     # --- helpers ---------------------------------------------------------------------------
 

@@ -517,7 +517,14 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
     infaas_scaler = build_infaas_scaler(settings, store, clock, serving, resolver)
     live_gears = build_live_gears(settings, store, clock, serving, resolver)
     serving.gears = live_gears.gear
-    rollouts = RolloutLoop(store, resolver, provisioner, clock, serving.versions)
+    rollouts = RolloutLoop(
+        store,
+        resolver,
+        provisioner,
+        clock,
+        serving.versions,
+        disruption=disruption_budget(settings),
+    )
     serving.routes = rollouts.route
     serving.route_refresh = rollouts.refresh_routes
     reconciler = build_reconciler(

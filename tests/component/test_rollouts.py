@@ -165,3 +165,79 @@ def test_a_rollout_the_budget_cannot_pay_for_is_refused_with_the_amount(world: W
     assert f"together {2 * PRICE:.4g} USD/hr" in message
     assert Rollouts(world.store).list(APP) == []
     assert world.client.get(f"/v1/apps/{APP}/rollouts/1", headers=world.auth).status_code == 404
+
+
+def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(tmp_path: Path) -> None:
+    """After promotion the old version's serving instances end one per window of the
+    disruption budget (the reconciler replaces them with the new version); once as many
+    replacements run as were ended, the route goes and the rollout's workers end."""
+    from controlplane.loops.rollouts import RolloutLoop
+    from controlplane.policies.disruption import DisruptionBudget
+    from controlplane.policies.rollout import rollout_request_prefix
+    from controlplane.serving.versions import VersionMeter
+    from provisioners.base import APP_TAG, LaunchRequest
+
+    clock = FakeClock()
+    store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
+    try:
+        store.add_model_version("wine-model", 1, "onnx", SHA, 10, FAMILY_SIGNATURE, "file:///1")
+        document = spec(10 * PRICE)
+        document["models"][0]["artifact"] = "wine-model@1"
+        store.create_app(document, who="test")
+        provider = FakeProvisioner(running_on_launch=True)
+
+        def running_row(request_id: str) -> Any:
+            (made,) = provider.launch(LaunchRequest(request_id, SMALL, 1, {APP_TAG: APP}))
+            return store.record_instance(
+                APP,
+                request_id=request_id,
+                instance_type=SMALL,
+                price_usd_per_hr=PRICE,
+                provider_id=made.provider_id,
+                state="running",
+            )
+
+        old = [running_row(f"wine-{n}") for n in (1, 2)]
+        clock.advance(1.0)
+        rollouts = Rollouts(store)
+        rollout = rollouts.create(
+            APP,
+            model="clf",
+            artifact="wine-model",
+            from_version=1,
+            to_version=1,
+            settings={"steps": [1.0], "interval_s": 1.0, "extra_fleet": {SMALL: 1}},
+            reason="test",
+            who="test",
+        )
+        running_row(f"{rollout_request_prefix(APP, rollout.id)}{SMALL}-1")
+        rollout = rollouts.move(rollout, state="running")
+        clock.advance(1.0)
+        rollouts.move(
+            rollout,
+            state="promoted",
+            figures={"handover": {"ended": [], "promoted_at": clock.utcnow().isoformat()}},
+        )
+        loop = RolloutLoop(
+            store,
+            AppResolver(tmp_path, artifacts=store.get_model_version),
+            provider,
+            clock,
+            VersionMeter(),
+            disruption=DisruptionBudget(max_instances=1, max_share=0.0, window_s=60.0),
+        )
+        assert [t.what for t in loop.tick()] == ["ended 1 instance(s) of the old version"]
+        assert loop.route(APP) is not None and loop.route(APP).share == 1.0
+        assert loop.tick() == []  # the window's one disruption is spent
+        assert sorted(store.get_instance(r.id).state for r in old) == ["running", "terminated"]
+        clock.advance(61.0)
+        assert [t.what for t in loop.tick()] == ["ended 1 instance(s) of the old version"]
+        clock.advance(1.0)
+        running_row("wine-3")  # the reconciler's replacement, loading the new version
+        assert loop.tick() == [] and loop.route(APP) is not None  # one of two replaced
+        running_row("wine-4")
+        (done,) = [t.what for t in loop.tick()]
+        assert done.startswith("handover done: 2 instance(s) serve wine-model@1")
+        assert loop.route(APP) is None
+    finally:
+        store.close()
