@@ -31,9 +31,11 @@ def _line(r: dict[str, Any]) -> str:
     for version, f in sorted(figures.get("versions", {}).items()):
         p99 = "-" if f.get("p99_ms") is None else f"{f['p99_ms']:.1f} ms"
         agreement = f.get("agreement_share")
+        accuracy = f.get("accuracy")
         line += (
             f"\n  {version}: {f.get('queries', 0)} queries, {f.get('errors', 0)} errors, P99 {p99}"
             + ("" if agreement is None else f", agreement {agreement:.3f}")
+            + ("" if accuracy is None else f", accuracy {accuracy:.3f}")
         )
     return line
 

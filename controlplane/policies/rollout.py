@@ -243,13 +243,17 @@ class Thresholds:
 @dataclass(frozen=True, slots=True)
 class VersionFigures:
     """One version's figures over a step, as the client saw them: queries answered or failed,
-    the answered ones' P99 (None: none answered), and, in shadow, samples compared and agreed."""
+    the answered ones' P99 (None: none answered), in shadow the samples compared and agreed,
+    and the samples that carried a validation sample id (``labelled``) and were answered with
+    its label (``correct``)."""
 
     queries: int = 0
     errors: int = 0
     p99_ms: float | None = None
     compared: int = 0
     agreed: int = 0
+    labelled: int = 0
+    correct: int = 0
 
     @property
     def error_share(self) -> float:
@@ -258,6 +262,10 @@ class VersionFigures:
     @property
     def agreement_share(self) -> float | None:
         return self.agreed / self.compared if self.compared else None
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.correct / self.labelled if self.labelled else None
 
     def to_json(self) -> dict[str, float | int | None]:
         return {
@@ -268,6 +276,9 @@ class VersionFigures:
             "compared": self.compared,
             "agreed": self.agreed,
             "agreement_share": self.agreement_share,
+            "labelled": self.labelled,
+            "correct": self.correct,
+            "accuracy": self.accuracy,
         }
 
 

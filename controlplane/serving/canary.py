@@ -86,7 +86,8 @@ async def _on_old(
     except ServingError:
         loop.versions.failed(app, route, route.old_version)
         raise
-    loop.versions.answered(app, route, route.old_version, result.total_ms)
+    labelled, correct = _labelled(loop, app, result, sample_ids)
+    loop.versions.answered(app, route, route.old_version, result.total_ms, labelled, correct)
     return result
 
 
@@ -109,8 +110,29 @@ async def _on_new(
         logger.debug("%s: the new version failed a query: %s", app, error)
         loop.versions.failed(app, route, route.new_version)
         return None
-    loop.versions.answered(app, route, route.new_version, result.total_ms)
+    labelled, correct = _labelled(loop, app, result, sample_ids)
+    loop.versions.answered(app, route, route.new_version, result.total_ms, labelled, correct)
     return result
+
+
+def _labelled(
+    loop: ServingLoop, app: str, result: InferResult, sample_ids: list[int] | None
+) -> tuple[int, int]:
+    """(samples with a validation sample id, of them answered with its label): the version's
+    accuracy where labels come with the app's validation records."""
+    if sample_ids is None:
+        return 0, 0
+    dispatcher = loop.served(app)
+    records = dispatcher.config.validation if dispatcher is not None else None
+    if records is None:
+        return 0, 0
+    labels = records.labels
+    labelled = correct = 0
+    for output, sample in zip(result.outputs, sample_ids, strict=False):
+        if 0 <= sample < labels.size:
+            labelled += 1
+            correct += int(output == int(labels[sample]))
+    return labelled, correct
 
 
 async def _compare(

@@ -532,6 +532,10 @@ class ServingLoop:
         snapshots = dict(self._snapshots)
         return [snapshots[app] for app in sorted(snapshots)]
 
+    def served(self, app: str) -> AppDispatcher | None:
+        """The app's dispatcher when the loop has made it (no I/O)."""
+        return self._dispatchers.get(app)
+
     def serves(self, app: str) -> bool:
         """Whether the loop has a dispatcher for ``app`` (it observes the app's traffic)."""
         return app in self._dispatchers

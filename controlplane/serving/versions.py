@@ -9,9 +9,11 @@ each version measured, at the client's view.
   rollout's own workers; in a shadow step every query is answered by the old version and also
   sent to the new one, whose answer is compared sample by sample and discarded.
 - :class:`VersionMeter` counts, per (app, rollout, step, version), the queries answered and
-  failed, their latencies (from the API's receipt to the answer, what the client waits), and in
-  shadow the samples compared and agreed; :meth:`VersionMeter.figures` is the judgement's input
-  and ``/metrics``' (labelled by version). A step's figures start empty: the judgement of a step
+  failed, their latencies (from the API's receipt to the answer, what the client waits), in
+  shadow the samples compared and agreed, and, for queries that carry validation sample ids
+  (``sample_ids``) of an app with validation records, the samples answered with their label;
+  :meth:`VersionMeter.figures` is the judgement's input and ``/metrics``' (labelled by
+  version). A step's figures start empty: the judgement of a step
   reads that step's queries only (after a restart, the queries since the restart).
 """
 
@@ -54,12 +56,22 @@ class _Counts:
     errors: int = 0
     compared: int = 0
     agreed: int = 0
+    labelled: int = 0
+    correct: int = 0
     latencies_ms: deque[float] | None = None
 
     def figures(self) -> VersionFigures:
         latencies = self.latencies_ms or ()
         p99 = float(np.percentile(np.fromiter(latencies, float), 99)) if latencies else None
-        return VersionFigures(self.queries, self.errors, p99, self.compared, self.agreed)
+        return VersionFigures(
+            self.queries,
+            self.errors,
+            p99,
+            self.compared,
+            self.agreed,
+            self.labelled,
+            self.correct,
+        )
 
 
 _Key = tuple[str, int, int]  # app, rollout id, step index
@@ -87,10 +99,22 @@ class VersionMeter:
             found = self._counts[key][version] = _Counts(latencies_ms=deque(maxlen=MAX_LATENCIES))
         return found
 
-    def answered(self, app: str, route: CanaryRoute, version: str, latency_ms: float) -> None:
+    def answered(
+        self,
+        app: str,
+        route: CanaryRoute,
+        version: str,
+        latency_ms: float,
+        labelled: int = 0,
+        correct: int = 0,
+    ) -> None:
+        """A query the version answered in ``latency_ms``; of its samples, ``labelled`` carried
+        a validation sample id and ``correct`` were answered with its label."""
         with self._lock:
             entry = self._entry(app, route, version)
             entry.queries += 1
+            entry.labelled += labelled
+            entry.correct += correct
             assert entry.latencies_ms is not None
             entry.latencies_ms.append(latency_ms)
 

@@ -173,18 +173,29 @@ def test_the_thresholds_are_re_derived_served_and_pinned(world: World) -> None:
                     json={"inputs": [row(3)]},
                     headers={"Authorization": f"Bearer {world.token}", "X-Request-Id": "a"},
                 )
+                # Two validation samples, one answered with its label (the fake workers answer
+                # a row's first value), one not: the new version's accuracy is a half.
+                labels = records(0.4)["labels"]
+                labelled = await client.post(
+                    f"/v1/apps/{APP}/infer",
+                    json={"inputs": [row(labels[0]), row(labels[1] + 1)], "sample_ids": [0, 1]},
+                    headers={"Authorization": f"Bearer {world.token}", "X-Request-Id": "b"},
+                )
             assert answer.status_code == 200, answer.text
+            assert labelled.status_code == 200, labelled.text
             # The one step is 100 %: the new version's workers, the new thresholds.
             assert answer.json()["gear"] == "tiny@0.7 -> large"
             assert new[0].requests >= 1 and old[0].requests == 0
+            figures = world.serving.versions.figures(APP, rollout.id, 0)["digits-tiny@2"]
+            assert (figures.labelled, figures.correct, figures.accuracy) == (2, 1, 0.5)
         finally:
             await world.serving.stop()
 
     run(body())
-    # The step's interval passes with enough good answers of the new version (the query above
-    # and five more, recorded as the serving loop records them).
+    # The step's interval passes with enough good answers of the new version (the queries
+    # above and four more, recorded as the serving loop records them).
     world.clock.advance(11.0)
-    for _ in range(5):
+    for _ in range(4):
         world.rollouts.meter.answered(APP, _route(world), "digits-tiny@2", 1.0)
     (promoted,) = [t.what for t in world.rollouts.tick()]
     assert promoted.startswith("promoted"), promoted

@@ -176,6 +176,12 @@ class RolloutCollector:
                 labels=labels,
             ),
             GaugeMetricFamily(
+                "heteroplane_rollout_accuracy",
+                "The share of the current step's samples with a validation sample id answered"
+                " with its label.",
+                labels=labels,
+            ),
+            GaugeMetricFamily(
                 "heteroplane_rollout_agreement_share",
                 "In a shadow step: the share of compared samples the new version answered as"
                 " the old one did.",
@@ -187,7 +193,7 @@ class RolloutCollector:
         return self._families()
 
     def collect(self) -> Sequence[Metric]:
-        queries, failed, p99, agreement = families = self._families()
+        queries, failed, p99, accuracy, agreement = families = self._families()
         for app, (rollout_id, by_version) in sorted(self.meter.current().items()):
             for version, figures in sorted(by_version.items()):
                 labels = [app, str(rollout_id), version]
@@ -195,6 +201,8 @@ class RolloutCollector:
                 failed.add_metric(labels, figures.errors)
                 if figures.p99_ms is not None:
                     p99.add_metric(labels, figures.p99_ms)
+                if figures.accuracy is not None:
+                    accuracy.add_metric(labels, figures.accuracy)
                 if figures.agreement_share is not None:
                     agreement.add_metric(labels, figures.agreement_share)
         return families

@@ -492,9 +492,10 @@
     const rows = versions.map(([v, f]) => [
       v, String(f.queries), String(f.errors), ms(f.p99_ms),
       finite(f.agreement_share) ? pct(f.agreement_share) + " of " + f.compared : "–",
+      finite(f.accuracy) ? pct(f.accuracy) + " of " + f.labelled : "–",
     ]);
     const figures = rows.length
-      ? table([["version"], ["queries", "num"], ["errors", "num"], ["P99", "num"], ["agreement", "num"]], rows)
+      ? table([["version"], ["queries", "num"], ["errors", "num"], ["P99", "num"], ["agreement", "num"], ["accuracy", "num"]], rows)
       : el("p", { class: "note", text: "No figures for this step yet: they appear once queries reach the new version." });
     body.replaceChildren(head, stepLine, reason, figures);
     setPanel("rollout", rows.length ? "ready" : "partial", rows.length ? "" : "");
