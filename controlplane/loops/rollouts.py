@@ -138,7 +138,8 @@ class RolloutLoop:
         routes: dict[str, CanaryRoute] = {}
         for rollout in self._current():
             if rollout.state in (RolloutState.RUNNING, RolloutState.PAUSED):
-                routes[rollout.app] = _route(rollout)
+                if _ready(self._rows(rollout)):
+                    routes[rollout.app] = _route(rollout)
             elif rollout.state == RolloutState.PROMOTED and any(
                 r.state in LIVE_STATES for r in self._rows(rollout)
             ):
@@ -176,7 +177,7 @@ class RolloutLoop:
             )
             return None, moved.reason
         self.store.touch_instances([r.id for r in rows])
-        ready = bool(rows) and all(r.state == InstanceState.RUNNING for r in rows)
+        ready = _ready(rows)
         if rollout.state == RolloutState.PENDING:
             if not ready:
                 return None, ""
@@ -188,6 +189,8 @@ class RolloutLoop:
             )
             self._decide(rollout, rollout.reason)
             return _route(rollout), rollout.reason
+        if not ready:  # a worker not (or no longer) running: no traffic to the new version
+            return None, ""
         if rollout.state == RolloutState.PAUSED:
             return _route(rollout), ""
         return self._judge(rollout)
@@ -399,6 +402,11 @@ class RolloutLoop:
                 "figures": figures or {},
             },
         )
+
+
+def _ready(rows: list[InstanceRecord]) -> bool:
+    """Whether every worker of a rollout runs (and it has some)."""
+    return bool(rows) and all(r.state == InstanceState.RUNNING for r in rows)
 
 
 def _labels(rollout: RolloutRecord) -> tuple[str, str]:
