@@ -27,13 +27,18 @@ Every move is a ``rollout`` decision with its reason.
 
 from __future__ import annotations
 
+import http.client
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from controlplane.apps.profile_run import end_workers, launch_worker
+import numpy as np
+
+from controlplane.apps.profile_run import end_workers, launch_worker, random_inputs
+from controlplane.apps.profiler import WorkerClient
 from controlplane.apps.resolver import AppResolver
 from controlplane.apps.rollouts import DECISION_KIND
 from controlplane.clock import Clock
@@ -56,7 +61,10 @@ from controlplane.policies.rollout import (
     rollout_request_prefix,
 )
 from controlplane.serving.versions import CanaryRoute, VersionMeter
-from provisioners.base import Provisioner
+from controlplane.serving.workers import DEFAULT_WORKER_PORT
+from estimator.errors import EstimatorError
+from provisioners.base import APP_TAG, Provisioner, with_port
+from provisioners.errors import ProvisionerError
 
 __all__ = ["RECENT_S", "RolloutLoop", "RolloutTick"]
 
@@ -65,6 +73,11 @@ logger = logging.getLogger(__name__)
 # A serving instance moved to one of these counts against the disruption budget (as the
 # reconciler counts it).
 _DISRUPTED = frozenset({InstanceState.DRAINING.value, InstanceState.TERMINATING.value})
+
+# Before traffic, the new version is timed alone on each of its workers: this many calls of one
+# sample, after a few not kept (a fresh runtime's first calls are slow).
+ALONE_WARMUP = 3
+ALONE_CALLS = 20
 
 # How long after its last move a finished rollout is still looked at (its workers ending, a
 # handover going on): longer than the reconciler's reaping of untouched workers.
@@ -93,11 +106,18 @@ class RolloutLoop:
         *,
         on_change: Callable[[str], object] | None = None,
         disruption: DisruptionBudget | None = None,
+        worker_port: int = DEFAULT_WORKER_PORT,
+        alone_calls: int = ALONE_CALLS,
+        alone_warmup: int = ALONE_WARMUP,
     ) -> None:
         self.store = store
         # The pace at which the handover ends the old version's serving instances (None: all
         # at once; they serve nothing once the new version answers every query).
         self.disruption = disruption
+        # A worker's port when the provider's address has none (EC2's private IP).
+        self.worker_port = worker_port
+        self.alone_calls = alone_calls
+        self.alone_warmup = alone_warmup
         self.resolver = resolver
         self.provisioner = provisioner
         self.clock = clock
@@ -181,6 +201,17 @@ class RolloutLoop:
         if rollout.state == RolloutState.PENDING:
             if not ready:
                 return None, ""
+            measured, breach = self._measure_alone(rollout, rows)
+            if breach is not None:
+                moved = self._finish(
+                    rollout, RolloutState.ROLLED_BACK, breach, {"pre_traffic": measured}
+                )
+                return None, moved.reason
+            rollout = self.rollouts.move(
+                rollout,
+                figures={**rollout.figures, "pre_traffic": measured},
+            )
+            self._decide(rollout, _alone_text(measured), {"pre_traffic": measured})
             rollout = self.rollouts.move(
                 rollout,
                 state=RolloutState.RUNNING.value,
@@ -211,7 +242,11 @@ class RolloutLoop:
             slo_ms=float(settings["slo_ms"]),
             thresholds=Thresholds(**settings["thresholds"]),
         )
-        stored = {"versions": {v: f.to_json() for v, f in figures.items()}, "elapsed_s": elapsed_s}
+        stored = {
+            "versions": {v: f.to_json() for v, f in figures.items()},
+            "elapsed_s": elapsed_s,
+            "pre_traffic": rollout.figures.get("pre_traffic"),
+        }
         verdict, reason = judgement.verdict, judgement.reason
         if verdict == Verdict.HOLD:
             self.rollouts.move(rollout, figures=stored, reason=f"holding: {reason}")
@@ -309,6 +344,66 @@ class RolloutLoop:
         allowed = self.disruption.remaining(serving_now, disrupted)
         return waiting + serving[:allowed]
 
+    def _measure_alone(
+        self, rollout: RolloutRecord, rows: list[InstanceRecord]
+    ) -> tuple[dict[str, Any], str | None]:
+        """Before any traffic: the new version timed alone on each of its workers
+        (``alone_warmup`` + ``alone_calls`` calls of one random sample of its
+        signature, as ``profile run`` times the serving path), next to the old version's
+        profile on the type. A worker whose P99 alone is over the rollout's latency limit, or
+        that refuses the calls, rolls the rollout back before traffic moves (the reason, else
+        None). Workers whose address the provider does not give are left unmeasured."""
+        settings = rollout.settings
+        limit_ms = Thresholds(**settings.get("thresholds", {})).p99_limit_ms(
+            float(settings.get("slo_ms", math.inf))
+        )
+        version = self.store.get_model_version(rollout.artifact, rollout.to_version)
+        try:
+            listed = self.provisioner.list({APP_TAG: rollout.app})
+        except ProvisionerError as error:
+            return {"measured": False, "reason": f"cannot list the workers: {error}"}, None
+        addresses = {i.provider_id: i.address for i in listed if i.address}
+        resolved = self.resolver.resolve(self.store.get_app(rollout.app).spec, check_budget=False)
+        rng = np.random.default_rng(rollout.id)
+        by_worker: dict[str, Any] = {}
+        for row in rows:
+            address = addresses.get(row.provider_id or "")
+            if address is None:
+                continue
+            client = WorkerClient(with_port(address, self.worker_port))
+            try:
+                samples = [
+                    client.infer_ms(rollout.model, random_inputs(version.signature, 1, rng))
+                    for _ in range(self.alone_warmup + self.alone_calls)
+                ][self.alone_warmup :]
+            except (OSError, http.client.HTTPException, ControlPlaneError) as error:
+                reason = f"rolled back before traffic: the new version's worker failed: {error}"
+                return {"measured": True, "workers": by_worker}, reason
+            finally:
+                client.close()
+            try:
+                old_ms: float | None = resolved.profile(
+                    rollout.model, row.instance_type
+                ).mean_latency_ms(1)
+            except (LookupError, EstimatorError):
+                old_ms = None
+            by_worker[row.id] = {
+                "instance_type": row.instance_type,
+                "p99_ms": float(np.percentile(samples, 99)),
+                "mean_ms": float(np.mean(samples)),
+                "calls": len(samples),
+                "old_profile_mean_ms": old_ms,
+            }
+        measured = {"measured": bool(by_worker), "workers": by_worker, "limit_ms": limit_ms}
+        slowest = max(by_worker.values(), key=lambda w: w["p99_ms"], default=None)
+        if slowest is not None and slowest["p99_ms"] > limit_ms:
+            return measured, (
+                f"rolled back before traffic: alone, the new version's P99 is"
+                f" {slowest['p99_ms']:.1f} ms on {slowest['instance_type']}"
+                f" ({slowest['calls']} calls of one sample), over the limit {limit_ms:g} ms"
+            )
+        return measured, None
+
     # --- helpers ---------------------------------------------------------------------------
 
     def _rows(self, rollout: RolloutRecord) -> list[InstanceRecord]:
@@ -402,6 +497,20 @@ class RolloutLoop:
                 "figures": figures or {},
             },
         )
+
+
+def _alone_text(measured: Mapping[str, Any]) -> str:
+    workers = measured.get("workers") or {}
+    if not workers:
+        return "the new version's workers run (not timed alone: the provider gives no address)"
+    parts = []
+    for w in workers.values():
+        old = w.get("old_profile_mean_ms")
+        was = "" if old is None else f" (the old version's profile: mean {old:.1f} ms)"
+        parts.append(
+            f"{w['instance_type']}: P99 {w['p99_ms']:.1f} ms, mean {w['mean_ms']:.1f} ms{was}"
+        )
+    return "timed alone before traffic: " + "; ".join(parts)
 
 
 def _ready(rows: list[InstanceRecord]) -> bool:

@@ -34,8 +34,7 @@ from controlplane.serving.loop import ServingLoop, ServingSettings
 from controlplane.serving.workers import StaticInstances, WorkerEndpoint
 from controlplane.settings import Settings
 from provisioners.artifacts import FAMILY_SIGNATURE
-from provisioners.fake import FakeProvisioner
-from tests.component.test_rollout_serving import fleet, row, run
+from tests.component.test_rollout_serving import Addressed, fleet, row, run
 
 SMALL = "emu.cpu.small"
 APP = "digits"
@@ -115,8 +114,15 @@ class World:
             clock=SystemClock(),
             settings=ServingSettings(refresh_s=3600.0),
         )
+        self.provider = Addressed()
         self.rollouts = RolloutLoop(
-            self.store, self.resolver, FakeProvisioner(), self.clock, self.serving.versions
+            self.store,
+            self.resolver,
+            self.provider,
+            self.clock,
+            self.serving.versions,
+            alone_calls=5,
+            alone_warmup=1,
         )
         self.serving.routes = self.rollouts.route
         self.app = create_app(settings, self.store, self.clock, serving=self.serving)
@@ -159,6 +165,7 @@ def test_the_thresholds_are_re_derived_served_and_pinned(world: World) -> None:
         try:
             old, new = await fleet(), await fleet()
             world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+            world.provider.address = new[0].address
             await asyncio.to_thread(world.rollouts.tick)
             prefix = rollout_request_prefix(APP, rollout.id)
             for r in world.store.list_instances(APP):
@@ -185,7 +192,7 @@ def test_the_thresholds_are_re_derived_served_and_pinned(world: World) -> None:
             assert labelled.status_code == 200, labelled.text
             # The one step is 100 %: the new version's workers, the new thresholds.
             assert answer.json()["gear"] == "tiny@0.7 -> large"
-            assert new[0].requests >= 1 and old[0].requests == 0
+            assert new[0].requests >= 7 and old[0].requests == 0  # 6 timed it alone
             figures = world.serving.versions.figures(APP, rollout.id, 0)["digits-tiny@2"]
             assert (figures.labelled, figures.correct, figures.accuracy) == (2, 1, 0.5)
         finally:

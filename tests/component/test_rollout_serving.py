@@ -15,7 +15,8 @@ launched worker's row to ``running``, is done by hand too).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,6 +39,7 @@ from controlplane.serving.versions import VersionMeter
 from controlplane.serving.workers import StaticInstances, WorkerEndpoint
 from controlplane.settings import Settings
 from provisioners.artifacts import FAMILY_SIGNATURE
+from provisioners.base import ProvisionedInstance
 from provisioners.fake import FakeProvisioner
 
 T = TypeVar("T")
@@ -45,6 +47,18 @@ SMALL = "emu.cpu.small"
 APP = "digits"
 SHA = "ef" * 32
 DEADLINE_S = 60.0
+
+
+class Addressed(FakeProvisioner):
+    """The fake provisioner, every instance at ``address`` (a fake worker's: the rollout loop
+    times the new version there before traffic)."""
+
+    def __init__(self) -> None:
+        super().__init__(running_on_launch=True)
+        self.address = ""
+
+    def list(self, tags: Mapping[str, str]) -> list[ProvisionedInstance]:
+        return [replace(i, address=self.address) for i in super().list(tags)]
 
 
 def run(scenario: Coroutine[Any, Any, T]) -> T:
@@ -96,8 +110,15 @@ class World:
             clock=SystemClock(),
             settings=ServingSettings(refresh_s=3600.0),
         )
+        self.provider = Addressed()
         self.rollouts = RolloutLoop(
-            self.store, self.resolver, FakeProvisioner(), self.clock, self.serving.versions
+            self.store,
+            self.resolver,
+            self.provider,
+            self.clock,
+            self.serving.versions,
+            alone_calls=5,
+            alone_warmup=1,
         )
         self.serving.routes = self.rollouts.route
         self.app = create_app(settings, self.store, self.clock, serving=self.serving)
@@ -115,8 +136,12 @@ class World:
     async def tick(self) -> list[str]:
         return [t.what for t in await asyncio.to_thread(self.rollouts.tick)]
 
-    async def workers_up(self, rollout_id: int, workers: Sequence[FakeWorker]) -> None:
-        """The rollout loop launched its workers; the reconciler saw them healthy."""
+    async def workers_up(
+        self, rollout_id: int, workers: Sequence[FakeWorker], expect: str = "running"
+    ) -> list[str]:
+        """The rollout loop launched its workers; the reconciler saw them healthy; the loop
+        timed the new version alone and (``expect``) let traffic move."""
+        self.provider.address = workers[0].address
         await self.tick()
         prefix = rollout_request_prefix(APP, rollout_id)
         rows = [r for r in self.store.list_instances(APP) if r.request_id.startswith(prefix)]
@@ -126,7 +151,10 @@ class World:
         self.instances.set(
             prefix, [WorkerEndpoint(f"new-{k}", SMALL, w.address) for k, w in enumerate(workers)]
         )
-        assert "workers of the new version running" in (await self.tick())[0]
+        said = await self.tick()
+        if expect == "running":
+            assert "workers of the new version running" in said[0], said
+        return said
 
     def state(self, rollout_id: int) -> Any:
         return Rollouts(self.store).get(APP, rollout_id)
@@ -184,11 +212,19 @@ def test_a_good_version_promotes_step_by_step_with_no_failed_query(world: World)
         world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
         rid = world.start()
         await world.workers_up(rid, new)
+        # Timed alone before traffic (the fake worker's calls), stated in a decision.
+        (alone,) = [
+            d for d in world.store.list_decisions(APP, kinds=["rollout"]) if "alone" in d.reason
+        ]
+        assert alone.reason.startswith(f"rollout {rid}: timed alone before traffic: {SMALL}: P99")
+        (timed,) = alone.numbers["figures"]["pre_traffic"]["workers"].values()
+        assert timed["calls"] == 5 and timed["old_profile_mean_ms"] is not None
+        base = new[0].requests  # the 6 calls that timed it
         ids = [f"q-{k}" for k in range(120)]
         outputs = await send(world, client, ids)
         assert outputs == [k % 10 for k in range(120)]
         expected_new = sum(routed_to_new(i, 0.5) for i in ids)
-        assert new[0].requests == expected_new and old[0].requests == 120 - expected_new
+        assert new[0].requests - base == expected_new and old[0].requests == 120 - expected_new
         assert await world.tick() == []  # the interval is not over: hold
         assert world.state(rid).reason.startswith("holding: interval not over")
         world.clock.advance(11.0)
@@ -196,7 +232,7 @@ def test_a_good_version_promotes_step_by_step_with_no_failed_query(world: World)
         assert "step 1 passed" in promoted and world.state(rid).step_share == 1.0
         more = [f"r-{k}" for k in range(40)]
         await send(world, client, more)
-        assert new[0].requests == expected_new + 40  # every query on the new version
+        assert new[0].requests - base == expected_new + 40  # every query on the new version
         metrics = await client.get("/metrics", headers={"Authorization": f"Bearer {world.token}"})
         samples = {
             (s.name, s.labels.get("version")): s.value
@@ -220,7 +256,7 @@ def test_a_good_version_promotes_step_by_step_with_no_failed_query(world: World)
             r.state for r in world.store.list_instances(APP) if r.request_id.startswith(prefix)
         } == {"terminated"}
         reasons = [d.reason for d in world.store.list_decisions(APP, kinds=["rollout"])]
-        assert len(reasons) == 5, reasons
+        assert len(reasons) == 6, reasons  # start, alone, running, step, promoted, handover
 
     scenario(world, body)
 
@@ -228,13 +264,17 @@ def test_a_good_version_promotes_step_by_step_with_no_failed_query(world: World)
 def test_a_slow_version_rolls_back_on_latency_at_once(world: World) -> None:
     async def body(client: httpx.AsyncClient) -> None:
         # Every answer of the new version takes 150 ms or more: over the 100 ms asked for.
-        old, new = await fleet(), await fleet(4, delay_s=0.15)
+        old, new = await fleet(), await fleet(4)
         world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
         rid = world.start(steps=(0.5, 1.0), max_p99_ms=100.0)
         await world.workers_up(rid, new)
+        for worker in new:  # fast alone, slow once it serves traffic
+            worker.delay_s = 0.15
+        base = sum(w.requests for w in new)
         ids = [f"q-{k}" for k in range(40)]
         await send(world, client, ids)
-        assert sum(w.requests for w in new) == sum(routed_to_new(i, 0.5) for i in ids) >= 10
+        assert sum(w.requests for w in new) - base == sum(routed_to_new(i, 0.5) for i in ids)
+        assert sum(routed_to_new(i, 0.5) for i in ids) >= 10
         (rolled,) = await world.tick()  # no time passed: a breach does not wait
         assert rolled.startswith("rolled back at step 1 (50% of queries): P99")
         assert world.state(rid).state == "rolled_back"
@@ -245,6 +285,22 @@ def test_a_slow_version_rolls_back_on_latency_at_once(world: World) -> None:
         (ended,) = await world.tick()
         assert ended == "ended 1 worker(s) of the new version"
         assert world.store.get_app(APP).spec["models"][0]["artifact"] == "digits-tiny@1"
+
+    scenario(world, body)
+
+
+def test_a_version_slow_alone_rolls_back_before_traffic(world: World) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        old, new = await fleet(), await fleet(delay_s=0.15)
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        rid = world.start(max_p99_ms=100.0)
+        (said,) = await world.workers_up(rid, new, expect="rolled back")
+        assert said.startswith("rolled back before traffic: alone, the new version's P99 is")
+        assert said.endswith("over the limit 100 ms")
+        assert world.state(rid).state == "rolled_back" and world.rollouts.route(APP) is None
+        base = new[0].requests
+        assert await send(world, client, ["q-0", "q-1"]) == [0, 1]
+        assert new[0].requests == base and old[0].requests == 2
 
     scenario(world, body)
 

@@ -11,7 +11,9 @@ served by one ``emu.cpu.large`` worker. Then, one after the other:
   a new one started by the reconciler with version 2), the rollout's worker ends;
 - **a slow one** rolls back on latency: version 1 again, judged against ``--max-p99-ms 0.001``,
   a bound every real answer is over (a model made slow on purpose would make the test depend on
-  this machine's speed; the bound makes "too slow" certain);
+  this machine's speed; the bound makes "too slow" certain): timed alone on its worker before
+  any traffic moves, it is already over, and no query reaches it (the component tests roll a
+  version back on its live P99, tests/component/test_rollout_serving.py);
 - **a wrong one** (version 3: the output layer's weights and bias negated, so its argmax is the
   old one's argmin) rolls back on agreement in shadow mode, while every client still got the
   serving version's answer.
@@ -199,7 +201,9 @@ def test_promote_roll_back_on_latency_and_on_agreement_in_shadow(
                 "0.001",
             )
             slow = _wait_rollout(capsys, lambda s: s["state"] == "rolled_back")
+            assert slow["reason"].startswith("rolled back before traffic: alone, the new version's")
             assert "P99" in slow["reason"] and "over the limit 0.001 ms" in slow["reason"]
+            assert slow["figures"]["pre_traffic"]["measured"] is True
 
             _cli(
                 capsys,
