@@ -7,7 +7,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # The demo needs the worker extra (torch, scikit-learn, onnxruntime); the tests also the test
-# extra (pytest, ruff, mypy, a browser driver, ...). One virtualenv, a stamp per install.
+# extra (pytest, ruff, mypy, a browser driver, ...), which brings the optional extras the tests
+# cover: aws (boto3: the EC2 provisioner), postgres (psycopg) and bench (matplotlib: the result
+# plots). One virtualenv, a stamp per install.
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-worker
 
@@ -44,11 +46,19 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=15
 
+# The quick set: each speed benchmark in its quick mode (small sizes, one repeat; about 30 s in all
+# on a 2-core machine, indicative figures only). Full runs, and which script answers which
+# question: benchmarks/README.md.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/estimator_speed.py
-	$(BIN)/python benchmarks/bounds_speed.py
-	$(BIN)/python benchmarks/matching_speed.py
+	$(BIN)/python benchmarks/estimator_speed.py --quick
+	$(BIN)/python benchmarks/bounds_speed.py --quick
+	$(BIN)/python benchmarks/matching_speed.py --quick
+	$(BIN)/python benchmarks/planner_speed.py --quick
+	$(BIN)/python benchmarks/gear_planner_speed.py --quick
 	$(BIN)/python benchmarks/profile_load.py
+	$(BIN)/python benchmarks/cli_speed.py
+	$(BIN)/python -m benchmarks.serving_speed dispatcher --quick
+	$(BIN)/python -m benchmarks.serving_speed layers --quick
 
 reproduce: $(STAMP)
 	$(BIN)/python benchmarks/kairos_reproduction.py

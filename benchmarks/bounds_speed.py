@@ -1,6 +1,6 @@
 """How fast the Kairos bounds rank configurations: configurations per second, and a 10-type catalog.
 
-    .venv/bin/python benchmarks/bounds_speed.py [--json]
+    .venv/bin/python benchmarks/bounds_speed.py [--quick] [--json]
 
 - The bound alone: ``upper_bounds`` on 2,000,000 random count vectors of the four measured types.
 - Exhaustive ranking (every affordable configuration bounded, the top 10 kept): the four measured
@@ -36,8 +36,10 @@ from estimator.profiles import LatencyProfile, ProfileSet, load_profiles
 
 try:  # imported as benchmarks.bounds_speed
     from benchmarks.paths import kairos_samples, shared_dir
-except ModuleNotFoundError:  # run as a script: the sibling module
+    from benchmarks.sizes import add_quick, chosen
+except ModuleNotFoundError:  # run as a script: the sibling modules
     from paths import kairos_samples, shared_dir
+    from sizes import add_quick, chosen  # type: ignore[no-redef]
 
 SHARED = shared_dir()
 PROFILES = kairos_samples()
@@ -137,11 +139,19 @@ def measure(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_quick(parser)
     args = parser.parse_args()
+    sizes = chosen(args)
     if not PROFILES.exists():
         print(f"needs the shared data at {PROFILES} (set HETEROPLANE_SHARED)", file=sys.stderr)
         return 2
-    results = measure()
+    results = measure(
+        vectors=sizes.bound_vectors,
+        repeats=sizes.bounds_repeats,
+        ten_type_exhaustive=sizes.ten_type_exhaustive,
+        budgets_usd_per_hr=sizes.bounds_budgets_usd_per_hr,
+        models=sizes.bounds_models,
+    )
 
     if args.json:
         print(json.dumps(results))

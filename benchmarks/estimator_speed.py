@@ -1,6 +1,6 @@
 """How fast the estimator is: simulated queries per second, and the envelope of a long trace.
 
-    make bench            # or: .venv/bin/python benchmarks/estimator_speed.py [--json]
+    .venv/bin/python benchmarks/estimator_speed.py [--quick] [--json] [--queries N]
 
 - FCFS simulator, one stage, fleets of 1 and 64 instances, a 1,000,000-query Poisson trace at 70%
   of the fleet's capacity, batch sizes from the Kairos mix, service times drawn from the measured
@@ -31,8 +31,10 @@ from estimator.traces import Trace, poisson_arrivals
 
 try:  # imported as benchmarks.estimator_speed
     from benchmarks.paths import kairos_samples, shared_dir
-except ModuleNotFoundError:  # run as a script: the sibling module
+    from benchmarks.sizes import add_quick, chosen
+except ModuleNotFoundError:  # run as a script: the sibling modules
     from paths import kairos_samples, shared_dir
+    from sizes import add_quick, chosen  # type: ignore[no-redef]
 
 SHARED = shared_dir()
 PROFILES = kairos_samples()
@@ -108,12 +110,21 @@ def measure(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--queries", type=int, default=1_000_000)
+    parser.add_argument("--queries", type=int, default=None, help="default 1,000,000")
+    add_quick(parser)
     args = parser.parse_args()
+    sizes = chosen(args)
+    if args.queries is None:
+        args.queries = sizes.estimator_queries
     if not PROFILES.exists():
         print(f"needs the shared data at {PROFILES} (set HETEROPLANE_SHARED)", file=sys.stderr)
         return 2
-    figures = measure(args.queries)
+    figures = measure(
+        args.queries,
+        repeats=sizes.estimator_repeats,
+        event_queries=sizes.event_queries,
+        envelope_arrivals=sizes.envelope_arrivals,
+    )
     envelope_arrivals = int(figures.pop("envelope_arrivals"))
     windows = int(figures["envelope_windows"])
 

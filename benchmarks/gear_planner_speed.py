@@ -1,7 +1,7 @@
 """How long the gear planner takes for the demo cascade app (target: under 2 s).
 
     .venv/bin/python benchmarks/gear_planner_speed.py [--family auto|real|synthetic]
-        [--validation FILE] [--profiles FILE] [--repeat 3] [--seed 0] [--json]
+        [--validation FILE] [--profiles FILE] [--repeat 3] [--seed 0] [--quick] [--json]
 
 The demo app is the one of ``benchmarks/gear_demo.py``: the real model family when it can run
 here (its validation records and latency profiles measured here, on the slow emulated type),
@@ -25,8 +25,10 @@ from controlplane.policies.gears import GearPlan, plan_gears
 
 try:  # imported as benchmarks.gear_planner_speed (benchmarks/results)
     from benchmarks.gear_demo import DemoFamily, load_demo_family
-except ModuleNotFoundError:  # run as a script: the sibling module
+    from benchmarks.sizes import add_quick, chosen
+except ModuleNotFoundError:  # run as a script: the sibling modules
     from gear_demo import DemoFamily, load_demo_family
+    from sizes import add_quick, chosen  # type: ignore[no-redef]
 
 TARGET_S = 2.0
 
@@ -65,13 +67,23 @@ def measure(family: DemoFamily, repeat: int = 3, seed: int = 0) -> tuple[dict[st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", default="auto", choices=("auto", "real", "synthetic"))
+    parser.add_argument(
+        "--family", default=None, choices=("auto", "real", "synthetic"), help="default auto"
+    )
     parser.add_argument("--validation", type=Path, help="validation.json of the real family")
     parser.add_argument("--profiles", type=Path, help="profile JSON of the real family")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs (best is reported)")
+    parser.add_argument(
+        "--repeat", type=int, default=None, help="timed runs (best is reported; default 3)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_quick(parser, "the synthetic family, one run (make bench)")
     args = parser.parse_args(argv)
+    sizes = chosen(args)
+    if args.family is None:
+        args.family = sizes.gear_families[0]
+    if args.repeat is None:
+        args.repeat = sizes.gear_repeats
 
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if not args.json else (lambda m: None)
     family = load_demo_family(

@@ -11,7 +11,7 @@ last change; the reconciler runs every 5 s):
 1. A temporary data directory gets the demo model family (copied from the default cache when it
    is there, else trained) and a profile file in which ``large`` on ``emu.cpu.large`` serves a
    batch of one in ``--service-ms`` (the workers pad every batch to it, as in
-   ``benchmarks/serving_fidelity.py``), so one worker serves about 1000 / service-ms queries/s.
+   ``benchmarks/fidelity/serving.py``), so one worker serves about 1000 / service-ms queries/s.
 2. ``heteroplane serve`` starts on it with the local provisioner; an app ``step`` is registered
    (``large`` on ``emu.cpu.large``, 1 s SLO at P99) with a budget of ``--max-workers`` workers
    and half of another at the catalog's price, so the tuner may run that many and never one

@@ -1,6 +1,6 @@
 """The live service for a benchmark: ``heteroplane serve`` on a temporary data directory.
 
-What the benchmarks that measure the running service (``benchmarks/serving_fidelity.py``,
+What the benchmarks that measure the running service (``benchmarks/fidelity/serving.py``,
 ``benchmarks/live_tuner_step.py``) share: a data directory holding the demo model family and a
 profile file for one emulated instance type (the local workers pad every batch to its service
 time), an admin token in that directory's store, the service itself as a subprocess with the

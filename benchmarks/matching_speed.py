@@ -1,6 +1,6 @@
 """How fast the Kairos dispatcher decides, and how fast the simulator runs it.
 
-    .venv/bin/python benchmarks/matching_speed.py [--json] [--queries N]
+    .venv/bin/python benchmarks/matching_speed.py [--quick] [--json] [--queries N]
 
 - Decision time of one round with 32 queued queries x 16 instances and 256 x 128 (the round's
   row cap is twice the instances), on 2,000 (500) random states: queue batch sizes from the
@@ -55,8 +55,10 @@ from matching.policy import Dispatch, DispatchPolicy, InstanceView, QueuedQuery,
 
 try:  # imported as benchmarks.matching_speed
     from benchmarks.paths import kairos_samples, shared_dir
-except ModuleNotFoundError:  # run as a script: the sibling module
+    from benchmarks.sizes import add_quick, chosen
+except ModuleNotFoundError:  # run as a script: the sibling modules
     from paths import kairos_samples, shared_dir
+    from sizes import add_quick, chosen  # type: ignore[no-redef]
 
 SHARED = shared_dir()
 PROFILES = kairos_samples()
@@ -345,10 +347,19 @@ def measure(
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--queries", type=int, default=100_000)
+    parser.add_argument("--queries", type=int, default=None, help="default 100,000")
+    add_quick(parser)
     args = parser.parse_args()
+    sizes = chosen(args)
+    if args.queries is None:
+        args.queries = sizes.matching_queries
     have_data = PROFILES.exists()
-    figures = measure(args.queries)
+    figures = measure(
+        args.queries,
+        states=sizes.matching_states,
+        repeats=sizes.matching_repeats,
+        rates_qps=sizes.matching_rates_qps,
+    )
     if args.json:
         print(json.dumps(figures))
         return 0
@@ -376,7 +387,7 @@ def main() -> int:
         print(f"  (no simulation figures: the shared data is not at {PROFILES})", file=sys.stderr)
         return 0
     print(f"  simulator, rm2 on 1 {BASE} + 13 {AUX}, {args.queries:,} queries, event engine:")
-    for rate in (100, 130):
+    for rate in sizes.matching_rates_qps:
         for name in ("kairos", "fcfs"):
             key = f"{name}_{rate}qps"
             print(

@@ -1,6 +1,7 @@
 """How long the planner takes on a 3-stage app over a 10-minute trace (target: under 10 s).
 
-    .venv/bin/python benchmarks/planner_speed.py [--rate 50] [--repeat 3] [--seed 0] [--json]
+    .venv/bin/python benchmarks/planner_speed.py [--rate 50] [--repeat 3] [--seed 0] [--quick]
+        [--json]
 
 The app: the cascade [wnd, dien, rm2] of the Kairos models on the shared measurements, on the four
 Kairos types (g4dn.xlarge, c5n.2xlarge, r5n.large, t3.xlarge), budget 10 USD/hr. Until scale
@@ -29,8 +30,10 @@ from estimator.traces import Trace, poisson_arrivals
 
 try:  # imported as benchmarks.planner_speed
     from benchmarks.paths import kairos_samples, shared_dir
-except ModuleNotFoundError:  # run as a script: the sibling module
+    from benchmarks.sizes import add_quick, chosen
+except ModuleNotFoundError:  # run as a script: the sibling modules
     from paths import kairos_samples, shared_dir
+    from sizes import add_quick, chosen  # type: ignore[no-redef]
 
 SHARED = shared_dir()
 PROFILES = kairos_samples()
@@ -101,12 +104,18 @@ def measure(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=50.0, help="Poisson rate (qps)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs (best is reported)")
+    parser.add_argument(
+        "--repeat", type=int, default=None, help="timed runs (best is reported; default 3)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_quick(parser)
     args = parser.parse_args(argv)
+    sizes = chosen(args)
+    repeat = sizes.planner_repeats if args.repeat is None else args.repeat
+    duration_s = sizes.planner_duration_s
 
-    summary, plan = measure(args.rate, args.repeat, args.seed)
+    summary, plan = measure(args.rate, repeat, args.seed, duration_s)
     best: float = summary["seconds_best"]
     times: list[float] = summary["seconds_all"]
     queries: int = summary["trace"]["queries"]
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(
         f"planned {summary['app']} ({' -> '.join(CASCADE)}, SLO {SLO_MS:g} ms p99, budget"
-        f" ${BUDGET_USD_PER_HR:g}/hr) over {queries:,} Poisson queries ({DURATION_S:g} s at"
+        f" ${BUDGET_USD_PER_HR:g}/hr) over {queries:,} Poisson queries ({duration_s:g} s at"
         f" {args.rate:g} qps)"
     )
     print(

@@ -16,6 +16,8 @@ the API maps them to 429 (:class:`OverloadedError`, with ``Retry-After``), 422
 
 from __future__ import annotations
 
+from provisioners.errors import ArtifactStoreError
+
 __all__ = [
     "AppExistsError",
     "ArtifactStoreError",
@@ -261,8 +263,9 @@ class ModelRejectedError(ModelError):
     is the inspector's one line."""
 
 
-class ArtifactStoreError(ModelError):
-    """The registry's blob store (the data directory, an S3 bucket) failed a read or a write."""
+# ArtifactStoreError (the registry's blob store failed a read or a write) is the provider's own
+# error: the store belongs to the provider (provisioners.storage); it is named here as well, for
+# the API's table of errors.
 
 
 # --- serving ---------------------------------------------------------------------------------

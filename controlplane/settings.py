@@ -7,9 +7,10 @@ provisioner; pydantic-settings, since settings are a trust boundary) and how the
 ``HETEROPLANE_EC2__REGION``; lists and mappings as JSON; the EC2 fields also flat, as in
 ``HETEROPLANE_EC2_SUBNET_IDS=subnet-a,subnet-b`` and
 ``HETEROPLANE_EC2_LAUNCH_TEMPLATES=g4dn.xlarge=lt-1,c5.xlarge=lt-2``), over an optional YAML
-config file (``load_settings(path)`` or ``$HETEROPLANE_CONFIG``; read by pydantic-settings'
-``YamlConfigSettingsSource``), over the defaults; arguments to ``Settings(...)`` win over all of
-them. Every field, its variable and its default are listed in ``docs/service.md``.
+config file (``load_settings(path)`` or ``$HETEROPLANE_CONFIG``; read by a source of our
+own on pydantic-settings' public ``PydanticBaseSettingsSource``), over the defaults; arguments
+to ``Settings(...)`` win over all of them. Every field, its variable and its default are
+listed in ``docs/service.md``.
 
 Every problem is one :class:`~controlplane.errors.SettingsError` naming the field (and the file):
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -33,7 +34,6 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    YamlConfigSettingsSource,
 )
 
 from controlplane.errors import SettingsError
@@ -166,6 +166,9 @@ class Settings(BaseSettings):
         extra="forbid",
         frozen=True,
     )
+
+    # The YAML file the config file source reads (a class's, not a setting: load_settings).
+    config_file: ClassVar[Path | None] = None
 
     data_dir: Path = Field(
         default_factory=default_data_dir, description="where the service keeps its files"
@@ -383,7 +386,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Earlier sources win: arguments, then the environment (nested, then flat EC2
-        # variables), then the config file (model_config's yaml_file: none on this class, see
+        # variables), then the config file (the class's config_file: none on this class, see
         # load_settings); nested mappings are merged across them. No .env file and no secrets
         # directory: the service reads nothing it was not pointed at.
         return (
@@ -462,16 +465,23 @@ class _FlatEc2Source(PydanticBaseSettingsSource):
         return {"ec2": values} if values else {}
 
 
-class _ConfigFileSource(YamlConfigSettingsSource):
-    """pydantic-settings' YAML source, with one-line errors naming the file where its own reader
-    would skip a missing file or raise PyYAML's error (or fail on a document that is not a
-    mapping), and a relative ``data_dir`` taken beside the file."""
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """The YAML config file named by the class's ``config_file`` (none: no settings), read
+    whether or not it exists, with one-line errors naming the file (a missing file, bad YAML, a
+    document that is not a mapping) and a relative ``data_dir`` taken beside the file.
 
-    def _read_files(self, files: Any, deep_merge: bool = False) -> dict[str, Any]:
-        # One file (load_settings names it), read whether or not it exists.
-        return {} if files is None else self._read_file(Path(files))
+    Built on pydantic-settings' public source base (``get_field_value`` and ``__call__``, as
+    :class:`_FlatEc2Source`), not on its ``YamlConfigSettingsSource``, whose reading is done
+    by private methods this class would have to override."""
 
-    def _read_file(self, file_path: Any) -> dict[str, Any]:
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads the whole file at once
+
+    def __call__(self) -> dict[str, Any]:
+        file: Path | None = getattr(self.settings_cls, "config_file", None)
+        return {} if file is None else self._read(file)
+
+    def _read(self, file_path: Any) -> dict[str, Any]:
         path = Path(file_path)
         try:
             text = path.read_text(encoding="utf-8")
@@ -519,15 +529,16 @@ def load_settings(config_file: Path | None = None) -> Settings:
 
 
 def _reading(config_file: Path) -> type[Settings]:
-    """:class:`Settings` whose YAML source reads ``config_file``.
+    """:class:`Settings` whose config file source reads ``config_file``.
 
-    pydantic-settings takes the YAML file from the class's ``model_config`` only, never from
-    an instance (pydantic/pydantic-settings#259), so a file named at run time (``--config``) is
-    a subclass that names it and adds nothing else: no field, no validator.
+    pydantic-settings builds a model's sources from its class, never from an instance
+    (pydantic/pydantic-settings#259), so a file named at run time (``--config``) is a subclass
+    that names it and adds nothing else: no field, no validator.
     """
+    path = config_file
 
     class FileSettings(Settings):
-        model_config = SettingsConfigDict(yaml_file=config_file)
+        config_file: ClassVar[Path | None] = path
 
     return FileSettings
 

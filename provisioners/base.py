@@ -16,16 +16,30 @@ models):
 - **Typed errors.** Only :mod:`provisioners.errors` escape; see there for how they are classified.
 - **Events.** What the provider did on its own (fell back to another zone, found a type out of
   capacity, retried) is reported by :meth:`Provisioner.poll_events`, once each.
+- **Instance types.** :meth:`Provisioner.instance_types` is what it can launch (``None``: any type
+  its cloud offers, known only when a launch is tried), :meth:`Provisioner.launch_refusal` says
+  why a type cannot be launched (the reconciler asks before launching a plan).
+- **What its workers need.** The provider owns where the registry keeps artifact bytes
+  (:meth:`Provisioner.artifact_storage`: a store its workers can fetch from) and how a worker
+  it launches is started with the artifacts of a :class:`LaunchRequest` (its own bootstrap).
+- **Closed once.** :meth:`Provisioner.close` releases what the provider holds (clients,
+  threads); its instances are left running and found again by their tags.
+
+A new provider is one module here implementing this protocol, one line in the control plane's
+table of factories (``controlplane.provisioning.FACTORIES``) and one block of settings
+(``controlplane.settings``); docs/design.md, "Adding a provider".
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Literal, Protocol, get_args, runtime_checkable
 
 from provisioners.artifacts import ArtifactRef
+from provisioners.storage import ArtifactStorage
 
 __all__ = [
     "APP_TAG",
@@ -40,6 +54,7 @@ __all__ = [
     "ProvisionedInstance",
     "Provisioner",
     "ProvisionerEvent",
+    "launch_refusal",
     "launch_tags",
     "tags_match",
     "with_port",
@@ -141,6 +156,28 @@ class Provisioner(Protocol):
         """The events since the last call, oldest first (each is returned once)."""
         ...
 
+    def instance_types(self) -> frozenset[str] | None:
+        """The instance types this provider can launch; ``None``: any its cloud offers (a type
+        the cloud does not know fails at launch, as an error)."""
+        ...
+
+    def launch_refusal(self, instance_type: str) -> str | None:
+        """``None`` when this provider can launch ``instance_type``, else one line saying why not
+        (:func:`launch_refusal` over :meth:`instance_types` for most)."""
+        ...
+
+    def artifact_storage(self, root: Path) -> ArtifactStorage:
+        """Where the registry keeps the bytes of the models users bring, so that this provider's
+        workers can fetch them (:mod:`provisioners.storage`); ``root`` is the control plane's own
+        folder for them (``<data_dir>/registry``), for a provider whose workers read local
+        files."""
+        ...
+
+    def close(self) -> None:
+        """Release what the provider holds (clients, threads); its instances keep running.
+        Called once, when the service stops."""
+        ...
+
     # Last: inside the class body, ``list`` names this method, not the builtin.
     def list(self, tags: Mapping[str, str]) -> list[ProvisionedInstance]:
         """Every instance whose tags include all of ``tags`` (at least :data:`MANAGED_TAG` is
@@ -157,6 +194,25 @@ def with_port(address: str, port: int) -> str:
     if ":" in address:  # a bare IPv6 address
         return f"[{address}]:{port}"
     return f"{address}:{port}"
+
+
+def launch_refusal(
+    provider: str, instance_types: Collection[str] | None, instance_type: str, why: str = ""
+) -> str | None:
+    """Why ``provider``, which launches ``instance_types`` (``None``: any), cannot launch
+    ``instance_type``: ``why`` when given, else a line naming what it can launch.
+
+    >>> launch_refusal("local", {"emu.gpu"}, "g4dn.xlarge")
+    'the local provisioner cannot launch g4dn.xlarge (it launches emu.gpu)'
+    >>> launch_refusal("ec2", None, "g4dn.xlarge") is None
+    True
+    """
+    if instance_types is None or instance_type in instance_types:
+        return None
+    return why or (
+        f"the {provider} provisioner cannot launch {instance_type}"
+        f" (it launches {', '.join(sorted(instance_types)) or 'nothing'})"
+    )
 
 
 def launch_tags(request: LaunchRequest) -> dict[str, str]:

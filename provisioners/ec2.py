@@ -23,20 +23,25 @@ keeps the :class:`~provisioners.base.Provisioner` contract on EC2:
   every usable subnet as an override, tagging the instances and their volumes at creation as
   ``RunInstances`` does (moto 5.2 accepts the fleet's volume tags but drops them; AWS applies
   them). What spot cannot supply is launched on demand.
-- **Models a user brings** (``request.artifacts``): RunInstances gets ``UserData`` that starts
-  the worker agent with one ``--artifact NAME:MODEL:VERSION:FORMAT:SHA256:URI`` per model (the
-  worker downloads ``s3://`` artifacts with its instance role and checks their sha256). The
-  script is not written here: it is the type's launch template's own user data (terraform's
-  ``templates/worker.sh.tftpl``, read back with ``DescribeLaunchTemplateVersions``, version
-  ``$Default``) with the arguments appended to its ``ExecStart=... -m provisioners.worker``
-  line, so that the install, the port, the bucket and the unit stay in one place
-  (:func:`worker_user_data`). A type without such a template (``ami_id``, or a template made by
-  :meth:`Ec2Provisioner.ensure_launch_templates`, which has no user data) cannot serve artifacts:
-  :class:`~provisioners.errors.InvalidConfigurationError`, as is user data over EC2's 16 KB.
-  Spot fleets take the template's user data as it is (``CreateFleet`` has no per-launch
-  override), so with ``spot=True`` a request with artifacts is launched on demand, with an
-  ``info`` event: the simplest correct way (a template version per artifact set would be
+- **Models a user brings** (``request.artifacts``): RunInstances gets ``UserData`` that is the
+  provider's own bootstrap (:func:`worker_user_data`): a few lines that write the worker's
+  options for the models, one ``--artifact NAME:MODEL:VERSION:FORMAT:SHA256:URI`` (and
+  ``--artifact-inputs``) a line, to :data:`ARTIFACTS_FILE`, then the type's launch template's own
+  user data as it is (terraform's ``templates/worker.sh.tftpl``, read back with
+  ``DescribeLaunchTemplateVersions``, version ``$Default``), whose agent reads that file
+  (``--artifacts-file``). The install, the port, the bucket and the unit stay terraform's, and
+  nothing of its script is parsed or rewritten; the worker downloads ``s3://`` artifacts with
+  its instance role and checks their sha256. A type without such a template (``ami_id``, or a
+  template made by :meth:`Ec2Provisioner.ensure_launch_templates`, which has no user data)
+  cannot serve artifacts: :class:`~provisioners.errors.InvalidConfigurationError`, as is user
+  data over EC2's 16 KB. Spot fleets take the template's user data as it is (``CreateFleet`` has
+  no per-launch override), so with ``spot=True`` a request with artifacts is launched on demand,
+  with an ``info`` event: the simplest correct way (a template version per artifact set would be
   the other, at the price of versions piling up on terraform's templates).
+- **Artifact store.** With ``model_bucket`` set, the registry keeps the models users bring in
+  that bucket under ``model_prefix`` (:meth:`Ec2Provisioner.artifact_storage`), where the
+  workers' role may read them; without one, in the control plane's data directory (which EC2
+  workers cannot reach: for the family's models only).
 - **Throttling** is retried by botocore's adaptive retry mode (client-side rate limiting and
   backoff); what is still throttled after ``max_attempts`` is a
   :class:`~provisioners.errors.ThrottledError`.
@@ -54,13 +59,13 @@ import base64
 import binascii
 import builtins
 import hashlib
-import re
-import shlex
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -93,8 +98,17 @@ from provisioners.errors import (
     ThrottledError,
     UnknownInstanceError,
 )
+from provisioners.storage import (
+    DEFAULT_PREFIX,
+    S3_ENDPOINT_ENV,
+    ArtifactStorage,
+    LocalArtifactStorage,
+    S3ArtifactStorage,
+)
 
 __all__ = [
+    "ARTIFACTS_FILE",
+    "ARTIFACTS_OPTION",
     "CAPACITY_ERROR_CODES",
     "QUOTA_ERROR_CODES",
     "THROTTLING_ERROR_CODES",
@@ -193,7 +207,23 @@ _PROTOCOL_PREFIX = "heteroplane"
 USER_DATA_MAX_BYTES = 16 * 1024
 # What the worker template's unit runs (templates/worker.sh.tftpl, ExecStart=).
 WORKER_COMMAND = "-m provisioners.worker"
-_MODELS_OPTION = re.compile(r"\s--models(?:=|\s+)\S+")
+# Where a worker launched with artifacts finds its options for them (the provider's bootstrap
+# writes it; the worker template's agent reads it: ARTIFACTS_OPTION is on its ExecStart line).
+ARTIFACTS_FILE = "/etc/heteroplane/artifacts"
+ARTIFACTS_OPTION = f"--artifacts-file {ARTIFACTS_FILE}"
+# The provider's bootstrap: the artifacts' options, then the launch template's script unchanged.
+_BOOTSTRAP = """#!/bin/bash
+# heteroplane (the EC2 provisioner): the options of the {count} model(s) this worker serves, for
+# its agent ({option}); then the launch template's own user data, as it is.
+set -euo pipefail
+install -d -m 0755 {folder}
+cat > {path}.tmp <<'{marker}'
+{lines}
+{marker}
+chmod 0644 {path}.tmp
+mv {path}.tmp {path}
+"""
+_BOOTSTRAP_MARKER = "HETEROPLANE_ARTIFACTS"
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +234,9 @@ class Ec2Config:
     keys on AWS (two deployments in one account). ``unavailable_ttl_s`` is how long a (type, zone)
     out of capacity is skipped; ``max_attempts`` bounds botocore's adaptive retries.
     ``endpoint_url`` is for callers that must pin one; leave it ``None`` and boto3 reads
-    ``AWS_ENDPOINT_URL`` itself."""
+    ``AWS_ENDPOINT_URL`` itself. ``model_bucket`` (under ``model_prefix``) is where the registry
+    keeps the models users bring, for the workers to fetch (``None``: the control plane's data
+    directory)."""
 
     region: str
     subnet_ids: tuple[str, ...]
@@ -216,6 +248,8 @@ class Ec2Config:
     unavailable_ttl_s: float = 180.0
     max_attempts: int = 5
     endpoint_url: str | None = None
+    model_bucket: str | None = None
+    model_prefix: str = DEFAULT_PREFIX
 
     def __post_init__(self) -> None:
         if not self.region:
@@ -308,6 +342,8 @@ class Ec2Provisioner:
         self._clock = clock
         self._now = now if now is not None else (lambda: datetime.now(UTC))
         session = session if session is not None else boto3.Session()
+        self._session = session
+        self._s3: Any = None
         try:
             self._client: Any = session.client(
                 "ec2",
@@ -420,6 +456,39 @@ class Ec2Provisioner:
             for key, value in wanted.items()
         ]
         return [self._instance(raw) for raw in self._describe(filters, "DescribeInstances")]
+
+    def instance_types(self) -> None:
+        """Any type EC2 offers (one it does not know, or has no capacity of, fails at launch)."""
+        return None
+
+    def launch_refusal(self, instance_type: str) -> str | None:
+        return None
+
+    def artifact_storage(self, root: Path) -> ArtifactStorage:
+        """The model bucket (``model_bucket``, under ``model_prefix``), through an S3 client of
+        this provider's session (``HETEROPLANE_S3_ENDPOINT_URL`` points it elsewhere, as it does
+        the workers' :func:`~provisioners.fetch.fetch_artifact`); without a bucket, files under
+        ``root``."""
+        if not self.config.model_bucket:
+            return LocalArtifactStorage(root)
+        with self._lock:
+            if self._s3 is None:
+                try:
+                    self._s3 = self._session.client(
+                        "s3",
+                        region_name=self.config.region,
+                        endpoint_url=os.environ.get(S3_ENDPOINT_ENV),
+                    )
+                except Exception as error:
+                    raise map_client_error(error, operation="client") from None
+            client = self._s3
+        return S3ArtifactStorage(self.config.model_bucket, self.config.model_prefix, client=client)
+
+    def close(self) -> None:
+        """Close the provider's HTTP connections (its instances keep running)."""
+        self._client.close()
+        if self._s3 is not None:
+            self._s3.close()
 
     # --- beyond the protocol ---------------------------------------------------------------
 
@@ -792,48 +861,43 @@ class Ec2Provisioner:
 def worker_user_data(
     script: str, artifacts: Sequence[ArtifactRef], *, source: str = "the worker template"
 ) -> str:
-    """``script`` (the worker template's user data, as terraform renders
-    ``templates/worker.sh.tftpl``) with its one ``ExecStart=... -m provisioners.worker ...`` line
-    serving ``artifacts``: ``--artifact NAME:MODEL:VERSION:FORMAT:SHA256:URI`` appended for each
-    (:meth:`~provisioners.artifacts.ArtifactRef.to_arg`) and any ``--models`` removed. The rest of
-    the script is untouched.
+    """The user data of a worker serving ``artifacts``: the provider's bootstrap, which writes
+    their options (:meth:`~provisioners.artifacts.ArtifactRef.worker_options`, one ``--artifact
+    NAME:MODEL:VERSION:FORMAT:SHA256:URI`` or ``--artifact-inputs NAME=JSON`` a line) to
+    :data:`ARTIFACTS_FILE`, followed by ``script`` as it is (the worker template's user data, as
+    terraform renders ``templates/worker.sh.tftpl``; its agent reads the file,
+    :data:`ARTIFACTS_OPTION`).
 
-    Each value is quoted for the systemd unit the line is in: shell quoting (:func:`shlex.quote`;
-    systemd splits ``ExecStart`` with the same quotes), ``%`` and ``$`` doubled (systemd's
-    specifiers and variables); control characters and backslashes are refused. Raises
-    :class:`~provisioners.errors.InvalidConfigurationError` when the script has no such line or
-    the result is over :data:`USER_DATA_MAX_BYTES`.
+    The file is written through a quoted here-document, so a value reaches the agent as it is
+    (no shell or systemd quoting); control characters and backslashes are refused. Raises
+    :class:`~provisioners.errors.InvalidConfigurationError` when ``script`` does not start the
+    agent with :data:`ARTIFACTS_OPTION` (it would serve its default models instead) or the
+    result is over :data:`USER_DATA_MAX_BYTES`.
 
     >>> ref = ArtifactRef("wine", "wine", 1, "onnx", "0" * 64, "s3://b/models/wine/1/x.onnx")
-    >>> line = "ExecStart=/venv/bin/python -m provisioners.worker --port 8080 --models tiny"
-    >>> worker_user_data(line, [ref]).replace("0" * 64, "<sha256>").split()[3:]
-    ['--port', '8080', '--artifact', 'wine:wine:1:onnx:<sha256>:s3://b/models/wine/1/x.onnx']
-    """
-    lines = script.split("\n")
-    starts = [
-        index
-        for index, line in enumerate(lines)
-        if line.startswith("ExecStart=") and WORKER_COMMAND in line
-    ]
-    if len(starts) != 1:
+    >>> line = "ExecStart=/venv/bin/python -m provisioners.worker --artifacts-file /etc/heteroplane/artifacts"
+    >>> text = worker_user_data(line, [ref])
+    >>> text.endswith(line), "--artifact wine:wine:1:onnx:" in text
+    (True, True)
+    """  # noqa: E501
+    if ARTIFACTS_OPTION not in script:
         raise InvalidConfigurationError(
             "launch_templates",
-            f"{source}: its user data needs one 'ExecStart=... python {WORKER_COMMAND} ...' line"
-            f" to add the artifacts to, found {len(starts)}",
+            f"{source}: its user data does not start the worker agent with"
+            f" '{ARTIFACTS_OPTION}', where the artifacts' options are written",
         )
-    (index,) = starts
-    command = _MODELS_OPTION.sub("", lines[index]).rstrip()
-    lines[index] = " ".join(
-        [
-            command,
-            *(
-                f"{option} {_unit_quote(value)}"
-                for ref in artifacts
-                for option, value in ref.worker_options()
-            ),
-        ]
+    lines = [
+        f"{option} {_checked(value)}" for ref in artifacts for option, value in ref.worker_options()
+    ]
+    bootstrap = _BOOTSTRAP.format(
+        count=len(artifacts),
+        option=ARTIFACTS_OPTION,
+        folder=ARTIFACTS_FILE.rsplit("/", 1)[0],
+        path=ARTIFACTS_FILE,
+        marker=_BOOTSTRAP_MARKER,
+        lines="\n".join(lines),
     )
-    text = "\n".join(lines)
+    text = bootstrap + script
     size_bytes = len(text.encode("utf-8"))
     if size_bytes > USER_DATA_MAX_BYTES:
         raise InvalidConfigurationError(
@@ -844,13 +908,13 @@ def worker_user_data(
     return text
 
 
-def _unit_quote(value: str) -> str:
-    """``value`` as one argument of a systemd ``ExecStart=`` line."""
+def _checked(value: str) -> str:
+    """``value`` as one line of the artifacts file, or refused."""
     if "\\" in value or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
         raise InvalidConfigurationError(
             "artifacts", f"{value[:80]!r}: control characters and backslashes are not passed"
         )
-    return shlex.quote(value).replace("%", "%%").replace("$", "$$")
+    return value
 
 
 def _fail_fast_on_capacity(response: Any = None, **_: Any) -> None:

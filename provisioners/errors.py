@@ -11,6 +11,8 @@ reading messages:
 - :class:`InvalidConfigurationError` (``field``, ``problem``): our settings or request are wrong;
   retrying cannot help.
 - :class:`UnknownInstanceError` (``provider_id``): an instance that exists but is not ours.
+- :class:`ArtifactStoreError`: the provider's artifact store (:mod:`provisioners.storage`) failed
+  a read or a write (the API answers it 503).
 
 Every message is one line.
 
@@ -23,6 +25,7 @@ True
 from __future__ import annotations
 
 __all__ = [
+    "ArtifactStoreError",
     "InsufficientCapacityError",
     "InvalidConfigurationError",
     "ProvisionerError",
@@ -98,3 +101,8 @@ class UnknownInstanceError(ProvisionerError):
     def __init__(self, provider_id: str) -> None:
         self.provider_id = provider_id
         super().__init__(f"instance {provider_id} is not managed by heteroplane")
+
+
+class ArtifactStoreError(ProvisionerError):
+    """The artifact store (a folder of the data directory, an S3 bucket) failed a read or a
+    write, or was given a URI that is not one of its blobs."""

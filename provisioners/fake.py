@@ -34,6 +34,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from pathlib import Path
 
 from provisioners.base import (
     MANAGED_TAG,
@@ -53,6 +54,7 @@ from provisioners.errors import (
     ThrottledError,
     UnknownInstanceError,
 )
+from provisioners.storage import ArtifactStorage, LocalArtifactStorage
 
 __all__ = ["FAKE_NOW", "FakeProvisioner"]
 
@@ -287,6 +289,20 @@ class FakeProvisioner:
         with self._lock:
             events, self._events = self._events, []
             return events
+
+    def instance_types(self) -> None:
+        """Any type (the knobs above make one fail)."""
+        return None
+
+    def launch_refusal(self, instance_type: str) -> str | None:
+        return None
+
+    def artifact_storage(self, root: Path) -> ArtifactStorage:
+        """Files under ``root`` (its instances fetch nothing)."""
+        return LocalArtifactStorage(root)
+
+    def close(self) -> None:
+        """Nothing to release."""
 
     # --- inside ----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from provisioners.artifacts import ArtifactError, ArtifactRef, file_sha256
+from provisioners.storage import S3_ENDPOINT_ENV
 
 __all__ = ["fetch_artifact"]
 
@@ -51,7 +52,7 @@ def _download_s3(bucket: str, key: str, path: Path, client: Any) -> None:
     if client is None:
         import boto3  # only where an artifact is in S3
 
-        client = boto3.client("s3", endpoint_url=os.environ.get("HETEROPLANE_S3_ENDPOINT_URL"))
+        client = boto3.client("s3", endpoint_url=os.environ.get(S3_ENDPOINT_ENV))
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".download-")
     os.close(descriptor)
     try:

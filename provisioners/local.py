@@ -72,10 +72,12 @@ from provisioners.base import (
     ProviderState,
     ProvisionedInstance,
     ProvisionerEvent,
+    launch_refusal,
     launch_tags,
     tags_match,
 )
 from provisioners.errors import InvalidConfigurationError, QuotaExceededError
+from provisioners.storage import ArtifactStorage, LocalArtifactStorage
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -362,6 +364,22 @@ class LocalProvisioner:
         with self._lock:
             events, self._events = self._events, []
         return events
+
+    def instance_types(self) -> frozenset[str]:
+        """The types it emulates (``catalog_speed``'s)."""
+        return frozenset(self.catalog_speed)
+
+    def launch_refusal(self, instance_type: str) -> str | None:
+        return launch_refusal(
+            self.name,
+            self.catalog_speed,
+            instance_type,
+            "the local provisioner emulates only emu.* types",
+        )
+
+    def artifact_storage(self, root: Path) -> ArtifactStorage:
+        """Files under ``root``: the workers run on this machine and read ``file://`` URIs."""
+        return LocalArtifactStorage(root)
 
     # --- beyond the protocol --------------------------------------------------------------------
 

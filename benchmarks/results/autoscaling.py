@@ -1,5 +1,5 @@
 """Autoscaling on held-out traffic: the tuner against the oracle, CG-Peak/Mean, the static plan
-and target tracking (issue 29, item 5).
+and target tracking.
 
 This experiment owns the held-out evaluation of autoscaling: benchmarks/autoscaling_heldout.py
 (its docstring has the whole setup: the trace family, the models and the cascade, the planning
@@ -37,6 +37,7 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
+from benchmarks.results.findings import finding
 
 KEY = "autoscaling"
 QUICK_FAMILIES = ("rise",)
@@ -66,7 +67,7 @@ def run(ctx: Context) -> Section:
     }
     return Section(
         key=KEY,
-        title="Autoscaling on held-out traffic (issue 29)",
+        title="Autoscaling on held-out traffic",
         what=what_text(data),
         rerun="python -m benchmarks.results --only autoscaling",
         body=body_text(data),
@@ -93,7 +94,7 @@ def what_text(data: dict[str, Any]) -> str:
   trace's 10 s peak or mean rate on a steady trace of its CV^2), target tracking (replay's
   `utilization` policy, its target the static plan's utilisation at R; single stage only) and
   the clairvoyant per-minute oracle (the planner at each minute's mean rate, instance-seconds).
-- Goals (issue 29), per trace: misses <= {MAX_MISS:.0%} ({MAX_MISS_STEEP_STEP:.0%} across a step
+- Goals, per trace: misses <= {MAX_MISS:.0%} ({MAX_MISS_STEEP_STEP:.0%} across a step
   of more than {STEEP_STEP:g}x), cost <= {MAX_COST_OVER_ORACLE:g}x the oracle and below CG-Peak's;
   a blip: cost <= {MAX_BLIP_COST_OVER_STATIC:g}x the static plan's; across a set, CG-Peak / cost
   averages >= {MIN_MEAN_PEAK_OVER_COST:g}.
@@ -121,15 +122,21 @@ def body_text(data: dict[str, Any]) -> str:
 def _policy_words(summary: dict[str, Any], name: str) -> str:
     p = summary["policies"].get(name)
     if p is None:
-        return f"{name}: not run"
+        return finding(KEY, "policy_not_run", name=name)
     miss = "n/a" if p["mean_miss_share"] is None else f"{100 * p['mean_miss_share']:.2f}%"
-    return (
-        f"{name} {p['mean_cost_over_oracle']:.2f}x the oracle, {miss} missed,"
-        f" goal met on {p['meets_goal']} of {p['rows']}"
+    return finding(
+        KEY,
+        "policy",
+        name=name,
+        mean_cost_over_oracle=f"{p['mean_cost_over_oracle']:.2f}",
+        miss=miss,
+        meets_goal=p["meets_goal"],
+        rows=p["rows"],
     )
 
 
 def summary_lines(data: dict[str, Any]) -> list[str]:
+    """The section's findings (their wording: benchmarks/results/findings/autoscaling.md)."""
     lines = []
     for name in SET_ORDER:
         s = data["sets"].get(name)
@@ -137,30 +144,36 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
             continue
         summary = s["summary"]
         tuner = summary["policies"]["tuner"]
-        label = (
-            f"the {summary['rows']} held-out test traces"
-            if name == "test"
-            else f"the {summary['rows']} tuning traces (labelled apart: parameters are chosen on"
-            " these)"
-        )
         oracle = summary["policies"]["oracle"]
+        label = finding(KEY, f"set_label_{name}", rows=summary["rows"])
         lines.append(
-            f"On {label} the tuner meets issue 29's per-trace goal on {tuner['meets_goal']} of"
-            f" {tuner['rows']}: it costs {tuner['mean_cost_over_oracle']:.2f}x the clairvoyant"
-            f" per-minute oracle on average (worst {tuner['max_cost_over_oracle']:.2f}x), misses"
-            f" the SLO on {100 * tuner['mean_miss_share']:.2f}% of queries on average (worst"
-            f" {100 * tuner['max_miss_share']:.2f}%), and CG-Peak's cost over the tuner's averages"
-            f" {tuner['mean_peak_over_cost']:.2f} (goal >= {MIN_MEAN_PEAK_OVER_COST:g}; the"
-            f" oracle's: {oracle['mean_peak_over_cost']:.2f})."
+            finding(
+                KEY,
+                "tuner",
+                label=label,
+                meets_goal=tuner["meets_goal"],
+                rows=tuner["rows"],
+                mean_cost_over_oracle=f"{tuner['mean_cost_over_oracle']:.2f}",
+                max_cost_over_oracle=f"{tuner['max_cost_over_oracle']:.2f}",
+                mean_miss_pct=f"{100 * tuner['mean_miss_share']:.2f}",
+                max_miss_pct=f"{100 * tuner['max_miss_share']:.2f}",
+                mean_peak_over_cost=f"{tuner['mean_peak_over_cost']:.2f}",
+                goal_peak_over_cost=f"{MIN_MEAN_PEAK_OVER_COST:g}",
+                oracle_peak_over_cost=f"{oracle['mean_peak_over_cost']:.2f}",
+            )
         )
         if name == "test":
             others = [_policy_words(summary, p) for p in POLICIES if p not in ("tuner", "oracle")]
-            lines.append("On the same test traces: " + "; ".join(others) + ".")
+            lines.append(finding(KEY, "others", policies="; ".join(others)))
             if summary.get("blips"):
                 lines.append(
-                    f"On the test set's blips (a few seconds' worth of queries inside one second)"
-                    f" the tuner costs within {MAX_BLIP_COST_OVER_STATIC:g}x the static plan on"
-                    f" {summary['blips_within_static']} of {summary['blips']}."
+                    finding(
+                        KEY,
+                        "blips",
+                        max_blip_cost_over_static=f"{MAX_BLIP_COST_OVER_STATIC:g}",
+                        within_static=summary["blips_within_static"],
+                        blips=summary["blips"],
+                    )
                 )
     return lines
 

@@ -79,6 +79,7 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
+from benchmarks.results.findings import finding
 from controlplane.policies.gears import GearPlan, Placement, plan_gears, simulate_gear_switching
 from estimator.cascades import (
     DEFAULT_CHOOSE_SHARE,
@@ -1133,6 +1134,7 @@ def _body(setup: Setup, per_slo: Sequence[dict[str, Any]]) -> str:
 def _summary(
     setup: Setup, per_slo: Sequence[dict[str, Any]], headline: tuple[int, int] | None
 ) -> list[str]:
+    """The section's findings (their wording: benchmarks/results/findings/cascades.md)."""
     lines = []
     if headline is not None:
         s, t = headline
@@ -1141,27 +1143,35 @@ def _summary(
         single, switching, cascades = (cell[k] for k in _APPROACHES)
 
         def count(c: Cell) -> str:
-            return "cannot reach it" if c.instances is None else f"{c.instances}"
+            return finding(KEY, "cannot_reach") if c.instances is None else f"{c.instances}"
 
         run = next((v for v in block["cascades"].levels if v.instances == cascades.instances), None)
         in_sample = (
-            f"; the cascades' run scores {100 * run.accuracy:.2f}% held-out,"
-            f" {100 * run.in_sample_accuracy:.2f}% in-sample"
+            finding(
+                KEY,
+                "headline_in_sample",
+                held_out=f"{100 * run.accuracy:.2f}",
+                in_sample=f"{100 * run.in_sample_accuracy:.2f}",
+            )
             if run is not None and run.in_sample_accuracy is not None
             else ""
         )
+        ratio = _ratio(cascades, single)
         lines.append(
-            f"At {cell['target']:g}% held-out accuracy (thresholds and gears chosen on"
-            f" {setup.choose.n_samples} of the {setup.family.records.n_samples} validation"
-            f" samples, accuracy measured on the other {setup.score.n_samples}{in_sample}) and"
-            f" P99 <= {block['slo_ms']:g} ms on a load"
-            f" peaking at {setup.peak_qps:.0f} qps, cascades with gear switching need"
-            f" {count(cascades)} instances of the demo family, switching between single models"
-            f" {count(switching)}, a single model with dynamic batching {count(single)}"
-            + (
-                f" ({_ratio(cascades, single):.1f}x the cascades' count)."
-                if _ratio(cascades, single)
-                else "."
+            finding(
+                KEY,
+                "headline",
+                target=f"{cell['target']:g}",
+                choose_samples=setup.choose.n_samples,
+                validation_samples=setup.family.records.n_samples,
+                score_samples=setup.score.n_samples,
+                in_sample=in_sample,
+                slo_ms=f"{block['slo_ms']:g}",
+                peak_qps=f"{setup.peak_qps:.0f}",
+                cascades=count(cascades),
+                switching=count(switching),
+                single=count(single),
+                ratio=" " + finding(KEY, "headline_ratio", ratio=f"{ratio:.1f}") if ratio else "",
             )
         )
     pairs = [
@@ -1173,11 +1183,25 @@ def _summary(
     ratios = [r for n, r, _ in pairs if n is not None and n > 1]
     cells = sum(len(block["cells"]) for block in per_slo)
     if ratios:
-        spread = f"; {min(ratios):.1f}x to {max(ratios):.1f}x" if max(ratios) > min(ratios) else ""
+        spread = (
+            finding(
+                KEY,
+                "single_over_cascades_spread",
+                low=f"{min(ratios):.1f}",
+                high=f"{max(ratios):.1f}",
+            )
+            if max(ratios) > min(ratios)
+            else ""
+        )
         lines.append(
-            f"Over the {len(ratios)} of {cells} (accuracy, SLO) points where a single model needs"
-            f" more than one instance, it needs {math.exp(np.mean(np.log(ratios))):.1f}x the"
-            f" instances of cascades with gear switching (geometric mean{spread})."
+            finding(
+                KEY,
+                "single_over_cascades",
+                points=len(ratios),
+                cells=cells,
+                geometric_mean=f"{math.exp(np.mean(np.log(ratios))):.1f}",
+                spread=spread,
+            )
         )
     versus = [
         (cell["switching"].instances, cell["single"].instances)
@@ -1190,15 +1214,15 @@ def _summary(
     if versus:
         fewer = sum(a < b for a, b in versus)
         more = sum(a > b for a, b in versus)
-        why = " (it serves the crests with a cheaper model when the target allows)"
-        if more:
-            why = (
-                " (it serves the crests with a cheaper model when the target allows; where it"
-                " needs more, the plans' batch caps and 90% utilisation cap cost instances)"
-            )
         lines.append(
-            f"Switching between single models needs fewer instances than the best single model"
-            f" at {fewer} of those {len(versus)} points and more at {more}{why}."
+            finding(
+                KEY,
+                "switching",
+                fewer=fewer,
+                points=len(versus),
+                more=more,
+                why=finding(KEY, "switching_why_more" if more else "switching_why"),
+            )
         )
     only = [
         (cell["target"], block["slo_ms"])
@@ -1209,10 +1233,14 @@ def _summary(
     top_single = max(setup.score.model_accuracy(m) for m in setup.family.models)
     if only:
         lines.append(
-            f"Cascades reach {len(only)} point{'s' if len(only) > 1 else ''} no single model"
-            f" reaches (up to"
-            f" {max(t for t, _ in only):g}% against the best model's"
-            f" {100 * top_single:.2f}%, both held-out)."
+            finding(
+                KEY,
+                "only_cascades",
+                points=len(only),
+                point_word="points" if len(only) > 1 else "point",
+                highest=f"{max(t for t, _ in only):g}",
+                best_model=f"{100 * top_single:.2f}",
+            )
         )
     unreachable = [
         (cell["target"], block["slo_ms"])
@@ -1222,9 +1250,15 @@ def _summary(
     ]
     if unreachable:
         lines.append(
-            f"Cascades with gear switching do not reach {len(unreachable)} of {cells} points"
-            f" within {MAX_INSTANCES} instances (e.g. {unreachable[0][0]:g}% at"
-            f" {unreachable[0][1]:g} ms)."
+            finding(
+                KEY,
+                "unreachable",
+                points=len(unreachable),
+                cells=cells,
+                max_instances=MAX_INSTANCES,
+                target=f"{unreachable[0][0]:g}",
+                slo_ms=f"{unreachable[0][1]:g}",
+            )
         )
     return lines
 

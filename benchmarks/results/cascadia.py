@@ -60,6 +60,7 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
+from benchmarks.results.findings import finding
 from controlplane.cli.parsers import PARETO_GRID
 from controlplane.policies.cascade_choice import choose_held_out
 from estimator.allocation import (
@@ -661,6 +662,7 @@ def _md1_error(o: Outcome) -> tuple[float, float]:
 
 
 def _summary(o: Outcome) -> list[str]:
+    """The section's findings (their wording: benchmarks/results/findings/cascadia.md)."""
     s = o.setup
     fam = s.family.family
     lo = min(o.front, key=lambda p: p.p99_ms)
@@ -670,33 +672,53 @@ def _summary(o: Outcome) -> list[str]:
     dominated = [m for m, d in held.items() if d] or ["none"]
     dominated_in = [m for m, d in ins.items() if d] or ["none"]
     lines = [
-        f"On {BUDGET_INSTANCES} instances of the demo family at {s.rate_qps:.0f} qps (Poisson),"
-        f" Cascadia's front ({len(o.front)} points of {fam.models[0]} -> ... ->"
-        f" {fam.models[-1]}, thresholds and MILP allocations chosen on half the validation"
-        f" samples) spans {_pct(lo.held_out_accuracy)} held-out accuracy at P99"
-        f" {lo.p99_ms:.1f} ms to {_pct(best.held_out_accuracy)} at {best.p99_ms:.1f} ms;"
-        f" `{fam.most_accurate}` alone on the same budget: {_pct(top.held_out_accuracy)} at"
-        f" {top.p99_ms:.1f} ms. Single models the front dominates held-out:"
-        f" {', '.join(dominated)} (in-sample: {', '.join(dominated_in)}).",
+        finding(
+            KEY,
+            "front",
+            instances=BUDGET_INSTANCES,
+            rate_qps=f"{s.rate_qps:.0f}",
+            points=len(o.front),
+            first_model=fam.models[0],
+            last_model=fam.models[-1],
+            low_accuracy=_pct(lo.held_out_accuracy),
+            low_p99_ms=f"{lo.p99_ms:.1f}",
+            best_accuracy=_pct(best.held_out_accuracy),
+            best_p99_ms=f"{best.p99_ms:.1f}",
+            top_model=fam.most_accurate,
+            top_accuracy=_pct(top.held_out_accuracy),
+            top_p99_ms=f"{top.p99_ms:.1f}",
+            dominated=", ".join(dominated),
+            dominated_in_sample=", ".join(dominated_in),
+        )
     ]
     cs, cs_milp = o.cascadeserve
     cs_dom = o.dominating_cascadeserve(True)
     lines.append(
-        f"CascadeServe-style plan on the same budget (`{cs.label}`, instances"
-        f" {cs.fleet_text()} by load share): {_pct(cs.held_out_accuracy)} held-out at P99"
-        f" {cs.p99_ms:.1f} ms; with the MILP's allocation ({cs_milp.fleet_text()}):"
-        f" {_pct(cs_milp.held_out_accuracy)} at {cs_milp.p99_ms:.1f} ms. Front points dominating"
-        f" them held-out: {_names(cs_dom[0])}; {_names(cs_dom[1])}."
+        finding(
+            KEY,
+            "cascadeserve",
+            label=cs.label,
+            fleet=cs.fleet_text(),
+            accuracy=_pct(cs.held_out_accuracy),
+            p99_ms=f"{cs.p99_ms:.1f}",
+            milp_fleet=cs_milp.fleet_text(),
+            milp_accuracy=_pct(cs_milp.held_out_accuracy),
+            milp_p99_ms=f"{cs_milp.p99_ms:.1f}",
+            dominating=_names(cs_dom[0]),
+            dominating_milp=_names(cs_dom[1]),
+        )
     )
     median, worst = _md1_error(o)
     lines.append(
-        f"The MILP's M/D/1 stage latency matches the simulated stage mean (median error"
-        f" {median:.1f}%, worst {worst:.1f}% over the front's stages), but its objective, the"
-        " worst stage's mean, is not the end-to-end P99: a stage few queries reach (the most"
-        " accurate model) sets it, and the first stage, which every query crosses, gets no"
-        f" instance beyond what keeps it under that worst mean; {len(o.self_dominated(False))} of"
-        f" the {len(o.front)} front points are dominated by another once P99 is simulated"
-        f" (in-sample accuracy), {len(o.self_dominated(True))} with held-out accuracy."
+        finding(
+            KEY,
+            "milp",
+            median_error=f"{median:.1f}",
+            worst_error=f"{worst:.1f}",
+            dominated_in_sample=len(o.self_dominated(False)),
+            points=len(o.front),
+            dominated_held_out=len(o.self_dominated(True)),
+        )
     )
     return lines
 

@@ -12,8 +12,8 @@ each through its ``measure`` function, so that each figure can be rerun alone wi
   <= 1 ms, issue 22) and the simulator under the Kairos policy (>= 50,000 simulated queries/s);
 - ``planner_speed.py``: the planner on a 3-stage cascade over a 10-minute trace (< 10 s);
 - ``gear_planner_speed.py``: the gear planner on the demo family (< 2 s);
-- ``dispatcher_speed.py``: the serving path's dispatcher with its real HTTP transport to fake
-  workers that answer at once (>= 2,000 queries/s sustained adding <= 5 ms at p99).
+- ``serving_speed/dispatcher.py``: the serving path's dispatcher with its real HTTP transport to
+  fake workers that answer at once (>= 2,000 queries/s sustained adding <= 5 ms at p99).
 
 Full mode runs every script at its own default sizes (about 2-4 minutes on a quiet 2-core
 machine), plus the dispatcher's first sweep step (FCFS at 4,000 q/s) for the headroom; quick mode
@@ -39,6 +39,8 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
+from benchmarks.results.findings import finding
+from benchmarks.sizes import FULL, QUICK, Sizes
 
 KEY = "controlplane"
 RERUN = "python -m benchmarks.results.controlplane"
@@ -153,68 +155,12 @@ def rows_table(rows: Sequence[Row]) -> str:
     )
 
 
-@dataclass(frozen=True)
-class Sizes:
-    """How big each script's run is (full mode: the scripts' own defaults)."""
-
-    estimator_queries: int = 1_000_000
-    estimator_repeats: int = 5
-    event_queries: int = 100_000
-    envelope_arrivals: int = 1_000_000
-    bound_vectors: int = 2_000_000
-    bounds_repeats: int = 3
-    ten_type_exhaustive: bool = True
-    bounds_budgets_usd_per_hr: tuple[float, ...] = (50.0, 100.0)
-    bounds_models: tuple[str, ...] = ("rm2", "wnd", "mtwnd", "dien", "ncf")
-    matching_queries: int = 100_000
-    matching_states: tuple[int, int] = (2000, 500)
-    matching_repeats: int = 3
-    matching_rates_qps: tuple[int, ...] = (100, 130)
-    planner_rate_qps: float = 50.0
-    planner_duration_s: float = 600.0
-    planner_repeats: int = 3
-    gear_families: tuple[str, ...] = ("auto", "synthetic")
-    gear_repeats: int = 3
-    dispatcher_rate_qps: float = 2000.0
-    dispatcher_duration_s: float = 10.0
-    dispatcher_warmup_s: float = 1.0
-    dispatcher_headroom_qps: tuple[float, ...] = (4000.0,)
-    dispatcher_repeats: int = 3  # runs of each scenario: the one of median p99 is reported
-    # benchmarks/api_speed.py: runs of the whole API path (0: not run, as in quick mode: it
-    # starts the service and worker processes, which takes longer than the quick section).
-    api_rate_qps: float = 2000.0
-    api_duration_s: float = 10.0
-    api_runs: int = 3
-
-
-FULL = Sizes()
-QUICK = Sizes(
-    estimator_queries=200_000,
-    estimator_repeats=1,
-    event_queries=20_000,
-    envelope_arrivals=200_000,
-    bound_vectors=200_000,
-    bounds_repeats=1,
-    ten_type_exhaustive=False,
-    bounds_budgets_usd_per_hr=(50.0,),
-    bounds_models=("rm2",),
-    matching_queries=10_000,
-    matching_states=(200, 50),
-    matching_repeats=1,
-    matching_rates_qps=(100,),
-    planner_duration_s=120.0,
-    planner_repeats=1,
-    gear_families=("synthetic",),
-    gear_repeats=1,
-    dispatcher_duration_s=1.5,
-    dispatcher_warmup_s=0.5,
-    dispatcher_headroom_qps=(),
-    dispatcher_repeats=1,
-    api_runs=0,
-)
-
-
 def _script(name: str, *args: str) -> str:
+    """The command that runs ``benchmarks/<name>.py``, or the package part ``name`` names
+    (``"serving_speed dispatcher"``: ``python -m benchmarks.serving_speed dispatcher``)."""
+    package, _, part = name.partition(" ")
+    if part:
+        return " ".join(["python", "-m", f"benchmarks.{package}", part, *args])
     return " ".join(["python", f"benchmarks/{name}.py", *args])
 
 
@@ -494,7 +440,7 @@ def gear_rows(ctx: Context, sizes: Sizes) -> tuple[list[Row], dict[str, Any]]:
 
 
 def dispatcher_rows(ctx: Context, sizes: Sizes) -> tuple[list[Row], list[dict[str, Any]]]:
-    from benchmarks import dispatcher_speed
+    from benchmarks.serving_speed import dispatcher as dispatcher_speed
 
     rate = sizes.dispatcher_rate_qps
     duration = sizes.dispatcher_duration_s
@@ -528,7 +474,7 @@ def dispatcher_rows(ctx: Context, sizes: Sizes) -> tuple[list[Row], list[dict[st
     }
     rows = []
     for run, (p99_low, p99_high) in zip(runs, p99_ranges, strict=True):
-        command = _script("dispatcher_speed", "--scenario", run.scenario)
+        command = _script("serving_speed dispatcher", "--scenario", run.scenario)
         if run.rate_qps != dispatcher_speed.GOAL_QPS:
             command += f" --rate-qps {run.rate_qps:g}"
         if duration != 10.0:
@@ -572,8 +518,9 @@ def dispatcher_rows(ctx: Context, sizes: Sizes) -> tuple[list[Row], list[dict[st
 
 
 def dispatch_verdicts(runs: Sequence[Any], goal_rate_qps: float) -> list[str]:
-    """What ``dispatcher_speed.py`` prints in its goal column: at the goal's rate "met", "kept up"
-    (every query answered, p99 under 100 ms, but not the goal) or "fell behind"; at a higher rate
+    """What ``serving_speed/dispatcher.py`` prints in its goal column: at the goal's rate "met",
+    "kept up" (every query answered, p99 under 100 ms, but not the goal) or "fell behind"; at a
+    higher rate
     (the headroom) "met", "past the goal" or "fell behind"."""
     verdicts = []
     for run in runs:
@@ -656,11 +603,11 @@ def dispatcher_figure(ctx: Context, runs: Sequence[dict[str, Any]], goal_ms: flo
 
 
 def api_rows(ctx: Context, sizes: Sizes) -> tuple[list[Row], dict[str, Any] | None]:
-    """The serving path where clients enter (``benchmarks/api_speed.py``): the median of
+    """The serving path where clients enter (``benchmarks/serving_speed/api.py``): the median of
     ``api_runs`` runs, p99 added against its goal, the sustained rate as its condition."""
-    from benchmarks import api_speed
+    from benchmarks.serving_speed import api as api_speed
 
-    command = _script("api_speed", "--json")
+    command = _script("serving_speed api", "--json")
     name = (
         f"through the API (heteroplane serve, worker agent processes, loadgen --engine raw), at"
         f" {sizes.api_rate_qps:,.0f} q/s offered: p99 added"
@@ -721,7 +668,7 @@ def run(ctx: Context) -> Section:
     step("api", api_rows(ctx, sizes))
     load_after = os.getloadavg()
 
-    from benchmarks import dispatcher_speed
+    from benchmarks.serving_speed import dispatcher as dispatcher_speed
 
     dispatcher_runs = data["dispatcher"]
     figures = [
@@ -753,66 +700,108 @@ def _by_key(rows: Sequence[Row]) -> dict[str, Row]:
     return {row.key: row for row in rows}
 
 
-def _said(row: Row | None, where: str = "") -> str:
-    """'12.3 ms<where> (goal <= 5 ms: met)' for a summary line."""
+def _figure(name: str, row: Row | None) -> dict[str, str]:
+    """``{name}`` and ``{name}_goal`` of a findings template: '12.3 ms' (or 'not measured') and
+    ' (goal <= 5 ms: met)' (or '' without a goal)."""
     if row is None or row.value is None:
-        return f"not measured{where}"
+        return {name: "not measured", f"{name}_goal": ""}
     goal = (
         f" (goal {row.goal.text(row.unit)}: {'met' if row.met else 'not met'})" if row.goal else ""
     )
-    return f"{fmt(row.value)} {row.unit}{where}{goal}"
+    return {name: f"{fmt(row.value)} {row.unit}", f"{name}_goal": goal}
 
 
 def summary_lines(rows: Sequence[Row], sizes: Sizes) -> list[str]:
-    """The README lines, one per part, each with its numbers and verdicts."""
+    """The README lines, one per part, each with its numbers and verdicts (their wording:
+    benchmarks/results/findings/controlplane.md)."""
     by = _by_key(rows)
     met, judged = goals_count(rows)
     rate = sizes.matching_rates_qps[0]
-    models = len(sizes.bounds_models)
     lines = [
-        "The estimator's compiled FCFS simulator runs"
-        f" {_said(by.get('fcfs_1_instances'), ' on one instance')} and"
-        f" {_said(by.get('fcfs_64_instances'), ' on 64 instances')}; the tuner's arrival envelope"
-        f" of {sizes.envelope_arrivals:,} arrivals takes {_said(by.get('envelope'))}.",
-        "Kairos' exhaustive ranking bounds"
-        f" {_said(by.get('exhaustive_4_types'), ' on the 4 measured types')}, and the exact top"
-        " 10 of a 10-type catalog at $50/hr takes"
-        f" {_said(by.get('ten_types_50'), f' for the slowest of {models} model(s)')}.",
-        "A Kairos dispatch round decides 32 queued x 16 instances in"
-        f" {_said(by.get('decision_32x16'), ' at the median')} and 256 x 128 in"
-        f" {_said(by.get('decision_256x128'), ' at p99')}; the event simulator runs the Kairos"
-        f" policy at {_said(by.get(f'simulator_kairos_{rate}'), f' on rm2 at {rate} qps')}.",
+        finding(
+            KEY,
+            "estimator",
+            **_figure("fcfs_1", by.get("fcfs_1_instances")),
+            **_figure("fcfs_64", by.get("fcfs_64_instances")),
+            **_figure("envelope", by.get("envelope")),
+            envelope_arrivals=f"{sizes.envelope_arrivals:,}",
+        ),
+        finding(
+            KEY,
+            "bounds",
+            **_figure("exhaustive", by.get("exhaustive_4_types")),
+            **_figure("ten_types", by.get("ten_types_50")),
+            models=len(sizes.bounds_models),
+        ),
+        finding(
+            KEY,
+            "matching",
+            **_figure("small", by.get("decision_32x16")),
+            **_figure("large", by.get("decision_256x128")),
+            **_figure("simulator", by.get(f"simulator_kairos_{rate}")),
+            rate_qps=rate,
+        ),
     ]
     gears = [row for row in rows if row.key.startswith("gear_")]
     gear = next((row for row in gears if row.value is not None), gears[0] if gears else None)
-    family = f" for the {gear.short.split(', ', 1)[1]}" if gear and gear.short else ""
+    family = (
+        " " + finding(KEY, "gear_family", family=gear.short.split(", ", 1)[1])
+        if gear and gear.short
+        else ""
+    )
     lines.append(
-        f"The planner plans a 3-stage cascade over {sizes.planner_duration_s / 60:g} minutes of"
-        f" trace in {_said(by.get('planner'))}, and the gear planner plans the demo app's gears in"
-        f" {_said(gear, family)}."
+        finding(
+            KEY,
+            "planners",
+            trace_min=f"{sizes.planner_duration_s / 60:g}",
+            **_figure("planner", by.get("planner")),
+            **_figure("gears", gear),
+            family=family,
+        )
     )
     dispatch = [row for row in rows if row.key.startswith("dispatcher_") and row.goal]
     headroom = [row for row in rows if row.key.startswith("dispatcher_") and not row.goal]
-    held = sum(bool(row.met) for row in dispatch)
     lines.append(
-        f"At {sizes.dispatcher_rate_qps:,.0f} q/s offered the serving dispatcher adds at p99 "
-        + ", ".join(f"{fmt(row.value)} ms ({row.key.split('_')[1]})" for row in dispatch)
-        + f", so the goal of <= 5 ms with >= 2,000 q/s sustained holds in {held} of"
-        f" {len(dispatch)} scenarios"
-        + "".join(
-            f" (FCFS at {float(row.key.split('_')[2]):,.0f} q/s: p99 {fmt(row.value)} ms)"
-            for row in headroom
+        finding(
+            KEY,
+            "dispatcher",
+            rate_qps=f"{sizes.dispatcher_rate_qps:,.0f}",
+            scenarios=", ".join(
+                finding(
+                    KEY,
+                    "dispatcher_scenario",
+                    p99_ms=fmt(row.value),
+                    scenario=row.key.split("_")[1],
+                )
+                for row in dispatch
+            ),
+            held=sum(bool(row.met) for row in dispatch),
+            judged_scenarios=len(dispatch),
+            headroom="".join(
+                " "
+                + finding(
+                    KEY,
+                    "dispatcher_headroom",
+                    rate_qps=f"{float(row.key.split('_')[2]):,.0f}",
+                    p99_ms=fmt(row.value),
+                )
+                for row in headroom
+            ),
+            met=met,
+            judged=judged,
         )
-        + f"; {met} of {judged} control-plane speed goals are met on this shared 2-core machine."
     )
     api = by.get("api_path")
     if api is not None and api.value is not None:
         lines.append(
-            f"Through the API (the service, worker agent processes and the load generator on the"
-            f" same two cores) at {sizes.api_rate_qps:,.0f} q/s offered the control plane adds"
-            f" {_said(api, ' at p99')}; {api.measured_on}"
-            + (f" ({api.note})" if api.note else "")
-            + "."
+            finding(
+                KEY,
+                "api",
+                rate_qps=f"{sizes.api_rate_qps:,.0f}",
+                **_figure("added", api),
+                measured_on=api.measured_on,
+                note=f" ({api.note})" if api.note else "",
+            )
         )
     return lines
 
@@ -844,9 +833,10 @@ the same figures):
   answer at once, open-loop Poisson load from scheduled arrivals, so the latency is what the
   dispatcher adds (a lower bound's worth of work on the loop: the fake workers' HTTP parsing runs
   on it too);
-- the API path (`benchmarks/api_speed.py`, full mode only): `heteroplane serve` with two worker
-  agent processes that answer at once and `heteroplane loadgen --engine raw` in a process of its
-  own, all on the same two cores; p99 added is the client's p99 less a worker round trip's.
+- the API path (`python -m benchmarks.serving_speed api`, full mode only): `heteroplane serve`
+  with two worker agent processes that answer at once and `heteroplane loadgen --engine raw` in a
+  process of its own, all on the same two cores; p99 added is the client's p99 less a worker
+  round trip's.
 
 {mode}
 
@@ -905,7 +895,7 @@ def body_text(
             "Every figure, its goal and whether it holds (`-`: no goal is set for it, or the goal"
             " is for a larger size than this run's):",
             rows_table(rows),
-            "The serving path in detail (`dispatcher_speed.py`; latency from each query's"
+            "The serving path in detail (`serving_speed/dispatcher.py`; latency from each query's"
             " scheduled arrival to its answer; drain: last answer after the last arrival; CPU"
             " counts the fake workers and the load generator too; verdict: the script's, where"
             " 'kept up' answers every query with p99 under 100 ms but misses the goal's 5 ms):",

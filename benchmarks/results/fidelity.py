@@ -3,11 +3,11 @@
 This experiment owns the section ``fidelity`` of docs/results. It runs the two live benchmarks of
 ``benchmarks/`` (imported, so each can be rerun alone with its script):
 
-- ``serving_fidelity.py``: one app, one emulated instance, a service time of about 5 ms and one
+- ``fidelity/serving.py``: one app, one emulated instance, a service time of about 5 ms and one
   of about 50 ms per batch; at 30%, 60% and 90% of the plan's capacity, the P99 a loadgen client
   measures against the planner's model (the serving-path profile plus the overhead per query the
   service measured), from one seeded Poisson trace per level;
-- ``demo_fidelity.py``: the demo's cascade as ``make demo`` serves it, at its applied plan's
+- ``fidelity/demo.py``: the demo's cascade as ``make demo`` serves it, at its applied plan's
   ``rate_qps``, against the plan's ``predicted_p99_ms``: three runs, the median and the spread.
 
 The goal is measured / predicted P99 within 15% everywhere (the acceptance for the demo is 25%).
@@ -24,10 +24,12 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import demo_fidelity, serving_fidelity
+from benchmarks.fidelity import demo as demo_fidelity
+from benchmarks.fidelity import serving as serving_fidelity
 from benchmarks.results.common import (
     Context,
     Figure,
@@ -37,6 +39,7 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
+from benchmarks.results.findings import finding
 
 GOAL = 0.15
 FULL_SERVICE_MS = (5.0, 50.0)
@@ -51,6 +54,9 @@ SEED = 1
 DEMO_RUNS = 3
 
 
+KEY = "fidelity"
+
+
 def ratio_spread(ratios: list[float]) -> tuple[float, float, float]:
     """(median, min, max) of measured / predicted ratios."""
     return statistics.median(ratios), min(ratios), max(ratios)
@@ -59,6 +65,46 @@ def ratio_spread(ratios: list[float]) -> tuple[float, float, float]:
 def within(ratio: float, goal: float = GOAL) -> bool:
     """Whether a measured / predicted ratio meets the goal: |ratio - 1| <= goal."""
     return abs(ratio - 1.0) <= goal
+
+
+def summary_lines(
+    rows: Sequence[dict[str, Any]],
+    service_times: Sequence[float],
+    levels: Sequence[float],
+    demo: dict[str, Any] | None,
+) -> list[str]:
+    """The section's findings (their wording: benchmarks/results/findings/fidelity.md)."""
+    ratios = [float(r["ratio"]) for r in rows]
+    median, low, high = ratio_spread(ratios)
+    lines = [
+        finding(
+            KEY,
+            "levels",
+            levels=len(rows),
+            service_times=", ".join(f"{s:g}" for s in service_times),
+            utilisations=", ".join(f"{u:.0%}" for u in levels),
+            median=f"{median:.3f}",
+            low=f"{low:.3f}",
+            high=f"{high:.3f}",
+            held=sum(within(r) for r in ratios),
+        )
+    ]
+    if demo is not None:
+        spread = demo["spread"]["ratio"]
+        lines.append(
+            finding(
+                KEY,
+                "demo",
+                rate_qps=f"{demo['rate_qps']:.1f}",
+                measured_p99_ms=f"{demo['p99_ms']:.0f}",
+                predicted_p99_ms=f"{demo['predicted_p99_ms']:.0f}",
+                ratio=f"{demo['ratio']:.3f}",
+                runs=len(demo["runs"]),
+                low=f"{spread['min']:.3f}",
+                high=f"{spread['max']:.3f}",
+            )
+        )
+    return lines
 
 
 def run(ctx: Context) -> Section:
@@ -129,14 +175,7 @@ def run(ctx: Context) -> Section:
         f" {s.overhead_ms:.2f} ms per query."
         for s in settings
     )
-    ratios = [float(r["ratio"]) for r in rows]
-    median, low, high = ratio_spread(ratios)
-    held = sum(within(r) for r in ratios)
-    summary = [
-        f"Live local fleet, {len(rows)} levels ({', '.join(f'{s:g}' for s in service_times)} ms"
-        f" per batch at {', '.join(f'{u:.0%}' for u in levels)} of capacity): measured / predicted"
-        f" P99 median {median:.3f} (range {low:.3f}-{high:.3f}); {held} of {len(rows)} within 15%.",
-    ]
+    summary = summary_lines(rows, service_times, levels, demo)
     body = f"""The planner's model of each service time:
 
 {models}
@@ -152,12 +191,6 @@ def run(ctx: Context) -> Section:
 {demo["ratio"]:.3f} (runs {spread["min"]:.3f}-{spread["max"]:.3f}); attainment
 {demo["attainment"]:.3f}.
 """
-        summary.append(
-            f"The demo cascade at its plan's rate ({demo['rate_qps']:.1f} qps): measured P99"
-            f" {demo['p99_ms']:.0f} ms against {demo['predicted_p99_ms']:.0f} ms predicted,"
-            f" ratio {demo['ratio']:.3f} (median of {len(demo['runs'])} runs,"
-            f" {spread['min']:.3f}-{spread['max']:.3f})."
-        )
     body += f"""
 Load average (1 / 5 / 15 min) {" / ".join(map(str, load_before))} before,
 {" / ".join(map(str, load_after))} after. The page docs/serving-fidelity.md explains what the
@@ -165,7 +198,7 @@ model holds and what it leaves out.
 """
     figures = [plot(ctx, rows, demo)]
     return Section(
-        key="fidelity",
+        key=KEY,
         figures=figures,
         title="Fidelity: predicted against measured P99",
         what=__doc__.split("\n\n", 1)[1].strip() if __doc__ else "",

@@ -75,6 +75,7 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
+from benchmarks.results.findings import finding
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import plan_app, scale_trace
 from controlplane.policies.replay import ReplayResult, ScalingPolicy
@@ -541,11 +542,15 @@ def body_text(data: dict[str, Any]) -> str:
 
 
 def summary_lines(data: dict[str, Any]) -> list[str]:
+    """The section's findings (their wording: benchmarks/results/findings/inferline.md)."""
     rate = data["setup"]["rate_qps"]
     lines = []
     for name, label in (
-        ("ramp", f"the ramp trace (0.6 R to 1.4 R with two 1.5x spikes, R = {rate:g} qps)"),
-        ("bursty", f"the bursty trace (1.5x bursts of {BURST_S:g} s, CV^2 = {BURSTY_CV2:g})"),
+        ("ramp", finding(KEY, "trace_ramp", rate_qps=f"{rate:g}")),
+        (
+            "bursty",
+            finding(KEY, "trace_bursty", burst_s=f"{BURST_S:g}", bursty_cv2=f"{BURSTY_CV2:g}"),
+        ),
     ):
         r = data["results"][name]
         tuner, peak, mean, util = (
@@ -555,20 +560,30 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
             r["utilization"],
         )
         lines.append(
-            f"On {label} InferLine's tuner misses rm2's {data['setup']['slo_ms']:g} ms SLO on"
-            f" {pct(tuner['slo_miss_share'])} of queries at"
-            f" {cost_relation(tuner['cost_usd'], peak['cost_usd'])} static peak provisioning"
-            f" ({pct(peak['slo_miss_share'])} missed); static mean provisioning misses"
-            f" {pct(mean['slo_miss_share'])} and the utilisation autoscaler"
-            f" {pct(util['slo_miss_share'])}."
+            finding(
+                KEY,
+                "against_static",
+                trace=label,
+                slo_ms=f"{data['setup']['slo_ms']:g}",
+                tuner_miss=pct(tuner["slo_miss_share"]),
+                cost_against_peak=cost_relation(tuner["cost_usd"], peak["cost_usd"]),
+                peak_miss=pct(peak["slo_miss_share"]),
+                mean_miss=pct(mean["slo_miss_share"]),
+                utilization_miss=pct(util["slo_miss_share"]),
+            )
         )
     steady = data["results"]["steady"]
     lines.append(
-        f"On the steady trace (constant R, the planned CV^2) the tuner misses"
-        f" {pct(steady['tuner']['slo_miss_share'])} with"
-        f" {steady['tuner']['scaling_actions']} scaling actions at"
-        f" {cost_relation(steady['tuner']['cost_usd'], steady['static mean']['cost_usd'])} the"
-        f" static mean plan ({pct(steady['static mean']['slo_miss_share'])} missed)."
+        finding(
+            KEY,
+            "steady",
+            tuner_miss=pct(steady["tuner"]["slo_miss_share"]),
+            scaling_actions=steady["tuner"]["scaling_actions"],
+            cost_against_mean=cost_relation(
+                steady["tuner"]["cost_usd"], steady["static mean"]["cost_usd"]
+            ),
+            mean_miss=pct(steady["static mean"]["slo_miss_share"]),
+        )
     )
     s = data["sensitivity"]
     bursty_cv2 = [p for p in s["cv2"] if p["value"] == BURSTY_CV2]
@@ -578,16 +593,18 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
         cv2_usd_per_hr = bursty_cv2[0]["cost_usd_per_hr"]
         share = (cv2_usd_per_hr - planned_usd_per_hr) / (tuner_usd_per_hr - planned_usd_per_hr)
         lines.append(
-            f"On the bursty trace the tuner spends ${tuner_usd_per_hr:.2f}/hr on average against"
-            f" its plan's ${planned_usd_per_hr:.2f}/hr (planned for CV^2 = {CV2:g}); the planner"
-            f" itself plans ${cv2_usd_per_hr:.2f}/hr for steady CV^2 = {BURSTY_CV2:g} traffic at R"
-            + (
-                f", so the burstier arrivals alone account for {share:.0%} of that increase by the"
-                " planner's measure"
+            finding(
+                KEY,
+                "bursty_cost",
+                tuner_usd_per_hr=f"{tuner_usd_per_hr:.2f}",
+                planned_usd_per_hr=f"{planned_usd_per_hr:.2f}",
+                planned_cv2=f"{CV2:g}",
+                cv2_usd_per_hr=f"{cv2_usd_per_hr:.2f}",
+                bursty_cv2=f"{BURSTY_CV2:g}",
+                share_clause=finding(KEY, "bursty_share", share=f"{share:.0%}")
                 if 0.0 < share <= 1.0
-                else ""
+                else "",
             )
-            + "."
         )
 
     def span(axis: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -597,12 +614,22 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
     r_lo, r_hi = span("rate_qps")
     c_lo, c_hi = span("cv2")
     lines.append(
-        f"The planner's rm2 plan costs ${slo_lo['cost_usd_per_hr']:.2f}/hr at a"
-        f" {slo_lo['value']:g} ms SLO and ${slo_hi['cost_usd_per_hr']:.2f}/hr at"
-        f" {slo_hi['value']:g} ms, ${r_lo['cost_usd_per_hr']:.2f}/hr at {r_lo['value']:.0f} qps"
-        f" and ${r_hi['cost_usd_per_hr']:.2f}/hr at {r_hi['value']:.0f} qps, and"
-        f" ${c_lo['cost_usd_per_hr']:.2f}/hr at CV^2 = {c_lo['value']:g} against"
-        f" ${c_hi['cost_usd_per_hr']:.2f}/hr at CV^2 = {c_hi['value']:g}."
+        finding(
+            KEY,
+            "sensitivity",
+            slo_lo_usd_per_hr=f"{slo_lo['cost_usd_per_hr']:.2f}",
+            slo_lo_ms=f"{slo_lo['value']:g}",
+            slo_hi_usd_per_hr=f"{slo_hi['cost_usd_per_hr']:.2f}",
+            slo_hi_ms=f"{slo_hi['value']:g}",
+            rate_lo_usd_per_hr=f"{r_lo['cost_usd_per_hr']:.2f}",
+            rate_lo_qps=f"{r_lo['value']:.0f}",
+            rate_hi_usd_per_hr=f"{r_hi['cost_usd_per_hr']:.2f}",
+            rate_hi_qps=f"{r_hi['value']:.0f}",
+            cv2_lo_usd_per_hr=f"{c_lo['cost_usd_per_hr']:.2f}",
+            cv2_lo=f"{c_lo['value']:g}",
+            cv2_hi_usd_per_hr=f"{c_hi['cost_usd_per_hr']:.2f}",
+            cv2_hi=f"{c_hi['value']:g}",
+        )
     )
     return lines
 

@@ -49,6 +49,7 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
+from benchmarks.results.findings import finding
 from benchmarks.results.kairos_search import (
     SLACK,
     SearchSizes,
@@ -1015,7 +1016,8 @@ def noise_cost(results: Mapping[str, Mapping[str, Any]]) -> list[float]:
 
 
 def fair_summary(searches: Mapping[str, Any]) -> list[str]:
-    """The findings of the fair comparison (the first is the section's headline)."""
+    """The findings of the fair comparison (the first is the section's headline; their wording:
+    benchmarks/results/findings/kairos.md)."""
     models = list(searches)
     names = ", ".join(models[:-1]) + f" and {models[-1]}" if len(models) > 1 else models[0]
     r = {m: fair_ratios(s) for m, s in searches.items()}
@@ -1030,7 +1032,9 @@ def fair_summary(searches: Mapping[str, Any]) -> list[str]:
         missed = len(reached) - len(found)
         cap = next(iter(searches.values()))["online"][name]["cap"]
         return (span([float(n) for n in found], "{:.0f}") if found else "none") + (
-            f" ({missed} of {len(reached)} runs not within {cap})" if missed else ""
+            " " + finding(KEY, "fair_runs_missed", missed=missed, runs=len(reached), cap=cap)
+            if missed
+            else ""
         )
 
     online = [s["online"] for s in searches.values()]
@@ -1040,31 +1044,36 @@ def fair_summary(searches: Mapping[str, Any]) -> list[str]:
         for p in COMPETITORS
         if not s["schemes"][p]["proven"]
     ]
-    caveat = (
-        f" (capped searches, so their best is a lower bound: {', '.join(capped)})" if capped else ""
-    )
     return [
-        "At the paper's $2.5/hr, with every competing scheme on its own best configuration"
-        " (found offline by searching with the simulator), Kairos on the mix it picks without"
-        f" evaluation reaches {span(vals('kairos_over_best_competitor'))} the allowable"
-        f" throughput of the best competing scheme on its best fleet ({', '.join(rivals)}) on"
-        f" {names}{caveat}, and Kairos+ (bound-guided search) on its own best"
-        f" {span(vals('kairos_plus_over_best_competitor'))}; Kairos reaches"
-        f" {span([100 * v for v in vals('kairos_share_of_oracle_best')], '{:.0f}%')} of the"
-        " oracle's best.",
-        "To find the best configuration for the Kairos dispatcher among the"
-        f" {span([float(s['candidates']) for s in searches.values()], '{:.0f}')} maximal"
-        " configurations, Kairos+ evaluates"
-        f" {span([float(o['kairos_plus']['evaluations']) for o in online], '{:.0f}')}"
-        " (reaching the best at evaluation"
-        f" {span([float(o['kairos_plus']['evaluations_to_best']) for o in online], '{:.0f}')}),"
-        " random search"
-        f" {span([o['random_expected'] for o in online], '{:.1f}')} on average, a genetic"
-        f" algorithm {runs('genetic')} and Bayesian optimisation {runs('bayesian')}.",
+        finding(
+            KEY,
+            "fair_headline",
+            kairos_over_best=span(vals("kairos_over_best_competitor")),
+            rivals=", ".join(rivals),
+            models=names,
+            capped=" " + finding(KEY, "fair_capped", searches=", ".join(capped)) if capped else "",
+            kairos_plus_over_best=span(vals("kairos_plus_over_best_competitor")),
+            oracle_share=span([100 * v for v in vals("kairos_share_of_oracle_best")], "{:.0f}%"),
+        ),
+        finding(
+            KEY,
+            "fair_search",
+            candidates=span([float(s["candidates"]) for s in searches.values()], "{:.0f}"),
+            evaluations=span([float(o["kairos_plus"]["evaluations"]) for o in online], "{:.0f}"),
+            evaluations_to_best=span(
+                [float(o["kairos_plus"]["evaluations_to_best"]) for o in online], "{:.0f}"
+            ),
+            random_expected=span([o["random_expected"] for o in online], "{:.1f}"),
+            genetic=runs("genetic"),
+            bayesian=runs("bayesian"),
+        ),
     ]
 
 
 def summary_lines(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The findings of the paper's comparison (their wording: benchmarks/results/findings/
+    kairos.md)."""
+
     def values(variant: str, key: str) -> list[float]:
         return [ratios(r)[key] for r in results[variant].values()]
 
@@ -1074,40 +1083,50 @@ def summary_lines(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
     models = list(results["paper"])
     names = ", ".join(models[:-1]) + f" and {models[-1]}" if len(models) > 1 else models[0]
-    robust = (("qos0.8", "at QoS x0.8"), ("gaussian", "with Gaussian batches"))
+    robust = (("qos0.8", finding(KEY, "robust_qos")), ("gaussian", finding(KEY, "robust_gaussian")))
     under = [f"{m} {label}" for key, label in robust for m in below_one(results, key)]
     return [
-        "At the paper's $2.5/hr, Kairos' chosen mix (picked from its bounds, no evaluation) carries"
-        f" {span(values('paper', 'chosen_over_homogeneous'))} the allowable throughput of the best"
-        f" homogeneous fleet on {names}, both under the Kairos dispatcher (highest on"
-        f" {extreme('paper', 'chosen_over_homogeneous', max)}), and"
-        f" {span(values('paper', 'chosen_over_scaled_homogeneous'))} if the homogeneous"
-        " throughput is scaled up to the whole budget as the paper does.",
-        "On Kairos' chosen mixes (one fleet for every dispatcher, not each scheme's best) the"
-        " Kairos dispatcher reaches"
-        f" {span(values('paper', 'kairos_over_fcfs'))} FCFS base-first,"
-        f" {span(values('paper', 'kairos_over_drs'))} DRS with a tuned threshold and"
-        f" {span(values('paper', 'kairos_over_clockwork'))} Clockwork-style, and"
-        f" {span([100 * v for v in values('paper', 'kairos_share_of_oracle')], '{:.0f}%')} of the"
-        " offline oracle's throughput.",
-        "With the budget (and the per-type caps) doubled and quadrupled, the chosen mix carries"
-        f" {span(values('budget2x', 'chosen_over_homogeneous'))} and"
-        f" {span(values('budget4x', 'chosen_over_homogeneous'))} the best homogeneous fleet's"
-        " throughput, and Kairos"
-        f" {span(values('budget2x', 'kairos_over_fcfs'))} and"
-        f" {span(values('budget4x', 'kairos_over_fcfs'))} FCFS base-first on it.",
-        "With every QoS 20% tighter the chosen mix carries"
-        f" {span(values('qos0.8', 'chosen_over_homogeneous'))} the best homogeneous fleet's"
-        " throughput, with Gaussian batch sizes"
-        f" {span(values('gaussian', 'chosen_over_homogeneous'))}"
-        + (f" (below 1 for {', '.join(under)})" if under else "")
-        + "; Kairos reaches"
-        f" {span(values('qos0.8', 'kairos_over_fcfs'))} and"
-        f" {span(values('gaussian', 'kairos_over_fcfs'))} FCFS base-first on the chosen mix.",
-        "5% Gaussian noise on Kairos' latency predictions changes its throughput on the chosen"
-        f" mixes by {span([100 * v for v in noise_cost(results)], '{:+.1f}%')}, leaving the"
-        f" chosen mix at {span(values('noise5', 'chosen_over_homogeneous'))} the best"
-        " homogeneous fleet.",
+        finding(
+            KEY,
+            "chosen_mix",
+            chosen_over_homogeneous=span(values("paper", "chosen_over_homogeneous")),
+            models=names,
+            highest=extreme("paper", "chosen_over_homogeneous", max),
+            chosen_over_scaled=span(values("paper", "chosen_over_scaled_homogeneous")),
+        ),
+        finding(
+            KEY,
+            "dispatchers",
+            over_fcfs=span(values("paper", "kairos_over_fcfs")),
+            over_drs=span(values("paper", "kairos_over_drs")),
+            over_clockwork=span(values("paper", "kairos_over_clockwork")),
+            oracle_share=span(
+                [100 * v for v in values("paper", "kairos_share_of_oracle")], "{:.0f}%"
+            ),
+        ),
+        finding(
+            KEY,
+            "budgets",
+            chosen_2x=span(values("budget2x", "chosen_over_homogeneous")),
+            chosen_4x=span(values("budget4x", "chosen_over_homogeneous")),
+            fcfs_2x=span(values("budget2x", "kairos_over_fcfs")),
+            fcfs_4x=span(values("budget4x", "kairos_over_fcfs")),
+        ),
+        finding(
+            KEY,
+            "robustness",
+            chosen_qos=span(values("qos0.8", "chosen_over_homogeneous")),
+            chosen_gaussian=span(values("gaussian", "chosen_over_homogeneous")),
+            below_one=" " + finding(KEY, "below_one", where=", ".join(under)) if under else "",
+            fcfs_qos=span(values("qos0.8", "kairos_over_fcfs")),
+            fcfs_gaussian=span(values("gaussian", "kairos_over_fcfs")),
+        ),
+        finding(
+            KEY,
+            "noise",
+            change=span([100 * v for v in noise_cost(results)], "{:+.1f}%"),
+            chosen_over_homogeneous=span(values("noise5", "chosen_over_homogeneous")),
+        ),
     ]
 
 

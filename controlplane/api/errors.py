@@ -59,6 +59,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.errors import (
     AppExistsError,
+    ArtifactStoreError,
     ConflictError,
     ControlPlaneError,
     DatabaseError,
@@ -311,7 +312,11 @@ def _on_model_error(request: Request, error: ModelError) -> JSONResponse:
         return error_response(413, "too_large", str(error))
     if isinstance(error, ModelRejectedError):
         return error_response(422, "invalid_model", str(error))
-    # ArtifactStoreError: the blob store failed; what it said is for the log, not the caller.
+    return _internal(request, error)
+
+
+def _on_artifact_store_error(request: Request, error: Exception) -> JSONResponse:
+    # The blob store failed; what it said is for the log, not the caller.
     logger.error("artifact store error on %s %s: %s", request.method, request.url.path, error)
     return error_response(503, "artifact_store_unavailable", "the artifact store is unavailable")
 
@@ -363,6 +368,8 @@ def render_error(request: Request, error: BaseException) -> JSONResponse:
         return _on_estimator_error(request, error)
     if isinstance(error, ControlPlaneError):
         return _on_control_plane_error(request, error)
+    if isinstance(error, ArtifactStoreError):
+        return _on_artifact_store_error(request, error)
     return _internal(request, error)
 
 
@@ -373,6 +380,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(SpecError, _on_spec_error)
     app.add_exception_handler(EstimatorError, _on_estimator_error)
     app.add_exception_handler(ControlPlaneError, _on_control_plane_error)
+    app.add_exception_handler(ArtifactStoreError, _on_artifact_store_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_middleware(CatchAllMiddleware)
 

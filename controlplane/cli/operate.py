@@ -67,8 +67,8 @@ def _app_line(app: dict[str, Any]) -> str:
 
 
 def app_apply(args: argparse.Namespace) -> int:
-    # Here, not at the top: the spec module loads the estimator (numpy, numba) to resolve specs,
-    # which the other commands of this module never need.
+    # Here, not at the top: the spec module loads pydantic, which the other commands of this
+    # module never need (resolving a spec, which loads numpy and numba, is the service's).
     from controlplane.spec import load_spec
 
     spec = load_spec(args.file)

@@ -41,7 +41,7 @@ from sqlalchemy import URL, Connection, Engine, create_engine, text
 from sqlalchemy.exc import ProgrammingError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
-from controlplane.db.session import CONNECT_TIMEOUT_S, parse_url, redact_url
+from controlplane.db.session import CONNECT_TIMEOUT_S, missing_driver, parse_url, redact_url
 from controlplane.errors import DatabaseError, DatabaseInUseError
 
 __all__ = [
@@ -99,16 +99,20 @@ LOCK_IDLE_SESSION_TIMEOUT_S = 10
 def _lock_engine(url: str | URL, application_name: str, statement_timeout_ms: int) -> Engine:
     # NullPool: the connection is ours alone, never handed back to a pool (where another
     # checkout would hold our session lock) and never silently replaced by a fresh one.
-    return create_engine(
-        parse_url(url),
-        poolclass=NullPool,
-        isolation_level="AUTOCOMMIT",
-        connect_args={
-            **_LOCK_CONNECT_ARGS,
-            "application_name": application_name,
-            "options": f"-c statement_timeout={int(statement_timeout_ms)}",
-        },
-    )
+    parsed = parse_url(url)
+    try:
+        return create_engine(
+            parsed,
+            poolclass=NullPool,
+            isolation_level="AUTOCOMMIT",
+            connect_args={
+                **_LOCK_CONNECT_ARGS,
+                "application_name": application_name,
+                "options": f"-c statement_timeout={int(statement_timeout_ms)}",
+            },
+        )
+    except ModuleNotFoundError as error:
+        raise missing_driver(parsed, error) from None
 
 
 class AdvisoryLock:

@@ -30,6 +30,7 @@ __all__ = [
     "is_sqlite",
     "make_engine",
     "make_session_factory",
+    "missing_driver",
     "parse_url",
     "redact_url",
     "transaction",
@@ -94,6 +95,18 @@ def make_engine(url: str | URL, *, foreign_keys: bool = True, echo: bool = False
         )
     except (ArgumentError, NoSuchModuleError) as error:
         raise DatabaseError(f"cannot use database {redact_url(parsed)!r}: {error}") from None
+    except ModuleNotFoundError as error:
+        raise missing_driver(parsed, error) from None
+
+
+def missing_driver(url: URL, error: ModuleNotFoundError) -> DatabaseError:
+    """The one-line error for a database whose driver is not installed: PostgreSQL's psycopg
+    is the optional extra ``postgres``."""
+    return DatabaseError(
+        f"cannot use database {redact_url(url)!r}: its driver {error.name or 'psycopg'} is not"
+        " installed; install heteroplane with PostgreSQL support: pip install"
+        " 'heteroplane[postgres]'"
+    )
 
 
 def _sqlite_engine(url: URL, *, foreign_keys: bool, echo: bool) -> Engine:

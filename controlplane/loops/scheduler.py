@@ -16,7 +16,8 @@ replanner runs inside the reconcile job, after the reconciler's tick
 once per missed tick, and each body is wrapped in a :class:`GuardedJob` that
 
 - never overlaps itself, even when called directly (a test, an operator's "run now"): a call
-  that finds the previous run still going is skipped, not queued;
+  that finds the previous run still going is skipped, not queued (APScheduler's
+  ``max_instances=1`` guards only the runs its scheduler starts, so it is not enough alone);
 - logs a failure with the job's name and traceback and returns, so the next run still happens
   (an exception that escaped would only be logged by APScheduler, without our job name).
 

@@ -3,8 +3,9 @@ model push``, ``/v1/models``), their rows in the store and their bytes in a blob
 
 - :mod:`controlplane.registry.registry`: :class:`Registry` (push, resolve) and
   :func:`registry_from_settings`;
-- :mod:`controlplane.registry.storage`: the blob stores, :class:`LocalArtifactStorage` (the data
-  directory) and :class:`S3ArtifactStorage`;
+- the blob stores, :class:`LocalArtifactStorage` (the data directory) and
+  :class:`S3ArtifactStorage`, are the providers' (:mod:`provisioners.storage`): each provider
+  says where its workers fetch artifacts from;
 - :mod:`controlplane.registry.inspection`: reading an artifact's format and signature in a
   separate, limited process.
 
@@ -26,7 +27,7 @@ from controlplane.registry.registry import (
     parse_reference,
     registry_from_settings,
 )
-from controlplane.registry.storage import (
+from provisioners.storage import (
     ArtifactStorage,
     LocalArtifactStorage,
     S3ArtifactStorage,

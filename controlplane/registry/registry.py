@@ -23,19 +23,18 @@ staged_file`), ``flock``-ed by the process that writes it and removed however th
 temporary files that no live process holds, and (no push in flight) blobs without a row.
 
 :meth:`Registry.resolve` turns ``"name"`` (the newest version) or ``"name@3"`` into a version
-record; :func:`registry_from_settings` builds the registry the settings describe (S3 with the EC2
-provisioner and ``ec2.model_bucket`` set, else ``<data_dir>/registry``).
+record; :func:`registry_from_settings` builds the registry the settings describe, its blobs where
+the provider keeps them (S3 with the EC2 provisioner and ``ec2.model_bucket`` set, else
+``<data_dir>/registry``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
 
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import ModelVersionRecord, Store
@@ -46,20 +45,15 @@ from controlplane.errors import (
     ModelRejectedError,
     ModelTooLargeError,
 )
+from controlplane.provisioning import build_provisioner
 from controlplane.registry.inspection import Inspection, Inspector, SubprocessInspector
-from controlplane.registry.storage import (
-    ArtifactStorage,
-    LocalArtifactStorage,
-    S3ArtifactStorage,
-    locked_file,
-    sweep_unheld,
-)
 from controlplane.settings import Settings
 from provisioners.artifacts import FORMATS, NAME_PATTERN, file_sha256
+from provisioners.base import Provisioner
+from provisioners.storage import ArtifactStorage, locked_file, sweep_unheld
 
 __all__ = [
     "REGISTRY_DIR",
-    "S3_ENDPOINT_ENV",
     "STAGING_PREFIX",
     "Registry",
     "artifact_key",
@@ -71,9 +65,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 REGISTRY_DIR = "registry"
-# The S3 endpoint override that provisioners.fetch.fetch_artifact also honours (a moto
-# server in tests); boto3's own AWS_ENDPOINT_URL works too.
-S3_ENDPOINT_ENV = "HETEROPLANE_S3_ENDPOINT_URL"
 # Staged uploads are <staging_dir>/upload-*.
 STAGING_PREFIX = "upload-"
 _NAME = re.compile(NAME_PATTERN)
@@ -287,25 +278,23 @@ def registry_from_settings(
     settings: Settings,
     store: Store,
     *,
+    provisioner: Provisioner | None = None,
     inspector: Inspector | None = None,
-    s3_client: Any = None,
 ) -> Registry:
-    """The registry the settings describe: blobs in S3 (``ec2.model_bucket`` under
-    ``ec2.model_prefix``) when the provisioner is ec2 and a bucket is set, else under
-    ``<data_dir>/registry/models/``; uploads staged in ``<data_dir>/registry/incoming``."""
+    """The registry the settings describe: blobs where the provider keeps them
+    (:meth:`~provisioners.base.Provisioner.artifact_storage`: S3 for EC2 with ``ec2.model_bucket``
+    set, else ``<data_dir>/registry/models/``); uploads staged in
+    ``<data_dir>/registry/incoming``. ``provisioner`` is the service's; without one, the one the
+    settings name is built for its store and closed again."""
     root = settings.data_dir / REGISTRY_DIR
-    storage: ArtifactStorage
-    ec2 = settings.ec2
-    if settings.provisioner == "ec2" and ec2 is not None and ec2.model_bucket:
-        if s3_client is None:
-            import boto3  # only for a registry in S3
-
-            s3_client = boto3.client(
-                "s3", region_name=ec2.region, endpoint_url=os.environ.get(S3_ENDPOINT_ENV)
-            )
-        storage = S3ArtifactStorage(ec2.model_bucket, ec2.model_prefix, client=s3_client)
+    if provisioner is not None:
+        storage = provisioner.artifact_storage(root)
     else:
-        storage = LocalArtifactStorage(root)
+        own = build_provisioner(settings)
+        try:
+            storage = own.artifact_storage(root)
+        finally:
+            own.close()
     return Registry(
         store,
         storage,

@@ -107,7 +107,9 @@ def create_app(
         serving=serving,
         leadership=leadership,
         budget_changed=budget_changed,
-        registry=registry if registry is not None else registry_from_settings(settings, store),
+        registry=registry
+        if registry is not None
+        else registry_from_settings(settings, store, provisioner=provisioner),
         provisioner=provisioner,
     )
 

@@ -4,7 +4,7 @@ scheduler -> API.
 :func:`build_service` is what ``heteroplane serve`` runs (and what a test that wants the whole
 service in-process calls): it creates the data directory, migrates the database to the newest
 revision, opens the store on the clock, builds the provisioner the settings name
-(:func:`controlplane.service.provisioning.build_provisioner`) and the
+(:func:`controlplane.provisioning.build_provisioner`) and the
 :class:`~controlplane.loops.reconciler. Reconciler` over it, the serving loop
 (:class:`~controlplane.serving.loop.ServingLoop`: the dispatchers behind ``POST
 /v1/apps/{app}/infer``, finding workers through the store and the provisioner), the live tuner
@@ -38,9 +38,11 @@ process out). The API's lifespan runs the lease, which starts the scheduler on t
 the serving loop runs on every replica (it reads the fleet from the database).
 
 The reconciler learns each app's prices and Q_t (for the budget guard's ranking) from the app's
-resolved spec (:func:`spec_pricing`), and which types it may launch from the provisioner: the
-local provisioner runs only the emulated types (``emu.*``, and ``local.cpu``), so a plan naming
-EC2 types is not launched under it (one ``plan_not_launched`` decision says so).
+resolved spec (:func:`spec_pricing`), and which types it may launch from the provisioner
+(:meth:`~provisioners.base.Provisioner.launch_refusal`): the local provisioner runs only the
+emulated types (``emu.*``, and ``local.cpu``), so a plan naming EC2 types is not launched under it
+(one ``plan_not_launched`` decision says so). The registry keeps artifacts where the provisioner
+says (:meth:`~provisioners.base.Provisioner.artifact_storage`).
 """
 
 from __future__ import annotations
@@ -95,8 +97,8 @@ from controlplane.policies.disruption import DisruptionBudget
 from controlplane.policies.drain import qps_by_type
 from controlplane.policies.gears import Hysteresis
 from controlplane.policies.infaas_scaling import ScalingConfig
+from controlplane.provisioning import build_provisioner
 from controlplane.service.app import create_app
-from controlplane.service.provisioning import build_provisioner
 from controlplane.serving.loop import ServingLoop
 from controlplane.serving.workers import ProvisionedInstances
 from controlplane.settings import Settings
@@ -104,7 +106,6 @@ from estimator.catalog import default_catalog
 from estimator.errors import EstimatorError
 from provisioners.artifacts import ArtifactRef
 from provisioners.base import Provisioner
-from provisioners.local import LocalProvisioner
 
 __all__ = [
     "Service",
@@ -151,8 +152,7 @@ class Service:
         self.scheduler.shutdown(wait=True)
         if self.live_tuner is not None:
             self.live_tuner.close()
-        if isinstance(self.provisioner, LocalProvisioner):
-            self.provisioner.close()
+        self.provisioner.close()
         self.store.close()
         if self.leadership is not None and isinstance(self.leadership.lock, AdvisoryLock):
             self.leadership.lock.close()
@@ -185,17 +185,10 @@ def spec_pricing(resolver: AppResolver) -> PricingFn:
 
 
 def launchable_types(provisioner: Provisioner) -> LaunchableFn:
-    """Which instance types ``provisioner`` can launch: the local one only those it emulates;
-    the others every type (a type EC2 does not know fails at launch, as a decision)."""
-    if not isinstance(provisioner, LocalProvisioner):
-        return lambda _instance_type: None
-    runs = frozenset(provisioner.catalog_speed)
-    why = "the local provisioner emulates only emu.* types"
-
-    def launchable(instance_type: str) -> str | None:
-        return None if instance_type in runs else why
-
-    return launchable
+    """Which instance types ``provisioner`` can launch (its
+    :meth:`~provisioners.base.Provisioner.launch_refusal`: the local one only those it emulates,
+    EC2 every type, a type it does not know failing at launch, as a decision)."""
+    return provisioner.launch_refusal
 
 
 def app_artifacts(resolver: AppResolver) -> ArtifactsFn:

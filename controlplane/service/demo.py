@@ -86,9 +86,9 @@ from controlplane.db.store import AppRecord, PlanRecord, Principal, Store
 from controlplane.errors import AppExistsError, NotFoundError
 from controlplane.policies.auth import Scope
 from controlplane.policies.cascade_choice import choose_held_out
+from controlplane.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE
 from controlplane.registry import Registry
 from controlplane.service.build import Service
-from controlplane.service.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE
 from estimator.cascades import Cascade, ValidationRecords, load_validation
 from estimator.catalog import default_catalog
 from estimator.errors import EstimatorError
@@ -155,7 +155,7 @@ PROFILE_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8)
 # types compute in real time: about a minute and a half on a 2-core machine).
 PROFILE_SAMPLES = 20
 PROFILE_WARMUP = 3
-# Where the local workers find the profiles they pad to (controlplane.service.provisioning).
+# Where the local workers find the profiles they pad to (controlplane.provisioning).
 PROFILES_FILE = LOCAL_PROFILE_FILE
 TOKEN_FILE = "demo-token"
 TOKEN_NAME = "demo-admin"

@@ -22,6 +22,10 @@ kernel answer a reset, and the client would never read the answer.
 
 :func:`server_options` are the ``uvicorn.Config`` keyword arguments that select it. The h11
 fallback (:class:`HeadLimitedH11Protocol`) keeps the head size limit only.
+
+uvicorn has no public hook for these limits, so both classes subclass its protocol classes and
+read their state: what they rely on, and the uvicorn versions it was checked on (pyproject.toml's
+bounds), is pinned by ``tests/unit/test_dependency_pins.py``.
 """
 
 from __future__ import annotations

@@ -250,7 +250,8 @@ class ServingLoop:
         Also freezes the objects alive now (``gc.freeze``: the imported libraries, the app, the
         settings) out of the cyclic collector's reach: its full passes walked them all, and at
         2,000 queries per second a pass paused the loop for close to 100 ms
-        (``benchmarks/dispatcher_speed.py``); the objects of queries are young and die young.
+        (``python -m benchmarks.serving_speed dispatcher``); the objects of queries are young and
+        die young.
         """
         if self._running:
             raise RuntimeError("the serving loop is already running")

@@ -21,7 +21,7 @@ integer or boolean output, the value itself as the prediction (0 for a float one
 (the worker agent does; another Open Inference Protocol server does not: None and ``""``).
 
 Speed: the dispatcher encodes and decodes every batch on the event loop that serves the API
-(``benchmarks/dispatcher_speed.py``). Encoding flattens rows of flat lists with
+(``benchmarks/serving_speed/dispatcher.py``). Encoding flattens rows of flat lists with
 :func:`itertools.chain` into one ``orjson.dumps``; decoding computes the softmax in plain Python
 for small answers (up to :data:`_PY_VALUES` values: numpy's fixed cost per call, about 8 us for
 ten logits, is four times Python's there) and with numpy above. The two agree to a few ulps.

@@ -13,8 +13,9 @@ users bring (``--artifact NAME:MODEL:VERSION:FORMAT:SHA256:URI``, repeatable: fe
 verified with :func:`~provisioners.fetch.fetch_artifact` into ``--cache-dir``'s
 ``artifacts/`` or a temporary folder, loaded with :mod:`provisioners.worker.runtime`, served as
 NAME; ``--artifact-inputs NAME=JSON`` gives the inputs of a TorchScript module whose archive does
-not name them, as the registry stored them). With artifacts and no ``--models``, no family model
-is loaded.
+not name them, as the registry stored them; ``--artifacts-file FILE`` adds both from a file, one
+``OPTION VALUE`` a line, as the EC2 provisioner's bootstrap writes them). With artifacts and no
+``--models``, no family model is loaded.
 
 Routes (every body is JSON; every error is ``{"error": "one line"}``):
 
@@ -666,6 +667,13 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
         " for a TorchScript module whose archive does not name them (repeatable)",
     )
     parser.add_argument(
+        "--artifacts-file",
+        type=Path,
+        metavar="FILE",
+        help="more --artifact and --artifact-inputs options, one 'OPTION VALUE' a line (how the"
+        " EC2 provisioner's bootstrap hands them over); a file that is not there adds none",
+    )
+    parser.add_argument(
         "--cache-dir",
         type=Path,
         metavar="DIR",
@@ -702,6 +710,10 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
         help="on SIGTERM, wait this long for batches under way (%(default)s)",
     )
     args = parser.parse_args(argv)
+    if args.artifacts_file is not None:
+        args.artifact, args.artifact_inputs = _artifact_options(
+            parser, args.artifacts_file, args.artifact, args.artifact_inputs
+        )
     try:
         artifacts = tuple(ArtifactRef.from_arg(text) for text in args.artifact)
         given = dict(parse_artifact_inputs(text) for text in args.artifact_inputs)
@@ -746,6 +758,31 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
         artifacts=artifacts,
         device=args.device,
     )
+
+
+def _artifact_options(
+    parser: argparse.ArgumentParser, path: Path, artifact: list[str], inputs: list[str]
+) -> tuple[list[str], list[str]]:
+    """``--artifact`` and ``--artifact-inputs`` values with those of the file at ``path`` after
+    them (``--artifacts-file``); none from a file that is not there."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return artifact, inputs
+    except (OSError, UnicodeDecodeError) as error:
+        parser.error(f"--artifacts-file {path}: {getattr(error, 'strerror', None) or error}")
+    found: dict[str, list[str]] = {"--artifact": list(artifact), "--artifact-inputs": list(inputs)}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        option, _, value = line.partition(" ")
+        if option not in found or not value:
+            parser.error(
+                f"--artifacts-file {path}, line {number}: expected '--artifact VALUE' or"
+                " '--artifact-inputs VALUE'"
+            )
+        found[option].append(value)
+    return found["--artifact"], found["--artifact-inputs"]
 
 
 class LoadFailedError(Exception):

@@ -55,11 +55,11 @@ from controlplane.registry.inspection import (
     running_inspectors,
 )
 from controlplane.registry.registry import STAGING_PREFIX
-from controlplane.registry.storage import held
 from controlplane.service.app import create_app
 from controlplane.settings import Settings
 from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec
 from provisioners.fetch import fetch_artifact
+from provisioners.storage import held
 
 SIGNATURE = ModelSignature(
     (TensorSpec("input", "FP32", (-1, 4)),), (TensorSpec("logits", "FP32", (-1, 3)),)

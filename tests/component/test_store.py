@@ -608,9 +608,7 @@ def test_a_read_that_a_revocation_overtook_is_not_cached(
     matches = auth.hashes_match
 
     def revoked_meanwhile(presented: str, stored: str) -> bool:
-        with store._token_lock:  # what revoke_token does once its commit is done
-            store._token_cache.clear()
-            store._token_generation += 1
+        store._token_cache.revoked()  # what revoke_token does once its commit is done
         return matches(presented, stored)
 
     monkeypatch.setattr(auth, "hashes_match", revoked_meanwhile)

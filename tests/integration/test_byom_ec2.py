@@ -164,8 +164,9 @@ def test_an_app_of_a_pushed_model_launches_ec2_workers_that_fetch_it_from_s3(
             InstanceId=instance.provider_id, Attribute="userData"
         )
         script = base64.b64decode(attribute["UserData"]["Value"]).decode()
+        written = [row for row in script.splitlines() if row.startswith("--artifact")]
+        assert f"--artifact {ref.to_arg()}" in written
         (line,) = [row for row in script.splitlines() if row.startswith("ExecStart=")]
-        assert f"--artifact {ref.to_arg()}" in line
         assert "-m provisioners.worker" in line
 
     fetched = fetch_artifact(ref, tmp_path / "worker-cache")

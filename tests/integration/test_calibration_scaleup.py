@@ -45,8 +45,8 @@ import httpx
 import numpy as np
 import pytest
 
+from controlplane.provisioning import LOCAL_PROFILE_FILE
 from controlplane.service.build import Service
-from controlplane.service.provisioning import LOCAL_PROFILE_FILE
 from estimator.catalog import default_catalog
 from estimator.profiles import LatencyProfile, write_profiles_json
 from tests.integration.background_load import BackgroundLoad

@@ -2,10 +2,11 @@
 port, boto3 over HTTP): an artifact in the model bucket under ``models/<name>/<version>/``, a
 launch template carrying terraform's worker user data, and :class:`~provisioners.ec2.
 Ec2Provisioner` launching a :class:`~provisioners.base.LaunchRequest` with the artifact. The
-instance's user data (read back with DescribeInstanceAttribute) starts the agent with the
-artifact's s3 URI and sha256; :func:`~provisioners.fetch.fetch_artifact` downloads it from
-moto's S3 and verifies it, and refuses it once the object is changed. Too much user data is
-refused with one line, and nothing is launched.
+instance's user data (read back with DescribeInstanceAttribute) hands the agent the artifact's
+s3 URI and sha256 (the provider's bootstrap, then terraform's script as it is);
+:func:`~provisioners.fetch.fetch_artifact` downloads it from moto's S3 and verifies it, and
+refuses it once the object is changed. Too much user data is refused with one line, and nothing
+is launched.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ pytestmark = needs_moto
 
 boto3 = pytest.importorskip("boto3")
 
-from provisioners.ec2 import Ec2Config, Ec2Provisioner, worker_user_data  # noqa: E402
+from provisioners.ec2 import (  # noqa: E402
+    ARTIFACTS_OPTION,
+    Ec2Config,
+    Ec2Provisioner,
+    worker_user_data,
+)
 
 BUCKET = "heteroplane-models-0123"
 TYPE = "t3.large"
@@ -107,7 +113,12 @@ def agent_line(script: str) -> str:
     return line
 
 
-def test_a_worker_serving_an_artifact_gets_it_on_its_command_line(
+def artifact_lines(script: str) -> list[str]:
+    """The agent's artifact options the provider's bootstrap writes (one a line)."""
+    return [row for row in script.splitlines() if row.startswith("--artifact")]
+
+
+def test_a_worker_serving_an_artifact_gets_it_in_its_user_data(
     ec2_network: Ec2Network, s3: Any, worker_template: str, tmp_path: Path
 ) -> None:
     ref = put_artifact(s3)
@@ -115,14 +126,15 @@ def test_a_worker_serving_an_artifact_gets_it_on_its_command_line(
     (instance,) = ec2p.launch(request("r-wine", (ref,)))
 
     script = user_data_of(instance.provider_id)
-    line = agent_line(script)
-    assert f"--artifact {ref.to_arg()}" in line
-    assert f"s3://{BUCKET}/models/wine/1/{ref.sha256}.onnx" in line
-    assert line.count("--artifact") == 1
-    # The rest is terraform's template as it is.
+    assert artifact_lines(script) == [f"--artifact {ref.to_arg()}"]
+    assert f"s3://{BUCKET}/models/wine/1/{ref.sha256}.onnx" in artifact_lines(script)[0]
+    # The rest is terraform's template as it is, its agent reading the artifacts' file.
     template = render_worker_template(TYPE, model_bucket=BUCKET)
     assert script == worker_user_data(template, [ref])
+    assert script.endswith(template)
+    line = agent_line(script)
     assert "python -m provisioners.worker --host 0.0.0.0 --port 8080 --instance-type" in line
+    assert ARTIFACTS_OPTION in line
 
     # What the worker does with it: download from the bucket, check the sha256.
     fetched = fetch_artifact(ref, tmp_path / "cache", s3_client=s3)
@@ -153,7 +165,7 @@ def test_without_artifacts_the_template_user_data_is_left_alone(
     (instance,) = ec2p.launch(request("r-family", ()))
     script = user_data_of(instance.provider_id)
     assert script == render_worker_template(TYPE, model_bucket=BUCKET)
-    assert "--artifact" not in agent_line(script)
+    assert artifact_lines(script) == []
 
 
 def test_spot_launches_artifact_workers_on_demand(
@@ -164,7 +176,7 @@ def test_spot_launches_artifact_workers_on_demand(
     launched = ec2p.launch(request("r-spot", (ref,), count=2))
     assert len(launched) == 2
     for instance in launched:
-        assert f"--artifact {ref.to_arg()}" in agent_line(user_data_of(instance.provider_id))
+        assert artifact_lines(user_data_of(instance.provider_id)) == [f"--artifact {ref.to_arg()}"]
     ec2 = boto3.client("ec2", region_name=REGION)
     raws = ec2.describe_instances(InstanceIds=[i.provider_id for i in launched])
     markets = {
@@ -210,7 +222,7 @@ def test_a_template_without_the_worker_user_data_cannot_serve_artifacts(
 def test_an_artifact_stored_by_the_registry_reaches_the_worker(
     ec2_network: Ec2Network, s3: Any, worker_template: str, tmp_path: Path
 ) -> None:
-    from controlplane.registry.storage import S3ArtifactStorage
+    from provisioners.storage import S3ArtifactStorage
 
     source = tmp_path / "wine.onnx"
     source.write_bytes(MODEL_BYTES)
@@ -223,5 +235,5 @@ def test_an_artifact_stored_by_the_registry_reaches_the_worker(
     (instance,) = provisioner(ec2_network, {TYPE: worker_template}).launch(
         request("r-registry", (ref,))
     )
-    assert f"--artifact {ref.to_arg()}" in agent_line(user_data_of(instance.provider_id))
+    assert artifact_lines(user_data_of(instance.provider_id)) == [f"--artifact {ref.to_arg()}"]
     assert fetch_artifact(ref, tmp_path / "cache", s3_client=s3).read_bytes() == MODEL_BYTES

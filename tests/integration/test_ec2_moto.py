@@ -429,7 +429,7 @@ def test_tag_prefix_renames_our_keys_on_aws_only(ec2_network: Ec2Network) -> Non
 def test_service_settings_build_it_from_the_flat_environment(
     ec2_network: Ec2Network, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from controlplane.service.provisioning import build_provisioner
+    from controlplane.provisioning import build_provisioner
     from controlplane.settings import load_settings
 
     monkeypatch.setenv("HETEROPLANE_PROVISIONER", "ec2")

@@ -6,7 +6,7 @@ The real service (``build_service`` on the local provisioner, its data directory
 database, migrated, in ``tmp_path``) runs behind a real uvicorn server on 127.0.0.1. Its one app
 serves ``tiny`` on ``emu.cpu.large`` in :data:`SERVICE_MS` a query: the data directory's profile
 file says so, and the workers pad every batch to it
-(``controlplane.service.provisioning.LOCAL_PROFILE_FILE``, ``provisioners.worker.emulation``), so
+(``controlplane.provisioning.LOCAL_PROFILE_FILE``, ``provisioners.worker.emulation``), so
 one worker serves about 10 queries/s (INFaaS's Q_v). The budget affords :data:`MAX_WORKERS`
 workers and not one more; the plan, made by the API's planner for :data:`PLAN_QPS`, is one
 worker.
@@ -47,8 +47,8 @@ import httpx
 import numpy as np
 import pytest
 
+from controlplane.provisioning import LOCAL_PROFILE_FILE
 from controlplane.service.build import Service
-from controlplane.service.provisioning import LOCAL_PROFILE_FILE
 from estimator.catalog import default_catalog
 from estimator.profiles import LatencyProfile, write_profiles_json
 from provisioners.local import LocalProvisioner

@@ -335,7 +335,7 @@ def _local_profile(data_dir: Path) -> Path:
     workers pad to it): one instance carries about 50 qps."""
     import numpy as np
 
-    from controlplane.service.provisioning import LOCAL_PROFILE_FILE
+    from controlplane.provisioning import LOCAL_PROFILE_FILE
     from estimator.profiles import LatencyProfile, write_profiles_json
     from provisioners.worker.emulation import ComputeCurve, compute_document
 
@@ -358,7 +358,7 @@ def test_a_standby_adopts_the_killed_leaders_local_workers(
     are files there): the leader launches the plan's local workers and is killed with SIGKILL;
     its workers outlive it (sessions of their own), and the new leader adopts them: no second
     launch, no orphan, the same worker processes serving."""
-    from controlplane.service.provisioning import LOCAL_WORKERS_DIR
+    from controlplane.provisioning import LOCAL_WORKERS_DIR
     from provisioners.local import LocalProvisioner
     from tests.integration.conftest import local_data_dir
 

@@ -294,7 +294,7 @@ def _serve_a_plan(
     from controlplane.clock import SystemClock
     from controlplane.db.store import Store
     from controlplane.loops.reconciler import Launch, Reconciler, Terminate, catalog_pricing
-    from controlplane.service.provisioning import build_provisioner
+    from controlplane.provisioning import build_provisioner
     from estimator.catalog import default_catalog
 
     settings = _host_settings(monkeypatch, out, tmp_path)
@@ -376,14 +376,14 @@ def _serve_an_artifact(
 ) -> None:
     """A model a user brought, in the model bucket where the registry keeps it (the control
     plane's settings name the bucket; its role may write there): a worker launched from
-    terraform's template gets the template's user data with the artifact on the agent's command
-    line, and what the worker would download is the artifact, verified."""
+    terraform's template gets the provider's bootstrap handing the agent the artifact, then the
+    template's user data as it is, and what the worker would download is the artifact, verified."""
     import hashlib
 
-    from controlplane.service.provisioning import build_provisioner
+    from controlplane.provisioning import build_provisioner
     from provisioners.artifacts import ArtifactRef
     from provisioners.base import APP_TAG, LaunchRequest
-    from provisioners.ec2 import worker_user_data
+    from provisioners.ec2 import ARTIFACTS_OPTION, worker_user_data
     from provisioners.fetch import fetch_artifact
 
     settings = _host_settings(monkeypatch, out, tmp_path)
@@ -414,8 +414,11 @@ def _serve_an_artifact(
         template = base64.b64decode(versions[0]["LaunchTemplateData"]["UserData"]).decode()
         script = _user_data(ec2, worker.provider_id)
         assert script == worker_user_data(template, [ref])
+        assert script.endswith(template)
+        written = [row for row in script.splitlines() if row.startswith("--artifact")]
+        assert written == [f"--artifact {ref.to_arg()}"]
         (line,) = [row for row in script.splitlines() if row.startswith("ExecStart=")]
-        assert line.endswith(f" --artifact {ref.to_arg()}")
+        assert line.endswith(f" {ARTIFACTS_OPTION} --worker-id ${{HETEROPLANE_WORKER_ID}}")
         _assert_bash_syntax(script)
         fetched = fetch_artifact(ref, tmp_path / "worker-cache", s3_client=s3)
         assert fetched.read_bytes() == blob

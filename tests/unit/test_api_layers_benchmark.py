@@ -1,5 +1,5 @@
-"""``benchmarks/api_layers.py`` runs end to end at tiny sizes and reports every figure (how fast
-each layer is, the benchmark's business, is not checked here)."""
+"""``benchmarks/serving_speed/layers.py`` runs end to end at tiny sizes and reports every figure
+(how fast each layer is, the benchmark's business, is not checked here)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from benchmarks import api_layers
+from benchmarks.serving_speed import layers as api_layers
 
 
 def test_measure_reports_every_figure_as_a_finite_median_and_spread() -> None:

@@ -1,4 +1,4 @@
-"""The pure helpers of ``benchmarks/demo_cycle.py``: the count of misses on each side, their
+"""The pure helpers of ``benchmarks/fidelity/cycle.py``: the count of misses on each side, their
 comparison, the grew-and-shrank judgement of a fleet-size series, and the replayed trace."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.demo_cycle import (
+from benchmarks.fidelity.cycle import (
     FleetSample,
     client_late_or_failed,
     compare_counts,

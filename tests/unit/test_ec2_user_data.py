@@ -1,23 +1,34 @@
 """The user data of EC2 workers that serve models a user brings (``provisioners.ec2``,
-:func:`~provisioners.ec2.worker_user_data`): terraform's worker template with ``--artifact`` for
-each model on its ``ExecStart`` line, which the worker agent parses back to the same references;
-everything else in the template untouched; quoting that survives systemd; EC2's 16 KB refused
-with one line. The launch itself, against moto: tests/integration/test_ec2_artifacts.py."""
+:func:`~provisioners.ec2.worker_user_data`): the provider's bootstrap, which writes the agent's
+``--artifact`` options to the file the worker template's agent reads (``--artifacts-file``),
+then terraform's worker template as it is; the bootstrap run for real by bash, the agent
+parsing back the same references; values that need no quoting; EC2's 16 KB refused with one
+line. The launch itself, against moto: tests/integration/test_ec2_artifacts.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import shlex
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from provisioners.artifacts import ArtifactRef
-from provisioners.ec2 import USER_DATA_MAX_BYTES, WORKER_COMMAND, worker_user_data
+from provisioners.ec2 import (
+    ARTIFACTS_FILE,
+    ARTIFACTS_OPTION,
+    USER_DATA_MAX_BYTES,
+    WORKER_COMMAND,
+    worker_user_data,
+)
 from provisioners.errors import InvalidConfigurationError
+from provisioners.worker.agent import DEFAULT_MODELS, AgentConfig, parse_args
 from tests.worker_template import WORKER_VARIABLES, render_worker_template
 
 SHA = "ab" * 32
 WORKER_ID = "i-0123456789abcdef0"
+ETC = ARTIFACTS_FILE.rsplit("/", 1)[0]
 
 
 def ref(name: str = "wine", uri: str | None = None, version: int = 1) -> ArtifactRef:
@@ -38,53 +49,69 @@ def systemd_argv(line: str) -> list[str]:
     return shlex.split(text.replace("%%", "%").replace("$$", "$"))
 
 
+def booted_agent(script: str, template: str, root: Path) -> AgentConfig:
+    """What the worker's agent is configured with after ``script`` booted it: the provider's
+    bootstrap (everything before the template) run by bash with ``/etc/heteroplane`` moved
+    under ``root``, then the template's agent command line parsed with that file."""
+    assert script.endswith(template)
+    bootstrap = script[: len(script) - len(template)]
+    etc = root / "etc"
+    subprocess.run(["bash", "-c", bootstrap.replace(ETC, str(etc))], check=True)
+    argv = systemd_argv(exec_start(template))
+    assert argv[1:3] == ["-m", "provisioners.worker"]
+    return parse_args([arg.replace(ETC, str(etc)) for arg in argv[3:]])
+
+
 def test_the_template_starts_the_agent_the_provisioner_looks_for() -> None:
     # The fixed parts the provisioner relies on are terraform's (one place: the template).
     line = exec_start(render_worker_template("g4dn.xlarge"))
     assert WORKER_COMMAND in line
     port = WORKER_VARIABLES["worker_port"]
     assert f"python {WORKER_COMMAND} --host 0.0.0.0 --port {port} " in line
-    assert "--artifact" not in line and "--models" not in line
+    assert "--artifact " not in line and "--models" not in line
+    assert ARTIFACTS_OPTION in line
 
 
-def test_artifacts_go_on_the_agents_command_line_and_nowhere_else() -> None:
-    from provisioners.worker.agent import parse_args
-
+def test_artifacts_reach_the_agent_and_the_template_runs_as_it_is(tmp_path: Path) -> None:
     template = render_worker_template("g4dn.xlarge")
     refs = [ref("wine"), ref("wine-big", version=3)]
     script = worker_user_data(template, refs)
 
-    before, after = template.splitlines(), script.splitlines()
-    assert len(before) == len(after)
-    changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
-    assert [before[i] for i in changed] == [exec_start(template)]
-    assert script.endswith("\n") == template.endswith("\n")
-
-    argv = systemd_argv(exec_start(script))
-    assert argv[1:3] == ["-m", "provisioners.worker"]
-    config = parse_args(argv[3:])
+    # The template's script follows the bootstrap unchanged (nothing of it is rewritten).
+    assert script.endswith(template) and len(script) > len(template)
+    config = booted_agent(script, template, tmp_path)
     assert config.artifacts == tuple(refs)
+    assert config.models == ("wine", "wine-big")  # no family model beside them
     assert (config.host, config.port, config.instance_type) == ("0.0.0.0", 8080, "g4dn.xlarge")
     assert f"--artifact {refs[0].to_arg()}" in script
+    assert (tmp_path / "etc" / "artifacts").read_text().splitlines() == [
+        f"--artifact {r.to_arg()}" for r in refs
+    ]
 
 
-def test_a_torchscript_modules_inputs_survive_systemd() -> None:
+def test_without_the_file_the_agent_serves_the_family() -> None:
+    line = exec_start(render_worker_template("g4dn.xlarge"))
+    config = parse_args(systemd_argv(line)[3:])  # /etc/heteroplane/artifacts is not here
+    assert config.artifacts == ()
+    assert config.models == DEFAULT_MODELS
+
+
+def test_a_torchscript_modules_inputs_reach_the_agent(tmp_path: Path) -> None:
     from provisioners.artifacts import TensorSpec
-    from provisioners.worker.agent import parse_args
 
     odd = dataclasses.replace(
         ref("plain"), format="torchscript", inputs=(TensorSpec("x's %", "FP32", (-1, 4)),)
     )
-    line = exec_start(worker_user_data(render_worker_template("t3.large"), [odd]))
-    config = parse_args(systemd_argv(line)[3:])
+    template = render_worker_template("t3.large")
+    config = booted_agent(worker_user_data(template, [odd]), template, tmp_path)
     assert config.artifacts == (odd,)
 
 
-def test_a_uri_that_needs_quoting_survives_systemd() -> None:
+def test_a_uri_shells_and_systemd_would_quote_reaches_the_agent(tmp_path: Path) -> None:
     odd = ref(uri=f"s3://bucket/my models/100%/$HOME's/{SHA}.onnx")
-    line = exec_start(worker_user_data(render_worker_template("t3.large"), [odd]))
-    assert "100%%" in line and "$$HOME" in line
-    assert systemd_argv(line)[-2:] == ["--artifact", odd.to_arg()]
+    template = render_worker_template("t3.large")
+    config = booted_agent(worker_user_data(template, [odd]), template, tmp_path)
+    assert config.artifacts == (odd,)
 
 
 @pytest.mark.parametrize("bad", ["\n", "\r", "\x00", "\\"])
@@ -94,13 +121,6 @@ def test_control_characters_and_backslashes_are_refused(bad: str) -> None:
         worker_user_data(render_worker_template("t3.large"), [odd])
     assert caught.value.field == "artifacts"
     assert "\n" not in str(caught.value)
-
-
-def test_default_models_give_way_to_the_artifacts() -> None:
-    line = "ExecStart=/venv/bin/python -m provisioners.worker --models tiny,small --port 8080"
-    assert worker_user_data(line, [ref()]) == (
-        f"ExecStart=/venv/bin/python -m provisioners.worker --port 8080 --artifact {ref().to_arg()}"
-    )
 
 
 TWO_AGENTS = "ExecStart=/a -m provisioners.worker\nExecStart=/b -m provisioners.worker\n"
@@ -128,3 +148,15 @@ def test_user_data_over_16_kb_is_refused_with_one_line() -> None:
     # Right at the limit is still fine: the limit is EC2's, on the bytes before base64.
     fits = [ref(f"m{i}", uri=long_uri) for i in range(8)]
     assert len(worker_user_data(template, fits).encode()) <= USER_DATA_MAX_BYTES
+
+
+def test_a_malformed_artifacts_file_is_a_one_line_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "artifacts"
+    path.write_text(f"--artifact {ref().to_arg()}\n--models tiny\n")
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--instance-type", "t3.large", "--artifacts-file", str(path)])
+    assert exited.value.code == 2
+    (message,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert f"--artifacts-file {path}, line 2" in message

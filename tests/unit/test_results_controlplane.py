@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from benchmarks.dispatcher_speed import Run
 from benchmarks.results.controlplane import (
     FULL,
     QUICK,
@@ -19,6 +18,7 @@ from benchmarks.results.controlplane import (
     rows_table,
     summary_lines,
 )
+from benchmarks.serving_speed.dispatcher import Run
 
 
 def row(key: str, value: float | None, goal: Goal | None, **extra: Any) -> Row:

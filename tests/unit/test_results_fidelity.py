@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from benchmarks.fidelity.serving import Level, compute_only, poisson_trace, predict
 from benchmarks.results.fidelity import ratio_spread, within
-from benchmarks.serving_fidelity import Level, compute_only, poisson_trace, predict
 from estimator.profiles import LatencyProfile
 
 

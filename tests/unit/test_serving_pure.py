@@ -3,6 +3,7 @@ worker backoff, the central queue and the HTTP answer parsing."""
 
 from __future__ import annotations
 
+import asyncio
 import doctest
 import math
 
@@ -33,7 +34,7 @@ from controlplane.serving.states import (
     is_overloaded,
     model_state,
 )
-from controlplane.serving.transport import _parse_head, answer_error
+from controlplane.serving.transport import _Answer, _Channel, answer_error
 from controlplane.serving.workers import BACKOFF_MAX_S, Worker, WorkerEndpoint, backoff_s
 from estimator.fleet import Fleet
 from estimator.profiles import LatencyProfile
@@ -351,14 +352,55 @@ def test_the_live_dispatcher_keeps_the_plans_base_type_order() -> None:
     assert PlanDocument.parse(document).stages[0].base_types == ("b", "a")
 
 
+class _Wire(asyncio.Transport):
+    """A transport that takes what is written and is closed on request (no socket)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _answer(*chunks: bytes) -> tuple[_Answer | WorkerCallError | None, bool]:
+    """What a connection makes of an answer arriving in ``chunks`` (the result or the error,
+    None while incomplete), and whether it closed the connection."""
+
+    async def run() -> tuple[_Answer | WorkerCallError | None, bool]:
+        channel, wire = _Channel("w"), _Wire()
+        channel.connection_made(wire)
+        waiter = channel.send(b"GET / HTTP/1.1\r\n\r\n")
+        for chunk in chunks:
+            channel.data_received(chunk)
+        if not waiter.done():
+            return None, wire.closed
+        error = waiter.exception()
+        if error is not None:
+            assert isinstance(error, WorkerCallError)
+            return error, wire.closed
+        return waiter.result(), wire.closed
+
+    return asyncio.run(run())
+
+
 def test_answer_heads_and_bodies_are_checked() -> None:
     head = b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\nConnection: keep-alive\r\n\r\n"
-    assert _parse_head("w", head) == (200, 12, False)
-    assert _parse_head("w", b"HTTP/1.1 503 X\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")[2]
+    assert _answer(head, b"hello ", b"world!") == ((200, b"hello world!", False), False)
+    assert _answer(head, b"hello")[0] is None  # the body is not whole yet
+    closing = b"HTTP/1.1 503 X\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    assert _answer(closing)[0] == (503, b"", True)
     for bad in (b"SSH-2.0\r\n\r\n", b"HTTP/1.1 200 OK\r\n\r\n", b"HTTP/1.1 x\r\n\r\n"):
-        with pytest.raises(WorkerCallError) as caught:
-            _parse_head("w", bad)
-        assert caught.value.kind == "malformed"
+        error, closed = _answer(bad)
+        assert isinstance(error, WorkerCallError) and error.kind == "malformed" and closed
+    error, closed = _answer(b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"a" * 20_000)
+    assert isinstance(error, WorkerCallError) and "too long" in str(error) and closed
     io = ModelIO("tiny")
     answer = (
         b'{"model_name":"tiny","outputs":[{"name":"logits","datatype":"FP32","shape":[2,10],'

@@ -1,9 +1,9 @@
 """One demo load cycle: does the fleet grow and shrink, do service and client count misses alike?
 
-    .venv/bin/python benchmarks/demo_cycle.py [--json] [--cycles N] [--port P] [--seed S]
+    .venv/bin/python -m benchmarks.fidelity cycle [--json] [--cycles N] [--port P] [--seed S]
 
 It runs ``heteroplane demo --no-load`` (what ``make demo`` runs, less the demo load) on a
-temporary data directory, as ``benchmarks/demo_fidelity.py`` does (the trained family copied in
+temporary data directory, as ``benchmarks/fidelity/demo.py`` does (the trained family copied in
 from the default cache when it is there; the demo measures its profiles and plans as on a first
 start), waits for the ready banner and for the applied plan's workers, and sends single queries
 until one is answered. Then it replays N periods of the demo's own load from the client side:
@@ -54,16 +54,12 @@ from typing import Any
 import httpx
 import numpy as np
 
+from benchmarks import local_service
+from benchmarks.fidelity import demo as demo_fidelity
 from controlplane.service.demo import LOAD_PERIOD_S, load_trace
 from estimator.traces import Trace, read_trace_csv, write_trace_csv
 
-try:  # imported as benchmarks.demo_cycle
-    from benchmarks import demo_fidelity, local_service
-except ModuleNotFoundError:  # run as a script: benchmarks/ is on sys.path
-    import demo_fidelity  # type: ignore[no-redef, import-not-found, unused-ignore]
-    import local_service  # type: ignore[no-redef, import-not-found, unused-ignore]
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 APP = demo_fidelity.APP
 ACCEPT_SHARE = 0.01  # the issue's acceptance: the counts within 1% of all queries
 DEFAULT_CYCLES = 1
@@ -510,7 +506,9 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.fidelity cycle", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--cycles",
@@ -533,7 +531,3 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print_report(result)
     return 0 if result["within_1pct"] and result["grew_and_shrank"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

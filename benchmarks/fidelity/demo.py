@@ -1,6 +1,6 @@
 """Does the demo's plan tell the truth? Its predicted P99 against a loadgen run at its rate.
 
-    .venv/bin/python benchmarks/demo_fidelity.py [--json] [--duration-s S] [--runs N] [--port P]
+    .venv/bin/python -m benchmarks.fidelity demo [--json] [--duration-s S] [--runs N] [--port P]
 
 It runs ``heteroplane demo --no-load`` (what ``make demo`` runs, less the demo load) on a
 temporary data directory (the trained family copied in from the default cache when it is there;
@@ -37,14 +37,10 @@ from typing import Any
 
 import httpx
 
+from benchmarks import local_service
 from controlplane.service.provisioning import LOCAL_MODELS_DIR, LOCAL_WORKERS_DIR
 
-try:  # imported as benchmarks.demo_fidelity
-    from benchmarks import local_service
-except ModuleNotFoundError:  # run as a script: benchmarks/ is on sys.path
-    import local_service  # type: ignore[no-redef]
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 APP = "demo"
 ACCEPT_SHARE = 0.25  # the issue's acceptance: measured P99 within 25% of the prediction
 GOAL_SHARE = 0.15  # the results table's goal
@@ -324,7 +320,9 @@ def measured(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.fidelity demo", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--duration-s",
@@ -353,7 +351,3 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print_table(result)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,19 +1,24 @@
 """Where the registry keeps artifact bytes: a folder of the data directory, or an S3 bucket.
 
+The provider owns the choice (:meth:`provisioners.base.Provisioner.artifact_storage`): its
+workers must be able to fetch what the registry stores (the local workers read ``file://``
+URIs, EC2 workers ``s3://`` ones with their instance role). The control plane's registry
+(``controlplane.registry``) only uses the store it is given.
+
 A blob store is an :class:`ArtifactStorage`: :meth:`~ArtifactStorage.put` stores a local file
 under a key (``<name>/<version>/<sha256>.<onnx|pt>``, relative to the store's prefix) and returns
 its URI, the one a worker fetches (:func:`provisioners.fetch.fetch_artifact`);
 :meth:`~ArtifactStorage.delete` removes a blob by that URI (nothing there is fine: a push that
 failed half-way cleans up with it); :meth:`~ArtifactStorage.open` reads one back in chunks (``GET
 /v1/models/{name}/versions/{v}/artifact``). Failures are one-line
-:class:`~controlplane.errors.ArtifactStoreError`; botocore's errors never escape.
+:class:`~provisioners.errors.ArtifactStoreError`; botocore's errors never escape.
 
 - :class:`LocalArtifactStorage`: files under ``root`` (``<data_dir>/registry``) with the prefix
   ``models/``; URIs ``file:///abs/path``. A blob is written beside its final name (a
   ``.incoming-*`` file, ``flock``-ed while it is written) and renamed into place, so a reader never
   sees half a file; :meth:`~LocalArtifactStorage.sweep` removes what a crash left (a temporary
   file no live process holds, a blob without a registry row).
-- :class:`S3ArtifactStorage`: objects in ``bucket`` under ``prefix`` (``Ec2Settings.model_prefix``,
+- :class:`S3ArtifactStorage`: objects in ``bucket`` under ``prefix`` (``Ec2Config.model_prefix``,
   ``models/``); URIs ``s3://bucket/key``. Uploaded with boto3's managed transfer (multipart for
   large files); an object appears whole or not at all.
 """
@@ -30,10 +35,12 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import unquote, urlparse
 
-from controlplane.errors import ArtifactStoreError
+from provisioners.errors import ArtifactStoreError
 
 __all__ = [
     "CHUNK_BYTES",
+    "DEFAULT_PREFIX",
+    "S3_ENDPOINT_ENV",
     "ArtifactStorage",
     "LocalArtifactStorage",
     "S3ArtifactStorage",
@@ -42,6 +49,9 @@ __all__ = [
     "sweep_unheld",
 ]
 
+# Points the S3 clients of the artifact store and of the workers' fetch at another endpoint (a
+# moto server in tests); boto3's own AWS_ENDPOINT_URL works too.
+S3_ENDPOINT_ENV = "HETEROPLANE_S3_ENDPOINT_URL"
 # How much of a blob one read hands on (the artifact route streams it in these).
 CHUNK_BYTES = 1 << 20
 DEFAULT_PREFIX = "models/"

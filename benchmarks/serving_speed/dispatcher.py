@@ -1,6 +1,7 @@
 """How many queries per second the serving loop's dispatcher sustains, and what it adds to each.
 
-    .venv/bin/python benchmarks/dispatcher_speed.py [--json] [--rate-qps 2000] [--duration-s 10]
+    .venv/bin/python -m benchmarks.serving_speed dispatcher [--json] [--rate-qps 2000]
+        [--duration-s 10] [--quick]
 
 What runs: :class:`controlplane.serving.dispatcher.AppDispatcher`, the object behind
 ``POST /v1/apps/{app}/infer`` (queues, the matching policy from ``policy_factory``, admission
@@ -57,6 +58,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from benchmarks.sizes import FULL, add_quick
+from benchmarks.sizes import chosen as chosen_sizes
 from controlplane.serving.dispatcher import (
     AppConfig,
     AppDispatcher,
@@ -290,21 +293,35 @@ def measure(
     return runs, swept
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--rate-qps", type=float, default=2000.0)
-    parser.add_argument("--duration-s", type=float, default=10.0)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.serving_speed dispatcher",
+        description=(__doc__ or "").splitlines()[0],
+    )
+    parser.add_argument("--rate-qps", type=float, default=FULL.dispatcher_rate_qps)
+    parser.add_argument("--duration-s", type=float, default=None, help="default 10")
     parser.add_argument("--scenario", choices=(*SCENARIOS, "all"), default="all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sweep", action="store_true", help="fcfs at rising rates too")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    args = parser.parse_args()
+    add_quick(parser)
+    args = parser.parse_args(argv)
+    sizes = chosen_sizes(args)
+    if args.duration_s is None:
+        args.duration_s = sizes.dispatcher_duration_s
     if not (args.rate_qps > 0 and args.duration_s > 0):
         print("--rate-qps and --duration-s must be > 0", file=sys.stderr)
         return 2
     chosen = SCENARIOS if args.scenario == "all" else (args.scenario,)
     started = time.perf_counter()
-    runs, sweep = measure(chosen, args.rate_qps, args.duration_s, args.seed, sweep=args.sweep)
+    runs, sweep = measure(
+        chosen,
+        args.rate_qps,
+        args.duration_s,
+        args.seed,
+        sweep=args.sweep,
+        warmup_s=sizes.dispatcher_warmup_s,
+    )
     meta = {
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -345,7 +362,3 @@ def main() -> int:
         f" {'met' if all(r.meets_goal for r in runs) else 'MISSED'}"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """The serving path at full speed, measured where clients enter: through the real API.
 
-    .venv/bin/python benchmarks/api_speed.py [--json] [--rate-qps 2000] [--duration-s 10]
+    .venv/bin/python -m benchmarks.serving_speed api [--json] [--rate-qps 2000] [--duration-s 10]
         [--workers 2] [--runs 3] [--service-setting HETEROPLANE_X=V ...]
 
 What runs: ``heteroplane serve`` (uvicorn, FastAPI, the token check, validation, the serving
@@ -44,11 +44,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-try:  # imported as benchmarks.api_speed
-    from benchmarks import local_service
-except ModuleNotFoundError:  # run as a script: the sibling module
-    import local_service  # type: ignore[no-redef]
-
+from benchmarks import local_service
 from controlplane.clients import loadgen
 from controlplane.service.provisioning import LOCAL_PROFILE_FILE, LOCAL_WORKERS_DIR
 from controlplane.serving.modelio import ModelIO
@@ -56,7 +52,7 @@ from estimator.profiles import LatencyProfile, write_profiles_json
 from estimator.traces import poisson_arrivals
 from provisioners.worker.emulation import ComputeCurve, compute_document
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 APP = "speed"
 MODEL = "tiny"
 INSTANCE_TYPE = "emu.cpu.large"
@@ -88,7 +84,7 @@ def profile_file(data_dir: Path) -> Path:
     cells = tuple(np.full(8, 1.0 + 0.05 * (size - 1)) for size in sizes)
     profiles = [LatencyProfile(MODEL, INSTANCE_TYPE, sizes, cells)]
     compute = compute_document({MODEL: ComputeCurve(0.0, 0.0)})
-    write_profiles_json(profiles, path, source="benchmarks/api_speed.py", compute=compute)
+    write_profiles_json(profiles, path, source="benchmarks/serving_speed/api.py", compute=compute)
     return path
 
 
@@ -290,8 +286,10 @@ def measure(
     return result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.serving_speed api", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--rate-qps", type=float, default=GOAL_QPS)
     parser.add_argument("--duration-s", type=float, default=10.0)
     parser.add_argument("--workers", type=int, default=2)
@@ -304,7 +302,7 @@ def main() -> int:
         help="one more setting for the service (repeatable), e.g. HETEROPLANE_RECONCILE_S=1",
     )
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not (args.rate_qps > 0 and args.duration_s > 0 and args.workers >= 1 and args.runs >= 1):
         parser.error("--rate-qps, --duration-s > 0; --workers, --runs >= 1")
     settings = {}
@@ -325,7 +323,3 @@ def main() -> int:
         verdict = "met" if result["goal_met"] else "NOT met"
         print(f"goal >= {GOAL_QPS:g} q/s at <= {GOAL_ADDED_MS:g} ms added p99: {verdict}{behind}")
     return 0 if result["goal_met"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,7 @@
 """What each layer of the inference API path costs in CPU per request, measured in process.
 
-    .venv/bin/python benchmarks/api_layers.py [--json] [--requests 2000] [--repeats 5]
+    .venv/bin/python -m benchmarks.serving_speed layers [--quick] [--json] [--requests 2000]
+        [--repeats 5]
 
 Each figure is the CPU time of a loop of ``--requests`` requests (``time.process_time``: every
 thread of this process, so the thread pool's share of a request counts too) divided by their
@@ -54,8 +55,8 @@ In the ASGI figures the serving loop answers at once: a real
 :class:`~controlplane.serving.loop.ServingLoop` (running; its ``dispatcher_for``, which the route
 and the fast path call for the app's model signature, is its own, the app's config read from the
 store once) whose ``infer`` returns a fixed answer instead of dispatching to workers. What the
-serving loop's dispatcher costs is ``benchmarks/dispatcher_speed.py``'s; what the whole service
-costs over real HTTP is ``benchmarks/api_speed.py``'s. A service request costs roughly uvicorn's
+serving loop's dispatcher costs is the ``dispatcher`` part's; what the whole service costs over
+real HTTP is the ``api`` part's. A service request costs roughly uvicorn's
 figure plus one of the ASGI figures (plus the dispatcher).
 """
 
@@ -78,12 +79,9 @@ from typing import Any
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
-try:  # imported as benchmarks.api_layers
-    from benchmarks import local_service
-    from benchmarks.api_speed import median_spread
-except ModuleNotFoundError:  # run as a script: the sibling modules
-    import local_service  # type: ignore[no-redef]
-    from api_speed import median_spread  # type: ignore[no-redef]
+from benchmarks import local_service
+from benchmarks.serving_speed.api import median_spread
+from benchmarks.sizes import add_quick, chosen
 from controlplane.api.routes.infer import answer_document
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import SystemClock
@@ -96,7 +94,7 @@ from controlplane.serving.modelio import Row
 from controlplane.serving.workers import StaticInstances
 from controlplane.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 APP = "bench"
 MODEL = "tiny"
 INSTANCE_TYPE = "emu.cpu.large"
@@ -430,7 +428,7 @@ def uvicorn_figures(token: str, n: int, repeats: int) -> dict[str, list[float]]:
         f"POST {PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n"
     ).encode() + BODY
-    script = f"from benchmarks.api_layers import serve_constant; serve_constant({body!r})"
+    script = f"from benchmarks.serving_speed.layers import serve_constant; serve_constant({body!r})"
     child = subprocess.Popen(
         [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
     )
@@ -483,11 +481,20 @@ def measure(requests: int = 2000, repeats: int = 5) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.serving_speed layers",
+        description=(__doc__ or "").splitlines()[0],
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--requests", type=int, default=2000, help="requests per loop")
-    parser.add_argument("--repeats", type=int, default=5, help="loops per figure")
+    parser.add_argument("--requests", type=int, default=None, help="requests per loop (2000)")
+    parser.add_argument("--repeats", type=int, default=None, help="loops per figure (5)")
+    add_quick(parser)
     args = parser.parse_args(argv)
+    sizes = chosen(args)
+    if args.requests is None:
+        args.requests = sizes.layers_requests
+    if args.repeats is None:
+        args.repeats = sizes.layers_repeats
     if args.requests < 1 or args.repeats < 1:
         parser.error("--requests and --repeats must be >= 1")
     result = measure(args.requests, args.repeats)
@@ -503,7 +510,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: {v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f}) us/request")
     print(f"  load average (1, 5, 15 min): {result['loadavg_before']} -> {result['loadavg_after']}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

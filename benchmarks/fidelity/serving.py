@@ -1,6 +1,6 @@
 """Fidelity of the planner's latency model against the live service (InferLine, SoCC'20, Fig. 9).
 
-    .venv/bin/python benchmarks/serving_fidelity.py [--service-ms 5,50] [--duration-s S]
+    .venv/bin/python -m benchmarks.fidelity serving [--service-ms 5,50] [--duration-s S]
         [--levels 0.3,0.6,0.9] [--seed N] [--out FILE] [--json]
 
 InferLine's Figure 9 compares the P99 its estimator predicts with the P99 the live system
@@ -33,7 +33,7 @@ about 5 ms and about 50 ms per batch, a small and a large model on a CPU instanc
    missing at short service times.
 5. Prints predicted and measured P99 per level and whether they are within 15% of each other
    (the goal), writes docs/serving-fidelity.md (keeping the demo's section, written by
-   benchmarks/demo_fidelity.py), stops the service and its workers. Exit status 1 when a level
+   benchmarks/fidelity/demo.py), stops the service and its workers. Exit status 1 when a level
    misses the 15%.
 
 :func:`run` is what ``python -m benchmarks.results`` (its "fidelity" section) calls.
@@ -56,6 +56,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from benchmarks import local_service
 from controlplane.apps import profiler
 from controlplane.clients import loadgen
 from controlplane.service.provisioning import LOCAL_PROFILE_FILE
@@ -66,12 +67,7 @@ from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace, poisson_arrivals
 from provisioners.worker.emulation import ComputeCurve
 
-try:  # imported as benchmarks.serving_fidelity
-    from benchmarks import local_service
-except ModuleNotFoundError:  # run as a script: the sibling module
-    import local_service
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 APP = "bench"
 MODEL = "large"
 INSTANCE_TYPE = "emu.cpu.large"
@@ -530,8 +526,10 @@ Written by `{command}`; do not edit by hand, run the command again.
 {sections}"""
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.fidelity serving", description=__doc__.splitlines()[0]
+    )
     parser.add_argument(
         "--service-ms", default="5,50", help="compute times per batch (default %(default)s)"
     )
@@ -549,7 +547,7 @@ def main() -> int:
         metavar="HETEROPLANE_X=V",
         help="one more setting for the service (repeatable), e.g. HETEROPLANE_TUNER_TICK_S=60",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for item in args.service_setting:
         key, sep, value = item.partition("=")
         if not sep or not key.startswith("HETEROPLANE_"):
@@ -571,7 +569,7 @@ def main() -> int:
     settings = run(service_times, utilisations, args.duration_s, args.seed)
     seconds = time.monotonic() - started
     command = (
-        f"python benchmarks/serving_fidelity.py --service-ms {args.service_ms}"
+        f"python -m benchmarks.fidelity serving --service-ms {args.service_ms}"
         f" --duration-s {args.duration_s:g} --levels {args.levels} --seed {args.seed}"
         + "".join(f" --service-setting {item}" for item in args.service_setting)
     )
@@ -591,8 +589,8 @@ def main() -> int:
     return 0 if all(s.holds for s in settings) else 1
 
 
-# Sections other benchmarks write into the same page (benchmarks/demo_fidelity.py's and
-# benchmarks/demo_cycle.py's).
+# Sections other benchmarks write into the same page (benchmarks/fidelity/demo.py's and
+# benchmarks/fidelity/cycle.py's).
 KEPT_SECTIONS = (
     "## The demo at its planned rate",
     "## One demo load cycle, from the client's side",
@@ -613,7 +611,3 @@ def kept_sections(path: Path) -> str:
         end = text.find("\n## ", start + len(title))
         kept.append(text[start : end if end >= 0 else len(text)].rstrip("\n"))
     return "".join(f"\n{section}\n" for section in kept)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

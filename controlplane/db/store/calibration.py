@@ -1,0 +1,175 @@
+"""What the online calibration learns of an app: profile scales, the serving overhead, and
+its measured latency profiles."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+
+from controlplane.db import models as m
+from controlplane.db.session import transaction
+from controlplane.db.store.base import (
+    StoreBase,
+    _app_row,
+    _json_document,
+    _label,
+    _translated,
+)
+from controlplane.db.store.records import (
+    ProfileScaleRecord,
+    ServingOverheadRecord,
+    _overhead_record,
+)
+from controlplane.errors import InvalidValueError
+
+__all__ = ["CalibrationStore"]
+
+
+class CalibrationStore(StoreBase):
+    """Profile scales, serving overheads and measured profiles (see the module docstring)."""
+
+    # --- profile scales (online calibration) ----------------------------------------------------
+
+    @_translated
+    def set_profile_scale(
+        self,
+        app: str,
+        model: str,
+        instance_type: str,
+        factor: float,
+        *,
+        at: datetime | None = None,
+    ) -> ProfileScaleRecord:
+        """Set the calibration factor of ``model`` on ``instance_type`` for ``app`` (finite,
+        > 0; it replaces the one before)."""
+        if not (isinstance(factor, int | float) and math.isfinite(factor) and factor > 0):
+            raise InvalidValueError("factor", f"must be finite and > 0, got {factor!r}")
+        model = _label(model, "model", max_length=m.PROFILE_SCALE_MODEL_MAX)
+        instance_type = _label(instance_type, "instance_type", max_length=m.PROFILE_SCALE_TYPE_MAX)
+        now = self._now(at)
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            scale = session.scalar(
+                select(m.ProfileScale).where(
+                    m.ProfileScale.app_id == row.id,
+                    m.ProfileScale.model == model,
+                    m.ProfileScale.instance_type == instance_type,
+                )
+            )
+            if scale is None:
+                scale = m.ProfileScale(
+                    app_id=row.id,
+                    model=model,
+                    instance_type=instance_type,
+                    factor=float(factor),
+                    updated_at=now,
+                )
+                session.add(scale)
+            else:
+                scale.factor = float(factor)
+                scale.updated_at = now
+            session.flush()
+            return ProfileScaleRecord(app, model, instance_type, scale.factor, scale.updated_at)
+
+    @_translated
+    def list_profile_scales(self, app: str) -> list[ProfileScaleRecord]:
+        """The calibration factors of ``app``, by model then instance type."""
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            scales = session.scalars(
+                select(m.ProfileScale)
+                .where(m.ProfileScale.app_id == row.id)
+                .order_by(m.ProfileScale.model, m.ProfileScale.instance_type)
+            )
+            return [
+                ProfileScaleRecord(app, s.model, s.instance_type, s.factor, s.updated_at)
+                for s in scales
+            ]
+
+    @_translated
+    def set_serving_overhead(
+        self,
+        app: str,
+        overhead_ms: float,
+        samples: int,
+        *,
+        quantiles_ms: Sequence[float] = (),
+        at: datetime | None = None,
+    ) -> ServingOverheadRecord:
+        """Set ``app``'s measured control-plane overhead per query (ms, finite, >= 0) over
+        ``samples`` (>= 1) answered queries, with its distribution ``quantiles_ms`` (finite,
+        >= 0, non-decreasing; may be empty); it replaces the one before."""
+        if not (
+            isinstance(overhead_ms, int | float) and math.isfinite(overhead_ms) and overhead_ms >= 0
+        ):
+            raise InvalidValueError("overhead_ms", f"must be finite and >= 0, got {overhead_ms!r}")
+        quantiles = [float(q) for q in quantiles_ms]
+        if not all(math.isfinite(q) and q >= 0 for q in quantiles) or any(
+            b < a for a, b in itertools.pairwise(quantiles)
+        ):
+            raise InvalidValueError("quantiles_ms", "must be finite, >= 0 and non-decreasing")
+        if not (isinstance(samples, int) and samples >= 1):
+            raise InvalidValueError("samples", f"must be an integer >= 1, got {samples!r}")
+        now = self._now(at)
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            found = session.scalar(
+                select(m.ServingOverhead).where(m.ServingOverhead.app_id == row.id)
+            )
+            if found is None:
+                found = m.ServingOverhead(app_id=row.id)
+                session.add(found)
+            found.overhead_ms = float(overhead_ms)
+            found.samples = samples
+            found.updated_at = now
+            found.quantiles_ms = quantiles or None
+            session.flush()
+            return _overhead_record(app, found)
+
+    @_translated
+    def get_serving_overhead(self, app: str) -> ServingOverheadRecord | None:
+        """``app``'s measured control-plane overhead per query, None before any was measured."""
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            found = session.scalar(
+                select(m.ServingOverhead).where(m.ServingOverhead.app_id == row.id)
+            )
+            if found is None:
+                return None
+            return _overhead_record(app, found)
+
+    # --- measured profiles ---
+
+    @_translated
+    def put_app_profiles(
+        self, app: str, document: Mapping[str, Any], *, at: datetime | None = None
+    ) -> None:
+        """Store ``app``'s measured latency profiles (a profile JSON document), replacing the
+        ones before; :class:`NotFoundError` for an app not registered."""
+        stored = _json_document(document, "document")
+        now = self._now(at)
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            found = session.get(m.AppProfiles, row.id)
+            if found is None:
+                session.add(m.AppProfiles(app_id=row.id, document=stored, measured_at=now))
+            else:
+                found.document = stored
+                found.measured_at = now
+
+    @_translated
+    def get_app_profiles(self, app: str) -> dict[str, Any] | None:
+        """``app``'s measured latency profiles; None when none were measured (or no such app
+        is registered: an app being registered has none yet)."""
+        with transaction(self._sessions) as session:
+            found = session.execute(
+                select(m.AppProfiles.document)
+                .join(m.App, m.App.id == m.AppProfiles.app_id)
+                .where(m.App.name == app)
+            ).scalar_one_or_none()
+            return None if found is None else dict(found)

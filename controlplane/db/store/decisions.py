@@ -1,0 +1,163 @@
+"""The decision log: what the loops decided and why, keyed decisions merged, its retention."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, delete, func, select
+from sqlalchemy.orm import Session
+
+from controlplane.db import models as m
+from controlplane.db.session import transaction
+from controlplane.db.store.base import (
+    StoreBase,
+    _app_row,
+    _json_document,
+    _label,
+    _newest_rows,
+    _translated,
+)
+from controlplane.db.store.records import (
+    DecisionRecord,
+    _decision_record,
+)
+from controlplane.errors import InvalidValueError
+
+__all__ = ["DecisionStore"]
+
+_DECISION_KEY_MAX = 200
+
+
+class DecisionStore(StoreBase):
+    """The decision log (see the module docstring)."""
+
+    # --- decisions and metrics -----------------------------------------------------------------
+
+    @_translated
+    def record_decision(
+        self,
+        app: str,
+        kind: str,
+        reason: str,
+        numbers: Mapping[str, Any] | None = None,
+        *,
+        at: datetime | None = None,
+        key: str | None = None,
+    ) -> DecisionRecord:
+        """Record what a policy decided (``kind``: scale_up, scale_down, gear_switch, replan,
+        budget_drain, ...), why, and the numbers behind it (a JSON object).
+
+        ``key`` is the caller's identity of "the same decision" (``f"{request_id}:{error}"`` for
+        a failed launch, ``f"{stage}:{reason}"`` for a budget cap). A keyed decision repeats the
+        app's newest one of the same kind and key when that one is still the app's latest
+        decision of the kind, or was last made within ``decision_merge_window_s``: its row then
+        counts one more (``count``), takes ``at`` as its ``last_at`` and the newest reason and
+        numbers, and keeps its first ``at``. Anything else adds a row (count 1)."""
+        body = _json_document(numbers or {}, "numbers")
+        now = self._now(at)
+        kind = _label(kind, "kind", max_length=32)
+        if key is not None:
+            key = _label(key, "key", max_length=_DECISION_KEY_MAX)
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            same = None if key is None else self._repeated(session, row.id, kind, key, now)
+            if same is not None:
+                same.count += 1
+                seen = same.at if same.last_at is None else same.last_at
+                same.last_at = max(seen, now)
+                same.reason = reason
+                same.numbers = body
+                session.flush()
+                return _decision_record(same, app)
+            decision = m.Decision(
+                app_id=row.id, at=now, kind=kind, reason=reason, numbers=body, key=key, count=1
+            )
+            session.add(decision)
+            session.flush()
+            return _decision_record(decision, app)
+
+    def _repeated(
+        self, session: Session, app_id: int, kind: str, key: str, now: datetime
+    ) -> m.Decision | None:
+        """The row a keyed decision repeats (see :meth:`record_decision`), or None."""
+        newest = (m.Decision.at.desc(), m.Decision.id.desc())
+        same = session.scalars(
+            select(m.Decision)
+            .where(m.Decision.app_id == app_id, m.Decision.kind == kind, m.Decision.key == key)
+            .order_by(*newest)
+            .limit(1)
+        ).first()
+        if same is None:
+            return None
+        seen = same.at if same.last_at is None else same.last_at
+        if (now - seen).total_seconds() <= self.decision_merge_window_s:
+            return same
+        latest = session.scalars(
+            select(m.Decision.id)
+            .where(m.Decision.app_id == app_id, m.Decision.kind == kind)
+            .order_by(*newest)
+            .limit(1)
+        ).first()
+        return same if latest == same.id else None
+
+    @_translated
+    def list_decisions(
+        self,
+        app: str | None = None,
+        *,
+        since: datetime | None = None,
+        kinds: Iterable[str] | None = None,
+        exclude_kinds: Iterable[str] | None = None,
+        limit: int | None = None,
+    ) -> list[DecisionRecord]:
+        """The decisions (of ``app``), oldest first: after ``since``, of ``kinds`` only and of
+        none of ``exclude_kinds``, filtered in the query, so ``limit`` (the newest that many)
+        counts only the decisions that pass."""
+        with transaction(self._sessions) as session:
+            query = select(m.Decision, m.App.name).join(m.App, m.App.id == m.Decision.app_id)
+            if app is not None:
+                query = query.where(m.Decision.app_id == _app_row(session, app).id)
+            if since is not None:
+                query = query.where(m.Decision.at > self._now(since))
+            if kinds is not None:
+                query = query.where(m.Decision.kind.in_(list(kinds)))
+            if exclude_kinds is not None:
+                query = query.where(m.Decision.kind.not_in(list(exclude_kinds)))
+            rows = _newest_rows(session, query, m.Decision.at, m.Decision.id, limit)
+            return [_decision_record(decision, name) for decision, name in rows]
+
+    @_translated
+    def delete_decisions(self, *, before: datetime | None = None, keep: int | None = None) -> int:
+        """Retention of the decision log: delete every decision last made before ``before``
+        (``last_at``, else ``at``), and all but the newest ``keep`` (by first time) of each app;
+        return how many went."""
+        removed = 0
+        with transaction(self._sessions) as session:
+            if before is not None:
+                seen = func.coalesce(m.Decision.last_at, m.Decision.at)
+                result = session.execute(delete(m.Decision).where(seen < self._now(before)))
+                removed += int(cast(CursorResult[Any], result).rowcount)
+            if keep is not None:
+                if keep < 0:
+                    raise InvalidValueError("keep", f"must be >= 0, got {keep}")
+                crowded = session.scalars(
+                    select(m.Decision.app_id)
+                    .group_by(m.Decision.app_id)
+                    .having(func.count(m.Decision.id) > keep)
+                ).all()
+                for app_id in crowded:
+                    older = (
+                        select(m.Decision.id)
+                        .where(m.Decision.app_id == app_id)
+                        .order_by(m.Decision.at.desc(), m.Decision.id.desc())
+                        .offset(keep)
+                    )
+                    ids = list(session.scalars(older))
+                    for start in range(0, len(ids), 500):
+                        result = session.execute(
+                            delete(m.Decision).where(m.Decision.id.in_(ids[start : start + 500]))
+                        )
+                        removed += int(cast(CursorResult[Any], result).rowcount)
+        return removed

@@ -1,0 +1,249 @@
+"""Instances: recorded once per launch request, moved through the lifecycle's states
+(compare-and-set on the state seen), their events."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, select, update
+from sqlalchemy.exc import IntegrityError
+
+from controlplane.db import models as m
+from controlplane.db.session import transaction
+from controlplane.db.store.base import (
+    _ATTEMPTS,
+    StoreBase,
+    _app_row,
+    _instance_row,
+    _instances_query,
+    _label,
+    _LostRaceError,
+    _newest_rows,
+    _number,
+    _state,
+    _still_racing,
+    _translated,
+    _values,
+)
+from controlplane.db.store.records import (
+    InstanceEventRecord,
+    InstanceRecord,
+    _event_record,
+    _instance_record,
+)
+from controlplane.errors import ConflictError
+from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, check_transition
+
+__all__ = ["InstanceStore"]
+
+
+class InstanceStore(StoreBase):
+    """Instances and their events (see the module docstring)."""
+
+    # --- instances -----------------------------------------------------------------------------
+
+    @_translated
+    def record_instance(
+        self,
+        app: str,
+        *,
+        request_id: str,
+        instance_type: str,
+        price_usd_per_hr: float,
+        provider_id: str | None = None,
+        state: str = InstanceState.REQUESTED,
+        reason: str = "launch requested",
+        at: datetime | None = None,
+    ) -> InstanceRecord:
+        """Record an instance we launch (or adopt) under the idempotency key ``request_id``: the
+        same request id again returns the instance recorded the first time, never a second one
+        (:class:`ConflictError` if that was for another app or type)."""
+        request_id = _label(request_id, "request_id")
+        state = _state(state)
+        price = _number(price_usd_per_hr, "price_usd_per_hr")
+        now = self._now(at)
+        for _ in range(_ATTEMPTS):
+            existing = self._instance_by_request(request_id)
+            if existing is not None:
+                if existing.app != app or existing.instance_type != instance_type:
+                    raise ConflictError(
+                        f"request id {request_id!r} already launched a {existing.instance_type}"
+                        f" for app {existing.app!r}"
+                    )
+                return existing
+            try:
+                with transaction(self._sessions) as session:
+                    row = _app_row(session, app)
+                    instance = m.Instance(
+                        id=str(uuid.uuid4()),
+                        app_id=row.id,
+                        request_id=request_id,
+                        provider_id=provider_id,
+                        instance_type=_label(instance_type, "instance_type"),
+                        state=state,
+                        price_usd_per_hr=price,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                    session.add(instance)
+                    session.flush()
+                    session.add(
+                        m.InstanceEvent(
+                            instance_id=instance.id,
+                            from_state=None,
+                            to_state=state,
+                            at=now,
+                            reason=reason,
+                        )
+                    )
+                    return _instance_record(instance, app)
+            except IntegrityError:
+                if self._instance_by_request(request_id) is None:
+                    raise ConflictError(
+                        f"provider id {provider_id!r} is already recorded for another instance"
+                    ) from None
+                # A concurrent launch with the same request id won: return its row.
+        raise _still_racing(app)
+
+    def _instance_by_request(self, request_id: str) -> InstanceRecord | None:
+        with transaction(self._sessions) as session:
+            found = session.execute(
+                _instances_query().where(m.Instance.request_id == request_id)
+            ).first()
+            return None if found is None else _instance_record(found[0], found[1])
+
+    @_translated
+    def get_instance(self, instance_id: str) -> InstanceRecord:
+        with transaction(self._sessions) as session:
+            return _instance_record(*_instance_row(session, instance_id))
+
+    @_translated
+    def find_instance(self, *, provider_id: str) -> InstanceRecord | None:
+        """The instance the provider knows as ``provider_id``, if we recorded one."""
+        with transaction(self._sessions) as session:
+            found = session.execute(
+                _instances_query().where(m.Instance.provider_id == provider_id)
+            ).first()
+            return None if found is None else _instance_record(found[0], found[1])
+
+    @_translated
+    def list_instances(
+        self, app: str | None = None, states: Iterable[str] | None = None
+    ) -> list[InstanceRecord]:
+        """Instances (of ``app``, in one of ``states``), oldest first."""
+        with transaction(self._sessions) as session:
+            query = _instances_query()
+            if app is not None:
+                query = query.where(m.Instance.app_id == _app_row(session, app).id)
+            if states is not None:
+                query = query.where(m.Instance.state.in_([_state(s) for s in states]))
+            rows = session.execute(query.order_by(m.Instance.created_at, m.Instance.id))
+            return [_instance_record(instance, name) for instance, name in rows.tuples()]
+
+    @_translated
+    def transition_instance(
+        self,
+        instance_id: str,
+        to_state: str,
+        *,
+        reason: str,
+        provider_id: str | None = None,
+        at: datetime | None = None,
+    ) -> InstanceRecord:
+        """Move the instance to ``to_state`` (and set its provider id, when given), with an
+        ``instance_events`` row. :class:`InvalidTransitionError` when the lifecycle table does
+        not allow the move from the state it is in."""
+        now = self._now(at)
+        for _ in range(_ATTEMPTS):
+            try:
+                with transaction(self._sessions) as session:
+                    instance, app = _instance_row(session, instance_id)
+                    from_state = instance.state
+                    check_transition(from_state, to_state)
+                    values: dict[str, Any] = {"state": to_state, "updated_at": now}
+                    if provider_id is not None:
+                        values["provider_id"] = provider_id
+                    result = session.execute(
+                        update(m.Instance)
+                        .where(m.Instance.id == instance_id, m.Instance.state == from_state)
+                        .values(**values)
+                        .execution_options(synchronize_session=False)
+                    )
+                    if cast(CursorResult[Any], result).rowcount != 1:
+                        raise _LostRaceError
+                    session.add(
+                        m.InstanceEvent(
+                            instance_id=instance_id,
+                            from_state=from_state,
+                            to_state=to_state,
+                            at=now,
+                            reason=reason,
+                        )
+                    )
+                    session.refresh(instance)
+                    return _instance_record(instance, app)
+            except _LostRaceError:
+                continue
+            except IntegrityError:
+                raise ConflictError(
+                    f"provider id {provider_id!r} is already recorded for another instance"
+                ) from None
+        raise ConflictError(f"instance {instance_id!r} kept changing state; try again")
+
+    @_translated
+    def touch_instances(self, instance_ids: Iterable[str], *, at: datetime | None = None) -> int:
+        """Set ``updated_at`` of the live ones of ``instance_ids`` to now (a heartbeat: a
+        profile run says it still owns its workers, :mod:`controlplane.apps.profile_run`);
+        how many rows were touched."""
+        ids = list(instance_ids)
+        if not ids:
+            return 0
+        with transaction(self._sessions) as session:
+            result = session.execute(
+                update(m.Instance)
+                .where(m.Instance.id.in_(ids), m.Instance.state.in_(_values(LIVE_STATES)))
+                .values(updated_at=self._now(at))
+                .execution_options(synchronize_session=False)
+            )
+            return cast(CursorResult[Any], result).rowcount
+
+    @_translated
+    def set_provider_id(self, instance_id: str, provider_id: str) -> InstanceRecord:
+        """Record the provider's id of the instance (without a state change)."""
+        try:
+            with transaction(self._sessions) as session:
+                instance, app = _instance_row(session, instance_id)
+                instance.provider_id = _label(provider_id, "provider_id")
+                instance.updated_at = self._now(None)
+                session.flush()
+                return _instance_record(instance, app)
+        except IntegrityError:
+            raise ConflictError(
+                f"provider id {provider_id!r} is already recorded for another instance"
+            ) from None
+
+    @_translated
+    def list_instance_events(
+        self,
+        *,
+        app: str | None = None,
+        instance_id: str | None = None,
+        since: datetime | None = None,
+        limit: int | None = None,
+    ) -> list[InstanceEventRecord]:
+        with transaction(self._sessions) as session:
+            query = select(m.InstanceEvent, m.App.name).join(
+                m.Instance, m.Instance.id == m.InstanceEvent.instance_id
+            )
+            query = query.join(m.App, m.App.id == m.Instance.app_id)
+            if app is not None:
+                query = query.where(m.Instance.app_id == _app_row(session, app).id)
+            if instance_id is not None:
+                query = query.where(m.InstanceEvent.instance_id == instance_id)
+            if since is not None:
+                query = query.where(m.InstanceEvent.at > self._now(since))
+            rows = _newest_rows(session, query, m.InstanceEvent.at, m.InstanceEvent.id, limit)
+            return [_event_record(event, name) for event, name in rows]
