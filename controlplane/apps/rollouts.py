@@ -27,8 +27,7 @@ from typing import Any
 
 from controlplane.apps.budget import live_instances
 from controlplane.apps.resolver import AppResolver
-from controlplane.db.rollouts import RolloutRecord, Rollouts
-from controlplane.db.store import Store
+from controlplane.db.store import RolloutRecord, Store
 from controlplane.errors import ConflictError, InvalidValueError, NotFoundError, RolloutBudgetError
 from controlplane.policies.rollout import (
     DEFAULT_INTERVAL_S,
@@ -149,7 +148,7 @@ def start_rollout(
     }
     if cascade is not None:
         settings["cascade"] = cascade
-    rollout = Rollouts(store).create(
+    rollout = store.create_rollout(
         app,
         model=model,
         artifact=name,
@@ -294,7 +293,7 @@ def _fleet_text(fleet: dict[str, int]) -> str:
 
 def _active(store: Store, app: str) -> RolloutRecord:
     store.get_app(app)  # NotFoundError for an unknown app first
-    found = Rollouts(store).list(app, active=True)
+    found = store.list_rollouts(app, active=True)
     if not found:
         raise NotFoundError("active rollout of app", app)
     return found[-1]
@@ -306,7 +305,7 @@ def _move(store: Store, app: str, to_state: RolloutState, who: str, what: str) -
         raise ConflictError(f"rollout {rollout.id} of {app!r} is already {to_state.value}")
     if to_state == RolloutState.RUNNING and rollout.state != RolloutState.PAUSED:
         raise ConflictError(f"rollout {rollout.id} of {app!r} is {rollout.state}, not paused")
-    moved = Rollouts(store).move(rollout, state=to_state.value, reason=f"{what} by {who}")
+    moved = store.move_rollout(rollout, state=to_state.value, reason=f"{what} by {who}")
     store.record_decision(
         app,
         DECISION_KIND,

@@ -54,7 +54,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from controlplane.apps.rollouts import rollout_document
-from controlplane.db.rollouts import Rollouts
 from controlplane.db.store import (
     AppRecord,
     BudgetChangeRecord,
@@ -802,7 +801,7 @@ def _plan_section(
 
 
 def _rollout_section(store: Store, app: AppRecord) -> dict[str, Any] | None:
-    current = Rollouts(store).current(app.name)
+    current = store.current_rollout(app.name)
     return rollout_document(current) if current is not None else None
 
 

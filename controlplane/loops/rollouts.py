@@ -42,8 +42,7 @@ from controlplane.apps.profiler import WorkerClient
 from controlplane.apps.resolver import AppResolver
 from controlplane.apps.rollouts import DECISION_KIND
 from controlplane.clock import Clock
-from controlplane.db.rollouts import RolloutRecord, Rollouts
-from controlplane.db.store import InstanceRecord, Store
+from controlplane.db.store import InstanceRecord, RolloutRecord, Store
 from controlplane.errors import ControlPlaneError
 from controlplane.policies.disruption import DisruptionBudget
 from controlplane.policies.lifecycle import (
@@ -122,7 +121,6 @@ class RolloutLoop:
         self.provisioner = provisioner
         self.clock = clock
         self.meter = meter
-        self.rollouts = Rollouts(store)
         self.on_change = on_change
         self._routes: dict[str, CanaryRoute] = {}
 
@@ -170,7 +168,7 @@ class RolloutLoop:
         """The active rollouts and those that finished within :data:`RECENT_S` (their workers
         may still be ending; older ones' are the reconciler's to reap, rule 8)."""
         since = self.clock.utcnow() - timedelta(seconds=RECENT_S)
-        return [r for r in self.rollouts.list() if r.active or r.updated_at >= since]
+        return [r for r in self.store.list_rollouts() if r.active or r.updated_at >= since]
 
     def _set_routes(self, routes: dict[str, CanaryRoute]) -> None:
         for app in set(self._routes) - set(routes):
@@ -207,12 +205,12 @@ class RolloutLoop:
                     rollout, RolloutState.ROLLED_BACK, breach, {"pre_traffic": measured}
                 )
                 return None, moved.reason
-            rollout = self.rollouts.move(
+            rollout = self.store.move_rollout(
                 rollout,
                 figures={**rollout.figures, "pre_traffic": measured},
             )
             self._decide(rollout, _alone_text(measured), {"pre_traffic": measured})
-            rollout = self.rollouts.move(
+            rollout = self.store.move_rollout(
                 rollout,
                 state=RolloutState.RUNNING.value,
                 new_step=True,
@@ -249,7 +247,7 @@ class RolloutLoop:
         }
         verdict, reason = judgement.verdict, judgement.reason
         if verdict == Verdict.HOLD:
-            self.rollouts.move(rollout, figures=stored, reason=f"holding: {reason}")
+            self.store.move_rollout(rollout, figures=stored, reason=f"holding: {reason}")
             return _route(rollout), ""
         if verdict == Verdict.ROLL_BACK:
             moved = self._finish(
@@ -261,7 +259,7 @@ class RolloutLoop:
             return None, moved.reason
         if verdict == Verdict.PROMOTE:
             nxt = rollout.step_index + 1
-            moved = self.rollouts.move(
+            moved = self.store.move_rollout(
                 rollout,
                 step_index=nxt,
                 new_step=True,
@@ -306,7 +304,7 @@ class RolloutLoop:
                 return _full(rollout), ""
             end_workers(self.store, self.provisioner, going, _log, owner="rollout's handover")
             handover["ended"] = sorted(ended | {r.id for r in going})
-            self.rollouts.move(rollout, figures={**rollout.figures, "handover": handover})
+            self.store.move_rollout(rollout, figures={**rollout.figures, "handover": handover})
             return _full(rollout), f"ended {len(going)} instance(s) of the old version"
         replaced = [
             r for r in fleet if r.created_at > promoted_at and r.state == InstanceState.RUNNING
@@ -478,7 +476,7 @@ class RolloutLoop:
         reason: str,
         figures: dict[str, Any] | None = None,
     ) -> RolloutRecord:
-        moved = self.rollouts.move(rollout, state=state.value, reason=reason, figures=figures)
+        moved = self.store.move_rollout(rollout, state=state.value, reason=reason, figures=figures)
         self._decide(moved, reason, figures)
         return moved
 

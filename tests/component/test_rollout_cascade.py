@@ -23,7 +23,6 @@ import pytest
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.apps.rollouts import RolloutRequest, start_rollout
 from controlplane.clock import FakeClock, SystemClock
-from controlplane.db.rollouts import Rollouts
 from controlplane.db.store import Store
 from controlplane.errors import InvalidValueError
 from controlplane.loops.rollouts import RolloutLoop
@@ -146,7 +145,7 @@ def test_a_cascade_member_needs_validation_records(world: World) -> None:
         world.start(None)
     with pytest.raises(InvalidValueError, match="validation"):
         world.start({"format": "heteroplane.validation/v1", "labels": [1]})
-    assert Rollouts(world.store).list(APP) == []
+    assert world.store.list_rollouts(APP) == []
 
 
 def test_the_thresholds_are_re_derived_served_and_pinned(world: World) -> None:

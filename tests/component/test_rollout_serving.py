@@ -27,7 +27,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.apps.rollouts import RolloutRequest, start_rollout
 from controlplane.clock import FakeClock, SystemClock
-from controlplane.db.rollouts import Rollouts
 from controlplane.db.store import Store
 from controlplane.loops.rollouts import RolloutLoop
 from controlplane.policies.lifecycle import InstanceState
@@ -157,7 +156,7 @@ class World:
         return said
 
     def state(self, rollout_id: int) -> Any:
-        return Rollouts(self.store).get(APP, rollout_id)
+        return self.store.get_rollout(APP, rollout_id)
 
 
 @pytest.fixture
@@ -363,14 +362,14 @@ def test_a_restart_mid_rollout_resumes_at_its_step(world: World) -> None:
             # were counted by the process that died, so it holds until it has enough.
             world.clock.advance(11.0)
             assert await asyncio.to_thread(restarted.tick) == []
-            assert "only 0 queries answered" in Rollouts(store).get(APP, rid).reason
+            assert "only 0 queries answered" in store.get_rollout(APP, rid).reason
             ids = [f"r-{k}" for k in range(80)]
             before = new[0].requests
             await send(world, client, ids)
             assert new[0].requests - before == sum(routed_to_new(i, 0.5) for i in ids)
             (moved,) = [t.what for t in await asyncio.to_thread(restarted.tick)]
             assert moved.startswith("step 2 passed")
-            assert Rollouts(store).get(APP, rid).step_index == 2
+            assert store.get_rollout(APP, rid).step_index == 2
         finally:
             store.close()
 

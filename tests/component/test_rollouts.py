@@ -21,7 +21,6 @@ from fastapi.testclient import TestClient
 
 from controlplane.apps.resolver import AppResolver
 from controlplane.clock import FakeClock
-from controlplane.db.rollouts import Rollouts
 from controlplane.db.store import Store
 from controlplane.service.app import create_app
 from controlplane.settings import Settings
@@ -122,7 +121,7 @@ def test_the_life_cycle_of_a_rollout(world: World) -> None:
     # Persisted: a new store on the same database reads the same rollouts.
     fresh = Store.from_url(world.db_url)
     try:
-        assert [r.state for r in Rollouts(fresh).list(APP)] == ["aborted", "pending"]
+        assert [r.state for r in fresh.list_rollouts(APP)] == ["aborted", "pending"]
     finally:
         fresh.close()
 
@@ -150,7 +149,7 @@ def test_bad_input_is_a_one_line_4xx(
     assert answer.status_code == status, answer.text
     text = answer.json()["error"]["message"]
     assert message in text and "\n" not in text
-    assert Rollouts(world.store).list(APP) == []
+    assert world.store.list_rollouts(APP) == []
 
 
 def test_a_rollout_the_budget_cannot_pay_for_is_refused_with_the_amount(world: World) -> None:
@@ -163,7 +162,7 @@ def test_a_rollout_the_budget_cannot_pay_for_is_refused_with_the_amount(world: W
     message = answer.json()["error"]["message"]
     assert f"needs {PRICE:.4g} USD/hr of extra instances ({SMALL}=1)" in message
     assert f"together {2 * PRICE:.4g} USD/hr" in message
-    assert Rollouts(world.store).list(APP) == []
+    assert world.store.list_rollouts(APP) == []
     assert world.client.get(f"/v1/apps/{APP}/rollouts/1", headers=world.auth).status_code == 404
 
 
@@ -199,8 +198,8 @@ def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(tmp_path: P
 
         old = [running_row(f"wine-{n}") for n in (1, 2)]
         clock.advance(1.0)
-        rollouts = Rollouts(store)
-        rollout = rollouts.create(
+        rollouts = store
+        rollout = rollouts.create_rollout(
             APP,
             model="clf",
             artifact="wine-model",
@@ -211,9 +210,9 @@ def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(tmp_path: P
             who="test",
         )
         running_row(f"{rollout_request_prefix(APP, rollout.id)}{SMALL}-1")
-        rollout = rollouts.move(rollout, state="running")
+        rollout = rollouts.move_rollout(rollout, state="running")
         clock.advance(1.0)
-        rollouts.move(
+        rollouts.move_rollout(
             rollout,
             state="promoted",
             figures={"handover": {"ended": [], "promoted_at": clock.utcnow().isoformat()}},

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from controlplane.db.rollouts import Rollouts
 from tests.integration.test_dashboard_browser import (
     DRAW_DEADLINE_MS,
     TOY,
@@ -46,8 +45,8 @@ def test_the_rollout_panel_shows_state_and_figures_by_version(
             expect(panel).to_have_attribute("data-state", "empty", timeout=DRAW_DEADLINE_MS)
             expect(panel).to_contain_text("heteroplane rollout start --app toy")
 
-            rollouts = Rollouts(service.store)
-            started = rollouts.create(
+            rollouts = service.store
+            started = rollouts.create_rollout(
                 "toy",
                 model="m",
                 artifact="toy-model",
@@ -76,7 +75,7 @@ def test_the_rollout_panel_shows_state_and_figures_by_version(
                     },
                 }
             }
-            rollouts.move(
+            rollouts.move_rollout(
                 started,
                 state="rolled_back",
                 figures=figures,

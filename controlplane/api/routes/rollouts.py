@@ -26,7 +26,7 @@ from controlplane.apps.rollouts import (
     rollout_document,
     start_rollout,
 )
-from controlplane.db.rollouts import RolloutRecord, Rollouts
+from controlplane.db.store import RolloutRecord
 from controlplane.errors import NotFoundError
 from controlplane.policies.rollout import DEFAULT_INTERVAL_S, DEFAULT_STEPS, Thresholds
 from controlplane.serving.versions import VersionMeter
@@ -92,7 +92,7 @@ def start(app: AppName, body: RolloutIn, services: ServicesDep, who: Operator) -
 )
 def list_rollouts(app: AppName, services: ServicesDep, _who: Viewer) -> list[dict[str, Any]]:
     services.store.get_app(app)
-    return [_out(r) for r in Rollouts(services.store).list(app)]
+    return [_out(r) for r in services.store.list_rollouts(app)]
 
 
 @router.get(
@@ -103,11 +103,11 @@ def list_rollouts(app: AppName, services: ServicesDep, _who: Viewer) -> list[dic
 def get_rollout(
     app: AppName, rollout_id: RolloutId, services: ServicesDep, _who: Viewer
 ) -> dict[str, Any]:
-    return _out(Rollouts(services.store).get(app, rollout_id))
+    return _out(services.store.get_rollout(app, rollout_id))
 
 
 def _check_id(services: Any, app: str, rollout_id: int) -> None:
-    found = Rollouts(services.store).get(app, rollout_id)
+    found = services.store.get_rollout(app, rollout_id)
     if not found.active:
         raise NotFoundError("active rollout", rollout_id)
 
