@@ -291,16 +291,30 @@ def _fleet_text(fleet: dict[str, int]) -> str:
     return ", ".join(f"{t}={n}" for t, n in fleet.items())
 
 
-def _active(store: Store, app: str) -> RolloutRecord:
+def _active(store: Store, app: str, rollout_id: int | None) -> RolloutRecord:
+    """The app's active rollout (the one ``rollout_id`` names, when given); NotFoundError for
+    none (or when that one is over)."""
     store.get_app(app)  # NotFoundError for an unknown app first
-    found = store.list_rollouts(app, active=True)
-    if not found:
+    if rollout_id is not None:
+        found = store.get_rollout(app, rollout_id)
+        if not found.active:
+            raise NotFoundError("active rollout", rollout_id)
+        return found
+    active = store.list_rollouts(app, active=True)
+    if not active:
         raise NotFoundError("active rollout of app", app)
-    return found[-1]
+    return active[-1]
 
 
-def _move(store: Store, app: str, to_state: RolloutState, who: str, what: str) -> RolloutRecord:
-    rollout = _active(store, app)
+def _move(
+    store: Store,
+    app: str,
+    to_state: RolloutState,
+    who: str,
+    what: str,
+    rollout_id: int | None,
+) -> RolloutRecord:
+    rollout = _active(store, app, rollout_id)
     if rollout.state == to_state.value:
         raise ConflictError(f"rollout {rollout.id} of {app!r} is already {to_state.value}")
     if to_state == RolloutState.RUNNING and rollout.state != RolloutState.PAUSED:
@@ -316,22 +330,27 @@ def _move(store: Store, app: str, to_state: RolloutState, who: str, what: str) -
     return moved
 
 
-def pause_rollout(store: Store, app: str, *, who: str) -> RolloutRecord:
+def pause_rollout(
+    store: Store, app: str, *, who: str, rollout_id: int | None = None
+) -> RolloutRecord:
     """Hold the app's rollout where it is: traffic stays split, no judgement moves it."""
-    return _move(store, app, RolloutState.PAUSED, who, "paused")
+    return _move(store, app, RolloutState.PAUSED, who, "paused", rollout_id)
 
 
-def resume_rollout(store: Store, app: str, *, who: str) -> RolloutRecord:
+def resume_rollout(
+    store: Store, app: str, *, who: str, rollout_id: int | None = None
+) -> RolloutRecord:
     """Let a paused rollout's judgement go on (its step's clock keeps its start)."""
-    return _move(store, app, RolloutState.RUNNING, who, "resumed")
+    return _move(store, app, RolloutState.RUNNING, who, "resumed", rollout_id)
 
 
-def abort_rollout(store: Store, app: str, *, who: str) -> RolloutRecord:
+def abort_rollout(
+    store: Store, app: str, *, who: str, rollout_id: int | None = None
+) -> RolloutRecord:
     """End the app's rollout: every query back on the old version at once; the rollout loop
     ends its extra instances."""
-    return _move(
-        store, app, RolloutState.ABORTED, who, "aborted: all traffic back on the old version"
-    )
+    what = "aborted: all traffic back on the old version"
+    return _move(store, app, RolloutState.ABORTED, who, what, rollout_id)
 
 
 def rollout_document(rollout: RolloutRecord) -> dict[str, Any]:

@@ -20,20 +20,13 @@ import httpx
 import numpy as np
 import pytest
 
-from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.apps.rollouts import RolloutRequest, start_rollout
-from controlplane.clock import FakeClock, SystemClock
-from controlplane.db.store import Store
 from controlplane.errors import InvalidValueError
-from controlplane.loops.rollouts import RolloutLoop
 from controlplane.policies.lifecycle import InstanceState
 from controlplane.policies.rollout import Thresholds, rollout_request_prefix
-from controlplane.service.app import create_app
-from controlplane.serving.loop import ServingLoop, ServingSettings
-from controlplane.serving.workers import StaticInstances, WorkerEndpoint
-from controlplane.settings import Settings
-from provisioners.artifacts import FAMILY_SIGNATURE
-from tests.component.test_rollout_serving import Addressed, fleet, row, run
+from controlplane.serving.workers import WorkerEndpoint
+from tests.component import test_rollout_serving as serving_tests
+from tests.component.test_rollout_serving import fleet, row, run
 
 SMALL = "emu.cpu.small"
 APP = "digits"
@@ -69,28 +62,10 @@ def records(tiny_right_from: float = 0.65) -> dict[str, Any]:
     }
 
 
-class World:
+class World(serving_tests.World):
+    """The cascade app over the rollout tests' world."""
+
     def __init__(self, tmp_path: Path) -> None:
-        data_dir = tmp_path / "data"
-        data_dir.mkdir()
-        lines = ["model,instance_type,batch_size,sample,infer_ms,load_ms"]
-        for model, ms in (("tiny", 1.0), ("large", 4.0)):
-            for b in (1, 2, 4, 8, 16, 32):
-                lines += [f"{model},{SMALL},{b},{i},{ms + 0.01 * b:.4f},0" for i in range(3)]
-        (data_dir / "profiles.csv").write_text("\n".join(lines) + "\n")
-        (data_dir / "validation.json").write_text(json.dumps(records(0.4)))
-        self.clock = FakeClock()
-        settings = Settings(data_dir=data_dir, provisioner="fake")
-        self.store = Store.from_url(settings.database_url, self.clock, upgrade=True)
-        for name in ("digits-tiny", "digits-large"):
-            for version in (1, 2):
-                self.store.add_model_version(
-                    name, version, "onnx", SHA, 10, FAMILY_SIGNATURE, f"file:///{name}/{version}"
-                )
-        self.token = self.store.create_token("admin", name="admin")
-        self.resolver = AppResolver(
-            data_dir, artifacts=self.store.get_model_version, measured=self.store.get_app_profiles
-        )
         spec = {
             "name": APP,
             "models": [
@@ -104,27 +79,8 @@ class World:
             "budget_usd_per_hr": 5,
             "instance_types": [SMALL],
         }
-        self.store.create_app(spec_document(self.resolver.check(spec).spec), who="test")
-        self.instances = StaticInstances()
-        self.serving = ServingLoop(
-            self.store,
-            self.resolver,
-            self.instances,
-            clock=SystemClock(),
-            settings=ServingSettings(refresh_s=3600.0),
-        )
-        self.provider = Addressed()
-        self.rollouts = RolloutLoop(
-            self.store,
-            self.resolver,
-            self.provider,
-            self.clock,
-            self.serving.versions,
-            alone_calls=5,
-            alone_warmup=1,
-        )
-        self.serving.routes = self.rollouts.route
-        self.app = create_app(settings, self.store, self.clock, serving=self.serving)
+        files = {"validation.json": json.dumps(records(0.4))}
+        super().__init__(tmp_path, spec, {"tiny": 1.0, "large": 4.0}, files)
 
     def start(self, validation: dict[str, Any] | None) -> Any:
         request = RolloutRequest(

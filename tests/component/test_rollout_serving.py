@@ -68,38 +68,58 @@ def row(klass: int) -> list[float]:
     return [float(klass), 16.0 * 0.9] + [0.0] * 62
 
 
-def write_profiles(folder: Path) -> None:
+def write_profiles(folder: Path, models: Mapping[str, float]) -> None:
+    """Profiles of ``models`` (name -> latency at batch size 1, ms) on :data:`SMALL`."""
     lines = ["model,instance_type,batch_size,sample,infer_ms,load_ms"]
-    for b in (1, 2, 4, 8, 16, 32):
-        lines += [f"tiny,{SMALL},{b},{i},{1 + 0.01 * b:.4f},0" for i in range(3)]
+    for model, ms in models.items():
+        for b in (1, 2, 4, 8, 16, 32):
+            lines += [f"{model},{SMALL},{b},{i},{ms + 0.01 * b:.4f},0" for i in range(3)]
     (folder / "profiles.csv").write_text("\n".join(lines) + "\n")
 
 
 class World:
-    def __init__(self, tmp_path: Path) -> None:
+    """The store with the app (``spec``: its models, each ``digits-<model>`` versions 1 and 2
+    in the registry, version 1 served), the serving loop and API over static workers, the
+    rollout loop over :class:`Addressed`; ``files`` are written to the data directory first."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        spec: Mapping[str, Any] | None = None,
+        profiles: Mapping[str, float] | None = None,
+        files: Mapping[str, str] | None = None,
+    ) -> None:
         data_dir = tmp_path / "data"
         data_dir.mkdir()
-        write_profiles(data_dir)
+        write_profiles(data_dir, profiles or {"tiny": 1.0})
+        for name, text in (files or {}).items():
+            (data_dir / name).write_text(text)
         self.clock = FakeClock()
         settings = Settings(data_dir=data_dir, provisioner="fake")
         self.database_url = settings.database_url
         self.store = Store.from_url(settings.database_url, self.clock, upgrade=True)
-        for version in (1, 2):
-            self.store.add_model_version(
-                "digits-tiny", version, "onnx", SHA, 10, FAMILY_SIGNATURE, f"file:///r/{version}"
-            )
+        if spec is None:
+            spec = {
+                "name": APP,
+                "models": [
+                    {"name": "tiny", "profiles": "profiles.csv", "artifact": "digits-tiny@1"}
+                ],
+                # Generous: a good version on a loaded machine stays within it (no timing
+                # asserts).
+                "slo": {"latency_ms": 5000},
+                "budget_usd_per_hr": 5,
+                "instance_types": [SMALL],
+            }
+        for model in spec["models"]:
+            for version in (1, 2):
+                name = f"digits-{model['name']}"
+                self.store.add_model_version(
+                    name, version, "onnx", SHA, 10, FAMILY_SIGNATURE, f"file:///{name}/{version}"
+                )
         self.token = self.store.create_token("admin", name="admin")
         self.resolver = AppResolver(
             data_dir, artifacts=self.store.get_model_version, measured=self.store.get_app_profiles
         )
-        spec = {
-            "name": APP,
-            "models": [{"name": "tiny", "profiles": "profiles.csv", "artifact": "digits-tiny@1"}],
-            # Generous: a good version on a loaded machine stays within it (no timing asserts).
-            "slo": {"latency_ms": 5000},
-            "budget_usd_per_hr": 5,
-            "instance_types": [SMALL],
-        }
         self.store.create_app(spec_document(self.resolver.check(spec).spec), who="test")
         self.instances = StaticInstances()
         self.serving = ServingLoop(

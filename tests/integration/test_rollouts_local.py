@@ -93,6 +93,33 @@ class Client(threading.Thread):
                 k += 1
 
 
+def _serve(
+    service: Service,
+    models: list[str],
+    profiles: Path,
+    cascade: dict[str, Any] | None = None,
+) -> None:
+    """The app of ``models`` (version 1 of each; a cascade of them in that order with
+    ``cascade``'s fields), a plan of one worker per model (batch cap 4, fcfs), applied, and its
+    workers running."""
+    spec: dict[str, Any] = {
+        "name": APP,
+        "models": [{"name": n, "artifact": f"{n}@1", "profiles": str(profiles)} for n in models],
+        "slo": {"latency_ms": 2000},
+        "budget_usd_per_hr": 1.0,
+        "instance_types": [TYPE],
+    }
+    if cascade is not None:
+        spec |= {"cascade": list(models), **cascade}
+    service.store.create_app(spec, who="test")
+    stages = [{"name": n, "fleet": {TYPE: 1}, "batch_size": 4, "policy": "fcfs"} for n in models]
+    plan = service.store.create_plan(
+        APP, {"feasible": True, "cost_usd_per_hr": 0.1 * len(models), "stages": stages}
+    )
+    service.store.apply_plan(APP, plan.id)
+    launch_fleet(service, APP, len(models))
+
+
 def _wait_rollout(capsys: pytest.CaptureFixture[str], done: Any) -> dict[str, Any]:
     deadline = time.monotonic() + DEADLINE_S
     while True:
@@ -120,32 +147,7 @@ def test_promote_roll_back_on_latency_and_on_agreement_in_shadow(
         for path in (model, model, _wrong(model)):
             _cli(capsys, "model", "push", MODEL, str(path))
         store = service.store
-        store.create_app(
-            {
-                "name": APP,
-                "models": [
-                    {
-                        "name": MODEL,
-                        "artifact": f"{MODEL}@1",
-                        "profiles": str(profile_file(tmp_path)),
-                    }
-                ],
-                "slo": {"latency_ms": 2000},
-                "budget_usd_per_hr": 1.0,
-                "instance_types": [TYPE],
-            },
-            who="test",
-        )
-        plan = store.create_plan(
-            APP,
-            {
-                "feasible": True,
-                "cost_usd_per_hr": 0.1,
-                "stages": [{"name": MODEL, "fleet": {TYPE: 1}, "batch_size": 4, "policy": "fcfs"}],
-            },
-        )
-        store.apply_plan(APP, plan.id)
-        launch_fleet(service, APP, 1)
+        _serve(service, [MODEL], profile_file(tmp_path))
         client = Client(url, infer)
         client.start()
         try:
@@ -275,34 +277,7 @@ def test_a_cascade_member_rollout_re_derives_the_thresholds(
         for name, path in (("tok-a", model), ("tok-b", model), ("tok-a", wrong)):
             _cli(capsys, "model", "push", name, str(path))
         store = service.store
-        store.create_app(
-            {
-                "name": APP,
-                "models": [
-                    {"name": n, "artifact": f"{n}@1", "profiles": str(profiles)}
-                    for n in ("tok-a", "tok-b")
-                ],
-                "cascade": ["tok-a", "tok-b"],
-                "thresholds": [0.5],
-                "slo": {"latency_ms": 2000},
-                "budget_usd_per_hr": 1.0,
-                "instance_types": [TYPE],
-            },
-            who="test",
-        )
-        plan = store.create_plan(
-            APP,
-            {
-                "feasible": True,
-                "cost_usd_per_hr": 0.2,
-                "stages": [
-                    {"name": n, "fleet": {TYPE: 1}, "batch_size": 4, "policy": "fcfs"}
-                    for n in ("tok-a", "tok-b")
-                ],
-            },
-        )
-        store.apply_plan(APP, plan.id)
-        launch_fleet(service, APP, 2)
+        _serve(service, ["tok-a", "tok-b"], profiles, cascade={"thresholds": [0.5]})
         client = Client(url, infer)
         client.start()
         try:

@@ -9,7 +9,7 @@ cannot pay for is a 409 naming what it needs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path
@@ -27,7 +27,6 @@ from controlplane.apps.rollouts import (
     start_rollout,
 )
 from controlplane.db.store import RolloutRecord
-from controlplane.errors import NotFoundError
 from controlplane.policies.rollout import DEFAULT_INTERVAL_S, DEFAULT_STEPS, Thresholds
 from controlplane.serving.versions import VersionMeter
 
@@ -106,46 +105,33 @@ def get_rollout(
     return _out(services.store.get_rollout(app, rollout_id))
 
 
-def _check_id(services: Any, app: str, rollout_id: int) -> None:
-    found = services.store.get_rollout(app, rollout_id)
-    if not found.active:
-        raise NotFoundError("active rollout", rollout_id)
+# The moves a caller asks for: the use case and the route's summary.
+_MOVES: dict[str, tuple[Callable[..., RolloutRecord], str]] = {
+    "abort": (abort_rollout, "Abort the rollout: all traffic back on the old version at once"),
+    "pause": (pause_rollout, "Pause the rollout where it is"),
+    "resume": (resume_rollout, "Resume a paused rollout"),
+}
 
 
-@router.post(
-    "/apps/{app}/rollouts/{rollout_id}/abort",
-    summary="Abort the rollout: all traffic back on the old version at once (operator)",
-    responses=errors(401, 403, 404, 409, 422),
-)
-def abort(
-    app: AppName, rollout_id: RolloutId, services: ServicesDep, who: Operator
-) -> dict[str, Any]:
-    _check_id(services, app, rollout_id)
-    return _out(abort_rollout(services.store, app, who=who.name))
+def _move_route(move: Callable[..., RolloutRecord]) -> Callable[..., dict[str, Any]]:
+    def route(
+        app: AppName, rollout_id: RolloutId, services: ServicesDep, who: Operator
+    ) -> dict[str, Any]:
+        return _out(move(services.store, app, who=who.name, rollout_id=rollout_id))
+
+    return route
 
 
-@router.post(
-    "/apps/{app}/rollouts/{rollout_id}/pause",
-    summary="Pause the rollout where it is (operator)",
-    responses=errors(401, 403, 404, 409, 422),
-)
-def pause(
-    app: AppName, rollout_id: RolloutId, services: ServicesDep, who: Operator
-) -> dict[str, Any]:
-    _check_id(services, app, rollout_id)
-    return _out(pause_rollout(services.store, app, who=who.name))
-
-
-@router.post(
-    "/apps/{app}/rollouts/{rollout_id}/resume",
-    summary="Resume a paused rollout (operator)",
-    responses=errors(401, 403, 404, 409, 422),
-)
-def resume(
-    app: AppName, rollout_id: RolloutId, services: ServicesDep, who: Operator
-) -> dict[str, Any]:
-    _check_id(services, app, rollout_id)
-    return _out(resume_rollout(services.store, app, who=who.name))
+for _action, (_move, _summary) in _MOVES.items():
+    router.add_api_route(
+        f"/apps/{{app}}/rollouts/{{rollout_id}}/{_action}",
+        _move_route(_move),
+        methods=["POST"],
+        name=f"{_action}_rollout",
+        summary=f"{_summary} (operator); 404 when it is not active, 409 when its state does not"
+        " allow the move",
+        responses=errors(401, 403, 404, 409, 422),
+    )
 
 
 class RolloutCollector:
