@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 
 from benchmarks.bad_queries import MODEL, TOKENS, VOCABULARY, export_model, profile_file
+from controlplane.cli import main
 from controlplane.service.build import Service
 from tests.integration.conftest import ApiServer, launch_fleet
 from tests.integration.test_byom import _cli, service
@@ -148,6 +149,19 @@ def test_promote_roll_back_on_latency_and_on_agreement_in_shadow(
             _cli(capsys, "model", "push", MODEL, str(path))
         store = service.store
         _serve(service, [MODEL], profile_file(tmp_path))
+        # Bad input through the CLI: one line, exit 2 (the server's 4xx message).
+        for argv, message in (
+            (["status", "--app", APP], f"app {APP!r} has no rollout"),
+            (["start", "--app", APP, "--model", f"{MODEL}@1"], f"already serves {MODEL}@1"),
+            (["start", "--app", APP, "--model", f"{MODEL}@9"], f"no model '{MODEL}@9'"),
+            (["abort", "--app", APP], f"app {APP!r} has no rollout"),
+        ):
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exited:
+                main(["rollout", *argv])
+            assert exited.value.code == 2, argv
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and message in err[0], (argv, err)
         client = Client(url, infer)
         client.start()
         try:
