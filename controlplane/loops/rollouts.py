@@ -186,12 +186,16 @@ class RolloutLoop:
         if rollout.state == RolloutState.PROMOTED:
             return self._handover(rollout, rows)
         rows = self._ensure_workers(rollout, rows)
-        if any(r.state == InstanceState.FAILED for r in rows):
-            failed = [r.instance_type for r in rows if r.state == InstanceState.FAILED]
+        ended = [r for r in rows if r.state not in LIVE_STATES]
+        if ended:
+            # Failed to start or lost; or ended by someone else (the budget guard, app down, the
+            # reconciler's reaping after the loop stopped touching it): never launched again
+            # under its request id, so the rollout cannot go on.
+            what = ", ".join(f"{r.instance_type} {r.state}" for r in ended)
             moved = self._finish(
                 rollout,
                 RolloutState.ROLLED_BACK,
-                f"rolled back: a worker of the new version failed to start ({', '.join(failed)})",
+                f"rolled back: a worker of the new version ended ({what})",
             )
             return None, moved.reason
         self.store.touch_instances([r.id for r in rows])

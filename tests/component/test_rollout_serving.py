@@ -394,3 +394,17 @@ def test_a_restart_mid_rollout_resumes_at_its_step(world: World) -> None:
             store.close()
 
     scenario(world, body)
+
+
+def test_a_worker_ended_by_someone_else_rolls_the_rollout_back(world: World) -> None:
+    """The budget guard, ``app down`` or the reconciler's reaping may end a rollout's worker;
+    it is never launched again under its request id, so the rollout rolls back."""
+    rid = world.start()
+    world.rollouts.tick()
+    prefix = rollout_request_prefix(APP, rid)
+    (row,) = [r for r in world.store.list_instances(APP) if r.request_id.startswith(prefix)]
+    world.store.transition_instance(row.id, InstanceState.TERMINATING.value, reason="drained")
+    world.store.transition_instance(row.id, InstanceState.TERMINATED.value, reason="gone")
+    (said,) = [t.what for t in world.rollouts.tick()]
+    assert said == f"rolled back: a worker of the new version ended ({SMALL} terminated)"
+    assert world.state(rid).state == "rolled_back" and world.rollouts.route(APP) is None
