@@ -136,8 +136,11 @@ class RolloutLoop:
         for rollout in self._current():
             try:
                 route, what = self._one(rollout)
-            except ControlPlaneError as error:  # the next tick tries again; traffic stays
-                logger.warning("rollout %s of %s: %s", rollout.id, rollout.app, error)
+            except Exception as error:  # the next tick tries again; traffic stays
+                if isinstance(error, ControlPlaneError):
+                    logger.warning("rollout %s of %s: %s", rollout.id, rollout.app, error)
+                else:  # a bug: logged whole, and the other apps' rollouts go on
+                    logger.exception("rollout %s of %s", rollout.id, rollout.app)
                 kept = self._routes.get(rollout.app)
                 if kept is not None and kept.rollout_id == rollout.id:
                     routes[rollout.app] = kept
@@ -372,12 +375,18 @@ class RolloutLoop:
             address = addresses.get(row.provider_id or "")
             if address is None:
                 continue
+            try:
+                batches = [
+                    random_inputs(version.signature, 1, rng)
+                    for _ in range(self.alone_warmup + self.alone_calls)
+                ]
+            except (ValueError, TypeError) as error:  # a signature random inputs cannot fill
+                return {"measured": False, "reason": f"no random inputs: {error}"}, None
             client = WorkerClient(with_port(address, self.worker_port))
             try:
-                samples = [
-                    client.infer_ms(rollout.model, random_inputs(version.signature, 1, rng))
-                    for _ in range(self.alone_warmup + self.alone_calls)
-                ][self.alone_warmup :]
+                samples = [client.infer_ms(rollout.model, batch) for batch in batches][
+                    self.alone_warmup :
+                ]
             except (OSError, http.client.HTTPException, ControlPlaneError) as error:
                 reason = f"rolled back before traffic: the new version's worker failed: {error}"
                 return {"measured": True, "workers": by_worker}, reason
