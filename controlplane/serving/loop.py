@@ -232,6 +232,7 @@ class ServingLoop:
         # app -> (rollout id, the dispatcher of the rollout's workers): controlplane.serving.canary.
         self._canaries: dict[str, tuple[int, AppDispatcher]] = {}
         self._request_ids = itertools.count()
+        self._canary_lock = asyncio.Lock()
         self._dispatchers: dict[str, AppDispatcher] = {}
         self._snapshots: dict[str, AppStatus] = {}
         self._warned: dict[str, str] = {}  # app -> the refresh problem last logged
@@ -257,6 +258,7 @@ class ServingLoop:
             raise RuntimeError("the serving loop is already running")
         gc.collect()
         gc.freeze()
+        self._canary_lock = asyncio.Lock()  # of this event loop
         self._running = True
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
 
@@ -336,9 +338,17 @@ class ServingLoop:
         found = self._canaries.get(app)
         if found is not None and found[0] == rollout_id:
             return found[1]
-        if found is not None:
-            del self._canaries[app]
-            await found[1].close()
+        async with self._canary_lock:  # the first query makes it; the others wait and use it
+            found = self._canaries.get(app)
+            if found is not None and found[0] == rollout_id:
+                return found[1]
+            if found is not None:
+                del self._canaries[app]
+                await found[1].close()
+            return await self._make_canary(app, route)
+
+    async def _make_canary(self, app: str, route: CanaryRoute) -> AppDispatcher:
+        rollout_id = route.rollout_id
         config = await asyncio.to_thread(load_config, self.store, self.resolver, app)
         if route.thresholds is not None:
             cascade = Cascade(config.cascade.models, route.thresholds)
