@@ -36,8 +36,10 @@ import pytest
 
 from benchmarks.bad_queries import MODEL, TOKENS, VOCABULARY, export_model, profile_file
 from controlplane.cli import main
-from controlplane.service.build import Service
-from tests.integration.conftest import ApiServer, launch_fleet
+from controlplane.service.build import Service, build_service
+from controlplane.settings import Settings
+from provisioners.local import LocalProvisioner
+from tests.integration.conftest import ApiServer, launch_fleet, stop_every_worker
 from tests.integration.test_byom import _cli, service
 
 __all__ = ["service"]  # the fixture, imported for this module's tests
@@ -316,3 +318,72 @@ def test_a_cascade_member_rollout_re_derives_the_thresholds(
             client.stop.set()
             client.join(timeout=60.0)
     assert client.statuses[200] > 0 and set(client.statuses) == {200}, client.statuses
+
+
+@pytest.mark.slow  # two services one after the other, three worker processes
+def test_a_restart_mid_rollout_resumes_where_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The service is stopped while a rollout is at its first step and a new one started on the
+    same data directory (the local workers, the fleet's and the rollout's, outlive it as they
+    outlive any restart): the new service's loop picks the rollout up at the step the database
+    says, with the same workers (none launched again), and promotes it; every query sent to
+    either service is answered."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    model = export_model(tmp_path)
+    first = build_service(Settings(data_dir=data_dir, provisioner="local", reconcile_s=0.5))
+    provisioner = first.provisioner
+    statuses: Counter[int] = Counter()
+    try:
+        admin = first.store.create_token("admin", name="operator")
+        infer = first.store.create_token("infer", name="client")
+        with ApiServer(first) as url:
+            monkeypatch.setenv("HETEROPLANE_URL", url)
+            monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
+            for path in (model, model):
+                _cli(capsys, "model", "push", MODEL, str(path))
+            _serve(first, [MODEL], profile_file(tmp_path))
+            client = Client(url, infer)
+            client.start()
+            try:
+                # A long interval: the first step is still going when the service stops.
+                started = _cli(
+                    capsys, "rollout", "start", "--app", APP, "--model", f"{MODEL}@2",
+                    "--steps", "50,100", "--interval-s", "3", "--min-queries", "5",
+                )  # fmt: skip
+                running = _wait_rollout(capsys, lambda s: s["state"] == "running")
+                assert running["step_index"] == 0
+            finally:
+                client.stop.set()
+                client.join(timeout=60.0)
+                statuses.update(client.statuses)
+        first.close()
+        prefix = f"profile:rollout-{APP}-{started['id']}-"
+        second = build_service(Settings(data_dir=data_dir, provisioner="local", reconcile_s=0.5))
+        provisioner = second.provisioner
+        try:
+            with ApiServer(second) as url:
+                monkeypatch.setenv("HETEROPLANE_URL", url)
+                client = Client(url, infer)
+                client.start()
+                try:
+                    done = _wait_rollout(capsys, lambda s: s["state"] != "running")
+                    assert done["state"] == "promoted", done
+                    assert done["id"] == started["id"]
+                finally:
+                    client.stop.set()
+                    client.join(timeout=60.0)
+                    statuses.update(client.statuses)
+            rows = [r for r in second.store.list_instances(APP) if r.request_id.startswith(prefix)]
+            assert len(rows) == 1, rows  # the same worker, not launched again
+            reasons = [d.reason for d in second.store.list_decisions(APP, kinds=["rollout"])]
+            assert sum("workers of the new version running" in r for r in reasons) == 1, reasons
+        finally:
+            stop_every_worker(second.provisioner)
+            second.close()
+    except BaseException:
+        if isinstance(provisioner, LocalProvisioner):
+            stop_every_worker(provisioner)
+        raise
+    assert statuses[200] > 0 and set(statuses) == {200}, statuses
