@@ -62,6 +62,7 @@ from controlplane.policies.rollout import (
 from controlplane.serving.versions import CanaryRoute, VersionMeter
 from controlplane.serving.workers import DEFAULT_WORKER_PORT
 from estimator.errors import EstimatorError
+from estimator.profiles import PROFILE_FORMAT
 from provisioners.base import APP_TAG, Provisioner, with_port
 from provisioners.errors import ProvisionerError
 
@@ -276,11 +277,11 @@ class RolloutLoop:
             self._decide(moved, moved.reason, stored)
             return _route(moved), moved.reason
         # COMPLETE: the app serves the new version from now on.
-        self._pin(rollout)
+        profiles = self._pin(rollout)
         moved = self._finish(
             rollout,
             RolloutState.PROMOTED,
-            f"promoted: {reason}; {old_label} instances drain",
+            f"promoted: {reason}; {old_label} instances drain{profiles}",
             {**stored, "handover": {"ended": [], "promoted_at": self.clock.utcnow().isoformat()}},
         )
         return _full(moved), moved.reason
@@ -352,12 +353,15 @@ class RolloutLoop:
     def _measure_alone(
         self, rollout: RolloutRecord, rows: list[InstanceRecord]
     ) -> tuple[dict[str, Any], str | None]:
-        """Before any traffic: the new version timed alone on each of its workers
-        (``alone_warmup`` + ``alone_calls`` calls of one random sample of its
-        signature, as ``profile run`` times the serving path), next to the old version's
-        profile on the type. A worker whose P99 alone is over the rollout's latency limit, or
-        that refuses the calls, rolls the rollout back before traffic moves (the reason, else
-        None). Workers whose address the provider does not give are left unmeasured."""
+        """Before any traffic: the new version timed alone on each of its workers, as
+        ``profile run`` times the serving path (``alone_warmup`` + ``alone_calls`` calls of
+        random inputs of its signature, over the Open Inference Protocol): at batch size 1
+        first, next to the old version's profile on the type, then at each batch size of that
+        profile (its measured profile per type, ``profiles``, which the app's measured profiles
+        take at promotion). A worker whose P99 alone at batch size 1 is over the rollout's
+        latency limit, or that refuses the calls, rolls the rollout back before traffic moves
+        (the reason, else None). Workers whose address the provider does not give are left
+        unmeasured."""
         settings = rollout.settings
         limit_ms = Thresholds(**settings.get("thresholds", {})).p99_limit_ms(
             float(settings.get("slo_ms", math.inf))
@@ -371,41 +375,55 @@ class RolloutLoop:
         resolved = self.resolver.resolve(self.store.get_app(rollout.app).spec, check_budget=False)
         rng = np.random.default_rng(rollout.id)
         by_worker: dict[str, Any] = {}
+        profiles: dict[str, dict[str, Any]] = {}  # instance type -> its profile entry
+        measured: dict[str, Any] = {"measured": False, "workers": by_worker, "limit_ms": limit_ms}
         for row in rows:
             address = addresses.get(row.provider_id or "")
             if address is None:
                 continue
             try:
-                batches = [
-                    random_inputs(version.signature, 1, rng)
-                    for _ in range(self.alone_warmup + self.alone_calls)
-                ]
-            except (ValueError, TypeError) as error:  # a signature random inputs cannot fill
-                return {"measured": False, "reason": f"no random inputs: {error}"}, None
+                old = resolved.profile(rollout.model, row.instance_type)
+            except (LookupError, EstimatorError):
+                old = None
+            sizes = [1] + [int(b) for b in (old.batch_sizes if old is not None else ()) if b > 1]
             client = WorkerClient(with_port(address, self.worker_port))
+            cells: list[list[float]] = []
             try:
-                samples = [client.infer_ms(rollout.model, batch) for batch in batches][
-                    self.alone_warmup :
-                ]
+                for batch_size in sizes:
+                    batches = [
+                        random_inputs(version.signature, batch_size, rng)
+                        for _ in range(self.alone_warmup + self.alone_calls)
+                    ]
+                    timed = [client.infer_ms(rollout.model, batch) for batch in batches]
+                    cells.append(timed[self.alone_warmup :])
+                    if batch_size == 1 and float(np.percentile(cells[0], 99)) > limit_ms:
+                        break  # over the limit already: the other sizes do not matter
+            except (ValueError, TypeError) as error:  # a signature random inputs cannot fill
+                return {**measured, "reason": f"no random inputs: {error}"}, None
             except (OSError, http.client.HTTPException, ControlPlaneError) as error:
                 reason = f"rolled back before traffic: the new version's worker failed: {error}"
-                return {"measured": True, "workers": by_worker}, reason
+                return {**measured, "measured": True}, reason
             finally:
                 client.close()
-            try:
-                old_ms: float | None = resolved.profile(
-                    rollout.model, row.instance_type
-                ).mean_latency_ms(1)
-            except (LookupError, EstimatorError):
-                old_ms = None
+            single = cells[0]
             by_worker[row.id] = {
                 "instance_type": row.instance_type,
-                "p99_ms": float(np.percentile(samples, 99)),
-                "mean_ms": float(np.mean(samples)),
-                "calls": len(samples),
-                "old_profile_mean_ms": old_ms,
+                "p99_ms": float(np.percentile(single, 99)),
+                "mean_ms": float(np.mean(single)),
+                "calls": len(single),
+                "old_profile_mean_ms": old.mean_latency_ms(1) if old is not None else None,
             }
-        measured = {"measured": bool(by_worker), "workers": by_worker, "limit_ms": limit_ms}
+            if len(cells) == len(sizes):
+                profiles.setdefault(
+                    row.instance_type,
+                    {
+                        "model": rollout.model,
+                        "instance_type": row.instance_type,
+                        "batch_sizes": sizes,
+                        "latency_ms": cells,
+                    },
+                )
+        measured = {**measured, "measured": bool(by_worker), "profiles": list(profiles.values())}
         slowest = max(by_worker.values(), key=lambda w: w["p99_ms"], default=None)
         if slowest is not None and slowest["p99_ms"] > limit_ms:
             return measured, (
@@ -464,15 +482,36 @@ class RolloutLoop:
                     )
         return self._rows(rollout)
 
-    def _pin(self, rollout: RolloutRecord) -> None:
-        """The app's spec names the new version (registering pinned the old one)."""
+    def _pin(self, rollout: RolloutRecord) -> str:
+        """The app's spec names the new version (registering pinned the old one); the app's
+        measured profiles of the model take the new version's, timed before traffic (what the
+        planner and the tuner read from now on), unless the spec names a profiles file for it.
+        What happened to the profiles, in words."""
         record = self.store.get_app(rollout.app)
         spec = dict(record.spec)
         models = [dict(m) for m in spec["models"]]
+        profiles_file = None
         for model in models:
             if model.get("name") == rollout.model:
                 model["artifact"] = f"{rollout.artifact}@{rollout.to_version}"
+                profiles_file = model.get("profiles")
         spec["models"] = models
+        measured = (rollout.figures.get("pre_traffic") or {}).get("profiles") or []
+        said = ""
+        if measured and profiles_file is None:
+            types = {p["instance_type"] for p in measured}
+            document = dict(self.store.get_app_profiles(rollout.app) or {})
+            kept = [
+                p
+                for p in document.get("profiles", [])
+                if not (p.get("model") == rollout.model and p.get("instance_type") in types)
+            ]
+            document = {"format": PROFILE_FORMAT, **document, "profiles": kept + measured}
+            self.store.put_app_profiles(rollout.app, document)
+            said = f"; the app's profiles of {rollout.model} on {', '.join(sorted(types))} are now"
+            said += " the new version's (timed before traffic)"
+        elif measured:
+            said = f"; the spec's profiles file of {rollout.model} stays (profile run measures it)"
         cascade = rollout.settings.get("cascade")
         if cascade:  # the thresholds derived for the new version, and the records behind them
             spec["thresholds"] = list(cascade["thresholds"])
@@ -481,6 +520,7 @@ class RolloutLoop:
         self.resolver.invalidate(rollout.app)
         if self.on_change is not None:
             self.on_change(rollout.app)
+        return said
 
     def _finish(
         self,

@@ -408,3 +408,53 @@ def test_a_worker_ended_by_someone_else_rolls_the_rollout_back(world: World) -> 
     (said,) = [t.what for t in world.rollouts.tick()]
     assert said == f"rolled back: a worker of the new version ended ({SMALL} terminated)"
     assert world.state(rid).state == "rolled_back" and world.rollouts.route(APP) is None
+
+
+def test_promotion_gives_the_app_the_new_versions_measured_profiles(tmp_path: Path) -> None:
+    """A model served from the registry with measured profiles (no profiles file): the new
+    version, timed before traffic at the batch sizes of the app's profile, becomes what the
+    planner and the tuner read once it is promoted."""
+    spec = {
+        "name": APP,
+        "models": [{"name": "tiny", "artifact": "digits-tiny@1"}],
+        "slo": {"latency_ms": 5000},
+        "budget_usd_per_hr": 5,
+        "instance_types": [SMALL],
+    }
+    world = World(tmp_path, spec, profiles={})
+    old_profile = {
+        "model": "tiny",
+        "instance_type": SMALL,
+        "batch_sizes": [1, 2, 4],
+        "latency_ms": [[900.0, 901.0], [902.0, 903.0], [904.0, 905.0]],
+    }
+    world.store.put_app_profiles(
+        APP, {"format": "heteroplane.profiles/v1", "profiles": [old_profile]}
+    )
+    world.resolver.invalidate(APP)
+
+    async def body() -> None:
+        (new,) = await fleet()
+        rid = world.start(steps=(1.0,))
+        await world.workers_up(rid, [new])
+        route = world.rollouts.route(APP)
+        assert route is not None
+        for _ in range(10):  # the step's queries, as the serving loop records them
+            world.serving.versions.answered(APP, route, "digits-tiny@2", 1.0)
+        world.clock.advance(11.0)
+        (promoted,) = await world.tick()
+        assert promoted.endswith(
+            f"the app's profiles of tiny on {SMALL} are now the new version's (timed before"
+            " traffic)"
+        )
+
+    try:
+        run(body())
+        (profile,) = world.store.get_app_profiles(APP)["profiles"]
+        assert profile["batch_sizes"] == [1, 2, 4]
+        assert [len(cell) for cell in profile["latency_ms"]] == [5, 5, 5]
+        assert max(max(cell) for cell in profile["latency_ms"]) < 900.0  # the fake's, not old
+        resolved = world.resolver.resolve(world.store.get_app(APP).spec)
+        assert resolved.profile("tiny", SMALL).mean_latency_ms(1) < 900.0
+    finally:
+        world.store.close()
