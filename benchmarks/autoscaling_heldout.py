@@ -377,9 +377,7 @@ def tuner_options(
     if len(plan.stages) > 1:
         return {}, "inferline"
     stage = plan.stages[0]
-    ladder, options = replay_sizing(
-        app, stage, planning, kairos=stage.policy == "kairos", seed=PLAN_SEED
-    )
+    ladder, options = replay_sizing(app, stage, planning, dispatch=stage.policy, seed=PLAN_SEED)
     return options, "inferline" if ladder is None else "ladder"
 
 

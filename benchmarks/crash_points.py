@@ -62,9 +62,9 @@ from controlplane.apps.teardown import teardown_requested
 from controlplane.crashpoints import CRASH_AT_ENV, POINTS
 from controlplane.db.store import Store
 from controlplane.policies.lifecycle import KEPT_STATES, InstanceState, is_profile_worker
+from controlplane.provisioning import LOCAL_WORKERS_DIR
 from controlplane.registry.inspection import running_inspectors
 from controlplane.registry.registry import REGISTRY_DIR, STAGING_PREFIX
-from controlplane.service.provisioning import LOCAL_WORKERS_DIR
 from estimator.catalog import default_catalog
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 
 from controlplane.db.store import Store
-from controlplane.service.provisioning import (
+from controlplane.provisioning import (
     LOCAL_MODELS_DIR,
     LOCAL_PROFILE_FILE,
     LOCAL_WORKERS_DIR,

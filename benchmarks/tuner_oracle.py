@@ -142,9 +142,7 @@ def run_seed(
     if model == "curve":
         recent_s = LOAD_MODEL_RECENT_S
         stage = document.stages[0]
-        curve = capacity_curve(
-            app, stage.name, planning, kairos=stage.policy == "kairos", seed=seed
-        )
+        curve = capacity_curve(app, stage.name, planning, dispatch=stage.policy, seed=seed)
         log(f"  capacity curve {[(f, round(m, 3)) for f, m in curve]}")
     oracles = {cv2: Oracle(app, shape, seed) for cv2, shape in shapes.items()}
     rows = []

@@ -4,8 +4,9 @@ This module owns the spec's schema (:class:`AppSpec` with :class:`ModelSpec` and
 pydantic models: the spec is a trust boundary, and the API accepts the same document), reading it
 from a YAML or JSON file (:func:`load_spec`), and checking it against the data it names
 (:func:`resolve_spec`: the instance catalog and the latency profiles), which yields a
-:class:`ResolvedApp`. The contract is DESIGN.md section 4; every field is described in
-``docs/app-spec.md``.
+:class:`ResolvedApp`, and the limits every planner and scaler holds to, read from the spec in one
+place (:class:`PlanningConstraints`, ``ResolvedApp.constraints``). The contract is DESIGN.md
+section 4; every field is described in ``docs/app-spec.md``.
 
 Every problem is one :class:`SpecError` whose ``field`` is the path of the offending value
 (``slo.percentile``, ``models[1].name``, ``max_counts[g4dn.xlarge]``) and whose message is the one
@@ -33,7 +34,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -60,6 +61,7 @@ __all__ = [
     "MAX_BUDGET_USD_PER_HR",
     "AppSpec",
     "ModelSpec",
+    "PlanningConstraints",
     "ResolvedApp",
     "ResolvedArtifact",
     "SLOSpec",
@@ -606,6 +608,75 @@ class ResolvedArtifact:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanningConstraints:
+    """The limits an app's plans and fleets must hold to, derived once from its spec
+    (:attr:`ResolvedApp.constraints`) and passed to every consumer: the planner, the tuner's
+    config (live and replayed), INFaaS's autoscaler and the capacity re-planner. A field the
+    spec gains for planning is added here and read by whoever needs it, not copied by each.
+
+    ``slo_ms`` and ``percentile``: the latency SLO; ``stage_slo_ms`` is what the stages share
+    once the control plane's own time per query (``serving_overhead_ms``) is taken off.
+    ``budget_usd_per_hr``: a hard limit. ``instance_types``: the candidate types, in spec order.
+    ``max_counts``: the most instances of a type the app may run (only the capped types).
+    ``accuracy``: a cascade's accuracy floor (``None``: none).
+
+    >>> limits = PlanningConstraints(100.0, 99.0, 2.0, ("a", "b"), {"a": 3})
+    >>> limits.caps(["a", "b"]), limits.max_count("b"), limits.usable("a")
+    ({'a': 3}, None, True)
+    >>> limits.capped({"a": 5, "b": 0}).max_counts == {"a": 3, "b": 0}
+    True
+    """
+
+    slo_ms: float
+    percentile: float
+    budget_usd_per_hr: float
+    instance_types: tuple[str, ...]
+    max_counts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    serving_overhead_ms: float = 0.0
+    accuracy: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_counts", MappingProxyType(dict(self.max_counts)))
+
+    @classmethod
+    def of(cls, spec: AppSpec, serving_overhead_ms: float = 0.0) -> PlanningConstraints:
+        """The constraints ``spec`` states (with the measured ``serving_overhead_ms``)."""
+        return cls(
+            slo_ms=float(spec.slo.latency_ms),
+            percentile=float(spec.slo.percentile),
+            budget_usd_per_hr=float(spec.budget_usd_per_hr),
+            instance_types=tuple(spec.instance_types),
+            max_counts=dict(spec.max_counts or {}),
+            serving_overhead_ms=serving_overhead_ms,
+            accuracy=spec.slo.accuracy,
+        )
+
+    @property
+    def stage_slo_ms(self) -> float:
+        """The SLO the stages share: ``slo_ms`` less the control plane's own time per query."""
+        return self.slo_ms - self.serving_overhead_ms
+
+    def max_count(self, instance_type: str) -> int | None:
+        """The most instances of ``instance_type`` the app may run (``None``: no cap)."""
+        return self.max_counts.get(instance_type)
+
+    def caps(self, types: Iterable[str]) -> dict[str, int]:
+        """The caps of those of ``types`` that have one."""
+        return {t: n for t in types if (n := self.max_counts.get(t)) is not None}
+
+    def usable(self, instance_type: str) -> bool:
+        """Whether a plan may use ``instance_type``: a candidate whose cap is not 0."""
+        return instance_type in self.instance_types and self.max_counts.get(instance_type) != 0
+
+    def capped(self, caps: Mapping[str, int]) -> PlanningConstraints:
+        """These constraints with ``caps`` added (the lower cap where a type has both)."""
+        merged = dict(self.max_counts)
+        for name, cap in caps.items():
+            merged[name] = min(cap, merged.get(name, cap))
+        return dataclasses.replace(self, max_counts=merged)
+
+
+@dataclass(frozen=True, slots=True)
 class ResolvedApp:
     """An app spec checked against its catalog and profiles, with what they say loaded.
 
@@ -638,6 +709,33 @@ class ResolvedApp:
     unprofiled: Mapping[str, tuple[str, ...]] = dataclasses.field(
         default_factory=lambda: MappingProxyType({})
     )
+
+    @property
+    def constraints(self) -> PlanningConstraints:
+        """The limits plans and fleets of this app hold to (:class:`PlanningConstraints`)."""
+        return PlanningConstraints.of(self.spec, self.serving_overhead_ms)
+
+    def with_constraints(self, constraints: PlanningConstraints) -> ResolvedApp:
+        """This app planned under ``constraints`` instead of its spec's (the capacity
+        re-planner's tighter caps, a changed budget): the spec is updated to state them, so
+        every consumer reads the same limits from :attr:`constraints`."""
+        spec = self.spec.model_copy(
+            update={
+                "budget_usd_per_hr": constraints.budget_usd_per_hr,
+                "max_counts": dict(constraints.max_counts) or None,
+                "slo": self.spec.slo.model_copy(
+                    update={
+                        "latency_ms": constraints.slo_ms,
+                        "percentile": constraints.percentile,
+                        "accuracy": constraints.accuracy,
+                    }
+                ),
+                "instance_types": list(constraints.instance_types),
+            }
+        )
+        return dataclasses.replace(
+            self, spec=spec, serving_overhead_ms=constraints.serving_overhead_ms
+        )
 
     def certainty(self, model: str) -> str:
         """How a cascade reads ``model``'s certainty: ``margin`` or ``max_prob``."""

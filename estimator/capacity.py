@@ -2,9 +2,13 @@
 
 Kairos' metric (KAIROS_MATH.md, "The evaluation workload"): the highest Poisson arrival rate at
 which at least 99% of queries finish within QoS. It is found by bracketing and bisection over the
-rate, each probe one simulation. Probes share their randomness (common random numbers): one
-unit-rate Poisson sequence scaled by 1/rate, one set of batch sizes, one seed for service times,
-so attainment falls with the rate the way the fleet does, not the way the noise does.
+rate, each probe one simulation. The bisection is the one search for "the highest rate that
+meets the SLO" (:func:`highest_rate`, :func:`bisect_rate`, :func:`bracket_rate`): the planner's
+highest feasible rate, the gear planner's max sustainable QPS and the INFaaS study's saturation
+rate use it too, each with its own test of a rate. Probes share their randomness (common random
+numbers): one unit-rate Poisson sequence scaled by 1/rate, one set of batch sizes, one seed for
+service times, so attainment falls with the rate the way the fleet does, not the way the noise
+does.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import numpy as np
 
 from estimator.errors import SimulationError
 from estimator.oracle import oracle_throughput_qps
-from estimator.policies import full_range_types, policy_factory
+from estimator.policies import full_range_types, policy_class, policy_factory
 from estimator.profiles import LatencyProfile
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace
+from matching import registry
 
 TARGET_ATTAINMENT = 0.99
 
@@ -68,6 +73,84 @@ def attainment(
     return float(np.count_nonzero(result.response_ms <= qos_ms) / workload.batch_size.size)
 
 
+def bisect_rate(
+    meets: Callable[[float], bool],
+    low_qps: float,
+    high_qps: float,
+    *,
+    steps: int | None = None,
+    tolerance_qps: float | None = None,
+    rel_tol: float | None = None,
+) -> float:
+    """The highest rate found to meet by bisecting [``low_qps``, ``high_qps``], where ``low_qps``
+    meets (or is 0) and ``high_qps`` does not: halve the interval at its middle, keeping the
+    half whose ends still differ in ``meets``, for ``steps`` halvings, or until it is at most
+    ``tolerance_qps`` wide, or at most ``rel_tol`` times its upper end (exactly one of the
+    three). Returns the low end. ``meets`` must fall with the rate (a fleet's SLO attainment,
+    common random numbers) for the answer to be the boundary.
+
+    >>> round(bisect_rate(lambda r: r <= 3.3, 0.0, 8.0, steps=10), 3)
+    3.297
+    >>> bisect_rate(lambda r: r <= 3.3, 0.0, 8.0, tolerance_qps=1.0)
+    3.0
+    """
+    if sum(x is not None for x in (steps, tolerance_qps, rel_tol)) != 1:
+        raise ValueError("give exactly one of steps, tolerance_qps and rel_tol")
+    low, high = low_qps, high_qps
+    done = 0
+    while True:
+        if steps is not None and done >= steps:
+            return low
+        if tolerance_qps is not None and high - low <= tolerance_qps:
+            return low
+        if rel_tol is not None and high - low <= rel_tol * high:
+            return low
+        middle = 0.5 * (low + high)
+        if meets(middle):
+            low = middle
+        else:
+            high = middle
+        done += 1
+
+
+def highest_rate(
+    meets: Callable[[float], bool], low_qps: float, high_qps: float, *, steps: int
+) -> float:
+    """The highest rate in [``low_qps``, ``high_qps``] that meets: 0 when ``low_qps`` does not,
+    ``high_qps`` when it does, else :func:`bisect_rate` for ``steps`` halvings in between.
+
+    >>> highest_rate(lambda r: r <= 3.3, 0.5, 8.0, steps=3), highest_rate(bool, 0.5, 8.0, steps=3)
+    (2.375, 8.0)
+    """
+    if not meets(low_qps):
+        return 0.0
+    if meets(high_qps):
+        return high_qps
+    return bisect_rate(meets, low_qps, high_qps, steps=steps)
+
+
+def bracket_rate(
+    meets: Callable[[float], bool], guess_qps: float, floor_share: float = 1e-6
+) -> tuple[float, float] | None:
+    """An interval (low, high) for :func:`bisect_rate`, from ``guess_qps``: double while the
+    rate meets, else halve until one does (``None`` when none does above ``floor_share`` x the
+    guess).
+
+    >>> bracket_rate(lambda r: r <= 3.3, 1.0), bracket_rate(lambda r: r <= 3.3, 10.0)
+    ((2.0, 4.0), (2.5, 5.0))
+    """
+    low, high = 0.0, guess_qps
+    while meets(high):
+        low, high = high, high * 2.0
+    while low == 0.0:
+        high = high / 2.0
+        if high < guess_qps * floor_share:
+            return None
+        if meets(high):
+            low, high = high, high * 2.0
+    return low, high
+
+
 def search_allowable_rate(
     evaluate: Callable[[float], float],
     guess_qps: float,
@@ -90,21 +173,10 @@ def search_allowable_rate(
         probes.append((rate, value))
         return value >= target
 
-    low, high = 0.0, guess_qps
-    while meets(high):
-        low, high = high, high * 2.0
-    while low == 0.0:
-        high = high / 2.0
-        if high < guess_qps * 1e-6:
-            return CapacityResult(0.0, len(probes), tuple(probes))
-        if meets(high):
-            low, high = high, high * 2.0
-    while (high - low) > rel_tol * high:
-        middle = 0.5 * (low + high)
-        if meets(middle):
-            low = middle
-        else:
-            high = middle
+    bracket = bracket_rate(meets, guess_qps)
+    if bracket is None:
+        return CapacityResult(0.0, len(probes), tuple(probes))
+    low = bisect_rate(meets, *bracket, rel_tol=rel_tol)
     return CapacityResult(low, len(probes), tuple(probes))
 
 
@@ -190,11 +262,13 @@ def fleet_capacity(
     """Allowable throughput of the fleet ``instance_types`` under ``policy`` (or the oracle).
 
     The DRS threshold, unless given, is tuned by :func:`tune_threshold` as DeepRecSys does.
-    ``noise_share``, ``noise_seed`` (kairos only): noise on the dispatcher's latency predictions,
-    the same stream in every probe (see :func:`estimator.policies.policy_factory`).
+    ``noise_share``, ``noise_seed`` (a policy that takes noise: kairos): noise on the
+    dispatcher's latency predictions, the same stream in every probe (see
+    :func:`estimator.policies.policy_factory`).
     """
-    if noise_share and policy != "kairos":
-        raise SimulationError(f"prediction noise applies to the kairos policy only, not {policy!r}")
+    takes_noise = policy != "oracle" and policy_class(policy).takes_noise
+    if noise_share and not takes_noise:
+        raise SimulationError(str(registry.noise_refused(policy)))
     used = {name: profiles[name] for name in set(instance_types)}
     base_types = full_range_types(used, workload.batch_size, qos_ms, prices_usd_per_hr)
     if not base_types:
@@ -231,7 +305,7 @@ def fleet_capacity(
         return result
 
     has_auxiliary = any(name not in base_types for name in instance_types)
-    if policy == "drs" and drs_threshold is None:
+    if policy_class(policy).needs_threshold and drs_threshold is None:
         sizes = workload.batch_size
         if not has_auxiliary:  # every query goes to a base instance whatever the threshold
             result = search(int(sizes.max()))

@@ -1,9 +1,10 @@
 """Build a dispatch policy by name for a fleet: the one place that wires profiles into policies.
 
-``matching`` holds the policies and knows nothing of profiles; this module gives them what they
-predict with (mean latency by batch size, from the profiles; for Kairos also the ratio of the p99
-to the mean) and the base types of the fleet. For robustness studies (Kairos Fig. 16b) it can also
-perturb Kairos' latency predictions: each policy it makes draws the noise from its own
+``matching`` holds the policies and their registry (:mod:`matching.registry`) and knows nothing
+of profiles; this module gives a policy what it predicts with (the profiles, which the policy's
+factory reads: mean latency by batch size, for Kairos also the ratio of the p99 to the mean) and
+the base types of the fleet. For robustness studies (Kairos Fig. 16b) it can also perturb
+Kairos' latency predictions: each policy it makes draws the noise from its own
 ``numpy.random.default_rng(noise_seed)``, so every run sees the same noise stream.
 """
 
@@ -15,14 +16,20 @@ import numpy as np
 
 from estimator.errors import SimulationError
 from estimator.profiles import LatencyProfile
-from matching.clockwork import ClockworkPolicy
-from matching.drs import DrsPolicy
-from matching.fcfs import FcfsPolicy
-from matching.kairos import TAIL_QUANTILE, KairosPolicy
-from matching.latency_model import LatencyModel
-from matching.policy import DispatchPolicy
+from matching import registry
+from matching.policy import DispatchPolicy, PolicySetting, RegisteredPolicy
 
-POLICY_NAMES = ("fcfs", "drs", "clockwork", "kairos")
+
+def policy_class(name: str) -> type[RegisteredPolicy]:
+    """The registered class of the dispatch policy ``name``: what callers read its needs from.
+
+    Raises:
+        SimulationError: no policy has that name.
+    """
+    try:
+        return registry.policy_class(name)
+    except registry.UnknownPolicyError as error:
+        raise SimulationError(str(error)) from error
 
 
 def full_range_types(
@@ -61,46 +68,23 @@ def policy_factory(
     noise_share: float = 0.0,
     noise_seed: int = 0,
 ) -> Callable[[], DispatchPolicy]:
-    """A factory of fresh policies (policies keep state during a run, so each run needs one).
+    """A factory of fresh ``name`` policies (:func:`matching.registry.make`; policies keep state
+    during a run, so each run needs one).
 
     ``base_types``: the full-range types, preferred first (Kairos takes the first as its base).
-    ``noise_share`` (kairos only): each latency prediction of the dispatcher is multiplied by
+    ``drs_threshold``: the threshold of a policy that needs one (DRS). ``noise_share`` (a policy
+    that takes noise: Kairos): each latency prediction of the dispatcher is multiplied by
     (1 + noise_share x N(0, 1)) (:class:`matching.kairos.KairosPolicy`), drawn from a fresh
     ``numpy.random.default_rng(noise_seed)`` per policy; the simulated service times are not
     touched. 0 turns it off.
+
+    Raises:
+        SimulationError: an unknown name, or a setting without what the policy needs.
     """
-    if noise_share and name != "kairos":
-        raise SimulationError(f"prediction noise applies to the kairos policy only, not {name!r}")
-    if name == "fcfs":
-        order = tuple(base_types)
-        return lambda: FcfsPolicy(type_order=order)
-    if name == "drs":
-        if drs_threshold is None:
-            raise SimulationError("the drs policy needs a batch-size threshold")
-        threshold = drs_threshold
-        return lambda: DrsPolicy(threshold, base_types)
-    if name == "clockwork":
-        tables = {t: p.mean_by_batch_ms() for t, p in profiles.items()}
-        return lambda: ClockworkPolicy(tables)
-    if name == "kairos":
-        if not base_types:
-            raise SimulationError("the kairos policy needs a base type")
-        model = LatencyModel.from_means(profiles)
-        # The QoS checks use the profiled p99 (tail-aware feasibility, docs/matching.md): per
-        # type and batch size, its ratio to the mean, applied to the policy's online mean.
-        tail_ratio = {}
-        for t, p in profiles.items():
-            tail_ms, mean_ms = p.quantile_by_batch_ms(TAIL_QUANTILE), p.mean_by_batch_ms()
-            known = mean_ms > 0  # NaN (below the smallest measured size) compares False
-            tail_ratio[t] = np.divide(
-                tail_ms, mean_ms, out=np.full_like(mean_ms, np.nan), where=known
-            )
-        base = base_types[0]
-        return lambda: KairosPolicy(
-            base,
-            model,
-            tail_ratio=tail_ratio,
-            noise_share=noise_share,
-            rng=np.random.default_rng(noise_seed) if noise_share else None,
-        )
-    raise SimulationError(f"unknown policy {name!r} (one of {', '.join(POLICY_NAMES)})")
+    setting = PolicySetting(
+        profiles, tuple(base_types), drs_threshold, noise_share=noise_share, noise_seed=noise_seed
+    )
+    try:
+        return registry.make(name, setting)
+    except (registry.UnknownPolicyError, registry.PolicySettingError) as error:
+        raise SimulationError(str(error)) from error

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from matching.errors import MatchingError
-from matching.policy import Dispatch, InstanceView, QueuedQuery, StageContext
+from matching.policy import Dispatch, InstanceView, PolicySetting, QueuedQuery, StageContext
 
 
 class ClockworkPolicy:
@@ -30,12 +30,23 @@ class ClockworkPolicy:
     """
 
     name = "clockwork"
+    needs_base_type = False
+    needs_threshold = False
+    takes_noise = False
+    in_plans = False
+    matched_capacity = False
 
     def __init__(self, latency_ms: Mapping[str, np.ndarray]) -> None:
         self.latency_ms = {t: np.asarray(v, dtype=np.float64) for t, v in latency_ms.items()}
         self._assigned: set[int] = set()
         self._waiting: dict[int, deque[tuple[int, float]]] = {}
         self._pending_s: dict[int, float] = {}
+
+    @classmethod
+    def factory(cls, setting: PolicySetting) -> Callable[[], ClockworkPolicy]:
+        """Fresh policies predicting each profile's mean latency by batch size."""
+        tables = {t: p.mean_by_batch_ms() for t, p in setting.profiles.items()}
+        return lambda: cls(tables)
 
     def _predict_s(self, instance_type: str, batch_size: int) -> float:
         table = self.latency_ms.get(instance_type)

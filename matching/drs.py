@@ -13,16 +13,21 @@ whole queue for a query of the idle class made overloaded runs quadratic.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from matching.errors import MatchingError
-from matching.policy import Dispatch, InstanceView, QueuedQuery, StageContext
+from matching.policy import Dispatch, InstanceView, PolicySetting, QueuedQuery, StageContext
 
 
 class DrsPolicy:
     """Queries with batch size > ``threshold`` go to ``base_types``, the rest to other types."""
 
     name = "drs"
+    needs_base_type = True
+    needs_threshold = True
+    takes_noise = False
+    in_plans = False  # a plan does not record a threshold
+    matched_capacity = False
 
     def __init__(self, threshold: int, base_types: Sequence[str]) -> None:
         if threshold < 0:
@@ -66,6 +71,14 @@ class DrsPolicy:
                 self._pending.discard(item.query_id)
                 dispatches.append(Dispatch(inst.index, (item.query_id,)))
         return dispatches
+
+    @classmethod
+    def factory(cls, setting: PolicySetting) -> Callable[[], DrsPolicy]:
+        """Fresh policies with the setting's threshold and base types."""
+        threshold, base = setting.threshold, tuple(setting.base_types)
+        if threshold is None:
+            raise MatchingError("the drs policy needs a batch-size threshold")
+        return lambda: cls(threshold, base)
 
     def _earliest(self) -> deque[QueuedQuery]:
         """Without auxiliaries the base serves both classes in arrival order."""

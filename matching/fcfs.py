@@ -9,9 +9,9 @@ compiled fast path implements exactly the same rule (tests check they agree quer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from matching.policy import Dispatch, InstanceView, QueuedQuery, StageContext
+from matching.policy import Dispatch, InstanceView, PolicySetting, QueuedQuery, StageContext
 
 
 class FcfsPolicy:
@@ -22,9 +22,20 @@ class FcfsPolicy:
     """
 
     name = "fcfs"
+    needs_base_type = False
+    needs_threshold = False
+    takes_noise = False
+    in_plans = True
+    matched_capacity = False
 
     def __init__(self, type_order: tuple[str, ...] = ()) -> None:
         self.type_order = tuple(type_order)
+
+    @classmethod
+    def factory(cls, setting: PolicySetting) -> Callable[[], FcfsPolicy]:
+        """Fresh policies preferring the setting's base types in order."""
+        order = tuple(setting.base_types)
+        return lambda: cls(type_order=order)
 
     def dispatch(
         self,

@@ -44,7 +44,7 @@ the profiled means), so that costs do not drift while the model learns.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from operator import attrgetter
@@ -58,7 +58,7 @@ from matching.chain_flow import chain_assignment_kernel
 from matching.cost import SAFETY, costs_kernel
 from matching.errors import MatchingError, MissingQosError, TailRatioError
 from matching.latency_model import LatencyModel, predict_kernel
-from matching.policy import Dispatch, InstanceView, QueuedQuery, StageContext
+from matching.policy import Dispatch, InstanceView, PolicySetting, QueuedQuery, StageContext
 
 ROWS_PER_INSTANCE = 2  # Kairos' authors cap a round at twice as many queries as instances
 FLOW_FROM_INSTANCES = 32  # rounds this wide or wider: the chain flow (docs/matching.md)
@@ -246,6 +246,11 @@ class KairosPolicy:
     """
 
     name = "kairos"
+    needs_base_type = True
+    needs_threshold = False
+    takes_noise = True
+    in_plans = True
+    matched_capacity = True
 
     def __init__(
         self,
@@ -280,6 +285,33 @@ class KairosPolicy:
         self._rng = rng
         self.tail_ratio = {t: _checked_ratios(t, k) for t, k in (tail_ratio or {}).items()}
         self._layout: _Layout | None = None
+
+    @classmethod
+    def factory(cls, setting: PolicySetting) -> Callable[[], KairosPolicy]:
+        """Fresh policies with the setting's first base type as their base, each profile's mean
+        latency by batch size as the initial model, and the QoS checks on the profiled tail
+        (:data:`TAIL_QUANTILE`; per type and batch size its ratio to the mean, applied to the
+        policy's online mean: tail-aware feasibility, docs/matching.md). With noise, each policy
+        draws from a fresh ``numpy.random.default_rng(setting.noise_seed)``."""
+        if not setting.base_types:
+            raise MatchingError("the kairos policy needs a base type")
+        model = LatencyModel.from_means(setting.profiles)
+        tail_ratio = {}
+        for t, p in setting.profiles.items():
+            tail_ms, mean_ms = p.quantile_by_batch_ms(TAIL_QUANTILE), p.mean_by_batch_ms()
+            known = mean_ms > 0  # NaN (below the smallest measured size) compares False
+            tail_ratio[t] = np.divide(
+                tail_ms, mean_ms, out=np.full_like(mean_ms, np.nan), where=known
+            )
+        base = setting.base_types[0]
+        noise_share, noise_seed = setting.noise_share, setting.noise_seed
+        return lambda: cls(
+            base,
+            model,
+            tail_ratio=tail_ratio,
+            noise_share=noise_share,
+            rng=np.random.default_rng(noise_seed) if noise_share else None,
+        )
 
     def dispatch(
         self,

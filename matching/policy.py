@@ -10,9 +10,12 @@ dispatcher, so what is simulated is what runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,4 +91,63 @@ class DispatchPolicy(Protocol):
     def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
         """A batch of ``batch_size`` finished on an ``instance_type`` in ``latency_ms`` (service
         time, without queueing): what an online latency model learns from."""
+        ...
+
+
+class ProfileView(Protocol):
+    """What a policy's factory may read of a profile (``estimator.profiles.LatencyProfile``)."""
+
+    @property
+    def batch_sizes(self) -> np.ndarray: ...
+    @property
+    def mean_ms(self) -> np.ndarray: ...
+    def mean_by_batch_ms(self) -> np.ndarray:
+        """Mean latency indexed by batch size itself (NaN where not measured)."""
+        ...
+
+    def quantile_by_batch_ms(self, quantile: float) -> np.ndarray:
+        """A quantile of the latency, indexed like :meth:`mean_by_batch_ms`."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySetting:
+    """What a policy's factory is built from (``matching.registry.make``).
+
+    ``profiles``: the stage's instance types and their latency profiles. ``base_types``: the
+    full-range types, preferred first (policies with ``needs_base_type`` take the first as
+    their base). ``threshold``: a batch-size threshold, for policies with ``needs_threshold``.
+    ``noise_share`` and ``noise_seed``: prediction noise for policies with ``takes_noise``,
+    each made policy drawing from a fresh ``numpy.random.default_rng(noise_seed)``.
+    """
+
+    profiles: Mapping[str, ProfileView]
+    base_types: tuple[str, ...] = ()
+    threshold: int | None = None
+    noise_share: float = 0.0
+    noise_seed: int = 0
+
+
+class RegisteredPolicy(Protocol):
+    """A dispatch policy class as :mod:`matching.registry` knows it: its name, what it needs
+    (read by the callers instead of comparing names), and how to make fresh policies.
+
+    ``needs_base_type``: it must be given at least one full-range type (``base_types``).
+    ``needs_threshold``: it must be given a batch-size ``threshold``. ``takes_noise``: it
+    accepts prediction noise. ``in_plans``: a plan may name it (it needs nothing a plan does not
+    record). ``matched_capacity``: on a mix of types at batch size 1, its capacity is Kairos'
+    matching upper bound (``estimator.bounds``), which the tuner sizes with, not the sum of the
+    types' rates.
+    """
+
+    name: ClassVar[str]
+    needs_base_type: ClassVar[bool]
+    needs_threshold: ClassVar[bool]
+    takes_noise: ClassVar[bool]
+    in_plans: ClassVar[bool]
+    matched_capacity: ClassVar[bool]
+
+    @classmethod
+    def factory(cls, setting: PolicySetting) -> Callable[[], DispatchPolicy]:
+        """A maker of fresh policies (a policy keeps state during a run, so each run needs one)."""
         ...

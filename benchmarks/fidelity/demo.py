@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 
 from benchmarks import local_service
-from controlplane.service.provisioning import LOCAL_MODELS_DIR, LOCAL_WORKERS_DIR
+from controlplane.provisioning import LOCAL_MODELS_DIR, LOCAL_WORKERS_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 APP = "demo"

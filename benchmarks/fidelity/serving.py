@@ -59,7 +59,7 @@ import numpy as np
 from benchmarks import local_service
 from controlplane.apps import profiler
 from controlplane.clients import loadgen
-from controlplane.service.provisioning import LOCAL_PROFILE_FILE
+from controlplane.provisioning import LOCAL_PROFILE_FILE
 from estimator.catalog import default_catalog
 from estimator.policies import policy_factory
 from estimator.profiles import LatencyProfile, load_profiles, write_profiles_json

@@ -83,10 +83,12 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
+from benchmarks.results.findings import finding
 from controlplane.apps.profiler import emulated_profiles
 from controlplane.policies.infaas_scaling import instances_for, model_action, scaling_cost_usd_per_s
 from controlplane.policies.tuner import default_boot_s
 from controlplane.policies.variants import Requirements, VariantOption, choose
+from estimator.capacity import highest_rate
 from estimator.catalog import default_catalog
 from estimator.profiles import LatencyProfile
 from estimator.simulator import InstanceSpec, Stage, simulate
@@ -196,22 +198,15 @@ def saturation(
         return float(np.percentile(result.response_ms, 99))
 
     bound = PROBE_UTILISATION_CAP * cap / (profile.mean_latency_ms(cap) / 1000.0)
-    low, high = 0.02 * bound, bound
-    probes = [(low, p99(low))]
-    if probes[0][1] > slo_ms:
-        return 0.0, tuple(probes)
-    probes.append((high, p99(high)))
-    if probes[-1][1] <= slo_ms:
-        return high, tuple(probes)
-    for _ in range(BISECTION_STEPS):
-        middle = 0.5 * (low + high)
-        tail = p99(middle)
-        probes.append((middle, tail))
-        if tail <= slo_ms:
-            low = middle
-        else:
-            high = middle
-    return low, tuple(sorted(probes))
+    probes: list[tuple[float, float]] = []
+
+    def meets(rate_qps: float) -> bool:
+        tail = p99(rate_qps)
+        probes.append((rate_qps, tail))
+        return tail <= slo_ms
+
+    found = highest_rate(meets, 0.02 * bound, bound, steps=BISECTION_STEPS)
+    return found, tuple(sorted(probes))
 
 
 def make_variants(
@@ -786,13 +781,25 @@ def _summary(results: Sequence[dict[str, Any]]) -> list[str]:
     for r in results:
         static, infaas = r["static"], r["infaas"]
         ratio = static.cost_usd / infaas.cost_usd
-        than = f"{ratio:.1f}x less" if ratio >= 1 else f"{1 / ratio:.1f}x more"
+        than = (
+            finding(KEY, "cheaper", ratio=f"{ratio:.1f}")
+            if ratio >= 1
+            else finding(KEY, "dearer", ratio=f"{1 / ratio:.1f}")
+        )
         lines.append(
-            f"On the {r['load'].name} load ({r['load'].title}), model-less selection for an app"
-            f" with accuracy {r['app']} costs ${infaas.cost_usd:.4f} against ${static.cost_usd:.4f}"
-            f" for `{next(iter(static.variants))}` pinned for the peak ({than}), with"
-            f" {100 * infaas.attainment:.2f}% of queries within the SLO against"
-            f" {100 * static.attainment:.2f}%."
+            finding(
+                KEY,
+                "cost_and_attainment",
+                load=r["load"].name,
+                title=r["load"].title,
+                app=r["app"],
+                infaas_cost_usd=f"{infaas.cost_usd:.4f}",
+                static_cost_usd=f"{static.cost_usd:.4f}",
+                static_variant=next(iter(static.variants)),
+                than=than,
+                infaas_within=f"{100 * infaas.attainment:.2f}",
+                static_within=f"{100 * static.attainment:.2f}",
+            )
         )
     return lines
 

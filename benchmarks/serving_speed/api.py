@@ -46,7 +46,7 @@ import numpy as np
 
 from benchmarks import local_service
 from controlplane.clients import loadgen
-from controlplane.service.provisioning import LOCAL_PROFILE_FILE, LOCAL_WORKERS_DIR
+from controlplane.provisioning import LOCAL_PROFILE_FILE, LOCAL_WORKERS_DIR
 from controlplane.serving.modelio import ModelIO
 from estimator.profiles import LatencyProfile, write_profiles_json
 from estimator.traces import poisson_arrivals

@@ -8,10 +8,11 @@ command's implementation as a :class:`Handler`, a module of this package and a f
 the module, with what it needs (numpy and the estimator, SQLAlchemy and Alembic, FastAPI and
 uvicorn, torch), is imported when the command runs.
 
-Defaults and choices that belong to the libraries the commands run (the dispatch policies, the
-cascade threshold grid, the profiler's defaults, ...) are copies here, since importing their
-modules would load numpy, scipy and numba; :data:`LIBRARY_COPIES` names the source of each, and
-tests/unit/test_cli_startup.py checks that every copy equals it.
+Defaults and choices that belong to the libraries the commands run (the cascade threshold grid,
+the profiler's defaults, ...) are copies here, since importing their modules would load numpy,
+scipy and numba; :data:`LIBRARY_COPIES` names the source of each, and
+tests/unit/test_cli_startup.py checks that every copy equals it. The dispatch policies' names
+come from their registry (:mod:`matching.registry`), which loads no policy to list them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from controlplane.cli.client import DEFAULT_URL, TOKEN_ENV, URL_ENV, add_client_options
 from controlplane.cli.output import fail
+from controlplane.policies import scaling
 from controlplane.policies.auth import Scope
+from matching import registry
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -45,7 +48,6 @@ __all__ = [
 
 # --- copies of the libraries' defaults and choices (see the module docstring) ------------------
 
-POLICY_NAMES = ("fcfs", "drs", "clockwork", "kairos")
 THRESHOLD_GRID: tuple[float, ...] = tuple(round(0.1 * k, 10) for k in range(1, 10))
 ACCURACY_TOLERANCE = 0.005
 GEAR_RANGES = 8
@@ -66,7 +68,6 @@ MODEL_FORMATS = ("onnx", "torchscript")
 
 # Each copy above and the name it copies, as ``module.NAME``.
 LIBRARY_COPIES: dict[str, object] = {
-    "estimator.policies.POLICY_NAMES": POLICY_NAMES,
     "estimator.cascades.DEFAULT_THRESHOLD_GRID": THRESHOLD_GRID,
     "controlplane.policies.cascade_choice.ACCURACY_TOLERANCE": ACCURACY_TOLERANCE,
     "controlplane.policies.gears.DEFAULT_RANGES": GEAR_RANGES,
@@ -89,7 +90,6 @@ LIBRARY_COPIES: dict[str, object] = {
 # --- the command line's own defaults and choices (some implementations import them from here) --
 
 TRACE_KINDS = ("poisson", "gamma", "step", "ramp", "diurnal")
-REPLAY_POLICIES = ("tuner", "static", "peak", "mean", "utilization")
 # The default thresholds of ``plan --pareto``: 0 (everyone answered at that stage, so the shorter
 # chains are on the front too) and the cascade grid.
 PARETO_GRID: tuple[float, ...] = (0.0, *THRESHOLD_GRID)
@@ -455,10 +455,10 @@ def _simulate(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--policy",
-        choices=POLICY_NAMES,
+        choices=registry.names(),
         default="fcfs",
-        help="dispatch policy: fcfs (base types first), drs (needs --drs-threshold), clockwork,"
-        " kairos (min-cost matching)",
+        help="dispatch policy (one of %(choices)s; drs needs --drs-threshold; kairos is Kairos'"
+        " min-cost matching)",
     )
     parser.add_argument(
         "--drs-threshold", type=int, metavar="N", help="drs: largest batch size for auxiliaries"
@@ -494,7 +494,7 @@ def _capacity(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--policy",
-        choices=[*POLICY_NAMES, "oracle"],
+        choices=[*registry.names(), "oracle"],
         default="kairos",
         help="dispatch policy (oracle: Kairos' offline sorted schedule, an upper reference)",
     )
@@ -641,7 +641,7 @@ def _replay(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--policy",
-        choices=REPLAY_POLICIES,
+        choices=scaling.replay_names(),
         default=None,
         help="tuner (the default: InferLine's tuner, sized by the load model of --tuner-model),"
         " static (the plan's fleet, unchanged), peak or mean"
@@ -673,10 +673,10 @@ def _replay(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--dispatch",
-        choices=("fcfs", "kairos"),
+        choices=registry.names(),
         default=None,
-        help="how the stage's queue is dispatched to its instances (default: the plan stage's"
-        " policy, else fcfs)",
+        help="how the stage's queue is dispatched to its instances, a policy a plan may name"
+        " (default: the plan stage's policy, else fcfs)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from controlplane.cli.output import UsageError, emit
+from controlplane.policies import scaling
 from controlplane.policies.baselines import (
-    BASELINES,
     PEAK_WINDOW_S,
     BaselinePlan,
     leading_share,
@@ -42,23 +42,21 @@ from estimator.traces import read_trace_csv
 
 
 def scaling_policy(tuner: str, policy: str | None) -> tuple[ScalingPolicy, str]:
-    """The replay's scaling policy and the name to report, from ``--tuner`` and ``--policy``."""
+    """The replay's scaling policy and the name to report, from ``--tuner`` and ``--policy``
+    (:mod:`controlplane.policies.scaling`): a baseline replays its own plan static."""
     if tuner == "off":
-        if policy in ("tuner", "utilization"):
+        if policy is not None and scaling.entry(policy).changes_fleet:
             raise UsageError(
                 f"--tuner off keeps the plan's fleet; it cannot go with --policy {policy}"
             )
         return "static", policy or "static"
-    if policy in (None, "tuner"):
-        return "tuner", "tuner"
-    if policy == "utilization":
-        return "utilization", "utilization"
-    return "static", policy
+    chosen = scaling.entry(policy or "tuner")
+    return ("static" if chosen.plans_itself else chosen.name), chosen.name
 
 
 def check_options(args: argparse.Namespace, label: str) -> None:
     """One-line errors for the combinations of options that do not make sense."""
-    baseline = label in BASELINES
+    baseline = scaling.entry(label).plans_itself
     if baseline and args.plan is not None:
         raise UsageError(
             f"--policy {label} plans for the trace's {label} rate itself: drop --plan (replay"
@@ -69,7 +67,7 @@ def check_options(args: argparse.Namespace, label: str) -> None:
             f"--policy {label} replays a plan: pass --plan FILE (or --policy peak or mean, which"
             " plan for the trace's rate themselves)"
         )
-    if args.planning_trace is not None and label not in ("tuner", *BASELINES):
+    if args.planning_trace is not None and not (label == "tuner" or baseline):
         raise UsageError(
             "--planning-trace is for the tuner (its planned envelope) and for --policy peak or"
             " mean (the arrivals they plan on)"
@@ -89,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.trace}: the trace has no queries")
     planning = None if args.planning_trace is None else read_trace_csv(args.planning_trace)
     made: BaselinePlan | None = None
-    if label in BASELINES:
+    if scaling.entry(label).plans_itself:
         made = plan_baseline(
             app,
             trace,
@@ -126,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
             app,
             stage,
             leading_share(trace) if planning is None else planning,
-            kairos=(args.dispatch or stage.policy) == "kairos",
+            dispatch=args.dispatch or stage.policy,
             seed=args.seed,
         )
         curve = None if ladder is None else ladder.curve

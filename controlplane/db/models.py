@@ -74,7 +74,7 @@ __all__ = [
     "Base",
     "BudgetChange",
     "DashboardSession",
-    "Decision",
+    "DecisionRow",
     "Instance",
     "InstanceEvent",
     "MetricSample",
@@ -231,7 +231,7 @@ class InstanceEvent(Base):
     reason: Mapped[str] = mapped_column(Text)
 
 
-class Decision(Base):
+class DecisionRow(Base):
     __tablename__ = "decisions"
     __table_args__ = (
         Index(None, "app_id", "at"),

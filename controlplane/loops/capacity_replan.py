@@ -152,14 +152,9 @@ class CapacityReplanner:
         live: Mapping[str, int],
     ) -> bool:
         resolved = self._resolve(app)
-        own = resolved.spec.max_counts or {}
-        caps = {
-            t: min(live.get(t, 0), own[t]) if t in own else live.get(t, 0) for t in sorted(missing)
-        }
-        max_counts = {**own, **caps}
-        capped = dataclasses.replace(
-            resolved, spec=resolved.spec.model_copy(update={"max_counts": max_counts})
-        )
+        limits = resolved.constraints.capped({t: live.get(t, 0) for t in sorted(missing)})
+        caps = limits.caps(sorted(missing))
+        capped = resolved.with_constraints(limits)
         request = _planning_request(plan)
         rate = plan.plan.planned_rate_qps
         seed = request.seed

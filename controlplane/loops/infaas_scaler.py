@@ -47,6 +47,7 @@ from numpy.typing import NDArray
 
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, Store
+from controlplane.policies import scaling
 from controlplane.policies.infaas_scaling import (
     OverloadNote,
     ScalerState,
@@ -85,8 +86,9 @@ DEFAULT_LOAD_WINDOW_S = 2.0
 
 
 def scales_with_infaas(app: AppRecord) -> bool:
-    """Whether ``app``'s spec hands its scaling to INFaaS's autoscaler (``scaling: infaas``)."""
-    return app.spec.get("scaling") == "infaas"
+    """Whether ``app``'s spec hands its scaling to INFaaS's autoscaler (``scaling: infaas``,
+    :func:`controlplane.policies.scaling.live_owner`)."""
+    return scaling.live_owner(app.spec.get("scaling")) == "infaas"
 
 
 @dataclass(slots=True)
@@ -178,7 +180,8 @@ class InfaasScaler:
         models = list(resolved.spec.serving_order)
         types = list(resolved.instance_types)
         boot_s = default_boot_s(resolved.catalog, types)
-        slo_ms = float(resolved.spec.slo.latency_ms)
+        limits = resolved.constraints
+        slo_ms = limits.slo_ms
         variants = []
         for model in models:
             entry = stages.get(model)
@@ -230,7 +233,7 @@ class InfaasScaler:
             variants=variants,
             prices_usd_per_hr=dict(resolved.prices_usd_per_hr),
             budget_usd_per_hr=app.budget_usd_per_hr,
-            max_counts={t: n for t in types if (n := resolved.spec.max_count(t)) is not None},
+            max_counts=limits.caps(types),
             overload=overload,
         )
         decisions, state = decide(context, scaled.state, self._config)

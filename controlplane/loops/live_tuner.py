@@ -67,15 +67,19 @@ from numpy.typing import NDArray
 from controlplane.apps.plans import planning_trace, replanning_request
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
-from controlplane.loops.infaas_scaler import scales_with_infaas
+from controlplane.policies import scaling
 from controlplane.policies.capacity_curve import DEFAULT_LOADS, LOAD_MODEL_RECENT_S, build_ladder
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S
-from controlplane.policies.replay import kairos_capacity_model, rate_per_instance_qps
+from controlplane.policies.replay import (
+    has_matched_capacity,
+    kairos_capacity_model,
+    rate_per_instance_qps,
+)
 from controlplane.policies.sizing import DEFAULT_LADDER_LOADS, SizingLadder, tuner_stage
 from controlplane.policies.tuner import (
     DEFAULT_SCALE_DOWN_DELAY_S,
-    Decision,
+    ScalingDecision,
     TunerConfig,
     TunerStage,
     TunerState,
@@ -286,14 +290,17 @@ class LiveTuner:
             tuned = self._apps.get(app)
             return tuned is not None and tuned.capped_now
 
-    def tick(self, apps: Sequence[AppRecord] | None = None) -> list[tuple[str, Decision]]:
+    def tick(self, apps: Sequence[AppRecord] | None = None) -> list[tuple[str, ScalingDecision]]:
         """One tuner tick for every app with an applied plan (``apps``, the tick's snapshot of
         the store's apps, else read now); the decisions it made."""
-        made: list[tuple[str, Decision]] = []
+        made: list[tuple[str, ScalingDecision]] = []
         now_s = self._clock.now_s()
         for app in self._store.list_apps() if apps is None else apps:
-            if app.applied_plan_id is None or scales_with_infaas(app):
-                # An app that scales the INFaaS way is the InfaasScaler's.
+            if (
+                app.applied_plan_id is None
+                or scaling.live_owner(app.spec.get("scaling")) != "tuner"
+            ):
+                # An app another policy scales (scaling: infaas) is that loop's.
                 with self._lock:
                     self._apps.pop(app.name, None)
                     self._forget_curves(app.name, None)
@@ -306,7 +313,7 @@ class LiveTuner:
                 logger.warning("tuner: %s left on its plan: %s", app.name, error)
         return made
 
-    def _tick_app(self, app: AppRecord, now_s: float) -> list[Decision]:
+    def _tick_app(self, app: AppRecord, now_s: float) -> list[ScalingDecision]:
         observed = self._arrivals(app.name)
         if observed is None:
             return []
@@ -397,7 +404,7 @@ class LiveTuner:
             types.update(fleet)
             scale = entry.scale_factor
             model = None
-            if entry.policy == "kairos" and len(mu) > 1 and batch <= 1:
+            if has_matched_capacity(entry.policy, list(mu), batch):
                 planning = synthetic_planning_arrivals(planned_rate)
                 ones = np.ones(planning.size, dtype=np.int64)
                 model = kairos_capacity_model(resolved, name, list(mu), Trace(planning, ones))
@@ -418,21 +425,20 @@ class LiveTuner:
             planned = synthetic_planning_envelope(
                 planned_rate, max(service_time_s, MIN_ENVELOPE_WINDOW_S), self._max_window_s
             )
+        # The app's budget and caps bound the tuner as they bound the planner (per stage and
+        # type). A burst shorter than the persistence (scaled with the windows, as the memory
+        # is) is ridden on the fleet unless it recurs: 56 queries in a second once buy nothing.
         config = TunerConfig.from_envelope(
             planned[0],
             planned[1],
             budget_usd_per_hr=app.budget_usd_per_hr,
+            constraints=resolved.constraints,
             catalog=resolved.catalog,
             types=sorted(types),
             scale_down_delay_s=self._scale_down_delay_s,
             recent_s=self._max_window_s,
+            persistence_s=DEFAULT_PERSISTENCE_S * self._max_window_s / DEFAULT_MAX_WINDOW_S,
         )
-        # The spec's caps bound the tuner as they bound the planner (per stage and type).
-        caps = {t: n for t in sorted(types) if (n := resolved.spec.max_count(t)) is not None}
-        # A burst shorter than the persistence (scaled with the windows, as the memory is) is
-        # ridden on the fleet unless it recurs: 56 queries in a second once buy nothing.
-        persistence_s = DEFAULT_PERSISTENCE_S * self._max_window_s / DEFAULT_MAX_WINDOW_S
-        config = dataclasses.replace(config, max_counts=caps, persistence_s=persistence_s)
         stages = [
             TunerStage(
                 s.name,
@@ -490,18 +496,16 @@ class LiveTuner:
             config = tuned.config
             types = sorted({*config.prices_usd_per_hr, *ladder.rate_per_instance_qps})
             resolved = self._resolve(app)
-            sized = TunerConfig.from_envelope(
+            tuned.config = TunerConfig.from_envelope(
                 config.windows_s,
                 config.planned_rate_qps,
                 budget_usd_per_hr=config.budget_usd_per_hr,
+                constraints=resolved.constraints,
                 catalog=resolved.catalog,
                 types=types,
                 scale_down_delay_s=config.scale_down_delay_s,
                 recent_s=self._load_model_recent_s,
-            )
-            caps = {t: n for t in types if (n := resolved.spec.max_count(t)) is not None}
-            tuned.config = dataclasses.replace(
-                sized, max_counts=caps, persistence_s=config.persistence_s
+                persistence_s=config.persistence_s,
             )
             tuned.stages = [
                 tuner_stage(ladder, stage.fleet, tuned.config, scale_factor=stage.scale_factor)
@@ -615,7 +619,7 @@ def _plan_ladder(app: ResolvedApp, plan: PlanRecord, loads: Sequence[float]) -> 
         app,
         stage.name,
         trace,
-        kairos=stage.policy == "kairos",
+        dispatch=stage.policy,
         batch_size=stage.batch_size,
         seed=document.seed or 0,
         loads=loads,
@@ -667,7 +671,7 @@ def synthetic_planning_envelope(
     return planning_envelope(synthetic_planning_arrivals(rate_qps), service_time_s, max_window_s)
 
 
-def _cap_key(decision: Decision) -> str:
+def _cap_key(decision: ScalingDecision) -> str:
     """The identity of a budget cap in the decision log: its stage and the type it lacks (the
     count it lacks may move from tick to tick; the row keeps the newest)."""
     return f"{decision.stage}:{decision.instance_type}"

@@ -431,7 +431,7 @@ class TrafficReplanner:
             raise ConflictError(f"app {app.name!r} changed while it was being re-planned")
         held_s = now_s - episode.since_s
         comparison = episode.comparison
-        budget = resolved.spec.budget_usd_per_hr
+        budget = resolved.constraints.budget_usd_per_hr
         numbers: dict[str, Any] = {
             "direction": episode.direction,
             "held_s": held_s,

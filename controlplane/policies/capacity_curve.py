@@ -30,7 +30,7 @@ from typing import Any
 
 from controlplane.policies.plan import StagePlan
 from controlplane.policies.planner import plan_app, scale_trace
-from controlplane.policies.replay import kairos_capacity_model, rate_per_instance_qps
+from controlplane.policies.replay import matched_capacity_model, rate_per_instance_qps
 from controlplane.policies.sizing import DEFAULT_LADDER_LOADS, SizingLadder
 from controlplane.policies.tuner import DEFAULT_RECENT_S
 from controlplane.spec import ResolvedApp
@@ -64,7 +64,7 @@ def build_ladder(
     stage: str,
     planning: Trace,
     *,
-    kairos: bool,
+    dispatch: str | None,
     batch_size: int = 1,
     loads: Sequence[float] = DEFAULT_LADDER_LOADS,
     seed: int = 0,
@@ -92,8 +92,7 @@ def build_ladder(
         t: rate_per_instance_qps(app.profile(stage, t), planning.batch_size, batch_size)
         for t in types
     }
-    use_model = kairos and len(types) > 1 and batch_size <= 1
-    model = kairos_capacity_model(app, stage, types, planning) if use_model else None
+    model = matched_capacity_model(app, dispatch, stage, types, batch_size, planning)
     ladder = SizingLadder(stage, tuple(sorted(fleets.items())), MappingProxyType(mu), (), model)
     anchor = ladder.capacity_qps(fleets[1.0])
     if anchor <= 0.0:
@@ -111,7 +110,7 @@ def capacity_curve(
     stage: str,
     planning: Trace,
     *,
-    kairos: bool,
+    dispatch: str | None,
     batch_size: int = 1,
     loads: Sequence[float] = DEFAULT_LOADS,
     seed: int = 0,
@@ -120,7 +119,7 @@ def capacity_curve(
     non-decreasing in f (a running maximum): :func:`build_ladder`'s curve at ``loads``; empty
     when the planner places nothing at f = 1. Deterministic for a seed."""
     ladder = build_ladder(
-        app, stage, planning, kairos=kairos, batch_size=batch_size, loads=loads, seed=seed
+        app, stage, planning, dispatch=dispatch, batch_size=batch_size, loads=loads, seed=seed
     )
     return () if ladder is None else ladder.curve
 
@@ -130,7 +129,7 @@ def replay_sizing(
     stage: StagePlan,
     planning: Trace,
     *,
-    kairos: bool,
+    dispatch: str | None,
     seed: int = 0,
 ) -> tuple[SizingLadder | None, dict[str, Any]]:
     """What ``heteroplane replay``'s tuner sizes a single-stage plan with, by default: the
@@ -143,7 +142,7 @@ def replay_sizing(
         app,
         stage.name,
         planning,
-        kairos=kairos,
+        dispatch=dispatch,
         batch_size=stage.batch_size,
         seed=seed,
         also_types=[t for t, n in stage.fleet.items() if n],

@@ -283,7 +283,8 @@ def _cost_usd_per_hr(fleet: Mapping[str, int], prices: Mapping[str, float]) -> f
 def decide(
     ctx: ScalingContext, state: ScalerState, config: ScalingConfig | None = None
 ) -> tuple[list[ScalingDecision], ScalerState]:
-    """One tick of INFaaS's autoscaling for one app (the module docstring's rules); returns the
+    """One tick of INFaaS's autoscaling for one app (the module docstring's rules, one function
+    each: :func:`_relieve_interference`, :func:`_scale_up`, :func:`_drain`); returns the
     decisions and the next state, whose ``fleet`` the reconciler keeps.
 
     >>> v = [VariantProfile("m", "cpu", 10.0, 30.0), VariantProfile("m", "gpu", 40.0, 60.0)]
@@ -293,291 +294,401 @@ def decide(
     >>> [(d.action, d.instance_type, d.count) for d in decisions], dict(after.fleet)
     ([('infaas_replicate', 'cpu', 1)], {'cpu': 2})
     """
-    config = config or ScalingConfig()
-    u = config.utilisation
-    now = ctx.now_s
-    q = {(v.model, v.instance_type): v.saturation_qps for v in ctx.variants}
-    loading = {(v.model, v.instance_type): v.loading_s for v in ctx.variants}
-    models = sorted({v.model for v in ctx.variants})
-    types = sorted({v.instance_type for v in ctx.variants})
-    fleet = dict(state.fleet)
-    ready: dict[str, int] = {}
-    for inst in ctx.instances:
-        ready[inst.instance_type] = ready.get(inst.instance_type, 0) + 1
-    pending = {t: max(0, fleet.get(t, 0) - ready.get(t, 0)) for t in set(fleet) | set(ready)}
-    decisions: list[ScalingDecision] = []
-    relieved = set(state.relieved)
-    capped = state.capped
-    scaled_up = False
-    drained = False
-
-    # Rule 1 (and the capacity each model counts now, per instance).
-    capacity_now: dict[str, float] = {}
-    counted: dict[tuple[str, str], float] = {}
-    for m in models:
-        serving = [i for i in ctx.instances if m in i.states]
-        interfered = [i for i in serving if i.states[m] == "interfered"]
-        everywhere = bool(serving) and len(interfered) == len(serving)
-        share = config.interfered_share if everywhere else 0.0
-        for i in serving:
-            rate = q.get((m, i.instance_type), 0.0)
-            counted[(m, i.instance_id)] = rate * (share if i.states[m] == "interfered" else 1.0)
-        capacity_now[m] = sum(counted[(m, i.instance_id)] for i in serving)
-        for i in interfered:
-            pair = (m, i.instance_id)
-            if pair in relieved or everywhere:
-                continue
-            relieved.add(pair)
-            left = len(serving) - len(interfered)
-            decisions.append(
-                ScalingDecision(
-                    "infaas_relieve",
-                    m,
-                    i.instance_type,
-                    0,
-                    f"infaas_relieve: {m} is interfered on {i.instance_id} ({i.instance_type}):"
-                    f" its load moves to the {left} other instance(s) serving {m} (its share"
-                    f" drops to 0 while one of them is active); capacity counted without it"
-                    f" {capacity_now[m]:.3g} qps for a load of {ctx.load_qps.get(m, 0.0):.3g} qps",
-                    {
-                        "model": m,
-                        "instance_id": i.instance_id,
-                        "instance_type": i.instance_type,
-                        "share": 0.0,
-                        "capacity_qps": capacity_now[m],
-                        "load_qps": ctx.load_qps.get(m, 0.0),
-                    },
-                    instance_id=i.instance_id,
-                )
-            )
-    # Pairs no longer interfered may be relieved again when they are next time.
-    relieved = {
-        (m, iid)
-        for m, iid in relieved
-        if any(i.instance_id == iid and i.states.get(m) == "interfered" for i in ctx.instances)
-    }
-
-    # Rule 2: scale up, the first model that needs it.
-    for m in models:
-        load = float(ctx.load_qps.get(m, 0.0))
-        serving = [i for i in ctx.instances if m in i.states]
-        loading_capacity = sum(pending.get(t, 0) * q.get((m, t), 0.0) for t in pending)
-        capacity = capacity_now[m] + loading_capacity
-        overloaded_on = sorted(i.instance_id for i in serving if i.states[m] == "overloaded")
-        overloaded = bool(overloaded_on)
-        everywhere = bool(serving) and all(i.states[m] == "interfered" for i in serving)
-        loading_any = any(pending.get(t, 0) > 0 and q.get((m, t), 0.0) > 0 for t in pending)
-        short = load > u * capacity + _EPS
-        if not (short or ((overloaded or everywhere) and not loading_any)):
-            continue
-        note = ctx.overload.get(m)
-        parts = []
-        if overloaded:
-            judged = f": {'; '.join(note.reasons)}" if note is not None and note.reasons else ""
-            parts.append(f"{m} is overloaded on {', '.join(overloaded_on)}{judged}")
-        if short:
-            parts.append(
-                f"load {load:.3g} qps > U {u:g} x capacity {capacity:.3g} qps"
-                f" ({loading_capacity:.3g} of it still loading)"
-            )
-        elif everywhere and not overloaded:
-            parts.append(f"{m} is interfered on every instance serving it")
-        why = "; ".join(parts)
-        wanted_qps = max(load / u - capacity, 0.0)
-        if not short:
-            # Overloaded (or interfered everywhere) at a load the profiles say it carries: the
-            # queue, not the rate, says it is short; one more instance of what serves it now.
-            wanted_qps = max(
-                (q.get((m, i.instance_type), 0.0) for i in serving), default=wanted_qps
-            )
-        cost_now = _cost_usd_per_hr(fleet, ctx.prices_usd_per_hr)
-        # (cost, inactive, type, delta): at equal cost the loaded variant (replication).
-        whole: list[tuple[float, bool, str, int]] = []
-        partial: list[tuple[float, bool, str, int]] = []
-        for t in types:
-            rate = q.get((m, t), 0.0)
-            if rate <= 0 or t not in ctx.prices_usd_per_hr:
-                continue
-            price = ctx.prices_usd_per_hr[t]
-            delta = max(1, math.ceil(wanted_qps / rate - _EPS))
-            room = math.floor((ctx.budget_usd_per_hr - cost_now) / price + _EPS) if price else delta
-            cap = ctx.max_counts.get(t)
-            if cap is not None:
-                room = min(room, cap - fleet.get(t, 0))
-            t_load = loading.get((m, t), 0.0)
-            loaded = any(i.instance_type == t for i in serving)
-            if room >= delta:
-                cost = scaling_cost_usd_per_s(price, delta, config.load_weight_per_s, t_load)
-                whole.append((round(cost * 3600.0, 9), not loaded, t, delta))
-            elif room >= 1:
-                partial.append((-room * rate, not loaded, t, room))
-        if whole:
-            _, _, t, delta = min(whole)
-        elif partial:
-            _, _, t, delta = min(partial)
-        else:
-            key = (m, "", 0)
-            if capped != key:
-                capped = key
-                decisions.append(
-                    ScalingDecision(
-                        "infaas_budget_capped",
-                        m,
-                        "",
-                        0,
-                        f"infaas_budget_capped: {why}; no variant of {m} fits: the fleet costs"
-                        f" {cost_now:.4g} of {ctx.budget_usd_per_hr:.4g} USD/hr",
-                        {
-                            "model": m,
-                            "load_qps": load,
-                            "capacity_qps": capacity,
-                            "cost_usd_per_hr": cost_now,
-                            "budget_usd_per_hr": ctx.budget_usd_per_hr,
-                        },
-                    )
-                )
-            break
-        rate = q[(m, t)]
-        active = any(i.instance_type == t for i in serving)
-        action = "infaas_replicate" if active else "infaas_upgrade"
-        t_load = loading.get((m, t), 0.0)
-        before = fleet.get(t, 0)
-        fleet[t] = before + delta
-        after_cost = _cost_usd_per_hr(fleet, ctx.prices_usd_per_hr)
-        kind = (
-            f"replicate the loaded variant {m} on {t}"
-            if active
-            else f"upgrade to the inactive variant {m} on {t} (loading {t_load:g} s before it"
-            " serves)"
-        )
-        reason = (
-            f"{action}: {why}; {kind}: +{delta} x {t} (Q {rate:.3g} qps each): capacity"
-            f" {capacity:.3g} -> {capacity + delta * rate:.3g} qps for {load:.3g} qps;"
-            f" cost {cost_now:.4g} -> {after_cost:.4g} of {ctx.budget_usd_per_hr:.4g} USD/hr"
-        )
-        numbers: dict[str, object] = {
-            "model": m,
-            "instance_type": t,
-            "count": delta,
-            "count_before": before,
-            "count_after": fleet[t],
-            "load_qps": load,
-            "capacity_qps_before": capacity,
-            "capacity_qps_after": capacity + delta * rate,
-            "saturation_qps": rate,
-            "loading_s": t_load,
-            "overloaded": overloaded,
-            "overloaded_instances": overloaded_on,
-            "overload": dict(note.numbers) if overloaded and note is not None else None,
-            "cost_usd_per_hr_after": after_cost,
-            "budget_usd_per_hr": ctx.budget_usd_per_hr,
-            "at_s": now,
-        }
-        decisions.append(ScalingDecision(action, m, t, delta, reason, numbers))
-        if not whole:
-            capped = (m, t, delta)
-            decisions.append(
-                ScalingDecision(
-                    "infaas_budget_capped",
-                    m,
-                    t,
-                    delta,
-                    f"infaas_budget_capped: {m} wanted {wanted_qps:.3g} qps more; the budget"
-                    f" ({ctx.budget_usd_per_hr:.4g} USD/hr) and caps allow {delta} x {t}",
-                    {**numbers, "wanted_qps": wanted_qps},
-                )
-            )
-        else:
-            capped = None
-        scaled_up = True
-        break
-
-    # Rule 3: drain an instance underused for the hold.
+    tick = _Tick.of(ctx, state, config or ScalingConfig())
+    relieved = _relieve_interference(tick, state.relieved)
+    scaled_up, capped = _scale_up(tick, state.capped)
     underused: dict[str, float] = {}
+    drained = False
     if not scaled_up:
-        loads = {m: float(ctx.load_qps.get(m, 0.0)) for m in models}
-        for inst in ctx.instances:
-            served = [m for m in inst.states if m in capacity_now]
-            busy = inst.utilisation_share
-            ok = (
-                bool(served)
-                and all(inst.states[m] != "overloaded" for m in served)
-                and (busy is None or busy <= u)
-                and all(
-                    (capacity_now[m] - counted[(m, inst.instance_id)]) * u >= loads[m] - _EPS
-                    for m in served
-                )
-            )
-            if ok:
-                underused[inst.instance_id] = state.underused_since_s.get(inst.instance_id, now)
-        total = sum(fleet.values())
-        candidates = sorted(
-            (i for i in ctx.instances if i.instance_id in underused),
-            key=lambda i: (-ctx.prices_usd_per_hr.get(i.instance_type, 0.0), i.instance_id),
-        )
-        for inst in candidates:
-            t = inst.instance_type
-            hold = config.hold_s
-            if hold is None:
-                hold = max((loading.get((m, t), 0.0) for m in inst.states), default=0.0)
-            idle_s = now - underused[inst.instance_id]
-            if (
-                total <= 1
-                or fleet.get(t, 0) <= 0
-                or pending.get(t, 0) > 0
-                or idle_s < hold - _EPS
-                or now - state.last_change_s < hold - _EPS
-            ):
-                continue
-            before_cost = _cost_usd_per_hr(fleet, ctx.prices_usd_per_hr)
-            fleet[t] -= 1
-            after_cost = _cost_usd_per_hr(fleet, ctx.prices_usd_per_hr)
-            served = sorted(inst.states)
-            remaining = {m: capacity_now[m] - counted[(m, inst.instance_id)] for m in served}
-            carry = ", ".join(
-                f"{m} {loads[m]:.3g} qps on {remaining[m]:.3g} qps left" for m in served
-            )
-            shown = (
-                "unknown"
-                if inst.utilisation_share is None
-                else f"{100 * inst.utilisation_share:.0f}%"
-            )
-            decisions.append(
-                ScalingDecision(
-                    "infaas_drain",
-                    ",".join(served),
-                    t,
-                    1,
-                    f"infaas_drain: {inst.instance_id} ({t}) underused for {idle_s:.3g} s >="
-                    f" hold {hold:g} s (busy {shown}; without it {carry}, within U {u:g}):"
-                    f" -1 x {t}, cost {before_cost:.4g} -> {after_cost:.4g} USD/hr",
-                    {
-                        "instance_id": inst.instance_id,
-                        "instance_type": t,
-                        "count": 1,
-                        "count_after": fleet[t],
-                        "models": served,
-                        "load_qps": {m: loads[m] for m in served},
-                        "capacity_qps_after": remaining,
-                        "underused_s": idle_s,
-                        "hold_s": hold,
-                        "utilisation_share": inst.utilisation_share,
-                        "cost_usd_per_hr_after": after_cost,
-                        "at_s": now,
-                    },
-                    instance_id=inst.instance_id,
-                )
-            )
-            underused.pop(inst.instance_id)
-            drained = True
-            break
-    fleet = {t: n for t, n in fleet.items() if n > 0}
-    return decisions, replace(
+        underused = _underused(tick, state)
+        drained = _drain(tick, state, underused)
+    fleet = {t: n for t, n in tick.fleet.items() if n > 0}
+    return tick.decisions, replace(
         state,
         fleet=fleet,
-        last_change_s=now if scaled_up or drained else state.last_change_s,
+        last_change_s=ctx.now_s if scaled_up or drained else state.last_change_s,
         # A scale-up restarts every hold: the load that needed it is recent.
         underused_since_s={} if scaled_up else underused,
         relieved=frozenset(relieved),
         capped=capped,
     )
+
+
+@dataclass(slots=True)
+class _Tick:
+    """What the rules of one tick share: the context, Q and T_load per variant, the fleet the
+    rules change (counts by type), the instances still loading per type, the capacity each
+    model counts now (after rule 1) and each (model, instance)'s part of it, and the decisions
+    so far."""
+
+    ctx: ScalingContext
+    config: ScalingConfig
+    q: dict[tuple[str, str], float]
+    loading: dict[tuple[str, str], float]
+    models: list[str]
+    types: list[str]
+    fleet: dict[str, int]
+    pending: dict[str, int]
+    capacity_now: dict[str, float] = field(default_factory=dict)
+    counted: dict[tuple[str, str], float] = field(default_factory=dict)
+    decisions: list[ScalingDecision] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, ctx: ScalingContext, state: ScalerState, config: ScalingConfig) -> _Tick:
+        fleet = dict(state.fleet)
+        ready: dict[str, int] = {}
+        for inst in ctx.instances:
+            ready[inst.instance_type] = ready.get(inst.instance_type, 0) + 1
+        return cls(
+            ctx=ctx,
+            config=config,
+            q={(v.model, v.instance_type): v.saturation_qps for v in ctx.variants},
+            loading={(v.model, v.instance_type): v.loading_s for v in ctx.variants},
+            models=sorted({v.model for v in ctx.variants}),
+            types=sorted({v.instance_type for v in ctx.variants}),
+            fleet=fleet,
+            pending={t: max(0, fleet.get(t, 0) - ready.get(t, 0)) for t in set(fleet) | set(ready)},
+        )
+
+    def serving(self, model: str) -> list[ServedInstance]:
+        """The instances that serve ``model``."""
+        return [i for i in self.ctx.instances if model in i.states]
+
+    def cost_usd_per_hr(self) -> float:
+        return _cost_usd_per_hr(self.fleet, self.ctx.prices_usd_per_hr)
+
+
+def _relieve_interference(
+    tick: _Tick, relieved_before: frozenset[tuple[str, str]]
+) -> set[tuple[str, str]]:
+    """Rule 1: count each model's capacity now (an interfered instance at 0, or at the
+    interfered share when every instance of the model is), and relieve each newly interfered
+    (model, instance) while another instance of the model is not. Returns the pairs relieved."""
+    ctx, config = tick.ctx, tick.config
+    relieved = set(relieved_before)
+    for m in tick.models:
+        serving = tick.serving(m)
+        interfered = [i for i in serving if i.states[m] == "interfered"]
+        everywhere = bool(serving) and len(interfered) == len(serving)
+        share = config.interfered_share if everywhere else 0.0
+        for i in serving:
+            rate = tick.q.get((m, i.instance_type), 0.0)
+            tick.counted[(m, i.instance_id)] = rate * (
+                share if i.states[m] == "interfered" else 1.0
+            )
+        tick.capacity_now[m] = sum(tick.counted[(m, i.instance_id)] for i in serving)
+        for i in interfered:
+            pair = (m, i.instance_id)
+            if pair in relieved or everywhere:
+                continue
+            relieved.add(pair)
+            tick.decisions.append(_relieve_decision(tick, m, i, len(serving) - len(interfered)))
+    # Pairs no longer interfered may be relieved again when they are next time.
+    return {
+        (m, iid)
+        for m, iid in relieved
+        if any(i.instance_id == iid and i.states.get(m) == "interfered" for i in ctx.instances)
+    }
+
+
+def _relieve_decision(tick: _Tick, m: str, i: ServedInstance, left: int) -> ScalingDecision:
+    capacity = tick.capacity_now[m]
+    load = tick.ctx.load_qps.get(m, 0.0)
+    return ScalingDecision(
+        "infaas_relieve",
+        m,
+        i.instance_type,
+        0,
+        f"infaas_relieve: {m} is interfered on {i.instance_id} ({i.instance_type}):"
+        f" its load moves to the {left} other instance(s) serving {m} (its share"
+        f" drops to 0 while one of them is active); capacity counted without it"
+        f" {capacity:.3g} qps for a load of {load:.3g} qps",
+        {
+            "model": m,
+            "instance_id": i.instance_id,
+            "instance_type": i.instance_type,
+            "share": 0.0,
+            "capacity_qps": capacity,
+            "load_qps": load,
+        },
+        instance_id=i.instance_id,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Need:
+    """Why model ``model`` needs capacity (rule 2) and how much (``wanted_qps``)."""
+
+    model: str
+    load_qps: float
+    capacity_qps: float  # counted now plus what is still loading
+    overloaded_on: list[str]
+    why: str
+    wanted_qps: float
+
+
+def _need(tick: _Tick, m: str) -> _Need | None:
+    """Rule 2's test: ``m`` needs capacity when one of its instances is overloaded (or all are
+    interfered) and nothing of it is still loading, or when its load exceeds U times its
+    capacity, what is loading included; ``None`` when it does not."""
+    u = tick.config.utilisation
+    q, pending = tick.q, tick.pending
+    load = float(tick.ctx.load_qps.get(m, 0.0))
+    serving = tick.serving(m)
+    loading_capacity = sum(pending.get(t, 0) * q.get((m, t), 0.0) for t in pending)
+    capacity = tick.capacity_now[m] + loading_capacity
+    overloaded_on = sorted(i.instance_id for i in serving if i.states[m] == "overloaded")
+    overloaded = bool(overloaded_on)
+    everywhere = bool(serving) and all(i.states[m] == "interfered" for i in serving)
+    loading_any = any(pending.get(t, 0) > 0 and q.get((m, t), 0.0) > 0 for t in pending)
+    short = load > u * capacity + _EPS
+    if not (short or ((overloaded or everywhere) and not loading_any)):
+        return None
+    note = tick.ctx.overload.get(m)
+    parts = []
+    if overloaded:
+        judged = f": {'; '.join(note.reasons)}" if note is not None and note.reasons else ""
+        parts.append(f"{m} is overloaded on {', '.join(overloaded_on)}{judged}")
+    if short:
+        parts.append(
+            f"load {load:.3g} qps > U {u:g} x capacity {capacity:.3g} qps"
+            f" ({loading_capacity:.3g} of it still loading)"
+        )
+    elif everywhere and not overloaded:
+        parts.append(f"{m} is interfered on every instance serving it")
+    wanted_qps = max(load / u - capacity, 0.0)
+    if not short:
+        # Overloaded (or interfered everywhere) at a load the profiles say it carries: the
+        # queue, not the rate, says it is short; one more instance of what serves it now.
+        wanted_qps = max((q.get((m, i.instance_type), 0.0) for i in serving), default=wanted_qps)
+    return _Need(m, load, capacity, overloaded_on, "; ".join(parts), wanted_qps)
+
+
+def _scale_up_choice(tick: _Tick, need: _Need) -> tuple[str, int, bool] | None:
+    """Rule 2's choice for ``need``: (type, instances added, whether it covers the need whole),
+    the cheapest option by the ILP's cost that covers it within the budget and caps, else the
+    one that adds the most capacity that fits; ``None`` when not one instance fits."""
+    ctx, m = tick.ctx, need.model
+    cost_now = tick.cost_usd_per_hr()
+    serving = tick.serving(m)
+    # (cost, inactive, type, delta): at equal cost the loaded variant (replication).
+    whole: list[tuple[float, bool, str, int]] = []
+    partial: list[tuple[float, bool, str, int]] = []
+    for t in tick.types:
+        rate = tick.q.get((m, t), 0.0)
+        if rate <= 0 or t not in ctx.prices_usd_per_hr:
+            continue
+        price = ctx.prices_usd_per_hr[t]
+        delta = max(1, math.ceil(need.wanted_qps / rate - _EPS))
+        room = math.floor((ctx.budget_usd_per_hr - cost_now) / price + _EPS) if price else delta
+        cap = ctx.max_counts.get(t)
+        if cap is not None:
+            room = min(room, cap - tick.fleet.get(t, 0))
+        t_load = tick.loading.get((m, t), 0.0)
+        loaded = any(i.instance_type == t for i in serving)
+        if room >= delta:
+            cost = scaling_cost_usd_per_s(price, delta, tick.config.load_weight_per_s, t_load)
+            whole.append((round(cost * 3600.0, 9), not loaded, t, delta))
+        elif room >= 1:
+            partial.append((-room * rate, not loaded, t, room))
+    if whole:
+        _, _, t, delta = min(whole)
+        return t, delta, True
+    if partial:
+        _, _, t, delta = min(partial)
+        return t, delta, False
+    return None
+
+
+def _scale_up(
+    tick: _Tick, capped: tuple[str, str, int] | None
+) -> tuple[bool, tuple[str, str, int] | None]:
+    """Rule 2: the first model that needs capacity gets its choice of instances (at most one
+    scaling action a tick), or a ``infaas_budget_capped`` when nothing fits (said once until
+    what is capped changes). Returns (whether it scaled up, the cap last said)."""
+    ctx = tick.ctx
+    for m in tick.models:
+        need = _need(tick, m)
+        if need is None:
+            continue
+        cost_now = tick.cost_usd_per_hr()
+        choice = _scale_up_choice(tick, need)
+        if choice is None:
+            key = (m, "", 0)
+            if capped != key:
+                capped = key
+                tick.decisions.append(
+                    ScalingDecision(
+                        "infaas_budget_capped",
+                        m,
+                        "",
+                        0,
+                        f"infaas_budget_capped: {need.why}; no variant of {m} fits: the fleet"
+                        f" costs {cost_now:.4g} of {ctx.budget_usd_per_hr:.4g} USD/hr",
+                        {
+                            "model": m,
+                            "load_qps": need.load_qps,
+                            "capacity_qps": need.capacity_qps,
+                            "cost_usd_per_hr": cost_now,
+                            "budget_usd_per_hr": ctx.budget_usd_per_hr,
+                        },
+                    )
+                )
+            return False, capped
+        t, delta, covered = choice
+        numbers = _add_instances(tick, need, t, delta, cost_now)
+        if covered:
+            return True, None
+        tick.decisions.append(
+            ScalingDecision(
+                "infaas_budget_capped",
+                m,
+                t,
+                delta,
+                f"infaas_budget_capped: {m} wanted {need.wanted_qps:.3g} qps more; the budget"
+                f" ({ctx.budget_usd_per_hr:.4g} USD/hr) and caps allow {delta} x {t}",
+                {**numbers, "wanted_qps": need.wanted_qps},
+            )
+        )
+        return True, (m, t, delta)
+    return False, capped
+
+
+def _add_instances(
+    tick: _Tick, need: _Need, t: str, delta: int, cost_now: float
+) -> dict[str, object]:
+    """Add ``delta`` instances of ``t`` for ``need`` to the fleet and record the
+    ``infaas_replicate`` (a loaded variant) or ``infaas_upgrade`` (an inactive one); returns
+    the decision's numbers."""
+    ctx, m = tick.ctx, need.model
+    rate = tick.q[(m, t)]
+    active = any(i.instance_type == t for i in tick.serving(m))
+    action = "infaas_replicate" if active else "infaas_upgrade"
+    t_load = tick.loading.get((m, t), 0.0)
+    before = tick.fleet.get(t, 0)
+    tick.fleet[t] = before + delta
+    after_cost = tick.cost_usd_per_hr()
+    capacity, load = need.capacity_qps, need.load_qps
+    kind = (
+        f"replicate the loaded variant {m} on {t}"
+        if active
+        else f"upgrade to the inactive variant {m} on {t} (loading {t_load:g} s before it serves)"
+    )
+    reason = (
+        f"{action}: {need.why}; {kind}: +{delta} x {t} (Q {rate:.3g} qps each): capacity"
+        f" {capacity:.3g} -> {capacity + delta * rate:.3g} qps for {load:.3g} qps;"
+        f" cost {cost_now:.4g} -> {after_cost:.4g} of {ctx.budget_usd_per_hr:.4g} USD/hr"
+    )
+    overloaded = bool(need.overloaded_on)
+    note = ctx.overload.get(m)
+    numbers: dict[str, object] = {
+        "model": m,
+        "instance_type": t,
+        "count": delta,
+        "count_before": before,
+        "count_after": tick.fleet[t],
+        "load_qps": load,
+        "capacity_qps_before": capacity,
+        "capacity_qps_after": capacity + delta * rate,
+        "saturation_qps": rate,
+        "loading_s": t_load,
+        "overloaded": overloaded,
+        "overloaded_instances": need.overloaded_on,
+        "overload": dict(note.numbers) if overloaded and note is not None else None,
+        "cost_usd_per_hr_after": after_cost,
+        "budget_usd_per_hr": ctx.budget_usd_per_hr,
+        "at_s": ctx.now_s,
+    }
+    tick.decisions.append(ScalingDecision(action, m, t, delta, reason, numbers))
+    return numbers
+
+
+def _underused(tick: _Tick, state: ScalerState) -> dict[str, float]:
+    """Rule 3's test: the instances underused now (no model of theirs overloaded, busy at most
+    U when known, and every model they serve carried at U without them), each with since when
+    it has been."""
+    u = tick.config.utilisation
+    loads = {m: float(tick.ctx.load_qps.get(m, 0.0)) for m in tick.models}
+    underused: dict[str, float] = {}
+    for inst in tick.ctx.instances:
+        served = [m for m in inst.states if m in tick.capacity_now]
+        busy = inst.utilisation_share
+        ok = (
+            bool(served)
+            and all(inst.states[m] != "overloaded" for m in served)
+            and (busy is None or busy <= u)
+            and all(
+                (tick.capacity_now[m] - tick.counted[(m, inst.instance_id)]) * u >= loads[m] - _EPS
+                for m in served
+            )
+        )
+        if ok:
+            underused[inst.instance_id] = state.underused_since_s.get(
+                inst.instance_id, tick.ctx.now_s
+            )
+    return underused
+
+
+def _drain(tick: _Tick, state: ScalerState, underused: dict[str, float]) -> bool:
+    """Rule 3: drain one instance underused for the hold (the most expensive type first), with
+    no scaling action within the hold, nothing of its type loading and another instance left;
+    it leaves ``underused``. Returns whether one was drained."""
+    ctx, u, now = tick.ctx, tick.config.utilisation, tick.ctx.now_s
+    loads = {m: float(ctx.load_qps.get(m, 0.0)) for m in tick.models}
+    total = sum(tick.fleet.values())
+    candidates = sorted(
+        (i for i in ctx.instances if i.instance_id in underused),
+        key=lambda i: (-ctx.prices_usd_per_hr.get(i.instance_type, 0.0), i.instance_id),
+    )
+    for inst in candidates:
+        t = inst.instance_type
+        hold = tick.config.hold_s
+        if hold is None:
+            hold = max((tick.loading.get((m, t), 0.0) for m in inst.states), default=0.0)
+        idle_s = now - underused[inst.instance_id]
+        if (
+            total <= 1
+            or tick.fleet.get(t, 0) <= 0
+            or tick.pending.get(t, 0) > 0
+            or idle_s < hold - _EPS
+            or now - state.last_change_s < hold - _EPS
+        ):
+            continue
+        before_cost = tick.cost_usd_per_hr()
+        tick.fleet[t] -= 1
+        after_cost = tick.cost_usd_per_hr()
+        served = sorted(inst.states)
+        remaining = {m: tick.capacity_now[m] - tick.counted[(m, inst.instance_id)] for m in served}
+        carry = ", ".join(f"{m} {loads[m]:.3g} qps on {remaining[m]:.3g} qps left" for m in served)
+        shown = (
+            "unknown" if inst.utilisation_share is None else f"{100 * inst.utilisation_share:.0f}%"
+        )
+        tick.decisions.append(
+            ScalingDecision(
+                "infaas_drain",
+                ",".join(served),
+                t,
+                1,
+                f"infaas_drain: {inst.instance_id} ({t}) underused for {idle_s:.3g} s >="
+                f" hold {hold:g} s (busy {shown}; without it {carry}, within U {u:g}):"
+                f" -1 x {t}, cost {before_cost:.4g} -> {after_cost:.4g} USD/hr",
+                {
+                    "instance_id": inst.instance_id,
+                    "instance_type": t,
+                    "count": 1,
+                    "count_after": tick.fleet[t],
+                    "models": served,
+                    "load_qps": {m: loads[m] for m in served},
+                    "capacity_qps_after": remaining,
+                    "underused_s": idle_s,
+                    "hold_s": hold,
+                    "utilisation_share": inst.utilisation_share,
+                    "cost_usd_per_hr_after": after_cost,
+                    "at_s": now,
+                },
+                instance_id=inst.instance_id,
+            )
+        )
+        underused.pop(inst.instance_id)
+        return True
+    return False

@@ -20,13 +20,15 @@ from numpy.typing import NDArray
 from controlplane.policies.plan import DispatchName
 from controlplane.spec import ResolvedApp
 from estimator.cascades import answering_stage, with_sample_ids
-from estimator.policies import full_range_types, policy_factory
+from estimator.policies import full_range_types, policy_class, policy_factory
 from estimator.profiles import LatencyProfile
 from estimator.simulator import InstanceSpec, Stage
 from estimator.traces import Trace
 from matching.policy import DispatchPolicy
 
 __all__ = [
+    "MIX_POLICY",
+    "SINGLE_TYPE_POLICY",
     "answering_stages",
     "dispatch_choice",
     "dispatch_factory",
@@ -34,6 +36,11 @@ __all__ = [
     "pipeline_stages",
     "reaching_batch_sizes",
 ]
+
+# The planner's dispatch: FCFS over one type (and where a mix has no base type), Kairos' matching
+# over a mix of types (the plan may name another policy a plan may name).
+SINGLE_TYPE_POLICY: DispatchName = "fcfs"
+MIX_POLICY: DispatchName = "kairos"
 
 
 def answering_stages(
@@ -92,9 +99,10 @@ def dispatch_factory(
     slo_ms: float,
 ) -> tuple[DispatchName, Callable[[], DispatchPolicy]]:
     """The dispatch of a stage whose fleet uses the types of ``profiles``, as the planner chooses
-    it: one type is FCFS; several are Kairos with the full-range types (those that meet
-    ``slo_ms`` at every size of ``batch_sizes``, the sizes of the queries reaching the stage) as
-    its base, FCFS when there is none or ``policy`` says ``fcfs``."""
+    it: one type is FCFS (:data:`SINGLE_TYPE_POLICY`); several are ``policy``, by default Kairos
+    (:data:`MIX_POLICY`), with the full-range types (those that meet ``slo_ms`` at every size of
+    ``batch_sizes``, the sizes of the queries reaching the stage) as its base where it needs one,
+    FCFS when there is none."""
     name, base = dispatch_choice(policy, profiles, prices_usd_per_hr, batch_sizes, slo_ms)
     return name, policy_factory(name, dict(profiles), base)
 
@@ -112,12 +120,15 @@ def dispatch_choice(
     (``StagePlan.base_types``) so that the live dispatcher serves as the simulator did."""
     used = dict(profiles)
     if len(used) == 1:
-        return "fcfs", list(used)
+        return SINGLE_TYPE_POLICY, list(used)
+    chosen = policy or MIX_POLICY
+    if not policy_class(chosen).needs_base_type:
+        return chosen, []
     prices = {t: prices_usd_per_hr[t] for t in used}
     base = full_range_types(used, batch_sizes, slo_ms, prices)
-    if base and policy != "fcfs":
-        return "kairos", base
-    return "fcfs", []
+    if base:
+        return chosen, base
+    return SINGLE_TYPE_POLICY, []
 
 
 def pipeline_stages(
@@ -130,7 +141,7 @@ def pipeline_stages(
     size, dispatch policy name or ``None`` for the planner's choice), forwarding as ``answered``
     says (:func:`forward_flags`). The Kairos base is judged against the SLO less the control
     plane's own time per query, on the batch sizes of the queries that reach the stage."""
-    slo_ms = app.spec.slo.latency_ms - app.serving_overhead_ms
+    slo_ms = app.constraints.stage_slo_ms
     flags = forward_flags(answered, len(stages), len(trace))
     built = []
     for i, (model, instances, batch, policy) in enumerate(stages):

@@ -39,15 +39,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 from estimator.errors import EstimatorError, FleetError
 from estimator.fleet import Fleet
+from matching import registry
 
-__all__ = ["DISPATCH_NAMES", "DispatchName", "PlanDocument", "PlanError", "StagePlan", "read_plan"]
+__all__ = ["DispatchName", "PlanDocument", "PlanError", "StagePlan", "read_plan"]
 
-DispatchName = Literal["fcfs", "kairos"]
-DISPATCH_NAMES: tuple[DispatchName, ...] = ("fcfs", "kairos")
+# The name of a dispatch policy a plan may name: one of ``matching.registry.plan_names()``.
+DispatchName = str
 
 
 class PlanError(EstimatorError):
@@ -298,9 +299,10 @@ def _stage(entry: object, where: str, source: str | None) -> StagePlan:
     # A stage without a batch size takes one query at a time.
     batch = _whole(entry.get("batch_size", 1), f"{where}.batch_size", source, 1)
     raw_policy = entry.get("policy")
-    policy = next((name for name in DISPATCH_NAMES if name == raw_policy), None)
+    allowed = registry.plan_names()
+    policy = next((name for name in allowed if name == raw_policy), None)
     if raw_policy is not None and policy is None:
-        problem = f"must be one of {', '.join(DISPATCH_NAMES)}, got {raw_policy!r}"
+        problem = f"must be one of {', '.join(allowed)}, got {raw_policy!r}"
         raise PlanError(f"{where}.policy", problem, source)
     numbers = {
         key: _number(entry.get(key, default), f"{where}.{key}", source)

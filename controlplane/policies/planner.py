@@ -27,7 +27,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.policies.calibration import OVERHEAD_QUANTILES, draw_overhead_ms
-from controlplane.policies.gears import Placement, plan_gears
+from controlplane.policies.gears import CascadePlacement, plan_gears
 from controlplane.policies.pipeline import (
     answering_stages,
     dispatch_choice,
@@ -41,6 +41,7 @@ from controlplane.spec import ResolvedApp
 from estimator import deadline
 from estimator.allocation import cheapest_within
 from estimator.bounds import KairosQuantities, Ranking, kairos_quantities, rank_configurations
+from estimator.capacity import bisect_rate
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope, tuner_windows_s
 from estimator.errors import (
     BatchSizeOutOfRangeError,
@@ -530,20 +531,20 @@ def _reach(
 
 
 def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _Setup:
-    spec = app.spec
-    order = spec.serving_order
-    overhead_ms = app.serving_overhead_ms
-    if overhead_ms >= spec.slo.latency_ms:
+    limits = app.constraints
+    order = app.spec.serving_order
+    overhead_ms = limits.serving_overhead_ms
+    if overhead_ms >= limits.slo_ms:
         raise InfeasibleSLOError(
             order[0],
             "the control plane's own path",
             overhead_ms,
-            spec.slo.latency_ms,
-            spec.slo.percentile,
+            limits.slo_ms,
+            limits.percentile,
         )
     # The control plane's own time per query (measured by the service) comes off the SLO first:
     # the stages (planned jointly when there are several) share what is left.
-    slo_ms = spec.slo.latency_ms - overhead_ms
+    slo_ms = limits.stage_slo_ms
     if overhead_ms > 0:
         steps.append(
             f"the control plane's own time per query, {overhead_ms:.2f} ms as the service"
@@ -557,7 +558,7 @@ def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _
         profiles: dict[str, LatencyProfile] = {}
         for t in app.instance_types:
             profile = app.profile(model, t)
-            if spec.max_count(t) == 0:
+            if not limits.usable(t):
                 continue
             if profile.min_batch_size <= smallest and profile.max_batch_size >= largest:
                 profiles[t] = profile
@@ -581,10 +582,10 @@ def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _
                 model=model,
                 profiles=profiles,
                 prices_usd_per_hr={t: app.prices_usd_per_hr[t] for t in profiles},
-                max_counts={t: n for t in profiles if (n := spec.max_count(t)) is not None},
+                max_counts=limits.caps(profiles),
                 slo_ms=slo_ms,
-                percentile=spec.slo.percentile,
-                budget_usd_per_hr=spec.budget_usd_per_hr,
+                percentile=limits.percentile,
+                budget_usd_per_hr=limits.budget_usd_per_hr,
                 profile_set=app.profiles[model],
             )
         )
@@ -615,7 +616,7 @@ def _run(
     jointly (:func:`_run_joint`)."""
     if len(setup.stages) > 1:
         return _run_joint(setup, app, trace, seed, steps, optimise, counter)
-    left_usd_per_hr = app.spec.budget_usd_per_hr
+    left_usd_per_hr = app.constraints.budget_usd_per_hr
     plans = []
     for i, stage in enumerate(setup.stages):
         reserve = sum(setup.cheapest_usd_per_hr[i + 1 :])
@@ -721,11 +722,11 @@ class _PipelineJudge:
                 stages,
                 np.random.default_rng(self.seed),
                 prices_usd_per_hr=self.app.prices_usd_per_hr,
-                qos_ms=self.app.spec.slo.latency_ms,
+                qos_ms=self.app.constraints.slo_ms,
             )
             self.simulations += 1
             self.cache[joint] = end_to_end_tail_ms(
-                result.response_ms, self.app, self.app.spec.slo.percentile, self.seed
+                result.response_ms, self.app, self.app.constraints.percentile, self.seed
             )
         return self.cache[joint]
 
@@ -765,7 +766,8 @@ def _within_caps(app: ResolvedApp, joint: _Joint) -> bool:
     for fleet, _ in joint:
         for t, n in fleet:
             used[t] = used.get(t, 0) + n
-    return all(n <= (app.spec.max_count(t) or math.inf) for t, n in used.items())
+    caps = app.constraints.max_counts
+    return all(n <= caps.get(t, math.inf) for t, n in used.items())
 
 
 def _stage_rate_qps(setup: _Setup, i: int, trace: Trace) -> float:
@@ -847,15 +849,15 @@ def _proposal(
     (100 - (100 - P) / s)-th (at least its median), so that is its latency. When no choice fits,
     each stage takes the cheapest candidate within its share of the SLO by load (s_i over its
     fastest type's rate, summed over stages to 1), else its fastest."""
-    slo = app.spec.slo
-    bound_ms = slo.latency_ms - app.serving_overhead_ms
+    limits = app.constraints
+    bound_ms = limits.stage_slo_ms
     types = sorted({t for s in setup.stages for t in s.profiles})
     blocks = []
     choices = []
     load = []
     for i, inputs in enumerate(setup.stages):
         share = setup.scale_factor(i)
-        percentile = min(slo.percentile, max(50.0, 100.0 - (100.0 - slo.percentile) / share))
+        percentile = min(limits.percentile, max(50.0, 100.0 - (100.0 - limits.percentile) / share))
         options, latency, cost = _stage_options(setup, i, trace, seed, percentile, counter)
         if not options:
             steps.append(f"{inputs.model}: no candidate allocation within the budget is stable")
@@ -865,14 +867,14 @@ def _proposal(
         choices.append(options)
         sizes = setup.stage_trace(i, trace).batch_size
         load.append(share / max(p.rate_qps(sizes) for p in inputs.profiles.values()))
-    caps = {t: n for t in types if (n := app.spec.max_count(t)) is not None}
+    caps = limits.caps(types)
     proposals: dict[_Joint, float] = {}
     for factor in PROPOSAL_BOUND_FACTORS:
         picked = cheapest_within(
             blocks,
             types,
             factor * bound_ms,
-            budget_usd_per_hr=app.spec.budget_usd_per_hr,
+            budget_usd_per_hr=limits.budget_usd_per_hr,
             max_counts=caps,
         )
         if picked is not None:
@@ -887,9 +889,9 @@ def _proposal(
         tails = {}
         for joint in ordered:
             tails[joint] = judge(joint)
-            if tails[joint] <= app.spec.slo.latency_ms:
+            if tails[joint] <= limits.slo_ms:
                 break
-        feasible = [j for j in tails if tails[j] <= app.spec.slo.latency_ms]
+        feasible = [j for j in tails if tails[j] <= limits.slo_ms]
         joint = (
             feasible[0] if feasible else min(tails, key=lambda j: (tails[j], _joint_cost(setup, j)))
         )
@@ -926,15 +928,15 @@ def _joint_add(
     """Algorithm 1 on the pipeline: while the end-to-end tail is above the SLO, add the one
     instance (any stage, any type, within the budget and caps) that lowers it most; ``None``
     when none lowers it."""
-    slo = app.spec.slo
-    budget = app.spec.budget_usd_per_hr
+    limits = app.constraints
+    budget = limits.budget_usd_per_hr
     tail_ms = judge(joint)
     steps.append(
-        f"end-to-end P{slo.percentile:g} of the proposal: {tail_ms:.1f} ms"
-        f" (SLO {slo.latency_ms:g} ms)"
+        f"end-to-end P{limits.percentile:g} of the proposal: {tail_ms:.1f} ms"
+        f" (SLO {limits.slo_ms:g} ms)"
     )
     for _ in range(MAX_ADDED_INSTANCES):
-        if tail_ms <= slo.latency_ms:
+        if tail_ms <= limits.slo_ms:
             return joint
         best: tuple[float, _Joint, str] | None = None
         for i, inputs in enumerate(setup.stages):
@@ -953,16 +955,16 @@ def _joint_add(
         if best is None or best[0] >= tail_ms:
             steps.append(
                 f"no instance that fits the budget ${budget:g}/hr lowers the end-to-end"
-                f" P{slo.percentile:g} below {slo.latency_ms:g} ms (it is {tail_ms:.1f} ms on"
+                f" P{limits.percentile:g} below {limits.slo_ms:g} ms (it is {tail_ms:.1f} ms on"
                 f" {_joint_text(setup, joint)})"
             )
             return None
         steps.append(
-            f"{best[2]} (end-to-end P{slo.percentile:g} {tail_ms:.1f} -> {best[0]:.1f} ms,"
+            f"{best[2]} (end-to-end P{limits.percentile:g} {tail_ms:.1f} -> {best[0]:.1f} ms,"
             f" ${_joint_cost(setup, best[1]):.3f}/hr)"
         )
         tail_ms, joint = best[0], best[1]
-    return joint if tail_ms <= slo.latency_ms else None
+    return joint if tail_ms <= limits.slo_ms else None
 
 
 def _joint_cut(
@@ -976,7 +978,7 @@ def _joint_cut(
     """Algorithm 2 on the pipeline: the actions of :func:`_algorithm_2` on every stage, in order
     of saving, the first whose end-to-end tail stays within the SLO applied, until none does (or
     :data:`MAX_JOINT_CUT_SIMULATIONS` are spent). Stages left unstable are not simulated."""
-    slo = app.spec.slo
+    limits = app.constraints
     smallest = int(trace.batch_size.min())
     spent = judge.simulations
     while True:
@@ -1017,17 +1019,17 @@ def _joint_cut(
                 )
                 return joint
             tail_ms = judge(candidate)
-            if tail_ms <= slo.latency_ms:
+            if tail_ms <= limits.slo_ms:
                 joint = candidate
                 steps.append(
                     f"{what}: saves ${saving:.3f}/hr (now ${_joint_cost(setup, joint):.3f}/hr),"
-                    f" end-to-end P{slo.percentile:g} {tail_ms:.1f} ms"
+                    f" end-to-end P{limits.percentile:g} {tail_ms:.1f} ms"
                 )
                 break
         else:
             steps.append(
-                f"no action that cuts cost keeps the end-to-end P{slo.percentile:g} within"
-                f" {slo.latency_ms:g} ms; done"
+                f"no action that cuts cost keeps the end-to-end P{limits.percentile:g} within"
+                f" {limits.slo_ms:g} ms; done"
             )
             return joint
 
@@ -1057,7 +1059,7 @@ def _run_joint(
     if joint is None:
         return None
     plans = []
-    slo_ms = app.spec.slo.latency_ms - app.serving_overhead_ms
+    slo_ms = app.constraints.stage_slo_ms
     for i, (inputs, (fleet_items, batch)) in enumerate(zip(setup.stages, joint, strict=True)):
         fleet = dict(fleet_items)
         stage_trace = setup.stage_trace(i, trace)
@@ -1135,18 +1137,17 @@ def plan_app(
     planned_rate = rate
     if plans is None:
         say("no plan within the budget serves the trace; bisecting the highest feasible rate")
-        low, high = 0.0, rate
-        while high - low > RATE_REL_TOL * rate:
-            middle = 0.5 * (low + high)
-            probe_steps: list[str] = []
-            if _run(setup, app, scale_trace(sample, middle), seed, probe_steps, False, counter):
-                low = middle
-            else:
-                high = middle
-            say(f"  {middle:.2f} qps: {'feasible' if low == middle else 'infeasible'}")
+
+        def feasible(rate_qps: float) -> bool:
+            probe = scale_trace(sample, rate_qps)
+            found = bool(_run(setup, app, probe, seed, [], False, counter))
+            say(f"  {rate_qps:.2f} qps: {'feasible' if found else 'infeasible'}")
+            return found
+
+        low = bisect_rate(feasible, 0.0, rate, tolerance_qps=RATE_REL_TOL * rate)
         max_feasible, planned_rate = low, low
         steps.append(
-            f"no plan within the budget ${app.spec.budget_usd_per_hr:g}/hr meets the SLO at"
+            f"no plan within the budget ${app.constraints.budget_usd_per_hr:g}/hr meets the SLO at"
             f" {rate:.2f} qps; the highest rate one does (bisection, arrival times scaled) is"
             f" {low:.2f} qps, and the stages below are planned for it"
         )
@@ -1190,7 +1191,7 @@ def _pipeline_tail_ms(
     """The P-th percentile of the end-to-end response time of the whole planned pipeline (one
     stage or more) on ``trace``, the one the stages were planned for (see the module docstring,
     End-to-end prediction)."""
-    slo = app.spec.slo
+    limits = app.constraints
     if len(plans) == 1 and not app.serving_overhead_quantiles_ms:
         # One stage is the whole pipeline, and its own simulation (same trace, same seed) is the
         # pipeline's: nothing to simulate again. A constant overhead added to every query
@@ -1218,10 +1219,10 @@ def _pipeline_tail_ms(
             stages,
             np.random.default_rng(seed),
             prices_usd_per_hr=app.prices_usd_per_hr,
-            qos_ms=slo.latency_ms,
+            qos_ms=limits.slo_ms,
         )
         counter[0] += 1
-        tail_ms = end_to_end_tail_ms(result.response_ms, app, slo.percentile, seed)
+        tail_ms = end_to_end_tail_ms(result.response_ms, app, limits.percentile, seed)
         reach_text = (
             "every query reaching every stage"
             if all(r is None for r in setup.reach)
@@ -1240,10 +1241,10 @@ def _pipeline_tail_ms(
         )
     elif app.serving_overhead_ms > 0:
         how += f", plus the control plane's own {app.serving_overhead_ms:.2f} ms per query"
-    verdict = "within" if tail_ms <= slo.latency_ms else "ABOVE"
+    verdict = "within" if tail_ms <= limits.slo_ms else "ABOVE"
     steps.append(
-        f"end to end: predicted P{slo.percentile:g} {tail_ms:.1f} ms on the planned"
-        f" {_rate_qps(trace):.2f} qps, {verdict} the SLO {slo.latency_ms:g} ms; from {how}"
+        f"end to end: predicted P{limits.percentile:g} {tail_ms:.1f} ms on the planned"
+        f" {_rate_qps(trace):.2f} qps, {verdict} the SLO {limits.slo_ms:g} ms; from {how}"
     )
     return tail_ms
 
@@ -1296,10 +1297,10 @@ def _gear_plan(
     order = tuple(m for m in cascade.models if m in fleets)
     if len(order) < 2:
         return None
-    slo = app.spec.slo
+    limits = app.constraints
     say(f"planning the gears of the cascade on {len(order)} placed models")
     try:
-        placement = Placement(fleets, order)
+        placement = CascadePlacement(fleets, order)
         # The held-out protocol (docs/cascades.md): gears chosen on one half of the records,
         # their accuracy (and the SLO's floor) judged on the other.
         choose, score = records.split()
@@ -1308,9 +1309,9 @@ def _gear_plan(
             placement,
             {m: {t: app.profile(m, t) for t in placement.fleets[m]} for m in order},
             app.prices_usd_per_hr,
-            slo_ms=slo.latency_ms,
-            percentile=slo.percentile,
-            accuracy_floor=slo.accuracy,
+            slo_ms=limits.slo_ms,
+            percentile=limits.percentile,
+            accuracy_floor=limits.accuracy,
             seed=seed,
             held_out=score,
         )

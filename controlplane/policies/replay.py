@@ -33,14 +33,14 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from controlplane.policies import scaling
 from controlplane.policies.pipeline import answering_stages, pipeline_stages
 from controlplane.policies.plan import (
-    DISPATCH_NAMES,
     DispatchName,
     PlanDocument,
     PlanError,
@@ -51,7 +51,7 @@ from controlplane.policies.sizing import SizingLadder, tuner_stage
 from controlplane.policies.tuner import (
     DEFAULT_RECENT_S,
     CapacityModel,
-    Decision,
+    ScalingDecision,
     TunerConfig,
     TunerStage,
     TunerState,
@@ -66,16 +66,16 @@ from estimator.bounds import kairos_quantities, upper_bounds
 from estimator.envelope import DEFAULT_MAX_WINDOW_S
 from estimator.errors import EstimatorError
 from estimator.fleet import Fleet
-from estimator.policies import full_range_types, policy_factory
+from estimator.policies import full_range_types, policy_class, policy_factory
 from estimator.profiles import LatencyProfile
 from estimator.simulator import InstanceSpec, SimulationResult, Stage, simulate
 from estimator.traces import Trace
+from matching import registry
 from matching.policy import DispatchPolicy
 
 __all__ = [
     "DEFAULT_PLANNING_SHARE",
     "DEFAULT_TUNER_MIN_WINDOW_S",
-    "DISPATCH_NAMES",
     "AbortedBoot",
     "FleetTimeline",
     "PlanError",
@@ -85,6 +85,7 @@ __all__ = [
     "ScalingPolicy",
     "StagePlan",
     "StageReplay",
+    "TimelineOptions",
     "TimelineWindow",
     "UtilizationConfig",
     "cascade_tuner_timelines",
@@ -99,13 +100,17 @@ __all__ = [
     "replay_timeline",
     "split_slo_ms",
     "stage_slo_targets_ms",
+    "static_policy_timeline",
     "static_timeline",
     "thin_planning_arrivals",
+    "tuner_policy_timeline",
     "tuner_timeline",
+    "utilization_policy_timeline",
     "utilization_timeline",
 ]
 
-ScalingPolicy = Literal["tuner", "static", "utilization"]
+# The name of a scaling policy replay runs: one of ``controlplane.policies.scaling.replay_names()``.
+ScalingPolicy = str
 
 # Without a planning trace, the tuner plans on the replayed trace's first 10%: the part an operator
 # would have seen before deploying (docs/replay.md).
@@ -189,10 +194,10 @@ def check_plan(plan: PlanDocument, app: ResolvedApp) -> StagePlan:
                 f"({', '.join(app.instance_types)})"
             )
     cost = sum(count * app.prices_usd_per_hr[name] for name, count in stage.fleet.items())
-    if cost > app.spec.budget_usd_per_hr + 1e-9:
+    if cost > app.constraints.budget_usd_per_hr + 1e-9:
         raise ReplayError(
             f"the plan's fleet {stage.fleet} costs {cost:.6g} USD/hr, over the spec's budget of "
-            f"{app.spec.budget_usd_per_hr:g} USD/hr"
+            f"{app.constraints.budget_usd_per_hr:g} USD/hr"
         )
     return stage
 
@@ -334,6 +339,64 @@ def static_timeline(fleet: Fleet) -> FleetTimeline:
     return _FleetLog.planned(fleet, {}).timeline()
 
 
+@dataclass(frozen=True, slots=True)
+class TimelineOptions:
+    """What :func:`replay` passes to a scaling policy's timeline function (each reads what it
+    uses; see :func:`replay` for their meaning)."""
+
+    planning_arrival_s: NDArray[np.float64] | None = None
+    boot_s: Mapping[str, float] | None = None
+    utilization: UtilizationConfig | None = None
+    dispatch: DispatchName | None = None
+    tuner_min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S
+    tuner_capacity_curve: Sequence[tuple[float, float]] | None = None
+    tuner_recent_s: float = DEFAULT_RECENT_S
+    tuner_ladder: SizingLadder | None = None
+    tuner_persistence_s: float | None = None
+
+
+# A scaling policy as replay runs it (controlplane.policies.scaling: ``replays``).
+TimelineFunction = Callable[[Trace, ResolvedApp, StagePlan, TimelineOptions], FleetTimeline]
+
+
+def static_policy_timeline(
+    trace: Trace, app: ResolvedApp, stage: StagePlan, options: TimelineOptions
+) -> FleetTimeline:
+    """``static`` (and the baselines, on their own plan): :func:`static_timeline`."""
+    return static_timeline(stage.fleet)
+
+
+def tuner_policy_timeline(
+    trace: Trace, app: ResolvedApp, stage: StagePlan, options: TimelineOptions
+) -> FleetTimeline:
+    """``tuner``: :func:`tuner_timeline`, planning on the trace's first 10% unless told."""
+    planning = options.planning_arrival_s
+    if planning is None:
+        planning = planning_arrivals(trace)
+    return tuner_timeline(
+        trace,
+        app,
+        stage,
+        np.asarray(planning, dtype=np.float64),
+        boot_s=options.boot_s,
+        min_window_s=options.tuner_min_window_s,
+        dispatch=options.dispatch if options.dispatch is not None else (stage.policy or "fcfs"),
+        capacity_curve=options.tuner_capacity_curve,
+        recent_s=options.tuner_recent_s,
+        ladder=options.tuner_ladder,
+        persistence_s=options.tuner_persistence_s,
+    )
+
+
+def utilization_policy_timeline(
+    trace: Trace, app: ResolvedApp, stage: StagePlan, options: TimelineOptions
+) -> FleetTimeline:
+    """``utilization``: :func:`utilization_timeline`."""
+    return utilization_timeline(
+        trace, app, stage, config=options.utilization, boot_s=options.boot_s
+    )
+
+
 # --- what the policies know of the fleet -----------------------------------------------------
 
 
@@ -400,6 +463,32 @@ def kairos_capacity_model(
         return float(upper_bounds(quantities, counts_row)[0])
 
     return capacity_qps
+
+
+def matched_capacity_model(
+    app: ResolvedApp,
+    dispatch: str | None,
+    model: str,
+    types: Sequence[str],
+    batch_size: int,
+    trace: Trace,
+    slo_ms: float | None = None,
+) -> CapacityModel | None:
+    """The tuner's capacity model of a stage dispatched by ``dispatch``: Kairos' matching bound
+    (:func:`kairos_capacity_model`) where the policy's capacity is that bound
+    (``matched_capacity``), the stage mixes types and takes one query per batch; else ``None``
+    (the sum of the types' rates)."""
+    if not has_matched_capacity(dispatch, types, batch_size):
+        return None
+    return kairos_capacity_model(app, model, types, trace, slo_ms)
+
+
+def has_matched_capacity(dispatch: str | None, types: Sequence[str], batch_size: int) -> bool:
+    """Whether :func:`matched_capacity_model` applies to a stage (see there; an unknown policy
+    has no such model, and is refused where the stage is dispatched)."""
+    if dispatch not in registry.names() or len(types) <= 1 or batch_size > 1:
+        return False
+    return policy_class(dispatch).matched_capacity
 
 
 def planning_arrivals(trace: Trace, share: float = DEFAULT_PLANNING_SHARE) -> NDArray[np.float64]:
@@ -520,7 +609,7 @@ def tuner_timeline(
     config = TunerConfig.from_planning_trace(
         planning_arrival_s,
         service_time_s,
-        budget_usd_per_hr=app.spec.budget_usd_per_hr,
+        constraints=app.constraints,
         catalog=app.catalog,
         types=list(mu),
         boot_s=boot,
@@ -528,9 +617,7 @@ def tuner_timeline(
         persistence_s=persistence_s,
     )
     fleet = {name: stage.fleet[name] for name in mu}
-    model = None
-    if dispatch == "kairos" and len(mu) > 1 and stage.batch_size <= 1:
-        model = kairos_capacity_model(app, stage.name, list(mu), trace)
+    model = matched_capacity_model(app, dispatch, stage.name, list(mu), stage.batch_size, trace)
     rho = utilisation_target(fleet, mu, 1.0, config.planned_peak_rate_qps, model)
     curve = tuple(capacity_curve) if capacity_curve else None
     plan = TunerStage(stage.name, 1.0, fleet, mu, rho, capacity_model=model, capacity_curve=curve)
@@ -567,15 +654,13 @@ def ladder_tuner(
     config = TunerConfig.from_planning_trace(
         planning_arrival_s,
         service_time_s,
-        budget_usd_per_hr=app.spec.budget_usd_per_hr,
+        constraints=app.constraints,
         catalog=app.catalog,
         types=types,
         boot_s=boot,
         recent_s=recent_s,
         persistence_s=persistence_s,
     )
-    caps = {t: n for t in types if (n := app.spec.max_count(t)) is not None}
-    config = dataclasses.replace(config, max_counts=caps)
     return tuner_stage(ladder, fleet, config), config, boot
 
 
@@ -646,8 +731,9 @@ def utilization_timeline(
     ones included, so that a launch is not repeated while it boots) of mu_t. No sooner than
     ``cooldown_s`` after its last change it moves C to C* = r / target with instances of the plan's
     most cost-effective type b (largest mu_b / price_b): it adds ceil((C* - C) / mu_b) when C < C*
-    (as many as the budget affords), and removes floor((C - C*) / mu_b) of them when that many run,
-    keeping one instance; so after a removal u stays <= target.
+    (as many as the budget affords and the spec's cap of b allows), and removes
+    floor((C - C*) / mu_b) of them when that many run, keeping one instance; so after a removal
+    u stays <= target.
     """
     cfg = config if config is not None else UtilizationConfig()
     mu = _stage_rates(app, stage, trace)
@@ -656,7 +742,7 @@ def utilization_timeline(
     boot = _boot_s(app, list(mu), boot_s)
     log = _FleetLog.planned(stage.fleet, boot)
     arrivals = trace.arrival_s
-    budget = app.spec.budget_usd_per_hr
+    budget = app.constraints.budget_usd_per_hr
     last_change_s = -math.inf
     for now_s in (float(t) for t in _ticks(float(arrivals[-1]), cfg.period_s)):
         if now_s - last_change_s < cfg.cooldown_s:
@@ -678,6 +764,11 @@ def utilization_timeline(
             affordable = (
                 wanted if prices[best] == 0 else min(wanted, math.floor(left / prices[best]))
             )
+            cap = app.constraints.max_count(best)
+            limit = f"{budget:g} USD/hr"
+            if cap is not None and counts[best] + affordable > cap:
+                affordable = cap - counts[best]
+                limit = f"the spec's cap of {cap} x {best}"
             if affordable > 0:
                 log.launch(best, affordable, now_s)
                 last_change_s = now_s
@@ -685,7 +776,7 @@ def utilization_timeline(
                 log.decide(ReplayDecision(now_s, stage.name, "scale_up", best, affordable, reason))
             if affordable < wanted:
                 short = wanted - max(affordable, 0)
-                reason = f"budget_capped: {seen}; {short} x {best} over {budget:g} USD/hr"
+                reason = f"budget_capped: {seen}; {short} x {best} over {limit}"
                 log.decide(ReplayDecision(now_s, stage.name, "budget_capped", best, short, reason))
         else:
             spare = math.floor((capacity_qps - needed_qps) / mu[best] + 1e-12)
@@ -889,8 +980,8 @@ def replay(
     re-chooses the mix), its live envelope over the last ``tuner_recent_s``, bursts shorter than
     ``tuner_persistence_s`` read as noise unless they recur;
     ``utilization``: :func:`utilization_timeline`). Pass 2 simulates the trace once on it, with
-    ``dispatch`` (fcfs or kairos; by default the plan stage's ``policy``, else fcfs) over the
-    stage's types, the plan's batch size as the most
+    ``dispatch`` (a policy a plan may name, ``matching.registry.plan_names()``; by default the
+    plan stage's ``policy``, else fcfs) over the stage's types, the plan's batch size as the most
     queries per batch, and service times drawn from ``rng``. Exact because the policies decide
     from arrivals only. A static replay is the plain simulation of the plan's fleet.
 
@@ -905,8 +996,12 @@ def replay(
             an unknown policy, the utilisation policy on several stages.
         EstimatorError: the simulator's errors (a batch size outside a profile).
     """
+    try:
+        run_policy = scaling.timeline_function(policy)
+    except scaling.UnknownScalingPolicyError as error:
+        raise ReplayError(str(error)) from None
     if len(plan.stages) > 1:
-        if policy not in ("static", "tuner"):
+        if not scaling.entry(policy).scales_cascades:
             raise ReplayError(
                 f"a plan of {len(plan.stages)} stages replays static or with the tuner (one per"
                 f" stage); the {policy} policy scales one stage"
@@ -924,27 +1019,18 @@ def replay(
             tuner_recent_s=tuner_recent_s,
         )
     stage = check_plan(plan, app)
-    if policy == "static":
-        timeline = static_timeline(stage.fleet)
-    elif policy == "tuner":
-        planning = planning_arrivals(trace) if planning_arrival_s is None else planning_arrival_s
-        timeline = tuner_timeline(
-            trace,
-            app,
-            stage,
-            np.asarray(planning, dtype=np.float64),
-            boot_s=boot_s,
-            min_window_s=tuner_min_window_s,
-            dispatch=dispatch if dispatch is not None else (stage.policy or "fcfs"),
-            capacity_curve=tuner_capacity_curve,
-            recent_s=tuner_recent_s,
-            ladder=tuner_ladder,
-            persistence_s=tuner_persistence_s,
-        )
-    elif policy == "utilization":
-        timeline = utilization_timeline(trace, app, stage, config=utilization, boot_s=boot_s)
-    else:
-        raise ReplayError(f"unknown scaling policy {policy!r} (tuner, static or utilization)")
+    options = TimelineOptions(
+        planning_arrival_s=planning_arrival_s,
+        boot_s=boot_s,
+        utilization=utilization,
+        dispatch=dispatch,
+        tuner_min_window_s=tuner_min_window_s,
+        tuner_capacity_curve=tuner_capacity_curve,
+        tuner_recent_s=tuner_recent_s,
+        tuner_ladder=tuner_ladder,
+        tuner_persistence_s=tuner_persistence_s,
+    )
+    timeline = run_policy(trace, app, stage, options)
     return replay_timeline(trace, app, stage, timeline, rng, policy=policy, dispatch=dispatch)
 
 
@@ -969,7 +1055,7 @@ def replay_timeline(
     types = list(dict.fromkeys(spec.instance_type for spec in timeline.instances))
     profiles = {name: app.profile(stage.name, name) for name in types}
     prices = dict(app.prices_usd_per_hr)
-    qos_ms = app.spec.slo.latency_ms
+    qos_ms = app.constraints.slo_ms
     chosen = dispatch if dispatch is not None else (stage.policy or "fcfs")
     make_policy = _dispatch_factory(chosen, profiles, trace, qos_ms, prices)
     sim_stage = Stage(
@@ -1001,12 +1087,14 @@ def _dispatch_factory(
     qos_ms: float,
     prices: Mapping[str, float],
 ) -> Callable[[], DispatchPolicy]:
-    if dispatch not in DISPATCH_NAMES:
-        raise ReplayError(f"unknown dispatch policy {dispatch!r} (fcfs or kairos)")
+    allowed = registry.plan_names()
+    if dispatch not in allowed:
+        what = "not one a plan may name" if dispatch in registry.names() else "unknown"
+        raise ReplayError(f"dispatch policy {dispatch!r}: {what} ({' or '.join(allowed)})")
     base_types = full_range_types(profiles, trace.batch_size, qos_ms, prices)
-    if dispatch == "kairos" and not base_types:
+    if policy_class(dispatch).needs_base_type and not base_types:
         raise ReplayError(
-            f"kairos needs a type that meets the SLO of {qos_ms:g} ms at every batch size"
+            f"{dispatch} needs a type that meets the SLO of {qos_ms:g} ms at every batch size"
         )
     return policy_factory(dispatch, profiles, base_types)
 
@@ -1038,10 +1126,10 @@ def check_stages(plan: PlanDocument, app: ResolvedApp) -> tuple[StagePlan, ...]:
                     f"({', '.join(app.instance_types)})"
                 )
             cost += count * app.prices_usd_per_hr[name]
-    if cost > app.spec.budget_usd_per_hr + 1e-9:
+    if cost > app.constraints.budget_usd_per_hr + 1e-9:
         raise ReplayError(
             f"the plan's fleets cost {cost:.6g} USD/hr, over the spec's budget of "
-            f"{app.spec.budget_usd_per_hr:g} USD/hr"
+            f"{app.constraints.budget_usd_per_hr:g} USD/hr"
         )
     return tuple(plan.stages)
 
@@ -1070,7 +1158,7 @@ def stage_slo_targets_ms(plan: PlanDocument, app: ResolvedApp) -> tuple[float, .
     SLO less the control plane's own time per query (what the stages share, as the planner
     counts it) is split in proportion to the plan's per-stage predicted P99s (each stage's tail on
     the queries that reach it), equally when the plan has none (:func:`split_slo_ms`)."""
-    slo_ms = app.spec.slo.latency_ms - app.serving_overhead_ms
+    slo_ms = app.constraints.stage_slo_ms
     return split_slo_ms(slo_ms, [stage.predicted_p99_ms for stage in plan.stages])
 
 
@@ -1132,11 +1220,13 @@ class _StageTuner:
         window: NDArray[np.float64] = self.arrival_s[lo:hi]
         return window
 
-    def run(self, now_s: float, budget_usd_per_hr: float) -> tuple[list[Decision], TunerState]:
+    def run(
+        self, now_s: float, budget_usd_per_hr: float
+    ) -> tuple[list[ScalingDecision], TunerState]:
         config = dataclasses.replace(self.config, budget_usd_per_hr=budget_usd_per_hr)
         return tune(self.window(now_s), now_s, self.state, [self.plan], config)
 
-    def deficit(self, decisions: Sequence[Decision], state: TunerState) -> float:
+    def deficit(self, decisions: Sequence[ScalingDecision], state: TunerState) -> float:
         """The share of the capacity the stage wants that it lacks now: (wanted - now) / wanted,
         wanted = what the decisions launched plus what the budget kept them short of (0: no
         scale-up wanted)."""
@@ -1187,7 +1277,7 @@ def cascade_tuner_timelines(
     capacity the stage wants that it lacks; ties in serving order), each under the budget less
     what the others run by then. A scale-up the budget cuts is recorded ``budget_capped``.
     """
-    budget = app.spec.budget_usd_per_hr
+    budget = app.constraints.budget_usd_per_hr
     prices = app.prices_usd_per_hr
     masks = _reach_masks(answered, len(stages), len(trace))
     tuners: list[_StageTuner | None] = []
@@ -1220,17 +1310,21 @@ def cascade_tuner_timelines(
             planning,
             service_time_s,
             budget_usd_per_hr=budget,
+            constraints=app.constraints,
             catalog=app.catalog,
             types=list(mu),
             boot_s=boot,
             recent_s=recent_s,
         )
-        caps = {t: n for t in mu if (n := app.spec.max_count(t)) is not None}
-        config = dataclasses.replace(config, max_counts=caps)
-        model = None
-        policy = dispatch if dispatch is not None else stage.policy
-        if policy == "kairos" and len(mu) > 1 and stage.batch_size <= 1:
-            model = kairos_capacity_model(app, stage.name, list(mu), reached, targets_ms[i])
+        model = matched_capacity_model(
+            app,
+            dispatch if dispatch is not None else stage.policy,
+            stage.name,
+            list(mu),
+            stage.batch_size,
+            reached,
+            targets_ms[i],
+        )
         rho = utilisation_target(fleet, mu, 1.0, config.planned_peak_rate_qps, model)
         plan = TunerStage(stage.name, 1.0, fleet, mu, rho, capacity_model=model)
         state = initial_state([plan], now_s=0.0)
@@ -1251,7 +1345,7 @@ def cascade_tuner_timelines(
     active = [i for i, t in enumerate(tuners) if t is not None]
     for now_s in (float(t) for t in _ticks(float(trace.arrival_s[-1]), TUNER_TICK_S)):
         cost = costs()
-        alone: dict[int, tuple[float, list[Decision], TunerState]] = {}
+        alone: dict[int, tuple[float, list[ScalingDecision], TunerState]] = {}
         deficit: dict[int, float] = {}
         for i in active:
             tuner = tuners[i]
@@ -1353,13 +1447,13 @@ def replay_pipeline(
         EstimatorError: the simulator's errors (a batch size outside a profile).
     """
     stages = check_stages(plan, app)
-    if policy not in ("static", "tuner"):
+    if policy not in scaling.names() or not scaling.entry(policy).scales_cascades:
         raise ReplayError(f"a multi-stage plan replays static or with the tuner, not {policy!r}")
     answered = answering_stages(app, trace, rng)
     targets = stage_slo_targets_ms(plan, app)
     masks = _reach_masks(answered, len(stages), len(trace))
     prices = dict(app.prices_usd_per_hr)
-    qos_ms = app.spec.slo.latency_ms
+    qos_ms = app.constraints.slo_ms
     if policy == "tuner":
         planning = planning_arrivals(trace) if planning_arrival_s is None else planning_arrival_s
         made = cascade_tuner_timelines(

@@ -1,7 +1,8 @@
 """The tuner: InferLine's high-frequency scaling policy, as a pure function of what it observes.
 
 This module owns the tuner's value objects (:class:`TunerStage`, :class:`TunerConfig`,
-:class:`TunerState`, :class:`Booting`, :class:`Decision`) and :func:`tune`, which maps (recent
+:class:`TunerState`, :class:`Booting`, :class:`ScalingDecision`) and :func:`tune`, which maps
+(recent
 live arrivals, the clock's reading, the state, the plan) to decisions and the next state. It reads
 no clock and does no I/O: the control loop passes ``now_s`` in and a reconciler acts on the
 decisions.
@@ -55,13 +56,12 @@ the planner's capacity by load (:meth:`TunerStage.capacity_for_loads_qps`,
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -76,6 +76,9 @@ from estimator.envelope import (
 from estimator.errors import BudgetError, UnknownInstanceTypeError, WorkloadError
 from estimator.fleet import Fleet
 
+if TYPE_CHECKING:
+    from controlplane.spec import PlanningConstraints
+
 __all__ = [
     "CPU_BOOT_S",
     "DEFAULT_RECENT_S",
@@ -84,7 +87,7 @@ __all__ = [
     "Action",
     "Booting",
     "CapacityModel",
-    "Decision",
+    "ScalingDecision",
     "TunerConfig",
     "TunerStage",
     "TunerState",
@@ -370,7 +373,8 @@ class TunerConfig:
         planning_arrival_s: ArrayLike,
         service_time_s: float,
         *,
-        budget_usd_per_hr: float,
+        budget_usd_per_hr: float | None = None,
+        constraints: PlanningConstraints | None = None,
         catalog: Catalog,
         types: Iterable[str] | None = None,
         boot_s: Mapping[str, float] | None = None,
@@ -381,19 +385,20 @@ class TunerConfig:
     ) -> TunerConfig:
         """The windows from ``service_time_s`` doubling to ``max_window_s``, the planning trace's
         envelope on them, prices from ``catalog`` and boot times from :func:`default_boot_s`
-        (``boot_s`` overrides per type)."""
+        (``boot_s`` overrides per type); the limits as :meth:`from_envelope` takes them."""
         windows_s, rates_qps = planning_envelope(planning_arrival_s, service_time_s, max_window_s)
-        config = cls.from_envelope(
+        return cls.from_envelope(
             windows_s,
             rates_qps,
             budget_usd_per_hr=budget_usd_per_hr,
+            constraints=constraints,
             catalog=catalog,
             types=types,
             boot_s=boot_s,
             scale_down_delay_s=scale_down_delay_s,
             recent_s=recent_s,
+            persistence_s=persistence_s,
         )
-        return dataclasses.replace(config, persistence_s=persistence_s)
 
     @classmethod
     def from_envelope(
@@ -401,15 +406,25 @@ class TunerConfig:
         windows_s: Sequence[float],
         planned_rate_qps: Sequence[float],
         *,
-        budget_usd_per_hr: float,
+        budget_usd_per_hr: float | None = None,
+        constraints: PlanningConstraints | None = None,
         catalog: Catalog,
         types: Iterable[str] | None = None,
         boot_s: Mapping[str, float] | None = None,
         scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S,
         recent_s: float = DEFAULT_RECENT_S,
+        persistence_s: float | None = None,
     ) -> TunerConfig:
         """:meth:`from_planning_trace` with the planning envelope already known (a plan's own,
-        or one computed once and kept): the rate at each window."""
+        or one computed once and kept): the rate at each window.
+
+        The limits are the app's ``constraints`` (its budget, and its caps over ``types``);
+        ``budget_usd_per_hr`` where given overrides the budget (required without constraints:
+        a tuner with no caps)."""
+        if budget_usd_per_hr is None:
+            if constraints is None:
+                raise BudgetError("the tuner needs a budget or the app's constraints", math.nan)
+            budget_usd_per_hr = constraints.budget_usd_per_hr
         names = list(catalog) if types is None else list(types)
         boot = default_boot_s(catalog, names)
         boot.update(boot_s or {})
@@ -421,6 +436,8 @@ class TunerConfig:
             boot_s=boot,
             scale_down_delay_s=scale_down_delay_s,
             recent_s=recent_s,
+            max_counts={} if constraints is None else constraints.caps(names),
+            persistence_s=persistence_s,
         )
 
 
@@ -453,7 +470,7 @@ class TunerState:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class ScalingDecision:
     """One thing the tuner decided at ``at_s``.
 
     ``scale_up``: launch ``count`` instances of ``instance_type`` for ``stage``; ``scale_down``:
@@ -573,7 +590,7 @@ class _Tick:
     fleets: dict[str, dict[str, int]]
     booting: list[Booting]
     cost_usd_per_hr: float
-    decisions: list[Decision] = field(default_factory=list)
+    decisions: list[ScalingDecision] = field(default_factory=list)
 
     def launch(self, plan: TunerStage, name: str, count: int, reason: str) -> None:
         stage = self.fleets[plan.name]
@@ -597,7 +614,7 @@ class _Tick:
 
     def decide(self, stage: str, action: Action, name: str, count: int, reason: str) -> None:
         cost = max(0.0, self.cost_usd_per_hr)
-        self.decisions.append(Decision(self.now_s, stage, action, name, count, reason, cost))
+        self.decisions.append(ScalingDecision(self.now_s, stage, action, name, count, reason, cost))
 
 
 def _scale_up(
@@ -1171,7 +1188,7 @@ def tune(
     state: TunerState,
     plans: Sequence[TunerStage],
     config: TunerConfig,
-) -> tuple[list[Decision], TunerState]:
+) -> tuple[list[ScalingDecision], TunerState]:
     """One tick of InferLine's tuner (Algorithms 3 and 4): the decisions at ``now_s`` and the state
     after them.
 

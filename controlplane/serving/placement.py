@@ -52,14 +52,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from controlplane.policies.load_balance import DemandPoint, balance, prune_placement
+from controlplane.policies.pipeline import MIX_POLICY, SINGLE_TYPE_POLICY
 from controlplane.policies.plan import StagePlan
 from controlplane.serving.config import AppConfig, ServingGear, batch_cap
 from controlplane.serving.shares import SHARE_POLICY, SharePolicy
-from controlplane.serving.stages import LatencyTable, Slot, Stage
+from controlplane.serving.stages import LatencyTable, ServingStage, Slot
 from controlplane.serving.workers import Worker, WorkerEndpoint
 from estimator.cascades import Cascade, evaluate
 from estimator.errors import CascadeError, EstimatorError
-from estimator.policies import full_range_types, policy_factory
+from estimator.policies import full_range_types, policy_class, policy_factory
 from estimator.profiles import LatencyProfile
 
 __all__ = [
@@ -78,25 +79,27 @@ def policy_name(
     plan: StagePlan | None, profiles: Mapping[str, LatencyProfile], slo_ms: float
 ) -> tuple[str, list[str]]:
     """The dispatch policy of a stage over the instance types in ``profiles`` and its base
-    types: the plan's when it names one of fcfs or kairos, else the planner's rule (FCFS for one
-    type; Kairos over a mix when a type serves the whole batch range within the SLO, the most
-    cost-effective first; else FCFS). The base types are in the plan's order
+    types: the plan's when it names one, else the planner's rule (FCFS for one type; Kairos over
+    a mix); a policy that needs a base type runs when a type serves the whole batch range within
+    the SLO (the most cost-effective first), else FCFS. The base types are in the plan's order
     (``StagePlan.base_types``, what the planner simulated), those of them the stage has; types
     the plan does not rank (a type the tuner added, an older plan) follow by name."""
     types = sorted(profiles)
-    wanted = plan.policy if plan is not None else None
-    if len(types) <= 1 or wanted == "fcfs":
-        return "fcfs", types
+    if len(types) <= 1:
+        return SINGLE_TYPE_POLICY, types
+    wanted = (plan.policy if plan is not None else None) or MIX_POLICY
+    if not policy_class(wanted).needs_base_type:
+        return wanted, types
     base = full_range_types(profiles, np.array([1]), slo_ms)
     if plan is not None and plan.base_types:
         ranked = [t for t in plan.base_types if t in base]
         base = ranked + [t for t in base if t not in ranked]
-    if base and wanted in (None, "kairos"):
-        return "kairos", base
-    return "fcfs", base
+    if base:
+        return wanted, base
+    return SINGLE_TYPE_POLICY, base
 
 
-def build_stage(stage: Stage, workers: Sequence[Worker], config: AppConfig) -> None:
+def build_stage(stage: ServingStage, workers: Sequence[Worker], config: AppConfig) -> None:
     """Make ``workers`` (those of them with a profile for the stage's model) the stage's slots,
     rebuild its latency tables, and its policy where its instance types or the configuration
     changed; the capacity estimates are dropped."""
@@ -276,7 +279,7 @@ class Placement:
         return self._cache[0][-1] != _gear_key(config, gear)
 
     def place(
-        self, config: AppConfig, stages: Mapping[str, Stage], gear: ServingGear | None = None
+        self, config: AppConfig, stages: Mapping[str, ServingStage], gear: ServingGear | None = None
     ) -> None:
         """Assign the workers to ``stages`` (one per model of ``config``) and rebuild each
         (:func:`build_stage`); a cascade is co-located under ``gear`` (default: the app's own
@@ -338,7 +341,10 @@ def _gear_key(config: AppConfig, gear: ServingGear) -> tuple[object, ...]:
 
 
 def _place_colocated(
-    layout: Colocation, config: AppConfig, stages: Mapping[str, Stage], workers: Sequence[Worker]
+    layout: Colocation,
+    config: AppConfig,
+    stages: Mapping[str, ServingStage],
+    workers: Sequence[Worker],
 ) -> None:
     """Each stage's slots are its model's hosts (then the unhealthy workers), under a
     :class:`SharePolicy` of the layout's shares; a stage whose hosts and shares did not change

@@ -1,5 +1,5 @@
 """A rollout moving an app's live traffic: the real serving loop and API (ASGI), fake worker
-agents on loopback (controlplane.serving.fake_worker), a real SQLite store through the
+agents on loopback (tests/fake_worker.py), a real SQLite store through the
 migrations, the rollout loop ticked by hand on a fake clock (the reconciler's one move, a
 launched worker's row to ``running``, is done by hand too).
 
@@ -32,7 +32,6 @@ from controlplane.loops.rollouts import RolloutLoop
 from controlplane.policies.lifecycle import InstanceState
 from controlplane.policies.rollout import Thresholds, rollout_request_prefix, routed_to_new
 from controlplane.service.app import create_app
-from controlplane.serving.fake_worker import FakeWorker
 from controlplane.serving.loop import ServingLoop, ServingSettings
 from controlplane.serving.versions import VersionMeter
 from controlplane.serving.workers import StaticInstances, WorkerEndpoint
@@ -40,6 +39,7 @@ from controlplane.settings import Settings
 from provisioners.artifacts import FAMILY_SIGNATURE
 from provisioners.base import ProvisionedInstance
 from provisioners.fake import FakeProvisioner
+from tests.fake_worker import FakeWorker
 
 T = TypeVar("T")
 SMALL = "emu.cpu.small"

@@ -1,4 +1,4 @@
-"""The serving loop against fake in-process workers (:mod:`controlplane.serving.fake_worker`:
+"""The serving loop against fake in-process workers (:mod:`tests.fake_worker`:
 asyncio HTTP servers on 127.0.0.1 speaking the worker agent's interface, answering at once or
 after a set delay, failing on demand).
 
@@ -48,7 +48,6 @@ from controlplane.serving.dispatcher import (
     StagePlan,
     WorkerLoss,
 )
-from controlplane.serving.fake_worker import FakeWorker
 from controlplane.serving.loop import ServingLoop, ServingSettings
 from controlplane.serving.modelio import ModelIO, Row
 from controlplane.serving.observations import Observations
@@ -60,6 +59,7 @@ from estimator.fleet import Fleet
 from estimator.profiles import LatencyProfile
 from provisioners.base import APP_TAG, LaunchRequest, ProvisionedInstance
 from provisioners.fake import FakeProvisioner
+from tests.fake_worker import FakeWorker
 
 T = TypeVar("T")
 

@@ -108,7 +108,7 @@ def test_the_planner_the_replay_and_the_live_tuner_size_alike(store: Store, tmp_
         resolved,
         "tiny",
         planning,
-        kairos=planned_stage.policy == "kairos",
+        dispatch=planned_stage.policy,
         also_types=list(planned_stage.fleet),
     )
     assert ladder is not None

@@ -122,7 +122,7 @@ def test_the_capacity_curve_is_the_planners_capacity_by_load(tmp_path: Path) -> 
     app = app_of(tmp_path, budget_usd_per_hr=10.0)
     arrivals = gamma_arrivals(50.0, 120.0, seed=3)
     planning = Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
-    curve = capacity_curve(app, "m", planning, kairos=False, loads=(0.5, 1.0, 2.0))
+    curve = capacity_curve(app, "m", planning, dispatch="fcfs", loads=(0.5, 1.0, 2.0))
     loads = [f for f, _ in curve]
     multipliers = [m for _, m in curve]
     assert loads == [0.5, 1.0, 2.0]

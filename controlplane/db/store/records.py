@@ -281,7 +281,7 @@ def _event_record(row: m.InstanceEvent, app: str) -> InstanceEventRecord:
     )
 
 
-def _decision_record(row: m.Decision, app: str) -> DecisionRecord:
+def _decision_record(row: m.DecisionRow, app: str) -> DecisionRecord:
     return DecisionRecord(
         id=row.id,
         app=app,
