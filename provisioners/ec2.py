@@ -93,6 +93,7 @@ from provisioners.errors import (
     ThrottledError,
     UnknownInstanceError,
 )
+from provisioners.spot import InterruptionNotice, InterruptionQueue, SpotPriceReader
 
 __all__ = [
     "CAPACITY_ERROR_CODES",
@@ -216,6 +217,9 @@ class Ec2Config:
     unavailable_ttl_s: float = 180.0
     max_attempts: int = 5
     endpoint_url: str | None = None
+    # The SQS queue EventBridge feeds with interruption notices (provisioners/spot.py); None: none.
+    interruption_queue_url: str | None = None
+    spot_price_ttl_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.region:
@@ -232,6 +236,8 @@ class Ec2Config:
             raise InvalidConfigurationError("unavailable_ttl_s", "must be >= 0")
         if self.max_attempts < 1:
             raise InvalidConfigurationError("max_attempts", "must be at least 1")
+        if self.spot_price_ttl_s < 0:
+            raise InvalidConfigurationError("spot_price_ttl_s", "must be >= 0")
 
 
 def map_client_error(
@@ -328,6 +334,16 @@ class Ec2Provisioner:
         self._unavailable: dict[tuple[str, str, Market], float] = {}
         self._events: builtins.list[ProvisionerEvent] = []
         self._subnet_zones: dict[str, str] | None = None
+        self.spot_prices = SpotPriceReader(self._client, ttl_s=config.spot_price_ttl_s, clock=clock)
+        self._interruptions: InterruptionQueue | None = None
+        if config.interruption_queue_url:
+            try:
+                sqs = session.client(
+                    "sqs", region_name=config.region, endpoint_url=config.endpoint_url
+                )
+            except Exception as error:
+                raise map_client_error(error, operation="client") from None
+            self._interruptions = InterruptionQueue(sqs, config.interruption_queue_url)
 
     # --- the protocol ----------------------------------------------------------------------
 
@@ -412,6 +428,13 @@ class Ec2Provisioner:
         with self._lock:
             events, self._events = self._events, []
             return events
+
+    def poll_interruptions(self) -> builtins.list[InterruptionNotice]:
+        """The interruption notices on the queue (provisioners/spot.py), each once; none without
+        an ``interruption_queue_url``."""
+        if self._interruptions is None:
+            return []
+        return self._interruptions.poll()
 
     def list(self, tags: Mapping[str, str]) -> builtins.list[ProvisionedInstance]:
         wanted = {MANAGED_TAG: "true", **tags}

@@ -73,6 +73,8 @@ def ec2_config_from(ec2: Ec2Settings) -> Ec2Config:
             unavailable_ttl_s=ec2.unavailable_ttl_s,
             max_attempts=ec2.max_attempts,
             endpoint_url=ec2.endpoint_url,
+            interruption_queue_url=ec2.interruption_queue_url,
+            spot_price_ttl_s=ec2.spot_price_ttl_s,
         )
     except InvalidConfigurationError as error:
         raise SettingsError(f"ec2.{error.field}", error.problem) from None

@@ -1,0 +1,173 @@
+"""Spot on EC2 against a real moto server (boto3 over HTTP): spot prices read with
+DescribeSpotPriceHistory and cached per zone; interruption, rebalance and state-change messages on
+the SQS queue turned into notices by the EC2 provisioner."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from tests.integration.moto_server import (
+    REGION,
+    ZONES,
+    Ec2Network,
+    aws_env,
+    ec2_network,
+    moto_server,
+    needs_moto,
+)
+
+__all__ = ["aws_env", "ec2_network", "moto_server"]  # fixtures, imported for pytest
+
+pytestmark = needs_moto
+
+boto3 = pytest.importorskip("boto3")
+from botocore.awsrequest import AWSResponse  # noqa: E402
+
+from provisioners.ec2 import Ec2Config, Ec2Provisioner  # noqa: E402
+from provisioners.spot import INTERRUPTION_NOTICE_S, SpotPriceReader  # noqa: E402
+
+
+class _Body:
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def stream(self, **_: Any) -> Any:
+        yield self._data
+
+
+class PriceBoard:
+    """A ``before-send`` hook on DescribeSpotPriceHistory: counts the calls and, once ``prices``
+    is set, answers with them (type -> USD/hr, the same in every zone) as EC2 would."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.prices: dict[str, float] | None = None
+
+    def __call__(self, request: Any, **_: Any) -> AWSResponse | None:
+        self.calls += 1
+        if self.prices is None:
+            return None  # moto answers
+        items = "".join(
+            f"<item><instanceType>{t}</instanceType><productDescription>Linux/UNIX"
+            f"</productDescription><spotPrice>{p}</spotPrice><timestamp>"
+            f"2026-11-28T10:00:00.000Z</timestamp><availabilityZone>{zone}</availabilityZone>"
+            "</item>"
+            for t, p in self.prices.items()
+            for zone in ZONES
+        )
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n<DescribeSpotPriceHistoryResponse'
+            ' xmlns="http://ec2.amazonaws.com/doc/2016-11-15/"><requestId>injected</requestId>'
+            f"<spotPriceHistorySet>{items}</spotPriceHistorySet><nextToken/>"
+            "</DescribeSpotPriceHistoryResponse>"
+        ).encode()
+        return AWSResponse(request.url, 200, {"Content-Type": "text/xml"}, _Body(body))
+
+
+def test_spot_prices_are_read_per_zone_and_cached_for_the_ttl(aws_env: str) -> None:
+    board = PriceBoard()
+    session = boto3.Session()
+    session.events.register("before-send.ec2.DescribeSpotPriceHistory", board)
+    now = [0.0]
+    reader = SpotPriceReader(
+        session.client("ec2", region_name=REGION), ttl_s=300.0, clock=lambda: now[0]
+    )
+
+    # moto's own answer: every zone of the region that offers the type, at its stock price.
+    read = reader.prices(["g4dn.xlarge", "c5.xlarge"])
+    assert {zone for (_, zone) in read} >= set(ZONES)
+    assert {t for (t, _) in read} == {"g4dn.xlarge", "c5.xlarge"}
+    assert board.calls == 1
+
+    # Within the TTL: from the cache, however often it is asked.
+    board.prices = {"g4dn.xlarge": 0.9, "c5.xlarge": 0.1}
+    now[0] = 299.0
+    assert reader.price("g4dn.xlarge", ZONES[0]) == read[("g4dn.xlarge", ZONES[0])]
+    reader.prices(["g4dn.xlarge"])
+    assert board.calls == 1
+
+    # Past it: read again, and the raised price is what is answered, in every zone.
+    now[0] = 301.0
+    assert reader.price("g4dn.xlarge", ZONES[1]) == 0.9
+    assert reader.price("g4dn.xlarge") == 0.9
+    assert board.calls == 2
+    assert reader.price("p3.2xlarge", "nowhere-1z") is None
+
+
+def _event(detail_type: str, instance_id: str, at: datetime, **detail: str) -> str:
+    return json.dumps(
+        {
+            "version": "0",
+            "id": f"e-{instance_id}-{detail_type[:8]}",
+            "detail-type": detail_type,
+            "source": "aws.ec2",
+            "account": "123456789012",
+            "time": at.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "region": REGION,
+            "resources": [f"arn:aws:ec2:{REGION}:123456789012:instance/{instance_id}"],
+            "detail": {"instance-id": instance_id, **detail},
+        }
+    )
+
+
+def test_queue_messages_become_interruption_notices(ec2_network: Ec2Network) -> None:
+    sqs = boto3.client("sqs", region_name=REGION)
+    queue_url = sqs.create_queue(QueueName="heteroplane-interruptions")["QueueUrl"]
+    at = datetime(2026, 11, 28, 10, 0, tzinfo=UTC)
+    bodies = [
+        _event(
+            "EC2 Spot Instance Interruption Warning", "i-a", at, **{"instance-action": "terminate"}
+        ),
+        _event("EC2 Instance Rebalance Recommendation", "i-b", at + timedelta(seconds=1)),
+        _event(
+            "EC2 Instance State-change Notification",
+            "i-c",
+            at + timedelta(seconds=2),
+            state="shutting-down",
+        ),
+        _event("EC2 Instance State-change Notification", "i-d", at, state="running"),  # no notice
+        "not json at all",
+        json.dumps({"detail-type": "AWS Health Event", "detail": {}}),
+    ]
+    for body in bodies:
+        sqs.send_message(QueueUrl=queue_url, MessageBody=body)
+    provisioner = Ec2Provisioner(
+        Ec2Config(
+            region=REGION,
+            subnet_ids=ec2_network.subnet_ids,
+            ami_id=ec2_network.ami_id,
+            interruption_queue_url=queue_url,
+        )
+    )
+
+    notices = provisioner.poll_interruptions()
+
+    assert [(n.kind, n.provider_id) for n in notices] == [
+        ("interruption", "i-a"),
+        ("rebalance", "i-b"),
+        ("state_change", "i-c"),
+    ]
+    assert notices[0].deadline == at + timedelta(seconds=INTERRUPTION_NOTICE_S)
+    assert notices[2].deadline == notices[2].at and notices[2].state == "shutting-down"
+    # Every message was deleted once read (the two that are no notice too): the queue is empty,
+    # and the next poll says nothing again.
+    assert provisioner.poll_interruptions() == []
+    attributes = sqs.get_queue_attributes(
+        QueueUrl=queue_url,
+        AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+    )["Attributes"]
+    assert attributes == {
+        "ApproximateNumberOfMessages": "0",
+        "ApproximateNumberOfMessagesNotVisible": "0",
+    }
+
+
+def test_without_a_queue_there_are_no_notices(ec2_network: Ec2Network) -> None:
+    provisioner = Ec2Provisioner(
+        Ec2Config(region=REGION, subnet_ids=ec2_network.subnet_ids, ami_id=ec2_network.ami_id)
+    )
+    assert provisioner.poll_interruptions() == []
