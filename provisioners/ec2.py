@@ -93,7 +93,8 @@ from provisioners.errors import (
     ThrottledError,
     UnknownInstanceError,
 )
-from provisioners.spot import InterruptionNotice, InterruptionQueue, SpotPriceReader
+from provisioners.interruptions import InterruptionNotice
+from provisioners.spot import InterruptionQueue, SpotPriceReader
 
 __all__ = [
     "CAPACITY_ERROR_CODES",

@@ -14,14 +14,9 @@ Two readers, each over a boto3 client it is given (so a test points them at a mo
   a message that is none of these (or not JSON) is deleted too, and counted in
   :attr:`InterruptionQueue.skipped`, never raised: one bad message must not block the queue.
 
-A provisioner that can tell of interruptions implements :class:`InterruptionSource`
-(``poll_interruptions``); the reconciler asks every tick (docs/spot.md, "Acting on a notice").
-
->>> notice = notice_from_event({"detail-type": "EC2 Spot Instance Interruption Warning",
-...     "time": "2026-11-28T10:00:00Z", "detail": {"instance-id": "i-1", "instance-action":
-...     "terminate"}})
->>> notice.kind, notice.provider_id, notice.deadline.isoformat()
-('interruption', 'i-1', '2026-11-28T10:02:00+00:00')
+The notices themselves are :mod:`provisioners.interruptions`' (no cloud client needed there); a
+provisioner that can tell of interruptions implements its ``InterruptionSource``, and the
+reconciler asks every tick (docs/spot.md, "Acting on a notice").
 """
 
 from __future__ import annotations
@@ -30,107 +25,15 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, Protocol, runtime_checkable
+from datetime import UTC, datetime
+from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from provisioners.errors import ProvisionerError, ThrottledError
+from provisioners.interruptions import InterruptionNotice, notice_from_event
 
-__all__ = [
-    "EVENT_DETAIL_TYPES",
-    "INTERRUPTION_NOTICE_S",
-    "InterruptionKind",
-    "InterruptionNotice",
-    "InterruptionQueue",
-    "InterruptionSource",
-    "SpotPriceReader",
-    "notice_from_event",
-]
-
-# EC2 gives a spot instance two minutes' notice before it interrupts it.
-INTERRUPTION_NOTICE_S = 120.0
-# A rebalance recommendation comes before any notice; the instance has at least the notice's two
-# minutes once one comes, so the reconciler plans with the same deadline.
-_REBALANCE_DEADLINE_S = INTERRUPTION_NOTICE_S
-# An instance that AWS is already stopping or terminating: no time left.
-_GONE_STATES = frozenset({"stopping", "stopped", "shutting-down", "terminated"})
-
-InterruptionKind = Literal["interruption", "rebalance", "state_change"]
-
-# EventBridge's detail-type of each event the queue receives -> the kind of notice.
-EVENT_DETAIL_TYPES: Mapping[str, InterruptionKind] = {
-    "EC2 Spot Instance Interruption Warning": "interruption",
-    "EC2 Instance Rebalance Recommendation": "rebalance",
-    "EC2 Instance State-change Notification": "state_change",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class InterruptionNotice:
-    """An instance that is about to be (or already is being) taken away.
-
-    ``kind``: ``interruption`` (a spot interruption warning), ``rebalance`` (a rebalance
-    recommendation) or ``state_change`` (the instance is stopping or terminating).
-    ``deadline``: when the instance goes (the warning's time plus two minutes; for a state change,
-    its time). ``state``: the new state of a state change.
-    """
-
-    provider_id: str
-    kind: InterruptionKind
-    at: datetime
-    deadline: datetime
-    state: str | None = None
-
-    def describe(self) -> str:
-        what = {
-            "interruption": "spot interruption warning",
-            "rebalance": "rebalance recommendation",
-            "state_change": f"state change to {self.state}",
-        }[self.kind]
-        return f"{what} for {self.provider_id} (goes by {self.deadline.isoformat()})"
-
-
-@runtime_checkable
-class InterruptionSource(Protocol):
-    """A provisioner that tells of interruptions ahead of time."""
-
-    def poll_interruptions(self) -> list[InterruptionNotice]:
-        """The notices since the last call, oldest first (each is returned once)."""
-        ...
-
-
-def _parse_time(text: object) -> datetime:
-    if not isinstance(text, str):
-        raise ValueError(f"time must be text, got {text!r}")
-    at = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
-
-
-def notice_from_event(event: Mapping[str, Any]) -> InterruptionNotice | None:
-    """The notice an EventBridge event says, or ``None`` for an event that is no notice (a
-    state change to ``pending`` or ``running``). Raises ``ValueError`` for a malformed one."""
-    kind = EVENT_DETAIL_TYPES.get(str(event.get("detail-type")))
-    if kind is None:
-        raise ValueError(f"not an interruption event: detail-type {event.get('detail-type')!r}")
-    detail = event.get("detail")
-    if not isinstance(detail, Mapping) or not isinstance(detail.get("instance-id"), str):
-        raise ValueError("the event's detail names no instance-id")
-    at = _parse_time(event.get("time"))
-    provider_id = str(detail["instance-id"])
-    if kind == "interruption":
-        return InterruptionNotice(
-            provider_id, kind, at, at + timedelta(seconds=INTERRUPTION_NOTICE_S)
-        )
-    if kind == "rebalance":
-        return InterruptionNotice(
-            provider_id, kind, at, at + timedelta(seconds=_REBALANCE_DEADLINE_S)
-        )
-    state = str(detail.get("state", ""))
-    if state not in _GONE_STATES:
-        return None
-    return InterruptionNotice(provider_id, kind, at, at, state)
+__all__ = ["InterruptionQueue", "SpotPriceReader"]
 
 
 class InterruptionQueue:

@@ -73,6 +73,17 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    (a heartbeat); a kept profile row untouched for ``profile_run_timeout_s`` belongs to a run
    that is gone (its replica crashed or lost the lead) and is ended (cause ``profile_run_gone``).
 
+9. **Interruption notices** (docs/spot.md): ``notices`` maps the provider id of an instance the
+   provider will take away to its deadline (a spot interruption warning: two minutes). A
+   ``running`` row with a notice moves to ``draining`` at once: the serving loop stops sending it
+   new queries (it serves ``running`` rows only) while what it holds finishes, and, as it is no
+   longer kept, rule 7 launches its replacement in the same tick. A row not serving yet is
+   terminated at once. A ``draining`` row is terminated (cause ``interruption``) once it has
+   drained for ``drain_s``, and never later than ``margin_s`` before its deadline. Until then
+   its cost still counts: the replacement is launched only if the budget pays for both (the
+   budget is a hard limit), else it waits for the doomed instance to go. Each notice acted on
+   is one :class:`InterruptionHandled` action (a ``spot_interruption`` decision).
+
 **Teardown** (``heteroplane app down``, :mod:`controlplane.apps.teardown`): every kept row is
 ended at once (cause ``teardown``; neither guard of rule 5 applies) and nothing is launched;
 once no row of the app is live, :meth:`Reconciler.reconcile_app` deletes the app.
@@ -138,6 +149,7 @@ from provisioners.errors import (
     ProvisionerError,
     UnknownInstanceError,
 )
+from provisioners.interruptions import InterruptionNotice, InterruptionSource
 
 __all__ = [
     "DEFAULT_LAUNCH_BACKOFF_S",
@@ -152,6 +164,7 @@ __all__ = [
     "ArtifactsFn",
     "BudgetCapped",
     "DrainDeferred",
+    "InterruptionHandled",
     "Launch",
     "LaunchSkipped",
     "Mark",
@@ -192,6 +205,12 @@ _LIVE = LIVE_STATES
 # Which kept rows go first when a type has too many: not launched yet, booting, serving.
 _DROP_ORDER = {_S.REQUESTED: 0, _S.PENDING: 1, _S.RUNNING: 2}
 ORPHAN_REQUEST_PREFIX = "orphan:"
+# Rule 9: how long an interrupted instance drains (the serving loop drops it within a refresh,
+# and what it holds finishes) before it is terminated, and how long before its deadline it is
+# terminated at the latest.
+DEFAULT_INTERRUPTION_DRAIN_S = 10.0
+DEFAULT_INTERRUPTION_MARGIN_S = 15.0
+_NOTICE_S = 120.0  # a draining row whose notice was not seen by this process: EC2's two minutes
 
 
 # --- actions -----------------------------------------------------------------------------------
@@ -295,6 +314,19 @@ class DrainDeferred:
     window_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class InterruptionHandled:
+    """Rule 9: the provider gave notice that ``provider_id`` (row ``instance_id``) goes by
+    ``deadline``; the row was taken out of service (``draining``, or terminated when it served
+    nothing yet), and its replacement is launched in the same tick where the budget allows."""
+
+    instance_id: str
+    provider_id: str
+    instance_type: str
+    deadline: datetime
+    reason: str
+
+
 Action = (
     Launch
     | Terminate
@@ -305,6 +337,7 @@ Action = (
     | BudgetCapped
     | LaunchSkipped
     | DrainDeferred
+    | InterruptionHandled
 )
 
 
@@ -377,6 +410,9 @@ def reconcile(
     disrupted_in_window: int = 0,
     teardown: bool = False,
     profile_run_timeout_s: float = DEFAULT_PROFILE_RUN_TIMEOUT_S,
+    notices: Mapping[str, datetime] | None = None,
+    drain_s: float = DEFAULT_INTERRUPTION_DRAIN_S,
+    margin_s: float = DEFAULT_INTERRUPTION_MARGIN_S,
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -394,8 +430,9 @@ def reconcile(
     disruption budget of rule 5 (``None``: none), with ``disrupted_in_window`` serving
     instances of the app already moved out within its window. ``teardown``: end every kept row,
     launch nothing. ``profile_run_timeout_s``: how long a profile worker's row may go untouched
-    before its run is taken for gone (rule 8). The rules are the module docstring's; the actions
-    come in the order they must be carried out.
+    before its run is taken for gone (rule 8). ``notices``: provider id -> deadline of the
+    instances the provider gave notice of (rule 9, with ``drain_s`` and ``margin_s``). The rules
+    are the module docstring's; the actions come in the order they must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
@@ -421,6 +458,7 @@ def reconcile(
         _follow_provider(row, now, straggler_timeout_s, missing_grace_s, unhealthy, actions)
     _replace_stragglers(rows, now, straggler_timeout_s, actions)
     _reap_profile_workers(rows, now, profile_run_timeout_s, actions)
+    doomed_usd_per_hr = _act_on_notices(rows, notices or {}, now, drain_s, margin_s, actions)
     kept = [row for row in rows if row.state in _KEPT]
     if teardown:
         _tear_down(kept, actions)
@@ -434,6 +472,9 @@ def reconcile(
         )
     reserved = _end_profiling_over_budget(kept, profiling, budget_usd_per_hr, actions)
     kept = _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
+    # The instances draining before their interruption are paid for until they go: the
+    # replacements are launched next to them only where the budget pays for both.
+    reserved += doomed_usd_per_hr
     staying = {row.id for row in kept}
     spared = [row for row in spared if row.id in staying]
     # Launches that failed retryably, or whose answer was lost: again, with the same request id.
@@ -686,6 +727,55 @@ def _terminate(rows: Sequence[_Row], cause: str, reason: str, actions: list[Acti
         )
         for row in launched:
             row.state = _S.TERMINATING
+
+
+def _act_on_notices(
+    rows: Sequence[_Row],
+    notices: Mapping[str, datetime],
+    now: datetime,
+    drain_s: float,
+    margin_s: float,
+    actions: list[Action],
+) -> float:
+    """Rule 9; returns what the draining rows that stay this tick cost (USD/hr)."""
+    for row in rows:
+        deadline = notices.get(row.provider_id or "")
+        if deadline is None or row.state not in (_S.PENDING, _S.RUNNING):
+            continue
+        left_s = (deadline - now).total_seconds()
+        what = (
+            f"the provider takes {row.provider_id} away by {deadline.isoformat()}"
+            f" ({max(0.0, left_s):.0f} s left)"
+        )
+        if row.state is _S.RUNNING:
+            _mark(row, _S.DRAINING, f"{what}: no new queries, a replacement is launched", actions)
+            done = "drains (no new queries; what it holds finishes) and its replacement is launched"
+        else:
+            _terminate([row], "interruption", f"{what}; it serves nothing yet", actions)
+            done = "served nothing yet: terminated, and its replacement is launched"
+        actions.append(
+            InterruptionHandled(
+                row.id, row.provider_id or "", row.record.instance_type, deadline, f"{what}: {done}"
+            )
+        )
+    doomed = 0.0
+    for row in rows:
+        if row.state is not _S.DRAINING:
+            continue
+        # Draining since this tick, or since the row's last move (an earlier tick).
+        since = now if row.record.state != _S.DRAINING.value else row.record.updated_at
+        deadline = notices.get(row.provider_id or "", since + timedelta(seconds=_NOTICE_S))
+        end = min(since + timedelta(seconds=drain_s), deadline - timedelta(seconds=margin_s))
+        if now >= end:
+            _terminate(
+                [row],
+                "interruption",
+                f"drained before its interruption (deadline {deadline.isoformat()})",
+                actions,
+            )
+        else:
+            doomed += row.record.price_usd_per_hr
+    return doomed
 
 
 def _replace_stragglers(
@@ -1043,6 +1133,8 @@ class Reconciler:
         launch_backoff_s: float = DEFAULT_LAUNCH_BACKOFF_S,
         disruption: DisruptionBudget | None = _DEFAULT_DISRUPTION,
         profile_run_timeout_s: float = DEFAULT_PROFILE_RUN_TIMEOUT_S,
+        interruption_drain_s: float = DEFAULT_INTERRUPTION_DRAIN_S,
+        interruption_margin_s: float = DEFAULT_INTERRUPTION_MARGIN_S,
     ) -> None:
         self.store = store
         self.provisioner = provisioner
@@ -1059,6 +1151,10 @@ class Reconciler:
         self.launch_backoff_s = launch_backoff_s
         self.disruption = disruption
         self.profile_run_timeout_s = profile_run_timeout_s
+        self.interruption_drain_s = interruption_drain_s
+        self.interruption_margin_s = interruption_margin_s
+        # Rule 9: provider id -> the notice the provider gave of it (kept until the row ends).
+        self._notices: dict[str, InterruptionNotice] = {}
         # (app, instance type) -> monotonic time before which it is not launched again.
         self._held_until_s: dict[tuple[str, str], float] = {}
         self._reported: set[str] = set()
@@ -1084,6 +1180,7 @@ class Reconciler:
         """Reconcile every app once; a failure of one app is logged and the others go on."""
         now = self.clock.utcnow()
         self._log_events()
+        self._poll_interruptions(now)
         apps = self.store.list_apps()
         try:
             observed = self.provisioner.list({MANAGED_TAG: "true"})
@@ -1179,6 +1276,9 @@ class Reconciler:
             disrupted_in_window=self._disrupted_in_window(app.name, now),
             teardown=teardown,
             profile_run_timeout_s=self.profile_run_timeout_s,
+            notices={pid: notice.deadline for pid, notice in self._notices.items()},
+            drain_s=self.interruption_drain_s,
+            margin_s=self.interruption_margin_s,
         )
         errors = _Errors()
         launches = [a for a in actions if isinstance(a, Launch)]
@@ -1190,6 +1290,20 @@ class Reconciler:
         if teardown and observed is not None:
             self._delete_if_drained(app.name, errors)
         return AppReport(app.name, tuple(actions), tuple(errors))
+
+    def _poll_interruptions(self, now: datetime) -> None:
+        """Rule 9's input: the provider's new notices; those past their deadline by more than
+        the straggler timeout are forgotten (the row has ended by then)."""
+        if isinstance(self.provisioner, InterruptionSource):
+            try:
+                for notice in self.provisioner.poll_interruptions():
+                    logger.warning("reconcile: %s", notice.describe())
+                    self._notices[notice.provider_id] = notice
+            except ProvisionerError as error:  # throttled, unreachable: the next tick asks again
+                logger.warning("reconcile: cannot read interruption notices: %s", error)
+        forget = now - timedelta(seconds=self.straggler_timeout_s)
+        for pid in [p for p, n in self._notices.items() if n.deadline < forget]:
+            del self._notices[pid]
 
     def _disrupted_in_window(self, app: str, now: datetime) -> int:
         """Serving instances of ``app`` moved out of service within the disruption window."""
@@ -1280,6 +1394,20 @@ class Reconciler:
                     "window_s": action.window_s,
                 },
                 key=action.cause,
+            )
+        elif isinstance(action, InterruptionHandled):
+            notice = self._notices.get(action.provider_id)
+            self.store.record_decision(
+                app.name,
+                "spot_interruption",
+                f"{notice.describe() if notice else action.provider_id}: {action.reason}",
+                {
+                    "instance_id": action.instance_id,
+                    "provider_id": action.provider_id,
+                    "instance_type": action.instance_type,
+                    "notice": notice.kind if notice else "interruption",
+                    "deadline": action.deadline.isoformat(),
+                },
             )
         elif isinstance(action, Report):
             logger.warning("reconcile %s: %s %s", app.name, action.provider_id, action.reason)

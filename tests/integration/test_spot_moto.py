@@ -28,7 +28,8 @@ boto3 = pytest.importorskip("boto3")
 from botocore.awsrequest import AWSResponse  # noqa: E402
 
 from provisioners.ec2 import Ec2Config, Ec2Provisioner  # noqa: E402
-from provisioners.spot import INTERRUPTION_NOTICE_S, SpotPriceReader  # noqa: E402
+from provisioners.interruptions import INTERRUPTION_NOTICE_S  # noqa: E402
+from provisioners.spot import SpotPriceReader  # noqa: E402
 
 
 class _Body:

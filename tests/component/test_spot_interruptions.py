@@ -1,0 +1,152 @@
+"""Rule 9 of the reconciler (docs/spot.md, "Acting on a notice") on a real store (SQLite through
+the migrations), the fake provisioner's interruption knob and a fake clock, tick by tick: a
+notice drains the doomed instance, launches its replacement in the same tick, terminates the
+doomed one before its deadline, and never pays past the budget."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.clock import FakeClock
+from controlplane.db.store import Store
+from controlplane.loops.reconciler import InterruptionHandled, Launch, Reconciler
+from provisioners.fake import FakeProvisioner
+from tests.component.test_reconciler_fake import (
+    APP,
+    LARGE,
+    PRICES,
+    SMALL,
+    apply_fleet,
+    pricing,
+    spec,
+    template_db,
+)
+
+__all__ = ["template_db"]  # the fixture, imported for pytest
+
+DRAIN_S, MARGIN_S, NOTICE_S = 10.0, 15.0, 120.0
+_LIVE = ("requested", "pending", "running", "draining")
+
+
+class World:
+    def __init__(self, template: Path, directory: Path, budget: float) -> None:
+        path = directory / "heteroplane.db"
+        shutil.copy(template, path)
+        self.clock = FakeClock()
+        self.fake = FakeProvisioner(now=self.clock.utcnow)
+        self.store = Store.from_url(f"sqlite:///{path}", self.clock)
+        self.store.create_app(spec(budget), who="test")
+        self.reconciler = Reconciler(
+            self.store,
+            self.fake,
+            self.clock,
+            pricing,
+            interruption_drain_s=DRAIN_S,
+            interruption_margin_s=MARGIN_S,
+        )
+        self.budget = budget
+
+    def tick(self, seconds: float = 5.0) -> list[object]:
+        self.clock.advance(seconds)
+        self.fake.step()
+        report = self.reconciler.run_once()
+        # The hard cap, after every tick: what is live (draining included) fits the budget.
+        assert self.live_cost() <= self.budget + 1e-9
+        return list(report.apps[APP].actions)
+
+    def live_cost(self) -> float:
+        return sum(i.price_usd_per_hr for i in self.store.list_instances(APP, states=_LIVE))
+
+    def rows(self, state: str) -> list[str]:
+        return [i.provider_id or "" for i in self.store.list_instances(APP, states=[state])]
+
+    def serve(self, fleet: dict[str, int]) -> None:
+        apply_fleet(self.store, fleet)
+        for _ in range(3):
+            self.tick()
+        assert len(self.rows("running")) == sum(fleet.values())
+
+
+@pytest.fixture
+def roomy(template_db: Path, tmp_path: Path) -> Iterator[World]:
+    world = World(template_db, tmp_path, budget=1.0)
+    yield world
+    world.store.close()
+
+
+def test_a_notice_drains_replaces_at_once_and_terminates_before_the_deadline(
+    roomy: World,
+) -> None:
+    roomy.serve({SMALL: 2})
+    doomed = roomy.rows("running")[0]
+    notice = roomy.fake.interrupt(doomed, NOTICE_S)
+
+    actions = roomy.tick(1.0)
+
+    handled = [a for a in actions if isinstance(a, InterruptionHandled)]
+    assert [a.provider_id for a in handled] == [doomed]
+    assert roomy.rows("draining") == [doomed]  # out of the serving loop's running set
+    assert [a.instance_type for a in actions if isinstance(a, Launch)] == [SMALL]
+    (decision,) = roomy.store.list_decisions(APP, kinds=["spot_interruption"])
+    assert decision.numbers["provider_id"] == doomed
+    assert "spot interruption warning" in decision.reason
+
+    # It drains for DRAINING_S, then goes: long before the provider would have taken it.
+    terminated_at = None
+    while terminated_at is None:
+        roomy.tick(1.0)
+        if doomed not in roomy.rows("draining"):
+            terminated_at = roomy.clock.utcnow()
+    assert terminated_at <= notice.deadline
+    assert (notice.deadline - terminated_at).total_seconds() >= MARGIN_S
+    for _ in range(3):
+        roomy.tick(1.0)
+    row = {i.provider_id: i for i in roomy.store.list_instances(APP)}[doomed]
+    assert row.state == "terminated"  # terminated by us, not lost (failed)
+    assert len(roomy.rows("running")) == 2
+
+
+def test_a_notice_on_an_instance_not_serving_yet_terminates_it_at_once(roomy: World) -> None:
+    apply_fleet(roomy.store, {SMALL: 1})
+    roomy.fake.never_run(SMALL)
+    roomy.tick()
+    roomy.tick()
+    (booting,) = roomy.rows("pending")
+    roomy.fake.interrupt(booting, NOTICE_S)
+    roomy.fake.never_run(SMALL, stuck=False)
+
+    actions = roomy.tick(1.0)
+
+    assert [a.provider_id for a in actions if isinstance(a, InterruptionHandled)] == [booting]
+    assert booting in roomy.rows("terminating")
+    assert [a.instance_type for a in actions if isinstance(a, Launch)] == [SMALL]
+
+
+def test_the_replacement_waits_for_the_doomed_instance_when_the_budget_is_full(
+    template_db: Path, tmp_path: Path
+) -> None:
+    # The budget pays for exactly the fleet: a replacement next to the doomed one would breach it.
+    full = World(template_db, tmp_path, budget=2 * PRICES[LARGE])
+    try:
+        full.serve({LARGE: 2})
+        doomed = full.rows("running")[0]
+        notice = full.fake.interrupt(doomed, NOTICE_S)
+
+        actions = full.tick(1.0)
+
+        assert full.rows("draining") == [doomed]
+        assert not [a for a in actions if isinstance(a, Launch)]
+        assert full.store.list_decisions(APP, kinds=["budget_capped"])
+        while doomed in full.rows("draining"):
+            full.tick(1.0)
+        assert full.clock.utcnow() <= notice.deadline
+        # The doomed one gone, the replacement fits; tick() checked the cap all along.
+        for _ in range(3):
+            full.tick(1.0)
+        assert len(full.rows("running")) == 2
+    finally:
+        full.store.close()
