@@ -14,6 +14,7 @@ from controlplane.cli.output import emit, progress
 from controlplane.cli.pareto import run_pareto
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import plan_app
+from controlplane.policies.spot import plan_with_spot
 from controlplane.spec import load_spec, resolve_spec
 from estimator.traces import read_trace_csv, trace_stats
 
@@ -25,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     app = resolve_spec(spec)
     trace = read_trace_csv(args.trace)
     stats = trace_stats(trace)
-    plan = plan_app(app, trace, seed=args.seed, progress=progress)
+    plan = plan_with_spot(app, trace, plan=plan_app, seed=args.seed, progress=progress)
     data: dict[str, Any] = {
         "app": spec.name,
         "slo_ms": spec.slo.latency_ms,
