@@ -93,7 +93,7 @@ from provisioners.errors import (
     ThrottledError,
     UnknownInstanceError,
 )
-from provisioners.interruptions import InterruptionNotice
+from provisioners.interruptions import MARKET_TAG, InterruptionNotice
 from provisioners.spot import InterruptionQueue, SpotPriceReader
 
 __all__ = [
@@ -367,7 +367,9 @@ class Ec2Provisioner:
         user_data = self._artifact_user_data(request, template) if request.artifacts else None
         tags = self._aws_tags(launch_tags(request), request.instance_type)
         launched: builtins.list[ProvisionedInstance] = []
-        if self.config.spot:
+        # Spot for the whole deployment (``spot``), or for this request (the reconciler's
+        # MARKET_TAG, a plan's spot_fleet: docs/spot.md).
+        if self.config.spot or request.tags.get(MARKET_TAG) == "spot":
             if template is None:
                 self._event(
                     "info",

@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 __all__ = [
     "EVENT_DETAIL_TYPES",
     "INTERRUPTION_NOTICE_S",
+    "MARKET_TAG",
     "InterruptionKind",
     "InterruptionNotice",
     "InterruptionSource",
@@ -32,6 +33,9 @@ __all__ = [
     "notice_from_event",
 ]
 
+# The tag of a launch request (and its instances) asking for spot capacity: "spot"; absent: on
+# demand, unless the EC2 provisioner's deployment-wide ``spot`` says otherwise.
+MARKET_TAG = "heteroplane:market"
 # EC2 gives a spot instance two minutes' notice before it interrupts it.
 INTERRUPTION_NOTICE_S = 120.0
 # A rebalance recommendation comes before any notice; the instance has at least the notice's two

@@ -167,6 +167,7 @@ class InstanceRecord:
     price_usd_per_hr: float
     created_at: datetime
     updated_at: datetime
+    market: str = "on-demand"  # or "spot" (docs/spot.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -703,10 +704,14 @@ class Store:
         state: str = InstanceState.REQUESTED,
         reason: str = "launch requested",
         at: datetime | None = None,
+        market: str = "on-demand",
     ) -> InstanceRecord:
         """Record an instance we launch (or adopt) under the idempotency key ``request_id``: the
         same request id again returns the instance recorded the first time, never a second one
-        (:class:`ConflictError` if that was for another app or type)."""
+        (:class:`ConflictError` if that was for another app or type). ``market``: ``on-demand``
+        or ``spot``."""
+        if market not in ("on-demand", "spot"):
+            raise InvalidValueError("market", f"must be on-demand or spot, got {market!r}")
         request_id = _label(request_id, "request_id")
         state = _state(state)
         price = _number(price_usd_per_hr, "price_usd_per_hr")
@@ -733,6 +738,7 @@ class Store:
                         price_usd_per_hr=price,
                         created_at=now,
                         updated_at=now,
+                        market=market,
                     )
                     session.add(instance)
                     session.flush()
@@ -1737,6 +1743,7 @@ def _instance_record(row: m.Instance, app: str) -> InstanceRecord:
         price_usd_per_hr=row.price_usd_per_hr,
         created_at=row.created_at,
         updated_at=row.updated_at,
+        market=row.market,
     )
 
 

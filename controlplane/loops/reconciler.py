@@ -84,6 +84,16 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    budget is a hard limit), else it waits for the doomed instance to go. Each notice acted on
    is one :class:`InterruptionHandled` action (a ``spot_interruption`` decision).
 
+10. **Purchase options** (docs/spot.md): ``desired_spot`` says how many of each type's desired
+    instances are spot (the applied plan's ``spot_fleet``). A shortfall launch is on spot while
+    the type has fewer kept spot rows than that and its spot price now is below its on-demand
+    price, on demand otherwise; the row records its market and the price it is launched at.
+    Every tick a kept spot row is costed at the type's spot price now
+    (``spot_prices_usd_per_hr``), not at its launch price: when a rise takes the fleet past the
+    budget, the budget guard (rule 6) drains the least cost-effective instances (the dearer spot
+    ones first) and rule 7 replaces them where the budget allows, on demand once spot is no
+    cheaper; a :class:`SpotRepriced` action (a ``spot_price`` decision) says why.
+
 **Teardown** (``heteroplane app down``, :mod:`controlplane.apps.teardown`): every kept row is
 ended at once (cause ``teardown``; neither guard of rule 5 applies) and nothing is launched;
 once no row of the app is live, :meth:`Reconciler.reconcile_app` deletes the app.
@@ -103,6 +113,7 @@ drain is decided, from the database alone, so that a lowered budget holds meanwh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -149,7 +160,7 @@ from provisioners.errors import (
     ProvisionerError,
     UnknownInstanceError,
 )
-from provisioners.interruptions import InterruptionNotice, InterruptionSource
+from provisioners.interruptions import MARKET_TAG, InterruptionNotice, InterruptionSource
 
 __all__ = [
     "DEFAULT_LAUNCH_BACKOFF_S",
@@ -172,8 +183,10 @@ __all__ = [
     "ReconcileReport",
     "Reconciler",
     "Report",
+    "SpotRepriced",
     "Terminate",
     "applied_plan_fleet",
+    "applied_plan_spot",
     "catalog_pricing",
     "disruption_budget",
     "reconcile",
@@ -227,6 +240,7 @@ class Launch:
     price_usd_per_hr: float
     reason: str
     retry: bool = False
+    market: str = "on-demand"
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,6 +341,19 @@ class InterruptionHandled:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class SpotRepriced:
+    """Rule 10: the kept spot instances of ``instance_type`` are costed at ``price_usd_per_hr``
+    now, not at ``launched_usd_per_hr`` (the highest launch price among them)."""
+
+    instance_type: str
+    count: int
+    launched_usd_per_hr: float
+    price_usd_per_hr: float
+    fleet_cost_usd_per_hr: float
+    budget_usd_per_hr: float
+
+
 Action = (
     Launch
     | Terminate
@@ -338,6 +365,7 @@ Action = (
     | LaunchSkipped
     | DrainDeferred
     | InterruptionHandled
+    | SpotRepriced
 )
 
 
@@ -413,6 +441,8 @@ def reconcile(
     notices: Mapping[str, datetime] | None = None,
     drain_s: float = DEFAULT_INTERRUPTION_DRAIN_S,
     margin_s: float = DEFAULT_INTERRUPTION_MARGIN_S,
+    desired_spot: Mapping[str, int] | None = None,
+    spot_prices_usd_per_hr: Mapping[str, float] | None = None,
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -431,8 +461,10 @@ def reconcile(
     instances of the app already moved out within its window. ``teardown``: end every kept row,
     launch nothing. ``profile_run_timeout_s``: how long a profile worker's row may go untouched
     before its run is taken for gone (rule 8). ``notices``: provider id -> deadline of the
-    instances the provider gave notice of (rule 9, with ``drain_s`` and ``margin_s``). The rules
-    are the module docstring's; the actions come in the order they must be carried out.
+    instances the provider gave notice of (rule 9, with ``drain_s`` and ``margin_s``).
+    ``desired_spot``: how many of each type's desired instances are spot, and
+    ``spot_prices_usd_per_hr`` the spot prices now (rule 10). The rules are the module
+    docstring's; the actions come in the order they must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
@@ -441,6 +473,8 @@ def reconcile(
             raise ValueError(f"desired count of {instance_type} must be >= 0, got {count}")
     values = qps_by_type or {}
     actions: list[Action] = []
+    spot_prices = spot_prices_usd_per_hr or {}
+    db_instances = _repriced(db_instances, spot_prices, budget_usd_per_hr, actions)
     rows = [_Row(r, InstanceState(r.state), r.provider_id) for r in db_instances]
     stages = stage_types or {}
     if observed is None:
@@ -500,6 +534,8 @@ def reconcile(
             held_types=held_types,
             prefix=request_prefix,
             reserved_usd_per_hr=reserved,
+            desired_spot=desired_spot or {},
+            spot_prices_usd_per_hr=spot_prices,
         )
         planned = launches(kept)
         if spared and any(isinstance(a, BudgetCapped) for a in planned):
@@ -778,6 +814,43 @@ def _act_on_notices(
     return doomed
 
 
+def _repriced(
+    db_instances: Sequence[InstanceRecord],
+    spot_prices: Mapping[str, float],
+    budget_usd_per_hr: float,
+    actions: list[Action],
+) -> list[InstanceRecord]:
+    """Rule 10: the live spot rows costed at their type's spot price now."""
+    repriced: list[InstanceRecord] = []
+    changed: dict[str, list[float]] = defaultdict(list)
+    for record in db_instances:
+        now_price = spot_prices.get(record.instance_type)
+        if (
+            record.market == "spot"
+            and record.state not in TERMINAL_STATES
+            and now_price is not None
+            and abs(now_price - record.price_usd_per_hr) > _BUDGET_SLACK_USD_PER_HR
+        ):
+            changed[record.instance_type].append(record.price_usd_per_hr)
+            record = dataclasses.replace(record, price_usd_per_hr=now_price)
+        repriced.append(record)
+    if changed:
+        kept_states = {state.value for state in _KEPT}
+        cost = float(sum(r.price_usd_per_hr for r in repriced if r.state in kept_states))
+        for instance_type, launched in sorted(changed.items()):
+            actions.append(
+                SpotRepriced(
+                    instance_type,
+                    len(launched),
+                    max(launched),
+                    spot_prices[instance_type],
+                    cost,
+                    budget_usd_per_hr,
+                )
+            )
+    return repriced
+
+
 def _replace_stragglers(
     rows: Sequence[_Row], now: datetime, straggler_timeout_s: float, actions: list[Action]
 ) -> None:
@@ -950,11 +1023,17 @@ def _launch_shortfall(
     held_types: Collection[str],
     prefix: str,
     reserved_usd_per_hr: float = 0.0,
+    desired_spot: Mapping[str, int] | None = None,
+    spot_prices_usd_per_hr: Mapping[str, float] | None = None,
 ) -> list[Action]:
-    """Rules 6 and 7: launch what is missing, most cost-effective first, while it fits (next to
-    ``reserved_usd_per_hr``: what the app pays for outside its fleet, its profile workers)."""
+    """Rules 6, 7 and 10: launch what is missing, most cost-effective first, while it fits (next
+    to ``reserved_usd_per_hr``: what the app pays for outside its fleet, its profile workers);
+    on spot where ``desired_spot`` asks for more spot rows and spot is cheaper now."""
     actions: list[Action] = []
     have = Counter(row.record.instance_type for row in kept)
+    spot_kept = Counter(row.record.instance_type for row in kept if row.record.market == "spot")
+    spot_wanted = {t: n - spot_kept[t] for t, n in (desired_spot or {}).items()}
+    spot_now = spot_prices_usd_per_hr or {}
     committed = reserved_usd_per_hr + float(sum(row.record.price_usd_per_hr for row in kept))
     wanted: list[tuple[str, float]] = []
     for instance_type in sorted(desired):
@@ -971,17 +1050,28 @@ def _launch_shortfall(
     wanted.sort(key=lambda item: (-_value_per_usd(item[0], item[1], qps_by_type), item[1], item[0]))
     ordinal = _next_ordinal((row.record for row in rows), prefix)
     capped: Counter[str] = Counter()
-    for instance_type, price in wanted:
+    for instance_type, on_demand_price in wanted:
+        spot_price = spot_now.get(instance_type)
+        on_spot = (
+            spot_wanted.get(instance_type, 0) > 0
+            and spot_price is not None
+            and spot_price < on_demand_price
+        )
+        price = spot_price if on_spot and spot_price is not None else on_demand_price
         if committed + price > budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
             capped[instance_type] += 1
             continue
         committed += price
+        if on_spot:
+            spot_wanted[instance_type] -= 1
         actions.append(
             Launch(
                 f"{prefix}-{ordinal}",
                 instance_type,
                 price,
-                f"{instance_type}: {have[instance_type]} kept, {desired[instance_type]} desired",
+                f"{instance_type}: {have[instance_type]} kept, {desired[instance_type]} desired"
+                + (" (spot)" if on_spot else ""),
+                market="spot" if on_spot else "on-demand",
             )
         )
         have[instance_type] += 1
@@ -1008,6 +1098,20 @@ def applied_plan_fleet(store: Store) -> DesiredFleet:
     return desired
 
 
+def applied_plan_spot(store: Store) -> DesiredFleet:
+    """How many of each type's desired instances are spot: the applied plan's ``spot_fleet``,
+    summed over its stages (empty without a plan, or for a plan all on demand)."""
+
+    def desired(app: AppRecord) -> Mapping[str, int]:
+        plan = store.get_applied_plan(app.name)
+        counts: Counter[str] = Counter()
+        for stage in [] if plan is None else plan.plan.stages:
+            counts.update(stage.spot_fleet)
+        return dict(counts)
+
+    return desired
+
+
 @dataclass(frozen=True, slots=True)
 class AppPricing:
     """What the reconciler needs to know of an app's instance types: their prices, and Q_t, the
@@ -1015,6 +1119,8 @@ class AppPricing:
 
     prices_usd_per_hr: Mapping[str, float]
     qps_by_type: Mapping[str, float] = field(default_factory=dict)
+    # The spot prices now, of the types bought on spot (rule 10; empty: none).
+    spot_prices_usd_per_hr: Mapping[str, float] = field(default_factory=dict)
 
 
 PricingFn = Callable[[AppRecord], AppPricing]
@@ -1026,9 +1132,16 @@ def catalog_pricing(catalog: Catalog) -> PricingFn:
     """Prices from ``catalog`` for every app, no Q_t (the service passes the app's resolved
     spec instead, see :mod:`controlplane.service.build`)."""
     prices = MappingProxyType({t.name: t.price_usd_per_hr for t in catalog.values()})
+    spot = MappingProxyType(
+        {
+            t.name: t.spot_price_usd_per_hr
+            for t in catalog.values()
+            if t.spot_price_usd_per_hr is not None
+        }
+    )
 
     def pricing(_app: AppRecord) -> AppPricing:
-        return AppPricing(prices)
+        return AppPricing(prices, spot_prices_usd_per_hr=spot)
 
     return pricing
 
@@ -1135,6 +1248,7 @@ class Reconciler:
         profile_run_timeout_s: float = DEFAULT_PROFILE_RUN_TIMEOUT_S,
         interruption_drain_s: float = DEFAULT_INTERRUPTION_DRAIN_S,
         interruption_margin_s: float = DEFAULT_INTERRUPTION_MARGIN_S,
+        desired_spot: DesiredFleet | None = None,
     ) -> None:
         self.store = store
         self.provisioner = provisioner
@@ -1151,6 +1265,7 @@ class Reconciler:
         self.launch_backoff_s = launch_backoff_s
         self.disruption = disruption
         self.profile_run_timeout_s = profile_run_timeout_s
+        self.desired_spot = desired_spot if desired_spot is not None else applied_plan_spot(store)
         self.interruption_drain_s = interruption_drain_s
         self.interruption_margin_s = interruption_margin_s
         # Rule 9: provider id -> the notice the provider gave of it (kept until the row ends).
@@ -1279,6 +1394,8 @@ class Reconciler:
             notices={pid: notice.deadline for pid, notice in self._notices.items()},
             drain_s=self.interruption_drain_s,
             margin_s=self.interruption_margin_s,
+            desired_spot=self.desired_spot(app),
+            spot_prices_usd_per_hr=pricing.spot_prices_usd_per_hr,
         )
         errors = _Errors()
         launches = [a for a in actions if isinstance(a, Launch)]
@@ -1409,6 +1526,33 @@ class Reconciler:
                     "deadline": action.deadline.isoformat(),
                 },
             )
+        elif isinstance(action, SpotRepriced):
+            over = (
+                action.fleet_cost_usd_per_hr > action.budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR
+            )
+            self.store.record_decision(
+                app.name,
+                "spot_price",
+                f"{action.count} spot {action.instance_type} now cost"
+                f" {action.price_usd_per_hr:g} USD/hr each (launched at"
+                f" {action.launched_usd_per_hr:g}): the fleet costs"
+                f" {action.fleet_cost_usd_per_hr:.3f} USD/hr against the budget of"
+                f" {action.budget_usd_per_hr:g} USD/hr"
+                + (
+                    "; over it: the least cost-effective instances are drained and replaced"
+                    if over
+                    else ""
+                ),
+                {
+                    "instance_type": action.instance_type,
+                    "count": action.count,
+                    "price_usd_per_hr": action.price_usd_per_hr,
+                    "launched_usd_per_hr": action.launched_usd_per_hr,
+                    "fleet_cost_usd_per_hr": round(action.fleet_cost_usd_per_hr, 9),
+                    "budget_usd_per_hr": action.budget_usd_per_hr,
+                },
+                key=f"{action.instance_type}:{action.price_usd_per_hr:g}",
+            )
         elif isinstance(action, Report):
             logger.warning("reconcile %s: %s %s", app.name, action.provider_id, action.reason)
 
@@ -1500,6 +1644,7 @@ class Reconciler:
                 instance_type=launch.instance_type,
                 price_usd_per_hr=launch.price_usd_per_hr,
                 reason=launch.reason,
+                market=launch.market,
             )
             rows.append((launch, row))
         crash_point("reconcile.after_row")
@@ -1520,6 +1665,7 @@ class Reconciler:
                             "instance_id": row.id,
                             "instance_type": launch.instance_type,
                             "price_usd_per_hr": launch.price_usd_per_hr,
+                            "market": launch.market,
                         }
                         for launch, row in new
                     ],
@@ -1528,13 +1674,10 @@ class Reconciler:
             )
         plan = "none" if app.applied_plan_id is None else str(app.applied_plan_id)
         for launch, row in rows:
-            request = LaunchRequest(
-                launch.request_id,
-                launch.instance_type,
-                1,
-                {APP_TAG: app.name, PLAN_TAG: plan, INSTANCE_TAG: row.id},
-                artifacts,
-            )
+            tags = {APP_TAG: app.name, PLAN_TAG: plan, INSTANCE_TAG: row.id}
+            if row.market == "spot":
+                tags[MARKET_TAG] = "spot"
+            request = LaunchRequest(launch.request_id, launch.instance_type, 1, tags, artifacts)
             try:
                 launched = self.provisioner.launch(request)
             except ProvisionerError as error:

@@ -1,7 +1,8 @@
 """Rule 9 of the reconciler (docs/spot.md, "Acting on a notice") on a real store (SQLite through
 the migrations), the fake provisioner's interruption knob and a fake clock, tick by tick: a
 notice drains the doomed instance, launches its replacement in the same tick, terminates the
-doomed one before its deadline, and never pays past the budget."""
+doomed one before its deadline, and never pays past the budget; and rule 10: a plan's spot_fleet
+launched on spot, and the budget cap held when spot prices rise mid-run."""
 
 from __future__ import annotations
 
@@ -13,8 +14,15 @@ import pytest
 
 from controlplane.clock import FakeClock
 from controlplane.db.store import Store
-from controlplane.loops.reconciler import InterruptionHandled, Launch, Reconciler
+from controlplane.loops.reconciler import (
+    AppPricing,
+    InterruptionHandled,
+    Launch,
+    Reconciler,
+    SpotRepriced,
+)
 from provisioners.fake import FakeProvisioner
+from provisioners.interruptions import MARKET_TAG
 from tests.component.test_reconciler_fake import (
     APP,
     LARGE,
@@ -150,3 +158,85 @@ def test_the_replacement_waits_for_the_doomed_instance_when_the_budget_is_full(
         assert len(full.rows("running")) == 2
     finally:
         full.store.close()
+
+
+# --- rule 10: purchase options, and the cap when spot prices move -----------------------------
+
+
+def apply_spot_plan(store: Store, fleet: dict[str, int], spot_fleet: dict[str, int]) -> None:
+    document = {
+        "feasible": True,
+        "cost_usd_per_hr": 0.0,
+        "stages": [{"name": "tiny", "fleet": fleet, "spot_fleet": spot_fleet}],
+    }
+    store.apply_plan(APP, store.create_plan(APP, document).id)
+
+
+def test_the_cap_holds_when_spot_prices_rise_mid_run(template_db: Path, tmp_path: Path) -> None:
+    spot_prices = {LARGE: 0.03}
+    budget = 0.15  # two spot LARGE at 0.03; not two at on demand (0.1 each)
+    world = World(template_db, tmp_path, budget=budget)
+    world.reconciler.pricing = lambda _app: AppPricing(
+        PRICES, {SMALL: 10.0, LARGE: 40.0}, spot_prices_usd_per_hr=spot_prices
+    )
+
+    def kept_cost_now() -> float:
+        kept = world.store.list_instances(APP, states=list(_LIVE))
+        return sum(
+            spot_prices[r.instance_type] if r.market == "spot" else r.price_usd_per_hr for r in kept
+        )
+
+    try:
+        apply_spot_plan(world.store, {LARGE: 2}, {LARGE: 2})
+        world.tick()
+        rows = world.store.list_instances(APP)
+        assert [(r.market, r.price_usd_per_hr) for r in rows] == [("spot", 0.03)] * 2
+        assert all(world.fake.list({})[i].tags.get(MARKET_TAG) == "spot" for i in range(2))
+        for _ in range(2):
+            world.tick()
+        assert len(world.rows("running")) == 2
+
+        # Spot rises to the on-demand price: two now cost 0.2, past the budget.
+        spot_prices[LARGE] = PRICES[LARGE]
+        actions = world.tick()
+        assert kept_cost_now() <= budget + 1e-9
+        assert any(isinstance(a, SpotRepriced) for a in actions)
+        (decision,) = world.store.list_decisions(APP, kinds=["spot_price"])
+        assert "over it" in decision.reason
+        assert world.store.list_decisions(APP, kinds=["budget_capped"])
+        for _ in range(3):
+            world.tick()
+            assert kept_cost_now() <= budget + 1e-9
+        assert len(world.rows("running")) == 1
+
+        # It falls again: the second spot instance is back, within the budget.
+        spot_prices[LARGE] = 0.03
+        for _ in range(3):
+            world.tick()
+            assert kept_cost_now() <= budget + 1e-9
+        running = world.store.list_instances(APP, states=["running"])
+        assert [r.market for r in running] == ["spot", "spot"]
+    finally:
+        world.store.close()
+
+
+def test_spot_is_launched_only_as_the_plan_says_and_while_it_is_cheaper(
+    template_db: Path, tmp_path: Path
+) -> None:
+    spot_prices = {SMALL: 0.05}  # no cheaper than on demand: on demand it is
+    world = World(template_db, tmp_path, budget=1.0)
+    world.reconciler.pricing = lambda _app: AppPricing(
+        PRICES, spot_prices_usd_per_hr={LARGE: 0.03, **spot_prices}
+    )
+    try:
+        apply_spot_plan(world.store, {LARGE: 3, SMALL: 1}, {LARGE: 1, SMALL: 1})
+        world.tick()
+        markets = sorted((r.instance_type, r.market) for r in world.store.list_instances(APP))
+        assert markets == [
+            (LARGE, "on-demand"),
+            (LARGE, "on-demand"),
+            (LARGE, "spot"),
+            (SMALL, "on-demand"),
+        ]
+    finally:
+        world.store.close()

@@ -172,3 +172,36 @@ def test_without_a_queue_there_are_no_notices(ec2_network: Ec2Network) -> None:
         Ec2Config(region=REGION, subnet_ids=ec2_network.subnet_ids, ami_id=ec2_network.ami_id)
     )
     assert provisioner.poll_interruptions() == []
+
+
+def test_a_request_tagged_spot_is_launched_on_spot_and_the_others_on_demand(
+    ec2_network: Ec2Network,
+) -> None:
+    from provisioners.base import APP_TAG, LaunchRequest
+    from provisioners.interruptions import MARKET_TAG
+
+    maker = Ec2Provisioner(
+        Ec2Config(region=REGION, subnet_ids=ec2_network.subnet_ids, ami_id=ec2_network.ami_id)
+    )
+    templates = maker.ensure_launch_templates(["m5.large"])
+    # No deployment-wide spot: the request's market decides (the reconciler's rule 10).
+    provisioner = Ec2Provisioner(
+        Ec2Config(
+            region=REGION,
+            subnet_ids=ec2_network.subnet_ids,
+            ami_id=ec2_network.ami_id,
+            launch_templates=templates,
+        )
+    )
+    (spot,) = provisioner.launch(
+        LaunchRequest("r-spot", "m5.large", 1, {APP_TAG: "recs", MARKET_TAG: "spot"})
+    )
+    (on_demand,) = provisioner.launch(LaunchRequest("r-od", "m5.large", 1, {APP_TAG: "recs"}))
+    ec2 = boto3.client("ec2", region_name=REGION)
+    lifecycle = {
+        i["InstanceId"]: i.get("InstanceLifecycle")
+        for r in ec2.describe_instances()["Reservations"]
+        for i in r["Instances"]
+    }
+    assert lifecycle[spot.provider_id] == "spot"
+    assert lifecycle[on_demand.provider_id] in (None, "on-demand")
