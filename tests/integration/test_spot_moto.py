@@ -205,3 +205,103 @@ def test_a_request_tagged_spot_is_launched_on_spot_and_the_others_on_demand(
     }
     assert lifecycle[spot.provider_id] == "spot"
     assert lifecycle[on_demand.provider_id] in (None, "on-demand")
+
+
+def test_notices_on_the_queue_lead_to_replacements_and_drains_before_the_deadline(
+    ec2_network: Ec2Network, tmp_path: Any
+) -> None:
+    """The whole EC2 path on moto: a reconciler (real store) over the EC2 provisioner reading the
+    SQS queue; an interruption warning, a rebalance recommendation and a state change for three
+    of its instances each lead to a replacement launched in the same tick and the instance
+    drained and terminated before its deadline."""
+    from controlplane.clock import FakeClock
+    from controlplane.db import migrate
+    from controlplane.db.store import Store
+    from controlplane.loops.reconciler import (
+        InterruptionHandled,
+        Launch,
+        Reconciler,
+        catalog_pricing,
+    )
+    from estimator.catalog import default_catalog
+
+    sqs = boto3.client("sqs", region_name=REGION)
+    queue_url = sqs.create_queue(QueueName="heteroplane-interruptions")["QueueUrl"]
+    database = f"sqlite:///{tmp_path / 'heteroplane.db'}"
+    migrate.upgrade(database)
+    clock = FakeClock(start_utc=datetime.now(UTC).replace(microsecond=0))
+    store = Store.from_url(database, clock)
+    provisioner = Ec2Provisioner(
+        Ec2Config(
+            region=REGION,
+            subnet_ids=ec2_network.subnet_ids,
+            ami_id=ec2_network.ami_id,
+            interruption_queue_url=queue_url,
+        )
+    )
+    reconciler = Reconciler(
+        store, provisioner, clock, catalog_pricing(default_catalog()), missing_grace_s=600.0
+    )
+    try:
+        store.create_app(
+            {
+                "name": "recs",
+                "models": [{"name": "tiny", "profiles": "profiles.json"}],
+                "slo": {"latency_ms": 50},
+                "budget_usd_per_hr": 1.0,
+                "instance_types": ["t3.large"],
+            },
+            who="test",
+        )
+        document = {
+            "feasible": True,
+            "cost_usd_per_hr": 0.25,
+            "stages": [{"name": "tiny", "fleet": {"t3.large": 3}}],
+        }
+        store.apply_plan("recs", store.create_plan("recs", document).id)
+
+        def tick(seconds: float) -> list[object]:
+            clock.advance(seconds)
+            return list(reconciler.run_once().apps["recs"].actions)
+
+        def provider_ids(state: str) -> list[str]:
+            return [r.provider_id or "" for r in store.list_instances("recs", states=[state])]
+
+        for _ in range(5):
+            tick(1.0)
+            if len(provider_ids("running")) == 3:
+                break
+        first, second, third = provider_ids("running")
+        at = clock.utcnow()
+        for body in (
+            _event(
+                "EC2 Spot Instance Interruption Warning",
+                first,
+                at,
+                **{"instance-action": "terminate"},
+            ),
+            _event("EC2 Instance Rebalance Recommendation", second, at),
+            _event("EC2 Instance State-change Notification", third, at, state="shutting-down"),
+        ):
+            sqs.send_message(QueueUrl=queue_url, MessageBody=body)
+
+        actions = tick(1.0)
+
+        handled = {a.provider_id for a in actions if isinstance(a, InterruptionHandled)}
+        assert handled == {first, second, third}
+        assert len([a for a in actions if isinstance(a, Launch)]) == 3  # replacements, at once
+        assert sorted(provider_ids("draining")) == sorted([first, second])
+        assert third in provider_ids("terminating")  # no time left: at once
+        deadline = at + timedelta(seconds=INTERRUPTION_NOTICE_S)
+        while set(provider_ids("draining")) & {first, second}:
+            tick(1.0)
+        assert clock.utcnow() < deadline
+        gone = {
+            i["InstanceId"]: i["State"]["Name"]
+            for r in boto3.client("ec2", region_name=REGION).describe_instances()["Reservations"]
+            for i in r["Instances"]
+        }
+        assert {gone[p] for p in (first, second, third)} <= {"shutting-down", "terminated"}
+        assert len(store.list_decisions("recs", kinds=["spot_interruption"])) == 3
+    finally:
+        store.close()
