@@ -676,6 +676,14 @@ def _replay(subparsers: Subparsers) -> None:
         help="how the stage's queue is dispatched to its instances (default: the plan stage's"
         " policy, else fcfs)",
     )
+    parser.add_argument(
+        "--interruptions-per-hour",
+        default=None,
+        metavar="R",
+        help="interrupt the plan's spot instances (its stages' spot_fleet) at R per instance-hour"
+        " (or TYPE=R,TYPE=R per type), drawn with --seed: two minutes' notice, the replacement"
+        " launched at the notice (docs/spot.md); static replays of one stage only",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=Handler("replay", "run"))

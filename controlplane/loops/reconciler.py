@@ -75,15 +75,17 @@ The rules (docs/provisioners.md, "Reconciler", says why):
 
 9. **Interruption notices** (docs/spot.md): ``notices`` maps the provider id of an instance the
    provider will take away to its deadline (a spot interruption warning: two minutes). A
-   ``running`` row with a notice moves to ``draining`` at once: the serving loop stops sending it
-   new queries (it serves ``running`` rows only) while what it holds finishes, and, as it is no
-   longer kept, rule 7 launches its replacement in the same tick. A row not serving yet is
-   terminated at once. A ``draining`` row is terminated (cause ``interruption``) once it has
-   drained for ``drain_s``, and never later than ``margin_s`` before its deadline. Until then
-   its cost still counts: the replacement is launched only if the budget pays for both (the
-   budget is a hard limit), else it waits for the doomed instance to go. Each notice acted on
-   is one :class:`InterruptionHandled` action (a ``spot_interruption`` decision).
-
+   ``running`` row with a notice is no longer kept: rule 7 launches its replacement in the same
+   tick, while it goes on serving until the replacement does (a ``running`` row of its type
+   without a notice for each one desired) or until ``margin_s + drain_s`` before its deadline,
+   whichever comes first; then it moves to ``draining``: the serving loop stops sending it new
+   queries (it serves ``running`` rows only) while what it holds finishes. A ``draining`` row is
+   terminated (cause ``interruption``) once it has drained for ``drain_s``, and never later than
+   ``margin_s`` before its deadline. A row with a notice that serves nothing yet is terminated at
+   once. Until they go, their cost still counts: a replacement is launched only if the budget
+   pays for both (the budget is a hard limit), else it waits for the doomed instance to go. Each
+   notice acted on is one :class:`InterruptionHandled` action (a ``spot_interruption``
+   decision).
 10. **Purchase options** (docs/spot.md): ``desired_spot`` says how many of each type's desired
     instances are spot (the applied plan's ``spot_fleet``). A shortfall launch is on spot while
     the type has fewer kept spot rows than that and its spot price now is below its on-demand
@@ -439,6 +441,7 @@ def reconcile(
     teardown: bool = False,
     profile_run_timeout_s: float = DEFAULT_PROFILE_RUN_TIMEOUT_S,
     notices: Mapping[str, datetime] | None = None,
+    handled: Collection[str] = (),
     drain_s: float = DEFAULT_INTERRUPTION_DRAIN_S,
     margin_s: float = DEFAULT_INTERRUPTION_MARGIN_S,
     desired_spot: Mapping[str, int] | None = None,
@@ -461,7 +464,8 @@ def reconcile(
     instances of the app already moved out within its window. ``teardown``: end every kept row,
     launch nothing. ``profile_run_timeout_s``: how long a profile worker's row may go untouched
     before its run is taken for gone (rule 8). ``notices``: provider id -> deadline of the
-    instances the provider gave notice of (rule 9, with ``drain_s`` and ``margin_s``).
+    instances the provider gave notice of (rule 9, with ``drain_s`` and ``margin_s``;
+    ``handled``: the provider ids whose notice was acted on already).
     ``desired_spot``: how many of each type's desired instances are spot, and
     ``spot_prices_usd_per_hr`` the spot prices now (rule 10). The rules are the module
     docstring's; the actions come in the order they must be carried out.
@@ -492,8 +496,10 @@ def reconcile(
         _follow_provider(row, now, straggler_timeout_s, missing_grace_s, unhealthy, actions)
     _replace_stragglers(rows, now, straggler_timeout_s, actions)
     _reap_profile_workers(rows, now, profile_run_timeout_s, actions)
-    doomed_usd_per_hr = _act_on_notices(rows, notices or {}, now, drain_s, margin_s, actions)
-    kept = [row for row in rows if row.state in _KEPT]
+    doomed, doomed_usd_per_hr = _act_on_notices(
+        rows, notices or {}, handled, desired, now, drain_s, margin_s, actions
+    )
+    kept = [row for row in rows if row.state in _KEPT and row.id not in doomed]
     if teardown:
         _tear_down(kept, actions)
         return actions
@@ -768,33 +774,57 @@ def _terminate(rows: Sequence[_Row], cause: str, reason: str, actions: list[Acti
 def _act_on_notices(
     rows: Sequence[_Row],
     notices: Mapping[str, datetime],
+    handled: Collection[str],
+    desired: Mapping[str, int] | None,
     now: datetime,
     drain_s: float,
     margin_s: float,
     actions: list[Action],
-) -> float:
-    """Rule 9; returns what the draining rows that stay this tick cost (USD/hr)."""
-    for row in rows:
-        deadline = notices.get(row.provider_id or "")
-        if deadline is None or row.state not in (_S.PENDING, _S.RUNNING):
+) -> tuple[set[str], float]:
+    """Rule 9: the rows with a notice that still serve until their replacement does (no longer
+    kept: rule 7 replaces them), and what they and the draining rows that stay cost (USD/hr)."""
+    doomed: set[str] = set()
+    cost = 0.0
+    noticed = [row for row in rows if (row.provider_id or "") in notices]
+    for row in noticed:
+        if row.state not in (_S.PENDING, _S.RUNNING):
             continue
+        pid = row.provider_id or ""
+        deadline = notices[pid]
         left_s = (deadline - now).total_seconds()
         what = (
-            f"the provider takes {row.provider_id} away by {deadline.isoformat()}"
+            f"the provider takes {pid} away by {deadline.isoformat()}"
             f" ({max(0.0, left_s):.0f} s left)"
         )
-        if row.state is _S.RUNNING:
-            _mark(row, _S.DRAINING, f"{what}: no new queries, a replacement is launched", actions)
-            done = "drains (no new queries; what it holds finishes) and its replacement is launched"
-        else:
+        drain_at = deadline - timedelta(seconds=margin_s + drain_s)
+        if row.state is _S.PENDING:
             _terminate([row], "interruption", f"{what}; it serves nothing yet", actions)
             done = "served nothing yet: terminated, and its replacement is launched"
-        actions.append(
-            InterruptionHandled(
-                row.id, row.provider_id or "", row.record.instance_type, deadline, f"{what}: {done}"
+        else:
+            instance_type = row.record.instance_type
+            others = sum(
+                1
+                for other in rows
+                if other.state is _S.RUNNING
+                and other.record.instance_type == instance_type
+                and (other.provider_id or "") not in notices
             )
-        )
-    doomed = 0.0
+            if now >= drain_at or others >= (desired or {}).get(instance_type, 0):
+                why = "its replacement serves" if now < drain_at else "its deadline is near"
+                _mark(row, _S.DRAINING, f"{what}: {why}; no new queries", actions)
+            else:
+                doomed.add(row.id)
+                cost += row.record.price_usd_per_hr
+            done = (
+                "a replacement is launched at once; it serves until the replacement does (or"
+                f" {drain_at.isoformat()} at the latest), then drains and is terminated"
+            )
+        if pid not in handled:
+            actions.append(
+                InterruptionHandled(
+                    row.id, pid, row.record.instance_type, deadline, f"{what}: {done}"
+                )
+            )
     for row in rows:
         if row.state is not _S.DRAINING:
             continue
@@ -810,8 +840,8 @@ def _act_on_notices(
                 actions,
             )
         else:
-            doomed += row.record.price_usd_per_hr
-    return doomed
+            cost += row.record.price_usd_per_hr
+    return doomed, cost
 
 
 def _repriced(
@@ -1270,6 +1300,7 @@ class Reconciler:
         self.interruption_margin_s = interruption_margin_s
         # Rule 9: provider id -> the notice the provider gave of it (kept until the row ends).
         self._notices: dict[str, InterruptionNotice] = {}
+        self._handled: set[str] = set()  # the provider ids whose notice was acted on
         # (app, instance type) -> monotonic time before which it is not launched again.
         self._held_until_s: dict[tuple[str, str], float] = {}
         self._reported: set[str] = set()
@@ -1392,6 +1423,7 @@ class Reconciler:
             teardown=teardown,
             profile_run_timeout_s=self.profile_run_timeout_s,
             notices={pid: notice.deadline for pid, notice in self._notices.items()},
+            handled=frozenset(self._handled),
             drain_s=self.interruption_drain_s,
             margin_s=self.interruption_margin_s,
             desired_spot=self.desired_spot(app),
@@ -1421,6 +1453,7 @@ class Reconciler:
         forget = now - timedelta(seconds=self.straggler_timeout_s)
         for pid in [p for p, n in self._notices.items() if n.deadline < forget]:
             del self._notices[pid]
+            self._handled.discard(pid)
 
     def _disrupted_in_window(self, app: str, now: datetime) -> int:
         """Serving instances of ``app`` moved out of service within the disruption window."""
@@ -1513,6 +1546,7 @@ class Reconciler:
                 key=action.cause,
             )
         elif isinstance(action, InterruptionHandled):
+            self._handled.add(action.provider_id)
             notice = self._notices.get(action.provider_id)
             self.store.record_decision(
                 app.name,
