@@ -18,6 +18,9 @@ instance-hour, each replaced at its two-minute notice and serving 180 s later:
 - ``spothedge``: SpotHedge-style, no mix choice: the on-demand plan's mix, every instance on spot
   (``survive_share`` 0), the same spares.
 
+A last block, ``wave``, has no Poisson interruptions but one wave mid-run that takes every spot
+instance at once (the correlated loss the survive share is for), planned for 0.5 an hour.
+
 The planners are told the interruption rate (the catalog's ``interruptions_per_hr`` set to R), as
 a deployment would know its recent rate. For each (R, policy) the table gives the cost in USD/hr
 (what the run cost over its length, spot at the catalog's spot prices, replacements billed from
@@ -68,7 +71,11 @@ def run(
     planning = _trace(rate_qps, PLANNING_S, seed + 1)
     replayed = _trace(rate_qps, duration_s, seed + 2)
     rows: list[dict[str, Any]] = []
-    for rate in rates_per_hr:
+    # A rate of -1 stands for the wave: no Poisson interruptions, one wave mid-run (planned for
+    # 0.5 an hour).
+    for rate_or_wave in [*rates_per_hr, -1.0]:
+        wave = rate_or_wave < 0
+        rate = 0.5 if wave else rate_or_wave
         on_demand_plan = plan_app(base, planning, seed=seed)
         plans = {"on-demand": (base, on_demand_plan)}
         for survive in (0.5, 0.2):
@@ -89,8 +96,10 @@ def run(
             rate,
         )
 
-        def same_mix(_app: ResolvedApp, _trace: Trace, **_: Any) -> Any:
-            return on_demand_plan
+        def same_mix(
+            _app: ResolvedApp, _trace: Trace, *, chosen: Any = on_demand_plan, **_: Any
+        ) -> Any:
+            return chosen
 
         plans["spothedge"] = (hedge, plan_with_spot(hedge, planning, plan=same_mix, seed=seed))
         cost_on_demand = None
@@ -101,7 +110,8 @@ def run(
                 app,
                 plan,
                 np.random.default_rng(seed + 3),
-                dict.fromkeys(stage.fleet, rate),
+                dict.fromkeys(stage.fleet, 0.0 if wave else rate),
+                wave_at_s=duration_s / 2 if wave else None,
             )
             hours = float(replayed.arrival_s[-1]) / 3600.0
             cost = result.cost_usd / hours
@@ -109,7 +119,7 @@ def run(
                 cost_on_demand = cost
             rows.append(
                 {
-                    "interruptions_per_hr": rate,
+                    "interruptions_per_hr": "wave" if wave else rate,
                     "policy": name,
                     "fleet": dict(stage.fleet),
                     "spot_fleet": dict(stage.spot_fleet),
@@ -139,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         print()
         return 0
     print(
-        f"rm2 (Kairos setting), {args.rate_qps:g} qps, {args.duration_s:g} s replayed, seed {args.seed}"
+        f"rm2 (Kairos setting), {args.rate_qps:g} qps, {args.duration_s:g} s replayed,"
+        f" seed {args.seed}; 'wave': no interruption but one wave taking every spot instance at"
+        " once mid-run"
     )
     print("R/hr   policy             USD/hr  saving  within SLO  p99 ms    interr.  fleet (spot)")
     for row in rows:
@@ -149,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             if n
         )
         print(
-            f"{row['interruptions_per_hr']:<6g} {row['policy']:<18} {row['cost_usd_per_hr']:6.3f}"
+            f"{row['interruptions_per_hr']!s:<6} {row['policy']:<18} {row['cost_usd_per_hr']:6.3f}"
             f"  {100 * row['saving_vs_on_demand']:5.1f}%  {100 * row['slo_attainment']:8.2f}%"
             f"  {row['p99_ms']:8.1f}  {row['interruptions']:7d}  {fleet}"
         )

@@ -158,16 +158,14 @@ class PlanDocument:
             "planned_rate_qps": self.rate_qps,
             "steps": list(self.steps),
             "simulations": self.simulations,
-            "expected_cost_usd_per_hr": (
-                self.cost_usd_per_hr
-                if self.expected_cost_usd_per_hr is None
-                else self.expected_cost_usd_per_hr
-            ),
-            "cost_if_on_demand_usd_per_hr": (
-                self.cost_usd_per_hr
-                if self.cost_if_on_demand_usd_per_hr is None
-                else self.cost_if_on_demand_usd_per_hr
-            ),
+            # Spot (docs/spot.md); a plan all on demand costs cost_usd_per_hr either way.
+            **{
+                key: self.cost_usd_per_hr if value is None else value
+                for key, value in (
+                    ("expected_cost_usd_per_hr", self.expected_cost_usd_per_hr),
+                    ("cost_if_on_demand_usd_per_hr", self.cost_if_on_demand_usd_per_hr),
+                )
+            },
         }
         if self.max_feasible_qps is not None:
             document["max_feasible_qps"] = self.max_feasible_qps
@@ -213,8 +211,6 @@ class PlanDocument:
         trace = document.get("trace")
         windows, rates, problem = _envelope(document.get("envelope"))
         predicted = document.get("predicted_p99_ms")
-        expected = document.get("expected_cost_usd_per_hr")
-        if_on_demand = document.get("cost_if_on_demand_usd_per_hr")
         return cls(
             feasible=feasible,
             cost_usd_per_hr=cost,
@@ -234,12 +230,10 @@ class PlanDocument:
             seed=_whole(seed, "seed", source, 0) if seed is not None else None,
             trace=MappingProxyType(dict(trace)) if isinstance(trace, Mapping) else None,
             envelope_problem=problem,
-            expected_cost_usd_per_hr=None
-            if expected is None
-            else _at_least_zero(expected, "expected_cost_usd_per_hr", source),
-            cost_if_on_demand_usd_per_hr=None
-            if if_on_demand is None
-            else _at_least_zero(if_on_demand, "cost_if_on_demand_usd_per_hr", source),
+            expected_cost_usd_per_hr=_optional_cost(document, "expected_cost_usd_per_hr", source),
+            cost_if_on_demand_usd_per_hr=_optional_cost(
+                document, "cost_if_on_demand_usd_per_hr", source
+            ),
         )
 
 
@@ -289,6 +283,11 @@ def _at_least_zero(value: object, where: str, source: str | None) -> float:
     if number < 0:
         raise PlanError(where, f"must be >= 0, got {value!r}", source)
     return number
+
+
+def _optional_cost(document: Mapping[str, Any], key: str, source: str | None) -> float | None:
+    value = document.get(key)
+    return None if value is None else _at_least_zero(value, key, source)
 
 
 def _rate(document: Mapping[str, Any], source: str | None) -> float:

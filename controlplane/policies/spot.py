@@ -211,8 +211,9 @@ def _split_plan(
 ) -> PlanDocument:
     on_demand = {t: app.catalog.price_usd_per_hr(t) for t in app.prices_usd_per_hr}
     rates = {t: app.catalog[t].interruptions_per_hr for t in app.prices_usd_per_hr}
-    splits = [
-        split_stage(
+
+    def split(stage: StagePlan, budget_left_usd_per_hr: float = math.inf) -> SpotSplit:
+        return split_stage(
             stage.fleet,
             _capacity_qps(app, stage),
             on_demand,
@@ -220,29 +221,19 @@ def _split_plan(
             rates,
             survive_share=spot.survive_share,
             max_share=spot.max_share,
+            budget_left_usd_per_hr=budget_left_usd_per_hr,
             replacement_gap_s=replacement_gap_s,
         )
-        for stage in plan.stages
-    ]
+
+    splits = [split(stage) for stage in plan.stages]
     # Spares only where the budget pays for them, stage by stage.
     budget = app.spec.budget_usd_per_hr
     base = [s.cost_usd_per_hr for s in splits]
     final: list[SpotSplit] = []
-    for i, (stage, split) in enumerate(zip(plan.stages, splits, strict=True)):
-        if split.spares:
-            left = budget - sum(s.cost_usd_per_hr for s in final) - sum(base[i + 1 :])
-            split = split_stage(
-                stage.fleet,
-                _capacity_qps(app, stage),
-                on_demand,
-                spot_prices,
-                rates,
-                survive_share=spot.survive_share,
-                max_share=spot.max_share,
-                budget_left_usd_per_hr=left,
-                replacement_gap_s=replacement_gap_s,
-            )
-        final.append(split)
+    for i, (stage, first) in enumerate(zip(plan.stages, splits, strict=True)):
+        left = budget - sum(s.cost_usd_per_hr for s in final) - sum(base[i + 1 :])
+        final.append(split(stage, left) if first.spares else first)
+
     stages = tuple(
         dataclasses.replace(
             stage,

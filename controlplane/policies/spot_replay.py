@@ -109,9 +109,11 @@ def interrupted_timeline(
     drain_s: float = DRAIN_S,
     margin_s: float = MARGIN_S,
     replacement_boot_s: float = DEFAULT_REPLACEMENT_BOOT_S,
+    wave_at_s: float | None = None,
 ) -> tuple[FleetTimeline, InterruptionLog]:
     """The fleet over [0, ``end_s``): on-demand instances throughout, each spot slot a chain of
-    instances, each interrupted as the module docstring says."""
+    instances, each interrupted as the module docstring says. ``wave_at_s``: besides, every spot
+    instance serving then is interrupted then (one wave takes all the spot capacity at once)."""
     instances: list[InstanceSpec] = []
     interruptions = 0
     missing_s = 0.0
@@ -123,9 +125,12 @@ def interrupted_timeline(
         for _ in range(spot):
             spot_total += 1
             launched, ready = 0.0, 0.0
+            waved = wave_at_s is None
             while True:
                 life_s = rng.exponential(3600.0 / rate) if rate > 0 else math.inf
                 deadline = launched + life_s
+                if not waved and wave_at_s is not None and deadline >= wave_at_s:
+                    deadline, waved = wave_at_s, True
                 notice = max(ready, deadline - notice_s)
                 if notice >= end_s:
                     instances.append(InstanceSpec(name + SPOT_SUFFIX, ready, math.inf, launched))
@@ -148,9 +153,11 @@ def replay_with_interruptions(
     rates_per_hr: Mapping[str, float],
     *,
     replacement_boot_s: float = DEFAULT_REPLACEMENT_BOOT_S,
+    wave_at_s: float | None = None,
 ) -> tuple[ReplayResult, InterruptionLog]:
     """The static replay of ``plan``'s single stage with its spot instances interrupted (see the
-    module docstring); ``rng`` draws the interruptions, then the service times."""
+    module docstring; ``wave_at_s``: all at once then, too); ``rng`` draws the interruptions,
+    then the service times."""
     stage = check_plan(plan, app)
     end_s = float(trace.arrival_s[-1]) if len(trace) else 0.0
     timeline, log = interrupted_timeline(
@@ -160,6 +167,7 @@ def replay_with_interruptions(
         rates_per_hr,
         rng,
         replacement_boot_s=replacement_boot_s,
+        wave_at_s=wave_at_s,
     )
     spot_prices = {}
     for name in stage.spot_fleet:

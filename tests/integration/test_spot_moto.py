@@ -32,6 +32,10 @@ from provisioners.interruptions import INTERRUPTION_NOTICE_S  # noqa: E402
 from provisioners.spot import SpotPriceReader  # noqa: E402
 
 
+def ec2_config(network: Ec2Network, **changes: Any) -> Ec2Config:
+    return Ec2Config(region=REGION, subnet_ids=network.subnet_ids, ami_id=network.ami_id, **changes)
+
+
 class _Body:
     def __init__(self, data: bytes) -> None:
         self._data = data
@@ -136,14 +140,7 @@ def test_queue_messages_become_interruption_notices(ec2_network: Ec2Network) -> 
     ]
     for body in bodies:
         sqs.send_message(QueueUrl=queue_url, MessageBody=body)
-    provisioner = Ec2Provisioner(
-        Ec2Config(
-            region=REGION,
-            subnet_ids=ec2_network.subnet_ids,
-            ami_id=ec2_network.ami_id,
-            interruption_queue_url=queue_url,
-        )
-    )
+    provisioner = Ec2Provisioner(ec2_config(ec2_network, interruption_queue_url=queue_url))
 
     notices = provisioner.poll_interruptions()
 
@@ -168,9 +165,7 @@ def test_queue_messages_become_interruption_notices(ec2_network: Ec2Network) -> 
 
 
 def test_without_a_queue_there_are_no_notices(ec2_network: Ec2Network) -> None:
-    provisioner = Ec2Provisioner(
-        Ec2Config(region=REGION, subnet_ids=ec2_network.subnet_ids, ami_id=ec2_network.ami_id)
-    )
+    provisioner = Ec2Provisioner(ec2_config(ec2_network))
     assert provisioner.poll_interruptions() == []
 
 
@@ -180,19 +175,10 @@ def test_a_request_tagged_spot_is_launched_on_spot_and_the_others_on_demand(
     from provisioners.base import APP_TAG, LaunchRequest
     from provisioners.interruptions import MARKET_TAG
 
-    maker = Ec2Provisioner(
-        Ec2Config(region=REGION, subnet_ids=ec2_network.subnet_ids, ami_id=ec2_network.ami_id)
-    )
+    maker = Ec2Provisioner(ec2_config(ec2_network))
     templates = maker.ensure_launch_templates(["m5.large"])
     # No deployment-wide spot: the request's market decides (the reconciler's rule 10).
-    provisioner = Ec2Provisioner(
-        Ec2Config(
-            region=REGION,
-            subnet_ids=ec2_network.subnet_ids,
-            ami_id=ec2_network.ami_id,
-            launch_templates=templates,
-        )
-    )
+    provisioner = Ec2Provisioner(ec2_config(ec2_network, launch_templates=templates))
     (spot,) = provisioner.launch(
         LaunchRequest("r-spot", "m5.large", 1, {APP_TAG: "recs", MARKET_TAG: "spot"})
     )
@@ -231,14 +217,7 @@ def test_notices_on_the_queue_lead_to_replacements_and_drains_before_the_deadlin
     migrate.upgrade(database)
     clock = FakeClock(start_utc=datetime.now(UTC).replace(microsecond=0))
     store = Store.from_url(database, clock)
-    provisioner = Ec2Provisioner(
-        Ec2Config(
-            region=REGION,
-            subnet_ids=ec2_network.subnet_ids,
-            ami_id=ec2_network.ami_id,
-            interruption_queue_url=queue_url,
-        )
-    )
+    provisioner = Ec2Provisioner(ec2_config(ec2_network, interruption_queue_url=queue_url))
     reconciler = Reconciler(
         store, provisioner, clock, catalog_pricing(default_catalog()), missing_grace_s=600.0
     )

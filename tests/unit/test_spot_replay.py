@@ -45,6 +45,19 @@ def test_spot_slots_are_chains_of_instances_and_on_demand_runs_throughout() -> N
     assert all(s.billed_from_s == s.ready_s - DEFAULT_REPLACEMENT_BOOT_S for s in replacements)
 
 
+def test_a_wave_takes_every_spot_instance_at_once() -> None:
+    timeline, log = interrupted_timeline(
+        {"a": 3}, {"a": 2}, 3600.0, {"a": 0.0}, np.random.default_rng(0), wave_at_s=600.0
+    )
+    assert log.interruptions == 2
+    first = [s for s in timeline.instances if s.instance_type == "a@spot" and s.ready_s == 0]
+    # Both stop before the wave's deadline, together; their replacements serve a boot after the
+    # notice: the gap is the same for both.
+    assert [s.stop_s for s in first] == [600.0 - 25.0] * 2
+    later = [s for s in timeline.instances if s.instance_type == "a@spot" and s.ready_s > 0]
+    assert [s.ready_s for s in later] == [600.0 - NOTICE_S + DEFAULT_REPLACEMENT_BOOT_S] * 2
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [("2", {"a": 2.0, "b": 2.0}), ("a=0.5", {"a": 0.5, "b": 0.0}), ("a=1,b=3", {"a": 1, "b": 3})],
