@@ -57,7 +57,10 @@ def _human(data: dict[str, Any], plan: PlanDocument) -> str:
         f" P{data['percentile']:g} {predicted} (the whole pipeline)",
     ]
     for s in plan.stages:
-        fleet = ", ".join(f"{n} x {t}" for t, n in s.fleet.items())
+        fleet = ", ".join(
+            f"{n} x {t}" + (f" ({s.spot_fleet[t]} spot)" if s.spot_fleet.get(t) else "")
+            for t, n in s.fleet.items()
+        )
         lines.append(
             f"  {s.name}: {fleet}, batch {s.batch_size}, {s.policy} dispatch;"
             f" P99 {s.predicted_p99_ms:.1f} ms, {s.throughput_qps:.2f} qps,"

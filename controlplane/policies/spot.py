@@ -28,7 +28,10 @@ A policy in the STYLE.md sense (pure: prices, rates and the planner in, a plan o
   (rounding) is given up for the on-demand plan split the same way, which always fits (S_t <=
   P_t). The plan states ``expected_cost_usd_per_hr`` (at the prices used) and
   ``cost_if_on_demand_usd_per_hr`` (every instance at P_t: what it costs if spot prices rise to
-  on demand; the live reaction to such a rise is not built yet, docs/spot.md).
+  on demand; the reconciler's reaction to such a rise: docs/spot.md), and for a single stage the
+  share of queries within the SLO it predicts with interruptions (a step of the plan: the
+  estimator's share with the whole fleet and with its most capable spot instance missing,
+  weighted by how often the interruptions leave one missing).
 
 >>> split = split_stage({"a": 4}, {"a": 10.0}, {"a": 1.0}, {"a": 0.3}, {"a": 0.0},
 ...                     survive_share=0.5, max_share=1.0)
@@ -42,13 +45,14 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
 
 from controlplane.policies.plan import PlanDocument, StagePlan
 from controlplane.spec import ResolvedApp, SpotSpec
-
-if TYPE_CHECKING:
-    from estimator.traces import Trace
+from estimator.fleet import Fleet
+from estimator.traces import Trace
 
 __all__ = [
     "DEFAULT_REPLACEMENT_GAP_S",
@@ -288,9 +292,52 @@ def plan_with_spot(
     )
     chosen = plan(_blended(app, spot, prices), trace, seed=seed, **planner_args)
     split = _split_plan(app, chosen, spot, prices, replacement_gap_s)
-    if split.cost_usd_per_hr <= app.spec.budget_usd_per_hr + _SLACK:
-        return split
-    # The blended prices chose a mix whose split costs more than the budget (rounding): the
-    # on-demand plan, split the same way, always fits (spot never costs more than on demand).
-    fallback = plan(app, trace, seed=seed, **planner_args)
-    return _split_plan(app, fallback, spot, prices, replacement_gap_s)
+    if split.cost_usd_per_hr > app.spec.budget_usd_per_hr + _SLACK:
+        # The blended prices chose a mix whose split costs more than the budget (rounding): the
+        # on-demand plan, split the same way, always fits (spot never costs more than on demand).
+        fallback = plan(app, trace, seed=seed, **planner_args)
+        split = _split_plan(app, fallback, spot, prices, replacement_gap_s)
+    return _with_attainment(app, split, trace, seed, replacement_gap_s)
+
+
+def _with_attainment(
+    app: ResolvedApp, plan: PlanDocument, trace: Trace, seed: int, gap_s: float
+) -> PlanDocument:
+    """The plan with a step that states the share of queries within the SLO it predicts with
+    interruptions: A = (1 - q) A_0 + q A_1, A_0 the share on the planning trace with the whole
+    fleet, A_1 with the stage's most capable spot instance missing, q the expected share of
+    time a spot instance is missing (sum_t s_t lambda_t g, at most 1). One stage only."""
+    from controlplane.policies.replay import ReplayError, replay_timeline, static_timeline
+
+    if len(plan.stages) != 1 or not plan.stages[0].spot_fleet or len(trace) < 2:
+        return plan
+    stage = plan.stages[0]
+    capacity = _capacity_qps(app, stage)
+    rates = {t: app.catalog[t].interruptions_per_hr for t in stage.spot_fleet}
+    q = min(1.0, sum(n * rates[t] for t, n in stage.spot_fleet.items()) * gap_s / 3600.0)
+    lost = max(stage.spot_fleet, key=lambda t: (capacity[t], t))
+    shorter = {t: n - (t == lost) for t, n in stage.fleet.items()}
+    start = Trace(trace.arrival_s - trace.arrival_s[0], trace.batch_size, trace.sample_id)
+    shares = []
+    for fleet in (stage.fleet, shorter):
+        if sum(fleet.values()) == 0:
+            shares.append(0.0)
+            continue
+        timeline = static_timeline(Fleet.of(fleet))
+        try:
+            result = replay_timeline(start, app, stage, timeline, np.random.default_rng(seed))
+        except ReplayError:
+            # The stage's dispatch cannot run on what is left (Kairos' base types need a type
+            # that meets the SLO at every batch size): first come, first served instead.
+            result = replay_timeline(
+                start, app, stage, timeline, np.random.default_rng(seed), dispatch="fcfs"
+            )
+        shares.append(1.0 - result.slo_miss_share)
+    whole, short = shares
+    predicted = (1.0 - q) * whole + q * short
+    step = (
+        f"spot: predicted share within the SLO with interruptions {predicted:.4%}"
+        f" ({whole:.4%} with the whole fleet, {short:.4%} with one {lost} missing, which the"
+        f" interruptions at the catalog's rates leave it {q:.3%} of the time)"
+    )
+    return dataclasses.replace(plan, steps=(*plan.steps, step))

@@ -149,6 +149,8 @@ def test_spot_plans_fit_the_budget_at_the_price_paid_and_cost_less(
         )
         assert stage.cost_usd_per_hr == pytest.approx(paid)
     assert any(step.startswith("spot: ") for step in plan.steps)
+    (predicted,) = [s for s in plan.steps if "predicted share within the SLO" in s]
+    assert "with one " in predicted and "missing" in predicted
     # The document carries it all and reads back equal.
     document = plan.to_document()
     assert document["stages"][0]["spot_fleet"] == dict(plan.stages[0].spot_fleet)

@@ -113,3 +113,14 @@ def test_the_command_replays_a_spot_plan_with_interruptions(
         assert caught.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+def test_the_plan_command_says_which_instances_are_spot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = write_spec(tmp_path, 40.0, 1.5, spot="{enabled: true, survive_share: 0.5}")
+    trace_file = tmp_path / "trace.csv"
+    write_trace_csv(poisson_trace(200.0, queries=800), trace_file)
+    assert main(["plan", "--spec", str(spec), "--trace", str(trace_file)]) == 0
+    text = capsys.readouterr().out
+    assert " spot)" in text and "spot: " in text  # the fleet line and the step
