@@ -85,11 +85,13 @@ def check_options(args: argparse.Namespace, label: str) -> None:
     if args.interruptions_per_hour is not None and label != "static":
         raise UsageError(
             "--interruptions-per-hour replays a plan's fleet as it is: use it with --policy"
-            " static (or --tuner off)"
+            " static (the default with it)"
         )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.interruptions_per_hour is not None and args.policy is None:
+        args.tuner = "off"  # interruptions replay the plan's fleet as it is (docs/spot.md)
     policy, label = scaling_policy(args.tuner, args.policy)
     check_options(args, label)
     app = resolve_spec(load_spec(args.spec))

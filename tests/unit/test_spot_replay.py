@@ -101,11 +101,11 @@ def test_the_command_replays_a_spot_plan_with_interruptions(
     assert stormy["interruptions"]["spot_instances"] == calm["interruptions"]["spot_instances"]
     # Every replacement is billed from its launch, next to its predecessor: it costs more.
     assert stormy["cost_usd"] > calm["cost_usd"]
-    assert main([*args, "--policy", "static", "--interruptions-per-hour", "5"]) == 0
+    assert main([*args, "--interruptions-per-hour", "5"]) == 0  # static by default with it
     assert "interruptions of" in capsys.readouterr().out
 
     for bad, message in (
-        (["--interruptions-per-hour", "5"], "use it with --policy static"),
+        (["--policy", "tuner", "--interruptions-per-hour", "5"], "use it with --policy static"),
         (["--policy", "static", "--interruptions-per-hour", "x=1"], "not a type of the plan"),
     ):
         with pytest.raises(SystemExit) as caught:
