@@ -432,6 +432,11 @@ class Ec2Provisioner:
             events, self._events = self._events, []
             return events
 
+    def spot_price(self, instance_type: str) -> float | None:
+        """The spot price of ``instance_type`` now, in its cheapest zone (cached for
+        ``spot_price_ttl_s``; provisioners/spot.py)."""
+        return self.spot_prices.price(instance_type)
+
     def poll_interruptions(self) -> builtins.list[InterruptionNotice]:
         """The interruption notices on the queue (provisioners/spot.py), each once; none without
         an ``interruption_queue_url``."""

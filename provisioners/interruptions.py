@@ -30,6 +30,7 @@ __all__ = [
     "InterruptionNotice",
     "InterruptionSource",
     "NoticeBoard",
+    "SpotPriceSource",
     "notice_from_event",
 ]
 
@@ -85,6 +86,18 @@ class InterruptionSource(Protocol):
 
     def poll_interruptions(self) -> list[InterruptionNotice]:
         """The notices since the last call, oldest first (each is returned once)."""
+        ...
+
+
+@runtime_checkable
+class SpotPriceSource(Protocol):
+    """A provisioner that knows what spot capacity costs now (the EC2 provisioner:
+    DescribeSpotPriceHistory, :mod:`provisioners.spot`)."""
+
+    def spot_price(self, instance_type: str) -> float | None:
+        """The spot price of ``instance_type`` now, USD/hr, in its cheapest zone (``None``: not
+        sold on spot). Raises :class:`~provisioners.errors.ProvisionerError` when it cannot be
+        read."""
         ...
 
 

@@ -91,10 +91,12 @@ The rules (docs/provisioners.md, "Reconciler", says why):
     the type has fewer kept spot rows than that and its spot price now is below its on-demand
     price, on demand otherwise; the row records its market and the price it is launched at.
     Every tick a kept spot row is costed at the type's spot price now
-    (``spot_prices_usd_per_hr``), not at its launch price: when a rise takes the fleet past the
-    budget, the budget guard (rule 6) drains the least cost-effective instances (the dearer spot
-    ones first) and rule 7 replaces them where the budget allows, on demand once spot is no
-    cheaper; a :class:`SpotRepriced` action (a ``spot_price`` decision) says why.
+    (``spot_prices_usd_per_hr``: the provider's where it reads them, the EC2 provisioner's
+    ``DescribeSpotPriceHistory``, else the app's catalog's), not at its launch price: when a
+    rise takes the fleet past the budget, the budget guard (rule 6) drains the least
+    cost-effective instances (the dearer spot ones first) and rule 7 replaces them where the
+    budget allows, on demand once spot is no cheaper; a :class:`SpotRepriced` action (a
+    ``spot_price`` decision) says why.
 
 **Teardown** (``heteroplane app down``, :mod:`controlplane.apps.teardown`): every kept row is
 ended at once (cause ``teardown``; neither guard of rule 5 applies) and nothing is launched;
@@ -162,7 +164,12 @@ from provisioners.errors import (
     ProvisionerError,
     UnknownInstanceError,
 )
-from provisioners.interruptions import MARKET_TAG, InterruptionNotice, InterruptionSource
+from provisioners.interruptions import (
+    MARKET_TAG,
+    InterruptionNotice,
+    InterruptionSource,
+    SpotPriceSource,
+)
 
 __all__ = [
     "DEFAULT_LAUNCH_BACKOFF_S",
@@ -1391,8 +1398,10 @@ class Reconciler:
                 {"instance_types": sorted(refused), "fleet": dict(fleet)},
             )
             desired = None
-        pricing = self.pricing(app)
         rows = self.store.list_instances(app.name)
+        desired_spot = self.desired_spot(app)
+        spot_types = set(desired_spot) | {r.instance_type for r in rows if r.market == "spot"}
+        pricing = self._live_spot_prices(self.pricing(app), spot_types)
         waiting = {r.instance_type for r in rows if r.state == _S.REQUESTED.value}
         with self._capacity_lock:
             for key in [k for k in self._capacity_missed_s if k[0] == app.name]:
@@ -1426,7 +1435,7 @@ class Reconciler:
             handled=frozenset(self._handled),
             drain_s=self.interruption_drain_s,
             margin_s=self.interruption_margin_s,
-            desired_spot=self.desired_spot(app),
+            desired_spot=desired_spot,
             spot_prices_usd_per_hr=pricing.spot_prices_usd_per_hr,
         )
         errors = _Errors()
@@ -1439,6 +1448,24 @@ class Reconciler:
         if teardown and observed is not None:
             self._delete_if_drained(app.name, errors)
         return AppReport(app.name, tuple(actions), tuple(errors))
+
+    def _live_spot_prices(self, pricing: AppPricing, types: Collection[str]) -> AppPricing:
+        """Rule 10's prices of ``types`` (those the app buys on spot): the provider's spot
+        prices now where it knows them (the EC2 provisioner: DescribeSpotPriceHistory, cached),
+        else the app's (its catalog's)."""
+        wanted = sorted(t for t in types if t in pricing.spot_prices_usd_per_hr)
+        if not wanted or not isinstance(self.provisioner, SpotPriceSource):
+            return pricing
+        live = dict(pricing.spot_prices_usd_per_hr)
+        try:
+            for instance_type in wanted:
+                price = self.provisioner.spot_price(instance_type)
+                if price is not None:
+                    live[instance_type] = price
+        except ProvisionerError as error:  # throttled, no permission: the app's prices serve
+            logger.warning("reconcile: spot prices not read (%s); the catalog's serve", error)
+            return pricing
+        return dataclasses.replace(pricing, spot_prices_usd_per_hr=live)
 
     def _poll_interruptions(self, now: datetime) -> None:
         """Rule 9's input: the provider's new notices; those past their deadline by more than

@@ -284,3 +284,86 @@ def test_notices_on_the_queue_lead_to_replacements_and_drains_before_the_deadlin
         assert len(store.list_decisions("recs", kinds=["spot_interruption"])) == 3
     finally:
         store.close()
+
+
+def test_the_cap_holds_when_spot_prices_read_from_ec2_rise_mid_run(
+    ec2_network: Ec2Network, tmp_path: Any
+) -> None:
+    """A plan all on spot, launched by the reconciler over the EC2 provisioner (CreateFleet on
+    moto) at the spot price DescribeSpotPriceHistory gives; the price rises to on demand: the
+    next read (past the cache's TTL) costs the fleet past the budget, and the reconciler drains
+    to fit it, with a spot_price decision, and launches nothing it cannot pay for."""
+    from controlplane.clock import FakeClock
+    from controlplane.db import migrate
+    from controlplane.db.store import Store
+    from controlplane.loops.reconciler import Reconciler, catalog_pricing
+    from estimator.catalog import default_catalog
+
+    board = PriceBoard()
+    board.prices = {"t3.large": 0.03}
+    session = boto3.Session()
+    session.events.register("before-send.ec2.DescribeSpotPriceHistory", board)
+    clock = FakeClock(start_utc=datetime.now(UTC).replace(microsecond=0))
+    templates = Ec2Provisioner(ec2_config(ec2_network)).ensure_launch_templates(["t3.large"])
+    provisioner = Ec2Provisioner(
+        ec2_config(ec2_network, launch_templates=templates, spot_price_ttl_s=60.0),
+        session,
+        clock=clock.now_s,
+    )
+    database = f"sqlite:///{tmp_path / 'heteroplane.db'}"
+    migrate.upgrade(database)
+    store = Store.from_url(database, clock)
+    reconciler = Reconciler(store, provisioner, clock, catalog_pricing(default_catalog()))
+    budget = 0.1  # two t3.large on spot at 0.03; not two at on demand (0.0832 each)
+
+    def paid_now() -> float:
+        kept = store.list_instances("recs", states=["requested", "pending", "running"])
+        return sum(
+            (board.prices or {})["t3.large"] if r.market == "spot" else r.price_usd_per_hr
+            for r in kept
+        )
+
+    try:
+        store.create_app(
+            {
+                "name": "recs",
+                "models": [{"name": "tiny", "profiles": "profiles.json"}],
+                "slo": {"latency_ms": 50},
+                "budget_usd_per_hr": budget,
+                "instance_types": ["t3.large"],
+            },
+            who="test",
+        )
+        document = {
+            "feasible": True,
+            "cost_usd_per_hr": 0.06,
+            "stages": [{"name": "tiny", "fleet": {"t3.large": 2}, "spot_fleet": {"t3.large": 2}}],
+        }
+        store.apply_plan("recs", store.create_plan("recs", document).id)
+        for _ in range(3):
+            clock.advance(1.0)
+            reconciler.run_once()
+        rows = store.list_instances("recs", states=["running"])
+        assert [(r.market, r.price_usd_per_hr) for r in rows] == [("spot", 0.03)] * 2
+        ec2 = boto3.client("ec2", region_name=REGION)
+        lifecycle = {
+            i["InstanceId"]: i.get("InstanceLifecycle")
+            for r in ec2.describe_instances()["Reservations"]
+            for i in r["Instances"]
+        }
+        assert {lifecycle[r.provider_id or ""] for r in rows} == {"spot"}
+
+        board.prices = {"t3.large": 0.0832}
+        clock.advance(61.0)  # past the price cache's TTL
+        reconciler.run_once()
+        assert paid_now() <= budget + 1e-9
+        (decision,) = store.list_decisions("recs", kinds=["spot_price"])
+        assert "over it" in decision.reason and decision.numbers["price_usd_per_hr"] == 0.0832
+        for _ in range(3):
+            clock.advance(1.0)
+            reconciler.run_once()
+            assert paid_now() <= budget + 1e-9
+        assert len(store.list_instances("recs", states=["running"])) == 1
+        assert board.calls == 2  # once per TTL, not once per tick
+    finally:
+        store.close()
