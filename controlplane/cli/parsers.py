@@ -678,6 +678,15 @@ def _replay(subparsers: Subparsers) -> None:
         help="how the stage's queue is dispatched to its instances, a policy a plan may name"
         " (default: the plan stage's policy, else fcfs)",
     )
+    parser.add_argument(
+        "--interruptions-per-hour",
+        default=None,
+        metavar="R",
+        help="interrupt the plan's spot instances (its stages' spot_fleet) at R per instance-hour"
+        " (or TYPE=R,TYPE=R per type), drawn with --seed: two minutes' notice, the replacement"
+        " launched at the notice (docs/spot.md); the plan's fleet as it is (--policy static, the"
+        " default with this option), one stage",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=Handler("replay", "run"))

@@ -216,6 +216,10 @@ class Instance(Base):
     price_usd_per_hr: Mapped[float]
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
+    # The purchase option it was launched with: on-demand or spot (docs/spot.md).
+    market: Mapped[str] = mapped_column(
+        String(_SHORT), default="on-demand", server_default="on-demand"
+    )
 
 
 class InstanceEvent(Base):

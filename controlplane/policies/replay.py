@@ -1043,18 +1043,24 @@ def replay_timeline(
     *,
     policy: str = "static",
     dispatch: DispatchName | None = None,
+    profile_types: Mapping[str, str] | None = None,
+    extra_prices_usd_per_hr: Mapping[str, float] | None = None,
 ) -> ReplayResult:
     """Pass 2 of :func:`replay` alone: simulate ``trace`` once on ``timeline`` (however it was
     made, e.g. an oracle's fleet per minute) with ``stage``'s batch size and dispatch
-    (``dispatch`` overrides it), and summarise it as ``policy``.
+    (``dispatch`` overrides it), and summarise it as ``policy``. ``profile_types`` maps a type
+    of the timeline that is no catalog type to the one whose profile it has (a spot instance,
+    ``<type>@spot``: :mod:`controlplane.policies.spot_replay`), ``extra_prices_usd_per_hr``
+    prices it.
 
     Raises:
         ReplayError: an unknown dispatch policy.
         EstimatorError: the simulator's errors (a batch size outside a profile).
     """
     types = list(dict.fromkeys(spec.instance_type for spec in timeline.instances))
-    profiles = {name: app.profile(stage.name, name) for name in types}
-    prices = dict(app.prices_usd_per_hr)
+    base = profile_types or {}
+    profiles = {name: app.profile(stage.name, base.get(name, name)) for name in types}
+    prices = {**app.prices_usd_per_hr, **(extra_prices_usd_per_hr or {})}
     qos_ms = app.constraints.slo_ms
     chosen = dispatch if dispatch is not None else (stage.policy or "fcfs")
     make_policy = _dispatch_factory(chosen, profiles, trace, qos_ms, prices)

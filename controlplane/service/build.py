@@ -172,9 +172,18 @@ def spec_pricing(resolver: AppResolver) -> PricingFn:
         try:
             resolved = resolver.resolve(app.spec, check_budget=False)
             prices = {t.name: t.price_usd_per_hr for t in resolved.catalog.values()}
+            spot = {  # the catalog's spot prices (docs/spot.md; live ones are not read yet)
+                t.name: t.spot_price_usd_per_hr
+                for t in resolved.catalog.values()
+                if t.spot_price_usd_per_hr is not None
+            }
             if resolved.unprofiled:  # a registered model not profiled yet: by price alone
-                return AppPricing(prices)
-            return AppPricing(prices, qps_by_type(resolved, smallest_common_batch_size(resolved)))
+                return AppPricing(prices, spot_prices_usd_per_hr=spot)
+            return AppPricing(
+                prices,
+                qps_by_type(resolved, smallest_common_batch_size(resolved)),
+                spot_prices_usd_per_hr=spot,
+            )
         except EstimatorError as error:
             if (app.name, app.version) not in warned:
                 warned.add((app.name, app.version))
