@@ -27,8 +27,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.clock import Clock
+from controlplane.policies.rollout import VersionFigures
 from controlplane.serving.dispatcher import AppStatus
 from controlplane.serving.observations import ARRIVALS_KEPT, WindowSummary
+from controlplane.serving.versions import VersionSource
 from controlplane.serving.wire import status_from_json, window_from_json
 
 __all__ = ["DEFAULT_PULL_S", "RemoteServing", "ServingObservations", "ServingView"]
@@ -52,6 +54,9 @@ class ServingView(Protocol):
 
     @property
     def observations(self) -> ServingObservations: ...
+
+    @property
+    def versions(self) -> VersionSource: ...
 
     def observed_arrivals(self, app: str) -> NDArray[np.float64] | None: ...
     def statuses(self) -> list[AppStatus]: ...
@@ -83,6 +88,25 @@ class _RemoteObservations:
         )
 
 
+class _RemoteVersions:
+    def __init__(self, remote: RemoteServing) -> None:
+        self._remote = remote
+
+    def figures(self, app: str, rollout_id: int, step_index: int) -> dict[str, VersionFigures]:
+        found = self._remote.call(
+            "GET", f"/apps/{app}/versions?rollout_id={rollout_id}&step_index={step_index}"
+        )
+        fields = ("queries", "errors", "p99_ms", "compared", "agreed", "labelled", "correct")
+        return (
+            {}
+            if found is None
+            else {v: VersionFigures(**{k: f[k] for k in fields}) for v, f in found.items()}
+        )
+
+    def forget(self, app: str) -> None:
+        self._remote.call("POST", f"/apps/{app}/versions/forget")
+
+
 class RemoteServing:
     """The serving process at ``url`` (its base URL), read with the admin token ``token``
     (thread-safe; see the module docstring). ``client``: the HTTP client to send with (a test's
@@ -107,6 +131,7 @@ class RemoteServing:
         self._base = f"{self.url}/internal/v1"
         self._headers = {"Authorization": f"Bearer {token}"}
         self._observations = _RemoteObservations(self)
+        self._versions = _RemoteVersions(self)
         self._lock = threading.Lock()
         self._arrivals: dict[str, NDArray[np.float64]] = {}  # on the serving process's clock
         self._served: set[str] = set()
@@ -120,6 +145,11 @@ class RemoteServing:
     @property
     def observations(self) -> ServingObservations:
         return self._observations
+
+    @property
+    def versions(self) -> VersionSource:
+        """The rollouts' figures per version (the rollout loop's meter), read when asked."""
+        return self._versions
 
     # --- the exchange -------------------------------------------------------------------------
 

@@ -100,6 +100,7 @@ from controlplane.loops.reconciler import (
     disruption_budget,
 )
 from controlplane.loops.remote_serving import RemoteServing, ServingView
+from controlplane.loops.rollouts import RolloutLoop
 from controlplane.loops.rollup import make_rollup
 from controlplane.loops.scheduler import JobBodies, Scheduler, service_schedule
 from controlplane.loops.traffic_replan import ReplanBand, TrafficReplanner
@@ -201,9 +202,18 @@ def spec_pricing(resolver: AppResolver) -> PricingFn:
         try:
             resolved = resolver.resolve(app.spec, check_budget=False)
             prices = {t.name: t.price_usd_per_hr for t in resolved.catalog.values()}
+            spot = {  # the catalog's spot prices (docs/spot.md; live ones are not read yet)
+                t.name: t.spot_price_usd_per_hr
+                for t in resolved.catalog.values()
+                if t.spot_price_usd_per_hr is not None
+            }
             if resolved.unprofiled:  # a registered model not profiled yet: by price alone
-                return AppPricing(prices)
-            return AppPricing(prices, qps_by_type(resolved, smallest_common_batch_size(resolved)))
+                return AppPricing(prices, spot_prices_usd_per_hr=spot)
+            return AppPricing(
+                prices,
+                qps_by_type(resolved, smallest_common_batch_size(resolved)),
+                spot_prices_usd_per_hr=spot,
+            )
         except EstimatorError as error:
             if (app.name, app.version) not in warned:
                 warned.add((app.name, app.version))
@@ -424,6 +434,7 @@ def build_scheduler(
     leadership: Leadership | None = None,
     traffic_replanner: TrafficReplanner | None = None,
     infaas_scaler: InfaasScaler | None = None,
+    rollouts: RolloutLoop | None = None,
 ) -> Scheduler:
     """The service's periodic jobs at the settings' periods (reconcile idles without a
     reconciler, and re-plans around missing capacity after its tick when there is a replanner;
@@ -445,6 +456,10 @@ def build_scheduler(
             _log_report(reconciler.run_once())
             if replanner is not None:
                 replanner.tick()
+            if rollouts is not None:
+                # After the reconciler moved the rollouts' workers along their lifecycle.
+                for moved in rollouts.tick():
+                    logger.info("rollout %s of %s: %s", moved.rollout_id, moved.app, moved.what)
 
         bodies = dataclasses.replace(bodies, reconcile=reconcile)
     if live_tuner is not None:
@@ -552,6 +567,10 @@ def build_service(
         )
         gear_table = GearTable(store)
         serving.gears = gear_table.gear
+        # The rollouts' routes as the database says (the loops process moves the rollouts).
+        routes = RolloutLoop(store, resolver, provisioner, clock, serving.versions)
+        serving.routes = routes.route
+        serving.route_refresh = routes.refresh_routes
         app = create_app(
             settings,
             store,
@@ -593,8 +612,18 @@ def build_service(
     live_tuner = build_live_tuner(settings, store, clock, view, resolver)
     infaas_scaler = build_infaas_scaler(settings, store, clock, view, resolver)
     live_gears = build_live_gears(settings, store, clock, view, resolver)
+    rollouts = RolloutLoop(
+        store,
+        resolver,
+        provisioner,
+        clock,
+        view.versions,
+        disruption=disruption_budget(settings),
+    )
     if local_serving is not None:
         local_serving.gears = live_gears.gear
+        local_serving.routes = rollouts.route
+        local_serving.route_refresh = rollouts.refresh_routes
     if remote is not None:
         remote.gears = live_gears.in_force
     reconciler = build_reconciler(
@@ -639,6 +668,7 @@ def build_service(
         leadership,
         traffic_replanner,
         infaas_scaler,
+        rollouts,
     )
     # The API resolves through the same resolver, so a plan preview sees the calibrated profiles.
     # A loops process serves the API without inference (no serving loop: 503).

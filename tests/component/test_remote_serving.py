@@ -181,3 +181,21 @@ def test_the_gear_the_loops_send_with_the_feed_is_the_one_the_serving_loop_serve
     assert served is not None and served.cascade == FAST.cascade
     remote.gears = dict  # the switcher no longer serves it by gears
     assert remote.pull() and loop.gears(APP) is None
+
+
+def test_the_rollout_loop_apart_reads_the_serving_processs_version_figures(
+    serving: tuple[ServingLoop, TestClient, dict[str, str]],
+) -> None:
+    from controlplane.serving.versions import CanaryRoute
+
+    loop, client, tokens = serving
+    route = CanaryRoute(3, 1, "tiny", 0.1, False, "tiny@1", "tiny@2")
+    for ms in (10.0, 20.0, 30.0):
+        loop.versions.answered("toy", route, "tiny@2", ms, labelled=1, correct=1)
+    loop.versions.failed("toy", route, "tiny@1")
+    remote = RemoteServing("http://testserver", tokens["admin"], FakeClock(), client=client)
+    assert remote.versions.figures("toy", 3, 1) == loop.versions.figures("toy", 3, 1)
+    assert remote.versions.figures("toy", 3, 1)["tiny@2"].queries == 3
+    assert remote.versions.figures("toy", 3, 0) == {}  # another step
+    remote.versions.forget("toy")
+    assert loop.versions.figures("toy", 3, 1) == {}

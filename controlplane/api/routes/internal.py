@@ -13,6 +13,8 @@ serving`` and ``--role loops``; docs/service.md, "Serving apart from the loops")
   calibration's); ``POST .../forget-batch-times``: drop one (model, type)'s batch times.
 - ``POST /internal/v1/apps/{app}/window``: the app's serving window since the last call (the
   roll-up's; ``null`` when the app is not served).
+- ``GET /internal/v1/apps/{app}/versions?rollout_id=&step_index=``: each version's figures over
+  a rollout's step (the rollout loop's judgement); ``POST .../versions/forget``: drop them.
 
 The answers are JSON written with :func:`json.dumps` (a capacity may be infinite).
 """
@@ -91,6 +93,20 @@ def forget_batch_times(
     app: AppName, body: ForgetIn, services: ServicesDep, _who: Admin
 ) -> Response:
     _serving(services, app).observations.forget_batch_times(app, body.model, body.instance_type)
+    return Response(status_code=204)
+
+
+@router.get("/apps/{app}/versions")
+def versions(
+    app: AppName, rollout_id: int, step_index: int, services: ServicesDep, _who: Admin
+) -> Response:
+    figures = _serving(services, app).versions.figures(app, rollout_id, step_index)
+    return _json({version: found.to_json() for version, found in figures.items()})
+
+
+@router.post("/apps/{app}/versions/forget", status_code=204)
+def forget_versions(app: AppName, services: ServicesDep, _who: Admin) -> Response:
+    _serving(services, app).versions.forget(app)
     return Response(status_code=204)
 
 
