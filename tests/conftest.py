@@ -11,11 +11,6 @@ import pytest
 SHARED = Path(os.environ.get("HETEROPLANE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 KAIROS_CSV = SHARED / "data" / "kairos_latency_samples.csv.gz"
 
-# Every `heteroplane serve` and `heteroplane demo` a test starts (they inherit this environment)
-# serves the Open Inference Protocol over gRPC on a free port, not the settings' fixed 8001, which
-# two of them at once (the suite runs on several processes) would both want.
-os.environ.setdefault("HETEROPLANE_GRPC_PORT", "0")
-
 needs_shared = pytest.mark.skipif(
     not KAIROS_CSV.exists(), reason=f"the shared data is not at {SHARED} (set HETEROPLANE_SHARED)"
 )

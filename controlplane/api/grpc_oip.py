@@ -79,7 +79,7 @@ from controlplane.db.store import Principal
 from controlplane.policies.auth import Scope
 from provisioners.worker.oip import MODEL_VERSION, OipError, model_metadata
 
-__all__ = ["SERVICE", "STOP_GRACE_S", "GrpcOip", "attach", "grpc_code"]
+__all__ = ["SERVICE", "STOP_GRACE_S", "GrpcOip", "Listener", "attach", "grpc_code"]
 
 logger = logging.getLogger(__name__)
 
@@ -384,11 +384,11 @@ def _handlers(service: GrpcOip) -> Any:
 
 @dataclass(slots=True)
 class Listener:
-    """Where :func:`attach` serves: ``port`` is the bound one once the API has started (a free
-    one for 0)."""
+    """Where :func:`attach` serves: ``port`` is the bound one (a free one for 0) while the API
+    runs and the server with it, else None."""
 
     host: str
-    port: int
+    port: int | None = None
 
 
 def attach(app: FastAPI, host: str, port: int, max_message_bytes: int) -> Listener:
@@ -396,7 +396,7 @@ def attach(app: FastAPI, host: str, port: int, max_message_bytes: int) -> Listen
     server starts in the app's lifespan, after what the lifespan starts (the serving loop), and
     stops before it. Messages up to ``max_message_bytes`` (the setting
     ``oip_body_max_bytes``, as on REST); a larger one is ``RESOURCE_EXHAUSTED``."""
-    listener = Listener(host, port)
+    listener = Listener(host)
     inner = app.router.lifespan_context
 
     @asynccontextmanager
@@ -412,12 +412,22 @@ def attach(app: FastAPI, host: str, port: int, max_message_bytes: int) -> Listen
             )
             server.add_generic_rpc_handlers((_handlers(GrpcOip(running.state.services)),))
             address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            listener.port = server.add_insecure_port(address)
+            bound: int | None = None
+            try:
+                bound = server.add_insecure_port(address)
+            except RuntimeError as error:
+                # Taken since heteroplane serve tried it: REST goes on alone, said once.
+                logger.error("no gRPC served: cannot listen on %s: %s", address, error)
+            if bound is None:
+                yield state
+                return
             await server.start()
-            logger.info("Open Inference Protocol over gRPC on %s:%d", host, listener.port)
+            listener.port = bound
+            logger.info("Open Inference Protocol over gRPC on %s:%d", host, bound)
             try:
                 yield state
             finally:
+                listener.port = None
                 await server.stop(STOP_GRACE_S)
 
     app.router.lifespan_context = lifespan

@@ -73,13 +73,21 @@ def grpc_address(
 ) -> tuple[str, int] | None:
     """Where the Open Inference Protocol over gRPC is served: ``host`` and ``port`` (default:
     the setting ``grpc_port``; 0 picks a free one), None when it is off (``enabled`` false or
-    the setting ``grpc_enabled``). The port is tried now, so that an address in use is the same
-    one-line :class:`UsageError` as the API's."""
+    the setting ``grpc_enabled``). The port is tried now: a port asked for (``port``, or the
+    setting given) in use is the same one-line :class:`UsageError` as the API's; the default
+    port in use (another service on the host has it) is a warning, and REST is served alone."""
     if not (enabled and settings.grpc_enabled):
         return None
+    asked = port is not None or "grpc_port" in settings.model_fields_set
     port = settings.grpc_port if port is None else port
     if port:
-        listen(host, port).close()
+        try:
+            listen(host, port).close()
+        except UsageError as error:
+            if asked:
+                raise
+            _log.warning("%s: no gRPC served (set grpc_port or --grpc-port)", error)
+            return None
     return host, port
 
 

@@ -103,7 +103,9 @@ def test_tritonclient_grpc_drives_a_user_onnx_model(
             assert rest.status_code == 200, rest.text
             (answer,) = rest.json()["outputs"]
             assert answer["shape"] == list(scores.shape)
-            np.testing.assert_array_equal(np.array(answer["data"], dtype=np.float32), scores.ravel())
+            np.testing.assert_array_equal(
+                np.array(answer["data"], dtype=np.float32), scores.ravel()
+            )
             (own,) = session.run([output], {"tokens": tokens})
             np.testing.assert_allclose(scores, own, rtol=1e-5, atol=1e-6)
 
