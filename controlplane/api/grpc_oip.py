@@ -22,7 +22,9 @@ generated from Triton's ``grpc_service.proto``); the methods served:
   deadline as the client's deadline).
 
 Every other method of the service (model configuration, statistics, the repository, shared
-memory, streaming) answers ``UNIMPLEMENTED``. An error is the REST answer's status and one-line
+memory, streaming) answers ``UNIMPLEMENTED``. The model calls are counted in ``GET /metrics``'
+``heteroplane_api_requests_total`` under their app, as REST's answer would be (200, or the
+status below). An error is the REST answer's status and one-line
 message (:func:`~controlplane.api.errors.render_error`, the same mapping) as a gRPC status:
 
 ====================  ======================  ==================================================
@@ -127,8 +129,10 @@ def grpc_code(status: int) -> grpc.StatusCode:
 
 @dataclass(frozen=True, slots=True)
 class _Refusal:
-    """A call's gRPC error: its code, message and trailing metadata."""
+    """A call's gRPC error: the REST answer's status, its code, message and trailing
+    metadata."""
 
+    status: int
     code: grpc.StatusCode
     message: str
     trailers: tuple[tuple[str, str], ...] = ()
@@ -137,7 +141,7 @@ class _Refusal:
 def _refusal(method: str, error: Exception) -> _Refusal:
     """``error`` as the REST API answers it (its status, its message), as a gRPC error."""
     if isinstance(error, OipError):
-        return _Refusal(grpc_code(error.status), str(error))
+        return _Refusal(error.status, grpc_code(error.status), str(error))
     scope: dict[str, Any] = {
         "type": "http",
         "method": "POST",
@@ -156,7 +160,7 @@ def _refusal(method: str, error: Exception) -> _Refusal:
         message = "internal error; the server log has the details"
     retry = answer.headers.get("retry-after")
     trailers = (("retry-after", retry),) if retry is not None else ()
-    return _Refusal(grpc_code(answer.status_code), message, trailers)
+    return _Refusal(answer.status_code, grpc_code(answer.status_code), message, trailers)
 
 
 class GrpcOip:
@@ -323,6 +327,11 @@ _Method = Callable[[Any, Principal | None, _Call], Awaitable[Any]]
 _OPEN = frozenset({"ServerLive", "ServerReady", "ServerMetadata"})  # no token, as /v2/health
 
 
+def _model_of(request: Any) -> str:
+    """The app a model call names (ModelInfer's ``model_name``, the others' ``name``)."""
+    return str(getattr(request, "model_name", "") or getattr(request, "name", ""))
+
+
 def _handlers(service: GrpcOip) -> Any:
     """The generic handler of the service's methods: each one's request and answer types, its
     token check (or none) and its errors as gRPC statuses."""
@@ -338,9 +347,15 @@ def _handlers(service: GrpcOip) -> Any:
                 if name not in _OPEN:
                     metadata = dict(context.invocation_metadata() or ())
                     who = await service.principal(metadata)
-                return await method(request, who, call)
+                answer = await method(request, who, call)
             except Exception as error:
                 refused = _refusal(name, error)
+            else:
+                if name not in _OPEN:
+                    service.services.requests.add(_model_of(request), 200)
+                return answer
+            if name not in _OPEN:
+                service.services.requests.add(_model_of(request), refused.status)
             if refused.trailers:
                 context.set_trailing_metadata(refused.trailers)
             await context.abort(refused.code, refused.message)

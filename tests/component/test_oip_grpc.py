@@ -4,7 +4,7 @@ is: health and server metadata without a token; model metadata, readiness and in
 one (raw tensors as the client sends them, and the typed ``contents`` another client may send);
 the REST route's answer for the same query; each error as the gRPC code of the REST answer's
 status (a bad token, a viewer's token, an unknown model or version, a wrong shape or datatype),
-with the REST answer's message.
+with the REST answer's message, counted for ``/metrics`` under the REST status.
 """
 
 from __future__ import annotations
@@ -165,6 +165,10 @@ def test_errors_are_the_rest_answers_as_grpc_codes(served: tuple[ApiWorld, str, 
             client.infer("demo", given(wrong_type, "FP64"), headers=good)
         assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert "datatype 'FP64', expected 'FP32'" in refused.value.message()
+        # Counted for /metrics as REST's answers are: by app and the REST status.
+        counts = world.app.state.services.requests.snapshot()
+        assert counts[("", 401)] == 6 and counts[("demo", 403)] == 2
+        assert counts[("demo", 400)] == 2 and counts[("", 404)] == 3
     finally:
         client.close()
 
