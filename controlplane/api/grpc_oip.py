@@ -81,7 +81,15 @@ from controlplane.db.store import Principal
 from controlplane.policies.auth import Scope
 from provisioners.worker.oip import MODEL_VERSION, OipError, model_metadata
 
-__all__ = ["SERVICE", "STOP_GRACE_S", "GrpcOip", "Listener", "attach", "grpc_code"]
+__all__ = [
+    "SERVICE",
+    "STOP_GRACE_S",
+    "GrpcOip",
+    "Listener",
+    "attach",
+    "grpc_code",
+    "request_document",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +212,7 @@ class GrpcOip:
         _version(request.model_version)
         serving = serving_of(self.services, app)
         signature = await signature_of(serving, app, call.received_s)
-        document, binary = _document(request, call.remaining_s)
+        document, binary = request_document(request, call.remaining_s)
         answered = await serve_query(serving, app, signature, document, binary, call.received_s)
         response = pb.ModelInferResponse(model_name=app, model_version=MODEL_VERSION)
         if answered.id is not None:
@@ -237,7 +245,7 @@ def _version(version: str) -> None:
         raise OipError(f"version {version!r} is not served (versions: {MODEL_VERSION})", 404)
 
 
-def _document(request: Any, remaining_s: float | None) -> tuple[dict[str, Any], bytes]:
+def request_document(request: Any, remaining_s: float | None) -> tuple[dict[str, Any], bytes]:
     """A ModelInferRequest as the REST route's request: its JSON document and its binary part
     (the raw inputs, in order, each sized by its ``parameters.binary_data_size``)."""
     raw = list(request.raw_input_contents)

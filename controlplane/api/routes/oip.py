@@ -70,6 +70,7 @@ from controlplane.serving.modelio import ModelIOError, app_signature, stack_outp
 from provisioners.artifacts import ArtifactError, ModelSignature, numpy_dtype
 from provisioners.worker.oip import (
     MODEL_VERSION,
+    InferRequest,
     OipError,
     load_json,
     model_metadata,
@@ -82,6 +83,7 @@ __all__ = [
     "Answered",
     "as_model_error",
     "body_limit",
+    "parse_query",
     "raw_bytes",
     "reads_own_body",
     "result_parameters",
@@ -258,8 +260,7 @@ async def serve_query(
     ``POST /v2/models/{app}/infer`` and gRPC's ``ModelInfer``
     (:mod:`controlplane.api.grpc_oip`) both serve here. Raises what the serving loop raises,
     :class:`OipError` for a request the protocol refuses."""
-    document = _with_binary_inputs(document, binary, signature)
-    parsed = parse_infer_request(document, signature, max_batch_size=MAX_INFER_SAMPLES)
+    parsed = parse_query(signature, document, binary)
     arrays = [parsed.inputs[spec.name] for spec in signature.inputs]
     rows: list[Any] = list(arrays[0]) if len(arrays) == 1 else list(zip(*arrays, strict=True))
     deadline = _deadline_s(document, serving.clock.now_s() if received is None else received)
@@ -280,6 +281,16 @@ async def infer_version(
 ) -> Response:
     _version(version)
     return await infer(app, services, who, request)
+
+
+def parse_query(
+    signature: ModelSignature, document: Mapping[str, Any], binary: bytes
+) -> InferRequest:
+    """A query's document and binary part (:func:`serve_query`) checked against ``signature``:
+    its input arrays, batch size, id and outputs asked for; :class:`OipError` naming the field
+    that does not fit."""
+    document = _with_binary_inputs(document, binary, signature)
+    return parse_infer_request(document, signature, max_batch_size=MAX_INFER_SAMPLES)
 
 
 def _deadline_s(document: Mapping[str, Any], received_s: float) -> float | None:
