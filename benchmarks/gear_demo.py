@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from controlplane.policies.gears import Placement
+from controlplane.policies.gears import CascadePlacement
 from estimator.cascades import ValidationRecords, load_validation, synthetic_validation
 from estimator.catalog import InstanceType, default_catalog
 from estimator.fleet import Fleet
@@ -76,10 +76,10 @@ class DemoFamily:
     def most_accurate(self) -> str:
         return max(self.models, key=lambda m: (self.records.model_accuracy(m), m))
 
-    def placement(self) -> Placement:
+    def placement(self) -> CascadePlacement:
         """One instance per model but the most accurate, which gets :data:`LARGE_INSTANCES`."""
         top = self.most_accurate
-        return Placement(
+        return CascadePlacement(
             {
                 m: Fleet.of({self.instance_type: LARGE_INSTANCES if m == top else 1})
                 for m in self.models

@@ -54,9 +54,9 @@ import numpy as np
 from controlplane.loops.live_gears import DEFAULT_WINDOW_S
 from controlplane.policies.gears import (
     DEFAULT_TICK_S,
+    CascadePlacement,
     GearPlan,
     Hysteresis,
-    Placement,
     plan_gears,
     start_switcher,
     switch,
@@ -91,7 +91,7 @@ RULES = {"before": Hysteresis.off(), "after": Hysteresis()}
 def demo_plan() -> GearPlan:
     """The demo cascade's gear plan on the emulated compute (module docstring)."""
     catalog = default_catalog()
-    placement = Placement.parse(PLACEMENT)
+    placement = CascadePlacement.parse(PLACEMENT)
     rng = np.random.default_rng(PLAN_SEED)
     models = placement.order
     records = synthetic_validation(

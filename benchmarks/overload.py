@@ -5,7 +5,7 @@ queries whose clients have gone.
         [--duration-s 10] [--client-timeout-s 1]
 
 What runs: :class:`controlplane.serving.dispatcher.AppDispatcher` with its real HTTP transport
-to one in-process fake worker (:class:`controlplane.serving.fake_worker.FakeWorker`) that answers
+to one in-process fake worker (:class:`tests.fake_worker.FakeWorker`) that answers
 each batch after ``--service-ms`` (batch cap 1, FCFS: a capacity of 1000 / service-ms queries a
 second), admission control off (the worst case: every query is queued). Open-loop Poisson
 arrivals at ``--load`` x capacity for ``--duration-s``; each client gives up after
@@ -37,7 +37,6 @@ from controlplane.errors import ServingError
 from controlplane.policies.plan import StagePlan
 from controlplane.serving.config import AppConfig, DispatcherSettings
 from controlplane.serving.dispatcher import AppDispatcher
-from controlplane.serving.fake_worker import FakeWorker
 from controlplane.serving.observations import Observations
 from controlplane.serving.transport import HttpWorkerTransport
 from controlplane.serving.workers import WorkerEndpoint
@@ -45,6 +44,7 @@ from estimator.cascades import Cascade
 from estimator.fleet import Fleet
 from estimator.profiles import LatencyProfile
 from estimator.traces import poisson_arrivals
+from tests.fake_worker import FakeWorker
 
 TYPE = "emu.cpu.large"
 BATCHES = (1, 2, 4, 8)

@@ -25,6 +25,7 @@ __all__ = [
     "ConflictError",
     "ControlPlaneError",
     "DatabaseError",
+    "InvalidRolloutTransitionError",
     "InvalidTransitionError",
     "InvalidValueError",
     "ModelError",
@@ -40,6 +41,7 @@ __all__ = [
     "QueryRejectedError",
     "QueryTimeoutError",
     "RequirementsUnmetError",
+    "RolloutBudgetError",
     "ServingError",
     "ServingUnavailableError",
     "SettingsError",
@@ -96,6 +98,41 @@ class InvalidTransitionError(ConflictError):
         self.from_state = from_state
         self.to_state = to_state
         super().__init__(f"an instance cannot go from {from_state!r} to {to_state!r}")
+
+
+class InvalidRolloutTransitionError(ConflictError):
+    """A rollout state move that :data:`controlplane.policies.rollout.TRANSITIONS` does not
+    allow (resuming a finished rollout, pausing a rolled-back one)."""
+
+    def __init__(self, from_state: str, to_state: str) -> None:
+        self.from_state = from_state
+        self.to_state = to_state
+        super().__init__(f"a rollout cannot go from {from_state!r} to {to_state!r}")
+
+
+class RolloutBudgetError(ConflictError):
+    """A rollout whose extra instances the app's budget cannot pay for next to its fleet."""
+
+    def __init__(
+        self,
+        app: str,
+        fleet_usd_per_hr: float,
+        extra_usd_per_hr: float,
+        budget_usd_per_hr: float,
+        extra: str = "",
+    ) -> None:
+        self.app = app
+        self.fleet_usd_per_hr = fleet_usd_per_hr
+        self.extra_usd_per_hr = extra_usd_per_hr
+        self.budget_usd_per_hr = budget_usd_per_hr
+        self.needed_usd_per_hr = fleet_usd_per_hr + extra_usd_per_hr
+        what = f" ({extra})" if extra else ""
+        super().__init__(
+            f"app {app!r}: the rollout needs {extra_usd_per_hr:.4g} USD/hr of extra instances"
+            f"{what} on top of the fleet's {fleet_usd_per_hr:.4g} USD/hr, together"
+            f" {self.needed_usd_per_hr:.4g} USD/hr, over the budget of {budget_usd_per_hr:g}"
+            " USD/hr; raise the budget first"
+        )
 
 
 class BudgetBelowServingFleetError(ConflictError):

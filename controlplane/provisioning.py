@@ -93,6 +93,8 @@ def ec2_config_from(ec2: Ec2Settings) -> Ec2Config:
             endpoint_url=ec2.endpoint_url,
             model_bucket=ec2.model_bucket,
             model_prefix=ec2.model_prefix,
+            interruption_queue_url=ec2.interruption_queue_url,
+            spot_price_ttl_s=ec2.spot_price_ttl_s,
         )
     except InvalidConfigurationError as error:
         raise SettingsError(f"ec2.{error.field}", error.problem) from None

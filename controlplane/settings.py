@@ -108,6 +108,18 @@ class Ec2Settings(BaseModel):
         default=None,
         description="EC2 endpoint override; prefer boto3's own AWS_ENDPOINT_URL (a moto server)",
     )
+    interruption_queue_url: str | None = Field(
+        default=None,
+        min_length=1,
+        description="SQS queue of spot interruption notices (the terraform module's"
+        " interruption_queue_url output; none: interruptions are seen when the instance is gone)",
+    )
+    spot_price_ttl_s: float = Field(
+        default=300.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="how long spot prices read from DescribeSpotPriceHistory are kept, s",
+    )
     model_bucket: str | None = Field(
         default=None,
         min_length=3,

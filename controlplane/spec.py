@@ -69,6 +69,7 @@ __all__ = [
     "SpecMissingProfileError",
     "SpecUnknownInstanceTypeError",
     "SpecUnknownModelError",
+    "SpotSpec",
     "anchor_paths",
     "confine_paths",
     "load_spec",
@@ -230,6 +231,28 @@ class SLOSpec(BaseModel):
     )
 
 
+class SpotSpec(BaseModel):
+    """How much of the fleet may run on spot, and how much must survive losing all of it."""
+
+    model_config = _STRICT
+
+    enabled: bool = Field(default=False, description="plan spot capacity (docs/spot.md)")
+    max_share: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="the most of a stage's planned capacity (its instances' throughput) spot may"
+        " hold, in [0, 1]",
+    )
+    survive_share: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="the share of the capacity the load needs that must remain if every spot"
+        " instance is lost at once (the on-demand base), in [0, 1]",
+    )
+
+
 class AppSpec(BaseModel):
     """An app: what to serve (models, cascade order), the SLO, the budget and the candidate types.
 
@@ -267,6 +290,11 @@ class AppSpec(BaseModel):
         " envelope, docs/tuner.md) or infaas (INFaaS's model- and VM-level autoscaler on the"
         " serving loop's Active/Overloaded/Interfered/Inactive states, docs/serving.md)",
     )
+    spot: SpotSpec | None = Field(
+        default=None,
+        description="spot capacity in the plan: enabled, max_share, survive_share (docs/spot.md);"
+        " left out: on demand only",
+    )
 
     @model_validator(mode="after")
     def _check_fields_together(self) -> AppSpec:
@@ -302,6 +330,11 @@ class AppSpec(BaseModel):
     def serving_order(self) -> list[str]:
         """The models in the order a query visits them: the cascade, or the single model."""
         return list(self.cascade) if self.cascade is not None else self.model_names
+
+    @property
+    def spot_enabled(self) -> bool:
+        """Whether the app plans spot capacity."""
+        return self.spot is not None and self.spot.enabled
 
     def max_count(self, instance_type: str) -> int | None:
         """The most instances of ``instance_type`` the app may run (``None``: no cap)."""
@@ -369,6 +402,7 @@ _FIELDS_AT: dict[tuple[str, ...], type[BaseModel]] = {
     (): AppSpec,
     ("models",): ModelSpec,
     ("slo",): SLOSpec,
+    ("spot",): SpotSpec,
 }
 
 _KINDS = {
@@ -812,6 +846,12 @@ def resolve_spec(
                 f"{name} costs nothing, so the budget does not bound how many run:"
                 f" give it a cap in max_counts",
             )
+    if spec.spot_enabled and not any(catalog[name].has_spot for name in spec.instance_types):
+        raise SpecError(
+            "spot.enabled",
+            "none of instance_types has a spot price in the catalog (its spot_price_usd_per_hr"
+            " column): give one, or leave spot off",
+        )
     cheapest = min(prices, key=lambda name: prices[name])
     if prices[cheapest] > spec.budget_usd_per_hr:
         raise SpecError(

@@ -62,6 +62,8 @@ CATALOG_COLUMNS: tuple[str, ...] = (
     "gpu_model",
     "gpu_memory_gib",
     "speed_factor",
+    "spot_price_usd_per_hr",
+    "interruptions_per_hr",
 )
 _REQUIRED_COLUMNS = ("instance_type", "price_usd_per_hr")
 
@@ -88,6 +90,10 @@ class InstanceType:
     """One instance type: a machine shape and its price.
 
     ``price_usd_per_hr`` is the on-demand price (zero is allowed: a machine already paid for).
+    ``spot_price_usd_per_hr`` is the spot price the planner assumes (``None``: the type is not
+    bought on spot; never above the on-demand price, which AWS caps spot at) and
+    ``interruptions_per_hr`` the rate at which one spot instance of the type is interrupted
+    (a Poisson process per instance-hour; docs/spot.md).
     ``family`` defaults to the part of the name before the first ``.`` (``g4dn`` for
     ``g4dn.xlarge``). ``gpu_memory_gib`` is the GPU memory of the whole instance, summed over its
     ``gpus`` (as AWS lists it: 96 GiB for g5.12xlarge's four A10G). ``speed_factor`` scales service
@@ -110,6 +116,8 @@ class InstanceType:
     family: str = ""
     gpu_memory_gib: float = 0.0
     speed_factor: float = 1.0
+    spot_price_usd_per_hr: float | None = None
+    interruptions_per_hr: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -123,6 +131,8 @@ class InstanceType:
                 family=self.family,
                 gpu_memory_gib=self.gpu_memory_gib,
                 speed_factor=self.speed_factor,
+                spot_price_usd_per_hr=self.spot_price_usd_per_hr,
+                interruptions_per_hr=self.interruptions_per_hr,
             )
         except _FieldError as bad:
             raise CatalogError(f"instance type {self.name!r}: {bad}") from None
@@ -136,6 +146,11 @@ class InstanceType:
         """Whether the type has at least one GPU."""
         return self.gpus > 0
 
+    @property
+    def has_spot(self) -> bool:
+        """Whether the type can be bought on spot (the catalog gives it a spot price)."""
+        return self.spot_price_usd_per_hr is not None
+
 
 def _checked_fields(
     *,
@@ -148,6 +163,8 @@ def _checked_fields(
     family: object,
     gpu_memory_gib: object,
     speed_factor: object,
+    spot_price_usd_per_hr: object = None,
+    interruptions_per_hr: object = 0.0,
 ) -> dict[str, Any]:
     """Check every field of an instance type; return them normalised, or raise _FieldError."""
     if not isinstance(name, str) or not name:
@@ -162,9 +179,22 @@ def _checked_fields(
         raise _FieldError("gpu_model", f"must be text, got {gpu_model!r}")
     if not isinstance(family, str):
         raise _FieldError("family", f"must be text, got {family!r}")
+    on_demand = _checked_real("price_usd_per_hr", price_usd_per_hr, minimum=0.0)
+    spot = (
+        None
+        if spot_price_usd_per_hr is None
+        else _checked_real("spot_price_usd_per_hr", spot_price_usd_per_hr)
+    )
+    if spot is not None and spot > on_demand:
+        raise _FieldError(
+            "spot_price_usd_per_hr",
+            f"{spot!r} is above the on-demand price {on_demand!r} (AWS caps spot at on demand)",
+        )
     return {
         "name": name,
-        "price_usd_per_hr": _checked_real("price_usd_per_hr", price_usd_per_hr, minimum=0.0),
+        "price_usd_per_hr": on_demand,
+        "spot_price_usd_per_hr": spot,
+        "interruptions_per_hr": _checked_real("interruptions_per_hr", interruptions_per_hr),
         "vcpus": None if vcpus is None else _checked_count("vcpus", vcpus),
         "memory_gib": None if memory_gib is None else _checked_real("memory_gib", memory_gib),
         "gpus": _checked_count("gpus", gpus),
@@ -269,6 +299,10 @@ class Catalog(Mapping[str, InstanceType]):
         """The on-demand price of ``name`` in USD per hour."""
         return self[name].price_usd_per_hr
 
+    def spot_price_usd_per_hr(self, name: str) -> float | None:
+        """The spot price the catalog assumes for ``name`` (``None``: not offered on spot)."""
+        return self[name].spot_price_usd_per_hr
+
     def with_overrides(self, types: Iterable[InstanceType]) -> Catalog:
         """A new catalog: ``types`` replace same-named entries in place; the others are appended."""
         overrides = Catalog(types)
@@ -348,6 +382,8 @@ def _to_record(instance_type: InstanceType) -> dict[str, str | int | float | Non
         "gpu_model": instance_type.gpu_model,
         "gpu_memory_gib": instance_type.gpu_memory_gib,
         "speed_factor": instance_type.speed_factor,
+        "spot_price_usd_per_hr": instance_type.spot_price_usd_per_hr,
+        "interruptions_per_hr": instance_type.interruptions_per_hr,
     }
 
 
@@ -447,6 +483,7 @@ def _coerced_record(record: Mapping[str, object]) -> dict[str, object]:
     gpus = _count(record, "gpus")
     gpu_memory_gib = _number(record, "gpu_memory_gib")
     speed_factor = _number(record, "speed_factor")
+    interruptions = _number(record, "interruptions_per_hr")
     return {
         "name": name,
         "price_usd_per_hr": price,
@@ -457,6 +494,8 @@ def _coerced_record(record: Mapping[str, object]) -> dict[str, object]:
         "family": _text(record, "family") or "",
         "gpu_memory_gib": 0.0 if gpu_memory_gib is None else gpu_memory_gib,
         "speed_factor": 1.0 if speed_factor is None else speed_factor,
+        "spot_price_usd_per_hr": _number(record, "spot_price_usd_per_hr"),
+        "interruptions_per_hr": 0.0 if interruptions is None else interruptions,
     }
 
 

@@ -98,6 +98,8 @@ from provisioners.errors import (
     ThrottledError,
     UnknownInstanceError,
 )
+from provisioners.interruptions import MARKET_TAG, InterruptionNotice
+from provisioners.spot import InterruptionQueue, SpotPriceReader
 from provisioners.storage import (
     DEFAULT_PREFIX,
     S3_ENDPOINT_ENV,
@@ -250,6 +252,9 @@ class Ec2Config:
     endpoint_url: str | None = None
     model_bucket: str | None = None
     model_prefix: str = DEFAULT_PREFIX
+    # The SQS queue EventBridge feeds with interruption notices (provisioners/spot.py); None: none.
+    interruption_queue_url: str | None = None
+    spot_price_ttl_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.region:
@@ -266,6 +271,8 @@ class Ec2Config:
             raise InvalidConfigurationError("unavailable_ttl_s", "must be >= 0")
         if self.max_attempts < 1:
             raise InvalidConfigurationError("max_attempts", "must be at least 1")
+        if self.spot_price_ttl_s < 0:
+            raise InvalidConfigurationError("spot_price_ttl_s", "must be >= 0")
 
 
 def map_client_error(
@@ -364,6 +371,16 @@ class Ec2Provisioner:
         self._unavailable: dict[tuple[str, str, Market], float] = {}
         self._events: builtins.list[ProvisionerEvent] = []
         self._subnet_zones: dict[str, str] | None = None
+        self.spot_prices = SpotPriceReader(self._client, ttl_s=config.spot_price_ttl_s, clock=clock)
+        self._interruptions: InterruptionQueue | None = None
+        if config.interruption_queue_url:
+            try:
+                sqs = session.client(
+                    "sqs", region_name=config.region, endpoint_url=config.endpoint_url
+                )
+            except Exception as error:
+                raise map_client_error(error, operation="client") from None
+            self._interruptions = InterruptionQueue(sqs, config.interruption_queue_url)
 
     # --- the protocol ----------------------------------------------------------------------
 
@@ -386,7 +403,9 @@ class Ec2Provisioner:
         user_data = self._artifact_user_data(request, template) if request.artifacts else None
         tags = self._aws_tags(launch_tags(request), request.instance_type)
         launched: builtins.list[ProvisionedInstance] = []
-        if self.config.spot:
+        # Spot for the whole deployment (``spot``), or for this request (the reconciler's
+        # MARKET_TAG, a plan's spot_fleet: docs/spot.md).
+        if self.config.spot or request.tags.get(MARKET_TAG) == "spot":
             if template is None:
                 self._event(
                     "info",
@@ -448,6 +467,18 @@ class Ec2Provisioner:
         with self._lock:
             events, self._events = self._events, []
             return events
+
+    def spot_price(self, instance_type: str) -> float | None:
+        """The spot price of ``instance_type`` now, in its cheapest zone (cached for
+        ``spot_price_ttl_s``; provisioners/spot.py)."""
+        return self.spot_prices.price(instance_type)
+
+    def poll_interruptions(self) -> builtins.list[InterruptionNotice]:
+        """The interruption notices on the queue (provisioners/spot.py), each once; none without
+        an ``interruption_queue_url``."""
+        if self._interruptions is None:
+            return []
+        return self._interruptions.poll()
 
     def list(self, tags: Mapping[str, str]) -> builtins.list[ProvisionedInstance]:
         wanted = {MANAGED_TAG: "true", **tags}

@@ -17,7 +17,10 @@ The knobs (each a method, undone by calling it again with other values):
   stay ``pending`` for ever, or turn ``failed`` at the next step;
 - :meth:`~FakeProvisioner.fail_terminate_next`: the next N terminations raise;
 - :meth:`~FakeProvisioner.crash`: instances vanish, as if the machines died with no trace;
-- :meth:`~FakeProvisioner.add_unmanaged`: an instance heteroplane did not launch.
+- :meth:`~FakeProvisioner.add_unmanaged`: an instance heteroplane did not launch;
+- :meth:`~FakeProvisioner.interrupt`: a spot interruption warning for an instance
+  (:meth:`~FakeProvisioner.poll_interruptions` hands it out), the instance taken away (``failed``)
+  at the first :meth:`~FakeProvisioner.step` at or past its deadline unless terminated by then.
 
 >>> fake = FakeProvisioner(zones=("zone-a", "zone-b"))
 >>> fake.fail_capacity("g4dn.xlarge", "zone-a")
@@ -54,6 +57,7 @@ from provisioners.errors import (
     ThrottledError,
     UnknownInstanceError,
 )
+from provisioners.interruptions import INTERRUPTION_NOTICE_S, InterruptionNotice, NoticeBoard
 from provisioners.storage import ArtifactStorage, LocalArtifactStorage
 
 __all__ = ["FAKE_NOW", "FakeProvisioner"]
@@ -106,6 +110,8 @@ class FakeProvisioner:
         self._fail_start: set[str] = set()
         self._stuck: set[str] = set()
         self._fail_terminate_calls = 0
+        self._notices = NoticeBoard()
+        self._deadlines: dict[str, datetime] = {}
         # What tests look at.
         self.launched_total = 0
         self.calls: builtins.list[str] = []
@@ -179,10 +185,37 @@ class FakeProvisioner:
             )
             return pid
 
+    def interrupt(
+        self, provider_id: str, notice_s: float = INTERRUPTION_NOTICE_S
+    ) -> InterruptionNotice:
+        """A spot interruption warning for ``provider_id`` at ``now``; the instance is taken
+        away (``failed``) at the first :meth:`step` at or past ``now + notice_s`` unless it is
+        terminated by then."""
+        with self._lock:
+            if provider_id not in self._instances:
+                raise InvalidConfigurationError("provider_id", f"no instance {provider_id}")
+            notice = self._notices.post(provider_id, self._now(), notice_s)
+            self._deadlines[provider_id] = notice.deadline
+            return notice
+
+    def poll_interruptions(self) -> builtins.list[InterruptionNotice]:
+        """The notices :meth:`interrupt` gave since the last call, oldest first."""
+        return self._notices.take()
+
     def step(self) -> None:
         """Advance every instance one step: pending -> running (or failed, or stays pending),
-        stopping -> terminated; terminated instances are forgotten."""
+        stopping -> terminated; terminated instances are forgotten; an interrupted instance
+        still running at its deadline is taken away (``failed``)."""
         with self._lock:
+            now = self._now()
+            for pid, deadline in builtins.list(self._deadlines.items()):
+                instance = self._instances.get(pid)
+                if instance is None or instance.state not in ("pending", "running"):
+                    del self._deadlines[pid]
+                elif now >= deadline:
+                    del self._deadlines[pid]
+                    self._instances[pid] = replace(instance, state="failed")
+                    self._event("failed", f"{pid} interrupted (spot)", instance, pid)
             for pid, instance in builtins.list(self._instances.items()):
                 if instance.state == "terminated":
                     del self._instances[pid]

@@ -77,6 +77,7 @@ from provisioners.base import (
     tags_match,
 )
 from provisioners.errors import InvalidConfigurationError, QuotaExceededError
+from provisioners.interruptions import INTERRUPTION_NOTICE_S, InterruptionNotice, NoticeBoard
 from provisioners.storage import ArtifactStorage, LocalArtifactStorage
 
 __all__ = [
@@ -271,6 +272,8 @@ class LocalProvisioner:
         self._unreadable: set[str] = set()
         self._reapers: builtins.list[threading.Thread] = []
         self._reaping: set[str] = set()
+        self._notices = NoticeBoard()
+        self._interrupters: builtins.list[threading.Timer] = []
         # Direct connections only: a proxy from the environment must not see loopback checks.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         with self._locked():
@@ -381,7 +384,37 @@ class LocalProvisioner:
         """Files under ``root``: the workers run on this machine and read ``file://`` URIs."""
         return LocalArtifactStorage(root)
 
+    def poll_interruptions(self) -> builtins.list[InterruptionNotice]:
+        """The notices :meth:`interrupt` gave since the last call, oldest first."""
+        return self._notices.take()
+
     # --- beyond the protocol --------------------------------------------------------------------
+
+    def interrupt(
+        self, provider_id: str, notice_s: float = INTERRUPTION_NOTICE_S
+    ) -> InterruptionNotice:
+        """The interruption knob: a spot interruption warning for the worker now, as EC2 gives
+        one, and its SIGKILL ``notice_s`` later unless it was terminated by then (a worker
+        killed so is ``failed``, as a lost machine). Raises ``InvalidConfigurationError`` for a
+        worker this provisioner does not run."""
+        with self._locked():
+            record = self._read_record(provider_id)
+        if record is None or record.exited_at is not None:
+            raise InvalidConfigurationError("provider_id", f"no running worker {provider_id}")
+        notice = self._notices.post(provider_id, _now(), notice_s)
+        timer = threading.Timer(notice_s, self._kill_interrupted, args=(provider_id,))
+        timer.daemon = True
+        self._interrupters = [t for t in self._interrupters if t.is_alive()] + [timer]
+        timer.start()
+        return notice
+
+    def _kill_interrupted(self, provider_id: str) -> None:
+        with self._locked():
+            record = self._read_record(provider_id)
+            if record is None or record.terminating_at is not None or not self._alive(record):
+                return  # terminated in time (or gone already): nothing to take away
+            self._signal(record, signal.SIGKILL)
+        self._event("info", f"worker {provider_id} taken away at the end of its notice", record)
 
     def records(self) -> builtins.list[WorkerRecord]:
         """The state directory's worker records as they are now (no checks), by launch time."""
@@ -394,6 +427,8 @@ class LocalProvisioner:
         keep running: they outlive the control plane by design)."""
         for reaper in list(self._reapers):
             reaper.join(timeout_s)
+        for interrupter in self._interrupters:
+            interrupter.cancel()
 
     # --- processes ------------------------------------------------------------------------------
 

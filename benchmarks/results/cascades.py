@@ -53,7 +53,8 @@ percent, as the tables show them.
 Caveats: the placement search is a heuristic (a beam for cascades, and only the best predicted
 placements simulated), so the gear approaches' counts are upper bounds on their least counts;
 the score half holds about 360 samples, so one sample is about 0.28 points; each
-model has its own instances (``controlplane.policies.gears.Placement``), where the paper's MS+ and
+model has its own instances (``controlplane.policies.gears.CascadePlacement``), where the
+paper's MS+ and
 CascadeServe co-locate several models on a GPU; the latency profiles are measured when the
 experiment runs, with preempted samples clipped (:func:`clip_outliers`).
 """
@@ -80,7 +81,12 @@ from benchmarks.results.common import (
     save_figure,
 )
 from benchmarks.results.findings import finding
-from controlplane.policies.gears import GearPlan, Placement, plan_gears, simulate_gear_switching
+from controlplane.policies.gears import (
+    CascadePlacement,
+    GearPlan,
+    plan_gears,
+    simulate_gear_switching,
+)
 from estimator.cascades import (
     DEFAULT_CHOOSE_SHARE,
     ValidationRecords,
@@ -552,10 +558,10 @@ class Verified:
         }
 
 
-def placement_of(models: Sequence[str], counts: Counts, itype: str) -> Placement:
+def placement_of(models: Sequence[str], counts: Counts, itype: str) -> CascadePlacement:
     order = tuple(m for m, c in zip(models, counts, strict=True) if c > 0)
     fleets = {m: Fleet.of({itype: c}) for m, c in zip(models, counts, strict=True) if c > 0}
-    return Placement(fleets, order)
+    return CascadePlacement(fleets, order)
 
 
 def make_plan(setup: Setup, counts: Counts, slo_ms: float, single_only: bool) -> GearPlan | None:

@@ -83,6 +83,7 @@ from benchmarks.results.common import (
     pyplot,
     save_figure,
 )
+from benchmarks.results.findings import finding
 from controlplane.apps.profiler import emulated_profiles
 from controlplane.policies.infaas_scaling import instances_for, model_action, scaling_cost_usd_per_s
 from controlplane.policies.tuner import default_boot_s
@@ -780,13 +781,25 @@ def _summary(results: Sequence[dict[str, Any]]) -> list[str]:
     for r in results:
         static, infaas = r["static"], r["infaas"]
         ratio = static.cost_usd / infaas.cost_usd
-        than = f"{ratio:.1f}x less" if ratio >= 1 else f"{1 / ratio:.1f}x more"
+        than = (
+            finding(KEY, "cheaper", ratio=f"{ratio:.1f}")
+            if ratio >= 1
+            else finding(KEY, "dearer", ratio=f"{1 / ratio:.1f}")
+        )
         lines.append(
-            f"On the {r['load'].name} load ({r['load'].title}), model-less selection for an app"
-            f" with accuracy {r['app']} costs ${infaas.cost_usd:.4f} against ${static.cost_usd:.4f}"
-            f" for `{next(iter(static.variants))}` pinned for the peak ({than}), with"
-            f" {100 * infaas.attainment:.2f}% of queries within the SLO against"
-            f" {100 * static.attainment:.2f}%."
+            finding(
+                KEY,
+                "cost_and_attainment",
+                load=r["load"].name,
+                title=r["load"].title,
+                app=r["app"],
+                infaas_cost_usd=f"{infaas.cost_usd:.4f}",
+                static_cost_usd=f"{static.cost_usd:.4f}",
+                static_variant=next(iter(static.variants)),
+                than=than,
+                infaas_within=f"{100 * infaas.attainment:.2f}",
+                static_within=f"{100 * static.attainment:.2f}",
+            )
         )
     return lines
 

@@ -7,7 +7,7 @@ What runs: :class:`controlplane.serving.dispatcher.AppDispatcher`, the object be
 ``POST /v1/apps/{app}/infer`` (queues, the matching policy from ``policy_factory``, admission
 control, cascades, observations), with its real transport (:class:`~controlplane.serving.
 transport.HttpWorkerTransport`: HTTP/1.1 over kept-alive TCP connections) to *in-process fake
-workers* (:class:`controlplane.serving.fake_worker.FakeWorker`: asyncio HTTP servers on
+workers* (:class:`tests.fake_worker.FakeWorker`: asyncio HTTP servers on
 127.0.0.1 that answer at once). Fake workers, because the goal is about the dispatcher: real
 worker agents would add their model's compute, and on a 2-core machine their processes would
 take CPU from the loop being measured. In-process, because then the workers' own HTTP parsing
@@ -67,13 +67,13 @@ from controlplane.serving.dispatcher import (
     InferResult,
     StagePlan,
 )
-from controlplane.serving.fake_worker import FakeWorker
 from controlplane.serving.observations import Observations
 from controlplane.serving.transport import HttpWorkerTransport
 from controlplane.serving.workers import WorkerEndpoint
 from estimator.cascades import Cascade
 from estimator.fleet import Fleet
 from estimator.profiles import LatencyProfile
+from tests.fake_worker import FakeWorker
 
 GOAL_QPS = 2000.0
 GOAL_P99_MS = 5.0

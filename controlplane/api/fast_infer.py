@@ -43,10 +43,17 @@ from controlplane.api.counters import RequestCounter
 from controlplane.api.errors import render_error
 from controlplane.api.limits import MAX_BODY_BYTES, MAX_HEADER_BYTES, mark_authenticated
 from controlplane.api.routes import APP_NAME_MAX, APP_NAME_PATTERN
-from controlplane.api.routes.infer import RECEIVED_S, answer_document, check_inputs
+from controlplane.api.routes.infer import (
+    RECEIVED_S,
+    REQUEST_ID_HEADER,
+    answer_document,
+    check_inputs,
+)
 from controlplane.api.schemas import MAX_INFER_SAMPLES
 from controlplane.policies.auth import Scope as TokenScope
 from controlplane.policies.auth import scope_allows
+
+_REQUEST_ID = REQUEST_ID_HEADER.encode("latin-1")
 
 __all__ = ["MAX_PENDING_CHECKS", "FastInferMiddleware", "TokenCheck", "plain_body"]
 
@@ -186,6 +193,7 @@ class FastInferMiddleware:
         token = ""
         json_content = False
         size = 0
+        request_id = None
         for name, value in scope["headers"]:
             size += len(name) + len(value) + 4
             if name == b"authorization":
@@ -194,6 +202,8 @@ class FastInferMiddleware:
                     token = credentials.strip()
             elif name == b"content-type":
                 json_content = value.split(b";", 1)[0].strip().lower() == b"application/json"
+            elif name == _REQUEST_ID:
+                request_id = value.decode("latin-1")
         if token and json_content and size <= self.max_header_bytes:
             principal = await self.tokens.principal(token)
         if (
@@ -234,7 +244,9 @@ class FastInferMiddleware:
             received = scope[RECEIVED_S]
             config = (await serving.dispatcher_for(app, received)).config
             rows = check_inputs(app, config.model_io(config.models[0]), parsed[0])
-            result = await serving.infer(app, rows, parsed[1], None, received)
+            result = await serving.infer(
+                app, rows, parsed[1], None, received, request_id=request_id
+            )
         except Exception as error:  # every failure gets the answer the route's handlers give
             response = render_error(Request(scope), error)
             self.counter.add(app, response.status_code)

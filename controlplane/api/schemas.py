@@ -261,6 +261,9 @@ class StageOut(BaseModel):
     throughput_qps: float
     cost_usd_per_hr: float
     policy: str
+    spot_fleet: dict[str, int] = Field(
+        default_factory=dict, description="how many of fleet's instances are spot, by type"
+    )
 
 
 class PlanOut(BaseModel):
@@ -289,6 +292,12 @@ class PlanOut(BaseModel):
     )
     planned_rate_qps: float = Field(description="rate_qps under its older name")
     max_feasible_qps: float | None = None
+    expected_cost_usd_per_hr: float | None = Field(
+        default=None, description="the plan's cost at the prices used (spot at its spot price)"
+    )
+    cost_if_on_demand_usd_per_hr: float | None = Field(
+        default=None, description="the plan's cost if its spot instances were paid on demand"
+    )
     steps: list[str]
     simulations: int
     seed: int | None = None

@@ -36,6 +36,7 @@ from controlplane.db.store import PlanRecord, Store
 from controlplane.errors import ConflictError, InvalidValueError, ProfilesNotMeasuredError
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import plan_app
+from controlplane.policies.spot import plan_with_spot
 from controlplane.spec import ResolvedApp
 from estimator import deadline
 from estimator.batches import parse_batch_distribution
@@ -220,7 +221,7 @@ def preview_plan(
     require_profiles(resolved)
     trace, stats = planning_trace(resolved, request)
     with deadline.limit(deadline_s, cancelled):
-        plan = plan_app(resolved, trace, seed=request.seed)
+        plan = plan_with_spot(resolved, trace, plan=plan_app, seed=request.seed)
     if store.get_app(app).version != record.version:
         raise ConflictError(f"app {app!r} changed while it was being planned; preview again")
     document = dataclasses.replace(plan, seed=request.seed, trace=stats).to_document()

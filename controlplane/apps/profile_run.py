@@ -92,6 +92,8 @@ __all__ = [
     "ProfileRunRequest",
     "ProfileRunResult",
     "ProfilingRequestError",
+    "end_workers",
+    "launch_worker",
     "random_inputs",
     "run_profile",
     "unrecorded_cost",
@@ -259,7 +261,7 @@ def run_profile(
         )
         say(f"starting a worker of each of {', '.join(types)} for {app} ({', '.join(models)})")
         for row in rows.values():
-            _launch(store, provisioner, app, row, artifacts)
+            launch_worker(store, provisioner, app, row, artifacts)
         crash_point("profile_run.after_launch")
         tags = {PROFILE_RUN_TAG: app, APP_TAG: app}
         launched = [
@@ -277,7 +279,7 @@ def run_profile(
         heartbeat.stop()
         for client in clients.values():
             client.close()
-        _end_workers(store, provisioner, list(rows.values()), say)
+        end_workers(store, provisioner, list(rows.values()), say)
     sizes = np.array(request.batch_sizes)
     profiles = tuple(
         LatencyProfile(model, t, sizes, tuple(samples[t][model])) for t in types for model in models
@@ -406,14 +408,15 @@ def _check_budget(
     return workers
 
 
-def _launch(
+def launch_worker(
     store: Store,
     provisioner: Provisioner,
     app: str,
     row: InstanceRecord,
     artifacts: tuple[ArtifactRef, ...],
 ) -> None:
-    """Launch the worker of ``row`` (recorded already) and record its provider id."""
+    """Launch the worker of ``row`` (recorded already) and record its provider id (a profile
+    run's, or a rollout's: :mod:`controlplane.loops.rollouts`)."""
     tags = {
         APP_TAG: app,
         PLAN_TAG: PROFILE_PLAN,
@@ -448,32 +451,38 @@ def _launch(
         ) from None
 
 
-def _end_workers(
-    store: Store, provisioner: Provisioner, rows: Sequence[InstanceRecord], say: ProgressFn
+def end_workers(
+    store: Store,
+    provisioner: Provisioner,
+    rows: Sequence[InstanceRecord],
+    say: ProgressFn,
+    *,
+    owner: str = "profile run",
 ) -> None:
-    """End a run's workers: rows first (unlaunched ones ``failed``, launched ones
-    ``terminating``), then the provider, then ``terminated`` for those it no longer runs."""
+    """End a run's workers (``owner``: whose, for the events; a rollout's workers end the same
+    way): rows first (unlaunched ones ``failed``, launched ones ``terminating``), then the
+    provider, then ``terminated`` for those it no longer runs."""
     ending: dict[str, str] = {}  # provider id -> row id
     for row in rows:
         try:
             current = store.get_instance(row.id)
             if current.state == InstanceState.REQUESTED and current.provider_id is None:
                 store.transition_instance(
-                    row.id, InstanceState.FAILED.value, reason="profile run over (not launched)"
+                    row.id, InstanceState.FAILED.value, reason=f"{owner} over (not launched)"
                 )
                 continue
             if current.provider_id is None or current.state not in LIVE_STATES:
                 continue
             if current.state != InstanceState.TERMINATING:
                 store.transition_instance(
-                    row.id, InstanceState.TERMINATING.value, reason="profile run over"
+                    row.id, InstanceState.TERMINATING.value, reason=f"{owner} over"
                 )
             ending[current.provider_id] = row.id
         except ControlPlaneError as error:  # moved meanwhile: the reconciler follows it
             logger.warning("profile worker %s: %s", row.id, error)
     if not ending:
         return
-    say(f"terminating the {len(ending)} profiling worker(s)")
+    say(f"terminating the {len(ending)} worker(s) of the {owner}")
     try:
         provisioner.terminate(list(ending))
         listed = {
@@ -483,7 +492,7 @@ def _end_workers(
         }
     except ProvisionerError as error:
         # The rows stay terminating: the reconciler asks the provider again.
-        say(f"terminating the profiling workers failed ({error}); the reconciler will")
+        say(f"terminating the workers of the {owner} failed ({error}); the reconciler will")
         return
     for provider_id, row_id in ending.items():
         if listed.get(provider_id, "terminated") == "terminated":

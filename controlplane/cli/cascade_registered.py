@@ -35,7 +35,14 @@ from estimator.cascades import (
 )
 from provisioners.artifacts import ModelSignature
 
-__all__ = ["certainty_of", "load_data", "run_evaluate_app", "scores_of"]
+__all__ = [
+    "certainty_of",
+    "load_data",
+    "registered_models",
+    "run_evaluate_app",
+    "scores_of",
+    "validation_records",
+]
 
 # Rows per call to a model: bounded memory whatever the data set's size.
 _CHUNK_ROWS = 512
@@ -102,18 +109,8 @@ def run_evaluate_app(args: argparse.Namespace) -> int:
     with client_from(args) as client:
         spec = client.get(app_path(args.app))["spec"]
         models = _registered_models(spec)
-        with tempfile.TemporaryDirectory(prefix="heteroplane-evaluate-") as scratch:
-            entries = [
-                _evaluate(client, Path(scratch), name, reference, how, inputs, labels)
-                for name, reference, how in models
-            ]
-    document = {
-        "format": VALIDATION_FORMAT,
-        "dataset": args.data.name,
-        "seed": 0,
-        "labels": labels.tolist(),
-        "models": entries,
-    }
+        document = validation_records(client, models, inputs, labels, args.data.name)
+    entries = document["models"]
     # Checked as the planner will read them, then written as the family's are.
     records = validation_from_document(document, str(out))
     out.write_text(json.dumps(validation_document(records)) + "\n", encoding="utf-8")
@@ -134,6 +131,35 @@ def run_evaluate_app(args: argparse.Namespace) -> int:
         ],
     }
     return emit(args.json, data, lambda: _human(data))
+
+
+def validation_records(
+    client: ApiClient,
+    models: Sequence[tuple[str, str, str]],
+    inputs: np.ndarray,
+    labels: np.ndarray,
+    dataset: str,
+) -> dict[str, Any]:
+    """The ``heteroplane.validation/v1`` document of ``models`` ((name, NAME@VERSION,
+    certainty) each, in serving order), each fetched from the service and run here on the
+    data (also what ``rollout start --validation-data`` sends, the new version in its place)."""
+    with tempfile.TemporaryDirectory(prefix="heteroplane-evaluate-") as scratch:
+        entries = [
+            _evaluate(client, Path(scratch), name, reference, how, inputs, labels)
+            for name, reference, how in models
+        ]
+    return {
+        "format": VALIDATION_FORMAT,
+        "dataset": dataset,
+        "seed": 0,
+        "labels": labels.tolist(),
+        "models": entries,
+    }
+
+
+def registered_models(spec: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(name, NAME@VERSION, certainty) of each model of ``spec`` in serving order."""
+    return _registered_models(spec)
 
 
 def _registered_models(spec: Mapping[str, Any]) -> list[tuple[str, str, str]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.cli.output import UsageError, emit, progress
-from controlplane.policies.gears import GearPlan, Placement, plan_gears
+from controlplane.policies.gears import CascadePlacement, GearPlan, plan_gears
 from controlplane.policies.replay import read_plan
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
 from estimator.cascades import DEFAULT_CHOOSE_SHARE, DEFAULT_SPLIT_SEED, load_validation
@@ -50,14 +50,14 @@ def load_app(spec_path: Path, profiles: Path | None) -> ResolvedApp:
     return resolve_spec(spec)
 
 
-def placement_from(args: argparse.Namespace, app: ResolvedApp) -> Placement:
+def placement_from(args: argparse.Namespace, app: ResolvedApp) -> CascadePlacement:
     order = app.spec.serving_order
     if args.placement is not None:
-        placement = Placement.parse(args.placement)
+        placement = CascadePlacement.parse(args.placement)
     else:
         plan = read_plan(args.plan)
         fleets: dict[str, Fleet] = {s.name: s.fleet for s in plan.stages}
-        placement = Placement(fleets, tuple(m for m in order if m in fleets))
+        placement = CascadePlacement(fleets, tuple(m for m in order if m in fleets))
     for model in placement.order:
         if model not in order:
             raise UsageError(f"the placement names {model!r}, not a model of the app")
@@ -68,7 +68,7 @@ def placement_from(args: argparse.Namespace, app: ResolvedApp) -> Placement:
                     f" ({', '.join(app.instance_types)})"
                 )
     # Serving order is the spec's, whatever order the placement was written in.
-    return Placement(placement.fleets, tuple(m for m in order if m in placement.fleets))
+    return CascadePlacement(placement.fleets, tuple(m for m in order if m in placement.fleets))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ from controlplane.cli.client import (
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.profile import load_family
 from controlplane.clients import loadgen
-from controlplane.clients.loadgen import LoadProgress, LoadSummary, Outcome, Query
+from controlplane.clients.loadgen import LoadProgress, LoadSummary, Query, QueryResult
 from controlplane.clients.tensors import InputSpec, fit_inputs, input_specs, read_inputs
 from estimator.traces import Trace, read_trace_csv
 
@@ -211,7 +211,7 @@ def _writable(path: Path) -> None:
         raise UsageError(f"--outcomes {path}: not writable")
 
 
-def write_outcomes(path: Path, queries: Sequence[Query], outcomes: Sequence[Outcome]) -> None:
+def write_outcomes(path: Path, queries: Sequence[Query], outcomes: Sequence[QueryResult]) -> None:
     """Every query's outcome as a CSV row (``--outcomes``): its trace index, scheduled send
     time (s from the start), kind, latency from the scheduled send and send lag (ms), and the
     service's late flag (empty when it gave none)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +156,7 @@ def register_commands(subparsers: Subparsers) -> None:
         _budget,
         _fleet,
         _events,
+        _rollout,
     ):
         register(subparsers)
 
@@ -675,6 +677,15 @@ def _replay(subparsers: Subparsers) -> None:
         default=None,
         help="how the stage's queue is dispatched to its instances, a policy a plan may name"
         " (default: the plan stage's policy, else fcfs)",
+    )
+    parser.add_argument(
+        "--interruptions-per-hour",
+        default=None,
+        metavar="R",
+        help="interrupt the plan's spot instances (its stages' spot_fleet) at R per instance-hour"
+        " (or TYPE=R,TYPE=R per type), drawn with --seed: two minutes' notice, the replacement"
+        " launched at the notice (docs/spot.md); the plan's fleet as it is (--policy static, the"
+        " default with this option), one stage",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -1457,3 +1468,126 @@ def add_pareto_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="H1,H2,...",
         help="certainty thresholds to sweep at each stage, in [0, 1] (default %(default)s)",
     )
+
+
+# --- rollout -----------------------------------------------------------------------------------
+
+
+def percent_steps(text: str) -> list[float]:
+    """argparse type of ``--steps 5,25,50,100``: percentages, increasing, the last 100."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected percentages like 5,25,50,100, got {text!r}"
+        ) from None
+    ok = all(math.isfinite(v) and 0 < v <= 100 for v in values) and all(
+        a < b for a, b in itertools.pairwise(values)
+    )
+    if not values or not ok or values[-1] != 100:
+        raise argparse.ArgumentTypeError(
+            f"steps must increase, each in (0, 100], the last 100; got {text}"
+        )
+    return values
+
+
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration_s(text: str) -> float:
+    """argparse type of ``--interval``: ``90``, ``90s``, ``2m`` or ``1h``, in seconds > 0."""
+    unit = text[-1:] if text[-1:] in _DURATION_UNITS else "s"
+    number = text[:-1] if text[-1:] in _DURATION_UNITS else text
+    try:
+        value = float(number) * _DURATION_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration (90s, 2m, 1h): {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"a duration must be > 0, got {text}")
+    return value
+
+
+def _rollout(subparsers: Subparsers) -> None:
+    actions = _actions(
+        subparsers,
+        "rollout",
+        "move a new model version into a running app step by step (canary, shadow), judged"
+        " after each interval: promoted or rolled back (docs/rollouts.md)",
+        "rollout_command",
+    )
+    start = actions.add_parser(
+        "start", help="start a rollout of NAME@VERSION (a registry model the app serves)"
+    )
+    _app_option(start)
+    start.add_argument("--model", required=True, metavar="NAME@VERSION", help="the new version")
+    start.add_argument(
+        "--steps",
+        type=percent_steps,
+        default=[5.0, 25.0, 50.0, 100.0],
+        metavar="P,P,...",
+        help="percent of the queries on the new version, step by step (default 5,25,50,100)",
+    )
+    interval = start.add_mutually_exclusive_group()
+    interval.add_argument(
+        "--interval-s",
+        type=positive_number,
+        default=120.0,
+        metavar="S",
+        help="the least time a step lasts before it is judged, s (default %(default)g)",
+    )
+    interval.add_argument(
+        "--interval",
+        type=duration_s,
+        dest="interval_s",
+        metavar="DURATION",
+        help="the same as a duration: 90s, 2m, 1h",
+    )
+    start.add_argument(
+        "--shadow",
+        action="store_true",
+        help="first a shadow step: every query also goes to the new version, whose answers are"
+        " compared with the old one's and discarded",
+    )
+    start.add_argument(
+        "--validation-data",
+        type=Path,
+        metavar="FILE.npz",
+        help="a cascade member: labelled data (arrays inputs, labels) the app's models run on"
+        " here, the new version in its place; the service re-derives the cascade's thresholds"
+        " on the records and states the held-out accuracy before traffic moves",
+    )
+    start.add_argument(
+        "--max-p99-ms", type=positive_number, metavar="MS", help="roll back above (default: SLO)"
+    )
+    start.add_argument(
+        "--max-error-share", type=float, metavar="X", help="roll back above (default 0.01)"
+    )
+    start.add_argument(
+        "--min-agreement-share",
+        type=float,
+        metavar="X",
+        help="in shadow, roll back below this agreement with the old version (default 0.95)",
+    )
+    start.add_argument(
+        "--min-queries",
+        type=count,
+        metavar="N",
+        help="queries a step needs before it may advance (default 50)",
+    )
+    start.set_defaults(handler=Handler("rollout", "rollout_start"))
+    status = actions.add_parser("status", help="the app's rollout: state, step, figures")
+    _app_option(status)
+    status.add_argument("--id", type=count, metavar="N", help="a rollout (default: the latest)")
+    status.set_defaults(handler=Handler("rollout", "rollout_status"))
+    parsers = [start, status]
+    for name, text in (
+        ("pause", "hold the active rollout where it is"),
+        ("resume", "let a paused rollout go on"),
+        ("abort", "end the active rollout: every query back on the old version at once"),
+    ):
+        action = actions.add_parser(name, help=text)
+        _app_option(action)
+        action.set_defaults(handler=Handler("rollout", "rollout_action"))
+        parsers.append(action)
+    for action in parsers:
+        add_client_options(action)

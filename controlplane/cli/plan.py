@@ -14,6 +14,7 @@ from controlplane.cli.output import emit, progress
 from controlplane.cli.pareto import run_pareto
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import plan_app
+from controlplane.policies.spot import plan_with_spot
 from controlplane.spec import load_spec, resolve_spec
 from estimator.traces import read_trace_csv, trace_stats
 
@@ -25,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     app = resolve_spec(spec)
     trace = read_trace_csv(args.trace)
     stats = trace_stats(trace)
-    plan = plan_app(app, trace, seed=args.seed, progress=progress)
+    plan = plan_with_spot(app, trace, plan=plan_app, seed=args.seed, progress=progress)
     data: dict[str, Any] = {
         "app": spec.name,
         "slo_ms": spec.slo.latency_ms,
@@ -56,7 +57,10 @@ def _human(data: dict[str, Any], plan: PlanDocument) -> str:
         f" P{data['percentile']:g} {predicted} (the whole pipeline)",
     ]
     for s in plan.stages:
-        fleet = ", ".join(f"{n} x {t}" for t, n in s.fleet.items())
+        fleet = ", ".join(
+            f"{n} x {t}" + (f" ({s.spot_fleet[t]} spot)" if s.spot_fleet.get(t) else "")
+            for t, n in s.fleet.items()
+        )
         lines.append(
             f"  {s.name}: {fleet}, batch {s.batch_size}, {s.policy} dispatch;"
             f" P99 {s.predicted_p99_ms:.1f} ms, {s.throughput_qps:.2f} qps,"

@@ -37,6 +37,10 @@ from controlplane.policies.replay import (
     read_plan,
     replay,
 )
+from controlplane.policies.spot_replay import (
+    parse_interruption_rates,
+    replay_with_interruptions,
+)
 from controlplane.spec import load_spec, resolve_spec
 from estimator.traces import read_trace_csv
 
@@ -76,9 +80,16 @@ def check_options(args: argparse.Namespace, label: str) -> None:
         raise UsageError("--peak-window-s is for --policy peak")
     if args.tuner_model is not None and label != "tuner":
         raise UsageError("--tuner-model is for the tuner (--policy tuner)")
+    if args.interruptions_per_hour is not None and label != "static":
+        raise UsageError(
+            "--interruptions-per-hour replays a plan's fleet as it is: use it with --policy"
+            " static (the default with it)"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.interruptions_per_hour is not None and args.policy is None:
+        args.tuner = "off"  # interruptions replay the plan's fleet as it is (docs/spot.md)
     policy, label = scaling_policy(args.tuner, args.policy)
     check_options(args, label)
     app = resolve_spec(load_spec(args.spec))
@@ -132,17 +143,39 @@ def run(args: argparse.Namespace) -> int:
             # The planner placed nothing for the planning trace at its own rate: no ladder to
             # read, so the tuner sizes the stage InferLine's way.
             model = "inferline"
-    result = replay(
-        trace,
-        app,
-        plan,
-        np.random.default_rng(args.seed),
-        policy=policy,
-        planning_arrival_s=None if planning is None or made else planning.arrival_s,
-        dispatch=args.dispatch,
-        **sizing,
-    )
+    interruptions: dict[str, Any] | None = None
+    if args.interruptions_per_hour is not None:
+        if cascade:
+            raise UsageError(
+                f"--interruptions-per-hour replays one stage; the plan has {len(plan.stages)}"
+            )
+        stage = check_plan(plan, app)
+        try:
+            rates = parse_interruption_rates(args.interruptions_per_hour, list(stage.fleet))
+        except ValueError as error:
+            raise UsageError(f"--interruptions-per-hour: {error}") from None
+        result, log = replay_with_interruptions(
+            trace, app, plan, np.random.default_rng(args.seed), rates
+        )
+        interruptions = {
+            "rates_per_hr": rates,
+            "spot_instances": log.spot_instances,
+            "interruptions": log.interruptions,
+            "missing_instance_s": log.missing_instance_s,
+        }
+    else:
+        result = replay(
+            trace,
+            app,
+            plan,
+            np.random.default_rng(args.seed),
+            policy=policy,
+            planning_arrival_s=None if planning is None or made else planning.arrival_s,
+            dispatch=args.dispatch,
+            **sizing,
+        )
     data = result.to_document()
+    data["interruptions"] = interruptions
     data["policy"] = label
     data["slo_ms"] = app.spec.slo.latency_ms
     data["budget_usd_per_hr"] = app.spec.budget_usd_per_hr
@@ -174,6 +207,13 @@ def run(args: argparse.Namespace) -> int:
         ]
         if made is not None:
             lines.insert(1, "  " + baseline_text(made))
+        if interruptions is not None:
+            lines.append(
+                f"  {interruptions['interruptions']} interruptions of"
+                f" {interruptions['spot_instances']} spot instances;"
+                f" {interruptions['missing_instance_s']:.0f} instance-s of spot capacity missing"
+                " between an instance and its replacement"
+            )
         lines.append("  t_s      rate_qps  p99_ms      fleet")
         for window in result.timeline:
             p99 = "-" if window.p99_ms is None else f"{window.p99_ms:.1f}"

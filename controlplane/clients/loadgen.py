@@ -68,8 +68,8 @@ __all__ = [
     "LoadProgress",
     "LoadResult",
     "LoadSummary",
-    "Outcome",
     "Query",
+    "QueryResult",
     "RealTimer",
     "Timer",
     "build_queries",
@@ -251,7 +251,7 @@ def late_flag(answer: object) -> bool | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class QueryResult:
     """What became of one query: ``kind`` is ``ok`` or the error kind (module docstring);
     ``latency_ms`` runs from its scheduled send to its answer or failure; ``send_lag_ms`` is how
     late the request left; ``late`` is the service's own flag (``None`` when it gave none)."""
@@ -299,11 +299,14 @@ class LoadSummary:
         }
 
 
-def summarise(outcomes: Sequence[Outcome], slo_ms: float | None, elapsed_s: float) -> LoadSummary:
+def summarise(
+    outcomes: Sequence[QueryResult], slo_ms: float | None, elapsed_s: float
+) -> LoadSummary:
     """The summary of ``outcomes`` over a run of ``elapsed_s`` seconds, attainment against
     ``slo_ms`` (``None``: not known, attainment ``None``).
 
-    >>> runs = [Outcome(0, "ok", 10.0), Outcome(1, "ok", 30.0), Outcome(2, "http_503", 1.0)]
+    >>> runs = [QueryResult(0, "ok", 10.0), QueryResult(1, "ok", 30.0)]
+    >>> runs.append(QueryResult(2, "http_503", 1.0))
     >>> s = summarise(runs, slo_ms=20.0, elapsed_s=2.0)
     >>> s.sent, s.answered, s.errors, dict(s.errors_by_kind), s.attainment, s.achieved_qps
     (3, 2, 1, {'http_503': 1}, 0.3333333333333333, 1.0)
@@ -382,7 +385,7 @@ class LoadResult:
     last answer, s); ``stopped``: the run was asked to stop, after ``sent`` queries (those still
     in flight then have no outcome)."""
 
-    outcomes: tuple[Outcome, ...]
+    outcomes: tuple[QueryResult, ...]
     elapsed_s: float
     sent: int
     stopped: bool = False
@@ -409,7 +412,7 @@ def snapshot(
     elapsed_s: float,
     total: int,
     sent: int,
-    done: Sequence[Outcome],
+    done: Sequence[QueryResult],
     answered_ms: Sequence[float],
     in_flight: int,
 ) -> LoadProgress:
@@ -421,7 +424,7 @@ def snapshot(
 
 async def _send(
     client: httpx.AsyncClient, url: str, query: Query, scheduled_s: float, timer: Timer
-) -> Outcome:
+) -> QueryResult:
     lag_ms = max(0.0, (timer.now() - scheduled_s) * 1000.0)
     late: bool | None = None
     try:
@@ -442,7 +445,7 @@ async def _send(
         else:
             kind = f"http_{response.status_code}"
     finished = timer.now()
-    return Outcome(
+    return QueryResult(
         query.index, kind, (finished - scheduled_s) * 1000.0, lag_ms, finished, late=late
     )
 
@@ -477,10 +480,10 @@ async def run_load_async(
         max_keepalive_connections=max_in_flight,
         keepalive_expiry=30.0,
     )
-    done: list[Outcome] = []
+    done: list[QueryResult] = []
     answered_ms: list[float] = []
     failures: list[BaseException] = []
-    tasks: set[asyncio.Task[Outcome]] = set()
+    tasks: set[asyncio.Task[QueryResult]] = set()
     start = clock.now()
     last_report = start
     stopped = False
@@ -493,7 +496,7 @@ async def run_load_async(
         last_report = now
         progress(snapshot(now - start, len(queries), sent, done, answered_ms, len(tasks)))
 
-    def finished(task: asyncio.Task[Outcome]) -> None:
+    def finished(task: asyncio.Task[QueryResult]) -> None:
         tasks.discard(task)
         if task.cancelled():
             return

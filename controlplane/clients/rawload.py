@@ -38,9 +38,9 @@ from controlplane.clients.loadgen import (
     DEFAULT_TIMEOUT_S,
     OK,
     LoadResult,
-    Outcome,
     ProgressFn,
     Query,
+    QueryResult,
     check_run,
     late_flag,
     snapshot,
@@ -162,7 +162,7 @@ class _Engine:
         self.opening = 0
         self.waiting: collections.deque[tuple[Query, float, float]] = collections.deque()
         self.heads: dict[tuple[int, str, int | None], bytes] = {}
-        self.done: list[Outcome] = []
+        self.done: list[QueryResult] = []
         self.answered_ms: list[float] = []
         self.loop = asyncio.get_running_loop()
 
@@ -222,7 +222,7 @@ class _Engine:
         self, query: Query, kind: str, scheduled_s: float, lag_ms: float, late: bool | None = None
     ) -> None:
         finished = self.now()
-        outcome = Outcome(
+        outcome = QueryResult(
             query.index, kind, (finished - scheduled_s) * 1000.0, lag_ms, finished, late=late
         )
         self.done.append(outcome)

@@ -29,6 +29,8 @@ where a value is unknown, so that a chart breaks its line there). The sections:
   in-sample) and the held-out figure of the gear in force (``held_out_accuracy``);
 - ``decisions``: the newest decisions first (what the policies did, why, and the numbers), a run
   of consecutive decisions of one kind folded into one entry (:func:`collapse_runs`);
+- ``rollout``: the app's active rollout, else its latest (None without one), as the API shows
+  it (docs/rollouts.md): state, step and share, reason, the figures per version as last judged;
 - ``plan``: the applied plan (or the newest preview): the rate it is planned for, its predicted
   end-to-end P99, its stages, its steps and the Kairos bound ranking that explains the chosen mix
   (:mod:`controlplane.dashboard.ranking`).
@@ -51,6 +53,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from controlplane.apps.rollouts import rollout_document
 from controlplane.db.store import (
     AppRecord,
     BudgetChangeRecord,
@@ -797,6 +800,11 @@ def _plan_section(
     }
 
 
+def _rollout_section(store: Store, app: AppRecord) -> dict[str, Any] | None:
+    current = store.current_rollout(app.name)
+    return rollout_document(current) if current is not None else None
+
+
 def build_snapshot(
     store: Store,
     app: AppRecord,
@@ -855,6 +863,7 @@ def build_snapshot(
         "cascade": _cascade_section(spec, samples, document),
         "decisions": collapse_runs([_decision(d) for d in decisions])[:DECISIONS_SHOWN],
         "plan": _plan_section(app, plan, document, ranking),
+        "rollout": _rollout_section(store, app),
     }
     cleaned: dict[str, Any] = _clean(snapshot)
     return cleaned

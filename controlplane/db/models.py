@@ -23,7 +23,9 @@ Tables (docs/service.md describes each column):
   every model, immutable: its format, the sha256 and size of its file, its signature (inputs and
   outputs) and where the blob store keeps it; not owned by any app (apps name models);
 - ``app_profiles``: the latency profiles measured for an app's artifact models (``heteroplane
-  profile run``), one profile JSON document per app (the format ``estimator.profiles`` reads).
+  profile run``), one profile JSON document per app (the format ``estimator.profiles`` reads);
+- ``rollouts``: a new version of one of an app's models moving into it step by step
+  (:mod:`controlplane.policies.rollout`): its state, step, settings and last figures.
 
 Deleting an app deletes its rows in every other table (``ON DELETE CASCADE``); the store only
 deletes an app without live instances unless forced (see :meth:`Store.delete_app`).
@@ -61,6 +63,7 @@ from sqlalchemy.types import TypeDecorator
 
 from controlplane.policies.auth import Scope
 from controlplane.policies.lifecycle import InstanceState
+from controlplane.policies.rollout import RolloutState
 
 __all__ = [
     "NAMING_CONVENTION",
@@ -71,7 +74,7 @@ __all__ = [
     "Base",
     "BudgetChange",
     "DashboardSession",
-    "Decision",
+    "DecisionRow",
     "Instance",
     "InstanceEvent",
     "MetricSample",
@@ -213,6 +216,10 @@ class Instance(Base):
     price_usd_per_hr: Mapped[float]
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
+    # The purchase option it was launched with: on-demand or spot (docs/spot.md).
+    market: Mapped[str] = mapped_column(
+        String(_SHORT), default="on-demand", server_default="on-demand"
+    )
 
 
 class InstanceEvent(Base):
@@ -228,7 +235,7 @@ class InstanceEvent(Base):
     reason: Mapped[str] = mapped_column(Text)
 
 
-class Decision(Base):
+class DecisionRow(Base):
     __tablename__ = "decisions"
     __table_args__ = (
         Index(None, "app_id", "at"),
@@ -365,3 +372,34 @@ class AppProfiles(Base):
     app_id: Mapped[int] = mapped_column(ForeignKey("apps.id", ondelete="CASCADE"), primary_key=True)
     document: Mapped[dict[str, Any]]
     measured_at: Mapped[datetime]
+
+
+class Rollout(Base):
+    """A rollout of a new version of one model of an app (docs/rollouts.md). ``settings``
+    holds its steps (shares), interval, shadow flag, thresholds and extra fleet; ``figures``
+    the per-version figures of its current step as last judged; ``step_started_at`` when the
+    current step began (a restart judges the step from there)."""
+
+    __tablename__ = "rollouts"
+    __table_args__ = (
+        Index(None, "app_id", "state"),
+        CheckConstraint(_one_of("state", [s.value for s in RolloutState]), name="state"),
+        CheckConstraint("to_version >= 1", name="to_version_positive"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    app_id: Mapped[int] = mapped_column(ForeignKey("apps.id", ondelete="CASCADE"))
+    model: Mapped[str] = mapped_column(String(_NAME))
+    # The registry model and its versions: the app's model ``model`` serves ``artifact``.
+    artifact: Mapped[str] = mapped_column(String(_NAME))
+    from_version: Mapped[int] = mapped_column(Integer)
+    to_version: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(_SHORT))
+    step_index: Mapped[int] = mapped_column(Integer, default=0)
+    settings: Mapped[dict[str, Any]]
+    figures: Mapped[dict[str, Any]]
+    reason: Mapped[str] = mapped_column(Text)
+    who: Mapped[str] = mapped_column(String(_LABEL))
+    step_started_at: Mapped[datetime]
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]

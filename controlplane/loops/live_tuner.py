@@ -79,7 +79,7 @@ from controlplane.policies.replay import (
 from controlplane.policies.sizing import DEFAULT_LADDER_LOADS, SizingLadder, tuner_stage
 from controlplane.policies.tuner import (
     DEFAULT_SCALE_DOWN_DELAY_S,
-    Decision,
+    ScalingDecision,
     TunerConfig,
     TunerStage,
     TunerState,
@@ -290,10 +290,10 @@ class LiveTuner:
             tuned = self._apps.get(app)
             return tuned is not None and tuned.capped_now
 
-    def tick(self, apps: Sequence[AppRecord] | None = None) -> list[tuple[str, Decision]]:
+    def tick(self, apps: Sequence[AppRecord] | None = None) -> list[tuple[str, ScalingDecision]]:
         """One tuner tick for every app with an applied plan (``apps``, the tick's snapshot of
         the store's apps, else read now); the decisions it made."""
-        made: list[tuple[str, Decision]] = []
+        made: list[tuple[str, ScalingDecision]] = []
         now_s = self._clock.now_s()
         for app in self._store.list_apps() if apps is None else apps:
             if (
@@ -313,7 +313,7 @@ class LiveTuner:
                 logger.warning("tuner: %s left on its plan: %s", app.name, error)
         return made
 
-    def _tick_app(self, app: AppRecord, now_s: float) -> list[Decision]:
+    def _tick_app(self, app: AppRecord, now_s: float) -> list[ScalingDecision]:
         observed = self._arrivals(app.name)
         if observed is None:
             return []
@@ -671,7 +671,7 @@ def synthetic_planning_envelope(
     return planning_envelope(synthetic_planning_arrivals(rate_qps), service_time_s, max_window_s)
 
 
-def _cap_key(decision: Decision) -> str:
+def _cap_key(decision: ScalingDecision) -> str:
     """The identity of a budget cap in the decision log: its stage and the type it lacks (the
     count it lacks may move from tick to tick; the row keeps the newest)."""
     return f"{decision.stage}:{decision.instance_type}"

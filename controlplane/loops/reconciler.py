@@ -73,6 +73,31 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    (a heartbeat); a kept profile row untouched for ``profile_run_timeout_s`` belongs to a run
    that is gone (its replica crashed or lost the lead) and is ended (cause ``profile_run_gone``).
 
+9. **Interruption notices** (docs/spot.md): ``notices`` maps the provider id of an instance the
+   provider will take away to its deadline (a spot interruption warning: two minutes). A
+   ``running`` row with a notice is no longer kept: rule 7 launches its replacement in the same
+   tick, while it goes on serving until the replacement does (a ``running`` row of its type
+   without a notice for each one desired) or until ``margin_s + drain_s`` before its deadline,
+   whichever comes first; then it moves to ``draining``: the serving loop stops sending it new
+   queries (it serves ``running`` rows only) while what it holds finishes. A ``draining`` row is
+   terminated (cause ``interruption``) once it has drained for ``drain_s``, and never later than
+   ``margin_s`` before its deadline. A row with a notice that serves nothing yet is terminated at
+   once. Until they go, their cost still counts: a replacement is launched only if the budget
+   pays for both (the budget is a hard limit), else it waits for the doomed instance to go. Each
+   notice acted on is one :class:`InterruptionHandled` action (a ``spot_interruption``
+   decision).
+10. **Purchase options** (docs/spot.md): ``desired_spot`` says how many of each type's desired
+    instances are spot (the applied plan's ``spot_fleet``). A shortfall launch is on spot while
+    the type has fewer kept spot rows than that and its spot price now is below its on-demand
+    price, on demand otherwise; the row records its market and the price it is launched at.
+    Every tick a kept spot row is costed at the type's spot price now
+    (``spot_prices_usd_per_hr``: the provider's where it reads them, the EC2 provisioner's
+    ``DescribeSpotPriceHistory``, else the app's catalog's), not at its launch price: when a
+    rise takes the fleet past the budget, the budget guard (rule 6) drains the least
+    cost-effective instances (the dearer spot ones first) and rule 7 replaces them where the
+    budget allows, on demand once spot is no cheaper; a :class:`SpotRepriced` action (a
+    ``spot_price`` decision) says why.
+
 **Teardown** (``heteroplane app down``, :mod:`controlplane.apps.teardown`): every kept row is
 ended at once (cause ``teardown``; neither guard of rule 5 applies) and nothing is launched;
 once no row of the app is live, :meth:`Reconciler.reconcile_app` deletes the app.
@@ -92,6 +117,7 @@ drain is decided, from the database alone, so that a lowered budget holds meanwh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -138,6 +164,12 @@ from provisioners.errors import (
     ProvisionerError,
     UnknownInstanceError,
 )
+from provisioners.interruptions import (
+    MARKET_TAG,
+    InterruptionNotice,
+    InterruptionSource,
+    SpotPriceSource,
+)
 
 __all__ = [
     "DEFAULT_LAUNCH_BACKOFF_S",
@@ -152,6 +184,7 @@ __all__ = [
     "ArtifactsFn",
     "BudgetCapped",
     "DrainDeferred",
+    "InterruptionHandled",
     "Launch",
     "LaunchSkipped",
     "Mark",
@@ -159,8 +192,10 @@ __all__ = [
     "ReconcileReport",
     "Reconciler",
     "Report",
+    "SpotRepriced",
     "Terminate",
     "applied_plan_fleet",
+    "applied_plan_spot",
     "catalog_pricing",
     "disruption_budget",
     "reconcile",
@@ -192,6 +227,12 @@ _LIVE = LIVE_STATES
 # Which kept rows go first when a type has too many: not launched yet, booting, serving.
 _DROP_ORDER = {_S.REQUESTED: 0, _S.PENDING: 1, _S.RUNNING: 2}
 ORPHAN_REQUEST_PREFIX = "orphan:"
+# Rule 9: how long an interrupted instance drains (the serving loop drops it within a refresh,
+# and what it holds finishes) before it is terminated, and how long before its deadline it is
+# terminated at the latest.
+DEFAULT_INTERRUPTION_DRAIN_S = 10.0
+DEFAULT_INTERRUPTION_MARGIN_S = 15.0
+_NOTICE_S = 120.0  # a draining row whose notice was not seen by this process: EC2's two minutes
 
 
 # --- actions -----------------------------------------------------------------------------------
@@ -208,6 +249,7 @@ class Launch:
     price_usd_per_hr: float
     reason: str
     retry: bool = False
+    market: str = "on-demand"
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +337,32 @@ class DrainDeferred:
     window_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class InterruptionHandled:
+    """Rule 9: the provider gave notice that ``provider_id`` (row ``instance_id``) goes by
+    ``deadline``; the row was taken out of service (``draining``, or terminated when it served
+    nothing yet), and its replacement is launched in the same tick where the budget allows."""
+
+    instance_id: str
+    provider_id: str
+    instance_type: str
+    deadline: datetime
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SpotRepriced:
+    """Rule 10: the kept spot instances of ``instance_type`` are costed at ``price_usd_per_hr``
+    now, not at ``launched_usd_per_hr`` (the highest launch price among them)."""
+
+    instance_type: str
+    count: int
+    launched_usd_per_hr: float
+    price_usd_per_hr: float
+    fleet_cost_usd_per_hr: float
+    budget_usd_per_hr: float
+
+
 Action = (
     Launch
     | Terminate
@@ -305,6 +373,8 @@ Action = (
     | BudgetCapped
     | LaunchSkipped
     | DrainDeferred
+    | InterruptionHandled
+    | SpotRepriced
 )
 
 
@@ -377,6 +447,12 @@ def reconcile(
     disrupted_in_window: int = 0,
     teardown: bool = False,
     profile_run_timeout_s: float = DEFAULT_PROFILE_RUN_TIMEOUT_S,
+    notices: Mapping[str, datetime] | None = None,
+    handled: Collection[str] = (),
+    drain_s: float = DEFAULT_INTERRUPTION_DRAIN_S,
+    margin_s: float = DEFAULT_INTERRUPTION_MARGIN_S,
+    desired_spot: Mapping[str, int] | None = None,
+    spot_prices_usd_per_hr: Mapping[str, float] | None = None,
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -394,8 +470,12 @@ def reconcile(
     disruption budget of rule 5 (``None``: none), with ``disrupted_in_window`` serving
     instances of the app already moved out within its window. ``teardown``: end every kept row,
     launch nothing. ``profile_run_timeout_s``: how long a profile worker's row may go untouched
-    before its run is taken for gone (rule 8). The rules are the module docstring's; the actions
-    come in the order they must be carried out.
+    before its run is taken for gone (rule 8). ``notices``: provider id -> deadline of the
+    instances the provider gave notice of (rule 9, with ``drain_s`` and ``margin_s``;
+    ``handled``: the provider ids whose notice was acted on already).
+    ``desired_spot``: how many of each type's desired instances are spot, and
+    ``spot_prices_usd_per_hr`` the spot prices now (rule 10). The rules are the module
+    docstring's; the actions come in the order they must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
@@ -404,6 +484,8 @@ def reconcile(
             raise ValueError(f"desired count of {instance_type} must be >= 0, got {count}")
     values = qps_by_type or {}
     actions: list[Action] = []
+    spot_prices = spot_prices_usd_per_hr or {}
+    db_instances = _repriced(db_instances, spot_prices, budget_usd_per_hr, actions)
     rows = [_Row(r, InstanceState(r.state), r.provider_id) for r in db_instances]
     stages = stage_types or {}
     if observed is None:
@@ -421,7 +503,10 @@ def reconcile(
         _follow_provider(row, now, straggler_timeout_s, missing_grace_s, unhealthy, actions)
     _replace_stragglers(rows, now, straggler_timeout_s, actions)
     _reap_profile_workers(rows, now, profile_run_timeout_s, actions)
-    kept = [row for row in rows if row.state in _KEPT]
+    doomed, doomed_usd_per_hr = _act_on_notices(
+        rows, notices or {}, handled, desired, now, drain_s, margin_s, actions
+    )
+    kept = [row for row in rows if row.state in _KEPT and row.id not in doomed]
     if teardown:
         _tear_down(kept, actions)
         return actions
@@ -434,6 +519,9 @@ def reconcile(
         )
     reserved = _end_profiling_over_budget(kept, profiling, budget_usd_per_hr, actions)
     kept = _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
+    # The instances draining before their interruption are paid for until they go: the
+    # replacements are launched next to them only where the budget pays for both.
+    reserved += doomed_usd_per_hr
     staying = {row.id for row in kept}
     spared = [row for row in spared if row.id in staying]
     # Launches that failed retryably, or whose answer was lost: again, with the same request id.
@@ -459,6 +547,8 @@ def reconcile(
             held_types=held_types,
             prefix=request_prefix,
             reserved_usd_per_hr=reserved,
+            desired_spot=desired_spot or {},
+            spot_prices_usd_per_hr=spot_prices,
         )
         planned = launches(kept)
         if spared and any(isinstance(a, BudgetCapped) for a in planned):
@@ -688,6 +778,116 @@ def _terminate(rows: Sequence[_Row], cause: str, reason: str, actions: list[Acti
             row.state = _S.TERMINATING
 
 
+def _act_on_notices(
+    rows: Sequence[_Row],
+    notices: Mapping[str, datetime],
+    handled: Collection[str],
+    desired: Mapping[str, int] | None,
+    now: datetime,
+    drain_s: float,
+    margin_s: float,
+    actions: list[Action],
+) -> tuple[set[str], float]:
+    """Rule 9: the rows with a notice that still serve until their replacement does (no longer
+    kept: rule 7 replaces them), and what they and the draining rows that stay cost (USD/hr)."""
+    doomed: set[str] = set()
+    cost = 0.0
+    noticed = [row for row in rows if (row.provider_id or "") in notices]
+    for row in noticed:
+        if row.state not in (_S.PENDING, _S.RUNNING):
+            continue
+        pid = row.provider_id or ""
+        deadline = notices[pid]
+        left_s = (deadline - now).total_seconds()
+        what = (
+            f"the provider takes {pid} away by {deadline.isoformat()}"
+            f" ({max(0.0, left_s):.0f} s left)"
+        )
+        drain_at = deadline - timedelta(seconds=margin_s + drain_s)
+        if row.state is _S.PENDING:
+            _terminate([row], "interruption", f"{what}; it serves nothing yet", actions)
+            done = "served nothing yet: terminated, and its replacement is launched"
+        else:
+            instance_type = row.record.instance_type
+            others = sum(
+                1
+                for other in rows
+                if other.state is _S.RUNNING
+                and other.record.instance_type == instance_type
+                and (other.provider_id or "") not in notices
+            )
+            if now >= drain_at or others >= (desired or {}).get(instance_type, 0):
+                why = "its replacement serves" if now < drain_at else "its deadline is near"
+                _mark(row, _S.DRAINING, f"{what}: {why}; no new queries", actions)
+            else:
+                doomed.add(row.id)
+                cost += row.record.price_usd_per_hr
+            done = (
+                "a replacement is launched at once; it serves until the replacement does (or"
+                f" {drain_at.isoformat()} at the latest), then drains and is terminated"
+            )
+        if pid not in handled:
+            actions.append(
+                InterruptionHandled(
+                    row.id, pid, row.record.instance_type, deadline, f"{what}: {done}"
+                )
+            )
+    for row in rows:
+        if row.state is not _S.DRAINING:
+            continue
+        # Draining since this tick, or since the row's last move (an earlier tick).
+        since = now if row.record.state != _S.DRAINING.value else row.record.updated_at
+        deadline = notices.get(row.provider_id or "", since + timedelta(seconds=_NOTICE_S))
+        end = min(since + timedelta(seconds=drain_s), deadline - timedelta(seconds=margin_s))
+        if now >= end:
+            _terminate(
+                [row],
+                "interruption",
+                f"drained before its interruption (deadline {deadline.isoformat()})",
+                actions,
+            )
+        else:
+            cost += row.record.price_usd_per_hr
+    return doomed, cost
+
+
+def _repriced(
+    db_instances: Sequence[InstanceRecord],
+    spot_prices: Mapping[str, float],
+    budget_usd_per_hr: float,
+    actions: list[Action],
+) -> list[InstanceRecord]:
+    """Rule 10: the live spot rows costed at their type's spot price now."""
+    repriced: list[InstanceRecord] = []
+    changed: dict[str, list[float]] = defaultdict(list)
+    for record in db_instances:
+        now_price = spot_prices.get(record.instance_type)
+        if (
+            record.market == "spot"
+            and record.state not in TERMINAL_STATES
+            and now_price is not None
+            and abs(now_price - record.price_usd_per_hr) > _BUDGET_SLACK_USD_PER_HR
+        ):
+            changed[record.instance_type].append(record.price_usd_per_hr)
+            record = dataclasses.replace(record, price_usd_per_hr=now_price)
+        repriced.append(record)
+    if changed:
+        kept_states = {state.value for state in _KEPT}
+        cost = float(sum(r.price_usd_per_hr for r in repriced if r.state in kept_states))
+        for instance_type, launched in sorted(changed.items()):
+            actions.append(
+                SpotRepriced(
+                    instance_type,
+                    len(launched),
+                    max(launched),
+                    spot_prices[instance_type],
+                    cost,
+                    budget_usd_per_hr,
+                )
+            )
+    return repriced
+
+
 def _replace_stragglers(
     rows: Sequence[_Row], now: datetime, straggler_timeout_s: float, actions: list[Action]
 ) -> None:
@@ -860,11 +1060,17 @@ def _launch_shortfall(
     held_types: Collection[str],
     prefix: str,
     reserved_usd_per_hr: float = 0.0,
+    desired_spot: Mapping[str, int] | None = None,
+    spot_prices_usd_per_hr: Mapping[str, float] | None = None,
 ) -> list[Action]:
-    """Rules 6 and 7: launch what is missing, most cost-effective first, while it fits (next to
-    ``reserved_usd_per_hr``: what the app pays for outside its fleet, its profile workers)."""
+    """Rules 6, 7 and 10: launch what is missing, most cost-effective first, while it fits (next
+    to ``reserved_usd_per_hr``: what the app pays for outside its fleet, its profile workers);
+    on spot where ``desired_spot`` asks for more spot rows and spot is cheaper now."""
     actions: list[Action] = []
     have = Counter(row.record.instance_type for row in kept)
+    spot_kept = Counter(row.record.instance_type for row in kept if row.record.market == "spot")
+    spot_wanted = {t: n - spot_kept[t] for t, n in (desired_spot or {}).items()}
+    spot_now = spot_prices_usd_per_hr or {}
     committed = reserved_usd_per_hr + float(sum(row.record.price_usd_per_hr for row in kept))
     wanted: list[tuple[str, float]] = []
     for instance_type in sorted(desired):
@@ -881,17 +1087,28 @@ def _launch_shortfall(
     wanted.sort(key=lambda item: (-_value_per_usd(item[0], item[1], qps_by_type), item[1], item[0]))
     ordinal = _next_ordinal((row.record for row in rows), prefix)
     capped: Counter[str] = Counter()
-    for instance_type, price in wanted:
+    for instance_type, on_demand_price in wanted:
+        spot_price = spot_now.get(instance_type)
+        on_spot = (
+            spot_wanted.get(instance_type, 0) > 0
+            and spot_price is not None
+            and spot_price < on_demand_price
+        )
+        price = spot_price if on_spot and spot_price is not None else on_demand_price
         if committed + price > budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
             capped[instance_type] += 1
             continue
         committed += price
+        if on_spot:
+            spot_wanted[instance_type] -= 1
         actions.append(
             Launch(
                 f"{prefix}-{ordinal}",
                 instance_type,
                 price,
-                f"{instance_type}: {have[instance_type]} kept, {desired[instance_type]} desired",
+                f"{instance_type}: {have[instance_type]} kept, {desired[instance_type]} desired"
+                + (" (spot)" if on_spot else ""),
+                market="spot" if on_spot else "on-demand",
             )
         )
         have[instance_type] += 1
@@ -918,6 +1135,20 @@ def applied_plan_fleet(store: Store) -> DesiredFleet:
     return desired
 
 
+def applied_plan_spot(store: Store) -> DesiredFleet:
+    """How many of each type's desired instances are spot: the applied plan's ``spot_fleet``,
+    summed over its stages (empty without a plan, or for a plan all on demand)."""
+
+    def desired(app: AppRecord) -> Mapping[str, int]:
+        plan = store.get_applied_plan(app.name)
+        counts: Counter[str] = Counter()
+        for stage in [] if plan is None else plan.plan.stages:
+            counts.update(stage.spot_fleet)
+        return dict(counts)
+
+    return desired
+
+
 @dataclass(frozen=True, slots=True)
 class AppPricing:
     """What the reconciler needs to know of an app's instance types: their prices, and Q_t, the
@@ -925,6 +1156,8 @@ class AppPricing:
 
     prices_usd_per_hr: Mapping[str, float]
     qps_by_type: Mapping[str, float] = field(default_factory=dict)
+    # The spot prices now, of the types bought on spot (rule 10; empty: none).
+    spot_prices_usd_per_hr: Mapping[str, float] = field(default_factory=dict)
 
 
 PricingFn = Callable[[AppRecord], AppPricing]
@@ -936,9 +1169,16 @@ def catalog_pricing(catalog: Catalog) -> PricingFn:
     """Prices from ``catalog`` for every app, no Q_t (the service passes the app's resolved
     spec instead, see :mod:`controlplane.service.build`)."""
     prices = MappingProxyType({t.name: t.price_usd_per_hr for t in catalog.values()})
+    spot = MappingProxyType(
+        {
+            t.name: t.spot_price_usd_per_hr
+            for t in catalog.values()
+            if t.spot_price_usd_per_hr is not None
+        }
+    )
 
     def pricing(_app: AppRecord) -> AppPricing:
-        return AppPricing(prices)
+        return AppPricing(prices, spot_prices_usd_per_hr=spot)
 
     return pricing
 
@@ -1043,6 +1283,9 @@ class Reconciler:
         launch_backoff_s: float = DEFAULT_LAUNCH_BACKOFF_S,
         disruption: DisruptionBudget | None = _DEFAULT_DISRUPTION,
         profile_run_timeout_s: float = DEFAULT_PROFILE_RUN_TIMEOUT_S,
+        interruption_drain_s: float = DEFAULT_INTERRUPTION_DRAIN_S,
+        interruption_margin_s: float = DEFAULT_INTERRUPTION_MARGIN_S,
+        desired_spot: DesiredFleet | None = None,
     ) -> None:
         self.store = store
         self.provisioner = provisioner
@@ -1059,6 +1302,12 @@ class Reconciler:
         self.launch_backoff_s = launch_backoff_s
         self.disruption = disruption
         self.profile_run_timeout_s = profile_run_timeout_s
+        self.desired_spot = desired_spot if desired_spot is not None else applied_plan_spot(store)
+        self.interruption_drain_s = interruption_drain_s
+        self.interruption_margin_s = interruption_margin_s
+        # Rule 9: provider id -> the notice the provider gave of it (kept until the row ends).
+        self._notices: dict[str, InterruptionNotice] = {}
+        self._handled: set[str] = set()  # the provider ids whose notice was acted on
         # (app, instance type) -> monotonic time before which it is not launched again.
         self._held_until_s: dict[tuple[str, str], float] = {}
         self._reported: set[str] = set()
@@ -1084,6 +1333,7 @@ class Reconciler:
         """Reconcile every app once; a failure of one app is logged and the others go on."""
         now = self.clock.utcnow()
         self._log_events()
+        self._poll_interruptions(now)
         apps = self.store.list_apps()
         try:
             observed = self.provisioner.list({MANAGED_TAG: "true"})
@@ -1148,8 +1398,10 @@ class Reconciler:
                 {"instance_types": sorted(refused), "fleet": dict(fleet)},
             )
             desired = None
-        pricing = self.pricing(app)
         rows = self.store.list_instances(app.name)
+        desired_spot = self.desired_spot(app)
+        spot_types = set(desired_spot) | {r.instance_type for r in rows if r.market == "spot"}
+        pricing = self._live_spot_prices(self.pricing(app), spot_types)
         waiting = {r.instance_type for r in rows if r.state == _S.REQUESTED.value}
         with self._capacity_lock:
             for key in [k for k in self._capacity_missed_s if k[0] == app.name]:
@@ -1179,6 +1431,12 @@ class Reconciler:
             disrupted_in_window=self._disrupted_in_window(app.name, now),
             teardown=teardown,
             profile_run_timeout_s=self.profile_run_timeout_s,
+            notices={pid: notice.deadline for pid, notice in self._notices.items()},
+            handled=frozenset(self._handled),
+            drain_s=self.interruption_drain_s,
+            margin_s=self.interruption_margin_s,
+            desired_spot=desired_spot,
+            spot_prices_usd_per_hr=pricing.spot_prices_usd_per_hr,
         )
         errors = _Errors()
         launches = [a for a in actions if isinstance(a, Launch)]
@@ -1190,6 +1448,39 @@ class Reconciler:
         if teardown and observed is not None:
             self._delete_if_drained(app.name, errors)
         return AppReport(app.name, tuple(actions), tuple(errors))
+
+    def _live_spot_prices(self, pricing: AppPricing, types: Collection[str]) -> AppPricing:
+        """Rule 10's prices of ``types`` (those the app buys on spot): the provider's spot
+        prices now where it knows them (the EC2 provisioner: DescribeSpotPriceHistory, cached),
+        else the app's (its catalog's)."""
+        wanted = sorted(t for t in types if t in pricing.spot_prices_usd_per_hr)
+        if not wanted or not isinstance(self.provisioner, SpotPriceSource):
+            return pricing
+        live = dict(pricing.spot_prices_usd_per_hr)
+        try:
+            for instance_type in wanted:
+                price = self.provisioner.spot_price(instance_type)
+                if price is not None:
+                    live[instance_type] = price
+        except ProvisionerError as error:  # throttled, no permission: the app's prices serve
+            logger.warning("reconcile: spot prices not read (%s); the catalog's serve", error)
+            return pricing
+        return dataclasses.replace(pricing, spot_prices_usd_per_hr=live)
+
+    def _poll_interruptions(self, now: datetime) -> None:
+        """Rule 9's input: the provider's new notices; those past their deadline by more than
+        the straggler timeout are forgotten (the row has ended by then)."""
+        if isinstance(self.provisioner, InterruptionSource):
+            try:
+                for notice in self.provisioner.poll_interruptions():
+                    logger.warning("reconcile: %s", notice.describe())
+                    self._notices[notice.provider_id] = notice
+            except ProvisionerError as error:  # throttled, unreachable: the next tick asks again
+                logger.warning("reconcile: cannot read interruption notices: %s", error)
+        forget = now - timedelta(seconds=self.straggler_timeout_s)
+        for pid in [p for p, n in self._notices.items() if n.deadline < forget]:
+            del self._notices[pid]
+            self._handled.discard(pid)
 
     def _disrupted_in_window(self, app: str, now: datetime) -> int:
         """Serving instances of ``app`` moved out of service within the disruption window."""
@@ -1280,6 +1571,48 @@ class Reconciler:
                     "window_s": action.window_s,
                 },
                 key=action.cause,
+            )
+        elif isinstance(action, InterruptionHandled):
+            self._handled.add(action.provider_id)
+            notice = self._notices.get(action.provider_id)
+            self.store.record_decision(
+                app.name,
+                "spot_interruption",
+                f"{notice.describe() if notice else action.provider_id}: {action.reason}",
+                {
+                    "instance_id": action.instance_id,
+                    "provider_id": action.provider_id,
+                    "instance_type": action.instance_type,
+                    "notice": notice.kind if notice else "interruption",
+                    "deadline": action.deadline.isoformat(),
+                },
+            )
+        elif isinstance(action, SpotRepriced):
+            over = (
+                action.fleet_cost_usd_per_hr > action.budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR
+            )
+            self.store.record_decision(
+                app.name,
+                "spot_price",
+                f"{action.count} spot {action.instance_type} now cost"
+                f" {action.price_usd_per_hr:g} USD/hr each (launched at"
+                f" {action.launched_usd_per_hr:g}): the fleet costs"
+                f" {action.fleet_cost_usd_per_hr:.3f} USD/hr against the budget of"
+                f" {action.budget_usd_per_hr:g} USD/hr"
+                + (
+                    "; over it: the least cost-effective instances are drained and replaced"
+                    if over
+                    else ""
+                ),
+                {
+                    "instance_type": action.instance_type,
+                    "count": action.count,
+                    "price_usd_per_hr": action.price_usd_per_hr,
+                    "launched_usd_per_hr": action.launched_usd_per_hr,
+                    "fleet_cost_usd_per_hr": round(action.fleet_cost_usd_per_hr, 9),
+                    "budget_usd_per_hr": action.budget_usd_per_hr,
+                },
+                key=f"{action.instance_type}:{action.price_usd_per_hr:g}",
             )
         elif isinstance(action, Report):
             logger.warning("reconcile %s: %s %s", app.name, action.provider_id, action.reason)
@@ -1372,6 +1705,7 @@ class Reconciler:
                 instance_type=launch.instance_type,
                 price_usd_per_hr=launch.price_usd_per_hr,
                 reason=launch.reason,
+                market=launch.market,
             )
             rows.append((launch, row))
         crash_point("reconcile.after_row")
@@ -1392,6 +1726,7 @@ class Reconciler:
                             "instance_id": row.id,
                             "instance_type": launch.instance_type,
                             "price_usd_per_hr": launch.price_usd_per_hr,
+                            "market": launch.market,
                         }
                         for launch, row in new
                     ],
@@ -1400,13 +1735,10 @@ class Reconciler:
             )
         plan = "none" if app.applied_plan_id is None else str(app.applied_plan_id)
         for launch, row in rows:
-            request = LaunchRequest(
-                launch.request_id,
-                launch.instance_type,
-                1,
-                {APP_TAG: app.name, PLAN_TAG: plan, INSTANCE_TAG: row.id},
-                artifacts,
-            )
+            tags = {APP_TAG: app.name, PLAN_TAG: plan, INSTANCE_TAG: row.id}
+            if row.market == "spot":
+                tags[MARKET_TAG] = "spot"
+            request = LaunchRequest(launch.request_id, launch.instance_type, 1, tags, artifacts)
             try:
                 launched = self.provisioner.launch(request)
             except ProvisionerError as error:

@@ -93,6 +93,7 @@ from controlplane.loops.capacity_replan import fleet_text
 from controlplane.loops.live_tuner import ArrivalSource, ResolveFn, synthetic_planning_arrivals
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S, PLANNING_QUERIES, plan_app
+from controlplane.policies.spot import plan_with_spot
 from controlplane.spec import ResolvedApp, SpecError
 from estimator import deadline
 from estimator.batches import parse_batch_distribution
@@ -426,7 +427,7 @@ class TrafficReplanner:
         trace = Trace(recorded - recorded[0], sizes)
         stats = trace_stats(trace)
         with deadline.limit(self._deadline_s):
-            new = plan_app(resolved, trace, seed=seed)
+            new = plan_with_spot(resolved, trace, plan=plan_app, seed=seed)
         if self._store.get_app(app.name).version != app.version:
             raise ConflictError(f"app {app.name!r} changed while it was being re-planned")
         held_s = now_s - episode.since_s

@@ -1,7 +1,8 @@
 """Gear plans and gear switching (CascadeServe): which cascade serves which load on a fixed fleet.
 
 This module owns CascadeServe's offline gear plan (Kossmann et al., "CascadeServe", sections 4
-and 5) on a fixed *placement* (the instances of each model, :class:`Placement`) and the online
+and 5) on a fixed *placement* (the instances of each model, :class:`CascadePlacement`) and the
+online
 switcher, both as pure functions: :func:`plan_gears` returns a :class:`GearPlan`, :func:`switch`
 maps (measured QPS, first-queue length, state, now) to a :class:`GearDecision` and the next
 :class:`GearSwitcher`. Nothing here reads a clock or does I/O; :func:`simulate_gear_switching` runs
@@ -129,7 +130,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from controlplane.policies.tuner import Decision
+from controlplane.policies.tuner import ScalingDecision
 from estimator.capacity import highest_rate
 from estimator.cascades import (
     DEFAULT_THRESHOLD_GRID,
@@ -162,6 +163,7 @@ __all__ = [
     "GUARD_SLO_SHARE",
     "PLAN_QUERIES",
     "PLAN_UTILISATION_CAP",
+    "CascadePlacement",
     "Gear",
     "GearDecision",
     "GearOption",
@@ -169,7 +171,6 @@ __all__ = [
     "GearRun",
     "GearSwitcher",
     "Hysteresis",
-    "Placement",
     "capacity_share",
     "choose_min_queue",
     "plan_gears",
@@ -228,12 +229,12 @@ _IDLE_SHARE = 0.02
 
 
 @dataclass(frozen=True, slots=True)
-class Placement:
+class CascadePlacement:
     """The instances of each model, in serving order (cheapest model first): the fixed
     allocation of models to instances that a gear plan is made for (CascadeServe keeps it fixed
     while it switches gears, so that no model has to load).
 
-    >>> Placement.parse("tiny:c5.xlarge=1;large:c5.xlarge=3,g4dn.xlarge=1").order
+    >>> CascadePlacement.parse("tiny:c5.xlarge=1;large:c5.xlarge=3,g4dn.xlarge=1").order
     ('tiny', 'large')
     """
 
@@ -254,7 +255,7 @@ class Placement:
         object.__setattr__(self, "fleets", fleets)
 
     @classmethod
-    def parse(cls, text: str) -> Placement:
+    def parse(cls, text: str) -> CascadePlacement:
         """``model:type=count,type=count;model:...`` in serving order."""
         fleets: dict[str, Fleet] = {}
         order = []
@@ -344,7 +345,7 @@ class Gear:
 class GearPlan:
     """The gear plan of a placement: the finalist options and one gear per QPS range."""
 
-    placement: Placement
+    placement: CascadePlacement
     slo_ms: float
     percentile: float
     accuracy_floor: float | None
@@ -360,7 +361,7 @@ class GearPlan:
         """The index of the gear whose range [low, high) holds ``qps`` (the last one above
         ``qps_max``, the first one below 0).
 
-        >>> plan = GearPlan(Placement.parse("m:c=1"), 100.0, 99.0, None, (), (
+        >>> plan = GearPlan(CascadePlacement.parse("m:c=1"), 100.0, 99.0, None, (), (
         ...     Gear(0.0, 10.0, 0, True), Gear(10.0, 20.0, 0, True)), 20.0, 0, 0)
         >>> plan.gear_for(9.99), plan.gear_for(10.0), plan.gear_for(500.0)
         (0, 1, 1)
@@ -475,7 +476,7 @@ class GearPlan:
             floor = document.get("accuracy_floor")
             held_out_samples = document.get("held_out_samples")
             plan = cls(
-                placement=Placement(fleets, order),
+                placement=CascadePlacement(fleets, order),
                 slo_ms=float(document["slo_ms"]),
                 percentile=float(document["percentile"]),
                 accuracy_floor=None if floor is None else float(floor),
@@ -533,7 +534,7 @@ def _largest_cap(fleet: Fleet, profiles: Mapping[str, LatencyProfile], batch_siz
 def _batch_caps(
     cascade: Cascade,
     reach: Sequence[float],
-    placement: Placement,
+    placement: CascadePlacement,
     profiles: Mapping[str, Mapping[str, LatencyProfile]],
     slo_ms: float,
     batch_size: int,
@@ -598,7 +599,7 @@ def choose_min_queue(
     cascade: Cascade,
     reach: Sequence[float],
     caps: Sequence[int],
-    placement: Placement,
+    placement: CascadePlacement,
     profiles: Mapping[str, Mapping[str, LatencyProfile]],
     *,
     slo_ms: float,
@@ -677,7 +678,7 @@ class _Prober:
     """Simulates a cascade at a rate on one fixed Poisson pattern (common random numbers)."""
 
     records: ValidationRecords
-    placement: Placement
+    placement: CascadePlacement
     profiles: Mapping[str, Mapping[str, LatencyProfile]]
     prices: Mapping[str, float]
     slo_ms: float
@@ -747,7 +748,7 @@ def _max_qps(
 
 def plan_gears(
     records: ValidationRecords,
-    placement: Placement,
+    placement: CascadePlacement,
     profiles: Mapping[str, Mapping[str, LatencyProfile]],
     prices_usd_per_hr: Mapping[str, float],
     *,
@@ -870,7 +871,7 @@ def _triggered(
     option: GearOption,
     candidates: Mapping[Cascade, _Candidate],
     prober: _Prober,
-    placement: Placement,
+    placement: CascadePlacement,
     profiles: Mapping[str, Mapping[str, LatencyProfile]],
 ) -> Gear:
     """SP4 for one gear (module docstring, step 6): its minimum queue lengths and guard, checked
@@ -1069,7 +1070,7 @@ def switch(
     leaves, about to be drained; a switch up then waits for no dwell (the gear must move before
     the fleet shrinks). ``first_queue_len`` is the queue of the current gear's first model. Pure.
 
-    >>> plan = GearPlan(Placement.parse("m:c=1"), 100.0, 99.0, None, (), (
+    >>> plan = GearPlan(CascadePlacement.parse("m:c=1"), 100.0, 99.0, None, (), (
     ...     Gear(0.0, 10.0, 0, True), Gear(10.0, 20.0, 0, True)), 20.0, 0, 0)
     >>> fast = GearSwitcher(plan, gear=1, hysteresis=Hysteresis.off())
     >>> switch(5.0, 2, fast, 1.0)[0].gear   # 5 < 8 x 2: the backlog holds the fast gear
@@ -1152,7 +1153,7 @@ def switch_with_tuner(
     state: GearSwitcher,
     now_s: float,
     *,
-    decisions: Iterable[Decision],
+    decisions: Iterable[ScalingDecision],
     ready: Mapping[str, Mapping[str, int]],
     profiles: Mapping[str, Mapping[str, LatencyProfile]],
     batch_size: int = 1,
@@ -1174,7 +1175,7 @@ def switch_with_tuner(
 
 
 def capacity_share(
-    placement: Placement,
+    placement: CascadePlacement,
     ready: Mapping[str, Mapping[str, int]],
     profiles: Mapping[str, Mapping[str, LatencyProfile]],
     batch_size: int = 1,
@@ -1185,7 +1186,7 @@ def capacity_share(
 
     >>> from estimator.profiles import LatencyProfile
     >>> p = {"m": {"c": LatencyProfile("m", "c", np.array([1]), (np.array([10.0]),))}}
-    >>> round(capacity_share(Placement.parse("m:c=4"), {"m": {"c": 3}}, p), 6)
+    >>> round(capacity_share(CascadePlacement.parse("m:c=4"), {"m": {"c": 3}}, p), 6)
     0.75
     """
     shares = []

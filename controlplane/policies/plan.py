@@ -80,10 +80,13 @@ class StagePlan:
     # The dispatch policy's base types, preferred first, as the planner simulated them (the
     # live dispatcher keeps this order; empty: a document older than the field, or FCFS).
     base_types: tuple[str, ...] = ()
+    # How many of ``fleet``'s instances are spot, by type (docs/spot.md; empty: all on demand).
+    spot_fleet: Mapping[str, int] = field(default_factory=dict)
 
     def to_document(self) -> dict[str, Any]:
         return {
             "base_types": list(self.base_types),
+            "spot_fleet": dict(self.spot_fleet),
             "name": self.name,
             "fleet": dict(self.fleet),
             "batch_size": self.batch_size,
@@ -120,6 +123,11 @@ class PlanDocument:
     seed: int | None = None
     trace: Mapping[str, Any] | None = None
     envelope_problem: str | None = field(default=None, compare=False)
+    # Spot (docs/spot.md): the cost at the prices used (None: cost_usd_per_hr, all on demand)
+    # and if every spot instance were paid at its on-demand price. Written always (the cost for
+    # an on-demand plan), so equality leaves them out: a plan reads back equal.
+    expected_cost_usd_per_hr: float | None = field(default=None, compare=False)
+    cost_if_on_demand_usd_per_hr: float | None = field(default=None, compare=False)
 
     @property
     def planned_rate_qps(self) -> float:
@@ -151,6 +159,14 @@ class PlanDocument:
             "planned_rate_qps": self.rate_qps,
             "steps": list(self.steps),
             "simulations": self.simulations,
+            # Spot (docs/spot.md); a plan all on demand costs cost_usd_per_hr either way.
+            **{
+                key: self.cost_usd_per_hr if value is None else value
+                for key, value in (
+                    ("expected_cost_usd_per_hr", self.expected_cost_usd_per_hr),
+                    ("cost_if_on_demand_usd_per_hr", self.cost_if_on_demand_usd_per_hr),
+                )
+            },
         }
         if self.max_feasible_qps is not None:
             document["max_feasible_qps"] = self.max_feasible_qps
@@ -215,6 +231,10 @@ class PlanDocument:
             seed=_whole(seed, "seed", source, 0) if seed is not None else None,
             trace=MappingProxyType(dict(trace)) if isinstance(trace, Mapping) else None,
             envelope_problem=problem,
+            expected_cost_usd_per_hr=_optional_cost(document, "expected_cost_usd_per_hr", source),
+            cost_if_on_demand_usd_per_hr=_optional_cost(
+                document, "cost_if_on_demand_usd_per_hr", source
+            ),
         )
 
 
@@ -264,6 +284,11 @@ def _at_least_zero(value: object, where: str, source: str | None) -> float:
     if number < 0:
         raise PlanError(where, f"must be >= 0, got {value!r}", source)
     return number
+
+
+def _optional_cost(document: Mapping[str, Any], key: str, source: str | None) -> float | None:
+    value = document.get(key)
+    return None if value is None else _at_least_zero(value, key, source)
 
 
 def _rate(document: Mapping[str, Any], source: str | None) -> float:
@@ -316,12 +341,26 @@ def _stage(entry: object, where: str, source: str | None) -> StagePlan:
     raw_base = entry.get("base_types", [])
     if not isinstance(raw_base, list) or not all(isinstance(t, str) for t in raw_base):
         raise PlanError(f"{where}.base_types", "must be a list of instance type names", source)
+    raw_spot = entry.get("spot_fleet") or {}
+    if not isinstance(raw_spot, Mapping):
+        raise PlanError(f"{where}.spot_fleet", "must be an object of type -> count", source)
+    spot_fleet = {
+        str(t): _whole(c, f"{where}.spot_fleet[{t}]", source, 0) for t, c in raw_spot.items()
+    }
+    for t, count in spot_fleet.items():
+        if count > fleet.get(t, 0):
+            raise PlanError(
+                f"{where}.spot_fleet[{t}]",
+                f"{count} spot instances, more than the fleet's {fleet.get(t, 0)}",
+                source,
+            )
     return StagePlan(
         name=name,
         fleet=fleet,
         batch_size=batch,
         policy=policy,
         base_types=tuple(raw_base),
+        spot_fleet=spot_fleet,
         **numbers,
     )
 

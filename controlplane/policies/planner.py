@@ -27,7 +27,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.policies.calibration import OVERHEAD_QUANTILES, draw_overhead_ms
-from controlplane.policies.gears import Placement, plan_gears
+from controlplane.policies.gears import CascadePlacement, plan_gears
 from controlplane.policies.pipeline import (
     answering_stages,
     dispatch_choice,
@@ -1300,7 +1300,7 @@ def _gear_plan(
     limits = app.constraints
     say(f"planning the gears of the cascade on {len(order)} placed models")
     try:
-        placement = Placement(fleets, order)
+        placement = CascadePlacement(fleets, order)
         # The held-out protocol (docs/cascades.md): gears chosen on one half of the records,
         # their accuracy (and the SLO's floor) judged on the other.
         choose, score = records.split()

@@ -51,7 +51,7 @@ from controlplane.policies.sizing import SizingLadder, tuner_stage
 from controlplane.policies.tuner import (
     DEFAULT_RECENT_S,
     CapacityModel,
-    Decision,
+    ScalingDecision,
     TunerConfig,
     TunerStage,
     TunerState,
@@ -1043,18 +1043,24 @@ def replay_timeline(
     *,
     policy: str = "static",
     dispatch: DispatchName | None = None,
+    profile_types: Mapping[str, str] | None = None,
+    extra_prices_usd_per_hr: Mapping[str, float] | None = None,
 ) -> ReplayResult:
     """Pass 2 of :func:`replay` alone: simulate ``trace`` once on ``timeline`` (however it was
     made, e.g. an oracle's fleet per minute) with ``stage``'s batch size and dispatch
-    (``dispatch`` overrides it), and summarise it as ``policy``.
+    (``dispatch`` overrides it), and summarise it as ``policy``. ``profile_types`` maps a type
+    of the timeline that is no catalog type to the one whose profile it has (a spot instance,
+    ``<type>@spot``: :mod:`controlplane.policies.spot_replay`), ``extra_prices_usd_per_hr``
+    prices it.
 
     Raises:
         ReplayError: an unknown dispatch policy.
         EstimatorError: the simulator's errors (a batch size outside a profile).
     """
     types = list(dict.fromkeys(spec.instance_type for spec in timeline.instances))
-    profiles = {name: app.profile(stage.name, name) for name in types}
-    prices = dict(app.prices_usd_per_hr)
+    base = profile_types or {}
+    profiles = {name: app.profile(stage.name, base.get(name, name)) for name in types}
+    prices = {**app.prices_usd_per_hr, **(extra_prices_usd_per_hr or {})}
     qos_ms = app.constraints.slo_ms
     chosen = dispatch if dispatch is not None else (stage.policy or "fcfs")
     make_policy = _dispatch_factory(chosen, profiles, trace, qos_ms, prices)
@@ -1220,11 +1226,13 @@ class _StageTuner:
         window: NDArray[np.float64] = self.arrival_s[lo:hi]
         return window
 
-    def run(self, now_s: float, budget_usd_per_hr: float) -> tuple[list[Decision], TunerState]:
+    def run(
+        self, now_s: float, budget_usd_per_hr: float
+    ) -> tuple[list[ScalingDecision], TunerState]:
         config = dataclasses.replace(self.config, budget_usd_per_hr=budget_usd_per_hr)
         return tune(self.window(now_s), now_s, self.state, [self.plan], config)
 
-    def deficit(self, decisions: Sequence[Decision], state: TunerState) -> float:
+    def deficit(self, decisions: Sequence[ScalingDecision], state: TunerState) -> float:
         """The share of the capacity the stage wants that it lacks now: (wanted - now) / wanted,
         wanted = what the decisions launched plus what the budget kept them short of (0: no
         scale-up wanted)."""
@@ -1343,7 +1351,7 @@ def cascade_tuner_timelines(
     active = [i for i, t in enumerate(tuners) if t is not None]
     for now_s in (float(t) for t in _ticks(float(trace.arrival_s[-1]), TUNER_TICK_S)):
         cost = costs()
-        alone: dict[int, tuple[float, list[Decision], TunerState]] = {}
+        alone: dict[int, tuple[float, list[ScalingDecision], TunerState]] = {}
         deficit: dict[int, float] = {}
         for i in active:
             tuner = tuners[i]

@@ -1,7 +1,8 @@
 """The tuner: InferLine's high-frequency scaling policy, as a pure function of what it observes.
 
 This module owns the tuner's value objects (:class:`TunerStage`, :class:`TunerConfig`,
-:class:`TunerState`, :class:`Booting`, :class:`Decision`) and :func:`tune`, which maps (recent
+:class:`TunerState`, :class:`Booting`, :class:`ScalingDecision`) and :func:`tune`, which maps
+(recent
 live arrivals, the clock's reading, the state, the plan) to decisions and the next state. It reads
 no clock and does no I/O: the control loop passes ``now_s`` in and a reconciler acts on the
 decisions.
@@ -86,7 +87,7 @@ __all__ = [
     "Action",
     "Booting",
     "CapacityModel",
-    "Decision",
+    "ScalingDecision",
     "TunerConfig",
     "TunerStage",
     "TunerState",
@@ -469,7 +470,7 @@ class TunerState:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class ScalingDecision:
     """One thing the tuner decided at ``at_s``.
 
     ``scale_up``: launch ``count`` instances of ``instance_type`` for ``stage``; ``scale_down``:
@@ -589,7 +590,7 @@ class _Tick:
     fleets: dict[str, dict[str, int]]
     booting: list[Booting]
     cost_usd_per_hr: float
-    decisions: list[Decision] = field(default_factory=list)
+    decisions: list[ScalingDecision] = field(default_factory=list)
 
     def launch(self, plan: TunerStage, name: str, count: int, reason: str) -> None:
         stage = self.fleets[plan.name]
@@ -613,7 +614,7 @@ class _Tick:
 
     def decide(self, stage: str, action: Action, name: str, count: int, reason: str) -> None:
         cost = max(0.0, self.cost_usd_per_hr)
-        self.decisions.append(Decision(self.now_s, stage, action, name, count, reason, cost))
+        self.decisions.append(ScalingDecision(self.now_s, stage, action, name, count, reason, cost))
 
 
 def _scale_up(
@@ -1187,7 +1188,7 @@ def tune(
     state: TunerState,
     plans: Sequence[TunerStage],
     config: TunerConfig,
-) -> tuple[list[Decision], TunerState]:
+) -> tuple[list[ScalingDecision], TunerState]:
     """One tick of InferLine's tuner (Algorithms 3 and 4): the decisions at ``now_s`` and the state
     after them.
 

@@ -43,6 +43,7 @@ from controlplane.api.routes import (
     models,
     oip,
     plans,
+    rollouts,
 )
 from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
@@ -163,7 +164,7 @@ def create_app(
     # Outside the fast path too: an inference request whose client has gone is cancelled, and
     # its query leaves the serving loop's queue (controlplane.api.disconnect).
     app.add_middleware(CancelOnDisconnect)
-    for module in (health, apps, plans, budget, fleet, events, infer, models, oip):
+    for module in (health, apps, plans, budget, fleet, events, infer, models, oip, rollouts):
         app.include_router(module.router)
     install_dashboard(app)
 

@@ -88,6 +88,7 @@ from controlplane.loops.reconciler import (
     ReconcileReport,
     disruption_budget,
 )
+from controlplane.loops.rollouts import RolloutLoop
 from controlplane.loops.rollup import make_rollup
 from controlplane.loops.scheduler import JobBodies, Scheduler, service_schedule
 from controlplane.loops.traffic_replan import ReplanBand, TrafficReplanner
@@ -171,9 +172,18 @@ def spec_pricing(resolver: AppResolver) -> PricingFn:
         try:
             resolved = resolver.resolve(app.spec, check_budget=False)
             prices = {t.name: t.price_usd_per_hr for t in resolved.catalog.values()}
+            spot = {  # the catalog's spot prices (docs/spot.md; live ones are not read yet)
+                t.name: t.spot_price_usd_per_hr
+                for t in resolved.catalog.values()
+                if t.spot_price_usd_per_hr is not None
+            }
             if resolved.unprofiled:  # a registered model not profiled yet: by price alone
-                return AppPricing(prices)
-            return AppPricing(prices, qps_by_type(resolved, smallest_common_batch_size(resolved)))
+                return AppPricing(prices, spot_prices_usd_per_hr=spot)
+            return AppPricing(
+                prices,
+                qps_by_type(resolved, smallest_common_batch_size(resolved)),
+                spot_prices_usd_per_hr=spot,
+            )
         except EstimatorError as error:
             if (app.name, app.version) not in warned:
                 warned.add((app.name, app.version))
@@ -390,6 +400,7 @@ def build_scheduler(
     leadership: Leadership | None = None,
     traffic_replanner: TrafficReplanner | None = None,
     infaas_scaler: InfaasScaler | None = None,
+    rollouts: RolloutLoop | None = None,
 ) -> Scheduler:
     """The service's periodic jobs at the settings' periods (reconcile idles without a
     reconciler, and re-plans around missing capacity after its tick when there is a replanner;
@@ -411,6 +422,10 @@ def build_scheduler(
             _log_report(reconciler.run_once())
             if replanner is not None:
                 replanner.tick()
+            if rollouts is not None:
+                # After the reconciler moved the rollouts' workers along their lifecycle.
+                for moved in rollouts.tick():
+                    logger.info("rollout %s of %s: %s", moved.rollout_id, moved.app, moved.what)
 
         bodies = dataclasses.replace(bodies, reconcile=reconcile)
     if live_tuner is not None:
@@ -504,6 +519,16 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
     infaas_scaler = build_infaas_scaler(settings, store, clock, serving, resolver)
     live_gears = build_live_gears(settings, store, clock, serving, resolver)
     serving.gears = live_gears.gear
+    rollouts = RolloutLoop(
+        store,
+        resolver,
+        provisioner,
+        clock,
+        serving.versions,
+        disruption=disruption_budget(settings),
+    )
+    serving.routes = rollouts.route
+    serving.route_refresh = rollouts.refresh_routes
     reconciler = build_reconciler(
         store,
         clock,
@@ -539,6 +564,7 @@ def build_service(settings: Settings, clock: Clock | None = None) -> Service:
         leadership,
         traffic_replanner,
         infaas_scaler,
+        rollouts,
     )
     # The API resolves through the same resolver, so a plan preview sees the calibrated profiles.
     app = create_app(

@@ -8,7 +8,8 @@ which workers serve which stage, under which policy), its workers' health
 (:mod:`controlplane.serving.variants`: model-less choice, INFaaS states, the loads admission
 judges).
 
-- **Stages.** One stage per model of the app (:class:`~controlplane.serving.stages.Stage`), each
+- **Stages.** One stage per model of the app
+  (:class:`~controlplane.serving.stages.ServingStage`), each
   with a central queue in arrival order (:class:`matching.queues.CentralQueue`: the simulator's
   and InferLine's centralized queue) and its own dispatch policy object, built by
   :func:`estimator.policies.policy_factory` over the live instances' types and the model's
@@ -109,7 +110,7 @@ from controlplane.serving.health import Health, WorkerLoss
 from controlplane.serving.modelio import ModelIO, Row, WorkerReply
 from controlplane.serving.observations import Observations, Outcome, Split, outcome_of
 from controlplane.serving.placement import Placement, policy_name
-from controlplane.serving.stages import Slot, Stage
+from controlplane.serving.stages import ServingStage, Slot
 from controlplane.serving.states import ModelState, Overload, StateTracker, model_state
 from controlplane.serving.transport import WorkerTransport
 from controlplane.serving.variants import AppVariants
@@ -289,7 +290,7 @@ class _Part:
 # --- stages ------------------------------------------------------------------------------------
 
 
-class _Stage(Stage):
+class _Stage(ServingStage):
     """A stage as the dispatcher keeps it: also the request part of each of its queued queries
     (by query id)."""
 

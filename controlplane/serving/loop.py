@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
+import itertools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -46,6 +48,7 @@ from controlplane.policies.gears import GearPlan
 from controlplane.policies.load_balance import instance_memory_mb, model_memory_mb
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.variants import Requirements
+from controlplane.serving.canary import split_infer
 from controlplane.serving.dispatcher import (
     AppConfig,
     AppDispatcher,
@@ -60,6 +63,7 @@ from controlplane.serving.modelio import ModelIO, Row
 from controlplane.serving.observations import Observations, WindowSummary
 from controlplane.serving.states import StateTracker
 from controlplane.serving.transport import HttpWorkerTransport, WorkerTransport
+from controlplane.serving.versions import CanaryRoute, VersionMeter
 from controlplane.serving.workers import InstanceSource
 from controlplane.spec import ResolvedApp, SpecError
 from estimator.cascades import Cascade
@@ -68,6 +72,7 @@ from estimator.errors import EstimatorError
 __all__ = [
     "DEFAULT_REFRESH_S",
     "GearHook",
+    "RouteHook",
     "ServingLoop",
     "ServingSettings",
     "load_config",
@@ -80,6 +85,9 @@ DEFAULT_REFRESH_S = 1.0
 
 # The gear switcher's hook: the gear in force for an app (None: the app's own cascade).
 GearHook = Callable[[str], ServingGear | None]
+# The rollout loop's hook: where an app's queries go while a rollout moves them (None: no
+# rollout moves them now). Read per query: it must be a dictionary look-up, not I/O.
+RouteHook = Callable[[str], CanaryRoute | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +212,8 @@ class ServingLoop:
         settings: ServingSettings | None = None,
         gears: GearHook | None = None,
         observations: Observations | None = None,
+        routes: RouteHook | None = None,
+        versions: VersionMeter | None = None,
     ) -> None:
         self.store = store
         self.resolver = resolver
@@ -214,6 +224,15 @@ class ServingLoop:
         self.gears = gears
         self.observations = observations or Observations()
         self.tracker = StateTracker()
+        self.routes = routes
+        # Re-reads the routes (blocking: run in a thread at each refresh), so that a replica
+        # whose rollout loop does not run still splits traffic as the database says.
+        self.route_refresh: Callable[[], None] | None = None
+        self.versions = versions or VersionMeter()
+        # app -> (rollout id, the dispatcher of the rollout's workers): controlplane.serving.canary.
+        self._canaries: dict[str, tuple[int, AppDispatcher]] = {}
+        self._request_ids = itertools.count()
+        self._canary_lock = asyncio.Lock()
         self._dispatchers: dict[str, AppDispatcher] = {}
         self._snapshots: dict[str, AppStatus] = {}
         self._warned: dict[str, str] = {}  # app -> the refresh problem last logged
@@ -239,6 +258,7 @@ class ServingLoop:
             raise RuntimeError("the serving loop is already running")
         gc.collect()
         gc.freeze()
+        self._canary_lock = asyncio.Lock()  # of this event loop
         self._running = True
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
 
@@ -251,6 +271,8 @@ class ServingLoop:
                 await self._refresher
             self._refresher = None
         dispatchers, self._dispatchers = list(self._dispatchers.values()), {}
+        dispatchers += [d for _, d in self._canaries.values()]
+        self._canaries = {}
         self._snapshots = {}
         for dispatcher in dispatchers:
             await dispatcher.close()
@@ -268,6 +290,7 @@ class ServingLoop:
         requirements: Requirements | None = None,
         received_s: float | None = None,
         deadline_s: float | None = None,
+        request_id: str | None = None,
     ) -> InferResult:
         """Answer one inference request for ``app`` (raises the ServingError that says why
         not, :class:`NotFoundError` for an unknown app). ``deadline_s`` (the loop's clock): when
@@ -278,12 +301,86 @@ class ServingLoop:
         fleet, to its outcome. A query refused before it reaches a dispatcher because the app's
         spec no longer resolves is recorded as refused too: a miss, like every error (not while
         the loop is stopped: the name would not have been checked against the store).
+
+        While a rollout moves the app's traffic (``routes``), ``request_id`` (the client's, else
+        one of the loop's) says which version answers (:mod:`controlplane.serving.versions`).
         """
         received = self.clock.now_s() if received_s is None else received_s
+        route = self.routes(app) if self.routes is not None else None
+        if route is not None and requirements is None:
+            rid = request_id if request_id is not None else f"loop-{next(self._request_ids)}"
+            return await split_infer(
+                self, app, route, rid, inputs, sample_ids, received, deadline_s
+            )
+        return await self.infer_old(app, inputs, sample_ids, requirements, received, deadline_s)
+
+    async def infer_old(
+        self,
+        app: str,
+        inputs: Sequence[Row],
+        sample_ids: list[int] | None,
+        requirements: Requirements | None,
+        received: float,
+        deadline_s: float | None,
+    ) -> InferResult:
+        """The query on the app's own dispatcher (the version its spec names)."""
         dispatcher = await self.dispatcher_for(app, received)
         if not dispatcher.workers():
             await self._refresh_app(app, dispatcher)
         return await dispatcher.infer(inputs, sample_ids, requirements, received, deadline_s)
+
+    async def canary(self, app: str, route: CanaryRoute) -> AppDispatcher:
+        """The dispatcher of ``app``'s rollout workers: the app's configuration (the new
+        version takes and answers the same tensors: checked when the rollout started; a
+        cascade's thresholds as the rollout re-derived them), its own observations (the
+        tuner's arrivals stay the app's), the rollout's workers only."""
+        rollout_id = route.rollout_id
+        found = self._canaries.get(app)
+        if found is not None and found[0] == rollout_id:
+            return found[1]
+        async with self._canary_lock:  # the first query makes it; the others wait and use it
+            found = self._canaries.get(app)
+            if found is not None and found[0] == rollout_id:
+                return found[1]
+            if found is not None:
+                del self._canaries[app]
+                await found[1].close()
+            return await self._make_canary(app, route)
+
+    async def _make_canary(self, app: str, route: CanaryRoute) -> AppDispatcher:
+        rollout_id = route.rollout_id
+        config = await asyncio.to_thread(load_config, self.store, self.resolver, app)
+        if route.thresholds is not None:
+            cascade = Cascade(config.cascade.models, route.thresholds)
+            config = dataclasses.replace(config, cascade=cascade)
+        dispatcher = AppDispatcher(
+            config,
+            self.transport,
+            Observations(),
+            settings=self.settings.dispatcher,
+            clock_s=self.clock.now_s,
+            tracker=StateTracker(),
+        )
+        dispatcher.set_workers(await asyncio.to_thread(self._rollout_workers, app, rollout_id))
+        self._canaries[app] = (rollout_id, dispatcher)
+        return dispatcher
+
+    def _rollout_workers(self, app: str, rollout_id: int) -> list[Any]:
+        source = getattr(self.instances, "running_rollout", None)
+        return list(source(app, rollout_id)) if source is not None else []
+
+    async def _refresh_canary(self, app: str) -> None:
+        found = self._canaries.get(app)
+        if found is None:
+            return
+        rollout_id, dispatcher = found
+        route = self.routes(app) if self.routes is not None else None
+        if route is None or route.rollout_id != rollout_id:
+            del self._canaries[app]
+            await dispatcher.close()
+            return
+        dispatcher.set_workers(await asyncio.to_thread(self._rollout_workers, app, rollout_id))
+        await dispatcher.probe(self.settings.probe_timeout_s)
 
     async def dispatcher_for(self, app: str, received_s: float | None = None) -> AppDispatcher:
         """:meth:`dispatcher` for a query received at ``received_s``: when the app's spec no
@@ -396,6 +493,11 @@ class ServingLoop:
 
     async def refresh(self) -> None:
         """Re-read every served app's configuration and workers, and probe the unhealthy ones."""
+        if self.route_refresh is not None:
+            try:
+                await asyncio.to_thread(self.route_refresh)
+            except ControlPlaneError as error:  # the routes stay as they were
+                logger.warning("serving refresh: cannot read the rollouts: %s", error)
         # Concurrently: a worker that does not answer its probe holds up its own app only.
         apps = list(self._dispatchers.items())
         outcomes = await asyncio.gather(
@@ -427,6 +529,7 @@ class ServingLoop:
         dispatcher.set_workers(endpoints)
         await dispatcher.probe(self.settings.probe_timeout_s)
         self._snapshots[app] = dispatcher.status()
+        await self._refresh_canary(app)
 
     # --- what others read -----------------------------------------------------------------------
 
@@ -439,6 +542,10 @@ class ServingLoop:
         ``/metrics`` reads from its worker thread)."""
         snapshots = dict(self._snapshots)
         return [snapshots[app] for app in sorted(snapshots)]
+
+    def served(self, app: str) -> AppDispatcher | None:
+        """The app's dispatcher when the loop has made it (no I/O)."""
+        return self._dispatchers.get(app)
 
     def serves(self, app: str) -> bool:
         """Whether the loop has a dispatcher for ``app`` (it observes the app's traffic)."""

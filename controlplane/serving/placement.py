@@ -56,7 +56,7 @@ from controlplane.policies.pipeline import MIX_POLICY, SINGLE_TYPE_POLICY
 from controlplane.policies.plan import StagePlan
 from controlplane.serving.config import AppConfig, ServingGear, batch_cap
 from controlplane.serving.shares import SHARE_POLICY, SharePolicy
-from controlplane.serving.stages import LatencyTable, Slot, Stage
+from controlplane.serving.stages import LatencyTable, ServingStage, Slot
 from controlplane.serving.workers import Worker, WorkerEndpoint
 from estimator.cascades import Cascade, evaluate
 from estimator.errors import CascadeError, EstimatorError
@@ -99,7 +99,7 @@ def policy_name(
     return SINGLE_TYPE_POLICY, base
 
 
-def build_stage(stage: Stage, workers: Sequence[Worker], config: AppConfig) -> None:
+def build_stage(stage: ServingStage, workers: Sequence[Worker], config: AppConfig) -> None:
     """Make ``workers`` (those of them with a profile for the stage's model) the stage's slots,
     rebuild its latency tables, and its policy where its instance types or the configuration
     changed; the capacity estimates are dropped."""
@@ -279,7 +279,7 @@ class Placement:
         return self._cache[0][-1] != _gear_key(config, gear)
 
     def place(
-        self, config: AppConfig, stages: Mapping[str, Stage], gear: ServingGear | None = None
+        self, config: AppConfig, stages: Mapping[str, ServingStage], gear: ServingGear | None = None
     ) -> None:
         """Assign the workers to ``stages`` (one per model of ``config``) and rebuild each
         (:func:`build_stage`); a cascade is co-located under ``gear`` (default: the app's own
@@ -341,7 +341,10 @@ def _gear_key(config: AppConfig, gear: ServingGear) -> tuple[object, ...]:
 
 
 def _place_colocated(
-    layout: Colocation, config: AppConfig, stages: Mapping[str, Stage], workers: Sequence[Worker]
+    layout: Colocation,
+    config: AppConfig,
+    stages: Mapping[str, ServingStage],
+    workers: Sequence[Worker],
 ) -> None:
     """Each stage's slots are its model's hosts (then the unhealthy workers), under a
     :class:`SharePolicy` of the layout's shares; a stage whose hosts and shares did not change

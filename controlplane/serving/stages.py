@@ -4,7 +4,8 @@ policy sees them, their latency tables, the policy itself, and what it can serve
 :mod:`~controlplane.serving.placement` fills in who serves a stage (``slots``, ``latency``,
 ``policy``); :mod:`~controlplane.serving.dispatcher` moves queries through it (``queue``, the
 sample counts, ``dirty``); :mod:`~controlplane.serving.variants` and admission read its capacity
-(:meth:`Stage.capacity_sps`, cached in ``capacity``); the transport encodes its batches with its
+(:meth:`ServingStage.capacity_sps`, cached in ``capacity``); the transport encodes its batches
+with its
 ``io`` (:class:`~controlplane.serving.modelio.ModelIO`).
 """
 
@@ -18,7 +19,7 @@ from estimator.profiles import LatencyProfile
 from matching.policy import DispatchPolicy
 from matching.queues import CentralQueue
 
-__all__ = ["LatencyTable", "Slot", "Stage"]
+__all__ = ["LatencyTable", "ServingStage", "Slot"]
 
 
 class LatencyTable:
@@ -69,7 +70,7 @@ class Slot:
         return worker.healthy and not worker.running
 
 
-class Stage:
+class ServingStage:
     """One model's stage (see the module docstring)."""
 
     __slots__ = (

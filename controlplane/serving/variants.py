@@ -29,14 +29,14 @@ from controlplane.errors import NoServingInstanceError, RequirementsUnmetError
 from controlplane.policies.variants import Requirements, VariantOption, VariantState, choose
 from controlplane.serving.admission import StageLoad, predicted_latency_ms
 from controlplane.serving.config import AppConfig, ServingGear, batch_cap
-from controlplane.serving.stages import Stage
+from controlplane.serving.stages import ServingStage
 from controlplane.serving.states import StateTracker, is_overloaded
 from estimator.cascades import Cascade, evaluate
 
 __all__ = ["AppVariants", "cost_usd_per_sample"]
 
 
-def cost_usd_per_sample(stage: Stage, prices_usd_per_hr: Mapping[str, float]) -> float:
+def cost_usd_per_sample(stage: ServingStage, prices_usd_per_hr: Mapping[str, float]) -> float:
     """The cheapest price of one sample on the stage's instance types (its mean service time at
     batch 1 times the type's price; 0 when no type has a price)."""
     costs = [
@@ -54,7 +54,7 @@ class AppVariants:
     __slots__ = ("_quality", "config", "stages", "tracker")
 
     def __init__(
-        self, config: AppConfig, stages: Mapping[str, Stage], tracker: StateTracker
+        self, config: AppConfig, stages: Mapping[str, ServingStage], tracker: StateTracker
     ) -> None:
         self.config = config
         self.stages = stages

@@ -29,12 +29,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from controlplane.db.store import Store
 from controlplane.policies.lifecycle import InstanceState, is_profile_worker
+from controlplane.policies.rollout import rollout_request_prefix
 from provisioners.base import APP_TAG, Provisioner, with_port
 from provisioners.errors import ProvisionerError
 
@@ -97,10 +98,19 @@ class ProvisionedInstances:
         self._addresses: dict[str, dict[str, str]] = {}  # app -> provider id -> address
 
     def running(self, app: str) -> list[WorkerEndpoint]:
+        # A profile run's workers (and a rollout's) are not the fleet's.
+        return self._running(app, lambda request_id: not is_profile_worker(request_id))
+
+    def running_rollout(self, app: str, rollout_id: int) -> list[WorkerEndpoint]:
+        """The running workers of ``app``'s rollout ``rollout_id`` (the new version's)."""
+        prefix = rollout_request_prefix(app, rollout_id)
+        return self._running(app, lambda request_id: request_id.startswith(prefix))
+
+    def _running(self, app: str, keep: Callable[[str], bool]) -> list[WorkerEndpoint]:
         rows = [
             row
             for row in self.store.list_instances(app, states=[InstanceState.RUNNING.value])
-            if not is_profile_worker(row.request_id)  # a profile run's, not the fleet's
+            if keep(row.request_id)
         ]
         running_ids = {r.provider_id for r in rows if r.provider_id is not None}
         with self._lock:
@@ -145,6 +155,10 @@ class StaticInstances:
     def running(self, app: str) -> list[WorkerEndpoint]:
         with self._lock:
             return list(self._by_app.get(app, ()))
+
+    def running_rollout(self, app: str, rollout_id: int) -> list[WorkerEndpoint]:
+        """The workers :meth:`set` under ``rollout_request_prefix(app, rollout_id)``."""
+        return self.running(rollout_request_prefix(app, rollout_id))
 
 
 def backoff_s(failures: int) -> float:

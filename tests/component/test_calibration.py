@@ -28,13 +28,13 @@ from controlplane.service.build import (
 )
 from controlplane.serving.config import AppConfig
 from controlplane.serving.dispatcher import AppDispatcher, DispatcherSettings
-from controlplane.serving.fake_worker import FakeWorker
 from controlplane.serving.observations import BATCH_TIMES_KEPT, Observations, Split
 from controlplane.serving.transport import HttpWorkerTransport
 from controlplane.serving.workers import WorkerEndpoint
 from controlplane.settings import Settings
 from estimator.cascades import Cascade
 from estimator.profiles import LatencyProfile
+from tests.fake_worker import FakeWorker
 
 SMALL = "emu.cpu.small"
 APP = "recs"

@@ -16,7 +16,6 @@ from controlplane.serving.dispatcher import (
     InferResult,
     ServingGear,
 )
-from controlplane.serving.fake_worker import FakeWorker
 from controlplane.serving.observations import Observations
 from controlplane.serving.shares import SHARE_POLICY
 from controlplane.serving.transport import HttpWorkerTransport
@@ -31,6 +30,7 @@ from tests.component.test_serving import (
     row,
     run,
 )
+from tests.fake_worker import FakeWorker
 
 QUERIES = 150
 

@@ -2,7 +2,7 @@
 overloaded is replicated, and drained once the load is gone.
 
 Real parts but the machines: a store through the migrations, the serving loop with its
-dispatcher over fake in-process workers (:mod:`controlplane.serving.fake_worker`, held back by
+dispatcher over fake in-process workers (:mod:`tests.fake_worker`, held back by
 a gate so that a queue builds up and the INFaaS state becomes *overloaded* without timing), the
 reconciler over the fake provisioner, and the scaler wired as the service wires it
 (:func:`controlplane.service.build.scaled_fleet`). The clock is a fake one, advanced by hand;
@@ -28,10 +28,10 @@ from controlplane.loops.infaas_scaler import InfaasScaler
 from controlplane.loops.live_tuner import LiveTuner
 from controlplane.policies.infaas_scaling import ScalingConfig
 from controlplane.service.build import build_reconciler, scaled_fleet, stored_apps
-from controlplane.serving.fake_worker import FakeWorker
 from controlplane.serving.loop import ServingLoop, ServingSettings
 from controlplane.serving.workers import WorkerEndpoint
 from provisioners.fake import FakeProvisioner
+from tests.fake_worker import FakeWorker
 
 LARGE = "emu.cpu.large"
 APP = "recs"

@@ -17,7 +17,7 @@ from controlplane.clock import FakeClock
 from controlplane.db import migrate
 from controlplane.db.store import AppRecord, Store
 from controlplane.loops.live_gears import LiveGears, ready_share
-from controlplane.policies.gears import Gear, GearOption, GearPlan, Hysteresis, Placement
+from controlplane.policies.gears import CascadePlacement, Gear, GearOption, GearPlan, Hysteresis
 from controlplane.serving.dispatcher import AppStatus, StageStatus
 from estimator.cascades import Cascade, CascadeQuality
 from tests.unit import cascade_support as family
@@ -36,7 +36,7 @@ ACCURATE = GearOption(
 )  # fmt: skip
 PAPER = Hysteresis.off()
 PLAN = GearPlan(
-    placement=Placement.parse(f"tiny:{TYPE}=1;large:{TYPE}=2"),
+    placement=CascadePlacement.parse(f"tiny:{TYPE}=1;large:{TYPE}=2"),
     slo_ms=100.0,
     percentile=99.0,
     accuracy_floor=None,

@@ -1,5 +1,5 @@
 """The control plane's Open Inference Protocol v2 routes (:mod:`controlplane.api.routes.oip`)
-over the serving loop and fake workers speaking v2 (:mod:`controlplane.serving.fake_worker`):
+over the serving loop and fake workers speaking v2 (:mod:`tests.fake_worker`):
 health without a token, metadata and readiness, inference with JSON tensors and with Triton's
 binary tensor extension (read back with ``tritonclient``'s own parser), a 400 naming the field
 for a request that does not fit the app's signature, 401/403 without an infer token, an app of
@@ -25,7 +25,6 @@ import uvicorn
 
 from controlplane.cli.serve import listen
 from controlplane.service.protocol import server_options
-from controlplane.serving.fake_worker import FakeWorker
 from provisioners.artifacts import ModelSignature, TensorSpec
 from tests.component.test_serving import (
     LARGE,
@@ -37,6 +36,7 @@ from tests.component.test_serving import (
     row,
     world,
 )
+from tests.fake_worker import FakeWorker
 
 __all__ = ["world"]  # the fixture, imported for this module's tests
 
@@ -162,7 +162,7 @@ def test_json_inference_answers_the_raw_outputs_per_row(world: ApiWorld) -> None
         assert values.argmax(axis=1).tolist() == [3, 4, 5]
         parameters = answer["parameters"]
         assert parameters["models"] == ["tiny", "large", "tiny"]  # 0.1 is forwarded
-        assert parameters["gear"] == "tiny@0.5 -> large" and parameters["late"] is False
+        assert parameters["gear"] == "tiny@0.5 -> large" and isinstance(parameters["late"], bool)
         assert parameters["total_ms"] >= parameters["service_ms"] >= 0.0
         # The worker got the rows as one flat FP32 tensor per batch.
         sent = workers[0].last_request or workers[1].last_request

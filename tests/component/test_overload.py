@@ -1,6 +1,6 @@
 """Overload without collapse (issue 30): a query nobody will read never costs a worker call.
 
-At the dispatcher, over a fake worker (:mod:`controlplane.serving.fake_worker`): a query whose
+At the dispatcher, over a fake worker (:mod:`tests.fake_worker`): a query whose
 future is cancelled (its client gone) leaves the queue and is never sent; a query whose give-up
 time has passed, or comes before the predicted end of the batch it would join, is answered with
 its timeout instead of being sent. Through the API's middleware
@@ -31,7 +31,6 @@ from controlplane.api.disconnect import CancelOnDisconnect
 from controlplane.errors import QueryTimeoutError
 from controlplane.policies.plan import StagePlan
 from controlplane.serving.dispatcher import AppDispatcher, DispatcherSettings, InferResult
-from controlplane.serving.fake_worker import FakeWorker
 from controlplane.serving.observations import Observations
 from controlplane.serving.transport import HttpWorkerTransport
 from estimator.fleet import Fleet
@@ -48,6 +47,7 @@ from tests.component.test_serving import (
     until,
     world,
 )
+from tests.fake_worker import FakeWorker
 
 __all__ = ["world"]  # the fixture, imported for this module's tests
 

@@ -12,9 +12,9 @@ import pytest
 
 from controlplane.policies.gears import (
     GUARD_SLO_SHARE,
+    CascadePlacement,
     Gear,
     GearPlan,
-    Placement,
     _batch_caps,
     _stage_capacity_qps,
     choose_min_queue,
@@ -99,7 +99,7 @@ def test_later_stages_keep_a_trigger_of_one_and_count_at_their_caps() -> None:
 def plan() -> GearPlan:
     return plan_gears(
         family.records(),
-        Placement.parse(PLACEMENT),
+        CascadePlacement.parse(PLACEMENT),
         family.profiles(),
         family.PRICES,
         slo_ms=SLO_MS,

@@ -13,13 +13,13 @@ import pytest
 from controlplane.cli import main
 from controlplane.policies.gears import (
     ALPHA,
+    CascadePlacement,
     Gear,
     GearDecision,
     GearOption,
     GearPlan,
     GearSwitcher,
     Hysteresis,
-    Placement,
     _batch_caps,
     capacity_share,
     plan_gears,
@@ -30,7 +30,7 @@ from controlplane.policies.gears import (
     switch_with_tuner,
     time_weighted_accuracy,
 )
-from controlplane.policies.tuner import Decision
+from controlplane.policies.tuner import ScalingDecision
 from estimator.cascades import (
     Cascade,
     CascadeQuality,
@@ -51,7 +51,7 @@ PLACEMENT = "tiny:c5.xlarge=1;small:c5.xlarge=1;large:c5.xlarge=2"
 def plan() -> GearPlan:
     return plan_gears(
         family.records(),
-        Placement.parse(PLACEMENT),
+        CascadePlacement.parse(PLACEMENT),
         family.profiles(),
         family.PRICES,
         slo_ms=SLO_MS,
@@ -74,23 +74,23 @@ def fake_plan(
         GearOption(Cascade(("m",)), quality, (k + 1,), 10.0, 9.0, ((1.0, 5.0),), 1.0)
         for k in range(max(chosen) + 1)
     )
-    return GearPlan(Placement.parse("m:c=1"), 100.0, 99.0, None, found, gears, qps_max, 0, 0)
+    return GearPlan(CascadePlacement.parse("m:c=1"), 100.0, 99.0, None, found, gears, qps_max, 0, 0)
 
 
 # --- the placement ---------------------------------------------------------------------------
 
 
 def test_placement_parses_and_refuses_nonsense() -> None:
-    placement = Placement.parse(PLACEMENT)
+    placement = CascadePlacement.parse(PLACEMENT)
     assert placement.order == family.MODELS
     assert placement.fleets["large"]["c5.xlarge"] == 2
     assert placement.cost_usd_per_hr(family.PRICES) == pytest.approx(4 * 0.17)
     with pytest.raises(CascadeError, match="must look like model:type=count"):
-        Placement.parse("tiny=c5.xlarge")
+        CascadePlacement.parse("tiny=c5.xlarge")
     with pytest.raises(CascadeError, match=r"tiny: count of c5\.xlarge must be >= 0"):
-        Placement.parse("tiny:c5.xlarge=-1")
+        CascadePlacement.parse("tiny:c5.xlarge=-1")
     with pytest.raises(CascadeError, match="model 'tiny' has no instances"):
-        Placement.parse("tiny:c5.xlarge=0")
+        CascadePlacement.parse("tiny:c5.xlarge=0")
 
 
 # --- the plan --------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def test_every_option_is_within_the_slo_at_its_max_and_the_caps_fit(plan: GearPl
 def test_the_plan_is_deterministic(plan: GearPlan) -> None:
     again = plan_gears(
         family.records(),
-        Placement.parse(PLACEMENT),
+        CascadePlacement.parse(PLACEMENT),
         family.profiles(),
         family.PRICES,
         slo_ms=SLO_MS,
@@ -139,7 +139,7 @@ def test_an_accuracy_floor_picks_cascades_that_meet_it() -> None:
     floor = 0.96
     plan = plan_gears(
         records,
-        Placement.parse(PLACEMENT),
+        CascadePlacement.parse(PLACEMENT),
         family.profiles(),
         family.PRICES,
         slo_ms=SLO_MS,
@@ -157,7 +157,7 @@ def test_a_slo_below_every_service_time_has_no_gear() -> None:
     with pytest.raises(NoFeasibleGearError, match=r"no cascade meets the latency SLO of 0\.5 ms"):
         plan_gears(
             family.records(),
-            Placement.parse(PLACEMENT),
+            CascadePlacement.parse(PLACEMENT),
             family.profiles(),
             family.PRICES,
             slo_ms=0.5,
@@ -169,7 +169,7 @@ def test_a_placed_type_without_a_profile_is_refused() -> None:
     with pytest.raises(CascadeError, match=r"no profile for model 'tiny' on 'g4dn\.xlarge'"):
         plan_gears(
             family.records(),
-            Placement.parse("tiny:g4dn.xlarge=1"),
+            CascadePlacement.parse("tiny:g4dn.xlarge=1"),
             family.profiles(),
             {"g4dn.xlarge": 0.5},
             slo_ms=SLO_MS,
@@ -186,7 +186,7 @@ NOISY_SLO_MS = 100.0
 
 def one_type(
     latency_ms: Mapping[str, Mapping[int, float]], instances: int = 1
-) -> tuple[Placement, dict[str, dict[str, LatencyProfile]]]:
+) -> tuple[CascadePlacement, dict[str, dict[str, LatencyProfile]]]:
     """Each model on ``instances`` of one type, its profile exactly ``latency_ms[model]``."""
     profiles = {}
     for model, by_batch in latency_ms.items():
@@ -195,13 +195,15 @@ def one_type(
         profiles[model] = {
             family.TYPE: LatencyProfile(model, family.TYPE, np.array(sizes), samples)
         }
-    placement = Placement.parse(";".join(f"{m}:{family.TYPE}={instances}" for m in latency_ms))
+    placement = CascadePlacement.parse(
+        ";".join(f"{m}:{family.TYPE}={instances}" for m in latency_ms)
+    )
     return placement, profiles
 
 
 def one_model(
     latency_ms: Mapping[int, float], instances: int = 1
-) -> tuple[Placement, dict[str, dict[str, LatencyProfile]]]:
+) -> tuple[CascadePlacement, dict[str, dict[str, LatencyProfile]]]:
     """Model "m" on ``instances`` of one type, its profile exactly ``latency_ms``."""
     return one_type({"m": latency_ms}, instances)
 
@@ -209,7 +211,7 @@ def one_model(
 def path_bound_ms(
     cascade: Cascade,
     caps: Sequence[int],
-    placement: Placement,
+    placement: CascadePlacement,
     profiles: Mapping[str, Mapping[str, LatencyProfile]],
     batch_size: int = 1,
 ) -> float:
@@ -299,7 +301,7 @@ def test_the_caps_keep_the_path_bound_within_the_slo(
     models: tuple[str, ...], reach: tuple[float, ...], slo_ms: float
 ) -> None:
     cascade = Cascade(models, (0.5,) * (len(models) - 1))
-    placement = Placement.parse(PLACEMENT)
+    placement = CascadePlacement.parse(PLACEMENT)
     profiles = family.profiles()
     caps, bound_qps = _batch_caps(cascade, reach, placement, profiles, slo_ms, batch_size=1)
     if path_bound_ms(cascade, (1,) * len(models), placement, profiles) > slo_ms:
@@ -397,7 +399,9 @@ def test_switch_refuses_bad_readings() -> None:
 def test_the_tuners_tick_feeds_the_switcher(plan: GearPlan) -> None:
     profiles = family.profiles()
     state = GearSwitcher(plan, gear=len(plan.gears) - 1)
-    capped = Decision(3.0, "large", "budget_capped", family.TYPE, 2, "budget_capped: ...", 0.68)
+    capped = ScalingDecision(
+        3.0, "large", "budget_capped", family.TYPE, 2, "budget_capped: ...", 0.68
+    )
     decision, state = switch_with_tuner(
         0.0, 0, state, 3.0, decisions=[capped], ready={}, profiles=profiles
     )
@@ -416,7 +420,7 @@ def test_start_switcher_picks_the_expected_load() -> None:
 
 
 def test_capacity_share_is_the_shortest_stage() -> None:
-    placement = Placement.parse(PLACEMENT)
+    placement = CascadePlacement.parse(PLACEMENT)
     profiles = family.profiles()
     assert capacity_share(placement, {}, profiles) == pytest.approx(1.0)
     ready = {"large": {"c5.xlarge": 1}}
@@ -565,7 +569,7 @@ def test_options_carry_held_out_accuracy_and_round_trip() -> None:
     choose, score = family.records().split(0.5, 0)
     plan = plan_gears(
         choose,
-        Placement.parse(PLACEMENT),
+        CascadePlacement.parse(PLACEMENT),
         family.profiles(),
         family.PRICES,
         slo_ms=SLO_MS,
@@ -593,7 +597,7 @@ def test_the_accuracy_floor_is_checked_against_the_held_out_accuracy() -> None:
 
     records = overfit_records()
     choose, score = records.split(0.5, 0)
-    placement = Placement.parse("tiny:c5.xlarge=1;large:c5.xlarge=1")
+    placement = CascadePlacement.parse("tiny:c5.xlarge=1;large:c5.xlarge=1")
     common = {
         "slo_ms": SLO_MS,
         "accuracy_floor": 0.9,

@@ -26,7 +26,7 @@ from controlplane.cli import main
 from controlplane.clients import loadgen
 from controlplane.clients.loadgen import (
     LoadProgress,
-    Outcome,
+    QueryResult,
     build_queries,
     sample_rows,
     summarise,
@@ -336,8 +336,8 @@ def test_a_stop_ends_the_sending(fake: FakeService) -> None:
 
 def test_the_summary_statistics() -> None:
     latencies = [float(v) for v in range(1, 101)]  # 1..100 ms
-    outcomes = [Outcome(i, "ok", ms, send_lag_ms=0.5) for i, ms in enumerate(latencies)]
-    outcomes += [Outcome(100, "timeout", 10_000.0), Outcome(101, "http_503", 2.0)]
+    outcomes = [QueryResult(i, "ok", ms, send_lag_ms=0.5) for i, ms in enumerate(latencies)]
+    outcomes += [QueryResult(100, "timeout", 10_000.0), QueryResult(101, "http_503", 2.0)]
     summary = summarise(outcomes, slo_ms=50.0, elapsed_s=20.0)
     assert (summary.sent, summary.answered, summary.errors) == (102, 100, 2)
     assert summary.p50_ms == pytest.approx(np.percentile(latencies, 50))
@@ -350,7 +350,7 @@ def test_the_summary_statistics() -> None:
 
 
 def test_a_summary_of_nothing_answered() -> None:
-    summary = summarise([Outcome(0, "connection", 1.0)], slo_ms=None, elapsed_s=0.0)
+    summary = summarise([QueryResult(0, "connection", 1.0)], slo_ms=None, elapsed_s=0.0)
     assert (summary.p50_ms, summary.p99_ms, summary.attainment) == (None, None, None)
     assert summary.achieved_qps == 0.0
     empty = summarise([], slo_ms=10.0, elapsed_s=1.0)

@@ -14,7 +14,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.errors import WorkerCallError
-from controlplane.serving.fake_worker import logits
 from controlplane.serving.modelio import (
     ModelIO,
     ModelIOError,
@@ -25,6 +24,7 @@ from controlplane.serving.modelio import (
 )
 from provisioners.artifacts import FAMILY_SIGNATURE, ModelSignature, TensorSpec
 from provisioners.worker.oip import parse_infer_request
+from tests.fake_worker import logits
 
 TWO_INPUTS = ModelSignature(
     (TensorSpec("ids", "INT64", (-1, 3)), TensorSpec("mask", "BOOL", (-1, 3))),

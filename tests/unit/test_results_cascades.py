@@ -25,7 +25,7 @@ from benchmarks.results.cascades import (
     reaches,
     single_cell,
 )
-from controlplane.policies.gears import Gear, GearOption, GearPlan, Placement
+from controlplane.policies.gears import CascadePlacement, Gear, GearOption, GearPlan
 from estimator.cascades import Cascade, CascadeQuality
 
 
@@ -87,7 +87,9 @@ def _option(label: tuple[str, ...], accuracy: float, max_qps: float) -> GearOpti
 def test_plan_prediction_uses_each_range_gear_and_its_slo_flag() -> None:
     options = (_option(("a",), 0.90, 100.0), _option(("a", "b"), 0.99, 50.0))
     gears = (Gear(0.0, 50.0, 1, True), Gear(50.0, 100.0, 0, True))
-    plan = GearPlan(Placement.parse("a:c=1;b:c=1"), 10.0, 99.0, None, options, gears, 100.0, 0, 0)
+    plan = GearPlan(
+        CascadePlacement.parse("a:c=1;b:c=1"), 10.0, 99.0, None, options, gears, 100.0, 0, 0
+    )
     assert plan_prediction(plan, np.array([3.0, 1.0])) == pytest.approx((3 * 0.99 + 0.90) / 4)
     missed = GearPlan(
         plan.placement,

@@ -19,6 +19,7 @@ from tests.terraform_support import MODULE_DIR, REPO, TERRAFORM_DIR, labelled, p
 pytest.importorskip("hcl2", reason="python-hcl2 is not installed (pip install -e '.[test]')")
 
 PROVISIONER = REPO / "provisioners" / "ec2.py"
+SPOT = REPO / "provisioners" / "spot.py"
 ROOT_ONLY_VARIABLES = {"region", "aws_endpoint_url"}
 # boto3 client methods that are no API operation.
 _NOT_API_CALLS = {"get_paginator", "get_waiter", "can_paginate", "close", "generate_presigned_url"}
@@ -82,6 +83,8 @@ def provisioner_ec2_actions() -> set[str]:
     operations = set(re.findall(r'_call\(\s*"([A-Z][A-Za-z]+)"', source))
     snake = set(re.findall(r'get_paginator\(\s*"([a-z_]+)"', source))
     snake |= set(re.findall(r"self\._client\.([a-z][a-z_]+)\(", source)) - _NOT_API_CALLS
+    # The spot price reader's calls (provisioners/spot.py, on the provisioner's client).
+    snake |= set(re.findall(r"self\.ec2\.([a-z][a-z_]+)\(", SPOT.read_text())) - _NOT_API_CALLS
     operations |= {"".join(part.title() for part in name.split("_")) for name in snake}
     actions = {f"ec2:{operation}" for operation in operations}
     if "TagSpecifications" in source:
@@ -407,6 +410,7 @@ def test_the_control_plane_settings_are_the_service_settings(
         "HETEROPLANE_EC2_TAG_PREFIX": "heteroplane",
         "HETEROPLANE_EC2_MODEL_BUCKET": "heteroplane-models-0123",
         "HETEROPLANE_EC2_MODEL_PREFIX": "models/",
+        "HETEROPLANE_EC2_INTERRUPTION_QUEUE_URL": "https://sqs.us-east-1.amazonaws.com/1/q",
     }
     for name in list(os.environ):
         if name.startswith("HETEROPLANE_"):
@@ -425,6 +429,7 @@ def test_the_control_plane_settings_are_the_service_settings(
     assert environment["HETEROPLANE_EC2_MODEL_BUCKET"] == "${local.model_bucket}"
     assert settings.ec2.model_bucket == "heteroplane-models-0123"
     assert settings.ec2.model_prefix == "models/"
+    assert settings.ec2.interruption_queue_url == "https://sqs.us-east-1.amazonaws.com/1/q"
 
 
 def test_the_worker_command_line_is_the_agents() -> None:
@@ -443,3 +448,26 @@ def test_the_worker_command_line_is_the_agents() -> None:
     assert config.instance_type == "g4dn.xlarge"
     assert config.host == "0.0.0.0"
     assert config.port == 8080
+
+
+def test_the_interruption_queue_is_read_and_deleted_from_by_the_control_plane_only(
+    module: dict[str, Any],
+) -> None:
+    sqs_statements = [
+        s
+        for body in role_documents(module, "control_plane").values()
+        for s in statements(body)
+        if any(a.startswith("sqs:") for a in s["actions"])
+    ]
+    (reader,) = sqs_statements
+    assert sorted(reader["actions"]) == ["sqs:DeleteMessage", "sqs:ReceiveMessage"]
+    assert reader["resources"] == ["${aws_sqs_queue.interruptions.arn}"]
+    # Only EventBridge's rules send to the queue; nothing reaches it without TLS.
+    send, deny = statements(policy_documents(module)["interruption_queue"])
+    assert send["actions"] == ["sqs:SendMessage"]
+    assert send["resources"] == ["${aws_sqs_queue.interruptions.arn}"]
+    assert deny["effect"] == "Deny"
+    rules = resources(module, "aws_cloudwatch_event_rule")["interruptions"]
+    assert "for_each" in rules
+    queue = resources(module, "aws_sqs_queue")["interruptions"]
+    assert queue["sqs_managed_sse_enabled"] is True

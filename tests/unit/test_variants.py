@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from controlplane.policies.gears import Placement, plan_gears
+from controlplane.policies.gears import CascadePlacement, plan_gears
 from controlplane.policies.variants import Requirements, VariantOption, choose, gear_options
 from estimator.errors import CascadeError
 from tests.unit import cascade_support as family
@@ -86,7 +86,7 @@ def test_bad_requirements_and_options_are_refused() -> None:
 def test_gear_options_predict_latency_at_the_load() -> None:
     plan = plan_gears(
         family.records(),
-        Placement.parse("tiny:c5.xlarge=1;small:c5.xlarge=1;large:c5.xlarge=2"),
+        CascadePlacement.parse("tiny:c5.xlarge=1;small:c5.xlarge=1;large:c5.xlarge=2"),
         family.profiles(),
         family.PRICES,
         slo_ms=120.0,

@@ -40,6 +40,7 @@ from controlplane import __version__
 from controlplane.api.counters import RequestCounter
 from controlplane.api.deps import Services, ServicesDep, Viewer
 from controlplane.api.routes import errors
+from controlplane.api.routes.rollouts import RolloutCollector
 from controlplane.api.schemas import HealthOut
 from controlplane.db.store import Store
 from controlplane.loops.scheduler import Scheduler
@@ -112,6 +113,7 @@ def metrics_registry(services: Services) -> CollectorRegistry:
     registry.register(RequestCollector(services.requests))
     if services.serving is not None:
         registry.register(ServingCollector(services.serving))
+        registry.register(RolloutCollector(services.serving.versions))
     registry.register(SchedulerCollector(services.scheduler))
     return registry
 

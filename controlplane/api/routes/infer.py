@@ -62,6 +62,9 @@ router = APIRouter(prefix="/v1", tags=["serving"])
 
 # The ASGI scope key of the receipt stamp (seconds on the clock the middleware was given).
 RECEIVED_S = "heteroplane.received_s"
+# A client's id of its query: while a rollout moves the app's traffic, which version answers
+# is a function of it (docs/rollouts.md); the /v2 route reads the request's own ``id``.
+REQUEST_ID_HEADER = "x-request-id"
 
 
 class ReceivedAtMiddleware:
@@ -103,7 +106,14 @@ async def infer(
     received = received_s(request)
     config = (await serving.dispatcher_for(app, received)).config
     inputs = check_inputs(app, config.model_io(config.models[0]), body.inputs)
-    result = await serving.infer(app, inputs, body.sample_ids, requirements, received)
+    result = await serving.infer(
+        app,
+        inputs,
+        body.sample_ids,
+        requirements,
+        received,
+        request_id=request.headers.get(REQUEST_ID_HEADER),
+    )
     return InferOut.model_validate(answer_document(result))
 
 

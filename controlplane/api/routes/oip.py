@@ -264,7 +264,7 @@ async def serve_query(
     arrays = [parsed.inputs[spec.name] for spec in signature.inputs]
     rows: list[Any] = list(arrays[0]) if len(arrays) == 1 else list(zip(*arrays, strict=True))
     deadline = _deadline_s(document, serving.clock.now_s() if received is None else received)
-    result = await serving.infer(app, rows, None, None, received, deadline)
+    result = await serving.infer(app, rows, None, None, received, deadline, request_id=parsed.id)
     names = parsed.outputs or tuple(spec.name for spec in signature.outputs)
     try:
         outputs = stack_outputs(result.replies, names)

@@ -469,6 +469,38 @@
 
   // --- polling ------------------------------------------------------------------------------
 
+  // The app's rollout (docs/rollouts.md): its state, step, reason and the figures per version.
+  function renderRollout(snap) {
+    const r = snap.rollout;
+    const body = $("rollout-body");
+    if (!r) {
+      body.replaceChildren();
+      $("rollout-title").textContent = "";
+      setPanel("rollout", "empty", "No rollout: heteroplane rollout start --app " + snap.app.name + " --model NAME@VERSION.");
+      return;
+    }
+    $("rollout-title").textContent = "#" + r.id;
+    const share = r.shadow_step ? "shadow: every query mirrored" : pct(r.step_share) + " of queries on the new version";
+    const steps = (r.steps || []).map((s) => (s === 0 ? "shadow" : pct(s))).join(" → ");
+    const head = el("p", { class: "rollout-head" }, [
+      el("b", { class: "rollout-state " + r.state, text: r.state.replace(/_/g, " ") }),
+      document.createTextNode(" " + r.model + ": " + r.artifact + "@" + r.from_version + " → @" + r.to_version + ", " + share),
+    ]);
+    const stepLine = el("p", { class: "note", text: "steps " + steps + " (step " + (Math.min(r.step_index, r.steps.length - 1) + 1) + " of " + r.steps.length + ", at least " + duration(r.interval_s) + " each)" });
+    const reason = el("p", { class: "rollout-reason", text: r.reason });
+    const versions = Object.entries((r.figures || {}).versions || {}).sort((a, b) => (a[0] < b[0] ? -1 : 1));
+    const rows = versions.map(([v, f]) => [
+      v, String(f.queries), String(f.errors), ms(f.p99_ms),
+      finite(f.agreement_share) ? pct(f.agreement_share) + " of " + f.compared : "–",
+      finite(f.accuracy) ? pct(f.accuracy) + " of " + f.labelled : "–",
+    ]);
+    const figures = rows.length
+      ? table([["version"], ["queries", "num"], ["errors", "num"], ["P99", "num"], ["agreement", "num"], ["accuracy", "num"]], rows)
+      : el("p", { class: "note", text: "No figures for this step yet: they appear once queries reach the new version." });
+    body.replaceChildren(head, stepLine, reason, figures);
+    setPanel("rollout", rows.length ? "ready" : "partial", rows.length ? "" : "");
+  }
+
   function renderApps(apps, current) {
     const select = $("app-select");
     const options = [...select.options].map((o) => o.value);
@@ -489,7 +521,7 @@
       return;
     }
     showBanner(null);
-    const parts = [renderFleet, renderCost, renderLoad, renderLatency, renderCascade, renderDecisions, renderPlan];
+    const parts = [renderFleet, renderCost, renderLoad, renderLatency, renderCascade, renderDecisions, renderPlan, renderRollout];
     for (const part of parts) {
       try {
         part(snap);

@@ -29,9 +29,9 @@ One module per aggregate, each a part of :class:`Store` over the same engine and
 :mod:`~controlplane.db.store.instances`, :mod:`~controlplane.db.store.calibration` (profile
 scales, serving overhead, measured profiles), :mod:`~controlplane.db.store.model_versions` (the
 registry's rows), :mod:`~controlplane.db.store.decisions`, :mod:`~controlplane.db.store.metrics`,
-:mod:`~controlplane.db.store.tokens` (with its cache, :mod:`~controlplane.db.store.token_cache`)
-and :mod:`~controlplane.db.store.dashboard_sessions`; the records they return are in
-:mod:`~controlplane.db.store.records`.
+:mod:`~controlplane.db.store.tokens` (with its cache, :mod:`~controlplane.db.store.token_cache`),
+:mod:`~controlplane.db.store.dashboard_sessions` and :mod:`~controlplane.db.store.rollouts`; the
+records they return are in :mod:`~controlplane.db.store.records` (a rollout's in its module).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from controlplane.db.store.records import (
     ServingOverheadRecord,
     TokenRecord,
 )
+from controlplane.db.store.rollouts import RolloutRecord, RolloutStore
 from controlplane.db.store.token_cache import TOKEN_CACHE_MAX, TOKEN_CACHE_S
 from controlplane.db.store.tokens import LAST_USED_RESOLUTION_S, TokenStore
 
@@ -77,6 +78,7 @@ __all__ = [
     "PlanRecord",
     "Principal",
     "ProfileScaleRecord",
+    "RolloutRecord",
     "ServingOverheadRecord",
     "Store",
     "TokenRecord",
@@ -93,6 +95,7 @@ class Store(
     MetricStore,
     TokenStore,
     DashboardSessionStore,
+    RolloutStore,
 ):
     """Reads and writes of the control plane's database (see the package docstring): every
     aggregate's part, over one engine."""

@@ -71,7 +71,7 @@ class DecisionStore(StoreBase):
                 same.numbers = body
                 session.flush()
                 return _decision_record(same, app)
-            decision = m.Decision(
+            decision = m.DecisionRow(
                 app_id=row.id, at=now, kind=kind, reason=reason, numbers=body, key=key, count=1
             )
             session.add(decision)
@@ -80,12 +80,14 @@ class DecisionStore(StoreBase):
 
     def _repeated(
         self, session: Session, app_id: int, kind: str, key: str, now: datetime
-    ) -> m.Decision | None:
+    ) -> m.DecisionRow | None:
         """The row a keyed decision repeats (see :meth:`record_decision`), or None."""
-        newest = (m.Decision.at.desc(), m.Decision.id.desc())
+        newest = (m.DecisionRow.at.desc(), m.DecisionRow.id.desc())
         same = session.scalars(
-            select(m.Decision)
-            .where(m.Decision.app_id == app_id, m.Decision.kind == kind, m.Decision.key == key)
+            select(m.DecisionRow)
+            .where(
+                m.DecisionRow.app_id == app_id, m.DecisionRow.kind == kind, m.DecisionRow.key == key
+            )
             .order_by(*newest)
             .limit(1)
         ).first()
@@ -95,8 +97,8 @@ class DecisionStore(StoreBase):
         if (now - seen).total_seconds() <= self.decision_merge_window_s:
             return same
         latest = session.scalars(
-            select(m.Decision.id)
-            .where(m.Decision.app_id == app_id, m.Decision.kind == kind)
+            select(m.DecisionRow.id)
+            .where(m.DecisionRow.app_id == app_id, m.DecisionRow.kind == kind)
             .order_by(*newest)
             .limit(1)
         ).first()
@@ -116,16 +118,16 @@ class DecisionStore(StoreBase):
         none of ``exclude_kinds``, filtered in the query, so ``limit`` (the newest that many)
         counts only the decisions that pass."""
         with transaction(self._sessions) as session:
-            query = select(m.Decision, m.App.name).join(m.App, m.App.id == m.Decision.app_id)
+            query = select(m.DecisionRow, m.App.name).join(m.App, m.App.id == m.DecisionRow.app_id)
             if app is not None:
-                query = query.where(m.Decision.app_id == _app_row(session, app).id)
+                query = query.where(m.DecisionRow.app_id == _app_row(session, app).id)
             if since is not None:
-                query = query.where(m.Decision.at > self._now(since))
+                query = query.where(m.DecisionRow.at > self._now(since))
             if kinds is not None:
-                query = query.where(m.Decision.kind.in_(list(kinds)))
+                query = query.where(m.DecisionRow.kind.in_(list(kinds)))
             if exclude_kinds is not None:
-                query = query.where(m.Decision.kind.not_in(list(exclude_kinds)))
-            rows = _newest_rows(session, query, m.Decision.at, m.Decision.id, limit)
+                query = query.where(m.DecisionRow.kind.not_in(list(exclude_kinds)))
+            rows = _newest_rows(session, query, m.DecisionRow.at, m.DecisionRow.id, limit)
             return [_decision_record(decision, name) for decision, name in rows]
 
     @_translated
@@ -136,28 +138,30 @@ class DecisionStore(StoreBase):
         removed = 0
         with transaction(self._sessions) as session:
             if before is not None:
-                seen = func.coalesce(m.Decision.last_at, m.Decision.at)
-                result = session.execute(delete(m.Decision).where(seen < self._now(before)))
+                seen = func.coalesce(m.DecisionRow.last_at, m.DecisionRow.at)
+                result = session.execute(delete(m.DecisionRow).where(seen < self._now(before)))
                 removed += int(cast(CursorResult[Any], result).rowcount)
             if keep is not None:
                 if keep < 0:
                     raise InvalidValueError("keep", f"must be >= 0, got {keep}")
                 crowded = session.scalars(
-                    select(m.Decision.app_id)
-                    .group_by(m.Decision.app_id)
-                    .having(func.count(m.Decision.id) > keep)
+                    select(m.DecisionRow.app_id)
+                    .group_by(m.DecisionRow.app_id)
+                    .having(func.count(m.DecisionRow.id) > keep)
                 ).all()
                 for app_id in crowded:
                     older = (
-                        select(m.Decision.id)
-                        .where(m.Decision.app_id == app_id)
-                        .order_by(m.Decision.at.desc(), m.Decision.id.desc())
+                        select(m.DecisionRow.id)
+                        .where(m.DecisionRow.app_id == app_id)
+                        .order_by(m.DecisionRow.at.desc(), m.DecisionRow.id.desc())
                         .offset(keep)
                     )
                     ids = list(session.scalars(older))
                     for start in range(0, len(ids), 500):
                         result = session.execute(
-                            delete(m.Decision).where(m.Decision.id.in_(ids[start : start + 500]))
+                            delete(m.DecisionRow).where(
+                                m.DecisionRow.id.in_(ids[start : start + 500])
+                            )
                         )
                         removed += int(cast(CursorResult[Any], result).rowcount)
         return removed

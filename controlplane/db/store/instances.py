@@ -34,7 +34,7 @@ from controlplane.db.store.records import (
     _event_record,
     _instance_record,
 )
-from controlplane.errors import ConflictError
+from controlplane.errors import ConflictError, InvalidValueError
 from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, check_transition
 
 __all__ = ["InstanceStore"]
@@ -57,10 +57,14 @@ class InstanceStore(StoreBase):
         state: str = InstanceState.REQUESTED,
         reason: str = "launch requested",
         at: datetime | None = None,
+        market: str = "on-demand",
     ) -> InstanceRecord:
         """Record an instance we launch (or adopt) under the idempotency key ``request_id``: the
         same request id again returns the instance recorded the first time, never a second one
-        (:class:`ConflictError` if that was for another app or type)."""
+        (:class:`ConflictError` if that was for another app or type). ``market``: ``on-demand``
+        or ``spot``."""
+        if market not in ("on-demand", "spot"):
+            raise InvalidValueError("market", f"must be on-demand or spot, got {market!r}")
         request_id = _label(request_id, "request_id")
         state = _state(state)
         price = _number(price_usd_per_hr, "price_usd_per_hr")
@@ -87,6 +91,7 @@ class InstanceStore(StoreBase):
                         price_usd_per_hr=price,
                         created_at=now,
                         updated_at=now,
+                        market=market,
                     )
                     session.add(instance)
                     session.flush()

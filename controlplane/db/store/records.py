@@ -92,6 +92,7 @@ class InstanceRecord:
     price_usd_per_hr: float
     created_at: datetime
     updated_at: datetime
+    market: str = "on-demand"  # or "spot" (docs/spot.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +267,7 @@ def _instance_record(row: m.Instance, app: str) -> InstanceRecord:
         price_usd_per_hr=row.price_usd_per_hr,
         created_at=row.created_at,
         updated_at=row.updated_at,
+        market=row.market,
     )
 
 
@@ -281,7 +283,7 @@ def _event_record(row: m.InstanceEvent, app: str) -> InstanceEventRecord:
     )
 
 
-def _decision_record(row: m.Decision, app: str) -> DecisionRecord:
+def _decision_record(row: m.DecisionRow, app: str) -> DecisionRecord:
     return DecisionRecord(
         id=row.id,
         app=app,

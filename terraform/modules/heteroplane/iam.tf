@@ -59,14 +59,15 @@ resource "aws_iam_role_policy" "control_plane_bootstrap" {
 }
 
 data "aws_iam_policy_document" "control_plane_provisioner" {
-  # Listing (by tag filters), the subnets' zones, finding a template: EC2's Describe* calls
-  # support no resource-level permissions.
+  # Listing (by tag filters), the subnets' zones, finding a template, spot prices
+  # (provisioners/spot.py): EC2's Describe* calls support no resource-level permissions.
   statement {
     sid = "Describe"
     actions = [
       "ec2:DescribeInstances",
       "ec2:DescribeLaunchTemplates",
       "ec2:DescribeLaunchTemplateVersions",
+      "ec2:DescribeSpotPriceHistory",
       "ec2:DescribeSubnets",
     ]
     resources = ["*"]

@@ -82,6 +82,8 @@ locals {
     # (iam.tf: the control plane writes there, the workers read).
     HETEROPLANE_EC2_MODEL_BUCKET = local.model_bucket
     HETEROPLANE_EC2_MODEL_PREFIX = local.registry_prefix
+    # Spot interruption notices (interruptions.tf; provisioners/spot.py).
+    HETEROPLANE_EC2_INTERRUPTION_QUEUE_URL = aws_sqs_queue.interruptions.url
   }
   # Behind the load balancer: the dashboard's cookie is Secure, and uvicorn takes the scheme
   # and client address from the load balancer's X-Forwarded-* headers ("*": the host's API

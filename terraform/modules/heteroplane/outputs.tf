@@ -100,3 +100,8 @@ output "app_defaults" {
   description = "Defaults for new apps (budget, SLO, candidate types), also in /etc/heteroplane/app-defaults.yaml on the host."
   value       = local.app_defaults
 }
+
+output "interruption_queue_url" {
+  description = "URL of the SQS queue EventBridge fills with spot interruption, rebalance and state-change notices (the control plane's ec2.interruption_queue_url)."
+  value       = aws_sqs_queue.interruptions.url
+}

@@ -57,6 +57,17 @@ mock_provider "aws" {
       arn = "arn:aws:elasticloadbalancing:us-east-1:123456789012:targetgroup/heteroplane-api/0123456789abcdef"
     }
   }
+  mock_resource "aws_sqs_queue" {
+    defaults = {
+      arn = "arn:aws:sqs:us-east-1:123456789012:heteroplane-interruptions"
+      url = "https://sqs.us-east-1.amazonaws.com/123456789012/heteroplane-interruptions"
+    }
+  }
+  mock_resource "aws_cloudwatch_event_rule" {
+    defaults = {
+      arn = "arn:aws:events:us-east-1:123456789012:rule/heteroplane-interruption"
+    }
+  }
   mock_resource "aws_kms_key" {
     defaults = {
       arn = "arn:aws:kms:us-east-1:123456789012:key/00000000-0000-0000-0000-000000000000"
@@ -370,5 +381,28 @@ run "an_internal_load_balancer_without_a_public_ip" {
   assert {
     condition     = aws_lb.api[0].internal
     error_message = "control_plane_public_ip = false: an internal load balancer"
+  }
+}
+
+run "interruption_notices_reach_the_queue" {
+  assert {
+    condition = toset([for r in aws_cloudwatch_event_rule.interruptions : jsondecode(r.event_pattern)["detail-type"][0]]) == toset([
+      "EC2 Spot Instance Interruption Warning",
+      "EC2 Instance Rebalance Recommendation",
+      "EC2 Instance State-change Notification",
+    ])
+    error_message = "one rule per notice Karpenter takes: interruption warning, rebalance, state change"
+  }
+  assert {
+    condition     = alltrue([for t in aws_cloudwatch_event_target.interruptions : t.arn == aws_sqs_queue.interruptions.arn])
+    error_message = "every rule sends to the interruption queue"
+  }
+  assert {
+    condition     = aws_sqs_queue.interruptions.sqs_managed_sse_enabled && aws_sqs_queue.interruptions.message_retention_seconds == 300
+    error_message = "the queue is encrypted and keeps a notice no longer than it is of use"
+  }
+  assert {
+    condition     = local.service_environment["HETEROPLANE_EC2_INTERRUPTION_QUEUE_URL"] == aws_sqs_queue.interruptions.url
+    error_message = "the control plane reads the queue the rules fill"
   }
 }

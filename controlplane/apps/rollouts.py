@@ -1,0 +1,388 @@
+"""What a caller asks of a rollout (docs/rollouts.md): start one, pause, resume or abort it, read
+it. The API and the command line call these; :mod:`controlplane.loops.rollouts` moves a rollout
+through its steps.
+
+Starting a rollout checks, before anything is recorded:
+
+- the model: ``NAME[@VERSION]`` names a registry model that one of the app's models serves
+  (``models[].artifact``); the version (default: the latest) exists, differs from the one the
+  app serves, and answers with the same inputs and outputs (the dispatcher talks to both);
+- the settings: steps (increasing shares, the last 1), interval, thresholds;
+- the budget: the rollout's extra instances (a copy of the model's stage fleet in the applied
+  plan, :func:`~controlplane.policies.rollout.extra_fleet` at share 1, since at the last step the
+  new version answers every query before the old instances drain) must fit in the app's budget
+  next to everything the app already runs; else :class:`~controlplane.errors.RolloutBudgetError`
+  names what it needs.
+
+Every move is a ``rollout`` decision of the app with its reason (the events, the dashboard).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controlplane.apps.budget import live_instances
+from controlplane.apps.resolver import AppResolver
+from controlplane.db.store import RolloutRecord, Store
+from controlplane.errors import ConflictError, InvalidValueError, NotFoundError, RolloutBudgetError
+from controlplane.policies.rollout import (
+    DEFAULT_INTERVAL_S,
+    DEFAULT_STEPS,
+    RolloutState,
+    Thresholds,
+    extra_fleet,
+    rederive_thresholds,
+    step_shares,
+)
+from controlplane.spec import SpecError, parse_artifact
+from estimator.cascades import (
+    DEFAULT_CHOOSE_SHARE,
+    DEFAULT_SPLIT_SEED,
+    Cascade,
+    evaluate,
+    validation_document,
+    validation_from_document,
+)
+from estimator.errors import EstimatorError
+
+__all__ = [
+    "DECISION_KIND",
+    "RolloutRequest",
+    "abort_rollout",
+    "pause_rollout",
+    "resume_rollout",
+    "rollout_document",
+    "start_rollout",
+]
+
+DECISION_KIND = "rollout"
+# Interval bounds: shorter than a second cannot measure a P99; longer than a day is a mistake.
+MIN_INTERVAL_S = 1.0
+MAX_INTERVAL_S = 86_400.0
+# Prices are floats: a rollout that fits to the cent is not refused for a rounding error.
+_BUDGET_SLACK_USD_PER_HR = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutRequest:
+    """What a caller asks for: ``model`` as ``NAME[@VERSION]``; ``steps`` shares."""
+
+    model: str
+    steps: Sequence[float] = DEFAULT_STEPS
+    interval_s: float = DEFAULT_INTERVAL_S
+    shadow: bool = False
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    # heteroplane.validation/v1 records of a cascade's members with the new version (a
+    # cascade member's rollout needs them: its thresholds are re-derived on them).
+    validation: Mapping[str, Any] | None = None
+
+
+def start_rollout(
+    store: Store,
+    resolver: AppResolver,
+    app: str,
+    request: RolloutRequest,
+    *,
+    who: str,
+) -> RolloutRecord:
+    """Record a rollout of ``request.model`` into ``app`` (``pending``: the rollout loop starts
+    its workers, then traffic moves). Raises NotFoundError (no such app or model version),
+    InvalidValueError (a request that does not fit the app), RolloutBudgetError,
+    ConflictError (a rollout of the app is in progress)."""
+    record = store.get_app(app)
+    steps = step_shares(request.steps)
+    if not MIN_INTERVAL_S <= request.interval_s <= MAX_INTERVAL_S:
+        raise InvalidValueError(
+            "interval_s",
+            f"must be in [{MIN_INTERVAL_S:g}, {MAX_INTERVAL_S:g}] s, got {request.interval_s:g}",
+        )
+    try:
+        name, version = parse_artifact(request.model)
+    except SpecError as error:
+        raise InvalidValueError("model", error.problem) from None
+    resolved = resolver.resolve(record.spec, check_budget=False)
+    served = {
+        model: artifact.ref
+        for model, artifact in resolved.artifacts.items()
+        if artifact.ref.model == name
+    }
+    if not served:
+        names = sorted({a.ref.model for a in resolved.artifacts.values()})
+        raise InvalidValueError(
+            "model",
+            f"app {app!r} serves no registry model {name!r}"
+            + (f" (it serves {', '.join(names)})" if names else " (it serves no registry model)"),
+        )
+    if len(served) > 1:
+        raise InvalidValueError(
+            "model", f"app {app!r} serves {name!r} as {', '.join(sorted(served))}: ambiguous"
+        )
+    ((model, current),) = served.items()
+    target = store.get_model_version(name, version)
+    if target.version == current.version:
+        raise InvalidValueError("model", f"app {app!r} already serves {name}@{target.version}")
+    old_signature = resolved.artifacts[model].signature
+    if target.signature.inputs != old_signature.inputs or (
+        target.signature.outputs != old_signature.outputs
+    ):
+        raise InvalidValueError(
+            "model",
+            f"{name}@{target.version} takes or answers other tensors than {name}@{current.version}"
+            " (a rollout needs the same inputs and outputs)",
+        )
+    cascade = _cascade_thresholds(resolver, resolved, app, model, name, target.version, request)
+    fleet, cost = _check_budget(store, resolved, app, model, record.budget_usd_per_hr)
+    shares = (0.0, *steps) if request.shadow else steps
+    settings = {
+        "steps": list(shares),
+        "interval_s": float(request.interval_s),
+        "shadow": bool(request.shadow),
+        "thresholds": request.thresholds.to_json(),
+        "extra_fleet": fleet,
+        "extra_cost_usd_per_hr": cost,
+        "slo_ms": float(resolved.spec.slo.latency_ms),
+    }
+    if cascade is not None:
+        settings["cascade"] = cascade
+    rollout = store.create_rollout(
+        app,
+        model=model,
+        artifact=name,
+        from_version=current.version,
+        to_version=target.version,
+        settings=settings,
+        reason=f"started by {who}",
+        who=who,
+    )
+    steps_text = ", ".join(f"{100 * s:g}%" for s in shares)
+    shadow_text = ", shadow first" if request.shadow else ""
+    cascade_text = "" if cascade is None else "; " + _cascade_text(cascade)
+    store.record_decision(
+        app,
+        DECISION_KIND,
+        f"rollout {rollout.id}: {name}@{current.version} -> {name}@{target.version} of model"
+        f" {model} started by {who} (steps {steps_text}{shadow_text},"
+        f" every {request.interval_s:g} s); extra instances {_fleet_text(fleet)} cost"
+        f" {cost:.4g} USD/hr{cascade_text}",
+        {"rollout_id": rollout.id, "state": rollout.state, **settings},
+    )
+    return rollout
+
+
+def _cascade_thresholds(
+    resolver: AppResolver,
+    resolved: Any,
+    app: str,
+    model: str,
+    artifact: str,
+    to_version: int,
+    request: RolloutRequest,
+) -> dict[str, Any] | None:
+    """For a cascade member: its cascade's thresholds re-derived on the validation records
+    with the new version (:func:`~controlplane.policies.rollout.rederive_thresholds`), the
+    held-out accuracy before and after, and where the records are kept (the spec names them
+    once the rollout is promoted); None for a model outside a cascade."""
+    spec = resolved.spec
+    chain = tuple(spec.cascade or ())
+    if model not in chain:
+        if request.validation is not None:
+            raise InvalidValueError(
+                "validation", f"model {model} is in no cascade: there are no thresholds to derive"
+            )
+        return None
+    if request.validation is None:
+        raise InvalidValueError(
+            "validation",
+            f"model {model} is a member of the cascade {' -> '.join(chain)}: its thresholds are"
+            " re-derived for the new version on validation records of the members (heteroplane"
+            " rollout start ... --validation-data FILE.npz)",
+        )
+    try:
+        records = validation_from_document(request.validation, "validation")
+    except EstimatorError as error:
+        raise InvalidValueError("validation", str(error)) from None
+    except (KeyError, TypeError, ValueError) as error:  # a document of another shape
+        raise InvalidValueError(
+            "validation", f"not heteroplane.validation/v1 records ({type(error).__name__}: {error})"
+        ) from None
+    missing = [m for m in chain if m not in records.models]
+    if missing:
+        raise InvalidValueError(
+            "validation", f"no records of {', '.join(missing)} (the cascade's members)"
+        )
+    floor = spec.slo.accuracy
+    choice = rederive_thresholds(records, chain, _compute_ms(resolved, chain), accuracy_floor=floor)
+    if floor is not None and choice.held_out_accuracy < floor:
+        raise ConflictError(
+            f"app {app!r}: with {artifact}@{to_version} the cascade {' -> '.join(chain)} reaches"
+            f" {choice.held_out_accuracy:.4f} held-out accuracy at its best thresholds"
+            f" {list(choice.thresholds)}, under the floor {floor:g}"
+        )
+    before = None
+    if resolved.validation is not None and spec.thresholds:
+        _, score = resolved.validation.split(DEFAULT_CHOOSE_SHARE, DEFAULT_SPLIT_SEED)
+        before = float(evaluate(Cascade(chain, tuple(spec.thresholds)), score).accuracy)
+    path = Path(resolver.base_dir) / "rollouts" / f"{app}-{model}-{to_version}-validation.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(validation_document(records)) + "\n", encoding="utf-8")
+    return {
+        "chain": list(chain),
+        "thresholds_before": list(spec.thresholds or []),
+        "held_out_accuracy_before": before,
+        **choice.to_json(),
+        "validation": str(path),
+    }
+
+
+def _compute_ms(resolved: Any, chain: Sequence[str]) -> dict[str, float]:
+    """Each member's mean latency at batch size 1 on its fastest candidate type (1 ms where it
+    has no profile yet: an unmeasured artifact model)."""
+    found: dict[str, float] = {}
+    for model in chain:
+        means = []
+        for instance_type in resolved.instance_types:
+            try:
+                means.append(resolved.profile(model, instance_type).mean_latency_ms(1))
+            except (KeyError, LookupError, EstimatorError):
+                continue
+        found[model] = min(means) if means else 1.0
+    return found
+
+
+def _cascade_text(cascade: Mapping[str, Any]) -> str:
+    before = cascade.get("held_out_accuracy_before")
+    was = "" if before is None else f" (was {before:.4f} at {cascade['thresholds_before']})"
+    return (
+        f"cascade thresholds re-derived for the new version: {cascade['thresholds']},"
+        f" held-out accuracy {cascade['held_out_accuracy']:.4f} on"
+        f" {cascade['held_out_samples']} samples{was}"
+    )
+
+
+def _check_budget(
+    store: Store, resolved: Any, app: str, model: str, budget_usd_per_hr: float
+) -> tuple[dict[str, int], float]:
+    plan = store.get_applied_plan(app)
+    # A cascade member's new version answers through the whole cascade on the rollout's workers
+    # (they load every member, the new version in its place): a copy of every stage's fleet.
+    copied = set(resolved.spec.cascade or ()) if model in (resolved.spec.cascade or ()) else {model}
+    stage_fleet: dict[str, int] = {}
+    if plan is not None:
+        for stage in plan.plan.stages:
+            if stage.name in copied:
+                for t, n in stage.fleet.items():
+                    stage_fleet[t] = stage_fleet.get(t, 0) + int(n)
+    prices = dict(resolved.prices_usd_per_hr)
+    fleet = extra_fleet(stage_fleet, prices, 1.0)
+    if not fleet:
+        raise InvalidValueError("model", f"app {app!r} has no priced instance type to run it on")
+    cost = sum(prices[t] * n for t, n in fleet.items())
+    running = sum(i.price_usd_per_hr for i in live_instances(store, app))
+    if running + cost > budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
+        raise RolloutBudgetError(app, running, cost, budget_usd_per_hr, _fleet_text(fleet))
+    return fleet, cost
+
+
+def _fleet_text(fleet: dict[str, int]) -> str:
+    return ", ".join(f"{t}={n}" for t, n in fleet.items())
+
+
+def _active(store: Store, app: str, rollout_id: int | None) -> RolloutRecord:
+    """The app's active rollout (the one ``rollout_id`` names, when given); NotFoundError for
+    none (or when that one is over)."""
+    store.get_app(app)  # NotFoundError for an unknown app first
+    if rollout_id is not None:
+        found = store.get_rollout(app, rollout_id)
+        if not found.active:
+            raise NotFoundError("active rollout", rollout_id)
+        return found
+    active = store.list_rollouts(app, active=True)
+    if not active:
+        raise NotFoundError("active rollout of app", app)
+    return active[-1]
+
+
+def _move(
+    store: Store,
+    app: str,
+    to_state: RolloutState,
+    who: str,
+    what: str,
+    rollout_id: int | None,
+) -> RolloutRecord:
+    rollout = _active(store, app, rollout_id)
+    if rollout.state == to_state.value:
+        raise ConflictError(f"rollout {rollout.id} of {app!r} is already {to_state.value}")
+    if to_state == RolloutState.RUNNING and rollout.state != RolloutState.PAUSED:
+        raise ConflictError(f"rollout {rollout.id} of {app!r} is {rollout.state}, not paused")
+    moved = store.move_rollout(rollout, state=to_state.value, reason=f"{what} by {who}")
+    store.record_decision(
+        app,
+        DECISION_KIND,
+        f"rollout {moved.id}: {what} by {who} at step {moved.step_index + 1} of"
+        f" {len(moved.steps)} ({100 * moved.step_share:g}% of queries)",
+        {"rollout_id": moved.id, "state": moved.state, "step_share": moved.step_share},
+    )
+    return moved
+
+
+def pause_rollout(
+    store: Store, app: str, *, who: str, rollout_id: int | None = None
+) -> RolloutRecord:
+    """Hold the app's rollout where it is: traffic stays split, no judgement moves it."""
+    return _move(store, app, RolloutState.PAUSED, who, "paused", rollout_id)
+
+
+def resume_rollout(
+    store: Store, app: str, *, who: str, rollout_id: int | None = None
+) -> RolloutRecord:
+    """Let a paused rollout's judgement go on (its step's clock keeps its start)."""
+    return _move(store, app, RolloutState.RUNNING, who, "resumed", rollout_id)
+
+
+def abort_rollout(
+    store: Store, app: str, *, who: str, rollout_id: int | None = None
+) -> RolloutRecord:
+    """End the app's rollout: every query back on the old version at once; the rollout loop
+    ends its extra instances."""
+    what = "aborted: all traffic back on the old version"
+    return _move(store, app, RolloutState.ABORTED, who, what, rollout_id)
+
+
+def rollout_document(rollout: RolloutRecord) -> dict[str, Any]:
+    """The rollout as the API and ``--json`` show it (the keys of DESIGN section 6 first)."""
+    settings = rollout.settings
+    return {
+        "id": rollout.id,
+        "app": rollout.app,
+        "model": rollout.model,
+        "artifact": rollout.artifact,
+        "from_version": rollout.from_version,
+        "to_version": rollout.to_version,
+        "state": rollout.state,
+        "step_share": rollout.step_share if rollout.active else _final_share(rollout),
+        "reason": rollout.reason,
+        "step_index": rollout.step_index,
+        "steps": list(rollout.steps),
+        "shadow": bool(settings.get("shadow")),
+        "shadow_step": rollout.shadow_step and rollout.active,
+        "interval_s": settings.get("interval_s"),
+        "thresholds": settings.get("thresholds"),
+        "extra_fleet": settings.get("extra_fleet"),
+        "extra_cost_usd_per_hr": settings.get("extra_cost_usd_per_hr"),
+        "figures": dict(rollout.figures),
+        "cascade": settings.get("cascade"),
+        "who": rollout.who,
+        "step_started_at": rollout.step_started_at.isoformat(),
+        "created_at": rollout.created_at.isoformat(),
+        "updated_at": rollout.updated_at.isoformat(),
+    }
+
+
+def _final_share(rollout: RolloutRecord) -> float:
+    """A finished rollout's share: all (promoted) or none (rolled back, aborted)."""
+    return 1.0 if rollout.state == RolloutState.PROMOTED else 0.0

@@ -1,0 +1,616 @@
+"""The rollout loop (docs/rollouts.md): each tick moves every active rollout one step of its
+life, writing the store before it acts, so a restart (or a new leader) picks up where the
+database says it was.
+
+Per rollout, each tick:
+
+1. **Workers.** The rollout's extra instances (``settings.extra_fleet``) are rows of the app
+   under request ids ``rollout_request_prefix(app, id) + type-n`` (recorded before the provider is
+   asked: idempotent), launched with the new version served under the model's name; their rows
+   are touched (the reconciler keeps them out of the fleet, in the budget, and ends them once
+   untouched: rule 8). A row that failed rolls the rollout back (the new version cannot start).
+2. **Pending -> running** once every worker runs: the first step begins (its clock starts).
+3. **Judgement** of a running step (:func:`controlplane.policies.rollout.judge`) on the new
+   version's figures over the step (:class:`~controlplane.serving.versions.VersionMeter`):
+   hold (figures stored), promote (next step, its clock starts), roll back (at once: the route
+   goes, every query back on the old version), or complete: the app's spec is pinned to the new
+   version and the rollout is ``promoted``.
+4. **Handover** after promotion: the new version's workers answer every query while the old
+   version's instances (the app's fleet recorded before the promotion) are ended; the
+   reconciler launches their replacements, which load the version the spec now names; once as
+   many replacements run as were ended, the route goes and the rollout's workers end.
+5. **Routes** (:meth:`RolloutLoop.route`, the serving loop's hook): running and paused rollouts
+   split traffic at their step; a promoted one in handover sends everything to the new version.
+
+Every move is a ``rollout`` decision with its reason.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import numpy as np
+
+from controlplane.apps.profile_run import end_workers, launch_worker, random_inputs
+from controlplane.apps.profiler import WorkerClient
+from controlplane.apps.resolver import AppResolver
+from controlplane.apps.rollouts import DECISION_KIND
+from controlplane.clock import Clock
+from controlplane.db.store import InstanceRecord, RolloutRecord, Store
+from controlplane.errors import ControlPlaneError
+from controlplane.policies.disruption import DisruptionBudget
+from controlplane.policies.lifecycle import (
+    KEPT_STATES,
+    LIVE_STATES,
+    InstanceState,
+    is_profile_worker,
+)
+from controlplane.policies.rollout import (
+    RolloutState,
+    Thresholds,
+    Verdict,
+    VersionFigures,
+    judge,
+    rollout_request_prefix,
+)
+from controlplane.serving.versions import CanaryRoute, VersionMeter
+from controlplane.serving.workers import DEFAULT_WORKER_PORT
+from estimator.errors import EstimatorError
+from estimator.profiles import PROFILE_FORMAT
+from provisioners.base import APP_TAG, Provisioner, with_port
+from provisioners.errors import ProvisionerError
+
+__all__ = ["RECENT_S", "RolloutLoop", "RolloutTick"]
+
+logger = logging.getLogger(__name__)
+
+# A serving instance moved to one of these counts against the disruption budget (as the
+# reconciler counts it).
+_DISRUPTED = frozenset({InstanceState.DRAINING.value, InstanceState.TERMINATING.value})
+
+# Before traffic, the new version is timed alone on each of its workers: this many calls of one
+# sample, after a few not kept (a fresh runtime's first calls are slow).
+ALONE_WARMUP = 3
+ALONE_CALLS = 20
+
+# How long after its last move a finished rollout is still looked at (its workers ending, a
+# handover going on): longer than the reconciler's reaping of untouched workers.
+RECENT_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutTick:
+    """What a tick did to one rollout (for the log)."""
+
+    app: str
+    rollout_id: int
+    what: str
+
+
+class RolloutLoop:
+    """Moves the active rollouts (module docstring); :meth:`route` is the serving loop's hook."""
+
+    def __init__(
+        self,
+        store: Store,
+        resolver: AppResolver,
+        provisioner: Provisioner,
+        clock: Clock,
+        meter: VersionMeter,
+        *,
+        on_change: Callable[[str], object] | None = None,
+        disruption: DisruptionBudget | None = None,
+        worker_port: int = DEFAULT_WORKER_PORT,
+        alone_calls: int = ALONE_CALLS,
+        alone_warmup: int = ALONE_WARMUP,
+    ) -> None:
+        self.store = store
+        # The pace at which the handover ends the old version's serving instances (None: all
+        # at once; they serve nothing once the new version answers every query).
+        self.disruption = disruption
+        # A worker's port when the provider's address has none (EC2's private IP).
+        self.worker_port = worker_port
+        self.alone_calls = alone_calls
+        self.alone_warmup = alone_warmup
+        self.resolver = resolver
+        self.provisioner = provisioner
+        self.clock = clock
+        self.meter = meter
+        self.on_change = on_change
+        self._routes: dict[str, CanaryRoute] = {}
+
+    def route(self, app: str) -> CanaryRoute | None:
+        return self._routes.get(app)
+
+    # --- the tick --------------------------------------------------------------------------
+
+    def tick(self) -> list[RolloutTick]:
+        """Move every active rollout (and end the workers of recently finished ones)."""
+        done: list[RolloutTick] = []
+        routes: dict[str, CanaryRoute] = {}
+        for rollout in self._current():
+            try:
+                route, what = self._one(rollout)
+            except Exception as error:  # the next tick tries again; traffic stays
+                if isinstance(error, ControlPlaneError):
+                    logger.warning("rollout %s of %s: %s", rollout.id, rollout.app, error)
+                else:  # a bug: logged whole, and the other apps' rollouts go on
+                    logger.exception("rollout %s of %s", rollout.id, rollout.app)
+                kept = self._routes.get(rollout.app)
+                if kept is not None and kept.rollout_id == rollout.id:
+                    routes[rollout.app] = kept
+                continue
+            if route is not None:
+                routes[rollout.app] = route
+            if what:
+                done.append(RolloutTick(rollout.app, rollout.id, what))
+        self._set_routes(routes)
+        return done
+
+    def refresh_routes(self) -> None:
+        """Read the routes from the database without acting: what a replica that does not run
+        the loop (a standby serving queries) splits traffic by (the serving loop calls it at
+        each refresh)."""
+        routes: dict[str, CanaryRoute] = {}
+        for rollout in self._current():
+            if rollout.state in (RolloutState.RUNNING, RolloutState.PAUSED):
+                if _ready(self._rows(rollout)):
+                    routes[rollout.app] = _route(rollout)
+            elif rollout.state == RolloutState.PROMOTED and any(
+                r.state in LIVE_STATES for r in self._rows(rollout)
+            ):
+                routes[rollout.app] = _full(rollout)
+        self._set_routes(routes)
+
+    def _current(self) -> list[RolloutRecord]:
+        """The active rollouts and those that finished within :data:`RECENT_S` (their workers
+        may still be ending; older ones' are the reconciler's to reap, rule 8)."""
+        since = self.clock.utcnow() - timedelta(seconds=RECENT_S)
+        return [r for r in self.store.list_rollouts() if r.active or r.updated_at >= since]
+
+    def _set_routes(self, routes: dict[str, CanaryRoute]) -> None:
+        for app in set(self._routes) - set(routes):
+            self.meter.forget(app)
+        self._routes = routes
+
+    def _one(self, rollout: RolloutRecord) -> tuple[CanaryRoute | None, str]:
+        rows = self._rows(rollout)
+        live = [r for r in rows if r.state in LIVE_STATES]
+        if rollout.state in (RolloutState.ROLLED_BACK, RolloutState.ABORTED):
+            if live:
+                end_workers(self.store, self.provisioner, live, _log, owner="rollout")
+                return None, f"ended {len(live)} worker(s) of the new version"
+            return None, ""
+        if rollout.state == RolloutState.PROMOTED:
+            return self._handover(rollout, rows)
+        rows = self._ensure_workers(rollout, rows)
+        ended = [r for r in rows if r.state not in LIVE_STATES]
+        if ended:
+            # Failed to start or lost; or ended by someone else (the budget guard, app down, the
+            # reconciler's reaping after the loop stopped touching it): never launched again
+            # under its request id, so the rollout cannot go on.
+            what = ", ".join(f"{r.instance_type} {r.state}" for r in ended)
+            moved = self._finish(
+                rollout,
+                RolloutState.ROLLED_BACK,
+                f"rolled back: a worker of the new version ended ({what})",
+            )
+            return None, moved.reason
+        self.store.touch_instances([r.id for r in rows])
+        ready = _ready(rows)
+        if rollout.state == RolloutState.PENDING:
+            if not ready:
+                return None, ""
+            measured, breach = self._measure_alone(rollout, rows)
+            if breach is not None:
+                moved = self._finish(
+                    rollout, RolloutState.ROLLED_BACK, breach, {"pre_traffic": measured}
+                )
+                return None, moved.reason
+            rollout = self.store.move_rollout(
+                rollout,
+                figures={**rollout.figures, "pre_traffic": measured},
+            )
+            self._decide(rollout, _alone_text(measured), {"pre_traffic": measured})
+            rollout = self.store.move_rollout(
+                rollout,
+                state=RolloutState.RUNNING.value,
+                new_step=True,
+                reason=f"workers of the new version running; step 1: {_share(rollout, 0)}",
+            )
+            self._decide(rollout, rollout.reason)
+            return _route(rollout), rollout.reason
+        if not ready:  # a worker not (or no longer) running: no traffic to the new version
+            return None, ""
+        if rollout.state == RolloutState.PAUSED:
+            return _route(rollout), ""
+        return self._judge(rollout)
+
+    def _judge(self, rollout: RolloutRecord) -> tuple[CanaryRoute | None, str]:
+        settings = rollout.settings
+        figures = self.meter.figures(rollout.app, rollout.id, rollout.step_index)
+        new_label, old_label = _labels(rollout)
+        new = figures.get(new_label, VersionFigures())
+        elapsed_s = (self.clock.utcnow() - rollout.step_started_at).total_seconds()
+        last = rollout.step_index >= len(rollout.steps) - 1
+        judgement = judge(
+            figures=new,
+            shadow_step=rollout.shadow_step,
+            last_step=last,
+            elapsed_s=elapsed_s,
+            interval_s=float(settings["interval_s"]),
+            slo_ms=float(settings["slo_ms"]),
+            thresholds=Thresholds(**settings["thresholds"]),
+        )
+        stored = {
+            "versions": {v: f.to_json() for v, f in figures.items()},
+            "elapsed_s": elapsed_s,
+            "pre_traffic": rollout.figures.get("pre_traffic"),
+        }
+        verdict, reason = judgement.verdict, judgement.reason
+        if verdict == Verdict.HOLD:
+            self.store.move_rollout(rollout, figures=stored, reason=f"holding: {reason}")
+            return _route(rollout), ""
+        if verdict == Verdict.ROLL_BACK:
+            moved = self._finish(
+                rollout,
+                RolloutState.ROLLED_BACK,
+                f"rolled back at step {rollout.step_index + 1} ({_share(rollout)}): {reason}",
+                stored,
+            )
+            return None, moved.reason
+        if verdict == Verdict.PROMOTE:
+            nxt = rollout.step_index + 1
+            moved = self.store.move_rollout(
+                rollout,
+                step_index=nxt,
+                new_step=True,
+                figures=stored,
+                reason=f"step {nxt} passed: {reason}; step {nxt + 1}: {_share(rollout, nxt)}",
+            )
+            self._decide(moved, moved.reason, stored)
+            return _route(moved), moved.reason
+        # COMPLETE: the app serves the new version from now on.
+        profiles = self._pin(rollout)
+        moved = self._finish(
+            rollout,
+            RolloutState.PROMOTED,
+            f"promoted: {reason}; {old_label} instances drain{profiles}",
+            {**stored, "handover": {"ended": [], "promoted_at": self.clock.utcnow().isoformat()}},
+        )
+        return _full(moved), moved.reason
+
+    # --- after promotion ---------------------------------------------------------------------
+
+    def _handover(
+        self, rollout: RolloutRecord, rows: list[InstanceRecord]
+    ) -> tuple[CanaryRoute | None, str]:
+        live = [r for r in rows if r.state in LIVE_STATES]
+        if not live:
+            return None, ""
+        handover = dict(rollout.figures.get("handover") or {})
+        ended = set(handover.get("ended", []))
+        promoted_at = (
+            datetime.fromisoformat(handover["promoted_at"])
+            if "promoted_at" in handover
+            else rollout.updated_at
+        )
+        fleet = [
+            r for r in self.store.list_instances(rollout.app) if not is_profile_worker(r.request_id)
+        ]
+        old = [r for r in fleet if r.created_at <= promoted_at and r.state in KEPT_STATES]
+        if old:
+            self.store.touch_instances([r.id for r in live])
+            going = self._paced(rollout.app, old, fleet)
+            if not going:  # the disruption budget's window is spent: the next tick goes on
+                return _full(rollout), ""
+            end_workers(self.store, self.provisioner, going, _log, owner="rollout's handover")
+            handover["ended"] = sorted(ended | {r.id for r in going})
+            self.store.move_rollout(rollout, figures={**rollout.figures, "handover": handover})
+            return _full(rollout), f"ended {len(going)} instance(s) of the old version"
+        replaced = [
+            r for r in fleet if r.created_at > promoted_at and r.state == InstanceState.RUNNING
+        ]
+        if len(replaced) < len(ended):
+            self.store.touch_instances([r.id for r in live])
+            return _full(rollout), ""
+        end_workers(self.store, self.provisioner, live, _log, owner="rollout")
+        reason = (
+            f"handover done: {len(replaced)} instance(s) serve {_labels(rollout)[0]}; the"
+            " rollout's workers end"
+        )
+        self._decide(rollout, reason)
+        return None, reason
+
+    def _paced(
+        self, app: str, old: list[InstanceRecord], fleet: list[InstanceRecord]
+    ) -> list[InstanceRecord]:
+        """Which of the old version's kept instances end now: every one not serving yet, and
+        as many serving ones as the disruption budget's window has left (counted as the
+        reconciler counts it: serving instances moved out of service within the window)."""
+        waiting = [r for r in old if r.state != InstanceState.RUNNING]
+        serving = sorted(
+            (r for r in old if r.state == InstanceState.RUNNING), key=lambda r: r.created_at
+        )
+        if self.disruption is None:
+            return waiting + serving
+        since = self.clock.utcnow() - timedelta(seconds=self.disruption.window_s)
+        disrupted = sum(
+            1
+            for e in self.store.list_instance_events(app=app, since=since)
+            if e.from_state == InstanceState.RUNNING and e.to_state in _DISRUPTED
+        )
+        serving_now = sum(1 for r in fleet if r.state == InstanceState.RUNNING)
+        allowed = self.disruption.remaining(serving_now, disrupted)
+        return waiting + serving[:allowed]
+
+    def _measure_alone(
+        self, rollout: RolloutRecord, rows: list[InstanceRecord]
+    ) -> tuple[dict[str, Any], str | None]:
+        """Before any traffic: the new version timed alone on each of its workers, as
+        ``profile run`` times the serving path (``alone_warmup`` + ``alone_calls`` calls of
+        random inputs of its signature, over the Open Inference Protocol): at batch size 1
+        first, next to the old version's profile on the type, then at each batch size of that
+        profile (its measured profile per type, ``profiles``, which the app's measured profiles
+        take at promotion). A worker whose P99 alone at batch size 1 is over the rollout's
+        latency limit, or that refuses the calls, rolls the rollout back before traffic moves
+        (the reason, else None). Workers whose address the provider does not give are left
+        unmeasured."""
+        settings = rollout.settings
+        limit_ms = Thresholds(**settings.get("thresholds", {})).p99_limit_ms(
+            float(settings.get("slo_ms", math.inf))
+        )
+        version = self.store.get_model_version(rollout.artifact, rollout.to_version)
+        try:
+            listed = self.provisioner.list({APP_TAG: rollout.app})
+        except ProvisionerError as error:
+            return {"measured": False, "reason": f"cannot list the workers: {error}"}, None
+        addresses = {i.provider_id: i.address for i in listed if i.address}
+        resolved = self.resolver.resolve(self.store.get_app(rollout.app).spec, check_budget=False)
+        rng = np.random.default_rng(rollout.id)
+        by_worker: dict[str, Any] = {}
+        profiles: dict[str, dict[str, Any]] = {}  # instance type -> its profile entry
+        measured: dict[str, Any] = {"measured": False, "workers": by_worker, "limit_ms": limit_ms}
+        for row in rows:
+            address = addresses.get(row.provider_id or "")
+            if address is None:
+                continue
+            try:
+                old = resolved.profile(rollout.model, row.instance_type)
+            except (LookupError, EstimatorError):
+                old = None
+            sizes = [1] + [int(b) for b in (old.batch_sizes if old is not None else ()) if b > 1]
+            client = WorkerClient(with_port(address, self.worker_port))
+            cells: list[list[float]] = []
+            try:
+                for batch_size in sizes:
+                    batches = [
+                        random_inputs(version.signature, batch_size, rng)
+                        for _ in range(self.alone_warmup + self.alone_calls)
+                    ]
+                    timed = [client.infer_ms(rollout.model, batch) for batch in batches]
+                    cells.append(timed[self.alone_warmup :])
+                    if batch_size == 1 and float(np.percentile(cells[0], 99)) > limit_ms:
+                        break  # over the limit already: the other sizes do not matter
+            except (ValueError, TypeError) as error:  # a signature random inputs cannot fill
+                return {**measured, "reason": f"no random inputs: {error}"}, None
+            except (OSError, http.client.HTTPException, ControlPlaneError) as error:
+                reason = f"rolled back before traffic: the new version's worker failed: {error}"
+                return {**measured, "measured": True}, reason
+            finally:
+                client.close()
+            single = cells[0]
+            by_worker[row.id] = {
+                "instance_type": row.instance_type,
+                "p99_ms": float(np.percentile(single, 99)),
+                "mean_ms": float(np.mean(single)),
+                "calls": len(single),
+                "old_profile_mean_ms": old.mean_latency_ms(1) if old is not None else None,
+            }
+            if len(cells) == len(sizes):
+                profiles.setdefault(
+                    row.instance_type,
+                    {
+                        "model": rollout.model,
+                        "instance_type": row.instance_type,
+                        "batch_sizes": sizes,
+                        "latency_ms": cells,
+                    },
+                )
+        measured = {**measured, "measured": bool(by_worker), "profiles": list(profiles.values())}
+        slowest = max(by_worker.values(), key=lambda w: w["p99_ms"], default=None)
+        if slowest is not None and slowest["p99_ms"] > limit_ms:
+            return measured, (
+                f"rolled back before traffic: alone, the new version's P99 is"
+                f" {slowest['p99_ms']:.1f} ms on {slowest['instance_type']}"
+                f" ({slowest['calls']} calls of one sample), over the limit {limit_ms:g} ms"
+            )
+        return measured, None
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _rows(self, rollout: RolloutRecord) -> list[InstanceRecord]:
+        prefix = rollout_request_prefix(rollout.app, rollout.id)
+        return [
+            r for r in self.store.list_instances(rollout.app) if r.request_id.startswith(prefix)
+        ]
+
+    def _ensure_workers(
+        self, rollout: RolloutRecord, rows: list[InstanceRecord]
+    ) -> list[InstanceRecord]:
+        """Record and launch the rollout's workers that are missing (idempotent)."""
+        prefix = rollout_request_prefix(rollout.app, rollout.id)
+        have = {r.request_id for r in rows}
+        resolved = self.resolver.resolve(self.store.get_app(rollout.app).spec, check_budget=False)
+        prices = resolved.prices_usd_per_hr
+        version = self.store.get_model_version(rollout.artifact, rollout.to_version)
+        # Every registered model of the app, the new version in its model's place: a cascade's
+        # queries visit the other members on the same workers.
+        refs = tuple(
+            version.ref(rollout.model) if model == rollout.model else artifact.ref
+            for model, artifact in resolved.artifacts.items()
+        )
+        for instance_type, count in dict(rollout.settings["extra_fleet"]).items():
+            for n in range(1, int(count) + 1):
+                request_id = f"{prefix}{instance_type}-{n}"
+                if request_id in have:
+                    continue
+                rows.append(
+                    self.store.record_instance(
+                        rollout.app,
+                        request_id=request_id,
+                        instance_type=instance_type,
+                        price_usd_per_hr=float(prices[instance_type]),
+                        reason=f"rollout {rollout.id}: a worker of {rollout.artifact}"
+                        f"@{rollout.to_version}",
+                    )
+                )
+        for row in rows:
+            if row.state == InstanceState.REQUESTED and row.provider_id is None:
+                try:
+                    launch_worker(self.store, self.provisioner, rollout.app, row, refs)
+                except ControlPlaneError as error:
+                    logger.warning("rollout %s: %s", rollout.id, error)
+                    self.store.transition_instance(
+                        row.id, InstanceState.FAILED.value, reason=f"launch failed: {error}"
+                    )
+        return self._rows(rollout)
+
+    def _pin(self, rollout: RolloutRecord) -> str:
+        """The app's spec names the new version (registering pinned the old one); the app's
+        measured profiles of the model take the new version's, timed before traffic (what the
+        planner and the tuner read from now on), unless the spec names a profiles file for it.
+        What happened to the profiles, in words."""
+        record = self.store.get_app(rollout.app)
+        spec = dict(record.spec)
+        models = [dict(m) for m in spec["models"]]
+        profiles_file = None
+        for model in models:
+            if model.get("name") == rollout.model:
+                model["artifact"] = f"{rollout.artifact}@{rollout.to_version}"
+                profiles_file = model.get("profiles")
+        spec["models"] = models
+        measured = (rollout.figures.get("pre_traffic") or {}).get("profiles") or []
+        said = ""
+        if measured and profiles_file is None:
+            types = {p["instance_type"] for p in measured}
+            document = dict(self.store.get_app_profiles(rollout.app) or {})
+            kept = [
+                p
+                for p in document.get("profiles", [])
+                if not (p.get("model") == rollout.model and p.get("instance_type") in types)
+            ]
+            document = {"format": PROFILE_FORMAT, **document, "profiles": kept + measured}
+            self.store.put_app_profiles(rollout.app, document)
+            said = f"; the app's profiles of {rollout.model} on {', '.join(sorted(types))} are now"
+            said += " the new version's (timed before traffic)"
+        elif measured:
+            said = f"; the spec's profiles file of {rollout.model} stays (profile run measures it)"
+        cascade = rollout.settings.get("cascade")
+        if cascade:  # the thresholds derived for the new version, and the records behind them
+            spec["thresholds"] = list(cascade["thresholds"])
+            spec["validation"] = cascade["validation"]
+        self.store.update_app(rollout.app, spec, who=f"rollout {rollout.id}")
+        self.resolver.invalidate(rollout.app)
+        if self.on_change is not None:
+            self.on_change(rollout.app)
+        return said
+
+    def _finish(
+        self,
+        rollout: RolloutRecord,
+        state: RolloutState,
+        reason: str,
+        figures: dict[str, Any] | None = None,
+    ) -> RolloutRecord:
+        moved = self.store.move_rollout(rollout, state=state.value, reason=reason, figures=figures)
+        self._decide(moved, reason, figures)
+        return moved
+
+    def _decide(
+        self, rollout: RolloutRecord, reason: str, figures: dict[str, Any] | None = None
+    ) -> None:
+        self.store.record_decision(
+            rollout.app,
+            DECISION_KIND,
+            f"rollout {rollout.id}: {reason}",
+            {
+                "rollout_id": rollout.id,
+                "state": rollout.state,
+                "step_index": rollout.step_index,
+                "step_share": rollout.step_share,
+                "figures": figures or {},
+            },
+        )
+
+
+def _alone_text(measured: Mapping[str, Any]) -> str:
+    workers = measured.get("workers") or {}
+    if not workers:
+        return "the new version's workers run (not timed alone: the provider gives no address)"
+    parts = []
+    for w in workers.values():
+        old = w.get("old_profile_mean_ms")
+        was = "" if old is None else f" (the old version's profile: mean {old:.1f} ms)"
+        parts.append(
+            f"{w['instance_type']}: P99 {w['p99_ms']:.1f} ms, mean {w['mean_ms']:.1f} ms{was}"
+        )
+    return "timed alone before traffic: " + "; ".join(parts)
+
+
+def _ready(rows: list[InstanceRecord]) -> bool:
+    """Whether every worker of a rollout runs (and it has some)."""
+    return bool(rows) and all(r.state == InstanceState.RUNNING for r in rows)
+
+
+def _labels(rollout: RolloutRecord) -> tuple[str, str]:
+    """(new, old) version labels, ``NAME@VERSION``."""
+    return (
+        f"{rollout.artifact}@{rollout.to_version}",
+        f"{rollout.artifact}@{rollout.from_version}",
+    )
+
+
+def _share(rollout: RolloutRecord, index: int | None = None) -> str:
+    i = rollout.step_index if index is None else index
+    share = rollout.steps[i]
+    if share == 0.0:
+        return "shadow (every query mirrored, 0% answered)"
+    return f"{100 * share:g}% of queries"
+
+
+def _route(rollout: RolloutRecord) -> CanaryRoute:
+    new, old = _labels(rollout)
+    return CanaryRoute(
+        rollout.id,
+        rollout.step_index,
+        rollout.model,
+        rollout.step_share,
+        rollout.shadow_step,
+        old,
+        new,
+        _thresholds(rollout),
+    )
+
+
+def _full(rollout: RolloutRecord) -> CanaryRoute:
+    """Every query on the new version (a promoted rollout in handover)."""
+    new, old = _labels(rollout)
+    return CanaryRoute(
+        rollout.id, len(rollout.steps), rollout.model, 1.0, False, old, new, _thresholds(rollout)
+    )
+
+
+def _thresholds(rollout: RolloutRecord) -> tuple[float, ...] | None:
+    cascade = rollout.settings.get("cascade")
+    return None if not cascade else tuple(float(h) for h in cascade["thresholds"])
+
+
+def _log(message: str) -> None:
+    logger.info("rollouts: %s", message)

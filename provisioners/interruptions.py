@@ -1,0 +1,160 @@
+"""Interruption notices: an instance the provider is about to take away, said ahead of time.
+
+This module owns :class:`InterruptionNotice` (which instance, what kind of notice, by when it
+goes), :class:`InterruptionSource` (a provisioner that tells of them: ``poll_interruptions``),
+the reading of EventBridge's EC2 events into notices (:func:`notice_from_event`; the EC2
+provisioner's queue reader is :mod:`provisioners.spot`), and :class:`NoticeBoard`, the notices a
+provisioner has given and not yet handed out (the local and the fake provisioner's interruption
+knob). It needs no cloud client.
+
+>>> notice = notice_from_event({"detail-type": "EC2 Spot Instance Interruption Warning",
+...     "time": "2026-11-28T10:00:00Z", "detail": {"instance-id": "i-1", "instance-action":
+...     "terminate"}})
+>>> notice.kind, notice.provider_id, notice.deadline.isoformat()
+('interruption', 'i-1', '2026-11-28T10:02:00+00:00')
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, Protocol, runtime_checkable
+
+__all__ = [
+    "EVENT_DETAIL_TYPES",
+    "INTERRUPTION_NOTICE_S",
+    "MARKET_TAG",
+    "InterruptionKind",
+    "InterruptionNotice",
+    "InterruptionSource",
+    "NoticeBoard",
+    "SpotPriceSource",
+    "notice_from_event",
+]
+
+# The tag of a launch request (and its instances) asking for spot capacity: "spot"; absent: on
+# demand, unless the EC2 provisioner's deployment-wide ``spot`` says otherwise.
+MARKET_TAG = "heteroplane:market"
+# EC2 gives a spot instance two minutes' notice before it interrupts it.
+INTERRUPTION_NOTICE_S = 120.0
+# A rebalance recommendation comes before any notice; the instance has at least the notice's two
+# minutes once one comes, so the reconciler plans with the same deadline.
+_REBALANCE_DEADLINE_S = INTERRUPTION_NOTICE_S
+# An instance that AWS is already stopping or terminating: no time left.
+_GONE_STATES = frozenset({"stopping", "stopped", "shutting-down", "terminated"})
+
+InterruptionKind = Literal["interruption", "rebalance", "state_change"]
+
+# EventBridge's detail-type of each event the queue receives -> the kind of notice.
+EVENT_DETAIL_TYPES: Mapping[str, InterruptionKind] = {
+    "EC2 Spot Instance Interruption Warning": "interruption",
+    "EC2 Instance Rebalance Recommendation": "rebalance",
+    "EC2 Instance State-change Notification": "state_change",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class InterruptionNotice:
+    """An instance that is about to be (or already is being) taken away.
+
+    ``kind``: ``interruption`` (a spot interruption warning), ``rebalance`` (a rebalance
+    recommendation) or ``state_change`` (the instance is stopping or terminating).
+    ``deadline``: when the instance goes (the warning's time plus two minutes; for a state change,
+    its time). ``state``: the new state of a state change.
+    """
+
+    provider_id: str
+    kind: InterruptionKind
+    at: datetime
+    deadline: datetime
+    state: str | None = None
+
+    def describe(self) -> str:
+        what = {
+            "interruption": "spot interruption warning",
+            "rebalance": "rebalance recommendation",
+            "state_change": f"state change to {self.state}",
+        }[self.kind]
+        return f"{what} for {self.provider_id} (gone by {self.deadline.isoformat()})"
+
+
+@runtime_checkable
+class InterruptionSource(Protocol):
+    """A provisioner that tells of interruptions ahead of time."""
+
+    def poll_interruptions(self) -> list[InterruptionNotice]:
+        """The notices since the last call, oldest first (each is returned once)."""
+        ...
+
+
+@runtime_checkable
+class SpotPriceSource(Protocol):
+    """A provisioner that knows what spot capacity costs now (the EC2 provisioner:
+    DescribeSpotPriceHistory, :mod:`provisioners.spot`)."""
+
+    def spot_price(self, instance_type: str) -> float | None:
+        """The spot price of ``instance_type`` now, USD/hr, in its cheapest zone (``None``: not
+        sold on spot). Raises :class:`~provisioners.errors.ProvisionerError` when it cannot be
+        read."""
+        ...
+
+
+def _parse_time(text: object) -> datetime:
+    if not isinstance(text, str):
+        raise ValueError(f"time must be text, got {text!r}")
+    at = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+
+
+def notice_from_event(event: Mapping[str, Any]) -> InterruptionNotice | None:
+    """The notice an EventBridge event says, or ``None`` for an event that is no notice (a
+    state change to ``pending`` or ``running``). Raises ``ValueError`` for a malformed one."""
+    kind = EVENT_DETAIL_TYPES.get(str(event.get("detail-type")))
+    if kind is None:
+        raise ValueError(f"not an interruption event: detail-type {event.get('detail-type')!r}")
+    detail = event.get("detail")
+    if not isinstance(detail, Mapping) or not isinstance(detail.get("instance-id"), str):
+        raise ValueError("the event's detail names no instance-id")
+    at = _parse_time(event.get("time"))
+    provider_id = str(detail["instance-id"])
+    if kind == "interruption":
+        return InterruptionNotice(
+            provider_id, kind, at, at + timedelta(seconds=INTERRUPTION_NOTICE_S)
+        )
+    if kind == "rebalance":
+        return InterruptionNotice(
+            provider_id, kind, at, at + timedelta(seconds=_REBALANCE_DEADLINE_S)
+        )
+    state = str(detail.get("state", ""))
+    if state not in _GONE_STATES:
+        return None
+    return InterruptionNotice(provider_id, kind, at, at, state)
+
+
+class NoticeBoard:
+    """The notices given and not handed out yet (thread-safe), oldest first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._notices: list[InterruptionNotice] = []
+
+    def post(
+        self, provider_id: str, at: datetime, notice_s: float = INTERRUPTION_NOTICE_S
+    ) -> InterruptionNotice:
+        """Give a spot interruption warning for ``provider_id`` at ``at``: it goes ``notice_s``
+        later."""
+        if notice_s < 0:
+            raise ValueError(f"notice_s must be >= 0, got {notice_s!r}")
+        notice = InterruptionNotice(
+            provider_id, "interruption", at, at + timedelta(seconds=notice_s)
+        )
+        with self._lock:
+            self._notices.append(notice)
+        return notice
+
+    def take(self) -> list[InterruptionNotice]:
+        with self._lock:
+            notices, self._notices = self._notices, []
+        return notices

@@ -1,0 +1,460 @@
+"""A rollout moving an app's live traffic: the real serving loop and API (ASGI), fake worker
+agents on loopback (tests/fake_worker.py), a real SQLite store through the
+migrations, the rollout loop ticked by hand on a fake clock (the reconciler's one move, a
+launched worker's row to ``running``, is done by hand too).
+
+- a good version: the split follows the request ids (a client can reproduce it), the steps
+  promote after each interval, the last completes: the app's spec names the new version, the
+  rollout's workers end; no query fails at the client; /metrics shows the figures by version;
+- a slow one rolls back on latency at once, and every query goes back to the old version;
+- a wrong one rolls back on agreement in shadow, while every client got the old version's answer;
+- a restart mid-rollout (a new store, rollout loop and meter) resumes at the step the database
+  says, with the step's clock kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from controlplane.apps.resolver import AppResolver, spec_document
+from controlplane.apps.rollouts import RolloutRequest, start_rollout
+from controlplane.clock import FakeClock, SystemClock
+from controlplane.db.store import Store
+from controlplane.loops.rollouts import RolloutLoop
+from controlplane.policies.lifecycle import InstanceState
+from controlplane.policies.rollout import Thresholds, rollout_request_prefix, routed_to_new
+from controlplane.service.app import create_app
+from controlplane.serving.loop import ServingLoop, ServingSettings
+from controlplane.serving.versions import VersionMeter
+from controlplane.serving.workers import StaticInstances, WorkerEndpoint
+from controlplane.settings import Settings
+from provisioners.artifacts import FAMILY_SIGNATURE
+from provisioners.base import ProvisionedInstance
+from provisioners.fake import FakeProvisioner
+from tests.fake_worker import FakeWorker
+
+T = TypeVar("T")
+SMALL = "emu.cpu.small"
+APP = "digits"
+SHA = "ef" * 32
+DEADLINE_S = 60.0
+
+
+class Addressed(FakeProvisioner):
+    """The fake provisioner, every instance at ``address`` (a fake worker's: the rollout loop
+    times the new version there before traffic)."""
+
+    def __init__(self) -> None:
+        super().__init__(running_on_launch=True)
+        self.address = ""
+
+    def list(self, tags: Mapping[str, str]) -> list[ProvisionedInstance]:
+        return [replace(i, address=self.address) for i in super().list(tags)]
+
+
+def run(scenario: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(asyncio.wait_for(scenario, DEADLINE_S))
+
+
+def row(klass: int) -> list[float]:
+    return [float(klass), 16.0 * 0.9] + [0.0] * 62
+
+
+def write_profiles(folder: Path, models: Mapping[str, float]) -> None:
+    """Profiles of ``models`` (name -> latency at batch size 1, ms) on :data:`SMALL`."""
+    lines = ["model,instance_type,batch_size,sample,infer_ms,load_ms"]
+    for model, ms in models.items():
+        for b in (1, 2, 4, 8, 16, 32):
+            lines += [f"{model},{SMALL},{b},{i},{ms + 0.01 * b:.4f},0" for i in range(3)]
+    (folder / "profiles.csv").write_text("\n".join(lines) + "\n")
+
+
+class World:
+    """The store with the app (``spec``: its models, each ``digits-<model>`` versions 1 and 2
+    in the registry, version 1 served), the serving loop and API over static workers, the
+    rollout loop over :class:`Addressed`; ``files`` are written to the data directory first."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        spec: Mapping[str, Any] | None = None,
+        profiles: Mapping[str, float] | None = None,
+        files: Mapping[str, str] | None = None,
+    ) -> None:
+        data_dir = tmp_path / "data"
+        data_dir.mkdir()
+        write_profiles(data_dir, profiles or {"tiny": 1.0})
+        for name, text in (files or {}).items():
+            (data_dir / name).write_text(text)
+        self.clock = FakeClock()
+        settings = Settings(data_dir=data_dir, provisioner="fake")
+        self.database_url = settings.database_url
+        self.store = Store.from_url(settings.database_url, self.clock, upgrade=True)
+        if spec is None:
+            spec = {
+                "name": APP,
+                "models": [
+                    {"name": "tiny", "profiles": "profiles.csv", "artifact": "digits-tiny@1"}
+                ],
+                # Generous: a good version on a loaded machine stays within it (no timing
+                # asserts).
+                "slo": {"latency_ms": 5000},
+                "budget_usd_per_hr": 5,
+                "instance_types": [SMALL],
+            }
+        for model in spec["models"]:
+            for version in (1, 2):
+                name = f"digits-{model['name']}"
+                self.store.add_model_version(
+                    name, version, "onnx", SHA, 10, FAMILY_SIGNATURE, f"file:///{name}/{version}"
+                )
+        self.token = self.store.create_token("admin", name="admin")
+        self.resolver = AppResolver(
+            data_dir, artifacts=self.store.get_model_version, measured=self.store.get_app_profiles
+        )
+        self.store.create_app(spec_document(self.resolver.check(spec).spec), who="test")
+        self.instances = StaticInstances()
+        self.serving = ServingLoop(
+            self.store,
+            self.resolver,
+            self.instances,
+            clock=SystemClock(),
+            settings=ServingSettings(refresh_s=3600.0),
+        )
+        self.provider = Addressed()
+        self.rollouts = RolloutLoop(
+            self.store,
+            self.resolver,
+            self.provider,
+            self.clock,
+            self.serving.versions,
+            alone_calls=5,
+            alone_warmup=1,
+        )
+        self.serving.routes = self.rollouts.route
+        self.app = create_app(settings, self.store, self.clock, serving=self.serving)
+
+    def start(
+        self,
+        shadow: bool = False,
+        steps: Sequence[float] = (0.5, 1.0),
+        max_p99_ms: float | None = None,
+    ) -> int:
+        thresholds = Thresholds(max_p99_ms=max_p99_ms, min_queries=10)
+        request = RolloutRequest("digits-tiny@2", steps, 10.0, shadow, thresholds)
+        return start_rollout(self.store, self.resolver, APP, request, who="test").id
+
+    async def tick(self) -> list[str]:
+        return [t.what for t in await asyncio.to_thread(self.rollouts.tick)]
+
+    async def workers_up(
+        self, rollout_id: int, workers: Sequence[FakeWorker], expect: str = "running"
+    ) -> list[str]:
+        """The rollout loop launched its workers; the reconciler saw them healthy; the loop
+        timed the new version alone and (``expect``) let traffic move."""
+        self.provider.address = workers[0].address
+        await self.tick()
+        prefix = rollout_request_prefix(APP, rollout_id)
+        rows = [r for r in self.store.list_instances(APP) if r.request_id.startswith(prefix)]
+        assert [r.state for r in rows] == ["pending"]
+        for r in rows:
+            self.store.transition_instance(r.id, InstanceState.RUNNING.value, reason="healthy")
+        self.instances.set(
+            prefix, [WorkerEndpoint(f"new-{k}", SMALL, w.address) for k, w in enumerate(workers)]
+        )
+        said = await self.tick()
+        if expect == "running":
+            assert "workers of the new version running" in said[0], said
+        return said
+
+    def state(self, rollout_id: int) -> Any:
+        return self.store.get_rollout(APP, rollout_id)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[World]:
+    made = World(tmp_path)
+    yield made
+    made.store.close()
+
+
+async def fleet(n: int = 1, **knobs: Any) -> list[FakeWorker]:
+    workers = [FakeWorker(SMALL, **knobs) for _ in range(n)]
+    for worker in workers:
+        await worker.start()
+    return workers
+
+
+def scenario(world: World, body: Callable[[httpx.AsyncClient], Coroutine[Any, Any, T]]) -> T:
+    async def inner() -> T:
+        await world.serving.start()
+        try:
+            transport = httpx.ASGITransport(app=world.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://hp") as client:
+                return await body(client)
+        finally:
+            await world.serving.stop()
+
+    return run(inner())
+
+
+async def send(world: World, client: httpx.AsyncClient, ids: Sequence[str]) -> list[int]:
+    """One query per id (ten at a time); each answer's class (every one must be a 200)."""
+
+    async def one(request_id: str, k: int) -> int:
+        answer = await client.post(
+            f"/v1/apps/{APP}/infer",
+            json={"inputs": [row(k % 10)]},
+            headers={"Authorization": f"Bearer {world.token}", "X-Request-Id": request_id},
+        )
+        assert answer.status_code == 200, answer.text
+        return int(answer.json()["outputs"][0])
+
+    outputs: list[int] = []
+    for start in range(0, len(ids), 10):
+        chunk = enumerate(ids[start : start + 10], start)
+        outputs += await asyncio.gather(*(one(i, k) for k, i in chunk))
+    return outputs
+
+
+def test_a_good_version_promotes_step_by_step_with_no_failed_query(world: World) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        old, new = await fleet(), await fleet()
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        rid = world.start()
+        await world.workers_up(rid, new)
+        # Timed alone before traffic (the fake worker's calls), stated in a decision.
+        (alone,) = [
+            d for d in world.store.list_decisions(APP, kinds=["rollout"]) if "alone" in d.reason
+        ]
+        assert alone.reason.startswith(f"rollout {rid}: timed alone before traffic: {SMALL}: P99")
+        (timed,) = alone.numbers["figures"]["pre_traffic"]["workers"].values()
+        assert timed["calls"] == 5 and timed["old_profile_mean_ms"] is not None
+        base = new[0].requests  # the 6 calls that timed it
+        ids = [f"q-{k}" for k in range(120)]
+        outputs = await send(world, client, ids)
+        assert outputs == [k % 10 for k in range(120)]
+        expected_new = sum(routed_to_new(i, 0.5) for i in ids)
+        assert new[0].requests - base == expected_new and old[0].requests == 120 - expected_new
+        assert await world.tick() == []  # the interval is not over: hold
+        assert world.state(rid).reason.startswith("holding: interval not over")
+        world.clock.advance(11.0)
+        (promoted,) = await world.tick()
+        assert "step 1 passed" in promoted and world.state(rid).step_share == 1.0
+        more = [f"r-{k}" for k in range(40)]
+        await send(world, client, more)
+        assert new[0].requests - base == expected_new + 40  # every query on the new version
+        metrics = await client.get("/metrics", headers={"Authorization": f"Bearer {world.token}"})
+        samples = {
+            (s.name, s.labels.get("version")): s.value
+            for family in text_string_to_metric_families(metrics.text)
+            for s in family.samples
+            if s.name.startswith("heteroplane_rollout")
+        }
+        assert samples[("heteroplane_rollout_queries", "digits-tiny@2")] == 40
+        assert samples[("heteroplane_rollout_errors", "digits-tiny@2")] == 0
+        world.clock.advance(11.0)
+        (completed,) = await world.tick()
+        assert completed.startswith("promoted: last step passed")
+        assert world.state(rid).state == "promoted"
+        spec = world.store.get_app(APP).spec
+        assert spec["models"][0]["artifact"] == "digits-tiny@2"
+        # No old fleet row here to hand over: the route goes, the rollout's workers end.
+        (handed,) = await world.tick()
+        assert handed.startswith("handover done") and world.rollouts.route(APP) is None
+        prefix = rollout_request_prefix(APP, rid)
+        assert {
+            r.state for r in world.store.list_instances(APP) if r.request_id.startswith(prefix)
+        } == {"terminated"}
+        reasons = [d.reason for d in world.store.list_decisions(APP, kinds=["rollout"])]
+        assert len(reasons) == 6, reasons  # start, alone, running, step, promoted, handover
+
+    scenario(world, body)
+
+
+def test_a_slow_version_rolls_back_on_latency_at_once(world: World) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        # Every answer of the new version takes 150 ms or more: over the 100 ms asked for.
+        old, new = await fleet(), await fleet(4)
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        rid = world.start(steps=(0.5, 1.0), max_p99_ms=100.0)
+        await world.workers_up(rid, new)
+        for worker in new:  # fast alone, slow once it serves traffic
+            worker.delay_s = 0.15
+        base = sum(w.requests for w in new)
+        ids = [f"q-{k}" for k in range(40)]
+        await send(world, client, ids)
+        assert sum(w.requests for w in new) - base == sum(routed_to_new(i, 0.5) for i in ids)
+        assert sum(routed_to_new(i, 0.5) for i in ids) >= 10
+        (rolled,) = await world.tick()  # no time passed: a breach does not wait
+        assert rolled.startswith("rolled back at step 1 (50% of queries): P99")
+        assert world.state(rid).state == "rolled_back"
+        assert world.rollouts.route(APP) is None
+        before = sum(w.requests for w in new)
+        await send(world, client, [f"r-{k}" for k in range(20)])
+        assert sum(w.requests for w in new) == before  # all back on the old version
+        (ended,) = await world.tick()
+        assert ended == "ended 1 worker(s) of the new version"
+        assert world.store.get_app(APP).spec["models"][0]["artifact"] == "digits-tiny@1"
+
+    scenario(world, body)
+
+
+def test_a_version_slow_alone_rolls_back_before_traffic(world: World) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        old, new = await fleet(), await fleet(delay_s=0.15)
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        rid = world.start(max_p99_ms=100.0)
+        (said,) = await world.workers_up(rid, new, expect="rolled back")
+        assert said.startswith("rolled back before traffic: alone, the new version's P99 is")
+        assert said.endswith("over the limit 100 ms")
+        assert world.state(rid).state == "rolled_back" and world.rollouts.route(APP) is None
+        base = new[0].requests
+        assert await send(world, client, ["q-0", "q-1"]) == [0, 1]
+        assert new[0].requests == base and old[0].requests == 2
+
+    scenario(world, body)
+
+
+def test_a_wrong_version_rolls_back_on_agreement_in_shadow(world: World) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        old = await fleet()
+        new = await fleet(predict=lambda _model, r: float((int(r[0]) + 1) % 10))
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        rid = world.start(shadow=True)
+        assert world.state(rid).steps == (0.0, 0.5, 1.0)
+        await world.workers_up(rid, new)
+        outputs = await send(world, client, [f"q-{k}" for k in range(30)])
+        assert outputs == [k % 10 for k in range(30)]  # the clients got the old version's
+        assert old[0].requests == 30
+
+        def compared() -> int:
+            figures = world.serving.versions.figures(APP, rid, 0)
+            return figures["digits-tiny@2"].compared if "digits-tiny@2" in figures else 0
+
+        while compared() < 30:  # the shadow answers come back after the clients'
+            await asyncio.sleep(0.001)
+        (rolled,) = await world.tick()
+        assert "agreement with the old version 0.000 (0 of 30 samples)" in rolled
+        assert world.state(rid).state == "rolled_back"
+
+    scenario(world, body)
+
+
+def test_a_restart_mid_rollout_resumes_at_its_step(world: World) -> None:
+    async def body(client: httpx.AsyncClient) -> None:
+        old, new = await fleet(), await fleet()
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        rid = world.start(steps=(0.25, 0.5, 1.0))
+        await world.workers_up(rid, new)
+        await send(world, client, [f"q-{k}" for k in range(80)])
+        world.clock.advance(11.0)
+        (promoted,) = await world.tick()
+        assert promoted.startswith("step 1 passed") and world.state(rid).step_index == 1
+        # The control plane restarts: a new store on the database, a new rollout loop and
+        # meter (what was measured in memory is gone); nothing else is told.
+        store = Store.from_url(world.database_url, world.clock)
+        try:
+            world.serving.versions = VersionMeter()
+            restarted = RolloutLoop(
+                store, world.resolver, FakeProvisioner(), world.clock, world.serving.versions
+            )
+            world.serving.routes = restarted.route
+            assert await asyncio.to_thread(restarted.tick) == []
+            route = restarted.route(APP)
+            assert route is not None and (route.step_index, route.share) == (1, 0.5)
+            # A replica whose loop does not run (a standby) reads the same route, acting on
+            # nothing.
+            standby = RolloutLoop(
+                store, world.resolver, FakeProvisioner(), world.clock, VersionMeter()
+            )
+            standby.refresh_routes()
+            assert standby.route(APP) == route
+            # The step's clock kept its start: the interval is over, but this step's queries
+            # were counted by the process that died, so it holds until it has enough.
+            world.clock.advance(11.0)
+            assert await asyncio.to_thread(restarted.tick) == []
+            assert "only 0 queries answered" in store.get_rollout(APP, rid).reason
+            ids = [f"r-{k}" for k in range(80)]
+            before = new[0].requests
+            await send(world, client, ids)
+            assert new[0].requests - before == sum(routed_to_new(i, 0.5) for i in ids)
+            (moved,) = [t.what for t in await asyncio.to_thread(restarted.tick)]
+            assert moved.startswith("step 2 passed")
+            assert store.get_rollout(APP, rid).step_index == 2
+        finally:
+            store.close()
+
+    scenario(world, body)
+
+
+def test_a_worker_ended_by_someone_else_rolls_the_rollout_back(world: World) -> None:
+    """The budget guard, ``app down`` or the reconciler's reaping may end a rollout's worker;
+    it is never launched again under its request id, so the rollout rolls back."""
+    rid = world.start()
+    world.rollouts.tick()
+    prefix = rollout_request_prefix(APP, rid)
+    (row,) = [r for r in world.store.list_instances(APP) if r.request_id.startswith(prefix)]
+    world.store.transition_instance(row.id, InstanceState.TERMINATING.value, reason="drained")
+    world.store.transition_instance(row.id, InstanceState.TERMINATED.value, reason="gone")
+    (said,) = [t.what for t in world.rollouts.tick()]
+    assert said == f"rolled back: a worker of the new version ended ({SMALL} terminated)"
+    assert world.state(rid).state == "rolled_back" and world.rollouts.route(APP) is None
+
+
+def test_promotion_gives_the_app_the_new_versions_measured_profiles(tmp_path: Path) -> None:
+    """A model served from the registry with measured profiles (no profiles file): the new
+    version, timed before traffic at the batch sizes of the app's profile, becomes what the
+    planner and the tuner read once it is promoted."""
+    spec = {
+        "name": APP,
+        "models": [{"name": "tiny", "artifact": "digits-tiny@1"}],
+        "slo": {"latency_ms": 5000},
+        "budget_usd_per_hr": 5,
+        "instance_types": [SMALL],
+    }
+    world = World(tmp_path, spec, profiles={})
+    old_profile = {
+        "model": "tiny",
+        "instance_type": SMALL,
+        "batch_sizes": [1, 2, 4],
+        "latency_ms": [[900.0, 901.0], [902.0, 903.0], [904.0, 905.0]],
+    }
+    world.store.put_app_profiles(
+        APP, {"format": "heteroplane.profiles/v1", "profiles": [old_profile]}
+    )
+    world.resolver.invalidate(APP)
+
+    async def body() -> None:
+        (new,) = await fleet()
+        rid = world.start(steps=(1.0,))
+        await world.workers_up(rid, [new])
+        route = world.rollouts.route(APP)
+        assert route is not None
+        for _ in range(10):  # the step's queries, as the serving loop records them
+            world.serving.versions.answered(APP, route, "digits-tiny@2", 1.0)
+        world.clock.advance(11.0)
+        (promoted,) = await world.tick()
+        assert promoted.endswith(
+            f"the app's profiles of tiny on {SMALL} are now the new version's (timed before"
+            " traffic)"
+        )
+
+    try:
+        run(body())
+        (profile,) = world.store.get_app_profiles(APP)["profiles"]
+        assert profile["batch_sizes"] == [1, 2, 4]
+        assert [len(cell) for cell in profile["latency_ms"]] == [5, 5, 5]
+        assert max(max(cell) for cell in profile["latency_ms"]) < 900.0  # the fake's, not old
+        resolved = world.resolver.resolve(world.store.get_app(APP).spec)
+        assert resolved.profile("tiny", SMALL).mean_latency_ms(1) < 900.0
+    finally:
+        world.store.close()

@@ -1,0 +1,242 @@
+"""Rollouts through the API (controlplane.api.routes.rollouts, controlplane.apps.rollouts): a
+real SQLite store through the migrations, the real resolver and registry records, the fake
+provisioner.
+
+- start, read, pause, resume, abort; one active rollout per app (409); every move a ``rollout``
+  decision with its reason; what a rollout is survives a new store on the same database;
+- bad input is a one-line 4xx: a model the app does not serve, the version it serves, another
+  signature, steps that do not end at 100 %, an unknown version;
+- the budget: the rollout's extra instances must fit next to the fleet, else 409 with the amount.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from controlplane.apps.resolver import AppResolver
+from controlplane.clock import FakeClock
+from controlplane.db.store import Store
+from controlplane.service.app import create_app
+from controlplane.settings import Settings
+from estimator.catalog import default_catalog
+from provisioners.artifacts import FAMILY_SIGNATURE, ModelSignature, TensorSpec
+from provisioners.fake import FakeProvisioner
+
+SMALL = "emu.cpu.small"
+APP = "wine"
+SHA = "ab" * 32
+PRICE = {t.name: t.price_usd_per_hr for t in default_catalog().values()}[SMALL]
+
+
+def spec(budget: float) -> dict[str, Any]:
+    return {
+        "name": APP,
+        "models": [{"name": "clf", "artifact": "wine-model"}],
+        "slo": {"latency_ms": 200},
+        "budget_usd_per_hr": budget,
+        "instance_types": [SMALL],
+    }
+
+
+@dataclass
+class World:
+    store: Store
+    client: TestClient
+    auth: dict[str, str]
+    db_url: str
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[World]:
+    clock = FakeClock()
+    url = f"sqlite:///{tmp_path / 'hp.db'}"
+    store = Store.from_url(url, clock, upgrade=True)
+    for version in (1, 2):
+        store.add_model_version(
+            "wine-model", version, "onnx", SHA, 10, FAMILY_SIGNATURE, f"file:///r/{version}.onnx"
+        )
+    other = ModelSignature(
+        inputs=(TensorSpec("x", "FP32", (-1, 13)),), outputs=FAMILY_SIGNATURE.outputs
+    )
+    store.add_model_version("wine-model", 3, "onnx", SHA, 10, other, "file:///r/3.onnx")
+    resolver = AppResolver(
+        tmp_path, artifacts=store.get_model_version, measured=store.get_app_profiles
+    )
+    settings = Settings(data_dir=tmp_path, provisioner="fake")
+    token = store.create_token("operator", name="op")
+    app = create_app(settings, store, clock, resolver=resolver, provisioner=FakeProvisioner())
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield World(store, client, {"Authorization": f"Bearer {token}"}, url)
+    store.close()
+
+
+def register(world: World, budget: float, pinned: str = "wine-model@1") -> None:
+    document = spec(budget)
+    document["models"][0]["artifact"] = pinned
+    created = world.client.post("/v1/apps", json=document, headers=world.auth)
+    assert created.status_code == 201, created.text
+
+
+def post(world: World, path: str, body: dict[str, Any] | None = None) -> Any:
+    return world.client.post(f"/v1/apps/{APP}/{path}", json=body, headers=world.auth)
+
+
+def test_the_life_cycle_of_a_rollout(world: World) -> None:
+    register(world, budget=10 * PRICE)
+    started = post(world, "rollouts", {"model": "wine-model@2", "interval_s": 30})
+    assert started.status_code == 201, started.text
+    body = started.json()
+    assert {k: body[k] for k in ("model", "from_version", "to_version", "state")} == {
+        "model": "clf",
+        "from_version": 1,
+        "to_version": 2,
+        "state": "pending",
+    }
+    assert body["step_share"] == 0.05 and body["steps"] == [0.05, 0.25, 0.5, 1.0]
+    assert body["extra_fleet"] == {SMALL: 1}
+    assert body["extra_cost_usd_per_hr"] == pytest.approx(PRICE)
+    rid = body["id"]
+    again = post(world, "rollouts", {"model": "wine-model@2"})
+    assert again.status_code == 409 and "one rollout per app" in again.json()["error"]["message"]
+    assert post(world, f"rollouts/{rid}/pause").json()["state"] == "paused"
+    assert post(world, f"rollouts/{rid}/pause").status_code == 409  # paused -> paused
+    assert post(world, f"rollouts/{rid}/resume").json()["state"] == "running"
+    aborted = post(world, f"rollouts/{rid}/abort")
+    assert aborted.json()["state"] == "aborted" and aborted.json()["step_share"] == 0.0
+    assert post(world, f"rollouts/{rid}/abort").status_code == 404  # nothing active
+    listed = world.client.get(f"/v1/apps/{APP}/rollouts", headers=world.auth).json()
+    assert [r["state"] for r in listed] == ["aborted"]
+    one = world.client.get(f"/v1/apps/{APP}/rollouts/{rid}", headers=world.auth)
+    assert one.json()["reason"] == "aborted: all traffic back on the old version by op"
+    reasons = [d.reason for d in world.store.list_decisions(APP, kinds=["rollout"])]
+    assert len(reasons) == 4 and "started by op" in reasons[0] and "aborted" in reasons[-1]
+    # A second rollout may start once the first is over.
+    assert post(world, "rollouts", {"model": "wine-model@2"}).status_code == 201
+    # Persisted: a new store on the same database reads the same rollouts.
+    fresh = Store.from_url(world.db_url)
+    try:
+        assert [r.state for r in fresh.list_rollouts(APP)] == ["aborted", "pending"]
+    finally:
+        fresh.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        ({"model": "other@2"}, 422, "serves no registry model 'other'"),
+        ({"model": "wine-model@1"}, 422, "already serves wine-model@1"),
+        ({"model": "wine-model@3"}, 422, "other tensors"),
+        ({"model": "wine-model@9"}, 404, "wine-model@9"),
+        ({"model": "Not A Name"}, 422, "NAME or NAME@VERSION"),
+        ({"model": "wine-model@2", "steps": [0.5, 0.2, 1.0]}, 422, "must increase"),
+        ({"model": "wine-model@2", "steps": [0.5]}, 422, "the last 100"),
+        ({"model": "wine-model@2", "interval_s": 0.1}, 422, "interval_s"),
+        ({"model": "wine-model@2", "thresholds": {"max_error_share": 3}}, 422, "max_error_share"),
+        ({"model": "wine-model@2", "surprise": 1}, 422, "surprise"),
+    ],
+)
+def test_bad_input_is_a_one_line_4xx(
+    world: World, body: dict[str, Any], status: int, message: str
+) -> None:
+    register(world, budget=10 * PRICE)
+    answer = post(world, "rollouts", body)
+    assert answer.status_code == status, answer.text
+    text = answer.json()["error"]["message"]
+    assert message in text and "\n" not in text
+    assert world.store.list_rollouts(APP) == []
+
+
+def test_a_rollout_the_budget_cannot_pay_for_is_refused_with_the_amount(world: World) -> None:
+    register(world, budget=1.5 * PRICE)
+    world.store.record_instance(
+        APP, request_id="wine-1", instance_type=SMALL, price_usd_per_hr=PRICE, reason="fleet"
+    )
+    answer = post(world, "rollouts", {"model": "wine-model@2"})
+    assert answer.status_code == 409, answer.text
+    message = answer.json()["error"]["message"]
+    assert f"needs {PRICE:.4g} USD/hr of extra instances ({SMALL}=1)" in message
+    assert f"together {2 * PRICE:.4g} USD/hr" in message
+    assert world.store.list_rollouts(APP) == []
+    assert world.client.get(f"/v1/apps/{APP}/rollouts/1", headers=world.auth).status_code == 404
+
+
+def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(tmp_path: Path) -> None:
+    """After promotion the old version's serving instances end one per window of the
+    disruption budget (the reconciler replaces them with the new version); once as many
+    replacements run as were ended, the route goes and the rollout's workers end."""
+    from controlplane.loops.rollouts import RolloutLoop
+    from controlplane.policies.disruption import DisruptionBudget
+    from controlplane.policies.rollout import rollout_request_prefix
+    from controlplane.serving.versions import VersionMeter
+    from provisioners.base import APP_TAG, LaunchRequest
+
+    clock = FakeClock()
+    store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
+    try:
+        store.add_model_version("wine-model", 1, "onnx", SHA, 10, FAMILY_SIGNATURE, "file:///1")
+        document = spec(10 * PRICE)
+        document["models"][0]["artifact"] = "wine-model@1"
+        store.create_app(document, who="test")
+        provider = FakeProvisioner(running_on_launch=True)
+
+        def running_row(request_id: str) -> Any:
+            (made,) = provider.launch(LaunchRequest(request_id, SMALL, 1, {APP_TAG: APP}))
+            return store.record_instance(
+                APP,
+                request_id=request_id,
+                instance_type=SMALL,
+                price_usd_per_hr=PRICE,
+                provider_id=made.provider_id,
+                state="running",
+            )
+
+        old = [running_row(f"wine-{n}") for n in (1, 2)]
+        clock.advance(1.0)
+        rollouts = store
+        rollout = rollouts.create_rollout(
+            APP,
+            model="clf",
+            artifact="wine-model",
+            from_version=1,
+            to_version=1,
+            settings={"steps": [1.0], "interval_s": 1.0, "extra_fleet": {SMALL: 1}},
+            reason="test",
+            who="test",
+        )
+        running_row(f"{rollout_request_prefix(APP, rollout.id)}{SMALL}-1")
+        rollout = rollouts.move_rollout(rollout, state="running")
+        clock.advance(1.0)
+        rollouts.move_rollout(
+            rollout,
+            state="promoted",
+            figures={"handover": {"ended": [], "promoted_at": clock.utcnow().isoformat()}},
+        )
+        loop = RolloutLoop(
+            store,
+            AppResolver(tmp_path, artifacts=store.get_model_version),
+            provider,
+            clock,
+            VersionMeter(),
+            disruption=DisruptionBudget(max_instances=1, max_share=0.0, window_s=60.0),
+        )
+        assert [t.what for t in loop.tick()] == ["ended 1 instance(s) of the old version"]
+        assert loop.route(APP) is not None and loop.route(APP).share == 1.0
+        assert loop.tick() == []  # the window's one disruption is spent
+        assert sorted(store.get_instance(r.id).state for r in old) == ["running", "terminated"]
+        clock.advance(61.0)
+        assert [t.what for t in loop.tick()] == ["ended 1 instance(s) of the old version"]
+        clock.advance(1.0)
+        running_row("wine-3")  # the reconciler's replacement, loading the new version
+        assert loop.tick() == [] and loop.route(APP) is not None  # one of two replaced
+        running_row("wine-4")
+        (done,) = [t.what for t in loop.tick()]
+        assert done.startswith("handover done: 2 instance(s) serve wine-model@1")
+        assert loop.route(APP) is None
+    finally:
+        store.close()

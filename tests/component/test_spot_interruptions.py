@@ -1,0 +1,254 @@
+"""Rule 9 of the reconciler (docs/spot.md, "Acting on a notice") on a real store (SQLite through
+the migrations), the fake provisioner's interruption knob and a fake clock, tick by tick: a
+notice drains the doomed instance, launches its replacement in the same tick, terminates the
+doomed one before its deadline, and never pays past the budget; and rule 10: a plan's spot_fleet
+launched on spot, and the budget cap held when spot prices rise mid-run."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.clock import FakeClock
+from controlplane.db.store import Store
+from controlplane.loops.reconciler import (
+    AppPricing,
+    InterruptionHandled,
+    Launch,
+    Reconciler,
+    SpotRepriced,
+)
+from provisioners.fake import FakeProvisioner
+from provisioners.interruptions import MARKET_TAG
+from tests.component.test_reconciler_fake import (
+    APP,
+    LARGE,
+    PRICES,
+    SMALL,
+    apply_fleet,
+    pricing,
+    spec,
+    template_db,
+)
+
+__all__ = ["template_db"]  # the fixture, imported for pytest
+
+DRAIN_S, MARGIN_S, NOTICE_S = 10.0, 15.0, 120.0
+_LIVE = ("requested", "pending", "running", "draining")
+
+
+class World:
+    def __init__(self, template: Path, directory: Path, budget: float) -> None:
+        path = directory / "heteroplane.db"
+        shutil.copy(template, path)
+        self.clock = FakeClock()
+        self.fake = FakeProvisioner(now=self.clock.utcnow)
+        self.store = Store.from_url(f"sqlite:///{path}", self.clock)
+        self.store.create_app(spec(budget), who="test")
+        self.reconciler = Reconciler(
+            self.store,
+            self.fake,
+            self.clock,
+            pricing,
+            interruption_drain_s=DRAIN_S,
+            interruption_margin_s=MARGIN_S,
+        )
+        self.budget = budget
+
+    def tick(self, seconds: float = 5.0) -> list[object]:
+        self.clock.advance(seconds)
+        self.fake.step()
+        report = self.reconciler.run_once()
+        # The hard cap, after every tick: what is live (draining included) fits the budget.
+        assert self.live_cost() <= self.budget + 1e-9
+        return list(report.apps[APP].actions)
+
+    def live_cost(self) -> float:
+        return sum(i.price_usd_per_hr for i in self.store.list_instances(APP, states=_LIVE))
+
+    def rows(self, state: str) -> list[str]:
+        return [i.provider_id or "" for i in self.store.list_instances(APP, states=[state])]
+
+    def serve(self, fleet: dict[str, int]) -> None:
+        apply_fleet(self.store, fleet)
+        for _ in range(3):
+            self.tick()
+        assert len(self.rows("running")) == sum(fleet.values())
+
+
+@pytest.fixture
+def roomy(template_db: Path, tmp_path: Path) -> Iterator[World]:
+    world = World(template_db, tmp_path, budget=1.0)
+    yield world
+    world.store.close()
+
+
+def test_a_notice_replaces_at_once_drains_and_terminates_before_the_deadline(
+    roomy: World,
+) -> None:
+    roomy.serve({SMALL: 2})
+    doomed = roomy.rows("running")[0]
+    notice = roomy.fake.interrupt(doomed, NOTICE_S)
+
+    actions = roomy.tick(1.0)
+
+    handled = [a for a in actions if isinstance(a, InterruptionHandled)]
+    assert [a.provider_id for a in handled] == [doomed]
+    # The replacement is launched at once; the doomed one serves on until it serves.
+    assert [a.instance_type for a in actions if isinstance(a, Launch)] == [SMALL]
+    assert doomed in roomy.rows("running")
+    (decision,) = roomy.store.list_decisions(APP, kinds=["spot_interruption"])
+    assert decision.numbers["provider_id"] == doomed
+    assert "spot interruption warning" in decision.reason
+
+    seen: list[object] = []
+    while doomed in roomy.rows("running"):
+        seen += roomy.tick(1.0)
+    # It leaves the serving set (draining) once its replacement serves: two serve throughout.
+    assert doomed in roomy.rows("draining")
+    assert len(roomy.rows("running")) == 2
+    terminated_at = None
+    while terminated_at is None:
+        seen += roomy.tick(1.0)
+        if doomed not in roomy.rows("draining"):
+            terminated_at = roomy.clock.utcnow()
+    assert (notice.deadline - terminated_at).total_seconds() >= MARGIN_S
+    for _ in range(3):
+        seen += roomy.tick(1.0)
+    assert not [a for a in seen if isinstance(a, InterruptionHandled)]  # acted on once
+    row = {i.provider_id: i for i in roomy.store.list_instances(APP)}[doomed]
+    assert row.state == "terminated"  # terminated by us, not lost (failed)
+    assert len(roomy.rows("running")) == 2
+
+
+def test_a_notice_on_an_instance_not_serving_yet_terminates_it_at_once(roomy: World) -> None:
+    apply_fleet(roomy.store, {SMALL: 1})
+    roomy.fake.never_run(SMALL)
+    roomy.tick()
+    roomy.tick()
+    (booting,) = roomy.rows("pending")
+    roomy.fake.interrupt(booting, NOTICE_S)
+    roomy.fake.never_run(SMALL, stuck=False)
+
+    actions = roomy.tick(1.0)
+
+    assert [a.provider_id for a in actions if isinstance(a, InterruptionHandled)] == [booting]
+    assert booting in roomy.rows("terminating")
+    assert [a.instance_type for a in actions if isinstance(a, Launch)] == [SMALL]
+
+
+def test_the_replacement_waits_for_the_doomed_instance_when_the_budget_is_full(
+    template_db: Path, tmp_path: Path
+) -> None:
+    # The budget pays for exactly the fleet: a replacement next to the doomed one would breach it.
+    full = World(template_db, tmp_path, budget=2 * PRICES[LARGE])
+    try:
+        full.serve({LARGE: 2})
+        doomed = full.rows("running")[0]
+        notice = full.fake.interrupt(doomed, NOTICE_S)
+
+        actions = full.tick(1.0)
+
+        # No replacement next to it: the budget is full. It serves on meanwhile.
+        assert doomed in full.rows("running")
+        assert not [a for a in actions if isinstance(a, Launch)]
+        assert full.store.list_decisions(APP, kinds=["budget_capped"])
+        while doomed in full.rows("running"):
+            full.tick(1.0)
+        # Drained near its deadline, then terminated before it.
+        drained_at = full.clock.utcnow()
+        assert (notice.deadline - drained_at).total_seconds() <= MARGIN_S + DRAIN_S
+        while doomed in full.rows("draining"):
+            full.tick(1.0)
+        assert (notice.deadline - full.clock.utcnow()).total_seconds() >= MARGIN_S
+        # The doomed one gone, the replacement fits; tick() checked the cap all along.
+        for _ in range(3):
+            full.tick(1.0)
+        assert len(full.rows("running")) == 2
+    finally:
+        full.store.close()
+
+
+# --- rule 10: purchase options, and the cap when spot prices move -----------------------------
+
+
+def apply_spot_plan(store: Store, fleet: dict[str, int], spot_fleet: dict[str, int]) -> None:
+    document = {
+        "feasible": True,
+        "cost_usd_per_hr": 0.0,
+        "stages": [{"name": "tiny", "fleet": fleet, "spot_fleet": spot_fleet}],
+    }
+    store.apply_plan(APP, store.create_plan(APP, document).id)
+
+
+def test_the_cap_holds_when_spot_prices_rise_mid_run(template_db: Path, tmp_path: Path) -> None:
+    spot_prices = {LARGE: 0.03}
+    budget = 0.15  # two spot LARGE at 0.03; not two at on demand (0.1 each)
+    world = World(template_db, tmp_path, budget=budget)
+    world.reconciler.pricing = lambda _app: AppPricing(
+        PRICES, {SMALL: 10.0, LARGE: 40.0}, spot_prices_usd_per_hr=spot_prices
+    )
+
+    def kept_cost_now() -> float:
+        kept = world.store.list_instances(APP, states=list(_LIVE))
+        return sum(
+            spot_prices[r.instance_type] if r.market == "spot" else r.price_usd_per_hr for r in kept
+        )
+
+    try:
+        apply_spot_plan(world.store, {LARGE: 2}, {LARGE: 2})
+        world.tick()
+        rows = world.store.list_instances(APP)
+        assert [(r.market, r.price_usd_per_hr) for r in rows] == [("spot", 0.03)] * 2
+        assert all(world.fake.list({})[i].tags.get(MARKET_TAG) == "spot" for i in range(2))
+        for _ in range(2):
+            world.tick()
+        assert len(world.rows("running")) == 2
+
+        # Spot rises to the on-demand price: two now cost 0.2, past the budget.
+        spot_prices[LARGE] = PRICES[LARGE]
+        actions = world.tick()
+        assert kept_cost_now() <= budget + 1e-9
+        assert any(isinstance(a, SpotRepriced) for a in actions)
+        (decision,) = world.store.list_decisions(APP, kinds=["spot_price"])
+        assert "over it" in decision.reason
+        assert world.store.list_decisions(APP, kinds=["budget_capped"])
+        for _ in range(3):
+            world.tick()
+            assert kept_cost_now() <= budget + 1e-9
+        assert len(world.rows("running")) == 1
+
+        # It falls again: the second spot instance is back, within the budget.
+        spot_prices[LARGE] = 0.03
+        for _ in range(3):
+            world.tick()
+            assert kept_cost_now() <= budget + 1e-9
+        running = world.store.list_instances(APP, states=["running"])
+        assert [r.market for r in running] == ["spot", "spot"]
+    finally:
+        world.store.close()
+
+
+def test_spot_is_launched_only_as_the_plan_says_and_while_it_is_cheaper(
+    template_db: Path, tmp_path: Path
+) -> None:
+    spot_prices = {SMALL: 0.05}  # no cheaper than on demand: on demand it is
+    world = World(template_db, tmp_path, budget=1.0)
+    world.reconciler.pricing = lambda _app: AppPricing(
+        PRICES, spot_prices_usd_per_hr={LARGE: 0.03, **spot_prices}
+    )
+    try:
+        apply_spot_plan(world.store, {LARGE: 3, SMALL: 1}, {LARGE: 1, SMALL: 1})
+        world.tick()
+        markets = sorted((r.instance_type, r.market) for r in world.store.list_instances(APP))
+        assert markets == [
+            (LARGE, "on-demand"),
+            (LARGE, "on-demand"),
+            (LARGE, "spot"),
+            (SMALL, "on-demand"),
+        ]
+    finally:
+        world.store.close()
