@@ -193,6 +193,16 @@ class Settings(BaseSettings):
     provisioner: Literal["local", "ec2", "fake"] = "local"
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8000, ge=1, le=65535)
+    grpc_enabled: bool = Field(
+        default=True,
+        description="serve the Open Inference Protocol over gRPC next to the REST API",
+    )
+    grpc_port: int = Field(
+        default=8001,
+        ge=0,
+        le=65535,
+        description="port of the Open Inference Protocol over gRPC (on host); 0 picks a free one",
+    )
     tuner_tick_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     gear_interval_s: float = Field(
         default=0.1,

@@ -189,6 +189,8 @@ class InstantServing(ServingLoop):
         sample_ids: list[int] | None = None,
         requirements: Requirements | None = None,
         received_s: float | None = None,
+        deadline_s: float | None = None,
+        request_id: str | None = None,
     ) -> InferResult:
         return ANSWER
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 
 from controlplane.api.counters import RequestCounter
 from controlplane.api.errors import ApiError, unauthorized
@@ -34,7 +35,7 @@ from provisioners.base import Provisioner
 if TYPE_CHECKING:  # the serving loop imports the API's resolver: only a type here
     from controlplane.serving.loop import ServingLoop
 
-__all__ = ["Services", "get_services", "require"]
+__all__ = ["Services", "check_scope", "get_services", "require", "verify_bearer"]
 
 # auto_error=False: the answer to a missing token is ours (the error body and the challenge),
 # not FastAPI's 403. The scheme still documents bearer auth in the OpenAPI document.
@@ -74,6 +75,33 @@ def get_services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
+def verify_bearer(store: Store, header: str | None) -> Principal:
+    """The principal of a request's ``Authorization`` value ``header`` (None: none was sent),
+    ``Bearer <token>`` read as FastAPI's :class:`~fastapi.security.HTTPBearer` reads it; a 401
+    :class:`ApiError` (missing, malformed, unknown or revoked token) otherwise. The REST routes
+    and the gRPC service (:mod:`controlplane.api.grpc_oip`: the ``authorization`` metadata)
+    check tokens here."""
+    scheme, token = get_authorization_scheme_param(header)
+    if header is None:
+        raise unauthorized("an API token is required: Authorization: Bearer <token>")
+    if scheme.lower() != "bearer" or not token:
+        raise unauthorized("malformed Authorization header: expected Bearer <token>")
+    principal = store.verify_token(token)
+    if principal is None:
+        raise unauthorized("unknown or revoked API token")
+    return principal
+
+
+def check_scope(principal: Principal, scope: Scope) -> None:
+    """A 403 :class:`ApiError` unless ``principal``'s scope includes ``scope``."""
+    if not scope_allows(principal.scope, scope):
+        raise ApiError(
+            403,
+            "forbidden",
+            f"token {principal.name!r} has scope {principal.scope}; this needs {scope.value}",
+        )
+
+
 def require(scope: Scope) -> Callable[..., Principal]:
     """A dependency that admits a bearer token whose scope includes ``scope``."""
 
@@ -82,20 +110,10 @@ def require(scope: Scope) -> Callable[..., Principal]:
         services: ServicesDep,
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     ) -> Principal:
-        if credentials is None:
-            if request.headers.get("authorization") is None:
-                raise unauthorized("an API token is required: Authorization: Bearer <token>")
-            raise unauthorized("malformed Authorization header: expected Bearer <token>")
-        principal = services.store.verify_token(credentials.credentials)
-        if principal is None:
-            raise unauthorized("unknown or revoked API token")
+        # ``credentials`` declares the scheme in the OpenAPI document; the header is read here.
+        principal = verify_bearer(services.store, request.headers.get("authorization"))
         mark_authenticated(request.scope)
-        if not scope_allows(principal.scope, scope):
-            raise ApiError(
-                403,
-                "forbidden",
-                f"token {principal.name!r} has scope {principal.scope}; this needs {scope.value}",
-            )
+        check_scope(principal, scope)
         return principal
 
     check.__name__ = f"require_{scope.value}"

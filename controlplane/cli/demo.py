@@ -29,6 +29,7 @@ from controlplane.cli.parsers import (
 from controlplane.cli.serve import (
     SERVE_LOGGER,
     configure_logging,
+    grpc_address,
     listen,
     serve_until_stopped,
 )
@@ -93,6 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Bound first: an address in use is a one-line error before any work is done.
     sock = listen(host, port)
     try:
+        grpc = grpc_address(settings, host)
         progress(
             f"heteroplane demo: data in {settings.data_dir}, database"
             f" {redact_url(settings.database_url)}, provisioner {settings.provisioner}"
@@ -121,7 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
     if load is not None:
         load.start()
     try:
-        return serve_until_stopped(service, sock, args.log_level)
+        return serve_until_stopped(service, sock, args.log_level, grpc)
     finally:
         if load is not None:
             load.stop()

@@ -1166,6 +1166,14 @@ def _serve(subparsers: Subparsers) -> None:
         "--port", type=port_number, metavar="P", help="port to listen on; 0 picks a free one"
     )
     parser.add_argument(
+        "--grpc-port",
+        type=port_number,
+        metavar="P",
+        help="port of the Open Inference Protocol over gRPC (default: settings, 8001); 0 picks"
+        " a free one",
+    )
+    parser.add_argument("--no-grpc", action="store_true", help="serve no gRPC: the REST API alone")
+    parser.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)"
     )
     parser.add_argument(

@@ -2,13 +2,16 @@
 
 It loads the settings (``--config``, ``HETEROPLANE_*``; docs/service.md), migrates the database
 to the newest revision, and serves the API with uvicorn on ``--host``/``--port`` (default: the
-settings', 127.0.0.1:8000). The listening socket is bound here before uvicorn starts, so an
-address in use is a one-line error and exit status 2. SIGINT and SIGTERM stop it cleanly:
-uvicorn finishes the requests in flight, the scheduler waits for its running jobs, and the
-database connections are closed. ``--role`` (default ``all``) runs the serving path or the
-periodic jobs alone (:data:`controlplane.service.build.ServiceRole`; docs/service.md, "Serving
-apart from the loops"). ``heteroplane demo`` serves through the same
-:func:`listen` and :func:`serve_until_stopped`.
+settings', 127.0.0.1:8000), and the Open Inference Protocol over gRPC on the same host,
+``--grpc-port`` (default: the setting ``grpc_port``, 8001; ``--no-grpc`` or ``grpc_enabled:
+false``: none; :mod:`controlplane.api.grpc_oip`). The listening socket is bound here before
+uvicorn starts, and the gRPC port tried, so an address in use is a one-line error and exit
+status 2. SIGINT and SIGTERM stop it cleanly: uvicorn finishes the requests in flight, the gRPC
+server its calls in flight, the scheduler waits for its running jobs, and the database
+connections are closed. ``--role`` (default ``all``) runs the serving path or the periodic jobs
+alone (:data:`controlplane.service.build.ServiceRole`; docs/service.md, "Serving apart from the
+loops"); a loops process serves no inference, so no gRPC either. ``heteroplane demo`` serves
+through the same :func:`listen`, :func:`grpc_address` and :func:`serve_until_stopped`.
 """
 
 from __future__ import annotations
@@ -25,15 +28,17 @@ from types import FrameType
 
 import uvicorn
 
+from controlplane.api.grpc_oip import attach as attach_grpc
 from controlplane.cli.output import UsageError
 from controlplane.db.session import redact_url
 from controlplane.service.build import Service, build_service
 from controlplane.service.protocol import ConnectionLimits, server_options
-from controlplane.settings import load_settings
+from controlplane.settings import Settings, load_settings
 
 __all__ = [
     "SERVE_LOGGER",
     "configure_logging",
+    "grpc_address",
     "listen",
     "run",
     "serve_until_stopped",
@@ -65,6 +70,29 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def grpc_address(
+    settings: Settings, host: str, port: int | None = None, enabled: bool = True
+) -> tuple[str, int] | None:
+    """Where the Open Inference Protocol over gRPC is served: ``host`` and ``port`` (default:
+    the setting ``grpc_port``; 0 picks a free one), None when it is off (``enabled`` false or
+    the setting ``grpc_enabled``). The port is tried now: a port asked for (``port``, or the
+    setting given) in use is the same one-line :class:`UsageError` as the API's; the default
+    port in use (another service on the host has it) is a warning, and REST is served alone."""
+    if not (enabled and settings.grpc_enabled):
+        return None
+    asked = port is not None or "grpc_port" in settings.model_fields_set
+    port = settings.grpc_port if port is None else port
+    if port:
+        try:
+            listen(host, port).close()
+        except UsageError as error:
+            if asked:
+                raise
+            _log.warning("%s: no gRPC served (set grpc_port or --grpc-port)", error)
+            return None
+    return host, port
+
+
 def configure_logging(log_level: str) -> None:
     """Log records at ``log_level`` and above to stderr, one line each."""
     level = getattr(logging, log_level.upper())
@@ -82,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     sock = listen(host, port)
     try:
+        # A loops process serves no inference: no gRPC either.
+        serves = not args.no_grpc and args.role != "loops"
+        grpc = grpc_address(settings, host, args.grpc_port, serves)
         service = build_service(settings, role=args.role)
     except BaseException:
         sock.close()
@@ -95,12 +126,20 @@ def run(args: argparse.Namespace) -> int:
         settings.provisioner,
         args.role,
     )
-    return serve_until_stopped(service, sock, args.log_level)
+    return serve_until_stopped(service, sock, args.log_level, grpc)
 
 
-def serve_until_stopped(service: Service, sock: socket.socket, log_level: str) -> int:
-    """Serve ``service`` on ``sock`` until SIGINT or SIGTERM, then close the service and the
-    socket. Exit status 0 after a clean stop, 1 when the server could not start."""
+def serve_until_stopped(
+    service: Service,
+    sock: socket.socket,
+    log_level: str,
+    grpc: tuple[str, int] | None = None,
+) -> int:
+    """Serve ``service`` on ``sock`` until SIGINT or SIGTERM (and the Open Inference Protocol
+    over gRPC on ``grpc``, host and port, when given), then close the service and the socket.
+    Exit status 0 after a clean stop, 1 when the server could not start."""
+    if grpc is not None:
+        attach_grpc(service.app, *grpc, service.settings.oip_body_max_bytes)
     config = uvicorn.Config(
         service.app,
         log_level=log_level,

@@ -80,7 +80,9 @@ async def _on_old(
     deadline_s: float | None,
 ) -> InferResult:
     try:
-        result = await loop.infer_old(app, inputs, sample_ids, None, received, deadline_s)
+        result = await loop.infer_on_spec_version(
+            app, inputs, sample_ids, None, received, deadline_s
+        )
     except _CLIENTS:
         raise
     except ServingError:

@@ -312,9 +312,11 @@ class ServingLoop:
             return await split_infer(
                 self, app, route, rid, inputs, sample_ids, received, deadline_s
             )
-        return await self.infer_old(app, inputs, sample_ids, requirements, received, deadline_s)
+        return await self.infer_on_spec_version(
+            app, inputs, sample_ids, requirements, received, deadline_s
+        )
 
-    async def infer_old(
+    async def infer_on_spec_version(
         self,
         app: str,
         inputs: Sequence[Row],

@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 import pytest
-from controlplane.service.provisioning import LOCAL_PROFILE_FILE
 
+from controlplane.provisioning import LOCAL_PROFILE_FILE
 from controlplane.service.build import Service
 from estimator.catalog import default_catalog
 from estimator.profiles import LatencyProfile, write_profiles_json

@@ -48,6 +48,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -69,13 +70,28 @@ from controlplane.serving.modelio import ModelIOError, app_signature, stack_outp
 from provisioners.artifacts import ArtifactError, ModelSignature, numpy_dtype
 from provisioners.worker.oip import (
     MODEL_VERSION,
+    InferRequest,
     OipError,
     load_json,
     model_metadata,
     parse_infer_request,
 )
 
-__all__ = ["HEADER_LENGTH", "body_limit", "reads_own_body", "router"]
+__all__ = [
+    "HEADER_LENGTH",
+    "PLATFORM",
+    "Answered",
+    "as_model_error",
+    "body_limit",
+    "parse_query",
+    "raw_bytes",
+    "reads_own_body",
+    "result_parameters",
+    "router",
+    "serve_query",
+    "serving_of",
+    "signature_of",
+]
 
 # Triton's binary tensor extension: the size of the JSON part of a body that has binary parts.
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -84,7 +100,7 @@ _INFER_PATH = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/infer")
 # The most JSON text one tensor value takes: a float printed in full (-1.2345678901234567e-05)
 # and its separator.
 _JSON_VALUE_BYTES = 25
-_PLATFORM = "heteroplane"
+PLATFORM = "heteroplane"
 
 
 class _OipRoute(APIRoute):
@@ -108,9 +124,15 @@ class _OipRoute(APIRoute):
         return route
 
 
-async def _api_answer(request: Request, error: Exception) -> Response | None:
+def as_model_error(error: Exception) -> Exception:
+    """``error`` as the protocol says it: an app is a model here (``no model 'x'``)."""
     if isinstance(error, NotFoundError) and error.kind == "app":
-        error = NotFoundError("model", error.key)  # an app is a model here: "no model 'x'"
+        return NotFoundError("model", error.key)
+    return error
+
+
+async def _api_answer(request: Request, error: Exception) -> Response | None:
+    error = as_model_error(error)
     handlers = request.app.exception_handlers
     for kind in type(error).__mro__:
         handler = handlers.get(kind)
@@ -148,7 +170,7 @@ async def ready(services: ServicesDep) -> JSONResponse:
     return JSONResponse({"ready": running}, status_code=200 if running else 503)
 
 
-def _serving(services: Services, app: str) -> ServingLoop:
+def serving_of(services: Services, app: str) -> ServingLoop:
     serving: ServingLoop | None = services.serving
     if serving is None:
         raise ServingUnavailableError(app, "this service runs no serving loop")
@@ -160,15 +182,15 @@ def _version(version: str) -> None:
         raise OipError(f"version {version!r} is not served (versions: {MODEL_VERSION})", 404)
 
 
-async def _signature(serving: ServingLoop, app: str, received: float | None) -> ModelSignature:
+async def signature_of(serving: ServingLoop, app: str, received: float | None) -> ModelSignature:
     config = (await serving.dispatcher_for(app, received)).config
     return app_signature([config.model_io(m) for m in config.models])
 
 
 @router.get("/models/{app}")
 async def metadata(app: AppName, services: ServicesDep, _who: Inferrer) -> dict[str, Any]:
-    signature = await _signature(_serving(services, app), app, None)
-    return model_metadata(app, signature, _PLATFORM, (MODEL_VERSION,))
+    signature = await signature_of(serving_of(services, app), app, None)
+    return model_metadata(app, signature, PLATFORM, (MODEL_VERSION,))
 
 
 @router.get("/models/{app}/versions/{version}")
@@ -181,7 +203,7 @@ async def metadata_of_version(
 
 @router.get("/models/{app}/ready")
 async def model_ready(app: AppName, services: ServicesDep, _who: Inferrer) -> dict[str, Any]:
-    serving = _serving(services, app)
+    serving = serving_of(services, app)
     reason = await serving.unserved(app)
     if reason is not None:
         raise OipError(reason, 503)
@@ -199,17 +221,46 @@ async def model_ready_of_version(
 @router.post("/models/{app}/infer")
 async def infer(app: AppName, services: ServicesDep, _who: Inferrer, request: Request) -> Response:
     received = received_s(request)
-    serving = _serving(services, app)
+    serving = serving_of(services, app)
     if request.headers.get("content-encoding", "identity").lower() != "identity":
         raise OipError("compressed requests are not served (Content-Encoding)")
-    signature = await _signature(serving, app, received)
+    signature = await signature_of(serving, app, received)
     limit = body_limit(signature, services.settings.oip_body_max_bytes)
     body = await _read_body(request, limit)
     document, binary = _split(body, request.headers.get(HEADER_LENGTH))
     if not isinstance(document, Mapping):
         raise OipError("body must be a JSON object")
-    document = _with_binary_inputs(document, binary, signature)
-    parsed = parse_infer_request(document, signature, max_batch_size=MAX_INFER_SAMPLES)
+    answered = await serve_query(serving, app, signature, document, binary, received)
+    binary_names = _binary_outputs(document, [name for name, _, _ in answered.outputs])
+    return _answer(app, answered.id, answered.outputs, binary_names, answered.result)
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """A query's answer (:func:`serve_query`): the request's ``id``, the outputs asked for
+    (name, datatype, the answering models' outputs stacked per request row) and the serving
+    loop's result."""
+
+    id: str | None
+    outputs: Sequence[tuple[str, str, np.ndarray]]
+    result: InferResult
+
+
+async def serve_query(
+    serving: ServingLoop,
+    app: str,
+    signature: ModelSignature,
+    document: Mapping[str, Any],
+    binary: bytes,
+    received: float | None,
+) -> Answered:
+    """One Open Inference Protocol query for ``app`` (``document``, its JSON part as a mapping,
+    ``binary`` the raw bytes of the inputs whose ``parameters.binary_data_size`` says how many)
+    checked against ``signature`` and served through the serving loop: REST's
+    ``POST /v2/models/{app}/infer`` and gRPC's ``ModelInfer``
+    (:mod:`controlplane.api.grpc_oip`) both serve here. Raises what the serving loop raises,
+    :class:`OipError` for a request the protocol refuses."""
+    parsed = parse_query(signature, document, binary)
     arrays = [parsed.inputs[spec.name] for spec in signature.inputs]
     rows: list[Any] = list(arrays[0]) if len(arrays) == 1 else list(zip(*arrays, strict=True))
     deadline = _deadline_s(document, serving.clock.now_s() if received is None else received)
@@ -221,8 +272,7 @@ async def infer(app: AppName, services: ServicesDep, _who: Inferrer, request: Re
         raise ApiError(
             502, "bad_gateway", f"the models' answers cannot be stacked: {error}"
         ) from None
-    binary_names = _binary_outputs(document, names)
-    return _answer(app, parsed.id, outputs, binary_names, result)
+    return Answered(parsed.id, outputs, result)
 
 
 @router.post("/models/{app}/versions/{version}/infer")
@@ -231,6 +281,16 @@ async def infer_version(
 ) -> Response:
     _version(version)
     return await infer(app, services, who, request)
+
+
+def parse_query(
+    signature: ModelSignature, document: Mapping[str, Any], binary: bytes
+) -> InferRequest:
+    """A query's document and binary part (:func:`serve_query`) checked against ``signature``:
+    its input arrays, batch size, id and outputs asked for; :class:`OipError` naming the field
+    that does not fit."""
+    document = _with_binary_inputs(document, binary, signature)
+    return parse_infer_request(document, signature, max_batch_size=MAX_INFER_SAMPLES)
 
 
 def _deadline_s(document: Mapping[str, Any], received_s: float) -> float | None:
@@ -379,10 +439,7 @@ def _answer(
     for name, datatype, array in outputs:
         tensor: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if name in binary_names:
-            try:
-                raw = array.astype(numpy_dtype(datatype).newbyteorder("<"), copy=False).tobytes()
-            except ArtifactError:
-                raw = array.tobytes()
+            raw = raw_bytes(datatype, array)
             tensor["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
@@ -392,17 +449,7 @@ def _answer(
     if request_id is not None:
         answer["id"] = request_id
     answer["outputs"] = tensors
-    answer["parameters"] = {
-        "models": list(result.models),
-        "gear": result.gear,
-        "late": result.late,
-        "total_ms": result.total_ms,
-        "queue_ms": result.queue_ms,
-        "service_ms": result.service_ms,
-        "transport_ms": result.transport_ms,
-        "compute_ms": result.compute_ms,
-        "api_ms": result.api_ms,
-    }
+    answer["parameters"] = result_parameters(result)
     try:
         header = json.dumps(answer, separators=(",", ":"), allow_nan=False).encode()
     except ValueError:
@@ -419,3 +466,28 @@ def _answer(
         media_type="application/octet-stream",
         headers={HEADER_LENGTH: str(len(header))},
     )
+
+
+def result_parameters(result: InferResult) -> dict[str, Any]:
+    """An answer's ``parameters``: per request row the model that answered it, the gear, whether
+    it was late, and the timings of ``/v1``."""
+    return {
+        "models": list(result.models),
+        "gear": result.gear,
+        "late": result.late,
+        "total_ms": result.total_ms,
+        "queue_ms": result.queue_ms,
+        "service_ms": result.service_ms,
+        "transport_ms": result.transport_ms,
+        "compute_ms": result.compute_ms,
+        "api_ms": result.api_ms,
+    }
+
+
+def raw_bytes(datatype: str, array: np.ndarray) -> bytes:
+    """An output's values as the protocol's raw tensor bytes: little-endian, row-major (REST's
+    binary outputs, gRPC's ``raw_output_contents``)."""
+    try:
+        return array.astype(numpy_dtype(datatype).newbyteorder("<"), copy=False).tobytes()
+    except ArtifactError:
+        return array.tobytes()

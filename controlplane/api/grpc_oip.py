@@ -1,0 +1,457 @@
+"""The Open Inference Protocol over gRPC: KServe v2's ``inference.GRPCInferenceService``, as
+Triton's clients speak it (``tritonclient.grpc`` works as it is), next to REST's ``/v2``.
+
+The messages are the ones ``tritonclient[grpc]`` ships (``tritonclient.grpc.service_pb2``,
+generated from Triton's ``grpc_service.proto``); the methods served:
+
+- ``ServerLive`` (true), ``ServerReady`` (true while the service runs its serving loop) and
+  ``ServerMetadata`` (``heteroplane``, its version, no extensions): no token, like
+  ``/v2/health/*``.
+- ``ModelMetadata``, ``ModelReady`` and ``ModelInfer`` (infer scope, the token in the
+  ``authorization`` metadata: ``Bearer <token>``): an app is a model, its version ``1`` (or
+  none given), exactly as on REST. ``ModelReady`` answers ``ready: false`` where REST's route
+  answers 503 (no healthy worker serves a model of the app's gear).
+- ``ModelInfer`` takes its inputs in ``raw_input_contents`` (little-endian bytes, what
+  ``tritonclient.grpc`` sends) or in each input's typed ``contents`` (``bool_contents``,
+  ``int_contents``, ``int64_contents``, ``uint_contents``, ``uint64_contents``,
+  ``fp32_contents``, ``fp64_contents``; FP16 only raw) and answers its outputs in
+  ``raw_output_contents``, with REST's answer ``parameters`` (``models``, comma-separated,
+  ``gear``, ``late``, the timings). The query is served by the REST route's own path
+  (:func:`~controlplane.api.routes.oip.serve_query`: the same checks against the app's input
+  signature, the same serving loop, the request's ``parameters.timeout`` or the call's gRPC
+  deadline as the client's deadline).
+
+Every other method of the service (model configuration, statistics, the repository, shared
+memory, streaming) answers ``UNIMPLEMENTED``. The model calls are counted in ``GET /metrics``'
+``heteroplane_api_requests_total`` under their app, as REST's answer would be (200, or the
+status below). An error is the REST answer's status and one-line
+message (:func:`~controlplane.api.errors.render_error`, the same mapping) as a gRPC status:
+
+====================  ======================  ==================================================
+HTTP status           gRPC code               e.g.
+====================  ======================  ==================================================
+400, 422              ``INVALID_ARGUMENT``    a wrong shape or datatype; the model raised on the
+                                              query's inputs
+401                   ``UNAUTHENTICATED``     no, a malformed, unknown or revoked token
+403                   ``PERMISSION_DENIED``   a token without the infer scope
+404                   ``NOT_FOUND``           ``no model 'x'``; another version than ``1``
+413, 429              ``RESOURCE_EXHAUSTED``  admission refused the query (``retry-after``
+                                              trailing metadata, seconds)
+502, 500              ``INTERNAL``            the model failed on a query (not its inputs)
+503                   ``UNAVAILABLE``         no worker serves the app; no serving loop
+504                   ``DEADLINE_EXCEEDED``   the query could not be answered by its deadline
+====================  ======================  ==================================================
+
+:func:`attach` runs the server with the API: it starts on the API's event loop after the
+serving loop starts (``heteroplane serve``'s lifespan) and stops, giving the calls in flight
+:data:`STOP_GRACE_S`, before it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from fastapi import FastAPI
+from fastapi.security.utils import get_authorization_scheme_param
+from grpc import aio
+from starlette.requests import Request
+from tritonclient.grpc import service_pb2 as pb
+
+from controlplane import __version__
+from controlplane.api.deps import Services, check_scope, verify_bearer
+from controlplane.api.errors import render_error
+from controlplane.api.fast_infer import TokenCheck
+from controlplane.api.routes.oip import (
+    PLATFORM,
+    as_model_error,
+    raw_bytes,
+    result_parameters,
+    serve_query,
+    serving_of,
+    signature_of,
+)
+from controlplane.db.store import Principal
+from controlplane.policies.auth import Scope
+from provisioners.worker.oip import MODEL_VERSION, OipError, model_metadata
+
+__all__ = [
+    "SERVICE",
+    "STOP_GRACE_S",
+    "GrpcOip",
+    "Listener",
+    "attach",
+    "grpc_code",
+    "request_document",
+]
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "inference.GRPCInferenceService"
+# How long the calls in flight may take to finish when the server stops, s.
+STOP_GRACE_S = 5.0
+
+_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    409: grpc.StatusCode.ALREADY_EXISTS,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    500: grpc.StatusCode.INTERNAL,
+    502: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+# Each datatype's typed field of InferTensorContents (FP16 has none: it travels raw).
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+}
+
+
+def grpc_code(status: int) -> grpc.StatusCode:
+    """The gRPC code of an HTTP error status (the table of the module docstring)."""
+    code = _CODES.get(status)
+    if code is not None:
+        return code
+    return grpc.StatusCode.INTERNAL if status >= 500 else grpc.StatusCode.INVALID_ARGUMENT
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """A call's gRPC error: the REST answer's status, its code, message and trailing
+    metadata."""
+
+    status: int
+    code: grpc.StatusCode
+    message: str
+    trailers: tuple[tuple[str, str], ...] = ()
+
+
+def _refusal(method: str, error: Exception) -> _Refusal:
+    """``error`` as the REST API answers it (its status, its message), as a gRPC error."""
+    if isinstance(error, OipError):
+        return _Refusal(error.status, grpc_code(error.status), str(error))
+    scope: dict[str, Any] = {
+        "type": "http",
+        "method": "POST",
+        "path": f"/{SERVICE}/{method}",
+        "raw_path": f"/{SERVICE}/{method}".encode(),
+        "query_string": b"",
+        "headers": [],
+        "scheme": "http",
+        "server": None,
+        "root_path": "",
+    }
+    answer = render_error(Request(scope), as_model_error(error))
+    try:
+        message = str(json.loads(bytes(answer.body))["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        message = "internal error; the server log has the details"
+    retry = answer.headers.get("retry-after")
+    trailers = (("retry-after", retry),) if retry is not None else ()
+    return _Refusal(answer.status_code, grpc_code(answer.status_code), message, trailers)
+
+
+class GrpcOip:
+    """The service's methods over the API's :class:`~controlplane.api.deps.Services`."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self.tokens = TokenCheck(services.store)
+
+    async def server_live(self, _request: Any, _who: Principal | None, _call: _Call) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    async def server_ready(self, _request: Any, _who: Principal | None, _call: _Call) -> Any:
+        serving = self.services.serving
+        return pb.ServerReadyResponse(ready=serving is not None and serving.running)
+
+    async def server_metadata(self, _request: Any, _who: Principal | None, _call: _Call) -> Any:
+        return pb.ServerMetadataResponse(name=PLATFORM, version=__version__, extensions=[])
+
+    async def model_metadata(self, request: Any, _who: Principal | None, _call: _Call) -> Any:
+        _version(request.version)
+        serving = serving_of(self.services, request.name)
+        signature = await signature_of(serving, request.name, None)
+        document = model_metadata(request.name, signature, PLATFORM, (MODEL_VERSION,))
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=document["name"],
+            versions=document["versions"],
+            platform=document["platform"],
+            inputs=[tensor(**t) for t in document["inputs"]],
+            outputs=[tensor(**t) for t in document["outputs"]],
+        )
+
+    async def model_ready(self, request: Any, _who: Principal | None, _call: _Call) -> Any:
+        _version(request.version)
+        reason = await serving_of(self.services, request.name).unserved(request.name)
+        return pb.ModelReadyResponse(ready=reason is None)
+
+    async def model_infer(self, request: Any, _who: Principal | None, call: _Call) -> Any:
+        app = request.model_name
+        _version(request.model_version)
+        serving = serving_of(self.services, app)
+        signature = await signature_of(serving, app, call.received_s)
+        document, binary = request_document(request, call.remaining_s)
+        answered = await serve_query(serving, app, signature, document, binary, call.received_s)
+        response = pb.ModelInferResponse(model_name=app, model_version=MODEL_VERSION)
+        if answered.id is not None:
+            response.id = answered.id
+        for name, datatype, array in answered.outputs:
+            response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
+            response.raw_output_contents.append(raw_bytes(datatype, array))
+        for key, value in result_parameters(answered.result).items():
+            _set_parameter(response.parameters[key], value)
+        return response
+
+    async def principal(self, metadata: Mapping[str, str]) -> Principal:
+        """The caller of a call that needs the infer scope, from its ``authorization``
+        metadata: the fast path's cached check first, else the REST routes' own (which says
+        why not)."""
+        header = metadata.get("authorization")
+        scheme, token = get_authorization_scheme_param(header)
+        if scheme.lower() == "bearer" and token:
+            cached: Principal | None = await self.tokens.principal(token)
+            if cached is not None:
+                check_scope(cached, Scope.INFER)
+                return cached
+        principal = await asyncio.to_thread(verify_bearer, self.services.store, header)
+        check_scope(principal, Scope.INFER)
+        return principal
+
+
+def _version(version: str) -> None:
+    if version not in ("", MODEL_VERSION):
+        raise OipError(f"version {version!r} is not served (versions: {MODEL_VERSION})", 404)
+
+
+def request_document(request: Any, remaining_s: float | None) -> tuple[dict[str, Any], bytes]:
+    """A ModelInferRequest as the REST route's request: its JSON document and its binary part
+    (the raw inputs, in order, each sized by its ``parameters.binary_data_size``)."""
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise OipError(
+            f"raw_input_contents holds {len(raw)} tensors for {len(request.inputs)} inputs"
+        )
+    inputs: list[dict[str, Any]] = []
+    for index, tensor in enumerate(request.inputs):
+        entry: dict[str, Any] = {
+            "name": tensor.name,
+            "datatype": tensor.datatype,
+            "shape": list(tensor.shape),
+        }
+        if tensor.parameters:
+            names = ", ".join(sorted(tensor.parameters))
+            raise OipError(f"input {tensor.name!r}: parameters are not served ({names})")
+        if raw:
+            if tensor.HasField("contents"):
+                raise OipError(f"input {tensor.name!r}: both contents and raw_input_contents")
+            entry["parameters"] = {"binary_data_size": len(raw[index])}
+        else:
+            entry["data"] = _contents(tensor)
+        inputs.append(entry)
+    document: dict[str, Any] = {"inputs": inputs}
+    if request.id:
+        document["id"] = request.id
+    parameters = {key: _parameter(value) for key, value in request.parameters.items()}
+    if remaining_s is not None:
+        # The call's deadline is the client's, as parameters.timeout is (microseconds).
+        timeout_us = max(remaining_s, 1e-6) * 1e6
+        given = parameters.get("timeout")
+        if not isinstance(given, int | float) or isinstance(given, bool) or given > timeout_us:
+            parameters["timeout"] = timeout_us
+    if parameters:
+        document["parameters"] = parameters
+    if request.outputs:
+        document["outputs"] = [_output(o) for o in request.outputs]
+    return document, b"".join(raw)
+
+
+def _contents(tensor: Any) -> list[Any]:
+    field = _CONTENTS.get(tensor.datatype)
+    if field is None:
+        if tensor.datatype == "FP16":
+            raise OipError(f"input {tensor.name!r}: FP16 travels in raw_input_contents")
+        return []  # the route names the datatype it expected
+    return list(getattr(tensor.contents, field))
+
+
+def _output(output: Any) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": output.name}
+    if output.parameters:
+        entry["parameters"] = {k: _parameter(v) for k, v in output.parameters.items()}
+    return entry
+
+
+def _parameter(parameter: Any) -> Any:
+    """An InferParameter's value (None when it holds none)."""
+    kind = parameter.WhichOneof("parameter_choice")
+    return None if kind is None else getattr(parameter, kind)
+
+
+def _set_parameter(parameter: Any, value: Any) -> None:
+    if isinstance(value, bool):
+        parameter.bool_param = value
+    elif isinstance(value, int):
+        parameter.int64_param = value
+    elif isinstance(value, float):
+        parameter.double_param = value
+    elif isinstance(value, list | tuple):
+        parameter.string_param = ",".join(map(str, value))
+    else:
+        parameter.string_param = str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """A call's receipt (on the serving loop's clock; None without a serving loop) and the
+    seconds its deadline leaves (None: no deadline)."""
+
+    received_s: float | None
+    remaining_s: float | None
+
+
+_Method = Callable[[Any, Principal | None, _Call], Awaitable[Any]]
+_OPEN = frozenset({"ServerLive", "ServerReady", "ServerMetadata"})  # no token, as /v2/health
+
+
+def _model_of(request: Any) -> str:
+    """The app a model call names (ModelInfer's ``model_name``, the others' ``name``)."""
+    return str(getattr(request, "model_name", "") or getattr(request, "name", ""))
+
+
+def _handlers(service: GrpcOip) -> Any:
+    """The generic handler of the service's methods: each one's request and answer types, its
+    token check (or none) and its errors as gRPC statuses."""
+
+    def unary(name: str, method: _Method, request_type: Any, response_type: Any) -> Any:
+        async def handle(request: Any, context: aio.ServicerContext) -> Any:
+            serving = service.services.serving
+            call = _Call(
+                serving.clock.now_s() if serving is not None else None, context.time_remaining()
+            )
+            try:
+                who = None
+                if name not in _OPEN:
+                    metadata = dict(context.invocation_metadata() or ())
+                    who = await service.principal(metadata)
+                answer = await method(request, who, call)
+            except Exception as error:
+                refused = _refusal(name, error)
+            else:
+                if name not in _OPEN:
+                    service.services.requests.add(_model_of(request), 200)
+                return answer
+            if name not in _OPEN:
+                service.services.requests.add(_model_of(request), refused.status)
+            if refused.trailers:
+                context.set_trailing_metadata(refused.trailers)
+            await context.abort(refused.code, refused.message)
+
+        return grpc.unary_unary_rpc_method_handler(
+            handle,
+            request_deserializer=request_type.FromString,
+            response_serializer=response_type.SerializeToString,
+        )
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "ServerLive": unary(
+                "ServerLive", service.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse
+            ),
+            "ServerReady": unary(
+                "ServerReady", service.server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse
+            ),
+            "ServerMetadata": unary(
+                "ServerMetadata",
+                service.server_metadata,
+                pb.ServerMetadataRequest,
+                pb.ServerMetadataResponse,
+            ),
+            "ModelMetadata": unary(
+                "ModelMetadata",
+                service.model_metadata,
+                pb.ModelMetadataRequest,
+                pb.ModelMetadataResponse,
+            ),
+            "ModelReady": unary(
+                "ModelReady", service.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse
+            ),
+            "ModelInfer": unary(
+                "ModelInfer", service.model_infer, pb.ModelInferRequest, pb.ModelInferResponse
+            ),
+        },
+    )
+
+
+@dataclass(slots=True)
+class Listener:
+    """Where :func:`attach` serves: ``port`` is the bound one (a free one for 0) while the API
+    runs and the server with it, else None."""
+
+    host: str
+    port: int | None = None
+
+
+def attach(app: FastAPI, host: str, port: int, max_message_bytes: int) -> Listener:
+    """Serve the protocol over gRPC on ``host:port`` (0: a free port) while ``app`` runs: the
+    server starts in the app's lifespan, after what the lifespan starts (the serving loop), and
+    stops before it. Messages up to ``max_message_bytes`` (the setting
+    ``oip_body_max_bytes``, as on REST); a larger one is ``RESOURCE_EXHAUSTED``."""
+    listener = Listener(host)
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(running: FastAPI) -> AsyncIterator[Any]:
+        async with inner(running) as state:
+            server = aio.server(
+                options=[
+                    # Another process on the port is an error, not a second listener.
+                    ("grpc.so_reuseport", 0),
+                    ("grpc.max_receive_message_length", max_message_bytes),
+                    ("grpc.max_send_message_length", max_message_bytes),
+                ]
+            )
+            server.add_generic_rpc_handlers((_handlers(GrpcOip(running.state.services)),))
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            bound: int | None = None
+            try:
+                bound = server.add_insecure_port(address)
+            except RuntimeError as error:
+                # Taken since heteroplane serve tried it: REST goes on alone, said once.
+                logger.error("no gRPC served: cannot listen on %s: %s", address, error)
+            if bound is None:
+                yield state
+                return
+            await server.start()
+            listener.port = bound
+            logger.info("Open Inference Protocol over gRPC on %s:%d", host, bound)
+            try:
+                yield state
+            finally:
+                listener.port = None
+                await server.stop(STOP_GRACE_S)
+
+    app.router.lifespan_context = lifespan
+    return listener

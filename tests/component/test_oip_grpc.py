@@ -1,0 +1,182 @@
+"""The Open Inference Protocol over gRPC (:mod:`controlplane.api.grpc_oip`) on a real server over
+the serving loop and fake workers, driven by ``tritonclient.grpc.InferenceServerClient`` as it
+is: health and server metadata without a token; model metadata, readiness and inference with
+one (raw tensors as the client sends them, and the typed ``contents`` another client may send);
+the REST route's answer for the same query; each error as the gRPC code of the REST answer's
+status (a bad token, a viewer's token, an unknown model or version, a wrong shape or datatype),
+with the REST answer's message, counted for ``/metrics`` under the REST status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+
+from controlplane.api.grpc_oip import SERVICE, attach, grpc_code
+from tests.component.test_oip_routes import family_request, live_server
+from tests.component.test_serving import LARGE, SMALL, ApiWorld, row, world
+
+__all__ = ["world"]  # the fixture, imported for this module's tests
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+from tritonclient.grpc import service_pb2 as pb  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+
+@pytest.fixture
+def served(world: ApiWorld) -> Iterator[tuple[ApiWorld, str, str]]:
+    """The world's API on a real server with gRPC beside it: (world, REST host:port, gRPC
+    host:port)."""
+    listener = attach(world.app, "127.0.0.1", 0, world.settings.oip_body_max_bytes)
+    with live_server(world, [SMALL, LARGE]) as (_, address):
+        yield world, address, f"127.0.0.1:{listener.port}"
+
+
+def _status(call: object) -> str | None:
+    """The gRPC status a tritonclient call raised, as its name (``StatusCode.NOT_FOUND``)."""
+    with pytest.raises(InferenceServerException) as raised:
+        call()  # type: ignore[operator]
+    return raised.value.status()
+
+
+def test_tritonclient_grpc_health_metadata_and_inference(
+    served: tuple[ApiWorld, str, str],
+) -> None:
+    world, rest, address = served
+    headers = {"authorization": f"Bearer {world.tokens['infer']}"}
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        assert client.is_server_live() and client.is_server_ready()
+        server = client.get_server_metadata()
+        assert server.name == "heteroplane" and server.version
+        assert client.is_model_ready("demo", headers=headers)
+        metadata = client.get_model_metadata("demo", headers=headers, as_json=True)
+        assert metadata == {
+            "name": "demo",
+            "versions": ["1"],
+            "platform": "heteroplane",
+            "inputs": [{"name": "input", "datatype": "FP32", "shape": ["-1", "64"]}],
+            "outputs": [{"name": "logits", "datatype": "FP32", "shape": ["-1", "10"]}],
+        }
+        pixels = np.array([row(8, 0.9), row(9, 0.1)], dtype=np.float32)
+        given = grpcclient.InferInput("input", list(pixels.shape), "FP32")
+        given.set_data_from_numpy(pixels)
+        result = client.infer(
+            "demo",
+            [given],
+            outputs=[grpcclient.InferRequestedOutput("logits")],
+            request_id="r7",
+            headers=headers,
+        )
+        logits = result.as_numpy("logits")
+        assert logits.shape == (2, 10) and logits.argmax(axis=1).tolist() == [8, 9]
+        response = result.get_response()
+        assert response.id == "r7" and response.model_version == "1"
+        assert response.parameters["models"].string_param == "tiny,large"
+        assert response.parameters["total_ms"].double_param > 0
+        # The REST route answers the same query with the same outputs.
+        answer = httpx.post(
+            f"http://{rest}/v2/models/demo/infer",
+            json=family_request(pixels.tolist()),
+            headers=world.auth(),
+            trust_env=False,
+        )
+        assert answer.status_code == 200, answer.text
+        (tensor,) = answer.json()["outputs"]
+        np.testing.assert_array_equal(np.array(tensor["data"], dtype=np.float32), logits.ravel())
+    finally:
+        client.close()
+
+
+def test_typed_contents_and_a_deadline(served: tuple[ApiWorld, str, str]) -> None:
+    """A client that sends typed ``contents`` (not raw bytes) is served alike; so is a call
+    with a gRPC deadline."""
+    world, _, address = served
+    pixels = np.array([row(3, 0.9)], dtype=np.float32)
+    request = pb.ModelInferRequest(model_name="demo", model_version="1")
+    tensor = request.inputs.add(name="input", datatype="FP32", shape=list(pixels.shape))
+    tensor.contents.fp32_contents.extend(pixels.ravel().tolist())
+    with grpc.insecure_channel(address) as channel:
+        infer = channel.unary_unary(
+            f"/{SERVICE}/ModelInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
+        metadata = (("authorization", f"Bearer {world.tokens['infer']}"),)
+        answer = infer(request, metadata=metadata, timeout=30.0)
+        (output,) = answer.outputs
+        assert (output.name, output.datatype, list(output.shape)) == ("logits", "FP32", [1, 10])
+        logits = np.frombuffer(answer.raw_output_contents[0], dtype="<f4")
+        assert int(logits.argmax()) == 3
+        # Both typed contents and raw bytes for one input: refused, naming it.
+        request.raw_input_contents.append(pixels.tobytes())
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(request, metadata=metadata)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'input'" in refused.value.details()
+
+
+def test_errors_are_the_rest_answers_as_grpc_codes(served: tuple[ApiWorld, str, str]) -> None:
+    world, _, address = served
+    good = {"authorization": f"Bearer {world.tokens['infer']}"}
+    client = grpcclient.InferenceServerClient(address)
+    pixels = np.array([row(1, 0.9)], dtype=np.float32)
+
+    def given(array: np.ndarray = pixels, datatype: str = "FP32") -> list[object]:
+        tensor = grpcclient.InferInput("input", list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        return [tensor]
+
+    try:
+        for headers, code in (
+            ({}, "StatusCode.UNAUTHENTICATED"),
+            ({"authorization": "Bearer nope"}, "StatusCode.UNAUTHENTICATED"),
+            ({"authorization": "Basic abc"}, "StatusCode.UNAUTHENTICATED"),
+            (
+                {"authorization": f"Bearer {world.tokens['viewer']}"},
+                "StatusCode.PERMISSION_DENIED",
+            ),
+        ):
+            assert _status(lambda h=headers: client.infer("demo", given(), headers=h)) == code
+            assert _status(lambda h=headers: client.get_model_metadata("demo", headers=h)) == code
+        with pytest.raises(InferenceServerException) as unknown:
+            client.infer("nope", given(), headers=good)
+        assert unknown.value.status() == "StatusCode.NOT_FOUND"
+        assert "no model 'nope'" in unknown.value.message()
+        assert (
+            _status(lambda: client.infer("demo", given(), model_version="2", headers=good))
+            == "StatusCode.NOT_FOUND"
+        )
+        assert (
+            _status(lambda: client.get_model_metadata("nope", headers=good))
+            == "StatusCode.NOT_FOUND"
+        )
+        wrong_shape = np.zeros((1, 63), dtype=np.float32)
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("demo", given(wrong_shape), headers=good)
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "'input'" in refused.value.message()
+        wrong_type = np.zeros((1, 64), dtype=np.float64)
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("demo", given(wrong_type, "FP64"), headers=good)
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "datatype 'FP64', expected 'FP32'" in refused.value.message()
+        # Counted for /metrics as REST's answers are: by app and the REST status.
+        counts = world.app.state.services.requests.snapshot()
+        assert counts[("", 401)] == 6 and counts[("demo", 403)] == 2
+        assert counts[("demo", 400)] == 2 and counts[("", 404)] == 3
+    finally:
+        client.close()
+
+
+def test_every_http_status_of_the_api_has_a_grpc_code() -> None:
+    codes = {status: grpc_code(status) for status in (400, 401, 403, 404, 422, 429, 502, 503, 504)}
+    assert codes[422] is grpc.StatusCode.INVALID_ARGUMENT
+    assert codes[429] is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert codes[504] is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert grpc_code(418) is grpc.StatusCode.INVALID_ARGUMENT
+    assert grpc_code(599) is grpc.StatusCode.INTERNAL

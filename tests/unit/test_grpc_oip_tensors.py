@@ -1,0 +1,108 @@
+"""gRPC ``ModelInfer`` requests as the REST route's queries
+(:func:`controlplane.api.grpc_oip.request_document`, then
+:func:`controlplane.api.routes.oip.parse_query`): every datatype REST's ``/v2`` serves, sent as
+``raw_input_contents`` (as ``tritonclient.grpc`` sends it) and as typed ``contents``, reads back
+as the array sent; what does not fit is refused naming the input; the call's deadline becomes
+the request's ``parameters.timeout``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from controlplane.api.grpc_oip import request_document
+from controlplane.api.routes.oip import parse_query
+from provisioners.artifacts import DATATYPES, ModelSignature, TensorSpec
+from provisioners.worker.oip import OipError
+
+pb = pytest.importorskip("tritonclient.grpc.service_pb2")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+
+def _signature(datatype: str) -> ModelSignature:
+    return ModelSignature((TensorSpec("x", datatype, (-1, 3)),), (TensorSpec("y", "FP32", (-1,)),))
+
+
+def _array(datatype: str) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    dtype = DATATYPES[datatype]
+    if dtype.kind == "b":
+        return rng.integers(0, 2, size=(2, 3)).astype(bool)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        # UINT64 up to 2**63 - 1: past it, REST's own reading of the values (numpy's, of a list
+        # of Python integers) takes them for floats, on /v2 over HTTP alike.
+        return np.array([[info.min, 0, min(int(info.max), 2**63 - 1)], [1, 2, 3]], dtype=dtype)
+    return rng.normal(size=(2, 3)).astype(dtype)
+
+
+def _raw(datatype: str, array: np.ndarray) -> object:
+    """The request ``tritonclient.grpc`` builds (its own InferInput)."""
+    given = grpcclient.InferInput("x", list(array.shape), datatype)
+    given.set_data_from_numpy(array)
+    request = pb.ModelInferRequest(model_name="app")
+    request.inputs.append(given._get_tensor())
+    request.raw_input_contents.append(given._get_content())
+    return request
+
+
+_FIELDS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+}
+
+
+@pytest.mark.parametrize("datatype", sorted(DATATYPES))
+def test_every_datatype_raw_and_typed(datatype: str) -> None:
+    array = _array(datatype)
+    signature = _signature(datatype)
+    parsed = parse_query(signature, *request_document(_raw(datatype, array), None))
+    np.testing.assert_array_equal(parsed.inputs["x"], array)
+    assert parsed.inputs["x"].dtype == DATATYPES[datatype]
+    request = pb.ModelInferRequest(model_name="app", id="q1")
+    tensor = request.inputs.add(name="x", datatype=datatype, shape=list(array.shape))
+    if datatype == "FP16":
+        with pytest.raises(OipError, match="FP16 travels in raw_input_contents"):
+            request_document(request, None)
+        return
+    getattr(tensor.contents, _FIELDS[datatype]).extend(array.ravel().tolist())
+    parsed = parse_query(signature, *request_document(request, None))
+    np.testing.assert_array_equal(parsed.inputs["x"], array)
+    assert parsed.id == "q1"
+
+
+def test_what_does_not_fit_is_refused_naming_the_input() -> None:
+    signature = _signature("FP32")
+    array = np.zeros((2, 3), dtype=np.float32)
+    short = _raw("FP32", array)
+    short.raw_input_contents[0] = short.raw_input_contents[0][:-4]  # type: ignore[attr-defined]
+    with pytest.raises(OipError, match="input 'x'"):
+        parse_query(signature, *request_document(short, None))
+    other = _raw("FP64", array.astype(np.float64))
+    with pytest.raises(OipError, match="input 'x': datatype 'FP64', expected 'FP32'"):
+        parse_query(signature, *request_document(other, None))
+    extra = _raw("FP32", array)
+    extra.raw_input_contents.append(b"\0\0\0\0")  # type: ignore[attr-defined]
+    with pytest.raises(OipError, match="raw_input_contents holds 2 tensors for 1 inputs"):
+        request_document(extra, None)
+
+
+def test_the_calls_deadline_is_the_requests_timeout() -> None:
+    request = _raw("FP32", np.zeros((1, 3), dtype=np.float32))
+    document, _ = request_document(request, 0.25)
+    assert document["parameters"]["timeout"] == pytest.approx(250_000)
+    request.parameters["timeout"].int64_param = 100_000  # type: ignore[attr-defined]
+    document, _ = request_document(request, 0.25)
+    assert document["parameters"]["timeout"] == 100_000  # the request's own, shorter
+    document, _ = request_document(request, None)
+    assert document["parameters"] == {"timeout": 100_000}
