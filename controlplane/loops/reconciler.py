@@ -97,6 +97,20 @@ The rules (docs/provisioners.md, "Reconciler", says why):
     cost-effective instances (the dearer spot ones first) and rule 7 replaces them where the
     budget allows, on demand once spot is no cheaper; a :class:`SpotRepriced` action (a
     ``spot_price`` decision) says why.
+11. **Stand-ins** (docs/spot.md): for a type the applied plan buys on spot, ``ranking`` lists
+    the types that may stand in for it (its stage's base types, the stage's other types, then
+    for a plan of one stage the app's other types; each group by Q_t per dollar). When the
+    provider is short of the type (``short_types``: a capacity miss running; ``held_types``: a
+    launch refused), or when a launch of it on spot would land where its spot instances are
+    under notice, a missing instance is launched as the first type of the ranking that serves
+    at least as much (Q_t; unknown: any), is not short itself and fits the budget: on spot
+    where the plan wants spot and its spot is cheaper and under no notice, else on demand;
+    failing that, where only the type's spot is short, the type itself on demand. A
+    ``requested`` row of the short type that waits for capacity is given up for it (marked
+    ``failed``). The stand-in counts as the type it stands in for (rules 5 and 9; ``stand_ins``,
+    read back from the ``stand_in`` decisions after a restart), one for one, and stays when the
+    type comes back; a new plan ends it as any excess. Each is one ``stand_in`` decision (which
+    type, which market, the price, why).
 
 **Teardown** (``heteroplane app down``, :mod:`controlplane.apps.teardown`): every kept row is
 ended at once (cause ``teardown``; neither guard of rule 5 applies) and nothing is launched;
@@ -250,6 +264,8 @@ class Launch:
     reason: str
     retry: bool = False
     market: str = "on-demand"
+    # Rule 11: the type this instance stands in for (its own type short), counted as that type.
+    stands_for: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,10 +434,15 @@ class _Row:
     state: InstanceState
     provider_id: str | None
     observed: ProvisionedInstance | None = None
+    stands_for: str | None = None  # rule 11: counted as this type, not its own
 
     @property
     def id(self) -> str:
         return self.record.id
+
+    @property
+    def counted_type(self) -> str:
+        return self.stands_for or self.record.instance_type
 
     @property
     def launched(self) -> bool:
@@ -453,6 +474,9 @@ def reconcile(
     margin_s: float = DEFAULT_INTERRUPTION_MARGIN_S,
     desired_spot: Mapping[str, int] | None = None,
     spot_prices_usd_per_hr: Mapping[str, float] | None = None,
+    ranking: Mapping[str, Sequence[str]] | None = None,
+    short_types: Collection[str] = (),
+    stand_ins: Mapping[str, str] | None = None,
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -474,8 +498,11 @@ def reconcile(
     instances the provider gave notice of (rule 9, with ``drain_s`` and ``margin_s``;
     ``handled``: the provider ids whose notice was acted on already).
     ``desired_spot``: how many of each type's desired instances are spot, and
-    ``spot_prices_usd_per_hr`` the spot prices now (rule 10). The rules are the module
-    docstring's; the actions come in the order they must be carried out.
+    ``spot_prices_usd_per_hr`` the spot prices now (rule 10). ``ranking``: type -> the types
+    that may stand in for it, preferred first; ``short_types``: the types the provider is short
+    of now (a capacity miss running); ``stand_ins``: row id -> the type a row stands in for
+    (rule 11). The rules are the module docstring's; the actions come in the order they must be
+    carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
@@ -486,7 +513,11 @@ def reconcile(
     actions: list[Action] = []
     spot_prices = spot_prices_usd_per_hr or {}
     db_instances = _repriced(db_instances, spot_prices, budget_usd_per_hr, actions)
-    rows = [_Row(r, InstanceState(r.state), r.provider_id) for r in db_instances]
+    standing = stand_ins or {}
+    rows = [
+        _Row(r, InstanceState(r.state), r.provider_id, stands_for=standing.get(r.id))
+        for r in db_instances
+    ]
     stages = stage_types or {}
     if observed is None:
         kept = [row for row in rows if row.state in _KEPT]
@@ -524,9 +555,22 @@ def reconcile(
     reserved += doomed_usd_per_hr
     staying = {row.id for row in kept}
     spared = [row for row in spared if row.id in staying]
+    ranked = ranking or {}
+    # Rule 11: a launch of a type the provider is short of waits no longer where another type
+    # of the plan's ranking can stand in for it (decided with the shortfall, below).
+    given_up = [
+        row
+        for row in kept
+        if row.state is _S.REQUESTED
+        and not row.launched
+        and row.record.instance_type in short_types
+        and ranked.get(row.record.instance_type)
+        and desired is not None
+    ]
+    given_up_ids = {row.id for row in given_up}
     # Launches that failed retryably, or whose answer was lost: again, with the same request id.
     for row in kept:
-        if row.state is _S.REQUESTED and not row.launched:
+        if row.state is _S.REQUESTED and not row.launched and row.id not in given_up_ids:
             actions.append(
                 Launch(
                     row.record.request_id,
@@ -549,7 +593,16 @@ def reconcile(
             reserved_usd_per_hr=reserved,
             desired_spot=desired_spot or {},
             spot_prices_usd_per_hr=spot_prices,
+            ranking=ranked,
+            short_types=frozenset(short_types),
+            noticed_spot=frozenset(
+                row.record.instance_type
+                for row in rows
+                if row.record.market == "spot" and (row.provider_id or "") in (notices or {})
+            ),
+            given_up=given_up,
         )
+        kept = [row for row in kept if row.id not in given_up_ids]
         planned = launches(kept)
         if spared and any(isinstance(a, BudgetCapped) for a in planned):
             spared_ids = {row.id for row in spared}
@@ -808,12 +861,12 @@ def _act_on_notices(
             _terminate([row], "interruption", f"{what}; it serves nothing yet", actions)
             done = "served nothing yet: terminated, and its replacement is launched"
         else:
-            instance_type = row.record.instance_type
+            instance_type = row.counted_type
             others = sum(
                 1
                 for other in rows
                 if other.state is _S.RUNNING
-                and other.record.instance_type == instance_type
+                and other.counted_type == instance_type
                 and (other.provider_id or "") not in notices
             )
             if now >= drain_at or others >= (desired or {}).get(instance_type, 0):
@@ -930,7 +983,7 @@ def _drop_excess(
     ones spared as the last of their stage."""
     by_type: dict[str, list[_Row]] = defaultdict(list)
     for row in kept:
-        by_type[row.record.instance_type].append(row)
+        by_type[row.counted_type].append(row)
     extra: dict[str, list[_Row]] = {}
     for instance_type in sorted(by_type):
         have = by_type[instance_type]
@@ -1062,20 +1115,33 @@ def _launch_shortfall(
     reserved_usd_per_hr: float = 0.0,
     desired_spot: Mapping[str, int] | None = None,
     spot_prices_usd_per_hr: Mapping[str, float] | None = None,
+    ranking: Mapping[str, Sequence[str]] | None = None,
+    short_types: Collection[str] = (),
+    noticed_spot: Collection[str] = (),
+    given_up: Sequence[_Row] = (),
 ) -> list[Action]:
-    """Rules 6, 7 and 10: launch what is missing, most cost-effective first, while it fits (next
-    to ``reserved_usd_per_hr``: what the app pays for outside its fleet, its profile workers);
-    on spot where ``desired_spot`` asks for more spot rows and spot is cheaper now."""
+    """Rules 6, 7, 10 and 11: launch what is missing, most cost-effective first, while it fits
+    (next to ``reserved_usd_per_hr``: what the app pays for outside its fleet, its profile
+    workers); on spot where ``desired_spot`` asks for more spot rows and spot is cheaper now; a
+    type the provider is short of (``short_types``, ``held_types``, or on spot ``noticed_spot``)
+    stood in for from ``ranking``. ``given_up``: ``requested`` rows of short types, launched
+    again only where no stand-in is found (else marked failed)."""
     actions: list[Action] = []
-    have = Counter(row.record.instance_type for row in kept)
-    spot_kept = Counter(row.record.instance_type for row in kept if row.record.market == "spot")
+    have = Counter(row.counted_type for row in kept)
+    spot_kept = Counter(row.counted_type for row in kept if row.record.market == "spot")
     spot_wanted = {t: n - spot_kept[t] for t, n in (desired_spot or {}).items()}
     spot_now = spot_prices_usd_per_hr or {}
+    ranked = ranking or {}
+    waiting: dict[str, list[_Row]] = defaultdict(list)
+    for row in given_up:
+        waiting[row.record.instance_type].append(row)
     committed = reserved_usd_per_hr + float(sum(row.record.price_usd_per_hr for row in kept))
     wanted: list[tuple[str, float]] = []
     for instance_type in sorted(desired):
         missing = desired[instance_type] - have[instance_type]
-        if missing <= 0 or instance_type in held_types:
+        if missing <= 0:
+            continue
+        if instance_type in held_types and not ranked.get(instance_type):
             continue
         price = prices_usd_per_hr.get(instance_type)
         if price is None or not math.isfinite(price) or price < 0:
@@ -1087,6 +1153,7 @@ def _launch_shortfall(
     wanted.sort(key=lambda item: (-_value_per_usd(item[0], item[1], qps_by_type), item[1], item[0]))
     ordinal = _next_ordinal((row.record for row in rows), prefix)
     capped: Counter[str] = Counter()
+    unavailable = set(short_types) | set(held_types)
     for instance_type, on_demand_price in wanted:
         spot_price = spot_now.get(instance_type)
         on_spot = (
@@ -1095,7 +1162,60 @@ def _launch_shortfall(
             and spot_price < on_demand_price
         )
         price = spot_price if on_spot and spot_price is not None else on_demand_price
-        if committed + price > budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
+        room = budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR - committed
+        short = instance_type in unavailable
+        if short or (on_spot and instance_type in noticed_spot):
+            stand_in = _stand_in(
+                instance_type,
+                on_spot=on_spot,
+                short=short,
+                ranking=ranked,
+                prices_usd_per_hr=prices_usd_per_hr,
+                spot_now=spot_now,
+                qps_by_type=qps_by_type,
+                unavailable=unavailable,
+                noticed_spot=noticed_spot,
+                room_usd_per_hr=room,
+            )
+            if stand_in is not None:
+                other, market, other_price, why = stand_in
+                if waiting[instance_type]:
+                    _mark(waiting[instance_type].pop(), _S.FAILED, why, actions)
+                committed += other_price
+                if on_spot:
+                    spot_wanted[instance_type] -= 1
+                actions.append(
+                    Launch(
+                        f"{prefix}-{ordinal}",
+                        other,
+                        other_price,
+                        why,
+                        market=market,
+                        stands_for=instance_type,
+                    )
+                )
+                have[instance_type] += 1
+                ordinal += 1
+                continue
+        if waiting[instance_type]:
+            # No stand-in: the waiting launch is tried again (its cost is already the fleet's).
+            row = waiting[instance_type].pop()
+            committed += row.record.price_usd_per_hr
+            actions.append(
+                Launch(
+                    row.record.request_id,
+                    row.record.instance_type,
+                    row.record.price_usd_per_hr,
+                    "launch again (the last attempt did not go through)",
+                    retry=True,
+                    market=row.record.market,
+                )
+            )
+            have[instance_type] += 1
+            continue
+        if instance_type in held_types:
+            continue
+        if price > room:
             capped[instance_type] += 1
             continue
         committed += price
@@ -1113,9 +1233,82 @@ def _launch_shortfall(
         )
         have[instance_type] += 1
         ordinal += 1
+    for rows_left in waiting.values():  # not wanted any more: tried again as before
+        for row in rows_left:
+            committed += row.record.price_usd_per_hr
+            actions.append(
+                Launch(
+                    row.record.request_id,
+                    row.record.instance_type,
+                    row.record.price_usd_per_hr,
+                    "launch again (the last attempt did not go through)",
+                    retry=True,
+                    market=row.record.market,
+                )
+            )
     if capped:
         actions.append(BudgetCapped(dict(sorted(capped.items())), committed, budget_usd_per_hr))
     return actions
+
+
+def _stand_in(
+    instance_type: str,
+    *,
+    on_spot: bool,
+    short: bool,
+    ranking: Mapping[str, Sequence[str]],
+    prices_usd_per_hr: Mapping[str, float],
+    spot_now: Mapping[str, float],
+    qps_by_type: Mapping[str, float],
+    unavailable: Collection[str],
+    noticed_spot: Collection[str],
+    room_usd_per_hr: float,
+) -> tuple[str, str, float, str] | None:
+    """Rule 11: what launches for one instance of ``instance_type`` that the provider is short
+    of (``short``: it refused it or has no capacity; else only its spot is under notice): the
+    first type of ``ranking`` that serves at least as much (Q_t; unknown: any), is not short
+    itself and fits ``room_usd_per_hr``, on spot where ``on_spot`` and its spot is cheaper and
+    under no notice, else on demand; failing that, where only spot is short, ``instance_type``
+    on demand. (type, market, price, why), or None."""
+    need = qps_by_type.get(instance_type)
+    why_short = (
+        f"the provider is short of {instance_type}"
+        if short
+        else f"{instance_type}'s spot instances are under an interruption notice"
+    )
+    for other in ranking.get(instance_type, ()):
+        if other == instance_type or other in unavailable:
+            continue
+        serves = qps_by_type.get(other)
+        if need is not None and serves is not None and serves < need:
+            continue
+        on_demand = prices_usd_per_hr.get(other)
+        if on_demand is None or not math.isfinite(on_demand):
+            continue
+        spot = spot_now.get(other)
+        options = []
+        if on_spot and spot is not None and spot < on_demand and other not in noticed_spot:
+            options.append(("spot", spot))
+        options.append(("on-demand", on_demand))
+        for market, price in options:
+            if price <= room_usd_per_hr:
+                return (
+                    other,
+                    market,
+                    price,
+                    f"{why_short}: {other} ({market}, {price:g} USD/hr) stands in for it, the"
+                    f" next type of the plan's ranking that serves as much within the budget",
+                )
+    on_demand = prices_usd_per_hr.get(instance_type)
+    if not short and on_demand is not None and on_demand <= room_usd_per_hr:
+        return (
+            instance_type,
+            "on-demand",
+            on_demand,
+            f"{why_short} and no type of the plan's ranking stands in within the budget:"
+            f" {instance_type} on demand ({on_demand:g} USD/hr)",
+        )
+    return None
 
 
 # --- what the reconciler is told ---------------------------------------------------------------
@@ -1314,6 +1507,9 @@ class Reconciler:
         # (app, instance type) -> monotonic time of the first capacity miss of its current run.
         self._capacity_missed_s: dict[tuple[str, str], float] = {}
         self._capacity_lock = threading.Lock()
+        # Rule 11: app -> row id -> the type the row stands in for (read back from the app's
+        # stand_in decisions the first time the app is reconciled by this process).
+        self._stand_ins: dict[str, dict[str, str]] = {}
 
     def capacity_misses(self, app: str) -> dict[str, float]:
         """The types of ``app`` the provider has had no capacity for, and for how many seconds
@@ -1413,6 +1609,8 @@ class Reconciler:
             if name == app.name and until > now_s
         }
         teardown = teardown_requested(self.store, app)
+        with self._capacity_lock:
+            short = {t for (name, t) in self._capacity_missed_s if name == app.name}
         actions = reconcile(
             desired,
             rows,
@@ -1437,6 +1635,9 @@ class Reconciler:
             margin_s=self.interruption_margin_s,
             desired_spot=desired_spot,
             spot_prices_usd_per_hr=pricing.spot_prices_usd_per_hr,
+            ranking=self._ranking(app, pricing, desired_spot),
+            short_types=short,
+            stand_ins=self._stand_ins_of(app.name, rows),
         )
         errors = _Errors()
         launches = [a for a in actions if isinstance(a, Launch)]
@@ -1448,6 +1649,55 @@ class Reconciler:
         if teardown and observed is not None:
             self._delete_if_drained(app.name, errors)
         return AppReport(app.name, tuple(actions), tuple(errors))
+
+    def _ranking(
+        self, app: AppRecord, pricing: AppPricing, spot: Mapping[str, int]
+    ) -> dict[str, list[str]]:
+        """Rule 11: for each type the applied plan buys on spot (``spot``), the types that may
+        stand in for it,
+        preferred first: its stage's base types (the planner's order), the stage's other types,
+        then (a plan of one stage) the other types the app may use; each group by queries per
+        second per dollar, best first. Only types the provisioner can launch."""
+        plan = self.store.get_applied_plan(app.name)
+        if plan is None:
+            return {}
+        try:
+            stages = plan.plan.stages
+        except EstimatorError:
+            return {}
+        prices = pricing.prices_usd_per_hr
+
+        def by_value(types: Iterable[str]) -> list[str]:
+            return sorted(
+                types,
+                key=lambda t: (-_value_per_usd(t, prices[t], pricing.qps_by_type), prices[t], t),
+            )
+
+        ranking: dict[str, list[str]] = {}
+        for stage in stages:
+            planned = [t for t, n in stage.fleet.items() if n > 0]
+            order = [t for t in stage.base_types if t in prices]
+            order += by_value(t for t in planned if t not in order and t in prices)
+            if len(stages) == 1:
+                order += by_value(t for t in prices if t not in order)
+            order = [t for t in order if self.launchable(t) is None]
+            for instance_type in (t for t in planned if spot.get(t, 0) > 0):
+                ranking.setdefault(instance_type, [t for t in order if t != instance_type])
+        return ranking
+
+    def _stand_ins_of(self, app: str, rows: Sequence[InstanceRecord]) -> dict[str, str]:
+        """Rule 11: the app's live rows that stand in for another type (row id -> that type)."""
+        known = self._stand_ins.get(app)
+        if known is None:
+            known = {}
+            for decision in self.store.list_decisions(app, kinds=["stand_in"]):
+                instance_id = decision.numbers.get("instance_id")
+                stands_for = decision.numbers.get("stands_for")
+                if isinstance(instance_id, str) and isinstance(stands_for, str):
+                    known[instance_id] = stands_for
+        live = {r.id for r in rows if r.state not in TERMINAL_STATES}
+        self._stand_ins[app] = {i: t for i, t in known.items() if i in live}
+        return dict(self._stand_ins[app])
 
     def _live_spot_prices(self, pricing: AppPricing, types: Collection[str]) -> AppPricing:
         """Rule 10's prices of ``types`` (those the app buys on spot): the provider's spot
@@ -1708,6 +1958,8 @@ class Reconciler:
                 market=launch.market,
             )
             rows.append((launch, row))
+            if launch.stands_for is not None and not launch.retry:
+                self._record_stand_in(app.name, launch, row)
         crash_point("reconcile.after_row")
         new = [(launch, row) for launch, row in rows if not launch.retry]
         if new:
@@ -1760,6 +2012,25 @@ class Reconciler:
                     provider_id=live[0].provider_id,
                 )
             )
+
+    def _record_stand_in(self, app: str, launch: Launch, row: InstanceRecord) -> None:
+        """Rule 11's decision: what launches for a type the provider is short of, and why."""
+        stands_for = launch.stands_for or launch.instance_type
+        if stands_for != launch.instance_type:
+            self._stand_ins.setdefault(app, {})[row.id] = stands_for
+        self.store.record_decision(
+            app,
+            "stand_in",
+            f"{launch.instance_type} ({launch.market}) launched for {stands_for}: {launch.reason}",
+            {
+                "instance_id": row.id,
+                "request_id": launch.request_id,
+                "instance_type": launch.instance_type,
+                "stands_for": stands_for,
+                "market": launch.market,
+                "price_usd_per_hr": launch.price_usd_per_hr,
+            },
+        )
 
     def _launch_failed(
         self,

@@ -252,3 +252,115 @@ def test_spot_is_launched_only_as_the_plan_says_and_while_it_is_cheaper(
         ]
     finally:
         world.store.close()
+
+
+# --- rule 11: a replacement from the plan's ranking where the same type is short --------------
+
+SPOT_PRICES = {SMALL: 0.015, LARGE: 0.03}
+
+
+def spot_world(template_db: Path, tmp_path: Path, budget: float) -> World:
+    world = World(template_db, tmp_path, budget=budget)
+    world.reconciler.pricing = lambda _app: AppPricing(
+        PRICES, {SMALL: 10.0, LARGE: 40.0}, spot_prices_usd_per_hr=SPOT_PRICES
+    )
+    return world
+
+
+def launches(actions: list[object]) -> list[tuple[str, str, str | None]]:
+    return [(a.instance_type, a.market, a.stands_for) for a in actions if isinstance(a, Launch)]
+
+
+def kept_types(world: World) -> list[tuple[str, str]]:
+    kept = world.store.list_instances(APP, states=["requested", "pending", "running"])
+    return sorted((r.instance_type, r.market) for r in kept)
+
+
+def test_a_type_without_capacity_is_stood_in_for_by_the_next_of_the_ranking(
+    template_db: Path, tmp_path: Path
+) -> None:
+    world = spot_world(template_db, tmp_path, budget=1.0)
+    try:
+        world.fake.fail_capacity(SMALL)
+        apply_spot_plan(world.store, {SMALL: 2}, {SMALL: 2})
+        first = world.tick()
+        assert launches(first) == [(SMALL, "spot", None)] * 2  # refused: no capacity
+
+        second = world.tick()
+
+        # The waiting launches are given up for a type that serves at least as much, on spot.
+        assert launches(second) == [(LARGE, "spot", SMALL)] * 2
+        decisions = world.store.list_decisions(APP, kinds=["stand_in"])
+        assert [d.numbers["stands_for"] for d in decisions] == [SMALL, SMALL]
+        assert "short of emu.cpu.small" in decisions[0].reason
+        failed = world.store.list_instances(APP, states=["failed"])
+        assert [r.instance_type for r in failed] == [SMALL, SMALL]
+        # The stand-ins count as the type they stand in for: kept, nothing more launched.
+        for _ in range(4):
+            assert not launches(world.tick())
+        assert kept_types(world) == [(LARGE, "spot"), (LARGE, "spot")]
+        assert len(world.rows("running")) == 2
+
+        # A reconciler started afresh (a restart) reads the stand-ins back from the decisions.
+        world.reconciler = Reconciler(
+            world.store, world.fake, world.clock, world.reconciler.pricing
+        )
+        for _ in range(3):
+            actions = world.tick()
+            assert not launches(actions)
+            assert not [a for a in actions if type(a).__name__ == "Terminate"]
+    finally:
+        world.store.close()
+
+
+def test_a_refused_type_is_stood_in_for_within_the_budget_or_not_at_all(
+    template_db: Path, tmp_path: Path
+) -> None:
+    # Room for the two small ones on spot and one large stand-in, not two.
+    world = spot_world(template_db, tmp_path, budget=0.05)
+    try:
+        world.fake.set_quota(SMALL, 0)  # refused: a quota, not retried for the backoff
+        apply_spot_plan(world.store, {SMALL: 2}, {SMALL: 2})
+        world.tick()
+        assert world.store.list_decisions(APP, kinds=["launch_failed"])
+
+        actions = world.tick()
+
+        assert launches(actions) == [(LARGE, "spot", SMALL)]
+        assert kept_types(world) == [(LARGE, "spot")]
+    finally:
+        world.store.close()
+
+
+def test_a_notice_on_a_spot_type_is_replaced_by_another_type_on_spot_or_on_demand(
+    template_db: Path, tmp_path: Path
+) -> None:
+    world = spot_world(template_db, tmp_path, budget=1.0)
+    try:
+        apply_spot_plan(world.store, {SMALL: 1, LARGE: 1}, {SMALL: 1, LARGE: 1})
+        for _ in range(3):
+            world.tick()
+        by_type = {
+            r.instance_type: r.provider_id or ""
+            for r in world.store.list_instances(APP, states=["running"])
+        }
+
+        # The small one's spot is under notice: a large one on spot stands in for it.
+        world.fake.interrupt(by_type[SMALL], NOTICE_S)
+        actions = world.tick(1.0)
+        assert launches(actions) == [(LARGE, "spot", SMALL)]
+        (decision,) = world.store.list_decisions(APP, kinds=["stand_in"])
+        assert "under an interruption notice" in decision.reason
+
+        # The large one's: nothing in the ranking serves as much, so a large one on demand.
+        world.fake.interrupt(by_type[LARGE], NOTICE_S)
+        actions = world.tick(1.0)
+        assert launches(actions) == [(LARGE, "on-demand", LARGE)]
+        assert "on demand" in world.store.list_decisions(APP, kinds=["stand_in"])[-1].reason
+        # Both doomed ones go before their deadline; the replacements serve.
+        for _ in range(130):
+            world.tick(1.0)
+        assert kept_types(world) == [(LARGE, "on-demand"), (LARGE, "spot")]
+        assert len(world.rows("running")) == 2
+    finally:
+        world.store.close()
