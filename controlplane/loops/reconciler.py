@@ -96,7 +96,12 @@ The rules (docs/provisioners.md, "Reconciler", says why):
     rise takes the fleet past the budget, the budget guard (rule 6) drains the least
     cost-effective instances (the dearer spot ones first) and rule 7 replaces them where the
     budget allows, on demand once spot is no cheaper; a :class:`SpotRepriced` action (a
-    ``spot_price`` decision) says why.
+    ``spot_price`` decision) says why. Before that guard, in the tick the rise is seen, the
+    capacity moves where it can: the kept spot rows of a risen type for which the plan's ranking
+    (rule 11) has a type that serves as much and is cheaper on spot now go (cause
+    ``spot_price``, a ``terminate`` decision with the prices and the budget), and that type is
+    launched for them in the same tick (``stand_in`` decisions), the cheapest first, within the
+    budget: the removals are carried out before the launches, so the fleet is never over it.
 11. **Stand-ins** (docs/spot.md): for a type the applied plan buys on spot, ``ranking`` lists
     the types that may stand in for it (its stage's base types, the stage's other types, then
     for a plan of one stage the app's other types; each group by Q_t per dollar). When the
@@ -549,13 +554,32 @@ def reconcile(
             kept, desired, values, stages, disruption, disrupted_in_window, actions
         )
     reserved = _end_profiling_over_budget(kept, profiling, budget_usd_per_hr, actions)
+    ranked = ranking or {}
+    noticed_spot = frozenset(
+        row.record.instance_type
+        for row in rows
+        if row.record.market == "spot" and (row.provider_id or "") in (notices or {})
+    )
+    unavailable = frozenset(short_types) | frozenset(held_types) | noticed_spot
+    risen = _risen_types(actions, budget_usd_per_hr)
+    if risen and desired is not None:
+        kept = _move_off_risen(
+            kept,
+            risen,
+            budget_usd_per_hr,
+            ranking=ranked,
+            prices_usd_per_hr=prices_usd_per_hr,
+            spot_now=spot_prices,
+            qps_by_type=values,
+            unavailable=unavailable | risen,
+            actions=actions,
+        )
     kept = _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
     # The instances draining before their interruption are paid for until they go: the
     # replacements are launched next to them only where the budget pays for both.
     reserved += doomed_usd_per_hr
     staying = {row.id for row in kept}
     spared = [row for row in spared if row.id in staying]
-    ranked = ranking or {}
     # Rule 11: a launch of a type the provider is short of waits no longer where another type
     # of the plan's ranking can stand in for it (decided with the shortfall, below).
     given_up = [
@@ -595,11 +619,8 @@ def reconcile(
             spot_prices_usd_per_hr=spot_prices,
             ranking=ranked,
             short_types=frozenset(short_types),
-            noticed_spot=frozenset(
-                row.record.instance_type
-                for row in rows
-                if row.record.market == "spot" and (row.provider_id or "") in (notices or {})
-            ),
+            noticed_spot=noticed_spot,
+            risen_spot=risen,
             given_up=given_up,
         )
         kept = [row for row in kept if row.id not in given_up_ids]
@@ -1118,6 +1139,7 @@ def _launch_shortfall(
     ranking: Mapping[str, Sequence[str]] | None = None,
     short_types: Collection[str] = (),
     noticed_spot: Collection[str] = (),
+    risen_spot: Collection[str] = (),
     given_up: Sequence[_Row] = (),
 ) -> list[Action]:
     """Rules 6, 7, 10 and 11: launch what is missing, most cost-effective first, while it fits
@@ -1164,6 +1186,36 @@ def _launch_shortfall(
         price = spot_price if on_spot and spot_price is not None else on_demand_price
         room = budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR - committed
         short = instance_type in unavailable
+        if spot_wanted.get(instance_type, 0) > 0 and instance_type in risen_spot and not short:
+            cheaper = _cheaper_spot(
+                instance_type,
+                price,
+                ranking=ranked,
+                prices_usd_per_hr=prices_usd_per_hr,
+                spot_now=spot_now,
+                qps_by_type=qps_by_type,
+                unavailable=unavailable | set(noticed_spot) | set(risen_spot),
+            )
+            if cheaper is not None and cheaper[1] <= room:
+                other, other_price = cheaper
+                committed += other_price
+                spot_wanted[instance_type] -= 1
+                actions.append(
+                    Launch(
+                        f"{prefix}-{ordinal}",
+                        other,
+                        other_price,
+                        f"{instance_type}'s spot price rose to {spot_price or price:g} USD/hr"
+                        f" and took the fleet over the budget: {other} on spot at"
+                        f" {other_price:g} USD/hr serves as much for less (the cheapest such type"
+                        " of the plan's ranking)",
+                        market="spot",
+                        stands_for=instance_type,
+                    )
+                )
+                have[instance_type] += 1
+                ordinal += 1
+                continue
         if short or (on_spot and instance_type in noticed_spot):
             stand_in = _stand_in(
                 instance_type,
@@ -1249,6 +1301,108 @@ def _launch_shortfall(
     if capped:
         actions.append(BudgetCapped(dict(sorted(capped.items())), committed, budget_usd_per_hr))
     return actions
+
+
+def _risen_types(actions: Sequence[Action], budget_usd_per_hr: float) -> frozenset[str]:
+    """Rule 10: the spot types whose price rose this tick to take the fleet over the budget."""
+    return frozenset(
+        a.instance_type
+        for a in actions
+        if isinstance(a, SpotRepriced)
+        and a.price_usd_per_hr > a.launched_usd_per_hr + _BUDGET_SLACK_USD_PER_HR
+        and a.fleet_cost_usd_per_hr > budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR
+    )
+
+
+def _cheaper_spot(
+    instance_type: str,
+    price_now_usd_per_hr: float,
+    *,
+    ranking: Mapping[str, Sequence[str]],
+    prices_usd_per_hr: Mapping[str, float],
+    spot_now: Mapping[str, float],
+    qps_by_type: Mapping[str, float],
+    unavailable: Collection[str],
+) -> tuple[str, float] | None:
+    """Rule 10's move: the cheapest type of ``instance_type``'s ranking that serves at least as
+    much (Q_t; unknown: any), on spot below its on-demand price and below
+    ``price_now_usd_per_hr``, and is not ``unavailable`` (short, under notice, risen itself)."""
+    need = qps_by_type.get(instance_type)
+    found: list[tuple[float, int, str]] = []
+    for rank, other in enumerate(ranking.get(instance_type, ())):
+        if other == instance_type or other in unavailable:
+            continue
+        serves = qps_by_type.get(other)
+        if need is not None and serves is not None and serves < need:
+            continue
+        spot, on_demand = spot_now.get(other), prices_usd_per_hr.get(other)
+        if spot is None or on_demand is None or not spot < on_demand:
+            continue
+        if spot < price_now_usd_per_hr - _BUDGET_SLACK_USD_PER_HR:
+            found.append((spot, rank, other))
+    if not found:
+        return None
+    price, _, other = min(found)
+    return other, price
+
+
+def _move_off_risen(
+    kept: list[_Row],
+    risen: Collection[str],
+    budget_usd_per_hr: float,
+    *,
+    ranking: Mapping[str, Sequence[str]],
+    prices_usd_per_hr: Mapping[str, float],
+    spot_now: Mapping[str, float],
+    qps_by_type: Mapping[str, float],
+    unavailable: Collection[str],
+    actions: list[Action],
+) -> list[_Row]:
+    """Rule 10's move: a spot price rise took the fleet over the budget. The kept spot rows of a
+    risen type for which the plan's ranking has a type that serves as much for less on spot go
+    (cause ``spot_price``), before anything is launched; rule 7 then launches that type for them
+    in the same tick, within the budget. The others are left to the budget guard."""
+    cost = float(sum(row.record.price_usd_per_hr for row in kept))
+    going: dict[str, list[_Row]] = defaultdict(list)
+    moves: dict[str, tuple[str, float]] = {}
+    for row in kept:
+        instance_type = row.record.instance_type
+        if (
+            row.record.market != "spot"
+            or instance_type not in risen
+            or row.counted_type != instance_type
+        ):
+            continue
+        price_now = spot_now.get(instance_type)
+        if price_now is None:
+            continue
+        if instance_type not in moves:
+            cheaper = _cheaper_spot(
+                instance_type,
+                price_now,
+                ranking=ranking,
+                prices_usd_per_hr=prices_usd_per_hr,
+                spot_now=spot_now,
+                qps_by_type=qps_by_type,
+                unavailable=unavailable,
+            )
+            if cheaper is None:
+                continue
+            moves[instance_type] = cheaper
+        going[instance_type].append(row)
+    for instance_type, rows in sorted(going.items()):
+        other, other_price = moves[instance_type]
+        _terminate(
+            rows,
+            "spot_price",
+            f"{instance_type}'s spot price rose to {spot_now[instance_type]:g} USD/hr: the fleet"
+            f" costs {cost:.3f} USD/hr, over the budget of {budget_usd_per_hr:g} USD/hr;"
+            f" {other} on spot ({other_price:g} USD/hr) serves as much for less and replaces"
+            " them within the budget",
+            actions,
+        )
+    gone = {row.id for rows in going.values() for row in rows}
+    return [row for row in kept if row.id not in gone]
 
 
 def _stand_in(
@@ -1656,7 +1810,8 @@ class Reconciler:
         """Rule 11: for each type the applied plan buys on spot (``spot``), the types that may
         stand in for it,
         preferred first: its stage's base types (the planner's order), the stage's other types,
-        then (a plan of one stage) the other types the app may use; each group by queries per
+        then (a plan of one stage) the other types of the app's spec (``instance_types``; without
+        it, the types Q_t is known for); each group by queries per
         second per dollar, best first. Only types the provisioner can launch."""
         plan = self.store.get_applied_plan(app.name)
         if plan is None:
@@ -1673,13 +1828,19 @@ class Reconciler:
                 key=lambda t: (-_value_per_usd(t, prices[t], pricing.qps_by_type), prices[t], t),
             )
 
+        listed = app.spec.get("instance_types")
+        candidates = (
+            [t for t in listed if isinstance(t, str)]
+            if isinstance(listed, list)
+            else list(pricing.qps_by_type)
+        )
         ranking: dict[str, list[str]] = {}
         for stage in stages:
             planned = [t for t, n in stage.fleet.items() if n > 0]
             order = [t for t in stage.base_types if t in prices]
             order += by_value(t for t in planned if t not in order and t in prices)
             if len(stages) == 1:
-                order += by_value(t for t in prices if t not in order)
+                order += by_value(t for t in candidates if t not in order and t in prices)
             order = [t for t in order if self.launchable(t) is None]
             for instance_type in (t for t in planned if spot.get(t, 0) > 0):
                 ranking.setdefault(instance_type, [t for t in order if t != instance_type])

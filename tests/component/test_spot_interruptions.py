@@ -364,3 +364,52 @@ def test_a_notice_on_a_spot_type_is_replaced_by_another_type_on_spot_or_on_deman
         assert len(world.rows("running")) == 2
     finally:
         world.store.close()
+
+
+def test_a_spot_price_rise_over_the_budget_moves_capacity_to_a_cheaper_spot_type(
+    template_db: Path, tmp_path: Path
+) -> None:
+    spot_prices = {SMALL: 0.015, LARGE: 0.03}
+    budget = 0.1
+    world = World(template_db, tmp_path, budget=budget)
+    world.reconciler.pricing = lambda _app: AppPricing(
+        PRICES, {SMALL: 10.0, LARGE: 40.0}, spot_prices_usd_per_hr=spot_prices
+    )
+
+    def cost_now() -> float:
+        live = world.store.list_instances(APP, states=list(_LIVE))
+        return sum(
+            spot_prices[r.instance_type] if r.market == "spot" else r.price_usd_per_hr for r in live
+        )
+
+    try:
+        apply_spot_plan(world.store, {SMALL: 3}, {SMALL: 3})
+        for _ in range(3):
+            world.tick()
+        assert kept_types(world) == [(SMALL, "spot")] * 3
+
+        # A rise within the budget (3 x 0.03 = 0.09) moves nothing.
+        spot_prices[SMALL] = 0.03
+        actions = world.tick()
+        assert not launches(actions)
+        assert kept_types(world) == [(SMALL, "spot")] * 3
+
+        # A rise past it (3 x 0.05 = 0.15): the small ones go and three large ones on spot
+        # (0.03 each: as much capacity, 0.09 in all) are launched in the same tick.
+        spot_prices[SMALL] = 0.05
+        actions = world.tick()
+        assert cost_now() <= budget + 1e-9
+        assert launches(actions) == [(LARGE, "spot", SMALL)] * 3
+        (moved,) = world.store.list_decisions(APP, kinds=["terminate"])
+        assert moved.numbers["cause"] == "spot_price"
+        assert "rose to 0.05" in moved.reason and "over the budget of 0.1" in moved.reason
+        reasons = [d.reason for d in world.store.list_decisions(APP, kinds=["stand_in"])]
+        assert len(reasons) == 3 and "serves as much for less" in reasons[0]
+        for _ in range(5):
+            actions = world.tick()
+            assert cost_now() <= budget + 1e-9
+            assert not launches(actions)
+        assert kept_types(world) == [(LARGE, "spot")] * 3
+        assert len(world.rows("running")) == 3
+    finally:
+        world.store.close()
