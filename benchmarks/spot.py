@@ -1,10 +1,11 @@
 """Spot capacity: on-demand-only, spot-aware and SpotHedge-style plans under interruptions.
 
     .venv/bin/python benchmarks/spot.py [--rate-qps 100] [--duration-s 1800]
-        [--interruptions 0.01,0.5,2,8] [--seed 0] [--json]
+        [--interruptions 0.01,0.5,2,8] [--seed 0] [--json] [--spec examples/rm2.yaml]
 
 The Kairos setting (``examples/rm2.yaml``: rm2 on g4dn.xlarge, c5n.2xlarge, r5n.large and
-t3.xlarge, 350 ms at p99, 10 USD/hr; the Kairos batch mix), a Poisson trace at ``--rate-qps``.
+t3.xlarge, 350 ms at p99, 10 USD/hr; the Kairos batch mix; ``--spec examples/dien.yaml``: dien,
+35 ms), a Poisson trace at ``--rate-qps``.
 Each policy plans on its own 300 s trace at the rate and is replayed static on
 ``--duration-s`` of the same rate (``heteroplane replay --policy static
 --interruptions-per-hour R``: docs/spot.md), its spot instances interrupted at each rate R per
@@ -24,7 +25,7 @@ instance at once (the correlated loss the survive share is for), planned for 0.5
 The planners are told the interruption rate (the catalog's ``interruptions_per_hr`` set to R), as
 a deployment would know its recent rate. For each (R, policy) the table gives the cost in USD/hr
 (what the run cost over its length, spot at the catalog's spot prices, replacements billed from
-their launch), the share of queries within the 350 ms SLO, the saving against on-demand, and the
+their launch), the share of queries within the spec's SLO, the saving against on-demand, and the
 interruptions drawn. Figures are for the seed given; they are simulations, not a live fleet.
 """
 
@@ -64,9 +65,13 @@ def _with_rate(app: ResolvedApp, rate_per_hr: float) -> ResolvedApp:
 
 
 def run(
-    rate_qps: float, duration_s: float, rates_per_hr: list[float], seed: int
+    rate_qps: float,
+    duration_s: float,
+    rates_per_hr: list[float],
+    seed: int,
+    spec_path: str = SPEC,
 ) -> list[dict[str, Any]]:
-    spec = load_spec(SPEC)
+    spec = load_spec(spec_path)
     base = resolve_spec(spec)
     planning = _trace(rate_qps, PLANNING_S, seed + 1)
     replayed = _trace(rate_qps, duration_s, seed + 2)
@@ -141,15 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interruptions", default="0.01,0.5,2,8")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--spec", default=SPEC, help="a spec of one model (default: %(default)s)")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.interruptions.split(",")]
-    rows = run(args.rate_qps, args.duration_s, rates, args.seed)
+    rows = run(args.rate_qps, args.duration_s, rates, args.seed, args.spec)
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         print()
         return 0
     print(
-        f"rm2 (Kairos setting), {args.rate_qps:g} qps, {args.duration_s:g} s replayed,"
+        f"{args.spec}, {args.rate_qps:g} qps, {args.duration_s:g} s replayed,"
         f" seed {args.seed}; 'wave': no interruption but one wave taking every spot instance at"
         " once mid-run"
     )

@@ -469,6 +469,17 @@ def test_example_spec_resolves() -> None:
         assert app.profile("rm2", instance_type).max_batch_size == 1000
 
 
+@needs_shared
+def test_the_dien_example_resolves() -> None:
+    spec = load_spec(EXAMPLE.with_name("dien.yaml"))
+    if Path(spec.models[0].profiles) != KAIROS_CSV.resolve():
+        pytest.skip("the shared data is not beside the checkout (HETEROPLANE_SHARED is set)")
+    assert spec.model_names == ["dien"] and spec.slo.latency_ms == 35.0
+    app = resolve_spec(spec)
+    for instance_type in spec.instance_types:
+        assert app.profile("dien", instance_type).max_batch_size == 1000
+
+
 # --- inputs that once crashed the service --------------------------------------------------------
 
 
