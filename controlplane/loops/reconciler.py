@@ -1751,7 +1751,11 @@ class Reconciler:
         rows = self.store.list_instances(app.name)
         desired_spot = self.desired_spot(app)
         spot_types = set(desired_spot) | {r.instance_type for r in rows if r.market == "spot"}
-        pricing = self._live_spot_prices(self.pricing(app), spot_types)
+        pricing = self.pricing(app)
+        ranking = self._ranking(app, pricing, desired_spot)
+        # Rule 10's prices now, of the spot types and of the types that may stand in for them.
+        stand_in_types = {t for types in ranking.values() for t in types}
+        pricing = self._live_spot_prices(pricing, spot_types | stand_in_types)
         waiting = {r.instance_type for r in rows if r.state == _S.REQUESTED.value}
         with self._capacity_lock:
             for key in [k for k in self._capacity_missed_s if k[0] == app.name]:
@@ -1789,7 +1793,7 @@ class Reconciler:
             margin_s=self.interruption_margin_s,
             desired_spot=desired_spot,
             spot_prices_usd_per_hr=pricing.spot_prices_usd_per_hr,
-            ranking=self._ranking(app, pricing, desired_spot),
+            ranking=ranking,
             short_types=short,
             stand_ins=self._stand_ins_of(app.name, rows),
         )

@@ -367,3 +367,81 @@ def test_the_cap_holds_when_spot_prices_read_from_ec2_rise_mid_run(
         assert board.calls == 2  # once per TTL, not once per tick
     finally:
         store.close()
+
+
+def test_a_spot_price_rise_read_from_ec2_moves_capacity_to_a_cheaper_spot_type(
+    ec2_network: Ec2Network, tmp_path: Any
+) -> None:
+    """Two t3.large on spot; DescribeSpotPriceHistory then says t3.large rose to on demand,
+    past the budget, while t3.xlarge (the plan's ranking's next type) is at 0.05: the reconciler
+    terminates the two and launches two t3.xlarge on spot in the same tick, within the budget."""
+    from controlplane.clock import FakeClock
+    from controlplane.db import migrate
+    from controlplane.db.store import Store
+    from controlplane.loops.reconciler import Reconciler, catalog_pricing
+    from estimator.catalog import default_catalog
+
+    board = PriceBoard()
+    board.prices = {"t3.large": 0.03, "t3.xlarge": 0.05}
+    session = boto3.Session()
+    session.events.register("before-send.ec2.DescribeSpotPriceHistory", board)
+    clock = FakeClock(start_utc=datetime.now(UTC).replace(microsecond=0))
+    types = ["t3.large", "t3.xlarge"]
+    templates = Ec2Provisioner(ec2_config(ec2_network)).ensure_launch_templates(types)
+    provisioner = Ec2Provisioner(
+        ec2_config(ec2_network, launch_templates=templates, spot_price_ttl_s=60.0),
+        session,
+        clock=clock.now_s,
+    )
+    database = f"sqlite:///{tmp_path / 'heteroplane.db'}"
+    migrate.upgrade(database)
+    store = Store.from_url(database, clock)
+    reconciler = Reconciler(store, provisioner, clock, catalog_pricing(default_catalog()))
+    budget = 0.12  # two t3.large at 0.0832 (0.166) do not fit; two t3.xlarge at 0.05 do
+
+    def paid_now() -> float:
+        kept = store.list_instances("recs", states=["requested", "pending", "running"])
+        prices = board.prices or {}
+        return sum(
+            prices[r.instance_type] if r.market == "spot" else r.price_usd_per_hr for r in kept
+        )
+
+    try:
+        store.create_app(
+            {
+                "name": "recs",
+                "models": [{"name": "tiny", "profiles": "profiles.json"}],
+                "slo": {"latency_ms": 50},
+                "budget_usd_per_hr": budget,
+                "instance_types": types,
+            },
+            who="test",
+        )
+        document = {
+            "feasible": True,
+            "cost_usd_per_hr": 0.06,
+            "stages": [{"name": "tiny", "fleet": {"t3.large": 2}, "spot_fleet": {"t3.large": 2}}],
+        }
+        store.apply_plan("recs", store.create_plan("recs", document).id)
+        for _ in range(3):
+            clock.advance(1.0)
+            reconciler.run_once()
+        running = store.list_instances("recs", states=["running"])
+        assert sorted((r.instance_type, r.market) for r in running) == [("t3.large", "spot")] * 2
+
+        board.prices = {"t3.large": 0.0832, "t3.xlarge": 0.05}
+        clock.advance(61.0)  # past the price cache's TTL
+        reconciler.run_once()
+        assert paid_now() <= budget + 1e-9
+        kept = store.list_instances("recs", states=["requested", "pending", "running"])
+        assert sorted((r.instance_type, r.market) for r in kept) == [("t3.xlarge", "spot")] * 2
+        (moved,) = store.list_decisions("recs", kinds=["terminate"])
+        assert moved.numbers["cause"] == "spot_price" and "t3.xlarge" in moved.reason
+        for _ in range(3):
+            clock.advance(1.0)
+            reconciler.run_once()
+            assert paid_now() <= budget + 1e-9
+        running = store.list_instances("recs", states=["running"])
+        assert sorted(r.instance_type for r in running) == ["t3.xlarge", "t3.xlarge"]
+    finally:
+        store.close()
