@@ -144,7 +144,7 @@ import math
 import re
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import MappingProxyType
@@ -567,12 +567,9 @@ def reconcile(
             kept,
             risen,
             budget_usd_per_hr,
-            ranking=ranked,
-            prices_usd_per_hr=prices_usd_per_hr,
-            spot_now=spot_prices,
-            qps_by_type=values,
-            unavailable=unavailable | risen,
-            actions=actions,
+            _Ranked(ranked, prices_usd_per_hr, spot_prices, values),
+            unavailable | risen,
+            actions,
         )
     kept = _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
     # The instances draining before their interruption are paid for until they go: the
@@ -595,15 +592,7 @@ def reconcile(
     # Launches that failed retryably, or whose answer was lost: again, with the same request id.
     for row in kept:
         if row.state is _S.REQUESTED and not row.launched and row.id not in given_up_ids:
-            actions.append(
-                Launch(
-                    row.record.request_id,
-                    row.record.instance_type,
-                    row.record.price_usd_per_hr,
-                    "launch again (the last attempt did not go through)",
-                    retry=True,
-                )
-            )
+            actions.append(_launch_again(row))
     if desired is not None:
         launches = functools.partial(
             _launch_shortfall,
@@ -1153,7 +1142,7 @@ def _launch_shortfall(
     spot_kept = Counter(row.counted_type for row in kept if row.record.market == "spot")
     spot_wanted = {t: n - spot_kept[t] for t, n in (desired_spot or {}).items()}
     spot_now = spot_prices_usd_per_hr or {}
-    ranked = ranking or {}
+    choices = _Ranked(ranking or {}, prices_usd_per_hr, spot_now, qps_by_type)
     waiting: dict[str, list[_Row]] = defaultdict(list)
     for row in given_up:
         waiting[row.record.instance_type].append(row)
@@ -1163,7 +1152,7 @@ def _launch_shortfall(
         missing = desired[instance_type] - have[instance_type]
         if missing <= 0:
             continue
-        if instance_type in held_types and not ranked.get(instance_type):
+        if instance_type in held_types and not choices.ranking.get(instance_type):
             continue
         price = prices_usd_per_hr.get(instance_type)
         if price is None or not math.isfinite(price) or price < 0:
@@ -1188,13 +1177,7 @@ def _launch_shortfall(
         short = instance_type in unavailable
         if spot_wanted.get(instance_type, 0) > 0 and instance_type in risen_spot and not short:
             cheaper = _cheaper_spot(
-                instance_type,
-                price,
-                ranking=ranked,
-                prices_usd_per_hr=prices_usd_per_hr,
-                spot_now=spot_now,
-                qps_by_type=qps_by_type,
-                unavailable=unavailable | set(noticed_spot) | set(risen_spot),
+                instance_type, price, choices, unavailable | set(noticed_spot) | set(risen_spot)
             )
             if cheaper is not None and cheaper[1] <= room:
                 other, other_price = cheaper
@@ -1219,12 +1202,9 @@ def _launch_shortfall(
         if short or (on_spot and instance_type in noticed_spot):
             stand_in = _stand_in(
                 instance_type,
+                choices,
                 on_spot=on_spot,
                 short=short,
-                ranking=ranked,
-                prices_usd_per_hr=prices_usd_per_hr,
-                spot_now=spot_now,
-                qps_by_type=qps_by_type,
                 unavailable=unavailable,
                 noticed_spot=noticed_spot,
                 room_usd_per_hr=room,
@@ -1253,16 +1233,7 @@ def _launch_shortfall(
             # No stand-in: the waiting launch is tried again (its cost is already the fleet's).
             row = waiting[instance_type].pop()
             committed += row.record.price_usd_per_hr
-            actions.append(
-                Launch(
-                    row.record.request_id,
-                    row.record.instance_type,
-                    row.record.price_usd_per_hr,
-                    "launch again (the last attempt did not go through)",
-                    retry=True,
-                    market=row.record.market,
-                )
-            )
+            actions.append(_launch_again(row))
             have[instance_type] += 1
             continue
         if instance_type in held_types:
@@ -1288,19 +1259,23 @@ def _launch_shortfall(
     for rows_left in waiting.values():  # not wanted any more: tried again as before
         for row in rows_left:
             committed += row.record.price_usd_per_hr
-            actions.append(
-                Launch(
-                    row.record.request_id,
-                    row.record.instance_type,
-                    row.record.price_usd_per_hr,
-                    "launch again (the last attempt did not go through)",
-                    retry=True,
-                    market=row.record.market,
-                )
-            )
+            actions.append(_launch_again(row))
     if capped:
         actions.append(BudgetCapped(dict(sorted(capped.items())), committed, budget_usd_per_hr))
     return actions
+
+
+def _launch_again(row: _Row) -> Launch:
+    """A ``requested`` row whose launch failed retryably, or whose answer was lost: launched
+    again with the same request id."""
+    return Launch(
+        row.record.request_id,
+        row.record.instance_type,
+        row.record.price_usd_per_hr,
+        "launch again (the last attempt did not go through)",
+        retry=True,
+        market=row.record.market,
+    )
 
 
 def _risen_types(actions: Sequence[Action], budget_usd_per_hr: float) -> frozenset[str]:
@@ -1314,32 +1289,53 @@ def _risen_types(actions: Sequence[Action], budget_usd_per_hr: float) -> frozens
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Ranked:
+    """Rules 10 and 11's view of the plan's ranking (type -> the types that may stand in for it,
+    preferred first) with the prices (on demand, spot now) and Q_t."""
+
+    ranking: Mapping[str, Sequence[str]]
+    prices_usd_per_hr: Mapping[str, float]
+    spot_now: Mapping[str, float]
+    qps_by_type: Mapping[str, float]
+
+    def alternatives(
+        self, instance_type: str, unavailable: Collection[str]
+    ) -> Iterator[tuple[str, float, float | None]]:
+        """The types of ``instance_type``'s ranking, in its order, that serve at least as much
+        (Q_t; unknown: any), are not ``unavailable`` and have an on-demand price: (type, its
+        on-demand price, its spot price now or None)."""
+        need = self.qps_by_type.get(instance_type)
+        for other in self.ranking.get(instance_type, ()):
+            if other == instance_type or other in unavailable:
+                continue
+            serves = self.qps_by_type.get(other)
+            if need is not None and serves is not None and serves < need:
+                continue
+            on_demand = self.prices_usd_per_hr.get(other)
+            if on_demand is None or not math.isfinite(on_demand):
+                continue
+            yield other, on_demand, self.spot_now.get(other)
+
+
 def _cheaper_spot(
     instance_type: str,
     price_now_usd_per_hr: float,
-    *,
-    ranking: Mapping[str, Sequence[str]],
-    prices_usd_per_hr: Mapping[str, float],
-    spot_now: Mapping[str, float],
-    qps_by_type: Mapping[str, float],
+    ranked: _Ranked,
     unavailable: Collection[str],
 ) -> tuple[str, float] | None:
     """Rule 10's move: the cheapest type of ``instance_type``'s ranking that serves at least as
-    much (Q_t; unknown: any), on spot below its on-demand price and below
-    ``price_now_usd_per_hr``, and is not ``unavailable`` (short, under notice, risen itself)."""
-    need = qps_by_type.get(instance_type)
-    found: list[tuple[float, int, str]] = []
-    for rank, other in enumerate(ranking.get(instance_type, ())):
-        if other == instance_type or other in unavailable:
-            continue
-        serves = qps_by_type.get(other)
-        if need is not None and serves is not None and serves < need:
-            continue
-        spot, on_demand = spot_now.get(other), prices_usd_per_hr.get(other)
-        if spot is None or on_demand is None or not spot < on_demand:
-            continue
-        if spot < price_now_usd_per_hr - _BUDGET_SLACK_USD_PER_HR:
-            found.append((spot, rank, other))
+    much, on spot below its on-demand price and below ``price_now_usd_per_hr``, and is not
+    ``unavailable`` (short, under notice, risen itself)."""
+    found = [
+        (spot, rank, other)
+        for rank, (other, on_demand, spot) in enumerate(
+            ranked.alternatives(instance_type, unavailable)
+        )
+        if spot is not None
+        and spot < on_demand
+        and spot < price_now_usd_per_hr - _BUDGET_SLACK_USD_PER_HR
+    ]
     if not found:
         return None
     price, _, other = min(found)
@@ -1350,11 +1346,7 @@ def _move_off_risen(
     kept: list[_Row],
     risen: Collection[str],
     budget_usd_per_hr: float,
-    *,
-    ranking: Mapping[str, Sequence[str]],
-    prices_usd_per_hr: Mapping[str, float],
-    spot_now: Mapping[str, float],
-    qps_by_type: Mapping[str, float],
+    ranked: _Ranked,
     unavailable: Collection[str],
     actions: list[Action],
 ) -> list[_Row]:
@@ -1373,19 +1365,11 @@ def _move_off_risen(
             or row.counted_type != instance_type
         ):
             continue
-        price_now = spot_now.get(instance_type)
+        price_now = ranked.spot_now.get(instance_type)
         if price_now is None:
             continue
         if instance_type not in moves:
-            cheaper = _cheaper_spot(
-                instance_type,
-                price_now,
-                ranking=ranking,
-                prices_usd_per_hr=prices_usd_per_hr,
-                spot_now=spot_now,
-                qps_by_type=qps_by_type,
-                unavailable=unavailable,
-            )
+            cheaper = _cheaper_spot(instance_type, price_now, ranked, unavailable)
             if cheaper is None:
                 continue
             moves[instance_type] = cheaper
@@ -1395,8 +1379,8 @@ def _move_off_risen(
         _terminate(
             rows,
             "spot_price",
-            f"{instance_type}'s spot price rose to {spot_now[instance_type]:g} USD/hr: the fleet"
-            f" costs {cost:.3f} USD/hr, over the budget of {budget_usd_per_hr:g} USD/hr;"
+            f"{instance_type}'s spot price rose to {ranked.spot_now[instance_type]:g} USD/hr: the"
+            f" fleet costs {cost:.3f} USD/hr, over the budget of {budget_usd_per_hr:g} USD/hr;"
             f" {other} on spot ({other_price:g} USD/hr) serves as much for less and replaces"
             " them within the budget",
             actions,
@@ -1407,39 +1391,26 @@ def _move_off_risen(
 
 def _stand_in(
     instance_type: str,
+    ranked: _Ranked,
     *,
     on_spot: bool,
     short: bool,
-    ranking: Mapping[str, Sequence[str]],
-    prices_usd_per_hr: Mapping[str, float],
-    spot_now: Mapping[str, float],
-    qps_by_type: Mapping[str, float],
     unavailable: Collection[str],
     noticed_spot: Collection[str],
     room_usd_per_hr: float,
 ) -> tuple[str, str, float, str] | None:
     """Rule 11: what launches for one instance of ``instance_type`` that the provider is short
     of (``short``: it refused it or has no capacity; else only its spot is under notice): the
-    first type of ``ranking`` that serves at least as much (Q_t; unknown: any), is not short
+    first type of the ranking that serves at least as much (Q_t; unknown: any), is not short
     itself and fits ``room_usd_per_hr``, on spot where ``on_spot`` and its spot is cheaper and
     under no notice, else on demand; failing that, where only spot is short, ``instance_type``
     on demand. (type, market, price, why), or None."""
-    need = qps_by_type.get(instance_type)
     why_short = (
         f"the provider is short of {instance_type}"
         if short
         else f"{instance_type}'s spot instances are under an interruption notice"
     )
-    for other in ranking.get(instance_type, ()):
-        if other == instance_type or other in unavailable:
-            continue
-        serves = qps_by_type.get(other)
-        if need is not None and serves is not None and serves < need:
-            continue
-        on_demand = prices_usd_per_hr.get(other)
-        if on_demand is None or not math.isfinite(on_demand):
-            continue
-        spot = spot_now.get(other)
+    for other, on_demand, spot in ranked.alternatives(instance_type, unavailable):
         options = []
         if on_spot and spot is not None and spot < on_demand and other not in noticed_spot:
             options.append(("spot", spot))
@@ -1453,14 +1424,14 @@ def _stand_in(
                     f"{why_short}: {other} ({market}, {price:g} USD/hr) stands in for it, the"
                     f" next type of the plan's ranking that serves as much within the budget",
                 )
-    on_demand = prices_usd_per_hr.get(instance_type)
-    if not short and on_demand is not None and on_demand <= room_usd_per_hr:
+    own = ranked.prices_usd_per_hr.get(instance_type)
+    if not short and own is not None and own <= room_usd_per_hr:
         return (
             instance_type,
             "on-demand",
-            on_demand,
+            own,
             f"{why_short} and no type of the plan's ranking stands in within the budget:"
-            f" {instance_type} on demand ({on_demand:g} USD/hr)",
+            f" {instance_type} on demand ({own:g} USD/hr)",
         )
     return None
 

@@ -57,6 +57,7 @@ class World:
             interruption_margin_s=MARGIN_S,
         )
         self.budget = budget
+        self.spot_prices: dict[str, float] = {}
 
     def tick(self, seconds: float = 5.0) -> list[object]:
         self.clock.advance(seconds)
@@ -68,6 +69,22 @@ class World:
 
     def live_cost(self) -> float:
         return sum(i.price_usd_per_hr for i in self.store.list_instances(APP, states=_LIVE))
+
+    def price_spot(self, spot_prices: dict[str, float]) -> None:
+        """Price the app with ``spot_prices`` (the test changes the dict to move them), Q_t of a
+        large four times a small's."""
+        self.spot_prices = spot_prices
+        self.reconciler.pricing = lambda _app: AppPricing(
+            PRICES, {SMALL: 10.0, LARGE: 40.0}, spot_prices_usd_per_hr=spot_prices
+        )
+
+    def cost_now(self) -> float:
+        """What the live fleet costs at the spot prices now (spot rows), else as launched."""
+        live = self.store.list_instances(APP, states=list(_LIVE))
+        return sum(
+            self.spot_prices[r.instance_type] if r.market == "spot" else r.price_usd_per_hr
+            for r in live
+        )
 
     def rows(self, state: str) -> list[str]:
         return [i.provider_id or "" for i in self.store.list_instances(APP, states=[state])]
@@ -188,15 +205,8 @@ def test_the_cap_holds_when_spot_prices_rise_mid_run(template_db: Path, tmp_path
     spot_prices = {LARGE: 0.03}
     budget = 0.15  # two spot LARGE at 0.03; not two at on demand (0.1 each)
     world = World(template_db, tmp_path, budget=budget)
-    world.reconciler.pricing = lambda _app: AppPricing(
-        PRICES, {SMALL: 10.0, LARGE: 40.0}, spot_prices_usd_per_hr=spot_prices
-    )
-
-    def kept_cost_now() -> float:
-        kept = world.store.list_instances(APP, states=list(_LIVE))
-        return sum(
-            spot_prices[r.instance_type] if r.market == "spot" else r.price_usd_per_hr for r in kept
-        )
+    world.price_spot(spot_prices)
+    kept_cost_now = world.cost_now
 
     try:
         apply_spot_plan(world.store, {LARGE: 2}, {LARGE: 2})
@@ -261,9 +271,7 @@ SPOT_PRICES = {SMALL: 0.015, LARGE: 0.03}
 
 def spot_world(template_db: Path, tmp_path: Path, budget: float) -> World:
     world = World(template_db, tmp_path, budget=budget)
-    world.reconciler.pricing = lambda _app: AppPricing(
-        PRICES, {SMALL: 10.0, LARGE: 40.0}, spot_prices_usd_per_hr=SPOT_PRICES
-    )
+    world.price_spot(dict(SPOT_PRICES))
     return world
 
 
@@ -372,15 +380,8 @@ def test_a_spot_price_rise_over_the_budget_moves_capacity_to_a_cheaper_spot_type
     spot_prices = {SMALL: 0.015, LARGE: 0.03}
     budget = 0.1
     world = World(template_db, tmp_path, budget=budget)
-    world.reconciler.pricing = lambda _app: AppPricing(
-        PRICES, {SMALL: 10.0, LARGE: 40.0}, spot_prices_usd_per_hr=spot_prices
-    )
-
-    def cost_now() -> float:
-        live = world.store.list_instances(APP, states=list(_LIVE))
-        return sum(
-            spot_prices[r.instance_type] if r.market == "spot" else r.price_usd_per_hr for r in live
-        )
+    world.price_spot(spot_prices)
+    cost_now = world.cost_now
 
     try:
         apply_spot_plan(world.store, {SMALL: 3}, {SMALL: 3})

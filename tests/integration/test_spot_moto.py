@@ -73,6 +73,40 @@ class PriceBoard:
         return AWSResponse(request.url, 200, {"Content-Type": "text/xml"}, _Body(body))
 
 
+def reconciler_on_moto(
+    ec2_network: Ec2Network, tmp_path: Any, prices: dict[str, float]
+) -> tuple[PriceBoard, Any, Any, Any]:
+    """A reconciler (real store through the migrations, fake clock) over the EC2 provisioner on
+    moto, whose DescribeSpotPriceHistory answers ``prices`` (a board to change them; cached 60
+    s), with launch templates for those types."""
+    from controlplane.clock import FakeClock
+    from controlplane.db import migrate
+    from controlplane.db.store import Store
+    from controlplane.loops.reconciler import Reconciler, catalog_pricing
+    from estimator.catalog import default_catalog
+
+    board = PriceBoard()
+    board.prices = dict(prices)
+    session = boto3.Session()
+    session.events.register("before-send.ec2.DescribeSpotPriceHistory", board)
+    clock = FakeClock(start_utc=datetime.now(UTC).replace(microsecond=0))
+    templates = Ec2Provisioner(ec2_config(ec2_network)).ensure_launch_templates(sorted(prices))
+    provisioner = Ec2Provisioner(
+        ec2_config(ec2_network, launch_templates=templates, spot_price_ttl_s=60.0),
+        session,
+        clock=clock.now_s,
+    )
+    database = f"sqlite:///{tmp_path / 'heteroplane.db'}"
+    migrate.upgrade(database)
+    store = Store.from_url(database, clock)
+    return (
+        board,
+        clock,
+        store,
+        Reconciler(store, provisioner, clock, catalog_pricing(default_catalog())),
+    )
+
+
 def test_spot_prices_are_read_per_zone_and_cached_for_the_ttl(aws_env: str) -> None:
     board = PriceBoard()
     session = boto3.Session()
@@ -293,27 +327,7 @@ def test_the_cap_holds_when_spot_prices_read_from_ec2_rise_mid_run(
     moto) at the spot price DescribeSpotPriceHistory gives; the price rises to on demand: the
     next read (past the cache's TTL) costs the fleet past the budget, and the reconciler drains
     to fit it, with a spot_price decision, and launches nothing it cannot pay for."""
-    from controlplane.clock import FakeClock
-    from controlplane.db import migrate
-    from controlplane.db.store import Store
-    from controlplane.loops.reconciler import Reconciler, catalog_pricing
-    from estimator.catalog import default_catalog
-
-    board = PriceBoard()
-    board.prices = {"t3.large": 0.03}
-    session = boto3.Session()
-    session.events.register("before-send.ec2.DescribeSpotPriceHistory", board)
-    clock = FakeClock(start_utc=datetime.now(UTC).replace(microsecond=0))
-    templates = Ec2Provisioner(ec2_config(ec2_network)).ensure_launch_templates(["t3.large"])
-    provisioner = Ec2Provisioner(
-        ec2_config(ec2_network, launch_templates=templates, spot_price_ttl_s=60.0),
-        session,
-        clock=clock.now_s,
-    )
-    database = f"sqlite:///{tmp_path / 'heteroplane.db'}"
-    migrate.upgrade(database)
-    store = Store.from_url(database, clock)
-    reconciler = Reconciler(store, provisioner, clock, catalog_pricing(default_catalog()))
+    board, clock, store, reconciler = reconciler_on_moto(ec2_network, tmp_path, {"t3.large": 0.03})
     budget = 0.1  # two t3.large on spot at 0.03; not two at on demand (0.0832 each)
 
     def paid_now() -> float:
@@ -375,28 +389,10 @@ def test_a_spot_price_rise_read_from_ec2_moves_capacity_to_a_cheaper_spot_type(
     """Two t3.large on spot; DescribeSpotPriceHistory then says t3.large rose to on demand,
     past the budget, while t3.xlarge (the plan's ranking's next type) is at 0.05: the reconciler
     terminates the two and launches two t3.xlarge on spot in the same tick, within the budget."""
-    from controlplane.clock import FakeClock
-    from controlplane.db import migrate
-    from controlplane.db.store import Store
-    from controlplane.loops.reconciler import Reconciler, catalog_pricing
-    from estimator.catalog import default_catalog
-
-    board = PriceBoard()
-    board.prices = {"t3.large": 0.03, "t3.xlarge": 0.05}
-    session = boto3.Session()
-    session.events.register("before-send.ec2.DescribeSpotPriceHistory", board)
-    clock = FakeClock(start_utc=datetime.now(UTC).replace(microsecond=0))
     types = ["t3.large", "t3.xlarge"]
-    templates = Ec2Provisioner(ec2_config(ec2_network)).ensure_launch_templates(types)
-    provisioner = Ec2Provisioner(
-        ec2_config(ec2_network, launch_templates=templates, spot_price_ttl_s=60.0),
-        session,
-        clock=clock.now_s,
+    board, clock, store, reconciler = reconciler_on_moto(
+        ec2_network, tmp_path, {"t3.large": 0.03, "t3.xlarge": 0.05}
     )
-    database = f"sqlite:///{tmp_path / 'heteroplane.db'}"
-    migrate.upgrade(database)
-    store = Store.from_url(database, clock)
-    reconciler = Reconciler(store, provisioner, clock, catalog_pricing(default_catalog()))
     budget = 0.12  # two t3.large at 0.0832 (0.166) do not fit; two t3.xlarge at 0.05 do
 
     def paid_now() -> float:
