@@ -1175,32 +1175,25 @@ def _launch_shortfall(
         price = spot_price if on_spot and spot_price is not None else on_demand_price
         room = budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR - committed
         short = instance_type in unavailable
-        if spot_wanted.get(instance_type, 0) > 0 and instance_type in risen_spot and not short:
+        choice: tuple[str, str, float, str] | None = None
+        moving = spot_wanted.get(instance_type, 0) > 0 and instance_type in risen_spot
+        if moving and not short:
             cheaper = _cheaper_spot(
                 instance_type, price, choices, unavailable | set(noticed_spot) | set(risen_spot)
             )
             if cheaper is not None and cheaper[1] <= room:
                 other, other_price = cheaper
-                committed += other_price
-                spot_wanted[instance_type] -= 1
-                actions.append(
-                    Launch(
-                        f"{prefix}-{ordinal}",
-                        other,
-                        other_price,
-                        f"{instance_type}'s spot price rose to {spot_price or price:g} USD/hr"
-                        f" and took the fleet over the budget: {other} on spot at"
-                        f" {other_price:g} USD/hr serves as much for less (the cheapest such type"
-                        " of the plan's ranking)",
-                        market="spot",
-                        stands_for=instance_type,
-                    )
+                choice = (
+                    other,
+                    "spot",
+                    other_price,
+                    f"{instance_type}'s spot price rose to {spot_price or price:g} USD/hr"
+                    f" and took the fleet over the budget: {other} on spot at"
+                    f" {other_price:g} USD/hr serves as much for less (the cheapest such type"
+                    " of the plan's ranking)",
                 )
-                have[instance_type] += 1
-                ordinal += 1
-                continue
-        if short or (on_spot and instance_type in noticed_spot):
-            stand_in = _stand_in(
+        if choice is None and (short or (on_spot and instance_type in noticed_spot)):
+            choice = _stand_in(
                 instance_type,
                 choices,
                 on_spot=on_spot,
@@ -1209,26 +1202,26 @@ def _launch_shortfall(
                 noticed_spot=noticed_spot,
                 room_usd_per_hr=room,
             )
-            if stand_in is not None:
-                other, market, other_price, why = stand_in
-                if waiting[instance_type]:
-                    _mark(waiting[instance_type].pop(), _S.FAILED, why, actions)
-                committed += other_price
-                if on_spot:
-                    spot_wanted[instance_type] -= 1
-                actions.append(
-                    Launch(
-                        f"{prefix}-{ordinal}",
-                        other,
-                        other_price,
-                        why,
-                        market=market,
-                        stands_for=instance_type,
-                    )
+        if choice is not None:
+            other, market, other_price, why = choice
+            if waiting[instance_type]:
+                _mark(waiting[instance_type].pop(), _S.FAILED, why, actions)
+            committed += other_price
+            if on_spot or moving:
+                spot_wanted[instance_type] -= 1
+            actions.append(
+                Launch(
+                    f"{prefix}-{ordinal}",
+                    other,
+                    other_price,
+                    why,
+                    market=market,
+                    stands_for=instance_type,
                 )
-                have[instance_type] += 1
-                ordinal += 1
-                continue
+            )
+            have[instance_type] += 1
+            ordinal += 1
+            continue
         if waiting[instance_type]:
             # No stand-in: the waiting launch is tried again (its cost is already the fleet's).
             row = waiting[instance_type].pop()
