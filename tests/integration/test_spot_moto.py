@@ -107,6 +107,32 @@ def reconciler_on_moto(
     )
 
 
+def serve_two_spot_t3_large(
+    store: Any, clock: Any, reconciler: Any, budget: float, types: list[str]
+) -> None:
+    """Register the app (``types`` its candidates), apply a plan of two t3.large on spot and
+    reconcile three ticks (they launch and run)."""
+    store.create_app(
+        {
+            "name": "recs",
+            "models": [{"name": "tiny", "profiles": "profiles.json"}],
+            "slo": {"latency_ms": 50},
+            "budget_usd_per_hr": budget,
+            "instance_types": types,
+        },
+        who="test",
+    )
+    document = {
+        "feasible": True,
+        "cost_usd_per_hr": 0.06,
+        "stages": [{"name": "tiny", "fleet": {"t3.large": 2}, "spot_fleet": {"t3.large": 2}}],
+    }
+    store.apply_plan("recs", store.create_plan("recs", document).id)
+    for _ in range(3):
+        clock.advance(1.0)
+        reconciler.run_once()
+
+
 def test_spot_prices_are_read_per_zone_and_cached_for_the_ttl(aws_env: str) -> None:
     board = PriceBoard()
     session = boto3.Session()
@@ -338,25 +364,7 @@ def test_the_cap_holds_when_spot_prices_read_from_ec2_rise_mid_run(
         )
 
     try:
-        store.create_app(
-            {
-                "name": "recs",
-                "models": [{"name": "tiny", "profiles": "profiles.json"}],
-                "slo": {"latency_ms": 50},
-                "budget_usd_per_hr": budget,
-                "instance_types": ["t3.large"],
-            },
-            who="test",
-        )
-        document = {
-            "feasible": True,
-            "cost_usd_per_hr": 0.06,
-            "stages": [{"name": "tiny", "fleet": {"t3.large": 2}, "spot_fleet": {"t3.large": 2}}],
-        }
-        store.apply_plan("recs", store.create_plan("recs", document).id)
-        for _ in range(3):
-            clock.advance(1.0)
-            reconciler.run_once()
+        serve_two_spot_t3_large(store, clock, reconciler, budget, ["t3.large"])
         rows = store.list_instances("recs", states=["running"])
         assert [(r.market, r.price_usd_per_hr) for r in rows] == [("spot", 0.03)] * 2
         ec2 = boto3.client("ec2", region_name=REGION)
@@ -403,25 +411,7 @@ def test_a_spot_price_rise_read_from_ec2_moves_capacity_to_a_cheaper_spot_type(
         )
 
     try:
-        store.create_app(
-            {
-                "name": "recs",
-                "models": [{"name": "tiny", "profiles": "profiles.json"}],
-                "slo": {"latency_ms": 50},
-                "budget_usd_per_hr": budget,
-                "instance_types": types,
-            },
-            who="test",
-        )
-        document = {
-            "feasible": True,
-            "cost_usd_per_hr": 0.06,
-            "stages": [{"name": "tiny", "fleet": {"t3.large": 2}, "spot_fleet": {"t3.large": 2}}],
-        }
-        store.apply_plan("recs", store.create_plan("recs", document).id)
-        for _ in range(3):
-            clock.advance(1.0)
-            reconciler.run_once()
+        serve_two_spot_t3_large(store, clock, reconciler, budget, types)
         running = store.list_instances("recs", states=["running"])
         assert sorted((r.instance_type, r.market) for r in running) == [("t3.large", "spot")] * 2
 
