@@ -42,7 +42,7 @@ import numpy as np
 from controlplane.policies.planner import plan_app
 from controlplane.policies.spot import plan_with_spot
 from controlplane.policies.spot_replay import replay_with_interruptions
-from controlplane.spec import ResolvedApp, SpotSpec, load_spec, resolve_spec
+from controlplane.spec import ResolvedApp, SpecError, SpotSpec, load_spec, resolve_spec
 from estimator.batches import parse_batch_distribution
 from estimator.traces import Trace, poisson_arrivals
 
@@ -149,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", default=SPEC, help="a spec of one model (default: %(default)s)")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.interruptions.split(",")]
-    rows = run(args.rate_qps, args.duration_s, rates, args.seed, args.spec)
+    try:
+        rows = run(args.rate_qps, args.duration_s, rates, args.seed, args.spec)
+    except SpecError as error:
+        print(f"spot: {error}", file=sys.stderr)
+        return 2
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         print()
