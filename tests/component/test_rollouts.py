@@ -68,7 +68,10 @@ def world(tmp_path: Path) -> Iterator[World]:
     resolver = AppResolver(
         tmp_path, artifacts=store.get_model_version, measured=store.get_app_profiles
     )
-    settings = Settings(data_dir=tmp_path, provisioner="fake")
+    # These tests are of the API and the budget check on the applied plan's fleet: the start
+    # does not profile the new version (the fake provider's instances never answer;
+    # tests/component/test_rollout_serving.py profiles it on fake workers).
+    settings = Settings(data_dir=tmp_path, provisioner="fake", rollout_profile_run=False)
     token = store.create_token("operator", name="op")
     app = create_app(settings, store, clock, resolver=resolver, provisioner=FakeProvisioner())
     with TestClient(app, raise_server_exceptions=False) as client:
