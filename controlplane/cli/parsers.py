@@ -1583,6 +1583,13 @@ def _rollout(subparsers: Subparsers) -> None:
         metavar="N",
         help="queries a step needs before it may advance (default 50)",
     )
+    start.add_argument(
+        "--min-accuracy",
+        type=float,
+        metavar="X",
+        help="roll back below this accuracy on labelled samples (queries naming validation"
+        " samples; default: not judged)",
+    )
     start.set_defaults(handler=Handler("rollout", "rollout_start"))
     status = actions.add_parser("status", help="the app's rollout: state, step, figures")
     _app_option(status)

@@ -10,6 +10,7 @@ launched worker's row to ``running``, is done by hand too).
 - a wrong one rolls back on agreement in shadow, while every client got the old version's answer;
 - a restart mid-rollout (a new store, rollout loop and meter) resumes at the step the database
   says, with the step's clock kept;
+- a version under the user's accuracy floor on labelled queries rolls back at once;
 - before traffic, the start profiles the new version on the app's candidate types (a profile
   run's workers on a fake worker) and plans the app again with it: a slower version gets a
   bigger extra fleet than the old version's stage, and the app's own profiles stay.
@@ -529,3 +530,33 @@ def test_the_start_profiles_the_new_version_and_plans_its_fleet(tmp_path: Path) 
         assert pinned["batch_sizes"] == [1, 2] and min(pinned["latency_ms"][0]) >= 100.0
     finally:
         world.store.close()
+
+
+def test_a_version_under_the_accuracy_floor_rolls_back(world: World) -> None:
+    """``min_accuracy`` set: once ``min_queries`` labelled samples were answered by the new
+    version (queries naming validation samples, as the serving loop records them), an accuracy
+    under the floor rolls the rollout back at once, before the interval is over."""
+    thresholds = Thresholds(min_queries=10, min_accuracy=0.9)
+    request = RolloutRequest("digits-tiny@2", (0.5, 1.0), 10.0, False, thresholds)
+    rid = start_rollout(world.store, world.resolver, APP, request, who="test").id
+
+    async def body() -> list[str]:
+        (new,) = await fleet()
+        await world.workers_up(rid, [new])
+        route = world.rollouts.route(APP)
+        assert route is not None
+        for k in range(12):  # 12 labelled samples, 6 answered with their label
+            world.serving.versions.answered(
+                APP, route, "digits-tiny@2", 1.0, labelled=1, correct=k % 2
+            )
+        return await world.tick()
+
+    (said,) = run(body())
+    assert said == (
+        "rolled back at step 1 (50% of queries): accuracy 0.500 (6 of 12 labelled samples)"
+        " under the limit 0.9"
+    )
+    rolled = world.state(rid)
+    assert rolled.state == "rolled_back" and world.rollouts.route(APP) is None
+    assert rolled.figures["versions"]["digits-tiny@2"]["accuracy"] == 0.5
+    assert rolled.settings["thresholds"]["min_accuracy"] == 0.9

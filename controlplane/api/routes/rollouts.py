@@ -48,6 +48,7 @@ class ThresholdsIn(BaseModel):
     max_error_share: float = Field(default=0.01, ge=0, le=1)
     min_agreement_share: float = Field(default=0.95, ge=0, le=1)
     min_queries: int = Field(default=50, ge=1, le=10_000_000)
+    min_accuracy: float | None = Field(default=None, ge=0, le=1)
 
 
 class RolloutIn(BaseModel):
