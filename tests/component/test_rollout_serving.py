@@ -65,6 +65,16 @@ class Addressed(FakeProvisioner):
         return [replace(i, address=self.address) for i in super().list(tags)]
 
 
+# A model served from the registry with measured profiles (no profiles file).
+MEASURED_SPEC = {
+    "name": APP,
+    "models": [{"name": "tiny", "artifact": "digits-tiny@1"}],
+    "slo": {"latency_ms": 5000},
+    "budget_usd_per_hr": 5,
+    "instance_types": [SMALL],
+}
+
+
 def run(scenario: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(asyncio.wait_for(scenario, DEADLINE_S))
 
@@ -419,14 +429,7 @@ def test_promotion_gives_the_app_the_new_versions_measured_profiles(tmp_path: Pa
     """A model served from the registry with measured profiles (no profiles file): the new
     version, timed before traffic at the batch sizes of the app's profile, becomes what the
     planner and the tuner read once it is promoted."""
-    spec = {
-        "name": APP,
-        "models": [{"name": "tiny", "artifact": "digits-tiny@1"}],
-        "slo": {"latency_ms": 5000},
-        "budget_usd_per_hr": 5,
-        "instance_types": [SMALL],
-    }
-    world = World(tmp_path, spec, profiles={})
+    world = World(tmp_path, MEASURED_SPEC, profiles={})
     old_profile = {
         "model": "tiny",
         "instance_type": SMALL,
@@ -470,14 +473,7 @@ def test_the_start_profiles_the_new_version_and_plans_its_fleet(tmp_path: Path) 
     applied plan runs it on one instance; the new version (a fake worker that takes 100 ms a
     call) is profiled at those batch sizes by the start's profile run and the app planned again
     at the applied plan's rate: its extra fleet is the new plan's, more than one instance."""
-    spec = {
-        "name": APP,
-        "models": [{"name": "tiny", "artifact": "digits-tiny@1"}],
-        "slo": {"latency_ms": 5000},
-        "budget_usd_per_hr": 5,
-        "instance_types": [SMALL],
-    }
-    world = World(tmp_path, spec, profiles={})
+    world = World(tmp_path, MEASURED_SPEC, profiles={})
     old_profile = {
         "model": "tiny",
         "instance_type": SMALL,
