@@ -352,6 +352,12 @@ class Settings(BaseSettings):
         description="how often a profile run touches its workers' rows; the reconciler ends the"
         " workers of a run not heard of for four of these (its replica crashed), s",
     )
+    rollout_profile_run: bool = Field(
+        default=True,
+        description="a rollout's start profiles the new version on the app's candidate types"
+        " (a profile run's workers, within the budget) and plans its extra fleet; false: the"
+        " extra fleet copies the applied plan's stage fleet",
+    )
     serving_url: str | None = Field(
         default=None,
         description="the serving process's base URL, where a loops process running apart"

@@ -214,10 +214,15 @@ def run_profile(
     progress: ProgressFn | None = None,
     rng: np.random.Generator | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    serve: Mapping[str, ArtifactRef] | None = None,
 ) -> ProfileRunResult:
     """Measure the latency profiles of ``app``'s registered models on the types ``request``
     names and store them (module docstring). ``worker_port`` is the port of a worker whose
     provider address has none (EC2's private IP).
+
+    ``serve`` (a rollout's, :mod:`controlplane.apps.rollouts`): the models to time, each with
+    the artifact to serve under its name (a new version, same signature) instead of the app's;
+    their profiles are returned, not stored (the app serves the version it pins).
 
     Raises:
         NotFoundError: no such app.
@@ -229,7 +234,11 @@ def run_profile(
     started_s = time.monotonic()
     record = store.get_app(app)
     resolved = resolver.resolve(record.spec, check_budget=False)
-    models = tuple(m for m in resolved.spec.model_names if m in resolved.artifacts)
+    models = tuple(
+        m
+        for m in resolved.spec.model_names
+        if m in resolved.artifacts and (serve is None or m in serve)
+    )
     if not models:
         raise ProfilingRequestError(
             "app",
@@ -239,7 +248,7 @@ def run_profile(
     types = _requested_types(request, resolved.instance_types)
     _check_numbers(request)
     prices = {t: resolved.prices_usd_per_hr[t] for t in types}
-    artifacts = tuple(resolved.artifacts[m].ref for m in models)
+    artifacts = tuple(serve[m] if serve is not None else resolved.artifacts[m].ref for m in models)
     signatures = {m: resolved.artifacts[m].signature for m in models}
     run_id = secrets.token_hex(4)
     rows = {
@@ -295,11 +304,24 @@ def run_profile(
         date=clock.utcnow().isoformat(timespec="seconds"),
         warmup=request.warmup,
         samples=request.samples,
-        artifacts={m: resolved.artifacts[m].ref.to_json() for m in models},
+        artifacts={m: ref.to_json() for m, ref in zip(models, artifacts, strict=True)},
     )
+    elapsed_s = time.monotonic() - started_s
+    result = ProfileRunResult(
+        app,
+        models,
+        types,
+        tuple(request.batch_sizes),
+        request.samples,
+        profiles,
+        document,
+        cost,
+        elapsed_s,
+    )
+    if serve is not None:
+        return result
     store.put_app_profiles(app, document)
     resolver.invalidate(app)
-    elapsed_s = time.monotonic() - started_s
     store.record_decision(
         app,
         DECISION_KIND,
@@ -314,17 +336,7 @@ def run_profile(
             "elapsed_s": elapsed_s,
         },
     )
-    return ProfileRunResult(
-        app,
-        models,
-        types,
-        tuple(request.batch_sizes),
-        request.samples,
-        profiles,
-        document,
-        cost,
-        elapsed_s,
-    )
+    return result
 
 
 def _requested_types(request: ProfileRunRequest, candidates: Sequence[str]) -> tuple[str, ...]:

@@ -8,8 +8,17 @@ Starting a rollout checks, before anything is recorded:
   (``models[].artifact``); the version (default: the latest) exists, differs from the one the
   app serves, and answers with the same inputs and outputs (the dispatcher talks to both);
 - the settings: steps (increasing shares, the last 1), interval, thresholds;
-- the budget: the rollout's extra instances (a copy of the model's stage fleet in the applied
-  plan, :func:`~controlplane.policies.rollout.extra_fleet` at share 1, since at the last step the
+- the new version's profile and plan (with :class:`NewVersionProfiling`, what the service
+  passes): the new version is timed on every candidate type of the app as ``profile run`` times
+  it (:func:`~controlplane.apps.profile_run.run_profile` with the new version served under the
+  model's name; its workers within the budget), and the app is planned again with those
+  profiles, under its own constraints (``ResolvedApp.constraints``), on the trace its applied
+  plan was planned on; the new plan's fleet of the model's stage (every stage's, for a cascade
+  member) is the rollout's extra fleet. Without profiling, or without an applied plan to plan
+  on, the extra fleet is a copy of the applied plan's stage fleet (one instance of the cheapest
+  candidate type without a plan);
+- the budget: the rollout's extra instances
+  (:func:`~controlplane.policies.rollout.extra_fleet` at share 1, since at the last step the
   new version answers every query before the old instances drain) must fit in the app's budget
   next to everything the app already runs; else :class:`~controlplane.errors.RolloutBudgetError`
   names what it needs.
@@ -19,6 +28,7 @@ Every move is a ``rollout`` decision of the app with its reason (the events, the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,9 +36,20 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.apps.budget import live_instances
+from controlplane.apps.plans import planning_trace, replanning_request
+from controlplane.apps.profile_run import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_SAMPLES,
+    ProfileRunRequest,
+    run_profile,
+)
+from controlplane.apps.profiler import DEFAULT_BATCH_SIZES, DEFAULT_WARMUP
 from controlplane.apps.resolver import AppResolver
+from controlplane.clock import Clock
 from controlplane.db.store import RolloutRecord, Store
 from controlplane.errors import ConflictError, InvalidValueError, NotFoundError, RolloutBudgetError
+from controlplane.policies.plan import PlanDocument
+from controlplane.policies.planner import plan_app
 from controlplane.policies.rollout import (
     DEFAULT_INTERVAL_S,
     DEFAULT_STEPS,
@@ -48,9 +69,12 @@ from estimator.cascades import (
     validation_from_document,
 )
 from estimator.errors import EstimatorError
+from estimator.profiles import ProfileSet
+from provisioners.base import Provisioner
 
 __all__ = [
     "DECISION_KIND",
+    "NewVersionProfiling",
     "RolloutRequest",
     "abort_rollout",
     "pause_rollout",
@@ -81,6 +105,20 @@ class RolloutRequest:
     validation: Mapping[str, Any] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class NewVersionProfiling:
+    """How a start times the new version on the app's candidate types before it plans its fleet
+    (``profile run``'s settings: the service's provisioner, the port of a worker whose address
+    has none, the heartbeat; ``samples`` timed and ``warmup`` untimed calls per batch size)."""
+
+    provisioner: Provisioner
+    clock: Clock
+    worker_port: int
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    samples: int = DEFAULT_SAMPLES
+    warmup: int = DEFAULT_WARMUP
+
+
 def start_rollout(
     store: Store,
     resolver: AppResolver,
@@ -88,11 +126,14 @@ def start_rollout(
     request: RolloutRequest,
     *,
     who: str,
+    profiling: NewVersionProfiling | None = None,
 ) -> RolloutRecord:
     """Record a rollout of ``request.model`` into ``app`` (``pending``: the rollout loop starts
-    its workers, then traffic moves). Raises NotFoundError (no such app or model version),
-    InvalidValueError (a request that does not fit the app), RolloutBudgetError,
-    ConflictError (a rollout of the app is in progress)."""
+    its workers, then traffic moves). With ``profiling``, the new version is profiled on the
+    app's candidate types and its fleet planned first (module docstring). Raises NotFoundError
+    (no such app or model version), InvalidValueError (a request that does not fit the app),
+    RolloutBudgetError, ConflictError (a rollout of the app is in progress; a new version that
+    cannot be planned), ProfilingBudgetError and ProfilingError (its profile run)."""
     record = store.get_app(app)
     steps = step_shares(request.steps)
     if not MIN_INTERVAL_S <= request.interval_s <= MAX_INTERVAL_S:
@@ -135,7 +176,20 @@ def start_rollout(
             " (a rollout needs the same inputs and outputs)",
         )
     cascade = _cascade_thresholds(resolver, resolved, app, model, name, target.version, request)
-    fleet, cost = _check_budget(store, resolved, app, model, record.budget_usd_per_hr)
+    busy = store.list_rollouts(app, active=True)
+    if busy:  # before a profile run is paid for (the store refuses a second one in any case)
+        raise ConflictError(
+            f"app {app!r} has rollout {busy[-1].id} in progress; one rollout per app at a time"
+            f" (heteroplane rollout status --app {app})"
+        )
+    planned: dict[str, Any] | None = None
+    plan = store.get_applied_plan(app)
+    stages: Sequence[Any] | None = None if plan is None else plan.plan.stages
+    if profiling is not None:
+        planned, stages = _profile_and_plan(
+            store, resolver, resolved, app, model, target.ref(model), profiling, who
+        )
+    fleet, cost = _check_budget(store, resolved, app, model, record.budget_usd_per_hr, stages)
     shares = (0.0, *steps) if request.shadow else steps
     settings = {
         "steps": list(shares),
@@ -146,6 +200,8 @@ def start_rollout(
         "extra_cost_usd_per_hr": cost,
         "slo_ms": float(resolved.spec.slo.latency_ms),
     }
+    if planned is not None:
+        settings["profiled"] = planned
     if cascade is not None:
         settings["cascade"] = cascade
     rollout = store.create_rollout(
@@ -161,6 +217,7 @@ def start_rollout(
     steps_text = ", ".join(f"{100 * s:g}%" for s in shares)
     shadow_text = ", shadow first" if request.shadow else ""
     cascade_text = "" if cascade is None else "; " + _cascade_text(cascade)
+    cascade_text = _planned_text(planned) + cascade_text
     store.record_decision(
         app,
         DECISION_KIND,
@@ -263,16 +320,116 @@ def _cascade_text(cascade: Mapping[str, Any]) -> str:
     )
 
 
+def _profile_and_plan(
+    store: Store,
+    resolver: AppResolver,
+    resolved: Any,
+    app: str,
+    model: str,
+    new_ref: Any,
+    profiling: NewVersionProfiling,
+    who: str,
+) -> tuple[dict[str, Any], Sequence[Any] | None]:
+    """The new version profiled on every candidate type (``profile run``, at the batch sizes of
+    the old version's profiles) and the app planned again with it: (what was measured and
+    planned, for the rollout's settings; the new plan's stages, None without an applied plan
+    to plan on)."""
+    unprofiled = {m: t for m, t in resolved.unprofiled.items() if m != model}
+    if unprofiled and store.get_applied_plan(app) is not None:  # before the run is paid for
+        raise ConflictError(
+            f"app {app!r}: cannot plan the new version: {', '.join(sorted(unprofiled))} has no"
+            " profiles yet (heteroplane profile run)"
+        )
+    sizes: set[int] = set()
+    for instance_type in resolved.instance_types:
+        try:
+            sizes |= {int(b) for b in resolved.profile(model, instance_type).batch_sizes}
+        except (KeyError, LookupError, EstimatorError):
+            continue
+    request = ProfileRunRequest(
+        types=None,
+        batch_sizes=tuple(sorted(sizes)) or DEFAULT_BATCH_SIZES,
+        samples=profiling.samples,
+        warmup=profiling.warmup,
+    )
+    result = run_profile(
+        store,
+        resolver,
+        profiling.provisioner,
+        profiling.clock,
+        app,
+        request,
+        who=f"rollout start by {who}",
+        worker_port=profiling.worker_port,
+        heartbeat_s=profiling.heartbeat_s,
+        serve={model: new_ref},
+    )
+    planned: dict[str, Any] = {
+        "instance_types": list(result.instance_types),
+        "batch_sizes": list(result.batch_sizes),
+        "samples": result.samples,
+        "profiles": list(result.document.get("profiles", [])),
+        "mean_ms_at_1": {
+            p.instance_type: p.mean_latency_ms(int(p.batch_sizes[0])) for p in result.profiles
+        },
+        "plan": None,
+    }
+    applied = store.get_applied_plan(app)
+    if applied is None:
+        planned["not_planned"] = "no applied plan to plan on"
+        return planned, None
+    try:
+        replan = replanning_request(applied.plan)
+    except ValueError as error:  # a plan written by hand: its fleet is what there is to copy
+        planned["not_planned"] = str(error)
+        return planned, applied.plan.stages
+    profiles = dict(resolved.profiles)
+    profiles[model] = ProfileSet(result.profiles, "measured for the rollout")
+    new_app = dataclasses.replace(resolved, profiles=profiles, unprofiled=unprofiled)
+    try:  # under the app's constraints (ResolvedApp.constraints), as every plan of it
+        trace, _ = planning_trace(new_app, replan)
+        document: PlanDocument = plan_app(new_app, trace, seed=replan.seed)
+    except (EstimatorError, InvalidValueError, ValueError) as error:
+        raise ConflictError(f"app {app!r}: cannot plan the new version: {error}") from None
+    planned["plan"] = {
+        "planned_rate_qps": document.planned_rate_qps,
+        "cost_usd_per_hr": document.cost_usd_per_hr,
+        "fleet": dict(document.fleet),
+        "stages": {s.name: dict(s.fleet) for s in document.stages},
+    }
+    return planned, document.stages
+
+
+def _planned_text(planned: Mapping[str, Any] | None) -> str:
+    if planned is None:
+        return ""
+    means = ", ".join(f"{t} {ms:.1f} ms" for t, ms in planned["mean_ms_at_1"].items())
+    text = f"; profiled on {', '.join(planned['instance_types'])} (mean at batch size 1: {means})"
+    plan = planned["plan"]
+    if plan is None:
+        return (
+            text + f"; not planned ({planned['not_planned']}): the extra fleet copies the stage's"
+        )
+    return (
+        text + f", planned at {plan['planned_rate_qps']:.4g} qps:"
+        f" {_fleet_text(plan['fleet'])} for {plan['cost_usd_per_hr']:.4g} USD/hr"
+    )
+
+
 def _check_budget(
-    store: Store, resolved: Any, app: str, model: str, budget_usd_per_hr: float
+    store: Store,
+    resolved: Any,
+    app: str,
+    model: str,
+    budget_usd_per_hr: float,
+    stages: Sequence[Any] | None,
 ) -> tuple[dict[str, int], float]:
-    plan = store.get_applied_plan(app)
     # A cascade member's new version answers through the whole cascade on the rollout's workers
-    # (they load every member, the new version in its place): a copy of every stage's fleet.
+    # (they load every member, the new version in its place): every stage's fleet.
     copied = set(resolved.spec.cascade or ()) if model in (resolved.spec.cascade or ()) else {model}
     stage_fleet: dict[str, int] = {}
-    if plan is not None:
-        for stage in plan.plan.stages:
+    if stages is not None:
+        for stage in stages:
             if stage.name in copied:
                 for t, n in stage.fleet.items():
                     stage_fleet[t] = stage_fleet.get(t, 0) + int(n)
@@ -374,6 +531,7 @@ def rollout_document(rollout: RolloutRecord) -> dict[str, Any]:
         "thresholds": settings.get("thresholds"),
         "extra_fleet": settings.get("extra_fleet"),
         "extra_cost_usd_per_hr": settings.get("extra_cost_usd_per_hr"),
+        "profiled": settings.get("profiled"),
         "figures": dict(rollout.figures),
         "cascade": settings.get("cascade"),
         "who": rollout.who,

@@ -1583,6 +1583,13 @@ def _rollout(subparsers: Subparsers) -> None:
         metavar="N",
         help="queries a step needs before it may advance (default 50)",
     )
+    start.add_argument(
+        "--min-accuracy",
+        type=float,
+        metavar="X",
+        help="roll back below this accuracy on labelled samples (queries naming validation"
+        " samples; default: not judged)",
+    )
     start.set_defaults(handler=Handler("rollout", "rollout_start"))
     status = actions.add_parser("status", help="the app's rollout: state, step, figures")
     _app_option(status)
@@ -1600,3 +1607,9 @@ def _rollout(subparsers: Subparsers) -> None:
         parsers.append(action)
     for action in parsers:
         add_client_options(action)
+    for option in start._actions:
+        if option.dest == "timeout":  # the start profiles the new version first: minutes
+            option.default = 3600.0
+            option.help = (
+                "seconds to wait for the start (it profiles the new version first; default 3600)"
+            )

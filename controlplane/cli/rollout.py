@@ -42,7 +42,8 @@ def _line(r: dict[str, Any]) -> str:
 
 def rollout_start(args: argparse.Namespace) -> int:
     thresholds: dict[str, Any] = {}
-    for key in ("max_p99_ms", "max_error_share", "min_agreement_share", "min_queries"):
+    keys = ("max_p99_ms", "max_error_share", "min_agreement_share", "min_queries", "min_accuracy")
+    for key in keys:
         value = getattr(args, key)
         if value is not None:
             thresholds[key] = value

@@ -333,7 +333,8 @@ class RolloutLoop:
     ) -> list[InstanceRecord]:
         """Which of the old version's kept instances end now: every one not serving yet, and
         as many serving ones as the disruption budget's window has left (counted as the
-        reconciler counts it: serving instances moved out of service within the window)."""
+        reconciler counts it: serving instances of the fleet moved out of service within the
+        window)."""
         waiting = [r for r in old if r.state != InstanceState.RUNNING]
         serving = sorted(
             (r for r in old if r.state == InstanceState.RUNNING), key=lambda r: r.created_at
@@ -341,10 +342,15 @@ class RolloutLoop:
         if self.disruption is None:
             return waiting + serving
         since = self.clock.utcnow() - timedelta(seconds=self.disruption.window_s)
+        # The fleet's own moves only: a profile run's worker ending (a rollout's start profiles
+        # the new version) serves no query and spends none of the budget.
+        ours = {r.id for r in fleet}
         disrupted = sum(
             1
             for e in self.store.list_instance_events(app=app, since=since)
-            if e.from_state == InstanceState.RUNNING and e.to_state in _DISRUPTED
+            if e.instance_id in ours
+            and e.from_state == InstanceState.RUNNING
+            and e.to_state in _DISRUPTED
         )
         serving_now = sum(1 for r in fleet if r.state == InstanceState.RUNNING)
         allowed = self.disruption.remaining(serving_now, disrupted)
@@ -484,8 +490,9 @@ class RolloutLoop:
 
     def _pin(self, rollout: RolloutRecord) -> str:
         """The app's spec names the new version (registering pinned the old one); the app's
-        measured profiles of the model take the new version's, timed before traffic (what the
-        planner and the tuner read from now on), unless the spec names a profiles file for it.
+        measured profiles of the model take the new version's, timed before traffic (by the
+        start's profile run on every candidate type, else alone on the rollout's workers: what
+        the planner and the tuner read from now on), unless the spec names a profiles file.
         What happened to the profiles, in words."""
         record = self.store.get_app(rollout.app)
         spec = dict(record.spec)
@@ -496,7 +503,13 @@ class RolloutLoop:
                 model["artifact"] = f"{rollout.artifact}@{rollout.to_version}"
                 profiles_file = model.get("profiles")
         spec["models"] = models
-        measured = (rollout.figures.get("pre_traffic") or {}).get("profiles") or []
+        # The start's profile run on every candidate type, else the workers' timing alone.
+        profiled = rollout.settings.get("profiled") or {}
+        measured = (
+            profiled.get("profiles")
+            or (rollout.figures.get("pre_traffic") or {}).get("profiles")
+            or []
+        )
         said = ""
         if measured and profiles_file is None:
             types = {p["instance_type"] for p in measured}

@@ -205,12 +205,14 @@ class Thresholds:
     the queries sent to the new version, the share that failed. ``min_agreement_share``: in
     shadow, the share of compared answers (sample by sample) equal to the old version's.
     ``min_queries``: how many of the new version's queries a step needs before it may advance
-    (a P99 of five queries says little)."""
+    (a P99 of five queries says little). ``min_accuracy`` (None: not judged): the share of its
+    labelled samples (queries naming validation samples) answered with their label."""
 
     max_p99_ms: float | None = None
     max_error_share: float = 0.01
     min_agreement_share: float = 0.95
     min_queries: int = 50
+    min_accuracy: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_p99_ms is not None and not (
@@ -227,6 +229,8 @@ class Thresholds:
             )
         if self.min_queries < 1:
             raise InvalidValueError("min_queries", f"must be >= 1, got {self.min_queries}")
+        if self.min_accuracy is not None and not 0.0 <= self.min_accuracy <= 1.0:
+            raise InvalidValueError("min_accuracy", f"must be in [0, 1], got {self.min_accuracy}")
 
     def p99_limit_ms(self, slo_ms: float) -> float:
         return self.max_p99_ms if self.max_p99_ms is not None else slo_ms
@@ -237,6 +241,7 @@ class Thresholds:
             "max_error_share": self.max_error_share,
             "min_agreement_share": self.min_agreement_share,
             "min_queries": self.min_queries,
+            "min_accuracy": self.min_accuracy,
         }
 
 
@@ -311,8 +316,9 @@ def judge(
     1. roll back at once when its error share is over ``max_error_share``, when, with at
        least ``min_queries`` answered, its P99 is over the limit (``max_p99_ms``, else the
        SLO), or when, in the shadow step with ``min_queries`` compared, its agreement with the
-       old version is under ``min_agreement_share``: the share of traffic it harms is no
-       longer worth the interval;
+       old version is under ``min_agreement_share``, or when, with ``min_accuracy`` set and at
+       least ``min_queries`` labelled samples answered, its accuracy is under it: the share of
+       traffic it harms is no longer worth the interval;
     2. hold until the interval is over;
     3. hold while fewer than ``min_queries`` were measured (answered, or compared in shadow):
        a quiet app stays on its step rather than advance on no evidence;
@@ -356,6 +362,18 @@ def judge(
             f"agreement with the old version {agreement:.3f} ({figures.agreed} of"
             f" {figures.compared} samples) under the limit {thresholds.min_agreement_share:g}",
         )
+    accuracy = figures.accuracy
+    if (
+        thresholds.min_accuracy is not None
+        and accuracy is not None
+        and figures.labelled >= thresholds.min_queries
+        and accuracy < thresholds.min_accuracy
+    ):
+        return Judgement(
+            Verdict.ROLL_BACK,
+            f"accuracy {accuracy:.3f} ({figures.correct} of {figures.labelled} labelled samples)"
+            f" under the limit {thresholds.min_accuracy:g}",
+        )
     if elapsed_s < interval_s:
         return Judgement(Verdict.HOLD, f"interval not over ({elapsed_s:.0f} of {interval_s:g} s)")
     measured = figures.compared if shadow_step else answered
@@ -369,6 +387,8 @@ def judge(
     checks = f"{p99} <= {limit_ms:g} ms, error share {figures.error_share:.3f}"
     if shadow_step and agreement is not None:
         checks += f", agreement {agreement:.3f}"
+    if thresholds.min_accuracy is not None and accuracy is not None:
+        checks += f", accuracy {accuracy:.3f}"
     if last_step:
         return Judgement(Verdict.COMPLETE, f"last step passed ({checks})")
     return Judgement(Verdict.PROMOTE, f"step passed ({checks})")

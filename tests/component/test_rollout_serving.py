@@ -9,7 +9,11 @@ launched worker's row to ``running``, is done by hand too).
 - a slow one rolls back on latency at once, and every query goes back to the old version;
 - a wrong one rolls back on agreement in shadow, while every client got the old version's answer;
 - a restart mid-rollout (a new store, rollout loop and meter) resumes at the step the database
-  says, with the step's clock kept.
+  says, with the step's clock kept;
+- a version under the user's accuracy floor on labelled queries rolls back at once;
+- before traffic, the start profiles the new version on the app's candidate types (a profile
+  run's workers on a fake worker) and plans the app again with it: a slower version gets a
+  bigger extra fleet than the old version's stage, and the app's own profiles stay.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from controlplane.apps.plans import PlanRequest, apply_plan, preview_plan
 from controlplane.apps.resolver import AppResolver, spec_document
-from controlplane.apps.rollouts import RolloutRequest, start_rollout
+from controlplane.apps.rollouts import NewVersionProfiling, RolloutRequest, start_rollout
 from controlplane.clock import FakeClock, SystemClock
 from controlplane.db.store import Store
 from controlplane.loops.rollouts import RolloutLoop
@@ -58,6 +63,16 @@ class Addressed(FakeProvisioner):
 
     def list(self, tags: Mapping[str, str]) -> list[ProvisionedInstance]:
         return [replace(i, address=self.address) for i in super().list(tags)]
+
+
+# A model served from the registry with measured profiles (no profiles file).
+MEASURED_SPEC = {
+    "name": APP,
+    "models": [{"name": "tiny", "artifact": "digits-tiny@1"}],
+    "slo": {"latency_ms": 5000},
+    "budget_usd_per_hr": 5,
+    "instance_types": [SMALL],
+}
 
 
 def run(scenario: Coroutine[Any, Any, T]) -> T:
@@ -414,14 +429,7 @@ def test_promotion_gives_the_app_the_new_versions_measured_profiles(tmp_path: Pa
     """A model served from the registry with measured profiles (no profiles file): the new
     version, timed before traffic at the batch sizes of the app's profile, becomes what the
     planner and the tuner read once it is promoted."""
-    spec = {
-        "name": APP,
-        "models": [{"name": "tiny", "artifact": "digits-tiny@1"}],
-        "slo": {"latency_ms": 5000},
-        "budget_usd_per_hr": 5,
-        "instance_types": [SMALL],
-    }
-    world = World(tmp_path, spec, profiles={})
+    world = World(tmp_path, MEASURED_SPEC, profiles={})
     old_profile = {
         "model": "tiny",
         "instance_type": SMALL,
@@ -458,3 +466,93 @@ def test_promotion_gives_the_app_the_new_versions_measured_profiles(tmp_path: Pa
         assert resolved.profile("tiny", SMALL).mean_latency_ms(1) < 900.0
     finally:
         world.store.close()
+
+
+def test_the_start_profiles_the_new_version_and_plans_its_fleet(tmp_path: Path) -> None:
+    """The old version answers in 1 ms (its measured profile at batch sizes 1 and 2), the
+    applied plan runs it on one instance; the new version (a fake worker that takes 100 ms a
+    call) is profiled at those batch sizes by the start's profile run and the app planned again
+    at the applied plan's rate: its extra fleet is the new plan's, more than one instance."""
+    world = World(tmp_path, MEASURED_SPEC, profiles={})
+    old_profile = {
+        "model": "tiny",
+        "instance_type": SMALL,
+        "batch_sizes": [1, 2],
+        "latency_ms": [[1.0, 1.1, 1.2], [1.3, 1.4, 1.5]],
+    }
+    old_document = {"format": "heteroplane.profiles/v1", "profiles": [old_profile]}
+    world.store.put_app_profiles(APP, old_document)
+    world.resolver.invalidate(APP)
+    preview = preview_plan(world.store, world.resolver, APP, PlanRequest(rate_qps=50.0))
+    applied = apply_plan(world.store, APP, preview.id, "test")
+    assert dict(applied.plan.fleet) == {SMALL: 1}
+    profiling = NewVersionProfiling(world.provider, world.clock, 0, samples=5, warmup=1)
+
+    async def body() -> Any:
+        (slow,) = await fleet(delay_s=0.1)
+        world.provider.address = slow.address
+        request = RolloutRequest("digits-tiny@2", (1.0,), 10.0)
+        return await asyncio.to_thread(
+            start_rollout,
+            world.store,
+            world.resolver,
+            APP,
+            request,
+            who="test",
+            profiling=profiling,
+        )
+
+    try:
+        rollout = run(body())
+        profiled = rollout.settings["profiled"]
+        assert profiled["instance_types"] == [SMALL] and profiled["batch_sizes"] == [1, 2]
+        assert profiled["mean_ms_at_1"][SMALL] >= 100.0  # the fake worker's delay, not 1 ms
+        planned = profiled["plan"]
+        assert planned["planned_rate_qps"] == pytest.approx(applied.plan.planned_rate_qps)
+        assert rollout.settings["extra_fleet"] == planned["stages"]["tiny"]
+        assert rollout.settings["extra_fleet"][SMALL] > 1
+        (decision,) = world.store.list_decisions(APP, kinds=["rollout"])
+        assert "profiled on emu.cpu.small" in decision.reason and "planned at" in decision.reason
+        # The profile run's workers ended; the app still serves (and is profiled as) version 1.
+        workers = [
+            r for r in world.store.list_instances(APP) if r.request_id.startswith("profile:")
+        ]
+        assert workers and all(r.state in ("terminating", "terminated") for r in workers)
+        assert world.store.get_app_profiles(APP) == old_document
+        # At promotion, the app's profiles become those of the start's run.
+        loop_pin = world.rollouts._pin(rollout)
+        assert "are now the new version's" in loop_pin
+        (pinned,) = world.store.get_app_profiles(APP)["profiles"]
+        assert pinned["batch_sizes"] == [1, 2] and min(pinned["latency_ms"][0]) >= 100.0
+    finally:
+        world.store.close()
+
+
+def test_a_version_under_the_accuracy_floor_rolls_back(world: World) -> None:
+    """``min_accuracy`` set: once ``min_queries`` labelled samples were answered by the new
+    version (queries naming validation samples, as the serving loop records them), an accuracy
+    under the floor rolls the rollout back at once, before the interval is over."""
+    thresholds = Thresholds(min_queries=10, min_accuracy=0.9)
+    request = RolloutRequest("digits-tiny@2", (0.5, 1.0), 10.0, False, thresholds)
+    rid = start_rollout(world.store, world.resolver, APP, request, who="test").id
+
+    async def body() -> list[str]:
+        (new,) = await fleet()
+        await world.workers_up(rid, [new])
+        route = world.rollouts.route(APP)
+        assert route is not None
+        for k in range(12):  # 12 labelled samples, 6 answered with their label
+            world.serving.versions.answered(
+                APP, route, "digits-tiny@2", 1.0, labelled=1, correct=k % 2
+            )
+        return await world.tick()
+
+    (said,) = run(body())
+    assert said == (
+        "rolled back at step 1 (50% of queries): accuracy 0.500 (6 of 12 labelled samples)"
+        " under the limit 0.9"
+    )
+    rolled = world.state(rid)
+    assert rolled.state == "rolled_back" and world.rollouts.route(APP) is None
+    assert rolled.figures["versions"]["digits-tiny@2"]["accuracy"] == 0.5
+    assert rolled.settings["thresholds"]["min_accuracy"] == 0.9

@@ -68,7 +68,10 @@ def world(tmp_path: Path) -> Iterator[World]:
     resolver = AppResolver(
         tmp_path, artifacts=store.get_model_version, measured=store.get_app_profiles
     )
-    settings = Settings(data_dir=tmp_path, provisioner="fake")
+    # These tests are of the API and the budget check on the applied plan's fleet: the start
+    # does not profile the new version (the fake provider's instances never answer;
+    # tests/component/test_rollout_serving.py profiles it on fake workers).
+    settings = Settings(data_dir=tmp_path, provisioner="fake", rollout_profile_run=False)
     token = store.create_token("operator", name="op")
     app = create_app(settings, store, clock, resolver=resolver, provisioner=FakeProvisioner())
     with TestClient(app, raise_server_exceptions=False) as client:
@@ -240,3 +243,18 @@ def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(tmp_path: P
         assert loop.route(APP) is None
     finally:
         store.close()
+
+
+def test_an_accuracy_floor_is_stored_and_checked(world: World) -> None:
+    """``thresholds.min_accuracy`` (default: not judged) is kept with the rollout; a share
+    outside [0, 1] is a 422."""
+    register(world, budget=10 * PRICE)
+    bad = post(world, "rollouts", {"model": "wine-model@2", "thresholds": {"min_accuracy": 1.5}})
+    assert bad.status_code == 422, bad.text
+    plain = post(world, "rollouts", {"model": "wine-model@2"})
+    assert plain.json()["thresholds"]["min_accuracy"] is None
+    post(world, f"rollouts/{plain.json()['id']}/abort")
+    floored = post(
+        world, "rollouts", {"model": "wine-model@2", "thresholds": {"min_accuracy": 0.9}}
+    )
+    assert floored.status_code == 201 and floored.json()["thresholds"]["min_accuracy"] == 0.9

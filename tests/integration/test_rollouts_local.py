@@ -187,6 +187,11 @@ def test_promote_roll_back_on_latency_and_on_agreement_in_shadow(
                 1,
                 2,
             )
+            # Profiled on the app's types before traffic (a profile run's worker); the plan,
+            # written by hand, has no rate to plan on again: the extra fleet copies its stage.
+            profiled = started["profiled"]
+            assert profiled["instance_types"] == [TYPE] and profiled["profiles"], profiled
+            assert "no planned rate" in profiled["not_planned"], profiled
             promoted = _wait_rollout(capsys, lambda s: s["state"] == "promoted")
             # The last step's figures: the new version answered queries at 100 %, none failed.
             last = promoted["figures"]["versions"][f"{MODEL}@2"]

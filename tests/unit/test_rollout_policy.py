@@ -8,6 +8,7 @@ import pytest
 from controlplane.errors import InvalidRolloutTransitionError, InvalidValueError
 from controlplane.policies.rollout import (
     ACTIVE_STATES,
+    Judgement,
     RolloutState,
     Thresholds,
     Verdict,
@@ -23,9 +24,14 @@ from controlplane.policies.rollout import (
 T = Thresholds(min_queries=20)
 
 
-def _judge(
-    figures: VersionFigures, *, shadow: bool = False, last: bool = False, elapsed_s: float = 200.0
-) -> Verdict:
+def _judgement(
+    figures: VersionFigures,
+    *,
+    shadow: bool = False,
+    last: bool = False,
+    elapsed_s: float = 200.0,
+    thresholds: Thresholds = T,
+) -> Judgement:
     return judge(
         figures=figures,
         shadow_step=shadow,
@@ -33,8 +39,14 @@ def _judge(
         elapsed_s=elapsed_s,
         interval_s=120.0,
         slo_ms=100.0,
-        thresholds=T,
-    ).verdict
+        thresholds=thresholds,
+    )
+
+
+def _judge(
+    figures: VersionFigures, *, shadow: bool = False, last: bool = False, elapsed_s: float = 200.0
+) -> Verdict:
+    return _judgement(figures, shadow=shadow, last=last, elapsed_s=elapsed_s).verdict
 
 
 def test_terminal_states_have_no_moves_and_are_not_active() -> None:
@@ -106,6 +118,30 @@ def test_disagreement_in_shadow_rolls_back() -> None:
     assert _judge(wrong, shadow=True, elapsed_s=1.0) is Verdict.ROLL_BACK
     right = VersionFigures(queries=100, p99_ms=50.0, compared=100, agreed=99)
     assert _judge(right, shadow=True) is Verdict.PROMOTE
+
+
+def test_accuracy_under_the_floor_rolls_back_only_when_asked_and_measured() -> None:
+    """With ``min_accuracy`` set and ``min_queries`` labelled samples answered, an accuracy
+    under it rolls back at once; without the floor, or with too few labelled samples, the same
+    figures promote (or hold on the interval)."""
+    floor = Thresholds(min_queries=20, min_accuracy=0.9)
+
+    def verdict(figures: VersionFigures, thresholds: Thresholds, elapsed_s: float) -> Verdict:
+        return _judgement(figures, elapsed_s=elapsed_s, thresholds=thresholds).verdict
+
+    wrong = VersionFigures(queries=100, p99_ms=50.0, labelled=40, correct=30)  # 0.75
+    judged = _judgement(wrong, elapsed_s=1.0, thresholds=floor)
+    assert judged.verdict is Verdict.ROLL_BACK
+    assert judged.reason == "accuracy 0.750 (30 of 40 labelled samples) under the limit 0.9"
+    assert verdict(wrong, T, elapsed_s=200.0) is Verdict.PROMOTE  # no floor: not judged
+    few = VersionFigures(queries=100, p99_ms=50.0, labelled=10, correct=5)
+    assert verdict(few, floor, elapsed_s=200.0) is Verdict.PROMOTE  # too few labels to judge
+    unlabelled = VersionFigures(queries=100, p99_ms=50.0)
+    assert verdict(unlabelled, floor, elapsed_s=200.0) is Verdict.PROMOTE
+    right = VersionFigures(queries=100, p99_ms=50.0, labelled=40, correct=38)  # 0.95
+    assert verdict(right, floor, elapsed_s=200.0) is Verdict.PROMOTE
+    with pytest.raises(InvalidValueError, match="min_accuracy"):
+        Thresholds(min_accuracy=1.5)
 
 
 def test_user_thresholds_are_checked() -> None:
