@@ -156,7 +156,7 @@ from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.errors import ControlPlaneError
-from controlplane.policies.disruption import DisruptionBudget
+from controlplane.policies.disruption import DisruptionBudget, count_disruptions
 from controlplane.policies.drain import DrainInstance, plan_drain, spare_last_serving
 from controlplane.policies.lifecycle import (
     KEPT_STATES,
@@ -1520,10 +1520,6 @@ def disruption_budget(settings: Settings) -> DisruptionBudget:
     )
 
 
-# A serving instance moved to one of these counts against the disruption budget.
-_DISRUPTED = frozenset({_S.DRAINING.value, _S.TERMINATING.value})
-
-
 def _stage_types(store: Store, app: str) -> dict[str, list[str]]:
     """The applied plan's stages (name -> the types it plans); empty without one, or when the
     plan does not read (then no stage is guarded)."""
@@ -1866,10 +1862,7 @@ class Reconciler:
         if self.disruption is None:
             return 0
         since = now - timedelta(seconds=self.disruption.window_s)
-        events = self.store.list_instance_events(app=app, since=since)
-        return sum(
-            1 for e in events if e.from_state == _S.RUNNING.value and e.to_state in _DISRUPTED
-        )
+        return count_disruptions(self.store.list_instance_events(app=app, since=since))
 
     def _delete_if_drained(self, app: str, errors: _Errors) -> None:
         """The teardown's end: once no instance of ``app`` is live, the app goes."""

@@ -44,7 +44,7 @@ from controlplane.apps.rollouts import DECISION_KIND
 from controlplane.clock import Clock
 from controlplane.db.store import InstanceRecord, RolloutRecord, Store
 from controlplane.errors import ControlPlaneError
-from controlplane.policies.disruption import DisruptionBudget
+from controlplane.policies.disruption import DisruptionBudget, count_disruptions
 from controlplane.policies.lifecycle import (
     KEPT_STATES,
     LIVE_STATES,
@@ -69,10 +69,6 @@ from provisioners.errors import ProvisionerError
 __all__ = ["RECENT_S", "RolloutLoop", "RolloutTick"]
 
 logger = logging.getLogger(__name__)
-
-# A serving instance moved to one of these counts against the disruption budget (as the
-# reconciler counts it).
-_DISRUPTED = frozenset({InstanceState.DRAINING.value, InstanceState.TERMINATING.value})
 
 # Before traffic, the new version is timed alone on each of its workers: this many calls of one
 # sample, after a few not kept (a fresh runtime's first calls are slow).
@@ -344,14 +340,8 @@ class RolloutLoop:
         since = self.clock.utcnow() - timedelta(seconds=self.disruption.window_s)
         # The fleet's own moves only: a profile run's worker ending (a rollout's start profiles
         # the new version) serves no query and spends none of the budget.
-        ours = {r.id for r in fleet}
-        disrupted = sum(
-            1
-            for e in self.store.list_instance_events(app=app, since=since)
-            if e.instance_id in ours
-            and e.from_state == InstanceState.RUNNING
-            and e.to_state in _DISRUPTED
-        )
+        events = self.store.list_instance_events(app=app, since=since)
+        disrupted = count_disruptions(events, of={r.id for r in fleet})
         serving_now = sum(1 for r in fleet if r.state == InstanceState.RUNNING)
         allowed = self.disruption.remaining(serving_now, disrupted)
         return waiting + serving[:allowed]

@@ -29,13 +29,18 @@ The last instance of each planned stage is another guard, kept by the drain poli
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Protocol
+
+from controlplane.policies.lifecycle import InstanceState
 
 __all__ = [
     "DEFAULT_DISRUPTION_MAX_INSTANCES",
     "DEFAULT_DISRUPTION_MAX_SHARE",
     "DEFAULT_DISRUPTION_WINDOW_S",
     "DisruptionBudget",
+    "count_disruptions",
 ]
 
 # One instance or a quarter of the fleet per minute: a fleet of up to seven loses one serving
@@ -76,3 +81,36 @@ class DisruptionBudget:
         window has used."""
         used = max(disrupted_in_window, 0)
         return max(0, self.allowance(max(serving_now, 0) + used) - used)
+
+
+class _StateChange(Protocol):
+    @property
+    def instance_id(self) -> str: ...
+    @property
+    def from_state(self) -> str | None: ...
+    @property
+    def to_state(self) -> str: ...
+
+
+# The moves out of service that are disruptions.
+_OUT_OF_SERVICE = frozenset({InstanceState.DRAINING.value, InstanceState.TERMINATING.value})
+
+
+def count_disruptions(events: Iterable[_StateChange], of: Collection[str] | None = None) -> int:
+    """The disruptions among an app's instance events: serving (``running``) instances moved to
+    draining or terminating; ``of``: only those of these instance ids (``None``: every one).
+
+    >>> from types import SimpleNamespace as E
+    >>> moves = [E(instance_id="a", from_state="running", to_state="draining"),
+    ...          E(instance_id="b", from_state="pending", to_state="terminating"),
+    ...          E(instance_id="c", from_state="running", to_state="terminating")]
+    >>> count_disruptions(moves), count_disruptions(moves, of={"a", "b"})
+    (2, 1)
+    """
+    return sum(
+        1
+        for e in events
+        if e.from_state == InstanceState.RUNNING.value
+        and e.to_state in _OUT_OF_SERVICE
+        and (of is None or e.instance_id in of)
+    )
