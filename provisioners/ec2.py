@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 import boto3
 from botocore.config import Config
@@ -98,7 +98,7 @@ from provisioners.errors import (
     ThrottledError,
     UnknownInstanceError,
 )
-from provisioners.interruptions import MARKET_TAG, InterruptionNotice
+from provisioners.interruptions import MARKET_TAG, InterruptionNotice, Market
 from provisioners.spot import InterruptionQueue, SpotPriceReader
 from provisioners.storage import (
     DEFAULT_PREFIX,
@@ -122,7 +122,6 @@ __all__ = [
     "worker_user_data",
 ]
 
-Market = Literal["on-demand", "spot"]
 
 # The error codes of EC2 that mean "no capacity of this type here now": another zone or another
 # type may work. (Unsupported: the type is not offered in the subnet's zone.)

@@ -20,15 +20,17 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 __all__ = [
     "EVENT_DETAIL_TYPES",
     "INTERRUPTION_NOTICE_S",
+    "MARKETS",
     "MARKET_TAG",
     "InterruptionKind",
     "InterruptionNotice",
     "InterruptionSource",
+    "Market",
     "NoticeBoard",
     "SpotPriceSource",
     "notice_from_event",
@@ -37,6 +39,9 @@ __all__ = [
 # The tag of a launch request (and its instances) asking for spot capacity: "spot"; absent: on
 # demand, unless the EC2 provisioner's deployment-wide ``spot`` says otherwise.
 MARKET_TAG = "heteroplane:market"
+# The purchase options an instance is launched with (and recorded under).
+Market = Literal["on-demand", "spot"]
+MARKETS: tuple[Market, ...] = get_args(Market)
 # EC2 gives a spot instance two minutes' notice before it interrupts it.
 INTERRUPTION_NOTICE_S = 120.0
 # A rebalance recommendation comes before any notice; the instance has at least the notice's two

@@ -36,6 +36,7 @@ from controlplane.db.store.records import (
 )
 from controlplane.errors import ConflictError, InvalidValueError
 from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, check_transition
+from provisioners.interruptions import MARKETS
 
 __all__ = ["InstanceStore"]
 
@@ -63,7 +64,7 @@ class InstanceStore(StoreBase):
         same request id again returns the instance recorded the first time, never a second one
         (:class:`ConflictError` if that was for another app or type). ``market``: ``on-demand``
         or ``spot``."""
-        if market not in ("on-demand", "spot"):
+        if market not in MARKETS:
             raise InvalidValueError("market", f"must be on-demand or spot, got {market!r}")
         request_id = _label(request_id, "request_id")
         state = _state(state)
