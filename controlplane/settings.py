@@ -352,6 +352,22 @@ class Settings(BaseSettings):
         description="how often a profile run touches its workers' rows; the reconciler ends the"
         " workers of a run not heard of for four of these (its replica crashed), s",
     )
+    spot_headroom_share: float = Field(
+        default=0.1,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="share of an app's budget below it at which a spot price rise starts moving"
+        " the risen spot capacity to cheaper choices, so that the move comes before the budget"
+        " is breached (docs/spot.md)",
+    )
+    spot_replan_move_share: float = Field(
+        default=0.25,
+        ge=0,
+        allow_inf_nan=False,
+        description="relative move of a spot price (from the prices the applied plan was made at)"
+        " past which an app that buys spot is re-planned at the prices now; 0: never",
+    )
     rollout_profile_run: bool = Field(
         default=True,
         description="a rollout's start profiles the new version on the app's candidate types"

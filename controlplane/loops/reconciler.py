@@ -194,6 +194,7 @@ __all__ = [
     "DEFAULT_LAUNCH_BACKOFF_S",
     "DEFAULT_MISSING_GRACE_S",
     "DEFAULT_PROFILE_RUN_TIMEOUT_S",
+    "DEFAULT_SPOT_HEADROOM_SHARE",
     "DEFAULT_STRAGGLER_TIMEOUT_S",
     "PROFILE_RUN_MISSED_BEATS",
     "Action",
@@ -252,6 +253,10 @@ ORPHAN_REQUEST_PREFIX = "orphan:"
 DEFAULT_INTERRUPTION_DRAIN_S = 10.0
 DEFAULT_INTERRUPTION_MARGIN_S = 15.0
 _NOTICE_S = 120.0  # a draining row whose notice was not seen by this process: EC2's two minutes
+# Rule 10: a spot price rise moves capacity once the fleet costs more than the budget less this
+# share of it at the prices now, so that a rise in steps is acted on before it breaches the
+# budget (a tenth: a 10 % rise of an all-spot fleet planned at 90 % of its budget is caught).
+DEFAULT_SPOT_HEADROOM_SHARE = 0.1
 
 
 # --- actions -----------------------------------------------------------------------------------
@@ -373,8 +378,10 @@ class InterruptionHandled:
 
 @dataclass(frozen=True, slots=True)
 class SpotRepriced:
-    """Rule 10: the kept spot instances of ``instance_type`` are costed at ``price_usd_per_hr``
-    now, not at ``launched_usd_per_hr`` (the highest launch price among them)."""
+    """Rule 10: the live spot instances of ``instance_type`` are costed at ``price_usd_per_hr``
+    now, not at ``launched_usd_per_hr`` (the highest launch price among them); the live fleet
+    (draining instances included) costs ``fleet_cost_usd_per_hr`` at the prices now, and a rise
+    moves capacity once that is past ``threshold_usd_per_hr`` (the budget less its headroom)."""
 
     instance_type: str
     count: int
@@ -382,6 +389,33 @@ class SpotRepriced:
     price_usd_per_hr: float
     fleet_cost_usd_per_hr: float
     budget_usd_per_hr: float
+    threshold_usd_per_hr: float | None = None
+
+    @property
+    def risen(self) -> bool:
+        return self.price_usd_per_hr > self.launched_usd_per_hr + _BUDGET_SLACK_USD_PER_HR
+
+    @property
+    def over_budget(self) -> bool:
+        return self.fleet_cost_usd_per_hr > self.budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR
+
+    @property
+    def past_threshold(self) -> bool:
+        threshold = (
+            self.budget_usd_per_hr
+            if self.threshold_usd_per_hr is None
+            else (self.threshold_usd_per_hr)
+        )
+        return self.fleet_cost_usd_per_hr > threshold + _BUDGET_SLACK_USD_PER_HR
+
+    def why(self) -> str:
+        """Where the fleet's cost stands against the budget, in words."""
+        if self.over_budget:
+            return f"over the budget of {self.budget_usd_per_hr:g} USD/hr"
+        return (
+            f"past {self.threshold_usd_per_hr or self.budget_usd_per_hr:.4g} USD/hr, the budget"
+            f" of {self.budget_usd_per_hr:g} USD/hr less its headroom"
+        )
 
 
 Action = (
@@ -482,6 +516,7 @@ def reconcile(
     ranking: Mapping[str, Sequence[str]] | None = None,
     short_types: Collection[str] = (),
     stand_ins: Mapping[str, str] | None = None,
+    headroom_share: float = DEFAULT_SPOT_HEADROOM_SHARE,
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -506,8 +541,9 @@ def reconcile(
     ``spot_prices_usd_per_hr`` the spot prices now (rule 10). ``ranking``: type -> the types
     that may stand in for it, preferred first; ``short_types``: the types the provider is short
     of now (a capacity miss running); ``stand_ins``: row id -> the type a row stands in for
-    (rule 11). The rules are the module docstring's; the actions come in the order they must be
-    carried out.
+    (rule 11). ``headroom_share``: the share of the budget below it at which a spot price rise
+    starts moving capacity (rule 10). The rules are the module docstring's; the actions come in
+    the order they must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
@@ -516,8 +552,10 @@ def reconcile(
             raise ValueError(f"desired count of {instance_type} must be >= 0, got {count}")
     values = qps_by_type or {}
     actions: list[Action] = []
+    if not 0.0 <= headroom_share < 1.0:
+        raise ValueError(f"headroom_share must be in [0, 1), got {headroom_share!r}")
     spot_prices = spot_prices_usd_per_hr or {}
-    db_instances = _repriced(db_instances, spot_prices, budget_usd_per_hr, actions)
+    db_instances = _repriced(db_instances, spot_prices, budget_usd_per_hr, headroom_share, actions)
     standing = stand_ins or {}
     rows = [
         _Row(r, InstanceState(r.state), r.provider_id, stands_for=standing.get(r.id))
@@ -531,7 +569,9 @@ def reconcile(
         else:
             fleet = [row for row in kept if not _profiling(row)]
             profiling = [row for row in kept if _profiling(row)]
-            _end_profiling_over_budget(fleet, profiling, budget_usd_per_hr, actions)
+            reserved = _end_profiling_over_budget(fleet, profiling, budget_usd_per_hr, actions)
+            draining = [row for row in rows if row.state is _S.DRAINING]
+            _shed_leaving(fleet, draining, budget_usd_per_hr - reserved, actions)
             _fit_budget(fleet, budget_usd_per_hr, values, stages, actions)
         return actions
     _match(rows, observed, prices_usd_per_hr, actions)
@@ -539,7 +579,7 @@ def reconcile(
         _follow_provider(row, now, straggler_timeout_s, missing_grace_s, unhealthy, actions)
     _replace_stragglers(rows, now, straggler_timeout_s, actions)
     _reap_profile_workers(rows, now, profile_run_timeout_s, actions)
-    doomed, doomed_usd_per_hr = _act_on_notices(
+    doomed, leaving = _act_on_notices(
         rows, notices or {}, handled, desired, now, drain_s, margin_s, actions
     )
     kept = [row for row in rows if row.state in _KEPT and row.id not in doomed]
@@ -561,20 +601,24 @@ def reconcile(
         if row.record.market == "spot" and (row.provider_id or "") in (notices or {})
     )
     unavailable = frozenset(short_types) | frozenset(held_types) | noticed_spot
-    risen = _risen_types(actions, budget_usd_per_hr)
+    # Rule 10: a spot price rise that takes the fleet past the budget less its headroom moves
+    # the risen capacity before the budget is breached.
+    rise = _Rise.of(actions, budget_usd_per_hr, headroom_share)
+    risen = rise.types
     if risen and desired is not None:
         kept = _move_off_risen(
             kept,
-            risen,
-            budget_usd_per_hr,
+            rise,
             _Ranked(ranked, prices_usd_per_hr, spot_prices, values),
             unavailable | risen,
             actions,
         )
+    # The hard cap at the prices now, with what is leaving (rule 9) paid for until it goes.
+    leaving = _shed_leaving(kept, leaving, budget_usd_per_hr - reserved, actions)
     kept = _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
     # The instances draining before their interruption are paid for until they go: the
     # replacements are launched next to them only where the budget pays for both.
-    reserved += doomed_usd_per_hr
+    reserved += float(sum(row.record.price_usd_per_hr for row in leaving))
     staying = {row.id for row in kept}
     spared = [row for row in spared if row.id in staying]
     # Rule 11: a launch of a type the provider is short of waits no longer where another type
@@ -610,6 +654,7 @@ def reconcile(
             short_types=frozenset(short_types),
             noticed_spot=noticed_spot,
             risen_spot=risen,
+            risen_why=rise.why,
             given_up=given_up,
         )
         kept = [row for row in kept if row.id not in given_up_ids]
@@ -850,11 +895,12 @@ def _act_on_notices(
     drain_s: float,
     margin_s: float,
     actions: list[Action],
-) -> tuple[set[str], float]:
+) -> tuple[set[str], list[_Row]]:
     """Rule 9: the rows with a notice that still serve until their replacement does (no longer
-    kept: rule 7 replaces them), and what they and the draining rows that stay cost (USD/hr)."""
+    kept: rule 7 replaces them), and the rows leaving that are paid for until they go: those
+    and the draining rows that stay."""
     doomed: set[str] = set()
-    cost = 0.0
+    leaving: list[_Row] = []
     noticed = [row for row in rows if (row.provider_id or "") in notices]
     for row in noticed:
         if row.state not in (_S.PENDING, _S.RUNNING):
@@ -884,7 +930,7 @@ def _act_on_notices(
                 _mark(row, _S.DRAINING, f"{what}: {why}; no new queries", actions)
             else:
                 doomed.add(row.id)
-                cost += row.record.price_usd_per_hr
+                leaving.append(row)
             done = (
                 "a replacement is launched at once; it serves until the replacement does (or"
                 f" {drain_at.isoformat()} at the latest), then drains and is terminated"
@@ -910,14 +956,15 @@ def _act_on_notices(
                 actions,
             )
         else:
-            cost += row.record.price_usd_per_hr
-    return doomed, cost
+            leaving.append(row)
+    return doomed, leaving
 
 
 def _repriced(
     db_instances: Sequence[InstanceRecord],
     spot_prices: Mapping[str, float],
     budget_usd_per_hr: float,
+    headroom_share: float,
     actions: list[Action],
 ) -> list[InstanceRecord]:
     """Rule 10: the live spot rows costed at their type's spot price now."""
@@ -935,8 +982,8 @@ def _repriced(
             record = dataclasses.replace(record, price_usd_per_hr=now_price)
         repriced.append(record)
     if changed:
-        kept_states = {state.value for state in _KEPT}
-        cost = float(sum(r.price_usd_per_hr for r in repriced if r.state in kept_states))
+        paid_for = {state.value for state in _KEPT | {_S.DRAINING}}
+        cost = float(sum(r.price_usd_per_hr for r in repriced if r.state in paid_for))
         for instance_type, launched in sorted(changed.items()):
             actions.append(
                 SpotRepriced(
@@ -946,6 +993,7 @@ def _repriced(
                     spot_prices[instance_type],
                     cost,
                     budget_usd_per_hr,
+                    budget_usd_per_hr * (1.0 - headroom_share),
                 )
             )
     return repriced
@@ -1129,6 +1177,7 @@ def _launch_shortfall(
     short_types: Collection[str] = (),
     noticed_spot: Collection[str] = (),
     risen_spot: Collection[str] = (),
+    risen_why: str = "",
     given_up: Sequence[_Row] = (),
 ) -> list[Action]:
     """Rules 6, 7, 10 and 11: launch what is missing, most cost-effective first, while it fits
@@ -1178,19 +1227,19 @@ def _launch_shortfall(
         choice: tuple[str, str, float, str] | None = None
         moving = spot_wanted.get(instance_type, 0) > 0 and instance_type in risen_spot
         if moving and not short:
-            cheaper = _cheaper_spot(
+            cheaper = _cheaper_choice(
                 instance_type, price, choices, unavailable | set(noticed_spot) | set(risen_spot)
             )
-            if cheaper is not None and cheaper[1] <= room:
-                other, other_price = cheaper
+            if cheaper is not None and cheaper[2] <= room:
+                other, market, other_price = cheaper
                 choice = (
                     other,
-                    "spot",
+                    market,
                     other_price,
                     f"{instance_type}'s spot price rose to {spot_price or price:g} USD/hr"
-                    f" and took the fleet over the budget: {other} on spot at"
-                    f" {other_price:g} USD/hr serves as much for less (the cheapest such type"
-                    " of the plan's ranking)",
+                    f" and took the fleet {risen_why or 'over the budget'}: {other} on"
+                    f" {market.replace('-', ' ')} at {other_price:g} USD/hr serves as much for"
+                    " less (the cheapest such choice of the plan's ranking)",
                 )
         if choice is None and (short or (on_spot and instance_type in noticed_spot)):
             choice = _stand_in(
@@ -1271,15 +1320,54 @@ def _launch_again(row: _Row) -> Launch:
     )
 
 
-def _risen_types(actions: Sequence[Action], budget_usd_per_hr: float) -> frozenset[str]:
-    """Rule 10: the spot types whose price rose this tick to take the fleet over the budget."""
-    return frozenset(
-        a.instance_type
-        for a in actions
-        if isinstance(a, SpotRepriced)
-        and a.price_usd_per_hr > a.launched_usd_per_hr + _BUDGET_SLACK_USD_PER_HR
-        and a.fleet_cost_usd_per_hr > budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR
-    )
+@dataclass(frozen=True, slots=True)
+class _Rise:
+    """Rule 10: the spot types whose price rose above what their instances were launched at,
+    where the rise took the fleet past the budget less its headroom (else none), and why in
+    words (for the decisions)."""
+
+    types: frozenset[str]
+    why: str
+    fleet_cost_usd_per_hr: float
+
+    @staticmethod
+    def of(actions: Sequence[Action], budget_usd_per_hr: float, headroom_share: float) -> _Rise:
+        repriced = [a for a in actions if isinstance(a, SpotRepriced)]
+        if not repriced or not repriced[0].past_threshold:
+            return _Rise(frozenset(), "", 0.0)
+        first = repriced[0]
+        risen = frozenset(a.instance_type for a in repriced if a.risen)
+        return _Rise(risen, first.why(), first.fleet_cost_usd_per_hr)
+
+
+def _shed_leaving(
+    kept: Sequence[_Row], leaving: Sequence[_Row], budget_usd_per_hr: float, actions: list[Action]
+) -> list[_Row]:
+    """The hard cap at the prices now: when the fleet and the rows leaving it (rule 9: draining,
+    or serving until their replacement does) cost more than ``budget_usd_per_hr`` (a spot price
+    rose), the leaving rows go first (the draining ones, then the dearest) until the rest fits.
+    The leaving rows that stay."""
+    cost = float(sum(row.record.price_usd_per_hr for row in (*kept, *leaving)))
+    total = cost
+    going: list[_Row] = []
+    for row in sorted(
+        leaving,
+        key=lambda r: (r.state is not _S.DRAINING, -r.record.price_usd_per_hr, r.id),
+    ):
+        if cost <= budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
+            break
+        going.append(row)
+        cost -= row.record.price_usd_per_hr
+    if going:
+        _terminate(
+            going,
+            "budget",
+            f"the fleet and the instances leaving it cost {total:.3f} USD/hr at the prices now,"
+            f" over the budget of {budget_usd_per_hr:g} USD/hr: the leaving ones go first",
+            actions,
+        )
+    gone = {row.id for row in going}
+    return [row for row in leaving if row.id not in gone]
 
 
 @dataclass(frozen=True, slots=True)
@@ -1311,45 +1399,45 @@ class _Ranked:
             yield other, on_demand, self.spot_now.get(other)
 
 
-def _cheaper_spot(
+def _cheaper_choice(
     instance_type: str,
     price_now_usd_per_hr: float,
     ranked: _Ranked,
     unavailable: Collection[str],
-) -> tuple[str, float] | None:
-    """Rule 10's move: the cheapest type of ``instance_type``'s ranking that serves at least as
-    much, on spot below its on-demand price and below ``price_now_usd_per_hr``, and is not
-    ``unavailable`` (short, under notice, risen itself)."""
-    found = [
-        (spot, rank, other)
-        for rank, (other, on_demand, spot) in enumerate(
-            ranked.alternatives(instance_type, unavailable)
-        )
-        if spot is not None
-        and spot < on_demand
-        and spot < price_now_usd_per_hr - _BUDGET_SLACK_USD_PER_HR
-    ]
+) -> tuple[str, str, float] | None:
+    """Rule 10's move: the cheapest way to serve as much as one ``instance_type`` below
+    ``price_now_usd_per_hr``: a type of its ranking that serves at least as much and is not
+    ``unavailable`` (short, under notice, risen itself), on spot (below its on-demand price) or
+    on demand. (type, market, price), or None."""
+    found = []
+    for rank, (other, on_demand, spot) in enumerate(
+        ranked.alternatives(instance_type, unavailable)
+    ):
+        if spot is not None and spot < on_demand:
+            found.append((spot, rank, 0, other, "spot"))
+        found.append((on_demand, rank, 1, other, "on-demand"))
+    found = [f for f in found if f[0] < price_now_usd_per_hr - _BUDGET_SLACK_USD_PER_HR]
     if not found:
         return None
-    price, _, other = min(found)
-    return other, price
+    price, _, _, other, market = min(found)
+    return other, market, price
 
 
 def _move_off_risen(
     kept: list[_Row],
-    risen: Collection[str],
-    budget_usd_per_hr: float,
+    rise: _Rise,
     ranked: _Ranked,
     unavailable: Collection[str],
     actions: list[Action],
 ) -> list[_Row]:
-    """Rule 10's move: a spot price rise took the fleet over the budget. The kept spot rows of a
-    risen type for which the plan's ranking has a type that serves as much for less on spot go
-    (cause ``spot_price``), before anything is launched; rule 7 then launches that type for them
-    in the same tick, within the budget. The others are left to the budget guard."""
-    cost = float(sum(row.record.price_usd_per_hr for row in kept))
+    """Rule 10's move: a spot price rise took the fleet past the budget less its headroom. The
+    kept spot rows of a risen type for which the plan's ranking has a type that serves as much
+    for less (on spot or on demand) go (cause ``spot_price``), before anything is launched; rule
+    7 then launches that type for them in the same tick, within the budget. The others are left
+    to the budget guard."""
+    risen = rise.types
     going: dict[str, list[_Row]] = defaultdict(list)
-    moves: dict[str, tuple[str, float]] = {}
+    moves: dict[str, tuple[str, str, float]] = {}
     for row in kept:
         instance_type = row.record.instance_type
         if (
@@ -1362,20 +1450,20 @@ def _move_off_risen(
         if price_now is None:
             continue
         if instance_type not in moves:
-            cheaper = _cheaper_spot(instance_type, price_now, ranked, unavailable)
+            cheaper = _cheaper_choice(instance_type, price_now, ranked, unavailable)
             if cheaper is None:
                 continue
             moves[instance_type] = cheaper
         going[instance_type].append(row)
     for instance_type, rows in sorted(going.items()):
-        other, other_price = moves[instance_type]
+        other, market, other_price = moves[instance_type]
         _terminate(
             rows,
             "spot_price",
             f"{instance_type}'s spot price rose to {ranked.spot_now[instance_type]:g} USD/hr: the"
-            f" fleet costs {cost:.3f} USD/hr, over the budget of {budget_usd_per_hr:g} USD/hr;"
-            f" {other} on spot ({other_price:g} USD/hr) serves as much for less and replaces"
-            " them within the budget",
+            f" fleet costs {rise.fleet_cost_usd_per_hr:.3f} USD/hr at the prices now, {rise.why};"
+            f" {other} on {market.replace('-', ' ')} ({other_price:g} USD/hr) serves as much for"
+            " less and replaces them within the budget",
             actions,
         )
     gone = {row.id for rows in going.values() for row in rows}
@@ -1571,7 +1659,7 @@ class Reconciler:
     ``probe`` checks that the worker of an instance the provider calls running answers (None:
     the provider's ``running`` is taken as healthy); ``disruption`` is the disruption budget of
     rule 5 (``None``: voluntary drains are not rate-limited); ``profile_run_timeout_s`` is
-    rule 8's.
+    rule 8's; ``spot_headroom_share`` rule 10's.
     """
 
     def __init__(
@@ -1593,7 +1681,11 @@ class Reconciler:
         interruption_drain_s: float = DEFAULT_INTERRUPTION_DRAIN_S,
         interruption_margin_s: float = DEFAULT_INTERRUPTION_MARGIN_S,
         desired_spot: DesiredFleet | None = None,
+        spot_headroom_share: float = DEFAULT_SPOT_HEADROOM_SHARE,
     ) -> None:
+        if not 0.0 <= spot_headroom_share < 1.0:
+            raise ValueError(f"spot_headroom_share must be in [0, 1), got {spot_headroom_share!r}")
+        self.spot_headroom_share = spot_headroom_share
         self.store = store
         self.provisioner = provisioner
         self.clock = clock
@@ -1756,6 +1848,7 @@ class Reconciler:
             ranking=ranking,
             short_types=short,
             stand_ins=self._stand_ins_of(app.name, rows),
+            headroom_share=self.spot_headroom_share,
         )
         errors = _Errors()
         launches = [a for a in actions if isinstance(a, Launch)]
@@ -1960,9 +2053,15 @@ class Reconciler:
                 },
             )
         elif isinstance(action, SpotRepriced):
-            over = (
-                action.fleet_cost_usd_per_hr > action.budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR
-            )
+            if action.over_budget:
+                then = "; over it: the least cost-effective instances are drained and replaced"
+            elif action.past_threshold and action.risen:
+                then = (
+                    f"; {action.why()}: the risen spot capacity moves to cheaper choices before"
+                    " the budget is breached"
+                )
+            else:
+                then = ""
             self.store.record_decision(
                 app.name,
                 "spot_price",
@@ -1970,12 +2069,7 @@ class Reconciler:
                 f" {action.price_usd_per_hr:g} USD/hr each (launched at"
                 f" {action.launched_usd_per_hr:g}): the fleet costs"
                 f" {action.fleet_cost_usd_per_hr:.3f} USD/hr against the budget of"
-                f" {action.budget_usd_per_hr:g} USD/hr"
-                + (
-                    "; over it: the least cost-effective instances are drained and replaced"
-                    if over
-                    else ""
-                ),
+                f" {action.budget_usd_per_hr:g} USD/hr{then}",
                 {
                     "instance_type": action.instance_type,
                     "count": action.count,
@@ -1983,6 +2077,11 @@ class Reconciler:
                     "launched_usd_per_hr": action.launched_usd_per_hr,
                     "fleet_cost_usd_per_hr": round(action.fleet_cost_usd_per_hr, 9),
                     "budget_usd_per_hr": action.budget_usd_per_hr,
+                    "threshold_usd_per_hr": (
+                        None
+                        if action.threshold_usd_per_hr is None
+                        else round(action.threshold_usd_per_hr, 9)
+                    ),
                 },
                 key=f"{action.instance_type}:{action.price_usd_per_hr:g}",
             )

@@ -257,13 +257,17 @@ def build_reconciler(
     *,
     disruption: DisruptionBudget | None = None,
     profile_run_heartbeat_s: float | None = None,
+    spot_headroom_share: float | None = None,
 ) -> Reconciler:
     """The reconciler over ``provisioner``, pricing apps from their specs (through
     ``resolver``); ``desired_fleet`` is the live tuner's (default: each app's applied plan);
     ``disruption`` bounds its voluntary drains (default: the reconciler's); a profile run's
     workers are its run's for four ``profile_run_heartbeat_s`` after its last heartbeat
-    (default: the reconciler's)."""
+    (default: the reconciler's); ``spot_headroom_share`` is rule 10's (default: the
+    reconciler's)."""
     extra: dict[str, Any] = {} if disruption is None else {"disruption": disruption}
+    if spot_headroom_share is not None:
+        extra["spot_headroom_share"] = spot_headroom_share
     if profile_run_heartbeat_s is not None:
         extra["profile_run_timeout_s"] = PROFILE_RUN_MISSED_BEATS * profile_run_heartbeat_s
     return Reconciler(
@@ -634,6 +638,7 @@ def build_service(
         scaled_fleet(live_tuner, infaas_scaler),
         disruption=disruption_budget(settings),
         profile_run_heartbeat_s=settings.profile_run_heartbeat_s,
+        spot_headroom_share=settings.spot_headroom_share,
     )
     replanner = CapacityReplanner(
         store,

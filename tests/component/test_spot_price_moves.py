@@ -1,0 +1,209 @@
+"""Rule 10 of the reconciler when spot prices move (docs/spot.md, "Launching by purchase option,
+and the cap when prices move"), on a real store (SQLite through the migrations), the fake
+provisioner and a fake clock: a rise into the headroom below the budget moves the risen spot
+capacity before the budget is breached, to the cheapest choice that serves as much (another
+type on spot, or on demand); and over random price paths, with interruption notices draining
+instances meanwhile, the fleet's cost at the prices now never exceeds the budget after a tick."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controlplane.clock import FakeClock
+from controlplane.db.store import Store
+from controlplane.loops.reconciler import AppPricing, Launch, Reconciler
+from provisioners.fake import FakeProvisioner
+from tests.component.test_reconciler_fake import APP, LARGE, PRICES, QPS, SMALL, spec, template_db
+from tests.component.test_spot_interruptions import apply_spot_plan
+
+__all__ = ["template_db"]  # the fixture, imported for pytest
+
+_LIVE = ("requested", "pending", "running", "draining")
+
+
+class PricedWorld:
+    """One app on the fake provisioner whose spot prices (and on-demand prices) the test
+    moves; :meth:`tick` checks the hard cap at the prices now after every tick."""
+
+    def __init__(
+        self,
+        template: Path,
+        directory: Path,
+        budget: float,
+        spot_prices: dict[str, float],
+        prices: dict[str, float] | None = None,
+        headroom_share: float = 0.1,
+    ) -> None:
+        path = directory / "heteroplane.db"
+        shutil.copy(template, path)
+        self.clock = FakeClock()
+        self.fake = FakeProvisioner(now=self.clock.utcnow)
+        self.store = Store.from_url(f"sqlite:///{path}", self.clock)
+        self.store.create_app(spec(budget), who="test")
+        self.budget = budget
+        self.spot_prices = spot_prices
+        self.prices = dict(PRICES if prices is None else prices)
+        self.reconciler = Reconciler(
+            self.store,
+            self.fake,
+            self.clock,
+            lambda _app: AppPricing(self.prices, QPS, spot_prices_usd_per_hr=self.spot_prices),
+            spot_headroom_share=headroom_share,
+        )
+        self.worst_usd_per_hr = 0.0
+
+    def tick(self, seconds: float = 5.0) -> list[object]:
+        self.clock.advance(seconds)
+        self.fake.step()
+        actions = list(self.reconciler.run_once().apps[APP].actions)
+        cost = self.cost_now()
+        self.worst_usd_per_hr = max(self.worst_usd_per_hr, cost)
+        assert cost <= self.budget + 1e-9, (cost, self.spot_prices, actions)
+        return actions
+
+    def cost_now(self) -> float:
+        """The live fleet (draining included) at the prices now: spot rows at the spot price
+        now, on-demand rows at the on-demand price."""
+        return sum(
+            self.spot_prices[r.instance_type]
+            if r.market == "spot"
+            else self.prices[r.instance_type]
+            for r in self.store.list_instances(APP, states=list(_LIVE))
+        )
+
+    def kept(self) -> list[tuple[str, str]]:
+        kept = self.store.list_instances(APP, states=["requested", "pending", "running"])
+        return sorted((r.instance_type, r.market) for r in kept)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def launched(actions: list[object]) -> list[tuple[str, str, str | None]]:
+    return [(a.instance_type, a.market, a.stands_for) for a in actions if isinstance(a, Launch)]
+
+
+def test_a_rise_into_the_headroom_moves_capacity_before_the_budget_is_breached(
+    template_db: Path, tmp_path: Path
+) -> None:
+    # Three small ones on spot; the move starts at 0.09 USD/hr (a tenth below the budget).
+    spot_prices = {SMALL: 0.015, LARGE: 0.03}
+    world = PricedWorld(template_db, tmp_path, 0.1, spot_prices)
+    try:
+        apply_spot_plan(world.store, {SMALL: 3}, {SMALL: 3})
+        for _ in range(3):
+            world.tick()
+        assert world.kept() == [(SMALL, "spot")] * 3
+
+        # A rise that stays short of the headroom (3 x 0.025 = 0.075) moves nothing.
+        spot_prices[SMALL] = 0.025
+        assert not launched(world.tick())
+
+        # Into the headroom (3 x 0.031 = 0.093, within the budget): the small ones move to large
+        # ones on spot (0.03 each: as much capacity for less) before any breach.
+        spot_prices[SMALL] = 0.031
+        actions = world.tick()
+        assert launched(actions) == [(LARGE, "spot", SMALL)] * 3
+        decision = world.store.list_decisions(APP, kinds=["spot_price"])[-1]
+        assert "less its headroom" in decision.reason and "before the budget" in decision.reason
+        assert decision.numbers["threshold_usd_per_hr"] == 0.09
+        (moved,) = world.store.list_decisions(APP, kinds=["terminate"])
+        assert moved.numbers["cause"] == "spot_price" and "less its headroom" in moved.reason
+
+        # The rise goes on past the budget: nothing of the risen type is left to pay for.
+        spot_prices[SMALL] = 0.05
+        for _ in range(4):
+            assert not launched(world.tick())
+        assert world.kept() == [(LARGE, "spot")] * 3
+        assert world.worst_usd_per_hr <= 0.093 + 1e-9  # never past what the headroom allowed
+    finally:
+        world.close()
+
+
+def test_without_headroom_the_same_rise_moves_nothing_until_the_budget_is_breached(
+    template_db: Path, tmp_path: Path
+) -> None:
+    spot_prices = {SMALL: 0.015, LARGE: 0.03}
+    world = PricedWorld(template_db, tmp_path, 0.1, spot_prices, headroom_share=0.0)
+    try:
+        apply_spot_plan(world.store, {SMALL: 3}, {SMALL: 3})
+        for _ in range(3):
+            world.tick()
+        spot_prices[SMALL] = 0.031
+        assert not launched(world.tick())
+        assert world.kept() == [(SMALL, "spot")] * 3
+    finally:
+        world.close()
+
+
+def test_a_rise_moves_capacity_on_demand_where_that_is_the_cheapest_choice(
+    template_db: Path, tmp_path: Path
+) -> None:
+    # The large type is not sold on spot here, and on demand (0.04) it costs less than a small
+    # one on spot once the small one's price rises to 0.045: the move goes on demand.
+    spot_prices = {SMALL: 0.015}
+    prices = {SMALL: 0.05, LARGE: 0.04}
+    world = PricedWorld(template_db, tmp_path, 0.13, spot_prices, prices=prices)
+    try:
+        apply_spot_plan(world.store, {SMALL: 3}, {SMALL: 3})
+        for _ in range(3):
+            world.tick()
+        spot_prices[SMALL] = 0.045  # 3 x 0.045 = 0.135: over the budget
+
+        actions = world.tick()
+
+        assert launched(actions) == [(LARGE, "on-demand", SMALL)] * 3
+        reasons = [d.reason for d in world.store.list_decisions(APP, kinds=["stand_in"])]
+        assert "on demand at 0.04 USD/hr serves as much for less" in reasons[0]
+        for _ in range(3):
+            world.tick()
+        assert world.kept() == [(LARGE, "on-demand")] * 3
+    finally:
+        world.close()
+
+
+# --- the hard cap over random price paths -------------------------------------------------------
+
+_PRICE = st.sampled_from([0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05])
+_STEP = st.tuples(_PRICE, _PRICE.map(lambda p: 2 * p), st.booleans())
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    budget=st.sampled_from([0.08, 0.12, 0.2]),
+    headroom=st.sampled_from([0.0, 0.1, 0.3]),
+    path=st.lists(_STEP, min_size=4, max_size=12),
+)
+def test_the_cap_holds_at_every_tick_over_random_spot_price_paths(
+    template_db: Path, budget: float, headroom: float, path: list[tuple[float, float, bool]]
+) -> None:
+    spot_prices = {SMALL: 0.015, LARGE: 0.03}
+    with tempfile.TemporaryDirectory() as directory:
+        world = PricedWorld(
+            template_db, Path(directory), budget, spot_prices, headroom_share=headroom
+        )
+        try:
+            apply_spot_plan(world.store, {SMALL: 2, LARGE: 2}, {SMALL: 2, LARGE: 1})
+            for _ in range(3):
+                world.tick()
+            for small, large, notice in path:
+                spot_prices[SMALL], spot_prices[LARGE] = small, large
+                if notice:  # an interruption notice too: its instance drains meanwhile
+                    running = world.store.list_instances(APP, states=["running"])
+                    spot = [r.provider_id for r in running if r.market == "spot"]
+                    if spot and spot[0] is not None:
+                        world.fake.interrupt(spot[0], 60.0)
+                world.tick()  # checks the cap at the prices now
+                world.tick(1.0)
+        finally:
+            world.close()
