@@ -59,7 +59,7 @@ from controlplane.spec import SpecError
 from estimator import deadline
 from estimator.errors import EstimatorError
 
-__all__ = ["DEFAULT_REPLAN_AFTER_S", "CapacityReplanner"]
+__all__ = ["DEFAULT_REPLAN_AFTER_S", "CapacityReplanner", "planning_request"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class CapacityReplanner:
         limits = resolved.constraints.capped({t: live.get(t, 0) for t in sorted(missing)})
         caps = limits.caps(sorted(missing))
         capped = resolved.with_constraints(limits)
-        request = _planning_request(plan)
+        request = planning_request(plan)
         rate = plan.plan.planned_rate_qps
         seed = request.seed
         trace, stats = planning_trace(capped, request)
@@ -217,7 +217,7 @@ class CapacityReplanner:
         return True
 
 
-def _planning_request(plan: PlanRecord) -> PlanRequest:
+def planning_request(plan: PlanRecord) -> PlanRequest:
     """What ``plan`` was planned on (:func:`~controlplane.apps.plans.replanning_request`); a
     stored trace request that is no longer usable gives way to the planned rate."""
     try:

@@ -1917,6 +1917,12 @@ class Reconciler:
         self._stand_ins[app] = {i: t for i, t in known.items() if i in live}
         return dict(self._stand_ins[app])
 
+    def spot_prices_now(self, app: AppRecord, types: Collection[str]) -> dict[str, float]:
+        """The spot prices now of those of ``types`` the app's catalog sells on spot: the
+        provider's where it reads them (rule 10's prices), else the catalog's."""
+        pricing = self._live_spot_prices(self.pricing(app), types)
+        return {t: p for t, p in pricing.spot_prices_usd_per_hr.items() if t in types}
+
     def _live_spot_prices(self, pricing: AppPricing, types: Collection[str]) -> AppPricing:
         """Rule 10's prices of ``types`` (those the app buys on spot): the provider's spot
         prices now where it knows them (the EC2 provisioner: DescribeSpotPriceHistory, cached),

@@ -103,6 +103,7 @@ from controlplane.loops.remote_serving import RemoteServing, ServingView
 from controlplane.loops.rollouts import RolloutLoop
 from controlplane.loops.rollup import make_rollup
 from controlplane.loops.scheduler import JobBodies, Scheduler, service_schedule
+from controlplane.loops.spot_replan import SpotReplanner
 from controlplane.loops.traffic_replan import ReplanBand, TrafficReplanner
 from controlplane.policies.calibration import CalibrationRule
 from controlplane.policies.disruption import DisruptionBudget
@@ -439,9 +440,11 @@ def build_scheduler(
     traffic_replanner: TrafficReplanner | None = None,
     infaas_scaler: InfaasScaler | None = None,
     rollouts: RolloutLoop | None = None,
+    spot_replanner: SpotReplanner | None = None,
 ) -> Scheduler:
     """The service's periodic jobs at the settings' periods (reconcile idles without a
-    reconciler, and re-plans around missing capacity after its tick when there is a replanner;
+    reconciler, and re-plans around missing capacity after its tick when there is a replanner,
+    and at the spot prices now when there is a spot replanner;
     the roll-up records the serving loop's windows when there is one; the replan job idles
     without a traffic replanner). With ``leadership``, each job runs only while the replica holds
     the leader lease (its fence)."""
@@ -460,6 +463,8 @@ def build_scheduler(
             _log_report(reconciler.run_once())
             if replanner is not None:
                 replanner.tick()
+            if spot_replanner is not None:
+                spot_replanner.tick()
             if rollouts is not None:
                 # After the reconciler moved the rollouts' workers along their lifecycle.
                 for moved in rollouts.tick():
@@ -674,6 +679,13 @@ def build_service(
         traffic_replanner,
         infaas_scaler,
         rollouts,
+        SpotReplanner(
+            store,
+            stored_apps(resolver),
+            reconciler.spot_prices_now,
+            move_share=settings.spot_replan_move_share,
+            deadline_s=settings.plan_deadline_s,
+        ),
     )
     # The API resolves through the same resolver, so a plan preview sees the calibrated profiles.
     # A loops process serves the API without inference (no serving loop: 503).
