@@ -1,0 +1,115 @@
+"""Re-planning at the spot prices now (``controlplane/loops/spot_replan.py``) over the service as
+``build_service`` wires it: the real store through its migrations, the reconciler on the fake
+provisioner with settable spot prices (as the EC2 provisioner reads them with
+DescribeSpotPriceHistory), the planner on measured-shape profiles, a fake clock.
+
+An app planned all on spot on r5n.large sees r5n.large's spot price rise to its on-demand price:
+a small move re-plans nothing; this one re-plans the app at the prices now, and the applied plan
+is what a fresh plan at them is (three t3.xlarge on spot), with a decision that says why; the
+reconciler then converges to it within the budget at the prices now, at every tick."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.apps.plans import PlanRequest, planning_trace, preview_plan
+from controlplane.apps.resolver import AppResolver, spec_document
+from controlplane.clock import FakeClock
+from controlplane.loops.spot_replan import SpotReplanner, cost_at
+from controlplane.policies.planner import plan_app
+from controlplane.policies.spot import plan_with_spot
+from controlplane.service.build import Service, build_service
+from controlplane.settings import Settings
+from provisioners.fake import FakeProvisioner
+from tests.component.test_api import spec, write_profiles
+
+APP, R5N = "toy", "r5n.large"
+REQUEST = PlanRequest(rate_qps=100.0, seed=3)
+# All of it may be on spot: the planner chooses at the spot prices.
+DOCUMENT = {**spec(budget=4.0, latency_ms=40.0), "spot": {"enabled": True, "survive_share": 0.0}}
+_LIVE = ("requested", "pending", "running", "draining")
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[tuple[Service, FakeClock, AppResolver]]:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    write_profiles(data_dir)
+    clock = FakeClock()
+    service = build_service(Settings(data_dir=data_dir, provisioner="fake"), clock)
+    yield service, clock, AppResolver(data_dir)
+    service.close()
+
+
+def test_spot_prices_that_moved_a_lot_re_plan_the_app_at_the_prices_now(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    service, clock, resolver = world
+    store = service.store
+    store.create_app(spec_document(resolver.check(DOCUMENT).spec), who="test")
+    first = preview_plan(store, resolver, APP, REQUEST)
+    store.apply_plan(APP, first.id)
+    assert first.plan.stages[0].spot_fleet == {R5N: 2}  # at the catalog's spot prices
+    fake = service.provisioner
+    assert isinstance(fake, FakeProvisioner)
+    resolved = resolver.resolve(store.get_app(APP).spec, check_budget=False)
+    replanner = SpotReplanner(
+        store,
+        lambda app: resolver.resolve(app.spec, check_budget=False),
+        service.reconciler.spot_prices_now,
+        move_share=0.25,
+    )
+
+    def tick() -> list[str]:
+        clock.advance(5.0)
+        fake.step()
+        service.reconciler.run_once()
+        replanned = replanner.tick()
+        spot_now = service.reconciler.spot_prices_now(store.get_app(APP), [R5N, "t3.xlarge"])
+        live = store.list_instances(APP, states=list(_LIVE))
+        cost_now = sum(
+            spot_now[r.instance_type] if r.market == "spot" else r.price_usd_per_hr for r in live
+        )
+        assert cost_now <= DOCUMENT["budget_usd_per_hr"] + 1e-9
+        return replanned
+
+    for _ in range(3):
+        assert tick() == []  # the catalog's prices: nothing moved
+    catalog = resolved.catalog[R5N].spot_price_usd_per_hr
+    assert catalog is not None
+    fake.set_spot_price(R5N, catalog * 1.1)  # 10 %: less than the 25 % that re-plans
+    assert tick() == []
+
+    on_demand = resolved.prices_usd_per_hr[R5N]
+    fake.set_spot_price(R5N, on_demand)  # +150 %
+    assert tick() == [APP]
+
+    applied = store.get_applied_plan(APP)
+    assert applied is not None and applied.id != first.id
+    # What a fresh plan at the prices now is, made on the same trace.
+    prices = {t: resolved.catalog[t].spot_price_usd_per_hr for t in resolved.prices_usd_per_hr}
+    prices[R5N] = on_demand
+    trace, _ = planning_trace(resolved, REQUEST)
+    fresh = plan_with_spot(resolved, trace, plan=plan_app, seed=3, spot_prices=prices)
+    assert applied.plan.fleet == fresh.fleet
+    assert [s.spot_fleet for s in applied.plan.stages] == [s.spot_fleet for s in fresh.stages]
+    assert R5N not in applied.plan.fleet
+    spot_now = {t: p for t, p in prices.items() if p is not None}
+    assert fresh.cost_usd_per_hr < cost_at(first.plan, resolved.prices_usd_per_hr, spot_now)
+    (decision,) = store.list_decisions(APP, kinds=["spot_replan"])
+    assert decision.numbers["applied"] is True
+    assert decision.numbers["moved"] == {R5N: {"from": catalog, "to": on_demand}}
+    assert "spot prices moved by 25% or more" in decision.reason
+    assert f"replaces plan {first.id}" in decision.reason
+
+    # The reconciler converges to the new plan (the old instances go as the disruption budget
+    # allows, one a minute); the prices have not moved since: no re-plan.
+    for _ in range(20):
+        assert tick() == []
+    kept = store.list_instances(APP, states=["requested", "pending", "running"])
+    assert Counter(r.instance_type for r in kept) == Counter(applied.plan.fleet)
+    assert len(store.list_decisions(APP, kinds=["spot_replan"])) == 1
