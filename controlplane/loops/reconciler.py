@@ -92,16 +92,19 @@ The rules (docs/provisioners.md, "Reconciler", says why):
     price, on demand otherwise; the row records its market and the price it is launched at.
     Every tick a kept spot row is costed at the type's spot price now
     (``spot_prices_usd_per_hr``: the provider's where it reads them, the EC2 provisioner's
-    ``DescribeSpotPriceHistory``, else the app's catalog's), not at its launch price: when a
-    rise takes the fleet past the budget, the budget guard (rule 6) drains the least
-    cost-effective instances (the dearer spot ones first) and rule 7 replaces them where the
-    budget allows, on demand once spot is no cheaper; a :class:`SpotRepriced` action (a
-    ``spot_price`` decision) says why. Before that guard, in the tick the rise is seen, the
-    capacity moves where it can: the kept spot rows of a risen type for which the plan's ranking
-    (rule 11) has a type that serves as much and is cheaper on spot now go (cause
-    ``spot_price``, a ``terminate`` decision with the prices and the budget), and that type is
-    launched for them in the same tick (``stand_in`` decisions), the cheapest first, within the
-    budget: the removals are carried out before the launches, so the fleet is never over it.
+    ``DescribeSpotPriceHistory``, else the app's catalog's), not at its launch price; a
+    :class:`SpotRepriced` action (a ``spot_price`` decision) says what moved. Once a rise takes
+    the live fleet (draining rows included) past the budget less its headroom
+    (``headroom_share`` of it), before any breach, the capacity moves where it can: the kept
+    spot rows of a risen type for which the plan's ranking (rule 11) has a type that serves as
+    much for less now (on spot, or on demand, the cheapest) go (cause ``spot_price``, a
+    ``terminate`` decision with the prices and the budget), and that choice is launched for them
+    in the same tick (``stand_in`` decisions), within the budget: the removals are carried out
+    before the launches, so the fleet is never over it. Then the hard cap at the prices now:
+    the rows leaving (rule 9: draining, or serving until their replacement does) go first where
+    the fleet and they cost more than the budget, then the budget guard (rule 6) drains the
+    least cost-effective kept rows (the dearer spot ones first), and rule 7 replaces them where
+    the budget allows, on demand once spot is no cheaper.
 11. **Stand-ins** (docs/spot.md): for a type the applied plan buys on spot, ``ranking`` lists
     the types that may stand in for it (its stage's base types, the stage's other types, then
     for a plan of one stage the app's other types; each group by Q_t per dollar). When the
