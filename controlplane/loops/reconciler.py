@@ -591,12 +591,6 @@ def reconcile(
         return actions
     profiling = [row for row in kept if _profiling(row)]
     kept = [row for row in kept if not _profiling(row)]
-    spared: list[_Row] = []
-    if desired is not None:
-        kept, spared = _drop_excess(
-            kept, desired, values, stages, disruption, disrupted_in_window, actions
-        )
-    reserved = _end_profiling_over_budget(kept, profiling, budget_usd_per_hr, actions)
     ranked = ranking or {}
     noticed_spot = frozenset(
         row.record.instance_type
@@ -605,17 +599,25 @@ def reconcile(
     )
     unavailable = frozenset(short_types) | frozenset(held_types) | noticed_spot
     # Rule 10: a spot price rise that takes the fleet past the budget less its headroom moves
-    # the risen capacity before the budget is breached.
+    # the risen capacity before the budget is breached: make-before-break while the budget pays
+    # for both, else break-then-make.
     rise = _Rise.of(actions, budget_usd_per_hr, headroom_share)
     risen = rise.types
-    if risen and desired is not None:
-        kept = _move_off_risen(
-            kept,
-            rise,
-            _Ranked(ranked, prices_usd_per_hr, spot_prices, values),
-            unavailable | risen,
-            actions,
+    choices = _Ranked(ranked, prices_usd_per_hr, spot_prices, values)
+    moving: list[_Row] = []
+    if risen and desired is not None and not rise.over_budget:
+        kept, moving = _move_before_break(
+            kept, rows, rise, choices, unavailable | risen, desired, notices or {}, actions
         )
+        leaving += moving
+    spared: list[_Row] = []
+    if desired is not None:
+        kept, spared = _drop_excess(
+            kept, desired, values, stages, disruption, disrupted_in_window, actions
+        )
+    reserved = _end_profiling_over_budget(kept, profiling, budget_usd_per_hr, actions)
+    if risen and desired is not None and not moving:
+        kept = _move_off_risen(kept, rise, choices, unavailable | risen, actions)
     # The hard cap at the prices now, with what is leaving (rule 9) paid for until it goes.
     leaving = _shed_leaving(kept, leaving, budget_usd_per_hr - reserved, actions)
     kept = _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
@@ -952,10 +954,14 @@ def _act_on_notices(
         deadline = notices.get(row.provider_id or "", since + timedelta(seconds=_NOTICE_S))
         end = min(since + timedelta(seconds=drain_s), deadline - timedelta(seconds=margin_s))
         if now >= end:
+            noticed = (row.provider_id or "") in notices
             _terminate(
                 [row],
                 "interruption",
-                f"drained before its interruption (deadline {deadline.isoformat()})",
+                f"drained before its interruption (deadline {deadline.isoformat()})"
+                if noticed
+                else f"drained for {drain_s:g} s (its interruption, or a move off a risen spot"
+                " price; a notice not seen by this process is given two minutes)",
                 actions,
             )
         else:
@@ -1332,6 +1338,11 @@ class _Rise:
     types: frozenset[str]
     why: str
     fleet_cost_usd_per_hr: float
+    budget_usd_per_hr: float = 0.0
+
+    @property
+    def over_budget(self) -> bool:
+        return self.fleet_cost_usd_per_hr > self.budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR
 
     @staticmethod
     def of(actions: Sequence[Action], budget_usd_per_hr: float, headroom_share: float) -> _Rise:
@@ -1340,7 +1351,76 @@ class _Rise:
             return _Rise(frozenset(), "", 0.0)
         first = repriced[0]
         risen = frozenset(a.instance_type for a in repriced if a.risen)
-        return _Rise(risen, first.why(), first.fleet_cost_usd_per_hr)
+        return _Rise(risen, first.why(), first.fleet_cost_usd_per_hr, budget_usd_per_hr)
+
+
+def _move_before_break(
+    kept: list[_Row],
+    rows: Sequence[_Row],
+    rise: _Rise,
+    ranked: _Ranked,
+    unavailable: Collection[str],
+    desired: Mapping[str, int],
+    notices: Mapping[str, datetime],
+    actions: list[Action],
+) -> tuple[list[_Row], list[_Row]]:
+    """Rule 10's move while the fleet is still within the budget (past its headroom): the kept
+    spot rows of a risen type for which the plan's ranking has a cheaper choice that serves as
+    much are *moving*, as many as the budget pays the choice for next to them (and those whose
+    replacement is already kept: the type's rows beyond its desired count). A moving row is no
+    longer kept (rule 7 launches the choice for it, within the budget, the moving rows' cost
+    reserved); it serves on until the type's other rows serve its desired count, then drains
+    (rule 9 ends a draining row after ``drain_s``). The kept rows, and the moving ones that are
+    paid for until they go."""
+    room = rise.budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR - rise.fleet_cost_usd_per_hr
+    going: list[_Row] = []
+    for instance_type in sorted(rise.types):
+        price_now = ranked.spot_now.get(instance_type)
+        own = [
+            row
+            for row in kept
+            if row.record.instance_type == instance_type
+            and row.record.market == "spot"
+            and row.counted_type == instance_type
+        ]
+        if price_now is None or not own:
+            continue
+        choice = _cheaper_choice(instance_type, price_now, ranked, unavailable)
+        if choice is None:
+            continue
+        other, market, price = choice
+        counted = sum(1 for row in kept if row.counted_type == instance_type)
+        replaced = max(0, counted - desired.get(instance_type, 0))
+        more = min(len(own) - replaced, int(max(0.0, room) // price)) if price > 0 else 0
+        room -= more * price
+        take = min(len(own), replaced + more)
+        if take == 0:
+            continue
+        # The oldest first (the first to have risen above their launch price), by id among equals.
+        chosen = sorted(own, key=lambda r: (r.record.created_at, r.id))[:take]
+        chosen_ids = {row.id for row in chosen}
+        serving = sum(
+            1
+            for row in rows
+            if row.state is _S.RUNNING
+            and row.counted_type == instance_type
+            and row.id not in chosen_ids
+            and (row.provider_id or "") not in notices
+        )
+        for row in chosen:
+            if row.state is _S.RUNNING and serving >= desired.get(instance_type, 0):
+                _mark(
+                    row,
+                    _S.DRAINING,
+                    f"moved off {instance_type}'s risen spot price"
+                    f" ({price_now:g} USD/hr, the fleet {rise.why}): {other} on"
+                    f" {market.replace('-', ' ')} ({price:g} USD/hr) serves in its place; no new"
+                    " queries",
+                    actions,
+                )
+        going += chosen
+    gone = {row.id for row in going}
+    return [row for row in kept if row.id not in gone], going
 
 
 def _shed_leaving(

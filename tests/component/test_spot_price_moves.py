@@ -125,6 +125,38 @@ def test_a_rise_into_the_headroom_moves_capacity_before_the_budget_is_breached(
         world.close()
 
 
+def test_where_the_budget_pays_for_both_the_move_is_made_before_the_risen_ones_go(
+    template_db: Path, tmp_path: Path
+) -> None:
+    # The move starts at 0.1 USD/hr (half the budget of 0.2), with room to launch three large
+    # ones on spot (0.09) next to the three risen small ones (0.105).
+    spot_prices = {SMALL: 0.015, LARGE: 0.03}
+    world = PricedWorld(template_db, tmp_path, 0.2, spot_prices, headroom_share=0.5)
+    try:
+        apply_spot_plan(world.store, {SMALL: 3}, {SMALL: 3})
+        for _ in range(3):
+            world.tick()
+        spot_prices[SMALL] = 0.035
+
+        actions = world.tick()
+
+        assert launched(actions) == [(LARGE, "spot", SMALL)] * 3
+        assert len(world.store.list_instances(APP, states=["running"])) == 3  # they serve on
+        assert not world.store.list_decisions(APP, kinds=["terminate"])
+        for _ in range(6):
+            world.tick()
+            # Never less serving than the plan's three: the small ones drain once the large
+            # ones serve.
+            assert len(world.store.list_instances(APP, states=["running"])) >= 3
+        assert world.kept() == [(LARGE, "spot")] * 3
+        running = world.store.list_instances(APP, states=["running"])
+        assert sorted(r.instance_type for r in running) == [LARGE] * 3
+        ended = world.store.list_instances(APP, states=["terminating", "terminated"])
+        assert sorted(r.instance_type for r in ended) == [SMALL] * 3
+    finally:
+        world.close()
+
+
 def test_without_headroom_the_same_rise_moves_nothing_until_the_budget_is_breached(
     template_db: Path, tmp_path: Path
 ) -> None:
