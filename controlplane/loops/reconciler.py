@@ -100,7 +100,10 @@ The rules (docs/provisioners.md, "Reconciler", says why):
     much for less now (on spot, or on demand, the cheapest) go (cause ``spot_price``, a
     ``terminate`` decision with the prices and the budget), and that choice is launched for them
     in the same tick (``stand_in`` decisions), within the budget: the removals are carried out
-    before the launches, so the fleet is never over it. Then the hard cap at the prices now:
+    before the launches, so the fleet is never over it. While the fleet is still within the
+    budget and it pays for the choice next to them, the move is made before the break instead:
+    those risen rows stay out of the kept fleet but serve on until the choices launched for them
+    serve, then drain (rule 9 ends them). Then the hard cap at the prices now:
     the rows leaving (rule 9: draining, or serving until their replacement does) go first where
     the fleet and they cost more than the budget, then the budget guard (rule 6) drains the
     least cost-effective kept rows (the dearer spot ones first), and rule 7 replaces them where
