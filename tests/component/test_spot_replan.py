@@ -113,3 +113,33 @@ def test_spot_prices_that_moved_a_lot_re_plan_the_app_at_the_prices_now(
     kept = store.list_instances(APP, states=["requested", "pending", "running"])
     assert Counter(r.instance_type for r in kept) == Counter(applied.plan.fleet)
     assert len(store.list_decisions(APP, kinds=["spot_replan"])) == 1
+
+
+def test_a_move_after_which_the_applied_plan_is_still_the_cheapest_leaves_it_applied(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    service, _clock, resolver = world
+    store = service.store
+    store.create_app(spec_document(resolver.check(DOCUMENT).spec), who="test")
+    first = preview_plan(store, resolver, APP, REQUEST)
+    store.apply_plan(APP, first.id)
+    fake = service.provisioner
+    assert isinstance(fake, FakeProvisioner)
+    resolved = resolver.resolve(store.get_app(APP).spec, check_budget=False)
+    replanner = SpotReplanner(
+        store,
+        lambda app: resolver.resolve(app.spec, check_budget=False),
+        service.reconciler.spot_prices_now,
+    )
+    catalog = resolved.catalog[R5N].spot_price_usd_per_hr
+    assert catalog is not None
+    fake.set_spot_price(R5N, catalog / 2)  # the planned type got cheaper still
+
+    assert replanner.tick() == []
+
+    assert store.get_app(APP).applied_plan_id == first.id
+    (decision,) = store.list_decisions(APP, kinds=["spot_replan"])
+    assert decision.numbers["applied"] is False
+    assert f"plan {first.id} stays" in decision.reason
+    assert replanner.tick() == []  # measured from the prices attempted now: no second attempt
+    assert len(store.list_decisions(APP, kinds=["spot_replan"])) == 1
