@@ -59,7 +59,7 @@ from controlplane.spec import SpecError
 from estimator import deadline
 from estimator.errors import EstimatorError
 
-__all__ = ["DEFAULT_REPLAN_AFTER_S", "CapacityReplanner", "planning_request"]
+__all__ = ["DEFAULT_REPLAN_AFTER_S", "CapacityReplanner", "each_planned_app", "planning_request"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,22 +102,10 @@ class CapacityReplanner:
         self._handled: dict[str, set[tuple[int, int, frozenset[str]]]] = {}
 
     def tick(self) -> list[str]:
-        """One pass over the apps; the names of those re-planned."""
-        replanned = []
-        apps = self._store.list_apps()
-        for gone in set(self._handled) - {app.name for app in apps}:
-            del self._handled[gone]
-        for app in apps:
-            if app.applied_plan_id is None:
-                continue
-            try:
-                if self._check(app):
-                    replanned.append(app.name)
-            except (ControlPlaneError, EstimatorError, SpecError, KeyError, ValueError) as error:
-                # Deleted meanwhile, changed meanwhile, a plan the planner cannot redo: the app
-                # stays on its plan, and the attempt is not repeated until the app changes.
-                logger.warning("capacity: %s not re-planned: %s", app.name, error)
-        return replanned
+        """One pass over the apps; the names of those re-planned. An attempt that fails (the
+        app deleted or changed meanwhile, a plan the planner cannot redo) leaves the app on its
+        plan, and is not repeated until the app changes."""
+        return each_planned_app(self._store, self._handled, self._check, "capacity")
 
     def _check(self, app: AppRecord) -> bool:
         plan = self._store.get_applied_plan(app.name)
@@ -215,6 +203,28 @@ class CapacityReplanner:
         )
         logger.warning("capacity: %s re-planned around %s", app.name, names)
         return True
+
+
+def each_planned_app(
+    store: Store, memory: dict[str, Any], check: Callable[[AppRecord], bool], what: str
+) -> list[str]:
+    """One pass of a re-planner: ``check`` for each app with an applied plan (True: it was
+    re-planned); an app whose check fails (deleted or changed meanwhile, a plan the planner
+    cannot redo) is logged under ``what`` and the others go on. The apps gone are forgotten
+    from ``memory`` (app name -> what the re-planner keeps of it). The names re-planned."""
+    replanned = []
+    apps = store.list_apps()
+    for gone in set(memory) - {app.name for app in apps}:
+        del memory[gone]
+    for app in apps:
+        if app.applied_plan_id is None:
+            continue
+        try:
+            if check(app):
+                replanned.append(app.name)
+        except (ControlPlaneError, EstimatorError, SpecError, KeyError, ValueError) as error:
+            logger.warning("%s: %s not re-planned: %s", what, app.name, error)
+    return replanned
 
 
 def planning_request(plan: PlanRecord) -> PlanRequest:

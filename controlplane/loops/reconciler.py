@@ -957,12 +957,12 @@ def _act_on_notices(
         deadline = notices.get(row.provider_id or "", since + timedelta(seconds=_NOTICE_S))
         end = min(since + timedelta(seconds=drain_s), deadline - timedelta(seconds=margin_s))
         if now >= end:
-            noticed = (row.provider_id or "") in notices
+            has_notice = (row.provider_id or "") in notices
             _terminate(
                 [row],
                 "interruption",
                 f"drained before its interruption (deadline {deadline.isoformat()})"
-                if noticed
+                if has_notice
                 else f"drained for {drain_s:g} s (its interruption, or a move off a risen spot"
                 " price; a notice not seen by this process is given two minutes)",
                 actions,

@@ -40,14 +40,12 @@ from typing import Any
 
 from controlplane.apps.plans import planning_trace
 from controlplane.db.store import AppRecord, PlanRecord, Store
-from controlplane.errors import ControlPlaneError
-from controlplane.loops.capacity_replan import fleet_text, planning_request
+from controlplane.loops.capacity_replan import each_planned_app, fleet_text, planning_request
 from controlplane.loops.live_tuner import ResolveFn
 from controlplane.policies.planner import plan_app
 from controlplane.policies.spot import plan_with_spot
-from controlplane.spec import ResolvedApp, SpecError
+from controlplane.spec import ResolvedApp
 from estimator import deadline
-from estimator.errors import EstimatorError
 
 __all__ = ["DEFAULT_SPOT_REPLAN_MOVE_SHARE", "SpotReplanner"]
 
@@ -105,24 +103,12 @@ class SpotReplanner:
         self._reference: dict[str, tuple[int, int, dict[str, float]]] = {}
 
     def tick(self) -> list[str]:
-        """One pass over the apps; the names of those re-planned."""
+        """One pass over the apps; the names of those re-planned. An attempt that fails (the
+        app deleted or changed meanwhile, a plan the planner cannot redo) leaves the app on its
+        plan until the prices move again (they are its reference now)."""
         if self._move_share <= 0:
             return []
-        replanned = []
-        apps = self._store.list_apps()
-        for gone in set(self._reference) - {app.name for app in apps}:
-            del self._reference[gone]
-        for app in apps:
-            if app.applied_plan_id is None:
-                continue
-            try:
-                if self._check(app):
-                    replanned.append(app.name)
-            except (ControlPlaneError, EstimatorError, SpecError, KeyError, ValueError) as error:
-                # Deleted or changed meanwhile, a plan the planner cannot redo: the app stays on
-                # its plan until the prices move again (they are its reference now).
-                logger.warning("spot: %s not re-planned at the prices now: %s", app.name, error)
-        return replanned
+        return each_planned_app(self._store, self._reference, self._check, "spot")
 
     def _check(self, app: AppRecord) -> bool:
         plan = self._store.get_applied_plan(app.name)

@@ -7,28 +7,25 @@ instances meanwhile, the fleet's cost at the prices now never exceeds the budget
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.clock import FakeClock
-from controlplane.db.store import Store
-from controlplane.loops.reconciler import AppPricing, Launch, Reconciler
-from provisioners.fake import FakeProvisioner
-from tests.component.test_reconciler_fake import APP, LARGE, PRICES, QPS, SMALL, spec, template_db
-from tests.component.test_spot_interruptions import apply_spot_plan
+from controlplane.loops.reconciler import AppPricing, Launch
+from tests.component.test_reconciler_fake import APP, LARGE, PRICES, QPS, SMALL, template_db
+from tests.component.test_spot_interruptions import World, apply_spot_plan
 
 __all__ = ["template_db"]  # the fixture, imported for pytest
 
 _LIVE = ("requested", "pending", "running", "draining")
 
 
-class PricedWorld:
+class PricedWorld(World):
     """One app on the fake provisioner whose spot prices (and on-demand prices) the test
-    moves; :meth:`tick` checks the hard cap at the prices now after every tick."""
+    moves; :meth:`tick` checks the hard cap at the prices now after every tick (not at the
+    prices the instances were launched at: those may be above the prices now)."""
 
     def __init__(
         self,
@@ -39,28 +36,19 @@ class PricedWorld:
         prices: dict[str, float] | None = None,
         headroom_share: float = 0.1,
     ) -> None:
-        path = directory / "heteroplane.db"
-        shutil.copy(template, path)
-        self.clock = FakeClock()
-        self.fake = FakeProvisioner(now=self.clock.utcnow)
-        self.store = Store.from_url(f"sqlite:///{path}", self.clock)
-        self.store.create_app(spec(budget), who="test")
-        self.budget = budget
+        super().__init__(template, directory, budget)
         self.spot_prices = spot_prices
         self.prices = dict(PRICES if prices is None else prices)
-        self.reconciler = Reconciler(
-            self.store,
-            self.fake,
-            self.clock,
-            lambda _app: AppPricing(self.prices, QPS, spot_prices_usd_per_hr=self.spot_prices),
-            spot_headroom_share=headroom_share,
+        self.reconciler.pricing = lambda _app: AppPricing(
+            self.prices, QPS, spot_prices_usd_per_hr=self.spot_prices
         )
+        self.reconciler.spot_headroom_share = headroom_share
         self.worst_usd_per_hr = 0.0
 
     def tick(self, seconds: float = 5.0) -> list[object]:
         self.clock.advance(seconds)
         self.fake.step()
-        actions = list(self.reconciler.run_once().apps[APP].actions)
+        actions: list[object] = list(self.reconciler.run_once().apps[APP].actions)
         cost = self.cost_now()
         self.worst_usd_per_hr = max(self.worst_usd_per_hr, cost)
         assert cost <= self.budget + 1e-9, (cost, self.spot_prices, actions)
@@ -75,6 +63,13 @@ class PricedWorld:
             else self.prices[r.instance_type]
             for r in self.store.list_instances(APP, states=list(_LIVE))
         )
+
+    def serve_three_small_on_spot(self) -> None:
+        """Apply a plan of three small instances, all on spot, and let them launch and run."""
+        apply_spot_plan(self.store, {SMALL: 3}, {SMALL: 3})
+        for _ in range(3):
+            self.tick()
+        assert self.kept() == [(SMALL, "spot")] * 3
 
     def kept(self) -> list[tuple[str, str]]:
         kept = self.store.list_instances(APP, states=["requested", "pending", "running"])
@@ -95,10 +90,7 @@ def test_a_rise_into_the_headroom_moves_capacity_before_the_budget_is_breached(
     spot_prices = {SMALL: 0.015, LARGE: 0.03}
     world = PricedWorld(template_db, tmp_path, 0.1, spot_prices)
     try:
-        apply_spot_plan(world.store, {SMALL: 3}, {SMALL: 3})
-        for _ in range(3):
-            world.tick()
-        assert world.kept() == [(SMALL, "spot")] * 3
+        world.serve_three_small_on_spot()
 
         # A rise that stays short of the headroom (3 x 0.025 = 0.075) moves nothing.
         spot_prices[SMALL] = 0.025
@@ -133,9 +125,7 @@ def test_where_the_budget_pays_for_both_the_move_is_made_before_the_risen_ones_g
     spot_prices = {SMALL: 0.015, LARGE: 0.03}
     world = PricedWorld(template_db, tmp_path, 0.2, spot_prices, headroom_share=0.5)
     try:
-        apply_spot_plan(world.store, {SMALL: 3}, {SMALL: 3})
-        for _ in range(3):
-            world.tick()
+        world.serve_three_small_on_spot()
         spot_prices[SMALL] = 0.035
 
         actions = world.tick()
@@ -163,9 +153,7 @@ def test_without_headroom_the_same_rise_moves_nothing_until_the_budget_is_breach
     spot_prices = {SMALL: 0.015, LARGE: 0.03}
     world = PricedWorld(template_db, tmp_path, 0.1, spot_prices, headroom_share=0.0)
     try:
-        apply_spot_plan(world.store, {SMALL: 3}, {SMALL: 3})
-        for _ in range(3):
-            world.tick()
+        world.serve_three_small_on_spot()
         spot_prices[SMALL] = 0.031
         assert not launched(world.tick())
         assert world.kept() == [(SMALL, "spot")] * 3
@@ -182,9 +170,7 @@ def test_a_rise_moves_capacity_on_demand_where_that_is_the_cheapest_choice(
     prices = {SMALL: 0.05, LARGE: 0.04}
     world = PricedWorld(template_db, tmp_path, 0.13, spot_prices, prices=prices)
     try:
-        apply_spot_plan(world.store, {SMALL: 3}, {SMALL: 3})
-        for _ in range(3):
-            world.tick()
+        world.serve_three_small_on_spot()
         spot_prices[SMALL] = 0.045  # 3 x 0.045 = 0.135: over the budget
 
         actions = world.tick()

@@ -11,21 +11,22 @@ reconciler then converges to it within the budget at the prices now, at every ti
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
+from dataclasses import dataclass
 
 from controlplane.apps.plans import PlanRequest, planning_trace, preview_plan
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import FakeClock
+from controlplane.db.store import PlanRecord
 from controlplane.loops.spot_replan import SpotReplanner, cost_at
 from controlplane.policies.planner import plan_app
 from controlplane.policies.spot import plan_with_spot
-from controlplane.service.build import Service, build_service
-from controlplane.settings import Settings
+from controlplane.service.build import Service
+from controlplane.spec import ResolvedApp
 from provisioners.fake import FakeProvisioner
-from tests.component.test_api import spec, write_profiles
+from tests.component.test_api import spec
+from tests.component.test_capacity import world
+
+__all__ = ["world"]  # the fixture, imported for pytest
 
 APP, R5N = "toy", "r5n.large"
 REQUEST = PlanRequest(rate_qps=100.0, seed=3)
@@ -34,15 +35,31 @@ DOCUMENT = {**spec(budget=4.0, latency_ms=40.0), "spot": {"enabled": True, "surv
 _LIVE = ("requested", "pending", "running", "draining")
 
 
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[tuple[Service, FakeClock, AppResolver]]:
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    write_profiles(data_dir)
-    clock = FakeClock()
-    service = build_service(Settings(data_dir=data_dir, provisioner="fake"), clock)
-    yield service, clock, AppResolver(data_dir)
-    service.close()
+@dataclass
+class Planned:
+    """The app registered and planned at the catalog's spot prices, its plan applied."""
+
+    first: PlanRecord
+    fake: FakeProvisioner
+    resolved: ResolvedApp
+    replanner: SpotReplanner
+
+
+def planned(service: Service, resolver: AppResolver) -> Planned:
+    store = service.store
+    store.create_app(spec_document(resolver.check(DOCUMENT).spec), who="test")
+    first = preview_plan(store, resolver, APP, REQUEST)
+    store.apply_plan(APP, first.id)
+    fake = service.provisioner
+    assert isinstance(fake, FakeProvisioner)
+    replanner = SpotReplanner(
+        store,
+        lambda app: resolver.resolve(app.spec, check_budget=False),
+        service.reconciler.spot_prices_now,
+        move_share=0.25,
+    )
+    resolved = resolver.resolve(store.get_app(APP).spec, check_budget=False)
+    return Planned(first, fake, resolved, replanner)
 
 
 def test_spot_prices_that_moved_a_lot_re_plan_the_app_at_the_prices_now(
@@ -50,19 +67,9 @@ def test_spot_prices_that_moved_a_lot_re_plan_the_app_at_the_prices_now(
 ) -> None:
     service, clock, resolver = world
     store = service.store
-    store.create_app(spec_document(resolver.check(DOCUMENT).spec), who="test")
-    first = preview_plan(store, resolver, APP, REQUEST)
-    store.apply_plan(APP, first.id)
+    setup = planned(service, resolver)
+    first, fake, resolved, replanner = setup.first, setup.fake, setup.resolved, setup.replanner
     assert first.plan.stages[0].spot_fleet == {R5N: 2}  # at the catalog's spot prices
-    fake = service.provisioner
-    assert isinstance(fake, FakeProvisioner)
-    resolved = resolver.resolve(store.get_app(APP).spec, check_budget=False)
-    replanner = SpotReplanner(
-        store,
-        lambda app: resolver.resolve(app.spec, check_budget=False),
-        service.reconciler.spot_prices_now,
-        move_share=0.25,
-    )
 
     def tick() -> list[str]:
         clock.advance(5.0)
@@ -120,17 +127,8 @@ def test_a_move_after_which_the_applied_plan_is_still_the_cheapest_leaves_it_app
 ) -> None:
     service, _clock, resolver = world
     store = service.store
-    store.create_app(spec_document(resolver.check(DOCUMENT).spec), who="test")
-    first = preview_plan(store, resolver, APP, REQUEST)
-    store.apply_plan(APP, first.id)
-    fake = service.provisioner
-    assert isinstance(fake, FakeProvisioner)
-    resolved = resolver.resolve(store.get_app(APP).spec, check_budget=False)
-    replanner = SpotReplanner(
-        store,
-        lambda app: resolver.resolve(app.spec, check_budget=False),
-        service.reconciler.spot_prices_now,
-    )
+    setup = planned(service, resolver)
+    first, fake, resolved, replanner = setup.first, setup.fake, setup.resolved, setup.replanner
     catalog = resolved.catalog[R5N].spot_price_usd_per_hr
     assert catalog is not None
     fake.set_spot_price(R5N, catalog / 2)  # the planned type got cheaper still
