@@ -96,18 +96,19 @@ The rules (docs/provisioners.md, "Reconciler", says why):
     :class:`SpotRepriced` action (a ``spot_price`` decision) says what moved. Once a rise takes
     the live fleet (draining rows included) past the budget less its headroom
     (``headroom_share`` of it), before any breach, the capacity moves where it can: the kept
-    spot rows of a risen type for which the plan's ranking (rule 11) has a type that serves as
-    much for less now (on spot, or on demand, the cheapest) go (cause ``spot_price``, a
-    ``terminate`` decision with the prices and the budget), and that choice is launched for them
-    in the same tick (``stand_in`` decisions), within the budget: the removals are carried out
-    before the launches, so the fleet is never over it. While the fleet is still within the
-    budget and it pays for the choice next to them, the move is made before the break instead:
-    those risen rows stay out of the kept fleet but serve on until the choices launched for them
-    serve, then drain (rule 9 ends them). Then the hard cap at the prices now:
-    the rows leaving (rule 9: draining, or serving until their replacement does) go first where
-    the fleet and they cost more than the budget, then the budget guard (rule 6) drains the
-    least cost-effective kept rows (the dearer spot ones first), and rule 7 replaces them where
-    the budget allows, on demand once spot is no cheaper.
+    spot rows of a risen type for which the plan's ranking (rule 11) has a choice that serves as
+    much for less now (one of a type that serves at least as much, or k smaller ones, each
+    counted as 1/k of the risen type; on spot or on demand; the cheapest) go (cause
+    ``spot_price``, a ``terminate`` decision with the prices and the budget), and that choice is
+    launched for them in the same tick (``stand_in`` decisions), within the budget: the
+    removals are carried out before the launches, so the fleet is never over it. While the
+    fleet is still within the budget and it pays for the choice next to them, the move is made
+    before the break instead: those risen rows stay out of the kept fleet but serve on until the
+    choices launched for them serve, then drain (rule 9 ends them). Then the hard cap at the
+    prices now: the rows leaving (rule 9: draining, or serving until their replacement does)
+    go first where the fleet and they cost more than the budget, then the budget guard (rule 6)
+    drains the least cost-effective kept rows (the dearer spot ones first), and rule 7 replaces
+    them where the budget allows, on demand once spot is no cheaper.
 11. **Stand-ins** (docs/spot.md): for a type the applied plan buys on spot, ``ranking`` lists
     the types that may stand in for it (its stage's base types, the stage's other types, then
     for a plan of one stage the app's other types; each group by Q_t per dollar). When the
@@ -245,6 +246,8 @@ DEFAULT_PROFILE_RUN_TIMEOUT_S = PROFILE_RUN_MISSED_BEATS * DEFAULT_HEARTBEAT_S
 DEFAULT_LAUNCH_BACKOFF_S = 300.0
 # 0.1 + 0.2 must fit a budget of 0.3 (as in controlplane.policies.drain).
 _BUDGET_SLACK_USD_PER_HR = 1e-9
+# Rule 10's sized stand-ins count as 1/k of an instance: k of them are one, give or take this.
+_UNIT_SLACK = 1e-6
 
 _S = InstanceState
 # The rows that count toward the fleet's size and its cost.
@@ -280,8 +283,10 @@ class Launch:
     reason: str
     retry: bool = False
     market: str = "on-demand"
-    # Rule 11: the type this instance stands in for (its own type short), counted as that type.
+    # Rule 11: the type this instance stands in for (its own type short), counted as that type;
+    # rule 10's sized moves: as ``share`` of one (k smaller instances for one, each 1/k).
     stands_for: str | None = None
+    share: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,6 +485,7 @@ class _Row:
     provider_id: str | None
     observed: ProvisionedInstance | None = None
     stands_for: str | None = None  # rule 11: counted as this type, not its own
+    share: float = 1.0  # and as this much of one of it (rule 10's sized moves: 1/k)
 
     @property
     def id(self) -> str:
@@ -523,6 +529,7 @@ def reconcile(
     short_types: Collection[str] = (),
     stand_ins: Mapping[str, str] | None = None,
     headroom_share: float = DEFAULT_SPOT_HEADROOM_SHARE,
+    stand_in_shares: Mapping[str, float] | None = None,
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -548,8 +555,9 @@ def reconcile(
     that may stand in for it, preferred first; ``short_types``: the types the provider is short
     of now (a capacity miss running); ``stand_ins``: row id -> the type a row stands in for
     (rule 11). ``headroom_share``: the share of the budget below it at which a spot price rise
-    starts moving capacity (rule 10). The rules are the module docstring's; the actions come in
-    the order they must be carried out.
+    starts moving capacity (rule 10); ``stand_in_shares``: row id -> how much of one instance of
+    the type it stands for a stand-in counts as (default 1). The rules are the module
+    docstring's; the actions come in the order they must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
@@ -563,8 +571,15 @@ def reconcile(
     spot_prices = spot_prices_usd_per_hr or {}
     db_instances = _repriced(db_instances, spot_prices, budget_usd_per_hr, headroom_share, actions)
     standing = stand_ins or {}
+    shares = stand_in_shares or {}
     rows = [
-        _Row(r, InstanceState(r.state), r.provider_id, stands_for=standing.get(r.id))
+        _Row(
+            r,
+            InstanceState(r.state),
+            r.provider_id,
+            stands_for=standing.get(r.id),
+            share=shares.get(r.id, 1.0) if r.id in standing else 1.0,
+        )
         for r in db_instances
     ]
     stages = stage_types or {}
@@ -927,13 +942,13 @@ def _act_on_notices(
         else:
             instance_type = row.counted_type
             others = sum(
-                1
+                other.share
                 for other in rows
                 if other.state is _S.RUNNING
                 and other.counted_type == instance_type
                 and (other.provider_id or "") not in notices
             )
-            if now >= drain_at or others >= (desired or {}).get(instance_type, 0):
+            if now >= drain_at or others >= (desired or {}).get(instance_type, 0) - _UNIT_SLACK:
                 why = "its replacement serves" if now < drain_at else "its deadline is near"
                 _mark(row, _S.DRAINING, f"{what}: {why}; no new queries", actions)
             else:
@@ -1057,8 +1072,9 @@ def _drop_excess(
     extra: dict[str, list[_Row]] = {}
     for instance_type in sorted(by_type):
         have = by_type[instance_type]
-        excess = len(have) - desired.get(instance_type, 0)
-        if excess <= 0:
+        want = desired.get(instance_type, 0)
+        total = _units(have)
+        if total <= want + _UNIT_SLACK:
             continue
         order = sorted(
             have,
@@ -1068,7 +1084,14 @@ def _drop_excess(
                 row.id,
             ),
         )
-        extra[instance_type] = order[:excess]
+        # As many as leave the desired count kept (a sized stand-in counts as its share).
+        going_rows: list[_Row] = []
+        for row in order:
+            if total - row.share >= want - _UNIT_SLACK:
+                going_rows.append(row)
+                total -= row.share
+        if going_rows:
+            extra[instance_type] = going_rows
     leaving = [row for rows in extra.values() for row in rows]
     leaving_ids = {row.id for row in leaving}
     spared_ids = set(
@@ -1199,8 +1222,12 @@ def _launch_shortfall(
     stood in for from ``ranking``. ``given_up``: ``requested`` rows of short types, launched
     again only where no stand-in is found (else marked failed)."""
     actions: list[Action] = []
-    have = Counter(row.counted_type for row in kept)
-    spot_kept = Counter(row.counted_type for row in kept if row.record.market == "spot")
+    have: dict[str, float] = defaultdict(float)
+    spot_kept: dict[str, float] = defaultdict(float)
+    for row in kept:
+        have[row.counted_type] += row.share
+        if row.record.market == "spot":
+            spot_kept[row.counted_type] += row.share
     spot_wanted = {t: n - spot_kept[t] for t, n in (desired_spot or {}).items()}
     spot_now = spot_prices_usd_per_hr or {}
     choices = _Ranked(ranking or {}, prices_usd_per_hr, spot_now, qps_by_type)
@@ -1210,7 +1237,7 @@ def _launch_shortfall(
     committed = reserved_usd_per_hr + float(sum(row.record.price_usd_per_hr for row in kept))
     wanted: list[tuple[str, float]] = []
     for instance_type in sorted(desired):
-        missing = desired[instance_type] - have[instance_type]
+        missing = math.ceil(desired[instance_type] - have[instance_type] - _UNIT_SLACK)
         if missing <= 0:
             continue
         if instance_type in held_types and not choices.ranking.get(instance_type):
@@ -1229,7 +1256,7 @@ def _launch_shortfall(
     for instance_type, on_demand_price in wanted:
         spot_price = spot_now.get(instance_type)
         on_spot = (
-            spot_wanted.get(instance_type, 0) > 0
+            spot_wanted.get(instance_type, 0) > _UNIT_SLACK
             and spot_price is not None
             and spot_price < on_demand_price
         )
@@ -1237,21 +1264,22 @@ def _launch_shortfall(
         room = budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR - committed
         short = instance_type in unavailable
         choice: tuple[str, str, float, str] | None = None
-        moving = spot_wanted.get(instance_type, 0) > 0 and instance_type in risen_spot
+        count = 1
+        moving = spot_wanted.get(instance_type, 0) > _UNIT_SLACK and instance_type in risen_spot
         if moving and not short:
             cheaper = _cheaper_choice(
                 instance_type, price, choices, unavailable | set(noticed_spot) | set(risen_spot)
             )
-            if cheaper is not None and cheaper[2] <= room:
-                other, market, other_price = cheaper
+            if cheaper is not None and cheaper.count * cheaper.price_usd_per_hr <= room:
+                count = cheaper.count
                 choice = (
-                    other,
-                    market,
-                    other_price,
+                    cheaper.instance_type,
+                    cheaper.market,
+                    cheaper.price_usd_per_hr,
                     f"{instance_type}'s spot price rose to {spot_price or price:g} USD/hr"
-                    f" and took the fleet {risen_why or 'over the budget'}: {other} on"
-                    f" {market.replace('-', ' ')} at {other_price:g} USD/hr serves as much for"
-                    " less (the cheapest such choice of the plan's ranking)",
+                    f" and took the fleet {risen_why or 'over the budget'}: {cheaper.describe()}"
+                    f" serve{'s' if count == 1 else ''} as much for less (the cheapest such"
+                    " choice of the plan's ranking)",
                 )
         if choice is None and (short or (on_spot and instance_type in noticed_spot)):
             choice = _stand_in(
@@ -1267,21 +1295,23 @@ def _launch_shortfall(
             other, market, other_price, why = choice
             if waiting[instance_type]:
                 _mark(waiting[instance_type].pop(), _S.FAILED, why, actions)
-            committed += other_price
             if on_spot or moving:
                 spot_wanted[instance_type] -= 1
-            actions.append(
-                Launch(
-                    f"{prefix}-{ordinal}",
-                    other,
-                    other_price,
-                    why,
-                    market=market,
-                    stands_for=instance_type,
+            for _ in range(count):
+                committed += other_price
+                actions.append(
+                    Launch(
+                        f"{prefix}-{ordinal}",
+                        other,
+                        other_price,
+                        why,
+                        market=market,
+                        stands_for=instance_type,
+                        share=1.0 / count,
+                    )
                 )
-            )
+                ordinal += 1
             have[instance_type] += 1
-            ordinal += 1
             continue
         if waiting[instance_type]:
             # No stand-in: the waiting launch is tried again (its cost is already the fleet's).
@@ -1303,7 +1333,7 @@ def _launch_shortfall(
                 f"{prefix}-{ordinal}",
                 instance_type,
                 price,
-                f"{instance_type}: {have[instance_type]} kept, {desired[instance_type]} desired"
+                f"{instance_type}: {have[instance_type]:g} kept, {desired[instance_type]} desired"
                 + (" (spot)" if on_spot else ""),
                 market="spot" if on_spot else "on-demand",
             )
@@ -1391,9 +1421,9 @@ def _move_before_break(
         choice = _cheaper_choice(instance_type, price_now, ranked, unavailable)
         if choice is None:
             continue
-        other, market, price = choice
-        counted = sum(1 for row in kept if row.counted_type == instance_type)
-        replaced = max(0, counted - desired.get(instance_type, 0))
+        price = choice.count * choice.price_usd_per_hr  # for one of the risen type
+        counted = _units(row for row in kept if row.counted_type == instance_type)
+        replaced = max(0, math.floor(counted - desired.get(instance_type, 0) + _UNIT_SLACK))
         more = min(len(own) - replaced, int(max(0.0, room) // price)) if price > 0 else 0
         room -= more * price
         take = min(len(own), replaced + more)
@@ -1402,8 +1432,8 @@ def _move_before_break(
         # The oldest first (the first to have risen above their launch price), by id among equals.
         chosen = sorted(own, key=lambda r: (r.record.created_at, r.id))[:take]
         chosen_ids = {row.id for row in chosen}
-        serving = sum(
-            1
+        serving = _units(
+            row
             for row in rows
             if row.state is _S.RUNNING
             and row.counted_type == instance_type
@@ -1411,14 +1441,13 @@ def _move_before_break(
             and (row.provider_id or "") not in notices
         )
         for row in chosen:
-            if row.state is _S.RUNNING and serving >= desired.get(instance_type, 0):
+            if row.state is _S.RUNNING and serving >= desired.get(instance_type, 0) - _UNIT_SLACK:
                 _mark(
                     row,
                     _S.DRAINING,
                     f"moved off {instance_type}'s risen spot price"
-                    f" ({price_now:g} USD/hr, the fleet {rise.why}): {other} on"
-                    f" {market.replace('-', ' ')} ({price:g} USD/hr) serves in its place; no new"
-                    " queries",
+                    f" ({price_now:g} USD/hr, the fleet {rise.why}): {choice.describe()} serve"
+                    " in its place; no new queries",
                     actions,
                 )
         going += chosen
@@ -1484,29 +1513,78 @@ class _Ranked:
                 continue
             yield other, on_demand, self.spot_now.get(other)
 
+    def sized(
+        self, instance_type: str, unavailable: Collection[str]
+    ) -> Iterator[tuple[str, float, float | None, int]]:
+        """The types of ``instance_type``'s ranking, in its order, that are not ``unavailable``
+        and have an on-demand price, with how many of each serve as much as one of it: 1 where
+        it serves at least as much (or Q_t is not known for both), else ceil(Q_A / Q_B). (type,
+        its on-demand price, its spot price now or None, that count)."""
+        need = self.qps_by_type.get(instance_type)
+        for other in self.ranking.get(instance_type, ()):
+            if other == instance_type or other in unavailable:
+                continue
+            on_demand = self.prices_usd_per_hr.get(other)
+            if on_demand is None or not math.isfinite(on_demand):
+                continue
+            serves = self.qps_by_type.get(other)
+            count = 1
+            if need is not None and serves is not None and serves < need:
+                if serves <= 0:
+                    continue
+                count = math.ceil(need / serves - _UNIT_SLACK)
+            yield other, on_demand, self.spot_now.get(other), count
+
+
+def _units(rows: Iterable[_Row]) -> float:
+    """How many instances of the type they are counted as ``rows`` are (sized stand-ins count
+    as their share)."""
+    return float(sum(row.share for row in rows))
+
+
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    """Rule 10's move for one instance of a risen type: ``count`` instances of
+    ``instance_type`` on ``market`` at ``price_usd_per_hr`` each."""
+
+    instance_type: str
+    market: str
+    price_usd_per_hr: float
+    count: int = 1
+
+    def describe(self) -> str:
+        each = " each" if self.count > 1 else ""
+        return (
+            f"{self.count} x {self.instance_type} on {self.market.replace('-', ' ')} at"
+            f" {self.price_usd_per_hr:g} USD/hr{each}"
+        )
+
 
 def _cheaper_choice(
     instance_type: str,
     price_now_usd_per_hr: float,
     ranked: _Ranked,
     unavailable: Collection[str],
-) -> tuple[str, str, float] | None:
-    """Rule 10's move: the cheapest way to serve as much as one ``instance_type`` below
-    ``price_now_usd_per_hr``: a type of its ranking that serves at least as much and is not
-    ``unavailable`` (short, under notice, risen itself), on spot (below its on-demand price) or
-    on demand. (type, market, price), or None."""
+) -> _Choice | None:
+    """Rule 10's move: the cheapest way to serve as much as one ``instance_type`` for less than
+    ``price_now_usd_per_hr``, among the types of its ranking that are not ``unavailable`` (short,
+    under notice, risen itself): one of a type that serves at least as much, or k of a type
+    that serves less where k of it serve as much (Q_t known for both), each on spot (below its
+    on-demand price) or on demand. The cheapest in all (fewer instances, then the ranking's
+    order, among equals); None when none costs less."""
     found = []
-    for rank, (other, on_demand, spot) in enumerate(
-        ranked.alternatives(instance_type, unavailable)
+    for rank, (other, on_demand, spot, count) in enumerate(
+        ranked.sized(instance_type, unavailable)
     ):
         if spot is not None and spot < on_demand:
-            found.append((spot, rank, 0, other, "spot"))
-        found.append((on_demand, rank, 1, other, "on-demand"))
+            found.append((count * spot, count, rank, 0, _Choice(other, "spot", spot, count)))
+        found.append(
+            (count * on_demand, count, rank, 1, _Choice(other, "on-demand", on_demand, count))
+        )
     found = [f for f in found if f[0] < price_now_usd_per_hr - _BUDGET_SLACK_USD_PER_HR]
     if not found:
         return None
-    price, _, _, other, market = min(found)
-    return other, market, price
+    return min(found, key=lambda f: f[:4])[4]
 
 
 def _move_off_risen(
@@ -1523,7 +1601,7 @@ def _move_off_risen(
     to the budget guard."""
     risen = rise.types
     going: dict[str, list[_Row]] = defaultdict(list)
-    moves: dict[str, tuple[str, str, float]] = {}
+    moves: dict[str, _Choice] = {}
     for row in kept:
         instance_type = row.record.instance_type
         if (
@@ -1542,14 +1620,14 @@ def _move_off_risen(
             moves[instance_type] = cheaper
         going[instance_type].append(row)
     for instance_type, rows in sorted(going.items()):
-        other, market, other_price = moves[instance_type]
+        move = moves[instance_type]
         _terminate(
             rows,
             "spot_price",
             f"{instance_type}'s spot price rose to {ranked.spot_now[instance_type]:g} USD/hr: the"
             f" fleet costs {rise.fleet_cost_usd_per_hr:.3f} USD/hr at the prices now, {rise.why};"
-            f" {other} on {market.replace('-', ' ')} ({other_price:g} USD/hr) serves as much for"
-            " less and replaces them within the budget",
+            f" {move.describe()} for each serve{'s' if move.count == 1 else ''} as much for less"
+            " and replace them within the budget",
             actions,
         )
     gone = {row.id for rows in going.values() for row in rows}
@@ -1802,6 +1880,8 @@ class Reconciler:
         # Rule 11: app -> row id -> the type the row stands in for (read back from the app's
         # stand_in decisions the first time the app is reconciled by this process).
         self._stand_ins: dict[str, dict[str, str]] = {}
+        # Rule 10's sized moves: app -> row id -> the share of one it counts as (1 if missing).
+        self._stand_in_shares: dict[str, dict[str, float]] = {}
 
     def capacity_misses(self, app: str) -> dict[str, float]:
         """The types of ``app`` the provider has had no capacity for, and for how many seconds
@@ -1935,6 +2015,7 @@ class Reconciler:
             short_types=short,
             stand_ins=self._stand_ins_of(app.name, rows),
             headroom_share=self.spot_headroom_share,
+            stand_in_shares=self._stand_in_shares.get(app.name, {}),
         )
         errors = _Errors()
         launches = [a for a in actions if isinstance(a, Launch)]
@@ -1992,15 +2073,20 @@ class Reconciler:
     def _stand_ins_of(self, app: str, rows: Sequence[InstanceRecord]) -> dict[str, str]:
         """Rule 11: the app's live rows that stand in for another type (row id -> that type)."""
         known = self._stand_ins.get(app)
+        shares = self._stand_in_shares.get(app, {})
         if known is None:
             known = {}
             for decision in self.store.list_decisions(app, kinds=["stand_in"]):
                 instance_id = decision.numbers.get("instance_id")
                 stands_for = decision.numbers.get("stands_for")
+                share = decision.numbers.get("share", 1.0)
                 if isinstance(instance_id, str) and isinstance(stands_for, str):
                     known[instance_id] = stands_for
+                    if isinstance(share, int | float) and 0 < share < 1:
+                        shares[instance_id] = float(share)
         live = {r.id for r in rows if r.state not in TERMINAL_STATES}
         self._stand_ins[app] = {i: t for i, t in known.items() if i in live}
+        self._stand_in_shares[app] = {i: f for i, f in shares.items() if i in live}
         return dict(self._stand_ins[app])
 
     def spot_prices_now(self, app: AppRecord, types: Collection[str]) -> dict[str, float]:
@@ -2331,6 +2417,8 @@ class Reconciler:
         stands_for = launch.stands_for or launch.instance_type
         if stands_for != launch.instance_type:
             self._stand_ins.setdefault(app, {})[row.id] = stands_for
+            if launch.share < 1.0:
+                self._stand_in_shares.setdefault(app, {})[row.id] = launch.share
         self.store.record_decision(
             app,
             "stand_in",
@@ -2340,6 +2428,7 @@ class Reconciler:
                 "request_id": launch.request_id,
                 "instance_type": launch.instance_type,
                 "stands_for": stands_for,
+                "share": launch.share,
                 "market": launch.market,
                 "price_usd_per_hr": launch.price_usd_per_hr,
             },

@@ -13,7 +13,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.loops.reconciler import AppPricing, Launch
+from controlplane.loops.reconciler import AppPricing, Launch, Reconciler
 from tests.component.test_reconciler_fake import APP, LARGE, PRICES, QPS, SMALL, template_db
 from tests.component.test_spot_interruptions import World, apply_spot_plan
 
@@ -224,3 +224,40 @@ def test_the_cap_holds_at_every_tick_over_random_spot_price_paths(
                 world.tick()  # checks the cap at the prices now
         finally:
             world.close()
+
+
+def test_a_rise_moves_one_large_instance_to_smaller_ones_that_together_serve_as_much(
+    template_db: Path, tmp_path: Path
+) -> None:
+    # A large one serves four times a small one (Q_t 40 and 10): when the large one's spot price
+    # rises to 0.06, four small ones on spot at 0.01 (0.04 in all) serve as much for less.
+    spot_prices = {SMALL: 0.01, LARGE: 0.03}
+    world = PricedWorld(template_db, tmp_path, 0.065, spot_prices)
+    try:
+        apply_spot_plan(world.store, {LARGE: 1}, {LARGE: 1})
+        for _ in range(3):
+            world.tick()
+        spot_prices[LARGE] = 0.06
+
+        actions = world.tick()
+
+        assert launched(actions) == [(SMALL, "spot", LARGE)] * 4
+        shares = [a.share for a in actions if isinstance(a, Launch)]
+        assert shares == [0.25] * 4
+        (decision, *_) = world.store.list_decisions(APP, kinds=["stand_in"])
+        assert "4 x emu.cpu.small on spot at 0.01 USD/hr each serve as much" in decision.reason
+        assert decision.numbers["share"] == 0.25
+        # The four count as the one large instance the plan wants: nothing more, nothing less.
+        for _ in range(4):
+            assert not launched(world.tick())
+        assert world.kept() == [(SMALL, "spot")] * 4
+        # Read back after a restart, too.
+        world.reconciler = Reconciler(
+            world.store, world.fake, world.clock, world.reconciler.pricing
+        )
+        for _ in range(3):
+            actions = world.tick()
+            assert not launched(actions)
+            assert not [a for a in actions if type(a).__name__ == "Terminate"]
+    finally:
+        world.close()
