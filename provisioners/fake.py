@@ -57,7 +57,12 @@ from provisioners.errors import (
     ThrottledError,
     UnknownInstanceError,
 )
-from provisioners.interruptions import INTERRUPTION_NOTICE_S, InterruptionNotice, NoticeBoard
+from provisioners.interruptions import (
+    INTERRUPTION_NOTICE_S,
+    InterruptionNotice,
+    NoticeBoard,
+    SpotPriceBoard,
+)
 from provisioners.storage import ArtifactStorage, LocalArtifactStorage
 
 __all__ = ["FAKE_NOW", "FakeProvisioner"]
@@ -112,7 +117,7 @@ class FakeProvisioner:
         self._fail_terminate_calls = 0
         self._notices = NoticeBoard()
         self._deadlines: dict[str, datetime] = {}
-        self._spot_prices: dict[str, float] = {}
+        self._spot_prices = SpotPriceBoard()
         # What tests look at.
         self.launched_total = 0
         self.calls: builtins.list[str] = []
@@ -156,16 +161,11 @@ class FakeProvisioner:
         """The spot price of ``instance_type`` now, as :meth:`spot_price` answers it (``None``:
         not known here, the app's catalog's serves), as the EC2 provisioner reads it with
         DescribeSpotPriceHistory."""
-        with self._lock:
-            if price_usd_per_hr is None:
-                self._spot_prices.pop(instance_type, None)
-            else:
-                self._spot_prices[instance_type] = float(price_usd_per_hr)
+        self._spot_prices.set(instance_type, price_usd_per_hr)
 
     def spot_price(self, instance_type: str) -> float | None:
         """The spot price set with :meth:`set_spot_price`, or ``None``."""
-        with self._lock:
-            return self._spot_prices.get(instance_type)
+        return self._spot_prices.get(instance_type)
 
     def fail_terminate_next(self, calls: int) -> None:
         """The next ``calls`` calls of :meth:`terminate` raise ``ProvisionerError`` (nothing is

@@ -16,6 +16,7 @@ knob). It needs no cloud client.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ __all__ = [
     "InterruptionSource",
     "Market",
     "NoticeBoard",
+    "SpotPriceBoard",
     "SpotPriceSource",
     "notice_from_event",
 ]
@@ -163,3 +165,28 @@ class NoticeBoard:
         with self._lock:
             notices, self._notices = self._notices, []
         return notices
+
+
+class SpotPriceBoard:
+    """Spot prices set by hand (thread-safe): the fake and the local provisioner's knob, what
+    their ``spot_price`` answers as the EC2 provisioner's DescribeSpotPriceHistory read does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._prices: dict[str, float] = {}
+
+    def set(self, instance_type: str, price_usd_per_hr: float | None) -> None:
+        """The spot price of ``instance_type`` now (``None``: not known here; the app's catalog's
+        serves). Raises ValueError for a price that is negative or not finite."""
+        with self._lock:
+            if price_usd_per_hr is None:
+                self._prices.pop(instance_type, None)
+                return
+            price = float(price_usd_per_hr)
+            if not math.isfinite(price) or price < 0:
+                raise ValueError(f"a spot price must be finite and >= 0, got {price_usd_per_hr!r}")
+            self._prices[instance_type] = price
+
+    def get(self, instance_type: str) -> float | None:
+        with self._lock:
+            return self._prices.get(instance_type)

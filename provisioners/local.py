@@ -77,7 +77,12 @@ from provisioners.base import (
     tags_match,
 )
 from provisioners.errors import InvalidConfigurationError, QuotaExceededError
-from provisioners.interruptions import INTERRUPTION_NOTICE_S, InterruptionNotice, NoticeBoard
+from provisioners.interruptions import (
+    INTERRUPTION_NOTICE_S,
+    InterruptionNotice,
+    NoticeBoard,
+    SpotPriceBoard,
+)
 from provisioners.storage import ArtifactStorage, LocalArtifactStorage
 
 __all__ = [
@@ -273,6 +278,7 @@ class LocalProvisioner:
         self._reapers: builtins.list[threading.Thread] = []
         self._reaping: set[str] = set()
         self._notices = NoticeBoard()
+        self._spot_prices = SpotPriceBoard()
         self._interrupters: builtins.list[threading.Timer] = []
         # Direct connections only: a proxy from the environment must not see loopback checks.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -388,7 +394,17 @@ class LocalProvisioner:
         """The notices :meth:`interrupt` gave since the last call, oldest first."""
         return self._notices.take()
 
+    def spot_price(self, instance_type: str) -> float | None:
+        """The spot price set with :meth:`set_spot_price`, or ``None`` (the app's catalog's
+        serves): local workers cost nothing, the price is the one the control plane accounts."""
+        return self._spot_prices.get(instance_type)
+
     # --- beyond the protocol --------------------------------------------------------------------
+
+    def set_spot_price(self, instance_type: str, price_usd_per_hr: float | None) -> None:
+        """The spot price knob: what :meth:`spot_price` answers for ``instance_type`` from now
+        on, as the EC2 provisioner's DescribeSpotPriceHistory read would (``None``: unset)."""
+        self._spot_prices.set(instance_type, price_usd_per_hr)
 
     def interrupt(
         self, provider_id: str, notice_s: float = INTERRUPTION_NOTICE_S
