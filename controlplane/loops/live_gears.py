@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -179,6 +179,10 @@ class LiveGears:
         self._serving: dict[str, ServingGear] = {}
         self._lock = threading.Lock()  # _apps and _serving (read by the serving loop)
         self._ticking = threading.RLock()  # one refresh or switch at a time
+        # The spot prices now (the reconciler's, docs/spot.md): the affordable share costs spot
+        # instances at them, so that a spot price rise past the budget moves the gear before
+        # the reconciler drains. None: at the prices they were launched at.
+        self.spot_prices: Callable[[AppRecord, Collection[str]], Mapping[str, float]] | None = None
 
     def gear(self, app: str) -> ServingGear | None:
         """The gear in force for ``app``; None when it is not served by gears."""
@@ -266,11 +270,20 @@ class LiveGears:
 
     def _affordable_share(self, app: AppRecord) -> float:
         """The share of the app's kept fleet (requested, pending, running) its budget pays for:
-        budget / fleet cost when the fleet costs more, else 1 (never below 1e-6)."""
+        budget / fleet cost when the fleet costs more, else 1 (never below 1e-6). Spot
+        instances are costed at the spot prices now where :attr:`spot_prices` is given (a rise
+        past the budget is a cut of the budget: the faster gear carries the load the budget no
+        longer buys, before the reconciler drains)."""
+        kept = [i for i in self._store.list_instances(app.name) if i.state in KEPT_STATES]
+        spot_types = {i.instance_type for i in kept if i.market == "spot"}
+        now = (
+            self.spot_prices(app, spot_types) if spot_types and self.spot_prices is not None else {}
+        )
         cost = sum(
-            i.price_usd_per_hr
-            for i in self._store.list_instances(app.name)
-            if i.state in KEPT_STATES
+            now.get(i.instance_type, i.price_usd_per_hr)
+            if i.market == "spot"
+            else i.price_usd_per_hr
+            for i in kept
         )
         if cost <= app.budget_usd_per_hr or cost <= 0:
             return 1.0

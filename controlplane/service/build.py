@@ -645,6 +645,8 @@ def build_service(
         profile_run_heartbeat_s=settings.profile_run_heartbeat_s,
         spot_headroom_share=settings.spot_headroom_share,
     )
+    # A spot price rise past the budget moves the gear as a budget cut does (docs/spot.md).
+    live_gears.spot_prices = reconciler.spot_prices_now
     replanner = CapacityReplanner(
         store,
         stored_apps(resolver),
