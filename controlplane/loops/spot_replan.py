@@ -111,12 +111,14 @@ class SpotReplanner:
         return each_planned_app(self._store, self._reference, self._check, "spot")
 
     def _check(self, app: AppRecord) -> bool:
+        spot = app.spec.get("spot")
+        if not isinstance(spot, Mapping) or spot.get("enabled") is not True:
+            return False  # no spot bought: nothing to resolve every tick
         plan = self._store.get_applied_plan(app.name)
         if plan is None:
             return False
         resolved = self._resolve(app)
-        spot = resolved.spec.spot
-        if spot is None or not spot.enabled:
+        if resolved.spec.spot is None or not resolved.spec.spot.enabled:
             return False
         catalog = {t: resolved.catalog[t].spot_price_usd_per_hr for t in resolved.prices_usd_per_hr}
         offered = [t for t, price in catalog.items() if price is not None]
