@@ -597,6 +597,7 @@ def rollout_document(rollout: RolloutRecord) -> dict[str, Any]:
         "shadow_step": rollout.shadow_step and rollout.active,
         "interval_s": settings.get("interval_s"),
         "thresholds": settings.get("thresholds"),
+        "stage_fleet": settings.get("stage_fleet"),
         "extra_fleet": settings.get("extra_fleet"),
         "extra_cost_usd_per_hr": settings.get("extra_cost_usd_per_hr"),
         "profiled": settings.get("profiled"),

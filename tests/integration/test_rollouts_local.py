@@ -240,17 +240,21 @@ def test_promote_roll_back_on_latency_and_on_agreement_in_shadow(
                 "--min-queries",
                 "5",
             )
+            # The start returns at once: the rollout loop profiles the new version first.
             assert (started["state"], started["from_version"], started["to_version"]) == (
                 "pending",
                 1,
                 2,
             )
+            assert started["phase"] == "profiling" and started["profiled"] is None, started
+            promoted = _wait_rollout(capsys, lambda s: s["state"] == "promoted")
             # Profiled on the app's types before traffic (a profile run's worker); the plan,
-            # written by hand, has no rate to plan on again: the extra fleet copies its stage.
-            profiled = started["profiled"]
+            # written by hand, has no rate to plan on again: the extra fleet is sized from its
+            # stage (one instance at 50 % and at 100 %).
+            profiled = promoted["profiled"]
             assert profiled["instance_types"] == [TYPE] and profiled["profiles"], profiled
             assert "no planned rate" in profiled["not_planned"], profiled
-            promoted = _wait_rollout(capsys, lambda s: s["state"] == "promoted")
+            assert promoted["extra_fleet"] == {TYPE: 1}, promoted
             # The last step's figures: the new version answered queries at 100 %, none failed.
             last = promoted["figures"]["versions"][f"{MODEL}@2"]
             assert last["queries"] >= 5 and last["errors"] == 0, promoted
