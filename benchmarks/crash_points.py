@@ -235,7 +235,7 @@ def rollout(service: Service, model_file: Path) -> None:
     spec = call(service, "GET", f"/v1/apps/{APP}", (200,))["spec"]
     pinned = spec["models"][0]["artifact"] == f"{MODEL}@2"
     if not pinned and (current is None or current["state"] not in ROLLOUT_ACTIVE):
-        if len(call(service, "GET", f"/v1/models/{MODEL}", (200,))) < 2:
+        if len(call(service, "GET", f"/v1/models/{MODEL}", (200,))["versions"]) < 2:
             push(service, model_file)
         body = {
             "model": f"{MODEL}@2",

@@ -10,10 +10,10 @@ Starting a rollout checks, before anything is recorded:
 - the settings: steps (increasing shares, the last 1), interval, thresholds;
 - the budget, as far as it can be known before the new version is measured: the start's
   profile run (one worker of each candidate type, with ``profile_run``) and the extra
-  instances of the first step (:func:`step_fleet`: the applied plan's fleet of the model's stage
-  -- every stage's, for a cascade member -- at the step's share, at least one instance) must
-  each fit in the app's budget next to everything the app already runs; else
-  :class:`~controlplane.errors.RolloutBudgetError` names what it needs.
+  instances of the first step (:func:`~controlplane.policies.rollout.step_fleet`: the applied
+  plan's fleet of the model's stage -- every stage's, for a cascade member -- at the step's
+  share, at least one instance) must each fit in the app's budget next to everything the app
+  already runs; else :class:`~controlplane.errors.RolloutBudgetError` names what it needs.
 
 The start then records the rollout (``pending``) and returns at once. The rollout loop
 (:mod:`controlplane.loops.rollouts`) carries on: with ``profile_run``, the new version is timed
@@ -58,8 +58,8 @@ from controlplane.policies.rollout import (
     DEFAULT_STEPS,
     RolloutState,
     Thresholds,
-    extra_fleet,
     rederive_thresholds,
+    step_fleet,
     step_shares,
 )
 from controlplane.spec import SpecError, parse_artifact
@@ -92,7 +92,6 @@ __all__ = [
     "running_cost",
     "stage_fleet",
     "start_rollout",
-    "step_fleet",
 ]
 
 DECISION_KIND = "rollout"
@@ -284,24 +283,6 @@ def stage_fleet(resolved: Any, model: str, stages: Sequence[Any] | None) -> dict
             for t, n in stage.fleet.items():
                 fleet[t] = fleet.get(t, 0) + int(n)
     return dict(sorted(fleet.items()))
-
-
-def step_fleet(
-    stages: Mapping[str, int],
-    prices_usd_per_hr: Mapping[str, float],
-    shares: Sequence[float],
-    index: int,
-    current: Mapping[str, int],
-) -> dict[str, int]:
-    """The rollout's extra instances at step ``index`` of ``shares``: the stage fleet at the
-    step's share (:func:`~controlplane.policies.rollout.extra_fleet`; a shadow step, share 0,
-    mirrors every query: the whole stage fleet), never fewer of a type than ``current`` (a
-    rollout's fleet only grows)."""
-    share = float(shares[index]) or 1.0
-    wanted = extra_fleet(stages, prices_usd_per_hr, share)
-    for t, n in current.items():
-        wanted[t] = max(wanted.get(t, 0), int(n))
-    return dict(sorted(wanted.items()))
 
 
 def fleet_cost(fleet: Mapping[str, int], prices_usd_per_hr: Mapping[str, float]) -> float:

@@ -18,7 +18,7 @@ Per rollout, each tick:
    are touched (the reconciler keeps them out of the fleet, in the budget, and ends them once
    untouched: rule 8). A row that failed rolls the rollout back (the new version cannot start).
    The extra fleet is granted step by step (``settings.extra_fleet``, sized by
-   :func:`~controlplane.apps.rollouts.step_fleet` from the stage fleet at the step's share):
+   :func:`~controlplane.policies.rollout.step_fleet` from the stage fleet at the step's share):
    the first step's before its workers launch, each next step's before the step moves; a
    grant the budget cannot pay for next to what the app runs waits (the rollout holds, a
    ``rollout`` decision says how much it needs).
@@ -63,7 +63,6 @@ from controlplane.apps.rollouts import (
     planned_text,
     profile_and_plan,
     stage_fleet,
-    step_fleet,
 )
 from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
@@ -83,6 +82,7 @@ from controlplane.policies.rollout import (
     VersionFigures,
     judge,
     rollout_request_prefix,
+    step_fleet,
 )
 from controlplane.serving.versions import CanaryRoute, VersionSource
 from controlplane.serving.workers import DEFAULT_WORKER_PORT
