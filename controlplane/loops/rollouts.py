@@ -155,6 +155,21 @@ class RolloutLoop:
     def route(self, app: str) -> CanaryRoute | None:
         return self._routes.get(app)
 
+    def claim_workers(self) -> None:
+        """Touch the live workers of every rollout this loop still moves (active, or promoted
+        and handing over): their owner is alive. The reconciler ends a profile worker whose row
+        went untouched for its ``profile_run_timeout_s`` (rule 8); a service started again, or
+        a new leader, claims them before its first reconcile, however long it was down."""
+        ids = [
+            row.id
+            for rollout in self._current()
+            if rollout.active or rollout.state == RolloutState.PROMOTED
+            for row in self._rows(rollout)
+            if row.state in LIVE_STATES
+        ]
+        if ids:
+            self.store.touch_instances(ids)
+
     def join_profile_runs(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the profile runs in flight to be over (the next tick
         takes their results): for a service that stops, and for tests."""

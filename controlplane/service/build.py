@@ -454,6 +454,11 @@ def build_scheduler(
     if reconciler is not None:
 
         def reconcile() -> None:
+            if rollouts is not None:
+                # The rollouts' workers are their loop's, alive here: a leader that has just
+                # taken over (or a service just restarted) claims them before the reconciler
+                # would take them for a dead profile run's (rule 8).
+                rollouts.claim_workers()
             _log_report(reconciler.run_once())
             if replanner is not None:
                 replanner.tick()
