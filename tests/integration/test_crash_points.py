@@ -7,7 +7,8 @@ operation is done or cleanly not done, and running it again works.
 A few points, one per kind of guarantee (each a service started twice, seconds): a push killed
 between its blob and its row, a profile run killed with its workers launched, a reconciler killed
 between a launch and its row's update, a rollout's handover killed between writing which old
-instances end and ending them (the service started again ends them and finishes the handover). ``benchmarks/crash_points.py`` runs every point.
+instances end and ending them (the service started again ends them and finishes the handover).
+``benchmarks/crash_points.py`` runs every point.
 """
 
 from __future__ import annotations

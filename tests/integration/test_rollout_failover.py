@@ -22,9 +22,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.bad_queries import MODEL, export_model
+from benchmarks.bad_queries import MODEL, export_model, profile_file
 from controlplane.db.store import Store
 from tests.integration.test_replicas import (
+    local_replicas,
     one_leader,
     role,
     stop_local_workers,
@@ -32,29 +33,10 @@ from tests.integration.test_replicas import (
     token,
     wait_for,
 )
-from tests.integration.test_rollouts_local import APP, TYPE, Client, _profiles
-from tests.integration.test_serve import REPO, Server
+from tests.integration.test_rollouts_local import APP, TYPE, Client
 
 pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
-
-
-def _infer_token(data_dir: Path, database_url: str) -> str:
-    import subprocess
-    import sys
-
-    from tests.integration.test_serve import service_env
-
-    done = subprocess.run(
-        [sys.executable, "-m", "controlplane", "token", "create", "--scope", "infer"],
-        cwd=REPO,
-        env=service_env(data_dir, database_url=database_url),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return done.stdout.strip()
 
 
 @pytest.mark.slow  # two replicas, a profile run's worker, the fleet's, the rollout's, a handover
@@ -62,14 +44,8 @@ def test_a_new_leader_resumes_the_rollout_at_its_step(postgres_url: str, tmp_pat
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     model = export_model(tmp_path)
-    profiles = _profiles(data_dir, [1, 4])
-    settings = {
-        "database_url": postgres_url,
-        "provisioner": "local",
-        "reconcile_s": "0.5",
-        "tuner_tick_s": "3600",  # the fleet stays the plan's
-    }
-    servers = [Server(data_dir, tmp_path / f"{n}.log", **settings) for n in ("a", "b")]
+    profiles = profile_file(data_dir, (1, 4))
+    servers = local_replicas(data_dir, postgres_url, tmp_path)
     store = Store.from_url(postgres_url)
     client: Client | None = None
     try:
@@ -98,7 +74,7 @@ def test_a_new_leader_resumes_the_rollout_at_its_step(postgres_url: str, tmp_pat
             return True if rows else None
 
         wait_for("the fleet's worker", serving, logs)
-        client = Client(standby.url, _infer_token(data_dir, postgres_url))
+        client = Client(standby.url, token(data_dir, postgres_url, "infer"))
         client.start()
         started = api.post(
             f"/v1/apps/{APP}/rollouts",

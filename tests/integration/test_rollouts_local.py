@@ -60,20 +60,6 @@ PAD_SIZE = 1024
 SLOW_SLO_MS = 10
 
 
-def _profiles(folder: Path, batch_sizes: list[int]) -> Path:
-    """A profile file of the model on the worker's type at ``batch_sizes`` (the numbers only
-    plan; the rollout's profile runs time the new versions at these sizes)."""
-    path = folder / "profiles-few.json"
-    entry = {
-        "model": MODEL,
-        "instance_type": TYPE,
-        "batch_sizes": batch_sizes,
-        "latency_ms": [1.0 + 0.1 * b for b in batch_sizes],
-    }
-    path.write_text(json.dumps({"profiles": [entry]}))
-    return path
-
-
 def _padded(model: Path, layers: int = PAD_LAYERS, size: int = PAD_SIZE) -> Path:
     """The model with extra compute that changes no answer: a chain of ``layers`` MatMuls of a
     ``size`` x ``size`` matrix (scaled by the sum of the tokens, so that nothing folds it at
@@ -208,7 +194,7 @@ def test_promote_roll_back_on_latency_and_on_agreement_in_shadow(
         store = service.store
         # Batch sizes 1 and 4 only: the start's profile run times the padded version at each.
         # In the data directory: the spec is sent again (PUT) to lower the SLO.
-        _serve(service, [MODEL], _profiles(service.settings.data_dir, [1, 4]))
+        _serve(service, [MODEL], profile_file(service.settings.data_dir, (1, 4)))
         # Bad input through the CLI: one line, exit 2 (the server's 4xx message).
         for argv, message in (
             (["status", "--app", APP], f"app {APP!r} has no rollout"),

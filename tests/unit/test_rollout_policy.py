@@ -16,10 +16,10 @@ from controlplane.policies.rollout import (
     bucket,
     check_rollout_transition,
     extra_fleet,
-    step_fleet,
     judge,
     parse_steps,
     routed_to_new,
+    step_fleet,
 )
 
 T = Thresholds(min_queries=20)
