@@ -42,6 +42,7 @@ from controlplane.apps.rollouts import (
 )
 from controlplane.clock import FakeClock, SystemClock
 from controlplane.db.store import Store
+from controlplane.errors import RolloutBudgetError
 from controlplane.loops.rollouts import RolloutLoop
 from controlplane.policies.lifecycle import InstanceState
 from controlplane.policies.rollout import Thresholds, rollout_request_prefix, routed_to_new
@@ -545,6 +546,36 @@ def test_the_start_returns_at_once_and_the_loop_profiles_and_plans(tmp_path: Pat
         assert pinned["batch_sizes"] == [1, 2] and min(pinned["latency_ms"][0]) >= 100.0
     finally:
         world.store.close()
+
+
+def test_a_profile_run_that_cannot_run_refuses_or_rolls_back(world: World) -> None:
+    """Up front, a profile run the budget cannot pay for refuses the start with the amount; a
+    profile run that fails in the rollout loop (the provider has no capacity for its worker)
+    rolls the rollout back before traffic, with the reason."""
+    world.rollouts.profiling = NewVersionProfiling(world.provider, world.clock, 0, 0.5, 5, 1)
+    request = RolloutRequest("digits-tiny@2", (0.5, 1.0), 10.0)
+    price = world.resolver.resolve(world.store.get_app(APP).spec).prices_usd_per_hr[SMALL]
+    world.store.change_budget(APP, 0.5 * price, reason="tight", who="test")
+    with pytest.raises(RolloutBudgetError, match="the start's profile run: one worker of each of"):
+        start_rollout(world.store, world.resolver, APP, request, who="test", profile_run=True)
+    assert world.store.list_rollouts(APP) == []
+    world.store.change_budget(APP, 5.0, reason="room", who="test")
+    world.provider.fail_capacity(SMALL)
+    rid = start_rollout(world.store, world.resolver, APP, request, who="test", profile_run=True).id
+
+    async def body() -> list[str]:
+        await world.tick()
+        await asyncio.to_thread(world.rollouts.join_profile_runs, DEADLINE_S)
+        return await world.tick()
+
+    run(body())
+    rolled = world.state(rid)
+    assert rolled.state == "rolled_back", rolled
+    assert rolled.reason.startswith(
+        "rolled back before traffic: the new version could not be profiled and planned: cannot"
+        f" launch {SMALL} to profile"
+    ), rolled.reason
+    assert world.rollouts.route(APP) is None
 
 
 def test_the_extra_fleet_grows_step_by_step_within_the_budget(tmp_path: Path) -> None:
