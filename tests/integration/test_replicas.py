@@ -228,9 +228,9 @@ def one_leader(servers: Sequence[Server]) -> tuple[Server, Server] | None:
     return (servers[0], servers[1]) if roles[0] == "leader" else (servers[1], servers[0])
 
 
-def token(data_dir: Path, database_url: str, scope: str = "admin") -> str:
+def token(data_dir: Path, database_url: str, scope: str = "admin", name: str = "ops") -> str:
     done = subprocess.run(
-        [*TOKEN_CREATE, "--scope", scope, "--name", "ops"],
+        [*TOKEN_CREATE, "--scope", scope, "--name", name],
         cwd=REPO,
         env=service_env(data_dir, database_url=database_url),
         capture_output=True,

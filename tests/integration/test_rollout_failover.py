@@ -74,7 +74,7 @@ def test_a_new_leader_resumes_the_rollout_at_its_step(postgres_url: str, tmp_pat
             return True if rows else None
 
         wait_for("the fleet's worker", serving, logs)
-        client = Client(standby.url, token(data_dir, postgres_url, "infer"))
+        client = Client(standby.url, token(data_dir, postgres_url, "infer", "client"))
         client.start()
         started = api.post(
             f"/v1/apps/{APP}/rollouts",
