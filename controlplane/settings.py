@@ -366,8 +366,9 @@ class Settings(BaseSettings):
     internal_token: str | None = Field(
         default=None,
         repr=False,
-        description="the admin token a loops process running apart sends to the serving"
-        " process's internal routes",
+        description="the secret a loops process running apart sends to the serving process's"
+        " internal routes (an admin token, or any secret the serving process is given too: its"
+        " internal routes take it); heteroplane serve makes one up for the loops it starts",
     )
     loops_pull_s: float = Field(
         default=0.1,

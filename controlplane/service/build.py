@@ -31,20 +31,22 @@ others (:func:`scaled_fleet`).
 
 Replicas (docs/service.md, "Replicas and the leader lease"): every job body is fenced by the
 replica's :class:`~controlplane.loops.leadership.Leadership`, whose lock is a PostgreSQL advisory
-lock (:class:`~controlplane.db.lease.AdvisoryLock`) or, on SQLite, the lone replica's
-(:class:`~controlplane.loops.leadership.SoleLock`; the database file's ``flock``,
+lock (:class:`~controlplane.db.lease.AdvisoryLock`) or, on a SQLite file, an ``flock``
+(:class:`~controlplane.db.lease.FileLeaderLock`; the database file's serving lock,
 :func:`~controlplane.db.lease.lock_sqlite_database`, taken before anything else, keeps a second
-process out). The API's lifespan runs the lease, which starts the scheduler on the leader only;
-the serving loop runs on every replica (it reads the fleet from the database).
+serving process out). The API's lifespan runs the lease, which starts the scheduler on the leader
+only; the serving loop runs on every replica (it reads the fleet from the database).
 
 Roles (docs/service.md, "Serving apart from the loops"): ``build_service(..., role=)`` wires the
 whole of the above in one process (``"all"``, the default), or one half of it: ``"serving"`` the
 serving loop and the API with no scheduler (its gear hook a
-:class:`~controlplane.loops.live_gears.GearTable` the loops set over the internal feed; one such
-process per database, held by an advisory lock), ``"loops"`` the scheduler and its jobs under
-the leader lease and the API without inference, reading the serving process through a
-:class:`~controlplane.loops.remote_serving.RemoteServing` where they would read the serving loop
-(:class:`~controlplane.loops.remote_serving.ServingView`). Both halves need PostgreSQL.
+:class:`~controlplane.loops.live_gears.GearTable` the loops set over the internal feed; on
+PostgreSQL one such process per database, held by an advisory lock, unless ``sole_serving`` is
+false: ``heteroplane serve``'s own serving process is a replica), ``"loops"`` the scheduler and
+its jobs under the leader lease and the API without inference, reading the serving process
+through a :class:`~controlplane.loops.remote_serving.RemoteServing` where they would read the
+serving loop (:class:`~controlplane.loops.remote_serving.ServingView`). ``heteroplane serve``
+runs the two halves as two processes (:mod:`controlplane.cli.loops_process`).
 
 The reconciler learns each app's prices and Q_t (for the budget guard's ranking) from the app's
 resolved spec (:func:`spec_pricing`), and which types it may launch from the provisioner
@@ -79,7 +81,9 @@ from controlplane.db.lease import (
     SqliteFileLock,
     lock_sqlite_database,
     migration_lock,
+    sqlite_leader_lock,
 )
+from controlplane.db.session import parse_url
 from controlplane.db.store import AppRecord, Store
 from controlplane.errors import DatabaseError, NotFoundError, SettingsError
 from controlplane.loops.calibration import ProfileCalibrator
@@ -500,9 +504,14 @@ def build_scheduler(
 
 
 def build_leadership(settings: Settings) -> Leadership:
-    """The replica's leader lease: a PostgreSQL advisory lock, or on SQLite the lone replica's
-    lock (always held: the database file's lock keeps a second process out)."""
-    lock: LeaderLock = AdvisoryLock(settings.database_url) if settings.is_postgresql else SoleLock()
+    """The replica's leader lease: a PostgreSQL advisory lock, an ``flock`` next to a SQLite
+    file (the loops processes on it take turns as replicas do), or for an in-memory database
+    the lone replica's lock (always held)."""
+    lock: LeaderLock
+    if settings.is_postgresql:
+        lock = AdvisoryLock(settings.database_url)
+    else:
+        lock = sqlite_leader_lock(settings.database_url) or SoleLock()
     return Leadership(lock)
 
 
@@ -518,20 +527,30 @@ def _log_report(report: ReconcileReport) -> None:
 
 
 def build_service(
-    settings: Settings, clock: Clock | None = None, role: ServiceRole = "all"
+    settings: Settings,
+    clock: Clock | None = None,
+    role: ServiceRole = "all",
+    *,
+    sole_serving: bool = True,
 ) -> Service:
     """Migrate the database and wire the service (nothing runs until the app is served):
     everything in one process (``role="all"``), or the serving path or the loops of a service
-    whose two run apart (:data:`ServiceRole`; both need PostgreSQL, which the two processes
-    share: a SQLite file serves one process)."""
+    whose two run apart (:data:`ServiceRole`), on PostgreSQL or on one SQLite file. A serving
+    process on PostgreSQL holds the serving lock unless ``sole_serving`` is false (a replica's,
+    as ``heteroplane serve`` runs it)."""
     clock = clock if clock is not None else SystemClock()
-    if role != "all":
-        _check_apart(settings, role)
+    if role == "loops":
+        _check_loops(settings)
     settings.ensure_data_dir()
-    # First: a second process on a SQLite file, or a second serving process, stops here, before
-    # it migrates anything.
-    database_lock = lock_sqlite_database(settings.database_url)
-    serving_lock = _serving_lock(settings) if role == "serving" else None
+    # First: a second serving process on a SQLite file, or a second ``--role serving`` process,
+    # stops here, before it migrates anything. The loops beside a serving process on a SQLite
+    # file share it (the leader lease keeps their jobs to one of them).
+    database_lock = lock_sqlite_database(settings.database_url) if role != "loops" else None
+    serving_lock = (
+        _serving_lock(settings)
+        if role == "serving" and sole_serving and settings.is_postgresql
+        else None
+    )
     try:
         with migration_lock(settings.database_url):
             migrate.upgrade(settings.database_url)
@@ -701,17 +720,17 @@ def build_service(
     )
 
 
-def _check_apart(settings: Settings, role: ServiceRole) -> None:
-    """What the serving path and the loops need to run apart: PostgreSQL, which both share
-    (a SQLite file serves one process), and for the loops where the serving process is and
-    the token its internal routes take."""
-    if not settings.is_postgresql:
+def _check_loops(settings: Settings) -> None:
+    """What the loops need to run apart: where the serving process is and the token its
+    internal routes take, and a database the two processes share (not an in-memory one)."""
+    parsed = parse_url(settings.database_url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
         raise SettingsError(
             "database_url",
-            f"role {role} runs apart from the other half of the service, which needs a"
-            " PostgreSQL database_url (a SQLite file serves one process: use role all)",
+            "role loops runs apart from the serving process, which needs a database both can"
+            " open (a SQLite file or PostgreSQL), not an in-memory one",
         )
-    if role == "loops" and (settings.serving_url is None or settings.internal_token is None):
+    if settings.serving_url is None or settings.internal_token is None:
         raise SettingsError(
             "serving_url",
             "role loops reads the serving process: set serving_url (HETEROPLANE_SERVING_URL)"
