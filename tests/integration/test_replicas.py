@@ -155,7 +155,8 @@ def test_a_second_serve_on_one_sqlite_file_exits_with_one_line(tmp_path: Path) -
         line = refused_serve(data_dir)
         assert line.startswith("heteroplane serve: another heteroplane process (pid ")
         assert "SQLite serves one replica" in line
-        assert httpx.get(f"{first.url}/healthz", timeout=10.0).json()["role"] == "leader"
+        # Its loops process leads (it starts beside the serving process, so not at once).
+        wait_for("the leader", lambda: True if role(first) == "leader" else None, first.log_text)
     finally:
         assert first.stop() == 0
 
@@ -242,9 +243,12 @@ def token(data_dir: Path, database_url: str) -> str:
 
 
 def reconcile_runs(api: httpx.Client) -> float:
-    """How many reconcile runs the replica behind ``api`` has finished (its /metrics)."""
+    """How many reconcile runs the replica behind ``api`` has finished: the /metrics of the
+    loops process it supervises (``heteroplane serve``'s default), else its own."""
     wanted = 'heteroplane_scheduler_job_runs_total{job="reconcile",outcome="ran"}'
-    for line in api.get("/metrics").text.splitlines():
+    loops = api.get("/healthz").json().get("loops")
+    where = "/metrics" if loops is None else f"{loops['url']}/metrics"
+    for line in api.get(where).text.splitlines():
         if line.startswith(wanted):
             return float(line.split()[-1])
     return 0.0
