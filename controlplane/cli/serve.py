@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
                 settings, sock, args.config, args.log_level, args.one_process
             )
         else:
-            service = build_service(settings, role=args.role)
+            service = build_service(settings, role=args.role, url=client_url(sock))
     except BaseException:
         sock.close()
         raise
@@ -175,14 +175,15 @@ def build_served(
     supervise (:class:`LoopsProcess`, started by :func:`serve_until_stopped`; the child reads
     this process's settings from ``config`` and the environment), or with ``one_process``
     everything in this process (no child)."""
+    url = client_url(sock)
     if one_process:
-        return build_service(settings), None
-    loops = LoopsProcess(client_url(sock), config, log_level)
+        return build_service(settings, url=url), None
+    loops = LoopsProcess(url, config, log_level)
     try:
         # This process's internal routes take the secret the child is given.
         served = settings.model_copy(update={"internal_token": loops.token})
         # A replica of the service: other serving processes on PostgreSQL are not refused.
-        return build_service(served, role="serving", sole_serving=False), loops
+        return build_service(served, role="serving", sole_serving=False, url=url), loops
     except BaseException:
         loops.stop()
         raise

@@ -116,6 +116,7 @@ from controlplane.policies.infaas_scaling import ScalingConfig
 from controlplane.provisioning import build_provisioner
 from controlplane.service.app import create_app
 from controlplane.serving.loop import ServingLoop
+from controlplane.serving.owners import DispatchOwners
 from controlplane.serving.workers import ProvisionedInstances
 from controlplane.settings import Settings
 from estimator.catalog import default_catalog
@@ -532,12 +533,15 @@ def build_service(
     role: ServiceRole = "all",
     *,
     sole_serving: bool = True,
+    url: str | None = None,
 ) -> Service:
     """Migrate the database and wire the service (nothing runs until the app is served):
     everything in one process (``role="all"``), or the serving path or the loops of a service
     whose two run apart (:data:`ServiceRole`), on PostgreSQL or on one SQLite file. A serving
     process on PostgreSQL holds the serving lock unless ``sole_serving`` is false (a replica's,
-    as ``heteroplane serve`` runs it)."""
+    as ``heteroplane serve`` runs it). ``url``: where this process listens; on PostgreSQL a
+    process that serves inference then holds dispatch leases as it (or as the setting
+    ``dispatch_url``), among the other serving processes (:class:`DispatchOwners`)."""
     clock = clock if clock is not None else SystemClock()
     if role == "loops":
         _check_loops(settings)
@@ -598,6 +602,7 @@ def build_service(
             resolver=resolver,
             provisioner=provisioner,
             gear_table=gear_table,
+            owners=_dispatch_owners(settings, store, clock, url),
         )
         # Never started: a serving process runs no periodic job.
         idle = Scheduler(service_schedule(settings, JobBodies()))
@@ -701,6 +706,7 @@ def build_service(
         leadership,
         budget_changed=live_gears.budget_changed,
         provisioner=provisioner,
+        owners=_dispatch_owners(settings, store, clock, url) if local_serving is not None else None,
     )
     if remote is not None:
         remote.start()
@@ -718,6 +724,18 @@ def build_service(
         role=role,
         remote=remote,
     )
+
+
+def _dispatch_owners(
+    settings: Settings, store: Store, clock: Clock, url: str | None
+) -> DispatchOwners | None:
+    """A serving process's dispatch leases on PostgreSQL, where several serving processes may
+    share the database (docs/service.md, "Several serving processes"); none on SQLite (one
+    serving process per file) or without an address to be reached at."""
+    where = settings.dispatch_url or url
+    if where is None or not settings.is_postgresql:
+        return None
+    return DispatchOwners(store, clock, where)
 
 
 def _check_loops(settings: Settings) -> None:
