@@ -512,7 +512,12 @@ def build_leadership(settings: Settings) -> Leadership:
     if settings.is_postgresql:
         lock = AdvisoryLock(settings.database_url)
     else:
-        lock = sqlite_leader_lock(settings.database_url) or SoleLock()
+        on_file = sqlite_leader_lock(settings.database_url)
+        if on_file is not None:
+            # Tried at once (without waiting): a service alone on its file holds the lease from
+            # the start, as the lone replica always did; a standby tries again with the lease.
+            on_file.try_acquire()
+        lock = on_file or SoleLock()
     return Leadership(lock)
 
 
