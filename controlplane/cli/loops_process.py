@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     the socket it was handed, until SIGTERM, SIGINT or its parent's death."""
     from controlplane.cli.output import UsageError, fail
     from controlplane.cli.serve import configure_logging, serve_until_stopped
+    from controlplane.crashpoints import crash_with
     from controlplane.errors import ControlPlaneError
     from controlplane.service.build import build_service
     from controlplane.settings import load_settings
@@ -215,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--config", type=Path)
     args = parser.parse_args(argv)
+    # A crash point of the loops (a test-only hook) kills the service whole, serving included.
+    crash_with(args.parent_pid)
     sock = socket.socket(fileno=args.fd)
     stopped = threading.Event()
     watcher = threading.Thread(
