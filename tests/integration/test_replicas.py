@@ -28,7 +28,7 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from controlplane.db.lease import AdvisoryLock, lock_sqlite_database
+from controlplane.db.lease import AdvisoryLock, lock_sqlite_database, sqlite_leader_lock
 from controlplane.db.session import make_engine
 from controlplane.errors import DatabaseError
 from provisioners.base import APP_TAG
@@ -126,6 +126,23 @@ def test_one_process_per_sqlite_file(tmp_path: Path) -> None:
     assert again is not None
     again.close()
     assert lock_sqlite_database("sqlite://") is None
+
+
+def test_the_leader_lock_of_a_sqlite_file_has_one_holder_at_a_time(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'data' / 'heteroplane.db'}"
+    first, second = sqlite_leader_lock(url), sqlite_leader_lock(url)
+    assert first is not None and second is not None
+    try:
+        assert not first.check()  # never tried
+        assert first.try_acquire() and first.check() and first.try_acquire()
+        assert not second.try_acquire() and not second.check()
+        first.release()
+        assert not first.check()
+        assert second.try_acquire() and not first.try_acquire()
+    finally:
+        first.release()
+        second.release()
+    assert sqlite_leader_lock("sqlite://") is None
 
 
 def refused_serve(data_dir: Path, *args: str, **settings: str) -> str:
