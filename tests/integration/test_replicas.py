@@ -372,6 +372,16 @@ def local_spec(name: str, profile: Path) -> dict[str, Any]:
     }
 
 
+def apply_local_app(api: httpx.Client, name: str, profile: Path, rate_qps: float = 30.0) -> None:
+    """Register :func:`local_spec`'s app ``name`` through ``api``, plan it for ``rate_qps`` and
+    apply the plan."""
+    assert api.post("/v1/apps", json=local_spec(name, profile)).status_code == 201
+    plan = api.post(f"/v1/apps/{name}/plans", json={"rate_qps": rate_qps})
+    assert plan.status_code == 201, plan.text
+    applied = api.post(f"/v1/apps/{name}/plans/{plan.json()['id']}/apply")
+    assert applied.status_code == 200, applied.text
+
+
 def _local_profile(data_dir: Path) -> Path:
     """A profile file in which ``tiny`` on ``emu.cpu.large`` takes 20 ms a batch (and the
     workers pad to it): one instance carries about 50 qps."""

@@ -31,7 +31,7 @@ from tests.conftest import needs_shared
 from tests.integration.conftest import process_alive
 from tests.integration.test_replicas import (
     _local_profile,
-    local_spec,
+    apply_local_app,
     role,
     stop_local_workers,
     tails_of,
@@ -169,10 +169,7 @@ def test_serving_outlives_its_loops_and_a_standby_takes_the_lease_on_sqlite(
         api = httpx.Client(
             base_url=serving.url, headers={"Authorization": f"Bearer {admin}"}, timeout=120.0
         )
-        assert api.post("/v1/apps", json=local_spec(APP, profile)).status_code == 201
-        plan = api.post(f"/v1/apps/{APP}/plans", json={"rate_qps": 30.0})
-        assert plan.status_code == 201, plan.text
-        assert api.post(f"/v1/apps/{APP}/plans/{plan.json()['id']}/apply").status_code == 200
+        apply_local_app(api, APP, profile)
         wait_for("an answer", lambda: True if _answers(api) else None, logs)
 
         os.kill(supervised["pid"], signal.SIGKILL)
@@ -235,10 +232,7 @@ def test_two_serving_processes_answer_every_query_through_the_apps_dispatcher(
         logs = tails_of(servers)
         headers = {"Authorization": f"Bearer {token(data_dir, postgres_url)}"}
         apis = [httpx.Client(base_url=s.url, headers=headers, timeout=120.0) for s in servers]
-        assert apis[0].post("/v1/apps", json=local_spec(APP, profile)).status_code == 201
-        plan = apis[0].post(f"/v1/apps/{APP}/plans", json={"rate_qps": 30.0})
-        assert plan.status_code == 201, plan.text
-        assert apis[0].post(f"/v1/apps/{APP}/plans/{plan.json()['id']}/apply").is_success
+        apply_local_app(apis[0], APP, profile)
         for api in apis:
             wait_for("an answer", lambda api=api: True if _answers(api) else None, logs)
 

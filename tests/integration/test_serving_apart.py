@@ -24,7 +24,7 @@ import pytest
 
 from tests.integration.test_replicas import (
     _local_profile,
-    local_spec,
+    apply_local_app,
     one_leader,
     refused_serve,
     role,
@@ -82,10 +82,7 @@ def test_serving_answers_apart_from_the_loops_and_outlives_their_leader(
         api = httpx.Client(
             base_url=serving.url, headers={"Authorization": f"Bearer {admin}"}, timeout=120.0
         )
-        assert api.post("/v1/apps", json=local_spec(APP, profile)).status_code == 201
-        plan = api.post(f"/v1/apps/{APP}/plans", json={"rate_qps": 30.0})
-        assert plan.status_code == 201, plan.text
-        assert api.post(f"/v1/apps/{APP}/plans/{plan.json()['id']}/apply").status_code == 200
+        apply_local_app(api, APP, profile)
 
         # The loops launch the fleet; the serving process finds it in the database and answers.
         wait_for("an answer", lambda: True if _answers(api) else None, logs)
