@@ -82,13 +82,14 @@ def export_model(folder: Path) -> Path:
     return path
 
 
-def profile_file(folder: Path) -> Path:
-    sizes = [1, 2, 4, 8]
+def profile_file(folder: Path, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Path:
+    """A profile of the model on the worker's type at batch sizes ``sizes`` (the numbers only
+    plan), ``folder/profiles.json``."""
     path = folder / "profiles.json"
     entry = {
         "model": MODEL,
         "instance_type": INSTANCE_TYPE,
-        "batch_sizes": sizes,
+        "batch_sizes": list(sizes),
         "latency_ms": [1.0 + 0.1 * b for b in sizes],
     }
     path.write_text(json.dumps({"profiles": [entry]}))

@@ -6,9 +6,10 @@ each long operation, restarted, and checked for what a crash must not leave behi
 For each point of :data:`controlplane.crashpoints.POINTS` (or those given), on a fresh data
 directory: the service starts with ``HETEROPLANE_CRASH_AT=<point>`` and the app's life runs
 through the API in order (:data:`OPERATIONS`: push an ONNX model, register the app, profile it,
-plan and apply, lower the budget, take it down) until the service kills itself at the point. It
-is started again without the hook and, polled until they hold (within :data:`SETTLE_S`), the
-checks of the crash guarantees (docs/operations.md, "Crash guarantees"):
+plan and apply, roll a second version of the model out, lower the budget, take it down) until
+the service kills itself at the point. It is started again without the hook and, polled until
+they hold (within :data:`SETTLE_S`), the checks of the crash guarantees (docs/operations.md,
+"Crash guarantees"):
 
 - ``orphans``: live worker processes without a live row in the database;
 - ``rowless``: live rows (``pending``, ``running``) whose worker process is not running;
@@ -83,6 +84,9 @@ SETTINGS = {
     "HETEROPLANE_DISRUPTION_MAX_SHARE": "1",
 }
 _LIVE_ROWS = (InstanceState.PENDING.value, InstanceState.RUNNING.value)
+ROLLOUT_ACTIVE = ("pending", "running", "paused")
+# A rollout's workers' request ids start with this (their rollout loop owns them).
+ROLLOUT_WORKERS = f"profile:rollout-{APP}-"
 _KEPT_ROWS = frozenset(s.value for s in KEPT_STATES)
 
 
@@ -215,6 +219,53 @@ def plan_apply(service: Service) -> None:
     until("a running instance", service, serving)
 
 
+def rollout(service: Service, model_file: Path) -> None:
+    """Version 2 of the model (the same file pushed again) moves into the app: a rollout of two
+    steps (50 %, 100 %) judged on a few queries each, promoted, and handed over (its workers
+    gone). Run again after a crash it carries on the rollout the database holds (a new leader's
+    loop resumes it) rather than start another."""
+    path = f"/v1/apps/{APP}/rollouts"
+    counter = iter(range(10**9))
+
+    def latest() -> dict[str, Any] | None:
+        found = call(service, "GET", path, (200,))
+        return found[-1] if found else None
+
+    current = latest()
+    spec = call(service, "GET", f"/v1/apps/{APP}", (200,))["spec"]
+    pinned = spec["models"][0]["artifact"] == f"{MODEL}@2"
+    if not pinned and (current is None or current["state"] not in ROLLOUT_ACTIVE):
+        if len(call(service, "GET", f"/v1/models/{MODEL}", (200,))["versions"]) < 2:
+            push(service, model_file)
+        body = {
+            "model": f"{MODEL}@2",
+            "steps": [0.5, 1.0],
+            "interval_s": 1,
+            "thresholds": {"min_queries": 3},
+        }
+        call(service, "POST", path, (201,), json=body)
+
+    def promoted() -> bool:
+        # Queries of their own ids, so that both versions answer some at 50 %.
+        headers = {"X-Request-Id": f"crash-{next(counter)}"}
+        query = {"inputs": [[0.5] * 64]}
+        call(service, "POST", f"/v1/apps/{APP}/infer", (200,), json=query, headers=headers)
+        found = latest()
+        if found is not None and found["state"] in ("rolled_back", "aborted"):
+            raise RuntimeError(f"the rollout ended {found['state']}: {found['reason']}")
+        return found is not None and found["state"] == "promoted"
+
+    until("the rollout promoted", service, promoted)
+
+    def handed_over() -> bool:
+        rid = (latest() or {}).get("id")
+        params = {"kind": "rollout"}
+        decisions = call(service, "GET", f"/v1/apps/{APP}/decisions", (200,), params=params)
+        return any(d["reason"].startswith(f"rollout {rid}: handover done") for d in decisions)
+
+    until("the rollout's handover", service, handed_over)
+
+
 def lower_budget(service: Service) -> None:
     body = {"budget_usd_per_hr": LOWERED_USD_PER_HR, "reason": "crash test", "force": True}
     call(service, "PUT", f"/v1/apps/{APP}/budget", (200,), json=body)
@@ -247,6 +298,7 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("register", lambda s, _f: register(s)),
     Operation("profile run", lambda s, _f: profile(s)),
     Operation("plan apply", lambda s, _f: plan_apply(s)),
+    Operation("rollout", rollout),
     Operation("budget change", lambda s, _f: lower_budget(s)),
     Operation("app down", lambda s, _f: app_down(s)),
 )
@@ -301,9 +353,14 @@ def check(data_dir: Path, dead_pid: int) -> Checks:
         for r in rows
         if r.state in _LIVE_ROWS and r.provider_id not in workers
     )
-    # No profile run is in flight while the checks run: a kept profile row is a dead run's.
+    # No profile run is in flight while the checks run: a kept profile row is a dead run's. A
+    # rollout's workers are its loop's, whose outcome says whether they are gone.
     found.stale = sorted(
-        r.request_id for r in rows if is_profile_worker(r.request_id) and r.state in _KEPT_ROWS
+        r.request_id
+        for r in rows
+        if is_profile_worker(r.request_id)
+        and not r.request_id.startswith(ROLLOUT_WORKERS)
+        and r.state in _KEPT_ROWS
     )
     prices = {t.name: t.price_usd_per_hr for t in default_catalog().values()}
     spend = sum(prices[t] for t in workers.values())
@@ -339,11 +396,35 @@ def outcome(data_dir: Path, operation: str) -> str:
             return "done" if store.get_app_profiles(APP) is not None else "not done"
         if operation == "plan apply":
             return "done" if app.applied_plan_id is not None else "not done"
+        if operation == "rollout":
+            return _rollout_outcome(store, app.spec)
         if operation == "budget change":
             return "done" if app.budget_usd_per_hr == LOWERED_USD_PER_HR else "not done"
         return "not done"
     finally:
         store.close()
+
+
+def _rollout_outcome(store: Store, spec: dict[str, Any]) -> str:
+    """``done``: version 2 pinned, the rollout promoted and its workers gone; ``not done``: no
+    rollout, or one in progress (it resumes: the operation run again carries it on); else what
+    a crash must not leave (a rollout ended otherwise, or the spec pinned without its rollout's
+    promotion)."""
+    rollouts = store.list_rollouts(APP)
+    pinned = spec["models"][0]["artifact"] == f"{MODEL}@2"
+    if not rollouts:
+        return "HALF DONE" if pinned else "not done"
+    last = rollouts[-1]
+    if last.active:
+        return "not done"
+    if last.state != "promoted":
+        return last.state.upper()
+    workers = [
+        r
+        for r in store.list_instances(APP)
+        if r.request_id.startswith(ROLLOUT_WORKERS) and r.state in _KEPT_ROWS
+    ]
+    return "done" if pinned and not workers else "handover"
 
 
 # --- one point ---------------------------------------------------------------------------------

@@ -36,6 +36,12 @@ POINTS = frozenset(
         "reconcile.before_terminate",
         "budget.after_change",
         "app_down.after_mark",
+        "rollout.after_start",
+        "rollout.after_profile",
+        "rollout.after_worker_row",
+        "rollout.after_step",
+        "rollout.after_pin",
+        "rollout.handover_recorded",
     }
 )
 

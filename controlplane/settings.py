@@ -354,9 +354,10 @@ class Settings(BaseSettings):
     )
     rollout_profile_run: bool = Field(
         default=True,
-        description="a rollout's start profiles the new version on the app's candidate types"
-        " (a profile run's workers, within the budget) and plans its extra fleet; false: the"
-        " extra fleet copies the applied plan's stage fleet",
+        description="a rollout's new version is profiled on the app's candidate types (a profile"
+        " run's workers, within the budget, run by the rollout loop after the start answered)"
+        " and the app planned again for it, each step's extra fleet sized from the new plan's"
+        " stage fleet; false: from the applied plan's stage fleet",
     )
     serving_url: str | None = Field(
         default=None,

@@ -8,20 +8,22 @@ Starting a rollout checks, before anything is recorded:
   (``models[].artifact``); the version (default: the latest) exists, differs from the one the
   app serves, and answers with the same inputs and outputs (the dispatcher talks to both);
 - the settings: steps (increasing shares, the last 1), interval, thresholds;
-- the new version's profile and plan (with :class:`NewVersionProfiling`, what the service
-  passes): the new version is timed on every candidate type of the app as ``profile run`` times
-  it (:func:`~controlplane.apps.profile_run.run_profile` with the new version served under the
-  model's name; its workers within the budget), and the app is planned again with those
-  profiles, under its own constraints (``ResolvedApp.constraints``), on the trace its applied
-  plan was planned on; the new plan's fleet of the model's stage (every stage's, for a cascade
-  member) is the rollout's extra fleet. Without profiling, or without an applied plan to plan
-  on, the extra fleet is a copy of the applied plan's stage fleet (one instance of the cheapest
-  candidate type without a plan);
-- the budget: the rollout's extra instances
-  (:func:`~controlplane.policies.rollout.extra_fleet` at share 1, since at the last step the
-  new version answers every query before the old instances drain) must fit in the app's budget
-  next to everything the app already runs; else :class:`~controlplane.errors.RolloutBudgetError`
-  names what it needs.
+- the budget, as far as it can be known before the new version is measured: the start's
+  profile run (one worker of each candidate type, with ``profile_run``) and the extra
+  instances of the first step (:func:`~controlplane.policies.rollout.step_fleet`: the applied
+  plan's fleet of the model's stage -- every stage's, for a cascade member -- at the step's
+  share, at least one instance) must each fit in the app's budget next to everything the app
+  already runs; else :class:`~controlplane.errors.RolloutBudgetError` names what it needs.
+
+The start then records the rollout (``pending``) and returns at once. The rollout loop
+(:mod:`controlplane.loops.rollouts`) carries on: with ``profile_run``, the new version is timed
+on every candidate type of the app as ``profile run`` times it (:func:`profile_and_plan`:
+:func:`~controlplane.apps.profile_run.run_profile` with the new version served under the
+model's name), and the app is planned again with those profiles, under its own constraints
+(``ResolvedApp.constraints``), on the trace its applied plan was planned on; the new plan's
+stage fleet is what the rollout's extra instances are sized from, step by step. Without an
+applied plan to plan on, the applied plan's stage fleet stays the measure (one instance of the
+cheapest candidate type without a plan).
 
 Every move is a ``rollout`` decision of the app with its reason (the events, the dashboard).
 """
@@ -46,6 +48,7 @@ from controlplane.apps.profile_run import (
 from controlplane.apps.profiler import DEFAULT_BATCH_SIZES, DEFAULT_WARMUP
 from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
+from controlplane.crashpoints import crash_point
 from controlplane.db.store import RolloutRecord, Store
 from controlplane.errors import ConflictError, InvalidValueError, NotFoundError, RolloutBudgetError
 from controlplane.policies.plan import PlanDocument
@@ -55,8 +58,8 @@ from controlplane.policies.rollout import (
     DEFAULT_STEPS,
     RolloutState,
     Thresholds,
-    extra_fleet,
     rederive_thresholds,
+    step_fleet,
     step_shares,
 )
 from controlplane.spec import SpecError, parse_artifact
@@ -77,9 +80,17 @@ __all__ = [
     "NewVersionProfiling",
     "RolloutRequest",
     "abort_rollout",
+    "budget_shortfall",
+    "fleet_cost",
+    "fleet_text",
     "pause_rollout",
+    "planned_text",
+    "profile_and_plan",
     "resume_rollout",
     "rollout_document",
+    "rollout_phase",
+    "running_cost",
+    "stage_fleet",
     "start_rollout",
 ]
 
@@ -126,14 +137,16 @@ def start_rollout(
     request: RolloutRequest,
     *,
     who: str,
-    profiling: NewVersionProfiling | None = None,
+    profile_run: bool = False,
 ) -> RolloutRecord:
-    """Record a rollout of ``request.model`` into ``app`` (``pending``: the rollout loop starts
-    its workers, then traffic moves). With ``profiling``, the new version is profiled on the
-    app's candidate types and its fleet planned first (module docstring). Raises NotFoundError
-    (no such app or model version), InvalidValueError (a request that does not fit the app),
-    RolloutBudgetError, ConflictError (a rollout of the app is in progress; a new version that
-    cannot be planned), ProfilingBudgetError and ProfilingError (its profile run)."""
+    """Record a rollout of ``request.model`` into ``app`` in ``pending`` and return at once: the
+    rollout loop (:mod:`controlplane.loops.rollouts`) profiles the new version and plans its
+    fleet (with ``profile_run``), starts its workers, then moves traffic. What can be known up
+    front is checked here (module docstring), the budget included: the profile run's workers
+    and the first step's extra instances must each fit next to what the app runs. Raises
+    NotFoundError (no such app or model version), InvalidValueError (a request that does not fit
+    the app), RolloutBudgetError, ConflictError (a rollout of the app is in progress; a model of
+    the app without profiles to plan with)."""
     record = store.get_app(app)
     steps = step_shares(request.steps)
     if not MIN_INTERVAL_S <= request.interval_s <= MAX_INTERVAL_S:
@@ -177,31 +190,52 @@ def start_rollout(
         )
     cascade = _cascade_thresholds(resolver, resolved, app, model, name, target.version, request)
     busy = store.list_rollouts(app, active=True)
-    if busy:  # before a profile run is paid for (the store refuses a second one in any case)
+    if busy:
         raise ConflictError(
             f"app {app!r} has rollout {busy[-1].id} in progress; one rollout per app at a time"
             f" (heteroplane rollout status --app {app})"
         )
-    planned: dict[str, Any] | None = None
-    plan = store.get_applied_plan(app)
-    stages: Sequence[Any] | None = None if plan is None else plan.plan.stages
-    if profiling is not None:
-        planned, stages = _profile_and_plan(
-            store, resolver, resolved, app, model, target.ref(model), profiling, who
-        )
-    fleet, cost = _check_budget(store, resolved, app, model, record.budget_usd_per_hr, stages)
     shares = (0.0, *steps) if request.shadow else steps
+    plan = store.get_applied_plan(app)
+    stages = stage_fleet(resolved, model, None if plan is None else plan.plan.stages)
+    prices = dict(resolved.prices_usd_per_hr)
+    fleet = step_fleet(stages, prices, shares, 0, {})
+    if not fleet:
+        raise InvalidValueError("model", f"app {app!r} has no priced instance type to run it on")
+    cost = fleet_cost(fleet, prices)
+    running = running_cost(store, app)
+    budget = record.budget_usd_per_hr
+    if profile_run:
+        unprofiled = {m for m in resolved.unprofiled if m != model}
+        if unprofiled and plan is not None:
+            raise ConflictError(
+                f"app {app!r}: cannot plan the new version: {', '.join(sorted(unprofiled))} has"
+                " no profiles yet (heteroplane profile run)"
+            )
+        workers = dict.fromkeys(resolved.instance_types, 1)
+        if running + fleet_cost(workers, prices) > budget + _BUDGET_SLACK_USD_PER_HR:
+            raise RolloutBudgetError(
+                app,
+                running,
+                fleet_cost(workers, prices),
+                budget,
+                f"the start's profile run: one worker of each of {', '.join(workers)}",
+            )
+    if running + cost > budget + _BUDGET_SLACK_USD_PER_HR:
+        raise RolloutBudgetError(
+            app, running, cost, budget, f"{fleet_text(fleet)} for its first step"
+        )
     settings = {
         "steps": list(shares),
         "interval_s": float(request.interval_s),
         "shadow": bool(request.shadow),
         "thresholds": request.thresholds.to_json(),
+        "stage_fleet": stages,
         "extra_fleet": fleet,
         "extra_cost_usd_per_hr": cost,
         "slo_ms": float(resolved.spec.slo.latency_ms),
+        "profile_run": bool(profile_run),
     }
-    if planned is not None:
-        settings["profiled"] = planned
     if cascade is not None:
         settings["cascade"] = cascade
     rollout = store.create_rollout(
@@ -211,23 +245,63 @@ def start_rollout(
         from_version=current.version,
         to_version=target.version,
         settings=settings,
-        reason=f"started by {who}",
+        reason=f"started by {who}"
+        + ("; profiling the new version first" if profile_run else "; starting its workers"),
         who=who,
     )
+    crash_point("rollout.after_start")
     steps_text = ", ".join(f"{100 * s:g}%" for s in shares)
     shadow_text = ", shadow first" if request.shadow else ""
     cascade_text = "" if cascade is None else "; " + _cascade_text(cascade)
-    cascade_text = _planned_text(planned) + cascade_text
+    then = (
+        f"; first the new version is profiled on {', '.join(resolved.instance_types)} and the"
+        " app planned again for it (the rollout loop; heteroplane rollout status)"
+        if profile_run
+        else ""
+    )
     store.record_decision(
         app,
         DECISION_KIND,
         f"rollout {rollout.id}: {name}@{current.version} -> {name}@{target.version} of model"
         f" {model} started by {who} (steps {steps_text}{shadow_text},"
-        f" every {request.interval_s:g} s); extra instances {_fleet_text(fleet)} cost"
-        f" {cost:.4g} USD/hr{cascade_text}",
+        f" every {request.interval_s:g} s); extra instances for its first step"
+        f" {fleet_text(fleet)} cost {cost:.4g} USD/hr{cascade_text}{then}",
         {"rollout_id": rollout.id, "state": rollout.state, **settings},
     )
     return rollout
+
+
+def stage_fleet(resolved: Any, model: str, stages: Sequence[Any] | None) -> dict[str, int]:
+    """What the new version's fleet is sized from: the fleet of ``model``'s stage of ``stages``
+    (every stage's, for a cascade member: the rollout's workers serve the whole cascade with
+    the new version in its place), summed by type; empty without stages."""
+    chain = tuple(resolved.spec.cascade or ())
+    copied = set(chain) if model in chain else {model}
+    fleet: dict[str, int] = {}
+    for stage in stages or ():
+        if stage.name in copied:
+            for t, n in stage.fleet.items():
+                fleet[t] = fleet.get(t, 0) + int(n)
+    return dict(sorted(fleet.items()))
+
+
+def fleet_cost(fleet: Mapping[str, int], prices_usd_per_hr: Mapping[str, float]) -> float:
+    return float(sum(prices_usd_per_hr[t] * n for t, n in fleet.items()))
+
+
+def running_cost(store: Store, app: str) -> float:
+    """What the app's live instances cost (its fleet, profile runs' and rollouts' workers)."""
+    return float(sum(i.price_usd_per_hr for i in live_instances(store, app)))
+
+
+def budget_shortfall(store: Store, app: str, more_usd_per_hr: float) -> tuple[float, float] | None:
+    """None when ``more_usd_per_hr`` of instances fit in the app's budget next to what it
+    runs; else (what it runs, its budget), USD/hr."""
+    running = running_cost(store, app)
+    budget = store.get_app(app).budget_usd_per_hr
+    if running + more_usd_per_hr > budget + _BUDGET_SLACK_USD_PER_HR:
+        return running, budget
+    return None
 
 
 def _cascade_thresholds(
@@ -320,20 +394,21 @@ def _cascade_text(cascade: Mapping[str, Any]) -> str:
     )
 
 
-def _profile_and_plan(
+def profile_and_plan(
     store: Store,
     resolver: AppResolver,
-    resolved: Any,
-    app: str,
-    model: str,
-    new_ref: Any,
+    rollout: RolloutRecord,
     profiling: NewVersionProfiling,
-    who: str,
 ) -> tuple[dict[str, Any], Sequence[Any] | None]:
-    """The new version profiled on every candidate type (``profile run``, at the batch sizes of
-    the old version's profiles) and the app planned again with it: (what was measured and
-    planned, for the rollout's settings; the new plan's stages, None without an applied plan
-    to plan on)."""
+    """The new version of ``rollout`` profiled on every candidate type of its app (``profile
+    run``, at the batch sizes of the old version's profiles) and the app planned again with it:
+    (what was measured and planned, for the rollout's settings; the new plan's stages, None
+    without an applied plan to plan on). The rollout loop runs it, in a thread of its own.
+    Raises ProfilingBudgetError, ProfilingError (the run) and ConflictError (no plan)."""
+    app, model = rollout.app, rollout.model
+    resolved = resolver.resolve(store.get_app(app).spec, check_budget=False)
+    new_ref = store.get_model_version(rollout.artifact, rollout.to_version).ref(model)
+    who = f"rollout {rollout.id}"
     unprofiled = {m: t for m, t in resolved.unprofiled.items() if m != model}
     if unprofiled and store.get_applied_plan(app) is not None:  # before the run is paid for
         raise ConflictError(
@@ -359,7 +434,7 @@ def _profile_and_plan(
         profiling.clock,
         app,
         request,
-        who=f"rollout start by {who}",
+        who=who,
         worker_port=profiling.worker_port,
         heartbeat_s=profiling.heartbeat_s,
         serve={model: new_ref},
@@ -400,7 +475,7 @@ def _profile_and_plan(
     return planned, document.stages
 
 
-def _planned_text(planned: Mapping[str, Any] | None) -> str:
+def planned_text(planned: Mapping[str, Any] | None) -> str:
     if planned is None:
         return ""
     means = ", ".join(f"{t} {ms:.1f} ms" for t, ms in planned["mean_ms_at_1"].items())
@@ -408,43 +483,16 @@ def _planned_text(planned: Mapping[str, Any] | None) -> str:
     plan = planned["plan"]
     if plan is None:
         return (
-            text + f"; not planned ({planned['not_planned']}): the extra fleet copies the stage's"
+            text + f"; not planned ({planned['not_planned']}): the extra fleet is sized from the"
+            " stage's"
         )
     return (
         text + f", planned at {plan['planned_rate_qps']:.4g} qps:"
-        f" {_fleet_text(plan['fleet'])} for {plan['cost_usd_per_hr']:.4g} USD/hr"
+        f" {fleet_text(plan['fleet'])} for {plan['cost_usd_per_hr']:.4g} USD/hr"
     )
 
 
-def _check_budget(
-    store: Store,
-    resolved: Any,
-    app: str,
-    model: str,
-    budget_usd_per_hr: float,
-    stages: Sequence[Any] | None,
-) -> tuple[dict[str, int], float]:
-    # A cascade member's new version answers through the whole cascade on the rollout's workers
-    # (they load every member, the new version in its place): every stage's fleet.
-    copied = set(resolved.spec.cascade or ()) if model in (resolved.spec.cascade or ()) else {model}
-    stage_fleet: dict[str, int] = {}
-    if stages is not None:
-        for stage in stages:
-            if stage.name in copied:
-                for t, n in stage.fleet.items():
-                    stage_fleet[t] = stage_fleet.get(t, 0) + int(n)
-    prices = dict(resolved.prices_usd_per_hr)
-    fleet = extra_fleet(stage_fleet, prices, 1.0)
-    if not fleet:
-        raise InvalidValueError("model", f"app {app!r} has no priced instance type to run it on")
-    cost = sum(prices[t] * n for t, n in fleet.items())
-    running = sum(i.price_usd_per_hr for i in live_instances(store, app))
-    if running + cost > budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
-        raise RolloutBudgetError(app, running, cost, budget_usd_per_hr, _fleet_text(fleet))
-    return fleet, cost
-
-
-def _fleet_text(fleet: dict[str, int]) -> str:
+def fleet_text(fleet: dict[str, int]) -> str:
     return ", ".join(f"{t}={n}" for t, n in fleet.items())
 
 
@@ -516,6 +564,7 @@ def rollout_document(rollout: RolloutRecord) -> dict[str, Any]:
     return {
         "id": rollout.id,
         "app": rollout.app,
+        "phase": rollout_phase(rollout),
         "model": rollout.model,
         "artifact": rollout.artifact,
         "from_version": rollout.from_version,
@@ -529,6 +578,7 @@ def rollout_document(rollout: RolloutRecord) -> dict[str, Any]:
         "shadow_step": rollout.shadow_step and rollout.active,
         "interval_s": settings.get("interval_s"),
         "thresholds": settings.get("thresholds"),
+        "stage_fleet": settings.get("stage_fleet"),
         "extra_fleet": settings.get("extra_fleet"),
         "extra_cost_usd_per_hr": settings.get("extra_cost_usd_per_hr"),
         "profiled": settings.get("profiled"),
@@ -539,6 +589,20 @@ def rollout_document(rollout: RolloutRecord) -> dict[str, Any]:
         "created_at": rollout.created_at.isoformat(),
         "updated_at": rollout.updated_at.isoformat(),
     }
+
+
+def rollout_phase(rollout: RolloutRecord) -> str | None:
+    """What a ``pending`` rollout is doing before traffic: ``profiling`` (the start's profile run
+    and plan), ``waiting_for_budget`` (its first step's instances), ``starting`` (its workers
+    launching, then the new version timed alone); None in any other state."""
+    if rollout.state != RolloutState.PENDING:
+        return None
+    settings = rollout.settings
+    if settings.get("profile_run") and "profiled" not in settings:
+        return "profiling"
+    if rollout.reason.startswith("waiting for the budget"):
+        return "waiting_for_budget"
+    return "starting"
 
 
 def _final_share(rollout: RolloutRecord) -> float:

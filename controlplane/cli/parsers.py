@@ -1615,9 +1615,3 @@ def _rollout(subparsers: Subparsers) -> None:
         parsers.append(action)
     for action in parsers:
         add_client_options(action)
-    for option in start._actions:
-        if option.dest == "timeout":  # the start profiles the new version first: minutes
-            option.default = 3600.0
-            option.help = (
-                "seconds to wait for the start (it profiles the new version first; default 3600)"
-            )

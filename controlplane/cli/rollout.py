@@ -15,9 +15,10 @@ __all__ = ["rollout_action", "rollout_start", "rollout_status"]
 def _line(r: dict[str, Any]) -> str:
     shares = ", ".join(f"{100 * s:g}%" for s in r["steps"])
     cascade = r.get("cascade")
+    state = r["state"] + (f" ({r['phase'].replace('_', ' ')})" if r.get("phase") else "")
     line = (
         f"rollout {r['id']} of {r['app']}: {r['model']} {r['artifact']}@{r['from_version']} ->"
-        f" @{r['to_version']}, {r['state']}, {100 * r['step_share']:g}% of queries on the new"
+        f" @{r['to_version']}, {state}, {100 * r['step_share']:g}% of queries on the new"
         f" version (steps {shares}{'; shadow step' if r.get('shadow_step') else ''}): {r['reason']}"
     )
     if cascade:
@@ -58,7 +59,12 @@ def rollout_start(args: argparse.Namespace) -> int:
         if args.validation_data is not None:
             body["validation"] = _validation(client, args)
         answer = client.post(app_path(args.app, "rollouts"), body)
-    return emit(args.json, answer, lambda: _line(answer))
+    # The start returns at once; the rollout loop profiles, starts the workers, moves traffic.
+    follow = (
+        f"\n  follow it: heteroplane rollout status --app {args.app}"
+        f" (heteroplane events --app {args.app} --kind rollout: every move and why)"
+    )
+    return emit(args.json, answer, lambda: _line(answer) + follow)
 
 
 def _validation(client: ApiClient, args: argparse.Namespace) -> dict[str, Any]:

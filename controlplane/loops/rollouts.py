@@ -4,11 +4,24 @@ database says it was.
 
 Per rollout, each tick:
 
+0. **Profile and plan** (a rollout started with ``settings.profile_run``, before anything
+   else): the start returned at once; the new version is profiled on the app's candidate types
+   and the app planned again for it (:func:`~controlplane.apps.rollouts.profile_and_plan`) in a
+   thread of this loop, the rollout ``pending`` meanwhile. Its result (``settings.profiled``,
+   ``settings.stage_fleet``) is written before anything acts on it; a run that dies with its
+   process is run again by the next leader (the dead run's workers are the reconciler's to
+   reap). A run the budget cannot pay for waits (an interval, then again); one that fails, or
+   a new version that cannot be planned, rolls the rollout back before traffic.
 1. **Workers.** The rollout's extra instances (``settings.extra_fleet``) are rows of the app
    under request ids ``rollout_request_prefix(app, id) + type-n`` (recorded before the provider is
    asked: idempotent), launched with the new version served under the model's name; their rows
    are touched (the reconciler keeps them out of the fleet, in the budget, and ends them once
    untouched: rule 8). A row that failed rolls the rollout back (the new version cannot start).
+   The extra fleet is granted step by step (``settings.extra_fleet``, sized by
+   :func:`~controlplane.policies.rollout.step_fleet` from the stage fleet at the step's share):
+   the first step's before its workers launch, each next step's before the step moves; a
+   grant the budget cannot pay for next to what the app runs waits (the rollout holds, a
+   ``rollout`` decision says how much it needs).
 2. **Pending -> running** once every worker runs: the first step begins (its clock starts).
 3. **Judgement** of a running step (:func:`controlplane.policies.rollout.judge`) on the new
    version's figures over the step (:class:`~controlplane.serving.versions.VersionMeter`):
@@ -30,6 +43,7 @@ from __future__ import annotations
 import http.client
 import logging
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -40,10 +54,20 @@ import numpy as np
 from controlplane.apps.profile_run import end_workers, launch_worker, random_inputs
 from controlplane.apps.profiler import WorkerClient
 from controlplane.apps.resolver import AppResolver
-from controlplane.apps.rollouts import DECISION_KIND
+from controlplane.apps.rollouts import (
+    DECISION_KIND,
+    NewVersionProfiling,
+    budget_shortfall,
+    fleet_cost,
+    fleet_text,
+    planned_text,
+    profile_and_plan,
+    stage_fleet,
+)
 from controlplane.clock import Clock
+from controlplane.crashpoints import crash_point
 from controlplane.db.store import InstanceRecord, RolloutRecord, Store
-from controlplane.errors import ControlPlaneError
+from controlplane.errors import ControlPlaneError, ProfilingBudgetError, RolloutBudgetError
 from controlplane.policies.disruption import DisruptionBudget, count_disruptions
 from controlplane.policies.lifecycle import (
     KEPT_STATES,
@@ -58,6 +82,7 @@ from controlplane.policies.rollout import (
     VersionFigures,
     judge,
     rollout_request_prefix,
+    step_fleet,
 )
 from controlplane.serving.versions import CanaryRoute, VersionSource
 from controlplane.serving.workers import DEFAULT_WORKER_PORT
@@ -105,8 +130,14 @@ class RolloutLoop:
         worker_port: int = DEFAULT_WORKER_PORT,
         alone_calls: int = ALONE_CALLS,
         alone_warmup: int = ALONE_WARMUP,
+        profiling: NewVersionProfiling | None = None,
     ) -> None:
         self.store = store
+        # How a rollout started with a profile run profiles its new version (None: this
+        # service does not; such a rollout's fleet is sized from the applied plan's stage).
+        self.profiling = profiling
+        self._runs: dict[int, _ProfileRun] = {}
+        self._retry_at: dict[int, datetime] = {}
         # The pace at which the handover ends the old version's serving instances (None: all
         # at once; they serve nothing once the new version answers every query).
         self.disruption = disruption
@@ -124,13 +155,35 @@ class RolloutLoop:
     def route(self, app: str) -> CanaryRoute | None:
         return self._routes.get(app)
 
+    def claim_workers(self) -> None:
+        """Touch the live workers of every rollout this loop still moves (active, or promoted
+        and handing over): their owner is alive. The reconciler ends a profile worker whose row
+        went untouched for its ``profile_run_timeout_s`` (rule 8); a service started again, or
+        a new leader, claims them before its first reconcile, however long it was down."""
+        ids = [
+            row.id
+            for rollout in self._current()
+            if rollout.active or rollout.state == RolloutState.PROMOTED
+            for row in self._rows(rollout)
+            if row.state in LIVE_STATES
+        ]
+        if ids:
+            self.store.touch_instances(ids)
+
+    def join_profile_runs(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the profile runs in flight to be over (the next tick
+        takes their results): for a service that stops, and for tests."""
+        for run in list(self._runs.values()):
+            run.join(timeout_s)
+
     # --- the tick --------------------------------------------------------------------------
 
     def tick(self) -> list[RolloutTick]:
         """Move every active rollout (and end the workers of recently finished ones)."""
         done: list[RolloutTick] = []
         routes: dict[str, CanaryRoute] = {}
-        for rollout in self._current():
+        current = self._current()
+        for rollout in current:
             try:
                 route, what = self._one(rollout)
             except Exception as error:  # the next tick tries again; traffic stays
@@ -147,6 +200,9 @@ class RolloutLoop:
             if what:
                 done.append(RolloutTick(rollout.app, rollout.id, what))
         self._set_routes(routes)
+        waiting = {r.id for r in current if _profiling_due(r)}
+        for gone in set(self._retry_at) - waiting:
+            del self._retry_at[gone]
         return done
 
     def refresh_routes(self) -> None:
@@ -185,6 +241,17 @@ class RolloutLoop:
             return None, ""
         if rollout.state == RolloutState.PROMOTED:
             return self._handover(rollout, rows)
+        if _profiling_due(rollout):
+            profiled = self._profile(rollout)
+            if profiled is None:
+                return None, ""
+            rollout = profiled
+        if not rollout.settings.get("extra_fleet"):
+            # The first step's fleet is not granted yet (the budget could not pay for it).
+            granted = self._grant(rollout, rollout.step_index)
+            if granted is None:
+                return None, ""
+            rollout = granted
         rows = self._ensure_workers(rollout, rows)
         ended = [r for r in rows if r.state not in LIVE_STATES]
         if ended:
@@ -263,17 +330,28 @@ class RolloutLoop:
             return None, moved.reason
         if verdict == Verdict.PROMOTE:
             nxt = rollout.step_index + 1
+            fleet, grown = self._fleet_at(rollout, nxt)
+            if grown:
+                wait = self._shortfall(rollout, nxt, fleet)
+                if wait is not None:  # the step holds until the budget can pay for the next
+                    self._wait(rollout, wait, figures=stored)
+                    return _route(rollout), ""
             moved = self.store.move_rollout(
                 rollout,
                 step_index=nxt,
                 new_step=True,
                 figures=stored,
-                reason=f"step {nxt} passed: {reason}; step {nxt + 1}: {_share(rollout, nxt)}",
+                reason=f"step {nxt} passed: {reason}; step {nxt + 1}: {_share(rollout, nxt)}"
+                + (f"; its extra instances grow to {fleet_text(fleet)}" if grown else ""),
+                settings=self._granted(rollout, fleet),
             )
+            crash_point("rollout.after_step")
             self._decide(moved, moved.reason, stored)
-            return _route(moved), moved.reason
+            # Traffic at the new share once its workers run (the next ticks launch them).
+            return (None if grown else _route(moved)), moved.reason
         # COMPLETE: the app serves the new version from now on.
         profiles = self._pin(rollout)
+        crash_point("rollout.after_pin")
         moved = self._finish(
             rollout,
             RolloutState.PROMOTED,
@@ -306,9 +384,12 @@ class RolloutLoop:
             going = self._paced(rollout.app, old, fleet)
             if not going:  # the disruption budget's window is spent: the next tick goes on
                 return _full(rollout), ""
-            end_workers(self.store, self.provisioner, going, _log, owner="rollout's handover")
+            # Which ones end is written first: a crash before they end ends them again after
+            # the restart, and the replacements counted against them are the right number.
             handover["ended"] = sorted(ended | {r.id for r in going})
             self.store.move_rollout(rollout, figures={**rollout.figures, "handover": handover})
+            crash_point("rollout.handover_recorded")
+            end_workers(self.store, self.provisioner, going, _log, owner="rollout's handover")
             return _full(rollout), f"ended {len(going)} instance(s) of the old version"
         replaced = [
             r for r in fleet if r.created_at > promoted_at and r.state == InstanceState.RUNNING
@@ -467,6 +548,7 @@ class RolloutLoop:
                         f"@{rollout.to_version}",
                     )
                 )
+                crash_point("rollout.after_worker_row")
         for row in rows:
             if row.state == InstanceState.REQUESTED and row.provider_id is None:
                 try:
@@ -477,6 +559,141 @@ class RolloutLoop:
                         row.id, InstanceState.FAILED.value, reason=f"launch failed: {error}"
                     )
         return self._rows(rollout)
+
+    # --- before traffic: the profile run, the fleet's grants ------------------------------------
+
+    def _profile(self, rollout: RolloutRecord) -> RolloutRecord | None:
+        """The start's profile run and plan of ``rollout``, in a thread of its own: started when
+        none runs (again after an interval, when the budget could not pay for it), its result
+        written once it is over. The rollout as moved, or None while it is not over (or when
+        the rollout ended)."""
+        settings = dict(rollout.settings)
+        if self.profiling is None:
+            settings["profile_run"] = False
+            reason = "not profiled (this service does not profile a rollout's new version)"
+            moved = self.store.move_rollout(rollout, settings=settings, reason=reason)
+            self._decide(moved, reason)
+            return moved
+        run = self._runs.get(rollout.id)
+        if run is None:
+            due = self._retry_at.get(rollout.id)
+            if due is not None and self.clock.utcnow() < due:
+                return None
+            self._runs[rollout.id] = _ProfileRun(self.store, self.resolver, rollout, self.profiling)
+            return None
+        if run.alive:
+            return None
+        del self._runs[rollout.id]
+        if isinstance(run.error, (ProfilingBudgetError, RolloutBudgetError)):
+            interval_s = float(settings["interval_s"])
+            self._retry_at[rollout.id] = self.clock.utcnow() + timedelta(seconds=interval_s)
+            self._wait(
+                rollout,
+                f"waiting for the budget: the profile run of the new version does not fit"
+                f" ({run.error}); trying again in {interval_s:g} s",
+            )
+            return None
+        if run.error is not None:
+            if not isinstance(run.error, ControlPlaneError):
+                logger.error("rollout %s: profile run", rollout.id, exc_info=run.error)
+            self._finish(
+                rollout,
+                RolloutState.ROLLED_BACK,
+                f"rolled back before traffic: the new version could not be profiled and"
+                f" planned: {run.error}",
+            )
+            return None
+        assert run.result is not None
+        planned, stages = run.result
+        resolved = self.resolver.resolve(self.store.get_app(rollout.app).spec, check_budget=False)
+        if stages is not None:
+            settings["stage_fleet"] = stage_fleet(resolved, rollout.model, stages)
+        # Nothing is launched yet: the first step's fleet is granted anew from the new measure.
+        settings.update(profiled=planned, extra_fleet={}, extra_cost_usd_per_hr=0.0)
+        reason = (
+            "profiled before traffic"
+            + planned_text(planned)
+            + f"; the extra instances are sized from {fleet_text(settings['stage_fleet']) or '-'}"
+            " at each step's share"
+        )
+        moved = self.store.move_rollout(rollout, settings=settings, reason=reason)
+        crash_point("rollout.after_profile")
+        self._decide(moved, reason, {"profiled": planned})
+        return moved
+
+    def _fleet_at(self, rollout: RolloutRecord, index: int) -> tuple[dict[str, int], bool]:
+        """The extra instances step ``index`` needs (the granted ones, and more where its share
+        asks for them) and whether that is more than is granted. A rollout recorded without a
+        stage fleet keeps the fleet it was given."""
+        current = {t: int(n) for t, n in (rollout.settings.get("extra_fleet") or {}).items()}
+        stages = rollout.settings.get("stage_fleet")
+        if stages is None:
+            return current, False
+        resolved = self.resolver.resolve(self.store.get_app(rollout.app).spec, check_budget=False)
+        wanted = step_fleet(stages, resolved.prices_usd_per_hr, rollout.steps, index, current)
+        return wanted, wanted != current
+
+    def _price(self, rollout: RolloutRecord, fleet: Mapping[str, int]) -> float:
+        resolved = self.resolver.resolve(self.store.get_app(rollout.app).spec, check_budget=False)
+        return fleet_cost(fleet, resolved.prices_usd_per_hr)
+
+    def _shortfall(
+        self, rollout: RolloutRecord, index: int, fleet: Mapping[str, int]
+    ) -> str | None:
+        """Why the budget cannot pay for ``fleet`` at step ``index`` (the instances it adds to
+        what the app runs), or None when it can."""
+        current = rollout.settings.get("extra_fleet") or {}
+        more = {t: n - int(current.get(t, 0)) for t, n in fleet.items() if n > current.get(t, 0)}
+        more_usd_per_hr = self._price(rollout, more)
+        short = budget_shortfall(self.store, rollout.app, more_usd_per_hr)
+        if short is None:
+            return None
+        running, budget = short
+        return (
+            f"waiting for the budget: step {index + 1} ({_share(rollout, index)}) needs"
+            f" {fleet_text(more)} more for {more_usd_per_hr:.4g} USD/hr on top of the app's"
+            f" {running:.4g} USD/hr, together {running + more_usd_per_hr:.4g} USD/hr, over the"
+            f" budget of {budget:g} USD/hr"
+        )
+
+    def _granted(self, rollout: RolloutRecord, fleet: Mapping[str, int]) -> dict[str, Any]:
+        """The rollout's settings with ``fleet`` granted."""
+        return {
+            **rollout.settings,
+            "extra_fleet": dict(fleet),
+            "extra_cost_usd_per_hr": self._price(rollout, fleet),
+        }
+
+    def _grant(self, rollout: RolloutRecord, index: int) -> RolloutRecord | None:
+        """Grant step ``index``'s fleet to a rollout that has none yet (its first, after the
+        profile run): the rollout as moved, or None while the budget cannot pay for it."""
+        fleet, _ = self._fleet_at(rollout, index)
+        if not fleet:
+            resolved = self.resolver.resolve(
+                self.store.get_app(rollout.app).spec, check_budget=False
+            )
+            shares = rollout.steps
+            fleet = step_fleet({}, resolved.prices_usd_per_hr, shares, index, {})
+        wait = self._shortfall(rollout, index, fleet)
+        if wait is not None:
+            self._wait(rollout, wait)
+            return None
+        reason = f"step {index + 1}'s extra instances granted: {fleet_text(fleet)}"
+        moved = self.store.move_rollout(
+            rollout, settings=self._granted(rollout, fleet), reason=reason
+        )
+        self._decide(moved, reason)
+        return moved
+
+    def _wait(
+        self, rollout: RolloutRecord, reason: str, figures: dict[str, Any] | None = None
+    ) -> None:
+        """Hold ``rollout`` with ``reason``: a decision when the reason is new (not every
+        tick)."""
+        fresh = rollout.reason != reason
+        self.store.move_rollout(rollout, reason=reason, figures=figures)
+        if fresh:
+            self._decide(rollout, reason)
 
     def _pin(self, rollout: RolloutRecord) -> str:
         """The app's spec names the new version (registering pinned the old one); the app's
@@ -551,6 +768,48 @@ class RolloutLoop:
                 "figures": figures or {},
             },
         )
+
+
+class _ProfileRun:
+    """A rollout's profile run and plan (:func:`~controlplane.apps.rollouts.profile_and_plan`)
+    in a daemon thread: its ``result`` or ``error`` once it is no longer ``alive``."""
+
+    def __init__(
+        self,
+        store: Store,
+        resolver: AppResolver,
+        rollout: RolloutRecord,
+        profiling: NewVersionProfiling,
+    ) -> None:
+        self.result: tuple[dict[str, Any], Any] | None = None
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self.result = profile_and_plan(store, resolver, rollout, profiling)
+            except Exception as error:  # reported by the loop's next tick
+                self.error = error
+
+        self._thread = threading.Thread(
+            target=run, name=f"rollout-{rollout.id}-profile", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+
+def _profiling_due(rollout: RolloutRecord) -> bool:
+    """Whether the start's profile run of ``rollout`` is still to be done (before traffic)."""
+    return (
+        rollout.state in (RolloutState.PENDING, RolloutState.PAUSED)
+        and bool(rollout.settings.get("profile_run"))
+        and "profiled" not in rollout.settings
+    )
 
 
 def _alone_text(measured: Mapping[str, Any]) -> str:

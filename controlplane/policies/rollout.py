@@ -67,6 +67,7 @@ __all__ = [
     "rederive_thresholds",
     "rollout_request_prefix",
     "routed_to_new",
+    "step_fleet",
     "step_shares",
 ]
 
@@ -197,6 +198,32 @@ def extra_fleet(
         cheapest = min(candidates, key=lambda t: (prices_usd_per_hr[t], t))
         fleet = {cheapest: 1}
     return dict(sorted(fleet.items()))
+
+
+def step_fleet(
+    stages: Mapping[str, int],
+    prices_usd_per_hr: Mapping[str, float],
+    shares: Sequence[float],
+    index: int,
+    granted: Mapping[str, int],
+) -> dict[str, int]:
+    """A rollout's extra instances at step ``index`` of ``shares``: the stage fleet ``stages``
+    at the step's share (:func:`extra_fleet`; a shadow step, share 0, mirrors every query: the
+    whole stage fleet), never fewer of a type than ``granted`` already (a rollout's fleet only
+    grows: its workers of a step keep serving the next).
+
+    >>> step_fleet({"a": 4}, {"a": 1.0}, (0.05, 0.25, 0.5, 1.0), 0, {})
+    {'a': 1}
+    >>> step_fleet({"a": 4}, {"a": 1.0}, (0.05, 0.25, 0.5, 1.0), 2, {"a": 1})
+    {'a': 2}
+    >>> step_fleet({"a": 4}, {"a": 1.0}, (0.0, 0.5, 1.0), 1, {"a": 4})  # after a shadow step
+    {'a': 4}
+    """
+    share = float(shares[index]) or 1.0
+    wanted = extra_fleet(stages, prices_usd_per_hr, share)
+    for t, n in granted.items():
+        wanted[t] = max(wanted.get(t, 0), int(n))
+    return dict(sorted(wanted.items()))
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,7 @@ from controlplane.apps.resolver import (
     ScaleSource,
     smallest_common_batch_size,
 )
+from controlplane.apps.rollouts import NewVersionProfiling
 from controlplane.clock import Clock, SystemClock
 from controlplane.db import migrate
 from controlplane.db.lease import (
@@ -117,7 +118,7 @@ from controlplane.provisioning import build_provisioner
 from controlplane.service.app import create_app
 from controlplane.serving.loop import ServingLoop
 from controlplane.serving.owners import DispatchOwners
-from controlplane.serving.workers import ProvisionedInstances
+from controlplane.serving.workers import DEFAULT_WORKER_PORT, ProvisionedInstances
 from controlplane.settings import Settings
 from estimator.catalog import default_catalog
 from estimator.errors import EstimatorError
@@ -458,6 +459,11 @@ def build_scheduler(
     if reconciler is not None:
 
         def reconcile() -> None:
+            if rollouts is not None:
+                # The rollouts' workers are their loop's, alive here: a leader that has just
+                # taken over (or a service just restarted) claims them before the reconciler
+                # would take them for a dead profile run's (rule 8).
+                rollouts.claim_workers()
             _log_report(reconciler.run_once())
             if replanner is not None:
                 replanner.tick()
@@ -648,6 +654,16 @@ def build_service(
         clock,
         view.versions,
         disruption=disruption_budget(settings),
+        profiling=(
+            NewVersionProfiling(
+                provisioner,
+                clock,
+                DEFAULT_WORKER_PORT,
+                heartbeat_s=settings.profile_run_heartbeat_s,
+            )
+            if settings.rollout_profile_run
+            else None
+        ),
     )
     if local_serving is not None:
         local_serving.gears = live_gears.gear

@@ -11,14 +11,18 @@ launched worker's row to ``running``, is done by hand too).
 - a restart mid-rollout (a new store, rollout loop and meter) resumes at the step the database
   says, with the step's clock kept;
 - a version under the user's accuracy floor on labelled queries rolls back at once;
-- before traffic, the start profiles the new version on the app's candidate types (a profile
-  run's workers on a fake worker) and plans the app again with it: a slower version gets a
-  bigger extra fleet than the old version's stage, and the app's own profiles stay.
+- before traffic, the start returns at once and the rollout loop profiles the new version on
+  the app's candidate types (a profile run's workers on a fake worker) and plans the app again
+  with it: a slower version gets a bigger stage fleet than the old version's, its steps' extra
+  fleets sized from it, and the app's own profiles stay;
+- the extra fleet grows step by step, and waits (a decision with the amount) where the budget
+  cannot pay for the next step's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -30,9 +34,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.apps.plans import PlanRequest, apply_plan, preview_plan
 from controlplane.apps.resolver import AppResolver, spec_document
-from controlplane.apps.rollouts import NewVersionProfiling, RolloutRequest, start_rollout
+from controlplane.apps.rollouts import (
+    NewVersionProfiling,
+    RolloutRequest,
+    rollout_phase,
+    start_rollout,
+)
 from controlplane.clock import FakeClock, SystemClock
 from controlplane.db.store import Store
+from controlplane.errors import RolloutBudgetError
 from controlplane.loops.rollouts import RolloutLoop
 from controlplane.policies.lifecycle import InstanceState
 from controlplane.policies.rollout import Thresholds, rollout_request_prefix, routed_to_new
@@ -468,11 +478,13 @@ def test_promotion_gives_the_app_the_new_versions_measured_profiles(tmp_path: Pa
         world.store.close()
 
 
-def test_the_start_profiles_the_new_version_and_plans_its_fleet(tmp_path: Path) -> None:
+def test_the_start_returns_at_once_and_the_loop_profiles_and_plans(tmp_path: Path) -> None:
     """The old version answers in 1 ms (its measured profile at batch sizes 1 and 2), the
     applied plan runs it on one instance; the new version (a fake worker that takes 100 ms a
-    call) is profiled at those batch sizes by the start's profile run and the app planned again
-    at the applied plan's rate: its extra fleet is the new plan's, more than one instance."""
+    call) is to be profiled: the start returns at once (``pending``, phase ``profiling``, nothing
+    launched), and the rollout loop profiles it at those batch sizes in a thread and plans the
+    app again at the applied plan's rate: the new plan's stage fleet, more than one instance, is
+    what the steps' extra fleets are sized from (half of it, rounded up, at 50 %)."""
     world = World(tmp_path, MEASURED_SPEC, profiles={})
     old_profile = {
         "model": "tiny",
@@ -486,44 +498,135 @@ def test_the_start_profiles_the_new_version_and_plans_its_fleet(tmp_path: Path) 
     preview = preview_plan(world.store, world.resolver, APP, PlanRequest(rate_qps=50.0))
     applied = apply_plan(world.store, APP, preview.id, "test")
     assert dict(applied.plan.fleet) == {SMALL: 1}
-    profiling = NewVersionProfiling(world.provider, world.clock, 0, samples=5, warmup=1)
+    world.rollouts.profiling = NewVersionProfiling(world.provider, world.clock, 0, 0.5, 5, 1)
 
-    async def body() -> Any:
+    def profile_rows() -> list[Any]:
+        return [r for r in world.store.list_instances(APP) if r.request_id.startswith("profile:")]
+
+    async def body() -> tuple[Any, list[str]]:
         (slow,) = await fleet(delay_s=0.1)
         world.provider.address = slow.address
-        request = RolloutRequest("digits-tiny@2", (1.0,), 10.0)
-        return await asyncio.to_thread(
-            start_rollout,
-            world.store,
-            world.resolver,
-            APP,
-            request,
-            who="test",
-            profiling=profiling,
+        request = RolloutRequest("digits-tiny@2", (0.5, 1.0), 10.0)
+        started = start_rollout(
+            world.store, world.resolver, APP, request, who="test", profile_run=True
         )
+        assert started.state == "pending" and rollout_phase(started) == "profiling"
+        assert profile_rows() == [] and "profiled" not in started.settings
+        assert await world.tick() == []  # the run starts, in a thread of the loop
+        assert rollout_phase(world.state(started.id)) == "profiling"
+        await asyncio.to_thread(world.rollouts.join_profile_runs, DEADLINE_S)
+        return started, await world.tick()
 
     try:
-        rollout = run(body())
+        started, said = run(body())
+        rollout = world.state(started.id)
         profiled = rollout.settings["profiled"]
         assert profiled["instance_types"] == [SMALL] and profiled["batch_sizes"] == [1, 2]
         assert profiled["mean_ms_at_1"][SMALL] >= 100.0  # the fake worker's delay, not 1 ms
         planned = profiled["plan"]
         assert planned["planned_rate_qps"] == pytest.approx(applied.plan.planned_rate_qps)
-        assert rollout.settings["extra_fleet"] == planned["stages"]["tiny"]
-        assert rollout.settings["extra_fleet"][SMALL] > 1
-        (decision,) = world.store.list_decisions(APP, kinds=["rollout"])
-        assert "profiled on emu.cpu.small" in decision.reason and "planned at" in decision.reason
+        stage = rollout.settings["stage_fleet"]
+        assert stage == planned["stages"]["tiny"] and stage[SMALL] > 1
+        assert rollout.settings["extra_fleet"] == {SMALL: math.ceil(0.5 * stage[SMALL])}
+        assert rollout_phase(rollout) == "starting"
+        reasons = [d.reason for d in world.store.list_decisions(APP, kinds=["rollout"])]
+        assert "profiled on emu.cpu.small" in reasons[1] and "planned at" in reasons[1], reasons
+        assert reasons[2].endswith(
+            f"step 1's extra instances granted: {SMALL}={stage[SMALL] // 2 + stage[SMALL] % 2}"
+        )
+        assert said == [], said
         # The profile run's workers ended; the app still serves (and is profiled as) version 1.
-        workers = [
-            r for r in world.store.list_instances(APP) if r.request_id.startswith("profile:")
-        ]
+        workers = [r for r in profile_rows() if "rollout-" not in r.request_id]
         assert workers and all(r.state in ("terminating", "terminated") for r in workers)
         assert world.store.get_app_profiles(APP) == old_document
-        # At promotion, the app's profiles become those of the start's run.
+        # At promotion, the app's profiles become those of the run.
         loop_pin = world.rollouts._pin(rollout)
         assert "are now the new version's" in loop_pin
         (pinned,) = world.store.get_app_profiles(APP)["profiles"]
         assert pinned["batch_sizes"] == [1, 2] and min(pinned["latency_ms"][0]) >= 100.0
+    finally:
+        world.store.close()
+
+
+def test_a_profile_run_that_cannot_run_refuses_or_rolls_back(world: World) -> None:
+    """Up front, a profile run the budget cannot pay for refuses the start with the amount; a
+    profile run that fails in the rollout loop (the provider has no capacity for its worker)
+    rolls the rollout back before traffic, with the reason."""
+    world.rollouts.profiling = NewVersionProfiling(world.provider, world.clock, 0, 0.5, 5, 1)
+    request = RolloutRequest("digits-tiny@2", (0.5, 1.0), 10.0)
+    price = world.resolver.resolve(world.store.get_app(APP).spec).prices_usd_per_hr[SMALL]
+    world.store.change_budget(APP, 0.5 * price, reason="tight", who="test")
+    with pytest.raises(RolloutBudgetError, match="the start's profile run: one worker of each of"):
+        start_rollout(world.store, world.resolver, APP, request, who="test", profile_run=True)
+    assert world.store.list_rollouts(APP) == []
+    world.store.change_budget(APP, 5.0, reason="room", who="test")
+    world.provider.fail_capacity(SMALL)
+    rid = start_rollout(world.store, world.resolver, APP, request, who="test", profile_run=True).id
+
+    async def body() -> list[str]:
+        await world.tick()
+        await asyncio.to_thread(world.rollouts.join_profile_runs, DEADLINE_S)
+        return await world.tick()
+
+    run(body())
+    rolled = world.state(rid)
+    assert rolled.state == "rolled_back", rolled
+    assert rolled.reason.startswith(
+        "rolled back before traffic: the new version could not be profiled and planned: cannot"
+        f" launch {SMALL} to profile"
+    ), rolled.reason
+    assert world.rollouts.route(APP) is None
+
+
+def test_the_extra_fleet_grows_step_by_step_within_the_budget(tmp_path: Path) -> None:
+    """The applied plan's stage runs four instances: at 25 % the rollout runs one extra
+    instance; the next step (100 %) needs three more, which the budget cannot pay for next to
+    it, so the step holds with a decision naming the amount; once the budget is raised the step
+    moves and the extra fleet grows to four (no traffic to the new version until they run)."""
+    world = World(tmp_path)
+    price = world.resolver.resolve(world.store.get_app(APP).spec).prices_usd_per_hr[SMALL]
+    stages = [{"name": "tiny", "fleet": {SMALL: 4}, "batch_size": 4, "policy": "fcfs"}]
+    plan = world.store.create_plan(
+        APP, {"feasible": True, "cost_usd_per_hr": 4 * price, "stages": stages}
+    )
+    world.store.apply_plan(APP, plan.id)
+    world.store.change_budget(APP, 2.5 * price, reason="tight", who="test")
+    rid = world.start(steps=(0.25, 1.0))
+    assert world.state(rid).settings["extra_fleet"] == {SMALL: 1}
+
+    async def body() -> tuple[list[str], list[str]]:
+        (new,) = await fleet()
+        await world.workers_up(rid, [new])
+        route = world.rollouts.route(APP)
+        assert route is not None
+        for _ in range(12):
+            world.serving.versions.answered(APP, route, "digits-tiny@2", 5.0)
+        world.clock.advance(11.0)
+        held = await world.tick()
+        world.store.change_budget(APP, 5 * price, reason="room", who="test")
+        for _ in range(12):
+            world.serving.versions.answered(APP, route, "digits-tiny@2", 5.0)
+        return held, await world.tick()
+
+    try:
+        held, moved = run(body())
+        assert held == []
+        reasons = [d.reason for d in world.store.list_decisions(APP, kinds=["rollout"])]
+        waited = [r for r in reasons if "waiting for the budget" in r]
+        assert len(waited) == 1, reasons
+        assert (
+            f"step 2 (100% of queries) needs {SMALL}=3 more for {3 * price:.4g} USD/hr"
+            in (waited[0])
+        )
+        assert f"over the budget of {2.5 * price:g} USD/hr" in waited[0]
+        (said,) = moved
+        assert said.startswith("step 1 passed") and f"grow to {SMALL}=4" in said
+        rollout = world.state(rid)
+        assert rollout.step_index == 1 and rollout.settings["extra_fleet"] == {SMALL: 4}
+        assert world.rollouts.route(APP) is None  # until the three new workers run
+        prefix = rollout_request_prefix(APP, rid)
+        rows = [r for r in world.store.list_instances(APP) if r.request_id.startswith(prefix)]
+        assert len(rows) == 1  # launched by the next tick
     finally:
         world.store.close()
 

@@ -163,7 +163,7 @@ def test_a_rollout_the_budget_cannot_pay_for_is_refused_with_the_amount(world: W
     answer = post(world, "rollouts", {"model": "wine-model@2"})
     assert answer.status_code == 409, answer.text
     message = answer.json()["error"]["message"]
-    assert f"needs {PRICE:.4g} USD/hr of extra instances ({SMALL}=1)" in message
+    assert f"needs {PRICE:.4g} USD/hr of extra instances ({SMALL}=1 for its first step)" in message
     assert f"together {2 * PRICE:.4g} USD/hr" in message
     assert world.store.list_rollouts(APP) == []
     assert world.client.get(f"/v1/apps/{APP}/rollouts/1", headers=world.auth).status_code == 404

@@ -6,7 +6,9 @@ operation is done or cleanly not done, and running it again works.
 
 A few points, one per kind of guarantee (each a service started twice, seconds): a push killed
 between its blob and its row, a profile run killed with its workers launched, a reconciler killed
-between a launch and its row's update. ``benchmarks/crash_points.py`` runs every point.
+between a launch and its row's update, a rollout's handover killed between writing which old
+instances end and ending them (the service started again ends them and finishes the handover).
+``benchmarks/crash_points.py`` runs every point.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ pytest.importorskip("onnxruntime")
         ("model_push.before_row", "model push"),
         ("profile_run.after_launch", "profile run"),
         ("reconcile.after_launch", "plan apply"),
+        # A whole rollout after the app's start (its profile run, two steps, a handover).
+        pytest.param("rollout.handover_recorded", "rollout", marks=pytest.mark.slow),
     ],
 )
 def test_a_crash_at_the_point_leaves_nothing_behind(

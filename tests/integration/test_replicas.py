@@ -246,9 +246,9 @@ def one_leader(servers: Sequence[Server]) -> tuple[Server, Server] | None:
     return (servers[0], servers[1]) if roles[0] == "leader" else (servers[1], servers[0])
 
 
-def token(data_dir: Path, database_url: str) -> str:
+def token(data_dir: Path, database_url: str, scope: str = "admin", name: str = "ops") -> str:
     done = subprocess.run(
-        [*TOKEN_CREATE, "--scope", "admin", "--name", "ops"],
+        [*TOKEN_CREATE, "--scope", scope, "--name", name],
         cwd=REPO,
         env=service_env(data_dir, database_url=database_url),
         capture_output=True,
@@ -416,13 +416,7 @@ def test_a_standby_adopts_the_killed_leaders_local_workers(
 
     data_dir = local_data_dir(tmp_path, trained_family)
     profile = _local_profile(data_dir)
-    settings = {
-        "database_url": postgres_url,
-        "provisioner": "local",
-        "reconcile_s": "0.5",
-        "tuner_tick_s": "3600",  # the fleet stays the plan's
-    }
-    servers = [Server(data_dir, tmp_path / f"{n}.log", **settings) for n in ("a", "b")]
+    servers = local_replicas(data_dir, postgres_url, tmp_path)
     try:
         logs = tails_of(servers)
         leader, standby = wait_for("single leader", lambda: one_leader(servers), logs)
@@ -466,6 +460,18 @@ def test_a_standby_adopts_the_killed_leaders_local_workers(
         for server in servers:
             server.stop()
         stop_local_workers(data_dir)
+
+
+def local_replicas(data_dir: Path, postgres_url: str, logs: Path) -> list[Server]:
+    """Two ``serve`` replicas on one PostgreSQL database and one data directory, with the local
+    provisioner (fast reconcile ticks; the tuner idle, so that the fleet stays the plan's)."""
+    settings = {
+        "database_url": postgres_url,
+        "provisioner": "local",
+        "reconcile_s": "0.5",
+        "tuner_tick_s": "3600",
+    }
+    return [Server(data_dir, logs / f"{n}.log", **settings) for n in ("a", "b")]
 
 
 def stop_local_workers(data_dir: Path) -> None:

@@ -9,14 +9,15 @@ served by one ``emu.cpu.large`` worker. Then, one after the other:
 - **a good version** (the same weights pushed again, version 2) goes through 50 % and 100 %
   and is promoted: the app's spec names version 2, the old worker is handed over (ended, and
   a new one started by the reconciler with version 2), the rollout's worker ends;
-- **a slow one** rolls back on latency: version 1 again, judged against ``--max-p99-ms 0.001``,
-  a bound every real answer is over (a model made slow on purpose would make the test depend on
-  this machine's speed; the bound makes "too slow" certain): timed alone on its worker before
-  any traffic moves, it is already over, and no query reaches it (the component tests roll a
-  version back on its live P99, tests/component/test_rollout_serving.py);
 - **a wrong one** (version 3: the output layer's weights and bias negated, so its argmax is the
   old one's argmin) rolls back on agreement in shadow mode, while every client still got the
-  serving version's answer.
+  serving version's answer;
+- **a slow one** (version 4: version 2 padded with a chain of 1024 x 1024 MatMuls whose sum, 0,
+  is added to the scores: the same answers, about a hundred times the compute) rolls back on
+  latency with the default thresholds: the app's SLO is lowered to 10 ms first (the tiny model
+  answers in a few ms; the padded one takes tens to hundreds of ms even on a much faster
+  machine), and the new version, timed alone on its worker before any traffic moves, is over it:
+  no client query reached it, so its SLO misses are none, within the canary share.
 
 Everything is polled against deadlines; nothing is timed.
 """
@@ -52,6 +53,47 @@ APP = "tokens"
 TYPE = "emu.cpu.large"
 DEADLINE_S = 240.0
 POLL_S = 0.2
+# The slow version's padding: 20 MatMuls of 1024 x 1024 (about 40 GFLOP a query).
+PAD_LAYERS = 20
+PAD_SIZE = 1024
+# The SLO the slow version is judged against (the app's, lowered for it).
+SLOW_SLO_MS = 10
+
+
+def _padded(model: Path, layers: int = PAD_LAYERS, size: int = PAD_SIZE) -> Path:
+    """The model with extra compute that changes no answer: a chain of ``layers`` MatMuls of a
+    ``size`` x ``size`` matrix (scaled by the sum of the tokens, so that nothing folds it at
+    load) by a zero matrix, whose sum (0) is added to the scores."""
+    proto = onnx.load(str(model))
+    graph = proto.graph
+    out = graph.output[0].name
+    for node in graph.node:
+        node.output[:] = [f"{out}_unpadded" if o == out else o for o in node.output]
+    helper, numpy_helper = onnx.helper, onnx.numpy_helper
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.zeros((size, size), np.float32), "pad_zero"),
+            numpy_helper.from_array(np.ones((size, size), np.float32), "pad_ones"),
+        ]
+    )
+    nodes = [
+        helper.make_node("Cast", ["tokens"], ["pad_tokens"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["pad_tokens"], ["pad_scale"], keepdims=0),
+        helper.make_node("Mul", ["pad_ones", "pad_scale"], ["pad_0"]),
+    ]
+    nodes += [
+        helper.make_node("MatMul", [f"pad_{k}", "pad_zero"], [f"pad_{k + 1}"])
+        for k in range(layers)
+    ]
+    nodes += [
+        helper.make_node("ReduceSum", [f"pad_{layers}"], ["pad_sum"], keepdims=0),
+        helper.make_node("Add", [f"{out}_unpadded", "pad_sum"], [out]),
+    ]
+    graph.node.extend(nodes)
+    onnx.checker.check_model(proto)
+    path = model.with_name("tokens-slow.onnx")
+    onnx.save(proto, str(path))
+    return path
 
 
 def _wrong(model: Path) -> Path:
@@ -147,10 +189,12 @@ def test_promote_roll_back_on_latency_and_on_agreement_in_shadow(
     with ApiServer(service) as url:
         monkeypatch.setenv("HETEROPLANE_URL", url)
         monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
-        for path in (model, model, _wrong(model)):
+        for path in (model, model, _wrong(model), _padded(model)):
             _cli(capsys, "model", "push", MODEL, str(path))
         store = service.store
-        _serve(service, [MODEL], profile_file(tmp_path))
+        # Batch sizes 1 and 4 only: the start's profile run times the padded version at each.
+        # In the data directory: the spec is sent again (PUT) to lower the SLO.
+        _serve(service, [MODEL], profile_file(service.settings.data_dir, (1, 4)))
         # Bad input through the CLI: one line, exit 2 (the server's 4xx message).
         for argv, message in (
             (["status", "--app", APP], f"app {APP!r} has no rollout"),
@@ -182,17 +226,21 @@ def test_promote_roll_back_on_latency_and_on_agreement_in_shadow(
                 "--min-queries",
                 "5",
             )
+            # The start returns at once: the rollout loop profiles the new version first.
             assert (started["state"], started["from_version"], started["to_version"]) == (
                 "pending",
                 1,
                 2,
             )
+            assert started["phase"] == "profiling" and started["profiled"] is None, started
+            promoted = _wait_rollout(capsys, lambda s: s["state"] == "promoted")
             # Profiled on the app's types before traffic (a profile run's worker); the plan,
-            # written by hand, has no rate to plan on again: the extra fleet copies its stage.
-            profiled = started["profiled"]
+            # written by hand, has no rate to plan on again: the extra fleet is sized from its
+            # stage (one instance at 50 % and at 100 %).
+            profiled = promoted["profiled"]
             assert profiled["instance_types"] == [TYPE] and profiled["profiles"], profiled
             assert "no planned rate" in profiled["not_planned"], profiled
-            promoted = _wait_rollout(capsys, lambda s: s["state"] == "promoted")
+            assert promoted["extra_fleet"] == {TYPE: 1}, promoted
             # The last step's figures: the new version answered queries at 100 %, none failed.
             last = promoted["figures"]["versions"][f"{MODEL}@2"]
             assert last["queries"] >= 5 and last["errors"] == 0, promoted
@@ -213,28 +261,6 @@ def test_promote_roll_back_on_latency_and_on_agreement_in_shadow(
                 "--app",
                 APP,
                 "--model",
-                f"{MODEL}@1",
-                "--steps",
-                "50,100",
-                "--interval-s",
-                "1",
-                "--min-queries",
-                "5",
-                "--max-p99-ms",
-                "0.001",
-            )
-            slow = _wait_rollout(capsys, lambda s: s["state"] == "rolled_back")
-            assert slow["reason"].startswith("rolled back before traffic: alone, the new version's")
-            assert "P99" in slow["reason"] and "over the limit 0.001 ms" in slow["reason"]
-            assert slow["figures"]["pre_traffic"]["measured"] is True
-
-            _cli(
-                capsys,
-                "rollout",
-                "start",
-                "--app",
-                APP,
-                "--model",
                 f"{MODEL}@3",
                 "--shadow",
                 "--interval-s",
@@ -244,6 +270,26 @@ def test_promote_roll_back_on_latency_and_on_agreement_in_shadow(
             )
             wrong = _wait_rollout(capsys, lambda s: s["state"] == "rolled_back")
             assert "agreement with the old version" in wrong["reason"], wrong
+            assert store.get_app(APP).spec["models"][0]["artifact"] == f"{MODEL}@2"
+
+            # The slow one, judged with the default thresholds against the app's SLO, lowered.
+            spec = dict(store.get_app(APP).spec)
+            spec["slo"] = {**spec["slo"], "latency_ms": SLOW_SLO_MS}
+            headers = {"Authorization": f"Bearer {admin}"}
+            changed = httpx.put(f"{url}/v1/apps/{APP}", json=spec, headers=headers, timeout=60)
+            assert changed.status_code == 200, changed.text
+            _cli(
+                capsys, "rollout", "start", "--app", APP, "--model", f"{MODEL}@4",
+                "--steps", "50,100", "--interval-s", "1", "--min-queries", "5",
+            )  # fmt: skip
+            slow = _wait_rollout(capsys, lambda s: s["state"] == "rolled_back")
+            assert slow["thresholds"]["max_p99_ms"] is None, slow  # the default: the SLO
+            assert slow["reason"].startswith("rolled back before traffic: alone, the new version's")
+            assert f"over the limit {SLOW_SLO_MS} ms" in slow["reason"], slow["reason"]
+            assert slow["figures"]["pre_traffic"]["measured"] is True
+            # No client query reached it: its SLO misses are none, within the canary share.
+            reached = slow["figures"].get("versions", {}).get(f"{MODEL}@4", {})
+            assert reached.get("queries", 0) == 0, slow["figures"]
             assert store.get_app(APP).spec["models"][0]["artifact"] == f"{MODEL}@2"
         finally:
             client.stop.set()

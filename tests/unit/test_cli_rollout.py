@@ -38,3 +38,16 @@ def test_bad_options_exit_2_with_one_line(
     assert exited.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_a_pending_rollout_says_what_it_does_before_traffic() -> None:
+    from controlplane.cli.rollout import _line
+
+    document = {
+        "id": 3, "app": "wine", "model": "clf", "artifact": "wine", "from_version": 1,
+        "to_version": 2, "state": "pending", "phase": "waiting_for_budget", "step_share": 0.05,
+        "steps": [0.05, 1.0], "reason": "waiting for the budget: step 1 needs ...",
+    }  # fmt: skip
+    line = _line(document)
+    assert line.startswith("rollout 3 of wine: clf wine@1 -> @2, pending (waiting for budget),")
+    assert _line({**document, "state": "running", "phase": None}).count("running,") == 1

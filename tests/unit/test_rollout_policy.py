@@ -19,6 +19,7 @@ from controlplane.policies.rollout import (
     judge,
     parse_steps,
     routed_to_new,
+    step_fleet,
 )
 
 T = Thresholds(min_queries=20)
@@ -79,6 +80,28 @@ def test_split_is_deterministic_and_close_to_the_share() -> None:
     assert all(routed_to_new(i, 0.5) for i in ids if routed_to_new(i, 0.25))
     assert not any(routed_to_new(i, 0.0) for i in ids[:100])
     assert all(0.0 <= bucket(i) < 1.0 for i in ids[:100])
+
+
+def test_a_steps_fleet_follows_its_share_and_only_grows() -> None:
+    prices = {"small": 1.0, "large": 3.0}
+    stages = {"small": 8, "large": 2}
+    shares = (0.05, 0.25, 0.5, 1.0)
+    fleets = []
+    granted: dict[str, int] = {}
+    for index in range(len(shares)):
+        granted = step_fleet(stages, prices, shares, index, granted)
+        fleets.append(granted)
+    assert fleets == [
+        {"large": 1, "small": 1},
+        {"large": 1, "small": 2},
+        {"large": 1, "small": 4},
+        {"large": 2, "small": 8},
+    ]
+    # A shadow step (share 0) mirrors every query: the whole stage; the next keeps it.
+    assert step_fleet(stages, prices, (0.0, 0.25, 1.0), 0, {}) == stages
+    assert step_fleet(stages, prices, (0.0, 0.25, 1.0), 1, stages) == stages
+    # No stage fleet (no plan): one of the cheapest type.
+    assert step_fleet({}, prices, shares, 3, {}) == {"small": 1}
 
 
 def test_extra_fleet_rounds_up_and_keeps_one() -> None:

@@ -17,11 +17,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.api.deps import Operator, ServicesDep, Viewer
-from controlplane.api.errors import ApiError
 from controlplane.api.routes import AppName, errors
-from controlplane.apps.profiler import ProfilingError
 from controlplane.apps.rollouts import (
-    NewVersionProfiling,
     RolloutRequest,
     abort_rollout,
     pause_rollout,
@@ -32,7 +29,6 @@ from controlplane.apps.rollouts import (
 from controlplane.db.store import RolloutRecord
 from controlplane.policies.rollout import DEFAULT_INTERVAL_S, DEFAULT_STEPS, Thresholds
 from controlplane.serving.versions import VersionMeter
-from controlplane.serving.workers import DEFAULT_WORKER_PORT
 
 __all__ = ["RolloutCollector", "router"]
 
@@ -78,27 +74,18 @@ def _out(rollout: RolloutRecord) -> dict[str, Any]:
     status_code=201,
     summary="Start a rollout of a new model version (operator); 409 while one is active or"
     " when the budget cannot pay for its instances",
-    responses=errors(400, 401, 403, 404, 409, 422, 502),
+    responses=errors(400, 401, 403, 404, 409, 422),
 )
 def start(app: AppName, body: RolloutIn, services: ServicesDep, who: Operator) -> dict[str, Any]:
     thresholds = Thresholds(**body.thresholds.model_dump())
     request = RolloutRequest(
         body.model, body.steps, body.interval_s, body.shadow, thresholds, body.validation
     )
-    profiling = None
-    if services.provisioner is not None and services.settings.rollout_profile_run:
-        profiling = NewVersionProfiling(
-            services.provisioner,
-            services.clock,
-            DEFAULT_WORKER_PORT,
-            heartbeat_s=services.settings.profile_run_heartbeat_s,
-        )
-    try:
-        rollout = start_rollout(
-            services.store, services.resolver, app, request, who=who.name, profiling=profiling
-        )
-    except ProfilingError as error:
-        raise ApiError(502, "profiling_failed", str(error)) from None
+    # The new version's profile run and plan are the rollout loop's: the start returns at once.
+    profile_run = services.provisioner is not None and services.settings.rollout_profile_run
+    rollout = start_rollout(
+        services.store, services.resolver, app, request, who=who.name, profile_run=profile_run
+    )
     return _out(rollout)
 
 

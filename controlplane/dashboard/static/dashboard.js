@@ -484,6 +484,8 @@
     const steps = (r.steps || []).map((s) => (s === 0 ? "shadow" : pct(s))).join(" → ");
     const head = el("p", { class: "rollout-head" }, [
       el("b", { class: "rollout-state " + r.state, text: r.state.replace(/_/g, " ") }),
+      // A pending rollout's phase: profiling, waiting for budget, starting.
+      document.createTextNode(r.phase ? " (" + r.phase.replace(/_/g, " ") + ")" : ""),
       document.createTextNode(" " + r.model + ": " + r.artifact + "@" + r.from_version + " → @" + r.to_version + ", " + share),
     ]);
     const stepLine = el("p", { class: "note", text: "steps " + steps + " (step " + (Math.min(r.step_index, r.steps.length - 1) + 1) + " of " + r.steps.length + ", at least " + duration(r.interval_s) + " each)" });

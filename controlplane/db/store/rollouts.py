@@ -4,7 +4,8 @@
   still active (pending, running or paused) refuses a second one
   (:class:`~controlplane.errors.ConflictError`, decided under the app row's lock, so of two
   concurrent starts one wins).
-- :meth:`RolloutStore.move_rollout` changes a rollout's state, step, figures and reason,
+- :meth:`RolloutStore.move_rollout` changes a rollout's state, step, figures, reason and
+  settings,
   compare-and-set on the state and step it was read at (a loop and a user acting at once: one
   wins, the other reads :class:`~controlplane.errors.ConflictError`), along the table of
   :data:`controlplane.policies.rollout.TRANSITIONS`.
@@ -160,11 +161,14 @@ class RolloutStore(StoreBase):
         figures: Mapping[str, Any] | None = None,
         reason: str | None = None,
         new_step: bool = False,
+        settings: Mapping[str, Any] | None = None,
         at: datetime | None = None,
     ) -> RolloutRecord:
         """``seen`` moved to ``state`` / ``step_index`` (``new_step``: the step's clock starts
-        again now), with its figures and reason; :class:`ConflictError` when the row is no
-        longer at the state and step ``seen`` read."""
+        again now), with its figures and reason (and ``settings``: the whole settings document,
+        as the loop completes them: what the start's profile run measured, the step's extra
+        fleet); :class:`ConflictError` when the row is no longer at the state and step ``seen``
+        read."""
         if state is not None and state != seen.state:
             check_rollout_transition(seen.state, state)
         now = self._now(at)
@@ -177,6 +181,8 @@ class RolloutStore(StoreBase):
             values["figures"] = _json_document(figures, "figures")
         if reason is not None:
             values["reason"] = reason
+        if settings is not None:
+            values["settings"] = _json_document(settings, "settings")
         if new_step:
             values["step_started_at"] = now
         with transaction(self._sessions) as session:
