@@ -17,17 +17,22 @@ token and the input. Everything else passes through unchanged.
   whole here: the request is served here, where the limits answer it.
 - gRPC queries (:mod:`controlplane.api.grpc_oip`) are not forwarded: they are served where they
   land.
+- A forwarded request whose token this process knows as valid (the fast path's cached check,
+  :class:`~controlplane.api.fast_infer.TokenCheck`) marks its connection authenticated, as the
+  route's check would, so a client's kept-alive connections do not count against
+  ``http_unauthenticated_connections_max`` here.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from controlplane.api.limits import mark_authenticated
 from controlplane.api.routes import APP_NAME_PATTERN
 
 __all__ = ["FORWARDED_HEADER", "FORWARD_TIMEOUT_S", "Forwarder", "ForwardingMiddleware"]
@@ -63,12 +68,18 @@ class Owners(Protocol):
     def forward_to(self, app: str) -> str | None: ...
 
 
-class Forwarder:
-    """The pool of connections to the other serving processes, and what to forward where."""
+class Tokens(Protocol):
+    async def principal(self, token: str) -> Any: ...
 
-    def __init__(self, owners: Owners, body_max_bytes: int) -> None:
+
+class Forwarder:
+    """The pool of connections to the other serving processes, and what to forward where;
+    ``tokens`` (when given) tells the tokens this process knows as valid."""
+
+    def __init__(self, owners: Owners, body_max_bytes: int, tokens: Tokens | None = None) -> None:
         self.owners = owners
         self.body_max_bytes = int(body_max_bytes)
+        self.tokens = tokens
         self._client: httpx.AsyncClient | None = None
         self._unreachable: set[str] = set()
 
@@ -129,6 +140,7 @@ class ForwardingMiddleware:
         if url is None:
             await self.app(scope, receive, send)
             return
+        await self._mark_authenticated(scope)
         body, more, first = await _read_body(receive, self.forwarder.body_max_bytes)
         if more:
             # Too long to hold here: served here, where the limits answer it.
@@ -164,6 +176,15 @@ class ForwardingMiddleware:
             }
         )
         await send({"type": "http.response.body", "body": answer.content})
+
+    async def _mark_authenticated(self, scope: Scope) -> None:
+        tokens = self.forwarder.tokens
+        if tokens is None:
+            return
+        header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        scheme, _, token = header.decode("latin-1").partition(" ")
+        if scheme.lower() == "bearer" and token and await tokens.principal(token.strip()):
+            mark_authenticated(scope)
 
 
 def _chunk(body: bytes) -> Message:

@@ -31,7 +31,7 @@ from controlplane.api.counters import RequestCounter, RequestCountingMiddleware
 from controlplane.api.deps import Services
 from controlplane.api.disconnect import CancelOnDisconnect
 from controlplane.api.errors import OipErrorShapeMiddleware, install_error_handlers
-from controlplane.api.fast_infer import FastInferMiddleware
+from controlplane.api.fast_infer import FastInferMiddleware, TokenCheck
 from controlplane.api.forwarding import Forwarder, ForwardingMiddleware
 from controlplane.api.limits import BodySizeLimitMiddleware, HeaderSizeLimitMiddleware
 from controlplane.api.routes import (
@@ -101,7 +101,11 @@ def create_app(
     ``/internal/v1/feed`` (:mod:`controlplane.api.routes.internal`). ``owners``: the dispatch
     leases of a serving process among several on one database; the inference requests of apps
     another one dispatches are forwarded to it (:mod:`controlplane.api.forwarding`)."""
-    forwarder = None if owners is None else Forwarder(owners, settings.oip_body_max_bytes)
+    forwarder = (
+        None
+        if owners is None
+        else Forwarder(owners, settings.oip_body_max_bytes, TokenCheck(store))
+    )
     services = Services(
         settings=settings,
         store=store,

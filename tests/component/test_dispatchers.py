@@ -111,11 +111,23 @@ class Owners:
         return self.table.get(app)
 
 
+class Tokens:
+    """The tokens this process knows: ``hp_x`` only; the ones it was asked about."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    async def principal(self, token: str) -> str | None:
+        self.asked.append(token)
+        return "ops" if token == "hp_x" else None
+
+
 def test_the_queries_of_an_app_dispatched_elsewhere_are_answered_there() -> None:
     seen: list[tuple[str, str, bytes, str | None]] = []
     url, server, thread = _serve(_app("owner", seen))
     owners = Owners({"theirs": url, "gone": "http://127.0.0.1:9"})
-    forwarder = Forwarder(owners, body_max_bytes=1024)
+    tokens = Tokens()
+    forwarder = Forwarder(owners, body_max_bytes=1024, tokens=tokens)
     here = ForwardingMiddleware(_app("here", seen), forwarder)
 
     async def run() -> list[httpx.Response]:
@@ -163,3 +175,5 @@ def test_the_queries_of_an_app_dispatched_elsewhere_are_answered_there() -> None
         ("/v1/apps/theirs/infer", b"bad", "Bearer hp_x"),
     ]
     assert [body for name, _, body, _ in seen if name == "here"][-1] == b"q6"
+    # The token of each request forwarded (or meant to be) was checked here, for the connection.
+    assert tokens.asked == ["hp_x", "hp_x", "hp_x"]
