@@ -14,10 +14,11 @@ points (docs/operations.md, "Crash guarantees"):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
-__all__ = ["CRASH_AT_ENV", "POINTS", "crash_point"]
+__all__ = ["CRASH_AT_ENV", "POINTS", "crash_point", "crash_with"]
 
 CRASH_AT_ENV = "HETEROPLANE_CRASH_AT"
 
@@ -45,10 +46,25 @@ POINTS = frozenset(
 )
 
 
+# Processes SIGKILLed with this one at a crash point: the serving process of a loops process it
+# started (controlplane.cli.loops_process), so that a point in the loops kills the service
+# whole, as kill -9 of the service or a lost machine does.
+_ALSO: set[int] = set()
+
+
+def crash_with(pid: int) -> None:
+    """Have a crash point of this process SIGKILL ``pid`` too, first."""
+    _ALSO.add(pid)
+
+
 def crash_point(name: str) -> None:
-    """SIGKILL this process if :data:`CRASH_AT_ENV` names ``name`` (a no-op otherwise)."""
+    """SIGKILL this process (and those :func:`crash_with` named) if :data:`CRASH_AT_ENV` names
+    ``name`` (a no-op otherwise)."""
     wanted = os.environ.get(CRASH_AT_ENV)
     if not wanted:
         return
     if name in (part.strip() for part in wanted.split(",")):
+        for pid in _ALSO:
+            with contextlib.suppress(OSError):  # gone already
+                os.kill(pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -383,8 +383,15 @@ class Settings(BaseSettings):
     internal_token: str | None = Field(
         default=None,
         repr=False,
-        description="the admin token a loops process running apart sends to the serving"
-        " process's internal routes",
+        description="the secret a loops process running apart sends to the serving process's"
+        " internal routes (an admin token, or any secret the serving process is given too: its"
+        " internal routes take it); heteroplane serve makes one up for the loops it starts",
+    )
+    dispatch_url: str | None = Field(
+        default=None,
+        description="the base URL the other serving processes on the database reach this one"
+        " at, to forward the queries of the apps it dispatches (default: the address it"
+        " listens on, 127.0.0.1 for 0.0.0.0)",
     )
     loops_pull_s: float = Field(
         default=0.1,

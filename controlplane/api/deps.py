@@ -10,6 +10,7 @@ name is what audit rows record as *who*).
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
@@ -35,7 +36,15 @@ from provisioners.base import Provisioner
 if TYPE_CHECKING:  # the serving loop imports the API's resolver: only a type here
     from controlplane.serving.loop import ServingLoop
 
-__all__ = ["Services", "check_scope", "get_services", "require", "verify_bearer"]
+__all__ = [
+    "Internal",
+    "Services",
+    "check_scope",
+    "get_services",
+    "require",
+    "require_internal",
+    "verify_bearer",
+]
 
 # auto_error=False: the answer to a missing token is ours (the error body and the challenge),
 # not FastAPI's 403. The scheme still documents bearer auth in the OpenAPI document.
@@ -120,7 +129,33 @@ def require(scope: Scope) -> Callable[..., Principal]:
     return check
 
 
+# The principal of a request that showed the settings' ``internal_token`` (the loops process
+# beside a serving process, docs/service.md, "Serving apart from the loops").
+INTERNAL_PRINCIPAL = Principal("heteroplane-loops", Scope.ADMIN.value)
+
+
+def require_internal(
+    request: Request,
+    services: ServicesDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Principal:
+    """The internal routes' check: the settings' ``internal_token`` (the secret a serving
+    process shares with its loops; compared in constant time), or else an admin token."""
+    secret = services.settings.internal_token
+    scheme, token = get_authorization_scheme_param(request.headers.get("authorization"))
+    if (
+        secret
+        and token
+        and scheme.lower() == "bearer"
+        and hmac.compare_digest(token.encode(), secret.encode())
+    ):
+        mark_authenticated(request.scope)
+        return INTERNAL_PRINCIPAL
+    return require(Scope.ADMIN)(request, services, credentials)
+
+
 Viewer = Annotated[Principal, Depends(require(Scope.VIEWER))]
 Operator = Annotated[Principal, Depends(require(Scope.OPERATOR))]
 Admin = Annotated[Principal, Depends(require(Scope.ADMIN))]
+Internal = Annotated[Principal, Depends(require_internal)]
 Inferrer = Annotated[Principal, Depends(require(Scope.INFER))]

@@ -48,6 +48,7 @@ __all__ = [
     "InferOut",
     "InstanceEventOut",
     "InstanceOut",
+    "LoopsProcessOut",
     "MetricSampleOut",
     "PlanIn",
     "PlanOut",
@@ -121,18 +122,34 @@ class ErrorBody(BaseModel):
 # --- health ----------------------------------------------------------------------------------
 
 
+class LoopsProcessOut(BaseModel):
+    model_config = _RESPONSE
+
+    pid: int | None = Field(description="the loops process's pid; null while it is restarted")
+    restarts: int = Field(description="how many times it was started again after it exited")
+    url: str = Field(description="its API on loopback (its /healthz, its /metrics of the jobs)")
+    role: Literal["leader", "standby"] | None = Field(
+        description="its role under the leader lease; null while it does not answer"
+    )
+
+
 class HealthOut(BaseModel):
     model_config = _RESPONSE
 
     status: Literal["ok"] = "ok"
     version: str
-    scheduler_running: bool
+    scheduler_running: bool = Field(description="whether this process's scheduler runs jobs")
     role: Literal["leader", "standby", "serving"] = Field(
-        description="leader: this replica holds the leader lease and runs the periodic jobs;"
-        " standby: it serves the API and inference and takes over when the leader goes"
-        " (docs/service.md, 'Replicas and the leader lease'); serving: it serves the API and"
-        " inference only, the periodic jobs run in a loops process of their own (docs/service.md,"
-        " 'Serving apart from the loops')"
+        description="leader: this replica holds the leader lease and runs the periodic jobs"
+        " (in the loops process it supervises, by default); standby: it serves the API and"
+        " inference and takes over when the leader goes (docs/service.md, 'Replicas and the"
+        " leader lease'); serving: it serves the API and inference only, the periodic jobs run"
+        " in a loops process started apart (docs/service.md, 'Serving apart from the loops')"
+    )
+    loops: LoopsProcessOut | None = Field(
+        default=None,
+        description="the loops process this serving process started and supervises"
+        " (heteroplane serve's default); null when there is none",
     )
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import shlex
-import socket
 import sys
 from typing import Any
 
@@ -28,6 +27,8 @@ from controlplane.cli.parsers import (
 )
 from controlplane.cli.serve import (
     SERVE_LOGGER,
+    build_served,
+    client_url,
     configure_logging,
     grpc_address,
     listen,
@@ -102,13 +103,15 @@ def _serve(args: argparse.Namespace) -> int:
         # The family and its profiles first: the local provisioner hands the profiles to the
         # workers it launches, so they must be there when the service is built.
         family = prepare_family(settings.data_dir, args.profile_samples, progress)
-        service = build_service(settings)
+        service, loops = build_served(settings, sock, args.config, args.log_level)
     except BaseException:
         sock.close()
         raise
     try:
         state = prepare_demo(service, args.rate_qps, progress, family=family)
     except BaseException as error:
+        if loops is not None:
+            loops.stop()
         service.close()
         sock.close()
         if isinstance(error, ApiError):
@@ -117,13 +120,13 @@ def _serve(args: argparse.Namespace) -> int:
     # Listening before the banner: a client that reads it and connects at once is queued until
     # uvicorn accepts, not refused.
     sock.listen()
-    url = _client_url(sock)
+    url = client_url(sock)
     load = None if args.no_load else _demo_load(state, url)
     print(_banner(state, url, load), file=sys.stderr, flush=True)
     if load is not None:
         load.start()
     try:
-        return serve_until_stopped(service, sock, args.log_level, grpc)
+        return serve_until_stopped(service, sock, args.log_level, grpc, loops)
     finally:
         if load is not None:
             load.stop()
@@ -194,16 +197,6 @@ def _demo_load(state: DemoState, url: str) -> DemoLoad:
     token = state.token.path.read_text(encoding="utf-8").strip()
     inputs = family.load_split().validation_inputs
     return DemoLoad(url, token, inputs, progress)
-
-
-def _client_url(sock: socket.socket) -> str:
-    """The URL a client on this machine uses for the service bound to ``sock``."""
-    host, port = sock.getsockname()[:2]
-    if host in ("0.0.0.0", ""):
-        host = "127.0.0.1"
-    elif host == "::":
-        host = "::1"
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _plan_summary(plan: PlanRecord | None, budget_usd_per_hr: float) -> str:

@@ -1157,9 +1157,10 @@ def _serve(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="run the control-plane service: the REST API and the periodic jobs",
-        description="Migrate the configured database and serve the REST API (docs/api.md) with"
-        " the scheduler's jobs (tuner tick, reconcile with the capacity replanner, metric"
-        " roll-up) until SIGINT or SIGTERM.",
+        description="Migrate the configured database and serve the REST API (docs/api.md) and"
+        " inference, with the scheduler's jobs (tuner tick, reconcile with the capacity"
+        " replanner, metric roll-up) in a loops process this one starts and supervises, until"
+        " SIGINT or SIGTERM.",
     )
     parser.add_argument("--host", metavar="H", help="address to listen on (default: settings)")
     parser.add_argument(
@@ -1180,10 +1181,17 @@ def _serve(subparsers: Subparsers) -> None:
         "--role",
         choices=("all", "serving", "loops"),
         default="all",
-        help="what this process runs (default all): serving: the API and inference, no periodic"
-        " job; loops: the periodic jobs (under the leader lease) and the API without inference,"
-        " reading the serving process at serving_url; both need PostgreSQL (docs/service.md,"
-        " 'Serving apart from the loops')",
+        help="what this process runs (default all: the API and inference here, the periodic jobs"
+        " in a loops process it starts and supervises); serving: the API and inference, no"
+        " periodic job; loops: the periodic jobs (under the leader lease) and the API without"
+        " inference, reading the serving process at serving_url (docs/service.md, 'Serving"
+        " apart from the loops')",
+    )
+    parser.add_argument(
+        "--one-process",
+        action="store_true",
+        help="with --role all: run the periodic jobs in this process too, no loops process"
+        " (for debugging)",
     )
     add_config_option(parser)
     parser.set_defaults(handler=Handler("serve", "run"))

@@ -8,10 +8,16 @@ false``: none; :mod:`controlplane.api.grpc_oip`). The listening socket is bound 
 uvicorn starts, and the gRPC port tried, so an address in use is a one-line error and exit
 status 2. SIGINT and SIGTERM stop it cleanly: uvicorn finishes the requests in flight, the gRPC
 server its calls in flight, the scheduler waits for its running jobs, and the database
-connections are closed. ``--role`` (default ``all``) runs the serving path or the periodic jobs
-alone (:data:`controlplane.service.build.ServiceRole`; docs/service.md, "Serving apart from the
-loops"); a loops process serves no inference, so no gRPC either. ``heteroplane demo`` serves
-through the same :func:`listen`, :func:`grpc_address` and :func:`serve_until_stopped`.
+connections are closed.
+
+By default (``--role all``) the service runs as two processes (docs/service.md, "Serving apart
+from the loops"): this one serves the API and inference with no periodic job, and starts and
+supervises a loops process beside it (:class:`~controlplane.cli.loops_process.LoopsProcess`),
+stopped with the signal that stops this one. ``--one-process`` runs everything here instead
+(for debugging). ``--role serving`` or ``--role loops`` runs one half alone
+(:data:`controlplane.service.build.ServiceRole`); a loops process serves no inference, so no
+gRPC either. ``heteroplane demo`` serves through the same :func:`listen`, :func:`grpc_address`,
+:func:`build_served` and :func:`serve_until_stopped`.
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
 from controlplane.api.grpc_oip import attach as attach_grpc
+from controlplane.cli.loops_process import LoopsProcess
 from controlplane.cli.output import UsageError
 from controlplane.db.session import redact_url
 from controlplane.service.build import Service, build_service
@@ -37,6 +45,8 @@ from controlplane.settings import Settings, load_settings
 
 __all__ = [
     "SERVE_LOGGER",
+    "build_served",
+    "client_url",
     "configure_logging",
     "grpc_address",
     "listen",
@@ -93,40 +103,90 @@ def grpc_address(
     return host, port
 
 
-def configure_logging(log_level: str) -> None:
-    """Log records at ``log_level`` and above to stderr, one line each."""
+def client_url(sock: socket.socket) -> str:
+    """The URL a client on this machine uses for the service bound to ``sock``."""
+    host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def configure_logging(log_level: str, process: str | None = None) -> None:
+    """Log records at ``log_level`` and above to stderr, one line each (``process``, when
+    given, in brackets on each line: the loops process beside a serving process)."""
     level = getattr(logging, log_level.upper())
+    tag = f" [{process}]" if process else ""
     logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=level,
+        format=f"%(asctime)s %(levelname)s{tag} %(name)s: %(message)s",
+        stream=sys.stderr,
     )
     # APScheduler logs every run at info: only its warnings (a skipped run) unless debugging.
     logging.getLogger("apscheduler").setLevel(max(level, logging.WARNING))
+    # httpx logs every request at info: the loops' feed exchange ten times a second.
+    logging.getLogger("httpx").setLevel(max(level, logging.WARNING))
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.one_process and args.role != "all":
+        raise UsageError(f"--one-process: only with --role all (not {args.role}): it runs both")
     settings = load_settings(args.config)
     host: str = args.host if args.host is not None else settings.host
     port: int = args.port if args.port is not None else settings.port
     configure_logging(args.log_level)
     sock = listen(host, port)
+    loops: LoopsProcess | None = None
     try:
         # A loops process serves no inference: no gRPC either.
         serves = not args.no_grpc and args.role != "loops"
         grpc = grpc_address(settings, host, args.grpc_port, serves)
-        service = build_service(settings, role=args.role)
+        if args.role == "all":
+            service, loops = build_served(
+                settings, sock, args.config, args.log_level, args.one_process
+            )
+        else:
+            service = build_service(settings, role=args.role, url=client_url(sock))
     except BaseException:
         sock.close()
         raise
     bound_host, bound_port = sock.getsockname()[:2]
     _log.info(
-        "heteroplane serving on http://%s:%d (database %s, provisioner %s, role %s)",
+        "heteroplane serving on http://%s:%d (database %s, provisioner %s, role %s%s)",
         bound_host,
         bound_port,
         redact_url(settings.database_url),
         settings.provisioner,
         args.role,
+        ", one process" if loops is None and args.role == "all" else "",
     )
-    return serve_until_stopped(service, sock, args.log_level, grpc)
+    return serve_until_stopped(service, sock, args.log_level, grpc, loops)
+
+
+def build_served(
+    settings: Settings,
+    sock: socket.socket,
+    config: Path | None,
+    log_level: str,
+    one_process: bool = False,
+) -> tuple[Service, LoopsProcess | None]:
+    """The whole service on ``sock``: a serving process whose loops run in a child it will
+    supervise (:class:`LoopsProcess`, started by :func:`serve_until_stopped`; the child reads
+    this process's settings from ``config`` and the environment), or with ``one_process``
+    everything in this process (no child)."""
+    url = client_url(sock)
+    if one_process:
+        return build_service(settings, url=url), None
+    loops = LoopsProcess(url, config, log_level)
+    try:
+        # This process's internal routes take the secret the child is given.
+        served = settings.model_copy(update={"internal_token": loops.token})
+        # A replica of the service: other serving processes on PostgreSQL are not refused.
+        return build_service(served, role="serving", sole_serving=False, url=url), loops
+    except BaseException:
+        loops.stop()
+        raise
 
 
 def serve_until_stopped(
@@ -134,10 +194,16 @@ def serve_until_stopped(
     sock: socket.socket,
     log_level: str,
     grpc: tuple[str, int] | None = None,
+    loops: LoopsProcess | None = None,
 ) -> int:
     """Serve ``service`` on ``sock`` until SIGINT or SIGTERM (and the Open Inference Protocol
     over gRPC on ``grpc``, host and port, when given), then close the service and the socket.
-    Exit status 0 after a clean stop, 1 when the server could not start."""
+    With ``loops``, its child is started once ``sock`` listens and stopped with the signal that
+    stopped this process before the service closes. Exit status 0 after a clean stop, 1 when
+    the server could not start."""
+    if loops is not None:
+        # /healthz says the child (controlplane.api.routes.health).
+        service.app.state.loops_process = loops
     if grpc is not None:
         attach_grpc(service.app, *grpc, service.settings.oip_body_max_bytes)
     config = uvicorn.Config(
@@ -154,8 +220,15 @@ def serve_until_stopped(
     stopped_by: list[int] = []
     with _stop_quietly(stopped_by):
         try:
+            if loops is not None:
+                # Listening first: the child's first feed exchange waits in the backlog until
+                # uvicorn accepts, rather than being refused.
+                sock.listen(2048)
+                loops.start()
             server.run(sockets=[sock])
         finally:
+            if loops is not None:
+                loops.stop(stopped_by[0] if stopped_by else signal.SIGTERM)
             service.close()
             sock.close()
     if not server.started:

@@ -17,9 +17,14 @@ one-process rule on SQLite.
   blocking ``pg_advisory_lock`` around ``alembic upgrade``, so replicas that start together
   migrate one after the other.
 - **SQLite** (:class:`SqliteFileLock`): SQLite serves one replica. ``flock`` on
-  ``<database>.lock`` next to the file, held for the life of the process (the kernel drops it
-  when the process dies, ``kill -9`` included); a second process on the same file gets a
-  :class:`~controlplane.errors.DatabaseError` naming the holder's pid.
+  ``<database>.lock`` next to the file, held for the life of the serving process (the kernel
+  drops it when the process dies, ``kill -9`` included); a second serving process on the same
+  file gets a :class:`~controlplane.errors.DatabaseError` naming the holder's pid. The loops
+  processes that run apart from it on the same file (``heteroplane serve`` starts one) take the
+  leader lease as replicas do on PostgreSQL, with a lock of the same kind: :class:`FileLeaderLock`
+  (``flock`` on ``<database>.leader.lock``, tried without waiting, freed by the kernel when its
+  holder dies). Migrations wait on a third one, ``<database>.migrate.lock``
+  (:func:`migration_lock`).
 
 docs/service.md, "Replicas and the leader lease", says what this buys and what it does not.
 """
@@ -52,11 +57,13 @@ __all__ = [
     "MIGRATION_LOCK_KEY",
     "SERVING_LOCK_KEY",
     "AdvisoryLock",
+    "FileLeaderLock",
     "KeptLock",
     "SqliteFileLock",
     "advisory_key",
     "lock_sqlite_database",
     "migration_lock",
+    "sqlite_leader_lock",
 ]
 
 logger = logging.getLogger(__name__)
@@ -266,11 +273,21 @@ class AdvisoryLock:
 
 @contextlib.contextmanager
 def migration_lock(url: str | URL) -> Iterator[None]:
-    """Hold the migrations' advisory lock (waiting for it) on PostgreSQL while the block runs;
-    nothing on SQLite (one process: :class:`SqliteFileLock`)."""
+    """Hold the migrations' lock (waiting for it) while the block runs: an advisory lock on
+    PostgreSQL, ``flock`` on ``<database>.migrate.lock`` on a SQLite file (a serving process and
+    the loops beside it start together); nothing for an in-memory database."""
     parsed = parse_url(url)
     if parsed.get_backend_name() != "postgresql":
-        yield
+        database = _sqlite_file(parsed)
+        if database is None:
+            yield
+            return
+        fd = _open_lock_file(database.with_name(database.name + ".migrate.lock"))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
         return
     # No statement timeout: the lock waits for another replica's migration, however long.
     engine = _lock_engine(parsed, "heteroplane-migrations", 0)
@@ -301,14 +318,10 @@ class SqliteFileLock:
 
     def __init__(self, path: Path, database: Path) -> None:
         self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
+        fd = _open_lock_file(path)
+        if not _try_flock(fd, path):
             holder = _read_pid(fd)
             os.close(fd)
-            if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise DatabaseError(f"cannot lock {path}: {error.strerror or error}") from None
             who = f" (pid {holder})" if holder else ""
             raise DatabaseInUseError(
                 f"another heteroplane process{who} already serves the SQLite database"
@@ -327,10 +340,50 @@ class SqliteFileLock:
             os.close(fd)
 
 
-def lock_sqlite_database(url: str | URL) -> SqliteFileLock | None:
-    """The one-process lock of the SQLite file ``url`` names (None for PostgreSQL and for an
-    in-memory SQLite database); the file's folder is created when missing."""
-    parsed = parse_url(url)
+class FileLeaderLock:
+    """The leader lease's lock on a SQLite file (thread-safe; :class:`~controlplane.loops.
+    leadership.LeaderLock`): an exclusive ``flock`` on ``path``, tried without waiting and kept
+    until :meth:`release`; the kernel frees it when the holding process dies, so a standby loops
+    process takes over at its next try, as on PostgreSQL."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._mutex = threading.Lock()
+
+    def try_acquire(self) -> bool:
+        with self._mutex:
+            if self._fd is not None:
+                return True
+            try:
+                fd = _open_lock_file(self.path)
+                taken = _try_flock(fd, self.path)
+            except DatabaseError as error:
+                logger.warning("leader lock: %s", error)
+                return False
+            if not taken:
+                os.close(fd)
+                return False
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            self._fd = fd
+            return True
+
+    def check(self) -> bool:
+        # An flock is not taken away while its descriptor is open.
+        with self._mutex:
+            return self._fd is not None
+
+    def release(self) -> None:
+        with self._mutex:
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                os.close(fd)
+
+
+def _sqlite_file(parsed: URL) -> Path | None:
+    """The SQLite database file ``parsed`` names, its folder made when missing; None for
+    PostgreSQL and for an in-memory database."""
     if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
         return None
     database = Path(parsed.database).resolve()
@@ -338,7 +391,44 @@ def lock_sqlite_database(url: str | URL) -> SqliteFileLock | None:
         database.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise DatabaseError(f"cannot create {database.parent}: {error.strerror or error}") from None
+    return database
+
+
+def lock_sqlite_database(url: str | URL) -> SqliteFileLock | None:
+    """The one-serving-process lock of the SQLite file ``url`` names (None for PostgreSQL and
+    for an in-memory SQLite database); the file's folder is created when missing."""
+    database = _sqlite_file(parse_url(url))
+    if database is None:
+        return None
     return SqliteFileLock(database.with_name(database.name + ".lock"), database)
+
+
+def sqlite_leader_lock(url: str | URL) -> FileLeaderLock | None:
+    """The leader lease's lock of the SQLite file ``url`` names (None for PostgreSQL and for an
+    in-memory database, which one process serves alone)."""
+    database = _sqlite_file(parse_url(url))
+    if database is None:
+        return None
+    return FileLeaderLock(database.with_name(database.name + ".leader.lock"))
+
+
+def _open_lock_file(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as error:
+        raise DatabaseError(f"cannot open {path}: {error.strerror or error}") from None
+
+
+def _try_flock(fd: int, path: Path) -> bool:
+    """Take an exclusive ``flock`` on ``fd`` without waiting: False when another holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        os.close(fd)
+        raise DatabaseError(f"cannot lock {path}: {error.strerror or error}") from None
+    return True
 
 
 def _read_pid(fd: int) -> str:

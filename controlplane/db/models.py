@@ -403,3 +403,17 @@ class Rollout(Base):
     step_started_at: Mapped[datetime]
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
+
+
+class AppDispatcher(Base):
+    """Which serving process dispatches an app's queries, when several serve one database
+    (docs/service.md, "Several serving processes"): the others forward the app's inference
+    requests to ``url``. A lease: ``owner`` (a random id per serving process) renews
+    ``expires_at``; past it another serving process takes the app over."""
+
+    __tablename__ = "app_dispatchers"
+
+    app_id: Mapped[int] = mapped_column(ForeignKey("apps.id", ondelete="CASCADE"), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(_ID))
+    url: Mapped[str] = mapped_column(Text)
+    expires_at: Mapped[datetime]

@@ -6,7 +6,10 @@ a busy timeout, and every transaction started with ``BEGIN IMMEDIATE``. The last
 with SQLite's default deferred ``BEGIN``, two transactions that read and then write deadlock on
 the upgrade from a shared to a write lock, and one fails at once with "database is locked"
 whatever the timeout. ``BEGIN IMMEDIATE`` takes the write lock up front, so writers queue on the
-busy timeout instead (the recipe in SQLAlchemy's SQLite dialect notes).
+busy timeout instead (the recipe in SQLAlchemy's SQLite dialect notes). A database file is in
+write-ahead-log mode (``journal_mode=WAL``, kept in the file): ``heteroplane serve`` runs its
+serving process and its loops process on the same file, and with the log a commit neither waits
+for the other process's readers nor blocks them.
 
 PostgreSQL URLs may say ``postgresql://`` (taken to mean psycopg 3, the driver this package
 depends on) or ``postgresql+psycopg://``.
@@ -127,6 +130,8 @@ def _sqlite_engine(url: URL, *, foreign_keys: bool, echo: bool) -> Engine:
         cursor = dbapi_connection.cursor()
         cursor.execute(f"PRAGMA foreign_keys = {'ON' if foreign_keys else 'OFF'}")
         cursor.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        if not in_memory:
+            cursor.execute("PRAGMA journal_mode = WAL")
         cursor.close()
 
     @event.listens_for(engine, "begin")

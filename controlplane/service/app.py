@@ -31,7 +31,8 @@ from controlplane.api.counters import RequestCounter, RequestCountingMiddleware
 from controlplane.api.deps import Services
 from controlplane.api.disconnect import CancelOnDisconnect
 from controlplane.api.errors import OipErrorShapeMiddleware, install_error_handlers
-from controlplane.api.fast_infer import FastInferMiddleware
+from controlplane.api.fast_infer import FastInferMiddleware, TokenCheck
+from controlplane.api.forwarding import Forwarder, ForwardingMiddleware
 from controlplane.api.limits import BodySizeLimitMiddleware, HeaderSizeLimitMiddleware
 from controlplane.api.routes import (
     apps,
@@ -57,6 +58,7 @@ from controlplane.loops.scheduler import Scheduler
 from controlplane.registry import Registry, registry_from_settings
 from controlplane.registry.inspection import end_orphaned_inspectors
 from controlplane.serving.loop import ServingLoop
+from controlplane.serving.owners import DispatchOwners
 from controlplane.settings import Settings
 from controlplane.spec import AppSpec
 from provisioners.base import Provisioner
@@ -85,6 +87,7 @@ def create_app(
     registry: Registry | None = None,
     provisioner: Provisioner | None = None,
     gear_table: GearTable | None = None,
+    owners: DispatchOwners | None = None,
 ) -> FastAPI:
     """The API over ``store``; ``scheduler`` and ``serving`` (if any) run while the app is
     served (without a serving loop the inference route answers 503). ``resolver`` is the
@@ -95,7 +98,14 @@ def create_app(
     ``provisioner`` launches profile runs' workers (``POST /v1/apps/{app}/profiles``; without
     one that route answers 503). ``gear_table``: the serving loop's gear hook when the loops run
     in a process of their own (``heteroplane serve --role serving``), set by them through
-    ``/internal/v1/feed`` (:mod:`controlplane.api.routes.internal`)."""
+    ``/internal/v1/feed`` (:mod:`controlplane.api.routes.internal`). ``owners``: the dispatch
+    leases of a serving process among several on one database; the inference requests of apps
+    another one dispatches are forwarded to it (:mod:`controlplane.api.forwarding`)."""
+    forwarder = (
+        None
+        if owners is None
+        else Forwarder(owners, settings.oip_body_max_bytes, TokenCheck(store))
+    )
     services = Services(
         settings=settings,
         store=store,
@@ -124,6 +134,8 @@ def create_app(
         await run_in_threadpool(sweep_leftovers, services)
         if serving is not None:
             await serving.start()
+        if owners is not None:
+            await run_in_threadpool(owners.start)
         try:
             if scheduler is not None:
                 if leadership is not None:
@@ -141,6 +153,10 @@ def create_app(
                     else:
                         await run_in_threadpool(scheduler.shutdown, True)
         finally:
+            if owners is not None:
+                await run_in_threadpool(owners.close)
+            if forwarder is not None:
+                await forwarder.aclose()
             if serving is not None:
                 await serving.stop()
 
@@ -170,6 +186,9 @@ def create_app(
     # Outside the fast path too: an inference request whose client has gone is cancelled, and
     # its query leaves the serving loop's queue (controlplane.api.disconnect).
     app.add_middleware(CancelOnDisconnect)
+    if forwarder is not None:
+        # Outermost: a query for an app another serving process dispatches goes there whole.
+        app.add_middleware(ForwardingMiddleware, forwarder=forwarder)
     routers = (health, apps, plans, budget, fleet, events, infer, models, oip, rollouts, internal)
     for module in routers:
         app.include_router(module.router)

@@ -31,20 +31,22 @@ others (:func:`scaled_fleet`).
 
 Replicas (docs/service.md, "Replicas and the leader lease"): every job body is fenced by the
 replica's :class:`~controlplane.loops.leadership.Leadership`, whose lock is a PostgreSQL advisory
-lock (:class:`~controlplane.db.lease.AdvisoryLock`) or, on SQLite, the lone replica's
-(:class:`~controlplane.loops.leadership.SoleLock`; the database file's ``flock``,
+lock (:class:`~controlplane.db.lease.AdvisoryLock`) or, on a SQLite file, an ``flock``
+(:class:`~controlplane.db.lease.FileLeaderLock`; the database file's serving lock,
 :func:`~controlplane.db.lease.lock_sqlite_database`, taken before anything else, keeps a second
-process out). The API's lifespan runs the lease, which starts the scheduler on the leader only;
-the serving loop runs on every replica (it reads the fleet from the database).
+serving process out). The API's lifespan runs the lease, which starts the scheduler on the leader
+only; the serving loop runs on every replica (it reads the fleet from the database).
 
 Roles (docs/service.md, "Serving apart from the loops"): ``build_service(..., role=)`` wires the
 whole of the above in one process (``"all"``, the default), or one half of it: ``"serving"`` the
 serving loop and the API with no scheduler (its gear hook a
-:class:`~controlplane.loops.live_gears.GearTable` the loops set over the internal feed; one such
-process per database, held by an advisory lock), ``"loops"`` the scheduler and its jobs under
-the leader lease and the API without inference, reading the serving process through a
-:class:`~controlplane.loops.remote_serving.RemoteServing` where they would read the serving loop
-(:class:`~controlplane.loops.remote_serving.ServingView`). Both halves need PostgreSQL.
+:class:`~controlplane.loops.live_gears.GearTable` the loops set over the internal feed; on
+PostgreSQL one such process per database, held by an advisory lock, unless ``sole_serving`` is
+false: ``heteroplane serve``'s own serving process is a replica), ``"loops"`` the scheduler and
+its jobs under the leader lease and the API without inference, reading the serving process
+through a :class:`~controlplane.loops.remote_serving.RemoteServing` where they would read the
+serving loop (:class:`~controlplane.loops.remote_serving.ServingView`). ``heteroplane serve``
+runs the two halves as two processes (:mod:`controlplane.cli.loops_process`).
 
 The reconciler learns each app's prices and Q_t (for the budget guard's ranking) from the app's
 resolved spec (:func:`spec_pricing`), and which types it may launch from the provisioner
@@ -80,7 +82,9 @@ from controlplane.db.lease import (
     SqliteFileLock,
     lock_sqlite_database,
     migration_lock,
+    sqlite_leader_lock,
 )
+from controlplane.db.session import parse_url
 from controlplane.db.store import AppRecord, Store
 from controlplane.errors import DatabaseError, NotFoundError, SettingsError
 from controlplane.loops.calibration import ProfileCalibrator
@@ -114,6 +118,7 @@ from controlplane.policies.infaas_scaling import ScalingConfig
 from controlplane.provisioning import build_provisioner
 from controlplane.service.app import create_app
 from controlplane.serving.loop import ServingLoop
+from controlplane.serving.owners import DispatchOwners
 from controlplane.serving.workers import DEFAULT_WORKER_PORT, ProvisionedInstances
 from controlplane.settings import Settings
 from estimator.catalog import default_catalog
@@ -515,9 +520,19 @@ def build_scheduler(
 
 
 def build_leadership(settings: Settings) -> Leadership:
-    """The replica's leader lease: a PostgreSQL advisory lock, or on SQLite the lone replica's
-    lock (always held: the database file's lock keeps a second process out)."""
-    lock: LeaderLock = AdvisoryLock(settings.database_url) if settings.is_postgresql else SoleLock()
+    """The replica's leader lease: a PostgreSQL advisory lock, an ``flock`` next to a SQLite
+    file (the loops processes on it take turns as replicas do), or for an in-memory database
+    the lone replica's lock (always held)."""
+    lock: LeaderLock
+    if settings.is_postgresql:
+        lock = AdvisoryLock(settings.database_url)
+    else:
+        on_file = sqlite_leader_lock(settings.database_url)
+        if on_file is not None:
+            # Tried at once (without waiting): a service alone on its file holds the lease from
+            # the start, as the lone replica always did; a standby tries again with the lease.
+            on_file.try_acquire()
+        lock = on_file or SoleLock()
     return Leadership(lock)
 
 
@@ -533,20 +548,33 @@ def _log_report(report: ReconcileReport) -> None:
 
 
 def build_service(
-    settings: Settings, clock: Clock | None = None, role: ServiceRole = "all"
+    settings: Settings,
+    clock: Clock | None = None,
+    role: ServiceRole = "all",
+    *,
+    sole_serving: bool = True,
+    url: str | None = None,
 ) -> Service:
     """Migrate the database and wire the service (nothing runs until the app is served):
     everything in one process (``role="all"``), or the serving path or the loops of a service
-    whose two run apart (:data:`ServiceRole`; both need PostgreSQL, which the two processes
-    share: a SQLite file serves one process)."""
+    whose two run apart (:data:`ServiceRole`), on PostgreSQL or on one SQLite file. A serving
+    process on PostgreSQL holds the serving lock unless ``sole_serving`` is false (a replica's,
+    as ``heteroplane serve`` runs it). ``url``: where this process listens; on PostgreSQL a
+    process that serves inference then holds dispatch leases as it (or as the setting
+    ``dispatch_url``), among the other serving processes (:class:`DispatchOwners`)."""
     clock = clock if clock is not None else SystemClock()
-    if role != "all":
-        _check_apart(settings, role)
+    if role == "loops":
+        _check_loops(settings)
     settings.ensure_data_dir()
-    # First: a second process on a SQLite file, or a second serving process, stops here, before
-    # it migrates anything.
-    database_lock = lock_sqlite_database(settings.database_url)
-    serving_lock = _serving_lock(settings) if role == "serving" else None
+    # First: a second serving process on a SQLite file, or a second ``--role serving`` process,
+    # stops here, before it migrates anything. The loops beside a serving process on a SQLite
+    # file share it (the leader lease keeps their jobs to one of them).
+    database_lock = lock_sqlite_database(settings.database_url) if role != "loops" else None
+    serving_lock = (
+        _serving_lock(settings)
+        if role == "serving" and sole_serving and settings.is_postgresql
+        else None
+    )
     try:
         with migration_lock(settings.database_url):
             migrate.upgrade(settings.database_url)
@@ -594,6 +622,7 @@ def build_service(
             resolver=resolver,
             provisioner=provisioner,
             gear_table=gear_table,
+            owners=_dispatch_owners(settings, store, clock, url),
         )
         # Never started: a serving process runs no periodic job.
         idle = Scheduler(service_schedule(settings, JobBodies()))
@@ -717,6 +746,7 @@ def build_service(
         leadership,
         budget_changed=live_gears.budget_changed,
         provisioner=provisioner,
+        owners=_dispatch_owners(settings, store, clock, url) if local_serving is not None else None,
     )
     if remote is not None:
         remote.start()
@@ -736,17 +766,29 @@ def build_service(
     )
 
 
-def _check_apart(settings: Settings, role: ServiceRole) -> None:
-    """What the serving path and the loops need to run apart: PostgreSQL, which both share
-    (a SQLite file serves one process), and for the loops where the serving process is and
-    the token its internal routes take."""
-    if not settings.is_postgresql:
+def _dispatch_owners(
+    settings: Settings, store: Store, clock: Clock, url: str | None
+) -> DispatchOwners | None:
+    """A serving process's dispatch leases on PostgreSQL, where several serving processes may
+    share the database (docs/service.md, "Several serving processes"); none on SQLite (one
+    serving process per file) or without an address to be reached at."""
+    where = settings.dispatch_url or url
+    if where is None or not settings.is_postgresql:
+        return None
+    return DispatchOwners(store, clock, where)
+
+
+def _check_loops(settings: Settings) -> None:
+    """What the loops need to run apart: where the serving process is and the token its
+    internal routes take, and a database the two processes share (not an in-memory one)."""
+    parsed = parse_url(settings.database_url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
         raise SettingsError(
             "database_url",
-            f"role {role} runs apart from the other half of the service, which needs a"
-            " PostgreSQL database_url (a SQLite file serves one process: use role all)",
+            "role loops runs apart from the serving process, which needs a database both can"
+            " open (a SQLite file or PostgreSQL), not an in-memory one",
         )
-    if role == "loops" and (settings.serving_url is None or settings.internal_token is None):
+    if settings.serving_url is None or settings.internal_token is None:
         raise SettingsError(
             "serving_url",
             "role loops reads the serving process: set serving_url (HETEROPLANE_SERVING_URL)"

@@ -28,7 +28,7 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from controlplane.db.lease import AdvisoryLock, lock_sqlite_database
+from controlplane.db.lease import AdvisoryLock, lock_sqlite_database, sqlite_leader_lock
 from controlplane.db.session import make_engine
 from controlplane.errors import DatabaseError
 from provisioners.base import APP_TAG
@@ -128,6 +128,23 @@ def test_one_process_per_sqlite_file(tmp_path: Path) -> None:
     assert lock_sqlite_database("sqlite://") is None
 
 
+def test_the_leader_lock_of_a_sqlite_file_has_one_holder_at_a_time(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'data' / 'heteroplane.db'}"
+    first, second = sqlite_leader_lock(url), sqlite_leader_lock(url)
+    assert first is not None and second is not None
+    try:
+        assert not first.check()  # never tried
+        assert first.try_acquire() and first.check() and first.try_acquire()
+        assert not second.try_acquire() and not second.check()
+        first.release()
+        assert not first.check()
+        assert second.try_acquire() and not first.try_acquire()
+    finally:
+        first.release()
+        second.release()
+    assert sqlite_leader_lock("sqlite://") is None
+
+
 def refused_serve(data_dir: Path, *args: str, **settings: str) -> str:
     """The one line on stderr of a ``serve`` (with ``args`` and ``settings``) that must be
     refused at start (exit status 2). Without gRPC: the default gRPC port, which the first
@@ -155,7 +172,8 @@ def test_a_second_serve_on_one_sqlite_file_exits_with_one_line(tmp_path: Path) -
         line = refused_serve(data_dir)
         assert line.startswith("heteroplane serve: another heteroplane process (pid ")
         assert "SQLite serves one replica" in line
-        assert httpx.get(f"{first.url}/healthz", timeout=10.0).json()["role"] == "leader"
+        # Its loops process leads (it starts beside the serving process, so not at once).
+        wait_for("the leader", lambda: True if role(first) == "leader" else None, first.log_text)
     finally:
         assert first.stop() == 0
 
@@ -242,9 +260,12 @@ def token(data_dir: Path, database_url: str, scope: str = "admin", name: str = "
 
 
 def reconcile_runs(api: httpx.Client) -> float:
-    """How many reconcile runs the replica behind ``api`` has finished (its /metrics)."""
+    """How many reconcile runs the replica behind ``api`` has finished: the /metrics of the
+    loops process it supervises (``heteroplane serve``'s default), else its own."""
     wanted = 'heteroplane_scheduler_job_runs_total{job="reconcile",outcome="ran"}'
-    for line in api.get("/metrics").text.splitlines():
+    loops = api.get("/healthz").json().get("loops")
+    where = "/metrics" if loops is None else f"{loops['url']}/metrics"
+    for line in api.get(where).text.splitlines():
         if line.startswith(wanted):
             return float(line.split()[-1])
     return 0.0
@@ -349,6 +370,16 @@ def local_spec(name: str, profile: Path) -> dict[str, Any]:
         "instance_types": ["emu.cpu.large"],
         "max_counts": {"emu.cpu.large": 2},
     }
+
+
+def apply_local_app(api: httpx.Client, name: str, profile: Path, rate_qps: float = 30.0) -> None:
+    """Register :func:`local_spec`'s app ``name`` through ``api``, plan it for ``rate_qps`` and
+    apply the plan."""
+    assert api.post("/v1/apps", json=local_spec(name, profile)).status_code == 201
+    plan = api.post(f"/v1/apps/{name}/plans", json={"rate_qps": rate_qps})
+    assert plan.status_code == 201, plan.text
+    applied = api.post(f"/v1/apps/{name}/plans/{plan.json()['id']}/apply")
+    assert applied.status_code == 200, applied.text
 
 
 def _local_profile(data_dir: Path) -> Path:

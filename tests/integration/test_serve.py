@@ -81,6 +81,9 @@ class Server:
         self.stop()
         pytest.fail(f"serve not ready in {START_DEADLINE_S} s:\n{self.log_path.read_text()}")
 
+    def log_text(self) -> str:
+        return self.log_path.read_text()
+
     def stop(self) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

@@ -24,7 +24,7 @@ import pytest
 
 from tests.integration.test_replicas import (
     _local_profile,
-    local_spec,
+    apply_local_app,
     one_leader,
     refused_serve,
     role,
@@ -82,10 +82,7 @@ def test_serving_answers_apart_from_the_loops_and_outlives_their_leader(
         api = httpx.Client(
             base_url=serving.url, headers={"Authorization": f"Bearer {admin}"}, timeout=120.0
         )
-        assert api.post("/v1/apps", json=local_spec(APP, profile)).status_code == 201
-        plan = api.post(f"/v1/apps/{APP}/plans", json={"rate_qps": 30.0})
-        assert plan.status_code == 201, plan.text
-        assert api.post(f"/v1/apps/{APP}/plans/{plan.json()['id']}/apply").status_code == 200
+        apply_local_app(api, APP, profile)
 
         # The loops launch the fleet; the serving process finds it in the database and answers.
         wait_for("an answer", lambda: True if _answers(api) else None, logs)
@@ -117,13 +114,13 @@ def test_serving_answers_apart_from_the_loops_and_outlives_their_leader(
         stop_local_workers(data_dir)
 
 
-@pytest.mark.parametrize("role_name", ["serving", "loops"])
-def test_the_halves_apart_need_postgresql(tmp_path: Path, role_name: str) -> None:
-    line = refused_serve(tmp_path, "--role", role_name)  # the default database: SQLite
-    assert line.startswith("heteroplane serve: database_url: ")
-    assert "needs a PostgreSQL database_url" in line
+def test_one_process_is_for_role_all_alone(tmp_path: Path) -> None:
+    line = refused_serve(tmp_path, "--role", "serving", "--one-process")
+    assert line == (
+        "heteroplane serve: --one-process: only with --role all (not serving): it runs both"
+    )
 
 
 def test_the_loops_apart_need_the_serving_url_and_token(tmp_path: Path) -> None:
-    line = refused_serve(tmp_path, "--role", "loops", database_url="postgresql://u@127.0.0.1:1/x")
+    line = refused_serve(tmp_path, "--role", "loops")  # the default database: a SQLite file
     assert "set serving_url (HETEROPLANE_SERVING_URL) and internal_token" in line

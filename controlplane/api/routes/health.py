@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -41,7 +41,7 @@ from controlplane.api.counters import RequestCounter
 from controlplane.api.deps import Services, ServicesDep, Viewer
 from controlplane.api.routes import errors
 from controlplane.api.routes.rollouts import RolloutCollector
-from controlplane.api.schemas import HealthOut
+from controlplane.api.schemas import HealthOut, LoopsProcessOut
 from controlplane.db.store import Store
 from controlplane.loops.scheduler import Scheduler
 from controlplane.policies.lifecycle import LIVE_STATES, InstanceState
@@ -69,16 +69,26 @@ _REGISTRY_STATE = "metrics_registry"
 
 
 @router.get("/healthz", summary="Liveness: the service answers (no token needed)")
-def healthz(services: ServicesDep) -> HealthOut:
+def healthz(request: Request, services: ServicesDep) -> HealthOut:
     scheduler = services.scheduler
     leadership = services.leadership
+    # The loops process heteroplane serve started beside this one (controlplane.cli.serve).
+    supervised = getattr(request.app.state, "loops_process", None)
+    loops = None if supervised is None else LoopsProcessOut(**supervised.health())
+    role: Literal["leader", "standby", "serving"]
+    if loops is not None:
+        # The service's role is its loops process's; one that does not answer runs no job.
+        role = loops.role or "standby"
+    elif leadership is not None:
+        role = leadership.role
+    else:
+        # Without a lease the service is alone (an app built for a test): it leads.
+        role = "serving" if services.gear_table is not None else "leader"
     return HealthOut(
         version=__version__,
         scheduler_running=scheduler is not None and scheduler.running,
-        # Without a lease the service is alone (an app built for a test): it leads.
-        role=leadership.role
-        if leadership is not None
-        else ("serving" if services.gear_table is not None else "leader"),
+        role=role,
+        loops=loops,
     )
 
 

@@ -1,4 +1,5 @@
-"""The serving process's internal routes (admin scope, not in the OpenAPI document): what the
+"""The serving process's internal routes (the settings' ``internal_token``, or an admin token;
+not in the OpenAPI document): what the
 loops process reads of the serving loop when the two run apart (``heteroplane serve --role
 serving`` and ``--role loops``; docs/service.md, "Serving apart from the loops"), read by
 :class:`~controlplane.loops.remote_serving.RemoteServing`.
@@ -27,7 +28,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, Field
 
-from controlplane.api.deps import Admin, Services, ServicesDep
+from controlplane.api.deps import Internal, Services, ServicesDep
 from controlplane.api.routes import AppName
 from controlplane.errors import ServingUnavailableError
 from controlplane.serving.loop import ServingLoop
@@ -60,7 +61,7 @@ def _serving(services: Services, app: str = "") -> ServingLoop:
 
 
 @router.post("/feed")
-def feed(body: FeedIn, services: ServicesDep, _who: Admin) -> Response:
+def feed(body: FeedIn, services: ServicesDep, _who: Internal) -> Response:
     serving = _serving(services)
     if services.gear_table is not None:
         services.gear_table.set_all(body.gears)
@@ -79,7 +80,7 @@ def feed(body: FeedIn, services: ServicesDep, _who: Admin) -> Response:
 
 
 @router.get("/apps/{app}/observations")
-def observations(app: AppName, services: ServicesDep, _who: Admin) -> Response:
+def observations(app: AppName, services: ServicesDep, _who: Internal) -> Response:
     found = _serving(services, app).observations
     batch_times = [
         [model, instance_type, {str(size): times for size, times in by_size.items()}]
@@ -90,7 +91,7 @@ def observations(app: AppName, services: ServicesDep, _who: Admin) -> Response:
 
 @router.post("/apps/{app}/forget-batch-times", status_code=204)
 def forget_batch_times(
-    app: AppName, body: ForgetIn, services: ServicesDep, _who: Admin
+    app: AppName, body: ForgetIn, services: ServicesDep, _who: Internal
 ) -> Response:
     _serving(services, app).observations.forget_batch_times(app, body.model, body.instance_type)
     return Response(status_code=204)
@@ -98,19 +99,19 @@ def forget_batch_times(
 
 @router.get("/apps/{app}/versions")
 def versions(
-    app: AppName, rollout_id: int, step_index: int, services: ServicesDep, _who: Admin
+    app: AppName, rollout_id: int, step_index: int, services: ServicesDep, _who: Internal
 ) -> Response:
     figures = _serving(services, app).versions.figures(app, rollout_id, step_index)
     return _json({version: found.to_json() for version, found in figures.items()})
 
 
 @router.post("/apps/{app}/versions/forget", status_code=204)
-def forget_versions(app: AppName, services: ServicesDep, _who: Admin) -> Response:
+def forget_versions(app: AppName, services: ServicesDep, _who: Internal) -> Response:
     _serving(services, app).versions.forget(app)
     return Response(status_code=204)
 
 
 @router.post("/apps/{app}/window")
-def take_window(app: AppName, services: ServicesDep, _who: Admin) -> Response:
+def take_window(app: AppName, services: ServicesDep, _who: Internal) -> Response:
     window = _serving(services, app).take_window(app)
     return _json(window_to_json(window) if window is not None else None)

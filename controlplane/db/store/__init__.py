@@ -30,7 +30,8 @@ One module per aggregate, each a part of :class:`Store` over the same engine and
 scales, serving overhead, measured profiles), :mod:`~controlplane.db.store.model_versions` (the
 registry's rows), :mod:`~controlplane.db.store.decisions`, :mod:`~controlplane.db.store.metrics`,
 :mod:`~controlplane.db.store.tokens` (with its cache, :mod:`~controlplane.db.store.token_cache`),
-:mod:`~controlplane.db.store.dashboard_sessions` and :mod:`~controlplane.db.store.rollouts`; the
+:mod:`~controlplane.db.store.dashboard_sessions`, :mod:`~controlplane.db.store.rollouts` and
+:mod:`~controlplane.db.store.dispatchers` (which serving process dispatches each app); the
 records they return are in :mod:`~controlplane.db.store.records` (a rollout's in its module).
 """
 
@@ -41,6 +42,7 @@ from controlplane.db.store.base import DECISION_MERGE_WINDOW_S
 from controlplane.db.store.calibration import CalibrationStore
 from controlplane.db.store.dashboard_sessions import DashboardSessionStore
 from controlplane.db.store.decisions import DecisionStore
+from controlplane.db.store.dispatchers import DispatcherRecord, DispatcherStore
 from controlplane.db.store.instances import InstanceStore
 from controlplane.db.store.metrics import MetricStore
 from controlplane.db.store.model_versions import ModelVersionStore
@@ -71,6 +73,7 @@ __all__ = [
     "AppRecord",
     "BudgetChangeRecord",
     "DecisionRecord",
+    "DispatcherRecord",
     "InstanceEventRecord",
     "InstanceRecord",
     "MetricSampleRecord",
@@ -96,6 +99,7 @@ class Store(
     TokenStore,
     DashboardSessionStore,
     RolloutStore,
+    DispatcherStore,
 ):
     """Reads and writes of the control plane's database (see the package docstring): every
     aggregate's part, over one engine."""

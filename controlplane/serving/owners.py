@@ -1,0 +1,112 @@
+"""Which serving process dispatches each app, when several serve one database (docs/service.md,
+"Several serving processes"): one dispatcher per app, the others forwarding its queries.
+
+A serving loop matches queries to the workers it knows as if it were alone (a worker serves one
+batch at a time; the Kairos dispatcher's view of which worker is busy is the loop's own), so two
+loops sending to the same workers would queue batches on them behind each other's. So each app
+has one dispatching serving process: :class:`DispatchOwners` holds a lease per app in the
+database (:meth:`~controlplane.db.store.Store.hold_dispatchers`: it renews its own and takes
+any app whose lease has ended or that has none, every :data:`DISPATCH_RENEW_S`, each lease
+:data:`DISPATCH_LEASE_S` long) and says, per app, where its dispatcher is
+(:meth:`DispatchOwners.forward_to`); :mod:`controlplane.api.forwarding` sends the app's
+inference requests there. A serving process that stops gives its leases up; one that dies
+leaves them to end, and until then the others serve its apps themselves when the forward finds
+nobody (the forwarding middleware's fallback).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from datetime import datetime
+
+from controlplane.clock import Clock
+from controlplane.db.store import DispatcherRecord, Store
+from controlplane.errors import DatabaseError
+
+__all__ = ["DISPATCH_LEASE_S", "DISPATCH_RENEW_S", "DispatchOwners"]
+
+logger = logging.getLogger(__name__)
+
+# An app's dispatch lease lasts DISPATCH_LEASE_S and its owner renews it every DISPATCH_RENEW_S:
+# a dead owner's apps are taken over within DISPATCH_LEASE_S + DISPATCH_RENEW_S.
+DISPATCH_LEASE_S = 10.0
+DISPATCH_RENEW_S = 2.0
+
+
+class DispatchOwners:
+    """This serving process's dispatch leases, as ``url`` (where the others reach it), over
+    ``store`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        clock: Clock,
+        url: str,
+        *,
+        lease_s: float = DISPATCH_LEASE_S,
+        renew_s: float = DISPATCH_RENEW_S,
+    ) -> None:
+        if not 0 < renew_s < lease_s:
+            raise ValueError(f"renew_s must be in (0, lease_s), got {renew_s!r}, {lease_s!r}")
+        self.store = store
+        self.clock = clock
+        self.url = url.rstrip("/")
+        self.owner = uuid.uuid4().hex
+        self.lease_s = float(lease_s)
+        self.renew_s = float(renew_s)
+        self._owners: dict[str, DispatcherRecord] = {}
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    def forward_to(self, app: str) -> str | None:
+        """The base URL of ``app``'s dispatcher when it is another serving process whose lease
+        runs; None when this process dispatches it (its own, not taken yet, or lapsed)."""
+        found = self._owners.get(app)
+        if found is None or found.owner == self.owner:
+            return None
+        return found.url if found.expires_at > self.clock.utcnow() else None
+
+    def owns(self, app: str) -> bool:
+        found = self._owners.get(app)
+        return found is not None and found.owner == self.owner
+
+    def hold(self, at: datetime | None = None) -> None:
+        """One round: renew and take leases, read every app's dispatcher (a database failure
+        is logged once per outage; the last reading stays)."""
+        try:
+            self._owners = self.store.hold_dispatchers(
+                self.owner, self.url, lease_s=self.lease_s, at=at
+            )
+        except DatabaseError as error:
+            if not self._failing:
+                logger.warning("dispatch leases: %s", error)
+            self._failing = True
+            return
+        if self._failing:
+            logger.info("dispatch leases: the database answers again")
+        self._failing = False
+
+    def start(self) -> None:
+        """One round now, then one every ``renew_s`` on a daemon thread until :meth:`close`."""
+        self.hold()
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="dispatch-leases", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop renewing and give the leases up (the others take the apps at their next round)."""
+        self._stopping.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        try:
+            self.store.release_dispatchers(self.owner)
+        except DatabaseError as error:
+            logger.warning("dispatch leases not released (they will lapse): %s", error)
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.renew_s):
+            self.hold()

@@ -1,0 +1,196 @@
+"""``heteroplane serve``'s default start as two processes (docs/service.md, "Serving apart from the
+loops"), on the embedded SQLite database:
+
+- the process started serves the API and runs no periodic job (its /metrics counts no job run),
+  the loops process it started runs them (its /metrics, at the address the serving process's
+  /healthz gives, counts them) and leads; the made-up internal secret is in the child's
+  environment alone: the serving process's internal routes take it, the log never shows it;
+- the loops process killed with SIGKILL is started again (a new pid, one restart) and leads
+  again; then the serving process killed with SIGKILL: its loops process stops itself (no
+  orphan);
+- with the local provisioner: the loops process killed, the serving process goes on answering
+  queries, a standby loops process started by hand on the same SQLite file takes the leader
+  lease (a file lock) from it, and the restarted one stands by; SIGTERM to the serving process
+  stops it and its loops process, exit status 0.
+
+Two serving processes on PostgreSQL: tests/integration/test_dispatch_forwarding.py.
+
+Everything waits by polling with a deadline; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import needs_shared
+from tests.integration.conftest import process_alive
+from tests.integration.test_replicas import (
+    _local_profile,
+    apply_local_app,
+    role,
+    stop_local_workers,
+    tails_of,
+    wait_for,
+)
+from tests.integration.test_serve import Server, create_token
+
+pytestmark = [
+    needs_shared,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+]
+
+APP = "two"
+DIGIT = [float(i % 17) for i in range(64)]
+
+
+def loops_of(server: Server) -> dict[str, Any] | None:
+    """The loops process the serving process's /healthz names, once it answers as the lease's
+    leader or standby; else None."""
+    try:
+        health = httpx.get(f"{server.url}/healthz", timeout=5.0).json()
+    except httpx.TransportError:
+        return None
+    loops: dict[str, Any] | None = health.get("loops")
+    return loops if loops is not None and loops["role"] is not None else None
+
+
+def job_runs(metrics: str) -> float:
+    """The runs the scheduler finished, every job (a /metrics text)."""
+    wanted = "heteroplane_scheduler_job_runs_total{"
+    return sum(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith(wanted) and 'outcome="ran"' in line
+    )
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {key.decode(): value.decode() for key, value in pairs}
+
+
+@pytest.mark.slow  # a service starts, and its loops process twice (imports each): ~15 s
+def test_the_serving_process_runs_no_job_and_restarts_its_loops(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    server = Server(data_dir, tmp_path / "serve.log", rollup_s="0.2")
+    try:
+        first = wait_for("the loops process", lambda: loops_of(server), server.log_text)
+        assert first["role"] == "leader" and first["restarts"] == 0
+        admin = {"Authorization": f"Bearer {create_token(data_dir)}"}
+        health = httpx.get(f"{server.url}/healthz").json()
+        assert health["role"] == "leader" and health["scheduler_running"] is False
+
+        child = f"{first['url']}/metrics"
+        wait_for(
+            "the loops' job runs",
+            lambda: True if job_runs(httpx.get(child, headers=admin).text) >= 3 else None,
+            server.log_text,
+        )
+        assert job_runs(httpx.get(f"{server.url}/metrics", headers=admin).text) == 0
+
+        # The secret: in the child's environment, which its user alone may read; taken by the
+        # serving process's internal routes; never in the log.
+        secret = environ_of(first["pid"])["HETEROPLANE_INTERNAL_TOKEN"]
+        assert len(secret) >= 32
+        assert Path(f"/proc/{first['pid']}/environ").stat().st_mode & 0o077 == 0
+        feed = f"{server.url}/internal/v1/feed"
+        assert httpx.post(feed, json={}, headers={"Authorization": f"Bearer {secret}"}).is_success
+        assert httpx.post(feed, json={}, headers={"Authorization": "Bearer no"}).status_code == 401
+
+        os.kill(first["pid"], signal.SIGKILL)
+        again = wait_for(
+            "the loops process again",
+            lambda: found if (found := loops_of(server)) and found["pid"] != first["pid"] else None,
+            server.log_text,
+        )
+        assert again["restarts"] == 1 and again["url"] == first["url"]
+        wait_for(
+            "the restarted loops leading",
+            lambda: True if (found := loops_of(server)) and found["role"] == "leader" else None,
+            server.log_text,
+        )
+        assert httpx.get(f"{server.url}/v1/apps", headers=admin).json() == []
+
+        # The serving process killed outright: its loops process stops itself (no orphan).
+        server.process.kill()
+        server.process.wait(timeout=30)
+        wait_for(
+            "the orphan's stop",
+            lambda: True if not process_alive(again["pid"]) else None,
+            server.log_text,
+        )
+    finally:
+        server.stop()
+    log = server.log_text()
+    assert "exited with status -9: starting it again" in log
+    assert "the serving process (pid" in log and "is gone: stopping" in log
+    assert secret not in log and "Traceback" not in log
+
+
+def _answers(api: httpx.Client) -> bool:
+    return api.post(f"/v1/apps/{APP}/infer", json={"inputs": [DIGIT]}).status_code == 200
+
+
+@pytest.mark.slow  # two service processes, a standby and a worker start (torch each): ~30 s
+def test_serving_outlives_its_loops_and_a_standby_takes_the_lease_on_sqlite(
+    tmp_path: Path, trained_family: Path
+) -> None:
+    from tests.integration.conftest import local_data_dir
+
+    data_dir = local_data_dir(tmp_path, trained_family)
+    profile = _local_profile(data_dir)
+    common = {"provisioner": "local", "tuner_tick_s": "3600", "reconcile_s": "0.5"}
+    servers: list[Server] = []
+    try:
+        serving = Server(data_dir, tmp_path / "serving.log", **common)
+        servers.append(serving)
+        supervised = wait_for("the loops process", lambda: loops_of(serving), serving.log_text)
+        assert supervised["role"] == "leader"
+        admin = create_token(data_dir)
+        standby = Server(
+            data_dir,
+            tmp_path / "standby.log",
+            role="loops",
+            serving_url=serving.url,
+            internal_token=admin,
+            **common,
+        )
+        servers.append(standby)
+        logs = tails_of(servers)
+        assert role(standby) == "standby"
+
+        api = httpx.Client(
+            base_url=serving.url, headers={"Authorization": f"Bearer {admin}"}, timeout=120.0
+        )
+        apply_local_app(api, APP, profile)
+        wait_for("an answer", lambda: True if _answers(api) else None, logs)
+
+        os.kill(supervised["pid"], signal.SIGKILL)
+        assert all(_answers(api) for _ in range(5)), logs()
+        wait_for("takeover", lambda: True if role(standby) == "leader" else None, logs)
+        restarted = wait_for(
+            "the restarted loops process",
+            lambda: (
+                found
+                if (found := loops_of(serving)) and found["pid"] != supervised["pid"]
+                else None
+            ),
+            logs,
+        )
+        assert restarted["role"] == "standby" and _answers(api)
+        api.close()
+        assert serving.stop() == 0, serving.log_text()
+        assert not process_alive(restarted["pid"])
+    finally:
+        for server in reversed(servers):
+            server.stop()
+        stop_local_workers(data_dir)
