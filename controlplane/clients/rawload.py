@@ -43,6 +43,7 @@ from controlplane.clients.loadgen import (
     QueryResult,
     check_run,
     late_flag,
+    served_ms,
     snapshot,
 )
 from controlplane.clients.tensors import HEADER_LENGTH
@@ -219,11 +220,23 @@ class _Engine:
             self.idle.append(connection)
 
     def record(
-        self, query: Query, kind: str, scheduled_s: float, lag_ms: float, late: bool | None = None
+        self,
+        query: Query,
+        kind: str,
+        scheduled_s: float,
+        lag_ms: float,
+        late: bool | None = None,
+        served: float | None = None,
     ) -> None:
         finished = self.now()
         outcome = QueryResult(
-            query.index, kind, (finished - scheduled_s) * 1000.0, lag_ms, finished, late=late
+            query.index,
+            kind,
+            (finished - scheduled_s) * 1000.0,
+            lag_ms,
+            finished,
+            late=late,
+            served_ms=served,
         )
         self.done.append(outcome)
         if kind == OK:
@@ -234,6 +247,7 @@ class _Engine:
         if query is None:
             return
         late: bool | None = None
+        served: float | None = None
         if status == 200:
             try:
                 answer = json.loads(body)
@@ -242,9 +256,10 @@ class _Engine:
             else:
                 kind = OK
                 late = late_flag(answer)
+                served = served_ms(answer)
         else:
             kind = f"http_{status}"
-        self.record(query, kind, connection.scheduled_s, connection.lag_ms, late)
+        self.record(query, kind, connection.scheduled_s, connection.lag_ms, late, served)
         self.release(connection)
 
     def failed(self, connection: _Connection, kind: str) -> None:
