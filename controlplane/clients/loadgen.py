@@ -84,6 +84,7 @@ __all__ = [
     "build_tensor_queries",
     "draw_rows",
     "infer_url",
+    "judge_answer",
     "late_flag",
     "run_load",
     "run_load_async",
@@ -483,17 +484,7 @@ async def _send(
     except httpx.TransportError:
         kind = "connection"
     else:
-        if response.status_code == 200:
-            try:
-                answer = response.json()
-            except ValueError:
-                kind = "bad_response"
-            else:
-                kind = OK
-                late = late_flag(answer)
-                served = served_ms(answer)
-        else:
-            kind = f"http_{response.status_code}"
+        kind, late, served = judge_answer(response.status_code, response.content)
     finished = timer.now()
     return QueryResult(
         query.index,
@@ -504,6 +495,24 @@ async def _send(
         late=late,
         served_ms=served,
     )
+
+
+def judge_answer(status: int, body: bytes) -> tuple[str, bool | None, float | None]:
+    """An answer's outcome kind (module docstring), the service's late flag and its own time
+    for the query (:func:`late_flag`, :func:`served_ms`); both engines judge answers here.
+
+    >>> judge_answer(200, b'{"late": true, "timings": {"total_ms": 2.0}}')
+    ('ok', True, 2.0)
+    >>> judge_answer(200, b"<html>"), judge_answer(503, b"{}")
+    (('bad_response', None, None), ('http_503', None, None))
+    """
+    if status != 200:
+        return f"http_{status}", None, None
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return "bad_response", None, None
+    return OK, late_flag(answer), served_ms(answer)
 
 
 async def run_load_async(

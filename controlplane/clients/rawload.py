@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import threading
 import urllib.parse
 from collections.abc import Sequence
@@ -42,8 +41,7 @@ from controlplane.clients.loadgen import (
     Query,
     QueryResult,
     check_run,
-    late_flag,
-    served_ms,
+    judge_answer,
     snapshot,
 )
 from controlplane.clients.tensors import HEADER_LENGTH
@@ -246,19 +244,7 @@ class _Engine:
         query = connection.query
         if query is None:
             return
-        late: bool | None = None
-        served: float | None = None
-        if status == 200:
-            try:
-                answer = json.loads(body)
-            except ValueError:
-                kind = "bad_response"
-            else:
-                kind = OK
-                late = late_flag(answer)
-                served = served_ms(answer)
-        else:
-            kind = f"http_{status}"
+        kind, late, served = judge_answer(status, body)
         self.record(query, kind, connection.scheduled_s, connection.lag_ms, late, served)
         self.release(connection)
 
