@@ -40,7 +40,10 @@ reconciler (every second, to launch the worker sooner). Then:
    (``--runs``, seeds 1, 2, ...), a Poisson trace of ``--duration-s`` sent open loop by
    ``controlplane.clients.loadgen`` (the code of ``heteroplane loadgen``); P99 at the client.
 
-The predictions, on the same trace: ``estimator.simulator`` with the profile, the plan's fleet,
+The predictions, on the same trace: ``estimator.simulator`` with the profile (times the
+calibration's factor the service stored for it by the warm-up's end, as the resolver hands it to
+the planner: a profile measured in a moment of contention is corrected by what the service then
+observed), the plan's fleet,
 batch size and dispatch (FCFS), then (a) **the planner's**: plus, per query, a draw from the
 service's stored distribution of its own time
 (:func:`controlplane.policies.planner.overhead_draws_ms`, what the planner adds to a plan's
@@ -77,6 +80,7 @@ import numpy as np
 
 from benchmarks import local_service
 from controlplane.apps import profiler
+from controlplane.apps.resolver import scaled_profile
 from controlplane.clients import loadgen
 from controlplane.clients.tensors import fit_inputs, input_specs
 from controlplane.db.store import Store
@@ -267,6 +271,16 @@ def stored_overhead(data_dir: Path) -> tuple[float, tuple[float, ...]] | None:
     return found.overhead_ms, tuple(found.quantiles_ms)
 
 
+def stored_scale(data_dir: Path, model: str) -> float:
+    """The calibration's factor for ``model`` on the instance type (1 when it stored none): the
+    resolver multiplies the profile by it for the planner."""
+    with opened_store(data_dir) as store:
+        for record in store.list_profile_scales(APP):
+            if (record.model, record.instance_type) == (model, INSTANCE_TYPE):
+                return float(record.factor)
+    return 1.0
+
+
 def stored_profile(data_dir: Path, model: str) -> LatencyProfile:
     """The profile of ``model`` on the instance type the service measured and stored."""
     with opened_store(data_dir) as store:
@@ -375,6 +389,7 @@ class Setting:
     outside_quantiles_ms: list[float]
     levels: list[Level]
     engine: str = "httpx"
+    profile_scale: float = 1.0  # the calibration's factor on the profile at the warm-up's end
     load_before: list[float] = field(default_factory=list)
     load_after: list[float] = field(default_factory=list)
     wall_s: float = 0.0
@@ -653,7 +668,10 @@ def measure(
             overhead, quantiles, outside = warm_up(
                 load, rates[0], options.warmup_s, data_dir, process, say
             )
-            model = Model(profile, overhead, quantiles, outside, fleet, batch)
+            scale = stored_scale(data_dir, profile.model)
+            say(f"the calibration's factor on the profile: {scale:.3f}")
+            planned = scaled_profile(profile, scale)
+            model = Model(planned, overhead, quantiles, outside, fleet, batch)
             levels = [
                 Level(
                     u,
@@ -679,6 +697,7 @@ def measure(
         list(outside),
         levels,
         options.engine,
+        scale,
         load_before,
         [round(x, 2) for x in os.getloadavg()],
         round(time.monotonic() - started, 1),
@@ -779,7 +798,9 @@ def section(setting: Setting) -> str:
 The plan: {json.dumps(stage.get("fleet", {}))}, batch size {stage.get("batch_size")}, policy
 {stage.get("policy")}. The serving-path profile: {setting.round_trip_ms:.2f} ms per batch of one
 (p99 {setting.round_trip_p99_ms:.2f} ms; {what}), so the instance's capacity is
-{setting.capacity_qps:.1f} qps. The service's own time per query, as it measured and stored it:
+{setting.capacity_qps:.1f} qps. The calibration's factor on that profile at the warm-up's end
+(what the planner's profile is multiplied by; 1: no drift found): {setting.profile_scale:.3f}.
+The service's own time per query, as it measured and stored it:
 median {setting.overhead_ms:.2f} ms, p99 {setting.overhead_p99_ms:.2f} ms. Outside it, measured
 in the warm-up: median {setting.outside_p50_ms:.2f} ms, p99 {setting.outside_p99_ms:.2f} ms.
 Medians of {runs} runs (seeds 1-{runs}) with their range; the setting took {setting.wall_s:.0f}
@@ -843,7 +864,8 @@ settings below were measured one at a time (each under ten minutes) and written 
   `{INSTANCE_TYPE}`; queries sent open loop by `controlplane.clients.loadgen` (the code of
   `heteroplane loadgen`, engine {", ".join(engines)}), one seeded Poisson trace of
   {duration_s:g} s per level and run; P99 of the end-to-end latency at the client.
-- The prediction: `estimator.simulator` on the same trace with the serving-path profile, the
+- The prediction: `estimator.simulator` on the same trace with the serving-path profile (times
+  the calibration's factor the service stored by the warm-up's end, as the planner reads it), the
   plan's fleet, batch size and dispatch (FCFS), plus per query a draw from the service's stored
   distribution of its own time (`controlplane.policies.planner.overhead_draws_ms`, what the
   planner adds); and that plus a draw from the client's path measured in the warm-up.
