@@ -86,6 +86,7 @@ __all__ = [
     "infer_url",
     "judge_answer",
     "late_flag",
+    "outcome",
     "run_load",
     "run_load_async",
     "sample_rows",
@@ -485,15 +486,23 @@ async def _send(
         kind = "connection"
     else:
         kind, late, served = judge_answer(response.status_code, response.content)
-    finished = timer.now()
+    return outcome(query, kind, scheduled_s, lag_ms, timer.now(), late, served)
+
+
+def outcome(
+    query: Query,
+    kind: str,
+    scheduled_s: float,
+    lag_ms: float,
+    finished_s: float,
+    late: bool | None = None,
+    served: float | None = None,
+) -> QueryResult:
+    """What became of ``query`` (:class:`QueryResult`), scheduled at ``scheduled_s`` and
+    finished at ``finished_s`` (the run's clock, s): both engines record outcomes here."""
+    latency_ms = (finished_s - scheduled_s) * 1000.0
     return QueryResult(
-        query.index,
-        kind,
-        (finished - scheduled_s) * 1000.0,
-        lag_ms,
-        finished,
-        late=late,
-        served_ms=served,
+        query.index, kind, latency_ms, lag_ms, finished_s, late=late, served_ms=served
     )
 
 

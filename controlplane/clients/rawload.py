@@ -42,6 +42,7 @@ from controlplane.clients.loadgen import (
     QueryResult,
     check_run,
     judge_answer,
+    outcome,
     snapshot,
 )
 from controlplane.clients.tensors import HEADER_LENGTH
@@ -226,19 +227,10 @@ class _Engine:
         late: bool | None = None,
         served: float | None = None,
     ) -> None:
-        finished = self.now()
-        outcome = QueryResult(
-            query.index,
-            kind,
-            (finished - scheduled_s) * 1000.0,
-            lag_ms,
-            finished,
-            late=late,
-            served_ms=served,
-        )
-        self.done.append(outcome)
+        result = outcome(query, kind, scheduled_s, lag_ms, self.now(), late, served)
+        self.done.append(result)
         if kind == OK:
-            self.answered_ms.append(outcome.latency_ms)
+            self.answered_ms.append(result.latency_ms)
 
     def answered(self, connection: _Connection, status: int, body: bytes) -> None:
         query = connection.query
