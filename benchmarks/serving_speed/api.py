@@ -1,7 +1,7 @@
 """The serving path at full speed, measured where clients enter: through the real API.
 
     .venv/bin/python -m benchmarks.serving_speed api [--json] [--rate-qps 2000] [--duration-s 10]
-        [--workers 2] [--runs 3] [--service-setting HETEROPLANE_X=V ...]
+        [--workers 2] [--runs 3] [--protocols v1,v2] [--service-setting HETEROPLANE_X=V ...]
 
 What runs: ``heteroplane serve`` (uvicorn, FastAPI, the token check, validation, the serving
 loop's dispatcher, its HTTP transport) with the local provisioner, an app whose model ``tiny``
@@ -12,7 +12,10 @@ own) of an emulated type padded to nothing: each answers as soon as the digits m
 connections, about 0.1 ms of CPU a query where httpx took 0.5) in a process of its own: open loop
 (query i sent at its scheduled time whatever happened to the earlier ones, latency from the
 scheduled time, so a path that falls behind shows as latency), a Poisson trace at
-``--rate-qps`` for ``--duration-s``, one sample of 64 pixels a query. It is ours, not wrk2 or
+``--rate-qps`` for ``--duration-s``, one sample of 64 pixels a query, sent to each of
+``--protocols`` in turn (a service of its own for each): ``v1``, ``POST /v1/apps/{app}/infer``,
+and ``v2``, ``POST /v2/models/{app}/infer`` (the Open Inference Protocol's JSON, what
+tritonclient and KServe clients send; ``loadgen --protocol v2``). It is ours, not wrk2 or
 oha (neither is in the package registries this machine reaches; Debian's wrk and hey are closed
 loop, which hides queueing): its own send lag is printed, and a run whose send lag p99 exceeds
 10 ms says the load generator, not the service, was the limit.
@@ -22,8 +25,10 @@ over the span of the trace), ``p50_ms``, ``p99_ms`` (at the client), ``p99_added
 less the worker round trip's P99, timed straight to a worker with no service in between: the
 control plane's share), ``cpu_ms_per_query`` (the service process's CPU time per query,
 ``/proc/<pid>/stat``), ``worker_cpu_ms_per_query`` (the worker agents', together), ``errors``
-and the load generator's ``send_lag_p99_ms``; the load average before and after. Goal (the
-serving-path issue): >= 2,000 q/s at <= 10 ms added P99 on this machine.
+and the load generator's ``send_lag_p99_ms``; the load average before and after each run (the
+machine's other work moves these figures: they are recorded, not subtracted). The service runs
+every loop at its default period. Goal (issue 30): >= 2,000 q/s at <= 3 ms added P99 on this
+machine, on ``/v1`` and ``/v2`` alike (the median of the runs; issue 13 had 10 ms).
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ APP = "speed"
 MODEL = "tiny"
 INSTANCE_TYPE = "emu.cpu.large"
 GOAL_QPS = 2000.0
-GOAL_ADDED_MS = 10.0
+GOAL_ADDED_MS = 3.0
+PROTOCOLS = ("v1", "v2")
 LAG_LIMIT_MS = 10.0
 DIRECT_QUERIES = 300
 JSON = {"Content-Type": "application/json"}
@@ -121,13 +127,15 @@ def direct_p99_ms(record: Any, inputs: np.ndarray) -> float:
     return float(np.percentile(times, 99))
 
 
-def load_process(base: str, token: str, trace_path: Path, env: dict[str, str]) -> dict[str, Any]:
-    """``heteroplane loadgen --json`` on the trace against the service at ``base``, in a process
-    of its own."""
+def load_process(
+    base: str, token: str, trace_path: Path, env: dict[str, str], protocol: str = "v1"
+) -> dict[str, Any]:
+    """``heteroplane loadgen --json`` on the trace against the service at ``base`` over
+    ``protocol``, in a process of its own."""
     done = subprocess.run(
         [sys.executable, "-m", "controlplane", "loadgen", "--url", base,
          "--token", token, "--app", APP, "--trace", str(trace_path), "--json",
-         "--engine", "raw"],
+         "--engine", "raw", "--protocol", protocol],
         cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=600,
     )  # fmt: skip
     result: dict[str, Any] = json.loads(done.stdout)
@@ -149,9 +157,10 @@ def one_run(
     trace_path.write_text(
         "arrival_s,batch_size\n" + "".join(f"{a:.6f},1\n" for a in arrivals), encoding="utf-8"
     )
+    load_before = [round(x, 2) for x in os.getloadavg()]
     before = cpu_s(pid)
     workers_before = sum(cpu_s(w) for w in worker_pids_)
-    summary = load_process(base, token, trace_path, env)
+    summary = load_process(base, token, trace_path, env, args.protocol)
     used = cpu_s(pid) - before
     workers_used = sum(cpu_s(w) for w in worker_pids_) - workers_before
     answered = int(summary["answered"])
@@ -167,6 +176,9 @@ def one_run(
         "cpu_ms_per_query": 1000.0 * used / max(1, answered),
         "worker_cpu_ms_per_query": 1000.0 * workers_used / max(1, answered),
         "send_lag_p99_ms": summary.get("send_lag_p99_ms"),
+        "outside_p99_ms": summary.get("outside_p99_ms"),
+        "loadavg_before": load_before,
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -181,15 +193,19 @@ def measure(
     workers: int,
     n_runs: int,
     service_settings: dict[str, str] | None = None,
+    protocol: str = "v1",
 ) -> dict[str, Any]:
-    """Start the service and ``workers`` worker agents, run the load ``n_runs`` times, return
-    the figures (per run, and the median with the spread of each) with the load averages and
-    whether the goal is met (``goal_met``: the medians meet it). ``service_settings``: more
-    ``HETEROPLANE_*`` settings for the service than the benchmark's own."""
+    """Start the service and ``workers`` worker agents, run the load ``n_runs`` times over
+    ``protocol`` (``v1`` or ``v2``), return the figures (per run, and the median with the spread
+    of each) with the load averages and whether the goal is met (``goal_met``: the medians meet
+    it). ``service_settings``: more ``HETEROPLANE_*`` settings for the service than the
+    benchmark's own."""
     from provisioners.worker import family
 
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     args = argparse.Namespace(
-        rate_qps=rate_qps, duration_s=duration_s, workers=workers, runs=n_runs
+        rate_qps=rate_qps, duration_s=duration_s, workers=workers, runs=n_runs, protocol=protocol
     )
     load_before = [round(x, 2) for x in os.getloadavg()]
     root = Path(tempfile.mkdtemp(prefix="heteroplane-api-speed-"))
@@ -265,6 +281,7 @@ def measure(
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result: dict[str, Any] = {
+        "protocol": protocol,
         "rate_qps": args.rate_qps,
         "duration_s": args.duration_s,
         "workers": args.workers,
@@ -274,7 +291,7 @@ def measure(
         "loadavg_before": load_before,
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
-    for key in FIGURES:
+    for key in (*FIGURES, "outside_p99_ms"):
         values = [float(r[key]) for r in runs if r[key] is not None]
         result[key] = median_spread(values) if values else None
     lag = [float(r["send_lag_p99_ms"]) for r in runs if r["send_lag_p99_ms"] is not None]
@@ -295,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument(
+        "--protocols",
+        default=",".join(PROTOCOLS),
+        help="the routes to measure, in turn: v1, v2 or both (default %(default)s)",
+    )
+    parser.add_argument(
         "--service-setting",
         action="append",
         default=[],
@@ -305,21 +327,37 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.rate_qps > 0 and args.duration_s > 0 and args.workers >= 1 and args.runs >= 1):
         parser.error("--rate-qps, --duration-s > 0; --workers, --runs >= 1")
+    protocols = [part.strip() for part in args.protocols.split(",") if part.strip()]
+    if not protocols or any(p not in PROTOCOLS for p in protocols):
+        parser.error(f"--protocols: one or more of {', '.join(PROTOCOLS)}, got {args.protocols!r}")
     settings = {}
     for item in args.service_setting:
         key, sep, value = item.partition("=")
         if not sep or not key.startswith("HETEROPLANE_"):
             parser.error(f"--service-setting: expected HETEROPLANE_NAME=VALUE, got {item!r}")
         settings[key] = value
-    result = measure(args.rate_qps, args.duration_s, args.workers, args.runs, settings)
+    results = {
+        protocol: measure(
+            args.rate_qps, args.duration_s, args.workers, args.runs, settings, protocol
+        )
+        for protocol in protocols
+    }
+    met = all(result["goal_met"] for result in results.values())
     if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        for key in (*FIGURES, "send_lag_p99_ms"):
+        print(json.dumps({"protocols": results, "goal_met": met}, indent=2))
+        return 0 if met else 1
+    for protocol, result in results.items():
+        print(f"/{protocol}:")
+        for key in (*FIGURES, "send_lag_p99_ms", "outside_p99_ms"):
             v = result[key]
             if v is not None:
                 print(f"{key:>18}: {v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})")
+        loads = ", ".join(f"{r['loadavg_before'][0]:.2f}" for r in result["runs"])
+        print(f"{'load average 1 min':>18}: {loads} (at each run's start)")
         behind = "" if result["loadgen_kept_up"] else " (the load generator fell behind)"
         verdict = "met" if result["goal_met"] else "NOT met"
-        print(f"goal >= {GOAL_QPS:g} q/s at <= {GOAL_ADDED_MS:g} ms added p99: {verdict}{behind}")
-    return 0 if result["goal_met"] else 1
+        print(
+            f"goal >= {GOAL_QPS:g} q/s at <= {GOAL_ADDED_MS:g} ms added p99 on /{protocol}:"
+            f" {verdict}{behind}"
+        )
+    return 0 if met else 1

@@ -39,6 +39,12 @@ timings, late).
 - ``asgi_fast_path_us``: the same request with ``Content-Type: application/json``, answered by
   the fast path itself (token answer cached; checked: 200, and the router not entered).
 - ``fast_path_saves_us``: ``asgi_route_us`` less ``asgi_fast_path_us``, per repeat.
+- ``asgi_oip_route_us``, ``asgi_oip_fast_path_us``: the same sample as an Open Inference
+  Protocol request (``{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64],
+  "data": [...]}]}``), what tritonclient sends: to ``POST /v2/models/bench/versions/1/infer``
+  (the route's: FastAPI, its dependencies, the token check in the thread pool) and to
+  ``POST /v2/models/bench/infer`` (answered by the fast path); the answer, the protocol's
+  document of the model's ``logits``, checked the same in both.
 - ``uvicorn_http_us``: the CPU of a uvicorn server per request, as ``heteroplane serve`` runs it
   (httptools' protocol and asyncio's loop,
   :func:`~controlplane.service.protocol.server_options`; its socket bound by
@@ -90,7 +96,7 @@ from controlplane.policies.variants import Requirements
 from controlplane.service.app import create_app
 from controlplane.serving.dispatcher import InferResult
 from controlplane.serving.loop import ServingLoop, ServingSettings
-from controlplane.serving.modelio import Row
+from controlplane.serving.modelio import ReplyTensor, Row, WorkerReply
 from controlplane.serving.workers import StaticInstances
 from controlplane.settings import Settings
 
@@ -99,8 +105,14 @@ APP = "bench"
 MODEL = "tiny"
 INSTANCE_TYPE = "emu.cpu.large"
 PATH = f"/v1/apps/{APP}/infer"
+OIP_PATH = f"/v2/models/{APP}/infer"
+OIP_ROUTE_PATH = f"/v2/models/{APP}/versions/1/infer"  # the route's (the fast path's is above)
 SAMPLE = [i % 17 for i in range(64)]
 BODY = orjson.dumps({"inputs": [SAMPLE]})
+OIP_BODY = orjson.dumps(
+    {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": SAMPLE}]}
+)
+LOGITS = [0.1 * i for i in range(10)]
 # JSON to the route, not to the fast path (which takes application/json only).
 ROUTE_CONTENT_TYPE = b"application/vnd.heteroplane+json"
 # What the stand-in serving loop answers every request with (one sample).
@@ -116,6 +128,18 @@ ANSWER = InferResult(
     transport_ms=0.31,
     compute_ms=0.54,
     api_ms=0.08,
+    replies=(
+        (
+            WorkerReply(
+                (3,),
+                (0.93,),
+                0.54,
+                INSTANCE_TYPE,
+                (ReplyTensor("logits", "FP32", (1, 10), LOGITS),),
+            ),
+            0,
+        ),
+    ),
 )
 CONNECTIONS = 4  # kept-alive connections to the uvicorn server
 WARMUP = 100  # untimed requests before each loop (at most the loop's own count)
@@ -129,6 +153,8 @@ FIGURES = (
     "asgi_route_us",
     "asgi_fast_path_us",
     "fast_path_saves_us",
+    "asgi_oip_route_us",
+    "asgi_oip_fast_path_us",
     "uvicorn_http_us",
 )
 
@@ -240,11 +266,13 @@ class World:
         self.store.close()
 
 
-def asgi_scope(token: str, json_content: bool) -> dict[str, Any]:
+def asgi_scope(
+    token: str, json_content: bool, path: str = PATH, body: bytes = BODY
+) -> dict[str, Any]:
     headers = [
         (b"host", b"127.0.0.1:8000"),
         (b"authorization", f"Bearer {token}".encode()),
-        (b"content-length", str(len(BODY)).encode()),
+        (b"content-length", str(len(body)).encode()),
         (b"content-type", b"application/json" if json_content else ROUTE_CONTENT_TYPE),
     ]
     return {
@@ -253,8 +281,8 @@ def asgi_scope(token: str, json_content: bool) -> dict[str, Any]:
         "http_version": "1.1",
         "method": "POST",
         "scheme": "http",
-        "path": PATH,
-        "raw_path": PATH.encode(),
+        "path": path,
+        "raw_path": path.encode(),
         "root_path": "",
         "query_string": b"",
         "headers": headers,
@@ -264,15 +292,20 @@ def asgi_scope(token: str, json_content: bool) -> dict[str, Any]:
     }
 
 
-async def asgi_cpu_us(world: World, n: int, route: bool) -> float:
-    """CPU per request of ``n`` requests through the app, each checked (200, and answered by
-    the route when ``route``, by the fast path otherwise)."""
-    template = asgi_scope(world.token, json_content=not route)
+async def asgi_cpu_us(world: World, n: int, route: bool, oip: bool = False) -> float:
+    """CPU per request of ``n`` requests through the app (``oip``: the Open Inference
+    Protocol's), each checked (200, and answered by the route when ``route``, by the fast path
+    otherwise)."""
+    body = OIP_BODY if oip else BODY
+    if oip:
+        template = asgi_scope(world.token, True, OIP_ROUTE_PATH if route else OIP_PATH, OIP_BODY)
+    else:
+        template = asgi_scope(world.token, json_content=not route)
     statuses: list[int] = []
     bodies: list[bytes] = []
 
     async def receive() -> Message:
-        return {"type": "http.request", "body": BODY, "more_body": False}
+        return {"type": "http.request", "body": body, "more_body": False}
 
     async def send(message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -300,7 +333,12 @@ async def asgi_cpu_us(world: World, n: int, route: bool) -> float:
         raise RuntimeError(f"{which}: {statuses.count(200)} of {n} answered 200 (saw {bad})")
     if routed != (n if route else 0):
         raise RuntimeError(f"{which}: {routed} of {n} requests went through the route")
-    if orjson.loads(bodies[-1]) != answer_document(ANSWER):
+    answer = orjson.loads(bodies[-1])
+    if oip:
+        (output,) = answer.get("outputs", [{}])
+        if output.get("name") != "logits" or output.get("shape") != [1, 10]:
+            raise RuntimeError(f"{which} (/v2): unexpected answer {bodies[-1]!r}")
+    elif answer != answer_document(ANSWER):
         raise RuntimeError(f"{which}: unexpected answer {bodies[-1]!r}")
     return spent / n * 1e6
 
@@ -310,10 +348,17 @@ async def asgi_figures(world: World, n: int, repeats: int) -> dict[str, list[flo
     try:
         # The token's answer cached before the timing (as it stays while a client is busy).
         world.store.verify_token(world.token, fresh=True)
-        figures: dict[str, list[float]] = {"asgi_route_us": [], "asgi_fast_path_us": []}
+        figures: dict[str, list[float]] = {
+            "asgi_route_us": [],
+            "asgi_fast_path_us": [],
+            "asgi_oip_route_us": [],
+            "asgi_oip_fast_path_us": [],
+        }
         for _ in range(repeats):
             figures["asgi_route_us"].append(await asgi_cpu_us(world, n, route=True))
             figures["asgi_fast_path_us"].append(await asgi_cpu_us(world, n, route=False))
+            figures["asgi_oip_route_us"].append(await asgi_cpu_us(world, n, True, oip=True))
+            figures["asgi_oip_fast_path_us"].append(await asgi_cpu_us(world, n, False, oip=True))
         return figures
     finally:
         await world.serving.stop()

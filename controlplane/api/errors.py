@@ -90,6 +90,7 @@ __all__ = [
     "error_response",
     "install_error_handlers",
     "is_oip_path",
+    "oip_error_body",
     "render_error",
     "unauthorized",
 ]
@@ -445,7 +446,7 @@ class OipErrorShapeMiddleware:
             chunks.append(message.get("body", b""))
             if message.get("more_body", False):
                 return
-            body = _oip_error_body(b"".join(chunks))
+            body = oip_error_body(b"".join(chunks))
             headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
             headers.append((b"content-length", str(len(body)).encode("ascii")))
             await send({**start, "headers": headers})
@@ -461,7 +462,7 @@ def _is_json_error(start: Message) -> bool:
     )
 
 
-def _oip_error_body(body: bytes) -> bytes:
+def oip_error_body(body: bytes) -> bytes:
     """``body`` with an API error document rewritten to the protocol's (else as it was)."""
     try:
         document = json.loads(body)

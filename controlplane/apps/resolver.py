@@ -70,6 +70,7 @@ __all__ = [
     "ScaleSource",
     "pin_artifacts",
     "resolve_artifacts",
+    "scaled_profile",
     "scaled_profiles",
     "smallest_common_batch_size",
     "spec_document",
@@ -137,14 +138,18 @@ def scaled_profiles(app: ResolvedApp, scales: Mapping[tuple[str, str], float]) -
             continue
         if id(found) not in rebuilt:
             rebuilt[id(found)] = ProfileSet(
-                (_scaled(p, wanted[key]) if key in wanted else p for key, p in found.items()),
+                (
+                    scaled_profile(p, wanted[key]) if key in wanted else p
+                    for key, p in found.items()
+                ),
                 found.source,
             )
         profiles[model] = rebuilt[id(found)]
     return dataclasses.replace(app, profiles=profiles)
 
 
-def _scaled(profile: LatencyProfile, factor: float) -> LatencyProfile:
+def scaled_profile(profile: LatencyProfile, factor: float) -> LatencyProfile:
+    """``profile`` with every sample multiplied by ``factor`` (a calibration's)."""
     return LatencyProfile(
         profile.model,
         profile.instance_type,

@@ -245,6 +245,11 @@ def human(summary: LoadSummary, offered_s: float) -> str:
         lines.append("latency: no query was answered")
     else:
         lines.append(f"latency: p50 {summary.p50_ms:.1f} ms, p99 {summary.p99_ms:.1f} ms")
+    if summary.outside_p50_ms is not None and summary.outside_p99_ms is not None:
+        lines.append(
+            f"outside the service's own time: p50 {summary.outside_p50_ms:.1f} ms, p99"
+            f" {summary.outside_p99_ms:.1f} ms (this client, the connection, the server's HTTP)"
+        )
     if summary.attainment is not None and summary.slo_ms is not None:
         lines.append(
             f"attainment: {summary.attainment * 100:.2f}% of the queries sent were answered"

@@ -27,11 +27,19 @@ This module owns how a trace becomes requests and how their answers become a sum
   that is not JSON). p50 and p99 are over the answered queries' latencies; *attainment* is the
   share of all sent queries answered within the SLO (an error is a miss); the achieved rate is
   answered queries per second of the run (first scheduled send to the last answer).
+- **The path the service does not see** (``outside_p50_ms``, ``outside_p99_ms``): an answer
+  carries the service's own time for the query (``timings.total_ms`` on ``/v1``,
+  ``parameters.total_ms`` on ``/v2``: from the API's receipt to the answer, :func:`served_ms`);
+  a query's latency less it is the part outside the service's count: the client's HTTP stack,
+  the connection, the server reading and parsing the request before the API is called and
+  writing the answer back. The planner's model holds only what the service counts, so this is
+  what a client should add to a plan's ``predicted_p99_ms`` (benchmarks/fidelity measures it).
 
 The ``--json`` contract of ``heteroplane loadgen`` is :meth:`LoadSummary.to_json`: ``sent``,
 ``answered``, ``errors``, ``p50_ms``, ``p99_ms``, ``attainment``, ``achieved_qps``,
-``errors_by_kind`` and ``send_lag_p99_ms`` (how late the generator itself sent, p99: above a few
-ms it, not the service, was the limit).
+``errors_by_kind``, ``send_lag_p99_ms`` (how late the generator itself sent, p99: above a few
+ms it, not the service, was the limit) and ``outside_p50_ms``, ``outside_p99_ms`` (null when no
+answer gave the service's time).
 
 Time comes through a :class:`Timer` (the event loop's clock by default), so tests run a trace
 spanning minutes in virtual time. Requests go out over one ``httpx.AsyncClient`` (keep-alive, up
@@ -76,10 +84,13 @@ __all__ = [
     "build_tensor_queries",
     "draw_rows",
     "infer_url",
+    "judge_answer",
     "late_flag",
+    "outcome",
     "run_load",
     "run_load_async",
     "sample_rows",
+    "served_ms",
     "summarise",
 ]
 
@@ -247,6 +258,26 @@ def late_flag(answer: object) -> bool | None:
     return flag if isinstance(flag, bool) else None
 
 
+def served_ms(answer: object) -> float | None:
+    """The service's own time for the query in an answer: ``timings.total_ms`` (``/v1``) or
+    ``parameters.total_ms`` (``/v2``); None when it gives none.
+
+    >>> served_ms({"timings": {"total_ms": 2.5}}), served_ms({"parameters": {"total_ms": 3}})
+    (2.5, 3.0)
+    >>> served_ms({"outputs": []}) is None
+    True
+    """
+    if not isinstance(answer, dict):
+        return None
+    for key in ("timings", "parameters"):
+        part = answer.get(key)
+        if isinstance(part, dict):
+            value = part.get("total_ms")
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return float(value) if math.isfinite(value) else None
+    return None
+
+
 # --- outcomes and the summary ---------------------------------------------------------------------
 
 
@@ -254,7 +285,9 @@ def late_flag(answer: object) -> bool | None:
 class QueryResult:
     """What became of one query: ``kind`` is ``ok`` or the error kind (module docstring);
     ``latency_ms`` runs from its scheduled send to its answer or failure; ``send_lag_ms`` is how
-    late the request left; ``late`` is the service's own flag (``None`` when it gave none)."""
+    late the request left; ``late`` is the service's own flag (``None`` when it gave none);
+    ``served_ms`` the service's own time for it (:func:`served_ms`; ``None`` when it gave
+    none)."""
 
     index: int
     kind: str
@@ -262,6 +295,14 @@ class QueryResult:
     send_lag_ms: float = 0.0
     finished_s: float = 0.0
     late: bool | None = None
+    served_ms: float | None = None
+
+    @property
+    def outside_ms(self) -> float | None:
+        """The part of the latency outside the service's own count (module docstring)."""
+        if not self.answered or self.served_ms is None:
+            return None
+        return self.latency_ms - self.served_ms
 
     @property
     def answered(self) -> bool:
@@ -283,6 +324,8 @@ class LoadSummary:
     duration_s: float
     slo_ms: float | None
     send_lag_p99_ms: float | None = None
+    outside_p50_ms: float | None = None
+    outside_p99_ms: float | None = None
 
     def to_json(self) -> dict[str, object]:
         """The ``loadgen --json`` contract."""
@@ -296,6 +339,8 @@ class LoadSummary:
             "achieved_qps": self.achieved_qps,
             "errors_by_kind": dict(self.errors_by_kind),
             "send_lag_p99_ms": self.send_lag_p99_ms,
+            "outside_p50_ms": self.outside_p50_ms,
+            "outside_p99_ms": self.outside_p99_ms,
         }
 
 
@@ -316,6 +361,9 @@ def summarise(
     answered = np.array([o.latency_ms for o in outcomes if o.answered], dtype=np.float64)
     errors = Counter(o.kind for o in outcomes if not o.answered)
     lags = np.array([o.send_lag_ms for o in outcomes], dtype=np.float64)
+    outside = np.array(
+        [o.outside_ms for o in outcomes if o.outside_ms is not None], dtype=np.float64
+    )
 
     def percentile(values: NDArray[np.float64], q: float) -> float | None:
         return float(np.percentile(values, q)) if values.size else None
@@ -335,6 +383,8 @@ def summarise(
         duration_s=elapsed_s,
         slo_ms=slo_ms,
         send_lag_p99_ms=percentile(lags, 99.0),
+        outside_p50_ms=percentile(outside, 50.0),
+        outside_p99_ms=percentile(outside, 99.0),
     )
 
 
@@ -427,6 +477,7 @@ async def _send(
 ) -> QueryResult:
     lag_ms = max(0.0, (timer.now() - scheduled_s) * 1000.0)
     late: bool | None = None
+    served: float | None = None
     try:
         response = await client.post(url, content=query.body, headers=query.headers())
     except httpx.TimeoutException:
@@ -434,20 +485,43 @@ async def _send(
     except httpx.TransportError:
         kind = "connection"
     else:
-        if response.status_code == 200:
-            try:
-                answer = response.json()
-            except ValueError:
-                kind = "bad_response"
-            else:
-                kind = OK
-                late = late_flag(answer)
-        else:
-            kind = f"http_{response.status_code}"
-    finished = timer.now()
+        kind, late, served = judge_answer(response.status_code, response.content)
+    return outcome(query, kind, scheduled_s, lag_ms, timer.now(), late, served)
+
+
+def outcome(
+    query: Query,
+    kind: str,
+    scheduled_s: float,
+    lag_ms: float,
+    finished_s: float,
+    late: bool | None = None,
+    served: float | None = None,
+) -> QueryResult:
+    """What became of ``query`` (:class:`QueryResult`), scheduled at ``scheduled_s`` and
+    finished at ``finished_s`` (the run's clock, s): both engines record outcomes here."""
+    latency_ms = (finished_s - scheduled_s) * 1000.0
     return QueryResult(
-        query.index, kind, (finished - scheduled_s) * 1000.0, lag_ms, finished, late=late
+        query.index, kind, latency_ms, lag_ms, finished_s, late=late, served_ms=served
     )
+
+
+def judge_answer(status: int, body: bytes) -> tuple[str, bool | None, float | None]:
+    """An answer's outcome kind (module docstring), the service's late flag and its own time
+    for the query (:func:`late_flag`, :func:`served_ms`); both engines judge answers here.
+
+    >>> judge_answer(200, b'{"late": true, "timings": {"total_ms": 2.0}}')
+    ('ok', True, 2.0)
+    >>> judge_answer(200, b"<html>"), judge_answer(503, b"{}")
+    (('bad_response', None, None), ('http_503', None, None))
+    """
+    if status != 200:
+        return f"http_{status}", None, None
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return "bad_response", None, None
+    return OK, late_flag(answer), served_ms(answer)
 
 
 async def run_load_async(

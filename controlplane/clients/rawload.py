@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import threading
 import urllib.parse
 from collections.abc import Sequence
@@ -42,7 +41,8 @@ from controlplane.clients.loadgen import (
     Query,
     QueryResult,
     check_run,
-    late_flag,
+    judge_answer,
+    outcome,
     snapshot,
 )
 from controlplane.clients.tensors import HEADER_LENGTH
@@ -219,32 +219,25 @@ class _Engine:
             self.idle.append(connection)
 
     def record(
-        self, query: Query, kind: str, scheduled_s: float, lag_ms: float, late: bool | None = None
+        self,
+        query: Query,
+        kind: str,
+        scheduled_s: float,
+        lag_ms: float,
+        late: bool | None = None,
+        served: float | None = None,
     ) -> None:
-        finished = self.now()
-        outcome = QueryResult(
-            query.index, kind, (finished - scheduled_s) * 1000.0, lag_ms, finished, late=late
-        )
-        self.done.append(outcome)
+        result = outcome(query, kind, scheduled_s, lag_ms, self.now(), late, served)
+        self.done.append(result)
         if kind == OK:
-            self.answered_ms.append(outcome.latency_ms)
+            self.answered_ms.append(result.latency_ms)
 
     def answered(self, connection: _Connection, status: int, body: bytes) -> None:
         query = connection.query
         if query is None:
             return
-        late: bool | None = None
-        if status == 200:
-            try:
-                answer = json.loads(body)
-            except ValueError:
-                kind = "bad_response"
-            else:
-                kind = OK
-                late = late_flag(answer)
-        else:
-            kind = f"http_{status}"
-        self.record(query, kind, connection.scheduled_s, connection.lag_ms, late)
+        kind, late, served = judge_answer(status, body)
+        self.record(query, kind, connection.scheduled_s, connection.lag_ms, late, served)
         self.release(connection)
 
     def failed(self, connection: _Connection, kind: str) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,7 @@ __all__ = [
     "PLANNING_QUERIES",
     "InfeasibleSLOError",
     "end_to_end_tail_ms",
+    "overhead_draws_ms",
     "peak_rate_qps",
     "plan_app",
     "scale_trace",
@@ -738,12 +739,24 @@ def end_to_end_tail_ms(
     added: a draw from its measured distribution for each query when the service measured one
     (on a random stream of its own, from ``seed``: the tail of the sum, not the sum of a tail
     and a median), else its median (a constant shifts every percentile by itself)."""
-    quantiles = app.serving_overhead_quantiles_ms
-    if quantiles and response_ms.size:
-        rng = np.random.default_rng([seed, _OVERHEAD_STREAM])
-        total = response_ms + draw_overhead_ms(quantiles, response_ms.size, rng)
-        return float(np.percentile(total, percentile))
+    if app.serving_overhead_quantiles_ms and response_ms.size:
+        draws = overhead_draws_ms(
+            response_ms.size, seed, app.serving_overhead_ms, app.serving_overhead_quantiles_ms
+        )
+        return float(np.percentile(response_ms + draws, percentile))
     return float(np.percentile(response_ms, percentile)) + app.serving_overhead_ms
+
+
+def overhead_draws_ms(
+    count: int, seed: int, overhead_ms: float, quantiles_ms: Sequence[float]
+) -> np.ndarray:
+    """The control plane's own time for each of ``count`` simulated queries, as the planner
+    adds it (:func:`end_to_end_tail_ms`): draws from ``quantiles_ms`` (its measured distribution
+    at :data:`~controlplane.policies.calibration.OVERHEAD_QUANTILES`) on the plan's ``seed``'s
+    stream of its own, or ``overhead_ms`` (the median) for every query when there is none."""
+    if not quantiles_ms:
+        return np.full(count, float(overhead_ms))
+    return draw_overhead_ms(quantiles_ms, count, np.random.default_rng([seed, _OVERHEAD_STREAM]))
 
 
 def _joint_cost(setup: _Setup, joint: _Joint) -> float:

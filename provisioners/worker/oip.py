@@ -36,6 +36,7 @@ from http import HTTPStatus
 from typing import Any
 
 import numpy as np
+import orjson
 
 from provisioners.artifacts import ArtifactError, ModelSignature, TensorSpec, datatype_of
 
@@ -84,6 +85,10 @@ class InferRequest:
 def load_json(body: bytes | str) -> Any:
     """A request body as JSON; :class:`OipError` (400) when it is not (``NaN`` and
     ``Infinity``, which JSON does not have, included)."""
+    try:  # orjson parses a tensor's numbers several times faster, and refuses NaN too
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass  # json's answer, word for word (and integers past 64 bits, which orjson refuses)
     try:
         return json.loads(body, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as error:
@@ -257,9 +262,13 @@ def _values(data: list[Any], spec: TensorSpec) -> np.ndarray:
     else:
         if raw.dtype.kind == "b":
             raise OipError(f"input {name!r}: {spec.datatype} data must be numbers")
-        with np.errstate(over="ignore"):  # an overflow becomes inf, refused just below
-            cast = raw.astype(dtype)
-        if not np.isfinite(cast).all():
+        # Refused before the cast, which would make an overflow inf (a np.errstate around it
+        # cost as much as the cast at thousands of queries a second).
+        largest = np.finfo(dtype).max
+        if raw.max() > largest or raw.min() < -largest:
+            raise OipError(f"input {name!r}: a value is too large for {spec.datatype}")
+        cast = raw.astype(dtype)
+        if not np.isfinite(cast).all():  # NaN (binary tensors can carry it)
             raise OipError(f"input {name!r}: a value is too large for {spec.datatype}")
         return cast.reshape(-1)
     return raw.astype(dtype).reshape(-1)

@@ -11,12 +11,14 @@ verifies a token (once, however many requests wait for it) only when no answer i
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from controlplane.api.fast_infer import MAX_PENDING_CHECKS, TokenCheck, plain_body
@@ -32,6 +34,8 @@ from tests.component.test_serving import (
 )
 
 URL = "/v1/apps/demo/infer"
+OIP_URL = "/v2/models/demo/infer"
+OIP_VERSIONED = "/v2/models/demo/versions/1/infer"  # not the fast path's: the route's
 
 
 @pytest.fixture
@@ -156,6 +160,54 @@ def test_no_serving_instance_is_the_routes_503(world: ApiWorld) -> None:
         second = await client.post(URL, json=ok, headers=world.auth())  # the fast path
         assert first.status_code == second.status_code == 503
         assert first.json() == second.json()
+
+    api_run(world, body)
+
+
+def _oip_request(rows: list[list[float]]) -> dict[str, Any]:
+    data = [value for r in rows for value in r]
+    return {
+        "inputs": [{"name": "input", "datatype": "FP32", "shape": [len(rows), 64], "data": data}]
+    }
+
+
+def test_the_open_inference_protocol_takes_the_fast_path_too(world: ApiWorld) -> None:
+    checks = _Checks(world)
+    payload = _oip_request([row(3, 0.9), row(4, 0.1)])
+    pixels = np.array([row(6, 0.9)], dtype=np.float32)
+    head = json.dumps(
+        {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64],
+                     "parameters": {"binary_data_size": pixels.nbytes}}]}
+    ).encode()  # fmt: skip
+
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", [])
+        # No worker: the serving's 503, in the protocol's shape, as the route answers it.
+        fast = await client.post(OIP_URL, json=payload, headers=world.auth())
+        route = await client.post(OIP_VERSIONED, json=payload, headers=world.auth())
+        assert fast.status_code == route.status_code == 503
+        assert fast.json() == route.json() and isinstance(fast.json()["error"], str)
+        world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
+        checks.count = 0
+        first = await client.post(OIP_URL, json=payload, headers=world.auth())
+        assert first.status_code == 200, first.text
+        binary = await client.post(
+            OIP_URL,
+            content=head + pixels.tobytes(),
+            headers={**world.auth(), "Inference-Header-Content-Length": str(len(head))},
+        )
+        assert binary.status_code == 200, binary.text
+        assert checks.count == 0  # no request took the route's token check: the fast path
+        route = await client.post(OIP_VERSIONED, json=payload, headers=world.auth())
+        assert checks.count == 1  # the versioned path is the route's
+        assert first.json()["outputs"] == route.json()["outputs"]
+        assert set(first.json()["parameters"]) == set(route.json()["parameters"])
+        assert np.argmax(binary.json()["outputs"][0]["data"]) == 6
+        # A query the protocol refuses goes to the route, which names the field.
+        wrong = _oip_request([row(1, 0.5)])
+        wrong["inputs"][0]["shape"] = [1, 63]
+        refused = await client.post(OIP_URL, json=wrong, headers=world.auth())
+        assert refused.status_code == 400 and "shape" in refused.json()["error"]
 
     api_run(world, body)
 

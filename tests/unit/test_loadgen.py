@@ -50,6 +50,8 @@ CONTRACT_KEYS = {
     "achieved_qps",
     "errors_by_kind",
     "send_lag_p99_ms",
+    "outside_p50_ms",
+    "outside_p99_ms",
 }
 
 
@@ -274,6 +276,9 @@ def test_errors_are_counted_by_kind(fake: FakeService) -> None:
         "http_429": 2,
         "http_503": 1,
     }
+    # The answers carry the service's time (1 ms): each answered query's outside part is known.
+    assert [o.served_ms for o in result.outcomes if o.answered] == [1.0, 1.0]
+    assert summary.outside_p99_ms is not None
 
 
 def test_a_query_without_an_answer_in_time_is_a_timeout(fake: FakeService) -> None:
@@ -347,6 +352,17 @@ def test_the_summary_statistics() -> None:
     assert summary.achieved_qps == pytest.approx(100 / 20.0)
     assert dict(summary.errors_by_kind) == {"http_503": 1, "timeout": 1}
     assert summary.send_lag_p99_ms == pytest.approx(0.5)
+
+
+def test_the_path_outside_the_service_is_the_latency_less_the_services_own_time() -> None:
+    outcomes = [QueryResult(i, "ok", 10.0 + i, served_ms=8.0) for i in range(100)]
+    outcomes.append(QueryResult(100, "ok", 50.0))  # no time from the service: left out
+    outcomes.append(QueryResult(101, "http_503", 1.0, served_ms=0.5))  # not answered
+    summary = summarise(outcomes, slo_ms=None, elapsed_s=1.0)
+    expected = [2.0 + i for i in range(100)]
+    assert summary.outside_p50_ms == pytest.approx(np.percentile(expected, 50))
+    assert summary.outside_p99_ms == pytest.approx(np.percentile(expected, 99))
+    assert summarise(outcomes[100:], slo_ms=None, elapsed_s=1.0).outside_p99_ms is None
 
 
 def test_a_summary_of_nothing_answered() -> None:

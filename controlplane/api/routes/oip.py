@@ -58,7 +58,7 @@ from fastapi.routing import APIRoute
 from starlette.types import Scope
 
 from controlplane.api.deps import Inferrer, Services, ServicesDep
-from controlplane.api.errors import ApiError
+from controlplane.api.errors import ApiError, oip_error_body, render_error
 from controlplane.api.limits import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_depth_exceeds
 from controlplane.api.routes import AppName
 from controlplane.api.routes.infer import received_s
@@ -122,6 +122,23 @@ class _OipRoute(APIRoute):
                 return answer
 
         return route
+
+
+async def error_answer(request: Request, error: Exception) -> Response:
+    """The answer the route gives ``error`` (:class:`_OipRoute`), with the protocol's body also
+    for one no handler takes (the catch-all's 500): for the inference fast path
+    (:mod:`controlplane.api.fast_infer`), which answers outside the route's layers."""
+    if isinstance(error, OipError):
+        return JSONResponse({"error": str(error)}, status_code=error.status)
+    answer = await _api_answer(request, error)
+    if answer is not None:
+        return answer
+    plain = render_error(request, error)
+    return Response(
+        oip_error_body(bytes(plain.body)),
+        status_code=plain.status_code,
+        media_type="application/json",
+    )
 
 
 def as_model_error(error: Exception) -> Exception:
@@ -227,12 +244,12 @@ async def infer(app: AppName, services: ServicesDep, _who: Inferrer, request: Re
     signature = await signature_of(serving, app, received)
     limit = body_limit(signature, services.settings.oip_body_max_bytes)
     body = await _read_body(request, limit)
-    document, binary = _split(body, request.headers.get(HEADER_LENGTH))
+    document, binary = split_body(body, request.headers.get(HEADER_LENGTH))
     if not isinstance(document, Mapping):
         raise OipError("body must be a JSON object")
     answered = await serve_query(serving, app, signature, document, binary, received)
-    binary_names = _binary_outputs(document, [name for name, _, _ in answered.outputs])
-    return _answer(app, answered.id, answered.outputs, binary_names, answered.result)
+    binary_names = binary_outputs(document, [name for name, _, _ in answered.outputs])
+    return answer_response(app, answered.id, answered.outputs, binary_names, answered.result)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +277,22 @@ async def serve_query(
     ``POST /v2/models/{app}/infer`` and gRPC's ``ModelInfer``
     (:mod:`controlplane.api.grpc_oip`) both serve here. Raises what the serving loop raises,
     :class:`OipError` for a request the protocol refuses."""
-    parsed = parse_query(signature, document, binary)
+    return await serve_parsed(
+        serving, app, signature, document, parse_query(signature, document, binary), received
+    )
+
+
+async def serve_parsed(
+    serving: ServingLoop,
+    app: str,
+    signature: ModelSignature,
+    document: Mapping[str, Any],
+    parsed: InferRequest,
+    received: float | None,
+) -> Answered:
+    """:func:`serve_query` for a query already checked (:func:`parse_query`): the inference
+    fast path (:mod:`controlplane.api.fast_infer`) checks first, so that a query the protocol
+    refuses goes to the route, which answers its error."""
     arrays = [parsed.inputs[spec.name] for spec in signature.inputs]
     rows: list[Any] = list(arrays[0]) if len(arrays) == 1 else list(zip(*arrays, strict=True))
     deadline = _deadline_s(document, serving.clock.now_s() if received is None else received)
@@ -307,7 +339,7 @@ def _deadline_s(document: Mapping[str, Any], received_s: float) -> float | None:
     return received_s + float(timeout) / 1e6
 
 
-def _split(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
+def split_body(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
     """The JSON part of a body, decoded, and its binary part (Triton's extension)."""
     if header_length is None:
         return _load_bounded_json(body), b""
@@ -415,7 +447,7 @@ def _with_binary_inputs(
     return {**document, "inputs": filled}
 
 
-def _binary_outputs(document: Mapping[str, Any], names: Sequence[str]) -> set[str]:
+def binary_outputs(document: Mapping[str, Any], names: Sequence[str]) -> set[str]:
     """The outputs to answer in binary (see the module docstring)."""
     parameters = document.get("parameters")
     everything = isinstance(parameters, Mapping) and parameters.get("binary_data_output") is True
@@ -427,7 +459,7 @@ def _binary_outputs(document: Mapping[str, Any], names: Sequence[str]) -> set[st
     return {n for n in names if own.get(n) is True or (own.get(n) is None and everything)}
 
 
-def _answer(
+def answer_response(
     app: str,
     request_id: str | None,
     outputs: Sequence[tuple[str, str, np.ndarray]],
