@@ -29,6 +29,7 @@ from controlplane.policies.baselines import (
     plan_baseline,
 )
 from controlplane.policies.capacity_curve import replay_sizing
+from estimator.envelope import DEFAULT_PERSISTENCE_S
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.replay import (
     ScalingPolicy,
@@ -129,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
                 "a cascade: InferLine's model per stage (the capacity curve is one stage's)"
             )
         model = "inferline"
+        # A burst must persist to buy capacity, as in a single stage and the live tuner.
+        sizing = {"tuner_persistence_s": DEFAULT_PERSISTENCE_S}
     elif policy == "tuner" and model == "curve":
         stage = check_plan(plan, app)
         ladder, sizing = replay_sizing(
