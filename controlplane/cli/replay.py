@@ -29,7 +29,6 @@ from controlplane.policies.baselines import (
     plan_baseline,
 )
 from controlplane.policies.capacity_curve import replay_sizing
-from estimator.envelope import DEFAULT_PERSISTENCE_S
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.replay import (
     ScalingPolicy,
@@ -43,6 +42,7 @@ from controlplane.policies.spot_replay import (
     replay_with_interruptions,
 )
 from controlplane.spec import load_spec, resolve_spec
+from estimator.envelope import DEFAULT_PERSISTENCE_S
 from estimator.traces import read_trace_csv
 
 

@@ -41,9 +41,9 @@ from estimator.envelope import DEFAULT_PERSISTENCE_S, arrival_cv2
 from estimator.traces import Trace, constant_profile, renewal_arrivals
 
 __all__ = [
+    "DEFAULT_BURSTINESS",
     "DEFAULT_LOADS",
     "LOAD_MODEL_RECENT_S",
-    "DEFAULT_BURSTINESS",
     "build_ladder",
     "burst_stand_in",
     "capacity_curve",
@@ -102,8 +102,9 @@ def build_ladder(
     None when the planner places nothing at f = 1. Its rates and capacity model cover the rungs'
     types and ``also_types`` (an applied plan's own, where it differs). For each CV^2 in
     ``burstiness`` that is not the planning trace's own (within 25%), a ladder on
-    :func:`burst_stand_in` at those of :data:`BURSTINESS_LADDER_LOADS` among ``loads`` (``families``; skipped where the planner places nothing at 1x),
-    all on the same rates and capacity model; the ladder's ``cv2`` is the planning trace's
+    :func:`burst_stand_in` at those of :data:`BURSTINESS_LADDER_LOADS` among ``loads``
+    (``families``; skipped where the planner places nothing at 1x), all on the same rates and
+    capacity model; the ladder's ``cv2`` is the planning trace's
     (:func:`estimator.envelope.arrival_cv2`). Deterministic for a seed."""
     say = progress or (lambda _message: None)
 

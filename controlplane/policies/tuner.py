@@ -1306,8 +1306,9 @@ def tune(
         if not live_cv2:
             live_cv2.append(arrival_cv2(arrivals))
         cv2, gaps = live_cv2[0]
-        if gaps < BURSTINESS_MIN_GAPS or not math.isfinite(cv2) or cv2 <= 0.0:
+        if gaps < BURSTINESS_MIN_GAPS or not math.isfinite(cv2):
             return plan, config.planned_rate_qps, ""
+        cv2 = max(cv2, 1e-6)  # evenly spaced arrivals: the smoothest sizing
         options = [(plan.cv2, config.planned_rate_qps, plan), *plan.burstiness]
         chosen, planned, stage = min(options, key=lambda o: (abs(math.log(o[0] / cv2)), -o[0]))
         return stage, planned, f"arrivals' CV^2 {cv2:.3g} ({gaps} gaps): sized as CV^2 {chosen:.3g}"
