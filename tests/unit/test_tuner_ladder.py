@@ -35,14 +35,17 @@ def steady(rate_qps: int, start_s: float, end_s: float) -> np.ndarray:
     return start_s + np.arange(int((end_s - start_s) * rate_qps)) / rate_qps
 
 
-def stage(ladder: tuple[tuple[float, Mapping[str, int]], ...] | None = None) -> TunerStage:
+def stage(
+    ladder: tuple[tuple[float, Mapping[str, int]], ...] | None = None,
+    fleet: Mapping[str, int] | None = None,
+) -> TunerStage:
     # Planned at 32 qps: 4 cpu (40 qps). At twice the load the planner chose one gpu (100 qps,
     # $0.5/hr), cheaper than the 8 cpu ($0.8/hr) the same mix would need.
     rungs = ladder or ((0.5, {"cpu": 2}), (1.0, {"cpu": 4}), (2.0, {"gpu": 1}))
     return TunerStage(
         "m",
         1.0,
-        {"cpu": 4},
+        fleet or {"cpu": 4},
         MU,
         1.0,
         capacity_curve=((0.5, 0.5), (1.0, 1.0), (2.0, 2.0)),
@@ -159,27 +162,9 @@ def test_a_blip_buys_nothing_once_bursts_must_persist(persistence_s: float | Non
 def test_traffic_smoother_than_planned_is_sized_on_the_ladder_of_its_burstiness() -> None:
     # Planned on CV^2 4 arrivals: 4 cpu at the planned rate. The same rate of Poisson (or
     # smoother) arrivals needs 2 (the ladder planned on a CV^2 1 stand-in).
-    smooth = TunerStage(
-        "m",
-        1.0,
-        {"cpu": 2},
-        MU,
-        1.0,
-        capacity_curve=((0.5, 0.5), (1.0, 1.0), (2.0, 2.0)),
-        ladder=((0.5, {"cpu": 1}), (1.0, {"cpu": 2}), (2.0, {"cpu": 4})),
-    )
+    smooth = stage(((0.5, {"cpu": 1}), (1.0, {"cpu": 2}), (2.0, {"cpu": 4})), {"cpu": 2})
     envelope = (PLANNED_QPS,) * len(WINDOWS_S)
-    plan = TunerStage(
-        "m",
-        1.0,
-        {"cpu": 4},
-        MU,
-        1.0,
-        capacity_curve=((0.5, 0.5), (1.0, 1.0), (2.0, 2.0)),
-        ladder=((0.5, {"cpu": 2}), (1.0, {"cpu": 4}), (2.0, {"gpu": 1})),
-        cv2=4.0,
-        burstiness=((1.0, envelope, smooth),),
-    )
+    plan = dataclasses.replace(stage(), cv2=4.0, burstiness=((1.0, envelope, smooth),))
     cfg = dataclasses.replace(config(), recent_s=120.0)
     arrivals = steady(32, 0.0, 150.0)
     state = initial_state([plan], now_s=0.0)
