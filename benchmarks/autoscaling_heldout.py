@@ -116,6 +116,7 @@ from controlplane.policies.replay import (
 from controlplane.spec import ResolvedApp, resolve_spec, validate_spec
 from estimator.batches import parse_batch_distribution
 from estimator.cascades import validation_document
+from estimator.envelope import DEFAULT_PERSISTENCE_S
 from estimator.kairos_setting import KairosSetting
 from estimator.profiles import write_profiles_json
 from estimator.traces import (
@@ -371,11 +372,12 @@ def tuner_options(
 ) -> tuple[dict[str, Any], str]:
     """The replay options of the tuner's default model, as ``heteroplane replay`` sets them up
     (:func:`controlplane.policies.capacity_curve.replay_sizing`: the sizing ladder of the
-    planning trace, the load model's memory, bursts that must persist); a cascade, or a stage
-    the planner cannot place at the planning rate, InferLine's model. Returns (options for
+    planning trace, the load model's memory, bursts that must persist); a cascade (bursts that
+    must persist too), or a stage the planner cannot place at the planning rate, InferLine's
+    model. Returns (options for
     ``replay``, the model's name)."""
     if len(plan.stages) > 1:
-        return {}, "inferline"
+        return {"tuner_persistence_s": DEFAULT_PERSISTENCE_S}, "inferline"
     stage = plan.stages[0]
     ladder, options = replay_sizing(app, stage, planning, dispatch=stage.policy, seed=PLAN_SEED)
     return options, "inferline" if ladder is None else "ladder"

@@ -32,6 +32,9 @@ DEFAULT_MAX_WINDOW_S = 60.0
 # over before most of the boot of the instance it would buy, so the tuner rides it on the fleet
 # it has (docs/tuner.md, "Noise", says how the value was chosen on the tuning traces).
 DEFAULT_PERSISTENCE_S = 15.0
+# The burstiness estimate (:func:`arrival_cv2`) normalises each gap by the arrival rate of its
+# stretch of this length, so that a load that moves over tens of seconds does not read as bursts.
+DEFAULT_CV2_BIN_S = 10.0
 
 
 def tuner_windows_s(
@@ -245,3 +248,42 @@ def arrival_envelope(arrival_s: ArrayLike, window_s: ArrayLike | Sequence[float]
             f"a window must be finite and > 0 s, got {windows[int(bad[0])].item()!r}"
         )
     return Envelope(window_s=windows, max_arrivals=_max_arrivals(arrivals, windows))
+
+
+def arrival_cv2(arrival_s: ArrayLike, bin_s: float = DEFAULT_CV2_BIN_S) -> tuple[float, int]:
+    """The arrivals' burstiness: the squared coefficient of variation of their gaps, each gap
+    scaled by the arrival rate of the ``bin_s`` stretch it starts in (so a rate that moves slowly,
+    a rise or a daily cycle, does not read as bursts), and the number of gaps it rests on.
+    A Poisson stream reads about 1, a gamma renewal stream about its CV^2 (the trace generator's,
+    :func:`estimator.traces.renewal_arrivals`). (nan, 0) for fewer than three arrivals.
+
+    >>> rng = np.random.default_rng(0)
+    >>> cv2, gaps = arrival_cv2(np.cumsum(rng.gamma(0.25, 4.0 / 100.0, size=20000)))
+    >>> bool(3.5 < cv2 < 4.5), gaps
+    (True, 19999)
+
+    Raises:
+        TraceError: arrivals that are not a one-dimensional, finite, non-decreasing array.
+        WorkloadError: a ``bin_s`` that is not finite and > 0.
+    """
+    arrivals = np.ascontiguousarray(arrival_s, dtype=np.float64)
+    if arrivals.ndim != 1:
+        raise TraceError(f"arrival times must be one-dimensional, got shape {arrivals.shape}")
+    check_non_decreasing(arrivals, "arrival time")
+    width = float(bin_s)
+    if not (math.isfinite(width) and width > 0.0):
+        raise WorkloadError(f"bin_s must be a finite number > 0, got {bin_s!r}")
+    if arrivals.size < 3:
+        return math.nan, 0
+    start = float(arrivals[0])
+    bins = np.floor((arrivals - start) / width).astype(np.int64)
+    counts = np.bincount(bins)
+    # The last stretch is cut at the last arrival: its rate is over the time it covers.
+    spans = np.full(counts.size, width)
+    spans[-1] = max(float(arrivals[-1]) - start - width * (counts.size - 1), width / counts[-1])
+    rates = counts / spans
+    scaled = np.diff(arrivals) * rates[bins[:-1]]
+    mean = float(scaled.mean())
+    if mean <= 0.0:
+        return math.nan, 0
+    return float(scaled.var() / (mean * mean)), int(scaled.size)

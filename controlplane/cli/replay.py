@@ -42,6 +42,7 @@ from controlplane.policies.spot_replay import (
     replay_with_interruptions,
 )
 from controlplane.spec import load_spec, resolve_spec
+from estimator.envelope import DEFAULT_PERSISTENCE_S
 from estimator.traces import read_trace_csv
 
 
@@ -129,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
                 "a cascade: InferLine's model per stage (the capacity curve is one stage's)"
             )
         model = "inferline"
+        # A burst must persist to buy capacity, as in a single stage and the live tuner.
+        sizing = {"tuner_persistence_s": DEFAULT_PERSISTENCE_S}
     elif policy == "tuner" and model == "curve":
         stage = check_plan(plan, app)
         ladder, sizing = replay_sizing(

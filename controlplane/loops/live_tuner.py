@@ -68,7 +68,12 @@ from controlplane.apps.plans import planning_trace, replanning_request
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.policies import scaling
-from controlplane.policies.capacity_curve import DEFAULT_LOADS, LOAD_MODEL_RECENT_S, build_ladder
+from controlplane.policies.capacity_curve import (
+    DEFAULT_BURSTINESS,
+    DEFAULT_LOADS,
+    LOAD_MODEL_RECENT_S,
+    build_ladder,
+)
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S
 from controlplane.policies.replay import (
@@ -124,11 +129,12 @@ Submit = Callable[[Callable[[], None]], None]
 or later, or never)."""
 TunerModel = Literal["curve", "inferline"]
 
-# The sizing ladder is twelve plans (rm2's took 26-48 s on the 2-core machine); past this the
-# planner stops and the app stays on InferLine's model. Five of the settings' plan_deadline_s
-# (60 s, as long as any one plan may take): the build runs off the tick, so only the time the app
-# spends on InferLine's model grows with it.
-DEFAULT_CURVE_DEADLINE_S = 300.0
+# The sizing ladder is twelve plans for the planned burstiness and eight for each other one
+# (36 in all; rm2's twelve took 26-48 s on the 2-core machine); past this the planner stops and
+# the app stays on InferLine's model. Ten of the settings' plan_deadline_s (60 s, as long as any
+# one plan may take): the build runs off the tick, so only the time the app spends on
+# InferLine's model grows with it.
+DEFAULT_CURVE_DEADLINE_S = 600.0
 # How long close() waits for the curve builds it cancelled to stop.
 CLOSE_WAIT_S = 10.0
 
@@ -589,13 +595,15 @@ def plan_ladder(app: ResolvedApp, plan: PlanRecord) -> SizingLadder:
     """The sizing ladder of ``plan``'s single stage (:func:`controlplane.policies.capacity_curve.
     build_ladder`) on the plan's own planning trace, made again from the generator parameters
     the API stored with it (``trace.request``; a plan without them: a Poisson trace at its
-    planned rate), with the plan's seed. Twelve plans: seconds, so never on the tick.
+    planned rate), with the plan's seed, for its own burstiness and those of
+    :data:`controlplane.policies.capacity_curve.DEFAULT_BURSTINESS` (docs/tuner.md,
+    "Burstiness"). Tens of plans: never on the tick.
 
     Raises:
         ValueError: a plan of several stages, or one the planner places nothing for at its rate.
         EstimatorError, InvalidValueError: what the planner or the trace generator raise.
     """
-    return _plan_ladder(app, plan, DEFAULT_LADDER_LOADS)
+    return _plan_ladder(app, plan, DEFAULT_LADDER_LOADS, DEFAULT_BURSTINESS)
 
 
 def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float, float], ...]:
@@ -609,7 +617,12 @@ def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float
     return _plan_ladder(app, plan, DEFAULT_LOADS).curve
 
 
-def _plan_ladder(app: ResolvedApp, plan: PlanRecord, loads: Sequence[float]) -> SizingLadder:
+def _plan_ladder(
+    app: ResolvedApp,
+    plan: PlanRecord,
+    loads: Sequence[float],
+    burstiness: Sequence[float] = (),
+) -> SizingLadder:
     document = plan.plan
     if len(document.stages) != 1:
         raise ValueError(f"plan {plan.id} has {len(document.stages)} stages, not one")
@@ -624,6 +637,7 @@ def _plan_ladder(app: ResolvedApp, plan: PlanRecord, loads: Sequence[float]) -> 
         seed=document.seed or 0,
         loads=loads,
         also_types=[t for t, n in stage.fleet.items() if n],
+        burstiness=burstiness,
     )
     if ladder is None or not ladder.curve:
         raise ValueError("the planner places nothing for the planning trace at its own rate")

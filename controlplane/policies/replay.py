@@ -1017,6 +1017,7 @@ def replay(
             dispatch=dispatch,
             tuner_min_window_s=tuner_min_window_s,
             tuner_recent_s=tuner_recent_s,
+            tuner_persistence_s=tuner_persistence_s,
         )
     stage = check_plan(plan, app)
     options = TimelineOptions(
@@ -1265,6 +1266,7 @@ def cascade_tuner_timelines(
     min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S,
     dispatch: DispatchName | None = None,
     recent_s: float = DEFAULT_RECENT_S,
+    persistence_s: float | None = None,
 ) -> tuple[_CascadeStage, ...]:
     """Roll one InferLine tuner per stage over ``trace`` once per second (docs/tuner.md,
     "Cascades: one tuner per stage").
@@ -1321,6 +1323,7 @@ def cascade_tuner_timelines(
             types=list(mu),
             boot_s=boot,
             recent_s=recent_s,
+            persistence_s=persistence_s,
         )
         model = matched_capacity_model(
             app,
@@ -1331,7 +1334,9 @@ def cascade_tuner_timelines(
             reached,
             targets_ms[i],
         )
-        rho = utilisation_target(fleet, mu, 1.0, config.planned_peak_rate_qps, model)
+        rho = utilisation_target(
+            fleet, mu, 1.0, config.planned_peak_rate_qps, model, whole_instances=True
+        )
         plan = TunerStage(stage.name, 1.0, fleet, mu, rho, capacity_model=model)
         state = initial_state([plan], now_s=0.0)
         tuners.append(_StageTuner(plan, config, state, trace.arrival_s[mask], log))
@@ -1432,6 +1437,7 @@ def replay_pipeline(
     dispatch: DispatchName | None = None,
     tuner_min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S,
     tuner_recent_s: float = DEFAULT_RECENT_S,
+    tuner_persistence_s: float | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` through every stage of ``plan`` at once, each with its batch size and
     dispatch (``dispatch`` overrides the plan's), each query forwarded to the next stage as the
@@ -1473,6 +1479,7 @@ def replay_pipeline(
             min_window_s=tuner_min_window_s,
             dispatch=dispatch,
             recent_s=tuner_recent_s,
+            persistence_s=tuner_persistence_s,
         )
         fleets: list[Sequence[InstanceSpec]] = [m.timeline.instances for m in made]
     else:

@@ -27,10 +27,15 @@ rates come from the planning trace's batch mix, for the replay and the live tune
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+from numpy.typing import NDArray
+
 from controlplane.policies.tuner import TunerConfig, TunerStage, utilisation_target
+from estimator.envelope import arrival_envelope
 
 __all__ = ["DEFAULT_LADDER_LOADS", "SizingLadder", "tuner_stage"]
 
@@ -68,6 +73,13 @@ class SizingLadder:
     rate_per_instance_qps: Mapping[str, float]
     curve: tuple[tuple[float, float], ...]
     capacity_model: Callable[[Mapping[str, int]], float] | None = field(default=None, compare=False)
+    # The ladders of the same stage for other burstiness (docs/tuner.md, "Burstiness"): (CV^2
+    # of the stand-in planning trace, its arrival times, its ladder on these rates and model);
+    # ``cv2`` is the planning trace's own. Empty: the planning trace's burstiness only.
+    cv2: float | None = None
+    families: tuple[tuple[float, NDArray[np.float64], SizingLadder], ...] = field(
+        default=(), compare=False
+    )
 
     def capacity_qps(self, fleet: Mapping[str, int]) -> float:
         """A fleet's capacity in the stage's unit (the module docstring)."""
@@ -110,6 +122,14 @@ def tuner_stage(
     rho = utilisation_target(
         counts, mu, scale_factor, config.planned_peak_rate_qps, ladder.capacity_model
     )
+    burstiness = []
+    for cv2, arrival_s, other in ladder.families:
+        envelope = tuple(float(r) for r in arrival_envelope(arrival_s, config.windows_s).rate_qps)
+        own = dataclasses.replace(config, planned_rate_qps=envelope)
+        sized = tuner_stage(
+            other, other.fleet_at(1.0), own, scale_factor=scale_factor, min_instances=min_instances
+        )
+        burstiness.append((cv2, envelope, sized))
     return TunerStage(
         ladder.stage,
         scale_factor,
@@ -120,4 +140,6 @@ def tuner_stage(
         capacity_model=ladder.capacity_model,
         capacity_curve=ladder.curve,
         ladder=tuple((f, dict(rung)) for f, rung in ladder.rungs),
+        cv2=ladder.cv2 if burstiness else None,
+        burstiness=tuple(burstiness),
     )

@@ -21,6 +21,7 @@ from controlplane.clock import FakeClock
 from controlplane.db import migrate
 from controlplane.db.store import AppRecord, Store
 from controlplane.loops.live_tuner import LiveTuner, plan_capacity_curve
+from controlplane.policies.capacity_curve import LOAD_MODEL_RECENT_S
 from controlplane.policies.tuner import TunerConfig, planning_envelope
 from controlplane.spec import resolve_spec, validate_spec
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, tuner_windows_s
@@ -459,8 +460,8 @@ def test_the_load_model_waits_for_its_curve_off_the_tick_and_then_decides(
     for decision in (*ups, *downs):
         assert decision.numbers["model"] == "curve" and decision.numbers["model_note"] is None
     assert "the planner's capacity at that load" in ups[-1].reason
-    # The load model's scale-down memory: the live envelope over the last 180 s, not 60 s.
-    assert "over the last 180 s" in downs[-1].reason
+    # The load model's scale-down memory: the live envelope over its own span, not 60 s.
+    assert f"over the last {LOAD_MODEL_RECENT_S:g} s" in downs[-1].reason
 
 
 def test_without_its_curve_the_tuner_keeps_inferlines_model_and_says_why(

@@ -24,7 +24,7 @@ from controlplane.db import migrate
 from controlplane.db.store import AppRecord, Store
 from controlplane.loops.live_tuner import LiveTuner
 from controlplane.loops.reconciler import AppPricing, Reconciler
-from controlplane.policies.capacity_curve import build_ladder
+from controlplane.policies.capacity_curve import DEFAULT_BURSTINESS, build_ladder
 from controlplane.policies.planner import plan_app, scale_trace
 from controlplane.policies.replay import ladder_tuner
 from controlplane.policies.tuner import TunerStage, ladder_fleet
@@ -110,6 +110,7 @@ def test_the_planner_the_replay_and_the_live_tuner_size_alike(store: Store, tmp_
         planning,
         dispatch=planned_stage.policy,
         also_types=list(planned_stage.fleet),
+        burstiness=DEFAULT_BURSTINESS,
     )
     assert ladder is not None
     replayed, _, _ = ladder_tuner(planning, resolved, planned_stage, planning.arrival_s, ladder)
@@ -122,6 +123,13 @@ def test_the_planner_the_replay_and_the_live_tuner_size_alike(store: Store, tmp_
     (live,) = tuner.stages(APP)
 
     assert live.ladder == replayed.ladder
+    # Both sized for the other burstinesses alike: the planning trace is Poisson (CV^2 about 1),
+    # so ladders for 2, 4 and 8.
+    assert live.cv2 == replayed.cv2 and live.cv2 is not None and 0.8 < live.cv2 < 1.25
+    assert [round(c) for c, _, _ in live.burstiness] == [2, 4, 8]
+    assert [(c, e, s.ladder) for c, e, s in live.burstiness] == [
+        (c, e, s.ladder) for c, e, s in replayed.burstiness
+    ]
     assert dict(live.rate_per_instance_qps) == dict(replayed.rate_per_instance_qps)
     for load, fleet in by_planner.items():
         assert target(replayed, load, budget) == fleet, load

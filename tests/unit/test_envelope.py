@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from estimator.envelope import Envelope, arrival_envelope, tuner_windows_s
+from estimator.envelope import Envelope, arrival_cv2, arrival_envelope, tuner_windows_s
 from estimator.errors import TraceError, WorkloadError
-from estimator.traces import gamma_arrivals
+from estimator.traces import constant_profile, gamma_arrivals, renewal_arrivals, step_profile
 
 
 def brute_force(arrival_s: np.ndarray, window_s: np.ndarray) -> list[int]:
@@ -136,3 +136,35 @@ def test_envelope_validation(
 ) -> None:
     with pytest.raises(error, match=message):
         arrival_envelope(arrival_s, windows_s)
+
+
+# --- the burstiness ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cv2", [1.0, 2.0, 8.0])
+def test_the_burstiness_reads_the_gaps_cv2(cv2: float) -> None:
+    rng = np.random.default_rng(7)
+    arrivals = renewal_arrivals(constant_profile(100.0), 120.0, cv2, rng)
+    read, gaps = arrival_cv2(arrivals)
+    assert gaps == arrivals.size - 1
+    assert abs(math.log(read / cv2)) < math.log(1.25)
+
+
+def test_a_moving_rate_does_not_read_as_bursts() -> None:
+    # Poisson arrivals from 30 to 300 qps over two minutes: the plain gap CV^2 reads the
+    # changing rate (well over 1), the estimate per 10 s stretch does not.
+    rng = np.random.default_rng(3)
+    arrivals = renewal_arrivals(step_profile(30.0, 300.0, 0.0, over_s=120.0), 120.0, 1.0, rng)
+    gaps = np.diff(arrivals)
+    assert gaps.var() / gaps.mean() ** 2 > 1.3
+    read, _ = arrival_cv2(arrivals)
+    assert 0.85 < read < 1.15
+
+
+def test_the_burstiness_of_too_few_or_bad_arrivals() -> None:
+    read, gaps = arrival_cv2([1.0, 2.0])
+    assert math.isnan(read) and gaps == 0
+    with pytest.raises(TraceError):
+        arrival_cv2([2.0, 1.0, 3.0])
+    with pytest.raises(WorkloadError, match="bin_s"):
+        arrival_cv2([1.0, 2.0, 3.0], bin_s=0.0)

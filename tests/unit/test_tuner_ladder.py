@@ -4,6 +4,7 @@ bring, the budget while two mixes overlap, and a blip read as noise."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
@@ -19,6 +20,7 @@ from controlplane.policies.tuner import (
     tune,
 )
 from estimator.envelope import DEFAULT_PERSISTENCE_S
+from estimator.errors import WorkloadError
 
 WINDOWS_S = (1.0, 2.0, 4.0, 8.0)
 PLANNED_QPS = 32.0
@@ -33,14 +35,17 @@ def steady(rate_qps: int, start_s: float, end_s: float) -> np.ndarray:
     return start_s + np.arange(int((end_s - start_s) * rate_qps)) / rate_qps
 
 
-def stage(ladder: tuple[tuple[float, Mapping[str, int]], ...] | None = None) -> TunerStage:
+def stage(
+    ladder: tuple[tuple[float, Mapping[str, int]], ...] | None = None,
+    fleet: Mapping[str, int] | None = None,
+) -> TunerStage:
     # Planned at 32 qps: 4 cpu (40 qps). At twice the load the planner chose one gpu (100 qps,
     # $0.5/hr), cheaper than the 8 cpu ($0.8/hr) the same mix would need.
     rungs = ladder or ((0.5, {"cpu": 2}), (1.0, {"cpu": 4}), (2.0, {"gpu": 1}))
     return TunerStage(
         "m",
         1.0,
-        {"cpu": 4},
+        fleet or {"cpu": 4},
         MU,
         1.0,
         capacity_curve=((0.5, 0.5), (1.0, 1.0), (2.0, 2.0)),
@@ -152,3 +157,40 @@ def test_a_blip_buys_nothing_once_bursts_must_persist(persistence_s: float | Non
     else:
         assert ups == []
         assert dict(state.fleets["m"]) == {"cpu": 4}
+
+
+def test_traffic_smoother_than_planned_is_sized_on_the_ladder_of_its_burstiness() -> None:
+    # Planned on CV^2 4 arrivals: 4 cpu at the planned rate. The same rate of Poisson (or
+    # smoother) arrivals needs 2 (the ladder planned on a CV^2 1 stand-in).
+    smooth = stage(((0.5, {"cpu": 1}), (1.0, {"cpu": 2}), (2.0, {"cpu": 4})), {"cpu": 2})
+    envelope = (PLANNED_QPS,) * len(WINDOWS_S)
+    plan = dataclasses.replace(stage(), cv2=4.0, burstiness=((1.0, envelope, smooth),))
+    cfg = dataclasses.replace(config(), recent_s=120.0)
+    arrivals = steady(32, 0.0, 150.0)
+    state = initial_state([plan], now_s=0.0)
+    downs = []
+    for now in np.arange(1.0, 151.0):
+        decisions, state = tune(arrivals[arrivals <= now], float(now), state, [plan], cfg)
+        downs += [(float(now), d) for d in decisions if d.action == "scale_down"]
+        if now == 60.0:  # 1,920 gaps: too few to read the burstiness, the planned sizing
+            assert dict(state.fleets["m"]) == {"cpu": 4}
+    assert [d.count for _, d in downs] == [2]
+    at_s, down = downs[0]
+    assert at_s > 62.0  # on at least BURSTINESS_MIN_GAPS gaps
+    assert "sized as CV^2 1" in down.reason
+    assert dict(ready_fleets(state, 151.0)["m"]) == {"cpu": 2}
+
+
+def test_a_sizing_by_burstiness_needs_the_planned_cv2() -> None:
+    other = stage()
+    with pytest.raises(WorkloadError, match="planned cv2"):
+        TunerStage(
+            "m",
+            1.0,
+            {"cpu": 4},
+            MU,
+            1.0,
+            capacity_curve=((1.0, 1.0),),
+            ladder=((1.0, {"cpu": 4}),),
+            burstiness=((1.0, (PLANNED_QPS,) * len(WINDOWS_S), other),),
+        )
