@@ -1,13 +1,13 @@
 """Spot capacity: on-demand-only, spot-aware and SpotHedge-style plans under interruptions.
 
     .venv/bin/python benchmarks/spot.py [--models rm2,dien,wnd,mtwnd,ncf,cascade]
-        [--seeds 1,2,3] [--interruptions 0.01,0.5,4] [--duration-s 1800] [--json]
+        [--seeds 1,2,3] [--interruptions 0.01,0.5,4] [--duration-s 600] [--json]
 
 The Kairos setting (``examples/<model>.yaml``: the model on g4dn.xlarge, c5n.2xlarge, r5n.large
 and t3.xlarge at the paper's prices, its p99 target from the paper's Table 3, 10 USD/hr; the
 Kairos batch mix), each model at a rate that needs a few instances (:data:`MODELS`), and a
 cascade of two of them (``cascade``: wnd then dien, 60 ms end to end, seeded validation records
-of accuracies 0.9 and 0.97, threshold 0.6). Each policy plans on a 300 s Poisson trace at the
+of accuracies 0.9 and 0.97, threshold 0.6). Each policy plans on a 150 s Poisson trace at the
 rate and is replayed static on ``--duration-s`` of the same rate
 (``heteroplane replay --interruptions-per-hour R``: docs/spot.md), its spot instances
 interrupted at each rate R per instance-hour, each replaced at its two-minute notice and serving
@@ -66,7 +66,7 @@ MODELS = {"rm2": 100.0, "dien": 200.0, "wnd": 400.0, "mtwnd": 300.0, "ncf": 800.
 CASCADE = ("wnd", "dien")
 CASCADE_SLO_MS = 60.0
 CASCADE_RATE_QPS = 400.0
-PLANNING_S = 300.0
+PLANNING_S = 150.0
 POLICIES = ("on-demand", "spot-aware", "spot-aware s=0.2", "spothedge")
 
 
@@ -146,9 +146,10 @@ def run_model(
     moderate = rates_per_hr[1] if len(rates_per_hr) > 1 else rates_per_hr[0]
     rows: list[dict[str, Any]] = []
     replays: dict[Any, Any] = {}
-    for block in [*rates_per_hr, "wave"]:
-        wave = block == "wave"
-        rate = moderate if wave else float(block)
+    blocks: list[float | str] = [*rates_per_hr, "wave"]
+    for block in blocks:
+        wave = isinstance(block, str)
+        rate = moderate if isinstance(block, str) else block
 
         def spot_app(survive: float, r: float = rate) -> ResolvedApp:
             update = {"spot": SpotSpec(enabled=True, survive_share=survive)}
@@ -211,9 +212,9 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     summary = []
     for (model, rate, policy), found in groups.items():
         entry: dict[str, Any] = {"model": model, "interruptions_per_hr": rate, "policy": policy}
-        for key in ("cost_usd_per_hr", "saving_vs_on_demand", "slo_attainment"):
-            values = [r[key] for r in found]
-            entry[key] = {
+        for figure in ("cost_usd_per_hr", "saving_vs_on_demand", "slo_attainment"):
+            values = [r[figure] for r in found]
+            entry[figure] = {
                 "median": statistics.median(values),
                 "min": min(values),
                 "max": max(values),
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="rm2,dien,wnd,mtwnd,ncf,cascade")
     parser.add_argument("--seeds", default="1,2,3", help="report seeds (defaults set on 0)")
     parser.add_argument("--interruptions", default="0.01,0.5,4", help="low,moderate,high per hr")
-    parser.add_argument("--duration-s", type=float, default=1800.0)
+    parser.add_argument("--duration-s", type=float, default=600.0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     try:
@@ -285,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS and m != "cascade"]
     if unknown:
-        print(f"spot: unknown model {unknown[0]!r} (have {', '.join(MODELS)}, cascade)", file=sys.stderr)
+        print(
+            f"spot: unknown model {unknown[0]!r} (have {', '.join(MODELS)}, cascade)",
+            file=sys.stderr,
+        )
         return 2
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:

@@ -74,9 +74,9 @@ from matching import registry
 from matching.policy import DispatchPolicy
 
 __all__ = [
-    "REPORTED_PERCENTILE",
     "DEFAULT_PLANNING_SHARE",
     "DEFAULT_TUNER_MIN_WINDOW_S",
+    "REPORTED_PERCENTILE",
     "AbortedBoot",
     "FleetTimeline",
     "PlanError",

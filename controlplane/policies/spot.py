@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,12 +58,13 @@ from estimator.traces import Trace
 __all__ = [
     "DEFAULT_REPLACEMENT_GAP_S",
     "SPARE_TAIL",
+    "SpotPricesFn",
     "SpotSplit",
     "plan_spothedge",
     "plan_with_spot",
     "spare_count",
-    "spot_prices_used",
     "split_stage",
+    "spot_prices_used",
 ]
 
 # How long an interrupted instance's capacity is missing: a replacement launched at the
@@ -75,6 +76,9 @@ SPARE_TAIL = 0.01
 _SLACK = 1e-9
 
 PlanFn = Callable[..., PlanDocument]
+# Instance types -> their spot prices now as the provider reads them (None: not sold on spot);
+# the types it cannot say are left out, and the catalog's serve for them (docs/spot.md).
+SpotPricesFn = Callable[[Sequence[str]], Mapping[str, float | None]]
 
 
 @dataclass(frozen=True, slots=True)
