@@ -5,11 +5,9 @@ prices (the fake one with a price list, as the EC2 one answers ``spot_price``)."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from fastapi.testclient import TestClient
 
 from controlplane.clock import FakeClock
