@@ -219,6 +219,10 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "min": min(values),
                 "max": max(values),
             }
+        predicted = [r["predicted_slo_attainment"] for r in found]
+        entry["predicted_slo_attainment"] = (
+            statistics.median(predicted) if None not in predicted else None
+        )
         entry["seeds"] = len(found)
         entry["fleet"] = found[0]["fleet"]
         entry["spot_fleet"] = found[0]["spot_fleet"]
@@ -276,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interruptions", default="0.01,0.5,4", help="low,moderate,high per hr")
     parser.add_argument("--duration-s", type=float, default=600.0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--summarise",
+        nargs="+",
+        metavar="FILE",
+        help="table the rows of saved --json outputs (one per model or seed) instead of running",
+    )
     args = parser.parse_args(argv)
     try:
         rates = [float(r) for r in args.interruptions.split(",")]
@@ -292,9 +302,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     rows: list[dict[str, Any]] = []
+    if args.summarise:
+        for path in args.summarise:
+            try:
+                rows += json.loads(Path(path).read_text())["rows"]
+            except (OSError, ValueError, KeyError) as error:
+                print(f"spot: {path}: not a --json output ({error})", file=sys.stderr)
+                return 2
+        models = list(dict.fromkeys(row["model"] for row in rows))
+        seeds = sorted({row["seed"] for row in rows})
+        args.seeds = ",".join(str(s) for s in seeds)
     with tempfile.TemporaryDirectory() as folder:
         try:
-            for model in models:
+            for model in [] if args.summarise else models:
                 if model == "cascade":
                     spec, rate_qps = load_spec(cascade_spec(Path(folder))), CASCADE_RATE_QPS
                 else:
@@ -312,17 +332,22 @@ def main(argv: list[str] | None = None) -> int:
         print()
         return 0
     print(
-        f"seeds {args.seeds}, {args.duration_s:g} s replayed; medians (min..max); 'wave': one"
-        " wave taking every spot instance at once mid-run"
+        f"seeds {args.seeds}; medians (min..max); 'wave': one wave taking every spot instance at"
+        " once mid-run"
     )
-    print("| model | R/hr | policy | USD/hr | saving % | within SLO % | fleet (spot), seed 1 |")
-    print("|---|---|---|---:|---:|---:|---|")
+    print(
+        "| model | R/hr | policy | USD/hr | saving % | within SLO % | predicted % |"
+        " fleet (spot), first seed |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---|")
     for e in summary:
+        predicted = e["predicted_slo_attainment"]
         print(
             f"| {e['model']} | {e['interruptions_per_hr']} | {e['policy']}"
             f" | {_range(e, 'cost_usd_per_hr', 1, 3)}"
             f" | {_range(e, 'saving_vs_on_demand', 100, 1)}"
             f" | {_range(e, 'slo_attainment', 100, 2)}"
+            f" | {'-' if predicted is None else f'{100 * predicted:.2f}'}"
             f" | {_fleet_text(e['fleet'], e['spot_fleet'])} |"
         )
     for model, verdict in goals.items():

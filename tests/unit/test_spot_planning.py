@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.policies.plan import PlanDocument
+from controlplane.policies.plan import PlanDocument, PlanError
 from controlplane.policies.planner import plan_app
 from controlplane.policies.spot import (
     plan_spothedge,
@@ -298,3 +298,18 @@ def test_a_cascade_is_planned_with_spot_and_replayed_with_interruptions(tmp_path
     assert log.spot_instances == spot_instances
     assert any(s.instance_type.endswith("@spot") for s in result.fleet_timeline.instances)
     assert result.simulation.response_ms.size == len(trace)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("predicted_slo_attainment", 1.5, "must be a share"),
+        ("spot_prices_usd_per_hr", [0.1], "must be an object"),
+        ("spot_prices_usd_per_hr", {"a": -1}, "must be >= 0"),
+        ("spot_prices_source", 3, "must be a text"),
+    ],
+)
+def test_a_plan_documents_spot_fields_are_checked(key: str, value: object, message: str) -> None:
+    document = {"feasible": True, "cost_usd_per_hr": 1.0, "stages": [], key: value}
+    with pytest.raises(PlanError, match=message):
+        PlanDocument.parse(document)
