@@ -361,22 +361,12 @@ def plan_with_spot(
     fits = [c for c in candidates if c.cost_usd_per_hr <= budget + _SLACK] or candidates[:1]
     # The on-demand plan's split first: the blended mix is kept only where it is cheaper.
     best = min(fits, key=lambda c: (not c.feasible, c.cost_usd_per_hr))
-    which = (
-        "the mix chosen at blended prices"
-        if best is not candidates[0]
-        else ("the on-demand plan's mix")
+    which = "the on-demand plan's mix" if best is candidates[0] else "the mix at blended prices"
+    step = (
+        f"spot: kept {which} ({best.cost_usd_per_hr:.3f} USD/hr; the on-demand plan"
+        f" {on_demand.cost_usd_per_hr:.3f} USD/hr); spot prices from the {source}"
     )
-    best = dataclasses.replace(
-        best,
-        steps=(
-            *best.steps,
-            f"spot: kept {which} ({best.cost_usd_per_hr:.3f} USD/hr; the on-demand plan"
-            f" {on_demand.cost_usd_per_hr:.3f} USD/hr); spot prices from the {source}",
-        ),
-        spot_prices_usd_per_hr={t: p for t, p in prices.items() if p is not None},
-        spot_prices_source=source,
-    )
-    return _with_attainment(app, best, trace, seed, replacement_gap_s)
+    return _stated(app, best, step, prices, source, trace, seed, replacement_gap_s)
 
 
 def plan_spothedge(
@@ -424,17 +414,32 @@ def plan_spothedge(
     homogeneous = min(found, key=at_spot)
     hedge = SpotSpec(enabled=True, survive_share=0.0, max_share=1.0)
     split = _split_plan(app, homogeneous, hedge, prices, replacement_gap_s, cap_at_on_demand=False)
-    split = dataclasses.replace(
-        split,
-        steps=(
-            *split.steps,
-            f"spothedge: one type, {next(iter(homogeneous.fleet))}, the cheapest homogeneous"
-            f" fleet at spot prices of {len(found)} feasible; spot prices from the {source}",
-        ),
+    step = (
+        f"spothedge: one type, {next(iter(homogeneous.fleet))}, the cheapest homogeneous fleet at"
+        f" spot prices of {len(found)} feasible; spot prices from the {source}"
+    )
+    return _stated(app, split, step, prices, source, trace, seed, replacement_gap_s)
+
+
+def _stated(
+    app: ResolvedApp,
+    plan: PlanDocument,
+    step: str,
+    prices: Mapping[str, float | None],
+    source: str,
+    trace: Trace,
+    seed: int,
+    gap_s: float,
+) -> PlanDocument:
+    """``plan`` with ``step``, the spot prices it was made at and where they came from, and the
+    attainment it predicts with interruptions."""
+    stated = dataclasses.replace(
+        plan,
+        steps=(*plan.steps, step),
         spot_prices_usd_per_hr={t: p for t, p in prices.items() if p is not None},
         spot_prices_source=source,
     )
-    return _with_attainment(app, split, trace, seed, replacement_gap_s)
+    return _with_attainment(app, stated, trace, seed, gap_s)
 
 
 def _replay_share(app: ResolvedApp, plan: PlanDocument, trace: Trace, seed: int) -> float:
