@@ -67,7 +67,6 @@ CASCADE = ("wnd", "dien")
 CASCADE_SLO_MS = 60.0
 CASCADE_RATE_QPS = 400.0
 PLANNING_S = 150.0
-POLICIES = ("on-demand", "spot-aware", "spot-aware s=0.2", "spothedge")
 
 
 def _trace(rate_qps: float, duration_s: float, seed: int) -> Trace:
@@ -136,9 +135,11 @@ def run_model(
     rates_per_hr: list[float],
     seed: int,
     duration_s: float,
+    survive_shares: tuple[float, ...] = (0.5, 0.2),
+    spothedge: bool = True,
 ) -> list[dict[str, Any]]:
-    """The rows of one model (or the cascade) and one seed: every rate and the wave, every
-    policy."""
+    """The rows of one model (or the cascade) and one seed: every rate and the wave, on demand,
+    spot-aware at each of ``survive_shares`` and (``spothedge``) SpotHedge-style."""
     planning = _trace(rate_qps, PLANNING_S, seed + 1)
     replayed = _trace(rate_qps, duration_s, seed + 2)
     plan = _memo_plan()
@@ -155,17 +156,16 @@ def run_model(
             update = {"spot": SpotSpec(enabled=True, survive_share=survive)}
             return _with_rate(resolve_spec(spec.model_copy(update=update)), r)
 
-        default = spot_app(SpotSpec().survive_share)
-        plans = {
-            "on-demand": (base, plan(base, planning, seed=seed)),
-            "spot-aware": (default, plan_with_spot(default, planning, plan=plan, seed=seed)),
-        }
-        low = spot_app(0.2)
-        plans["spot-aware s=0.2"] = (low, plan_with_spot(low, planning, plan=plan, seed=seed))
-        plans["spothedge"] = (
-            default,
-            plan_spothedge(default, planning, plan=plan, seed=seed),
-        )
+        plans = {"on-demand": (base, plan(base, planning, seed=seed))}
+        for survive in survive_shares:
+            app = spot_app(survive)
+            plans[policy_name(survive)] = (
+                app,
+                plan_with_spot(app, planning, plan=plan, seed=seed),
+            )
+        if spothedge:
+            default = spot_app(SpotSpec().survive_share)
+            plans["spothedge"] = (default, plan_spothedge(default, planning, plan=plan, seed=seed))
         cost_on_demand = None
         for policy, (app, made) in plans.items():
             key = "on-demand" if policy == "on-demand" else (policy, block)
@@ -203,6 +203,12 @@ def run_model(
     return rows
 
 
+def policy_name(survive_share: float) -> str:
+    """``spot-aware`` at the default survive share, ``spot-aware s=X`` at another."""
+    default = SpotSpec().survive_share
+    return "spot-aware" if survive_share == default else f"spot-aware s={survive_share:g}"
+
+
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (model, rate, policy): the medians over the seeds and their ranges."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
@@ -227,7 +233,16 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         entry["fleet"] = found[0]["fleet"]
         entry["spot_fleet"] = found[0]["spot_fleet"]
         summary.append(entry)
-    return summary
+    models = list(dict.fromkeys(e["model"] for e in summary))
+    rates = list(dict.fromkeys(e["interruptions_per_hr"] for e in summary))
+
+    def order(e: dict[str, Any]) -> tuple[int, int, int, float]:
+        policy = e["policy"]
+        rank = {"on-demand": 0, "spot-aware": 1, "spothedge": 3}.get(policy, 2)
+        survive = float(policy.split("s=")[1]) if "s=" in policy else 0.0
+        return models.index(e["model"]), rates.index(e["interruptions_per_hr"]), rank, -survive
+
+    return sorted(summary, key=order)
 
 
 def goal(summary: list[dict[str, Any]], model: str, moderate: float) -> str:
@@ -239,9 +254,11 @@ def goal(summary: list[dict[str, Any]], model: str, moderate: float) -> str:
         for e in summary
         if e["model"] == model and e["interruptions_per_hr"] == str(moderate)
     }
+    if "spothedge" not in at:
+        return "no SpotHedge-style rows"
     hedge = at["spothedge"]["cost_usd_per_hr"]["median"]
     verdicts = []
-    for policy in ("spot-aware", "spot-aware s=0.2"):
+    for policy in sorted(p for p in at if p.startswith("spot-aware")):
         e = at[policy]
         checks = [
             e["saving_vs_on_demand"]["median"] >= 0.40,
@@ -279,6 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="1,2,3", help="report seeds (defaults set on 0)")
     parser.add_argument("--interruptions", default="0.01,0.5,4", help="low,moderate,high per hr")
     parser.add_argument("--duration-s", type=float, default=600.0)
+    parser.add_argument("--survive", default="0.5,0.2", help="the spot-aware plans' survive shares")
+    parser.add_argument(
+        "--spothedge",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the SpotHedge-style baseline too",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--summarise",
@@ -290,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rates = [float(r) for r in args.interruptions.split(",")]
         seeds = [int(s) for s in args.seeds.split(",")]
+        survive = tuple(float(s) for s in args.survive.split(",") if s.strip())
     except ValueError as error:
         print(f"spot: {error}", file=sys.stderr)
         return 2
@@ -320,7 +345,16 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     spec, rate_qps = load_spec(ROOT / "examples" / f"{model}.yaml"), MODELS[model]
                 for seed in seeds:
-                    rows += run_model(model, spec, rate_qps, rates, seed, args.duration_s)
+                    rows += run_model(
+                        model,
+                        spec,
+                        rate_qps,
+                        rates,
+                        seed,
+                        args.duration_s,
+                        survive,
+                        args.spothedge,
+                    )
         except SpecError as error:
             print(f"spot: {error}", file=sys.stderr)
             return 2
