@@ -137,6 +137,7 @@ def run_model(
     duration_s: float,
     survive_shares: tuple[float, ...] = (0.5, 0.2),
     spothedge: bool = True,
+    wave: bool = True,
 ) -> list[dict[str, Any]]:
     """The rows of one model (or the cascade) and one seed: every rate and the wave, on demand,
     spot-aware at each of ``survive_shares`` and (``spothedge``) SpotHedge-style."""
@@ -147,9 +148,9 @@ def run_model(
     moderate = rates_per_hr[1] if len(rates_per_hr) > 1 else rates_per_hr[0]
     rows: list[dict[str, Any]] = []
     replays: dict[Any, Any] = {}
-    blocks: list[float | str] = [*rates_per_hr, "wave"]
+    blocks: list[float | str] = [*rates_per_hr, "wave"] if wave else [*rates_per_hr]
     for block in blocks:
-        wave = isinstance(block, str)
+        is_wave = isinstance(block, str)
         rate = moderate if isinstance(block, str) else block
 
         def spot_app(survive: float, r: float = rate) -> ResolvedApp:
@@ -175,8 +176,8 @@ def run_model(
                     app,
                     made,
                     np.random.default_rng(seed + 3),
-                    dict.fromkeys(app.instance_types, 0.0 if wave else rate),
-                    wave_at_s=duration_s / 2 if wave else None,
+                    dict.fromkeys(app.instance_types, 0.0 if is_wave else rate),
+                    wave_at_s=duration_s / 2 if is_wave else None,
                 )
             result, log = replays[key]
             hours = float(replayed.arrival_s[-1]) / 3600.0
@@ -187,7 +188,8 @@ def run_model(
                 {
                     "model": name,
                     "seed": seed,
-                    "interruptions_per_hr": "wave" if wave else rate,
+                    "interruptions_per_hr": "wave" if is_wave else rate,
+                    "duration_s": duration_s,
                     "policy": policy,
                     "fleet": [dict(s.fleet) for s in made.stages],
                     "spot_fleet": [dict(s.spot_fleet) for s in made.stages],
@@ -303,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="the SpotHedge-style baseline too",
     )
+    parser.add_argument(
+        "--wave", action=argparse.BooleanOptionalAction, default=True, help="the wave block too"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--summarise",
@@ -354,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.duration_s,
                         survive,
                         args.spothedge,
+                        args.wave,
                     )
         except SpecError as error:
             print(f"spot: {error}", file=sys.stderr)
