@@ -139,7 +139,8 @@ def split_stage(
 
     def movable(t: str) -> bool:
         price = spot_usd_per_hr.get(t)
-        if price is None or spot[t] >= counts[t]:
+        # Spot only where it is cheaper (a price read now may have risen to on demand or past).
+        if price is None or price >= on_demand_usd_per_hr[t] or spot[t] >= counts[t]:
             return False
         q = capacity_qps[t]
         spot_capacity = total - on_demand_capacity + q

@@ -178,6 +178,9 @@ def test_spot_whose_spares_cost_more_than_on_demand_stays_on_demand() -> None:
     capped = split_stage(*args, survive_share=0.0, max_share=1.0)
     assert capped.spot_fleet == {} and capped.fleet == {"a": 1}
     assert capped.kept_on_demand == 1 and capped.cost_usd_per_hr == 1.0
+    # A spot price at on demand (or past it) buys nothing on spot.
+    risen = split_stage(*args[:3], {"a": 1.0}, args[4], survive_share=0.0, max_share=1.0)
+    assert risen.spot_fleet == {} and risen.kept_on_demand == 0
     # SpotHedge's way: spot and its spares whatever they cost.
     hedged = split_stage(*args, survive_share=0.0, max_share=1.0, cap_at_on_demand=False)
     assert hedged.spot_fleet == {"a": 3} and hedged.cost_usd_per_hr == pytest.approx(1.2)
