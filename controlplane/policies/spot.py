@@ -23,15 +23,22 @@ A policy in the STYLE.md sense (pure: prices, rates and the planner in, a plan o
   E = sum_t s_t lambda_t g, g the gap (``replacement_gap_s``); the stage gets the k spare spot
   instances of its cheapest spot type (per unit of capacity) for which P(N > k) <= 1 %, when the
   budget pays for them.
+- **Never dearer than on demand.** Each prefix of the split's moves, with the spares its
+  interruptions need, has a cost; the cheapest prefix is kept (none: all on demand), so spot
+  plus spares never costs more than the same fleet on demand. The mix chosen at P'_t and the
+  on-demand plan's mix are both split and the cheaper kept, so the plan never costs more than
+  the on-demand plan.
 - **The budget is a hard cap at the price paid**: the plan's ``cost_usd_per_hr`` is
-  sum (n_t - s_t) P_t + sum s_t S_t. A plan chosen at P'_t whose split costs more than the budget
-  (rounding) is given up for the on-demand plan split the same way, which always fits (S_t <=
-  P_t). The plan states ``expected_cost_usd_per_hr`` (at the prices used) and
+  sum (n_t - s_t) P_t + sum s_t S_t, within the budget (the on-demand plan split always fits,
+  S_t <= P_t). The plan states ``expected_cost_usd_per_hr`` (at the prices used),
   ``cost_if_on_demand_usd_per_hr`` (every instance at P_t: what it costs if spot prices rise to
-  on demand; the reconciler's reaction to such a rise: docs/spot.md), and for a single stage the
-  share of queries within the SLO it predicts with interruptions (a step of the plan: the
-  estimator's share with the whole fleet and with its most capable spot instance missing,
-  weighted by how often the interruptions leave one missing).
+  on demand; the reconciler's reaction to such a rise: docs/spot.md), the spot prices it used
+  and where they came from (``spot_prices_usd_per_hr``, ``spot_prices_source``), and
+  ``predicted_slo_attainment``, the share of queries within the SLO it predicts with
+  interruptions (the estimator's share with the whole fleet and with each stage's most capable
+  spot instance missing, weighted by how often the interruptions leave one missing).
+- **The SpotHedge-style baseline** (:func:`plan_spothedge`): one type, all on spot, spares
+  whatever they cost, no base (docs/spot.md).
 
 >>> split = split_stage({"a": 4}, {"a": 10.0}, {"a": 1.0}, {"a": 0.3}, {"a": 0.0},
 ...                     survive_share=0.5, max_share=1.0)

@@ -16,7 +16,9 @@ notice"):
 
 Spot instances are billed at their type's spot price (the catalog's): in the simulation they are
 a type of their own, ``<type>@spot``, with the type's latency profile and the spot price. On-demand
-instances run throughout. Exact as the static replay is: nothing here depends on latencies.
+instances run throughout. Exact as the static replay is: nothing here depends on latencies. A
+cascade's stages are each interrupted so, and replayed together as the static replay of a
+pipeline replays them.
 
 >>> timeline, log = interrupted_timeline({"a": 2}, {"a": 1}, 3600.0, {"a": 0.0},
 ...     np.random.default_rng(0))
