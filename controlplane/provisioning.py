@@ -16,16 +16,19 @@ kept (:meth:`~provisioners.base.Provisioner.artifact_storage`).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 from controlplane.errors import SettingsError
+from controlplane.policies.spot import SpotPricesFn
 from controlplane.settings import Ec2Settings, Settings
 from estimator.catalog import Catalog, default_catalog
 from provisioners.base import Provisioner
-from provisioners.errors import InvalidConfigurationError
+from provisioners.errors import InvalidConfigurationError, ProvisionerError
+from provisioners.interruptions import SpotPriceSource
 
 if TYPE_CHECKING:  # provisioners.ec2 imports boto3, which is slow: only when needed
     from provisioners.ec2 import Ec2Config
@@ -40,7 +43,10 @@ __all__ = [
     "build_provisioner",
     "ec2_config_from",
     "local_speed_factors",
+    "provider_spot_prices",
 ]
+
+logger = logging.getLogger(__name__)
 
 ProvisionerFactory = Callable[[Settings], Provisioner]
 
@@ -155,6 +161,25 @@ def _build_local(settings: Settings) -> Provisioner:
         )
     except InvalidConfigurationError as error:
         raise SettingsError(f"local.{error.field}", error.problem) from None
+
+
+def provider_spot_prices(provisioner: Provisioner | None) -> SpotPricesFn | None:
+    """What the planner is told spot costs now: the provider's prices where it reads them (the
+    EC2 provisioner: ``DescribeSpotPriceHistory``, cached per type), ``None`` for a provider that
+    does not (the local and the fake one: the catalog's serve). A read that fails (throttled, no
+    permission) leaves every type to the catalog, with a warning."""
+    if not isinstance(provisioner, SpotPriceSource):
+        return None
+    source = provisioner
+
+    def prices(types: Sequence[str]) -> Mapping[str, float | None]:
+        try:
+            return {t: source.spot_price(t) for t in types}
+        except ProvisionerError as error:
+            logger.warning("plan: spot prices not read (%s); the catalog's serve", error)
+            return {}
+
+    return prices
 
 
 FACTORIES: dict[str, ProvisionerFactory] = {

@@ -317,6 +317,18 @@ class PlanOut(BaseModel):
     cost_if_on_demand_usd_per_hr: float | None = Field(
         default=None, description="the plan's cost if its spot instances were paid on demand"
     )
+    predicted_slo_attainment: float | None = Field(
+        default=None,
+        description="a plan with spot: the share of queries within the SLO it predicts with"
+        " interruptions (docs/spot.md)",
+    )
+    spot_prices_usd_per_hr: dict[str, float] | None = Field(
+        default=None, description="a plan with spot: the spot prices it was made at, by type"
+    )
+    spot_prices_source: str | None = Field(
+        default=None,
+        description="where those prices came from: catalog, provider, or provider and catalog",
+    )
     steps: list[str]
     simulations: int
     seed: int | None = None

@@ -36,7 +36,7 @@ from controlplane.db.store import PlanRecord, Store
 from controlplane.errors import ConflictError, InvalidValueError, ProfilesNotMeasuredError
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import plan_app
-from controlplane.policies.spot import plan_with_spot
+from controlplane.policies.spot import SpotPricesFn, plan_with_spot
 from controlplane.spec import ResolvedApp
 from estimator import deadline
 from estimator.batches import parse_batch_distribution
@@ -51,6 +51,7 @@ __all__ = [
     "apply_plan",
     "planning_trace",
     "preview_plan",
+    "provider_prices",
     "rate_request",
     "replanning_request",
     "require_profiles",
@@ -204,9 +205,12 @@ def preview_plan(
     *,
     deadline_s: float | None = None,
     cancelled: threading.Event | None = None,
+    spot_prices: SpotPricesFn | None = None,
 ) -> PlanRecord:
     """Plan ``app`` on the trace ``request`` asks for and store the plan as a preview, within
     ``deadline_s`` (None: unbounded) and until ``cancelled`` is set (``estimator.deadline``).
+    ``spot_prices``: the provider's spot prices now, for an app that buys spot
+    (:func:`provider_prices`); the catalog's without.
 
     Raises:
         NotFoundError: no such app.
@@ -220,12 +224,24 @@ def preview_plan(
     resolved = resolver.resolve(record.spec)
     require_profiles(resolved)
     trace, stats = planning_trace(resolved, request)
+    now = provider_prices(resolved, spot_prices)
     with deadline.limit(deadline_s, cancelled):
-        plan = plan_with_spot(resolved, trace, plan=plan_app, seed=request.seed)
+        plan = plan_with_spot(resolved, trace, plan=plan_app, seed=request.seed, spot_prices=now)
     if store.get_app(app).version != record.version:
         raise ConflictError(f"app {app!r} changed while it was being planned; preview again")
     document = dataclasses.replace(plan, seed=request.seed, trace=stats).to_document()
     return store.create_plan(app, document)
+
+
+def provider_prices(
+    app: ResolvedApp, spot_prices: SpotPricesFn | None
+) -> Mapping[str, float | None] | None:
+    """The provider's spot prices of ``app``'s types now, for an app whose spec buys spot
+    (``None``, the catalog's, for one that does not or without a provider that reads them): the
+    plan records which it was made at (``spot_prices_source``, docs/spot.md)."""
+    if spot_prices is None or app.spec.spot is None or not app.spec.spot.enabled:
+        return None
+    return spot_prices(app.instance_types)
 
 
 def require_profiles(app: ResolvedApp) -> None:

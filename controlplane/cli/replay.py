@@ -33,6 +33,7 @@ from controlplane.policies.plan import PlanDocument
 from controlplane.policies.replay import (
     ScalingPolicy,
     check_plan,
+    check_stages,
     parse_plan,
     read_plan,
     replay,
@@ -148,13 +149,11 @@ def run(args: argparse.Namespace) -> int:
             model = "inferline"
     interruptions: dict[str, Any] | None = None
     if args.interruptions_per_hour is not None:
-        if cascade:
-            raise UsageError(
-                f"--interruptions-per-hour replays one stage; the plan has {len(plan.stages)}"
-            )
-        stage = check_plan(plan, app)
+        # One stage or every stage of a cascade at once (docs/spot.md).
+        stages = check_stages(plan, app) if cascade else (check_plan(plan, app),)
+        types = list(dict.fromkeys(t for stage in stages for t in stage.fleet))
         try:
-            rates = parse_interruption_rates(args.interruptions_per_hour, list(stage.fleet))
+            rates = parse_interruption_rates(args.interruptions_per_hour, types)
         except ValueError as error:
             raise UsageError(f"--interruptions-per-hour: {error}") from None
         result, log = replay_with_interruptions(

@@ -83,7 +83,7 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from controlplane.apps.plans import apply_plan
+from controlplane.apps.plans import apply_plan, provider_prices
 from controlplane.apps.resolver import smallest_common_batch_size
 from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
@@ -93,7 +93,7 @@ from controlplane.loops.capacity_replan import fleet_text
 from controlplane.loops.live_tuner import ArrivalSource, ResolveFn, synthetic_planning_arrivals
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S, PLANNING_QUERIES, plan_app
-from controlplane.policies.spot import plan_with_spot
+from controlplane.policies.spot import SpotPricesFn, plan_with_spot
 from controlplane.spec import ResolvedApp, SpecError
 from estimator import deadline
 from estimator.batches import parse_batch_distribution
@@ -294,6 +294,7 @@ class TrafficReplanner:
         band: ReplanBand | None = None,
         min_queries: int = DEFAULT_REPLAN_MIN_QUERIES,
         deadline_s: float = DEFAULT_PLAN_DEADLINE_S,
+        spot_prices: SpotPricesFn | None = None,
     ) -> None:
         for name, value in (("check_s", check_s), ("window_s", window_s)):
             if not (math.isfinite(value) and value > 0):
@@ -312,6 +313,7 @@ class TrafficReplanner:
         self._band = band if band is not None else ReplanBand()
         self._min_queries = int(min_queries)
         self._deadline_s = float(deadline_s)
+        self._spot_prices = spot_prices  # the provider's, for apps that buy spot (docs/spot.md)
         self._episodes: dict[str, _Episode] = {}
         self._lock = threading.Lock()
 
@@ -426,8 +428,9 @@ class TrafficReplanner:
         sizes, batch_text = _batch_sizes(resolved, old, recorded.size, seed)
         trace = Trace(recorded - recorded[0], sizes)
         stats = trace_stats(trace)
+        now = provider_prices(resolved, self._spot_prices)
         with deadline.limit(self._deadline_s):
-            new = plan_with_spot(resolved, trace, plan=plan_app, seed=seed)
+            new = plan_with_spot(resolved, trace, plan=plan_app, seed=seed, spot_prices=now)
         if self._store.get_app(app.name).version != app.version:
             raise ConflictError(f"app {app.name!r} changed while it was being re-planned")
         held_s = now_s - episode.since_s

@@ -128,6 +128,12 @@ class PlanDocument:
     # an on-demand plan), so equality leaves them out: a plan reads back equal.
     expected_cost_usd_per_hr: float | None = field(default=None, compare=False)
     cost_if_on_demand_usd_per_hr: float | None = field(default=None, compare=False)
+    # A plan with spot (docs/spot.md): the share of queries within the SLO it predicts with
+    # interruptions, the spot prices it was made at and where they came from ("catalog",
+    # "provider", "provider and catalog"). Written only when set.
+    predicted_slo_attainment: float | None = field(default=None, compare=False)
+    spot_prices_usd_per_hr: Mapping[str, float] | None = field(default=None, compare=False)
+    spot_prices_source: str | None = field(default=None, compare=False)
 
     @property
     def planned_rate_qps(self) -> float:
@@ -181,6 +187,12 @@ class PlanDocument:
             document["seed"] = self.seed
         if self.trace is not None:
             document["trace"] = dict(self.trace)
+        if self.predicted_slo_attainment is not None:
+            document["predicted_slo_attainment"] = self.predicted_slo_attainment
+        if self.spot_prices_usd_per_hr is not None:
+            document["spot_prices_usd_per_hr"] = dict(self.spot_prices_usd_per_hr)
+        if self.spot_prices_source is not None:
+            document["spot_prices_source"] = self.spot_prices_source
         return document
 
     @classmethod
@@ -232,6 +244,9 @@ class PlanDocument:
             trace=MappingProxyType(dict(trace)) if isinstance(trace, Mapping) else None,
             envelope_problem=problem,
             expected_cost_usd_per_hr=_optional_cost(document, "expected_cost_usd_per_hr", source),
+            predicted_slo_attainment=_optional_share(document, "predicted_slo_attainment", source),
+            spot_prices_usd_per_hr=_optional_prices(document, "spot_prices_usd_per_hr", source),
+            spot_prices_source=_optional_text(document, "spot_prices_source", source),
             cost_if_on_demand_usd_per_hr=_optional_cost(
                 document, "cost_if_on_demand_usd_per_hr", source
             ),
@@ -289,6 +304,34 @@ def _at_least_zero(value: object, where: str, source: str | None) -> float:
 def _optional_cost(document: Mapping[str, Any], key: str, source: str | None) -> float | None:
     value = document.get(key)
     return None if value is None else _at_least_zero(value, key, source)
+
+
+def _optional_share(document: Mapping[str, Any], key: str, source: str | None) -> float | None:
+    value = document.get(key)
+    if value is None:
+        return None
+    share = _at_least_zero(value, key, source)
+    if share > 1:
+        raise PlanError(key, f"must be a share, 0..1, got {value!r}", source)
+    return share
+
+
+def _optional_prices(
+    document: Mapping[str, Any], key: str, source: str | None
+) -> dict[str, float] | None:
+    value = document.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise PlanError(key, "must be an object of type -> USD/hr", source)
+    return {str(t): _at_least_zero(p, f"{key}[{t}]", source) for t, p in value.items()}
+
+
+def _optional_text(document: Mapping[str, Any], key: str, source: str | None) -> str | None:
+    value = document.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    raise PlanError(key, f"must be a text, got {value!r}", source)
 
 
 def _rate(document: Mapping[str, Any], source: str | None) -> float:

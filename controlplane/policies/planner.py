@@ -1328,7 +1328,9 @@ def _gear_plan(
             seed=seed,
             held_out=score,
         )
-    except CascadeError as error:
+    except (CascadeError, BatchSizeOutOfRangeError) as error:
+        # A profile that does not reach batch size 1 (the Kairos data starts at 10): the gears'
+        # simulation cannot run on it, the plan stands without a gear plan.
         steps.append(f"no gear plan for the cascade on this placement: {error}")
         return None
     ranges = ", ".join(

@@ -76,6 +76,7 @@ from matching.policy import DispatchPolicy
 __all__ = [
     "DEFAULT_PLANNING_SHARE",
     "DEFAULT_TUNER_MIN_WINDOW_S",
+    "REPORTED_PERCENTILE",
     "AbortedBoot",
     "FleetTimeline",
     "PlanError",
@@ -103,6 +104,7 @@ __all__ = [
     "static_policy_timeline",
     "static_timeline",
     "thin_planning_arrivals",
+    "timeline_windows",
     "tuner_policy_timeline",
     "tuner_timeline",
     "utilization_policy_timeline",
@@ -927,7 +929,7 @@ def _aborted_cost_usd(
     )
 
 
-def _windows(
+def timeline_windows(
     result: SimulationResult,
     timeline: FleetTimeline,
     types: Sequence[str],
@@ -1081,7 +1083,7 @@ def replay_timeline(
         slo_miss_share=float(np.count_nonzero(response > qos_ms) / response.size),
         cost_usd=result.cost_usd + _aborted_cost_usd(timeline.aborted, prices, result.horizon_s),
         scaling_actions=timeline.scaling_actions,
-        timeline=_windows(result, timeline, all_types, prices),
+        timeline=timeline_windows(result, timeline, all_types, prices),
         fleet_timeline=timeline,
         simulation=result,
     )
@@ -1541,7 +1543,7 @@ def replay_pipeline(
         slo_miss_share=float(np.count_nonzero(response > qos_ms) / response.size),
         cost_usd=result.cost_usd + _aborted_cost_usd(timeline.aborted, prices, result.horizon_s),
         scaling_actions=timeline.scaling_actions,
-        timeline=_windows(result, timeline, types, prices),
+        timeline=timeline_windows(result, timeline, types, prices),
         fleet_timeline=timeline,
         simulation=result,
         stages=tuple(per_stage),

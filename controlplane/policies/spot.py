@@ -23,15 +23,22 @@ A policy in the STYLE.md sense (pure: prices, rates and the planner in, a plan o
   E = sum_t s_t lambda_t g, g the gap (``replacement_gap_s``); the stage gets the k spare spot
   instances of its cheapest spot type (per unit of capacity) for which P(N > k) <= 1 %, when the
   budget pays for them.
+- **Never dearer than on demand.** Each prefix of the split's moves, with the spares its
+  interruptions need, has a cost; the cheapest prefix is kept (none: all on demand), so spot
+  plus spares never costs more than the same fleet on demand. The mix chosen at P'_t and the
+  on-demand plan's mix are both split and the cheaper kept, so the plan never costs more than
+  the on-demand plan.
 - **The budget is a hard cap at the price paid**: the plan's ``cost_usd_per_hr`` is
-  sum (n_t - s_t) P_t + sum s_t S_t. A plan chosen at P'_t whose split costs more than the budget
-  (rounding) is given up for the on-demand plan split the same way, which always fits (S_t <=
-  P_t). The plan states ``expected_cost_usd_per_hr`` (at the prices used) and
+  sum (n_t - s_t) P_t + sum s_t S_t, within the budget (the on-demand plan split always fits,
+  S_t <= P_t). The plan states ``expected_cost_usd_per_hr`` (at the prices used),
   ``cost_if_on_demand_usd_per_hr`` (every instance at P_t: what it costs if spot prices rise to
-  on demand; the reconciler's reaction to such a rise: docs/spot.md), and for a single stage the
-  share of queries within the SLO it predicts with interruptions (a step of the plan: the
-  estimator's share with the whole fleet and with its most capable spot instance missing,
-  weighted by how often the interruptions leave one missing).
+  on demand; the reconciler's reaction to such a rise: docs/spot.md), the spot prices it used
+  and where they came from (``spot_prices_usd_per_hr``, ``spot_prices_source``), and
+  ``predicted_slo_attainment``, the share of queries within the SLO it predicts with
+  interruptions (the estimator's share with the whole fleet and with each stage's most capable
+  spot instance missing, weighted by how often the interruptions leave one missing).
+- **The SpotHedge-style baseline** (:func:`plan_spothedge`): one type, all on spot, spares
+  whatever they cost, no base (docs/spot.md).
 
 >>> split = split_stage({"a": 4}, {"a": 10.0}, {"a": 1.0}, {"a": 0.3}, {"a": 0.0},
 ...                     survive_share=0.5, max_share=1.0)
@@ -43,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,16 +58,20 @@ import numpy as np
 
 from controlplane.policies.plan import PlanDocument, StagePlan
 from controlplane.spec import ResolvedApp, SpotSpec
+from estimator.errors import EstimatorError
 from estimator.fleet import Fleet
 from estimator.traces import Trace
 
 __all__ = [
     "DEFAULT_REPLACEMENT_GAP_S",
     "SPARE_TAIL",
+    "SpotPricesFn",
     "SpotSplit",
+    "plan_spothedge",
     "plan_with_spot",
     "spare_count",
     "split_stage",
+    "spot_prices_used",
 ]
 
 # How long an interrupted instance's capacity is missing: a replacement launched at the
@@ -72,6 +83,9 @@ SPARE_TAIL = 0.01
 _SLACK = 1e-9
 
 PlanFn = Callable[..., PlanDocument]
+# Instance types -> their spot prices now as the provider reads them (None: not sold on spot);
+# the types it cannot say are left out, and the catalog's serve for them (docs/spot.md).
+SpotPricesFn = Callable[[Sequence[str]], Mapping[str, float | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +100,9 @@ class SpotSplit:
     cost_usd_per_hr: float
     cost_if_on_demand_usd_per_hr: float
     expected_interruptions_per_hr: float
+    # Instances the spread and the shares would put on spot that stay on demand because spot
+    # with the spares it needs would cost more (the cap against on demand).
+    kept_on_demand: int = 0
 
 
 def spare_count(expected_down: float, tail: float = SPARE_TAIL) -> int:
@@ -116,9 +133,12 @@ def split_stage(
     max_share: float,
     budget_left_usd_per_hr: float = math.inf,
     replacement_gap_s: float = DEFAULT_REPLACEMENT_GAP_S,
+    cap_at_on_demand: bool = True,
 ) -> SpotSplit:
     """Split one stage's ``fleet`` into on demand and spot (see the module docstring);
-    ``budget_left_usd_per_hr`` bounds the spares (what the rest of the plan leaves)."""
+    ``budget_left_usd_per_hr`` bounds the spares (what the rest of the plan leaves).
+    ``cap_at_on_demand``: keep on demand what spot with its spares would cost more as (False:
+    every instance the shares allow goes to spot, whatever its spares cost: SpotHedge's way)."""
     counts = {t: n for t, n in fleet.items() if n > 0}
     total = sum(counts[t] * capacity_qps[t] for t in counts)
     spot = dict.fromkeys(counts, 0)
@@ -126,7 +146,8 @@ def split_stage(
 
     def movable(t: str) -> bool:
         price = spot_usd_per_hr.get(t)
-        if price is None or spot[t] >= counts[t]:
+        # Spot only where it is cheaper (a price read now may have risen to on demand or past).
+        if price is None or price >= on_demand_usd_per_hr[t] or spot[t] >= counts[t]:
             return False
         q = capacity_qps[t]
         spot_capacity = total - on_demand_capacity + q
@@ -135,6 +156,7 @@ def split_stage(
             and spot_capacity <= max_share * total + _SLACK
         )
 
+    moves: list[str] = []
     while True:
         candidates = [t for t in counts if movable(t)]
         if not candidates:
@@ -143,35 +165,58 @@ def split_stage(
         chosen = min(candidates, key=lambda t: (spot[t] / counts[t], -saving[t], t))
         spot[chosen] += 1
         on_demand_capacity -= capacity_qps[chosen]
+        moves.append(chosen)
 
-    def cost_of(kind: Mapping[str, int], spots: Mapping[str, int]) -> float:
-        return float(
+    rates = {t: interruptions_per_hr.get(t, 0.0) for t in counts}
+
+    def with_spares(spots: Mapping[str, int], budget: float) -> tuple[float, int, str | None]:
+        """The cost of ``spots`` with the spares its interruptions need (as many as ``budget``
+        and the spot cap allow), the spares and their type."""
+        cost = float(
             sum(
-                (kind[t] - spots.get(t, 0)) * on_demand_usd_per_hr[t]
+                (counts[t] - spots.get(t, 0)) * on_demand_usd_per_hr[t]
                 + spots.get(t, 0) * (spot_usd_per_hr.get(t) or 0.0)
-                for t in kind
+                for t in counts
             )
         )
-
-    cost = cost_of(counts, spot)
-    rates = {t: interruptions_per_hr.get(t, 0.0) for t in counts}
-    expected_down = sum(spot[t] * rates[t] for t in counts) * replacement_gap_s / 3600.0
-    spares = 0
-    spot_types = [t for t in counts if spot[t] > 0]
-    if spot_types:
+        spot_types = [t for t in counts if spots.get(t, 0) > 0]
+        if not spot_types:
+            return cost, 0, None
         cheapest = min(spot_types, key=lambda t: ((spot_usd_per_hr[t] or 0.0) / capacity_qps[t], t))
         price = spot_usd_per_hr[cheapest] or 0.0
+        spot_capacity = sum(spots.get(t, 0) * capacity_qps[t] for t in counts)
+        expected_down = sum(spots.get(t, 0) * rates[t] for t in counts) * replacement_gap_s / 3600.0
+        spares = 0
         for _ in range(spare_count(expected_down)):
-            grown = total + (spares + 1) * capacity_qps[cheapest]
-            spot_capacity = total - on_demand_capacity + (spares + 1) * capacity_qps[cheapest]
-            if cost + price > budget_left_usd_per_hr + _SLACK:
+            extra = (spares + 1) * capacity_qps[cheapest]
+            if cost + price > budget + _SLACK:
                 break
-            if spot_capacity > max_share * grown + _SLACK:
+            if spot_capacity + extra > max_share * (total + extra) + _SLACK:
                 break
             spares += 1
             cost += price
-        counts[cheapest] += spares
-        spot[cheapest] += spares
+        return cost, spares, cheapest
+
+    # The cap against on demand: each prefix of the moves above, with the spares its
+    # interruptions need, costs so much; the cheapest prefix is kept (the empty one is the fleet
+    # all on demand), so spot plus spares never costs more than the same capacity on demand.
+    # Ranked with every spare it needs, whatever the budget; the budget then bounds the spares.
+    best, best_cost = len(moves), math.inf
+    for m in range(len(moves) + 1) if cap_at_on_demand else ():
+        prefix: dict[str, int] = {}
+        for t in moves[:m]:
+            prefix[t] = prefix.get(t, 0) + 1
+        cost_m = with_spares(prefix, math.inf)[0]
+        if cost_m < best_cost - _SLACK:
+            best, best_cost = m, cost_m
+    spot = dict.fromkeys(counts, 0)
+    for t in moves[:best]:
+        spot[t] += 1
+    capped = len(moves) - best
+    cost, spares, spare_type = with_spares(spot, budget_left_usd_per_hr)
+    if spare_type is not None:
+        counts[spare_type] += spares
+        spot[spare_type] += spares
     spot_fleet = {t: s for t, s in spot.items() if s > 0}
     return SpotSplit(
         fleet=counts,
@@ -182,6 +227,7 @@ def split_stage(
             sum(n * on_demand_usd_per_hr[t] for t, n in counts.items())
         ),
         expected_interruptions_per_hr=float(sum(s * rates[t] for t, s in spot_fleet.items())),
+        kept_on_demand=capped,
     )
 
 
@@ -212,6 +258,8 @@ def _split_plan(
     spot: SpotSpec,
     spot_prices: Mapping[str, float | None],
     replacement_gap_s: float,
+    *,
+    cap_at_on_demand: bool = True,
 ) -> PlanDocument:
     on_demand = {t: app.catalog.price_usd_per_hr(t) for t in app.prices_usd_per_hr}
     rates = {t: app.catalog[t].interruptions_per_hr for t in app.prices_usd_per_hr}
@@ -227,6 +275,7 @@ def _split_plan(
             max_share=spot.max_share,
             budget_left_usd_per_hr=budget_left_usd_per_hr,
             replacement_gap_s=replacement_gap_s,
+            cap_at_on_demand=cap_at_on_demand,
         )
 
     splits = [split(stage) for stage in plan.stages]
@@ -250,6 +299,12 @@ def _split_plan(
     cost = float(sum(s.cost_usd_per_hr for s in final))
     if_on_demand = float(sum(s.cost_if_on_demand_usd_per_hr for s in final))
     spares = sum(s.spares for s in final)
+    kept = sum(s.kept_on_demand for s in final)
+    kept_text = (
+        f"; {kept} kept on demand, where spot with the spares it needs would cost more"
+        if kept
+        else ""
+    )
     steps = (
         *plan.steps,
         f"spot: {sum(sum(s.spot_fleet.values()) for s in final)} of"
@@ -257,7 +312,8 @@ def _split_plan(
         f" at least {spot.survive_share:.0%} of each stage's capacity on demand, at most"
         f" {spot.max_share:.0%} on spot: {cost:.3f} USD/hr at the prices used,"
         f" {if_on_demand:.3f} USD/hr if spot rose to on demand; expected"
-        f" {sum(s.expected_interruptions_per_hr for s in final):.3g} interruptions an hour",
+        f" {sum(s.expected_interruptions_per_hr for s in final):.3g} interruptions an hour"
+        f"{kept_text}",
     )
     return dataclasses.replace(
         plan,
@@ -267,6 +323,21 @@ def _split_plan(
         cost_if_on_demand_usd_per_hr=if_on_demand,
         steps=steps,
     )
+
+
+def spot_prices_used(
+    app: ResolvedApp, spot_prices: Mapping[str, float | None] | None
+) -> tuple[dict[str, float | None], str]:
+    """The spot price of each of ``app``'s types a plan uses and where they come from:
+    ``spot_prices`` (the provider's now, type -> price, ``None`` where it sells none) over the
+    catalog's; ``"catalog"``, ``"provider"`` (every type's from ``spot_prices``) or
+    ``"provider and catalog"``."""
+    catalog = {t: app.catalog[t].spot_price_usd_per_hr for t in app.prices_usd_per_hr}
+    given = {t: p for t, p in (spot_prices or {}).items() if t in catalog}
+    if not given:
+        return catalog, "catalog"
+    source = "provider" if len(given) == len(catalog) else "provider and catalog"
+    return {**catalog, **given}, source
 
 
 def plan_with_spot(
@@ -281,63 +352,177 @@ def plan_with_spot(
 ) -> PlanDocument:
     """``plan(app, trace, seed=seed, ...)`` with spot capacity when the app's spec enables it
     (see the module docstring); the plain plan otherwise. ``spot_prices``: type -> spot price
-    now (``None`` for a type not offered on spot; default: the catalog's)."""
+    now as the provider reads it (``None`` for a type it does not sell on spot); the catalog's
+    serve for the types it leaves out. Never dearer than the on-demand plan: the mix chosen at
+    blended prices and the on-demand plan's mix are both split, and the cheaper is kept (the
+    on-demand plan's split costs at most the on-demand plan: :func:`split_stage`'s cap)."""
     spot = app.spec.spot
     if spot is None or not spot.enabled:
         return plan(app, trace, seed=seed, **planner_args)
-    prices = (
-        dict(spot_prices)
-        if spot_prices is not None
-        else {t: app.catalog[t].spot_price_usd_per_hr for t in app.prices_usd_per_hr}
-    )
+    prices, source = spot_prices_used(app, spot_prices)
+    on_demand = plan(app, trace, seed=seed, **planner_args)
     chosen = plan(_blended(app, spot, prices), trace, seed=seed, **planner_args)
-    split = _split_plan(app, chosen, spot, prices, replacement_gap_s)
-    if split.cost_usd_per_hr > app.spec.budget_usd_per_hr + _SLACK:
-        # The blended prices chose a mix whose split costs more than the budget (rounding): the
-        # on-demand plan, split the same way, always fits (spot never costs more than on demand).
-        fallback = plan(app, trace, seed=seed, **planner_args)
-        split = _split_plan(app, fallback, spot, prices, replacement_gap_s)
-    return _with_attainment(app, split, trace, seed, replacement_gap_s)
+    candidates = [_split_plan(app, on_demand, spot, prices, replacement_gap_s)]
+    if chosen.feasible or not on_demand.feasible:
+        candidates.append(_split_plan(app, chosen, spot, prices, replacement_gap_s))
+    budget = app.spec.budget_usd_per_hr
+    fits = [c for c in candidates if c.cost_usd_per_hr <= budget + _SLACK] or candidates[:1]
+    # The on-demand plan's split first: the blended mix is kept only where it is cheaper.
+    best = min(fits, key=lambda c: (not c.feasible, c.cost_usd_per_hr))
+    which = "the on-demand plan's mix" if best is candidates[0] else "the mix at blended prices"
+    step = (
+        f"spot: kept {which} ({best.cost_usd_per_hr:.3f} USD/hr; the on-demand plan"
+        f" {on_demand.cost_usd_per_hr:.3f} USD/hr); spot prices from the {source}"
+    )
+    return _stated(app, best, step, prices, source, trace, seed, replacement_gap_s)
+
+
+def plan_spothedge(
+    app: ResolvedApp,
+    trace: Trace,
+    *,
+    plan: PlanFn,
+    seed: int = 0,
+    spot_prices: Mapping[str, float | None] | None = None,
+    replacement_gap_s: float = DEFAULT_REPLACEMENT_GAP_S,
+    **planner_args: Any,
+) -> PlanDocument:
+    """A SpotHedge-style plan (SkyServe, as issue 33 describes it: spot over-provisioning with
+    on-demand fallback, no mix choice), the baseline of ``benchmarks/spot.py``: one instance
+    type, the one a homogeneous planner chooses (``plan`` restricted to each type that is sold
+    on spot; the cheapest feasible fleet at the spot price), every instance on spot with the
+    spares its interruptions need (the same tail as :func:`split_stage`'s, kept whatever they
+    cost), no on-demand base. On-demand fallback is the control plane's when spot is short (a
+    replacement launched on demand), not part of the plan. The plan states its cost and
+    predicted attainment as :func:`plan_with_spot`'s do."""
+    prices, source = spot_prices_used(app, spot_prices)
+    found: list[PlanDocument] = []
+    for t in app.instance_types:
+        price = prices.get(t)
+        if price is None:
+            continue
+        alone = dataclasses.replace(
+            app,
+            spec=app.spec.model_copy(update={"instance_types": [t]}),
+            prices_usd_per_hr={t: app.prices_usd_per_hr[t]},
+        )
+        try:
+            made = plan(alone, trace, seed=seed, **planner_args)
+        except EstimatorError:  # the type alone cannot serve the SLO
+            continue
+        if made.feasible:
+            found.append(made)
+    if not found:
+        raise ValueError("no single type sold on spot serves the SLO: no SpotHedge-style plan")
+
+    def at_spot(p: PlanDocument) -> tuple[float, float]:
+        spot_cost = sum(n * (prices[t] or 0.0) for t, n in p.fleet.items())
+        return spot_cost, p.cost_usd_per_hr
+
+    homogeneous = min(found, key=at_spot)
+    hedge = SpotSpec(enabled=True, survive_share=0.0, max_share=1.0)
+    split = _split_plan(app, homogeneous, hedge, prices, replacement_gap_s, cap_at_on_demand=False)
+    step = (
+        f"spothedge: one type, {next(iter(homogeneous.fleet))}, the cheapest homogeneous fleet at"
+        f" spot prices of {len(found)} feasible; spot prices from the {source}"
+    )
+    return _stated(app, split, step, prices, source, trace, seed, replacement_gap_s)
+
+
+def _stated(
+    app: ResolvedApp,
+    plan: PlanDocument,
+    step: str,
+    prices: Mapping[str, float | None],
+    source: str,
+    trace: Trace,
+    seed: int,
+    gap_s: float,
+) -> PlanDocument:
+    """``plan`` with ``step``, the spot prices it was made at and where they came from, and the
+    attainment it predicts with interruptions."""
+    stated = dataclasses.replace(
+        plan,
+        steps=(*plan.steps, step),
+        spot_prices_usd_per_hr={t: p for t, p in prices.items() if p is not None},
+        spot_prices_source=source,
+    )
+    return _with_attainment(app, stated, trace, seed, gap_s)
+
+
+def _replay_share(app: ResolvedApp, plan: PlanDocument, trace: Trace, seed: int) -> float:
+    """The share of ``trace``'s queries within the SLO on ``plan``'s fleets, static (the
+    stage's dispatch, first come first served where it cannot run on what is left)."""
+    from controlplane.policies.replay import (
+        ReplayError,
+        replay_pipeline,
+        replay_timeline,
+        static_timeline,
+    )
+
+    if any(sum(stage.fleet.values()) == 0 for stage in plan.stages):
+        return 0.0
+    for dispatch in (None, "fcfs"):
+        try:
+            if len(plan.stages) == 1:
+                stage = plan.stages[0]
+                result = replay_timeline(
+                    trace,
+                    app,
+                    stage,
+                    static_timeline(Fleet.of(dict(stage.fleet))),
+                    np.random.default_rng(seed),
+                    dispatch=dispatch,
+                )
+            else:
+                result = replay_pipeline(
+                    trace, app, plan, np.random.default_rng(seed), dispatch=dispatch
+                )
+            return 1.0 - result.slo_miss_share
+        except ReplayError:
+            # The stage's dispatch cannot run on what is left (Kairos' base types need a type
+            # that meets the SLO at every batch size): first come, first served instead.
+            continue
+    return 0.0
 
 
 def _with_attainment(
     app: ResolvedApp, plan: PlanDocument, trace: Trace, seed: int, gap_s: float
 ) -> PlanDocument:
-    """The plan with a step that states the share of queries within the SLO it predicts with
-    interruptions: A = (1 - q) A_0 + q A_1, A_0 the share on the planning trace with the whole
-    fleet, A_1 with the stage's most capable spot instance missing, q the expected share of
-    time a spot instance is missing (sum_t s_t lambda_t g, at most 1). One stage only."""
-    from controlplane.policies.replay import ReplayError, replay_timeline, static_timeline
-
-    if len(plan.stages) != 1 or not plan.stages[0].spot_fleet or len(trace) < 2:
+    """The plan with the share of queries within the SLO it predicts with interruptions
+    (``predicted_slo_attainment`` and a step): A = (1 - sum_i q_i) A_0 + sum_i q_i A_i, A_0 the
+    share on the planning trace with every stage's whole fleet, A_i with stage i's most capable
+    spot instance missing, q_i the expected share of time one of stage i's spot instances is
+    missing (sum_t s_t lambda_t g; the q_i scaled down together where they sum past 1)."""
+    spot_stages = [i for i, s in enumerate(plan.stages) if s.spot_fleet]
+    if not spot_stages or len(trace) < 2:
         return plan
-    stage = plan.stages[0]
-    capacity = _capacity_qps(app, stage)
-    rates = {t: app.catalog[t].interruptions_per_hr for t in stage.spot_fleet}
-    q = min(1.0, sum(n * rates[t] for t, n in stage.spot_fleet.items()) * gap_s / 3600.0)
-    lost = max(stage.spot_fleet, key=lambda t: (capacity[t], t))
-    shorter = {t: n - (t == lost) for t, n in stage.fleet.items()}
     start = Trace(trace.arrival_s - trace.arrival_s[0], trace.batch_size, trace.sample_id)
-    shares = []
-    for fleet in (stage.fleet, shorter):
-        if sum(fleet.values()) == 0:
-            shares.append(0.0)
-            continue
-        timeline = static_timeline(Fleet.of(fleet))
-        try:
-            result = replay_timeline(start, app, stage, timeline, np.random.default_rng(seed))
-        except ReplayError:
-            # The stage's dispatch cannot run on what is left (Kairos' base types need a type
-            # that meets the SLO at every batch size): first come, first served instead.
-            result = replay_timeline(
-                start, app, stage, timeline, np.random.default_rng(seed), dispatch="fcfs"
-            )
-        shares.append(1.0 - result.slo_miss_share)
-    whole, short = shares
-    predicted = (1.0 - q) * whole + q * short
+    whole = _replay_share(app, plan, start, seed)
+    parts = []
+    for i in spot_stages:
+        stage = plan.stages[i]
+        capacity = _capacity_qps(app, stage)
+        rates = {t: app.catalog[t].interruptions_per_hr for t in stage.spot_fleet}
+        q = sum(n * rates[t] for t, n in stage.spot_fleet.items()) * gap_s / 3600.0
+        lost = max(stage.spot_fleet, key=lambda t: (capacity[t], t))
+        shorter = dict(stage.fleet)
+        shorter[lost] -= 1
+        stages = list(plan.stages)
+        stages[i] = dataclasses.replace(
+            stage, fleet=type(stage.fleet).of({t: n for t, n in shorter.items() if n > 0})
+        )
+        short = _replay_share(app, dataclasses.replace(plan, stages=tuple(stages)), start, seed)
+        parts.append((stage.name, lost, q, short))
+    total_q = sum(q for _, _, q, _ in parts)
+    scale = 1.0 / total_q if total_q > 1.0 else 1.0
+    predicted = (1.0 - total_q * scale) * whole + sum(q * scale * a for _, _, q, a in parts)
+    missing = "; ".join(
+        f"{a:.4%} with one {lost} of {name} missing, {q * scale:.3%} of the time"
+        for name, lost, q, a in parts
+    )
     step = (
         f"spot: predicted share within the SLO with interruptions {predicted:.4%}"
-        f" ({whole:.4%} with the whole fleet, {short:.4%} with one {lost} missing, which the"
-        f" interruptions at the catalog's rates leave it {q:.3%} of the time)"
+        f" ({whole:.4%} with the whole fleet; {missing}, at the catalog's interruption rates)"
     )
-    return dataclasses.replace(plan, steps=(*plan.steps, step))
+    return dataclasses.replace(plan, steps=(*plan.steps, step), predicted_slo_attainment=predicted)

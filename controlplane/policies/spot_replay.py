@@ -16,7 +16,9 @@ notice"):
 
 Spot instances are billed at their type's spot price (the catalog's): in the simulation they are
 a type of their own, ``<type>@spot``, with the type's latency profile and the spot price. On-demand
-instances run throughout. Exact as the static replay is: nothing here depends on latencies.
+instances run throughout. Exact as the static replay is: nothing here depends on latencies. A
+cascade's stages are each interrupted so, and replayed together as the static replay of a
+pipeline replays them.
 
 >>> timeline, log = interrupted_timeline({"a": 2}, {"a": 1}, 3600.0, {"a": 0.0},
 ...     np.random.default_rng(0))
@@ -26,22 +28,28 @@ instances run throughout. Exact as the static replay is: nothing here depends on
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from controlplane.policies.plan import PlanDocument
+from controlplane.policies.pipeline import answering_stages, pipeline_stages
+from controlplane.policies.plan import PlanDocument, StagePlan
 from controlplane.policies.replay import (
+    REPORTED_PERCENTILE,
     FleetTimeline,
     ReplayError,
     ReplayResult,
     check_plan,
+    check_stages,
     replay_timeline,
+    timeline_windows,
 )
 from controlplane.spec import ResolvedApp
-from estimator.simulator import InstanceSpec
+from estimator.profiles import ProfileSet
+from estimator.simulator import InstanceSpec, simulate
 from estimator.traces import Trace
 
 __all__ = [
@@ -155,36 +163,108 @@ def replay_with_interruptions(
     replacement_boot_s: float = DEFAULT_REPLACEMENT_BOOT_S,
     wave_at_s: float | None = None,
 ) -> tuple[ReplayResult, InterruptionLog]:
-    """The static replay of ``plan``'s single stage with its spot instances interrupted (see the
-    module docstring; ``wave_at_s``: all at once then, too); ``rng`` draws the interruptions,
-    then the service times."""
-    stage = check_plan(plan, app)
+    """The static replay of ``plan`` with its spot instances interrupted (see the module
+    docstring; ``wave_at_s``: all at once then, too); ``rng`` draws the interruptions (stage by
+    stage), then the service times. A plan of several stages (a cascade) is replayed through
+    every stage at once, each query forwarded as the validation records say, as
+    :func:`~controlplane.policies.replay.replay_pipeline` replays it static."""
+    stages = check_stages(plan, app) if len(plan.stages) > 1 else (check_plan(plan, app),)
     end_s = float(trace.arrival_s[-1]) if len(trace) else 0.0
-    timeline, log = interrupted_timeline(
-        stage.fleet,
-        stage.spot_fleet,
-        end_s,
-        rates_per_hr,
-        rng,
-        replacement_boot_s=replacement_boot_s,
-        wave_at_s=wave_at_s,
-    )
+    timelines, logs = [], []
+    for stage in stages:
+        timeline, log = interrupted_timeline(
+            stage.fleet,
+            stage.spot_fleet,
+            end_s,
+            rates_per_hr,
+            rng,
+            replacement_boot_s=replacement_boot_s,
+            wave_at_s=wave_at_s,
+        )
+        timelines.append(timeline)
+        logs.append(log)
     spot_prices = {}
-    for name in stage.spot_fleet:
+    for name in sorted({t for stage in stages for t in stage.spot_fleet}):
         price = app.catalog[name].spot_price_usd_per_hr
         if price is None:
             raise ReplayError(
                 f"the plan has {name} on spot, but the catalog gives it no spot price"
             )
         spot_prices[name + SPOT_SUFFIX] = price
-    result = replay_timeline(
-        trace,
-        app,
-        stage,
-        timeline,
-        rng,
-        policy="static",
-        profile_types={alias: alias.removesuffix(SPOT_SUFFIX) for alias in spot_prices},
-        extra_prices_usd_per_hr=spot_prices,
+    log = InterruptionLog(
+        sum(entry.spot_instances for entry in logs),
+        sum(entry.interruptions for entry in logs),
+        sum(entry.missing_instance_s for entry in logs),
     )
-    return result, log
+    aliases = {alias: alias.removesuffix(SPOT_SUFFIX) for alias in spot_prices}
+    if len(stages) == 1:
+        result = replay_timeline(
+            trace,
+            app,
+            stages[0],
+            timelines[0],
+            rng,
+            policy="static",
+            profile_types=aliases,
+            extra_prices_usd_per_hr=spot_prices,
+        )
+        return result, log
+    return _replay_cascade(trace, app, plan, stages, timelines, rng, aliases, spot_prices), log
+
+
+def _replay_cascade(
+    trace: Trace,
+    app: ResolvedApp,
+    plan: PlanDocument,
+    stages: tuple[StagePlan, ...],
+    timelines: list[FleetTimeline],
+    rng: np.random.Generator,
+    aliases: Mapping[str, str],
+    spot_prices: Mapping[str, float],
+) -> ReplayResult:
+    """Every stage of a cascade at once on its interrupted timeline: the app seen with each
+    spot alias a type of its own (the profile of its type, the spot price)."""
+    profiles = {
+        model: ProfileSet(
+            [
+                *(found[key] for key in found),
+                *(
+                    dataclasses.replace(found[(model, base)], instance_type=alias)
+                    for alias, base in aliases.items()
+                    if (model, base) in found
+                ),
+            ],
+            found.source,
+        )
+        for model, found in app.profiles.items()
+    }
+    seen = dataclasses.replace(
+        app,
+        profiles=profiles,
+        prices_usd_per_hr={**app.prices_usd_per_hr, **spot_prices},
+    )
+    answered = answering_stages(app, trace, rng)
+    built = pipeline_stages(
+        seen,
+        [
+            (stage.name, timeline.instances, stage.batch_size, stage.policy)
+            for stage, timeline in zip(stages, timelines, strict=True)
+        ],
+        trace,
+        answered,
+    )
+    prices = dict(seen.prices_usd_per_hr)
+    result = simulate(trace, built, rng, prices_usd_per_hr=prices, qos_ms=app.constraints.slo_ms)
+    response = result.response_ms
+    timeline = FleetTimeline(tuple(spec for t in timelines for spec in t.instances))
+    types = list(dict.fromkeys(spec.instance_type for spec in timeline.instances))
+    return ReplayResult(
+        policy="static",
+        p99_ms=float(np.percentile(response, REPORTED_PERCENTILE)),
+        slo_miss_share=float(np.count_nonzero(response > app.constraints.slo_ms) / response.size),
+        cost_usd=result.cost_usd,
+        scaling_actions=timeline.scaling_actions,
+        timeline=timeline_windows(result, timeline, types, prices),
+        fleet_timeline=timeline,
+        simulation=result,
+    )

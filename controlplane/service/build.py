@@ -115,7 +115,7 @@ from controlplane.policies.disruption import DisruptionBudget
 from controlplane.policies.drain import qps_by_type
 from controlplane.policies.gears import Hysteresis
 from controlplane.policies.infaas_scaling import ScalingConfig
-from controlplane.provisioning import build_provisioner
+from controlplane.provisioning import build_provisioner, provider_spot_prices
 from controlplane.service.app import create_app
 from controlplane.serving.loop import ServingLoop
 from controlplane.serving.owners import DispatchOwners
@@ -355,11 +355,17 @@ def build_live_gears(
 
 
 def build_traffic_replanner(
-    settings: Settings, store: Store, clock: Clock, serving: ServingView, resolver: AppResolver
+    settings: Settings,
+    store: Store,
+    clock: Clock,
+    serving: ServingView,
+    resolver: AppResolver,
+    provisioner: Provisioner | None = None,
 ) -> TrafficReplanner:
     """The re-planning on recorded traffic over the apps the serving loop observes (the others
     stay on their plans), with the settings' period, window, hold, band, minimum of queries and
-    plan deadline; apps resolve through ``resolver``."""
+    plan deadline; apps resolve through ``resolver``; spot priced at ``provisioner``'s prices
+    where it reads them (:func:`~controlplane.provisioning.provider_spot_prices`)."""
     return TrafficReplanner(
         store,
         clock,
@@ -371,6 +377,7 @@ def build_traffic_replanner(
         band=ReplanBand(above=settings.replan_above, below=settings.replan_below),
         min_queries=settings.replan_min_queries,
         deadline_s=settings.plan_deadline_s,
+        spot_prices=provider_spot_prices(provisioner),
     )
 
 
@@ -708,7 +715,7 @@ def build_service(
         also=remote.recalibrated if remote is not None else None,
     )
     traffic_replanner = (
-        build_traffic_replanner(settings, store, clock, view, resolver)
+        build_traffic_replanner(settings, store, clock, view, resolver, provisioner)
         if settings.replan_enabled
         else None
     )

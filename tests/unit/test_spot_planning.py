@@ -5,18 +5,28 @@ stating their cost if spot rose to on demand."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.policies.plan import PlanDocument
+from controlplane.policies.plan import PlanDocument, PlanError
 from controlplane.policies.planner import plan_app
-from controlplane.policies.spot import plan_with_spot, spare_count, split_stage
-from controlplane.spec import load_spec, resolve_spec
-from tests.unit.test_planner import poisson_trace, write_spec
+from controlplane.policies.spot import (
+    plan_spothedge,
+    plan_with_spot,
+    spare_count,
+    split_stage,
+)
+from controlplane.policies.spot_replay import replay_with_interruptions
+from controlplane.provisioning import provider_spot_prices
+from controlplane.spec import ResolvedApp, SpotSpec, load_spec, resolve_spec
+from provisioners.errors import ProvisionerError
+from tests.unit.test_planner import poisson_trace, write_cascade_app, write_spec
 
 TYPES = ("a", "b", "c")
 
@@ -66,10 +76,8 @@ def test_the_split_keeps_the_survive_share_on_demand_and_spot_under_its_cap(
     assert all(spot[t] is not None for t in split.spot_fleet)
     assert all(split.spot_fleet[t] <= split.fleet[t] for t in split.spot_fleet)
     base_cost = sum(fleet[t] * on_demand[t] for t in TYPES)
-    # Spot never costs more; the spares only what the budget left pays for.
-    assert split.cost_usd_per_hr <= base_cost + min(budget_left, 1e9) + 1e-9
-    if split.spares == 0:
-        assert split.cost_usd_per_hr <= base_cost + 1e-9
+    # Spot with its spares never costs more than the planned fleet on demand (the cap).
+    assert split.cost_usd_per_hr <= base_cost + 1e-9
     assert split.cost_if_on_demand_usd_per_hr >= split.cost_usd_per_hr - 1e-9
 
 
@@ -161,3 +169,150 @@ def test_spot_plans_fit_the_budget_at_the_price_paid_and_cost_less(
     # Without spot the plan is the planner's own, all on demand.
     assert on_demand == plan_app(on_demand_app, trace)
     assert on_demand.to_document()["cost_if_on_demand_usd_per_hr"] == on_demand.cost_usd_per_hr
+
+
+def test_spot_whose_spares_cost_more_than_on_demand_stays_on_demand() -> None:
+    # One instance interrupted 8 times an hour needs two spares (E = 0.4): three on spot at 0.4
+    # cost 1.2, more than the one on demand at 1.0.
+    args = ({"a": 1}, {"a": 1.0}, {"a": 1.0}, {"a": 0.4}, {"a": 8.0})
+    capped = split_stage(*args, survive_share=0.0, max_share=1.0)
+    assert capped.spot_fleet == {} and capped.fleet == {"a": 1}
+    assert capped.kept_on_demand == 1 and capped.cost_usd_per_hr == 1.0
+    # A spot price at on demand (or past it) buys nothing on spot.
+    risen = split_stage(*args[:3], {"a": 1.0}, args[4], survive_share=0.0, max_share=1.0)
+    assert risen.spot_fleet == {} and risen.kept_on_demand == 0
+    # SpotHedge's way: spot and its spares whatever they cost.
+    hedged = split_stage(*args, survive_share=0.0, max_share=1.0, cap_at_on_demand=False)
+    assert hedged.spot_fleet == {"a": 3} and hedged.cost_usd_per_hr == pytest.approx(1.2)
+
+
+def _with_rate(app: ResolvedApp, rate_per_hr: float) -> ResolvedApp:
+    catalog = app.catalog.with_overrides(
+        dataclasses.replace(app.catalog[t], interruptions_per_hr=rate_per_hr)
+        for t in app.instance_types
+    )
+    return dataclasses.replace(app, catalog=catalog)
+
+
+def _spot_app(
+    tmp_path: Path, survive: float, rate_per_hr: float
+) -> tuple[ResolvedApp, ResolvedApp]:
+    spec = load_spec(
+        write_spec(tmp_path, 40.0, 4.0, spot=f"{{enabled: true, survive_share: {survive}}}")
+    )
+    on_demand = resolve_spec(spec.model_copy(update={"spot": None}))
+    return _with_rate(resolve_spec(spec), rate_per_hr), on_demand
+
+
+@pytest.mark.parametrize("rate_per_hr", [0.5, 8.0, 40.0])
+def test_a_spot_plan_never_costs_more_than_the_on_demand_plan(
+    tmp_path: Path, rate_per_hr: float
+) -> None:
+    app, on_demand_app = _spot_app(tmp_path, 0.5, rate_per_hr)
+    trace = poisson_trace(200.0, queries=800)
+    plan = plan_with_spot(app, trace, plan=plan_app)
+    on_demand = plan_app(on_demand_app, trace)
+    assert plan.feasible
+    assert plan.cost_usd_per_hr <= on_demand.cost_usd_per_hr + 1e-9
+    assert any(step.startswith("spot: kept ") for step in plan.steps)
+    assert plan.spot_prices_source == "catalog"
+    if rate_per_hr == 40.0:  # every spare dearer than on demand: nothing on spot
+        assert all(not s.spot_fleet for s in plan.stages)
+        assert plan.cost_usd_per_hr == pytest.approx(on_demand.cost_usd_per_hr)
+
+
+def test_the_spothedge_style_plan_is_one_type_all_on_spot_with_spares(tmp_path: Path) -> None:
+    app, _ = _spot_app(tmp_path, 0.5, 2.0)
+    trace = poisson_trace(200.0, queries=800)
+    hedge = plan_spothedge(app, trace, plan=plan_app)
+    (stage,) = hedge.stages
+    assert len(stage.fleet) == 1
+    assert dict(stage.spot_fleet) == dict(stage.fleet)
+    (t,) = stage.fleet
+    alone = dataclasses.replace(
+        app,
+        spec=app.spec.model_copy(update={"instance_types": [t]}),
+        prices_usd_per_hr={t: app.prices_usd_per_hr[t]},
+    )
+    planned = plan_app(alone, trace).fleet[t]
+    assert stage.fleet[t] > planned  # the spares over the homogeneous plan
+    assert hedge.predicted_slo_attainment is not None
+    assert any(step.startswith("spothedge: one type") for step in hedge.steps)
+
+
+def test_a_plan_records_the_provider_spot_prices_it_was_made_at(tmp_path: Path) -> None:
+    app, _ = _spot_app(tmp_path, 0.2, 0.01)
+    trace = poisson_trace(200.0, queries=800)
+    catalog = plan_with_spot(app, trace, plan=plan_app)
+    # The provider says g4dn.xlarge is sold on spot at a tenth of on demand, r5n.large not at all.
+    now = {"g4dn.xlarge": 0.05, "r5n.large": None}
+    live = plan_with_spot(app, trace, plan=plan_app, spot_prices=now)
+    assert catalog.spot_prices_source == "catalog"
+    assert live.spot_prices_source == "provider and catalog"
+    assert live.spot_prices_usd_per_hr is not None
+    assert live.spot_prices_usd_per_hr["g4dn.xlarge"] == 0.05
+    assert "r5n.large" not in live.spot_prices_usd_per_hr
+    assert all("r5n.large" not in s.spot_fleet for s in live.stages)
+    document = live.to_document()
+    assert document["spot_prices_source"] == "provider and catalog"
+    again = PlanDocument.parse(document)
+    assert again.spot_prices_usd_per_hr == live.spot_prices_usd_per_hr
+    assert again.predicted_slo_attainment == live.predicted_slo_attainment
+
+
+class _Prices:
+    """A provider that reads spot prices (the EC2 provisioner's seam)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+
+    def spot_price(self, instance_type: str) -> float | None:
+        if self.fail:
+            raise ProvisionerError("throttled")
+        return 0.1 if instance_type == "a" else None
+
+
+def test_the_planner_reads_spot_prices_from_providers_that_have_them() -> None:
+    prices = provider_spot_prices(_Prices())  # type: ignore[arg-type]
+    assert prices is not None and prices(["a", "b"]) == {"a": 0.1, "b": None}
+    failing = provider_spot_prices(_Prices(fail=True))  # type: ignore[arg-type]
+    assert failing is not None and failing(["a"]) == {}  # the catalog's serve
+    assert provider_spot_prices(None) is None
+    assert provider_spot_prices(object()) is None  # type: ignore[arg-type]
+
+
+def test_a_cascade_is_planned_with_spot_and_replayed_with_interruptions(tmp_path: Path) -> None:
+    base = write_cascade_app(tmp_path, records=True)
+    spot = SpotSpec(enabled=True, survive_share=0.0)
+    app = _with_rate(
+        resolve_spec(base.spec.model_copy(update={"spot": spot}), base_dir=tmp_path), 2.0
+    )
+    trace = poisson_trace(600.0, queries=3000)
+    plan = plan_with_spot(app, trace, plan=plan_app, seed=2)
+    assert len(plan.stages) == 2 and any(s.spot_fleet for s in plan.stages)
+    assert plan.predicted_slo_attainment is not None
+    assert 0.0 <= plan.predicted_slo_attainment <= 1.0
+    (step,) = [s for s in plan.steps if "predicted share within the SLO" in s]
+    assert " of cheap missing" in step or " of large missing" in step
+    result, log = replay_with_interruptions(
+        trace, app, plan, np.random.default_rng(0), dict.fromkeys(app.instance_types, 2.0)
+    )
+    spot_instances = sum(sum(s.spot_fleet.values()) for s in plan.stages)
+    assert log.spot_instances == spot_instances
+    assert any(s.instance_type.endswith("@spot") for s in result.fleet_timeline.instances)
+    assert result.simulation.response_ms.size == len(trace)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("predicted_slo_attainment", 1.5, "must be a share"),
+        ("spot_prices_usd_per_hr", [0.1], "must be an object"),
+        ("spot_prices_usd_per_hr", {"a": -1}, "must be >= 0"),
+        ("spot_prices_source", 3, "must be a text"),
+    ],
+)
+def test_a_plan_documents_spot_fields_are_checked(key: str, value: object, message: str) -> None:
+    document = {"feasible": True, "cost_usd_per_hr": 1.0, "stages": [], key: value}
+    with pytest.raises(PlanError, match=message):
+        PlanDocument.parse(document)

@@ -19,7 +19,7 @@ from controlplane.policies.spot_replay import (
     parse_interruption_rates,
 )
 from estimator.traces import write_trace_csv
-from tests.unit.test_planner import poisson_trace, write_spec
+from tests.unit.test_planner import poisson_trace, write_cascade_app, write_spec
 
 
 def test_spot_slots_are_chains_of_instances_and_on_demand_runs_throughout() -> None:
@@ -124,3 +124,28 @@ def test_the_plan_command_says_which_instances_are_spot(
     assert main(["plan", "--spec", str(spec), "--trace", str(trace_file)]) == 0
     text = capsys.readouterr().out
     assert " spot)" in text and "spot: " in text  # the fleet line and the step
+
+
+def test_the_command_replays_a_cascade_with_interruptions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_cascade_app(tmp_path, records=True)
+    spec = tmp_path / "cascade-True-0.6-50.yaml"
+    spec.write_text(spec.read_text() + "spot: {enabled: true, survive_share: 0}\n")
+    trace_file = tmp_path / "trace.csv"
+    write_trace_csv(poisson_trace(600.0, queries=3000), trace_file)
+    assert main(["plan", "--spec", str(spec), "--trace", str(trace_file), "--json"]) == 0
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(capsys.readouterr().out)
+    stages = json.loads(plan_file.read_text())["stages"]
+    assert len(stages) == 2 and any(s["spot_fleet"] for s in stages)
+    args = ["replay", "--spec", str(spec), "--plan", str(plan_file), "--trace", str(trace_file)]
+    assert main([*args, "--interruptions-per-hour", "0", "--json"]) == 0
+    calm = json.loads(capsys.readouterr().out)
+    assert main([*args, "--interruptions-per-hour", "500", "--json"]) == 0
+    stormy = json.loads(capsys.readouterr().out)
+    spot = sum(sum(s["spot_fleet"].values()) for s in stages)
+    assert calm["interruptions"]["spot_instances"] == spot
+    assert calm["interruptions"]["interruptions"] == 0
+    assert stormy["interruptions"]["interruptions"] > 0
+    assert stormy["cost_usd"] > calm["cost_usd"]

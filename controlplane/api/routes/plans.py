@@ -20,6 +20,7 @@ from controlplane.api.schemas import PlanIn, PlanOut
 from controlplane.apps import plans
 from controlplane.apps.plans import PlanRequest, PlanRequestError, TraceRequest
 from controlplane.db.store import PlanRecord
+from controlplane.provisioning import provider_spot_prices
 
 __all__ = ["plan_request", "router"]
 
@@ -89,6 +90,7 @@ async def preview_plan(
             request,
             deadline_s=services.settings.plan_deadline_s,
             cancelled=cancelled,
+            spot_prices=provider_spot_prices(services.provisioner),
         )
     )
     try:
