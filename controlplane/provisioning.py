@@ -165,19 +165,21 @@ def _build_local(settings: Settings) -> Provisioner:
 
 def provider_spot_prices(provisioner: Provisioner | None) -> SpotPricesFn | None:
     """What the planner is told spot costs now: the provider's prices where it reads them (the
-    EC2 provisioner: ``DescribeSpotPriceHistory``, cached per type), ``None`` for a provider that
-    does not (the local and the fake one: the catalog's serve). A read that fails (throttled, no
-    permission) leaves every type to the catalog, with a warning."""
+    EC2 provisioner: ``DescribeSpotPriceHistory``, cached per type; the local and the fake one:
+    the prices set on them), ``None`` for a provider that reads none. A type the provider has no
+    price for is left to the catalog, as the reconciler's rule 10 leaves it; a read that fails
+    (throttled, no permission) leaves every type to the catalog, with a warning."""
     if not isinstance(provisioner, SpotPriceSource):
         return None
     source = provisioner
 
     def prices(types: Sequence[str]) -> Mapping[str, float | None]:
         try:
-            return {t: source.spot_price(t) for t in types}
+            read = {t: source.spot_price(t) for t in types}
         except ProvisionerError as error:
             logger.warning("plan: spot prices not read (%s); the catalog's serve", error)
             return {}
+        return {t: price for t, price in read.items() if price is not None}
 
     return prices
 

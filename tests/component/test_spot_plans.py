@@ -54,12 +54,14 @@ def _preview(tmp_path: Path, provisioner: Provisioner) -> dict[str, Any]:
 
 
 def test_a_service_plan_is_made_at_the_providers_spot_prices(tmp_path: Path) -> None:
-    # The provider sells g4dn.xlarge on spot at 0.06 and the others not at all.
-    provider = PricedProvisioner({"g4dn.xlarge": 0.06})
+    # The provider sells g4dn.xlarge on spot at 0.06 and the others at their on-demand prices
+    # (no cheaper on spot than on demand: they stay on demand).
+    on_demand = {"r5n.large": 0.149, "t3.xlarge": 0.1664}
+    provider = PricedProvisioner({"g4dn.xlarge": 0.06, **on_demand})
     plan = _preview(tmp_path, provider)
     assert sorted(set(provider.asked)) == ["g4dn.xlarge", "r5n.large", "t3.xlarge"]
     assert plan["spot_prices_source"] == "provider"
-    assert plan["spot_prices_usd_per_hr"] == {"g4dn.xlarge": 0.06}
+    assert plan["spot_prices_usd_per_hr"] == {"g4dn.xlarge": 0.06, **on_demand}
     spot = {t for stage in plan["stages"] for t in stage["spot_fleet"]}
     assert spot <= {"g4dn.xlarge"}
     assert any("spot prices from the provider" in step for step in plan["steps"])
