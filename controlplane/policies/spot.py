@@ -329,7 +329,7 @@ def spot_prices_used(
     app: ResolvedApp, spot_prices: Mapping[str, float | None] | None
 ) -> tuple[dict[str, float | None], str]:
     """The spot price of each of ``app``'s types a plan uses and where they come from:
-    ``spot_prices`` (the provider's now, type -> price; a ``None`` is left to the catalog) over the
+    ``spot_prices`` (the provider's now, type -> price, ``None`` where it sells none) over the
     catalog's; ``"catalog"``, ``"provider"`` (every type's from ``spot_prices``) or
     ``"provider and catalog"``."""
     catalog = {t: app.catalog[t].spot_price_usd_per_hr for t in app.prices_usd_per_hr}
