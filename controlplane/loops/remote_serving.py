@@ -17,6 +17,7 @@ batch time is observed and no window is rolled up.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -96,12 +97,11 @@ class _RemoteVersions:
         found = self._remote.call(
             "GET", f"/apps/{app}/versions?rollout_id={rollout_id}&step_index={step_index}"
         )
-        fields = ("queries", "errors", "p99_ms", "compared", "agreed", "labelled", "correct")
-        return (
-            {}
-            if found is None
-            else {v: VersionFigures(**{k: f[k] for k in fields}) for v, f in found.items()}
-        )
+        if found is None:
+            return {}
+        # The document also holds the derived shares (to_json's): only the fields are read.
+        names = [field.name for field in dataclasses.fields(VersionFigures)]
+        return {v: VersionFigures(**{k: f[k] for k in names}) for v, f in found.items()}
 
     def forget(self, app: str) -> None:
         self._remote.call("POST", f"/apps/{app}/versions/forget")
