@@ -374,33 +374,20 @@ def _handlers(service: GrpcOip) -> Any:
             response_serializer=response_type.SerializeToString,
         )
 
+    methods: dict[str, _Method] = {
+        "ServerLive": service.server_live,
+        "ServerReady": service.server_ready,
+        "ServerMetadata": service.server_metadata,
+        "ModelMetadata": service.model_metadata,
+        "ModelReady": service.model_ready,
+        "ModelInfer": service.model_infer,
+    }
+    # Each method's types are the protocol's <Name>Request and <Name>Response.
     return grpc.method_handlers_generic_handler(
         SERVICE,
         {
-            "ServerLive": unary(
-                "ServerLive", service.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse
-            ),
-            "ServerReady": unary(
-                "ServerReady", service.server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse
-            ),
-            "ServerMetadata": unary(
-                "ServerMetadata",
-                service.server_metadata,
-                pb.ServerMetadataRequest,
-                pb.ServerMetadataResponse,
-            ),
-            "ModelMetadata": unary(
-                "ModelMetadata",
-                service.model_metadata,
-                pb.ModelMetadataRequest,
-                pb.ModelMetadataResponse,
-            ),
-            "ModelReady": unary(
-                "ModelReady", service.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse
-            ),
-            "ModelInfer": unary(
-                "ModelInfer", service.model_infer, pb.ModelInferRequest, pb.ModelInferResponse
-            ),
+            name: unary(name, method, getattr(pb, f"{name}Request"), getattr(pb, f"{name}Response"))
+            for name, method in methods.items()
         },
     )
 
