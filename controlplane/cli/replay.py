@@ -90,9 +90,9 @@ def check_options(args: argparse.Namespace, label: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.interruptions_per_hour is not None and args.policy is None:
-        args.tuner = "off"  # interruptions replay the plan's fleet as it is (docs/spot.md)
-    policy, label = scaling_policy(args.tuner, args.policy)
+    # Interruptions replay the plan's fleet as it is (docs/spot.md): the tuner off by default.
+    by_default = args.interruptions_per_hour is not None and args.policy is None
+    policy, label = scaling_policy("off" if by_default else args.tuner, args.policy)
     check_options(args, label)
     app = resolve_spec(load_spec(args.spec))
     trace = read_trace_csv(args.trace)

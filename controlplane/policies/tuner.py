@@ -2,10 +2,9 @@
 
 This module owns the tuner's value objects (:class:`TunerStage`, :class:`TunerConfig`,
 :class:`TunerState`, :class:`Booting`, :class:`ScalingDecision`) and :func:`tune`, which maps
-(recent
-live arrivals, the clock's reading, the state, the plan) to decisions and the next state. It reads
-no clock and does no I/O: the control loop passes ``now_s`` in and a reconciler acts on the
-decisions.
+(recent live arrivals, the clock's reading, the state, the plan) to decisions and the next state.
+It reads no clock and does no I/O: the control loop passes ``now_s`` in and a reconciler acts on
+the decisions.
 
 The math (InferLine, SoCC'20, "High-Frequency Tuning"):
 
