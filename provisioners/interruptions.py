@@ -126,14 +126,9 @@ def notice_from_event(event: Mapping[str, Any]) -> InterruptionNotice | None:
         raise ValueError("the event's detail names no instance-id")
     at = _parse_time(event.get("time"))
     provider_id = str(detail["instance-id"])
-    if kind == "interruption":
-        return InterruptionNotice(
-            provider_id, kind, at, at + timedelta(seconds=INTERRUPTION_NOTICE_S)
-        )
-    if kind == "rebalance":
-        return InterruptionNotice(
-            provider_id, kind, at, at + timedelta(seconds=_REBALANCE_DEADLINE_S)
-        )
+    if kind != "state_change":
+        notice_s = INTERRUPTION_NOTICE_S if kind == "interruption" else _REBALANCE_DEADLINE_S
+        return InterruptionNotice(provider_id, kind, at, at + timedelta(seconds=notice_s))
     state = str(detail.get("state", ""))
     if state not in _GONE_STATES:
         return None

@@ -105,7 +105,7 @@ def _sqs_error(operation: str, error: Exception) -> ProvisionerError:
         if isinstance(error, ClientError)
         else ""
     )
-    if "Throttl" in code or code == "RequestThrottled":
+    if "Throttl" in code:
         return ThrottledError(f"{operation}: {error}")
     return ProvisionerError(f"{operation}: {error}")
 

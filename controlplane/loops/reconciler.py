@@ -191,6 +191,7 @@ from provisioners.errors import (
     UnknownInstanceError,
 )
 from provisioners.interruptions import (
+    INTERRUPTION_NOTICE_S,
     MARKET_TAG,
     InterruptionNotice,
     InterruptionSource,
@@ -261,7 +262,6 @@ ORPHAN_REQUEST_PREFIX = "orphan:"
 # terminated at the latest.
 DEFAULT_INTERRUPTION_DRAIN_S = 10.0
 DEFAULT_INTERRUPTION_MARGIN_S = 15.0
-_NOTICE_S = 120.0  # a draining row whose notice was not seen by this process: EC2's two minutes
 # Rule 10: a spot price rise moves capacity once the fleet costs more than the budget less this
 # share of it at the prices now, so that a rise in steps is acted on before it breaches the
 # budget (a tenth: a 10 % rise of an all-spot fleet planned at 90 % of its budget is caught).
@@ -969,7 +969,9 @@ def _act_on_notices(
             continue
         # Draining since this tick, or since the row's last move (an earlier tick).
         since = now if row.record.state != _S.DRAINING.value else row.record.updated_at
-        deadline = notices.get(row.provider_id or "", since + timedelta(seconds=_NOTICE_S))
+        # A row whose notice this process did not see: EC2's two minutes.
+        unseen = since + timedelta(seconds=INTERRUPTION_NOTICE_S)
+        deadline = notices.get(row.provider_id or "", unseen)
         end = min(since + timedelta(seconds=drain_s), deadline - timedelta(seconds=margin_s))
         if now >= end:
             has_notice = (row.provider_id or "") in notices

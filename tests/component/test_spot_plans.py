@@ -20,16 +20,18 @@ from tests.component.test_api import spec, write_profiles
 
 
 class PricedProvisioner(FakeProvisioner):
-    """The fake provisioner with spot prices now, as the EC2 one reads them."""
+    """The fake provisioner with spot prices now (its own knob, as the EC2 one reads them),
+    recording the types asked for."""
 
-    def __init__(self, prices: dict[str, float | None]) -> None:
+    def __init__(self, prices: dict[str, float]) -> None:
         super().__init__(running_on_launch=True)
-        self.prices = prices
+        for instance_type, price in prices.items():
+            self.set_spot_price(instance_type, price)
         self.asked: list[str] = []
 
     def spot_price(self, instance_type: str) -> float | None:
         self.asked.append(instance_type)
-        return self.prices.get(instance_type)
+        return super().spot_price(instance_type)
 
 
 def _preview(tmp_path: Path, provisioner: Provisioner) -> dict[str, Any]:
