@@ -63,6 +63,7 @@ from controlplane.apps.teardown import teardown_requested
 from controlplane.crashpoints import CRASH_AT_ENV, POINTS
 from controlplane.db.store import Store
 from controlplane.policies.lifecycle import KEPT_STATES, InstanceState, is_profile_worker
+from controlplane.policies.rollout import ACTIVE_STATES
 from controlplane.provisioning import LOCAL_WORKERS_DIR
 from controlplane.registry.inspection import running_inspectors
 from controlplane.registry.registry import REGISTRY_DIR, STAGING_PREFIX
@@ -84,7 +85,7 @@ SETTINGS = {
     "HETEROPLANE_DISRUPTION_MAX_SHARE": "1",
 }
 _LIVE_ROWS = (InstanceState.PENDING.value, InstanceState.RUNNING.value)
-ROLLOUT_ACTIVE = ("pending", "running", "paused")
+ROLLOUT_ACTIVE = frozenset(state.value for state in ACTIVE_STATES)
 # A rollout's workers' request ids start with this (their rollout loop owns them).
 ROLLOUT_WORKERS = f"profile:rollout-{APP}-"
 _KEPT_ROWS = frozenset(s.value for s in KEPT_STATES)

@@ -84,7 +84,7 @@ from controlplane.apps.resolver import scaled_profile
 from controlplane.clients import loadgen
 from controlplane.clients.tensors import fit_inputs, input_specs
 from controlplane.db.store import Store
-from controlplane.policies.calibration import OVERHEAD_QUANTILES
+from controlplane.policies.calibration import OVERHEAD_QUANTILES, draw_overhead_ms
 from controlplane.policies.planner import overhead_draws_ms
 from controlplane.provisioning import LOCAL_PROFILE_FILE
 from estimator.catalog import default_catalog
@@ -464,9 +464,7 @@ class Model:
             response.size, seed, self.overhead_ms, self.overhead_quantiles_ms
         )
         rng = np.random.default_rng([seed, _OUTSIDE_STREAM])
-        outside = np.interp(
-            rng.random(response.size) * 100.0, OVERHEAD_QUANTILES, self.outside_quantiles_ms
-        )
+        outside = draw_overhead_ms(self.outside_quantiles_ms, response.size, rng)
         return planner, planner + outside
 
 

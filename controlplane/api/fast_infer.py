@@ -65,7 +65,6 @@ from controlplane.api.routes.infer import (
 from controlplane.api.routes.oip import (
     HEADER_LENGTH,
     answer_response,
-    binary_outputs,
     body_limit,
     error_answer,
     parse_query,
@@ -327,8 +326,7 @@ class FastInferMiddleware:
         scope.setdefault("path_params", {})["app"] = app
         try:
             answered = await serve_parsed(serving, app, signature, document, parsed, received)
-            names = binary_outputs(document, [name for name, _, _ in answered.outputs])
-            response = answer_response(app, answered.id, answered.outputs, names, answered.result)
+            response = answer_response(app, document, answered)
         except Exception as error:  # the answer the route gives it, in the protocol's shape
             response = await error_answer(Request(scope), error)
         self.counter.add(app, response.status_code)

@@ -361,9 +361,8 @@ def summarise(
     answered = np.array([o.latency_ms for o in outcomes if o.answered], dtype=np.float64)
     errors = Counter(o.kind for o in outcomes if not o.answered)
     lags = np.array([o.send_lag_ms for o in outcomes], dtype=np.float64)
-    outside = np.array(
-        [o.outside_ms for o in outcomes if o.outside_ms is not None], dtype=np.float64
-    )
+    outside_each = (o.outside_ms for o in outcomes)
+    outside = np.array([ms for ms in outside_each if ms is not None], dtype=np.float64)
 
     def percentile(values: NDArray[np.float64], q: float) -> float | None:
         return float(np.percentile(values, q)) if values.size else None

@@ -124,6 +124,7 @@ def with_features(entry: dict[str, Any], batch: int = 1) -> dict[str, Any]:
         (tensor("features", [1, 13], [[1, 2], [3]]), "must hold FP32 values"),
         (tensor("features", [1, 13], [True] * 13), "must be numbers"),
         (tensor("features", [1, 13], [1e39] * 13), "too large for FP32"),
+        (tensor("features", [1, 13], [0.0] * 12 + [float("nan")]), "too large for FP32"),
         ({**tensor("features", [1, 13], [0] * 13), "extra": 1}, "unknown keys: extra"),
     ],
 )

@@ -248,8 +248,7 @@ async def infer(app: AppName, services: ServicesDep, _who: Inferrer, request: Re
     if not isinstance(document, Mapping):
         raise OipError("body must be a JSON object")
     answered = await serve_query(serving, app, signature, document, binary, received)
-    binary_names = binary_outputs(document, [name for name, _, _ in answered.outputs])
-    return answer_response(app, answered.id, answered.outputs, binary_names, answered.result)
+    return answer_response(app, document, answered)
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,13 +458,11 @@ def binary_outputs(document: Mapping[str, Any], names: Sequence[str]) -> set[str
     return {n for n in names if own.get(n) is True or (own.get(n) is None and everything)}
 
 
-def answer_response(
-    app: str,
-    request_id: str | None,
-    outputs: Sequence[tuple[str, str, np.ndarray]],
-    binary_names: set[str],
-    result: InferResult,
-) -> Response:
+def answer_response(app: str, document: Mapping[str, Any], answered: Answered) -> Response:
+    """The answer to a query (``document``, its JSON part) served as ``answered``: its outputs
+    in JSON or binary as the query asked (:func:`binary_outputs`)."""
+    request_id, outputs, result = answered.id, answered.outputs, answered.result
+    binary_names = binary_outputs(document, [name for name, _, _ in outputs])
     tensors = []
     blobs = []
     for name, datatype, array in outputs:
