@@ -174,9 +174,18 @@ def test_errors_are_the_rest_answers_as_grpc_codes(served: tuple[ApiWorld, str, 
 
 
 def test_every_http_status_of_the_api_has_a_grpc_code() -> None:
-    codes = {status: grpc_code(status) for status in (400, 401, 403, 404, 422, 429, 502, 503, 504)}
-    assert codes[422] is grpc.StatusCode.INVALID_ARGUMENT
-    assert codes[429] is grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert codes[504] is grpc.StatusCode.DEADLINE_EXCEEDED
+    code = grpc.StatusCode
+    expected = {
+        400: code.INVALID_ARGUMENT,
+        401: code.UNAUTHENTICATED,
+        403: code.PERMISSION_DENIED,
+        404: code.NOT_FOUND,
+        422: code.INVALID_ARGUMENT,
+        429: code.RESOURCE_EXHAUSTED,
+        502: code.INTERNAL,
+        503: code.UNAVAILABLE,
+        504: code.DEADLINE_EXCEEDED,
+    }
+    assert {status: grpc_code(status) for status in expected} == expected
     assert grpc_code(418) is grpc.StatusCode.INVALID_ARGUMENT
     assert grpc_code(599) is grpc.StatusCode.INTERNAL
