@@ -32,7 +32,7 @@ import hashlib
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from types import MappingProxyType
 
@@ -263,13 +263,7 @@ class Thresholds:
         return self.max_p99_ms if self.max_p99_ms is not None else slo_ms
 
     def to_json(self) -> dict[str, float | int | None]:
-        return {
-            "max_p99_ms": self.max_p99_ms,
-            "max_error_share": self.max_error_share,
-            "min_agreement_share": self.min_agreement_share,
-            "min_queries": self.min_queries,
-            "min_accuracy": self.min_accuracy,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)

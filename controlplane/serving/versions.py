@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict, deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -68,10 +68,10 @@ class _Counts:
     agreed: int = 0
     labelled: int = 0
     correct: int = 0
-    latencies_ms: deque[float] | None = None
+    latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_LATENCIES))
 
     def figures(self) -> VersionFigures:
-        latencies = self.latencies_ms or ()
+        latencies = self.latencies_ms
         p99 = float(np.percentile(np.fromiter(latencies, float), 99)) if latencies else None
         return VersionFigures(
             self.queries,
@@ -106,7 +106,7 @@ class VersionMeter:
             self._current[app] = key
         found = self._counts[key].get(version)
         if found is None:
-            found = self._counts[key][version] = _Counts(latencies_ms=deque(maxlen=MAX_LATENCIES))
+            found = self._counts[key][version] = _Counts()
         return found
 
     def answered(
@@ -125,7 +125,6 @@ class VersionMeter:
             entry.queries += 1
             entry.labelled += labelled
             entry.correct += correct
-            assert entry.latencies_ms is not None
             entry.latencies_ms.append(latency_ms)
 
     def failed(self, app: str, route: CanaryRoute, version: str) -> None:

@@ -65,10 +65,6 @@ class RolloutIn(BaseModel):
     validation: dict[str, Any] | None = None
 
 
-def _out(rollout: RolloutRecord) -> dict[str, Any]:
-    return rollout_document(rollout)
-
-
 @router.post(
     "/apps/{app}/rollouts",
     status_code=201,
@@ -86,7 +82,7 @@ def start(app: AppName, body: RolloutIn, services: ServicesDep, who: Operator) -
     rollout = start_rollout(
         services.store, services.resolver, app, request, who=who.name, profile_run=profile_run
     )
-    return _out(rollout)
+    return rollout_document(rollout)
 
 
 @router.get(
@@ -96,7 +92,7 @@ def start(app: AppName, body: RolloutIn, services: ServicesDep, who: Operator) -
 )
 def list_rollouts(app: AppName, services: ServicesDep, _who: Viewer) -> list[dict[str, Any]]:
     services.store.get_app(app)
-    return [_out(r) for r in services.store.list_rollouts(app)]
+    return [rollout_document(r) for r in services.store.list_rollouts(app)]
 
 
 @router.get(
@@ -107,7 +103,7 @@ def list_rollouts(app: AppName, services: ServicesDep, _who: Viewer) -> list[dic
 def get_rollout(
     app: AppName, rollout_id: RolloutId, services: ServicesDep, _who: Viewer
 ) -> dict[str, Any]:
-    return _out(services.store.get_rollout(app, rollout_id))
+    return rollout_document(services.store.get_rollout(app, rollout_id))
 
 
 # The moves a caller asks for: the use case and the route's summary.
@@ -122,7 +118,7 @@ def _move_route(move: Callable[..., RolloutRecord]) -> Callable[..., dict[str, A
     def route(
         app: AppName, rollout_id: RolloutId, services: ServicesDep, who: Operator
     ) -> dict[str, Any]:
-        return _out(move(services.store, app, who=who.name, rollout_id=rollout_id))
+        return rollout_document(move(services.store, app, who=who.name, rollout_id=rollout_id))
 
     return route
 
