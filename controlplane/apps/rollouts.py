@@ -213,11 +213,12 @@ def start_rollout(
                 " no profiles yet (heteroplane profile run)"
             )
         workers = dict.fromkeys(resolved.instance_types, 1)
-        if running + fleet_cost(workers, prices) > budget + _BUDGET_SLACK_USD_PER_HR:
+        workers_cost = fleet_cost(workers, prices)
+        if running + workers_cost > budget + _BUDGET_SLACK_USD_PER_HR:
             raise RolloutBudgetError(
                 app,
                 running,
-                fleet_cost(workers, prices),
+                workers_cost,
                 budget,
                 f"the start's profile run: one worker of each of {', '.join(workers)}",
             )

@@ -9,6 +9,10 @@ from typing import Any
 from controlplane.cli.client import ApiClient, app_path, client_from
 from controlplane.cli.output import UsageError, emit
 
+# A rollout that still moves (controlplane.policies.rollout.ACTIVE_STATES, not imported: the
+# command line starts without the estimator).
+_ACTIVE_STATES = ("pending", "running", "paused")
+
 __all__ = ["rollout_action", "rollout_start", "rollout_status"]
 
 
@@ -87,7 +91,7 @@ def _latest(client: ApiClient, app: str) -> dict[str, Any]:
     found = client.get(app_path(app, "rollouts"))
     if not found:
         raise UsageError(f"app {app!r} has no rollout (heteroplane rollout start --app {app} ...)")
-    active = [r for r in found if r["state"] in ("pending", "running", "paused")]
+    active = [r for r in found if r["state"] in _ACTIVE_STATES]
     latest: dict[str, Any] = (active or found)[-1]
     return latest
 
@@ -105,7 +109,7 @@ def rollout_action(args: argparse.Namespace) -> int:
     """pause, resume or abort the app's active rollout."""
     with client_from(args) as client:
         current = _latest(client, args.app)
-        if current["state"] not in ("pending", "running", "paused"):
+        if current["state"] not in _ACTIVE_STATES:
             raise UsageError(
                 f"app {args.app!r} has no rollout in progress (the latest, {current['id']}, is"
                 f" {current['state']})"
