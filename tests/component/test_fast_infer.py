@@ -60,7 +60,10 @@ class _Checks:
 
 
 def _answer_fields(answer: dict[str, Any]) -> tuple[Any, ...]:
-    return answer["outputs"], answer["models"], answer["certainty"], answer["gear"], answer["late"]
+    # "late" is left out: it says whether this query's own time passed its target, which a
+    # loaded machine decides differently for two identical queries; its type is checked instead.
+    assert isinstance(answer["late"], bool)
+    return answer["outputs"], answer["models"], answer["certainty"], answer["gear"]
 
 
 def test_the_fast_path_answers_as_the_route_does(world: ApiWorld) -> None:
