@@ -25,7 +25,7 @@ tensors) takes the same way past FastAPI: the same token check, the body read un
 limit (:func:`~controlplane.api.routes.oip.body_limit`), checked
 (:func:`~controlplane.api.routes.oip.parse_query`) and served
 (:func:`~controlplane.api.routes.oip.serve_parsed`) by the route's own functions, its
-answer the route's (:func:`~controlplane.api.routes.oip.answer_response`), a failure of the
+answer the route's (:func:`~controlplane.api.routes.oip.answer_payload`), a failure of the
 serving answered as the route answers it, in the protocol's shape
 (:func:`~controlplane.api.routes.oip.error_answer`). A body over the limit, one that is not a
 JSON object, a query the protocol refuses, a compressed body or a versioned path go to the
@@ -64,7 +64,7 @@ from controlplane.api.routes.infer import (
 )
 from controlplane.api.routes.oip import (
     HEADER_LENGTH,
-    answer_response,
+    answer_payload,
     body_limit,
     error_answer,
     parse_query,
@@ -284,17 +284,7 @@ class FastInferMiddleware:
             return
         payload = orjson.dumps(answer_document(result))
         self.counter.add(app, 200)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
+        await _send_ok(send, payload, [(b"content-type", b"application/json")])
 
     async def _oip(
         self, scope: Scope, receive: Receive, send: Send, app: str, header_length: str | None
@@ -326,11 +316,21 @@ class FastInferMiddleware:
         scope.setdefault("path_params", {})["app"] = app
         try:
             answered = await serve_parsed(serving, app, signature, document, parsed, received)
-            response = answer_response(app, document, answered)
+            payload, headers = answer_payload(app, document, answered)
         except Exception as error:  # the answer the route gives it, in the protocol's shape
             response = await error_answer(Request(scope), error)
-        self.counter.add(app, response.status_code)
-        await response(scope, receive, send)
+            self.counter.add(app, response.status_code)
+            await response(scope, receive, send)
+            return
+        self.counter.add(app, 200)
+        await _send_ok(send, payload, headers)
+
+
+async def _send_ok(send: Send, payload: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    """A 200 answer of ``payload`` with its content ``headers``, as two ASGI messages."""
+    start = [*headers, (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": start})
+    await send({"type": "http.response.body", "body": payload})
 
 
 async def _read_up_to(receive: Receive, limit: int) -> tuple[bytes | None, bool]:

@@ -56,6 +56,8 @@ __all__ = [
 
 # Where serving is logged ("stopped by SIGTERM"); the demo keeps it at info.
 SERVE_LOGGER = "controlplane.serve"
+# The interpreter's thread switch interval while serving, s (its default is 0.005).
+SWITCH_INTERVAL_S = 0.001
 _log = logging.getLogger(SERVE_LOGGER)
 
 
@@ -217,6 +219,10 @@ def serve_until_stopped(
         **server_options(ConnectionLimits.from_settings(service.settings)),
     )
     server = uvicorn.Server(config)
+    # The event loop answers queries; threads (the thread pool's sync routes and dependencies,
+    # the database's) hold the interpreter in turns of sys.getswitchinterval(), 5 ms by
+    # default, which a query queued behind one waits out whole. 1 ms turns bound that wait.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     stopped_by: list[int] = []
     with _stop_quietly(stopped_by):
         try:

@@ -28,6 +28,7 @@ import collections
 import threading
 import urllib.parse
 from collections.abc import Sequence
+from typing import cast
 
 import httptools
 
@@ -108,8 +109,8 @@ class _Connection(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # a stream transport: asyncio's or uvloop's (which does not subclass asyncio.Transport)
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         try:

@@ -37,7 +37,7 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import httptools
 
@@ -126,8 +126,8 @@ class _Channel(asyncio.Protocol):
         return self.transport is not None and not self.transport.is_closing()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # a stream transport: asyncio's or uvloop's (which does not subclass asyncio.Transport)
+        self.transport = cast(asyncio.Transport, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
@@ -461,6 +462,17 @@ def binary_outputs(document: Mapping[str, Any], names: Sequence[str]) -> set[str
 def answer_response(app: str, document: Mapping[str, Any], answered: Answered) -> Response:
     """The answer to a query (``document``, its JSON part) served as ``answered``: its outputs
     in JSON or binary as the query asked (:func:`binary_outputs`)."""
+    body, headers = answer_payload(app, document, answered)
+    response = Response(body)
+    response.raw_headers = [*headers, (b"content-length", str(len(body)).encode())]
+    return response
+
+
+def answer_payload(
+    app: str, document: Mapping[str, Any], answered: Answered
+) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """:func:`answer_response`'s body and its content headers (its type, and with binary outputs
+    the JSON part's length), for a caller that sends them itself (the inference fast path)."""
     request_id, outputs, result = answered.id, answered.outputs, answered.result
     binary_names = binary_outputs(document, [name for name, _, _ in outputs])
     tensors = []
@@ -472,6 +484,13 @@ def answer_response(app: str, document: Mapping[str, Any], answered: Answered) -
             tensor["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
+            if array.dtype.kind in "fc" and not np.isfinite(array).all():
+                raise ApiError(
+                    502,
+                    "bad_gateway",
+                    "an output holds values JSON cannot carry (NaN, infinity): ask for it in"
+                    " binary (parameters.binary_data)",
+                )
             tensor["data"] = array.ravel().tolist()
         tensors.append(tensor)
     answer: dict[str, Any] = {"model_name": app, "model_version": MODEL_VERSION}
@@ -479,22 +498,13 @@ def answer_response(app: str, document: Mapping[str, Any], answered: Answered) -
         answer["id"] = request_id
     answer["outputs"] = tensors
     answer["parameters"] = result_parameters(result)
-    try:
-        header = json.dumps(answer, separators=(",", ":"), allow_nan=False).encode()
-    except ValueError:
-        raise ApiError(
-            502,
-            "bad_gateway",
-            "an output holds values JSON cannot carry (NaN, infinity): ask for it in binary"
-            " (parameters.binary_data)",
-        ) from None
+    header = orjson.dumps(answer)
     if not blobs:
-        return Response(header, media_type="application/json")
-    return Response(
-        b"".join([header, *blobs]),
-        media_type="application/octet-stream",
-        headers={HEADER_LENGTH: str(len(header))},
-    )
+        return header, [(b"content-type", b"application/json")]
+    return b"".join([header, *blobs]), [
+        (b"content-type", b"application/octet-stream"),
+        (HEADER_LENGTH.lower().encode(), str(len(header)).encode()),
+    ]
 
 
 def result_parameters(result: InferResult) -> dict[str, Any]:
