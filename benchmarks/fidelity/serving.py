@@ -63,6 +63,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -834,22 +835,19 @@ and the service's only view of it would be a probe of its own; the goal is judge
 columns. (4) is in neither: the "outside the service" column shows how the unseen part grows
 with the load on this 2-core machine.
 
-**What the figures below say** (measured 2026-11-29 while six other sessions shared the two
-cores: load averages 2.5-8 with the runs; an earlier attempt at load averages 9-11 measured
-P99s of seconds at 30% of capacity and was stopped). At 50 ms the planner holds at every level,
-at 15 ms at two of three (all three with the client's path). At 5 ms it holds at 60% of
-capacity, and over-predicts by about a quarter at 30% and by more than twice at 90%: the
-profile, measured through the serving path while the machine was busy, has a p99 round trip
-twice its mean, and near saturation the simulated queue follows the profile's spread; the
-calibration corrects a profile's mean (its factor), not its spread. The user's ONNX CNN over
-`/v2` with binary tensors holds at 30% and 60% and is 2.4 times over the prediction at 90%;
-with JSON tensors (3,072 values a query, about 60 KB of text) the prediction misses by 3-13
-times: what grows is the time outside the service's count and in the event loop's queue, the
-serving process's own CPU for a large JSON body at 70-210 queries a second on a shared machine,
-a resource the model has no term for (its capacity is the worker's). The client's path (3)
-moves the prediction by 1-2 ms with `loadgen --engine raw` as the client (8 ms at the ONNX JSON
-setting): it brings 15 ms at 60% within 15% and is swamped elsewhere. On 15 levels the planner
-holds at 8, with the client's path also at 8 (one gained, one lost)."""
+**What the figures below say** (measured 2026-11-29 on a quiet machine: load averages 0.1-1.3
+with the runs; the same commands earlier that day, with six other sessions on the two cores at
+load averages 2.5-8, held at 8 of 15 levels as well, at other ones, and missed the ONNX CNN with
+JSON by 3-13 times). At 15 and 50 ms the planner holds at every level (measured / predicted
+1.00-1.08). At 5 ms it holds at 30% and 60% of capacity (1.14 both) and under-predicts by half
+at 90%, where the P99 moves most with the service time and the trace (the three seeds' own
+predictions span 90-202 ms there). The user's ONNX CNN is a model of 1-1.6 ms a batch, served at 190-580
+queries a second: the worker's part, which the planner models, is the smaller one, and the
+measured P99 is about twice the planner's at every level, JSON or binary. The client's path (3),
+about 2.5-3 ms at its p99 in every setting, brings that to 1.16-1.77 times (JSON at 60% within
+15%); the rest is the serving process's and the load generator's CPU per query at hundreds of
+queries a second on two cores shared with the worker (4), which the model has no term for (its
+capacity is the worker's). On 15 levels the planner holds at 8, with the client's path at 9."""
 
 
 def markdown(
@@ -991,7 +989,9 @@ def main(argv: list[str] | None = None) -> int:
             local_service.log(f"wrote {args.save}")
     if not settings:
         parser.error("nothing to report: give --service-ms, --user-model or --from")
-    text = markdown(settings, commands, args.duration_s)
+    # The settings' own trace length (a --from file's command says it), this run's otherwise.
+    durations = {float(d) for c in commands for d in re.findall(r"--duration-s (\S+)", c)}
+    text = markdown(settings, commands, durations.pop() if len(durations) == 1 else args.duration_s)
     args.out.write_text(text + kept_sections(args.out))
     local_service.log(f"wrote {args.out}")
     for setting in settings:

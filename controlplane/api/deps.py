@@ -34,6 +34,7 @@ from controlplane.settings import Settings
 from provisioners.base import Provisioner
 
 if TYPE_CHECKING:  # the serving loop imports the API's resolver: only a type here
+    from controlplane.api.forwarding import Forwarder
     from controlplane.serving.loop import ServingLoop
 
 __all__ = [
@@ -74,6 +75,9 @@ class Services:
     # The serving loop's gear hook when the loops run in a process of their own (set through
     # the internal feed route); None when they run here.
     gear_table: GearTable | None = None
+    # Where the inference queries of apps another serving process dispatches go (None: one
+    # serving process; :mod:`controlplane.api.forwarding`). gRPC's ModelInfer forwards here too.
+    forwarder: Forwarder | None = None
 
 
 def get_services(request: Request) -> Services:

@@ -15,8 +15,11 @@ token and the input. Everything else passes through unchanged.
   instead: the serving loop matches it alone, as before this forwarding existed.
 - A body longer than ``body_max_bytes`` (the ``/v2`` ceiling, ``oip_body_max_bytes``) is not read
   whole here: the request is served here, where the limits answer it.
-- gRPC queries (:mod:`controlplane.api.grpc_oip`) are not forwarded: they are served where they
-  land.
+- gRPC's ModelInfer (:mod:`controlplane.api.grpc_oip`) is forwarded too, as the REST query it
+  is (:func:`forward_oip`: its document and raw inputs as ``POST /v2/models/{app}/infer`` with
+  the caller's ``authorization``, every output asked for in binary); the gRPC service turns the
+  dispatcher's answer back into a ModelInferResponse. The other gRPC methods (health,
+  metadata) are answered where they land.
 - A forwarded request whose token this process knows as valid (the fast path's cached check,
   :class:`~controlplane.api.fast_infer.TokenCheck`) marks its connection authenticated, as the
   route's check would, so a client's kept-alive connections do not count against
@@ -27,21 +30,32 @@ from __future__ import annotations
 
 import logging
 import re
+import urllib.parse
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import httpx
+import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.api.limits import mark_authenticated
 from controlplane.api.routes import APP_NAME_PATTERN
 
-__all__ = ["FORWARDED_HEADER", "FORWARD_TIMEOUT_S", "Forwarder", "ForwardingMiddleware"]
+__all__ = [
+    "FORWARDED_HEADER",
+    "FORWARD_TIMEOUT_S",
+    "Forwarder",
+    "ForwardingMiddleware",
+    "forward_oip",
+]
 
 logger = logging.getLogger(__name__)
 
 FORWARDED_HEADER = "x-heteroplane-forwarded"
 # The longest a forwarded query may take, s: past the serving loop's own limit on a query (30 s).
 FORWARD_TIMEOUT_S = 60.0
+# The Open Inference Protocol's header for the length of a body's JSON part (binary tensors).
+_HEADER_LENGTH = "inference-header-content-length"
 # Connections kept open to each dispatcher.
 _KEEPALIVE = 64
 _INFER = re.compile(
@@ -112,6 +126,39 @@ class Forwarder:
                 url,
                 type(error).__name__,
             )
+
+
+async def forward_oip(
+    forwarder: Forwarder,
+    url: str,
+    app: str,
+    document: Mapping[str, Any],
+    binary: bytes,
+    authorization: str | None,
+) -> httpx.Response | None:
+    """An Open Inference Protocol query for ``app`` (its JSON ``document`` and the raw inputs
+    ``binary``, as :func:`controlplane.api.grpc_oip.request_document` makes them from a gRPC
+    ModelInfer) sent to the app's dispatcher at ``url`` as ``POST /v2/models/{app}/infer``,
+    with ``authorization`` (the caller's, checked there) and every output asked for in binary.
+    The dispatcher's answer whatever its status; None when it cannot be reached (logged as
+    :class:`ForwardingMiddleware` logs it), and the query is then served here."""
+    parameters = dict(document.get("parameters") or {})
+    parameters["binary_data_output"] = True
+    header = orjson.dumps({**document, "parameters": parameters})
+    headers = {FORWARDED_HEADER: "1", "content-type": "application/json"}
+    if authorization is not None:
+        headers["authorization"] = authorization
+    if binary:
+        headers["content-type"] = "application/octet-stream"
+        headers[_HEADER_LENGTH] = str(len(header))
+    target = f"{url}/v2/models/{urllib.parse.quote(app, safe='')}/infer"
+    try:
+        answer = await forwarder.client().post(target, content=header + binary, headers=headers)
+    except httpx.TransportError as error:
+        forwarder.unreachable(url, error)
+        return None
+    forwarder.reached(url)
+    return answer
 
 
 def forwarded_app(scope: Scope) -> str | None:

@@ -19,7 +19,10 @@ generated from Triton's ``grpc_service.proto``); the methods served:
   ``gear``, ``late``, the timings). The query is served by the REST route's own path
   (:func:`~controlplane.api.routes.oip.serve_query`: the same checks against the app's input
   signature, the same serving loop, the request's ``parameters.timeout`` or the call's gRPC
-  deadline as the client's deadline).
+  deadline as the client's deadline). Where several serving processes share the workers and
+  another one dispatches the app, the query is forwarded to it as REST's query
+  (:func:`~controlplane.api.forwarding.forward_oip`) and its answer, or its refusal, given back
+  (:func:`forwarded_response`), as REST's ``/v2`` is forwarded.
 
 Every other method of the service (model configuration, statistics, the repository, shared
 memory, streaming) answers ``UNIMPLEMENTED``. The model calls are counted in ``GET /metrics``'
@@ -58,6 +61,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import httpx
+import numpy as np
+import orjson
 from fastapi import FastAPI
 from fastapi.security.utils import get_authorization_scheme_param
 from grpc import aio
@@ -68,7 +74,9 @@ from controlplane import __version__
 from controlplane.api.deps import Services, check_scope, verify_bearer
 from controlplane.api.errors import render_error
 from controlplane.api.fast_infer import TokenCheck
+from controlplane.api.forwarding import forward_oip
 from controlplane.api.routes.oip import (
+    HEADER_LENGTH,
     PLATFORM,
     as_model_error,
     raw_bytes,
@@ -79,6 +87,7 @@ from controlplane.api.routes.oip import (
 )
 from controlplane.db.store import Principal
 from controlplane.policies.auth import Scope
+from provisioners.artifacts import ArtifactError, numpy_dtype
 from provisioners.worker.oip import MODEL_VERSION, OipError, model_metadata
 
 __all__ = [
@@ -87,6 +96,7 @@ __all__ = [
     "GrpcOip",
     "Listener",
     "attach",
+    "forwarded_response",
     "grpc_code",
     "request_document",
 ]
@@ -146,10 +156,23 @@ class _Refusal:
     trailers: tuple[tuple[str, str], ...] = ()
 
 
+class DispatcherRefusedError(Exception):
+    """The app's dispatcher (another serving process) refused a forwarded query: its status,
+    message and ``Retry-After``, given to the caller as they came."""
+
+    def __init__(self, status: int, message: str, retry_after: str | None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
 def _refusal(method: str, error: Exception) -> _Refusal:
     """``error`` as the REST API answers it (its status, its message), as a gRPC error."""
     if isinstance(error, OipError):
         return _Refusal(error.status, grpc_code(error.status), str(error))
+    if isinstance(error, DispatcherRefusedError):
+        retried = (("retry-after", error.retry_after),) if error.retry_after is not None else ()
+        return _Refusal(error.status, grpc_code(error.status), str(error), retried)
     scope: dict[str, Any] = {
         "type": "http",
         "method": "POST",
@@ -210,6 +233,14 @@ class GrpcOip:
     async def model_infer(self, request: Any, _who: Principal | None, call: _Call) -> Any:
         app = request.model_name
         _version(request.model_version)
+        forwarder = self.services.forwarder
+        url = forwarder.owners.forward_to(app) if forwarder is not None else None
+        if forwarder is not None and url is not None:
+            document, binary = request_document(request, call.remaining_s)
+            answer = await forward_oip(forwarder, url, app, document, binary, call.authorization)
+            if answer is not None:
+                return forwarded_response(app, answer)
+            # The dispatcher cannot be reached: served here (as REST's forwarding does).
         serving = serving_of(self.services, app)
         signature = await signature_of(serving, app, call.received_s)
         document, binary = request_document(request, call.remaining_s)
@@ -238,6 +269,48 @@ class GrpcOip:
         principal = await asyncio.to_thread(verify_bearer, self.services.store, header)
         check_scope(principal, Scope.INFER)
         return principal
+
+
+def forwarded_response(app: str, answer: httpx.Response) -> Any:
+    """The ModelInferResponse of the REST answer of a forwarded query (:func:`forward_oip`: its
+    outputs in binary, or in JSON where the query asked for that);
+    :class:`DispatcherRefusedError` when the dispatcher refused it, a 502 :class:`OipError` for
+    an answer that is not the protocol's."""
+    if answer.status_code != 200:
+        try:
+            message = str(orjson.loads(answer.content)["error"])
+        except (ValueError, KeyError, TypeError):
+            message = f"the app's dispatcher answered HTTP {answer.status_code}"
+        raise DispatcherRefusedError(answer.status_code, message, answer.headers.get("retry-after"))
+    content = answer.content
+    try:
+        split = int(answer.headers.get(HEADER_LENGTH, len(content)))
+        document = orjson.loads(content[:split])
+        response = pb.ModelInferResponse(
+            model_name=str(document.get("model_name", app)),
+            model_version=str(document.get("model_version", MODEL_VERSION)),
+        )
+        if document.get("id") is not None:
+            response.id = str(document["id"])
+        offset = split
+        for tensor in document["outputs"]:
+            datatype = str(tensor["datatype"])
+            response.outputs.add(name=tensor["name"], datatype=datatype, shape=tensor["shape"])
+            if "data" in tensor:
+                values = np.asarray(tensor["data"], dtype=numpy_dtype(datatype))
+                raw = raw_bytes(datatype, values)
+            else:
+                size = int(tensor["parameters"]["binary_data_size"])
+                raw = content[offset : offset + size]
+                offset += size
+            response.raw_output_contents.append(raw)
+        for key, value in (document.get("parameters") or {}).items():
+            _set_parameter(response.parameters[key], value)
+    except (ValueError, KeyError, TypeError, ArtifactError) as error:
+        raise OipError(
+            f"the app's dispatcher gave an answer that is not the protocol's: {error}", 502
+        ) from None
+    return response
 
 
 def _version(version: str) -> None:
@@ -324,11 +397,12 @@ def _set_parameter(parameter: Any, value: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _Call:
-    """A call's receipt (on the serving loop's clock; None without a serving loop) and the
-    seconds its deadline leaves (None: no deadline)."""
+    """A call's receipt (on the serving loop's clock; None without a serving loop), the
+    seconds its deadline leaves (None: no deadline) and its ``authorization`` metadata."""
 
     received_s: float | None
     remaining_s: float | None
+    authorization: str | None = None
 
 
 _Method = Callable[[Any, Principal | None, _Call], Awaitable[Any]]
@@ -347,13 +421,15 @@ def _handlers(service: GrpcOip) -> Any:
     def unary(name: str, method: _Method, request_type: Any, response_type: Any) -> Any:
         async def handle(request: Any, context: aio.ServicerContext) -> Any:
             serving = service.services.serving
+            metadata = dict(context.invocation_metadata() or ())
             call = _Call(
-                serving.clock.now_s() if serving is not None else None, context.time_remaining()
+                serving.clock.now_s() if serving is not None else None,
+                context.time_remaining(),
+                metadata.get("authorization"),
             )
             try:
                 who = None
                 if name not in _OPEN:
-                    metadata = dict(context.invocation_metadata() or ())
                     who = await service.principal(metadata)
                 answer = await method(request, who, call)
             except Exception as error:

@@ -127,6 +127,7 @@ def create_app(
         else registry_from_settings(settings, store, provisioner=provisioner),
         provisioner=provisioner,
         gear_table=gear_table,
+        forwarder=forwarder,
     )
 
     @asynccontextmanager

@@ -1,7 +1,8 @@
 """Several serving processes on one PostgreSQL database (docs/service.md, "Several serving
 processes"): two ``heteroplane serve`` processes (each with its loops process) and a local
-worker; ``/v1`` and ``/v2`` queries sent to both are all answered, and every one of them is
-answered by the app's one dispatcher (its ``/metrics`` counts them all, the other's none).
+worker; ``/v1``, ``/v2`` and gRPC ModelInfer queries sent to both are all answered, and every
+one of them is answered by the app's one dispatcher (its ``/metrics`` counts them all, the
+other's none); a query the dispatcher refuses is refused with its status through the other.
 
 Everything waits by polling with a deadline; nothing is timed.
 """
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.conftest import needs_shared
@@ -57,7 +59,7 @@ def _v2_query(api: httpx.Client) -> dict[str, Any]:
 def test_two_serving_processes_answer_every_query_through_the_apps_dispatcher(
     postgres_url: str, tmp_path: Path, trained_family: Path
 ) -> None:
-    from tests.integration.conftest import local_data_dir
+    from tests.integration.conftest import free_port, local_data_dir
 
     data_dir = local_data_dir(tmp_path, trained_family)
     profile = _local_profile(data_dir)
@@ -67,7 +69,11 @@ def test_two_serving_processes_answer_every_query_through_the_apps_dispatcher(
         "tuner_tick_s": "3600",
         "reconcile_s": "0.5",
     }
-    servers = [Server(data_dir, tmp_path / f"{n}.log", **common) for n in ("a", "b")]
+    grpc_ports = [free_port(), free_port()]
+    servers = [
+        Server(data_dir, tmp_path / f"{n}.log", grpc_port=str(port), **common)
+        for n, port in zip(("a", "b"), grpc_ports, strict=True)
+    ]
     try:
         logs = tails_of(servers)
         headers = {"Authorization": f"Bearer {token(data_dir, postgres_url)}"}
@@ -95,6 +101,29 @@ def test_two_serving_processes_answer_every_query_through_the_apps_dispatcher(
             v2 = api.post(f"/v2/models/{APP}/infer", json=query)
             assert v2.status_code == 200, v2.text
             sent += 2
+        # gRPC's ModelInfer, to each process: the other forwards it to the dispatcher too.
+        grpcclient = pytest.importorskip("tritonclient.grpc")
+        name = query["inputs"][0]["name"]
+        grpc_headers = {"authorization": headers["Authorization"]}
+        for port in (grpc_ports[owner], grpc_ports[other]) * 2:
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+            given = grpcclient.InferInput(name, [1, len(DIGIT)], "FP32")
+            given.set_data_from_numpy(np.array([DIGIT], dtype=np.float32))
+            result = client.infer(APP, [given], headers=grpc_headers)
+            rest = apis[owner].post(f"/v2/models/{APP}/infer", json=query).json()
+            (output,) = rest["outputs"]
+            np.testing.assert_allclose(
+                result.as_numpy(output["name"]).ravel(), np.array(output["data"]), rtol=1e-6
+            )
+            assert result.get_response().parameters["models"].string_param
+            sent += 2
+            # A query the dispatcher refuses (a row too short) is refused as it refused it.
+            short = grpcclient.InferInput(name, [1, 3], "FP32")
+            short.set_data_from_numpy(np.zeros((1, 3), dtype=np.float32))
+            with pytest.raises(grpcclient.InferenceServerException) as refused:
+                client.infer(APP, [short], headers=grpc_headers)
+            assert refused.value.status() == "StatusCode.INVALID_ARGUMENT", refused.value
+            client.close()
         after = [answered(s, headers, APP) for s in servers]
         assert after[owner] - before[owner] == sent
         assert after[other] == before[other]

@@ -3,17 +3,21 @@
 :func:`controlplane.api.routes.oip.parse_query`): every datatype REST's ``/v2`` serves, sent as
 ``raw_input_contents`` (as ``tritonclient.grpc`` sends it) and as typed ``contents``, reads back
 as the array sent; what does not fit is refused naming the input; the call's deadline becomes
-the request's ``parameters.timeout``.
+the request's ``parameters.timeout``. A forwarded query's REST answer
+(:func:`controlplane.api.grpc_oip.forwarded_response`) reads back as the dispatcher gave it.
 """
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import numpy as np
 import pytest
 
-from controlplane.api.grpc_oip import request_document
-from controlplane.api.routes.oip import parse_query
-from provisioners.artifacts import DATATYPES, ModelSignature, TensorSpec
+from controlplane.api.grpc_oip import DispatcherRefusedError, forwarded_response, request_document
+from controlplane.api.routes.oip import parse_query, raw_bytes
+from provisioners.artifacts import DATATYPES, ModelSignature, TensorSpec, datatype_of
 from provisioners.worker.oip import OipError
 
 pb = pytest.importorskip("tritonclient.grpc.service_pb2")
@@ -106,3 +110,60 @@ def test_the_calls_deadline_is_the_requests_timeout() -> None:
     assert document["parameters"]["timeout"] == 100_000  # the request's own, shorter
     document, _ = request_document(request, None)
     assert document["parameters"] == {"timeout": 100_000}
+
+
+def _rest_answer(arrays: dict[str, np.ndarray], binary: set[str]) -> httpx.Response:
+    """REST ``/v2``'s answer to a forwarded query: ``binary`` outputs raw, the others in JSON."""
+    tensors, blobs = [], []
+    for name, array in arrays.items():
+        datatype = datatype_of(array.dtype)
+        tensor: dict[str, object] = {"name": name, "datatype": datatype, "shape": [*array.shape]}
+        if name in binary:
+            blobs.append(raw_bytes(datatype, array))
+            tensor["parameters"] = {"binary_data_size": len(blobs[-1])}
+        else:
+            tensor["data"] = array.ravel().tolist()
+        tensors.append(tensor)
+    parameters = {"models": ["m", "m"], "late": False, "total_ms": 1.5}
+    header = json.dumps({"model_name": "app", "id": "q1", "outputs": tensors,
+                         "parameters": parameters}).encode()  # fmt: skip
+    headers = {"inference-header-content-length": str(len(header))} if blobs else {}
+    return httpx.Response(200, content=header + b"".join(blobs), headers=headers)
+
+
+@pytest.mark.parametrize("binary", [{"y", "z"}, {"z"}, set()])
+def test_a_forwarded_answer_reads_back_as_the_dispatcher_gave_it(binary: set[str]) -> None:
+    arrays: dict[str, np.ndarray] = {
+        "y": np.array([[0.5, -1.25], [3.0, 4.0]], dtype=np.float32),
+        "z": np.array([1, -7], dtype=np.int64),
+    }
+    response = forwarded_response("app", _rest_answer(arrays, binary))
+    assert response.id == "q1"
+    assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [
+        ("y", "FP32", [2, 2]),
+        ("z", "INT64", [2]),
+    ]
+    for output, raw, (name, array) in zip(
+        response.outputs, response.raw_output_contents, arrays.items(), strict=True
+    ):
+        got = np.frombuffer(raw, dtype=array.dtype.newbyteorder("<")).reshape(output.shape)
+        np.testing.assert_array_equal(got, array, err_msg=name)
+    assert response.parameters["models"].string_param == "m,m"
+    assert response.parameters["late"].bool_param is False
+    assert response.parameters["total_ms"].double_param == 1.5
+
+
+def test_a_forwarded_refusal_keeps_its_status_message_and_retry_after() -> None:
+    refused = httpx.Response(
+        429, content=b'{"error": "over capacity"}', headers={"retry-after": "2"}
+    )
+    with pytest.raises(DispatcherRefusedError) as raised:
+        forwarded_response("app", refused)
+    assert (raised.value.status, str(raised.value), raised.value.retry_after) == (
+        429,
+        "over capacity",
+        "2",
+    )
+    with pytest.raises(OipError) as broken:
+        forwarded_response("app", httpx.Response(200, content=b'{"outputs": [{"name": "y"}]}'))
+    assert broken.value.status == 502
