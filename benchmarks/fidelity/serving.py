@@ -841,13 +841,14 @@ load averages 2.5-8, held at 8 of 15 levels as well, at other ones, and missed t
 JSON by 3-13 times). At 15 and 50 ms the planner holds at every level (measured / predicted
 1.00-1.08). At 5 ms it holds at 30% and 60% of capacity (1.14 both) and under-predicts by half
 at 90%, where the P99 moves most with the service time and the trace (the three seeds' own
-predictions span 90-202 ms there). The user's ONNX CNN is a model of 1-1.6 ms a batch, served at 190-580
-queries a second: the worker's part, which the planner models, is the smaller one, and the
-measured P99 is about twice the planner's at every level, JSON or binary. The client's path (3),
-about 2.5-3 ms at its p99 in every setting, brings that to 1.16-1.77 times (JSON at 60% within
-15%); the rest is the serving process's and the load generator's CPU per query at hundreds of
-queries a second on two cores shared with the worker (4), which the model has no term for (its
-capacity is the worker's). On 15 levels the planner holds at 8, with the client's path at 9."""
+predictions span 90-202 ms there). The user's ONNX CNN is a model of 1-1.6 ms a batch, served at
+190-580 queries a second: the worker's part, which the planner models, is the smaller one, and
+the measured P99 is about twice the planner's at every level, JSON or binary. The client's path
+(3), about 2.5-3 ms at its p99 in every setting, brings that to 1.16-1.77 times (JSON at 60%
+within 15%); the rest is the serving process's and the load generator's CPU per query at
+hundreds of queries a second on two cores shared with the worker (4), which the model has no
+term for (its capacity is the worker's). On 15 levels the planner holds at 8, with the client's
+path at 9."""
 
 
 def markdown(
