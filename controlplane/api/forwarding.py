@@ -40,6 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.api.limits import mark_authenticated
 from controlplane.api.routes import APP_NAME_PATTERN
+from controlplane.api.routes.oip import HEADER_LENGTH
 
 __all__ = [
     "FORWARDED_HEADER",
@@ -54,8 +55,6 @@ logger = logging.getLogger(__name__)
 FORWARDED_HEADER = "x-heteroplane-forwarded"
 # The longest a forwarded query may take, s: past the serving loop's own limit on a query (30 s).
 FORWARD_TIMEOUT_S = 60.0
-# The Open Inference Protocol's header for the length of a body's JSON part (binary tensors).
-_HEADER_LENGTH = "inference-header-content-length"
 # Connections kept open to each dispatcher.
 _KEEPALIVE = 64
 _INFER = re.compile(
@@ -150,7 +149,7 @@ async def forward_oip(
         headers["authorization"] = authorization
     if binary:
         headers["content-type"] = "application/octet-stream"
-        headers[_HEADER_LENGTH] = str(len(header))
+        headers[HEADER_LENGTH] = str(len(header))
     target = f"{url}/v2/models/{urllib.parse.quote(app, safe='')}/infer"
     try:
         answer = await forwarder.client().post(target, content=header + binary, headers=headers)

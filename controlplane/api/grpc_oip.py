@@ -306,7 +306,7 @@ def forwarded_response(app: str, answer: httpx.Response) -> Any:
             response.raw_output_contents.append(raw)
         for key, value in (document.get("parameters") or {}).items():
             _set_parameter(response.parameters[key], value)
-    except (ValueError, KeyError, TypeError, ArtifactError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError, ArtifactError) as error:
         raise OipError(
             f"the app's dispatcher gave an answer that is not the protocol's: {error}", 502
         ) from None

@@ -164,6 +164,7 @@ def test_a_forwarded_refusal_keeps_its_status_message_and_retry_after() -> None:
         "over capacity",
         "2",
     )
-    with pytest.raises(OipError) as broken:
-        forwarded_response("app", httpx.Response(200, content=b'{"outputs": [{"name": "y"}]}'))
-    assert broken.value.status == 502
+    for body in (b'{"outputs": [{"name": "y"}]}', b"[1]", b"<html>"):
+        with pytest.raises(OipError) as broken:
+            forwarded_response("app", httpx.Response(200, content=body))
+        assert broken.value.status == 502, body
