@@ -48,6 +48,7 @@ from sqlalchemy.pool import NullPool
 
 from controlplane.db.session import CONNECT_TIMEOUT_S, missing_driver, parse_url, redact_url
 from controlplane.errors import DatabaseError, DatabaseInUseError
+from controlplane.repeating import Repeating
 
 __all__ = [
     "LEADER_LOCK_KEY",
@@ -117,33 +118,27 @@ class KeptLock:
         self.lock = lock
         self.every_s = float(every_s)
         self.what = what
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._lost = False
+        self._rounds = Repeating(self._check, self.every_s, "kept-lock", what)
 
     def start(self) -> bool:
         """Take the lock; False (and nothing started) when another session holds it."""
         if not self.lock.try_acquire():
             return False
-        self._thread = threading.Thread(target=self._run, name="kept-lock", daemon=True)
-        self._thread.start()
+        self._rounds.start()
         return True
 
     def close(self) -> None:
-        self._stopping.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+        self._rounds.stop()
         self.lock.close()
 
-    def _run(self) -> None:
-        lost = False
-        while not self._stopping.wait(self.every_s):
-            held = self.lock.check() or self.lock.try_acquire()
-            if not held and not lost:
-                logger.error("%s: the lock is lost to another holder", self.what)
-            elif held and lost:
-                logger.info("%s: the lock is held again", self.what)
-            lost = not held
+    def _check(self) -> None:
+        held = self.lock.check() or self.lock.try_acquire()
+        if not held and not self._lost:
+            logger.error("%s: the lock is lost to another holder", self.what)
+        elif held and self._lost:
+            logger.info("%s: the lock is held again", self.what)
+        self._lost = not held
 
 
 def _lock_engine(url: str | URL, application_name: str, statement_timeout_ms: int) -> Engine:

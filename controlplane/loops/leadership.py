@@ -47,6 +47,7 @@ import threading
 from typing import Literal, Protocol
 
 from controlplane.loops.scheduler import JobBodies, JobBody
+from controlplane.repeating import Repeating
 
 __all__ = [
     "TRY_EVERY_S",
@@ -114,8 +115,8 @@ class Leadership:
         self._role: Role = "standby"
         self._jobs: Jobs | None = None
         self._mutex = threading.Lock()
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        # The lease must outlive a bad round (a driver error not mapped by the lock).
+        self._rounds = Repeating(self.step, self.try_every_s, "leader-lease", "leader lease")
         self._terms = 0
 
     @property
@@ -185,7 +186,7 @@ class Leadership:
     def start(self, jobs: Jobs) -> None:
         """Take one round now (a lone replica leads from the start), then one every
         ``try_every_s`` on a daemon thread until :meth:`stop`."""
-        if self._thread is not None:
+        if self._rounds.running:
             raise RuntimeError("the leader lease is already running")
         if self.step(jobs) == "standby":
             logger.info(
@@ -193,16 +194,11 @@ class Leadership:
                 " trying the lease every %g s",
                 self.try_every_s,
             )
-        self._stopping.clear()
-        self._thread = threading.Thread(target=self._run, name="leader-lease", daemon=True)
-        self._thread.start()
+        self._rounds.start()
 
     def stop(self) -> None:
         """Stop trying, stop the jobs (waiting for running ones), release the lock."""
-        self._stopping.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+        self._rounds.stop()
         with self._mutex:
             jobs = self._jobs
         if jobs is not None:
@@ -211,14 +207,6 @@ class Leadership:
         with self._mutex:
             self._role = "standby"
             self.lock.release()
-
-    def _run(self) -> None:
-        while not self._stopping.wait(self.try_every_s):
-            try:
-                self.step()
-            except Exception:
-                # The lease must outlive a bad round (a driver error not mapped by the lock).
-                logger.exception("leader lease: a round failed")
 
     def _demote_locked(self, why: str) -> None:
         self._role = "standby"

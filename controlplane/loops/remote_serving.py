@@ -29,6 +29,7 @@ from numpy.typing import NDArray
 
 from controlplane.clock import Clock
 from controlplane.policies.rollout import VersionFigures
+from controlplane.repeating import Repeating
 from controlplane.serving.dispatcher import AppStatus
 from controlplane.serving.observations import ARRIVALS_KEPT, WindowSummary
 from controlplane.serving.versions import VersionSource
@@ -139,8 +140,7 @@ class RemoteServing:
         self._offset_s = 0.0  # this clock minus the serving process's
         self._recalibrated: set[str] = set()
         self._down = False
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._rounds = Repeating(self.pull, self.pull_s, "serving-feed", "serving feed")
 
     @property
     def observations(self) -> ServingObservations:
@@ -155,18 +155,13 @@ class RemoteServing:
 
     def start(self) -> None:
         """Exchange the feed now, then every ``pull_s`` on a daemon thread until :meth:`close`."""
-        if self._thread is not None:
+        if self._rounds.running:
             raise RuntimeError("the serving feed is already running")
         self.pull()
-        self._stopping.clear()
-        self._thread = threading.Thread(target=self._run, name="serving-feed", daemon=True)
-        self._thread.start()
+        self._rounds.start()
 
     def close(self) -> None:
-        self._stopping.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+        self._rounds.stop()
         self._client.close()
 
     def recalibrated(self, app: str) -> None:
@@ -228,13 +223,6 @@ class RemoteServing:
             self._down = False
             logger.info("the serving process at %s answers again", self.url)
         return None if answer.status_code == 204 else answer.json()
-
-    def _run(self) -> None:
-        while not self._stopping.wait(self.pull_s):
-            try:
-                self.pull()
-            except Exception:  # the feed must outlive a bad exchange
-                logger.exception("serving feed: an exchange failed")
 
     # --- what the loops read ------------------------------------------------------------------
 

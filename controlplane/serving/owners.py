@@ -17,13 +17,13 @@ nobody (the forwarding middleware's fallback).
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from datetime import datetime
 
 from controlplane.clock import Clock
 from controlplane.db.store import DispatcherRecord, Store
 from controlplane.errors import DatabaseError
+from controlplane.repeating import Repeating
 
 __all__ = ["DISPATCH_LEASE_S", "DISPATCH_RENEW_S", "DispatchOwners"]
 
@@ -57,8 +57,7 @@ class DispatchOwners:
         self.lease_s = float(lease_s)
         self.renew_s = float(renew_s)
         self._owners: dict[str, DispatcherRecord] = {}
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._rounds = Repeating(self.hold, self.renew_s, "dispatch-leases", "dispatch leases")
         self._failing = False
 
     def forward_to(self, app: str) -> str | None:
@@ -92,21 +91,12 @@ class DispatchOwners:
     def start(self) -> None:
         """One round now, then one every ``renew_s`` on a daemon thread until :meth:`close`."""
         self.hold()
-        self._stopping.clear()
-        self._thread = threading.Thread(target=self._run, name="dispatch-leases", daemon=True)
-        self._thread.start()
+        self._rounds.start()
 
     def close(self) -> None:
         """Stop renewing and give the leases up (the others take the apps at their next round)."""
-        self._stopping.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+        self._rounds.stop()
         try:
             self.store.release_dispatchers(self.owner)
         except DatabaseError as error:
             logger.warning("dispatch leases not released (they will lapse): %s", error)
-
-    def _run(self) -> None:
-        while not self._stopping.wait(self.renew_s):
-            self.hold()
