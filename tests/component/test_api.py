@@ -94,14 +94,20 @@ class Api:
         return plan
 
 
-@pytest.fixture
-def api(tmp_path: Path) -> Iterator[Api]:
+def service_parts(tmp_path: Path) -> tuple[Path, Settings, FakeClock, Store]:
+    """A data folder under ``tmp_path`` with the toy profiles, the fake provisioner's settings
+    on it, a fake clock and the store, migrated: what an API test's app is made of."""
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     write_profiles(data_dir)
     settings_ = Settings(data_dir=data_dir, provisioner="fake")
     clock = FakeClock()
-    store = Store.from_url(settings_.database_url, clock, upgrade=True)
+    return data_dir, settings_, clock, Store.from_url(settings_.database_url, clock, upgrade=True)
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Iterator[Api]:
+    data_dir, settings_, clock, store = service_parts(tmp_path)
     tokens = {scope: store.create_token(scope, name=f"{scope}-token") for scope in SCOPES}
     app = create_app(settings_, store, clock)
     with TestClient(app, raise_server_exceptions=False) as client:

@@ -10,13 +10,10 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from controlplane.clock import FakeClock
-from controlplane.db.store import Store
 from controlplane.service.app import create_app
-from controlplane.settings import Settings
 from provisioners.base import Provisioner
 from provisioners.fake import FakeProvisioner
-from tests.component.test_api import spec, write_profiles
+from tests.component.test_api import service_parts, spec
 
 
 class PricedProvisioner(FakeProvisioner):
@@ -35,12 +32,7 @@ class PricedProvisioner(FakeProvisioner):
 
 
 def _preview(tmp_path: Path, provisioner: Provisioner) -> dict[str, Any]:
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    write_profiles(data_dir)
-    settings = Settings(data_dir=data_dir, provisioner="fake")
-    clock = FakeClock()
-    store = Store.from_url(settings.database_url, clock, upgrade=True)
+    _, settings, clock, store = service_parts(tmp_path)
     token = {"Authorization": f"Bearer {store.create_token('admin', name='t')}"}
     app = create_app(settings, store, clock, provisioner=provisioner)
     try:
