@@ -279,6 +279,16 @@ def launches(actions: list[object]) -> list[tuple[str, str, str | None]]:
     return [(a.instance_type, a.market, a.stands_for) for a in actions if isinstance(a, Launch)]
 
 
+def assert_a_restart_changes_nothing(world: World) -> None:
+    """A reconciler started afresh on ``world`` (a restart) reads the stand-ins back from the
+    decisions: three ticks launch and end nothing."""
+    world.reconciler = Reconciler(world.store, world.fake, world.clock, world.reconciler.pricing)
+    for _ in range(3):
+        actions = world.tick()
+        assert not launches(actions)
+        assert not [a for a in actions if type(a).__name__ == "Terminate"]
+
+
 def kept_types(world: World) -> list[tuple[str, str]]:
     kept = world.store.list_instances(APP, states=["requested", "pending", "running"])
     return sorted((r.instance_type, r.market) for r in kept)
@@ -310,13 +320,7 @@ def test_a_type_without_capacity_is_stood_in_for_by_the_next_of_the_ranking(
         assert len(world.rows("running")) == 2
 
         # A reconciler started afresh (a restart) reads the stand-ins back from the decisions.
-        world.reconciler = Reconciler(
-            world.store, world.fake, world.clock, world.reconciler.pricing
-        )
-        for _ in range(3):
-            actions = world.tick()
-            assert not launches(actions)
-            assert not [a for a in actions if type(a).__name__ == "Terminate"]
+        assert_a_restart_changes_nothing(world)
     finally:
         world.store.close()
 

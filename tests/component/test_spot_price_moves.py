@@ -13,9 +13,15 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.loops.reconciler import AppPricing, Launch, Reconciler
+from controlplane.loops.reconciler import AppPricing, Launch
 from tests.component.test_reconciler_fake import APP, LARGE, PRICES, QPS, SMALL, template_db
-from tests.component.test_spot_interruptions import World, apply_spot_plan
+from tests.component.test_spot_interruptions import (
+    World,
+    apply_spot_plan,
+    assert_a_restart_changes_nothing,
+    kept_types,
+    launches,
+)
 
 __all__ = ["template_db"]  # the fixture, imported for pytest
 
@@ -72,15 +78,10 @@ class PricedWorld(World):
         assert self.kept() == [(SMALL, "spot")] * 3
 
     def kept(self) -> list[tuple[str, str]]:
-        kept = self.store.list_instances(APP, states=["requested", "pending", "running"])
-        return sorted((r.instance_type, r.market) for r in kept)
+        return kept_types(self)
 
     def close(self) -> None:
         self.store.close()
-
-
-def launched(actions: list[object]) -> list[tuple[str, str, str | None]]:
-    return [(a.instance_type, a.market, a.stands_for) for a in actions if isinstance(a, Launch)]
 
 
 def test_a_rise_into_the_headroom_moves_capacity_before_the_budget_is_breached(
@@ -94,13 +95,13 @@ def test_a_rise_into_the_headroom_moves_capacity_before_the_budget_is_breached(
 
         # A rise that stays short of the headroom (3 x 0.025 = 0.075) moves nothing.
         spot_prices[SMALL] = 0.025
-        assert not launched(world.tick())
+        assert not launches(world.tick())
 
         # Into the headroom (3 x 0.031 = 0.093, within the budget): the small ones move to large
         # ones on spot (0.03 each: as much capacity for less) before any breach.
         spot_prices[SMALL] = 0.031
         actions = world.tick()
-        assert launched(actions) == [(LARGE, "spot", SMALL)] * 3
+        assert launches(actions) == [(LARGE, "spot", SMALL)] * 3
         decision = world.store.list_decisions(APP, kinds=["spot_price"])[-1]
         assert "less its headroom" in decision.reason and "before the budget" in decision.reason
         assert decision.numbers["threshold_usd_per_hr"] == 0.09
@@ -110,7 +111,7 @@ def test_a_rise_into_the_headroom_moves_capacity_before_the_budget_is_breached(
         # The rise goes on past the budget: nothing of the risen type is left to pay for.
         spot_prices[SMALL] = 0.05
         for _ in range(4):
-            assert not launched(world.tick())
+            assert not launches(world.tick())
         assert world.kept() == [(LARGE, "spot")] * 3
         assert world.worst_usd_per_hr <= 0.093 + 1e-9  # never past what the headroom allowed
     finally:
@@ -130,7 +131,7 @@ def test_where_the_budget_pays_for_both_the_move_is_made_before_the_risen_ones_g
 
         actions = world.tick()
 
-        assert launched(actions) == [(LARGE, "spot", SMALL)] * 3
+        assert launches(actions) == [(LARGE, "spot", SMALL)] * 3
         assert len(world.store.list_instances(APP, states=["running"])) == 3  # they serve on
         assert not world.store.list_decisions(APP, kinds=["terminate"])
         for _ in range(6):
@@ -155,7 +156,7 @@ def test_without_headroom_the_same_rise_moves_nothing_until_the_budget_is_breach
     try:
         world.serve_three_small_on_spot()
         spot_prices[SMALL] = 0.031
-        assert not launched(world.tick())
+        assert not launches(world.tick())
         assert world.kept() == [(SMALL, "spot")] * 3
     finally:
         world.close()
@@ -175,7 +176,7 @@ def test_a_rise_moves_capacity_on_demand_where_that_is_the_cheapest_choice(
 
         actions = world.tick()
 
-        assert launched(actions) == [(LARGE, "on-demand", SMALL)] * 3
+        assert launches(actions) == [(LARGE, "on-demand", SMALL)] * 3
         reasons = [d.reason for d in world.store.list_decisions(APP, kinds=["stand_in"])]
         assert "on demand at 0.04 USD/hr serves as much for less" in reasons[0]
         for _ in range(3):
@@ -241,7 +242,7 @@ def test_a_rise_moves_one_large_instance_to_smaller_ones_that_together_serve_as_
 
         actions = world.tick()
 
-        assert launched(actions) == [(SMALL, "spot", LARGE)] * 4
+        assert launches(actions) == [(SMALL, "spot", LARGE)] * 4
         shares = [a.share for a in actions if isinstance(a, Launch)]
         assert shares == [0.25] * 4
         (decision, *_) = world.store.list_decisions(APP, kinds=["stand_in"])
@@ -249,15 +250,9 @@ def test_a_rise_moves_one_large_instance_to_smaller_ones_that_together_serve_as_
         assert decision.numbers["share"] == 0.25
         # The four count as the one large instance the plan wants: nothing more, nothing less.
         for _ in range(4):
-            assert not launched(world.tick())
+            assert not launches(world.tick())
         assert world.kept() == [(SMALL, "spot")] * 4
         # Read back after a restart, too.
-        world.reconciler = Reconciler(
-            world.store, world.fake, world.clock, world.reconciler.pricing
-        )
-        for _ in range(3):
-            actions = world.tick()
-            assert not launched(actions)
-            assert not [a for a in actions if type(a).__name__ == "Terminate"]
+        assert_a_restart_changes_nothing(world)
     finally:
         world.close()
