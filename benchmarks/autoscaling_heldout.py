@@ -43,8 +43,9 @@ case's seed; boot 60 s GPU / 30 s CPU; cost = USD over the run, every instance f
 
 - *tuner*: replay's ``tuner`` policy with its default model, set up as ``heteroplane replay``
   sets it up (:func:`tuner_options`: the sizing ladder of the planning trace for a single
-  stage, docs/tuner.md "The sizing model"; InferLine's model for a cascade); planned envelope
-  from the planning trace;
+  stage, docs/tuner.md "The sizing model"; for a cascade each stage's ladder of the planner's
+  plans of the whole cascade, docs/tuner.md "Cascades"); planned envelope from the planning
+  trace;
 - *static*: the planning trace's plan, never changed;
 - *CG-Peak*, *CG-Mean*: replay's ``peak`` and ``mean`` (``controlplane.policies.baselines.
   plan_baseline``): the planner for the test trace's peak (10 s) or mean rate, on a steady
@@ -102,7 +103,7 @@ except ModuleNotFoundError:  # run as a script: put the checkout on the path
     from benchmarks.paths import kairos_samples
 
 from controlplane.policies.baselines import plan_baseline
-from controlplane.policies.capacity_curve import replay_sizing
+from controlplane.policies.capacity_curve import cascade_sizing, replay_sizing
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import plan_app
 from controlplane.policies.replay import (
@@ -116,7 +117,6 @@ from controlplane.policies.replay import (
 from controlplane.spec import ResolvedApp, resolve_spec, validate_spec
 from estimator.batches import parse_batch_distribution
 from estimator.cascades import validation_document
-from estimator.envelope import DEFAULT_PERSISTENCE_S
 from estimator.kairos_setting import KairosSetting
 from estimator.profiles import write_profiles_json
 from estimator.traces import (
@@ -372,12 +372,13 @@ def tuner_options(
 ) -> tuple[dict[str, Any], str]:
     """The replay options of the tuner's default model, as ``heteroplane replay`` sets them up
     (:func:`controlplane.policies.capacity_curve.replay_sizing`: the sizing ladder of the
-    planning trace, the load model's memory, bursts that must persist); a cascade (bursts that
-    must persist too), or a stage the planner cannot place at the planning rate, InferLine's
-    model. Returns (options for
+    planning trace, the load model's memory, bursts that must persist; for a cascade
+    :func:`~controlplane.policies.capacity_curve.cascade_sizing`, a ladder per stage); a plan the
+    planner cannot place at the planning rate, InferLine's model. Returns (options for
     ``replay``, the model's name)."""
     if len(plan.stages) > 1:
-        return {"tuner_persistence_s": DEFAULT_PERSISTENCE_S}, "inferline"
+        ladders, options = cascade_sizing(app, plan, planning, seed=PLAN_SEED)
+        return options, "ladder" if ladders else "inferline"
     stage = plan.stages[0]
     ladder, options = replay_sizing(app, stage, planning, dispatch=stage.policy, seed=PLAN_SEED)
     return options, "inferline" if ladder is None else "ladder"

@@ -28,7 +28,7 @@ from controlplane.policies.baselines import (
     leading_share,
     plan_baseline,
 )
-from controlplane.policies.capacity_curve import replay_sizing
+from controlplane.policies.capacity_curve import cascade_sizing, replay_sizing
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.replay import (
     ScalingPolicy,
@@ -38,6 +38,7 @@ from controlplane.policies.replay import (
     read_plan,
     replay,
 )
+from controlplane.policies.sizing import SizingLadder
 from controlplane.policies.spot_replay import (
     parse_interruption_rates,
     replay_with_interruptions,
@@ -122,15 +123,25 @@ def run(args: argparse.Namespace) -> int:
     model_note = None
     curve = None
     ladder = None
+    ladders: dict[str, SizingLadder] = {}
     sizing: dict[str, Any] = {}
-    if policy == "tuner" and cascade:
-        # The capacity curve plans a single stage; each stage of a cascade is sized by
-        # InferLine's provisioning ratio on its own envelope (docs/tuner.md, Cascades).
-        if model == "curve":
+    if policy == "tuner" and cascade and model == "curve":
+        # Each stage sized by its ladder: the planner's fleet of that stage for the whole
+        # cascade at each load (docs/tuner.md, Cascades).
+        ladders, sizing = cascade_sizing(
+            app,
+            plan,
+            leading_share(trace) if planning is None else planning,
+            dispatch=args.dispatch,
+            seed=args.seed,
+        )
+        if not ladders:
+            model = "inferline"
             model_note = (
-                "a cascade: InferLine's model per stage (the capacity curve is one stage's)"
+                "the planner places nothing for the planning trace at its own rate: InferLine's"
+                " model per stage"
             )
-        model = "inferline"
+    elif policy == "tuner" and cascade:
         # A burst must persist to buy capacity, as in a single stage and the live tuner.
         sizing = {"tuner_persistence_s": DEFAULT_PERSISTENCE_S}
     elif policy == "tuner" and model == "curve":
@@ -197,6 +208,10 @@ def run(args: argparse.Namespace) -> int:
         )
         if cascade:
             data["tuner_model_note"] = model_note
+            data["sizing_ladders"] = {
+                name: [{"load": f, "fleet": dict(fleet)} for f, fleet in made_ladder.rungs]
+                for name, made_ladder in ladders.items()
+            }
     data["seed"] = args.seed
 
     def human() -> str:

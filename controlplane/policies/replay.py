@@ -63,7 +63,7 @@ from controlplane.policies.tuner import (
 )
 from controlplane.spec import ResolvedApp
 from estimator.bounds import kairos_quantities, upper_bounds
-from estimator.envelope import DEFAULT_MAX_WINDOW_S
+from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_cv2
 from estimator.errors import EstimatorError
 from estimator.fleet import Fleet
 from estimator.policies import full_range_types, policy_class, policy_factory
@@ -972,6 +972,7 @@ def replay(
     tuner_recent_s: float = DEFAULT_RECENT_S,
     tuner_ladder: SizingLadder | None = None,
     tuner_persistence_s: float | None = None,
+    tuner_ladders: Mapping[str, SizingLadder] | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` on ``plan``'s single stage with the fleet as ``policy`` scales it.
 
@@ -990,8 +991,10 @@ def replay(
     A plan of several stages (a cascade) replays as one pipeline (:func:`replay_pipeline`):
     static, or with one tuner per stage, each on the arrivals that reach its stage and all of
     them within the one budget (docs/tuner.md, "Cascades: one tuner per stage"); the
-    utilisation autoscaler scales one stage only. A cascade's tuner runs InferLine's model
-    (``tuner_capacity_curve`` is for a single stage and is not used).
+    utilisation autoscaler scales one stage only. A cascade's stages are sized by their
+    ladders in ``tuner_ladders`` (by stage name; :func:`controlplane.policies.capacity_curve.
+    cascade_sizing`), a stage without one by InferLine's model (``tuner_capacity_curve`` and
+    ``tuner_ladder`` are for a single stage and are not used).
 
     Raises:
         ReplayError: a plan that does not fit the app (:func:`check_plan`, :func:`check_stages`),
@@ -1020,6 +1023,7 @@ def replay(
             tuner_min_window_s=tuner_min_window_s,
             tuner_recent_s=tuner_recent_s,
             tuner_persistence_s=tuner_persistence_s,
+            tuner_ladders=tuner_ladders,
         )
     stage = check_plan(plan, app)
     options = TimelineOptions(
@@ -1185,22 +1189,30 @@ def _reach_masks(
     return masks
 
 
+# The seed of the thinning of a planning trace that is not the replayed trace's own.
+_THINNING_SEED = 20_251_129
+
+
 def thin_planning_arrivals(
     planning_arrival_s: NDArray[np.float64], trace: Trace, reach: NDArray[np.bool_]
 ) -> NDArray[np.float64]:
     """The planning arrivals that reach a stage. When they are the replayed trace's own first
     queries (the default planning trace, :func:`planning_arrivals`), exactly those of them that
     ``reach`` marks (the same forwarding the replay simulates); otherwise (a planning trace of its
-    own, whose queries have no validation samples here) a systematic thinning at the replayed
-    trace's reach share s: query k is kept when floor((k + 1) s) > floor(k s), deterministic and
-    within one query of s k at every k.
+    own, whose queries have no validation samples here) each is kept with probability s, the
+    replayed trace's reach share, drawn from a generator of fixed seed (deterministic). A cascade
+    forwards a query for its input, not for when it came, so the queries that reach a stage are
+    an independent thinning of those that reach the first: a systematic one (every 1/s-th) would
+    be smoother than the traffic the stage sees, and the tuner would read its live bursts as
+    more load than planned.
 
     >>> t = Trace(np.arange(4.0), np.ones(4, dtype=np.int64))
     >>> reach = np.array([True, False, True, False])
     >>> thin_planning_arrivals(np.arange(2.0), t, reach).tolist()
     [0.0]
-    >>> thin_planning_arrivals(np.arange(10.0, 14.0), t, reach).tolist()
-    [11.0, 13.0]
+    >>> kept = thin_planning_arrivals(np.arange(10_000.0), t, reach)
+    >>> bool(abs(kept.size - 5_000) < 200), bool(np.all(np.diff(kept) > 0))
+    (True, True)
     """
     planning = np.asarray(planning_arrival_s, dtype=np.float64)
     n = planning.size
@@ -1208,8 +1220,7 @@ def thin_planning_arrivals(
         own: NDArray[np.float64] = planning[reach[:n]]
         return own
     share = float(np.count_nonzero(reach)) / reach.size if reach.size else 0.0
-    k = np.arange(n, dtype=np.float64)
-    keep = np.floor((k + 1.0) * share + 1e-9) > np.floor(k * share + 1e-9)
+    keep = np.random.default_rng(_THINNING_SEED).random(n) < share
     thinned: NDArray[np.float64] = planning[keep]
     return thinned
 
@@ -1269,6 +1280,7 @@ def cascade_tuner_timelines(
     dispatch: DispatchName | None = None,
     recent_s: float = DEFAULT_RECENT_S,
     persistence_s: float | None = None,
+    ladders: Mapping[str, SizingLadder] | None = None,
 ) -> tuple[_CascadeStage, ...]:
     """Roll one InferLine tuner per stage over ``trace`` once per second (docs/tuner.md,
     "Cascades: one tuner per stage").
@@ -1278,8 +1290,11 @@ def cascade_tuner_timelines(
     as :func:`tuner_timeline` sets up a single stage, but on the stage's own planning envelope
     (:func:`thin_planning_arrivals`) and its own batch mix, so with scale factor 1 (the reach is
     in the arrivals), the spec's ``max_counts`` per type, and, for a Kairos mix, the Kairos bound
-    at the stage's share of the SLO (``targets_ms``). A stage whose planning arrivals reach it
-    fewer than twice keeps its planned fleet.
+    at the stage's share of the SLO (``targets_ms``). A stage with a sizing ladder in
+    ``ladders`` (:func:`controlplane.policies.capacity_curve.build_ladders`: the planner's fleet
+    of that stage at each load of the whole cascade) is sized by it as a single stage is
+    (:func:`ladder_tuner`), its burstiness families thinned as its planning arrivals are. A
+    stage whose planning arrivals reach it fewer than twice keeps its planned fleet.
 
     The budget binds all stages together. Each tick every tuner first decides alone, under the
     budget less what the other stages run; stages that want no scale-up then act first (their
@@ -1297,9 +1312,16 @@ def cascade_tuner_timelines(
     for i, stage in enumerate(stages):
         mask = masks[i]
         reached = Trace(trace.arrival_s[mask], trace.batch_size[mask]) if mask.any() else trace
-        mu = _stage_rates(app, stage, reached)
-        boot = _boot_s(app, list(mu), boot_s)
-        fleet = {name: stage.fleet[name] for name in mu}
+        ladder = None if ladders is None else ladders.get(stage.name)
+        if ladder is None:
+            mu = _stage_rates(app, stage, reached)
+            fleet = {name: stage.fleet[name] for name in mu}
+        else:
+            mu = dict(ladder.rate_per_instance_qps)
+            fleet = {name: n for name, n in stage.fleet.items() if n > 0}
+            if any(name not in mu for name in fleet):
+                raise ReplayError(f"the ladder of {stage.name} does not cover the plan's types")
+        boot = _boot_s(app, sorted(mu), boot_s)
         log = _FleetLog.planned(Fleet.of(fleet), boot)
         logs.append(log)
         planning = thin_planning_arrivals(planning_arrival_s, trace, mask)
@@ -1314,7 +1336,7 @@ def cascade_tuner_timelines(
                 )
             )
             continue
-        service_time_s = max(_batch_latency_s(app, stage, reached, t, mu[t]) for t in mu)
+        service_time_s = max(_batch_latency_s(app, stage, reached, t, mu[t]) for t in fleet)
         service_time_s = min(max(service_time_s, min_window_s), DEFAULT_MAX_WINDOW_S)
         config = TunerConfig.from_planning_trace(
             planning,
@@ -1322,11 +1344,32 @@ def cascade_tuner_timelines(
             budget_usd_per_hr=budget,
             constraints=app.constraints,
             catalog=app.catalog,
-            types=list(mu),
+            types=sorted(mu),
             boot_s=boot,
             recent_s=recent_s,
             persistence_s=persistence_s,
         )
+        if ladder is not None:
+            # The burstiness the stage sees is its own arrivals' (a thinned stream is smoother
+            # than the whole: CV^2 s c + 1 - s at reach share s), and so is what the live
+            # estimate is matched with.
+            thinned = [
+                (thin_planning_arrivals(arrival_s, trace, mask), other)
+                for _cv2, arrival_s, other in ladder.families
+            ]
+            ladder = dataclasses.replace(
+                ladder,
+                cv2=arrival_cv2(planning)[0] if ladder.cv2 is not None else None,
+                families=tuple((arrival_cv2(a)[0], a, other) for a, other in thinned),
+            )
+            sized = tuner_stage(ladder, fleet, config)
+            state = dataclasses.replace(
+                initial_state([sized], now_s=0.0), fleets={sized.name: Fleet.of(fleet)}
+            )
+            tuners.append(_StageTuner(sized, config, state, trace.arrival_s[mask], log))
+            fixed.append(0.0)
+            made.append((sized.utilisation_target, None))
+            continue
         model = matched_capacity_model(
             app,
             dispatch if dispatch is not None else stage.policy,
@@ -1440,6 +1483,7 @@ def replay_pipeline(
     tuner_min_window_s: float = DEFAULT_TUNER_MIN_WINDOW_S,
     tuner_recent_s: float = DEFAULT_RECENT_S,
     tuner_persistence_s: float | None = None,
+    tuner_ladders: Mapping[str, SizingLadder] | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` through every stage of ``plan`` at once, each with its batch size and
     dispatch (``dispatch`` overrides the plan's), each query forwarded to the next stage as the
@@ -1482,6 +1526,7 @@ def replay_pipeline(
             dispatch=dispatch,
             recent_s=tuner_recent_s,
             persistence_s=tuner_persistence_s,
+            ladders=tuner_ladders,
         )
         fleets: list[Sequence[InstanceSpec]] = [m.timeline.instances for m in made]
     else:

@@ -3,6 +3,8 @@ sets, each family the shape it claims) and the rows (ratios, goals, summary) on 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -153,6 +155,12 @@ def test_a_tiny_case_runs_every_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(h, "QUICK_PLANNING_S", 20.0)
     monkeypatch.setitem(h.NOMINAL_RATE_QPS, h.CASCADE, 100.0)
     monkeypatch.setattr(h, "_SETUPS", {})
+    # A short ladder (three loads, one burstiness): the rows, not the sizing, are tested here.
+    monkeypatch.setattr(
+        h,
+        "cascade_sizing",
+        functools.partial(h.cascade_sizing, loads=(0.5, 1.0, 2.0), burstiness=()),
+    )
     case = make_case("step", h.CASCADE, 201, rate_qps=100.0, duration_s=60.0)
     row = h.run_case(case, quick=True)
     p = row["policies"]
@@ -163,4 +171,4 @@ def test_a_tiny_case_runs_every_policy(monkeypatch: pytest.MonkeyPatch) -> None:
             p[name]["cost_usd"] / p["oracle"]["cost_usd"]
         )
     assert p["static"]["scaling_actions"] == 0
-    assert row["queries"] > 0 and row["tuner_model"] == "inferline"
+    assert row["queries"] > 0 and row["tuner_model"] == "ladder"

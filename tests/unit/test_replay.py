@@ -468,7 +468,18 @@ def test_replay_of_a_cascade_plan(
     if extra:
         assert out["policy"] == "static" and out["scaling_actions"] == 0
     else:
-        assert out["policy"] == "tuner" and out["tuner_model"] == "inferline"
+        # Each stage sized by its ladder: its fleet in the planner's plan of the whole cascade
+        # at each load, the planned one at 1x.
+        assert out["policy"] == "tuner" and out["tuner_model"] == "curve"
+        assert set(out["sizing_ladders"]) == {"cheap", "large"}
+        grows = []
+        for rungs in out["sizing_ladders"].values():
+            loads = [r["load"] for r in rungs]
+            assert loads == sorted(loads) and 1.0 in loads
+            counts = [sum(r["fleet"].values()) for r in rungs]
+            assert counts == sorted(counts)
+            grows.append(counts[-1] > counts[0])
+        assert any(grows)
         assert out["scaling_actions"] > 0
         assert {d["stage"] for d in out["decisions"]} <= {"cheap", "large"}
     assert main([*args, *extra]) == 0

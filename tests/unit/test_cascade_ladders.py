@@ -1,0 +1,116 @@
+"""A cascade's stages sized by ladders (the one sizing model for cascades too): each stage's
+ladder is its fleet in the planner's plans of the whole cascade, refined where the fleet
+changes; the planning arrivals that reach a later stage are an independent thinning (as a
+cascade forwards queries), so their burstiness is the stream's the stage sees."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from controlplane.policies.capacity_curve import LadderStage, build_ladders, cascade_sizing
+from controlplane.policies.planner import plan_app, scale_trace
+from controlplane.policies.replay import parse_plan, replay, thin_planning_arrivals
+from controlplane.spec import ResolvedApp
+from estimator.envelope import arrival_cv2
+from estimator.traces import Trace, constant_profile, renewal_arrivals
+from tests.unit.test_planner import poisson_trace, write_cascade_app
+
+RATE_QPS = 60.0
+# 83 s of planning arrivals: the tuner reads windows up to 60 s against the planned envelope.
+QUERIES = 5000
+LOADS = (1.0, 2.0, 4.0)
+
+
+def stage_fleets(plan_stages: object) -> dict[str, dict[str, int]]:
+    return {s.name: {t: n for t, n in s.fleet.items() if n} for s in plan_stages}  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def cascade(tmp_path_factory: pytest.TempPathFactory) -> tuple[ResolvedApp, Trace]:
+    """The toy two-stage cascade and a Poisson planning trace at RATE_QPS."""
+    app = write_cascade_app(tmp_path_factory.mktemp("cascade"), records=True)
+    return app, poisson_trace(RATE_QPS, queries=QUERIES)
+
+
+def test_each_stage_ladder_is_its_fleet_in_the_planners_plans_refined_where_it_changes(
+    cascade: tuple[ResolvedApp, Trace],
+) -> None:
+    app, planning = cascade
+    stages = [LadderStage("cheap", None), LadderStage("large", None)]
+    ladders = build_ladders(app, stages, planning, loads=LOADS, seed=0, refine=1.2)
+    assert set(ladders) == {"cheap", "large"}
+    for load in LOADS:
+        planned = stage_fleets(plan_app(app, scale_trace(planning, load * RATE_QPS)).stages)
+        for name, ladder in ladders.items():
+            assert ladder is not None
+            assert dict(ladder.fleet_at(load)) == planned[name], (name, load)
+    large = ladders["large"]
+    assert large is not None and dict(large.curve)[1.0] == 1.0
+    assert [m for _, m in large.curve] == sorted(m for _, m in large.curve)
+    # Refined: wherever some stage's fleet changes between two neighbouring loads, they are
+    # within 1.2x of each other; nowhere else is a load added.
+    every = sorted({f for ladder in ladders.values() if ladder for f, _ in ladder.rungs})
+    assert len(every) > len(LOADS)  # the large stage's fleet changes between 2x and 4x
+    for lo, hi in itertools.pairwise(every):
+        changes = any(
+            ladder is not None and dict(ladder.fleet_at(lo)) != dict(ladder.fleet_at(hi))
+            for ladder in ladders.values()
+        )
+        assert not changes or hi / lo <= 1.2 + 1e-9, (lo, hi)
+    assert all(2.0 < f < 4.0 for f in every if f not in LOADS)
+
+
+def test_a_later_stage_sees_an_independent_thinning_of_the_planning_arrivals() -> None:
+    rng = np.random.default_rng(3)
+    arrivals = renewal_arrivals(constant_profile(200.0), 200.0, 4.0, rng)
+    replayed = Trace(np.arange(1000.0), np.ones(1000, dtype=np.int64))
+    reach = np.zeros(1000, dtype=bool)
+    reach[::5] = True  # 20% of the replayed queries reach the stage
+    kept = thin_planning_arrivals(arrivals, replayed, reach)
+    assert kept.size == pytest.approx(0.2 * arrivals.size, rel=0.1)
+    # Forwarding by input, not by time: CV^2 s c + 1 - s of a stream of CV^2 c at share s
+    # (every fifth query instead would make it about c / 5).
+    cv2, _ = arrival_cv2(kept)
+    assert cv2 == pytest.approx(0.2 * 4.0 + 0.8, rel=0.2)
+    np.testing.assert_array_equal(kept, thin_planning_arrivals(arrivals, replayed, reach))
+
+
+def test_the_cascade_tuner_follows_its_ladders_up_and_back(
+    cascade: tuple[ResolvedApp, Trace],
+) -> None:
+    app, planning = cascade
+    plan = parse_plan(plan_app(app, planning, seed=0).to_document())
+    ladders, options = cascade_sizing(app, plan, planning, burstiness=(), loads=LOADS)
+    assert set(ladders) == {"cheap", "large"}
+    planned = stage_fleets(plan.stages)
+    busy = stage_fleets(plan_app(app, scale_trace(planning, 4 * RATE_QPS)).stages)
+    assert busy["large"] != planned["large"]  # the load below needs another fleet
+    # Four times the planned rate for two minutes, then the planned rate for three: the large
+    # stage grows to the planner's fleet for 4x, and each stage ends on its planned fleet,
+    # never over the budget.
+    rng = np.random.default_rng(4)
+    high = renewal_arrivals(constant_profile(4 * RATE_QPS), 120.0, 1.0, rng)
+    low = 120.0 + renewal_arrivals(constant_profile(RATE_QPS), 180.0, 1.0, rng)
+    arrival_s = np.concatenate([high, low])
+    trace = Trace(arrival_s, np.ones(arrival_s.size, dtype=np.int64))
+    result = replay(
+        trace,
+        app,
+        plan,
+        np.random.default_rng(5),
+        policy="tuner",
+        planning_arrival_s=planning.arrival_s,
+        **options,
+    )
+    by_name = {stage.name: stage for stage in result.stages}
+    # Each decision names the ladder's fleet as its target (InferLine's model names none).
+    assert result.decisions
+    assert all("the sizing model's fleet" in d.reason for d in result.decisions)
+    seen = [{t: n for t, n in w.fleet.items() if n} for w in by_name["large"].timeline]
+    assert busy["large"] in seen
+    for name, stage in by_name.items():
+        assert {t: n for t, n in stage.timeline[-1].fleet.items() if n} == planned[name], name
+    assert max(w.cost_usd_per_hr for w in result.timeline) <= app.constraints.budget_usd_per_hr
