@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.cli.output import UsageError, emit
+from controlplane.cli.output import UsageError, emit, progress
 from controlplane.policies import scaling
 from controlplane.policies.baselines import (
     PEAK_WINDOW_S,
@@ -125,7 +125,13 @@ def run(args: argparse.Namespace) -> int:
     ladder = None
     ladders: dict[str, SizingLadder] = {}
     sizing: dict[str, Any] = {}
+    ladder_note = (
+        "replay: planning the tuner's sizing ladder (the planner at 0.2x to 5x of the planning"
+        " rate and for other burstiness: tens of plans)"
+    )
     if policy == "tuner" and cascade and model == "curve":
+        check_stages(plan, app)
+        progress(ladder_note)
         # Each stage sized by its ladder: the planner's fleet of that stage for the whole
         # cascade at each load (docs/tuner.md, Cascades).
         ladders, sizing = cascade_sizing(
@@ -134,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             leading_share(trace) if planning is None else planning,
             dispatch=args.dispatch,
             seed=args.seed,
+            progress=progress,
         )
         if not ladders:
             model = "inferline"
@@ -146,12 +153,14 @@ def run(args: argparse.Namespace) -> int:
         sizing = {"tuner_persistence_s": DEFAULT_PERSISTENCE_S}
     elif policy == "tuner" and model == "curve":
         stage = check_plan(plan, app)
+        progress(ladder_note)
         ladder, sizing = replay_sizing(
             app,
             stage,
             leading_share(trace) if planning is None else planning,
             dispatch=args.dispatch or stage.policy,
             seed=args.seed,
+            progress=progress,
         )
         curve = None if ladder is None else ladder.curve
         if curve is None:

@@ -308,6 +308,7 @@ def replay_sizing(
     dispatch: str | None,
     seed: int = 0,
     burstiness: Sequence[float] = DEFAULT_BURSTINESS,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[SizingLadder | None, dict[str, Any]]:
     """What ``heteroplane replay``'s tuner sizes a single-stage plan with, by default: the
     sizing ladder of ``planning`` (:func:`build_ladder`, covering the plan's own types too),
@@ -324,6 +325,7 @@ def replay_sizing(
         seed=seed,
         also_types=[t for t, n in stage.fleet.items() if n],
         burstiness=burstiness,
+        progress=progress,
     )
     options: dict[str, Any] = {"tuner_persistence_s": DEFAULT_PERSISTENCE_S}
     if ladder is None:
