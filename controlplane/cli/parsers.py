@@ -659,10 +659,11 @@ def _replay(subparsers: Subparsers) -> None:
         "--tuner-model",
         choices=("curve", "inferline"),
         default=None,
-        help="how the tuner sizes the stage: curve (the default: the planner's capacity at the"
-        " live load, measured by planning the planning trace at 0.5x-2x its rate, and a 180 s"
-        " live envelope; docs/tuner.md) or inferline (InferLine's one provisioning ratio rho and"
-        " a 60 s live envelope, for comparison); a cascade's stages run inferline",
+        help="how the tuner sizes each stage: curve (the default: the sizing ladder, the"
+        " planner's fleet for the planning trace at 0.2x-5x its rate and for other burstiness,"
+        " a 120 s live envelope; for a cascade each stage's fleet in the plans of the whole"
+        " cascade; docs/tuner.md) or inferline (InferLine's one provisioning ratio rho and a 60 s"
+        " live envelope, for comparison)",
     )
     parser.add_argument(
         "--peak-window-s",
