@@ -240,8 +240,10 @@ def _stage_ladder(
 ) -> SizingLadder | None:
     if 1.0 not in fleets:
         return None
-    mine = [(cv2, trace, found[stage.name]) for cv2, trace, found in others]
-    mine = [(cv2, trace, f) for cv2, trace, f in mine if 1.0 in f]
+    # This stage's fleets in the other burstiness' plans, where the planner placed it at 1x.
+    mine = [
+        (cv2, trace, found[stage.name]) for cv2, trace, found in others if 1.0 in found[stage.name]
+    ]
     every = [fleets, *(f for _, _, f in mine)]
     types = sorted(
         {*stage.also_types, *(t for rung in every for fleet in rung.values() for t in fleet)}

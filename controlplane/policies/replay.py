@@ -1225,6 +1225,24 @@ def thin_planning_arrivals(
     return thinned
 
 
+def _thinned_ladder(
+    ladder: SizingLadder, trace: Trace, reach: NDArray[np.bool_], planning: NDArray[np.float64]
+) -> SizingLadder:
+    """A cascade stage's ladder as the stage sees it: its burstiness families' planning
+    arrivals thinned as the stage's own (``planning``, already thinned) are, and each family,
+    and the ladder itself, labelled with its thinned stream's CV^2 (a stream of CV^2 c thinned at
+    share s has CV^2 s c + 1 - s), which is what the stage's live CV^2 is matched with."""
+    thinned = [
+        (thin_planning_arrivals(arrival_s, trace, reach), other)
+        for _cv2, arrival_s, other in ladder.families
+    ]
+    return dataclasses.replace(
+        ladder,
+        cv2=arrival_cv2(planning)[0] if ladder.cv2 is not None else None,
+        families=tuple((arrival_cv2(a)[0], a, other) for a, other in thinned),
+    )
+
+
 @dataclass(slots=True)
 class _StageTuner:
     """One stage's tuner in a cascade replay (never escapes this module)."""
@@ -1312,19 +1330,35 @@ def cascade_tuner_timelines(
     for i, stage in enumerate(stages):
         mask = masks[i]
         reached = Trace(trace.arrival_s[mask], trace.batch_size[mask]) if mask.any() else trace
+        planning = thin_planning_arrivals(planning_arrival_s, trace, mask)
         ladder = None if ladders is None else ladders.get(stage.name)
-        if ladder is None:
-            mu = _stage_rates(app, stage, reached)
-            fleet = {name: stage.fleet[name] for name in mu}
-        else:
-            mu = dict(ladder.rate_per_instance_qps)
-            fleet = {name: n for name, n in stage.fleet.items() if n > 0}
-            if any(name not in mu for name in fleet):
-                raise ReplayError(f"the ladder of {stage.name} does not cover the plan's types")
-        boot = _boot_s(app, sorted(mu), boot_s)
+        if ladder is not None and planning.size >= 2:
+            sized, config, boot = ladder_tuner(
+                reached,
+                app,
+                stage,
+                planning,
+                _thinned_ladder(ladder, trace, mask, planning),
+                boot_s=boot_s,
+                min_window_s=min_window_s,
+                recent_s=recent_s,
+                persistence_s=persistence_s,
+            )
+            first = Fleet.of({name: n for name, n in stage.fleet.items() if n > 0})
+            log = _FleetLog.planned(first, boot)
+            logs.append(log)
+            state = dataclasses.replace(
+                initial_state([sized], now_s=0.0), fleets={sized.name: first}
+            )
+            tuners.append(_StageTuner(sized, config, state, trace.arrival_s[mask], log))
+            fixed.append(0.0)
+            made.append((sized.utilisation_target, None))
+            continue
+        mu = _stage_rates(app, stage, reached)
+        boot = _boot_s(app, list(mu), boot_s)
+        fleet = {name: stage.fleet[name] for name in mu}
         log = _FleetLog.planned(Fleet.of(fleet), boot)
         logs.append(log)
-        planning = thin_planning_arrivals(planning_arrival_s, trace, mask)
         if planning.size < 2:
             tuners.append(None)
             fixed.append(sum(n * prices[t] for t, n in fleet.items()))
@@ -1336,7 +1370,7 @@ def cascade_tuner_timelines(
                 )
             )
             continue
-        service_time_s = max(_batch_latency_s(app, stage, reached, t, mu[t]) for t in fleet)
+        service_time_s = max(_batch_latency_s(app, stage, reached, t, mu[t]) for t in mu)
         service_time_s = min(max(service_time_s, min_window_s), DEFAULT_MAX_WINDOW_S)
         config = TunerConfig.from_planning_trace(
             planning,
@@ -1344,32 +1378,11 @@ def cascade_tuner_timelines(
             budget_usd_per_hr=budget,
             constraints=app.constraints,
             catalog=app.catalog,
-            types=sorted(mu),
+            types=list(mu),
             boot_s=boot,
             recent_s=recent_s,
             persistence_s=persistence_s,
         )
-        if ladder is not None:
-            # The burstiness the stage sees is its own arrivals' (a thinned stream is smoother
-            # than the whole: CV^2 s c + 1 - s at reach share s), and so is what the live
-            # estimate is matched with.
-            thinned = [
-                (thin_planning_arrivals(arrival_s, trace, mask), other)
-                for _cv2, arrival_s, other in ladder.families
-            ]
-            ladder = dataclasses.replace(
-                ladder,
-                cv2=arrival_cv2(planning)[0] if ladder.cv2 is not None else None,
-                families=tuple((arrival_cv2(a)[0], a, other) for a, other in thinned),
-            )
-            sized = tuner_stage(ladder, fleet, config)
-            state = dataclasses.replace(
-                initial_state([sized], now_s=0.0), fleets={sized.name: Fleet.of(fleet)}
-            )
-            tuners.append(_StageTuner(sized, config, state, trace.arrival_s[mask], log))
-            fixed.append(0.0)
-            made.append((sized.utilisation_target, None))
-            continue
         model = matched_capacity_model(
             app,
             dispatch if dispatch is not None else stage.policy,

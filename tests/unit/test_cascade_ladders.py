@@ -6,6 +6,8 @@ cascade forwards queries), so their burstiness is the stream's the stage sees.""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,8 +26,8 @@ QUERIES = 5000
 LOADS = (1.0, 2.0, 4.0)
 
 
-def stage_fleets(plan_stages: object) -> dict[str, dict[str, int]]:
-    return {s.name: {t: n for t, n in s.fleet.items() if n} for s in plan_stages}  # type: ignore[attr-defined]
+def stage_fleets(plan_stages: Iterable[Any]) -> dict[str, dict[str, int]]:
+    return {s.name: {t: n for t, n in s.fleet.items() if n} for s in plan_stages}
 
 
 @pytest.fixture(scope="module")
