@@ -210,17 +210,10 @@ def run(args: argparse.Namespace) -> int:
     if policy == "tuner":
         data["tuner_model"] = model
         data["capacity_curve"] = None if curve is None else [list(p) for p in curve]
-        data["sizing_ladder"] = (
-            None
-            if ladder is None
-            else [{"load": f, "fleet": dict(fleet)} for f, fleet in ladder.rungs]
-        )
+        data["sizing_ladder"] = None if ladder is None else rungs_document(ladder)
         if cascade:
             data["tuner_model_note"] = model_note
-            data["sizing_ladders"] = {
-                name: [{"load": f, "fleet": dict(fleet)} for f, fleet in made_ladder.rungs]
-                for name, made_ladder in ladders.items()
-            }
+            data["sizing_ladders"] = {name: rungs_document(made) for name, made in ladders.items()}
     data["seed"] = args.seed
 
     def human() -> str:
@@ -263,6 +256,11 @@ def run(args: argparse.Namespace) -> int:
         return "\n".join(lines)
 
     return emit(args.json, data, human)
+
+
+def rungs_document(ladder: SizingLadder) -> list[dict[str, Any]]:
+    """A sizing ladder's rungs as ``replay --json`` gives them: ``{load, fleet}`` each."""
+    return [{"load": f, "fleet": dict(fleet)} for f, fleet in ladder.rungs]
 
 
 def baseline_document(made: BaselinePlan) -> dict[str, Any]:
