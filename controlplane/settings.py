@@ -254,6 +254,13 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="the tuner's quiet time after a change before it scales down, s",
     )
+    tuner_cascade_ladders: bool = Field(
+        default=False,
+        description=(
+            "size a cascade's stages live by their sizing ladders (as heteroplane replay does)"
+            " instead of InferLine's ratio per stage"
+        ),
+    )
     calibration_min_batches: int = Field(
         default=50,
         ge=1,

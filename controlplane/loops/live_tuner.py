@@ -32,19 +32,27 @@ come (InferLine's 15 s). Shorter ones make the tuner react, and forget a burst, 
 uses them to see a whole step up and down in a minute.
 
 The load model (``model="curve"``, the default; docs/tuner.md, "The model now"): a stage is sized
-by the planner's capacity at the live load rather than by one provisioning ratio, which needs the
-applied plan's capacity curve (:func:`controlplane.policies.capacity_curve.capacity_curve`: six
-plans, a few seconds). That never runs in the tick: when the tuner first sets up an app on a plan
-it hands :func:`plan_capacity_curve` to a worker (``submit``; by default a daemon thread) under a
+by the planner's fleet at the live load rather than by one provisioning ratio, which needs the
+applied plan's sizing ladders (:func:`plan_ladders`: tens of plans, tens of seconds; a builder
+may give a single stage's capacity curve instead, :func:`plan_capacity_curve`). That never runs
+in the tick: when the tuner first sets up an app on a plan it hands the build to a worker
+(``submit``; by default a daemon thread) under a
 deadline (``curve_deadline_s``, :mod:`estimator.deadline`; :meth:`LiveTuner.close` cancels it),
 and caches the answer per (app, plan id, budget). Until the curve is ready the app runs
 InferLine's model; once it is, the next tick gives the stage the curve and the live envelope
-:data:`controlplane.policies.capacity_curve.LOAD_MODEL_RECENT_S` (180 s; three of the longest
-windows where the service shortens them) of memory, keeping the fleet the tuner has reached.
+:data:`controlplane.policies.capacity_curve.LOAD_MODEL_RECENT_S` (120 s; scaled with the
+longest window where the service shortens them) of memory, keeping the fleet the tuner has reached.
 A curve that cannot be made (the planner fails, runs past the deadline, or places nothing at
-the planned rate) leaves the app on InferLine's model, with the reason logged. A cascade
-(several stages) stays on InferLine's model: its later stages see the share of queries the gear
-switcher's thresholds forward, which the app's load does not tell.
+the planned rate) leaves the app on InferLine's model, with the reason logged. A recalibration
+builds the ladders again on the new profiles; the old ones size the stages until then. A cascade
+(several stages) keeps InferLine's model by default, the stage's load the app's times its
+``scale_factor``; with ``cascade_ladders`` it is sized by its stages' ladders
+(:func:`plan_ladders`: the replay's :func:`controlplane.policies.capacity_curve.cascade_sizing`,
+each rung a plan of the whole cascade), every stage reading the app's arrivals against the app's
+planned envelope, since its rungs are indexed by the app's load (its reach at the spec's
+thresholds is in them; the gear the switcher picks is not). A stage without a ladder stays on
+InferLine's model. docs/tuner.md ("The load model in the service") says why the default
+is InferLine's.
 Every recorded decision says which model decided (``model`` in its numbers, and ``model_note``
 for why InferLine's decided where the load model was asked for).
 """
@@ -73,6 +81,7 @@ from controlplane.policies.capacity_curve import (
     DEFAULT_LOADS,
     LOAD_MODEL_RECENT_S,
     build_ladder,
+    cascade_sizing,
 )
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S
@@ -109,6 +118,7 @@ __all__ = [
     "TunerModel",
     "plan_capacity_curve",
     "plan_ladder",
+    "plan_ladders",
     "stage_rates_qps",
 ]
 
@@ -119,11 +129,15 @@ ArrivalSource = Callable[[str], NDArray[np.float64] | None]
 when nothing observes the app's traffic (no serving loop): the tuner then leaves it on its plan."""
 ResolveFn = Callable[[AppRecord], ResolvedApp]
 """An app record -> its spec checked against its data (the API's resolver)."""
-CurveBuilder = Callable[[ResolvedApp, PlanRecord], "SizingLadder | tuple[tuple[float, float], ...]"]
-"""(the app, its applied plan) -> the plan's single stage's sizing ladder (:func:`plan_ladder`,
-the default: the mix is re-chosen as the load moves), or only its capacity curve, points
-(f, m(f)) (:func:`plan_capacity_curve`: the planned types alone); raises when there is none to be
-had."""
+CurveBuilder = Callable[
+    [ResolvedApp, PlanRecord],
+    "Mapping[str, SizingLadder] | SizingLadder | tuple[tuple[float, float], ...]",
+]
+"""(the app, its applied plan) -> the sizing ladders of the plan's stages by name
+(:func:`plan_ladders`, the default: the mix is re-chosen as the load moves, a cascade's stages
+too), or a single stage's ladder (:func:`plan_ladder`), or only a single stage's capacity curve,
+points (f, m(f)) (:func:`plan_capacity_curve`: the planned types alone); raises when there is
+none to be had."""
 Submit = Callable[[Callable[[], None]], None]
 """Runs a piece of work off the tick (by default on a daemon thread; a test may run it at once,
 or later, or never)."""
@@ -161,6 +175,9 @@ class _AppTuner:
     # Why the stages run InferLine's model where the load model was asked for (None: they run
     # the load model, or InferLine's was asked for).
     model_note: str | None = None
+    # The profiles were recalibrated while the stages ran the load model: its ladders are built
+    # again, and the stages keep the old ones until the new ones are ready.
+    rebuild: bool = False
 
 
 @dataclass(slots=True)
@@ -170,7 +187,8 @@ class _Curve:
     status: Literal["building", "ready", "failed"]
     curve: tuple[tuple[float, float], ...] = ()
     reason: str = ""
-    ladder: SizingLadder | None = None
+    # The sizing ladders by stage name (empty: a capacity curve only).
+    ladders: Mapping[str, SizingLadder] = dataclasses.field(default_factory=dict)
 
 
 class LiveTuner:
@@ -183,10 +201,11 @@ class LiveTuner:
     InferLine's 60 s and 15 s by default). ``model`` picks the load model (``curve``, the default;
     the module docstring) or InferLine's one provisioning ratio (``inferline``);
     ``load_model_recent_s`` is the load model's live envelope span (by default
-    :data:`controlplane.policies.capacity_curve.LOAD_MODEL_RECENT_S`, 180 s, scaled by
+    :data:`controlplane.policies.capacity_curve.LOAD_MODEL_RECENT_S`, 120 s, scaled by
     ``max_window_s`` / 60 s; never shorter than ``max_window_s``), ``build_curve`` makes a
-    plan's capacity curve (:func:`plan_capacity_curve`) within ``curve_deadline_s``, and
-    ``submit`` runs it off the tick.
+    plan's sizing ladders (:func:`plan_ladders`) within ``curve_deadline_s``, and
+    ``submit`` runs it off the tick. ``cascade_ladders`` sizes a cascade's stages by their ladders
+    too (by default a cascade keeps InferLine's model: the module docstring).
     """
 
     def __init__(
@@ -203,6 +222,7 @@ class LiveTuner:
         build_curve: CurveBuilder | None = None,
         curve_deadline_s: float = DEFAULT_CURVE_DEADLINE_S,
         submit: Submit | None = None,
+        cascade_ladders: bool = False,
     ) -> None:
         if not (math.isfinite(max_window_s) and max_window_s > 0):
             raise ValueError(f"max_window_s must be finite and > 0, got {max_window_s!r}")
@@ -213,7 +233,7 @@ class LiveTuner:
         if model not in ("curve", "inferline"):
             raise ValueError(f"model must be curve or inferline, got {model!r}")
         if load_model_recent_s is None:
-            # The load model's memory is three of its longest windows (180 s at InferLine's 60 s):
+            # The load model's memory is two of its longest windows (120 s at InferLine's 60 s):
             # a service that shortens its windows (a test, a demo) shortens the memory with them.
             load_model_recent_s = LOAD_MODEL_RECENT_S * max_window_s / DEFAULT_MAX_WINDOW_S
         for name, value in (
@@ -230,7 +250,8 @@ class LiveTuner:
         self._scale_down_delay_s = float(scale_down_delay_s)
         self._model: TunerModel = model
         self._load_model_recent_s = max(float(load_model_recent_s), self._max_window_s)
-        self._build_curve = build_curve or plan_ladder
+        self._build_curve = build_curve or plan_ladders
+        self._cascade_ladders = bool(cascade_ladders)
         self._curve_deadline_s = float(curve_deadline_s)
         self._builds: list[threading.Thread] = []
         self._submit = submit or self._in_thread
@@ -335,6 +356,11 @@ class LiveTuner:
             tuned = self._set_up(app, now_s)
             if tuned is None:
                 return []
+        elif recalibrated and any(s.capacity_curve is not None for s in tuned.stages):
+            # Sized by the load model: its ladders are built again on the new profiles, and
+            # until they are ready the old ones size the stages (InferLine's model meanwhile
+            # would buy what the ladders had just found unneeded, and drop it again).
+            tuned.rebuild = True
         elif recalibrated:
             fresh = self._set_up(app, now_s)
             if fresh is not None and [s.name for s in fresh.stages] == [
@@ -347,7 +373,7 @@ class LiveTuner:
                 fresh.state, fresh.capped = tuned.state, tuned.capped
                 tuned = fresh
         if self._model == "curve":
-            self._load_model(app, tuned)
+            self._load_model(app, tuned, now_s)
         arrivals = np.ascontiguousarray(observed, dtype=np.float64)
         decisions, state = tune(arrivals, now_s, tuned.state, tuned.stages, tuned.config)
         models = {stage.name: stage.model for stage in tuned.stages}
@@ -472,12 +498,14 @@ class LiveTuner:
 
     # --- the load model ------------------------------------------------------------------------
 
-    def _load_model(self, app: AppRecord, tuned: _AppTuner) -> None:
-        """Give ``tuned``'s stage its plan's capacity curve once it is ready (starting the build
-        the first time), else note why InferLine's model decides for now."""
-        if any(stage.capacity_curve is not None for stage in tuned.stages):
+    def _load_model(self, app: AppRecord, tuned: _AppTuner, now_s: float) -> None:
+        """Give ``tuned``'s stages their plan's sizing ladders (or a single stage its capacity
+        curve) once they are ready (starting the build the first time, and again after a
+        recalibration), else note why InferLine's model decides for now."""
+        sized = any(s.capacity_curve is not None for s in tuned.stages)
+        if sized and not tuned.rebuild:
             return
-        if len(tuned.stages) > 1:
+        if len(tuned.stages) > 1 and not self._cascade_ladders:
             tuned.model_note = "a cascade: InferLine's model per stage"
             return
         key = (app.name, tuned.plan_id, tuned.budget_usd_per_hr)
@@ -493,40 +521,23 @@ class LiveTuner:
             self._start_curve(app, key)
             with self._lock:  # a synchronous submit has finished it already
                 entry = self._curves.get(key, entry)
+        if sized:  # rebuilding after a recalibration: the old ladders size the stages meanwhile
+            if entry.status == "building":
+                return
+            tuned.rebuild = False
+            fresh = self._set_up(app, now_s) if entry.status == "ready" else None
+            if fresh is None or [s.name for s in fresh.stages] != [s.name for s in tuned.stages]:
+                return  # a failed build (logged) keeps the old ladders
+            tuned.stages, tuned.config = fresh.stages, fresh.config
         if entry.status == "building":
             tuned.model_note = "the plan's capacity curve is being built"
         elif entry.status == "failed":
             tuned.model_note = f"no capacity curve: {entry.reason}"
-        elif entry.ladder is not None:
-            ladder = entry.ladder
-            config = tuned.config
-            types = sorted({*config.prices_usd_per_hr, *ladder.rate_per_instance_qps})
-            resolved = self._resolve(app)
-            tuned.config = TunerConfig.from_envelope(
-                config.windows_s,
-                config.planned_rate_qps,
-                budget_usd_per_hr=config.budget_usd_per_hr,
-                constraints=resolved.constraints,
-                catalog=resolved.catalog,
-                types=types,
-                scale_down_delay_s=config.scale_down_delay_s,
-                recent_s=self._load_model_recent_s,
-                persistence_s=config.persistence_s,
-            )
-            tuned.stages = [
-                tuner_stage(ladder, stage.fleet, tuned.config, scale_factor=stage.scale_factor)
-                for stage in tuned.stages
-            ]
-            tuned.model_note = None
-            logger.info(
-                "tuner: %s: plan %s runs the sizing model, rungs %s",
-                app.name,
-                tuned.plan_id,
-                "; ".join(
-                    f"x{f:g}: {', '.join(f'{n} {t}' for t, n in sorted(r.items()))}"
-                    for f, r in ladder.rungs
-                ),
-            )
+        elif entry.ladders:
+            self._use_ladders(app, tuned, entry.ladders)
+        elif len(tuned.stages) > 1:
+            # A capacity curve is one stage's: a cascade needs its stages' ladders.
+            tuned.model_note = "a cascade: InferLine's model per stage (no ladders)"
         else:
             tuned.stages = [
                 dataclasses.replace(stage, capacity_curve=entry.curve) for stage in tuned.stages
@@ -538,6 +549,59 @@ class LiveTuner:
                 app.name,
                 tuned.plan_id,
                 ", ".join(f"x{f:g}: {m:.3f}" for f, m in entry.curve),
+            )
+
+    def _use_ladders(
+        self, app: AppRecord, tuned: _AppTuner, ladders: Mapping[str, SizingLadder]
+    ) -> None:
+        """Size each of ``tuned``'s stages that has a ladder by it (a stage without one keeps
+        InferLine's model, noted). Every stage reads the app's arrivals against the app's planned
+        envelope: a cascade stage's rungs are its fleets in the plans of the whole cascade at f
+        times the planned rate, so the app's load factor picks its rung."""
+        config = tuned.config
+        types = sorted(
+            {
+                *config.prices_usd_per_hr,
+                *(t for ladder in ladders.values() for t in ladder.rate_per_instance_qps),
+            }
+        )
+        resolved = self._resolve(app)
+        tuned.config = TunerConfig.from_envelope(
+            config.windows_s,
+            config.planned_rate_qps,
+            budget_usd_per_hr=config.budget_usd_per_hr,
+            constraints=resolved.constraints,
+            catalog=resolved.catalog,
+            types=types,
+            scale_down_delay_s=config.scale_down_delay_s,
+            recent_s=self._load_model_recent_s,
+            persistence_s=config.persistence_s,
+        )
+        tuned.stages = [
+            tuner_stage(
+                ladders[stage.name], stage.fleet, tuned.config, scale_factor=stage.scale_factor
+            )
+            if stage.name in ladders
+            else stage
+            for stage in tuned.stages
+        ]
+        unsized = [stage.name for stage in tuned.stages if stage.name not in ladders]
+        tuned.model_note = (
+            f"no ladder for {', '.join(unsized)} (the planner places nothing for it at the"
+            " planned rate): InferLine's model there"
+            if unsized
+            else None
+        )
+        for name, ladder in sorted(ladders.items()):
+            logger.info(
+                "tuner: %s: plan %s runs the sizing model, %s's rungs %s",
+                app.name,
+                tuned.plan_id,
+                name,
+                "; ".join(
+                    f"x{f:g}: {', '.join(f'{n} {t}' for t, n in sorted(r.items()))}"
+                    for f, r in ladder.rungs
+                ),
             )
 
     def _start_curve(self, app: AppRecord, key: tuple[str, int, float]) -> None:
@@ -560,12 +624,15 @@ class LiveTuner:
             except Exception as error:  # any failure leaves the app on InferLine's model
                 self._curve_failed(key, error)
                 return
+            if isinstance(curve, SizingLadder):
+                ready = _Curve("ready", curve.curve, ladders={curve.stage: curve})
+            elif isinstance(curve, Mapping):
+                ready = _Curve("ready", ladders=dict(curve))
+            else:
+                ready = _Curve("ready", tuple(curve))
             with self._lock:
                 if key in self._curves:  # not forgotten (a newer plan) meanwhile
-                    if isinstance(curve, SizingLadder):
-                        self._curves[key] = _Curve("ready", curve.curve, ladder=curve)
-                    else:
-                        self._curves[key] = _Curve("ready", tuple(curve))
+                    self._curves[key] = ready
 
         logger.info("tuner: %s: building plan %s's capacity curve", key[0], key[1])
         try:
@@ -604,6 +671,30 @@ def plan_ladder(app: ResolvedApp, plan: PlanRecord) -> SizingLadder:
         EstimatorError, InvalidValueError: what the planner or the trace generator raise.
     """
     return _plan_ladder(app, plan, DEFAULT_LADDER_LOADS, DEFAULT_BURSTINESS)
+
+
+def plan_ladders(app: ResolvedApp, plan: PlanRecord) -> dict[str, SizingLadder]:
+    """The sizing ladders of ``plan``'s stages by name, what the live tuner sizes with: a single
+    stage's :func:`plan_ladder`; a cascade's :func:`controlplane.policies.capacity_curve.
+    cascade_sizing` on the plan's own planning trace (made again as :func:`plan_ladder` makes
+    it): each rung one plan of the whole cascade, each stage keeping its own fleet, refined where
+    a fleet changes, with the same burstiness families, as ``heteroplane replay`` sizes the
+    cascade. A stage the planner places nothing for has no ladder (InferLine's model there).
+    Tens of plans of the whole cascade: never on the tick.
+
+    Raises:
+        ValueError: the planner places no stage at the plan's rate.
+        EstimatorError, InvalidValueError: what the planner or the trace generator raise.
+    """
+    document = plan.plan
+    if len(document.stages) == 1:
+        ladder = plan_ladder(app, plan)
+        return {ladder.stage: ladder}
+    trace, _ = planning_trace(app, replanning_request(document))
+    ladders, _options = cascade_sizing(app, document, trace, seed=document.seed or 0)
+    if not ladders:
+        raise ValueError("the planner places no stage for the planning trace at its own rate")
+    return ladders
 
 
 def plan_capacity_curve(app: ResolvedApp, plan: PlanRecord) -> tuple[tuple[float, float], ...]:

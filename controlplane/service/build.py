@@ -301,6 +301,7 @@ def build_live_tuner(
         stored_apps(resolver),
         max_window_s=settings.tuner_max_window_s,
         scale_down_delay_s=settings.tuner_scale_down_delay_s,
+        cascade_ladders=settings.tuner_cascade_ladders,
     )
 
 

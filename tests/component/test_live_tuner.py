@@ -464,6 +464,52 @@ def test_the_load_model_waits_for_its_curve_off_the_tick_and_then_decides(
     assert f"over the last {LOAD_MODEL_RECENT_S:g} s" in downs[-1].reason
 
 
+def test_a_recalibration_keeps_the_load_model_until_its_curve_is_built_again(
+    store: Store, tmp_path: Path
+) -> None:
+    """A recalibration plans the curve again on the new profiles; meanwhile the old curve sizes
+    the stage (InferLine's model in between would buy what the curve had found unneeded)."""
+    clock, feed, worker = FakeClock(start_s=1000.0), Feed(), Worker()
+    built: list[int] = []
+    factors: dict[tuple[str, str], float] = {}
+
+    def recalibrated(record: AppRecord) -> Any:
+        return scaled_profiles(resolve_spec(validate_spec(record.spec)), factors)
+
+    def build(app: Any, plan: Any) -> Any:
+        built.append(plan.id)
+        return CURVE
+
+    app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
+    tuner = LiveTuner(store, clock, feed, recalibrated, build_curve=build, submit=worker)
+    feed.arrival_s = steady(50.0, 940.0, 1000.0)
+    assert tuner.tick() == []
+    worker.run()
+    assert tuner.tick() == []
+    (stage,) = tuner.stages(APP)
+    assert stage.model == "curve" and stage.rate_per_instance_qps[SMALL] == pytest.approx(50.0)
+
+    factors[("tiny", SMALL)] = 2.0  # 40 ms per query, not 20
+    tuner.recalibrate(APP)
+    clock.advance(60.0)
+    feed.arrival_s = steady(256.0, 1000.0, 1060.0)
+    tuner.tick()
+    assert len(worker.queued) == 1  # the curve is built again, off the tick
+    (stage,) = tuner.stages(APP)
+    assert stage.model == "curve"  # the old curve sizes the stage meanwhile
+    assert stage.rate_per_instance_qps[SMALL] == pytest.approx(50.0)
+    ups = decisions_of(store, "scale_up")
+    assert ups and all(d.numbers["model"] == "curve" for d in ups)
+
+    worker.run()
+    assert built == [app.applied_plan_id] * 2
+    clock.advance(1.0)
+    tuner.tick()
+    (stage,) = tuner.stages(APP)
+    assert stage.model == "curve"  # the new curve, on the recalibrated profile
+    assert stage.rate_per_instance_qps[SMALL] == pytest.approx(25.0)
+
+
 def test_without_its_curve_the_tuner_keeps_inferlines_model_and_says_why(
     store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -10,6 +10,7 @@ the real reconciler.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,21 +20,30 @@ import numpy as np
 import pytest
 
 from controlplane.apps.plans import PlanRequest, planning_trace, replanning_request
+from controlplane.apps.resolver import spec_document
 from controlplane.clock import FakeClock
 from controlplane.db import migrate
 from controlplane.db.store import AppRecord, Store
+from controlplane.loops import live_tuner
 from controlplane.loops.live_tuner import LiveTuner
 from controlplane.loops.reconciler import AppPricing, Reconciler
-from controlplane.policies.capacity_curve import DEFAULT_BURSTINESS, build_ladder
+from controlplane.policies.capacity_curve import DEFAULT_BURSTINESS, build_ladder, cascade_sizing
 from controlplane.policies.planner import plan_app, scale_trace
 from controlplane.policies.replay import ladder_tuner
 from controlplane.policies.tuner import TunerStage, ladder_fleet
-from controlplane.spec import resolve_spec, validate_spec
+from controlplane.spec import load_spec, resolve_spec, validate_spec
 from provisioners.fake import FakeProvisioner
+from tests.unit.test_planner import write_cascade_app
 
 SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
 APP = "recs"
 RATE_QPS = 40.0
+# The toy cascade (tests/unit/test_planner.py): its planned rate and the loads of its ladders
+# (its large stage runs one instance up to 1.1x and two at 2x: a rung at 1.1x keeps a live load a
+# hair over the planning trace's own envelope from reading as a need for the second, as the
+# refinement of the full ladders does).
+CASCADE_RATE_QPS = 120.0
+CASCADE_LOADS = (1.0, 1.1, 2.0)
 # tiny: 40 ms per query on a small (mu 25 qps for $0.05/hr), 10 ms on a large (mu 100 qps for
 # $0.10/hr): the large serves twice the queries per dollar.
 PROFILES = {
@@ -176,3 +186,76 @@ def test_a_blip_makes_the_live_tuner_launch_nothing(store: Store, tmp_path: Path
     assert len(fake.list({})) == launched_at_start
     desired = tuner.desired_fleet(store.get_app(APP))
     assert {t: n for t, n in desired.items() if n} == planned
+
+
+def test_a_cascade_is_sized_by_its_stage_ladders_in_the_replay_and_live_alike(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The ladders at three loads, unrefined, for the planning trace's burstiness only (the defaults
+    # are tens of plans of the whole cascade; tests/unit/test_cascade_ladders.py covers
+    # refinement and burstiness): the same short ladders for the live tuner and the replay.
+    short = functools.partial(cascade_sizing, loads=CASCADE_LOADS, burstiness=(), refine=0.0)
+    monkeypatch.setattr(live_tuner, "cascade_sizing", short)
+    write_cascade_app(tmp_path, records=True)
+    written = load_spec(tmp_path / "cascade-True-0.6-50.yaml")
+    store.create_app({**spec_document(written), "name": APP}, who="test")
+    app = store.get_app(APP)
+    resolved = resolve(app)
+    planning, _ = planning_trace(resolved, PlanRequest(rate_qps=CASCADE_RATE_QPS, seed=0))
+    document = plan_app(resolved, planning, seed=0).to_document()
+    document["seed"] = 0
+    store.apply_plan(APP, store.create_plan(APP, document).id)
+    app = store.get_app(APP)
+    record = store.get_applied_plan(APP)
+    assert record is not None and len(record.plan.stages) == 2
+    planning, _ = planning_trace(resolved, replanning_request(record.plan))
+    prices = resolved.prices_usd_per_hr
+
+    # The planner at 2x: each stage's fleet in its plan of the whole cascade (its plans at the
+    # other loads are the ladders' rungs: tests/unit/test_cascade_ladders.py).
+    by_planner = {
+        s.name: {t: n for t, n in s.fleet.items() if n}
+        for s in plan_app(resolved, scale_trace(planning, 2 * CASCADE_RATE_QPS)).stages
+    }
+    # The replay's ladders (heteroplane replay's cascade sizing), and the live tuner's.
+    replayed, _ = short(resolved, record.plan, planning, seed=0)
+    clock = FakeClock(start_s=1000.0)
+    arrivals = 940.0 + np.arange(int(60 * CASCADE_RATE_QPS)) / CASCADE_RATE_QPS
+    tuner = LiveTuner(
+        store,
+        clock,
+        lambda _app: arrivals,
+        resolve,
+        submit=lambda work: work(),
+        cascade_ladders=True,
+    )
+    assert tuner.tick() == []  # at the planned rate the plan's fleet stays
+    live = {stage.name: stage for stage in tuner.stages(APP)}
+    assert set(live) == set(replayed) == {"cheap", "large"}
+    budget = resolved.constraints.budget_usd_per_hr
+    for name, stage in live.items():
+        assert stage.model == "curve" and stage.ladder is not None, name
+        assert stage.ladder == tuple((f, dict(r)) for f, r in replayed[name].rungs)
+        for load in CASCADE_LOADS:
+            fleet = ladder_fleet(stage, stage.capacity_at_load_qps(load), prices, budget)
+            assert {t: n for t, n in (fleet or {}).items() if n} == dict(
+                replayed[name].fleet_at(load)
+            ), (name, load)
+        assert dict(replayed[name].fleet_at(2.0)) == by_planner[name]
+    planned = {s.name: {t: n for t, n in s.fleet.items() if n} for s in record.plan.stages}
+    assert sum(by_planner["large"].values()) > sum(planned["large"].values())
+
+    # Twice the planned load for long: every stage grows to (at least) its planner's fleet at
+    # 2x, reading the app's arrivals against the app's planned envelope.
+    for _ in range(4):
+        clock.advance(30.0)
+        now = clock.now_s()
+        rate = 2 * CASCADE_RATE_QPS
+        arrivals = now - 60.0 + np.arange(int(60 * rate)) / rate
+        tuner.tick()
+    ups = [d for d in store.list_decisions(APP) if d.kind == "scale_up"]
+    assert "large" in {d.numbers["stage"] for d in ups}
+    assert all(d.numbers["model"] == "curve" and d.numbers["model_note"] is None for d in ups)
+    wanted = tuner.desired_fleet(store.get_app(APP))
+    for t in prices:
+        assert wanted.get(t, 0) >= sum(f.get(t, 0) for f in by_planner.values()), t
