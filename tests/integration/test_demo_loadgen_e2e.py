@@ -1,5 +1,5 @@
 """The serving path end to end: the demo cascade app behind the service, ``heteroplane
-loadgen`` replaying a 60-second trace, and a worker killed with SIGKILL in the middle.
+loadgen`` replaying a 40-second trace, and a worker killed with SIGKILL in the middle.
 
 The app is the one ``heteroplane demo`` serves, made by the same functions
 (:mod:`controlplane.service.demo`): the family's profiles measured into the data directory through
@@ -9,7 +9,7 @@ batch to tens of ms) and the plan previewed for the demo's rate and applied; the
 launches its workers (at least one per stage). The real service (``build_service`` on the local
 provisioner: reconciler, scheduler, serving loop, live tuner) runs behind uvicorn on a free
 loopback port, and the real command line, ``python -m controlplane loadgen --json``, replays a
-Poisson trace written by ``heteroplane trace generate`` (60 s at the rate the plan was made
+Poisson trace written by ``heteroplane trace generate`` (40 s at the rate the plan was made
 for, which the planned fleet serves and the tuner keeps it for: the test is about correctness,
 not capacity).
 
@@ -26,7 +26,7 @@ with SIGKILL. Then:
 - the service's count of queries late or failed is the client's within 1% of all queries (the
   service times each query from the API's receipt, as the client sees it).
 
-Nothing sleeps but the polling of deadlines; nothing is timed. It runs about 2 minutes (the
+Nothing sleeps but the polling of deadlines; nothing is timed. It runs about 80 s (the
 trace's one and the fleet's start), hence ``slow``.
 """
 
@@ -71,7 +71,7 @@ pytest.importorskip("torch")
 REPO = Path(__file__).resolve().parents[2]
 # The plan's own rate: below it the tuner would drain the fleet the victim is chosen from.
 TRACE_RATE_QPS = DEMO_RATE_QPS
-TRACE_DURATION_S = 60.0
+TRACE_DURATION_S = 40.0
 TRACE_SEED = 8
 PROFILE_SAMPLES = 3
 SERVED_DEADLINE_S = 120.0
@@ -231,7 +231,7 @@ def test_loadgen_replays_a_trace_on_the_demo_and_a_killed_worker_loses_nothing(
     token = state.token.path.read_text(encoding="utf-8").strip()
     trace = tmp_path / "trace.csv"
     queries = _write_trace(trace)
-    assert queries > 600  # about DEMO_RATE_QPS for 60 s
+    assert queries > 400  # about DEMO_RATE_QPS for 40 s
 
     with ApiServer(service) as url:
         headers = {"Authorization": f"Bearer {token}"}
