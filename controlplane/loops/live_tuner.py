@@ -44,7 +44,9 @@ InferLine's model; once it is, the next tick gives the stage the curve and the l
 longest window where the service shortens them) of memory, keeping the fleet the tuner has reached.
 A curve that cannot be made (the planner fails, runs past the deadline, or places nothing at
 the planned rate) leaves the app on InferLine's model, with the reason logged. A recalibration
-builds the ladders again on the new profiles; the old ones size the stages until then. A cascade
+builds the ladders again on the new profiles; the old ones size the stages until then where the
+instances are no slower than they were planned for (else InferLine's model on the new rates does,
+at once). A cascade
 (several stages) keeps InferLine's model by default, the stage's load the app's times its
 ``scale_factor``; with ``cascade_ladders`` it is sized by its stages' ladders
 (:func:`plan_ladders`: the replay's :func:`controlplane.policies.capacity_curve.cascade_sizing`,
@@ -356,22 +358,28 @@ class LiveTuner:
             tuned = self._set_up(app, now_s)
             if tuned is None:
                 return []
-        elif recalibrated and any(s.capacity_curve is not None for s in tuned.stages):
-            # Sized by the load model: its ladders are built again on the new profiles, and
-            # until they are ready the old ones size the stages (InferLine's model meanwhile
-            # would buy what the ladders had just found unneeded, and drop it again).
-            tuned.rebuild = True
         elif recalibrated:
             fresh = self._set_up(app, now_s)
             if fresh is not None and [s.name for s in fresh.stages] == [
                 s.name for s in tuned.stages
             ]:
-                fresh.stages = [
-                    _recalibrated(new, old)
-                    for new, old in zip(fresh.stages, tuned.stages, strict=True)
-                ]
-                fresh.state, fresh.capped = tuned.state, tuned.capped
-                tuned = fresh
+                if any(s.capacity_curve is not None for s in tuned.stages) and not _slower(
+                    fresh.stages, tuned.stages
+                ):
+                    # Sized by the load model, on instances no slower than it was planned for:
+                    # the old ladders, which provision at least what the new ones will, size
+                    # the stages until those are built (InferLine's model meanwhile would buy
+                    # what the ladders had just found unneeded, and drop it again). Slower
+                    # instances fall back to InferLine's model on the new rates at once, as
+                    # before: the old ladders would provision too little.
+                    tuned.rebuild = True
+                else:
+                    fresh.stages = [
+                        _recalibrated(new, old)
+                        for new, old in zip(fresh.stages, tuned.stages, strict=True)
+                    ]
+                    fresh.state, fresh.capped = tuned.state, tuned.capped
+                    tuned = fresh
         if self._model == "curve":
             self._load_model(app, tuned, now_s)
         arrivals = np.ascontiguousarray(observed, dtype=np.float64)
@@ -780,6 +788,17 @@ def _cap_key(decision: ScalingDecision) -> str:
     """The identity of a budget cap in the decision log: its stage and the type it lacks (the
     count it lacks may move from tick to tick; the row keeps the newest)."""
     return f"{decision.stage}:{decision.instance_type}"
+
+
+def _slower(new: Sequence[TunerStage], old: Sequence[TunerStage]) -> bool:
+    """Whether any type of any stage serves fewer queries a second in ``new`` (set up on
+    recalibrated profiles) than in ``old``."""
+    return any(
+        rate < old_stage.rate_per_instance_qps[t] * (1.0 - 1e-9)
+        for new_stage, old_stage in zip(new, old, strict=True)
+        for t, rate in new_stage.rate_per_instance_qps.items()
+        if t in old_stage.rate_per_instance_qps
+    )
 
 
 def _recalibrated(new: TunerStage, old: TunerStage) -> TunerStage:

@@ -464,11 +464,18 @@ def test_the_load_model_waits_for_its_curve_off_the_tick_and_then_decides(
     assert f"over the last {LOAD_MODEL_RECENT_S:g} s" in downs[-1].reason
 
 
-def test_a_recalibration_keeps_the_load_model_until_its_curve_is_built_again(
-    store: Store, tmp_path: Path
+@pytest.mark.parametrize(
+    ("factor", "meanwhile"),
+    [(0.5, "curve"), (2.0, "inferline")],
+    ids=["faster instances: the old curve", "slower ones: InferLine's model on the new rates"],
+)
+def test_a_recalibration_builds_the_curve_again_and_sizes_safely_meanwhile(
+    store: Store, tmp_path: Path, factor: float, meanwhile: str
 ) -> None:
-    """A recalibration plans the curve again on the new profiles; meanwhile the old curve sizes
-    the stage (InferLine's model in between would buy what the curve had found unneeded)."""
+    """A recalibration plans the curve again on the new profiles. Meanwhile, on instances no
+    slower than planned, the old curve sizes the stage (InferLine's model in between would buy
+    what the curve had found unneeded); on slower ones, InferLine's model on the new rates does
+    (the old curve would provision too little)."""
     clock, feed, worker = FakeClock(start_s=1000.0), Feed(), Worker()
     built: list[int] = []
     factors: dict[tuple[str, str], float] = {}
@@ -489,17 +496,18 @@ def test_a_recalibration_keeps_the_load_model_until_its_curve_is_built_again(
     (stage,) = tuner.stages(APP)
     assert stage.model == "curve" and stage.rate_per_instance_qps[SMALL] == pytest.approx(50.0)
 
-    factors[("tiny", SMALL)] = 2.0  # 40 ms per query, not 20
+    factors[("tiny", SMALL)] = factor  # 10 or 40 ms per query, not 20
     tuner.recalibrate(APP)
     clock.advance(60.0)
     feed.arrival_s = steady(256.0, 1000.0, 1060.0)
     tuner.tick()
     assert len(worker.queued) == 1  # the curve is built again, off the tick
     (stage,) = tuner.stages(APP)
-    assert stage.model == "curve"  # the old curve sizes the stage meanwhile
-    assert stage.rate_per_instance_qps[SMALL] == pytest.approx(50.0)
+    assert stage.model == meanwhile
+    old_or_new = 50.0 if meanwhile == "curve" else 50.0 / factor
+    assert stage.rate_per_instance_qps[SMALL] == pytest.approx(old_or_new)
     ups = decisions_of(store, "scale_up")
-    assert ups and all(d.numbers["model"] == "curve" for d in ups)
+    assert ups and all(d.numbers["model"] == meanwhile for d in ups)
 
     worker.run()
     assert built == [app.applied_plan_id] * 2
@@ -507,7 +515,7 @@ def test_a_recalibration_keeps_the_load_model_until_its_curve_is_built_again(
     tuner.tick()
     (stage,) = tuner.stages(APP)
     assert stage.model == "curve"  # the new curve, on the recalibrated profile
-    assert stage.rate_per_instance_qps[SMALL] == pytest.approx(25.0)
+    assert stage.rate_per_instance_qps[SMALL] == pytest.approx(50.0 / factor)
 
 
 def test_without_its_curve_the_tuner_keeps_inferlines_model_and_says_why(
