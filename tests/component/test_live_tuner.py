@@ -409,6 +409,16 @@ class Worker:
 CURVE = ((0.5, 0.6), (1.0, 1.0), (2.0, 1.6))
 
 
+def counted(built: list[int]) -> Callable[[Any, Any], Any]:
+    """A curve builder that gives :data:`CURVE` and notes each plan id it builds for."""
+
+    def build(app: Any, plan: Any) -> Any:
+        built.append(plan.id)
+        return CURVE
+
+    return build
+
+
 def decisions_of(store: Store, kind: str) -> list[Any]:
     return [d for d in store.list_decisions(APP) if d.kind == kind]
 
@@ -428,13 +438,8 @@ def test_the_load_model_waits_for_its_curve_off_the_tick_and_then_decides(
 ) -> None:
     clock, feed, worker = FakeClock(start_s=1000.0), Feed(), Worker()
     built: list[int] = []
-
-    def build(app: Any, plan: Any) -> Any:
-        built.append(plan.id)
-        return CURVE
-
     app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
-    tuner = LiveTuner(store, clock, feed, resolve, build_curve=build, submit=worker)
+    tuner = LiveTuner(store, clock, feed, resolve, build_curve=counted(built), submit=worker)
     feed.arrival_s = steady(256.0, 940.0, 1000.0)
     tuner.tick()
     # The build was handed off, not run in the tick: InferLine's model decided meanwhile.
@@ -483,12 +488,8 @@ def test_a_recalibration_builds_the_curve_again_and_sizes_safely_meanwhile(
     def recalibrated(record: AppRecord) -> Any:
         return scaled_profiles(resolve_spec(validate_spec(record.spec)), factors)
 
-    def build(app: Any, plan: Any) -> Any:
-        built.append(plan.id)
-        return CURVE
-
     app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
-    tuner = LiveTuner(store, clock, feed, recalibrated, build_curve=build, submit=worker)
+    tuner = LiveTuner(store, clock, feed, recalibrated, build_curve=counted(built), submit=worker)
     feed.arrival_s = steady(50.0, 940.0, 1000.0)
     assert tuner.tick() == []
     worker.run()
