@@ -187,6 +187,7 @@ class _Curve:
     """The capacity curve of one (app, plan id, budget): being built, built, or failed."""
 
     status: Literal["building", "ready", "failed"]
+    # A single stage's capacity curve alone (a builder without ladders).
     curve: tuple[tuple[float, float], ...] = ()
     reason: str = ""
     # The sizing ladders by stage name (empty: a capacity curve only).
@@ -633,7 +634,7 @@ class LiveTuner:
                 self._curve_failed(key, error)
                 return
             if isinstance(curve, SizingLadder):
-                ready = _Curve("ready", curve.curve, ladders={curve.stage: curve})
+                ready = _Curve("ready", ladders={curve.stage: curve})
             elif isinstance(curve, Mapping):
                 ready = _Curve("ready", ladders=dict(curve))
             else:
