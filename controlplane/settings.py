@@ -272,6 +272,20 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="relative miss |observed / profile - 1| above which a profile is recalibrated",
     )
+    calibration_fine_threshold: float = Field(
+        default=0.05,
+        gt=0,
+        allow_inf_nan=False,
+        description=(
+            "a smaller relative miss corrected too when the evidence is sure of it (3 standard"
+            " errors past it); the fleet is not re-sized for it; at the threshold or above: off"
+        ),
+    )
+    calibration_fine_min_batches: int = Field(
+        default=200,
+        ge=1,
+        description="observed batches of a (model, instance type) before a fine correction",
+    )
     reconcile_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     capacity_replan_after_s: float = Field(
         default=60.0,

@@ -85,6 +85,7 @@ LISTED_KINDS = (
     "drain_deferred",
     "gear_switch",
     "profile_drift",
+    "profile_calibrated",
     "capacity_replan",
 )
 LAUNCH_KIND = "scale_up"

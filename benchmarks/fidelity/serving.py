@@ -798,7 +798,7 @@ The plan: {json.dumps(stage.get("fleet", {}))}, batch size {stage.get("batch_siz
 {stage.get("policy")}. The serving-path profile: {setting.round_trip_ms:.2f} ms per batch of one
 (p99 {setting.round_trip_p99_ms:.2f} ms; {what}), so the instance's capacity is
 {setting.capacity_qps:.1f} qps. The calibration's factor on that profile at the warm-up's end
-(what the planner's profile is multiplied by; 1: no drift found): {setting.profile_scale:.3f}.
+(what the planner's profile is multiplied by; 1: none stored): {setting.profile_scale:.3f}.
 The service's own time per query, as it measured and stored it:
 median {setting.overhead_ms:.2f} ms, p99 {setting.overhead_p99_ms:.2f} ms. Outside it, measured
 in the warm-up: median {setting.outside_p50_ms:.2f} ms, p99 {setting.outside_p99_ms:.2f} ms.

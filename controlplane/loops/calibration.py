@@ -13,7 +13,17 @@ the app's resolved profile (already calibrated by the factors stored before), an
 3. tells the resolver to forget the app's factors (``invalidate``), so the live tuner, the gear
    switcher and the next plan preview resolve the calibrated profile;
 4. forgets the observed batch times of that pair (``forget``): they were measured against the
-   old profile, and the next decision waits for ``min_batches`` new ones.
+   old profile, and the next decision waits for ``min_batches`` new ones;
+5. tells whoever sizes the fleet (``resize``: the live tuner, which takes the calibrated service
+   rates at its next tick).
+
+A fine correction (the policy's ``fine``: a smaller miss the evidence is sure of) is stored,
+forgotten and resolved the same way, recorded as a ``profile_calibrated`` decision, and does not
+re-size the fleet: the plans and their predictions take it, the live tuner keeps the rates it set
+up with until they are off by more than the threshold. So the tuner is told when the stored factor
+has moved past the threshold from the one it last took (its base, the stored factor when this
+loop first saw the pair), in one step or in several fine ones; that recalibration is recorded as
+a ``profile_drift``.
 
 The same pass measures the control plane's own overhead per query
 (:func:`controlplane.policies.calibration.overhead_drift` over the API times the serving loop
@@ -58,24 +68,28 @@ ResolveFn = Callable[[AppRecord], ResolvedApp]
 InvalidateFn = Callable[[str], None]
 
 DRIFT_KIND = "profile_drift"
+CALIBRATED_KIND = "profile_calibrated"
 OVERHEAD_KIND = "serving_overhead"
 
 
 @dataclass(frozen=True, slots=True)
 class Drift:
-    """One recalibration: the policy's verdict and the factors before and after."""
+    """One recalibration: the policy's verdict, the factors before and after, and whether the
+    fleet is re-sized for it (``resized``: a drift, or fine corrections past the threshold)."""
 
     app: str
     calibration: Calibration
     old_factor: float
     new_factor: float
+    resized: bool = True
 
 
 class ProfileCalibrator:
     """The calibration loop over every app the serving loop observes (module docstring).
 
-    ``tick()`` is the scheduler's hook; the rule (``min_batches``, ``threshold``) is the
-    service's settings'."""
+    ``tick()`` is the scheduler's hook; the rule (``min_batches``, ``threshold``, the fine
+    corrections') is the service's settings'. ``invalidate(app)`` is called on any change stored
+    for the app (the resolvers forget it), ``resize(app)`` on a recalibration that re-sizes."""
 
     def __init__(
         self,
@@ -86,8 +100,12 @@ class ProfileCalibrator:
         forget: ForgetFn,
         rule: CalibrationRule | None = None,
         api_times: ApiTimesSource | None = None,
+        resize: InvalidateFn | None = None,
     ) -> None:
         self._store = store
+        self._resize = resize
+        # Per (app, model, instance type): the factor whoever sizes the fleet last took.
+        self._base: dict[tuple[str, str, str], float] = {}
         self._api_times = api_times
         self._batch_times = batch_times
         self._resolve = resolve
@@ -112,6 +130,8 @@ class ProfileCalibrator:
         made = self._profiles(app)
         if made or overhead_moved:
             self._invalidate(app.name)
+        if self._resize is not None and (overhead_moved or any(d.resized for d in made)):
+            self._resize(app.name)
         return made
 
     def _overhead(self, app: str) -> bool:
@@ -167,17 +187,22 @@ class ProfileCalibrator:
             except EstimatorError:
                 continue  # a type the spec no longer names: nothing to calibrate
             verdict = calibrate(profile, times, self._rule)
-            if not verdict.drift:
+            if not verdict.corrects:
                 continue
             old = stored.get((model, instance_type), 1.0)
             new = old * verdict.factor
+            base = self._base.setdefault((app.name, model, instance_type), old)
+            resized = verdict.drift or abs(new / base - 1.0) > self._rule.threshold
+            if resized:
+                self._base[(app.name, model, instance_type)] = new
             self._store.set_profile_scale(app.name, model, instance_type, new)
+            what = "profile scaled by" if resized else "a fine correction: profile scaled by"
             self._store.record_decision(
                 app.name,
-                DRIFT_KIND,
+                DRIFT_KIND if resized else CALIBRATED_KIND,
                 f"{model} on {instance_type}: {verdict.observed_mean_ms:.1f} ms per batch observed"
                 f" over {verdict.batches} batches, the profile says"
-                f" {verdict.profile_mean_ms:.1f} ms; profile scaled by {new:.3g}",
+                f" {verdict.profile_mean_ms:.1f} ms; {what} {new:.3g}",
                 {
                     "model": model,
                     "instance_type": instance_type,
@@ -185,11 +210,12 @@ class ProfileCalibrator:
                     "observed_mean_ms": verdict.observed_mean_ms,
                     "batches": verdict.batches,
                     "ratio": verdict.factor,
+                    "ratio_se": verdict.factor_se,
                     "old_factor": old,
                     "factor": new,
                 },
                 key=f"{model}:{instance_type}",
             )
             self._forget(app.name, model, instance_type)
-            made.append(Drift(app.name, verdict, old, new))
+            made.append(Drift(app.name, verdict, old, new, resized))
         return made

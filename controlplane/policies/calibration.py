@@ -17,6 +17,23 @@ nothing about them. The rule: drift when at least ``min_batches`` batches are le
 ``|r - 1| > threshold``; the scale factor is then r (the profile's samples multiplied by r
 predict the observed mean).
 
+**Fine corrections.** The threshold is wide on purpose (a drift re-sizes the live fleet), but a
+queue at high utilisation magnifies a small error: a profile 8 % fast at 90 % of capacity is a
+queue at 97 %, whose P99 is several times the predicted one. So a smaller miss is corrected too
+when the evidence for it is strong (``fine``): at least ``fine_min_batches`` batches, ``|r - 1|
+> fine_threshold``, and that excess over ``fine_threshold`` more than :data:`FINE_Z` standard
+errors of r (the ratio estimator's, sqrt(sum (o_i - r L(b_i))^2) / sum L(b_i)): noise, a few
+slow batches or a short stall, does not move the profile; a steady bias does. A fine correction
+is stored and planned with like a drift; the calibration loop does not re-size the fleet for it.
+
+>>> from estimator.profiles import LatencyProfile
+>>> ten = LatencyProfile("m", "t", [1], ([10.0],))
+>>> fine = calibrate(ten, {1: [10.8, 10.7, 10.9] * 70})
+>>> fine.drift, fine.fine, round(fine.factor, 2)
+(False, True, 1.08)
+>>> calibrate(ten, {1: [5.0, 17.0] * 105}).fine  # 10 % slow on average, but noisy
+False
+
 >>> from estimator.profiles import LatencyProfile
 >>> profile = LatencyProfile("m", "t", [1, 4], ([10.0], [20.0]))
 >>> c = calibrate(profile, {1: [21.0] * 30, 4: [39.0] * 30}, CalibrationRule(min_batches=50))
@@ -61,8 +78,11 @@ import numpy as np
 from estimator.profiles import LatencyProfile
 
 __all__ = [
+    "DEFAULT_FINE_MIN_BATCHES",
+    "DEFAULT_FINE_THRESHOLD",
     "DEFAULT_MIN_BATCHES",
     "DEFAULT_THRESHOLD",
+    "FINE_Z",
     "OVERHEAD_FLOOR_MS",
     "OVERHEAD_QUANTILES",
     "Calibration",
@@ -79,6 +99,12 @@ DEFAULT_MIN_BATCHES = 50
 # A 25 % miss: less than the gap between neighbouring instance types' speeds in the catalogs,
 # more than the run-to-run noise of a profile measured on the same type.
 DEFAULT_THRESHOLD = 0.25
+# Fine corrections (module docstring): a miss over 5 % (what a queue at 90 % of capacity turns into
+# a P99 off by more than the fidelity goal's 15 %), on at least 200 batches, beyond FINE_Z
+# standard errors of the ratio.
+DEFAULT_FINE_THRESHOLD = 0.05
+DEFAULT_FINE_MIN_BATCHES = 200
+FINE_Z = 3.0
 # A change of the control plane's overhead below this is noise, whatever its share.
 OVERHEAD_FLOOR_MS = 0.5
 # The percentages at which the overhead's distribution is stored: every percent, both ends in.
@@ -89,23 +115,33 @@ _P99 = OVERHEAD_QUANTILES.index(99.0)
 @dataclass(frozen=True, slots=True)
 class CalibrationRule:
     """When observed service times count as drift: at least ``min_batches`` observed batches and
-    a relative miss ``|r - 1|`` above ``threshold``."""
+    a relative miss ``|r - 1|`` above ``threshold``; and when a smaller miss is corrected as a
+    fine one: at least ``fine_min_batches`` and a miss over ``fine_threshold`` by more than
+    :data:`FINE_Z` standard errors (module docstring; a ``fine_threshold`` at ``threshold`` or
+    above turns fine corrections off)."""
 
     min_batches: int = DEFAULT_MIN_BATCHES
     threshold: float = DEFAULT_THRESHOLD
+    fine_threshold: float = DEFAULT_FINE_THRESHOLD
+    fine_min_batches: int = DEFAULT_FINE_MIN_BATCHES
 
     def __post_init__(self) -> None:
         if self.min_batches < 1:
             raise ValueError(f"min_batches must be >= 1, got {self.min_batches!r}")
         if not (math.isfinite(self.threshold) and self.threshold > 0):
             raise ValueError(f"threshold must be finite and > 0, got {self.threshold!r}")
+        if not (math.isfinite(self.fine_threshold) and self.fine_threshold > 0):
+            raise ValueError(f"fine_threshold must be finite and > 0, got {self.fine_threshold!r}")
+        if self.fine_min_batches < 1:
+            raise ValueError(f"fine_min_batches must be >= 1, got {self.fine_min_batches!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
     """What the observations say about a profile: ``batches`` counted, the profile's and the
     observed mean service time per batch over them (ms; None when none was counted), the ratio
-    ``factor`` = observed / profile (1 when none was counted) and whether that is ``drift``."""
+    ``factor`` = observed / profile (1 when none was counted), whether that is ``drift``, or a
+    ``fine`` correction (never both), and the standard error of the factor (``factor_se``)."""
 
     model: str
     instance_type: str
@@ -114,6 +150,13 @@ class Calibration:
     observed_mean_ms: float | None
     factor: float
     drift: bool
+    fine: bool = False
+    factor_se: float = 0.0
+
+    @property
+    def corrects(self) -> bool:
+        """Whether the profile is to be scaled by ``factor``: a drift or a fine correction."""
+        return self.drift or self.fine
 
 
 def calibrate(
@@ -124,9 +167,8 @@ def calibrate(
     """The batch-weighted observed / profile ratio of ``observed_ms`` (batch size -> service
     times, ms) against ``profile``, and whether it is drift under ``rule`` (module docstring)."""
     rule = rule if rule is not None else CalibrationRule()
-    predicted_sum = 0.0
-    observed_sum = 0.0
-    batches = 0
+    observed_parts: list[np.ndarray] = []
+    predicted_parts: list[np.ndarray] = []
     for batch_size, times in observed_ms.items():
         if not profile.min_batch_size <= batch_size <= profile.max_batch_size:
             continue
@@ -134,13 +176,28 @@ def calibrate(
         values = values[np.isfinite(values) & (values >= 0)]
         if values.size == 0:
             continue
-        predicted_sum += profile.mean_latency_ms(batch_size) * values.size
-        observed_sum += float(values.sum())
-        batches += int(values.size)
+        observed_parts.append(values)
+        predicted_parts.append(np.full(values.size, profile.mean_latency_ms(batch_size)))
+    observed = np.concatenate(observed_parts) if observed_parts else np.empty(0)
+    predicted = np.concatenate(predicted_parts) if predicted_parts else np.empty(0)
+    batches = int(observed.size)
+    predicted_sum = float(predicted.sum())
     if batches == 0 or predicted_sum <= 0:
         return Calibration(profile.model, profile.instance_type, batches, None, None, 1.0, False)
+    observed_sum = float(observed.sum())
     factor = observed_sum / predicted_sum
-    drift = batches >= rule.min_batches and abs(factor - 1.0) > rule.threshold and factor > 0
+    miss = abs(factor - 1.0)
+    # The ratio estimator's standard error (residuals about r times the profile's means).
+    residuals = observed - factor * predicted
+    factor_se = float(np.sqrt(np.sum(residuals**2) * batches / max(batches - 1, 1))) / predicted_sum
+    drift = batches >= rule.min_batches and miss > rule.threshold and factor > 0
+    fine = (
+        not drift
+        and factor > 0
+        and rule.fine_threshold < rule.threshold
+        and batches >= rule.fine_min_batches
+        and miss - rule.fine_threshold > FINE_Z * factor_se
+    )
     return Calibration(
         profile.model,
         profile.instance_type,
@@ -149,6 +206,8 @@ def calibrate(
         observed_sum / batches,
         factor,
         drift,
+        fine,
+        factor_se,
     )
 
 

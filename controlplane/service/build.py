@@ -422,10 +422,8 @@ def build_calibrator(
     whose resolver forgets the app)."""
     observations = serving.observations
 
-    def recalibrated(app: str) -> None:
+    def calibrated(app: str) -> None:
         resolver.invalidate(app)
-        if live_tuner is not None:
-            live_tuner.recalibrate(app)
         if also is not None:
             also(app)
 
@@ -433,10 +431,16 @@ def build_calibrator(
         store,
         observations.batch_times_ms,
         stored_apps(resolver),
-        recalibrated,
+        calibrated,
         observations.forget_batch_times,
-        CalibrationRule(settings.calibration_min_batches, settings.calibration_threshold),
+        CalibrationRule(
+            settings.calibration_min_batches,
+            settings.calibration_threshold,
+            settings.calibration_fine_threshold,
+            settings.calibration_fine_min_batches,
+        ),
         observations.api_times_ms,
+        resize=None if live_tuner is None else live_tuner.recalibrate,
     )
 
 
