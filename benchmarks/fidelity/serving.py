@@ -835,17 +835,24 @@ and the service's only view of it would be a probe of its own; the goal is judge
 columns. (4) is in neither: the "outside the service" column shows how the unseen part grows
 with the load on this 2-core machine.
 
-**What the figures below say** (measured 2026-11-29 on a quiet machine: load averages 0.1-1.3
-with the runs; the same commands earlier that day, with six other sessions on the two cores at
-load averages 2.5-8, held at 8 of 15 levels as well, at other ones, and missed the ONNX CNN with
-JSON by 3-13 times). At 15 and 50 ms the planner holds at every level (measured / predicted
-1.00-1.08). At 5 ms it holds at 30% and 60% of capacity (1.14 both) and under-predicts by half
-at 90%, where the P99 moves most with the service time and the trace (the three seeds' own
-predictions span 90-202 ms there). The user's ONNX CNN is a model of 1-1.6 ms a batch, served at
-190-580 queries a second: the worker's part, which the planner models, is the smaller one, and
-the measured P99 is about twice the planner's at every level, JSON or binary. The client's path
-(3), about 2.5-3 ms at its p99 in every setting, brings that to 1.16-1.77 times (JSON at 60%
-within 15%); the rest is the serving process's and the load generator's CPU per query at
+**What the figures below say** (measured 2026-11-29 on a quiet machine, load averages 0.1-1.1
+with the runs, after the calibration began to correct misses of the profile within its 25%
+drift threshold: serving.md, "Calibration", fine corrections; the set before it, the same day
+and as quiet, also held at 8 of 15, with the client's path at 9). At 15 and 50 ms the planner
+holds at every level (measured / predicted 1.00-1.06). At 5 ms it holds at 30% and 60% of
+capacity (1.14 and 1.16) and under-predicts at 90% (1.59, 1.46-2.69 over the seeds), where the
+P99 moves most with the service time and the trace (the three seeds' own predictions span
+87-199 ms there): the worker's round trip as the serving loop makes it was 7-13% over the
+profile in diagnostic runs of this setting (the serving process's event loop and the load
+generator on the same cores; `heteroplane profile measure` times it from a client of its own),
+which the calibration corrects once it is sure of it, but it had stored no correction by this
+setting's warm-up's end (factor 1.000), so the predictions are the profile's. The user's ONNX
+CNN is a model of 1-1.6 ms a batch, served at 180-580 queries a second: the worker's part,
+which the planner models, is the smaller one. Its calibrated profile (factors 0.76 with JSON,
+0.54 binary: the live calls are faster than the profiler's) is predicted at 1.3-1.7 times
+under the measured P99 with JSON and 2.2-3.2 times binary; the client's path (3), about 2.5-3
+ms at its p99 in every setting, brings that to 1.02-1.27 (JSON; within 15% at 60%) and
+1.27-2.33 (binary); the rest is the serving process's and the load generator's CPU per query at
 hundreds of queries a second on two cores shared with the worker (4), which the model has no
 term for (its capacity is the worker's). On 15 levels the planner holds at 8, with the client's
 path at 9."""
