@@ -65,7 +65,7 @@ from estimator.profiles import ProfileSet, load_profiles
 
 KEY = "kairos"
 MODELS = ("rm2", "wnd", "mtwnd", "dien", "ncf")
-QUICK_MODELS = ("rm2", "wnd")
+QUICK_MODELS = ("rm2",)
 ALL_POLICIES = ("kairos", "fcfs", "drs", "clockwork", "oracle")
 VARIANT_POLICIES = ("kairos", "fcfs", "oracle")
 POLICY_LABELS = {
