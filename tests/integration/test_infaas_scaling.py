@@ -197,6 +197,7 @@ def _deploy(api: httpx.Client, profile: Path) -> dict[str, Any]:
     return plan
 
 
+@pytest.mark.slow
 def test_an_overloaded_variant_is_replicated_on_a_new_worker_and_drained_once_the_load_stops(
     service: Service,
 ) -> None:

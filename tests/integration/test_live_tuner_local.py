@@ -184,6 +184,7 @@ def _most_kept_cost(events: list[dict[str, Any]], prices: dict[str, float]) -> f
     return most
 
 
+@pytest.mark.slow
 def test_a_step_in_the_load_scales_the_fleet_up_within_the_budget_and_back_down(
     service: Service,
 ) -> None:

@@ -63,6 +63,7 @@ def test_validate(initialized: dict[str, Terraform], where: str) -> None:
     assert report["warning_count"] == 0, report["diagnostics"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["root", "module"])
 def test_terraform_test(initialized: dict[str, Terraform], where: str) -> None:
     done = initialized[where].run("test", "-no-color", timeout_s=600.0, ok=(0, 1))
