@@ -843,8 +843,10 @@ holds at every level (measured / predicted 1.00-1.06). At 5 ms it holds at 30% a
 capacity (1.14 and 1.16) and under-predicts at 90% (1.59, 1.46-2.69 over the seeds), where the
 P99 moves most with the service time and the trace (the three seeds' own predictions span
 87-199 ms there): the worker's round trip as the serving loop makes it was 7-13% over the
-profile in diagnostic runs of this setting (the serving process's event loop and the load
-generator on the same cores; `heteroplane profile measure` times it from a client of its own),
+profile in three diagnostic runs of this setting (a diagnostic, not kept: the timings of `/v1`
+answers and the calibration's decisions after the warm-up; no command here prints them; the
+serving process's event loop and the load generator share the cores, and `heteroplane profile
+measure` times the worker from a client of its own),
 which the calibration corrects once it is sure of it, but it had stored no correction by this
 setting's warm-up's end (factor 1.000), so the predictions are the profile's. The user's ONNX
 CNN is a model of 1-1.6 ms a batch, served at 180-580 queries a second: the worker's part,

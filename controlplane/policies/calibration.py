@@ -17,29 +17,28 @@ nothing about them. The rule: drift when at least ``min_batches`` batches are le
 ``|r - 1| > threshold``; the scale factor is then r (the profile's samples multiplied by r
 predict the observed mean).
 
-**Fine corrections.** The threshold is wide on purpose (a drift re-sizes the live fleet), but a
-queue at high utilisation magnifies a small error: a profile 8 % fast at 90 % of capacity is a
-queue at 97 %, whose P99 is several times the predicted one. So a smaller miss is corrected too
-when the evidence for it is strong (``fine``): at least ``fine_min_batches`` batches, ``|r - 1|
-> fine_threshold``, and that excess over ``fine_threshold`` more than :data:`FINE_Z` standard
-errors of r (the ratio estimator's, sqrt(sum (o_i - r L(b_i))^2) / sum L(b_i)): noise, a few
-slow batches or a short stall, does not move the profile; a steady bias does. A fine correction
-is stored and planned with like a drift; the calibration loop does not re-size the fleet for it.
-
->>> from estimator.profiles import LatencyProfile
->>> ten = LatencyProfile("m", "t", [1], ([10.0],))
->>> fine = calibrate(ten, {1: [10.8, 10.7, 10.9] * 70})
->>> fine.drift, fine.fine, round(fine.factor, 2)
-(False, True, 1.08)
->>> calibrate(ten, {1: [5.0, 17.0] * 105}).fine  # 10 % slow on average, but noisy
-False
-
 >>> from estimator.profiles import LatencyProfile
 >>> profile = LatencyProfile("m", "t", [1, 4], ([10.0], [20.0]))
 >>> c = calibrate(profile, {1: [21.0] * 30, 4: [39.0] * 30}, CalibrationRule(min_batches=50))
 >>> c.drift, c.batches, c.profile_mean_ms, c.observed_mean_ms, c.factor
 (True, 60, 15.0, 30.0, 2.0)
 >>> calibrate(profile, {1: [21.0] * 30}, CalibrationRule(min_batches=50)).drift
+False
+
+**Fine corrections.** The threshold is wide on purpose (a drift re-sizes the live fleet), but a
+queue at high utilisation magnifies a small error: a profile 7 % fast at 90 % of capacity is a
+queue at 96 %, whose P99 is about three times the predicted one. So a smaller miss is corrected too
+when the evidence for it is strong (``fine``): at least ``fine_min_batches`` batches, ``|r - 1|
+> fine_threshold``, and that excess over ``fine_threshold`` more than :data:`FINE_Z` standard
+errors of r (the ratio estimator's, sqrt(sum (o_i - r L(b_i))^2) / sum L(b_i)): noise, a few
+slow batches or a short stall, does not move the profile; a steady bias does. A fine correction
+is stored and planned with like a drift; the calibration loop does not re-size the fleet for it.
+
+>>> ten = LatencyProfile("m", "t", [1], ([10.0],))
+>>> fine = calibrate(ten, {1: [10.8, 10.7, 10.9] * 70})
+>>> fine.drift, fine.fine, round(fine.factor, 2)
+(False, True, 1.08)
+>>> calibrate(ten, {1: [5.0, 17.0] * 105}).fine  # 10 % slow on average, but noisy
 False
 
 **The control plane's own overhead per query.** Besides the workers' batches, every query spends
