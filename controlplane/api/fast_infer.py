@@ -79,7 +79,15 @@ from provisioners.worker.oip import OipError
 
 _REQUEST_ID = REQUEST_ID_HEADER.encode("latin-1")
 
-__all__ = ["MAX_PENDING_CHECKS", "FastInferMiddleware", "TokenCheck", "plain_body"]
+__all__ = [
+    "MAX_PENDING_CHECKS",
+    "FastInferMiddleware",
+    "TokenCheck",
+    "plain_body",
+    "read_up_to",
+    "replay",
+    "send_ok",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +263,7 @@ class FastInferMiddleware:
         if oip:
             await self._oip(scope, receive, send, match.group(1), header_length)
             return
-        read_body, more = await _read_up_to(receive, self.max_body_bytes)
+        read_body, more = await read_up_to(receive, self.max_body_bytes)
         if read_body is None:  # the client went away
             return
         body = read_body
@@ -266,7 +274,7 @@ class FastInferMiddleware:
             except ValueError:
                 parsed = None
         if parsed is None:
-            await self.app(scope, _replay(body, more, receive), send)
+            await self.app(scope, replay(body, more, receive), send)
             return
         app = match.group(1)
         scope.setdefault("path_params", {})["app"] = app
@@ -284,7 +292,7 @@ class FastInferMiddleware:
             return
         payload = orjson.dumps(answer_document(result))
         self.counter.add(app, 200)
-        await _send_ok(send, payload, [(b"content-type", b"application/json")])
+        await send_ok(send, payload, [(b"content-type", b"application/json")])
 
     async def _oip(
         self, scope: Scope, receive: Receive, send: Send, app: str, header_length: str | None
@@ -298,7 +306,7 @@ class FastInferMiddleware:
             await self.app(scope, receive, send)
             return
         limit = body_limit(signature, self.services.settings.oip_body_max_bytes)
-        body, more = await _read_up_to(receive, limit)
+        body, more = await read_up_to(receive, limit)
         if body is None:  # the client went away
             return
         parsed = None
@@ -311,7 +319,7 @@ class FastInferMiddleware:
             except (OipError, ValueError):
                 parsed = None
         if parsed is None or document is None:
-            await self.app(scope, _replay(body, more, receive), send)
+            await self.app(scope, replay(body, more, receive), send)
             return
         scope.setdefault("path_params", {})["app"] = app
         try:
@@ -323,17 +331,17 @@ class FastInferMiddleware:
             await response(scope, receive, send)
             return
         self.counter.add(app, 200)
-        await _send_ok(send, payload, headers)
+        await send_ok(send, payload, headers)
 
 
-async def _send_ok(send: Send, payload: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+async def send_ok(send: Send, payload: bytes, headers: list[tuple[bytes, bytes]]) -> None:
     """A 200 answer of ``payload`` with its content ``headers``, as two ASGI messages."""
     start = [*headers, (b"content-length", str(len(payload)).encode())]
     await send({"type": "http.response.start", "status": 200, "headers": start})
     await send({"type": "http.response.body", "body": payload})
 
 
-async def _read_up_to(receive: Receive, limit: int) -> tuple[bytes | None, bool]:
+async def read_up_to(receive: Receive, limit: int) -> tuple[bytes | None, bool]:
     """The request's body read until its end or past ``limit`` bytes: (what was read, whether
     more is to come); (None, False) when the client went away."""
     chunks = []
@@ -352,15 +360,15 @@ async def _read_up_to(receive: Receive, limit: int) -> tuple[bytes | None, bool]
     return b"".join(chunks), more
 
 
-def _replay(body: bytes, more: bool, receive: Receive) -> Receive:
+def replay(body: bytes, more: bool, receive: Receive) -> Receive:
     """A ``receive`` that hands on ``body`` (what was read) first, then the rest as it comes."""
     sent = False
 
-    async def replay() -> Message:
+    async def replayed() -> Message:
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": more}
         return await receive()
 
-    return replay
+    return replayed

@@ -451,6 +451,18 @@ class GearTable:
         with self._lock:
             self._serving = kept
 
+    def reads_store(self, in_force: Mapping[str, tuple[int, int]]) -> bool:
+        """Whether :meth:`set_all` of ``in_force`` would read the store (a gear moved to a plan
+        not parsed yet): the serving process's fast path runs it on the event loop only when
+        not (:mod:`controlplane.api.fast_internal`)."""
+        with self._lock:
+            current = dict(self._serving)
+        for app, (plan_id, gear) in in_force.items():
+            found = current.get(app)
+            if (found is None or found[:2] != (plan_id, gear)) and plan_id not in self._plans:
+                return True
+        return False
+
     def _plan(self, app: str, plan_id: int) -> GearPlan | None:
         found = self._plans.get(plan_id)
         if found is not None:

@@ -32,6 +32,7 @@ from controlplane.api.deps import Services
 from controlplane.api.disconnect import CancelOnDisconnect
 from controlplane.api.errors import OipErrorShapeMiddleware, install_error_handlers
 from controlplane.api.fast_infer import FastInferMiddleware, TokenCheck
+from controlplane.api.fast_internal import FastInternalMiddleware
 from controlplane.api.forwarding import Forwarder, ForwardingMiddleware
 from controlplane.api.limits import BodySizeLimitMiddleware, HeaderSizeLimitMiddleware
 from controlplane.api.routes import (
@@ -184,6 +185,9 @@ def create_app(
     # Outermost of ours: the common inference request is answered here, without the layers
     # below (controlplane.api.fast_infer); anything else passes through unchanged.
     app.add_middleware(FastInferMiddleware, services=services, clock_s=clock_s)
+    # The loops process's feed and observation reads, past FastAPI too
+    # (controlplane.api.fast_internal).
+    app.add_middleware(FastInternalMiddleware, services=services)
     # Outside the fast path too: an inference request whose client has gone is cancelled, and
     # its query leaves the serving loop's queue (controlplane.api.disconnect).
     app.add_middleware(CancelOnDisconnect)

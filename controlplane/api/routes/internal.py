@@ -34,7 +34,7 @@ from controlplane.errors import ServingUnavailableError
 from controlplane.serving.loop import ServingLoop
 from controlplane.serving.wire import status_to_json, window_to_json
 
-__all__ = ["router"]
+__all__ = ["FeedIn", "dumps", "feed_document", "observations_document", "router"]
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"], include_in_schema=False)
 
@@ -51,7 +51,7 @@ class ForgetIn(BaseModel):
 
 
 def _json(value: Any) -> Response:
-    return Response(json.dumps(value), media_type="application/json")
+    return Response(dumps(value), media_type="application/json")
 
 
 def _serving(services: Services, app: str = "") -> ServingLoop:
@@ -60,8 +60,11 @@ def _serving(services: Services, app: str = "") -> ServingLoop:
     return services.serving
 
 
-@router.post("/feed")
-def feed(body: FeedIn, services: ServicesDep, _who: Internal) -> Response:
+def feed_document(services: Services, body: FeedIn) -> dict[str, Any]:
+    """The feed's answer to ``body`` (module docstring), with its effects (the gears set, the
+    recalibrated apps forgotten): what the route and the fast path
+    (:mod:`controlplane.api.fast_internal`) answer. Cheap and non-blocking: it runs on the
+    serving loop's event loop on the fast path."""
     serving = _serving(services)
     if services.gear_table is not None:
         services.gear_table.set_all(body.gears)
@@ -76,17 +79,34 @@ def feed(body: FeedIn, services: ServicesDep, _who: Internal) -> Response:
             "arrivals_s": arrivals.tolist(),
             "status": status_to_json(status) if status is not None else None,
         }
-    return _json({"now_s": serving.clock.now_s(), "apps": apps})
+    return {"now_s": serving.clock.now_s(), "apps": apps}
 
 
-@router.get("/apps/{app}/observations")
-def observations(app: AppName, services: ServicesDep, _who: Internal) -> Response:
+def observations_document(services: Services, app: str) -> dict[str, Any]:
+    """``app``'s batch service times and API times (the calibration's), as the route and the
+    fast path answer them."""
     found = _serving(services, app).observations
     batch_times = [
         [model, instance_type, {str(size): times for size, times in by_size.items()}]
         for (model, instance_type), by_size in found.batch_times_ms(app).items()
     ]
-    return _json({"batch_times_ms": batch_times, "api_times_ms": found.api_times_ms(app)})
+    return {"batch_times_ms": batch_times, "api_times_ms": found.api_times_ms(app)}
+
+
+def dumps(value: Any) -> bytes:
+    """An internal answer's body: :func:`json.dumps` (a capacity may be infinite, which JSON's
+    strict writers refuse)."""
+    return json.dumps(value).encode()
+
+
+@router.post("/feed")
+def feed(body: FeedIn, services: ServicesDep, _who: Internal) -> Response:
+    return _json(feed_document(services, body))
+
+
+@router.get("/apps/{app}/observations")
+def observations(app: AppName, services: ServicesDep, _who: Internal) -> Response:
+    return _json(observations_document(services, app))
 
 
 @router.post("/apps/{app}/forget-batch-times", status_code=204)
