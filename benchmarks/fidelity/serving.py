@@ -36,14 +36,18 @@ reconciler (every second, to launch the worker sooner). Then:
    after). Its quantiles are the model's second addition. It is measured once, at the lowest
    rate, on a trace of its own, and used unchanged at every level and run: nothing is fitted to
    the runs it is compared with.
-3. For each level rho (a share of the capacity, 1000 / the profile's mean round trip) and run
+3. For each level rho (a share of the capacity, 1000 / the profile's mean round trip): with
+   ``--level-warmup-s S`` (default 0: none), the level's own warm-up (S seconds at its rate, a
+   trace of its own, not measured), after which the calibration's factor the service stored is
+   read for the level's predictions; then for each run
    (``--runs``, seeds 1, 2, ...), a Poisson trace of ``--duration-s`` sent open loop by
    ``controlplane.clients.loadgen`` (the code of ``heteroplane loadgen``); P99 at the client.
 
 The predictions, on the same trace: ``estimator.simulator`` with the profile (times the
-calibration's factor the service stored for it by the warm-up's end, as the resolver hands it to
-the planner: a profile measured in a moment of contention is corrected by what the service then
-observed), the plan's fleet,
+calibration's factor the service stored for it by the warm-up's end, or the level's warm-up's
+with ``--level-warmup-s``, as the resolver hands it to the planner at that moment: a profile
+measured in a moment of contention is corrected by what the service then observed), the plan's
+fleet,
 batch size and dispatch (FCFS), then (a) **the planner's**: plus, per query, a draw from the
 service's stored distribution of its own time
 (:func:`controlplane.policies.planner.overhead_draws_ms`, what the planner adds to a plan's
@@ -115,6 +119,14 @@ BUDGET_USD_PER_HR = 0.15  # buys one instance of emu.cpu.large (0.10 USD/hr), no
 SLO_MS = 2000.0
 TOLERANCE = 0.15
 WARMUP_S = 20.0
+# Before each level: its rate for this long (a trace of its own), so that the prediction takes
+# the calibration's factor as the service has it while serving at that load; 0 (the default):
+# the first warm-up's factor at every level. The factor read from the calibration's window of
+# 256 batches moves between reads at one load as much as between loads (0.46 and 0.71 for the
+# user's ONNX model, two reads at one rate), so the default keeps the one factor.
+LEVEL_WARMUP_S = 0.0
+# How long the calibration (in the tuner's tick) is given after a level's warm-up to judge it.
+CALIBRATION_GRACE_S = 3.0
 DEFAULT_SERVICE_MS = "5,15,50"
 DEFAULT_DURATION_S = 30.0
 DEFAULT_RUNS = 3
@@ -330,6 +342,9 @@ class Level:
     utilisation: float
     rate_qps: float
     runs: list[Run]
+    # The calibration's factor the service had stored after the level's own warm-up (what the
+    # level's predictions multiply the profile by); None: the setting's, from the first warm-up.
+    profile_scale: float | None = None
 
     def figure(self, name: str) -> list[float]:
         return [float(getattr(run, name)) for run in self.runs]
@@ -421,7 +436,12 @@ class Setting:
     @classmethod
     def from_json(cls, document: dict[str, Any]) -> Setting:
         levels = [
-            Level(lv["utilisation"], lv["rate_qps"], [Run(**run) for run in lv["runs"]])
+            Level(
+                lv["utilisation"],
+                lv["rate_qps"],
+                [Run(**run) for run in lv["runs"]],
+                lv.get("profile_scale"),
+            )
             for lv in document["levels"]
         ]
         return cls(**{**document, "levels": levels})
@@ -564,6 +584,27 @@ def warm_up(
     return overhead, quantiles, outside_q
 
 
+def level_warm_up(
+    load: Load,
+    utilisation: float,
+    rate_qps: float,
+    warmup_s: float,
+    seed: int,
+    data_dir: Path,
+    profile: LatencyProfile,
+    say: Say,
+) -> float:
+    """Serve ``rate_qps`` for ``warmup_s`` (a trace of its own, not measured), give the
+    calibration a moment to judge it, and return the factor the service then stores for the
+    profile: what the planner reads while the service runs at that load."""
+    say(f"rho {utilisation:g}: the level's warm-up, {warmup_s:g} s at {rate_qps:.1f} qps")
+    send(load, poisson_trace(rate_qps, warmup_s, seed))
+    time.sleep(CALIBRATION_GRACE_S)
+    scale = stored_scale(data_dir, profile.model)
+    say(f"rho {utilisation:g}: the calibration's factor on the profile: {scale:.3f}")
+    return scale
+
+
 @dataclass(frozen=True, slots=True)
 class Options:
     utilisations: Sequence[float]
@@ -572,6 +613,7 @@ class Options:
     warmup_s: float = WARMUP_S
     profile_samples: int = PROFILE_SAMPLES
     engine: str = "httpx"
+    level_warmup_s: float = LEVEL_WARMUP_S
 
 
 def measure(
@@ -669,19 +711,23 @@ def measure(
             )
             scale = stored_scale(data_dir, profile.model)
             say(f"the calibration's factor on the profile: {scale:.3f}")
-            planned = scaled_profile(profile, scale)
-            model = Model(planned, overhead, quantiles, outside, fleet, batch)
-            levels = [
-                Level(
-                    u,
-                    r,
-                    [
-                        run_level(u, r, options.duration_s, seed, load, model, say)
-                        for seed in range(1, options.runs + 1)
-                    ],
+            levels = []
+            for index, (u, r) in enumerate(zip(options.utilisations, rates, strict=True)):
+                level_scale = scale
+                if options.level_warmup_s > 0:
+                    level_scale = level_warm_up(
+                        load, u, r, options.level_warmup_s, 500 + index, data_dir, profile, say
+                    )
+                model = Model(
+                    scaled_profile(profile, level_scale), overhead, quantiles, outside, fleet, batch
                 )
-                for u, r in zip(options.utilisations, rates, strict=True)
-            ]
+                runs = [
+                    run_level(u, r, options.duration_s, seed, load, model, say)
+                    for seed in range(1, options.runs + 1)
+                ]
+                levels.append(
+                    Level(u, r, runs, level_scale if options.level_warmup_s > 0 else None)
+                )
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
     return Setting(
@@ -752,10 +798,10 @@ def as_json(settings: Sequence[Setting]) -> list[dict[str, Any]]:
 
 
 HEADER = (
-    "| rho | rate, qps | queries | P99 measured, ms | P99 planner, ms | measured / planner |"
-    " P99 planner + client's path, ms | measured / with client's path | outside the service,"
-    " p50 / p99, ms | errors | load average |\n"
-    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| rho | rate, qps | factor | queries | P99 measured, ms | P99 planner, ms |"
+    " measured / planner | P99 planner + client's path, ms | measured / with client's path |"
+    " outside the service, p50 / p99, ms | errors | load average |\n"
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -770,7 +816,9 @@ def section(setting: Setting) -> str:
             if r.outside_p50_ms is not None and r.outside_p99_ms is not None
         ]
         rows.append(
-            f"| {lv.utilisation:g} | {lv.rate_qps:.1f} | {sum(r.queries for r in lv.runs)} |"
+            f"| {lv.utilisation:g} | {lv.rate_qps:.1f} |"
+            f" {setting.profile_scale if lv.profile_scale is None else lv.profile_scale:.3f} |"
+            f" {sum(r.queries for r in lv.runs)} |"
             f" **{spread_text(lv.figure('measured_p99_ms'))}** |"
             f" {spread_text(lv.figure('predicted_p99_ms'))} | **{spread_text(lv.ratios, 3)}**"
             f" ({'within' if lv.holds else 'NOT within'} 15%) |"
@@ -798,7 +846,8 @@ The plan: {json.dumps(stage.get("fleet", {}))}, batch size {stage.get("batch_siz
 {stage.get("policy")}. The serving-path profile: {setting.round_trip_ms:.2f} ms per batch of one
 (p99 {setting.round_trip_p99_ms:.2f} ms; {what}), so the instance's capacity is
 {setting.capacity_qps:.1f} qps. The calibration's factor on that profile at the warm-up's end
-(what the planner's profile is multiplied by; 1: none stored): {setting.profile_scale:.3f}.
+(what the planner's profile is multiplied by; 1: none stored): {setting.profile_scale:.3f}; the
+table's "factor" is the one each level's predictions used.
 The service's own time per query, as it measured and stored it:
 median {setting.overhead_ms:.2f} ms, p99 {setting.overhead_p99_ms:.2f} ms. Outside it, measured
 in the warm-up: median {setting.outside_p50_ms:.2f} ms, p99 {setting.outside_p99_ms:.2f} ms.
@@ -926,6 +975,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--runs", type=int, default=DEFAULT_RUNS, help="runs per level (seeds)")
     parser.add_argument("--warmup-s", type=float, default=WARMUP_S)
+    parser.add_argument(
+        "--level-warmup-s",
+        type=float,
+        default=LEVEL_WARMUP_S,
+        help="each level's own warm-up before its runs, s (default 0: none)",
+    )
     parser.add_argument("--engine", choices=loadgen.ENGINES, default="httpx")
     parser.add_argument("--save", type=Path, help="also write the settings measured as JSON")
     parser.add_argument(
@@ -971,6 +1026,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--service-ms: times > 0")
     if not (args.duration_s > 0 and args.runs >= 1 and args.warmup_s > 0):
         parser.error("--duration-s, --warmup-s: > 0; --runs: >= 1")
+    if not args.level_warmup_s >= 0:
+        parser.error("--level-warmup-s: >= 0")
     saved: list[dict[str, Any]] = []
     for path in args.saved:
         try:
@@ -981,7 +1038,12 @@ def main(argv: list[str] | None = None) -> int:
     commands = [c for document in saved for c in document["commands"]]
     if service_times or encodings:
         options = Options(
-            utilisations, args.duration_s, args.runs, args.warmup_s, engine=args.engine
+            utilisations,
+            args.duration_s,
+            args.runs,
+            args.warmup_s,
+            engine=args.engine,
+            level_warmup_s=args.level_warmup_s,
         )
         measured = run(service_times, options, encodings=encodings)
         command = (
@@ -989,6 +1051,11 @@ def main(argv: list[str] | None = None) -> int:
             + (f" --user-model {args.user_model}" if encodings else "")
             + f" --duration-s {args.duration_s:g} --levels {args.levels} --runs {args.runs}"
             + (f" --engine {args.engine}" if args.engine != "httpx" else "")
+            + (
+                f" --level-warmup-s {args.level_warmup_s:g}"
+                if args.level_warmup_s != LEVEL_WARMUP_S
+                else ""
+            )
             + "".join(f" --service-setting {item}" for item in args.service_setting)
         )
         settings += measured
