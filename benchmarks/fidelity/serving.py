@@ -322,6 +322,9 @@ class Run:
     outside_p50_ms: float | None  # measured in this run (not used by the prediction)
     outside_p99_ms: float | None
     load_average: float  # 1 min, at the run's end
+    # The answers' queue_ms (the service's queue: admission, the stage's queue, the event
+    # loop), p99 over the run; None in settings saved before it was recorded.
+    queue_p99_ms: float | None = None
 
 
 def median_spread(values: Sequence[float]) -> tuple[float, float, float]:
@@ -542,11 +545,13 @@ def run_level(
         summary.outside_p50_ms,
         summary.outside_p99_ms,
         round(os.getloadavg()[0], 2),
+        summary.queue_p99_ms,
     )
     say(
         f"  measured p99 {run.measured_p99_ms:.1f} ms; predicted {run.predicted_p99_ms:.1f} ms"
-        f" (planner), {run.client_path_p99_ms:.1f} ms (with the client's path); errors"
-        f" {summary.errors} {dict(summary.errors_by_kind)}"
+        f" (planner), {run.client_path_p99_ms:.1f} ms (with the client's path); the service's"
+        f" queue p99 {'-' if run.queue_p99_ms is None else f'{run.queue_p99_ms:.1f} ms'};"
+        f" errors {summary.errors} {dict(summary.errors_by_kind)}"
     )
     return run
 
@@ -800,8 +805,8 @@ def as_json(settings: Sequence[Setting]) -> list[dict[str, Any]]:
 HEADER = (
     "| rho | rate, qps | factor | queries | P99 measured, ms | P99 planner, ms |"
     " measured / planner | P99 planner + client's path, ms | measured / with client's path |"
-    " outside the service, p50 / p99, ms | errors | load average |\n"
-    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    " outside the service, p50 / p99, ms | the service's queue, p99, ms | errors | load average |\n"
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -815,6 +820,8 @@ def section(setting: Setting) -> str:
             for r in lv.runs
             if r.outside_p50_ms is not None and r.outside_p99_ms is not None
         ]
+        queues = [r.queue_p99_ms for r in lv.runs if r.queue_p99_ms is not None]
+        queued = "; ".join(f"{q:.1f}" for q in queues) if queues else "-"
         rows.append(
             f"| {lv.utilisation:g} | {lv.rate_qps:.1f} |"
             f" {setting.profile_scale if lv.profile_scale is None else lv.profile_scale:.3f} |"
@@ -825,7 +832,7 @@ def section(setting: Setting) -> str:
             f" {spread_text(lv.figure('client_path_p99_ms'))} |"
             f" **{spread_text(lv.client_ratios, 3)}**"
             f" ({'within' if lv.client_holds else 'NOT within'} 15%) |"
-            f" {'; '.join(outside)} | {sum(r.errors for r in lv.runs)} |"
+            f" {'; '.join(outside)} | {queued} | {sum(r.errors for r in lv.runs)} |"
             f" {spread_text(lv.figure('load_average'), 2)} |"
         )
     held = sum(lv.holds for lv in setting.levels)

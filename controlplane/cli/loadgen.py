@@ -250,6 +250,11 @@ def human(summary: LoadSummary, offered_s: float) -> str:
             f"outside the service's own time: p50 {summary.outside_p50_ms:.1f} ms, p99"
             f" {summary.outside_p99_ms:.1f} ms (this client, the connection, the server's HTTP)"
         )
+    if summary.queue_p50_ms is not None and summary.queue_p99_ms is not None:
+        lines.append(
+            f"in the service's queue: p50 {summary.queue_p50_ms:.1f} ms, p99"
+            f" {summary.queue_p99_ms:.1f} ms (admission, the stages' queues, the event loop)"
+        )
     if summary.attainment is not None and summary.slo_ms is not None:
         lines.append(
             f"attainment: {summary.attainment * 100:.2f}% of the queries sent were answered"

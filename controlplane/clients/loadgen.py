@@ -34,12 +34,18 @@ This module owns how a trace becomes requests and how their answers become a sum
   the connection, the server reading and parsing the request before the API is called and
   writing the answer back. The planner's model holds only what the service counts, so this is
   what a client should add to a plan's ``predicted_p99_ms`` (benchmarks/fidelity measures it).
+- **The service's queue** (``queue_p50_ms``, ``queue_p99_ms``, over the answered queries that
+  give it): the part of the service's own time neither in the API's hands nor in a worker's
+  (``timings.queue_ms`` on ``/v1``, ``parameters.queue_ms`` on ``/v2``: admission, the stages'
+  queues, the event loop's turns, :func:`queued_ms`): where a tail longer than the plan's comes
+  from inside the service.
 
 The ``--json`` contract of ``heteroplane loadgen`` is :meth:`LoadSummary.to_json`: ``sent``,
 ``answered``, ``errors``, ``p50_ms``, ``p99_ms``, ``attainment``, ``achieved_qps``,
 ``errors_by_kind``, ``send_lag_p99_ms`` (how late the generator itself sent, p99: above a few
-ms it, not the service, was the limit) and ``outside_p50_ms``, ``outside_p99_ms`` (null when no
-answer gave the service's time).
+ms it, not the service, was the limit), ``outside_p50_ms``, ``outside_p99_ms`` (null when no
+answer gave the service's time) and ``queue_p50_ms``, ``queue_p99_ms`` (null when no answer
+gave its queue).
 
 Time comes through a :class:`Timer` (the event loop's clock by default), so tests run a trace
 spanning minutes in virtual time. Requests go out over one ``httpx.AsyncClient`` (keep-alive, up
@@ -87,6 +93,7 @@ __all__ = [
     "judge_answer",
     "late_flag",
     "outcome",
+    "queued_ms",
     "run_load",
     "run_load_async",
     "sample_rows",
@@ -278,6 +285,25 @@ def served_ms(answer: object) -> float | None:
     return None
 
 
+def queued_ms(answer: object) -> float | None:
+    """The service's queue for the query in an answer: ``timings.queue_ms`` (``/v1``) or
+    ``parameters.queue_ms`` (``/v2``), the part of its own time neither in the API's hands nor
+    in a worker's (admission, the stages' queues, the event loop); None when it gives none.
+
+    >>> queued_ms({"timings": {"queue_ms": 1.5}}), queued_ms({"parameters": {}})
+    (1.5, None)
+    """
+    if not isinstance(answer, dict):
+        return None
+    for key in ("timings", "parameters"):
+        part = answer.get(key)
+        if isinstance(part, dict):
+            value = part.get("queue_ms")
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return float(value) if math.isfinite(value) else None
+    return None
+
+
 # --- outcomes and the summary ---------------------------------------------------------------------
 
 
@@ -287,7 +313,7 @@ class QueryResult:
     ``latency_ms`` runs from its scheduled send to its answer or failure; ``send_lag_ms`` is how
     late the request left; ``late`` is the service's own flag (``None`` when it gave none);
     ``served_ms`` the service's own time for it (:func:`served_ms`; ``None`` when it gave
-    none)."""
+    none), ``queued_ms`` the part of it in the service's queue (:func:`queued_ms`)."""
 
     index: int
     kind: str
@@ -296,6 +322,7 @@ class QueryResult:
     finished_s: float = 0.0
     late: bool | None = None
     served_ms: float | None = None
+    queued_ms: float | None = None
 
     @property
     def outside_ms(self) -> float | None:
@@ -326,6 +353,8 @@ class LoadSummary:
     send_lag_p99_ms: float | None = None
     outside_p50_ms: float | None = None
     outside_p99_ms: float | None = None
+    queue_p50_ms: float | None = None
+    queue_p99_ms: float | None = None
 
     def to_json(self) -> dict[str, object]:
         """The ``loadgen --json`` contract."""
@@ -341,6 +370,8 @@ class LoadSummary:
             "send_lag_p99_ms": self.send_lag_p99_ms,
             "outside_p50_ms": self.outside_p50_ms,
             "outside_p99_ms": self.outside_p99_ms,
+            "queue_p50_ms": self.queue_p50_ms,
+            "queue_p99_ms": self.queue_p99_ms,
         }
 
 
@@ -363,6 +394,10 @@ def summarise(
     lags = np.array([o.send_lag_ms for o in outcomes], dtype=np.float64)
     outside_each = (o.outside_ms for o in outcomes)
     outside = np.array([ms for ms in outside_each if ms is not None], dtype=np.float64)
+    queued = np.array(
+        [o.queued_ms for o in outcomes if o.answered and o.queued_ms is not None],
+        dtype=np.float64,
+    )
 
     def percentile(values: NDArray[np.float64], q: float) -> float | None:
         return float(np.percentile(values, q)) if values.size else None
@@ -384,6 +419,8 @@ def summarise(
         send_lag_p99_ms=percentile(lags, 99.0),
         outside_p50_ms=percentile(outside, 50.0),
         outside_p99_ms=percentile(outside, 99.0),
+        queue_p50_ms=percentile(queued, 50.0),
+        queue_p99_ms=percentile(queued, 99.0),
     )
 
 
@@ -477,6 +514,7 @@ async def _send(
     lag_ms = max(0.0, (timer.now() - scheduled_s) * 1000.0)
     late: bool | None = None
     served: float | None = None
+    queued: float | None = None
     try:
         response = await client.post(url, content=query.body, headers=query.headers())
     except httpx.TimeoutException:
@@ -484,8 +522,8 @@ async def _send(
     except httpx.TransportError:
         kind = "connection"
     else:
-        kind, late, served = judge_answer(response.status_code, response.content)
-    return outcome(query, kind, scheduled_s, lag_ms, timer.now(), late, served)
+        kind, late, served, queued = judge_answer(response.status_code, response.content)
+    return outcome(query, kind, scheduled_s, lag_ms, timer.now(), late, served, queued)
 
 
 def outcome(
@@ -496,31 +534,40 @@ def outcome(
     finished_s: float,
     late: bool | None = None,
     served: float | None = None,
+    queued: float | None = None,
 ) -> QueryResult:
     """What became of ``query`` (:class:`QueryResult`), scheduled at ``scheduled_s`` and
     finished at ``finished_s`` (the run's clock, s): both engines record outcomes here."""
     latency_ms = (finished_s - scheduled_s) * 1000.0
     return QueryResult(
-        query.index, kind, latency_ms, lag_ms, finished_s, late=late, served_ms=served
+        query.index,
+        kind,
+        latency_ms,
+        lag_ms,
+        finished_s,
+        late=late,
+        served_ms=served,
+        queued_ms=queued,
     )
 
 
-def judge_answer(status: int, body: bytes) -> tuple[str, bool | None, float | None]:
-    """An answer's outcome kind (module docstring), the service's late flag and its own time
-    for the query (:func:`late_flag`, :func:`served_ms`); both engines judge answers here.
+def judge_answer(status: int, body: bytes) -> tuple[str, bool | None, float | None, float | None]:
+    """An answer's outcome kind (module docstring), the service's late flag, its own time for
+    the query and the part of it queued (:func:`late_flag`, :func:`served_ms`,
+    :func:`queued_ms`); both engines judge answers here.
 
-    >>> judge_answer(200, b'{"late": true, "timings": {"total_ms": 2.0}}')
-    ('ok', True, 2.0)
+    >>> judge_answer(200, b'{"late": true, "timings": {"total_ms": 2.0, "queue_ms": 0.5}}')
+    ('ok', True, 2.0, 0.5)
     >>> judge_answer(200, b"<html>"), judge_answer(503, b"{}")
-    (('bad_response', None, None), ('http_503', None, None))
+    (('bad_response', None, None, None), ('http_503', None, None, None))
     """
     if status != 200:
-        return f"http_{status}", None, None
+        return f"http_{status}", None, None, None
     try:
         answer = json.loads(body)
     except ValueError:
-        return "bad_response", None, None
-    return OK, late_flag(answer), served_ms(answer)
+        return "bad_response", None, None, None
+    return OK, late_flag(answer), served_ms(answer), queued_ms(answer)
 
 
 async def run_load_async(

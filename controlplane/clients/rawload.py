@@ -227,8 +227,9 @@ class _Engine:
         lag_ms: float,
         late: bool | None = None,
         served: float | None = None,
+        queued: float | None = None,
     ) -> None:
-        result = outcome(query, kind, scheduled_s, lag_ms, self.now(), late, served)
+        result = outcome(query, kind, scheduled_s, lag_ms, self.now(), late, served, queued)
         self.done.append(result)
         if kind == OK:
             self.answered_ms.append(result.latency_ms)
@@ -237,8 +238,8 @@ class _Engine:
         query = connection.query
         if query is None:
             return
-        kind, late, served = judge_answer(status, body)
-        self.record(query, kind, connection.scheduled_s, connection.lag_ms, late, served)
+        kind, late, served, queued = judge_answer(status, body)
+        self.record(query, kind, connection.scheduled_s, connection.lag_ms, late, served, queued)
         self.release(connection)
 
     def failed(self, connection: _Connection, kind: str) -> None:

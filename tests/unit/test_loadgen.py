@@ -52,6 +52,8 @@ CONTRACT_KEYS = {
     "send_lag_p99_ms",
     "outside_p50_ms",
     "outside_p99_ms",
+    "queue_p50_ms",
+    "queue_p99_ms",
 }
 
 
@@ -147,7 +149,7 @@ class FakeService:
                         "models": ["tiny"] * n,
                         "certainty": [1.0] * n,
                         "gear": "0",
-                        "timings": {"queue_ms": 0.0, "service_ms": 1.0, "total_ms": 1.0},
+                        "timings": {"queue_ms": 0.25, "service_ms": 0.75, "total_ms": 1.0},
                         "late": body["sample_ids"][0] == 12,
                     },
                 )
@@ -278,7 +280,8 @@ def test_errors_are_counted_by_kind(fake: FakeService) -> None:
     }
     # The answers carry the service's time (1 ms): each answered query's outside part is known.
     assert [o.served_ms for o in result.outcomes if o.answered] == [1.0, 1.0]
-    assert summary.outside_p99_ms is not None
+    assert [o.queued_ms for o in result.outcomes if o.answered] == [0.25, 0.25]
+    assert summary.outside_p99_ms is not None and summary.queue_p99_ms == 0.25
 
 
 def test_a_query_without_an_answer_in_time_is_a_timeout(fake: FakeService) -> None:
@@ -363,6 +366,17 @@ def test_the_path_outside_the_service_is_the_latency_less_the_services_own_time(
     assert summary.outside_p50_ms == pytest.approx(np.percentile(expected, 50))
     assert summary.outside_p99_ms == pytest.approx(np.percentile(expected, 99))
     assert summarise(outcomes[100:], slo_ms=None, elapsed_s=1.0).outside_p99_ms is None
+
+
+def test_the_services_queue_is_summarised_over_the_answers_that_give_it() -> None:
+    outcomes = [QueryResult(i, "ok", 10.0, served_ms=8.0, queued_ms=float(i)) for i in range(100)]
+    outcomes.append(QueryResult(100, "ok", 50.0, served_ms=8.0))  # no queue given: left out
+    outcomes.append(QueryResult(101, "http_503", 1.0, queued_ms=500.0))  # not answered
+    summary = summarise(outcomes, slo_ms=None, elapsed_s=1.0)
+    assert summary.queue_p50_ms == pytest.approx(np.percentile(range(100), 50))
+    assert summary.queue_p99_ms == pytest.approx(np.percentile(range(100), 99))
+    assert summary.to_json()["queue_p99_ms"] == summary.queue_p99_ms
+    assert summarise(outcomes[100:], slo_ms=None, elapsed_s=1.0).queue_p99_ms is None
 
 
 def test_a_summary_of_nothing_answered() -> None:

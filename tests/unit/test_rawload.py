@@ -75,6 +75,7 @@ def test_errors_are_counted_by_kind_as_the_httpx_engine_counts_them(fake: FakeSe
     assert [o.index for o in result.outcomes] == list(range(8))
     assert [o.late for o in result.outcomes if o.answered] == [False, False, True]
     assert [o.served_ms for o in result.outcomes if o.answered] == [1.0, 1.0, 1.0]
+    assert [o.queued_ms for o in result.outcomes if o.answered] == [0.25, 0.25, 0.25]
     # Each request carried its own body: the samples the trace gave it.
     assert sorted(r["sample_ids"][0] for r in fake.requests) == sorted(ids)
 
