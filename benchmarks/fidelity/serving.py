@@ -84,6 +84,7 @@ import httpx
 import numpy as np
 
 from benchmarks import local_service
+from benchmarks.serving_speed.api import cpu_s
 from controlplane.apps import profiler
 from controlplane.apps.resolver import scaled_profile
 from controlplane.clients import loadgen
@@ -325,6 +326,9 @@ class Run:
     # The answers' queue_ms (the service's queue: admission, the stage's queue, the event
     # loop), p99 over the run; None in settings saved before it was recorded.
     queue_p99_ms: float | None = None
+    # The serving process's CPU over the run (its event loop, the API, the dispatch, the
+    # transport; the loops run in a process of their own) per answered query, ms.
+    service_cpu_ms: float | None = None
 
 
 def median_spread(values: Sequence[float]) -> tuple[float, float, float]:
@@ -500,6 +504,18 @@ class Load:
     token: str
     build: Callable[[Trace], list[loadgen.Query]]
     engine: str
+    pid: int | None = None  # the serving process's, whose CPU each run reads
+
+
+def service_cpu_s(pid: int | None) -> float | None:
+    """The CPU seconds (user + system) the serving process ``pid`` used so far; None without
+    one or where ``/proc`` cannot say."""
+    if pid is None:
+        return None
+    try:
+        return cpu_s(pid)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def send(load: Load, trace: Trace, say: Say | None = None) -> loadgen.LoadResult:
@@ -528,7 +544,12 @@ def run_level(
         f"rho {utilisation:g}, seed {seed}: {len(trace)} queries at {rate_qps:.2f} qps for"
         f" {duration_s:g} s"
     )
+    cpu_before = service_cpu_s(load.pid)
     summary = send(load, trace, say).summary(SLO_MS)
+    cpu_after = service_cpu_s(load.pid)
+    cpu_ms = None
+    if cpu_before is not None and cpu_after is not None and summary.answered:
+        cpu_ms = (cpu_after - cpu_before) * 1000.0 / summary.answered
     if summary.p99_ms is None or summary.p50_ms is None:
         raise SystemExit(f"rho {utilisation:g}: nothing was answered: {summary.errors_by_kind}")
     planner, client = model.predictions(trace, seed)
@@ -546,11 +567,13 @@ def run_level(
         summary.outside_p99_ms,
         round(os.getloadavg()[0], 2),
         summary.queue_p99_ms,
+        cpu_ms,
     )
     say(
         f"  measured p99 {run.measured_p99_ms:.1f} ms; predicted {run.predicted_p99_ms:.1f} ms"
         f" (planner), {run.client_path_p99_ms:.1f} ms (with the client's path); the service's"
-        f" queue p99 {'-' if run.queue_p99_ms is None else f'{run.queue_p99_ms:.1f} ms'};"
+        f" queue p99 {'-' if run.queue_p99_ms is None else f'{run.queue_p99_ms:.1f} ms'}, its"
+        f" CPU a query {'-' if cpu_ms is None else f'{cpu_ms:.2f} ms'};"
         f" errors {summary.errors} {dict(summary.errors_by_kind)}"
     )
     return run
@@ -710,7 +733,7 @@ def measure(
                 process,
                 log_path,
             )
-            load = Load(url, token, build, options.engine)
+            load = Load(url, token, build, options.engine, process.pid)
             overhead, quantiles, outside = warm_up(
                 load, rates[0], options.warmup_s, data_dir, process, say
             )
@@ -805,7 +828,8 @@ def as_json(settings: Sequence[Setting]) -> list[dict[str, Any]]:
 HEADER = (
     "| rho | rate, qps | factor | queries | P99 measured, ms | P99 planner, ms |"
     " measured / planner | P99 planner + client's path, ms | measured / with client's path |"
-    " outside the service, p50 / p99, ms | the service's queue, p99, ms | errors | load average |\n"
+    " outside the service, p50 / p99, ms | the service's queue p99 / CPU a query, ms | errors |"
+    " load average |\n"
     "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
@@ -820,8 +844,11 @@ def section(setting: Setting) -> str:
             for r in lv.runs
             if r.outside_p50_ms is not None and r.outside_p99_ms is not None
         ]
-        queues = [r.queue_p99_ms for r in lv.runs if r.queue_p99_ms is not None]
-        queued = "; ".join(f"{q:.1f}" for q in queues) if queues else "-"
+        queued = "; ".join(
+            ("-" if r.queue_p99_ms is None else f"{r.queue_p99_ms:.1f}")
+            + ("" if r.service_cpu_ms is None else f" / {r.service_cpu_ms:.2f}")
+            for r in lv.runs
+        )
         rows.append(
             f"| {lv.utilisation:g} | {lv.rate_qps:.1f} |"
             f" {setting.profile_scale if lv.profile_scale is None else lv.profile_scale:.3f} |"
