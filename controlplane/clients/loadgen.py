@@ -274,15 +274,7 @@ def served_ms(answer: object) -> float | None:
     >>> served_ms({"outputs": []}) is None
     True
     """
-    if not isinstance(answer, dict):
-        return None
-    for key in ("timings", "parameters"):
-        part = answer.get(key)
-        if isinstance(part, dict):
-            value = part.get("total_ms")
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                return float(value) if math.isfinite(value) else None
-    return None
+    return _timing_ms(answer, "total_ms")
 
 
 def queued_ms(answer: object) -> float | None:
@@ -293,12 +285,17 @@ def queued_ms(answer: object) -> float | None:
     >>> queued_ms({"timings": {"queue_ms": 1.5}}), queued_ms({"parameters": {}})
     (1.5, None)
     """
+    return _timing_ms(answer, "queue_ms")
+
+
+def _timing_ms(answer: object, name: str) -> float | None:
+    """The answer's timing ``name``: in ``timings`` (``/v1``) or ``parameters`` (``/v2``)."""
     if not isinstance(answer, dict):
         return None
     for key in ("timings", "parameters"):
         part = answer.get(key)
         if isinstance(part, dict):
-            value = part.get("queue_ms")
+            value = part.get(name)
             if isinstance(value, int | float) and not isinstance(value, bool):
                 return float(value) if math.isfinite(value) else None
     return None

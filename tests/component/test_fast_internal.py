@@ -13,16 +13,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from controlplane.api import fast_internal
-from controlplane.apps.resolver import AppResolver
 from controlplane.clock import FakeClock
-from controlplane.db.store import Store
-from controlplane.loops.live_gears import GearTable
 from controlplane.loops.remote_serving import RemoteServing
-from controlplane.service.app import create_app
 from controlplane.serving.loop import ServingLoop
 from controlplane.serving.observations import Split
-from controlplane.serving.workers import StaticInstances
 from controlplane.settings import Settings
+from tests.component.test_remote_serving import serving_app
 
 SECRET = "loops-secret-0123456789"
 LOOPS = {"Authorization": f"Bearer {SECRET}"}
@@ -31,18 +27,9 @@ LOOPS = {"Authorization": f"Bearer {SECRET}"}
 @pytest.fixture
 def serving(tmp_path: Path) -> Iterator[tuple[ServingLoop, TestClient, dict[str, str]]]:
     """A serving app given the loops' secret (its loop not started: the observations are
-    written by hand), its client and the admin token's headers."""
+    written by hand), its client and an admin and a viewer token."""
     settings = Settings(data_dir=tmp_path, provisioner="fake", internal_token=SECRET)
-    clock = FakeClock(start_s=50.0)
-    store = Store.from_url(settings.database_url, clock, upgrade=True)
-    admin = {"Authorization": f"Bearer {store.create_token('admin', name='admin')}"}
-    resolver = AppResolver(tmp_path)
-    table = GearTable(store)
-    loop = ServingLoop(store, resolver, StaticInstances(), clock=clock, gears=table.gear)
-    app = create_app(settings, store, clock, serving=loop, resolver=resolver, gear_table=table)
-    with TestClient(app) as client:
-        yield loop, client, admin
-    store.close()
+    yield from serving_app(settings)
 
 
 @pytest.fixture
@@ -63,7 +50,8 @@ def fast_feeds(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 def test_the_loops_reads_are_answered_on_the_fast_path_as_the_routes_answer_them(
     serving: tuple[ServingLoop, TestClient, dict[str, str]], fast_feeds: list[Any]
 ) -> None:
-    loop, client, admin = serving
+    loop, client, tokens = serving
+    admin = {"Authorization": f"Bearer {tokens['admin']}"}
     observed = loop.observations
     for ms in (10.0, 12.0):
         observed.batch_served("toy", "tiny", "emu.cpu.large", 4, ms)
@@ -89,7 +77,7 @@ def test_the_loops_reads_are_answered_on_the_fast_path_as_the_routes_answer_them
 def test_what_the_fast_path_does_not_take_is_answered_by_the_routes(
     serving: tuple[ServingLoop, TestClient, dict[str, str]], fast_feeds: list[Any]
 ) -> None:
-    _loop, client, _admin = serving
+    _loop, client, _tokens = serving
     wrong = {"Authorization": "Bearer not-the-secret"}
     assert client.post("/internal/v1/feed", json={}, headers=wrong).status_code == 401
     assert client.get("/internal/v1/apps/toy/observations", headers=wrong).status_code == 401
@@ -110,7 +98,7 @@ def test_a_gear_whose_plan_is_not_read_yet_is_set_by_the_route_then_kept_on_the_
 ) -> None:
     from tests.component.test_live_gears import APP, FAST, PLAN, applied
 
-    loop, client, _admin = serving
+    loop, client, _tokens = serving
     applied(loop.store, tmp_path, PLAN.to_document())
     plan = loop.store.get_applied_plan(APP)
     assert plan is not None and loop.gears is not None

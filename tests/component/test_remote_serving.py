@@ -38,7 +38,12 @@ from controlplane.settings import Settings
 def serving(tmp_path: Path) -> Iterator[tuple[ServingLoop, TestClient, dict[str, str]]]:
     """A serving app (its loop not started: the observations are written by hand), its client
     and an admin and a viewer token."""
-    settings = Settings(data_dir=tmp_path, provisioner="fake")
+    yield from serving_app(Settings(data_dir=tmp_path, provisioner="fake"))
+
+
+def serving_app(settings: Settings) -> Iterator[tuple[ServingLoop, TestClient, dict[str, str]]]:
+    """:func:`serving` on ``settings``."""
+    tmp_path = settings.data_dir
     clock = FakeClock(start_s=50.0)
     store = Store.from_url(settings.database_url, clock, upgrade=True)
     tokens = {scope: store.create_token(scope, name=scope) for scope in ("admin", "viewer")}
