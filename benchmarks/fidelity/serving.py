@@ -918,29 +918,35 @@ and the service's only view of it would be a probe of its own; the goal is judge
 columns. (4) is in neither: the "outside the service" column shows how the unseen part grows
 with the load on this 2-core machine.
 
-**What the figures below say** (measured 2026-11-29 on a quiet machine, load averages 0.1-1.1
-with the runs, after the calibration began to correct misses of the profile within its 25%
-drift threshold: serving.md, "Calibration", fine corrections; the set before it, the same day
-and as quiet, also held at 8 of 15, with the client's path at 9). At 15 and 50 ms the planner
-holds at every level (measured / predicted 1.00-1.06). At 5 ms it holds at 30% and 60% of
-capacity (1.14 and 1.16) and under-predicts at 90% (1.59, 1.46-2.69 over the seeds), where the
-P99 moves most with the service time and the trace (the three seeds' own predictions span
-87-199 ms there): the worker's round trip as the serving loop makes it was 7-13% over the
-profile in three diagnostic runs of this setting (a diagnostic, not kept: the timings of `/v1`
-answers and the calibration's decisions after the warm-up; no command here prints them; the
-serving process's event loop and the load generator share the cores, and `heteroplane profile
-measure` times the worker from a client of its own),
-which the calibration corrects once it is sure of it, but it had stored no correction by this
-setting's warm-up's end (factor 1.000), so the predictions are the profile's. The user's ONNX
-CNN is a model of 1-1.6 ms a batch, served at 180-580 queries a second: the worker's part,
-which the planner models, is the smaller one. Its calibrated profile (factors 0.76 with JSON,
-0.54 binary: the live calls are faster than the profiler's) is predicted at 1.3-1.7 times
-under the measured P99 with JSON and 2.2-3.2 times binary; the client's path (3), about 2.5-3
-ms at its p99 in every setting, brings that to 1.02-1.27 (JSON; within 15% at 60%) and
-1.27-2.33 (binary); the rest is the serving process's and the load generator's CPU per query at
-hundreds of queries a second on two cores shared with the worker (4), which the model has no
-term for (its capacity is the worker's). On 15 levels the planner holds at 8, with the client's
-path at 9."""
+**What the figures below say** (measured 2026-11-29 on a quiet machine, load averages 0.4-1.1
+with the runs, after the loops' feed left FastAPI's thread pool and the loops process froze its
+start-up objects out of the collector's full passes: service.md, "Serving apart from the
+loops"; the set before those changes held at 8 of 15, one between them, with the feed moved and
+the loops not yet frozen, at 9). At 5, 15 and 50
+ms the planner holds at every level: 1.08-1.15 at 5 ms (the 90% level 1.05-1.38 over the
+seeds, where the P99 moves most with the trace), 1.04-1.07 at 15 ms, 1.01-1.02 at 50 ms; the
+calibration had stored no correction (factor 1.000; in one of the sets before it had, 1.064,
+and 5 ms held there too). The user's ONNX CNN is a model of about 1.2 ms a call as the serving
+loop times it (the calibrated factors 0.72 with JSON and 0.71 binary: the live calls are faster
+than the profiler's), served at 186-565 queries a second, and the planner under-predicts it at
+every level: 1.43-2.22 times with JSON, 1.71-1.86 binary. The client's path (3), about 3 ms at
+its p99, brings that to 1.07-1.43 (JSON; within 15% at 60%) and 1.18-1.46 (binary; within at
+30%). The two columns at the right of each table say where the rest is. "The service's queue"
+is the p99 of the answers' own `queue_ms`: the part of the service's time neither in the API's
+hands nor in a worker's (admission, the stage's queue, the event loop's turns); for the ONNX
+model it is 3-7 ms at 30% and 60% of capacity and 7-30 ms at 90%, where the planner predicts
+the whole stage (queue and calls) at 3.5-8 ms. "CPU a query" is the serving process's CPU over
+the run per answered query (`/proc`; it includes some 20-30 ms a second the process spends
+whatever the load, which is why it is largest at the lowest rates): 0.7-0.9 ms for the ONNX
+model at 370-570 queries a second, a third to a half of a core, on the two cores the worker
+and the load generator share with it. The planner's capacity is the worker's alone; the
+serving process's own CPU per query, its queueing and the contention for the two cores are in
+no term of its model (4), and they are what a user's millisecond model adds. In diagnostic
+runs of this setting (not kept as a benchmark), no cyclic collection of the serving process
+took over 1.4 ms while queries were measured (`gc.callbacks`), and with the loops' feed every
+second instead of every 100 ms the P99 at 30% was 6.1-6.7 ms against 7.4-8.4 (two runs each,
+before the feed left the thread pool). On 15 levels the planner holds at 9, with the client's
+path at 11."""
 
 
 def markdown(
