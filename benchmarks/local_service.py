@@ -49,6 +49,12 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as probe:

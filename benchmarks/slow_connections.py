@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 try:  # imported as benchmarks.slow_connections
-    from benchmarks.local_service import free_port, log, running_service, wait_ready
+    from benchmarks.local_service import cpu_s, free_port, log, running_service, wait_ready
 except ModuleNotFoundError:  # run as a script: the sibling module
-    from local_service import free_port, log, running_service, wait_ready
+    from local_service import cpu_s, free_port, log, running_service, wait_ready
 
 PROBE_EVERY_S = 0.02
 PROBE_TIMEOUT_S = 5.0
@@ -201,12 +201,6 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def cpu_s(pid: int) -> float:
-    """The process's CPU time (user and system), s."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def attack(

@@ -84,7 +84,6 @@ import httpx
 import numpy as np
 
 from benchmarks import local_service
-from benchmarks.serving_speed.api import cpu_s
 from controlplane.apps import profiler
 from controlplane.apps.resolver import scaled_profile
 from controlplane.clients import loadgen
@@ -513,7 +512,7 @@ def service_cpu_s(pid: int | None) -> float | None:
     if pid is None:
         return None
     try:
-        return cpu_s(pid)
+        return local_service.cpu_s(pid)
     except (OSError, ValueError, IndexError):
         return None
 

@@ -94,13 +94,6 @@ def profile_file(data_dir: Path) -> Path:
     return path
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
-
-
 def worker_records(data_dir: Path) -> list[Any]:
     """The worker agents' records (pid, address) from the local provisioner."""
     from provisioners.local import LocalProvisioner
@@ -158,11 +151,11 @@ def one_run(
         "arrival_s,batch_size\n" + "".join(f"{a:.6f},1\n" for a in arrivals), encoding="utf-8"
     )
     load_before = [round(x, 2) for x in os.getloadavg()]
-    before = cpu_s(pid)
-    workers_before = sum(cpu_s(w) for w in worker_pids_)
+    before = local_service.cpu_s(pid)
+    workers_before = sum(local_service.cpu_s(w) for w in worker_pids_)
     summary = load_process(base, token, trace_path, env, args.protocol)
-    used = cpu_s(pid) - before
-    workers_used = sum(cpu_s(w) for w in worker_pids_) - workers_before
+    used = local_service.cpu_s(pid) - before
+    workers_used = sum(local_service.cpu_s(w) for w in worker_pids_) - workers_before
     answered = int(summary["answered"])
     return {
         "run": n + 1,
