@@ -44,6 +44,7 @@ __all__ = [
     "get_services",
     "require",
     "require_internal",
+    "shows_internal_secret",
     "verify_bearer",
 ]
 
@@ -145,17 +146,30 @@ def require_internal(
 ) -> Principal:
     """The internal routes' check: the settings' ``internal_token`` (the secret a serving
     process shares with its loops; compared in constant time), or else an admin token."""
-    secret = services.settings.internal_token
-    scheme, token = get_authorization_scheme_param(request.headers.get("authorization"))
-    if (
+    header = request.headers.get("authorization")
+    if shows_internal_secret(services.settings.internal_token, header):
+        mark_authenticated(request.scope)
+        return INTERNAL_PRINCIPAL
+    return require(Scope.ADMIN)(request, services, credentials)
+
+
+def shows_internal_secret(secret: str | None, header: str | None) -> bool:
+    """Whether the ``Authorization`` value ``header`` is ``Bearer <secret>`` (compared in
+    constant time; never with no secret set): the internal routes' check and their fast path's
+    (:mod:`controlplane.api.fast_internal`).
+
+    >>> shows_internal_secret("s3", "Bearer s3"), shows_internal_secret("s3", "Bearer s4")
+    (True, False)
+    >>> shows_internal_secret(None, "Bearer "), shows_internal_secret("s3", None)
+    (False, False)
+    """
+    scheme, token = get_authorization_scheme_param(header)
+    return bool(
         secret
         and token
         and scheme.lower() == "bearer"
         and hmac.compare_digest(token.encode(), secret.encode())
-    ):
-        mark_authenticated(request.scope)
-        return INTERNAL_PRINCIPAL
-    return require(Scope.ADMIN)(request, services, credentials)
+    )
 
 
 Viewer = Annotated[Principal, Depends(require(Scope.VIEWER))]

@@ -26,13 +26,12 @@ errors included.
 
 from __future__ import annotations
 
-import hmac
 import re
 
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from controlplane.api.deps import Services
+from controlplane.api.deps import Services, shows_internal_secret
 from controlplane.api.fast_infer import read_up_to, replay, send_ok
 from controlplane.api.limits import mark_authenticated
 from controlplane.api.routes import APP_NAME_MAX, APP_NAME_PATTERN
@@ -67,7 +66,6 @@ class FastInternalMiddleware:
             await self.app(scope, receive, send)
             return
         services = self.services
-        secret = services.settings.internal_token
         path, method = scope["path"], scope["method"]
         app = None
         if method == "GET":
@@ -75,10 +73,9 @@ class FastInternalMiddleware:
             app = match.group(1) if match is not None else None
         feed = method == "POST" and path == _FEED
         if (
-            not secret
-            or services.serving is None
+            services.serving is None
             or not (feed or (app is not None and len(app) <= APP_NAME_MAX))
-            or not _shows(scope, secret)
+            or not shows_internal_secret(services.settings.internal_token, _authorization(scope))
         ):
             await self.app(scope, receive, send)
             return
@@ -107,15 +104,9 @@ class FastInternalMiddleware:
         await send_ok(send, payload, _JSON)
 
 
-def _shows(scope: Scope, secret: str) -> bool:
-    """Whether the request's bearer token is ``secret`` (constant time)."""
+def _authorization(scope: Scope) -> str | None:
+    """The request's ``Authorization`` value, None when it sent none."""
     for name, value in scope["headers"]:
         if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            token = token.strip()
-            return (
-                scheme.lower() == "bearer"
-                and bool(token)
-                and hmac.compare_digest(token.encode(), secret.encode())
-            )
-    return False
+            return str(value.decode("latin-1"))
+    return None

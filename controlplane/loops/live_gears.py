@@ -437,14 +437,8 @@ class GearTable:
     def set_all(self, in_force: Mapping[str, tuple[int, int]]) -> None:
         """The gears in force now, app -> (plan id, gear); apps not named are served as their
         specs say (blocking: a new plan is read from the store)."""
-        with self._lock:
-            current = dict(self._serving)
-        kept: dict[str, tuple[int, int, ServingGear]] = {}
-        for app, (plan_id, gear) in in_force.items():
-            found = current.get(app)
-            if found is not None and found[:2] == (plan_id, gear):
-                kept[app] = found
-                continue
+        kept, moved = self._split(in_force)
+        for app, plan_id, gear in moved:
             plan = self._plan(app, plan_id)
             if plan is not None and 0 <= gear < len(plan.gears):
                 kept[app] = (plan_id, gear, serving_gear(plan, gear))
@@ -455,13 +449,25 @@ class GearTable:
         """Whether :meth:`set_all` of ``in_force`` would read the store (a gear moved to a plan
         not parsed yet): the serving process's fast path runs it on the event loop only when
         not (:mod:`controlplane.api.fast_internal`)."""
+        _kept, moved = self._split(in_force)
+        return any(plan_id not in self._plans for _app, plan_id, _gear in moved)
+
+    def _split(
+        self, in_force: Mapping[str, tuple[int, int]]
+    ) -> tuple[dict[str, tuple[int, int, ServingGear]], list[tuple[str, int, int]]]:
+        """``in_force`` as the gears already served (kept as they are) and those that moved
+        (app, plan id, gear)."""
         with self._lock:
             current = dict(self._serving)
+        kept: dict[str, tuple[int, int, ServingGear]] = {}
+        moved = []
         for app, (plan_id, gear) in in_force.items():
             found = current.get(app)
-            if (found is None or found[:2] != (plan_id, gear)) and plan_id not in self._plans:
-                return True
-        return False
+            if found is not None and found[:2] == (plan_id, gear):
+                kept[app] = found
+            else:
+                moved.append((app, plan_id, gear))
+        return kept, moved
 
     def _plan(self, app: str, plan_id: int) -> GearPlan | None:
         found = self._plans.get(plan_id)

@@ -182,12 +182,12 @@ def create_app(
     # clock), before the body is read and the token checked in the thread pool.
     clock_s = serving.clock.now_s if serving is not None else time.monotonic
     app.add_middleware(infer.ReceivedAtMiddleware, clock_s=clock_s)
+    # The loops process's feed and observation reads, past FastAPI too
+    # (controlplane.api.fast_internal); inside the inference fast path, which queries never pass.
+    app.add_middleware(FastInternalMiddleware, services=services)
     # Outermost of ours: the common inference request is answered here, without the layers
     # below (controlplane.api.fast_infer); anything else passes through unchanged.
     app.add_middleware(FastInferMiddleware, services=services, clock_s=clock_s)
-    # The loops process's feed and observation reads, past FastAPI too
-    # (controlplane.api.fast_internal).
-    app.add_middleware(FastInternalMiddleware, services=services)
     # Outside the fast path too: an inference request whose client has gone is cancelled, and
     # its query leaves the serving loop's queue (controlplane.api.disconnect).
     app.add_middleware(CancelOnDisconnect)
