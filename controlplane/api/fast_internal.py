@@ -6,8 +6,9 @@ Through FastAPI each of these went through a dozen ASGI layers, its dependencies
 check, the services) and the thread pool (a hop to another thread, which then holds the
 interpreter while the serving loop's queries wait for it): on the 2-core machine, at 330
 queries a second of a user's ONNX model, 6-7% of the serving process's CPU samples were that
-machinery, and none after (py-spy; docs/serving.md, "Through the API"). :class:`FastInternalMiddleware` answers
-them itself on the event loop when nothing about the request is unusual:
+machinery, and none after (py-spy; docs/serving.md, "Through the API").
+:class:`FastInternalMiddleware` answers them itself on the event loop when nothing about the
+request is unusual:
 
 - the request shows the settings' ``internal_token`` (the secret the loops process is given;
   compared in constant time), and the process runs a serving loop;
