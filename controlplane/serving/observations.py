@@ -131,12 +131,21 @@ class Split:
     event loop's own queue), ``queue_ms`` everything else but its batches' round trips
     (admission, the stages' queues, the event loop), ``transport_ms`` the round trips less the
     workers' own service time, ``compute_ms`` the workers' service time (``served_ms``; the whole
-    round trip when a worker does not say)."""
+    round trip when a worker does not say); ``lag_ms`` the part of ``queue_ms`` its dispatches
+    waited on the event loop with their instance free (not the wait for a busy instance, which a
+    simulated queue models). ``own_ms``, ``api_ms`` plus ``lag_ms``, is the service's own time
+    per query that no worker profile or simulated queue covers: the calibration loop's overhead
+    figure."""
 
     queue_ms: float = 0.0
     transport_ms: float = 0.0
     compute_ms: float = 0.0
     api_ms: float = 0.0
+    lag_ms: float = 0.0
+
+    @property
+    def own_ms(self) -> float:
+        return self.api_ms + self.lag_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,7 +360,7 @@ class _App:
         self.samples_by_model: Counter[str] = Counter()
         # api, queue, transport, compute, total (ms) summed over the answered queries
         self.stage_sum_ms = [0.0, 0.0, 0.0, 0.0, 0.0]
-        # the newest answered queries' api_ms (the calibration loop's overhead figure)
+        # the newest answered queries' own time, Split.own_ms (the calibration loop's overhead)
         self.api_ms: deque[float] = deque(maxlen=API_TIMES_KEPT)
         self.buckets: dict[Outcome, list[int]] = {}
         self.outcome_sum_ms: dict[Outcome, float] = {}
@@ -425,7 +434,7 @@ class Observations:
                 sums[1] += split.queue_ms
                 sums[2] += split.transport_ms
                 sums[3] += split.compute_ms
-                entry.api_ms.append(split.api_ms)
+                entry.api_ms.append(split.own_ms)
             sums[4] += latency_ms
             entry.ended(Outcome.ANSWERED, latency_ms)
             latencies = entry.latencies
@@ -557,8 +566,9 @@ class Observations:
         return found
 
     def api_times_ms(self, app: str) -> list[float]:
-        """The API's part (ms, receipt to the dispatcher's submit) of ``app``'s newest answered
-        queries, oldest first (empty when none was answered)."""
+        """The service's own time (ms, :attr:`Split.own_ms`: the API's part, from its receipt to
+        the dispatcher's submit, plus the dispatches' wait on the event loop) of ``app``'s
+        newest answered queries, oldest first (empty when none was answered)."""
         with self._lock:
             found = self._apps.get(app)
             return [] if found is None else list(found.api_ms)
