@@ -43,11 +43,11 @@ reconciler (every second, to launch the worker sooner). Then:
    (``--runs``, seeds 1, 2, ...), a Poisson trace of ``--duration-s`` sent open loop by
    ``controlplane.clients.loadgen`` (the code of ``heteroplane loadgen``); P99 at the client.
 
-The predictions, on the same trace: ``estimator.simulator`` with the profile (times the
-calibration's factor the service stored for it by the warm-up's end, or the level's warm-up's
-with ``--level-warmup-s``, as the resolver hands it to the planner at that moment: a profile
-measured in a moment of contention is corrected by what the service then observed), the plan's
-fleet,
+The predictions, on the same trace: ``estimator.simulator`` with the profile (calibrated as
+the service stored it by the warm-up's end, or by the level's warm-up with ``--level-warmup-s``:
+times its factor and, where the calibration stored one, with the live round trips' spread, as
+the resolver hands it to the planner at that moment; a profile measured in a moment of
+contention is corrected by what the service then observed), the plan's fleet,
 batch size and dispatch (FCFS), then (a) **the planner's**: plus, per query, a draw from the
 service's stored distribution of its own time
 (:func:`controlplane.policies.planner.overhead_draws_ms`, what the planner adds to a plan's
@@ -89,7 +89,7 @@ from controlplane.apps.resolver import scaled_profile
 from controlplane.clients import loadgen
 from controlplane.clients.tensors import fit_inputs, input_specs
 from controlplane.db.store import Store
-from controlplane.policies.calibration import OVERHEAD_QUANTILES, draw_overhead_ms
+from controlplane.policies.calibration import OVERHEAD_QUANTILES, draw_overhead_ms, spread_samples
 from controlplane.policies.planner import overhead_draws_ms
 from controlplane.provisioning import LOCAL_PROFILE_FILE
 from estimator.catalog import default_catalog
@@ -284,14 +284,22 @@ def stored_overhead(data_dir: Path) -> tuple[float, tuple[float, ...]] | None:
     return found.overhead_ms, tuple(found.quantiles_ms)
 
 
-def stored_scale(data_dir: Path, model: str) -> float:
-    """The calibration's factor for ``model`` on the instance type (1 when it stored none): the
-    resolver multiplies the profile by it for the planner."""
+def stored_scale(data_dir: Path, model: str) -> tuple[float, tuple[float, ...]]:
+    """The calibration of ``model`` on the instance type: its factor (1 when it stored none)
+    and the live round trips' spread (empty when it stored none); the resolver calibrates the
+    profile with both for the planner (``scaled_profile``)."""
     with opened_store(data_dir) as store:
         for record in store.list_profile_scales(APP):
             if (record.model, record.instance_type) == (model, INSTANCE_TYPE):
-                return float(record.factor)
-    return 1.0
+                return float(record.factor), record.spread
+    return 1.0, ()
+
+
+def spread_p99(spread: Sequence[float]) -> float | None:
+    """A stored spread's p99 over its mean (None: none stored, the profile's own spread)."""
+    if not spread:
+        return None
+    return float(np.percentile(spread_samples(spread, 1.0), 99.0))
 
 
 def stored_profile(data_dir: Path, model: str) -> LatencyProfile:
@@ -412,6 +420,8 @@ class Setting:
     levels: list[Level]
     engine: str = "httpx"
     profile_scale: float = 1.0  # the calibration's factor on the profile at the warm-up's end
+    # The stored spread's p99 over its mean at the warm-up's end (None: the profile's own).
+    profile_spread_p99: float | None = None
     load_before: list[float] = field(default_factory=list)
     load_after: list[float] = field(default_factory=list)
     wall_s: float = 0.0
@@ -620,16 +630,16 @@ def level_warm_up(
     data_dir: Path,
     profile: LatencyProfile,
     say: Say,
-) -> float:
+) -> tuple[float, tuple[float, ...]]:
     """Serve ``rate_qps`` for ``warmup_s`` (a trace of its own, not measured), give the
-    calibration a moment to judge it, and return the factor the service then stores for the
-    profile: what the planner reads while the service runs at that load."""
+    calibration a moment to judge it, and return the factor and spread the service then stores
+    for the profile: what the planner reads while the service runs at that load."""
     say(f"rho {utilisation:g}: the level's warm-up, {warmup_s:g} s at {rate_qps:.1f} qps")
     send(load, poisson_trace(rate_qps, warmup_s, seed))
     time.sleep(CALIBRATION_GRACE_S)
-    scale = stored_scale(data_dir, profile.model)
+    scale, spread = stored_scale(data_dir, profile.model)
     say(f"rho {utilisation:g}: the calibration's factor on the profile: {scale:.3f}")
-    return scale
+    return scale, spread
 
 
 @dataclass(frozen=True, slots=True)
@@ -736,17 +746,27 @@ def measure(
             overhead, quantiles, outside = warm_up(
                 load, rates[0], options.warmup_s, data_dir, process, say
             )
-            scale = stored_scale(data_dir, profile.model)
-            say(f"the calibration's factor on the profile: {scale:.3f}")
+            scale, spread = stored_scale(data_dir, profile.model)
+            tail = spread_p99(spread)
+            say(
+                f"the calibration's factor on the profile: {scale:.3f}; the live round trips'"
+                " spread: "
+                + ("none stored" if tail is None else f"stored, p99 {tail:.2f} times the mean")
+            )
             levels = []
             for index, (u, r) in enumerate(zip(options.utilisations, rates, strict=True)):
-                level_scale = scale
+                level_scale, level_spread = scale, spread
                 if options.level_warmup_s > 0:
-                    level_scale = level_warm_up(
+                    level_scale, level_spread = level_warm_up(
                         load, u, r, options.level_warmup_s, 500 + index, data_dir, profile, say
                     )
                 model = Model(
-                    scaled_profile(profile, level_scale), overhead, quantiles, outside, fleet, batch
+                    scaled_profile(profile, level_scale, level_spread),
+                    overhead,
+                    quantiles,
+                    outside,
+                    fleet,
+                    batch,
                 )
                 runs = [
                     run_level(u, r, options.duration_s, seed, load, model, say)
@@ -770,9 +790,22 @@ def measure(
         levels,
         options.engine,
         scale,
+        spread_p99(spread),
         load_before,
         [round(x, 2) for x in os.getloadavg()],
         round(time.monotonic() - started, 1),
+    )
+
+
+def round_trip_spread_text(setting: Setting) -> str:
+    """What the calibration stored of the live round trips' spread (a sentence)."""
+    if setting.profile_spread_p99 is None:
+        return "The calibration stored no spread: the profile's own spread is planned with."
+    return (
+        "The calibration found the live round trips' spread off the profile's and stored it:"
+        f" their p99 is {setting.profile_spread_p99:.2f} times their mean (the profile's:"
+        f" {setting.round_trip_p99_ms / setting.round_trip_ms:.2f}), and the planner's profile"
+        " has that spread."
     )
 
 
@@ -880,7 +913,7 @@ The plan: {json.dumps(stage.get("fleet", {}))}, batch size {stage.get("batch_siz
 (p99 {setting.round_trip_p99_ms:.2f} ms; {what}), so the instance's capacity is
 {setting.capacity_qps:.1f} qps. The calibration's factor on that profile at the warm-up's end
 (what the planner's profile is multiplied by; 1: none stored): {setting.profile_scale:.3f}; the
-table's "factor" is the one each level's predictions used.
+table's "factor" is the one each level's predictions used. {round_trip_spread_text(setting)}
 The service's own time per query, as it measured and stored it:
 median {setting.overhead_ms:.2f} ms, p99 {setting.overhead_p99_ms:.2f} ms. Outside it, measured
 in the warm-up: median {setting.outside_p50_ms:.2f} ms, p99 {setting.outside_p99_ms:.2f} ms.
@@ -894,58 +927,59 @@ s, load average {" / ".join(map(str, setting.load_before))} before and
 
 
 WHY = """**The model.** A query's time at the client has four parts. (1) The worker's round trip
-(the JSON both ways, the agent's parsing, the model, loopback HTTP), which keeps the worker busy
-and so also queues: the profile is measured through that path (`heteroplane profile measure`
-for the emulated models, `heteroplane profile run` for a registry model), and the simulator
-queues it. (2) The control plane's own path before the dispatch queue (the API's parsing, the
-token check, validation, the event loop), which delays every query but keeps no worker busy:
-the service measures it on its own traffic and the calibration loop stores its median and its
-quantiles (the app's `serving_overhead`); the planner draws each simulated query's share from
-them, so a service whose own time has a long tail moves the predicted P99 by its tail, not its
-median. (3) The path the service does not see: the client's HTTP stack, the connection, the
-server reading and parsing the request before the API is called (h11, a pure-Python parser) and
-writing the answer back. Every answer carries the service's own time for it (`total_ms`), so a
-client can measure this part: its latency less that time (`heteroplane loadgen` reports it as
-`outside_p50_ms` / `outside_p99_ms`). (4) CPU contention that grows with the load on a machine
-the load generator, the service and the workers share.
+(the JSON both ways, the agent's parsing, the model, loopback HTTP), which keeps the worker busy and
+so also queues: the profile is measured through that path (`heteroplane profile measure` for the
+emulated models, `heteroplane profile run` for a registry model), and the simulator queues it; the
+calibration keeps the profile's mean (a factor) and, where the live round trips' tail is off the
+profile's by more than 25%, its spread (the observed shape) current, and the planner's profile has
+both. (2) The control plane's own path before and around the dispatch queue (the API's parsing, the
+token check, validation, the event loop; the dispatch's wait for the event loop's turn with the
+instance already free), which delays every query but keeps no worker busy: the service measures it
+on its own traffic and the calibration loop stores its median and its quantiles (the app's
+`serving_overhead`); the planner draws each simulated query's share from them, so a service whose
+own time has a long tail moves the predicted P99 by its tail, not its median. (3) The path the
+service does not see: the client's HTTP stack, the connection, the server reading and parsing the
+request before the API is called (h11, a pure-Python parser) and writing the answer back. Every
+answer carries the service's own time for it (`total_ms`), so a client can measure this part: its
+latency less that time (`heteroplane loadgen` reports it as `outside_p50_ms` / `outside_p99_ms`).
+(4) CPU contention that grows with the load on a machine the load generator, the service and the
+workers share.
 
-"P99 planner" is what the planner predicts with (1) and (2): a plan's `predicted_p99_ms`.
-"Planner + client's path" adds (3), drawn per query from its distribution measured once per
-setting in the warm-up (at the lowest rate, on a trace of its own; nothing in it is fitted to
-the runs in the table). The planner cannot know (3) for an arbitrary client: it is the client's,
-and the service's only view of it would be a probe of its own; the goal is judged on both
-columns. (4) is in neither: the "outside the service" column shows how the unseen part grows
-with the load on this 2-core machine.
+"P99 planner" is what the planner predicts with (1) and (2): a plan's `predicted_p99_ms`. "Planner +
+client's path" adds (3), drawn per query from its distribution measured once per setting in the
+warm-up (at the lowest rate, on a trace of its own; nothing in it is fitted to the runs in the
+table). The planner cannot know (3) for an arbitrary client: it is the client's, and the service's
+only view of it would be a probe of its own; the goal is judged on both columns. (4) is in neither:
+the "outside the service" column shows how the unseen part grows with the load on this 2-core
+machine.
 
-**What the figures below say** (measured 2026-11-29 on a quiet machine, load averages 0.4-1.1
-with the runs, after the loops' feed left FastAPI's thread pool and the loops process froze its
-start-up objects out of the collector's full passes: service.md, "Serving apart from the
-loops"; the set before those changes held at 8 of 15, one between them, with the feed moved and
-the loops not yet frozen, at 9). At 5, 15 and 50
-ms the planner holds at every level: 1.08-1.15 at 5 ms (the 90% level 1.05-1.38 over the
-seeds, where the P99 moves most with the trace), 1.04-1.07 at 15 ms, 1.01-1.02 at 50 ms; the
-calibration had stored no correction (factor 1.000; in one of the sets before it had, 1.064,
-and 5 ms held there too). The user's ONNX CNN is a model of about 1.2 ms a call as the serving
-loop times it (the calibrated factors 0.72 with JSON and 0.71 binary: the live calls are faster
-than the profiler's), served at 186-565 queries a second, and the planner under-predicts it at
-every level: 1.43-2.22 times with JSON, 1.71-1.86 binary. The client's path (3), about 3 ms at
-its p99, brings that to 1.07-1.43 (JSON; within 15% at 60%) and 1.18-1.46 (binary; within at
-30%). The two columns at the right of each table say where the rest is. "The service's queue"
-is the p99 of the answers' own `queue_ms`: the part of the service's time neither in the API's
-hands nor in a worker's (admission, the stage's queue, the event loop's turns); for the ONNX
-model it is 3-7 ms at 30% and 60% of capacity and 7-30 ms at 90%, where the planner predicts
-the whole stage (queue and calls) at 3.5-8 ms. "CPU a query" is the serving process's CPU over
-the run per answered query (`/proc`; it includes some 20-30 ms a second the process spends
-whatever the load, which is why it is largest at the lowest rates): 0.7-0.9 ms for the ONNX
-model at 370-570 queries a second, a third to a half of a core, on the two cores the worker
-and the load generator share with it. The planner's capacity is the worker's alone; the
-serving process's own CPU per query, its queueing and the contention for the two cores are in
-no term of its model (4), and they are what a user's millisecond model adds. In diagnostic
-runs of this setting (not kept as a benchmark), no cyclic collection of the serving process
-took over 1.4 ms while queries were measured (`gc.callbacks`), and with the loops' feed every
-second instead of every 100 ms the P99 at 30% was 6.1-6.7 ms against 7.4-8.4 (two runs each,
-before the feed left the thread pool). On 15 levels the planner holds at 9, with the client's
-path at 11."""
+**What the figures below say** (measured 2026-11-29 on a quiet machine, load averages 0.4-1.1 with
+the runs, after the loops' feed left FastAPI's thread pool and the loops process froze its start-up
+objects out of the collector's full passes: service.md, "Serving apart from the loops"; the set
+before those changes held at 8 of 15, one between them, with the feed moved and the loops not yet
+frozen, at 9). At 5, 15 and 50 ms the planner holds at every level: 1.08-1.15 at 5 ms (the 90% level
+1.05-1.38 over the seeds, where the P99 moves most with the trace), 1.04-1.07 at 15 ms, 1.01-1.02 at
+50 ms; the calibration had stored no correction (factor 1.000; in one of the sets before it had,
+1.064, and 5 ms held there too). The user's ONNX CNN is a model of about 1.2 ms a call as the
+serving loop times it (the calibrated factors 0.72 with JSON and 0.71 binary: the live calls are
+faster than the profiler's), served at 186-565 queries a second, and the planner under-predicts it
+at every level: 1.43-2.22 times with JSON, 1.71-1.86 binary. The client's path (3), about 3 ms at
+its p99, brings that to 1.07-1.43 (JSON; within 15% at 60%) and 1.18-1.46 (binary; within at 30%).
+The two columns at the right of each table say where the rest is. "The service's queue" is the p99
+of the answers' own `queue_ms`: the part of the service's time neither in the API's hands nor in a
+worker's (admission, the stage's queue, the event loop's turns); for the ONNX model it is 3-7 ms at
+30% and 60% of capacity and 7-30 ms at 90%, where the planner predicts the whole stage (queue and
+calls) at 3.5-8 ms. "CPU a query" is the serving process's CPU over the run per answered query
+(`/proc`; it includes some 20-30 ms a second the process spends whatever the load, which is why it
+is largest at the lowest rates): 0.7-0.9 ms for the ONNX model at 370-570 queries a second, a third
+to a half of a core, on the two cores the worker and the load generator share with it. The planner's
+capacity is the worker's alone; the serving process's own CPU per query, its queueing and the
+contention for the two cores are in no term of its model (4), and they are what a user's millisecond
+model adds. In diagnostic runs of this setting (not kept as a benchmark), no cyclic collection of
+the serving process took over 1.4 ms while queries were measured (`gc.callbacks`), and with the
+loops' feed every second instead of every 100 ms the P99 at 30% was 6.1-6.7 ms against 7.4-8.4 (two
+runs each, before the feed left the thread pool). On 15 levels the planner holds at 9, with the
+client's path at 11."""
 
 
 def markdown(
@@ -975,11 +1009,12 @@ settings below were measured one at a time (each under ten minutes) and written 
   `{INSTANCE_TYPE}`; queries sent open loop by `controlplane.clients.loadgen` (the code of
   `heteroplane loadgen`, engine {", ".join(engines)}), one seeded Poisson trace of
   {duration_s:g} s per level and run; P99 of the end-to-end latency at the client.
-- The prediction: `estimator.simulator` on the same trace with the serving-path profile (times
-  the calibration's factor the service stored by the warm-up's end, as the planner reads it), the
-  plan's fleet, batch size and dispatch (FCFS), plus per query a draw from the service's stored
-  distribution of its own time (`controlplane.policies.planner.overhead_draws_ms`, what the
-  planner adds); and that plus a draw from the client's path measured in the warm-up.
+- The prediction: `estimator.simulator` on the same trace with the serving-path profile
+  (calibrated as the service stored it by the warm-up's end, its factor and spread, as the
+  planner reads it), the plan's fleet, batch size and dispatch (FCFS), plus per query a draw
+  from the service's stored distribution of its own time
+  (`controlplane.policies.planner.overhead_draws_ms`, what the planner adds); and that plus a
+  draw from the client's path measured in the warm-up.
 - rho is the share of the instance's capacity (1000 / the measured profile's mean round trip,
   before the calibration's factor); the goal is the predicted P99 within 15% of the measured
   one, judged on the median over the runs (the tables show measured / predicted).

@@ -41,12 +41,13 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from controlplane.policies.calibration import spread_samples
 from controlplane.spec import (
     AppSpec,
     ResolvedApp,
@@ -64,6 +65,7 @@ from provisioners.artifacts import FAMILY_SIGNATURE, ArtifactError, ArtifactRef,
 __all__ = [
     "AppResolver",
     "ArtifactSource",
+    "Calibrated",
     "OverheadSource",
     "ProfileSource",
     "RegisteredModel",
@@ -76,9 +78,14 @@ __all__ = [
     "spec_document",
 ]
 
-ScaleSource = Callable[[str], Mapping[tuple[str, str], float]]
-"""An app name -> its calibration factors by (model, instance type) (empty for an app that has
-none, or is not registered)."""
+Calibrated = float | tuple[float, tuple[float, ...]]
+"""A (model, instance type)'s calibration: its factor, or (factor, spread) where the live round
+trips' unit-mean shape was stored (quantiles at :data:`~controlplane.policies.calibration.
+OVERHEAD_QUANTILES`; empty: the profile's own)."""
+
+ScaleSource = Callable[[str], Mapping[tuple[str, str], Calibrated]]
+"""An app name -> its calibrations by (model, instance type) (empty for an app that has none,
+or is not registered)."""
 
 OverheadSource = Callable[[str], float | tuple[float, tuple[float, ...]] | None]
 """An app name -> the control plane's measured overhead per query, ms: its median, or (median,
@@ -124,10 +131,14 @@ def smallest_common_batch_size(app: ResolvedApp) -> int:
     )
 
 
-def scaled_profiles(app: ResolvedApp, scales: Mapping[tuple[str, str], float]) -> ResolvedApp:
-    """``app`` with the samples of each (model, instance type) profile in ``scales`` multiplied
-    by its factor (the others as they are; a factor for a pair the app lacks is ignored)."""
-    wanted = {key: f for key, f in scales.items() if f != 1.0}
+def scaled_profiles(app: ResolvedApp, scales: Mapping[tuple[str, str], Calibrated]) -> ResolvedApp:
+    """``app`` with each (model, instance type) profile in ``scales`` calibrated
+    (:func:`scaled_profile`; the others as they are; a pair the app lacks is ignored)."""
+    wanted = {
+        key: (f, ()) if isinstance(f, int | float) else f
+        for key, f in scales.items()
+        if not (isinstance(f, int | float) and f == 1.0)
+    }
     if not wanted:
         return app
     rebuilt: dict[int, ProfileSet] = {}
@@ -139,7 +150,7 @@ def scaled_profiles(app: ResolvedApp, scales: Mapping[tuple[str, str], float]) -
         if id(found) not in rebuilt:
             rebuilt[id(found)] = ProfileSet(
                 (
-                    scaled_profile(p, wanted[key]) if key in wanted else p
+                    scaled_profile(p, *wanted[key]) if key in wanted else p
                     for key, p in found.items()
                 ),
                 found.source,
@@ -148,14 +159,17 @@ def scaled_profiles(app: ResolvedApp, scales: Mapping[tuple[str, str], float]) -
     return dataclasses.replace(app, profiles=profiles)
 
 
-def scaled_profile(profile: LatencyProfile, factor: float) -> LatencyProfile:
-    """``profile`` with every sample multiplied by ``factor`` (a calibration's)."""
-    return LatencyProfile(
-        profile.model,
-        profile.instance_type,
-        profile.batch_sizes,
-        tuple(np.asarray(cell, dtype=np.float64) * factor for cell in profile.samples_ms),
-    )
+def scaled_profile(
+    profile: LatencyProfile, factor: float, spread: Sequence[float] = ()
+) -> LatencyProfile:
+    """``profile`` with every sample multiplied by ``factor`` (a calibration's); with a
+    ``spread`` (a unit-mean shape, :func:`~controlplane.policies.calibration.spread_samples`),
+    each batch size's samples are that shape about the calibrated mean instead."""
+    if spread:
+        cells = tuple(spread_samples(spread, float(mean) * factor) for mean in profile.mean_ms)
+    else:
+        cells = tuple(np.asarray(cell, dtype=np.float64) * factor for cell in profile.samples_ms)
+    return LatencyProfile(profile.model, profile.instance_type, profile.batch_sizes, cells)
 
 
 class AppResolver:
@@ -177,7 +191,7 @@ class AppResolver:
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, ResolvedApp] = OrderedDict()
         self._scale_source = scales
-        self._scales: dict[str, tuple[tuple[tuple[str, str], float], ...]] = {}
+        self._scales: dict[str, tuple[tuple[tuple[str, str], Calibrated], ...]] = {}
         self._overhead_source = overheads
         self._overheads: dict[str, tuple[float, tuple[float, ...]]] = {}
         self._artifact_source = artifacts
@@ -230,7 +244,7 @@ class AppResolver:
                 self._overheads[app] = found
         return found
 
-    def _app_scales(self, app: str) -> tuple[tuple[tuple[str, str], float], ...]:
+    def _app_scales(self, app: str) -> tuple[tuple[tuple[str, str], Calibrated], ...]:
         if self._scale_source is None:
             return ()
         with self._lock:
@@ -271,7 +285,7 @@ class AppResolver:
             sort_keys=True,
         )
         if scales:
-            key += json.dumps([[m, t, f] for (m, t), f in scales])
+            key += json.dumps([[m, t, f] for (m, t), f in scales])  # a spread as a list
         measured: ProfileSet | None = None
         if any(model.profiles is None for model in spec.models):
             token, measured = self._app_measured(spec.name)

@@ -13,7 +13,8 @@ Tables (docs/service.md describes each column):
 - ``metric_samples``: the rolled-up load, latency, SLO attainment and cost of an app over time;
 - ``api_tokens``: the SHA-256 hashes of the API tokens with their scope;
 - ``profile_scales``: the online calibration's factor per (app, model, instance type): the app's
-  resolved profiles are its profile files' samples times this factor;
+  resolved profiles are its profile files' samples times this factor; and, once the live round
+  trips' spread was found off the profile's, that spread (``spread``, a unit-mean shape);
 - ``serving_overheads``: the control plane's own time per query of an app as the serving loop
   measured it (the API's receipt to the dispatch queue), which the planner adds to every
   query's simulated latency;
@@ -303,6 +304,10 @@ class ProfileScale(Base):
     # Observed over profiled service time: the profile's samples are multiplied by it.
     factor: Mapped[float]
     updated_at: Mapped[datetime]
+    # The observed round trips over their mean at calibration.OVERHEAD_QUANTILES (0..100 %):
+    # the resolved profile's samples take this shape about their calibrated means; NULL: the
+    # profile's own spread (none was found off, or a row from before).
+    spread: Mapped[list[float] | None] = mapped_column(JSON, nullable=True)
 
 
 class ServingOverhead(Base):

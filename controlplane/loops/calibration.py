@@ -48,9 +48,11 @@ from controlplane.policies.calibration import (
     CalibrationRule,
     calibrate,
     overhead_drift,
+    spread_drift,
 )
 from controlplane.spec import ResolvedApp
 from estimator.errors import EstimatorError
+from estimator.profiles import LatencyProfile
 
 __all__ = ["ApiTimesSource", "BatchTimesSource", "Drift", "ForgetFn", "ProfileCalibrator"]
 
@@ -70,6 +72,7 @@ InvalidateFn = Callable[[str], None]
 DRIFT_KIND = "profile_drift"
 CALIBRATED_KIND = "profile_calibrated"
 OVERHEAD_KIND = "serving_overhead"
+SPREAD_KIND = "profile_spread"
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,11 +184,13 @@ class ProfileCalibrator:
             (s.model, s.instance_type): s.factor for s in self._store.list_profile_scales(app.name)
         }
         made = []
+        spread_moved = False
         for (model, instance_type), times in sorted(observed.items()):
             try:
                 profile = resolved.profile(model, instance_type)
             except EstimatorError:
                 continue  # a type the spec no longer names: nothing to calibrate
+            spread_moved |= self._spread(app.name, profile, times)
             verdict = calibrate(profile, times, self._rule)
             if not verdict.corrects:
                 continue
@@ -218,4 +223,34 @@ class ProfileCalibrator:
             )
             self._forget(app.name, model, instance_type)
             made.append(Drift(app.name, verdict, old, new, resized))
+        if spread_moved and not made:
+            self._invalidate(app.name)
         return made
+
+    def _spread(
+        self, app: str, profile: LatencyProfile, times: Mapping[int, Sequence[float]]
+    ) -> bool:
+        """Store the observed round trips' shape for ``profile``'s pair when it is off the
+        resolved profile's (:func:`~controlplane.policies.calibration.spread_drift`); whether
+        it was stored. The fleet is not re-sized for it: the means did not move."""
+        verdict = spread_drift(profile, times, self._rule)
+        if not verdict.drift:
+            return False
+        model, instance_type = profile.model, profile.instance_type
+        self._store.set_profile_spread(app, model, instance_type, verdict.quantiles)
+        self._store.record_decision(
+            app,
+            SPREAD_KIND,
+            f"{model} on {instance_type}: the slowest 5% of the round trips take"
+            f" {verdict.observed_tail:.2f}x their mean over {verdict.batches} batches, the"
+            f" profile's {verdict.profile_tail:.2f}x; plans take the observed spread",
+            {
+                "model": model,
+                "instance_type": instance_type,
+                "observed_tail_over_mean": verdict.observed_tail,
+                "profile_tail_over_mean": verdict.profile_tail,
+                "batches": verdict.batches,
+            },
+            key=f"{model}:{instance_type}",
+        )
+        return True

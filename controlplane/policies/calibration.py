@@ -64,6 +64,25 @@ median and 15 ms at p99 (the periodic jobs on the interpreter that serves, a col
 query's P99 by much more than 1 ms. The rule updates the stored figures also when the observed
 P99 moved as the median would have to (more than ``threshold`` of the stored P99 and more than
 :data:`OVERHEAD_FLOOR_MS`), and when the stored figure has no distribution yet.
+
+**The spread of the round trips.** The factor makes a profile's mean right; its spread is the
+profiler's, and the live path may have another: on a 2-core machine a millisecond model's round
+trips through the serving loop were 0.9 ms at the median and 2.5 ms at p99, where the profile
+said 0.9 and 1.3, and a queue's tail follows the service time's tail. So the loop also keeps
+the shape of the observed round trips (:func:`spread_drift`): each batch's time over its batch
+size's mean, pooled, at :data:`OVERHEAD_QUANTILES` (a unit-mean shape), stored when at least
+``fine_min_batches`` batches give it and its tail differs from the resolved profile's (its
+samples over their means, at the same batch sizes) by more than ``threshold``. The tail is the
+mean of the slowest :data:`TAIL_SHARE` (5 %) over the mean: steadier from one window of a few
+hundred batches to the next than a p99, which is two or three of them. The resolver then gives
+each batch size of the profile that shape about its calibrated mean (:func:`spread_samples`).
+
+>>> even = LatencyProfile("m", "t", [1], ([1.0, 1.0, 1.0, 1.0],))
+>>> tailed = spread_drift(even, {1: [1.0] * 196 + [4.0] * 4})
+>>> tailed.drift, round(tailed.observed_tail, 2), tailed.profile_tail
+(True, 2.08, 1.0)
+>>> spread_drift(even, {1: [1.0] * 200}).drift
+False
 """
 
 from __future__ import annotations
@@ -84,12 +103,16 @@ __all__ = [
     "FINE_Z",
     "OVERHEAD_FLOOR_MS",
     "OVERHEAD_QUANTILES",
+    "TAIL_SHARE",
     "Calibration",
     "CalibrationRule",
     "OverheadCalibration",
+    "Spread",
     "calibrate",
     "draw_overhead_ms",
     "overhead_drift",
+    "spread_drift",
+    "spread_samples",
 ]
 
 # Fifty batches: the mean of 50 service times with a 30 % coefficient of variation is within
@@ -109,6 +132,8 @@ OVERHEAD_FLOOR_MS = 0.5
 # The percentages at which the overhead's distribution is stored: every percent, both ends in.
 OVERHEAD_QUANTILES: tuple[float, ...] = tuple(float(q) for q in range(101))
 _P99 = OVERHEAD_QUANTILES.index(99.0)
+# The share of the slowest round trips whose mean is a spread's tail (module docstring).
+TAIL_SHARE = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,3 +294,84 @@ def draw_overhead_ms(
         )
     percent = rng.random(count) * 100.0
     return np.interp(percent, OVERHEAD_QUANTILES, np.asarray(quantiles_ms, dtype=np.float64))
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """What the observed round trips say about a profile's spread (module docstring):
+    ``batches`` counted, the observed unit-mean ``quantiles`` at :data:`OVERHEAD_QUANTILES`
+    (empty when none was counted), its p99 and the resolved profile's (1 when none), and whether
+    to store the observed shape (``drift``); ``observed_tail`` and ``profile_tail`` the means
+    of their slowest :data:`TAIL_SHARE` over their means (1 when none was counted)."""
+
+    batches: int
+    quantiles: tuple[float, ...]
+    observed_tail: float
+    profile_tail: float
+    drift: bool
+
+
+def _unit_mean(cells: Sequence[np.ndarray]) -> np.ndarray:
+    """Each cell's values over its own mean, pooled (cells with no positive mean left out)."""
+    parts = [cell / cell.mean() for cell in cells if cell.size and cell.mean() > 0]
+    return np.concatenate(parts) if parts else np.empty(0)
+
+
+def spread_drift(
+    profile: LatencyProfile,
+    observed_ms: Mapping[int, Sequence[float]],
+    rule: CalibrationRule | None = None,
+) -> Spread:
+    """The unit-mean shape of ``observed_ms`` (batch size -> service times, ms) against
+    ``profile``'s at the same batch sizes, and whether to store it under ``rule`` (module
+    docstring; batch sizes the profile does not measure are left out)."""
+    rule = rule if rule is not None else CalibrationRule()
+    observed: list[np.ndarray] = []
+    profiled: list[np.ndarray] = []
+    measured = dict(zip(profile.batch_sizes.tolist(), profile.samples_ms, strict=True))
+    for batch_size, times in observed_ms.items():
+        cell = measured.get(batch_size)
+        if cell is None:
+            continue
+        values = np.asarray(times, dtype=np.float64)
+        observed.append(values[np.isfinite(values) & (values >= 0)])
+        profiled.append(cell)
+    shape, own = _unit_mean(observed), _unit_mean(profiled)
+    if shape.size == 0 or own.size == 0:
+        return Spread(int(shape.size), (), 1.0, 1.0, False)
+    quantiles = tuple(float(q) for q in np.percentile(shape, OVERHEAD_QUANTILES))
+    observed_tail, profile_tail = _tail(shape), _tail(own)
+    drift = (
+        shape.size >= rule.fine_min_batches
+        and abs(observed_tail / profile_tail - 1.0) > rule.threshold
+    )
+    return Spread(int(shape.size), quantiles, observed_tail, profile_tail, drift)
+
+
+def _tail(shape: np.ndarray) -> float:
+    """The mean of the slowest :data:`TAIL_SHARE` of a unit-mean ``shape`` (at least one)."""
+    count = max(1, math.ceil(shape.size * TAIL_SHARE))
+    return float(np.sort(shape)[-count:].mean())
+
+
+def spread_samples(quantiles: Sequence[float], mean_ms: float) -> np.ndarray:
+    """Samples (ms) of a unit-mean shape stored at :data:`OVERHEAD_QUANTILES` about ``mean_ms``:
+    one at the middle of each percent (0.5, 1.5, ..., 99.5: equally likely draws, the ends not
+    over-weighted), scaled so that their mean is ``mean_ms``.
+
+    >>> samples = spread_samples([1.0] * 99 + [2.0, 4.0], 10.0)
+    >>> samples.size, round(float(samples.mean()), 9), round(float(samples.max()), 2)
+    (100, 10.0, 29.27)
+    """
+    if len(quantiles) != len(OVERHEAD_QUANTILES):
+        raise ValueError(
+            f"expected {len(OVERHEAD_QUANTILES)} quantiles (0..100 %), got {len(quantiles)}"
+        )
+    middles = np.interp(
+        np.arange(0.5, 100.0, 1.0), OVERHEAD_QUANTILES, np.asarray(quantiles, dtype=np.float64)
+    )
+    total = float(middles.mean())
+    if not total > 0:
+        raise ValueError("a spread's quantiles must have a positive mean")
+    scaled: np.ndarray = middles * (mean_ms / total)
+    return scaled

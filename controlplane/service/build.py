@@ -68,6 +68,7 @@ from fastapi import FastAPI
 
 from controlplane.apps.resolver import (
     AppResolver,
+    Calibrated,
     OverheadSource,
     ScaleSource,
     smallest_common_batch_size,
@@ -383,11 +384,15 @@ def build_traffic_replanner(
 
 
 def stored_scales(store: Store) -> ScaleSource:
-    """An app's calibration factors from ``store`` (none for an app not registered)."""
+    """An app's calibrations from ``store``: a factor, or (factor, spread) where a spread was
+    stored (none for an app not registered)."""
 
-    def scales(app: str) -> dict[tuple[str, str], float]:
+    def scales(app: str) -> dict[tuple[str, str], Calibrated]:
         try:
-            return {(s.model, s.instance_type): s.factor for s in store.list_profile_scales(app)}
+            return {
+                (s.model, s.instance_type): (s.factor, s.spread) if s.spread else s.factor
+                for s in store.list_profile_scales(app)
+            }
         except NotFoundError:
             return {}
 

@@ -176,9 +176,69 @@ def test_too_few_batches_or_a_small_or_noisy_miss_change_nothing(
         serve(observations, 1, 14.0, 1)
         serve(observations, 1, 30.0, 1)
     assert loop.tick() == []
-    assert store.list_profile_scales(APP) == []
+    # No factor (the alternation's spread, wider than the profile's, is kept: the next test).
+    assert [scale.factor for scale in store.list_profile_scales(APP)] == [1.0]
     assert store.list_decisions(APP, kinds=["profile_drift", "profile_calibrated"]) == []
     assert mean_ms(resolver, store, 1) == pytest.approx(20.0)
+
+
+def test_round_trips_with_a_tail_the_profile_lacks_give_the_plans_their_spread(
+    store: Store, tmp_path: Path
+) -> None:
+    from controlplane.policies.planner import plan_app
+    from estimator.traces import Trace, poisson_arrivals
+
+    store.create_app(spec(tmp_path), who="test")
+    observations = Observations()
+    resolver = AppResolver(tmp_path, scales=stored_scales(store))
+    loop = calibrator(store, observations, resolver)
+    arrivals = poisson_arrivals(20.0, 60.0, np.random.default_rng(3))
+    trace = Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
+    before = plan_app(resolver.resolve(store.get_app(APP).spec, check_budget=False), trace)
+
+    # The profile's mean (20 ms) with 4 % of the round trips four times it: no factor to set,
+    # a p99 of 4x the mean where the profile (one sample) says 1x.
+    serve(observations, 1, 17.5, 192)
+    serve(observations, 1, 80.0, 8)
+    assert loop.tick() == []  # no drift of the mean: nothing to re-size
+
+    [decision] = store.list_decisions(APP, kinds=["profile_spread"])
+    assert decision.key == f"tiny:{SMALL}"
+    # The slowest 5 %: the 8 of 80 ms and 2 of 17.5 ms, over the mean of 20 ms.
+    assert decision.numbers["observed_tail_over_mean"] == pytest.approx((640 + 35) / 10 / 20)
+    assert decision.numbers["profile_tail_over_mean"] == pytest.approx(1.0)
+    assert decision.numbers["batches"] == 200
+    [scale] = store.list_profile_scales(APP)
+    assert scale.factor == 1.0 and len(scale.spread) == 101
+    resolved = resolver.resolve(store.get_app(APP).spec, check_budget=False)
+    profile = resolved.profile("tiny", SMALL)
+    # Each batch size keeps its mean and takes the observed shape.
+    assert profile.mean_latency_ms(1) == pytest.approx(20.0)
+    assert profile.mean_latency_ms(4) == pytest.approx(50.0)
+    assert profile.p99_ms[0] == pytest.approx(80.0, rel=0.05)
+    assert profile.p99_ms[1] == pytest.approx(200.0, rel=0.05)
+    after = plan_app(resolved, trace)
+    assert before.predicted_p99_ms is not None and after.predicted_p99_ms is not None
+    assert after.predicted_p99_ms > before.predicted_p99_ms + 20.0
+    # The same round trips again: the stored spread is the resolved one now, nothing moves.
+    loop.tick()
+    assert len(store.list_decisions(APP, kinds=["profile_spread"])) == 1
+
+
+def test_a_stored_spread_keeps_the_factor_and_a_malformed_one_is_refused(
+    store: Store, tmp_path: Path
+) -> None:
+    store.create_app(spec(tmp_path), who="test")
+    store.set_profile_scale(APP, "tiny", SMALL, 1.5)
+    shape = [0.5 + q / 100.0 for q in range(101)]
+    record = store.set_profile_spread(APP, "tiny", SMALL, shape)
+    assert (record.factor, record.spread) == (1.5, tuple(shape))
+    assert store.set_profile_scale(APP, "tiny", SMALL, 2.0).spread == tuple(shape)
+    for bad in (shape[:-1], [*shape[:-1], 0.1], [0.0] * 101, [float("nan")] * 101):
+        with pytest.raises(InvalidValueError, match="spread"):
+            store.set_profile_spread(APP, "tiny", SMALL, bad)
+    [kept] = store.list_profile_scales(APP)
+    assert (kept.factor, kept.spread) == (2.0, tuple(shape))
 
 
 def test_a_steady_small_miss_is_corrected_finely_and_the_fleet_resized_past_the_threshold(
@@ -302,6 +362,46 @@ def test_the_dispatcher_records_each_calls_round_trip_per_key() -> None:
         assert sum(len(times) for times in kept[("tiny", SMALL)].values()) == worker.requests
         assert sum(b * len(t) for b, t in kept[("tiny", SMALL)].items()) == worker.rows == 20
         assert all(ms >= 0 for times in kept[("tiny", SMALL)].values() for ms in times)
+        await dispatcher.close()
+        await worker.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60.0))
+
+
+def test_a_dispatch_the_loop_delayed_counts_in_the_services_own_time() -> None:
+    """The service's own time per query (the calibration's overhead figure) is the API's part
+    plus the wait on the serving loop with the instance free: here the loop's turn came 5 ms
+    after the query was queued to an idle worker (the fake clock moved in between)."""
+
+    async def scenario() -> None:
+        worker = FakeWorker(SMALL)
+        await worker.start()
+        profile = LatencyProfile("tiny", SMALL, np.array([1]), (np.full(3, 1.0),))
+        app = AppConfig(
+            name=APP,
+            slo_ms=500.0,
+            models=("tiny",),
+            cascade=Cascade(("tiny",), ()),
+            profiles={"tiny": {SMALL: profile}},
+            prices_usd_per_hr={SMALL: 0.05},
+        )
+        observations = Observations()
+        clock = [100.0]
+        dispatcher = AppDispatcher(
+            app,
+            HttpWorkerTransport(),
+            observations,
+            settings=DispatcherSettings(admission=False),
+            clock_s=lambda: clock[0],
+        )
+        dispatcher.set_workers([WorkerEndpoint("i-0", SMALL, worker.address)])
+        row = [1.0, 16.0] + [0.0] * 62
+        answered = dispatcher.submit([row], received_s=99.998)  # 2 ms in the API
+        clock[0] = 100.005  # before the loop's round runs
+        result = await answered
+        assert result.api_ms == pytest.approx(2.0)
+        assert result.queue_ms == pytest.approx(5.0)
+        assert observations.api_times_ms(APP) == [pytest.approx(7.0)]
         await dispatcher.close()
         await worker.stop()
 

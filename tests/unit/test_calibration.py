@@ -15,6 +15,8 @@ from controlplane.policies.calibration import (
     calibrate,
     draw_overhead_ms,
     overhead_drift,
+    spread_drift,
+    spread_samples,
 )
 from estimator.profiles import LatencyProfile
 
@@ -137,3 +139,52 @@ def test_draws_follow_the_quantiles() -> None:
     assert draws.max() <= 15.0 and draws.min() >= 1.0
     with pytest.raises(ValueError, match="101 quantiles"):
         draw_overhead_ms([1.0, 2.0], 3, np.random.default_rng(0))
+
+
+# --- the spread of the round trips: the live path's tail, not the profiler's ------------------
+
+# 10 ms at every measured size but twice as long at 4 % of the calls (a profile with a spread).
+SPREAD_PROFILE = LatencyProfile("m", "t", [1, 4], ([10.0] * 24 + [20.0], [30.0] * 24 + [60.0]))
+
+
+def test_a_spread_like_the_profiles_is_not_drift_and_a_heavier_one_is() -> None:
+    alike = {1: ([10.0] * 24 + [20.0]) * 4, 4: ([30.0] * 24 + [60.0]) * 4}  # 200 batches
+    assert not spread_drift(SPREAD_PROFILE, alike).drift
+    heavier = {1: [10.0] * 180 + [50.0] * 20}
+    verdict = spread_drift(SPREAD_PROFILE, heavier)
+    assert verdict.drift and verdict.batches == 200
+    assert verdict.observed_tail > 2.0 * verdict.profile_tail
+    # A sample shape once stored, the same window is no drift against it.
+    again = LatencyProfile(
+        "m",
+        "t",
+        [1, 4],
+        tuple(spread_samples(verdict.quantiles, mean) for mean in SPREAD_PROFILE.mean_ms),
+    )
+    assert not spread_drift(again, heavier).drift
+
+
+def test_a_spread_needs_enough_batches_at_measured_sizes() -> None:
+    heavier = [10.0] * 180 + [50.0] * 20
+    assert not spread_drift(SPREAD_PROFILE, {1: heavier[:199]}).drift  # fine_min_batches: 200
+    outside = spread_drift(SPREAD_PROFILE, {2: heavier, 8: heavier})  # not measured sizes
+    assert (outside.batches, outside.quantiles, outside.drift) == (0, (), False)
+    assert (
+        spread_drift(SPREAD_PROFILE, {1: heavier}, CalibrationRule(fine_min_batches=500)).batches
+        == 200
+    )
+
+
+@given(
+    st.lists(st.floats(0.01, 100.0), min_size=101, max_size=101).map(sorted),
+    st.floats(0.1, 1000.0),
+)
+def test_spread_samples_have_the_mean_asked_for_in_the_shapes_order(
+    quantiles: list[float], mean_ms: float
+) -> None:
+    samples = spread_samples(quantiles, mean_ms)
+    assert samples.size == 100
+    assert float(samples.mean()) == pytest.approx(mean_ms)
+    assert list(samples) == sorted(samples)
+    with pytest.raises(ValueError, match="101 quantiles"):
+        spread_samples(quantiles[:-1], mean_ms)

@@ -26,8 +26,15 @@ from controlplane.db.store.records import (
     _overhead_record,
 )
 from controlplane.errors import InvalidValueError
+from controlplane.policies.calibration import OVERHEAD_QUANTILES
 
 __all__ = ["CalibrationStore"]
+
+
+def _scale_record(app: str, row: m.ProfileScale) -> ProfileScaleRecord:
+    return ProfileScaleRecord(
+        app, row.model, row.instance_type, row.factor, row.updated_at, tuple(row.spread or ())
+    )
 
 
 class CalibrationStore(StoreBase):
@@ -74,11 +81,56 @@ class CalibrationStore(StoreBase):
                 scale.factor = float(factor)
                 scale.updated_at = now
             session.flush()
-            return ProfileScaleRecord(app, model, instance_type, scale.factor, scale.updated_at)
+            return _scale_record(app, scale)
+
+    @_translated
+    def set_profile_spread(
+        self,
+        app: str,
+        model: str,
+        instance_type: str,
+        spread: Sequence[float],
+        *,
+        at: datetime | None = None,
+    ) -> ProfileScaleRecord:
+        """Set the live round trips' unit-mean shape of ``model`` on ``instance_type`` for
+        ``app``: its quantiles at :data:`~controlplane.policies.calibration.OVERHEAD_QUANTILES`
+        (finite, > 0, non-decreasing); the factor stays (1 when none was stored)."""
+        values = [float(q) for q in spread]
+        if (
+            len(values) != len(OVERHEAD_QUANTILES)
+            or not all(math.isfinite(q) and q > 0 for q in values)
+            or any(b < a for a, b in itertools.pairwise(values))
+        ):
+            raise InvalidValueError(
+                "spread",
+                f"must be {len(OVERHEAD_QUANTILES)} quantiles, finite, > 0 and non-decreasing",
+            )
+        model = _label(model, "model", max_length=m.PROFILE_SCALE_MODEL_MAX)
+        instance_type = _label(instance_type, "instance_type", max_length=m.PROFILE_SCALE_TYPE_MAX)
+        now = self._now(at)
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            scale = session.scalar(
+                select(m.ProfileScale).where(
+                    m.ProfileScale.app_id == row.id,
+                    m.ProfileScale.model == model,
+                    m.ProfileScale.instance_type == instance_type,
+                )
+            )
+            if scale is None:
+                scale = m.ProfileScale(
+                    app_id=row.id, model=model, instance_type=instance_type, factor=1.0
+                )
+                session.add(scale)
+            scale.spread = values
+            scale.updated_at = now
+            session.flush()
+            return _scale_record(app, scale)
 
     @_translated
     def list_profile_scales(self, app: str) -> list[ProfileScaleRecord]:
-        """The calibration factors of ``app``, by model then instance type."""
+        """The calibration factors (and spreads) of ``app``, by model then instance type."""
         with transaction(self._sessions) as session:
             row = _app_row(session, app)
             scales = session.scalars(
@@ -86,10 +138,7 @@ class CalibrationStore(StoreBase):
                 .where(m.ProfileScale.app_id == row.id)
                 .order_by(m.ProfileScale.model, m.ProfileScale.instance_type)
             )
-            return [
-                ProfileScaleRecord(app, s.model, s.instance_type, s.factor, s.updated_at)
-                for s in scales
-            ]
+            return [_scale_record(app, s) for s in scales]
 
     @_translated
     def set_serving_overhead(

@@ -151,13 +151,16 @@ class ServingOverheadRecord:
 @dataclass(frozen=True, slots=True)
 class ProfileScaleRecord:
     """The online calibration's factor for ``model`` on ``instance_type`` in ``app``: its profile's
-    samples times ``factor`` predict what the serving loop observes."""
+    samples times ``factor`` predict what the serving loop observes; ``spread``, when stored,
+    the live round trips' unit-mean shape (quantiles at :data:`~controlplane.policies.
+    calibration.OVERHEAD_QUANTILES`; empty: the profile's own spread)."""
 
     app: str
     model: str
     instance_type: str
     factor: float
     updated_at: datetime
+    spread: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
