@@ -939,7 +939,7 @@ on its own traffic and the calibration loop stores its median and its quantiles 
 `serving_overhead`); the planner draws each simulated query's share from them, so a service whose
 own time has a long tail moves the predicted P99 by its tail, not its median. (3) The path the
 service does not see: the client's HTTP stack, the connection, the server reading and parsing the
-request before the API is called (h11, a pure-Python parser) and writing the answer back. Every
+request before the API is called (uvicorn's httptools protocol) and writing the answer back. Every
 answer carries the service's own time for it (`total_ms`), so a client can measure this part: its
 latency less that time (`heteroplane loadgen` reports it as `outside_p50_ms` / `outside_p99_ms`).
 (4) CPU contention that grows with the load on a machine the load generator, the service and the
