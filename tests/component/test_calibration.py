@@ -91,6 +91,15 @@ def calibrator(
     )
 
 
+def registered(store: Store, tmp_path: Path) -> tuple[Observations, AppResolver, ProfileCalibrator]:
+    """The app registered, the serving loop's observations, a resolver reading the stored
+    calibration, and the calibration loop over them."""
+    store.create_app(spec(tmp_path), who="test")
+    observations = Observations()
+    resolver = AppResolver(tmp_path, scales=stored_scales(store))
+    return observations, resolver, calibrator(store, observations, resolver)
+
+
 def serve(observations: Observations, batch: int, service_ms: float, times: int) -> None:
     for _ in range(times):
         observations.batch_served(APP, "tiny", SMALL, batch, service_ms)
@@ -104,10 +113,7 @@ def mean_ms(resolver: AppResolver, store: Store, batch: int) -> float:
 def test_batches_twice_as_slow_as_the_profile_scale_it_by_two(
     store: Store, url: str, tmp_path: Path
 ) -> None:
-    store.create_app(spec(tmp_path), who="test")
-    observations = Observations()
-    resolver = AppResolver(tmp_path, scales=stored_scales(store))
-    loop = calibrator(store, observations, resolver)
+    observations, resolver, loop = registered(store, tmp_path)
     assert mean_ms(resolver, store, 1) == pytest.approx(20.0)  # cached before the drift
 
     serve(observations, 1, 40.0, 30)
@@ -145,10 +151,7 @@ def test_batches_twice_as_slow_as_the_profile_scale_it_by_two(
 
 
 def test_a_further_slowdown_multiplies_the_stored_factor(store: Store, tmp_path: Path) -> None:
-    store.create_app(spec(tmp_path), who="test")
-    observations = Observations()
-    resolver = AppResolver(tmp_path, scales=stored_scales(store))
-    loop = calibrator(store, observations, resolver)
+    observations, resolver, loop = registered(store, tmp_path)
     serve(observations, 1, 40.0, 50)
     loop.tick()
     serve(observations, 1, 120.0, 50)  # three times the calibrated 40 ms
@@ -160,10 +163,7 @@ def test_a_further_slowdown_multiplies_the_stored_factor(store: Store, tmp_path:
 def test_too_few_batches_or_a_small_or_noisy_miss_change_nothing(
     store: Store, tmp_path: Path
 ) -> None:
-    store.create_app(spec(tmp_path), who="test")
-    observations = Observations()
-    resolver = AppResolver(tmp_path, scales=stored_scales(store))
-    loop = calibrator(store, observations, resolver)
+    observations, resolver, loop = registered(store, tmp_path)
     serve(observations, 1, 40.0, 49)  # slow, but one batch short of the window
     assert loop.tick() == []
     observations.forget_batch_times(APP, "tiny", SMALL)
@@ -188,10 +188,7 @@ def test_round_trips_with_a_tail_the_profile_lacks_give_the_plans_their_spread(
     from controlplane.policies.planner import plan_app
     from estimator.traces import Trace, poisson_arrivals
 
-    store.create_app(spec(tmp_path), who="test")
-    observations = Observations()
-    resolver = AppResolver(tmp_path, scales=stored_scales(store))
-    loop = calibrator(store, observations, resolver)
+    observations, resolver, loop = registered(store, tmp_path)
     arrivals = poisson_arrivals(20.0, 60.0, np.random.default_rng(3))
     trace = Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
     before = plan_app(resolver.resolve(store.get_app(APP).spec, check_budget=False), trace)

@@ -53,35 +53,10 @@ class CalibrationStore(StoreBase):
         at: datetime | None = None,
     ) -> ProfileScaleRecord:
         """Set the calibration factor of ``model`` on ``instance_type`` for ``app`` (finite,
-        > 0; it replaces the one before)."""
+        > 0; it replaces the one before; a stored spread stays)."""
         if not (isinstance(factor, int | float) and math.isfinite(factor) and factor > 0):
             raise InvalidValueError("factor", f"must be finite and > 0, got {factor!r}")
-        model = _label(model, "model", max_length=m.PROFILE_SCALE_MODEL_MAX)
-        instance_type = _label(instance_type, "instance_type", max_length=m.PROFILE_SCALE_TYPE_MAX)
-        now = self._now(at)
-        with transaction(self._sessions) as session:
-            row = _app_row(session, app)
-            scale = session.scalar(
-                select(m.ProfileScale).where(
-                    m.ProfileScale.app_id == row.id,
-                    m.ProfileScale.model == model,
-                    m.ProfileScale.instance_type == instance_type,
-                )
-            )
-            if scale is None:
-                scale = m.ProfileScale(
-                    app_id=row.id,
-                    model=model,
-                    instance_type=instance_type,
-                    factor=float(factor),
-                    updated_at=now,
-                )
-                session.add(scale)
-            else:
-                scale.factor = float(factor)
-                scale.updated_at = now
-            session.flush()
-            return _scale_record(app, scale)
+        return self._update_scale(app, model, instance_type, at, factor=float(factor))
 
     @_translated
     def set_profile_spread(
@@ -106,6 +81,13 @@ class CalibrationStore(StoreBase):
                 "spread",
                 f"must be {len(OVERHEAD_QUANTILES)} quantiles, finite, > 0 and non-decreasing",
             )
+        return self._update_scale(app, model, instance_type, at, spread=values)
+
+    def _update_scale(
+        self, app: str, model: str, instance_type: str, at: datetime | None, **values: Any
+    ) -> ProfileScaleRecord:
+        """Set ``values`` (columns of ``profile_scales``) on the pair's row, made with the
+        factor 1 and no spread when there is none yet."""
         model = _label(model, "model", max_length=m.PROFILE_SCALE_MODEL_MAX)
         instance_type = _label(instance_type, "instance_type", max_length=m.PROFILE_SCALE_TYPE_MAX)
         now = self._now(at)
@@ -123,7 +105,8 @@ class CalibrationStore(StoreBase):
                     app_id=row.id, model=model, instance_type=instance_type, factor=1.0
                 )
                 session.add(scale)
-            scale.spread = values
+            for name, value in values.items():
+                setattr(scale, name, value)
             scale.updated_at = now
             session.flush()
             return _scale_record(app, scale)
