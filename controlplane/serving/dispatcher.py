@@ -230,12 +230,12 @@ def _dispatch_lag_ms(now_s: float, enqueued_s: float, idle_since_s: float) -> fl
     to be free; this is the rest, the event loop's turns (what no profile or simulated queue
     covers, so it is part of the service's own time per query: :class:`Split`'s ``lag_ms``).
 
-    >>> _dispatch_lag_ms(10.004, 10.001, 10.002)  # queued at 1 ms, instance free at 2 ms
+    >>> round(_dispatch_lag_ms(10.004, 10.001, 10.002), 9)  # queued at 1 ms, free at 2 ms
     2.0
     >>> _dispatch_lag_ms(10.002, 10.002, 9.0)
     0.0
     """
-    return round(max(0.0, now_s - max(enqueued_s, idle_since_s)) * 1000.0, 9)
+    return max(0.0, now_s - max(enqueued_s, idle_since_s)) * 1000.0
 
 
 class _Request:
