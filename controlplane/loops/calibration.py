@@ -130,8 +130,8 @@ class ProfileCalibrator:
 
     def _tick_app(self, app: AppRecord) -> list[Drift]:
         overhead_moved = self._overhead(app.name)
-        made = self._profiles(app)
-        if made or overhead_moved:
+        made, spread_moved = self._profiles(app)
+        if made or overhead_moved or spread_moved:
             self._invalidate(app.name)
         if self._resize is not None and (overhead_moved or any(d.resized for d in made)):
             self._resize(app.name)
@@ -175,10 +175,12 @@ class ProfileCalibrator:
         )
         return True
 
-    def _profiles(self, app: AppRecord) -> list[Drift]:
+    def _profiles(self, app: AppRecord) -> tuple[list[Drift], bool]:
+        """The recalibrations of ``app``'s profiles made now, and whether a spread was
+        stored."""
         observed = self._batch_times(app.name)
         if not observed:
-            return []
+            return [], False
         resolved = self._resolve(app)
         stored = {
             (s.model, s.instance_type): s.factor for s in self._store.list_profile_scales(app.name)
@@ -223,9 +225,7 @@ class ProfileCalibrator:
             )
             self._forget(app.name, model, instance_type)
             made.append(Drift(app.name, verdict, old, new, resized))
-        if spread_moved and not made:
-            self._invalidate(app.name)
-        return made
+        return made, spread_moved
 
     def _spread(
         self, app: str, profile: LatencyProfile, times: Mapping[int, Sequence[float]]
