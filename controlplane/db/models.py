@@ -16,7 +16,8 @@ Tables (docs/service.md describes each column):
   resolved profiles are its profile files' samples times this factor; and, once the live round
   trips' spread was found off the profile's, that spread (``spread``, a unit-mean shape);
 - ``serving_overheads``: the control plane's own time per query of an app as the serving loop
-  measured it (the API's receipt to the dispatch queue), which the planner adds to every
+  measured it (the API's receipt to the dispatch queue, and the dispatch's wait on the event
+  loop), which the planner adds to every
   query's simulated latency;
 - ``dashboard_sessions``: the dashboard's sign-ins (the SHA-256 of a random session id, the token
   it was opened with, when it ends), shared by every replica of the API;
@@ -316,7 +317,8 @@ class ServingOverhead(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     app_id: Mapped[int] = mapped_column(ForeignKey("apps.id", ondelete="CASCADE"), unique=True)
-    # The median, ms, over ``samples`` answered queries, of the API's receipt to the dispatch.
+    # The median, ms, over ``samples`` answered queries, of the API's receipt to the dispatch
+    # plus the dispatch's wait on the event loop (Split.own_ms).
     overhead_ms: Mapped[float]
     samples: Mapped[int]
     updated_at: Mapped[datetime]

@@ -26,10 +26,11 @@ loop first saw the pair), in one step or in several fine ones; that recalibratio
 a ``profile_drift``.
 
 The same pass measures the control plane's own overhead per query
-(:func:`controlplane.policies.calibration.overhead_drift` over the API times the serving loop
-observed, an injected :data:`ApiTimesSource`): when it moved, it stores the new median
-(``Store.set_serving_overhead``), records a ``serving_overhead`` decision with both figures and
-has the resolver forget the app, so that the next plan adds the measured figure to every query.
+(:func:`controlplane.policies.calibration.overhead_drift` over the queries' own times the serving
+loop observed, the API's part and the dispatch lag, an injected :data:`ApiTimesSource`): when it
+moved, it stores the new median (``Store.set_serving_overhead``), records a ``serving_overhead``
+decision with both figures and has the resolver forget the app, so that the next plan adds the
+measured figure to every query.
 
 The factors and the overhead are in the database, so a restarted service resolves them.
 """
@@ -62,7 +63,8 @@ BatchTimesSource = Callable[[str], Mapping[tuple[str, str], Mapping[int, Sequenc
 """App name -> its observed batch service times: (model, instance type) -> batch size -> ms
 (the serving loop's :meth:`~controlplane.serving.observations.Observations.batch_times_ms`)."""
 ApiTimesSource = Callable[[str], Sequence[float]]
-"""App name -> the API's part (ms) of its newest answered queries (the serving loop's
+"""App name -> the own time (ms: the API's part and the dispatch lag) of its newest answered
+queries (the serving loop's
 :meth:`~controlplane.serving.observations.Observations.api_times_ms`)."""
 ForgetFn = Callable[[str, str, str], None]
 """(app, model, instance type) -> drop the observed batch times of that pair."""
@@ -161,7 +163,7 @@ class ProfileCalibrator:
         self._store.record_decision(
             app,
             OVERHEAD_KIND,
-            f"the control plane's own time per query (the API's receipt to the dispatch) is"
+            f"the control plane's own time per query (the API's part and the dispatch lag) is"
             f" {verdict.observed_ms:.2f} ms at the median and {p99_ms:.2f} ms at p99 over"
             f" {verdict.samples} answered queries ({before}); plans add a draw from its"
             " distribution to every query",

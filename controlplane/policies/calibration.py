@@ -43,9 +43,11 @@ False
 
 **The control plane's own overhead per query.** Besides the workers' batches, every query spends
 time in the API before the serving loop takes it (its receipt to the dispatcher's submit: body
-parsing, the token check, validation, the event loop's queue), which no worker profile holds.
-The planner adds the app's stored overhead to every query's simulated latency. The measured
-figure is the median of the newest answered queries' API times; the rule
+parsing, the token check, validation, the event loop's queue) and waiting for the loop's turn
+with its instance already free (the dispatch lag), which no worker profile or simulated queue
+holds. The planner adds the app's stored overhead to every query's simulated latency. The
+measured figure is the median of the newest answered queries' own times (the two summed:
+``Split.own_ms``); the rule
 (:func:`overhead_drift`): update when at least ``min_batches`` queries were counted and the
 median differs from the stored figure by more than ``threshold`` of it and more than
 :data:`OVERHEAD_FLOOR_MS` (a fraction of a millisecond is the timer's and the scheduler's noise),

@@ -326,7 +326,6 @@ def summarise(
 class _App:
     __slots__ = (
         "answered",
-        "api_ms",
         "arrivals",
         "arrived",
         "buckets",
@@ -337,6 +336,7 @@ class _App:
         "late",
         "latencies",
         "outcome_sum_ms",
+        "own_ms",
         "refused",
         "samples_by_model",
         "size",
@@ -361,7 +361,7 @@ class _App:
         # api, queue, transport, compute, total (ms) summed over the answered queries
         self.stage_sum_ms = [0.0, 0.0, 0.0, 0.0, 0.0]
         # the newest answered queries' own time, Split.own_ms (the calibration loop's overhead)
-        self.api_ms: deque[float] = deque(maxlen=API_TIMES_KEPT)
+        self.own_ms: deque[float] = deque(maxlen=API_TIMES_KEPT)
         self.buckets: dict[Outcome, list[int]] = {}
         self.outcome_sum_ms: dict[Outcome, float] = {}
         self.window_since_s = now_s
@@ -434,7 +434,7 @@ class Observations:
                 sums[1] += split.queue_ms
                 sums[2] += split.transport_ms
                 sums[3] += split.compute_ms
-                entry.api_ms.append(split.own_ms)
+                entry.own_ms.append(split.own_ms)
             sums[4] += latency_ms
             entry.ended(Outcome.ANSWERED, latency_ms)
             latencies = entry.latencies
@@ -571,7 +571,7 @@ class Observations:
         newest answered queries, oldest first (empty when none was answered)."""
         with self._lock:
             found = self._apps.get(app)
-            return [] if found is None else list(found.api_ms)
+            return [] if found is None else list(found.own_ms)
 
     def forget_batch_times(self, app: str, model: str, instance_type: str) -> None:
         """Drop the kept batch times of ``model`` on ``instance_type`` for ``app`` (the profile

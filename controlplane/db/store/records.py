@@ -136,7 +136,8 @@ class MetricSampleRecord:
 @dataclass(frozen=True, slots=True)
 class ServingOverheadRecord:
     """The control plane's own time per query of ``app`` (ms): the median, over ``samples``
-    answered queries, of the API's receipt to the dispatch queue, and ``quantiles_ms``, its
+    answered queries, of the API's receipt to the dispatch queue plus the dispatch's wait on the
+    event loop, and ``quantiles_ms``, its
     distribution (the quantiles at :data:`~controlplane.policies.calibration.
     OVERHEAD_QUANTILES`; empty when not measured): the planner adds a draw from it to every
     query's simulated latency (the median when it is empty)."""
