@@ -967,13 +967,14 @@ spread stored, it missed the same way (0.81). The user's ONNX CNN is a model of 
 call as the serving loop times it (the calibrated factors 0.64 with JSON and 0.51 binary: the
 live calls are faster than the profiler's), served at 191-578 queries a second. Its live round
 trips have a tail the profile lacks (their p99 at 2.3 times their mean, where the profile's is
-1.6-1.7 times its own), so the calibration stored their spread and the predictions rose with it,
-but the planner still under-predicts at every level: 1.69-2.09 times with JSON, 1.75-2.08 binary.
-The client's path (3), about 3 ms at its p99, brings that to 1.09-1.55 (JSON; within 15% at 30%)
-and 1.13-1.34 (binary; within at 30%). The two columns at the right of each table say where the
-rest is. "The service's queue" is the p99 of the answers' own `queue_ms`: the part of the
-service's time neither in the API's hands nor in a worker's (admission, the stage's queue, the
-event loop's turns); for the ONNX model it is 2.4-4.1 ms at 30% of capacity and 3.5-11.7 ms
+1.6-1.7 times its own), so the calibration stored their spread, which raises a prediction at a
+given factor; but the factors stored in this set were lower than the set before's (0.72 and
+0.71), and the planner still under-predicts at every level: 1.69-2.09 times with JSON, 1.75-2.08
+binary. The client's path (3), about 3 ms at its p99, brings that to 1.09-1.55 (JSON; within 15%
+at 30%) and 1.13-1.34 (binary; within at 30%). The two columns at the right of each table say
+where the rest is. "The service's queue" is the p99 of the answers' own `queue_ms`: the part of
+the service's time neither in the API's hands nor in a worker's (admission, the stage's queue,
+the event loop's turns); for the ONNX model it is 2.4-4.1 ms at 30% of capacity and 3.5-11.7 ms
 above. "CPU a query" is the serving process's CPU over the run per answered query (`/proc`; it
 includes some 20-30 ms a second the process spends whatever the load, which is why it is largest
 at the lowest rates): 0.64-1.23 ms for the ONNX model, a third to a half of a core at the higher
