@@ -284,7 +284,7 @@ def stored_overhead(data_dir: Path) -> tuple[float, tuple[float, ...]] | None:
     return found.overhead_ms, tuple(found.quantiles_ms)
 
 
-def stored_scale(data_dir: Path, model: str) -> tuple[float, tuple[float, ...]]:
+def stored_calibration(data_dir: Path, model: str) -> tuple[float, tuple[float, ...]]:
     """The calibration of ``model`` on the instance type: its factor (1 when it stored none)
     and the live round trips' spread (empty when it stored none); the resolver calibrates the
     profile with both for the planner (``scaled_profile``)."""
@@ -637,7 +637,7 @@ def level_warm_up(
     say(f"rho {utilisation:g}: the level's warm-up, {warmup_s:g} s at {rate_qps:.1f} qps")
     send(load, poisson_trace(rate_qps, warmup_s, seed))
     time.sleep(CALIBRATION_GRACE_S)
-    scale, spread = stored_scale(data_dir, profile.model)
+    scale, spread = stored_calibration(data_dir, profile.model)
     say(f"rho {utilisation:g}: the calibration's factor on the profile: {scale:.3f}")
     return scale, spread
 
@@ -746,7 +746,7 @@ def measure(
             overhead, quantiles, outside = warm_up(
                 load, rates[0], options.warmup_s, data_dir, process, say
             )
-            scale, spread = stored_scale(data_dir, profile.model)
+            scale, spread = stored_calibration(data_dir, profile.model)
             tail = spread_p99(spread)
             say(
                 f"the calibration's factor on the profile: {scale:.3f}; the live round trips'"
