@@ -5,7 +5,9 @@ loop measured, returning a decision (:class:`Calibration`); the calibration loop
 (:mod:`controlplane.loops.calibration`) acts on it.
 
 The measured figure is each batch's service time as the dispatcher sees it: the worker round
-trip (transport and compute), which is what the serving-path profiles measure. Per observed
+trip (transport and compute), which is what the serving-path profiles measure, plus the
+instance's turnaround before the batch when work was waiting (the serving loop's turn between
+its last answer and this start: a simulated instance's busy time). Per observed
 batch i of size b_i with service time o_i, and the profile's mean latency L(b_i) (linear between
 its measured batch sizes), the batch-weighted ratio is
 

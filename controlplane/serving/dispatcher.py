@@ -38,7 +38,8 @@ judges).
   worker is busy until the answer returns (its predicted end, start plus the profile's mean, is
   what the policy sees meanwhile), and the measured round trip is fed back to the policy
   (``observe``: Kairos' online latency model learns from it), and recorded per (model, instance
-  type, batch size) for the calibration loop (:meth:`Observations.batch_served`).
+  type, batch size) for the calibration loop (:meth:`Observations.batch_served`), with the
+  instance's turnaround before the batch when work was waiting (:func:`_turnaround_ms`).
 - **Cascades.** A query carries its cascade (the gear in force when it arrived, or the variant a
   model-less query was given); after stage i each of its samples is final when its certainty
   reaches the threshold h_i (or at the last stage), and the others go together, as one new
@@ -224,18 +225,39 @@ class AppStatus:
 
 
 def _dispatch_lag_ms(now_s: float, enqueued_s: float, idle_since_s: float) -> float:
-    """How long a query's dispatch waited on the serving loop itself (ms): from when it could
-    have started (it was queued and the instance that took it was free: the later of the two)
-    to when it did. The queueing a simulator of the stage models is the wait for the instance
-    to be free; this is the rest, the event loop's turns (what no profile or simulated queue
-    covers, so it is part of the service's own time per query: :class:`Split`'s ``lag_ms``).
+    """How long a query queued to a free instance waited on the serving loop itself (ms): from
+    its queueing to its batch's start, the event loop's turns (what no profile or simulated
+    queue covers, so it is part of the service's own time per query: :class:`Split`'s
+    ``lag_ms``). A query already queued when the instance came free waited for the instance:
+    the loop's turn after its last answer is then the instance's (:func:`_turnaround_ms`), and
+    0 here.
 
-    >>> round(_dispatch_lag_ms(10.004, 10.001, 10.002), 9)  # queued at 1 ms, free at 2 ms
-    2.0
-    >>> _dispatch_lag_ms(10.002, 10.002, 9.0)
+    >>> round(_dispatch_lag_ms(10.004, 10.003, 10.002), 9)  # free at 2 ms, queued at 3 ms
+    1.0
+    >>> _dispatch_lag_ms(10.004, 10.001, 10.002)  # queued at 1 ms, before it came free
     0.0
     """
-    return max(0.0, now_s - max(enqueued_s, idle_since_s)) * 1000.0
+    if enqueued_s < idle_since_s:
+        return 0.0
+    return max(0.0, now_s - enqueued_s) * 1000.0
+
+
+def _turnaround_ms(now_s: float, oldest_enqueued_s: float, idle_since_s: float) -> float:
+    """How long an instance stood between its last answer and its next batch's start (ms) while
+    that batch's oldest query was already waiting: the serving loop's turn to read the answer
+    and dispatch again, during which the instance serves no one although it has work. A
+    simulated instance starts its next batch at its last one's end, so this is part of its
+    service time: the dispatcher adds it to the batch's round trip in what the calibration
+    sees (:meth:`Observations.batch_served`). 0 when the instance was idle with nothing queued.
+
+    >>> round(_turnaround_ms(10.004, 10.001, 10.002), 9)
+    2.0
+    >>> _turnaround_ms(10.004, 10.003, 10.002)
+    0.0
+    """
+    if oldest_enqueued_s >= idle_since_s:
+        return 0.0
+    return max(0.0, now_s - idle_since_s) * 1000.0
 
 
 class _Request:
@@ -637,13 +659,17 @@ class AppDispatcher:
             if parts:
                 parts = self._in_time(stage, slot.worker, parts, now)
             if parts:
+                turnaround_ms = 0.0
                 if lag_counted:
                     idle_since_s = slot.worker.idle_since_s
                     for part in parts:
                         part.request.lag_ms += _dispatch_lag_ms(
                             now, part.query.enqueued_s, idle_since_s
                         )
-                self._start(stage, slot, parts, now)
+                    turnaround_ms = _turnaround_ms(
+                        now, min(part.query.enqueued_s for part in parts), idle_since_s
+                    )
+                self._start(stage, slot, parts, now, turnaround_ms)
 
     def _in_time(
         self, stage: _Stage, worker: Worker, parts: list[_Part], now: float
@@ -670,14 +696,16 @@ class AppDispatcher:
         self._mark(stage)  # the instance may stay idle: the next queries get a round
         return [part for part in parts if not part.request.future.done()]
 
-    def _start(self, stage: _Stage, slot: Slot, parts: list[_Part], now: float) -> None:
+    def _start(
+        self, stage: _Stage, slot: Slot, parts: list[_Part], now: float, turnaround_ms: float
+    ) -> None:
         rows = [part.request.inputs[i] for part in parts for i in part.samples]
         worker = slot.worker
         predicted_ms = stage.latency[worker.instance_type].ms(len(rows))
         worker.start(now, predicted_ms)
         stage.in_service_samples += len(rows)
         task = asyncio.get_running_loop().create_task(
-            self._call(stage, worker, parts, rows, now, predicted_ms)
+            self._call(stage, worker, parts, rows, now, predicted_ms, turnaround_ms)
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -690,6 +718,7 @@ class AppDispatcher:
         rows: list[Row],
         started_s: float,
         predicted_ms: float,
+        turnaround_ms: float,
     ) -> None:
         settings = self.settings
         timeout_s = max(
@@ -715,7 +744,9 @@ class AppDispatcher:
                 WorkerCallError(worker.address, "internal", str(error) or type(error).__name__),
             )
         else:
-            self._completed(stage, worker, parts, rows, reply, started_s, predicted_ms)
+            self._completed(
+                stage, worker, parts, rows, reply, started_s, predicted_ms, turnaround_ms
+            )
 
     def _completed(
         self,
@@ -726,6 +757,7 @@ class AppDispatcher:
         reply: WorkerReply,
         started_s: float,
         predicted_ms: float,
+        turnaround_ms: float = 0.0,
     ) -> None:
         now = self.clock_s()
         batch = len(rows)
@@ -733,9 +765,10 @@ class AppDispatcher:
         worker.finish(now)
         worker.succeeded()
         round_trip_ms = (now - started_s) * 1000.0
-        # The calibration loop's figure: what the serving-path profiles measure.
+        # The calibration loop's figure: what the serving-path profiles measure, and the
+        # instance's turnaround before the batch (its occupancy, as a simulated instance's).
         self.observations.batch_served(
-            self.app, stage.model, worker.instance_type, batch, round_trip_ms
+            self.app, stage.model, worker.instance_type, batch, round_trip_ms + turnaround_ms
         )
         if stage.policy is not None and worker.instance_type in stage.latency:
             stage.policy.observe(worker.instance_type, batch, round_trip_ms)

@@ -26,9 +26,10 @@ denominator and never in its numerator (:func:`account`).
   queries (receipt to submit), whose median the calibration loop stores as the app's
   control-plane overhead per query.
 - **Batch times** (:meth:`Observations.batch_times_ms`): each worker call's service time (the
-  round trip as the dispatcher measures it: transport and compute) per (model, instance type,
-  batch size), the last :data:`BATCH_TIMES_KEPT` per key: what the calibration loop compares with
-  the profile in use (:mod:`controlplane.policies.calibration`).
+  round trip as the dispatcher measures it, transport and compute, plus the instance's
+  turnaround before it with work waiting) per (model, instance type, batch size), the last
+  :data:`BATCH_TIMES_KEPT` per key: what the calibration loop compares with the profile in use
+  (:mod:`controlplane.policies.calibration`).
 
 The event loop writes; the roll-up job and the API's threads read: every method takes a lock.
 
@@ -132,10 +133,11 @@ class Split:
     (admission, the stages' queues, the event loop), ``transport_ms`` the round trips less the
     workers' own service time, ``compute_ms`` the workers' service time (``served_ms``; the whole
     round trip when a worker does not say); ``lag_ms`` the part of ``queue_ms`` its dispatches
-    waited on the event loop with their instance free (not the wait for a busy instance, which a
-    simulated queue models). ``own_ms``, ``api_ms`` plus ``lag_ms``, is the service's own time
-    per query that no worker profile or simulated queue covers: the calibration loop's overhead
-    figure."""
+    waited on the event loop after being queued to a free instance (not the wait for a busy
+    instance, nor the loop's turn after its answer, which a simulated queue models: that turn is
+    the instance's, in its batch time). ``own_ms``, ``api_ms`` plus ``lag_ms``, is the service's
+    own time per query that no worker profile or simulated queue covers: the calibration loop's
+    overhead figure."""
 
     queue_ms: float = 0.0
     transport_ms: float = 0.0
@@ -471,7 +473,8 @@ class Observations:
         self, app: str, model: str, instance_type: str, batch_size: int, service_ms: float
     ) -> None:
         """A worker call of ``batch_size`` samples of ``model`` on ``instance_type`` that took
-        ``service_ms`` (the round trip: transport and compute)."""
+        ``service_ms`` (the round trip, transport and compute, plus the instance's turnaround
+        before it when work was waiting: its busy time, as a simulated instance's)."""
         key = (app, model, instance_type, int(batch_size))
         with self._lock:
             kept = self._batch_times.get(key)

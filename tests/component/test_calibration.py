@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from controlplane.service.build import (
 )
 from controlplane.serving.config import AppConfig
 from controlplane.serving.dispatcher import AppDispatcher, DispatcherSettings
+from controlplane.serving.modelio import ModelIO, Row, WorkerReply
 from controlplane.serving.observations import BATCH_TIMES_KEPT, Observations, Split
 from controlplane.serving.transport import HttpWorkerTransport
 from controlplane.serving.workers import WorkerEndpoint
@@ -401,6 +402,73 @@ def test_a_dispatch_the_loop_delayed_counts_in_the_services_own_time() -> None:
         assert observations.api_times_ms(APP) == [pytest.approx(7.0)]
         await dispatcher.close()
         await worker.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60.0))
+
+
+class _ClockedTransport:
+    """A worker stub on the test's fake clock: each call takes ``call_ms`` of it, and before
+    the loop's next turn after an answer the clock moves ``turn_ms`` (the loop busy
+    elsewhere)."""
+
+    def __init__(self, clock: list[float], call_ms: float, turn_ms: float) -> None:
+        self.clock, self.call_ms, self.turn_ms = clock, call_ms, turn_ms
+
+    async def infer(
+        self, address: str, io: ModelIO, rows: Sequence[Row], timeout_s: float
+    ) -> WorkerReply:
+        await asyncio.sleep(0)
+        self.clock[0] += self.call_ms / 1000.0
+        # Runs before the round the answer marks: the answer is read, then the loop is busy.
+        asyncio.get_running_loop().call_soon(self._turn)
+        return WorkerReply((0,) * len(rows), (1.0,) * len(rows), None, SMALL)
+
+    def _turn(self) -> None:
+        self.clock[0] += self.turn_ms / 1000.0
+
+    async def health(self, address: str, timeout_s: float) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+def test_an_instances_turnaround_with_work_waiting_is_its_service_time_not_the_querys_lag() -> None:
+    """Two queries for one instance: the second waits for the first's answer, then for the
+    loop's turn (3 ms here). That turn keeps the instance from its queue, as a longer call
+    would: it is added to the second batch's time as the calibration sees it, and is not the
+    query's own lag (the simulated queue holds it)."""
+
+    async def scenario() -> None:
+        profile = LatencyProfile("tiny", SMALL, np.array([1]), (np.full(3, 1.0),))
+        app = AppConfig(
+            name=APP,
+            slo_ms=500.0,
+            models=("tiny",),
+            cascade=Cascade(("tiny",), ()),
+            profiles={"tiny": {SMALL: profile}},
+            prices_usd_per_hr={SMALL: 0.05},
+        )
+        observations = Observations()
+        clock = [100.0]
+        dispatcher = AppDispatcher(
+            app,
+            _ClockedTransport(clock, call_ms=2.0, turn_ms=3.0),
+            observations,
+            settings=DispatcherSettings(admission=False),
+            clock_s=lambda: clock[0],
+        )
+        dispatcher.set_workers([WorkerEndpoint("i-0", SMALL, "127.0.0.1:9")])
+        row = [1.0, 16.0] + [0.0] * 62
+        first = dispatcher.submit([row], received_s=100.0)
+        second = dispatcher.submit([row], received_s=100.0)
+        results = await asyncio.gather(first, second)
+        times = observations.batch_times_ms(APP)[("tiny", SMALL)][1]
+        assert times == [pytest.approx(2.0), pytest.approx(5.0)]
+        # The second query waited 2 ms for the instance and 3 ms for the turn: queue, not lag.
+        assert results[1].queue_ms == pytest.approx(5.0)
+        assert observations.api_times_ms(APP) == [pytest.approx(0.0), pytest.approx(0.0)]
+        await dispatcher.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60.0))
 
