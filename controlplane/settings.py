@@ -286,6 +286,15 @@ class Settings(BaseSettings):
         ge=1,
         description="observed batches of a (model, instance type) before a fine correction",
     )
+    calibration_fine_persist_s: float = Field(
+        default=60.0,
+        ge=0,
+        allow_inf_nan=False,
+        description=(
+            "how long a fine correction's verdict must hold, in one direction, on every"
+            " calibration tick before it is stored (at the mean of its readings), s"
+        ),
+    )
     reconcile_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     capacity_replan_after_s: float = Field(
         default=60.0,

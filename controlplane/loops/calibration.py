@@ -17,8 +17,11 @@ the app's resolved profile (already calibrated by the factors stored before), an
 5. tells whoever sizes the fleet (``resize``: the live tuner, which takes the calibrated service
    rates at its next tick).
 
-A fine correction (the policy's ``fine``: a smaller miss the evidence is sure of) is stored,
-forgotten and resolved the same way, recorded as a ``profile_calibrated`` decision, and does not
+A fine correction (the policy's ``fine``: a smaller miss the evidence is sure of) waits until
+its verdict has held, in one direction, on every tick for the rule's ``fine_persist_s`` (a stall
+slows a window of batches together, and each tick's window would otherwise be a new chance for
+one to pass); it is then stored at the mean of the factors read meanwhile, and forgotten and
+resolved the same way, recorded as a ``profile_calibrated`` decision, and does not
 re-size the fleet: the plans and their predictions take it, the live tuner keeps the rates it set
 up with until they are off by more than the threshold. So the tuner is told when the stored factor
 has moved past the threshold from the one it last took (its base, the stored factor when this
@@ -37,9 +40,11 @@ The factors and the overhead are in the database, so a restarted service resolve
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from controlplane.db.store import AppRecord, Store
 from controlplane.errors import ControlPlaneError
@@ -77,6 +82,17 @@ OVERHEAD_KIND = "serving_overhead"
 SPREAD_KIND = "profile_spread"
 
 
+@dataclass(slots=True)
+class _Pending:
+    """A fine verdict waiting to persist (:data:`~controlplane.policies.calibration.
+    DEFAULT_FINE_PERSIST_S`): since when it has held, in which direction (slower: True), and the
+    factors read on its ticks."""
+
+    since_s: float
+    slower: bool
+    factors: list[float] = field(default_factory=list)
+
+
 @dataclass(frozen=True, slots=True)
 class Drift:
     """One recalibration: the policy's verdict, the factors before and after, and whether the
@@ -106,8 +122,12 @@ class ProfileCalibrator:
         rule: CalibrationRule | None = None,
         api_times: ApiTimesSource | None = None,
         resize: InvalidateFn | None = None,
+        clock_s: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
+        self._clock_s = clock_s
+        # Per (app, model, instance type): a fine verdict not yet held for fine_persist_s.
+        self._pending: dict[tuple[str, str, str], _Pending] = {}
         self._resize = resize
         # Per (app, model, instance type): the factor whoever sizes the fleet last took.
         self._base: dict[tuple[str, str, str], float] = {}
@@ -196,8 +216,19 @@ class ProfileCalibrator:
                 continue  # a type the spec no longer names: nothing to calibrate
             spread_moved |= self._spread(app.name, profile, times)
             verdict = calibrate(profile, times, self._rule)
+            key = (app.name, model, instance_type)
             if not verdict.corrects:
+                self._pending.pop(key, None)
                 continue
+            readings = 1
+            if verdict.drift:
+                self._pending.pop(key, None)
+            else:
+                held = self._held(key, verdict.factor)
+                if held is None:
+                    continue
+                verdict = dataclasses.replace(verdict, factor=sum(held) / len(held))
+                readings = len(held)
             old = stored.get((model, instance_type), 1.0)
             new = old * verdict.factor
             base = self._base.setdefault((app.name, model, instance_type), old)
@@ -205,7 +236,12 @@ class ProfileCalibrator:
             if resized:
                 self._base[(app.name, model, instance_type)] = new
             self._store.set_profile_scale(app.name, model, instance_type, new)
-            what = "profile scaled by" if resized else "a fine correction: profile scaled by"
+            what = (
+                "profile scaled by"
+                if verdict.drift
+                else f"held over {readings} readings, a fine correction by their mean:"
+                " profile scaled by"
+            )
             self._store.record_decision(
                 app.name,
                 DRIFT_KIND if resized else CALIBRATED_KIND,
@@ -220,6 +256,7 @@ class ProfileCalibrator:
                     "batches": verdict.batches,
                     "ratio": verdict.factor,
                     "ratio_se": verdict.factor_se,
+                    "readings": readings,
                     "old_factor": old,
                     "factor": new,
                 },
@@ -228,6 +265,21 @@ class ProfileCalibrator:
             self._forget(app.name, model, instance_type)
             made.append(Drift(app.name, verdict, old, new, resized))
         return made, spread_moved
+
+    def _held(self, key: tuple[str, str, str], factor: float) -> list[float] | None:
+        """The factors a fine verdict read on its ticks once it has held, in one direction, on
+        every tick for the rule's ``fine_persist_s`` (their mean is stored; None until then: a
+        tick with no verdict, or one the other way, starts the wait again)."""
+        now_s = self._clock_s()
+        slower = factor > 1.0
+        pending = self._pending.get(key)
+        if pending is None or pending.slower != slower:
+            pending = self._pending[key] = _Pending(now_s, slower)
+        pending.factors.append(factor)
+        if now_s - pending.since_s < self._rule.fine_persist_s:
+            return None
+        del self._pending[key]
+        return pending.factors
 
     def _spread(
         self, app: str, profile: LatencyProfile, times: Mapping[int, Sequence[float]]

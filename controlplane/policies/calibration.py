@@ -32,9 +32,13 @@ queue at high utilisation magnifies a small error: a profile 7 % fast at 90 % of
 queue at 96 %, whose P99 is about three times the predicted one. So a smaller miss is corrected too
 when the evidence for it is strong (``fine``): at least ``fine_min_batches`` batches, ``|r - 1|
 > fine_threshold``, and that excess over ``fine_threshold`` more than :data:`FINE_Z` standard
-errors of r (the ratio estimator's, sqrt(sum (o_i - r L(b_i))^2) / sum L(b_i)): noise, a few
-slow batches or a short stall, does not move the profile; a steady bias does. A fine correction
-is stored and planned with like a drift; the calibration loop does not re-size the fleet for it.
+errors of r (the ratio estimator's, sqrt(sum (o_i - r L(b_i))^2) / sum L(b_i)): noise or a few
+slow batches do not move the profile. That error takes the batches as independent, and a stall
+of the machine slows a whole window of them together, so the calibration loop stores a fine
+verdict only once it has held, in one direction, on every tick for ``fine_persist_s`` (60 s),
+and then at the mean of the factors it read meanwhile: a steady bias moves the profile, a slow
+second does not. A fine correction is stored and planned with like a drift; the calibration loop
+does not re-size the fleet for it.
 
 >>> ten = LatencyProfile("m", "t", [1], ([10.0],))
 >>> fine = calibrate(ten, {1: [10.8, 10.7, 10.9] * 70})
@@ -101,6 +105,7 @@ from estimator.profiles import LatencyProfile
 
 __all__ = [
     "DEFAULT_FINE_MIN_BATCHES",
+    "DEFAULT_FINE_PERSIST_S",
     "DEFAULT_FINE_THRESHOLD",
     "DEFAULT_MIN_BATCHES",
     "DEFAULT_THRESHOLD",
@@ -130,6 +135,13 @@ DEFAULT_THRESHOLD = 0.25
 # standard errors of the ratio.
 DEFAULT_FINE_THRESHOLD = 0.05
 DEFAULT_FINE_MIN_BATCHES = 200
+# A fine correction is a steady bias: its verdict must hold, in one direction, for a minute of
+# the calibration loop's ticks (the tuner's longest window) before it is stored. A window of the
+# newest batches spans a second or two at hundreds of batches a second; one that a stall of the
+# machine made slow is sure of its miss by its own standard error (its batches are not
+# independent: a stall slows them together), and a rule judged on every tick's window would take
+# the first such window as the truth.
+DEFAULT_FINE_PERSIST_S = 60.0
 FINE_Z = 3.0
 # A change of the control plane's overhead below this is noise, whatever its share.
 OVERHEAD_FLOOR_MS = 0.5
@@ -146,12 +158,14 @@ class CalibrationRule:
     a relative miss ``|r - 1|`` above ``threshold``; and when a smaller miss is corrected as a
     fine one: at least ``fine_min_batches`` and a miss over ``fine_threshold`` by more than
     :data:`FINE_Z` standard errors (module docstring; a ``fine_threshold`` at ``threshold`` or
-    above turns fine corrections off)."""
+    above turns fine corrections off), a verdict the calibration loop stores only once it has
+    held in one direction for ``fine_persist_s`` (:data:`DEFAULT_FINE_PERSIST_S`)."""
 
     min_batches: int = DEFAULT_MIN_BATCHES
     threshold: float = DEFAULT_THRESHOLD
     fine_threshold: float = DEFAULT_FINE_THRESHOLD
     fine_min_batches: int = DEFAULT_FINE_MIN_BATCHES
+    fine_persist_s: float = DEFAULT_FINE_PERSIST_S
 
     def __post_init__(self) -> None:
         if self.min_batches < 1:
@@ -162,6 +176,8 @@ class CalibrationRule:
             raise ValueError(f"fine_threshold must be finite and > 0, got {self.fine_threshold!r}")
         if self.fine_min_batches < 1:
             raise ValueError(f"fine_min_batches must be >= 1, got {self.fine_min_batches!r}")
+        if not (math.isfinite(self.fine_persist_s) and self.fine_persist_s >= 0):
+            raise ValueError(f"fine_persist_s must be finite and >= 0, got {self.fine_persist_s!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -420,6 +420,7 @@ def build_calibrator(
     resolver: AppResolver,
     live_tuner: LiveTuner | None = None,
     also: Callable[[str], None] | None = None,
+    clock: Clock | None = None,
 ) -> ProfileCalibrator:
     """The online calibration over the batch times the serving loop observes; it stores factors
     that ``resolver`` (built with :func:`stored_scales`) applies, and has ``live_tuner`` take the
@@ -443,9 +444,11 @@ def build_calibrator(
             settings.calibration_threshold,
             settings.calibration_fine_threshold,
             settings.calibration_fine_min_batches,
+            settings.calibration_fine_persist_s,
         ),
         observations.api_times_ms,
         resize=None if live_tuner is None else live_tuner.recalibrate,
+        clock_s=(clock if clock is not None else SystemClock()).now_s,
     )
 
 
@@ -723,6 +726,7 @@ def build_service(
         resolver,
         live_tuner,
         also=remote.recalibrated if remote is not None else None,
+        clock=clock,
     )
     traffic_replanner = (
         build_traffic_replanner(settings, store, clock, view, resolver, provisioner)

@@ -257,14 +257,24 @@ def test_a_steady_small_miss_is_corrected_finely_and_the_fleet_resized_past_the_
     store.create_app(spec(tmp_path), who="test")
     resolver = AppResolver(tmp_path, scales=stored_scales(store))
     tuner = Tuner()
-    loop = build_calibrator(settings, store, Serving(), resolver, tuner)  # type: ignore[arg-type]
+    clock = FakeClock()
+    loop = build_calibrator(
+        settings,
+        store,
+        Serving(),  # type: ignore[arg-type]
+        resolver,
+        tuner,  # type: ignore[arg-type]
+        clock=clock,
+    )
     assert mean_ms(resolver, store, 1) == pytest.approx(20.0)
 
     # 10 % slow, steadily: within the threshold, so no drift, but a fine correction the plans
-    # take (the resolver's profile scaled), with no re-sizing.
+    # take (the resolver's profile scaled), with no re-sizing, once it has held for a minute.
     for _ in range(100):
         serve(Serving.observations, 1, 21.8, 1)
         serve(Serving.observations, 1, 22.2, 1)
+    assert loop.tick() == []
+    clock.advance(settings.calibration_fine_persist_s)
     [fine] = loop.tick()
     assert (fine.resized, fine.calibration.drift, fine.calibration.fine) == (False, False, True)
     assert fine.new_factor == pytest.approx(1.1)
@@ -273,6 +283,7 @@ def test_a_steady_small_miss_is_corrected_finely_and_the_fleet_resized_past_the_
     [decision] = store.list_decisions(APP, kinds=["profile_calibrated"])
     assert decision.numbers["factor"] == pytest.approx(1.1)
     assert decision.numbers["ratio_se"] < 0.01
+    assert decision.numbers["readings"] == 2
     assert store.list_decisions(APP, kinds=["profile_drift"]) == []
 
     # The same speed against the corrected profile is no miss.
@@ -283,6 +294,8 @@ def test_a_steady_small_miss_is_corrected_finely_and_the_fleet_resized_past_the_
     # Another 20 % (within the threshold again): 1.32 times the factor the tuner took, so the
     # fleet is re-sized, and the decision is a drift.
     serve(Serving.observations, 1, 26.4, 200)
+    assert loop.tick() == []
+    clock.advance(settings.calibration_fine_persist_s)
     [past] = loop.tick()
     assert (past.resized, past.calibration.drift) == (True, False)
     assert past.new_factor == pytest.approx(1.32)
@@ -298,6 +311,58 @@ def test_a_steady_small_miss_is_corrected_finely_and_the_fleet_resized_past_the_
     times = Serving.observations.batch_times_ms(APP)[("tiny", SMALL)]
     assert calibrate(profile, times).fine
     assert not calibrate(profile, times, off).corrects
+
+
+def test_a_fine_miss_is_stored_only_once_it_has_held_for_a_minute_at_its_mean(
+    store: Store, tmp_path: Path
+) -> None:
+    """A window of batches 10 % slow (a stall of the machine slows them together, so the
+    window is sure of its miss) is followed by one at the profile's speed: the wait starts
+    again, and nothing is stored a minute on. A miss that holds on every tick for the minute is
+    stored at the mean of the factors it read."""
+    settings = Settings(data_dir=tmp_path)
+
+    class Serving:
+        observations = Observations()
+
+    store.create_app(spec(tmp_path), who="test")
+    resolver = AppResolver(tmp_path, scales=stored_scales(store))
+    clock = FakeClock()
+    loop = build_calibrator(settings, store, Serving(), resolver, clock=clock)  # type: ignore[arg-type]
+    observations = Serving.observations
+    window = BATCH_TIMES_KEPT
+
+    serve(observations, 1, 22.0, window)  # 10 % slow
+    assert loop.tick() == []
+    clock.advance(30.0)
+    serve(observations, 1, 20.0, window)  # the profile's speed: no verdict
+    assert loop.tick() == []
+    clock.advance(40.0)
+    serve(observations, 1, 22.0, window)
+    assert loop.tick() == []  # a new wait began
+    clock.advance(settings.calibration_fine_persist_s - 1.0)
+    assert loop.tick() == []
+    assert store.list_profile_scales(APP) == []
+
+    # Held on, 8 % slow now (the same direction): a minute since the wait began, stored at
+    # the mean of the factors it read.
+    serve(observations, 1, 21.6, window)
+    clock.advance(1.0)
+    [fine] = loop.tick()
+    assert fine.calibration.fine
+    assert fine.new_factor == pytest.approx((1.1 + 1.1 + 1.08) / 3)
+    assert mean_ms(resolver, store, 1) == pytest.approx(20.0 * fine.new_factor)
+
+    # A slower window then a faster one: two directions, no verdict held.
+    observations.forget_batch_times(APP, "tiny", SMALL)
+    base = 20.0 * fine.new_factor
+    serve(observations, 1, base * 1.1, window)
+    assert loop.tick() == []
+    serve(observations, 1, base * 0.9, window)
+    clock.advance(settings.calibration_fine_persist_s)
+    assert loop.tick() == []
+    with pytest.raises(ValueError, match="fine_persist_s"):
+        CalibrationRule(fine_persist_s=-1.0)
 
 
 def test_observations_keep_a_bounded_window_per_key() -> None:
