@@ -30,7 +30,7 @@ from controlplane.serving.config import AppConfig
 from controlplane.serving.dispatcher import AppDispatcher, DispatcherSettings
 from controlplane.serving.modelio import ModelIO, Row, WorkerReply
 from controlplane.serving.observations import BATCH_TIMES_KEPT, Observations, Split
-from controlplane.serving.transport import HttpWorkerTransport
+from controlplane.serving.transport import HttpWorkerTransport, WorkerTransport
 from controlplane.serving.workers import WorkerEndpoint
 from controlplane.settings import Settings
 from estimator.cascades import Cascade
@@ -431,6 +431,28 @@ def test_the_dispatcher_records_each_calls_round_trip_per_key() -> None:
     asyncio.run(asyncio.wait_for(scenario(), 60.0))
 
 
+def clocked_dispatcher(
+    transport: WorkerTransport, observations: Observations, clock: list[float]
+) -> AppDispatcher:
+    """One model of 1 ms a batch on one instance type, dispatched on the test's fake clock."""
+    profile = LatencyProfile("tiny", SMALL, np.array([1]), (np.full(3, 1.0),))
+    app = AppConfig(
+        name=APP,
+        slo_ms=500.0,
+        models=("tiny",),
+        cascade=Cascade(("tiny",), ()),
+        profiles={"tiny": {SMALL: profile}},
+        prices_usd_per_hr={SMALL: 0.05},
+    )
+    return AppDispatcher(
+        app,
+        transport,
+        observations,
+        settings=DispatcherSettings(admission=False),
+        clock_s=lambda: clock[0],
+    )
+
+
 def test_a_dispatch_the_loop_delayed_counts_in_the_services_own_time() -> None:
     """The service's own time per query (the calibration's overhead figure) is the API's part
     plus the wait on the serving loop with the instance free: here the loop's turn came 5 ms
@@ -439,24 +461,9 @@ def test_a_dispatch_the_loop_delayed_counts_in_the_services_own_time() -> None:
     async def scenario() -> None:
         worker = FakeWorker(SMALL)
         await worker.start()
-        profile = LatencyProfile("tiny", SMALL, np.array([1]), (np.full(3, 1.0),))
-        app = AppConfig(
-            name=APP,
-            slo_ms=500.0,
-            models=("tiny",),
-            cascade=Cascade(("tiny",), ()),
-            profiles={"tiny": {SMALL: profile}},
-            prices_usd_per_hr={SMALL: 0.05},
-        )
         observations = Observations()
         clock = [100.0]
-        dispatcher = AppDispatcher(
-            app,
-            HttpWorkerTransport(),
-            observations,
-            settings=DispatcherSettings(admission=False),
-            clock_s=lambda: clock[0],
-        )
+        dispatcher = clocked_dispatcher(HttpWorkerTransport(), observations, clock)
         dispatcher.set_workers([WorkerEndpoint("i-0", SMALL, worker.address)])
         row = [1.0, 16.0] + [0.0] * 62
         answered = dispatcher.submit([row], received_s=99.998)  # 2 ms in the API
@@ -505,24 +512,10 @@ def test_an_instances_turnaround_with_work_waiting_is_its_service_time_not_the_q
     query's own lag (the simulated queue holds it)."""
 
     async def scenario() -> None:
-        profile = LatencyProfile("tiny", SMALL, np.array([1]), (np.full(3, 1.0),))
-        app = AppConfig(
-            name=APP,
-            slo_ms=500.0,
-            models=("tiny",),
-            cascade=Cascade(("tiny",), ()),
-            profiles={"tiny": {SMALL: profile}},
-            prices_usd_per_hr={SMALL: 0.05},
-        )
         observations = Observations()
         clock = [100.0]
-        dispatcher = AppDispatcher(
-            app,
-            _ClockedTransport(clock, call_ms=2.0, turn_ms=3.0),
-            observations,
-            settings=DispatcherSettings(admission=False),
-            clock_s=lambda: clock[0],
-        )
+        transport = _ClockedTransport(clock, call_ms=2.0, turn_ms=3.0)
+        dispatcher = clocked_dispatcher(transport, observations, clock)
         dispatcher.set_workers([WorkerEndpoint("i-0", SMALL, "127.0.0.1:9")])
         row = [1.0, 16.0] + [0.0] * 62
         first = dispatcher.submit([row], received_s=100.0)
