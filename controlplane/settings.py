@@ -291,8 +291,8 @@ class Settings(BaseSettings):
         ge=0,
         allow_inf_nan=False,
         description=(
-            "how long a fine correction's verdict must hold, in one direction, on every"
-            " calibration tick before it is stored (at the mean of its readings), s"
+            "how long after a fine verdict the calibration reads the factor on every tick"
+            " before storing their mean (if still off by more than the fine threshold), s"
         ),
     )
     reconcile_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)

@@ -17,13 +17,14 @@ the app's resolved profile (already calibrated by the factors stored before), an
 5. tells whoever sizes the fleet (``resize``: the live tuner, which takes the calibrated service
    rates at its next tick).
 
-A fine correction (the policy's ``fine``: a smaller miss the evidence is sure of) waits until
-its verdict has held, in one direction, on every tick for the rule's ``fine_persist_s`` (a stall
-slows a window of batches together, and each tick's window would otherwise be a new chance for
-one to pass); it is then stored at the mean of the factors read meanwhile, and forgotten and
-resolved the same way, recorded as a ``profile_calibrated`` decision, and does not
-re-size the fleet: the plans and their predictions take it, the live tuner keeps the rates it set
-up with until they are off by more than the threshold. So the tuner is told when the stored factor
+A fine correction (the policy's ``fine``: a smaller miss the evidence is sure of) waits for the
+rule's ``fine_persist_s`` after the first such verdict, reading the factor on every tick
+meanwhile (a stall slows a window of batches together, and each tick's window would otherwise
+be a new chance for one to pass); it is stored at the mean of those readings when that mean is
+still off by more than ``fine_threshold``, and forgotten and resolved the same way, recorded as
+a ``profile_calibrated`` decision, and does not re-size the fleet: the plans and their
+predictions take it, the live tuner keeps the rates it set up with until they are off by more
+than the threshold. So the tuner is told when the stored factor
 has moved past the threshold from the one it last took (its base, the stored factor when this
 loop first saw the pair), in one step or in several fine ones; that recalibration is recorded as
 a ``profile_drift``.
@@ -84,12 +85,10 @@ SPREAD_KIND = "profile_spread"
 
 @dataclass(slots=True)
 class _Pending:
-    """A fine verdict waiting to persist (:data:`~controlplane.policies.calibration.
-    DEFAULT_FINE_PERSIST_S`): since when it has held, in which direction (slower: True), and the
-    factors read on its ticks."""
+    """A fine correction waiting for its evidence to hold (:data:`~controlplane.policies.
+    calibration.DEFAULT_FINE_PERSIST_S`): since when, and the factors read on its ticks."""
 
     since_s: float
-    slower: bool
     factors: list[float] = field(default_factory=list)
 
 
@@ -217,18 +216,15 @@ class ProfileCalibrator:
             spread_moved |= self._spread(app.name, profile, times)
             verdict = calibrate(profile, times, self._rule)
             key = (app.name, model, instance_type)
-            if not verdict.corrects:
-                self._pending.pop(key, None)
-                continue
             readings = 1
             if verdict.drift:
                 self._pending.pop(key, None)
             else:
-                held = self._held(key, verdict.factor)
+                held = self._held(key, verdict)
                 if held is None:
                     continue
-                verdict = dataclasses.replace(verdict, factor=sum(held) / len(held))
-                readings = len(held)
+                factor, readings = held
+                verdict = dataclasses.replace(verdict, factor=factor, fine=True)
             old = stored.get((model, instance_type), 1.0)
             new = old * verdict.factor
             base = self._base.setdefault((app.name, model, instance_type), old)
@@ -266,20 +262,29 @@ class ProfileCalibrator:
             made.append(Drift(app.name, verdict, old, new, resized))
         return made, spread_moved
 
-    def _held(self, key: tuple[str, str, str], factor: float) -> list[float] | None:
-        """The factors a fine verdict read on its ticks once it has held, in one direction, on
-        every tick for the rule's ``fine_persist_s`` (their mean is stored; None until then: a
-        tick with no verdict, or one the other way, starts the wait again)."""
+    def _held(self, key: tuple[str, str, str], verdict: Calibration) -> tuple[float, int] | None:
+        """A fine correction's factor and readings once its evidence has held for the rule's
+        ``fine_persist_s``: a fine verdict starts the wait; every tick meanwhile with enough
+        batches reads the factor, whatever its verdict; at the end their mean is the factor when
+        it is still off by more than ``fine_threshold`` (None until then, and None when the
+        minute's mean is within it: a slow window, not a bias)."""
         now_s = self._clock_s()
-        slower = factor > 1.0
         pending = self._pending.get(key)
-        if pending is None or pending.slower != slower:
-            pending = self._pending[key] = _Pending(now_s, slower)
-        pending.factors.append(factor)
+        if pending is None:
+            if not verdict.fine:
+                return None
+            pending = self._pending[key] = _Pending(now_s)
+        if verdict.batches >= self._rule.fine_min_batches:
+            pending.factors.append(verdict.factor)
         if now_s - pending.since_s < self._rule.fine_persist_s:
             return None
         del self._pending[key]
-        return pending.factors
+        if not pending.factors:
+            return None
+        mean = sum(pending.factors) / len(pending.factors)
+        if abs(mean - 1.0) <= self._rule.fine_threshold:
+            return None
+        return mean, len(pending.factors)
 
     def _spread(
         self, app: str, profile: LatencyProfile, times: Mapping[int, Sequence[float]]

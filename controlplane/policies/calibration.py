@@ -34,11 +34,11 @@ when the evidence for it is strong (``fine``): at least ``fine_min_batches`` bat
 > fine_threshold``, and that excess over ``fine_threshold`` more than :data:`FINE_Z` standard
 errors of r (the ratio estimator's, sqrt(sum (o_i - r L(b_i))^2) / sum L(b_i)): noise or a few
 slow batches do not move the profile. That error takes the batches as independent, and a stall
-of the machine slows a whole window of them together, so the calibration loop stores a fine
-verdict only once it has held, in one direction, on every tick for ``fine_persist_s`` (60 s),
-and then at the mean of the factors it read meanwhile: a steady bias moves the profile, a slow
-second does not. A fine correction is stored and planned with like a drift; the calibration loop
-does not re-size the fleet for it.
+of the machine slows a whole window of them together, so the calibration loop waits
+``fine_persist_s`` (60 s) after a fine verdict, reading the factor on every tick, and stores the
+mean of those readings if it is still off by more than ``fine_threshold``: a steady bias moves
+the profile, a slow second does not. A fine correction is stored and planned with like a drift;
+the calibration loop does not re-size the fleet for it.
 
 >>> ten = LatencyProfile("m", "t", [1], ([10.0],))
 >>> fine = calibrate(ten, {1: [10.8, 10.7, 10.9] * 70})
@@ -135,8 +135,9 @@ DEFAULT_THRESHOLD = 0.25
 # standard errors of the ratio.
 DEFAULT_FINE_THRESHOLD = 0.05
 DEFAULT_FINE_MIN_BATCHES = 200
-# A fine correction is a steady bias: its verdict must hold, in one direction, for a minute of
-# the calibration loop's ticks (the tuner's longest window) before it is stored. A window of the
+# A fine correction is a steady bias: after a fine verdict the calibration loop reads the factor
+# on its ticks for a minute (the tuner's longest window) and stores their mean if it is still off
+# by more than the fine threshold. A window of the
 # newest batches spans a second or two at hundreds of batches a second; one that a stall of the
 # machine made slow is sure of its miss by its own standard error (its batches are not
 # independent: a stall slows them together), and a rule judged on every tick's window would take
@@ -158,8 +159,8 @@ class CalibrationRule:
     a relative miss ``|r - 1|`` above ``threshold``; and when a smaller miss is corrected as a
     fine one: at least ``fine_min_batches`` and a miss over ``fine_threshold`` by more than
     :data:`FINE_Z` standard errors (module docstring; a ``fine_threshold`` at ``threshold`` or
-    above turns fine corrections off), a verdict the calibration loop stores only once it has
-    held in one direction for ``fine_persist_s`` (:data:`DEFAULT_FINE_PERSIST_S`)."""
+    above turns fine corrections off), which the calibration loop stores at the mean of its
+    readings over ``fine_persist_s`` (:data:`DEFAULT_FINE_PERSIST_S`) when that is still off."""
 
     min_batches: int = DEFAULT_MIN_BATCHES
     threshold: float = DEFAULT_THRESHOLD

@@ -313,13 +313,13 @@ def test_a_steady_small_miss_is_corrected_finely_and_the_fleet_resized_past_the_
     assert not calibrate(profile, times, off).corrects
 
 
-def test_a_fine_miss_is_stored_only_once_it_has_held_for_a_minute_at_its_mean(
+def test_a_fine_miss_is_stored_at_its_mean_over_a_minute_and_a_slow_window_is_not(
     store: Store, tmp_path: Path
 ) -> None:
     """A window of batches 10 % slow (a stall of the machine slows them together, so the
-    window is sure of its miss) is followed by one at the profile's speed: the wait starts
-    again, and nothing is stored a minute on. A miss that holds on every tick for the minute is
-    stored at the mean of the factors it read."""
+    window is sure of its miss) followed by a minute at the profile's speed: the minute's mean
+    is within the fine threshold, and nothing is stored. A miss that holds is stored at the mean
+    of the factors read over the minute after its first verdict."""
     settings = Settings(data_dir=tmp_path)
 
     class Serving:
@@ -331,36 +331,39 @@ def test_a_fine_miss_is_stored_only_once_it_has_held_for_a_minute_at_its_mean(
     loop = build_calibrator(settings, store, Serving(), resolver, clock=clock)  # type: ignore[arg-type]
     observations = Serving.observations
     window = BATCH_TIMES_KEPT
+    minute = settings.calibration_fine_persist_s
 
-    serve(observations, 1, 22.0, window)  # 10 % slow
+    serve(observations, 1, 22.0, window)  # 10 % slow: the wait begins
     assert loop.tick() == []
-    clock.advance(30.0)
-    serve(observations, 1, 20.0, window)  # the profile's speed: no verdict
+    clock.advance(minute / 2)
+    serve(observations, 1, 20.0, window)  # the profile's speed
     assert loop.tick() == []
-    clock.advance(40.0)
-    serve(observations, 1, 22.0, window)
-    assert loop.tick() == []  # a new wait began
-    clock.advance(settings.calibration_fine_persist_s - 1.0)
-    assert loop.tick() == []
+    clock.advance(minute / 2)
+    assert loop.tick() == []  # (1.1 + 1.0 + 1.0) / 3: within 5 %
     assert store.list_profile_scales(APP) == []
 
-    # Held on, 8 % slow now (the same direction): a minute since the wait began, stored at
-    # the mean of the factors it read.
-    serve(observations, 1, 21.6, window)
     clock.advance(1.0)
+    serve(observations, 1, 22.0, window)
+    assert loop.tick() == []
+    clock.advance(minute / 2)
+    serve(observations, 1, 21.6, window)  # 8 % slow, the verdict still fine
+    assert loop.tick() == []
+    clock.advance(minute / 2)
     [fine] = loop.tick()
     assert fine.calibration.fine
-    assert fine.new_factor == pytest.approx((1.1 + 1.1 + 1.08) / 3)
+    assert fine.new_factor == pytest.approx((1.1 + 1.08 + 1.08) / 3)
     assert mean_ms(resolver, store, 1) == pytest.approx(20.0 * fine.new_factor)
+    [decision] = store.list_decisions(APP, kinds=["profile_calibrated"])
+    assert decision.numbers["readings"] == 3
 
-    # A slower window then a faster one: two directions, no verdict held.
-    observations.forget_batch_times(APP, "tiny", SMALL)
+    # A slower window, then a minute as much faster: no correction.
     base = 20.0 * fine.new_factor
     serve(observations, 1, base * 1.1, window)
     assert loop.tick() == []
     serve(observations, 1, base * 0.9, window)
-    clock.advance(settings.calibration_fine_persist_s)
+    clock.advance(minute)
     assert loop.tick() == []
+    assert len(store.list_decisions(APP, kinds=["profile_calibrated"])) == 1
     with pytest.raises(ValueError, match="fine_persist_s"):
         CalibrationRule(fine_persist_s=-1.0)
 
