@@ -245,7 +245,9 @@ def _dispatch_lag_ms(now_s: float, enqueued_s: float, idle_since_s: float) -> fl
 def _turnaround_ms(now_s: float, oldest_enqueued_s: float, idle_since_s: float) -> float:
     """How long an instance stood between its last answer and its next batch's start (ms) while
     that batch's oldest query was already waiting: the serving loop's turn to read the answer
-    and dispatch again, during which the instance serves no one although it has work. A
+    and dispatch again, during which the instance serves no one although it has work (counted
+    in the first dispatch round after the answer only: a wait past it is a policy's choice, or
+    the query was in another instance's batch that failed). A
     simulated instance starts its next batch at its last one's end, so this is part of its
     service time: the dispatcher adds it to the batch's round trip in what the calibration
     sees (:meth:`Observations.batch_served`). 0 when the instance was idle with nothing queued.
@@ -666,10 +668,15 @@ class AppDispatcher:
                         part.request.lag_ms += _dispatch_lag_ms(
                             now, part.query.enqueued_s, idle_since_s
                         )
-                    turnaround_ms = _turnaround_ms(
-                        now, min(part.query.enqueued_s for part in parts), idle_since_s
-                    )
+                    if slot.worker.fresh:
+                        # The first round since its answer: the wait was the loop's turn (in a
+                        # later round it is the policy's choice, or the query was elsewhere).
+                        turnaround_ms = _turnaround_ms(
+                            now, min(part.query.enqueued_s for part in parts), idle_since_s
+                        )
                 self._start(stage, slot, parts, now, turnaround_ms)
+        for slot in slots:
+            slot.worker.fresh = False  # a round has passed since its answer
 
     def _in_time(
         self, stage: _Stage, worker: Worker, parts: list[_Part], now: float
