@@ -957,43 +957,43 @@ only view of it would be a probe of its own; the goal is judged on both columns.
 the "outside the service" column shows how the unseen part grows with the load on this 2-core
 machine.
 
-**What the figures below say** (measured 2026-11-29, evening, load averages 0.1-1.4 with the
-runs, after an instance's turnaround joined its service time: serving.md, "Calibration"; the set
-before, that afternoon, held at 8 of 15 too, with the client's path at 10). At 15 and 50 ms the
-planner holds at every level: 1.04-1.10 at 15 ms, 1.01-1.02 at 50 ms, with no correction stored
-(factor 1.000, no spread). At 5 ms it holds at 30% and 60% (1.08, 0.95) and over-predicts at
-90% (0.64, over the seeds 0.57-0.74): the calibration had stored a fine correction of 1.079
-from the warm-up at 30% of capacity (1.061 in the set before), and a queue at 97% of capacity
-(90% times 1.079) predicts a tail the service, whose calls are faster when it is busy, did not
-have; with no correction stored that level held (1.08, in a set of the day before). The
-user's ONNX CNN is a model of about 0.9-1.2 ms a call as the serving loop times it, served at
-181-580 queries a second. Its live round trips are faster than the profiler's and have a tail
-the profile lacks (their p99 at 2.2-2.4 times their mean, the profile's 1.5-1.6), so the
-calibration stored a factor and their spread. The loop's turn between an answer and the next
-batch with work waiting now counts in the instance's service time (it kept the instance from
-its queue), which raised the stored factors from 0.64 to 0.79 (JSON) and 0.51 to 0.58 (binary)
-and the predictions at 60% and 90% of capacity with them (JSON 5.2 to 6.2 ms and 6.7 to 11.2,
-binary 3.5 to 4.0 and 4.3 to 5.2, against the set before's); the planner still under-predicts
-at every level: 1.30-2.00 times with JSON, 1.79-2.02 binary, where this set measured the binary
-model slower than the last one (6.9-9.5 ms against 5.7-7.8, on a busier machine: load
-averages 0.6-1.4 with its runs). The client's path (3), about 3 ms at its p99, brings that to
-0.99-1.35 (JSON; within 15% at 60% and 90%) and 1.37-1.45 (binary; at none). The two columns
-at the right of each table say where the rest is. "The service's queue" is the p99 of the
-answers' own `queue_ms`: the part of the service's time neither in the API's hands nor in a
-worker's (admission, the stage's queue, the event loop's turns); for the ONNX model it is
-3.0-6.5 ms at 30% of capacity and 4.0-25.0 ms above. "CPU a query" is the serving process's
-CPU over the run per answered query (`/proc`; it includes some 20-30 ms a second the process
-spends whatever the load, which is why it is largest at the lowest rates): 0.69-1.40 ms for the
-ONNX model, a third to a half of a core at the higher rates, on the two cores the worker and
-the load generator share with it. The planner's capacity is the worker's alone: the serving
-process is a second queue in front of it (one event loop that each query needs some 0.6-0.9 ms
-of), and that queue and the contention for the two cores are in no term of its model (4); they
-are what a user's millisecond model adds. A back-of-the-envelope tandem of two queues at these
-rates (the event loop, then the worker with the live spread; a diagnostic, not kept as a
-benchmark) adds 0.8-1.2 ms to the p99 with a constant time a query on the event loop and 2.6-4.3
-ms with an exponential one: the gap lies in that range, so the service would have to measure the
-event loop's own time per query as a distribution before the planner could model that queue. On
-15 levels the planner holds at 8, with the client's path at 10."""
+**What the figures below say** (measured 2026-11-29, late evening, load averages 0.1-1.4 with
+the runs, with a 75 s warm-up, after an instance's turnaround joined its service time and a fine
+correction came to need a minute's evidence: serving.md, "Calibration"; two sets earlier that
+day held at 8 of 15, with the client's path at 10). At 15 and 50 ms the planner holds at every
+level: 1.05-1.17 at 15 ms, 1.01-1.04 at 50 ms, with no correction stored (factor 1.000, no
+spread). At 5 ms no correction was stored either; the planner holds at 60% and 90% (1.07, 1.15)
+and under-predicts at 30% (1.23), and with the client's path it holds at all three. That 90%
+level is a knife's edge: the instance's queue there is at 90-96% of its capacity, and a factor
+of 5% more or less moves the predicted P99 by half (in two earlier sets a fine factor of 1.061
+and 1.079 from the warm-up made it over-predict, 0.76 and 0.64, and one run with none stored
+after a 20 s warm-up under-predicted, 1.88; its live calls are slower from idle than back to
+back, and the factor is read at 30% of capacity). The user's ONNX CNN is a model of about 0.9-1.6
+ms a call as the serving loop times it (the stored factors 0.52 with JSON and 0.92 binary on
+profiles of 1.7 ms; the live round trips' p99 at 2.6-2.7 times their mean, the profiles'
+1.7-1.8, so the calibration stored their spread too), served at 174-532 queries a second. The
+planner holds for it at one level (binary at 30%, 1.17), with the client's path at 30% for both
+encodings (0.95, 0.94); above it misses both ways: JSON 2.67 and 6.20 at 60% and 90% (measured
+9.9 and 29.1 ms against 8.1 and 14.1 ms in the set before), binary 1.70 and 0.71. Its factors
+stored at 30% of capacity moved more between the day's three sets (0.64, 0.79 and 0.52 with
+JSON; 0.51, 0.58 and 0.92 binary) than any term of the model: at a millisecond a call, how fast
+the worker answers depends on what else the two cores are doing, and at 90% of the profile's
+capacity the worker, the serving process (0.8-1.3 ms of its CPU a query, the table's "CPU a
+query") and the load generator together saturate them. The two columns at the right of each
+table say where the time goes. "The service's queue" is the p99 of the answers' own `queue_ms`:
+the part of the service's time neither in the API's hands nor in a worker's (admission, the
+stage's queue, the event loop's turns); for the ONNX model it is 2.0-5.5 ms at 30% of capacity
+and up to 26 ms at 90%. "CPU a query" is the serving process's CPU over the run per answered
+query (`/proc`; it includes some 20-30 ms a second the process spends whatever the load, which
+is why it is largest at the lowest rates). The planner's capacity is the worker's alone: the
+serving process is a second queue in front of it, and that queue and the contention for the two
+cores are in no term of its model (4); they are what a user's millisecond model adds. A
+back-of-the-envelope tandem of two queues at these rates (the event loop, then the worker with
+the live spread; a diagnostic, not kept as a benchmark) adds 0.8-1.2 ms to the p99 with a
+constant time a query on the event loop and 2.6-4.3 ms with an exponential one, so the service
+would have to measure the event loop's own time per query as a distribution before the planner
+could model that queue. On 15 levels the planner holds at 9, with the client's path at 11; the
+ONNX levels that hold do so by a factor that moves from set to set, not by a model that holds."""
 
 
 def markdown(
