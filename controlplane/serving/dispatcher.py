@@ -335,11 +335,15 @@ class _Stage(ServingStage):
     """A stage as the dispatcher keeps it: also the request part of each of its queued queries
     (by query id)."""
 
-    __slots__ = ("parts", "wake", "wake_s")
+    __slots__ = ("answered_in", "parts", "rounds", "wake", "wake_s")
 
     def __init__(self, model: str, io: ModelIO | None = None) -> None:
         super().__init__(model, io)
         self.parts: dict[int, _Part] = {}
+        # Rounds run so far, and per instance id the count when its last answer came: a batch
+        # started in the round right after is the first chance the loop had to give it work.
+        self.rounds = 0
+        self.answered_in: dict[str, int] = {}
         # The batch trigger's guard timer (AppDispatcher._held): one per stage, moved, not added.
         self.wake: asyncio.TimerHandle | None = None
         self.wake_s = math.inf
@@ -615,6 +619,7 @@ class AppDispatcher:
         return active or healthy
 
     def _round(self, stage: _Stage, now: float, gear: ServingGear) -> None:
+        stage.rounds += 1
         queue = stage.queue
         policy = stage.policy
         if not queue or policy is None:
@@ -668,15 +673,13 @@ class AppDispatcher:
                         part.request.lag_ms += _dispatch_lag_ms(
                             now, part.query.enqueued_s, idle_since_s
                         )
-                    if slot.worker.fresh:
+                    if stage.answered_in.get(slot.worker.instance_id) == stage.rounds - 1:
                         # The first round since its answer: the wait was the loop's turn (in a
                         # later round it is the policy's choice, or the query was elsewhere).
                         turnaround_ms = _turnaround_ms(
                             now, min(part.query.enqueued_s for part in parts), idle_since_s
                         )
                 self._start(stage, slot, parts, now, turnaround_ms)
-        for slot in slots:
-            slot.worker.fresh = False  # a round has passed since its answer
 
     def _in_time(
         self, stage: _Stage, worker: Worker, parts: list[_Part], now: float
@@ -771,6 +774,7 @@ class AppDispatcher:
         stage.in_service_samples -= batch
         worker.finish(now)
         worker.succeeded()
+        stage.answered_in[worker.instance_id] = stage.rounds
         round_trip_ms = (now - started_s) * 1000.0
         # The calibration loop's figure: what the serving-path profiles measure, and the
         # instance's turnaround before the batch (its occupancy, as a simulated instance's).

@@ -182,7 +182,6 @@ class Worker:
         "checked_s",
         "endpoint",
         "failures",
-        "fresh",
         "healthy",
         "idle_since_s",
         "last_error",
@@ -201,8 +200,6 @@ class Worker:
         self.busy_s = 0.0  # seconds spent serving batches, calls in progress excluded
         self.busy_marks: deque[tuple[float, float]] = deque([(now_s, 0.0)])
         self.idle_since_s = now_s
-        # Answered, and no dispatch round has run since: its next batch's wait is the loop's turn.
-        self.fresh = False
         self.checked_s = now_s  # when a call or a probe last reached it
         self.failures = 0
         self.retry_at_s = now_s
@@ -234,7 +231,6 @@ class Worker:
             self.busy_s += max(0.0, now_s - self.started_s)
         self.running = False
         self.idle_since_s = now_s
-        self.fresh = True
         self.checked_s = now_s
         self.busy_until_s = min(self.busy_until_s, now_s)
 

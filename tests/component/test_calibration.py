@@ -17,7 +17,7 @@ from controlplane.apps.resolver import AppResolver
 from controlplane.clock import FakeClock
 from controlplane.db import migrate
 from controlplane.db.store import Store
-from controlplane.errors import InvalidValueError
+from controlplane.errors import InvalidValueError, WorkerCallError
 from controlplane.loops.calibration import ProfileCalibrator
 from controlplane.policies.calibration import CalibrationRule, calibrate
 from controlplane.service.build import (
@@ -529,6 +529,58 @@ def test_an_instances_turnaround_with_work_waiting_is_its_service_time_not_the_q
         # The second query waited 2 ms for the instance and 3 ms for the turn: queue, not lag.
         assert results[1].queue_ms == pytest.approx(5.0)
         assert observations.api_times_ms(APP) == [pytest.approx(0.0), pytest.approx(0.0)]
+        await dispatcher.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60.0))
+
+
+class _FailingFirstTransport(_ClockedTransport):
+    """The first call fails (the connection breaks) after the second has been answered; every
+    other call takes ``call_ms`` of the fake clock, with no turn of the loop after it."""
+
+    def __init__(self, clock: list[float], call_ms: float, fail_after_ms: float) -> None:
+        super().__init__(clock, call_ms, turn_ms=0.0)
+        self.fail_after_ms = fail_after_ms
+        self.calls = 0
+
+    async def infer(
+        self, address: str, io: ModelIO, rows: Sequence[Row], timeout_s: float
+    ) -> WorkerReply:
+        self.calls += 1
+        if self.calls == 1:
+            for _ in range(20):  # until the other call's answer is in
+                await asyncio.sleep(0)
+            self.clock[0] += self.fail_after_ms / 1000.0
+            raise WorkerCallError(address, "closed", "the connection broke")
+        return await super().infer(address, io, rows, timeout_s)
+
+
+def test_a_query_back_from_a_failed_batch_adds_no_turnaround_to_an_instance_long_free() -> None:
+    """Two instances, two queries: one instance answers at 2 ms and stands free with nothing
+    queued; the other's batch fails at 10 ms, and its query comes back to the front of the queue,
+    queued (at 0 ms) before the first instance came free. The first instance takes it in a later
+    round than its answer's: that wait was not the loop's turn, and its batch time is the call's
+    alone (8 ms more would make the calibration see an instance five times as slow)."""
+
+    async def scenario() -> None:
+        observations = Observations()
+        clock = [100.0]
+        transport = _FailingFirstTransport(clock, call_ms=2.0, fail_after_ms=8.0)
+        dispatcher = clocked_dispatcher(transport, observations, clock)
+        dispatcher.set_workers(
+            [
+                WorkerEndpoint("i-0", SMALL, "127.0.0.1:9"),
+                WorkerEndpoint("i-1", SMALL, "127.0.0.1:10"),
+            ]
+        )
+        row = [1.0, 16.0] + [0.0] * 62
+        first = dispatcher.submit([row], received_s=100.0)
+        second = dispatcher.submit([row], received_s=100.0)
+        results = await asyncio.gather(first, second)
+        assert transport.calls == 3
+        assert all(r.outputs == (0,) for r in results)
+        times = observations.batch_times_ms(APP)[("tiny", SMALL)][1]
+        assert times == [pytest.approx(2.0), pytest.approx(2.0)]
         await dispatcher.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60.0))
