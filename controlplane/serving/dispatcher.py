@@ -437,6 +437,11 @@ class AppDispatcher:
         Placement.place`: after a fleet or a health change, which also drops the capacity
         estimates) and give every stage a round."""
         self.placement.place(self.config, self._stages, self.current_gear())
+        for stage in self._stages.values():
+            if stage.answered_in:  # forget the instances a stage no longer has
+                here = {slot.worker.instance_id for slot in stage.slots}
+                for gone in stage.answered_in.keys() - here:
+                    del stage.answered_in[gone]
         self._mark_all()
 
     # --- requests -------------------------------------------------------------------------------

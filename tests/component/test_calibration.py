@@ -542,6 +542,7 @@ class _FailingFirstTransport(_ClockedTransport):
         super().__init__(clock, call_ms, turn_ms=0.0)
         self.fail_after_ms = fail_after_ms
         self.calls = 0
+        self.failed_on = ""
 
     async def infer(
         self, address: str, io: ModelIO, rows: Sequence[Row], timeout_s: float
@@ -551,6 +552,7 @@ class _FailingFirstTransport(_ClockedTransport):
             for _ in range(20):  # until the other call's answer is in
                 await asyncio.sleep(0)
             self.clock[0] += self.fail_after_ms / 1000.0
+            self.failed_on = {"127.0.0.1:9": "i-0", "127.0.0.1:10": "i-1"}[address]
             raise WorkerCallError(address, "closed", "the connection broke")
         return await super().infer(address, io, rows, timeout_s)
 
@@ -581,6 +583,11 @@ def test_a_query_back_from_a_failed_batch_adds_no_turnaround_to_an_instance_long
         assert all(r.outputs == (0,) for r in results)
         times = observations.batch_times_ms(APP)[("tiny", SMALL)][1]
         assert times == [pytest.approx(2.0), pytest.approx(2.0)]
+        # An instance the fleet no longer has is forgotten by the stage's round count.
+        stage = dispatcher._stages["tiny"]
+        assert set(stage.answered_in) == {"i-0", "i-1"} - {transport.failed_on}
+        dispatcher.set_workers([WorkerEndpoint("i-9", SMALL, "127.0.0.1:11")])
+        assert stage.answered_in == {}
         await dispatcher.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60.0))
