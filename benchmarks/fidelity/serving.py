@@ -27,7 +27,7 @@ applied, its worker launched by the reconciler. Every loop runs at its default p
 reconciler (every second, to launch the worker sooner). Then:
 
 1. **Warm-up** at the lowest level (``--warmup-s``, 75 s by default: longer than the calibration's
-   minute a fine correction must hold for; its own seed), until the service has stored
+   minute of readings a fine correction is judged on; its own seed), until the service has stored
    its **own time per query** (the calibration loop's ``serving_overhead``: the median and the
    quantiles of the API's receipt to the dispatch queue, read from the store): what the planner
    draws for each simulated query.
@@ -120,7 +120,7 @@ BUDGET_USD_PER_HR = 0.15  # buys one instance of emu.cpu.large (0.10 USD/hr), no
 SLO_MS = 2000.0
 TOLERANCE = 0.15
 # Longer than the calibration's fine persistence (calibration_fine_persist_s, 60 s: a fine
-# correction is stored once its verdict has held that long), so that the prediction takes what
+# correction is stored at the mean of that long's readings), so that the prediction takes what
 # the service has stored in steady operation, not what it stores in its first seconds.
 WARMUP_S = 75.0
 # Before each level: its rate for this long (a trace of its own), so that the prediction takes

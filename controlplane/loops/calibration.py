@@ -45,7 +45,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from controlplane.db.store import AppRecord, Store
 from controlplane.errors import ControlPlaneError
@@ -86,10 +86,12 @@ SPREAD_KIND = "profile_spread"
 @dataclass(slots=True)
 class _Pending:
     """A fine correction waiting for its evidence to hold (:data:`~controlplane.policies.
-    calibration.DEFAULT_FINE_PERSIST_S`): since when, and the factors read on its ticks."""
+    calibration.DEFAULT_FINE_PERSIST_S`): since when, and the sum and count of the factors read
+    on its ticks."""
 
     since_s: float
-    factors: list[float] = field(default_factory=list)
+    total: float = 0.0
+    readings: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,10 +123,10 @@ class ProfileCalibrator:
         rule: CalibrationRule | None = None,
         api_times: ApiTimesSource | None = None,
         resize: InvalidateFn | None = None,
-        clock_s: Callable[[], float] = time.monotonic,
+        clock_s: Callable[[], float] | None = None,
     ) -> None:
         self._store = store
-        self._clock_s = clock_s
+        self._clock_s = time.monotonic if clock_s is None else clock_s
         # Per (app, model, instance type): a fine verdict not yet held for fine_persist_s.
         self._pending: dict[tuple[str, str, str], _Pending] = {}
         self._resize = resize
@@ -275,16 +277,17 @@ class ProfileCalibrator:
                 return None
             pending = self._pending[key] = _Pending(now_s)
         if verdict.batches >= self._rule.fine_min_batches:
-            pending.factors.append(verdict.factor)
+            pending.total += verdict.factor
+            pending.readings += 1
         if now_s - pending.since_s < self._rule.fine_persist_s:
             return None
         del self._pending[key]
-        if not pending.factors:
+        if not pending.readings:
             return None
-        mean = sum(pending.factors) / len(pending.factors)
+        mean = pending.total / pending.readings
         if abs(mean - 1.0) <= self._rule.fine_threshold:
             return None
-        return mean, len(pending.factors)
+        return mean, pending.readings
 
     def _spread(
         self, app: str, profile: LatencyProfile, times: Mapping[int, Sequence[float]]

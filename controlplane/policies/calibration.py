@@ -137,11 +137,10 @@ DEFAULT_FINE_THRESHOLD = 0.05
 DEFAULT_FINE_MIN_BATCHES = 200
 # A fine correction is a steady bias: after a fine verdict the calibration loop reads the factor
 # on its ticks for a minute (the tuner's longest window) and stores their mean if it is still off
-# by more than the fine threshold. A window of the
-# newest batches spans a second or two at hundreds of batches a second; one that a stall of the
-# machine made slow is sure of its miss by its own standard error (its batches are not
-# independent: a stall slows them together), and a rule judged on every tick's window would take
-# the first such window as the truth.
+# by more than the fine threshold. A window of the newest batches spans a second or two at
+# hundreds of batches a second; one that a stall of the machine made slow is sure of its miss by
+# its own standard error (its batches are not independent: a stall slows them together), and a
+# rule judged on every tick's window would take the first such window as the truth.
 DEFAULT_FINE_PERSIST_S = 60.0
 FINE_Z = 3.0
 # A change of the control plane's overhead below this is noise, whatever its share.

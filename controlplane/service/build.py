@@ -448,7 +448,7 @@ def build_calibrator(
         ),
         observations.api_times_ms,
         resize=None if live_tuner is None else live_tuner.recalibrate,
-        clock_s=(clock if clock is not None else SystemClock()).now_s,
+        clock_s=None if clock is None else clock.now_s,
     )
 
 

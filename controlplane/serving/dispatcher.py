@@ -772,7 +772,7 @@ class AppDispatcher:
         reply: WorkerReply,
         started_s: float,
         predicted_ms: float,
-        turnaround_ms: float = 0.0,
+        turnaround_ms: float,
     ) -> None:
         now = self.clock_s()
         batch = len(rows)
