@@ -7,7 +7,8 @@ interface, the Open Inference Protocol v2 (``POST /v2/models/{m}/infer``, ``GET
 /health``: :mod:`provisioners.worker.agent`) on the event loop of its caller, answering at once
 or after ``delay_s``. Every model it serves has a signature (``signatures``, by model name;
 :data:`~provisioners.artifacts.FAMILY_SIGNATURE` for the others); a request whose inputs do not
-fit it is a 400 naming the input (names, datatypes, shapes: the values are not checked).
+fit it is a 400 naming the input (names, datatypes, shapes: the values are not checked), in JSON
+or binary tensors as the agent takes them.
 
 Its answer for a row (the first input's flattened sample) comes from ``predict(model, row)`` and
 ``certainty(model, row)``: by default the class ``int(row[0]) % 10`` and the certainty
@@ -36,12 +37,21 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from provisioners.artifacts import FAMILY_SIGNATURE, ModelSignature
+from provisioners.worker.oip import (
+    HEADER_LENGTH,
+    OipError,
+    split_infer_body,
+    with_binary_inputs,
+)
 
 __all__ = ["FakeWorker", "default_certainty", "default_prediction", "logits"]
 
 RowFn = Callable[[str, Sequence[float]], float]
 
+_HEADER_LENGTH = HEADER_LENGTH.lower()
 _TIE = 1e-6  # distinct in FP32, as a real worker's logits are
 _UP = 1e-9
 
@@ -76,6 +86,18 @@ def logits(klass: int, certainty: float, width: int, kind: str = "margin") -> li
     return values
 
 
+def _listed(document: Any, binary: bytes, signature: ModelSignature) -> dict[str, Any]:
+    """A request's document with its binary inputs' data as lists (as JSON gives them)."""
+    if not isinstance(document, dict):
+        raise ValueError("body must be a JSON object")
+    filled = with_binary_inputs(document, binary, signature)
+    inputs = [
+        {**e, "data": e["data"].tolist()} if isinstance(e.get("data"), np.ndarray) else e
+        for e in filled["inputs"]
+    ]
+    return {**filled, "inputs": inputs}
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self, worker: FakeWorker) -> None:
         self.worker = worker
@@ -101,16 +123,19 @@ class _Protocol(asyncio.Protocol):
                 return
             head = self.buffer[:end].decode("latin-1").split("\r\n")
             length = 0
+            header_length: str | None = None
             for line in head[1:]:
                 name, _, value = line.partition(":")
                 if name.strip().lower() == "content-length":
                     length = int(value.strip())
+                elif name.strip().lower() == _HEADER_LENGTH:
+                    header_length = value.strip()
             if len(self.buffer) < end + 4 + length:
                 return
             body = self.buffer[end + 4 : end + 4 + length]
             self.buffer = self.buffer[end + 4 + length :]
             method, path = [*head[0].split(" "), "", ""][:2]
-            self.worker._handle(self, method, path, body)
+            self.worker._handle(self, method, path, body, header_length)
 
     def send(self, status: int, document: object) -> None:
         if self.transport is None or self.transport.is_closing():
@@ -202,7 +227,14 @@ class FakeWorker:
     def signature(self, model: str) -> ModelSignature:
         return self.signatures.get(model, FAMILY_SIGNATURE)
 
-    def _handle(self, connection: _Protocol, method: str, path: str, body: bytes) -> None:
+    def _handle(
+        self,
+        connection: _Protocol,
+        method: str,
+        path: str,
+        body: bytes,
+        header_length: str | None = None,
+    ) -> None:
         if path in ("/health", "/v2/health/ready", "/v2/health/live"):
             status = 200 if self.healthy or path.endswith("/live") else 503
             if path == "/health":
@@ -237,9 +269,9 @@ class FakeWorker:
             connection.send(self.status, {"error": f"fake failure {self.status}"})
             return
         try:
-            document = json.loads(body)
+            document = _listed(*split_infer_body(body, header_length), signature)
             rows = self._rows(signature, document)
-        except (ValueError, KeyError, TypeError) as error:
+        except (ValueError, KeyError, TypeError, OipError) as error:
             connection.send(400, {"error": str(error)})
             return
         self.last_request = document

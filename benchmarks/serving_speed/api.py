@@ -56,6 +56,7 @@ from controlplane.serving.modelio import ModelIO
 from estimator.profiles import LatencyProfile, write_profiles_json
 from estimator.traces import poisson_arrivals
 from provisioners.worker.emulation import ComputeCurve, compute_document
+from provisioners.worker.oip import HEADER_LENGTH
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "speed"
@@ -108,9 +109,9 @@ def worker_records(data_dir: Path) -> list[Any]:
 def direct_p99_ms(record: Any, inputs: np.ndarray) -> float:
     """P99 of single batches sent one after another straight to the worker of ``record``."""
     io = ModelIO(MODEL)  # the request the dispatcher sends: Open Inference Protocol v2
-    body = io.encode([inputs[0].astype(float).tolist()])
+    body, header_length = io.encode([inputs[0].astype(float).tolist()])
     url = f"http://{record.address}{io.path}"
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(header_length)}
     times = []
     with httpx.Client(timeout=30.0, trust_env=False) as client:
         for _ in range(DIRECT_QUERIES):

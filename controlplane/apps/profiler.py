@@ -9,10 +9,10 @@ This module owns how a latency profile is measured, in two ways:
   the local provisioner starts any worker, on loopback), and once it is ready, batches of real
   validation inputs sent to it over kept-alive HTTP/1.1 as the serving loop's transport sends them
   (``controlplane.serving.transport``: Open Inference Protocol v2, ``POST
-  /v2/models/{m}/infer`` with the family's signature, an FP32 input ``input`` of [n, 64]); each
-  sample is one call's round trip as the caller sees
-  it: the request's JSON, the worker's parsing and validation, the model, the emulation's padding
-  (emulated types), the answer's JSON and its parsing. The types are measured side by side (one
+  /v2/models/{m}/infer`` with the family's signature, an FP32 input ``input`` of [n, 64], in
+  binary tensors); each sample is one call's round trip as the caller sees it: writing the
+  request, the worker's parsing and validation, the model, the emulation's padding (emulated
+  types), the answer's JSON and its parsing. The types are measured side by side (one
   thread and one connection per type, each worker sent one batch at a time, as the dispatcher
   sends them), the models in turn within each round (interleaved, so that load from other
   processes on a shared machine falls on every model alike).
@@ -56,10 +56,10 @@ import numpy as np
 from controlplane.errors import ControlPlaneError
 from estimator.catalog import Catalog, InstanceType
 from estimator.profiles import LatencyProfile, write_profiles_json
-from provisioners.artifacts import FAMILY_SIGNATURE
+from provisioners.artifacts import FAMILY_SIGNATURE, datatype_of
 from provisioners.base import APP_TAG, LaunchRequest
 from provisioners.worker.emulation import EMULATED_COMPUTE, ComputeCurve, compute_document
-from provisioners.worker.oip import encode_tensor
+from provisioners.worker.oip import HEADER_LENGTH, binary_request_body
 
 if TYPE_CHECKING:
     from torch import nn
@@ -442,14 +442,15 @@ class WorkerClient:
     def _call(self, model: str, inputs: Mapping[str, np.ndarray]) -> float:
         connection = self._connect()
         start = time.perf_counter()
-        body = json.dumps(
-            {"inputs": [encode_tensor(name, array) for name, array in inputs.items()]},
-            separators=(",", ":"),
+        body, header_length = binary_request_body(
+            [(name, datatype_of(array.dtype), array) for name, array in inputs.items()]
         )
         path = f"/v2/models/{urllib.parse.quote(model, safe='')}/infer"
-        connection.request(
-            "POST", path, body=body.encode(), headers={"Content-Type": "application/json"}
-        )
+        headers = {
+            "Content-Type": "application/octet-stream",
+            HEADER_LENGTH: str(header_length),
+        }
+        connection.request("POST", path, body=body, headers=headers)
         response = connection.getresponse()
         raw = response.read()
         try:

@@ -31,6 +31,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from provisioners.artifacts import ArtifactError, numpy_dtype
+from provisioners.worker.oip import HEADER_LENGTH
 
 __all__ = [
     "HEADER_LENGTH",
@@ -44,8 +45,6 @@ __all__ = [
 ]
 
 PROTOCOLS = ("v1", "v2")
-# Triton's binary tensor extension: the size of the JSON part of a body with binary parts.
-HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,10 @@
 client the serving loop uses (:class:`HttpWorkerTransport`).
 
 Workers speak the Open Inference Protocol v2 (REST): the worker agent
-(:mod:`provisioners.worker.agent`), or any other server of the protocol, answers ``POST
-/v2/models/{model}/infer`` and ``GET /v2/health/ready`` with bodies that carry
-``Content-Length``. What a batch's body is and what its answer means is the business of the
+(:mod:`provisioners.worker.agent`), or any other server of the protocol with Triton's binary
+tensor extension (batches are sent in binary tensors, :class:`~controlplane.serving.modelio.
+ModelIO`), answers ``POST /v2/models/{model}/infer`` and ``GET /v2/health/ready`` with bodies that
+carry ``Content-Length``. What a batch's body is and what its answer means is the business of the
 model's :class:`~controlplane.serving.modelio.ModelIO`. This module owns the client side: one
 pool of open connections per worker address (the dispatcher sends a worker one batch at a
 time, so one connection per worker is what it uses; a health probe may take a second), reuse
@@ -43,6 +44,7 @@ import httptools
 
 from controlplane.errors import WorkerCallError
 from controlplane.serving.modelio import ModelIO, ModelIOError, Row, WorkerReply
+from provisioners.worker.oip import HEADER_LENGTH
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
@@ -248,12 +250,14 @@ class HttpWorkerTransport:
         self, address: str, io: ModelIO, rows: Sequence[Row], timeout_s: float
     ) -> WorkerReply:
         try:
-            body = io.encode(rows)
+            body, header_length = io.encode(rows)
         except ModelIOError as error:
             raise WorkerCallError(
                 address, "input", str(error), status=400, worker_fault=False
             ) from None
-        status, answer = await self._request(address, "POST", io.path, body, timeout_s)
+        status, answer = await self._request(
+            address, "POST", io.path, body, timeout_s, header_length
+        )
         if status != 200:
             raise answer_error(address, status, answer, len(rows))
         return io.decode(address, answer, len(rows))
@@ -277,12 +281,26 @@ class HttpWorkerTransport:
             channel.close()
 
     async def _request(
-        self, address: str, method: str, path: str, body: bytes, timeout_s: float
+        self,
+        address: str,
+        method: str,
+        path: str,
+        body: bytes,
+        timeout_s: float,
+        header_length: int | None = None,
     ) -> tuple[int, bytes]:
+        """One exchange; ``header_length``: the body is binary tensors whose JSON part is that
+        long (:data:`~provisioners.worker.oip.HEADER_LENGTH`)."""
         if self._closed:
             raise WorkerCallError(address, "closed", "the transport is closed")
+        if header_length is None:
+            content = "Content-Type: application/json\r\n"
+        else:
+            content = (
+                f"Content-Type: application/octet-stream\r\n{HEADER_LENGTH}: {header_length}\r\n"
+            )
         request = (
-            f"{method} {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
+            f"{method} {path} HTTP/1.1\r\nHost: {address}\r\n{content}"
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode() + body
         deadline_s = time.monotonic() + timeout_s

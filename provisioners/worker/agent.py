@@ -17,7 +17,8 @@ not name them, as the registry stored them; ``--artifacts-file FILE`` adds both 
 ``OPTION VALUE`` a line, as the EC2 provisioner's bootstrap writes them). With artifacts and no
 ``--models``, no family model is loaded.
 
-Routes (every body is JSON; every error is ``{"error": "one line"}``):
+Routes (every body is JSON, but an infer request's in binary tensors; every error is
+``{"error": "one line"}``):
 
 - ``GET /v2/health/live``: 200 ``{"live": true}`` while the process serves HTTP.
 - ``GET /v2/health/ready``: 200 ``{"ready": true}`` once the models are loaded, else 503
@@ -26,9 +27,11 @@ Routes (every body is JSON; every error is ``{"error": "one line"}``):
   (:func:`~provisioners.worker.oip.model_metadata`). ``GET /v2/models/{m}/ready``: 200
   ``{"name", "ready": true}``.
 - ``POST /v2/models/{m}/infer`` (``/v2/models/{m}/versions/1/infer`` too): an Open Inference
-  Protocol request (:func:`~provisioners.worker.oip.parse_infer_request`); its inputs are one
-  batch, run in one call of the model. 200 ``{"model_name", "model_version": "1", "id" (when the
-  request has one), "outputs": [{"name", "datatype", "shape", "data"}], "parameters":
+  Protocol request (:func:`~provisioners.worker.oip.parse_infer_request`), in JSON or, with the
+  header ``Inference-Header-Content-Length``, in Triton's binary tensors (how the dispatcher
+  sends every batch); its inputs are one batch, run in one call of the model. 200
+  ``{"model_name", "model_version": "1", "id" (when the request has one), "outputs": [{"name",
+  "datatype", "shape", "data"}], "parameters":
   {"instance_type", "served_ms" (compute plus padding, as measured), "latency_ms" (measured
   compute), "padded_ms" (slept after it), "queued_ms" (waiting for the previous batch),
   "emulated", "emulated_ms" (the emulated type's latency for this batch, null when not
@@ -100,12 +103,15 @@ from provisioners.worker.emulation import (
     read_curves,
 )
 from provisioners.worker.oip import (
+    HEADER_LENGTH,
     MODEL_VERSION,
     InferRequest,
     OipError,
     infer_response,
     model_metadata,
     parse_infer_request,
+    split_infer_body,
+    with_binary_inputs,
 )
 from provisioners.worker.runtime import DEVICES, ModelRuntime, first_line
 
@@ -363,11 +369,21 @@ class WorkerAgent:
             "models": models,
         }
 
-    def infer(self, model: str, body: bytes | Mapping[str, Any]) -> dict[str, Any]:
-        """Serve one ``POST /v2/models/{model}/infer`` body (bytes, or its JSON decoded); raises
-        :class:`RequestError` on a refusal."""
+    def infer(
+        self, model: str, body: bytes | Mapping[str, Any], header_length: str | None = None
+    ) -> dict[str, Any]:
+        """Serve one ``POST /v2/models/{model}/infer`` body (bytes, or its JSON decoded;
+        ``header_length``, the header :data:`~provisioners.worker.oip.HEADER_LENGTH`: the bytes
+        are binary tensors after a JSON part that long); raises :class:`RequestError` on a
+        refusal."""
         runtime = self._runtime(model)
         try:
+            if header_length is not None and isinstance(body, bytes):
+                document, binary = split_infer_body(body, header_length)
+                if isinstance(document, Mapping):
+                    body = with_binary_inputs(document, binary, runtime.signature)
+                else:
+                    body = document  # parse_infer_request says what is wrong
             request = parse_infer_request(
                 body, runtime.signature, max_batch_size=self.config.max_batch_size
             )
@@ -558,7 +574,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self._error(HTTPStatus.NOT_FOUND, f"no route POST {path}{hint}")
             return
         try:
-            self._reply(HTTPStatus.OK, self.server.agent.infer(_model_of(match), body))
+            header_length = self.headers.get(HEADER_LENGTH)
+            self._reply(
+                HTTPStatus.OK, self.server.agent.infer(_model_of(match), body, header_length)
+            )
         except RequestError as error:
             if error.failed_rows is None:
                 self._error(error.status, str(error))

@@ -24,6 +24,16 @@ signature's numpy type exactly; an integer type takes integers in its range, ``B
 
 Conversion is numpy's (one ``np.asarray`` per tensor), not a loop over values: the worker parses
 every batch on the serving path.
+
+**Binary tensors** (Triton's binary tensor data extension, which the control plane's dispatcher
+sends every batch in): a body whose JSON part is followed by the inputs' raw bytes, the size of
+the JSON part in the header :data:`HEADER_LENGTH`, each such input's byte count in its
+``parameters.binary_data_size`` and no ``data`` (:func:`split_infer_body`,
+:func:`with_binary_inputs`; :func:`binary_request_body` spells one). Values are little-endian,
+row-major; they are checked as JSON values are (a NaN or a ``BOOL`` byte other than 0 or 1 is
+refused). For a CNN's [3, 32, 32] FP32 sample the JSON text is about 60 KB, which the dispatcher
+spent about 115 us writing and the worker about 100 us reading (``orjson`` and ``np.asarray``
+of 3,072 numbers); its 12 KB of bytes take a few microseconds each way.
 """
 
 from __future__ import annotations
@@ -38,12 +48,20 @@ from typing import Any
 import numpy as np
 import orjson
 
-from provisioners.artifacts import ArtifactError, ModelSignature, TensorSpec, datatype_of
+from provisioners.artifacts import (
+    ArtifactError,
+    ModelSignature,
+    TensorSpec,
+    datatype_of,
+    numpy_dtype,
+)
 
 __all__ = [
+    "HEADER_LENGTH",
     "MODEL_VERSION",
     "InferRequest",
     "OipError",
+    "binary_request_body",
     "decode_tensor",
     "encode_tensor",
     "infer_response",
@@ -51,11 +69,21 @@ __all__ = [
     "model_metadata",
     "parse_infer_request",
     "requested_outputs",
+    "split_infer_body",
+    "tensor_values",
+    "with_binary_inputs",
 ]
 
 # A worker serves one version of each model name (the registry's version is in the name's
 # artifact reference); the protocol's version string for it.
 MODEL_VERSION = "1"
+# Triton's binary tensor extension: the size of the JSON part of a body whose binary parts (the
+# tensors' raw bytes, in the order of the inputs that have them) follow it.
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+# The largest finite value of each float type, and of a 64-bit integer (what tensor_values checks).
+_FLOAT_MAX = {np.dtype(t): float(np.finfo(t).max) for t in (np.float16, np.float32, np.float64)}
+_INT_MAX = float(2**64)
 
 _REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
 _INPUT_KEYS = frozenset({"name", "shape", "datatype", "data", "parameters"})
@@ -198,10 +226,10 @@ def decode_tensor(entry: Mapping[str, Any], spec: TensorSpec, *, max_batch_size:
         raise OipError(f"input {name!r}: datatype {datatype!r}, expected {spec.datatype!r}")
     shape = _shape(entry.get("shape"), spec, max_batch_size)
     data = entry.get("data")
-    if not isinstance(data, list):
+    if not isinstance(data, list | np.ndarray):  # an array: binary data (with_binary_inputs)
         raise OipError(f"input {name!r}: 'data' must be a list of values")
     count = math.prod(shape)
-    array = _values(data, spec)
+    array = tensor_values(data, spec)
     if array.size != count:
         raise OipError(
             f"input {name!r}: 'data' holds {array.size} values, shape {list(shape)} needs {count}"
@@ -232,11 +260,12 @@ def _shape(shape: object, spec: TensorSpec, max_batch_size: int) -> tuple[int, .
     return tuple(shape)
 
 
-def _values(data: list[Any], spec: TensorSpec) -> np.ndarray:
-    """``data`` (flat or nested) as a flat array of ``spec``'s type, checked value by kind."""
+def tensor_values(data: list[Any] | np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """``data`` (flat or nested lists, or an array) as a flat array of ``spec``'s type, checked
+    value by kind (see the module docstring); :class:`OipError` naming the input."""
     name, dtype = spec.name, spec.dtype
     try:
-        raw = np.asarray(data)
+        raw = data if isinstance(data, np.ndarray) else np.asarray(data)
     except (ValueError, TypeError, OverflowError):
         raw = None  # ragged nesting
     # JSON numbers give an integer or float array, booleans alone a bool one; strings, nulls,
@@ -255,7 +284,7 @@ def _values(data: list[Any], spec: TensorSpec) -> np.ndarray:
         if raw.dtype.kind not in "iu":
             raise OipError(f"input {name!r}: {spec.datatype} data must be integers")
         limits = np.iinfo(dtype)
-        if raw.min() < limits.min or raw.max() > limits.max:
+        if not np.can_cast(raw.dtype, dtype) and (raw.min() < limits.min or raw.max() > limits.max):
             raise OipError(
                 f"input {name!r}: a value lies outside {spec.datatype}'s {limits.min}..{limits.max}"
             )
@@ -266,11 +295,105 @@ def _values(data: list[Any], spec: TensorSpec) -> np.ndarray:
         # cost as much as the cast at thousands of queries a second). A NaN (binary tensors
         # can carry it) makes max and min NaN, which fails both comparisons: no pass over the
         # cast values is needed to find it.
-        largest = np.finfo(dtype).max
-        if not (raw.max() <= largest and raw.min() >= -largest):
+        # Integers (64 bits at most) are all finite in FP32 and FP64: only FP16 needs the check.
+        largest = _FLOAT_MAX[dtype]
+        if (raw.dtype.kind == "f" or largest < _INT_MAX) and not (
+            raw.max() <= largest and raw.min() >= -largest
+        ):
             raise OipError(f"input {name!r}: a value is too large for {spec.datatype}")
         return raw.astype(dtype).reshape(-1)
     return raw.astype(dtype).reshape(-1)
+
+
+def split_infer_body(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
+    """An infer body's JSON part, decoded (:func:`load_json`), and its binary part: with no
+    :data:`HEADER_LENGTH` (``header_length`` None) the whole body is JSON. :class:`OipError`
+    when the length is not a size within the body."""
+    if header_length is None:
+        return load_json(body), b""
+    try:
+        size = int(header_length)
+    except ValueError:
+        size = -1
+    if not 0 <= size <= len(body):
+        raise OipError(f"{HEADER_LENGTH} {header_length!r} is not a size within the body")
+    return load_json(body[:size]), body[size:]
+
+
+def with_binary_inputs(
+    document: Mapping[str, Any], binary: bytes, signature: ModelSignature
+) -> Mapping[str, Any]:
+    """``document`` with the ``data`` of its binary inputs filled in from ``binary`` (in the
+    order of the inputs; each an array of the input's type, read-only, over ``binary``'s bytes);
+    :class:`OipError` naming the input when the sizes do not add up. What else is wrong with
+    the document :func:`parse_infer_request` says."""
+    entries = document.get("inputs")
+    if not isinstance(entries, list):
+        return document  # parse_infer_request says what is wrong
+    specs = {spec.name: spec for spec in signature.inputs}
+    offset = 0
+    filled = []
+    for entry in entries:
+        parameters = entry.get("parameters") if isinstance(entry, Mapping) else None
+        size = parameters.get("binary_data_size") if isinstance(parameters, Mapping) else None
+        if size is None:
+            filled.append(entry)
+            continue
+        name = entry.get("name")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise OipError(f"input {name!r}: binary_data_size must be a byte count")
+        if "data" in entry:
+            raise OipError(f"input {name!r}: both 'data' and binary_data_size")
+        spec = specs.get(name) if isinstance(name, str) else None
+        if spec is None:
+            raise OipError(
+                f"input {name!r} is not an input of the model (inputs: {', '.join(specs)})"
+            )
+        chunk = binary[offset : offset + size]
+        if len(chunk) != size:
+            raise OipError(f"input {name!r}: the body ends before its {size} bytes")
+        offset += size
+        dtype = spec.dtype.newbyteorder("<")
+        if size % dtype.itemsize:
+            raise OipError(
+                f"input {name!r}: {size} bytes are not a whole number of {spec.datatype} values"
+            )
+        values = np.frombuffer(chunk, dtype=dtype)
+        if spec.datatype == "BOOL" and values.size and values.view(np.uint8).max() > 1:
+            raise OipError(f"input {name!r}: BOOL bytes must be 0 or 1")
+        # Kept as parse_infer_request checks them: the shape against the values' count.
+        rest = {k: v for k, v in entry.items() if k != "parameters"}
+        filled.append({**rest, "data": values})
+    if offset != len(binary):
+        raise OipError(f"the body has {len(binary) - offset} bytes no input claims")
+    return {**document, "inputs": filled}
+
+
+def binary_request_body(
+    tensors: Sequence[tuple[str, str, np.ndarray]], *, request_id: str | None = None
+) -> tuple[bytes, int]:
+    """An infer request of ``tensors`` (name, datatype, array: batch first) as binary tensors
+    (see the module docstring): the body and the size of its JSON part (:data:`HEADER_LENGTH`).
+    The arrays are written as they are, in the datatype's little-endian type: they are checked
+    by whoever made them."""
+    inputs = []
+    blobs = []
+    for name, datatype, array in tensors:
+        raw = np.ascontiguousarray(array, dtype=numpy_dtype(datatype).newbyteorder("<")).tobytes()
+        inputs.append(
+            {
+                "name": name,
+                "datatype": datatype,
+                "shape": list(array.shape),
+                "parameters": {"binary_data_size": len(raw)},
+            }
+        )
+        blobs.append(raw)
+    document: dict[str, Any] = {"inputs": inputs}
+    if request_id is not None:
+        document["id"] = request_id
+    header = orjson.dumps(document)
+    return b"".join([header, *blobs]), len(header)
 
 
 def encode_tensor(name: str, array: np.ndarray) -> dict[str, Any]:

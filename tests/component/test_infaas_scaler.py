@@ -89,11 +89,18 @@ class GatedWorker(FakeWorker):
         self.gated = True
         self.held: list[tuple[Any, ...]] = []
 
-    def _handle(self, connection: Any, method: str, path: str, body: bytes) -> None:
+    def _handle(
+        self,
+        connection: Any,
+        method: str,
+        path: str,
+        body: bytes,
+        header_length: str | None = None,
+    ) -> None:
         if self.gated and method == "POST":
-            self.held.append((connection, method, path, body))
+            self.held.append((connection, method, path, body, header_length))
             return
-        super()._handle(connection, method, path, body)
+        super()._handle(connection, method, path, body, header_length)
 
     def release(self) -> None:
         self.gated = False

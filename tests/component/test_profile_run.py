@@ -46,9 +46,10 @@ from controlplane.service.app import create_app
 from controlplane.service.build import app_artifacts
 from controlplane.settings import Settings
 from estimator.catalog import default_catalog
-from provisioners.artifacts import FAMILY_SIGNATURE
+from provisioners.artifacts import FAMILY_SIGNATURE, numpy_dtype
 from provisioners.base import APP_TAG, INSTANCE_TAG, LaunchRequest, ProvisionedInstance
 from provisioners.fake import FakeProvisioner
+from provisioners.worker.oip import HEADER_LENGTH
 
 SMALL, GPU = "emu.cpu.small", "emu.gpu"
 APP = "digits"
@@ -87,11 +88,16 @@ class FakeV2Worker:
                 self._send(200 if self.path == "/v2/health/ready" else 404, {"ready": True})
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                raw = self.rfile.read(int(self.headers["Content-Length"]))
+                # The transport's encoding: binary tensors after a JSON part this long.
+                size = int(self.headers[HEADER_LENGTH])
+                body = json.loads(raw[:size])
                 parts = self.path.split("/")  # ['', 'v2', 'models', m, 'infer']
                 (tensor,) = body["inputs"]
                 log.calls.append((parts[3], tensor["shape"], tensor["datatype"], tensor["name"]))
-                assert len(tensor["data"]) == int(np.prod(tensor["shape"]))
+                width = np.dtype(numpy_dtype(tensor["datatype"])).itemsize
+                count = int(np.prod(tensor["shape"]))
+                assert tensor["parameters"]["binary_data_size"] == len(raw) - size == count * width
                 if log.status != 200:
                     self._send(log.status, {"error": "input: wrong shape"})
                     return

@@ -23,7 +23,12 @@ from controlplane.serving.modelio import (
     stack_outputs,
 )
 from provisioners.artifacts import FAMILY_SIGNATURE, ModelSignature, TensorSpec
-from provisioners.worker.oip import parse_infer_request
+from provisioners.worker.oip import (
+    InferRequest,
+    parse_infer_request,
+    split_infer_body,
+    with_binary_inputs,
+)
 from tests.fake_worker import logits
 
 TWO_INPUTS = ModelSignature(
@@ -39,24 +44,37 @@ def answer(outputs: list[dict[str, object]], parameters: dict[str, object] | Non
     return json.dumps(document).encode()
 
 
-def test_a_family_batch_is_one_flat_fp32_tensor_the_worker_parses() -> None:
+def worker_reads(
+    encoded: tuple[bytes, int], signature: ModelSignature = FAMILY_SIGNATURE
+) -> InferRequest:
+    """A body :meth:`ModelIO.encode` wrote, read as the worker agent reads it."""
+    body, header_length = encoded
+    document, binary = split_infer_body(body, str(header_length))
+    filled = with_binary_inputs(document, binary, signature)
+    return parse_infer_request(filled, signature, max_batch_size=256)
+
+
+def test_a_family_batch_is_one_flat_fp32_tensor_in_binary_the_worker_parses() -> None:
     io = ModelIO("tiny")
     assert io.family and io.path == "/v2/models/tiny/infer"
-    rows = [[float(i)] * 64 for i in range(3)]
-    body = io.encode(rows)
-    document = json.loads(body)
+    rows = [[float(i) + 0.1] * 64 for i in range(3)]
+    body, header_length = io.encode(rows)
+    document = json.loads(body[:header_length])
     (tensor,) = document["inputs"]
     assert tensor["name"] == "input" and tensor["datatype"] == "FP32"
-    assert tensor["shape"] == [3, 64] and len(tensor["data"]) == 192
-    parsed = parse_infer_request(body, FAMILY_SIGNATURE, max_batch_size=256)
+    assert tensor["shape"] == [3, 64] and "data" not in tensor
+    assert tensor["parameters"] == {"binary_data_size": 3 * 64 * 4}
+    assert len(body) == header_length + 3 * 64 * 4
+    parsed = worker_reads((body, header_length))
     assert parsed.inputs["input"].shape == (3, 64)
-    assert parsed.inputs["input"][2, 0] == 2.0
+    # The values are the FP32 ones the rows round to, bit for bit (as JSON text gave them).
+    assert np.array_equal(parsed.inputs["input"], np.asarray(rows, dtype=np.float32))
 
 
 def test_several_inputs_numpy_rows_and_dynamic_dimensions_encode() -> None:
     io = ModelIO("two", TWO_INPUTS, family=False)
-    rows = [([1, 2, 3], [True, False, True]), (np.array([4, 5, 6]), np.array([0, 1, 1]))]
-    parsed = parse_infer_request(io.encode(rows), TWO_INPUTS, max_batch_size=8)
+    rows = [([1, 2, 3], [True, False, True]), (np.array([4, 5, 6]), np.array([False, True, True]))]
+    parsed = worker_reads(io.encode(rows), TWO_INPUTS)
     assert parsed.inputs["ids"].tolist() == [[1, 2, 3], [4, 5, 6]]
     assert parsed.inputs["mask"].tolist() == [[True, False, True], [False, True, True]]
     with pytest.raises(ModelIOError, match="2 inputs"):
@@ -68,14 +86,54 @@ def test_several_inputs_numpy_rows_and_dynamic_dimensions_encode() -> None:
         (TensorSpec("image", "FP32", (-1, 3, -1)),), (TensorSpec("y", "FP32", (-1, 2)),)
     )
     dynamic = ModelIO("img", image)
-    document = json.loads(dynamic.encode([np.zeros((3, 5)), [1.0] * 15]))
-    assert document["inputs"][0]["shape"] == [2, 3, 5]
+    body, header_length = dynamic.encode([np.zeros((3, 5)), [1.0] * 15])
+    assert json.loads(body[:header_length])["inputs"][0]["shape"] == [2, 3, 5]
+    assert worker_reads((body, header_length), image).inputs["image"][1].tolist() == [[1.0] * 5] * 3
     with pytest.raises(ModelIOError, match="cannot be stacked"):
         dynamic.encode([np.zeros((3, 5)), np.zeros((3, 4))])
     assert resolve_sample_shape(image.inputs[0], 12) == (3, 4)
     assert resolve_sample_shape(image.inputs[0], 13) is None
-    with pytest.raises(ModelIOError, match=r"NaN|Out of range"):
+    with pytest.raises(ModelIOError, match="NaN or infinity"):
         ModelIO("tiny").encode([[math.nan] * 64])
+    with pytest.raises(ModelIOError, match="NaN or infinity"):
+        ModelIO("tiny").encode([np.full(64, np.inf, dtype=np.float32)])
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([([1, 2, 3.5], [True, True, True])], "must be integers"),
+        ([([1, 2, 2**63], [True, True, True])], "input 'ids'"),
+        ([([1, 2, 3], [1, 0, 1])], "true or false"),
+        ([(["1", "2", "3"], [True, True, True])], "INT64 values"),
+        ([([1, [2], 3], [True, True, True])], "input 'ids'"),
+    ],
+)
+def test_a_value_its_input_does_not_take_is_refused_before_the_call(
+    rows: list[tuple[object, object]], message: str
+) -> None:
+    """What the worker would refuse (a fraction or a value past the range for an integer
+    input, a number for BOOL, text, ragged rows) is a ModelIOError naming the input: the batch
+    costs no call, and nothing is cast silently."""
+    with pytest.raises(ModelIOError, match=message):
+        ModelIO("two", TWO_INPUTS, family=False).encode(rows)
+
+
+def test_fp16_and_unsigned_values_keep_their_range() -> None:
+    signature = ModelSignature(
+        (TensorSpec("x", "FP16", (-1, 2)), TensorSpec("n", "UINT8", (-1, 2))),
+        (TensorSpec("y", "FP32", (-1, 2)),),
+    )
+    io = ModelIO("h", signature, family=False)
+    parsed = worker_reads(io.encode([([0.5, 65504], [0, 255])]), signature)
+    assert parsed.inputs["x"].dtype == np.float16 and parsed.inputs["x"].tolist() == [
+        [0.5, 65504.0]
+    ]
+    assert parsed.inputs["n"].tolist() == [[0, 255]]
+    with pytest.raises(ModelIOError, match="too large for FP16"):
+        io.encode([([0.5, 70000], [0, 1])])
+    with pytest.raises(ModelIOError, match="outside UINT8"):
+        io.encode([([0.5, 1.0], [-1, 1])])
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 40])  # both sides of the Python / numpy switch

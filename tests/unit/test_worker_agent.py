@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from controlplane.serving.modelio import ModelIO
 from estimator.profiles import LatencyProfile, write_profiles_json
 from provisioners.artifacts import (
     FAMILY_SIGNATURE,
@@ -50,6 +51,7 @@ from provisioners.worker.emulation import (
     padding_ms,
     read_curves,
 )
+from provisioners.worker.oip import HEADER_LENGTH, binary_request_body
 
 MODELS = ("tiny", "large")
 SHA = "ab" * 32
@@ -439,6 +441,59 @@ def test_the_batch_reaches_the_model_as_float32_rows() -> None:
     worker.infer("tiny", body({"inputs": [nested]}))
     (batch,) = model.batches
     assert batch.dtype == np.float32 and batch.shape == (2, 64) and batch.max() == 16.0
+
+
+def test_a_batch_in_binary_tensors_reaches_the_model_as_its_values() -> None:
+    """The dispatcher's encoding (Triton's binary tensors, :meth:`ModelIO.encode`) read by the
+    agent: the same float32 rows; sizes that do not add up, NaN, a header length past the body
+    are 400s naming what is wrong."""
+    times = FakeTime(compute_ms=1.0)
+    worker = WorkerAgent(config(), Emulation("emu.cpu.small", None), clock=times.clock)
+    model = FakeRuntime(times, 0)
+    worker.set_models({"tiny": model})
+    values = np.random.default_rng(3).normal(size=(2, 64)).astype(np.float32)
+    encoded, header_length = ModelIO("tiny").encode(list(values))
+    answer = worker.infer("tiny", encoded, str(header_length))
+    assert answer["outputs"][0]["shape"] == [2, 10]
+    (batch,) = model.batches
+    assert batch.dtype == np.float32 and np.array_equal(batch, values)
+    nan = values.copy()
+    nan[1, 5] = np.nan
+    bad_body, bad_length = binary_request_body([("input", "FP32", nan)])
+    for body_bytes, length, fragment in [
+        (encoded[:-4], str(header_length), "ends before its 512 bytes"),
+        (encoded + b"xyzw", str(header_length), "4 bytes no input claims"),
+        (encoded, str(len(encoded) + 1), "not a size within the body"),
+        (encoded, "seven", "not a size within the body"),
+        (bad_body, str(bad_length), "too large for FP32"),
+    ]:
+        with pytest.raises(RequestError) as refused:
+            worker.infer("tiny", body_bytes, length)
+        assert refused.value.status == 400 and fragment in str(refused.value)
+    assert len(model.batches) == 1
+
+
+def test_http_takes_binary_tensors_by_their_header(server: str) -> None:
+    import http.client
+
+    host, port = server.removeprefix("http://").split(":")
+    encoded, header_length = ModelIO("tiny").encode([[1.0] * 64, [2.0] * 64, [3.0] * 64])
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        headers = {
+            "Content-Type": "application/octet-stream",
+            HEADER_LENGTH: str(header_length),
+        }
+        connection.request("POST", "/v2/models/tiny/infer", body=encoded, headers=headers)
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        assert response.status == 200 and answer["outputs"][0]["shape"] == [3, 10]
+        # Without the header the same bytes are not JSON: a 400, and the connection still serves.
+        connection.request("POST", "/v2/models/tiny/infer", body=encoded)
+        response = connection.getresponse()
+        assert response.status == 400 and "not JSON" in json.loads(response.read())["error"]
+    finally:
+        connection.close()
 
 
 def test_a_worker_that_emulates_nothing_never_sleeps() -> None:

@@ -70,12 +70,14 @@ from controlplane.serving.loop import ServingLoop
 from controlplane.serving.modelio import ModelIOError, app_signature, stack_outputs
 from provisioners.artifacts import ArtifactError, ModelSignature, numpy_dtype
 from provisioners.worker.oip import (
+    HEADER_LENGTH,
     MODEL_VERSION,
     InferRequest,
     OipError,
     load_json,
     model_metadata,
     parse_infer_request,
+    with_binary_inputs,
 )
 
 __all__ = [
@@ -94,8 +96,6 @@ __all__ = [
     "signature_of",
 ]
 
-# Triton's binary tensor extension: the size of the JSON part of a body that has binary parts.
-HEADER_LENGTH = "Inference-Header-Content-Length"
 # The inference routes (body_limit): with and without a version.
 _INFER_PATH = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/infer")
 # The most JSON text one tensor value takes: a float printed in full (-1.2345678901234567e-05)
@@ -321,7 +321,7 @@ def parse_query(
     """A query's document and binary part (:func:`serve_query`) checked against ``signature``:
     its input arrays, batch size, id and outputs asked for; :class:`OipError` naming the field
     that does not fit."""
-    document = _with_binary_inputs(document, binary, signature)
+    document = with_binary_inputs(document, binary, signature)
     return parse_infer_request(document, signature, max_batch_size=MAX_INFER_SAMPLES)
 
 
@@ -397,54 +397,6 @@ def _load_bounded_json(body: bytes) -> Any:
     if json_depth_exceeds(body, MAX_JSON_DEPTH):
         raise OipError(f"body is not JSON this service takes: nested deeper than {MAX_JSON_DEPTH}")
     return load_json(body)
-
-
-def _with_binary_inputs(
-    document: Mapping[str, Any], binary: bytes, signature: ModelSignature
-) -> Mapping[str, Any]:
-    """``document`` with the data of its binary inputs filled in from ``binary`` (in the order
-    of the inputs); OipError naming the input when the sizes do not add up."""
-    entries = document.get("inputs")
-    if not isinstance(entries, list):
-        return document  # parse_infer_request says what is wrong
-    specs = {spec.name: spec for spec in signature.inputs}
-    offset = 0
-    filled = []
-    for entry in entries:
-        parameters = entry.get("parameters") if isinstance(entry, Mapping) else None
-        size = parameters.get("binary_data_size") if isinstance(parameters, Mapping) else None
-        if size is None:
-            filled.append(entry)
-            continue
-        name = entry.get("name")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise OipError(f"input {name!r}: binary_data_size must be a byte count")
-        if "data" in entry:
-            raise OipError(f"input {name!r}: both 'data' and binary_data_size")
-        spec = specs.get(name) if isinstance(name, str) else None
-        if spec is None:
-            raise OipError(
-                f"input {name!r} is not an input of the model (inputs: {', '.join(specs)})"
-            )
-        chunk = binary[offset : offset + size]
-        if len(chunk) != size:
-            raise OipError(f"input {name!r}: the body ends before its {size} bytes")
-        offset += size
-        dtype = spec.dtype.newbyteorder("<")
-        if size % dtype.itemsize:
-            raise OipError(
-                f"input {name!r}: {size} bytes are not a whole number of {spec.datatype} values"
-            )
-        values = np.frombuffer(chunk, dtype=dtype)
-        if spec.datatype == "BOOL" and values.size and values.view(np.uint8).max() > 1:
-            raise OipError(f"input {name!r}: BOOL bytes must be 0 or 1")
-        data = values.tolist()
-        # Kept as parse_infer_request checks them: the shape against the values' count.
-        rest = {k: v for k, v in entry.items() if k != "parameters"}
-        filled.append({**rest, "data": data})
-    if offset != len(binary):
-        raise OipError(f"the body has {len(binary) - offset} bytes no input claims")
-    return {**document, "inputs": filled}
 
 
 def binary_outputs(document: Mapping[str, Any], names: Sequence[str]) -> set[str]:
