@@ -723,6 +723,9 @@ class ResolvedApp:
     ``serving_overhead_quantiles_ms`` its measured distribution (quantiles at 0, 1, ..., 100 %;
     empty when not measured): the planner adds a draw from it to every query's simulated latency
     (the median when it is empty), and takes the median off the SLO the stages share.
+    ``serving_cpu_ms`` is the serving process's CPU time per answered query as the service
+    measured it (0: not measured): the planner serves every query that long at the serving
+    process, a queue in front of the workers, and adds each query's wait there.
     ``artifacts`` maps each model served from the registry to its
     :class:`ResolvedArtifact` (the spec then names its version: pinned). ``unprofiled`` maps each
     artifact model whose profiles the service has not measured yet (no ``profiles`` file, and
@@ -737,6 +740,7 @@ class ResolvedApp:
     validation: ValidationRecords | None = None
     serving_overhead_ms: float = 0.0
     serving_overhead_quantiles_ms: tuple[float, ...] = ()
+    serving_cpu_ms: float = 0.0
     artifacts: Mapping[str, ResolvedArtifact] = dataclasses.field(
         default_factory=lambda: MappingProxyType({})
     )

@@ -26,18 +26,22 @@ a 2 s SLO so that admission refuses nothing), a plan previewed for the highest l
 applied, its worker launched by the reconciler. Every loop runs at its default period but the
 reconciler (every second, to launch the worker sooner). Then:
 
-1. **Warm-up** at the lowest level (``--warmup-s``, 75 s by default: longer than the calibration's
-   minute of readings a fine correction is judged on; its own seed), until the service has stored
-   its **own time per query** (the calibration loop's ``serving_overhead``: the median and the
-   quantiles of the API's receipt to the dispatch queue, read from the store): what the planner
-   draws for each simulated query.
+1. **Warm-up** at the lowest level of the instance's capacity, at most :data:`WARMUP_MAX_QPS`
+   (``--warmup-s``, 75 s by default: longer than the calibration's minute of readings a fine
+   correction is judged on; its own seed), until the service has stored its **own time per
+   query** (the calibration loop's ``serving_overhead``: the median and the quantiles of the
+   API's receipt to the dispatch queue, read from the store), what the planner draws for each
+   simulated query, and the serving process's **CPU per query**, the service time of the queue
+   the planner puts in front of the worker (:func:`controlplane.policies.planner.front_waits_ms`).
 2. **The path the service does not see**, measured on the warm-up's second half: each answered
    query's client latency less the service's own time for it (``loadgen``'s ``outside_ms``:
    the client's HTTP stack, the connection, the server's parsing before the API and its writing
    after). Its quantiles are the model's second addition. It is measured once, at the lowest
    rate, on a trace of its own, and used unchanged at every level and run: nothing is fitted to
    the runs it is compared with.
-3. For each level rho (a share of the capacity, 1000 / the profile's mean round trip): with
+3. For each level rho (a share of the path's capacity: the instance's, 1000 / the profile's
+   mean round trip, or the serving process's, 1000 / its CPU per query, whichever is less;
+   a millisecond model's is the serving process's): with
    ``--level-warmup-s S`` (default 0: none), the level's own warm-up (S seconds at its rate, a
    trace of its own, not measured), after which the calibration's factor the service stored is
    read for the level's predictions; then for each run
@@ -49,15 +53,17 @@ the service stored it by the warm-up's end, or by the level's warm-up with ``--l
 times its factor and, where the calibration stored one, with the live round trips' spread, as
 the resolver hands it to the planner at that moment; a profile measured in a moment of
 contention is corrected by what the service then observed), the plan's fleet,
-batch size and dispatch (FCFS), then (a) **the planner's**: plus, per query, a draw from the
-service's stored distribution of its own time
-(:func:`controlplane.policies.planner.overhead_draws_ms`, what the planner adds to a plan's
-``predicted_p99_ms``); (b) **with the client's path**: (a) plus a draw from the distribution of
-step 2. Goal: measured / predicted P99 within 15%. Prints each level's medians over the runs with
-their spread; writes docs/serving-fidelity.md (keeping the demo's and the cycle's sections);
-``--save`` writes the settings as JSON, ``--from`` (repeatable) reads saved ones instead of
-measuring, so that the page can be written from settings measured one at a time. Exit status 1
-when the planner's prediction misses the 15% at a level's median.
+batch size and dispatch (FCFS), then (a) **the planner's**: plus, per query, its wait at the
+serving process (:func:`controlplane.policies.planner.front_waits_ms`: a first-come first-served
+queue serving each query in the stored CPU per query) and a draw from the service's stored
+distribution of its own time (:func:`controlplane.policies.planner.overhead_draws_ms`), what
+the planner adds to a plan's ``predicted_p99_ms``; (b) **with the client's path**: (a) plus a
+draw from the distribution of step 2. Goal: measured / predicted P99 within 15%. Prints each
+level's medians over the runs with their spread; writes docs/serving-fidelity.md (keeping the
+demo's and the cycle's sections); ``--save`` writes the settings as JSON, ``--from``
+(repeatable) reads saved ones instead of measuring, so that the page can be written from
+settings measured one at a time. Exit status 1 when the planner's prediction misses the 15% at a
+level's median.
 
 :func:`run` is what ``python -m benchmarks.results`` (its "fidelity" section) calls.
 """
@@ -66,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -91,7 +98,7 @@ from controlplane.clients import loadgen
 from controlplane.clients.tensors import fit_inputs, input_specs
 from controlplane.db.store import Store
 from controlplane.policies.calibration import OVERHEAD_QUANTILES, draw_overhead_ms, spread_samples
-from controlplane.policies.planner import overhead_draws_ms
+from controlplane.policies.planner import front_waits_ms, overhead_draws_ms
 from controlplane.provisioning import LOCAL_PROFILE_FILE
 from estimator.catalog import default_catalog
 from estimator.policies import policy_factory
@@ -123,6 +130,9 @@ TOLERANCE = 0.15
 # correction is stored at the mean of that long's readings), so that the prediction takes what
 # the service has stored in steady operation, not what it stores in its first seconds.
 WARMUP_S = 75.0
+# The warm-up's rate at most: the serving process's CPU per query is measured in it before the
+# levels are known, and a millisecond model's 30% of the instance can be past what it carries.
+WARMUP_MAX_QPS = 400.0
 # Before each level: its rate for this long (a trace of its own), so that the prediction takes
 # the calibration's factor as the service has it while serving at that load; 0 (the default):
 # the first warm-up's factor at every level. The factor read from the calibration's window of
@@ -278,14 +288,16 @@ def opened_store(data_dir: Path) -> Iterator[Store]:
         store.close()
 
 
-def stored_overhead(data_dir: Path) -> tuple[float, tuple[float, ...]] | None:
-    """The service's stored own time per query of the app (median, quantiles), None before it
-    stored one with its distribution."""
+def stored_overhead(data_dir: Path) -> tuple[float, tuple[float, ...], float] | None:
+    """The service's stored own time per query of the app (median, quantiles) and the serving
+    process's CPU per query, None before it stored all three."""
     with opened_store(data_dir) as store:
         found = store.get_serving_overhead(APP)
     if found is None or len(found.quantiles_ms) != len(OVERHEAD_QUANTILES):
         return None
-    return found.overhead_ms, tuple(found.quantiles_ms)
+    if found.cpu_ms is None:
+        return None
+    return found.overhead_ms, tuple(found.quantiles_ms), found.cpu_ms
 
 
 def stored_calibration(data_dir: Path, model: str) -> tuple[float, tuple[float, ...]]:
@@ -429,6 +441,9 @@ class Setting:
     load_before: list[float] = field(default_factory=list)
     load_after: list[float] = field(default_factory=list)
     wall_s: float = 0.0
+    # The serving process's CPU per query as the service stored it in the warm-up (0: not
+    # measured, a setting written before it was).
+    cpu_ms: float = 0.0
 
     @property
     def holds(self) -> bool:
@@ -439,8 +454,19 @@ class Setting:
         return all(level.client_holds for level in self.levels)
 
     @property
-    def capacity_qps(self) -> float:
+    def instance_qps(self) -> float:
         return INSTANCES * 1000.0 / self.round_trip_ms
+
+    @property
+    def serving_qps(self) -> float:
+        """The serving process's capacity: 1000 / its CPU per query (infinite: not measured)."""
+        return 1000.0 / self.cpu_ms if self.cpu_ms > 0 else math.inf
+
+    @property
+    def capacity_qps(self) -> float:
+        """The path's capacity, which the levels are shares of: the instance's or the serving
+        process's, whichever is less."""
+        return min(self.instance_qps, self.serving_qps)
 
     @property
     def outside_p50_ms(self) -> float:
@@ -497,12 +523,15 @@ class Model:
     outside_quantiles_ms: tuple[float, ...]  # the path the service does not see
     fleet: dict[str, int]
     batch: int
+    cpu_ms: float = 0.0  # the serving process's stored CPU per query (its queue's service)
 
     def predictions(self, trace: Trace, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """Per query: the planner's prediction, and it with the client's path added."""
         response = predict(trace, self.profile, self.fleet, self.batch)
-        planner = response + overhead_draws_ms(
-            response.size, seed, self.overhead_ms, self.overhead_quantiles_ms
+        planner = (
+            response
+            + front_waits_ms(trace.arrival_s, self.cpu_ms)
+            + overhead_draws_ms(response.size, seed, self.overhead_ms, self.overhead_quantiles_ms)
         )
         rng = np.random.default_rng([seed, _OUTSIDE_STREAM])
         outside = draw_overhead_ms(self.outside_quantiles_ms, response.size, rng)
@@ -594,9 +623,10 @@ def run_level(
 
 def warm_up(
     load: Load, rate_qps: float, warmup_s: float, data_dir: Path, process: Any, say: Say
-) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
+) -> tuple[float, tuple[float, ...], tuple[float, ...], float]:
     """Warm up at ``rate_qps`` (:func:`measure`, steps 1 and 2): the stored overhead (median,
-    quantiles) and the quantiles of the path outside the service on the warm-up's second half."""
+    quantiles), the quantiles of the path outside the service on the warm-up's second half and
+    the serving process's stored CPU per query."""
     say(f"warm-up: {warmup_s:g} s at {rate_qps:.1f} qps")
     result = send(load, poisson_trace(rate_qps, warmup_s, 99))
     half = warmup_s / 2.0
@@ -614,15 +644,15 @@ def warm_up(
         process,
         data_dir / "serve.log",
     )
-    overhead, quantiles = found
+    overhead, quantiles, cpu_ms = found
     outside_q = tuple(float(q) for q in np.percentile(outside, OVERHEAD_QUANTILES))
     p99 = OVERHEAD_QUANTILES.index(99.0)
     say(
         f"the service's own time per query: median {overhead:.2f} ms, p99 {quantiles[p99]:.2f}"
-        f" ms; outside it (the client's path): median {outside_q[50]:.2f} ms, p99"
-        f" {outside_q[p99]:.2f} ms ({len(outside)} queries)"
+        f" ms; its CPU per query {cpu_ms:.3f} ms; outside it (the client's path): median"
+        f" {outside_q[50]:.2f} ms, p99 {outside_q[p99]:.2f} ms ({len(outside)} queries)"
     )
-    return overhead, quantiles, outside_q
+    return overhead, quantiles, outside_q, cpu_ms
 
 
 def level_warm_up(
@@ -725,7 +755,7 @@ def measure(
             rates = [u * capacity for u in options.utilisations]
             say(
                 f"serving path: {round_trip:.2f} ms per batch of one (p99 {p99_trip:.2f});"
-                f" capacity {capacity:.1f} qps; levels {', '.join(f'{r:.1f}' for r in rates)} qps"
+                f" the instance's capacity {capacity:.1f} qps"
             )
             plan = apply_plan(api, max(rates))
             stage = plan["stages"][0]
@@ -747,9 +777,20 @@ def measure(
                 log_path,
             )
             load = Load(url, token, build, options.engine, process.pid)
-            overhead, quantiles, outside = warm_up(
-                load, rates[0], options.warmup_s, data_dir, process, say
+            overhead, quantiles, outside, cpu_ms = warm_up(
+                load, min(rates[0], WARMUP_MAX_QPS), options.warmup_s, data_dir, process, say
             )
+            # The levels are shares of the path's capacity: the instance's, or the serving
+            # process's (a queue in front of it, 1000 / its CPU per query) where that is less.
+            front_qps = 1000.0 / cpu_ms if cpu_ms > 0 else math.inf
+            if front_qps < capacity:
+                say(
+                    f"the serving process's capacity {front_qps:.1f} qps (its CPU per query"
+                    f" {cpu_ms:.3f} ms) is below the instance's: the levels are its shares"
+                )
+                capacity = front_qps
+                rates = [u * capacity for u in options.utilisations]
+            say(f"levels {', '.join(f'{r:.1f}' for r in rates)} qps")
             scale, spread = stored_calibration(data_dir, profile.model)
             tail = spread_p99(spread)
             say(
@@ -771,6 +812,7 @@ def measure(
                     outside,
                     fleet,
                     batch,
+                    cpu_ms,
                 )
                 runs = [
                     run_level(u, r, options.duration_s, seed, load, model, say)
@@ -798,6 +840,7 @@ def measure(
         load_before,
         [round(x, 2) for x in os.getloadavg()],
         round(time.monotonic() - started, 1),
+        cpu_ms,
     )
 
 
@@ -839,6 +882,7 @@ def as_json(settings: Sequence[Setting]) -> list[dict[str, Any]]:
                     "overhead_p99_ms": s.overhead_p99_ms,
                     "outside_p99_ms": s.outside_p99_ms,
                     "capacity_qps": s.capacity_qps,
+                    "serving_cpu_ms": s.cpu_ms,
                     "utilisation": level.utilisation,
                     "rate_qps": level.rate_qps,
                     "runs": len(level.runs),
@@ -903,7 +947,20 @@ def section(setting: Setting) -> str:
     what = (
         f"the worker computes {setting.service_ms:g} ms of it"
         if setting.service_ms is not None
-        else "onnxruntime's compute on the worker, the JSON both ways and the HTTP"
+        else "onnxruntime's compute on the worker, the request's binary tensors, the JSON"
+        " answer and the HTTP"
+    )
+    bottleneck = (
+        "the serving process" if setting.serving_qps < setting.instance_qps else "the instance"
+    )
+    serving = (
+        "The serving process's CPU per query was not measured (a setting written before it"
+        " was): the levels are shares of the instance's capacity."
+        if setting.cpu_ms <= 0
+        else f"The serving process's CPU per query, as the service measured and stored it:"
+        f" {setting.cpu_ms:.3f} ms, so it carries at most {setting.serving_qps:.1f} qps; the"
+        f" levels (rho) are shares of the lesser of the two, {setting.capacity_qps:.1f} qps"
+        f" ({bottleneck})."
     )
     runs = len(setting.levels[0].runs) if setting.levels else 0
     title = (
@@ -915,10 +972,10 @@ def section(setting: Setting) -> str:
 The plan: {json.dumps(stage.get("fleet", {}))}, batch size {stage.get("batch_size")}, policy
 {stage.get("policy")}. The serving-path profile: {setting.round_trip_ms:.2f} ms per batch of one
 (p99 {setting.round_trip_p99_ms:.2f} ms; {what}), so the instance's capacity is
-{setting.capacity_qps:.1f} qps. The calibration's factor on that profile at the warm-up's end
-(what the planner's profile is multiplied by; 1: none stored): {setting.profile_scale:.3f}; the
-table's "factor" is the one each level's predictions used. {round_trip_spread_text(setting)}
-The service's own time per query, as it measured and stored it:
+{setting.instance_qps:.1f} qps. {serving} The calibration's factor on that profile at the
+warm-up's end (what the planner's profile is multiplied by; 1: none stored):
+{setting.profile_scale:.3f}; the table's "factor" is the one each level's predictions used.
+{round_trip_spread_text(setting)} The service's own time per query, as it measured and stored it:
 median {setting.overhead_ms:.2f} ms, p99 {setting.overhead_p99_ms:.2f} ms. Outside it, measured
 in the warm-up: median {setting.outside_p50_ms:.2f} ms, p99 {setting.outside_p99_ms:.2f} ms.
 Medians of {runs} runs (seeds 1-{runs}) with their range; the setting took {setting.wall_s:.0f}
@@ -1025,13 +1082,15 @@ settings below were measured one at a time (each under ten minutes) and written 
   {duration_s:g} s per level and run; P99 of the end-to-end latency at the client.
 - The prediction: `estimator.simulator` on the same trace with the serving-path profile
   (calibrated as the service stored it by the warm-up's end, its factor and spread, as the
-  planner reads it), the plan's fleet, batch size and dispatch (FCFS), plus per query a draw
-  from the service's stored distribution of its own time
-  (`controlplane.policies.planner.overhead_draws_ms`, what the planner adds); and that plus a
-  draw from the client's path measured in the warm-up.
-- rho is the share of the instance's capacity (1000 / the measured profile's mean round trip,
-  before the calibration's factor); the goal is the predicted P99 within 15% of the measured
-  one, judged on the median over the runs (the tables show measured / predicted).
+  planner reads it), the plan's fleet, batch size and dispatch (FCFS), plus per query its wait
+  at the serving process (a queue serving each query in the CPU per query the service stored,
+  `controlplane.policies.planner.front_waits_ms`) and a draw from the service's stored
+  distribution of its own time (`controlplane.policies.planner.overhead_draws_ms`), what the
+  planner adds; and that plus a draw from the client's path measured in the warm-up.
+- rho is the share of the path's capacity: the instance's (1000 / the measured profile's mean
+  round trip, before the calibration's factor) or the serving process's (1000 / its stored CPU
+  per query), whichever is less; the goal is the predicted P99 within 15% of the measured one,
+  judged on the median over the runs (the tables show measured / predicted).
 
 **Fidelity goal (InferLine's Figure 9), the predicted P99 within 15% of the measured one: the
 planner's prediction at {held} of {len(levels)} levels; with the client's path added, at

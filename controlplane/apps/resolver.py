@@ -87,10 +87,13 @@ ScaleSource = Callable[[str], Mapping[tuple[str, str], Calibrated]]
 """An app name -> its calibrations by (model, instance type) (empty for an app that has none,
 or is not registered)."""
 
-OverheadSource = Callable[[str], float | tuple[float, tuple[float, ...]] | None]
+OverheadSource = Callable[
+    [str],
+    float | tuple[float, tuple[float, ...]] | tuple[float, tuple[float, ...], float | None] | None,
+]
 """An app name -> the control plane's measured overhead per query, ms: its median, or (median,
-its quantiles at :data:`~controlplane.policies.calibration.OVERHEAD_QUANTILES`) (None: not
-measured, or not registered)."""
+its quantiles at :data:`~controlplane.policies.calibration.OVERHEAD_QUANTILES`), or those and the
+serving process's CPU per query (None: not measured) (None: not measured, or not registered)."""
 
 
 class RegisteredModel(Protocol):
@@ -193,7 +196,7 @@ class AppResolver:
         self._scale_source = scales
         self._scales: dict[str, tuple[tuple[tuple[str, str], Calibrated], ...]] = {}
         self._overhead_source = overheads
-        self._overheads: dict[str, tuple[float, tuple[float, ...]]] = {}
+        self._overheads: dict[str, tuple[float, tuple[float, ...], float]] = {}
         self._artifact_source = artifacts
         self._measured_source = measured
         # app -> (a token that changes whenever the document is read again, its profiles).
@@ -225,21 +228,27 @@ class AppResolver:
                 self._measured[app] = found
         return found
 
-    def _app_overhead(self, app: str) -> tuple[float, tuple[float, ...]]:
+    def _app_overhead(self, app: str) -> tuple[float, tuple[float, ...], float]:
         """``app``'s measured overhead per query: (median ms, quantiles ms; empty when not
-        measured); (0, ()) before any."""
+        measured, the serving process's CPU ms per query; 0 when not measured); (0, (), 0)
+        before any."""
         if self._overhead_source is None:
-            return 0.0, ()
+            return 0.0, (), 0.0
         with self._lock:
             found = self._overheads.get(app)
         if found is None:
             measured = self._overhead_source(app)
             if measured is None:
-                found = (0.0, ())
+                found = (0.0, (), 0.0)
             elif isinstance(measured, tuple):
-                found = (float(measured[0]), tuple(float(q) for q in measured[1]))
+                cpu = measured[2] if len(measured) > 2 else None
+                found = (
+                    float(measured[0]),
+                    tuple(float(q) for q in measured[1]),
+                    0.0 if cpu is None else float(cpu),
+                )
             else:
-                found = (float(measured), ())
+                found = (float(measured), (), 0.0)
             with self._lock:
                 self._overheads[app] = found
         return found
@@ -311,12 +320,13 @@ class AppResolver:
                 self._cache[key] = cached
                 while len(self._cache) > self._capacity:
                     self._cache.popitem(last=False)
-        overhead_ms, overhead_quantiles_ms = self._app_overhead(spec.name)
+        overhead_ms, overhead_quantiles_ms, cpu_ms = self._app_overhead(spec.name)
         resolved = dataclasses.replace(
             cached,
             spec=cached.spec.model_copy(update={"budget_usd_per_hr": spec.budget_usd_per_hr}),
             serving_overhead_ms=overhead_ms,
             serving_overhead_quantiles_ms=overhead_quantiles_ms,
+            serving_cpu_ms=cpu_ms,
         )
         if check_budget:
             _check_budget(resolved)

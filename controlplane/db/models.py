@@ -324,6 +324,8 @@ class ServingOverhead(Base):
     updated_at: Mapped[datetime]
     # Their quantiles at calibration.OVERHEAD_QUANTILES (0..100 %); NULL in rows from before.
     quantiles_ms: Mapped[list[float] | None] = mapped_column(JSON, nullable=True)
+    # The serving process's CPU ms per answered query (observations.CpuMeter); NULL: not measured.
+    cpu_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class DashboardSession(Base):

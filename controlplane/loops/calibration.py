@@ -34,7 +34,10 @@ The same pass measures the control plane's own overhead per query
 loop observed, the API's part and the dispatch lag, an injected :data:`ApiTimesSource`): when it
 moved, it stores the new median (``Store.set_serving_overhead``), records a ``serving_overhead``
 decision with both figures and has the resolver forget the app, so that the next plan adds the
-measured figure to every query.
+measured figure to every query. With it, or alone when it moved by more than the rule's
+threshold (and :data:`~controlplane.policies.calibration.CPU_FLOOR_MS`), it stores the serving
+process's CPU per answered query (an injected :data:`CpuSource`), the service time of the queue
+the planner puts in front of the workers (:func:`controlplane.policies.planner.front_waits_ms`).
 
 The factors and the overhead are in the database, so a restarted service resolves them.
 """
@@ -55,13 +58,21 @@ from controlplane.policies.calibration import (
     CalibrationRule,
     calibrate,
     overhead_drift,
+    serving_cpu_moved,
     spread_drift,
 )
 from controlplane.spec import ResolvedApp
 from estimator.errors import EstimatorError
 from estimator.profiles import LatencyProfile
 
-__all__ = ["ApiTimesSource", "BatchTimesSource", "Drift", "ForgetFn", "ProfileCalibrator"]
+__all__ = [
+    "ApiTimesSource",
+    "BatchTimesSource",
+    "CpuSource",
+    "Drift",
+    "ForgetFn",
+    "ProfileCalibrator",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +83,10 @@ ApiTimesSource = Callable[[str], Sequence[float]]
 """App name -> the own time (ms: the API's part and the dispatch lag) of its newest answered
 queries (the serving loop's
 :meth:`~controlplane.serving.observations.Observations.api_times_ms`)."""
+CpuSource = Callable[[str, float], float | None]
+"""(app name, now on the loops' clock) -> the serving process's CPU ms per answered query (the
+serving loop's :meth:`~controlplane.serving.observations.Observations.serving_cpu_ms`; None:
+not measured yet)."""
 ForgetFn = Callable[[str, str, str], None]
 """(app, model, instance type) -> drop the observed batch times of that pair."""
 ResolveFn = Callable[[AppRecord], ResolvedApp]
@@ -124,8 +139,10 @@ class ProfileCalibrator:
         api_times: ApiTimesSource | None = None,
         resize: InvalidateFn | None = None,
         clock_s: Callable[[], float] | None = None,
+        serving_cpu: CpuSource | None = None,
     ) -> None:
         self._store = store
+        self._serving_cpu = serving_cpu
         self._clock_s = time.monotonic if clock_s is None else clock_s
         # Per (app, model, instance type): a fine verdict not yet held for fine_persist_s.
         self._pending: dict[tuple[str, str, str], _Pending] = {}
@@ -174,10 +191,36 @@ class ProfileCalibrator:
             self._rule,
             () if stored is None else stored.quantiles_ms,
         )
+        cpu_ms = None if self._serving_cpu is None else self._serving_cpu(app, self._clock_s())
+        stored_cpu = None if stored is None else stored.cpu_ms
         if not verdict.drift or verdict.observed_ms is None:
-            return False
+            if stored is None or cpu_ms is None or not serving_cpu_moved(stored_cpu, cpu_ms):
+                return False
+            self._store.set_serving_overhead(
+                app,
+                stored.overhead_ms,
+                stored.samples,
+                quantiles_ms=stored.quantiles_ms,
+                cpu_ms=cpu_ms,
+            )
+            before_cpu = "none measured" if stored_cpu is None else f"{stored_cpu:.3f} ms before"
+            self._store.record_decision(
+                app,
+                OVERHEAD_KIND,
+                f"the serving process spends {cpu_ms:.3f} ms of CPU per answered query"
+                f" ({before_cpu}): plans serve each query that long at the serving process, a"
+                " queue of its own in front of the workers",
+                {"cpu_ms": cpu_ms, "previous_cpu_ms": stored_cpu},
+                key="overhead",
+            )
+            return True
+        cpu_ms = cpu_ms if cpu_ms is not None else stored_cpu
         self._store.set_serving_overhead(
-            app, verdict.observed_ms, verdict.samples, quantiles_ms=verdict.quantiles_ms
+            app,
+            verdict.observed_ms,
+            verdict.samples,
+            quantiles_ms=verdict.quantiles_ms,
+            cpu_ms=cpu_ms,
         )
         before = "none measured" if stored is None else f"{stored.overhead_ms:.2f} ms before"
         p99_ms = verdict.quantiles_ms[OVERHEAD_QUANTILES.index(99.0)]
@@ -187,12 +230,14 @@ class ProfileCalibrator:
             f"the control plane's own time per query (the API's part and the dispatch lag) is"
             f" {verdict.observed_ms:.2f} ms at the median and {p99_ms:.2f} ms at p99 over"
             f" {verdict.samples} answered queries ({before}); plans add a draw from its"
-            " distribution to every query",
+            " distribution to every query"
+            + ("" if cpu_ms is None else f"; the serving process's CPU per query {cpu_ms:.3f} ms"),
             {
                 "overhead_ms": verdict.observed_ms,
                 "overhead_p99_ms": p99_ms,
                 "previous_ms": None if stored is None else stored.overhead_ms,
                 "queries": verdict.samples,
+                "cpu_ms": cpu_ms,
             },
             key="overhead",
         )

@@ -48,6 +48,7 @@ class ServingObservations(Protocol):
 
     def batch_times_ms(self, app: str) -> dict[tuple[str, str], dict[int, list[float]]]: ...
     def api_times_ms(self, app: str) -> list[float]: ...
+    def serving_cpu_ms(self, app: str, now_s: float) -> float | None: ...
     def forget_batch_times(self, app: str, model: str, instance_type: str) -> None: ...
 
 
@@ -81,6 +82,12 @@ class _RemoteObservations:
     def api_times_ms(self, app: str) -> list[float]:
         found = self._remote.call("GET", f"/apps/{app}/observations")
         return [] if found is None else [float(t) for t in found["api_times_ms"]]
+
+    def serving_cpu_ms(self, app: str, now_s: float) -> float | None:
+        # The serving process reads its CPU on its own clock: now_s is the loops'.
+        found = self._remote.call("GET", f"/apps/{app}/observations")
+        value = None if found is None else found.get("serving_cpu_ms")
+        return None if value is None else float(value)
 
     def forget_batch_times(self, app: str, model: str, instance_type: str) -> None:
         self._remote.call(

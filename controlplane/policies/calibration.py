@@ -104,6 +104,7 @@ import numpy as np
 from estimator.profiles import LatencyProfile
 
 __all__ = [
+    "CPU_FLOOR_MS",
     "DEFAULT_FINE_MIN_BATCHES",
     "DEFAULT_FINE_PERSIST_S",
     "DEFAULT_FINE_THRESHOLD",
@@ -120,6 +121,7 @@ __all__ = [
     "calibrate",
     "draw_overhead_ms",
     "overhead_drift",
+    "serving_cpu_moved",
     "spread_drift",
     "spread_samples",
 ]
@@ -145,6 +147,8 @@ DEFAULT_FINE_PERSIST_S = 60.0
 FINE_Z = 3.0
 # A change of the control plane's overhead below this is noise, whatever its share.
 OVERHEAD_FLOOR_MS = 0.5
+# A change of the serving process's CPU per query below this is noise, whatever its share.
+CPU_FLOOR_MS = 0.05
 # The percentages at which the overhead's distribution is stored: every percent, both ends in.
 OVERHEAD_QUANTILES: tuple[float, ...] = tuple(float(q) for q in range(101))
 _P99 = OVERHEAD_QUANTILES.index(99.0)
@@ -296,6 +300,22 @@ def overhead_drift(
         moved(observed, stored_ms) or moved(quantiles[_P99], stored_quantiles_ms[_P99])
     )
     return OverheadCalibration(int(values.size), stored_ms, observed, drift, quantiles)
+
+
+def serving_cpu_moved(
+    stored_ms: float | None, observed_ms: float, rule: CalibrationRule | None = None
+) -> bool:
+    """Whether the serving process's CPU per query ``observed_ms`` should replace ``stored_ms``
+    (None: none stored): moved by more than :data:`CPU_FLOOR_MS` and the rule's threshold.
+
+    >>> serving_cpu_moved(None, 0.3), serving_cpu_moved(0.3, 0.34), serving_cpu_moved(0.3, 0.5)
+    (True, False, True)
+    """
+    if stored_ms is None:
+        return True
+    rule = rule if rule is not None else CalibrationRule()
+    change = abs(observed_ms - stored_ms)
+    return change > CPU_FLOOR_MS and change > rule.threshold * stored_ms
 
 
 def draw_overhead_ms(

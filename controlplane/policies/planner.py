@@ -63,6 +63,7 @@ __all__ = [
     "PLANNING_QUERIES",
     "InfeasibleSLOError",
     "end_to_end_tail_ms",
+    "front_waits_ms",
     "overhead_draws_ms",
     "peak_rate_qps",
     "plan_app",
@@ -727,24 +728,60 @@ class _PipelineJudge:
             )
             self.simulations += 1
             self.cache[joint] = end_to_end_tail_ms(
-                result.response_ms, self.app, self.app.constraints.percentile, self.seed
+                result.response_ms,
+                self.app,
+                self.app.constraints.percentile,
+                self.seed,
+                result.arrival_s,
             )
         return self.cache[joint]
 
 
 def end_to_end_tail_ms(
-    response_ms: np.ndarray, app: ResolvedApp, percentile: float, seed: int
+    response_ms: np.ndarray,
+    app: ResolvedApp,
+    percentile: float,
+    seed: int,
+    arrival_s: np.ndarray | None = None,
 ) -> float:
     """The ``percentile`` of simulated responses with the control plane's own time per query
     added: a draw from its measured distribution for each query when the service measured one
     (on a random stream of its own, from ``seed``: the tail of the sum, not the sum of a tail
-    and a median), else its median (a constant shifts every percentile by itself)."""
+    and a median), else its median (a constant shifts every percentile by itself); and, when
+    the service measured its CPU per query (``app.serving_cpu_ms``) and the queries'
+    ``arrival_s`` are given, each query's wait at the serving process (:func:`front_waits_ms`)."""
+    if response_ms.size and app.serving_cpu_ms > 0 and arrival_s is not None:
+        response_ms = response_ms + front_waits_ms(arrival_s, app.serving_cpu_ms)
     if app.serving_overhead_quantiles_ms and response_ms.size:
         draws = overhead_draws_ms(
             response_ms.size, seed, app.serving_overhead_ms, app.serving_overhead_quantiles_ms
         )
         return float(np.percentile(response_ms + draws, percentile))
     return float(np.percentile(response_ms, percentile)) + app.serving_overhead_ms
+
+
+def front_waits_ms(arrival_s: np.ndarray, cpu_ms: float) -> np.ndarray:
+    """Each query's wait (ms) at the serving process, a first-come first-served queue in front
+    of the workers that serves every query in ``cpu_ms`` (its measured CPU per query): Lindley's
+    recursion, departure d_i = max(a_i, d_(i-1)) + s, in closed form d_i = max over j <= i of
+    (a_j - j s) + (i + 1) s; the wait is d_i - a_i - s (the serving itself is the own time the
+    planner draws apart). In the order of ``arrival_s`` (sorted here when it is not). A rate
+    past 1000 / ``cpu_ms`` makes the waits grow with the trace, as the queue would.
+
+    >>> front_waits_ms(np.array([0.0, 0.0005, 0.0010, 0.5]), 1.0).round(3).tolist()
+    [0.0, 0.5, 1.0, 0.0]
+    """
+    arrival = np.asarray(arrival_s, dtype=np.float64)
+    if arrival.size == 0 or cpu_ms <= 0:
+        return np.zeros(arrival.size)
+    order = np.argsort(arrival, kind="stable")
+    ordered = arrival[order]
+    service_s = cpu_ms / 1000.0
+    index = np.arange(ordered.size, dtype=np.float64)
+    departure = np.maximum.accumulate(ordered - index * service_s) + (index + 1.0) * service_s
+    waits = np.empty(arrival.size)
+    waits[order] = np.maximum((departure - ordered - service_s) * 1000.0, 0.0)
+    return waits
 
 
 def overhead_draws_ms(
@@ -1205,7 +1242,7 @@ def _pipeline_tail_ms(
     stage or more) on ``trace``, the one the stages were planned for (see the module docstring,
     End-to-end prediction)."""
     limits = app.constraints
-    if len(plans) == 1 and not app.serving_overhead_quantiles_ms:
+    if len(plans) == 1 and not app.serving_overhead_quantiles_ms and not app.serving_cpu_ms:
         # One stage is the whole pipeline, and its own simulation (same trace, same seed) is the
         # pipeline's: nothing to simulate again. A constant overhead added to every query
         # shifts every percentile by itself (a measured distribution needs the responses).
@@ -1235,7 +1272,9 @@ def _pipeline_tail_ms(
             qos_ms=limits.slo_ms,
         )
         counter[0] += 1
-        tail_ms = end_to_end_tail_ms(result.response_ms, app, limits.percentile, seed)
+        tail_ms = end_to_end_tail_ms(
+            result.response_ms, app, limits.percentile, seed, result.arrival_s
+        )
         reach_text = (
             "every query reaching every stage"
             if all(r is None for r in setup.reach)
@@ -1254,6 +1293,12 @@ def _pipeline_tail_ms(
         )
     elif app.serving_overhead_ms > 0:
         how += f", plus the control plane's own {app.serving_overhead_ms:.2f} ms per query"
+    if app.serving_cpu_ms > 0:
+        how += (
+            f", plus each query's wait at the serving process (a queue serving every query in"
+            f" its measured {app.serving_cpu_ms:.3f} ms of CPU: at most"
+            f" {1000.0 / app.serving_cpu_ms:.0f} qps)"
+        )
     verdict = "within" if tail_ms <= limits.slo_ms else "ABOVE"
     steps.append(
         f"end to end: predicted P{limits.percentile:g} {tail_ms:.1f} ms on the planned"

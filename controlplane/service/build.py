@@ -403,12 +403,12 @@ def stored_overhead(store: Store) -> OverheadSource:
     """An app's measured control-plane overhead per query from ``store`` (None for an app not
     registered or not measured yet)."""
 
-    def overhead(app: str) -> tuple[float, tuple[float, ...]] | None:
+    def overhead(app: str) -> tuple[float, tuple[float, ...], float | None] | None:
         try:
             found = store.get_serving_overhead(app)
         except NotFoundError:
             return None
-        return None if found is None else (found.overhead_ms, found.quantiles_ms)
+        return None if found is None else (found.overhead_ms, found.quantiles_ms, found.cpu_ms)
 
     return overhead
 
@@ -449,6 +449,7 @@ def build_calibrator(
         observations.api_times_ms,
         resize=None if live_tuner is None else live_tuner.recalibrate,
         clock_s=None if clock is None else clock.now_s,
+        serving_cpu=observations.serving_cpu_ms,
     )
 
 

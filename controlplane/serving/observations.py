@@ -25,6 +25,14 @@ denominator and never in its numerator (:func:`account`).
 - **API times** (:meth:`Observations.api_times_ms`): the API's part of the newest answered
   queries (receipt to submit), whose median the calibration loop stores as the app's
   control-plane overhead per query.
+- **The serving process's CPU per query** (:meth:`Observations.serving_cpu_ms`, a
+  :class:`CpuMeter`): this process's CPU time (every thread: uvicorn's parsing and writing, the
+  API, the dispatcher, the transport) per answered query, over the last minute's windows of
+  :data:`CPU_WINDOW_S`, less its CPU when idle (the least share of a core it used in a window
+  with no answer: timers, the channel to the loops). The planner takes the serving process as a
+  queue of its own in front of the workers, serving each query in that time
+  (:func:`controlplane.policies.planner.front_waits_ms`). Process-wide: with several apps each
+  is given the same figure.
 - **Batch times** (:meth:`Observations.batch_times_ms`): each worker call's service time (the
   round trip as the dispatcher measures it, transport and compute, plus the instance's
   turnaround before it with work waiting) per (model, instance type, batch size), the last
@@ -46,8 +54,9 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+import time
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -64,10 +73,13 @@ from controlplane.errors import (
 __all__ = [
     "ARRIVALS_KEPT",
     "BATCH_TIMES_KEPT",
+    "CPU_MIN_QUERIES",
+    "CPU_WINDOW_S",
     "LATENCY_BUCKETS_MS",
     "MAX_WINDOW_LATENCIES",
     "Accounting",
     "AppTotals",
+    "CpuMeter",
     "Observations",
     "Outcome",
     "Split",
@@ -85,6 +97,11 @@ BATCH_TIMES_KEPT = 256
 # The API's part (receipt to submit) of the newest answered queries kept per app: the
 # calibration loop's control-plane overhead is their median.
 API_TIMES_KEPT = 1024
+# The serving process's CPU is read once per window of this many seconds (CpuMeter); the last
+# CPU_WINDOWS_KEPT windows with answers give its CPU per query, once they hold CPU_MIN_QUERIES.
+CPU_WINDOW_S = 5.0
+CPU_WINDOWS_KEPT = 12
+CPU_MIN_QUERIES = 200
 # Latencies kept per window for its percentiles; past this, every other one is dropped (the
 # percentiles of a window of 100 k queries move little by thinning).
 MAX_WINDOW_LATENCIES = 100_000
@@ -381,10 +398,74 @@ class _App:
         self.outcome_sum_ms[outcome] = self.outcome_sum_ms.get(outcome, 0.0) + latency_ms
 
 
-class Observations:
-    """Per-app arrivals, windows and counters (see the module docstring)."""
+class CpuMeter:
+    """This process's CPU time per answered query, its idle share taken off (see the module
+    docstring). ``cpu_s`` reads the process's CPU seconds (:func:`time.process_time`: every
+    thread); the windows follow the caller's clock. Not thread-safe: :class:`Observations` holds
+    it under its lock.
 
-    def __init__(self) -> None:
+    >>> cpu = [0.0]
+    >>> meter = CpuMeter(lambda: cpu[0])
+    >>> meter.per_query_ms(0.0) is None  # the first window starts
+    True
+    >>> cpu[0] = 0.05; meter.per_query_ms(5.0) is None  # 5 s idle: 1% of a core
+    True
+    >>> for i in range(300): meter.answered(5.0 + i / 100)
+    >>> cpu[0] = 0.05 + 0.05 + 300 * 0.0004  # the idle share again, and 0.4 ms a query
+    >>> round(meter.per_query_ms(10.0), 3)
+    0.4
+    """
+
+    __slots__ = ("_cpu_s", "_idle_share", "_queries", "_since_cpu_s", "_since_s", "_windows")
+
+    def __init__(self, cpu_s: Callable[[], float] = time.process_time) -> None:
+        self._cpu_s = cpu_s
+        self._since_s: float | None = None
+        self._since_cpu_s = 0.0
+        self._queries = 0
+        # (seconds, CPU seconds, answered queries) of the newest windows with answers
+        self._windows: deque[tuple[float, float, int]] = deque(maxlen=CPU_WINDOWS_KEPT)
+        self._idle_share: float | None = None
+
+    def answered(self, now_s: float) -> None:
+        """One query answered at ``now_s``."""
+        self._roll(now_s)
+        self._queries += 1
+
+    def per_query_ms(self, now_s: float) -> float | None:
+        """CPU ms per answered query over the kept windows, less the idle share (none seen: 0);
+        None before :data:`CPU_MIN_QUERIES` answers."""
+        self._roll(now_s)
+        queries = sum(n for _, _, n in self._windows)
+        if queries < CPU_MIN_QUERIES:
+            return None
+        idle = self._idle_share or 0.0
+        busy_s = sum(max(used_s - idle * span_s, 0.0) for span_s, used_s, _ in self._windows)
+        return 1000.0 * busy_s / queries
+
+    def _roll(self, now_s: float) -> None:
+        if self._since_s is None:
+            self._since_s, self._since_cpu_s = now_s, self._cpu_s()
+            return
+        span_s = now_s - self._since_s
+        if span_s < CPU_WINDOW_S:
+            return
+        cpu_s = self._cpu_s()
+        used_s = max(cpu_s - self._since_cpu_s, 0.0)
+        if self._queries:
+            self._windows.append((span_s, used_s, self._queries))
+        else:
+            share = used_s / span_s
+            self._idle_share = share if self._idle_share is None else min(self._idle_share, share)
+        self._since_s, self._since_cpu_s, self._queries = now_s, cpu_s, 0
+
+
+class Observations:
+    """Per-app arrivals, windows and counters (see the module docstring); ``cpu_s`` reads the
+    serving process's CPU seconds (:class:`CpuMeter`)."""
+
+    def __init__(self, cpu_s: Callable[[], float] = time.process_time) -> None:
+        self._cpu = CpuMeter(cpu_s)
         self._lock = threading.Lock()
         self._apps: dict[str, _App] = {}
         # (app, model, instance type, batch size) -> the newest batch service times, ms
@@ -422,6 +503,7 @@ class Observations:
         """An answered query: ``latency_ms`` end to end (from the API's receipt), ``split``
         where it went (None: all of it counted as queueing)."""
         with self._lock:
+            self._cpu.answered(now_s)
             entry = self._app(app, now_s)
             entry.answered += 1
             entry.late += int(late)
@@ -567,6 +649,12 @@ class Observations:
                 if name == app and kept:
                     found.setdefault((model, instance_type), {})[batch] = list(kept)
         return found
+
+    def serving_cpu_ms(self, app: str, now_s: float) -> float | None:
+        """This serving process's CPU ms per answered query (:class:`CpuMeter`; every app's
+        queries: ``app`` is given the process's figure), None before enough answers."""
+        with self._lock:
+            return self._cpu.per_query_ms(now_s)
 
     def api_times_ms(self, app: str) -> list[float]:
         """The service's own time (ms, :attr:`Split.own_ms`: the API's part, from its receipt to

@@ -690,3 +690,93 @@ def test_an_overhead_that_leaves_no_slo_is_infeasible(store: Store, tmp_path: Pa
     trace = Trace(np.array([0.0, 0.1, 0.2]), np.ones(3, dtype=np.int64))
     with pytest.raises(InfeasibleSLOError, match="control plane"):
         plan_app(resolved, trace)
+
+
+# --- the serving process's CPU per query: a queue in front of the workers ----------------------
+
+
+def test_the_serving_processs_cpu_per_query_is_stored_and_its_queue_is_in_the_plan(
+    store: Store, url: str, tmp_path: Path
+) -> None:
+    """The serving loop's CPU meter (on a fake CPU clock: 1% of a core idle, 2 ms a query) gives
+    the calibration 2 ms a query; it is stored with the overhead, a small move keeps it, a move
+    past the threshold replaces it (a decision each time), a restart reads it, and the plan
+    waits every query at a queue serving each in that time: at 400 qps (80% of its 500) the
+    predicted P99 is above the plan without it by more than the queue's service alone."""
+    from controlplane.policies.planner import plan_app
+    from estimator.traces import Trace, poisson_arrivals
+
+    store.create_app(spec(tmp_path), who="test")
+    cpu = [0.0]
+    observations = Observations(cpu_s=lambda: cpu[0])
+    clock = FakeClock()
+    resolver = AppResolver(tmp_path, overheads=stored_overhead(store))
+    loop = ProfileCalibrator(
+        store,
+        observations.batch_times_ms,
+        stored_apps(resolver),
+        resolver.invalidate,
+        observations.forget_batch_times,
+        CalibrationRule(min_batches=50, threshold=0.25),
+        observations.api_times_ms,
+        clock_s=clock.now_s,
+        serving_cpu=observations.serving_cpu_ms,
+    )
+
+    def serve_window(per_query_ms: float, queries: int = 250) -> None:
+        """One 5 s window: ``queries`` answered, the process's CPU idle share plus their CPU."""
+        start = clock.now_s()
+        for i in range(queries):
+            split = Split(queue_ms=1.0, transport_ms=1.0, compute_ms=20.0, api_ms=1.0)
+            observations.answered(
+                APP, start + i * 0.01, 23.0, late=False, models=["tiny"], split=split
+            )
+        clock.advance(5.0)
+        cpu[0] += 0.01 * 5.0 + queries * per_query_ms / 1000.0
+        loop.tick()
+
+    observations.serving_cpu_ms(APP, clock.now_s())  # the meter's first window starts
+    clock.advance(5.0)
+    cpu[0] += 0.05  # an idle window: 1% of a core
+    loop.tick()
+    serve_window(2.0)
+    stored = store.get_serving_overhead(APP)
+    assert stored is not None and stored.cpu_ms == pytest.approx(2.0)
+    [decision] = store.list_decisions(APP, kinds=["serving_overhead"])
+    assert decision.numbers["cpu_ms"] == pytest.approx(2.0)
+    serve_window(2.3)  # the mean over both windows, 2.15: within the threshold
+    assert store.get_serving_overhead(APP).cpu_ms == pytest.approx(2.0)  # type: ignore[union-attr]
+    for _ in range(12):  # a minute at 3 ms a query: the kept windows are all new
+        serve_window(3.0)
+    assert observations.serving_cpu_ms(APP, clock.now_s()) == pytest.approx(3.0)
+    # Stored once the windows' mean moved past the threshold (over 2.5 ms), and kept within it.
+    moved = store.get_serving_overhead(APP).cpu_ms  # type: ignore[union-attr]
+    assert moved is not None and 2.5 < moved <= 3.0
+    cpu_decisions = [
+        d for d in store.list_decisions(APP, kinds=["serving_overhead"]) if "CPU" in d.reason
+    ]
+    assert cpu_decisions and cpu_decisions[-1].numbers["previous_cpu_ms"] == pytest.approx(2.0)
+    again = Store.from_url(url, FakeClock())
+    try:
+        restarted = AppResolver(tmp_path, overheads=stored_overhead(again))
+        assert restarted.resolve(again.get_app(APP).spec).serving_cpu_ms == pytest.approx(moved)
+    finally:
+        again.close()
+
+    store.set_serving_overhead(APP, 1.0, 100, cpu_ms=None)
+    plain = AppResolver(tmp_path, overheads=stored_overhead(store)).resolve(
+        store.get_app(APP).spec, check_budget=False
+    )
+    store.set_serving_overhead(APP, 1.0, 100, cpu_ms=2.0)
+    fronted = AppResolver(tmp_path, overheads=stored_overhead(store)).resolve(
+        store.get_app(APP).spec, check_budget=False
+    )
+    assert (plain.serving_cpu_ms, fronted.serving_cpu_ms) == (0.0, 2.0)
+    arrivals = poisson_arrivals(400.0, 30.0, np.random.default_rng(5))
+    trace = Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
+    without, with_front = plan_app(plain, trace), plan_app(fronted, trace)
+    assert without.predicted_p99_ms is not None and with_front.predicted_p99_ms is not None
+    assert with_front.predicted_p99_ms > without.predicted_p99_ms + 2.0
+    assert any("wait at the serving process" in step for step in with_front.steps)
+    with pytest.raises(InvalidValueError, match="cpu_ms"):
+        store.set_serving_overhead(APP, 1.0, 100, cpu_ms=-1.0)

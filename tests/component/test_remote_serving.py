@@ -27,7 +27,7 @@ from controlplane.loops.remote_serving import RemoteServing
 from controlplane.service.app import create_app
 from controlplane.serving.dispatcher import AppStatus, StageStatus, WorkerStatus
 from controlplane.serving.loop import ServingLoop
-from controlplane.serving.observations import Split
+from controlplane.serving.observations import CPU_MIN_QUERIES, CPU_WINDOW_S, Split
 from controlplane.serving.states import Overload
 from controlplane.serving.wire import status_from_json, status_to_json
 from controlplane.serving.workers import StaticInstances
@@ -74,6 +74,16 @@ def test_the_loops_read_the_calibrations_times_and_the_windows_of_the_serving_pr
         4: [10.0, 12.0, 11.0]
     }
     assert remote.observations.api_times_ms("toy") == observed.api_times_ms("toy") == [2.5]
+    # The serving process's CPU per query: none before a window of enough answers closes on the
+    # serving process's clock, then its figure, read through the same route.
+    assert remote.observations.serving_cpu_ms("toy", 0.0) is None
+    for _ in range(CPU_MIN_QUERIES):
+        observed.answered("toy", 50.0, 25.0, late=False, models=["tiny"], split=Split(api_ms=2.5))
+    assert isinstance(loop.clock, FakeClock)
+    loop.clock.advance(CPU_WINDOW_S)
+    cpu_ms = remote.observations.serving_cpu_ms("toy", 0.0)
+    assert cpu_ms is not None and cpu_ms >= 0.0
+    assert observed.serving_cpu_ms("toy", loop.clock.now_s()) == cpu_ms
     remote.observations.forget_batch_times("toy", "tiny", "emu.cpu.large")
     assert set(observed.batch_times_ms("toy")) == {("large", "emu.gpu.small")}
     # No dispatcher for it: the loop serves nothing, so no window and no app in the feed.

@@ -157,3 +157,38 @@ def test_summarise_takes_the_errors_of_a_window() -> None:
     failing = summarise([], 100.0, arrivals=4, elapsed_s=2.0, refused=3, failed=1)
     assert (failing.attainment_share, failing.latency_p99_ms, failing.offered) == (0.0, None, 4)
     assert failing.arrival_rate_qps == 2.0
+
+
+def test_the_cpu_meter_takes_the_least_idle_share_off_and_keeps_a_minute() -> None:
+    """CPU per answered query over the newest windows with answers, less the least share of a
+    core any idle window used; none before CPU_MIN_QUERIES answers; no idle window seen: all
+    the CPU counts; a window spans CPU_WINDOW_S of the caller's clock."""
+    from controlplane.serving.observations import (
+        CPU_MIN_QUERIES,
+        CPU_WINDOW_S,
+        CPU_WINDOWS_KEPT,
+        CpuMeter,
+    )
+
+    cpu = [0.0]
+    meter = CpuMeter(lambda: cpu[0])
+    now = 0.0
+
+    def window(queries: int, cpu_s: float) -> float | None:
+        nonlocal now
+        for i in range(queries):
+            meter.answered(now + i * CPU_WINDOW_S / (queries + 1))
+        now += CPU_WINDOW_S
+        cpu[0] += cpu_s
+        return meter.per_query_ms(now)
+
+    assert meter.per_query_ms(now) is None  # the first window starts
+    assert window(CPU_MIN_QUERIES - 1, 0.2) is None  # too few answers yet
+    # No idle window seen: 0.2 + 0.2 s over 2 * 199 queries.
+    assert window(CPU_MIN_QUERIES - 1, 0.2) == pytest.approx(400.0 / (2 * (CPU_MIN_QUERIES - 1)))
+    assert window(0, 0.10) is not None  # idle: 2% of a core
+    assert window(0, 0.05) is not None  # idle: 1%, the least
+    # Then a busy minute: 300 queries at 0.5 ms over the 1% idle share, in every kept window.
+    for _ in range(CPU_WINDOWS_KEPT):
+        figure = window(300, 0.01 * CPU_WINDOW_S + 300 * 0.0005)
+    assert figure == pytest.approx(0.5)

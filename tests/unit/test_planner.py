@@ -598,3 +598,28 @@ def test_a_fleet_the_budget_caps_batches_to_serve_the_trace(tmp_path: Path) -> N
     assert any("batch up to" in step for step in plan.steps)
     assert plan.cost_usd_per_hr <= 0.2
     assert resimulated_p99_ms(app, plan, trace) <= 100.0
+
+
+def test_front_waits_are_lindleys_recursion_in_the_arrivals_order() -> None:
+    """The serving process's queue (one server, first come first served, every query served in
+    the CPU per query): the closed form equals the recursion d_i = max(a_i, d_(i-1)) + s on
+    Poisson arrivals at 30%, 90% and past capacity (the waits then grow with the trace), in the
+    caller's order when the arrivals come unsorted; none at 0 ms."""
+    from controlplane.policies.planner import front_waits_ms
+
+    rng = np.random.default_rng(11)
+    for rho in (0.3, 0.9, 1.2):
+        cpu_ms = 0.5
+        arrivals = np.cumsum(rng.exponential(cpu_ms / 1000.0 / rho, size=2000))
+        expected = np.empty(arrivals.size)
+        departure = -np.inf
+        for i, a in enumerate(arrivals):
+            start = max(a, departure)
+            expected[i] = (start - a) * 1000.0
+            departure = start + cpu_ms / 1000.0
+        assert np.allclose(front_waits_ms(arrivals, cpu_ms), expected, atol=1e-9)
+        shuffled = rng.permutation(arrivals.size)
+        assert np.allclose(front_waits_ms(arrivals[shuffled], cpu_ms), expected[shuffled])
+        if rho > 1:
+            assert expected[-100:].mean() > 20 * expected[:100].mean()
+    assert not front_waits_ms(np.array([0.0, 0.0, 0.0]), 0.0).any()

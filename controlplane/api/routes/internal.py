@@ -83,14 +83,19 @@ def feed_document(services: Services, body: FeedIn) -> dict[str, Any]:
 
 
 def observations_document(services: Services, app: str) -> dict[str, Any]:
-    """``app``'s batch service times and API times (the calibration's), as the route and the
-    fast path answer them."""
-    found = _serving(services, app).observations
+    """``app``'s batch service times, API times and this serving process's CPU per query (the
+    calibration's), as the route and the fast path answer them."""
+    serving = _serving(services, app)
+    found = serving.observations
     batch_times = [
         [model, instance_type, {str(size): times for size, times in by_size.items()}]
         for (model, instance_type), by_size in found.batch_times_ms(app).items()
     ]
-    return {"batch_times_ms": batch_times, "api_times_ms": found.api_times_ms(app)}
+    return {
+        "batch_times_ms": batch_times,
+        "api_times_ms": found.api_times_ms(app),
+        "serving_cpu_ms": found.serving_cpu_ms(app, serving.clock.now_s()),
+    }
 
 
 def dumps(value: Any) -> bytes:

@@ -131,11 +131,17 @@ class CalibrationStore(StoreBase):
         samples: int,
         *,
         quantiles_ms: Sequence[float] = (),
+        cpu_ms: float | None = None,
         at: datetime | None = None,
     ) -> ServingOverheadRecord:
         """Set ``app``'s measured control-plane overhead per query (ms, finite, >= 0) over
         ``samples`` (>= 1) answered queries, with its distribution ``quantiles_ms`` (finite,
-        >= 0, non-decreasing; may be empty); it replaces the one before."""
+        >= 0, non-decreasing; may be empty) and the serving process's CPU per query ``cpu_ms``
+        (finite, >= 0; None: not measured); it replaces the one before."""
+        if cpu_ms is not None and not (
+            isinstance(cpu_ms, int | float) and math.isfinite(cpu_ms) and cpu_ms >= 0
+        ):
+            raise InvalidValueError("cpu_ms", f"must be finite and >= 0, got {cpu_ms!r}")
         if not (
             isinstance(overhead_ms, int | float) and math.isfinite(overhead_ms) and overhead_ms >= 0
         ):
@@ -160,6 +166,7 @@ class CalibrationStore(StoreBase):
             found.samples = samples
             found.updated_at = now
             found.quantiles_ms = quantiles or None
+            found.cpu_ms = None if cpu_ms is None else float(cpu_ms)
             session.flush()
             return _overhead_record(app, found)
 

@@ -140,13 +140,16 @@ class ServingOverheadRecord:
     event loop, and ``quantiles_ms``, its
     distribution (the quantiles at :data:`~controlplane.policies.calibration.
     OVERHEAD_QUANTILES`; empty when not measured): the planner adds a draw from it to every
-    query's simulated latency (the median when it is empty)."""
+    query's simulated latency (the median when it is empty). ``cpu_ms``: the serving process's
+    CPU time per answered query (None: not measured), the service time of the queue the planner
+    puts in front of the workers."""
 
     app: str
     overhead_ms: float
     samples: int
     updated_at: datetime
     quantiles_ms: tuple[float, ...] = ()
+    cpu_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,5 +345,10 @@ def _token_record(row: m.ApiToken) -> TokenRecord:
 
 def _overhead_record(app: str, row: m.ServingOverhead) -> ServingOverheadRecord:
     return ServingOverheadRecord(
-        app, row.overhead_ms, row.samples, row.updated_at, tuple(row.quantiles_ms or ())
+        app,
+        row.overhead_ms,
+        row.samples,
+        row.updated_at,
+        tuple(row.quantiles_ms or ()),
+        row.cpu_ms,
     )
