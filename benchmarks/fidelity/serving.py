@@ -987,8 +987,9 @@ s, load average {" / ".join(map(str, setting.load_before))} before and
 """
 
 
-WHY = """**The model.** A query's time at the client has four parts. (1) The worker's round trip
-(the JSON both ways, the agent's parsing, the model, loopback HTTP), which keeps the worker busy and
+WHY = """**The model.** A query's time at the client has five parts. (1) The worker's round trip
+(the request's binary tensors, the agent's parsing, the model, the JSON answer, loopback HTTP),
+which keeps the worker busy and
 so also queues: the profile is measured through that path (`heteroplane profile measure` for the
 emulated models, `heteroplane profile run` for a registry model), and the simulator queues it; the
 calibration keeps the profile's mean (a factor) and, where the live round trips' tail is off the
@@ -998,7 +999,14 @@ token check, validation, the event loop; the dispatch's wait for the event loop'
 instance already free), which delays every query but keeps no worker busy: the service measures it
 on its own traffic and the calibration loop stores its median and its quantiles (the app's
 `serving_overhead`); the planner draws each simulated query's share from them, so a service whose
-own time has a long tail moves the predicted P99 by its tail, not its median. (3) The path the
+own time has a long tail moves the predicted P99 by its tail, not its median. (2b) The serving
+process as a queue of its own in front of the worker: every query takes some of its one event
+loop's CPU (uvicorn's parsing and writing, the API, the dispatch, the transport), and a query that
+arrives while it is busy waits. The service measures its CPU per answered query (idle share taken
+off) and the calibration stores it; the planner adds each simulated query's wait at a
+first-come first-served queue serving every query in that time (Lindley's recursion). For a
+millisecond model it is the path's bottleneck: the levels below are shares of the lesser of the
+instance's capacity and the serving process's (1000 / its CPU per query). (3) The path the
 service does not see: the client's HTTP stack, the connection, the server reading and parsing the
 request before the API is called (uvicorn's httptools protocol) and writing the answer back. Every
 answer carries the service's own time for it (`total_ms`), so a client can measure this part: its
@@ -1006,8 +1014,8 @@ latency less that time (`heteroplane loadgen` reports it as `outside_p50_ms` / `
 (4) CPU contention that grows with the load on a machine the load generator, the service and the
 workers share.
 
-"P99 planner" is what the planner predicts with (1) and (2): a plan's `predicted_p99_ms`. "Planner +
-client's path" adds (3), drawn per query from its distribution measured once per setting in the
+"P99 planner" is what the planner predicts with (1), (2) and (2b): a plan's `predicted_p99_ms`.
+"Planner + client's path" adds (3), drawn per query from its distribution measured once per setting in the
 warm-up (at the lowest rate, on a trace of its own; nothing in it is fitted to the runs in the
 table). The planner cannot know (3) for an arbitrary client: it is the client's, and the service's
 only view of it would be a probe of its own; the goal is judged on both columns. (4) is in neither:

@@ -62,6 +62,7 @@ __all__ = [
     "PEAK_WINDOW_S",
     "PLANNING_QUERIES",
     "InfeasibleSLOError",
+    "ServingCapacityError",
     "end_to_end_tail_ms",
     "front_waits_ms",
     "overhead_draws_ms",
@@ -110,6 +111,21 @@ class InfeasibleSLOError(EstimatorError):
             f"infeasible: the service time alone exceeds the SLO: model {model!r} on its fastest"
             f" type {instance_type} takes {latency_ms:.2f} ms (p{percentile:g} of the trace's"
             f" batch sizes at batch 1) > SLO {slo_ms:g} ms"
+        )
+
+
+class ServingCapacityError(EstimatorError):
+    """The trace's rate is past what the serving process carries: its queue in front of the
+    workers grows without bound, whatever the fleet."""
+
+    def __init__(self, rate_qps: float, cpu_ms: float) -> None:
+        self.rate_qps = rate_qps
+        self.cpu_ms = cpu_ms
+        super().__init__(
+            f"infeasible: the serving process carries at most {1000.0 / cpu_ms:.0f} qps of this"
+            f" app ({cpu_ms:.3f} ms of its CPU per query, as the service measured it) and the"
+            f" trace's mean rate is {rate_qps:.1f} qps: no fleet of workers serves that through"
+            " it (a smaller rate, or a lighter request: binary tensors, fewer rows)"
         )
 
 
@@ -544,6 +560,9 @@ def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _
             limits.slo_ms,
             limits.percentile,
         )
+    rate_qps = _rate_qps(trace)
+    if app.serving_cpu_ms > 0 and rate_qps * app.serving_cpu_ms / 1000.0 >= 1.0:
+        raise ServingCapacityError(rate_qps, app.serving_cpu_ms)
     # The control plane's own time per query (measured by the service) comes off the SLO first:
     # the stages (planned jointly when there are several) share what is left.
     slo_ms = limits.stage_slo_ms

@@ -703,7 +703,7 @@ def test_the_serving_processs_cpu_per_query_is_stored_and_its_queue_is_in_the_pl
     past the threshold replaces it (a decision each time), a restart reads it, and the plan
     waits every query at a queue serving each in that time: at 400 qps (80% of its 500) the
     predicted P99 is above the plan without it by more than the queue's service alone."""
-    from controlplane.policies.planner import plan_app
+    from controlplane.policies.planner import ServingCapacityError, plan_app
     from estimator.traces import Trace, poisson_arrivals
 
     store.create_app(spec(tmp_path), who="test")
@@ -778,5 +778,9 @@ def test_the_serving_processs_cpu_per_query_is_stored_and_its_queue_is_in_the_pl
     assert without.predicted_p99_ms is not None and with_front.predicted_p99_ms is not None
     assert with_front.predicted_p99_ms > without.predicted_p99_ms + 2.0
     assert any("wait at the serving process" in step for step in with_front.steps)
+    # Past the serving process's 500 qps no fleet helps: a one-line refusal that says why.
+    faster = poisson_arrivals(600.0, 10.0, np.random.default_rng(6))
+    with pytest.raises(ServingCapacityError, match="serving process carries at most 500 qps"):
+        plan_app(fronted, Trace(faster, np.ones(faster.size, dtype=np.int64)))
     with pytest.raises(InvalidValueError, match="cpu_ms"):
         store.set_serving_overhead(APP, 1.0, 100, cpu_ms=-1.0)
