@@ -1015,50 +1015,42 @@ latency less that time (`heteroplane loadgen` reports it as `outside_p50_ms` / `
 workers share.
 
 "P99 planner" is what the planner predicts with (1), (2) and (2b): a plan's `predicted_p99_ms`.
-"Planner + client's path" adds (3), drawn per query from its distribution measured once per setting in the
-warm-up (at the lowest rate, on a trace of its own; nothing in it is fitted to the runs in the
-table). The planner cannot know (3) for an arbitrary client: it is the client's, and the service's
-only view of it would be a probe of its own; the goal is judged on both columns. (4) is in neither:
-the "outside the service" column shows how the unseen part grows with the load on this 2-core
-machine.
+"Planner + client's path" adds (3), drawn per query from its distribution measured once per
+setting in the warm-up (at the lowest rate, on a trace of its own; nothing in it is fitted to
+the runs in the table). The planner cannot know (3) for an arbitrary client: it is the client's,
+and the service's only view of it would be a probe of its own; the goal is judged on both
+columns. (4) is in neither: the "outside the service" column shows how the unseen part grows
+with the load on this 2-core machine.
 
-**What the figures below say** (measured 2026-11-29, late evening, load averages 0.1-1.4 with
-the runs, with a 75 s warm-up, after an instance's turnaround joined its service time and a fine
-correction came to need a minute's evidence: serving.md, "Calibration"; two sets earlier that
-day held at 8 of 15, with the client's path at 10). At 15 and 50 ms the planner holds at every
-level: 1.05-1.17 at 15 ms, 1.01-1.04 at 50 ms, with no correction stored (factor 1.000, no
-spread). At 5 ms no correction was stored either; the planner holds at 60% and 90% (1.07, 1.15)
-and under-predicts at 30% (1.23), and with the client's path it holds at all three. That 90%
-level is a knife's edge: the instance's queue there is at 90-96% of its capacity, and a factor
-of 5% more or less moves the predicted P99 by half (in two earlier sets a fine factor of 1.061
-and 1.079 from the warm-up made it over-predict, 0.76 and 0.64, and one run with none stored
-after a 20 s warm-up under-predicted, 1.88; its live calls are slower from idle than back to
-back, and the factor is read at 30% of capacity). The user's ONNX CNN is a model of about 0.9-1.6
-ms a call as the serving loop times it (the stored factors 0.52 with JSON and 0.92 binary on
-profiles of 1.7 ms; the live round trips' p99 at 2.6-2.7 times their mean, the profiles'
-1.7-1.8, so the calibration stored their spread too), served at 174-532 queries a second. The
-planner holds for it at one level (binary at 30%, 1.17), with the client's path at 30% for both
-encodings (0.95, 0.94); above it misses both ways: JSON 2.67 and 6.20 at 60% and 90% (measured
-9.9 and 29.1 ms against 8.1 and 14.1 ms in the set before), binary 1.70 and 0.71. Its factors
-stored at 30% of capacity moved more between the day's three sets (0.64, 0.79 and 0.52 with
-JSON; 0.51, 0.58 and 0.92 binary) than any term of the model: at a millisecond a call, how fast
-the worker answers depends on what else the two cores are doing, and at 90% of the profile's
-capacity the worker, the serving process (0.8-1.3 ms of its CPU a query, the table's "CPU a
-query") and the load generator together saturate them. The two columns at the right of each
-table say where the time goes. "The service's queue" is the p99 of the answers' own `queue_ms`:
-the part of the service's time neither in the API's hands nor in a worker's (admission, the
-stage's queue, the event loop's turns); for the ONNX model it is 2.0-5.5 ms at 30% of capacity
-and up to 26 ms at 90%. "CPU a query" is the serving process's CPU over the run per answered
-query (`/proc`; it includes some 20-30 ms a second the process spends whatever the load, which
-is why it is largest at the lowest rates). The planner's capacity is the worker's alone: the
-serving process is a second queue in front of it, and that queue and the contention for the two
-cores are in no term of its model (4); they are what a user's millisecond model adds. A
-back-of-the-envelope tandem of two queues at these rates (the event loop, then the worker with
-the live spread; a diagnostic, not kept as a benchmark) adds 0.8-1.2 ms to the p99 with a
-constant time a query on the event loop and 2.6-4.3 ms with an exponential one, so the service
-would have to measure the event loop's own time per query as a distribution before the planner
-could model that queue. On 15 levels the planner holds at 9, with the client's path at 11; the
-ONNX levels that hold do so by a factor that moves from set to set, not by a model that holds."""
+**What the figures below say** (measured 2026-11-30 after midnight, load averages 0.0-1.3 with
+the runs, 75 s warm-ups; the first set with batches sent to the worker in binary tensors and the
+serving process's queue in the plan: serving.md, "The serving process as a queue of its own").
+At 15 and 50 ms the planner holds at every level (1.00-1.11 and 1.02-1.03), no correction stored.
+At 5 ms it holds at 30% and 60% (1.13, 1.10) and not at 90% (1.43, runs 1.15-1.97): a fine factor
+of 1.071 was stored in the warm-up, and at 90% a factor a few percent off moves the predicted P99
+by half (the set before, with none stored, held there at 1.15 and missed 30% at 1.23). The
+user's ONNX CNN changed most: its worker now answers a call in 0.27-0.40 ms through the serving
+path (1.7 ms when the batches went as JSON text), so the serving process is its bottleneck; the
+service measured it at 1.0 ms a query (JSON bodies of 60 KB from the client) and 0.81 ms
+(binary), and the levels are shares of that queue's capacity: 299-896 q/s with JSON, 370-1,110
+binary (174-532 in the set before, shares of a slower worker). The planner holds at one of
+those six levels (binary at 90%: 1.17, the prediction 14% under the measured P99), with the
+client's path at two (JSON at 30%, 1.10; binary at 90%, 1.13). Above 30% with JSON the
+measured P99 is 4 and 27 times the plan's: at 896 q/s the service's queue held queries for
+290-700 ms, the path past saturation on this machine although the plan's queues
+(the serving process at 90%, the worker at 44%) are stable; binary at 60% and 90% swings from
+run to run (9-32 ms, 20-48 ms) around predictions of 8 and 24-41 ms. What the model lacks shows
+in the table's right-hand column: the serving process's CPU per query, measured over each run,
+falls with the rate (0.8-1.1 ms at 300-370 q/s, 0.43-0.60 ms at 740-1,110: its work is shared
+among the queries a turn of the event loop handles), while the figure the planner uses was
+measured once at the warm-up's 400 q/s; and the two cores are shared by the serving process,
+the worker (its calls 1.8 times slower live than profiled: the stored factor) and the load
+generator, whose waits for a core are in no term. The same meter over-states the CPU per query
+at low rates (1.8 ms at 52 q/s, 5.3 ms at 6 q/s: work of the process that grows with a served
+app but not with its queries, which the idle windows before the traffic do not show); the queue
+it describes there is lightly loaded and adds little. On 15 levels the planner holds at 9, with
+the client's path at 10 (the set before: 9 and 11, at the ONNX model's lower rates); the ONNX
+level that holds does so inside a spread of runs (0.82-1.34) no model on this machine narrows."""
 
 
 def markdown(
