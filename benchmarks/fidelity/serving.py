@@ -133,6 +133,8 @@ WARMUP_S = 75.0
 # The warm-up's rate at most: the serving process's CPU per query is measured in it before the
 # levels are known, and a millisecond model's 30% of the instance can be past what it carries.
 WARMUP_MAX_QPS = 400.0
+# How long after the overhead figure the serving process's CPU per query is waited for.
+CPU_WAIT_S = 15.0
 # Before each level: its rate for this long (a trace of its own), so that the prediction takes
 # the calibration's factor as the service has it while serving at that load; 0 (the default):
 # the first warm-up's factor at every level. The factor read from the calibration's window of
@@ -288,16 +290,32 @@ def opened_store(data_dir: Path) -> Iterator[Store]:
         store.close()
 
 
-def stored_overhead(data_dir: Path) -> tuple[float, tuple[float, ...], float] | None:
+def stored_overhead(data_dir: Path) -> tuple[float, tuple[float, ...], float | None] | None:
     """The service's stored own time per query of the app (median, quantiles) and the serving
-    process's CPU per query, None before it stored all three."""
+    process's CPU per query (None: not stored yet), None before it stored the first two."""
     with opened_store(data_dir) as store:
         found = store.get_serving_overhead(APP)
     if found is None or len(found.quantiles_ms) != len(OVERHEAD_QUANTILES):
         return None
-    if found.cpu_ms is None:
-        return None
     return found.overhead_ms, tuple(found.quantiles_ms), found.cpu_ms
+
+
+def stored_cpu_ms(data_dir: Path, say: Say) -> float:
+    """The serving process's stored CPU per query, waited for up to :data:`CPU_WAIT_S` (the
+    meter needs a few hundred answers in closed windows; a short warm-up may not give them):
+    0, said so, when it is not there."""
+    deadline = time.monotonic() + CPU_WAIT_S
+    while True:
+        found = stored_overhead(data_dir)
+        if found is not None and found[2] is not None:
+            return found[2]
+        if time.monotonic() >= deadline:
+            say(
+                "the serving process's CPU per query: not stored (too few answers in the"
+                " warm-up); predicted without its queue"
+            )
+            return 0.0
+        time.sleep(1.0)
 
 
 def stored_calibration(data_dir: Path, model: str) -> tuple[float, tuple[float, ...]]:
@@ -644,7 +662,8 @@ def warm_up(
         process,
         data_dir / "serve.log",
     )
-    overhead, quantiles, cpu_ms = found
+    overhead, quantiles, _ = found
+    cpu_ms = stored_cpu_ms(data_dir, say)
     outside_q = tuple(float(q) for q in np.percentile(outside, OVERHEAD_QUANTILES))
     p99 = OVERHEAD_QUANTILES.index(99.0)
     say(

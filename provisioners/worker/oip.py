@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -305,19 +305,22 @@ def tensor_values(data: list[Any] | np.ndarray, spec: TensorSpec) -> np.ndarray:
     return raw.astype(dtype).reshape(-1)
 
 
-def split_infer_body(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
-    """An infer body's JSON part, decoded (:func:`load_json`), and its binary part: with no
-    :data:`HEADER_LENGTH` (``header_length`` None) the whole body is JSON. :class:`OipError`
-    when the length is not a size within the body."""
+def split_infer_body(
+    body: bytes, header_length: str | None, load: Callable[[bytes], Any] | None = None
+) -> tuple[Any, bytes]:
+    """An infer body's JSON part, decoded (by ``load``, :func:`load_json` by default), and its
+    binary part: with no :data:`HEADER_LENGTH` (``header_length`` None) the whole body is JSON.
+    :class:`OipError` when the length is not a size within the body."""
+    load = load_json if load is None else load
     if header_length is None:
-        return load_json(body), b""
+        return load(body), b""
     try:
         size = int(header_length)
     except ValueError:
         size = -1
     if not 0 <= size <= len(body):
         raise OipError(f"{HEADER_LENGTH} {header_length!r} is not a size within the body")
-    return load_json(body[:size]), body[size:]
+    return load(body[:size]), body[size:]
 
 
 def with_binary_inputs(

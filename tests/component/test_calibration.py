@@ -79,8 +79,13 @@ def store(url: str) -> Iterator[Store]:
 
 
 def calibrator(
-    store: Store, observations: Observations, resolver: AppResolver
+    store: Store,
+    observations: Observations,
+    resolver: AppResolver,
+    clock: FakeClock | None = None,
 ) -> ProfileCalibrator:
+    """The calibration loop over ``observations``; with ``clock``, on it, reading the serving
+    process's CPU per query too."""
     return ProfileCalibrator(
         store,
         observations.batch_times_ms,
@@ -89,6 +94,8 @@ def calibrator(
         observations.forget_batch_times,
         CalibrationRule(min_batches=50, threshold=0.25),
         observations.api_times_ms,
+        clock_s=None if clock is None else clock.now_s,
+        serving_cpu=None if clock is None else observations.serving_cpu_ms,
     )
 
 
@@ -711,17 +718,7 @@ def test_the_serving_processs_cpu_per_query_is_stored_and_its_queue_is_in_the_pl
     observations = Observations(cpu_s=lambda: cpu[0])
     clock = FakeClock()
     resolver = AppResolver(tmp_path, overheads=stored_overhead(store))
-    loop = ProfileCalibrator(
-        store,
-        observations.batch_times_ms,
-        stored_apps(resolver),
-        resolver.invalidate,
-        observations.forget_batch_times,
-        CalibrationRule(min_batches=50, threshold=0.25),
-        observations.api_times_ms,
-        clock_s=clock.now_s,
-        serving_cpu=observations.serving_cpu_ms,
-    )
+    loop = calibrator(store, observations, resolver, clock)
 
     def serve_window(per_query_ms: float, queries: int = 250) -> None:
         """One 5 s window: ``queries`` answered, the process's CPU idle share plus their CPU."""

@@ -77,6 +77,7 @@ from provisioners.worker.oip import (
     load_json,
     model_metadata,
     parse_infer_request,
+    split_infer_body,
     with_binary_inputs,
 )
 
@@ -340,16 +341,9 @@ def _deadline_s(document: Mapping[str, Any], received_s: float) -> float | None:
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
-    """The JSON part of a body, decoded, and its binary part (Triton's extension)."""
-    if header_length is None:
-        return _load_bounded_json(body), b""
-    try:
-        size = int(header_length)
-    except ValueError:
-        size = -1
-    if not 0 <= size <= len(body):
-        raise OipError(f"{HEADER_LENGTH} {header_length!r} is not a size within the body")
-    return _load_bounded_json(body[:size]), body[size:]
+    """The JSON part of a body, decoded (its nesting bounded), and its binary part (Triton's
+    extension: :func:`~provisioners.worker.oip.split_infer_body`)."""
+    return split_infer_body(body, header_length, _load_bounded_json)
 
 
 def reads_own_body(scope: Scope) -> bool:
