@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from controlplane.policies.plan import PlanDocument, StagePlan
-from controlplane.policies.planner import plan_app, scale_trace
+from controlplane.policies.planner import ServingCapacityError, plan_app, scale_trace
 from controlplane.policies.replay import (
     matched_capacity_model,
     rate_per_instance_qps,
@@ -184,7 +184,12 @@ def build_ladders(
         fleets: dict[str, dict[float, Mapping[str, int]]] = {name: {} for name in names}
 
         def plan_at(f: float) -> None:
-            plan = plan_app(app, scale_trace(trace, f * rate_qps), seed=seed)
+            try:
+                plan = plan_app(app, scale_trace(trace, f * rate_qps), seed=seed)
+            except ServingCapacityError as error:
+                # Past the serving process's capacity no fleet serves: the ladder ends below.
+                say(f"ladder{label} x{f:g}: none ({error})")
+                return
             for s in plan.stages:
                 fleet = {t: n for t, n in s.fleet.items() if n}
                 if s.name in fleets and fleet:

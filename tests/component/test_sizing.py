@@ -10,6 +10,7 @@ the real reconciler.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from controlplane.loops import live_tuner
 from controlplane.loops.live_tuner import LiveTuner
 from controlplane.loops.reconciler import AppPricing, Reconciler
 from controlplane.policies.capacity_curve import DEFAULT_BURSTINESS, build_ladder, cascade_sizing
-from controlplane.policies.planner import plan_app, scale_trace
+from controlplane.policies.planner import ServingCapacityError, plan_app, scale_trace
 from controlplane.policies.replay import ladder_tuner
 from controlplane.policies.tuner import TunerStage, ladder_fleet
 from controlplane.spec import load_spec, resolve_spec, validate_spec
@@ -147,6 +148,33 @@ def test_the_planner_the_replay_and_the_live_tuner_size_alike(store: Store, tmp_
     # The plan applied is the planner's at its rate, and what the live tuner wants to start.
     assert by_planner[1.0] == {t: n for t, n in planned_stage.fleet.items() if n}
     assert {t: n for t, n in tuner.desired_fleet(app).items() if n} == by_planner[1.0]
+
+
+def test_a_ladder_ends_below_the_serving_processs_capacity(store: Store, tmp_path: Path) -> None:
+    """An app whose serving process carries 100 qps (10 ms of its CPU a query), planned at 40:
+    the rungs past 100 qps are left out (no fleet serves them), the ones below are the
+    planner's, and the plan at 3x is refused with the reason."""
+    app = applied_plan(store, tmp_path, RATE_QPS, 2.0)
+    resolved = dataclasses.replace(resolve(app), serving_cpu_ms=10.0)
+    record = store.get_applied_plan(APP)
+    assert record is not None
+    planning, _ = planning_trace(resolved, replanning_request(record.plan))
+    (planned_stage,) = record.plan.stages
+    said: list[str] = []
+    ladder = build_ladder(
+        resolved,
+        "tiny",
+        planning,
+        dispatch=planned_stage.policy,
+        loads=(0.5, 1.0, 2.0, 3.0, 5.0),
+        progress=said.append,
+    )
+    assert ladder is not None
+    loads = [f for f, _ in ladder.rungs]
+    assert loads and max(loads) * RATE_QPS < 100.0 and 2.0 in loads
+    assert any("x3: none" in line and "at most 100 qps" in line for line in said)
+    with pytest.raises(ServingCapacityError, match="at most 100 qps"):
+        plan_app(resolved, scale_trace(planning, 3.0 * RATE_QPS), seed=0)
 
 
 def test_a_blip_makes_the_live_tuner_launch_nothing(store: Store, tmp_path: Path) -> None:
