@@ -31,7 +31,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from provisioners.artifacts import ArtifactError, numpy_dtype
-from provisioners.worker.oip import HEADER_LENGTH
+from provisioners.worker.oip import HEADER_LENGTH, binary_request_body
 
 __all__ = [
     "HEADER_LENGTH",
@@ -196,26 +196,22 @@ def tensor_body(
         values = flat.astype(np.int64) if flat.dtype.kind in "biu" else flat
         text = json.dumps({"inputs": values.tolist()}, separators=(",", ":"))
         return TensorBody(text.encode())
-    tensors = []
-    blobs = []
-    for spec in specs:
-        batch = arrays[spec.name][index]
-        tensor: dict[str, Any] = {
-            "name": spec.name,
-            "datatype": spec.datatype,
-            "shape": list(batch.shape),
-        }
-        if binary:
-            raw = batch.astype(batch.dtype.newbyteorder("<"), copy=False).tobytes()
-            tensor["parameters"] = {"binary_data_size": len(raw)}
-            blobs.append(raw)
-        else:
-            tensor["data"] = batch.ravel().tolist()
-        tensors.append(tensor)
-    document: dict[str, Any] = {"inputs": tensors}
-    if timeout_s is not None:
-        document["parameters"] = {"timeout": round(timeout_s * 1e6)}
-    header = json.dumps(document, separators=(",", ":")).encode()
-    if not binary:
-        return TensorBody(header)
-    return TensorBody(b"".join([header, *blobs]), "application/octet-stream", len(header))
+    batches = [(spec.name, spec.datatype, arrays[spec.name][index]) for spec in specs]
+    parameters = None if timeout_s is None else {"timeout": round(timeout_s * 1e6)}
+    if binary:
+        body, header_length = binary_request_body(batches, parameters=parameters)
+        return TensorBody(body, "application/octet-stream", header_length)
+    document: dict[str, Any] = {
+        "inputs": [
+            {
+                "name": name,
+                "datatype": datatype,
+                "shape": list(batch.shape),
+                "data": batch.ravel().tolist(),
+            }
+            for name, datatype, batch in batches
+        ]
+    }
+    if parameters is not None:
+        document["parameters"] = parameters
+    return TensorBody(json.dumps(document, separators=(",", ":")).encode())

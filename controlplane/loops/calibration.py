@@ -193,16 +193,25 @@ class ProfileCalibrator:
         )
         cpu_ms = None if self._serving_cpu is None else self._serving_cpu(app, self._clock_s())
         stored_cpu = None if stored is None else stored.cpu_ms
-        if not verdict.drift or verdict.observed_ms is None:
-            if stored is None or cpu_ms is None or not serving_cpu_moved(stored_cpu, cpu_ms):
-                return False
-            self._store.set_serving_overhead(
-                app,
-                stored.overhead_ms,
-                stored.samples,
-                quantiles_ms=stored.quantiles_ms,
-                cpu_ms=cpu_ms,
-            )
+        overhead_moved = verdict.drift and verdict.observed_ms is not None
+        if overhead_moved and verdict.observed_ms is not None:
+            # The overhead moved: stored with the newest CPU figure (or the one stored).
+            figures = (verdict.observed_ms, verdict.samples, verdict.quantiles_ms)
+            cpu_ms = cpu_ms if cpu_ms is not None else stored_cpu
+        elif (
+            stored is not None
+            and cpu_ms is not None
+            and serving_cpu_moved(stored_cpu, cpu_ms, self._rule)
+        ):
+            # Only the CPU figure moved: the stored overhead stays.
+            figures = (stored.overhead_ms, stored.samples, stored.quantiles_ms)
+        else:
+            return False
+        overhead_ms, samples, quantiles_ms = figures
+        self._store.set_serving_overhead(
+            app, overhead_ms, samples, quantiles_ms=quantiles_ms, cpu_ms=cpu_ms
+        )
+        if not overhead_moved:
             before_cpu = "none measured" if stored_cpu is None else f"{stored_cpu:.3f} ms before"
             self._store.record_decision(
                 app,
@@ -214,29 +223,21 @@ class ProfileCalibrator:
                 key="overhead",
             )
             return True
-        cpu_ms = cpu_ms if cpu_ms is not None else stored_cpu
-        self._store.set_serving_overhead(
-            app,
-            verdict.observed_ms,
-            verdict.samples,
-            quantiles_ms=verdict.quantiles_ms,
-            cpu_ms=cpu_ms,
-        )
         before = "none measured" if stored is None else f"{stored.overhead_ms:.2f} ms before"
-        p99_ms = verdict.quantiles_ms[OVERHEAD_QUANTILES.index(99.0)]
+        p99_ms = quantiles_ms[OVERHEAD_QUANTILES.index(99.0)]
         self._store.record_decision(
             app,
             OVERHEAD_KIND,
             f"the control plane's own time per query (the API's part and the dispatch lag) is"
-            f" {verdict.observed_ms:.2f} ms at the median and {p99_ms:.2f} ms at p99 over"
-            f" {verdict.samples} answered queries ({before}); plans add a draw from its"
+            f" {overhead_ms:.2f} ms at the median and {p99_ms:.2f} ms at p99 over"
+            f" {samples} answered queries ({before}); plans add a draw from its"
             " distribution to every query"
             + ("" if cpu_ms is None else f"; the serving process's CPU per query {cpu_ms:.3f} ms"),
             {
-                "overhead_ms": verdict.observed_ms,
+                "overhead_ms": overhead_ms,
                 "overhead_p99_ms": p99_ms,
                 "previous_ms": None if stored is None else stored.overhead_ms,
-                "queries": verdict.samples,
+                "queries": samples,
                 "cpu_ms": cpu_ms,
             },
             key="overhead",

@@ -761,15 +761,15 @@ def end_to_end_tail_ms(
     app: ResolvedApp,
     percentile: float,
     seed: int,
-    arrival_s: np.ndarray | None = None,
+    arrival_s: np.ndarray,
 ) -> float:
     """The ``percentile`` of simulated responses with the control plane's own time per query
     added: a draw from its measured distribution for each query when the service measured one
     (on a random stream of its own, from ``seed``: the tail of the sum, not the sum of a tail
     and a median), else its median (a constant shifts every percentile by itself); and, when
-    the service measured its CPU per query (``app.serving_cpu_ms``) and the queries'
-    ``arrival_s`` are given, each query's wait at the serving process (:func:`front_waits_ms`)."""
-    if response_ms.size and app.serving_cpu_ms > 0 and arrival_s is not None:
+    the service measured its CPU per query (``app.serving_cpu_ms``), each query's wait at the
+    serving process (:func:`front_waits_ms`) on the queries' ``arrival_s``."""
+    if response_ms.size and app.serving_cpu_ms > 0:
         response_ms = response_ms + front_waits_ms(arrival_s, app.serving_cpu_ms)
     if app.serving_overhead_quantiles_ms and response_ms.size:
         draws = overhead_draws_ms(

@@ -225,9 +225,7 @@ class ModelIO:
         return _checked(spec, stacked).reshape(stacked.shape)
 
     def _sample(self, spec: TensorSpec, fixed: tuple[int, ...] | None, row: Any) -> np.ndarray:
-        sample = np.asarray(row)
-        if sample.dtype.kind not in "biuf":  # strings, None, ragged: tensor_values says so
-            return _checked(spec, row)
+        sample = np.asarray(row)  # its values are checked stacked (_checked)
         wanted = spec.sample_shape
         if fixed is not None:
             if sample.size != math.prod(fixed):

@@ -373,12 +373,14 @@ def with_binary_inputs(
 
 
 def binary_request_body(
-    tensors: Sequence[tuple[str, str, np.ndarray]], *, request_id: str | None = None
+    tensors: Sequence[tuple[str, str, np.ndarray]],
+    *,
+    parameters: Mapping[str, Any] | None = None,
 ) -> tuple[bytes, int]:
     """An infer request of ``tensors`` (name, datatype, array: batch first) as binary tensors
-    (see the module docstring): the body and the size of its JSON part (:data:`HEADER_LENGTH`).
-    The arrays are written as they are, in the datatype's little-endian type: they are checked
-    by whoever made them."""
+    (see the module docstring), with the request's ``parameters`` when given: the body and the
+    size of its JSON part (:data:`HEADER_LENGTH`). The arrays are written as they are, in the
+    datatype's little-endian type: they are checked by whoever made them."""
     inputs = []
     blobs = []
     for name, datatype, array in tensors:
@@ -393,8 +395,8 @@ def binary_request_body(
         )
         blobs.append(raw)
     document: dict[str, Any] = {"inputs": inputs}
-    if request_id is not None:
-        document["id"] = request_id
+    if parameters is not None:
+        document["parameters"] = dict(parameters)
     header = orjson.dumps(document)
     return b"".join([header, *blobs]), len(header)
 
