@@ -44,10 +44,12 @@ The factors and the overhead are in the database, so a restarted service resolve
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from controlplane.db.store import AppRecord, Store
@@ -140,8 +142,12 @@ class ProfileCalibrator:
         resize: InvalidateFn | None = None,
         clock_s: Callable[[], float] | None = None,
         serving_cpu: CpuSource | None = None,
+        reading: Callable[[], AbstractContextManager[None]] | None = None,
     ) -> None:
         self._store = store
+        # The block each pass reads the sources in (ServingObservations.holding): a serving
+        # process apart is read once per app and pass, not once per figure.
+        self._reading = contextlib.nullcontext if reading is None else reading
         self._serving_cpu = serving_cpu
         self._clock_s = time.monotonic if clock_s is None else clock_s
         # Per (app, model, instance type): a fine verdict not yet held for fine_persist_s.
@@ -160,12 +166,14 @@ class ProfileCalibrator:
         """One calibration pass over every app (``apps``, the tick's snapshot of the store's
         apps, else read now); the recalibrations it made."""
         made: list[Drift] = []
-        for app in self._store.list_apps() if apps is None else apps:
-            try:
-                made.extend(self._tick_app(app))
-            except (ControlPlaneError, EstimatorError, KeyError, ValueError) as error:
-                # An app whose spec no longer resolves keeps its profiles; the next tick retries.
-                logger.warning("calibration: %s skipped: %s", app.name, error)
+        with self._reading():
+            for app in self._store.list_apps() if apps is None else apps:
+                try:
+                    made.extend(self._tick_app(app))
+                except (ControlPlaneError, EstimatorError, KeyError, ValueError) as error:
+                    # An app whose spec no longer resolves keeps its profiles; the next tick
+                    # retries.
+                    logger.warning("calibration: %s skipped: %s", app.name, error)
         return made
 
     def _tick_app(self, app: AppRecord) -> list[Drift]:

@@ -17,10 +17,12 @@ batch time is observed and no window is rolled up.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import httpx
@@ -50,6 +52,7 @@ class ServingObservations(Protocol):
     def api_times_ms(self, app: str) -> list[float]: ...
     def serving_cpu_ms(self, app: str, now_s: float) -> float | None: ...
     def forget_batch_times(self, app: str, model: str, instance_type: str) -> None: ...
+    def holding(self) -> AbstractContextManager[None]: ...
 
 
 class ServingView(Protocol):
@@ -69,9 +72,31 @@ class ServingView(Protocol):
 class _RemoteObservations:
     def __init__(self, remote: RemoteServing) -> None:
         self._remote = remote
+        # Inside holding(): each app's observations document as read once (None: not held).
+        self._held: dict[str, Any] | None = None
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Read each app's observations document at most once inside the block: a calibration
+        pass reads an app's batch times, its API times and its CPU figure, three reads of one
+        document that the serving process would otherwise write three times a tick."""
+        self._held = {}
+        try:
+            yield
+        finally:
+            self._held = None
+
+    def _document(self, app: str) -> Any:
+        held = self._held
+        if held is not None and app in held:
+            return held[app]
+        found = self._remote.call("GET", f"/apps/{app}/observations")
+        if held is not None:
+            held[app] = found
+        return found
 
     def batch_times_ms(self, app: str) -> dict[tuple[str, str], dict[int, list[float]]]:
-        found = self._remote.call("GET", f"/apps/{app}/observations")
+        found = self._document(app)
         if found is None:
             return {}
         return {
@@ -80,16 +105,18 @@ class _RemoteObservations:
         }
 
     def api_times_ms(self, app: str) -> list[float]:
-        found = self._remote.call("GET", f"/apps/{app}/observations")
+        found = self._document(app)
         return [] if found is None else [float(t) for t in found["api_times_ms"]]
 
     def serving_cpu_ms(self, app: str, now_s: float) -> float | None:
         # The serving process reads its CPU on its own clock: now_s is the loops'.
-        found = self._remote.call("GET", f"/apps/{app}/observations")
+        found = self._document(app)
         value = None if found is None else found.get("serving_cpu_ms")
         return None if value is None else float(value)
 
     def forget_batch_times(self, app: str, model: str, instance_type: str) -> None:
+        if self._held is not None:
+            self._held.pop(app, None)  # the document held has those times still
         self._remote.call(
             "POST",
             f"/apps/{app}/forget-batch-times",

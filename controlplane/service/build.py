@@ -450,6 +450,7 @@ def build_calibrator(
         resize=None if live_tuner is None else live_tuner.recalibrate,
         clock_s=None if clock is None else clock.now_s,
         serving_cpu=observations.serving_cpu_ms,
+        reading=observations.holding,
     )
 
 

@@ -52,11 +52,13 @@ The event loop writes; the roll-up job and the API's threads read: every method 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -663,6 +665,12 @@ class Observations:
         with self._lock:
             found = self._apps.get(app)
             return [] if found is None else list(found.own_ms)
+
+    def holding(self) -> AbstractContextManager[None]:
+        """The block in which a calibration pass reads an app's figures (the loops' view of a
+        serving process apart reads each app's document once in it); in process every read is
+        of the live figures, and there is nothing to hold."""
+        return contextlib.nullcontext()
 
     def forget_batch_times(self, app: str, model: str, instance_type: str) -> None:
         """Drop the kept batch times of ``model`` on ``instance_type`` for ``app`` (the profile

@@ -25,6 +25,7 @@ from controlplane.db.store import Store
 from controlplane.loops.live_gears import GearTable
 from controlplane.loops.remote_serving import RemoteServing
 from controlplane.service.app import create_app
+from controlplane.service.build import build_calibrator
 from controlplane.serving.dispatcher import AppStatus, StageStatus, WorkerStatus
 from controlplane.serving.loop import ServingLoop
 from controlplane.serving.observations import CPU_MIN_QUERIES, CPU_WINDOW_S, Split
@@ -214,3 +215,64 @@ def test_the_rollout_loop_apart_reads_the_serving_processs_version_figures(
     assert remote.versions.figures("toy", 3, 0) == {}  # another step
     remote.versions.forget("toy")
     assert loop.versions.figures("toy", 3, 1) == {}
+
+
+def test_a_calibration_pass_reads_each_apps_observations_once(tmp_path: Path) -> None:
+    """The calibration reads an app's batch times, API times and CPU figure every tick: against
+    a serving process apart, one GET of the app's document per pass (the serving process wrote
+    it three times a second per app before), read afresh on the next pass and after a
+    recalibration forgot some of its times."""
+    gets: list[str] = []
+    times = {"tiny": [12.0] * 3}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if request.method == "POST":
+            assert path == "/internal/v1/apps/toy/forget-batch-times"
+            times.clear()
+            return httpx.Response(204)
+        gets.append(path.split("/")[4])
+        document = {
+            "batch_times_ms": [[m, "emu.cpu.large", {"1": t}] for m, t in times.items()],
+            "api_times_ms": [0.5],
+            "serving_cpu_ms": 0.25,
+        }
+        return httpx.Response(200, json=document)
+
+    client = httpx.Client(transport=httpx.MockTransport(handle))
+    remote = RemoteServing("http://serving:8000", "hp_admin", FakeClock(), client=client)
+    observed = remote.observations
+    with observed.holding():
+        for app in ("toy", "other"):
+            assert observed.api_times_ms(app) == [0.5]
+            assert observed.serving_cpu_ms(app, 0.0) == 0.25
+            assert observed.batch_times_ms(app) == {("tiny", "emu.cpu.large"): {1: [12.0] * 3}}
+        assert gets == ["toy", "other"]
+        observed.forget_batch_times("toy", "tiny", "emu.cpu.large")
+        assert observed.batch_times_ms("toy") == {}  # read again: the times are gone
+        assert gets == ["toy", "other", "toy"]
+    # Outside a pass (and on the next one) every read is of the serving process's figures now.
+    assert observed.api_times_ms("toy") == [0.5] and observed.api_times_ms("toy") == [0.5]
+    assert gets[3:] == ["toy", "toy"]
+
+    # The service's calibrator reads in such a pass: one GET per app and tick.
+    store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", FakeClock(), upgrade=True)
+    try:
+        for name in ("toy", "other"):
+            store.create_app(
+                {
+                    "name": name,
+                    "models": [{"name": "tiny", "profiles": str(tmp_path / "none.json")}],
+                    "slo": {"latency_ms": 500},
+                    "budget_usd_per_hr": 1.0,
+                    "instance_types": ["emu.cpu.large"],
+                },
+                who="test",
+            )
+        settings = Settings(data_dir=tmp_path, provisioner="fake")
+        calibration = build_calibrator(settings, store, remote, AppResolver(tmp_path))  # type: ignore[arg-type]
+        del gets[:]
+        calibration.tick()
+        assert sorted(gets) == ["other", "toy"]
+    finally:
+        store.close()
