@@ -49,6 +49,7 @@ from controlplane.policies.load_balance import instance_memory_mb, model_memory_
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.variants import Requirements
 from controlplane.serving.canary import split_infer
+from controlplane.serving.collector import FullCollections
 from controlplane.serving.dispatcher import (
     AppConfig,
     AppDispatcher,
@@ -240,6 +241,8 @@ class ServingLoop:
         self._refresher: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[object]] = set()
         self._running = False
+        # Survivors of a full collection frozen at the next refresh (serving/collector.py).
+        self._collections = FullCollections()
 
     @property
     def running(self) -> bool:
@@ -252,12 +255,15 @@ class ServingLoop:
         settings) out of the cyclic collector's reach: its full passes walked them all, and at
         2,000 queries per second a pass paused the loop for close to 100 ms
         (``python -m benchmarks.serving_speed dispatcher``); the objects of queries are young and
-        die young.
+        die young. What becomes long-lived later (modules imported by the first plan, each app's
+        dispatcher, the observations) is frozen after the full collection it survives
+        (:class:`~controlplane.serving.collector.FullCollections`, at the next refresh).
         """
         if self._running:
             raise RuntimeError("the serving loop is already running")
         gc.collect()
         gc.freeze()
+        self._collections.install()
         self._canary_lock = asyncio.Lock()  # of this event loop
         self._running = True
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
@@ -265,6 +271,7 @@ class ServingLoop:
     async def stop(self) -> None:
         """Stop refreshing, answer what is queued with an error, close the connections."""
         self._running = False
+        self._collections.uninstall()
         if self._refresher is not None:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -492,6 +499,7 @@ class ServingLoop:
                 await self.refresh()
             except Exception:  # the loop must outlive a bad refresh: log it and go on
                 logger.exception("serving refresh failed")
+            self._collections.step()
 
     async def refresh(self) -> None:
         """Re-read every served app's configuration and workers, and probe the unhealthy ones."""
