@@ -4,17 +4,18 @@ frozen out of the next ones' reach.
 A full (generation 2) collection walks every object the collector tracks and has not frozen. The
 serving loop freezes what is alive when it starts (the imported libraries, the app, the
 settings), but more arrives after: the modules the first plan or query imports, each app's
-dispatcher, configuration and resolved profiles, the observations' windows. Measured at 2,000
-queries per second on `/v2` (`python -m benchmarks.serving_speed api --protocols v2`), 65,000 to
+dispatcher, configuration and resolved profiles, the observations' windows. At 2,000 queries
+per second on `/v2` (`python -m benchmarks.serving_speed api --protocols v2`, each collection
+timed by a ``gc.callbacks`` hook in the serving process: a diagnostic, not kept), 65,000 to
 72,000 such objects were walked by each full collection, a pause of 10 to 40 ms every few
-seconds in which the event loop answered nothing: the tail of the route's latency (p99 added 16
-to 54 ms where the median query took 2 ms).
+seconds in which the event loop answered nothing.
 
 :class:`FullCollections` watches the collector (``gc.callbacks``) and, at the serving loop's next
-refresh after a full collection, freezes what survived it (``gc.freeze``): it has lived through
-every generation, so it is long-lived, and the next full collection walks only what arrived
-since. The price: a reference cycle among frozen objects that later becomes garbage is not
-reclaimed while frozen (objects without cycles are freed by their reference counts as ever). Every
+refresh after a full collection, freezes what is alive (``gc.freeze``): mostly what survived
+that collection, which has lived through every generation and so is long-lived, and the queries
+in flight at that moment; the next full collection walks only what arrived since. The price: a
+reference cycle among frozen objects that later becomes garbage is not reclaimed while frozen
+(objects without cycles, a query's among them, are freed by their reference counts as ever). Every
 ``thaw_s`` (an hour by default) the whole heap is collected once (``gc.unfreeze``, a full
 collection, ``gc.freeze``): one pause of the old kind an hour reclaims such cycles.
 """
@@ -42,7 +43,7 @@ class Collector(Protocol):
 
 
 class FullCollections:
-    """Freezes the survivors of each full collection at the next :meth:`step` (module
+    """Freezes what is alive after each full collection at the next :meth:`step` (module
     docstring); every ``thaw_s`` on ``clock_s``, collects the whole heap once."""
 
     def __init__(
