@@ -121,10 +121,12 @@ _RELATIVE_SLACK = 1e-12
 # load, and the saving pays for the new instances' boot (at 10% a 60 s GPU boot is paid back
 # within ten minutes).
 MIX_CHANGE_SAVING_SHARE = 0.1
-# The sizing model's target fleet is looked up for the needed capacity rounded up to this share
-# of the planned capacity (and cached per stage): the live need moves by a few qps from tick to
-# tick, the fleet for it does not.
-_TARGET_STEP_SHARE = 0.005
+# The sizing model's target fleets are cached per stage, by the need itself (the ladder's flat
+# stretches give the same need over a range of loads). The need is not rounded up for the
+# lookup: a need equal to a rung's capacity (a load between two rungs of the same fleet) then
+# passed the rung and bought one more instance than it for as long as the load stayed there.
+# The cache holds at most this many needs (emptied when full).
+_TARGET_CACHE_SIZE = 4096
 # A stage sized for several burstinesses (``TunerStage.burstiness``) reads the live CV^2
 # (:func:`estimator.envelope.arrival_cv2`) only on at least this many gaps of its recent
 # arrivals; on fewer it keeps the planned burstiness. The estimate of a CV^2 of 4 on 2,000 gaps
@@ -972,17 +974,17 @@ def ladder_fleet(
     the cheaper of the lowest rung that serves it, trimmed to it (:func:`_trim`), and the highest
     rung that does not, filled up to it (:func:`_fill`), among those within the budget and the
     caps; None when the stage has no ladder or neither fits. At the planned load the planned
-    fleet itself (its rung, nothing to trim). The need is rounded up to half a percent of the
-    planned capacity and the answer kept on the stage."""
+    fleet itself (its rung, nothing to trim), and at a load between two rungs of the same fleet
+    that fleet. The answer is kept on the stage."""
     if plan.ladder is None:
         return None
     caps = dict(max_counts or {})
-    step = max(plan.planned_capacity_qps, 1e-9) * _TARGET_STEP_SHARE
-    units = max(1, _ceil(max(0.0, need_qps) / step))
-    key = (units, round(budget_usd_per_hr, 9), tuple(sorted(caps.items())))
+    need = max(0.0, float(need_qps))
+    key = (need, round(budget_usd_per_hr, 9), tuple(sorted(caps.items())))
     if key in plan._targets:
         return plan._targets[key]
-    need = units * step
+    if len(plan._targets) >= _TARGET_CACHE_SIZE:
+        plan._targets.clear()
     rungs = [(fleet, plan.capacity_qps(fleet)) for _, fleet in plan.ladder]
     above = next((fleet for fleet, cap in rungs if cap + _RELATIVE_SLACK * need >= need), None)
     below = next((fleet for fleet, cap in reversed(rungs) if cap < need), None)

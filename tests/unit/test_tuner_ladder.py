@@ -194,3 +194,20 @@ def test_a_sizing_by_burstiness_needs_the_planned_cv2() -> None:
             ladder=((1.0, {"cpu": 4}),),
             burstiness=((1.0, (PLANNED_QPS,) * len(WINDOWS_S), other),),
         )
+
+
+def test_a_load_on_a_flat_stretch_of_the_ladder_keeps_the_rung_it_needs() -> None:
+    # Planned on 3 cpu (30 qps); from 1.25x to 1.6x the planner kept 7 cpu (70 qps): any load
+    # there needs exactly 70 qps, which 7 cpu serve. 70 qps is no whole number of the target's
+    # rounding steps (half a percent of 30 qps): rounded up, the need passed the rung and bought
+    # an eighth instance for nothing, and kept it while the load stayed on the stretch.
+    rungs = ((0.5, {"cpu": 2}), (1.0, {"cpu": 3}), (1.25, {"cpu": 7}), (1.6, {"cpu": 7}))
+    curve = ((0.5, 2 / 3), (1.0, 1.0), (1.25, 7 / 3), (1.6, 7 / 3))
+    plan = dataclasses.replace(stage(rungs, {"cpu": 3}), capacity_curve=curve)
+    for load in (1.25, 1.3, 1.45, 1.6):
+        need = plan.capacity_at_load_qps(load)
+        assert need == pytest.approx(70.0)
+        assert dict(ladder_fleet(plan, need, PRICES, 10.0) or {}) == {"cpu": 7}, load
+    # Past the rung's capacity, by however little, more is needed.
+    more = dict(ladder_fleet(plan, 70.5, PRICES, 10.0) or {})
+    assert plan.capacity_qps(more) >= 70.5
