@@ -82,7 +82,6 @@ from controlplane.policies.capacity_curve import (
     DEFAULT_BURSTINESS,
     DEFAULT_LOADS,
     LOAD_MODEL_RECENT_S,
-    STAGE_LADDER_REFINE,
     build_ladder,
     cascade_sizing,
 )
@@ -674,15 +673,13 @@ def plan_ladder(app: ResolvedApp, plan: PlanRecord) -> SizingLadder:
     the API stored with it (``trace.request``; a plan without them: a Poisson trace at its
     planned rate), with the plan's seed, for its own burstiness and those of
     :data:`controlplane.policies.capacity_curve.DEFAULT_BURSTINESS` (docs/tuner.md,
-    "Burstiness"), refined where the fleet changes (:data:`controlplane.policies.
-    capacity_curve.STAGE_LADDER_REFINE`), as ``heteroplane replay`` sizes it. Tens to a hundred
-    plans: never on the tick.
+    "Burstiness"). Tens of plans: never on the tick.
 
     Raises:
         ValueError: a plan of several stages, or one the planner places nothing for at its rate.
         EstimatorError, InvalidValueError: what the planner or the trace generator raise.
     """
-    return _plan_ladder(app, plan, DEFAULT_LADDER_LOADS, DEFAULT_BURSTINESS, STAGE_LADDER_REFINE)
+    return _plan_ladder(app, plan, DEFAULT_LADDER_LOADS, DEFAULT_BURSTINESS)
 
 
 def plan_ladders(app: ResolvedApp, plan: PlanRecord) -> dict[str, SizingLadder]:
@@ -725,7 +722,6 @@ def _plan_ladder(
     plan: PlanRecord,
     loads: Sequence[float],
     burstiness: Sequence[float] = (),
-    refine: float = 0.0,
 ) -> SizingLadder:
     document = plan.plan
     if len(document.stages) != 1:
@@ -742,7 +738,6 @@ def _plan_ladder(
         loads=loads,
         also_types=[t for t, n in stage.fleet.items() if n],
         burstiness=burstiness,
-        refine=refine,
     )
     if ladder is None or not ladder.curve:
         raise ValueError("the planner places nothing for the planning trace at its own rate")

@@ -92,18 +92,9 @@ BURSTINESS_LADDER_LOADS: tuple[float, ...] = (0.45, 0.65, 0.8, 1.0, 1.25, 1.6, 2
 # cascade's cost from 1.12x the oracle to 1.07x on average (its step trace 1.26x -> 1.09x, its
 # spikes 1.27x -> 1.13x); its rising trace missed more (0.3% -> 3.3%: on finer rungs the large
 # stage keeps one instance closer to the planner's limit, and the load rises while the second
-# boots).
+# boots). A single stage's ladder (four to twelve instances, which the tuner trims or fills
+# between rungs one instance at a time) is not refined.
 CASCADE_LADDER_REFINE = 1.1
-# A single stage's ladder is refined the same way (docs/tuner.md, "Rungs between rungs"): the
-# tuner's need between two rungs is interpolated between their capacities, so wherever the
-# planner's fleet grows by an instance of a fifth of the stage's capacity (ncf's and wnd's
-# r5n.large) a load just past a rung bought that instance, where the planner keeps the lower
-# rung's fleet up to some load in between. On the held-out benchmark's tuning seed (its 18
-# single-stage traces) this cut the tuner's cost from 1.12x the oracle to 1.09x on average and
-# met the per-trace goal on 8 traces instead of 6, at a mean miss share of 1.43% instead of
-# 1.15% (wnd's spikes, 2.0% -> 3.7%, which no instance booted after their start can serve);
-# it plans about three times as many rungs (rm2's ladders: about 190 s instead of 65).
-STAGE_LADDER_REFINE = 1.1
 
 
 def burst_stand_in(planning: Trace, cv2: float, seed: int = 0) -> Trace:
@@ -141,7 +132,6 @@ def build_ladder(
     progress: Callable[[str], None] | None = None,
     also_types: Iterable[str] = (),
     burstiness: Sequence[float] = (),
-    refine: float = 0.0,
 ) -> SizingLadder | None:
     """The ladder of ``stage`` on ``planning``: the planner's plan for the planning trace at f
     times its rate, for each f in ``loads`` and 1 (module docstring); None when the planner
@@ -150,10 +140,9 @@ def build_ladder(
     that is not the planning trace's own (within 25%), a ladder on :func:`burst_stand_in` at
     those of :data:`BURSTINESS_LADDER_LOADS` among ``loads`` (``families``; skipped where the
     planner places nothing at 1x), all on the same rates and capacity model; the ladder's
-    ``cv2`` is the planning trace's (:func:`estimator.envelope.arrival_cv2`). ``refine`` as
-    :func:`build_ladders` (:data:`STAGE_LADDER_REFINE` where the tuner sizes a stage by it).
-    Deterministic for a seed. :func:`build_ladders` makes the ladders of several stages of one
-    app (a cascade) from the same plans."""
+    ``cv2`` is the planning trace's (:func:`estimator.envelope.arrival_cv2`). Deterministic for
+    a seed. :func:`build_ladders` makes the ladders of several stages of one app (a cascade)
+    from the same plans."""
     wanted = LadderStage(stage, dispatch, batch_size, tuple(also_types))
     return build_ladders(
         app,
@@ -163,7 +152,6 @@ def build_ladder(
         seed=seed,
         progress=progress,
         burstiness=burstiness,
-        refine=refine,
     )[stage]
 
 
@@ -347,7 +335,6 @@ def replay_sizing(
         also_types=[t for t, n in stage.fleet.items() if n],
         burstiness=burstiness,
         progress=progress,
-        refine=STAGE_LADDER_REFINE,
     )
     options: dict[str, Any] = {"tuner_persistence_s": DEFAULT_PERSISTENCE_S}
     if ladder is None:

@@ -28,11 +28,7 @@ from controlplane.db.store import AppRecord, Store
 from controlplane.loops import live_tuner
 from controlplane.loops.live_tuner import LiveTuner
 from controlplane.loops.reconciler import AppPricing, Reconciler
-from controlplane.policies.capacity_curve import (
-    build_ladder,
-    cascade_sizing,
-    replay_sizing,
-)
+from controlplane.policies.capacity_curve import DEFAULT_BURSTINESS, build_ladder, cascade_sizing
 from controlplane.policies.planner import ServingCapacityError, plan_app, scale_trace
 from controlplane.policies.replay import ladder_tuner
 from controlplane.policies.tuner import TunerStage, ladder_fleet
@@ -118,9 +114,14 @@ def test_the_planner_the_replay_and_the_live_tuner_size_alike(store: Store, tmp_
         plan = plan_app(resolved, scale_trace(planning, load * RATE_QPS), seed=0)
         by_planner[load] = {t: n for t, n in plan.stages[0].fleet.items() if n}
 
-    # The replay's tuner, on the ladder the replay command builds (refined where it changes).
-    ladder, _options = replay_sizing(
-        resolved, planned_stage, planning, dispatch=planned_stage.policy
+    # The replay's tuner, on the ladder the replay command builds.
+    ladder = build_ladder(
+        resolved,
+        "tiny",
+        planning,
+        dispatch=planned_stage.policy,
+        also_types=list(planned_stage.fleet),
+        burstiness=DEFAULT_BURSTINESS,
     )
     assert ladder is not None
     replayed, _, _ = ladder_tuner(planning, resolved, planned_stage, planning.arrival_s, ladder)
