@@ -72,19 +72,26 @@ class ServingView(Protocol):
 class _RemoteObservations:
     def __init__(self, remote: RemoteServing) -> None:
         self._remote = remote
-        # Inside holding(): each app's observations document as read once (None: not held).
-        self._held: dict[str, Any] | None = None
+        # Inside holding(), per thread: each app's observations document as read once (the
+        # loops run on a thread pool; another job's reads are not the pass's).
+        self._local = threading.local()
+
+    @property
+    def _held(self) -> dict[str, Any] | None:
+        held: dict[str, Any] | None = getattr(self._local, "held", None)
+        return held
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
-        """Read each app's observations document at most once inside the block: a calibration
-        pass reads an app's batch times, its API times and its CPU figure, three reads of one
-        document that the serving process would otherwise write three times a tick."""
-        self._held = {}
+        """Read each app's observations document at most once inside the block (on the thread
+        that entered it): a calibration pass reads an app's batch times, its API times and its
+        CPU figure, three reads of one document that the serving process would otherwise write
+        three times a tick."""
+        self._local.held = {}
         try:
             yield
         finally:
-            self._held = None
+            self._local.held = None
 
     def _document(self, app: str) -> Any:
         held = self._held
