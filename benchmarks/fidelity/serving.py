@@ -100,6 +100,7 @@ from controlplane.db.store import Store
 from controlplane.policies.calibration import OVERHEAD_QUANTILES, draw_overhead_ms, spread_samples
 from controlplane.policies.planner import front_waits_ms, overhead_draws_ms
 from controlplane.provisioning import LOCAL_PROFILE_FILE
+from controlplane.serving.observations import CPU_MIN_QUERIES
 from estimator.catalog import default_catalog
 from estimator.policies import policy_factory
 from estimator.profiles import (
@@ -300,11 +301,12 @@ def stored_overhead(data_dir: Path) -> tuple[float, tuple[float, ...], float | N
     return found.overhead_ms, tuple(found.quantiles_ms), found.cpu_ms
 
 
-def stored_cpu_ms(data_dir: Path, say: Say) -> float:
+def stored_cpu_ms(data_dir: Path, say: Say, answered: int) -> float:
     """The serving process's stored CPU per query, waited for up to :data:`CPU_WAIT_S` (the
-    meter needs a few hundred answers in closed windows; a short warm-up may not give them):
-    0, said so, when it is not there."""
-    deadline = time.monotonic() + CPU_WAIT_S
+    meter needs :data:`CPU_MIN_QUERIES` answers in closed windows; a short warm-up may not give
+    them): 0, said so, when it is not there; not waited for when the warm-up ``answered`` fewer
+    (the quick mode's)."""
+    deadline = time.monotonic() + (CPU_WAIT_S if answered >= CPU_MIN_QUERIES else 0.0)
     while True:
         found = stored_overhead(data_dir)
         if found is not None and found[2] is not None:
@@ -663,7 +665,7 @@ def warm_up(
         data_dir / "serve.log",
     )
     overhead, quantiles, _ = found
-    cpu_ms = stored_cpu_ms(data_dir, say)
+    cpu_ms = stored_cpu_ms(data_dir, say, sum(1 for o in result.outcomes if o.answered))
     outside_q = tuple(float(q) for q in np.percentile(outside, OVERHEAD_QUANTILES))
     p99 = OVERHEAD_QUANTILES.index(99.0)
     say(
