@@ -1,8 +1,9 @@
 """Where the shared measured data lives: ``../shared`` beside the checkout, or
-$HETEROPLANE_SHARED."""
+$HETEROPLANE_SHARED; the demo family, trained once for the whole run."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -21,3 +22,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     process) their files then start at once and the rest of the suite runs beside them, rather
     than a minutes-long test starting last and running alone."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="session")
+def trained_family(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache directory holding the trained demo family and its validation records, made by the
+    function the worker agent's loader calls (``ensure_family``; about 10 s of a core). Trained
+    once for the whole run: the test processes of one ``pytest -n`` run share the folder above
+    their own temporary folders, and a lock on a file there makes the first train it while the
+    others wait, then find it fresh (``ensure_family`` checks the cached files against their
+    manifest). The family's TorchScript archives (what the demo pushes to its registry) are
+    written under the lock too: an archive is not byte-for-byte reproducible, and two processes
+    exporting it at once would leave each a different one."""
+    pytest.importorskip("torch")
+    from provisioners.worker.family import MODEL_NAMES, ensure_family, export_torchscript
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each process's own
+    with (root / "family.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            directory = ensure_family(root / "family" / "models")
+            for name in MODEL_NAMES:
+                export_torchscript(name, directory)
+            return directory
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -136,12 +136,9 @@ def test_the_demo_spec_is_a_valid_cascade_spec_with_absolute_paths(tmp_path: Pat
 
 
 @pytest.fixture(scope="module")
-def family_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The trained family, once for this module (about 15 s)."""
-    pytest.importorskip("torch")
-    from provisioners.worker.family import ensure_family
-
-    return ensure_family(tmp_path_factory.mktemp("family") / "models")
+def family_cache(trained_family: Path) -> Path:
+    """The trained family, once for the run (tests/conftest.py)."""
+    return trained_family
 
 
 def test_the_cascade_is_the_cheapest_within_half_a_point_of_the_best_model(

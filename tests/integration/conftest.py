@@ -8,11 +8,12 @@ root, so as root it runs as the ``postgres`` system user the package creates. ``
 gives each test a database of its own on that server. Where PostgreSQL is not installed, the tests
 that use them are skipped with the reason.
 
-``trained_family`` (session scope) is a cache directory holding the trained demo model family,
-for the tests that start real worker agents. ``local_service`` is the whole service on the local
-provisioner in ``tmp_path`` (:func:`local_data_dir`, :func:`running_local_service` for a test
-that must put files in the data directory before the service is built), and :class:`ApiServer`
-serves a service's API on a free loopback port.
+``trained_family`` (tests/conftest.py: trained once for the whole run) is a cache directory
+holding the trained demo model family, for the tests that start real worker agents.
+``local_service`` is the whole service on the local provisioner in ``tmp_path``
+(:func:`local_data_dir`, :func:`running_local_service` for a test that must put files in the
+data directory before the service is built), and :class:`ApiServer` serves a service's API on a
+free loopback port.
 """
 
 from __future__ import annotations
@@ -172,16 +173,6 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'heteroplane.db'}"
     url: str = request.getfixturevalue("postgres_url")
     return url
-
-
-@pytest.fixture(scope="session")
-def trained_family(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache directory holding the trained demo family and its validation records, made by the
-    function the worker agent's loader calls (about 10-15 s, once per session)."""
-    pytest.importorskip("torch")
-    from provisioners.worker.family import ensure_family
-
-    return ensure_family(tmp_path_factory.mktemp("family") / "models")
 
 
 # --- a service on the local provisioner (real worker processes) -------------------------------
