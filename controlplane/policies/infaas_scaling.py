@@ -33,7 +33,11 @@ tick:
    lambda_m exceeds U times its capacity, the capacity of the instances still loading counted
    (Constraint 1; they serve once their T_load is over, so they are not asked for twice).
    A scale-up that m's overload takes part in says so in its reason, with what the state was
-   judged on (the context's ``overload``: refusals, arrival rate, backlog).
+   judged on (the context's ``overload``: refusals, arrival rate, backlog). An overload verdict
+   whose window (the serving loop's, 10 s) reaches back before the app's last drain does not
+   scale up alone: it was judged partly on the fleet before the drain, whose rule found the
+   load gone (the state's refusals at a higher capacity outlive the load that caused them by
+   up to the window, and the fleet would grow back at once); the load test still holds.
    The options are every variant (m, t) that meets the SLO at all (Q > 0; Constraint 2):
    delta_t = max(1, ceil((lambda_m / U - capacity) / Q_{m,t})) new instances of t, priced by
    the ILP's objective, C_t (delta_t + lambda T_load_t delta_t) (:func:`scaling_cost_usd_per_s`,
@@ -191,6 +195,9 @@ class ScalerState:
     underused_since_s: Mapping[str, float] = field(default_factory=dict)
     relieved: frozenset[tuple[str, str]] = frozenset()
     capped: tuple[str, str, int] | None = None
+    # When the last drain was (None: none yet): an overload verdict whose window reaches back
+    # before it was judged on the fleet before the drain (rule 2).
+    drained_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +318,7 @@ def decide(
         underused_since_s={} if scaled_up else underused,
         relieved=frozenset(relieved),
         capped=capped,
+        drained_s=ctx.now_s if drained else state.drained_s,
     )
 
 
@@ -329,6 +337,7 @@ class _Tick:
     types: list[str]
     fleet: dict[str, int]
     pending: dict[str, int]
+    drained_s: float | None = None
     capacity_now: dict[str, float] = field(default_factory=dict)
     counted: dict[tuple[str, str], float] = field(default_factory=dict)
     decisions: list[ScalingDecision] = field(default_factory=list)
@@ -348,6 +357,7 @@ class _Tick:
             types=sorted({v.instance_type for v in ctx.variants}),
             fleet=fleet,
             pending={t: max(0, fleet.get(t, 0) - ready.get(t, 0)) for t in set(fleet) | set(ready)},
+            drained_s=state.drained_s,
         )
 
     def serving(self, model: str) -> list[ServedInstance]:
@@ -442,9 +452,11 @@ def _need(tick: _Tick, m: str) -> _Need | None:
     everywhere = bool(serving) and all(i.states[m] == "interfered" for i in serving)
     loading_any = any(pending.get(t, 0) > 0 and q.get((m, t), 0.0) > 0 for t in pending)
     short = load > u * capacity + _EPS
+    note = tick.ctx.overload.get(m)
+    if overloaded and not short and _judged_before_the_drain(tick, note):
+        overloaded_on, overloaded = [], False
     if not (short or ((overloaded or everywhere) and not loading_any)):
         return None
-    note = tick.ctx.overload.get(m)
     parts = []
     if overloaded:
         judged = f": {'; '.join(note.reasons)}" if note is not None and note.reasons else ""
@@ -462,6 +474,17 @@ def _need(tick: _Tick, m: str) -> _Need | None:
         # queue, not the rate, says it is short; one more instance of what serves it now.
         wanted_qps = max((q.get((m, i.instance_type), 0.0) for i in serving), default=wanted_qps)
     return _Need(m, load, capacity, overloaded_on, "; ".join(parts), wanted_qps)
+
+
+def _judged_before_the_drain(tick: _Tick, note: OverloadNote | None) -> bool:
+    """Whether an overload verdict's window (the serving loop's, in ``note``) reaches back
+    before the app's last drain: its refusals and arrivals were then partly those of the fleet
+    before it, and a load that has since gone (the drain found it gone) would scale the fleet
+    back up at once. The load test of rule 2 (fresh arrivals) still holds for such a tick."""
+    if tick.drained_s is None or note is None:
+        return False
+    window_s = note.numbers.get("window_s")
+    return window_s is not None and tick.ctx.now_s - tick.drained_s < window_s
 
 
 def _scale_up_choice(tick: _Tick, need: _Need) -> tuple[str, int, bool] | None:

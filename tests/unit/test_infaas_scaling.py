@@ -114,6 +114,31 @@ def test_an_underused_instance_is_drained_after_the_hold_the_dearest_first() -> 
     assert drain.numbers["underused_s"] == 5.0
 
 
+def test_refusals_from_before_a_drain_do_not_scale_the_fleet_back_up() -> None:
+    # The load has gone: the second cpu is drained after the hold. Within the serving loop's
+    # 10 s window the one left still reads overloaded (refusals made while the load was on, at
+    # the capacity of two): judged partly on the fleet before the drain, it buys nothing.
+    config = ScalingConfig(hold_s=3.0)
+    two = [cpu("i-1", busy=0.0), cpu("i-2", busy=0.0)]
+    state = initial_state({"cpu": 2}, 0.0)
+    decisions, state = decide(context(10.0, 0.0, two), state, config)
+    assert decisions == []
+    (drain,), state = decide(context(13.0, 0.0, two), state, config)
+    assert drain.action == "infaas_drain" and state.drained_s == 13.0
+    note = OverloadNote(("18 queries refused (429) in the last 10 s",), {"window_s": 10.0})
+    stale = replace(context(14.0, 0.0, [cpu("i-1", "overloaded")]), overload={"m": note})
+    decisions, state = decide(stale, state, config)
+    assert decisions == [] and dict(state.fleet) == {"cpu": 1}
+    # Fresh arrivals past U x capacity scale up within the window all the same.
+    short = replace(context(15.0, 12.0, [cpu("i-1", "overloaded")]), overload={"m": note})
+    (up,) = decide(short, state, config)[0]
+    assert (up.action, up.count) == ("infaas_replicate", 1)
+    # Once the window has passed since the drain, the verdict counts again.
+    later = replace(context(23.5, 0.0, [cpu("i-1", "overloaded")]), overload={"m": note})
+    (up,) = decide(later, state, config)[0]
+    assert up.action == "infaas_replicate" and "overloaded on i-1" in up.reason
+
+
 def test_the_last_instance_and_a_busy_one_stay() -> None:
     config = ScalingConfig(hold_s=0.0)
     (none, _) = decide(context(10.0, 0.0, [cpu("i-1")]), initial_state({"cpu": 1}, 0.0), config)
