@@ -188,15 +188,16 @@ class ScalingContext:
 class ScalerState:
     """What the policy carries from tick to tick: the fleet it wants (counts by type, what the
     reconciler launches or terminates toward), the last scaling action, since when each instance
-    has been underused, the (model, instance) pairs already relieved, and the last cap said."""
+    has been underused, the (model, instance) pairs already relieved, the last cap said and the
+    last drain."""
 
     fleet: Mapping[str, int]
     last_change_s: float
     underused_since_s: Mapping[str, float] = field(default_factory=dict)
     relieved: frozenset[tuple[str, str]] = frozenset()
     capped: tuple[str, str, int] | None = None
-    # When the last drain was (None: none yet): an overload verdict whose window reaches back
-    # before it was judged on the fleet before the drain (rule 2).
+    # None: no drain yet. An overload verdict whose window reaches back before it was judged on
+    # the fleet before the drain (rule 2).
     drained_s: float | None = None
 
 
