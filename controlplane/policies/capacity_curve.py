@@ -177,11 +177,17 @@ def build_ladders(
     say = progress or (lambda _message: None)
     names = [s.name for s in stages]
 
+    # The planner's batch per stage at each rung, by the ladder's label ("": the planning
+    # trace's own; " CV^2 c": a burstiness family's).
+    batches: dict[tuple[str, str], dict[float, int]] = {}
+
     def rungs(
         trace: Trace, label: str, at: Sequence[float]
     ) -> dict[str, dict[float, Mapping[str, int]]]:
         rate_qps = (len(trace) - 1) / trace.duration_s
         fleets: dict[str, dict[float, Mapping[str, int]]] = {name: {} for name in names}
+        for name in names:
+            batches[name, label] = {}
 
         def plan_at(f: float) -> None:
             try:
@@ -194,6 +200,7 @@ def build_ladders(
                 fleet = {t: n for t, n in s.fleet.items() if n}
                 if s.name in fleets and fleet:
                     fleets[s.name][f] = MappingProxyType(fleet)
+                    batches[s.name, label][f] = s.batch_size
             placed = {s.name: {t: n for t, n in s.fleet.items() if n} for s in plan.stages}
             shown = placed[names[0]] if len(names) == 1 and names[0] in placed else placed
             say(f"ladder{label} x{f:g}: {shown} ${plan.cost_usd_per_hr:.3f}/hr")
@@ -219,18 +226,17 @@ def build_ladders(
 
     found = rungs(planning, "", loads)
     own_cv2, _gaps = arrival_cv2(planning.arrival_s)
-    others: list[tuple[float, Trace, dict[str, dict[float, Mapping[str, int]]]]] = []
+    others: list[tuple[float, Trace, dict[str, dict[float, Mapping[str, int]]], str]] = []
     if any(1.0 in found[name] for name in names):
         for cv2 in burstiness:
             if np.isfinite(own_cv2) and abs(np.log(cv2 / own_cv2)) < np.log(1.25):
                 continue
             trace = burst_stand_in(planning, cv2, seed)
             at = [f for f in BURSTINESS_LADDER_LOADS if f in loads]
-            others.append(
-                (arrival_cv2(trace.arrival_s)[0], trace, rungs(trace, f" CV^2 {cv2:g}", at))
-            )
+            label = f" CV^2 {cv2:g}"
+            others.append((arrival_cv2(trace.arrival_s)[0], trace, rungs(trace, label, at), label))
     return {
-        stage.name: _stage_ladder(app, stage, planning, found[stage.name], others, own_cv2)
+        stage.name: _stage_ladder(app, stage, planning, found[stage.name], others, own_cv2, batches)
         for stage in stages
     }
 
@@ -240,16 +246,19 @@ def _stage_ladder(
     stage: LadderStage,
     planning: Trace,
     fleets: dict[float, Mapping[str, int]],
-    others: Sequence[tuple[float, Trace, dict[str, dict[float, Mapping[str, int]]]]],
+    others: Sequence[tuple[float, Trace, dict[str, dict[float, Mapping[str, int]]], str]],
     own_cv2: float,
+    batches: Mapping[tuple[str, str], Mapping[float, int]],
 ) -> SizingLadder | None:
     if 1.0 not in fleets:
         return None
     # This stage's fleets in the other burstiness' plans, where the planner placed it at 1x.
     mine = [
-        (cv2, trace, found[stage.name]) for cv2, trace, found in others if 1.0 in found[stage.name]
+        (cv2, trace, found[stage.name], label)
+        for cv2, trace, found, label in others
+        if 1.0 in found[stage.name]
     ]
-    every = [fleets, *(f for _, _, f in mine)]
+    every = [fleets, *(f for _, _, f, _ in mine)]
     types = sorted(
         {*stage.also_types, *(t for rung in every for fleet in rung.values() for t in fleet)}
     )
@@ -265,7 +274,8 @@ def _stage_ladder(
         app, stage.dispatch, stage.name, types, stage.batch_size, planning, stage.slo_ms
     )
 
-    def laddered(found: dict[float, Mapping[str, int]]) -> SizingLadder | None:
+    def laddered(found: dict[float, Mapping[str, int]], label: str) -> SizingLadder | None:
+        batched = tuple(sorted(batches.get((stage.name, label), {}).items()))
         ladder = SizingLadder(stage.name, tuple(sorted(found.items())), mu, (), model)
         anchor = ladder.capacity_qps(found[1.0])
         if anchor <= 0.0:
@@ -275,14 +285,14 @@ def _stage_ladder(
         for f, planned in ladder.rungs:
             running = max(running, ladder.capacity_qps(planned) / anchor)
             points.append((f, running))
-        return SizingLadder(stage.name, ladder.rungs, mu, tuple(points), model)
+        return SizingLadder(stage.name, ladder.rungs, mu, tuple(points), model, batches=batched)
 
-    base = laddered(fleets)
+    base = laddered(fleets, "")
     if base is None:
         return None
     families = []
-    for cv2, trace, found in mine:
-        other = laddered(found)
+    for cv2, trace, found, label in mine:
+        other = laddered(found, label)
         if other is not None:
             families.append((cv2, trace.arrival_s, other))
     if not families:

@@ -58,6 +58,7 @@ from controlplane.policies.tuner import (
     default_boot_s,
     fleet_cost_usd_per_hr,
     initial_state,
+    live_batch,
     tune,
     utilisation_target,
 )
@@ -68,7 +69,7 @@ from estimator.errors import EstimatorError
 from estimator.fleet import Fleet
 from estimator.policies import full_range_types, policy_class, policy_factory
 from estimator.profiles import LatencyProfile
-from estimator.simulator import InstanceSpec, SimulationResult, Stage, simulate
+from estimator.simulator import InstanceSpec, Routing, SimulationResult, Stage, simulate
 from estimator.traces import Trace
 from matching import registry
 from matching.policy import DispatchPolicy
@@ -817,6 +818,9 @@ class StageReplay:
     static, or a stage the tuner leaves on its plan, ``note`` says why). ``timeline`` has the
     stage's serving fleet, the rate of the queries reaching it and its cost per 10 s window
     (``p99_ms`` is None: the simulation times queries end to end, not per stage).
+    ``batch_caps``: (time, the most queries per batch from then on) where the tuner's ladder
+    moved it (the planner's batch for the ready fleet at the live load,
+    :func:`controlplane.policies.tuner.live_batch`); empty: the plan's throughout.
     """
 
     name: str
@@ -826,6 +830,7 @@ class StageReplay:
     fleet_timeline: FleetTimeline
     timeline: tuple[TimelineWindow, ...]
     note: str | None = None
+    batch_caps: tuple[tuple[float, int], ...] = ()
 
     @property
     def scaling_actions(self) -> int:
@@ -840,6 +845,7 @@ class StageReplay:
             "scaling_actions": self.scaling_actions,
             "peak_cost_usd_per_hr": max((w.cost_usd_per_hr for w in self.timeline), default=0.0),
             "note": self.note,
+            "batch_caps": [{"t_s": t, "max_batch_queries": b} for t, b in self.batch_caps],
             "timeline": [
                 {
                     "t_s": w.t_s,
@@ -1264,6 +1270,16 @@ class _StageTuner:
         config = dataclasses.replace(self.config, budget_usd_per_hr=budget_usd_per_hr)
         return tune(self.window(now_s), now_s, self.state, [self.plan], config)
 
+    def batch(self, now_s: float) -> int | None:
+        """The most queries per batch the stage takes from ``now_s`` on: its ladder's batch for
+        its ready fleet at the live load (:func:`controlplane.policies.tuner.live_batch`)."""
+        name = self.plan.name
+        fleet = dict(self.state.fleets[name])
+        for b in self.state.booting:
+            if b.stage == name and b.ready_at_s > now_s:
+                fleet[b.instance_type] -= 1
+        return live_batch(self.plan, fleet, self.arrival_s, now_s, self.config)
+
     def deficit(self, decisions: Sequence[ScalingDecision], state: TunerState) -> float:
         """The share of the capacity the stage wants that it lacks now: (wanted - now) / wanted,
         wanted = what the decisions launched plus what the budget kept them short of (0: no
@@ -1283,6 +1299,9 @@ class _CascadeStage:
     timeline: FleetTimeline
     utilisation_target: float | None
     note: str | None
+    # (time, the most queries per batch from then on) where the ladder moves it; empty: the
+    # plan's batch throughout.
+    batch_caps: tuple[tuple[float, int], ...] = ()
 
 
 def cascade_tuner_timelines(
@@ -1412,6 +1431,7 @@ def cascade_tuner_timelines(
         return max(0.0, budget - others)
 
     active = [i for i, t in enumerate(tuners) if t is not None]
+    caps: list[list[tuple[float, int]]] = [[] for _ in stages]
     for now_s in (float(t) for t in _ticks(float(trace.arrival_s[-1]), TUNER_TICK_S)):
         cost = costs()
         alone: dict[int, tuple[float, list[ScalingDecision], TunerState]] = {}
@@ -1449,10 +1469,74 @@ def cascade_tuner_timelines(
                 tuner.log.decide(
                     ReplayDecision(d.at_s, d.stage, d.action, d.instance_type, d.count, reason)
                 )
+            cap = tuner.batch(now_s)
+            if cap is not None and (caps[i][-1][1] if caps[i] else stages[i].batch_size) != cap:
+                caps[i].append((now_s, cap))
     return tuple(
-        _CascadeStage(log.timeline(), rho, note)
-        for log, (rho, note) in zip(logs, made, strict=True)
+        _CascadeStage(log.timeline(), rho, note, tuple(cap))
+        for log, (rho, note), cap in zip(logs, made, caps, strict=True)
     )
+
+
+# How often a replayed stage's batch cap follows its ready fleet (docs/tuner.md, "Cascades:
+# ladders per stage"): the cap changes within this of an instance joining or leaving.
+BATCH_SCHEDULE_STEP_S = 0.5
+
+
+def batch_schedule(
+    caps: Sequence[Sequence[tuple[float, int]]], planned: Sequence[int]
+) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
+    """The stages' batch caps together: each stage's ``caps`` ((time, cap) where it changes;
+    the ``planned`` cap before its first) merged into (the times any cap changes, the first
+    0.0; the caps from each time on, one column per stage)."""
+    times = sorted({0.0} | {t for stage in caps for t, _ in stage})
+    rows = np.empty((len(times), len(planned)), dtype=np.int64)
+    for j, (stage, cap) in enumerate(zip(caps, planned, strict=True)):
+        k = 0
+        for i, t in enumerate(times):
+            while k < len(stage) and stage[k][0] <= t:
+                cap = stage[k][1]
+                k += 1
+            rows[i, j] = cap
+    return np.asarray(times, dtype=np.float64), rows
+
+
+@dataclass(frozen=True, slots=True)
+class _CapSchedule:
+    """The simulator's mode controller (:class:`~estimator.simulator.ModeController`) for a
+    fixed schedule: mode ``modes[i]`` from ``times[i]`` on, looked up every ``period_s``."""
+
+    times: NDArray[np.float64]
+    modes: NDArray[np.int64]
+    period_s: float = BATCH_SCHEDULE_STEP_S
+
+    def initial_mode(self) -> int:
+        return int(self.modes[0])
+
+    def tick(self, now_s: float, queue_lengths: tuple[int, ...]) -> int:
+        del queue_lengths
+        return int(self.modes[max(int(np.searchsorted(self.times, now_s, "right")) - 1, 0)])
+
+
+def _scheduled_routing(
+    built: Sequence[Stage], schedule: tuple[NDArray[np.float64], NDArray[np.int64]], queries: int
+) -> tuple[Routing, _CapSchedule]:
+    """The pipeline's forwarding (``built``'s ``forward`` flags) as a routing with one mode per
+    distinct row of batch caps in ``schedule``, and the controller that switches between them
+    at its times."""
+    times, rows = schedule
+    distinct, modes = np.unique(rows, axis=0, return_inverse=True)
+    stages = len(built)
+    nxt = np.full((stages, queries), -1, dtype=np.int64)
+    for s, stage in enumerate(built[:-1]):
+        nxt[s, np.ones(queries, dtype=np.bool_) if stage.forward is None else stage.forward] = s + 1
+    count = distinct.shape[0]
+    routing = Routing(
+        entry=np.zeros((count, queries), dtype=np.int64),
+        next_stage=np.broadcast_to(nxt, (count, stages, queries)),
+        max_batch_queries=distinct,
+    )
+    return routing, _CapSchedule(times, np.asarray(modes, dtype=np.int64).reshape(-1))
 
 
 def _window_starts(end_s: float) -> NDArray[np.float64]:
@@ -1561,7 +1645,22 @@ def replay_pipeline(
         trace,
         answered,
     )
-    result = simulate(trace, built, rng, prices_usd_per_hr=prices, qos_ms=qos_ms)
+    planned_caps = [stage.batch_size for stage in stages]
+    times, caps = batch_schedule([m.batch_caps for m in made], planned_caps)
+    if caps.shape[0] == 1 and caps[0].tolist() == planned_caps:
+        result = simulate(trace, built, rng, prices_usd_per_hr=prices, qos_ms=qos_ms)
+    else:
+        # The tuner's ladder moves a stage's batch cap with its fleet: the caps as modes.
+        routing, controller = _scheduled_routing(built, (times, caps), len(trace))
+        result = simulate(
+            trace,
+            [dataclasses.replace(stage, forward=None) for stage in built],
+            rng,
+            prices_usd_per_hr=prices,
+            qos_ms=qos_ms,
+            routing=routing,
+            controller=controller,
+        )
     timeline = FleetTimeline(
         tuple(spec for m in made for spec in m.timeline.instances),
         tuple(a for m in made for a in m.timeline.aborted),
@@ -1592,6 +1691,7 @@ def replay_pipeline(
                     trace.arrival_s[masks[i]], end_s, m.timeline, stage_types, prices
                 ),
                 note=m.note,
+                batch_caps=m.batch_caps,
             )
         )
     response = result.response_ms

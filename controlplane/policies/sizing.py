@@ -80,6 +80,11 @@ class SizingLadder:
     families: tuple[tuple[float, NDArray[np.float64], SizingLadder], ...] = field(
         default=(), compare=False
     )
+    # The most queries per batch the planner gave the stage at each rung's load, (f, batch)
+    # sorted by f (empty: not recorded): the planner may batch more to serve a load on fewer
+    # instances, and the tuner's stage serves with the batch of its rung
+    # (:meth:`controlplane.policies.tuner.TunerStage.batch_at`).
+    batches: tuple[tuple[float, int], ...] = field(default=(), compare=False)
 
     def capacity_qps(self, fleet: Mapping[str, int]) -> float:
         """A fleet's capacity in the stage's unit (the module docstring)."""
@@ -140,6 +145,7 @@ def tuner_stage(
         capacity_model=ladder.capacity_model,
         capacity_curve=ladder.curve,
         ladder=tuple((f, dict(rung)) for f, rung in ladder.rungs),
+        rung_batches=ladder.batches,
         cv2=ladder.cv2 if burstiness else None,
         burstiness=tuple(burstiness),
     )

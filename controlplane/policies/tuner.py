@@ -196,6 +196,9 @@ class TunerStage:
     # The tuner sizes the stage with the one whose CV^2 is nearest the live arrivals'.
     cv2: float | None = None
     burstiness: tuple[tuple[float, tuple[float, ...], TunerStage], ...] = ()
+    # The planner's most queries per batch at the ladder's loads, (f, batch) (empty: not
+    # recorded): a rung may batch more to serve its load on fewer instances (:meth:`batch_at`).
+    rung_batches: tuple[tuple[float, int], ...] = ()
     _targets: dict[tuple[object, ...], Mapping[str, int] | None] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -251,6 +254,14 @@ class TunerStage:
             if self.capacity_curve is None:
                 raise WorkloadError(f"stage {self.name}: a ladder needs its capacity curve")
             object.__setattr__(self, "ladder", tuple(rungs))
+        if self.rung_batches:
+            loads = {f for f, _ in self.ladder or ()}
+            batches = tuple(sorted((float(f), int(b)) for f, b in self.rung_batches))
+            if any(f not in loads for f, _ in batches) or any(b < 1 for _, b in batches):
+                raise WorkloadError(
+                    f"stage {self.name}: rung batches need a load of the ladder and a batch >= 1"
+                )
+            object.__setattr__(self, "rung_batches", batches)
         if self.burstiness and self.cv2 is None:
             raise WorkloadError(f"stage {self.name}: sizings by burstiness need the planned cv2")
         if self.cv2 is not None:
@@ -261,6 +272,30 @@ class TunerStage:
                 raise WorkloadError(
                     f"stage {self.name}: a sizing by burstiness is a laddered stage of that name"
                 )
+
+    def batch_at(self, fleet: Mapping[str, int]) -> int | None:
+        """The most queries per batch the planner serves ``fleet`` with: the batch of the
+        ladder's rung at the highest load whose capacity the fleet reaches (the planner showed
+        that batch to meet the SLO at that load with no more capacity, so at every lower load
+        too, where its own batch at a lower rung was one of several that do), the lowest rung's
+        when it reaches none; None without rung batches (the plan's batch throughout).
+
+        >>> stage = TunerStage("m", 1.0, {"c": 2}, {"c": 10.0}, 1.0,
+        ...     capacity_curve=((0.5, 0.5), (1.0, 1.0), (1.6, 1.0), (2.0, 1.5)),
+        ...     ladder=((0.5, {"c": 1}), (1.0, {"c": 2}), (1.6, {"c": 2}), (2.0, {"c": 3})),
+        ...     rung_batches=((0.5, 8), (1.0, 4), (1.6, 8), (2.0, 4)))
+        >>> [stage.batch_at({"c": n}) for n in (1, 2, 3, 5)]
+        [8, 8, 4, 4]
+        """
+        if not self.rung_batches or self.ladder is None:
+            return None
+        have = self.capacity_qps(fleet) * (1.0 + 1e-9)
+        batch_of = dict(self.rung_batches)
+        chosen = self.rung_batches[0][1]
+        for f, rung in self.ladder:
+            if f in batch_of and self.capacity_qps(rung) <= have:
+                chosen = batch_of[f]
+        return chosen
 
     @property
     def model(self) -> Literal["curve", "inferline"]:
@@ -1227,6 +1262,45 @@ class _Reading:
         )
 
 
+def _sized(
+    plan: TunerStage, planned_qps: tuple[float, ...], live_cv2: tuple[float, int] | None
+) -> tuple[TunerStage, tuple[float, ...], str]:
+    """The stage as sized for the live burstiness (``TunerStage.burstiness``; ``live_cv2`` the
+    arrivals' (CV^2, gaps), None when not read), the planned envelope it is sized against
+    (``planned_qps`` for the planning trace's own), and what the reasons say about it."""
+    if not plan.burstiness or plan.cv2 is None or live_cv2 is None:
+        return plan, planned_qps, ""
+    cv2, gaps = live_cv2
+    if gaps < BURSTINESS_MIN_GAPS or not math.isfinite(cv2):
+        return plan, planned_qps, ""
+    cv2 = max(cv2, 1e-6)  # evenly spaced arrivals: the smoothest sizing
+    options = [(plan.cv2, planned_qps, plan), *plan.burstiness]
+    chosen, planned, stage = min(options, key=lambda o: (abs(math.log(o[0] / cv2)), -o[0]))
+    return stage, planned, f"arrivals' CV^2 {cv2:.3g} ({gaps} gaps): sized as CV^2 {chosen:.3g}"
+
+
+def live_batch(
+    plan: TunerStage,
+    fleet: Mapping[str, int],
+    arrival_s: ArrayLike,
+    now_s: float,
+    config: TunerConfig,
+) -> int | None:
+    """The most queries per batch a laddered stage serving ``fleet`` takes at ``now_s``: the
+    batch (:meth:`TunerStage.batch_at`) of the ladder :func:`tune` sizes it by, the one for the
+    burstiness of the last ``config.recent_s`` of ``arrival_s``; None for a stage without rung
+    batches (the plan's batch)."""
+    if plan.ladder is None or not plan.rung_batches:
+        return None
+    live_cv2 = None
+    if plan.burstiness and plan.cv2 is not None:
+        arrivals = np.ascontiguousarray(arrival_s, dtype=np.float64)
+        lo, hi = np.searchsorted(arrivals, [now_s - config.recent_s, now_s], side="right")
+        live_cv2 = arrival_cv2(arrivals[lo:hi])
+    stage, _planned, _why = _sized(plan, config.planned_rate_qps, live_cv2)
+    return stage.batch_at(fleet) if stage.rung_batches else plan.batch_at(fleet)
+
+
 def tune(
     arrival_s: ArrayLike,
     now_s: float,
@@ -1300,19 +1374,9 @@ def tune(
         return ups[planned]
 
     def sized(plan: TunerStage) -> tuple[TunerStage, tuple[float, ...], str]:
-        """The stage as sized for the live burstiness (``TunerStage.burstiness``), the planned
-        envelope it is sized against, and what the reasons say about it."""
-        if not plan.burstiness or plan.cv2 is None:
-            return plan, config.planned_rate_qps, ""
-        if not live_cv2:
+        if not live_cv2 and plan.burstiness and plan.cv2 is not None:
             live_cv2.append(arrival_cv2(arrivals))
-        cv2, gaps = live_cv2[0]
-        if gaps < BURSTINESS_MIN_GAPS or not math.isfinite(cv2):
-            return plan, config.planned_rate_qps, ""
-        cv2 = max(cv2, 1e-6)  # evenly spaced arrivals: the smoothest sizing
-        options = [(plan.cv2, config.planned_rate_qps, plan), *plan.burstiness]
-        chosen, planned, stage = min(options, key=lambda o: (abs(math.log(o[0] / cv2)), -o[0]))
-        return stage, planned, f"arrivals' CV^2 {cv2:.3g} ({gaps} gaps): sized as CV^2 {chosen:.3g}"
+        return _sized(plan, config.planned_rate_qps, live_cv2[0] if live_cv2 else None)
 
     tick = _Tick(
         now_s=now,

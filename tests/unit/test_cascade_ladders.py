@@ -5,6 +5,7 @@ cascade forwards queries), so their burstiness is the stream's the stage sees.""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 from controlplane.policies.capacity_curve import LadderStage, build_ladders, cascade_sizing
 from controlplane.policies.planner import plan_app, scale_trace
 from controlplane.policies.replay import parse_plan, replay, thin_planning_arrivals
+from controlplane.policies.sizing import SizingLadder
 from controlplane.spec import ResolvedApp
 from estimator.envelope import arrival_cv2
 from estimator.traces import Trace, constant_profile, renewal_arrivals
@@ -45,10 +47,17 @@ def test_each_stage_ladder_is_its_fleet_in_the_planners_plans_refined_where_it_c
     ladders = build_ladders(app, stages, planning, loads=LOADS, seed=0, refine=1.2)
     assert set(ladders) == {"cheap", "large"}
     for load in LOADS:
-        planned = stage_fleets(plan_app(app, scale_trace(planning, load * RATE_QPS)).stages)
+        plan = plan_app(app, scale_trace(planning, load * RATE_QPS))
+        planned = stage_fleets(plan.stages)
         for name, ladder in ladders.items():
             assert ladder is not None
             assert dict(ladder.fleet_at(load)) == planned[name], (name, load)
+            # The ladder keeps the planner's batch at each rung too.
+            batch = next(s.batch_size for s in plan.stages if s.name == name)
+            assert dict(ladder.batches)[load] == batch, (name, load)
+    for ladder in ladders.values():
+        assert ladder is not None
+        assert [f for f, _ in ladder.batches] == [f for f, _ in ladder.rungs]
     large = ladders["large"]
     assert large is not None and dict(large.curve)[1.0] == 1.0
     assert [m for _, m in large.curve] == sorted(m for _, m in large.curve)
@@ -116,3 +125,59 @@ def test_the_cascade_tuner_follows_its_ladders_up_and_back(
     for name, stage in by_name.items():
         assert {t: n for t, n in stage.timeline[-1].fleet.items() if n} == planned[name], name
     assert max(w.cost_usd_per_hr for w in result.timeline) <= app.constraints.budget_usd_per_hr
+
+
+def rung_batch(ladder: SizingLadder | None, fleet: dict[str, int]) -> int:
+    """The planner's batch at the highest load whose rung needs no more capacity than
+    ``fleet`` has (the lowest rung's if none)."""
+    assert ladder is not None
+    batch_at = dict(ladder.batches)
+    have = ladder.capacity_qps(fleet)
+    reached = [f for f, rung in ladder.rungs if ladder.capacity_qps(rung) <= have + 1e-9]
+    return batch_at[max(reached)] if reached else ladder.batches[0][1]
+
+
+def test_a_stage_serves_with_the_batch_its_ladder_plans_for_its_fleet(
+    cascade: tuple[ResolvedApp, Trace],
+) -> None:
+    app, planning = cascade
+    plan = parse_plan(plan_app(app, planning, seed=0).to_document())
+    ladders, options = cascade_sizing(app, plan, planning, burstiness=(), loads=LOADS)
+    large = ladders["large"]
+    rng = np.random.default_rng(4)
+    high = renewal_arrivals(constant_profile(4 * RATE_QPS), 120.0, 1.0, rng)
+    low = 120.0 + renewal_arrivals(constant_profile(RATE_QPS), 180.0, 1.0, rng)
+    arrival_s = np.concatenate([high, low])
+    trace = Trace(arrival_s, np.ones(arrival_s.size, dtype=np.int64))
+
+    def replayed(ladders_used: dict[str, Any]) -> Any:
+        return replay(
+            trace,
+            app,
+            plan,
+            np.random.default_rng(5),
+            policy="tuner",
+            planning_arrival_s=planning.arrival_s,
+            **{**options, "tuner_ladders": ladders_used},
+        )
+
+    result = replayed(ladders)
+    stage = next(s for s in result.stages if s.name == "large")
+    # The large stage grows for the 4x load and shrinks back; its batch cap follows the rung
+    # its ready fleet reaches, which differs between the two fleets here.
+    fleets = {frozenset(w.fleet.items()) for w in stage.timeline}
+    wanted = {rung_batch(large, dict(f)) for f in fleets if any(n for _, n in f)}
+    assert len(wanted) > 1
+    assert stage.batch_caps
+    for t_s, cap in stage.batch_caps:
+        ready = stage.fleet_timeline.ready_fleet_at(t_s, ())
+        assert cap == rung_batch(large, ready), (t_s, ready)
+    assert {cap for _, cap in stage.batch_caps} == wanted
+    document = result.to_document()
+    large_doc = next(s for s in document["stages"] if s["name"] == "large")
+    assert large_doc["batch_caps"][0]["max_batch_queries"] == stage.batch_caps[0][1]
+    # Without the rungs' batches the stage keeps its plan's batch, and the run differs.
+    plain = {name: dataclasses.replace(ladder, batches=()) for name, ladder in ladders.items()}
+    before = replayed(plain)
+    assert all(not s.batch_caps for s in before.stages)
+    assert before.p99_ms != result.p99_ms
