@@ -59,6 +59,7 @@ from controlplane.policies.tuner import (
     fleet_cost_usd_per_hr,
     initial_state,
     live_batch,
+    ready_fleets,
     tune,
     utilisation_target,
 )
@@ -1272,12 +1273,8 @@ class _StageTuner:
 
     def batch(self, now_s: float) -> int | None:
         """The most queries per batch the stage takes from ``now_s`` on: its ladder's batch for
-        its ready fleet at the live load (:func:`controlplane.policies.tuner.live_batch`)."""
-        name = self.plan.name
-        fleet = dict(self.state.fleets[name])
-        for b in self.state.booting:
-            if b.stage == name and b.ready_at_s > now_s:
-                fleet[b.instance_type] -= 1
+        its ready fleet (:func:`controlplane.policies.tuner.live_batch`)."""
+        fleet = ready_fleets(self.state, now_s)[self.plan.name]
         return live_batch(self.plan, fleet, self.arrival_s, now_s, self.config)
 
     def deficit(self, decisions: Sequence[ScalingDecision], state: TunerState) -> float:
@@ -1432,6 +1429,16 @@ def cascade_tuner_timelines(
 
     active = [i for i, t in enumerate(tuners) if t is not None]
     caps: list[list[tuple[float, int]]] = [[] for _ in stages]
+
+    def note_cap(i: int, now_s: float) -> None:
+        tuner = tuners[i]
+        assert tuner is not None
+        cap = tuner.batch(now_s)
+        if cap is not None and (caps[i][-1][1] if caps[i] else stages[i].batch_size) != cap:
+            caps[i].append((now_s, cap))
+
+    for i in active:
+        note_cap(i, 0.0)
     for now_s in (float(t) for t in _ticks(float(trace.arrival_s[-1]), TUNER_TICK_S)):
         cost = costs()
         alone: dict[int, tuple[float, list[ScalingDecision], TunerState]] = {}
@@ -1469,18 +1476,11 @@ def cascade_tuner_timelines(
                 tuner.log.decide(
                     ReplayDecision(d.at_s, d.stage, d.action, d.instance_type, d.count, reason)
                 )
-            cap = tuner.batch(now_s)
-            if cap is not None and (caps[i][-1][1] if caps[i] else stages[i].batch_size) != cap:
-                caps[i].append((now_s, cap))
+            note_cap(i, now_s)
     return tuple(
         _CascadeStage(log.timeline(), rho, note, tuple(cap))
         for log, (rho, note), cap in zip(logs, made, caps, strict=True)
     )
-
-
-# How often a replayed stage's batch cap follows its ready fleet (docs/tuner.md, "Cascades:
-# ladders per stage"): the cap changes within this of an instance joining or leaving.
-BATCH_SCHEDULE_STEP_S = 0.5
 
 
 def batch_schedule(
@@ -1508,7 +1508,8 @@ class _CapSchedule:
 
     times: NDArray[np.float64]
     modes: NDArray[np.int64]
-    period_s: float = BATCH_SCHEDULE_STEP_S
+    # The caps change at the tuners' ticks (from 0 on), which these look-ups meet.
+    period_s: float = TUNER_TICK_S
 
     def initial_mode(self) -> int:
         return int(self.modes[0])
@@ -1529,7 +1530,10 @@ def _scheduled_routing(
     stages = len(built)
     nxt = np.full((stages, queries), -1, dtype=np.int64)
     for s, stage in enumerate(built[:-1]):
-        nxt[s, np.ones(queries, dtype=np.bool_) if stage.forward is None else stage.forward] = s + 1
+        if stage.forward is not None:  # without flags a stage answers, as the simulator has it
+            nxt[s, np.asarray(stage.forward, dtype=np.bool_)] = s + 1
+    # The routing holds (modes, stages, queries) integers: a few modes (the distinct rows of
+    # caps), about 10 MB for a cascade's 150,000 queries.
     count = distinct.shape[0]
     routing = Routing(
         entry=np.zeros((count, queries), dtype=np.int64),

@@ -1298,7 +1298,7 @@ def live_batch(
         lo, hi = np.searchsorted(arrivals, [now_s - config.recent_s, now_s], side="right")
         live_cv2 = arrival_cv2(arrivals[lo:hi])
     stage, _planned, _why = _sized(plan, config.planned_rate_qps, live_cv2)
-    return stage.batch_at(fleet) if stage.rung_batches else plan.batch_at(fleet)
+    return stage.batch_at(fleet)
 
 
 def tune(

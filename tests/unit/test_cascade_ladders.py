@@ -89,26 +89,28 @@ def test_a_later_stage_sees_an_independent_thinning_of_the_planning_arrivals() -
     np.testing.assert_array_equal(kept, thin_planning_arrivals(arrivals, replayed, reach))
 
 
-def test_the_cascade_tuner_follows_its_ladders_up_and_back(
-    cascade: tuple[ResolvedApp, Trace],
-) -> None:
+@pytest.fixture(scope="module")
+def sized(cascade: tuple[ResolvedApp, Trace]) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """The toy cascade's plan, its stages' ladders and the replay's options for them."""
     app, planning = cascade
     plan = parse_plan(plan_app(app, planning, seed=0).to_document())
     ladders, options = cascade_sizing(app, plan, planning, burstiness=(), loads=LOADS)
-    assert set(ladders) == {"cheap", "large"}
-    planned = stage_fleets(plan.stages)
-    busy = stage_fleets(plan_app(app, scale_trace(planning, 4 * RATE_QPS)).stages)
-    assert busy["large"] != planned["large"]  # the load below needs another fleet
-    # Four times the planned rate for two minutes, then the planned rate for three: the large
-    # stage grows to the planner's fleet for 4x, and each stage ends on its planned fleet,
-    # never over the budget.
+    return plan, dict(ladders), options
+
+
+def four_times_then_planned() -> Trace:
+    """Four times the planned rate for two minutes, then the planned rate for three."""
     rng = np.random.default_rng(4)
     high = renewal_arrivals(constant_profile(4 * RATE_QPS), 120.0, 1.0, rng)
     low = 120.0 + renewal_arrivals(constant_profile(RATE_QPS), 180.0, 1.0, rng)
     arrival_s = np.concatenate([high, low])
-    trace = Trace(arrival_s, np.ones(arrival_s.size, dtype=np.int64))
-    result = replay(
-        trace,
+    return Trace(arrival_s, np.ones(arrival_s.size, dtype=np.int64))
+
+
+def replay_step(app: ResolvedApp, planning: Trace, plan: Any, options: dict[str, Any]) -> Any:
+    """The tuner's replay of :func:`four_times_then_planned` with ``options``."""
+    return replay(
+        four_times_then_planned(),
         app,
         plan,
         np.random.default_rng(5),
@@ -116,6 +118,21 @@ def test_the_cascade_tuner_follows_its_ladders_up_and_back(
         planning_arrival_s=planning.arrival_s,
         **options,
     )
+
+
+def test_the_cascade_tuner_follows_its_ladders_up_and_back(
+    cascade: tuple[ResolvedApp, Trace], sized: tuple[Any, dict[str, Any], dict[str, Any]]
+) -> None:
+    app, planning = cascade
+    plan, ladders, options = sized
+    assert set(ladders) == {"cheap", "large"}
+    planned = stage_fleets(plan.stages)
+    busy = stage_fleets(plan_app(app, scale_trace(planning, 4 * RATE_QPS)).stages)
+    assert busy["large"] != planned["large"]  # the load below needs another fleet
+    # Four times the planned rate for two minutes, then the planned rate for three: the large
+    # stage grows to the planner's fleet for 4x, and each stage ends on its planned fleet,
+    # never over the budget.
+    result = replay_step(app, planning, plan, options)
     by_name = {stage.name: stage for stage in result.stages}
     # Each decision names the ladder's fleet as its target (InferLine's model names none).
     assert result.decisions
@@ -138,30 +155,12 @@ def rung_batch(ladder: SizingLadder | None, fleet: dict[str, int]) -> int:
 
 
 def test_a_stage_serves_with_the_batch_its_ladder_plans_for_its_fleet(
-    cascade: tuple[ResolvedApp, Trace],
+    cascade: tuple[ResolvedApp, Trace], sized: tuple[Any, dict[str, Any], dict[str, Any]]
 ) -> None:
     app, planning = cascade
-    plan = parse_plan(plan_app(app, planning, seed=0).to_document())
-    ladders, options = cascade_sizing(app, plan, planning, burstiness=(), loads=LOADS)
+    plan, ladders, options = sized
     large = ladders["large"]
-    rng = np.random.default_rng(4)
-    high = renewal_arrivals(constant_profile(4 * RATE_QPS), 120.0, 1.0, rng)
-    low = 120.0 + renewal_arrivals(constant_profile(RATE_QPS), 180.0, 1.0, rng)
-    arrival_s = np.concatenate([high, low])
-    trace = Trace(arrival_s, np.ones(arrival_s.size, dtype=np.int64))
-
-    def replayed(ladders_used: dict[str, Any]) -> Any:
-        return replay(
-            trace,
-            app,
-            plan,
-            np.random.default_rng(5),
-            policy="tuner",
-            planning_arrival_s=planning.arrival_s,
-            **{**options, "tuner_ladders": ladders_used},
-        )
-
-    result = replayed(ladders)
+    result = replay_step(app, planning, plan, options)
     stage = next(s for s in result.stages if s.name == "large")
     # The large stage grows for the 4x load and shrinks back; its batch cap follows the rung
     # its ready fleet reaches, which differs between the two fleets here.
@@ -178,6 +177,6 @@ def test_a_stage_serves_with_the_batch_its_ladder_plans_for_its_fleet(
     assert large_doc["batch_caps"][0]["max_batch_queries"] == stage.batch_caps[0][1]
     # Without the rungs' batches the stage keeps its plan's batch, and the run differs.
     plain = {name: dataclasses.replace(ladder, batches=()) for name, ladder in ladders.items()}
-    before = replayed(plain)
+    before = replay_step(app, planning, plan, {**options, "tuner_ladders": plain})
     assert all(not s.batch_caps for s in before.stages)
     assert before.p99_ms != result.p99_ms
