@@ -64,8 +64,9 @@ case's seed; boot 60 s GPU / 30 s CPU; cost = USD over the run, every instance f
 **Metrics and goals** (issue 29), per row and policy: cost USD, cost / oracle, cost / CG-Peak,
 SLO miss share (queries over the P99 target; the replay refuses no query, every query is served
 and timed), scaling actions. A row meets the goal when misses <= 1% (2% for a steep step), cost <=
-1.15x the oracle and below CG-Peak's, and for a blip cost <= 1.05x the static plan's; across a set,
-CG-Peak / cost should average >= 1.3.
+1.15x the oracle and below CG-Peak's (by more than 0.1%, ``PEAK_TIE_SHARE``: runs of one fleet
+differ by their last answers' times), and for a blip cost <= 1.05x the static plan's; across a
+set, CG-Peak / cost should average >= 1.3.
 
 ``--quick``: 3-minute traces, 1-minute planning traces, rm2 only, the first seed of each set (12
 cases, about a minute on one core). A full run (both sets, every family and model: 72 cases) is
@@ -165,6 +166,10 @@ STEEP_STEP = 1.5
 MAX_COST_OVER_ORACLE = 1.15
 MIN_MEAN_PEAK_OVER_COST = 1.3
 MAX_BLIP_COST_OVER_STATIC = 1.05
+# "Cheaper than CG-Peak" means by more than this share: a replay is costed to its last answer,
+# so two runs of the same fleet differ by the milliseconds their last queries took (a tuner that
+# never left the planned fleet, where CG-Peak's plan is that fleet too, came out 0.001% apart).
+PEAK_TIE_SHARE = 0.001
 
 POLICIES = ("tuner", "static", "CG-Peak", "CG-Mean", "target tracking", "oracle")
 
@@ -585,7 +590,7 @@ def goals(case: TraceCase, m: dict[str, Any]) -> dict[str, bool]:
     checks = {
         f"misses <= {case.max_miss:.0%}": m["miss_share"] <= case.max_miss,
         f"cost <= {MAX_COST_OVER_ORACLE:g}x oracle": m["cost_over_oracle"] <= MAX_COST_OVER_ORACLE,
-        "cheaper than CG-Peak": m["cost_over_peak"] < 1.0,
+        "cheaper than CG-Peak": m["cost_over_peak"] < 1.0 - PEAK_TIE_SHARE,
     }
     if case.family == "blip":
         checks[f"cost <= {MAX_BLIP_COST_OVER_STATIC:g}x static"] = (

@@ -24,6 +24,7 @@ from benchmarks.autoscaling_heldout import (
     MODELS,
     NOMINAL_CV2,
     NOMINAL_RATE_QPS,
+    PEAK_TIE_SHARE,
     POLICIES,
     STEEP_STEP,
     run_sets,
@@ -95,9 +96,10 @@ def what_text(data: dict[str, Any]) -> str:
   `utilization` policy, its target the static plan's utilisation at R; single stage only) and
   the clairvoyant per-minute oracle (the planner at each minute's mean rate, instance-seconds).
 - Goals, per trace: misses <= {MAX_MISS:.0%} ({MAX_MISS_STEEP_STEP:.0%} across a step
-  of more than {STEEP_STEP:g}x), cost <= {MAX_COST_OVER_ORACLE:g}x the oracle and below CG-Peak's;
-  a blip: cost <= {MAX_BLIP_COST_OVER_STATIC:g}x the static plan's; across a set, CG-Peak / cost
-  averages >= {MIN_MEAN_PEAK_OVER_COST:g}.
+  of more than {STEEP_STEP:g}x), cost <= {MAX_COST_OVER_ORACLE:g}x the oracle and below CG-Peak's
+  (by more than {PEAK_TIE_SHARE:.1%}: a replay is costed to its last answer, so runs of one fleet
+  differ by milliseconds); a blip: cost <= {MAX_BLIP_COST_OVER_STATIC:g}x the static plan's;
+  across a set, CG-Peak / cost averages >= {MIN_MEAN_PEAK_OVER_COST:g}.
 - Caveats: simulated (the replay's discrete-event simulator on measured latency samples, boot
   60 s GPU / 30 s CPU), not measured on EC2; every query is served (the replay refuses none), so
   the miss share counts late queries only; the oracle's plans are cached per rate rounded to 2%

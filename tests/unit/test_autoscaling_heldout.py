@@ -125,6 +125,11 @@ def test_the_row_has_the_ratios_and_goals_of_each_policy() -> None:
     assert row["policies"]["CG-Peak"]["meets_goal"] is False  # not cheaper than itself
     assert row["policies"]["CG-Mean"]["meets_goal"] is False  # 5% missed
     assert row["set"] == "test" and row["family"] == "blip"
+    # The same fleet as CG-Peak's, its last answer a few milliseconds sooner: not cheaper.
+    policies["static"] = metrics(1.3 * (1.0 - 1e-5), 0.004)
+    row = h.case_row(blip, 1000, policies)
+    assert row["policies"]["static"]["goals"]["cheaper than CG-Peak"] is False
+    policies["static"] = metrics(1.0, 0.004)
 
     # A blip the tuner over-reacts to: within 1.15x the oracle but not within 5% of static.
     policies["tuner"] = metrics(1.1, 0.005, 9)
