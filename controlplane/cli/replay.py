@@ -249,6 +249,9 @@ def run(args: argparse.Namespace) -> int:
             )
             if stage.note:
                 lines.append(f"    {stage.note}")
+            if stage.batch_caps:
+                caps = ", ".join(f"{cap} from {t_s:g} s" for t_s, cap in stage.batch_caps)
+                lines.append(f"    most queries per batch (the ladder's for the fleet): {caps}")
             lines.append("    t_s      rate_qps  fleet")
             for window in stage.timeline:
                 fleet = ",".join(f"{name}={count}" for name, count in window.fleet.items())
@@ -259,8 +262,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def rungs_document(ladder: SizingLadder) -> list[dict[str, Any]]:
-    """A sizing ladder's rungs as ``replay --json`` gives them: ``{load, fleet}`` each."""
-    return [{"load": f, "fleet": dict(fleet)} for f, fleet in ladder.rungs]
+    """A sizing ladder's rungs as ``replay --json`` gives them: ``{load, fleet, batch}`` each
+    (``batch``: the planner's most queries per batch at that load; null where not recorded)."""
+    batch_at = dict(ladder.batches)
+    return [
+        {"load": f, "fleet": dict(fleet), "batch": batch_at.get(f)} for f, fleet in ladder.rungs
+    ]
 
 
 def baseline_document(made: BaselinePlan) -> dict[str, Any]:

@@ -476,6 +476,7 @@ def test_replay_of_a_cascade_plan(
     assert out["scaling_actions"] == sum(s["scaling_actions"] for s in out["stages"])
     if extra:
         assert out["policy"] == "static" and out["scaling_actions"] == 0
+        assert all(not s["batch_caps"] for s in out["stages"])
     else:
         # Each stage sized by its ladder: its fleet in the planner's plan of the whole cascade
         # at each load, the planned one at 1x.
@@ -486,12 +487,17 @@ def test_replay_of_a_cascade_plan(
             assert loads == sorted(loads) and {0.5, 1.0, 2.0} <= set(loads)
             counts = [sum(r["fleet"].values()) for r in rungs]
             assert counts == sorted(counts)
+            assert all(isinstance(r["batch"], int) and r["batch"] >= 1 for r in rungs)
+        caps = [cap for stage in out["stages"] for cap in stage["batch_caps"]]
+        assert caps and all(c["max_batch_queries"] >= 1 and c["t_s"] >= 0.0 for c in caps)
         assert out["scaling_actions"] > 0
         assert {d["stage"] for d in out["decisions"]} <= {"cheap", "large"}
     assert main([*args, *extra]) == 0
     captured = capsys.readouterr()
     text = captured.out
     assert "stage cheap: reached by 100.0% of the queries" in text and "stage large" in text
+    # The plan batches one query a stage; the ladders' rungs batch more: the summary says so.
+    assert ("most queries per batch (the ladder's for the fleet):" in text) == (not extra)
     # The ladders' plans are progress on stderr, one line each.
     assert ("sizing ladder" in captured.err) == (not extra)
     assert (captured.err.count("ladder x") >= 3) == (not extra)
