@@ -1330,6 +1330,9 @@ def cascade_tuner_timelines(
     (:func:`ladder_tuner`), its burstiness families thinned as its planning arrivals are. A
     stage whose planning arrivals reach it fewer than twice keeps its planned fleet.
 
+    A laddered stage's batch cap is read at 0 s and after every tick (:meth:`_StageTuner.batch`)
+    and kept where it changes (``batch_caps``).
+
     The budget binds all stages together. Each tick every tuner first decides alone, under the
     budget less what the other stages run; stages that want no scale-up then act first (their
     scale-downs free budget), then those that do, the largest deficit first (the share of the
@@ -1596,9 +1599,11 @@ def replay_pipeline(
     arrivals that reach it, within the one budget (:func:`cascade_tuner_timelines`, planning on
     ``planning_arrival_s``, by default the trace's first 10%), and the pipeline simulated once on
     the stages' changing fleets (exact for the reason :func:`replay` gives: the tuners decide
-    from arrivals only). The timeline's fleet and cost are the stages' together; ``p99_ms`` and
-    ``slo_miss_share`` are end to end; ``stages`` has each stage's reach, SLO share
-    (:func:`stage_slo_targets_ms`), fleet over time and decisions.
+    from arrivals only), a stage sized by its ladder taking the ladder's batch for its ready
+    fleet instead of the plan's (:func:`batch_schedule`). The timeline's fleet and cost are the
+    stages' together; ``p99_ms`` and ``slo_miss_share`` are end to end; ``stages`` has each
+    stage's reach, SLO share (:func:`stage_slo_targets_ms`), fleet over time, batch caps and
+    decisions.
 
     Raises:
         ReplayError: stages that do not fit the app (:func:`check_stages`), a policy other than
