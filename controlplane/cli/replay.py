@@ -233,6 +233,11 @@ def run(args: argparse.Namespace) -> int:
                 f" {interruptions['missing_instance_s']:.0f} instance-s of spot capacity missing"
                 " between an instance and its replacement"
             )
+        if result.fleet_timeline.batch_caps:
+            caps = ", ".join(
+                f"{cap} from {t_s:g} s" for t_s, cap in result.fleet_timeline.batch_caps
+            )
+            lines.append(f"  most queries per batch (the ladder's for the fleet): {caps}")
         lines.append("  t_s      rate_qps  p99_ms      fleet")
         for window in result.timeline:
             p99 = "-" if window.p99_ms is None else f"{window.p99_ms:.1f}"

@@ -241,6 +241,9 @@ class FleetTimeline:
     instances: tuple[InstanceSpec, ...]
     aborted: tuple[AbortedBoot, ...] = ()
     decisions: tuple[ReplayDecision, ...] = ()
+    # (time, the most queries per batch from then on) where the tuner's ladder moves it (the
+    # planner's batch for the ready fleet, tuner.live_batch); empty: the plan's throughout.
+    batch_caps: tuple[tuple[float, int], ...] = ()
 
     @property
     def scaling_actions(self) -> int:
@@ -602,7 +605,9 @@ def tuner_timeline(
             persistence_s=persistence_s,
         )
         start = {name: n for name, n in stage.fleet.items() if n > 0}
-        return _roll_tuner(trace, sized, sized_config, sized_boot, start)
+        return _roll_tuner(
+            trace, sized, sized_config, sized_boot, start, batch_size=stage.batch_size
+        )
     mu = _stage_rates(app, stage, trace)
     if planning_arrival_s.size == 0:
         raise ReplayError("the planning trace has no queries")
@@ -674,13 +679,24 @@ def _roll_tuner(
     config: TunerConfig,
     boot: Mapping[str, float],
     start: Mapping[str, int] | None = None,
+    batch_size: int = 1,
 ) -> FleetTimeline:
     """Tick the tuner over ``trace`` once a second from ``start`` (by default ``plan``'s
-    fleet)."""
+    fleet); a laddered stage's batch caps where they differ from ``batch_size`` (the plan's)."""
     first = Fleet.of(dict(plan.fleet if start is None else start))
     state = dataclasses.replace(initial_state([plan], now_s=0.0), fleets={plan.name: first})
     log = _FleetLog.planned(first, boot)
     arrivals = trace.arrival_s
+    caps: list[tuple[float, int]] = []
+
+    def note_cap(now_s: float) -> None:
+        fleet = ready_fleets(state, now_s)[plan.name]
+        cap = live_batch(plan, fleet, arrivals, now_s, config)
+        if cap is not None and (caps[-1][1] if caps else planned_batch) != cap:
+            caps.append((now_s, cap))
+
+    planned_batch = batch_size
+    note_cap(0.0)
     for now_s in _ticks(float(arrivals[-1]), TUNER_TICK_S):
         lo, hi = np.searchsorted(arrivals, [now_s - config.recent_s, now_s], side="right")
         decisions, state = tune(arrivals[lo:hi], float(now_s), state, [plan], config)
@@ -692,7 +708,8 @@ def _roll_tuner(
             log.decide(
                 ReplayDecision(d.at_s, d.stage, d.action, d.instance_type, d.count, d.reason)
             )
-    return log.timeline()
+        note_cap(float(now_s))
+    return dataclasses.replace(log.timeline(), batch_caps=tuple(caps))
 
 
 # --- the reactive utilisation autoscaler -----------------------------------------------------
@@ -831,11 +848,14 @@ class StageReplay:
     fleet_timeline: FleetTimeline
     timeline: tuple[TimelineWindow, ...]
     note: str | None = None
-    batch_caps: tuple[tuple[float, int], ...] = ()
 
     @property
     def scaling_actions(self) -> int:
         return self.fleet_timeline.scaling_actions
+
+    @property
+    def batch_caps(self) -> tuple[tuple[float, int], ...]:
+        return self.fleet_timeline.batch_caps
 
     def to_document(self) -> dict[str, Any]:
         return {
@@ -902,6 +922,9 @@ class ReplayResult:
             "slo_miss_share": self.slo_miss_share,
             "cost_usd": self.cost_usd,
             "scaling_actions": self.scaling_actions,
+            "batch_caps": [
+                {"t_s": t, "max_batch_queries": b} for t, b in self.fleet_timeline.batch_caps
+            ],
             "timeline": [
                 {
                     "t_s": w.t_s,
@@ -1085,7 +1108,21 @@ def replay_timeline(
         policy=make_policy(),
         max_batch_queries=stage.batch_size,
     )
-    result = simulate(trace, [sim_stage], rng, prices_usd_per_hr=prices, qos_ms=qos_ms)
+    if timeline.batch_caps:
+        routing, controller = _scheduled_routing(
+            [sim_stage], batch_schedule([timeline.batch_caps], [stage.batch_size]), len(trace)
+        )
+        result = simulate(
+            trace,
+            [sim_stage],
+            rng,
+            prices_usd_per_hr=prices,
+            qos_ms=qos_ms,
+            routing=routing,
+            controller=controller,
+        )
+    else:
+        result = simulate(trace, [sim_stage], rng, prices_usd_per_hr=prices, qos_ms=qos_ms)
     response = result.response_ms
     all_types = list(dict.fromkeys([*stage.fleet, *types]))
     return ReplayResult(
@@ -1296,9 +1333,6 @@ class _CascadeStage:
     timeline: FleetTimeline
     utilisation_target: float | None
     note: str | None
-    # (time, the most queries per batch from then on) where the ladder moves it; empty: the
-    # plan's batch throughout.
-    batch_caps: tuple[tuple[float, int], ...] = ()
 
 
 def cascade_tuner_timelines(
@@ -1481,7 +1515,7 @@ def cascade_tuner_timelines(
                 )
             note_cap(i, now_s)
     return tuple(
-        _CascadeStage(log.timeline(), rho, note, tuple(cap))
+        _CascadeStage(dataclasses.replace(log.timeline(), batch_caps=tuple(cap)), rho, note)
         for log, (rho, note), cap in zip(logs, made, caps, strict=True)
     )
 
@@ -1655,7 +1689,7 @@ def replay_pipeline(
         answered,
     )
     planned_caps = [stage.batch_size for stage in stages]
-    times, caps = batch_schedule([m.batch_caps for m in made], planned_caps)
+    times, caps = batch_schedule([m.timeline.batch_caps for m in made], planned_caps)
     if caps.shape[0] == 1 and caps[0].tolist() == planned_caps:
         result = simulate(trace, built, rng, prices_usd_per_hr=prices, qos_ms=qos_ms)
     else:
@@ -1700,7 +1734,6 @@ def replay_pipeline(
                     trace.arrival_s[masks[i]], end_s, m.timeline, stage_types, prices
                 ),
                 note=m.note,
-                batch_caps=m.batch_caps,
             )
         )
     response = result.response_ms

@@ -4,6 +4,7 @@ the planner's capacity curve sizes the stage, and the planned envelope keeps the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,8 +12,10 @@ import numpy as np
 import pytest
 
 from controlplane.cli import main
-from controlplane.policies.capacity_curve import capacity_curve
-from controlplane.policies.sizing import DEFAULT_LADDER_LOADS
+from controlplane.policies.capacity_curve import build_ladder, capacity_curve
+from controlplane.policies.planner import plan_app
+from controlplane.policies.replay import ReplayResult, parse_plan, replay
+from controlplane.policies.sizing import DEFAULT_LADDER_LOADS, SizingLadder
 from controlplane.policies.tuner import (
     TunerConfig,
     TunerStage,
@@ -23,7 +26,7 @@ from controlplane.policies.tuner import (
 )
 from estimator.envelope import arrival_envelope, tuner_windows_s
 from estimator.errors import WorkloadError
-from estimator.traces import Trace, renewal_arrivals, step_profile
+from estimator.traces import Trace, constant_profile, renewal_arrivals, step_profile
 from tests.unit.test_replay import app_of, cli_inputs, plan_document
 
 WINDOWS_S = tuple(float(w) for w in tuner_windows_s(1.0, 60.0))
@@ -156,3 +159,51 @@ def test_replay_runs_the_load_model_by_default_and_reports_its_curve(
         main([*args, "--policy", "static", "--tuner-model", "curve"])
     assert caught.value.code == 2
     assert "--tuner-model is for the tuner" in capsys.readouterr().err
+
+
+def test_a_single_stage_serves_with_the_batch_its_ladder_plans_for_its_fleet(
+    tmp_path: Path,
+) -> None:
+    app = app_of(tmp_path, budget_usd_per_hr=10.0)
+    arrivals = gamma_arrivals(50.0, 120.0, seed=3)
+    planning = Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
+    plan = parse_plan(plan_app(app, planning, seed=0).to_document())
+    stage = plan.stages[0]
+    ladder = build_ladder(app, "m", planning, dispatch="fcfs", loads=(0.5, 1.0, 2.0, 4.0))
+    assert ladder is not None and [f for f, _ in ladder.batches] == [f for f, _ in ladder.rungs]
+    # A ladder whose rungs from 2x on batch two queries: once the ready fleet reaches the 2x
+    # rung's capacity the stage takes two a batch, and one again once it shrinks below.
+    two = dataclasses.replace(
+        ladder, batches=tuple((f, 2 if f >= 2.0 else 1) for f, _ in ladder.rungs)
+    )
+    reached = min(ladder.capacity_qps(rung) for f, rung in ladder.rungs if f >= 2.0)
+    # Four times the planned rate for two minutes, then the planned rate for four.
+    rng = np.random.default_rng(7)
+    high = renewal_arrivals(constant_profile(200.0), 120.0, 1.0, rng)
+    low = 120.0 + renewal_arrivals(constant_profile(50.0), 240.0, 1.0, rng)
+    arrival_s = np.concatenate([high, low])
+    trace = Trace(arrival_s, np.ones(arrival_s.size, dtype=np.int64))
+
+    def replayed(used: SizingLadder) -> ReplayResult:
+        return replay(
+            trace,
+            app,
+            plan,
+            np.random.default_rng(5),
+            policy="tuner",
+            planning_arrival_s=planning.arrival_s,
+            tuner_ladder=used,
+            tuner_recent_s=60.0,
+        )
+
+    result = replayed(two)
+    caps = result.fleet_timeline.batch_caps
+    assert [cap for _, cap in caps] == [2, 1], caps
+    for t_s, cap in caps:
+        ready = result.fleet_timeline.ready_fleet_at(t_s, ())
+        assert (ladder.capacity_qps(ready) >= reached - 1e-9) == (cap == 2), (t_s, ready)
+    # The rungs' own batches (one query on this app): the plan's batch throughout.
+    assert stage.batch_size == 1 and all(b == 1 for _, b in ladder.batches)
+    plain = replayed(ladder)
+    assert plain.fleet_timeline.batch_caps == ()
+    assert plain.p99_ms != result.p99_ms
