@@ -9,13 +9,15 @@ capacity curve of the plan's stage on the planning trace, a 180 s live envelope)
 ``--tuner-model inferline`` is InferLine's one provisioning ratio, for comparison. A plan of
 several stages (a cascade) replays as one pipeline: static (``--tuner off``), or with one tuner
 per stage on the queries that reach it, all within the one budget (docs/tuner.md, "Cascades: one
-tuner per stage"); the stages' tuners run InferLine's model (the capacity curve is a single
-stage's), and the output adds a section per stage.
+tuner per stage"); each stage's tuner is sized by its ladder in the planner's plans of the
+whole cascade (InferLine's model where the planner places none), and the output adds a section
+per stage.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -234,10 +236,7 @@ def run(args: argparse.Namespace) -> int:
                 " between an instance and its replacement"
             )
         if result.fleet_timeline.batch_caps:
-            caps = ", ".join(
-                f"{cap} from {t_s:g} s" for t_s, cap in result.fleet_timeline.batch_caps
-            )
-            lines.append(f"  most queries per batch (the ladder's for the fleet): {caps}")
+            lines.append(f"  {_caps_text(result.fleet_timeline.batch_caps)}")
         lines.append("  t_s      rate_qps  p99_ms      fleet")
         for window in result.timeline:
             p99 = "-" if window.p99_ms is None else f"{window.p99_ms:.1f}"
@@ -255,8 +254,7 @@ def run(args: argparse.Namespace) -> int:
             if stage.note:
                 lines.append(f"    {stage.note}")
             if stage.batch_caps:
-                caps = ", ".join(f"{cap} from {t_s:g} s" for t_s, cap in stage.batch_caps)
-                lines.append(f"    most queries per batch (the ladder's for the fleet): {caps}")
+                lines.append(f"    {_caps_text(stage.batch_caps)}")
             lines.append("    t_s      rate_qps  fleet")
             for window in stage.timeline:
                 fleet = ",".join(f"{name}={count}" for name, count in window.fleet.items())
@@ -264,6 +262,12 @@ def run(args: argparse.Namespace) -> int:
         return "\n".join(lines)
 
     return emit(args.json, data, human)
+
+
+def _caps_text(caps: Sequence[tuple[float, int]]) -> str:
+    """The summary's line for a stage's batch caps (time, cap) where its ladder moved them."""
+    moves = ", ".join(f"{cap} from {t_s:g} s" for t_s, cap in caps)
+    return f"most queries per batch (the ladder's for the fleet): {moves}"
 
 
 def rungs_document(ladder: SizingLadder) -> list[dict[str, Any]]:

@@ -688,15 +688,7 @@ def _roll_tuner(
     log = _FleetLog.planned(first, boot)
     arrivals = trace.arrival_s
     caps: list[tuple[float, int]] = []
-
-    def note_cap(now_s: float) -> None:
-        fleet = ready_fleets(state, now_s)[plan.name]
-        cap = live_batch(plan, fleet, arrivals, now_s, config)
-        if cap is not None and (caps[-1][1] if caps else planned_batch) != cap:
-            caps.append((now_s, cap))
-
-    planned_batch = batch_size
-    note_cap(0.0)
+    _note_batch(caps, batch_size, plan, state, arrivals, 0.0, config)
     for now_s in _ticks(float(arrivals[-1]), TUNER_TICK_S):
         lo, hi = np.searchsorted(arrivals, [now_s - config.recent_s, now_s], side="right")
         decisions, state = tune(arrivals[lo:hi], float(now_s), state, [plan], config)
@@ -708,8 +700,26 @@ def _roll_tuner(
             log.decide(
                 ReplayDecision(d.at_s, d.stage, d.action, d.instance_type, d.count, d.reason)
             )
-        note_cap(float(now_s))
+        _note_batch(caps, batch_size, plan, state, arrivals, float(now_s), config)
     return dataclasses.replace(log.timeline(), batch_caps=tuple(caps))
+
+
+def _note_batch(
+    caps: list[tuple[float, int]],
+    planned: int,
+    plan: TunerStage,
+    state: TunerState,
+    arrival_s: NDArray[np.float64],
+    now_s: float,
+    config: TunerConfig,
+) -> None:
+    """Append (``now_s``, cap) to ``caps`` where the stage's batch cap from now on
+    (:func:`controlplane.policies.tuner.live_batch` for its ready fleet) differs from the last
+    one noted (``planned`` before any)."""
+    fleet = ready_fleets(state, now_s)[plan.name]
+    cap = live_batch(plan, fleet, arrival_s, now_s, config)
+    if cap is not None and (caps[-1][1] if caps else planned) != cap:
+        caps.append((now_s, cap))
 
 
 # --- the reactive utilisation autoscaler -----------------------------------------------------
@@ -837,7 +847,7 @@ class StageReplay:
     stage's serving fleet, the rate of the queries reaching it and its cost per 10 s window
     (``p99_ms`` is None: the simulation times queries end to end, not per stage).
     ``batch_caps``: (time, the most queries per batch from then on) where the tuner's ladder
-    moved it (the planner's batch for the ready fleet at the live load,
+    moved it (the planner's batch for the ready fleet,
     :func:`controlplane.policies.tuner.live_batch`); empty: the plan's throughout.
     """
 
@@ -1308,12 +1318,6 @@ class _StageTuner:
         config = dataclasses.replace(self.config, budget_usd_per_hr=budget_usd_per_hr)
         return tune(self.window(now_s), now_s, self.state, [self.plan], config)
 
-    def batch(self, now_s: float) -> int | None:
-        """The most queries per batch the stage takes from ``now_s`` on: its ladder's batch for
-        its ready fleet (:func:`controlplane.policies.tuner.live_batch`)."""
-        fleet = ready_fleets(self.state, now_s)[self.plan.name]
-        return live_batch(self.plan, fleet, self.arrival_s, now_s, self.config)
-
     def deficit(self, decisions: Sequence[ScalingDecision], state: TunerState) -> float:
         """The share of the capacity the stage wants that it lacks now: (wanted - now) / wanted,
         wanted = what the decisions launched plus what the budget kept them short of (0: no
@@ -1364,8 +1368,8 @@ def cascade_tuner_timelines(
     (:func:`ladder_tuner`), its burstiness families thinned as its planning arrivals are. A
     stage whose planning arrivals reach it fewer than twice keeps its planned fleet.
 
-    A laddered stage's batch cap is read at 0 s and after every tick (:meth:`_StageTuner.batch`)
-    and kept where it changes (``batch_caps``).
+    A laddered stage's batch cap is read at 0 s and after every tick (:func:`_note_batch`) and
+    kept where it changes (its timeline's ``batch_caps``).
 
     The budget binds all stages together. Each tick every tuner first decides alone, under the
     budget less what the other stages run; stages that want no scale-up then act first (their
@@ -1470,9 +1474,15 @@ def cascade_tuner_timelines(
     def note_cap(i: int, now_s: float) -> None:
         tuner = tuners[i]
         assert tuner is not None
-        cap = tuner.batch(now_s)
-        if cap is not None and (caps[i][-1][1] if caps[i] else stages[i].batch_size) != cap:
-            caps[i].append((now_s, cap))
+        _note_batch(
+            caps[i],
+            stages[i].batch_size,
+            tuner.plan,
+            tuner.state,
+            tuner.arrival_s,
+            now_s,
+            tuner.config,
+        )
 
     for i in active:
         note_cap(i, 0.0)
@@ -1688,13 +1698,14 @@ def replay_pipeline(
         trace,
         answered,
     )
-    planned_caps = [stage.batch_size for stage in stages]
-    times, caps = batch_schedule([m.timeline.batch_caps for m in made], planned_caps)
-    if caps.shape[0] == 1 and caps[0].tolist() == planned_caps:
+    if not any(m.timeline.batch_caps for m in made):
         result = simulate(trace, built, rng, prices_usd_per_hr=prices, qos_ms=qos_ms)
     else:
         # The tuner's ladder moves a stage's batch cap with its fleet: the caps as modes.
-        routing, controller = _scheduled_routing(built, (times, caps), len(trace))
+        schedule = batch_schedule(
+            [m.timeline.batch_caps for m in made], [stage.batch_size for stage in stages]
+        )
+        routing, controller = _scheduled_routing(built, schedule, len(trace))
         result = simulate(
             trace,
             [dataclasses.replace(stage, forward=None) for stage in built],
