@@ -1118,21 +1118,15 @@ def replay_timeline(
         policy=make_policy(),
         max_batch_queries=stage.batch_size,
     )
-    if timeline.batch_caps:
-        routing, controller = _scheduled_routing(
-            [sim_stage], batch_schedule([timeline.batch_caps], [stage.batch_size]), len(trace)
-        )
-        result = simulate(
-            trace,
-            [sim_stage],
-            rng,
-            prices_usd_per_hr=prices,
-            qos_ms=qos_ms,
-            routing=routing,
-            controller=controller,
-        )
-    else:
-        result = simulate(trace, [sim_stage], rng, prices_usd_per_hr=prices, qos_ms=qos_ms)
+    result = _simulate_capped(
+        trace,
+        [sim_stage],
+        rng,
+        [timeline.batch_caps],
+        [stage.batch_size],
+        prices_usd_per_hr=prices,
+        qos_ms=qos_ms,
+    )
     response = result.response_ms
     all_types = list(dict.fromkeys([*stage.fleet, *types]))
     return ReplayResult(
@@ -1566,6 +1560,25 @@ class _CapSchedule:
         return int(self.modes[max(int(np.searchsorted(self.times, now_s, "right")) - 1, 0)])
 
 
+def _simulate_capped(
+    trace: Trace,
+    built: Sequence[Stage],
+    rng: np.random.Generator,
+    caps: Sequence[Sequence[tuple[float, int]]],
+    planned: Sequence[int],
+    **options: Any,
+) -> SimulationResult:
+    """``simulate`` of ``built`` on ``trace``; where a tuner's ladder moved a stage's batch cap
+    (``caps``, per stage, as :attr:`FleetTimeline.batch_caps`; ``planned``, each stage's plan's),
+    with the caps as modes of a routing (:func:`_scheduled_routing`), which then carries the
+    stages' forwarding in place of their flags."""
+    if not any(caps):
+        return simulate(trace, built, rng, **options)
+    routing, controller = _scheduled_routing(built, batch_schedule(caps, planned), len(trace))
+    unflagged = [dataclasses.replace(stage, forward=None) for stage in built]
+    return simulate(trace, unflagged, rng, routing=routing, controller=controller, **options)
+
+
 def _scheduled_routing(
     built: Sequence[Stage], schedule: tuple[NDArray[np.float64], NDArray[np.int64]], queries: int
 ) -> tuple[Routing, _CapSchedule]:
@@ -1698,23 +1711,15 @@ def replay_pipeline(
         trace,
         answered,
     )
-    if not any(m.timeline.batch_caps for m in made):
-        result = simulate(trace, built, rng, prices_usd_per_hr=prices, qos_ms=qos_ms)
-    else:
-        # The tuner's ladder moves a stage's batch cap with its fleet: the caps as modes.
-        schedule = batch_schedule(
-            [m.timeline.batch_caps for m in made], [stage.batch_size for stage in stages]
-        )
-        routing, controller = _scheduled_routing(built, schedule, len(trace))
-        result = simulate(
-            trace,
-            [dataclasses.replace(stage, forward=None) for stage in built],
-            rng,
-            prices_usd_per_hr=prices,
-            qos_ms=qos_ms,
-            routing=routing,
-            controller=controller,
-        )
+    result = _simulate_capped(
+        trace,
+        built,
+        rng,
+        [m.timeline.batch_caps for m in made],
+        [stage.batch_size for stage in stages],
+        prices_usd_per_hr=prices,
+        qos_ms=qos_ms,
+    )
     timeline = FleetTimeline(
         tuple(spec for m in made for spec in m.timeline.instances),
         tuple(a for m in made for a in m.timeline.aborted),
