@@ -433,8 +433,11 @@ def test_a_standby_adopts_the_killed_leaders_local_workers(
             """Alive local worker processes recorded for the app: provider id -> pid."""
             local = LocalProvisioner(data_dir / LOCAL_WORKERS_DIR, {}, ["tiny"], None)
             try:
+                # list() first, records() second: the leader may launch a worker between the two
+                # reads, and a record read first would lack the newcomer that list() then sees.
+                listed = [i.provider_id for i in local.list({})]
                 pids = {r.provider_id: r.pid for r in local.records()}
-                return {i.provider_id: pids[i.provider_id] for i in local.list({})}
+                return {i: pids[i] for i in listed if i in pids}
             finally:
                 local.close()
 
