@@ -278,12 +278,18 @@ class ApiServer:
     as url:`` waits (with a deadline) until it listens; leaving the block stops it."""
 
     def __init__(self, service: Service) -> None:
-        self.port = free_port()
-        config = uvicorn.Config(
-            service.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
-        )
+        # Bound here and handed to uvicorn, which listens on it after the lifespan's start: a
+        # port only chosen here could be taken by another test process's socket meanwhile.
+        # IPPROTO_TCP, as uvicorn's own socket has it: asyncio sets TCP_NODELAY only on the
+        # connections of a socket that says it is TCP (heteroplane serve's listen() says why).
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self.socket.bind(("127.0.0.1", 0))
+        self.port: int = self.socket.getsockname()[1]
+        config = uvicorn.Config(service.app, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, name="uvicorn", daemon=True
+        )
 
     def __enter__(self) -> str:
         self.thread.start()
@@ -297,6 +303,7 @@ class ApiServer:
     def __exit__(self, *_: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=60.0)
+        self.socket.close()
 
 
 def measure_profiles(cache: Path, out: Path, models: str, batch_sizes: str) -> Path:

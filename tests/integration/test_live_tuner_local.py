@@ -214,9 +214,10 @@ def test_a_step_in_the_load_scales_the_fleet_up_within_the_budget_and_back_down(
             before_step = watch.last_decision_id()
             load.phase(HIGH_QPS, seed=2)
             watch.until("a scale_up decision", lambda: watch.decisions("scale_up", before_step))
+            # One reading, counted and returned: a second one may already differ from the first.
             more = watch.until(
                 "more running worker processes",
-                lambda: len(watch.live_processes()) >= 2 and watch.live_processes(),
+                lambda: alive if len(alive := watch.live_processes()) >= 2 else None,
                 WORKER_DEADLINE_S,
             )
             scaled_to = len(watch.running())

@@ -219,12 +219,25 @@ def terminate_in_cloud(provider_id: str) -> None:
 
 
 def role(server: Server) -> str | None:
+    """The role ``server``'s /healthz says; None while it does not answer. A ``serve`` process's
+    role is the one of the loops process it supervises, which it asks with a 1 s timeout and
+    calls ``standby`` when that one does not answer in time (a busy machine): None then too, so
+    that a missed answer is never read as the lease's standby."""
     try:
         answer = httpx.get(f"{server.url}/healthz", timeout=5.0)
     except httpx.TransportError:
         return None
-    found: str = answer.json()["role"]
+    health = answer.json()
+    loops = health.get("loops")
+    if loops is not None and loops["role"] is None:
+        return None
+    found: str = health["role"]
     return found
+
+
+def answered_role(server: Server, diagnose: Callable[[], str]) -> str:
+    """:func:`role` once ``server`` answers it (waiting, with :func:`wait_for`'s deadline)."""
+    return wait_for("an answer to /healthz", lambda: role(server), diagnose)
 
 
 def tails_of(servers: Sequence[Server]) -> Callable[[], str]:
@@ -324,7 +337,7 @@ def test_a_standby_takes_over_from_a_killed_leader_without_duplicates(
         return cloud if recorded == cloud and Counter(cloud.values()) == planned else None
 
     first_fleet = wait_for("fleet as planned", running_as_planned, logs)
-    assert role(standby) == "standby"
+    assert answered_role(standby, logs) == "standby"
 
     leader.process.kill()  # SIGKILL: no shutdown, its lock connection simply goes
     leader.process.wait(timeout=60)
@@ -353,7 +366,7 @@ def test_a_standby_takes_over_from_a_killed_leader_without_duplicates(
     assert sorted(r["provider_id"] for r in live) == sorted(final)
     assert [r["provider_id"] for r in rows if r["state"] == "failed"] == [lost]
     assert len({r["provider_id"] for r in rows}) == len(rows)
-    assert role(standby) == "leader"
+    assert answered_role(standby, logs) == "leader"
     api.close()
     assert standby.stop() == 0, standby.log_path.read_text()
     assert "leader lease acquired" in standby.log_path.read_text()

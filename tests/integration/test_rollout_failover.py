@@ -6,8 +6,10 @@ ONNX model of ``benchmarks/bad_queries.py`` served by a local worker.
 Everything goes through the *standby*: the model's two versions pushed, the app registered,
 planned and applied, the rollout started (it answers at once; the leader's rollout loop
 profiles the new version, starts its worker and moves the rollout to its first step), and a
-client's queries, each with its own request id. The leader measures no query (they all reach
-the standby), so the rollout stays at its first step; the leader is then killed with SIGKILL.
+client's queries, each with its own request id. The leader's serving process may be the app's
+dispatcher (the standby's then forwards the queries to it, and the leader measures them), so
+the step lasts :data:`STEP_S`, longer than the test takes to see the rollout at its first step
+and kill the leader with SIGKILL.
 The standby takes the lease and its rollout loop resumes the rollout at the step the database
 says, with the same worker (none launched again), judges it on the queries it served, and
 promotes it; every client query, before and after the failover, is answered (200).
@@ -37,6 +39,12 @@ from tests.integration.test_rollouts_local import APP, TYPE, Client
 
 pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
+
+# A step of the rollout, s: judged no sooner, so the leader (whose serving process may dispatch
+# the app's queries) cannot move the rollout past its first step between the poll that finds it
+# there and the kill, nor while its loops process stops after the kill (it looks for its
+# parent every second).
+STEP_S = 5
 
 
 @pytest.mark.slow  # two replicas, a profile run's worker, the fleet's, the rollout's, a handover
@@ -81,7 +89,7 @@ def test_a_new_leader_resumes_the_rollout_at_its_step(postgres_url: str, tmp_pat
             json={
                 "model": f"{MODEL}@2",
                 "steps": [0.5, 1.0],
-                "interval_s": 1,
+                "interval_s": STEP_S,
                 "thresholds": {"min_queries": 5},
             },
         )

@@ -34,6 +34,7 @@ from tests.conftest import needs_shared
 from tests.integration.conftest import process_alive
 from tests.integration.test_replicas import (
     _local_profile,
+    answered_role,
     apply_local_app,
     role,
     stop_local_workers,
@@ -88,8 +89,10 @@ def test_the_serving_process_runs_no_job_and_restarts_its_loops(tmp_path: Path) 
         first = wait_for("the loops process", lambda: loops_of(server), server.log_text)
         assert first["role"] == "leader" and first["restarts"] == 0
         admin = {"Authorization": f"Bearer {create_token(data_dir)}"}
-        health = httpx.get(f"{server.url}/healthz").json()
-        assert health["role"] == "leader" and health["scheduler_running"] is False
+        # The serving process's role is its loops process's (asked with a 1 s timeout: read once
+        # that one answers); it runs no job itself.
+        assert answered_role(server, server.log_text) == "leader"
+        assert httpx.get(f"{server.url}/healthz").json()["scheduler_running"] is False
 
         child = f"{first['url']}/metrics"
         wait_for(

@@ -151,6 +151,17 @@ def test_an_interruption_notice_under_load_loses_no_query(service: Service) -> N
                 service,
             )
 
+            def doomed_ended() -> bool:
+                state = {r["id"]: r for r in instances()}[doomed["id"]]["state"]
+                return state in ("terminating", "terminated")
+
+            # When the control plane ended it, not when its replacement runs too: past
+            # margin_s + drain_s before the deadline the doomed worker drains and goes whether or
+            # not the replacement runs yet, and a replacement slow to start on a busy machine
+            # (torch, the family) must not count against the deadline.
+            until("the doomed worker terminated", doomed_ended, service)
+            ended_at = datetime.now(notice.deadline.tzinfo)
+
             def replaced() -> list[dict[str, Any]] | None:
                 rows = {r["id"]: r for r in instances()}
                 if rows[doomed["id"]]["state"] not in ("terminating", "terminated"):
@@ -159,7 +170,6 @@ def test_an_interruption_notice_under_load_loses_no_query(service: Service) -> N
                 return serving if len(serving) == 2 else None
 
             after = until("the doomed worker gone and its replacement running", replaced, service)
-            ended_at = datetime.now(notice.deadline.tzinfo)
             until("the replacement in the serving loop", lambda: serving_workers() == 2, service)
             until("the doomed worker's process gone", lambda: not process_alive(pid), service)
             # The load goes on to the fleet as it is now: the replacement serves some of it.
