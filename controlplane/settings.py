@@ -442,6 +442,14 @@ class Settings(BaseSettings):
         description="how long a request head may take to arrive whole (else 408 and the"
         " connection closed; a connection that sent nothing is closed), s",
     )
+    http_keep_alive_s: float = Field(
+        default=75.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="how long an idle kept-alive connection stays open between requests, s;"
+        " longer than a load balancer's or client's idle timeout (the ALB's 60 s), so that the"
+        " service never closes a connection the other side is about to send on",
+    )
     http_head_max_bytes: int = Field(
         default=64 << 10,
         ge=8 << 10,

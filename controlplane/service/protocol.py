@@ -10,7 +10,9 @@ limits"):
 - at most ``unauthenticated_max`` connections that have not yet shown a valid token are open: a
   new one past it closes the least recently active of them (:class:`ConnectionGuard`), so that a
   flood of idle or slow connections costs a bounded amount of memory and never shuts out a
-  client that asks and goes (``/healthz``, a load balancer's probe).
+  client that asks and goes (``/healthz``, a load balancer's probe);
+- an idle kept-alive connection is closed after ``keep_alive_s`` (75 s): longer than a load
+  balancer keeps its own (:func:`server_options` says why).
 
 The answers carry the API's error body (the Open Inference Protocol's ``{"error": "..."}`` on
 ``/v2``). A head over :data:`~controlplane.api.limits.MAX_HEADER_BYTES` but within the read limit
@@ -148,6 +150,7 @@ class ConnectionLimits:
     body_min_rate_bytes_per_s: float = 1024.0
     body_rate_window_s: float = 10.0
     unauthenticated_max: int = 1000
+    keep_alive_s: float = 75.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ConnectionLimits:
@@ -157,6 +160,7 @@ class ConnectionLimits:
             body_min_rate_bytes_per_s=settings.http_body_min_rate_bytes_per_s,
             body_rate_window_s=settings.http_body_rate_window_s,
             unauthenticated_max=settings.http_unauthenticated_connections_max,
+            keep_alive_s=settings.http_keep_alive_s,
         )
 
 
@@ -410,7 +414,15 @@ else:  # pragma: no cover
 def server_options(limits: ConnectionLimits | None = None) -> dict[str, Any]:
     """``uvicorn.Config`` keyword arguments: the protocol (httptools' with ``limits``, default
     :class:`ConnectionLimits`, and a :class:`ConnectionGuard` of its own; h11's, with the head
-    read limit only, where httptools is missing), the head read limit and asyncio's loop."""
+    read limit only, where httptools is missing), the head read limit, the keep-alive timeout
+    and asyncio's loop.
+
+    The keep-alive timeout is uvicorn's 5 s unless set: a client or load balancer that keeps
+    an idle connection longer than the server (an ALB keeps its backend connections for its
+    idle timeout, 60 s by default) sends, now and then, a request on a connection the server
+    is closing at that moment, and that request fails (the ALB answers 502). The side that
+    closes idle connections must be the client's, so the server's timeout is the longer
+    (:attr:`ConnectionLimits.keep_alive_s`, 75 s)."""
     limits = limits if limits is not None else ConnectionLimits()
     protocol: type[asyncio.Protocol] = HeadLimitedH11Protocol
     if HeadLimitedHttpToolsProtocol is not None:
@@ -424,4 +436,5 @@ def server_options(limits: ConnectionLimits | None = None) -> dict[str, Any]:
         "http": protocol,
         "loop": _LOOP,
         "h11_max_incomplete_event_size": limits.head_max_bytes,
+        "timeout_keep_alive": limits.keep_alive_s,
     }

@@ -6,12 +6,14 @@ active goes), the JSON nesting check that runs before a body is decoded
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
 from controlplane.api.limits import MAX_JSON_DEPTH, json_depth_exceeds
 from controlplane.errors import SettingsError
-from controlplane.service.protocol import ConnectionGuard, ConnectionLimits
+from controlplane.service.protocol import ConnectionGuard, ConnectionLimits, server_options
 from controlplane.settings import Settings
 
 
@@ -73,9 +75,27 @@ def test_the_limits_come_from_the_settings() -> None:
         http_body_min_rate_bytes_per_s=0,
         http_body_rate_window_s=3,
         http_unauthenticated_connections_max=7,
+        http_keep_alive_s=90,
     )
-    assert ConnectionLimits.from_settings(settings) == ConnectionLimits(2.5, 16384, 0.0, 3.0, 7)
+    limits = ConnectionLimits.from_settings(settings)
+    assert limits == ConnectionLimits(2.5, 16384, 0.0, 3.0, 7, 90.0)
     assert ConnectionLimits.from_settings(Settings()) == ConnectionLimits()
-    for bad in ({"http_head_timeout_s": 0}, {"http_head_max_bytes": 100}):
+    assert server_options(limits)["timeout_keep_alive"] == 90.0
+    for bad in (
+        {"http_head_timeout_s": 0},
+        {"http_head_max_bytes": 100},
+        {"http_keep_alive_s": 0},
+        {"http_keep_alive_s": float("inf")},
+    ):
         with pytest.raises((SettingsError, ValueError)):
             Settings(**bad)  # type: ignore[arg-type]
+
+
+def test_the_server_keeps_idle_connections_longer_than_an_alb_does() -> None:
+    """An ALB keeps its connections to the service for its idle timeout (60 s unless set;
+    terraform's aws_lb sets it): the service's keep-alive must outlast it, or the service closes
+    a connection the load balancer is about to send a query on (a 502 to the client)."""
+    terraform = Path(__file__).parents[2] / "terraform" / "modules" / "heteroplane"
+    (idle,) = re.findall(r"idle_timeout\s*=\s*(\d+)", (terraform / "load_balancer.tf").read_text())
+    assert ConnectionLimits().keep_alive_s > int(idle) >= 1
+    assert Settings().http_keep_alive_s == ConnectionLimits().keep_alive_s

@@ -21,6 +21,10 @@ resource "aws_lb" "api" {
   # Requests with header fields that are not valid HTTP are dropped, not passed to the service.
   drop_invalid_header_fields = true
   desync_mitigation_mode     = "strictest"
+  # How long the ALB keeps an idle connection, to the client and to the service. The service
+  # keeps its side longer (http_keep_alive_s, 75 s), so the ALB, never the service, closes an
+  # idle connection to it: a close from the service as the ALB sends a query on it would be a 502.
+  idle_timeout = 60
 
   tags = merge(local.tags, { Name = "${var.name}-api" })
 
