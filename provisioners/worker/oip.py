@@ -239,9 +239,8 @@ def decode_tensor(entry: Mapping[str, Any], spec: TensorSpec, *, max_batch_size:
 
 def _shape(shape: object, spec: TensorSpec, max_batch_size: int) -> tuple[int, ...]:
     name = spec.name
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) for d in shape
-    ):
+    # type(d) is int: JSON's integers (a bool is not one, nor is a float)
+    if type(shape) is not list or not all(type(d) is int for d in shape):
         raise OipError(f"input {name!r}: 'shape' must be a list of integers")
     if len(shape) != len(spec.shape):
         raise OipError(
@@ -333,6 +332,8 @@ def with_binary_inputs(
     entries = document.get("inputs")
     if not isinstance(entries, list):
         return document  # parse_infer_request says what is wrong
+    if not binary and not any(isinstance(e, Mapping) and "parameters" in e for e in entries):
+        return document  # a JSON-only query (the common one): nothing to fill in
     specs = {spec.name: spec for spec in signature.inputs}
     offset = 0
     filled = []
