@@ -404,9 +404,8 @@ def stack_outputs(
                 )
             datatype = found[0]
             samples.append(found[1][row])
-        if len(replies) == 1:  # one sample (the common query): its row, no copy
-            _, row = replies[0]
-            stacked.append((name, datatype, arrays[(id(replies[0][0]), name)][1][row : row + 1]))
+        if len(samples) == 1:  # one sample (the common query): a view of its row, no copy
+            stacked.append((name, datatype, samples[0][np.newaxis]))
             continue
         if any(s.shape != samples[0].shape for s in samples):
             raise ModelIOError(f"output {name!r}: the answering models differ in sample shape")
