@@ -9,9 +9,10 @@ held-out traffic, CascadeServe, Cascadia, INFaaS, the control plane's own speed)
 writes the folder's index (``README.md`` there) and, in full mode into docs/results, replaces the
 block between the ``results:begin``/``results:end`` markers of the repository's README.md with a
 line per section (its title, linked to its page), read back from the JSON files: the README quotes
-no figure. About 25 minutes on a quiet 2-core machine (and the autoscaling section's held-out run,
-about 30 minutes more); ``--quick`` (what CI runs) takes a few minutes and
-writes to build/results-quick. An experiment that fails is reported and the others still run;
+no figure but the held-out autoscaling figures (the autoscaling module's ``readme_headline``), the
+ones the tuner is judged by. About 25 minutes on a quiet 2-core machine (and the autoscaling
+section's held-out run, about 30 minutes more); ``--quick`` (what CI runs) takes a few minutes
+and writes to build/results-quick. An experiment that fails is reported and the others still run;
 the exit status is then 1.
 """
 
@@ -75,12 +76,29 @@ def index_markdown(sections: list[Section]) -> str:
     return "\n".join(lines)
 
 
+def readme_headline(section: Section) -> str:
+    """What the README says after a section's link: its module's ``readme_headline(data)``
+    where it has one (the autoscaling section's held-out figures), else nothing."""
+    try:
+        module = importlib.import_module(f"benchmarks.results.{section.key}")
+    except ImportError:
+        return ""
+    headline = getattr(module, "readme_headline", None)
+    return str(headline(section.data)) if headline is not None and not section.quick else ""
+
+
 def readme_block(sections: list[Section], link_prefix: str = "docs/results/") -> str:
     """The README's results block: one line per section, its title linked to the section's page
     (the README stays short: the figures are on those pages and in the index,
-    ``docs/results/README.md``, which has every summary line)."""
+    ``docs/results/README.md``, which has every summary line), and after it a headline where
+    the section's module gives one (:func:`readme_headline`)."""
     lines = [BEGIN]
-    lines += [f"- [{section.title}]({link_prefix}{section.key}.md)" for section in sections]
+    for section in sections:
+        headline = readme_headline(section)
+        lines.append(
+            f"- [{section.title}]({link_prefix}{section.key}.md)"
+            + (f": {headline}" if headline else "")
+        )
     lines.append(END)
     return "\n".join(lines)
 

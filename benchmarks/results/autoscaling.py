@@ -137,6 +137,23 @@ def _policy_words(summary: dict[str, Any], name: str) -> str:
     )
 
 
+def readme_headline(data: dict[str, Any]) -> str:
+    """The README's words after this section's link: the held-out test set's figures (the
+    issue asks the README for those, never the tuning set's); empty without a test set."""
+    test = data["sets"].get("test")
+    if test is None:
+        return ""
+    tuner = test["summary"]["policies"]["tuner"]
+    return finding(
+        KEY,
+        "readme",
+        mean_cost_over_oracle=f"{tuner['mean_cost_over_oracle']:.2f}",
+        mean_miss_pct=f"{100 * tuner['mean_miss_share']:.2f}",
+        meets_goal=tuner["meets_goal"],
+        rows=tuner["rows"],
+    )
+
+
 def summary_lines(data: dict[str, Any]) -> list[str]:
     """The section's findings (their wording: benchmarks/results/findings/autoscaling.md)."""
     lines = []

@@ -103,3 +103,15 @@ FIRST_HALF = ("kairos", "inferline", "cascades", "cascadia", "infaas")
 def test_quick_mode_writes_the_first_half_of_the_sections(tmp_path: Path) -> None:
     chosen = [(module, key) for module, key in EXPERIMENTS if module in FIRST_HALF]
     quick_run_writes(tmp_path, [m for m, _ in chosen], [k for _, k in chosen])
+
+
+def test_the_readme_states_the_held_out_autoscaling_figures_not_the_tuning_ones() -> None:
+    (section,) = [s for s in sections_in(DOCS_RESULTS) if s.key == "autoscaling"]
+    sets = section.data["sets"]
+    test, tuning = (sets[name]["summary"]["policies"]["tuner"] for name in ("test", "tuning"))
+    line = next(
+        line for line in _readme_block().splitlines() if "(docs/results/autoscaling.md)" in line
+    )
+    assert f"{test['mean_cost_over_oracle']:.2f}x" in line
+    assert f"{100 * test['mean_miss_share']:.2f}%" in line
+    assert f"{100 * tuning['mean_miss_share']:.2f}%" not in line
