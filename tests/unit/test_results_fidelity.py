@@ -5,11 +5,13 @@ serving`, `python -m benchmarks.results.fidelity`)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks.fidelity.serving import (
+    USER_CNNS,
     Level,
     Model,
     Run,
@@ -102,9 +104,18 @@ def test_a_setting_survives_its_json() -> None:
     assert again.outside_p99_ms == 99.0 and again.capacity_qps == pytest.approx(1000 / 6)
 
 
-def test_the_users_model_is_a_valid_onnx_cnn(tmp_path: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("cnn", sorted(USER_CNNS))
+def test_the_users_model_is_a_valid_onnx_cnn(tmp_path: Path, cnn: str) -> None:
+    onnx = pytest.importorskip("onnx")
     onnxruntime = pytest.importorskip("onnxruntime")
-    path = user_onnx(tmp_path / "cnn.onnx")  # type: ignore[operator]
+    path = user_onnx(tmp_path / f"{cnn}.onnx", cnn)
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (scores,) = session.run(None, {"image": np.zeros((4, 3, 32, 32), np.float32)})
-    assert scores.shape == (4, 10)
+    (scores,) = session.run(None, {"image": np.ones((4, 3, 32, 32), np.float32)})
+    assert scores.shape == (4, 10) and np.isfinite(scores).all()
+    # One convolution per channel count, the last one strided.
+    graph = onnx.load(path).graph
+    shapes = {init.name: tuple(init.dims) for init in graph.initializer}
+    convs = [node for node in graph.node if node.op_type == "Conv"]
+    assert [shapes[conv.input[1]][0] for conv in convs] == list(USER_CNNS[cnn])
+    strides = [[list(a.ints) for a in conv.attribute if a.name == "strides"] for conv in convs]
+    assert strides[-1] == [[2, 2]] and all(s == [[1, 1]] for s in strides[:-1])
