@@ -223,6 +223,11 @@ class AppResolver:
                     profiles = profiles_from_document(document, f"the profiles measured for {app}")
                 except ProfileError as error:
                     raise SpecError("models", str(error)) from None
+            if document is None:
+                # Not kept: the app cannot be planned or served without them, and they may be
+                # stored by another process (a profile run through the serving process, which
+                # forgets only its own resolver's entry) at any time, so each resolve reads.
+                return 0, None
             found = (next(_measured_tokens), profiles)
             with self._lock:
                 self._measured[app] = found

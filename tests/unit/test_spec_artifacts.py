@@ -170,13 +170,19 @@ def test_measured_profiles_make_the_app_plannable(tmp_path: Path) -> None:
         "app digits has no latency profiles for model small: run heteroplane profile run"
         " --app digits"
     )
+    # None stored is not kept: profiles another process stores are seen at the next resolve
+    # (a loops process whose serving process ran the profiles, told nothing).
     stored["digits"] = measured("small")
-    assert resolver.check(spec).unprofiled  # read once and kept...
-    resolver.invalidate("digits")  # ...until the resolver is told
     resolved = resolver.check(spec)
     assert not resolved.unprofiled
     require_profiles(resolved)
     assert resolved.profile("small", GPU).batch_sizes.tolist() == [1, 4]
+    # Stored ones are read once and kept until the resolver is told.
+    stored["digits"] = measured("small", types=(SMALL,))
+    assert resolver.check(spec).profile("small", GPU).batch_sizes.tolist() == [1, 4]
+    resolver.invalidate("digits")
+    with pytest.raises(EstimatorError):
+        resolver.check(spec).profile("small", GPU)
 
 
 def test_profiles_measured_on_some_types_only_name_the_missing_ones(tmp_path: Path) -> None:
