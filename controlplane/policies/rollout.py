@@ -154,9 +154,14 @@ def step_shares(shares: Sequence[float], *, shown: str | None = None) -> tuple[f
         and math.isclose(values[-1], 1.0)
     )
     if not ok:
-        given = shown if shown is not None else ",".join(f"{100 * v:g}" for v in values)
+        if shown is not None:  # the CLI's percentages
+            raise InvalidValueError(
+                "steps", f"must increase, each in (0, 100], the last 100; got {shown}"
+            )
+        given = ",".join(f"{v:g}" for v in values)
         raise InvalidValueError(
-            "steps", f"must increase, each in (0, 100], the last 100; got {given}"
+            "steps",
+            f"shares of the traffic: must increase, each in (0, 1], the last 1; got {given}",
         )
     return tuple(round(v, 6) for v in values)
 
