@@ -70,6 +70,7 @@ __all__ = [
     "SpecUnknownInstanceTypeError",
     "SpecUnknownModelError",
     "SpotSpec",
+    "UnprofiledModelError",
     "anchor_paths",
     "confine_paths",
     "load_spec",
@@ -154,6 +155,20 @@ class SpecUnknownModelError(SpecError, UnknownModelError):
         UnknownModelError.__init__(self, model, known)
         problem = f"model {model!r} is not in {profiles} (it has: {', '.join(self.known)})"
         SpecError.__init__(self, field, problem, source)
+
+
+class UnprofiledModelError(UnknownModelError):
+    """A registered model (an ``artifact``) of an app whose latency profiles have not been
+    measured yet: an :class:`UnknownModelError` (callers that read it so behave the same) that
+    says what to do instead of "unknown model"."""
+
+    def __init__(self, app: str, model: str, known: list[str]) -> None:
+        super().__init__(model, known)
+        self.app = app
+        self.args = (
+            f"app {app} has no latency profiles for model {model} yet: run heteroplane profile"
+            f" run --app {app}",
+        )
 
 
 class SpecMissingProfileError(SpecError, MissingProfileError):
@@ -801,6 +816,8 @@ class ResolvedApp:
         try:
             profiles = self.profiles[model]
         except KeyError:
+            if model in self.unprofiled:
+                raise UnprofiledModelError(self.spec.name, model, list(self.profiles)) from None
             raise UnknownModelError(model, list(self.profiles)) from None
         return profiles.get_profile(model, instance_type)
 

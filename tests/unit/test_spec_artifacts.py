@@ -18,7 +18,7 @@ from controlplane.apps.resolver import AppResolver
 from controlplane.db.store import ModelVersionRecord
 from controlplane.errors import NotFoundError, ProfilesNotMeasuredError
 from controlplane.spec import SpecError, parse_artifact, resolve_spec, validate_spec
-from estimator.errors import EstimatorError
+from estimator.errors import EstimatorError, UnknownModelError
 from estimator.profiles import LatencyProfile, profiles_document
 from provisioners.artifacts import FAMILY_SIGNATURE, ModelSignature, TensorSpec
 
@@ -183,6 +183,19 @@ def test_measured_profiles_make_the_app_plannable(tmp_path: Path) -> None:
     resolver.invalidate("digits")
     with pytest.raises(EstimatorError):
         resolver.check(spec).profile("small", GPU)
+
+
+def test_an_unprofiled_models_profile_says_to_profile_it_not_unknown_model(tmp_path: Path) -> None:
+    resolver = AppResolver(tmp_path, artifacts=registry(version("s", 1)), measured=lambda _a: None)
+    resolved = resolver.check(document(small={"artifact": "s"}))
+    with pytest.raises(UnknownModelError) as refused:  # what the loops catch, as before
+        resolved.profile("small", GPU)
+    assert str(refused.value) == (
+        "app digits has no latency profiles for model small yet: run heteroplane profile run"
+        " --app digits"
+    )
+    with pytest.raises(UnknownModelError, match="unknown model 'nope'"):
+        resolved.profile("nope", GPU)
 
 
 def test_profiles_measured_on_some_types_only_name_the_missing_ones(tmp_path: Path) -> None:
