@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_BUDGET_USD_PER_HR",
+    "MAX_SLO_LATENCY_MS",
     "AppSpec",
     "ModelSpec",
     "PlanningConstraints",
@@ -116,6 +117,9 @@ _PATH_PATTERN = r"^[^\x00]*$"
 # The largest budget a spec (and the budget route) accepts: a million dollars an hour is past any
 # fleet this plans, and a bound keeps counts = budget / price far from integer overflow.
 MAX_BUDGET_USD_PER_HR = 1e6
+# The largest latency target an SLO may set: a day (a bound above it is a typo; the infer
+# route's requirements.latency_ms has the same bound).
+MAX_SLO_LATENCY_MS = 86_400_000.0
 
 
 class SpecError(EstimatorError):
@@ -237,7 +241,12 @@ class SLOSpec(BaseModel):
 
     model_config = _STRICT
 
-    latency_ms: float = Field(gt=0, allow_inf_nan=False, description="latency target, ms")
+    latency_ms: float = Field(
+        gt=0,
+        le=MAX_SLO_LATENCY_MS,
+        allow_inf_nan=False,
+        description="latency target, ms (at most a day)",
+    )
     percentile: float = Field(
         default=99.0, gt=0, lt=100, description="share of queries (in %) within latency_ms"
     )

@@ -141,6 +141,7 @@ def test_round_trip_through_model_dump() -> None:
         ("slo.percentile", 100, "slo.percentile", "< 100"),
         ("slo.percentile", -5, "slo.percentile", "> 0"),
         ("slo.latency_ms", 0, "slo.latency_ms", "> 0"),
+        ("slo.latency_ms", 1e300, "slo.latency_ms", "<= 8.64e+07"),
         ("slo.latency_ms", ..., "slo.latency_ms", "is required"),
         ("slo.accuracy", 0, "slo.accuracy", "> 0"),
         ("slo.accuracy", 1.5, "slo.accuracy", "<= 1"),
