@@ -357,6 +357,14 @@ class BudgetChangeIn(BaseModel):
     # A budget below the app's smallest serving fleet is a 409 unless forced.
     force: bool = False
 
+    @field_validator("reason")
+    @classmethod
+    def _storable(cls, reason: str) -> str:
+        # PostgreSQL's text holds no NUL character (SQLite's does): refused on both alike.
+        if "\x00" in reason:
+            raise ValueError("must not contain a NUL character")
+        return reason
+
 
 class BudgetChangeOut(BaseModel):
     """One row of the budget's audit trail."""

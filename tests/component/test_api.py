@@ -492,6 +492,7 @@ def test_malformed_json_is_a_400(api: Api) -> None:
         ({"budget_usd_per_hr": 3}, "reason"),
         ({"budget_usd_per_hr": 3, "reason": "x", "extra": 1}, "extra"),
         ({"budget_usd_per_hr": 3, "reason": "x" * 501}, "reason"),
+        ({"budget_usd_per_hr": 3, "reason": "a\x00b"}, "reason"),
     ],
 )
 def test_a_bad_budget_is_a_422_naming_the_field(api: Api, body: dict[str, Any], field: str) -> None:
