@@ -28,8 +28,11 @@ names ``NAME`` comes back pinned to ``NAME@VERSION``, the latest (what registeri
 stores), and the resolved app carries each model's :class:`~controlplane.spec.ResolvedArtifact`.
 An artifact model without a ``profiles`` file takes the profiles the service measured for the
 app (``heteroplane profile run``), read through a ``measured`` source (:data:`ProfileSource`,
-the store's ``get_app_profiles``) once and kept until :meth:`AppResolver.invalidate`; until they
-exist, the app resolves with the model in ``unprofiled`` (registered, not plannable).
+the store's ``get_app_profiles``) and kept until :meth:`AppResolver.invalidate` or for
+:data:`MEASURED_RECHECK_S` (30 s), whichever comes first: another process may have stored new
+ones and told this one nothing (the loops process, when its serving process ran `profile run`;
+another replica); until they exist, each resolve reads them again and the app resolves with the
+model in ``unprofiled`` (registered, not plannable).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import json
 import math
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -63,6 +67,7 @@ from estimator.profiles import LatencyProfile, ProfileSet, profiles_from_documen
 from provisioners.artifacts import FAMILY_SIGNATURE, ArtifactError, ArtifactRef, ModelSignature
 
 __all__ = [
+    "MEASURED_RECHECK_S",
     "AppResolver",
     "ArtifactSource",
     "Calibrated",
@@ -118,6 +123,10 @@ ProfileSource = Callable[[str], Mapping[str, Any] | None]
 
 _CACHED_APPS = 32
 _measured_tokens = itertools.count(1)
+# How long measured profiles are kept before the document is read again: another process (a
+# serving process that ran `profile run`, another replica) may have stored new ones and told
+# this one nothing. The same document read again keeps its token (and the resolved apps).
+MEASURED_RECHECK_S = 30.0
 
 
 def spec_document(spec: AppSpec) -> dict[str, Any]:
@@ -188,8 +197,10 @@ class AppResolver:
         overheads: OverheadSource | None = None,
         artifacts: ArtifactSource | None = None,
         measured: ProfileSource | None = None,
+        clock_s: Callable[[], float] = time.monotonic,
     ) -> None:
         self.base_dir = base_dir
+        self._clock_s = clock_s
         self._capacity = capacity
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, ResolvedApp] = OrderedDict()
@@ -199,8 +210,9 @@ class AppResolver:
         self._overheads: dict[str, tuple[float, tuple[float, ...], float]] = {}
         self._artifact_source = artifacts
         self._measured_source = measured
-        # app -> (a token that changes whenever the document is read again, its profiles).
-        self._measured: dict[str, tuple[int, ProfileSet | None]] = {}
+        # app -> (a token that changes whenever another document is read, its profiles, when it
+        # was read, the document's text).
+        self._measured: dict[str, tuple[int, ProfileSet | None, float, str]] = {}
 
     def invalidate(self, app: str) -> None:
         """Forget ``app``'s calibration factors, overhead and measured profiles: the next
@@ -211,27 +223,34 @@ class AppResolver:
             self._measured.pop(app, None)
 
     def _app_measured(self, app: str) -> tuple[int, ProfileSet | None]:
+        """``app``'s measured profiles and a token naming them: kept for
+        :data:`MEASURED_RECHECK_S`, then read again (the same document keeps its token); none
+        stored is not kept (each resolve reads: the app cannot be planned or served without
+        them, and another process may store them at any time)."""
         if self._measured_source is None:
             return 0, None
+        now = self._clock_s()
         with self._lock:
             found = self._measured.get(app)
-        if found is None:
-            document = self._measured_source(app)
-            profiles = None
-            if document is not None:
-                try:
-                    profiles = profiles_from_document(document, f"the profiles measured for {app}")
-                except ProfileError as error:
-                    raise SpecError("models", str(error)) from None
-            if document is None:
-                # Not kept: the app cannot be planned or served without them, and they may be
-                # stored by another process (a profile run through the serving process, which
-                # forgets only its own resolver's entry) at any time, so each resolve reads.
-                return 0, None
-            found = (next(_measured_tokens), profiles)
+        if found is not None and now - found[2] < MEASURED_RECHECK_S:
+            return found[0], found[1]
+        document = self._measured_source(app)
+        if document is None:
             with self._lock:
-                self._measured[app] = found
-        return found
+                self._measured.pop(app, None)
+            return 0, None
+        text = json.dumps(document, sort_keys=True)
+        if found is not None and found[3] == text:
+            token, profiles = found[0], found[1]
+        else:
+            try:
+                profiles = profiles_from_document(document, f"the profiles measured for {app}")
+            except ProfileError as error:
+                raise SpecError("models", str(error)) from None
+            token = next(_measured_tokens)
+        with self._lock:
+            self._measured[app] = (token, profiles, now, text)
+        return token, profiles
 
     def _app_overhead(self, app: str) -> tuple[float, tuple[float, ...], float]:
         """``app``'s measured overhead per query: (median ms, quantiles ms; empty when not

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from controlplane.apps.plans import require_profiles
-from controlplane.apps.resolver import AppResolver
+from controlplane.apps.resolver import MEASURED_RECHECK_S, AppResolver
 from controlplane.db.store import ModelVersionRecord
 from controlplane.errors import NotFoundError, ProfilesNotMeasuredError
 from controlplane.spec import SpecError, parse_artifact, resolve_spec, validate_spec
@@ -183,6 +183,37 @@ def test_measured_profiles_make_the_app_plannable(tmp_path: Path) -> None:
     resolver.invalidate("digits")
     with pytest.raises(EstimatorError):
         resolver.check(spec).profile("small", GPU)
+
+
+def test_measured_profiles_are_read_again_after_a_while(tmp_path: Path) -> None:
+    # Another process may store new profiles and tell this one nothing (a loops process whose
+    # serving process ran the profiles again, another replica).
+    now = [0.0]
+    stored: dict[str, Any] = {"digits": measured("small")}
+    reads: list[str] = []
+
+    def source(app: str) -> Any:
+        reads.append(app)
+        return stored.get(app)
+
+    resolver = AppResolver(
+        tmp_path, artifacts=registry(version("s", 1)), measured=source, clock_s=lambda: now[0]
+    )
+    spec = document(small={"artifact": "s"})
+    first = resolver.check(spec)
+    stored["digits"] = measured("small", types=(SMALL,))
+    now[0] = MEASURED_RECHECK_S - 1.0
+    assert resolver.check(spec).profile("small", GPU) is first.profile("small", GPU)
+    assert len(reads) == 1
+    now[0] = MEASURED_RECHECK_S + 1.0
+    with pytest.raises(EstimatorError):  # the new document: measured on SMALL only
+        resolver.check(spec).profile("small", GPU)
+    assert len(reads) == 2
+    # The same document read again keeps the resolved app.
+    kept = resolver.check(spec)
+    now[0] = 3 * MEASURED_RECHECK_S
+    again = resolver.check(spec)
+    assert len(reads) == 3 and again.profiles is kept.profiles
 
 
 def test_an_unprofiled_models_profile_says_to_profile_it_not_unknown_model(tmp_path: Path) -> None:
