@@ -884,14 +884,23 @@ class _Search:
             if block.size == 1 and ends[-1] > _CHUNK_ROWS:
                 # One row with too many children at once: its counts a range at a time, the
                 # highest first (their bounds are the highest, which raises the k-th best early).
-                first, last = block.first, int(n_max[0])
-                for start in range(first, last + 1, _CHUNK_ROWS):
-                    stack.append(block.ranged(start, min(start + _CHUNK_ROWS, last + 1)))
+                # One range now, the rest as one block split again when it is popped: a huge
+                # budget's count range (10^14 counts) is never listed whole, and the deadline
+                # is checked between ranges.
+                first, stop = block.first, int(n_max[0]) + 1
+                top = max(first, stop - _CHUNK_ROWS)
+                if top > first:
+                    stack.append(block.ranged(first, top))
+                stack.append(block.ranged(top, stop))
                 continue
             if ends[-1] > _CHUNK_ROWS and block.size > 1:
                 # Too many children at once: split the block after each row whose children cross
                 # a multiple of the chunk size (at least after the first row), searched in order.
-                crossing = np.searchsorted(ends, np.arange(_CHUNK_ROWS, ends[-1], _CHUNK_ROWS))
+                # The first row whose children reach each multiple below the total: where
+                # the multiple counted so far rises (never the multiples themselves listed: a
+                # huge budget makes them billions).
+                reached = np.minimum(ends, ends[-1] - 1) // _CHUNK_ROWS
+                crossing = np.flatnonzero(np.diff(reached, prepend=0) > 0)
                 cuts = np.unique(np.clip(crossing + 1, 1, block.size - 1))
                 bounds = [0, *cuts.tolist(), block.size]
                 for lo, hi in reversed(list(itertools.pairwise(bounds))):

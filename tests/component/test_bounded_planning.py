@@ -105,3 +105,13 @@ def test_the_kairos_search_stops_at_its_deadline_or_when_cancelled() -> None:
         rank_configurations(q, 1e6, {}, 5_000)
     # Outside a limit nothing is checked: a small ranking runs as ever.
     assert len(rank_configurations(q, 5.0, {}, 10)) == 10
+
+
+def test_a_budget_past_any_fleet_stops_at_the_deadline_without_listing_its_counts() -> None:
+    # 1e12 USD/hr affords 10^12-10^13 instances of a type: the search once listed every count
+    # range (or every multiple of its chunk) before checking the deadline, gigabytes at once.
+    profiles = load_profiles(SAMPLES)
+    prices = {"g4dn.xlarge": 0.526, "c5n.2xlarge": 0.432, "r5n.large": 0.149, "t3.xlarge": 0.1664}
+    q = kairos_quantities(profiles, "rm2", TYPES, prices, 350.0, (np.array([100]), np.array([1.0])))
+    with pytest.raises(deadline.PlanningDeadlineError), deadline.limit(0.5):
+        rank_configurations(q, 1e12, {}, 5_000)
