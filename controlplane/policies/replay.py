@@ -130,10 +130,23 @@ DEFAULT_TUNER_MIN_WINDOW_S = 1.0
 TIMELINE_STEP_S = 10.0
 # The percentile the replay reports (the contract's ``p99_ms``).
 REPORTED_PERCENTILE = 99.0
+# The longest trace a replay takes (a week, as the API's generated traces): the tuner ticks every
+# second and the timeline has a window every TIMELINE_STEP_S, so a span of 1e8 s (a typo) would
+# need gigabytes.
+MAX_REPLAY_SPAN_S = 7 * 86_400.0
 
 
 class ReplayError(EstimatorError):
     """A replay that cannot run: a plan that does not fit the spec, a trace too short to plan on."""
+
+
+def check_span(trace: Trace) -> None:
+    """Refuse a trace longer than :data:`MAX_REPLAY_SPAN_S` (a :class:`ReplayError`)."""
+    if trace.arrival_s.size and float(trace.arrival_s[-1]) > MAX_REPLAY_SPAN_S:
+        raise ReplayError(
+            f"the trace spans {float(trace.arrival_s[-1]):.6g} s; a replay takes at most"
+            f" {MAX_REPLAY_SPAN_S:.0f} s (a week)"
+        )
 
 
 # --- the plan document -----------------------------------------------------------------------
@@ -1041,6 +1054,7 @@ def replay(
             an unknown policy, the utilisation policy on several stages.
         EstimatorError: the simulator's errors (a batch size outside a profile).
     """
+    check_span(trace)
     try:
         run_policy = scaling.timeline_function(policy)
     except scaling.UnknownScalingPolicyError as error:
@@ -1104,6 +1118,7 @@ def replay_timeline(
         ReplayError: an unknown dispatch policy.
         EstimatorError: the simulator's errors (a batch size outside a profile).
     """
+    check_span(trace)
     types = list(dict.fromkeys(spec.instance_type for spec in timeline.instances))
     base = profile_types or {}
     profiles = {name: app.profile(stage.name, base.get(name, name)) for name in types}
@@ -1667,6 +1682,7 @@ def replay_pipeline(
             static or tuner.
         EstimatorError: the simulator's errors (a batch size outside a profile).
     """
+    check_span(trace)
     stages = check_stages(plan, app)
     if policy not in scaling.names() or not scaling.entry(policy).scales_cascades:
         raise ReplayError(f"a multi-stage plan replays static or with the tuner, not {policy!r}")

@@ -155,6 +155,16 @@ def test_with_the_tuner_off_the_replay_is_a_plain_simulation(tmp_path: Path) -> 
     assert len(result.timeline) == 12  # windows at 0, 10, ..., 110 s
 
 
+@pytest.mark.parametrize("policy", ["static", "tuner"])
+def test_a_trace_longer_than_a_week_is_refused_in_one_line(tmp_path: Path, policy: str) -> None:
+    # Two queries 1e8 s apart once filled memory with the timeline's windows (a typo's trace).
+    app = app_of(tmp_path)
+    plan = parse_plan(plan_document({GPU: 1, CPU: 1}))
+    trace = Trace(np.array([0.0, 1e8]), np.ones(2, dtype=np.int64))
+    with pytest.raises(ReplayError, match=r"^the trace spans 1e\+08 s; a replay takes at most"):
+        replay(trace, app, plan, np.random.default_rng(3), policy=policy)
+
+
 def test_the_plan_stage_policy_dispatches(tmp_path: Path) -> None:
     app = app_of(tmp_path)
     plan = parse_plan(plan_document({GPU: 1, CPU: 2}, policy="kairos"))
