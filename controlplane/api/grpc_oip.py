@@ -66,6 +66,7 @@ import numpy as np
 import orjson
 from fastapi import FastAPI
 from fastapi.security.utils import get_authorization_scheme_param
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped, unused-ignore]
 from grpc import aio
 from starlette.requests import Request
 from tritonclient.grpc import service_pb2 as pb
@@ -347,6 +348,10 @@ def request_document(request: Any, remaining_s: float | None) -> tuple[dict[str,
     if request.id:
         document["id"] = request.id
     parameters = {key: _parameter(value) for key, value in request.parameters.items()}
+    given = parameters.get("timeout")
+    if given is not None and (isinstance(given, bool) or not isinstance(given, int | float)):
+        # What the REST route says of it (a deadline would otherwise replace it unread).
+        raise OipError(f"parameters.timeout must be microseconds > 0, got {given!r}")
     if remaining_s is not None:
         # The call's deadline is the client's, as parameters.timeout is (microseconds).
         timeout_us = max(remaining_s, 1e-6) * 1e6
@@ -414,12 +419,25 @@ def _model_of(request: Any) -> str:
     return str(getattr(request, "model_name", "") or getattr(request, "name", ""))
 
 
+def _parse(request_type: Any, payload: bytes) -> Any:
+    """A call's request message from its bytes; :class:`OipError` (400: ``INVALID_ARGUMENT``)
+    when they are not one (protobuf's message says where, on one line)."""
+    try:
+        return request_type.FromString(payload)
+    except DecodeError as error:
+        raise OipError(f"the request is not a valid {request_type.__name__}: {error}") from None
+
+
 def _handlers(service: GrpcOip) -> Any:
     """The generic handler of the service's methods: each one's request and answer types, its
     token check (or none) and its errors as gRPC statuses."""
 
     def unary(name: str, method: _Method, request_type: Any, response_type: Any) -> Any:
-        async def handle(request: Any, context: aio.ServicerContext) -> Any:
+        # The request arrives as bytes and is parsed here: a deserializer that raises (a
+        # malformed message, a string field that is not UTF-8) is answered by grpc itself as
+        # UNKNOWN, with a traceback in the log.
+        async def handle(payload: bytes, context: aio.ServicerContext) -> Any:
+            request = None
             serving = service.services.serving
             metadata = dict(context.invocation_metadata() or ())
             call = _Call(
@@ -428,6 +446,7 @@ def _handlers(service: GrpcOip) -> Any:
                 metadata.get("authorization"),
             )
             try:
+                request = _parse(request_type, payload)
                 who = None
                 if name not in _OPEN:
                     who = await service.principal(metadata)
@@ -439,15 +458,14 @@ def _handlers(service: GrpcOip) -> Any:
                     service.services.requests.add(_model_of(request), 200)
                 return answer
             if name not in _OPEN:
-                service.services.requests.add(_model_of(request), refused.status)
+                model = "" if request is None else _model_of(request)
+                service.services.requests.add(model, refused.status)
             if refused.trailers:
                 context.set_trailing_metadata(refused.trailers)
             await context.abort(refused.code, refused.message)
 
         return grpc.unary_unary_rpc_method_handler(
-            handle,
-            request_deserializer=request_type.FromString,
-            response_serializer=response_type.SerializeToString,
+            handle, response_serializer=response_type.SerializeToString
         )
 
     methods: dict[str, _Method] = {

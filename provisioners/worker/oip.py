@@ -23,7 +23,12 @@ signature's numpy type exactly; an integer type takes integers in its range, ``B
 (status 400, 404 for an unknown model) whose one-line message names the input.
 
 Conversion is numpy's (one ``np.asarray`` per tensor), not a loop over values: the worker parses
-every batch on the serving path.
+every batch on the serving path. A JSON tensor of a numeric type is also searched for booleans
+(numpy reads ``[true, 1.5]`` as floats), by the types of each innermost list, in C.
+
+Strings (the ``id``, keys, names, ``parameters``) are UTF-8 text: a lone surrogate (``\\ud800``,
+which Python's json reads) is refused when the body is read, before anything is served, and a
+refusal that quotes the client's text escapes what is not UTF-8 in it.
 
 **Binary tensors** (Triton's binary tensor data extension, which the control plane's dispatcher
 sends every batch in): a body whose JSON part is followed by the inputs' raw bytes, the size of
@@ -91,10 +96,16 @@ _OUTPUT_KEYS = frozenset({"name", "parameters"})
 
 
 class OipError(Exception):
-    """A request the protocol refuses: ``status`` is the HTTP status, the message one line."""
+    """A request the protocol refuses: ``status`` is the HTTP status, the message one line.
+
+    The message may quote the client's text: what is not UTF-8 in it (a lone surrogate that
+    JSON's ``\\ud800`` spells) is written as its escape, so that the error body can always be
+    encoded.
+    """
 
     def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST) -> None:
-        super().__init__(" ".join(message.split()))
+        line = " ".join(message.split())
+        super().__init__(line.encode("utf-8", "backslashreplace").decode("utf-8"))
         self.status = int(status)
 
 
@@ -118,9 +129,34 @@ def load_json(body: bytes | str) -> Any:
     except orjson.JSONDecodeError:
         pass  # json's answer, word for word (and integers past 64 bits, which orjson refuses)
     try:
-        return json.loads(body, parse_constant=_refuse_constant)
+        document = json.loads(body, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as error:
         raise OipError(f"body is not JSON: {error}") from None
+    # json takes a lone surrogate (\ud800), which orjson refuses: text that is not UTF-8,
+    # which no answer could echo. Only this path can hold one.
+    text = _text_not_utf8(document)
+    if text is not None:
+        raise OipError(f"body is not JSON this service takes: {text!a} is not UTF-8 text")
+    return document
+
+
+def _text_not_utf8(document: Any) -> str | None:
+    """The first string (a key or a value) of ``document`` that UTF-8 cannot encode (one with a
+    lone surrogate), or None."""
+    pending = [document]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend(value)
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return value if len(value) <= 40 else value[:40] + "..."
+    return None
 
 
 def _refuse_constant(name: str) -> float:
@@ -145,6 +181,7 @@ def parse_infer_request(
     unknown = sorted(set(document) - _REQUEST_KEYS)
     if unknown:
         raise OipError(f"unknown keys: {', '.join(map(str, unknown))}")
+    _check_parameters(document, "'parameters'")
     request_id = document.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise OipError("'id' must be a string")
@@ -203,6 +240,7 @@ def requested_outputs(entries: object, signature: ModelSignature) -> tuple[str, 
         unknown = sorted(set(entry) - _OUTPUT_KEYS)
         if unknown:
             raise OipError(f"outputs[{index}]: unknown keys: {', '.join(map(str, unknown))}")
+        _check_parameters(entry, f"outputs[{index}]: 'parameters'")
         name = entry["name"]
         if name not in known:
             raise OipError(
@@ -221,6 +259,7 @@ def decode_tensor(entry: Mapping[str, Any], spec: TensorSpec, *, max_batch_size:
     unknown = sorted(set(entry) - _INPUT_KEYS)
     if unknown:
         raise OipError(f"input {name!r}: unknown keys: {', '.join(map(str, unknown))}")
+    _check_parameters(entry, f"input {name!r}: 'parameters'")
     datatype = entry.get("datatype")
     if datatype != spec.datatype:
         raise OipError(f"input {name!r}: datatype {datatype!r}, expected {spec.datatype!r}")
@@ -235,6 +274,29 @@ def decode_tensor(entry: Mapping[str, Any], spec: TensorSpec, *, max_batch_size:
             f"input {name!r}: 'data' holds {array.size} values, shape {list(shape)} needs {count}"
         )
     return array.reshape(shape)
+
+
+def _check_parameters(entry: Mapping[str, Any], field: str) -> None:
+    """A request's, an input's or an output's ``parameters``, when given, is an object (the
+    protocol's ``$parameters``; neither its text nor ``tritonclient`` has a null one)."""
+    if "parameters" in entry and not isinstance(entry["parameters"], Mapping):
+        given = type(entry["parameters"]).__name__.replace("NoneType", "null")
+        raise OipError(f"{field} must be an object, got {given}")
+
+
+def _holds_bool(data: list[Any]) -> bool:
+    """Whether flat or nested ``data`` holds a ``true`` or ``false``: numpy makes ``[true,
+    1.5]`` a float array, so the array cannot tell. One set of types per innermost list, built
+    in C: about as long as ``np.asarray`` of the values takes."""
+    pending = [data]
+    while pending:
+        values = pending.pop()
+        kinds = set(map(type, values))
+        if bool in kinds:
+            return True
+        if list in kinds:
+            pending.extend(value for value in values if type(value) is list)
+    return False
 
 
 def _shape(shape: object, spec: TensorSpec, max_batch_size: int) -> tuple[int, ...]:
@@ -280,7 +342,7 @@ def tensor_values(data: list[Any] | np.ndarray, spec: TensorSpec) -> np.ndarray:
         if raw.dtype.kind != "b":
             raise OipError(f"input {name!r}: BOOL data must be true or false")
     elif kind in "iu":
-        if raw.dtype.kind not in "iu":
+        if raw.dtype.kind not in "iu" or (isinstance(data, list) and _holds_bool(data)):
             raise OipError(f"input {name!r}: {spec.datatype} data must be integers")
         limits = np.iinfo(dtype)
         if not np.can_cast(raw.dtype, dtype) and (raw.min() < limits.min or raw.max() > limits.max):
@@ -288,7 +350,7 @@ def tensor_values(data: list[Any] | np.ndarray, spec: TensorSpec) -> np.ndarray:
                 f"input {name!r}: a value lies outside {spec.datatype}'s {limits.min}..{limits.max}"
             )
     else:
-        if raw.dtype.kind == "b":
+        if raw.dtype.kind == "b" or (isinstance(data, list) and _holds_bool(data)):
             raise OipError(f"input {name!r}: {spec.datatype} data must be numbers")
         # Refused before the cast, which would make an overflow inf (a np.errstate around it
         # cost as much as the cast at thousands of queries a second). A NaN (binary tensors

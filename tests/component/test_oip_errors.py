@@ -21,7 +21,16 @@ from controlplane.api.routes.oip import body_limit
 from controlplane.api.schemas import MAX_INFER_SAMPLES
 from provisioners.artifacts import ModelSignature, TensorSpec
 from tests.component.test_oip_routes import as_artifacts, binary_request, family_request
-from tests.component.test_serving import ApiWorld, api_run, row, world
+from tests.component.test_serving import (
+    LARGE,
+    SMALL,
+    ApiWorld,
+    api_run,
+    endpoints,
+    fleet,
+    row,
+    world,
+)
 
 __all__ = ["world"]  # the fixture, imported for this module's tests
 
@@ -167,3 +176,98 @@ def test_body_limit_from_the_signature(
     signature: ModelSignature, ceiling: int, expected: int
 ) -> None:
     assert body_limit(signature, ceiling) == expected
+
+
+_FEATURES = ",".join(["0.5"] * 64).encode()
+# A query of the demo app (one FP32 [1, 64] input) as JSON text, so that a string can be a lone
+# surrogate (\ud800, which json reads and no answer can encode) where the test puts it.
+_QUERY = (
+    b'{"inputs":[{"name":"input","datatype":"FP32","shape":[1,64],"data":[' + _FEATURES + b"]}]"
+)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b'{"id":"\\ud800",' + _QUERY[1:] + b"}",
+        b'{"\\ud800":1,' + _QUERY[1:] + b"}",
+        _QUERY + b',"parameters":{"tag":"\\udfff"}}',
+        _QUERY + b',"outputs":[{"name":"logits\\ud800"}]}',
+        _QUERY.replace(b'"input"', b'"input\\ud800"') + b"}",
+    ],
+    ids=["id", "key", "parameter", "output-name", "input-name"],
+)
+def test_text_that_is_not_utf8_is_a_400_before_the_worker_runs(
+    world: ApiWorld, content: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lone surrogate anywhere in the body (JSON, the JSON part of a binary body, on the
+    versioned path) is refused before the query is served, by a message that encodes, with
+    nothing logged; an answer that echoes the id cannot fail after the worker ran."""
+
+    async def body(client: httpx.AsyncClient) -> None:
+        workers = await fleet([SMALL, LARGE])
+        world.instances.set("demo", endpoints(workers))
+        headers = {**world.auth(), "Content-Type": "application/json"}
+        for path in (INFER, "/v2/models/demo/versions/1/infer"):
+            response = await client.post(path, content=content, headers=headers)
+            assert "is not UTF-8 text" in oip_error(response, 400)
+        # Triton's binary form: the same JSON part, then the input's raw bytes.
+        document = content.replace(b',"data":[' + _FEATURES + b"]", b"")
+        document = document.replace(
+            b'"shape":[1,64]', b'"shape":[1,64],"parameters":{"binary_data_size":256}'
+        )
+        response = await client.post(
+            INFER,
+            content=document + np.zeros(64, dtype="<f4").tobytes(),
+            headers={**world.auth(), "Inference-Header-Content-Length": str(len(document))},
+        )
+        assert "is not UTF-8 text" in oip_error(response, 400)
+        assert all(w.requests == 0 for w in workers)
+        # The same query with valid text is served, its id echoed.
+        valid = content.replace(b"\\ud800", b"x").replace(b"\\udfff", b"x")
+        if b'"id"' in valid:
+            response = await client.post(INFER, content=valid, headers=headers)
+            assert response.status_code == 200, response.text
+            assert response.json()["id"] == "x"
+
+    with caplog.at_level("WARNING"):
+        api_run(world, body)
+    assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda r: r.update(parameters="x"), "'parameters' must be an object, got str"),
+        (lambda r: r.update(parameters=[1]), "'parameters' must be an object, got list"),
+        (lambda r: r.update(parameters=None), "'parameters' must be an object, got null"),
+        (lambda r: r["inputs"][0].update(parameters="x"), "input 'input': 'parameters'"),
+        (lambda r: r["inputs"][0].update(parameters=None), "input 'input': 'parameters'"),
+        (
+            lambda r: r.update(outputs=[{"name": "logits", "parameters": "x"}]),
+            "outputs[0]: 'parameters' must be an object",
+        ),
+        (
+            lambda r: r.update(outputs=[{"name": "logits", "parameters": None}]),
+            "outputs[0]: 'parameters' must be an object",
+        ),
+        (lambda r: r["inputs"][0]["data"].__setitem__(3, True), "FP32 data must be numbers"),
+        (lambda r: r["inputs"][0].update(data=[True] * 64), "FP32 data must be numbers"),
+    ],
+)
+def test_json_of_the_wrong_type_is_a_400_naming_the_field(
+    world: ApiWorld, change: Any, field: str
+) -> None:
+    """``parameters`` is an object wherever the protocol has one (null included: neither its
+    text nor tritonclient sends null); a boolean is not an FP32 value."""
+
+    async def body(client: httpx.AsyncClient) -> None:
+        workers = await fleet([SMALL])
+        world.instances.set("demo", endpoints(workers))
+        request = family_request([row(1, 0.9)])
+        change(request)
+        response = await client.post(INFER, json=request, headers=world.auth())
+        assert field in oip_error(response, 400)
+        assert workers[0].requests == 0
+
+    api_run(world, body)

@@ -189,3 +189,41 @@ def test_every_http_status_of_the_api_has_a_grpc_code() -> None:
     assert {status: grpc_code(status) for status in expected} == expected
     assert grpc_code(418) is grpc.StatusCode.INVALID_ARGUMENT
     assert grpc_code(599) is grpc.StatusCode.INTERNAL
+
+
+def test_a_malformed_message_is_invalid_argument_in_one_line(
+    served: tuple[ApiWorld, str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bytes that are not a ModelInferRequest (garbage, or an ``id`` that is not UTF-8) are
+    ``INVALID_ARGUMENT`` with one line, not grpc's UNKNOWN and a traceback; a string
+    ``parameters.timeout`` is refused as REST refuses it, deadline or not."""
+    world, _, address = served
+    metadata = (("authorization", f"Bearer {world.tokens['infer']}"),)
+    valid = pb.ModelInferRequest(model_name="demo", id="r1").SerializeToString()
+    not_utf8_id = valid.replace(b"r1", b"\xed\xa0")  # id is field 3, 2 bytes long
+    with caplog.at_level("WARNING"), grpc.insecure_channel(address) as channel:
+        raw = channel.unary_unary(f"/{SERVICE}/ModelInfer")
+        for payload in (b"\xff\xff\xff\xff", not_utf8_id):
+            for who in (metadata, ()):
+                with pytest.raises(grpc.RpcError) as refused:
+                    raw(payload, metadata=who, timeout=30.0)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                details = refused.value.details()
+                assert "not a valid ModelInferRequest" in details and "\n" not in details
+        infer = channel.unary_unary(
+            f"/{SERVICE}/ModelInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
+        request = pb.ModelInferRequest(model_name="demo")
+        tensor = request.inputs.add(name="input", datatype="FP32", shape=[1, 64])
+        tensor.contents.fp32_contents.extend(row(1, 0.9))
+        request.parameters["timeout"].string_param = "soon"
+        for timeout in (30.0, None):
+            with pytest.raises(grpc.RpcError) as refused:
+                infer(request, metadata=metadata, timeout=timeout)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "parameters.timeout" in refused.value.details()
+    assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]
+    counts = world.app.state.services.requests.snapshot()
+    assert counts[("", 400)] == 4 and counts[("demo", 400)] == 2

@@ -112,6 +112,19 @@ def test_the_calls_deadline_is_the_requests_timeout() -> None:
     assert document["parameters"] == {"timeout": 100_000}
 
 
+@pytest.mark.parametrize("deadline_s", [0.25, None])
+def test_a_timeout_that_is_not_a_number_is_refused(deadline_s: float | None) -> None:
+    """A string or boolean ``parameters.timeout`` is refused, not replaced unread by the call's
+    deadline."""
+    request = _raw("FP32", np.zeros((1, 3), dtype=np.float32))
+    request.parameters["timeout"].string_param = "soon"  # type: ignore[attr-defined]
+    with pytest.raises(OipError, match=r"parameters\.timeout must be microseconds > 0, got .soon."):
+        request_document(request, deadline_s)
+    request.parameters["timeout"].bool_param = True  # type: ignore[attr-defined]
+    with pytest.raises(OipError, match="got True"):
+        request_document(request, deadline_s)
+
+
 def _rest_answer(arrays: dict[str, np.ndarray], binary: set[str]) -> httpx.Response:
     """REST ``/v2``'s answer to a forwarded query: ``binary`` outputs raw, the others in JSON."""
     tensors, blobs = [], []

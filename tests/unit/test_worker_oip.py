@@ -190,6 +190,69 @@ def test_bodies_that_are_not_json_are_refused() -> None:
     assert "NaN is not a number" in str(refusal(b'{"inputs": [NaN]}'))
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"id": "\\ud800", "inputs": []}',
+        b'{"\\ud800": 1, "inputs": []}',
+        b'{"inputs": [{"name": "x\\udfff"}]}',
+        b'{"parameters": {"tag": ["a", "\\ud83d"]}, "inputs": []}',
+    ],
+)
+def test_text_that_is_not_utf8_is_refused_in_a_message_that_encodes(body: bytes) -> None:
+    """json takes a lone surrogate (orjson does not): a string no answer could encode, refused
+    before the document is read, by a message that quotes it escaped."""
+    with pytest.raises(OipError) as refused:
+        load_json(body)
+    message = str(refused.value)
+    assert refused.value.status == 400 and "is not UTF-8 text" in message
+    assert "\\ud" in message
+    json.dumps({"error": message}, ensure_ascii=False).encode("utf-8")
+    # The same body as a str (parse_infer_request takes one) is refused alike.
+    with pytest.raises(OipError, match="is not UTF-8 text"):
+        parse_infer_request(body.decode(), TABULAR, max_batch_size=8)
+
+
+def test_a_refusals_message_always_encodes() -> None:
+    error = OipError("unknown keys: \ud800")
+    assert str(error) == "unknown keys: \\ud800"
+    str(error).encode("utf-8")
+
+
+@pytest.mark.parametrize("given", ["x", [1], None, 3])
+def test_parameters_must_be_objects(given: Any) -> None:
+    """The protocol's ``$parameters`` is an object: of the request, of an input and of a
+    requested output (``tritonclient`` never sends null: neither is it taken)."""
+    assert "'parameters' must be an object" in str(refusal(request(parameters=given)))
+    entry = {**tensor("features", [1, 13], [0] * 13), "parameters": given}
+    assert "input 'features': 'parameters' must be an object" in str(refusal(with_features(entry)))
+    asked = request(outputs=[{"name": "logits", "parameters": given}])
+    assert "outputs[0]: 'parameters' must be an object" in str(refusal(asked))
+    parse_infer_request(request(parameters={"timeout": 5}), TABULAR, max_batch_size=8)
+
+
+@pytest.mark.parametrize(
+    ("datatype", "data", "fragment"),
+    [
+        ("FP32", [1.5] * 12 + [True], "FP32 data must be numbers"),
+        ("FP32", [[0.5] * 12 + [False]], "FP32 data must be numbers"),
+        ("FP64", [False] + [1] * 12, "FP64 data must be numbers"),
+    ],
+)
+def test_booleans_among_numbers_are_refused(datatype: str, data: Any, fragment: str) -> None:
+    """numpy makes ``[true, 1.5]`` a float array: a boolean among numbers is refused as one
+    alone is (only ``BOOL`` takes them)."""
+    entry = tensor("features", [1, 13], data, datatype)
+    signature = ModelSignature(
+        (TensorSpec("features", datatype, (-1, 13)), TensorSpec("ids", "INT64", (-1, 2))),
+        TABULAR.outputs,
+    )
+    assert fragment in str(refusal(with_features(entry), signature))
+    ids = tensor("ids", [1, 2], [[3], [True]], "INT64")
+    mixed = {"inputs": [tensor("features", [1, 13], [0] * 13), ids]}
+    assert "INT64 data must be integers" in str(refusal(mixed))
+
+
 def test_an_answer_is_flattened_row_major_with_its_datatype_and_shape() -> None:
     logits = np.arange(6, dtype=np.float32).reshape(2, 3)
     embedding = np.ones((2, 4), dtype=np.float16)
