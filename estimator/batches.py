@@ -35,6 +35,11 @@ KAIROS_LOGNORMAL_KEEP = (100.0, 200.0)  # ... kept when inside [100, 200] ...
 KAIROS_FALLBACK = (190, 199)  # ... else replaced by uniform 190..199
 KAIROS_STEP = 10
 
+# The largest batch size a spec may give or a draw may reach. Far past any measured profile (the
+# Kairos data end at 1,000; a worker takes at most 4,096 rows at once), and small enough that a
+# generated trace's batch sizes (MAX_GENERATED_ARRIVALS of them) sum exactly in int64 and float64.
+MAX_BATCH_SIZE = 1_000_000
+
 
 class BatchDistribution(Protocol):
     """A sampler of batch sizes; ``spec`` parses back (``parse_batch_distribution``) to it."""
@@ -61,7 +66,9 @@ def _round_up(values: NDArray[np.float64] | IntArray, step: int) -> IntArray:
 
 
 def _format_number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+    # Whole numbers as integers, but not 1e300 as its 301 digits.
+    whole = float(value).is_integer() and abs(value) < 1e15
+    return str(int(value)) if whole else repr(float(value))
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +81,11 @@ class FixedBatch:
         size = self.size
         if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
             raise WorkloadError(f"a fixed batch size must be an integer >= 1, got {size!r}")
+        if size > MAX_BATCH_SIZE:
+            raise WorkloadError(
+                f"a fixed batch size must be at most {MAX_BATCH_SIZE:,} (the largest batch size),"
+                f" got {size}"
+            )
         object.__setattr__(self, "size", int(size))
 
     @property
@@ -176,7 +188,7 @@ class LogNormalBatch:
 
     def sample(self, n: int, rng: np.random.Generator) -> IntArray:
         drawn = rng.lognormal(self.mu, self.sigma, size=_check_n(n))
-        return _round_and_clip(drawn, self.low, self.high, self.step)
+        return _round_and_clip(self.spec, drawn, self.low, self.high, self.step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +212,7 @@ class GaussianBatch:
 
     def sample(self, n: int, rng: np.random.Generator) -> IntArray:
         drawn = rng.normal(self.mean, self.sd, size=_check_n(n))
-        return _round_and_clip(drawn, self.low, self.high, self.step)
+        return _round_and_clip(self.spec, drawn, self.low, self.high, self.step)
 
 
 def _spec(name: str, params: dict[str, float], low: int | None, high: int | None, step: int) -> str:
@@ -226,12 +238,30 @@ def _check_shape_params(
         raise WorkloadError(f"batch-size spec {spec!r}: low must be >= 1, got {floor}")
     if high is not None and high < floor:
         raise WorkloadError(f"batch-size spec {spec!r}: high {high} is below low {floor}")
+    for key, value in (("step", step), ("low", floor), ("high", high)):
+        if value is not None and value > MAX_BATCH_SIZE:
+            raise WorkloadError(
+                f"batch-size spec {spec!r}: {key} must be at most {MAX_BATCH_SIZE:,}"
+                f" (the largest batch size), got {value}"
+            )
 
 
-def _round_and_clip(drawn: FloatArray, low: int | None, high: int | None, step: int) -> IntArray:
-    # Clip in float first so that a huge draw cannot overflow int64 before the upper clip.
-    ceiling = float(high) if high is not None else 2.0**62
-    rounded = np.ceil(np.minimum(drawn, ceiling) / step) * step
+def _round_and_clip(
+    spec: str, drawn: FloatArray, low: int | None, high: int | None, step: int
+) -> IntArray:
+    """Round up to a multiple of ``step``, clip to [low, high]; a draw past
+    :data:`MAX_BATCH_SIZE` with no ``high`` to clip it (or not a number) is an error, not a
+    size."""
+    ceiling = float(high) if high is not None else float(MAX_BATCH_SIZE)
+    # In float first, so that a huge draw cannot overflow int64 before it is checked or clipped.
+    rounded = np.ceil(drawn / step) * step
+    if np.isnan(rounded).any():
+        raise WorkloadError(f"batch-size spec {spec!r}: draws that are not numbers")
+    if high is None and (rounded > ceiling).any():
+        raise WorkloadError(
+            f"batch-size spec {spec!r}: draws reach {float(rounded.max()):.4g}, past the largest"
+            f" batch size {MAX_BATCH_SIZE:,}; give high= to clip them"
+        )
     result: IntArray = np.clip(rounded, step if low is None else low, ceiling).astype(np.int64)
     return result
 
@@ -278,7 +308,8 @@ def parse_batch_distribution(spec: str) -> BatchDistribution:
     ``lognormal:mu=M,sigma=S[,low=L,high=H,step=K]``; ``gaussian:mean=M,sd=S[,low=,high=,step=]``
     (for the last two: round up to a multiple of ``step``, default 1, then clip to [low, high],
     ``low`` defaulting to ``step`` and ``high`` to none). A distribution's ``spec`` parses back
-    to an equal distribution.
+    to an equal distribution. No batch size exceeds :data:`MAX_BATCH_SIZE`: a larger ``N``,
+    ``low``, ``high`` or ``step`` is refused here, an unclipped draw past it when sampling.
 
     >>> parse_batch_distribution("gaussian:mean=300,sd=100,step=10").spec
     'gaussian:mean=300,sd=100,step=10'
@@ -297,6 +328,11 @@ def parse_batch_distribution(spec: str) -> BatchDistribution:
         size = _parse_int(spec, "N", rest.strip())
         if size < 1:
             raise WorkloadError(f"batch-size spec {spec!r}: N must be >= 1, got {size}")
+        if size > MAX_BATCH_SIZE:
+            raise WorkloadError(
+                f"batch-size spec {spec!r}: N must be at most {MAX_BATCH_SIZE:,}"
+                " (the largest batch size)"
+            )
         return FixedBatch(size)
     if name not in _SHAPED:
         raise WorkloadError(f"unknown batch-size spec {spec!r}: {_EXPECTED}")

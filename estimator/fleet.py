@@ -10,6 +10,12 @@ from estimator.errors import FleetError
 
 _TYPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-_]*$")
 
+# The most instances a fleet may have when it is expanded into one entry per instance (as the
+# simulator and the capacity search take it). Thousands of times the fleets a plan buys (the
+# planner adds at most hundreds), and what a simulation can still hold in memory; a count past
+# it is a typo, which would otherwise end in a MemoryError.
+MAX_FLEET_INSTANCES = 100_000
+
 
 @dataclass(frozen=True, slots=True)
 class Fleet(Mapping[str, int]):
@@ -76,7 +82,17 @@ class Fleet(Mapping[str, int]):
         return sum(count for _, count in self.counts)
 
     def expand(self) -> list[str]:
-        """One instance type name per instance, types in fleet order."""
+        """One instance type name per instance, types in fleet order.
+
+        Raises:
+            FleetError: more than :data:`MAX_FLEET_INSTANCES` instances in all.
+        """
+        total = self.total
+        if total > MAX_FLEET_INSTANCES:
+            raise FleetError(
+                f"fleet {self} has {total:,} instances, more than the {MAX_FLEET_INSTANCES:,}"
+                " a fleet may have"
+            )
         return [name for name, count in self.counts for _ in range(count)]
 
     def __str__(self) -> str:

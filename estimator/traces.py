@@ -174,15 +174,24 @@ def _read_header(path: Path) -> tuple[list[str], int]:
     )
 
 
+_INT64_MIN = int(np.iinfo(np.int64).min)
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
 def _parse_number(text: str, name: str, row: int, kind: type[float] | type[int]) -> float | int:
     stripped = text.strip()
     try:
         if "_" in stripped:  # Python accepts 1_000; numpy (the fast path) and other tools do not
             raise ValueError(stripped)
-        return kind(stripped)
+        value = kind(stripped)
     except ValueError:
         expected = "a number" if kind is float else "an integer"
         raise TraceError(f"row {row}: {name} is {text!r}, expected {expected}") from None
+    if kind is int and not _INT64_MIN <= value <= _INT64_MAX:
+        # The columns are int64 (as numpy's fast path reads them): a wider one cannot be held.
+        bound = f"at most {_INT64_MAX}" if value > 0 else f"at least {_INT64_MIN}"
+        raise TraceError(f"row {row}: {name} is {text!r}, expected an integer of {bound}")
+    return value
 
 
 def _read_rows_slowly(

@@ -9,6 +9,7 @@ import pytest
 from scipy import stats
 
 from estimator.batches import (
+    MAX_BATCH_SIZE,
     FixedBatch,
     GaussianBatch,
     KairosMix,
@@ -80,6 +81,12 @@ def test_canonical_specs() -> None:
         ("gaussian:mean=300,sd=100,low=0", "low must be >= 1"),
         ("gaussian:mean=300,sd=100,low=50,high=10", "high 10 is below low 50"),
         ("gaussian:mean=300,sd=100,step=2.5", "step must be an integer"),
+        # Past the largest batch size (past int64 too): refused, not an OverflowError.
+        ("fixed:99999999999999999999", "N must be at most 1,000,000"),
+        ("fixed:1000001", "N must be at most 1,000,000"),
+        ("gaussian:mean=300,sd=100,high=99999999999999999999", "high must be at most 1,000,000"),
+        ("gaussian:mean=300,sd=100,low=2000000", "low must be at most 1,000,000"),
+        ("lognormal:mu=5,sigma=1,step=2000000", "step must be at most 1,000,000"),
     ],
 )
 def test_bad_specs_name_the_spec(spec: str, message: str) -> None:
@@ -100,6 +107,28 @@ def test_fixed_and_sample_sizes() -> None:
         KairosMix().sample(-1, rng)
     with pytest.raises(WorkloadError, match="integer >= 1"):
         FixedBatch(0)
+    assert FixedBatch(MAX_BATCH_SIZE).sample(1, rng).tolist() == [MAX_BATCH_SIZE]
+    with pytest.raises(WorkloadError, match="at most 1,000,000"):
+        FixedBatch(10**20)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["lognormal:mu=100,sigma=5", "gaussian:mean=1e300,sd=1", "gaussian:mean=1e308,sd=1e308"],
+)
+def test_draws_past_the_largest_batch_size_are_an_error_not_garbage(spec: str) -> None:
+    # These once came out as 2**62 (4611686018427387904) each.
+    with pytest.raises(WorkloadError, match="past the largest batch size 1,000,000") as caught:
+        parse_batch_distribution(spec).sample(10, np.random.default_rng(0))
+    assert "\n" not in str(caught.value) and "high=" in str(caught.value)
+    assert len(str(caught.value)) < 200  # 1e300 as 1e+300, not its 301 digits
+
+
+def test_a_high_clips_huge_draws_to_it() -> None:
+    rng = np.random.default_rng(0)
+    for spec in ("gaussian:mean=1e300,sd=1,high=100", "lognormal:mu=1000,sigma=5,high=50"):
+        drawn = parse_batch_distribution(spec).sample(10, rng)
+        assert drawn.dtype == np.int64 and drawn.max() <= 100 and drawn.min() >= 1
 
 
 def test_lognormal_matches_its_cdf() -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from controlplane.cli import main
 from estimator.errors import FleetError
-from estimator.fleet import Fleet
+from estimator.fleet import MAX_FLEET_INSTANCES, Fleet
+from tests.unit.test_cli_capacity import write_profiles
 
 
 def test_parse_keeps_order_and_counts() -> None:
@@ -44,3 +48,31 @@ def test_round_trip_through_the_string_form(counts: dict[str, int]) -> None:
     fleet = Fleet.of(counts)
     assert Fleet.parse(str(fleet)) == fleet
     assert fleet.total == sum(counts.values())
+
+
+def test_a_fleet_past_the_largest_is_refused_when_expanded() -> None:
+    assert len(Fleet.of({"a.b": MAX_FLEET_INSTANCES - 1, "c.d": 1}).expand()) == MAX_FLEET_INSTANCES
+    huge = Fleet.parse("emu.cpu.small=100000000000")  # once a MemoryError in expand
+    assert huge.total == 100_000_000_000
+    with pytest.raises(FleetError) as refused:
+        huge.expand()
+    message = str(refused.value)
+    assert message == (
+        "fleet emu.cpu.small=100000000000 has 100,000,000,000 instances, more than the 100,000"
+        " a fleet may have"
+    )
+
+
+@pytest.mark.parametrize("command", ["simulate", "capacity"])
+def test_the_commands_refuse_an_absurd_fleet_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    profiles = write_profiles(tmp_path / "p.csv")
+    args = [command, "--profiles", str(profiles), "--model", "m", "--qos-ms", "80"]
+    args += ["--fleet", "g4dn.xlarge=1,r5n.large=100000000000", "--batch-dist", "fixed:10"]
+    args += ["--qps", "5", "--duration", "10"] if command == "simulate" else ["--queries", "100"]
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "more than the 100,000 a fleet may have" in err, err

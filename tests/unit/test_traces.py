@@ -170,6 +170,19 @@ def test_csv_header_order_defaults_and_extras(tmp_path: Path) -> None:
         ("arrival_s,batch_size\n0,1\n1,0\n", "batch_size must be >= 1, got 0 at row 2"),
         ("arrival_s\n0\nnan\n", "arrival_s is not finite at row 2"),
         ("arrival_s,sample_id\n0,-1\n", "sample_id must be >= 0, got -1 at row 1"),
+        # Past int64: the columns' type (the fast path's), not an OverflowError.
+        (
+            "arrival_s,batch_size\n0,1\n1,100000000000000000000\n",
+            r"row 2: batch_size is '100000000000000000000', expected an integer of at most 9223",
+        ),
+        (
+            "arrival_s,sample_id\n0,-100000000000000000000\n",
+            r"row 1: sample_id is '-100000000000000000000', expected an integer of at least -9223",
+        ),
+        (
+            "arrival_s,batch_size,sample_id\n0,1,9223372036854775808\n",
+            r"row 1: sample_id is '9223372036854775808', expected an integer of at most",
+        ),
     ],
 )
 def test_read_rejects_bad_files_naming_the_row(tmp_path: Path, text: str, message: str) -> None:
