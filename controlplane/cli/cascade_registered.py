@@ -28,6 +28,7 @@ import numpy as np
 from controlplane.cli.client import ApiClient, app_path, client_from
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.profile import check_writable
+from controlplane.clients.tensors import read_npz
 from estimator.cascades import (
     VALIDATION_FORMAT,
     validation_document,
@@ -48,30 +49,33 @@ __all__ = [
 _CHUNK_ROWS = 512
 
 
-def load_data(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """``inputs`` and ``labels`` of an ``.npz`` file (one line of error otherwise)."""
+def load_data(path: Path, flag: str = "--data") -> tuple[np.ndarray, np.ndarray]:
+    """``inputs`` and ``labels`` of an ``.npz`` file (one line of error otherwise, naming the
+    option ``flag`` that gave the file)."""
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            missing = [name for name in ("inputs", "labels") if name not in archive.files]
-            if missing:
-                raise UsageError(
-                    f"--data {path}: no array {' or '.join(map(repr, missing))}"
-                    f" (it has: {', '.join(archive.files) or 'none'})"
-                )
-            inputs, labels = archive["inputs"], archive["labels"]
+        arrays = read_npz(path)
     except FileNotFoundError:
-        raise UsageError(f"--data {path}: no such file") from None
-    except (OSError, ValueError) as error:
-        raise UsageError(f"--data {path}: not a readable .npz file ({error})") from None
+        raise UsageError(f"{flag} {path}: no such file") from None
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: {error.strerror or error}") from None
+    except ValueError as error:  # not an .npz archive, said in one line
+        raise UsageError(f"{flag} {path}: {error}") from None
+    missing = [name for name in ("inputs", "labels") if name not in arrays]
+    if missing:
+        raise UsageError(
+            f"{flag} {path}: no array {' or '.join(map(repr, missing))}"
+            f" (it has: {', '.join(arrays) or 'none'})"
+        )
+    inputs, labels = arrays["inputs"], arrays["labels"]
     if labels.ndim != 1 or labels.dtype.kind not in "iu":
-        raise UsageError(f"--data {path}: 'labels' must be one whole number per sample")
+        raise UsageError(f"{flag} {path}: 'labels' must be one whole number per sample")
     if inputs.ndim < 1 or len(inputs) != len(labels):
         raise UsageError(
-            f"--data {path}: 'inputs' has {len(inputs) if inputs.ndim else 0} samples,"
+            f"{flag} {path}: 'inputs' has {len(inputs) if inputs.ndim else 0} samples,"
             f" 'labels' {len(labels)}"
         )
     if len(labels) == 0:
-        raise UsageError(f"--data {path}: no samples")
+        raise UsageError(f"{flag} {path}: no samples")
     return inputs, labels.astype(np.int64)
 
 

@@ -42,6 +42,10 @@ __all__ = ["AppTarget", "app_target", "build", "model_inputs", "run", "validatio
 # Reading the app takes milliseconds; a service that does not answer in this long is not up.
 _APP_TIMEOUT_S = 30.0
 
+# The exit status of a run in which not one query was answered: the report is printed, but a
+# script (or CI) must not read such a run as a success. Bad input stays EXIT_BAD_INPUT (2).
+EXIT_NOTHING_ANSWERED = 1
+
 
 @dataclass(frozen=True, slots=True)
 class AppTarget:
@@ -123,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         )
     with client:
         target = app_target(client, args.app, args.slo_ms)
-        specs = model_inputs(client, args.app) if args.inputs or protocol == "v2" else None
+        # Over v1 too: the rows are checked against the app's inputs before anything is sent.
+        specs = model_inputs(client, args.app)
     queries = build(args, trace, target, specs, protocol)
     if args.outcomes is not None:
         # Before sending: a file that cannot be written is found now, not after the run.
@@ -153,7 +158,20 @@ def run(args: argparse.Namespace) -> int:
     status = emit(args.json, summary.to_json(), lambda: human(summary, duration_s))
     if args.outcomes is not None:  # after the summary: a failed write does not lose it
         write_outcomes(args.outcomes, queries, result.outcomes)
+    if summary.answered == 0:
+        errors = _kinds(summary)
+        progress(
+            f"heteroplane loadgen: not one query was answered ({summary.sent} sent"
+            + (f"; errors: {errors}" if errors else "")
+            + f"): exit status {EXIT_NOTHING_ANSWERED}"
+        )
+        return EXIT_NOTHING_ANSWERED
     return status
+
+
+def _kinds(summary: LoadSummary) -> str:
+    """``http_503 3, timeout 1``: the errors by kind."""
+    return ", ".join(f"{kind} {count}" for kind, count in summary.errors_by_kind.items())
 
 
 def model_inputs(client: ApiClient, app: str) -> list[InputSpec]:
@@ -169,16 +187,12 @@ def build(
     args: argparse.Namespace,
     trace: Trace,
     target: AppTarget,
-    specs: list[InputSpec] | None,
+    specs: list[InputSpec],
     protocol: str,
 ) -> list[Query]:
-    """The run's queries: the demo's digits over ``/v1`` as before, else rows of ``--inputs``
-    (or the digits) fitted to the app's inputs ``specs`` as ``protocol`` bodies."""
-    if specs is None:
-        try:
-            return loadgen.build_queries(trace, validation_inputs(target.seed))
-        except ValueError as error:
-            raise UsageError(f"--trace {args.trace}: {error}") from None
+    """The run's queries: rows of ``--inputs`` (or the demo's digits) checked against the app's
+    inputs ``specs`` (a misfit is a one-line UsageError before anything is sent), as
+    ``protocol`` bodies; the digits over ``/v1`` as before, with their sample ids."""
     if args.inputs is not None:
         try:
             arrays = read_inputs(args.inputs)
@@ -192,6 +206,11 @@ def build(
         fitted = fit_inputs(arrays, specs)
     except ValueError as error:
         raise UsageError(f"{where}: app {args.app!r}: {error}") from None
+    if args.inputs is None and protocol == "v1":
+        try:
+            return loadgen.build_queries(trace, arrays["input"])
+        except ValueError as error:
+            raise UsageError(f"--trace {args.trace}: {error}") from None
     try:
         return loadgen.build_tensor_queries(
             trace, fitted, specs, protocol, args.binary, args.timeout_s
@@ -235,7 +254,7 @@ def human(summary: LoadSummary, offered_s: float) -> str:
         if offered_s > 0 and summary.sent > 1
         else ""
     )
-    kinds = ", ".join(f"{kind} {count}" for kind, count in summary.errors_by_kind.items())
+    kinds = _kinds(summary)
     lines = [
         f"sent {summary.sent} queries in {summary.duration_s:.1f} s{offered}: answered"
         f" {summary.answered} ({summary.achieved_qps:.1f} qps achieved), errors {summary.errors}"

@@ -234,7 +234,9 @@ Each row of the trace (``arrival_s``, ``batch_size``, optional ``sample_id``) is
 demo family's validation samples (the row's ``sample_id``, else the row's index, and the ones
 after it for a batch: :mod:`controlplane.clients.loadgen`). The samples are the digits of the
 family's validation split, rebuilt from the seed in the app's validation records when that file can
-be read here (else the family's default seed), so sample i is the one the records describe.
+be read here (else the family's default seed), so sample i is the one the records describe;
+they are checked against the app's inputs (``GET /v2/models/APP``) before anything is sent, so an
+app of another model is refused up front: give it ``--inputs``.
 
 Any model: ``--inputs FILE`` gives the rows instead (a ``.npz`` with one array per model input,
 rows first, or a JSON file of Open Inference Protocol rows), checked against the app's inputs
@@ -247,6 +249,7 @@ answered and failed (by kind: HTTP status, timeout, connection), p50 and p99 of 
 latency, the attainment (share of sent queries answered within the app's SLO, read from ``GET
 /v1/apps/APP`` unless ``--slo-ms`` gives it) and the achieved rate; ``--json`` prints the
 contract's object instead. A token of scope ``infer`` cannot read the app: give ``--slo-ms``.
+A run in which not one query was answered exits 1 after its report.
 """
 
 

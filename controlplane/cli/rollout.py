@@ -76,7 +76,7 @@ def _validation(client: ApiClient, args: argparse.Namespace) -> dict[str, Any]:
     run here on ``--validation-data`` (as ``cascade evaluate --app`` runs them)."""
     from controlplane.cli.cascade_registered import load_data, registered_models, validation_records
 
-    inputs, labels = load_data(args.validation_data)
+    inputs, labels = load_data(args.validation_data, "--validation-data")
     spec = client.get(app_path(args.app))["spec"]
     name, _, version = args.model.partition("@")
     models = []

@@ -6,7 +6,8 @@ binary tensors).
   dimension first; its names are the inputs' names, or any name for a model of one input), or
   a JSON file of Open Inference Protocol rows: an inference request (``{"inputs": [{"name",
   "datatype", "shape", "data"}, ...]}``, each tensor's first dimension the rows) or a list of
-  them, their rows concatenated in order.
+  them, their rows concatenated in order. A file that is not what it says (a corrupt ``.npz``,
+  a ``.npy`` renamed ``.npz``: :func:`read_npz`; a tensor without ``data``) is one line.
 - **Fitting** (:func:`fit_inputs`): against the app's inputs as ``GET /v2/models/{app}`` gives
   them (:class:`InputSpec`): every input given, each array's sample shape the input's (a
   ``-1`` takes any size), its values cast to the input's datatype, the same number of rows in
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import json
 import math
+import zipfile
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +44,7 @@ __all__ = [
     "fit_inputs",
     "input_specs",
     "read_inputs",
+    "read_npz",
     "tensor_body",
 ]
 
@@ -96,8 +100,7 @@ def read_inputs(path: Path) -> dict[str, NDArray[Any]]:
     ValueError of one line naming the file."""
     try:
         if path.suffix == ".npz":
-            with np.load(path, allow_pickle=False) as archive:
-                arrays = {name: np.asarray(archive[name]) for name in archive.files}
+            arrays = read_npz(path)
         else:
             arrays = _oip_rows(json.loads(path.read_text(encoding="utf-8")))
     except OSError as error:
@@ -112,17 +115,80 @@ def read_inputs(path: Path) -> dict[str, NDArray[Any]]:
     return arrays
 
 
+# What numpy's reading of a zip archive raises besides OSError: a file that is not a zip
+# (BadZipFile), cut short (EOFError, zlib.error), encrypted (RuntimeError), compressed in a way
+# zipfile cannot read (NotImplementedError), or holding a member that is not an .npy (ValueError).
+_NOT_AN_NPZ = (
+    zipfile.BadZipFile,
+    EOFError,
+    zlib.error,
+    RuntimeError,
+    NotImplementedError,
+    ValueError,
+    KeyError,
+)
+
+
+def read_npz(path: Path) -> dict[str, NDArray[Any]]:
+    """The arrays of the ``.npz`` archive at ``path``, by name in the archive's order.
+
+    A file that is not one (a single ``.npy`` array, which ``np.load`` would hand back as it is;
+    a corrupt or cut-short zip; a member that is not an ``.npy``) is a ValueError of one line,
+    not naming the file; OSError (a missing file) is the caller's."""
+    with path.open("rb") as handle:
+        magic = handle.read(6)
+    if magic.startswith(b"\x93NUMPY"):
+        raise ValueError("not an .npz archive but a single .npy array (write it with numpy.savez)")
+    if not magic.startswith(b"PK"):
+        raise ValueError("not an .npz archive (a .npz is a zip of .npy arrays)")
+    try:
+        with np.load(path, allow_pickle=False) as archive:  # a zip: an NpzFile
+            arrays: dict[str, NDArray[Any]] = {}
+            for name in archive.files:
+                value = archive[name]
+                if not isinstance(value, np.ndarray):  # numpy gives a member's raw bytes
+                    raise ValueError(f"member {name!r} is not an .npy array")
+                arrays[name] = value
+    except _NOT_AN_NPZ as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"not a readable .npz archive ({reason})") from None
+    return arrays
+
+
+_TENSOR_KEYS = ("name", "datatype", "shape", "data")
+
+
 def _oip_rows(document: object) -> dict[str, NDArray[Any]]:
     """The rows of an inference request, or of a list of them, per input name."""
     requests = document if isinstance(document, list) else [document]
     parts: dict[str, list[NDArray[Any]]] = {}
-    for request in requests:
+    for r, request in enumerate(requests, 1):
         if not isinstance(request, Mapping) or not isinstance(request.get("inputs"), list):
             raise ValueError('expected an inference request, {"inputs": [...]}, or a list of them')
-        for tensor in request["inputs"]:
+        for i, tensor in enumerate(request["inputs"], 1):
+            where = f"request {r}, input {i}" if len(requests) > 1 else f"input {i}"
+            if not isinstance(tensor, Mapping):
+                raise ValueError(f"{where} is not an object with {', '.join(_TENSOR_KEYS)}")
+            if "name" in tensor:
+                where = f"{where} ({str(tensor['name'])!r})"
+            missing = [key for key in _TENSOR_KEYS if key not in tensor]
+            if missing:
+                raise ValueError(
+                    f"{where} has no {' or '.join(map(repr, missing))}"
+                    f" (an input tensor has {', '.join(_TENSOR_KEYS)})"
+                )
             name = str(tensor["name"])
-            shape = [int(d) for d in tensor["shape"]]
-            values = np.asarray(tensor["data"], dtype=numpy_dtype(str(tensor["datatype"])))
+            try:
+                shape = [int(d) for d in tensor["shape"]]
+            except (TypeError, ValueError, OverflowError):
+                raise ValueError(
+                    f"{where}: shape {tensor['shape']!r} is not a list of whole numbers"
+                ) from None
+            dtype = numpy_dtype(str(tensor["datatype"]))
+            try:
+                values = np.asarray(tensor["data"], dtype=dtype)
+            except (TypeError, ValueError, OverflowError) as error:
+                raise ValueError(f"{where}: data: {error}") from None
             if values.size != math.prod(shape):
                 raise ValueError(f"input {name!r}: {values.size} values for shape {shape}")
             parts.setdefault(name, []).append(values.reshape(shape))

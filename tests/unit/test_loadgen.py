@@ -2,8 +2,9 @@
 the open-loop schedule (in virtual time), the summary's statistics, the ``--json`` contract and
 one-line refusals of bad input.
 
-The fake service is ``http.server`` in a thread. It answers ``GET /v1/apps/{app}`` and ``POST
-/v1/apps/{app}/infer``; what an inference request gets is chosen by its first sample id
+The fake service is ``http.server`` in a thread. It answers ``GET /v1/apps/{app}``, ``GET
+/v2/models/{app}`` (the app's inputs: the demo's, 64 pixels, unless a test says otherwise) and
+``POST /v1/apps/{app}/infer``; what an inference request gets is chosen by its first sample id
 (:data:`SCRIPT`). Nothing here sleeps or asserts on how long anything took.
 """
 
@@ -70,6 +71,9 @@ class FakeService:
 
     def __init__(self, validation: Path | None = None) -> None:
         self.validation = validation
+        self.inputs: list[dict[str, Any]] = [
+            {"name": "input", "datatype": "FP32", "shape": [-1, N_FEATURES]}
+        ]
         self.requests: list[dict[str, Any]] = []
         self.release = threading.Event()  # what a "hang" request waits for
         self.barrier: threading.Barrier | None = None  # answers wait for every request
@@ -101,6 +105,13 @@ class FakeService:
             def do_GET(self) -> None:
                 if self._token() not in (TOKEN, INFER_TOKEN):
                     return self._error(401, "unauthorized")
+                if self.path == f"/v2/models/{APP}":  # infer scope, as the service's
+                    outputs = [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]
+                    return self._json(
+                        200,
+                        {"name": APP, "versions": ["1"], "platform": "heteroplane",
+                         "inputs": service.inputs, "outputs": outputs},
+                    )  # fmt: skip
                 if self.path != f"/v1/apps/{APP}":
                     return self._error(404, "not_found")
                 if self._token() == INFER_TOKEN:
@@ -479,6 +490,42 @@ def test_every_querys_outcome_can_be_written_out(
         status, _, err = loadgen_cli(capsys, *argv, "--outcomes", str(bad))
         assert status == 2 and err.count("\n") == 1 and "--outcomes" in err, err
     assert len(fake.requests) == sent
+
+
+@pytest.mark.parametrize("protocol", ["v1", "v2"])
+def test_the_demos_digits_are_checked_against_the_apps_inputs_before_sending(
+    fake: FakeService, tmp_path: Path, capsys: pytest.CaptureFixture[str], protocol: str
+) -> None:
+    # An app that is not the demo's (13 features): over v1 too, refused up front, not 422s.
+    fake.inputs = [{"name": "input", "datatype": "FP32", "shape": [-1, 13]}]
+    trace = write_trace(tmp_path / "t.csv", [0.0, 0.01])
+    status, out, err = loadgen_cli(
+        capsys,
+        *("--url", fake.url, "--app", APP, "--trace", str(trace), "--token", TOKEN),
+        *("--protocol", protocol),
+    )
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert "the demo's digits: app 'demo': input 'input': rows of shape [64] do not fit" in err
+    assert fake.requests == []
+
+
+def test_a_run_without_one_answer_exits_1_after_its_report(
+    fake: FakeService, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_trace(tmp_path / "t.csv", [0.0, 0.01], [8, 8])  # both answered 503
+    argv = ("--url", fake.url, "--app", APP, "--trace", str(trace), "--token", TOKEN)
+    status, out, err = loadgen_cli(capsys, *argv, "--json")
+    assert status == 1, err
+    data = json.loads(out)
+    assert (data["sent"], data["answered"], data["errors_by_kind"]) == (2, 0, {"http_503": 2})
+    last = err.strip().splitlines()[-1]
+    assert last == (
+        "heteroplane loadgen: not one query was answered (2 sent; errors: http_503 2):"
+        " exit status 1"
+    )
+    status, out, err = loadgen_cli(capsys, *argv)
+    assert status == 1 and "latency: no query was answered" in out
+    assert "Traceback" not in err
 
 
 def test_the_seed_comes_from_the_apps_validation_records(
