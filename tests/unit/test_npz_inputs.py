@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +16,9 @@ from controlplane.cli import main
 from controlplane.cli.cascade_registered import load_data
 from controlplane.cli.output import UsageError
 from controlplane.clients.tensors import read_inputs, read_npz
-from tests.unit.test_loadgen import APP, TOKEN, FakeService, loadgen_cli, write_trace
+from tests.unit.test_loadgen import APP, TOKEN, FakeService, fake, loadgen_cli, write_trace
+
+__all__ = ["fake"]  # the fixture, imported for this module's tests
 
 
 def bad_files(folder: Path) -> dict[str, tuple[Path, str]]:
@@ -103,15 +104,6 @@ def test_a_json_input_without_a_key_says_which_and_where(
     with pytest.raises(ValueError) as refused:
         read_inputs(path)
     assert str(refused.value) == f"{path}: {fragment}"
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeService]:
-    service = FakeService()
-    try:
-        yield service
-    finally:
-        service.close()
 
 
 @pytest.mark.parametrize("case", ["corrupt", "renamed"])
