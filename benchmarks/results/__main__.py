@@ -78,13 +78,15 @@ def index_markdown(sections: list[Section]) -> str:
 
 def readme_headline(section: Section) -> str:
     """What the README says after a section's link: its module's ``readme_headline(data)``
-    where it has one (the autoscaling section's held-out figures), else nothing."""
-    try:
-        module = importlib.import_module(f"benchmarks.results.{section.key}")
-    except ImportError:
+    where it has one (the autoscaling section's held-out figures), else nothing. The module is
+    the one :data:`EXPERIMENTS` pairs with the section's key (a key is not always its module's
+    name: ``cascadeserve`` is ``cascades``'s)."""
+    modules = {key: module for module, key in EXPERIMENTS}
+    if section.quick or section.key not in modules:
         return ""
+    module = importlib.import_module(f"benchmarks.results.{modules[section.key]}")
     headline = getattr(module, "readme_headline", None)
-    return str(headline(section.data)) if headline is not None and not section.quick else ""
+    return "" if headline is None else str(headline(section.data))
 
 
 def readme_block(sections: list[Section], link_prefix: str = "docs/results/") -> str:
