@@ -8,6 +8,13 @@ gear's cascade (:class:`StageLoad`):
 - the capacity C_s, samples per second the stage's healthy instances serve: sum over instances i
   of k_i / L_{m,t(i)}(k_i), L the profiled mean service time and k_i the batch of samples one
   dispatch gives it (the stage's batch cap, within the profile);
+- the wait W_s a query joining the queue meets (:meth:`~controlplane.serving.stages.
+  ServingStage.wait_ms`, :mod:`matching.admission`): until the first healthy instance is free
+  (its call's predicted end), then the queued queries, each size n at the capacity C_s(n) for
+  queries of its size; with every instance idle and nothing queued, 0. (Until 2026-11-30 it was
+  1000 B_s / C_s, which counts every call in service as a whole batch still to serve and a queue
+  of large queries at a small one's rate: it refused queries that would have been served in
+  time, most on a fleet of many busy instances or of mixed query sizes.)
 - the service time S_s of the new query's own batch (its batch size on the stage's fastest type);
 - whether the gear sends any sample there (its reach share; a stage no sample reaches adds
   nothing).
@@ -16,9 +23,9 @@ A sample that reaches every stage of the path (the tail: P99 is what the SLO ask
 B_s / C_s at each and is served in S_s, so the predicted latency of a new query under a gear is
 (:func:`predicted_latency_ms`)
 
-    T = sum over stages s with reach_s > 0 of  1000 B_s / C_s + S_s  (ms).
+    T = sum over stages s with reach_s > 0 of  W_s + S_s  (ms).
 
-The *wait* part W = sum 1000 B_s / C_s is what admission judges (:func:`decide`): the query is
+The *wait* part W = sum W_s is what admission judges (:func:`decide`): the query is
 refused when W exceeds what the SLO leaves after the service itself, max(SLO - S, SLO / 4),
 under the gear of least T among the candidates (the gear in force, the app's own cascade, and
 the cheapest gear of a gear plan when the app has one). The floor of a quarter of the SLO keeps
@@ -43,6 +50,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from matching.admission import MIN_WAIT_SHARE, allowance_ms
+
 __all__ = [
     "DEFAULT_MAX_QUEUED_SAMPLES",
     "MAX_RETRY_AFTER_S",
@@ -55,8 +64,6 @@ __all__ = [
     "wait_ms",
 ]
 
-# The least queueing any query is allowed, as a share of the SLO (see the module docstring).
-MIN_WAIT_SHARE = 0.25
 MAX_RETRY_AFTER_S = 60
 # Samples queued per app beyond which every new query is refused: 256 k samples of 64 floats is
 # about 128 MiB of inputs held by the loop.
@@ -71,6 +78,9 @@ class StageLoad:
     capacity_sps: float
     service_ms: float
     reach_share: float = 1.0
+    # The wait as the stage measures it (:meth:`~controlplane.serving.stages.ServingStage.
+    # wait_ms`: until an instance is free, then the queue by query size); None: 1000 B / C.
+    queue_wait_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +103,9 @@ def wait_ms(stages: Sequence[StageLoad]) -> float:
     it reaches has no capacity and a backlog, or no capacity at all)."""
     total = 0.0
     for stage in _reached(stages):
+        if stage.queue_wait_ms is not None:
+            total += stage.queue_wait_ms
+            continue
         if stage.capacity_sps <= 0:
             return math.inf
         total += 1000.0 * max(stage.backlog_samples, 0.0) / stage.capacity_sps
@@ -118,7 +131,7 @@ def decide(
     wait = wait_ms(stages)
     service = sum(s.service_ms for s in _reached(stages))
     predicted = wait + service
-    allowance = max(slo_ms - service, min_wait_share * slo_ms)
+    allowance = allowance_ms(slo_ms, service, min_wait_share)
     if wait <= allowance:
         return Admission(True, predicted, wait)
     if math.isinf(wait):

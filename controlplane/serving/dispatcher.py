@@ -548,12 +548,12 @@ class AppDispatcher:
         candidates = [gear.cascade, self.config.cascade]
         if gear.cheapest is not None and all(m in self._stages for m in gear.cheapest.models):
             candidates.append(gear.cheapest)
-        loads = {c: self.variants.loads(c, samples, gear) for c in dict.fromkeys(candidates)}
+        now = self.clock_s()
+        loads = {c: self.variants.loads(c, samples, gear, now) for c in dict.fromkeys(candidates)}
         cascade, best = min(loads.items(), key=lambda item: predicted_latency_ms(item[1]))
         verdict = decide(best, self.config.slo_ms)
         if not verdict.admitted:
             # An overload sign for each model the query would have reached (states.py).
-            now = self.clock_s()
             for model, load in zip(cascade.models, best, strict=True):
                 if load.reach_share > 0:
                     reached = load.reach_share * samples
@@ -574,6 +574,7 @@ class AppDispatcher:
         stage.queue.append(query)
         stage.parts[query.query_id] = part
         stage.queued_samples += len(samples)
+        stage.backlog.add(len(samples))
         request.queued[query.query_id] = stage
         self.tracker.arrived((self.app, model), now, len(samples))
         self._mark(stage)
@@ -584,6 +585,7 @@ class AppDispatcher:
         for part in parts:
             stage.parts[part.query.query_id] = part
             stage.queued_samples += len(part.samples)
+            stage.backlog.add(len(part.samples))
             part.request.queued[part.query.query_id] = stage
         self._mark(stage)
 
@@ -662,6 +664,7 @@ class AppDispatcher:
                     part = stage.parts.pop(query_id)
                     part.request.queued.pop(query_id, None)
                     stage.queued_samples -= len(part.samples)
+                    stage.backlog.remove(len(part.samples))
                     parts.append(part)
             if len(parts) > 1 and any(part.alone for part in parts):
                 # A suspect of a failed batch goes alone; the others wait at the front.
@@ -1019,6 +1022,7 @@ class AppDispatcher:
             if stage.queue.take(query_id) is not None:
                 part = stage.parts.pop(query_id)
                 stage.queued_samples -= len(part.samples)
+                stage.backlog.remove(len(part.samples))
         request.queued.clear()
 
     # --- model-less queries ---------------------------------------------------------------------

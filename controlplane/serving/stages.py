@@ -16,6 +16,7 @@ import math
 from controlplane.serving.modelio import ModelIO
 from controlplane.serving.workers import Worker
 from estimator.profiles import LatencyProfile
+from matching.admission import Backlog
 from matching.policy import DispatchPolicy
 from matching.queues import CentralQueue
 
@@ -74,6 +75,7 @@ class ServingStage:
     """One model's stage (see the module docstring)."""
 
     __slots__ = (
+        "backlog",
         "capacity",
         "dirty",
         "in_service_samples",
@@ -101,6 +103,7 @@ class ServingStage:
         self.policy_name = ""
         self.queued_samples = 0
         self.in_service_samples = 0
+        self.backlog = Backlog()  # the queued parts by size, for admission control
         self.dirty = False
         # (samples, batch cap) -> (capacity in samples/s, fastest service ms): cleared whenever
         # the stage's instances or their health change.
@@ -109,6 +112,34 @@ class ServingStage:
         # queries by instance id, and the load balancer's u (empty and None otherwise).
         self.shares: dict[str, float] = {}
         self.lp_utilisation: float | None = None
+
+    def rates(self, samples: int, cap: int) -> tuple[float, float]:
+        """(:meth:`capacity_sps`, the fastest type's service ms) for queries of ``samples``
+        samples at batch cap ``cap``, cached in ``capacity``."""
+        key = (samples, cap)
+        known = self.capacity.get(key)
+        if known is None:
+            fastest = min((t.ms(samples) for t in self.latency.values()), default=math.inf)
+            known = self.capacity[key] = (self.capacity_sps(samples, cap), fastest)
+        return known
+
+    def wait_ms(self, cap: int, now_s: float) -> float:
+        """What a query joining the queue now waits (:mod:`matching.admission`): until a
+        healthy instance is free (its call's predicted end), then the queued parts, each size
+        at the stage's capacity for it (infinite with no healthy instance)."""
+        free_s = math.inf
+        for slot in self.slots:
+            worker = slot.worker
+            if worker.healthy:
+                free_s = min(
+                    free_s, max(worker.busy_until_s - now_s, 0.0) if worker.running else 0.0
+                )
+        if math.isinf(free_s):
+            return math.inf
+        backlog = self.backlog
+        if not backlog.samples:
+            return 1000.0 * free_s
+        return 1000.0 * free_s + backlog.wait_ms(lambda size: self.rates(size, cap)[0])
 
     def capacity_sps(self, samples: int, cap: int) -> float:
         """Samples per second the stage's healthy instances serve at batches of ``cap`` queries

@@ -75,23 +75,21 @@ class AppVariants:
             self._quality[cascade] = found
         return found
 
-    def loads(self, cascade: Cascade, samples: int, gear: ServingGear) -> list[StageLoad]:
-        """What each stage of ``cascade`` faces now for a query of ``samples`` samples under
-        ``gear``'s batch caps (every model of the cascade must have a stage)."""
+    def loads(
+        self, cascade: Cascade, samples: int, gear: ServingGear, now_s: float
+    ) -> list[StageLoad]:
+        """What each stage of ``cascade`` faces at ``now_s`` for a query of ``samples`` samples
+        under ``gear``'s batch caps (every model of the cascade must have a stage)."""
         _, reach = self.reach(cascade)
         loads = []
         for model, share in zip(cascade.models, reach, strict=True):
             stage = self.stages[model]
             n = max(math.ceil(share * samples), 1)
             cap = batch_cap(self.config, model, gear)
-            key = (n, cap)
-            known = stage.capacity.get(key)
-            if known is None:
-                fastest = min((t.ms(n) for t in stage.latency.values()), default=math.inf)
-                known = stage.capacity[key] = (stage.capacity_sps(n, cap), fastest)
-            capacity, fastest = known
+            capacity, fastest = stage.rates(n, cap)
             backlog = stage.queued_samples + stage.in_service_samples
-            loads.append(StageLoad(backlog, capacity, fastest, share))
+            wait = stage.wait_ms(cap, now_s) if share > 0 else 0.0
+            loads.append(StageLoad(backlog, capacity, fastest, share, wait))
         return loads
 
     def options(
@@ -113,7 +111,7 @@ class AppVariants:
             if not all(stages[m].slots for m in cascade.models):
                 continue
             accuracy, reach = self.reach(cascade)
-            loads = self.loads(cascade, samples, gear)
+            loads = self.loads(cascade, samples, gear, now_s)
             cost = 0.0
             for model, share in zip(cascade.models, reach, strict=True):
                 cost += share * cost_usd_per_sample(stages[model], config.prices_usd_per_hr)

@@ -28,6 +28,7 @@ from controlplane.serving.dispatcher import policy_name
 from controlplane.serving.health import Health
 from controlplane.serving.modelio import ModelIO
 from controlplane.serving.observations import ARRIVALS_KEPT, Observations, summarise
+from controlplane.serving.stages import LatencyTable, ServingStage, Slot
 from controlplane.serving.states import (
     StateTracker,
     is_interfered,
@@ -38,6 +39,7 @@ from controlplane.serving.transport import _Answer, _Channel, answer_error
 from controlplane.serving.workers import BACKOFF_MAX_S, Worker, WorkerEndpoint, backoff_s
 from estimator.fleet import Fleet
 from estimator.profiles import LatencyProfile
+from matching import admission as matching_admission
 from matching.policy import QueuedQuery
 from matching.queues import CentralQueue
 
@@ -195,6 +197,68 @@ def test_more_backlog_never_turns_a_refusal_into_an_admission(
     assert less.admitted or not more.admitted
     if not more.admitted:
         assert 1 <= more.retry_after_s <= MAX_RETRY_AFTER_S
+
+
+def _stage(*types_ms: tuple[str, float]) -> ServingStage:
+    stage = ServingStage("m")
+    for index, (name, ms) in enumerate(types_ms):
+        profile = LatencyProfile(
+            "m", name, np.array([1, 2]), (np.array([ms]), np.array([2.0 * ms]))
+        )
+        stage.latency[name] = LatencyTable(profile)
+        worker = Worker(WorkerEndpoint(f"i-{index}", name, f"w:{index}"), 0.0)
+        stage.slots.append(Slot(index, worker, 0, profile.max_batch_size))
+    return stage
+
+
+def test_a_joining_query_waits_for_the_first_free_instance_then_the_queue() -> None:
+    # Four instances of 20 ms, all busy: the old estimate counted the four calls in service as
+    # four samples still to serve, 1000 x 4 / 200 = 20 ms, where the next instance frees in 5.
+    stage = _stage(*[("t", 20.0)] * 4)
+    for i, slot in enumerate(stage.slots):
+        slot.worker.start(0.0, 20.0 - 5.0 * i)  # they free at 20, 15, 10 and 5 ms
+    stage.in_service_samples = 4
+    assert stage.wait_ms(1, 0.0) == pytest.approx(5.0)
+    # Two queued samples ahead of it drain at the stage's 200 samples/s once one is free.
+    stage.backlog.add(1)
+    stage.backlog.add(1)
+    assert stage.wait_ms(1, 0.0) == pytest.approx(5.0 + 10.0)
+    assert stage.wait_ms(1, 0.004) == pytest.approx(1.0 + 10.0)
+    # An idle instance takes it at once; none healthy: nothing serves it.
+    stage.slots[3].worker.finish(0.001)
+    assert stage.wait_ms(1, 0.001) == pytest.approx(10.0)
+    for slot in stage.slots:
+        slot.worker.healthy = False
+    assert math.isinf(stage.wait_ms(1, 0.0))
+
+
+def test_queued_queries_drain_at_the_rate_of_their_own_size() -> None:
+    # One instance whose per-sample time falls with the batch (10 ms at 1, 12 ms at 2): 100
+    # samples/s at size 1, 167 at size 2.
+    stage = ServingStage("m")
+    profile = LatencyProfile("m", "t", np.array([1, 2]), (np.array([10.0]), np.array([12.0])))
+    stage.latency["t"] = LatencyTable(profile)
+    stage.slots.append(Slot(0, Worker(WorkerEndpoint("i-0", "t", "w:0"), 0.0), 0, 2))
+    stage.backlog.add(2)
+    stage.backlog.add(2)
+    # Two queries of two samples: 2 x 12 ms, not 4 samples at size 1's 10 ms each (40 ms).
+    assert stage.wait_ms(1, 0.0) == pytest.approx(24.0)
+    stage.backlog.remove(2)
+    stage.backlog.remove(2)
+    stage.backlog.remove(2)  # one not held: ignored
+    assert stage.backlog.samples == 0 and stage.wait_ms(1, 0.0) == 0.0
+
+
+def test_the_stage_wait_replaces_backlog_over_capacity_when_given() -> None:
+    pooled = StageLoad(backlog_samples=80, capacity_sps=1000.0, service_ms=20.0)
+    measured = StageLoad(80, 1000.0, 20.0, 1.0, queue_wait_ms=5.0)
+    assert wait_ms([pooled]) == pytest.approx(80.0) and wait_ms([measured]) == 5.0
+    assert not decide([StageLoad(200, 1000.0, 20.0)], 100.0).admitted
+    assert decide([StageLoad(200, 1000.0, 20.0, 1.0, queue_wait_ms=79.0)], 100.0).admitted
+
+
+def test_the_matching_admission_doctests() -> None:
+    assert doctest.testmod(matching_admission).failed == 0
 
 
 # --- observations ----------------------------------------------------------------------------
