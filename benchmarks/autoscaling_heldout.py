@@ -110,6 +110,7 @@ from controlplane.policies.planner import plan_app
 from controlplane.policies.replay import (
     ReplayResult,
     UtilizationConfig,
+    finite_or_none,
     parse_plan,
     rate_per_instance_qps,
     replay,
@@ -498,7 +499,8 @@ def policy_row(result: ReplayResult) -> dict[str, Any]:
     return {
         "cost_usd": result.cost_usd,
         "miss_share": result.slo_miss_share,
-        "p99_ms": result.p99_ms,
+        "refused_share": result.refused_share,
+        "p99_ms": finite_or_none(result.p99_ms),
         "scaling_actions": result.scaling_actions,
     }
 
@@ -546,7 +548,11 @@ def run_case(case: TraceCase, quick: bool = False) -> dict[str, Any]:
             np.random.default_rng(case.seed),
             policy="oracle",
         )
-        oracle |= {"miss_share": run.slo_miss_share, "p99_ms": run.p99_ms}
+        oracle |= {
+            "miss_share": run.slo_miss_share,
+            "refused_share": run.refused_share,
+            "p99_ms": finite_or_none(run.p99_ms),
+        }
     policies["oracle"] = oracle
     row = case_row(case, len(trace), policies)
     row["tuner_model"] = setup.tuner_model

@@ -42,6 +42,7 @@ the caller's generator), so for the same seed they agree query by query; tests c
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Mapping, Sequence
@@ -54,6 +55,7 @@ from estimator.errors import BatchSizeOutOfRangeError, SimulationError
 from estimator.kernels import fcfs_kernel
 from estimator.profiles import LatencyProfile, ServiceMode
 from estimator.traces import Trace
+from matching.admission import Backlog, allowance_ms
 from matching.errors import InvalidDispatchError
 from matching.fcfs import FcfsPolicy
 from matching.policy import Dispatch, DispatchPolicy, QueuedQuery, StageContext
@@ -364,6 +366,7 @@ def simulate(
     engine: Engine = "auto",
     routing: Routing | None = None,
     controller: ModeController | None = None,
+    admission: bool = False,
 ) -> SimulationResult:
     """Replay ``trace`` through ``stages`` and return every query's timings.
 
@@ -405,8 +408,11 @@ def simulate(
     reference = round(float(trace.batch_size.mean()))
     u = rng.random((len(stages), len(trace)))
 
+    if admission and qos_ms is None:
+        raise SimulationError("admission control needs the SLO (qos_ms)")
     kernel_fits = (
-        len(stages) == 1
+        not admission
+        and len(stages) == 1
         and routing is None
         and stages[0].min_queue == 1
         and isinstance(stages[0].policy, FcfsPolicy)
@@ -419,10 +425,13 @@ def simulate(
     if kernel_fits and engine != "events":
         run = _run_kernel(trace, stages[0], tables[0], u[0], reference)
     else:
-        run = _EventEngine(trace, stages, tables, u, reference, qos_ms, routing, controller).run()
+        run = _EventEngine(
+            trace, stages, tables, u, reference, qos_ms, routing, controller, admission
+        ).run()
     start_s, finish_s, served_by, visited, busy_s, answered, modes = run
 
-    horizon_s = float(finish_s.max())
+    answered_at = finish_s[np.isfinite(finish_s)]
+    horizon_s = float(answered_at.max()) if answered_at.size else float(trace.arrival_s.max())
     cost_usd = 0.0
     utilisation = []
     for stage, busy in zip(stages, busy_s, strict=True):
@@ -538,6 +547,7 @@ class _Instance:
 
 class _StageState:
     __slots__ = (
+        "backlog",
         "context",
         "forward",
         "instances",
@@ -545,6 +555,7 @@ class _StageState:
         "min_queue",
         "policy",
         "queue",
+        "rates",
         "table",
         "wake_s",
     )
@@ -572,6 +583,27 @@ class _StageState:
         self.min_queue = stage.min_queue
         self.max_wait_s = stage.max_wait_s
         self.wake_s = -math.inf  # the time of the guard's wake-up event pushed last
+        self.backlog = Backlog()  # queued and in service, for admission control
+        # (type id, query size, batch cap) -> samples/s of one instance (admission control)
+        self.rates: dict[tuple[int, int, int], float] = {}
+
+
+def _capacity_sps(state: _StageState, active: Sequence[_Instance], size: int) -> float:
+    """Samples per second ``active`` serve at ``state``'s batch cap for queries of ``size``
+    samples (each instance at cap x size samples, within its profile), as the live stage's
+    ``capacity_sps`` counts them."""
+    cap = state.context.max_batch_queries
+    rates = state.rates
+    total = 0.0
+    for inst in active:
+        key = (inst.type_id, size, cap)
+        known = rates.get(key)
+        if known is None:
+            k = max(min(cap * size, inst.max_batch_size), size)
+            at_k = state.table.mean_s(inst.type_id, k)
+            known = rates[key] = k / at_k if at_k > 0 else math.inf
+        total += known
+    return total
 
 
 class _EventEngine:
@@ -587,8 +619,10 @@ class _EventEngine:
         qos_ms: float | None,
         routing: Routing | None = None,
         controller: ModeController | None = None,
+        admission: bool = False,
     ) -> None:
         self.trace = trace
+        self.admission = admission
         self.stages = [
             _StageState(stage, table, reference, qos_ms)
             for stage, table in zip(stages, tables, strict=True)
@@ -672,8 +706,14 @@ class _EventEngine:
                 if routing is not None and mode_of is not None:
                     entry = int(routing.entry[self.mode, q])
                     mode_of[q] = self.mode
-                self.stages[entry].queue.append(QueuedQuery(q, batch_sizes[q], now, now))
                 next_arrival += 1
+                if self.admission and not self._admit(now, entry, batch_sizes[q]):
+                    self.start_s[q] = now
+                    self.finish_s[q] = math.inf  # refused: a miss, never answered
+                    continue
+                self.stages[entry].queue.append(QueuedQuery(q, batch_sizes[q], now, now))
+                if self.admission:
+                    self.stages[entry].backlog.add(batch_sizes[q])
                 dirty.add(entry)
             for s in sorted(dirty):
                 self._round(now, s)
@@ -693,6 +733,33 @@ class _EventEngine:
             self.answered,
             self.mode_of,
         )
+
+    def _admit(self, now: float, entry: int, samples: int) -> bool:
+        """Admission control as the live dispatcher judges it (``controlplane.serving.
+        admission``, :mod:`matching.admission`): the query is refused when the backlog of the
+        stages from ``entry`` on (queued and in service) drains later than the SLO allows
+        after the query's own service on each stage's fastest serving type."""
+        assert self.qos_ms is not None
+        wait_ms = 0.0
+        service_ms = 0.0
+        for state in self.stages[entry:]:
+            active = [inst for inst in state.instances if inst.ready_s <= now < inst.stop_s]
+            if not active:
+                return False
+            # The queue drains at the stage's capacity once an instance is free for it.
+            # (predicted from the profile's mean, as the live dispatcher predicts it)
+            free_s = min(
+                0.0
+                if inst.running is None
+                else max(
+                    inst.started_s + state.table.mean_s(inst.type_id, inst.batch_size) - now, 0.0
+                )
+                for inst in active
+            )
+            wait_ms += 1000.0 * free_s
+            wait_ms += state.backlog.wait_ms(functools.partial(_capacity_sps, state, active))
+            service_ms += 1000.0 * min(state.table.mean_s(i.type_id, samples) for i in active)
+        return wait_ms <= allowance_ms(self.qos_ms, service_ms)
 
     def _complete(self, now: float, s: int, index: int, dirty: set[int]) -> None:
         state = self.stages[s]
@@ -717,6 +784,8 @@ class _EventEngine:
                 arrival = float(self.trace.arrival_s[q])
                 batch_size = int(self.trace.batch_size[q])
                 self.stages[nxt].queue.append(QueuedQuery(q, batch_size, arrival, now))
+                if self.admission:
+                    self.stages[nxt].backlog.add(batch_size)
                 dirty.add(nxt)
             else:
                 self.finish_s[q] = now
@@ -749,6 +818,9 @@ class _EventEngine:
         ids = dispatch.query_ids
         taken = state.queue.take_batch(ids)
         total = sum(item.batch_size for item in taken)
+        if self.admission:
+            for item in taken:
+                state.backlog.remove(item.batch_size)
         if total > inst.max_batch_size:
             raise InvalidDispatchError(
                 f"batch of {total} exceeds the profile of {inst.instance_type}"

@@ -691,6 +691,13 @@ def _replay(subparsers: Subparsers) -> None:
         " launched at the notice (docs/spot.md); the plan's fleet as it is (--policy static, the"
         " default with this option), one stage",
     )
+    parser.add_argument(
+        "--no-admission",
+        action="store_true",
+        help="serve every query however late, instead of refusing, as the service's admission"
+        " control does, a query whose queue cannot be served within the SLO (a refused query"
+        " counts as a miss)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=Handler("replay", "run"))

@@ -50,6 +50,11 @@ from estimator.envelope import DEFAULT_PERSISTENCE_S
 from estimator.traces import read_trace_csv
 
 
+def p99_text(p99_ms: float) -> str:
+    """A replay's P99 for people: infinite when over 1% of the queries were refused."""
+    return f"{p99_ms:.2f} ms" if np.isfinite(p99_ms) else "- (over 1% of queries refused)"
+
+
 def scaling_policy(tuner: str, policy: str | None) -> tuple[ScalingPolicy, str]:
     """The replay's scaling policy and the name to report, from ``--tuner`` and ``--policy``
     (:mod:`controlplane.policies.scaling`): a baseline replays its own plan static."""
@@ -196,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
             policy=policy,
             planning_arrival_s=None if planning is None or made else planning.arrival_s,
             dispatch=args.dispatch,
+            admission=not args.no_admission,
             **sizing,
         )
     data = result.to_document()
@@ -222,8 +228,8 @@ def run(args: argparse.Namespace) -> int:
         slo = app.spec.slo.latency_ms
         lines = [
             f"replay of {args.trace} ({data['queries']} queries) under {label}:",
-            f"  p99 {result.p99_ms:.2f} ms; {100 * result.slo_miss_share:.2f}% over the"
-            f" {slo:g} ms SLO",
+            f"  p99 {p99_text(result.p99_ms)}; {100 * result.slo_miss_share:.2f}% over the"
+            f" {slo:g} ms SLO ({100 * result.refused_share:.2f}% refused by admission control)",
             f"  cost {result.cost_usd:.4f} USD; {result.scaling_actions} scaling actions",
         ]
         if made is not None:

@@ -922,6 +922,7 @@ class ReplayResult:
     fleet_timeline: FleetTimeline
     simulation: SimulationResult
     stages: tuple[StageReplay, ...] = ()
+    refused_share: float = 0.0
 
     @property
     def decisions(self) -> tuple[ReplayDecision, ...]:
@@ -941,8 +942,9 @@ class ReplayResult:
         return {
             "policy": self.policy,
             "queries": int(self.simulation.arrival_s.size),
-            "p99_ms": self.p99_ms,
+            "p99_ms": finite_or_none(self.p99_ms),
             "slo_miss_share": self.slo_miss_share,
+            "refused_share": self.refused_share,
             "cost_usd": self.cost_usd,
             "scaling_actions": self.scaling_actions,
             "batch_caps": [
@@ -953,7 +955,7 @@ class ReplayResult:
                     "t_s": w.t_s,
                     "fleet": w.fleet,
                     "rate_qps": w.rate_qps,
-                    "p99_ms": w.p99_ms,
+                    "p99_ms": finite_or_none(w.p99_ms),
                     "cost_usd_per_hr": w.cost_usd_per_hr,
                 }
                 for w in self.timeline
@@ -970,6 +972,37 @@ class ReplayResult:
                 for d in self.decisions
             ],
         }
+
+
+def tail_ms(response_ms: NDArray[np.float64], percentile: float = REPORTED_PERCENTILE) -> float:
+    """The ``percentile`` of ``response_ms``, a refused query (infinite) counted as the slowest:
+    infinite when the percentile falls among the refused."""
+    refused = np.isinf(response_ms)
+    if not refused.any():
+        return float(np.percentile(response_ms, percentile))
+    if np.count_nonzero(refused) > response_ms.size * (1.0 - percentile / 100.0):
+        return math.inf
+    # Interpolation between the slowest answered query and a refused one is meaningless: the
+    # refused rank above every answer, at a finite stand-in larger than all of them.
+    stand_in = np.where(
+        refused, np.max(response_ms[~refused], initial=0.0) * 2.0 + 1.0, response_ms
+    )
+    value = float(np.percentile(stand_in, percentile))
+    return value if value <= np.max(response_ms[~refused], initial=0.0) else math.inf
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """``value`` for a JSON document: None where it is not finite (a P99 among refused
+    queries)."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _outcome(result: SimulationResult, qos_ms: float) -> tuple[float, float, float]:
+    """P99, the share of queries over the SLO (refused ones included) and the refused share."""
+    response = result.response_ms
+    refused = int(np.count_nonzero(np.isinf(response)))
+    missed = int(np.count_nonzero(response > qos_ms))
+    return tail_ms(response), missed / response.size, refused / response.size
 
 
 def _aborted_cost_usd(
@@ -996,7 +1029,7 @@ def timeline_windows(
     windows = []
     for k, t_s in enumerate(float(t) for t in starts):
         lo, hi = int(bounds[k]), int(bounds[k + 1])
-        p99 = float(np.percentile(response[lo:hi], REPORTED_PERCENTILE)) if hi > lo else None
+        p99 = tail_ms(response[lo:hi]) if hi > lo else None
         windows.append(
             TimelineWindow(
                 t_s=t_s,
@@ -1026,6 +1059,7 @@ def replay(
     tuner_ladder: SizingLadder | None = None,
     tuner_persistence_s: float | None = None,
     tuner_ladders: Mapping[str, SizingLadder] | None = None,
+    admission: bool = True,
 ) -> ReplayResult:
     """Replay ``trace`` on ``plan``'s single stage with the fleet as ``policy`` scales it.
 
@@ -1040,6 +1074,9 @@ def replay(
     plan stage's ``policy``, else fcfs) over the stage's types, the plan's batch size as the most
     queries per batch, and service times drawn from ``rng``. Exact because the policies decide
     from arrivals only. A static replay is the plain simulation of the plan's fleet.
+    ``admission`` (the live dispatcher's default) refuses, as the service does, a query whose
+    queue cannot be served within the SLO (:mod:`matching.admission`); a refused query is a miss
+    (``ReplayResult.refused_share``); without it every query is served, however late.
 
     A plan of several stages (a cascade) replays as one pipeline (:func:`replay_pipeline`):
     static, or with one tuner per stage, each on the arrivals that reach its stage and all of
@@ -1078,6 +1115,7 @@ def replay(
             tuner_recent_s=tuner_recent_s,
             tuner_persistence_s=tuner_persistence_s,
             tuner_ladders=tuner_ladders,
+            admission=admission,
         )
     stage = check_plan(plan, app)
     options = TimelineOptions(
@@ -1092,7 +1130,9 @@ def replay(
         tuner_persistence_s=tuner_persistence_s,
     )
     timeline = run_policy(trace, app, stage, options)
-    return replay_timeline(trace, app, stage, timeline, rng, policy=policy, dispatch=dispatch)
+    return replay_timeline(
+        trace, app, stage, timeline, rng, policy=policy, dispatch=dispatch, admission=admission
+    )
 
 
 def replay_timeline(
@@ -1106,6 +1146,7 @@ def replay_timeline(
     dispatch: DispatchName | None = None,
     profile_types: Mapping[str, str] | None = None,
     extra_prices_usd_per_hr: Mapping[str, float] | None = None,
+    admission: bool = True,
 ) -> ReplayResult:
     """Pass 2 of :func:`replay` alone: simulate ``trace`` once on ``timeline`` (however it was
     made, e.g. an oracle's fleet per minute) with ``stage``'s batch size and dispatch
@@ -1141,13 +1182,15 @@ def replay_timeline(
         [stage.batch_size],
         prices_usd_per_hr=prices,
         qos_ms=qos_ms,
+        admission=admission,
     )
-    response = result.response_ms
     all_types = list(dict.fromkeys([*stage.fleet, *types]))
+    p99_ms, missed, refused = _outcome(result, qos_ms)
     return ReplayResult(
         policy=policy,
-        p99_ms=float(np.percentile(response, REPORTED_PERCENTILE)),
-        slo_miss_share=float(np.count_nonzero(response > qos_ms) / response.size),
+        p99_ms=p99_ms,
+        slo_miss_share=missed,
+        refused_share=refused,
         cost_usd=result.cost_usd + _aborted_cost_usd(timeline.aborted, prices, result.horizon_s),
         scaling_actions=timeline.scaling_actions,
         timeline=timeline_windows(result, timeline, all_types, prices),
@@ -1660,6 +1703,7 @@ def replay_pipeline(
     tuner_recent_s: float = DEFAULT_RECENT_S,
     tuner_persistence_s: float | None = None,
     tuner_ladders: Mapping[str, SizingLadder] | None = None,
+    admission: bool = True,
 ) -> ReplayResult:
     """Replay ``trace`` through every stage of ``plan`` at once, each with its batch size and
     dispatch (``dispatch`` overrides the plan's), each query forwarded to the next stage as the
@@ -1735,6 +1779,7 @@ def replay_pipeline(
         [stage.batch_size for stage in stages],
         prices_usd_per_hr=prices,
         qos_ms=qos_ms,
+        admission=admission,
     )
     timeline = FleetTimeline(
         tuple(spec for m in made for spec in m.timeline.instances),
@@ -1768,11 +1813,12 @@ def replay_pipeline(
                 note=m.note,
             )
         )
-    response = result.response_ms
+    p99_ms, missed, refused = _outcome(result, qos_ms)
     return ReplayResult(
         policy=policy,
-        p99_ms=float(np.percentile(response, REPORTED_PERCENTILE)),
-        slo_miss_share=float(np.count_nonzero(response > qos_ms) / response.size),
+        p99_ms=p99_ms,
+        slo_miss_share=missed,
+        refused_share=refused,
         cost_usd=result.cost_usd + _aborted_cost_usd(timeline.aborted, prices, result.horizon_s),
         scaling_actions=timeline.scaling_actions,
         timeline=timeline_windows(result, timeline, types, prices),

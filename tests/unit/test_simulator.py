@@ -214,3 +214,52 @@ def test_type_order_overrides_speed_in_both_engines(engine: str) -> None:
     prices = {"slow.large": 1, "fast.large": 2}
     result = simulate(trace, [stage], rng, prices_usd_per_hr=prices, engine=engine)  # type: ignore[arg-type]
     assert result.instance.tolist() == [0, 0, 0]
+
+
+def test_admission_refuses_what_the_slo_cannot_hold_and_serves_the_rest_in_time() -> None:
+    # One instance of exactly 10 ms (100 qps) offered 150 qps for 20 s, SLO 50 ms.
+    p = LatencyProfile("m", "x", np.array([1]), (np.array([10.0]),))
+    arrivals = np.arange(0.0, 20.0, 1.0 / 150.0)
+    trace = Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
+    stage = Stage("m", (InstanceSpec("x"),), {"x": p})
+    prices = {"x": 1.0}
+    late = simulate(trace, [stage], np.random.default_rng(0), prices_usd_per_hr=prices, qos_ms=50.0)
+    gated = simulate(
+        trace,
+        [stage],
+        np.random.default_rng(0),
+        prices_usd_per_hr=prices,
+        qos_ms=50.0,
+        admission=True,
+    )
+    assert np.all(np.isfinite(late.finish_s)) and gated.engine == "events"
+    refused = np.isinf(gated.finish_s)
+    # Served however late, the queue grows without bound: most queries miss.
+    assert np.mean(late.response_ms > 50.0) > 0.5
+    # Refused at arrival when the queue ahead drains past the 40 ms the SLO leaves after the
+    # 10 ms service: about the third the instance cannot serve, and every admitted query meets
+    # the SLO (its wait is known exactly here: one type, one service time).
+    assert 0.3 < refused.mean() < 0.36
+    assert np.all(gated.response_ms[~refused] <= 50.0 + 1e-6)
+    assert np.all(gated.start_s[refused] == gated.arrival_s[refused])
+    assert math.isfinite(gated.horizon_s) and gated.cost_usd > 0
+
+
+def test_admission_reads_a_queue_of_mixed_sizes_at_each_size_s_rate() -> None:
+    # Batch 1 takes 10 ms, batch 8 takes 16 ms: eight queries of 8 samples queued drain in
+    # 8 x 16 = 128 ms, not 64 samples at batch 1's 10 ms each (640 ms).
+    p = LatencyProfile("m", "x", np.array([1, 8]), (np.array([10.0]), np.array([16.0])))
+    arrivals = np.concatenate([np.zeros(9), [0.001]])
+    sizes = np.array([8] * 9 + [1], dtype=np.int64)
+    stage = Stage("m", (InstanceSpec("x"),), {"x": p})
+    run = {"prices_usd_per_hr": {"x": 1.0}, "admission": True}
+    trace = Trace(arrivals, sizes)
+    # SLO 200 ms: the last query meets 16 ms left of the first call and 8 x 16 ms queued.
+    admitted = simulate(trace, [stage], np.random.default_rng(0), qos_ms=200.0, **run)
+    assert np.all(np.isfinite(admitted.finish_s))
+    refused = simulate(trace, [stage], np.random.default_rng(0), qos_ms=100.0, **run)
+    assert np.isinf(refused.finish_s[-1])
+    with pytest.raises(SimulationError, match="qos_ms"):
+        simulate(
+            trace, [stage], np.random.default_rng(0), prices_usd_per_hr={"x": 1.0}, admission=True
+        )
