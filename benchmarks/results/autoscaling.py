@@ -101,8 +101,10 @@ def what_text(data: dict[str, Any]) -> str:
   differ by milliseconds); a blip: cost <= {MAX_BLIP_COST_OVER_STATIC:g}x the static plan's;
   across a set, CG-Peak / cost averages >= {MIN_MEAN_PEAK_OVER_COST:g}.
 - Caveats: simulated (the replay's discrete-event simulator on measured latency samples, boot
-  60 s GPU / 30 s CPU), not measured on EC2; every query is served (the replay refuses none), so
-  the miss share counts late queries only; the oracle's plans are cached per rate rounded to 2%
+  60 s GPU / 30 s CPU), not measured on EC2; the replay refuses at arrival what the service's
+  admission control refuses (a query whose queue cannot be served within the SLO; every policy
+  alike, docs/replay.md), so the miss share counts late and refused queries (until 2026-11-30
+  every query was served, however late); the oracle's plans are cached per rate rounded to 2%
   of R."""
 
 

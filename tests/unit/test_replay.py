@@ -463,6 +463,25 @@ def test_replay_json_contract(
         assert out["scaling_actions"] == 0 and out["decisions"] == []
 
 
+def test_replay_refuses_as_the_service_does_unless_told_not_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One GPU (100 qps) under a step to 150 qps, static: a third of the step is refused.
+    args = [*cli_inputs(tmp_path, plan_document({GPU: 1})), "--tuner", "off"]
+    assert main([*args, "--json"]) == 0
+    gated = json.loads(capsys.readouterr().out)
+    assert main([*args, "--no-admission", "--json"]) == 0
+    late = json.loads(capsys.readouterr().out)
+    assert gated["refused_share"] > 0.1 and late["refused_share"] == 0.0
+    # Over 1% refused: the P99 is among them, no number (valid JSON, not Infinity).
+    assert gated["p99_ms"] is None and late["p99_ms"] > 1000.0
+    assert gated["slo_miss_share"] < late["slo_miss_share"]
+    windows = [w["p99_ms"] for w in gated["timeline"]]
+    assert None in windows and any(isinstance(p, float) for p in windows)
+    assert main(args) == 0
+    assert "over 1% of queries refused" in capsys.readouterr().out
+
+
 def test_replay_human_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = cli_inputs(tmp_path, plan_document({GPU: 1}))
     assert main([*args, "--policy", "static"]) == 0
