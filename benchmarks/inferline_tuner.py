@@ -169,7 +169,9 @@ def replay_policy(
     seed: int,
 ) -> ReplayResult:
     """Replay ``test`` on ``plan`` scaled by ``policy`` (tuner, static or utilization), the tuner's
-    planned envelope from ``planning``, service times from ``seed``."""
+    planned envelope from ``planning``, service times from ``seed``. Every query is served,
+    however late (``admission=False``): InferLine's evaluation queues every query, and its
+    miss rates are late answers."""
     return replay(
         test,
         app,
@@ -177,6 +179,7 @@ def replay_policy(
         np.random.default_rng(seed),
         policy=policy,
         planning_arrival_s=planning.arrival_s,
+        admission=False,
     )
 
 

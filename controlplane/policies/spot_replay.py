@@ -207,6 +207,7 @@ def replay_with_interruptions(
             policy="static",
             profile_types=aliases,
             extra_prices_usd_per_hr=spot_prices,
+            admission=False,  # as the cascade's replay below: every query served (docs/spot.md)
         )
         return result, log
     return _replay_cascade(trace, app, plan, stages, timelines, rng, aliases, spot_prices), log
