@@ -262,7 +262,9 @@ class SimulationResult:
     ``instance`` is the index (into ``instance_types`` of the last stage the query visited) of
     the instance that answered it; ``stages_visited`` how many stages it went through;
     ``answered_stage`` the stage that answered it; ``mode`` (routed runs only) the mode in force
-    when it arrived.
+    when it arrived. A query refused by admission control (``simulate(admission=True)``) has an
+    infinite ``finish_s``, its arrival as ``start_s``, instance and answered stage -1 and no
+    stage visited.
     """
 
     arrival_s: np.ndarray
@@ -373,8 +375,13 @@ def simulate(
     ``engine="auto"`` takes the compiled FCFS kernel when it applies (one stage, a static fleet,
     :class:`FcfsPolicy`, no routing), the event engine otherwise. With ``routing`` (no stage may
     then have ``forward``) queries follow the routes of the mode in force when they arrive, mode 0
-    throughout or as ``controller`` switches it (see the module docstring). Deterministic for a
-    given generator state (and a deterministic controller).
+    throughout or as ``controller`` switches it (see the module docstring). With ``admission``
+    (needs ``qos_ms``; the event engine) a query is refused at its arrival as the live
+    dispatcher's admission control refuses it (:mod:`matching.admission`: the wait until an
+    instance of each stage from its entry on is free, then that stage's queue by query size,
+    against what the SLO leaves after its service); a refused query is never served
+    (:class:`SimulationResult`). Deterministic for a given generator state (and a deterministic
+    controller).
     """
     if len(trace) == 0:
         raise SimulationError("the trace has no queries")
@@ -710,6 +717,7 @@ class _EventEngine:
                 if self.admission and not self._admit(now, entry, batch_sizes[q]):
                     self.start_s[q] = now
                     self.finish_s[q] = math.inf  # refused: a miss, never answered
+                    self.answered[q] = -1
                     continue
                 self.stages[entry].queue.append(QueuedQuery(q, batch_sizes[q], now, now))
                 if self.admission:

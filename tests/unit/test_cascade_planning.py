@@ -130,8 +130,14 @@ def test_a_joint_cascade_plan_meets_the_slo_end_to_end_at_no_more_than_brute_for
     assert plan.cost_usd_per_hr <= app.spec.budget_usd_per_hr
     # The plan's pipeline re-simulated by replay's code path: within the SLO, and what the plan
     # predicted (the same pipeline, trace and seed).
+    # (Without admission control: the planner's simulation serves every query.)
     replayed = replay(
-        trace, app, parse_plan(plan.to_document()), np.random.default_rng(SEED), policy="static"
+        trace,
+        app,
+        parse_plan(plan.to_document()),
+        np.random.default_rng(SEED),
+        policy="static",
+        admission=False,
     )
     assert replayed.p99_ms <= slo_ms
     assert replayed.p99_ms == pytest.approx(plan.predicted_p99_ms)
@@ -157,7 +163,10 @@ def test_a_multi_stage_plan_replays_static_only(tmp_path: Path) -> None:
     # Both stages' instances are billed, and queries answered by the large model visit both.
     assert result.simulation.cost_usd > 0 and result.scaling_actions == 0
     assert result.timeline[0].fleet == {"r5n.large": 5}
-    assert set(np.unique(result.simulation.stages_visited)) == {1, 2}
+    served = np.isfinite(result.simulation.finish_s)
+    assert set(np.unique(result.simulation.stages_visited[served])) == {1, 2}
+    refused = result.simulation.answered_stage[~served]  # type: ignore[index]
+    assert np.all(result.simulation.stages_visited[~served] == 0) and np.all(refused == -1)
     # A section per stage: its fleet and the share of the queries that reach it.
     assert [s.name for s in result.stages] == ["cheap", "large"]
     assert result.stages[0].reach_share == 1.0 and 0.0 < result.stages[1].reach_share < 1.0
@@ -204,6 +213,8 @@ def cascade_replay(app: ResolvedApp, trace: Trace, policy: str) -> ReplayResult:
         np.random.default_rng(SEED),
         policy=policy,  # type: ignore[arg-type]
         planning_arrival_s=flat,
+        # Every query served, so that the stage that answered each is its validation record's.
+        admission=False,
     )
 
 
