@@ -236,8 +236,8 @@ def plot_cost_miss(ctx: Context, data: dict[str, Any]) -> Figure:
         ctx,
         fig,
         f"{KEY}-cost-miss.png",
-        "Each trace's cost over the oracle's against its share of late queries, per policy (the"
-        " dotted lines: the goal's 1.15x and 1%; lower left is better).",
+        "Each trace's cost over the oracle's against its share of queries over the SLO (late or"
+        " refused), per policy (the dotted lines: the goal's 1.15x and 1%; lower left is better).",
     )
 
 
