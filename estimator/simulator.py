@@ -55,7 +55,7 @@ from estimator.errors import BatchSizeOutOfRangeError, SimulationError
 from estimator.kernels import fcfs_kernel
 from estimator.profiles import LatencyProfile, ServiceMode
 from estimator.traces import Trace
-from matching.admission import Backlog, allowance_ms
+from matching.admission import Backlog, allowance_ms, batch_samples, queue_wait_ms
 from matching.errors import InvalidDispatchError
 from matching.fcfs import FcfsPolicy
 from matching.policy import Dispatch, DispatchPolicy, QueuedQuery, StageContext
@@ -590,7 +590,7 @@ class _StageState:
         self.min_queue = stage.min_queue
         self.max_wait_s = stage.max_wait_s
         self.wake_s = -math.inf  # the time of the guard's wake-up event pushed last
-        self.backlog = Backlog()  # queued and in service, for admission control
+        self.backlog = Backlog()  # the queue by query size, for admission control
         # (type id, query size, batch cap) -> samples/s of one instance (admission control)
         self.rates: dict[tuple[int, int, int], float] = {}
 
@@ -606,7 +606,7 @@ def _capacity_sps(state: _StageState, active: Sequence[_Instance], size: int) ->
         key = (inst.type_id, size, cap)
         known = rates.get(key)
         if known is None:
-            k = max(min(cap * size, inst.max_batch_size), size)
+            k = batch_samples(size, cap, inst.max_batch_size)
             at_k = state.table.mean_s(inst.type_id, k)
             known = rates[key] = k / at_k if at_k > 0 else math.inf
         total += known
@@ -744,9 +744,9 @@ class _EventEngine:
 
     def _admit(self, now: float, entry: int, samples: int) -> bool:
         """Admission control as the live dispatcher judges it (``controlplane.serving.
-        admission``, :mod:`matching.admission`): the query is refused when the backlog of the
-        stages from ``entry`` on (queued and in service) drains later than the SLO allows
-        after the query's own service on each stage's fastest serving type."""
+        admission``, :mod:`matching.admission`): the query is refused when its wait at the
+        stages from ``entry`` on (until an instance is free, then the queue) exceeds what the
+        SLO allows after its own service on each stage's fastest serving type."""
         assert self.qos_ms is not None
         wait_ms = 0.0
         service_ms = 0.0
@@ -754,8 +754,8 @@ class _EventEngine:
             active = [inst for inst in state.instances if inst.ready_s <= now < inst.stop_s]
             if not active:
                 return False
-            # The queue drains at the stage's capacity once an instance is free for it.
-            # (predicted from the profile's mean, as the live dispatcher predicts it)
+            # Until an instance is free (the call's end as the profile's mean predicts it, as
+            # the live dispatcher predicts it), then the queue.
             free_s = min(
                 0.0
                 if inst.running is None
@@ -764,8 +764,8 @@ class _EventEngine:
                 )
                 for inst in active
             )
-            wait_ms += 1000.0 * free_s
-            wait_ms += state.backlog.wait_ms(functools.partial(_capacity_sps, state, active))
+            capacity_sps = functools.partial(_capacity_sps, state, active)
+            wait_ms += queue_wait_ms(free_s, state.backlog, capacity_sps)
             service_ms += 1000.0 * min(state.table.mean_s(i.type_id, samples) for i in active)
         return wait_ms <= allowance_ms(self.qos_ms, service_ms)
 

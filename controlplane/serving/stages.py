@@ -16,7 +16,7 @@ import math
 from controlplane.serving.modelio import ModelIO
 from controlplane.serving.workers import Worker
 from estimator.profiles import LatencyProfile
-from matching.admission import Backlog
+from matching.admission import Backlog, batch_samples, queue_wait_ms
 from matching.policy import DispatchPolicy
 from matching.queues import CentralQueue
 
@@ -134,12 +134,7 @@ class ServingStage:
                 free_s = min(
                     free_s, max(worker.busy_until_s - now_s, 0.0) if worker.running else 0.0
                 )
-        if math.isinf(free_s):
-            return math.inf
-        backlog = self.backlog
-        if not backlog.samples:
-            return 1000.0 * free_s
-        return 1000.0 * free_s + backlog.wait_ms(lambda size: self.rates(size, cap)[0])
+        return queue_wait_ms(free_s, self.backlog, lambda size: self.rates(size, cap)[0])
 
     def capacity_sps(self, samples: int, cap: int) -> float:
         """Samples per second the stage's healthy instances serve at batches of ``cap`` queries
@@ -149,7 +144,7 @@ class ServingStage:
             if not slot.worker.healthy:
                 continue
             latency = self.latency[slot.instance_type]
-            k = max(min(cap * samples, latency.max_batch_size), samples)
+            k = batch_samples(samples, cap, latency.max_batch_size)
             ms = latency.ms(k)
             total += 1000.0 * k / ms if ms > 0 else math.inf
         return total
