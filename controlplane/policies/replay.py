@@ -980,15 +980,11 @@ def tail_ms(response_ms: NDArray[np.float64], percentile: float = REPORTED_PERCE
     refused = np.isinf(response_ms)
     if not refused.any():
         return float(np.percentile(response_ms, percentile))
-    if np.count_nonzero(refused) > response_ms.size * (1.0 - percentile / 100.0):
-        return math.inf
-    # Interpolation between the slowest answered query and a refused one is meaningless: the
-    # refused rank above every answer, at a finite stand-in larger than all of them.
-    stand_in = np.where(
-        refused, np.max(response_ms[~refused], initial=0.0) * 2.0 + 1.0, response_ms
-    )
-    value = float(np.percentile(stand_in, percentile))
-    return value if value <= np.max(response_ms[~refused], initial=0.0) else math.inf
+    # Interpolating towards an infinite value is meaningless: the refused rank above every
+    # answer at a finite stand-in, and a percentile past the slowest answer is among them.
+    slowest = float(np.max(response_ms[~refused], initial=0.0))
+    value = float(np.percentile(np.where(refused, 2.0 * slowest + 1.0, response_ms), percentile))
+    return value if value <= slowest else math.inf
 
 
 def finite_or_none(value: float | None) -> float | None:
