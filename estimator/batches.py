@@ -239,11 +239,16 @@ def _check_shape_params(
     if high is not None and high < floor:
         raise WorkloadError(f"batch-size spec {spec!r}: high {high} is below low {floor}")
     for key, value in (("step", step), ("low", floor), ("high", high)):
-        if value is not None and value > MAX_BATCH_SIZE:
-            raise WorkloadError(
-                f"batch-size spec {spec!r}: {key} must be at most {MAX_BATCH_SIZE:,}"
-                f" (the largest batch size), got {value}"
-            )
+        _check_at_most(spec, key, value)
+
+
+def _check_at_most(spec: str, key: str, value: int | None) -> None:
+    """A spec's size ``key`` past :data:`MAX_BATCH_SIZE` is a WorkloadError of one line."""
+    if value is not None and value > MAX_BATCH_SIZE:
+        raise WorkloadError(
+            f"batch-size spec {spec!r}: {key} must be at most {MAX_BATCH_SIZE:,}"
+            f" (the largest batch size), got {value}"
+        )
 
 
 def _round_and_clip(
@@ -328,11 +333,7 @@ def parse_batch_distribution(spec: str) -> BatchDistribution:
         size = _parse_int(spec, "N", rest.strip())
         if size < 1:
             raise WorkloadError(f"batch-size spec {spec!r}: N must be >= 1, got {size}")
-        if size > MAX_BATCH_SIZE:
-            raise WorkloadError(
-                f"batch-size spec {spec!r}: N must be at most {MAX_BATCH_SIZE:,}"
-                " (the largest batch size)"
-            )
+        _check_at_most(spec, "N", size)
         return FixedBatch(size)
     if name not in _SHAPED:
         raise WorkloadError(f"unknown batch-size spec {spec!r}: {_EXPECTED}")
