@@ -222,6 +222,9 @@ class ServiceTable:
     low: np.ndarray
     high: np.ndarray
     table_s: np.ndarray
+    # mean_s's answers, per type and batch size 0..high (clipped into the profile): admission
+    # control asks for them at every arrival, where a NumPy reduction each time is the run's cost
+    means_s: tuple[tuple[float, ...], ...]
 
     @classmethod
     def build(cls, profiles: Mapping[str, LatencyProfile], mode: ServiceMode) -> ServiceTable:
@@ -241,7 +244,14 @@ class ServiceTable:
                 profile.mean_table_ms() if mode == "mean" else profile.quantile_table_ms(k_points)
             )
             table[i, low[i] : high[i] + 1, :] = dense / 1000.0
-        return cls(types, low, high, table)
+        means = tuple(
+            tuple(
+                float(np.nanmean(table[i, min(max(b, int(low[i])), int(high[i]))]))
+                for b in range(int(high[i]) + 1)
+            )
+            for i in range(len(types))
+        )
+        return cls(types, low, high, table, means)
 
     def type_id(self, instance_type: str) -> int:
         return self.instance_types.index(instance_type)
@@ -251,8 +261,8 @@ class ServiceTable:
 
     def mean_s(self, type_id: int, batch_size: int) -> float:
         """Mean service time at ``batch_size`` (clipped into the type's measured range)."""
-        size = min(max(batch_size, int(self.low[type_id])), int(self.high[type_id]))
-        return float(np.nanmean(self.table_s[type_id, size]))
+        means = self.means_s[type_id]
+        return means[min(max(batch_size, 0), len(means) - 1)]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from estimator.errors import BatchSizeOutOfRangeError, SimulationError
 from estimator.profiles import LatencyProfile
-from estimator.simulator import InstanceSpec, Stage, simulate
+from estimator.simulator import InstanceSpec, ServiceTable, Stage, simulate
 from estimator.traces import Trace
 from matching.fcfs import FcfsPolicy
 
@@ -263,3 +263,17 @@ def test_admission_reads_a_queue_of_mixed_sizes_at_each_size_s_rate() -> None:
         simulate(
             trace, [stage], np.random.default_rng(0), prices_usd_per_hr={"x": 1.0}, admission=True
         )
+
+
+@pytest.mark.parametrize("mode", ["sampled", "mean"])
+def test_service_table_mean_is_the_profile_mean_clipped_into_its_range(mode: str) -> None:
+    rng = np.random.default_rng(5)
+    profiles = {"a": profile("a", 2.0, 0.5, rng), "b": profile("b", 9.0, 0.1, rng)}
+    table = ServiceTable.build(profiles, mode)  # type: ignore[arg-type]
+    for name, prof in profiles.items():
+        i = table.type_id(name)
+        low, high = prof.min_batch_size, prof.max_batch_size
+        for size in (0, low, (low + high) // 2, high, high + 7):
+            clipped = min(max(size, low), high)
+            expected = float(np.nanmean(table.table_s[i, clipped]))
+            assert table.mean_s(i, size) == pytest.approx(expected, rel=1e-12)
