@@ -1,7 +1,7 @@
 """Spot capacity: on-demand-only, spot-aware and SpotHedge-style plans under interruptions.
 
     .venv/bin/python benchmarks/spot.py [--models rm2,dien,wnd,mtwnd,ncf,cascade]
-        [--seeds 1,2,3] [--interruptions 0.01,0.5,4] [--duration-s 600] [--json]
+        [--seeds 1,2,3] [--interruptions 0.01,0.5,4] [--duration-s 600] [--no-admission] [--json]
 
 The Kairos setting (``examples/<model>.yaml``: the model on g4dn.xlarge, c5n.2xlarge, r5n.large
 and t3.xlarge at the paper's prices, its p99 target from the paper's Table 3, 10 USD/hr; the
@@ -11,7 +11,8 @@ of accuracies 0.9 and 0.97, threshold 0.6). Each policy plans on a 150 s Poisson
 rate and is replayed static on ``--duration-s`` of the same rate
 (``heteroplane replay --interruptions-per-hour R``: docs/spot.md), its spot instances
 interrupted at each rate R per instance-hour, each replaced at its two-minute notice and serving
-180 s later:
+180 s later, refusing what the service's admission control refuses (a refused query is a miss;
+``--no-admission`` serves every query however late, as the figures before 2026-12-01 did):
 
 - ``on-demand``: the planner's plan (InferLine over Kairos mixes), all on demand;
 - ``spot-aware``, ``spot-aware s=0.2``: ``plan_with_spot`` with the default ``survive_share``
@@ -52,6 +53,7 @@ import numpy as np
 
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import plan_app
+from controlplane.policies.replay import finite_or_none
 from controlplane.policies.spot import plan_spothedge, plan_with_spot
 from controlplane.policies.spot_replay import replay_with_interruptions
 from controlplane.spec import AppSpec, ResolvedApp, SpecError, SpotSpec, load_spec, resolve_spec
@@ -138,9 +140,11 @@ def run_model(
     survive_shares: tuple[float, ...] = (0.5, 0.2),
     spothedge: bool = True,
     wave: bool = True,
+    admission: bool = True,
 ) -> list[dict[str, Any]]:
     """The rows of one model (or the cascade) and one seed: every rate and the wave, on demand,
-    spot-aware at each of ``survive_shares`` and (``spothedge``) SpotHedge-style."""
+    spot-aware at each of ``survive_shares`` and (``spothedge``) SpotHedge-style; the replays
+    refuse what the service's admission control refuses unless ``admission`` is false."""
     planning = _trace(rate_qps, PLANNING_S, seed + 1)
     replayed = _trace(rate_qps, duration_s, seed + 2)
     plan = _memo_plan()
@@ -178,6 +182,7 @@ def run_model(
                     np.random.default_rng(seed + 3),
                     dict.fromkeys(app.instance_types, 0.0 if is_wave else rate),
                     wave_at_s=duration_s / 2 if is_wave else None,
+                    admission=admission,
                 )
             result, log = replays[key]
             hours = float(replayed.arrival_s[-1]) / 3600.0
@@ -197,7 +202,8 @@ def run_model(
                     "saving_vs_on_demand": 1.0 - cost / cost_on_demand,
                     "slo_attainment": 1.0 - result.slo_miss_share,
                     "predicted_slo_attainment": made.predicted_slo_attainment,
-                    "p99_ms": result.p99_ms,
+                    "p99_ms": finite_or_none(result.p99_ms),
+                    "refused_share": result.refused_share,
                     "interruptions": log.interruptions,
                     "missing_instance_s": log.missing_instance_s,
                 }
@@ -308,6 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--wave", action=argparse.BooleanOptionalAction, default=True, help="the wave block too"
     )
+    parser.add_argument(
+        "--admission",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="refuse, as the service does, queries whose queue cannot be served within the SLO"
+        " (--no-admission: every query served however late, as the figures before 2026-12-01)",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--summarise",
@@ -360,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                         survive,
                         args.spothedge,
                         args.wave,
+                        args.admission,
                     )
         except SpecError as error:
             print(f"spot: {error}", file=sys.stderr)

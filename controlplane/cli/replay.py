@@ -184,7 +184,12 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise UsageError(f"--interruptions-per-hour: {error}") from None
         result, log = replay_with_interruptions(
-            trace, app, plan, np.random.default_rng(args.seed), rates
+            trace,
+            app,
+            plan,
+            np.random.default_rng(args.seed),
+            rates,
+            admission=not args.no_admission,
         )
         interruptions = {
             "rates_per_hr": rates,

@@ -94,6 +94,7 @@ __all__ = [
     "cascade_tuner_timelines",
     "check_plan",
     "check_stages",
+    "outcome",
     "parse_plan",
     "planning_arrivals",
     "rate_per_instance_qps",
@@ -993,7 +994,7 @@ def finite_or_none(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def _outcome(result: SimulationResult, qos_ms: float) -> tuple[float, float, float]:
+def outcome(result: SimulationResult, qos_ms: float) -> tuple[float, float, float]:
     """P99, the share of queries over the SLO (refused ones included) and the refused share."""
     response = result.response_ms
     refused = int(np.count_nonzero(np.isinf(response)))
@@ -1181,7 +1182,7 @@ def replay_timeline(
         admission=admission,
     )
     all_types = list(dict.fromkeys([*stage.fleet, *types]))
-    p99_ms, missed, refused = _outcome(result, qos_ms)
+    p99_ms, missed, refused = outcome(result, qos_ms)
     return ReplayResult(
         policy=policy,
         p99_ms=p99_ms,
@@ -1809,7 +1810,7 @@ def replay_pipeline(
                 note=m.note,
             )
         )
-    p99_ms, missed, refused = _outcome(result, qos_ms)
+    p99_ms, missed, refused = outcome(result, qos_ms)
     return ReplayResult(
         policy=policy,
         p99_ms=p99_ms,

@@ -452,9 +452,8 @@ def _stated(
 
 def _replay_share(app: ResolvedApp, plan: PlanDocument, trace: Trace, seed: int) -> float:
     """The share of ``trace``'s queries within the SLO on ``plan``'s fleets, static (the
-    stage's dispatch, first come first served where it cannot run on what is left), every query
-    served however late (the replay's ``admission=False``, as when spot plans were measured;
-    docs/spot.md)."""
+    stage's dispatch, first come first served where it cannot run on what is left), refusing
+    what the service's admission control refuses (a refused query is a miss; docs/spot.md)."""
     from controlplane.policies.replay import (
         ReplayError,
         replay_pipeline,
@@ -475,7 +474,6 @@ def _replay_share(app: ResolvedApp, plan: PlanDocument, trace: Trace, seed: int)
                     static_timeline(Fleet.of(dict(stage.fleet))),
                     np.random.default_rng(seed),
                     dispatch=dispatch,
-                    admission=False,
                 )
             else:
                 result = replay_pipeline(
@@ -484,7 +482,6 @@ def _replay_share(app: ResolvedApp, plan: PlanDocument, trace: Trace, seed: int)
                     plan,
                     np.random.default_rng(seed),
                     dispatch=dispatch,
-                    admission=False,
                 )
             return 1.0 - result.slo_miss_share
         except ReplayError:

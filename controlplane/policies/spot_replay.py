@@ -38,12 +38,12 @@ import numpy as np
 from controlplane.policies.pipeline import answering_stages, pipeline_stages
 from controlplane.policies.plan import PlanDocument, StagePlan
 from controlplane.policies.replay import (
-    REPORTED_PERCENTILE,
     FleetTimeline,
     ReplayError,
     ReplayResult,
     check_plan,
     check_stages,
+    outcome,
     replay_timeline,
     timeline_windows,
 )
@@ -162,12 +162,15 @@ def replay_with_interruptions(
     *,
     replacement_boot_s: float = DEFAULT_REPLACEMENT_BOOT_S,
     wave_at_s: float | None = None,
+    admission: bool = True,
 ) -> tuple[ReplayResult, InterruptionLog]:
     """The static replay of ``plan`` with its spot instances interrupted (see the module
     docstring; ``wave_at_s``: all at once then, too); ``rng`` draws the interruptions (stage by
     stage), then the service times. A plan of several stages (a cascade) is replayed through
     every stage at once, each query forwarded as the validation records say, as
-    :func:`~controlplane.policies.replay.replay_pipeline` replays it static."""
+    :func:`~controlplane.policies.replay.replay_pipeline` replays it static. ``admission``
+    refuses, as the service does, a query whose queue cannot be served within the SLO (a miss,
+    ``ReplayResult.refused_share``); without it every query is served however late."""
     stages = check_stages(plan, app) if len(plan.stages) > 1 else (check_plan(plan, app),)
     end_s = float(trace.arrival_s[-1]) if len(trace) else 0.0
     timelines, logs = [], []
@@ -207,10 +210,13 @@ def replay_with_interruptions(
             policy="static",
             profile_types=aliases,
             extra_prices_usd_per_hr=spot_prices,
-            admission=False,  # as the cascade's replay below: every query served (docs/spot.md)
+            admission=admission,
         )
         return result, log
-    return _replay_cascade(trace, app, plan, stages, timelines, rng, aliases, spot_prices), log
+    cascade = _replay_cascade(
+        trace, app, plan, stages, timelines, rng, aliases, spot_prices, admission
+    )
+    return cascade, log
 
 
 def _replay_cascade(
@@ -222,6 +228,7 @@ def _replay_cascade(
     rng: np.random.Generator,
     aliases: Mapping[str, str],
     spot_prices: Mapping[str, float],
+    admission: bool,
 ) -> ReplayResult:
     """Every stage of a cascade at once on its interrupted timeline: the app seen with each
     spot alias a type of its own (the profile of its type, the spot price)."""
@@ -255,14 +262,18 @@ def _replay_cascade(
         answered,
     )
     prices = dict(seen.prices_usd_per_hr)
-    result = simulate(trace, built, rng, prices_usd_per_hr=prices, qos_ms=app.constraints.slo_ms)
-    response = result.response_ms
+    qos_ms = app.constraints.slo_ms
+    result = simulate(
+        trace, built, rng, prices_usd_per_hr=prices, qos_ms=qos_ms, admission=admission
+    )
+    p99_ms, missed, refused = outcome(result, qos_ms)
     timeline = FleetTimeline(tuple(spec for t in timelines for spec in t.instances))
     types = list(dict.fromkeys(spec.instance_type for spec in timeline.instances))
     return ReplayResult(
         policy="static",
-        p99_ms=float(np.percentile(response, REPORTED_PERCENTILE)),
-        slo_miss_share=float(np.count_nonzero(response > app.constraints.slo_ms) / response.size),
+        p99_ms=p99_ms,
+        slo_miss_share=missed,
+        refused_share=refused,
         cost_usd=result.cost_usd,
         scaling_actions=timeline.scaling_actions,
         timeline=timeline_windows(result, timeline, types, prices),

@@ -101,6 +101,15 @@ def test_the_command_replays_a_spot_plan_with_interruptions(
     assert stormy["interruptions"]["spot_instances"] == calm["interruptions"]["spot_instances"]
     # Every replacement is billed from its launch, next to its predecessor: it costs more.
     assert stormy["cost_usd"] > calm["cost_usd"]
+    # The fleet short of its spot instances refuses, as the service's admission control does,
+    # what its queue cannot serve in time; --no-admission serves it late instead.
+    assert stormy["refused_share"] > 0
+    assert stormy["slo_miss_share"] >= stormy["refused_share"]
+    late = [*args, "--policy", "static", "--interruptions-per-hour", "500", "--no-admission"]
+    assert main([*late, "--json"]) == 0
+    served = json.loads(capsys.readouterr().out)
+    assert served["refused_share"] == 0
+    assert served["interruptions"] == stormy["interruptions"]
     assert main([*args, "--interruptions-per-hour", "5"]) == 0  # static by default with it
     assert "interruptions of" in capsys.readouterr().out
 
@@ -148,4 +157,10 @@ def test_the_command_replays_a_cascade_with_interruptions(
     assert calm["interruptions"]["spot_instances"] == spot
     assert calm["interruptions"]["interruptions"] == 0
     assert stormy["interruptions"]["interruptions"] > 0
-    assert stormy["cost_usd"] > calm["cost_usd"]
+    # A stage left without its spot instances refuses what it cannot serve in time, as the
+    # service's admission control does; served late instead, the replacements are billed.
+    assert calm["refused_share"] == 0 < stormy["refused_share"]
+    assert main([*args, "--interruptions-per-hour", "500", "--no-admission", "--json"]) == 0
+    late = json.loads(capsys.readouterr().out)
+    assert late["refused_share"] == 0 and late["interruptions"] == stormy["interruptions"]
+    assert late["cost_usd"] > calm["cost_usd"]
