@@ -12,7 +12,7 @@ rate and is replayed static on ``--duration-s`` of the same rate
 (``heteroplane replay --interruptions-per-hour R``: docs/spot.md), its spot instances
 interrupted at each rate R per instance-hour, each replaced at its two-minute notice and serving
 180 s later, refusing what the service's admission control refuses (a refused query is a miss;
-``--no-admission`` serves every query however late, as the figures before 2026-12-01 did):
+``--no-admission`` serves every query however late, as the figures of 2026-11-29 did):
 
 - ``on-demand``: the planner's plan (InferLine over Kairos mixes), all on demand;
 - ``spot-aware``, ``spot-aware s=0.2``: ``plan_with_spot`` with the default ``survive_share``
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="refuse, as the service does, queries whose queue cannot be served within the SLO"
-        " (--no-admission: every query served however late, as the figures before 2026-12-01)",
+        " (--no-admission: every query served however late, as the figures of 2026-11-29)",
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
