@@ -218,7 +218,8 @@ def policy_name(survive_share: float) -> str:
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (model, rate, policy): the medians over the seeds and their ranges."""
+    """Per (model, rate, policy): the medians over the seeds and their ranges (the refused
+    share: its median)."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for row in rows:
         key = (row["model"], str(row["interruptions_per_hr"]), row["policy"])
@@ -233,6 +234,9 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "min": min(values),
                 "max": max(values),
             }
+        # Rows saved before the replay refused (or with --no-admission) refused nothing.
+        refused = [r.get("refused_share", 0.0) for r in found]
+        entry["refused_share"] = statistics.median(refused)
         predicted = [r["predicted_slo_attainment"] for r in found]
         entry["predicted_slo_attainment"] = (
             statistics.median(predicted) if None not in predicted else None
@@ -390,10 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         " once mid-run"
     )
     print(
-        "| model | R/hr | policy | USD/hr | saving % | within SLO % | predicted % |"
+        "| model | R/hr | policy | USD/hr | saving % | within SLO % | refused % | predicted % |"
         " fleet (spot), first seed |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---|")
     for e in summary:
         predicted = e["predicted_slo_attainment"]
         print(
@@ -401,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             f" | {_range(e, 'cost_usd_per_hr', 1, 3)}"
             f" | {_range(e, 'saving_vs_on_demand', 100, 1)}"
             f" | {_range(e, 'slo_attainment', 100, 2)}"
+            f" | {100 * e['refused_share']:.2f}"
             f" | {'-' if predicted is None else f'{100 * predicted:.2f}'}"
             f" | {_fleet_text(e['fleet'], e['spot_fleet'])} |"
         )
