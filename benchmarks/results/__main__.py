@@ -11,7 +11,7 @@ block between the ``results:begin``/``results:end`` markers of the repository's 
 line per section (its title, linked to its page), read back from the JSON files: the README quotes
 no figure but the held-out autoscaling figures (the autoscaling module's ``readme_headline``), the
 ones the tuner is judged by. About 25 minutes on a quiet 2-core machine (and the autoscaling
-section's held-out run, about 30 minutes more); ``--quick`` (what CI runs) takes a few minutes
+section's held-out run, about 25 minutes more); ``--quick`` (what CI runs) takes a few minutes
 and writes to build/results-quick. An experiment that fails is reported and the others still run;
 the exit status is then 1.
 """
