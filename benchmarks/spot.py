@@ -203,6 +203,7 @@ def run_model(
                     "slo_attainment": 1.0 - result.slo_miss_share,
                     "predicted_slo_attainment": made.predicted_slo_attainment,
                     "p99_ms": finite_or_none(result.p99_ms),
+                    "admission": admission,
                     "refused_share": result.refused_share,
                     "interruptions": log.interruptions,
                     "missing_instance_s": log.missing_instance_s,
@@ -234,9 +235,10 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "min": min(values),
                 "max": max(values),
             }
-        # Rows saved before the replay refused (or with --no-admission) refused nothing.
-        refused = [r.get("refused_share", 0.0) for r in found]
-        entry["refused_share"] = statistics.median(refused)
+        # Rows saved before the replay could refuse have no refused share: None, printed "-".
+        refused = [r.get("refused_share") for r in found]
+        entry["refused_share"] = statistics.median(refused) if None not in refused else None
+        entry["admission"] = sorted({str(r.get("admission", False)).lower() for r in found})
         predicted = [r["predicted_slo_attainment"] for r in found]
         entry["predicted_slo_attainment"] = (
             statistics.median(predicted) if None not in predicted else None
@@ -399,13 +401,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---|---:|---:|---:|---:|---:|---|")
     for e in summary:
-        predicted = e["predicted_slo_attainment"]
+        predicted, refused = e["predicted_slo_attainment"], e["refused_share"]
         print(
             f"| {e['model']} | {e['interruptions_per_hr']} | {e['policy']}"
             f" | {_range(e, 'cost_usd_per_hr', 1, 3)}"
             f" | {_range(e, 'saving_vs_on_demand', 100, 1)}"
             f" | {_range(e, 'slo_attainment', 100, 2)}"
-            f" | {100 * e['refused_share']:.2f}"
+            f" | {'-' if refused is None else f'{100 * refused:.2f}'}"
             f" | {'-' if predicted is None else f'{100 * predicted:.2f}'}"
             f" | {_fleet_text(e['fleet'], e['spot_fleet'])} |"
         )

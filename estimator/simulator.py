@@ -222,9 +222,10 @@ class ServiceTable:
     low: np.ndarray
     high: np.ndarray
     table_s: np.ndarray
-    # mean_s's answers, per type and batch size 0..high (clipped into the profile): admission
-    # control asks for them at every arrival, where a NumPy reduction each time is the run's cost
-    means_s: tuple[tuple[float, ...], ...]
+    # mean_s's answers by (type id, batch size), each computed on first use: admission control
+    # asks at every arrival, where a NumPy reduction each time was most of a replay's time, and
+    # most simulations never ask (computing every size up front costs the planner's many runs)
+    mean_cache_s: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, profiles: Mapping[str, LatencyProfile], mode: ServiceMode) -> ServiceTable:
@@ -244,14 +245,7 @@ class ServiceTable:
                 profile.mean_table_ms() if mode == "mean" else profile.quantile_table_ms(k_points)
             )
             table[i, low[i] : high[i] + 1, :] = dense / 1000.0
-        means = tuple(
-            tuple(
-                float(np.nanmean(table[i, min(max(b, int(low[i])), int(high[i]))]))
-                for b in range(int(high[i]) + 1)
-            )
-            for i in range(len(types))
-        )
-        return cls(types, low, high, table, means)
+        return cls(types, low, high, table)
 
     def type_id(self, instance_type: str) -> int:
         return self.instance_types.index(instance_type)
@@ -261,8 +255,12 @@ class ServiceTable:
 
     def mean_s(self, type_id: int, batch_size: int) -> float:
         """Mean service time at ``batch_size`` (clipped into the type's measured range)."""
-        means = self.means_s[type_id]
-        return means[min(max(batch_size, 0), len(means) - 1)]
+        key = (type_id, batch_size)
+        known = self.mean_cache_s.get(key)
+        if known is None:
+            size = min(max(batch_size, int(self.low[type_id])), int(self.high[type_id]))
+            known = self.mean_cache_s[key] = float(np.nanmean(self.table_s[type_id, size]))
+        return known
 
 
 @dataclass(frozen=True, slots=True, eq=False)

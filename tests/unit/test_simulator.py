@@ -268,12 +268,20 @@ def test_admission_reads_a_queue_of_mixed_sizes_at_each_size_s_rate() -> None:
 @pytest.mark.parametrize("mode", ["sampled", "mean"])
 def test_service_table_mean_is_the_profile_mean_clipped_into_its_range(mode: str) -> None:
     rng = np.random.default_rng(5)
-    profiles = {"a": profile("a", 2.0, 0.5, rng), "b": profile("b", 9.0, 0.1, rng)}
+    wide = LatencyProfile(
+        "m",
+        "c",
+        np.array([2, 4, 8, 16]),
+        tuple(5.0 + 0.2 * b + rng.exponential(1.0, size=7) for b in (2, 4, 8, 16)),
+    )
+    profiles = {"a": profile("a", 2.0, 0.5, rng), "b": profile("b", 9.0, 0.1, rng), "c": wide}
     table = ServiceTable.build(profiles, mode)  # type: ignore[arg-type]
     for name, prof in profiles.items():
         i = table.type_id(name)
         low, high = prof.min_batch_size, prof.max_batch_size
-        for size in (0, low, (low + high) // 2, high, high + 7):
+        for size in (-1, 0, low - 1, low, (low + high) // 2, high, high + 7, 16):
             clipped = min(max(size, low), high)
-            expected = float(np.nanmean(table.table_s[i, clipped]))
-            assert table.mean_s(i, size) == pytest.approx(expected, rel=1e-12)
+            expected = float(np.mean(table.table_s[i, clipped]))
+            assert math.isfinite(expected)
+            for _ in range(2):  # computed, then remembered
+                assert table.mean_s(i, size) == pytest.approx(expected, rel=1e-12)

@@ -19,6 +19,7 @@ def row(policy: str, seed: int, saving: float, within: float, **extra: Any) -> d
         "saving_vs_on_demand": saving,
         "slo_attainment": within,
         "predicted_slo_attainment": None if policy == "on-demand" else within,
+        **({"admission": True} if "refused_share" in extra else {}),
         **extra,
     }
 
@@ -30,7 +31,7 @@ def test_the_summary_gives_medians_ranges_and_the_refused_share() -> None:
         row("spot-aware s=0.2", 1, 0.45, 0.992, refused_share=0.004),
         row("spot-aware s=0.2", 2, 0.41, 0.990, refused_share=0.008),
         row("spot-aware s=0.2", 3, 0.43, 0.996, refused_share=0.002),
-        # Saved before the replay refused: nothing was refused.
+        # Saved before the replay could refuse: no refused share, no admission flag.
         row("spothedge", 1, 0.30, 1.0),
     ]
     by_policy = {e["policy"]: e for e in summarise(rows)}
@@ -41,6 +42,7 @@ def test_the_summary_gives_medians_ranges_and_the_refused_share() -> None:
     assert spot["seeds"] == 3
     assert by_policy["on-demand"]["refused_share"] == 0.002
     assert by_policy["on-demand"]["predicted_slo_attainment"] is None
-    assert by_policy["spothedge"]["refused_share"] == 0.0
+    assert by_policy["spothedge"]["refused_share"] is None
+    assert spot["admission"] == ["true"] and by_policy["spothedge"]["admission"] == ["false"]
     # 43 % cheaper, 99.2 % within the SLO, cheaper than SpotHedge-style (30 %): met.
     assert goal(summarise(rows), "rm2", 0.5) == "spot-aware s=0.2: met"
