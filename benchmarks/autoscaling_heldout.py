@@ -61,18 +61,19 @@ case's seed; boot 60 s GPU / 30 s CPU; cost = USD over the run, every instance f
   its miss share is its per-minute fleet replayed (single stage; not simulated for a cascade).
   Plans cached per rounded rate (``ORACLE_STEP_SHARE`` of R) within a process.
 
-**Metrics and goals** (issue 29), per row and policy: cost USD, cost / oracle, cost / CG-Peak,
-SLO miss share (queries over the P99 target; the replay refuses no query, every query is served
-and timed), scaling actions. A row meets the goal when misses <= 1% (2% for a steep step), cost <=
-1.15x the oracle and below CG-Peak's (by more than 0.1%, ``PEAK_TIE_SHARE``: runs of one fleet
-differ by their last answers' times), and for a blip cost <= 1.05x the static plan's; across a
-set, CG-Peak / cost should average >= 1.3.
+**Metrics and goals** (issue 29), per row and policy: cost USD, cost / oracle, cost / CG-Peak, SLO
+miss share (queries over the P99 target, and those the replay refuses as the service's admission
+control would: a refused query is a miss), scaling actions. A row meets the goal when misses <= 1%
+(2% for a steep step), cost <= 1.15x the oracle and below CG-Peak's (by more than 0.1%,
+``PEAK_TIE_SHARE``: runs of one fleet differ by their last answers' times), and for a blip cost <=
+1.05x the static plan's; across a set, CG-Peak / cost should average >= 1.3.
 
 ``--quick``: 3-minute traces, 1-minute planning traces, rm2 only, the first seed of each set (12
-cases, about a minute on one core). A full run (both sets, every family and model: 72 cases) is
-about 30 minutes on a busy 2-core machine with ``--jobs 1`` (the planner's plans for CG-Peak,
-CG-Mean and the oracle take most of it; dien, whose plans take several times longer, is left out
-for that reason).
+cases, about a minute on one core), the tuner's ladder at four loads for the planning trace's
+burstiness alone (``QUICK_LADDER_LOADS``; its figures are indicative only). A full run (both sets,
+every family and model: 72 cases) is about 30 minutes on a busy 2-core machine with ``--jobs 1``
+(the planner's plans for CG-Peak, CG-Mean and the oracle take most of it; dien, whose plans take
+several times longer, is left out for that reason).
 """
 
 from __future__ import annotations
@@ -155,6 +156,9 @@ PLANNING_S = 240.0
 QUICK_DURATION_S = 180.0
 QUICK_PLANNING_S = 60.0
 QUICK_MODELS = ("rm2",)
+# The quick run's sizing ladder: four rungs for the planning trace's burstiness alone (the full
+# run plans twelve and three more burstiness' ladders of eight: 50 s of a quick run's 65).
+QUICK_LADDER_LOADS = (0.45, 1.0, 1.6, 2.8)
 # All plans (the static plan, the capacity curve, CG-Peak/Mean, the oracle) use one planner seed,
 # so that plans are shared between cases; the replays draw service times from the case's seed.
 PLAN_SEED = 0
@@ -374,19 +378,24 @@ def _single_queries(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def tuner_options(
-    app: ResolvedApp, plan: PlanDocument, planning: Trace
+    app: ResolvedApp, plan: PlanDocument, planning: Trace, quick: bool = False
 ) -> tuple[dict[str, Any], str]:
     """The replay options of the tuner's default model, as ``heteroplane replay`` sets them up
     (:func:`controlplane.policies.capacity_curve.replay_sizing`: the sizing ladder of the
     planning trace, the load model's memory, bursts that must persist; for a cascade
     :func:`~controlplane.policies.capacity_curve.cascade_sizing`, a ladder per stage); a plan the
-    planner cannot place at the planning rate, InferLine's model. Returns (options for
-    ``replay``, the model's name)."""
+    planner cannot place at the planning rate, InferLine's model. ``quick``: a single stage's
+    ladder at :data:`QUICK_LADDER_LOADS` only, without the other burstiness' ladders (its
+    planning alone took most of a quick run). Returns (options for ``replay``, the model's
+    name)."""
     if len(plan.stages) > 1:
         ladders, options = cascade_sizing(app, plan, planning, seed=PLAN_SEED)
         return options, "ladder" if ladders else "inferline"
     stage = plan.stages[0]
-    ladder, options = replay_sizing(app, stage, planning, dispatch=stage.policy, seed=PLAN_SEED)
+    sizes: dict[str, Any] = {"loads": QUICK_LADDER_LOADS, "burstiness": ()} if quick else {}
+    ladder, options = replay_sizing(
+        app, stage, planning, dispatch=stage.policy, seed=PLAN_SEED, **sizes
+    )
     return options, "inferline" if ladder is None else "ladder"
 
 
@@ -472,7 +481,7 @@ def model_setup(model: str, quick: bool) -> ModelSetup:
     arrival_s = renewal_arrivals(constant_profile(rate_qps), planning_s, NOMINAL_CV2, rng)
     planning = Trace(arrival_s, batch_size(arrival_s.size, rng))
     plan = parse_plan(plan_app(app, planning, seed=PLAN_SEED).to_document())
-    options, tuner_model = tuner_options(app, plan, planning)
+    options, tuner_model = tuner_options(app, plan, planning, quick)
     target = None if len(plan.stages) > 1 else tracking_target(app, plan, planning)
     setup = ModelSetup(
         model, app, rate_qps, planning, plan, options, tuner_model, target, batch_size, planning_s

@@ -327,20 +327,23 @@ def replay_sizing(
     dispatch: str | None,
     seed: int = 0,
     burstiness: Sequence[float] = DEFAULT_BURSTINESS,
+    loads: Sequence[float] = DEFAULT_LADDER_LOADS,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[SizingLadder | None, dict[str, Any]]:
     """What ``heteroplane replay``'s tuner sizes a single-stage plan with, by default: the
     sizing ladder of ``planning`` (:func:`build_ladder`, covering the plan's own types too),
     the load model's memory (:data:`LOAD_MODEL_RECENT_S`) and bursts shorter than
     :data:`estimator.envelope.DEFAULT_PERSISTENCE_S` read as noise; InferLine's 60 s memory
-    where the planner places nothing at the planning rate (no ladder). Returns (the ladder or
-    None, keyword arguments of :func:`controlplane.policies.replay.replay`)."""
+    where the planner places nothing at the planning rate (no ladder). ``loads``: the ladder's
+    rungs (:func:`build_ladder`). Returns (the ladder or None, keyword arguments of
+    :func:`controlplane.policies.replay.replay`)."""
     ladder = build_ladder(
         app,
         stage.name,
         planning,
         dispatch=dispatch,
         batch_size=stage.batch_size,
+        loads=loads,
         seed=seed,
         also_types=[t for t, n in stage.fleet.items() if n],
         burstiness=burstiness,

@@ -1,4 +1,4 @@
-"""Kairos' goals in the paper's setting, on the shared measurements (slow: ~1 min).
+"""Kairos' goals in the paper's setting, on the shared measurements (slow: ~2 min of a core).
 
 With the Kairos dispatcher, the configuration Kairos picks from its bounds alone reaches at least
 1.5x the allowable throughput of the best homogeneous fleet (same dispatcher) and at least 2x what
@@ -23,6 +23,11 @@ from tests.conftest import KAIROS_CSV, needs_shared
 
 pytestmark = [needs_shared, pytest.mark.slow]
 QUERIES = 10_000
+# Kairos+'s pruning is checked on a shorter workload: what is asserted is how the search prunes,
+# not how precise each measurement is, and each of its evaluations is a bisection of simulations
+# (5,000 queries: about 2.5 s of a core each instead of 5 s; rm2 and dien evaluate the same
+# number of configurations with 4,000, 6,000 and 10,000).
+SEARCH_QUERIES = 5_000
 
 
 @cache
@@ -37,15 +42,22 @@ def prices() -> dict[str, float]:
 
 
 @cache
-def workload() -> Workload:
+def workload(queries: int = QUERIES) -> Workload:
     rng = np.random.default_rng(0)
-    return Workload.poisson(parse_batch_distribution("kairos").sample(QUERIES, rng), rng)
+    return Workload.poisson(parse_batch_distribution("kairos").sample(queries, rng), rng)
 
 
-def allowable(selection: Selection, counts: np.ndarray, policy: str) -> float:
+def allowable(
+    selection: Selection, counts: np.ndarray, policy: str, queries: int = QUERIES
+) -> float:
     by_type = {t: profiles().get_profile(selection.model, t) for t in selection.ranking.types}
     return fleet_capacity(
-        by_type, selection.fleet_types(counts), policy, selection.qos_ms, workload(), prices()
+        by_type,
+        selection.fleet_types(counts),
+        policy,
+        selection.qos_ms,
+        workload(queries),
+        prices(),
     ).allowable_qps
 
 
@@ -69,7 +81,9 @@ def test_kairos_plus_evaluates_under_5_percent(model: str) -> None:
     measured: dict[tuple[int, ...], float] = {}
 
     def evaluate(counts: np.ndarray) -> float:
-        measured[tuple(int(n) for n in counts)] = allowable(selection, counts, "kairos")
+        measured[tuple(int(n) for n in counts)] = allowable(
+            selection, counts, "kairos", SEARCH_QUERIES
+        )
         return measured[tuple(int(n) for n in counts)]
 
     result = kairos_plus(ranking.counts, ranking.upper_bound_qps, evaluate)
