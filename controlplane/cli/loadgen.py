@@ -274,6 +274,11 @@ def human(summary: LoadSummary, offered_s: float) -> str:
             f"in the service's queue: p50 {summary.queue_p50_ms:.1f} ms, p99"
             f" {summary.queue_p99_ms:.1f} ms (admission, the stages' queues, the event loop)"
         )
+    if summary.late_by_service is not None:
+        lines.append(
+            f"late by the service's own count: {summary.late_by_service} of the"
+            f" {summary.answered} answered"
+        )
     if summary.attainment is not None and summary.slo_ms is not None:
         lines.append(
             f"attainment: {summary.attainment * 100:.2f}% of the queries sent were answered"

@@ -44,8 +44,10 @@ The ``--json`` contract of ``heteroplane loadgen`` is :meth:`LoadSummary.to_json
 ``answered``, ``errors``, ``p50_ms``, ``p99_ms``, ``attainment``, ``achieved_qps``,
 ``errors_by_kind``, ``send_lag_p99_ms`` (how late the generator itself sent, p99: above a few
 ms it, not the service, was the limit), ``outside_p50_ms``, ``outside_p99_ms`` (null when no
-answer gave the service's time) and ``queue_p50_ms``, ``queue_p99_ms`` (null when no answer
-gave its queue).
+answer gave the service's time), ``queue_p50_ms``, ``queue_p99_ms`` (null when no answer
+gave its queue) and ``late_by_service`` (how many answers the service itself flagged late,
+``late``: its count of late queries as its counters keep it; null when no answer carried the
+flag; the client's misses are these and those the time outside the service pushed past the SLO).
 
 Time comes through a :class:`Timer` (the event loop's clock by default), so tests run a trace
 spanning minutes in virtual time. Requests go out over one ``httpx.AsyncClient`` (keep-alive, up
@@ -352,6 +354,7 @@ class LoadSummary:
     outside_p99_ms: float | None = None
     queue_p50_ms: float | None = None
     queue_p99_ms: float | None = None
+    late_by_service: int | None = None
 
     def to_json(self) -> dict[str, object]:
         """The ``loadgen --json`` contract."""
@@ -369,6 +372,7 @@ class LoadSummary:
             "outside_p99_ms": self.outside_p99_ms,
             "queue_p50_ms": self.queue_p50_ms,
             "queue_p99_ms": self.queue_p99_ms,
+            "late_by_service": self.late_by_service,
         }
 
 
@@ -383,6 +387,8 @@ def summarise(
     >>> s = summarise(runs, slo_ms=20.0, elapsed_s=2.0)
     >>> s.sent, s.answered, s.errors, dict(s.errors_by_kind), s.attainment, s.achieved_qps
     (3, 2, 1, {'http_503': 1}, 0.3333333333333333, 1.0)
+    >>> s.late_by_service is None  # no answer carried the service's late flag
+    True
     """
     if elapsed_s < 0 or not math.isfinite(elapsed_s):
         raise ValueError(f"elapsed_s must be finite and >= 0, got {elapsed_s!r}")
@@ -399,6 +405,7 @@ def summarise(
     def percentile(values: NDArray[np.float64], q: float) -> float | None:
         return float(np.percentile(values, q)) if values.size else None
 
+    flagged = [o for o in outcomes if o.answered and o.late is not None]
     attainment: float | None = None
     if slo_ms is not None and outcomes:
         attainment = float(np.count_nonzero(answered <= slo_ms)) / len(outcomes)
@@ -418,6 +425,7 @@ def summarise(
         outside_p99_ms=percentile(outside, 99.0),
         queue_p50_ms=percentile(queued, 50.0),
         queue_p99_ms=percentile(queued, 99.0),
+        late_by_service=sum(1 for o in flagged if o.late) if flagged else None,
     )
 
 

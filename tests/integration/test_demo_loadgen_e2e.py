@@ -23,8 +23,11 @@ with SIGKILL. Then:
 - the errors are no more than the queries in flight on the killed worker when the loop marked it
   unhealthy (the ``worker_unhealthy`` decision's numbers, recorded by the serving loop);
 - the reconciler replaced the killed worker with a new running instance;
-- the service's count of queries late or failed is the client's within 1% of all queries (the
-  service times each query from the API's receipt, as the client sees it).
+- the service's count of late queries is the number of answers that carried its late flag, and
+  the client missed (late or failed) at least every query the service did, within 1% of all
+  queries: the service times each query from the API's receipt, the client from its scheduled
+  send, so on a busy machine the path outside the service (the generator falling behind, the
+  connection, the server's HTTP) makes the client miss more, never fewer.
 
 Nothing sleeps but the polling of deadlines; nothing is timed. It runs about 80 s (the
 trace's one and the fleet's start), hence ``slow``.
@@ -307,10 +310,15 @@ def test_loadgen_replays_a_trace_on_the_demo_and_a_killed_worker_loses_nothing(
     assert sum(service_side[kind] for kind in finished) == queries, figures
     assert service_side["answered"] == summary["answered"], figures
     assert status["in_flight_requests"] == 0, status
-    # The service's misses (late or not answered) are the client's, within 1% of all queries.
+    # The service's count of late queries is the late flags its answers carried, and the client
+    # missed every query the service did: its latency holds the service's own time and the path
+    # outside it (this client, the connection, the server's HTTP), which on a busy machine
+    # pushes more past the SLO (the generator's own send lag counts too), so only the service's
+    # side is held to an exact count.
+    assert summary["late_by_service"] == service_side["late"], figures
     service_missed = queries - (service_side["answered"] - service_side["late"])
     client_missed = summary["sent"] - round(summary["attainment"] * summary["sent"])
-    assert abs(service_missed - client_missed) <= 0.01 * queries, figures
+    assert client_missed >= service_missed - 0.01 * queries, figures
     # No more errors than the queries in flight on the killed worker when it was taken out.
     assert summary["errors"] <= in_flight, figures
     for loss in losses:

@@ -55,6 +55,7 @@ CONTRACT_KEYS = {
     "outside_p99_ms",
     "queue_p50_ms",
     "queue_p99_ms",
+    "late_by_service",
 }
 
 
@@ -388,6 +389,18 @@ def test_the_services_queue_is_summarised_over_the_answers_that_give_it() -> Non
     assert summary.queue_p99_ms == pytest.approx(np.percentile(range(100), 99))
     assert summary.to_json()["queue_p99_ms"] == summary.queue_p99_ms
     assert summarise(outcomes[100:], slo_ms=None, elapsed_s=1.0).queue_p99_ms is None
+
+
+def test_the_services_late_flags_are_counted_over_the_answers_that_carry_them() -> None:
+    outcomes = [QueryResult(i, "ok", 10.0, late=i % 4 == 0) for i in range(20)]  # 5 late
+    outcomes.append(QueryResult(20, "ok", 500.0))  # no flag: not counted, though slow
+    outcomes.append(QueryResult(21, "http_503", 1.0, late=True))  # not answered: not counted
+    summary = summarise(outcomes, slo_ms=100.0, elapsed_s=1.0)
+    assert summary.late_by_service == 5
+    assert summary.to_json()["late_by_service"] == 5
+    # The client's misses hold the service's and more (the unflagged slow one, the error).
+    assert summary.attainment == pytest.approx(20 / 22)
+    assert summarise(outcomes[20:], slo_ms=None, elapsed_s=1.0).late_by_service is None
 
 
 def test_a_summary_of_nothing_answered() -> None:
