@@ -32,6 +32,12 @@ Per rollout, each tick:
    version's instances (the app's fleet recorded before the promotion) are ended; the
    reconciler launches their replacements, which load the version the spec now names; once as
    many replacements run as were ended, the route goes and the rollout's workers end.
+   **Nothing serving ends with its route**: a worker ends :data:`ROUTE_GRACE_S` after the
+   route that sent it queries changed (the old version's instances that long after the
+   promotion, the rollout's own that long after the route went at a roll-back, an abort or
+   the handover's end), so that every serving process has read the new route and the queries
+   already sent are answered (a query in flight on a worker that ends fails: nothing else of
+   its stage may be there to take it again).
 5. **Routes** (:meth:`RolloutLoop.route`, the serving loop's hook): running and paused rollouts
    split traffic at their step; a promoted one in handover sends everything to the new version.
 
@@ -104,6 +110,12 @@ ALONE_CALLS = 20
 # handover going on): longer than the reconciler's reaping of untouched workers.
 RECENT_S = 3600.0
 
+# How long a worker keeps running after the route that sent it queries changed (module
+# docstring, step 4): the serving loops read the routes every second (DEFAULT_REFRESH_S), and a
+# query already on a worker is answered within a call's timeout (2 s at the least, the
+# dispatcher's floor; longer only for a batch predicted slower); with room for a busy machine.
+ROUTE_GRACE_S = 5.0
+
 
 @dataclass(frozen=True, slots=True)
 class RolloutTick:
@@ -131,8 +143,10 @@ class RolloutLoop:
         alone_calls: int = ALONE_CALLS,
         alone_warmup: int = ALONE_WARMUP,
         profiling: NewVersionProfiling | None = None,
+        route_grace_s: float = ROUTE_GRACE_S,
     ) -> None:
         self.store = store
+        self.route_grace_s = route_grace_s
         # How a rollout started with a profile run profiles its new version (None: this
         # service does not; such a rollout's fleet is sized from the applied plan's stage).
         self.profiling = profiling
@@ -214,8 +228,10 @@ class RolloutLoop:
             if rollout.state in (RolloutState.RUNNING, RolloutState.PAUSED):
                 if _ready(self._rows(rollout)):
                     routes[rollout.app] = _route(rollout)
-            elif rollout.state == RolloutState.PROMOTED and any(
-                r.state in LIVE_STATES for r in self._rows(rollout)
+            elif (
+                rollout.state == RolloutState.PROMOTED
+                and "done_at" not in (rollout.figures.get("handover") or {})
+                and any(r.state in LIVE_STATES for r in self._rows(rollout))
             ):
                 routes[rollout.app] = _full(rollout)
         self._set_routes(routes)
@@ -235,10 +251,8 @@ class RolloutLoop:
         rows = self._rows(rollout)
         live = [r for r in rows if r.state in LIVE_STATES]
         if rollout.state in (RolloutState.ROLLED_BACK, RolloutState.ABORTED):
-            if live:
-                end_workers(self.store, self.provisioner, live, _log, owner="rollout")
-                return None, f"ended {len(live)} worker(s) of the new version"
-            return None, ""
+            # The route went with the last move; the workers end once it is old enough.
+            return None, self._end_after_grace(live, rollout.updated_at)
         if rollout.state == RolloutState.PROMOTED:
             return self._handover(rollout, rows)
         if _profiling_due(rollout):
@@ -369,6 +383,8 @@ class RolloutLoop:
         if not live:
             return None, ""
         handover = dict(rollout.figures.get("handover") or {})
+        if "done_at" in handover:  # the route went: the rollout's workers end after the grace
+            return None, self._end_after_grace(live, datetime.fromisoformat(handover["done_at"]))
         ended = set(handover.get("ended", []))
         promoted_at = (
             datetime.fromisoformat(handover["promoted_at"])
@@ -381,6 +397,8 @@ class RolloutLoop:
         old = [r for r in fleet if r.created_at <= promoted_at and r.state in KEPT_STATES]
         if old:
             self.store.touch_instances([r.id for r in live])
+            if not self._grace_over(promoted_at):  # the old ones may still hold queries
+                return _full(rollout), ""
             going = self._paced(rollout.app, old, fleet)
             if not going:  # the disruption budget's window is spent: the next tick goes on
                 return _full(rollout), ""
@@ -397,13 +415,32 @@ class RolloutLoop:
         if len(replaced) < len(ended):
             self.store.touch_instances([r.id for r in live])
             return _full(rollout), ""
-        end_workers(self.store, self.provisioner, live, _log, owner="rollout")
+        # The route goes now; the rollout's workers end once every serving process has read
+        # that and answered what they held (the next ticks after the grace).
+        self.store.touch_instances([r.id for r in live])
+        handover["done_at"] = self.clock.utcnow().isoformat()
+        moved = self.store.move_rollout(rollout, figures={**rollout.figures, "handover": handover})
         reason = (
             f"handover done: {len(replaced)} instance(s) serve {_labels(rollout)[0]}; the"
-            " rollout's workers end"
+            f" rollout's workers end in {self.route_grace_s:g} s"
         )
-        self._decide(rollout, reason)
+        self._decide(moved, reason)
         return None, reason
+
+    def _grace_over(self, since: datetime) -> bool:
+        """Whether a route changed at ``since`` is :attr:`route_grace_s` old."""
+        return (self.clock.utcnow() - since).total_seconds() >= self.route_grace_s
+
+    def _end_after_grace(self, live: list[InstanceRecord], since: datetime) -> str:
+        """End the rollout's ``live`` workers, whose route went at ``since``, once that is
+        :attr:`route_grace_s` old (until then they are touched: their owner is alive)."""
+        if not live:
+            return ""
+        if not self._grace_over(since):
+            self.store.touch_instances([r.id for r in live])
+            return ""
+        end_workers(self.store, self.provisioner, live, _log, owner="rollout")
+        return f"ended {len(live)} worker(s) of the new version"
 
     def _paced(
         self, app: str, old: list[InstanceRecord], fleet: list[InstanceRecord]

@@ -1149,6 +1149,20 @@ class AppDispatcher:
         stage.wake, stage.wake_s = None, math.inf
         self._mark(stage)
 
+    def busy(self) -> bool:
+        """Whether a query is queued or in service here."""
+        return bool(self._tasks) or any(stage.parts for stage in self._stages.values())
+
+    async def retire(self, within_s: float, poll_s: float = 0.05) -> None:
+        """Close once the queries already here are answered, or ``within_s`` from now at the
+        latest (:meth:`close` answers the rest with an error): for a dispatcher that no new
+        query reaches any more (a rollout's route that went)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + within_s
+        while self.busy() and not self._closed and loop.time() < end:
+            await asyncio.sleep(poll_s)
+        await self.close()
+
     async def close(self) -> None:
         """Stop: queued and in-service queries are answered with an error."""
         self._closed = True

@@ -83,6 +83,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_REFRESH_S = 1.0
+# How long a canary dispatcher whose route went may take to answer what it holds before it
+# closes (what is left then is answered with an error): within the rollout loop's grace before
+# it ends the workers (controlplane.loops.rollouts.ROUTE_GRACE_S).
+RETIRE_S = 4.0
 
 # The gear switcher's hook: the gear in force for an app (None: the app's own cascade).
 GearHook = Callable[[str], ServingGear | None]
@@ -232,6 +236,8 @@ class ServingLoop:
         self.versions = versions or VersionMeter()
         # app -> (rollout id, the dispatcher of the rollout's workers): controlplane.serving.canary.
         self._canaries: dict[str, tuple[int, AppDispatcher]] = {}
+        # Canary dispatchers whose route went, answering what they hold before they close.
+        self._retiring: set[AppDispatcher] = set()
         self._request_ids = itertools.count()
         self._canary_lock = asyncio.Lock()
         self._dispatchers: dict[str, AppDispatcher] = {}
@@ -279,6 +285,7 @@ class ServingLoop:
             self._refresher = None
         dispatchers, self._dispatchers = list(self._dispatchers.values()), {}
         dispatchers += [d for _, d in self._canaries.values()]
+        dispatchers += list(self._retiring)
         self._canaries = {}
         self._snapshots = {}
         for dispatcher in dispatchers:
@@ -353,7 +360,7 @@ class ServingLoop:
                 return found[1]
             if found is not None:
                 del self._canaries[app]
-                await found[1].close()
+                self._retire(found[1])
             return await self._make_canary(app, route)
 
     async def _make_canary(self, app: str, route: CanaryRoute) -> AppDispatcher:
@@ -386,10 +393,20 @@ class ServingLoop:
         route = self.routes(app) if self.routes is not None else None
         if route is None or route.rollout_id != rollout_id:
             del self._canaries[app]
-            await dispatcher.close()
+            self._retire(dispatcher)
             return
         dispatcher.set_workers(await asyncio.to_thread(self._rollout_workers, app, rollout_id))
         await dispatcher.probe(self.settings.probe_timeout_s)
+
+    def _retire(self, dispatcher: AppDispatcher) -> None:
+        """A canary dispatcher no query goes to any more answers the queries it holds, then
+        closes (in the background; within :data:`RETIRE_S`): its route went, not its workers
+        (the rollout loop ends them a grace later, ``controlplane.loops.rollouts``)."""
+        self._retiring.add(dispatcher)
+        task = asyncio.get_running_loop().create_task(dispatcher.retire(RETIRE_S))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda _: self._retiring.discard(dispatcher))
 
     async def dispatcher_for(self, app: str, received_s: float | None = None) -> AppDispatcher:
         """:meth:`dispatcher` for a query received at ``received_s``: when the app's spec no

@@ -43,7 +43,7 @@ from controlplane.apps.rollouts import (
 from controlplane.clock import FakeClock, SystemClock
 from controlplane.db.store import Store
 from controlplane.errors import RolloutBudgetError
-from controlplane.loops.rollouts import RolloutLoop
+from controlplane.loops.rollouts import ROUTE_GRACE_S, RolloutLoop
 from controlplane.policies.lifecycle import InstanceState
 from controlplane.policies.rollout import Thresholds, rollout_request_prefix, routed_to_new
 from controlplane.service.app import create_app
@@ -296,9 +296,16 @@ def test_a_good_version_promotes_step_by_step_with_no_failed_query(world: World)
         (handed,) = await world.tick()
         assert handed.startswith("handover done") and world.rollouts.route(APP) is None
         prefix = rollout_request_prefix(APP, rid)
-        assert {
-            r.state for r in world.store.list_instances(APP) if r.request_id.startswith(prefix)
-        } == {"terminated"}
+
+        def canary_states() -> set[str]:
+            rows = world.store.list_instances(APP)
+            return {r.state for r in rows if r.request_id.startswith(prefix)}
+
+        # The rollout's worker ends only once the route's going is a grace old.
+        assert await world.tick() == [] and canary_states() == {"running"}
+        world.clock.advance(ROUTE_GRACE_S)
+        assert await world.tick() == ["ended 1 worker(s) of the new version"]
+        assert canary_states() == {"terminated"}
         reasons = [d.reason for d in world.store.list_decisions(APP, kinds=["rollout"])]
         assert len(reasons) == 6, reasons  # start, alone, running, step, promoted, handover
 
@@ -326,9 +333,51 @@ def test_a_slow_version_rolls_back_on_latency_at_once(world: World) -> None:
         before = sum(w.requests for w in new)
         await send(world, client, [f"r-{k}" for k in range(20)])
         assert sum(w.requests for w in new) == before  # all back on the old version
+        assert await world.tick() == []  # the route went now: the worker ends a grace later
+        world.clock.advance(ROUTE_GRACE_S)
         (ended,) = await world.tick()
         assert ended == "ended 1 worker(s) of the new version"
         assert world.store.get_app(APP).spec["models"][0]["artifact"] == "digits-tiny@1"
+
+    scenario(world, body)
+
+
+def test_a_query_in_flight_on_the_new_version_is_answered_when_its_route_goes(
+    world: World,
+) -> None:
+    """A rollout aborted while a query is on its worker: the route goes at once (new queries
+    go to the old version), the canary dispatcher answers what it holds before it closes, and
+    the worker ends only a grace later. (The dispatcher used to close at once: the query
+    failed on the new version, counted as its error, and the old one answered it again.)"""
+
+    async def body(client: httpx.AsyncClient) -> None:
+        old, new = await fleet(), await fleet()
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        rid = world.start(steps=(1.0,))
+        await world.workers_up(rid, new)
+        new[0].holding = True  # the worker keeps its answers until released
+        received = new[0].received
+        headers = {"Authorization": f"Bearer {world.token}", "X-Request-Id": "held"}
+        held = asyncio.create_task(
+            client.post(f"/v1/apps/{APP}/infer", json={"inputs": [row(3)]}, headers=headers)
+        )
+        while new[0].received == received:  # on the new version's worker now
+            await asyncio.sleep(0.001)
+        aborted = await client.post(
+            f"/v1/apps/{APP}/rollouts/{rid}/abort",
+            headers={"Authorization": f"Bearer {world.token}"},
+        )
+        assert aborted.status_code == 200, aborted.text
+        assert await world.tick() == [] and world.rollouts.route(APP) is None
+        await world.serving.refresh()  # the serving loop reads that the route went
+        assert await send(world, client, ["after-0"]) == [0]
+        assert old[0].requests == 1  # the new query went to the old version
+        new[0].release()
+        answer = await held
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["outputs"] == [3]
+        world.clock.advance(ROUTE_GRACE_S)
+        assert await world.tick() == ["ended 1 worker(s) of the new version"]
 
     scenario(world, body)
 

@@ -172,9 +172,10 @@ def test_a_rollout_the_budget_cannot_pay_for_is_refused_with_the_amount(world: W
 
 def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(tmp_path: Path) -> None:
     """After promotion the old version's serving instances end one per window of the
-    disruption budget (the reconciler replaces them with the new version); once as many
-    replacements run as were ended, the route goes and the rollout's workers end."""
-    from controlplane.loops.rollouts import RolloutLoop
+    disruption budget (the reconciler replaces them with the new version), the first once the
+    route to the new version is a grace old; once as many replacements run as were ended, the
+    route goes and the rollout's workers end a grace later."""
+    from controlplane.loops.rollouts import ROUTE_GRACE_S, RolloutLoop
     from controlplane.policies.disruption import DisruptionBudget
     from controlplane.policies.rollout import rollout_request_prefix
     from controlplane.serving.versions import VersionMeter
@@ -213,7 +214,8 @@ def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(tmp_path: P
             reason="test",
             who="test",
         )
-        running_row(f"{rollout_request_prefix(APP, rollout.id)}{SMALL}-1")
+        prefix = rollout_request_prefix(APP, rollout.id)
+        running_row(f"{prefix}{SMALL}-1")
         rollout = rollouts.move_rollout(rollout, state="running")
         clock.advance(1.0)
         rollouts.move_rollout(
@@ -229,6 +231,12 @@ def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(tmp_path: P
             VersionMeter(),
             disruption=DisruptionBudget(max_instances=1, max_share=0.0, window_s=60.0),
         )
+        # Every query goes to the new version at once; the old version's instances end only
+        # once that route is ROUTE_GRACE_S old (what they hold is answered first).
+        assert loop.tick() == [] and loop.route(APP) is not None
+        assert loop.route(APP).share == 1.0
+        assert {store.get_instance(r.id).state for r in old} == {"running"}
+        clock.advance(ROUTE_GRACE_S)
         assert [t.what for t in loop.tick()] == ["ended 1 instance(s) of the old version"]
         assert loop.route(APP) is not None and loop.route(APP).share == 1.0
         assert loop.tick() == []  # the window's one disruption is spent
@@ -242,6 +250,14 @@ def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(tmp_path: P
         (done,) = [t.what for t in loop.tick()]
         assert done.startswith("handover done: 2 instance(s) serve wine-model@1")
         assert loop.route(APP) is None
+        # The route went; the rollout's worker ends once that is ROUTE_GRACE_S old.
+        (canary,) = [r for r in store.list_instances(APP) if r.request_id.startswith(prefix)]
+        loop.refresh_routes()  # what a serving replica reads: no route from now on
+        assert loop.route(APP) is None
+        assert loop.tick() == [] and store.get_instance(canary.id).state == "running"
+        clock.advance(ROUTE_GRACE_S)
+        assert [t.what for t in loop.tick()] == ["ended 1 worker(s) of the new version"]
+        assert store.get_instance(canary.id).state == "terminated"
     finally:
         store.close()
 
