@@ -65,7 +65,7 @@ from sqlalchemy.types import TypeDecorator
 
 from controlplane.policies.auth import Scope
 from controlplane.policies.lifecycle import InstanceState
-from controlplane.policies.rollout import RolloutState
+from controlplane.policies.rollout_states import RolloutState
 
 __all__ = [
     "NAMING_CONVENTION",

@@ -34,11 +34,16 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
-from types import MappingProxyType
 
-from controlplane.errors import InvalidRolloutTransitionError, InvalidValueError
+from controlplane.errors import InvalidValueError
 from controlplane.policies.cascade_choice import ACCURACY_TOLERANCE
 from controlplane.policies.lifecycle import PROFILE_REQUEST_PREFIX
+from controlplane.policies.rollout_states import (
+    ACTIVE_STATES,
+    TRANSITIONS,
+    RolloutState,
+    check_rollout_transition,
+)
 from estimator.cascades import (
     DEFAULT_CHOOSE_SHARE,
     DEFAULT_SPLIT_SEED,
@@ -72,30 +77,6 @@ __all__ = [
 ]
 
 
-class RolloutState(StrEnum):
-    PENDING = "pending"  # recorded, its workers starting: no traffic yet
-    RUNNING = "running"
-    PAUSED = "paused"  # traffic stays where it is, the judgement waits
-    PROMOTED = "promoted"  # the new version is the app's
-    ROLLED_BACK = "rolled_back"  # a threshold was breached: all traffic back at once
-    ABORTED = "aborted"  # a user ended it: all traffic back
-
-
-_R = RolloutState
-
-TRANSITIONS: MappingProxyType[RolloutState, frozenset[RolloutState]] = MappingProxyType(
-    {
-        _R.PENDING: frozenset({_R.RUNNING, _R.PAUSED, _R.ROLLED_BACK, _R.ABORTED}),
-        _R.RUNNING: frozenset({_R.PAUSED, _R.PROMOTED, _R.ROLLED_BACK, _R.ABORTED}),
-        _R.PAUSED: frozenset({_R.RUNNING, _R.ROLLED_BACK, _R.ABORTED}),
-        _R.PROMOTED: frozenset(),
-        _R.ROLLED_BACK: frozenset(),
-        _R.ABORTED: frozenset(),
-    }
-)
-# A rollout in one of these holds its app: no second one starts.
-ACTIVE_STATES = frozenset(state for state, moves in TRANSITIONS.items() if moves)
-
 DEFAULT_STEPS: tuple[float, ...] = (0.05, 0.25, 0.5, 1.0)
 # Two minutes an interval, as Flagger's default analysis interval times its iterations.
 DEFAULT_INTERVAL_S = 120.0
@@ -111,16 +92,6 @@ def rollout_request_prefix(app: str, rollout_id: int) -> str:
     'profile:rollout-wine-3-'
     """
     return f"{PROFILE_REQUEST_PREFIX}rollout-{app[:20]}-{rollout_id}-"
-
-
-def check_rollout_transition(from_state: str, to_state: str) -> None:
-    """Raise :class:`InvalidRolloutTransitionError` unless the table lists the move."""
-    try:
-        allowed = to_state in TRANSITIONS[RolloutState(from_state)]
-    except ValueError:
-        allowed = False
-    if not allowed:
-        raise InvalidRolloutTransitionError(from_state, to_state)
 
 
 def parse_steps(text: str) -> tuple[float, ...]:

@@ -24,7 +24,7 @@ from controlplane.db import models as m
 from controlplane.db.session import transaction
 from controlplane.db.store.base import StoreBase, _app_row, _json_document, _label, _translated
 from controlplane.errors import ConflictError, NotFoundError
-from controlplane.policies.rollout import (
+from controlplane.policies.rollout_states import (
     ACTIVE_STATES,
     RolloutState,
     check_rollout_transition,

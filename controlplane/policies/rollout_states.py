@@ -1,0 +1,52 @@
+"""A rollout's states and their moves (:data:`TRANSITIONS`), apart from the rest of the rollout
+policy (:mod:`controlplane.policies.rollout`, which re-exports them) so that the database's
+models read them without importing the estimator the policy's judgement uses.
+
+>>> check_rollout_transition("running", "paused")
+>>> sorted(str(state) for state in ACTIVE_STATES)
+['paused', 'pending', 'running']
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from types import MappingProxyType
+
+from controlplane.errors import InvalidRolloutTransitionError
+
+__all__ = ["ACTIVE_STATES", "TRANSITIONS", "RolloutState", "check_rollout_transition"]
+
+
+class RolloutState(StrEnum):
+    PENDING = "pending"  # recorded, its workers starting: no traffic yet
+    RUNNING = "running"
+    PAUSED = "paused"  # traffic stays where it is, the judgement waits
+    PROMOTED = "promoted"  # the new version is the app's
+    ROLLED_BACK = "rolled_back"  # a threshold was breached: all traffic back at once
+    ABORTED = "aborted"  # a user ended it: all traffic back
+
+
+_R = RolloutState
+
+TRANSITIONS: MappingProxyType[RolloutState, frozenset[RolloutState]] = MappingProxyType(
+    {
+        _R.PENDING: frozenset({_R.RUNNING, _R.PAUSED, _R.ROLLED_BACK, _R.ABORTED}),
+        _R.RUNNING: frozenset({_R.PAUSED, _R.PROMOTED, _R.ROLLED_BACK, _R.ABORTED}),
+        _R.PAUSED: frozenset({_R.RUNNING, _R.ROLLED_BACK, _R.ABORTED}),
+        _R.PROMOTED: frozenset(),
+        _R.ROLLED_BACK: frozenset(),
+        _R.ABORTED: frozenset(),
+    }
+)
+# A rollout in one of these holds its app: no second one starts.
+ACTIVE_STATES = frozenset(state for state, moves in TRANSITIONS.items() if moves)
+
+
+def check_rollout_transition(from_state: str, to_state: str) -> None:
+    """Raise :class:`InvalidRolloutTransitionError` unless the table lists the move."""
+    try:
+        allowed = to_state in TRANSITIONS[RolloutState(from_state)]
+    except ValueError:
+        allowed = False
+    if not allowed:
+        raise InvalidRolloutTransitionError(from_state, to_state)
