@@ -1,5 +1,12 @@
 # The variables' validation blocks: each bad value is refused by its own variable. A mock AWS
 # provider: nothing is created, nothing needs credentials.
+#
+# A run costs a plan (about two seconds of CPU, the provider's schema loaded again), so the bad
+# values go several to a run: one per variable, each variable in expect_failures, and a run
+# fails when any one of them is not refused. Never together in a run: a variable whose
+# validation reads another (worker_instance_types reads allowed_instance_types,
+# allow_plain_http api_certificate_arn, load_balancer_subnet_ids vpc_id and
+# api_certificate_arn) with a bad value of the one it reads, whose failure stops its check.
 
 mock_provider "aws" {
   # Policy documents feed arguments the provider checks as JSON: a mock's random string is not.
@@ -23,72 +30,21 @@ run "good_values_plan" {
   command = plan
 }
 
-run "api_cidr_must_be_a_cidr" {
+# What is allowed: the whole internet with consent, a narrower list of allowed types; a
+# certificate instead of consent to plain HTTP (a run of its own: the API's rule is then the
+# load balancer's).
+run "public_api_with_consent_and_narrowed_types_plan" {
   command = plan
   variables {
-    api_allowed_cidr = "not-a-cidr"
-  }
-  expect_failures = [var.api_allowed_cidr]
-}
-
-run "api_cidr_needs_a_prefix_length" {
-  command = plan
-  variables {
-    api_allowed_cidr = "203.0.113.7"
-  }
-  expect_failures = [var.api_allowed_cidr]
-}
-
-run "api_cidr_host_bits_must_be_zero" {
-  command = plan
-  variables {
-    api_allowed_cidr = "203.0.113.7/24"
-  }
-  expect_failures = [var.api_allowed_cidr]
-}
-
-run "api_cidr_is_ipv4" {
-  command = plan
-  variables {
-    api_allowed_cidr = "2001:db8::/32"
-  }
-  expect_failures = [var.api_allowed_cidr]
-}
-
-run "api_cidr_refuses_the_whole_internet" {
-  command = plan
-  variables {
-    api_allowed_cidr = "0.0.0.0/0"
-  }
-  expect_failures = [var.api_allowed_cidr]
-}
-
-run "api_cidr_refuses_the_whole_ipv6_internet" {
-  command = plan
-  variables {
-    api_allowed_cidr = "::/0"
-  }
-  expect_failures = [var.api_allowed_cidr]
-}
-
-run "api_cidr_takes_the_whole_internet_when_allowed" {
-  command = plan
-  variables {
-    api_allowed_cidr = "0.0.0.0/0"
-    allow_public_api = true
+    api_allowed_cidr       = "0.0.0.0/0"
+    allow_public_api       = true
+    worker_instance_types  = ["g4dn.xlarge"]
+    allowed_instance_types = ["g4dn.xlarge", "g4dn.2xlarge"]
   }
   assert {
     condition     = aws_security_group_rule.api.cidr_blocks == tolist(["0.0.0.0/0"])
     error_message = "allow_public_api lets the API be open to everyone"
   }
-}
-
-run "plain_http_needs_consent" {
-  command = plan
-  variables {
-    allow_plain_http = false
-  }
-  expect_failures = [var.allow_plain_http]
 }
 
 run "a_certificate_needs_no_consent" {
@@ -99,20 +55,104 @@ run "a_certificate_needs_no_consent" {
   }
 }
 
-run "certificate_is_an_acm_arn" {
+run "bad_values_1" {
   command = plan
   variables {
-    api_certificate_arn = "arn:aws:iam::123456789012:server-certificate/api"
+    api_allowed_cidr          = "not-a-cidr"                   # not a CIDR
+    worker_instance_types     = ["g4dn.xlarge", "p5.48xlarge"] # not an allowed type
+    default_budget_usd_per_hr = -1                             # negative
+    database                  = "mysql"                        # not sqlite or postgresql
+    name                      = "Heteroplane_Prod"             # not a short slug
   }
-  expect_failures = [var.api_certificate_arn]
+  expect_failures = [
+    var.api_allowed_cidr,
+    var.worker_instance_types,
+    var.default_budget_usd_per_hr,
+    var.database,
+    var.name,
+  ]
 }
 
-run "domain_is_a_dns_name" {
+run "bad_values_2" {
   command = plan
   variables {
-    api_domain_name = "https://api.example.com"
+    api_allowed_cidr          = "203.0.113.7"                                      # no prefix length
+    worker_instance_types     = []                                                 # empty
+    default_budget_usd_per_hr = 0                                                  # zero
+    worker_ami_id             = "ubuntu-24.04"                                     # not an AMI id
+    vpc_cidr                  = "10.0.0.0/8"                                       # too large
+    api_certificate_arn       = "arn:aws:iam::123456789012:server-certificate/api" # not ACM's
   }
-  expect_failures = [var.api_domain_name]
+  expect_failures = [
+    var.api_allowed_cidr,
+    var.worker_instance_types,
+    var.default_budget_usd_per_hr,
+    var.worker_ami_id,
+    var.vpc_cidr,
+    var.api_certificate_arn,
+  ]
+}
+
+run "bad_values_3" {
+  command = plan
+  variables {
+    api_allowed_cidr       = "203.0.113.7/24"                             # host bits set
+    worker_instance_types  = ["g4dn.xlarge", "a big GPU"]                 # not a type name
+    default_slo_latency_ms = 0                                            # not positive
+    heteroplane_git_url    = "git@github.com:heteroplane/heteroplane.git" # not https
+    api_port               = 80                                           # privileged
+  }
+  expect_failures = [
+    var.api_allowed_cidr,
+    var.worker_instance_types,
+    var.default_slo_latency_ms,
+    var.heteroplane_git_url,
+    var.api_port,
+  ]
+}
+
+run "bad_values_4" {
+  command = plan
+  variables {
+    api_allowed_cidr       = "2001:db8::/32"                        # not IPv4
+    worker_instance_types  = ["t3.large", "t3.large"]               # repeated
+    default_slo_percentile = 100                                    # not below 100
+    heteroplane_git_url    = "https://example.com/x.git'; rm -rf /" # shell characters
+    kms_key_arn            = "my-key"                               # not an ARN
+  }
+  expect_failures = [
+    var.api_allowed_cidr,
+    var.worker_instance_types,
+    var.default_slo_percentile,
+    var.heteroplane_git_url,
+    var.kms_key_arn,
+  ]
+}
+
+run "bad_values_5" {
+  command = plan
+  variables {
+    api_allowed_cidr       = "0.0.0.0/0"               # the whole internet, without consent
+    allowed_instance_types = []                        # empty
+    api_domain_name        = "https://api.example.com" # not a DNS name
+  }
+  expect_failures = [
+    var.api_allowed_cidr,
+    var.allowed_instance_types,
+    var.api_domain_name,
+  ]
+}
+
+run "bad_values_6" {
+  command = plan
+  variables {
+    api_allowed_cidr = "::/0" # the whole IPv6 internet, without consent
+    allow_plain_http = false  # plain HTTP without consent (no certificate)
+  }
+  expect_failures = [
+    var.api_allowed_cidr,
+    var.allow_plain_http,
+  ]
 }
 
 run "existing_vpc_with_a_certificate_needs_load_balancer_subnets" {
@@ -133,126 +173,6 @@ run "existing_vpc_with_a_certificate_needs_load_balancer_subnets" {
   expect_failures = [var.load_balancer_subnet_ids]
 }
 
-run "worker_types_must_be_allowed" {
-  command = plan
-  variables {
-    worker_instance_types = ["g4dn.xlarge", "p5.48xlarge"]
-  }
-  expect_failures = [var.worker_instance_types]
-}
-
-run "allowed_types_may_be_narrowed" {
-  command = plan
-  variables {
-    worker_instance_types  = ["g4dn.xlarge"]
-    allowed_instance_types = ["g4dn.xlarge", "g4dn.2xlarge"]
-  }
-}
-
-run "allowed_types_must_not_be_empty" {
-  command = plan
-  variables {
-    allowed_instance_types = []
-  }
-  expect_failures = [var.allowed_instance_types]
-}
-
-run "worker_types_must_not_be_empty" {
-  command = plan
-  variables {
-    worker_instance_types = []
-  }
-  expect_failures = [var.worker_instance_types]
-}
-
-run "worker_types_must_be_type_names" {
-  command = plan
-  variables {
-    worker_instance_types = ["g4dn.xlarge", "a big GPU"]
-  }
-  expect_failures = [var.worker_instance_types]
-}
-
-run "worker_types_must_not_repeat" {
-  command = plan
-  variables {
-    worker_instance_types = ["t3.large", "t3.large"]
-  }
-  expect_failures = [var.worker_instance_types]
-}
-
-run "budget_must_be_positive" {
-  command = plan
-  variables {
-    default_budget_usd_per_hr = -1
-  }
-  expect_failures = [var.default_budget_usd_per_hr]
-}
-
-run "budget_must_not_be_zero" {
-  command = plan
-  variables {
-    default_budget_usd_per_hr = 0
-  }
-  expect_failures = [var.default_budget_usd_per_hr]
-}
-
-run "slo_latency_must_be_positive" {
-  command = plan
-  variables {
-    default_slo_latency_ms = 0
-  }
-  expect_failures = [var.default_slo_latency_ms]
-}
-
-run "slo_percentile_below_100" {
-  command = plan
-  variables {
-    default_slo_percentile = 100
-  }
-  expect_failures = [var.default_slo_percentile]
-}
-
-run "database_is_sqlite_or_postgresql" {
-  command = plan
-  variables {
-    database = "mysql"
-  }
-  expect_failures = [var.database]
-}
-
-run "ami_must_be_an_ami_id" {
-  command = plan
-  variables {
-    worker_ami_id = "ubuntu-24.04"
-  }
-  expect_failures = [var.worker_ami_id]
-}
-
-run "git_url_must_be_https" {
-  command = plan
-  variables {
-    heteroplane_git_url = "git@github.com:heteroplane/heteroplane.git"
-  }
-  expect_failures = [var.heteroplane_git_url]
-}
-
-run "git_url_without_shell_characters" {
-  command = plan
-  variables {
-    heteroplane_git_url = "https://example.com/x.git'; rm -rf /"
-  }
-  expect_failures = [var.heteroplane_git_url]
-}
-
-run "name_is_a_short_slug" {
-  command = plan
-  variables {
-    name = "Heteroplane_Prod"
-  }
-  expect_failures = [var.name]
-}
-
 run "existing_vpc_needs_worker_subnets" {
   command = plan
   variables {
@@ -269,28 +189,4 @@ run "existing_vpc_needs_a_control_plane_subnet" {
     worker_subnet_ids = ["subnet-0123456789abcdef1"]
   }
   expect_failures = [var.control_plane_subnet_id]
-}
-
-run "vpc_cidr_size" {
-  command = plan
-  variables {
-    vpc_cidr = "10.0.0.0/8"
-  }
-  expect_failures = [var.vpc_cidr]
-}
-
-run "ports_are_unprivileged" {
-  command = plan
-  variables {
-    api_port = 80
-  }
-  expect_failures = [var.api_port]
-}
-
-run "kms_key_is_an_arn" {
-  command = plan
-  variables {
-    kms_key_arn = "my-key"
-  }
-  expect_failures = [var.kms_key_arn]
 }
