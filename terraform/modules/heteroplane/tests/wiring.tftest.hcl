@@ -84,7 +84,11 @@ variables {
   allow_plain_http      = true
 }
 
-run "a_launch_template_per_candidate_type" {
+# The deployment with the file's variables (SQLite, a new VPC, no certificate), every part
+# checked in one apply: a run costs a plan and an apply with the provider's schema loaded
+# again (about 3 s of CPU).
+run "the_default_deployment" {
+  # a launch template per candidate type
   assert {
     condition     = toset(keys(aws_launch_template.worker)) == toset(var.worker_instance_types)
     error_message = "every candidate type needs a launch template, and no other type one"
@@ -121,9 +125,8 @@ run "a_launch_template_per_candidate_type" {
     condition     = alltrue([for lt in aws_launch_template.worker : lt.tags["heteroplane:managed"] == "true"])
     error_message = "the control plane may launch only from templates tagged managed"
   }
-}
 
-run "security_groups" {
+  # security groups
   assert {
     condition     = aws_security_group_rule.api.type == "ingress" && aws_security_group_rule.api.cidr_blocks == tolist(["198.51.100.0/24"]) && aws_security_group_rule.api.from_port == 8000 && aws_security_group_rule.api.to_port == 8000
     error_message = "the API is open to the allowed CIDR on its port, and only that"
@@ -148,9 +151,8 @@ run "security_groups" {
     condition     = aws_instance.control_plane.vpc_security_group_ids == toset([aws_security_group.control_plane.id])
     error_message = "the control plane has its own group only"
   }
-}
 
-run "control_plane_settings_come_from_the_resources" {
+  # control plane settings come from the resources
   assert {
     condition     = output.control_plane_environment["HETEROPLANE_EC2_LAUNCH_TEMPLATES"] == join(",", [for t in var.worker_instance_types : "${t}=${aws_launch_template.worker[t].id}"])
     error_message = "the provisioner's launch templates are terraform's, by type"
@@ -187,9 +189,8 @@ run "control_plane_settings_come_from_the_resources" {
     condition     = output.api_url == "http://${aws_eip.control_plane[0].public_ip}:8000" && aws_eip.control_plane[0].instance == aws_instance.control_plane.id
     error_message = "the API URL is the Elastic IP's, on the host"
   }
-}
 
-run "control_plane_host" {
+  # control plane host
   assert {
     condition     = aws_instance.control_plane.metadata_options[0].http_tokens == "required" && aws_instance.control_plane.root_block_device[0].encrypted
     error_message = "IMDSv2 and an encrypted root volume on the control plane"
@@ -217,6 +218,38 @@ run "control_plane_host" {
   assert {
     condition     = length(aws_db_instance.this) == 0 && length(aws_nat_gateway.this) == 1 && length(aws_subnet.private) == 2
     error_message = "SQLite: no RDS; a new VPC with two zones and a NAT gateway"
+  }
+
+  # without a certificate no load balancer
+  assert {
+    condition     = length(aws_lb.api) == 0 && length(aws_security_group.load_balancer) == 0 && output.load_balancer_dns_name == null
+    error_message = "no certificate: no load balancer"
+  }
+  assert {
+    condition     = !contains(keys(output.control_plane_environment), "HETEROPLANE_DASHBOARD_SECURE_COOKIE")
+    error_message = "no certificate: the cookie goes Secure only on an HTTPS request"
+  }
+
+  # interruption notices reach the queue
+  assert {
+    condition = toset([for r in aws_cloudwatch_event_rule.interruptions : jsondecode(r.event_pattern)["detail-type"][0]]) == toset([
+      "EC2 Spot Instance Interruption Warning",
+      "EC2 Instance Rebalance Recommendation",
+      "EC2 Instance State-change Notification",
+    ])
+    error_message = "one rule per notice Karpenter takes: interruption warning, rebalance, state change"
+  }
+  assert {
+    condition     = alltrue([for t in aws_cloudwatch_event_target.interruptions : t.arn == aws_sqs_queue.interruptions.arn])
+    error_message = "every rule sends to the interruption queue"
+  }
+  assert {
+    condition     = aws_sqs_queue.interruptions.sqs_managed_sse_enabled && aws_sqs_queue.interruptions.message_retention_seconds == 300
+    error_message = "the queue is encrypted and keeps a notice no longer than it is of use"
+  }
+  assert {
+    condition     = local.service_environment["HETEROPLANE_EC2_INTERRUPTION_QUEUE_URL"] == aws_sqs_queue.interruptions.url
+    error_message = "the control plane reads the queue the rules fill"
   }
 }
 
@@ -360,18 +393,6 @@ run "tls_through_a_load_balancer" {
   }
 }
 
-run "without_a_certificate_no_load_balancer" {
-  command = plan
-  assert {
-    condition     = length(aws_lb.api) == 0 && length(aws_security_group.load_balancer) == 0 && output.load_balancer_dns_name == null
-    error_message = "no certificate: no load balancer"
-  }
-  assert {
-    condition     = !contains(keys(output.control_plane_environment), "HETEROPLANE_DASHBOARD_SECURE_COOKIE")
-    error_message = "no certificate: the cookie goes Secure only on an HTTPS request"
-  }
-}
-
 run "an_internal_load_balancer_without_a_public_ip" {
   command = plan
   variables {
@@ -381,28 +402,5 @@ run "an_internal_load_balancer_without_a_public_ip" {
   assert {
     condition     = aws_lb.api[0].internal
     error_message = "control_plane_public_ip = false: an internal load balancer"
-  }
-}
-
-run "interruption_notices_reach_the_queue" {
-  assert {
-    condition = toset([for r in aws_cloudwatch_event_rule.interruptions : jsondecode(r.event_pattern)["detail-type"][0]]) == toset([
-      "EC2 Spot Instance Interruption Warning",
-      "EC2 Instance Rebalance Recommendation",
-      "EC2 Instance State-change Notification",
-    ])
-    error_message = "one rule per notice Karpenter takes: interruption warning, rebalance, state change"
-  }
-  assert {
-    condition     = alltrue([for t in aws_cloudwatch_event_target.interruptions : t.arn == aws_sqs_queue.interruptions.arn])
-    error_message = "every rule sends to the interruption queue"
-  }
-  assert {
-    condition     = aws_sqs_queue.interruptions.sqs_managed_sse_enabled && aws_sqs_queue.interruptions.message_retention_seconds == 300
-    error_message = "the queue is encrypted and keeps a notice no longer than it is of use"
-  }
-  assert {
-    condition     = local.service_environment["HETEROPLANE_EC2_INTERRUPTION_QUEUE_URL"] == aws_sqs_queue.interruptions.url
-    error_message = "the control plane reads the queue the rules fill"
   }
 }
