@@ -57,10 +57,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+# scipy.optimize is imported in the functions that solve (about a second of CPU to import, which
+# a process that never solves one, such as a CLI command or a serving process, does not pay).
 import numpy as np
 from numpy.typing import NDArray
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from estimator.cascades import (
     Cascade,
@@ -346,6 +346,9 @@ def _solve(
     max_counts: Mapping[str, int] | None,
 ) -> list[int]:
     """The two MILP solves; returns the chosen candidate index per stage."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
     sizes = [block[0].shape[0] for block in blocks]
     offsets = np.concatenate(([0], np.cumsum(sizes)))
     n_x = int(offsets[-1])
@@ -445,6 +448,8 @@ def cheapest_within(
     >>> cheapest_within([one, two], ["c"], 20.0) is None
     True
     """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     if not options or any(block[0].shape[0] == 0 for block in options):
         return None
     sizes = [block[0].shape[0] for block in options]

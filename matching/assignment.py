@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy.optimize import linear_sum_assignment
 
 from matching.errors import InvalidCostMatrixError
 
@@ -69,7 +68,17 @@ def solve_assignment(costs: ArrayLike) -> Assignment:
     if matrix.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return Assignment(empty, empty.copy(), 0.0)
-    rows, cols = linear_sum_assignment(matrix)
+    rows, cols = linear_assignment(matrix)
     rows = rows.astype(np.int64, copy=False)
     cols = cols.astype(np.int64, copy=False)
     return Assignment(rows, cols, float(matrix[rows, cols].sum()))
+
+
+def linear_assignment(costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``scipy.optimize.linear_sum_assignment``, imported on the first call: scipy.optimize
+    costs about a second of CPU to import, which a process that never matches (a CLI command,
+    a serving process whose apps dispatch first come, first served) need not pay."""
+    from scipy.optimize import linear_sum_assignment
+
+    rows, cols = linear_sum_assignment(costs)
+    return rows, cols

@@ -52,8 +52,8 @@ from operator import attrgetter
 import numba
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy.optimize import linear_sum_assignment
 
+from matching.assignment import linear_assignment
 from matching.chain_flow import chain_assignment_kernel
 from matching.cost import SAFETY, costs_kernel
 from matching.errors import MatchingError, MissingQosError, TailRatioError
@@ -374,7 +374,7 @@ class KairosPolicy:
                 if best >= 0:
                     pairs = ((0, best),)
                 else:
-                    row_ind, col_ind = linear_sum_assignment(costs)
+                    row_ind, col_ind = linear_assignment(costs)
                     pairs = zip(row_ind.tolist(), col_ind.tolist(), strict=True)
             dispatches = []
             stopped = []

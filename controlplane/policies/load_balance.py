@@ -55,8 +55,9 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+# scipy.optimize is imported in the functions that solve (about a second of CPU to import, which
+# a process that never solves one, such as a CLI command or a serving process, does not pay).
 import numpy as np
-from scipy.optimize import linprog
 
 from estimator.errors import CascadeError
 
@@ -234,6 +235,8 @@ def _solve(
     demand: Mapping[str, float],
     point: DemandPoint,
 ) -> tuple[dict[tuple[str, str], float], float]:
+    from scipy.optimize import linprog
+
     n = len(replicas)
     row_of = {instance: k for k, instance in enumerate(instances)}
     models = sorted({m for m, _ in replicas})
@@ -276,6 +279,8 @@ def _spread(
 ) -> dict[tuple[str, str], float] | None:
     """The split within ``utilisation`` closest to each model's split by speed (see
     :func:`balance`); variables q_r then e_r >= |q_r - t_r|."""
+    from scipy.optimize import linprog
+
     n = len(replicas)
     runtime = point.runtime_s
     target = np.empty(n)
