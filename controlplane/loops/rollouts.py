@@ -31,7 +31,8 @@ Per rollout, each tick:
 4. **Handover** after promotion: the new version's workers answer every query while the old
    version's instances (the app's fleet recorded before the promotion) are ended; the
    reconciler launches their replacements, which load the version the spec now names; once as
-   many replacements run as were ended, the route goes and the rollout's workers end.
+   many replacements run as were ended (or fewer, once the fleet has settled: the app scaled
+   down meanwhile, :data:`FLEET_SETTLE_S`), the route goes and the rollout's workers end.
    **Nothing serving ends with its route**: a worker ends :data:`ROUTE_GRACE_S` after the
    route that sent it queries changed (the old version's instances that long after the
    promotion, the rollout's own that long after the route went at a roll-back, an abort or
@@ -115,6 +116,11 @@ RECENT_S = 3600.0
 # query already on a worker is answered within a call's timeout (2 s at the least, the
 # dispatcher's floor; longer only for a batch predicted slower); with room for a busy machine.
 ROUTE_GRACE_S = 5.0
+
+# How long after the handover's last ended instance left a fleet with fewer replacements than it
+# ended counts as settled (the app scaled down meanwhile): the reconciler ticks every second or
+# so, and launches a replacement within one; a busy machine's ticks run late.
+FLEET_SETTLE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,7 +418,7 @@ class RolloutLoop:
         replaced = [
             r for r in fleet if r.created_at > promoted_at and r.state == InstanceState.RUNNING
         ]
-        if len(replaced) < len(ended):
+        if len(replaced) < len(ended) and not self._settled(promoted_at, ended, fleet, replaced):
             self.store.touch_instances([r.id for r in live])
             return _full(rollout), ""
         # The route goes now; the rollout's workers end once every serving process has read
@@ -426,6 +432,32 @@ class RolloutLoop:
         )
         self._decide(moved, reason)
         return None, reason
+
+    def _settled(
+        self,
+        promoted_at: datetime,
+        ended: set[str],
+        fleet: list[InstanceRecord],
+        replaced: list[InstanceRecord],
+    ) -> bool:
+        """Whether the fleet the new version serves with is what the app wants now, with fewer
+        replacements than the handover ended: the app scaled down meanwhile (its tuner sized
+        the fleet for less load than the old one served), so the count of the ended is never
+        reached. Taken as so when a replacement serves, nothing of the fleet boots, and the
+        last ended instance left :data:`FLEET_SETTLE_S` ago (the reconciler has had many ticks
+        to launch what the fleet wants)."""
+        if not replaced:
+            return False
+        if any(
+            r.created_at > promoted_at
+            and r.state in (InstanceState.REQUESTED, InstanceState.PENDING)
+            for r in fleet
+        ):
+            return False
+        left = [r.updated_at for r in fleet if r.id in ended]
+        if not left:
+            return True
+        return (self.clock.utcnow() - max(left)).total_seconds() >= FLEET_SETTLE_S
 
     def _grace_over(self, since: datetime) -> bool:
         """Whether a route changed at ``since`` is :attr:`route_grace_s` old."""

@@ -262,6 +262,82 @@ def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(tmp_path: P
         store.close()
 
 
+def test_the_handover_ends_with_fewer_replacements_once_the_fleet_has_settled(
+    tmp_path: Path,
+) -> None:
+    """The app scaled down during the handover (its tuner sized the fleet for less load than
+    the old one served): two old instances ended, the fleet wants one. The handover waits for
+    the second replacement while one boots, then takes the fleet as it is once nothing boots
+    and the last old instance left FLEET_SETTLE_S ago (it used to wait for a second
+    replacement that never came, the rollout's workers kept and paid for)."""
+    from controlplane.loops.rollouts import FLEET_SETTLE_S, ROUTE_GRACE_S, RolloutLoop
+    from controlplane.policies.rollout import rollout_request_prefix
+    from controlplane.serving.versions import VersionMeter
+    from provisioners.base import APP_TAG, LaunchRequest
+
+    clock = FakeClock()
+    store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
+    try:
+        store.add_model_version("wine-model", 1, "onnx", SHA, 10, FAMILY_SIGNATURE, "file:///1")
+        document = spec(10 * PRICE)
+        document["models"][0]["artifact"] = "wine-model@1"
+        store.create_app(document, who="test")
+        provider = FakeProvisioner(running_on_launch=True)
+
+        def row(request_id: str, state: str = "running") -> Any:
+            (made,) = provider.launch(LaunchRequest(request_id, SMALL, 1, {APP_TAG: APP}))
+            return store.record_instance(
+                APP,
+                request_id=request_id,
+                instance_type=SMALL,
+                price_usd_per_hr=PRICE,
+                provider_id=made.provider_id,
+                state=state,
+            )
+
+        old = [row(f"wine-{n}") for n in (1, 2)]
+        clock.advance(1.0)
+        rollout = store.create_rollout(
+            APP,
+            model="clf",
+            artifact="wine-model",
+            from_version=1,
+            to_version=1,
+            settings={"steps": [1.0], "interval_s": 1.0, "extra_fleet": {SMALL: 1}},
+            reason="test",
+            who="test",
+        )
+        row(f"{rollout_request_prefix(APP, rollout.id)}{SMALL}-1")
+        rollout = store.move_rollout(rollout, state="running")
+        clock.advance(1.0)
+        store.move_rollout(
+            rollout,
+            state="promoted",
+            figures={"handover": {"ended": [], "promoted_at": clock.utcnow().isoformat()}},
+        )
+        loop = RolloutLoop(
+            store,
+            AppResolver(tmp_path, artifacts=store.get_model_version),
+            provider,
+            clock,
+            VersionMeter(),
+        )
+        clock.advance(ROUTE_GRACE_S)
+        assert [t.what for t in loop.tick()] == ["ended 2 instance(s) of the old version"]
+        assert {store.get_instance(r.id).state for r in old} == {"terminated"}
+        clock.advance(1.0)
+        row("wine-3")  # the one replacement the fleet wants
+        booting = row("wine-4", state="pending")  # and one the reconciler still boots
+        clock.advance(FLEET_SETTLE_S)
+        assert loop.tick() == [] and loop.route(APP) is not None  # something boots: wait
+        store.transition_instance(booting.id, "failed", reason="test: the fleet wants one")
+        (done,) = [t.what for t in loop.tick()]
+        assert done.startswith("handover done: 1 instance(s) serve wine-model@1")
+        assert loop.route(APP) is None
+    finally:
+        store.close()
+
+
 def test_an_accuracy_floor_is_stored_and_checked(world: World) -> None:
     """``thresholds.min_accuracy`` (default: not judged) is kept with the rollout; a share
     outside [0, 1] is a 422."""
