@@ -69,6 +69,7 @@ from controlplane.serving.workers import InstanceSource
 from controlplane.spec import ResolvedApp, SpecError
 from estimator.cascades import Cascade
 from estimator.errors import EstimatorError
+from matching.assignment import load_solver
 
 __all__ = [
     "DEFAULT_REFRESH_S",
@@ -267,6 +268,10 @@ class ServingLoop:
         """
         if self._running:
             raise RuntimeError("the serving loop is already running")
+        # The solvers a dispatch may call (the Kairos matching's assignment, a cascade's
+        # placement LP: scipy.optimize, imported where they solve) are loaded now: a second of
+        # CPU that must not fall on a query's turn of the event loop.
+        load_solver()
         gc.collect()
         gc.freeze()
         self._collections.install()
