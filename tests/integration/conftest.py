@@ -37,6 +37,7 @@ import uvicorn
 
 from controlplane.db.store import InstanceRecord
 from controlplane.service.build import Service, build_service
+from controlplane.service.protocol import ConnectionLimits, server_options
 from controlplane.settings import Settings
 from provisioners.local import LocalProvisioner
 
@@ -285,7 +286,14 @@ class ApiServer:
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.socket.bind(("127.0.0.1", 0))
         self.port: int = self.socket.getsockname()[1]
-        config = uvicorn.Config(service.app, log_level="warning", lifespan="on")
+        # The server ``heteroplane serve`` runs: its protocol with the connection limits, and
+        # its keep-alive timeout (75 s, longer than a client keeps an idle connection; with
+        # uvicorn's 5 s a load generator's query now and then went out on a connection the
+        # server was closing at that moment, and failed).
+        limits = ConnectionLimits.from_settings(service.settings)
+        config = uvicorn.Config(
+            service.app, log_level="warning", lifespan="on", **server_options(limits)
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.socket]}, name="uvicorn", daemon=True
