@@ -31,6 +31,7 @@ BURST = 120
 @dataclass
 class Service:
     app: Any  # the FastAPI app (what ApiServer serves)
+    settings: Settings  # its connection limits (what ApiServer serves it with)
     token: str
     store: Store
     url: str = ""
@@ -62,7 +63,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     settings = Settings(data_dir=data_dir, provisioner="fake")
     store = Store.from_url(settings.database_url, FakeClock(), upgrade=True)
     token = store.create_token("operator", name="operator-token")
-    service = Service(create_app(settings, store, FakeClock()), token, store)
+    service = Service(create_app(settings, store, FakeClock()), settings, token, store)
     try:
         with ApiServer(service) as url:  # type: ignore[arg-type]  # it serves service.app
             service.url = url
