@@ -170,110 +170,41 @@ def test_a_rollout_the_budget_cannot_pay_for_is_refused_with_the_amount(world: W
     assert world.client.get(f"/v1/apps/{APP}/rollouts/1", headers=world.auth).status_code == 404
 
 
-def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(tmp_path: Path) -> None:
-    """After promotion the old version's serving instances end one per window of the
-    disruption budget (the reconciler replaces them with the new version), the first once the
-    route to the new version is a grace old; once as many replacements run as were ended, the
-    route goes and the rollout's workers end a grace later."""
-    from controlplane.loops.rollouts import ROUTE_GRACE_S, RolloutLoop
-    from controlplane.policies.disruption import DisruptionBudget
-    from controlplane.policies.rollout import rollout_request_prefix
-    from controlplane.serving.versions import VersionMeter
-    from provisioners.base import APP_TAG, LaunchRequest
+@dataclass
+class Handover:
+    """A promoted rollout about to hand over: the app's two old instances (running), the
+    rollout's one worker, on the fake provisioner and a fake clock."""
 
-    clock = FakeClock()
-    store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
-    try:
-        store.add_model_version("wine-model", 1, "onnx", SHA, 10, FAMILY_SIGNATURE, "file:///1")
-        document = spec(10 * PRICE)
-        document["models"][0]["artifact"] = "wine-model@1"
-        store.create_app(document, who="test")
-        provider = FakeProvisioner(running_on_launch=True)
+    clock: FakeClock
+    store: Store
+    provider: FakeProvisioner
+    old: list[Any]
+    prefix: str  # the request ids of the rollout's workers start with it
 
-        def running_row(request_id: str) -> Any:
-            (made,) = provider.launch(LaunchRequest(request_id, SMALL, 1, {APP_TAG: APP}))
-            return store.record_instance(
-                APP,
-                request_id=request_id,
-                instance_type=SMALL,
-                price_usd_per_hr=PRICE,
-                provider_id=made.provider_id,
-                state="running",
-            )
+    def row(self, request_id: str, state: str = "running") -> Any:
+        from provisioners.base import APP_TAG, LaunchRequest
 
-        old = [running_row(f"wine-{n}") for n in (1, 2)]
-        clock.advance(1.0)
-        rollouts = store
-        rollout = rollouts.create_rollout(
+        (made,) = self.provider.launch(LaunchRequest(request_id, SMALL, 1, {APP_TAG: APP}))
+        return self.store.record_instance(
             APP,
-            model="clf",
-            artifact="wine-model",
-            from_version=1,
-            to_version=1,
-            settings={"steps": [1.0], "interval_s": 1.0, "extra_fleet": {SMALL: 1}},
-            reason="test",
-            who="test",
+            request_id=request_id,
+            instance_type=SMALL,
+            price_usd_per_hr=PRICE,
+            provider_id=made.provider_id,
+            state=state,
         )
-        prefix = rollout_request_prefix(APP, rollout.id)
-        running_row(f"{prefix}{SMALL}-1")
-        rollout = rollouts.move_rollout(rollout, state="running")
-        clock.advance(1.0)
-        rollouts.move_rollout(
-            rollout,
-            state="promoted",
-            figures={"handover": {"ended": [], "promoted_at": clock.utcnow().isoformat()}},
-        )
-        loop = RolloutLoop(
-            store,
-            AppResolver(tmp_path, artifacts=store.get_model_version),
-            provider,
-            clock,
-            VersionMeter(),
-            disruption=DisruptionBudget(max_instances=1, max_share=0.0, window_s=60.0),
-        )
-        # Every query goes to the new version at once; the old version's instances end only
-        # once that route is ROUTE_GRACE_S old (what they hold is answered first).
-        assert loop.tick() == [] and loop.route(APP) is not None
-        assert loop.route(APP).share == 1.0
-        assert {store.get_instance(r.id).state for r in old} == {"running"}
-        clock.advance(ROUTE_GRACE_S)
-        assert [t.what for t in loop.tick()] == ["ended 1 instance(s) of the old version"]
-        assert loop.route(APP) is not None and loop.route(APP).share == 1.0
-        assert loop.tick() == []  # the window's one disruption is spent
-        assert sorted(store.get_instance(r.id).state for r in old) == ["running", "terminated"]
-        clock.advance(61.0)
-        assert [t.what for t in loop.tick()] == ["ended 1 instance(s) of the old version"]
-        clock.advance(1.0)
-        running_row("wine-3")  # the reconciler's replacement, loading the new version
-        assert loop.tick() == [] and loop.route(APP) is not None  # one of two replaced
-        running_row("wine-4")
-        (done,) = [t.what for t in loop.tick()]
-        assert done.startswith("handover done: 2 instance(s) serve wine-model@1")
-        assert loop.route(APP) is None
-        # The route went; the rollout's worker ends once that is ROUTE_GRACE_S old.
-        (canary,) = [r for r in store.list_instances(APP) if r.request_id.startswith(prefix)]
-        loop.refresh_routes()  # what a serving replica reads: no route from now on
-        assert loop.route(APP) is None
-        assert loop.tick() == [] and store.get_instance(canary.id).state == "running"
-        clock.advance(ROUTE_GRACE_S)
-        assert [t.what for t in loop.tick()] == ["ended 1 worker(s) of the new version"]
-        assert store.get_instance(canary.id).state == "terminated"
-    finally:
-        store.close()
+
+    def loop(self, tmp_path: Path, **knobs: Any) -> Any:
+        from controlplane.loops.rollouts import RolloutLoop
+        from controlplane.serving.versions import VersionMeter
+
+        resolver = AppResolver(tmp_path, artifacts=self.store.get_model_version)
+        return RolloutLoop(self.store, resolver, self.provider, self.clock, VersionMeter(), **knobs)
 
 
-def test_the_handover_ends_with_fewer_replacements_once_the_fleet_has_settled(
-    tmp_path: Path,
-) -> None:
-    """The app scaled down during the handover (its tuner sized the fleet for less load than
-    the old one served): two old instances ended, the fleet wants one. The handover waits for
-    the second replacement while one boots, then takes the fleet as it is once nothing boots
-    and the last old instance left FLEET_SETTLE_S ago (it used to wait for a second
-    replacement that never came, the rollout's workers kept and paid for)."""
-    from controlplane.loops.rollouts import FLEET_SETTLE_S, ROUTE_GRACE_S, RolloutLoop
+@pytest.fixture
+def handover(tmp_path: Path) -> Iterator[Handover]:
     from controlplane.policies.rollout import rollout_request_prefix
-    from controlplane.serving.versions import VersionMeter
-    from provisioners.base import APP_TAG, LaunchRequest
 
     clock = FakeClock()
     store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
@@ -282,20 +213,8 @@ def test_the_handover_ends_with_fewer_replacements_once_the_fleet_has_settled(
         document = spec(10 * PRICE)
         document["models"][0]["artifact"] = "wine-model@1"
         store.create_app(document, who="test")
-        provider = FakeProvisioner(running_on_launch=True)
-
-        def row(request_id: str, state: str = "running") -> Any:
-            (made,) = provider.launch(LaunchRequest(request_id, SMALL, 1, {APP_TAG: APP}))
-            return store.record_instance(
-                APP,
-                request_id=request_id,
-                instance_type=SMALL,
-                price_usd_per_hr=PRICE,
-                provider_id=made.provider_id,
-                state=state,
-            )
-
-        old = [row(f"wine-{n}") for n in (1, 2)]
+        made = Handover(clock, store, FakeProvisioner(running_on_launch=True), [], "")
+        made.old = [made.row(f"wine-{n}") for n in (1, 2)]
         clock.advance(1.0)
         rollout = store.create_rollout(
             APP,
@@ -307,7 +226,8 @@ def test_the_handover_ends_with_fewer_replacements_once_the_fleet_has_settled(
             reason="test",
             who="test",
         )
-        row(f"{rollout_request_prefix(APP, rollout.id)}{SMALL}-1")
+        made.prefix = rollout_request_prefix(APP, rollout.id)
+        made.row(f"{made.prefix}{SMALL}-1")
         rollout = store.move_rollout(rollout, state="running")
         clock.advance(1.0)
         store.move_rollout(
@@ -315,27 +235,79 @@ def test_the_handover_ends_with_fewer_replacements_once_the_fleet_has_settled(
             state="promoted",
             figures={"handover": {"ended": [], "promoted_at": clock.utcnow().isoformat()}},
         )
-        loop = RolloutLoop(
-            store,
-            AppResolver(tmp_path, artifacts=store.get_model_version),
-            provider,
-            clock,
-            VersionMeter(),
-        )
-        clock.advance(ROUTE_GRACE_S)
-        assert [t.what for t in loop.tick()] == ["ended 2 instance(s) of the old version"]
-        assert {store.get_instance(r.id).state for r in old} == {"terminated"}
-        clock.advance(1.0)
-        row("wine-3")  # the one replacement the fleet wants
-        booting = row("wine-4", state="pending")  # and one the reconciler still boots
-        clock.advance(FLEET_SETTLE_S)
-        assert loop.tick() == [] and loop.route(APP) is not None  # something boots: wait
-        store.transition_instance(booting.id, "failed", reason="test: the fleet wants one")
-        (done,) = [t.what for t in loop.tick()]
-        assert done.startswith("handover done: 1 instance(s) serve wine-model@1")
-        assert loop.route(APP) is None
+        yield made
     finally:
         store.close()
+
+
+def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(
+    handover: Handover, tmp_path: Path
+) -> None:
+    """After promotion the old version's serving instances end one per window of the
+    disruption budget (the reconciler replaces them with the new version), the first once the
+    route to the new version is a grace old; once as many replacements run as were ended, the
+    route goes and the rollout's workers end a grace later."""
+    from controlplane.loops.rollouts import ROUTE_GRACE_S
+    from controlplane.policies.disruption import DisruptionBudget
+
+    clock, store, old = handover.clock, handover.store, handover.old
+    loop = handover.loop(
+        tmp_path, disruption=DisruptionBudget(max_instances=1, max_share=0.0, window_s=60.0)
+    )
+    # Every query goes to the new version at once; the old version's instances end only
+    # once that route is ROUTE_GRACE_S old (what they hold is answered first).
+    assert loop.tick() == [] and loop.route(APP) is not None
+    assert loop.route(APP).share == 1.0
+    assert {store.get_instance(r.id).state for r in old} == {"running"}
+    clock.advance(ROUTE_GRACE_S)
+    assert [t.what for t in loop.tick()] == ["ended 1 instance(s) of the old version"]
+    assert loop.route(APP) is not None and loop.route(APP).share == 1.0
+    assert loop.tick() == []  # the window's one disruption is spent
+    assert sorted(store.get_instance(r.id).state for r in old) == ["running", "terminated"]
+    clock.advance(61.0)
+    assert [t.what for t in loop.tick()] == ["ended 1 instance(s) of the old version"]
+    clock.advance(1.0)
+    handover.row("wine-3")  # the reconciler's replacement, loading the new version
+    assert loop.tick() == [] and loop.route(APP) is not None  # one of two replaced
+    handover.row("wine-4")
+    (done,) = [t.what for t in loop.tick()]
+    assert done.startswith("handover done: 2 instance(s) serve wine-model@1")
+    assert loop.route(APP) is None
+    # The route went; the rollout's worker ends once that is ROUTE_GRACE_S old.
+    prefix = handover.prefix
+    (canary,) = [r for r in store.list_instances(APP) if r.request_id.startswith(prefix)]
+    loop.refresh_routes()  # what a serving replica reads: no route from now on
+    assert loop.route(APP) is None
+    assert loop.tick() == [] and store.get_instance(canary.id).state == "running"
+    clock.advance(ROUTE_GRACE_S)
+    assert [t.what for t in loop.tick()] == ["ended 1 worker(s) of the new version"]
+    assert store.get_instance(canary.id).state == "terminated"
+
+
+def test_the_handover_ends_with_fewer_replacements_once_the_fleet_has_settled(
+    handover: Handover, tmp_path: Path
+) -> None:
+    """The app scaled down during the handover (its tuner sized the fleet for less load than
+    the old one served): two old instances ended, the fleet wants one. The handover waits for
+    the second replacement while one boots, then takes the fleet as it is once nothing boots
+    and the last old instance left FLEET_SETTLE_S ago (it used to wait for a second
+    replacement that never came, the rollout's workers kept and paid for)."""
+    from controlplane.loops.rollouts import FLEET_SETTLE_S, ROUTE_GRACE_S
+
+    clock, store = handover.clock, handover.store
+    loop = handover.loop(tmp_path)
+    clock.advance(ROUTE_GRACE_S)
+    assert [t.what for t in loop.tick()] == ["ended 2 instance(s) of the old version"]
+    assert {store.get_instance(r.id).state for r in handover.old} == {"terminated"}
+    clock.advance(1.0)
+    handover.row("wine-3")  # the one replacement the fleet wants
+    booting = handover.row("wine-4", state="pending")  # and one the reconciler still boots
+    clock.advance(FLEET_SETTLE_S)
+    assert loop.tick() == [] and loop.route(APP) is not None  # something boots: wait
+    store.transition_instance(booting.id, "failed", reason="test: the fleet wants one")
+    (done,) = [t.what for t in loop.tick()]
+    assert done.startswith("handover done: 1 instance(s) serve wine-model@1")
+    assert loop.route(APP) is None
 
 
 def test_an_accuracy_floor_is_stored_and_checked(world: World) -> None:
