@@ -77,8 +77,8 @@ def solve_assignment(costs: ArrayLike) -> Assignment:
 def linear_assignment(costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``scipy.optimize.linear_sum_assignment``, imported on the first call: scipy.optimize
     costs about a second of CPU to import, which a process that never matches (a CLI command,
-    a serving process whose apps dispatch first come, first served) need not pay. A matcher
-    calls :func:`load_solver` when it is made, so that no query's round pays it."""
+    a serving process whose apps dispatch first come, first served) need not pay. The serving
+    loop calls :func:`load_solver` when it starts, so that no query's round pays it."""
     from scipy.optimize import linear_sum_assignment
 
     rows, cols = linear_sum_assignment(costs)

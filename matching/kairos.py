@@ -53,7 +53,7 @@ import numba
 import numpy as np
 from numpy.typing import ArrayLike
 
-from matching.assignment import linear_assignment, load_solver
+from matching.assignment import linear_assignment
 from matching.chain_flow import chain_assignment_kernel
 from matching.cost import SAFETY, costs_kernel
 from matching.errors import MatchingError, MissingQosError, TailRatioError
@@ -285,7 +285,6 @@ class KairosPolicy:
         self._rng = rng
         self.tail_ratio = {t: _checked_ratios(t, k) for t, k in (tail_ratio or {}).items()}
         self._layout: _Layout | None = None
-        load_solver()  # now, not in a query's round (a live dispatcher's event loop)
 
     @classmethod
     def factory(cls, setting: PolicySetting) -> Callable[[], KairosPolicy]:
