@@ -103,6 +103,9 @@ def service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
         reconcile_s=0.5,
         tuner_tick_s=0.5,
         tuner_max_window_s=8.0,
+        # The scale-up's instances stay until they run: on a busy machine they booted longer
+        # than the default 15 s, and the load's end let the tuner stop them first.
+        tuner_scale_down_delay_s=3600.0,
         calibration_min_batches=MIN_BATCHES,
         calibration_threshold=THRESHOLD,
     ) as built:
