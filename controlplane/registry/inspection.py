@@ -41,12 +41,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from controlplane.errors import ModelRejectedError
-from provisioners.artifacts import FORMATS, ArtifactError, ModelSignature
+from provisioners.artifacts import FORMATS, ArtifactError, ModelSignature, file_sha256
 
 __all__ = [
     "CPU_GRACE_S",
@@ -54,6 +56,7 @@ __all__ = [
     "INSPECT_MEMORY_BYTES",
     "INSPECT_MODULE",
     "INSPECT_TIMEOUT_S",
+    "KEPT_INSPECTIONS",
     "Inspection",
     "Inspector",
     "SubprocessInspector",
@@ -113,9 +116,22 @@ class Inspector(Protocol):
     ) -> Inspection: ...
 
 
+# The same bytes inspected the same way give the same answer: the last few inspections that
+# succeeded are kept, by the file's SHA-256, the format and inputs asked for and the inspector
+# (its interpreter, module and limits), so bytes this process has inspected already (pushed
+# again, under another name, to another registry) start no inspector again; one costs seconds
+# of a core (importing torch or onnxruntime and loading the model). A refusal is never kept: a
+# timeout on a busy machine may pass the next time.
+KEPT_INSPECTIONS = 64
+_kept: OrderedDict[tuple[object, ...], Inspection] = OrderedDict()
+_kept_lock = threading.Lock()
+
+
 @dataclass(frozen=True, slots=True)
 class SubprocessInspector:
-    """:func:`inspect_artifact` with these limits (the registry's default inspector)."""
+    """:func:`inspect_artifact` with these limits (the registry's default inspector); an
+    inspection that succeeded is kept for the same bytes asked the same way
+    (:data:`KEPT_INSPECTIONS` of them, this process)."""
 
     timeout_s: float = INSPECT_TIMEOUT_S
     memory_bytes: int = INSPECT_MEMORY_BYTES
@@ -125,7 +141,13 @@ class SubprocessInspector:
     def __call__(
         self, path: Path, format: str | None = None, inputs_spec: str | None = None
     ) -> Inspection:
-        return inspect_artifact(
+        key = (file_sha256(Path(path)), format, inputs_spec, self)
+        with _kept_lock:
+            kept = _kept.get(key)
+            if kept is not None:
+                _kept.move_to_end(key)
+                return kept
+        found = inspect_artifact(
             path,
             format,
             inputs_spec,
@@ -134,6 +156,11 @@ class SubprocessInspector:
             python=self.python,
             module=self.module,
         )
+        with _kept_lock:
+            _kept[key] = found
+            while len(_kept) > KEPT_INSPECTIONS:
+                _kept.popitem(last=False)
+        return found
 
 
 def inspect_artifact(

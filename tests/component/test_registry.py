@@ -461,6 +461,37 @@ def test_inspection_times_out(stub_module: str, tmp_path: Path) -> None:
         inspector(model_file(tmp_path, b"hang"))
 
 
+def test_an_inspection_that_succeeded_is_kept_for_the_same_bytes_asked_the_same_way(
+    stub_module: str, tmp_path: Path
+) -> None:
+    inspector = SubprocessInspector(module=stub_module)
+    first = inspector(model_file(tmp_path, b"ok"), "onnx")
+    # From here on the inspector refuses everything: what is answered was kept.
+    refusing = "import sys; print('refused (stub)', file=sys.stderr); sys.exit(2)"
+    (tmp_path / "stubs" / "stub_inspect.py").write_text(refusing)
+    (tmp_path / "elsewhere").mkdir()
+    same_bytes = model_file(tmp_path / "elsewhere", b"ok", name="other.onnx")
+    assert inspector(same_bytes, "onnx") == first
+    for asked_otherwise in (
+        lambda: inspector(same_bytes, "onnx", "x:FP32:-1x2"),
+        lambda: inspector(same_bytes),
+        lambda: SubprocessInspector(timeout_s=30.0, module=stub_module)(same_bytes, "onnx"),
+        lambda: inspector(model_file(tmp_path / "elsewhere", b"ok!"), "onnx"),
+    ):
+        with pytest.raises(ModelRejectedError, match="refused"):
+            asked_otherwise()
+
+
+def test_a_refusal_is_not_kept(stub_module: str, tmp_path: Path) -> None:
+    inspector = SubprocessInspector(module=stub_module)
+    path = model_file(tmp_path, b"refuse")
+    with pytest.raises(ModelRejectedError, match="not a model"):
+        inspector(path, "onnx")
+    answering = STUB.replace('what == "ok"', 'what == "refuse"')
+    (tmp_path / "stubs" / "stub_inspect.py").write_text(answering)
+    assert inspector(path, "onnx").format == "onnx"
+
+
 def inspectors_of(owner: int) -> list[int]:
     """The pids of the inspectors ``owner`` started (by their marker)."""
     return [pid for pid, started_by, _ in running_inspectors() if started_by == owner]
