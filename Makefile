@@ -12,8 +12,12 @@ BIN := $(VENV)/bin
 # plots). One virtualenv, a stamp per install.
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-worker
+# Extra pip options for the installs. CI passes --no-compile: pip then compiles no bytecode for
+# the thousands of modules installed (about 40 s of a core for torch and the rest); `make test`
+# caches the bytecode of the modules the tests import as they import them (below).
+PIP_FLAGS ?=
 
-.PHONY: demo test lint bench reproduce results clean
+.PHONY: demo test lint style bench reproduce results clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "heteroplane needs Python >= 3.11; set PYTHON=python3.11 (or newer)")'
@@ -21,20 +25,23 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(DEMO_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[worker]'
+	$(BIN)/pip install --quiet $(PIP_FLAGS) -e '.[worker]'
 	@touch $(DEMO_STAMP)
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[test,worker]'
+	$(BIN)/pip install --quiet $(PIP_FLAGS) -e '.[test,worker]'
 	@touch $(STAMP) $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
 	$(BIN)/heteroplane demo
 
-lint: $(STAMP)
+lint: style
+	$(BIN)/mypy
+
+# The checks of lint but the type check (a few seconds).
+style: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy
 	$(BIN)/lint-imports
 
 # Four processes on the 2-core machine, a test file per process at a time (its fixtures stay
@@ -49,8 +56,13 @@ lint: $(STAMP)
 # 300 Python processes (services, workers, the CLI), each of which would compile the
 # repository's modules again, and pytest rewrites the test modules' asserts in every process
 # (13 s of a core) unless it may cache them.
-test: lint
-	PYTHONDONTWRITEBYTECODE= $(BIN)/pytest -q -n 4 --dist loadfile --no-loadscope-reorder --durations=15
+# The type check (mypy: about 45 s of one core, the other idle) runs beside the tests rather
+# than before them; its output follows theirs and either failing fails the target.
+test: style
+	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
+	PYTHONDONTWRITEBYTECODE= $(BIN)/pytest -q -n 4 --dist loadfile --no-loadscope-reorder --durations=15; \
+	tests=$$?; wait $$types; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \
+	test $$tests -eq 0 && test $$typed -eq 0
 
 # The quick set: each speed benchmark in its quick mode (small sizes, one repeat; about 30 s in all
 # on a 2-core machine, indicative figures only). Full runs, and which script answers which
