@@ -19,6 +19,7 @@ from controlplane.registry.inspection import (
     Inspector,
     SubprocessInspector,
     inspect_artifact,
+    inspect_kept,
 )
 from controlplane.registry.registry import (
     Registry,
@@ -44,6 +45,7 @@ __all__ = [
     "artifact_key",
     "check_model_name",
     "inspect_artifact",
+    "inspect_kept",
     "parse_reference",
     "registry_from_settings",
 ]

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Protocol
 
 from controlplane.errors import ModelRejectedError
-from provisioners.artifacts import FORMATS, ArtifactError, ModelSignature, file_sha256
+from provisioners.artifacts import FORMATS, ArtifactError, ModelSignature
 
 __all__ = [
     "CPU_GRACE_S",
@@ -62,6 +62,7 @@ __all__ = [
     "SubprocessInspector",
     "end_orphaned_inspectors",
     "inspect_artifact",
+    "inspect_kept",
     "inspector_command",
     "running_inspectors",
 ]
@@ -116,22 +117,9 @@ class Inspector(Protocol):
     ) -> Inspection: ...
 
 
-# The same bytes inspected the same way give the same answer: the last few inspections that
-# succeeded are kept, by the file's SHA-256, the format and inputs asked for and the inspector
-# (its interpreter, module and limits), so bytes this process has inspected already (pushed
-# again, under another name, to another registry) start no inspector again; one costs seconds
-# of a core (importing torch or onnxruntime and loading the model). A refusal is never kept: a
-# timeout on a busy machine may pass the next time.
-KEPT_INSPECTIONS = 64
-_kept: OrderedDict[tuple[object, ...], Inspection] = OrderedDict()
-_kept_lock = threading.Lock()
-
-
 @dataclass(frozen=True, slots=True)
 class SubprocessInspector:
-    """:func:`inspect_artifact` with these limits (the registry's default inspector); an
-    inspection that succeeded is kept for the same bytes asked the same way
-    (:data:`KEPT_INSPECTIONS` of them, this process)."""
+    """:func:`inspect_artifact` with these limits (the registry's default inspector)."""
 
     timeout_s: float = INSPECT_TIMEOUT_S
     memory_bytes: int = INSPECT_MEMORY_BYTES
@@ -141,13 +129,7 @@ class SubprocessInspector:
     def __call__(
         self, path: Path, format: str | None = None, inputs_spec: str | None = None
     ) -> Inspection:
-        key = (file_sha256(Path(path)), format, inputs_spec, self)
-        with _kept_lock:
-            kept = _kept.get(key)
-            if kept is not None:
-                _kept.move_to_end(key)
-                return kept
-        found = inspect_artifact(
+        return inspect_artifact(
             path,
             format,
             inputs_spec,
@@ -156,11 +138,41 @@ class SubprocessInspector:
             python=self.python,
             module=self.module,
         )
-        with _kept_lock:
-            _kept[key] = found
-            while len(_kept) > KEPT_INSPECTIONS:
-                _kept.popitem(last=False)
-        return found
+
+
+# The same bytes inspected the same way give the same answer: the last few inspections that
+# succeeded are kept, by the file's SHA-256, the format and inputs asked for and the inspector
+# (for SubprocessInspector: its interpreter, module and limits), so bytes this process has
+# inspected already (pushed again, under another name, to another registry) start no inspector
+# again; one costs seconds of a core (importing torch or onnxruntime and loading the model). A
+# refusal is never kept: a timeout on a busy machine may pass the next time.
+KEPT_INSPECTIONS = 64
+_kept: OrderedDict[tuple[object, ...], Inspection] = OrderedDict()
+_kept_lock = threading.Lock()
+
+
+def inspect_kept(
+    inspector: Inspector,
+    path: Path,
+    sha256: str,
+    format: str | None = None,
+    inputs_spec: str | None = None,
+) -> Inspection:
+    """``inspector(path, format, inputs_spec)``, or what it answered before for the bytes of
+    ``sha256`` (the file's, which the caller has) asked the same way (:data:`KEPT_INSPECTIONS`
+    of them, this process)."""
+    key = (sha256, format, inputs_spec, inspector)
+    with _kept_lock:
+        kept = _kept.get(key)
+        if kept is not None:
+            _kept.move_to_end(key)
+            return kept
+    found = inspector(path, format, inputs_spec)
+    with _kept_lock:
+        _kept[key] = found
+        while len(_kept) > KEPT_INSPECTIONS:
+            _kept.popitem(last=False)
+    return found
 
 
 def inspect_artifact(

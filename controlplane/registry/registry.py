@@ -46,7 +46,12 @@ from controlplane.errors import (
     ModelTooLargeError,
 )
 from controlplane.provisioning import build_provisioner
-from controlplane.registry.inspection import Inspection, Inspector, SubprocessInspector
+from controlplane.registry.inspection import (
+    Inspection,
+    Inspector,
+    SubprocessInspector,
+    inspect_kept,
+)
 from controlplane.settings import Settings
 from provisioners.artifacts import FORMATS, NAME_PATTERN, file_sha256
 from provisioners.base import Provisioner
@@ -193,9 +198,15 @@ class Registry:
             raise ModelTooLargeError(self.max_bytes)
         if size_bytes == 0:
             raise ModelRejectedError("the model file is empty")
-        inspection = self.inspector(source, format, inputs_spec)
+        try:
+            sha256 = file_sha256(source)
+        except OSError as error:
+            raise ModelRejectedError(
+                f"cannot read the model file: {error.strerror or error}"
+            ) from None
+        # Bytes inspected already the same way take that inspection (inspection.py says why).
+        inspection = inspect_kept(self.inspector, source, sha256, format, inputs_spec)
         _check_batched(inspection)
-        sha256 = file_sha256(source)
         for attempt in range(_PUSH_ATTEMPTS):
             version = self.store.next_model_version(name)
             key = artifact_key(name, version, sha256, inspection.format)

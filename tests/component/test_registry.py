@@ -46,6 +46,7 @@ from controlplane.registry import (
     SubprocessInspector,
     artifact_key,
     inspect_artifact,
+    inspect_kept,
     parse_reference,
     registry_from_settings,
 )
@@ -57,7 +58,7 @@ from controlplane.registry.inspection import (
 from controlplane.registry.registry import STAGING_PREFIX
 from controlplane.service.app import create_app
 from controlplane.settings import Settings
-from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec
+from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec, file_sha256
 from provisioners.fetch import fetch_artifact
 from provisioners.storage import held
 
@@ -465,18 +466,22 @@ def test_an_inspection_that_succeeded_is_kept_for_the_same_bytes_asked_the_same_
     stub_module: str, tmp_path: Path
 ) -> None:
     inspector = SubprocessInspector(module=stub_module)
-    first = inspector(model_file(tmp_path, b"ok"), "onnx")
+
+    def kept(by: SubprocessInspector, path: Path, *asked: str) -> Inspection:
+        return inspect_kept(by, path, file_sha256(path), *asked)
+
+    first = kept(inspector, model_file(tmp_path, b"ok"), "onnx")
     # From here on the inspector refuses everything: what is answered was kept.
     refusing = "import sys; print('refused (stub)', file=sys.stderr); sys.exit(2)"
     (tmp_path / "stubs" / "stub_inspect.py").write_text(refusing)
     (tmp_path / "elsewhere").mkdir()
     same_bytes = model_file(tmp_path / "elsewhere", b"ok", name="other.onnx")
-    assert inspector(same_bytes, "onnx") == first
+    assert kept(inspector, same_bytes, "onnx") == first
     for asked_otherwise in (
-        lambda: inspector(same_bytes, "onnx", "x:FP32:-1x2"),
-        lambda: inspector(same_bytes),
-        lambda: SubprocessInspector(timeout_s=30.0, module=stub_module)(same_bytes, "onnx"),
-        lambda: inspector(model_file(tmp_path / "elsewhere", b"ok!"), "onnx"),
+        lambda: kept(inspector, same_bytes, "onnx", "x:FP32:-1x2"),
+        lambda: kept(inspector, same_bytes),
+        lambda: kept(SubprocessInspector(timeout_s=30.0, module=stub_module), same_bytes, "onnx"),
+        lambda: kept(inspector, model_file(tmp_path / "elsewhere", b"ok!"), "onnx"),
     ):
         with pytest.raises(ModelRejectedError, match="refused"):
             asked_otherwise()
@@ -486,10 +491,10 @@ def test_a_refusal_is_not_kept(stub_module: str, tmp_path: Path) -> None:
     inspector = SubprocessInspector(module=stub_module)
     path = model_file(tmp_path, b"refuse")
     with pytest.raises(ModelRejectedError, match="not a model"):
-        inspector(path, "onnx")
+        inspect_kept(inspector, path, file_sha256(path), "onnx")
     answering = STUB.replace('what == "ok"', 'what == "refuse"')
     (tmp_path / "stubs" / "stub_inspect.py").write_text(answering)
-    assert inspector(path, "onnx").format == "onnx"
+    assert inspect_kept(inspector, path, file_sha256(path), "onnx").format == "onnx"
 
 
 def inspectors_of(owner: int) -> list[int]:
