@@ -3,11 +3,14 @@ loops"), on the embedded SQLite database:
 
 - the process started serves the API and runs no periodic job (its /metrics counts no job run),
   the loops process it started runs them (its /metrics, at the address the serving process's
-  /healthz gives, counts them) and leads; the made-up internal secret is in the child's
-  environment alone: the serving process's internal routes take it, the log never shows it;
-- the loops process killed with SIGKILL is started again (a new pid, one restart) and leads
-  again; then the serving process killed with SIGKILL: its loops process stops itself (no
-  orphan);
+  /healthz gives, counts them) and leads; the loops process is forked by the zygote (a child
+  of the serving process's own child), which hands it the made-up internal secret over a
+  socket: the secret is in no process's environment (``/proc/PID/environ``) nor in the log,
+  and the serving process's internal routes take the child's feed exchanges and refuse another
+  secret;
+- the loops process killed with SIGKILL is started again from the zygote (a new pid, one
+  restart) and leads again; then the serving process killed with SIGKILL: its zygote stops the
+  loops process and exits (no orphan);
 - with the local provisioner: the loops process killed, the serving process goes on answering
   queries, and of a standby loops process started by hand on the same SQLite file and the
   restarted one, one takes the leader lease (a file lock, freed by the kill: whichever tries
@@ -74,6 +77,11 @@ def job_runs(metrics: str) -> float:
     )
 
 
+def parent_of(pid: int) -> int:
+    """``pid``'s parent (/proc/PID/stat's fourth field, after the command's parenthesis)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def environ_of(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes()
     pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
@@ -102,13 +110,16 @@ def test_the_serving_process_runs_no_job_and_restarts_its_loops(tmp_path: Path) 
         )
         assert job_runs(httpx.get(f"{server.url}/metrics", headers=admin).text) == 0
 
-        # The secret: in the child's environment, which its user alone may read; taken by the
-        # serving process's internal routes; never in the log.
-        secret = environ_of(first["pid"])["HETEROPLANE_INTERNAL_TOKEN"]
-        assert len(secret) >= 32
-        assert Path(f"/proc/{first['pid']}/environ").stat().st_mode & 0o077 == 0
+        # Forked by the zygote, the serving process's child, which runs no job either.
+        zygote = parent_of(first["pid"])
+        assert zygote != server.process.pid and parent_of(zygote) == server.process.pid
+        assert job_runs(httpx.get(child, headers=admin).text) >= 3
+        # The secret came over the zygote's socket: in no environment; the child's feed
+        # exchanges (ten a second while the jobs ran) were taken, another secret is refused.
+        for pid in (server.process.pid, zygote, first["pid"]):
+            assert "HETEROPLANE_INTERNAL_TOKEN" not in environ_of(pid)
+        assert "does not answer" not in server.log_text()
         feed = f"{server.url}/internal/v1/feed"
-        assert httpx.post(feed, json={}, headers={"Authorization": f"Bearer {secret}"}).is_success
         assert httpx.post(feed, json={}, headers={"Authorization": "Bearer no"}).status_code == 401
 
         os.kill(first["pid"], signal.SIGKILL)
@@ -118,6 +129,7 @@ def test_the_serving_process_runs_no_job_and_restarts_its_loops(tmp_path: Path) 
             server.log_text,
         )
         assert again["restarts"] == 1 and again["url"] == first["url"]
+        assert parent_of(again["pid"]) == zygote
         wait_for(
             "the restarted loops leading",
             lambda: True if (found := loops_of(server)) and found["role"] == "leader" else None,
@@ -125,20 +137,22 @@ def test_the_serving_process_runs_no_job_and_restarts_its_loops(tmp_path: Path) 
         )
         assert httpx.get(f"{server.url}/v1/apps", headers=admin).json() == []
 
-        # The serving process killed outright: its loops process stops itself (no orphan).
+        # The serving process killed outright: its zygote stops the loops process and exits
+        # (no orphan).
         server.process.kill()
         server.process.wait(timeout=30)
         wait_for(
-            "the orphan's stop",
-            lambda: True if not process_alive(again["pid"]) else None,
+            "the orphans' stop",
+            lambda: None if process_alive(again["pid"]) or process_alive(zygote) else True,
             server.log_text,
         )
     finally:
         server.stop()
     log = server.log_text()
     assert "exited with status -9: starting it again" in log
-    assert "the serving process (pid" in log and "is gone: stopping" in log
-    assert secret not in log and "Traceback" not in log
+    assert f"the serving process (pid {server.process.pid}) is gone: stopping its loops" in log
+    assert "stopped by SIGTERM" in log
+    assert "Traceback" not in log
 
 
 def _answers(api: httpx.Client) -> bool:
