@@ -175,6 +175,11 @@ class FakeWorker:
         self.status: int | None = None
         self.poison: Callable[[str, Sequence[float]], bool] | None = None
         self.poisoned: list[int] = []  # the sizes of the batches refused for a poison row
+        # Rows whose first output the model makes NaN and infinities (written as the agent's
+        # JSON writes them: NaN, Infinity), and a model that drops a row of every batch of
+        # several from its answer.
+        self.non_finite: Callable[[str, Sequence[float]], bool] | None = None
+        self.drops_a_row = False
         self.drop = False
         self.hang = False
         self.holding = False
@@ -342,7 +347,13 @@ class FakeWorker:
         width = math.prod(sample)
         samples = self._samples
         texts = []
+        non_finite = self.non_finite
+        if self.drops_a_row and n > 1:
+            rows, n = rows[1:], n - 1
         for row in rows:
+            if non_finite is not None and non_finite(model, row):
+                texts.append(",".join((["NaN", "Infinity", "-Infinity"] * width)[:width]))
+                continue
             key = (model, int(self.predict(model, row)), float(self.certainty(model, row)))
             text = samples.get(key)
             if text is None:

@@ -33,6 +33,7 @@ and with numpy above. The two agree to a few ulps.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -248,9 +249,16 @@ class ModelIO:
 
     def decode(self, address: str, body: bytes, rows: int) -> WorkerReply:
         """The answer ``body`` of the worker at ``address`` to a batch of ``rows`` rows;
-        ``malformed`` :class:`~controlplane.errors.WorkerCallError` when it is not one."""
+        ``malformed`` :class:`~controlplane.errors.WorkerCallError` when it is not one (the
+        worker's fault), ``model`` when it is one whose first output does not fit the batch (the
+        model's: it answered, so the worker stays as healthy as it was). A model's NaN or
+        infinity comes as JSON's ``NaN``/``Infinity`` (Python's and Triton's JSON write them),
+        which orjson refuses: such an answer is read with the standard library's parser."""
         try:
-            document = orjson.loads(body)
+            try:
+                document = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                document = json.loads(body)
             outputs = tuple([_tensor(entry) for entry in document["outputs"]])
             parameters = document.get("parameters") or {}
             served = parameters.get("served_ms")
@@ -267,7 +275,9 @@ class ModelIO:
         try:
             predictions, certainty = self._read(first, rows)
         except (ValueError, TypeError) as error:
-            raise WorkerCallError(address, "malformed", f"output {first.name!r}: {error}") from None
+            raise WorkerCallError(
+                address, "model", f"output {first.name!r}: {error}", worker_fault=False
+            ) from None
         served_ms = float(served) if isinstance(served, int | float) else None
         if served_ms is not None and not (math.isfinite(served_ms) and served_ms >= 0):
             served_ms = None

@@ -324,6 +324,55 @@ def test_a_poison_query_fails_alone_and_the_worker_keeps_serving(foreign: bool) 
     run(scenario())
 
 
+def test_a_models_nan_output_and_an_answer_short_of_a_row_leave_the_worker_healthy() -> None:
+    """A model's NaN and infinities (the agent writes JSON's NaN and Infinity) are an answer,
+    not a broken worker: those queries are answered. A model that answers a batch of several
+    with a row too few fails that batch, not the worker: its queries are tried again alone, and
+    answered. The worker is never marked unhealthy."""
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE], delay_s=0.01)
+        workers[0].non_finite = poisoned
+        plan = {"tiny": StagePlan("tiny", Fleet.of({}), 8, policy="fcfs")}
+        app = config(models=("tiny",), stage_plans=plan, slo_ms=10_000.0)
+        unhealthy: list[str] = []
+        dispatcher = AppDispatcher(
+            app,
+            HttpWorkerTransport(),
+            Observations(),
+            settings=DispatcherSettings(admission=False),
+            on_unhealthy=lambda loss: unhealthy.append(loss.endpoint.instance_id),
+        )
+        dispatcher.set_workers(endpoints(workers))
+        inputs = [poison_row(q) if q % 7 == 3 else row(q % 10, 0.9) for q in range(40)]
+        results = await settle([dispatcher.submit([x]) for x in inputs])
+        assert all(isinstance(r, InferResult) for r in results), results
+        for q, result in enumerate(results):
+            assert isinstance(result, InferResult)
+            if q % 7 == 3:
+                ((reply, offset),) = result.replies
+                width = len(reply.outputs[0].data) // reply.outputs[0].shape[0]
+                sample = reply.outputs[0].data[offset * width : (offset + 1) * width]
+                assert math.isnan(sample[0]) and sample[1] == math.inf
+            else:
+                assert result.outputs == (q % 10,)
+        assert max(workers[0].batch_sizes) > 1  # NaN rows were answered in batches of several
+
+        workers[0].non_finite = None
+        workers[0].drops_a_row = True
+        results = await settle([dispatcher.submit([row(q % 10, 0.9)]) for q in range(24)])
+        assert all(isinstance(r, InferResult) for r in results), results
+        assert [r.outputs for r in results if isinstance(r, InferResult)] == [
+            (q % 10,) for q in range(24)
+        ]
+        assert unhealthy == []
+        (status,) = dispatcher.status().workers
+        assert status.healthy
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_a_row_that_does_not_fit_the_signature_fails_alone_in_its_batch() -> None:
     """A row the dispatcher cannot encode (63 values for a 64-value input) refuses the batch
     before any call; each of its queries is tried again alone, and only the bad one fails."""

@@ -209,12 +209,41 @@ def test_one_value_outputs_parameters_and_malformed_answers() -> None:
     for broken, match in [
         (b"not json", "not an inference answer"),
         (b'{"outputs": []}', "without outputs"),
-        (answer([{"name": "x", "datatype": "FP32", "shape": [2, 2], "data": [1]}]), "1 values"),
         (answer([{"name": "x", "datatype": "FP32", "shape": [2, 2], "data": 5}]), "not a list"),
     ]:
         with pytest.raises(WorkerCallError, match=match) as caught:
             ModelIO("m").decode("w", broken, 2)
-        assert caught.value.kind == "malformed"
+        assert caught.value.kind == "malformed" and caught.value.worker_fault
+    # An answer whose first output does not fit the batch is the model's fault (it answered):
+    # the batch fails, the worker stays healthy.
+    for unfit, match in [
+        (answer([{"name": "x", "datatype": "FP32", "shape": [2, 2], "data": [1]}]), "1 values"),
+        (answer([{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]), "2 rows"),
+    ]:
+        with pytest.raises(WorkerCallError, match=match) as caught:
+            ModelIO("m").decode("w", unfit, 2)
+        assert caught.value.kind == "model" and not caught.value.worker_fault
+
+
+def test_a_models_nan_and_infinity_are_read_as_the_agent_writes_them() -> None:
+    """The agent writes a model's non-finite outputs as JSON's NaN and Infinity (as Python's
+    json and Triton do); orjson refuses them, so the answer is read by the standard parser."""
+    document = {
+        "outputs": [
+            {
+                "name": "scores",
+                "datatype": "FP16",
+                "shape": [2, 3],
+                "data": [float("inf"), 0.0, 1.0, float("nan"), 2.0, -float("inf")],
+            }
+        ]
+    }
+    body = json.dumps(document).encode()
+    assert b"Infinity" in body and b"NaN" in body
+    reply = ModelIO("m", family=False).decode("w", body, 2)
+    data = reply.outputs[0].data
+    assert data[0] == float("inf") and math.isnan(data[3]) and data[5] == -float("inf")
+    assert reply.predictions[0] == 0
     with pytest.raises(ValueError, match="certainty"):
         ModelIO("m", certainty="entropy")
 
