@@ -323,3 +323,33 @@ def test_an_accuracy_floor_is_stored_and_checked(world: World) -> None:
         world, "rollouts", {"model": "wine-model@2", "thresholds": {"min_accuracy": 0.9}}
     )
     assert floored.status_code == 201 and floored.json()["thresholds"]["min_accuracy"] == 0.9
+
+
+def test_a_spec_that_changes_a_served_models_artifact_is_refused_while_instances_live(
+    world: World,
+) -> None:
+    """`heteroplane app apply` with another artifact for a model the app serves: its running
+    workers have the old one loaded and would go on serving it under the new spec. With live
+    instances that is a 409 pointing to a rollout; with none the spec is replaced."""
+    register(world, budget=10 * PRICE)
+    moved = spec(10 * PRICE)
+    moved["models"][0]["artifact"] = "wine-model@2"
+    live = world.store.record_instance(
+        APP, request_id="r-1", instance_type=SMALL, price_usd_per_hr=PRICE, state="running"
+    )
+    refused = world.client.put(f"/v1/apps/{APP}", json=moved, headers=world.auth)
+    assert refused.status_code == 409, refused.text
+    message = refused.json()["error"]["message"]
+    assert "model 'clf' (wine-model@1 -> wine-model@2)" in message
+    assert "1 live instance" in message and "heteroplane rollout start" in message
+    assert world.store.get_app(APP).spec["models"][0]["artifact"] == "wine-model@1"
+    # Anything else may change under live instances (the budget here).
+    kept = spec(12 * PRICE)
+    kept["models"][0]["artifact"] = "wine-model@1"
+    assert world.client.put(f"/v1/apps/{APP}", json=kept, headers=world.auth).status_code == 200
+    # Once the instances are gone, the artifact may change.
+    world.store.transition_instance(live.id, "terminating", reason="down")
+    world.store.transition_instance(live.id, "terminated", reason="down")
+    replaced = world.client.put(f"/v1/apps/{APP}", json=moved, headers=world.auth)
+    assert replaced.status_code == 200, replaced.text
+    assert world.store.get_app(APP).spec["models"][0]["artifact"] == "wine-model@2"

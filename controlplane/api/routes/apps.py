@@ -36,6 +36,7 @@ from controlplane.apps.resolver import spec_document
 from controlplane.apps.teardown import request_teardown
 from controlplane.db.store import AppRecord
 from controlplane.errors import NotFoundError
+from controlplane.policies.lifecycle import LIVE_STATES
 from controlplane.serving.workers import DEFAULT_WORKER_PORT
 
 __all__ = ["SPEC_BODY_MARK", "app_out", "router"]
@@ -90,10 +91,36 @@ def replace_app(
         raise ApiError(
             422, "invalid_request", f"name: must be the app's name {app!r}, got {name!r}", "name"
         )
-    services.store.get_app(app)  # 404 before the spec is checked against its files
+    current = services.store.get_app(app)  # 404 before the spec is checked against its files
     resolved = services.resolver.check(document)
-    record = services.store.update_app(app, spec_document(resolved.spec), who=who.name)
+    replaced = spec_document(resolved.spec)
+    changed = changed_artifacts(current.spec, replaced)
+    if changed:
+        live = services.store.list_instances(app, LIVE_STATES)
+        if live:
+            raise ApiError(
+                409,
+                "conflict",
+                f"app {app!r} serves {'; '.join(changed)} on {len(live)} live instance(s),"
+                " which would keep serving it: a new model version goes into a running app"
+                f" through a rollout (heteroplane rollout start --app {app} ...;"
+                f" docs/rollouts.md), or take the app down first (heteroplane app down {app})",
+            )
+    record = services.store.update_app(app, replaced, who=who.name)
     return app_out(record)
+
+
+def changed_artifacts(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The models of both stored spec documents (pinned: ``NAME@VERSION``) whose registered
+    artifact differs, each as ``model M (A -> B)``: what an app's running workers have loaded
+    and would go on serving under the new spec."""
+    before = {m["name"]: m.get("artifact") for m in old.get("models") or ()}
+    return [
+        f"model {m['name']!r} ({before[m['name']] or 'no artifact'} ->"
+        f" {m.get('artifact') or 'no artifact'})"
+        for m in new.get("models") or ()
+        if m["name"] in before and before[m["name"]] != m.get("artifact")
+    ]
 
 
 @router.delete(
