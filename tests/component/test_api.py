@@ -964,6 +964,40 @@ def test_a_budget_below_the_smallest_serving_fleet_is_a_409_and_changes_nothing(
     assert len(api.call("GET", "/v1/apps/toy/decisions?kind=budget_drain").json()) == 1
 
 
+def test_a_spec_whose_budget_is_below_the_smallest_serving_fleet_is_a_409_too(api: Api) -> None:
+    """`heteroplane app apply` with a lower budget in the spec is a budget change like PUT
+    .../budget's: below the smallest serving fleet a 409 (saying how to force it) that changes
+    nothing; at or above it, one audit row as the budget route's. A 10 ms SLO only the GPU
+    meets: the plan's smallest serving fleet (one g4dn.xlarge) costs more than the cheapest
+    candidate (r5n.large), the spec's own floor."""
+    api.register(slo={"latency_ms": 10.0})
+    plan, floor = applied_plan(api)
+    assert set(plan["stages"][0]["fleet"]) == {"g4dn.xlarge"} and floor == PRICES["g4dn.xlarge"]
+    api.store.record_instance(
+        "toy",
+        request_id="r0",
+        instance_type="g4dn.xlarge",
+        price_usd_per_hr=floor,
+        state="running",
+    )
+    spec = api.call("GET", "/v1/apps/toy").json()["spec"]
+    before = api.call("GET", "/v1/apps/toy/budget").json()
+    low = {**spec, "budget_usd_per_hr": 0.3}
+    error = assert_error(api.call("PUT", "/v1/apps/toy", json=low), 409, "conflict")
+    message = error["message"]
+    assert "smallest serving fleet" in message and f"{floor:.4g} USD/hr" in message
+    assert "heteroplane budget set --app toy --usd-per-hr 0.3 --force" in message
+    assert api.call("GET", "/v1/apps/toy/budget").json() == before
+    assert api.call("GET", "/v1/apps/toy").json()["spec"] == spec
+
+    lean = {**spec, "budget_usd_per_hr": floor}
+    response = api.call("PUT", "/v1/apps/toy", json=lean)
+    assert response.status_code == 200, response.text
+    changes = api.call("GET", "/v1/apps/toy/budget").json()["changes"]
+    assert len(changes) == len(before["changes"]) + 1  # one audit row, not two
+    assert (changes[-1]["new_usd_per_hr"], changes[-1]["reason"]) == (floor, "spec updated")
+
+
 def test_a_budget_at_the_smallest_serving_fleet_keeps_one_instance_per_stage(api: Api) -> None:
     api.register()
     plan, floor = applied_plan(api)

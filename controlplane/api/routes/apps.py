@@ -25,6 +25,7 @@ from controlplane.api.deps import Admin, Operator, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
 from controlplane.api.routes import AppName, errors
 from controlplane.api.schemas import AppOut, InstanceOut, TeardownOut
+from controlplane.apps.budget import change_budget
 from controlplane.apps.profile_run import DEFAULT_SAMPLES, ProfileRunRequest, run_profile
 from controlplane.apps.profiler import (
     DEFAULT_BATCH_SIZES,
@@ -35,7 +36,7 @@ from controlplane.apps.profiler import (
 from controlplane.apps.resolver import spec_document
 from controlplane.apps.teardown import request_teardown
 from controlplane.db.store import AppRecord
-from controlplane.errors import NotFoundError
+from controlplane.errors import BudgetBelowServingFleetError, NotFoundError
 from controlplane.policies.lifecycle import LIVE_STATES
 from controlplane.serving.workers import DEFAULT_WORKER_PORT
 
@@ -106,6 +107,23 @@ def replace_app(
                 f" through a rollout (heteroplane rollout start --app {app} ...;"
                 f" docs/rollouts.md), or take the app down first (heteroplane app down {app})",
             )
+    budget = replaced.get("budget_usd_per_hr")
+    if isinstance(budget, int | float) and budget != current.budget_usd_per_hr:
+        # A new budget in the spec is a budget change like PUT .../budget's (not forced): below
+        # the smallest serving fleet a 409, else the same drain plan and decision.
+        try:
+            made = change_budget(
+                services.store, services.resolver, app, float(budget), "spec updated", who.name
+            )
+        except BudgetBelowServingFleetError as error:
+            raise ApiError(
+                409,
+                "conflict",
+                f"{str(error).split('; send')[0]}: set it with heteroplane budget set --app"
+                f" {app} --usd-per-hr {budget:g} --force to drain it anyway, then apply the spec",
+            ) from None
+        if services.budget_changed is not None and made.drain.drain:
+            services.budget_changed(app)
     record = services.store.update_app(app, replaced, who=who.name)
     return app_out(record)
 
