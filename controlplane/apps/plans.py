@@ -263,8 +263,16 @@ def apply_plan(store: Store, app: str, plan_id: int, who: str) -> PlanRecord:
 
     Raises:
         NotFoundError: no such app or plan.
-        ConflictError: the plan is stale, applied already, or another apply won.
+        ConflictError: the plan is stale, applied already, or another apply won; or it has no
+            stages (infeasible at every rate: applying it would drain the whole fleet).
     """
+    planned = store.get_plan(app, plan_id).plan
+    if not planned.stages:
+        raise ConflictError(
+            f"plan {plan_id} of app {app!r} has no stages (no rate can be served within the"
+            " budget and the SLO: it would drain every instance); it is not applied. Raise the"
+            " budget or loosen the SLO and preview another"
+        )
     record = store.apply_plan(app, plan_id)
     crash_point("plan_apply.after_apply")
     plan = record.plan

@@ -756,6 +756,23 @@ def test_a_plan_made_before_a_budget_change_is_stale(api: Api) -> None:
     assert "version" in error["message"]
 
 
+def test_a_plan_with_no_stages_is_not_applied(api: Api) -> None:
+    """Batches of two on the one type the budget buys (r5n.large, 16 ms a batch) miss a 14 ms
+    SLO at every rate: the plan is infeasible with no stages. Applying it would drain the whole
+    fleet: a 409 that changes nothing."""
+    api.register(slo={"latency_ms": 14.0}, budget_usd_per_hr=0.2)
+    made = api.call(
+        "POST", "/v1/apps/toy/plans", json={"trace": {"rate_qps": 5, "batch_dist": "fixed:2"}}
+    )
+    assert made.status_code == 201, made.text
+    plan = made.json()
+    assert plan["feasible"] is False and plan["stages"] == []
+    error = assert_error(api.call("POST", f"/v1/apps/toy/plans/{plan['id']}/apply"), 409)
+    assert f"plan {plan['id']} of app 'toy' has no stages" in error["message"]
+    assert api.call("GET", "/v1/apps/toy").json()["applied_plan_id"] is None
+    assert api.call("GET", f"/v1/apps/toy/plans/{plan['id']}").json()["status"] == "previewed"
+
+
 def test_an_unknown_plan_is_a_404(api: Api) -> None:
     api.register()
     assert_error(api.call("GET", "/v1/apps/toy/plans/42"), 404, "not_found")

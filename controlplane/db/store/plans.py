@@ -111,11 +111,11 @@ class PlanStore(StoreBase):
             row = _app_row(session, app)
             plan = _plan_row(session, row, plan_id)
             if plan.status != "previewed":
-                raise ConflictError(f"plan {plan.number} of app {app!r} is already {plan.status}")
+                raise ConflictError(f"plan {plan.id} of app {app!r} is already {plan.status}")
             _check_version(row, expected_version)
             if plan.app_version != row.version:
                 raise ConflictError(
-                    f"plan {plan.number} was made for version {plan.app_version} of app {app!r},"
+                    f"plan {plan.id} was made for version {plan.app_version} of app {app!r},"
                     f" which is now at version {row.version}; preview a new plan"
                 )
             superseded = row.applied_plan_id
