@@ -10,7 +10,8 @@ generated from Triton's ``grpc_service.proto``); the methods served:
 - ``ModelMetadata``, ``ModelReady`` and ``ModelInfer`` (infer scope, the token in the
   ``authorization`` metadata: ``Bearer <token>``): an app is a model, its version ``1`` (or
   none given), exactly as on REST. ``ModelReady`` answers ``ready: false`` where REST's route
-  answers 503 (no healthy worker serves a model of the app's gear).
+  answers 503 (no healthy worker serves a model of the app's gear, or its registered models
+  are not profiled yet).
 - ``ModelInfer`` takes its inputs in ``raw_input_contents`` (little-endian bytes, what
   ``tritonclient.grpc`` sends) or in each input's typed ``contents`` (``bool_contents``,
   ``int_contents``, ``int64_contents``, ``uint_contents``, ``uint64_contents``,
@@ -85,6 +86,7 @@ from controlplane.api.routes.oip import (
     serve_query,
     serving_of,
     signature_of,
+    unserved,
 )
 from controlplane.db.store import Principal
 from controlplane.policies.auth import Scope
@@ -228,7 +230,7 @@ class GrpcOip:
 
     async def model_ready(self, request: Any, _who: Principal | None, _call: _Call) -> Any:
         _version(request.version)
-        reason = await serving_of(self.services, request.name).unserved(request.name)
+        reason = await unserved(serving_of(self.services, request.name), request.name)
         return pb.ModelReadyResponse(ready=reason is None)
 
     async def model_infer(self, request: Any, _who: Principal | None, call: _Call) -> Any:

@@ -6,7 +6,9 @@ binary tensors).
   dimension first; its names are the inputs' names, or any name for a model of one input), or
   a JSON file of Open Inference Protocol rows: an inference request (``{"inputs": [{"name",
   "datatype", "shape", "data"}, ...]}``, each tensor's first dimension the rows) or a list of
-  them, their rows concatenated in order. A file that is not what it says (a corrupt ``.npz``,
+  them, their rows concatenated in order (rows whose shapes differ, along an input's variable
+  axis, are kept as they are: a query's rows must share their shapes, so such rows go one a
+  query, batch size 1). A file that is not what it says (a corrupt ``.npz``,
   a ``.npy`` renamed ``.npz``: :func:`read_npz`; a tensor without ``data``) is one line.
 - **Fitting** (:func:`fit_inputs`): against the app's inputs as ``GET /v2/models/{app}`` gives
   them (:class:`InputSpec`): every input given, each array's sample shape the input's (a
@@ -192,7 +194,24 @@ def _oip_rows(document: object) -> dict[str, NDArray[Any]]:
             if values.size != math.prod(shape):
                 raise ValueError(f"input {name!r}: {values.size} values for shape {shape}")
             parts.setdefault(name, []).append(values.reshape(shape))
-    return {name: np.concatenate(arrays) for name, arrays in parts.items()}
+    return {name: _joined(name, arrays) for name, arrays in parts.items()}
+
+
+def _joined(name: str, arrays: Sequence[NDArray[Any]]) -> NDArray[Any]:
+    """The requests' rows of one input, in order: one array when they share a sample shape, else
+    (a variable axis: a sequence's length) an array of objects, each row an array of its own
+    shape, sent in queries of rows of one shape (:func:`tensor_body`)."""
+    if any(array.ndim < 1 for array in arrays):
+        raise ValueError(f"input {name!r}: a tensor without a batch dimension (shape [])")
+    if len({array.shape[1:] for array in arrays}) == 1:
+        return np.concatenate(arrays)
+    if len({array.ndim for array in arrays}) > 1:
+        ranks = sorted({array.ndim for array in arrays})
+        raise ValueError(f"input {name!r}: the requests' tensors have different ranks ({ranks})")
+    rows: NDArray[Any] = np.empty(sum(array.shape[0] for array in arrays), dtype=object)
+    for index, row in enumerate(row for array in arrays for row in array):
+        rows[index] = row
+    return rows
 
 
 def fit_inputs(
@@ -213,31 +232,42 @@ def fit_inputs(
     rows = None
     for spec in specs:
         array = arrays[spec.name]
-        sample = spec.sample_shape
-        given = array.shape[1:]
-        if len(given) != len(sample) and math.prod(given) == math.prod(sample) > 0:
-            array = array.reshape((array.shape[0], *sample))  # flattened rows of a fixed shape
-            given = array.shape[1:]
-        fits = len(given) == len(sample) and all(
-            d in (-1, g) for d, g in zip(sample, given, strict=True)
-        )
-        if not fits:
-            raise ValueError(
-                f"input {spec.name!r}: rows of shape {list(given)} do not fit {list(spec.shape)}"
-            )
         try:
             dtype = numpy_dtype(spec.datatype)
         except ArtifactError as error:
             raise ValueError(f"input {spec.name!r}: {error}") from None
-        if array.dtype.kind == "f" and dtype.kind in "biu" and not np.all(array == np.round(array)):
-            raise ValueError(f"input {spec.name!r}: values that are not whole for {spec.datatype}")
+        if array.dtype == object:  # rows of their own shapes (_joined)
+            cast: NDArray[Any] = np.empty(array.shape[0], dtype=object)
+            for index, row in enumerate(array):
+                cast[index] = _fitted(spec, dtype, row[np.newaxis])[0]
+        else:
+            cast = _fitted(spec, dtype, array)
         if rows is not None and array.shape[0] != rows:
             raise ValueError(
                 f"input {spec.name!r}: {array.shape[0]} rows, the others {rows}: one row each"
             )
         rows = array.shape[0]
-        fitted[spec.name] = array.astype(dtype)
+        fitted[spec.name] = cast
     return fitted
+
+
+def _fitted(spec: InputSpec, dtype: np.dtype[Any], array: NDArray[Any]) -> NDArray[Any]:
+    """Rows ``array`` of one shape fitted to ``spec`` and cast to ``dtype`` (:func:`fit_inputs`)."""
+    sample = spec.sample_shape
+    given = array.shape[1:]
+    if len(given) != len(sample) and math.prod(given) == math.prod(sample) > 0:
+        array = array.reshape((array.shape[0], *sample))  # flattened rows of a fixed shape
+        given = array.shape[1:]
+    fits = len(given) == len(sample) and all(
+        d in (-1, g) for d, g in zip(sample, given, strict=True)
+    )
+    if not fits:
+        raise ValueError(
+            f"input {spec.name!r}: rows of shape {list(given)} do not fit {list(spec.shape)}"
+        )
+    if array.dtype.kind == "f" and dtype.kind in "biu" and not np.all(array == np.round(array)):
+        raise ValueError(f"input {spec.name!r}: values that are not whole for {spec.datatype}")
+    return array.astype(dtype)
 
 
 def tensor_body(
@@ -257,12 +287,14 @@ def tensor_body(
         if len(specs) != 1:
             names = ", ".join(spec.name for spec in specs)
             raise ValueError(f"the model takes {len(specs)} inputs ({names}): use --protocol v2")
-        batch = arrays[specs[0].name][index]
+        batch = _batch(specs[0].name, arrays[specs[0].name], index)
         flat = batch.reshape(len(index), -1)
         values = flat.astype(np.int64) if flat.dtype.kind in "biu" else flat
         text = json.dumps({"inputs": values.tolist()}, separators=(",", ":"))
         return TensorBody(text.encode())
-    batches = [(spec.name, spec.datatype, arrays[spec.name][index]) for spec in specs]
+    batches = [
+        (spec.name, spec.datatype, _batch(spec.name, arrays[spec.name], index)) for spec in specs
+    ]
     parameters = None if timeout_s is None else {"timeout": round(timeout_s * 1e6)}
     if binary:
         body, header_length = binary_request_body(batches, parameters=parameters)
@@ -281,3 +313,19 @@ def tensor_body(
     if parameters is not None:
         document["parameters"] = parameters
     return TensorBody(json.dumps(document, separators=(",", ":")).encode())
+
+
+def _batch(name: str, array: NDArray[Any], index: Sequence[int]) -> NDArray[Any]:
+    """Rows ``index`` of one input's ``array`` stacked as a query's batch; ValueError of one line
+    when they are rows of their own shapes (:func:`_joined`) that differ."""
+    if array.dtype != object:
+        return array[list(index)]
+    rows = [array[i] for i in index]
+    shapes = sorted({row.shape for row in rows})
+    if len(shapes) > 1:
+        raise ValueError(
+            f"input {name!r}: a query of {len(rows)} rows takes rows of shapes"
+            f" {', '.join(str(list(s)) for s in shapes)}, which cannot be one batch: send rows"
+            " whose shapes differ one a query (batch size 1)"
+        )
+    return np.stack(rows)

@@ -361,9 +361,19 @@ def tensor_values(data: list[Any] | np.ndarray, spec: TensorSpec) -> np.ndarray:
         if (raw.dtype.kind == "f" or largest < _INT_MAX) and not (
             raw.max() <= largest and raw.min() >= -largest
         ):
-            raise OipError(f"input {name!r}: a value is too large for {spec.datatype}")
+            raise OipError(f"input {name!r}: {_not_finite(raw, spec.datatype)}")
         return raw.astype(dtype).reshape(-1)
     return raw.astype(dtype).reshape(-1)
+
+
+def _not_finite(raw: np.ndarray, datatype: str) -> str:
+    """Why float values ``raw`` do not fit ``datatype`` (a NaN, an infinity, or a value past its
+    largest), once :func:`tensor_values` has found that one does not."""
+    if raw.dtype.kind == "f" and np.isnan(raw).any():
+        return f"a value is NaN: {datatype} inputs must be finite numbers"
+    if raw.dtype.kind == "f" and np.isinf(raw).any():
+        return f"a value is infinite: {datatype} inputs must be finite numbers"
+    return f"a value is too large for {datatype}"
 
 
 def split_infer_body(

@@ -58,6 +58,7 @@ __all__ = [
     "family_runtime",
     "first_line",
     "load_runtime",
+    "torchscript_reason",
 ]
 
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
@@ -86,6 +87,8 @@ ONNX_DATATYPES: Mapping[str, str] = {
 }
 _ZIP_MAGIC = b"PK\x03\x04"
 _BATCH_ADVICE = "heteroplane batches along the first dimension; export with a dynamic batch axis"
+# The first line of every error the TorchScript interpreter raises; the reason is at its end.
+_TORCHSCRIPT_FAILED = "The following operation failed in the TorchScript interpreter."
 
 
 class ModelLoadError(Exception):
@@ -146,9 +149,9 @@ def load_runtime(
     ``None``) on ``device`` (``cpu`` or ``cuda``) and check it is servable.
 
     ``inputs`` gives a TorchScript model's input signature (it wins over the archive's
-    :data:`SIGNATURE_FILE`; ONNX models carry theirs and ignore it). ``threads`` caps the
-    intra-op threads (onnxruntime's session; torch's process-wide setting). Raises
-    :class:`ModelLoadError` with a one-line reason.
+    :data:`SIGNATURE_FILE`; an ONNX model carries its own: given for one, it is refused).
+    ``threads`` caps the intra-op threads (onnxruntime's session; torch's process-wide setting).
+    Raises :class:`ModelLoadError` with a one-line reason.
     """
     if format is None:
         format = detect_format(path)
@@ -160,6 +163,11 @@ def load_runtime(
         raise ModelLoadError(f"no model file at {path}")
     runtime: ModelRuntime
     if format == "onnx":
+        if inputs:
+            raise ModelLoadError(
+                "an ONNX model's inputs come from its graph: give inputs (--inputs) only for a"
+                " TorchScript model"
+            )
         runtime = _OnnxRuntime(Path(path), device, threads)
     else:
         runtime = _TorchScriptRuntime(Path(path), device, inputs, threads)
@@ -174,9 +182,38 @@ def family_runtime(model: Any) -> ModelRuntime:
 
 
 def first_line(error: BaseException) -> str:
-    """An error's first line (its type's name when it says nothing): a one-line reason."""
+    """An error's first line (its type's name when it says nothing): a one-line reason. A
+    TorchScript error's first line says only that the interpreter failed: its reason is the
+    error its traceback ends with (:func:`torchscript_reason`)."""
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    if not text:
+        return type(error).__name__
+    lines = text.splitlines()
+    if lines[0].strip() == _TORCHSCRIPT_FAILED:
+        reason = torchscript_reason(lines)
+        if reason:
+            return reason
+    return lines[0]
+
+
+def torchscript_reason(lines: Sequence[str]) -> str | None:
+    """The error a TorchScript interpreter's traceback (``lines``) ends with, on one line
+    (``RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x7 and 8x3)``; a ``raise`` in
+    the model's code as its type and message, without ``builtins.``): the lines after the last
+    ``<--- HERE`` marker from the first one that is not code (indented) on; None when there is
+    none.
+
+    >>> torchscript_reason([_TORCHSCRIPT_FAILED, "  File ...", "    raise ...", "    ~~~ <--- HERE",
+    ...     "    return x", "builtins.RuntimeError: too big", "for this model"])
+    'RuntimeError: too big for this model'
+    """
+    marks = [index for index, line in enumerate(lines) if line.rstrip().endswith("<--- HERE")]
+    rest = lines[marks[-1] + 1 if marks else 1 :]
+    for index, line in enumerate(rest):
+        if line.strip() and not line[0].isspace() and not line.startswith("Traceback of"):
+            reason = " ".join(" ".join(rest[index:]).split())
+            return reason.removeprefix("builtins.")
+    return None
 
 
 def _cast(inputs: Mapping[str, np.ndarray], specs: Sequence[TensorSpec]) -> list[np.ndarray]:
@@ -329,12 +366,29 @@ def _embedded_inputs(raw: bytes | str, path: Path) -> tuple[TensorSpec, ...]:
         )
     try:
         document = json.loads(raw)
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+        raise ModelLoadError(f"{path.name}: {SIGNATURE_FILE} is not JSON: {error}") from None
+    try:
+        if not isinstance(document, dict):
+            raise ValueError(
+                f'it must be a JSON object {{"inputs": [...]}}, not {_json_kind(document)}'
+            )
+        if "inputs" not in document:
+            raise ValueError('it has no \'inputs\' (a list of {"name", "datatype", "shape"})')
         entries = document["inputs"]
         if not isinstance(entries, list) or not entries:
             raise ValueError("'inputs' must be a non-empty list")
         return tuple(TensorSpec.from_json(entry) for entry in entries)
     except (ValueError, KeyError, TypeError, ArtifactError) as error:
         raise ModelLoadError(f"{path.name}: {SIGNATURE_FILE} is not usable: {error}") from None
+
+
+def _json_kind(value: object) -> str:
+    """What a decoded JSON value is, as JSON names it (``a list``, ``a string``, ...)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = ((list, "a list"), (str, "a string"), (int | float, "a number"), (type(None), "null"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
 
 
 def _named(outputs: tuple[TensorSpec, ...], raw: bytes | str, path: Path) -> tuple[TensorSpec, ...]:
@@ -371,7 +425,8 @@ def _forward_arguments(module: Any) -> list[str] | None:
         arguments = module.forward.schema.arguments
     except (AttributeError, RuntimeError):
         return None
-    return [argument.name for argument in arguments if argument.name != "self"]
+    # The schema's first argument is the module itself, whatever forward calls it (self, s).
+    return [argument.name for argument in arguments[1:]]
 
 
 def _probe_shape(spec: TensorSpec, size: int) -> tuple[int, ...]:

@@ -465,7 +465,7 @@ def test_a_batch_in_binary_tensors_reaches_the_model_as_its_values() -> None:
         (encoded + b"xyzw", str(header_length), "4 bytes no input claims"),
         (encoded, str(len(encoded) + 1), "not a size within the body"),
         (encoded, "seven", "not a size within the body"),
-        (bad_body, str(bad_length), "too large for FP32"),
+        (bad_body, str(bad_length), "a value is NaN: FP32 inputs must be finite"),
     ]:
         with pytest.raises(RequestError) as refused:
             worker.infer("tiny", body_bytes, length)

@@ -124,7 +124,7 @@ def with_features(entry: dict[str, Any], batch: int = 1) -> dict[str, Any]:
         (tensor("features", [1, 13], [[1, 2], [3]]), "must hold FP32 values"),
         (tensor("features", [1, 13], [True] * 13), "must be numbers"),
         (tensor("features", [1, 13], [1e39] * 13), "too large for FP32"),
-        (tensor("features", [1, 13], [0.0] * 12 + [float("nan")]), "too large for FP32"),
+        (tensor("features", [1, 13], [0.0] * 12 + [float("nan")]), "a value is NaN"),
         ({**tensor("features", [1, 13], [0] * 13), "extra": 1}, "unknown keys: extra"),
     ],
 )
@@ -294,3 +294,23 @@ def test_metadata_names_the_models_tensors() -> None:
         "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, 64]}],
         "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}],
     }
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        (float("nan"), "a value is NaN: FP32 inputs must be finite numbers"),
+        (float("inf"), "a value is infinite: FP32 inputs must be finite numbers"),
+        (float("-inf"), "a value is infinite"),
+    ],
+)
+def test_a_binary_nan_or_infinity_is_refused_as_such(value: float, fragment: str) -> None:
+    from provisioners.worker.oip import binary_request_body, split_infer_body, with_binary_inputs
+
+    features = np.zeros((1, 13), np.float32)
+    features[0, 4] = value
+    ids = np.zeros((1, 2), np.int64)
+    body, length = binary_request_body([("features", "FP32", features), ("ids", "INT64", ids)])
+    document, binary = split_infer_body(body, str(length))
+    error = refusal(with_binary_inputs(document, binary, TABULAR))
+    assert error.status == 400 and f"input 'features': {fragment}" in str(error)

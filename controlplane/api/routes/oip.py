@@ -7,7 +7,8 @@
   "heteroplane", "inputs", "outputs"}``, the app's first model's inputs (a cascade's models share
   them) and its last model's outputs.
 - ``GET /v2/models/{app}/ready`` (infer): 200 ``{"name", "ready": true}`` when a query would be
-  served now, 503 with the reason when no healthy worker serves a model of the app's gear.
+  served now, 503 with the reason when no healthy worker serves a model of the app's gear (or
+  its registered models have no latency profiles yet: the metadata is the registry's then).
 - ``POST /v2/models/{app}/infer`` (infer): an Open Inference Protocol request checked against
   the app's input signature (:func:`provisioners.worker.oip.parse_infer_request`: a mismatch is
   a 400 naming the input, its datatype or its shape), its rows (the batch dimension, at most
@@ -43,6 +44,7 @@ document: the protocol is documented by KServe
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import math
@@ -66,8 +68,10 @@ from controlplane.api.routes.infer import received_s
 from controlplane.api.schemas import MAX_INFER_SAMPLES
 from controlplane.errors import NotFoundError, ServingUnavailableError
 from controlplane.serving.dispatcher import InferResult
-from controlplane.serving.loop import ServingLoop
+from controlplane.serving.loop import ServingLoop, model_io
 from controlplane.serving.modelio import ModelIOError, app_signature, stack_outputs
+from controlplane.spec import UnprofiledModelError
+from estimator.errors import EstimatorError
 from provisioners.artifacts import ArtifactError, ModelSignature, numpy_dtype
 from provisioners.worker.oip import (
     HEADER_LENGTH,
@@ -90,11 +94,13 @@ __all__ = [
     "parse_query",
     "raw_bytes",
     "reads_own_body",
+    "registered_signature",
     "result_parameters",
     "router",
     "serve_query",
     "serving_of",
     "signature_of",
+    "unserved",
 ]
 
 # The inference routes (body_limit): with and without a version.
@@ -202,8 +208,34 @@ def _version(version: str) -> None:
 
 
 async def signature_of(serving: ServingLoop, app: str, received: float | None) -> ModelSignature:
-    config = (await serving.dispatcher_for(app, received)).config
+    """The app's signature on ``/v2``: its dispatcher's; for an app of registered models not
+    profiled yet, which has no dispatcher (nothing to plan or serve with), its registry
+    models' (:func:`registered_signature`)."""
+    try:
+        config = (await serving.dispatcher_for(app, received)).config
+    except UnprofiledModelError:
+        return await asyncio.to_thread(registered_signature, serving, app)
     return app_signature([config.model_io(m) for m in config.models])
+
+
+def registered_signature(serving: ServingLoop, app: str) -> ModelSignature:
+    """The signature of ``app``'s models as its spec resolves them, without their profiles
+    (blocking): what the registry says of its artifacts."""
+    record = serving.store.get_app(app)
+    try:
+        resolved = serving.resolver.resolve(record.spec, check_budget=False)
+        return app_signature([model_io(resolved, m) for m in resolved.spec.serving_order])
+    except (EstimatorError, ValueError) as error:
+        raise ServingUnavailableError(app, f"its spec does not resolve: {error}") from None
+
+
+async def unserved(serving: ServingLoop, app: str) -> str | None:
+    """Why ``app`` cannot serve a query now (:meth:`ServingLoop.unserved`), or None when it
+    can; an app of registered models not profiled yet is not ready, and says why (what to run)."""
+    try:
+        return await serving.unserved(app)
+    except UnprofiledModelError as error:
+        return str(error)
 
 
 @router.get("/models/{app}")
@@ -222,8 +254,7 @@ async def metadata_of_version(
 
 @router.get("/models/{app}/ready")
 async def model_ready(app: AppName, services: ServicesDep, _who: Inferrer) -> dict[str, Any]:
-    serving = serving_of(services, app)
-    reason = await serving.unserved(app)
+    reason = await unserved(serving_of(services, app), app)
     if reason is not None:
         raise OipError(reason, 503)
     return {"name": app, "ready": True}
