@@ -381,8 +381,8 @@ class TunerConfig:
     boot_s: Mapping[str, float]
     scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S
     recent_s: float = DEFAULT_RECENT_S
-    # The spec's max_counts: at most this many instances of a type per stage (as the planner
-    # caps each stage); a type left out is bounded by the budget alone.
+    # The spec's max_counts: at most this many instances of a type in the app, over all its
+    # stages (as the planner caps the pipeline); a type left out is bounded by the budget alone.
     max_counts: Mapping[str, int] = field(default_factory=dict)
     # A burst shorter than this is noise unless it recurs within ``recent_s``
     # (:func:`estimator.envelope.recurring_envelope`; the replay and the live tuner use
@@ -642,10 +642,12 @@ def _cost_effectiveness(plan: TunerStage, prices: Mapping[str, float], name: str
     return math.inf if price == 0.0 else plan.rate_per_instance_qps[name] / price
 
 
-def _room(config: TunerConfig, fleet: Mapping[str, int], name: str) -> int:
-    """How many more instances of ``name`` the stage's ``fleet`` may take under the caps."""
-    cap = config.max_counts.get(name)
-    return _UNCAPPED if cap is None else max(0, cap - fleet.get(name, 0))
+def _room(tick: _Tick, stage: str, fleet: Mapping[str, int], name: str) -> int:
+    """How many more instances of ``name`` the stage ``stage`` (its fleet ``fleet``, or a trial
+    of it) may take under the caps, which bound the app's instances of a type over all its
+    stages, as the planner's do."""
+    cap = tick.config.max_counts.get(name)
+    return _UNCAPPED if cap is None else max(0, cap - fleet.get(name, 0) - tick.others(stage, name))
 
 
 _UNCAPPED = 2**31 - 1
@@ -671,6 +673,17 @@ class _Tick:
     booting: list[Booting]
     cost_usd_per_hr: float
     decisions: list[ScalingDecision] = field(default_factory=list)
+
+    def others(self, stage: str, name: str) -> int:
+        """The instances of ``name`` the app's stages other than ``stage`` run (booting too)."""
+        return sum(fleet.get(name, 0) for other, fleet in self.fleets.items() if other != stage)
+
+    def caps(self, stage: str) -> dict[str, int]:
+        """The spec's caps as they bound ``stage`` now: less what the other stages run."""
+        return {
+            name: max(0, cap - self.others(stage, name))
+            for name, cap in self.config.max_counts.items()
+        }
 
     def launch(self, plan: TunerStage, name: str, count: int, reason: str) -> None:
         stage = self.fleets[plan.name]
@@ -719,7 +732,7 @@ def _scale_up(
         left = config.budget_usd_per_hr - tick.cost_usd_per_hr + _COST_SLACK_USD_PER_HR
         price = prices[name]
         affordable = wanted if price == 0.0 else min(wanted, max(0, math.floor(left / price)))
-        affordable = min(affordable, _room(config, fleet, name))
+        affordable = min(affordable, _room(tick, plan.name, fleet, name))
         if affordable <= 0:
             continue
         before = capacity
@@ -861,7 +874,7 @@ def _scale_up_marginal(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
             trial,
             capacity,
             prices,
-            lambda t: prices[t] <= left and _room(config, trial, t) > 0,  # noqa: B023
+            lambda t: prices[t] <= left and _room(tick, plan.name, trial, t) > 0,  # noqa: B023
         )
         if found is None:
             break
@@ -1055,7 +1068,7 @@ def _scale_up_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: str)
     the budget), :func:`_scale_up` buys the most capacity per USD/hr and says what is capped."""
     config, prices = tick.config, tick.config.prices_usd_per_hr
     fleet = tick.fleets[plan.name]
-    target = ladder_fleet(plan, needed_qps, prices, config.budget_usd_per_hr, config.max_counts)
+    target = ladder_fleet(plan, needed_qps, prices, config.budget_usd_per_hr, tick.caps(plan.name))
     if target is not None:
         before = plan.capacity_qps(fleet)
         for name in sorted(target, key=lambda t: (-prices[t], t)):
@@ -1091,7 +1104,7 @@ def _scale_down_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
     changed."""
     config, prices = tick.config, tick.config.prices_usd_per_hr
     fleet = tick.fleets[plan.name]
-    target = ladder_fleet(plan, needed_qps, prices, config.budget_usd_per_hr, config.max_counts)
+    target = ladder_fleet(plan, needed_qps, prices, config.budget_usd_per_hr, tick.caps(plan.name))
     if target is None:
         return _scale_down(tick, plan, needed_qps, why)
     lacking = {t: n - fleet.get(t, 0) for t, n in target.items() if n > fleet.get(t, 0)}

@@ -73,7 +73,7 @@ def test_a_step_above_the_envelope_scales_up_to_k() -> None:
         assert text in reason, reason
 
 
-def test_the_specs_max_counts_cap_a_scale_up_per_stage_and_type() -> None:
+def test_the_specs_max_counts_cap_a_scale_up_per_type() -> None:
     # The step above wants 5 x g (k 5); a cap of 4 stops it at 4, and the shortfall is said.
     plan = one_type_stage()
     cfg = dataclasses.replace(config(), max_counts={"g": 4})
@@ -87,6 +87,22 @@ def test_the_specs_max_counts_cap_a_scale_up_per_stage_and_type() -> None:
     assert not [d for d in decisions if d.action == "scale_up"]
     with pytest.raises(WorkloadError, match="max count"):
         dataclasses.replace(config(), max_counts={"g": -1})
+
+
+def test_the_caps_bound_a_type_over_all_the_stages_of_the_app() -> None:
+    """A cap holds for the app's instances of a type summed over its stages, as the planner's:
+    two stages of 3 x g each under a cap of 7 take one more g between them, whatever both want
+    (a tester's demo ran 9 of a type capped at 6, each stage within it)."""
+    first = TunerStage("small", 0.5, {"g": 3}, {"g": 32.0}, 0.8)
+    second = TunerStage("large", 0.5, {"g": 3}, {"g": 32.0}, 0.8)
+    cfg = dataclasses.replace(config(), max_counts={"g": 7})
+    state = initial_state([first, second], now_s=0.0)
+    decisions, after = tune(steady(256, 90.0, 100.0), 100.0, state, [first, second], cfg)
+    assert after.fleets["small"]["g"] + after.fleets["large"]["g"] == 7
+    assert sum(d.count for d in decisions if d.action == "scale_up") == 1
+    decisions, again = tune(steady(1024, 190.0, 200.0), 200.0, after, [first, second], cfg)
+    assert again.fleets["small"]["g"] + again.fleets["large"]["g"] == 7
+    assert not [d for d in decisions if d.action == "scale_up"]
 
 
 def test_r_max_is_the_largest_rate_of_the_exceeding_windows() -> None:
