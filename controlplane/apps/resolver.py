@@ -57,6 +57,7 @@ from controlplane.spec import (
     ResolvedApp,
     ResolvedArtifact,
     SpecError,
+    SpecMissingProfileError,
     anchor_paths,
     confine_paths,
     resolve_spec,
@@ -448,7 +449,11 @@ def _without_file_content(error: SpecError, spec: AppSpec) -> SpecError:
     """``error`` as is, unless it is about the content of a file the spec names: then a message
     that says which file and what it should be, and nothing of what it holds."""
     found = _FILE_FIELD.match(error.field)
-    if found is None or error.problem.startswith("no such file"):
+    if (
+        found is None
+        or error.problem.startswith("no such file")
+        or isinstance(error, SpecMissingProfileError)  # names only what the spec names
+    ):
         return error
     if found.group(2) is not None:
         path = str(spec.models[int(found.group(2))].profiles)

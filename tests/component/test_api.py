@@ -287,6 +287,16 @@ def test_a_binary_profile_file_is_a_422(api: Api) -> None:
     assert error["field"] == "models[0].profiles"
 
 
+def test_a_candidate_type_the_profiles_lack_is_named(api: Api) -> None:
+    """The profile file reads; it has no samples for one of the spec's types: the error says
+    which (names the spec gave), not that the file cannot be read."""
+    document = {**spec(), "instance_types": ["g4dn.xlarge", "c5.xlarge"]}
+    error = assert_error(api.call("POST", "/v1/apps", json=document), 422, "invalid_spec")
+    assert error["field"] == "models[0].profiles"
+    assert "missing profile for candidate type 'c5.xlarge' of model 'm'" in error["message"]
+    assert "cannot be read" not in error["message"]
+
+
 @pytest.mark.parametrize("field", ["catalog", "profiles"])
 def test_a_spec_error_never_shows_what_a_server_file_holds(api: Api, field: str) -> None:
     secret = api.data_dir / "secret.txt"
