@@ -31,7 +31,7 @@ from controlplane.policies.drain import (
 from controlplane.policies.lifecycle import LIVE_STATES
 from estimator.errors import EstimatorError
 
-__all__ = ["BudgetChange", "change_budget", "live_instances"]
+__all__ = ["BudgetChange", "change_budget", "check_serving_floor", "live_instances"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,39 @@ def _planned_stages(store: Store, app: str) -> dict[str, dict[str, int]]:
     return {stage.name: dict(stage.fleet) for stage in stages}
 
 
+def check_serving_floor(
+    store: Store, resolver: AppResolver, app: str, usd_per_hr: float, *, force: bool = False
+) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
+    """Refuse a budget of ``usd_per_hr`` below ``app``'s smallest serving fleet (one instance of
+    the cheapest planned type on every stage of its applied plan) unless ``force``; the planned
+    stages and each type's value (qps per USD/hr, empty when the profiles do not resolve), which
+    a drain ranks by.
+
+    Raises:
+        NotFoundError: no such app.
+        BudgetBelowServingFleetError: below the smallest serving fleet, not forced.
+    """
+    record = store.get_app(app)
+    live = live_instances(store, app)
+    # The catalog's prices; the recorded ones stand in for a spec that does not resolve.
+    prices = {i.instance_type: i.price_usd_per_hr for i in live}
+    try:
+        resolved = resolver.resolve(record.spec, check_budget=False)
+        prices.update(resolved.prices_usd_per_hr)
+        values = qps_by_type(resolved, smallest_common_batch_size(resolved))
+    except EstimatorError as error:
+        # Without the profiles, instances rank by price alone.
+        logger.warning("app %s: cannot rank instances by value: %s", app, error)
+        values = {}
+    stages = _planned_stages(store, app)
+    floor = serving_floor(stages, prices)
+    # The same tolerance as the drain's: 0.1 + 0.2 is a floor of 0.3.
+    below = usd_per_hr < floor.cost_usd_per_hr - 1e-9
+    if below and not force:
+        raise BudgetBelowServingFleetError(app, usd_per_hr, floor.cost_usd_per_hr, floor.describe())
+    return stages, values
+
+
 def change_budget(
     store: Store,
     resolver: AppResolver,
@@ -87,24 +120,7 @@ def change_budget(
         BudgetBelowServingFleetError: below the smallest serving fleet, not forced.
         InvalidValueError: a budget the store refuses.
     """
-    record = store.get_app(app)
-    live = live_instances(store, app)
-    # The catalog's prices; the recorded ones stand in for a spec that does not resolve.
-    prices = {i.instance_type: i.price_usd_per_hr for i in live}
-    try:
-        resolved = resolver.resolve(record.spec, check_budget=False)
-        prices.update(resolved.prices_usd_per_hr)
-        values = qps_by_type(resolved, smallest_common_batch_size(resolved))
-    except EstimatorError as error:
-        # Without the profiles, instances rank by price alone.
-        logger.warning("app %s: cannot rank instances by value: %s", app, error)
-        values = {}
-    stages = _planned_stages(store, app)
-    floor = serving_floor(stages, prices)
-    # The same tolerance as the drain's: 0.1 + 0.2 is a floor of 0.3.
-    below = usd_per_hr < floor.cost_usd_per_hr - 1e-9
-    if below and not force:
-        raise BudgetBelowServingFleetError(app, usd_per_hr, floor.cost_usd_per_hr, floor.describe())
+    stages, values = check_serving_floor(store, resolver, app, usd_per_hr, force=force)
     change = store.change_budget(app, usd_per_hr, reason=reason, who=who)
     crash_point("budget.after_change")
     live = live_instances(store, app)

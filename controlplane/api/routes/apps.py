@@ -25,7 +25,7 @@ from controlplane.api.deps import Admin, Operator, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
 from controlplane.api.routes import AppName, errors
 from controlplane.api.schemas import AppOut, InstanceOut, TeardownOut
-from controlplane.apps.budget import change_budget
+from controlplane.apps.budget import check_serving_floor
 from controlplane.apps.profile_run import DEFAULT_SAMPLES, ProfileRunRequest, run_profile
 from controlplane.apps.profiler import (
     DEFAULT_BATCH_SIZES,
@@ -108,13 +108,11 @@ def replace_app(
                 f" docs/rollouts.md), or take the app down first (heteroplane app down {app})",
             )
     budget = replaced.get("budget_usd_per_hr")
-    if isinstance(budget, int | float) and budget != current.budget_usd_per_hr:
-        # A new budget in the spec is a budget change like PUT .../budget's (not forced): below
-        # the smallest serving fleet a 409, else the same drain plan and decision.
+    if isinstance(budget, int | float) and budget < current.budget_usd_per_hr:
+        # A lower budget in the spec is held to PUT .../budget's rule (not forced): below the
+        # smallest serving fleet a 409; the reconciler drains what is over it, as after that.
         try:
-            made = change_budget(
-                services.store, services.resolver, app, float(budget), "spec updated", who.name
-            )
+            check_serving_floor(services.store, services.resolver, app, float(budget))
         except BudgetBelowServingFleetError as error:
             raise ApiError(
                 409,
@@ -122,8 +120,6 @@ def replace_app(
                 f"{str(error).split('; send')[0]}: set it with heteroplane budget set --app"
                 f" {app} --usd-per-hr {budget:g} --force to drain it anyway, then apply the spec",
             ) from None
-        if services.budget_changed is not None and made.drain.drain:
-            services.budget_changed(app)
     record = services.store.update_app(app, replaced, who=who.name)
     return app_out(record)
 
