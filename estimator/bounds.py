@@ -702,10 +702,11 @@ def _caps(q: KairosQuantities, budget: float, max_counts: Mapping[str, int] | No
     for i, t in enumerate(q.types):
         limit = limits.get(t.instance_type)
         if t.price_usd_per_hr > 0:
-            # Capped so that an absurd budget cannot overflow int64 (the ranking's own size
-            # limits refuse such a space with a clear error later).
-            affordable = min(
-                math.floor((budget + _tolerance(budget)) / t.price_usd_per_hr), _MAX_COUNT
+            # Capped before the floor, so that an absurd budget (1e308, whose quotient is inf)
+            # cannot overflow int64 (the ranking's own size limits refuse such a space with a
+            # clear error later).
+            affordable = math.floor(
+                min((budget + _tolerance(budget)) / t.price_usd_per_hr, float(_MAX_COUNT))
             )
             caps[i] = affordable if limit is None else min(affordable, int(limit))
         elif limit is None:
@@ -871,7 +872,8 @@ class _Search:
             price = float(self.t.prices[column])
             cap = int(self.caps[column])
             if price > 0:
-                room = np.floor((self.room_limit - block.spent) / price)
+                with np.errstate(over="ignore"):  # inf for an absurd budget: cap bounds it
+                    room = np.floor((self.room_limit - block.spent) / price)
                 n_max = np.minimum(cap, room).astype(np.int64)
             else:
                 n_max = np.full(block.size, cap, dtype=np.int64)

@@ -27,6 +27,9 @@ from estimator.traces import Trace
 from matching import registry
 
 TARGET_ATTAINMENT = 0.99
+# The most queries one probe may simulate (50 times the command line's default): more is a typo
+# that would allocate gigabytes per probe and simulate for hours.
+MAX_PROBE_QUERIES = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from estimator.batches import MAX_BATCH_SIZE
 from estimator.errors import (
     BatchSizeOutOfRangeError,
     MissingProfileError,
@@ -53,12 +54,21 @@ class LatencyProfile:
     _mean_ms: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        sizes = np.ascontiguousarray(self.batch_sizes, dtype=np.int64)
         where = f"profile of {self.model!r} on {self.instance_type!r}"
+        try:
+            sizes = np.ascontiguousarray(self.batch_sizes, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):
+            raise ProfileError(
+                f"{where}: batch sizes must be whole numbers in 1..{MAX_BATCH_SIZE:,}"
+            ) from None
         if sizes.ndim != 1 or sizes.size == 0:
             raise ProfileError(f"{where} has no batch sizes")
         if sizes[0] < 1 or np.any(np.diff(sizes) <= 0):
             raise ProfileError(f"{where}: batch sizes must be >= 1 and strictly increasing")
+        if sizes[-1] > MAX_BATCH_SIZE:
+            raise ProfileError(
+                f"{where}: batch size {int(sizes[-1])} is past the largest, {MAX_BATCH_SIZE:,}"
+            )
         if len(self.samples_ms) != sizes.size:
             raise ProfileError(f"{where}: one sample list per batch size is needed")
         cells = []
@@ -518,6 +528,13 @@ def _group_kairos_columns(columns: _KairosColumns, where: str, drop_largest: boo
     if bad.size:
         line = int(bad[0]) + 2
         raise ProfileError(f"{where}: line {line} needs batch_size >= 1 and latencies >= 0")
+    bad = np.flatnonzero(batch > MAX_BATCH_SIZE)
+    if bad.size:
+        line = int(bad[0]) + 2
+        raise ProfileError(
+            f"{where}: line {line}: batch_size {int(batch[bad[0]])} is past the largest,"
+            f" {MAX_BATCH_SIZE:,}"
+        )
 
     # Rows in (model, type, batch) order, then each cell's samples by latency: a stable sort
     # (ties keep the file's order). The codes sort as the names do. A file written cell by cell
@@ -588,6 +605,11 @@ def profiles_from_document(document: Any, where: str) -> ProfileSet:
             raise ProfileError(f"{label}: batch_sizes and latency_ms must be lists of equal length")
         if not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
             raise ProfileError(f"{label}: batch_sizes must be whole numbers")
+        too_large = [size for size in sizes if size > MAX_BATCH_SIZE]
+        if too_large:
+            raise ProfileError(
+                f"{label}: batch_sizes must be at most {MAX_BATCH_SIZE:,}, got {too_large[0]}"
+            )
         try:
             samples = tuple(
                 np.array(cell if isinstance(cell, list) else [cell], dtype=np.float64)

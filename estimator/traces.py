@@ -337,16 +337,27 @@ def trace_stats(trace: Trace) -> TraceStats:
     coefficient of variation of the inter-arrival times, CV_A^2 = sigma^2 / mu^2 (InferLine,
     "Random and Unpredictable Workloads"; population variance; 0 with fewer than two gaps or a
     zero mean gap). Poisson arrivals have cv2 = 1; burstier processes have more.
+
+    Raises:
+        TraceError: a span so short (a few subnormal seconds) that the rate is past the largest
+            float.
     """
     count = len(trace)
     duration_s = trace.duration_s
     rate_qps = (count - 1) / duration_s if duration_s > 0.0 else 0.0
+    if not math.isfinite(rate_qps):
+        raise TraceError(
+            f"arrival_s spans {duration_s!r} s over {count} rows: too short for a finite rate"
+        )
     cv2 = 0.0
     if count >= 3:
         gaps_s = np.diff(trace.arrival_s)
-        mean_gap_s = float(gaps_s.mean())
+        # The mean gap from the span, not a sum of the gaps (which may pass the largest float);
+        # the variance of the gaps in units of it, not sigma^2 / mu^2, whose square overflows
+        # (gaps of 1e200 s) or underflows to 0 (gaps of 1e-200 s).
+        mean_gap_s = duration_s / (count - 1)
         if mean_gap_s > 0.0:
-            cv2 = float(gaps_s.var()) / mean_gap_s**2
+            cv2 = float((gaps_s / mean_gap_s).var())
     return TraceStats(
         count=count,
         duration_s=duration_s,

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.cli.common import load_inputs
+from controlplane.cli.common import at_most, check_seed, load_inputs
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.parsers import EMPIRICAL_DRAWS, EMPIRICAL_SEED
 from estimator import deadline
@@ -27,7 +27,7 @@ from estimator.bounds import (
     rank_configurations,
     similarity_pick,
 )
-from estimator.capacity import Workload, fleet_capacity
+from estimator.capacity import MAX_PROBE_QUERIES, Workload, fleet_capacity
 from estimator.errors import FleetError, UnknownInstanceTypeError
 from estimator.fleet import Fleet
 from estimator.profiles import ProfileSet
@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--top must be >= 1, got {args.top}")
     if not (math.isfinite(args.deadline_s) and args.deadline_s > 0):
         raise UsageError(f"--deadline-s must be a number of seconds > 0, got {args.deadline_s}")
+    check_seed(args.seed)
     # A huge budget gives the ranking more mixes than any machine could list: the search stops
     # at the deadline with a one-line reason (estimator.deadline), in bounded memory.
     with deadline.limit(args.deadline_s):
@@ -117,6 +118,7 @@ def _kairos_plus(
     """Kairos+ over every affordable configuration, the simulator as the evaluator."""
     if args.queries < 100:
         raise UsageError(f"--queries must be >= 100, got {args.queries}")
+    at_most("--queries", args.queries, MAX_PROBE_QUERIES)
     ranking = rank_configurations(quantities, args.budget, max_counts, rule=args.rule)
     rng = np.random.default_rng(args.seed)
     sizes = parse_batch_distribution(args.batch_dist).sample(args.queries, rng)

@@ -11,16 +11,26 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.cli.common import load_inputs, parse_fleet, positive
+from controlplane.cli.common import (
+    at_most,
+    check_drs_threshold,
+    check_seed,
+    load_inputs,
+    parse_fleet,
+    positive,
+)
 from controlplane.cli.output import emit, progress
 from estimator.batches import parse_batch_distribution
-from estimator.capacity import Workload, fleet_capacity
+from estimator.capacity import MAX_PROBE_QUERIES, Workload, fleet_capacity
 from estimator.policies import full_range_types
 
 
 def run(args: argparse.Namespace) -> int:
     positive("--qos-ms", args.qos_ms)
     positive("--queries", args.queries)
+    at_most("--queries", args.queries, MAX_PROBE_QUERIES)
+    check_drs_threshold(args.drs_threshold)
+    check_seed(args.seed)
     profiles, catalog = load_inputs(args)
     fleet = parse_fleet(args.fleet, catalog)
     model_profiles = {name: profiles.get_profile(args.model, name) for name in fleet}

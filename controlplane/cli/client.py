@@ -75,7 +75,11 @@ class ApiClient:
     request; :meth:`close`, or a ``with`` block, closes its connections)."""
 
     def __init__(self, url: str, token: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        parsed = urllib.parse.urlsplit(url)
+        try:
+            parsed = urllib.parse.urlsplit(url)
+            parsed.port  # noqa: B018 (read for its check: a port that is not a number)
+        except ValueError as error:  # "Invalid IPv6 URL", "Port out of range 0-65535"
+            raise UsageError(f"--url {url!r} is not a URL: {error}") from None
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise UsageError(f"--url must be an http:// or https:// URL, got {url!r}")
         if not timeout_s > 0:
@@ -210,7 +214,10 @@ def client_from(args: argparse.Namespace) -> ApiClient:
 
 
 def app_path(app: str, *parts: str) -> str:
-    """``/v1/apps/{app}/...`` with the name quoted (the server refuses odd names with a 422)."""
+    """``/v1/apps/{app}/...`` with the name quoted (the server refuses odd names with a 422;
+    an empty one, which would name the list of apps, is refused here)."""
+    if not app:
+        raise UsageError("an app's name must not be empty")
     quoted = urllib.parse.quote(app, safe="")
     return "/".join([f"/v1/apps/{quoted}", *parts]) if parts else f"/v1/apps/{quoted}"
 

@@ -8,7 +8,7 @@ import argparse
 import numpy as np
 
 from controlplane.cli.output import UsageError
-from estimator.batches import parse_batch_distribution
+from estimator.batches import MAX_BATCH_SIZE, parse_batch_distribution
 from estimator.catalog import Catalog, load_catalog
 from estimator.fleet import Fleet
 from estimator.profiles import ProfileSet, load_profiles
@@ -53,3 +53,23 @@ def parse_fleet(text: str, catalog: Catalog) -> Fleet:
 def positive(name: str, value: float | None) -> None:
     if value is not None and not value > 0:
         raise UsageError(f"{name} must be > 0, got {value:g}")
+
+
+def at_most(name: str, value: int | None, largest: int) -> None:
+    """Refuse a count past ``largest`` (a typo that would allocate or run for ever)."""
+    if value is not None and value > largest:
+        raise UsageError(f"{name} must be at most {largest:,}, got {value}")
+
+
+def check_seed(seed: int | None) -> None:
+    """``--seed`` as numpy's generators take it: a whole number >= 0."""
+    if seed is not None and seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {seed}")
+
+
+def check_drs_threshold(threshold: int | None) -> None:
+    """``--drs-threshold``: a batch size, 0 (no auxiliaries) up to the largest batch size."""
+    if threshold is not None and not 0 <= threshold <= MAX_BATCH_SIZE:
+        raise UsageError(
+            f"--drs-threshold must be in 0..{MAX_BATCH_SIZE:,} (a batch size), got {threshold}"
+        )

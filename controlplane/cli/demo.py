@@ -19,6 +19,7 @@ from typing import Any
 
 from controlplane.api.errors import ApiError
 from controlplane.cli import demo_offline
+from controlplane.cli.common import check_seed
 from controlplane.cli.output import UsageError, progress
 from controlplane.cli.parsers import (
     DEMO_OFFLINE_DURATION_S,
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
             args.duration = DEMO_OFFLINE_DURATION_S
         if args.seed is None:
             args.seed = DEMO_OFFLINE_SEED
+        check_seed(args.seed)
         return demo_offline.run(args)
     stray = [
         flag

@@ -15,10 +15,13 @@ the spec's accuracy floor is checked against the held-out figure.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
+from controlplane.cli.common import check_seed
 from controlplane.cli.output import UsageError, emit, progress
+from controlplane.cli.parsers import MAX_GEAR_QPS, MAX_GEAR_RANGES
 from controlplane.policies.gears import CascadePlacement, GearPlan, plan_gears
 from controlplane.policies.replay import read_plan
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
@@ -72,10 +75,15 @@ def placement_from(args: argparse.Namespace, app: ResolvedApp) -> CascadePlaceme
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.ranges < 1:
-        raise UsageError(f"--ranges must be >= 1, got {args.ranges}")
-    if args.qps_max is not None and not args.qps_max > 0:
-        raise UsageError(f"--qps-max must be > 0, got {args.qps_max:g}")
+    if not 1 <= args.ranges <= MAX_GEAR_RANGES:
+        raise UsageError(f"--ranges must be in 1..{MAX_GEAR_RANGES:,}, got {args.ranges}")
+    if args.qps_max is not None and not (
+        math.isfinite(args.qps_max) and 0 < args.qps_max <= MAX_GEAR_QPS
+    ):
+        raise UsageError(
+            f"--qps-max must be a number in (0, {MAX_GEAR_QPS:,.0f}] qps, got {args.qps_max:g}"
+        )
+    check_seed(args.seed)
     grid = parse_grid(args.thresholds)
     app = load_app(args.spec, args.profiles)
     records = load_validation(args.validation)

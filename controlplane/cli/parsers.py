@@ -65,6 +65,9 @@ LOADGEN_PROGRESS_S = 5.0
 LOADGEN_MAX_IN_FLIGHT = 512
 MODEL_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 MODEL_FORMATS = ("onnx", "torchscript")
+MAX_BATCH_SIZE = 1_000_000
+MAX_PROBE_QUERIES = 1_000_000
+MIN_PLANNING_RATE_QPS = 1e-3
 
 # Each copy above and the name it copies, as ``module.NAME``.
 LIBRARY_COPIES: dict[str, object] = {
@@ -85,6 +88,9 @@ LIBRARY_COPIES: dict[str, object] = {
     "controlplane.clients.loadgen.DEFAULT_MAX_IN_FLIGHT": LOADGEN_MAX_IN_FLIGHT,
     "provisioners.artifacts.NAME_PATTERN": MODEL_NAME_PATTERN,
     "provisioners.artifacts.FORMATS": MODEL_FORMATS,
+    "estimator.batches.MAX_BATCH_SIZE": MAX_BATCH_SIZE,
+    "estimator.capacity.MAX_PROBE_QUERIES": MAX_PROBE_QUERIES,
+    "controlplane.api.routes.plans.MIN_RATE_QPS": MIN_PLANNING_RATE_QPS,
 }
 
 # --- the command line's own defaults and choices (some implementations import them from here) --
@@ -106,6 +112,12 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEMO_OFFLINE_PROFILES = Path("../shared/data/kairos_latency_samples.csv.gz")
 DEMO_OFFLINE_DURATION_S = 600.0
 DEMO_OFFLINE_SEED = 0
+# The most QPS ranges of a gear plan: each is a gear to choose and to switch between, a thousand
+# is past any use (planning 10**8 of them runs for minutes).
+MAX_GEAR_RANGES = 1_000
+# The highest --qps-max of a gear plan: a billion queries per second is past any fleet; more is a
+# typo (and 1e308 overflows the ranges' ends to inf).
+MAX_GEAR_QPS = 1e9
 
 
 class Parser(argparse.ArgumentParser):
@@ -464,14 +476,18 @@ def _simulate(subparsers: Subparsers) -> None:
         " min-cost matching)",
     )
     parser.add_argument(
-        "--drs-threshold", type=int, metavar="N", help="drs: largest batch size for auxiliaries"
+        "--drs-threshold",
+        type=int,
+        metavar="N",
+        help=f"drs: largest batch size for auxiliaries (0 to {MAX_BATCH_SIZE:,})",
     )
     parser.add_argument(
         "--max-batch",
         type=int,
         default=1,
         metavar="N",
-        help="queued queries an instance may take at once (default 1: each query runs alone)",
+        help="queued queries an instance may take at once (default 1: each query runs alone;"
+        f" at most {MAX_BATCH_SIZE:,})",
     )
     parser.add_argument(
         "--service",
@@ -506,13 +522,18 @@ def _capacity(subparsers: Subparsers) -> None:
         "--batch-dist", default="kairos", metavar="SPEC", help="batch sizes (default kairos)"
     )
     parser.add_argument(
-        "--queries", type=int, default=20_000, metavar="N", help="queries per probe (default 20000)"
+        "--queries",
+        type=int,
+        default=20_000,
+        metavar="N",
+        help=f"queries per probe (default 20000, at most {MAX_PROBE_QUERIES:,})",
     )
     parser.add_argument(
         "--drs-threshold",
         type=int,
         metavar="N",
-        help="drs: batch-size threshold (default: tuned by hill climbing, as DeepRecSys does)",
+        help=f"drs: batch-size threshold, 0 to {MAX_BATCH_SIZE:,} (default: tuned by hill"
+        " climbing, as DeepRecSys does)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -581,7 +602,8 @@ def _bounds(subparsers: Subparsers) -> None:
         type=int,
         default=20_000,
         metavar="N",
-        help="--kairos-plus: queries per simulated probe (default 20000)",
+        help=f"--kairos-plus: queries per simulated probe (default 20000, at most"
+        f" {MAX_PROBE_QUERIES:,})",
     )
     parser.add_argument("--seed", type=int, default=0, help="--kairos-plus: random seed")
     parser.add_argument(
@@ -656,7 +678,8 @@ def _replay(subparsers: Subparsers) -> None:
         type=Path,
         metavar="FILE",
         help="tuner: the trace its planned envelope comes from; peak, mean: the trace whose"
-        " arrivals, scaled to the rate, they plan on (default: the replayed trace's first 10%%)",
+        " arrivals, scaled to the rate, they plan on (default: the replayed trace's first 10%%);"
+        " at least two arrivals at different times",
     )
     parser.add_argument(
         "--tuner-model",
@@ -1080,14 +1103,15 @@ def _gears(subparsers: Subparsers) -> None:
         "--qps-max",
         type=float,
         metavar="R",
-        help="top of the planned QPS span (default: the fastest cascade's max)",
+        help=f"top of the planned QPS span, at most {MAX_GEAR_QPS:,.0f} qps (default: the fastest"
+        " cascade's max)",
     )
     parser.add_argument(
         "--ranges",
         type=int,
         default=GEAR_RANGES,
         metavar="N",
-        help="equal QPS ranges (default %(default)s)",
+        help=f"equal QPS ranges (default %(default)s, at most {MAX_GEAR_RANGES:,})",
     )
     parser.add_argument(
         "--thresholds",
@@ -1313,7 +1337,11 @@ def _plans(subparsers: Subparsers) -> None:
     )
     _app_option(preview)
     preview.add_argument(
-        "--rate-qps", required=True, type=float, metavar="R", help="arrival rate to plan for"
+        "--rate-qps",
+        required=True,
+        type=float,
+        metavar="R",
+        help=f"arrival rate to plan for (at least {MIN_PLANNING_RATE_QPS:g} qps)",
     )
     preview.add_argument(
         "--cv2", type=float, metavar="X", help="gamma gaps with this CV^2 (default: Poisson)"

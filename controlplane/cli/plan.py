@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from controlplane.cli.common import check_seed
 from controlplane.cli.output import emit, progress
 from controlplane.cli.pareto import run_pareto
 from controlplane.policies.plan import PlanDocument
@@ -20,6 +21,7 @@ from estimator.traces import read_trace_csv, trace_stats
 
 
 def run(args: argparse.Namespace) -> int:
+    check_seed(args.seed)
     if args.pareto:
         return run_pareto(args)
     spec = load_spec(args.spec)

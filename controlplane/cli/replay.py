@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from controlplane.cli.common import check_seed
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.policies import scaling
 from controlplane.policies.baselines import (
@@ -33,6 +34,7 @@ from controlplane.policies.baselines import (
 from controlplane.policies.capacity_curve import cascade_sizing, replay_sizing
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.replay import (
+    DEFAULT_PLANNING_SHARE,
     ScalingPolicy,
     check_plan,
     check_stages,
@@ -47,7 +49,7 @@ from controlplane.policies.spot_replay import (
 )
 from controlplane.spec import load_spec, resolve_spec
 from estimator.envelope import DEFAULT_PERSISTENCE_S
-from estimator.traces import read_trace_csv
+from estimator.traces import Trace, read_trace_csv
 
 
 def p99_text(p99_ms: float) -> str:
@@ -97,7 +99,27 @@ def check_options(args: argparse.Namespace, label: str) -> None:
         )
 
 
+def tuner_planning_trace(args: argparse.Namespace, trace: Trace, planning: Trace | None) -> Trace:
+    """The trace the tuner's sizing ladder is planned on: ``--planning-trace``, else the replayed
+    trace's leading share; one with no rate (fewer than two arrivals, or all at one time) is a
+    one-line error naming where it came from."""
+    chosen = leading_share(trace) if planning is None else planning
+    if len(chosen) < 2 or chosen.duration_s <= 0:
+        where = (
+            f"--planning-trace {args.planning_trace}"
+            if planning is not None
+            else f"the first {DEFAULT_PLANNING_SHARE:.0%} of {args.trace} (the default"
+            " --planning-trace)"
+        )
+        raise UsageError(
+            f"{where}: a planning trace needs at least two arrivals at different times for its"
+            f" rate, got {len(chosen)} over {chosen.duration_s:g} s"
+        )
+    return chosen
+
+
 def run(args: argparse.Namespace) -> int:
+    check_seed(args.seed)
     # Interruptions replay the plan's fleet as it is (docs/spot.md): the tuner off by default.
     by_default = args.interruptions_per_hour is not None and args.policy is None
     policy, label = scaling_policy("off" if by_default else args.tuner, args.policy)
@@ -138,13 +160,14 @@ def run(args: argparse.Namespace) -> int:
     )
     if policy == "tuner" and cascade and model == "curve":
         check_stages(plan, app)
+        ladder_trace = tuner_planning_trace(args, trace, planning)
         progress(ladder_note)
         # Each stage sized by its ladder: the planner's fleet of that stage for the whole
         # cascade at each load (docs/tuner.md, Cascades).
         ladders, sizing = cascade_sizing(
             app,
             plan,
-            leading_share(trace) if planning is None else planning,
+            ladder_trace,
             dispatch=args.dispatch,
             seed=args.seed,
             progress=progress,
@@ -160,11 +183,12 @@ def run(args: argparse.Namespace) -> int:
         sizing = {"tuner_persistence_s": DEFAULT_PERSISTENCE_S}
     elif policy == "tuner" and model == "curve":
         stage = check_plan(plan, app)
+        ladder_trace = tuner_planning_trace(args, trace, planning)
         progress(ladder_note)
         ladder, sizing = replay_sizing(
             app,
             stage,
-            leading_share(trace) if planning is None else planning,
+            ladder_trace,
             dispatch=args.dispatch or stage.policy,
             seed=args.seed,
             progress=progress,

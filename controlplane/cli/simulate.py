@@ -7,12 +7,16 @@ import argparse
 import numpy as np
 
 from controlplane.cli.common import (
+    at_most,
+    check_drs_threshold,
+    check_seed,
     load_inputs,
     load_workload,
     parse_fleet,
     positive,
 )
 from controlplane.cli.output import UsageError, emit
+from estimator.batches import MAX_BATCH_SIZE
 from estimator.policies import full_range_types, policy_factory
 from estimator.simulator import InstanceSpec, Stage, simulate
 
@@ -22,6 +26,10 @@ def run(args: argparse.Namespace) -> int:
     positive("--qps", args.qps)
     positive("--duration", args.duration)
     positive("--max-batch", args.max_batch)
+    # A batch of more queries than the largest batch size holds is no batch a profile has.
+    at_most("--max-batch", args.max_batch, MAX_BATCH_SIZE)
+    check_drs_threshold(args.drs_threshold)
+    check_seed(args.seed)
     profiles, catalog = load_inputs(args)
     fleet = parse_fleet(args.fleet, catalog)
     model_profiles = {name: profiles.get_profile(args.model, name) for name in fleet}

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from controlplane.cli import output
+from controlplane.cli.common import check_seed
 from estimator.batches import parse_batch_distribution
 from estimator.errors import WorkloadError
 from estimator.traces import (
@@ -121,8 +122,7 @@ def generate_trace(args: argparse.Namespace) -> int:
     """``trace generate``: build the workload, write the CSV, print its statistics."""
     profile, cv2 = _profile(args)
     batches = parse_batch_distribution(args.batch_dist)
-    if args.seed < 0:
-        raise output.UsageError(f"--seed must be >= 0, got {args.seed}")
+    check_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     arrival_s = renewal_arrivals(profile, args.duration, cv2, rng)
     if arrival_s.size == 0:

@@ -22,7 +22,7 @@ from controlplane.apps.plans import PlanRequest, PlanRequestError, TraceRequest
 from controlplane.db.store import PlanRecord
 from controlplane.provisioning import provider_spot_prices
 
-__all__ = ["plan_request", "router"]
+__all__ = ["MIN_RATE_QPS", "plan_request", "router"]
 
 router = APIRouter(prefix="/v1", tags=["plans"])
 
@@ -43,8 +43,27 @@ def plan_out(record: PlanRecord) -> PlanOut:
     )
 
 
+# The slowest arrival rate a planning trace may have (the schema's bound is only > 0): a trace of
+# DEFAULT_TRACE_QUERIES then spans two months, and one at 1e-300 qps spans more seconds than a
+# float holds.
+MIN_RATE_QPS = 1e-3
+
+
 def plan_request(body: PlanIn) -> PlanRequest:
-    """The use case's request from the API's body (validated by its schema)."""
+    """The use case's request from the API's body (validated by its schema).
+
+    Raises:
+        ApiError: 422 for a rate below :data:`MIN_RATE_QPS`, naming its field.
+    """
+    rate, field = (
+        (body.trace.rate_qps, "trace.rate_qps")
+        if body.trace is not None
+        else (body.rate_qps, "rate_qps")
+    )
+    if rate is not None and rate < MIN_RATE_QPS:
+        raise ApiError(
+            422, "invalid_request", f"{field}: must be >= {MIN_RATE_QPS:g} qps, got {rate:g}", field
+        )
     trace = None
     if body.trace is not None:
         trace = TraceRequest(

@@ -1,0 +1,305 @@
+"""Bad options and files on the command line: one line on stderr and exit status 2, never a
+traceback (a negative --seed, absurd counts and bounds, a planning trace of one arrival, an
+empty app name, a --url that is not one)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from controlplane.cli import main
+from tests.component.test_api import write_profiles
+from tests.unit.test_cli_simulate import write_profile_csv
+from tests.unit.test_gears import PLACEMENT
+from tests.unit.test_gears import _app as gears_app
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    return captured.err.strip()
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _simulate(tmp_path: Path, *extra: str) -> list[str]:
+    profiles = write_profile_csv(tmp_path / "p.csv")
+    return [
+        "simulate",
+        "--profiles",
+        str(profiles),
+        "--model",
+        "m",
+        "--fleet",
+        "g4dn.xlarge=1,r5n.large=2",
+        "--qps",
+        "20",
+        "--duration",
+        "10",
+        "--qos-ms",
+        "50",
+        *extra,
+    ]
+
+
+def _capacity(tmp_path: Path, *extra: str) -> list[str]:
+    profiles = write_profile_csv(tmp_path / "p.csv")
+    return [
+        "capacity",
+        "--profiles",
+        str(profiles),
+        "--model",
+        "m",
+        "--fleet",
+        "g4dn.xlarge=1,r5n.large=2",
+        "--qos-ms",
+        "50",
+        "--batch-dist",
+        "fixed:1",
+        "--queries",
+        "200",
+        *extra,
+    ]
+
+
+def _bounds(tmp_path: Path, *extra: str) -> list[str]:
+    profiles = write_profile_csv(tmp_path / "p.csv")
+    return [
+        "bounds",
+        "--profiles",
+        str(profiles),
+        "--model",
+        "m",
+        "--qos-ms",
+        "50",
+        "--batch-dist",
+        "fixed:1",
+        "--budget",
+        "2",
+        *extra,
+    ]
+
+
+def _app_files(tmp_path: Path) -> tuple[Path, Path]:
+    """A spec of one model on the API tests' sub-linear profiles and a 60 s Poisson trace."""
+    write_profiles(tmp_path)
+    spec = _write(
+        tmp_path / "app.yaml",
+        "name: toy\nmodels:\n  - {name: m, profiles: profiles.csv}\nslo: {latency_ms: 40}\n"
+        "budget_usd_per_hr: 4\ninstance_types: [g4dn.xlarge, r5n.large, t3.xlarge]\n",
+    )
+    arrival = np.cumsum(np.random.default_rng(0).exponential(1 / 20, size=1200))
+    trace = _write(
+        tmp_path / "t.csv",
+        "arrival_s,batch_size\n" + "".join(f"{a!r},1\n" for a in arrival.tolist()),
+    )
+    return spec, trace
+
+
+# --- --seed ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command", ["simulate", "capacity", "bounds", "bounds+", "plan", "replay", "demo"]
+)
+def test_a_negative_seed_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    spec, trace = _app_files(tmp_path)
+    argv = {
+        "simulate": _simulate(tmp_path),
+        "capacity": _capacity(tmp_path),
+        "bounds": _bounds(tmp_path),
+        "bounds+": _bounds(tmp_path, "--kairos-plus", "--queries", "200"),
+        "plan": ["plan", "--spec", str(spec), "--trace", str(trace)],
+        "replay": ["replay", "--spec", str(spec), "--trace", str(trace), "--policy", "peak"],
+        "demo": ["demo", "--offline"],
+    }[command]
+    error = one_line_error(capsys, [*argv, "--seed", "-1"])
+    assert error.endswith("--seed must be >= 0, got -1")
+
+
+def test_a_negative_seed_on_gears_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec, validation = gears_app(tmp_path)
+    argv = ["gears", "--spec", str(spec), "--validation", str(validation)]
+    argv += ["--placement", PLACEMENT, "--seed", "-1"]
+    assert one_line_error(capsys, argv).endswith("--seed must be >= 0, got -1")
+
+
+# --- simulate and capacity ---------------------------------------------------------------------
+
+
+def test_an_absurd_max_batch_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = _simulate(tmp_path, "--max-batch", "99999999999999999999")
+    assert "--max-batch must be at most 1,000,000" in one_line_error(capsys, argv)
+
+
+@pytest.mark.parametrize("threshold", ["-1", "99999999999999999999"])
+@pytest.mark.parametrize("command", ["simulate", "capacity"])
+def test_a_drs_threshold_out_of_range_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, threshold: str
+) -> None:
+    make = _simulate if command == "simulate" else _capacity
+    argv = make(tmp_path, "--policy", "drs", "--drs-threshold", threshold)
+    assert "--drs-threshold must be in 0..1,000,000" in one_line_error(capsys, argv)
+
+
+def test_a_drs_threshold_in_range_still_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(_simulate(tmp_path, "--policy", "drs", "--drs-threshold", "0", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["policy"] == "drs"
+
+
+@pytest.mark.parametrize("command", ["capacity", "bounds"])
+def test_too_many_probe_queries_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    argv = (
+        _capacity(tmp_path, "--queries", "999999999999")
+        if command == "capacity"
+        else _bounds(tmp_path, "--kairos-plus", "--queries", "999999999999")
+    )
+    assert "--queries must be at most 1,000,000, got 999999999999" in one_line_error(capsys, argv)
+
+
+# --- bounds ------------------------------------------------------------------------------------
+
+
+def test_an_absurd_budget_is_not_an_overflow(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = _bounds(tmp_path, "--max-count", "g4dn.xlarge=2,r5n.large=3", "--json")
+    argv[argv.index("--budget") + 1] = "1e308"
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ranking"] and "Traceback" not in capsys.readouterr().err
+
+
+# --- replay ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", ["0,1\n", "0,1\n0,1\n"])
+def test_a_planning_trace_without_a_rate_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rows: str
+) -> None:
+    spec, trace = _app_files(tmp_path)
+    assert main(["plan", "--spec", str(spec), "--trace", str(trace), "--json"]) == 0
+    plan = _write(tmp_path / "p.json", capsys.readouterr().out)
+    planning = _write(tmp_path / "one_row.csv", "arrival_s,batch_size\n" + rows)
+    argv = ["replay", "--spec", str(spec), "--plan", str(plan), "--policy", "tuner"]
+    argv += ["--planning-trace", str(planning)]
+    error = one_line_error(capsys, [*argv, "--trace", str(trace)])
+    assert f"--planning-trace {planning}: a planning trace needs at least two arrivals" in error
+    # The default planning trace (the replayed trace's first 10%) of a one-row trace too.
+    error = one_line_error(capsys, [*argv[:-2], "--trace", str(planning)])
+    assert "(the default --planning-trace): a planning trace needs at least two" in error
+
+
+# --- trace and profile files -------------------------------------------------------------------
+
+
+def test_trace_stats_of_huge_arrival_times(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path / "t.csv", "arrival_s\n0\n1e200\n2e200\n")
+    assert main(["trace", "stats", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["count"] == 3 and out["cv2"] == 0.0 and out["duration_s"] == 2e200
+
+
+def test_trace_generate_over_a_huge_duration(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "x.csv"
+    argv = ["trace", "generate", "--kind", "poisson", "--rate", "1e-160", "--duration", "1e163"]
+    assert main([*argv, "--out", str(out), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["count"] > 100 and 0.5 < stats["cv2"] < 2.0
+
+
+@pytest.mark.parametrize("command", ["profile", "simulate"])
+def test_a_profile_batch_size_of_ten_to_the_thirty_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    path = _write(
+        tmp_path / "huge.json",
+        json.dumps(
+            {
+                "format": "heteroplane.profiles/v1",
+                "profiles": [
+                    {
+                        "model": "m",
+                        "instance_type": "g4dn.xlarge",
+                        "batch_sizes": [1, 10**30],
+                        "latency_ms": [[1.0, 2.0], [3.0, 4.0]],
+                    }
+                ],
+            }
+        ),
+    )
+    simulate = ["simulate", "--profiles", str(path), "--model", "m", "--fleet", "g4dn.xlarge=1"]
+    argv = (
+        ["profile", "show", str(path)]
+        if command == "profile"
+        else [*simulate, "--qps", "1", "--duration", "10", "--qos-ms", "100"]
+    )
+    error = one_line_error(capsys, argv)
+    assert "profiles[0]: batch_sizes must be at most 1,000,000, got 10000000000" in error
+
+
+# --- the client commands -----------------------------------------------------------------------
+
+
+def test_an_empty_app_name_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    error = one_line_error(
+        capsys, ["app", "get", "", "--token", "t", "--url", "http://127.0.0.1:9"]
+    )
+    assert error == "heteroplane app: an app's name must not be empty"
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [("http://[::1", "Invalid IPv6 URL"), ("http://localhost:99999", "Port out of range")],
+)
+def test_a_url_that_does_not_parse_is_one_line_naming_the_option(
+    capsys: pytest.CaptureFixture[str], url: str, why: str
+) -> None:
+    error = one_line_error(capsys, ["app", "list", "--url", url, "--token", "t"])
+    assert error.startswith(f"heteroplane app: --url {url!r} is not a URL") and why in error
+
+
+# --- gears -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--ranges", "100000000", "--ranges must be in 1..1,000, got 100000000"),
+        ("--ranges", "0", "--ranges must be in 1..1,000, got 0"),
+        ("--qps-max", "1e308", "--qps-max must be a number in (0, 1,000,000,000] qps, got 1e+308"),
+        ("--qps-max", "inf", "--qps-max must be a number in (0, 1,000,000,000] qps, got inf"),
+        ("--qps-max", "nan", "--qps-max must be a number in (0, 1,000,000,000] qps, got nan"),
+    ],
+)
+def test_gears_refuses_absurd_ranges_and_spans(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str, message: str
+) -> None:
+    spec, validation = gears_app(tmp_path)
+    argv = ["gears", "--spec", str(spec), "--validation", str(validation)]
+    argv += ["--placement", PLACEMENT, option, value]
+    assert one_line_error(capsys, argv).endswith(message)
