@@ -14,6 +14,9 @@ malformed JSON body                    400     ``malformed_json``
 other ``EstimatorError`` (a trace the  422     ``unplannable``
 profiles cannot serve, an SLO no type
 can meet)
+``UnprofiledModelError`` (a query to   503     ``serving_unavailable``
+an app whose registered model is not
+profiled yet)
 :class:`NotFoundError`                 404     ``not_found``
 :class:`AppExistsError`                409     ``app_exists``
 :class:`InvalidTransitionError`        409     ``invalid_transition``
@@ -79,7 +82,7 @@ from controlplane.errors import (
     ServingError,
     ServingUnavailableError,
 )
-from controlplane.spec import SpecError
+from controlplane.spec import SpecError, UnprofiledModelError
 from estimator.errors import EstimatorError
 
 __all__ = [
@@ -260,6 +263,10 @@ def _on_spec_error(request: Request, error: Exception) -> JSONResponse:
 
 
 def _on_estimator_error(request: Request, error: Exception) -> JSONResponse:
+    if isinstance(error, UnprofiledModelError):
+        # Nothing wrong with the request: the app cannot serve until it is profiled (its
+        # /v2 readiness says the same).
+        return error_response(503, "serving_unavailable", str(error))
     return error_response(422, "unplannable", str(error))
 
 

@@ -64,6 +64,18 @@ def test_rest_metadata_and_readiness_of_an_app_not_profiled_yet(world: ApiWorld)
                 "error": "app demo has no latency profiles for model tiny yet: run heteroplane"
                 " profile run --app demo"
             }
+        # A query is refused as the readiness is: 503, in each route's error shape.
+        query = {
+            "inputs": [{"name": "ids", "datatype": "INT64", "shape": [1, 3], "data": [1, 2, 3]}]
+        }
+        response = await client.post("/v2/models/demo/infer", json=query, headers=world.auth())
+        assert response.status_code == 503, response.text
+        assert "no latency profiles for model tiny yet" in response.json()["error"]
+        response = await client.post(
+            "/v1/apps/demo/infer", json={"inputs": [[1, 2, 3]]}, headers=world.auth()
+        )
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "serving_unavailable"
         for path in ("/v2/models/nope", "/v2/models/nope/ready"):
             response = await client.get(path, headers=world.auth())
             assert response.status_code == 404 and "no model 'nope'" in response.json()["error"]
