@@ -563,6 +563,13 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) 
 _UniqueKeyLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping
 )
+# YAML 1.2's floats with an exponent and no dot or sign in it (1e9, 350.5e0, 2E-3), which
+# PyYAML's YAML 1.1 rules read as strings: "latency_ms: 1e9" would be refused as not a number.
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def _parse_document(text: str, source: str, as_json: bool) -> object:

@@ -303,6 +303,18 @@ def test_json_file_parses_too(tmp_path: Path, indent: int | str | None) -> None:
     assert spec.models[0].profiles == str(tmp_path.resolve() / "profiles.csv")
 
 
+def test_yaml_reads_exponent_floats_as_yaml_1_2_does(tmp_path: Path) -> None:
+    """PyYAML's YAML 1.1 rules read 1e9 as a string ("must be a number, got '1e9'")."""
+    spec_path = tmp_path / "recs.yaml"
+    text = yaml.safe_dump(good_document())
+    text = text.replace("latency_ms: 350", "latency_ms: 35e1")
+    text = text.replace("budget_usd_per_hr: 10", "budget_usd_per_hr: 105.5e-1")
+    assert "35e1" in text and "105.5e-1" in text
+    spec_path.write_text(text, encoding="utf-8")
+    spec = load_spec(spec_path)
+    assert (spec.slo.latency_ms, spec.budget_usd_per_hr) == (350.0, 10.55)
+
+
 def test_json_in_a_yaml_file_parses(tmp_path: Path) -> None:
     spec_path = tmp_path / "recs.yaml"
     spec_path.write_text(json.dumps(good_document()), encoding="utf-8")
