@@ -10,22 +10,35 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
-from controlplane.cli.output import emit
+from controlplane.cli.output import UsageError, emit
+from controlplane.db.session import parse_url
 from controlplane.db.store import Store, TokenRecord
 from controlplane.settings import load_settings
 
 __all__ = ["create", "list_tokens", "revoke"]
 
 
-def _store(args: argparse.Namespace) -> Store:
+def _store(args: argparse.Namespace, create: bool = False) -> Store:
+    """The configured database (brought to the newest schema); without ``create`` (listing,
+    revoking), a SQLite file that is not there is an error, not a new empty database made
+    wherever the settings point."""
     settings = load_settings(args.config)
+    url = parse_url(settings.database_url)
+    database = url.database
+    on_file = url.get_backend_name() == "sqlite" and database not in (None, "", ":memory:")
+    if not create and on_file and not Path(str(database)).is_file():
+        raise UsageError(
+            f"no database at {database} (the service makes it when it first starts;"
+            " heteroplane token create makes it too): check database_url or --config"
+        )
     return Store.from_url(settings.database_url, upgrade=True)
 
 
 def create(args: argparse.Namespace) -> int:
-    store = _store(args)
+    store = _store(args, create=True)
     try:
         token, record = store.issue_token(args.scope, args.name)
     finally:

@@ -91,6 +91,20 @@ def test_token_create_upgrades_and_prints_the_token_alone(
     assert "a token named 'ci' already exists" in capsys.readouterr().err
 
 
+def test_token_list_and_revoke_make_no_database(
+    database_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Listing or revoking on a SQLite file that is not there (a wrong database_url) is one line
+    and exit 2; no folder or empty database is left behind."""
+    for args in (["token", "list"], ["token", "revoke", "--name", "x"]):
+        with pytest.raises(SystemExit) as caught:
+            main(args)
+        assert caught.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "no database at" in err and "heteroplane.db" in err
+    assert not (tmp_path / "state").exists()
+
+
 def test_token_list_and_revoke(database_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     data = run_json(capsys, "token", "create", "--scope", "infer")
     assert data["scope"] == "infer"

@@ -634,6 +634,15 @@ def test_default_token_names_and_listing(store: Store) -> None:
     assert all(t.name.startswith("infer-") and t.scope == "infer" for t in tokens)
 
 
+def test_a_name_with_a_control_character_is_refused(store: Store) -> None:
+    for name in ("two\nlines", "tab\there", "bell\x07"):
+        with pytest.raises(InvalidValueError, match="control characters"):
+            store.create_token("infer", name)
+    assert store.list_tokens() == []
+    with pytest.raises(InvalidValueError, match="control characters"):
+        store.create_app(spec(), who="alice\nmallory")
+
+
 # --- times and the schema --------------------------------------------------------------------
 
 

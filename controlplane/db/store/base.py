@@ -269,9 +269,15 @@ def _optional_number(value: Any, field: str, *, upper: float | None = None) -> f
 
 
 def _label(value: Any, field: str, *, max_length: int = 100) -> str:
+    """A one-line name (a token's, who made a change, an instance type): 1 to ``max_length``
+    characters, no control character (a newline in a token's name broke ``token list``)."""
     if not isinstance(value, str) or not value or len(value) > max_length:
         raise InvalidValueError(
             field, f"must be a string of 1 to {max_length} characters, got {value!r}"
+        )
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise InvalidValueError(
+            field, f"must not hold control characters (a newline, a tab), got {value!r}"
         )
     return value
 
