@@ -74,6 +74,12 @@ def load_data(path: Path, flag: str = "--data") -> tuple[np.ndarray, np.ndarray]
             f"{flag} {path}: 'inputs' has {len(inputs) if inputs.ndim else 0} samples,"
             f" 'labels' {len(labels)}"
         )
+    if labels.size and labels.min() < 0:
+        raise UsageError(
+            f"{flag} {path}: 'labels' are class indices (>= 0), got {int(labels.min())}"
+        )
+    if inputs.dtype.kind in "fc" and not np.isfinite(inputs).all():
+        raise UsageError(f"{flag} {path}: 'inputs' hold NaN or infinity; a model is sent numbers")
     if len(labels) == 0:
         raise UsageError(f"{flag} {path}: no samples")
     return inputs, labels.astype(np.int64)
@@ -213,6 +219,12 @@ def _evaluate(
             for i in range(0, len(batch), _CHUNK_ROWS)
         ]
     )
+    classes = scores.shape[1] if scores.ndim == 2 else 1
+    if labels.max() >= classes:
+        raise UsageError(
+            f"--data 'labels' go up to {int(labels.max())}; model {name} answers {classes}"
+            f" classes (0..{classes - 1})"
+        )
     predictions = scores.argmax(axis=1).astype(np.int64)
     correct = predictions == labels
     return {

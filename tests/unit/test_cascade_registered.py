@@ -138,3 +138,34 @@ def test_a_model_without_an_artifact_or_bad_data_is_one_line(
         )
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "has no artifact" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("labels", "inputs", "message"),
+    [
+        (np.array([0, -1, 2]), np.zeros((3, 6)), "'labels' are class indices (>= 0), got -1"),
+        (np.array([0, 1, 2]), np.full((3, 6), np.nan), "'inputs' hold NaN or infinity"),
+        (np.array([0, 1, 99]), np.zeros((3, 6)), "'labels' go up to 99; model small answers 3"),
+    ],
+)
+def test_labels_past_the_models_classes_and_nan_inputs_are_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    labels: np.ndarray,
+    inputs: np.ndarray,
+    message: str,
+) -> None:
+    """Not records whose accuracy counts a label no model can answer, nor a NaN sample the
+    certainty then blames on the output file."""
+    small = linear_onnx(tmp_path / "s.onnx", np.vstack([np.eye(3), np.zeros((3, 3))]))
+    np.savez(tmp_path / "data.npz", inputs=inputs.astype(np.float32), labels=labels)
+    spec = {"name": "digits", "models": [{"name": "small", "artifact": "s@1"}]}
+    client = FakeClient(spec, {"s@1": small})
+    monkeypatch.setattr(cascade_registered, "client_from", lambda _args: client)
+    argv = ["cascade", "evaluate", "--app", "digits", "--data", str(tmp_path / "data.npz")]
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--out", str(tmp_path / "o.json")])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "fetching" not in line]
+    assert stop.value.code == 2 and len(errors) == 1 and message in errors[0]
+    assert not (tmp_path / "o.json").exists()
