@@ -489,9 +489,12 @@ class RateProfile:
         """
         t = np.asarray(t_s, dtype=np.float64)
         k = self._segment(t)
-        value = self._knot_cumulative()[k] + 0.5 * (t - self.times_s[k]) * (
-            self.rates_qps[k] + self._piece_value(k, t)
-        )
+        # A rate near the largest float overflows to inf: the count check after says so in one
+        # line (no RuntimeWarning printed before it).
+        with np.errstate(over="ignore"):
+            value = self._knot_cumulative()[k] + 0.5 * (t - self.times_s[k]) * (
+                self.rates_qps[k] + self._piece_value(k, t)
+            )
         return float(value) if np.ndim(t_s) == 0 else value
 
     def inverse_cumulative(self, expected: FloatArray) -> FloatArray:

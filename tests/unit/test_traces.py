@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -447,3 +448,12 @@ def test_short_traces_still_draw_enough_gaps() -> None:
 def test_generator_validation(call: object, message: str) -> None:
     with pytest.raises(WorkloadError, match=message):
         call(np.random.default_rng(0))  # type: ignore[operator]
+
+
+def test_a_rate_near_the_largest_float_is_refused_without_a_warning() -> None:
+    """The expected count overflows to inf: one WorkloadError, no numpy RuntimeWarning before
+    it (the CLI printed one above its one-line error)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(WorkloadError, match="about inf arrivals"):
+            renewal_arrivals(constant_profile(1e308), 10.0, 1.0, np.random.default_rng(0))
