@@ -286,6 +286,10 @@ class _Zygote:
         if not hasattr(os, "pidfd_open") or not _forkable():
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # What this process has buffered would otherwise be written twice (by it and the zygote).
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
         try:
             pid = os.fork()
         except OSError:
