@@ -752,13 +752,13 @@ class _EventEngine:
 
     def _admit(self, now: float, entry: int, samples: int) -> bool:
         """Admission control as the live dispatcher judges it (``controlplane.serving.
-        admission``, :mod:`matching.admission`): the query is refused when its wait at the
-        stages from ``entry`` on (until an instance is free, then the queue) exceeds what the
-        SLO allows after its own service on each stage's fastest serving type."""
+        admission``, :mod:`matching.admission`): the query is refused when its wait at its entry
+        stage, the one every sample reaches (until an instance is free, then the queue), exceeds
+        what the SLO allows after its own service there on the fastest serving type."""
         assert self.qos_ms is not None
         wait_ms = 0.0
         service_ms = 0.0
-        for state in self.stages[entry:]:
+        for state in self.stages[entry : entry + 1]:
             active = [inst for inst in state.instances if inst.ready_s <= now < inst.stop_s]
             if not active:
                 return False

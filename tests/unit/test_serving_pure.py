@@ -174,6 +174,17 @@ def test_a_service_slower_than_the_slo_still_admits_a_short_queue() -> None:
     assert not decide([StageLoad(30, 1000.0, 150.0)], slo_ms=100.0).admitted
 
 
+def test_a_cascade_is_admitted_on_the_stage_every_sample_reaches() -> None:
+    """A busy large model that 5% of the samples reach does not turn the query away (its first
+    model is free); the prediction stays the whole path's. A busy first model does."""
+    first = StageLoad(backlog_samples=0, capacity_sps=1000.0, service_ms=5.0, reach_share=1.0)
+    large = StageLoad(backlog_samples=200, capacity_sps=1000.0, service_ms=200.0, reach_share=0.05)
+    admitted = decide([first, large], slo_ms=300.0)
+    assert admitted.admitted and admitted.predicted_ms == 405.0  # 0 + 5 + 200 + 200
+    busy = StageLoad(backlog_samples=400, capacity_sps=1000.0, service_ms=5.0, reach_share=1.0)
+    assert not decide([busy, large], slo_ms=300.0).admitted  # 400 ms over 295 allowed
+
+
 def test_the_cheapest_gear_is_the_fastest_now() -> None:
     busy = [StageLoad(500, 1000.0, 1.0)]
     idle = [StageLoad(0, 1000.0, 10.0), StageLoad(0, 100.0, 30.0, 0.1)]

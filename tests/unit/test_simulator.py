@@ -285,3 +285,29 @@ def test_service_table_mean_is_the_profile_mean_clipped_into_its_range(mode: str
             assert math.isfinite(expected)
             for _ in range(2):  # computed, then remembered
                 assert table.mean_s(i, size) == pytest.approx(expected, rel=1e-12)
+
+
+def test_admission_judges_a_cascade_at_the_stage_every_query_reaches() -> None:
+    """A cascade whose second model (200 ms a call) one query in ten reaches: queries arriving
+    while it is busy are admitted (they reach it rarely; judged on the whole path, with an
+    allowance of 300 - 5 - 200 = 95 ms, every query arriving in a busy second stage's first
+    100 ms was refused). Only the first stage's queue can refuse them."""
+    fast = LatencyProfile("a", "x", np.array([1]), (np.array([5.0]),))
+    slow = LatencyProfile("b", "x", np.array([1]), (np.array([200.0]),))
+    arrivals = np.arange(0.0, 10.0, 1.0 / 50.0)  # 50 qps: the first stage at 25% of its capacity
+    trace = Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
+    forward = np.zeros(arrivals.size, dtype=bool)
+    forward[::10] = True  # 5 qps to a stage of 5 qps: it is busy all the time
+    first = Stage("a", (InstanceSpec("x"),), {"x": fast}, forward=forward)
+    second = Stage("b", (InstanceSpec("x"),), {"x": slow})
+    result = simulate(
+        trace,
+        [first, second],
+        np.random.default_rng(0),
+        prices_usd_per_hr={"x": 1.0},
+        qos_ms=300.0,
+        admission=True,
+    )
+    assert np.all(np.isfinite(result.finish_s))  # none refused
+    # The queries that leave at the first stage are served in time.
+    assert np.all(result.response_ms[~forward] <= 300.0)
