@@ -77,7 +77,7 @@ class DrsPolicy:
         """Fresh policies with the setting's threshold and base types."""
         threshold, base = setting.threshold, tuple(setting.base_types)
         if threshold is None:
-            raise MatchingError("the drs policy needs a batch-size threshold")
+            raise MatchingError("the drs policy needs a batch-size threshold (--drs-threshold)")
         return lambda: cls(threshold, base)
 
     def _earliest(self) -> deque[QueuedQuery]:

@@ -116,5 +116,7 @@ def make(name: str, setting: PolicySetting) -> Callable[[], DispatchPolicy]:
     if cls.needs_base_type and not setting.base_types:
         raise PolicySettingError(name, f"the {name} policy needs a base type")
     if cls.needs_threshold and setting.threshold is None:
-        raise PolicySettingError(name, f"the {name} policy needs a batch-size threshold")
+        raise PolicySettingError(
+            name, f"the {name} policy needs a batch-size threshold (--drs-threshold)"
+        )
     return cls.factory(setting)

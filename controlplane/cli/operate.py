@@ -342,7 +342,14 @@ def budget_set(args: argparse.Namespace) -> int:
         if args.force:
             # Only when asked: the budget change without it is what every server accepts.
             body["force"] = True
-        answer = client.put(app_path(args.app, "budget"), body)
+        try:
+            answer = client.put(app_path(args.app, "budget"), body)
+        except ApiClientError as error:
+            # The API's words for its own body; on the command line the switch is --force.
+            text = str(error).replace('send "force": true', "pass --force")
+            if text == str(error):
+                raise
+            raise ApiClientError(text, error.status, error.code) from None
 
     def human() -> str:
         previous = answer["previous_usd_per_hr"]

@@ -82,5 +82,9 @@ def _summary(result: dict[str, Any]) -> str:
     ]
     body = table(["MODEL", "TYPE", *(f"B={b}" for b in sizes)], rows)
     return "\n".join(
-        [*head, body, f"plan it with: heteroplane plans preview --app {result['app']}"]
+        [
+            *head,
+            body,
+            f"plan it with: heteroplane plans preview --app {result['app']} --rate-qps QPS",
+        ]
     )
