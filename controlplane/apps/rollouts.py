@@ -571,7 +571,13 @@ def rollout_document(rollout: RolloutRecord) -> dict[str, Any]:
         "from_version": rollout.from_version,
         "to_version": rollout.to_version,
         "state": rollout.state,
-        "step_share": rollout.step_share if rollout.active else _final_share(rollout),
+        # The share on the new version now: none while pending (no query moves before its
+        # first step starts; steps[0] says what that step will move).
+        "step_share": 0.0
+        if rollout.state == RolloutState.PENDING
+        else rollout.step_share
+        if rollout.active
+        else _final_share(rollout),
         "reason": rollout.reason,
         "step_index": rollout.step_index,
         "steps": list(rollout.steps),

@@ -101,7 +101,8 @@ def test_the_life_cycle_of_a_rollout(world: World) -> None:
         "to_version": 2,
         "state": "pending",
     }
-    assert body["step_share"] == 0.05 and body["steps"] == [0.05, 0.25, 0.5, 1.0]
+    # Pending: no query moves yet; the first step will move 5%.
+    assert body["step_share"] == 0.0 and body["steps"] == [0.05, 0.25, 0.5, 1.0]
     assert body["extra_fleet"] == {SMALL: 1}
     assert body["extra_cost_usd_per_hr"] == pytest.approx(PRICE)
     rid = body["id"]
