@@ -750,11 +750,13 @@ class _EventEngine:
             self.mode_of,
         )
 
-    def _admit(self, now: float, entry: int, samples: int) -> bool:
+    def _admit(self, now: float, entry: int, samples: int, left_ms: float | None = None) -> bool:
         """Admission control as the live dispatcher judges it (``controlplane.serving.
         admission``, :mod:`matching.admission`): the query is refused when its wait at its entry
         stage, the one every sample reaches (until an instance is free, then the queue), exceeds
-        what the SLO allows after its own service there on the fastest serving type."""
+        what the SLO allows after its own service there on the fastest serving type. A query a
+        cascade forwards is judged again at the next stage, ``left_ms`` what the SLO leaves it
+        after its time so far."""
         assert self.qos_ms is not None
         wait_ms = 0.0
         service_ms = 0.0
@@ -775,7 +777,12 @@ class _EventEngine:
             capacity_sps = functools.partial(_capacity_sps, state, active)
             wait_ms += queue_wait_ms(free_s, state.backlog, capacity_sps)
             service_ms += 1000.0 * min(state.table.mean_s(i.type_id, samples) for i in active)
-        return wait_ms <= allowance_ms(self.qos_ms, service_ms)
+        return wait_ms <= allowance_ms(self.qos_ms if left_ms is None else left_ms, service_ms)
+
+    def qos_ms_left(self, now: float, arrival: float) -> float:
+        """What the SLO leaves a query that arrived at ``arrival``, at ``now`` (ms)."""
+        assert self.qos_ms is not None
+        return self.qos_ms - (now - arrival) * 1000.0
 
     def _complete(self, now: float, s: int, index: int, dirty: set[int]) -> None:
         state = self.stages[s]
@@ -799,6 +806,12 @@ class _EventEngine:
             if nxt >= 0:
                 arrival = float(self.trace.arrival_s[q])
                 batch_size = int(self.trace.batch_size[q])
+                if self.admission and not self._admit(
+                    now, nxt, batch_size, self.qos_ms_left(now, arrival)
+                ):
+                    self.finish_s[q] = math.inf  # refused at the next stage: a miss
+                    self.answered[q] = -1
+                    continue
                 self.stages[nxt].queue.append(QueuedQuery(q, batch_size, arrival, now))
                 if self.admission:
                     self.stages[nxt].backlog.add(batch_size)

@@ -33,9 +33,10 @@ of a gear plan when the app has one). Until 2026-12-01 it judged the whole path,
 over every stage a sample may reach: a cascade whose later models a few percent of queries reach
 refused queries whenever its large model was busy, most of which would have left at the first
 model in time (a feasible plan of the demo family at 10 qps, P99 235 ms of a 300 ms SLO without
-admission, had 2.07% of its queries refused). A query forwarded to a later stage is not judged
-again: a later stage short of capacity shows as late answers and as its overload state, which
-the gear switcher answers. The floor of a quarter of the SLO keeps
+admission, had 2.07% of its queries refused). The part of a query a cascade forwards is judged
+again at the next stage against what the SLO leaves it after its time so far (the dispatcher's
+``_forward_refused``), so a later stage short of capacity refuses what it cannot serve in time
+rather than queue it. The floor of a quarter of the SLO keeps
 an SLO that the bare service time already misses (a slow type, a tight SLO) from turning away
 every query that would wait at all: those queries are served, late, and counted. ``Retry-After``
 is the time the backlog needs to drain down to the allowance, (W - allowance) / 1000 seconds,

@@ -98,7 +98,7 @@ from controlplane.errors import (
 )
 from controlplane.policies.plan import StagePlan
 from controlplane.policies.variants import Requirements, VariantOption
-from controlplane.serving.admission import decide, predicted_latency_ms
+from controlplane.serving.admission import MAX_RETRY_AFTER_S, decide, predicted_latency_ms
 from controlplane.serving.config import (
     AppConfig,
     DispatcherSettings,
@@ -118,6 +118,7 @@ from controlplane.serving.variants import AppVariants
 from controlplane.serving.workers import Worker, WorkerEndpoint
 from estimator.cascades import Cascade
 from estimator.policies import policy_factory
+from matching.admission import allowance_ms
 from matching.policy import QueuedQuery, StageContext
 
 __all__ = [
@@ -562,6 +563,37 @@ class AppDispatcher:
                 self.app, verdict.predicted_ms, self.config.slo_ms, verdict.retry_after_s
             )
 
+    def _forward_refused(self, request: _Request, position: int, samples: int, now: float) -> bool:
+        """Admission for the part of a query a cascade forwards to its model at ``position``
+        (:mod:`controlplane.serving.admission`: a query is judged on entry at the stage every
+        sample reaches): refused (429) when that stage's wait exceeds what the SLO leaves the
+        query after its time so far and its service there. A later stage short of capacity then
+        refuses what it cannot serve in time, as the first stage does, rather than queue it."""
+        if not self.settings.admission:
+            return False
+        model = request.cascade.models[position]
+        stage = self._stages.get(model)
+        if stage is None:
+            return False
+        cap = batch_cap(self.config, model, self.current_gear())
+        capacity, service_ms = stage.rates(samples, cap)
+        wait = stage.wait_ms(cap, now)
+        left_ms = self.config.slo_ms - (now - request.arrival_s) * 1000.0
+        if wait <= allowance_ms(left_ms, service_ms):
+            return False
+        self.tracker.refused((self.app, model), now, samples, capacity)
+        retry = 1 if math.isinf(wait) else max(math.ceil((wait - max(left_ms, 0.0)) / 1000.0), 1)
+        self._fail(
+            request,
+            OverloadedError(
+                self.app,
+                (now - request.arrival_s) * 1000.0 + wait + service_ms,
+                self.config.slo_ms,
+                min(retry, MAX_RETRY_AFTER_S),
+            ),
+        )
+        return True
+
     def _enqueue(self, request: _Request, position: int, samples: list[int], now: float) -> None:
         model = request.cascade.models[position]
         stage = self._stages.get(model)
@@ -829,6 +861,8 @@ class AppDispatcher:
                     forward.append(i)
                 offset += 1
             if forward:
+                if self._forward_refused(request, part.position + 1, len(forward), now):
+                    continue
                 self._enqueue(request, part.position + 1, forward, now)
             elif request.pending == 0:
                 self._answer(request, now)

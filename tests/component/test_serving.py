@@ -1189,3 +1189,26 @@ def test_running_workers_come_from_the_store_with_the_providers_addresses(
         assert source.running("demo") == []
     finally:
         store.close()
+
+
+def test_a_query_a_cascade_forwards_is_refused_where_the_next_stage_cannot_serve_it_in_time() -> (
+    None
+):
+    """Admission judges a cascade's query on entry; the part it forwards is judged again at the
+    next model against what the SLO leaves it. The profiles say tiny 50 ms and large 200 ms a
+    call, the worker answers in 150 ms: of two uncertain queries, both admitted on entry, the
+    first forwarded finds the large model free and is answered; the second, behind it with at
+    most 150 ms of its 300 ms SLO left, is refused (429) there."""
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE], delay_s=0.15)
+        app = config(slo_ms=300.0, fixed_ms=50.0)
+        dispatcher = await dispatcher_over(workers, app)
+        futures = [dispatcher.submit([row(1, 0.1)]), dispatcher.submit([row(2, 0.1)])]
+        results = await settle(futures)
+        assert isinstance(results[0], InferResult) and results[0].models == ("large",), results
+        assert isinstance(results[1], OverloadedError), results
+        assert workers[0].rows_by_model == {"tiny": 2, "large": 1}
+        await dispatcher.close()
+
+    run(scenario())

@@ -311,3 +311,29 @@ def test_admission_judges_a_cascade_at_the_stage_every_query_reaches() -> None:
     assert np.all(np.isfinite(result.finish_s))  # none refused
     # The queries that leave at the first stage are served in time.
     assert np.all(result.response_ms[~forward] <= 300.0)
+
+
+def test_a_cascade_refuses_at_a_later_stage_what_that_stage_cannot_serve_in_time() -> None:
+    """Its second model (200 ms a call, 5 qps) offered 10 qps of forwarded queries: admitted
+    on entry (the first stage is idle), each is judged again at the second stage against what
+    the SLO leaves it; those it cannot serve in time are refused there, and every forwarded
+    query it takes meets the SLO, rather than a queue growing for the whole run."""
+    fast = LatencyProfile("a", "x", np.array([1]), (np.array([5.0]),))
+    slow = LatencyProfile("b", "x", np.array([1]), (np.array([200.0]),))
+    arrivals = np.arange(0.0, 20.0, 1.0 / 50.0)
+    trace = Trace(arrivals, np.ones(arrivals.size, dtype=np.int64))
+    forward = np.zeros(arrivals.size, dtype=bool)
+    forward[::5] = True
+    stages = [
+        Stage("a", (InstanceSpec("x"),), {"x": fast}, forward=forward),
+        Stage("b", (InstanceSpec("x"),), {"x": slow}),
+    ]
+    run = {"prices_usd_per_hr": {"x": 1.0}, "qos_ms": 1000.0}
+    late = simulate(trace, stages, np.random.default_rng(0), **run)  # type: ignore[arg-type]
+    gated = simulate(trace, stages, np.random.default_rng(0), admission=True, **run)  # type: ignore[arg-type]
+    refused = np.isinf(gated.finish_s)
+    assert not refused[~forward].any()  # the queries that leave at the first stage: all in
+    assert 0.4 < refused[forward].mean() < 0.6  # about half of 10 qps past a 5 qps stage
+    assert np.all(gated.response_ms[forward & ~refused] <= 1000.0 + 1e-6)
+    # Served however late, the second stage's queue grows: most forwarded queries miss.
+    assert np.mean(late.response_ms[forward] > 1000.0) > 0.5
