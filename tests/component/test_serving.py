@@ -271,6 +271,23 @@ def test_a_failing_worker_is_marked_unhealthy_and_its_queries_go_elsewhere() -> 
     run(scenario())
 
 
+def watched_dispatcher(
+    workers: Sequence[FakeWorker], app: AppConfig
+) -> tuple[AppDispatcher, list[str]]:
+    """A dispatcher over ``workers`` without admission control, and the instance ids it reports
+    unhealthy (appended as it does)."""
+    unhealthy: list[str] = []
+    dispatcher = AppDispatcher(
+        app,
+        HttpWorkerTransport(),
+        Observations(),
+        settings=DispatcherSettings(admission=False),
+        on_unhealthy=lambda loss: unhealthy.append(loss.endpoint.instance_id),
+    )
+    dispatcher.set_workers(endpoints(workers))
+    return dispatcher, unhealthy
+
+
 def poison_row(klass: int) -> list[float]:
     """A row the fake workers' model raises on (pixel 2 set: see :func:`poisoned`)."""
     bad = row(klass, 0.9)
@@ -294,15 +311,7 @@ def test_a_poison_query_fails_alone_and_the_worker_keeps_serving(foreign: bool) 
         workers[0].poison = poisoned
         plan = {"tiny": StagePlan("tiny", Fleet.of({}), 8, policy="fcfs")}
         app = config(models=("tiny",), stage_plans=plan, slo_ms=10_000.0)
-        unhealthy: list[str] = []
-        dispatcher = AppDispatcher(
-            app,
-            HttpWorkerTransport(),
-            Observations(),
-            settings=DispatcherSettings(admission=False),
-            on_unhealthy=lambda loss: unhealthy.append(loss.endpoint.instance_id),
-        )
-        dispatcher.set_workers(endpoints(workers))
+        dispatcher, unhealthy = watched_dispatcher(workers, app)
         inputs = [poison_row(q) if q % 7 == 3 else row(q % 10, 0.9) for q in range(60)]
         results = await settle([dispatcher.submit([x]) for x in inputs])
         expected = QueryFailedError if foreign else QueryRejectedError
@@ -335,15 +344,7 @@ def test_a_models_nan_output_and_an_answer_short_of_a_row_leave_the_worker_healt
         workers[0].non_finite = poisoned
         plan = {"tiny": StagePlan("tiny", Fleet.of({}), 8, policy="fcfs")}
         app = config(models=("tiny",), stage_plans=plan, slo_ms=10_000.0)
-        unhealthy: list[str] = []
-        dispatcher = AppDispatcher(
-            app,
-            HttpWorkerTransport(),
-            Observations(),
-            settings=DispatcherSettings(admission=False),
-            on_unhealthy=lambda loss: unhealthy.append(loss.endpoint.instance_id),
-        )
-        dispatcher.set_workers(endpoints(workers))
+        dispatcher, unhealthy = watched_dispatcher(workers, app)
         inputs = [poison_row(q) if q % 7 == 3 else row(q % 10, 0.9) for q in range(40)]
         results = await settle([dispatcher.submit([x]) for x in inputs])
         assert all(isinstance(r, InferResult) for r in results), results

@@ -13,18 +13,9 @@ import pytest
 from controlplane.cli import main
 from tests.component.test_api import write_profiles
 from tests.unit.test_cli_simulate import write_profile_csv
+from tests.unit.test_cli_trace import one_line_error
 from tests.unit.test_gears import PLACEMENT
 from tests.unit.test_gears import _app as gears_app
-
-
-def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as caught:
-        main(argv)
-    assert caught.value.code == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
-    return captured.err.strip()
 
 
 def _write(path: Path, text: str) -> Path:
