@@ -13,15 +13,16 @@ Per rollout, each tick:
    reap). A run the budget cannot pay for waits (an interval, then again); one that fails, or
    a new version that cannot be planned, rolls the rollout back before traffic.
 1. **Workers.** The rollout's extra instances (``settings.extra_fleet``) are rows of the app
-   under request ids ``rollout_request_prefix(app, id) + type-n`` (recorded before the provider is
-   asked: idempotent), launched with the new version served under the model's name; their rows
-   are touched (the reconciler keeps them out of the fleet, in the budget, and ends them once
-   untouched: rule 8). A row that failed rolls the rollout back (the new version cannot start).
-   The extra fleet is granted step by step (``settings.extra_fleet``, sized by
-   :func:`~controlplane.policies.rollout.step_fleet` from the stage fleet at the step's share):
-   the first step's before its workers launch, each next step's before the step moves; a
-   grant the budget cannot pay for next to what the app runs waits (the rollout holds, a
-   ``rollout`` decision says how much it needs).
+   under request ids ``rollout_request_prefix(app, id) + started-type-n`` (``started`` the rollout's
+   start time, base 36, so a rollout id that SQLite gives again after an app is made anew names new
+   workers; recorded before the provider is asked: idempotent), launched with the new version served
+   under the model's name; their rows are touched (the reconciler keeps them out of the fleet, in
+   the budget, and ends them once untouched: rule 8). A row that failed rolls the rollout back (the
+   new version cannot start). The extra fleet is granted step by step (``settings.extra_fleet``,
+   sized by :func:`~controlplane.policies.rollout.step_fleet` from the stage fleet at the step's
+   share): the first step's before its workers launch, each next step's before the step moves; a
+   grant the budget cannot pay for next to what the app runs waits (the rollout holds, a ``rollout``
+   decision says how much it needs).
 2. **Pending -> running** once every worker runs: the first step begins (its clock starts).
 3. **Judgement** of a running step (:func:`controlplane.policies.rollout.judge`) on the new
    version's figures over the step (:class:`~controlplane.serving.versions.VersionMeter`):
@@ -602,9 +603,14 @@ class RolloutLoop:
             version.ref(rollout.model) if model == rollout.model else artifact.ref
             for model, artifact in resolved.artifacts.items()
         )
+        # The rollout's start time in the ids too: a rollout's id is the table's row id, which
+        # SQLite gives again once an app is deleted with its rollouts and made anew, and the
+        # provider's request records outlive the app (the local provider's, on disk): the
+        # same request id got the old, dead worker back ("no live emu.cpu.small").
+        started = _base36(int(rollout.created_at.timestamp()))
         for instance_type, count in dict(rollout.settings["extra_fleet"]).items():
             for n in range(1, int(count) + 1):
-                request_id = f"{prefix}{instance_type}-{n}"
+                request_id = f"{prefix}{started}-{instance_type}-{n}"
                 if request_id in have:
                     continue
                 rows.append(
@@ -945,3 +951,18 @@ def _thresholds(rollout: RolloutRecord) -> tuple[float, ...] | None:
 
 def _log(message: str) -> None:
     logger.info("rollouts: %s", message)
+
+
+def _base36(number: int) -> str:
+    """``number`` >= 0 in base 36 (digits, then lower-case letters): a short, fixed text.
+
+    >>> _base36(0), _base36(35), _base36(1764547200)
+    ('0', 'z', 't6kdc0')
+    """
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    text = ""
+    while True:
+        number, rest = divmod(number, 36)
+        text = digits[rest] + text
+        if number == 0:
+            return text

@@ -43,7 +43,7 @@ from controlplane.apps.rollouts import (
 from controlplane.clock import FakeClock, SystemClock
 from controlplane.db.store import Store
 from controlplane.errors import RolloutBudgetError
-from controlplane.loops.rollouts import ROUTE_GRACE_S, RolloutLoop
+from controlplane.loops.rollouts import ROUTE_GRACE_S, RolloutLoop, _base36
 from controlplane.policies.lifecycle import InstanceState
 from controlplane.policies.rollout import Thresholds, rollout_request_prefix, routed_to_new
 from controlplane.service.app import create_app
@@ -190,6 +190,10 @@ class World:
         prefix = rollout_request_prefix(APP, rollout_id)
         rows = [r for r in self.store.list_instances(APP) if r.request_id.startswith(prefix)]
         assert [r.state for r in rows] == ["pending"]
+        # The rollout's start time in the id (base 36): a rollout id SQLite gives again, once an
+        # app is deleted and made anew, names new workers, not the dead ones a provider recorded.
+        started = self.store.get_rollout(APP, rollout_id).created_at
+        assert rows[0].request_id == f"{prefix}{_base36(int(started.timestamp()))}-{SMALL}-1"
         for r in rows:
             self.store.transition_instance(r.id, InstanceState.RUNNING.value, reason="healthy")
         self.instances.set(
