@@ -320,7 +320,7 @@ def run_profile(
     )
     if serve is not None:
         return result
-    store.put_app_profiles(app, document)
+    store.put_app_profiles(app, kept_with(store.get_app_profiles(app), document, types))
     resolver.invalidate(app)
     store.record_decision(
         app,
@@ -393,6 +393,43 @@ def unrecorded_cost(
             continue
         cost += prices_usd_per_hr.get(instance.instance_type, highest)
     return cost
+
+
+def kept_with(
+    kept: Mapping[str, Any] | None, document: dict[str, Any], types: Sequence[str]
+) -> dict[str, Any]:
+    """The profiles document to store after a run on ``types``: the run's ``document``, and of
+    the ``kept`` one the profiles on the types the run left out, for the models whose artifact
+    (version and bytes) is still the one the run measured. A run on a subset of the types
+    (``--types``, which the budget may ask for) replaced every profile, and an app whose spec
+    still named the other types could neither plan nor serve (503 on every query).
+
+    >>> ref = {"model": "m", "version": 1, "sha256": "ab"}
+    >>> old = {"artifacts": {"m": ref}, "profiles": [
+    ...     {"model": "m", "instance_type": "a", "x": 0},
+    ...     {"model": "m", "instance_type": "b", "x": 0}]}
+    >>> new = {"artifacts": {"m": ref}, "profiles": [{"model": "m", "instance_type": "a", "x": 1}]}
+    >>> [(p["instance_type"], p["x"]) for p in kept_with(old, new, ["a"])["profiles"]]
+    [('a', 1), ('b', 0)]
+    >>> other = {**new, "artifacts": {"m": {**ref, "version": 2}}}
+    >>> [p["instance_type"] for p in kept_with(old, other, ["a"])["profiles"]]
+    ['a']
+    """
+    if not kept:
+        return document
+    before = kept.get("artifacts") or {}
+    now = document.get("artifacts") or {}
+    same = {model for model, ref in now.items() if before.get(model) == ref}
+    carried = [
+        entry
+        for entry in kept.get("profiles") or ()
+        if isinstance(entry, Mapping)
+        and entry.get("model") in same
+        and entry.get("instance_type") not in types
+    ]
+    if not carried:
+        return document
+    return {**document, "profiles": [*document["profiles"], *carried]}
 
 
 def _check_budget(

@@ -247,6 +247,24 @@ def test_a_run_measures_through_one_worker_per_type_stores_and_stops_them(
     assert "tester" in decision.reason and decision.numbers["instance_types"] == [SMALL, GPU]
 
 
+def test_a_run_on_some_types_keeps_the_other_types_profiles(world: World) -> None:
+    """A full run, then one on SMALL alone (--types; the budget may ask for it): SMALL's
+    profiles are the new run's, GPU's kept, and the app resolves (plans, serves) as before: it
+    had been left with SMALL's alone, every query 503."""
+    register(world, spec())
+    first = profile(world)
+    again = profile(world, types=(SMALL,), batch_sizes=(1, 2))
+    stored = world.store.get_app_profiles(APP)
+    assert stored is not None
+    measured = {(e["model"], e["instance_type"]): e["batch_sizes"] for e in stored["profiles"]}
+    assert measured == {("small", SMALL): [1, 2], ("small", GPU): [1, 4]}
+    assert [(p.model, p.instance_type) for p in again.profiles] == [("small", SMALL)]
+    assert first.document["profiles"][1] in stored["profiles"]  # GPU's, as measured first
+    resolved = world.resolver.resolve(world.store.get_app(APP).spec)
+    assert not resolved.unprofiled
+    assert resolved.profile("small", GPU).batch_sizes.tolist() == [1, 4]
+
+
 def test_a_worker_that_refuses_a_batch_fails_the_run_and_the_workers_stop(
     world: World, worker: FakeV2Worker
 ) -> None:
