@@ -67,6 +67,9 @@ __all__ = [
 # A budget above a million USD/hr is a typo (or an attack on the planner's enumeration).
 # The fastest arrival rate a planning trace may have; the Kairos setting runs at tens of qps.
 MAX_RATE_QPS = 1e5
+# The slowest: a trace of the planning default's queries then spans two months, and one at
+# 1e-300 qps spans more seconds than a float holds.
+MIN_RATE_QPS = 1e-3
 # Queries in a planning trace generated for a request that does not say.
 _MAX_DURATION_S = 7 * 86_400.0
 _MAX_SEED = 2**32 - 1
@@ -188,7 +191,7 @@ class TraceIn(BaseModel):
     )
 
     kind: Literal["poisson", "gamma"] = "poisson"
-    rate_qps: float = Field(gt=0, le=MAX_RATE_QPS, allow_inf_nan=False)
+    rate_qps: float = Field(ge=MIN_RATE_QPS, le=MAX_RATE_QPS, allow_inf_nan=False)
     cv2: float = Field(
         default=1.0,
         gt=0,
@@ -240,7 +243,9 @@ class PlanIn(BaseModel):
     )
 
     trace: TraceIn | None = None
-    rate_qps: float | None = Field(default=None, gt=0, le=MAX_RATE_QPS, allow_inf_nan=False)
+    rate_qps: float | None = Field(
+        default=None, ge=MIN_RATE_QPS, le=MAX_RATE_QPS, allow_inf_nan=False
+    )
     seed: _WholeNumber = Field(default=0, ge=0, le=_MAX_SEED, description="the planner's seed")
 
     @model_validator(mode="after")

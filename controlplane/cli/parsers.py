@@ -90,7 +90,7 @@ LIBRARY_COPIES: dict[str, object] = {
     "provisioners.artifacts.FORMATS": MODEL_FORMATS,
     "estimator.batches.MAX_BATCH_SIZE": MAX_BATCH_SIZE,
     "estimator.capacity.MAX_PROBE_QUERIES": MAX_PROBE_QUERIES,
-    "controlplane.api.routes.plans.MIN_RATE_QPS": MIN_PLANNING_RATE_QPS,
+    "controlplane.api.schemas.MIN_RATE_QPS": MIN_PLANNING_RATE_QPS,
 }
 
 # --- the command line's own defaults and choices (some implementations import them from here) --

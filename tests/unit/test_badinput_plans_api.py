@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from controlplane.api.routes.plans import MIN_RATE_QPS
+from controlplane.api.schemas import MIN_RATE_QPS
 from controlplane.service.app import create_app
 from tests.component.test_api import service_parts, spec
 
@@ -51,7 +51,7 @@ def test_a_rate_below_the_bound_is_a_422(
     assert response.status_code == 422, response.text
     error = _one_line_422(response.json())
     assert error["code"] == "invalid_request" and error["field"] == field
-    assert f">= {MIN_RATE_QPS:g} qps" in error["message"]
+    assert f"must be greater than or equal to {MIN_RATE_QPS:g}" in error["message"]
 
 
 def test_the_bound_itself_plans(client: tuple[TestClient, dict[str, str], Path]) -> None:

@@ -166,7 +166,9 @@ def test_a_multi_stage_plan_replays_static_only(tmp_path: Path) -> None:
     served = np.isfinite(result.simulation.finish_s)
     assert set(np.unique(result.simulation.stages_visited[served])) == {1, 2}
     refused = result.simulation.answered_stage[~served]  # type: ignore[index]
-    assert np.all(result.simulation.stages_visited[~served] == 0) and np.all(refused == -1)
+    # Refused on entry (no stage visited) or where the cheap model forwarded it (one).
+    assert set(np.unique(result.simulation.stages_visited[~served])) <= {0, 1}
+    assert np.all(refused == -1)
     # A section per stage: its fleet and the share of the queries that reach it.
     assert [s.name for s in result.stages] == ["cheap", "large"]
     assert result.stages[0].reach_share == 1.0 and 0.0 < result.stages[1].reach_share < 1.0

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Body, Query, Request
 from controlplane.api.deps import Operator, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
 from controlplane.api.routes import AppName, PlanId, errors
-from controlplane.api.schemas import PlanIn, PlanOut
+from controlplane.api.schemas import MIN_RATE_QPS, PlanIn, PlanOut
 from controlplane.apps import plans
 from controlplane.apps.plans import PlanRequest, PlanRequestError, TraceRequest
 from controlplane.db.store import PlanRecord
@@ -43,27 +43,9 @@ def plan_out(record: PlanRecord) -> PlanOut:
     )
 
 
-# The slowest arrival rate a planning trace may have (the schema's bound is only > 0): a trace of
-# DEFAULT_TRACE_QUERIES then spans two months, and one at 1e-300 qps spans more seconds than a
-# float holds.
-MIN_RATE_QPS = 1e-3
-
-
 def plan_request(body: PlanIn) -> PlanRequest:
-    """The use case's request from the API's body (validated by its schema).
-
-    Raises:
-        ApiError: 422 for a rate below :data:`MIN_RATE_QPS`, naming its field.
-    """
-    rate, field = (
-        (body.trace.rate_qps, "trace.rate_qps")
-        if body.trace is not None
-        else (body.rate_qps, "rate_qps")
-    )
-    if rate is not None and rate < MIN_RATE_QPS:
-        raise ApiError(
-            422, "invalid_request", f"{field}: must be >= {MIN_RATE_QPS:g} qps, got {rate:g}", field
-        )
+    """The use case's request from the API's body (validated by its schema: a rate within
+    :data:`~controlplane.api.schemas.MIN_RATE_QPS` and ``MAX_RATE_QPS``)."""
     trace = None
     if body.trace is not None:
         trace = TraceRequest(

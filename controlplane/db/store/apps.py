@@ -169,9 +169,9 @@ class AppStore(StoreBase):
             )
             if live and not force:
                 raise ConflictError(
-                    f"app {name!r} still has {live} live instance(s); take it down first"
-                    f" (heteroplane app down {name}), or delete it with force (its machines"
-                    " run on)"
+                    f"app {name!r} still has {live} live instance(s); drain them first (take"
+                    f" the app down: heteroplane app down {name}, or delete with drain=true), or"
+                    " delete it with force (its machines run on)"
                 )
             session.execute(delete(m.App).where(m.App.id == row.id))
 
