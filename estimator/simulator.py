@@ -722,7 +722,7 @@ class _EventEngine:
                     entry = int(routing.entry[self.mode, q])
                     mode_of[q] = self.mode
                 next_arrival += 1
-                if self.admission and not self._admit(now, entry, batch_sizes[q]):
+                if self.admission and not self._admit(now, entry, batch_sizes[q], now):
                     self.start_s[q] = now
                     self.finish_s[q] = math.inf  # refused: a miss, never answered
                     self.answered[q] = -1
@@ -750,39 +750,31 @@ class _EventEngine:
             self.mode_of,
         )
 
-    def _admit(self, now: float, entry: int, samples: int, left_ms: float | None = None) -> bool:
+    def _admit(self, now: float, stage: int, samples: int, arrival_s: float) -> bool:
         """Admission control as the live dispatcher judges it (``controlplane.serving.
-        admission``, :mod:`matching.admission`): the query is refused when its wait at its entry
-        stage, the one every sample reaches (until an instance is free, then the queue), exceeds
-        what the SLO allows after its own service there on the fastest serving type. A query a
-        cascade forwards is judged again at the next stage, ``left_ms`` what the SLO leaves it
-        after its time so far."""
+        admission``, :mod:`matching.admission`): a query that arrived at ``arrival_s`` is refused
+        at ``stage`` (its entry, the one every sample reaches, or the next one a cascade forwards
+        it to) when its wait there (until an instance is free, then the queue) exceeds what the
+        SLO leaves it after its time so far and its own service there on the fastest serving
+        type."""
         assert self.qos_ms is not None
-        wait_ms = 0.0
-        service_ms = 0.0
-        for state in self.stages[entry : entry + 1]:
-            active = [inst for inst in state.instances if inst.ready_s <= now < inst.stop_s]
-            if not active:
-                return False
-            # Until an instance is free (the call's end as the profile's mean predicts it, as
-            # the live dispatcher predicts it), then the queue.
-            free_s = min(
-                0.0
-                if inst.running is None
-                else max(
-                    inst.started_s + state.table.mean_s(inst.type_id, inst.batch_size) - now, 0.0
-                )
-                for inst in active
-            )
-            capacity_sps = functools.partial(_capacity_sps, state, active)
-            wait_ms += queue_wait_ms(free_s, state.backlog, capacity_sps)
-            service_ms += 1000.0 * min(state.table.mean_s(i.type_id, samples) for i in active)
-        return wait_ms <= allowance_ms(self.qos_ms if left_ms is None else left_ms, service_ms)
-
-    def qos_ms_left(self, now: float, arrival: float) -> float:
-        """What the SLO leaves a query that arrived at ``arrival``, at ``now`` (ms)."""
-        assert self.qos_ms is not None
-        return self.qos_ms - (now - arrival) * 1000.0
+        state = self.stages[stage]
+        active = [inst for inst in state.instances if inst.ready_s <= now < inst.stop_s]
+        if not active:
+            return False
+        # Until an instance is free (the call's end as the profile's mean predicts it, as the
+        # live dispatcher predicts it), then the queue.
+        free_s = min(
+            0.0
+            if inst.running is None
+            else max(inst.started_s + state.table.mean_s(inst.type_id, inst.batch_size) - now, 0.0)
+            for inst in active
+        )
+        capacity_sps = functools.partial(_capacity_sps, state, active)
+        wait_ms = queue_wait_ms(free_s, state.backlog, capacity_sps)
+        service_ms = 1000.0 * min(state.table.mean_s(i.type_id, samples) for i in active)
+        left_ms = self.qos_ms - (now - arrival_s) * 1000.0
+        return wait_ms <= allowance_ms(left_ms, service_ms)
 
     def _complete(self, now: float, s: int, index: int, dirty: set[int]) -> None:
         state = self.stages[s]
@@ -806,9 +798,7 @@ class _EventEngine:
             if nxt >= 0:
                 arrival = float(self.trace.arrival_s[q])
                 batch_size = int(self.trace.batch_size[q])
-                if self.admission and not self._admit(
-                    now, nxt, batch_size, self.qos_ms_left(now, arrival)
-                ):
+                if self.admission and not self._admit(now, nxt, batch_size, arrival):
                     self.finish_s[q] = math.inf  # refused at the next stage: a miss
                     self.answered[q] = -1
                     continue

@@ -98,7 +98,7 @@ from controlplane.errors import (
 )
 from controlplane.policies.plan import StagePlan
 from controlplane.policies.variants import Requirements, VariantOption
-from controlplane.serving.admission import MAX_RETRY_AFTER_S, decide, predicted_latency_ms
+from controlplane.serving.admission import StageLoad, decide, predicted_latency_ms
 from controlplane.serving.config import (
     AppConfig,
     DispatcherSettings,
@@ -118,7 +118,6 @@ from controlplane.serving.variants import AppVariants
 from controlplane.serving.workers import Worker, WorkerEndpoint
 from estimator.cascades import Cascade
 from estimator.policies import policy_factory
-from matching.admission import allowance_ms
 from matching.policy import QueuedQuery, StageContext
 
 __all__ = [
@@ -577,19 +576,21 @@ class AppDispatcher:
             return False
         cap = batch_cap(self.config, model, self.current_gear())
         capacity, service_ms = stage.rates(samples, cap)
-        wait = stage.wait_ms(cap, now)
-        left_ms = self.config.slo_ms - (now - request.arrival_s) * 1000.0
-        if wait <= allowance_ms(left_ms, service_ms):
+        backlog = stage.queued_samples + stage.in_service_samples
+        load = StageLoad(backlog, capacity, service_ms, 1.0, stage.wait_ms(cap, now))
+        elapsed_ms = (now - request.arrival_s) * 1000.0
+        # The entry's rule on the one stage, against what the SLO leaves the query.
+        verdict = decide([load], self.config.slo_ms - elapsed_ms)
+        if verdict.admitted:
             return False
         self.tracker.refused((self.app, model), now, samples, capacity)
-        retry = 1 if math.isinf(wait) else max(math.ceil((wait - max(left_ms, 0.0)) / 1000.0), 1)
         self._fail(
             request,
             OverloadedError(
                 self.app,
-                (now - request.arrival_s) * 1000.0 + wait + service_ms,
+                elapsed_ms + verdict.predicted_ms,
                 self.config.slo_ms,
-                min(retry, MAX_RETRY_AFTER_S),
+                verdict.retry_after_s,
             ),
         )
         return True
