@@ -148,11 +148,12 @@ class BudgetBelowServingFleetError(ConflictError):
         self.floor_usd_per_hr = floor_usd_per_hr
         self.fleet = fleet
         what = f" ({fleet})" if fleet else ""
-        super().__init__(
+        # Without the API's hint: a caller that forces it another way says its own.
+        self.shortfall = (
             f"app {app!r}: a budget of {budget_usd_per_hr:g} USD/hr is below the"
-            f" {floor_usd_per_hr:.4g} USD/hr the app's smallest serving fleet{what} costs;"
-            ' send "force": true to drain it anyway'
+            f" {floor_usd_per_hr:.4g} USD/hr the app's smallest serving fleet{what} costs"
         )
+        super().__init__(f'{self.shortfall}; send "force": true to drain it anyway')
 
 
 class ProfilesNotMeasuredError(ConflictError):

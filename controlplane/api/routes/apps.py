@@ -117,7 +117,7 @@ def replace_app(
             raise ApiError(
                 409,
                 "conflict",
-                f"{str(error).split('; send')[0]}: set it with heteroplane budget set --app"
+                f"{error.shortfall}: set it with heteroplane budget set --app"
                 f" {app} --usd-per-hr {budget:g} --force to drain it anyway, then apply the spec",
             ) from None
     record = services.store.update_app(app, replaced, who=who.name)
