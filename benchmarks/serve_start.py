@@ -1,0 +1,128 @@
+"""How much CPU ``heteroplane serve`` takes to start: the serving process and its loops process.
+
+    .venv/bin/python benchmarks/serve_start.py [--json] [--runs N]
+
+Each run starts ``heteroplane serve --no-grpc`` on a free port with a fresh data directory (the
+embedded SQLite database, the local provisioner, no app), polls ``/healthz`` until it names the
+loops process and its role under the leader lease, then reads the CPU time (user + system, from
+``/proc/PID/stat``) of the serving process, of the loops process and, where the loops process was
+forked from a zygote (docs/service.md, "How it starts: the zygote"), of the zygote; then stops
+the service with SIGTERM. The median over ``--runs`` is reported with the smallest and largest
+run. Linux only (``/proc``). Wall time on a shared machine says little; CPU is what the service's
+start takes from the other processes of a small machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+READY_TIMEOUT_S = 120.0
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """The process's user + system CPU time so far, s."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def one_start() -> dict[str, float]:
+    """Start a service, wait for its loops process to hold a role, read the CPU times."""
+    with tempfile.TemporaryDirectory(prefix="hp-serve-start-") as data:
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if k != "HETEROPLANE_DATA_DIR"}
+        env["XDG_DATA_HOME"] = data
+        server = subprocess.Popen(
+            [sys.executable, "-m", "controlplane", "serve", "--port", str(port), "--no-grpc"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            loops: dict[str, Any] | None = None
+            while time.monotonic() < deadline:
+                try:
+                    found = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2.0).json()
+                    loops = found.get("loops")
+                except (httpx.HTTPError, ValueError):
+                    loops = None
+                if loops is not None and loops.get("role") is not None:
+                    break
+                time.sleep(0.05)
+            else:
+                raise SystemExit("serve_start: the service did not start in time")
+            child = int(loops["pid"])
+            zygote = parent_of(child)
+            return {
+                "serving_cpu_s": cpu_s(server.pid),
+                "loops_cpu_s": cpu_s(child),
+                "zygote_cpu_s": cpu_s(zygote) if zygote != server.pid else 0.0,
+            }
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5, help="starts measured (default 5)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be >= 1")
+    one_start()  # untimed: bytecode caches written
+    runs = []
+    for i in range(args.runs):
+        runs.append(one_start())
+        print(f"run {i + 1}/{args.runs}: {runs[-1]}", file=sys.stderr, flush=True)
+    summary = {
+        key: {
+            "median": statistics.median(r[key] for r in runs),
+            "min": min(r[key] for r in runs),
+            "max": max(r[key] for r in runs),
+        }
+        for key in runs[0]
+    }
+    if args.json:
+        print(json.dumps({"runs": runs, "summary": summary}))
+    else:
+        for key, figures in summary.items():
+            print(
+                f"{key}: {figures['median']:.2f} s median"
+                f" ({figures['min']:.2f}-{figures['max']:.2f}) over {args.runs} starts"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
