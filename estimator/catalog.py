@@ -66,6 +66,16 @@ CATALOG_COLUMNS: tuple[str, ...] = (
     "interruptions_per_hr",
 )
 _REQUIRED_COLUMNS = ("instance_type", "price_usd_per_hr")
+_NUMERIC_COLUMNS = (
+    "price_usd_per_hr",
+    "vcpus",
+    "memory_gib",
+    "gpus",
+    "gpu_memory_gib",
+    "speed_factor",
+    "spot_price_usd_per_hr",
+    "interruptions_per_hr",
+)
 
 # The same alphabet a fleet string (``type=count,type=count``) accepts, so that every type in a
 # catalog can be named on the command line.
@@ -445,6 +455,12 @@ def _parse_json(text: str, source: str) -> list[InstanceType]:
         where = f"{source}: row {row}"
         if not isinstance(record, dict):
             raise CatalogError(f"{where}: expected an object, got {type(record).__name__}")
+        # A CSV cell is text and read as a number; in JSON a price in quotes is a mistake.
+        for field in _NUMERIC_COLUMNS:
+            if isinstance(record.get(field), str):
+                raise CatalogError(
+                    f"{where}: {field}: must be a JSON number, not the text {record[field]!r}"
+                )
         records.append((where, record))
     return _build_types(records)
 

@@ -254,7 +254,7 @@ def test_csv_override_adds_and_replaces(tmp_path: Path) -> None:
 def test_json_override_adds_and_replaces(tmp_path: Path, wrapped: bool) -> None:
     rows = [
         {"instance_type": "t3.xlarge", "price_usd_per_hr": 0.2, "vcpus": 4, "memory_gib": 16},
-        {"instance_type": "emu.slow", "price_usd_per_hr": "0.01", "speed_factor": 0.25},
+        {"instance_type": "emu.slow", "price_usd_per_hr": 0.01, "speed_factor": 0.25},
     ]
     document = {"instance_types": rows} if wrapped else rows
     catalog = load_catalog(write(tmp_path, "catalog.json", json.dumps(document)))
@@ -373,6 +373,16 @@ def test_csv_tolerates_bom_spaces_and_trailing_empty_rows(tmp_path: Path) -> Non
             "bad.json",
             '[{"instance_type": "x.large", "price_usd_per_hr": true}]',
             ["row 1", "price_usd_per_hr", "not a number"],
+        ),
+        (
+            "bad.json",
+            '[{"instance_type": "x.large", "price_usd_per_hr": "0.5"}]',
+            ["row 1", "price_usd_per_hr", "must be a JSON number, not the text '0.5'"],
+        ),
+        (
+            "bad.json",
+            '[{"instance_type": "x.large", "price_usd_per_hr": 1, "gpus": "1"}]',
+            ["row 1", "gpus", "must be a JSON number, not the text '1'"],
         ),
         (
             "bad.csv",
