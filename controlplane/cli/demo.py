@@ -139,10 +139,6 @@ def _down(args: argparse.Namespace) -> int:
     when workers still run after the wait (what is left is said)."""
     settings = load_settings(args.config)
     configure_logging(args.log_level)
-    progress(
-        f"heteroplane demo --down: data in {settings.data_dir}, database"
-        f" {redact_url(settings.database_url)}, provisioner {settings.provisioner}"
-    )
     try:
         service = build_service(settings)
     except DatabaseInUseError as error:
@@ -152,6 +148,11 @@ def _down(args: argparse.Namespace) -> int:
             f" then run --down again, or take the app down on the running service:"
             f" heteroplane app down {DEMO_APP} (with HETEROPLANE_TOKEN set, as in README.md)"
         ) from None
+    # Said once the database is ours: a refusal above is the only line a refused --down prints.
+    progress(
+        f"heteroplane demo --down: data in {settings.data_dir}, database"
+        f" {redact_url(settings.database_url)}, provisioner {settings.provisioner}"
+    )
     try:
         down = stop_demo(service, progress)
     finally:

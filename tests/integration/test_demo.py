@@ -346,7 +346,7 @@ def test_demo_down_while_the_demo_runs_says_what_to_do(
     finally:
         lock.close()
     assert status == 2
-    last = err.splitlines()[-1]
+    (last,) = err.splitlines()  # the refusal alone, no banner before it
     assert f"the demo (pid {os.getpid()}) is running on {home / 'data'}" in last
     assert "stop it with Ctrl-C" in last and "heteroplane app down demo" in last
     assert "standby" not in err
