@@ -17,6 +17,7 @@ per stage.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,6 +56,14 @@ from estimator.traces import Trace, read_trace_csv
 def p99_text(p99_ms: float) -> str:
     """A replay's P99 for people: infinite when over 1% of the queries were refused."""
     return f"{p99_ms:.2f} ms" if np.isfinite(p99_ms) else "- (over 1% of queries refused)"
+
+
+def window_p99_text(p99_ms: float | None) -> str:
+    """A timeline window's P99 for people: ``-`` when no query arrived in it, and where over 1%
+    of its queries were refused (an infinite P99, JSON's null) says so rather than ``inf``."""
+    if p99_ms is None:
+        return "-"
+    return f"{p99_ms:.1f}" if math.isfinite(p99_ms) else ">1% refused"
 
 
 def scaling_policy(tuner: str, policy: str | None) -> tuple[ScalingPolicy, str]:
@@ -274,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
             lines.append(f"  {_caps_text(result.fleet_timeline.batch_caps)}")
         lines.append("  t_s      rate_qps  p99_ms      fleet")
         for window in result.timeline:
-            p99 = "-" if window.p99_ms is None else f"{window.p99_ms:.1f}"
+            p99 = window_p99_text(window.p99_ms)
             fleet = ",".join(f"{name}={count}" for name, count in window.fleet.items())
             lines.append(f"  {window.t_s:<8g} {window.rate_qps:<9.1f} {p99:<11} {fleet}")
         for stage in result.stages:

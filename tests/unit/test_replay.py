@@ -609,3 +609,11 @@ def test_the_kairos_capacity_model_of_rm2_saturates_on_the_base_type(tmp_path: P
         update={"slo": app.spec.slo.model_copy(update={"latency_ms": 1.0})}
     )
     assert kairos_capacity_model(resolve_spec(tight), "rm2", [GPU, CPU], trace) is None
+
+
+def test_a_windows_p99_reads_as_its_json_says() -> None:
+    """The text timeline's P99 column: a number, ``-`` for a window no query arrived in (JSON's
+    null), and a window with over 1% refused (an infinite P99, also null in JSON) says so."""
+    assert replay_cli.window_p99_text(12.345) == "12.3"
+    assert replay_cli.window_p99_text(None) == "-"
+    assert replay_cli.window_p99_text(float("inf")) == ">1% refused"
