@@ -129,8 +129,13 @@ def tuner_planning_trace(args: argparse.Namespace, trace: Trace, planning: Trace
 
 def run(args: argparse.Namespace) -> int:
     check_seed(args.seed)
-    # Interruptions replay the plan's fleet as it is (docs/spot.md): the tuner off by default.
-    by_default = args.interruptions_per_hour is not None and args.policy is None
+    # Interruptions replay the plan's fleet as it is (docs/spot.md): the tuner off by default;
+    # so does a plan with instances on spot (the tuner buys on demand and has no spot model).
+    given = read_plan(args.plan) if args.policy is None and args.plan is not None else None
+    spot_plan = given is not None and any(stage.spot_fleet for stage in given.stages)
+    by_default = args.policy is None and (args.interruptions_per_hour is not None or spot_plan)
+    if spot_plan and args.interruptions_per_hour is None and args.tuner != "off":
+        progress("replay: the plan has instances on spot: replayed static (--policy static)")
     policy, label = scaling_policy("off" if by_default else args.tuner, args.policy)
     check_options(args, label)
     app = resolve_spec(load_spec(args.spec))
@@ -150,8 +155,15 @@ def run(args: argparse.Namespace) -> int:
         )
         plan: PlanDocument = parse_plan(made.plan.to_document(), f"the {label} plan")
     else:
-        plan = read_plan(args.plan)
+        plan = given if given is not None else read_plan(args.plan)
     cascade = len(plan.stages) > 1
+    on_spot = {t: n for stage in plan.stages for t, n in stage.spot_fleet.items() if n}
+    if on_spot and policy != "static":
+        raise UsageError(
+            f"the plan has instances on spot ({','.join(f'{t}={n}' for t, n in on_spot.items())}):"
+            f" --policy {label} buys on demand and has no spot model; replay it with --policy"
+            " static (--interruptions-per-hour R interrupts its spot instances)"
+        )
     if cascade and policy == "utilization":
         raise UsageError(
             f"the plan has {len(plan.stages)} stages: a cascade replays static (--tuner off) or"
@@ -208,7 +220,19 @@ def run(args: argparse.Namespace) -> int:
             # read, so the tuner sizes the stage InferLine's way.
             model = "inferline"
     interruptions: dict[str, Any] | None = None
-    if args.interruptions_per_hour is not None:
+    if args.interruptions_per_hour is None and on_spot:
+        # The plan's spot instances billed at the spot price, as the plan priced them, and
+        # never interrupted (docs/spot.md): the interruption replay at no interruption.
+        stages = check_stages(plan, app) if cascade else (check_plan(plan, app),)
+        result, _ = replay_with_interruptions(
+            trace,
+            app,
+            plan,
+            np.random.default_rng(args.seed),
+            {t: 0.0 for stage in stages for t in stage.fleet},
+            admission=not args.no_admission,
+        )
+    elif args.interruptions_per_hour is not None:
         # One stage or every stage of a cascade at once (docs/spot.md).
         stages = check_stages(plan, app) if cascade else (check_plan(plan, app),)
         types = list(dict.fromkeys(t for stage in stages for t in stage.fleet))

@@ -103,6 +103,7 @@ __all__ = [
     "replay_pipeline",
     "replay_timeline",
     "split_slo_ms",
+    "stage_cost_usd_per_hr",
     "stage_slo_targets_ms",
     "static_policy_timeline",
     "static_timeline",
@@ -211,13 +212,34 @@ def check_plan(plan: PlanDocument, app: ResolvedApp) -> StagePlan:
                 f"the plan's type {name!r} is not one of the spec's instance types "
                 f"({', '.join(app.instance_types)})"
             )
-    cost = sum(count * app.prices_usd_per_hr[name] for name, count in stage.fleet.items())
+    cost = stage_cost_usd_per_hr(stage, app)
     if cost > app.constraints.budget_usd_per_hr + 1e-9:
         raise ReplayError(
             f"the plan's fleet {stage.fleet} costs {cost:.6g} USD/hr, over the spec's budget of "
             f"{app.constraints.budget_usd_per_hr:g} USD/hr"
         )
     return stage
+
+
+def stage_cost_usd_per_hr(stage: StagePlan, app: ResolvedApp) -> float:
+    """What ``stage``'s fleet costs an hour, as the plan priced it (docs/spot.md): its spot
+    instances (``spot_fleet``) at the catalog's spot price, the others on demand.
+
+    Raises:
+        ReplayError: a type on spot that the catalog gives no spot price.
+    """
+    cost = 0.0
+    for name, count in stage.fleet.items():
+        spot = min(stage.spot_fleet.get(name, 0), count)
+        if spot:
+            price = app.catalog[name].spot_price_usd_per_hr
+            if price is None:
+                raise ReplayError(
+                    f"the plan has {name} on spot, but the catalog gives it no spot price"
+                )
+            cost += spot * price
+        cost += (count - spot) * app.prices_usd_per_hr[name]
+    return cost
 
 
 # --- the fleet timeline ----------------------------------------------------------------------
@@ -1235,13 +1257,13 @@ def check_stages(plan: PlanDocument, app: ResolvedApp) -> tuple[StagePlan, ...]:
         )
     cost = 0.0
     for stage in plan.stages:
-        for name, count in stage.fleet.items():
+        for name in stage.fleet:
             if name not in app.prices_usd_per_hr:
                 raise ReplayError(
                     f"the plan's type {name!r} is not one of the spec's instance types "
                     f"({', '.join(app.instance_types)})"
                 )
-            cost += count * app.prices_usd_per_hr[name]
+        cost += stage_cost_usd_per_hr(stage, app)
     if cost > app.constraints.budget_usd_per_hr + 1e-9:
         raise ReplayError(
             f"the plan's fleets cost {cost:.6g} USD/hr, over the spec's budget of "

@@ -165,3 +165,44 @@ def test_the_command_replays_a_cascade_with_interruptions(
     late = json.loads(capsys.readouterr().out)
     assert late["refused_share"] == 0 and late["interruptions"] == stormy["interruptions"]
     assert late["cost_usd"] > calm["cost_usd"]
+
+
+def test_a_spot_plan_replays_at_the_price_it_was_planned_at(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan that fits its budget only at spot prices is replayed (not refused as over budget),
+    static, its spot instances billed at the spot price whether or not interruptions are asked
+    for; the tuner, which buys on demand, refuses it in one line."""
+    roomy = write_spec(tmp_path, 40.0, 1.5, spot="{enabled: true, survive_share: 0.5}")
+    trace_file = tmp_path / "trace.csv"
+    write_trace_csv(poisson_trace(200.0, queries=3000), trace_file)
+    assert main(["plan", "--spec", str(roomy), "--trace", str(trace_file), "--json"]) == 0
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(capsys.readouterr().out)
+    planned = json.loads(plan_file.read_text())
+    (stage,) = planned["stages"]
+    assert stage["spot_fleet"]
+    on_demand = planned["cost_if_on_demand_usd_per_hr"]
+    assert planned["cost_usd_per_hr"] < on_demand
+    # The budget the plan's own cost: over it on demand, within it at spot prices.
+    tight = write_spec(
+        tmp_path, 40.0, planned["cost_usd_per_hr"], spot="{enabled: true, survive_share: 0.5}"
+    )
+    args = ["replay", "--spec", str(tight), "--plan", str(plan_file), "--trace", str(trace_file)]
+    assert main([*args, "--policy", "static", "--json"]) == 0
+    static = json.loads(capsys.readouterr().out)
+    assert main([*args, "--interruptions-per-hour", "0", "--json"]) == 0
+    calm = json.loads(capsys.readouterr().out)
+    assert static["cost_usd"] == calm["cost_usd"]
+    assert static["p99_ms"] == calm["p99_ms"]
+    peak = max(w["cost_usd_per_hr"] for w in static["timeline"])
+    assert peak == pytest.approx(planned["cost_usd_per_hr"])
+    assert main([*args, "--json"]) == 0  # static by default for a spot plan
+    default = json.loads(capsys.readouterr().out)
+    assert default["policy"] == "static" and default["cost_usd"] == static["cost_usd"]
+    for policy in ("tuner", "utilization"):
+        with pytest.raises(SystemExit) as caught:
+            main([*args, "--policy", policy])
+        assert caught.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "has instances on spot" in err[0], err
