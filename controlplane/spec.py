@@ -582,8 +582,12 @@ def _parse_document(text: str, source: str, as_json: bool) -> object:
                 f"malformed JSON at line {error.lineno}, column {error.colno}: {error.msg}",
                 source,
             ) from None
+        except RecursionError:
+            raise SpecError("", "JSON nested too deeply to read", source) from None
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+    except RecursionError:
+        raise SpecError("", "YAML nested too deeply to read", source) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]

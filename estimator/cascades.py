@@ -401,6 +401,8 @@ def validation_from_document(document: object, source: str | None = None) -> Val
         if source is None:
             raise
         raise CascadeError(error.field, error.problem, source) from None
+    except OverflowError:  # a label, prediction, seed or count past 64 bits
+        raise CascadeError("", "a whole number too large for 64 bits", source) from None
 
 
 def load_validation(path: str | Path) -> ValidationRecords:
@@ -421,6 +423,8 @@ def load_validation(path: str | Path) -> ValidationRecords:
     except json.JSONDecodeError as error:
         problem = f"malformed JSON at line {error.lineno}, column {error.colno}: {error.msg}"
         raise CascadeError("", problem, source) from None
+    except RecursionError:
+        raise CascadeError("", "JSON nested too deeply to read", source) from None
     return validation_from_document(document, source)
 
 

@@ -220,7 +220,10 @@ def _checked_real(
 ) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _FieldError(field, f"must be a number, got {value!r}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past any float
+        raise _FieldError(field, "must be finite, got a number too large") from None
     if not math.isfinite(number):
         raise _FieldError(field, f"must be finite, got {number!r}")
     if positive and number <= 0.0:
@@ -444,6 +447,8 @@ def _parse_json(text: str, source: str) -> list[InstanceType]:
         raise CatalogError(
             f"{source}: malformed JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
         ) from None
+    except RecursionError:
+        raise CatalogError(f"{source}: JSON nested too deeply to read") from None
     if isinstance(document, dict) and "instance_types" in document:
         document = document["instance_types"]
     if not isinstance(document, list):
@@ -522,7 +527,10 @@ def _number(record: Mapping[str, object], field: str) -> float | None:
     if isinstance(raw, bool):
         raise _FieldError(field, f"not a number: {raw!r}")
     if isinstance(raw, int | float):
-        return float(raw)
+        try:
+            return float(raw)
+        except OverflowError:  # a JSON integer past any float
+            raise _FieldError(field, "must be finite, got a number too large") from None
     if isinstance(raw, str):
         try:
             return float(raw.strip())

@@ -18,7 +18,7 @@ import gzip
 import io
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -303,7 +303,13 @@ def _parse_kairos_csv(text: str, where: str, drop_largest: bool = True) -> Profi
 
 def _read_kairos_columns(text: str, where: str) -> _KairosColumns:
     """The reference reader: the ``csv`` module, row by row, with the file's errors."""
-    reader = csv.reader(io.StringIO(text))
+    try:
+        return _read_kairos_rows(csv.reader(io.StringIO(text)), where)
+    except csv.Error as error:  # e.g. a cell past the csv module's field size limit
+        raise ProfileError(f"{where}: not a readable CSV ({error})") from None
+
+
+def _read_kairos_rows(reader: Iterator[list[str]], where: str) -> _KairosColumns:
     header = next(reader, None)
     if header is None:
         raise ProfileError(f"{where}: empty file")
@@ -314,6 +320,8 @@ def _read_kairos_columns(text: str, where: str) -> _KairosColumns:
             f"{where}: not a Kairos samples CSV, missing column(s) {', '.join(missing)}"
         )
     rows = list(reader)
+    while rows and not any(cell.strip() for cell in rows[-1]):
+        rows.pop()  # blank lines at the end end no row (as in a trace); the rest keep their lines
     if not rows:
         raise ProfileError(f"{where}: no data rows")
     index = {name: header.index(name) for name in KAIROS_COLUMNS}
@@ -331,7 +339,7 @@ def _read_kairos_columns(text: str, where: str) -> _KairosColumns:
         model_names=model_names,
         type_code=type_code,
         type_names=type_names,
-        batch_size=_numeric_column(columns[index["batch_size"]], "batch_size", where, np.int64),
+        batch_size=_numeric_column(columns[index["batch_size"]], "batch_size", where, np.float64),
         infer_ms=_numeric_column(columns[index["infer_ms"]], "infer_ms", where, np.float64),
         load_ms=_numeric_column(columns[index["load_ms"]], "load_ms", where, np.float64),
     )
@@ -441,7 +449,7 @@ def _read_kairos_columns_fast(text: str) -> _KairosColumns | None:
         model_names=model[1],
         type_code=instance_type[0],
         type_names=instance_type[1],
-        batch_size=batch_size.astype(np.int64),
+        batch_size=batch_size,
         infer_ms=infer_ms,
         load_ms=load_ms,
     )
@@ -522,19 +530,29 @@ def _decimal_field(padded: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> 
 def _group_kairos_columns(columns: _KairosColumns, where: str, drop_largest: bool) -> ProfileSet:
     """One profile per (model, instance type), one cell per batch size, each cell's samples
     sorted and (``drop_largest``) its largest one dropped; profiles ordered by model, then type."""
-    batch = columns.batch_size
-    latency = columns.infer_ms + columns.load_ms
+    # Both readers give batch sizes as read (floats): a whole number is checked here, before
+    # any cast, so that 2.7 is not read as 2 nor 1e30 as a negative.
+    read = columns.batch_size
+    bad = np.flatnonzero(~np.isfinite(read) | (read != np.floor(read)))
+    if bad.size:
+        line = int(bad[0]) + 2
+        raise ProfileError(
+            f"{where}: line {line}: batch_size {read[bad[0]]:g} is not a whole number"
+        )
+    bad = np.flatnonzero(read > MAX_BATCH_SIZE)
+    if bad.size:
+        line = int(bad[0]) + 2
+        raise ProfileError(
+            f"{where}: line {line}: batch_size {read[bad[0]]:.15g} is past the largest,"
+            f" {MAX_BATCH_SIZE:,}"
+        )
+    batch = read.astype(np.int64)
+    with np.errstate(over="ignore"):  # two huge latencies add up to inf, refused below
+        latency = columns.infer_ms + columns.load_ms
     bad = np.flatnonzero(~np.isfinite(latency) | (latency < 0) | (batch < 1))
     if bad.size:
         line = int(bad[0]) + 2
         raise ProfileError(f"{where}: line {line} needs batch_size >= 1 and latencies >= 0")
-    bad = np.flatnonzero(batch > MAX_BATCH_SIZE)
-    if bad.size:
-        line = int(bad[0]) + 2
-        raise ProfileError(
-            f"{where}: line {line}: batch_size {int(batch[bad[0]])} is past the largest,"
-            f" {MAX_BATCH_SIZE:,}"
-        )
 
     # Rows in (model, type, batch) order, then each cell's samples by latency: a stable sort
     # (ties keep the file's order). The codes sort as the names do. A file written cell by cell
@@ -582,6 +600,8 @@ def _parse_profiles_json(text: str, where: str) -> ProfileSet:
         raise ProfileError(
             f"{where}: malformed JSON ({error.msg} at line {error.lineno})"
         ) from None
+    except RecursionError:
+        raise ProfileError(f"{where}: JSON nested too deeply to read") from None
     return profiles_from_document(document, where)
 
 
@@ -607,8 +627,10 @@ def profiles_from_document(document: Any, where: str) -> ProfileSet:
             raise ProfileError(f"{label}: batch_sizes must be whole numbers")
         too_large = [size for size in sizes if size > MAX_BATCH_SIZE]
         if too_large:
+            digits = str(too_large[0])
+            shown = digits if len(digits) <= 24 else f"{digits[:12]}... ({len(digits)} digits)"
             raise ProfileError(
-                f"{label}: batch_sizes must be at most {MAX_BATCH_SIZE:,}, got {too_large[0]}"
+                f"{label}: batch_sizes must be at most {MAX_BATCH_SIZE:,}, got {shown}"
             )
         try:
             samples = tuple(
@@ -617,6 +639,8 @@ def profiles_from_document(document: Any, where: str) -> ProfileSet:
             )
         except (TypeError, ValueError):
             raise ProfileError(f"{label}: latency_ms must hold numbers") from None
+        except OverflowError:  # a JSON integer past any float
+            raise ProfileError(f"{label}: latency_ms holds a number too large") from None
         try:
             profiles.append(
                 LatencyProfile(

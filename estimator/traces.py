@@ -248,6 +248,8 @@ def read_trace_csv(path: str | Path) -> Trace:
         raise TraceError(
             f"trace {path} is not UTF-8 text (byte {error.start} cannot be decoded)"
         ) from None
+    except csv.Error as error:  # e.g. a cell past the csv module's field size limit
+        raise TraceError(f"trace {path}: not a readable CSV ({error})") from None
 
 
 def _read_trace_csv(path: Path) -> Trace:

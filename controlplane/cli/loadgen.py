@@ -95,7 +95,7 @@ def _records_seed(path: object) -> int | None:
         return None
     try:
         document = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     seed = document.get("seed") if isinstance(document, dict) else None
     return seed if isinstance(seed, int) and not isinstance(seed, bool) else None

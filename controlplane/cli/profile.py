@@ -185,7 +185,7 @@ def _json_meta(path: Path) -> dict[str, Any]:
     """The top-level keys of a profile JSON file other than its profiles ({} for a CSV)."""
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeError, ValueError):
+    except (OSError, UnicodeError, ValueError, RecursionError):
         return {}
     if not isinstance(document, dict):
         return {}

@@ -109,6 +109,8 @@ def read_inputs(path: Path) -> dict[str, NDArray[Any]]:
         raise ValueError(f"{path}: {error.strerror or error}") from None
     except (ValueError, KeyError, TypeError, ArtifactError) as error:
         raise ValueError(f"{path}: {error}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read") from None
     if not arrays:
         raise ValueError(f"{path}: no arrays")
     for name, array in arrays.items():

@@ -271,6 +271,8 @@ def read_plan(path: str | Path) -> PlanDocument:
     except json.JSONDecodeError as error:
         problem = f"malformed JSON at line {error.lineno}, column {error.colno}: {error.msg}"
         raise PlanError("", problem, source) from None
+    except RecursionError:
+        raise PlanError("", "JSON nested too deeply to read", source) from None
     return PlanDocument.parse(document, source)
 
 

@@ -253,6 +253,74 @@ def test_a_profile_batch_size_of_ten_to_the_thirty_is_one_line(
     assert "profiles[0]: batch_sizes must be at most 1,000,000, got 10000000000" in error
 
 
+_DEEP = "[" * 100_000 + "]" * 100_000
+_KAIROS_HEADER = "model,instance_type,batch_size,sample,infer_ms,load_ms\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "command", "expected"),
+    [
+        # JSON nested past the parser's recursion limit, wherever a JSON file is read.
+        ("deep.json", _DEEP, "spec", "deep.json: JSON nested too deeply to read"),
+        ("deep.yaml", _DEEP, "spec", "deep.yaml: YAML nested too deeply to read"),
+        ("deep.json", _DEEP, "plan", "deep.json: JSON nested too deeply to read"),
+        ("deep.json", _DEEP, "catalog", "deep.json: JSON nested too deeply to read"),
+        ("p.json", '{"profiles": ' + _DEEP + "}", "profiles", "JSON nested too deeply to read"),
+        # A cell past the csv module's field size limit.
+        ("t.csv", "arrival_s,batch_size\n0,1\n1," + "1" * 200_000, "trace", "not a readable CSV"),
+        ("p.csv", _KAIROS_HEADER + "m,c5.xlarge,1,0,10," + "1" * 200_000, "profiles",
+         "not a readable CSV"),
+        # Integers past any float or 64 bits.
+        ("c.json", '[{"instance_type": "x1", "price_usd_per_hr": 1' + "0" * 400 + "}]",
+         "catalog", "price_usd_per_hr: must be finite, got a number too large"),
+        ("p.json", '{"profiles": [{"model": "m", "instance_type": "c5.xlarge", "batch_sizes": [1],'
+         ' "latency_ms": [[1' + "0" * 400 + "]]}]}", "profiles",
+         "latency_ms holds a number too large"),
+        # A Kairos CSV's batch size is a whole number: 2.7 is not read as 2.
+        ("p.csv", _KAIROS_HEADER + "m,c5.xlarge,2.7,0,10,1\nm,c5.xlarge,2,1,12,1\n", "profiles",
+         "line 2: batch_size 2.7 is not a whole number"),
+        ("p.csv", _KAIROS_HEADER + "m,c5.xlarge,1e30,0,10,1\n", "profiles",
+         "line 2: batch_size 1e+30 is past the largest"),
+    ],
+)  # fmt: skip
+def test_files_past_the_parsers_limits_are_one_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    text: str,
+    command: str,
+    expected: str,
+) -> None:
+    (tmp_path / "bad").mkdir()
+    bad = _write(tmp_path / "bad" / name, text)
+    profiles = write_profile_csv(tmp_path / "ok.csv")
+    trace = _write(tmp_path / "ok-trace.csv", "arrival_s,batch_size\n0,1\n1,1\n")
+    argv = {
+        "spec": ["plan", "--spec", str(bad), "--trace", str(trace)],
+        "plan": ["replay", "--spec", str(bad), "--plan", str(bad), "--trace", str(trace)],
+        "catalog": [*_simulate(tmp_path), "--catalog", str(bad)],
+        "profiles": ["profile", "show", str(bad)],
+        "trace": ["trace", "stats", str(bad)],
+    }[command]
+    if command == "plan":
+        spec = _write(
+            tmp_path / "app.yaml",
+            f"name: a\nmodels: [{{name: m, profiles: {profiles}}}]\nslo: {{latency_ms: 100}}\n"
+            "budget_usd_per_hr: 5\ninstance_types: [g4dn.xlarge]\n",
+        )
+        argv[2] = str(spec)
+    error = one_line_error(capsys, argv)
+    assert expected in error, error
+
+
+def test_a_profile_csv_may_end_in_blank_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path / "p.csv", _KAIROS_HEADER + "m,c5.xlarge,1,0,10,1\n\n\n")
+    assert main(["profile", "show", str(path), "--json"]) == 0
+    assert "c5.xlarge" in capsys.readouterr().out
+
+
 # --- the client commands -----------------------------------------------------------------------
 
 
