@@ -48,6 +48,7 @@ __all__ = [
     "PLAN_TAG",
     "PROVIDER_STATES",
     "REQUEST_TAG",
+    "WITHHELD_ENV",
     "EventKind",
     "LaunchRequest",
     "ProviderState",
@@ -66,6 +67,11 @@ PLAN_TAG = "heteroplane:plan"
 REQUEST_TAG = "heteroplane:request-id"
 # The control plane's own id of the instance (its database row), when it has one.
 INSTANCE_TAG = "heteroplane:instance-id"
+# The control plane's secrets, kept out of the environment of a worker (and of the model
+# inspector): they run the models users push, whose code can read its own /proc/PID/environ. The
+# internal secret opens the serving process's internal routes; a client's token and a database URL
+# (its password) are the service's, not a model's. (AWS credentials stay: workers fetch from S3.)
+WITHHELD_ENV = ("HETEROPLANE_INTERNAL_TOKEN", "HETEROPLANE_TOKEN", "HETEROPLANE_DATABASE_URL")
 
 ProviderState = Literal["pending", "running", "stopping", "terminated", "failed"]
 PROVIDER_STATES: tuple[ProviderState, ...] = get_args(ProviderState)

@@ -67,6 +67,7 @@ from typing import Any
 
 from provisioners.artifacts import ArtifactRef
 from provisioners.base import (
+    WITHHELD_ENV,
     EventKind,
     LaunchRequest,
     ProviderState,
@@ -537,7 +538,7 @@ class LocalProvisioner:
         return command
 
     def _environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = {name: value for name, value in os.environ.items() if name not in WITHHELD_ENV}
         # The worker imports provisioners from this checkout even where it is not installed.
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

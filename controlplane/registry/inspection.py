@@ -49,6 +49,7 @@ from typing import Protocol
 
 from controlplane.errors import ModelRejectedError
 from provisioners.artifacts import FORMATS, ArtifactError, ModelSignature
+from provisioners.base import WITHHELD_ENV
 
 __all__ = [
     "CPU_GRACE_S",
@@ -323,7 +324,8 @@ def _size(path: Path) -> int:
 def _environment() -> dict[str, str]:
     # The same interpreter and import path as the service (a source checkout, a venv), one
     # thread per runtime: inspection loads a model once, it does not need the machine's cores.
-    environment = dict(os.environ)
+    # The control plane's secrets stay out of it, as out of a worker's: it loads a user's model.
+    environment = {k: v for k, v in os.environ.items() if k not in WITHHELD_ENV}
     root = str(Path(__file__).resolve().parents[2])
     path = environment.get("PYTHONPATH")
     environment["PYTHONPATH"] = root if not path else os.pathsep.join((root, path))

@@ -24,6 +24,7 @@ Everything waits by polling with a deadline; nothing is timed.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -192,6 +193,17 @@ def test_serving_outlives_its_loops_and_one_loops_process_leads_on_sqlite(
         )
         apply_local_app(api, APP, profile)
         wait_for("an answer", lambda: True if _answers(api) else None, logs)
+        # The workers the loops process launched (they run users' models) hold none of the
+        # control plane's secrets in their environment, the internal one above all.
+        from controlplane.provisioning import LOCAL_WORKERS_DIR
+
+        records = sorted((data_dir / LOCAL_WORKERS_DIR / "instances").glob("*.json"))
+        pids = [json.loads(record.read_text())["pid"] for record in records]
+        assert pids and all(process_alive(pid) for pid in pids)
+        for pid in pids:
+            assert not {"HETEROPLANE_INTERNAL_TOKEN", "HETEROPLANE_DATABASE_URL"} & set(
+                environ_of(pid)
+            )
 
         os.kill(supervised["pid"], signal.SIGKILL)
         assert all(_answers(api) for _ in range(5)), logs()
