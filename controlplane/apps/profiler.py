@@ -43,6 +43,7 @@ import json
 import platform
 import socket
 import tempfile
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -501,9 +502,15 @@ def _time_calls(
         name: {model: [] for model in models} for name in clients
     }
 
+    # Set when the caller stops (Ctrl-C, SIGTERM, a failed worker): the other threads end at
+    # their next call, so that the pool's shutdown does not wait out every round first.
+    stopping = threading.Event()
+
     def one_type(name: str, batch_size: int) -> dict[str, np.ndarray]:
         timed: dict[str, list[float]] = {model: [] for model in models}
         for k in range(rounds):
+            if stopping.is_set():
+                break
             batch = rows[(k * batch_size + np.arange(batch_size)) % len(rows)]
             for model in models:
                 elapsed_ms = clients[name].infer_ms(model, {tensor.name: batch})
@@ -512,14 +519,18 @@ def _time_calls(
         return {model: np.array(values) for model, values in timed.items()}
 
     with ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="profile") as pool:
-        for batch_size in batch_sizes:
-            say(
-                f"timing {', '.join(models)} at batch size {batch_size} through the workers of"
-                f" {', '.join(clients)}: {settings.warmup} warm-up and {settings.samples} timed"
-                " calls each"
-            )
-            futures = {name: pool.submit(one_type, name, batch_size) for name in clients}
-            for name, future in futures.items():
-                for model, cell in future.result().items():
-                    samples[name][model].append(cell)
+        try:
+            for batch_size in batch_sizes:
+                say(
+                    f"timing {', '.join(models)} at batch size {batch_size} through the workers"
+                    f" of {', '.join(clients)}: {settings.warmup} warm-up and"
+                    f" {settings.samples} timed calls each"
+                )
+                futures = {name: pool.submit(one_type, name, batch_size) for name in clients}
+                for name, future in futures.items():
+                    for model, cell in future.result().items():
+                        samples[name][model].append(cell)
+        except BaseException:
+            stopping.set()
+            raise
     return samples

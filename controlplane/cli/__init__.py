@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from controlplane import __version__
@@ -24,6 +26,19 @@ from estimator.errors import EstimatorError
 
 # 128 + SIGPIPE: what a shell reports for a writer whose reader left.
 EXIT_BROKEN_PIPE = 141
+# 128 + SIGTERM: a command stopped by SIGTERM (timeout, systemd, docker) after its clean-up.
+EXIT_TERMINATED = 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so that what a command
+    started (profiling workers, a demo's preparation) is stopped by the same ``finally`` blocks
+    rather than left running when the process dies outright. ``serve`` hands SIGTERM to uvicorn
+    while it serves (its graceful stop)."""
+
+
+def _terminate(_signum: int, _frame: object) -> None:
+    raise Terminated
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _run(args)  # signals reach the main thread alone
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _run(args)
+    finally:  # a caller's own handler back (main() is also called in process, by tests)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         status: int = args.handler(args)
         sys.stdout.flush()  # a reader that left (`| head`) is found here, not at exit
@@ -53,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A missing or unreadable file the user named: say which, without a traceback.
         name = f" {error.filename}" if error.filename else ""
         fail(f"heteroplane {args.command}: cannot read or write{name}: {error.strerror or error}")
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
