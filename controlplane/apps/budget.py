@@ -15,7 +15,9 @@ API's ``PUT /v1/apps/{app}/budget`` and the command line's ``budget set`` go thr
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from controlplane.apps.resolver import AppResolver, smallest_common_batch_size
 from controlplane.crashpoints import crash_point
@@ -68,12 +70,19 @@ def _planned_stages(store: Store, app: str) -> dict[str, dict[str, int]]:
 
 
 def check_serving_floor(
-    store: Store, resolver: AppResolver, app: str, usd_per_hr: float, *, force: bool = False
+    store: Store,
+    resolver: AppResolver,
+    app: str,
+    usd_per_hr: float,
+    *,
+    force: bool = False,
+    spec: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
     """Refuse a budget of ``usd_per_hr`` below ``app``'s smallest serving fleet (one instance of
     the cheapest planned type on every stage of its applied plan) unless ``force``; the planned
     stages and each type's value (qps per USD/hr, empty when the profiles do not resolve), which
-    a drain ranks by.
+    a drain ranks by. Prices come from ``spec`` (a spec being applied, with its own catalog),
+    by default the app's stored one.
 
     Raises:
         NotFoundError: no such app.
@@ -84,7 +93,7 @@ def check_serving_floor(
     # The catalog's prices; the recorded ones stand in for a spec that does not resolve.
     prices = {i.instance_type: i.price_usd_per_hr for i in live}
     try:
-        resolved = resolver.resolve(record.spec, check_budget=False)
+        resolved = resolver.resolve(record.spec if spec is None else spec, check_budget=False)
         prices.update(resolved.prices_usd_per_hr)
         values = qps_by_type(resolved, smallest_common_batch_size(resolved))
     except EstimatorError as error:

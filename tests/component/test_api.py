@@ -1025,6 +1025,30 @@ def test_a_spec_whose_budget_is_below_the_smallest_serving_fleet_is_a_409_too(ap
     assert (changes[-1]["new_usd_per_hr"], changes[-1]["reason"]) == (floor, "spec updated")
 
 
+def test_a_spec_lowering_its_budget_is_held_to_the_floor_at_its_own_prices(api: Api) -> None:
+    """The floor a spec's lower budget is checked against is priced by that spec (its catalog),
+    not by the one it replaces: a catalog that makes the planned type cheaper lets a budget
+    through that the old prices would have refused."""
+    api.register(slo={"latency_ms": 10.0})
+    plan, floor = applied_plan(api)
+    assert set(plan["stages"][0]["fleet"]) == {"g4dn.xlarge"} and floor == PRICES["g4dn.xlarge"]
+    api.store.record_instance(
+        "toy", request_id="r0", instance_type="g4dn.xlarge", price_usd_per_hr=floor,
+        state="running",
+    )  # fmt: skip
+    (api.data_dir / "cheap.csv").write_text("instance_type,price_usd_per_hr\ng4dn.xlarge,0.2\n")
+    spec = api.call("GET", "/v1/apps/toy").json()["spec"]
+    cheaper = {**spec, "budget_usd_per_hr": 0.3, "catalog": str(api.data_dir / "cheap.csv")}
+    response = api.call("PUT", "/v1/apps/toy", json=cheaper)
+    assert response.status_code == 200, response.text
+    assert api.call("GET", "/v1/apps/toy").json()["budget_usd_per_hr"] == 0.3
+    # Below the floor at the new prices, still a 409.
+    error = assert_error(
+        api.call("PUT", "/v1/apps/toy", json={**cheaper, "budget_usd_per_hr": 0.15}), 409
+    )
+    assert "smallest serving fleet" in error["message"] and "0.2 USD/hr" in error["message"]
+
+
 def test_a_budget_at_the_smallest_serving_fleet_keeps_one_instance_per_stage(api: Api) -> None:
     api.register()
     plan, floor = applied_plan(api)

@@ -112,7 +112,10 @@ def replace_app(
         # A lower budget in the spec is held to PUT .../budget's rule (not forced): below the
         # smallest serving fleet a 409; the reconciler drains what is over it, as after that.
         try:
-            check_serving_floor(services.store, services.resolver, app, float(budget))
+            # At the prices of the spec being applied (its catalog may differ from the old).
+            check_serving_floor(
+                services.store, services.resolver, app, float(budget), spec=replaced
+            )
         except BudgetBelowServingFleetError as error:
             raise ApiError(
                 409,
