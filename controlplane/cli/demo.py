@@ -35,6 +35,7 @@ from controlplane.cli.serve import (
     listen,
     serve_until_stopped,
 )
+from controlplane.db.lease import lock_sqlite_database
 from controlplane.db.session import redact_url
 from controlplane.db.store import PlanRecord
 from controlplane.errors import DatabaseInUseError
@@ -102,6 +103,11 @@ def _serve(args: argparse.Namespace) -> int:
             f"heteroplane demo: data in {settings.data_dir}, database"
             f" {redact_url(settings.database_url)}, provisioner {settings.provisioner}"
         )
+        # Another service on this SQLite database: refused now, as `serve` is, not after the
+        # minutes of training and measuring below (build_served takes the lock for good).
+        held = lock_sqlite_database(settings.database_url)
+        if held is not None:
+            held.close()
         # The family and its profiles first: the local provisioner hands the profiles to the
         # workers it launches, so they must be there when the service is built.
         family = prepare_family(settings.data_dir, args.profile_samples, progress)

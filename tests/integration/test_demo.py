@@ -350,3 +350,22 @@ def test_demo_down_while_the_demo_runs_says_what_to_do(
     assert f"the demo (pid {os.getpid()}) is running on {home / 'data'}" in last
     assert "stop it with Ctrl-C" in last and "heteroplane app down demo" in last
     assert "standby" not in err
+
+
+@pytest.mark.usefixtures("quiet_env")
+def test_demo_on_a_database_another_service_holds_is_refused_before_any_work(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second demo (or one beside a ``serve``) on the same SQLite file says so at once, as a
+    second ``serve`` does, rather than train and measure the family into that data directory
+    first (here: this test holds the serving process's lock)."""
+    lock = lock_sqlite_database(f"sqlite:///{home / 'data' / 'heteroplane.db'}")
+    assert lock is not None
+    try:
+        status, err = run_demo(capsys, "--port", "0", "--no-load")
+    finally:
+        lock.close()
+    assert status == 2
+    last = err.splitlines()[-1]
+    assert "already serves the SQLite database" in last and "Traceback" not in err
+    assert not (home / "data" / "models").exists() and not (home / "data" / "profiles").exists()
