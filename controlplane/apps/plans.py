@@ -31,6 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from controlplane.apps.resolver import AppResolver, smallest_common_batch_size
+from controlplane.apps.teardown import teardown_requested
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import PlanRecord, Store
 from controlplane.errors import ConflictError, InvalidValueError, ProfilesNotMeasuredError
@@ -264,7 +265,8 @@ def apply_plan(store: Store, app: str, plan_id: int, who: str) -> PlanRecord:
     Raises:
         NotFoundError: no such app or plan.
         ConflictError: the plan is stale, applied already, or another apply won; or it has no
-            stages (infeasible at every rate: applying it would drain the whole fleet).
+            stages (infeasible at every rate: applying it would drain the whole fleet); or the
+            app is being taken down.
     """
     planned = store.get_plan(app, plan_id).plan
     if not planned.stages:
@@ -272,6 +274,12 @@ def apply_plan(store: Store, app: str, plan_id: int, who: str) -> PlanRecord:
             f"plan {plan_id} of app {app!r} has no stages (no rate can be served within the"
             " budget and the SLO: it would drain every instance); it is not applied. Raise the"
             " budget or loosen the SLO and preview another"
+        )
+    if teardown_requested(store, store.get_app(app)):
+        raise ConflictError(
+            f"app {app!r} is being taken down (heteroplane app down): plan {plan_id} is not"
+            " applied to it; set its budget again (heteroplane budget set) to call the teardown"
+            " off, then apply"
         )
     record = store.apply_plan(app, plan_id)
     crash_point("plan_apply.after_apply")

@@ -156,6 +156,30 @@ def test_a_budget_change_calls_a_teardown_off(service: Service, client: TestClie
     assert client.get(f"/v1/apps/{APP}").status_code == 200
 
 
+def test_a_plan_is_not_applied_to_an_app_being_taken_down(
+    service: Service, client: TestClient
+) -> None:
+    """An apply while the app drains for its teardown is a 409 that says how to call the
+    teardown off, not a 200 whose plan goes with the app moments later."""
+    service.store.create_app(spec(), who="test")
+    apply_fleet(service, {SMALL: 2})
+    start(service)
+    later = service.store.create_plan(
+        APP,
+        {
+            "feasible": True,
+            "cost_usd_per_hr": 0.05,
+            "stages": [{"name": "tiny", "fleet": {SMALL: 1}}],
+        },
+    )
+    assert client.delete(f"/v1/apps/{APP}?drain=true").status_code == 202
+    refused = client.post(f"/v1/apps/{APP}/plans/{later.id}/apply")
+    assert refused.status_code == 409, refused.text
+    message = refused.json()["error"]["message"]
+    assert "being taken down" in message and "heteroplane budget set" in message
+    assert service.store.get_plan(APP, later.id).applied_at is None
+
+
 def test_a_plan_shrink_waits_for_the_disruption_budget(service: Service) -> None:
     service.store.create_app(spec(), who="test")
     apply_fleet(service, {SMALL: 4})
