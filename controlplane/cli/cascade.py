@@ -71,16 +71,18 @@ def run_evaluate(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-stages must be >= 1, got {args.max_stages}")
     if args.samples < 1 or args.warmup < 0 or args.threads < 1:
         raise UsageError("--samples and --threads must be >= 1 and --warmup >= 0")
+    if args.instance_type is not None and args.profiles is None:
+        raise UsageError("--instance-type goes with --profiles (whose latency is the compute)")
     profiles = load_profiles(args.profiles) if args.profiles is not None else None
+    instance_type = args.instance_type or profiler.REFERENCE_TYPE
 
     directory = family.ensure_family(args.cache_dir, progress=progress)
     records = load_validation(directory / family.VALIDATION_FILE)
     if profiles is not None:
         compute_ms = {
-            name: profiles.get_profile(name, args.instance_type).mean_latency_ms(1)
-            for name in models
+            name: profiles.get_profile(name, instance_type).mean_latency_ms(1) for name in models
         }
-        compute_source = f"{args.profiles}, {args.instance_type}"
+        compute_source = f"{args.profiles}, {instance_type}"
     else:
         settings = profiler.MeasureSettings(args.samples, args.warmup, args.threads)
         compute_ms = profiler.measure_compute_ms(

@@ -70,7 +70,7 @@ def run_pareto(args: argparse.Namespace) -> int:
     """The ``plan --pareto`` handler: reads ``--spec``, ``--trace``, ``--validation``."""
     if args.validation is None:
         raise UsageError("--pareto needs --validation FILE (the cascade's validation records)")
-    grid = _grid(args.thresholds)
+    grid = PARETO_GRID if args.thresholds is None else _grid(args.thresholds)
     app = resolve_spec(load_spec(args.spec))
     if len(app.spec.serving_order) < 2:
         raise UsageError("--pareto needs a cascade: the spec has one model")

@@ -1023,9 +1023,8 @@ def _cascade(subparsers: Subparsers) -> None:
     )
     evaluate.add_argument(
         "--instance-type",
-        default=PROFILE_REFERENCE_TYPE,
         metavar="T",
-        help="with --profiles: whose latency is the compute (default %(default)s)",
+        help=f"with --profiles: whose latency is the compute (default {PROFILE_REFERENCE_TYPE})",
     )
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
     registered = evaluate.add_argument_group(
@@ -1520,9 +1519,9 @@ def add_pareto_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--thresholds",
-        default=",".join(f"{h:g}" for h in PARETO_GRID),
         metavar="H1,H2,...",
-        help="certainty thresholds to sweep at each stage, in [0, 1] (default %(default)s)",
+        help="certainty thresholds to sweep at each stage, in [0, 1] (default"
+        f" {','.join(f'{h:g}' for h in PARETO_GRID)})",
     )
 
 

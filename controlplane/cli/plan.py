@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from controlplane.cli.common import check_seed
-from controlplane.cli.output import emit, progress
+from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.pareto import run_pareto
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import plan_app
@@ -24,6 +24,13 @@ def run(args: argparse.Namespace) -> int:
     check_seed(args.seed)
     if args.pareto:
         return run_pareto(args)
+    given = [
+        o for o, v in (("--validation", args.validation), ("--thresholds", args.thresholds)) if v
+    ]
+    if given:
+        raise UsageError(
+            f"{' and '.join(given)}: only with --pareto (the Pareto front of a cascade)"
+        )
     spec = load_spec(args.spec)
     app = resolve_spec(spec)
     trace = read_trace_csv(args.trace)
@@ -65,7 +72,7 @@ def _human(data: dict[str, Any], plan: PlanDocument) -> str:
         )
         lines.append(
             f"  {s.name}: {fleet}, batch {s.batch_size}, {s.policy} dispatch;"
-            f" P99 {s.predicted_p99_ms:.1f} ms, {s.throughput_qps:.2f} qps,"
+            f" P{data['percentile']:g} {s.predicted_p99_ms:.1f} ms, {s.throughput_qps:.2f} qps,"
             f" ${s.cost_usd_per_hr:.3f}/hr"
         )
     lines.append(f"  steps ({plan.simulations} simulations):")

@@ -20,6 +20,10 @@ from estimator.batches import MAX_BATCH_SIZE
 from estimator.policies import full_range_types, policy_factory
 from estimator.simulator import InstanceSpec, Stage, simulate
 
+# The dispatch policies that send each query alone whatever the stage's batch cap
+# (docs/matching.md: matching.kairos, matching.clockwork).
+SINGLE_QUERY_POLICIES = ("kairos", "clockwork")
+
 
 def run(args: argparse.Namespace) -> int:
     positive("--qos-ms", args.qos_ms)
@@ -30,6 +34,11 @@ def run(args: argparse.Namespace) -> int:
     at_most("--max-batch", args.max_batch, MAX_BATCH_SIZE)
     check_drs_threshold(args.drs_threshold)
     check_seed(args.seed)
+    if args.max_batch > 1 and args.policy in SINGLE_QUERY_POLICIES:
+        raise UsageError(
+            f"--max-batch {args.max_batch}: the {args.policy} policy runs each query alone (in"
+            " the Kairos setting a query already is a batch); batches are fcfs's and drs's"
+        )
     profiles, catalog = load_inputs(args)
     fleet = parse_fleet(args.fleet, catalog)
     model_profiles = {name: profiles.get_profile(args.model, name) for name in fleet}

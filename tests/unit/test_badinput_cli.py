@@ -321,6 +321,45 @@ def test_a_profile_csv_may_end_in_blank_lines(
     assert "c5.xlarge" in capsys.readouterr().out
 
 
+def test_options_that_would_be_ignored_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An option that does nothing where it is given is a one-line error, not silently dropped."""
+    for policy in ("kairos", "clockwork"):
+        error = one_line_error(capsys, _simulate(tmp_path, "--policy", policy, "--max-batch", "4"))
+        assert f"the {policy} policy runs each query alone" in error
+    spec = _write(
+        tmp_path / "app.yaml",
+        f"name: a\nmodels: [{{name: m, profiles: {tmp_path / 'p.csv'}}}]\n"
+        "slo: {latency_ms: 100}\nbudget_usd_per_hr: 5\ninstance_types: [g4dn.xlarge]\n",
+    )
+    trace = _write(tmp_path / "t.csv", "arrival_s\n0\n1\n")
+    plan = ["plan", "--spec", str(spec), "--trace", str(trace)]
+    error = one_line_error(capsys, [*plan, "--thresholds", "0.5"])
+    assert error.endswith("--thresholds: only with --pareto (the Pareto front of a cascade)")
+    error = one_line_error(capsys, [*plan, "--validation", str(trace)])
+    assert "--validation: only with --pareto" in error
+    error = one_line_error(capsys, ["cascade", "evaluate", "--instance-type", "c5.xlarge"])
+    assert "--instance-type goes with --profiles" in error
+
+
+def test_the_plan_summary_names_the_slos_percentile_on_every_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profiles = write_profile_csv(tmp_path / "p.csv")
+    spec = _write(
+        tmp_path / "app.yaml",
+        f"name: a\nmodels: [{{name: m, profiles: {profiles}}}]\n"
+        "slo: {latency_ms: 100, percentile: 50}\nbudget_usd_per_hr: 5\n"
+        "instance_types: [g4dn.xlarge, r5n.large]\n",
+    )
+    trace = _write(tmp_path / "t.csv", "arrival_s\n" + "\n".join(f"{i / 10}" for i in range(200)))
+    assert main(["plan", "--spec", str(spec), "--trace", str(trace)]) == 0
+    text = capsys.readouterr().out
+    stage_lines = [line for line in text.splitlines() if line.startswith("  m: ")]
+    assert stage_lines and all(" P50 " in line and "P99" not in line for line in stage_lines)
+
+
 # --- the client commands -----------------------------------------------------------------------
 
 
