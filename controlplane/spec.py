@@ -41,7 +41,14 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from estimator.errors import (
     EstimatorError,
@@ -79,6 +86,7 @@ __all__ = [
     "resolve_spec",
     "spec_error_from",
     "validate_spec",
+    "whole_number",
 ]
 
 # An app's name is used in instance tags, metric labels and URLs, so it is held to a DNS label
@@ -195,6 +203,14 @@ class SpecMissingProfileError(SpecError, MissingProfileError):
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+def whole_number(value: object) -> object:
+    """JSON has one number type, and JSON Schema's ``integer`` is any number with a zero
+    fractional part: 7.0 is the integer 7 (and 7.5 stays a float, which strict mode refuses)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 class ModelSpec(BaseModel):
     """One model of the app: where its latency profiles are, the registered artifact that
     serves it, or both; and how its certainty is read (cascades)."""
@@ -306,7 +322,9 @@ class AppSpec(BaseModel):
     budget_usd_per_hr: float = Field(gt=0, le=MAX_BUDGET_USD_PER_HR, allow_inf_nan=False)
     # The item bounds are in the schema (the OpenAPI document's too), not only in a check.
     instance_types: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
-    max_counts: dict[str, Annotated[int, Field(ge=0)]] | None = None
+    # The bound before the validator: pydantic leaves constraints that follow a BeforeValidator
+    # out of the JSON Schema.
+    max_counts: dict[str, Annotated[int, Field(ge=0), BeforeValidator(whole_number)]] | None = None
     catalog: str | None = Field(default=None, min_length=1, pattern=_PATH_PATTERN)
     scaling: Literal["inferline", "infaas"] = Field(
         default="inferline",

@@ -25,7 +25,7 @@ from pydantic import (
 
 from controlplane.apps.plans import DEFAULT_TRACE_QUERIES
 from controlplane.policies.planner import PLANNING_QUERIES
-from controlplane.spec import MAX_BUDGET_USD_PER_HR, MAX_SLO_LATENCY_MS
+from controlplane.spec import MAX_BUDGET_USD_PER_HR, MAX_SLO_LATENCY_MS, whole_number
 
 __all__ = [
     "DEFAULT_TRACE_QUERIES",
@@ -83,16 +83,8 @@ _REQUEST = ConfigDict(extra="forbid", strict=True, frozen=True)
 _RESPONSE = ConfigDict(frozen=True, from_attributes=True)
 
 
-def _whole_number(value: object) -> object:
-    """JSON has one number type, and JSON Schema's ``integer`` is any number with a zero
-    fractional part: 7.0 is the integer 7 (and 7.5 stays a float, which strict mode refuses)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
 # An integer field of a request: strict (true and "7" are not integers), but 7.0 is 7.
-_WholeNumber = Annotated[int, BeforeValidator(_whole_number)]
+_WholeNumber = Annotated[int, BeforeValidator(whole_number)]
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -553,7 +545,7 @@ class InferIn(BaseModel):
     # The bounds before the validator: pydantic leaves constraints that follow a
     # BeforeValidator out of the JSON Schema (they would still be enforced, undocumented).
     sample_ids: (
-        list[Annotated[int, Field(ge=0, le=2**31 - 1), BeforeValidator(_whole_number)]] | None
+        list[Annotated[int, Field(ge=0, le=2**31 - 1), BeforeValidator(whole_number)]] | None
     ) = Field(
         default=None,
         description="which validation sample each input is (bookkeeping: the observed accuracy)",

@@ -168,6 +168,14 @@ def test_bad_field_is_named(path: str, value: Any, field: str, words: str) -> No
     assert isinstance(caught.value, EstimatorError)
 
 
+def test_a_count_may_be_a_number_without_a_fraction() -> None:
+    """JSON has one number type: 2.0 is the count 2 (as in the API's bodies); 2.5 is not."""
+    spec = validate_spec(with_change("max_counts", {"g4dn.xlarge": 2.0}))
+    assert spec.max_counts == {"g4dn.xlarge": 2} and isinstance(spec.max_counts["g4dn.xlarge"], int)
+    with pytest.raises(SpecError, match="whole number"):
+        validate_spec(with_change("max_counts", {"g4dn.xlarge": True}))
+
+
 def test_unknown_field_lists_the_allowed_ones() -> None:
     with pytest.raises(SpecError, match=r"allowed: latency_ms, percentile, accuracy"):
         validate_spec(with_change("slo.p99", 1))
