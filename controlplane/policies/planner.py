@@ -589,11 +589,18 @@ def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _
                     f"{profile.max_batch_size}) does not cover the trace's batch sizes"
                     f" {smallest}..{largest}"
                 )
+        if not any(limits.usable(t) for t in app.instance_types):
+            raise EstimatorError(
+                f"max_counts allows no instance of any candidate type"
+                f" ({', '.join(app.instance_types)}): nothing can be planned; raise a count"
+                " above 0 or drop it"
+            )
         if not profiles:
-            profile = app.profile(model, app.instance_types[0])
+            first = next(t for t in app.instance_types if limits.usable(t))
+            profile = app.profile(model, first)
             raise BatchSizeOutOfRangeError(
                 model,
-                app.instance_types[0],
+                first,
                 largest if profile.max_batch_size < largest else smallest,
                 profile.min_batch_size,
                 profile.max_batch_size,

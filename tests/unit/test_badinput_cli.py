@@ -343,6 +343,22 @@ def test_options_that_would_be_ignored_are_refused(
     assert "--instance-type goes with --profiles" in error
 
 
+def test_max_counts_that_allow_no_instance_say_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profiles = write_profile_csv(tmp_path / "p.csv")
+    spec = _write(
+        tmp_path / "app.yaml",
+        f"name: a\nmodels: [{{name: m, profiles: {profiles}}}]\nslo: {{latency_ms: 100}}\n"
+        "budget_usd_per_hr: 5\ninstance_types: [g4dn.xlarge, r5n.large]\n"
+        "max_counts: {g4dn.xlarge: 0, r5n.large: 0}\n",
+    )
+    trace = _write(tmp_path / "t.csv", "arrival_s\n0\n1\n")
+    error = one_line_error(capsys, ["plan", "--spec", str(spec), "--trace", str(trace)])
+    assert "max_counts allows no instance of any candidate type (g4dn.xlarge, r5n.large)" in error
+    assert "outside the profile" not in error
+
+
 def test_the_plan_summary_names_the_slos_percentile_on_every_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
