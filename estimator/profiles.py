@@ -628,7 +628,7 @@ def profiles_from_document(document: Any, where: str) -> ProfileSet:
         too_large = [size for size in sizes if size > MAX_BATCH_SIZE]
         if too_large:
             digits = str(too_large[0])
-            shown = digits if len(digits) <= 24 else f"{digits[:12]}... ({len(digits)} digits)"
+            shown = digits if len(digits) <= 40 else f"{digits[:12]}... ({len(digits)} digits)"
             raise ProfileError(
                 f"{label}: batch_sizes must be at most {MAX_BATCH_SIZE:,}, got {shown}"
             )
