@@ -525,6 +525,11 @@ def _move(
         raise ConflictError(f"rollout {rollout.id} of {app!r} is already {to_state.value}")
     if to_state == RolloutState.RUNNING and rollout.state != RolloutState.PAUSED:
         raise ConflictError(f"rollout {rollout.id} of {app!r} is {rollout.state}, not paused")
+    if to_state == RolloutState.PAUSED and rollout.state == RolloutState.PENDING:
+        raise ConflictError(
+            f"rollout {rollout.id} of {app!r} is pending (the new version is checked before any"
+            " traffic moves: no query is on it yet): nothing to pause; abort it to stop it"
+        )
     moved = store.move_rollout(rollout, state=to_state.value, reason=f"{what} by {who}")
     store.record_decision(
         app,

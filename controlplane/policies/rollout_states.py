@@ -30,7 +30,9 @@ _R = RolloutState
 
 TRANSITIONS: MappingProxyType[RolloutState, frozenset[RolloutState]] = MappingProxyType(
     {
-        _R.PENDING: frozenset({_R.RUNNING, _R.PAUSED, _R.ROLLED_BACK, _R.ABORTED}),
+        # Not paused while pending: its checks before traffic (the new version timed alone,
+        # the plan for it) would be skipped by a resume, which goes to running.
+        _R.PENDING: frozenset({_R.RUNNING, _R.ROLLED_BACK, _R.ABORTED}),
         _R.RUNNING: frozenset({_R.PAUSED, _R.PROMOTED, _R.ROLLED_BACK, _R.ABORTED}),
         _R.PAUSED: frozenset({_R.RUNNING, _R.ROLLED_BACK, _R.ABORTED}),
         _R.PROMOTED: frozenset(),

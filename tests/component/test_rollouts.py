@@ -108,6 +108,13 @@ def test_the_life_cycle_of_a_rollout(world: World) -> None:
     rid = body["id"]
     again = post(world, "rollouts", {"model": "wine-model@2"})
     assert again.status_code == 409 and "one rollout per app" in again.json()["error"]["message"]
+    # Pending, it is checked before traffic moves: nothing to pause (a resume would go to
+    # running and skip those checks).
+    refused = post(world, f"rollouts/{rid}/pause")
+    assert refused.status_code == 409 and "nothing to pause" in refused.json()["error"]["message"]
+    # Its checks passed (what the rollout loop does), it runs the first step.
+    (pending,) = world.store.list_rollouts(APP)
+    world.store.move_rollout(pending, state="running", reason="checked", new_step=True)
     assert post(world, f"rollouts/{rid}/pause").json()["state"] == "paused"
     assert post(world, f"rollouts/{rid}/pause").status_code == 409  # paused -> paused
     assert post(world, f"rollouts/{rid}/resume").json()["state"] == "running"
