@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import uvicorn
 
+from controlplane import __version__
 from controlplane.cli.serve import listen
 from controlplane.service.protocol import server_options
 from provisioners.artifacts import ModelSignature, TensorSpec
@@ -95,6 +96,10 @@ def test_health_metadata_readiness_and_tokens(world: ApiWorld) -> None:
         for path, key in (("/v2/health/live", "live"), ("/v2/health/ready", "ready")):
             response = await client.get(path)
             assert (response.status_code, response.json()) == (200, {key: True})
+        # The server's metadata (tritonclient's get_server_metadata), without a token too.
+        server = await client.get("/v2")
+        assert server.status_code == 200, server.text
+        assert server.json() == {"name": "heteroplane", "version": __version__, "extensions": []}
         response = await client.get("/v2/models/demo", headers=world.auth())
         assert response.status_code == 200, response.text
         assert response.json() == {

@@ -227,6 +227,7 @@ def test_a_model_of_ours_pushed_profiled_planned_and_served_over_oip(
         client = http.InferenceServerClient(url.removeprefix("http://"))
         headers = {"Authorization": f"Bearer {infer_token}"}
         assert client.is_server_ready()
+        assert client.get_server_metadata()["name"] == "heteroplane"
         deadline = time.monotonic() + DEADLINE_S
         while not client.is_model_ready(APP, headers=headers):
             assert time.monotonic() < deadline, "the app never became ready"

@@ -123,6 +123,7 @@ OIP_DOCUMENT: dict[str, Any] = {
     "openapi": "3.0.3",
     "info": {"title": "Open Inference Protocol (REST) on heteroplane", "version": "2"},
     "paths": {
+        "/v2": _get(),
         "/v2/health/live": _get(),
         "/v2/health/ready": _get(),
         "/v2/models/{model_name}": _get(_MODEL),

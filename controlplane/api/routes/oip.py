@@ -1,5 +1,7 @@
 """The Open Inference Protocol v2 (REST) in front of the serving loop: an app is a model.
 
+- ``GET /v2`` (no token): the server's metadata, ``{"name": "heteroplane", "version",
+  "extensions": []}``.
 - ``GET /v2/health/live`` and ``GET /v2/health/ready`` (no token, like ``/healthz``): 200
   ``{"live": true}``; 200 ``{"ready": true}`` while the service runs its serving loop, else 503
   ``{"ready": false}``.
@@ -60,6 +62,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.types import Scope
 
+from controlplane import __version__
 from controlplane.api.deps import Inferrer, Services, ServicesDep
 from controlplane.api.errors import ApiError, oip_error_body, render_error
 from controlplane.api.limits import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_depth_exceeds
@@ -181,6 +184,13 @@ async def _api_answer(request: Request, error: Exception) -> Response | None:
 router = APIRouter(
     prefix="/v2", tags=["open inference protocol"], route_class=_OipRoute, include_in_schema=False
 )
+
+
+@router.get("")
+async def server_metadata() -> dict[str, Any]:
+    """The protocol's server metadata (``GET /v2``; tritonclient's ``get_server_metadata``): no
+    token, as the health routes and gRPC's ``ServerMetadata``; no extension is claimed."""
+    return {"name": PLATFORM, "version": __version__, "extensions": []}
 
 
 @router.get("/health/live")
