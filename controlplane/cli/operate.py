@@ -83,7 +83,11 @@ def app_apply(args: argparse.Namespace) -> int:
         if app is None:
             app, verb = client.post("/v1/apps", document), "registered"
         elif app["spec"] != document:
-            app, verb = client.put(app_path(spec.name), document), "updated"
+            # The service answers an unchanged spec (the same once its artifacts are pinned:
+            # `wine` is stored as `wine@1`) as it is, its version the same.
+            before = app["version"]
+            app = client.put(app_path(spec.name), document)
+            verb = "updated" if app["version"] != before else "unchanged:"
         else:
             # Replacing a spec by itself would still bump the app's version and stale its plans.
             verb = "unchanged:"

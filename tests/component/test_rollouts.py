@@ -361,3 +361,22 @@ def test_a_spec_that_changes_a_served_models_artifact_is_refused_while_instances
     replaced = world.client.put(f"/v1/apps/{APP}", json=moved, headers=world.auth)
     assert replaced.status_code == 200, replaced.text
     assert world.store.get_app(APP).spec["models"][0]["artifact"] == "wine-model@2"
+
+
+def test_applying_the_same_spec_again_changes_nothing(world: World) -> None:
+    """A spec that names an artifact unpinned (``wine-model``) is stored pinned (the latest,
+    ``wine-model@3``); applying the same file again is the same spec: the app's version (which
+    its previewed plans were made for) stays, where it was bumped on every apply."""
+    document = spec(10 * PRICE)
+    assert document["models"][0]["artifact"] == "wine-model"
+    created = world.client.post("/v1/apps", json=document, headers=world.auth)
+    assert created.status_code == 201, created.text
+    assert created.json()["spec"]["models"][0]["artifact"] == "wine-model@3"
+    again = world.client.put(f"/v1/apps/{APP}", json=document, headers=world.auth)
+    assert again.status_code == 200, again.text
+    assert again.json()["version"] == created.json()["version"]
+    assert len(world.store.list_budget_changes(APP)) == 1  # no new audit row either
+    changed = world.client.put(
+        f"/v1/apps/{APP}", json={**document, "budget_usd_per_hr": 12 * PRICE}, headers=world.auth
+    )
+    assert changed.json()["version"] == created.json()["version"] + 1

@@ -95,6 +95,11 @@ def replace_app(
     current = services.store.get_app(app)  # 404 before the spec is checked against its files
     resolved = services.resolver.check(document)
     replaced = spec_document(resolved.spec)
+    if replaced == current.spec:
+        # The same spec once pinned (``artifact: wine`` is stored as the ``wine@N`` it named):
+        # nothing changes, and the app's version (which its previewed plans were made for)
+        # stays.
+        return app_out(current)
     changed = changed_artifacts(current.spec, replaced)
     if changed:
         live = services.store.list_instances(app, LIVE_STATES)
