@@ -161,15 +161,30 @@ class ProfilesNotMeasuredError(ConflictError):
     profiles measured yet (on ``instance_types``, empty: on any candidate type), so nothing can be
     planned for it: ``heteroplane profile run`` measures them."""
 
-    def __init__(self, app: str, model: str, instance_types: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        app: str,
+        model: str,
+        instance_types: tuple[str, ...] = (),
+        beyond_budget: tuple[str, ...] = (),
+        budget_usd_per_hr: float | None = None,
+    ) -> None:
         self.app = app
         self.model = model
         self.instance_types = instance_types
         on = f" on {', '.join(instance_types)}" if instance_types else ""
-        super().__init__(
-            f"app {app} has no latency profiles for model {model}{on}:"
-            f" run heteroplane profile run --app {app}"
-        )
+        if beyond_budget:
+            # profile run refuses a worker the budget cannot pay for: a type dearer than the
+            # whole budget can be neither profiled nor bought.
+            todo = (
+                f"{', '.join(beyond_budget)} alone cost(s) more than the budget of"
+                f" {budget_usd_per_hr:g} USD/hr: drop it from the spec's instance_types (or"
+                " raise the budget), then profile what is missing with heteroplane profile run"
+                f" --app {app} --types TYPES"
+            )
+        else:
+            todo = f"run heteroplane profile run --app {app}"
+        super().__init__(f"app {app} has no latency profiles for model {model}{on}: {todo}")
 
 
 class ProfilingBudgetError(ConflictError):

@@ -256,7 +256,11 @@ def require_profiles(app: ResolvedApp) -> None:
         lacking = app.unprofiled.get(model)
         if lacking:
             on = () if len(lacking) == len(app.instance_types) else lacking
-            raise ProfilesNotMeasuredError(app.spec.name, model, on)
+            budget = app.spec.budget_usd_per_hr
+            # A type dearer than the whole budget is never bought, and profile run cannot pay
+            # for its worker either: the way out is the spec, not another profile run.
+            dear = tuple(t for t in lacking if app.prices_usd_per_hr[t] > budget)
+            raise ProfilesNotMeasuredError(app.spec.name, model, on, dear, budget)
 
 
 def apply_plan(store: Store, app: str, plan_id: int, who: str) -> PlanRecord:

@@ -158,6 +158,23 @@ def test_an_unknown_artifact_is_a_spec_error_naming_the_field(
     assert "registry has no" in error.value.problem
 
 
+def test_a_type_dearer_than_the_budget_is_named_as_the_way_out(tmp_path: Path) -> None:
+    """profile run refuses a worker the budget cannot pay for, so an unprofiled type dearer than
+    the whole budget is not fixed by another profile run: the refusal says to drop it."""
+    resolver = AppResolver(
+        tmp_path,
+        artifacts=registry(version("s", 1)),
+        measured=lambda _app: measured("small", types=(SMALL,)),
+    )
+    spec = {**document(small={"artifact": "s"}), "budget_usd_per_hr": 0.3}
+    with pytest.raises(ProfilesNotMeasuredError) as refused:
+        require_profiles(resolver.check(spec))
+    message = str(refused.value)
+    assert message.startswith(f"app digits has no latency profiles for model small on {GPU}:")
+    assert f"{GPU} alone cost(s) more than the budget of 0.3 USD/hr: drop it from" in message
+    assert "--types TYPES" in message
+
+
 def test_measured_profiles_make_the_app_plannable(tmp_path: Path) -> None:
     stored: dict[str, Any] = {}
     resolver = AppResolver(
