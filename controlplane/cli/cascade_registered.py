@@ -271,5 +271,9 @@ def _human(data: Mapping[str, Any]) -> str:
             f"  {model['name']} ({model['artifact']}): accuracy {model['accuracy'] * 100:.2f}%,"
             f" mean certainty ({model['certainty']}) {model['mean_certainty']:.3f}"
         )
-    lines.append(f"name it in the spec (validation: {data['out']}) with the cascade's thresholds")
+    lines.append(
+        f"name it in the spec (validation: {data['out']}) with the cascade's thresholds; the"
+        " service reads files in its data directory only: write it there (--out) or copy it"
+        " there (docs/app-spec.md)"
+    )
     return "\n".join(lines)
