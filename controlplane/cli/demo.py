@@ -39,6 +39,7 @@ from controlplane.db.lease import lock_sqlite_database
 from controlplane.db.session import redact_url
 from controlplane.db.store import PlanRecord
 from controlplane.errors import DatabaseInUseError
+from controlplane.policies.lifecycle import LIVE_STATES
 from controlplane.service.build import build_service
 from controlplane.service.demo import (
     DEMO_APP,
@@ -160,9 +161,21 @@ def _down(args: argparse.Namespace) -> int:
         f" {redact_url(settings.database_url)}, provisioner {settings.provisioner}"
     )
     try:
+        # Apps of the user's own on the same data directory (the README's own model beside the
+        # demo) keep their workers: said, with the way to take them down.
+        others: dict[str, int] = {}
+        for instance in service.store.list_instances(states=LIVE_STATES):
+            if instance.app != DEMO_APP:
+                others[instance.app] = others.get(instance.app, 0) + 1
         down = stop_demo(service, progress)
     finally:
         service.close()
+    if others:
+        listed = ", ".join(f"{app} ({n})" for app, n in sorted(others.items()))
+        progress(
+            f"heteroplane demo --down: other apps still run instances here: {listed}; take"
+            " each down on a running service: heteroplane app down APP"
+        )
     if not down.done:
         progress(
             f"heteroplane demo --down: the demo's workers did not all stop in time; run it again"

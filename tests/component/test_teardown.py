@@ -230,3 +230,26 @@ def test_demo_down_on_the_command_line(
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "choose one" in err
+
+
+def test_demo_down_names_other_apps_that_still_run_instances(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's own model served beside the demo keeps its workers after ``demo --down``
+    (which takes the demo app down alone): it says so, and how to take them down."""
+    settings = Settings(data_dir=tmp_path / "data", provisioner="fake")
+    built = build_service(settings, clock=FakeClock())
+    try:
+        built.store.create_app(spec("wine"), who="test")
+        built.store.record_instance(
+            "wine", request_id="r0", instance_type=SMALL, price_usd_per_hr=0.05, state="running"
+        )
+    finally:
+        built.close()
+    monkeypatch.setenv("HETEROPLANE_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("HETEROPLANE_PROVISIONER", "fake")
+    monkeypatch.delenv("HETEROPLANE_CONFIG", raising=False)
+    assert main(["demo", "--down"]) == 0
+    err = capsys.readouterr().err
+    assert "other apps still run instances here: wine (1)" in err
+    assert "heteroplane app down APP" in err
