@@ -333,6 +333,11 @@ class PlanOut(BaseModel):
     envelope: EnvelopeOut | None = Field(
         default=None, description="the planning trace's arrival envelope (InferLine's tuner)"
     )
+    gear_plan: dict[str, Any] | None = Field(
+        default=None,
+        description="a cascade's gear plan on the plan's placement, the same object as"
+        " `heteroplane gears --json` (docs/cascades.md); null for a single model",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -956,6 +956,20 @@ def applied_plan(api: Api) -> tuple[dict[str, Any], float]:
     return plan, floor
 
 
+def test_a_plans_gear_plan_is_in_the_answer(api: Api) -> None:
+    """A cascade's gear plan, in the stored plan document, is in the plan the API answers (as
+    docs/cascades.md says); it was dropped by the answer's schema."""
+    api.register()
+    single = api.preview()
+    assert single["gear_plan"] is None  # one model: no gears
+    gears = {"ranges": [{"low_qps": 0.0, "high_qps": 10.0, "cascade": ["m"]}], "finalists": 1}
+    document = {**api.store.get_plan("toy", single["id"]).document, "gear_plan": gears}
+    plan = api.store.create_plan("toy", document)
+    answer = api.call("GET", f"/v1/apps/toy/plans/{plan.id}")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["gear_plan"] == gears
+
+
 def test_a_budget_below_the_smallest_serving_fleet_is_a_409_and_changes_nothing(
     api: Api,
 ) -> None:
