@@ -1110,7 +1110,8 @@ def _gears(subparsers: Subparsers) -> None:
         type=int,
         default=GEAR_RANGES,
         metavar="N",
-        help=f"equal QPS ranges (default %(default)s, at most {MAX_GEAR_RANGES:,})",
+        help=f"equal QPS ranges (default %(default)s, at most {MAX_GEAR_RANGES:,}); the first is"
+        " split further where a more accurate cascade sustains less than its top",
     )
     parser.add_argument(
         "--thresholds",

@@ -46,7 +46,11 @@ length per gear, step 6):
    r* >= hi (ties: the faster); with an accuracy SLO, the finalist with A >= the floor and the
    lowest predicted tail latency at hi (interpolated from its bisection probes). A range no
    finalist serves within the SLO gets the fastest (or, with an accuracy floor none meets, the
-   most accurate) and is marked ``meets_slo = False``.
+   most accurate) and is marked ``meets_slo = False``. With a latency SLO the first range is
+   split at the r* of every finalist more accurate than its gear whose r* falls inside it
+   (:func:`_split_first`; since 2026-12-01): q_max / n_ranges can exceed every accurate
+   cascade's r* when a fast one sustains far more, and the accurate ones then served no load at
+   all, not even the lowest.
 6. *SP4, the minimum queue length* (section 4.5; :func:`choose_min_queue`). Online, a stage
    starts a batch only once its queue holds at least its minimum queue length (the batch then
    takes the queue up to its cap). For each gear [lo, hi) that meets the SLO, the minimum m of
@@ -122,6 +126,7 @@ Past the paper, the fleet moves under the switcher (``controlplane.policies.tune
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -847,6 +852,7 @@ def plan_gears(
         _gear(options, top * k / n_ranges, top * (k + 1) / n_ranges, accuracy_floor)
         for k in range(n_ranges)
     )
+    gears = _split_first(gears, options, accuracy_floor)
     by_cascade = {c.cascade: c for c in candidates}
     gears = tuple(
         _triggered(gear, options[gear.option], by_cascade, prober, placement, profiles)
@@ -900,6 +906,32 @@ def _triggered(
     if tail > prober.slo_ms:
         return at_once
     return replace(gear, min_queue=min_queue, max_wait_ms=wait_ms)
+
+
+def _split_first(
+    gears: tuple[Gear, ...], options: Sequence[GearOption], accuracy_floor: float | None
+) -> tuple[Gear, ...]:
+    """The first range split at the r* of each option more accurate than its gear whose r* is
+    below its top (module docstring, step 5): with equal ranges of [0, q_max], a fast cascade's
+    q_max over n_ranges can exceed the r* of every more accurate one, which then served no range
+    at all, not even at the lowest loads (an app answered by its 70% model at 5 q/s where its
+    100% cascade sustains 36). With a latency SLO only: an accuracy floor picks by tail latency."""
+    if accuracy_floor is not None or not gears:
+        return gears
+    first = gears[0]
+    chosen = options[first.option].quality.accuracy
+    cuts = sorted(
+        {
+            o.max_qps
+            for o in options
+            if o.quality.accuracy > chosen and first.low_qps < o.max_qps < first.high_qps
+        }
+    )
+    if not cuts:
+        return gears
+    bounds = [first.low_qps, *cuts, first.high_qps]
+    head = tuple(_gear(options, lo, hi, None) for lo, hi in itertools.pairwise(bounds))
+    return head + gears[1:]
 
 
 def _gear(

@@ -6,6 +6,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from controlplane.policies.gears import (
     GearSwitcher,
     Hysteresis,
     _batch_caps,
+    _split_first,
     capacity_share,
     plan_gears,
     same_cascade,
@@ -531,7 +533,10 @@ def test_gears_command_prints_one_json_object(
     args += ["--placement", PLACEMENT, "--thresholds", "0.3,0.9", "--ranges", "3", "--json"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["app"] == "digits" and len(out["gears"]) == 3
+    # Three equal ranges, the first split at the r* of the more accurate cascade it holds.
+    assert out["app"] == "digits" and len(out["gears"]) >= 3
+    first, second = out["gears"][:2]
+    assert first["low_qps"] == 0 and first["high_qps"] <= second["low_qps"] + 1e-9
     assert out["cost_usd_per_hr"] == pytest.approx(4 * 0.17)
     assert all(math.isfinite(o["max_qps"]) for o in out["options"])
     # The held-out protocol: chosen on one half of the records, scored on the other.
@@ -637,3 +642,27 @@ def test_switching_in_the_simulator_keeps_the_hysteresis(plan: GearPlan) -> None
 
     assert run(None) <= 1
     assert run(PAPER) > 5
+
+
+def test_the_first_range_goes_to_a_more_accurate_cascade_where_it_sustains_the_load() -> None:
+    """Equal ranges of [0, q_max] with a fast cascade's q_max far above the accurate cascades'
+    r*: the first range is split at their r*, so the lowest loads get the most accurate one that
+    sustains them, where every range went to the fast, least accurate cascade."""
+
+    def option(accuracy: float, max_qps: float) -> SimpleNamespace:
+        return SimpleNamespace(quality=SimpleNamespace(accuracy=accuracy), max_qps=max_qps)
+
+    fast, middle, best = option(0.70, 2293.0), option(0.90, 120.0), option(1.00, 36.0)
+    options = [fast, middle, best]
+    top = 2293.0
+    equal = tuple(Gear(top * k / 8, top * (k + 1) / 8, 0, True) for k in range(8))
+    split = _split_first(equal, options, None)  # type: ignore[arg-type]
+    assert [(g.low_qps, g.high_qps, g.option) for g in split[:3]] == [
+        (0.0, 36.0, 2),
+        (36.0, 120.0, 1),
+        (120.0, top / 8, 0),
+    ]
+    assert split[3:] == equal[1:]
+    # Nothing to split where the first range's gear is the most accurate, or with a floor.
+    assert _split_first(equal, [fast], None) == equal  # type: ignore[list-item]
+    assert _split_first(equal, options, 0.8) == equal  # type: ignore[arg-type]
