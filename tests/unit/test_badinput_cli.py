@@ -343,16 +343,20 @@ def test_options_that_would_be_ignored_are_refused(
     assert "--instance-type goes with --profiles" in error
 
 
+def _app_spec(tmp_path: Path, extra: str = "", slo: str = "{latency_ms: 100}") -> Path:
+    """An app spec of one model ``m`` (write_profile_csv's) on g4dn.xlarge and r5n.large."""
+    profiles = write_profile_csv(tmp_path / "p.csv")
+    return _write(
+        tmp_path / "app.yaml",
+        f"name: a\nmodels: [{{name: m, profiles: {profiles}}}]\nslo: {slo}\n"
+        f"budget_usd_per_hr: 5\ninstance_types: [g4dn.xlarge, r5n.large]\n{extra}",
+    )
+
+
 def test_max_counts_that_allow_no_instance_say_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    profiles = write_profile_csv(tmp_path / "p.csv")
-    spec = _write(
-        tmp_path / "app.yaml",
-        f"name: a\nmodels: [{{name: m, profiles: {profiles}}}]\nslo: {{latency_ms: 100}}\n"
-        "budget_usd_per_hr: 5\ninstance_types: [g4dn.xlarge, r5n.large]\n"
-        "max_counts: {g4dn.xlarge: 0, r5n.large: 0}\n",
-    )
+    spec = _app_spec(tmp_path, "max_counts: {g4dn.xlarge: 0, r5n.large: 0}\n")
     trace = _write(tmp_path / "t.csv", "arrival_s\n0\n1\n")
     error = one_line_error(capsys, ["plan", "--spec", str(spec), "--trace", str(trace)])
     assert "max_counts allows no instance of any candidate type (g4dn.xlarge, r5n.large)" in error
@@ -362,13 +366,7 @@ def test_max_counts_that_allow_no_instance_say_so(
 def test_the_plan_summary_names_the_slos_percentile_on_every_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    profiles = write_profile_csv(tmp_path / "p.csv")
-    spec = _write(
-        tmp_path / "app.yaml",
-        f"name: a\nmodels: [{{name: m, profiles: {profiles}}}]\n"
-        "slo: {latency_ms: 100, percentile: 50}\nbudget_usd_per_hr: 5\n"
-        "instance_types: [g4dn.xlarge, r5n.large]\n",
-    )
+    spec = _app_spec(tmp_path, slo="{latency_ms: 100, percentile: 50}")
     trace = _write(tmp_path / "t.csv", "arrival_s\n" + "\n".join(f"{i / 10}" for i in range(200)))
     assert main(["plan", "--spec", str(spec), "--trace", str(trace)]) == 0
     text = capsys.readouterr().out

@@ -80,16 +80,25 @@ def test_bad_rates_are_one_line(text: str, message: str) -> None:
         parse_interruption_rates(text, ["a", "b"])
 
 
-def test_the_command_replays_a_spot_plan_with_interruptions(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def spot_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], queries: int
+) -> tuple[Path, Path, Path]:
+    """A spec that buys spot ($1.5/hr, a 40 ms SLO), a Poisson trace of ``queries`` at 200 q/s
+    and the plan the command makes for it (with instances on spot): their files."""
     spec = write_spec(tmp_path, 40.0, 1.5, spot="{enabled: true, survive_share: 0.5}")
     trace_file = tmp_path / "trace.csv"
-    write_trace_csv(poisson_trace(200.0, queries=6000), trace_file)
+    write_trace_csv(poisson_trace(200.0, queries=queries), trace_file)
     assert main(["plan", "--spec", str(spec), "--trace", str(trace_file), "--json"]) == 0
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(capsys.readouterr().out)
     assert json.loads(plan_file.read_text())["stages"][0]["spot_fleet"]
+    return spec, trace_file, plan_file
+
+
+def test_the_command_replays_a_spot_plan_with_interruptions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec, trace_file, plan_file = spot_plan(tmp_path, capsys, 6000)
     args = ["replay", "--spec", str(spec), "--plan", str(plan_file), "--trace", str(trace_file)]
 
     assert main([*args, "--policy", "static", "--interruptions-per-hour", "0", "--json"]) == 0
@@ -173,15 +182,8 @@ def test_a_spot_plan_replays_at_the_price_it_was_planned_at(
     """A plan that fits its budget only at spot prices is replayed (not refused as over budget),
     static, its spot instances billed at the spot price whether or not interruptions are asked
     for; the tuner, which buys on demand, refuses it in one line."""
-    roomy = write_spec(tmp_path, 40.0, 1.5, spot="{enabled: true, survive_share: 0.5}")
-    trace_file = tmp_path / "trace.csv"
-    write_trace_csv(poisson_trace(200.0, queries=3000), trace_file)
-    assert main(["plan", "--spec", str(roomy), "--trace", str(trace_file), "--json"]) == 0
-    plan_file = tmp_path / "plan.json"
-    plan_file.write_text(capsys.readouterr().out)
+    _, trace_file, plan_file = spot_plan(tmp_path, capsys, 3000)
     planned = json.loads(plan_file.read_text())
-    (stage,) = planned["stages"]
-    assert stage["spot_fleet"]
     on_demand = planned["cost_if_on_demand_usd_per_hr"]
     assert planned["cost_usd_per_hr"] < on_demand
     # The budget the plan's own cost: over it on demand, within it at spot prices.
