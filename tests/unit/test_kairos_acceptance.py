@@ -1,4 +1,4 @@
-"""Kairos' goals in the paper's setting, on the shared measurements (slow: ~2 min of a core).
+"""Kairos' goals in the paper's setting, on the shared measurements (slow: a minute of a core).
 
 With the Kairos dispatcher, the configuration Kairos picks from its bounds alone reaches at least
 1.5x the allowable throughput of the best homogeneous fleet (same dispatcher) and at least 2x what
