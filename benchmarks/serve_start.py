@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,25 +27,16 @@ from typing import Any
 
 import httpx
 
+try:  # imported as benchmarks.serve_start
+    from benchmarks.local_service import cpu_s, free_port, stop
+except ModuleNotFoundError:  # run as a script: the sibling module
+    from local_service import cpu_s, free_port, stop
+
 READY_TIMEOUT_S = 120.0
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """The process's user + system CPU time so far, s."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 def parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def one_start() -> dict[str, float]:
@@ -85,12 +74,7 @@ def one_start() -> dict[str, float]:
                 "zygote_cpu_s": cpu_s(zygote) if zygote != server.pid else 0.0,
             }
         finally:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            stop(server, deadline_s=60.0)
 
 
 def main(argv: list[str] | None = None) -> int:
