@@ -103,6 +103,7 @@ __all__ = [
     "replay_pipeline",
     "replay_timeline",
     "split_slo_ms",
+    "spot_price_usd_per_hr",
     "stage_cost_usd_per_hr",
     "stage_slo_targets_ms",
     "static_policy_timeline",
@@ -232,14 +233,21 @@ def stage_cost_usd_per_hr(stage: StagePlan, app: ResolvedApp) -> float:
     for name, count in stage.fleet.items():
         spot = min(stage.spot_fleet.get(name, 0), count)
         if spot:
-            price = app.catalog[name].spot_price_usd_per_hr
-            if price is None:
-                raise ReplayError(
-                    f"the plan has {name} on spot, but the catalog gives it no spot price"
-                )
-            cost += spot * price
+            cost += spot * spot_price_usd_per_hr(app, name)
         cost += (count - spot) * app.prices_usd_per_hr[name]
     return cost
+
+
+def spot_price_usd_per_hr(app: ResolvedApp, name: str) -> float:
+    """The catalog's spot price of ``name``, which a plan holds on spot.
+
+    Raises:
+        ReplayError: the catalog gives it no spot price.
+    """
+    price = app.catalog[name].spot_price_usd_per_hr
+    if price is None:
+        raise ReplayError(f"the plan has {name} on spot, but the catalog gives it no spot price")
+    return price
 
 
 # --- the fleet timeline ----------------------------------------------------------------------

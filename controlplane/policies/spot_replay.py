@@ -39,12 +39,12 @@ from controlplane.policies.pipeline import answering_stages, pipeline_stages
 from controlplane.policies.plan import PlanDocument, StagePlan
 from controlplane.policies.replay import (
     FleetTimeline,
-    ReplayError,
     ReplayResult,
     check_plan,
     check_stages,
     outcome,
     replay_timeline,
+    spot_price_usd_per_hr,
     timeline_windows,
 )
 from controlplane.spec import ResolvedApp
@@ -186,14 +186,10 @@ def replay_with_interruptions(
         )
         timelines.append(timeline)
         logs.append(log)
-    spot_prices = {}
-    for name in sorted({t for stage in stages for t in stage.spot_fleet}):
-        price = app.catalog[name].spot_price_usd_per_hr
-        if price is None:
-            raise ReplayError(
-                f"the plan has {name} on spot, but the catalog gives it no spot price"
-            )
-        spot_prices[name + SPOT_SUFFIX] = price
+    spot_prices = {
+        name + SPOT_SUFFIX: spot_price_usd_per_hr(app, name)
+        for name in sorted({t for stage in stages for t in stage.spot_fleet})
+    }
     log = InterruptionLog(
         sum(entry.spot_instances for entry in logs),
         sum(entry.interruptions for entry in logs),
