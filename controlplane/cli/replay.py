@@ -220,24 +220,15 @@ def run(args: argparse.Namespace) -> int:
             # read, so the tuner sizes the stage InferLine's way.
             model = "inferline"
     interruptions: dict[str, Any] | None = None
-    if args.interruptions_per_hour is None and on_spot:
-        # The plan's spot instances billed at the spot price, as the plan priced them, and
-        # never interrupted (docs/spot.md): the interruption replay at no interruption.
-        stages = check_stages(plan, app) if cascade else (check_plan(plan, app),)
-        result, _ = replay_with_interruptions(
-            trace,
-            app,
-            plan,
-            np.random.default_rng(args.seed),
-            {t: 0.0 for stage in stages for t in stage.fleet},
-            admission=not args.no_admission,
-        )
-    elif args.interruptions_per_hour is not None:
-        # One stage or every stage of a cascade at once (docs/spot.md).
+    if args.interruptions_per_hour is not None or on_spot:
+        # One stage or every stage of a cascade at once (docs/spot.md). Without the option, a
+        # plan with spot instances: billed at the spot price, as the plan priced them, and never
+        # interrupted (the interruption replay at a rate of 0).
         stages = check_stages(plan, app) if cascade else (check_plan(plan, app),)
         types = list(dict.fromkeys(t for stage in stages for t in stage.fleet))
         try:
-            rates = parse_interruption_rates(args.interruptions_per_hour, types)
+            given_rates = args.interruptions_per_hour
+            rates = parse_interruption_rates("0" if given_rates is None else given_rates, types)
         except ValueError as error:
             raise UsageError(f"--interruptions-per-hour: {error}") from None
         result, log = replay_with_interruptions(
@@ -248,12 +239,13 @@ def run(args: argparse.Namespace) -> int:
             rates,
             admission=not args.no_admission,
         )
-        interruptions = {
-            "rates_per_hr": rates,
-            "spot_instances": log.spot_instances,
-            "interruptions": log.interruptions,
-            "missing_instance_s": log.missing_instance_s,
-        }
+        if args.interruptions_per_hour is not None:
+            interruptions = {
+                "rates_per_hr": rates,
+                "spot_instances": log.spot_instances,
+                "interruptions": log.interruptions,
+                "missing_instance_s": log.missing_instance_s,
+            }
     else:
         result = replay(
             trace,
