@@ -66,15 +66,9 @@ CATALOG_COLUMNS: tuple[str, ...] = (
     "interruptions_per_hr",
 )
 _REQUIRED_COLUMNS = ("instance_type", "price_usd_per_hr")
-_NUMERIC_COLUMNS = (
-    "price_usd_per_hr",
-    "vcpus",
-    "memory_gib",
-    "gpus",
-    "gpu_memory_gib",
-    "speed_factor",
-    "spot_price_usd_per_hr",
-    "interruptions_per_hr",
+# Every column but the name and the text ones holds a number.
+_NUMERIC_COLUMNS = tuple(
+    c for c in CATALOG_COLUMNS if c not in ("instance_type", "gpu_model", "family")
 )
 
 # The same alphabet a fleet string (``type=count,type=count``) accepts, so that every type in a

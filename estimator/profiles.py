@@ -339,17 +339,16 @@ def _read_kairos_rows(reader: Iterator[list[str]], where: str) -> _KairosColumns
         model_names=model_names,
         type_code=type_code,
         type_names=type_names,
-        batch_size=_numeric_column(columns[index["batch_size"]], "batch_size", where, np.float64),
-        infer_ms=_numeric_column(columns[index["infer_ms"]], "infer_ms", where, np.float64),
-        load_ms=_numeric_column(columns[index["load_ms"]], "load_ms", where, np.float64),
+        batch_size=_numeric_column(columns[index["batch_size"]], "batch_size", where),
+        infer_ms=_numeric_column(columns[index["infer_ms"]], "infer_ms", where),
+        load_ms=_numeric_column(columns[index["load_ms"]], "load_ms", where),
     )
 
 
-def _numeric_column(
-    values: tuple[str, ...], name: str, where: str, dtype: type[np.generic]
-) -> np.ndarray:
+def _numeric_column(values: tuple[str, ...], name: str, where: str) -> np.ndarray:
+    """A column as float64 (batch sizes too: whole numbers are checked by the grouping)."""
     try:
-        return np.array(values, dtype=np.float64).astype(dtype)
+        return np.array(values, dtype=np.float64)
     except ValueError:
         for number, value in enumerate(values, start=2):
             try:

@@ -15,6 +15,7 @@ import argparse
 import logging
 import shlex
 import sys
+from collections import Counter
 from typing import Any
 
 from controlplane.api.errors import ApiError
@@ -163,10 +164,9 @@ def _down(args: argparse.Namespace) -> int:
     try:
         # Apps of the user's own on the same data directory (the README's own model beside the
         # demo) keep their workers: said, with the way to take them down.
-        others: dict[str, int] = {}
-        for instance in service.store.list_instances(states=LIVE_STATES):
-            if instance.app != DEMO_APP:
-                others[instance.app] = others.get(instance.app, 0) + 1
+        others = Counter(
+            i.app for i in service.store.list_instances(states=LIVE_STATES) if i.app != DEMO_APP
+        )
         down = stop_demo(service, progress)
     finally:
         service.close()

@@ -572,6 +572,12 @@ def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _
             f" measured it (the API before the serving loop), is added to every query's"
             f" simulated latency: the stages share the SLO less it"
         )
+    if not any(limits.usable(t) for t in app.instance_types):
+        raise EstimatorError(
+            f"max_counts allows no instance of any candidate type"
+            f" ({', '.join(app.instance_types)}): nothing can be planned; raise a count"
+            " above 0 or drop it"
+        )
     reach, answered = _reach(app, trace, seed, slo_ms, steps)
     smallest, largest = int(trace.batch_size.min()), int(trace.batch_size.max())
     stages = []
@@ -589,12 +595,6 @@ def _setup(app: ResolvedApp, trace: Trace, steps: list[str], seed: int = 0) -> _
                     f"{profile.max_batch_size}) does not cover the trace's batch sizes"
                     f" {smallest}..{largest}"
                 )
-        if not any(limits.usable(t) for t in app.instance_types):
-            raise EstimatorError(
-                f"max_counts allows no instance of any candidate type"
-                f" ({', '.join(app.instance_types)}): nothing can be planned; raise a count"
-                " above 0 or drop it"
-            )
         if not profiles:
             first = next(t for t in app.instance_types if limits.usable(t))
             profile = app.profile(model, first)
