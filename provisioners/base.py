@@ -32,6 +32,7 @@ table of factories (``controlplane.provisioning.FACTORIES``) and one block of se
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -57,6 +58,7 @@ __all__ = [
     "ProvisionerEvent",
     "launch_refusal",
     "launch_tags",
+    "model_process_env",
     "tags_match",
     "with_port",
 ]
@@ -72,6 +74,17 @@ INSTANCE_TAG = "heteroplane:instance-id"
 # internal secret opens the serving process's internal routes; a client's token and a database URL
 # (its password) are the service's, not a model's. (AWS credentials stay: workers fetch from S3.)
 WITHHELD_ENV = ("HETEROPLANE_INTERNAL_TOKEN", "HETEROPLANE_TOKEN", "HETEROPLANE_DATABASE_URL")
+
+
+def model_process_env() -> dict[str, str]:
+    """The environment of a process this one starts to run users' models (a local worker, the
+    model inspector): this process's without :data:`WITHHELD_ENV`, with this checkout first on
+    ``PYTHONPATH`` (it imports ``provisioners`` from here even where it is not installed)."""
+    env = {name: value for name, value in os.environ.items() if name not in WITHHELD_ENV}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
 
 ProviderState = Literal["pending", "running", "stopping", "terminated", "failed"]
 PROVIDER_STATES: tuple[ProviderState, ...] = get_args(ProviderState)

@@ -67,7 +67,6 @@ from typing import Any
 
 from provisioners.artifacts import ArtifactRef
 from provisioners.base import (
-    WITHHELD_ENV,
     EventKind,
     LaunchRequest,
     ProviderState,
@@ -75,6 +74,7 @@ from provisioners.base import (
     ProvisionerEvent,
     launch_refusal,
     launch_tags,
+    model_process_env,
     tags_match,
 )
 from provisioners.errors import InvalidConfigurationError, QuotaExceededError
@@ -538,10 +538,7 @@ class LocalProvisioner:
         return command
 
     def _environment(self) -> dict[str, str]:
-        env = {name: value for name, value in os.environ.items() if name not in WITHHELD_ENV}
-        # The worker imports provisioners from this checkout even where it is not installed.
-        root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env = model_process_env()
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env[name] = str(self.threads)
         return env

@@ -49,7 +49,7 @@ from typing import Protocol
 
 from controlplane.errors import ModelRejectedError
 from provisioners.artifacts import FORMATS, ArtifactError, ModelSignature
-from provisioners.base import WITHHELD_ENV
+from provisioners.base import model_process_env
 
 __all__ = [
     "CPU_GRACE_S",
@@ -325,10 +325,7 @@ def _environment() -> dict[str, str]:
     # The same interpreter and import path as the service (a source checkout, a venv), one
     # thread per runtime: inspection loads a model once, it does not need the machine's cores.
     # The control plane's secrets stay out of it, as out of a worker's: it loads a user's model.
-    environment = {k: v for k, v in os.environ.items() if k not in WITHHELD_ENV}
-    root = str(Path(__file__).resolve().parents[2])
-    path = environment.get("PYTHONPATH")
-    environment["PYTHONPATH"] = root if not path else os.pathsep.join((root, path))
+    environment = model_process_env()
     environment.setdefault("OMP_NUM_THREADS", "1")
     return environment
 
