@@ -188,7 +188,7 @@ accuracies and reach shares do not: they come from the validation records alone.
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=2000, help="timed runs per model")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads while timing")
+    parser.add_argument("--threads", type=int, default=1, help="numpy threads while timing")
     parser.add_argument("--cache-dir", help="the family's model cache (default: the user's)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "cascade-family.md")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -26,8 +26,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def trained_family(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache directory holding the trained demo family and its validation records, made by the
-    function the worker agent's loader calls (``ensure_family``; about 10 s of a core). Trained
+    """A cache directory holding the trained demo family (its state dicts and the arrays the
+    worker agents serve) and its validation records, made by the function the worker agent's
+    loader falls back on (``ensure_family``; about 10 s of a core). Trained
     once for the whole run: the test processes of one ``pytest -n`` run share the folder above
     their own temporary folders, and a lock on a file there makes the first train it while the
     others wait, then find it fresh (``ensure_family`` checks the cached files against their

@@ -17,8 +17,10 @@ This module owns how a latency profile is measured, in two ways:
   sends them), the models in turn within each round (interleaved, so that load from other
   processes on a shared machine falls on every model alike).
 - **Compute only** (:func:`measure_family`, :func:`time_models`): the models' forward pass in this
-  process (``torch.inference_mode``, a fixed number of threads, warm-up runs, then timed runs
-  with ``time.perf_counter``), no serving path; kept for the per-query compute that ``heteroplane
+  process as a worker computes it (the family's arrays in numpy,
+  ``provisioners.worker.family.ArrayModel``; numpy's BLAS on a fixed number of threads, warm-up
+  runs, then timed runs with ``time.perf_counter``), no serving path; kept for the per-query
+  compute that ``heteroplane
   cascade evaluate`` costs cascades with (:func:`measure_compute_ms`) and for
   ``heteroplane profile measure --compute-only``.
 
@@ -31,8 +33,7 @@ profiles a caller sees, which the planner reads. A profile file keeps them apart
 (:func:`profile_meta`). The reference type :data:`REFERENCE_TYPE` (``local.cpu``) is this machine
 serving the digits models as they are, unpadded.
 
-torch is imported inside the functions that time models in this process, so that the rest of the
-command line does not need it.
+torch is imported only where the family must be trained first (``ensure_family``).
 """
 
 from __future__ import annotations
@@ -63,9 +64,8 @@ from provisioners.worker.emulation import EMULATED_COMPUTE, ComputeCurve, comput
 from provisioners.worker.oip import HEADER_LENGTH, binary_request_body
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from provisioners.local import LocalProvisioner
+    from provisioners.worker.family import ArrayModel
 
 REFERENCE_TYPE = "local.cpu"
 EMULATED_FAMILY = "emu"
@@ -78,7 +78,8 @@ DEFAULT_WARMUP = 5
 # core is the deployment the emulated types stand for.
 DEFAULT_THREADS = 1
 MAX_BATCH_SIZE = 4096
-# Workers import torch and load the family: seconds each, more on a busy shared machine.
+# Workers load the family (and train it first where the cache lacks it): seconds each, more on a
+# busy shared machine.
 WORKER_START_TIMEOUT_S = 180.0
 # One call may take a batch of the slowest emulated compute; a minute means a worker is stuck.
 CALL_TIMEOUT_S = 60.0
@@ -134,7 +135,7 @@ def measure_serving_path(
     agent of that type on this machine (module docstring).
 
     The emulated workers pad to ``compute`` (default: :func:`emulated_compute` of the models);
-    ``settings.threads`` are the workers' torch threads. Trains the family first when its cache
+    ``settings.threads`` are the workers' threads per batch. Trains the family first when its cache
     lacks it. Every worker started is stopped before this returns.
 
     Raises :class:`ProfilingError` when a worker does not become ready or refuses a batch.
@@ -223,42 +224,37 @@ def measure_compute_ms(
 
 
 def time_models(
-    models: Mapping[str, nn.Module],
+    models: Mapping[str, Callable[[np.ndarray], np.ndarray]],
     inputs: np.ndarray,
     batch_size: int,
     settings: MeasureSettings,
 ) -> dict[str, np.ndarray]:
-    """Latency samples (ms) of each model on batches of ``batch_size`` rows of ``inputs``.
+    """Latency samples (ms) of each model (a function of a batch: the family's
+    :class:`~provisioners.worker.family.ArrayModel`) on batches of ``batch_size`` rows of
+    ``inputs``, numpy's BLAS on ``settings.threads`` threads.
 
     Round k feeds every model the same batch (rows k*b .. k*b+b-1, wrapping around), models in
     turn; the first ``settings.warmup`` rounds are not recorded.
     """
-    import torch
+    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     rounds = settings.warmup + settings.samples
     rows = np.asarray(inputs, dtype=np.float32)
     batches = [
-        torch.from_numpy(
-            np.ascontiguousarray(rows[(k * batch_size + np.arange(batch_size)) % len(rows)])
-        )
+        np.ascontiguousarray(rows[(k * batch_size + np.arange(batch_size)) % len(rows)])
         for k in range(rounds)
     ]
     timed: dict[str, list[float]] = {name: [] for name in models}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(settings.threads)
-    try:
-        with torch.inference_mode():
-            for k, batch in enumerate(batches):
-                for name, model in models.items():
-                    start = time.perf_counter()
-                    model(batch)
-                    elapsed_ms = (time.perf_counter() - start) * 1000.0
-                    if k >= settings.warmup:
-                        timed[name].append(elapsed_ms)
-    finally:
-        torch.set_num_threads(threads)
+    with threadpool_limits(settings.threads):
+        for k, batch in enumerate(batches):
+            for name, model in models.items():
+                start = time.perf_counter()
+                model(batch)
+                elapsed_ms = (time.perf_counter() - start) * 1000.0
+                if k >= settings.warmup:
+                    timed[name].append(elapsed_ms)
     return {name: np.array(values) for name, values in timed.items()}
 
 
@@ -312,9 +308,9 @@ def profile_meta(
 ) -> dict[str, Any]:
     """The top-level keys of a measured profile file: where, when and how it was measured, and
     its ``compute`` section, the curves the emulated workers pad to (what they padded to while
-    they were measured, and what the workers of a service given the file pad to)."""
-    import torch
-
+    they were measured, and what the workers of a service given the file pad to). ``numpy`` is
+    the version that computed the family's forward pass (the workers', and this process's with
+    ``compute_only``)."""
     how = {
         "serving_path": "each sample is one batch's round trip to a worker agent of the type on"
         " this machine over kept-alive HTTP: the request's JSON, its parsing and validation,"
@@ -328,7 +324,7 @@ def profile_meta(
         "measurement_detail": how,
         "host": socket.gethostname(),
         "machine": f"{platform.system()} {platform.machine()} {platform.processor()}".strip(),
-        "torch": torch.__version__,
+        "numpy": np.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "reference_type": REFERENCE_TYPE,
         "threads": settings.threads,
@@ -361,11 +357,16 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
 
 def _load_family(
     models: Sequence[str], cache_dir: str | Path | None, say: ProgressFn
-) -> tuple[dict[str, nn.Module], np.ndarray]:
+) -> tuple[dict[str, ArrayModel], np.ndarray]:
+    """The family's models as the workers compute them (their arrays) and the validation
+    inputs."""
     from provisioners.worker import family
 
     directory, inputs = _family_inputs(models, cache_dir, say)
-    return {name: family.load_model(name, directory) for name in models}, inputs
+    arrays = family.load_arrays(models, directory)
+    if arrays is None:  # ensure_family has just written them: another process altered the cache
+        raise ProfilingError(f"the family's cache {directory} changed while it was read; try again")
+    return arrays, inputs
 
 
 def _family_inputs(

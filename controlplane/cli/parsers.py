@@ -872,7 +872,7 @@ def _profile(subparsers: Subparsers) -> None:
         type=int,
         default=PROFILE_THREADS,
         metavar="N",
-        help="torch threads of each worker, or of this process with --compute-only"
+        help="threads of each worker per batch, or of this process with --compute-only"
         " (default %(default)s)",
     )
     measure.add_argument(
@@ -1012,7 +1012,7 @@ def _cascade(subparsers: Subparsers) -> None:
         type=int,
         default=PROFILE_THREADS,
         metavar="N",
-        help="torch threads while timing (default %(default)s)",
+        help="numpy threads while timing the models (default %(default)s)",
     )
     evaluate.add_argument(
         "--profiles",

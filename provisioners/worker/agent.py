@@ -719,7 +719,10 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentConfig:
         help="pad latency to the emulated type's (default: on when a speed factor is given)",
     )
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads per batch (%(default)s)"
+        "--threads",
+        type=int,
+        default=1,
+        help="threads per batch: torch's, onnxruntime's and numpy's BLAS (%(default)s)",
     )
     parser.add_argument("--worker-id", help="an id to report in /health (the provider's id)")
     parser.add_argument(
@@ -804,6 +807,16 @@ def _artifact_options(
     return found["--artifact"], found["--artifact-inputs"]
 
 
+def _limit_blas_threads(threads: int) -> None:
+    """numpy's BLAS on ``threads`` threads, as torch's and onnxruntime's (the family's forward
+    pass is numpy's products); threadpoolctl comes with scikit-learn, the worker extra's."""
+    try:
+        from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+    except ImportError:  # pragma: no cover - the worker extra has it
+        return
+    threadpool_limits(threads)
+
+
 class LoadFailedError(Exception):
     """A model the worker cannot serve (fetch, checksum, load or first batch); one line."""
 
@@ -813,20 +826,27 @@ class LoadFailedError(Exception):
 
 def load_models(config: AgentConfig, artifact_dir: Path) -> dict[str, ModelRuntime]:
     """Every model ``config`` serves, loaded and run once on a batch of zeros: the family's
-    (trained first when the cache lacks them) and the artifacts (fetched into
-    ``artifact_dir``). Raises :class:`LoadFailedError` naming the model."""
+    (their forward pass in numpy, from the cache's arrays; trained first, with torch, when the
+    cache lacks them) and the artifacts (fetched into ``artifact_dir``). Raises
+    :class:`LoadFailedError` naming the model."""
     runtimes: dict[str, ModelRuntime] = {}
     if config.family_models:
         try:
-            import torch
-
             from provisioners.worker import family
             from provisioners.worker.runtime import family_runtime
 
-            torch.set_num_threads(config.threads)
-            directory = family.ensure_family(config.cache_dir)
+            _limit_blas_threads(config.threads)
+            arrays = family.load_arrays(config.family_models, config.cache_dir)
+            if arrays is None:  # not trained yet, or by another version: torch trains it
+                import torch
+
+                torch.set_num_threads(config.threads)
+                directory = family.ensure_family(config.cache_dir)
+                arrays = family.load_arrays(config.family_models, directory)
+                if arrays is None:
+                    raise LoadFailedError(f"the family's cache {directory} has no arrays")
             for name in config.family_models:
-                runtimes[name] = family_runtime(family.load_model(name, directory))
+                runtimes[name] = family_runtime(arrays[name])
         except Exception as error:  # a family model that cannot load, for whatever reason
             raise LoadFailedError(f"family models: {first_line(error)}") from None
     for ref in config.artifacts:

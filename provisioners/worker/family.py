@@ -4,12 +4,16 @@ This module owns the family a demo app serves and the tests use: the architectur
 logistic layer on the 8x8 pixels; ``small`` and ``medium``, MLPs; ``large``, a CNN), the data set
 (scikit-learn's digits, which ships inside the package, so nothing is downloaded) with its fixed,
 stratified train/validation split, deterministic training at first use, the on-disk cache, the
-validation records that cascades are evaluated on, and ``load_model`` / ``predict`` for the worker
-agent.
+validation records that cascades are evaluated on, and the models' forward pass in numpy that the
+worker agent serves (``load_arrays``; ``load_model`` / ``predict`` give the torch modules). torch
+is imported only by what trains, loads or exports a torch module: a worker serving a trained
+family does not import it.
 
 Cache (``$HETEROPLANE_DATA_DIR/models``, else ``~/.local/share/heteroplane/models``, or under
 ``$XDG_DATA_HOME`` when that is set; an argument overrides): one state dict per model
-(``NAME.pt``), ``validation.json`` and ``manifest.json``. The manifest records the seed, the split,
+(``NAME.pt``) and its arrays (``NAME.npz``), ``validation.json`` and ``manifest.json``. A cache
+without the arrays (an older version's) gets them at the next ``ensure_family``, without
+training. The manifest records the seed, the split,
 each model's hyper-parameters, accuracy and parameter count, and SHA-256 hashes of the training and
 validation data and of every file. A model is trained again when its file is missing or altered or
 its manifest entry does not match the code; everything is trained again when the data, seed or
@@ -26,22 +30,27 @@ Like the rest of ``provisioners/``, this imports nothing else from the repositor
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+import zipfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import nn
-from torch.nn import functional
+from numpy.lib.stride_tricks import sliding_window_view
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = [
+    "ARRAYS_SUFFIX",
     "DATASET",
     "FAMILY",
     "MODEL_NAMES",
@@ -49,6 +58,7 @@ __all__ = [
     "SIGNATURE_FILE",
     "TORCHSCRIPT_DIR",
     "VALIDATION_FORMAT",
+    "ArrayModel",
     "DigitsSplit",
     "FamilyError",
     "ModelSpec",
@@ -58,6 +68,7 @@ __all__ = [
     "default_data_dir",
     "ensure_family",
     "export_torchscript",
+    "load_arrays",
     "load_model",
     "load_split",
     "model_spec",
@@ -150,21 +161,29 @@ def model_spec(name: str) -> ModelSpec:
     raise UnknownFamilyModelError(name)
 
 
-class _Pixels(nn.Module):
-    """Scale raw pixel intensities (0..16) to [0, 1]; optionally shape them as 1x8x8 images."""
+@functools.cache
+def _pixels_class() -> type[nn.Module]:
+    """The module that scales raw pixel intensities (0..16) to [0, 1], optionally shaped as 1x8x8
+    images (defined at first use: importing this module does not import torch)."""
+    from torch import nn
 
-    def __init__(self, image: bool) -> None:
-        super().__init__()
-        self.image = image
+    class Pixels(nn.Module):
+        def __init__(self, image: bool) -> None:
+            super().__init__()
+            self.image = image
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        scaled = inputs / PIXEL_MAX
-        return scaled.reshape(-1, 1, 8, 8) if self.image else scaled.reshape(-1, N_FEATURES)
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            scaled = inputs / PIXEL_MAX
+            return scaled.reshape(-1, 1, 8, 8) if self.image else scaled.reshape(-1, N_FEATURES)
+
+    return Pixels
 
 
 def build_model(spec: ModelSpec) -> nn.Module:
     """An untrained model of ``spec``; it takes raw pixels, shape (n, 64), and returns logits."""
-    layers: list[nn.Module] = [_Pixels(image=spec.kind == "cnn")]
+    from torch import nn
+
+    layers: list[nn.Module] = [_pixels_class()(image=spec.kind == "cnn")]
     if spec.kind == "linear":
         layers.append(nn.Linear(N_FEATURES, N_CLASSES))
     elif spec.kind == "mlp":
@@ -281,8 +300,12 @@ def ensure_family(
         spec for spec in FAMILY if not _entry_is_fresh(directory, spec, entries.get(spec.name))
     ]
     validation_entry = manifest.get("validation") if manifest is not None else None
-    if not stale and _file_matches(directory, validation_entry):
+    arrays_written = all(
+        _file_matches(directory, entries.get(spec.name, {}).get("arrays")) for spec in FAMILY
+    )
+    if not stale and arrays_written and _file_matches(directory, validation_entry):
         return directory
+    import torch
 
     directory.mkdir(parents=True, exist_ok=True)
     models: dict[str, nn.Module] = {}
@@ -293,6 +316,7 @@ def ensure_family(
             _write_atomic(directory / f"{spec.name}.pt", _state_bytes(models[spec.name]))
         else:
             models[spec.name] = _load_state(spec, directory)
+        _write_atomic(directory / f"{spec.name}{ARRAYS_SUFFIX}", _arrays_bytes(models[spec.name]))
     say(f"writing validation records to {directory / VALIDATION_FILE}")
     with _deterministic_torch():  # the same records whatever the caller's thread count
         document = validation_document(models, split)
@@ -310,6 +334,10 @@ def ensure_family(
                 "accuracy": accuracy[spec.name],
                 "file": f"{spec.name}.pt",
                 "sha256": _file_sha256(directory / f"{spec.name}.pt"),
+                "arrays": {
+                    "file": f"{spec.name}{ARRAYS_SUFFIX}",
+                    "sha256": _file_sha256(directory / f"{spec.name}{ARRAYS_SUFFIX}"),
+                },
             }
             for spec in FAMILY
         ],
@@ -346,6 +374,8 @@ def export_torchscript(name: str, cache_dir: str | Path | None = None) -> Path:
     written again only when the model was trained again or the signature changed (the registry
     then gets a new version).
     """
+    import torch
+
     spec = model_spec(name)
     directory = ensure_family(cache_dir)
     state_sha256 = _file_sha256(directory / f"{spec.name}.pt")
@@ -377,6 +407,8 @@ def predict(model: nn.Module, inputs: np.ndarray) -> tuple[np.ndarray, np.ndarra
     certainty = p_(1) - p_(2), the top-1 minus the top-2 softmax score (CascadeServe appendix B,
     eq. 5), in [0, 1]: near 1 when the model is sure, near 0 when two classes are contested.
     """
+    import torch
+
     batch = np.asarray(inputs, dtype=np.float32).reshape(-1, N_FEATURES)
     with torch.inference_mode():
         logits = model(torch.from_numpy(batch))
@@ -422,12 +454,171 @@ def read_validation(cache_dir: str | Path | None = None) -> dict[str, Any]:
     return document
 
 
+# --- serving without torch -------------------------------------------------------------------
+
+# Each model's trained state as numpy arrays (``np.savez``, the state dict's keys), written beside
+# its state file: what a worker serves the family from, without importing torch.
+ARRAYS_SUFFIX = ".npz"
+
+
+class ArrayModel:
+    """A trained family model's forward pass in numpy, from its state dict's arrays: raw pixels
+    (n, 64) in, logits (n, 10) out, as the torch module computes them (float32; the same
+    predictions on the validation set, logits within 1e-5: tests/unit/test_family.py).
+
+    A worker serves the family this way: importing torch costs a worker process about 3 s of a
+    core, and the models are a few matrix products and 3x3 convolutions.
+    """
+
+    __slots__ = ("_layers", "spec")
+
+    def __init__(self, spec: ModelSpec, state: dict[str, np.ndarray]) -> None:
+        self.spec = spec
+        # build_model's layers in order, each a function of the activations; the state dict's
+        # keys are the Sequential's indices (0 is the pixel scaling).
+        layers: list[Callable[[np.ndarray], np.ndarray]] = []
+        index = 1
+
+        def weighted(layer: Callable[..., np.ndarray]) -> None:
+            nonlocal index
+            weight = np.asarray(state[f"{index}.weight"], dtype=np.float32)
+            bias = np.asarray(state[f"{index}.bias"], dtype=np.float32)
+            # A dense layer's weight transposed; a convolution's as a (c*9, out) matrix.
+            matrix = np.ascontiguousarray(weight.reshape(weight.shape[0], -1).T)
+            layers.append(functools.partial(layer, matrix=matrix, bias=bias))
+            index += 1
+
+        def plain(layer: Callable[[np.ndarray], np.ndarray]) -> None:
+            nonlocal index
+            layers.append(layer)
+            index += 1
+
+        if spec.kind == "linear":
+            weighted(_dense)
+        elif spec.kind == "mlp":
+            for _hidden in spec.widths:
+                weighted(_dense)
+                plain(_relu)
+            weighted(_dense)
+        elif spec.kind == "cnn":
+            for position, _channels in enumerate(spec.widths):
+                weighted(_conv3x3)
+                plain(_relu)
+                if position > 0:
+                    plain(_max_pool2)
+            plain(_flatten)
+            weighted(_dense)
+            plain(_relu)
+            weighted(_dense)
+        else:
+            raise FamilyError(f"model {spec.name!r}: unknown kind {spec.kind!r}")
+        self._layers = tuple(layers)
+
+    def __call__(self, inputs: np.ndarray) -> np.ndarray:
+        pixels = np.asarray(inputs, dtype=np.float32).reshape(-1, N_FEATURES)
+        x = pixels / np.float32(PIXEL_MAX)
+        if self.spec.kind == "cnn":
+            x = x.reshape(-1, 1, 8, 8)
+        for layer in self._layers:
+            x = layer(x)
+        return np.asarray(x, dtype=np.float32)
+
+
+def _dense(x: np.ndarray, matrix: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    return np.asarray(x @ matrix + bias)
+
+
+def _relu(x: np.ndarray) -> np.ndarray:
+    return np.asarray(np.maximum(x, np.float32(0)))
+
+
+def _max_pool2(x: np.ndarray) -> np.ndarray:
+    n, channels, height, width = x.shape
+    return np.asarray(x.reshape(n, channels, height // 2, 2, width // 2, 2).max(axis=(3, 5)))
+
+
+def _flatten(x: np.ndarray) -> np.ndarray:
+    """Images (n, c, h, w) as rows, in (channel, row, column) order as torch's ``Flatten``."""
+    return np.asarray(x.reshape(x.shape[0], -1))
+
+
+def _conv3x3(x: np.ndarray, matrix: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """A 3x3 convolution, stride 1, padding 1, of images (n, c, h, w) with ``matrix`` (c*9, out):
+    every pixel's 3x3 neighbourhood as a row, times the matrix."""
+    n, channels, height, width = x.shape
+    padded = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    windows = sliding_window_view(padded, (3, 3), axis=(2, 3))  # n, c, h, w, 3, 3
+    rows = windows.transpose(0, 2, 3, 1, 4, 5).reshape(n * height * width, channels * 9)
+    out = rows @ matrix + bias
+    return np.ascontiguousarray(out.reshape(n, height, width, -1).transpose(0, 3, 1, 2))
+
+
+def load_arrays(
+    names: Iterable[str], cache_dir: str | Path | None = None
+) -> dict[str, ArrayModel] | None:
+    """The family models ``names`` as :class:`ArrayModel` from the cache, without torch or
+    scikit-learn, when its manifest vouches for them: this code's format, training revision and
+    seed, each model's hyper-parameters as this code has them, and its arrays file unaltered.
+    None when it does not (:func:`ensure_family` then trains or writes what is missing).
+
+    Unlike :func:`ensure_family` this does not load the digits again to check that the cache was
+    trained on the same data: a worker trusts the manifest the control plane's
+    :func:`ensure_family` wrote (the demo, ``heteroplane profile`` and the profiler call it
+    before they start workers). Raises :class:`UnknownFamilyModelError` for a name not in the
+    family.
+    """
+    specs = [model_spec(name) for name in names]
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    manifest = _read_json(directory / MANIFEST_FILE)
+    if manifest is None or any(
+        manifest.get(key) != value
+        for key, value in (
+            ("format", MANIFEST_FORMAT),
+            ("training_revision", TRAINING_REVISION),
+            ("seed", SEED),
+        )
+    ):
+        return None
+    entries = _entries_by_name(manifest)
+    models: dict[str, ArrayModel] = {}
+    for spec in specs:
+        entry = entries.get(spec.name)
+        if entry is None or entry.get("hyperparameters") != spec.hyperparameters():
+            return None
+        arrays = entry.get("arrays")
+        if not _file_matches(directory, arrays):
+            return None
+        assert isinstance(arrays, dict)  # _file_matches checked it
+        try:
+            with np.load(directory / arrays["file"], allow_pickle=False) as stored:
+                state = {key: stored[key] for key in stored.files}
+            models[spec.name] = ArrayModel(spec, state)
+        except (OSError, ValueError, KeyError):  # a file the hash vouched for, yet unreadable
+            return None
+    return models
+
+
+def _arrays_bytes(model: nn.Module) -> bytes:
+    """The model's state dict as an ``.npz`` archive (what ``np.load`` reads), byte for byte the
+    same for the same state (a fixed date on every member, where ``np.savez`` stamps the time):
+    workers that write the arrays of one cache at once write the same file."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for key, value in model.state_dict().items():
+            member = zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            with archive.open(member, "w") as handle:
+                np.lib.format.write_array(handle, value.detach().cpu().numpy(), allow_pickle=False)
+    return buffer.getvalue()
+
+
 # --- training -----------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
 def _deterministic_torch() -> Iterator[None]:
     """One thread and deterministic kernels while training; the caller's settings come back."""
+    import torch
+
     threads = torch.get_num_threads()
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)
@@ -447,6 +638,9 @@ def _model_seed(seed: int, name: str) -> int:
 
 def _train(spec: ModelSpec, split: DigitsSplit) -> nn.Module:
     """Adam on the cross-entropy, minibatches shuffled by a seeded generator, cosine decay."""
+    import torch
+    from torch.nn import functional
+
     with _deterministic_torch():
         model_seed = _model_seed(split.seed, spec.name)
         torch.manual_seed(model_seed)
@@ -518,6 +712,8 @@ def _file_matches(directory: Path, entry: object) -> bool:
 
 
 def _load_state(spec: ModelSpec, directory: Path) -> nn.Module:
+    import torch
+
     model = build_model(spec)
     state = torch.load(directory / f"{spec.name}.pt", weights_only=True)
     model.load_state_dict(state)
@@ -526,6 +722,8 @@ def _load_state(spec: ModelSpec, directory: Path) -> nn.Module:
 
 
 def _state_bytes(model: nn.Module) -> bytes:
+    import torch
+
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     return buffer.getvalue()

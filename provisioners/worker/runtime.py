@@ -18,8 +18,9 @@ registry runs before it stores a model) executes a model a user brings, whatever
   keys; unless the extra file names them (``"outputs": [{"name": "logits"}, ...]``, one entry
   per output in order: only the names are read), so that a TorchScript model can answer under
   the same names as an ONNX model of a cascade.
-- The demo family's models, served by name (:func:`family_runtime`): the family's module, whose
-  ``forward`` returns raw logits, under :data:`~provisioners.artifacts.FAMILY_SIGNATURE`.
+- The demo family's models, served by name (:func:`family_runtime`): the family's forward pass
+  in numpy (:class:`provisioners.worker.family.ArrayModel`, no torch), or a torch module of the
+  family, either returning raw logits, under :data:`~provisioners.artifacts.FAMILY_SIGNATURE`.
 
 Every runtime answers :meth:`ModelRuntime.run` with numpy arrays, in the signature's output
 order, and casts its inputs to the signature's types first. heteroplane batches along the first
@@ -176,9 +177,35 @@ def load_runtime(
 
 
 def family_runtime(model: Any) -> ModelRuntime:
-    """A demo family model (an ``nn.Module`` of :mod:`provisioners.worker.family`: raw pixels in,
-    logits out) as a runtime of :data:`~provisioners.artifacts.FAMILY_SIGNATURE`."""
+    """A demo family model (raw pixels in, logits out) as a runtime of
+    :data:`~provisioners.artifacts.FAMILY_SIGNATURE`: an
+    :class:`~provisioners.worker.family.ArrayModel` (what the worker serves: numpy, no torch), or
+    a family ``nn.Module``. Either answers under the platform of the model's framework
+    (``pytorch_torch``: the family is PyTorch models, whatever runs their forward pass)."""
+    from provisioners.worker.family import ArrayModel
+
+    if isinstance(model, ArrayModel):
+        return _ArrayRuntime(model)
     return _ModuleRuntime(model, FAMILY_SIGNATURE, PLATFORMS["family"], "cpu")
+
+
+class _ArrayRuntime:
+    """A family model's forward pass in numpy under the family's signature."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.signature = FAMILY_SIGNATURE
+        self.platform = PLATFORMS["family"]
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        (pixels,) = _cast(inputs, self.signature.inputs)
+        spec = self.signature.inputs[0]
+        if pixels.shape[1:] != spec.shape[1:]:
+            raise ValueError(
+                f"input {spec.name!r} has shape {list(pixels.shape)}, the model takes"
+                f" {list(spec.shape)}"
+            )
+        return {self.signature.outputs[0].name: self._model(pixels)}
 
 
 def first_line(error: BaseException) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from torch import nn
 
 from estimator.cascades import load_validation
@@ -207,3 +208,64 @@ def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     monkeypatch.delenv("XDG_DATA_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_cache_dir() == tmp_path / "home" / ".local/share/heteroplane/models"
+
+
+# --- the arrays a worker serves from, without torch ------------------------------------------
+
+
+def test_the_arrays_answer_what_the_torch_modules_answer(trained_family: Path) -> None:
+    split = load_split()
+    arrays = family.load_arrays(MODEL_NAMES, trained_family)
+    assert arrays is not None and sorted(arrays) == sorted(MODEL_NAMES)
+    records = document(trained_family)
+    for entry in records["models"]:
+        logits = arrays[entry["name"]](split.validation_inputs)
+        assert logits.dtype == np.float32 and logits.shape == (719, 10)
+        with torch.inference_mode():
+            expected = load_model(entry["name"], trained_family)(
+                torch.from_numpy(split.validation_inputs)
+            ).numpy()
+        np.testing.assert_allclose(logits, expected, atol=1e-5)
+        assert logits.argmax(axis=1).tolist() == entry["predictions"]
+
+
+def test_a_cache_without_arrays_gets_them_without_training(
+    trained_family: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = copy_of(trained_family, tmp_path)
+    manifest = document(cache, "manifest.json")
+    for entry in manifest["models"]:  # as an older version wrote it
+        del entry["arrays"]
+        (cache / f"{entry['name']}{family.ARRAYS_SUFFIX}").unlink()
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    assert family.load_arrays(["tiny"], cache) is None
+    monkeypatch.setattr(family, "_train", no_training)
+    ensure_family(cache)
+    # The same bytes as the first cache's: two workers writing one cache write the same file.
+    for name in MODEL_NAMES:
+        assert digest(cache / f"{name}.npz") == digest(trained_family / f"{name}.npz")
+    assert family.load_arrays(MODEL_NAMES, cache) is not None
+
+
+@pytest.mark.parametrize("change", ["altered arrays", "hyperparameters", "revision", "manifest"])
+def test_arrays_the_manifest_does_not_vouch_for_are_not_served(
+    trained_family: Path, tmp_path: Path, change: str
+) -> None:
+    cache = copy_of(trained_family, tmp_path)
+    manifest = document(cache, "manifest.json")
+    if change == "altered arrays":
+        (cache / "large.npz").write_bytes((cache / "large.npz").read_bytes()[:-1])
+    elif change == "hyperparameters":
+        manifest["models"][3]["hyperparameters"]["dense"] += 1
+    elif change == "revision":
+        manifest["training_revision"] = family.TRAINING_REVISION + 1
+    (cache / "manifest.json").write_text("{" if change == "manifest" else json.dumps(manifest))
+    assert family.load_arrays(["large"], cache) is None
+    # An altered file refuses that model alone; a manifest that does not match, every model.
+    tiny = family.load_arrays(["tiny"], cache)
+    assert (tiny is not None) if change in ("altered arrays", "hyperparameters") else tiny is None
+
+
+def test_unknown_model_is_refused_by_the_arrays(trained_family: Path) -> None:
+    with pytest.raises(UnknownFamilyModelError, match="unknown model 'huge'"):
+        family.load_arrays(["tiny", "huge"], trained_family)

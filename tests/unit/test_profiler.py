@@ -204,7 +204,7 @@ def test_measure_writes_end_to_end_profiles_and_the_compute_the_workers_pad_to(
     assert meta["source"] == "measured" and meta["reference_type"] == REFERENCE_TYPE
     assert meta["measurement"] == "serving_path"
     assert meta["compute"] == compute_document({m: EMULATED_COMPUTE[m] for m in ("tiny", "medium")})
-    for key in ("host", "torch", "date"):
+    for key in ("host", "numpy", "date"):
         assert meta[key]
 
     assert main(["profile", "show", str(out), "--json"]) == 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -852,3 +854,33 @@ def test_the_local_provisioner_starts_artifact_workers_with_artifact_args(tmp_pa
     family = provisioner._command("w-2", "emu.cpu.small", 0.5, 7)
     assert "--artifact" not in family
     assert parse_args(family[3:]).models == ("tiny", "large")
+
+
+def test_the_family_is_served_without_importing_torch(trained_family: Path, tmp_path: Path) -> None:
+    """A worker of a trained family loads the models' arrays, not torch (seconds of a core per
+    worker); its answers are the records' predictions."""
+    script = f"""
+import sys
+from pathlib import Path
+import numpy as np
+from provisioners.worker.agent import AgentConfig, load_models
+from provisioners.worker.family import load_split
+settings = AgentConfig("127.0.0.1", 0, "emu.cpu.small", ("tiny", "large"),
+                       cache_dir=Path({str(trained_family)!r}))
+runtimes = load_models(settings, Path({str(tmp_path)!r}))
+pixels = np.asarray(load_split().validation_inputs[:50])
+for name in ("tiny", "large"):
+    print(name, *runtimes[name].run({{"input": pixels}})["logits"].argmax(axis=1))
+print("torch imported:", "torch" in sys.modules)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "torch imported: False"
+    records = json.loads((trained_family / "validation.json").read_text())
+    predicted = {entry["name"]: entry["predictions"][:50] for entry in records["models"]}
+    for line in lines[:-1]:
+        name, *classes = line.split()
+        assert [int(c) for c in classes] == predicted[name]

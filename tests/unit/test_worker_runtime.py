@@ -218,6 +218,23 @@ def test_a_family_model_answers_its_logits_under_the_family_signature() -> None:
     np.testing.assert_allclose(logits, expected, atol=1e-6)
 
 
+def test_a_family_models_arrays_answer_under_the_family_signature() -> None:
+    from provisioners.worker.family import ArrayModel, build_model, model_spec
+
+    torch.manual_seed(0)
+    module = build_model(model_spec("large")).eval()
+    state = {key: value.numpy() for key, value in module.state_dict().items()}
+    runtime = family_runtime(ArrayModel(model_spec("large"), state))
+    assert runtime.signature == FAMILY_SIGNATURE and runtime.platform == "pytorch_torch"
+    pixels = np.random.default_rng(3).integers(0, 17, size=(5, 64)).astype(np.float32)
+    logits = runtime.run({"input": pixels})["logits"]
+    with torch.inference_mode():
+        expected = module(torch.from_numpy(pixels)).numpy()
+    np.testing.assert_allclose(logits, expected, atol=1e-5)
+    with pytest.raises(ValueError, match=r"has shape \[5, 8, 8\], the model takes \[-1, 64\]"):
+        runtime.run({"input": pixels.reshape(5, 8, 8)})
+
+
 # --- inspection -----------------------------------------------------------------------------------
 
 
