@@ -345,7 +345,8 @@ class Setup:
     peak_qps: float
     mean_qps: float
     qps_max: float
-    weights: np.ndarray
+    rates: np.ndarray  # the load's rate every RATE_STEP_S
+    weights: np.ndarray  # its mass in each of N_RANGES equal ranges
     best_cascade: str
     best_cascade_accuracy: float  # held-out (score half)
     top_capacity_qps: float
@@ -427,6 +428,7 @@ def make_setup(ctx: Context) -> Setup:
         peak_qps=peak_rate,
         mean_qps=float(len(trace) / duration),
         qps_max=qps_max,
+        rates=rates,
         weights=range_weights(rates, qps_max, N_RANGES),
         best_cascade=best[2],
         best_cascade_accuracy=best_held_out,
@@ -583,11 +585,29 @@ def make_plan(setup: Setup, counts: Counts, slo_ms: float, single_only: bool) ->
         return None
 
 
-def plan_prediction(plan: GearPlan, weights: np.ndarray) -> float | None:
+def plan_prediction(plan: GearPlan, rates_qps: np.ndarray) -> float | None:
     """The plan's predicted accuracy over the trace: its gears' ``GearOption.accuracy`` (held-out
-    when the plan was scored on held-out records), weighted by the load's ranges."""
+    when the plan was scored on held-out records), weighted by the load's mass in each gear's
+    range (:func:`gear_weights`)."""
     gear_accuracy = [plan.options[g.option].accuracy if g.meets_slo else None for g in plan.gears]
-    return predicted_accuracy(gear_accuracy, weights)
+    return predicted_accuracy(gear_accuracy, gear_weights(plan, rates_qps))
+
+
+def gear_weights(plan: GearPlan, rates_qps: np.ndarray) -> np.ndarray:
+    """The arrival mass (sum of the sampled rates) in each of the plan's gears' ranges, a rate
+    going to the gear ``GearPlan.gear_for`` picks. A plan's gears are not always the
+    ``N_RANGES`` equal ranges: the first one is split where a more accurate cascade's capacity
+    falls inside it (``controlplane.policies.gears``).
+
+    >>> from controlplane.policies.gears import Gear
+    >>> gears = (Gear(0.0, 4.0, 0, True), Gear(4.0, 10.0, 0, True), Gear(10.0, 20.0, 0, True))
+    >>> plan = GearPlan(CascadePlacement.parse("m:c=1"), 100.0, 99.0, None, (), gears, 20.0, 0, 0)
+    >>> gear_weights(plan, np.array([1.0, 5.0, 6.0, 30.0])).tolist()
+    [1.0, 11.0, 30.0]
+    """
+    lows = np.array([gear.low_qps for gear in plan.gears])
+    index = np.clip(np.searchsorted(lows, rates_qps, side="right") - 1, 0, len(lows) - 1)
+    return np.bincount(index, weights=rates_qps, minlength=len(lows)).astype(np.float64)
 
 
 def verify(setup: Setup, candidate: Candidate, slo_ms: float, plan: GearPlan) -> Verified:
@@ -738,7 +758,7 @@ def cascade_search(setup: Setup, slo_ms: float, beam: int, log: Callable[[str], 
         if plan is None:
             return Candidate(counts, None, 0.0)
         top = max(o.max_qps for o in plan.options)
-        return Candidate(counts, plan_prediction(plan, setup.weights), top, plan)
+        return Candidate(counts, plan_prediction(plan, setup.rates), top, plan)
 
     return search(
         setup,

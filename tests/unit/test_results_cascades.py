@@ -3,6 +3,7 @@ the least-count search, the plan's prediction over a trace and the placement enu
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import math
 
@@ -90,20 +91,17 @@ def test_plan_prediction_uses_each_range_gear_and_its_slo_flag() -> None:
     plan = GearPlan(
         CascadePlacement.parse("a:c=1;b:c=1"), 10.0, 99.0, None, options, gears, 100.0, 0, 0
     )
-    assert plan_prediction(plan, np.array([3.0, 1.0])) == pytest.approx((3 * 0.99 + 0.90) / 4)
-    missed = GearPlan(
-        plan.placement,
-        10.0,
-        99.0,
-        None,
-        options,
-        (gears[0], Gear(50.0, 100.0, 0, False)),
-        100.0,
-        0,
-        0,
+    # The load's rates each second: 60 queries' worth in each range (above 100 is the last).
+    rates = np.array([10.0, 20.0, 30.0, 60.0])
+    assert plan_prediction(plan, rates) == pytest.approx((60 * 0.99 + 60 * 0.90) / 120)
+    missed = dataclasses.replace(plan, gears=(gears[0], Gear(50.0, 100.0, 0, False)))
+    assert plan_prediction(missed, rates) is None
+    assert plan_prediction(missed, np.array([10.0, 30.0])) == pytest.approx(0.99)
+    # A plan whose first range is split (more gears than equal ranges): each rate to its gear.
+    split = dataclasses.replace(
+        plan, gears=(Gear(0.0, 25.0, 1, True), Gear(25.0, 50.0, 0, True), gears[1])
     )
-    assert plan_prediction(missed, np.array([3.0, 1.0])) is None
-    assert plan_prediction(missed, np.array([3.0, 0.0])) == pytest.approx(0.99)
+    assert plan_prediction(split, rates) == pytest.approx((30 * 0.99 + 90 * 0.90) / 120)
 
 
 def test_compositions_are_every_split_once() -> None:
