@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_BUDGET_USD_PER_HR",
     "MAX_SLO_LATENCY_MS",
+    "MIN_BUDGET_USD_PER_HR",
     "AppSpec",
     "ModelSpec",
     "PlanningConstraints",
@@ -125,6 +126,9 @@ _PATH_PATTERN = r"^[^\x00]*$"
 # The largest budget a spec (and the budget route) accepts: a million dollars an hour is past any
 # fleet this plans, and a bound keeps counts = budget / price far from integer overflow.
 MAX_BUDGET_USD_PER_HR = 1e6
+# The least budget (a hundredth of a cent an hour): costs are compared with budgets allowing
+# 1e-9 USD/hr of float rounding, at most a hundred-thousandth of a budget this size.
+MIN_BUDGET_USD_PER_HR = 1e-4
 # The largest latency target an SLO may set: a day (a bound above it is a typo; the infer
 # route's requirements.latency_ms has the same bound).
 MAX_SLO_LATENCY_MS = 86_400_000.0
@@ -319,7 +323,9 @@ class AppSpec(BaseModel):
         " share of queries reaching each stage (its scale factor) comes from them",
     )
     slo: SLOSpec
-    budget_usd_per_hr: float = Field(gt=0, le=MAX_BUDGET_USD_PER_HR, allow_inf_nan=False)
+    budget_usd_per_hr: float = Field(
+        ge=MIN_BUDGET_USD_PER_HR, le=MAX_BUDGET_USD_PER_HR, allow_inf_nan=False
+    )
     # The item bounds are in the schema (the OpenAPI document's too), not only in a check.
     instance_types: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
     # The bound before the validator: pydantic leaves constraints that follow a BeforeValidator

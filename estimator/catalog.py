@@ -42,6 +42,7 @@ from estimator.errors import CatalogError, UnknownInstanceTypeError
 
 __all__ = [
     "CATALOG_COLUMNS",
+    "MIN_PRICE_USD_PER_HR",
     "Catalog",
     "InstanceType",
     "default_catalog",
@@ -66,6 +67,11 @@ CATALOG_COLUMNS: tuple[str, ...] = (
     "interruptions_per_hr",
 )
 _REQUIRED_COLUMNS = ("instance_type", "price_usd_per_hr")
+# The least price a type may have but 0 (on demand or spot; EC2 prices have four to six decimals).
+# Every part compares a fleet's cost with its budget allowing 1e-9 USD/hr of float rounding: a
+# price far below it would let that allowance buy instances (a million at 1e-15 USD/hr within a
+# 1e-9 budget), so the allowance is at most a thousandth of one instance's price.
+MIN_PRICE_USD_PER_HR = 1e-6
 # Every column but the name and the text ones holds a number.
 _NUMERIC_COLUMNS = tuple(
     c for c in CATALOG_COLUMNS if c not in ("instance_type", "gpu_model", "family")
@@ -183,11 +189,11 @@ def _checked_fields(
         raise _FieldError("gpu_model", f"must be text, got {gpu_model!r}")
     if not isinstance(family, str):
         raise _FieldError("family", f"must be text, got {family!r}")
-    on_demand = _checked_real("price_usd_per_hr", price_usd_per_hr, minimum=0.0)
+    on_demand = _checked_price("price_usd_per_hr", price_usd_per_hr)
     spot = (
         None
         if spot_price_usd_per_hr is None
-        else _checked_real("spot_price_usd_per_hr", spot_price_usd_per_hr)
+        else _checked_price("spot_price_usd_per_hr", spot_price_usd_per_hr)
     )
     if spot is not None and spot > on_demand:
         raise _FieldError(
@@ -225,6 +231,18 @@ def _checked_real(
     if number < minimum:
         raise _FieldError(field, f"must be >= {minimum:g}, got {number!r}")
     return number
+
+
+def _checked_price(field: str, value: object) -> float:
+    """A price: 0 (free) or at least :data:`MIN_PRICE_USD_PER_HR`."""
+    price = _checked_real(field, value)
+    if 0.0 < price < MIN_PRICE_USD_PER_HR:
+        raise _FieldError(
+            field,
+            f"must be 0 or >= {MIN_PRICE_USD_PER_HR:g} USD/hr, got {price!r} (costs are compared"
+            " with budgets to within 1e-9 USD/hr)",
+        )
+    return price
 
 
 def _checked_count(field: str, value: object) -> int:

@@ -25,7 +25,12 @@ from pydantic import (
 
 from controlplane.apps.plans import DEFAULT_TRACE_QUERIES
 from controlplane.policies.planner import PLANNING_QUERIES
-from controlplane.spec import MAX_BUDGET_USD_PER_HR, MAX_SLO_LATENCY_MS, whole_number
+from controlplane.spec import (
+    MAX_BUDGET_USD_PER_HR,
+    MAX_SLO_LATENCY_MS,
+    MIN_BUDGET_USD_PER_HR,
+    whole_number,
+)
 
 __all__ = [
     "DEFAULT_TRACE_QUERIES",
@@ -354,7 +359,9 @@ class PlanOut(BaseModel):
 class BudgetChangeIn(BaseModel):
     model_config = _REQUEST
 
-    budget_usd_per_hr: float = Field(gt=0, le=MAX_BUDGET_USD_PER_HR, allow_inf_nan=False)
+    budget_usd_per_hr: float = Field(
+        ge=MIN_BUDGET_USD_PER_HR, le=MAX_BUDGET_USD_PER_HR, allow_inf_nan=False
+    )
     reason: str = Field(min_length=1, max_length=_MAX_REASON)
     # A budget below the app's smallest serving fleet is a 409 unless forced.
     force: bool = False

@@ -496,6 +496,7 @@ def test_malformed_json_is_a_400(api: Api) -> None:
     [
         ({"budget_usd_per_hr": -1, "reason": "cut"}, "budget_usd_per_hr"),
         ({"budget_usd_per_hr": 0, "reason": "cut"}, "budget_usd_per_hr"),
+        ({"budget_usd_per_hr": 1e-12, "reason": "cut"}, "budget_usd_per_hr"),
         ({"budget_usd_per_hr": 1e300, "reason": "cut"}, "budget_usd_per_hr"),
         ({"budget_usd_per_hr": "3", "reason": "cut"}, "budget_usd_per_hr"),
         ({"budget_usd_per_hr": 3, "reason": ""}, "reason"),

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import estimator.catalog as catalog_module
 from estimator.catalog import (
     CATALOG_COLUMNS,
+    MIN_PRICE_USD_PER_HR,
     Catalog,
     InstanceType,
     default_catalog,
@@ -149,6 +150,11 @@ def test_instance_type_derives_family_and_normalises() -> None:
     ("kwargs", "message"),
     [
         ({"price_usd_per_hr": -0.01}, "price_usd_per_hr: must be >= 0"),
+        ({"price_usd_per_hr": 1e-12}, "price_usd_per_hr: must be 0 or >= 1e-06 USD/hr"),
+        (
+            {"price_usd_per_hr": 0.1, "spot_price_usd_per_hr": 1e-9},
+            "spot_price_usd_per_hr: must be 0 or >= 1e-06 USD/hr",
+        ),
         ({"price_usd_per_hr": math.nan}, "price_usd_per_hr: must be finite"),
         ({"price_usd_per_hr": math.inf}, "price_usd_per_hr: must be finite"),
         ({"price_usd_per_hr": True}, "price_usd_per_hr: must be a number"),
@@ -430,7 +436,9 @@ def _finite(max_value: float) -> st.SearchStrategy[float]:
 def instance_types(draw: st.DrawFn, name: str) -> InstanceType:
     return InstanceType(
         name=name,
-        price_usd_per_hr=draw(_finite(1e4)),
+        price_usd_per_hr=draw(
+            st.just(0.0) | st.floats(min_value=MIN_PRICE_USD_PER_HR, max_value=1e4)
+        ),
         vcpus=draw(st.none() | st.integers(min_value=0, max_value=1024)),
         memory_gib=draw(st.none() | _finite(1e5)),
         gpus=draw(st.integers(min_value=0, max_value=16)),
