@@ -35,6 +35,7 @@ class ClockworkPolicy:
     takes_noise = False
     in_plans = False
     matched_capacity = False
+    batches = False
 
     def __init__(self, latency_ms: Mapping[str, np.ndarray]) -> None:
         self.latency_ms = {t: np.asarray(v, dtype=np.float64) for t, v in latency_ms.items()}

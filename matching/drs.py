@@ -28,6 +28,7 @@ class DrsPolicy:
     takes_noise = False
     in_plans = False  # a plan does not record a threshold
     matched_capacity = False
+    batches = True
 
     def __init__(self, threshold: int, base_types: Sequence[str]) -> None:
         if threshold < 0:

@@ -27,6 +27,7 @@ class FcfsPolicy:
     takes_noise = False
     in_plans = True
     matched_capacity = False
+    batches = True
 
     def __init__(self, type_order: tuple[str, ...] = ()) -> None:
         self.type_order = tuple(type_order)

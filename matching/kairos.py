@@ -251,6 +251,7 @@ class KairosPolicy:
     takes_noise = True
     in_plans = True
     matched_capacity = True
+    batches = False
 
     def __init__(
         self,

@@ -137,7 +137,9 @@ class RegisteredPolicy(Protocol):
     accepts prediction noise. ``in_plans``: a plan may name it (it needs nothing a plan does not
     record). ``matched_capacity``: on a mix of types at batch size 1, its capacity is Kairos'
     matching upper bound (``estimator.bounds``), which the tuner sizes with, not the sum of the
-    types' rates.
+    types' rates. ``batches``: it sends a stage's queries in batches up to the stage's cap;
+    False: each query runs alone whatever the cap (Kairos, Clockwork: a query already is a
+    batch), so a batch cap above 1 means nothing to it.
     """
 
     name: ClassVar[str]
@@ -146,6 +148,7 @@ class RegisteredPolicy(Protocol):
     takes_noise: ClassVar[bool]
     in_plans: ClassVar[bool]
     matched_capacity: ClassVar[bool]
+    batches: ClassVar[bool]
 
     @classmethod
     def factory(cls, setting: PolicySetting) -> Callable[[], DispatchPolicy]:

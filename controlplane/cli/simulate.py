@@ -17,12 +17,9 @@ from controlplane.cli.common import (
 )
 from controlplane.cli.output import UsageError, emit
 from estimator.batches import MAX_BATCH_SIZE
-from estimator.policies import full_range_types, policy_factory
+from estimator.policies import full_range_types, policy_class, policy_factory
 from estimator.simulator import InstanceSpec, Stage, simulate
-
-# The dispatch policies that send each query alone whatever the stage's batch cap
-# (docs/matching.md: matching.kairos, matching.clockwork).
-SINGLE_QUERY_POLICIES = ("kairos", "clockwork")
+from matching import registry
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,10 +31,11 @@ def run(args: argparse.Namespace) -> int:
     at_most("--max-batch", args.max_batch, MAX_BATCH_SIZE)
     check_drs_threshold(args.drs_threshold)
     check_seed(args.seed)
-    if args.max_batch > 1 and args.policy in SINGLE_QUERY_POLICIES:
+    if args.max_batch > 1 and not policy_class(args.policy).batches:
+        batching = [name for name in registry.names() if policy_class(name).batches]
         raise UsageError(
             f"--max-batch {args.max_batch}: the {args.policy} policy runs each query alone (in"
-            " the Kairos setting a query already is a batch); batches are fcfs's and drs's"
+            f" the Kairos setting a query already is a batch); batches are {', '.join(batching)}'s"
         )
     profiles, catalog = load_inputs(args)
     fleet = parse_fleet(args.fleet, catalog)

@@ -34,6 +34,7 @@ class SlowestFirstPolicy:
     takes_noise = False
     in_plans = True
     matched_capacity = False
+    batches = True
 
     @classmethod
     def factory(cls, setting: PolicySetting) -> Callable[[], SlowestFirstPolicy]:
