@@ -301,7 +301,7 @@ def ensure_family(
     ]
     validation_entry = manifest.get("validation") if manifest is not None else None
     arrays_written = all(
-        _file_matches(directory, entries.get(spec.name, {}).get("arrays")) for spec in FAMILY
+        _arrays_are_fresh(directory, spec, entries.get(spec.name)) for spec in FAMILY
     )
     if not stale and arrays_written and _file_matches(directory, validation_entry):
         return directory
@@ -473,18 +473,28 @@ class ArrayModel:
     __slots__ = ("_layers", "spec")
 
     def __init__(self, spec: ModelSpec, state: dict[str, np.ndarray]) -> None:
+        """Raises :class:`FamilyError` when ``state`` lacks a layer's arrays or holds them in
+        another shape than ``spec``'s layers have (another model's arrays, say)."""
         self.spec = spec
         # build_model's layers in order, each a function of the activations; the state dict's
         # keys are the Sequential's indices (0 is the pixel scaling).
         layers: list[Callable[[np.ndarray], np.ndarray]] = []
         index = 1
 
-        def weighted(layer: Callable[..., np.ndarray]) -> None:
+        def weighted(layer: Callable[..., np.ndarray], shape: tuple[int, ...]) -> None:
             nonlocal index
-            weight = np.asarray(state[f"{index}.weight"], dtype=np.float32)
-            bias = np.asarray(state[f"{index}.bias"], dtype=np.float32)
+            weight = state.get(f"{index}.weight")
+            bias = state.get(f"{index}.bias")
+            if weight is None or bias is None or weight.shape != shape or bias.shape != shape[:1]:
+                found = "missing" if weight is None or bias is None else list(weight.shape)
+                raise FamilyError(
+                    f"model {spec.name!r}: layer {index}'s weight is {found}, not {list(shape)}"
+                )
             # A dense layer's weight transposed; a convolution's as a (c*9, out) matrix.
-            matrix = np.ascontiguousarray(weight.reshape(weight.shape[0], -1).T)
+            matrix = np.ascontiguousarray(
+                np.asarray(weight, dtype=np.float32).reshape(shape[0], -1).T
+            )
+            bias = np.asarray(bias, dtype=np.float32)
             layers.append(functools.partial(layer, matrix=matrix, bias=bias))
             index += 1
 
@@ -493,25 +503,28 @@ class ArrayModel:
             layers.append(layer)
             index += 1
 
-        if spec.kind == "linear":
-            weighted(_dense)
-        elif spec.kind == "mlp":
-            for _hidden in spec.widths:
-                weighted(_dense)
+        width = N_FEATURES
+        if spec.kind == "mlp":
+            for hidden in spec.widths:
+                weighted(_dense, (hidden, width))
                 plain(_relu)
-            weighted(_dense)
+                width = hidden
         elif spec.kind == "cnn":
-            for position, _channels in enumerate(spec.widths):
-                weighted(_conv3x3)
+            channels, side = 1, 8
+            for position, out in enumerate(spec.widths):
+                weighted(_conv3x3, (out, channels, 3, 3))
                 plain(_relu)
                 if position > 0:
                     plain(_max_pool2)
+                    side //= 2
+                channels = out
             plain(_flatten)
-            weighted(_dense)
+            weighted(_dense, (spec.dense, channels * side * side))
             plain(_relu)
-            weighted(_dense)
-        else:
+            width = spec.dense
+        elif spec.kind != "linear":
             raise FamilyError(f"model {spec.name!r}: unknown kind {spec.kind!r}")
+        weighted(_dense, (N_CLASSES, width))
         self._layers = tuple(layers)
 
     def __call__(self, inputs: np.ndarray) -> np.ndarray:
@@ -583,17 +596,17 @@ def load_arrays(
     models: dict[str, ArrayModel] = {}
     for spec in specs:
         entry = entries.get(spec.name)
-        if entry is None or entry.get("hyperparameters") != spec.hyperparameters():
+        if (
+            entry is None
+            or entry.get("hyperparameters") != spec.hyperparameters()
+            or not _arrays_are_fresh(directory, spec, entry)
+        ):
             return None
-        arrays = entry.get("arrays")
-        if not _file_matches(directory, arrays):
-            return None
-        assert isinstance(arrays, dict)  # _file_matches checked it
         try:
-            with np.load(directory / arrays["file"], allow_pickle=False) as stored:
+            with np.load(directory / f"{spec.name}{ARRAYS_SUFFIX}", allow_pickle=False) as stored:
                 state = {key: stored[key] for key in stored.files}
             models[spec.name] = ArrayModel(spec, state)
-        except (OSError, ValueError, KeyError):  # a file the hash vouched for, yet unreadable
+        except (OSError, ValueError, FamilyError):  # vouched for by the hash, yet unreadable
             return None
     return models
 
@@ -689,6 +702,16 @@ def _entries_by_name(manifest: dict[str, Any] | None) -> dict[str, dict[str, Any
     if not isinstance(models, list):
         return {}
     return {e["name"]: e for e in models if isinstance(e, dict) and isinstance(e.get("name"), str)}
+
+
+def _arrays_are_fresh(directory: Path, spec: ModelSpec, entry: dict[str, Any] | None) -> bool:
+    """Whether the manifest entry names the model's own arrays file, with that file's hash."""
+    arrays = entry.get("arrays") if entry is not None else None
+    return (
+        isinstance(arrays, dict)
+        and arrays.get("file") == f"{spec.name}{ARRAYS_SUFFIX}"
+        and _file_matches(directory, arrays)
+    )
 
 
 def _entry_is_fresh(directory: Path, spec: ModelSpec, entry: dict[str, Any] | None) -> bool:

@@ -247,23 +247,52 @@ def test_a_cache_without_arrays_gets_them_without_training(
     assert family.load_arrays(MODEL_NAMES, cache) is not None
 
 
-@pytest.mark.parametrize("change", ["altered arrays", "hyperparameters", "revision", "manifest"])
+@pytest.mark.parametrize(
+    "change",
+    ["altered arrays", "another model's arrays", "hyperparameters", "revision", "manifest"],
+)
 def test_arrays_the_manifest_does_not_vouch_for_are_not_served(
-    trained_family: Path, tmp_path: Path, change: str
+    trained_family: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
 ) -> None:
     cache = copy_of(trained_family, tmp_path)
     manifest = document(cache, "manifest.json")
+    # The model the change is to: small's entry may name medium's arrays, file and hash (the
+    # same shapes but the last layer's, which an unchecked load served as small's answers).
+    name, index = ("small", 1) if change == "another model's arrays" else ("large", 3)
     if change == "altered arrays":
         (cache / "large.npz").write_bytes((cache / "large.npz").read_bytes()[:-1])
+    elif change == "another model's arrays":
+        manifest["models"][1]["arrays"] = dict(manifest["models"][2]["arrays"])
     elif change == "hyperparameters":
         manifest["models"][3]["hyperparameters"]["dense"] += 1
     elif change == "revision":
         manifest["training_revision"] = family.TRAINING_REVISION + 1
     (cache / "manifest.json").write_text("{" if change == "manifest" else json.dumps(manifest))
-    assert family.load_arrays(["large"], cache) is None
+    assert family.load_arrays([name], cache) is None
     # An altered file refuses that model alone; a manifest that does not match, every model.
     tiny = family.load_arrays(["tiny"], cache)
-    assert (tiny is not None) if change in ("altered arrays", "hyperparameters") else tiny is None
+    alone = ("altered arrays", "another model's arrays", "hyperparameters")
+    assert (tiny is not None) if change in alone else tiny is None
+    if change not in ("altered arrays", "another model's arrays"):
+        return  # the others train again (tests above)
+    # ensure_family writes the arrays again without training, and they answer as the records say.
+    monkeypatch.setattr(family, "_train", no_training)
+    ensure_family(cache)
+    mended = family.load_arrays([name], cache)
+    assert mended is not None
+    split = load_split()
+    predictions = mended[name](split.validation_inputs[:40]).argmax(axis=1).tolist()
+    assert predictions == document(cache)["models"][index]["predictions"][:40]
+
+
+def test_arrays_of_another_shape_are_refused(trained_family: Path) -> None:
+    with np.load(trained_family / "medium.npz") as stored:
+        medium = {key: stored[key] for key in stored.files}
+    with pytest.raises(family.FamilyError, match=r"model 'small': layer 1's weight is \[256, 64\]"):
+        family.ArrayModel(family.model_spec("small"), medium)
+    del medium["3.bias"]
+    with pytest.raises(family.FamilyError, match="layer 3's weight is missing"):
+        family.ArrayModel(family.model_spec("medium"), medium)
 
 
 def test_unknown_model_is_refused_by_the_arrays(trained_family: Path) -> None:
