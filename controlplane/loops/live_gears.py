@@ -217,6 +217,8 @@ class LiveGears:
                 listed.add(app.name)
                 try:
                     self._refresh_app(app, now_s, capped(app.name))
+                except NotFoundError:  # deleted since the tick listed it: forgotten below
+                    listed.discard(app.name)
                 except (EstimatorError, KeyError, ValueError) as error:
                     # A gear plan that no longer reads (a profile gone): the app is served as
                     # its spec says until the next refresh reads one again.
@@ -419,12 +421,14 @@ class GearTable:
     (thread-safe: :meth:`gear` is read on the event loop, :meth:`set_all` runs in a thread).
 
     A plan id that is not the app's applied plan (applied anew since) is left out until the
-    switcher sends the new one; each plan's document is parsed once.
+    switcher sends the new one; each plan's document is parsed once, kept by app and plan id
+    while the switcher names that pair: SQLite gives a deleted app's plan ids to the next plans
+    made, so an id alone may name another app's plan, or a re-registered app's new one.
     """
 
     def __init__(self, store: Store) -> None:
         self._store = store
-        self._plans: dict[int, GearPlan] = {}
+        self._plans: dict[tuple[str, int], GearPlan] = {}
         self._serving: dict[str, tuple[int, int, ServingGear]] = {}
         self._lock = threading.Lock()
 
@@ -442,15 +446,17 @@ class GearTable:
             plan = self._plan(app, plan_id)
             if plan is not None and 0 <= gear < len(plan.gears):
                 kept[app] = (plan_id, gear, serving_gear(plan, gear))
+        named = {(app, plan_id) for app, (plan_id, _gear) in in_force.items()}
         with self._lock:
             self._serving = kept
+            self._plans = {key: plan for key, plan in self._plans.items() if key in named}
 
     def reads_store(self, in_force: Mapping[str, tuple[int, int]]) -> bool:
         """Whether :meth:`set_all` of ``in_force`` would read the store (a gear moved to a plan
         not parsed yet): the serving process's fast path runs it on the event loop only when
         not (:mod:`controlplane.api.fast_internal`)."""
         _kept, moved = self._split(in_force)
-        return any(plan_id not in self._plans for _app, plan_id, _gear in moved)
+        return any((app, plan_id) not in self._plans for app, plan_id, _gear in moved)
 
     def _split(
         self, in_force: Mapping[str, tuple[int, int]]
@@ -470,7 +476,7 @@ class GearTable:
         return kept, moved
 
     def _plan(self, app: str, plan_id: int) -> GearPlan | None:
-        found = self._plans.get(plan_id)
+        found = self._plans.get((app, plan_id))
         if found is not None:
             return found
         try:
@@ -484,5 +490,5 @@ class GearTable:
         except (EstimatorError, KeyError, ValueError) as error:
             logger.warning("gears: %s served without gears: %s", app, error)
             return None
-        self._plans[plan_id] = plan
+        self._plans[(app, plan_id)] = plan
         return plan

@@ -421,3 +421,40 @@ def test_the_serving_processs_gear_table_serves_the_gear_the_switcher_sent(
     assert table.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
     table.set_all({})  # the switcher dropped the app
     assert table.gear(APP) is None
+
+
+def test_the_gear_table_reads_a_reused_plan_id_as_the_new_apps_plan(
+    store: Store, tmp_path: Path
+) -> None:
+    """SQLite gives a deleted app's plan id to the next plan made: an app registered after it
+    (here under the same name, another cascade's plan) is served its own plan's gears, not the
+    deleted app's that the table had parsed under that id."""
+    applied(store, tmp_path, PLAN.to_document())
+    table = GearTable(store)
+    (plan_id,) = [store.get_applied_plan(APP).id]  # type: ignore[union-attr]
+    table.set_all({APP: (plan_id, 0)})
+    assert table.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+    store.delete_app(APP)
+    table.set_all({})  # the switcher forgot the deleted app
+    swapped = GearPlan(
+        PLAN.placement, 100.0, 99.0, None, (ACCURATE, FAST), PLAN.gears, 100.0, 7, 42
+    )
+    applied(store, tmp_path, swapped.to_document())
+    assert store.get_applied_plan(APP).id == plan_id  # type: ignore[union-attr]
+    table.set_all({APP: (plan_id, 0)})
+    assert table.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]
+
+
+def test_an_app_deleted_during_a_refresh_is_forgotten_without_failing_the_tick(
+    store: Store, tmp_path: Path
+) -> None:
+    applied(store, tmp_path, PLAN.to_document())
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    gears = switcher(store, clock, loop)
+    loop.rate(60.0, clock.now_s())
+    gears.tick()
+    assert APP in gears.in_force()
+    listed = store.list_apps()  # the tick's snapshot, read before the app goes
+    store.delete_app(APP)
+    gears.refresh(apps=listed)
+    assert gears.in_force() == {} and gears.gear(APP) is None
