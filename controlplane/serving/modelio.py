@@ -311,6 +311,10 @@ def _checked(spec: TensorSpec, values: Any) -> np.ndarray:
     array = np.asarray(values) if not isinstance(values, np.ndarray) else values
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise ModelIOError(f"input {spec.name!r}: NaN or infinity is not a value a model is sent")
+    if array.dtype.kind == "f" and spec.dtype.kind in "iu" and isinstance(values, list):
+        # JSON integers past 2**63 beside smaller ones, read as floats: the values themselves
+        # tell (tensor_values) whether they are UINT64's.
+        return tensor_values(values, spec)
     return tensor_values(array, spec)
 
 

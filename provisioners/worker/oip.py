@@ -342,6 +342,8 @@ def tensor_values(data: list[Any] | np.ndarray, spec: TensorSpec) -> np.ndarray:
         if raw.dtype.kind != "b":
             raise OipError(f"input {name!r}: BOOL data must be true or false")
     elif kind in "iu":
+        if raw.dtype.kind == "f" and isinstance(data, list):
+            raw = _integers_past_int64(data, raw, spec)
         if raw.dtype.kind not in "iu" or (isinstance(data, list) and _holds_bool(data)):
             raise OipError(f"input {name!r}: {spec.datatype} data must be integers")
         limits = np.iinfo(dtype)
@@ -364,6 +366,22 @@ def tensor_values(data: list[Any] | np.ndarray, spec: TensorSpec) -> np.ndarray:
             raise OipError(f"input {name!r}: {_not_finite(raw, spec.datatype)}")
         return raw.astype(dtype).reshape(-1)
     return raw.astype(dtype).reshape(-1)
+
+
+def _integers_past_int64(data: list[Any], raw: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """JSON integers of 2**63 and more beside smaller ones, which numpy reads as floats (64 bits
+    would not hold them all as signed integers), as UINT64 when they fit it; ``raw`` itself
+    when they are not all integers (the caller's error then says so)."""
+    values = np.asarray(data, dtype=object).reshape(-1)
+    if not all(type(value) is int for value in values):  # a float, or a bool among them
+        return raw
+    if min(values) < 0 or max(values) > np.iinfo(np.uint64).max:
+        limits = np.iinfo(spec.dtype)
+        raise OipError(
+            f"input {spec.name!r}: a value lies outside {spec.datatype}'s"
+            f" {limits.min}..{limits.max}"
+        )
+    return np.asarray(values.tolist(), dtype=np.uint64).reshape(raw.shape)
 
 
 def _not_finite(raw: np.ndarray, datatype: str) -> str:

@@ -119,6 +119,14 @@ def test_a_value_its_input_does_not_take_is_refused_before_the_call(
         ModelIO("two", TWO_INPUTS, family=False).encode(rows)
 
 
+def test_uint64_values_past_int64_are_sent_as_they_are() -> None:
+    signature = ModelSignature(
+        (TensorSpec("n", "UINT64", (-1, 2)),), (TensorSpec("y", "FP32", (-1, 2)),)
+    )
+    body = ModelIO("big", signature, family=False).encode([[1, 2**63], [2, 2**64 - 1]])
+    assert worker_reads(body, signature).inputs["n"].tolist() == [[1, 2**63], [2, 2**64 - 1]]
+
+
 def test_fp16_and_unsigned_values_keep_their_range() -> None:
     signature = ModelSignature(
         (TensorSpec("x", "FP16", (-1, 2)), TensorSpec("n", "UINT8", (-1, 2))),

@@ -173,6 +173,25 @@ def test_integer_and_bool_inputs_take_only_their_values() -> None:
     assert "input 'small'" in str(refusal(document([True, True], [2**70]), signature))
 
 
+def test_uint64_takes_its_whole_range_beside_small_integers() -> None:
+    """numpy reads [1, 2**63] as floats (no signed 64-bit integer holds both): the values are
+    still UINT64's, to its top, and refused past it or beside a fraction or a negative."""
+    signature = ModelSignature(
+        (TensorSpec("x", "UINT64", (-1, 3)),), (TensorSpec("out", "FP32", (-1,)),)
+    )
+    top = 2**64 - 1
+
+    def document(data: Any) -> dict[str, Any]:
+        return {"inputs": [tensor("x", [1, 3], data, "UINT64")]}
+
+    parsed = parse_infer_request(document([1, 2**63, top]), signature, max_batch_size=4)
+    assert parsed.inputs["x"].dtype == np.uint64
+    assert parsed.inputs["x"].tolist() == [[1, 2**63, top]]
+    assert "must be integers" in str(refusal(document([1.5, 2, 2**63]), signature))
+    assert "outside UINT64's" in str(refusal(document([-1, 2, 2**63]), signature))
+    assert "input 'x'" in str(refusal(document([1, 2, 2**64]), signature))
+
+
 def test_unknown_or_repeated_outputs_are_refused() -> None:
     assert "output 'x' is not an output" in str(refusal(request(outputs=[{"name": "x"}])))
     twice = request(outputs=[{"name": "logits"}, {"name": "logits"}])
