@@ -12,7 +12,9 @@ binary tensors).
   a ``.npy`` renamed ``.npz``: :func:`read_npz`; a tensor without ``data``) is one line.
 - **Fitting** (:func:`fit_inputs`): against the app's inputs as ``GET /v2/models/{app}`` gives
   them (:class:`InputSpec`): every input given, each array's sample shape the input's (a
-  ``-1`` takes any size), its values cast to the input's datatype, the same number of rows in
+  ``-1`` takes any size), its values cast to the input's datatype where they are that type's
+  values as they are (whole and in range for an integer type, 0 or 1 for BOOL, finite and in
+  range for a float: a JSON file's values to its own datatype too), the same number of rows in
   each. Anything else is a :class:`ValueError` of one line naming the input.
 - **Bodies** (:func:`tensor_body`): ``/v1`` (``{"inputs": [flattened rows]}``: a model of one
   input), ``/v2`` JSON (``data`` flat, row-major), or ``/v2`` with Triton's binary tensor
@@ -188,11 +190,13 @@ def _oip_rows(document: object) -> dict[str, NDArray[Any]]:
                 raise ValueError(
                     f"{where}: shape {tensor['shape']!r} is not a list of whole numbers"
                 ) from None
-            dtype = numpy_dtype(str(tensor["datatype"]))
+            datatype = str(tensor["datatype"])
+            dtype = numpy_dtype(datatype)
             try:
-                values = np.asarray(tensor["data"], dtype=dtype)
+                raw = np.asarray(tensor["data"])
             except (TypeError, ValueError, OverflowError) as error:
                 raise ValueError(f"{where}: data: {error}") from None
+            values = _exact(f"{where}: data", datatype, dtype, raw)
             if values.size != math.prod(shape):
                 raise ValueError(f"input {name!r}: {values.size} values for shape {shape}")
             parts.setdefault(name, []).append(values.reshape(shape))
@@ -267,8 +271,33 @@ def _fitted(spec: InputSpec, dtype: np.dtype[Any], array: NDArray[Any]) -> NDArr
         raise ValueError(
             f"input {spec.name!r}: rows of shape {list(given)} do not fit {list(spec.shape)}"
         )
-    if array.dtype.kind == "f" and dtype.kind in "biu" and not np.all(array == np.round(array)):
-        raise ValueError(f"input {spec.name!r}: values that are not whole for {spec.datatype}")
+    return _exact(f"input {spec.name!r}", spec.datatype, dtype, array)
+
+
+def _exact(where: str, datatype: str, dtype: np.dtype[Any], array: NDArray[Any]) -> NDArray[Any]:
+    """``array`` cast to ``dtype`` (``datatype``'s) when every value is one of its values as it
+    is: whole and within range for an integer type (0 and 1 for BOOL), finite and within range
+    for a float type. The service refuses the same values; a cast would change them silently
+    (300 into UINT8 is 44, 5.5 into INT64 is 5), and the load would measure other inputs than
+    the file's."""
+    if array.dtype.kind not in "biuf":
+        raise ValueError(f"{where}: {datatype} takes numbers, not values of type {array.dtype}")
+    if array.size == 0:
+        return array.astype(dtype)
+    if dtype.kind in "biu":
+        if array.dtype.kind == "f" and not np.all(array == np.round(array)):
+            raise ValueError(f"{where}: values that are not whole for {datatype}")
+        limits = (0, 1) if dtype.kind == "b" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+        # A float past the top: 2**63 - 1 is 2**63 as a float, which INT64 does not hold.
+        past = float(limits[1]) + 1.0 if array.dtype.kind == "f" else limits[1] + 1
+        if array.min() < limits[0] or array.max() >= past:
+            raise ValueError(f"{where}: values outside {datatype}'s {limits[0]}..{limits[1]}")
+    elif array.dtype.kind != "b":
+        if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
+            raise ValueError(f"{where}: NaN or infinity: {datatype} values must be finite")
+        largest = float(np.finfo(dtype).max)
+        if array.max() > largest or array.min() < -largest:
+            raise ValueError(f"{where}: values past {datatype}'s largest, {largest:g}")
     return array.astype(dtype)
 
 

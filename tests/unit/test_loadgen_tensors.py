@@ -68,6 +68,12 @@ def test_an_npz_and_oip_json_rows_read_alike(tmp_path: Path) -> None:
         ({"ids": np.zeros((2, 4)), "mask": np.zeros((2, 3))}, TWO, "'ids': rows of shape [4]"),
         ({"ids": np.zeros((2, 3)), "mask": np.zeros((3, 3))}, TWO, "'mask': 3 rows, the others 2"),
         ({"ids": np.full((1, 3), 0.5), "mask": np.zeros((1, 3))}, TWO, "not whole for INT64"),
+        # Values a cast would change (the service refuses them): refused, never sent changed.
+        ({"ids": np.zeros((1, 3)), "mask": np.full((1, 3), 2)}, TWO, "outside BOOL's 0..1"),
+        ({"ids": np.full((1, 3), 2.0**63), "mask": np.ones((1, 3))}, TWO, "outside INT64's"),
+        ({"x": np.full((1, 4), np.nan)}, IMAGE, "'image': NaN or infinity"),
+        ({"x": np.full((1, 4), 1e39)}, IMAGE, "past FP32's largest"),
+        ({"x": np.full((1, 4), "a")}, IMAGE, "FP32 takes numbers"),
         ({"x": np.zeros((2, 5))}, IMAGE, "'image': rows of shape [5] do not fit [-1, 2, 2]"),
     ],
 )
@@ -82,6 +88,27 @@ def test_inputs_that_do_not_fit_are_one_line_naming_the_input(
 def test_one_array_for_one_input_takes_any_name_and_flat_rows() -> None:
     arrays = fit_inputs({"whatever": np.arange(8).reshape(2, 4)}, IMAGE)
     assert arrays["image"].shape == (2, 2, 2) and arrays["image"].dtype == np.float32
+
+
+def test_json_rows_keep_their_values_or_are_refused(tmp_path: Path) -> None:
+    """A JSON file's values are its datatype's as they are: 300 is no UINT8 and 5.5 no INT64
+    (a cast had sent 44 and 5, and the run measured other inputs than the file's)."""
+
+    def rows(datatype: str, data: list[object]) -> Path:
+        path = tmp_path / "rows.json"
+        tensor = {"name": "x", "datatype": datatype, "shape": [1, len(data)], "data": data}
+        path.write_text(json.dumps({"inputs": [tensor]}))
+        return path
+
+    assert read_inputs(rows("UINT8", [1, 2, 255]))["x"].tolist() == [[1, 2, 255]]
+    for datatype, data, fragment in [
+        ("UINT8", [1, 2, 300], "outside UINT8's 0..255"),
+        ("INT64", [1, 2, 5.5], "not whole for INT64"),
+        ("BOOL", [True, 2], "outside BOOL's 0..1"),
+        ("FP16", [1.0, 70000.0], "past FP16's largest"),
+    ]:
+        with pytest.raises(ValueError, match=fragment):
+            read_inputs(rows(datatype, data))
 
 
 def test_files_that_are_not_inputs_are_refused(tmp_path: Path) -> None:
