@@ -370,9 +370,10 @@ def export_torchscript(name: str, cache_dir: str | Path | None = None) -> Path:
     archive's extra file :data:`SIGNATURE_FILE`.
 
     TorchScript archives are not byte-for-byte reproducible, so the archive is written once per
-    trained state: a sidecar ``<name>.json`` records the state file's sha256, and the archive is
-    written again only when the model was trained again or the signature changed (the registry
-    then gets a new version).
+    trained state: a sidecar ``<name>.json`` records the state file's sha256 and the archive's,
+    and the archive is written again only when the model was trained again, the signature
+    changed or the archive is not the one recorded (damaged, or replaced): the registry then
+    gets a new version.
     """
     import torch
 
@@ -388,17 +389,41 @@ def export_torchscript(name: str, cache_dir: str | Path | None = None) -> Path:
         "outputs": [{"name": "logits"}],
     }
     made = {"state_sha256": state_sha256, "signature": signature}
-    if path.is_file() and _read_json(sidecar) == made:
-        return path
+    recorded = _read_json(sidecar)
+    if path.is_file() and recorded is not None:
+        archive = recorded.pop("archive_sha256", None)
+        if recorded == made and archive == _file_sha256(path):
+            return path
+        if recorded == made and archive is None and _loads(path):
+            # A sidecar an older version wrote (no hash): the archive is kept, and its hash
+            # recorded, so that the registry does not get a new version of the same model.
+            _write_atomic(
+                sidecar,
+                (json.dumps({**made, "archive_sha256": _file_sha256(path)}) + "\n").encode(),
+            )
+            return path
     folder.mkdir(parents=True, exist_ok=True)
     model = _load_state(spec, directory)
     with torch.inference_mode(False), torch.no_grad():
         traced = torch.jit.trace(model, torch.zeros((2, N_FEATURES), dtype=torch.float32))  # type: ignore[no-untyped-call]
     buffer = io.BytesIO()
     torch.jit.save(traced, buffer, _extra_files={SIGNATURE_FILE: json.dumps(signature)})
-    _write_atomic(path, buffer.getvalue())
-    _write_atomic(sidecar, (json.dumps(made) + "\n").encode())
+    archive_bytes = buffer.getvalue()
+    _write_atomic(path, archive_bytes)
+    archive_sha256 = hashlib.sha256(archive_bytes).hexdigest()
+    _write_atomic(sidecar, (json.dumps({**made, "archive_sha256": archive_sha256}) + "\n").encode())
     return path
+
+
+def _loads(path: Path) -> bool:
+    """Whether torch loads the TorchScript archive at ``path``."""
+    import torch
+
+    try:
+        torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]
+    except Exception:  # torch's RuntimeError for a damaged archive, or anything else
+        return False
+    return True
 
 
 def predict(model: nn.Module, inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -298,3 +298,29 @@ def test_arrays_of_another_shape_are_refused(trained_family: Path) -> None:
 def test_unknown_model_is_refused_by_the_arrays(trained_family: Path) -> None:
     with pytest.raises(UnknownFamilyModelError, match="unknown model 'huge'"):
         family.load_arrays(["tiny", "huge"], trained_family)
+
+
+def test_a_damaged_torchscript_export_is_written_again(
+    trained_family: Path, tmp_path: Path
+) -> None:
+    """The demo pushes the family's TorchScript archives: one damaged in the cache is exported
+    again (it had blocked every later demo start); one that is whole is kept, and an older
+    version's sidecar without the archive's hash gets it without a new archive."""
+    cache = copy_of(trained_family, tmp_path)
+    path = family.export_torchscript("tiny", cache)
+    sidecar = path.with_suffix(".json")
+    kept = digest(path)
+    assert json.loads(sidecar.read_text())["archive_sha256"] == kept
+    assert digest(family.export_torchscript("tiny", cache)) == kept
+    older = json.loads(sidecar.read_text())
+    del older["archive_sha256"]
+    sidecar.write_text(json.dumps(older))
+    assert digest(family.export_torchscript("tiny", cache)) == kept
+    assert json.loads(sidecar.read_text())["archive_sha256"] == kept
+    path.write_bytes(path.read_bytes()[:2000])
+    again = family.export_torchscript("tiny", cache)
+    module = torch.jit.load(str(again))  # type: ignore[no-untyped-call]
+    with torch.inference_mode():
+        logits = module(torch.zeros((1, 64)))
+    assert logits.shape == (1, 10)
+    assert json.loads(sidecar.read_text())["archive_sha256"] == digest(again)
