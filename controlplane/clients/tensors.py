@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from provisioners.artifacts import ArtifactError, numpy_dtype
-from provisioners.worker.oip import HEADER_LENGTH, binary_request_body
+from provisioners.artifacts import ArtifactError, TensorSpec, numpy_dtype
+from provisioners.worker.oip import HEADER_LENGTH, OipError, binary_request_body, tensor_values
 
 __all__ = [
     "HEADER_LENGTH",
@@ -191,12 +191,14 @@ def _oip_rows(document: object) -> dict[str, NDArray[Any]]:
                     f"{where}: shape {tensor['shape']!r} is not a list of whole numbers"
                 ) from None
             datatype = str(tensor["datatype"])
-            dtype = numpy_dtype(datatype)
+            numpy_dtype(datatype)  # a datatype the protocol has, or a one-line error
             try:
-                raw = np.asarray(tensor["data"])
-            except (TypeError, ValueError, OverflowError) as error:
+                # The values as the service reads a request's (a fraction for INT64, 300 for
+                # UINT8, a number for BOOL, true for FP32, a NaN: refused, never cast).
+                spec = TensorSpec(name, datatype, tuple(-1 for _ in shape))
+                values = tensor_values(tensor["data"], spec)
+            except (OipError, ArtifactError) as error:
                 raise ValueError(f"{where}: data: {error}") from None
-            values = _exact(f"{where}: data", datatype, dtype, raw)
             if values.size != math.prod(shape):
                 raise ValueError(f"input {name!r}: {values.size} values for shape {shape}")
             parts.setdefault(name, []).append(values.reshape(shape))
@@ -282,21 +284,25 @@ def _exact(where: str, datatype: str, dtype: np.dtype[Any], array: NDArray[Any])
     the file's."""
     if array.dtype.kind not in "biuf":
         raise ValueError(f"{where}: {datatype} takes numbers, not values of type {array.dtype}")
+    if array.dtype.kind == "b" and dtype.kind != "b":
+        raise ValueError(f"{where}: {datatype} takes numbers, not true or false")
     if array.size == 0:
         return array.astype(dtype)
+    # Python's numbers: exact, where numpy would compare 2**64 with an int64 by overflowing.
+    low, high = array.min().item(), array.max().item()
     if dtype.kind in "biu":
         if array.dtype.kind == "f" and not np.all(array == np.round(array)):
             raise ValueError(f"{where}: values that are not whole for {datatype}")
         limits = (0, 1) if dtype.kind == "b" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
         # A float past the top: 2**63 - 1 is 2**63 as a float, which INT64 does not hold.
         past = float(limits[1]) + 1.0 if array.dtype.kind == "f" else limits[1] + 1
-        if array.min() < limits[0] or array.max() >= past:
+        if low < limits[0] or high >= past:
             raise ValueError(f"{where}: values outside {datatype}'s {limits[0]}..{limits[1]}")
-    elif array.dtype.kind != "b":
+    else:
         if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
             raise ValueError(f"{where}: NaN or infinity: {datatype} values must be finite")
         largest = float(np.finfo(dtype).max)
-        if array.max() > largest or array.min() < -largest:
+        if high > largest or low < -largest:
             raise ValueError(f"{where}: values past {datatype}'s largest, {largest:g}")
     return array.astype(dtype)
 

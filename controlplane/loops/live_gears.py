@@ -447,7 +447,7 @@ class GearTable:
             if plan is not None and 0 <= gear < len(plan.gears):
                 kept[app] = (plan_id, gear, serving_gear(plan, gear))
         named = {(app, plan_id) for app, (plan_id, _gear) in in_force.items()}
-        with self._lock:
+        with self._lock:  # _plan adds under it too: two set_all calls may overlap
             self._serving = kept
             self._plans = {key: plan for key, plan in self._plans.items() if key in named}
 
@@ -490,5 +490,6 @@ class GearTable:
         except (EstimatorError, KeyError, ValueError) as error:
             logger.warning("gears: %s served without gears: %s", app, error)
             return None
-        self._plans[(app, plan_id)] = plan
+        with self._lock:
+            self._plans[(app, plan_id)] = plan
         return plan

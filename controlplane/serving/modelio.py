@@ -227,6 +227,9 @@ class ModelIO:
 
     def _sample(self, spec: TensorSpec, fixed: tuple[int, ...] | None, row: Any) -> np.ndarray:
         sample = np.asarray(row)  # its values are checked stacked (_checked)
+        if sample.dtype.kind == "f" and spec.dtype.kind in "iu" and isinstance(row, list):
+            # Integers past 2**63 beside smaller ones, read as floats: UINT64's, or refused.
+            sample = tensor_values(row, spec).reshape(sample.shape)
         wanted = spec.sample_shape
         if fixed is not None:
             if sample.size != math.prod(fixed):

@@ -74,6 +74,8 @@ def test_an_npz_and_oip_json_rows_read_alike(tmp_path: Path) -> None:
         ({"x": np.full((1, 4), np.nan)}, IMAGE, "'image': NaN or infinity"),
         ({"x": np.full((1, 4), 1e39)}, IMAGE, "past FP32's largest"),
         ({"x": np.full((1, 4), "a")}, IMAGE, "FP32 takes numbers"),
+        ({"x": np.ones((1, 4), dtype=bool)}, IMAGE, "FP32 takes numbers, not true or false"),
+        ({"ids": np.ones((1, 3), dtype=bool), "mask": np.ones((1, 3))}, TWO, "not true or false"),
         ({"x": np.zeros((2, 5))}, IMAGE, "'image': rows of shape [5] do not fit [-1, 2, 2]"),
     ],
 )
@@ -101,12 +103,17 @@ def test_json_rows_keep_their_values_or_are_refused(tmp_path: Path) -> None:
         return path
 
     assert read_inputs(rows("UINT8", [1, 2, 255]))["x"].tolist() == [[1, 2, 255]]
-    for datatype, data, fragment in [
+    top = 2**64 - 1  # beside small integers numpy reads it as a float: kept exact all the same
+    assert read_inputs(rows("UINT64", [1, 2**63 + 1, top]))["x"].tolist() == [[1, 2**63 + 1, top]]
+    refused: list[tuple[str, list[object], str]] = [
         ("UINT8", [1, 2, 300], "outside UINT8's 0..255"),
-        ("INT64", [1, 2, 5.5], "not whole for INT64"),
-        ("BOOL", [True, 2], "outside BOOL's 0..1"),
-        ("FP16", [1.0, 70000.0], "past FP16's largest"),
-    ]:
+        ("INT64", [1, 2, 5.5], "INT64 data must be integers"),
+        ("INT64", [True, False], "INT64 data must be integers"),
+        ("BOOL", [True, 2], "BOOL data must be true or false"),
+        ("FP32", [1.0, True], "FP32 data must be numbers"),
+        ("FP16", [1.0, 70000.0], "too large for FP16"),
+    ]
+    for datatype, data, fragment in refused:
         with pytest.raises(ValueError, match=fragment):
             read_inputs(rows(datatype, data))
 

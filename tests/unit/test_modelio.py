@@ -125,6 +125,9 @@ def test_uint64_values_past_int64_are_sent_as_they_are() -> None:
     )
     body = ModelIO("big", signature, family=False).encode([[1, 2**63], [2, 2**64 - 1]])
     assert worker_reads(body, signature).inputs["n"].tolist() == [[1, 2**63], [2, 2**64 - 1]]
+    dynamic = ModelSignature((TensorSpec("n", "UINT64", (-1, -1)),), signature.outputs)
+    body = ModelIO("big", dynamic, family=False).encode([[1, 2**63], [2, 2**64 - 1]])
+    assert worker_reads(body, dynamic).inputs["n"].tolist() == [[1, 2**63], [2, 2**64 - 1]]
 
 
 def test_fp16_and_unsigned_values_keep_their_range() -> None:
