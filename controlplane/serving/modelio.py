@@ -226,10 +226,7 @@ class ModelIO:
         return _checked(spec, stacked).reshape(stacked.shape)
 
     def _sample(self, spec: TensorSpec, fixed: tuple[int, ...] | None, row: Any) -> np.ndarray:
-        sample = np.asarray(row)  # its values are checked stacked (_checked)
-        if sample.dtype.kind == "f" and spec.dtype.kind in "iu" and isinstance(row, list):
-            # Integers past 2**63 beside smaller ones, read as floats: UINT64's, or refused.
-            sample = tensor_values(row, spec).reshape(sample.shape)
+        sample = _array_of(spec, row)  # its values are checked stacked (_checked)
         wanted = spec.sample_shape
         if fixed is not None:
             if sample.size != math.prod(fixed):
@@ -311,14 +308,20 @@ class ModelIO:
 def _checked(spec: TensorSpec, values: Any) -> np.ndarray:
     """``values`` as a flat array of ``spec``'s type, checked as the worker checks them; a NaN
     or an infinity (which a JSON body could not carry either) is refused by name."""
-    array = np.asarray(values) if not isinstance(values, np.ndarray) else values
+    array = values if isinstance(values, np.ndarray) else _array_of(spec, values)
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise ModelIOError(f"input {spec.name!r}: NaN or infinity is not a value a model is sent")
-    if array.dtype.kind == "f" and spec.dtype.kind in "iu" and isinstance(values, list):
-        # JSON integers past 2**63 beside smaller ones, read as floats: the values themselves
-        # tell (tensor_values) whether they are UINT64's.
-        return tensor_values(values, spec)
     return tensor_values(array, spec)
+
+
+def _array_of(spec: TensorSpec, values: Any) -> np.ndarray:
+    """``values`` (a query's lists) as an array; integers past 2**63 beside smaller ones, which
+    numpy reads as floats, as UINT64's when :func:`tensor_values` finds them so (else its
+    one-line refusal)."""
+    array = np.asarray(values)
+    if array.dtype.kind == "f" and spec.dtype.kind in "iu" and isinstance(values, list):
+        return tensor_values(values, spec).reshape(array.shape)
+    return array
 
 
 def _tensor(entry: Mapping[str, Any]) -> ReplyTensor:
