@@ -68,6 +68,7 @@ __all__ = [
     "default_data_dir",
     "ensure_family",
     "export_torchscript",
+    "layer_plan",
     "load_arrays",
     "load_model",
     "load_split",
@@ -179,35 +180,54 @@ def _pixels_class() -> type[nn.Module]:
     return Pixels
 
 
+def layer_plan(spec: ModelSpec) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The layers of ``spec`` after the pixel scaling, in order: ``("dense", (out, in))``,
+    ``("conv", (out, in, 3, 3))`` (3x3, padding 1), ``("relu", ())``, ``("pool", ())`` (2x2
+    max) and ``("flatten", ())``; a weighted layer's shape is its weight's. The torch module
+    (:func:`build_model`) and the numpy forward pass (:class:`ArrayModel`) are both made from
+    it, so the state dict's keys (the Sequential's indices) are the same for both.
+
+    >>> layer_plan(model_spec("small"))
+    (('dense', (16, 64)), ('relu', ()), ('dense', (10, 16)))
+    """
+    plan: list[tuple[str, tuple[int, ...]]] = []
+    width = N_FEATURES
+    if spec.kind == "mlp":
+        for hidden in spec.widths:
+            plan += [("dense", (hidden, width)), ("relu", ())]
+            width = hidden
+    elif spec.kind == "cnn":
+        channels, side = 1, 8
+        for index, out in enumerate(spec.widths):
+            plan += [("conv", (out, channels, 3, 3)), ("relu", ())]
+            if index > 0:
+                plan.append(("pool", ()))
+                side //= 2
+            channels = out
+        plan += [("flatten", ()), ("dense", (spec.dense, channels * side * side)), ("relu", ())]
+        width = spec.dense
+    elif spec.kind != "linear":
+        raise FamilyError(f"model {spec.name!r}: unknown kind {spec.kind!r}")
+    plan.append(("dense", (N_CLASSES, width)))
+    return tuple(plan)
+
+
 def build_model(spec: ModelSpec) -> nn.Module:
     """An untrained model of ``spec``; it takes raw pixels, shape (n, 64), and returns logits."""
     from torch import nn
 
     layers: list[nn.Module] = [_pixels_class()(image=spec.kind == "cnn")]
-    if spec.kind == "linear":
-        layers.append(nn.Linear(N_FEATURES, N_CLASSES))
-    elif spec.kind == "mlp":
-        width = N_FEATURES
-        for hidden in spec.widths:
-            layers += [nn.Linear(width, hidden), nn.ReLU()]
-            width = hidden
-        layers.append(nn.Linear(width, N_CLASSES))
-    elif spec.kind == "cnn":
-        channels, side = 1, 8
-        for index, out in enumerate(spec.widths):
-            layers += [nn.Conv2d(channels, out, kernel_size=3, padding=1), nn.ReLU()]
-            if index > 0:
-                layers.append(nn.MaxPool2d(2))
-                side //= 2
-            channels = out
-        layers += [
-            nn.Flatten(),
-            nn.Linear(channels * side * side, spec.dense),
-            nn.ReLU(),
-            nn.Linear(spec.dense, N_CLASSES),
-        ]
-    else:
-        raise FamilyError(f"model {spec.name!r}: unknown kind {spec.kind!r}")
+    for kind, shape in layer_plan(spec):
+        if kind == "dense":
+            layers.append(nn.Linear(shape[1], shape[0]))
+        elif kind == "conv":
+            layers.append(nn.Conv2d(shape[1], shape[0], kernel_size=3, padding=1))
+        elif kind == "relu":
+            layers.append(nn.ReLU())
+        elif kind == "pool":
+            layers.append(nn.MaxPool2d(2))
+        else:
+            layers.append(nn.Flatten())
     return nn.Sequential(*layers)
 
 
@@ -501,13 +521,18 @@ class ArrayModel:
         """Raises :class:`FamilyError` when ``state`` lacks a layer's arrays or holds them in
         another shape than ``spec``'s layers have (another model's arrays, say)."""
         self.spec = spec
-        # build_model's layers in order, each a function of the activations; the state dict's
+        # layer_plan's layers in order, each a function of the activations; the state dict's
         # keys are the Sequential's indices (0 is the pixel scaling).
+        plain: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+            "relu": _relu,
+            "pool": _max_pool2,
+            "flatten": _flatten,
+        }
         layers: list[Callable[[np.ndarray], np.ndarray]] = []
-        index = 1
-
-        def weighted(layer: Callable[..., np.ndarray], shape: tuple[int, ...]) -> None:
-            nonlocal index
+        for index, (kind, shape) in enumerate(layer_plan(spec), start=1):
+            if kind in plain:
+                layers.append(plain[kind])
+                continue
             weight = state.get(f"{index}.weight")
             bias = state.get(f"{index}.bias")
             if weight is None or bias is None or weight.shape != shape or bias.shape != shape[:1]:
@@ -519,37 +544,10 @@ class ArrayModel:
             matrix = np.ascontiguousarray(
                 np.asarray(weight, dtype=np.float32).reshape(shape[0], -1).T
             )
-            bias = np.asarray(bias, dtype=np.float32)
-            layers.append(functools.partial(layer, matrix=matrix, bias=bias))
-            index += 1
-
-        def plain(layer: Callable[[np.ndarray], np.ndarray]) -> None:
-            nonlocal index
-            layers.append(layer)
-            index += 1
-
-        width = N_FEATURES
-        if spec.kind == "mlp":
-            for hidden in spec.widths:
-                weighted(_dense, (hidden, width))
-                plain(_relu)
-                width = hidden
-        elif spec.kind == "cnn":
-            channels, side = 1, 8
-            for position, out in enumerate(spec.widths):
-                weighted(_conv3x3, (out, channels, 3, 3))
-                plain(_relu)
-                if position > 0:
-                    plain(_max_pool2)
-                    side //= 2
-                channels = out
-            plain(_flatten)
-            weighted(_dense, (spec.dense, channels * side * side))
-            plain(_relu)
-            width = spec.dense
-        elif spec.kind != "linear":
-            raise FamilyError(f"model {spec.name!r}: unknown kind {spec.kind!r}")
-        weighted(_dense, (N_CLASSES, width))
+            layer = _dense if kind == "dense" else _conv3x3
+            layers.append(
+                functools.partial(layer, matrix=matrix, bias=np.asarray(bias, dtype=np.float32))
+            )
         self._layers = tuple(layers)
 
     def __call__(self, inputs: np.ndarray) -> np.ndarray:
