@@ -109,6 +109,11 @@ PROFILE_SCALE_TYPE_MAX = _ID
 # provisioners.artifacts.FORMATS (the layer rule keeps the models free of the provisioners).
 MODEL_FORMATS = ("onnx", "torchscript")
 
+# The tables whose ids name a thing outside its row (a plan id in a log line, the gear table, a
+# script): SQLite's AUTOINCREMENT never gives an id twice, where a plain rowid goes to the next
+# row once the newest is deleted (PostgreSQL's sequences never do). Migration 0013.
+_NEVER_REUSED: dict[str, Any] = {"sqlite_autoincrement": True}
+
 
 def _one_of(column: str, values: Iterable[str]) -> str:
     listed = ", ".join(f"'{value}'" for value in values)
@@ -153,6 +158,7 @@ class App(Base):
     __table_args__ = (
         CheckConstraint("budget_usd_per_hr > 0", name="budget_positive"),
         CheckConstraint("version >= 1", name="version_positive"),
+        _NEVER_REUSED,
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -187,6 +193,7 @@ class Plan(Base):
     __table_args__ = (
         UniqueConstraint("app_id", "number"),
         CheckConstraint(_one_of("status", PLAN_STATUSES), name="status"),
+        _NEVER_REUSED,
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -279,7 +286,10 @@ class MetricSample(Base):
 
 class ApiToken(Base):
     __tablename__ = "api_tokens"
-    __table_args__ = (CheckConstraint(_one_of("scope", [s.value for s in Scope]), name="scope"),)
+    __table_args__ = (
+        CheckConstraint(_one_of("scope", [s.value for s in Scope]), name="scope"),
+        _NEVER_REUSED,
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(_LABEL), unique=True)
@@ -356,6 +366,7 @@ class ModelVersion(Base):
         CheckConstraint("version >= 1", name="version_positive"),
         CheckConstraint("size_bytes >= 0", name="size_non_negative"),
         CheckConstraint(_one_of("format", MODEL_FORMATS), name="format"),
+        _NEVER_REUSED,
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -394,6 +405,7 @@ class Rollout(Base):
         Index(None, "app_id", "state"),
         CheckConstraint(_one_of("state", [s.value for s in RolloutState]), name="state"),
         CheckConstraint("to_version >= 1", name="to_version_positive"),
+        _NEVER_REUSED,
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

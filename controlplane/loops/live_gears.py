@@ -422,8 +422,8 @@ class GearTable:
 
     A plan id that is not the app's applied plan (applied anew since) is left out until the
     switcher sends the new one; each plan's document is parsed once, kept by app and plan id
-    while the switcher names that pair: SQLite gives a deleted app's plan ids to the next plans
-    made, so an id alone may name another app's plan, or a re-registered app's new one.
+    while the switcher names that pair (plan ids are never given twice, migration 0013; the app
+    in the key keeps a table made before it right too).
     """
 
     def __init__(self, store: Store) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect, text
+from sqlalchemy import Connection, inspect, text
 
 from controlplane.db import migrate
 from controlplane.db.models import Base
@@ -104,3 +104,79 @@ def test_decision_repeats_upgrade_keeps_rows_and_downgrades(database_url: str) -
 
 def test_the_models_cover_every_table() -> None:
     assert set(Base.metadata.tables) == TABLES
+
+
+def _plan_ids(connection: Connection) -> list[int]:
+    return list(connection.execute(text("SELECT id FROM plans ORDER BY id")).scalars())
+
+
+def _add_plan(connection: Connection, number: int, at: datetime) -> None:
+    connection.execute(
+        text(
+            "INSERT INTO plans (app_id, number, status, document, app_version, created_at)"
+            " VALUES (1, :number, 'previewed', '{}', 1, :at)"
+        ),
+        {"number": number, "at": at},
+    )
+
+
+def test_ids_never_reused_after_0013(database_url: str) -> None:
+    """A plan id freed by deleting the newest plan goes to the next plan at 0012 on SQLite (the
+    rowid is the largest plus one) and never from 0013 on, with the rows kept through the
+    rebuild and through its downgrade; PostgreSQL's sequences never reuse one at either."""
+    migrate.upgrade(database_url, "0012")
+    engine = make_engine(database_url)
+    at = datetime(2025, 1, 1, tzinfo=UTC)
+    sqlite = engine.dialect.name == "sqlite"
+    try:
+        with engine.begin() as connection:
+            connection.execute(
+                text(
+                    "INSERT INTO apps (name, spec, budget_usd_per_hr, version, created_at,"
+                    " updated_at) VALUES ('recs', '{}', 1.0, 1, :at, :at)"
+                ),
+                {"at": at},
+            )
+            for number in (1, 2, 3):
+                _add_plan(connection, number, at)
+            first = _plan_ids(connection)
+            connection.execute(text("DELETE FROM plans WHERE id = :id"), {"id": first[-1]})
+            _add_plan(connection, 4, at)
+            reused = _plan_ids(connection)[-1] == first[-1]
+        assert reused == sqlite
+        migrate.upgrade(database_url, "0013")
+        with engine.begin() as connection:
+            kept = _plan_ids(connection)
+            assert len(kept) == 3
+            connection.execute(text("DELETE FROM plans WHERE id = :id"), {"id": kept[-1]})
+            _add_plan(connection, 5, at)
+            assert _plan_ids(connection)[-1] > kept[-1]
+        migrate.downgrade(database_url, "0012")
+        with engine.connect() as connection:
+            assert len(_plan_ids(connection)) == 3
+    finally:
+        engine.dispose()
+    migrate.upgrade(database_url)
+    assert schema_diff(database_url) == []
+
+
+def test_sqlite_autoincrement_where_the_models_ask_for_it(tmp_path: Path) -> None:
+    """The tables the models mark ``sqlite_autoincrement`` are the ones migration 0013 rebuilds,
+    and a database migrated to head has AUTOINCREMENT on exactly those."""
+    marked = {
+        name
+        for name, table in Base.metadata.tables.items()
+        if table.dialect_options["sqlite"]["autoincrement"]
+    }
+    assert marked == {"apps", "plans", "rollouts", "model_versions", "api_tokens"}
+    url = f"sqlite:///{tmp_path / 'heteroplane.db'}"
+    migrate.upgrade(url)
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            rows = connection.execute(
+                text("SELECT name, sql FROM sqlite_master WHERE type = 'table'")
+            ).all()
+    finally:
+        engine.dispose()
+    assert {name for name, sql in rows if "AUTOINCREMENT" in sql} == marked
