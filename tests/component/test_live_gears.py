@@ -423,12 +423,13 @@ def test_the_serving_processs_gear_table_serves_the_gear_the_switcher_sent(
     assert table.gear(APP) is None
 
 
-def test_the_gear_table_reads_a_reused_plan_id_as_the_new_apps_plan(
+def test_an_app_registered_again_gets_a_new_plan_id_and_its_own_gears(
     store: Store, tmp_path: Path
 ) -> None:
-    """SQLite gives a deleted app's plan id to the next plan made: an app registered after it
-    (here under the same name, another cascade's plan) is served its own plan's gears, not the
-    deleted app's that the table had parsed under that id."""
+    """Plan ids are never given twice (SQLite's gave a deleted app's plan id to the next plan
+    made before migration 0013): an app registered again under the same name, with another
+    cascade's plan, is served its own plan's gears, not the deleted app's that the table had
+    parsed."""
     applied(store, tmp_path, PLAN.to_document())
     table = GearTable(store)
     (plan_id,) = [store.get_applied_plan(APP).id]  # type: ignore[union-attr]
@@ -440,8 +441,9 @@ def test_the_gear_table_reads_a_reused_plan_id_as_the_new_apps_plan(
         PLAN.placement, 100.0, 99.0, None, (ACCURATE, FAST), PLAN.gears, 100.0, 7, 42
     )
     applied(store, tmp_path, swapped.to_document())
-    assert store.get_applied_plan(APP).id == plan_id  # type: ignore[union-attr]
-    table.set_all({APP: (plan_id, 0)})
+    new_id = store.get_applied_plan(APP).id  # type: ignore[union-attr]
+    assert new_id > plan_id
+    table.set_all({APP: (new_id, 0)})
     assert table.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]
 
 
