@@ -36,6 +36,7 @@ from controlplane.cli.serve import (
     listen,
     serve_until_stopped,
 )
+from controlplane.dashboard.session import load_session_settings
 from controlplane.db.lease import lock_sqlite_database
 from controlplane.db.session import redact_url
 from controlplane.db.store import PlanRecord
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
+    load_session_settings()  # the dashboard's: a bad one is refused before anything starts
     _check_family()
     host: str = args.host if args.host is not None else settings.host
     port: int = args.port if args.port is not None else settings.port

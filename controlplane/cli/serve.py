@@ -38,6 +38,7 @@ import uvicorn
 from controlplane.api.grpc_oip import attach as attach_grpc
 from controlplane.cli.loops_process import LoopsProcess
 from controlplane.cli.output import UsageError
+from controlplane.dashboard.session import load_session_settings
 from controlplane.db.session import redact_url
 from controlplane.service.build import Service, build_service
 from controlplane.service.protocol import ConnectionLimits, server_options
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if args.one_process and args.role != "all":
         raise UsageError(f"--one-process: only with --role all (not {args.role}): it runs both")
     settings = load_settings(args.config)
+    load_session_settings()  # the dashboard's: a bad one is refused before anything starts
     host: str = args.host if args.host is not None else settings.host
     port: int = args.port if args.port is not None else settings.port
     configure_logging(args.log_level)

@@ -48,6 +48,7 @@ from controlplane.dashboard.session import (
     COOKIE_PATH,
     SessionSettings,
     forget_cookie,
+    load_session_settings,
     set_cookie,
 )
 from controlplane.dashboard.snapshot import (
@@ -106,13 +107,13 @@ class DashboardState:
 
     ledger: SpendLedger = field(default_factory=SpendLedger)
     rankings: RankingCache = field(default_factory=RankingCache)
-    sessions: SessionSettings = field(default_factory=SessionSettings)
+    sessions: SessionSettings = field(default_factory=load_session_settings)
 
 
 def install_dashboard(app: FastAPI, sessions: SessionSettings | None = None) -> None:
     """Mount the dashboard's routes on ``app`` (which carries ``Services``); ``sessions``: the
     sign-in settings (default: from the ``HETEROPLANE_DASHBOARD_*`` environment)."""
-    app.state.dashboard = DashboardState(sessions=sessions or SessionSettings())
+    app.state.dashboard = DashboardState(sessions=sessions or load_session_settings())
     app.include_router(router)
 
 
@@ -201,7 +202,10 @@ async def login(request: Request, services: ServicesDep) -> Response:
     if kind != "application/x-www-form-urlencoded":
         return _login_page("Sign in with the form: paste a token and press Sign in.", 400)
     body = await request.body()
-    fields = urllib.parse.parse_qs(body.decode("utf-8", "replace"), max_num_fields=8)
+    try:
+        fields = urllib.parse.parse_qs(body.decode("utf-8", "replace"), max_num_fields=8)
+    except ValueError:  # more fields than the form has
+        return _login_page("Sign in with the form: paste a token and press Sign in.", 400)
     token = (fields.get("token") or [""])[0].strip()
     if not token:
         return _login_page("Paste an API token (heteroplane token create --scope viewer).", 401)

@@ -22,9 +22,13 @@ ends in front of the service (the terraform module sets both behind its load bal
 
 from __future__ import annotations
 
+import re
+
 from fastapi import Request, Response
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from controlplane.errors import SettingsError, shown
 
 __all__ = [
     "COOKIE_NAME",
@@ -32,6 +36,7 @@ __all__ = [
     "DEFAULT_SESSION_LIFETIME_S",
     "SessionSettings",
     "forget_cookie",
+    "load_session_settings",
     "set_cookie",
 ]
 
@@ -66,6 +71,21 @@ class SessionSettings(BaseSettings):
     def secure(self, request: Request) -> bool:
         """Whether the cookie goes ``Secure`` in answer to ``request``."""
         return self.secure_cookie or request.url.scheme == "https"
+
+
+def load_session_settings() -> SessionSettings:
+    """The sign-in settings from the environment; a bad value is a one-line
+    :class:`SettingsError` naming its variable (``heteroplane serve`` reads them before it
+    starts anything)."""
+    try:
+        return SessionSettings()
+    except ValidationError as error:
+        detail = error.errors(include_url=False)[0]
+        name = str(detail["loc"][0]) if detail["loc"] else "?"
+        message = re.sub(r"^\w+ should ", "must ", str(detail["msg"]).removeprefix("Value error, "))
+        env = SessionSettings.model_config.get("env_prefix", "") + name.upper()
+        got = shown(detail.get("input"))
+        raise SettingsError(f"dashboard.{name}", f"{message}, got {got} ({env})") from None
 
 
 def set_cookie(

@@ -18,8 +18,9 @@ from pydantic import ValidationError
 
 from controlplane.clock import FakeClock
 from controlplane.dashboard import COOKIE_NAME, SessionSettings
+from controlplane.dashboard.session import load_session_settings
 from controlplane.db.store import Store
-from controlplane.errors import InvalidValueError, NotFoundError
+from controlplane.errors import InvalidValueError, NotFoundError, SettingsError
 from controlplane.service.app import create_app
 from controlplane.settings import Settings
 from tests.component.test_api import write_profiles
@@ -194,6 +195,24 @@ def test_the_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("HETEROPLANE_DASHBOARD_SESSION_LIFETIME_S", "0")
     with pytest.raises(ValidationError):
         SessionSettings()
+    # What serve reads: one line naming the variable.
+    with pytest.raises(SettingsError) as refused:
+        load_session_settings()
+    assert str(refused.value) == (
+        "dashboard.session_lifetime_s: must be greater than 0, got '0'"
+        " (HETEROPLANE_DASHBOARD_SESSION_LIFETIME_S)"
+    )
+
+
+def test_a_form_of_too_many_fields_is_a_400(site: Site) -> None:
+    fields = "&".join(f"f{n}=1" for n in range(8))
+    out = site.client().post(
+        "/dashboard/login",
+        content=f"{fields}&token={site.token}",
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
+    assert out.status_code == 400
+    assert "Sign in with the form" in out.text
 
 
 def test_the_store_refuses_what_is_not_a_live_token(site: Site) -> None:
