@@ -84,6 +84,14 @@ class ApiClient:
             raise UsageError(f"--url must be an http:// or https:// URL, got {url!r}")
         if not timeout_s > 0:
             raise UsageError(f"--timeout must be > 0, got {timeout_s!r}")
+        if token and not all("!" <= char <= "~" for char in token):
+            # An HTTP header carries visible ASCII only: a pasted typographic quote, a space or
+            # a newline would fail as the request is made.
+            bad = next(char for char in token if not "!" <= char <= "~")
+            raise UsageError(
+                f"the API token (--token or ${TOKEN_ENV}) holds {bad!r}, which no token has:"
+                " copy it again"
+            )
         self.url = url.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s

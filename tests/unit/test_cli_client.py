@@ -224,3 +224,16 @@ def test_nothing_listening_no_token_and_a_bad_url(
     status, _, err = cli(capsys, "fleet", "--url", dead)
     assert status == 2
     assert err == "heteroplane fleet: no API token: pass --token or set HETEROPLANE_TOKEN\n"
+
+
+@pytest.mark.parametrize("token", ["hp_abc\u2019", "hp_\nX", "hp abc", "\u00fc"])
+def test_a_token_no_header_can_carry_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, token: str
+) -> None:
+    """A pasted typographic quote or a newline is said to be the token's, before any request
+    (it failed inside httpx, a traceback or "cannot reach")."""
+    monkeypatch.setenv("HETEROPLANE_TOKEN", token)
+    status, out, err = cli(capsys, "fleet", "--url", "http://127.0.0.1:9")
+    assert (status, out) == (2, "")
+    assert err.startswith("heteroplane fleet: the API token (--token or $HETEROPLANE_TOKEN) holds ")
+    assert err.endswith("which no token has: copy it again\n") and err.count("\n") == 1
