@@ -564,6 +564,9 @@ def test_a_plan_request_with_no_body_needs_a_rate(api: Api) -> None:
         "/v1/apps/toy/plans/99999999999999999999999",
         "/v1/apps/toy/plans/abc",
         "/v1/apps/toy/decisions?since=yesterday",
+        "/v1/apps/toy/decisions?since=20261202",  # not Unix seconds: ISO 8601 only
+        "/v1/apps/toy/metrics?until=-1",
+        "/v1/apps/toy/metrics?since=1764615634.5",
         "/v1/apps/toy/decisions?limit=0",
         "/v1/apps/toy/metrics?limit=99999999999999999999",
         "/v1/apps/toy/events?since=0001-01-01T00:00:00%2B14:00",

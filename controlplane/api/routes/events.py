@@ -7,10 +7,12 @@ so ``limit`` counts only the decisions that pass."""
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from pydantic import BeforeValidator
 
 from controlplane.api.deps import ServicesDep, Viewer
 from controlplane.api.errors import ApiError
@@ -21,8 +23,18 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["events"])
 
+
+def _iso_only(value: object) -> object:
+    """Refuse a number: pydantic reads one as Unix seconds, so ``20261202`` (a date in ISO
+    8601's basic form) would be August 1970 and filter nothing."""
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9.]+(e[+-]?[0-9]+)?\s*", value, re.I):
+        raise ValueError("must be an ISO 8601 time such as 2026-12-01T10:00:00Z, not a number")
+    return value
+
+
+IsoTime = Annotated[datetime, BeforeValidator(_iso_only)]
 Since = Annotated[
-    datetime | None,
+    IsoTime | None,
     Query(description="only after this time (exclusive; ISO 8601, UTC when no offset is given)"),
 ]
 Limit = Annotated[int, Query(ge=1, le=10_000, description="the newest this many")]
@@ -98,7 +110,7 @@ def metric_series(
     services: ServicesDep,
     _who: Viewer,
     since: Since = None,
-    until: Annotated[datetime | None, Query(description="only up to this time (inclusive)")] = None,
+    until: Annotated[IsoTime | None, Query(description="only up to this time (inclusive)")] = None,
     limit: Limit = 1000,
 ) -> list[MetricSampleOut]:
     records = services.store.metric_series(
