@@ -18,6 +18,17 @@ from __future__ import annotations
 
 from provisioners.errors import ArtifactStoreError
 
+# How long a value an error line quotes may be before it is cut (a 5,000-character name made a
+# 5,000-character "one line").
+SHOWN_MAX = 60
+
+
+def shown(value: object) -> str:
+    """``value`` as an error message quotes it: its repr, cut to :data:`SHOWN_MAX` characters."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_MAX else text[: SHOWN_MAX - 3] + "..."
+
+
 __all__ = [
     "AppExistsError",
     "ArtifactStoreError",
@@ -47,6 +58,7 @@ __all__ = [
     "SettingsError",
     "UnknownScopeError",
     "WorkerCallError",
+    "shown",
 ]
 
 

@@ -36,7 +36,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from controlplane.errors import SettingsError
+from controlplane.errors import SettingsError, shown
 
 __all__ = [
     "CONFIG_ENV",
@@ -670,7 +670,7 @@ def _settings_error_from(error: ValidationError, source: str | None) -> Settings
     else:
         # pydantic says "Input should be ...", "List should have ...": say "must".
         message = re.sub(r"^\w+ should ", "must ", str(detail["msg"]).removeprefix("Value error, "))
-        problem = f"{message}, got {_shown(detail.get('input'))}"
+        problem = f"{message}, got {shown(detail.get('input'))}"
     env = ENV_PREFIX + "__".join(part.upper() for part in loc) if loc else ""
     flat = ENV_PREFIX + "_".join(part.upper() for part in loc)
     if len(loc) == 2 and loc[0] == "ec2" and env not in os.environ and flat in os.environ:
@@ -678,8 +678,3 @@ def _settings_error_from(error: ValidationError, source: str | None) -> Settings
     if env and detail["type"] != "extra_forbidden":
         problem += f" ({env})"
     return SettingsError(field, problem, source)
-
-
-def _shown(value: Any) -> str:
-    text = repr(value) if isinstance(value, str) else str(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -50,6 +50,7 @@ from pydantic import (
     model_validator,
 )
 
+from controlplane.errors import shown
 from estimator.errors import (
     EstimatorError,
     MissingProfileError,
@@ -504,7 +505,7 @@ def _key(name: str) -> str:
 
 def _problem(kind: str, detail: Mapping[str, Any], loc: Sequence[int | str]) -> str:
     context: dict[str, Any] = detail.get("ctx") or {}
-    got = _shown(detail.get("input"))
+    got = shown(detail.get("input"))
     if kind == "missing":
         return "is required"
     if kind == "extra_forbidden":
@@ -523,8 +524,8 @@ def _problem(kind: str, detail: Mapping[str, Any], loc: Sequence[int | str]) -> 
     for bound, sign in bounds.items():
         if kind == bound:
             limit = next(iter(context.values()))
-            shown = f"{limit:g}" if isinstance(limit, int | float) else str(limit)
-            return f"must be {sign} {shown}, got {got}"
+            bound_text = f"{limit:g}" if isinstance(limit, int | float) else str(limit)
+            return f"must be {sign} {bound_text}, got {got}"
     if kind == "finite_number":
         return f"must be a finite number, got {got}"
     if kind == "string_pattern_mismatch" and context.get("pattern") == _PATH_PATTERN:
@@ -544,11 +545,6 @@ def _problem(kind: str, detail: Mapping[str, Any], loc: Sequence[int | str]) -> 
         return f"must hold at most {context.get('max_length')} {what}, got {got}"
     message = str(detail.get("msg", kind))
     return f"{message[:1].lower()}{message[1:]}, got {got}"
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def validate_spec(document: object, source: str | None = None) -> AppSpec:

@@ -643,6 +643,13 @@ def test_a_name_with_a_control_character_is_refused(store: Store) -> None:
         store.create_app(spec(), who="alice\nmallory")
 
 
+def test_a_name_too_long_is_quoted_cut_in_the_error(store: Store) -> None:
+    with pytest.raises(InvalidValueError) as refused:
+        store.create_token("infer", "n" * 5000)
+    assert "1 to 100 characters" in str(refused.value)
+    assert len(str(refused.value)) < 200 and str(refused.value).endswith("...")
+
+
 # --- times and the schema --------------------------------------------------------------------
 
 

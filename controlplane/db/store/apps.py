@@ -193,11 +193,12 @@ class AppStore(StoreBase):
         without the lock, is retried), so the audit trail is a chain. With
         ``expected_version``, :class:`ConflictError` if the app changed since."""
         budget = _budget(new_usd_per_hr)
-        now = self._now(at)
         for _ in range(_ATTEMPTS):
             try:
                 with transaction(self._sessions) as session:
                     row = _app_row(session, app, lock=True)
+                    # Read under the lock (and again on a retry): the chain's times go up.
+                    now = self._now(at)
                     _check_version(row, expected_version)
                     old = row.budget_usd_per_hr
                     _compare_and_set(
@@ -230,7 +231,7 @@ class AppStore(StoreBase):
             row = _app_row(session, app)
             query = select(m.BudgetChange).where(m.BudgetChange.app_id == row.id)
             # In chain order, not by time: each change is written under the app's row lock, so
-            # ids follow the chain, while ``at`` is read before the lock (and from the clock of
-            # whichever replica made the change).
+            # ids follow the chain (``at`` is read under it too, but from the clock of whichever
+            # replica made the change).
             changes = _newest(session, query, m.BudgetChange.id, m.BudgetChange.id, limit)
             return [_budget_record(change, app) for change in changes]

@@ -26,6 +26,7 @@ from controlplane.errors import (
     DatabaseError,
     InvalidValueError,
     NotFoundError,
+    shown,
 )
 from controlplane.policies.lifecycle import InstanceState
 
@@ -273,11 +274,11 @@ def _label(value: Any, field: str, *, max_length: int = 100) -> str:
     characters, no control character (a newline in a token's name broke ``token list``)."""
     if not isinstance(value, str) or not value or len(value) > max_length:
         raise InvalidValueError(
-            field, f"must be a string of 1 to {max_length} characters, got {value!r}"
+            field, f"must be a string of 1 to {max_length} characters, got {shown(value)}"
         )
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise InvalidValueError(
-            field, f"must not hold control characters (a newline, a tab), got {value!r}"
+            field, f"must not hold control characters (a newline, a tab), got {shown(value)}"
         )
     return value
 
