@@ -387,11 +387,15 @@ class RolloutLoop:
         self, rollout: RolloutRecord, rows: list[InstanceRecord]
     ) -> tuple[CanaryRoute | None, str]:
         live = [r for r in rows if r.state in LIVE_STATES]
-        if not live:
-            return None, ""
         handover = dict(rollout.figures.get("handover") or {})
         if "done_at" in handover:  # the route went: the rollout's workers end after the grace
             return None, self._end_after_grace(live, datetime.fromisoformat(handover["done_at"]))
+        # The new version's queries go to the rollout's workers while the old instances are
+        # replaced; when those workers ended before the handover did (the budget guard ends them
+        # first on a budget cut, a spot interruption), the handover goes on without them: the
+        # fleet serves until its old instances are replaced by the new version's, never left on
+        # the old version with the spec naming the new one.
+        full = _full(rollout) if live else None
         ended = set(handover.get("ended", []))
         promoted_at = (
             datetime.fromisoformat(handover["promoted_at"])
@@ -405,23 +409,23 @@ class RolloutLoop:
         if old:
             self.store.touch_instances([r.id for r in live])
             if not self._grace_over(promoted_at):  # the old ones may still hold queries
-                return _full(rollout), ""
+                return full, ""
             going = self._paced(rollout.app, old, fleet)
             if not going:  # the disruption budget's window is spent: the next tick goes on
-                return _full(rollout), ""
+                return full, ""
             # Which ones end is written first: a crash before they end ends them again after
             # the restart, and the replacements counted against them are the right number.
             handover["ended"] = sorted(ended | {r.id for r in going})
             self.store.move_rollout(rollout, figures={**rollout.figures, "handover": handover})
             crash_point("rollout.handover_recorded")
             end_workers(self.store, self.provisioner, going, _log, owner="rollout's handover")
-            return _full(rollout), f"ended {len(going)} instance(s) of the old version"
+            return full, f"ended {len(going)} instance(s) of the old version"
         replaced = [
             r for r in fleet if r.created_at > promoted_at and r.state == InstanceState.RUNNING
         ]
         if len(replaced) < len(ended) and not self._settled(promoted_at, ended, fleet, replaced):
             self.store.touch_instances([r.id for r in live])
-            return _full(rollout), ""
+            return full, ""
         # The route goes now; the rollout's workers end once every serving process has read
         # that and answered what they held (the next ticks after the grace).
         self.store.touch_instances([r.id for r in live])

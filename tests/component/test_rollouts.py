@@ -318,6 +318,33 @@ def test_the_handover_ends_with_fewer_replacements_once_the_fleet_has_settled(
     assert loop.route(APP) is None
 
 
+def test_the_handover_goes_on_when_the_rollouts_workers_ended_first(
+    handover: Handover, tmp_path: Path
+) -> None:
+    """A budget cut during the handover: the budget guard ends the rollout's workers first
+    (they count as profile workers). The handover still replaces the old version's instances
+    (queries go to the fleet meanwhile: no route), and ends once replacements run; it used to
+    stop for good, the fleet left on the old version with the spec naming the new one."""
+    from controlplane.loops.rollouts import ROUTE_GRACE_S
+
+    clock, store = handover.clock, handover.store
+    loop = handover.loop(tmp_path)
+    assert loop.tick() == [] and loop.route(APP) is not None
+    (canary,) = [r for r in store.list_instances(APP) if r.request_id.startswith(handover.prefix)]
+    store.transition_instance(canary.id, "terminating", reason="test: the budget guard")
+    store.transition_instance(canary.id, "terminated", reason="test: the budget guard")
+    clock.advance(ROUTE_GRACE_S)
+    assert [t.what for t in loop.tick()] == ["ended 2 instance(s) of the old version"]
+    assert loop.route(APP) is None  # no worker of the rollout's: the fleet serves
+    assert {store.get_instance(r.id).state for r in handover.old} == {"terminated"}
+    clock.advance(1.0)
+    handover.row("wine-3")
+    handover.row("wine-4")
+    (done,) = [t.what for t in loop.tick()]
+    assert done.startswith("handover done: 2 instance(s) serve wine-model@1")
+    assert loop.route(APP) is None
+
+
 def test_an_accuracy_floor_is_stored_and_checked(world: World) -> None:
     """``thresholds.min_accuracy`` (default: not judged) is kept with the rollout; a share
     outside [0, 1] is a 422."""
