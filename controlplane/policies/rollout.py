@@ -116,8 +116,9 @@ def parse_steps(text: str) -> tuple[float, ...]:
 
 def step_shares(shares: Sequence[float], *, shown: str | None = None) -> tuple[float, ...]:
     """``shares`` checked: finite, increasing, each in (0, 1], the last 1 (a rollout ends with
-    every query on the new version)."""
-    values = [float(s) for s in shares]
+    every query on the new version). Each is kept to six places, and checked as kept (a share
+    of 1e-300 would be stored as 0: a shadow step nobody asked for)."""
+    values = [round(float(s), 6) if math.isfinite(float(s)) else float(s) for s in shares]
     ok = (
         bool(values)
         and all(math.isfinite(v) and 0.0 < v <= 1.0 for v in values)
@@ -134,7 +135,7 @@ def step_shares(shares: Sequence[float], *, shown: str | None = None) -> tuple[f
             "steps",
             f"shares of the traffic: must increase, each in (0, 1], the last 1; got {given}",
         )
-    return tuple(round(v, 6) for v in values)
+    return tuple(values)
 
 
 def bucket(request_id: str) -> float:

@@ -20,6 +20,7 @@ from controlplane.policies.rollout import (
     parse_steps,
     routed_to_new,
     step_fleet,
+    step_shares,
 )
 
 T = Thresholds(min_queries=20)
@@ -69,6 +70,15 @@ def test_bad_steps_are_refused(text: str) -> None:
 def test_steps_are_shares() -> None:
     assert parse_steps("100") == (1.0,)
     assert parse_steps("10,100") == (0.1, 1.0)
+
+
+@pytest.mark.parametrize("shares", [[1e-300, 1.0], [0.0000001, 1.0], [0.1000001, 0.1000002, 1.0]])
+def test_steps_are_checked_as_they_are_kept(shares: list[float]) -> None:
+    """Kept to six places, then checked: 1e-300 was stored as 0 (a shadow step) and two steps
+    that round alike as a step that does not increase."""
+    with pytest.raises(InvalidValueError, match="steps"):
+        step_shares(shares)
+    assert step_shares([0.0000051, 1.0]) == (0.000005, 1.0)
 
 
 def test_split_is_deterministic_and_close_to_the_share() -> None:
