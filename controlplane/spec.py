@@ -82,8 +82,10 @@ __all__ = [
     "SpotSpec",
     "UnprofiledModelError",
     "anchor_paths",
+    "check_budget_buys_one",
     "confine_paths",
     "load_spec",
+    "lowest_prices",
     "parse_artifact",
     "resolve_spec",
     "spec_error_from",
@@ -388,6 +390,34 @@ class AppSpec(BaseModel):
     def max_count(self, instance_type: str) -> int | None:
         """The most instances of ``instance_type`` the app may run (``None``: no cap)."""
         return (self.max_counts or {}).get(instance_type)
+
+
+def lowest_prices(spec: AppSpec, catalog: Catalog) -> dict[str, float]:
+    """The least an instance of each candidate type can cost under ``spec``: its spot price
+    where one instance of it may be all spot (spot on, ``survive_share`` 0, ``max_share`` 1: a
+    plan of one instance per stage keeps no on-demand base), else its on-demand price."""
+    spot = spec.spot if spec.spot_enabled else None
+    all_spot = spot is not None and spot.survive_share == 0 and spot.max_share >= 1
+    prices = {}
+    for name in spec.instance_types:
+        price = catalog.price_usd_per_hr(name)
+        spot_price = catalog[name].spot_price_usd_per_hr
+        prices[name] = min(price, spot_price) if all_spot and spot_price is not None else price
+    return prices
+
+
+def check_budget_buys_one(spec: AppSpec, catalog: Catalog) -> None:
+    """:class:`SpecError` when the budget buys no instance of any candidate type, at the
+    least it can cost (:func:`lowest_prices`: a spot price where the app may run all spot)."""
+    prices = lowest_prices(spec, catalog)
+    cheapest = min(prices, key=lambda name: prices[name])
+    if prices[cheapest] > spec.budget_usd_per_hr:
+        how = "on spot " if prices[cheapest] < catalog.price_usd_per_hr(cheapest) else ""
+        raise SpecError(
+            "budget_usd_per_hr",
+            f"{spec.budget_usd_per_hr:g} USD/hr buys no instance: the cheapest candidate,"
+            f" {cheapest}, costs {how}{prices[cheapest]:g} USD/hr",
+        )
 
 
 def _check_unique(names: Sequence[str], field: str, what: str) -> None:
@@ -913,13 +943,7 @@ def resolve_spec(
             "none of instance_types has a spot price in the catalog (its spot_price_usd_per_hr"
             " column): give one, or leave spot off",
         )
-    cheapest = min(prices, key=lambda name: prices[name])
-    if prices[cheapest] > spec.budget_usd_per_hr:
-        raise SpecError(
-            "budget_usd_per_hr",
-            f"{spec.budget_usd_per_hr:g} USD/hr buys no instance: the cheapest candidate,"
-            f" {cheapest}, costs {prices[cheapest]:g} USD/hr",
-        )
+    check_budget_buys_one(spec, catalog)
 
     files: dict[str, ProfileSet] = {}
     profiles: dict[str, ProfileSet] = {}

@@ -31,6 +31,7 @@ from controlplane.policies.drain import (
     serving_floor,
 )
 from controlplane.policies.lifecycle import LIVE_STATES
+from controlplane.spec import lowest_prices
 from estimator.errors import EstimatorError
 
 __all__ = ["BudgetChange", "change_budget", "check_serving_floor", "live_instances"]
@@ -94,7 +95,8 @@ def check_serving_floor(
     prices = {i.instance_type: i.price_usd_per_hr for i in live}
     try:
         resolved = resolver.resolve(record.spec if spec is None else spec, check_budget=False)
-        prices.update(resolved.prices_usd_per_hr)
+        # The least each type can cost: an app that may run all spot keeps its floor on spot.
+        prices.update(lowest_prices(resolved.spec, resolved.catalog))
         values = qps_by_type(resolved, smallest_common_batch_size(resolved))
     except EstimatorError as error:
         # Without the profiles, instances rank by price alone.

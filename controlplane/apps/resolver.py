@@ -59,6 +59,7 @@ from controlplane.spec import (
     SpecError,
     SpecMissingProfileError,
     anchor_paths,
+    check_budget_buys_one,
     confine_paths,
     resolve_spec,
     validate_spec,
@@ -469,11 +470,4 @@ def _without_file_content(error: SpecError, spec: AppSpec) -> SpecError:
 
 def _check_budget(app: ResolvedApp) -> None:
     # The same rule as resolve_spec: the budget buys at least the cheapest candidate.
-    prices = app.prices_usd_per_hr
-    cheapest = min(prices, key=lambda name: prices[name])
-    if prices[cheapest] > app.spec.budget_usd_per_hr:
-        raise SpecError(
-            "budget_usd_per_hr",
-            f"{app.spec.budget_usd_per_hr:g} USD/hr buys no instance: the cheapest candidate,"
-            f" {cheapest}, costs {prices[cheapest]:g} USD/hr",
-        )
+    check_budget_buys_one(app.spec, app.catalog)

@@ -22,6 +22,7 @@ from controlplane.spec import (
     SpecUnknownInstanceTypeError,
     SpecUnknownModelError,
     load_spec,
+    lowest_prices,
     resolve_spec,
     validate_spec,
 )
@@ -459,6 +460,38 @@ def test_resolve_errors_name_the_field(
         resolve_spec(load_spec(small_app))
     assert caught.value.field == field
     assert words in caught.value.problem
+
+
+@pytest.mark.parametrize(
+    ("spot", "buys"),
+    [
+        ({"enabled": True, "survive_share": 0.0, "max_share": 1.0}, True),
+        ({"enabled": True, "survive_share": 0.5}, False),  # one instance keeps an on-demand base
+        ({"enabled": True, "survive_share": 0.0, "max_share": 0.8}, False),
+        ({"enabled": False, "survive_share": 0.0}, False),
+    ],
+)
+def test_a_budget_that_buys_one_instance_on_spot(
+    small_app: Path, spot: dict[str, Any], buys: bool
+) -> None:
+    """An app that may run all spot is planned on a budget between the cheapest type's spot
+    and on-demand prices (refused as buying no instance before: the check read on-demand
+    prices while the service ran exactly such a fleet)."""
+    folder = small_app.parent
+    (folder / "catalog.csv").write_text(
+        "instance_type,price_usd_per_hr,spot_price_usd_per_hr\nemu.small,0.05,0.015\n"
+    )
+    write_profiles_csv(folder / "profiles.csv", [("rm2", "emu.small")])
+    document = with_change("instance_types", ["emu.small"])
+    document |= {"catalog": "catalog.csv", "budget_usd_per_hr": 0.03, "spot": spot}
+    document.pop("max_counts", None)
+    small_app.write_text(json.dumps(document), encoding="utf-8")
+    if buys:
+        app = resolve_spec(load_spec(small_app))
+        assert lowest_prices(app.spec, app.catalog) == {"emu.small": 0.015}
+        return
+    with pytest.raises(SpecError, match=r"buys no instance: the cheapest candidate, emu\.small,"):
+        resolve_spec(load_spec(small_app))
 
 
 def test_malformed_catalog_is_named(small_app: Path) -> None:
