@@ -149,13 +149,15 @@ def validation_records(
     inputs: np.ndarray,
     labels: np.ndarray,
     dataset: str,
+    flag: str = "--data",
 ) -> dict[str, Any]:
     """The ``heteroplane.validation/v1`` document of ``models`` ((name, NAME@VERSION,
     certainty) each, in serving order), each fetched from the service and run here on the
-    data (also what ``rollout start --validation-data`` sends, the new version in its place)."""
+    data (also what ``rollout start --validation-data`` sends, the new version in its place);
+    ``flag``: the option the data came from, as errors name it."""
     with tempfile.TemporaryDirectory(prefix="heteroplane-evaluate-") as scratch:
         entries = [
-            _evaluate(client, Path(scratch), name, reference, how, inputs, labels)
+            _evaluate(client, Path(scratch), name, reference, how, inputs, labels, flag)
             for name, reference, how in models
         ]
     return {
@@ -197,6 +199,7 @@ def _evaluate(
     how: str,
     inputs: np.ndarray,
     labels: np.ndarray,
+    flag: str,
 ) -> dict[str, Any]:
     from provisioners.worker.runtime import load_runtime
 
@@ -210,7 +213,7 @@ def _evaluate(
     path = scratch / f"{model}-{version}.{'onnx' if document['format'] == 'onnx' else 'pt'}"
     path.write_bytes(client.download(f"/v1/models/{quoted}/versions/{version}/artifact"))
     runtime = load_runtime(path, document["format"])
-    batch = _shaped(inputs, runtime.signature, name)
+    batch = _shaped(inputs, runtime.signature, name, flag)
     first_input = runtime.signature.inputs[0].name
     first_output = runtime.signature.outputs[0].name
     scores = np.concatenate(
@@ -222,7 +225,7 @@ def _evaluate(
     classes = scores.shape[1] if scores.ndim == 2 else 1
     if labels.max() >= classes:
         raise UsageError(
-            f"--data 'labels' go up to {int(labels.max())}; model {name} answers {classes}"
+            f"{flag} 'labels' go up to {int(labels.max())}; model {name} answers {classes}"
             f" classes (0..{classes - 1})"
         )
     predictions = scores.argmax(axis=1).astype(np.int64)
@@ -237,12 +240,12 @@ def _evaluate(
     }
 
 
-def _shaped(inputs: np.ndarray, signature: ModelSignature, name: str) -> np.ndarray:
+def _shaped(inputs: np.ndarray, signature: ModelSignature, name: str, flag: str) -> np.ndarray:
     """``inputs`` as a batch of the model's single input: its samples' shape (reshaped from flat
     rows when the sizes agree) and type."""
     if len(signature.inputs) != 1:
         raise UsageError(
-            f"model {name} takes {len(signature.inputs)} inputs; --data holds one array"
+            f"model {name} takes {len(signature.inputs)} inputs; {flag} holds one array"
             " ('inputs'), so only models of one input are evaluated"
         )
     tensor = signature.inputs[0]
@@ -254,7 +257,7 @@ def _shaped(inputs: np.ndarray, signature: ModelSignature, name: str) -> np.ndar
     if not fits:
         if -1 in sample or int(np.prod(given)) != int(np.prod(sample)):
             raise UsageError(
-                f"--data 'inputs' samples are {list(given)}; model {name}'s input"
+                f"{flag} 'inputs' samples are {list(given)}; model {name}'s input"
                 f" {tensor.name} takes {list(sample)} ({tensor.datatype})"
             )
         inputs = inputs.reshape(len(inputs), *sample)

@@ -1559,7 +1559,7 @@ def duration_s(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a duration (90s, 2m, 1h): {text!r}") from None
     if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"a duration must be > 0, got {text}")
+        raise argparse.ArgumentTypeError(f"a duration must be a finite number > 0, got {text}")
     return value
 
 

@@ -84,7 +84,9 @@ def _validation(client: ApiClient, args: argparse.Namespace) -> dict[str, Any]:
         if reference.partition("@")[0] == name:
             reference = f"{name}@{version}" if version else name
         models.append((model, reference, how))
-    return validation_records(client, models, inputs, labels, args.validation_data.name)
+    return validation_records(
+        client, models, inputs, labels, args.validation_data.name, "--validation-data"
+    )
 
 
 def _latest(client: ApiClient, app: str) -> dict[str, Any]:

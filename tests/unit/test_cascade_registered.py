@@ -169,3 +169,18 @@ def test_labels_past_the_models_classes_and_nan_inputs_are_one_line(
     errors = [line for line in capsys.readouterr().err.splitlines() if "fetching" not in line]
     assert stop.value.code == 2 and len(errors) == 1 and message in errors[0]
     assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize("flag", ["--data", "--validation-data"])
+def test_a_shape_error_names_the_option_the_data_came_from(flag: str) -> None:
+    """``rollout start --validation-data`` shares this check with ``cascade evaluate --data``;
+    its errors named --data for both."""
+    from controlplane.cli.output import UsageError
+    from provisioners.artifacts import ModelSignature, TensorSpec
+
+    signature = ModelSignature(
+        inputs=(TensorSpec("x", "FP32", (-1, 13)),), outputs=(TensorSpec("y", "FP32", (-1, 3)),)
+    )
+    with pytest.raises(UsageError) as refused:
+        cascade_registered._shaped(np.zeros((4, 5)), signature, "wine", flag)
+    assert str(refused.value).startswith(f"{flag} 'inputs' samples are [5]")
