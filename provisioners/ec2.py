@@ -90,6 +90,7 @@ from provisioners.base import (
     ProvisionerEvent,
     launch_tags,
 )
+from provisioners.boto_errors import BOTO_ERRORS, ResponseParserError
 from provisioners.errors import (
     InsufficientCapacityError,
     InvalidConfigurationError,
@@ -302,6 +303,15 @@ def map_client_error(
         return InvalidConfigurationError("credentials", f"{where}no AWS credentials found")
     if isinstance(error, NoRegionError):
         return InvalidConfigurationError("region", f"{where}no AWS region")
+    if isinstance(error, ResponseParserError):
+        # The whole page it got follows the first line: an HTML error page, kilobytes of it.
+        first = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        wrapped = ProvisionerError(
+            f"{where}the endpoint answered something that is not EC2's API (a wrong region or"
+            f" endpoint?): {first}"
+        )
+        wrapped.retryable = True
+        return wrapped
     if isinstance(error, EndpointConnectionError | BotoCoreError):
         wrapped = ProvisionerError(f"{where}{error}")
         wrapped.retryable = True
@@ -775,7 +785,7 @@ class Ec2Provisioner:
         method = getattr(self._client, _snake_case(operation))
         try:
             return method(**params)
-        except (ClientError, BotoCoreError) as error:
+        except BOTO_ERRORS as error:
             raise map_client_error(
                 error, operation=operation, instance_type=instance_type, zone=zone
             ) from None
@@ -791,7 +801,7 @@ class Ec2Provisioner:
         try:
             pages = self._client.get_paginator("describe_instances").paginate(Filters=filters)
             raws = [raw for page in pages for r in page["Reservations"] for raw in r["Instances"]]
-        except (ClientError, BotoCoreError) as error:
+        except BOTO_ERRORS as error:
             raise self._reported(map_client_error(error, operation=operation)) from None
         return iter(raws)
 

@@ -28,8 +28,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import ClientError
 
+from provisioners.boto_errors import BOTO_ERRORS
 from provisioners.errors import ProvisionerError, ThrottledError
 from provisioners.interruptions import InterruptionNotice, notice_from_event
 
@@ -84,7 +85,7 @@ class InterruptionQueue:
             answer = self.sqs.receive_message(
                 QueueUrl=self.queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=self.wait_s
             )
-        except (ClientError, BotoCoreError) as error:
+        except BOTO_ERRORS as error:
             raise _sqs_error("ReceiveMessage", error) from None
         return list(answer.get("Messages", []))
 
@@ -95,7 +96,7 @@ class InterruptionQueue:
         ]
         try:
             self.sqs.delete_message_batch(QueueUrl=self.queue_url, Entries=entries)
-        except (ClientError, BotoCoreError) as error:
+        except BOTO_ERRORS as error:
             raise _sqs_error("DeleteMessageBatch", error) from None
 
 
@@ -107,7 +108,9 @@ def _sqs_error(operation: str, error: Exception) -> ProvisionerError:
     )
     if "Throttl" in code:
         return ThrottledError(f"{operation}: {error}")
-    return ProvisionerError(f"{operation}: {error}")
+    # One line: a parser's error carries the whole page it could not read.
+    first = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+    return ProvisionerError(f"{operation}: {first}")
 
 
 class SpotPriceReader:
@@ -174,7 +177,7 @@ class SpotPriceReader:
                 kwargs["NextToken"] = token
             try:
                 answer = self.ec2.describe_spot_price_history(**kwargs)
-            except (ClientError, BotoCoreError) as error:
+            except BOTO_ERRORS as error:
                 raise ProvisionerError(f"DescribeSpotPriceHistory: {error}") from None
             for entry in answer.get("SpotPriceHistory", []):
                 key = (str(entry["InstanceType"]), str(entry["AvailabilityZone"]))

@@ -147,3 +147,26 @@ def test_launch_without_template_or_image_for_the_type_is_a_configuration_error(
         stub.add_response("describe_instances", {"Reservations": []})
         with pytest.raises(InvalidConfigurationError, match=r"no launch template for c5\.xlarge"):
             provisioner.launch(LaunchRequest("r-1", "c5.xlarge", 1, {}))
+
+
+def test_an_answer_that_is_not_ec2s_is_one_retryable_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An HTML error page where EC2's XML should be (a wrong region's endpoint, moto asked for
+    a region it lacks): botocore's ResponseParserError is no BotoCoreError, and it escaped the
+    provisioner with a traceback on every reconcile."""
+    from botocore.parsers import ResponseParserError
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    provisioner = Ec2Provisioner(Ec2Config("us-east-1", ("subnet-1",), ami_id="ami-1"))
+    page = (
+        "Unable to parse response, invalid XML received:\nb'<!doctype html>\\n<title>500</title>'"
+    )
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ResponseParserError(page)
+
+    monkeypatch.setattr(provisioner._client, "get_paginator", broken)
+    with pytest.raises(ProvisionerError) as caught:
+        provisioner.list({"heteroplane:app": "a"})
+    assert caught.value.retryable and "\n" not in str(caught.value)
+    assert "not EC2's API (a wrong region or endpoint?)" in str(caught.value)
