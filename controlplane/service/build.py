@@ -567,6 +567,11 @@ def _log_report(report: ReconcileReport) -> None:
                 len(app.actions),
                 len(app.errors),
             )
+        if app.errors:
+            # What went wrong, not only how often (the first three, each cut to one line).
+            shown = "; ".join(error.splitlines()[0][:300] for error in app.errors[:3] if error)
+            more = f" (and {len(app.errors) - 3} more)" if len(app.errors) > 3 else ""
+            logger.warning("reconcile %s: %s%s", app.app, shown, more)
 
 
 def build_service(
