@@ -58,7 +58,9 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    idempotency key): ``<prefix>-<n>`` with ``n`` one past the highest used by the app, so two
    reconcilers that see the same rows pick the same ids (and the store returns the first row). A
    ``requested`` row whose launch failed with a retryable error (capacity, throttling) is launched
-   again each tick with the *same* request id until it succeeds or becomes a straggler. A type's
+   again each tick with the *same* request id until it succeeds or becomes a straggler; one the
+   provider answers with an ended instance of its id (a database restored from a backup reuses
+   ids the provider has seen) fails at once, and the next tick launches under a new id. A type's
    run of capacity misses (from its first :class:`~provisioners.errors.InsufficientCapacityError`
    to a launch of it that works, or until no row of it waits any more) is what
    :meth:`Reconciler.capacity_misses` reports; :mod:`controlplane.loops.capacity_replan` re-plans an
@@ -2400,7 +2402,7 @@ class Reconciler:
             crash_point("reconcile.after_launch")
             live = [i for i in launched if i.state in ("pending", "running")]
             if not live:
-                errors.append(f"launch {launch.request_id}: the provider returned no live instance")
+                self._request_id_spent(app, launch, row, launched, errors)
                 continue
             with self._capacity_lock:
                 self._capacity_missed_s.pop((app.name, launch.instance_type), None)
@@ -2413,6 +2415,41 @@ class Reconciler:
                     provider_id=live[0].provider_id,
                 )
             )
+
+    def _request_id_spent(
+        self,
+        app: AppRecord,
+        launch: Launch,
+        row: InstanceRecord,
+        launched: Sequence[ProvisionedInstance],
+        errors: _Errors,
+    ) -> None:
+        """The provider answered the launch with an instance of this request id that has ended
+        (idempotency: it launches nothing new under an id it has seen). A database restored from
+        a backup gives ids the provider has already used: the row fails now, and the next tick
+        launches in its place under a new id (it was retried under the same id, in vain, until
+        it became a straggler ten minutes later, its cost counted all the while)."""
+        states = ", ".join(sorted({i.state for i in launched})) or "none"
+        reason = (
+            f"request id {launch.request_id} names an instance the provider has already ended"
+            f" ({states}; a database restored from a backup reuses ids): launched again under"
+            " a new id"
+        )
+        errors.append(f"launch {launch.request_id}: {reason}")
+        self.store.record_decision(
+            app.name,
+            "launch_failed",
+            f"launch of {launch.instance_type} ({launch.request_id}) failed: {reason}",
+            {
+                "request_id": launch.request_id,
+                "instance_id": row.id,
+                "instance_type": launch.instance_type,
+                "error": "RequestIdSpent",
+                "retryable": False,
+            },
+            key=f"{launch.request_id}:RequestIdSpent",
+        )
+        errors.guard(lambda: self.store.transition_instance(row.id, _S.FAILED.value, reason=reason))
 
     def _record_stand_in(self, app: str, launch: Launch, row: InstanceRecord) -> None:
         """Rule 11's decision: what launches for a type the provider is short of, and why."""

@@ -410,6 +410,46 @@ def test_dead_and_vanished_instances_are_replaced(world: World) -> None:
     assert world.fake.launched_total == 4
 
 
+def test_a_request_id_the_provider_has_spent_fails_and_launches_under_a_new_one(
+    world: World, tmp_path: Path
+) -> None:
+    """A database restored from a backup gives the next launch an id the provider has seen:
+    the provider answers it with that id's ended instance (idempotency). The row fails at once
+    and the next tick launches under a new id (it was retried under the spent one until it
+    became a straggler, its cost counted all the while)."""
+    import sqlite3
+
+    apply_fleet(world.store, {SMALL: 1})
+    world.tick()
+    world.fake.step()
+    world.tick()
+    backup = tmp_path / "backup.db"
+    with sqlite3.connect(world.path) as source, sqlite3.connect(backup) as copy:
+        source.backup(copy)
+    # After the backup: the instance dies and is replaced under the next id.
+    (first,) = (i.provider_id for i in world.fake.list({}))
+    world.fake.set_state(first, "failed")
+    world.tick()
+    world.fake.step()
+    world.tick()
+    spent = {r.request_id for r in world.store.list_instances(APP)}
+    # The backup is restored; its next id is one the provider has used.
+    world.store.close()
+    with sqlite3.connect(backup) as source, sqlite3.connect(world.path) as restored:
+        source.backup(restored)
+    world.restart()
+    world.tick()  # the live instance the backup does not know is an orphan: terminated
+    world.tick(GRACE_S)  # the one it knows is gone; its replacement's id was spent
+    (failed,) = decisions(world.store, "launch_failed")
+    assert failed.numbers["error"] == "RequestIdSpent" and failed.numbers["request_id"] in spent
+    world.tick()
+    world.fake.step()
+    world.tick()
+    running = world.store.list_instances(APP, states=("running",))
+    assert len(running) == 1 and running[0].request_id not in spent
+    assert kept_cost(world.store) == pytest.approx(PRICES[SMALL])
+
+
 def test_stragglers_are_replaced(world: World) -> None:
     world.fake.never_run(LARGE)
     apply_fleet(world.store, {LARGE: 1})
