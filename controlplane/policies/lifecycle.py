@@ -25,6 +25,7 @@ from types import MappingProxyType
 from controlplane.errors import InvalidTransitionError
 
 __all__ = [
+    "BILLED_STATES",
     "KEPT_STATES",
     "LIVE_STATES",
     "PROFILE_REQUEST_PREFIX",
@@ -68,6 +69,10 @@ TERMINAL_STATES = frozenset(state for state, moves in TRANSITIONS.items() if not
 LIVE_STATES = frozenset(InstanceState) - TERMINAL_STATES
 # The instances a fleet keeps (not draining or ending): what a budget drain chooses among.
 KEPT_STATES = frozenset({InstanceState.REQUESTED, InstanceState.PENDING, InstanceState.RUNNING})
+# What the budget counts as spent: the live instances but those terminating (EC2 stops billing
+# at shutting-down; the reconciler's budget guard does not count them either). A requested row
+# is a reservation: its launch may come through any moment.
+BILLED_STATES = LIVE_STATES - {InstanceState.TERMINATING}
 
 
 # The request ids of a profile run's workers (controlplane.apps.profile_run) start with this: their

@@ -1175,6 +1175,18 @@ def test_instances_fleet_and_events(api: Api) -> None:
     later = api.call("GET", "/v1/apps/toy/events", params={"since": since}).json()
     assert [e["to_state"] for e in later] == ["running", "requested", "failed"]
     assert len(api.call("GET", "/v1/apps/toy/events?limit=2").json()) == 2
+    # A terminating instance is listed, not costed: EC2 no longer bills it, and the budget
+    # guard does not count it (the fleet read as over the budget while a drained one ended).
+    ending = api.store.record_instance(
+        "toy", request_id="d", instance_type="g4dn.xlarge", price_usd_per_hr=0.526
+    )
+    api.store.transition_instance(ending.id, "pending", reason="booting", provider_id="i-dddd")
+    api.store.transition_instance(ending.id, "terminating", reason="budget")
+    fleet = api.call("GET", "/v1/apps/toy/fleet", "viewer").json()
+    assert fleet["instances"] == 2 and fleet["cost_usd_per_hr"] == pytest.approx(0.526)
+    assert fleet["by_type"][0]["states"] == {"running": 1, "terminating": 1}
+    budget = api.call("GET", "/v1/apps/toy/budget", "viewer").json()
+    assert budget["fleet_cost_usd_per_hr"] == pytest.approx(0.526)
 
 
 def test_metric_series(api: Api) -> None:

@@ -21,6 +21,7 @@ from controlplane.api.schemas import (
     DrainOut,
 )
 from controlplane.apps.budget import change_budget, live_instances
+from controlplane.policies.lifecycle import BILLED_STATES
 
 __all__ = ["router"]
 
@@ -38,10 +39,13 @@ def get_budget(app: AppName, services: ServicesDep, _who: Viewer) -> BudgetOut:
     store = services.store
     record = store.get_app(app)
     changes = store.list_budget_changes(app, limit=_AUDIT_ROWS)
+    billed = {s.value for s in BILLED_STATES}  # what the fleet route costs too
     return BudgetOut(
         app=app,
         budget_usd_per_hr=record.budget_usd_per_hr,
-        fleet_cost_usd_per_hr=sum(i.price_usd_per_hr for i in live_instances(store, app)),
+        fleet_cost_usd_per_hr=sum(
+            i.price_usd_per_hr for i in live_instances(store, app) if i.state in billed
+        ),
         changes=[BudgetChangeOut.model_validate(c) for c in changes],
     )
 

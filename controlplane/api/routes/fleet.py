@@ -11,7 +11,7 @@ from controlplane.api.deps import ServicesDep, Viewer
 from controlplane.api.routes import AppName, errors
 from controlplane.api.schemas import FleetOut, FleetTypeOut, InstanceOut
 from controlplane.db.store import InstanceRecord
-from controlplane.policies.lifecycle import LIVE_STATES, InstanceState
+from controlplane.policies.lifecycle import BILLED_STATES, LIVE_STATES, InstanceState
 
 __all__ = ["instance_out", "router"]
 
@@ -55,6 +55,7 @@ def get_fleet(app: AppName, services: ServicesDep, _who: Viewer) -> FleetOut:
     store = services.store
     record = store.get_app(app)
     live = store.list_instances(app, states=[s.value for s in LIVE_STATES])
+    billed = {s.value for s in BILLED_STATES}
     by_type: dict[str, list[InstanceRecord]] = {}
     for instance in live:
         by_type.setdefault(instance.instance_type, []).append(instance)
@@ -63,14 +64,16 @@ def get_fleet(app: AppName, services: ServicesDep, _who: Viewer) -> FleetOut:
         states: dict[str, int] = {}
         for instance in instances:
             states[instance.state] = states.get(instance.state, 0) + 1
-        cost = sum(i.price_usd_per_hr for i in instances)
+        prices = [i.price_usd_per_hr for i in instances]
         rows.append(
             FleetTypeOut(
                 instance_type=instance_type,
                 count=len(instances),
                 # Instances of a type may have been launched at different prices: the mean.
-                price_usd_per_hr=cost / len(instances),
-                cost_usd_per_hr=cost,
+                price_usd_per_hr=sum(prices) / len(instances),
+                # What is billed: a terminating instance is listed, not costed (as the budget
+                # guard counts; it read as over the budget while a drained one ended).
+                cost_usd_per_hr=sum(i.price_usd_per_hr for i in instances if i.state in billed),
                 states=states,
             )
         )
