@@ -279,7 +279,7 @@ class RolloutLoop:
             # Failed to start or lost; or ended by someone else (the budget guard, app down, the
             # reconciler's reaping after the loop stopped touching it): never launched again
             # under its request id, so the rollout cannot go on.
-            what = ", ".join(f"{r.instance_type} {r.state}" for r in ended)
+            what = ", ".join(f"{r.instance_type} {r.state}{self._why_ended(r)}" for r in ended)
             moved = self._finish(
                 rollout,
                 RolloutState.ROLLED_BACK,
@@ -382,6 +382,14 @@ class RolloutLoop:
         return _full(moved), moved.reason
 
     # --- after promotion ---------------------------------------------------------------------
+
+    def _why_ended(self, row: InstanceRecord) -> str:
+        """``: <reason>`` of the move that took ``row`` out of service (the budget guard's, a
+        failed launch's), so that a roll-back says why its worker ended; empty when unknown."""
+        for event in self.store.list_instance_events(instance_id=row.id):
+            if event.to_state in ("terminating", "failed") and event.reason:
+                return f": {event.reason.splitlines()[0][:200]}"
+        return ""
 
     def _handover(
         self, rollout: RolloutRecord, rows: list[InstanceRecord]

@@ -481,10 +481,12 @@ def test_a_worker_ended_by_someone_else_rolls_the_rollout_back(world: World) -> 
     world.rollouts.tick()
     prefix = rollout_request_prefix(APP, rid)
     (row,) = [r for r in world.store.list_instances(APP) if r.request_id.startswith(prefix)]
-    world.store.transition_instance(row.id, InstanceState.TERMINATING.value, reason="drained")
+    guard = "budget: the fleet and its profile workers cost 0.1 USD/hr, over the budget"
+    world.store.transition_instance(row.id, InstanceState.TERMINATING.value, reason=guard)
     world.store.transition_instance(row.id, InstanceState.TERMINATED.value, reason="gone")
     (said,) = [t.what for t in world.rollouts.tick()]
-    assert said == f"rolled back: a worker of the new version ended ({SMALL} terminated)"
+    # Why it ended, as the move out of service said (a budget cut said nothing of the budget).
+    assert said == f"rolled back: a worker of the new version ended ({SMALL} terminated: {guard})"
     assert world.state(rid).state == "rolled_back" and world.rollouts.route(APP) is None
 
 
