@@ -610,6 +610,13 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
         for key in document:
             if not isinstance(key, str):  # `1: x`; a name is always text
                 raise SettingsError(str(key), "unknown setting", str(path))
+        group = document.get("ec2")
+        if group is not None and not isinstance(group, dict):
+            # Checked here: merged with HETEROPLANE_EC2_* values, a group that is not a mapping
+            # was dropped without a word.
+            raise SettingsError(
+                "ec2", f"must be a mapping of EC2 settings, got {shown(group)}", str(path)
+            )
         data_dir = document.get("data_dir")
         if isinstance(data_dir, str) and not Path(data_dir).expanduser().is_absolute():
             # A relative data_dir in a config file means beside the file, not the working

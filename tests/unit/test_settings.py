@@ -201,6 +201,17 @@ def test_bad_config_file_names_file_and_field(tmp_path: Path, text: str, message
     assert "\n" not in str(caught.value)
 
 
+def test_an_ec2_group_that_is_not_a_mapping_is_refused_beside_the_flat_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Merged with HETEROPLANE_EC2_* values, ``ec2: 5`` in the file was dropped silently."""
+    monkeypatch.setenv("HETEROPLANE_EC2_REGION", "us-east-1")
+    path = write(tmp_path, "ec2: 5\n")
+    with pytest.raises(SettingsError) as caught:
+        load_settings(path)
+    assert str(caught.value) == f"{path}: ec2: must be a mapping of EC2 settings, got 5"
+
+
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="cannot read: No such file"):
         load_settings(tmp_path / "nope.yaml")
