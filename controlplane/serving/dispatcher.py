@@ -506,9 +506,9 @@ class AppDispatcher:
             if self.settings.admission:
                 self._admit(gear, n)
         except ServingError as error:
-            self.observations.ended_in_error(
-                app, now, outcome_of(error), (now - arrival_s) * 1000.0
-            )
+            outcome = outcome_of(error)
+            if outcome is not None:
+                self.observations.ended_in_error(app, now, outcome, (now - arrival_s) * 1000.0)
             raise
         loop = asyncio.get_running_loop()
         future: asyncio.Future[InferResult] = loop.create_future()
@@ -1024,7 +1024,9 @@ class AppDispatcher:
             return
         now = self.clock_s()
         latency_ms = (now - request.arrival_s) * 1000.0
-        self.observations.ended_in_error(self.app, now, outcome_of(error), latency_ms)
+        outcome = outcome_of(error)
+        if outcome is not None:  # None: the client's mistake, not offered
+            self.observations.ended_in_error(self.app, now, outcome, latency_ms)
         request.future.set_exception(error)
 
     def _sweep(self) -> None:

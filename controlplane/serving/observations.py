@@ -67,7 +67,9 @@ import numpy as np
 from controlplane.errors import (
     NoServingInstanceError,
     OverloadedError,
+    QueryRejectedError,
     QueryTimeoutError,
+    RequirementsUnmetError,
     ServingError,
     ServingUnavailableError,
 )
@@ -135,8 +137,13 @@ class Outcome(StrEnum):
     FAILED = "failed"  # 502: every attempt failed, or a worker refused the inputs
 
 
-def outcome_of(error: ServingError) -> Outcome:
-    """The outcome of a query that ended with ``error`` (the HTTP status it maps to)."""
+def outcome_of(error: ServingError) -> Outcome | None:
+    """The outcome of a query that ended with ``error`` (the HTTP status it maps to); None for
+    the client's own mistake (422: the model refused the query's inputs, or no variant meets
+    its requirements), which is not counted as offered: a client sending bad token ids pulled
+    the app's attainment down, in ``/metrics`` and on the dashboard, as if the service failed."""
+    if isinstance(error, QueryRejectedError | RequirementsUnmetError):
+        return None
     if isinstance(error, QueryTimeoutError):
         return Outcome.TIMED_OUT
     if isinstance(error, OverloadedError | NoServingInstanceError | ServingUnavailableError):

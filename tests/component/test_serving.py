@@ -548,6 +548,9 @@ def test_a_worker_refusing_the_inputs_fails_the_query_without_retrying() -> None
         # The inputs are at fault: a 422 for the caller, no retry, no worker out of matching.
         assert isinstance(result, QueryRejectedError) and "HTTP 400" in str(result)
         assert all(w.healthy for w in dispatcher.status().workers)
+        # The client's mistake: not offered, so no miss of the app's attainment.
+        totals = dispatcher.observations.totals()["demo"]
+        assert (totals.failed, totals.offered) == (0, 0)
         await dispatcher.close()
 
     run(scenario())

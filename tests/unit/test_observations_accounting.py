@@ -15,6 +15,7 @@ from controlplane.errors import (
     NoServingInstanceError,
     OverloadedError,
     QueryFailedError,
+    QueryRejectedError,
     QueryTimeoutError,
     RequirementsUnmetError,
     ServingUnavailableError,
@@ -99,7 +100,9 @@ def test_each_error_maps_to_the_outcome_of_its_http_status() -> None:
     assert outcome_of(ServingUnavailableError("a", "stopping")) is Outcome.REFUSED  # 503
     assert outcome_of(QueryTimeoutError("a", 30.0)) is Outcome.TIMED_OUT  # 504
     assert outcome_of(QueryFailedError("a", "boom", 3)) is Outcome.FAILED  # 502
-    assert outcome_of(RequirementsUnmetError("a", "no", "tiny")) is Outcome.FAILED
+    # The client's own mistakes (422) are not offered: no outcome.
+    assert outcome_of(RequirementsUnmetError("a", "no", "tiny")) is None
+    assert outcome_of(QueryRejectedError("a", "token id 99 outside the vocabulary")) is None
 
 
 def test_a_window_and_the_totals_count_every_outcome() -> None:
