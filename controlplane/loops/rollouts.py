@@ -419,6 +419,18 @@ class RolloutLoop:
             if not self._grace_over(promoted_at):  # the old ones may still hold queries
                 return full, ""
             going = self._paced(rollout.app, old, fleet)
+            if not live:
+                # Nothing of the rollout's catches the queries: one serving instance at a time,
+                # each once the replacement of the one before runs (an app of one instance is
+                # without one while its replacement boots: the budget had no room for both).
+                if any(
+                    r.created_at > promoted_at
+                    and r.state in (InstanceState.REQUESTED, InstanceState.PENDING)
+                    for r in fleet
+                ):
+                    return None, ""
+                serving = [r for r in going if r.state == InstanceState.RUNNING]
+                going = [r for r in going if r.state != InstanceState.RUNNING] + serving[:1]
             if not going:  # the disruption budget's window is spent: the next tick goes on
                 return full, ""
             # Which ones end is written first: a crash before they end ends them again after

@@ -334,11 +334,22 @@ def test_the_handover_goes_on_when_the_rollouts_workers_ended_first(
     store.transition_instance(canary.id, "terminating", reason="test: the budget guard")
     store.transition_instance(canary.id, "terminated", reason="test: the budget guard")
     clock.advance(ROUTE_GRACE_S)
-    assert [t.what for t in loop.tick()] == ["ended 2 instance(s) of the old version"]
-    assert loop.route(APP) is None  # no worker of the rollout's: the fleet serves
+    # No worker of the rollout's catches the queries: the fleet serves (no route), and its old
+    # instances go one at a time, each once the replacement of the one before runs.
+    assert [t.what for t in loop.tick()] == ["ended 1 instance(s) of the old version"]
+    assert loop.route(APP) is None
+    assert sorted(store.get_instance(r.id).state for r in handover.old) == [
+        "running",
+        "terminated",
+    ]
+    clock.advance(1.0)
+    booting = handover.row("wine-3", state="pending")
+    clock.advance(60.0)
+    assert loop.tick() == []  # its replacement boots: the last old one stays
+    store.transition_instance(booting.id, "running", reason="test: booted")
+    assert [t.what for t in loop.tick()] == ["ended 1 instance(s) of the old version"]
     assert {store.get_instance(r.id).state for r in handover.old} == {"terminated"}
     clock.advance(1.0)
-    handover.row("wine-3")
     handover.row("wine-4")
     (done,) = [t.what for t in loop.tick()]
     assert done.startswith("handover done: 2 instance(s) serve wine-model@1")
