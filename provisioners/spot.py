@@ -86,7 +86,7 @@ class InterruptionQueue:
                 QueueUrl=self.queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=self.wait_s
             )
         except BOTO_ERRORS as error:
-            raise _sqs_error("ReceiveMessage", error) from None
+            raise _boto_error("ReceiveMessage", error) from None
         return list(answer.get("Messages", []))
 
     def _delete(self, messages: Sequence[Mapping[str, Any]]) -> None:
@@ -97,10 +97,10 @@ class InterruptionQueue:
         try:
             self.sqs.delete_message_batch(QueueUrl=self.queue_url, Entries=entries)
         except BOTO_ERRORS as error:
-            raise _sqs_error("DeleteMessageBatch", error) from None
+            raise _boto_error("DeleteMessageBatch", error) from None
 
 
-def _sqs_error(operation: str, error: Exception) -> ProvisionerError:
+def _boto_error(operation: str, error: Exception) -> ProvisionerError:
     code = (
         str(error.response.get("Error", {}).get("Code", ""))
         if isinstance(error, ClientError)
@@ -178,7 +178,7 @@ class SpotPriceReader:
             try:
                 answer = self.ec2.describe_spot_price_history(**kwargs)
             except BOTO_ERRORS as error:
-                raise ProvisionerError(f"DescribeSpotPriceHistory: {error}") from None
+                raise _boto_error("DescribeSpotPriceHistory", error) from None
             for entry in answer.get("SpotPriceHistory", []):
                 key = (str(entry["InstanceType"]), str(entry["AvailabilityZone"]))
                 stamp = entry.get("Timestamp") or datetime.min.replace(tzinfo=UTC)

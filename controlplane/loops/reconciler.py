@@ -60,7 +60,8 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    ``requested`` row whose launch failed with a retryable error (capacity, throttling) is launched
    again each tick with the *same* request id until it succeeds or becomes a straggler; one the
    provider answers with an ended instance of its id (a database restored from a backup reuses
-   ids the provider has seen) fails at once, and the next tick launches under a new id. A type's
+   ids the provider has seen; a launch whose lost answer's instance ended since) fails at once,
+   and the next tick launches under a new id. A type's
    run of capacity misses (from its first :class:`~provisioners.errors.InsufficientCapacityError`
    to a launch of it that works, or until no row of it waits any more) is what
    :meth:`Reconciler.capacity_misses` reports; :mod:`controlplane.loops.capacity_replan` re-plans an
@@ -2401,6 +2402,9 @@ class Reconciler:
                 continue
             crash_point("reconcile.after_launch")
             live = [i for i in launched if i.state in ("pending", "running")]
+            if not launched:
+                errors.append(f"launch {launch.request_id}: the provider returned no instance")
+                continue
             if not live:
                 self._request_id_spent(app, launch, row, launched, errors)
                 continue
@@ -2425,14 +2429,15 @@ class Reconciler:
         errors: _Errors,
     ) -> None:
         """The provider answered the launch with an instance of this request id that has ended
-        (idempotency: it launches nothing new under an id it has seen). A database restored from
-        a backup gives ids the provider has already used: the row fails now, and the next tick
-        launches in its place under a new id (it was retried under the same id, in vain, until
-        it became a straggler ten minutes later, its cost counted all the while)."""
-        states = ", ".join(sorted({i.state for i in launched})) or "none"
+        (idempotency: it launches nothing new under an id it has seen): a database restored from
+        a backup gives ids the provider has already used, or a launch whose answer was lost
+        ended before it was asked again. The row fails now, and the next tick launches in its
+        place under a new id (it was retried under the same id, in vain, until it became a
+        straggler ten minutes later, its cost counted all the while)."""
+        states = ", ".join(sorted({i.state for i in launched}))
         reason = (
-            f"request id {launch.request_id} names an instance the provider has already ended"
-            f" ({states}; a database restored from a backup reuses ids): launched again under"
+            f"request id {launch.request_id} names an instance that has already ended ({states}:"
+            " the provider launches nothing new under an id it has seen); launched again under"
             " a new id"
         )
         errors.append(f"launch {launch.request_id}: {reason}")
