@@ -64,7 +64,7 @@ from controlplane.db.store import (
     PlanRecord,
     Store,
 )
-from controlplane.policies.lifecycle import LIVE_STATES, InstanceState
+from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, billed_cost_usd_per_hr
 from controlplane.policies.plan import PlanDocument, PlanError
 from controlplane.serving.observations import AppTotals
 
@@ -498,7 +498,7 @@ def _cost_section(
     start: datetime,
     now: datetime,
 ) -> dict[str, Any]:
-    burn = sum(i.price_usd_per_hr for i in live)
+    burn = billed_cost_usd_per_hr(live)
     spent = ledger.spent_today_usd(store, app, now)
     day_end = _day_start(now) + timedelta(days=1)
     hours_left = (day_end - now).total_seconds() / _HOUR_S

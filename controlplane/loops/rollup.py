@@ -27,7 +27,7 @@ from controlplane.clock import Clock
 from controlplane.db.store import Store
 from controlplane.errors import NotFoundError
 from controlplane.loops.scheduler import JobBody
-from controlplane.policies.lifecycle import LIVE_STATES
+from controlplane.policies.lifecycle import BILLED_STATES
 from controlplane.serving.observations import WindowSummary
 
 __all__ = [
@@ -64,8 +64,8 @@ def roll_up(
     samples were written."""
     now = clock.utcnow()
     cost: dict[str, float] = defaultdict(float)
-    for instance in store.list_instances(states=[s.value for s in LIVE_STATES]):
-        cost[instance.app] += instance.price_usd_per_hr
+    for instance in store.list_instances(states=[s.value for s in BILLED_STATES]):
+        cost[instance.app] += instance.price_usd_per_hr  # billed_cost_usd_per_hr's states
     written = 0
     for app in store.list_apps():
         served = window(app.name) if window is not None else None

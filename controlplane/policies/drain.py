@@ -57,7 +57,7 @@ from datetime import datetime
 
 import numpy as np
 
-from controlplane.policies.lifecycle import LIVE_STATES, InstanceState
+from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, billed_cost_usd_per_hr
 from controlplane.spec import ResolvedApp
 
 __all__ = [
@@ -213,7 +213,7 @@ def plan_drain(
     (see the module docstring). A type missing from ``qps_by_type`` serves nothing (Q_t = 0).
     With ``stage_types`` (stage -> its planned types), the last instance of each stage stays."""
     live = [i for i in instances if i.state in LIVE_STATES]
-    fleet_cost = float(sum(i.price_usd_per_hr for i in live))
+    fleet_cost = billed_cost_usd_per_hr(live)  # as the fleet route costs it
     kept = [i for i in live if i.state not in _LEAVING]
     kept_cost = float(sum(i.price_usd_per_hr for i in kept))
     keepers = _keepers(kept, stage_types) if stage_types else set()

@@ -19,8 +19,10 @@ controlplane.errors.InvalidTransitionError: an instance cannot go from 'terminat
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
 from types import MappingProxyType
+from typing import Protocol
 
 from controlplane.errors import InvalidTransitionError
 
@@ -32,6 +34,7 @@ __all__ = [
     "TERMINAL_STATES",
     "TRANSITIONS",
     "InstanceState",
+    "billed_cost_usd_per_hr",
     "can_transition",
     "check_transition",
     "is_profile_worker",
@@ -73,6 +76,7 @@ KEPT_STATES = frozenset({InstanceState.REQUESTED, InstanceState.PENDING, Instanc
 # at shutting-down; the reconciler's budget guard does not count them either). A requested row
 # is a reservation: its launch may come through any moment.
 BILLED_STATES = LIVE_STATES - {InstanceState.TERMINATING}
+_BILLED_VALUES = frozenset(state.value for state in BILLED_STATES)
 
 
 # The request ids of a profile run's workers (controlplane.apps.profile_run) start with this: their
@@ -111,3 +115,17 @@ def check_transition(from_state: str, to_state: str) -> None:
     """Raise :class:`InvalidTransitionError` unless the table allows ``from_state -> to_state``."""
     if not can_transition(from_state, to_state):
         raise InvalidTransitionError(str(from_state), str(to_state))
+
+
+class _Priced(Protocol):
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def price_usd_per_hr(self) -> float: ...
+
+
+def billed_cost_usd_per_hr(instances: Iterable[_Priced]) -> float:
+    """What ``instances`` cost an hour as the budget counts it: those in :data:`BILLED_STATES`
+    (the fleet route, the budget's, the dashboard's burn and the roll-up all read this)."""
+    return float(sum(i.price_usd_per_hr for i in instances if str(i.state) in _BILLED_VALUES))

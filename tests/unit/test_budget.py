@@ -42,6 +42,8 @@ def test_the_least_cost_effective_go_first_until_the_fleet_fits() -> None:
 
 
 def test_instances_on_their_way_out_count_in_the_cost_but_are_not_drained_again() -> None:
+    """A draining instance still serves and is billed; a terminating one is not billed (EC2
+    stops at shutting-down) and counts in no cost, as the fleet route says."""
     fleet = [
         instance("g", "gpu"),
         instance("c", "cpu", "draining"),
@@ -50,7 +52,7 @@ def test_instances_on_their_way_out_count_in_the_cost_but_are_not_drained_again(
         instance("f", "cpu", "failed"),
     ]
     plan = plan_drain(fleet, 0.5, QPS)
-    assert plan.fleet_cost_usd_per_hr == pytest.approx(0.9)
+    assert plan.fleet_cost_usd_per_hr == pytest.approx(0.9 - 0.2)
     assert plan.kept_cost_usd_per_hr == 0.5
     assert plan.drain == ()
 

@@ -21,7 +21,7 @@ from controlplane.api.schemas import (
     DrainOut,
 )
 from controlplane.apps.budget import change_budget, live_instances
-from controlplane.policies.lifecycle import BILLED_STATES
+from controlplane.policies.lifecycle import billed_cost_usd_per_hr
 
 __all__ = ["router"]
 
@@ -39,13 +39,10 @@ def get_budget(app: AppName, services: ServicesDep, _who: Viewer) -> BudgetOut:
     store = services.store
     record = store.get_app(app)
     changes = store.list_budget_changes(app, limit=_AUDIT_ROWS)
-    billed = {s.value for s in BILLED_STATES}  # what the fleet route costs too
     return BudgetOut(
         app=app,
         budget_usd_per_hr=record.budget_usd_per_hr,
-        fleet_cost_usd_per_hr=sum(
-            i.price_usd_per_hr for i in live_instances(store, app) if i.state in billed
-        ),
+        fleet_cost_usd_per_hr=billed_cost_usd_per_hr(live_instances(store, app)),
         changes=[BudgetChangeOut.model_validate(c) for c in changes],
     )
 

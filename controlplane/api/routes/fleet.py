@@ -11,7 +11,7 @@ from controlplane.api.deps import ServicesDep, Viewer
 from controlplane.api.routes import AppName, errors
 from controlplane.api.schemas import FleetOut, FleetTypeOut, InstanceOut
 from controlplane.db.store import InstanceRecord
-from controlplane.policies.lifecycle import BILLED_STATES, LIVE_STATES, InstanceState
+from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, billed_cost_usd_per_hr
 
 __all__ = ["instance_out", "router"]
 
@@ -55,7 +55,6 @@ def get_fleet(app: AppName, services: ServicesDep, _who: Viewer) -> FleetOut:
     store = services.store
     record = store.get_app(app)
     live = store.list_instances(app, states=[s.value for s in LIVE_STATES])
-    billed = {s.value for s in BILLED_STATES}
     by_type: dict[str, list[InstanceRecord]] = {}
     for instance in live:
         by_type.setdefault(instance.instance_type, []).append(instance)
@@ -73,7 +72,7 @@ def get_fleet(app: AppName, services: ServicesDep, _who: Viewer) -> FleetOut:
                 price_usd_per_hr=sum(prices) / len(instances),
                 # What is billed: a terminating instance is listed, not costed (as the budget
                 # guard counts; it read as over the budget while a drained one ended).
-                cost_usd_per_hr=sum(i.price_usd_per_hr for i in instances if i.state in billed),
+                cost_usd_per_hr=billed_cost_usd_per_hr(instances),
                 states=states,
             )
         )
