@@ -392,11 +392,13 @@ class AppSpec(BaseModel):
         return (self.max_counts or {}).get(instance_type)
 
 
-def lowest_prices(spec: AppSpec, catalog: Catalog) -> dict[str, float]:
+def lowest_prices(spec: AppSpec, catalog: Catalog, *, measuring: bool = False) -> dict[str, float]:
     """The least an instance of each candidate type can cost under ``spec``: its spot price
-    where one instance of it may be all spot (spot on, ``survive_share`` 0, ``max_share`` 1: a
-    plan of one instance per stage keeps no on-demand base), else its on-demand price."""
-    spot = spec.spot if spec.spot_enabled else None
+    (the catalog's) where one instance of it may be all spot (spot on, ``survive_share`` 0,
+    ``max_share`` 1: a plan of one instance per stage keeps no on-demand base), else its
+    on-demand price; on-demand prices when ``measuring`` (a model still to be profiled: the
+    profile run's workers run on demand)."""
+    spot = spec.spot if spec.spot_enabled and not measuring else None
     all_spot = spot is not None and spot.survive_share == 0 and spot.max_share >= 1
     prices = {}
     for name in spec.instance_types:
@@ -406,10 +408,11 @@ def lowest_prices(spec: AppSpec, catalog: Catalog) -> dict[str, float]:
     return prices
 
 
-def check_budget_buys_one(spec: AppSpec, catalog: Catalog) -> None:
+def check_budget_buys_one(spec: AppSpec, catalog: Catalog, *, measuring: bool = False) -> None:
     """:class:`SpecError` when the budget buys no instance of any candidate type, at the
-    least it can cost (:func:`lowest_prices`: a spot price where the app may run all spot)."""
-    prices = lowest_prices(spec, catalog)
+    least it can cost (:func:`lowest_prices`: a spot price where the app may run all spot and
+    no model is still to be ``measuring``)."""
+    prices = lowest_prices(spec, catalog, measuring=measuring)
     cheapest = min(prices, key=lambda name: prices[name])
     if prices[cheapest] > spec.budget_usd_per_hr:
         how = "on spot " if prices[cheapest] < catalog.price_usd_per_hr(cheapest) else ""
@@ -943,7 +946,6 @@ def resolve_spec(
             "none of instance_types has a spot price in the catalog (its spot_price_usd_per_hr"
             " column): give one, or leave spot off",
         )
-    check_budget_buys_one(spec, catalog)
 
     files: dict[str, ProfileSet] = {}
     profiles: dict[str, ProfileSet] = {}
@@ -976,6 +978,7 @@ def resolve_spec(
             if name not in covered:
                 raise SpecMissingProfileError(field, model.name, name, model.profiles)
         profiles[model.name] = profile_set
+    check_budget_buys_one(spec, catalog, measuring=bool(unprofiled))
     return ResolvedApp(
         spec=spec,
         catalog=catalog,

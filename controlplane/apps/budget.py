@@ -30,8 +30,7 @@ from controlplane.policies.drain import (
     qps_by_type,
     serving_floor,
 )
-from controlplane.policies.lifecycle import LIVE_STATES
-from controlplane.spec import lowest_prices
+from controlplane.policies.lifecycle import KEPT_STATES, LIVE_STATES
 from estimator.errors import EstimatorError
 
 __all__ = ["BudgetChange", "change_budget", "check_serving_floor", "live_instances"]
@@ -48,6 +47,9 @@ class BudgetChange:
     drain: DrainPlan
     live: tuple[InstanceRecord, ...]
     note: str | None
+
+
+_KEPT_VALUES = frozenset(state.value for state in KEPT_STATES)
 
 
 def live_instances(store: Store, app: str) -> list[InstanceRecord]:
@@ -91,17 +93,24 @@ def check_serving_floor(
     """
     record = store.get_app(app)
     live = live_instances(store, app)
-    # The catalog's prices; the recorded ones stand in for a spec that does not resolve.
+    # The least an instance of each type runs at now: a spot instance's price where one runs
+    # (the floor keeps that instance), else the catalog's on-demand price; the recorded prices
+    # stand in for a spec that does not resolve.
+    running: dict[str, float] = {}
+    for instance in live:
+        if instance.state in _KEPT_VALUES:
+            known = running.get(instance.instance_type, instance.price_usd_per_hr)
+            running[instance.instance_type] = min(known, instance.price_usd_per_hr)
     prices = {i.instance_type: i.price_usd_per_hr for i in live}
     try:
         resolved = resolver.resolve(record.spec if spec is None else spec, check_budget=False)
-        # The least each type can cost: an app that may run all spot keeps its floor on spot.
-        prices.update(lowest_prices(resolved.spec, resolved.catalog))
+        prices.update(resolved.prices_usd_per_hr)
         values = qps_by_type(resolved, smallest_common_batch_size(resolved))
     except EstimatorError as error:
         # Without the profiles, instances rank by price alone.
         logger.warning("app %s: cannot rank instances by value: %s", app, error)
         values = {}
+    prices.update({t: min(p, prices.get(t, p)) for t, p in running.items()})
     stages = _planned_stages(store, app)
     floor = serving_floor(stages, prices)
     # The same tolerance as the drain's: 0.1 + 0.2 is a floor of 0.3.

@@ -470,4 +470,4 @@ def _without_file_content(error: SpecError, spec: AppSpec) -> SpecError:
 
 def _check_budget(app: ResolvedApp) -> None:
     # The same rule as resolve_spec: the budget buys at least the cheapest candidate.
-    check_budget_buys_one(app.spec, app.catalog)
+    check_budget_buys_one(app.spec, app.catalog, measuring=bool(app.unprofiled))

@@ -12,7 +12,10 @@ script kept would name another app's plan (docs/status.md had it as "not true ye
 from the rows there are (an id freed before this migration can still come back once; none
 after). PostgreSQL's sequences never give an id twice: nothing to do there. The rebuild copies
 each table's columns, keys and CHECK constraints as they are (SQLite's foreign keys are off while
-migrating: migrations/env.py). Written by hand from controlplane/db/models.py (their
+migrating: migrations/env.py), but for one thing: SQLite takes AUTOINCREMENT only on a key
+declared on its column, so on SQLite these five primary keys have no constraint name (``pk_apps``
+...) from here on, and the downgrade does not give the name back; a later migration must not
+name them there. Written by hand from controlplane/db/models.py (their
 ``sqlite_autoincrement``); tests/integration/test_migrations.py checks both.
 """
 

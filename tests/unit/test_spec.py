@@ -489,6 +489,8 @@ def test_a_budget_that_buys_one_instance_on_spot(
     if buys:
         app = resolve_spec(load_spec(small_app))
         assert lowest_prices(app.spec, app.catalog) == {"emu.small": 0.015}
+        # A model still to be profiled: its profile run's workers run on demand.
+        assert lowest_prices(app.spec, app.catalog, measuring=True) == {"emu.small": 0.05}
         return
     with pytest.raises(SpecError, match=r"buys no instance: the cheapest candidate, emu\.small,"):
         resolve_spec(load_spec(small_app))
