@@ -78,6 +78,10 @@ class LatencyProfile:
                 raise ProfileError(f"{where}: no samples at batch size {size}")
             if not np.all(np.isfinite(cell)) or cell[0] < 0:
                 raise ProfileError(f"{where}: latencies at batch size {size} must be finite, >= 0")
+            if cell[-1] <= 0:
+                # A batch that takes no time has no throughput to bound or search for (the
+                # capacity search and the bounds divided by it: a traceback, an infinite bound).
+                raise ProfileError(f"{where}: latencies at batch size {size} are all 0")
             cells.append(cell)
         object.__setattr__(self, "batch_sizes", sizes)
         object.__setattr__(self, "samples_ms", tuple(cells))

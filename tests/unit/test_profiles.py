@@ -127,6 +127,10 @@ def test_unknown_model_and_missing_type(tmp_path: Path) -> None:
             "line 2 needs batch_size >= 1 and latencies >= 0",
         ),
         ("model,instance_type,batch_size,sample,infer_ms,load_ms\nm,x,10\n", "line 2 has 3 fields"),
+        (  # a batch that takes no time: the capacity search and the bounds divided by it
+            "model,instance_type,batch_size,sample,infer_ms,load_ms\nm,x,10,0,0,0\nm,x,10,1,0,0\n",
+            "latencies at batch size 10 are all 0",
+        ),
         ("{not json", "malformed JSON"),
         ('{"profiles": [{"model": "m"}]}', "lacks 'instance_type'"),
         (
