@@ -380,6 +380,14 @@ def test_gamma_rate_and_cv2(cv2: float) -> None:
     assert abs(stats.cv2 - cv2) < tolerance
 
 
+def test_a_cv2_past_the_largest_is_refused() -> None:
+    """Gamma gaps of shape 1e-7 are mostly 0: a CV^2 of 1e7 wrote 387,997 queries at time 0
+    for 10 q/s over 20 s."""
+    with pytest.raises(WorkloadError, match="cv2 must be <= 100"):
+        gamma_arrivals(10.0, 1e7, 20.0, np.random.default_rng(0))
+    assert gamma_arrivals(10.0, 100.0, 20.0, np.random.default_rng(0)).size < 1000
+
+
 def test_ramp_counts_follow_the_integral() -> None:
     profile = step_profile(150.0, 250.0, at_s=100.0, over_s=50.0)
     arrivals = renewal_arrivals(profile, 300.0, 1.0, np.random.default_rng(3))
