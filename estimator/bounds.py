@@ -646,7 +646,7 @@ def rank_configurations(
     if method == "exhaustive":
         note = (
             f"every affordable configuration with a full-range instance: {search.enumerated:,}"
-            f" bounded" + (f", top {top} kept" if top is not None else "")
+            f" bounded" + (f", top {len(counts)} kept" if top is not None else "")
         )
     else:
         note = (

@@ -88,7 +88,7 @@ def _run(args: argparse.Namespace) -> int:
         },
         "enumerated": ranking.enumerated,
         "exhaustive": ranking.exhaustive,
-        "note": ranking.note,
+        "note": _note(ranking.note, shown, len(ranking)),
     }
 
     if args.kairos_plus:
@@ -241,7 +241,7 @@ def _human(
             f"  {t.instance_type:<16}{t.price_usd_per_hr:>8.4f}{t.throughput_qps:>10.2f}{tail}"
         )
     lines.append("")
-    lines.append(f"  {ranking.note}")
+    lines.append(f"  {_note(ranking.note, shown, len(ranking))}")
     widths = [max(len(name), 3) for name in ranking.types]
     header = "".join(f"{name:>{w + 2}}" for name, w in zip(ranking.types, widths, strict=True))
     lines.append(f"  {'rank':>4}{header}{'UB qps':>12}{'$/hr':>10}")
@@ -264,3 +264,9 @@ def _human(
         f" UB {homogeneous['upper_bound_qps']:.2f} qps, ${homogeneous['cost_usd_per_hr']:.4f}/hr"
     )
     return "\n".join(lines)
+
+
+def _note(note: str, shown: int, kept: int) -> str:
+    """The ranking's note, and how many of it are listed when fewer (``--top`` below the ten
+    the similarity pick looks at: the note said "top 10 kept" over a list of 3)."""
+    return note if shown >= kept else f"{note}; the first {shown} listed"

@@ -69,6 +69,19 @@ def test_human_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "best homogeneous: r5n.large=13" in text
 
 
+@pytest.mark.parametrize(("top", "listed"), [(1, "; the first 1 listed"), (10, "")])
+def test_the_note_says_how_many_are_listed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], top: int, listed: str
+) -> None:
+    """``--top`` below the ten the similarity pick reads: the note said "top 10 kept" over a
+    list of one."""
+    profiles = write_profile_csv(tmp_path / "p.csv")
+    args = ["bounds", "--profiles", str(profiles), "--model", "m", "--qos-ms", "50"]
+    assert main([*args, "--budget", "2", "--batch-dist", "fixed:2", "--top", str(top)]) == 0
+    (note,) = [line for line in capsys.readouterr().out.splitlines() if "kept" in line]
+    assert note.endswith(" kept" + listed)
+
+
 @needs_shared
 def test_the_paper_setting_from_the_command_line() -> None:
     result = run_cli(
