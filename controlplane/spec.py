@@ -648,6 +648,11 @@ def _parse_document(text: str, source: str, as_json: bool) -> object:
         raise SpecError("", f"malformed YAML{where}: {problem}", source) from None
 
 
+# The largest spec file read: the API's body limit (an app spec is sent to it whole), far past
+# any real one (a spec of 200 models is about 8 kB).
+MAX_SPEC_BYTES = 1 << 20
+
+
 def load_spec(path: str | Path) -> AppSpec:
     """Read, validate and anchor an app spec file (YAML, or JSON).
 
@@ -657,11 +662,15 @@ def load_spec(path: str | Path) -> AppSpec:
     path = Path(path)
     source = str(path)
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as file:
+            raw = file.read(MAX_SPEC_BYTES + 1)
     except FileNotFoundError:
         raise SpecError("", "no such file", source) from None
     except OSError as error:
         raise SpecError("", f"cannot read: {error.strerror or error}", source) from None
+    if len(raw) > MAX_SPEC_BYTES:
+        # Refused before parsing: 7.5 MB of YAML took a minute to be refused for a missing field.
+        raise SpecError("", f"larger than {MAX_SPEC_BYTES:,} bytes: not an app spec", source)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

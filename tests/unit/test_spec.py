@@ -370,6 +370,14 @@ def test_missing_file(tmp_path: Path) -> None:
         load_spec(tmp_path / "absent.yaml")
 
 
+def test_a_file_past_the_limit_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    """7.5 MB of YAML took a minute to be refused for a missing field."""
+    path = tmp_path / "huge.yaml"
+    path.write_text("name: t\nmodels:\n" + "  - {name: m, profiles: x.csv}\n" * 40_000)
+    with pytest.raises(SpecError, match=r"larger than 1,048,576 bytes: not an app spec"):
+        load_spec(path)
+
+
 # --- resolving against catalog and profiles --------------------------------------------------
 
 
