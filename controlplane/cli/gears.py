@@ -70,6 +70,13 @@ def placement_from(args: argparse.Namespace, app: ResolvedApp) -> CascadePlaceme
                     f"the placement's type {t!r} is not one of the spec's instance types"
                     f" ({', '.join(app.instance_types)})"
                 )
+    cost = placement.cost_usd_per_hr(app.prices_usd_per_hr)
+    if cost > app.spec.budget_usd_per_hr + 1e-9:
+        # As replay refuses a plan over the budget: the service would never run this fleet.
+        raise UsageError(
+            f"the placement costs {cost:.4g} USD/hr, over the app's budget of"
+            f" {app.spec.budget_usd_per_hr:g} USD/hr"
+        )
     # Serving order is the spec's, whatever order the placement was written in.
     return CascadePlacement(placement.fleets, tuple(m for m in order if m in placement.fleets))
 

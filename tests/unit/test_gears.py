@@ -567,6 +567,18 @@ def test_gears_command_refuses_a_foreign_model(
     assert "'huge', not a model of the app" in capsys.readouterr().err
 
 
+def test_gears_command_refuses_a_placement_over_the_budget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As replay refuses a plan over the budget (it planned gears on $17/hr for a $2 app)."""
+    spec, validation = _app(tmp_path)
+    args = ["gears", "--spec", str(spec), "--validation", str(validation)]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--placement", "tiny:c5.xlarge=100;small:c5.xlarge=1;large:c5.xlarge=2"])
+    assert exit_.value.code == 2
+    assert "over the app's budget of 2 USD/hr" in capsys.readouterr().err
+
+
 # --- the held-out protocol -------------------------------------------------------------------
 
 
