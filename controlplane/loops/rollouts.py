@@ -76,6 +76,7 @@ from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import InstanceRecord, RolloutRecord, Store
 from controlplane.errors import ControlPlaneError, ProfilingBudgetError, RolloutBudgetError
+from controlplane.loops.reconciler import DEFAULT_LAUNCH_BACKOFF_S
 from controlplane.policies.disruption import DisruptionBudget, count_disruptions
 from controlplane.policies.lifecycle import (
     KEPT_STATES,
@@ -423,11 +424,7 @@ class RolloutLoop:
                 # Nothing of the rollout's catches the queries: one serving instance at a time,
                 # each once the replacement of the one before runs (an app of one instance is
                 # without one while its replacement boots: the budget had no room for both).
-                if any(
-                    r.created_at > promoted_at
-                    and r.state in (InstanceState.REQUESTED, InstanceState.PENDING)
-                    for r in fleet
-                ):
+                if not self._replaced(promoted_at, ended, fleet):
                     return None, ""
                 serving = [r for r in going if r.state == InstanceState.RUNNING]
                 going = [r for r in going if r.state != InstanceState.RUNNING] + serving[:1]
@@ -457,6 +454,29 @@ class RolloutLoop:
         )
         self._decide(moved, reason)
         return None, reason
+
+    def _replaced(
+        self, promoted_at: datetime, ended: set[str], fleet: list[InstanceRecord]
+    ) -> bool:
+        """Whether a handover without the rollout's workers may end its next old instance: the
+        ones it ended are replaced by running instances of the new version; or, fewer running,
+        the fleet has been quiet for :data:`FLEET_SETTLE_S` (nothing of it boots, nothing ended
+        or failed that recently: the app scaled down) and no launch of it failed within the
+        reconciler's launch backoff (the type is held: its replacement is still to come)."""
+        new = [r for r in fleet if r.created_at > promoted_at]
+        if any(r.state in (InstanceState.REQUESTED, InstanceState.PENDING) for r in new):
+            return False
+        if sum(1 for r in new if r.state == InstanceState.RUNNING) >= len(ended):
+            return True
+        now = self.clock.utcnow()
+        changed = [r.updated_at for r in fleet if r.id in ended or r.created_at > promoted_at]
+        if changed and (now - max(changed)).total_seconds() < FLEET_SETTLE_S:
+            return False
+        return not any(
+            r.state == InstanceState.FAILED
+            and (now - r.updated_at).total_seconds() < DEFAULT_LAUNCH_BACKOFF_S
+            for r in new
+        )
 
     def _settled(
         self,

@@ -343,8 +343,12 @@ def test_the_handover_goes_on_when_the_rollouts_workers_ended_first(
         "terminated",
     ]
     clock.advance(1.0)
-    booting = handover.row("wine-3", state="pending")
+    refused = handover.row("wine-9", state="requested")
+    store.transition_instance(refused.id, "failed", reason="test: launch refused")
     clock.advance(60.0)
+    assert loop.tick() == []  # its launch failed, the type held: the last old one stays
+    booting = handover.row("wine-3", state="pending")
+    clock.advance(300.0)
     assert loop.tick() == []  # its replacement boots: the last old one stays
     store.transition_instance(booting.id, "running", reason="test: booted")
     assert [t.what for t in loop.tick()] == ["ended 1 instance(s) of the old version"]
