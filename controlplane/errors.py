@@ -153,7 +153,13 @@ class BudgetBelowServingFleetError(ConflictError):
     not forced: it would drain every instance of a stage."""
 
     def __init__(
-        self, app: str, budget_usd_per_hr: float, floor_usd_per_hr: float, fleet: str = ""
+        self,
+        app: str,
+        budget_usd_per_hr: float,
+        floor_usd_per_hr: float,
+        fleet: str = "",
+        *,
+        running_usd_per_hr: float | None = None,
     ) -> None:
         self.app = app
         self.budget_usd_per_hr = budget_usd_per_hr
@@ -164,7 +170,15 @@ class BudgetBelowServingFleetError(ConflictError):
         self.shortfall = (
             f"app {app!r}: a budget of {budget_usd_per_hr:g} USD/hr is below the"
             f" {floor_usd_per_hr:.4g} USD/hr the app's smallest serving fleet{what} costs"
+            " on demand"
         )
+        if running_usd_per_hr is not None:
+            # A spot fleet that fits: forced, nothing drains now.
+            self.shortfall += (
+                f" (the fleet runs at {running_usd_per_hr:.4g} USD/hr now, within it: forced,"
+                " nothing drains now, but a spot price rise or an on-demand replacement could"
+                " not be paid for)"
+            )
         super().__init__(f'{self.shortfall}; send "force": true to drain it anyway')
 
 

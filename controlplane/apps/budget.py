@@ -30,7 +30,7 @@ from controlplane.policies.drain import (
     qps_by_type,
     serving_floor,
 )
-from controlplane.policies.lifecycle import KEPT_STATES, LIVE_STATES
+from controlplane.policies.lifecycle import KEPT_STATES, LIVE_STATES, billed_cost_usd_per_hr
 from estimator.errors import EstimatorError
 
 __all__ = ["BudgetChange", "change_budget", "check_serving_floor", "live_instances"]
@@ -93,14 +93,7 @@ def check_serving_floor(
     """
     record = store.get_app(app)
     live = live_instances(store, app)
-    # The least an instance of each type runs at now: a spot instance's price where one runs
-    # (the floor keeps that instance), else the catalog's on-demand price; the recorded prices
-    # stand in for a spec that does not resolve.
-    running: dict[str, float] = {}
-    for instance in live:
-        if instance.state in _KEPT_VALUES:
-            known = running.get(instance.instance_type, instance.price_usd_per_hr)
-            running[instance.instance_type] = min(known, instance.price_usd_per_hr)
+    # The catalog's prices; the recorded ones stand in for a spec that does not resolve.
     prices = {i.instance_type: i.price_usd_per_hr for i in live}
     try:
         resolved = resolver.resolve(record.spec if spec is None else spec, check_budget=False)
@@ -110,13 +103,22 @@ def check_serving_floor(
         # Without the profiles, instances rank by price alone.
         logger.warning("app %s: cannot rank instances by value: %s", app, error)
         values = {}
-    prices.update({t: min(p, prices.get(t, p)) for t, p in running.items()})
     stages = _planned_stages(store, app)
     floor = serving_floor(stages, prices)
     # The same tolerance as the drain's: 0.1 + 0.2 is a floor of 0.3.
     below = usd_per_hr < floor.cost_usd_per_hr - 1e-9
     if below and not force:
-        raise BudgetBelowServingFleetError(app, usd_per_hr, floor.cost_usd_per_hr, floor.describe())
+        # On-demand prices: a spot instance kept at its launch price could be re-priced past the
+        # budget (rule 10) or replaced on demand, leaving the stage empty. Say so when the fleet
+        # running now fits (a spot fleet): forcing it drains nothing now.
+        running = billed_cost_usd_per_hr(i for i in live if i.state in _KEPT_VALUES)
+        raise BudgetBelowServingFleetError(
+            app,
+            usd_per_hr,
+            floor.cost_usd_per_hr,
+            floor.describe(),
+            running_usd_per_hr=running if 0 < running <= usd_per_hr + 1e-9 else None,
+        )
     return stages, values
 
 

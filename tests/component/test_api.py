@@ -1009,14 +1009,14 @@ def test_a_budget_below_the_smallest_serving_fleet_is_a_409_and_changes_nothing(
     assert len(api.call("GET", "/v1/apps/toy/decisions?kind=budget_drain").json()) == 1
 
 
-def test_the_smallest_serving_fleet_is_priced_at_what_its_instances_run_at(api: Api) -> None:
-    """A stage whose instance runs on spot keeps that instance at its spot price: a budget
-    between it and the on-demand floor goes through without force (it was refused, the floor
-    read at on-demand prices while the fleet the service ran fitted in), and the drain keeps
-    the cheap instance."""
+def test_below_the_on_demand_floor_a_spot_fleet_that_fits_is_said_to(api: Api) -> None:
+    """The floor stays at on-demand prices (a spot instance kept at its launch price could be
+    re-priced past the budget, or replaced on demand, leaving the stage empty); when the fleet
+    running now fits the new budget, the refusal says so, and forced, nothing drains."""
     api.register()
     plan, floor = applied_plan(api)
     stage = plan["stages"][0]["fleet"]
+    assert len(plan["stages"]) == 1
     cheapest = min((t for t, n in stage.items() if n > 0), key=lambda t: PRICES[t])
     spot = api.store.record_instance(
         "toy",
@@ -1025,14 +1025,14 @@ def test_the_smallest_serving_fleet_is_priced_at_what_its_instances_run_at(api: 
         price_usd_per_hr=PRICES[cheapest] * 0.3,
         state="running",
     )
-    others = len(plan["stages"])
-    assert others == 1  # one stage: its floor is the spot instance alone
     body = {"budget_usd_per_hr": PRICES[cheapest] * 0.5, "reason": "spot fits"}
-    answer = api.call("PUT", "/v1/apps/toy/budget", json=body)
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["drain"] == []
+    assert floor > body["budget_usd_per_hr"]
+    error = assert_error(api.call("PUT", "/v1/apps/toy/budget", json=body), 409, "conflict")
+    running = PRICES[cheapest] * 0.3
+    assert f"the fleet runs at {running:.4g} USD/hr now, within it" in error["message"]
+    forced = api.call("PUT", "/v1/apps/toy/budget", json={**body, "force": True})
+    assert forced.status_code == 200 and forced.json()["drain"] == []
     assert api.store.get_instance(spot.id).state == "running"
-    assert floor > body["budget_usd_per_hr"]  # the on-demand floor would have refused it
 
 
 def test_a_spec_whose_budget_is_below_the_smallest_serving_fleet_is_a_409_too(api: Api) -> None:
