@@ -72,7 +72,7 @@ LOADGEN_PROGRESS_S = 30.0
 LOADGEN_SLACK_S = 180.0
 # The counters of the serving totals whose deltas are the service's late-or-failed queries.
 MISS_COUNTERS = ("late", "refused", "timed_out", "failed")
-TOTAL_COUNTERS = ("arrived", "answered", *MISS_COUNTERS, "offered")
+TOTAL_COUNTERS = ("arrived", "answered", *MISS_COUNTERS, "offered", "rejected")
 # What decisions are listed: the tuner's (scale_up: launch, scale_down: drain, budget_capped)
 # and the reconciler's acts on them; gear switches and calibration, which steer the same loop.
 LISTED_KINDS = (
@@ -301,7 +301,8 @@ def settle(api: httpx.Client, before: Mapping[str, Any], sent: int) -> dict[str,
     while True:
         status = serving_totals(api)
         delta = totals_delta(before, status["totals"])
-        ended = delta["offered"] >= delta["arrived"] and status["in_flight_requests"] == 0
+        done = delta["offered"] + delta["rejected"]  # a 422 after arrival is not offered
+        ended = done >= delta["arrived"] and status["in_flight_requests"] == 0
         if (ended and delta["arrived"] >= sent) or time.monotonic() > deadline:
             return status
         time.sleep(0.5)
@@ -416,7 +417,7 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "loadgen": summary,
         "service": {
             **delta,
-            "unfinished": delta["arrived"] - delta["offered"],
+            "unfinished": delta["arrived"] - delta["offered"] - delta["rejected"],
             "never_arrived": queries - delta["arrived"],
             "attainment_share": (
                 (delta["answered"] - delta["late"]) / delta["offered"] if delta["offered"] else None

@@ -674,9 +674,14 @@ class ServingTotalsOut(BaseModel):
     arrived: int
     answered: int
     late: int = Field(description="answered over the SLO")
-    failed: int = Field(description="502: every attempt failed, or a worker refused the inputs")
+    failed: int = Field(description="502: every attempt failed")
     refused: int = Field(description="429 overloaded, 503 no serving instance or unavailable")
     timed_out: int = Field(description="504: not answered within the give-up time")
+    rejected: int = Field(
+        default=0,
+        description="422 after arrival, the model refusing the query's own inputs: the client's"
+        " mistake, not offered (arrived = offered + rejected + those in flight)",
+    )
     within_slo: int = Field(description="answered within the SLO")
     offered: int = Field(description="queries that ended: answered + refused + timed_out + failed")
     attainment_share: float | None = Field(

@@ -1025,7 +1025,9 @@ class AppDispatcher:
         now = self.clock_s()
         latency_ms = (now - request.arrival_s) * 1000.0
         outcome = outcome_of(error)
-        if outcome is not None:  # None: the client's mistake, not offered
+        if outcome is None:  # the client's mistake: counted apart, not offered
+            self.observations.rejected(self.app, now)
+        else:
             self.observations.ended_in_error(self.app, now, outcome, latency_ms)
         request.future.set_exception(error)
 

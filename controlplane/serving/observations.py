@@ -134,7 +134,7 @@ class Outcome(StrEnum):
     ANSWERED = "answered"  # 200, within or over the SLO (``late``)
     REFUSED = "refused"  # 429 overloaded, 503 no serving instance or serving unavailable
     TIMED_OUT = "timed_out"  # 504: not answered within the give-up time
-    FAILED = "failed"  # 502: every attempt failed, or a worker refused the inputs
+    FAILED = "failed"  # 502: every attempt failed (a refusal of the inputs is no outcome: 422)
 
 
 def outcome_of(error: ServingError) -> Outcome | None:
@@ -287,6 +287,9 @@ class AppTotals:
     failed: int = 0
     refused: int = 0
     timed_out: int = 0
+    # 422 after arrival (the model refused the query's own inputs): the client's mistake, in no
+    # outcome and not offered; arrived = offered + rejected + those in flight.
+    rejected: int = 0
     samples_by_model: dict[str, int] = field(default_factory=dict)
     latency_sum_ms: dict[str, float] = field(default_factory=dict)
     latency_buckets: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -366,6 +369,7 @@ class _App:
         "outcome_sum_ms",
         "own_ms",
         "refused",
+        "rejected",
         "samples_by_model",
         "size",
         "stage_sum_ms",
@@ -384,6 +388,7 @@ class _App:
         self.late = 0
         self.failed = 0
         self.refused = 0
+        self.rejected = 0
         self.timed_out = 0
         self.samples_by_model: Counter[str] = Counter()
         # api, queue, transport, compute, total (ms) summed over the answered queries
@@ -560,6 +565,12 @@ class Observations:
     def timed_out(self, app: str, now_s: float, latency_ms: float = 0.0) -> None:
         self.ended_in_error(app, now_s, Outcome.TIMED_OUT, latency_ms)
 
+    def rejected(self, app: str, now_s: float) -> None:
+        """A query that arrived and was refused for its own inputs (422): counted apart, not
+        offered (:func:`outcome_of` gives it no outcome)."""
+        with self._lock:
+            self._app(app, now_s).rejected += 1
+
     def batch_served(
         self, app: str, model: str, instance_type: str, batch_size: int, service_ms: float
     ) -> None:
@@ -696,6 +707,7 @@ class Observations:
                     failed=e.failed,
                     refused=e.refused,
                     timed_out=e.timed_out,
+                    rejected=e.rejected,
                     samples_by_model=dict(e.samples_by_model),
                     latency_sum_ms=dict(zip(_STAGES, e.stage_sum_ms, strict=True)),
                     latency_buckets={str(o): tuple(c) for o, c in e.buckets.items()},

@@ -330,6 +330,7 @@ def test_a_poison_query_fails_alone_and_the_worker_keeps_serving(foreign: bool) 
         # A 422 is the client's mistake, not offered (a foreign server's 500 is a 502: failed).
         assert (totals.answered, totals.failed) == (60 - 9, 9 if foreign else 0)
         assert totals.offered == (60 if foreign else 60 - 9)
+        assert totals.rejected == (0 if foreign else 9)  # counted apart: arrived adds up
         await dispatcher.close()
 
     run(scenario())
@@ -552,7 +553,7 @@ def test_a_worker_refusing_the_inputs_fails_the_query_without_retrying() -> None
         assert all(w.healthy for w in dispatcher.status().workers)
         # The client's mistake: not offered, so no miss of the app's attainment.
         totals = dispatcher.observations.totals()["demo"]
-        assert (totals.failed, totals.offered) == (0, 0)
+        assert (totals.failed, totals.offered, totals.rejected) == (0, 0, 1)
         await dispatcher.close()
 
     run(scenario())
@@ -1057,7 +1058,13 @@ def test_refused_queries_are_misses_in_the_roll_up_metrics_status_and_dashboard(
         metrics = await client.get("/metrics", headers=viewer)
         families = {f.name: f.samples for f in text_string_to_metric_families(metrics.text)}
         by_outcome = {s.labels["outcome"]: s.value for s in families["heteroplane_serving_queries"]}
-        assert by_outcome == {"answered": 4.0, "refused": 8.0, "failed": 0.0, "timed_out": 0.0}
+        assert by_outcome == {
+            "answered": 4.0,
+            "refused": 8.0,
+            "failed": 0.0,
+            "timed_out": 0.0,
+            "rejected": 0.0,
+        }
         counts = {
             s.labels["outcome"]: s.value
             for s in families["heteroplane_serving_latency_seconds"]

@@ -249,7 +249,8 @@ class ServingCollector:
             CounterMetricFamily(
                 "heteroplane_serving_queries_total",
                 "Inference queries by outcome: answered, refused (429, 503), timed_out (504),"
-                " failed (502). All but answered are SLO misses.",
+                " failed (502), and rejected (422: the model refused the query's own inputs; not"
+                " offered). All but answered and rejected are SLO misses.",
                 labels=["app", "outcome"],
             ),
             CounterMetricFamily(
@@ -303,6 +304,7 @@ class ServingCollector:
             queries.add_metric([app, "failed"], totals.failed)
             queries.add_metric([app, "refused"], totals.refused)
             queries.add_metric([app, "timed_out"], totals.timed_out)
+            queries.add_metric([app, "rejected"], totals.rejected)
             late.add_metric([app], totals.late)
             for outcome in Outcome:
                 counts = totals.latency_buckets.get(outcome.value)

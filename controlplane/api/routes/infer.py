@@ -250,6 +250,7 @@ async def serving_status(app: AppName, services: ServicesDep, _who: Viewer) -> S
             failed=totals.failed,
             refused=totals.refused,
             timed_out=totals.timed_out,
+            rejected=totals.rejected,
             within_slo=totals.within,
             offered=totals.offered,
             attainment_share=totals.attainment_share,
