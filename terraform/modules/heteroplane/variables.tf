@@ -293,8 +293,8 @@ variable "worker_volume_size_gib" {
   default     = 100
 
   validation {
-    condition     = var.worker_volume_size_gib >= 8 && var.worker_volume_size_gib <= 16384
-    error_message = "worker_volume_size_gib must be from 8 to 16384."
+    condition     = var.worker_volume_size_gib >= 8 && var.worker_volume_size_gib <= 16384 && var.worker_volume_size_gib == floor(var.worker_volume_size_gib)
+    error_message = "worker_volume_size_gib must be a whole number from 8 to 16384."
   }
 }
 
@@ -380,8 +380,8 @@ variable "default_budget_usd_per_hr" {
   default     = 10
 
   validation {
-    condition     = var.default_budget_usd_per_hr > 0
-    error_message = "default_budget_usd_per_hr must be greater than 0."
+    condition     = var.default_budget_usd_per_hr >= 0.0001 && var.default_budget_usd_per_hr <= 1000000
+    error_message = "default_budget_usd_per_hr must be from 0.0001 to 1000000 (an app spec's budget_usd_per_hr)."
   }
 }
 
@@ -391,8 +391,8 @@ variable "default_slo_latency_ms" {
   default     = 350
 
   validation {
-    condition     = var.default_slo_latency_ms > 0
-    error_message = "default_slo_latency_ms must be greater than 0."
+    condition     = var.default_slo_latency_ms > 0 && var.default_slo_latency_ms <= 86400000
+    error_message = "default_slo_latency_ms must be greater than 0 and at most 86400000 (an app spec's slo.latency_ms)."
   }
 }
 
@@ -426,8 +426,8 @@ variable "sqlite_volume_size_gib" {
   default     = 20
 
   validation {
-    condition     = var.sqlite_volume_size_gib >= 1 && var.sqlite_volume_size_gib <= 16384
-    error_message = "sqlite_volume_size_gib must be from 1 to 16384."
+    condition     = var.sqlite_volume_size_gib >= 1 && var.sqlite_volume_size_gib <= 16384 && var.sqlite_volume_size_gib == floor(var.sqlite_volume_size_gib)
+    error_message = "sqlite_volume_size_gib must be a whole number from 1 to 16384."
   }
 }
 
@@ -459,8 +459,8 @@ variable "db_allocated_storage_gib" {
   default     = 20
 
   validation {
-    condition     = var.db_allocated_storage_gib >= 20 && var.db_allocated_storage_gib <= 65536
-    error_message = "db_allocated_storage_gib must be from 20 to 65536."
+    condition     = var.db_allocated_storage_gib >= 20 && var.db_allocated_storage_gib <= 65536 && var.db_allocated_storage_gib == floor(var.db_allocated_storage_gib)
+    error_message = "db_allocated_storage_gib must be a whole number from 20 to 65536."
   }
 }
 

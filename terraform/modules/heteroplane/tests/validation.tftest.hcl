@@ -146,12 +146,22 @@ run "bad_values_5" {
 run "bad_values_6" {
   command = plan
   variables {
-    api_allowed_cidr = "::/0" # the whole IPv6 internet, without consent
-    allow_plain_http = false  # plain HTTP without consent (no certificate)
+    api_allowed_cidr          = "::/0"  # the whole IPv6 internet, without consent
+    allow_plain_http          = false   # plain HTTP without consent (no certificate)
+    worker_volume_size_gib    = 8.5     # not whole (the AWS provider panicked on it)
+    sqlite_volume_size_gib    = 20.5    # not whole
+    db_allocated_storage_gib  = 20.5    # not whole
+    default_budget_usd_per_hr = 0.00001 # below what an app spec takes
+    default_slo_latency_ms    = 1e12    # past what an app spec takes
   }
   expect_failures = [
     var.api_allowed_cidr,
     var.allow_plain_http,
+    var.worker_volume_size_gib,
+    var.sqlite_volume_size_gib,
+    var.db_allocated_storage_gib,
+    var.default_budget_usd_per_hr,
+    var.default_slo_latency_ms,
   ]
 }
 
