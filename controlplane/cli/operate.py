@@ -504,7 +504,19 @@ def _times(line: EventLine) -> str:
     if line.count == 1:
         return ""
     span_s = (_instant(line.last_at or line.at) - _instant(line.at)).total_seconds()
-    return f"{line.count}x over {span_s:.3g} s"
+    return f"{line.count}x over {_span(span_s)}"
+
+
+def _span(seconds: float) -> str:
+    """A span as a person reads it: ``11.9 s``, ``420 s``, ``17.5 min``, ``3.2 h`` (``.3g``
+    wrote 1,050 s as ``1.05e+03 s``)."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 600:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def events(args: argparse.Namespace) -> int:

@@ -237,3 +237,20 @@ def test_a_token_no_header_can_carry_is_one_line(
     assert (status, out) == (2, "")
     assert err.startswith("heteroplane fleet: the API token (--token or $HETEROPLANE_TOKEN) holds ")
     assert err.endswith("which no token has: copy it again\n") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (0.44, "0.4 s"),
+        (11.94, "11.9 s"),
+        (420.0, "420 s"),
+        (1050.0, "17.5 min"),
+        (11520.0, "3.2 h"),
+    ],
+)
+def test_a_collapsed_lines_span_reads_as_a_person_reads_it(seconds: float, shown: str) -> None:
+    """``events`` wrote a span of 1,050 s as ``1.05e+03 s``."""
+    from controlplane.cli.operate import _span
+
+    assert _span(seconds) == shown
