@@ -559,6 +559,7 @@ class DemoLoad:
         seed: int = 0,
     ) -> None:
         self.url = loadgen.infer_url(base_url, DEMO_APP)
+        self.ready_url = f"{base_url.rstrip('/')}/v2/models/{DEMO_APP}/ready"
         self.token = token
         self.inputs = inputs
         self.progress = progress
@@ -609,14 +610,15 @@ class DemoLoad:
             cycle += 1
 
     def _wait_until_served(self) -> bool:
-        """Send one query a second until one is answered; False when stopped first."""
-        body = loadgen.build_queries(Trace(np.zeros(1), np.ones(1, dtype=np.int64)), self.inputs)
-        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        """Ask the app's readiness route once a second until a query would be answered; False
+        when stopped first. (It sent a query a second: each one refused counted as a miss of
+        the SLO before the newcomer did anything.)"""
+        headers = {"Authorization": f"Bearer {self.token}"}
         said = False
         with httpx.Client(timeout=_LOAD_TIMEOUT_S, trust_env=False) as client:
             while not self._stop.is_set():
                 try:
-                    if client.post(self.url, content=body[0].body, headers=headers).is_success:
+                    if client.get(self.ready_url, headers=headers).is_success:
                         return True
                 except httpx.HTTPError:
                     pass

@@ -106,6 +106,8 @@ class FakeService:
             def do_GET(self) -> None:
                 if self._token() not in (TOKEN, INFER_TOKEN):
                     return self._error(401, "unauthorized")
+                if self.path == f"/v2/models/{APP}/ready":  # the demo load's readiness probe
+                    return self._json(200, {"name": APP, "ready": True})
                 if self.path == f"/v2/models/{APP}":  # infer scope, as the service's
                     outputs = [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]
                     return self._json(
