@@ -11,6 +11,13 @@ from __future__ import annotations
 from botocore.exceptions import BotoCoreError, ClientError
 from botocore.parsers import ResponseParserError
 
-__all__ = ["BOTO_ERRORS", "ResponseParserError"]
+__all__ = ["BOTO_ERRORS", "ResponseParserError", "first_line"]
 
 BOTO_ERRORS: tuple[type[Exception], ...] = (ClientError, BotoCoreError, ResponseParserError)
+
+
+def first_line(error: Exception, limit: int = 200) -> str:
+    """``error``'s message as one line of at most ``limit`` characters (a parser's error carries
+    the whole page it could not read); its class name when it says nothing."""
+    text = str(error)
+    return text.splitlines()[0][:limit] if text else type(error).__name__

@@ -90,7 +90,7 @@ from provisioners.base import (
     ProvisionerEvent,
     launch_tags,
 )
-from provisioners.boto_errors import BOTO_ERRORS, ResponseParserError
+from provisioners.boto_errors import BOTO_ERRORS, ResponseParserError, first_line
 from provisioners.errors import (
     InsufficientCapacityError,
     InvalidConfigurationError,
@@ -305,10 +305,9 @@ def map_client_error(
         return InvalidConfigurationError("region", f"{where}no AWS region")
     if isinstance(error, ResponseParserError):
         # The whole page it got follows the first line: an HTML error page, kilobytes of it.
-        first = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
         wrapped = ProvisionerError(
             f"{where}the endpoint answered something that is not EC2's API (a wrong region or"
-            f" endpoint?): {first}"
+            f" endpoint?): {first_line(error)}"
         )
         wrapped.retryable = True
         return wrapped

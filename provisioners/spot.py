@@ -30,7 +30,7 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
-from provisioners.boto_errors import BOTO_ERRORS
+from provisioners.boto_errors import BOTO_ERRORS, first_line
 from provisioners.errors import ProvisionerError, ThrottledError
 from provisioners.interruptions import InterruptionNotice, notice_from_event
 
@@ -108,9 +108,7 @@ def _boto_error(operation: str, error: Exception) -> ProvisionerError:
     )
     if "Throttl" in code:
         return ThrottledError(f"{operation}: {error}")
-    # One line: a parser's error carries the whole page it could not read.
-    first = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-    return ProvisionerError(f"{operation}: {first}")
+    return ProvisionerError(f"{operation}: {first_line(error)}")
 
 
 class SpotPriceReader:
