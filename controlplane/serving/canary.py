@@ -21,10 +21,11 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from controlplane.errors import QueryRejectedError, RequirementsUnmetError, ServingError
+from controlplane.errors import ServingError
 from controlplane.policies.rollout import routed_to_new
 from controlplane.serving.dispatcher import InferResult
 from controlplane.serving.modelio import Row
+from controlplane.serving.observations import CLIENT_ERRORS
 from controlplane.serving.versions import CanaryRoute
 
 if TYPE_CHECKING:
@@ -33,9 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["split_infer"]
 
 logger = logging.getLogger(__name__)
-
-# Errors that are the client's, not a version's.
-_CLIENTS = (QueryRejectedError, RequirementsUnmetError)
 
 
 async def split_infer(
@@ -83,7 +81,7 @@ async def _on_old(
         result = await loop.infer_on_spec_version(
             app, inputs, sample_ids, None, received, deadline_s
         )
-    except _CLIENTS:
+    except CLIENT_ERRORS:
         raise
     except ServingError:
         loop.versions.failed(app, route, route.old_version)
@@ -106,7 +104,7 @@ async def _on_new(
     try:
         dispatcher = await loop.canary(app, route)
         result = await dispatcher.infer(inputs, sample_ids, None, received, deadline_s)
-    except _CLIENTS:
+    except CLIENT_ERRORS:
         raise
     except ServingError as error:
         logger.debug("%s: the new version failed a query: %s", app, error)

@@ -77,6 +77,7 @@ from controlplane.errors import (
 __all__ = [
     "ARRIVALS_KEPT",
     "BATCH_TIMES_KEPT",
+    "CLIENT_ERRORS",
     "CPU_MIN_QUERIES",
     "CPU_WINDOW_S",
     "LATENCY_BUCKETS_MS",
@@ -137,12 +138,17 @@ class Outcome(StrEnum):
     FAILED = "failed"  # 502: every attempt failed (a refusal of the inputs is no outcome: 422)
 
 
+# The client's own mistakes (422): the model refused the query's inputs, or no variant meets its
+# requirements. Not offered, and no version's failure in a rollout's judgement (canary.py).
+CLIENT_ERRORS = (QueryRejectedError, RequirementsUnmetError)
+
+
 def outcome_of(error: ServingError) -> Outcome | None:
     """The outcome of a query that ended with ``error`` (the HTTP status it maps to); None for
     the client's own mistake (422: the model refused the query's inputs, or no variant meets
     its requirements), which is not counted as offered: a client sending bad token ids pulled
     the app's attainment down, in ``/metrics`` and on the dashboard, as if the service failed."""
-    if isinstance(error, QueryRejectedError | RequirementsUnmetError):
+    if isinstance(error, CLIENT_ERRORS):
         return None
     if isinstance(error, QueryTimeoutError):
         return Outcome.TIMED_OUT
