@@ -556,27 +556,26 @@ def test_gears_command_prints_both_accuracies(
     assert "held-out" in out and "in-sample" in out
 
 
-def test_gears_command_refuses_a_foreign_model(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("placement", "message"),
+    [
+        ("huge:c5.xlarge=1", "'huge', not a model of the app"),
+        # As replay refuses a plan over the budget (it planned gears on $17/hr for a $2 app).
+        (
+            "tiny:c5.xlarge=100;small:c5.xlarge=1;large:c5.xlarge=2",
+            "over the app's budget of 2 USD/hr",
+        ),
+    ],
+)
+def test_gears_command_refuses_a_placement_it_cannot_serve(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], placement: str, message: str
 ) -> None:
     spec, validation = _app(tmp_path)
     args = ["gears", "--spec", str(spec), "--validation", str(validation)]
     with pytest.raises(SystemExit) as exit_:
-        main([*args, "--placement", "huge:c5.xlarge=1"])
+        main([*args, "--placement", placement])
     assert exit_.value.code == 2
-    assert "'huge', not a model of the app" in capsys.readouterr().err
-
-
-def test_gears_command_refuses_a_placement_over_the_budget(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """As replay refuses a plan over the budget (it planned gears on $17/hr for a $2 app)."""
-    spec, validation = _app(tmp_path)
-    args = ["gears", "--spec", str(spec), "--validation", str(validation)]
-    with pytest.raises(SystemExit) as exit_:
-        main([*args, "--placement", "tiny:c5.xlarge=100;small:c5.xlarge=1;large:c5.xlarge=2"])
-    assert exit_.value.code == 2
-    assert "over the app's budget of 2 USD/hr" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 # --- the held-out protocol -------------------------------------------------------------------
