@@ -22,8 +22,9 @@ records, ``controlplane.policies.planner``) is served by gears. The work is spli
 Each evaluation:
 
 - the QPS is divided by the capacity share (ready capacity over the placement's, per stage at its
-  batch cap; the smallest), so that while instances boot, or after one died, a faster gear carries
-  the load, and a more accurate one follows once they serve;
+  batch cap; the smallest: :func:`ready_share`), so that while instances boot, or after one died,
+  a faster gear carries the load, and a more accurate one follows once they serve (or once the
+  tuner's added instances serve: the share then passes 1);
 - a move to a slower, more accurate gear waits while qps < alpha x the first queue (the backlog of
   the fast interval drains first, alpha = 8) or while the tuner reports that the budget caps the
   fleet (``capped(app)``; the gear holds ``cap_hold_s`` past the last such tick): the load the
@@ -116,29 +117,45 @@ def ready_share(
     status: AppStatus | None,
     profiles: Mapping[str, Mapping[str, LatencyProfile]],
 ) -> float:
-    """Ready capacity over the placement's, of the stage shortest of its plan: per placed model
-    m, the status's capacity (samples/s of its healthy instances at the batch cap in force, k)
-    over sum_t n_t 1000 k / L_{m,t}(k) (the placement's instances at the same cap). 1 without a
-    status (the loop has not served the app yet), or where a capacity is not finite; never below
-    1e-6 (no capacity at all: the fastest gear)."""
+    """Ready capacity over the placement's, of the stage shortest of its plan. The app's
+    instances are one pool by type (an instance has no stage; co-located, every worker hosts
+    every model of the cascade, and a stage's ``capacity_sps`` counts each one's full rate once
+    per model), so the placement's split of each type's time is kept: of r_t healthy workers of
+    type t, model m gets n_{m,t} / N_t (N_t = sum_m n_{m,t}, the placement's instances of t).
+    Per placed model m, at the stage's batch cap k: sum_t (r_t / N_t) n_{m,t} 1000 k / L_{m,t}(k)
+    over sum_t n_{m,t} 1000 k / L_{m,t}(k), i.e. a weighted mean of r_t / N_t. Workers of a type
+    the placement has none of are not counted. 1 without a status (the loop has not served the
+    app yet), or where a capacity is not finite; above 1 once more workers serve than planned;
+    never below 1e-6 (no capacity at all: the fastest gear)."""
     if status is None:
         return 1.0
+    fleets = plan.placement.fleets
+    placed: dict[str, int] = {}
+    for fleet in fleets.values():
+        for instance_type, count in fleet.items():
+            placed[instance_type] = placed.get(instance_type, 0) + count
+    ready: dict[str, int] = {}
+    for worker in status.workers:
+        if worker.healthy:
+            ready[worker.instance_type] = ready.get(worker.instance_type, 0) + 1
     stages = {stage.model: stage for stage in status.stages}
     shares = []
     for model in plan.placement.order:
         stage = stages.get(model)
         if stage is None:
             continue
-        planned = 0.0
-        for instance_type, count in plan.placement.fleets[model].items():
+        planned = have = 0.0
+        for instance_type, count in fleets[model].items():
             profile = profiles.get(model, {}).get(instance_type)
-            if profile is None:
+            if profile is None or count <= 0:
                 continue
             k = max(profile.min_batch_size, min(stage.max_batch_queries, profile.max_batch_size))
             ms = profile.mean_latency_ms(k)
-            planned += count * 1000.0 * k / ms if ms > 0 else math.inf
-        if planned > 0 and math.isfinite(planned) and math.isfinite(stage.capacity_sps):
-            shares.append(stage.capacity_sps / planned)
+            rate = count * 1000.0 * k / ms if ms > 0 else math.inf
+            planned += rate
+            have += rate * ready.get(instance_type, 0) / placed[instance_type]
+        if planned > 0 and math.isfinite(planned):
+            shares.append(have / planned)
     return max(min(shares, default=1.0), 1e-6)
 
 
@@ -354,11 +371,13 @@ class LiveGears:
         if status is not None and not tracked.ready_once:
             return None  # no worker up yet: the gear in force stays
         share = ready_share(tracked.plan, status, tracked.profiles)
-        budget_cut = tracked.affordable < share
+        budget_cut = tracked.affordable < 1.0
         if budget_cut:
             # A budget below the fleet's cost: the reconciler is about to drain to it. The gear
-            # moves first (no dwell), for the capacity the budget leaves.
-            share = tracked.affordable
+            # moves first (no dwell), for the capacity the budget leaves: its share of the fleet
+            # (``affordable`` is a share of the kept fleet, ``share`` one of the placement: a
+            # fleet grown past the placement within the budget is no cut).
+            share *= tracked.affordable
         first = tracked.state.option.cascade.models[0]
         first_queue = next(
             (s.queued_queries for s in (status.stages if status else ()) if s.model == first), 0

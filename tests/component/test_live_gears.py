@@ -18,7 +18,7 @@ from controlplane.db import migrate
 from controlplane.db.store import AppRecord, Store
 from controlplane.loops.live_gears import GearTable, LiveGears, ready_share
 from controlplane.policies.gears import CascadePlacement, Gear, GearOption, GearPlan, Hysteresis
-from controlplane.serving.dispatcher import AppStatus, StageStatus
+from controlplane.serving.dispatcher import AppStatus, StageStatus, WorkerStatus
 from estimator.cascades import Cascade, CascadeQuality
 from tests.unit import cascade_support as family
 
@@ -91,13 +91,27 @@ def planned_sps(model: str) -> float:
     return count * 1000.0 / PROFILES[model][TYPE].mean_latency_ms(1)
 
 
+PLACED = sum(PLAN.placement.fleets[m][TYPE] for m in PLAN.placement.order)  # 3 instances
+
+
 class Loop:
-    """What the serving loop would show: arrival times and a status snapshot, set by hand."""
+    """What the serving loop would show: arrival times and a status snapshot, set by hand. The
+    status is a co-located cascade's, as the dispatcher reports it: ``ready`` healthy workers of
+    TYPE (by default the placement's three), each hosting both models, so that each stage's
+    capacity counts every healthy worker at its full rate for that model."""
 
     def __init__(self) -> None:
         self.arrival_s: np.ndarray | None = np.empty(0)
         self.queue = 0
-        self.capacity = {m: planned_sps(m) for m in ("tiny", "large")}
+        self.ready = PLACED
+        self.down = 0  # workers known to the loop but unhealthy
+
+    @property
+    def capacity(self) -> dict[str, float]:
+        return {
+            m: self.ready * planned_sps(m) / PLAN.placement.fleets[m][TYPE]
+            for m in ("tiny", "large")
+        }
 
     def arrivals(self, app: str) -> np.ndarray | None:
         assert app == APP
@@ -108,7 +122,11 @@ class Loop:
             StageStatus(m, self.queue if m == "tiny" else 0, 0, 0, self.capacity[m], "fcfs", 1, {})
             for m in ("tiny", "large")
         )
-        return [AppStatus(APP, "", 100.0, (), stages, 0)]
+        workers = tuple(
+            WorkerStatus(f"i-{k}", TYPE, f"10.0.0.{k}:8000", k < self.ready, False, "")
+            for k in range(self.ready + self.down)
+        )
+        return [AppStatus(APP, "", 100.0, workers, stages, 0)]
 
     def rate(self, rate_qps: float, now_s: float, span_s: float = 10.0) -> None:
         n = int(rate_qps * span_s)
@@ -213,18 +231,57 @@ def test_lost_capacity_moves_to_the_fast_gear(store: Store, tmp_path: Path) -> N
     loop.rate(15.0, clock.now_s())
     gears.tick()
     assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
-    # large's capacity on the placement's two instances at batch 1, then one of them dies.
-    loop.capacity["large"] = planned_sps("large") / 2
-    assert ready_share(PLAN, loop.statuses()[0], PROFILES) == pytest.approx(0.5)
+    # One of the placement's three instances dies (it served a third of each model's time).
+    loop.ready, loop.down = PLACED - 1, 1
+    assert ready_share(PLAN, loop.statuses()[0], PROFILES) == pytest.approx(2 / 3)
     clock.advance(1.0)
-    (up,) = gears.tick()  # 15 qps on half the capacity counts as 30: the fast gear's range
-    assert up.gear == 1 and up.effective_qps == pytest.approx(2 * up.measured_qps)
+    loop.rate(15.0, clock.now_s())
+    # 15 qps on two thirds of the capacity counts as 22.5: the fast gear's range.
+    (up,) = gears.tick()
+    assert up.gear == 1 and up.effective_qps == pytest.approx(1.5 * up.measured_qps)
+
+
+def test_a_worker_hosting_every_model_counts_once_per_type() -> None:
+    # Co-located, each of the placement's three workers is in both stages at its full rate:
+    # large's stage reports 1.5 x the placement's two instances, tiny's 3 x its one. The fleet
+    # is the placement's: the share is 1.
+    loop = Loop()
+    assert loop.capacity["tiny"] == pytest.approx(3 * planned_sps("tiny"))
+    assert ready_share(PLAN, loop.statuses()[0], PROFILES) == pytest.approx(1.0)
+    loop.ready = 2 * PLACED  # the tuner doubled the fleet
+    assert ready_share(PLAN, loop.statuses()[0], PROFILES) == pytest.approx(2.0)
+
+
+def test_the_workers_the_tuner_adds_hold_the_accurate_gear(store: Store, tmp_path: Path) -> None:
+    applied(store, tmp_path, PLAN.to_document())
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    gears = switcher(store, clock, loop)
+    loop.rate(15.0, clock.now_s())
+    gears.tick()
+    assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+    # The load doubles to 30 qps, past the accurate gear's 20 on the placement; the tuner has
+    # doubled the fleet (within the budget: no instance in the store costs anything), so 30 qps
+    # on twice the capacity counts as 15: the accurate gear holds.
+    loop.ready = 2 * PLACED
+    for _ in range(10):
+        clock.advance(1.0)
+        loop.rate(30.0, clock.now_s())
+        assert gears.tick() == []
+    assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+    # Back on the placement's three workers, 30 qps is the fast gear's.
+    loop.ready, loop.down = PLACED, PLACED
+    clock.advance(1.0)
+    loop.rate(30.0, clock.now_s())
+    (up,) = gears.tick()
+    assert up.gear == 1 and up.effective_qps == pytest.approx(30.0)
+    [switch] = [d for d in gear_log(store) if d.get("previous") is not None]
+    assert switch["capacity_share"] == pytest.approx(1.0)
 
 
 def test_no_switch_before_any_worker_is_up(store: Store, tmp_path: Path) -> None:
     applied(store, tmp_path, PLAN.to_document())
     clock, loop = FakeClock(start_s=100.0), Loop()
-    loop.capacity = {"tiny": 0.0, "large": 0.0}  # the plan's workers are still starting
+    loop.ready = 0  # the plan's workers are still starting
     gears = switcher(store, clock, loop)
     loop.rate(15.0, clock.now_s())
     gears.tick()
@@ -234,10 +291,10 @@ def test_no_switch_before_any_worker_is_up(store: Store, tmp_path: Path) -> None
     assert gears.tick() == []  # no capacity yet reads as none at all: held, not switched
     assert not [d for d in gear_log(store) if d.get("previous") is not None]
     # Once capacity has been seen, losing it all is a reason to move to the fast gear.
-    loop.capacity = {m: planned_sps(m) for m in ("tiny", "large")}
+    loop.ready = PLACED
     clock.advance(1.0)
     gears.tick()
-    loop.capacity = {"tiny": 0.0, "large": 0.0}
+    loop.ready, loop.down = 0, PLACED
     clock.advance(1.0)
     (up,) = gears.tick()
     assert up.gear == 1
