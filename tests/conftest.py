@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sqlite3
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -50,3 +52,57 @@ def trained_family(tmp_path_factory: pytest.TempPathFactory) -> Path:
             return directory
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# Files whose tests are about the migrations themselves (and the command that runs them): their
+# upgrades always run.
+_MIGRATING_FILES = ("test_migrations.py", "test_cli_db_token.py")
+_TEMPLATES: dict[str, Path] = {}
+
+
+@pytest.fixture(autouse=True)
+def _migrated_once(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new SQLite file migrated to the newest revision in this test process is a copy of the
+    first one Alembic migrated here (made by ``migrate.upgrade`` itself, once per process): the
+    tests create some hundreds of stores, and Alembic loads and runs every migration script each
+    time (about 0.2 s of a core a store, half of the API tests' time). Any other upgrade
+    (another revision, a file that exists, PostgreSQL, an engine) runs as written, and so does
+    every upgrade in the files about migrations and in the service processes the tests start."""
+    if request.path.name in _MIGRATING_FILES:
+        return
+    from controlplane.db import migrate
+
+    upgrade = migrate.upgrade
+
+    def copying(target: migrate.Target, revision: str = "head") -> None:
+        path = _new_sqlite_file(target) if revision == "head" else None
+        if path is None:
+            upgrade(target, revision)
+            return
+        template = _TEMPLATES.get(revision)
+        if template is None:
+            template = Path(tempfile.mkdtemp(prefix="heteroplane-migrated-")) / "head.db"
+            upgrade(f"sqlite:///{template}", revision)
+            _TEMPLATES[revision] = template
+        path.parent.mkdir(parents=True, exist_ok=True)
+        source, copy = sqlite3.connect(template), sqlite3.connect(path)
+        try:
+            source.backup(copy)
+        finally:
+            source.close()
+            copy.close()
+
+    monkeypatch.setattr(migrate, "upgrade", copying)
+
+
+def _new_sqlite_file(target: object) -> Path | None:
+    """The file of a SQLite URL (a string or a URL) that does not exist yet; else None."""
+    from sqlalchemy.engine import URL, make_url
+
+    if not isinstance(target, str | URL):
+        return None
+    url = make_url(target)
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return None
+    path = Path(str(url.database))
+    return None if path.exists() else path
