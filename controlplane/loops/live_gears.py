@@ -11,8 +11,9 @@ records, ``controlplane.policies.planner``) is served by gears. The work is spli
 - :meth:`LiveGears.switch_tick`, CascadeServe's producer, runs every ``gear_interval_s`` (the
   settings', 0.1 s as in the paper: the service's ``gears`` job) on that cached state only: it
   measures the app's arrival rate over the sliding window of the last ``window_s`` (the serving
-  loop's observed arrivals), reads the first model's queue and each stage's ready capacity from
-  the loop's status snapshot (in memory) and calls :func:`controlplane.policies.gears.switch`.
+  loop's observed arrivals), reads the first model's queue and the ready workers (their types
+  and the stages whose slots they hold) from the loop's status snapshot (in memory) and calls
+  :func:`controlplane.policies.gears.switch`.
   It touches the store only to record a change. The paper counts the queries of each 100 ms
   interval, at thousands of QPS; at the tens of QPS of a small fleet a 100 ms count is 0 to a
   few queries, so the rate is measured over a sliding window (``DEFAULT_WINDOW_S``, 5 s)
@@ -21,8 +22,9 @@ records, ``controlplane.policies.planner``) is served by gears. The work is spli
 
 Each evaluation:
 
-- the QPS is divided by the capacity share (ready capacity over the placement's, per stage at its
-  batch cap; the smallest: :func:`ready_share`), so that while instances boot, or after one died,
+- the QPS is divided by the capacity share (the share of every placed model's planned capacity
+  that the healthy workers serve at once, each worker's time split among the models it hosts:
+  :func:`ready_share`), so that while instances boot, or after one died,
   a faster gear carries the load, and a more accurate one follows once they serve (or once the
   tuner's added instances serve: the share then passes 1);
 - a move to a slower, more accurate gear waits while qps < alpha x the first queue (the backlog of
@@ -46,16 +48,18 @@ at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from controlplane.clock import Clock
-from controlplane.db.store import AppRecord, Store
+from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.errors import NotFoundError
 from controlplane.loops.live_tuner import ArrivalSource, ResolveFn
 from controlplane.policies.gears import (
@@ -65,6 +69,8 @@ from controlplane.policies.gears import (
     GearPlan,
     GearSwitcher,
     Hysteresis,
+    WorkerGroup,
+    pooled_share,
     start_switcher,
     switch,
 )
@@ -81,6 +87,8 @@ logger = logging.getLogger(__name__)
 # counts each 100 ms at thousands of QPS; at the tens of QPS of a small fleet a few seconds are
 # needed for a count that is not noise.
 DEFAULT_WINDOW_S = 5.0
+# Ready shares kept per app (by its workers and batch caps) before the cache starts again.
+_CACHED_SHARES = 64
 
 
 @dataclass(slots=True)
@@ -96,6 +104,11 @@ class _AppGears:
     # for, and whether the budget caps the fleet.
     affordable: float = 1.0
     budget_capped: bool = False
+    # The kept fleet (requested, pending, running) by type, from the last refresh.
+    kept: dict[str, int] = field(default_factory=dict)
+    # The types whose profiles were looked for (the placement's, then the kept fleet's).
+    looked_up: set[str] = field(default_factory=set)
+    shares: dict[object, float] = field(default_factory=dict)  # ready_share's cache
 
 
 def serving_gear(plan: GearPlan, gear: int) -> ServingGear:
@@ -112,51 +125,87 @@ def serving_gear(plan: GearPlan, gear: int) -> ServingGear:
     )
 
 
+def _rates_and_demand(
+    plan: GearPlan,
+    caps: Mapping[str, int],
+    profiles: Mapping[str, Mapping[str, LatencyProfile]],
+) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
+    """Per (model, type) with a profile its rate at the model's batch cap k (1000 k / L(k)
+    samples/s), and per placed model the placement's capacity at the same cap (its demand: the
+    capacity the plan gives it)."""
+    rates: dict[tuple[str, str], float] = {}
+    for model, by_type in profiles.items():
+        for instance_type, profile in by_type.items():
+            k = caps.get(model, profile.min_batch_size)
+            k = max(profile.min_batch_size, min(k, profile.max_batch_size))
+            ms = profile.mean_latency_ms(k)
+            rates[(model, instance_type)] = 1000.0 * k / ms if ms > 0 else math.inf
+    demand = {
+        model: sum(
+            count * rates.get((model, instance_type), 0.0)
+            for instance_type, count in plan.placement.fleets[model].items()
+            if count > 0
+        )
+        for model in plan.placement.order
+        if model in caps
+    }
+    return rates, demand
+
+
 def ready_share(
     plan: GearPlan,
     status: AppStatus | None,
     profiles: Mapping[str, Mapping[str, LatencyProfile]],
+    cache: dict[object, float] | None = None,
 ) -> float:
-    """Ready capacity over the placement's, of the stage shortest of its plan. The app's
-    instances are one pool by type (an instance has no stage; co-located, every worker hosts
-    every model of the cascade, and a stage's ``capacity_sps`` counts each one's full rate once
-    per model), so the placement's split of each type's time is kept: of r_t healthy workers of
-    type t, model m gets n_{m,t} / N_t (N_t = sum_m n_{m,t}, the placement's instances of t).
-    Per placed model m, at the stage's batch cap k: sum_t (r_t / N_t) n_{m,t} 1000 k / L_{m,t}(k)
-    over sum_t n_{m,t} 1000 k / L_{m,t}(k), i.e. a weighted mean of r_t / N_t. Workers of a type
-    the placement has none of are not counted. 1 without a status (the loop has not served the
-    app yet), or where a capacity is not finite; above 1 once more workers serve than planned;
-    never below 1e-6 (no capacity at all: the fastest gear)."""
+    """Ready capacity over the placement's: the largest share of every placed model's planned
+    capacity (at its stage's batch cap in force) that the app's healthy workers serve at once
+    (:func:`~controlplane.policies.gears.pooled_share`: each worker's time split among the
+    models it hosts, as the stages' slots in the status say; a worker of a co-located cascade
+    counts once, not once per model, and a worker of a type outside the placement counts where
+    ``profiles`` has its rate). 1 without a status (the loop has not served the app yet); above
+    1 once more workers serve than planned; never below 1e-6 (no capacity at all: the fastest
+    gear). ``cache``: the shares solved before for these profiles, by workers and caps (the
+    switcher asks every 100 ms; the workers seldom change)."""
     if status is None:
         return 1.0
-    fleets = plan.placement.fleets
-    placed: dict[str, int] = {}
-    for fleet in fleets.values():
-        for instance_type, count in fleet.items():
-            placed[instance_type] = placed.get(instance_type, 0) + count
-    ready: dict[str, int] = {}
-    for worker in status.workers:
-        if worker.healthy:
-            ready[worker.instance_type] = ready.get(worker.instance_type, 0) + 1
-    stages = {stage.model: stage for stage in status.stages}
-    shares = []
-    for model in plan.placement.order:
-        stage = stages.get(model)
-        if stage is None:
-            continue
-        planned = have = 0.0
-        for instance_type, count in fleets[model].items():
-            profile = profiles.get(model, {}).get(instance_type)
-            if profile is None or count <= 0:
-                continue
-            k = max(profile.min_batch_size, min(stage.max_batch_queries, profile.max_batch_size))
-            ms = profile.mean_latency_ms(k)
-            rate = count * 1000.0 * k / ms if ms > 0 else math.inf
-            planned += rate
-            have += rate * ready.get(instance_type, 0) / placed[instance_type]
-        if planned > 0 and math.isfinite(planned):
-            shares.append(have / planned)
-    return max(min(shares, default=1.0), 1e-6)
+    stages = {stage.model: stage for stage in status.stages if stage.model in plan.placement.fleets}
+    caps = {model: stage.max_batch_queries for model, stage in stages.items()}
+    hosted: dict[str, set[str]] = {}
+    for model, stage in stages.items():
+        for instance_id in stage.states:
+            hosted.setdefault(instance_id, set()).add(model)
+    groups: Counter[WorkerGroup] = Counter(
+        (worker.instance_type, frozenset(hosted.get(worker.instance_id, ())))
+        for worker in status.workers
+        if worker.healthy
+    )
+    key = (frozenset(groups.items()), frozenset(caps.items()))
+    found = cache.get(key) if cache is not None else None
+    if found is None:
+        rates, demand = _rates_and_demand(plan, caps, profiles)
+        found = max(pooled_share(groups, rates, demand), 1e-6)
+        if cache is not None:
+            if len(cache) >= _CACHED_SHARES:
+                cache.clear()
+            cache[key] = found
+    return found
+
+
+def kept_share(
+    plan: GearPlan,
+    kept: Mapping[str, int],
+    caps: Mapping[str, int],
+    profiles: Mapping[str, Mapping[str, LatencyProfile]],
+) -> float:
+    """The share of the placement's capacity that the kept fleet (``kept``: instances by type,
+    booting ones included) would serve with every instance hosting every placed model it has
+    a profile for, at the batch caps ``caps`` (a model absent from ``caps`` at its smallest)."""
+    every = {model: caps.get(model, 1) for model in plan.placement.order}
+    rates, demand = _rates_and_demand(plan, every, profiles)
+    models = frozenset(plan.placement.order)
+    groups = {(instance_type, models): count for instance_type, count in kept.items()}
+    return pooled_share(groups, rates, demand)
 
 
 class LiveGears:
@@ -287,13 +336,28 @@ class LiveGears:
             status = next((s for s in self._statuses() if s.app == app), None)
             return self._switch_app(app, tracked, now_s, status)
 
-    def _affordable_share(self, app: AppRecord) -> float:
+    def _look_up_profiles(self, app: AppRecord, tracked: _AppGears) -> None:
+        """The profiles of the kept fleet's types outside the placement (a stand-in, a type the
+        tuner chose), where the app has them: its workers count where they have a rate."""
+        new = set(tracked.kept) - tracked.looked_up
+        if not new:
+            return
+        tracked.looked_up |= new
+        resolved = self._resolve(app)
+        profiles = {m: dict(by_type) for m, by_type in tracked.profiles.items()}
+        for model in tracked.plan.placement.order:
+            for instance_type in sorted(new):
+                with contextlib.suppress(EstimatorError, KeyError, ValueError):
+                    profiles[model][instance_type] = resolved.profile(model, instance_type)
+        tracked.profiles = profiles
+        tracked.shares.clear()
+
+    def _affordable_share(self, app: AppRecord, kept: Sequence[InstanceRecord]) -> float:
         """The share of the app's kept fleet (requested, pending, running) its budget pays for:
         budget / fleet cost when the fleet costs more, else 1 (never below 1e-6). Spot
         instances are costed at the spot prices now where :attr:`spot_prices` is given (a rise
         past the budget is a cut of the budget: the faster gear carries the load the budget no
         longer buys, before the reconciler drains)."""
-        kept = [i for i in self._store.list_instances(app.name) if i.state in KEPT_STATES]
         spot_types = {i.instance_type for i in kept if i.market == "spot"}
         now = (
             self.spot_prices(app, spot_types) if spot_types and self.spot_prices is not None else {}
@@ -349,6 +413,7 @@ class LiveGears:
                 hysteresis=self._hysteresis,
             )
             tracked = _AppGears(plan_record.id, plan, state, profiles)
+            tracked.looked_up = {t for m in plan.placement.order for t in plan.placement.fleets[m]}
             self._record(
                 app.name,
                 tracked,
@@ -356,7 +421,10 @@ class LiveGears:
                 f" {measured_qps:.3g} qps measured",
                 {"gear": state.gear, "measured_qps": measured_qps},
             )
-        tracked.affordable = self._affordable_share(app)
+        kept = [i for i in self._store.list_instances(app.name) if i.state in KEPT_STATES]
+        tracked.affordable = self._affordable_share(app, kept)
+        tracked.kept = dict(Counter(i.instance_type for i in kept))
+        self._look_up_profiles(app, tracked)
         tracked.budget_capped = budget_capped
         self._keep(app.name, tracked)
 
@@ -370,14 +438,18 @@ class LiveGears:
             tracked.ready_once = True
         if status is not None and not tracked.ready_once:
             return None  # no worker up yet: the gear in force stays
-        share = ready_share(tracked.plan, status, tracked.profiles)
-        budget_cut = tracked.affordable < 1.0
-        if budget_cut:
+        share = ready_share(tracked.plan, status, tracked.profiles, tracked.shares)
+        budget_cut = False
+        if tracked.affordable < 1.0:
             # A budget below the fleet's cost: the reconciler is about to drain to it. The gear
-            # moves first (no dwell), for the capacity the budget leaves: its share of the fleet
-            # (``affordable`` is a share of the kept fleet, ``share`` one of the placement: a
-            # fleet grown past the placement within the budget is no cut).
-            share *= tracked.affordable
+            # moves first (no dwell), for the capacity the budget leaves: the budget's share of
+            # the kept fleet (booting instances included) times what that fleet serves of the
+            # placement, where that is less than what serves now.
+            caps = {s.model: s.max_batch_queries for s in status.stages} if status else {}
+            kept = kept_share(tracked.plan, tracked.kept, caps, tracked.profiles)
+            left = max(tracked.affordable * kept, 1e-6)
+            if left < share:
+                budget_cut, share = True, left
         first = tracked.state.option.cascade.models[0]
         first_queue = next(
             (s.queued_queries for s in (status.stages if status else ()) if s.model == first), 0

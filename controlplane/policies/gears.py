@@ -176,9 +176,11 @@ __all__ = [
     "GearRun",
     "GearSwitcher",
     "Hysteresis",
+    "WorkerGroup",
     "capacity_share",
     "choose_min_queue",
     "plan_gears",
+    "pooled_share",
     "same_cascade",
     "simulate_gear_switching",
     "start_switcher",
@@ -1229,6 +1231,66 @@ def capacity_share(
         have = sum(n * rate[t] for t, n in counts.items() if t in rate)
         shares.append(have / planned)
     return min(shares)
+
+
+# A group of identical workers for :func:`pooled_share`: its instance type and the models it
+# hosts (those it may give time to).
+WorkerGroup = tuple[str, frozenset[str]]
+
+
+def pooled_share(
+    groups: Mapping[WorkerGroup, int],
+    rates_sps: Mapping[tuple[str, str], float],
+    demand_sps: Mapping[str, float],
+) -> float:
+    """The largest share s of every model's demand that the workers serve at once: ``groups``
+    counts the workers of each (type, hosted models); a worker of type t splits its time among
+    the models it hosts, serving model m at ``rates_sps[(m, t)]`` samples/s (a model it hosts
+    without a finite rate > 0 gets none of its time); model m needs s x ``demand_sps[m]``. One
+    LP (HiGHS): maximise s over x_{g,m} >= 0 (workers of group g given to m) with
+    sum_m x_{g,m} <= n_g and sum_g x_{g,m} r_{m,t_g} >= s d_m. A worker hosting every model of
+    a co-located cascade is counted once, not once per model; a worker of any type counts where
+    it has a rate; 0 when a model with demand has no worker able to serve it. Models of no
+    demand (or not finite) are left out; without any, 1.
+
+    >>> pooled_share({("c", frozenset("ab")): 3}, {("a", "c"): 10.0, ("b", "c"): 10.0},
+    ...              {"a": 10.0, "b": 20.0})
+    1.0
+    >>> pooled_share({("c", frozenset("a")): 1}, {("a", "c"): 10.0}, {"a": 10.0, "b": 5.0})
+    0.0
+    """
+    models = [m for m, d in demand_sps.items() if d > 0 and math.isfinite(d)]
+    if not models:
+        return 1.0
+    columns = [
+        (g, m)
+        for g in groups
+        for m in models
+        if groups[g] > 0 and m in g[1] and 0 < rates_sps.get((m, g[0]), 0.0) < math.inf
+    ]
+    if {m for _, m in columns} != set(models):
+        return 0.0
+    from scipy.optimize import linprog
+
+    n = len(columns)  # x_{g,m} in shares of d_m (x r / d), then s last
+    a_ub = np.zeros((len(models) + len(groups), n + 1))
+    b_ub = np.zeros(len(models) + len(groups))
+    row_of_model = {m: i for i, m in enumerate(models)}
+    row_of_group = {g: len(models) + i for i, g in enumerate(groups)}
+    for j, (g, m) in enumerate(columns):
+        # y = x r / d: the share of m's demand these workers serve; x = y d / r of their time.
+        a_ub[row_of_model[m], j] = -1.0
+        a_ub[row_of_group[g], j] = demand_sps[m] / rates_sps[(m, g[0])]
+    for m in models:
+        a_ub[row_of_model[m], n] = 1.0  # s - sum_g y_{g,m} <= 0
+    for g, row in row_of_group.items():
+        b_ub[row] = groups[g]
+    cost = np.zeros(n + 1)
+    cost[n] = -1.0
+    result = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=(0, None), method="highs")
+    if result.status != 0:
+        return 0.0
+    return float(result.x[n])
 
 
 # --- switching inside the simulator ----------------------------------------------------------

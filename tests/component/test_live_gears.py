@@ -4,6 +4,7 @@ decision log says."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,13 +119,16 @@ class Loop:
         return self.arrival_s
 
     def statuses(self) -> list[AppStatus]:
-        stages = tuple(
-            StageStatus(m, self.queue if m == "tiny" else 0, 0, 0, self.capacity[m], "fcfs", 1, {})
-            for m in ("tiny", "large")
-        )
         workers = tuple(
             WorkerStatus(f"i-{k}", TYPE, f"10.0.0.{k}:8000", k < self.ready, False, "")
             for k in range(self.ready + self.down)
+        )
+        hosts = {w.instance_id: "active" for w in workers}  # every worker in both stages
+        stages = tuple(
+            StageStatus(
+                m, self.queue if m == "tiny" else 0, 0, 0, self.capacity[m], "fcfs", 1, hosts
+            )
+            for m in ("tiny", "large")
         )
         return [AppStatus(APP, "", 100.0, workers, stages, 0)]
 
@@ -250,6 +254,81 @@ def test_a_worker_hosting_every_model_counts_once_per_type() -> None:
     assert ready_share(PLAN, loop.statuses()[0], PROFILES) == pytest.approx(1.0)
     loop.ready = 2 * PLACED  # the tuner doubled the fleet
     assert ready_share(PLAN, loop.statuses()[0], PROFILES) == pytest.approx(2.0)
+
+
+def snapshot(workers: list[tuple[str, bool, tuple[str, ...]]]) -> AppStatus:
+    """A status of ``workers`` (type, healthy, the models whose stage has its slot)."""
+    listed = tuple(
+        WorkerStatus(f"i-{k}", t, f"10.0.0.{k}:8000", healthy, False, "")
+        for k, (t, healthy, _) in enumerate(workers)
+    )
+    stages = tuple(
+        StageStatus(
+            m,
+            0,
+            0,
+            0,
+            1.0,
+            "fcfs",
+            1,
+            {f"i-{k}": "active" for k, (_, _, hosts) in enumerate(workers) if m in hosts},
+        )
+        for m in ("tiny", "large")
+    )
+    return AppStatus(APP, "", 100.0, listed, stages, 0)
+
+
+BOTH = ("tiny", "large")
+
+
+def test_a_worker_counts_for_the_models_its_slots_serve() -> None:
+    # Workers of a type the placement has none of count where their rate is known (a stand-in,
+    # a type the tuner chose): three of them, as fast as the placement's, are its capacity.
+    other = {m: {"other": PROFILES[m][TYPE], **PROFILES[m]} for m in BOTH}
+    three_other = snapshot([("other", True, BOTH)] * 3)
+    assert ready_share(PLAN, three_other, other) == pytest.approx(1.0)
+    # Without their rate, nothing serves: the fastest gear.
+    assert ready_share(PLAN, three_other, PROFILES) == pytest.approx(1e-6)
+    # One model a worker (a placement pruned by memory): tiny on one, large on one of its two
+    # (the other down): large has half its capacity, whatever tiny's worker could do.
+    pruned = snapshot(
+        [(TYPE, True, ("tiny",)), (TYPE, True, ("large",)), (TYPE, False, ("large",))]
+    )
+    assert ready_share(PLAN, pruned, PROFILES) == pytest.approx(0.5)
+    # A type standing in for another of the stage's: tiny:A=1; large:A=1,B=2, A and B as fast;
+    # four A serve it all (tiny takes one A's time, large three).
+    plan = dataclasses.replace(PLAN, placement=CascadePlacement.parse("tiny:A=1;large:A=1,B=2"))
+    same = {m: {"A": PROFILES[m][TYPE], "B": PROFILES[m][TYPE]} for m in BOTH}
+    assert ready_share(plan, snapshot([("A", True, BOTH)] * 4), same) == pytest.approx(1.0)
+
+
+def test_a_budget_cut_counts_what_the_drain_leaves(store: Store, tmp_path: Path) -> None:
+    # The placement's three instances at 0.3/hr: two serve, one boots. A budget of 0.6 pays for
+    # two of the three kept: the drain leaves two thirds of the placement, what serves now; no
+    # cut of what serves, and 10 qps on two thirds (15) is the accurate gear's.
+    applied(store, tmp_path, PLAN.to_document())
+    for n, state in enumerate(["running", "running", "pending"]):
+        store.record_instance(
+            APP, request_id=f"r{n}", instance_type=TYPE, price_usd_per_hr=0.3, state=state
+        )
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    loop.ready = 2
+    gears = switcher(store, clock, loop)
+    loop.rate(10.0, clock.now_s())
+    gears.tick()
+    assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+    store.change_budget(APP, 0.6, reason="cut", who="test")
+    clock.advance(1.0)
+    loop.rate(10.0, clock.now_s())
+    assert gears.budget_changed(APP) is None
+    assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+    # A budget of 0.3 leaves one of three: 10 qps reads as 30, the fast gear's, at once.
+    store.change_budget(APP, 0.3, reason="cut", who="test")
+    clock.advance(1.0)
+    loop.rate(10.0, clock.now_s())
+    cut = gears.budget_changed(APP)
+    assert cut is not None and cut.gear == 1
+    assert gear_log(store)[-1]["capacity_share"] == pytest.approx(1 / 3)
 
 
 def test_the_workers_the_tuner_adds_hold_the_accurate_gear(store: Store, tmp_path: Path) -> None:

@@ -119,7 +119,13 @@ def test_the_serving_process_runs_no_job_and_restarts_its_loops(tmp_path: Path) 
         # exchanges (ten a second while the jobs ran) were taken, another secret is refused.
         for pid in (server.process.pid, zygote, first["pid"]):
             assert "HETEROPLANE_INTERNAL_TOKEN" not in environ_of(pid)
-        assert "does not answer" not in server.log_text()
+        # (A feed that timed out on a busy machine is no refusal: only the refusals count.)
+        refused = [
+            line
+            for line in server.log_text().splitlines()
+            if "does not answer" in line and "timed out" not in line
+        ]
+        assert not refused, refused
         feed = f"{server.url}/internal/v1/feed"
         assert httpx.post(feed, json={}, headers={"Authorization": "Bearer no"}).status_code == 401
 
