@@ -87,7 +87,8 @@ logger = logging.getLogger(__name__)
 # counts each 100 ms at thousands of QPS; at the tens of QPS of a small fleet a few seconds are
 # needed for a count that is not noise.
 DEFAULT_WINDOW_S = 5.0
-# Ready shares kept per app (by its workers and batch caps) before the cache starts again.
+# Shares kept per app (ready ones by workers and batch caps, the kept fleet's by its counts and
+# caps) before the cache starts again.
 _CACHED_SHARES = 64
 
 
@@ -108,7 +109,7 @@ class _AppGears:
     kept: dict[str, int] = field(default_factory=dict)
     # The types whose profiles were looked for (the placement's, then the kept fleet's).
     looked_up: set[str] = field(default_factory=set)
-    shares: dict[object, float] = field(default_factory=dict)  # ready_share's cache
+    shares: dict[object, float] = field(default_factory=dict)  # solved shares (_CACHED_SHARES)
 
 
 def serving_gear(plan: GearPlan, gear: int) -> ServingGear:
@@ -446,7 +447,13 @@ class LiveGears:
             # the kept fleet (booting instances included) times what that fleet serves of the
             # placement, where that is less than what serves now.
             caps = {s.model: s.max_batch_queries for s in status.stages} if status else {}
-            kept = kept_share(tracked.plan, tracked.kept, caps, tracked.profiles)
+            key = ("kept", frozenset(tracked.kept.items()), frozenset(caps.items()))
+            kept = tracked.shares.get(key)
+            if kept is None:
+                kept = kept_share(tracked.plan, tracked.kept, caps, tracked.profiles)
+                if len(tracked.shares) >= _CACHED_SHARES:
+                    tracked.shares.clear()
+                tracked.shares[key] = kept
             left = max(tracked.affordable * kept, 1e-6)
             if left < share:
                 budget_cut, share = True, left
