@@ -6,7 +6,8 @@ app whose applied plan carries a ``gear_plan`` (the planner adds one to a cascad
 records, ``controlplane.policies.planner``) is served by gears. The work is split in two:
 
 - :meth:`LiveGears.refresh`, once per tuner tick (about 1 s), after the tuner, does what reads
-  the store: which apps have an applied gear plan (parsed, with its profiles, once per plan),
+  the store: which apps have an applied gear plan (parsed, with its profiles, once per plan; the
+  profiles of a type the fleet gains outside the placement when it appears),
   the share of the fleet the budget pays for, and whether the tuner's budget caps the app now;
 - :meth:`LiveGears.switch_tick`, CascadeServe's producer, runs every ``gear_interval_s`` (the
   settings', 0.1 s as in the paper: the service's ``gears`` job) on that cached state only: it
@@ -74,7 +75,7 @@ from controlplane.policies.gears import (
     start_switcher,
     switch,
 )
-from controlplane.policies.lifecycle import KEPT_STATES
+from controlplane.policies.lifecycle import KEPT_STATES, is_profile_worker
 from controlplane.serving.dispatcher import AppStatus, ServingGear
 from estimator.errors import EstimatorError
 from estimator.profiles import LatencyProfile
@@ -140,7 +141,8 @@ def _rates_and_demand(
             k = caps.get(model, profile.min_batch_size)
             k = max(profile.min_batch_size, min(k, profile.max_batch_size))
             ms = profile.mean_latency_ms(k)
-            rates[(model, instance_type)] = 1000.0 * k / ms if ms > 0 else math.inf
+            if ms > 0:  # a cell of no time (no profile stores one) gives no rate
+                rates[(model, instance_type)] = 1000.0 * k / ms
     demand = {
         model: sum(
             count * rates.get((model, instance_type), 0.0)
@@ -343,13 +345,14 @@ class LiveGears:
         new = set(tracked.kept) - tracked.looked_up
         if not new:
             return
-        tracked.looked_up |= new
         resolved = self._resolve(app)
         profiles = {m: dict(by_type) for m, by_type in tracked.profiles.items()}
-        for model in tracked.plan.placement.order:
-            for instance_type in sorted(new):
+        for instance_type in sorted(new):
+            for model in tracked.plan.placement.order:
                 with contextlib.suppress(EstimatorError, KeyError, ValueError):
                     profiles[model][instance_type] = resolved.profile(model, instance_type)
+            if any(instance_type in by_type for by_type in profiles.values()):
+                tracked.looked_up.add(instance_type)  # else asked again at the next refresh
         tracked.profiles = profiles
         tracked.shares.clear()
 
@@ -422,7 +425,13 @@ class LiveGears:
                 f" {measured_qps:.3g} qps measured",
                 {"gear": state.gear, "measured_qps": measured_qps},
             )
-        kept = [i for i in self._store.list_instances(app.name) if i.state in KEPT_STATES]
+        # The fleet: a profile run's or a rollout's workers serve no query of the app's own
+        # stages, and the reconciler ends them first when the budget is short.
+        kept = [
+            i
+            for i in self._store.list_instances(app.name)
+            if i.state in KEPT_STATES and not is_profile_worker(i.request_id)
+        ]
         tracked.affordable = self._affordable_share(app, kept)
         tracked.kept = dict(Counter(i.instance_type for i in kept))
         self._look_up_profiles(app, tracked)
@@ -455,7 +464,7 @@ class LiveGears:
                     tracked.shares.clear()
                 tracked.shares[key] = kept
             left = max(tracked.affordable * kept, 1e-6)
-            if left < share:
+            if left < share * (1.0 - 1e-9):  # a drain that leaves what serves is no cut
                 budget_cut, share = True, left
         first = tracked.state.option.cascade.models[0]
         first_queue = next(

@@ -331,6 +331,79 @@ def test_a_budget_cut_counts_what_the_drain_leaves(store: Store, tmp_path: Path)
     assert gear_log(store)[-1]["capacity_share"] == pytest.approx(1 / 3)
 
 
+class Measured:
+    """A resolver whose profiles are set by hand (a type not measured yet: KeyError)."""
+
+    def __init__(self) -> None:
+        self.table: dict[str, dict[str, Any]] = {m: dict(PROFILES[m]) for m in BOTH}
+
+    def __call__(self, app: AppRecord) -> Any:
+        return SimpleNamespace(profile=lambda m, t: self.table[m][t])
+
+
+def test_a_new_type_counts_once_its_profile_is_found(store: Store, tmp_path: Path) -> None:
+    applied(store, tmp_path, PLAN.to_document())
+    for n in range(3):
+        store.record_instance(
+            APP, request_id=f"r{n}", instance_type=TYPE, price_usd_per_hr=0.1, state="running"
+        )
+    clock, loop, resolve = FakeClock(start_s=100.0), Loop(), Measured()
+    serving = {"type": TYPE}
+
+    def statuses() -> list[AppStatus]:
+        return [snapshot([(serving["type"], True, BOTH)] * 3)]
+
+    gears = LiveGears(store, clock, loop.arrivals, statuses, resolve, hysteresis=PAPER)
+    loop.rate(15.0, clock.now_s())
+    gears.tick()
+    assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+    # The fleet gains a type B before the app has its profile: looked up in vain, for now.
+    for n in range(3):
+        store.record_instance(
+            APP, request_id=f"b{n}", instance_type="B", price_usd_per_hr=0.1, state="running"
+        )
+    clock.advance(1.0)
+    loop.rate(15.0, clock.now_s())
+    assert gears.tick() == []
+    # B measured (as fast as the placement's type), then serving: three B are the capacity.
+    for m in BOTH:
+        resolve.table[m]["B"] = PROFILES[m][TYPE]
+    serving["type"] = "B"
+    clock.advance(1.0)
+    loop.rate(15.0, clock.now_s())
+    assert gears.tick() == []
+    assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+
+
+def test_a_profile_worker_is_not_the_fleet_a_budget_cut_drains(
+    store: Store, tmp_path: Path
+) -> None:
+    # Three serving instances at 0.3/hr and a profile run's worker at 0.6: a budget of 0.9 pays
+    # for the fleet (the reconciler ends the profile worker first), so nothing that serves goes.
+    applied(store, tmp_path, PLAN.to_document())
+    for n in range(3):
+        store.record_instance(
+            APP, request_id=f"r{n}", instance_type=TYPE, price_usd_per_hr=0.3, state="running"
+        )
+    store.record_instance(
+        APP,
+        request_id="profile:digits-1a2b3c4d-emu.gpu",
+        instance_type="emu.gpu",
+        price_usd_per_hr=0.6,
+        state="running",
+    )
+    store.change_budget(APP, 2.0, reason="room for the profile run", who="test")
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    gears = switcher(store, clock, loop)
+    loop.rate(15.0, clock.now_s())
+    gears.tick()
+    store.change_budget(APP, 0.9, reason="cut", who="test")
+    clock.advance(1.0)
+    loop.rate(15.0, clock.now_s())
+    assert gears.budget_changed(APP) is None
+    assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+
+
 def test_the_workers_the_tuner_adds_hold_the_accurate_gear(store: Store, tmp_path: Path) -> None:
     applied(store, tmp_path, PLAN.to_document())
     clock, loop = FakeClock(start_s=100.0), Loop()
