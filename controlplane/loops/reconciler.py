@@ -1828,7 +1828,10 @@ class Reconciler:
     ``probe`` checks that the worker of an instance the provider calls running answers (None:
     the provider's ``running`` is taken as healthy); ``disruption`` is the disruption budget of
     rule 5 (``None``: voluntary drains are not rate-limited); ``profile_run_timeout_s`` is
-    rule 8's; ``spot_headroom_share`` rule 10's.
+    rule 8's; ``spot_headroom_share`` rule 10's. :attr:`before_budget_drain`, when set, runs
+    with the app's name before a drain to the budget is carried out (the gear switcher's
+    ``budget_changed``: a cascade moves to a faster gear before its fleet shrinks, whichever
+    process took the budget change).
     """
 
     def __init__(
@@ -1873,6 +1876,7 @@ class Reconciler:
         self.desired_spot = desired_spot if desired_spot is not None else applied_plan_spot(store)
         self.interruption_drain_s = interruption_drain_s
         self.interruption_margin_s = interruption_margin_s
+        self.before_budget_drain: Callable[[str], object] | None = None
         # Rule 9: provider id -> the notice the provider gave of it (kept until the row ends).
         self._notices: dict[str, InterruptionNotice] = {}
         self._handled: set[str] = set()  # the provider ids whose notice was acted on
@@ -2023,6 +2027,14 @@ class Reconciler:
             stand_in_shares=self._stand_in_shares.get(app.name, {}),
         )
         errors = _Errors()
+        hook = self.before_budget_drain
+        if hook is not None and any(
+            isinstance(a, Terminate) and a.cause == "budget" for a in actions
+        ):
+            try:
+                hook(app.name)
+            except Exception:  # the drain goes ahead: the budget is a hard limit
+                logger.exception("reconcile %s: before the budget drain", app.name)
         launches = [a for a in actions if isinstance(a, Launch)]
         for action in actions:
             if not isinstance(action, Launch):

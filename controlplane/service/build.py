@@ -762,6 +762,9 @@ def build_service(
             deadline_s=settings.plan_deadline_s,
         ),
     )
+    # A drain to the budget moves a cascade's gear first, here too: a budget change taken by a
+    # serving process reaches this one through the database alone.
+    reconciler.before_budget_drain = live_gears.budget_changed
     # The API resolves through the same resolver, so a plan preview sees the calibrated profiles.
     # A loops process serves the API without inference (no serving loop: 503).
     app = create_app(

@@ -270,9 +270,15 @@ def test_a_lowered_budget_terminates_the_least_cost_effective(world: World) -> N
     world.tick()
     smalls = {r.id for r in world.store.list_instances(APP) if r.instance_type == SMALL}
     world.store.change_budget(APP, 0.2, reason="cut", who="test")
+    # The hook before a drain to the budget (the gear switcher's) runs before any terminate.
+    before: list[tuple[str, int]] = []
+    world.reconciler.before_budget_drain = lambda app: before.append(
+        (app, len(decisions(world.store, "terminate")))
+    )
     report = world.tick()
     (drain,) = [a for a in report.apps[APP].actions if isinstance(a, Terminate)]
     assert drain.cause == "budget" and set(drain.instance_ids) == smalls
+    assert before == [(APP, 0)] and len(decisions(world.store, "terminate")) == 1
     assert live_types(world.store) == {LARGE: 2}
     assert kept_cost(world.store) <= 0.2 + 1e-9
     # The smalls are stopped at the provider, and end there.
@@ -285,6 +291,7 @@ def test_a_lowered_budget_terminates_the_least_cost_effective(world: World) -> N
     (capped,) = decisions(world.store, "budget_capped")
     assert capped.numbers["wanted"] == {SMALL: 2}
     assert world.fake.launched_total == 4
+    assert len(before) == 1  # one drain, one call
 
 
 def test_launches_stop_at_the_budget(template_db: Path, tmp_path: Path) -> None:
