@@ -1290,7 +1290,7 @@ def pooled_share(
     result = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=(0, None), method="highs")
     if result.status != 0:
         return 0.0
-    return float(result.x[n])
+    return round(float(result.x[n]), 9)  # HiGHS's 0.9999999999999998 is 1
 
 
 # --- switching inside the simulator ----------------------------------------------------------
