@@ -183,15 +183,23 @@ def ready_share(
         for worker in status.workers
         if worker.healthy
     )
-    key = (frozenset(groups.items()), frozenset(caps.items()))
-    found = cache.get(key) if cache is not None else None
-    if found is None:
+
+    def solve() -> float:
         rates, demand = _rates_and_demand(plan, caps, profiles)
-        found = max(pooled_share(groups, rates, demand), 1e-6)
-        if cache is not None:
-            if len(cache) >= _CACHED_SHARES:
-                cache.clear()
-            cache[key] = found
+        return max(pooled_share(groups, rates, demand), 1e-6)
+
+    key = (frozenset(groups.items()), frozenset(caps.items()))
+    return solve() if cache is None else _cached(cache, key, solve)
+
+
+def _cached(cache: dict[object, float], key: object, solve: Callable[[], float]) -> float:
+    """``cache[key]``, solved and kept when missing (the cache starts again past
+    :data:`_CACHED_SHARES` entries)."""
+    found = cache.get(key)
+    if found is None:
+        if len(cache) >= _CACHED_SHARES:
+            cache.clear()
+        found = cache[key] = solve()
     return found
 
 
@@ -353,8 +361,9 @@ class LiveGears:
                     profiles[model][instance_type] = resolved.profile(model, instance_type)
             if any(instance_type in by_type for by_type in profiles.values()):
                 tracked.looked_up.add(instance_type)  # else asked again at the next refresh
-        tracked.profiles = profiles
-        tracked.shares.clear()
+        if tracked.looked_up & new:  # a profile found: the shares solved without it are stale
+            tracked.profiles = profiles
+            tracked.shares.clear()
 
     def _affordable_share(self, app: AppRecord, kept: Sequence[InstanceRecord]) -> float:
         """The share of the app's kept fleet (requested, pending, running) its budget pays for:
@@ -457,12 +466,11 @@ class LiveGears:
             # placement, where that is less than what serves now.
             caps = {s.model: s.max_batch_queries for s in status.stages} if status else {}
             key = ("kept", frozenset(tracked.kept.items()), frozenset(caps.items()))
-            kept = tracked.shares.get(key)
-            if kept is None:
-                kept = kept_share(tracked.plan, tracked.kept, caps, tracked.profiles)
-                if len(tracked.shares) >= _CACHED_SHARES:
-                    tracked.shares.clear()
-                tracked.shares[key] = kept
+            kept = _cached(
+                tracked.shares,
+                key,
+                lambda: kept_share(tracked.plan, tracked.kept, caps, tracked.profiles),
+            )
             left = max(tracked.affordable * kept, 1e-6)
             if left < share * (1.0 - 1e-9):  # a drain that leaves what serves is no cut
                 budget_cut, share = True, left
