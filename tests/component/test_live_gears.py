@@ -151,6 +151,14 @@ def switcher(
     )
 
 
+def started(store: Store, tmp_path: Path) -> tuple[FakeClock, Loop, LiveGears]:
+    """The gear plan applied, the loop showing the placement's workers, the live switcher on
+    the paper's rule."""
+    applied(store, tmp_path, PLAN.to_document())
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    return clock, loop, switcher(store, clock, loop)
+
+
 def gear_log(store: Store) -> list[dict[str, Any]]:
     return [d.numbers for d in store.list_decisions(APP, kinds=["gear_switch"])]
 
@@ -175,9 +183,7 @@ def test_a_document_that_is_not_a_gear_plan_is_refused() -> None:
 
 
 def test_the_rate_moves_the_gear_and_every_change_is_recorded(store: Store, tmp_path: Path) -> None:
-    applied(store, tmp_path, PLAN.to_document())
-    clock, loop = FakeClock(start_s=100.0), Loop()
-    gears = switcher(store, clock, loop)
+    clock, loop, gears = started(store, tmp_path)
     assert gears.gear(APP) is None  # before the first tick
 
     loop.rate(10.0, clock.now_s())
@@ -212,9 +218,7 @@ def test_the_rate_moves_the_gear_and_every_change_is_recorded(store: Store, tmp_
 
 
 def test_the_budget_cap_holds_the_fast_gear(store: Store, tmp_path: Path) -> None:
-    applied(store, tmp_path, PLAN.to_document())
-    clock, loop = FakeClock(start_s=100.0), Loop()
-    gears = switcher(store, clock, loop)
+    clock, loop, gears = started(store, tmp_path)
     loop.rate(60.0, clock.now_s())
     gears.tick()
     assert gears.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]
@@ -229,9 +233,7 @@ def test_the_budget_cap_holds_the_fast_gear(store: Store, tmp_path: Path) -> Non
 
 
 def test_lost_capacity_moves_to_the_fast_gear(store: Store, tmp_path: Path) -> None:
-    applied(store, tmp_path, PLAN.to_document())
-    clock, loop = FakeClock(start_s=100.0), Loop()
-    gears = switcher(store, clock, loop)
+    clock, loop, gears = started(store, tmp_path)
     loop.rate(15.0, clock.now_s())
     gears.tick()
     assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
@@ -405,9 +407,7 @@ def test_a_profile_worker_is_not_the_fleet_a_budget_cut_drains(
 
 
 def test_the_workers_the_tuner_adds_hold_the_accurate_gear(store: Store, tmp_path: Path) -> None:
-    applied(store, tmp_path, PLAN.to_document())
-    clock, loop = FakeClock(start_s=100.0), Loop()
-    gears = switcher(store, clock, loop)
+    clock, loop, gears = started(store, tmp_path)
     loop.rate(15.0, clock.now_s())
     gears.tick()
     assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
@@ -611,9 +611,7 @@ def test_the_serving_processs_gear_table_serves_the_gear_the_switcher_sent(
 ) -> None:
     """Loops apart from serving: what the switcher has in force (plan id, gear) crosses to the
     serving process, whose table makes the same gear from the applied plan in the database."""
-    applied(store, tmp_path, PLAN.to_document())
-    clock, loop = FakeClock(start_s=100.0), Loop()
-    gears = switcher(store, clock, loop)
+    clock, loop, gears = started(store, tmp_path)
     loop.rate(60.0, clock.now_s())
     gears.tick()
     table = GearTable(store)
@@ -659,9 +657,7 @@ def test_an_app_registered_again_gets_a_new_plan_id_and_its_own_gears(
 def test_an_app_deleted_during_a_refresh_is_forgotten_without_failing_the_tick(
     store: Store, tmp_path: Path
 ) -> None:
-    applied(store, tmp_path, PLAN.to_document())
-    clock, loop = FakeClock(start_s=100.0), Loop()
-    gears = switcher(store, clock, loop)
+    clock, loop, gears = started(store, tmp_path)
     loop.rate(60.0, clock.now_s())
     gears.tick()
     assert APP in gears.in_force()
