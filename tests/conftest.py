@@ -57,7 +57,7 @@ def trained_family(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # Files whose tests are about the migrations themselves (and the command that runs them): their
 # upgrades always run.
 _MIGRATING_FILES = ("test_migrations.py", "test_cli_db_token.py")
-_TEMPLATES: dict[str, Path] = {}
+_TEMPLATE: list[Path] = []  # the migrated file of this process, once made
 
 
 @pytest.fixture(autouse=True)
@@ -79,11 +79,11 @@ def _migrated_once(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
         if path is None:
             upgrade(target, revision)
             return
-        template = _TEMPLATES.get(revision)
-        if template is None:
-            template = Path(tempfile.mkdtemp(prefix="heteroplane-migrated-")) / "head.db"
-            upgrade(f"sqlite:///{template}", revision)
-            _TEMPLATES[revision] = template
+        if not _TEMPLATE:
+            made = Path(tempfile.mkdtemp(prefix="heteroplane-migrated-")) / "head.db"
+            upgrade(f"sqlite:///{made}")
+            _TEMPLATE.append(made)
+        template = _TEMPLATE[0]
         path.parent.mkdir(parents=True, exist_ok=True)
         source, copy = sqlite3.connect(template), sqlite3.connect(path)
         try:
