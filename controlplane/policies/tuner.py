@@ -746,18 +746,24 @@ def _scale_up(
             f"(mu {mu[name]:.6g} qps, {_cost_effectiveness(plan, prices, name):.6g} qps per "
             f"USD/hr): capacity {before:.6g} -> {capacity:.6g} qps, k {count_after}",
         )
+    # What the stage lacks: the rate it cannot serve, or with a target of ``k_m`` instances the
+    # instances it is short of (reported as instances: the rate they stand for is the
+    # target's, not a difference of rates).
     short = _short_qps(needed_qps, capacity)
+    best = by_value[0]
+    missing = _ceil(short / mu[best]) if short > 0.0 else 0
+    lacking = f"short {short:.6g} qps"
     if k_m is not None:
-        short = max(0, k_m - sum(fleet.values())) * mu[by_value[0]]
-    if short > 0.0:
-        best = by_value[0]
+        missing = max(0, k_m - sum(fleet.values()))
+        lacking = f"short {missing} of the {k_m} instances its rate needs"
+    if missing > 0:
         tick.decide(
             plan.name,
             "budget_capped",
             best,
-            _ceil(short / mu[best]),
-            f"budget_capped: {why}; need {needed_qps:.6g} qps, have {capacity:.6g} qps; short "
-            f"{short:.6g} qps but the fleet costs {tick.cost_usd_per_hr:.6g} of the "
+            missing,
+            f"budget_capped: {why}; need {needed_qps:.6g} qps, have {capacity:.6g} qps; "
+            f"{lacking} but the fleet costs {tick.cost_usd_per_hr:.6g} of the "
             f"{config.budget_usd_per_hr:.6g} USD/hr budget and no type fits",
         )
 

@@ -89,6 +89,19 @@ def test_the_specs_max_counts_cap_a_scale_up_per_type() -> None:
         dataclasses.replace(config(), max_counts={"g": -1})
 
 
+def test_a_budget_capped_replica_target_says_what_it_lacks_not_what_it_has() -> None:
+    """InferLine's k (5 here) against a budget that pays for 4 instances: the stage has 4 x 32
+    qps and lacks one instance; the reason said "short 128 qps" (the rate it has, as a tester
+    read on the demo: "have 34.8 qps; short 34.8 qps")."""
+    plan = one_type_stage()
+    state = initial_state([plan], now_s=0.0)
+    decisions, after = tune(steady(256, 90.0, 100.0), 100.0, state, [plan], config(4.0))
+    assert after.fleets["resnet"]["g"] == 4
+    capped = [d for d in decisions if d.action == "budget_capped"]
+    assert [(d.instance_type, d.count) for d in capped] == [("g", 1)], decisions
+    assert "have 128 qps; short 1 of the 5 instances its rate needs" in capped[0].reason
+
+
 def test_the_caps_bound_a_type_over_all_the_stages_of_the_app() -> None:
     """A cap holds for the app's instances of a type summed over its stages, as the planner's:
     two stages of 3 x g each under a cap of 7 take one more g between them, whatever both want
