@@ -21,7 +21,8 @@ logged: the envelope of a seeded Poisson trace at the plan's ``planned_rate_qps`
 on the windows from the slowest planned instance's service time (at least
 :data:`controlplane.policies.planner.MIN_ENVELOPE_WINDOW_S`) doubling to ``max_window_s``. Either
 way rho_m keeps the planned fleet while traffic looks like the planned envelope. A new applied plan
-(a new plan id), or a budget change, restarts the tuner from the plan's fleet. Instances take
+(a new plan id) restarts the tuner from the plan's fleet; a budget change keeps the fleet it has
+reached, shed to the new budget where it costs more (``LiveTuner._new_budget``). Instances take
 :func:`controlplane.policies.tuner.default_boot_s` to boot; the tuner counts them from launch, as
 the reconciler does.
 
@@ -351,14 +352,12 @@ class LiveTuner:
             tuned = self._apps.get(app.name)
             recalibrated = app.name in self._recalibrated
             self._recalibrated.discard(app.name)
-        if (
-            tuned is None
-            or tuned.plan_id != app.applied_plan_id
-            or tuned.budget_usd_per_hr != app.budget_usd_per_hr
-        ):
+        if tuned is None or tuned.plan_id != app.applied_plan_id:
             tuned = self._set_up(app, now_s)
             if tuned is None:
                 return []
+        elif tuned.budget_usd_per_hr != app.budget_usd_per_hr:
+            self._new_budget(tuned, app.budget_usd_per_hr)
         elif recalibrated:
             fresh = self._set_up(app, now_s)
             if fresh is not None and [s.name for s in fresh.stages] == [
@@ -424,6 +423,19 @@ class LiveTuner:
             tuned.capped_now = any(d.action == "budget_capped" for d in decisions)
             self._apps[app.name] = tuned
         return recorded
+
+    @staticmethod
+    def _new_budget(tuned: _AppTuner, budget_usd_per_hr: float) -> None:
+        """The app's budget changed (its plan did not): the tuner keeps the fleet it has reached
+        and is bounded by the new budget from this tick on (a fleet over it is shed first,
+        :func:`controlplane.policies.tuner.tune`). Set up again from the plan, it started from
+        the plan's fleet whatever ran, and recorded a scale-up to the running fleet beside the
+        reconciler's drain that launched nothing. Stages sized by the load model keep their
+        ladders until the new budget's are built (their targets are held to the budget)."""
+        tuned.budget_usd_per_hr = budget_usd_per_hr
+        tuned.config = dataclasses.replace(tuned.config, budget_usd_per_hr=budget_usd_per_hr)
+        if any(stage.capacity_curve is not None for stage in tuned.stages):
+            tuned.rebuild = True
 
     def _set_up(self, app: AppRecord, now_s: float) -> _AppTuner | None:
         plan = self._store.get_applied_plan(app.name)

@@ -710,6 +710,56 @@ class _Tick:
         self.decisions.append(ScalingDecision(self.now_s, stage, action, name, count, reason, cost))
 
 
+def _shed_to_budget(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
+    """A fleet that costs more than the budget (the budget was lowered under the fleet the tuner
+    had reached): stop instances one at a time until it fits, each the one that costs the app
+    the least capacity per USD/hr saved, the app's capacity being its bottleneck (the least of
+    each stage's capacity over its share of the queries): within one stage, the least
+    cost-effective type, as the reconciler's budget drain takes it; across a cascade's stages,
+    first those whose loss leaves the bottleneck where it is. Ties: the dearer, then the stage
+    with most of the type, then by name; booting instances of a type go first. Each stage keeps
+    ``max(1, min_instances)``, as the drain keeps a stage's last instance; the planned mix's one
+    instance of each type is not kept (the budget is a hard limit). True when something
+    stopped."""
+    config, prices = tick.config, tick.config.prices_usd_per_hr
+
+    def reach(plan: TunerStage, fleet: Mapping[str, int]) -> float:
+        share = plan.scale_factor
+        return math.inf if share <= 0.0 else plan.capacity_qps(fleet) / share
+
+    shed = False
+    while tick.cost_usd_per_hr > config.budget_usd_per_hr + _COST_SLACK_USD_PER_HR:
+        reaches = {plan.name: reach(plan, tick.fleets[plan.name]) for plan in plans}
+        app_qps = min(reaches.values(), default=math.inf)
+        options = []
+        for plan in plans:
+            fleet = tick.fleets[plan.name]
+            if sum(fleet.values()) <= max(1, plan.min_instances):
+                continue
+            others = min((r for n, r in reaches.items() if n != plan.name), default=math.inf)
+            for name, count in fleet.items():
+                price = prices[name]
+                if count <= 0 or price <= 0.0:
+                    continue
+                after = min(others, reach(plan, {**fleet, name: count - 1}))
+                lost = app_qps - after if math.isfinite(app_qps) else 0.0
+                options.append((max(lost, 0.0) / price, -price, -count, plan.name, name, plan))
+        if not options:
+            break
+        *_, name, plan = min(options, key=lambda option: option[:5])
+        before = tick.cost_usd_per_hr
+        tick.stop(
+            plan,
+            name,
+            1,
+            f"scale_down: over the budget: the fleet costs {before:.6g} USD/hr, the budget is "
+            f"{config.budget_usd_per_hr:.6g} USD/hr; stopped 1 x {name}, the instance whose "
+            "loss costs the app the least capacity per USD/hr",
+        )
+        shed = True
+    return shed
+
+
 def _scale_up(
     tick: _Tick, plan: TunerStage, needed_qps: float, why: str, k_m: int | None = None
 ) -> None:
@@ -1405,6 +1455,8 @@ def tune(
         cost_usd_per_hr=fleet_cost_usd_per_hr(state, config.prices_usd_per_hr),
     )
 
+    # First the budget (lowered under the fleet reached): nothing is added to a fleet over it.
+    shed = _shed_to_budget(tick, plans)
     down = reading_down(config.planned_rate_qps)
     for plan in plans:
         s, rho = plan.scale_factor, plan.utilisation_target
@@ -1459,7 +1511,7 @@ def tune(
             k_m = _ceil(up.r_max * s / (mu * rho))
         _scale_up(tick, plan, needed, why, k_m)
 
-    changed = any(d.action == "scale_up" for d in tick.decisions)
+    changed = shed or any(d.action == "scale_up" for d in tick.decisions)
     quiet_s = math.inf if state.last_change_s is None else now - state.last_change_s
     watched_s = math.inf if state.started_s is None else now - state.started_s
     if not changed and quiet_s >= config.scale_down_delay_s and watched_s >= config.windows_s[-1]:

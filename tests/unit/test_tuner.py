@@ -249,6 +249,32 @@ def test_the_budget_caps_a_scale_up_and_says_so() -> None:
     assert "short 120 qps" in decisions[1].reason and "1.5 USD/hr budget" in decisions[1].reason
 
 
+def test_a_fleet_over_a_lowered_budget_is_shed_least_cost_effective_first() -> None:
+    """The budget lowered under the fleet the tuner reached (2 gpu + 10 cpu, 2.5 USD/hr, budget
+    1.6), at once, whatever the scale-down delay: it stops a gpu (100 qps per USD/hr against the
+    cpus' 200); the load (320 qps needed) then buys the two cpus the 0.1 USD/hr left pays for."""
+    plan = mixed_stage()
+    cfg = config(budget_usd_per_hr=1.6)
+    state = TunerState(fleets={"mix": Fleet.of({"gpu": 2, "cpu": 10})}, last_change_s=99.0)
+    decisions, after = tune(steady(256, 90.0, 100.0), 100.0, state, [plan], cfg)
+    assert [(d.action, d.instance_type, d.count) for d in decisions[:1]] == [
+        ("scale_down", "gpu", 1)
+    ]
+    assert "over the budget" in decisions[0].reason
+    assert [(d.action, d.instance_type, d.count) for d in decisions[1:]] == [
+        ("scale_up", "cpu", 2),
+        ("budget_capped", "cpu", 10),
+    ]
+    assert dict(after.fleets["mix"]) == {"gpu": 1, "cpu": 12}
+    assert fleet_cost_usd_per_hr(after, cfg.prices_usd_per_hr) == pytest.approx(1.6)
+    assert after.last_change_s == 100.0
+    # Never below a stage's last instance, even when that one alone is over the budget.
+    alone = TunerState(fleets={"mix": Fleet.of({"gpu": 1})}, last_change_s=0.0)
+    decisions, kept = tune(steady(8, 90.0, 100.0), 100.0, alone, [plan], config(0.5))
+    assert dict(kept.fleets["mix"]) == {"gpu": 1}
+    assert not [d for d in decisions if d.action == "scale_down"]
+
+
 def base_bound_capacity_qps(fleet: Mapping[str, int]) -> float:
     """A Kairos-like mix: the cpus serve only small queries, so the stage serves at most 3x what
     its gpus alone do (the gpus are the bottleneck past 20 cpus per gpu)."""
