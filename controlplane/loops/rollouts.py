@@ -33,13 +33,16 @@ Per rollout, each tick:
    version's instances (the app's fleet recorded before the promotion) are ended; the
    reconciler launches their replacements, which load the version the spec now names; once as
    many replacements run as were ended (or fewer, once the fleet has settled: the app scaled
-   down meanwhile, :data:`FLEET_SETTLE_S`), the route goes and the rollout's workers end.
+   down meanwhile, :data:`FLEET_SETTLE_S`), and the last old instance ended at least
+   :data:`ROUTE_GRACE_S` ago, the route goes and the rollout's workers end.
    **Nothing serving ends with its route**: a worker ends :data:`ROUTE_GRACE_S` after the
    route that sent it queries changed (the old version's instances that long after the
    promotion, the rollout's own that long after the route went at a roll-back, an abort or
    the handover's end), so that every serving process has read the new route and the queries
    already sent are answered (a query in flight on a worker that ends fails: nothing else of
-   its stage may be there to take it again).
+   its stage may be there to take it again); and **no route sends queries back to a fleet an
+   instance just left**: the handover's route goes a grace after its last ended instance, once
+   every serving process has read the fleet without it.
 5. **Routes** (:meth:`RolloutLoop.route`, the serving loop's hook): running and paused rollouts
    split traffic at their step; a promoted one in handover sends everything to the new version.
 
@@ -433,6 +436,7 @@ class RolloutLoop:
             # Which ones end is written first: a crash before they end ends them again after
             # the restart, and the replacements counted against them are the right number.
             handover["ended"] = sorted(ended | {r.id for r in going})
+            handover["ended_at"] = self.clock.utcnow().isoformat()
             self.store.move_rollout(rollout, figures={**rollout.figures, "handover": handover})
             crash_point("rollout.handover_recorded")
             end_workers(self.store, self.provisioner, going, _log, owner="rollout's handover")
@@ -441,6 +445,15 @@ class RolloutLoop:
             r for r in fleet if r.created_at > promoted_at and r.state == InstanceState.RUNNING
         ]
         if len(replaced) < len(ended) and not self._settled(promoted_at, ended, fleet, replaced):
+            self.store.touch_instances([r.id for r in live])
+            return full, ""
+        ended_at = handover.get("ended_at")
+        if live and ended_at is not None and not self._grace_over(datetime.fromisoformat(ended_at)):
+            # The queries come back to the app's own dispatchers when the route goes (with no
+            # live worker of the rollout's there is none: they are there already): not
+            # before every serving process has read the fleet without the old instances the
+            # handover ended (a grace after the last of them), or the first ones go to an
+            # ended instance that dispatcher still lists, with nothing else there to take them.
             self.store.touch_instances([r.id for r in live])
             return full, ""
         # The route goes now; the rollout's workers end once every serving process has read

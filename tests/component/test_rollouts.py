@@ -253,8 +253,8 @@ def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(
 ) -> None:
     """After promotion the old version's serving instances end one per window of the
     disruption budget (the reconciler replaces them with the new version), the first once the
-    route to the new version is a grace old; once as many replacements run as were ended, the
-    route goes and the rollout's workers end a grace later."""
+    route to the new version is a grace old; once as many replacements run as were ended and
+    the last ended a grace ago, the route goes and the rollout's workers end a grace later."""
     from controlplane.loops.rollouts import ROUTE_GRACE_S
     from controlplane.policies.disruption import DisruptionBudget
 
@@ -278,6 +278,10 @@ def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(
     handover.row("wine-3")  # the reconciler's replacement, loading the new version
     assert loop.tick() == [] and loop.route(APP) is not None  # one of two replaced
     handover.row("wine-4")
+    # Both replaced, but the last old instance ended 1 s ago: a serving process may still list
+    # it, and the queries the route's going sends back to the fleet would reach it first.
+    assert loop.tick() == [] and loop.route(APP) is not None
+    clock.advance(ROUTE_GRACE_S - 1.0)
     (done,) = [t.what for t in loop.tick()]
     assert done.startswith("handover done: 2 instance(s) serve wine-model@1")
     assert loop.route(APP) is None
