@@ -176,6 +176,10 @@ class RolloutLoop:
         self.meter = meter
         self.on_change = on_change
         self._routes: dict[str, CanaryRoute] = {}
+        # Ticks and route reads run on different threads (the scheduler's; the serving loop's
+        # refresh): each write counts, and a read is not written over a write made meanwhile.
+        self._routes_lock = threading.Lock()
+        self._routes_written = 0
 
     def route(self, app: str) -> CanaryRoute | None:
         return self._routes.get(app)
@@ -233,7 +237,11 @@ class RolloutLoop:
     def refresh_routes(self) -> None:
         """Read the routes from the database without acting: what a replica that does not run
         the loop (a standby serving queries) splits traffic by (the serving loop calls it at
-        each refresh)."""
+        each refresh). Where a tick wrote the routes while this read the database (the leader
+        runs both), the read is dropped: it may predate the tick's move (a route put back for a
+        refresh after a roll-back or the handover's end)."""
+        with self._routes_lock:
+            written = self._routes_written
         routes: dict[str, CanaryRoute] = {}
         for rollout in self._current():
             if rollout.state in (RolloutState.RUNNING, RolloutState.PAUSED):
@@ -245,7 +253,7 @@ class RolloutLoop:
                 and any(r.state in LIVE_STATES for r in self._rows(rollout))
             ):
                 routes[rollout.app] = _full(rollout)
-        self._set_routes(routes)
+        self._set_routes(routes, unless_written_since=written)
 
     def _current(self) -> list[RolloutRecord]:
         """The active rollouts and those that finished within :data:`RECENT_S` (their workers
@@ -253,10 +261,17 @@ class RolloutLoop:
         since = self.clock.utcnow() - timedelta(seconds=RECENT_S)
         return [r for r in self.store.list_rollouts() if r.active or r.updated_at >= since]
 
-    def _set_routes(self, routes: dict[str, CanaryRoute]) -> None:
-        for app in set(self._routes) - set(routes):
+    def _set_routes(
+        self, routes: dict[str, CanaryRoute], unless_written_since: int | None = None
+    ) -> None:
+        with self._routes_lock:
+            if unless_written_since is not None and self._routes_written != unless_written_since:
+                return
+            self._routes_written += 1
+            gone = set(self._routes) - set(routes)
+            self._routes = routes
+        for app in gone:
             self.meter.forget(app)
-        self._routes = routes
 
     def _one(self, rollout: RolloutRecord) -> tuple[CanaryRoute | None, str]:
         rows = self._rows(rollout)

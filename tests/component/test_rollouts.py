@@ -322,6 +322,43 @@ def test_the_handover_ends_with_fewer_replacements_once_the_fleet_has_settled(
     assert loop.route(APP) is None
 
 
+def test_a_route_read_from_the_database_is_not_written_over_a_tick_made_meanwhile(
+    handover: Handover, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader's serving refresh reads the routes from the database on its thread while the
+    scheduler's tick moves the rollout: a read that began before the tick's move must not put
+    the route back (it did, for up to a refresh, after the handover's end and a roll-back)."""
+    from controlplane.loops.rollouts import ROUTE_GRACE_S
+
+    clock = handover.clock
+    loop = handover.loop(tmp_path)
+    clock.advance(ROUTE_GRACE_S)
+    assert [t.what for t in loop.tick()] == ["ended 2 instance(s) of the old version"]
+    handover.row("wine-3")
+    handover.row("wine-4")
+    clock.advance(ROUTE_GRACE_S)
+    assert loop.route(APP) is not None
+    read = loop._current
+    ticked: list[str] = []
+    inside: list[bool] = []
+
+    def read_then_tick() -> Any:
+        if inside:  # the tick's own read
+            return read()
+        before = read()  # the rollout in handover, as the database had it
+        inside.append(True)
+        ticked.extend(t.what for t in loop.tick())  # meanwhile the tick ends the handover
+        return before
+
+    monkeypatch.setattr(loop, "_current", read_then_tick)
+    loop.refresh_routes()
+    assert len(ticked) == 1 and ticked[0].startswith("handover done"), ticked
+    assert loop.route(APP) is None
+    monkeypatch.undo()
+    loop.refresh_routes()  # a read after the move agrees
+    assert loop.route(APP) is None
+
+
 def test_the_handover_goes_on_when_the_rollouts_workers_ended_first(
     handover: Handover, tmp_path: Path
 ) -> None:
