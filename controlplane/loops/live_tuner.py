@@ -356,9 +356,10 @@ class LiveTuner:
             tuned = self._set_up(app, now_s)
             if tuned is None:
                 return []
+            recalibrated = False  # set up on the profiles as they are now
         elif tuned.budget_usd_per_hr != app.budget_usd_per_hr:
             self._new_budget(tuned, app.budget_usd_per_hr)
-        elif recalibrated:
+        if recalibrated:  # the new budget is read too: _set_up reads the app's
             fresh = self._set_up(app, now_s)
             if fresh is not None and [s.name for s in fresh.stages] == [
                 s.name for s in tuned.stages
@@ -548,7 +549,10 @@ class LiveTuner:
             tuned.rebuild = False
             fresh = self._set_up(app, now_s) if entry.status == "ready" else None
             if fresh is None or [s.name for s in fresh.stages] != [s.name for s in tuned.stages]:
-                return  # a failed build (logged) keeps the old ladders
+                # A failed build (logged) keeps the old ladders, and the decisions say so.
+                why = entry.reason if entry.status == "failed" else "its stages differ"
+                tuned.model_note = f"the ladders of the profiles or budget before: {why}"
+                return
             tuned.stages, tuned.config = fresh.stages, fresh.config
         if entry.status == "building":
             tuned.model_note = "the plan's capacity curve is being built"

@@ -268,10 +268,9 @@ class RolloutLoop:
             if unless_written_since is not None and self._routes_written != unless_written_since:
                 return
             self._routes_written += 1
-            gone = set(self._routes) - set(routes)
+            for app in set(self._routes) - set(routes):
+                self.meter.forget(app)
             self._routes = routes
-        for app in gone:
-            self.meter.forget(app)
 
     def _one(self, rollout: RolloutRecord) -> tuple[CanaryRoute | None, str]:
         rows = self._rows(rollout)
@@ -462,8 +461,15 @@ class RolloutLoop:
         if len(replaced) < len(ended) and not self._settled(promoted_at, ended, fleet, replaced):
             self.store.touch_instances([r.id for r in live])
             return full, ""
+        # When the last old instance ended (a handover recorded before ``ended_at`` was: the
+        # latest move of the instances it ended, no earlier than their end).
         ended_at = handover.get("ended_at")
-        if live and ended_at is not None and not self._grace_over(datetime.fromisoformat(ended_at)):
+        last_end = (
+            datetime.fromisoformat(ended_at)
+            if ended_at is not None
+            else max((r.updated_at for r in fleet if r.id in ended), default=None)
+        )
+        if live and last_end is not None and not self._grace_over(last_end):
             # The queries come back to the app's own dispatchers when the route goes (with no
             # live worker of the rollout's there is none: they are there already): not
             # before every serving process has read the fleet without the old instances the

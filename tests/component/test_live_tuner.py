@@ -321,11 +321,14 @@ def test_a_malformed_envelope_falls_back_to_the_poisson_proxy(
     assert "envelope is not usable" in warning and "Poisson" in warning
 
 
+@pytest.mark.parametrize("budget_too", [False, True], ids=["alone", "with a budget change"])
 def test_a_recalibrated_profile_reaches_the_tuner_at_its_next_tick(
-    store: Store, tmp_path: Path
+    store: Store, tmp_path: Path, budget_too: bool
 ) -> None:
     """After calibration found tiny twice as slow as profiled, the same traffic needs twice the
-    instances: the tuner takes the new profile at its next tick, from the fleet it had."""
+    instances: the tuner takes the new profile at its next tick, from the fleet it had; also
+    when the budget changed before the same tick (the budget's branch took the tick, and the
+    recalibration was lost)."""
     clock, feed = FakeClock(start_s=1000.0), Feed()
     app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
     factors: dict[tuple[str, str], float] = {}
@@ -343,11 +346,13 @@ def test_a_recalibrated_profile_reaches_the_tuner_at_its_next_tick(
     feed.arrival_s = steady(50.0, 945.0, 1005.0)
     assert tuner.tick() == []  # not told yet: the profile it set up with still holds
     tuner.recalibrate(APP)
+    if budget_too:
+        store.change_budget(APP, 0.45, reason="test", who="test")
     clock.advance(5.0)
     feed.arrival_s = steady(50.0, 950.0, 1010.0)
     made = tuner.tick()
     assert [d.action for _, d in made][:1] == ["scale_up"]
-    assert tuner.desired_fleet(app)[SMALL] > 2
+    assert tuner.desired_fleet(store.get_app(APP))[SMALL] > 2
 
 
 def test_a_recalibration_sets_the_app_up_without_computing_the_planning_envelope_again(
@@ -517,6 +522,41 @@ def test_a_recalibration_builds_the_curve_again_and_sizes_safely_meanwhile(
     (stage,) = tuner.stages(APP)
     assert stage.model == "curve"  # the new curve, on the recalibrated profile
     assert stage.rate_per_instance_qps[SMALL] == pytest.approx(50.0 / factor)
+
+
+def test_a_budget_change_builds_the_curve_again_and_keeps_the_fleet_reached(
+    store: Store, tmp_path: Path
+) -> None:
+    """The load model's curve is per (plan, budget): a budget change builds it again, off the
+    tick; meanwhile the old one sizes the stage under the new budget, and the fleet the tuner
+    reached stays (it was set up from the plan's again)."""
+    clock, feed, worker = FakeClock(start_s=1000.0), Feed(), Worker()
+    built: list[int] = []
+    app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
+    tuner = LiveTuner(store, clock, feed, resolve, build_curve=counted(built), submit=worker)
+    feed.arrival_s = steady(50.0, 940.0, 1000.0)
+    assert tuner.tick() == []
+    worker.run()
+    clock.advance(60.0)
+    feed.arrival_s = steady(256.0, 1000.0, 1060.0)
+    tuner.tick()
+    reached = tuner.desired_fleet(store.get_app(APP))[SMALL]
+    assert reached > 2
+
+    store.change_budget(APP, 0.45, reason="test", who="test")
+    clock.advance(1.0)
+    feed.arrival_s = steady(256.0, 1001.0, 1061.0)
+    tuner.tick()
+    assert len(worker.queued) == 1  # built again for the new budget, off the tick
+    (stage,) = tuner.stages(APP)
+    assert stage.model == "curve"  # the old curve meanwhile
+    assert tuner.desired_fleet(store.get_app(APP))[SMALL] == reached
+    worker.run()
+    assert built == [app.applied_plan_id] * 2
+    clock.advance(1.0)
+    tuner.tick()
+    (stage,) = tuner.stages(APP)
+    assert stage.model == "curve" and tuner.desired_fleet(store.get_app(APP))[SMALL] == reached
 
 
 def test_without_its_curve_the_tuner_keeps_inferlines_model_and_says_why(

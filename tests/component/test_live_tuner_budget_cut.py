@@ -138,3 +138,14 @@ def test_a_budget_cut_sheds_the_fleet_reached_and_records_no_scale_up(tmp_path: 
     assert tuner.desired_fleet(store.get_app(APP)) == _running(store) == {SMALL: 4}
     assert fleet_cost_usd_per_hr(tuned.state, tuned.config.prices_usd_per_hr) <= 0.2 + 1e-9
     assert not tuned.state.booting
+
+    # The budget raised again: the fleet reached stays (nothing shed, nothing set up from the
+    # plan's three again), and the load it could not pay for grows it within the new budget.
+    before = max(d.id for d in store.list_decisions(APP))
+    store.change_budget(APP, 0.5, reason="raised", who="test")
+    tick(40.0)
+    raised = [d for d in store.list_decisions(APP) if d.id > before]
+    assert not [d for d in raised if d.kind == "scale_down"], [d.reason for d in raised]
+    grown = tuner.desired_fleet(store.get_app(APP))
+    assert 4 < grown[SMALL] <= 6, grown
+    assert fake.launched_total - launched == grown[SMALL] - 4
