@@ -21,8 +21,9 @@ logged: the envelope of a seeded Poisson trace at the plan's ``planned_rate_qps`
 on the windows from the slowest planned instance's service time (at least
 :data:`controlplane.policies.planner.MIN_ENVELOPE_WINDOW_S`) doubling to ``max_window_s``. Either
 way rho_m keeps the planned fleet while traffic looks like the planned envelope. A new applied plan
-(a new plan id) restarts the tuner from the plan's fleet; a budget change keeps the fleet it has
-reached, shed to the new budget where it costs more (``LiveTuner._new_budget``). Instances take
+(a new plan id) restarts the tuner from the plan's fleet; a change of the app's spec (its budget,
+its caps) keeps the fleet it has reached, shed to a lower budget (``LiveTuner._new_limits``).
+Instances take
 :func:`controlplane.policies.tuner.default_boot_s` to boot; the tuner counts them from launch, as
 the reconciler does.
 
@@ -181,6 +182,8 @@ class _AppTuner:
     # The profiles were recalibrated while the stages ran the load model: its ladders are built
     # again, and the stages keep the old ones until the new ones are ready.
     rebuild: bool = False
+    # The app's version (its spec, budget included) the limits were read from.
+    app_version: int = 0
 
 
 @dataclass(slots=True)
@@ -357,8 +360,8 @@ class LiveTuner:
             if tuned is None:
                 return []
             recalibrated = False  # set up on the profiles as they are now
-        elif tuned.budget_usd_per_hr != app.budget_usd_per_hr:
-            self._new_budget(tuned, app.budget_usd_per_hr)
+        elif tuned.app_version != app.version:
+            self._new_limits(tuned, app)
         if recalibrated:  # the new budget is read too: _set_up reads the app's
             fresh = self._set_up(app, now_s)
             if fresh is not None and [s.name for s in fresh.stages] == [
@@ -425,18 +428,26 @@ class LiveTuner:
             self._apps[app.name] = tuned
         return recorded
 
-    @staticmethod
-    def _new_budget(tuned: _AppTuner, budget_usd_per_hr: float) -> None:
-        """The app's budget changed (its plan did not): the tuner keeps the fleet it has reached
-        and is bounded by the new budget from this tick on (a fleet over it is shed first,
-        :func:`controlplane.policies.tuner.tune`). Set up again from the plan, it started from
-        the plan's fleet whatever ran, and recorded a scale-up to the running fleet beside the
-        reconciler's drain that launched nothing. Stages sized by the load model keep their
-        ladders until the new budget's are built (their targets are held to the budget)."""
-        tuned.budget_usd_per_hr = budget_usd_per_hr
-        tuned.config = dataclasses.replace(tuned.config, budget_usd_per_hr=budget_usd_per_hr)
-        if any(stage.capacity_curve is not None for stage in tuned.stages):
-            tuned.rebuild = True
+    def _new_limits(self, tuned: _AppTuner, app: AppRecord) -> None:
+        """The app's spec changed (its plan did not): its budget and caps bound the tuner from
+        this tick on, and the tuner keeps the fleet it has reached (a fleet over the budget is
+        shed first, :func:`controlplane.policies.tuner.tune`). Set up again from the plan at a
+        budget change, it started from the plan's fleet whatever ran, and recorded a scale-up
+        to the running fleet beside the reconciler's drain that launched nothing. Stages sized
+        by the load model keep their ladders until the new budget's are built (their targets
+        are held to the new limits)."""
+        resolved = self._resolve(app)
+        config = tuned.config
+        tuned.config = dataclasses.replace(
+            config,
+            budget_usd_per_hr=app.budget_usd_per_hr,
+            max_counts=resolved.constraints.caps(config.prices_usd_per_hr),
+        )
+        tuned.app_version = app.version
+        if tuned.budget_usd_per_hr != app.budget_usd_per_hr:
+            tuned.budget_usd_per_hr = app.budget_usd_per_hr
+            if any(stage.capacity_curve is not None for stage in tuned.stages):
+                tuned.rebuild = True  # the ladders are the plan's under the budget
 
     def _set_up(self, app: AppRecord, now_s: float) -> _AppTuner | None:
         plan = self._store.get_applied_plan(app.name)
@@ -512,6 +523,7 @@ class LiveTuner:
         ]
         return _AppTuner(
             plan_id=plan.id,
+            app_version=app.version,
             budget_usd_per_hr=app.budget_usd_per_hr,
             stages=stages,
             config=config,

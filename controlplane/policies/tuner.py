@@ -710,25 +710,38 @@ class _Tick:
         self.decisions.append(ScalingDecision(self.now_s, stage, action, name, count, reason, cost))
 
 
-def _shed_to_budget(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
-    """A fleet that costs more than the budget (the budget was lowered under the fleet the tuner
-    had reached): stop instances one at a time until it fits, each the one that costs the app
-    the least capacity per USD/hr saved, the app's capacity being its bottleneck (the least of
-    each stage's capacity over its share of the queries): within one stage, the least
-    cost-effective type, as the reconciler's budget drain takes it; across a cascade's stages,
-    first those whose loss leaves the bottleneck where it is. Ties: the dearer, then the stage
-    with most of the type, then by name; booting instances of a type go first. Each stage keeps
-    ``max(1, min_instances)``, as the drain keeps a stage's last instance; the planned mix's one
-    instance of each type is not kept (the budget is a hard limit). True when something
-    stopped."""
+def _shed_to_limits(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
+    """A fleet over the app's limits (its budget or a type's cap was lowered under the fleet the
+    tuner had reached): stop instances one at a time until it is within them (a type over its
+    cap first, then the cost), each the one that costs the app the least capacity per USD/hr
+    saved, the app's capacity being its bottleneck (the least of each stage's capacity over its
+    share of the queries): within one stage, the least cost-effective type, as the reconciler's
+    budget drain takes it; across a cascade's stages, first those whose loss leaves the
+    bottleneck where it is. Ties: the dearer, then the stage with most of the type, then by
+    name; booting instances of a type go first. Each stage keeps ``max(1, min_instances)``, as
+    the drain keeps a stage's last instance; the planned mix's one instance of each type is not
+    kept here (the limits are hard). True when something stopped."""
     config, prices = tick.config, tick.config.prices_usd_per_hr
 
     def reach(plan: TunerStage, fleet: Mapping[str, int]) -> float:
         share = plan.scale_factor
         return math.inf if share <= 0.0 else plan.capacity_qps(fleet) / share
 
+    stuck: set[str] = set()  # over its cap, but every stage holding it is at its floor
+
+    def over_cap() -> str | None:
+        for name, cap in sorted(config.max_counts.items()):
+            if name not in stuck and sum(f.get(name, 0) for f in tick.fleets.values()) > cap:
+                return name
+        return None
+
     shed = False
-    while tick.cost_usd_per_hr > config.budget_usd_per_hr + _COST_SLACK_USD_PER_HR:
+    while True:
+        capped = over_cap()
+        if capped is None and tick.cost_usd_per_hr <= (
+            config.budget_usd_per_hr + _COST_SLACK_USD_PER_HR
+        ):
+            break
         reaches = {plan.name: reach(plan, tick.fleets[plan.name]) for plan in plans}
         app_qps = min(reaches.values(), default=math.inf)
         options = []
@@ -739,22 +752,32 @@ def _shed_to_budget(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
             others = min((r for n, r in reaches.items() if n != plan.name), default=math.inf)
             for name, count in fleet.items():
                 price = prices[name]
-                if count <= 0 or price <= 0.0:
+                if count <= 0 or (name != capped if capped is not None else price <= 0.0):
                     continue
                 after = min(others, reach(plan, {**fleet, name: count - 1}))
-                lost = app_qps - after if math.isfinite(app_qps) else 0.0
-                options.append((max(lost, 0.0) / price, -price, -count, plan.name, name, plan))
+                lost = max(app_qps - after, 0.0) if math.isfinite(app_qps) else 0.0
+                per_usd = lost / price if price > 0.0 else lost
+                options.append((per_usd, -price, -count, plan.name, name, plan))
         if not options:
-            break
+            if capped is None:
+                break
+            stuck.add(capped)
+            continue
         *_, name, plan = min(options, key=lambda option: option[:5])
-        before = tick.cost_usd_per_hr
+        if capped is not None:
+            total = sum(fleet.get(name, 0) for fleet in tick.fleets.values())
+            why = f"over the cap: {total} x {name} where the spec allows {config.max_counts[name]}"
+        else:
+            why = (
+                f"over the budget: the fleet costs {tick.cost_usd_per_hr:.6g} USD/hr, the budget"
+                f" is {config.budget_usd_per_hr:.6g} USD/hr"
+            )
         tick.stop(
             plan,
             name,
             1,
-            f"scale_down: over the budget: the fleet costs {before:.6g} USD/hr, the budget is "
-            f"{config.budget_usd_per_hr:.6g} USD/hr; stopped 1 x {name}, the instance whose "
-            "loss costs the app the least capacity per USD/hr",
+            f"scale_down: {why}; stopped 1 x {name}, the instance whose loss costs the app the"
+            " least capacity per USD/hr",
         )
         shed = True
     return shed
@@ -1455,8 +1478,8 @@ def tune(
         cost_usd_per_hr=fleet_cost_usd_per_hr(state, config.prices_usd_per_hr),
     )
 
-    # First the budget (lowered under the fleet reached): nothing is added to a fleet over it.
-    shed = _shed_to_budget(tick, plans)
+    # First the limits (lowered under the fleet reached): nothing is added to a fleet over them.
+    shed = _shed_to_limits(tick, plans)
     down = reading_down(config.planned_rate_qps)
     for plan in plans:
         s, rho = plan.scale_factor, plan.utilisation_target

@@ -89,7 +89,9 @@ def _running(store: Store) -> dict[str, int]:
     return counts
 
 
-def test_a_budget_cut_sheds_the_fleet_reached_and_records_no_scale_up(tmp_path: Path) -> None:
+def test_a_budget_cut_or_a_lower_cap_sheds_the_fleet_reached_and_records_no_scale_up(
+    tmp_path: Path,
+) -> None:
     url = f"sqlite:///{tmp_path / 'hp.db'}"
     migrate.upgrade(url)
     clock = FakeClock(start_s=1000.0)
@@ -149,3 +151,19 @@ def test_a_budget_cut_sheds_the_fleet_reached_and_records_no_scale_up(tmp_path: 
     grown = tuner.desired_fleet(store.get_app(APP))
     assert 4 < grown[SMALL] <= 6, grown
     assert fake.launched_total - launched == grown[SMALL] - 4
+
+    # A cap lowered in the spec (PUT of the app; its plan stays): read at the next tick, the
+    # fleet reached shed to it, and the reconciler stops what the tuner stopped (a cap is no
+    # budget: at the disruption budget's pace).
+    before = max(d.id for d in store.list_decisions(APP))
+    spec = dict(store.get_app(APP).spec)
+    store.update_app(APP, {**spec, "max_counts": {SMALL: 4, LARGE: 2}}, who="test")
+    tick(40.0)
+    capped = [d for d in store.list_decisions(APP) if d.id > before]
+    shed = [d for d in capped if d.kind == "scale_down" and "over the cap" in d.reason]
+    assert sum(d.numbers["count"] for d in shed) == grown[SMALL] - 4, [d.reason for d in capped]
+    assert not [d for d in capped if d.kind == "scale_up"]
+    assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: 4}
+    for _ in range(26):  # the disruption budget paces the serving ones: one a minute
+        tick(40.0)
+    assert tuner.desired_fleet(store.get_app(APP)) == _running(store) == {SMALL: 4}

@@ -275,6 +275,20 @@ def test_a_fleet_over_a_lowered_budget_is_shed_least_cost_effective_first() -> N
     assert not [d for d in decisions if d.action == "scale_down"]
 
 
+def test_a_fleet_over_a_lowered_cap_is_shed_to_it() -> None:
+    """A cap lowered under the fleet the tuner reached (5 x g, the spec now allows 3): two g
+    stop at once, each said, whatever the load wants; then nothing more of g is launched."""
+    plan = one_type_stage()
+    cfg = dataclasses.replace(config(), max_counts={"g": 3})
+    state = TunerState(fleets={"resnet": Fleet.of({"g": 5})}, last_change_s=99.0)
+    decisions, after = tune(steady(256, 90.0, 100.0), 100.0, state, [plan], cfg)
+    downs = [d for d in decisions if d.action == "scale_down"]
+    assert [(d.instance_type, d.count) for d in downs] == [("g", 1), ("g", 1)]
+    assert all("over the cap: " in d.reason and "allows 3" in d.reason for d in downs)
+    assert not [d for d in decisions if d.action == "scale_up"]
+    assert after.fleets["resnet"]["g"] == 3
+
+
 def base_bound_capacity_qps(fleet: Mapping[str, int]) -> float:
     """A Kairos-like mix: the cpus serve only small queries, so the stage serves at most 3x what
     its gpus alone do (the gpus are the bottleneck past 20 cpus per gpu)."""
