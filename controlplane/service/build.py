@@ -504,12 +504,21 @@ def build_scheduler(
                     logger.info("rollout %s of %s: %s", moved.rollout_id, moved.app, moved.what)
 
         bodies = dataclasses.replace(bodies, reconcile=reconcile)
+    # The reconcile job as the scheduler guards it (set once the scheduler exists): the tuner
+    # tick runs it at once after a budget cut, rather than at its next period.
+    reconcile_now: list[Callable[[], object]] = []
     if live_tuner is not None:
+        budgets: dict[str, float] = {}
 
         def tuner_tick() -> None:
             # One read of the apps for the whole tick: each sub-loop listing them again took
             # the serving process's interpreter for a transaction each, every second.
             apps = store.list_apps()
+            cut = any(
+                app.name in budgets and app.budget_usd_per_hr < budgets[app.name] for app in apps
+            )
+            budgets.clear()
+            budgets.update((app.name, app.budget_usd_per_hr) for app in apps)
             for app, decision in live_tuner.tick(apps):
                 logger.info("tuner %s: %s", app, decision.reason)
             if infaas_scaler is not None:
@@ -521,6 +530,12 @@ def build_scheduler(
             if calibrator is not None:
                 for drift in calibrator.tick(apps):
                     logger.info("calibration %s: %s", drift.app, drift.calibration)
+            if cut and reconciler is not None and reconcile_now:
+                # A budget lowered under the fleet: the tuner shed its fleet to it above, and
+                # the reconciler drains the rest now (within a tuner tick of the change, where
+                # its own period is 5 s; the serving process answered the change and records
+                # the drain, the loops process carries it out).
+                reconcile_now[0]()
 
         bodies = dataclasses.replace(bodies, tuner_tick=tuner_tick)
     if live_gears is not None:
@@ -538,7 +553,9 @@ def build_scheduler(
         bodies = dataclasses.replace(bodies, replan=replan)
     if leadership is not None:
         bodies = leadership.fence(bodies)
-    return Scheduler(service_schedule(settings, bodies))
+    scheduler = Scheduler(service_schedule(settings, bodies))
+    reconcile_now.append(scheduler.jobs["reconcile"])
+    return scheduler
 
 
 def build_leadership(settings: Settings) -> Leadership:

@@ -3,12 +3,14 @@ are read once a tick and the same snapshot goes to the tuner, the INFaaS scaler,
 refresh and the calibrator, in that order. Each of them listing the apps again cost the serving
 process's interpreter a transaction each, every second (docs/serving.md, "Through the API").
 
-The sub-loops are stand-ins that record what they were given; the job is called directly.
+The sub-loops are stand-ins that record what they were given; the job is called directly. A
+budget cut seen by a tick runs the reconcile job at once (its drain within a tick of the change).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any, cast
 
 from controlplane.clock import SystemClock
@@ -20,14 +22,29 @@ from controlplane.service.build import build_scheduler
 from controlplane.settings import Settings
 
 
+def app(name: str, budget: float = 1.0) -> Any:
+    return SimpleNamespace(name=name, budget_usd_per_hr=budget)
+
+
 class CountingStore:
-    def __init__(self, apps: list[str]) -> None:
+    def __init__(self, apps: list[Any]) -> None:
         self.apps = apps
         self.listings = 0
 
-    def list_apps(self) -> list[str]:
+    def list_apps(self) -> list[Any]:
         self.listings += 1
         return list(self.apps)
+
+
+class Reconciler:
+    """Counts its ticks (the reconcile job's body runs ``run_once``)."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def run_once(self) -> Any:
+        self.runs += 1
+        return SimpleNamespace(apps={})
 
 
 class SubLoop:
@@ -49,7 +66,8 @@ class SubLoop:
 
 
 def test_one_read_of_the_apps_serves_every_sub_loop_of_a_tick() -> None:
-    store = CountingStore(["a", "b"])
+    a, b = app("a"), app("b")
+    store = CountingStore([a, b])
     seen: list[tuple[str, Any]] = []
     scheduler = build_scheduler(
         Settings(),
@@ -63,9 +81,34 @@ def test_one_read_of_the_apps_serves_every_sub_loop_of_a_tick() -> None:
     assert scheduler.jobs["tuner_tick"]() == "ran"
     assert store.listings == 1
     assert [name for name, _ in seen] == ["tuner", "infaas", "gears", "calibration"]
-    assert all(apps == ["a", "b"] for _, apps in seen)
+    assert all(apps == [a, b] for _, apps in seen)
     # The next tick reads the store again: a snapshot lives for one tick only.
-    store.apps.append("c")
+    c = app("c")
+    store.apps.append(c)
     assert scheduler.jobs["tuner_tick"]() == "ran"
     assert store.listings == 2
-    assert all(apps == ["a", "b", "c"] for _, apps in seen[4:])
+    assert all(apps == [a, b, c] for _, apps in seen[4:])
+
+
+def test_a_budget_cut_runs_the_reconcile_job_at_once() -> None:
+    """A lowered budget: the tick that sees it runs the reconcile job after the tuner (the
+    reconciler drains the fleet to it then, not at its next period, up to 5 s later: a tester
+    saw the fleet cost twice the budget for 4 s); a raise, a new app or the first tick do not."""
+    store = CountingStore([app("a", 0.3)])
+    reconciler = Reconciler()
+    seen: list[tuple[str, Any]] = []
+    scheduler = build_scheduler(
+        Settings(),
+        cast(Any, store),
+        SystemClock(),
+        reconciler=cast(Any, reconciler),
+        live_tuner=cast(LiveTuner, SubLoop("tuner", seen)),
+    )
+    tick = scheduler.jobs["tuner_tick"]
+    assert tick() == "ran" and reconciler.runs == 0  # the first tick: nothing to compare
+    store.apps = [app("a", 0.5), app("b", 0.1)]
+    assert tick() == "ran" and reconciler.runs == 0  # a raise and a new app
+    store.apps = [app("a", 0.2), app("b", 0.1)]
+    assert tick() == "ran" and reconciler.runs == 1  # the cut: reconciled at once
+    assert tick() == "ran" and reconciler.runs == 1  # once per cut
+    assert scheduler.jobs["reconcile"].stats.runs == 1
