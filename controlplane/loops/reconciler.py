@@ -642,6 +642,7 @@ def reconcile(
     # The hard cap at the prices now, with what is leaving (rule 9) paid for until it goes.
     leaving = _shed_leaving(kept, leaving, budget_usd_per_hr - reserved, actions)
     kept = _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
+    _forget_deferred_that_went(actions)
     # The instances draining before their interruption are paid for until they go: the
     # replacements are launched next to them only where the budget pays for both.
     reserved += float(sum(row.record.price_usd_per_hr for row in leaving))
@@ -1161,6 +1162,25 @@ def _drop_excess(
         dropped.update(row.id for row in going)
     remaining = [row for row in kept if row.id not in dropped]
     return remaining, [row for row in remaining if row.id in spared_ids]
+
+
+def _forget_deferred_that_went(actions: list[Action]) -> None:
+    """A deferral (rule 5) says nothing of rows a later rule of the same tick ended (the budget
+    drain outranks the disruption budget): they leave it, and a deferral left with none goes.
+    A tester read "2 serving instance(s) not drained yet ... the rest go later" beside the
+    budget's "terminate 2 instance(s)" of the same two, 15 ms apart."""
+    ended = {i for a in actions if isinstance(a, Terminate) for i in a.instance_ids}
+    if not ended:
+        return
+    kept: list[Action] = []
+    for action in actions:
+        if isinstance(action, DrainDeferred) and ended & set(action.instance_ids):
+            left = tuple(i for i in action.instance_ids if i not in ended)
+            if not left:
+                continue
+            action = dataclasses.replace(action, instance_ids=left)
+        kept.append(action)
+    actions[:] = kept
 
 
 def _fit_budget(

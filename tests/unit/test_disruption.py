@@ -145,6 +145,10 @@ def test_deferred_drains_never_keep_the_fleet_over_the_budget() -> None:
     kept = [r for r in rows if r.id not in terminated(actions)]
     assert sum(r.price_usd_per_hr for r in kept) <= 0.15 + 1e-9
     assert not any(isinstance(a, Launch) for a in actions)
+    # What the budget drained is not said to wait as well (a tester read a deferral of two
+    # instances beside the budget's terminate of the same two): only what is kept waits.
+    assert terminated(actions, "budget")
+    assert deferred(actions, "disruption") <= {r.id for r in kept}
 
 
 # --- the last serving instance of a stage ----------------------------------------------------
