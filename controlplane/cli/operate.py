@@ -501,10 +501,13 @@ def collapse(lines: Sequence[EventLine]) -> list[EventLine]:
 
 
 def _times(line: EventLine) -> str:
+    """``37x over 71.1 s, last 01:14:52``: how many, over how long, and when the last one came
+    (the line's detail is the last one's: without its time a reader took it for the first's)."""
     if line.count == 1:
         return ""
-    span_s = (_instant(line.last_at or line.at) - _instant(line.at)).total_seconds()
-    return f"{line.count}x over {_span(span_s)}"
+    last = _instant(line.last_at or line.at)
+    span_s = (last - _instant(line.at)).total_seconds()
+    return f"{line.count}x over {_span(span_s)}, last {last:%H:%M:%S}"
 
 
 def _span(seconds: float) -> str:
@@ -565,8 +568,10 @@ def events(args: argparse.Namespace) -> int:
         if not merged:
             return "no events"
         if args.no_collapse:
-            rows = [[x.at, x.what, x.kind, x.detail] for x in merged]
-            return table(["AT", "WHAT", "KIND", "DETAIL"], rows)
+            # A decision the service merged (a repeated one) is still one record: its count,
+            # span and last time say whose detail it shows.
+            rows = [[x.at, x.what, x.kind, _times(x), x.detail] for x in merged]
+            return table(["AT", "WHAT", "KIND", "TIMES", "DETAIL"], rows)
         rows = [[x.at, x.what, x.kind, _times(x), x.detail] for x in collapse(merged)]
         return table(["AT", "WHAT", "KIND", "TIMES", "DETAIL"], rows)
 
