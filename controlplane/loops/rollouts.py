@@ -970,12 +970,15 @@ def _alone_text(measured: Mapping[str, Any]) -> str:
     if not workers:
         return "the new version's workers run (not timed alone: the provider gives no address)"
     parts = []
-    for w in workers.values():
+    types = [w["instance_type"] for w in workers.values()]
+    for worker_id, w in workers.items():
         old = w.get("old_profile_mean_ms")
         was = "" if old is None else f" (the old version's profile: mean {old:.1f} ms)"
-        parts.append(
-            f"{w['instance_type']}: P99 {w['p99_ms']:.1f} ms, mean {w['mean_ms']:.1f} ms{was}"
-        )
+        # Workers of one type are told apart by their id (a reader saw one type named twice).
+        label = w["instance_type"]
+        if types.count(label) > 1:
+            label = f"{label} {str(worker_id)[:8]}"
+        parts.append(f"{label}: P99 {w['p99_ms']:.1f} ms, mean {w['mean_ms']:.1f} ms{was}")
     return "timed alone before traffic: " + "; ".join(parts)
 
 

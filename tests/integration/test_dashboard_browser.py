@@ -360,6 +360,11 @@ def test_the_dashboard_in_a_browser(service: Service, tmp_path: Path) -> None:
             expect(drained).to_have_count(1, timeout=DECISION_DEADLINE_MS)
             assert time.monotonic() - happened <= DECISION_DEADLINE_MS / 1000
             expect(drained).to_contain_text("budget lowered")
+            # A decision's figures may be cut to the panel: each one's whole text is its tooltip.
+            figures = page.locator("#decision-log .numbers span").evaluate_all(
+                "(spans) => spans.map((s) => [s.title, s.textContent])"
+            )
+            assert figures and all(title == text for title, text in figures), figures
             # Newest first (the reconciler adds its own decisions as it drains).
             shown = [int(i) for i in page.locator("#decision-log li").evaluate_all(
                 "(items) => items.map((item) => item.dataset.decisionId)"

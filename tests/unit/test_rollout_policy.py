@@ -213,3 +213,23 @@ def test_thresholds_fall_back_to_the_most_accurate_when_no_floor_is_met() -> Non
     assert reachable.meets_floor and not unreachable.meets_floor
     assert unreachable.in_sample_accuracy >= reachable.in_sample_accuracy
     assert unreachable.held_out_samples == reachable.held_out_samples == 150
+
+
+def test_the_timing_alone_tells_workers_of_one_type_apart() -> None:
+    """Two workers of one type timed alone: each is named by its type and id (a reader saw
+    ``emu.cpu.small`` twice with two figures); a type alone is named by its type."""
+    from controlplane.loops.rollouts import _alone_text
+
+    timed = {"p99_ms": 3.0, "mean_ms": 2.0}
+    text = _alone_text(
+        {
+            "workers": {
+                "d6e5a574-aaaa": {"instance_type": "emu.cpu.small", **timed},
+                "46efa399-bbbb": {"instance_type": "emu.cpu.small", **timed},
+                "adb8269f-cccc": {"instance_type": "emu.cpu.large", **timed},
+            }
+        }
+    )
+    assert "emu.cpu.small d6e5a574: P99 3.0 ms" in text
+    assert "emu.cpu.small 46efa399: P99 3.0 ms" in text
+    assert "emu.cpu.large: P99 3.0 ms" in text

@@ -354,8 +354,10 @@
     }
     state.seenDecisions = new Set(all.map(seen));
     const items = list.map((d) => {
+      // A long figure (a launch's instance and request ids) is cut to the panel: its whole text
+      // is the span's tooltip.
       const numbers = Object.entries(d.numbers || {}).map(([k, v]) =>
-        el("span", {}, [el("b", { text: k + " " }), document.createTextNode(numberText(v))]));
+        el("span", { title: k + " " + numberText(v) }, [el("b", { text: k + " " }), document.createTextNode(numberText(v))]));
       const fresh = (state.freshUntil.get(d.id) || 0) > now;
       const repeated = (d.count || 1) > 1;
       // A run of one kind (consecutive gear switches, say) is one entry: the newest of it shown.
