@@ -436,6 +436,12 @@ class InstanceOut(BaseModel):
     price_usd_per_hr: float
     created_at: datetime
     updated_at: datetime
+    role: Literal["fleet", "profile_run", "rollout"] = Field(
+        default="fleet",
+        description="what the instance is for: the app's fleet, a profile run's worker, or a"
+        " rollout's worker (the new version's, beside the fleet)",
+    )
+    rollout_id: int | None = Field(default=None, description="the rollout whose worker it is")
 
 
 class TeardownOut(BaseModel):

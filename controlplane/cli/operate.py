@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -391,6 +391,19 @@ def _served_models(client: Any, app: str) -> dict[str, list[str]]:
     return served
 
 
+def _beside_the_fleet(instance: Mapping[str, Any]) -> str:
+    """What an instance the app's stages do not place serves: a rollout's worker (its new
+    version's queries, on the rollout's own dispatcher), a profile run's, or nothing yet.
+
+    >>> [_beside_the_fleet(i) for i in ({"role": "rollout", "rollout_id": 3}, {"role": "fleet"})]
+    ['rollout 3', '-']
+    """
+    role = instance.get("role")
+    if role == "rollout":
+        return f"rollout {instance.get('rollout_id')}"
+    return "profile run" if role == "profile_run" else "-"
+
+
 def fleet(args: argparse.Namespace) -> int:
     with client_from(args) as client:
         summary = client.get(app_path(args.app, "fleet")) if args.app else None
@@ -424,7 +437,7 @@ def fleet(args: argparse.Namespace) -> int:
         if served:  # which stage (model) each instance serves, as the serving loop placed it
             headers.append("SERVES")
             for row, i in zip(rows, instances, strict=True):
-                row.append(", ".join(served.get(str(i["id"]), [])) or "-")
+                row.append(", ".join(served.get(str(i["id"]), [])) or _beside_the_fleet(i))
         lines.append(table(headers, rows) if rows else "no instances")
         return "\n".join(lines)
 

@@ -94,6 +94,20 @@ def rollout_request_prefix(app: str, rollout_id: int) -> str:
     return f"{PROFILE_REQUEST_PREFIX}rollout-{app[:20]}-{rollout_id}-"
 
 
+def rollout_of(app: str, request_id: str) -> int | None:
+    """The rollout whose worker the instance launched under ``request_id`` for ``app`` is
+    (None: not a rollout's).
+
+    >>> rollout_of("wine", "profile:rollout-wine-3-emu.cpu.small-1"), rollout_of("wine", "w-1")
+    (3, None)
+    """
+    head = f"{PROFILE_REQUEST_PREFIX}rollout-{app[:20]}-"
+    if not request_id.startswith(head):
+        return None
+    number = request_id[len(head) :].split("-", 1)[0]
+    return int(number) if number.isdigit() else None
+
+
 def parse_steps(text: str) -> tuple[float, ...]:
     """``--steps 5,25,50,100`` (percentages of the queries) as shares, checked: increasing,
     each in (0, 100], the last 100.

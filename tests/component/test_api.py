@@ -1149,6 +1149,28 @@ def test_parallel_budget_changes_are_all_audited(api: Api) -> None:
 # --- fleet, events, metrics ------------------------------------------------------------------
 
 
+def test_an_instance_says_what_it_is_for(api: Api) -> None:
+    """The app's fleet, a rollout's worker, a profile run's: read off the request id, so that
+    ``heteroplane fleet`` names what the stages do not place (a tester read "-" for the new
+    version's workers serving every query of their model in a handover)."""
+    api.register()
+    made = {
+        request_id: api.store.record_instance(
+            "toy", request_id=request_id, instance_type="t3.xlarge", price_usd_per_hr=0.1664
+        ).id
+        for request_id in ("toy-1", "profile:rollout-toy-7-t3.xlarge-1", "profile:toy-1a2b-t3")
+    }
+    roles = {
+        i["id"]: (i["role"], i["rollout_id"])
+        for i in api.call("GET", "/v1/instances?app=toy", "viewer").json()
+    }
+    assert roles == {
+        made["toy-1"]: ("fleet", None),
+        made["profile:rollout-toy-7-t3.xlarge-1"]: ("rollout", 7),
+        made["profile:toy-1a2b-t3"]: ("profile_run", None),
+    }
+
+
 def test_instances_fleet_and_events(api: Api) -> None:
     api.register()
     api.register(name="other")

@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from controlplane.api.deps import Admin, Operator, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
 from controlplane.api.routes import AppName, errors
-from controlplane.api.schemas import AppOut, InstanceOut, TeardownOut
+from controlplane.api.routes.fleet import instance_out
+from controlplane.api.schemas import AppOut, TeardownOut
 from controlplane.apps.budget import check_serving_floor
 from controlplane.apps.profile_run import DEFAULT_SAMPLES, ProfileRunRequest, run_profile
 from controlplane.apps.profiler import (
@@ -191,7 +192,7 @@ def delete_app(
         return Response(status_code=204)
     body = TeardownOut(
         app=app,
-        instances=[InstanceOut.model_validate(i) for i in teardown.live],
+        instances=[instance_out(i) for i in teardown.live],
         message=teardown.describe(),
     )
     return JSONResponse(status_code=202, content=body.model_dump(mode="json"))

@@ -11,7 +11,13 @@ from controlplane.api.deps import ServicesDep, Viewer
 from controlplane.api.routes import AppName, errors
 from controlplane.api.schemas import FleetOut, FleetTypeOut, InstanceOut
 from controlplane.db.store import InstanceRecord
-from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, billed_cost_usd_per_hr
+from controlplane.policies.lifecycle import (
+    LIVE_STATES,
+    InstanceState,
+    billed_cost_usd_per_hr,
+    is_profile_worker,
+)
+from controlplane.policies.rollout import rollout_of
 
 __all__ = ["instance_out", "router"]
 
@@ -19,7 +25,14 @@ router = APIRouter(prefix="/v1", tags=["fleet"])
 
 
 def instance_out(record: InstanceRecord) -> InstanceOut:
-    return InstanceOut.model_validate(record)
+    """The instance as the API shows it, with what it is for (read off its request id)."""
+    out = InstanceOut.model_validate(record)
+    rollout = rollout_of(record.app, record.request_id)
+    if rollout is not None:
+        return out.model_copy(update={"role": "rollout", "rollout_id": rollout})
+    if is_profile_worker(record.request_id):
+        return out.model_copy(update={"role": "profile_run"})
+    return out
 
 
 @router.get(
