@@ -208,8 +208,9 @@ def _validation_message(detail: Mapping[str, Any], field: str | None) -> str:
     if not field and kind in ("dict_type", "model_attributes_type"):
         message = "the body must be a JSON object"
     shown = ""
-    # A check of several fields together says what it needs; the whole input is noise then.
-    if kind != "value_error" and "input" in detail:
+    # A check of several fields together says what it needs; the whole input is noise then, as
+    # is a list whose length is at fault (the message says its length: "not 300").
+    if kind not in ("value_error", "too_long", "too_short") and "input" in detail:
         text = repr(detail["input"])
         shown = f", got {text if len(text) <= 60 else text[:57] + '...'}"
     return f"{field}: {message}{shown}" if field else f"{message}{shown}"
@@ -336,6 +337,12 @@ def _on_http_error(request: Request, error: Exception) -> JSONResponse:
     headers = error.headers
     if error.status_code == 404 and message == "Not Found":
         message = f"no route {request.method} {request.url.path}"
+    if error.status_code == 400 and message == "There was an error parsing the body":
+        # FastAPI's answer to a body its JSON parser gave up on other than for its syntax (a
+        # nesting past the interpreter's recursion limit): said as malformed JSON is.
+        return error_response(
+            400, "malformed_json", "the body is not JSON this service reads (nested too deep?)"
+        )
     if error.status_code == 405:
         # Starlette's Allow names the methods of the one route it tried; a path served by
         # several routes (GET and POST /v1/apps) supports all of theirs (RFC 9110 section 15.5.6).

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import numpy as np
 
@@ -51,8 +52,10 @@ def parse_fleet(text: str, catalog: Catalog) -> Fleet:
 
 
 def positive(name: str, value: float | None) -> None:
-    if value is not None and not value > 0:
-        raise UsageError(f"{name} must be > 0, got {value:g}")
+    """Refuse a value that is not a finite number > 0 (``--qos-ms inf`` was taken, and printed
+    "within inf ms: 100.00% of queries")."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{name} must be a finite number > 0, got {value:g}")
 
 
 def at_most(name: str, value: int | None, largest: int) -> None:

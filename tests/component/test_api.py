@@ -676,7 +676,9 @@ def test_deeply_nested_json_is_a_4xx(api: Api) -> None:
     response = api.call(
         "POST", "/v1/apps", content=body, headers={"Content-Type": "application/json"}
     )
-    assert 400 <= response.status_code < 500
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "malformed_json" and "nested too deep" in error["message"], error
 
 
 # --- plans -----------------------------------------------------------------------------------

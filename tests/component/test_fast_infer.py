@@ -119,6 +119,22 @@ def test_what_the_fast_path_does_not_take_gets_the_routes_answer(
     api_run(world, body)
 
 
+def test_too_many_rows_are_refused_by_their_count_not_their_contents(world: ApiWorld) -> None:
+    """300 rows where 256 are taken: the message says how many (it quoted the rows too)."""
+
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
+        response = await client.post(
+            URL, json={"inputs": [row(1, 0.5)] * 300}, headers=world.auth()
+        )
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["field"] == "inputs" and "not 300" in error["message"], error
+        assert "got" not in error["message"] and "[" not in error["message"], error
+
+    api_run(world, body)
+
+
 def test_tokens_apps_and_bodies_the_fast_path_refuses_as_the_route_does(world: ApiWorld) -> None:
     async def body(client: httpx.AsyncClient) -> None:
         world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
