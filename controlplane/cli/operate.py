@@ -514,13 +514,15 @@ def collapse(lines: Sequence[EventLine]) -> list[EventLine]:
 
 
 def _times(line: EventLine) -> str:
-    """``37x over 71.1 s, last 01:14:52``: how many, over how long, and when the last one came
-    (the line's detail is the last one's: without its time a reader took it for the first's)."""
+    """``37x over 71.1 s, last 01:14:52Z``: how many, over how long, and when the last one came,
+    in UTC as the API's times (the date too where it is not the first's day); the line's detail
+    is the last one's: without its time a reader took it for the first's."""
     if line.count == 1:
         return ""
-    last = _instant(line.last_at or line.at)
-    span_s = (last - _instant(line.at)).total_seconds()
-    return f"{line.count}x over {_span(span_s)}, last {last:%H:%M:%S}"
+    first, last = _instant(line.at), _instant(line.last_at or line.at)
+    span_s = (last - first).total_seconds()
+    clock = f"{last:%H:%M:%S}Z" if last.date() == first.date() else f"{last:%Y-%m-%d %H:%M:%S}Z"
+    return f"{line.count}x over {_span(span_s)}, last {clock}"
 
 
 def _span(seconds: float) -> str:

@@ -436,12 +436,20 @@ class LiveTuner:
         to the running fleet beside the reconciler's drain that launched nothing. Stages sized
         by the load model keep their ladders until the new budget's are built (their targets
         are held to the new limits)."""
-        resolved = self._resolve(app)
         config = tuned.config
+        caps = dict(config.max_counts)
+        try:
+            constraints = self._resolve(app).constraints
+        except (EstimatorError, KeyError, ValueError) as error:
+            # A spec that no longer resolves (a profile file gone): the budget holds all the
+            # same (it needs no profile), the caps stay as they were.
+            logger.warning("tuner: %s: the caps stay as they were: %s", app.name, error)
+        else:
+            caps = constraints.caps(config.prices_usd_per_hr)
+            # A type the spec no longer lists may not be bought again (the planner's rule).
+            caps |= {t: 0 for t in config.prices_usd_per_hr if t not in constraints.instance_types}
         tuned.config = dataclasses.replace(
-            config,
-            budget_usd_per_hr=app.budget_usd_per_hr,
-            max_counts=resolved.constraints.caps(config.prices_usd_per_hr),
+            config, budget_usd_per_hr=app.budget_usd_per_hr, max_counts=caps
         )
         tuned.app_version = app.version
         if tuned.budget_usd_per_hr != app.budget_usd_per_hr:

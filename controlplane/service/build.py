@@ -509,16 +509,31 @@ def build_scheduler(
     reconcile_now: list[Callable[[], object]] = []
     if live_tuner is not None:
         budgets: dict[str, float] = {}
+        # A cut seen and not yet reconciled (the sub-loops raised, or a periodic reconcile was
+        # running and the call was skipped): the next tick reconciles for it.
+        cut_pending: list[bool] = [False]
 
         def tuner_tick() -> None:
             # One read of the apps for the whole tick: each sub-loop listing them again took
             # the serving process's interpreter for a transaction each, every second.
             apps = store.list_apps()
-            cut = any(
+            if any(
                 app.name in budgets and app.budget_usd_per_hr < budgets[app.name] for app in apps
-            )
+            ):
+                cut_pending[0] = True
             budgets.clear()
             budgets.update((app.name, app.budget_usd_per_hr) for app in apps)
+            try:
+                sub_loops(apps)
+            finally:
+                if cut_pending[0] and reconciler is not None and reconcile_now:
+                    # A budget lowered under the fleet: the tuner shed its fleet to it above,
+                    # and the reconciler drains the rest now (within a tuner tick of the
+                    # change, where its own period is 5 s; the serving process answered the
+                    # change and records the drain, the loops process carries it out).
+                    cut_pending[0] = reconcile_now[0]() == "skipped"
+
+        def sub_loops(apps: list[AppRecord]) -> None:
             for app, decision in live_tuner.tick(apps):
                 logger.info("tuner %s: %s", app, decision.reason)
             if infaas_scaler is not None:
@@ -530,12 +545,6 @@ def build_scheduler(
             if calibrator is not None:
                 for drift in calibrator.tick(apps):
                     logger.info("calibration %s: %s", drift.app, drift.calibration)
-            if cut and reconciler is not None and reconcile_now:
-                # A budget lowered under the fleet: the tuner shed its fleet to it above, and
-                # the reconciler drains the rest now (within a tuner tick of the change, where
-                # its own period is 5 s; the serving process answered the change and records
-                # the drain, the loops process carries it out).
-                reconcile_now[0]()
 
         bodies = dataclasses.replace(bodies, tuner_tick=tuner_tick)
     if live_gears is not None:

@@ -122,7 +122,7 @@ def test_events_collapses_a_burst_into_one_line(
     assert body == ["scale_up", "gear_switch", "scale_down", "new"]  # "new -> running"
     (burst,) = [line for line in lines if "gear_switch" in line]
     last = FAKE_EPOCH + timedelta(seconds=11 + 0.1 * (BURST - 1))  # the last switch's time
-    assert f"{BURST}x over 11.9 s, last {last:%H:%M:%S}" in burst
+    assert f"{BURST}x over 11.9 s, last {last:%H:%M:%S}Z" in burst
     assert f"switch {BURST - 1}" in burst
     status, out, _ = cli(
         capsys, service, "events", "--app", APP, "--limit", "1000", "--no-collapse"

@@ -167,3 +167,34 @@ def test_a_budget_cut_or_a_lower_cap_sheds_the_fleet_reached_and_records_no_scal
     for _ in range(26):  # the disruption budget paces the serving ones: one a minute
         tick(40.0)
     assert tuner.desired_fleet(store.get_app(APP)) == _running(store) == {SMALL: 4}
+
+
+def test_a_budget_cut_holds_when_the_spec_no_longer_resolves(tmp_path: Path) -> None:
+    """The app's profiles gone (its spec no longer resolves) when the budget is cut: the tuner
+    still takes the new budget (it needs no profile) and sheds to it; it used to stay on the old
+    limits, retrying the spec every tick."""
+    url = f"sqlite:///{tmp_path / 'hp.db'}"
+    migrate.upgrade(url)
+    clock = FakeClock(start_s=1000.0)
+    store = Store.from_url(url, clock)
+    store.create_app(_spec(tmp_path), who="test")
+    store.apply_plan(APP, store.create_plan(APP, _plan()).id)
+    broken: list[bool] = []
+
+    def resolve(app: AppRecord) -> Any:
+        if broken:
+            raise ValueError("profiles.json: no such file")
+        return _resolve(app)
+
+    now = clock.now_s()
+    tuner = LiveTuner(
+        store, clock, lambda _app: _steady(40.0, now - 60.0, now), resolve, model="inferline"
+    )
+    tuner.tick()
+    grown = tuner.desired_fleet(store.get_app(APP))[SMALL]
+    assert grown > 4
+    broken.append(True)
+    store.change_budget(APP, 0.2, reason="cut", who="test")
+    clock.advance(1.0)
+    tuner.tick()
+    assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: 4}

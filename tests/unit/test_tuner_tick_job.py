@@ -112,3 +112,12 @@ def test_a_budget_cut_runs_the_reconcile_job_at_once() -> None:
     assert tick() == "ran" and reconciler.runs == 1  # the cut: reconciled at once
     assert tick() == "ran" and reconciler.runs == 1  # once per cut
     assert scheduler.jobs["reconcile"].stats.runs == 1
+    # A cut while a periodic reconcile runs (that run may have read the fleet before the cut):
+    # the call is skipped, and the next tick reconciles for it.
+    running = scheduler.jobs["reconcile"]._running
+    running.acquire()
+    store.apps = [app("a", 0.15), app("b", 0.1)]
+    assert tick() == "ran" and reconciler.runs == 1
+    running.release()
+    assert tick() == "ran" and reconciler.runs == 2
+    assert tick() == "ran" and reconciler.runs == 2
