@@ -116,6 +116,7 @@ from controlplane.policies.disruption import DisruptionBudget
 from controlplane.policies.drain import qps_by_type
 from controlplane.policies.gears import Hysteresis
 from controlplane.policies.infaas_scaling import ScalingConfig
+from controlplane.policies.lifecycle import billed_cost_usd_per_hr
 from controlplane.provisioning import build_provisioner, provider_spot_prices
 from controlplane.service.app import create_app
 from controlplane.serving.loop import ServingLoop
@@ -517,9 +518,12 @@ def build_scheduler(
             # One read of the apps for the whole tick: each sub-loop listing them again took
             # the serving process's interpreter for a transaction each, every second.
             apps = store.list_apps()
+            cut = [a for a in apps if a.name in budgets and a.budget_usd_per_hr < budgets[a.name]]
             if any(
-                app.name in budgets and app.budget_usd_per_hr < budgets[app.name] for app in apps
+                billed_cost_usd_per_hr(store.list_instances(a.name)) > a.budget_usd_per_hr
+                for a in cut
             ):
+                # Lowered under what its fleet costs (a cut the fleet fits drains nothing).
                 cut_pending[0] = True
             budgets.clear()
             budgets.update((app.name, app.budget_usd_per_hr) for app in apps)

@@ -27,13 +27,17 @@ def app(name: str, budget: float = 1.0) -> Any:
 
 
 class CountingStore:
-    def __init__(self, apps: list[Any]) -> None:
+    def __init__(self, apps: list[Any], instances: list[Any] | None = None) -> None:
         self.apps = apps
+        self.instances = instances or []
         self.listings = 0
 
     def list_apps(self) -> list[Any]:
         self.listings += 1
         return list(self.apps)
+
+    def list_instances(self, app: str) -> list[Any]:
+        return [i for i in self.instances if i.app == app]
 
 
 class Reconciler:
@@ -91,10 +95,12 @@ def test_one_read_of_the_apps_serves_every_sub_loop_of_a_tick() -> None:
 
 
 def test_a_budget_cut_runs_the_reconcile_job_at_once() -> None:
-    """A lowered budget: the tick that sees it runs the reconcile job after the tuner (the
-    reconciler drains the fleet to it then, not at its next period, up to 5 s later: a tester
-    saw the fleet cost twice the budget for 4 s); a raise, a new app or the first tick do not."""
-    store = CountingStore([app("a", 0.3)])
+    """A budget lowered under what the fleet costs: the tick that sees it runs the reconcile job
+    after the tuner (the reconciler drains the fleet to it then, not at its next period, up to
+    5 s later: a tester saw the fleet cost twice the budget for 4 s); a raise, a new app, the
+    first tick, or a cut the fleet still fits do not."""
+    fleet = [SimpleNamespace(app="a", price_usd_per_hr=0.1, state="running") for _ in range(2)]
+    store = CountingStore([app("a", 0.3)], fleet)
     reconciler = Reconciler()
     seen: list[tuple[str, Any]] = []
     scheduler = build_scheduler(
@@ -109,14 +115,16 @@ def test_a_budget_cut_runs_the_reconcile_job_at_once() -> None:
     store.apps = [app("a", 0.5), app("b", 0.1)]
     assert tick() == "ran" and reconciler.runs == 0  # a raise and a new app
     store.apps = [app("a", 0.2), app("b", 0.1)]
-    assert tick() == "ran" and reconciler.runs == 1  # the cut: reconciled at once
+    assert tick() == "ran" and reconciler.runs == 0  # a cut the fleet (0.2 USD/hr) fits
+    store.apps = [app("a", 0.15), app("b", 0.1)]
+    assert tick() == "ran" and reconciler.runs == 1  # under the fleet: reconciled at once
     assert tick() == "ran" and reconciler.runs == 1  # once per cut
     assert scheduler.jobs["reconcile"].stats.runs == 1
     # A cut while a periodic reconcile runs (that run may have read the fleet before the cut):
     # the call is skipped, and the next tick reconciles for it.
     running = scheduler.jobs["reconcile"]._running
     running.acquire()
-    store.apps = [app("a", 0.15), app("b", 0.1)]
+    store.apps = [app("a", 0.12), app("b", 0.1)]
     assert tick() == "ran" and reconciler.runs == 1
     running.release()
     assert tick() == "ran" and reconciler.runs == 2
