@@ -28,14 +28,16 @@ store, and keeps the fleet the policy wants, which the reconciler reads through
 :meth:`InfaasScaler.desired_fleet` (the reconciler stays the only code that acts on provisioners:
 it launches toward a larger count and drains toward a smaller one, never past the budget).
 
-The policy starts from the applied plan's fleet; a new applied plan (a new plan id) or a budget
-change starts it again from the plan's fleet. An app the serving loop does not serve (no status,
-or no arrival source) stays on its plan. The live tuner leaves these apps alone
-(``scaling`` decides which of the two scales an app).
+The policy starts from the applied plan's fleet; a new applied plan (a new plan id) starts it again
+from the plan's fleet, a budget change keeps the fleet it reached, cut to the new budget least
+cost-effective first (:func:`_within_budget`). An app the serving loop does not serve (no status,
+or no arrival source) stays on its plan. The live tuner leaves these apps alone (``scaling``
+decides which of the two scales an app).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -96,6 +98,61 @@ class _AppScaler:
     plan_id: int
     budget_usd_per_hr: float
     state: ScalerState
+
+
+def _best_rates(resolved: ResolvedApp, models: Sequence[str]) -> dict[str, float]:
+    """Per type, the most queries a second an instance of it serves of any of ``models`` at its
+    smallest batch (0 where none within the SLO): what an instance is worth when the fleet must
+    be cut."""
+    slo_ms = resolved.constraints.slo_ms
+    rates: dict[str, float] = {}
+    for t in resolved.instance_types:
+        best = 0.0
+        for model in models:
+            try:
+                profile = resolved.profile(model, t)
+            except (EstimatorError, KeyError):
+                continue
+            mean_ms = profile.mean_latency_ms(profile.min_batch_size)
+            if mean_ms <= slo_ms and mean_ms > 0:
+                best = max(best, 1000.0 * profile.min_batch_size / mean_ms)
+        rates[t] = best
+    return rates
+
+
+def _within_budget(
+    fleet: Mapping[str, int],
+    prices_usd_per_hr: Mapping[str, float],
+    budget_usd_per_hr: float,
+    rates_qps: Mapping[str, float],
+) -> dict[str, int]:
+    """``fleet`` less its least cost-effective instances (queries a second per USD/hr; ties:
+    the dearer) until it costs no more than the budget, as the reconciler's budget drain cuts.
+
+    >>> _within_budget({"cpu": 3, "gpu": 1}, {"cpu": 0.1, "gpu": 1.0}, 0.5, {"cpu": 5, "gpu": 20})
+    {'cpu': 3}
+    """
+    kept = {t: n for t, n in fleet.items() if n > 0}
+
+    def cost() -> float:
+        return sum(prices_usd_per_hr.get(t, 0.0) * n for t, n in kept.items())
+
+    while kept and cost() > budget_usd_per_hr + 1e-9:
+        priced = [t for t in kept if prices_usd_per_hr.get(t, 0.0) > 0]
+        if not priced:
+            break
+        worst = min(
+            priced,
+            key=lambda t: (
+                rates_qps.get(t, 0.0) / prices_usd_per_hr[t],
+                -prices_usd_per_hr[t],
+                t,
+            ),
+        )
+        kept[worst] -= 1
+        if kept[worst] == 0:
+            del kept[worst]
+    return kept
 
 
 class InfaasScaler:
@@ -166,15 +223,23 @@ class InfaasScaler:
             return []
         with self._lock:
             scaled = self._apps.get(app.name)
-        if (
-            scaled is None
-            or scaled.plan_id != plan.id
-            or scaled.budget_usd_per_hr != app.budget_usd_per_hr
-        ):
+        resolved = self._resolve(app)
+        if scaled is None or scaled.plan_id != plan.id:
             scaled = _AppScaler(
                 plan.id, app.budget_usd_per_hr, initial_state(plan.plan.fleet, now_s)
             )
-        resolved = self._resolve(app)
+        elif scaled.budget_usd_per_hr != app.budget_usd_per_hr:
+            # The fleet the policy reached stays, cut to the new budget (started again from the
+            # plan's fleet, it wanted what the reconciler then drained, or bought back).
+            fleet = _within_budget(
+                scaled.state.fleet,
+                resolved.prices_usd_per_hr,
+                app.budget_usd_per_hr,
+                _best_rates(resolved, list(resolved.spec.serving_order)),
+            )
+            scaled = _AppScaler(
+                plan.id, app.budget_usd_per_hr, dataclasses.replace(scaled.state, fleet=fleet)
+            )
         document = plan.plan
         stages = {stage.name: stage for stage in document.stages}
         models = list(resolved.spec.serving_order)

@@ -282,3 +282,35 @@ def test_the_scaler_leaves_inferline_apps_alone(tmp_path: Path) -> None:
         assert store.get_app(APP).spec["scaling"] == "inferline"
     finally:
         store.close()
+
+
+def test_a_budget_cut_keeps_the_fleet_reached_cut_to_the_budget(tmp_path: Path) -> None:
+    """The policy had reached three instances (0.30 USD/hr); the budget is cut to 0.25: it keeps
+    two, what the new budget pays for and what the reconciler drains to. Started again from the
+    plan's one, it wanted one (the reconciler drained to it, then the policy bought back)."""
+    from controlplane.loops.infaas_scaler import _AppScaler
+    from controlplane.policies.infaas_scaling import initial_state
+    from controlplane.serving.dispatcher import AppStatus
+
+    clock = FakeClock(start_s=1000.0)
+    store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
+    try:
+        resolver = AppResolver(tmp_path)
+        document = {**spec(tmp_path), "budget_usd_per_hr": 0.35}
+        store.create_app(spec_document(resolver.check(document).spec), who="test")
+        plan = store.create_plan(APP, PLAN)
+        store.apply_plan(APP, plan.id)
+        idle = AppStatus(APP, "", 100.0, (), (), 0)
+        scaler = InfaasScaler(
+            store, clock, lambda _app: np.empty(0), lambda: [idle], stored_apps(resolver)
+        )
+        scaler.tick()
+        assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 1}  # the plan's
+        # The fleet the policy reached (its replications are the other tests' business).
+        scaler._apps[APP] = _AppScaler(plan.id, 0.35, initial_state({LARGE: 3}, clock.now_s()))
+        store.change_budget(APP, 0.25, reason="cut", who="test")
+        clock.advance(1.0)
+        scaler.tick()
+        assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 2}
+    finally:
+        store.close()
