@@ -89,15 +89,21 @@ def _running(store: Store) -> dict[str, int]:
     return counts
 
 
-def test_a_budget_cut_or_a_lower_cap_sheds_the_fleet_reached_and_records_no_scale_up(
-    tmp_path: Path,
-) -> None:
+def _applied(tmp_path: Path) -> tuple[FakeClock, Store]:
+    """A store through the migrations with the demo-shaped app and its plan applied."""
     url = f"sqlite:///{tmp_path / 'hp.db'}"
     migrate.upgrade(url)
     clock = FakeClock(start_s=1000.0)
     store = Store.from_url(url, clock)
     store.create_app(_spec(tmp_path), who="test")
     store.apply_plan(APP, store.create_plan(APP, _plan()).id)
+    return clock, store
+
+
+def test_a_budget_cut_or_a_lower_cap_sheds_the_fleet_reached_and_records_no_scale_up(
+    tmp_path: Path,
+) -> None:
+    clock, store = _applied(tmp_path)
     arrivals = {"a": np.empty(0)}
     tuner = LiveTuner(store, clock, lambda _app: arrivals["a"], _resolve, model="inferline")
     fake = FakeProvisioner(now=clock.utcnow)
@@ -173,12 +179,7 @@ def test_a_budget_cut_holds_when_the_spec_no_longer_resolves(tmp_path: Path) -> 
     """The app's profiles gone (its spec no longer resolves) when the budget is cut: the tuner
     still takes the new budget (it needs no profile) and sheds to it; it used to stay on the old
     limits, retrying the spec every tick."""
-    url = f"sqlite:///{tmp_path / 'hp.db'}"
-    migrate.upgrade(url)
-    clock = FakeClock(start_s=1000.0)
-    store = Store.from_url(url, clock)
-    store.create_app(_spec(tmp_path), who="test")
-    store.apply_plan(APP, store.create_plan(APP, _plan()).id)
+    clock, store = _applied(tmp_path)
     broken: list[bool] = []
 
     def resolve(app: AppRecord) -> Any:
