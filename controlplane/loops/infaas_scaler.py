@@ -28,11 +28,11 @@ store, and keeps the fleet the policy wants, which the reconciler reads through
 :meth:`InfaasScaler.desired_fleet` (the reconciler stays the only code that acts on provisioners:
 it launches toward a larger count and drains toward a smaller one, never past the budget).
 
-The policy starts from the applied plan's fleet; a new applied plan (a new plan id) starts it again
-from the plan's fleet, a budget change keeps the fleet it reached, cut to the new budget least
-cost-effective first (:func:`_within_budget`). An app the serving loop does not serve (no status,
-or no arrival source) stays on its plan. The live tuner leaves these apps alone (``scaling``
-decides which of the two scales an app).
+The policy starts from the applied plan's fleet; a new applied plan (a new plan id) starts it
+again from the plan's fleet, a budget change keeps the fleet it reached, cut to the new budget as
+the reconciler's budget drain cuts it (:func:`_within_budget`). An app the serving loop does not
+serve (no status, or no arrival source) stays on its plan. The live tuner leaves these apps
+alone (``scaling`` decides which of the two scales an app).
 """
 
 from __future__ import annotations
@@ -41,15 +41,19 @@ import dataclasses
 import logging
 import math
 import threading
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import numpy as np
 from numpy.typing import NDArray
 
+from controlplane.apps.resolver import smallest_common_batch_size
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, Store
 from controlplane.policies import scaling
+from controlplane.policies.drain import DrainInstance, plan_drain, qps_by_type
 from controlplane.policies.infaas_scaling import (
     OverloadNote,
     ScalerState,
@@ -61,6 +65,7 @@ from controlplane.policies.infaas_scaling import (
     decide,
     initial_state,
 )
+from controlplane.policies.lifecycle import InstanceState
 from controlplane.policies.replay import rate_per_instance_qps
 from controlplane.policies.tuner import default_boot_s
 from controlplane.serving.dispatcher import AppStatus
@@ -76,6 +81,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# The one launch time the budget cut's stand-in instances share (the drain's order does not
+# read it among equals of one type).
+_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 
 ArrivalSource = Callable[[str], NDArray[np.float64] | None]
 """App name -> its recent arrival times (the clock's seconds), ``None`` when nothing observes it."""
@@ -100,59 +109,26 @@ class _AppScaler:
     state: ScalerState
 
 
-def _best_rates(resolved: ResolvedApp, models: Sequence[str]) -> dict[str, float]:
-    """Per type, the most queries a second an instance of it serves of any of ``models`` at its
-    smallest batch (0 where none within the SLO): what an instance is worth when the fleet must
-    be cut."""
-    slo_ms = resolved.constraints.slo_ms
-    rates: dict[str, float] = {}
-    for t in resolved.instance_types:
-        best = 0.0
-        for model in models:
-            try:
-                profile = resolved.profile(model, t)
-            except (EstimatorError, KeyError):
-                continue
-            mean_ms = profile.mean_latency_ms(profile.min_batch_size)
-            if mean_ms <= slo_ms and mean_ms > 0:
-                best = max(best, 1000.0 * profile.min_batch_size / mean_ms)
-        rates[t] = best
-    return rates
-
-
 def _within_budget(
-    fleet: Mapping[str, int],
-    prices_usd_per_hr: Mapping[str, float],
-    budget_usd_per_hr: float,
-    rates_qps: Mapping[str, float],
+    fleet: Mapping[str, int], resolved: ResolvedApp, budget_usd_per_hr: float
 ) -> dict[str, int]:
-    """``fleet`` less its least cost-effective instances (queries a second per USD/hr; ties:
-    the dearer) until it costs no more than the budget, as the reconciler's budget drain cuts.
-
-    >>> _within_budget({"cpu": 3, "gpu": 1}, {"cpu": 0.1, "gpu": 1.0}, 0.5, {"cpu": 5, "gpu": 20})
-    {'cpu': 3}
-    """
-    kept = {t: n for t, n in fleet.items() if n > 0}
-
-    def cost() -> float:
-        return sum(prices_usd_per_hr.get(t, 0.0) * n for t, n in kept.items())
-
-    while kept and cost() > budget_usd_per_hr + 1e-9:
-        priced = [t for t in kept if prices_usd_per_hr.get(t, 0.0) > 0]
-        if not priced:
-            break
-        worst = min(
-            priced,
-            key=lambda t: (
-                rates_qps.get(t, 0.0) / prices_usd_per_hr[t],
-                -prices_usd_per_hr[t],
-                t,
-            ),
-        )
-        kept[worst] -= 1
-        if kept[worst] == 0:
-            del kept[worst]
-    return kept
+    """``fleet`` less what the reconciler's budget drain would take off it
+    (:func:`~controlplane.policies.drain.plan_drain`, least cost-effective first, at the same
+    per-type rates the reconciler prices the app's instances by; by price alone where a
+    profile is missing, as it does)."""
+    prices = resolved.prices_usd_per_hr
+    units = [
+        DrainInstance(f"{t}-{k}", t, InstanceState.RUNNING.value, prices.get(t, 0.0), _EPOCH)
+        for t, n in fleet.items()
+        for k in range(n)
+    ]
+    try:
+        values = qps_by_type(resolved, smallest_common_batch_size(resolved))
+    except (EstimatorError, KeyError, ValueError):
+        values = {}
+    kept = Counter({t: n for t, n in fleet.items() if n > 0})
+    kept.subtract(c.instance_type for c in plan_drain(units, budget_usd_per_hr, values).drain)
+    return {t: n for t, n in kept.items() if n > 0}
 
 
 class InfaasScaler:
@@ -231,12 +207,7 @@ class InfaasScaler:
         elif scaled.budget_usd_per_hr != app.budget_usd_per_hr:
             # The fleet the policy reached stays, cut to the new budget (started again from the
             # plan's fleet, it wanted what the reconciler then drained, or bought back).
-            fleet = _within_budget(
-                scaled.state.fleet,
-                resolved.prices_usd_per_hr,
-                app.budget_usd_per_hr,
-                _best_rates(resolved, list(resolved.spec.serving_order)),
-            )
+            fleet = _within_budget(scaled.state.fleet, resolved, app.budget_usd_per_hr)
             scaled = _AppScaler(
                 plan.id, app.budget_usd_per_hr, dataclasses.replace(scaled.state, fleet=fleet)
             )
