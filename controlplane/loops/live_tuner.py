@@ -167,7 +167,6 @@ class _AppTuner:
     """One app's tuner: the plan it was set up from and the state it has reached."""
 
     plan_id: int
-    budget_usd_per_hr: float
     stages: list[TunerStage]
     config: TunerConfig
     state: TunerState
@@ -437,6 +436,7 @@ class LiveTuner:
         by the load model keep their ladders until the new budget's are built (their targets
         are held to the new limits)."""
         config = tuned.config
+        new_budget = config.budget_usd_per_hr != app.budget_usd_per_hr
         caps = dict(config.max_counts)
         try:
             constraints = self._resolve(app).constraints
@@ -452,10 +452,8 @@ class LiveTuner:
             config, budget_usd_per_hr=app.budget_usd_per_hr, max_counts=caps
         )
         tuned.app_version = app.version
-        if tuned.budget_usd_per_hr != app.budget_usd_per_hr:
-            tuned.budget_usd_per_hr = app.budget_usd_per_hr
-            if any(stage.capacity_curve is not None for stage in tuned.stages):
-                tuned.rebuild = True  # the ladders are the plan's under the budget
+        if new_budget and any(stage.capacity_curve is not None for stage in tuned.stages):
+            tuned.rebuild = True  # the ladders are the plan's under the budget
 
     def _set_up(self, app: AppRecord, now_s: float) -> _AppTuner | None:
         plan = self._store.get_applied_plan(app.name)
@@ -532,7 +530,6 @@ class LiveTuner:
         return _AppTuner(
             plan_id=plan.id,
             app_version=app.version,
-            budget_usd_per_hr=app.budget_usd_per_hr,
             stages=stages,
             config=config,
             state=initial_state(stages, now_s),
@@ -550,7 +547,7 @@ class LiveTuner:
         if len(tuned.stages) > 1 and not self._cascade_ladders:
             tuned.model_note = "a cascade: InferLine's model per stage"
             return
-        key = (app.name, tuned.plan_id, tuned.budget_usd_per_hr)
+        key = (app.name, tuned.plan_id, tuned.config.budget_usd_per_hr)
         with self._lock:
             entry = self._curves.get(key)
             if entry is None:

@@ -505,16 +505,14 @@ def build_scheduler(
                     logger.info("rollout %s of %s: %s", moved.rollout_id, moved.app, moved.what)
 
         bodies = dataclasses.replace(bodies, reconcile=reconcile)
-    # The reconcile job as the scheduler guards it (set once the scheduler exists): the tuner
-    # tick runs it at once after a budget cut, rather than at its next period.
-    reconcile_now: list[Callable[[], object]] = []
     if live_tuner is not None:
         budgets: dict[str, float] = {}
         # A cut seen and not yet reconciled (the sub-loops raised, or a periodic reconcile was
         # running and the call was skipped): the next tick reconciles for it.
-        cut_pending: list[bool] = [False]
+        cut_pending = False
 
         def tuner_tick() -> None:
+            nonlocal cut_pending
             # One read of the apps for the whole tick: each sub-loop listing them again took
             # the serving process's interpreter for a transaction each, every second.
             apps = store.list_apps()
@@ -524,18 +522,19 @@ def build_scheduler(
                 for a in cut
             ):
                 # Lowered under what its fleet costs (a cut the fleet fits drains nothing).
-                cut_pending[0] = True
+                cut_pending = True
             budgets.clear()
             budgets.update((app.name, app.budget_usd_per_hr) for app in apps)
             try:
                 sub_loops(apps)
             finally:
-                if cut_pending[0] and reconciler is not None and reconcile_now:
+                if cut_pending and reconciler is not None:
                     # A budget lowered under the fleet: the tuner shed its fleet to it above,
-                    # and the reconciler drains the rest now (within a tuner tick of the
-                    # change, where its own period is 5 s; the serving process answered the
-                    # change and records the drain, the loops process carries it out).
-                    cut_pending[0] = reconcile_now[0]() == "skipped"
+                    # and the reconciler drains the rest now, through the scheduler's guarded
+                    # reconcile job (within a tuner tick of the change, where its own period is
+                    # 5 s; the serving process answered the change and records the drain, the
+                    # loops process carries it out).
+                    cut_pending = scheduler.jobs["reconcile"]() == "skipped"
 
         def sub_loops(apps: list[AppRecord]) -> None:
             for app, decision in live_tuner.tick(apps):
@@ -567,7 +566,6 @@ def build_scheduler(
     if leadership is not None:
         bodies = leadership.fence(bodies)
     scheduler = Scheduler(service_schedule(settings, bodies))
-    reconcile_now.append(scheduler.jobs["reconcile"])
     return scheduler
 
 
