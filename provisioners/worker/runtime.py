@@ -154,6 +154,7 @@ def load_runtime(
     ``threads`` caps the intra-op threads (onnxruntime's session; torch's process-wide setting).
     Raises :class:`ModelLoadError` with a one-line reason.
     """
+    detected = format is None
     if format is None:
         format = detect_format(path)
     if format not in FORMATS:
@@ -169,7 +170,16 @@ def load_runtime(
                 "an ONNX model's inputs come from its graph: give inputs (--inputs) only for a"
                 " TorchScript model"
             )
-        runtime = _OnnxRuntime(Path(path), device, threads)
+        try:
+            runtime = _OnnxRuntime(Path(path), device, threads)
+        except ModelLoadError as error:
+            if detected and "is not an ONNX model" in str(error):
+                # Not a zip, so not TorchScript either: say both, not only the format tried.
+                raise ModelLoadError(
+                    f"{Path(path).name} is neither a TorchScript archive (not a zip file) nor"
+                    f" an ONNX model onnxruntime can load: {str(error).split(': ', 1)[-1]}"
+                ) from None
+            raise
     else:
         runtime = _TorchScriptRuntime(Path(path), device, inputs, threads)
     check_batchable(runtime.signature)

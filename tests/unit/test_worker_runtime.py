@@ -167,7 +167,8 @@ def test_models_without_a_dynamic_batch_dimension_are_refused(
 @pytest.mark.parametrize(
     ("name", "format", "fragment"),
     [
-        ("text", None, "is not an ONNX model"),
+        ("text", None, "neither a TorchScript archive .* nor an ONNX model"),
+        ("text", "onnx", "is not an ONNX model"),
         ("onnx_truncated", "onnx", "is not an ONNX model"),
         ("torchscript_truncated", None, "is not a TorchScript archive"),
         ("onnx", "torchscript", "is not a TorchScript archive"),
@@ -286,8 +287,9 @@ def test_inspect_prints_the_signature_as_json(
 @pytest.mark.parametrize(
     ("name", "args", "fragment"),
     [
-        ("text", (), "is not an ONNX model"),
-        ("onnx_truncated", (), "is not an ONNX model"),
+        ("text", (), "neither a TorchScript archive (not a zip file) nor an ONNX model"),
+        ("text", ("--format", "onnx"), "is not an ONNX model"),
+        ("onnx_truncated", (), "an ONNX model onnxruntime can load"),
         ("torchscript_truncated", (), "is not a TorchScript archive"),
         ("torchscript_bare", (), "holds no input shapes"),
         ("onnx_fixed", (), "export with a dynamic batch axis"),
