@@ -42,7 +42,7 @@ in the tick: when the tuner first sets up an app on a plan it hands the build to
 deadline (``curve_deadline_s``, :mod:`estimator.deadline`; :meth:`LiveTuner.close` cancels it),
 and caches the answer per (app, plan id, budget). Until the curve is ready the app runs
 InferLine's model; once it is, the next tick gives the stage the curve and the live envelope
-:data:`controlplane.policies.capacity_curve.LOAD_MODEL_RECENT_S` (120 s; scaled with the
+:data:`controlplane.policies.capacity_curve.LOAD_MODEL_RECENT_S` (60 s; scaled with the
 longest window where the service shortens them) of memory, keeping the fleet the tuner has reached.
 A curve that cannot be made (the planner fails, runs past the deadline, or places nothing at
 the planned rate) leaves the app on InferLine's model, with the reason logged. A recalibration
@@ -207,7 +207,7 @@ class LiveTuner:
     InferLine's 60 s and 15 s by default). ``model`` picks the load model (``curve``, the default;
     the module docstring) or InferLine's one provisioning ratio (``inferline``);
     ``load_model_recent_s`` is the load model's live envelope span (by default
-    :data:`controlplane.policies.capacity_curve.LOAD_MODEL_RECENT_S`, 120 s, scaled by
+    :data:`controlplane.policies.capacity_curve.LOAD_MODEL_RECENT_S`, 60 s, scaled by
     ``max_window_s`` / 60 s; never shorter than ``max_window_s``), ``build_curve`` makes a
     plan's sizing ladders (:func:`plan_ladders`) within ``curve_deadline_s``, and
     ``submit`` runs it off the tick. ``cascade_ladders`` sizes a cascade's stages by their ladders
@@ -239,7 +239,7 @@ class LiveTuner:
         if model not in ("curve", "inferline"):
             raise ValueError(f"model must be curve or inferline, got {model!r}")
         if load_model_recent_s is None:
-            # The load model's memory is two of its longest windows (120 s at InferLine's 60 s):
+            # The load model's memory is its longest window (60 s at InferLine's windows):
             # a service that shortens its windows (a test, a demo) shortens the memory with them.
             load_model_recent_s = LOAD_MODEL_RECENT_S * max_window_s / DEFAULT_MAX_WINDOW_S
         for name, value in (
