@@ -31,8 +31,8 @@ Setup (the issue's ramp; every number is a constant below):
   is unbiased).
 
 The tuner: ``--model curve`` (the default) is the load model of docs/tuner.md (the planner's
-capacity curve, equivalent loads, a 180 s live envelope); ``--model inferline`` is InferLine's
-tuner with one rho and a 60 s live envelope.
+capacity curve, equivalent loads, a live envelope of ``LOAD_MODEL_RECENT_S``, 60 s);
+``--model inferline`` is InferLine's tuner with one rho and a 60 s live envelope.
 
 Seeds: the load model's choices were made on seed 0, and seeds 1 and 2 were looked at while
 developing it (``DEVELOPMENT_SEEDS``); seeds 3 and up are held-out traces it was never run on

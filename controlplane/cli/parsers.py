@@ -687,7 +687,7 @@ def _replay(subparsers: Subparsers) -> None:
         default=None,
         help="how the tuner sizes each stage: curve (the default: the sizing ladder, the"
         " planner's fleet for the planning trace at 0.2x-5x its rate and for other burstiness,"
-        " a 120 s live envelope; for a cascade each stage's fleet in the plans of the whole"
+        " a 60 s live envelope; for a cascade each stage's fleet in the plans of the whole"
         " cascade; docs/tuner.md) or inferline (InferLine's one provisioning ratio rho and a 60 s"
         " live envelope, for comparison)",
     )

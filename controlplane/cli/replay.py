@@ -5,7 +5,7 @@ the traces, maps the options to a scaling policy and prints the result (``docs/r
 baselines ``--policy peak`` and ``--policy mean`` make their own plan, for the replayed trace's
 peak or mean rate (:func:`controlplane.policies.baselines.plan_baseline`), and replay it static.
 The tuner runs the load model of docs/tuner.md by default (``--tuner-model curve``: the planner's
-capacity curve of the plan's stage on the planning trace, a 180 s live envelope);
+sizing ladder of the plan's stage on the planning trace, a 60 s live envelope);
 ``--tuner-model inferline`` is InferLine's one provisioning ratio, for comparison. A plan of
 several stages (a cascade) replays as one pipeline: static (``--tuner off``), or with one tuner
 per stage on the queries that reach it, all within the one budget (docs/tuner.md, "Cascades: one

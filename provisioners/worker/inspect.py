@@ -73,7 +73,7 @@ def inspect_file(
     from provisioners.worker.runtime import detect_format, load_runtime
 
     chosen = format or detect_format(path)
-    runtime = load_runtime(path, format, inputs=inputs, threads=1)
+    runtime = load_runtime(path, format or None, inputs=inputs, threads=1)
     return {"format": chosen, **runtime.signature.to_json()}
 
 

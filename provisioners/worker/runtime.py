@@ -177,7 +177,7 @@ def load_runtime(
                 # Not a zip, so not TorchScript either: say both, not only the format tried.
                 raise ModelLoadError(
                     f"{Path(path).name} is neither a TorchScript archive (not a zip file) nor"
-                    f" an ONNX model onnxruntime can load: {str(error).split(': ', 1)[-1]}"
+                    f" an ONNX model onnxruntime can load: {str(error).split('can load: ', 1)[-1]}"
                 ) from None
             raise
     else:

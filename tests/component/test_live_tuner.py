@@ -470,7 +470,7 @@ def test_the_load_model_waits_for_its_curve_off_the_tick_and_then_decides(
     for decision in (*ups, *downs):
         assert decision.numbers["model"] == "curve" and decision.numbers["model_note"] is None
     assert "the planner's capacity at that load" in ups[-1].reason
-    # The load model's scale-down memory: the live envelope over its own span, not 60 s.
+    # The load model's scale-down memory (LOAD_MODEL_RECENT_S), in the load model's words.
     assert f"over the last {LOAD_MODEL_RECENT_S:g} s" in downs[-1].reason
 
 
