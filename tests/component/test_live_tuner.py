@@ -444,7 +444,16 @@ def test_the_load_model_waits_for_its_curve_off_the_tick_and_then_decides(
     clock, feed, worker = FakeClock(start_s=1000.0), Feed(), Worker()
     built: list[int] = []
     app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
-    tuner = LiveTuner(store, clock, feed, resolve, build_curve=counted(built), submit=worker)
+    # A memory other than InferLine's 60 s, so that the scale-down's reason shows whose it read.
+    tuner = LiveTuner(
+        store,
+        clock,
+        feed,
+        resolve,
+        build_curve=counted(built),
+        submit=worker,
+        load_model_recent_s=2 * LOAD_MODEL_RECENT_S,
+    )
     feed.arrival_s = steady(256.0, 940.0, 1000.0)
     tuner.tick()
     # The build was handed off, not run in the tick: InferLine's model decided meanwhile.
@@ -470,8 +479,8 @@ def test_the_load_model_waits_for_its_curve_off_the_tick_and_then_decides(
     for decision in (*ups, *downs):
         assert decision.numbers["model"] == "curve" and decision.numbers["model_note"] is None
     assert "the planner's capacity at that load" in ups[-1].reason
-    # The load model's scale-down memory (LOAD_MODEL_RECENT_S), in the load model's words.
-    assert f"over the last {LOAD_MODEL_RECENT_S:g} s" in downs[-1].reason
+    # The load model's scale-down memory: the live envelope over its own span, not 60 s.
+    assert f"over the last {2 * LOAD_MODEL_RECENT_S:g} s" in downs[-1].reason
 
 
 @pytest.mark.parametrize(
