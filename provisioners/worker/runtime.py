@@ -170,16 +170,7 @@ def load_runtime(
                 "an ONNX model's inputs come from its graph: give inputs (--inputs) only for a"
                 " TorchScript model"
             )
-        try:
-            runtime = _OnnxRuntime(Path(path), device, threads)
-        except ModelLoadError as error:
-            if detected and "is not an ONNX model" in str(error):
-                # Not a zip, so not TorchScript either: say both, not only the format tried.
-                raise ModelLoadError(
-                    f"{Path(path).name} is neither a TorchScript archive (not a zip file) nor"
-                    f" an ONNX model onnxruntime can load: {str(error).split('can load: ', 1)[-1]}"
-                ) from None
-            raise
+        runtime = _OnnxRuntime(Path(path), device, threads, detected=detected)
     else:
         runtime = _TorchScriptRuntime(Path(path), device, inputs, threads)
     check_batchable(runtime.signature)
@@ -264,7 +255,7 @@ def _cast(inputs: Mapping[str, np.ndarray], specs: Sequence[TensorSpec]) -> list
 
 
 class _OnnxRuntime:
-    def __init__(self, path: Path, device: str, threads: int | None) -> None:
+    def __init__(self, path: Path, device: str, threads: int | None, *, detected: bool) -> None:
         # Only where an ONNX model is loaded; onnxruntime ships no type information.
         import onnxruntime  # type: ignore[import-untyped]
 
@@ -281,8 +272,10 @@ class _OnnxRuntime:
                 str(path), sess_options=options, providers=providers
             )
         except Exception as error:  # onnxruntime's own exception types (Fail, InvalidProtobuf)
+            # Tried as ONNX because it is not a zip: then it is not TorchScript either.
+            what = "is neither a TorchScript archive (not a zip file) nor" if detected else "is not"
             raise ModelLoadError(
-                f"{path.name} is not an ONNX model onnxruntime can load: {first_line(error)}"
+                f"{path.name} {what} an ONNX model onnxruntime can load: {first_line(error)}"
             ) from None
         self.platform = PLATFORMS["onnx"]
         self.providers = tuple(self._session.get_providers())
