@@ -28,7 +28,8 @@ Per rollout, each tick:
    version's figures over the step (:class:`~controlplane.serving.versions.VersionMeter`):
    hold (figures stored), promote (next step, its clock starts), roll back (at once: the route
    goes, every query back on the old version), or complete: the app's spec is pinned to the new
-   version and the rollout is ``promoted``.
+   version, the app planned again as it now is (the new plan applied where its fleet differs:
+   :meth:`RolloutLoop._plan_again`) and the rollout is ``promoted``.
 4. **Handover** after promotion: the new version's workers answer every query while the old
    version's instances (the app's fleet recorded before the promotion) are ended; the
    reconciler launches their replacements, which load the version the spec now names; once as
@@ -62,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from controlplane.apps.plans import apply_plan, preview_plan, replanning_request
 from controlplane.apps.profile_run import end_workers, launch_worker, random_inputs
 from controlplane.apps.profiler import WorkerClient
 from controlplane.apps.resolver import AppResolver
@@ -78,7 +80,12 @@ from controlplane.apps.rollouts import (
 from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import InstanceRecord, RolloutRecord, Store
-from controlplane.errors import ControlPlaneError, ProfilingBudgetError, RolloutBudgetError
+from controlplane.errors import (
+    ControlPlaneError,
+    InvalidValueError,
+    ProfilingBudgetError,
+    RolloutBudgetError,
+)
 from controlplane.loops.reconciler import DEFAULT_LAUNCH_BACKOFF_S
 from controlplane.policies.disruption import DisruptionBudget, count_disruptions
 from controlplane.policies.lifecycle import (
@@ -87,6 +94,7 @@ from controlplane.policies.lifecycle import (
     InstanceState,
     is_profile_worker,
 )
+from controlplane.policies.plan import PlanDocument
 from controlplane.policies.rollout import (
     RolloutState,
     Thresholds,
@@ -96,8 +104,10 @@ from controlplane.policies.rollout import (
     rollout_request_prefix,
     step_fleet,
 )
+from controlplane.policies.spot import SpotPricesFn
 from controlplane.serving.versions import CanaryRoute, VersionSource
 from controlplane.serving.workers import DEFAULT_WORKER_PORT
+from controlplane.spec import SpecError
 from estimator.errors import EstimatorError
 from estimator.profiles import PROFILE_FORMAT
 from provisioners.base import APP_TAG, Provisioner, with_port
@@ -126,6 +136,8 @@ ROUTE_GRACE_S = 5.0
 # ended counts as settled (the app scaled down meanwhile): the reconciler ticks every second or
 # so, and launches a replacement within one; a busy machine's ticks run late.
 FLEET_SETTLE_S = 30.0
+# How long the promotion's plan may take (the settings' plan_deadline_s default).
+DEFAULT_PLAN_DEADLINE_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +167,14 @@ class RolloutLoop:
         alone_warmup: int = ALONE_WARMUP,
         profiling: NewVersionProfiling | None = None,
         route_grace_s: float = ROUTE_GRACE_S,
+        plan_deadline_s: float | None = DEFAULT_PLAN_DEADLINE_S,
+        spot_prices: SpotPricesFn | None = None,
     ) -> None:
         self.store = store
+        # The promotion's plan (:meth:`_plan_again`): its deadline, and the provider's spot
+        # prices for an app that buys spot (the service sets the reconciler's).
+        self.plan_deadline_s = plan_deadline_s
+        self.spot_prices = spot_prices
         self.route_grace_s = route_grace_s
         # How a rollout started with a profile run profiles its new version (None: this
         # service does not; such a rollout's fleet is sized from the applied plan's stage).
@@ -391,10 +409,11 @@ class RolloutLoop:
         # COMPLETE: the app serves the new version from now on.
         profiles = self._pin(rollout)
         crash_point("rollout.after_pin")
+        planned = self._plan_again(rollout)
         moved = self._finish(
             rollout,
             RolloutState.PROMOTED,
-            f"promoted: {reason}; {old_label} instances drain{profiles}",
+            f"promoted: {reason}; {old_label} instances drain{profiles}{planned}",
             {**stored, "handover": {"ended": [], "promoted_at": self.clock.utcnow().isoformat()}},
         )
         return _full(moved), moved.reason
@@ -895,6 +914,54 @@ class RolloutLoop:
             self.on_change(rollout.app)
         return said
 
+    def _plan_again(self, rollout: RolloutRecord) -> str:
+        """At promotion, after :meth:`_pin`: the app planned again as it now is (the new
+        version's profiles, the cascade's new thresholds), on what its applied plan was planned
+        on, under its constraints as they are now (the budget included), and that plan applied
+        when it serves the planned rate and its fleet differs from the applied one's: the
+        handover's replacements are then the new plan's fleet. What came of it, in words for the
+        promotion's reason (empty without an applied plan). Planning fails softly: the applied
+        plan stays and the words say why (plan again)."""
+        app = self.store.get_app(rollout.app)
+        applied = self.store.get_applied_plan(rollout.app)
+        if applied is None:
+            return ""
+        old = applied.plan
+        try:
+            request = replanning_request(old)
+        except (InvalidValueError, ValueError) as error:  # a plan written by hand
+            return f"; plan {applied.id} stays ({error}): plan again for the new version"
+        try:
+            record = preview_plan(
+                self.store,
+                self.resolver,
+                rollout.app,
+                request,
+                deadline_s=self.plan_deadline_s,
+                spot_prices=self.spot_prices,
+            )
+        except (ControlPlaneError, EstimatorError, SpecError, KeyError, ValueError) as error:
+            logger.warning("rollout %s of %s: not planned again: %s", rollout.id, app.name, error)
+            why = str(error).splitlines()[0][:200]
+            return f"; plan {applied.id} stays (the app could not be planned again: {why})"
+        new = record.plan
+        if not new.feasible or not new.stages:
+            return (
+                f"; plan {applied.id} stays: planned again with the new version, no fleet within"
+                f" the budget serves its {old.planned_rate_qps:.4g} qps (at most"
+                f" {new.max_feasible_qps or 0.0:.4g} qps)"
+            )
+        if _stage_fleets(new) == _stage_fleets(old):
+            return f"; planned again with the new version, plan {applied.id}'s fleet stays"
+        # A crash from here to the promotion's record pins and plans again after the restart:
+        # the same fleet then, and this plan stays.
+        done = apply_plan(self.store, rollout.app, record.id, f"rollout {rollout.id}")
+        return (
+            f"; planned again with the new version: plan {done.id} ({fleet_text(new.fleet)},"
+            f" {new.cost_usd_per_hr:.4g} USD/hr) replaces plan {applied.id}"
+            f" ({fleet_text(old.fleet)}, {old.cost_usd_per_hr:.4g} USD/hr)"
+        )
+
     def _finish(
         self,
         rollout: RolloutRecord,
@@ -1023,6 +1090,11 @@ def _full(rollout: RolloutRecord) -> CanaryRoute:
     return CanaryRoute(
         rollout.id, len(rollout.steps), rollout.model, 1.0, False, old, new, _thresholds(rollout)
     )
+
+
+def _stage_fleets(plan: PlanDocument) -> dict[str, dict[str, int]]:
+    """Each stage's fleet of ``plan``, without the types it runs none of."""
+    return {s.name: {t: n for t, n in s.fleet.items() if n} for s in plan.stages}
 
 
 def _thresholds(rollout: RolloutRecord) -> tuple[float, ...] | None:

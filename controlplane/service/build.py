@@ -728,6 +728,8 @@ def build_service(
             if settings.rollout_profile_run
             else None
         ),
+        plan_deadline_s=settings.plan_deadline_s,
+        spot_prices=provider_spot_prices(provisioner),
     )
     if local_serving is not None:
         local_serving.gears = live_gears.gear

@@ -14,7 +14,8 @@ launched worker's row to ``running``, is done by hand too).
 - before traffic, the start returns at once and the rollout loop profiles the new version on
   the app's candidate types (a profile run's workers on a fake worker) and plans the app again
   with it: a slower version gets a bigger stage fleet than the old version's, its steps' extra
-  fleets sized from it, and the app's own profiles stay;
+  fleets sized from it, and the app's own profiles stay; at promotion they become the run's and
+  the app is planned again with them, the new plan (that stage fleet) applied;
 - the extra fleet grows step by step, and waits (a decision with the amount) where the budget
   cannot pay for the next step's.
 """
@@ -599,6 +600,23 @@ def test_the_start_returns_at_once_and_the_loop_profiles_and_plans(tmp_path: Pat
         assert "are now the new version's" in loop_pin
         (pinned,) = world.store.get_app_profiles(APP)["profiles"]
         assert pinned["batch_sizes"] == [1, 2] and min(pinned["latency_ms"][0]) >= 100.0
+        # And the app is planned again with them: the new plan (the stage fleet the rollout was
+        # sized from) is applied, so the handover's replacements are its fleet.
+        replanned = world.rollouts._plan_again(rollout)
+        now = world.store.get_applied_plan(APP)
+        assert now is not None and now.id != applied.id
+        assert dict(now.plan.fleet) == stage and now.plan.feasible
+        assert replanned == (
+            f"; planned again with the new version: plan {now.id} ({SMALL}={stage[SMALL]},"
+            f" {now.plan.cost_usd_per_hr:.4g} USD/hr) replaces plan {applied.id} ({SMALL}=1,"
+            f" {applied.plan.cost_usd_per_hr:.4g} USD/hr)"
+        )
+        (decision,) = world.store.list_decisions(APP, kinds=["plan_applied"])[-1:]
+        assert decision.reason == f"plan {now.id} applied by rollout {rollout.id}"
+        # Planned again once more, the fleet is the same: the applied plan stays.
+        again = world.rollouts._plan_again(rollout)
+        assert again == f"; planned again with the new version, plan {now.id}'s fleet stays"
+        assert world.store.get_applied_plan(APP).id == now.id  # type: ignore[union-attr]
     finally:
         world.store.close()
 
