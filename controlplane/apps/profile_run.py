@@ -264,10 +264,15 @@ def run_profile(
     crash_point("profile_run.after_row")
     clients: dict[str, WorkerClient] = {}
     heartbeat = _Heartbeat(store, [row.id for row in rows.values()], heartbeat_s)
+    refused: str | None = None  # why the rows end unlaunched, when the budget refused the run
     try:
-        cost = _check_budget(
-            store, provisioner, app, record.budget_usd_per_hr, rows, resolved.prices_usd_per_hr
-        )
+        try:
+            cost = _check_budget(
+                store, provisioner, app, record.budget_usd_per_hr, rows, resolved.prices_usd_per_hr
+            )
+        except ProfilingBudgetError as error:
+            refused = f"refused by the budget, not launched: {error}"
+            raise
         say(f"starting a worker of each of {', '.join(types)} for {app} ({', '.join(models)})")
         for row in rows.values():
             launch_worker(store, provisioner, app, row, artifacts)
@@ -288,7 +293,7 @@ def run_profile(
         heartbeat.stop()
         for client in clients.values():
             client.close()
-        end_workers(store, provisioner, list(rows.values()), say)
+        end_workers(store, provisioner, list(rows.values()), say, unlaunched=refused)
     sizes = np.array(request.batch_sizes)
     profiles = tuple(
         LatencyProfile(model, t, sizes, tuple(samples[t][model])) for t in types for model in models
@@ -507,17 +512,21 @@ def end_workers(
     say: ProgressFn,
     *,
     owner: str = "profile run",
+    unlaunched: str | None = None,
 ) -> None:
     """End a run's workers (``owner``: whose, for the events; a rollout's workers end the same
-    way): rows first (unlaunched ones ``failed``, launched ones ``terminating``), then the
-    provider, then ``terminated`` for those it no longer runs."""
+    way): rows first (unlaunched ones ``failed``, with ``unlaunched`` as the reason where given,
+    launched ones ``terminating``), then the provider, then ``terminated`` for those it no longer
+    runs."""
     ending: dict[str, str] = {}  # provider id -> row id
     for row in rows:
         try:
             current = store.get_instance(row.id)
             if current.state == InstanceState.REQUESTED and current.provider_id is None:
                 store.transition_instance(
-                    row.id, InstanceState.FAILED.value, reason=f"{owner} over (not launched)"
+                    row.id,
+                    InstanceState.FAILED.value,
+                    reason=unlaunched or f"{owner} over (not launched)",
                 )
                 continue
             if current.provider_id is None or current.state not in LIVE_STATES:

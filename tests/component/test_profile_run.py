@@ -286,8 +286,15 @@ def test_the_workers_must_fit_the_budget_next_to_the_fleet(world: World) -> None
     assert f"{prices[SMALL] + prices[GPU]:.4g} USD/hr" in str(refused.value)
     assert len(str(refused.value).splitlines()) == 1
     assert world.provisioner.requests == []
-    # Refused after recording: the rows end unlaunched.
+    # Refused after recording: the rows end unlaunched, saying the budget refused them.
     assert {r.state for r in world.store.list_instances(APP)} == {"failed"}
+    for row in world.store.list_instances(APP):
+        (ended,) = [
+            e.reason
+            for e in world.store.list_instance_events(instance_id=row.id)
+            if e.to_state == "failed"
+        ]
+        assert ended == f"refused by the budget, not launched: {refused.value}", ended
     profile(world, types=(SMALL,))  # one type fits
     # A running fleet counts: with one GPU instance kept, not even the small type fits.
     world.store.record_instance(
