@@ -955,7 +955,11 @@ class RolloutLoop:
             return f"; planned again with the new version, plan {applied.id}'s fleet stays"
         # A crash from here to the promotion's record pins and plans again after the restart:
         # the same fleet then, and this plan stays.
-        done = apply_plan(self.store, rollout.app, record.id, f"rollout {rollout.id}")
+        try:
+            done = apply_plan(self.store, rollout.app, record.id, f"rollout {rollout.id}")
+        except ControlPlaneError as error:  # the app changed meanwhile, or is being taken down
+            why = str(error).splitlines()[0][:200]
+            return f"; plan {applied.id} stays (the plan made for the new version: {why})"
         return (
             f"; planned again with the new version: plan {done.id} ({fleet_text(new.fleet)},"
             f" {new.cost_usd_per_hr:.4g} USD/hr) replaces plan {applied.id}"

@@ -617,6 +617,12 @@ def test_the_start_returns_at_once_and_the_loop_profiles_and_plans(tmp_path: Pat
         again = world.rollouts._plan_again(rollout)
         assert again == f"; planned again with the new version, plan {now.id}'s fleet stays"
         assert world.store.get_applied_plan(APP).id == now.id  # type: ignore[union-attr]
+        # A budget cut since: no fleet within it serves the planned rate, and the plan stays.
+        price = now.plan.cost_usd_per_hr / stage[SMALL]
+        world.store.change_budget(APP, 1.5 * price, reason="cut", who="test")
+        cut = world.rollouts._plan_again(rollout)
+        assert cut.startswith(f"; plan {now.id} stays: planned again with the new version, no"), cut
+        assert world.store.get_applied_plan(APP).id == now.id  # type: ignore[union-attr]
     finally:
         world.store.close()
 
@@ -700,6 +706,12 @@ def test_the_extra_fleet_grows_step_by_step_within_the_budget(tmp_path: Path) ->
         prefix = rollout_request_prefix(APP, rid)
         rows = [r for r in world.store.list_instances(APP) if r.request_id.startswith(prefix)]
         assert len(rows) == 1  # launched by the next tick
+        # A plan written by hand has no rate to plan on again: at promotion it stays.
+        kept = world.rollouts._plan_again(rollout)
+        assert kept == (
+            f"; plan {plan.id} stays (the plan has no planned rate to plan for again): plan again"
+            " for the new version"
+        )
     finally:
         world.store.close()
 
