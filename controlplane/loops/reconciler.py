@@ -1798,8 +1798,10 @@ def disruption_budget(settings: Settings) -> DisruptionBudget:
 
 
 def _stage_types(store: Store, app: str) -> dict[str, list[str]]:
-    """The applied plan's stages (name -> the types it plans); empty without one, or when the
-    plan does not read (then no stage is guarded)."""
+    """The applied plan's stages (name -> the types it plans, and those the plan it superseded
+    planned for a stage of the same name: a new plan that trades one type for another is
+    make-before-break, the old type's last serving instance kept until the new one serves);
+    empty without a plan, or when the plan does not read (then no stage is guarded)."""
     plan = store.get_applied_plan(app)
     if plan is None:
         return {}
@@ -1808,7 +1810,17 @@ def _stage_types(store: Store, app: str) -> dict[str, list[str]]:
     except EstimatorError as error:
         logger.warning("reconcile %s: the applied plan's stages do not read: %s", app, error)
         return {}
-    return {stage.name: [t for t, n in stage.fleet.items() if n > 0] for stage in stages}
+    types = {stage.name: [t for t, n in stage.fleet.items() if n > 0] for stage in stages}
+    before = store.get_superseded_plan(app)
+    try:
+        earlier = before.plan.stages if before is not None else ()
+    except EstimatorError:  # an old plan that does not read guards nothing more
+        earlier = ()
+    for stage in earlier:
+        if stage.name in types:
+            planned = types[stage.name]
+            planned += [t for t, n in stage.fleet.items() if n > 0 and t not in planned]
+    return types
 
 
 # --- the reconciler ----------------------------------------------------------------------------

@@ -28,14 +28,16 @@ Per rollout, each tick:
    version's figures over the step (:class:`~controlplane.serving.versions.VersionMeter`):
    hold (figures stored), promote (next step, its clock starts), roll back (at once: the route
    goes, every query back on the old version), or complete: the app's spec is pinned to the new
-   version, the app planned again as it now is (the new plan applied where its fleet differs:
-   :meth:`RolloutLoop._plan_again`) and the rollout is ``promoted``.
+   version and the rollout is ``promoted``.
 4. **Handover** after promotion: the new version's workers answer every query while the old
    version's instances (the app's fleet recorded before the promotion) are ended; the
    reconciler launches their replacements, which load the version the spec now names; once as
    many replacements run as were ended (or fewer, once the fleet has settled: the app scaled
    down meanwhile, :data:`FLEET_SETTLE_S`), and the last old instance ended at least
-   :data:`ROUTE_GRACE_S` ago, the route goes and the rollout's workers end.
+   :data:`ROUTE_GRACE_S` ago, the route goes and the rollout's workers end. Once they have
+   ended, the app is planned again as it now is, and the plan applied where it changes what
+   the app serves with (:meth:`RolloutLoop._plan_again`): the reconciler then moves the fleet
+   to it with the budget the rollout's workers held.
    **Nothing serving ends with its route**: a worker ends :data:`ROUTE_GRACE_S` after the
    route that sent it queries changed (the old version's instances that long after the
    promotion, the rollout's own that long after the route went at a roll-back, an abort or
@@ -136,7 +138,7 @@ ROUTE_GRACE_S = 5.0
 # ended counts as settled (the app scaled down meanwhile): the reconciler ticks every second or
 # so, and launches a replacement within one; a busy machine's ticks run late.
 FLEET_SETTLE_S = 30.0
-# How long the promotion's plan may take (the settings' plan_deadline_s default).
+# How long the plan after the handover may take (the settings' plan_deadline_s default).
 DEFAULT_PLAN_DEADLINE_S = 60.0
 
 
@@ -171,8 +173,8 @@ class RolloutLoop:
         spot_prices: SpotPricesFn | None = None,
     ) -> None:
         self.store = store
-        # The promotion's plan (:meth:`_plan_again`): its deadline, and the provider's spot
-        # prices for an app that buys spot (the service sets the reconciler's).
+        # The plan after the handover (:meth:`_plan_again`): its deadline, and the provider's
+        # spot prices for an app that buys spot (the service's provisioner's).
         self.plan_deadline_s = plan_deadline_s
         self.spot_prices = spot_prices
         self.route_grace_s = route_grace_s
@@ -409,11 +411,10 @@ class RolloutLoop:
         # COMPLETE: the app serves the new version from now on.
         profiles = self._pin(rollout)
         crash_point("rollout.after_pin")
-        planned = self._plan_again(rollout)
         moved = self._finish(
             rollout,
             RolloutState.PROMOTED,
-            f"promoted: {reason}; {old_label} instances drain{profiles}{planned}",
+            f"promoted: {reason}; {old_label} instances drain{profiles}",
             {**stored, "handover": {"ended": [], "promoted_at": self.clock.utcnow().isoformat()}},
         )
         return _full(moved), moved.reason
@@ -434,7 +435,20 @@ class RolloutLoop:
         live = [r for r in rows if r.state in LIVE_STATES]
         handover = dict(rollout.figures.get("handover") or {})
         if "done_at" in handover:  # the route went: the rollout's workers end after the grace
-            return None, self._end_after_grace(live, datetime.fromisoformat(handover["done_at"]))
+            done_at = datetime.fromisoformat(handover["done_at"])
+            ended_workers = self._end_after_grace(live, done_at)
+            if live or "planned" in handover or not self._grace_over(done_at):
+                return None, ended_workers
+            # Every worker of the rollout's gone (the budget has room again): the app planned
+            # again as it now is, once (written after: a crash between plans it again).
+            planned = self._plan_again(rollout)
+            handover["planned"] = planned
+            moved = self.store.move_rollout(
+                rollout, figures={**rollout.figures, "handover": handover}
+            )
+            if planned:
+                self._decide(moved, planned)
+            return None, planned
         # The new version's queries go to the rollout's workers while the old instances are
         # replaced; when those workers ended before the handover did (the budget guard ends them
         # first on a budget cut, a spot interruption), the handover goes on without them: the
@@ -915,14 +929,14 @@ class RolloutLoop:
         return said
 
     def _plan_again(self, rollout: RolloutRecord) -> str:
-        """At promotion, after :meth:`_pin`: the app planned again as it now is (the new
-        version's profiles, the cascade's new thresholds), on what its applied plan was planned
-        on, under its constraints as they are now (the budget included), and that plan applied
-        when it serves the planned rate and its fleet differs from the applied one's: the
-        handover's replacements are then the new plan's fleet. What came of it, in words for the
-        promotion's reason (empty without an applied plan). Planning fails softly: the applied
-        plan stays and the words say why (plan again)."""
-        app = self.store.get_app(rollout.app)
+        """After the handover, once the rollout's workers have ended: the app planned again as
+        it now is (the new version's profiles, a cascade's new thresholds), on what its applied
+        plan was planned on (its trace request, else its planned rate), under its constraints as
+        they are now (the budget included), within :attr:`plan_deadline_s`; that plan applied
+        where it serves the planned rate and changes what the app serves with (a stage's fleet,
+        batch, dispatch policy or base types, the gear plan). What came of it, in words for a
+        ``rollout`` decision (empty without an applied plan). It fails softly: the applied plan
+        stays and the words say why (plan again)."""
         applied = self.store.get_applied_plan(rollout.app)
         if applied is None:
             return ""
@@ -930,7 +944,7 @@ class RolloutLoop:
         try:
             request = replanning_request(old)
         except (InvalidValueError, ValueError) as error:  # a plan written by hand
-            return f"; plan {applied.id} stays ({error}): plan again for the new version"
+            return f"plan {applied.id} stays ({error}): plan again for the new version"
         try:
             record = preview_plan(
                 self.store,
@@ -940,30 +954,36 @@ class RolloutLoop:
                 deadline_s=self.plan_deadline_s,
                 spot_prices=self.spot_prices,
             )
-        except (ControlPlaneError, EstimatorError, SpecError, KeyError, ValueError) as error:
-            logger.warning("rollout %s of %s: not planned again: %s", rollout.id, app.name, error)
-            why = str(error).splitlines()[0][:200]
-            return f"; plan {applied.id} stays (the app could not be planned again: {why})"
+        except Exception as error:  # whatever it is, the applied plan serves on
+            if isinstance(error, ControlPlaneError | EstimatorError | SpecError | ValueError):
+                logger.warning(
+                    "rollout %s of %s: not planned again: %s", rollout.id, rollout.app, error
+                )
+            else:  # a bug: logged whole, and tried no more (the rollout records this answer)
+                logger.exception("rollout %s of %s: not planned again", rollout.id, rollout.app)
+            why = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            return f"plan {applied.id} stays: the app could not be planned again ({why})"
         new = record.plan
         if not new.feasible or not new.stages:
             return (
-                f"; plan {applied.id} stays: planned again with the new version, no fleet within"
+                f"plan {applied.id} stays: planned again with the new version, no fleet within"
                 f" the budget serves its {old.planned_rate_qps:.4g} qps (at most"
                 f" {new.max_feasible_qps or 0.0:.4g} qps)"
             )
-        if _stage_fleets(new) == _stage_fleets(old):
-            return f"; planned again with the new version, plan {applied.id}'s fleet stays"
-        # A crash from here to the promotion's record pins and plans again after the restart:
-        # the same fleet then, and this plan stays.
+        if _serving_shape(new) == _serving_shape(old):
+            return f"planned again with the new version: the same plan, plan {applied.id} stays"
+        # A crash from here to the rollout's record of it plans again after the restart, and
+        # applies that plan where it differs from this one.
         try:
             done = apply_plan(self.store, rollout.app, record.id, f"rollout {rollout.id}")
         except ControlPlaneError as error:  # the app changed meanwhile, or is being taken down
             why = str(error).splitlines()[0][:200]
-            return f"; plan {applied.id} stays (the plan made for the new version: {why})"
+            return f"plan {applied.id} stays (the plan made for the new version: {why})"
+        now, before = fleet_text(_nonzero(new.fleet)), fleet_text(_nonzero(old.fleet))
         return (
-            f"; planned again with the new version: plan {done.id} ({fleet_text(new.fleet)},"
+            f"planned again with the new version: plan {done.id} ({now},"
             f" {new.cost_usd_per_hr:.4g} USD/hr) replaces plan {applied.id}"
-            f" ({fleet_text(old.fleet)}, {old.cost_usd_per_hr:.4g} USD/hr)"
+            f" ({before}, {old.cost_usd_per_hr:.4g} USD/hr)"
         )
 
     def _finish(
@@ -1096,9 +1116,25 @@ def _full(rollout: RolloutRecord) -> CanaryRoute:
     )
 
 
-def _stage_fleets(plan: PlanDocument) -> dict[str, dict[str, int]]:
-    """Each stage's fleet of ``plan``, without the types it runs none of."""
-    return {s.name: {t: n for t, n in s.fleet.items() if n} for s in plan.stages}
+def _nonzero(fleet: Mapping[str, int]) -> dict[str, int]:
+    return {t: n for t, n in fleet.items() if n}
+
+
+def _serving_shape(plan: PlanDocument) -> tuple[Any, ...]:
+    """What of ``plan`` the app serves with (per stage its fleet, spot share, batch, dispatch
+    policy and base types; the gear plan), without its predictions and costs."""
+    stages = tuple(
+        (
+            s.name,
+            _nonzero(s.fleet),
+            _nonzero(s.spot_fleet),
+            s.batch_size,
+            s.policy,
+            tuple(s.base_types),
+        )
+        for s in plan.stages
+    )
+    return stages, plan.gear_plan
 
 
 def _thresholds(rollout: RolloutRecord) -> tuple[float, ...] | None:

@@ -294,6 +294,28 @@ def test_a_lowered_budget_terminates_the_least_cost_effective(world: World) -> N
     assert len(before) == 1  # one drain, one call
 
 
+def test_a_new_plan_that_trades_a_type_keeps_the_old_one_until_the_new_one_serves(
+    world: World,
+) -> None:
+    """A plan applied that serves the stage with another type (a new plan, not the tuner's
+    trade within one) is make-before-break: the old type's last serving instance stays until
+    the new type's runs (the superseded plan's types count as the stage's), then goes."""
+    apply_fleet(world.store, {SMALL: 1})
+    world.tick()
+    world.fake.step()
+    world.tick()
+    assert live_types(world.store) == {SMALL: 1} and by_state(world.store) == {"running": 1}
+    apply_fleet(world.store, {LARGE: 1})
+    world.tick()
+    assert live_types(world.store) == {SMALL: 1, LARGE: 1}
+    (kept,) = decisions(world.store, "drain_deferred")
+    assert "last" in kept.reason, kept.reason
+    world.fake.step()  # the large boots
+    world.tick()
+    world.tick()
+    assert live_types(world.store) == {LARGE: 1}
+
+
 def test_launches_stop_at_the_budget(template_db: Path, tmp_path: Path) -> None:
     w = World.create(template_db, tmp_path, budget=0.25)
     try:

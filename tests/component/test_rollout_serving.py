@@ -14,8 +14,8 @@ launched worker's row to ``running``, is done by hand too).
 - before traffic, the start returns at once and the rollout loop profiles the new version on
   the app's candidate types (a profile run's workers on a fake worker) and plans the app again
   with it: a slower version gets a bigger stage fleet than the old version's, its steps' extra
-  fleets sized from it, and the app's own profiles stay; at promotion they become the run's and
-  the app is planned again with them, the new plan (that stage fleet) applied;
+  fleets sized from it, and the app's own profiles stay; at promotion they become the run's, and
+  the app planned again with them after the handover applies that stage fleet;
 - the extra fleet grows step by step, and waits (a decision with the amount) where the budget
   cannot pay for the next step's.
 """
@@ -600,14 +600,15 @@ def test_the_start_returns_at_once_and_the_loop_profiles_and_plans(tmp_path: Pat
         assert "are now the new version's" in loop_pin
         (pinned,) = world.store.get_app_profiles(APP)["profiles"]
         assert pinned["batch_sizes"] == [1, 2] and min(pinned["latency_ms"][0]) >= 100.0
-        # And the app is planned again with them: the new plan (the stage fleet the rollout was
-        # sized from) is applied, so the handover's replacements are its fleet.
+        # After the handover the app is planned again with them (what the rollout loop does
+        # once the rollout's workers have ended, tests/component/test_rollouts.py): the new
+        # plan, the stage fleet the rollout was sized from, is applied.
         replanned = world.rollouts._plan_again(rollout)
         now = world.store.get_applied_plan(APP)
         assert now is not None and now.id != applied.id
         assert dict(now.plan.fleet) == stage and now.plan.feasible
         assert replanned == (
-            f"; planned again with the new version: plan {now.id} ({SMALL}={stage[SMALL]},"
+            f"planned again with the new version: plan {now.id} ({SMALL}={stage[SMALL]},"
             f" {now.plan.cost_usd_per_hr:.4g} USD/hr) replaces plan {applied.id} ({SMALL}=1,"
             f" {applied.plan.cost_usd_per_hr:.4g} USD/hr)"
         )
@@ -615,13 +616,13 @@ def test_the_start_returns_at_once_and_the_loop_profiles_and_plans(tmp_path: Pat
         assert decision.reason == f"plan {now.id} applied by rollout {rollout.id}"
         # Planned again once more, the fleet is the same: the applied plan stays.
         again = world.rollouts._plan_again(rollout)
-        assert again == f"; planned again with the new version, plan {now.id}'s fleet stays"
+        assert again == f"planned again with the new version: the same plan, plan {now.id} stays"
         assert world.store.get_applied_plan(APP).id == now.id  # type: ignore[union-attr]
         # A budget cut since: no fleet within it serves the planned rate, and the plan stays.
         price = now.plan.cost_usd_per_hr / stage[SMALL]
         world.store.change_budget(APP, 1.5 * price, reason="cut", who="test")
         cut = world.rollouts._plan_again(rollout)
-        assert cut.startswith(f"; plan {now.id} stays: planned again with the new version, no"), cut
+        assert cut.startswith(f"plan {now.id} stays: planned again with the new version, no"), cut
         assert world.store.get_applied_plan(APP).id == now.id  # type: ignore[union-attr]
     finally:
         world.store.close()
@@ -709,7 +710,7 @@ def test_the_extra_fleet_grows_step_by_step_within_the_budget(tmp_path: Path) ->
         # A plan written by hand has no rate to plan on again: at promotion it stays.
         kept = world.rollouts._plan_again(rollout)
         assert kept == (
-            f"; plan {plan.id} stays (the plan has no planned rate to plan for again): plan again"
+            f"plan {plan.id} stays (the plan has no planned rate to plan for again): plan again"
             " for the new version"
         )
     finally:

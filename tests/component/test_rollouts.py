@@ -322,6 +322,46 @@ def test_the_handover_ends_with_fewer_replacements_once_the_fleet_has_settled(
     assert loop.route(APP) is None
 
 
+def test_the_app_is_planned_again_once_after_the_handover(
+    handover: Handover, tmp_path: Path
+) -> None:
+    """Once the handover is done and the rollout's workers have ended (their budget free
+    again), the app is planned again as it now is, once: a ``rollout`` decision says what came
+    of it. Here the app's registered model has no measured profiles, so the applied plan stays
+    and the decision says why; later ticks plan no more (the planning itself, a plan applied
+    or kept: tests/component/test_rollout_serving.py)."""
+    from controlplane.loops.rollouts import ROUTE_GRACE_S
+
+    clock, store = handover.clock, handover.store
+    stages = [{"name": "clf", "fleet": {SMALL: 2}, "batch_size": 1, "policy": "fcfs"}]
+    plan = store.create_plan(
+        APP, {"feasible": True, "cost_usd_per_hr": 2 * PRICE, "rate_qps": 10.0, "stages": stages}
+    )
+    store.apply_plan(APP, plan.id)
+    (rollout,) = store.list_rollouts(APP)
+    loop = handover.loop(tmp_path)
+    clock.advance(ROUTE_GRACE_S)
+    assert [t.what for t in loop.tick()] == ["ended 2 instance(s) of the old version"]
+    clock.advance(1.0)
+    handover.row("wine-3")
+    handover.row("wine-4")
+    clock.advance(ROUTE_GRACE_S)
+    (done,) = [t.what for t in loop.tick()]
+    assert done.startswith("handover done: 2 instance(s)")
+    # The rollout's worker still runs (and still costs): nothing is planned yet.
+    assert loop.tick() == []
+    clock.advance(ROUTE_GRACE_S)
+    assert [t.what for t in loop.tick()] == ["ended 1 worker(s) of the new version"]
+    (planned,) = [t.what for t in loop.tick()]
+    stays = f"plan {plan.id} stays: the app could not be planned again ("
+    assert planned.startswith(stays), planned
+    assert "profile" in planned and len(planned.splitlines()) == 1
+    assert store.get_applied_plan(APP).id == plan.id  # type: ignore[union-attr]
+    assert loop.tick() == [] and loop.tick() == []  # once
+    decided = [d.reason for d in store.list_decisions(APP, kinds=["rollout"])]
+    assert decided.count(f"rollout {rollout.id}: {planned}") == 1, decided
+
+
 def test_a_route_read_from_the_database_is_not_written_over_a_tick_made_meanwhile(
     handover: Handover, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
