@@ -585,7 +585,7 @@ def reconcile(
         )
         for r in db_instances
     ]
-    stages = stage_types or {}
+    stages = _with_leftovers(stage_types or {}, rows)
     if observed is None:
         kept = [row for row in rows if row.state in _KEPT]
         if teardown:
@@ -712,6 +712,19 @@ def reconcile(
 
 def _profiling(row: _Row) -> bool:
     return is_profile_worker(row.record.request_id)
+
+
+def _with_leftovers(
+    stage_types: Mapping[str, Collection[str]], rows: Sequence[_Row]
+) -> dict[str, list[str]]:
+    """The stages whose last serving instance is kept (name -> types), each with the types
+    of the app's instances that no stage of the applied plan plans (a type a new plan dropped,
+    one the tuner added): such instances serve every stage (controlplane.serving.placement), so
+    a stage left with none of its own types running keeps one of them until its own type runs,
+    however many plans were applied since (make-before-break on a change of type)."""
+    planned = {t for types in stage_types.values() for t in types}
+    leftover = sorted({row.record.instance_type for row in rows if not _profiling(row)} - planned)
+    return {name: [*types, *leftover] for name, types in stage_types.items()}
 
 
 def _end_profiling_over_budget(
@@ -1798,10 +1811,8 @@ def disruption_budget(settings: Settings) -> DisruptionBudget:
 
 
 def _stage_types(store: Store, app: str) -> dict[str, list[str]]:
-    """The applied plan's stages (name -> the types it plans, and those the plan it superseded
-    planned for a stage of the same name: a new plan that trades one type for another is
-    make-before-break, the old type's last serving instance kept until the new one serves);
-    empty without a plan, or when the plan does not read (then no stage is guarded)."""
+    """The applied plan's stages (name -> the types it plans); empty without one, or when the
+    plan does not read (then no stage is guarded)."""
     plan = store.get_applied_plan(app)
     if plan is None:
         return {}
@@ -1810,17 +1821,7 @@ def _stage_types(store: Store, app: str) -> dict[str, list[str]]:
     except EstimatorError as error:
         logger.warning("reconcile %s: the applied plan's stages do not read: %s", app, error)
         return {}
-    types = {stage.name: [t for t, n in stage.fleet.items() if n > 0] for stage in stages}
-    before = store.get_superseded_plan(app)
-    try:
-        earlier = before.plan.stages if before is not None else ()
-    except EstimatorError:  # an old plan that does not read guards nothing more
-        earlier = ()
-    for stage in earlier:
-        if stage.name in types:
-            planned = types[stage.name]
-            planned += [t for t, n in stage.fleet.items() if n > 0 and t not in planned]
-    return types
+    return {stage.name: [t for t, n in stage.fleet.items() if n > 0] for stage in stages}
 
 
 # --- the reconciler ----------------------------------------------------------------------------

@@ -65,7 +65,13 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.apps.plans import apply_plan, preview_plan, replanning_request
+from controlplane.apps.plans import (
+    PlanRequest,
+    TraceRequest,
+    apply_plan,
+    preview_plan,
+    replanning_request,
+)
 from controlplane.apps.profile_run import end_workers, launch_worker, random_inputs
 from controlplane.apps.profiler import WorkerClient
 from controlplane.apps.resolver import AppResolver
@@ -83,14 +89,17 @@ from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import InstanceRecord, RolloutRecord, Store
 from controlplane.errors import (
+    ConflictError,
     ControlPlaneError,
     InvalidValueError,
+    ProfilesNotMeasuredError,
     ProfilingBudgetError,
     RolloutBudgetError,
 )
 from controlplane.loops.reconciler import DEFAULT_LAUNCH_BACKOFF_S
 from controlplane.policies.disruption import DisruptionBudget, count_disruptions
 from controlplane.policies.lifecycle import (
+    BILLED_STATES,
     KEPT_STATES,
     LIVE_STATES,
     InstanceState,
@@ -140,6 +149,8 @@ ROUTE_GRACE_S = 5.0
 FLEET_SETTLE_S = 30.0
 # How long the plan after the handover may take (the settings' plan_deadline_s default).
 DEFAULT_PLAN_DEADLINE_S = 60.0
+# How many times the plan after the handover is tried when the app changes while it is made.
+PLAN_ATTEMPTS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,9 +288,15 @@ class RolloutLoop:
 
     def _current(self) -> list[RolloutRecord]:
         """The active rollouts and those that finished within :data:`RECENT_S` (their workers
-        may still be ending; older ones' are the reconciler's to reap, rule 8)."""
+        may still be ending; older ones' are the reconciler's to reap, rule 8), and a promoted
+        one whose handover is done but whose app is still to be planned again (a service down
+        for longer than that plans it when it is back)."""
         since = self.clock.utcnow() - timedelta(seconds=RECENT_S)
-        return [r for r in self.store.list_rollouts() if r.active or r.updated_at >= since]
+        return [
+            r
+            for r in self.store.list_rollouts()
+            if r.active or r.updated_at >= since or _plan_due(r)
+        ]
 
     def _set_routes(
         self, routes: dict[str, CanaryRoute], unless_written_since: int | None = None
@@ -415,7 +432,14 @@ class RolloutLoop:
             rollout,
             RolloutState.PROMOTED,
             f"promoted: {reason}; {old_label} instances drain{profiles}",
-            {**stored, "handover": {"ended": [], "promoted_at": self.clock.utcnow().isoformat()}},
+            {
+                **stored,
+                "handover": {
+                    "ended": [],
+                    "promoted_at": self.clock.utcnow().isoformat(),
+                    "plan_after": True,
+                },
+            },
         )
         return _full(moved), moved.reason
 
@@ -437,18 +461,10 @@ class RolloutLoop:
         if "done_at" in handover:  # the route went: the rollout's workers end after the grace
             done_at = datetime.fromisoformat(handover["done_at"])
             ended_workers = self._end_after_grace(live, done_at)
-            if live or "planned" in handover or not self._grace_over(done_at):
+            billed = [r for r in live if r.state in BILLED_STATES]
+            if billed or not _plan_due(rollout) or not self._grace_over(done_at):
                 return None, ended_workers
-            # Every worker of the rollout's gone (the budget has room again): the app planned
-            # again as it now is, once (written after: a crash between plans it again).
-            planned = self._plan_again(rollout)
-            handover["planned"] = planned
-            moved = self.store.move_rollout(
-                rollout, figures={**rollout.figures, "handover": handover}
-            )
-            if planned:
-                self._decide(moved, planned)
-            return None, planned
+            return None, self._plan_after_handover(rollout, handover)
         # The new version's queries go to the rollout's workers while the old instances are
         # replaced; when those workers ended before the handover did (the budget guard ends them
         # first on a budget cut, a spot interruption), the handover goes on without them: the
@@ -928,6 +944,37 @@ class RolloutLoop:
             self.on_change(rollout.app)
         return said
 
+    def _plan_after_handover(self, rollout: RolloutRecord, handover: dict[str, Any]) -> str:
+        """The handover is done and no worker of the rollout's costs anything any more: the app
+        planned again (:meth:`_plan_again`), once, what came of it stored and decided (written
+        after: a crash between plans again). Not while another rollout of the app is under
+        way (its workers hold part of the budget; its own handover plans the app again); a
+        conflict (the app changed while it was planned) is tried again, up to
+        :data:`PLAN_ATTEMPTS` times."""
+        other = [r.id for r in self.store.list_rollouts(rollout.app, active=True)]
+        if other:
+            said = (
+                f"not planned again after the handover: rollout {other[0]} of the app is under"
+                " way (its own handover plans the app again)"
+            )
+        else:
+            try:
+                said = self._plan_again(rollout)
+            except _PlanConflictError as error:
+                attempts = int(handover.get("plan_attempts", 0)) + 1
+                if attempts < PLAN_ATTEMPTS:
+                    handover["plan_attempts"] = attempts
+                    self.store.move_rollout(
+                        rollout, figures={**rollout.figures, "handover": handover}
+                    )
+                    return ""
+                said = str(error)
+        handover["planned"] = said
+        moved = self.store.move_rollout(rollout, figures={**rollout.figures, "handover": handover})
+        if said:
+            self._decide(moved, said)
+        return said
+
     def _plan_again(self, rollout: RolloutRecord) -> str:
         """After the handover, once the rollout's workers have ended: the app planned again as
         it now is (the new version's profiles, a cascade's new thresholds), on what its applied
@@ -942,7 +989,7 @@ class RolloutLoop:
             return ""
         old = applied.plan
         try:
-            request = replanning_request(old)
+            request = _request_for(old)
         except (InvalidValueError, ValueError) as error:  # a plan written by hand
             return f"plan {applied.id} stays ({error}): plan again for the new version"
         try:
@@ -954,6 +1001,11 @@ class RolloutLoop:
                 deadline_s=self.plan_deadline_s,
                 spot_prices=self.spot_prices,
             )
+        except ConflictError as error:
+            why = f"the app could not be planned again ({_first_line(error)})"
+            if isinstance(error, ProfilesNotMeasuredError):
+                return f"plan {applied.id} stays: {why}"
+            raise _PlanConflictError(f"plan {applied.id} stays: {why}") from None
         except Exception as error:  # whatever it is, the applied plan serves on
             if isinstance(error, ControlPlaneError | EstimatorError | SpecError | ValueError):
                 logger.warning(
@@ -961,7 +1013,7 @@ class RolloutLoop:
                 )
             else:  # a bug: logged whole, and tried no more (the rollout records this answer)
                 logger.exception("rollout %s of %s: not planned again", rollout.id, rollout.app)
-            why = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            why = _first_line(error)
             return f"plan {applied.id} stays: the app could not be planned again ({why})"
         new = record.plan
         if not new.feasible or not new.stages:
@@ -976,9 +1028,14 @@ class RolloutLoop:
         # applies that plan where it differs from this one.
         try:
             done = apply_plan(self.store, rollout.app, record.id, f"rollout {rollout.id}")
-        except ControlPlaneError as error:  # the app changed meanwhile, or is being taken down
-            why = str(error).splitlines()[0][:200]
-            return f"plan {applied.id} stays (the plan made for the new version: {why})"
+        except ConflictError as error:  # the app changed meanwhile, or is being taken down
+            raise _PlanConflictError(
+                f"plan {applied.id} stays (the plan made for the new version: {_first_line(error)})"
+            ) from None
+        except ControlPlaneError as error:  # gone meanwhile
+            return (
+                f"plan {applied.id} stays (the plan made for the new version: {_first_line(error)})"
+            )
         now, before = fleet_text(_nonzero(new.fleet)), fleet_text(_nonzero(old.fleet))
         return (
             f"planned again with the new version: plan {done.id} ({now},"
@@ -1116,13 +1173,54 @@ def _full(rollout: RolloutRecord) -> CanaryRoute:
     )
 
 
+class _PlanConflictError(Exception):
+    """The app changed while it was planned again (or while the plan was applied): worth
+    another try; the message is what to say when there is none."""
+
+
+def _plan_due(rollout: RolloutRecord) -> bool:
+    """Whether ``rollout``'s app is still to be planned again after its handover (a promotion
+    since that step was built, its handover done, no answer recorded yet)."""
+    handover = rollout.figures.get("handover") or {}
+    return (
+        rollout.state == RolloutState.PROMOTED
+        and bool(handover.get("plan_after"))
+        and "done_at" in handover
+        and "planned" not in handover
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+def _request_for(plan: PlanDocument) -> PlanRequest:
+    """What ``plan`` was planned on (:func:`~controlplane.apps.plans.replanning_request`); a
+    plan made on recorded traffic (no generator parameters, the recorded arrivals' CV^2) is
+    planned again on gamma arrivals of that CV^2 at its planned rate, not on a Poisson stand-in
+    that would read it as smoother than it was."""
+    request = replanning_request(plan)
+    trace = plan.trace or {}
+    cv2 = trace.get("cv2")
+    if request.trace is not None or not isinstance(cv2, int | float) or not math.isfinite(cv2):
+        return request
+    if cv2 <= 0 or abs(cv2 - 1.0) < 1e-9:
+        return request
+    seed = request.seed
+    gamma = TraceRequest(rate_qps=plan.planned_rate_qps, kind="gamma", cv2=float(cv2), seed=seed)
+    return PlanRequest(trace=gamma, seed=seed)
+
+
 def _nonzero(fleet: Mapping[str, int]) -> dict[str, int]:
     return {t: n for t, n in fleet.items() if n}
 
 
 def _serving_shape(plan: PlanDocument) -> tuple[Any, ...]:
     """What of ``plan`` the app serves with (per stage its fleet, spot share, batch, dispatch
-    policy and base types; the gear plan), without its predictions and costs."""
+    policy, base types and scale factor, the share of queries that reach it, which the tuner
+    sizes it by; the gear plan whole, whose load ranges come from the profiles), without the
+    stages' predictions and costs."""
     stages = tuple(
         (
             s.name,
@@ -1131,6 +1229,7 @@ def _serving_shape(plan: PlanDocument) -> tuple[Any, ...]:
             s.batch_size,
             s.policy,
             tuple(s.base_types),
+            round(s.scale_factor, 4),
         )
         for s in plan.stages
     )

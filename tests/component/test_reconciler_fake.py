@@ -299,21 +299,25 @@ def test_a_new_plan_that_trades_a_type_keeps_the_old_one_until_the_new_one_serve
 ) -> None:
     """A plan applied that serves the stage with another type (a new plan, not the tuner's
     trade within one) is make-before-break: the old type's last serving instance stays until
-    the new type's runs (the superseded plan's types count as the stage's), then goes."""
-    apply_fleet(world.store, {SMALL: 1})
+    the new type's runs (an instance of a type no stage plans serves every stage), also when
+    another plan is applied meanwhile, then goes."""
+    apply_fleet(world.store, {SMALL: 2})
     world.tick()
     world.fake.step()
     world.tick()
-    assert live_types(world.store) == {SMALL: 1} and by_state(world.store) == {"running": 1}
+    assert live_types(world.store) == {SMALL: 2} and by_state(world.store) == {"running": 2}
     apply_fleet(world.store, {LARGE: 1})
     world.tick()
-    assert live_types(world.store) == {SMALL: 1, LARGE: 1}
+    assert live_types(world.store) == {SMALL: 1, LARGE: 1}  # one small ends, one serves on
     (kept,) = decisions(world.store, "drain_deferred")
     assert "last" in kept.reason, kept.reason
-    world.fake.step()  # the large boots
+    apply_fleet(world.store, {LARGE: 2})  # another plan before the large runs
     world.tick()
+    assert live_types(world.store) == {SMALL: 1, LARGE: 2}
+    world.fake.step()  # the larges boot
     world.tick()
-    assert live_types(world.store) == {LARGE: 1}
+    world.tick(61.0)  # past the disruption budget's window, which the first small's end spent
+    assert live_types(world.store) == {LARGE: 2}
 
 
 def test_launches_stop_at_the_budget(template_db: Path, tmp_path: Path) -> None:

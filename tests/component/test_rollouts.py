@@ -339,6 +339,12 @@ def test_the_app_is_planned_again_once_after_the_handover(
     )
     store.apply_plan(APP, plan.id)
     (rollout,) = store.list_rollouts(APP)
+    figures = rollout.figures
+    # A promotion says the app is to be planned again after its handover (one promoted before
+    # that step was built is not planned again by surprise).
+    rollout = store.move_rollout(
+        rollout, figures={**figures, "handover": {**figures["handover"], "plan_after": True}}
+    )
     loop = handover.loop(tmp_path)
     clock.advance(ROUTE_GRACE_S)
     assert [t.what for t in loop.tick()] == ["ended 2 instance(s) of the old version"]
@@ -360,6 +366,48 @@ def test_the_app_is_planned_again_once_after_the_handover(
     assert loop.tick() == [] and loop.tick() == []  # once
     decided = [d.reason for d in store.list_decisions(APP, kinds=["rollout"])]
     assert decided.count(f"rollout {rollout.id}: {planned}") == 1, decided
+
+
+def test_no_plan_after_the_handover_while_another_rollout_of_the_app_is_under_way(
+    handover: Handover, tmp_path: Path
+) -> None:
+    """A second rollout of the app started once the first was promoted holds part of the
+    budget with its workers, and its own handover plans the app again: the first one's plan
+    is not made, and its decision says so."""
+    from controlplane.loops.rollouts import ROUTE_GRACE_S
+
+    clock, store = handover.clock, handover.store
+    (first,) = store.list_rollouts(APP)
+    store.move_rollout(
+        first,
+        figures={
+            "handover": {
+                **first.figures["handover"],
+                "plan_after": True,
+                "done_at": clock.utcnow().isoformat(),
+            }
+        },
+    )
+    second = store.create_rollout(
+        APP,
+        model="clf",
+        artifact="wine-model",
+        from_version=1,
+        to_version=1,
+        settings={"steps": [1.0], "interval_s": 1.0, "extra_fleet": {SMALL: 1}},
+        reason="test",
+        who="test",
+    )
+    loop = handover.loop(tmp_path)
+    clock.advance(ROUTE_GRACE_S)
+    ended = [t.what for t in loop.tick() if t.rollout_id == first.id]
+    assert ended == ["ended 1 worker(s) of the new version"]
+    (said,) = [t.what for t in loop.tick() if t.rollout_id == first.id]
+    assert said == (
+        f"not planned again after the handover: rollout {second.id} of the app is under way"
+        " (its own handover plans the app again)"
+    )
+    assert store.get_rollout(APP, first.id).figures["handover"]["planned"] == said
 
 
 def test_a_route_read_from_the_database_is_not_written_over_a_tick_made_meanwhile(

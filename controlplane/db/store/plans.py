@@ -83,20 +83,6 @@ class PlanStore(StoreBase):
             return _plan_record(_plan_row(session, row, row.applied_plan_id), app)
 
     @_translated
-    def get_superseded_plan(self, app: str) -> PlanRecord | None:
-        """The plan the applied one replaced (the superseded plan applied last); None when no
-        plan of the app was superseded."""
-        with transaction(self._sessions) as session:
-            row = _app_row(session, app)
-            plan = session.scalars(
-                select(m.Plan)
-                .where(m.Plan.app_id == row.id, m.Plan.status == "superseded")
-                .order_by(m.Plan.applied_at.desc(), m.Plan.id.desc())
-                .limit(1)
-            ).first()
-            return None if plan is None else _plan_record(plan, app)
-
-    @_translated
     def list_plans(self, app: str, *, limit: int | None = None) -> list[PlanRecord]:
         with transaction(self._sessions) as session:
             row = _app_row(session, app)
