@@ -34,10 +34,10 @@ Per rollout, each tick:
    reconciler launches their replacements, which load the version the spec now names; once as
    many replacements run as were ended (or fewer, once the fleet has settled: the app scaled
    down meanwhile, :data:`FLEET_SETTLE_S`), and the last old instance ended at least
-   :data:`ROUTE_GRACE_S` ago, the route goes and the rollout's workers end. Once they have
-   ended, the app is planned again as it now is, and the plan applied where it changes what
-   the app serves with (:meth:`RolloutLoop._plan_again`): the reconciler then moves the fleet
-   to it with the budget the rollout's workers held.
+   :data:`ROUTE_GRACE_S` ago, the route goes and the rollout's workers end. Once none of them
+   is billed any more, the app is planned again as it now is, once per promotion, and the plan
+   applied where it changes what the app serves with (:meth:`RolloutLoop._plan_again`): the
+   reconciler then moves the fleet to it with the budget the rollout's workers held.
    **Nothing serving ends with its route**: a worker ends :data:`ROUTE_GRACE_S` after the
    route that sent it queries changed (the old version's instances that long after the
    promotion, the rollout's own that long after the route went at a roll-back, an abort or
@@ -121,6 +121,7 @@ from controlplane.serving.workers import DEFAULT_WORKER_PORT
 from controlplane.spec import SpecError
 from estimator.errors import EstimatorError
 from estimator.profiles import PROFILE_FORMAT
+from estimator.traces import MAX_CV2
 from provisioners.base import APP_TAG, Provisioner, with_port
 from provisioners.errors import ProvisionerError
 
@@ -948,27 +949,20 @@ class RolloutLoop:
         """The handover is done and no worker of the rollout's costs anything any more: the app
         planned again (:meth:`_plan_again`), once, what came of it stored and decided (written
         after: a crash between plans again). Not while another rollout of the app is under
-        way (its workers hold part of the budget; its own handover plans the app again); a
-        conflict (the app changed while it was planned) is tried again, up to
-        :data:`PLAN_ATTEMPTS` times."""
-        other = [r.id for r in self.store.list_rollouts(rollout.app, active=True)]
-        if other:
-            said = (
-                f"not planned again after the handover: rollout {other[0]} of the app is under"
-                " way (its own handover plans the app again)"
-            )
-        else:
-            try:
-                said = self._plan_again(rollout)
-            except _PlanConflictError as error:
-                attempts = int(handover.get("plan_attempts", 0)) + 1
-                if attempts < PLAN_ATTEMPTS:
-                    handover["plan_attempts"] = attempts
-                    self.store.move_rollout(
-                        rollout, figures={**rollout.figures, "handover": handover}
-                    )
-                    return ""
-                said = str(error)
+        way (its workers hold part of the budget): once it is over; a conflict (the app
+        changed while it was planned, a lost race to apply, a teardown) is tried again, up to
+        :data:`PLAN_ATTEMPTS` tries in all."""
+        if self.store.list_rollouts(rollout.app, active=True):
+            return ""  # the next ticks plan once it is over (promoted, rolled back or aborted)
+        try:
+            said = self._plan_again(rollout)
+        except _PlanConflictError as error:
+            attempts = int(handover.get("plan_attempts", 0)) + 1
+            if attempts < PLAN_ATTEMPTS:
+                handover["plan_attempts"] = attempts
+                self.store.move_rollout(rollout, figures={**rollout.figures, "handover": handover})
+                return ""
+            said = str(error)
         handover["planned"] = said
         moved = self.store.move_rollout(rollout, figures={**rollout.figures, "handover": handover})
         if said:
@@ -976,12 +970,12 @@ class RolloutLoop:
         return said
 
     def _plan_again(self, rollout: RolloutRecord) -> str:
-        """After the handover, once the rollout's workers have ended: the app planned again as
+        """After the handover, once no worker of the rollout's is billed: the app planned again as
         it now is (the new version's profiles, a cascade's new thresholds), on what its applied
         plan was planned on (its trace request, else its planned rate), under its constraints as
         they are now (the budget included), within :attr:`plan_deadline_s`; that plan applied
-        where it serves the planned rate and changes what the app serves with (a stage's fleet,
-        batch, dispatch policy or base types, the gear plan). What came of it, in words for a
+        where it serves the planned rate and changes what the app serves with
+        (:func:`_serving_shape`). What came of it, in words for a
         ``rollout`` decision (empty without an applied plan). It fails softly: the applied plan
         stays and the words say why (plan again)."""
         applied = self.store.get_applied_plan(rollout.app)
@@ -1208,7 +1202,9 @@ def _request_for(plan: PlanDocument) -> PlanRequest:
     if cv2 <= 0 or abs(cv2 - 1.0) < 1e-9:
         return request
     seed = request.seed
-    gamma = TraceRequest(rate_qps=plan.planned_rate_qps, kind="gamma", cv2=float(cv2), seed=seed)
+    # The trace generator's bound: a CV^2 past it is planned at the bound.
+    cv2 = min(float(cv2), MAX_CV2)
+    gamma = TraceRequest(rate_qps=plan.planned_rate_qps, kind="gamma", cv2=cv2, seed=seed)
     return PlanRequest(trace=gamma, seed=seed)
 
 

@@ -368,15 +368,20 @@ def test_the_app_is_planned_again_once_after_the_handover(
     assert decided.count(f"rollout {rollout.id}: {planned}") == 1, decided
 
 
-def test_no_plan_after_the_handover_while_another_rollout_of_the_app_is_under_way(
+def test_the_plan_after_the_handover_waits_for_another_rollout_of_the_app(
     handover: Handover, tmp_path: Path
 ) -> None:
-    """A second rollout of the app started once the first was promoted holds part of the
-    budget with its workers, and its own handover plans the app again: the first one's plan
-    is not made, and its decision says so."""
+    """A second rollout of the app, started once the first was promoted, holds part of the
+    budget with its workers: the first one's plan waits while it is under way, and is made
+    once it is over (here aborted: the app must not keep a plan made for the version before)."""
     from controlplane.loops.rollouts import ROUTE_GRACE_S
 
     clock, store = handover.clock, handover.store
+    stages = [{"name": "clf", "fleet": {SMALL: 2}, "batch_size": 1, "policy": "fcfs"}]
+    plan = store.create_plan(
+        APP, {"feasible": True, "cost_usd_per_hr": 2 * PRICE, "rate_qps": 10.0, "stages": stages}
+    )
+    store.apply_plan(APP, plan.id)
     (first,) = store.list_rollouts(APP)
     store.move_rollout(
         first,
@@ -400,14 +405,43 @@ def test_no_plan_after_the_handover_while_another_rollout_of_the_app_is_under_wa
     )
     loop = handover.loop(tmp_path)
     clock.advance(ROUTE_GRACE_S)
-    ended = [t.what for t in loop.tick() if t.rollout_id == first.id]
-    assert ended == ["ended 1 worker(s) of the new version"]
-    (said,) = [t.what for t in loop.tick() if t.rollout_id == first.id]
-    assert said == (
-        f"not planned again after the handover: rollout {second.id} of the app is under way"
-        " (its own handover plans the app again)"
-    )
-    assert store.get_rollout(APP, first.id).figures["handover"]["planned"] == said
+
+    def said() -> list[str]:
+        return [t.what for t in loop.tick() if t.rollout_id == first.id]
+
+    assert said() == ["ended 1 worker(s) of the new version"]
+    assert said() == [] and said() == []  # waiting for the second
+    assert "planned" not in store.get_rollout(APP, first.id).figures["handover"]
+    store.move_rollout(store.get_rollout(APP, second.id), state="aborted", reason="test")
+    (planned,) = said()
+    assert planned.startswith(f"plan {plan.id} stays: the app could not be planned again (")
+    assert store.get_rollout(APP, first.id).figures["handover"]["planned"] == planned
+
+
+def test_a_plan_made_on_recorded_traffic_is_planned_again_at_its_burstiness() -> None:
+    """The plan after a handover plans on what the applied plan was planned on; one made on
+    recorded traffic stored no generator parameters, only the recorded CV^2: gamma arrivals of
+    that CV^2 (at most the generator's bound) stand in for it, not a Poisson trace."""
+    from controlplane.loops.rollouts import _request_for
+    from controlplane.policies.plan import PlanDocument
+    from estimator.traces import MAX_CV2
+
+    def plan(trace: dict[str, Any] | None) -> PlanDocument:
+        stages = [{"name": "clf", "fleet": {SMALL: 1}, "batch_size": 1}]
+        document = {"feasible": True, "cost_usd_per_hr": PRICE, "rate_qps": 40.0, "seed": 3}
+        return PlanDocument.parse({**document, "stages": stages, "trace": trace})
+
+    recorded = _request_for(plan({"count": 900, "rate_qps": 41.0, "cv2": 4.5}))
+    assert recorded.trace is not None and recorded.seed == 3
+    drawn = (recorded.trace.kind, recorded.trace.cv2, recorded.trace.rate_qps)
+    assert drawn == ("gamma", 4.5, 40.0)
+    assert _request_for(plan({"cv2": 1e6})).trace.cv2 == MAX_CV2  # type: ignore[union-attr]
+    for smooth in ({"cv2": 1.0}, {"count": 10}, None):
+        poisson = _request_for(plan(smooth))
+        assert poisson.trace is None and poisson.rate_qps == 40.0
+    generated = {"request": {"rate_qps": 30.0, "kind": "gamma", "cv2": 2.0}, "cv2": 2.2}
+    kept = _request_for(plan(generated))
+    assert kept.trace is not None and (kept.trace.rate_qps, kept.trace.cv2) == (30.0, 2.0)
 
 
 def test_a_route_read_from_the_database_is_not_written_over_a_tick_made_meanwhile(
