@@ -261,6 +261,13 @@ def test_promote_roll_back_on_latency_and_on_agreement_in_shadow(
             while not any("handover done" in r for r in decisions()):
                 assert time.monotonic() < deadline, decisions()
                 time.sleep(POLL_S)
+            # Once the rollout's worker has ended, the app is planned again, once: its plan,
+            # written by hand, has no rate to plan on again, so it stays and the decision says so.
+            stays = "stays (the plan has no planned rate to plan for again): plan again"
+            while not any(stays in r for r in decisions()):
+                assert time.monotonic() < deadline, decisions()
+                time.sleep(POLL_S)
+            assert sum(stays in r for r in decisions()) == 1, decisions()
 
             _cli(
                 capsys,
