@@ -202,6 +202,28 @@ class Handover:
             state=state,
         )
 
+    def start(self) -> Any:
+        """A rollout of the app (version 1 again: the handover does not look at it), pending."""
+        return self.store.create_rollout(
+            APP,
+            model="clf",
+            artifact="wine-model",
+            from_version=1,
+            to_version=1,
+            settings={"steps": [1.0], "interval_s": 1.0, "extra_fleet": {SMALL: 1}},
+            reason="test",
+            who="test",
+        )
+
+    def rate_plan(self) -> Any:
+        """A plan of the app's two instances with a planned rate to plan on again, applied."""
+        stages = [{"name": "clf", "fleet": {SMALL: 2}, "batch_size": 1, "policy": "fcfs"}]
+        plan = self.store.create_plan(
+            APP,
+            {"feasible": True, "cost_usd_per_hr": 2 * PRICE, "rate_qps": 10.0, "stages": stages},
+        )
+        return self.store.apply_plan(APP, plan.id)
+
     def loop(self, tmp_path: Path, **knobs: Any) -> Any:
         from controlplane.loops.rollouts import RolloutLoop
         from controlplane.serving.versions import VersionMeter
@@ -224,16 +246,7 @@ def handover(tmp_path: Path) -> Iterator[Handover]:
         made = Handover(clock, store, FakeProvisioner(running_on_launch=True), [], "")
         made.old = [made.row(f"wine-{n}") for n in (1, 2)]
         clock.advance(1.0)
-        rollout = store.create_rollout(
-            APP,
-            model="clf",
-            artifact="wine-model",
-            from_version=1,
-            to_version=1,
-            settings={"steps": [1.0], "interval_s": 1.0, "extra_fleet": {SMALL: 1}},
-            reason="test",
-            who="test",
-        )
+        rollout = made.start()
         made.prefix = rollout_request_prefix(APP, rollout.id)
         made.row(f"{made.prefix}{SMALL}-1")
         rollout = store.move_rollout(rollout, state="running")
@@ -333,11 +346,7 @@ def test_the_app_is_planned_again_once_after_the_handover(
     from controlplane.loops.rollouts import ROUTE_GRACE_S
 
     clock, store = handover.clock, handover.store
-    stages = [{"name": "clf", "fleet": {SMALL: 2}, "batch_size": 1, "policy": "fcfs"}]
-    plan = store.create_plan(
-        APP, {"feasible": True, "cost_usd_per_hr": 2 * PRICE, "rate_qps": 10.0, "stages": stages}
-    )
-    store.apply_plan(APP, plan.id)
+    plan = handover.rate_plan()
     (rollout,) = store.list_rollouts(APP)
     figures = rollout.figures
     # A promotion says the app is to be planned again after its handover (one promoted before
@@ -377,11 +386,7 @@ def test_the_plan_after_the_handover_waits_for_another_rollout_of_the_app(
     from controlplane.loops.rollouts import ROUTE_GRACE_S
 
     clock, store = handover.clock, handover.store
-    stages = [{"name": "clf", "fleet": {SMALL: 2}, "batch_size": 1, "policy": "fcfs"}]
-    plan = store.create_plan(
-        APP, {"feasible": True, "cost_usd_per_hr": 2 * PRICE, "rate_qps": 10.0, "stages": stages}
-    )
-    store.apply_plan(APP, plan.id)
+    plan = handover.rate_plan()
     (first,) = store.list_rollouts(APP)
     store.move_rollout(
         first,
@@ -393,16 +398,7 @@ def test_the_plan_after_the_handover_waits_for_another_rollout_of_the_app(
             }
         },
     )
-    second = store.create_rollout(
-        APP,
-        model="clf",
-        artifact="wine-model",
-        from_version=1,
-        to_version=1,
-        settings={"steps": [1.0], "interval_s": 1.0, "extra_fleet": {SMALL: 1}},
-        reason="test",
-        who="test",
-    )
+    second = handover.start()
     loop = handover.loop(tmp_path)
     clock.advance(ROUTE_GRACE_S)
 
