@@ -414,6 +414,31 @@ def test_the_plan_after_the_handover_waits_for_another_rollout_of_the_app(
     assert store.get_rollout(APP, first.id).figures["handover"]["planned"] == planned
 
 
+def test_the_plan_after_the_handover_needs_no_ended_worker_nor_a_recent_rollout(
+    handover: Handover, tmp_path: Path
+) -> None:
+    """A worker of the rollout's that the provider has not ended yet (its row terminating: not
+    billed) does not hold the plan back, and a service that comes back long after the handover
+    (past the loop's recent window) still plans the app once; a rollout promoted without the
+    mark is not planned again."""
+    from controlplane.loops.rollouts import RECENT_S
+
+    clock, store = handover.clock, handover.store
+    plan = handover.rate_plan()
+    (rollout,) = store.list_rollouts(APP)
+    done = {**rollout.figures["handover"], "done_at": clock.utcnow().isoformat()}
+    rollout = store.move_rollout(rollout, figures={"handover": done})
+    (worker,) = [r for r in store.list_instances(APP) if r.request_id.startswith(handover.prefix)]
+    store.transition_instance(worker.id, "terminating", reason="test: the provider is slow")
+    clock.advance(RECENT_S + 60.0)
+    loop = handover.loop(tmp_path)
+    assert loop.tick() == []  # no mark: not planned
+    store.move_rollout(rollout, figures={"handover": {**done, "plan_after": True}})
+    (said,) = [t.what for t in loop.tick()]
+    assert said.startswith(f"plan {plan.id} stays: the app could not be planned again (")
+    assert loop.tick() == []
+
+
 def test_a_plan_made_on_recorded_traffic_is_planned_again_at_its_burstiness() -> None:
     """The plan after a handover plans on what the applied plan was planned on; one made on
     recorded traffic stored no generator parameters, only the recorded CV^2: gamma arrivals of
