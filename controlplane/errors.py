@@ -58,6 +58,7 @@ __all__ = [
     "SettingsError",
     "UnknownScopeError",
     "WorkerCallError",
+    "first_line",
     "shown",
 ]
 
@@ -426,3 +427,11 @@ class WorkerCallError(ControlPlaneError):
         self.worker_fault = worker_fault
         self.rows = rows
         super().__init__(f"worker {address}: {kind}: {detail}")
+
+
+def first_line(error: BaseException, limit: int | None = None) -> str:
+    """The first line of ``error``'s message (its type's name when it has none), cut to
+    ``limit`` characters where given: what a log line or a decision quotes of it."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else type(error).__name__
+    return text if limit is None else text[:limit]

@@ -10,6 +10,16 @@ from estimator.errors import FleetError
 
 _TYPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.\-_]*$")
 
+
+def nonzero(counts: Mapping[str, int]) -> dict[str, int]:
+    """``counts`` without the types it has none of.
+
+    >>> nonzero({"c5.xlarge": 2, "g4dn.xlarge": 0})
+    {'c5.xlarge': 2}
+    """
+    return {name: count for name, count in counts.items() if count}
+
+
 # The most instances a fleet may have when it is expanded into one entry per instance (as the
 # simulator and the capacity search take it). Thousands of times the fleets a plan buys (the
 # planner adds at most hundreds), and what a simulation can still hold in memory; a count past

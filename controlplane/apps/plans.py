@@ -42,7 +42,7 @@ from controlplane.spec import ResolvedApp
 from estimator import deadline
 from estimator.batches import parse_batch_distribution
 from estimator.errors import WorkloadError
-from estimator.traces import Trace, constant_profile, renewal_arrivals, trace_stats
+from estimator.traces import MAX_CV2, Trace, constant_profile, renewal_arrivals, trace_stats
 
 __all__ = [
     "DEFAULT_TRACE_QUERIES",
@@ -50,6 +50,7 @@ __all__ = [
     "PlanRequestError",
     "TraceRequest",
     "apply_plan",
+    "burstiness_replanning_request",
     "planning_trace",
     "preview_plan",
     "provider_prices",
@@ -134,6 +135,28 @@ def replanning_request(document: PlanDocument) -> PlanRequest:
     if isinstance(stored, Mapping):
         return PlanRequest(trace=TraceRequest.from_document(stored), seed=document.seed or 0)
     return rate_request(document)
+
+
+def burstiness_replanning_request(document: PlanDocument) -> PlanRequest:
+    """:func:`replanning_request`, but a plan made on recorded traffic (no generator parameters,
+    the recorded arrivals' CV^2 in its trace statistics) is planned again on gamma arrivals of
+    that CV^2 (at most the trace generator's bound) at its planned rate, not on a Poisson
+    stand-in that would read it as smoother than it was. The rollout loop's plan after a
+    handover uses it; the capacity re-planner and the live tuner's ladders still take the
+    Poisson stand-in."""
+    request = replanning_request(document)
+    cv2 = (document.trace or {}).get("cv2")
+    if request.trace is not None or not isinstance(cv2, int | float) or not math.isfinite(cv2):
+        return request
+    if cv2 <= 0 or abs(cv2 - 1.0) < 1e-9:
+        return request
+    gamma = TraceRequest(
+        rate_qps=document.planned_rate_qps,
+        kind="gamma",
+        cv2=min(float(cv2), MAX_CV2),
+        seed=request.seed,
+    )
+    return PlanRequest(trace=gamma, seed=request.seed)
 
 
 def rate_request(document: PlanDocument) -> PlanRequest:

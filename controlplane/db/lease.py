@@ -47,7 +47,7 @@ from sqlalchemy.exc import ProgrammingError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
 from controlplane.db.session import CONNECT_TIMEOUT_S, missing_driver, parse_url, redact_url
-from controlplane.errors import DatabaseError, DatabaseInUseError
+from controlplane.errors import DatabaseError, DatabaseInUseError, first_line
 from controlplane.repeating import Repeating
 
 __all__ = [
@@ -202,7 +202,7 @@ class AdvisoryLock:
                     text("SELECT pg_try_advisory_lock(:key)"), {"key": self.key}
                 ).scalar_one()
             except SQLAlchemyError as error:
-                logger.warning("leader lock: cannot reach %s: %s", self._where, _first_line(error))
+                logger.warning("leader lock: cannot reach %s: %s", self._where, first_line(error))
                 self._drop_locked()
                 return False
             self._held = bool(got)
@@ -249,7 +249,7 @@ class AdvisoryLock:
             self._connection.execute(text("SELECT 1")).scalar_one()
         except SQLAlchemyError as error:
             logger.error(
-                "leader lock: its connection to %s failed: %s", self._where, _first_line(error)
+                "leader lock: its connection to %s failed: %s", self._where, first_line(error)
             )
             self._drop_locked()
             return False
@@ -292,7 +292,7 @@ def migration_lock(url: str | URL) -> Iterator[None]:
             connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
         except SQLAlchemyError as error:
             raise DatabaseError(
-                f"cannot lock {redact_url(parsed)} for migrating: {_first_line(error)}"
+                f"cannot lock {redact_url(parsed)} for migrating: {first_line(error)}"
             ) from None
         try:
             yield
@@ -431,8 +431,3 @@ def _read_pid(fd: int) -> str:
         return os.pread(fd, 32, 0).decode(errors="replace").strip()
     except OSError:
         return ""
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__

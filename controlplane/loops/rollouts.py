@@ -65,13 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.apps.plans import (
-    PlanRequest,
-    TraceRequest,
-    apply_plan,
-    preview_plan,
-    replanning_request,
-)
+from controlplane.apps.plans import apply_plan, burstiness_replanning_request, preview_plan
 from controlplane.apps.profile_run import end_workers, launch_worker, random_inputs
 from controlplane.apps.profiler import WorkerClient
 from controlplane.apps.resolver import AppResolver
@@ -95,7 +89,9 @@ from controlplane.errors import (
     ProfilesNotMeasuredError,
     ProfilingBudgetError,
     RolloutBudgetError,
+    first_line,
 )
+from controlplane.loops.capacity_replan import DEFAULT_PLAN_DEADLINE_S
 from controlplane.loops.reconciler import DEFAULT_LAUNCH_BACKOFF_S
 from controlplane.policies.disruption import DisruptionBudget, count_disruptions
 from controlplane.policies.lifecycle import (
@@ -120,8 +116,8 @@ from controlplane.serving.versions import CanaryRoute, VersionSource
 from controlplane.serving.workers import DEFAULT_WORKER_PORT
 from controlplane.spec import SpecError
 from estimator.errors import EstimatorError
+from estimator.fleet import nonzero
 from estimator.profiles import PROFILE_FORMAT
-from estimator.traces import MAX_CV2
 from provisioners.base import APP_TAG, Provisioner, with_port
 from provisioners.errors import ProvisionerError
 
@@ -148,8 +144,6 @@ ROUTE_GRACE_S = 5.0
 # ended counts as settled (the app scaled down meanwhile): the reconciler ticks every second or
 # so, and launches a replacement within one; a busy machine's ticks run late.
 FLEET_SETTLE_S = 30.0
-# How long the plan after the handover may take (the settings' plan_deadline_s default).
-DEFAULT_PLAN_DEADLINE_S = 60.0
 # How many times the plan after the handover is tried when the app changes while it is made.
 PLAN_ATTEMPTS = 3
 
@@ -983,7 +977,7 @@ class RolloutLoop:
             return ""
         old = applied.plan
         try:
-            request = _request_for(old)
+            request = burstiness_replanning_request(old)
         except (InvalidValueError, ValueError) as error:  # a plan written by hand
             return f"plan {applied.id} stays ({error}): plan again for the new version"
         try:
@@ -996,18 +990,19 @@ class RolloutLoop:
                 spot_prices=self.spot_prices,
             )
         except ConflictError as error:
-            why = f"the app could not be planned again ({_first_line(error)})"
+            why = f"the app could not be planned again ({first_line(error, 200)})"
             if isinstance(error, ProfilesNotMeasuredError):
                 return f"plan {applied.id} stays: {why}"
             raise _PlanConflictError(f"plan {applied.id} stays: {why}") from None
-        except Exception as error:  # whatever it is, the applied plan serves on
-            if isinstance(error, ControlPlaneError | EstimatorError | SpecError | ValueError):
-                logger.warning(
-                    "rollout %s of %s: not planned again: %s", rollout.id, rollout.app, error
-                )
-            else:  # a bug: logged whole, and tried no more (the rollout records this answer)
-                logger.exception("rollout %s of %s: not planned again", rollout.id, rollout.app)
-            why = _first_line(error)
+        except (ControlPlaneError, EstimatorError, SpecError, ValueError) as error:
+            logger.warning(
+                "rollout %s of %s: not planned again: %s", rollout.id, rollout.app, error
+            )
+            why = first_line(error, 200)
+            return f"plan {applied.id} stays: the app could not be planned again ({why})"
+        except Exception as error:  # a bug: logged whole, and tried no more (the answer is kept)
+            logger.exception("rollout %s of %s: not planned again", rollout.id, rollout.app)
+            why = first_line(error, 200)
             return f"plan {applied.id} stays: the app could not be planned again ({why})"
         new = record.plan
         if not new.feasible or not new.stages:
@@ -1023,14 +1018,14 @@ class RolloutLoop:
         try:
             done = apply_plan(self.store, rollout.app, record.id, f"rollout {rollout.id}")
         except ConflictError as error:  # the app changed meanwhile, or is being taken down
+            why = first_line(error, 200)
             raise _PlanConflictError(
-                f"plan {applied.id} stays (the plan made for the new version: {_first_line(error)})"
+                f"plan {applied.id} stays (the plan made for the new version: {why})"
             ) from None
         except ControlPlaneError as error:  # gone meanwhile
-            return (
-                f"plan {applied.id} stays (the plan made for the new version: {_first_line(error)})"
-            )
-        now, before = fleet_text(_nonzero(new.fleet)), fleet_text(_nonzero(old.fleet))
+            why = first_line(error, 200)
+            return f"plan {applied.id} stays (the plan made for the new version: {why})"
+        now, before = fleet_text(nonzero(new.fleet)), fleet_text(nonzero(old.fleet))
         return (
             f"planned again with the new version: plan {done.id} ({now},"
             f" {new.cost_usd_per_hr:.4g} USD/hr) replaces plan {applied.id}"
@@ -1184,34 +1179,6 @@ def _plan_due(rollout: RolloutRecord) -> bool:
     )
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error)
-    return text.splitlines()[0][:200] if text else type(error).__name__
-
-
-def _request_for(plan: PlanDocument) -> PlanRequest:
-    """What ``plan`` was planned on (:func:`~controlplane.apps.plans.replanning_request`); a
-    plan made on recorded traffic (no generator parameters, the recorded arrivals' CV^2) is
-    planned again on gamma arrivals of that CV^2 at its planned rate, not on a Poisson stand-in
-    that would read it as smoother than it was."""
-    request = replanning_request(plan)
-    trace = plan.trace or {}
-    cv2 = trace.get("cv2")
-    if request.trace is not None or not isinstance(cv2, int | float) or not math.isfinite(cv2):
-        return request
-    if cv2 <= 0 or abs(cv2 - 1.0) < 1e-9:
-        return request
-    seed = request.seed
-    # The trace generator's bound: a CV^2 past it is planned at the bound.
-    cv2 = min(float(cv2), MAX_CV2)
-    gamma = TraceRequest(rate_qps=plan.planned_rate_qps, kind="gamma", cv2=cv2, seed=seed)
-    return PlanRequest(trace=gamma, seed=seed)
-
-
-def _nonzero(fleet: Mapping[str, int]) -> dict[str, int]:
-    return {t: n for t, n in fleet.items() if n}
-
-
 def _serving_shape(plan: PlanDocument) -> tuple[Any, ...]:
     """What of ``plan`` the app serves with (per stage its fleet, spot share, batch, dispatch
     policy, base types and scale factor, the share of queries that reach it, which the tuner
@@ -1220,8 +1187,8 @@ def _serving_shape(plan: PlanDocument) -> tuple[Any, ...]:
     stages = tuple(
         (
             s.name,
-            _nonzero(s.fleet),
-            _nonzero(s.spot_fleet),
+            nonzero(s.fleet),
+            nonzero(s.spot_fleet),
             s.batch_size,
             s.policy,
             tuple(s.base_types),

@@ -99,6 +99,7 @@ from estimator import deadline
 from estimator.batches import parse_batch_distribution
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope
 from estimator.errors import EstimatorError
+from estimator.fleet import nonzero
 from estimator.traces import Trace, trace_stats
 
 __all__ = [
@@ -466,7 +467,7 @@ class TrafficReplanner:
             )
             logger.warning("replan: %s: no plan within its budget serves its traffic", app.name)
             return False
-        if _nonzero(new.fleet) == _nonzero(old.fleet):
+        if nonzero(new.fleet) == nonzero(old.fleet):
             logger.info(
                 "replan: %s: %s; the plan for it has the same fleet, plan %s stays",
                 app.name,
@@ -539,7 +540,3 @@ def _batch_sizes(
     batches = parse_batch_distribution(text)
     sizes = np.asarray(batches.sample(count, np.random.default_rng(seed)), dtype=np.int64)
     return sizes, batches.spec
-
-
-def _nonzero(fleet: Mapping[str, int]) -> dict[str, int]:
-    return {t: n for t, n in fleet.items() if n}

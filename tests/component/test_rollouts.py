@@ -443,7 +443,7 @@ def test_a_plan_made_on_recorded_traffic_is_planned_again_at_its_burstiness() ->
     """The plan after a handover plans on what the applied plan was planned on; one made on
     recorded traffic stored no generator parameters, only the recorded CV^2: gamma arrivals of
     that CV^2 (at most the generator's bound) stand in for it, not a Poisson trace."""
-    from controlplane.loops.rollouts import _request_for
+    from controlplane.apps.plans import burstiness_replanning_request as _request_for
     from controlplane.policies.plan import PlanDocument
     from estimator.traces import MAX_CV2
 
