@@ -111,9 +111,12 @@ def test_the_serving_process_runs_no_job_and_restarts_its_loops(tmp_path: Path) 
         )
         assert job_runs(httpx.get(f"{server.url}/metrics", headers=admin).text) == 0
 
-        # Forked by the zygote, the serving process's child, which runs no job either.
+        # Forked by the zygote, the serving process's child, which runs no job either, with
+        # the planners' solvers (scipy.optimize) imported before the fork: no child imports them.
         zygote = parent_of(first["pid"])
         assert zygote != server.process.pid and parent_of(zygote) == server.process.pid
+        mapped = "/scipy/optimize/" in Path(f"/proc/{first['pid']}/maps").read_text()
+        assert mapped, "the loops process was forked without scipy.optimize imported"
         assert job_runs(httpx.get(child, headers=admin).text) >= 3
         # The secret came over the zygote's socket: in no environment; the child's feed
         # exchanges (ten a second while the jobs ran) were taken, another secret is refused.
