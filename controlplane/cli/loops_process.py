@@ -105,11 +105,11 @@ class LoopsProcess:
         # 32 instances, a cascade's LPs) are imported before the fork, so that every loops
         # child has them already: the serving loop loads them at its start anyway
         # (matching.assignment.load_solver), and a child that plans would import them again
-        # (about 0.7 s of a core, for each start of the child).
-        if _forkable():
-            from matching.assignment import load_solver
+        # (about 0.7 s of a core, for each start of the child). The fork's own check comes
+        # after the import, so a solver that started a thread would keep the zygote away.
+        from matching.assignment import load_solver
 
-            load_solver()
+        load_solver()
         self._zygote = _Zygote.fork()
         # The secret of this start of the service; repr=False is not enough for a plain
         # attribute, so it is never formatted anywhere.

@@ -146,6 +146,8 @@ ROUTE_GRACE_S = 5.0
 FLEET_SETTLE_S = 30.0
 # How many times the plan after the handover is tried when the app changes while it is made.
 PLAN_ATTEMPTS = 3
+# How much of an error's first line a decision about the plan after the handover quotes.
+REASON_CHARS = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -990,19 +992,18 @@ class RolloutLoop:
                 spot_prices=self.spot_prices,
             )
         except ConflictError as error:
-            why = f"the app could not be planned again ({first_line(error, 200)})"
+            why = f"the app could not be planned again ({first_line(error, REASON_CHARS)})"
             if isinstance(error, ProfilesNotMeasuredError):
                 return f"plan {applied.id} stays: {why}"
             raise _PlanConflictError(f"plan {applied.id} stays: {why}") from None
-        except (ControlPlaneError, EstimatorError, SpecError, ValueError) as error:
-            logger.warning(
-                "rollout %s of %s: not planned again: %s", rollout.id, rollout.app, error
-            )
-            why = first_line(error, 200)
-            return f"plan {applied.id} stays: the app could not be planned again ({why})"
-        except Exception as error:  # a bug: logged whole, and tried no more (the answer is kept)
-            logger.exception("rollout %s of %s: not planned again", rollout.id, rollout.app)
-            why = first_line(error, 200)
+        except Exception as error:  # whatever it is, the applied plan serves on
+            if isinstance(error, ControlPlaneError | EstimatorError | SpecError | ValueError):
+                logger.warning(
+                    "rollout %s of %s: not planned again: %s", rollout.id, rollout.app, error
+                )
+            else:  # a bug: logged whole, and tried no more (the rollout records this answer)
+                logger.exception("rollout %s of %s: not planned again", rollout.id, rollout.app)
+            why = first_line(error, REASON_CHARS)
             return f"plan {applied.id} stays: the app could not be planned again ({why})"
         new = record.plan
         if not new.feasible or not new.stages:
@@ -1018,12 +1019,12 @@ class RolloutLoop:
         try:
             done = apply_plan(self.store, rollout.app, record.id, f"rollout {rollout.id}")
         except ConflictError as error:  # the app changed meanwhile, or is being taken down
-            why = first_line(error, 200)
+            why = first_line(error, REASON_CHARS)
             raise _PlanConflictError(
                 f"plan {applied.id} stays (the plan made for the new version: {why})"
             ) from None
         except ControlPlaneError as error:  # gone meanwhile
-            why = first_line(error, 200)
+            why = first_line(error, REASON_CHARS)
             return f"plan {applied.id} stays (the plan made for the new version: {why})"
         now, before = fleet_text(nonzero(new.fleet)), fleet_text(nonzero(old.fleet))
         return (

@@ -443,7 +443,7 @@ def test_a_plan_made_on_recorded_traffic_is_planned_again_at_its_burstiness() ->
     """The plan after a handover plans on what the applied plan was planned on; one made on
     recorded traffic stored no generator parameters, only the recorded CV^2: gamma arrivals of
     that CV^2 (at most the generator's bound) stand in for it, not a Poisson trace."""
-    from controlplane.apps.plans import burstiness_replanning_request as _request_for
+    from controlplane.apps.plans import burstiness_replanning_request
     from controlplane.policies.plan import PlanDocument
     from estimator.traces import MAX_CV2
 
@@ -452,16 +452,16 @@ def test_a_plan_made_on_recorded_traffic_is_planned_again_at_its_burstiness() ->
         document = {"feasible": True, "cost_usd_per_hr": PRICE, "rate_qps": 40.0, "seed": 3}
         return PlanDocument.parse({**document, "stages": stages, "trace": trace})
 
-    recorded = _request_for(plan({"count": 900, "rate_qps": 41.0, "cv2": 4.5}))
+    recorded = burstiness_replanning_request(plan({"count": 900, "rate_qps": 41.0, "cv2": 4.5}))
     assert recorded.trace is not None and recorded.seed == 3
     drawn = (recorded.trace.kind, recorded.trace.cv2, recorded.trace.rate_qps)
     assert drawn == ("gamma", 4.5, 40.0)
-    assert _request_for(plan({"cv2": 1e6})).trace.cv2 == MAX_CV2  # type: ignore[union-attr]
+    assert burstiness_replanning_request(plan({"cv2": 1e6})).trace.cv2 == MAX_CV2  # type: ignore[union-attr]
     for smooth in ({"cv2": 1.0}, {"count": 10}, None):
-        poisson = _request_for(plan(smooth))
+        poisson = burstiness_replanning_request(plan(smooth))
         assert poisson.trace is None and poisson.rate_qps == 40.0
     generated = {"request": {"rate_qps": 30.0, "kind": "gamma", "cv2": 2.0}, "cv2": 2.2}
-    kept = _request_for(plan(generated))
+    kept = burstiness_replanning_request(plan(generated))
     assert kept.trace is not None and (kept.trace.rate_qps, kept.trace.cv2) == (30.0, 2.0)
 
 
