@@ -45,6 +45,10 @@ timings, late).
   (the route's: FastAPI, its dependencies, the token check in the thread pool) and to
   ``POST /v2/models/bench/infer`` (answered by the fast path); the answer, the protocol's
   document of the model's ``logits``, checked the same in both.
+- ``asgi_fast_path_refused_us``, ``asgi_oip_fast_path_refused_us``: the fast path's requests of
+  ``/v1`` and ``/v2`` when admission refuses them (the serving loop's ``infer`` raises the
+  :class:`~controlplane.errors.OverloadedError` admission raises): each answered 429
+  ``overloaded`` (checked), the answer most requests get past saturation.
 - ``uvicorn_http_us``: the CPU of a uvicorn server per request, as ``heteroplane serve`` runs it
   (httptools' protocol and asyncio's loop,
   :func:`~controlplane.service.protocol.server_options`; its socket bound by
@@ -92,6 +96,7 @@ from controlplane.api.routes.infer import answer_document
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import SystemClock
 from controlplane.db.store import Store
+from controlplane.errors import OverloadedError
 from controlplane.policies.variants import Requirements
 from controlplane.service.app import create_app
 from controlplane.serving.dispatcher import InferResult
@@ -155,6 +160,8 @@ FIGURES = (
     "fast_path_saves_us",
     "asgi_oip_route_us",
     "asgi_oip_fast_path_us",
+    "asgi_fast_path_refused_us",
+    "asgi_oip_fast_path_refused_us",
     "uvicorn_http_us",
 )
 
@@ -206,7 +213,10 @@ def token_figures(store: Store, token: str, n: int, repeats: int) -> dict[str, l
 
 class InstantServing(ServingLoop):
     """A running serving loop whose ``infer`` answers :data:`ANSWER` at once (its
-    ``dispatcher_for`` is the real one: the route reads the app's model signature there)."""
+    ``dispatcher_for`` is the real one: the route reads the app's model signature there), or,
+    while ``refusing``, refuses as admission does."""
+
+    refusing = False
 
     async def infer(
         self,
@@ -218,6 +228,8 @@ class InstantServing(ServingLoop):
         deadline_s: float | None = None,
         request_id: str | None = None,
     ) -> InferResult:
+        if self.refusing:
+            raise OverloadedError(app, predicted_ms=900.0, slo_ms=300.0, retry_after_s=1)
         return ANSWER
 
 
@@ -292,10 +304,12 @@ def asgi_scope(
     }
 
 
-async def asgi_cpu_us(world: World, n: int, route: bool, oip: bool = False) -> float:
+async def asgi_cpu_us(
+    world: World, n: int, route: bool, oip: bool = False, refused: bool = False
+) -> float:
     """CPU per request of ``n`` requests through the app (``oip``: the Open Inference
-    Protocol's), each checked (200, and answered by the route when ``route``, by the fast path
-    otherwise)."""
+    Protocol's), each checked (200, or with ``refused`` admission's 429; answered by the route
+    when ``route``, by the fast path otherwise)."""
     body = OIP_BODY if oip else BODY
     if oip:
         template = asgi_scope(world.token, True, OIP_ROUTE_PATH if route else OIP_PATH, OIP_BODY)
@@ -328,13 +342,21 @@ async def asgi_cpu_us(world: World, n: int, route: bool, oip: bool = False) -> f
         routed += await one()
     spent = time.process_time() - start
     which = "route" if route else "fast path"
-    if statuses.count(200) != n:
-        bad = next((s for s in statuses if s != 200), None)
-        raise RuntimeError(f"{which}: {statuses.count(200)} of {n} answered 200 (saw {bad})")
+    status = 429 if refused else 200
+    if statuses.count(status) != n:
+        bad = next((s for s in statuses if s != status), None)
+        raise RuntimeError(
+            f"{which}: {statuses.count(status)} of {n} answered {status} (saw {bad})"
+        )
     if routed != (n if route else 0):
         raise RuntimeError(f"{which}: {routed} of {n} requests went through the route")
     answer = orjson.loads(bodies[-1])
-    if oip:
+    if refused:
+        error = answer.get("error")
+        code = error if oip else (error or {}).get("code")
+        if not isinstance(code, str) or "overloaded" not in code:
+            raise RuntimeError(f"{which}: unexpected refusal {bodies[-1]!r}")
+    elif oip:
         (output,) = answer.get("outputs", [{}])
         if output.get("name") != "logits" or output.get("shape") != [1, 10]:
             raise RuntimeError(f"{which} (/v2): unexpected answer {bodies[-1]!r}")
@@ -353,12 +375,23 @@ async def asgi_figures(world: World, n: int, repeats: int) -> dict[str, list[flo
             "asgi_fast_path_us": [],
             "asgi_oip_route_us": [],
             "asgi_oip_fast_path_us": [],
+            "asgi_fast_path_refused_us": [],
+            "asgi_oip_fast_path_refused_us": [],
         }
         for _ in range(repeats):
             figures["asgi_route_us"].append(await asgi_cpu_us(world, n, route=True))
             figures["asgi_fast_path_us"].append(await asgi_cpu_us(world, n, route=False))
             figures["asgi_oip_route_us"].append(await asgi_cpu_us(world, n, True, oip=True))
             figures["asgi_oip_fast_path_us"].append(await asgi_cpu_us(world, n, False, oip=True))
+            world.serving.refusing = True
+            try:
+                for name, oip in (
+                    ("asgi_fast_path_refused_us", False),
+                    ("asgi_oip_fast_path_refused_us", True),
+                ):
+                    figures[name].append(await asgi_cpu_us(world, n, False, oip, refused=True))
+            finally:
+                world.serving.refusing = False
         return figures
     finally:
         await world.serving.stop()

@@ -33,6 +33,13 @@ route, which answers them as it always did. At 2,000 q/s the route's layers (Fas
 dependencies, the token check in the thread pool) were most of ``/v2``'s CPU per query
 (``python -m benchmarks.serving_speed api``; docs/serving.md, "Through the API").
 
+**Admission's refusal** (429 ``overloaded``, :class:`~controlplane.errors.OverloadedError`) is
+written here directly (:func:`send_overloaded`), the body and headers the route's handler gives
+it in either shape, without building a request object, a response and, on ``/v2``, the API's
+body decoded again into the protocol's: past saturation most answers are refusals, and each
+one's CPU is taken from the queries that are served (a refused ``/v2`` query had cost about 1.6
+times an answered one in process; ``python -m benchmarks.serving_speed layers`` measures both).
+
 Anything else (no or unknown token, another scope, a body the fast checks do not accept, INFaaS
 ``requirements``, a body or headers over a limit) goes to FastAPI unchanged, with the body read
 so far handed on: the route then answers exactly as it always did, errors included. The fast
@@ -53,7 +60,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.api.counters import RequestCounter
-from controlplane.api.errors import render_error
+from controlplane.api.errors import error_document, render_error
 from controlplane.api.limits import MAX_BODY_BYTES, MAX_HEADER_BYTES, mark_authenticated
 from controlplane.api.routes import APP_NAME_MAX, APP_NAME_PATTERN
 from controlplane.api.routes.infer import (
@@ -73,6 +80,7 @@ from controlplane.api.routes.oip import (
     split_body,
 )
 from controlplane.api.schemas import MAX_INFER_SAMPLES
+from controlplane.errors import OverloadedError
 from controlplane.policies.auth import Scope as TokenScope
 from controlplane.policies.auth import scope_allows
 from provisioners.worker.oip import OipError
@@ -285,6 +293,9 @@ class FastInferMiddleware:
             result = await serving.infer(
                 app, rows, parsed[1], None, received, request_id=request_id
             )
+        except OverloadedError as error:  # the handlers' answer, written directly
+            self.counter.add(app, await send_overloaded(send, error, oip=False))
+            return
         except Exception as error:  # every failure gets the answer the route's handlers give
             response = render_error(Request(scope), error)
             self.counter.add(app, response.status_code)
@@ -325,6 +336,9 @@ class FastInferMiddleware:
         try:
             answered = await serve_parsed(serving, app, signature, document, parsed, received)
             payload, headers = answer_payload(app, document, answered)
+        except OverloadedError as error:  # the route's answer, written directly
+            self.counter.add(app, await send_overloaded(send, error, oip=True))
+            return
         except Exception as error:  # the answer the route gives it, in the protocol's shape
             response = await error_answer(Request(scope), error)
             self.counter.add(app, response.status_code)
@@ -339,6 +353,21 @@ async def send_ok(send: Send, payload: bytes, headers: list[tuple[bytes, bytes]]
     start = [*headers, (b"content-length", str(len(payload)).encode())]
     await send({"type": "http.response.start", "status": 200, "headers": start})
     await send({"type": "http.response.body", "body": payload})
+
+
+async def send_overloaded(send: Send, error: OverloadedError, oip: bool) -> int:
+    """Admission's 429 for ``error`` as the app's handler answers it
+    (:func:`~controlplane.api.errors.error_document`: the API's body, or with ``oip`` the Open
+    Inference Protocol's; ``Retry-After`` in whole seconds), as two ASGI messages. Its status."""
+    payload = orjson.dumps(error_document(oip, "overloaded", str(error)))
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"retry-after", str(error.retry_after_s).encode()),
+        (b"content-length", str(len(payload)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": 429, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+    return 429
 
 
 async def read_up_to(receive: Receive, limit: int) -> tuple[bytes | None, bool]:

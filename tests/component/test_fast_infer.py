@@ -234,6 +234,86 @@ def test_the_open_inference_protocol_takes_the_fast_path_too(world: ApiWorld) ->
     api_run(world, body)
 
 
+# A JSON type the fast path hands on (it takes application/json only) and FastAPI reads as JSON:
+# the same request answered the route's way.
+ROUTE_JSON = "application/vnd.heteroplane+json"
+
+
+def _refusal(response: httpx.Response) -> tuple[Any, ...]:
+    """What a 429 of admission says but its figures (the predicted time, Retry-After's seconds):
+    its header names, its body's keys, its code, field and message up to the figures."""
+    assert int(response.headers["retry-after"]) >= 1
+    assert int(response.headers["content-length"]) == len(response.content)
+    error = response.json()["error"]
+    message = error if isinstance(error, str) else error["message"]
+    assert message.startswith("app 'demo' is overloaded: a new query would take about"), message
+    fields = (
+        None if isinstance(error, str) else (tuple(sorted(error)), error["code"], error["field"])
+    )
+    names = tuple(sorted(response.headers))
+    return names, response.headers["content-type"], tuple(sorted(response.json())), fields
+
+
+def test_admissions_refusal_is_the_routes_429_on_both_protocols(tmp_path: Path) -> None:
+    """Past saturation most answers are admission's refusals, which the fast path writes itself
+    (send_overloaded): the route's status, headers and body, in each protocol's shape, counted."""
+    world = ApiWorld(tmp_path, fixed_ms=20.0)  # tiny takes 20 ms a batch, the SLO 300 ms
+    checks = _Checks(world)
+    v1 = json.dumps({"inputs": [row(1, 0.9)]}).encode()
+    v2 = json.dumps(_oip_request([row(1, 0.9)])).encode()
+    counted = world.app.state.services.requests
+
+    async def burst(
+        client: httpx.AsyncClient, url: str, payload: bytes, content_type: str
+    ) -> list[httpx.Response]:
+        headers = {**world.auth(), "Content-Type": content_type}
+        return list(
+            await asyncio.gather(
+                *(client.post(url, content=payload, headers=headers) for _ in range(60))
+            )
+        )
+
+    async def body(client: httpx.AsyncClient) -> dict[str, list[httpx.Response]]:
+        world.instances.set("demo", endpoints(await fleet([LARGE], delay_s=0.02)))
+        warm = await client.post(
+            URL, content=v1, headers={**world.auth(), "Content-Type": "application/json"}
+        )
+        assert warm.status_code == 200, warm.text  # the token is cached from here on
+        checks.count = 0
+        answers: dict[str, list[httpx.Response]] = {}
+        for name, url, payload, content_type, fast in (
+            ("/v1 fast path", URL, v1, "application/json", True),
+            ("/v1 route", URL, v1, ROUTE_JSON, False),
+            ("/v2 fast path", OIP_URL, v2, "application/json", True),
+            ("/v2 route", OIP_VERSIONED, v2, "application/json", False),
+        ):
+            before = counted.snapshot().get(("demo", 429), 0)
+            answers[name] = await burst(client, url, payload, content_type)
+            refused = sum(1 for r in answers[name] if r.status_code == 429)
+            if fast:
+                assert checks.count == 0, name  # no route's token check: the fast path answered
+                assert counted.snapshot().get(("demo", 429), 0) - before == refused, name
+            checks.count = 0
+        return answers
+
+    try:
+        answers = api_run(world, body)
+    finally:
+        world.store.close()
+    shapes = {}
+    for name, responses in answers.items():
+        assert {r.status_code for r in responses} <= {200, 429}, name
+        refused = [r for r in responses if r.status_code == 429]
+        assert refused, f"{name}: no query was refused"
+        seen = {_refusal(r) for r in refused}
+        assert len(seen) == 1, (name, seen)
+        shapes[name] = seen.pop()
+    assert shapes["/v1 fast path"] == shapes["/v1 route"]
+    assert shapes["/v2 fast path"] == shapes["/v2 route"]
+    assert shapes["/v1 fast path"][3] == (("code", "field", "message"), "overloaded", None)
+    assert shapes["/v2 fast path"][3] is None  # the protocol's {"error": "..."}
+
+
 def test_plain_bodies() -> None:
     assert plain_body({"inputs": [[1, 2.5]]}) == ([[1, 2.5]], None)
     assert plain_body({"inputs": [[1]], "sample_ids": [0]}) == ([[1]], [0])
