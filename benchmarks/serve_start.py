@@ -22,21 +22,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 try:  # imported as benchmarks.serve_start
-    from benchmarks.local_service import cpu_s, free_port, stop
+    from benchmarks.local_service import cpu_s, free_port, parent_of, stop
 except ModuleNotFoundError:  # run as a script: the sibling module
-    from local_service import cpu_s, free_port, stop
+    from local_service import cpu_s, free_port, parent_of, stop
 
 READY_TIMEOUT_S = 120.0
-
-
-def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def one_start() -> dict[str, float]:

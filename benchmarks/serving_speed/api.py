@@ -190,9 +190,9 @@ def descendants(pid: int) -> list[int]:
     """The processes below ``pid`` (its children, theirs, and so on), from ``/proc``'s parent
     ids; empty where ``/proc`` has none."""
     parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            parents[int(entry.name)] = local_service.parent_of(int(entry.name))
         except (OSError, IndexError, ValueError):  # gone meanwhile
             continue
     found: list[int] = []
