@@ -294,7 +294,8 @@ class FastInferMiddleware:
                 app, rows, parsed[1], None, received, request_id=request_id
             )
         except OverloadedError as error:  # the handlers' answer, written directly
-            self.counter.add(app, await send_overloaded(send, error, oip=False))
+            await send_overloaded(send, error, oip=False)
+            self.counter.add(app, 429)
             return
         except Exception as error:  # every failure gets the answer the route's handlers give
             response = render_error(Request(scope), error)
@@ -337,7 +338,8 @@ class FastInferMiddleware:
             answered = await serve_parsed(serving, app, signature, document, parsed, received)
             payload, headers = answer_payload(app, document, answered)
         except OverloadedError as error:  # the route's answer, written directly
-            self.counter.add(app, await send_overloaded(send, error, oip=True))
+            await send_overloaded(send, error, oip=True)
+            self.counter.add(app, 429)
             return
         except Exception as error:  # the answer the route gives it, in the protocol's shape
             response = await error_answer(Request(scope), error)
@@ -348,26 +350,26 @@ class FastInferMiddleware:
         await send_ok(send, payload, headers)
 
 
-async def send_ok(send: Send, payload: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    """A 200 answer of ``payload`` with its content ``headers``, as two ASGI messages."""
+async def send_ok(
+    send: Send, payload: bytes, headers: list[tuple[bytes, bytes]], status: int = 200
+) -> None:
+    """An answer of ``payload`` with its content ``headers`` (200 unless ``status`` says), as two
+    ASGI messages."""
     start = [*headers, (b"content-length", str(len(payload)).encode())]
-    await send({"type": "http.response.start", "status": 200, "headers": start})
+    await send({"type": "http.response.start", "status": status, "headers": start})
     await send({"type": "http.response.body", "body": payload})
 
 
-async def send_overloaded(send: Send, error: OverloadedError, oip: bool) -> int:
+async def send_overloaded(send: Send, error: OverloadedError, oip: bool) -> None:
     """Admission's 429 for ``error`` as the app's handler answers it
     (:func:`~controlplane.api.errors.error_document`: the API's body, or with ``oip`` the Open
-    Inference Protocol's; ``Retry-After`` in whole seconds), as two ASGI messages. Its status."""
+    Inference Protocol's; ``Retry-After`` in whole seconds)."""
     payload = orjson.dumps(error_document(oip, "overloaded", str(error)))
     headers = [
         (b"content-type", b"application/json"),
         (b"retry-after", str(error.retry_after_s).encode()),
-        (b"content-length", str(len(payload)).encode()),
     ]
-    await send({"type": "http.response.start", "status": 429, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
-    return 429
+    await send_ok(send, payload, headers, status=429)
 
 
 async def read_up_to(receive: Receive, limit: int) -> tuple[bytes | None, bool]:
