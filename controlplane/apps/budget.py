@@ -33,7 +33,13 @@ from controlplane.policies.drain import (
 from controlplane.policies.lifecycle import KEPT_STATES, LIVE_STATES, billed_cost_usd_per_hr
 from estimator.errors import EstimatorError
 
-__all__ = ["BudgetChange", "change_budget", "check_serving_floor", "live_instances"]
+__all__ = [
+    "BudgetChange",
+    "change_budget",
+    "check_serving_floor",
+    "live_instances",
+    "record_budget_drain",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -145,13 +151,34 @@ def change_budget(
     stages, values = check_serving_floor(store, resolver, app, usd_per_hr, force=force)
     change = store.change_budget(app, usd_per_hr, reason=reason, who=who)
     crash_point("budget.after_change")
+    drain, live, note = record_budget_drain(
+        store, app, change.new_usd_per_hr, who, stages, values, force=force
+    )
+    return BudgetChange(change, drain, tuple(live), note)
+
+
+def record_budget_drain(
+    store: Store,
+    app: str,
+    usd_per_hr: float,
+    who: str,
+    stages: Mapping[str, Mapping[str, int]],
+    values: Mapping[str, float],
+    *,
+    force: bool = False,
+) -> tuple[DrainPlan, list[InstanceRecord], str | None]:
+    """After ``app``'s budget became ``usd_per_hr`` (by ``who``; ``stages`` and ``values`` as
+    :func:`check_serving_floor` returned them): the drain plan over its live instances, those
+    instances, and the note of the ``budget_drain`` decision recorded when the fleet is over the
+    budget (``None``, and no decision, when it is not). A new budget in an app's spec (``PUT
+    /v1/apps/{app}``) is recorded as :func:`change_budget`'s is."""
     live = live_instances(store, app)
     drain = plan_drain(
         [
             DrainInstance(i.id, i.instance_type, i.state, i.price_usd_per_hr, i.created_at)
             for i in live
         ],
-        change.new_usd_per_hr,
+        usd_per_hr,
         values,
         stage_types=None
         if force
@@ -162,18 +189,18 @@ def change_budget(
         forced = " (forced)" if force else ""
         note = (
             f"the fleet costs {drain.fleet_cost_usd_per_hr:.3f} USD/hr, above the new budget"
-            f" {change.new_usd_per_hr:g} USD/hr{forced}: {len(drain.drain)} instance(s) to"
+            f" {usd_per_hr:g} USD/hr{forced}: {len(drain.drain)} instance(s) to"
             f" drain ({drain.saved_usd_per_hr:.3f} USD/hr), least cost-effective first"
         )
         store.record_decision(
             app,
             "budget_drain",
-            f"budget lowered to {change.new_usd_per_hr:g} USD/hr by {who}: {note}",
+            f"budget lowered to {usd_per_hr:g} USD/hr by {who}: {note}",
             {
-                "budget_usd_per_hr": change.new_usd_per_hr,
+                "budget_usd_per_hr": usd_per_hr,
                 "fleet_cost_usd_per_hr": drain.fleet_cost_usd_per_hr,
                 "kept_cost_usd_per_hr": drain.kept_cost_usd_per_hr,
                 "drain": [c.id for c in drain.drain],
             },
         )
-    return BudgetChange(change, drain, tuple(live), note)
+    return drain, live, note

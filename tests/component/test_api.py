@@ -1071,6 +1071,35 @@ def test_a_spec_whose_budget_is_below_the_smallest_serving_fleet_is_a_409_too(ap
     assert (changes[-1]["new_usd_per_hr"], changes[-1]["reason"]) == (floor, "spec updated")
 
 
+def test_a_spec_lowering_its_budget_under_the_fleet_records_the_budget_routes_drain(
+    api: Api,
+) -> None:
+    """A lower budget in the spec (`heteroplane app apply`) drains as PUT .../budget's does and
+    records the same budget_drain decision naming the instances to go (it recorded none)."""
+    api.register(budget_usd_per_hr=10.0)
+    ids = [
+        api.store.record_instance(
+            "toy",
+            request_id=f"r{i}",
+            instance_type=itype,
+            price_usd_per_hr=PRICES[itype],
+            state="running",
+        ).id
+        for i, itype in enumerate(["g4dn.xlarge", "r5n.large", "t3.xlarge", "t3.xlarge"])
+    ]
+    spec = api.call("GET", "/v1/apps/toy").json()["spec"]
+    raised = api.call("PUT", "/v1/apps/toy", json={**spec, "budget_usd_per_hr": 12.0})
+    assert raised.status_code == 200, raised.text
+    assert api.call("GET", "/v1/apps/toy/decisions?kind=budget_drain").json() == []
+
+    response = api.call("PUT", "/v1/apps/toy", json={**spec, "budget_usd_per_hr": 0.7})
+    assert response.status_code == 200, response.text
+    (decision,) = api.call("GET", "/v1/apps/toy/decisions?kind=budget_drain").json()
+    assert set(decision["numbers"]["drain"]) == {ids[2], ids[3]}  # the t3.xlarge, least value
+    assert decision["numbers"]["budget_usd_per_hr"] == 0.7
+    assert "budget lowered to 0.7 USD/hr" in decision["reason"]
+
+
 def test_a_spec_lowering_its_budget_is_held_to_the_floor_at_its_own_prices(api: Api) -> None:
     """The floor a spec's lower budget is checked against is priced by that spec (its catalog),
     not by the one it replaces: a catalog that makes the planned type cheaper lets a budget

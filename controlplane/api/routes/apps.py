@@ -26,7 +26,7 @@ from controlplane.api.errors import ApiError
 from controlplane.api.routes import AppName, errors
 from controlplane.api.routes.fleet import instance_out
 from controlplane.api.schemas import AppOut, TeardownOut
-from controlplane.apps.budget import check_serving_floor
+from controlplane.apps.budget import check_serving_floor, record_budget_drain
 from controlplane.apps.profile_run import DEFAULT_SAMPLES, ProfileRunRequest, run_profile
 from controlplane.apps.profiler import (
     DEFAULT_BATCH_SIZES,
@@ -114,12 +114,14 @@ def replace_app(
                 f" docs/rollouts.md), or take the app down first (heteroplane app down {app})",
             )
     budget = replaced.get("budget_usd_per_hr")
+    lowered = None
     if isinstance(budget, int | float) and budget < current.budget_usd_per_hr:
         # A lower budget in the spec is held to PUT .../budget's rule (not forced): below the
-        # smallest serving fleet a 409; the reconciler drains what is over it, as after that.
+        # smallest serving fleet a 409; the reconciler drains what is over it, as after that,
+        # and the same budget_drain decision says so.
         try:
             # At the prices of the spec being applied (its catalog may differ from the old).
-            check_serving_floor(
+            lowered = check_serving_floor(
                 services.store, services.resolver, app, float(budget), spec=replaced
             )
         except BudgetBelowServingFleetError as error:
@@ -130,6 +132,9 @@ def replace_app(
                 f" {app} --usd-per-hr {budget:g} --force to drain it anyway, then apply the spec",
             ) from None
     record = services.store.update_app(app, replaced, who=who.name)
+    if lowered is not None:
+        stages, values = lowered
+        record_budget_drain(services.store, app, record.budget_usd_per_hr, who.name, stages, values)
     return app_out(record)
 
 
