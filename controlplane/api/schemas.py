@@ -179,11 +179,20 @@ class TraceIn(BaseModel):
     syntax)."""
 
     # The document says what the check below enforces: a poisson trace (the default kind) has
-    # cv2 = 1. The bound on rate_qps x duration_s is past what a JSON Schema can say.
+    # cv2 = 1, a gamma trace names its cv2 (a default of 1 would plan a Poisson trace under the
+    # name gamma). The bound on rate_qps x duration_s is past what a JSON Schema can say.
     model_config = _REQUEST | ConfigDict(
         json_schema_extra={
-            "if": {"properties": {"kind": {"const": "poisson"}}},
-            "then": {"properties": {"cv2": {"const": 1.0}}},
+            "allOf": [
+                {
+                    "if": {"properties": {"kind": {"const": "poisson"}}},
+                    "then": {"properties": {"cv2": {"const": 1.0}}},
+                },
+                {
+                    "if": {"properties": {"kind": {"const": "gamma"}}, "required": ["kind"]},
+                    "then": {"required": ["cv2"]},
+                },
+            ]
         }
     )
 
@@ -216,6 +225,8 @@ class TraceIn(BaseModel):
     def _check(self) -> TraceIn:
         if self.kind == "poisson" and self.cv2 != 1.0:
             raise ValueError("a poisson trace has cv2 = 1; use kind gamma for another cv2")
+        if self.kind == "gamma" and "cv2" not in self.model_fields_set:
+            raise ValueError("a gamma trace needs cv2, its gaps' squared coefficient of variation")
         duration_s = self.duration_s
         if duration_s is not None and self.rate_qps * duration_s > PLANNING_QUERIES * 10:
             raise ValueError(

@@ -532,6 +532,8 @@ def test_non_finite_numbers_are_refused(api: Api, literal: bytes) -> None:
         ({"rate": 5}, "rate"),
         ({"trace": {"rate_qps": 10, "kind": "uniform"}}, "trace.kind"),
         ({"trace": {"rate_qps": 10, "cv2": 4}}, "trace"),
+        # A gamma trace names its cv2 (it was planned as Poisson, under the name gamma).
+        ({"trace": {"rate_qps": 10, "kind": "gamma"}}, "trace"),
         ({"trace": {"rate_qps": 1e4, "duration_s": 1e5}}, "trace"),
         ({"trace": {"rate_qps": 10, "batch_dist": "zipf"}}, "trace.batch_dist"),
         (
@@ -1429,14 +1431,20 @@ def test_the_openapi_document_states_what_the_api_enforces(api: Api) -> None:
     app_spec = schemas["AppSpec"]["properties"]
     assert app_spec["instance_types"]["items"]["minLength"] == 1
     assert app_spec["max_counts"]["anyOf"][0]["additionalProperties"]["minimum"] == 0
-    # A preview names exactly one of trace and rate_qps; a poisson trace has cv2 = 1.
+    # A preview names exactly one of trace and rate_qps; a poisson trace has cv2 = 1, a gamma
+    # trace names its cv2.
     preview = document["paths"]["/v1/apps/{app}/plans"]["post"]["requestBody"]
     assert preview["required"] is True
     assert [option["required"] for option in schemas["PlanIn"]["oneOf"]] == [
         ["trace"],
         ["rate_qps"],
     ]
-    assert schemas["TraceIn"]["then"] == {"properties": {"cv2": {"const": 1.0}}}
+    poisson, gamma = schemas["TraceIn"]["allOf"]
+    assert poisson["then"] == {"properties": {"cv2": {"const": 1.0}}}
+    assert (gamma["if"]["properties"]["kind"], gamma["then"]) == (
+        {"const": "gamma"},
+        {"required": ["cv2"]},
+    )
     ids = schemas["InferIn"]["properties"]["sample_ids"]["anyOf"][0]["items"]
     assert (ids["type"], ids["minimum"], ids["maximum"]) == ("integer", 0, 2**31 - 1)
 
