@@ -37,6 +37,7 @@ from pydantic_settings import (
 )
 
 from controlplane.errors import SettingsError, shown
+from estimator.documents import UniqueKeyLoader
 
 __all__ = [
     "CONFIG_ENV",
@@ -595,8 +596,17 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
             text = path.read_text(encoding="utf-8")
         except OSError as error:
             raise SettingsError("", f"cannot read: {error.strerror or error}", str(path)) from None
+        except UnicodeDecodeError:
+            raise SettingsError("", "not UTF-8 text (expected YAML)", str(path)) from None
         try:
-            document = yaml.safe_load(text)
+            document = yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader subclass
+        except RecursionError:
+            raise SettingsError("", "YAML nested too deeply to read", str(path)) from None
+        except yaml.constructor.ConstructorError as error:
+            # A key given twice (the last would win without a word), an unhashable key.
+            mark = error.problem_mark
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise SettingsError("", f"not valid YAML{where}: {error.problem}", str(path)) from None
         except yaml.YAMLError as error:
             mark = getattr(error, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -682,6 +692,7 @@ def _settings_error_from(error: ValidationError, source: str | None) -> Settings
     flat = ENV_PREFIX + "_".join(part.upper() for part in loc)
     if len(loc) == 2 and loc[0] == "ec2" and env not in os.environ and flat in os.environ:
         env = flat  # the value came from the flat form, HETEROPLANE_EC2_<FIELD>
-    if env and detail["type"] != "extra_forbidden":
+    if env and env in os.environ and detail["type"] != "extra_forbidden":
+        # Named only where the value came from it: the same field may have come from the file.
         problem += f" ({env})"
     return SettingsError(field, problem, source)

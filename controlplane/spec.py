@@ -51,6 +51,7 @@ from pydantic import (
 )
 
 from controlplane.errors import shown
+from estimator.documents import DuplicateKeyError, UniqueKeyLoader, loads_json
 from estimator.errors import (
     EstimatorError,
     MissingProfileError,
@@ -597,25 +598,11 @@ def validate_spec(document: object, source: str | None = None) -> AppSpec:
 # --- reading a file --------------------------------------------------------------------------
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice (it would keep the last one silently)."""
+class _UniqueKeyLoader(UniqueKeyLoader):
+    """:class:`~estimator.documents.UniqueKeyLoader` (a key given twice is refused) that reads
+    YAML 1.2's floats too (below)."""
 
 
-def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} appears twice", key_node.start_mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node, deep=True)
-
-
-_UniqueKeyLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping
-)
 # YAML 1.2's floats with an exponent and no dot or sign in it (1e9, 350.5e0, 2E-3), which
 # PyYAML's YAML 1.1 rules read as strings: "latency_ms: 1e9" would be refused as not a number.
 _UniqueKeyLoader.add_implicit_resolver(
@@ -628,7 +615,9 @@ _UniqueKeyLoader.add_implicit_resolver(
 def _parse_document(text: str, source: str, as_json: bool) -> object:
     if as_json:
         try:
-            return json.loads(text)
+            return loads_json(text)
+        except DuplicateKeyError as error:
+            raise SpecError("", f"malformed JSON: {error}", source) from None
         except json.JSONDecodeError as error:
             raise SpecError(
                 "",

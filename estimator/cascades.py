@@ -162,7 +162,7 @@ class ValidationRecords:
         if bad.any():
             i, j = (int(k) for k in np.argwhere(bad)[0])
             raise CascadeError(
-                f"models[{i}].certainty[{j}]", f"must be in [0, 1], got {certainty[i, j]!r}"
+                f"models[{i}].certainty[{j}]", f"must be in [0, 1], got {float(certainty[i, j])!r}"
             )
         arrays["certainty"] = np.minimum(certainty, 1.0)
         mismatch = arrays["correct"] != (arrays["predictions"] == labels[None, :])

@@ -26,6 +26,7 @@ False
 from __future__ import annotations
 
 import csv
+import difflib
 import functools
 import io
 import json
@@ -38,6 +39,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
+from estimator.documents import DuplicateKeyError, loads_json
 from estimator.errors import CatalogError, UnknownInstanceTypeError
 
 __all__ = [
@@ -52,7 +54,8 @@ __all__ = [
 ]
 
 # The column order of the files this module writes; a file it reads may hold any subset of the
-# optional ones, in any order, and further columns (notes, sources) that it ignores.
+# optional ones, in any order, and further columns (notes, sources) that it ignores, but for one
+# whose name is close to one of these (a misspelling: refused).
 CATALOG_COLUMNS: tuple[str, ...] = (
     "instance_type",
     "family",
@@ -72,6 +75,10 @@ _REQUIRED_COLUMNS = ("instance_type", "price_usd_per_hr")
 # price far below it would let that allowance buy instances (a million at 1e-15 USD/hr within a
 # 1e-9 budget), so the allowance is at most a thousandth of one instance's price.
 MIN_PRICE_USD_PER_HR = 1e-6
+# The most a type may cost an hour (on demand or spot): EC2's dearest types are a few hundred
+# USD/hr. Past it a figure is a mistake, and the costs computed from one overflowed (1e308 USD/hr
+# printed an infinite cost and broke `--json`).
+MAX_PRICE_USD_PER_HR = 1e6
 # Every column but the name and the text ones holds a number.
 _NUMERIC_COLUMNS = tuple(
     c for c in CATALOG_COLUMNS if c not in ("instance_type", "gpu_model", "family")
@@ -236,6 +243,10 @@ def _checked_real(
 def _checked_price(field: str, value: object) -> float:
     """A price: 0 (free) or at least :data:`MIN_PRICE_USD_PER_HR`."""
     price = _checked_real(field, value)
+    if price > MAX_PRICE_USD_PER_HR:
+        raise _FieldError(
+            field, f"must be at most {MAX_PRICE_USD_PER_HR:,.0f} USD/hr, got {price:.6g}"
+        )
     if 0.0 < price < MIN_PRICE_USD_PER_HR:
         raise _FieldError(
             field,
@@ -359,7 +370,8 @@ def read_catalog_file(path: str | Path) -> list[InstanceType]:
     The format follows the suffix (``.csv``, ``.json``); any other suffix is sniffed from the first
     non-space character (``[`` or ``{`` is JSON). JSON is a list of objects or an object with an
     ``instance_types`` list. ``instance_type`` and ``price_usd_per_hr`` are required; the other
-    columns of :data:`CATALOG_COLUMNS` are optional and unknown columns are ignored. Errors are one
+    columns of :data:`CATALOG_COLUMNS` are optional and other columns are ignored (notes,
+    sources), but for one whose name is close to one of them (a misspelling). Errors are one
     :class:`~estimator.errors.CatalogError` line naming the file, the row (1-based, counting data
     rows, not the header) and the field. A missing file raises ``FileNotFoundError``.
     """
@@ -449,12 +461,30 @@ def _checked_header(header: list[str], source: str) -> list[str]:
     duplicated = sorted({column for column in header if column and header.count(column) > 1})
     if duplicated:
         raise CatalogError(f"{source}: header: column {duplicated[0]!r} appears twice")
+    _check_near_misses(header, f"{source}: header")
     return header
+
+
+def _check_near_misses(columns: Iterable[object], where: str) -> None:
+    """Refuse a column that is not the catalog's but close to one of them (``spot_price_usd_hr``):
+    a misspelt optional column would be ignored with the others (notes, sources) and its values
+    lost without a word."""
+    for column in columns:
+        if not isinstance(column, str) or not column or column in CATALOG_COLUMNS:
+            continue
+        close = difflib.get_close_matches(column, CATALOG_COLUMNS, n=1, cutoff=0.75)
+        if close:
+            raise CatalogError(
+                f"{where}: column {column!r} is not one of the catalog's; did you mean"
+                f" {close[0]!r}? (columns: {', '.join(CATALOG_COLUMNS)})"
+            )
 
 
 def _parse_json(text: str, source: str) -> list[InstanceType]:
     try:
-        document = json.loads(text)
+        document = loads_json(text)
+    except DuplicateKeyError as exc:
+        raise CatalogError(f"{source}: malformed JSON ({exc})") from None
     except json.JSONDecodeError as exc:
         raise CatalogError(
             f"{source}: malformed JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
@@ -472,6 +502,7 @@ def _parse_json(text: str, source: str) -> list[InstanceType]:
         where = f"{source}: row {row}"
         if not isinstance(record, dict):
             raise CatalogError(f"{where}: expected an object, got {type(record).__name__}")
+        _check_near_misses(record, where)
         # A CSV cell is text and read as a number; in JSON a price in quotes is a mistake.
         for field in _NUMERIC_COLUMNS:
             if isinstance(record.get(field), str):

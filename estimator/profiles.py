@@ -26,6 +26,7 @@ from typing import Any, Literal
 import numpy as np
 
 from estimator.batches import MAX_BATCH_SIZE
+from estimator.documents import DuplicateKeyError, loads_json
 from estimator.errors import (
     BatchSizeOutOfRangeError,
     MissingProfileError,
@@ -37,6 +38,11 @@ PROFILE_FORMAT = "heteroplane.profiles/v1"
 KAIROS_COLUMNS = ("model", "instance_type", "batch_size", "sample", "infer_ms", "load_ms")
 
 ServiceMode = Literal["sampled", "mean"]
+
+# The longest latency a profile may hold: a day. Past it a figure is not a measurement, and the
+# costs and rates computed from one overflowed (1e308 ms printed an infinite cost, a 300-digit
+# error message).
+MAX_LATENCY_MS = 86_400_000.0
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -78,6 +84,11 @@ class LatencyProfile:
                 raise ProfileError(f"{where}: no samples at batch size {size}")
             if not np.all(np.isfinite(cell)) or cell[0] < 0:
                 raise ProfileError(f"{where}: latencies at batch size {size} must be finite, >= 0")
+            if cell[-1] > MAX_LATENCY_MS:
+                raise ProfileError(
+                    f"{where}: latencies at batch size {size} must be at most"
+                    f" {MAX_LATENCY_MS:,.0f} ms (a day), got {cell[-1]:.6g}"
+                )
             if cell[-1] <= 0:
                 # A batch that takes no time has no throughput to bound or search for (the
                 # capacity search and the bounds divided by it: a traceback, an infinite bound).
@@ -598,7 +609,9 @@ def _group_kairos_columns(columns: _KairosColumns, where: str, drop_largest: boo
 
 def _parse_profiles_json(text: str, where: str) -> ProfileSet:
     try:
-        document = json.loads(text)
+        document = loads_json(text)
+    except DuplicateKeyError as error:
+        raise ProfileError(f"{where}: malformed JSON ({error})") from None
     except json.JSONDecodeError as error:
         raise ProfileError(
             f"{where}: malformed JSON ({error.msg} at line {error.lineno})"
@@ -606,6 +619,19 @@ def _parse_profiles_json(text: str, where: str) -> ProfileSet:
     except RecursionError:
         raise ProfileError(f"{where}: JSON nested too deeply to read") from None
     return profiles_from_document(document, where)
+
+
+# The fields of one entry of a profile JSON document (:func:`profiles_document`).
+_ENTRY_KEYS = ("model", "instance_type", "batch_sizes", "latency_ms")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_cell(cell: object) -> bool:
+    """One batch size's latencies in a profile JSON document: a number or a flat list of them."""
+    return _is_number(cell) or (isinstance(cell, list) and all(_is_number(v) for v in cell))
 
 
 def profiles_from_document(document: Any, where: str) -> ProfileSet:
@@ -620,9 +646,17 @@ def profiles_from_document(document: Any, where: str) -> ProfileSet:
         label = f"{where}: profiles[{number - 1}]"
         if not isinstance(entry, dict):
             raise ProfileError(f"{label} must be an object")
-        for key in ("model", "instance_type", "batch_sizes", "latency_ms"):
+        for key in _ENTRY_KEYS:
             if key not in entry:
                 raise ProfileError(f"{label} lacks {key!r}")
+        unknown = sorted(str(key) for key in entry if key not in _ENTRY_KEYS)
+        if unknown:
+            raise ProfileError(
+                f"{label}: unknown field {unknown[0]!r} (an entry has {', '.join(_ENTRY_KEYS)})"
+            )
+        for key in ("model", "instance_type"):
+            if not isinstance(entry[key], str) or not entry[key].strip():
+                raise ProfileError(f"{label}: {key} must be a non-empty name, got {entry[key]!r}")
         sizes, cells = entry["batch_sizes"], entry["latency_ms"]
         if not isinstance(sizes, list) or not isinstance(cells, list) or len(sizes) != len(cells):
             raise ProfileError(f"{label}: batch_sizes and latency_ms must be lists of equal length")
@@ -635,6 +669,10 @@ def profiles_from_document(document: Any, where: str) -> ProfileSet:
             raise ProfileError(
                 f"{label}: batch_sizes must be at most {MAX_BATCH_SIZE:,}, got {shown}"
             )
+        if not all(_is_cell(cell) for cell in cells):
+            raise ProfileError(
+                f"{label}: latency_ms must hold a number or a list of numbers per batch size"
+            )
         try:
             samples = tuple(
                 np.array(cell if isinstance(cell, list) else [cell], dtype=np.float64)
@@ -646,9 +684,7 @@ def profiles_from_document(document: Any, where: str) -> ProfileSet:
             raise ProfileError(f"{label}: latency_ms holds a number too large") from None
         try:
             profiles.append(
-                LatencyProfile(
-                    str(entry["model"]), str(entry["instance_type"]), np.array(sizes), samples
-                )
+                LatencyProfile(entry["model"], entry["instance_type"], np.array(sizes), samples)
             )
         except ProfileError as error:
             raise ProfileError(f"{label}: {error}") from None

@@ -27,6 +27,7 @@ from typing import Any, overload
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from estimator.batches import MAX_BATCH_SIZE
 from estimator.errors import EstimatorError, TraceError, WorkloadError
 
 FloatArray = NDArray[np.float64]
@@ -141,6 +142,13 @@ class Trace:
         if bad.size:
             row = int(bad[0])
             raise TraceError(f"batch_size must be >= 1, got {batch_size[row]} at row {row + 1}")
+        bad = np.flatnonzero(batch_size > MAX_BATCH_SIZE)
+        if bad.size:
+            row = int(bad[0])
+            raise TraceError(
+                f"batch_size must be at most {MAX_BATCH_SIZE:,}, got {batch_size[row]} at row"
+                f" {row + 1}"
+            )
         if sample_id is not None:
             bad = np.flatnonzero(sample_id < 0)
             if bad.size:
@@ -303,7 +311,10 @@ def _read_trace_csv(path: Path) -> Trace:
         raise TraceError(f"trace {path} has a header but no data rows")
     if batch is None:
         batch = np.ones(arrival_s.size, dtype=np.int64)
-    return Trace(arrival_s, batch, sample)
+    try:
+        return Trace(arrival_s, batch, sample)
+    except TraceError as error:  # a value out of range (the row is the data row's number)
+        raise TraceError(f"trace {path}: {error}") from None
 
 
 def write_trace_csv(trace: Trace, path: str | Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
@@ -34,10 +35,27 @@ def _to_json(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is not finite as None: JSON has no infinity and no NaN."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
+
+
 def emit(as_json: bool, data: Mapping[str, Any], human: Callable[[], str]) -> int:
-    """Print ``data`` as one JSON object, or the human summary; return exit status 0."""
+    """Print ``data`` as one JSON object, or the human summary; return exit status 0. A figure
+    that is not finite (an overflow, an unbounded wait) is ``null`` in the JSON."""
     if as_json:
-        print(json.dumps(data, default=_to_json, allow_nan=False))
+        try:
+            text = json.dumps(data, default=_to_json, allow_nan=False)
+        except ValueError:  # a float that is not finite
+            plain = json.loads(json.dumps(data, default=_to_json))
+            text = json.dumps(_finite(plain), allow_nan=False)
+        print(text)
     else:
         print(human())
     return 0

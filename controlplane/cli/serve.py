@@ -146,6 +146,13 @@ def run(args: argparse.Namespace) -> int:
         # A loops process serves no inference: no gRPC either.
         serves = not args.no_grpc and args.role != "loops"
         grpc = grpc_address(settings, host, args.grpc_port, serves)
+        if grpc is not None and grpc[1] == sock.getsockname()[1]:
+            # Bound beside the API's own socket, gRPC's listener failed later, in the running
+            # service, which went on with REST alone.
+            raise UsageError(
+                f"gRPC's port {grpc[1]} (--grpc-port, or the setting grpc_port) is the API's"
+                " port: give gRPC another one (0 picks a free one) or --no-grpc"
+            )
         if args.role == "all":
             service, loops = build_served(
                 settings, sock, args.config, args.log_level, args.one_process

@@ -281,6 +281,38 @@ _KAIROS_HEADER = "model,instance_type,batch_size,sample,infer_ms,load_ms\n"
          "line 2: batch_size 2.7 is not a whole number"),
         ("p.csv", _KAIROS_HEADER + "m,c5.xlarge,1e30,0,10,1\n", "profiles",
          "line 2: batch_size 1e+30 is past the largest"),
+        # Values past any measurement or price: the costs and rates computed from them overflowed
+        # (an infinite cost, a --json traceback, a 300-digit error message).
+        ("c.csv", "instance_type,price_usd_per_hr\ng4dn.xlarge,1e308\n", "catalog",
+         "price_usd_per_hr: must be at most 1,000,000 USD/hr, got 1e+308"),
+        ("p.json", '{"profiles": [{"model": "m", "instance_type": "c5.xlarge", "batch_sizes": [1],'
+         ' "latency_ms": [[1e308]]}]}', "profiles", "must be at most 86,400,000 ms (a day)"),
+        # A misspelt optional catalog column was ignored with the notes, its values lost.
+        ("c.csv", "instance_type,price_usd_per_hr,spot_price_usd_hr\ng4dn.xlarge,0.5,0.2\n",
+         "catalog", "column 'spot_price_usd_hr' is not one of the catalog's; did you mean"
+         " 'spot_price_usd_per_hr'?"),
+        # A key given twice in one JSON object: the last one was kept without a word.
+        ("c.json", '[{"instance_type": "g4dn.xlarge", "price_usd_per_hr": 0.5,'
+         ' "price_usd_per_hr": 5}]', "catalog", "key 'price_usd_per_hr' appears twice"),
+        ("p.json", '{"profiles": [{"model": "m", "model": "n", "instance_type": "c5.xlarge",'
+         ' "batch_sizes": [1], "latency_ms": [1]}]}', "profiles", "key 'model' appears twice"),
+        ("s.json", '{"name": "a", "name": "b"}', "spec", "key 'name' appears twice"),
+        # A profile entry's names and cells as the format has them, not whatever str() made.
+        ("p.json", '{"profiles": [{"model": null, "instance_type": "c5.xlarge",'
+         ' "batch_sizes": [1], "latency_ms": [1]}]}', "profiles",
+         "model must be a non-empty name, got None"),
+        ("p.json", '{"profiles": [{"model": "m", "instance_type": {"a": 1},'
+         ' "batch_sizes": [1], "latency_ms": [1]}]}', "profiles",
+         "instance_type must be a non-empty name, got {'a': 1}"),
+        ("p.json", '{"profiles": [{"model": "m", "instance_type": "c5.xlarge",'
+         ' "batch_sizes": [1, 2], "latency_ms": [[[1]], [2]]}]}', "profiles",
+         "latency_ms must hold a number or a list of numbers per batch size"),
+        ("p.json", '{"profiles": [{"model": "m", "instance_type": "c5.xlarge",'
+         ' "batch_sizes": [1], "latency_ms": [1], "colour": "red"}]}', "profiles",
+         "unknown field 'colour'"),
+        # A trace's batch size past the largest, as simulate already refused it.
+        ("t.csv", "arrival_s,batch_size\n0,2000000\n", "trace",
+         "batch_size must be at most 1,000,000, got 2000000 at row 1"),
     ],
 )  # fmt: skip
 def test_files_past_the_parsers_limits_are_one_line(
@@ -415,3 +447,18 @@ def test_gears_refuses_absurd_ranges_and_spans(
     argv = ["gears", "--spec", str(spec), "--validation", str(validation)]
     argv += ["--placement", PLACEMENT, option, value]
     assert one_line_error(capsys, argv).endswith(message)
+
+
+def test_json_output_writes_a_figure_that_is_not_finite_as_null(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """JSON has no infinity: ``--json`` of an overflowed figure was a ValueError's traceback."""
+    from controlplane.cli.output import emit
+
+    data = {"cost": float("inf"), "p99": [1.5, np.float64("nan")], "fleet": {"x": -np.inf}}
+    assert emit(True, data, lambda: "") == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "cost": None,
+        "p99": [1.5, None],
+        "fleet": {"x": None},
+    }

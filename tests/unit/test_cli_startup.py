@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -115,3 +116,23 @@ def test_every_command_names_a_handler_that_exists() -> None:
 def test_the_parsers_copies_equal_the_libraries(source: str) -> None:
     module, _, name = source.rpartition(".")
     assert getattr(importlib.import_module(module), name) == LIBRARY_COPIES[source]
+
+
+def test_grpc_on_the_apis_port_is_refused_before_anything_starts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC's listener, bound beside the API's socket, failed in the running service, which went
+    on serving REST alone with an error in its log."""
+    from tests.unit.test_cli_trace import one_line_error
+
+    monkeypatch.setenv("HETEROPLANE_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("HETEROPLANE_PROVISIONER", "fake")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    error = one_line_error(capsys, ["serve", "--port", str(port), "--grpc-port", str(port)])
+    assert error == (
+        f"heteroplane serve: gRPC's port {port} (--grpc-port, or the setting grpc_port) is the"
+        " API's port: give gRPC another one (0 picks a free one) or --no-grpc"
+    )
+    assert not (tmp_path / "heteroplane.db").exists()  # nothing was started

@@ -190,6 +190,8 @@ def test_message_names_the_environment_variable(monkeypatch: pytest.MonkeyPatch)
         ("- port\n", "must be a mapping of settings, got list"),
         ("1: 8000\n", "1: unknown setting"),
         ("tuner_tick_s: -3\n", "tuner_tick_s: must be greater than 0"),
+        # The last one was kept without a word.
+        ("port: 8001\nport: 8002\n", "not valid YAML at line 2: key 'port' appears twice"),
     ],
 )
 def test_bad_config_file_names_file_and_field(tmp_path: Path, text: str, message: str) -> None:
@@ -210,6 +212,27 @@ def test_an_ec2_group_that_is_not_a_mapping_is_refused_beside_the_flat_environme
     with pytest.raises(SettingsError) as caught:
         load_settings(path)
     assert str(caught.value) == f"{path}: ec2: must be a mapping of EC2 settings, got 5"
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    """It was a UnicodeDecodeError's traceback."""
+    path = tmp_path / "bin.yaml"
+    path.write_bytes(b"\xff\xfe\x00a")
+    with pytest.raises(SettingsError) as caught:
+        load_settings(path)
+    assert str(caught.value) == f"{path}: not UTF-8 text (expected YAML)"
+
+
+def test_a_bad_value_from_the_file_names_no_environment_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The variable is named where the value came from it, not from the file."""
+    monkeypatch.delenv("HETEROPLANE_PORT", raising=False)
+    path = write(tmp_path, "port: abc\n")
+    with pytest.raises(SettingsError) as caught:
+        load_settings(path)
+    assert "port: must be a valid integer" in str(caught.value)
+    assert "HETEROPLANE_PORT" not in str(caught.value)
 
 
 def test_missing_config_file(tmp_path: Path) -> None:
