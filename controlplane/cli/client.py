@@ -216,6 +216,11 @@ def _http_error(response: httpx.Response) -> ApiClientError:
 
 def client_from(args: argparse.Namespace) -> ApiClient:
     """The client the command-line options (and the environment) describe."""
+    for option, value in (("--url", args.url), ("--token", args.token)):
+        if value is not None and not value.strip():
+            # An empty value given (an unset variable in `--token "$TOKEN"`) is not the
+            # environment's: it was taken for no option at all.
+            raise UsageError(f"{option} is empty")
     url = args.url or os.environ.get(URL_ENV) or DEFAULT_URL
     token = args.token or os.environ.get(TOKEN_ENV)
     return ApiClient(url, token, args.timeout)

@@ -9,6 +9,7 @@ math lives in ``estimator.traces`` and ``estimator.batches``.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,16 @@ _RAMP_OPTIONS = {"--over": "over"}
 _DIURNAL_OPTIONS = {"--period": "period", "--amplitude": "amplitude"}
 
 
+def _within(args: argparse.Namespace, kind: str) -> None:
+    """A step or a ramp that starts at or after the trace's end never happens: the trace would
+    be a constant rate under the name of a step."""
+    if math.isfinite(args.at) and math.isfinite(args.duration) and args.at >= args.duration:
+        raise output.UsageError(
+            f"--at {args.at:g} is not before the trace's end (--duration {args.duration:g}):"
+            f" the {kind} would never happen"
+        )
+
+
 def _profile(args: argparse.Namespace) -> tuple[RateProfile, float]:
     """The rate profile and the gaps' CV^2 the options describe (UsageError for bad combos)."""
     kind: str = args.kind
@@ -81,11 +92,13 @@ def _profile(args: argparse.Namespace) -> tuple[RateProfile, float]:
     elif kind == "step":
         _require(args, _STEP_OPTIONS, kind)
         _refuse(args, _RAMP_OPTIONS, kind)
+        _within(args, kind)
         profile = step_profile(args.rate, args.to_rate, args.at)
     elif kind == "ramp":
         _require(args, {**_STEP_OPTIONS, **_RAMP_OPTIONS}, kind)
         if args.over <= 0.0:
             raise output.UsageError(f"--over must be > 0 for a ramp, got {args.over!r}")
+        _within(args, kind)
         profile = step_profile(args.rate, args.to_rate, args.at, args.over)
     else:
         profile = diurnal_profile(

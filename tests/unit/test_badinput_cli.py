@@ -373,6 +373,16 @@ def test_options_that_would_be_ignored_are_refused(
     assert "--validation: only with --pareto" in error
     error = one_line_error(capsys, ["cascade", "evaluate", "--instance-type", "c5.xlarge"])
     assert "--instance-type goes with --profiles" in error
+    error = one_line_error(capsys, _simulate(tmp_path, "--drs-threshold", "5"))
+    assert error.endswith("--drs-threshold is drs's option; --policy is fcfs")
+    error = one_line_error(capsys, _capacity(tmp_path, "--drs-threshold", "5"))
+    assert error.startswith("heteroplane capacity: --drs-threshold is drs's option; --policy is")
+    generate = ["trace", "generate", "--rate", "10", "--to-rate", "20", "--duration", "10"]
+    generate += ["--out", str(tmp_path / "never.csv")]
+    error = one_line_error(capsys, [*generate, "--kind", "step", "--at", "100"])
+    assert error.endswith("--at 100 is not before the trace's end (--duration 10): the step would"
+                          " never happen")  # fmt: skip
+    assert not (tmp_path / "never.csv").exists()
 
 
 def _app_spec(tmp_path: Path, extra: str = "", slo: str = "{latency_ms: 100}") -> Path:

@@ -226,6 +226,17 @@ def test_nothing_listening_no_token_and_a_bad_url(
     assert err == "heteroplane fleet: no API token: pass --token or set HETEROPLANE_TOKEN\n"
 
 
+@pytest.mark.parametrize("option", ["--token", "--url"])
+def test_an_empty_token_or_url_given_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, option: str
+) -> None:
+    """``--token "$UNSET"`` was taken for no option at all: the environment's token was sent."""
+    monkeypatch.setenv("HETEROPLANE_TOKEN", TOKEN)
+    monkeypatch.setenv("HETEROPLANE_URL", "http://127.0.0.1:9")
+    status, out, err = cli(capsys, "fleet", option, "")
+    assert (status, out, err) == (2, "", f"heteroplane fleet: {option} is empty\n")
+
+
 @pytest.mark.parametrize("token", ["hp_abc\u2019", "hp_\nX", "hp abc", "\u00fc"])
 def test_a_token_no_header_can_carry_is_one_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, token: str
