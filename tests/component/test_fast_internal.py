@@ -85,6 +85,12 @@ def test_what_the_fast_path_does_not_take_is_answered_by_the_routes(
     malformed = client.post("/internal/v1/feed", json={"since_s": "soon"}, headers=LOOPS)
     assert malformed.status_code == 422
     assert client.post("/internal/v1/feed", content=b"{", headers=LOOPS).status_code == 422
+    # Refused as the public routes refuse them (they were answered 200): a field no route
+    # reads, a time that is no time, an id past the store's.
+    for body in (b'{"bogus": 1}', b'{"since_s": {"toy": NaN}}', b'{"since_s": {"toy": Infinity}}'):
+        assert client.post("/internal/v1/feed", content=body, headers=LOOPS).status_code == 422
+    versions = "/internal/v1/apps/toy/versions?rollout_id=99999999999999999999&step_index=0"
+    assert client.get(versions, headers=LOOPS).status_code == 422
     # The other internal routes take the secret through FastAPI, as before.
     window = client.post("/internal/v1/apps/toy/window", headers=LOOPS)
     assert window.status_code == 200 and window.json() is None

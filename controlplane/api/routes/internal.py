@@ -23,10 +23,10 @@ The answers are JSON written with :func:`json.dumps` (a capacity may be infinite
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Response
-from pydantic import BaseModel, Field
+from fastapi import APIRouter, Query, Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.api.deps import Internal, Services, ServicesDep
 from controlplane.api.routes import AppName
@@ -39,13 +39,23 @@ __all__ = ["FeedIn", "dumps", "feed_document", "observations_document", "router"
 router = APIRouter(prefix="/internal/v1", tags=["internal"], include_in_schema=False)
 
 
+# Refused as the public routes refuse them: a field no route reads, a time that is no time.
+_INTERNAL = ConfigDict(extra="forbid")
+# The ids the store keeps (its integer columns).
+_ID = Annotated[int, Query(ge=0, le=2**31 - 1)]
+
+
 class FeedIn(BaseModel):
-    since_s: dict[str, float] = Field(default_factory=dict)
+    model_config = _INTERNAL
+
+    since_s: dict[str, Annotated[float, Field(allow_inf_nan=False)]] = Field(default_factory=dict)
     gears: dict[str, tuple[int, int]] = Field(default_factory=dict)
     recalibrated: list[str] = Field(default_factory=list)
 
 
 class ForgetIn(BaseModel):
+    model_config = _INTERNAL
+
     model: str
     instance_type: str
 
@@ -124,7 +134,7 @@ def forget_batch_times(
 
 @router.get("/apps/{app}/versions")
 def versions(
-    app: AppName, rollout_id: int, step_index: int, services: ServicesDep, _who: Internal
+    app: AppName, rollout_id: _ID, step_index: _ID, services: ServicesDep, _who: Internal
 ) -> Response:
     figures = _serving(services, app).versions.figures(app, rollout_id, step_index)
     return _json({version: found.to_json() for version, found in figures.items()})
