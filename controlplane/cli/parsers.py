@@ -391,7 +391,8 @@ def _trace(subparsers: Subparsers) -> None:
         "--at",
         type=float,
         metavar="S",
-        help="step/ramp: when the rate starts to change, in seconds from the start",
+        help="step/ramp: when the rate starts to change, in seconds from the start (before"
+        " --duration)",
     )
     generate.add_argument(
         "--over",
@@ -479,7 +480,8 @@ def _simulate(subparsers: Subparsers) -> None:
         "--drs-threshold",
         type=int,
         metavar="N",
-        help=f"drs: largest batch size for auxiliaries (0 to {MAX_BATCH_SIZE:,})",
+        help=f"drs: largest batch size for auxiliaries (0 to {MAX_BATCH_SIZE:,}; only with"
+        " --policy drs)",
     )
     parser.add_argument(
         "--max-batch",
@@ -533,7 +535,7 @@ def _capacity(subparsers: Subparsers) -> None:
         type=int,
         metavar="N",
         help=f"drs: batch-size threshold, 0 to {MAX_BATCH_SIZE:,} (default: tuned by hill"
-        " climbing, as DeepRecSys does)",
+        " climbing, as DeepRecSys does; only with --policy drs)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
