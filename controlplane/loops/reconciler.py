@@ -165,7 +165,7 @@ from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import AppRecord, InstanceRecord, Store
-from controlplane.errors import ControlPlaneError
+from controlplane.errors import ControlPlaneError, NotFoundError
 from controlplane.policies.disruption import DisruptionBudget, count_disruptions
 from controlplane.policies.drain import DrainInstance, plan_drain, spare_last_serving
 from controlplane.policies.lifecycle import (
@@ -173,6 +173,7 @@ from controlplane.policies.lifecycle import (
     LIVE_STATES,
     TERMINAL_STATES,
     InstanceState,
+    billed_cost_usd_per_hr,
     is_profile_worker,
 )
 from controlplane.settings import Settings
@@ -2073,7 +2074,7 @@ class Reconciler:
             if not isinstance(action, Launch):
                 self._carry_out(app, action, errors)
         if launches:
-            self._launch(app, launches, errors)
+            self._launch(app, launches, errors, known={r.id for r in rows})
         if teardown and observed is not None:
             self._delete_if_drained(app.name, errors)
         return AppReport(app.name, tuple(actions), tuple(errors))
@@ -2388,8 +2389,16 @@ class Reconciler:
         if recorded is not None:
             self._provider_terminate(app.name, (instance.provider_id,), errors)
 
-    def _launch(self, app: AppRecord, launches: Sequence[Launch], errors: _Errors) -> None:
-        """Record every launch (rows, then one decision), then ask the provider for each."""
+    def _launch(
+        self,
+        app: AppRecord,
+        launches: Sequence[Launch],
+        errors: _Errors,
+        known: Collection[str] = (),
+    ) -> None:
+        """Record every launch (rows, then one decision), then ask the provider for each, but
+        those the budget no longer pays for (:meth:`_refused_now`; ``known``: the ids of the
+        rows the launches were decided on)."""
         try:
             artifacts = tuple(self.artifacts(app))
         except (ControlPlaneError, EstimatorError) as error:
@@ -2410,6 +2419,7 @@ class Reconciler:
             if launch.stands_for is not None and not launch.retry:
                 self._record_stand_in(app.name, launch, row)
         crash_point("reconcile.after_row")
+        rows = self._refused_now(app, rows, set(known), errors)
         new = [(launch, row) for launch, row in rows if not launch.retry]
         if new:
             self.store.record_decision(
@@ -2464,6 +2474,66 @@ class Reconciler:
                     provider_id=live[0].provider_id,
                 )
             )
+
+    def _refused_now(
+        self,
+        app: AppRecord,
+        rows: list[tuple[Launch, InstanceRecord]],
+        known: set[str],
+        errors: _Errors,
+    ) -> list[tuple[Launch, InstanceRecord]]:
+        """The launches whose rows are recorded that still fit the budget as it is now: the
+        budget is read again after the rows are written, so that a budget lowered while they
+        were decided (the serving process commits it between this tick's read of the app and
+        the rows) refuses them, and one lowered after sees them among what it drains. The same
+        for rows another writer recorded meanwhile (a profile run's, a rollout's workers, which
+        write their rows before their own check). Where either happened and the billed fleet is
+        over the budget, the launches go from the last decided (the least cost-effective), each
+        row marked failed with a ``launch_refused`` decision; else all go."""
+        try:
+            budget = self.store.get_app(app.name).budget_usd_per_hr
+        except NotFoundError:
+            budget = 0.0  # deleted meanwhile: nothing of it is launched
+        mine = {row.id for _, row in rows}
+        live = self.store.list_instances(app.name, states=[s.value for s in _LIVE])
+        others = [r for r in live if r.id not in known and r.id not in mine]
+        if budget >= app.budget_usd_per_hr and not others:
+            return rows
+        billed = billed_cost_usd_per_hr(live)
+        kept = list(rows)
+        refused: list[tuple[Launch, InstanceRecord]] = []
+        while kept and billed > budget + _BUDGET_SLACK_USD_PER_HR:
+            launch, row = kept.pop()
+            billed -= row.price_usd_per_hr
+            refused.append((launch, row))
+        if not refused:
+            return rows
+        why = (
+            f"the budget is {budget:g} USD/hr now (it was {app.budget_usd_per_hr:g} when the"
+            f" launch was decided), and the fleet with {len(others)} instance(s) recorded"
+            f" meanwhile costs {billed + sum(r.price_usd_per_hr for _, r in refused):.4g} USD/hr"
+        )
+        for _, row in refused:
+            errors.guard(
+                functools.partial(
+                    self.store.transition_instance,
+                    row.id,
+                    _S.FAILED.value,
+                    reason=f"launch refused by the budget: {why}",
+                )
+            )
+        self.store.record_decision(
+            app.name,
+            "launch_refused",
+            f"not launched: {', '.join(r.instance_type for _, r in refused)}: {why}",
+            {
+                "instance_ids": [r.id for _, r in refused],
+                "budget_usd_per_hr": budget,
+                "decided_budget_usd_per_hr": app.budget_usd_per_hr,
+            },
+        )
+        logger.warning("reconcile %s: %d launch(es) refused: %s", app.name, len(refused), why)
+        return kept
 
     def _request_id_spent(
         self,

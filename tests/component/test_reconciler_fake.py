@@ -320,6 +320,54 @@ def test_a_new_plan_that_trades_a_type_keeps_the_old_one_until_the_new_one_serve
     assert live_types(world.store) == {LARGE: 2}
 
 
+def test_a_budget_lowered_while_launches_are_decided_refuses_them(world: World) -> None:
+    """run_once reads the apps once; a budget the serving process lowers after that read and
+    before the launch's rows are written was not seen: the launch went through at twice the new
+    budget until the next tick's guard (a tester's 0.5 -> 0.15 under load). The budget is read
+    again after the rows are written, and what no longer fits is not launched."""
+    world.store.change_budget(APP, 0.5, reason="room", who="test")
+    stale = world.store.get_app(APP)  # what run_once read
+    apply_fleet(world.store, {LARGE: 3})
+    world.store.change_budget(APP, 0.15, reason="cut", who="test")  # committed meanwhile
+    world.clock.advance(5.0)
+    report = world.reconciler.reconcile_app(stale, world.fake.list({}))
+    assert report.count(Launch) == 3  # decided on the stale budget
+    assert world.fake.launched_total == 1  # the first fits the new one: 0.1 <= 0.15
+    assert kept_cost(world.store) <= 0.15 + 1e-9
+    assert by_state(world.store) == {"pending": 1, "failed": 2}
+    (refused,) = decisions(world.store, "launch_refused")
+    assert refused.numbers["budget_usd_per_hr"] == 0.15
+    assert refused.numbers["decided_budget_usd_per_hr"] == 0.5
+    assert len(refused.numbers["instance_ids"]) == 2
+    assert "the budget is 0.15 USD/hr now (it was 0.5" in refused.reason
+    # The next tick reads the new budget: no further launch, no further refusal.
+    world.tick()
+    assert world.fake.launched_total == 1 and len(decisions(world.store, "launch_refused")) == 1
+
+
+def test_rows_recorded_meanwhile_count_against_the_launches(world: World) -> None:
+    """A profile run's (or a rollout's) workers recorded between this tick's read of the rows
+    and its launches are counted before launching: they write their rows before their own check,
+    so one of the two sees the other."""
+    world.store.change_budget(APP, 0.25, reason="room", who="test")
+    apply_fleet(world.store, {LARGE: 2})
+    artifacts = world.reconciler.artifacts
+
+    def meanwhile(app: AppRecord) -> Any:  # read as the launches begin, after the decision
+        world.store.record_instance(
+            APP, request_id="profile-recs-x-emu", instance_type=LARGE, price_usd_per_hr=0.1
+        )
+        return artifacts(app)
+
+    world.reconciler.artifacts = meanwhile
+    report = world.tick()
+    assert report.apps[APP].count(Launch) == 2  # decided without the profile worker: 0.2
+    assert world.fake.launched_total == 1  # launched with it: 0.1 + 0.1 <= 0.25
+    assert kept_cost(world.store) <= 0.25 + 1e-9
+    (refused,) = decisions(world.store, "launch_refused")
+    assert "1 instance(s) recorded meanwhile" in refused.reason
+
+
 def test_launches_stop_at_the_budget(template_db: Path, tmp_path: Path) -> None:
     w = World.create(template_db, tmp_path, budget=0.25)
     try:
