@@ -52,6 +52,7 @@ from numpy.typing import NDArray
 from controlplane.apps.resolver import smallest_common_batch_size
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, Store
+from controlplane.errors import NotFoundError
 from controlplane.policies import scaling
 from controlplane.policies.drain import DrainInstance, plan_drain, qps_by_type
 from controlplane.policies.infaas_scaling import (
@@ -185,6 +186,11 @@ class InfaasScaler:
                 continue
             try:
                 made.extend((app.name, d) for d in self._tick_app(app, status, observed, now_s))
+            except NotFoundError:
+                # Deleted since the tick read the apps (a teardown's end): the others go on.
+                logger.info("infaas: %s was deleted during the tick", app.name)
+                with self._lock:
+                    self._apps.pop(app.name, None)
             except (EstimatorError, KeyError, ValueError) as error:
                 # A spec or plan the policy cannot read leaves the app where it is; next tick
                 # tries again.

@@ -79,6 +79,7 @@ from numpy.typing import NDArray
 from controlplane.apps.plans import planning_trace, replanning_request
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
+from controlplane.errors import NotFoundError
 from controlplane.policies import scaling
 from controlplane.policies.capacity_curve import (
     DEFAULT_BURSTINESS,
@@ -340,6 +341,13 @@ class LiveTuner:
                 continue
             try:
                 made.extend((app.name, d) for d in self._tick_app(app, now_s))
+            except NotFoundError:
+                # Deleted since the tick read the apps (a teardown's end): forgotten, and the
+                # other apps are tuned as ever.
+                logger.info("tuner: %s was deleted during the tick", app.name)
+                with self._lock:
+                    self._apps.pop(app.name, None)
+                    self._forget_curves(app.name, None)
             except (EstimatorError, KeyError, ValueError) as error:
                 # A plan the tuner cannot read (a type without a profile, a malformed stage)
                 # leaves the app on its plan; the next tick tries again.

@@ -142,6 +142,20 @@ def test_a_step_in_the_rate_scales_up_within_the_budget_and_back_down(
     assert reasons and "since the last change" in reasons[-1]
 
 
+def test_an_app_deleted_during_the_tick_is_skipped_and_the_others_go_on(
+    store: Store, tmp_path: Path
+) -> None:
+    """A teardown's delete between the tick's read of the apps and its decision failed the
+    whole tick with NotFoundError's traceback (a tester's app down under load), and with it
+    every other app's scaling in that tick."""
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
+    tuner = live_tuner(store, clock, feed)
+    feed.arrival_s = steady(256.0, 940.0, 1000.0)  # five times the plan: a decision to record
+    store.delete_app(APP, force=True)
+    assert tuner.tick([app]) == []
+
+
 def test_a_decision_is_in_the_log_before_the_reconciler_can_act_on_it(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
