@@ -30,7 +30,13 @@ from controlplane.policies.drain import (
     qps_by_type,
     serving_floor,
 )
-from controlplane.policies.lifecycle import KEPT_STATES, LIVE_STATES, billed_cost_usd_per_hr
+from controlplane.policies.lifecycle import (
+    KEPT_STATES,
+    LIVE_STATES,
+    billed_cost_usd_per_hr,
+    is_profile_worker,
+    profiling_group,
+)
 from estimator.errors import EstimatorError
 
 __all__ = [
@@ -183,6 +189,12 @@ def record_budget_drain(
         stage_types=None
         if force
         else {name: [t for t, n in fleet.items() if n > 0] for name, fleet in stages.items()},
+        # Profile runs' and rollouts' workers go first, as the reconciler ends them.
+        workers={
+            i.id: profiling_group(app, i.request_id)
+            for i in live
+            if is_profile_worker(i.request_id)
+        },
     )
     note = None
     if drain.drain:

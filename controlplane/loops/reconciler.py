@@ -167,7 +167,12 @@ from controlplane.crashpoints import crash_point
 from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.errors import ControlPlaneError, NotFoundError
 from controlplane.policies.disruption import DisruptionBudget, count_disruptions
-from controlplane.policies.drain import DrainInstance, plan_drain, spare_last_serving
+from controlplane.policies.drain import (
+    DrainInstance,
+    plan_drain,
+    spare_last_serving,
+    workers_to_end,
+)
 from controlplane.policies.lifecycle import (
     KEPT_STATES,
     LIVE_STATES,
@@ -175,6 +180,7 @@ from controlplane.policies.lifecycle import (
     InstanceState,
     billed_cost_usd_per_hr,
     is_profile_worker,
+    profiling_group,
 )
 from controlplane.settings import Settings
 from estimator.catalog import Catalog
@@ -534,6 +540,7 @@ def reconcile(
     stand_ins: Mapping[str, str] | None = None,
     headroom_share: float = DEFAULT_SPOT_HEADROOM_SHARE,
     stand_in_shares: Mapping[str, float] | None = None,
+    app: str = "",
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -594,7 +601,7 @@ def reconcile(
         else:
             fleet = [row for row in kept if not _profiling(row)]
             profiling = [row for row in kept if _profiling(row)]
-            reserved = _end_profiling_over_budget(fleet, profiling, budget_usd_per_hr, actions)
+            reserved = _end_profiling_over_budget(fleet, profiling, budget_usd_per_hr, actions, app)
             draining = [row for row in rows if row.state is _S.DRAINING]
             _shed_leaving(fleet, draining, budget_usd_per_hr - reserved, actions)
             _fit_budget(fleet, budget_usd_per_hr, values, stages, actions)
@@ -637,7 +644,7 @@ def reconcile(
         kept, spared = _drop_excess(
             kept, desired, values, stages, disruption, disrupted_in_window, actions
         )
-    reserved = _end_profiling_over_budget(kept, profiling, budget_usd_per_hr, actions)
+    reserved = _end_profiling_over_budget(kept, profiling, budget_usd_per_hr, actions, app)
     if risen and desired is not None and not moving:
         kept = _move_off_risen(kept, rise, choices, unavailable | risen, actions)
     # The hard cap at the prices now, with what is leaving (rule 9) paid for until it goes.
@@ -733,21 +740,38 @@ def _end_profiling_over_budget(
     profiling: Sequence[_Row],
     budget_usd_per_hr: float,
     actions: list[Action],
+    app: str = "",
 ) -> float:
-    """Rule 8 and the budget guard: when the fleet and the profile workers cost more than the
-    budget, the profile workers go first (they serve nothing). What the ones that stay cost."""
+    """Rule 8 and the budget guard: when the fleet and the profile runs' and rollouts' workers
+    cost more than the budget, those workers go first, a whole run or rollout at a time, as
+    many as the budget needs (:func:`~controlplane.policies.drain.workers_to_end`: a profile
+    run's before a rollout's; the budget route's drain names the same). What the ones that stay
+    cost."""
     reserved = float(sum(row.record.price_usd_per_hr for row in profiling))
     fleet_cost = float(sum(row.record.price_usd_per_hr for row in fleet))
-    if not profiling or fleet_cost + reserved <= budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
+    ending = set(
+        workers_to_end(
+            fleet_cost,
+            (
+                (row.id, profiling_group(app, row.record.request_id), row.record.price_usd_per_hr)
+                for row in profiling
+            ),
+            budget_usd_per_hr,
+        )
+    )
+    if not ending:
         return reserved
+    ended = [row for row in profiling if row.id in ending]
+    groups = sorted({profiling_group(app, row.record.request_id) for row in ended})
     _terminate(
-        profiling,
+        ended,
         "budget",
         f"the fleet and its profile workers cost {fleet_cost + reserved:.3f} USD/hr, over the"
-        f" budget of {budget_usd_per_hr:g} USD/hr: the profile workers go first",
+        f" budget of {budget_usd_per_hr:g} USD/hr: the profile workers go first"
+        f" ({', '.join(groups)})",
         actions,
     )
-    return 0.0
+    return reserved - float(sum(row.record.price_usd_per_hr for row in ended))
 
 
 def _reap_profile_workers(
@@ -2059,6 +2083,7 @@ class Reconciler:
             stand_ins=self._stand_ins_of(app.name, rows),
             headroom_share=self.spot_headroom_share,
             stand_in_shares=self._stand_in_shares.get(app.name, {}),
+            app=app.name,
         )
         errors = _Errors()
         hook = self.before_budget_drain

@@ -69,6 +69,7 @@ __all__ = [
     "qps_by_type",
     "serving_floor",
     "spare_last_serving",
+    "workers_to_end",
 ]
 
 _LEAVING = frozenset({InstanceState.DRAINING, InstanceState.TERMINATING})
@@ -202,20 +203,70 @@ def _value_per_usd(qps: float, price_usd_per_hr: float) -> float:
     return qps / price_usd_per_hr
 
 
+def workers_to_end(
+    fleet_usd_per_hr: float,
+    workers: Iterable[tuple[str, str, float]],
+    budget_usd_per_hr: float,
+) -> list[str]:
+    """The profile runs' and rollouts' workers (``workers``: (id, group, price) each, the group
+    a profile run's or a rollout's, :func:`~controlplane.policies.lifecycle.profiling_group`)
+    that go first when the fleet (``fleet_usd_per_hr``) and they cost more than the budget:
+    whole groups (a run or a rollout missing one of its workers is over anyway), a profile run's
+    before a rollout's (which may serve queries), the dearest first, until the rest fits; their
+    ids, none when all fits.
+
+    >>> w = [("a", "run x", 0.1), ("b", "run x", 0.1), ("c", "rollout 1", 0.1)]
+    >>> workers_to_end(0.3, w, 0.45), workers_to_end(0.3, w, 0.35), workers_to_end(0.3, w, 0.6)
+    (['a', 'b'], ['a', 'b', 'c'], [])
+    """
+    groups: dict[str, list[tuple[str, float]]] = {}
+    for worker_id, group, price in workers:
+        groups.setdefault(group, []).append((worker_id, price))
+    cost = {group: float(sum(p for _, p in members)) for group, members in groups.items()}
+    reserved = float(sum(cost.values()))
+    ended: list[str] = []
+    for group in sorted(groups, key=lambda g: (g.startswith("rollout"), -cost[g], g)):
+        # The same tolerance as the drain's: 0.1 + 0.2 fits a budget of 0.3.
+        if fleet_usd_per_hr + reserved <= budget_usd_per_hr + 1e-9:
+            break
+        ended.extend(worker_id for worker_id, _ in groups[group])
+        reserved -= cost[group]
+    return ended
+
+
 def plan_drain(
     instances: Iterable[DrainInstance],
     budget_usd_per_hr: float,
     qps_by_type: Mapping[str, float],
     *,
     stage_types: Mapping[str, Collection[str]] | None = None,
+    workers: Mapping[str, str] | None = None,
 ) -> DrainPlan:
     """The instances to drain so that the kept fleet costs at most ``budget_usd_per_hr``
     (see the module docstring). A type missing from ``qps_by_type`` serves nothing (Q_t = 0).
-    With ``stage_types`` (stage -> its planned types), the last instance of each stage stays."""
+    With ``stage_types`` (stage -> its planned types), the last instance of each stage stays.
+    ``workers`` (id -> group): the instances among them that are a profile run's or a
+    rollout's, not the fleet's; they go first, as the reconciler's budget guard ends them
+    (:func:`workers_to_end`), and never stand for a stage."""
     live = [i for i in instances if i.state in LIVE_STATES]
     fleet_cost = billed_cost_usd_per_hr(live)  # as the fleet route costs it
     kept = [i for i in live if i.state not in _LEAVING]
     kept_cost = float(sum(i.price_usd_per_hr for i in kept))
+    drain: list[DrainCandidate] = []
+    groups = workers or {}
+    if groups:
+        extra = [i for i in kept if i.id in groups]
+        kept = [i for i in kept if i.id not in groups]
+        ending = set(
+            workers_to_end(
+                float(sum(i.price_usd_per_hr for i in kept)),
+                ((i.id, groups[i.id], i.price_usd_per_hr) for i in extra),
+                budget_usd_per_hr,
+            )
+        )
+        for instance in (i for i in extra if i.id in ending):
+            drain.append(_candidate(instance, 0.0))
+            kept_cost -= instance.price_usd_per_hr
     keepers = _keepers(kept, stage_types) if stage_types else set()
     ranked = sorted(
         (i for i in kept if i.id not in keepers),
@@ -227,18 +278,14 @@ def plan_drain(
             i.id,
         ),
     )
-    drain: list[DrainCandidate] = []
     for instance in ranked:
         # A small tolerance: 0.1 + 0.2 must fit a budget of 0.3.
         if kept_cost <= budget_usd_per_hr + 1e-9:
             break
         drain.append(
-            DrainCandidate(
-                id=instance.id,
-                instance_type=instance.instance_type,
-                state=instance.state,
-                price_usd_per_hr=instance.price_usd_per_hr,
-                qps_per_usd=_value_per_usd(
+            _candidate(
+                instance,
+                _value_per_usd(
                     qps_by_type.get(instance.instance_type, 0.0), instance.price_usd_per_hr
                 ),
             )
@@ -249,6 +296,16 @@ def plan_drain(
         fleet_cost_usd_per_hr=fleet_cost,
         kept_cost_usd_per_hr=max(kept_cost, 0.0),
         drain=tuple(drain),
+    )
+
+
+def _candidate(instance: DrainInstance, qps_per_usd: float) -> DrainCandidate:
+    return DrainCandidate(
+        id=instance.id,
+        instance_type=instance.instance_type,
+        state=instance.state,
+        price_usd_per_hr=instance.price_usd_per_hr,
+        qps_per_usd=qps_per_usd,
     )
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "check_transition",
     "is_profile_worker",
     "parse_state",
+    "profiling_group",
 ]
 
 
@@ -92,6 +93,23 @@ def is_profile_worker(request_id: str) -> bool:
     (True, False)
     """
     return request_id.startswith(PROFILE_REQUEST_PREFIX)
+
+
+def profiling_group(app: str, request_id: str) -> str:
+    """Which profile run or rollout of ``app`` the worker launched under ``request_id`` serves:
+    ``run R`` (a profile run's id), ``rollout N``, else the request id itself.
+
+    >>> profiling_group("digits", "profile:digits-1a2b3c4d-emu.gpu")
+    'run 1a2b3c4d'
+    >>> profiling_group("digits", "profile:rollout-digits-7-t6kdc0-emu.cpu.small-1")
+    'rollout 7'
+    """
+    rollout = f"{PROFILE_REQUEST_PREFIX}rollout-{app[:20]}-"
+    run = f"{PROFILE_REQUEST_PREFIX}{app[:20]}-"
+    for prefix, kind in ((rollout, "rollout"), (run, "run")):
+        if request_id.startswith(prefix):
+            return f"{kind} {request_id[len(prefix) :].split('-', 1)[0]}"
+    return request_id
 
 
 def parse_state(state: str) -> InstanceState:

@@ -914,6 +914,37 @@ def test_a_budget_below_the_fleet_cost_lists_instances_to_drain(api: Api) -> Non
     assert decision["numbers"]["budget_usd_per_hr"] == 0.7
 
 
+def test_a_budget_cuts_drain_names_the_profile_runs_workers_the_guard_ends(api: Api) -> None:
+    """The answer named a fleet instance while the reconciler ended every profile and rollout
+    worker instead (a tester); both now end a profile run's workers first, then a rollout's,
+    whole, no more than the budget needs."""
+    api.register(budget_usd_per_hr=10.0)
+    fleet = [
+        api.store.record_instance(
+            "toy", request_id=f"r{i}", instance_type="r5n.large", price_usd_per_hr=0.149,
+            state="running",
+        ).id
+        for i in range(3)
+    ]  # fmt: skip
+    run = [
+        api.store.record_instance(
+            "toy", request_id=f"profile:toy-1a2b3c4d-{t}", instance_type=t,
+            price_usd_per_hr=PRICES[t], state="running",
+        ).id
+        for t in ("r5n.large", "t3.xlarge")
+    ]  # fmt: skip
+    api.store.record_instance(
+        "toy", request_id="profile:rollout-toy-2-t6kdc0-r5n.large-1", instance_type="r5n.large",
+        price_usd_per_hr=0.149, state="running",
+    )  # fmt: skip
+    budget = 3 * 0.149 + 0.149 + 0.01  # the fleet and the rollout's worker
+    answer = api.call(
+        "PUT", "/v1/apps/toy/budget", json={"budget_usd_per_hr": budget, "reason": "cut"}
+    ).json()
+    assert {d["id"] for d in answer["drain"]} == set(run)
+    assert not {d["id"] for d in answer["drain"]} & set(fleet)
+
+
 def test_a_budget_cut_that_drains_tells_the_gear_switcher_first(api: Api) -> None:
     """The service's hook (its gear switcher's budget_changed) runs within the request, before
     the reconciler's next tick drains; a raise that drains nothing does not call it."""

@@ -368,6 +368,43 @@ def test_rows_recorded_meanwhile_count_against_the_launches(world: World) -> Non
     assert "1 instance(s) recorded meanwhile" in refused.reason
 
 
+def test_a_budget_cut_ends_whole_profile_runs_before_rollouts_and_no_more_than_it_needs(
+    world: World,
+) -> None:
+    """The guard ended every profile and rollout worker on any excess (a tester: 0.30 USD/hr
+    ended where the budget needed 0.10, a promoted rollout's serving workers among them). Now a
+    profile run goes before a rollout, a whole one at a time, until the rest fits."""
+    apply_fleet(world.store, {LARGE: 3})
+    world.tick()
+    world.fake.step()
+    world.tick()
+    run = [
+        world.store.record_instance(
+            APP, request_id=f"profile:{APP}-1a2b3c4d-{t}", instance_type=t, price_usd_per_hr=p
+        ).id
+        for t, p in ((SMALL, 0.05), (LARGE, 0.1))
+    ]
+    rollout = [
+        world.store.record_instance(
+            APP,
+            request_id=f"profile:rollout-{APP}-4-t6kdc0-{SMALL}-{n}",
+            instance_type=SMALL,
+            price_usd_per_hr=0.05,
+        ).id
+        for n in (1, 2)
+    ]
+    assert kept_cost(world.store) == pytest.approx(0.55)
+    world.store.change_budget(APP, 0.45, reason="cut", who="test")
+    world.tick()
+    # Not launched yet (rows only): marked failed, as the guard ends a requested row.
+    for instance_id in run:
+        (event, *_) = reversed(world.store.list_instance_events(instance_id=instance_id))
+        assert event.to_state == "failed" and "(run 1a2b3c4d)" in event.reason
+    live = {r.id for r in world.store.list_instances(APP, states=_KEPT)}
+    assert set(rollout) <= live and live_types(world.store)[LARGE] == 3
+    assert kept_cost(world.store) <= 0.45 + 1e-9
+
+
 def test_launches_stop_at_the_budget(template_db: Path, tmp_path: Path) -> None:
     w = World.create(template_db, tmp_path, budget=0.25)
     try:
