@@ -61,7 +61,12 @@ from controlplane.apps.profiler import (
 from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
-from controlplane.errors import ControlPlaneError, InvalidValueError, ProfilingBudgetError
+from controlplane.errors import (
+    ConflictError,
+    ControlPlaneError,
+    InvalidValueError,
+    ProfilingBudgetError,
+)
 from controlplane.policies.lifecycle import (
     KEPT_STATES,
     LIVE_STATES,
@@ -91,6 +96,7 @@ __all__ = [
     "PROFILE_RUN_TAG",
     "ProfileRunRequest",
     "ProfileRunResult",
+    "ProfilingInterruptedError",
     "ProfilingRequestError",
     "end_workers",
     "launch_worker",
@@ -117,6 +123,30 @@ _BUDGET_SLACK_USD_PER_HR = 1e-9
 DECISION_KIND = "profiles_measured"
 
 ProgressFn = Callable[[str], None]
+
+
+# A worker in one of these was moved out of service (by the run's end, or before it).
+_ENDED_STATES = frozenset(state.value for state in InstanceState if state not in KEPT_STATES)
+
+
+class ProfilingInterruptedError(ConflictError):
+    """A profile run whose workers the control plane ended before it was done (the budget
+    guard on a budget cut, a teardown): a 409 saying why, not the 502 of a failing worker."""
+
+
+def _ended_meanwhile(store: Store, rows: Sequence[InstanceRecord]) -> str | None:
+    """Which of the run's ``rows`` the control plane moved out of service before the run ended
+    them, and why (its event's reason); None when none was."""
+    for row in rows:
+        now = store.get_instance(row.id)
+        if now.state not in _ENDED_STATES:
+            continue
+        for event in reversed(store.list_instance_events(instance_id=row.id)):
+            if event.to_state in _ENDED_STATES and event.reason:
+                why = event.reason.splitlines()[0][:300]
+                return f"its {now.instance_type} worker was ended during the run: {why}"
+        return f"its {now.instance_type} worker was ended during the run"
+    return None
 
 
 class ProfilingRequestError(InvalidValueError):
@@ -283,12 +313,20 @@ def run_profile(
             for row in rows.values()
             if (found := store.get_instance(row.id)).provider_id is not None
         ]
-        addresses = _wait_ready(
-            provisioner, tags, launched, types, worker_port, start_timeout_s, sleep, say
-        )
-        clients = {t: WorkerClient(addresses[t]) for t in types}
-        crash_point("profile_run.measuring")
-        samples = _time_calls(clients, models, signatures, request, rng, say)
+        try:
+            addresses = _wait_ready(
+                provisioner, tags, launched, types, worker_port, start_timeout_s, sleep, say
+            )
+            clients = {t: WorkerClient(addresses[t]) for t in types}
+            crash_point("profile_run.measuring")
+            samples = _time_calls(clients, models, signatures, request, rng, say)
+        except ProfilingError as error:
+            # A worker the control plane ended meanwhile (a budget cut, app down) fails the
+            # run's calls: say so, a conflict, not a worker's failure.
+            ended = _ended_meanwhile(store, list(rows.values()))
+            if ended is not None:
+                raise ProfilingInterruptedError(f"profile run of {app} stopped: {ended}") from None
+            raise error from None
     finally:
         heartbeat.stop()
         for client in clients.values():

@@ -32,6 +32,7 @@ from fastapi.testclient import TestClient
 from controlplane.apps.profile_run import (
     PROFILE_RUN_TAG,
     ProfileRunRequest,
+    ProfilingInterruptedError,
     run_profile,
 )
 from controlplane.apps.profiler import ProfilingError
@@ -39,7 +40,7 @@ from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.apps.teardown import request_teardown
 from controlplane.clock import FakeClock
 from controlplane.db.store import Store
-from controlplane.errors import ProfilingBudgetError
+from controlplane.errors import ConflictError, ProfilingBudgetError
 from controlplane.loops.reconciler import Orphan, Reconciler, catalog_pricing
 from controlplane.policies.lifecycle import is_profile_worker
 from controlplane.service.app import create_app
@@ -275,6 +276,33 @@ def test_a_worker_that_refuses_a_batch_fails_the_run_and_the_workers_stop(
     assert len(world.provisioner.requests) == 1
     assert live(world.provisioner) == []
     assert [r.state for r in world.store.list_instances(APP)] == ["terminated"]
+    assert world.store.get_app_profiles(APP) is None
+
+
+def test_a_run_whose_worker_the_budget_guard_ends_is_a_conflict_saying_so(
+    world: World, worker: FakeV2Worker
+) -> None:
+    """A budget cut (or app down) mid-run ended the workers and the run answered 502
+    profiling_failed "worker is stopping" (a tester): it is a 409 naming why."""
+    register(world, spec())
+    listed = world.provisioner.list
+
+    def guard_ends_it(tags: Any) -> Any:  # as the run waits for its worker to be ready
+        for r in world.store.list_instances(APP, states=["pending"]):
+            reason = "the fleet and its profile workers cost 0.6 USD/hr, over the budget"
+            world.store.transition_instance(r.id, "terminating", reason=reason)
+        worker.log.status = 503  # the agent, told to stop, refuses what comes
+        return listed(tags)
+
+    world.provisioner.list = guard_ends_it  # type: ignore[method-assign]
+    with pytest.raises(ProfilingInterruptedError) as caught:
+        profile(world, types=(SMALL,))
+    assert str(caught.value).startswith(
+        f"profile run of {APP} stopped: its {SMALL} worker was ended during the run: the fleet"
+        " and its profile workers cost 0.6 USD/hr, over the budget"
+    )
+    assert isinstance(caught.value, ConflictError)  # a 409
+    assert live(world.provisioner) == []
     assert world.store.get_app_profiles(APP) is None
 
 
