@@ -37,9 +37,11 @@ docs/catalog.md, "Emulated types"):
 
 Each step is idempotent, so the demo can be started any number of times on the same data
 directory: the app is registered only when it is not there (an app that is there is left as it
-is, budget changes included; only a ``demo`` app of another shape, the rm2 demo of earlier
-versions or a cascade demo whose spec differs from :func:`demo_spec` in anything but its budget,
-is replaced by the current one and planned again), a first plan is previewed and applied only
+is, budget changes and what rollouts changed included; only a ``demo`` app of another shape,
+the rm2 demo of earlier versions or a cascade demo whose spec differs from :func:`demo_spec` in
+more than its budget, its artifacts' versions, validation records and thresholds, is replaced by
+the current one and planned again; a demo app being taken down is refused, nothing changed, with
+the way to finish it), a first plan is previewed and applied only
 when the app has no applied plan or its profiles were measured anew (a plan made on other numbers
 would predict fiction), and an admin token is made only when the token file
 (``<data_dir>/demo-token``, mode 0600) is missing or holds a token that no longer verifies as an
@@ -80,10 +82,10 @@ from controlplane.api.deps import Services
 from controlplane.apps import plans, profiler
 from controlplane.apps.plans import PlanRequest, TraceRequest
 from controlplane.apps.resolver import spec_document
-from controlplane.apps.teardown import request_teardown
+from controlplane.apps.teardown import request_teardown, teardown_requested
 from controlplane.clients import loadgen
 from controlplane.db.store import AppRecord, PlanRecord, Principal, Store
-from controlplane.errors import AppExistsError, NotFoundError
+from controlplane.errors import AppExistsError, ConflictError, NotFoundError
 from controlplane.policies.auth import Scope
 from controlplane.policies.cascade_choice import choose_held_out
 from controlplane.provisioning import LOCAL_MODELS_DIR, LOCAL_PROFILE_FILE
@@ -217,13 +219,18 @@ def demo_spec(family: DemoFamily) -> dict[str, Any]:
 
 
 def ensure_demo_artifacts(
-    registry: Registry, cache_dir: Path, progress: Progress
+    registry: Registry,
+    cache_dir: Path,
+    progress: Progress,
+    pinned: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Each family model in the model registry, as a user would push it: exported to
     TorchScript (``provisioners.worker.family.export_torchscript``) and pushed as the next
     version of its name unless a version of it holds those very bytes already; its reference
-    (``tiny@1``) by model name. The demo's workers then load the family from the registry like
-    any user's models (docs/models.md)."""
+    (``tiny@1``) by model name. Of several versions with those bytes (a user pushed the same
+    file again), the one the registered app pins (``pinned``: model -> ``NAME@VERSION``), else
+    the first: a start took the newest and so moved the app to it outside a rollout. The demo's
+    workers then load the family from the registry like any user's models (docs/models.md)."""
     from provisioners.worker import family
 
     references: dict[str, str] = {}
@@ -232,7 +239,8 @@ def ensure_demo_artifacts(
         digest = file_sha256(path)
         same = [record for record in registry.versions(name) if record.sha256 == digest]
         if same:
-            record = same[-1]
+            kept = (pinned or {}).get(name)
+            record = next((r for r in same if f"{r.name}@{r.version}" == kept), same[0])
         else:
             progress(f"pushing {name} (TorchScript, {path}) to the model registry")
             record = registry.push(name, path, "torchscript")
@@ -411,8 +419,9 @@ def ensure_demo_app(
     against its catalog and profiles like ``POST /v1/apps``); whether it was registered (or its
     spec replaced) now. A ``demo`` app that is not the family's cascade on emulated types (the
     rm2 demo of earlier versions) has its spec replaced, as ``PUT /v1/apps/demo`` would; so has
-    a cascade demo whose spec differs from :func:`demo_spec` in anything but its budget (an
-    older version's SLO, types or caps, or another cascade), its budget kept."""
+    a cascade demo whose spec differs from :func:`demo_spec` in more than what the operator and
+    rollouts change (:func:`_demo_shape`: an older version's SLO, types or caps, or another
+    cascade), its budget kept."""
     store = services.store
     label = (
         f"the cascade {family.cascade.label} ({family.accuracy * 100:.2f}% accurate held-out,"
@@ -425,7 +434,7 @@ def ensure_demo_app(
     resolved = services.resolver.check(demo_spec(family), confine=False)
     document = spec_document(resolved.spec)
     if found is not None and _is_cascade_demo(found.spec):
-        if _without_budget(found.spec) == _without_budget(document):
+        if _demo_shape(found.spec) == _demo_shape(document):
             return found, False
         progress(
             f"the app {DEMO_APP!r} is a demo of another shape: replacing its spec by {label},"
@@ -443,8 +452,57 @@ def ensure_demo_app(
         return store.get_app(DEMO_APP), False
 
 
-def _without_budget(spec: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in spec.items() if key != "budget_usd_per_hr"}
+def _demo_shape(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec less what the operator and rollouts change on a running demo: its budget, the
+    versions of the models' artifacts (not whether a model has one), the validation records and
+    the thresholds (a promoted rollout pins the new version and writes its own records and
+    thresholds)."""
+    kept = {
+        key: value
+        for key, value in spec.items()
+        if key not in ("budget_usd_per_hr", "validation", "thresholds")
+    }
+    models = spec.get("models")
+    if isinstance(models, list):
+        kept["models"] = [
+            {
+                **m,
+                "artifact": str(m["artifact"]).partition("@")[0],
+            }
+            if isinstance(m, dict) and "artifact" in m
+            else m
+            for m in models
+        ]
+    return kept
+
+
+def demo_pins(store: Store) -> dict[str, str]:
+    """The artifacts the registered demo app pins, by model (empty without the app)."""
+    try:
+        spec = store.get_app(DEMO_APP).spec
+    except NotFoundError:
+        return {}
+    return {
+        m["name"]: m["artifact"]
+        for m in spec.get("models", [])
+        if isinstance(m, dict) and isinstance(m.get("artifact"), str)
+    }
+
+
+def _check_startable(store: Store) -> None:
+    """Refuse a start on a demo app that is being taken down (``app down`` unfinished) or in
+    the middle of a rollout, before anything changes: a start replaced the spec and plan of
+    such an app (a tester: the remedy it then gave needed the service it refused to run, and
+    the workers ran on unmanaged)."""
+    try:
+        app = store.get_app(DEMO_APP)
+    except NotFoundError:
+        return
+    if teardown_requested(store, app):
+        raise ConflictError(
+            f"the app {DEMO_APP!r} is being taken down (heteroplane app down), not finished:"
+            " finish it with heteroplane demo --down, then start the demo again"
+        )
 
 
 def ensure_demo_plan(
@@ -494,13 +552,17 @@ def prepare_demo(
     services = service.app.state.services
     if not isinstance(services, Services):
         raise TypeError(f"the service's app carries {type(services).__name__}, not Services")
+    _check_startable(service.store)
     data_dir = service.settings.data_dir
     token = ensure_demo_token(service.store, data_dir, progress)
     if family is None:
         family = prepare_family(data_dir, profile_samples, progress)
     if services.registry is not None and not family.artifacts:
         family = replace(
-            family, artifacts=ensure_demo_artifacts(services.registry, family.cache_dir, progress)
+            family,
+            artifacts=ensure_demo_artifacts(
+                services.registry, family.cache_dir, progress, demo_pins(service.store)
+            ),
         )
     app, app_created = ensure_demo_app(services, family, token.principal, progress)
     if not app_created:

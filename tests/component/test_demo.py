@@ -295,6 +295,57 @@ def test_a_cascade_demo_of_another_shape_is_replaced_with_its_budget_kept(
     assert any("is a demo of another shape" in line for line in said)
 
 
+def test_a_start_keeps_what_a_rollout_pinned_and_adds_no_plan(service: Service) -> None:
+    """A start moved the app to the newest version holding the family's bytes (a user pushed
+    the same file again) and replaced the spec a promoted rollout had written (its pin, its
+    validation records) and its plan, outside any rollout (a tester)."""
+    from provisioners.worker import family as fam
+
+    first = prepare_demo(service, 12.0, lambda _: None, profile_samples=SAMPLES)
+    registry = service.app.state.services.registry
+    again_pushed = registry.push("tiny", fam.export_torchscript("tiny", first.family.cache_dir),
+                                 "torchscript")  # fmt: skip
+    assert again_pushed.version == 2
+    tiny = [m["artifact"] for m in first.app.spec["models"] if m["name"] == "tiny"]
+    if tiny:  # the cascade serves tiny: a rollout to the second push promoted
+        promoted = first.app.spec | {
+            "models": [
+                m | {"artifact": "tiny@2"} if m["name"] == "tiny" else m
+                for m in first.app.spec["models"]
+            ],
+            "validation": str(service.settings.data_dir / "rollouts" / "demo-tiny-1.json"),
+        }
+        service.store.update_app(DEMO_APP, promoted, who="rollout 1")
+    pinned = service.store.get_app(DEMO_APP)
+    said: list[str] = []
+    again = prepare_demo(service, 12.0, said.append, profile_samples=SAMPLES)
+    assert not (again.app_created or again.plan_created)
+    assert again.app.spec == pinned.spec  # pins and records as the rollout left them
+    assert [p.status for p in service.store.list_plans(DEMO_APP)] == ["applied"]
+    assert not any("another shape" in line for line in said)
+
+
+def test_a_start_on_a_demo_being_taken_down_changes_nothing_and_says_how_to_finish(
+    service: Service,
+) -> None:
+    """It replaced the spec and planned, then failed on the teardown with a remedy that needed
+    the service it refused to run (a tester)."""
+    from controlplane.apps.teardown import request_teardown
+    from controlplane.errors import ConflictError
+
+    first = prepare_demo(service, 12.0, lambda _: None, profile_samples=SAMPLES)
+    service.store.record_instance(
+        DEMO_APP, request_id="demo-x-1", instance_type="emu.cpu.small", price_usd_per_hr=0.05,
+        state="running",
+    )  # fmt: skip
+    request_teardown(service.store, DEMO_APP, who="test")
+    before = service.store.get_app(DEMO_APP)
+    with pytest.raises(ConflictError, match="finish it with heteroplane demo --down"):
+        prepare_demo(service, 12.0, lambda _: None, profile_samples=SAMPLES)
+    assert service.store.get_app(DEMO_APP) == before
+    assert [p.id for p in service.store.list_plans(DEMO_APP)] == [first.plan.id]
+
+
 def test_profiles_measured_anew_are_planned_on_again(
     tmp_path: Path,
     family_cache: Path,
