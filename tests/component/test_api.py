@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -983,6 +983,20 @@ def test_a_budget_below_the_cheapest_instance_drains_everything(api: Api) -> Non
 PRICES = {"g4dn.xlarge": 0.526, "r5n.large": 0.149, "t3.xlarge": 0.1664}
 
 
+def running(api: Api, types: Iterable[str]) -> list[str]:
+    """A running instance of toy's for each of ``types`` at its catalog price; their ids."""
+    return [
+        api.store.record_instance(
+            "toy",
+            request_id=f"r{i}",
+            instance_type=itype,
+            price_usd_per_hr=PRICES[itype],
+            state="running",
+        ).id
+        for i, itype in enumerate(types)
+    ]
+
+
 def applied_plan(api: Api) -> tuple[dict[str, Any], float]:
     """Apply a plan for toy; the plan and its smallest serving fleet's cost, by hand."""
     plan = api.preview()
@@ -1014,14 +1028,7 @@ def test_a_budget_below_the_smallest_serving_fleet_is_a_409_and_changes_nothing(
 ) -> None:
     api.register()
     plan, floor = applied_plan(api)
-    for i, itype in enumerate(plan["stages"][0]["fleet"]):
-        api.store.record_instance(
-            "toy",
-            request_id=f"r{i}",
-            instance_type=itype,
-            price_usd_per_hr=PRICES[itype],
-            state="running",
-        )
+    running(api, plan["stages"][0]["fleet"])
     before = api.call("GET", "/v1/apps/toy/budget").json()
 
     body = {"budget_usd_per_hr": 0.01, "reason": "oops"}
@@ -1110,16 +1117,7 @@ def test_a_spec_lowering_its_budget_under_the_fleet_records_the_budget_routes_dr
     """A lower budget in the spec (`heteroplane app apply`) drains as PUT .../budget's does and
     records the same budget_drain decision naming the instances to go (it recorded none)."""
     api.register(budget_usd_per_hr=10.0)
-    ids = [
-        api.store.record_instance(
-            "toy",
-            request_id=f"r{i}",
-            instance_type=itype,
-            price_usd_per_hr=PRICES[itype],
-            state="running",
-        ).id
-        for i, itype in enumerate(["g4dn.xlarge", "r5n.large", "t3.xlarge", "t3.xlarge"])
-    ]
+    ids = running(api, ["g4dn.xlarge", "r5n.large", "t3.xlarge", "t3.xlarge"])
     spec = api.call("GET", "/v1/apps/toy").json()["spec"]
     raised = api.call("PUT", "/v1/apps/toy", json={**spec, "budget_usd_per_hr": 12.0})
     assert raised.status_code == 200, raised.text
@@ -1161,14 +1159,7 @@ def test_a_budget_at_the_smallest_serving_fleet_keeps_one_instance_per_stage(api
     api.register()
     plan, floor = applied_plan(api)
     planned = {t for stage in plan["stages"] for t, n in stage["fleet"].items() if n > 0}
-    for i, itype in enumerate(sorted(planned) * 2):
-        api.store.record_instance(
-            "toy",
-            request_id=f"r{i}",
-            instance_type=itype,
-            price_usd_per_hr=PRICES[itype],
-            state="running",
-        )
+    running(api, sorted(planned) * 2)
     response = api.call(
         "PUT", "/v1/apps/toy/budget", json={"budget_usd_per_hr": floor, "reason": "lean"}
     )
