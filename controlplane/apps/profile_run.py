@@ -42,6 +42,7 @@ one:
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -118,6 +119,9 @@ DEFAULT_START_TIMEOUT_S = 600.0
 # How often a run touches its workers' rows (the reconciler reaps them after a few missed beats:
 # its profile_run_timeout_s, by default four of these).
 DEFAULT_HEARTBEAT_S = 10.0
+# The largest batch a run sends a worker, bytes: the setting oip_body_max_bytes's default (the
+# service passes its own), the most a worker's inference body may be.
+DEFAULT_MAX_BATCH_BYTES = 64 << 20
 _POLL_S = 0.5
 _BUDGET_SLACK_USD_PER_HR = 1e-9
 DECISION_KIND = "profiles_measured"
@@ -245,6 +249,7 @@ def run_profile(
     rng: np.random.Generator | None = None,
     sleep: Callable[[float], None] = time.sleep,
     serve: Mapping[str, ArtifactRef] | None = None,
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
 ) -> ProfileRunResult:
     """Measure the latency profiles of ``app``'s registered models on the types ``request``
     names and store them (module docstring). ``worker_port`` is the port of a worker whose
@@ -277,6 +282,9 @@ def run_profile(
         )
     types = _requested_types(request, resolved.instance_types)
     _check_numbers(request)
+    _check_batch_bytes(
+        {m: resolved.artifacts[m].signature for m in models}, request.batch_sizes, max_batch_bytes
+    )
     prices = {t: resolved.prices_usd_per_hr[t] for t in types}
     artifacts = tuple(serve[m] if serve is not None else resolved.artifacts[m].ref for m in models)
     signatures = {m: resolved.artifacts[m].signature for m in models}
@@ -395,6 +403,34 @@ def _requested_types(request: ProfileRunRequest, candidates: Sequence[str]) -> t
     if len(set(request.types)) != len(request.types):
         raise ProfilingRequestError("types", "names a type twice")
     return tuple(request.types)
+
+
+def _check_batch_bytes(
+    signatures: Mapping[str, ModelSignature], batch_sizes: Sequence[int], max_bytes: int
+) -> None:
+    """Refuse batch sizes whose random batch (:func:`random_inputs`) would be larger than an
+    inference body may be (``max_bytes``, the setting ``oip_body_max_bytes``), before any worker
+    starts: the batch was built in the control plane's memory whatever its size (a declared
+    input of [N, 4, 100000000] took it to 12.8 GB) and the worker refused it."""
+    for model, signature in signatures.items():
+        row = sum(
+            math.prod(d if d >= 0 else 1 for d in spec.sample_shape) * spec.dtype.itemsize
+            for spec in signature.inputs
+        )
+        for size in batch_sizes:
+            if size * row > max_bytes:
+                what = "one row" if size == 1 else f"a batch of {size} rows"
+                raise ProfilingRequestError(
+                    "batch_sizes",
+                    f"{what} of {model} takes {size * row:,} bytes as binary tensors, past the"
+                    f" largest inference body, {max_bytes:,} bytes (the setting"
+                    " oip_body_max_bytes): "
+                    + (
+                        "the model cannot be served at that setting"
+                        if size == 1
+                        else "profile smaller batch sizes (--batch-sizes)"
+                    ),
+                )
 
 
 def _check_numbers(request: ProfileRunRequest) -> None:

@@ -424,9 +424,19 @@ class WorkerClient:
         not a sample)."""
         try:
             return self._call(model, inputs)
-        except (ConnectionError, http.client.HTTPException):
+        except (OSError, http.client.HTTPException):  # a broken or timed-out connection
             self.close()
+        try:
             return self._call(model, inputs)
+        except (OSError, http.client.HTTPException) as error:
+            # The worker closed the connection again (it refused the body, it died): the run's
+            # failure, not the control plane's (it was a 500 with BrokenPipeError's traceback).
+            self.close()
+            rows = next(iter(inputs.values())).shape[0] if inputs else 0
+            raise ProfilingError(
+                f"the worker at {self.address} broke the connection on a batch of {rows} of"
+                f" {model} twice: {type(error).__name__}: {error}"
+            ) from None
 
     def ready(self) -> bool:
         """Whether the worker answers ``GET /v2/health/ready`` with 200 (a fresh connection)."""

@@ -33,6 +33,7 @@ from controlplane.apps.profile_run import (
     PROFILE_RUN_TAG,
     ProfileRunRequest,
     ProfilingInterruptedError,
+    ProfilingRequestError,
     run_profile,
 )
 from controlplane.apps.profiler import ProfilingError
@@ -304,6 +305,36 @@ def test_a_run_whose_worker_the_budget_guard_ends_is_a_conflict_saying_so(
     assert isinstance(caught.value, ConflictError)  # a 409
     assert live(world.provisioner) == []
     assert world.store.get_app_profiles(APP) is None
+
+
+@pytest.mark.parametrize(
+    ("max_bytes", "said"),
+    [
+        (100, "takes 256 bytes as binary tensors, past the largest inference body,"
+              " 100 bytes (the setting oip_body_max_bytes): the model cannot be served at that"
+              " setting"),
+        (600, "takes 1,024 bytes as binary tensors, past the largest"
+              " inference body, 600 bytes (the setting oip_body_max_bytes): profile smaller batch"
+              " sizes (--batch-sizes)"),
+    ],
+)  # fmt: skip
+def test_a_batch_past_the_largest_body_is_refused_before_any_worker_starts(
+    world: World, max_bytes: int, said: str
+) -> None:
+    """The run built each batch in the control plane's memory whatever its size (a declared
+    input of [N, 4, 100000000]: 12.8 GB, then a 500)."""
+    register(world, spec())
+    with pytest.raises(ProfilingRequestError) as caught:
+        run_profile(
+            world.store, world.resolver, world.provisioner, world.clock, APP,
+            ProfileRunRequest(batch_sizes=(1, 4), samples=3, warmup=1), who="tester",
+            worker_port=8080, max_batch_bytes=max_bytes,
+        )  # fmt: skip
+    message = str(caught.value)
+    assert message.startswith(
+        "batch_sizes: one row of " if max_bytes == 100 else "batch_sizes: a batch of 4 rows of "
+    ) and message.endswith(said)
+    assert world.provisioner.requests == [] and world.store.list_instances(APP) == []
 
 
 def test_the_workers_must_fit_the_budget_next_to_the_fleet(world: World) -> None:

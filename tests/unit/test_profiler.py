@@ -317,3 +317,31 @@ def test_show_refuses_a_missing_or_bad_file(
     bad = tmp_path / "bad.json"
     bad.write_text('{"profiles": 3}')
     assert "profiles" in bad_input(capsys, "profile", "show", str(bad))
+
+
+def test_a_worker_that_breaks_every_connection_is_the_runs_failure_not_a_traceback() -> None:
+    """A worker that closed the connection on a batch it would not take (one far past its body
+    limit) broke the retry too, and BrokenPipeError's traceback was the API's 500."""
+    import socket
+    import threading
+
+    from controlplane.apps.profiler import ProfilingError, WorkerClient
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def close_each() -> None:
+        for _ in range(2):  # the call and its retry
+            connection, _address = listener.accept()
+            connection.close()
+
+    closer = threading.Thread(target=close_each, daemon=True)
+    closer.start()
+    client = WorkerClient(f"127.0.0.1:{port}", timeout_s=5.0)
+    try:
+        with pytest.raises(ProfilingError, match="broke the connection on a batch of 2 of m twice"):
+            client.infer_ms("m", {"input": np.zeros((2, 4), np.float32)})
+    finally:
+        client.close()
+        closer.join(timeout=5.0)
+        listener.close()

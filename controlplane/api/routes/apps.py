@@ -251,6 +251,7 @@ async def run_profiles(
             who=who.name,
             worker_port=DEFAULT_WORKER_PORT,
             heartbeat_s=services.settings.profile_run_heartbeat_s,
+            max_batch_bytes=services.settings.oip_body_max_bytes,
         )
     except ProfilingError as error:
         raise ApiError(502, "profiling_failed", str(error)) from None
