@@ -224,6 +224,9 @@ def _on_validation_error(request: Request, error: Exception) -> JSONResponse:
     # A body that is not JSON at all is a different mistake from JSON of the wrong shape.
     broken = next((d for d in details if d.get("type") == "json_invalid"), None)
     if broken is not None:
+        compressed = _compressed(request)
+        if compressed is not None:
+            return error_response(400, "malformed_json", compressed)
         reason = (broken.get("ctx") or {}).get("error", "not valid JSON")
         return error_response(400, "malformed_json", f"the body is not valid JSON: {reason}")
     # An unknown field first: a misspelt key also makes the real one "missing".
@@ -233,6 +236,18 @@ def _on_validation_error(request: Request, error: Exception) -> JSONResponse:
     if field is None and detail.get("type") in ("dict_type", "model_attributes_type"):
         message = _content_type_message(request) or message
     return error_response(422, "invalid_request", message, field)
+
+
+def _compressed(request: Request) -> str | None:
+    """What to say of a body sent compressed (a ``Content-Encoding`` other than identity),
+    which no route reads: its bytes failed as JSON, and the answer said the JSON was bad."""
+    encoding = request.headers.get("content-encoding", "identity").strip()
+    if encoding.lower() in ("", "identity"):
+        return None
+    return (
+        f"compressed request bodies are not served (Content-Encoding: {encoding[:40]}):"
+        " send the body as it is"
+    )
 
 
 def _content_type_message(request: Request) -> str | None:
@@ -344,7 +359,8 @@ def _on_http_error(request: Request, error: Exception) -> JSONResponse:
         return error_response(
             400,
             "malformed_json",
-            "the body could not be read as JSON (not UTF-8, or nested too deep)",
+            _compressed(request)
+            or "the body could not be read as JSON (not UTF-8, or nested too deep)",
         )
     if error.status_code == 405:
         # Starlette's Allow names the methods of the one route it tried; a path served by

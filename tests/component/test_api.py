@@ -523,6 +523,22 @@ def test_non_finite_numbers_are_refused(api: Api, literal: bytes) -> None:
     assert api.call("GET", "/v1/apps/toy").json()["budget_usd_per_hr"] == 4.0
 
 
+@pytest.mark.parametrize("path", ["/v1/apps/toy/infer", "/v1/apps/toy/budget"])
+def test_a_compressed_body_is_said_to_be_compressed(api: Api, path: str) -> None:
+    """It was answered as JSON that was not UTF-8 (a tester's gzip body); /v2 said it already."""
+    import gzip
+
+    api.register()
+    method = "POST" if path.endswith("infer") else "PUT"
+    body = gzip.compress(b'{"inputs": [[1, 2, 3, 4]]}')
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    response = api.call(method, path, content=body, headers=headers)
+    error = assert_error(response, 400, "malformed_json")
+    assert error["message"] == (
+        "compressed request bodies are not served (Content-Encoding: gzip): send the body as it is"
+    )
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [
