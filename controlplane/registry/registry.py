@@ -283,6 +283,13 @@ def _check_batched(inspection: Inspection) -> None:
                     f"{kind} {tensor.name!r} has shape {list(tensor.shape)}: heteroplane batches"
                     " along the first dimension; export with a dynamic batch axis"
                 )
+            if kind == "input" and 0 in tensor.sample_shape:
+                # A sample of no values: no query carries one (/v1 refuses an empty row).
+                raise ModelRejectedError(
+                    f"input {tensor.name!r} has shape {list(tensor.shape)}: a sample of no"
+                    " values cannot be queried; give each dimension past the batch a size"
+                    " (or leave it dynamic)"
+                )
 
 
 def registry_from_settings(

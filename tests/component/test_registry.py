@@ -277,6 +277,21 @@ def test_push_refuses_a_model_without_a_batch_dimension(store: Store, tmp_path: 
     assert store.list_model_versions() == [] and blobs(root) == []
 
 
+def test_push_refuses_an_input_of_samples_with_no_values(store: Store, tmp_path: Path) -> None:
+    """A [N, 0] input was pushed, profiled and planned, and then /v1 could not query it (an
+    empty row is refused, a value is one too many)."""
+    empty = ModelSignature(
+        (TensorSpec("input", "FP32", (-1, 0)),), (TensorSpec("logits", "FP32", (-1, 3)),)
+    )
+    root = tmp_path / "registry"
+    registry = Registry(
+        store, LocalArtifactStorage(root), staging_dir=root, inspector=fake_inspector(empty)
+    )
+    with pytest.raises(ModelRejectedError, match="a sample of no values cannot be queried"):
+        registry.push("wine", model_file(tmp_path))
+    assert store.list_model_versions() == [] and blobs(root) == []
+
+
 def test_a_failed_insert_removes_the_blob(
     registry: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
