@@ -164,6 +164,34 @@ def test_bad_input_is_a_one_line_4xx(
     assert world.store.list_rollouts(APP) == []
 
 
+def test_a_spec_that_changes_what_a_rollout_works_on_is_refused_while_it_runs(
+    world: World,
+) -> None:
+    """Removing a model or changing the thresholds under a running rollout made the new
+    version's share of the queries fail 422 against the new shape, counted nowhere, and a
+    promotion wrote the old thresholds back (a tester)."""
+    register(world, budget=10 * PRICE)
+    started = post(world, "rollouts", {"model": "wine-model@2", "interval_s": 30})
+    assert started.status_code == 201, started.text
+    current = world.client.get(f"/v1/apps/{APP}", headers=world.auth).json()["spec"]
+    renamed = [dict(m, name=f"{m['name']}2") for m in current["models"]]
+    changed = current | {"models": renamed}
+    refused = world.client.put(f"/v1/apps/{APP}", json=changed, headers=world.auth)
+    assert refused.status_code == 409, refused.text
+    message = refused.json()["error"]["message"]
+    assert f"has rollout {started.json()['id']} of clf pending" in message
+    assert "works on its models as they were" in message and "rollout abort" in message
+    # What the rollout does not read may change meanwhile: the SLO.
+    slower = current | {"slo": {**current["slo"], "latency_ms": current["slo"]["latency_ms"] + 5}}
+    assert world.client.put(f"/v1/apps/{APP}", json=slower, headers=world.auth).status_code == 200
+    # Once it ended, the models may change too.
+    post(world, f"rollouts/{started.json()['id']}/abort")
+    replaced = world.client.put(
+        f"/v1/apps/{APP}", json=changed | {"slo": slower["slo"]}, headers=world.auth
+    )
+    assert replaced.status_code != 409, replaced.text
+
+
 def test_a_rollout_the_budget_cannot_pay_for_is_refused_with_the_amount(world: World) -> None:
     register(world, budget=1.5 * PRICE)
     world.store.record_instance(

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Body, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from controlplane.api.deps import Admin, Operator, ServicesDep, Viewer
+from controlplane.api.deps import Admin, Operator, Services, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
 from controlplane.api.routes import AppName, errors
 from controlplane.api.routes.fleet import instance_out
@@ -101,6 +101,7 @@ def replace_app(
         # nothing changes, and the app's version (which its previewed plans were made for)
         # stays.
         return app_out(current)
+    _check_rollout_allows(services, app, current.spec, replaced)
     changed = changed_artifacts(current.spec, replaced)
     if changed:
         live = services.store.list_instances(app, LIVE_STATES)
@@ -136,6 +137,41 @@ def replace_app(
         stages, values = lowered
         record_budget_drain(services.store, app, record.budget_usd_per_hr, who.name, stages, values)
     return app_out(record)
+
+
+# What a rollout reads from the spec it started on: changed under it, the new version's share of
+# the queries failed 422 against the new shape (counted nowhere, so it never rolled back), and a
+# promotion wrote the old thresholds back over the new.
+_ROLLOUT_FIELDS = ("models", "cascade", "thresholds", "validation")
+
+
+def _check_rollout_allows(
+    services: Services, app: str, old: dict[str, Any], new: dict[str, Any]
+) -> None:
+    """A 409 for a spec that changes what an active rollout of ``app`` works on."""
+    rollout = services.store.current_rollout(app)
+    if rollout is None or not rollout.active:
+        return
+
+    def models(spec: dict[str, Any]) -> list[Any]:  # their artifacts aside: checked below
+        return [
+            {k: v for k, v in m.items() if k != "artifact"} if isinstance(m, dict) else m
+            for m in spec.get("models") or ()
+        ]
+
+    moved = [
+        field
+        for field in _ROLLOUT_FIELDS
+        if (models(old) != models(new) if field == "models" else old.get(field) != new.get(field))
+    ]
+    if moved:
+        raise ApiError(
+            409,
+            "conflict",
+            f"app {app!r} has rollout {rollout.id} of {rollout.model} {rollout.state}, which"
+            f" works on its {', '.join(moved)} as they were: change them once it ends, or end it"
+            f" first (heteroplane rollout abort --app {app})",
+        )
 
 
 def changed_artifacts(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
