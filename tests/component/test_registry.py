@@ -264,30 +264,25 @@ def test_push_refusals_write_nothing(registry: Registry, tmp_path: Path) -> None
     assert blobs(root) == []
 
 
-def test_push_refuses_a_model_without_a_batch_dimension(store: Store, tmp_path: Path) -> None:
-    fixed = ModelSignature(
-        (TensorSpec("input", "FP32", (1, 4)),), (TensorSpec("logits", "FP32", (-1, 3)),)
+@pytest.mark.parametrize(
+    ("shape", "refusal"),
+    [
+        ((1, 4), "input 'input' has shape \\[1, 4\\]: heteroplane batches"),
+        # A sample of no values: pushed, profiled and planned, and no /v1 query could reach it.
+        ((-1, 0), "input 'input' has shape \\[-1, 0\\]: a sample of no values cannot be queried"),
+    ],
+)
+def test_push_refuses_inputs_it_cannot_batch_or_query(
+    store: Store, tmp_path: Path, shape: tuple[int, ...], refusal: str
+) -> None:
+    signature = ModelSignature(
+        (TensorSpec("input", "FP32", shape),), (TensorSpec("logits", "FP32", (-1, 3)),)
     )
     root = tmp_path / "registry"
     registry = Registry(
-        store, LocalArtifactStorage(root), staging_dir=root, inspector=fake_inspector(fixed)
+        store, LocalArtifactStorage(root), staging_dir=root, inspector=fake_inspector(signature)
     )
-    with pytest.raises(ModelRejectedError, match="input 'input' has shape \\[1, 4\\]"):
-        registry.push("wine", model_file(tmp_path))
-    assert store.list_model_versions() == [] and blobs(root) == []
-
-
-def test_push_refuses_an_input_of_samples_with_no_values(store: Store, tmp_path: Path) -> None:
-    """A [N, 0] input was pushed, profiled and planned, and then /v1 could not query it (an
-    empty row is refused, a value is one too many)."""
-    empty = ModelSignature(
-        (TensorSpec("input", "FP32", (-1, 0)),), (TensorSpec("logits", "FP32", (-1, 3)),)
-    )
-    root = tmp_path / "registry"
-    registry = Registry(
-        store, LocalArtifactStorage(root), staging_dir=root, inspector=fake_inspector(empty)
-    )
-    with pytest.raises(ModelRejectedError, match="a sample of no values cannot be queried"):
+    with pytest.raises(ModelRejectedError, match=refusal):
         registry.push("wine", model_file(tmp_path))
     assert store.list_model_versions() == [] and blobs(root) == []
 
