@@ -531,12 +531,21 @@ def _move(
             " traffic moves: no query is on it yet): nothing to pause; abort it to stop it"
         )
     moved = store.move_rollout(rollout, state=to_state.value, reason=f"{what} by {who}")
+    # Where it was when moved: a pending rollout had moved no query yet (its first step's share
+    # is what that step would have moved; an abort said "at step 1 of 4 (5% of queries)").
+    pending = rollout.state == RolloutState.PENDING
+    share = 0.0 if pending else rollout.step_share
+    where = (
+        "while pending (no query had moved to the new version)"
+        if pending
+        else f"at step {rollout.step_index + 1} of {len(rollout.steps)} ({100 * share:g}% of"
+        " queries)"
+    )
     store.record_decision(
         app,
         DECISION_KIND,
-        f"rollout {moved.id}: {what} by {who} at step {moved.step_index + 1} of"
-        f" {len(moved.steps)} ({100 * moved.step_share:g}% of queries)",
-        {"rollout_id": moved.id, "state": moved.state, "step_share": moved.step_share},
+        f"rollout {moved.id}: {what} by {who} {where}",
+        {"rollout_id": moved.id, "state": moved.state, "step_share": share},
     )
     return moved
 

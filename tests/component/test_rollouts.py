@@ -192,6 +192,20 @@ def test_a_spec_that_changes_what_a_rollout_works_on_is_refused_while_it_runs(
     assert replaced.status_code != 409, replaced.text
 
 
+def test_an_abort_while_pending_says_no_query_had_moved(world: World) -> None:
+    """Its decision said "at step 1 of 4 (5% of queries)": what the first step would have moved
+    (a tester)."""
+    register(world, budget=10 * PRICE)
+    rid = post(world, "rollouts", {"model": "wine-model@2"}).json()["id"]
+    assert post(world, f"rollouts/{rid}/abort").json()["state"] == "aborted"
+    decision = world.store.list_decisions(APP, kinds=["rollout"])[-1]
+    assert decision.reason.endswith(
+        "aborted: all traffic back on the old version by op while pending (no query had moved"
+        " to the new version)"
+    )
+    assert decision.numbers["step_share"] == 0.0
+
+
 def test_a_rollout_the_budget_cannot_pay_for_is_refused_with_the_amount(world: World) -> None:
     register(world, budget=1.5 * PRICE)
     world.store.record_instance(
