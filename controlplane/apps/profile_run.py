@@ -100,6 +100,7 @@ __all__ = [
     "ProfilingInterruptedError",
     "ProfilingRequestError",
     "end_workers",
+    "ended_reason",
     "launch_worker",
     "random_inputs",
     "run_profile",
@@ -138,18 +139,26 @@ class ProfilingInterruptedError(ConflictError):
     guard on a budget cut, a teardown): a 409 saying why, not the 502 of a failing worker."""
 
 
+def ended_reason(store: Store, instance_id: str) -> str | None:
+    """The first line of the reason of the move that took an instance out of service (to
+    ``terminating`` or ``failed``: the budget guard's, a teardown's, a failed launch's); None
+    when no such move says why."""
+    for event in store.list_instance_events(instance_id=instance_id):
+        if event.to_state in ("terminating", "failed") and event.reason:
+            return event.reason.splitlines()[0]
+    return None
+
+
 def _ended_meanwhile(store: Store, rows: Sequence[InstanceRecord]) -> str | None:
     """Which of the run's ``rows`` the control plane moved out of service before the run ended
-    them, and why (its event's reason); None when none was."""
+    them, and why (:func:`ended_reason`); None when none was."""
     for row in rows:
         now = store.get_instance(row.id)
         if now.state not in _ENDED_STATES:
             continue
-        for event in reversed(store.list_instance_events(instance_id=row.id)):
-            if event.to_state in _ENDED_STATES and event.reason:
-                why = event.reason.splitlines()[0][:300]
-                return f"its {now.instance_type} worker was ended during the run: {why}"
-        return f"its {now.instance_type} worker was ended during the run"
+        why = ended_reason(store, row.id)
+        said = f"its {now.instance_type} worker was ended during the run"
+        return said if why is None else f"{said}: {why[:300]}"
     return None
 
 
@@ -282,12 +291,10 @@ def run_profile(
         )
     types = _requested_types(request, resolved.instance_types)
     _check_numbers(request)
-    _check_batch_bytes(
-        {m: resolved.artifacts[m].signature for m in models}, request.batch_sizes, max_batch_bytes
-    )
+    signatures = {m: resolved.artifacts[m].signature for m in models}
+    _check_batch_bytes(signatures, request.batch_sizes, max_batch_bytes)
     prices = {t: resolved.prices_usd_per_hr[t] for t in types}
     artifacts = tuple(serve[m] if serve is not None else resolved.artifacts[m].ref for m in models)
-    signatures = {m: resolved.artifacts[m].signature for m in models}
     run_id = secrets.token_hex(4)
     rows = {
         t: store.record_instance(

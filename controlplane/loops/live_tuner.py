@@ -335,9 +335,7 @@ class LiveTuner:
                 or scaling.live_owner(app.spec.get("scaling")) != "tuner"
             ):
                 # An app another policy scales (scaling: infaas) is that loop's.
-                with self._lock:
-                    self._apps.pop(app.name, None)
-                    self._forget_curves(app.name, None)
+                self._forget(app.name)
                 continue
             try:
                 made.extend((app.name, d) for d in self._tick_app(app, now_s))
@@ -345,14 +343,18 @@ class LiveTuner:
                 # Deleted since the tick read the apps (a teardown's end): forgotten, and the
                 # other apps are tuned as ever.
                 logger.info("tuner: %s was deleted during the tick", app.name)
-                with self._lock:
-                    self._apps.pop(app.name, None)
-                    self._forget_curves(app.name, None)
+                self._forget(app.name)
             except (EstimatorError, KeyError, ValueError) as error:
                 # A plan the tuner cannot read (a type without a profile, a malformed stage)
                 # leaves the app on its plan; the next tick tries again.
                 logger.warning("tuner: %s left on its plan: %s", app.name, error)
         return made
+
+    def _forget(self, app: str) -> None:
+        """Drop what the tuner keeps of ``app`` (its state, its sizing curves)."""
+        with self._lock:
+            self._apps.pop(app, None)
+            self._forget_curves(app, None)
 
     def _tick_app(self, app: AppRecord, now_s: float) -> list[ScalingDecision]:
         observed = self._arrivals(app.name)

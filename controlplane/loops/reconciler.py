@@ -2524,7 +2524,7 @@ class Reconciler:
         others = [r for r in live if r.id not in known and r.id not in mine]
         if budget >= app.budget_usd_per_hr and not others:
             return rows
-        billed = billed_cost_usd_per_hr(live)
+        billed = before = billed_cost_usd_per_hr(live)
         kept = list(rows)
         refused: list[tuple[Launch, InstanceRecord]] = []
         while kept and billed > budget + _BUDGET_SLACK_USD_PER_HR:
@@ -2536,7 +2536,7 @@ class Reconciler:
         why = (
             f"the budget is {budget:g} USD/hr now (it was {app.budget_usd_per_hr:g} when the"
             f" launch was decided), and the fleet with {len(others)} instance(s) recorded"
-            f" meanwhile costs {billed + sum(r.price_usd_per_hr for _, r in refused):.4g} USD/hr"
+            f" meanwhile costs {before:.4g} USD/hr"
         )
         for _, row in refused:
             errors.guard(

@@ -66,7 +66,7 @@ from typing import Any
 import numpy as np
 
 from controlplane.apps.plans import apply_plan, burstiness_replanning_request, preview_plan
-from controlplane.apps.profile_run import end_workers, launch_worker, random_inputs
+from controlplane.apps.profile_run import end_workers, ended_reason, launch_worker, random_inputs
 from controlplane.apps.profiler import WorkerClient
 from controlplane.apps.resolver import AppResolver
 from controlplane.apps.rollouts import (
@@ -445,10 +445,8 @@ class RolloutLoop:
     def _why_ended(self, row: InstanceRecord) -> str:
         """``: <reason>`` of the move that took ``row`` out of service (the budget guard's, a
         failed launch's), so that a roll-back says why its worker ended; empty when unknown."""
-        for event in self.store.list_instance_events(instance_id=row.id):
-            if event.to_state in ("terminating", "failed") and event.reason:
-                return f": {event.reason.splitlines()[0][:200]}"
-        return ""
+        why = ended_reason(self.store, row.id)
+        return "" if why is None else f": {why[:200]}"
 
     def _handover(
         self, rollout: RolloutRecord, rows: list[InstanceRecord]
