@@ -19,7 +19,7 @@ from controlplane.cli.common import (
     parse_fleet,
     positive,
 )
-from controlplane.cli.output import UsageError, emit, progress
+from controlplane.cli.output import emit, progress
 from estimator.batches import parse_batch_distribution
 from estimator.capacity import MAX_PROBE_QUERIES, Workload, fleet_capacity
 from estimator.policies import full_range_types
@@ -29,9 +29,7 @@ def run(args: argparse.Namespace) -> int:
     positive("--qos-ms", args.qos_ms)
     positive("--queries", args.queries)
     at_most("--queries", args.queries, MAX_PROBE_QUERIES)
-    check_drs_threshold(args.drs_threshold)
-    if args.drs_threshold is not None and args.policy != "drs":
-        raise UsageError(f"--drs-threshold is drs's option; --policy is {args.policy}")
+    check_drs_threshold(args.drs_threshold, args.policy)
     check_seed(args.seed)
     profiles, catalog = load_inputs(args)
     fleet = parse_fleet(args.fleet, catalog)

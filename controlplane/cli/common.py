@@ -70,9 +70,14 @@ def check_seed(seed: int | None) -> None:
         raise UsageError(f"--seed must be >= 0, got {seed}")
 
 
-def check_drs_threshold(threshold: int | None) -> None:
-    """``--drs-threshold``: a batch size, 0 (no auxiliaries) up to the largest batch size."""
-    if threshold is not None and not 0 <= threshold <= MAX_BATCH_SIZE:
+def check_drs_threshold(threshold: int | None, policy: str) -> None:
+    """``--drs-threshold``: a batch size, 0 (no auxiliaries) up to the largest batch size, and
+    only with ``--policy drs`` (any other policy ignores it)."""
+    if threshold is None:
+        return
+    if not 0 <= threshold <= MAX_BATCH_SIZE:
         raise UsageError(
             f"--drs-threshold must be in 0..{MAX_BATCH_SIZE:,} (a batch size), got {threshold}"
         )
+    if policy != "drs":
+        raise UsageError(f"--drs-threshold is drs's option; --policy is {policy}")

@@ -29,9 +29,7 @@ def run(args: argparse.Namespace) -> int:
     positive("--max-batch", args.max_batch)
     # A batch of more queries than the largest batch size holds is no batch a profile has.
     at_most("--max-batch", args.max_batch, MAX_BATCH_SIZE)
-    check_drs_threshold(args.drs_threshold)
-    if args.drs_threshold is not None and args.policy != "drs":
-        raise UsageError(f"--drs-threshold is drs's option; --policy is {args.policy}")
+    check_drs_threshold(args.drs_threshold, args.policy)
     check_seed(args.seed)
     if args.max_batch > 1 and not policy_class(args.policy).batches:
         batching = [name for name in registry.names() if policy_class(name).batches]
