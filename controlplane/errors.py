@@ -16,6 +16,7 @@ the API maps them to 429 (:class:`OverloadedError`, with ``Retry-After``), 422
 
 from __future__ import annotations
 
+from estimator.numbers import plain
 from provisioners.errors import ArtifactStoreError
 
 # How long a value an error line quotes may be before it is cut (a 5,000-character name made a
@@ -169,7 +170,7 @@ class BudgetBelowServingFleetError(ConflictError):
         what = f" ({fleet})" if fleet else ""
         # Without the API's hint: a caller that forces it another way says its own.
         self.shortfall = (
-            f"app {app!r}: a budget of {budget_usd_per_hr:g} USD/hr is below the"
+            f"app {app!r}: a budget of {plain(budget_usd_per_hr)} USD/hr is below the"
             f" {floor_usd_per_hr:.4g} USD/hr the app's smallest serving fleet{what} costs"
             " on demand"
         )
@@ -203,9 +204,10 @@ class ProfilesNotMeasuredError(ConflictError):
         if beyond_budget:
             # profile run refuses a worker the budget cannot pay for: a type dearer than the
             # whole budget can be neither profiled nor bought.
+            budget = "" if budget_usd_per_hr is None else f" of {plain(budget_usd_per_hr)} USD/hr"
             todo = (
-                f"{', '.join(beyond_budget)} alone cost(s) more than the budget of"
-                f" {budget_usd_per_hr:g} USD/hr: drop it from the spec's instance_types (or"
+                f"{', '.join(beyond_budget)} alone cost(s) more than the budget{budget}:"
+                " drop it from the spec's instance_types (or"
                 " raise the budget), then profile what is missing with heteroplane profile run"
                 f" --app {app} --types TYPES"
             )
@@ -233,7 +235,7 @@ class ProfilingBudgetError(ConflictError):
         super().__init__(
             f"app {app!r}: profiling costs {workers_usd_per_hr:.4g} USD/hr (one worker per type)"
             f" on top of the fleet's {fleet_usd_per_hr:.4g} USD/hr, over the budget of"
-            f" {budget_usd_per_hr:g} USD/hr; profile fewer types (--types) or raise the budget"
+            f" {plain(budget_usd_per_hr)} USD/hr; profile fewer types (--types) or raise the budget"
         )
 
 

@@ -58,6 +58,7 @@ from estimator.errors import (
     UnknownInstanceTypeError,
     UnknownModelError,
 )
+from estimator.numbers import plain
 
 if TYPE_CHECKING:
     # Resolving a spec reads its data with these; reading and checking one (what the command
@@ -419,8 +420,8 @@ def check_budget_buys_one(spec: AppSpec, catalog: Catalog, *, measuring: bool = 
         how = "on spot " if prices[cheapest] < catalog.price_usd_per_hr(cheapest) else ""
         raise SpecError(
             "budget_usd_per_hr",
-            f"{spec.budget_usd_per_hr:g} USD/hr buys no instance: the cheapest candidate,"
-            f" {cheapest}, costs {how}{prices[cheapest]:g} USD/hr",
+            f"{plain(spec.budget_usd_per_hr)} USD/hr buys no instance: the cheapest candidate,"
+            f" {cheapest}, costs {how}{plain(prices[cheapest])} USD/hr",
         )
 
 

@@ -45,6 +45,7 @@ from estimator.errors import (
     UnknownInstanceTypeError,
     WorkloadError,
 )
+from estimator.numbers import plain
 from estimator.profiles import ProfileSet
 
 __all__ = [
@@ -724,11 +725,11 @@ def _caps(q: KairosQuantities, budget: float, max_counts: Mapping[str, int] | No
         )
         why = (
             f"the cheapest full-range type {cheapest.instance_type} costs"
-            f" ${cheapest.price_usd_per_hr:g}/hr"
+            f" ${plain(cheapest.price_usd_per_hr)}/hr"
         )
         if budget + _tolerance(budget) >= cheapest.price_usd_per_hr:
             why = "the max counts allow no full-range instance"
-        raise BudgetError(f"budget ${budget:g}/hr affords no configuration: {why}", budget)
+        raise BudgetError(f"budget ${plain(budget)}/hr affords no configuration: {why}", budget)
     return caps
 
 

@@ -41,6 +41,7 @@ from typing import Any, TypeVar, overload
 
 from estimator.documents import DuplicateKeyError, loads_json
 from estimator.errors import CatalogError, UnknownInstanceTypeError
+from estimator.numbers import plain
 
 __all__ = [
     "CATALOG_COLUMNS",
@@ -250,7 +251,8 @@ def _checked_price(field: str, value: object) -> float:
     if 0.0 < price < MIN_PRICE_USD_PER_HR:
         raise _FieldError(
             field,
-            f"must be 0 or >= {MIN_PRICE_USD_PER_HR:g} USD/hr, got {price!r} (costs are compared"
+            f"must be 0 or >= {plain(MIN_PRICE_USD_PER_HR)} USD/hr, got {price!r}"
+            " (costs are compared"
             " with budgets to within 1e-9 USD/hr)",
         )
     return price

@@ -38,6 +38,7 @@ from controlplane.policies.lifecycle import (
     profiling_group,
 )
 from estimator.errors import EstimatorError
+from estimator.numbers import plain
 
 __all__ = [
     "BudgetChange",
@@ -201,13 +202,13 @@ def record_budget_drain(
         forced = " (forced)" if force else ""
         note = (
             f"the fleet costs {drain.fleet_cost_usd_per_hr:.3f} USD/hr, above the new budget"
-            f" {usd_per_hr:g} USD/hr{forced}: {len(drain.drain)} instance(s) to"
+            f" {plain(usd_per_hr)} USD/hr{forced}: {len(drain.drain)} instance(s) to"
             f" drain ({drain.saved_usd_per_hr:.3f} USD/hr), least cost-effective first"
         )
         store.record_decision(
             app,
             "budget_drain",
-            f"budget lowered to {usd_per_hr:g} USD/hr by {who}: {note}",
+            f"budget lowered to {plain(usd_per_hr)} USD/hr by {who}: {note}",
             {
                 "budget_usd_per_hr": usd_per_hr,
                 "fleet_cost_usd_per_hr": drain.fleet_cost_usd_per_hr,

@@ -30,6 +30,7 @@ from estimator.bounds import (
 from estimator.capacity import MAX_PROBE_QUERIES, Workload, fleet_capacity
 from estimator.errors import FleetError, UnknownInstanceTypeError
 from estimator.fleet import Fleet
+from estimator.numbers import plain
 from estimator.profiles import ProfileSet
 from estimator.search import kairos_plus
 
@@ -220,7 +221,7 @@ def _human(
 ) -> str:
     lines = [
         f"{args.model}: QoS {args.qos_ms:g} ms ({args.qos_statistic} latency), budget"
-        f" ${ranking.budget_usd_per_hr:g}/hr, batch mix {args.batch_dist}; base type"
+        f" ${plain(ranking.budget_usd_per_hr)}/hr, batch mix {args.batch_dist}; base type"
         f" {q.base_type} ({q.base_rate_qps:.2f} qps on the mix)",
     ]
     if q.excluded:

@@ -53,6 +53,7 @@ from controlplane.service.demo import (
     stop_demo,
 )
 from controlplane.settings import load_settings
+from estimator.numbers import plain
 
 __all__ = ["run"]
 
@@ -225,7 +226,7 @@ def _demo_load(state: DemoState, url: str) -> DemoLoad:
 
 def _plan_summary(plan: PlanRecord | None, budget_usd_per_hr: float) -> str:
     if plan is None:
-        return f"no plan applied (none feasible within ${budget_usd_per_hr:g}/hr)"
+        return f"no plan applied (none feasible within ${plain(budget_usd_per_hr)}/hr)"
     typed = plan.plan
     fleets = "; ".join(
         ",".join(f"{name}={count}" for name, count in sorted(stage.fleet.items()))
@@ -269,7 +270,7 @@ def _banner(state: DemoState, url: str, load: DemoLoad | None) -> str:
             "",
             f"heteroplane demo is ready on {url} (the API's reference: {url}/docs)",
             f"  app {DEMO_APP!r}: {_served(app.spec)}, p{slo.get('percentile', 99):g} SLO"
-            f" {slo.get('latency_ms', 0):g} ms, budget ${app.budget_usd_per_hr:g}/hr;"
+            f" {slo.get('latency_ms', 0):g} ms, budget ${plain(app.budget_usd_per_hr)}/hr;"
             f" {_plan_summary(state.plan, app.budget_usd_per_hr)}",
             traffic,
             f"  an admin token ({state.token.principal.name}) is in {state.token.path}",

@@ -27,6 +27,7 @@ from controlplane.policies.replay import read_plan
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
 from estimator.cascades import DEFAULT_CHOOSE_SHARE, DEFAULT_SPLIT_SEED, load_validation
 from estimator.fleet import Fleet
+from estimator.numbers import plain
 
 
 def parse_grid(text: str) -> tuple[float, ...]:
@@ -75,7 +76,7 @@ def placement_from(args: argparse.Namespace, app: ResolvedApp) -> CascadePlaceme
         # As replay refuses a plan over the budget: the service would never run this fleet.
         raise UsageError(
             f"the placement costs {cost:.4g} USD/hr, over the app's budget of"
-            f" {app.spec.budget_usd_per_hr:g} USD/hr"
+            f" {plain(app.spec.budget_usd_per_hr)} USD/hr"
         )
     # Serving order is the spec's, whatever order the placement was written in.
     return CascadePlacement(placement.fleets, tuple(m for m in order if m in placement.fleets))
@@ -142,7 +143,7 @@ def human(data: dict[str, Any], plan: GearPlan) -> str:
     )
     lines = [
         f"{data['app']}: gear plan on {plan.placement} (${data['cost_usd_per_hr']:.3f}/hr),"
-        f" P{plan.percentile:g} <= {plan.slo_ms:g} ms, {goal}",
+        f" P{plan.percentile:.15g} <= {plan.slo_ms:g} ms, {goal}",
         f"  {data['candidates']} candidate cascades, {len(plan.options)} finalists,"
         f" {plan.simulations} simulations",
         f"  chosen on {data['split']['choose_samples']} validation samples (in-sample), scored on"

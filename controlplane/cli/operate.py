@@ -37,6 +37,7 @@ from controlplane.cli.client import (
     table,
 )
 from controlplane.cli.output import UsageError, emit, progress
+from estimator.numbers import plain
 
 __all__ = [
     "app_apply",
@@ -61,7 +62,7 @@ __all__ = [
 def _app_line(app: dict[str, Any]) -> str:
     plan = app["applied_plan_id"]
     return (
-        f"{app['name']}: budget ${app['budget_usd_per_hr']:g}/hr, version {app['version']},"
+        f"{app['name']}: budget ${plain(app['budget_usd_per_hr'])}/hr, version {app['version']},"
         f" {'plan ' + str(plan) + ' applied' if plan is not None else 'no plan applied'}"
     )
 
@@ -328,7 +329,7 @@ def budget_get(args: argparse.Namespace) -> int:
 
     def human() -> str:
         head = (
-            f"{budget['app']}: budget ${budget['budget_usd_per_hr']:g}/hr, fleet costs"
+            f"{budget['app']}: budget ${plain(budget['budget_usd_per_hr'])}/hr, fleet costs"
             f" ${budget['fleet_cost_usd_per_hr']:.3f}/hr"
         )
         rows = [
@@ -358,8 +359,8 @@ def budget_set(args: argparse.Namespace) -> int:
     def human() -> str:
         previous = answer["previous_usd_per_hr"]
         lines = [
-            f"{answer['app']}: budget ${answer['budget_usd_per_hr']:g}/hr"
-            + (f" (was ${previous:g}/hr)" if previous is not None else "")
+            f"{answer['app']}: budget ${plain(answer['budget_usd_per_hr'])}/hr"
+            + (f" (was ${plain(previous)}/hr)" if previous is not None else "")
             + f"; fleet costs ${answer['fleet_cost_usd_per_hr']:.3f}/hr"
         ]
         if answer["drain"]:
@@ -415,8 +416,8 @@ def fleet(args: argparse.Namespace) -> int:
         if summary is not None:
             lines.append(
                 f"{summary['app']}: {summary['instances']} live instance(s),"
-                f" ${summary['cost_usd_per_hr']:.3f}/hr of a ${summary['budget_usd_per_hr']:g}/hr"
-                " budget"
+                f" ${summary['cost_usd_per_hr']:.3f}/hr of a"
+                f" ${plain(summary['budget_usd_per_hr'])}/hr budget"
             )
             rows = [
                 [

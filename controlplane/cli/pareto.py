@@ -18,6 +18,7 @@ from controlplane.cli.parsers import PARETO_GRID, add_pareto_arguments
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
 from estimator.allocation import ParetoPoint, tchebycheff_front
 from estimator.cascades import ValidationRecords, load_validation
+from estimator.numbers import plain
 from estimator.traces import Trace, read_trace_csv, trace_stats
 
 __all__ = ["PARETO_GRID", "add_pareto_arguments", "pareto_front", "run_pareto"]
@@ -111,7 +112,7 @@ def run_pareto(args: argparse.Namespace) -> int:
 def _human(data: dict[str, Any]) -> str:
     lines = [
         f"{data['app']}: latency/accuracy Pareto front of {' -> '.join(data['cascade'])} at"
-        f" {data['rate_qps']:.2f} qps, budget ${data['budget_usd_per_hr']:g}/hr"
+        f" {data['rate_qps']:.2f} qps, budget ${plain(data['budget_usd_per_hr'])}/hr"
         " (worst stage latency: M/D/1 per stage, Cascadia's MILP allocation)",
         f"  {'thresholds':<14}{'accuracy':>9}{'worst ms':>10}  {'bottleneck':<12}{'$/hr':>8}"
         "  allocation",

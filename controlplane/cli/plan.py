@@ -17,6 +17,7 @@ from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import plan_app
 from controlplane.policies.spot import plan_with_spot
 from controlplane.spec import load_spec, resolve_spec
+from estimator.numbers import plain
 from estimator.traces import read_trace_csv, trace_stats
 
 
@@ -51,19 +52,20 @@ def run(args: argparse.Namespace) -> int:
 def _human(data: dict[str, Any], plan: PlanDocument) -> str:
     trace = data["trace"]
     verdict = (
-        f"feasible at ${plan.cost_usd_per_hr:.3f}/hr (budget ${data['budget_usd_per_hr']:g}/hr)"
+        f"feasible at ${plan.cost_usd_per_hr:.3f}/hr"
+        f" (budget ${plain(data['budget_usd_per_hr'])}/hr)"
         if plan.feasible
-        else f"NOT feasible within ${data['budget_usd_per_hr']:g}/hr: at most"
+        else f"NOT feasible within ${plain(data['budget_usd_per_hr'])}/hr: at most"
         f" {plan.max_feasible_qps:.2f} qps can be served"
     )
     predicted = (
         "n/a (no stages)" if plan.predicted_p99_ms is None else f"{plan.predicted_p99_ms:.1f} ms"
     )
     lines = [
-        f"{data['app']}: P{data['percentile']:g} <= {data['slo_ms']:g} ms on {trace['count']:,}"
+        f"{data['app']}: P{data['percentile']:.15g} <= {data['slo_ms']:g} ms on {trace['count']:,}"
         f" queries at {trace['rate_qps']:.2f} qps (CV^2 {trace['cv2']:.2f}): {verdict}",
         f"  planned for {plan.rate_qps:.2f} qps: predicted end-to-end"
-        f" P{data['percentile']:g} {predicted} (the whole pipeline)",
+        f" P{data['percentile']:.15g} {predicted} (the whole pipeline)",
     ]
     for s in plan.stages:
         fleet = ", ".join(
@@ -72,7 +74,7 @@ def _human(data: dict[str, Any], plan: PlanDocument) -> str:
         )
         lines.append(
             f"  {s.name}: {fleet}, batch {s.batch_size}, {s.policy} dispatch;"
-            f" P{data['percentile']:g} {s.predicted_p99_ms:.1f} ms, {s.throughput_qps:.2f} qps,"
+            f" P{data['percentile']:.15g} {s.predicted_p99_ms:.1f} ms, {s.throughput_qps:.2f} qps,"
             f" ${s.cost_usd_per_hr:.3f}/hr"
         )
     lines.append(f"  steps ({plan.simulations} simulations):")

@@ -185,6 +185,7 @@ from controlplane.policies.lifecycle import (
 from controlplane.settings import Settings
 from estimator.catalog import Catalog
 from estimator.errors import EstimatorError
+from estimator.numbers import plain
 from provisioners.artifacts import ArtifactRef
 from provisioners.base import (
     APP_TAG,
@@ -432,10 +433,10 @@ class SpotRepriced:
     def why(self) -> str:
         """Where the fleet's cost stands against the budget, in words."""
         if self.over_budget:
-            return f"over the budget of {self.budget_usd_per_hr:g} USD/hr"
+            return f"over the budget of {plain(self.budget_usd_per_hr)} USD/hr"
         return (
             f"past {self.threshold_usd_per_hr or self.budget_usd_per_hr:.4g} USD/hr, the budget"
-            f" of {self.budget_usd_per_hr:g} USD/hr less its headroom"
+            f" of {plain(self.budget_usd_per_hr)} USD/hr less its headroom"
         )
 
 
@@ -767,7 +768,7 @@ def _end_profiling_over_budget(
         ended,
         "budget",
         f"the fleet and its profile workers cost {fleet_cost + reserved:.3f} USD/hr, over the"
-        f" budget of {budget_usd_per_hr:g} USD/hr: the profile workers go first"
+        f" budget of {plain(budget_usd_per_hr)} USD/hr: the profile workers go first"
         f" ({', '.join(groups)})",
         actions,
     )
@@ -1252,7 +1253,7 @@ def _fit_budget(
         rows,
         "budget",
         f"the fleet costs {drain.fleet_cost_usd_per_hr:.3f} USD/hr, over the budget of"
-        f" {budget_usd_per_hr:g} USD/hr: least cost-effective first",
+        f" {plain(budget_usd_per_hr)} USD/hr: least cost-effective first",
         actions,
     )
     return [row for row in kept if row.id not in chosen]
@@ -1339,7 +1340,7 @@ def _launch_shortfall(
                     cheaper.instance_type,
                     cheaper.market,
                     cheaper.price_usd_per_hr,
-                    f"{instance_type}'s spot price rose to {spot_price or price:g} USD/hr"
+                    f"{instance_type}'s spot price rose to {plain(spot_price or price)} USD/hr"
                     f" and took the fleet {risen_why or 'over the budget'}: {cheaper.describe()}"
                     f" serve{'s' if count == 1 else ''} as much for less (the cheapest such"
                     " choice of the plan's ranking)",
@@ -1509,7 +1510,7 @@ def _move_before_break(
                     row,
                     _S.DRAINING,
                     f"moved off {instance_type}'s risen spot price"
-                    f" ({price_now:g} USD/hr, the fleet {rise.why}): {choice.describe()} serve"
+                    f" ({plain(price_now)} USD/hr, the fleet {rise.why}): {choice.describe()} serve"
                     " in its place; no new queries",
                     actions,
                 )
@@ -1541,7 +1542,7 @@ def _shed_leaving(
             going,
             "budget",
             f"the fleet and the instances leaving it cost {total:.3f} USD/hr at the prices now,"
-            f" over the budget of {budget_usd_per_hr:g} USD/hr: the leaving ones go first",
+            f" over the budget of {plain(budget_usd_per_hr)} USD/hr: the leaving ones go first",
             actions,
         )
     gone = {row.id for row in going}
@@ -1619,7 +1620,7 @@ class _Choice:
         each = " each" if self.count > 1 else ""
         return (
             f"{self.count} x {self.instance_type} on {self.market.replace('-', ' ')} at"
-            f" {self.price_usd_per_hr:g} USD/hr{each}"
+            f" {plain(self.price_usd_per_hr)} USD/hr{each}"
         )
 
 
@@ -1687,7 +1688,8 @@ def _move_off_risen(
         _terminate(
             rows,
             "spot_price",
-            f"{instance_type}'s spot price rose to {ranked.spot_now[instance_type]:g} USD/hr: the"
+            f"{instance_type}'s spot price rose to"
+            f" {plain(ranked.spot_now[instance_type])} USD/hr: the"
             f" fleet costs {rise.fleet_cost_usd_per_hr:.3f} USD/hr at the prices now, {rise.why};"
             f" {move.describe()} for each serve{'s' if move.count == 1 else ''} as much for less"
             " and replace them within the budget",
@@ -1729,7 +1731,7 @@ def _stand_in(
                     other,
                     market,
                     price,
-                    f"{why_short}: {other} ({market}, {price:g} USD/hr) stands in for it, the"
+                    f"{why_short}: {other} ({market}, {plain(price)} USD/hr) stands in for it, the"
                     f" next type of the plan's ranking that serves as much within the budget",
                 )
     own = ranked.prices_usd_per_hr.get(instance_type)
@@ -1739,7 +1741,7 @@ def _stand_in(
             "on-demand",
             own,
             f"{why_short} and no type of the plan's ranking stands in within the budget:"
-            f" {instance_type} on demand ({own:g} USD/hr)",
+            f" {instance_type} on demand ({plain(own)} USD/hr)",
         )
     return None
 
@@ -2259,7 +2261,7 @@ class Reconciler:
             self._record_once(
                 app.name,
                 "budget_capped",
-                f"not launched within the budget of {action.budget_usd_per_hr:g} USD/hr: "
+                f"not launched within the budget of {plain(action.budget_usd_per_hr)} USD/hr: "
                 + ", ".join(f"{n} x {t}" for t, n in action.wanted.items())
                 + f" (the fleet already costs {action.committed_usd_per_hr:.3f} USD/hr)",
                 {
@@ -2320,10 +2322,10 @@ class Reconciler:
                 app.name,
                 "spot_price",
                 f"{action.count} spot {action.instance_type} now cost"
-                f" {action.price_usd_per_hr:g} USD/hr each (launched at"
+                f" {plain(action.price_usd_per_hr)} USD/hr each (launched at"
                 f" {action.launched_usd_per_hr:g}): the fleet costs"
                 f" {action.fleet_cost_usd_per_hr:.3f} USD/hr against the budget of"
-                f" {action.budget_usd_per_hr:g} USD/hr{then}",
+                f" {plain(action.budget_usd_per_hr)} USD/hr{then}",
                 {
                     "instance_type": action.instance_type,
                     "count": action.count,
@@ -2534,7 +2536,8 @@ class Reconciler:
         if not refused:
             return rows
         why = (
-            f"the budget is {budget:g} USD/hr now (it was {app.budget_usd_per_hr:g} when the"
+            f"the budget is {plain(budget)} USD/hr now"
+            f" (it was {plain(app.budget_usd_per_hr)} when the"
             f" launch was decided), and the fleet with {len(others)} instance(s) recorded"
             f" meanwhile costs {before:.4g} USD/hr"
         )

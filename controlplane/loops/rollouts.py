@@ -117,6 +117,7 @@ from controlplane.serving.workers import DEFAULT_WORKER_PORT
 from controlplane.spec import SpecError
 from estimator.errors import EstimatorError
 from estimator.fleet import nonzero
+from estimator.numbers import plain
 from estimator.profiles import PROFILE_FORMAT
 from provisioners.base import APP_TAG, Provisioner, with_port
 from provisioners.errors import ProvisionerError
@@ -850,7 +851,7 @@ class RolloutLoop:
             f"waiting for the budget: step {index + 1} ({_share(rollout, index)}) needs"
             f" {fleet_text(more)} more for {more_usd_per_hr:.4g} USD/hr on top of the app's"
             f" {running:.4g} USD/hr, together {running + more_usd_per_hr:.4g} USD/hr, over the"
-            f" budget of {budget:g} USD/hr"
+            f" budget of {plain(budget)} USD/hr"
         )
 
     def _granted(self, rollout: RolloutRecord, fleet: Mapping[str, int]) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from controlplane.policies.planner import plan_app
 from controlplane.policies.spot import plan_with_spot
 from controlplane.spec import ResolvedApp
 from estimator import deadline
+from estimator.numbers import plain
 
 __all__ = ["DEFAULT_SPOT_REPLAN_MOVE_SHARE", "SpotReplanner"]
 
@@ -169,7 +170,7 @@ class SpotReplanner:
             return False  # changed meanwhile: the next tick looks again
         old = plan.plan
         moves = ", ".join(
-            f"{t} {before:g} -> {after:g} USD/hr" for t, (before, after) in moved.items()
+            f"{t} {plain(before)} -> {plain(after)} USD/hr" for t, (before, after) in moved.items()
         )
         spot_now = {t: p for t, p in prices.items() if p is not None}
         old_now = cost_at(old, resolved.prices_usd_per_hr, spot_now)

@@ -100,6 +100,7 @@ from estimator.batches import parse_batch_distribution
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_envelope
 from estimator.errors import EstimatorError
 from estimator.fleet import nonzero
+from estimator.numbers import plain
 from estimator.traces import Trace, trace_stats
 
 __all__ = [
@@ -459,7 +460,7 @@ class TrafficReplanner:
             self._store.record_decision(
                 app.name,
                 "replan_infeasible",
-                f"{moved}: no plan within the budget ${budget:g}/hr serves the recorded"
+                f"{moved}: no plan within the budget ${plain(budget)}/hr serves the recorded"
                 f" {stats.rate_qps:.4g} qps (at most {new.max_feasible_qps or 0.0:.4g} qps);"
                 f" plan {plan.id} stays",
                 {**numbers, "max_feasible_qps": new.max_feasible_qps},

@@ -52,6 +52,7 @@ from estimator.errors import (
     SearchSpaceError,
 )
 from estimator.fleet import Fleet
+from estimator.numbers import plain
 from estimator.profiles import LatencyProfile, ProfileSet
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace
@@ -109,7 +110,7 @@ class InfeasibleSLOError(EstimatorError):
         self.slo_ms = slo_ms
         super().__init__(
             f"infeasible: the service time alone exceeds the SLO: model {model!r} on its fastest"
-            f" type {instance_type} takes {latency_ms:.2f} ms (p{percentile:g} of the trace's"
+            f" type {instance_type} takes {latency_ms:.2f} ms (p{percentile:.15g} of the trace's"
             f" batch sizes at batch 1) > SLO {slo_ms:g} ms"
         )
 
@@ -365,7 +366,7 @@ def _algorithm_1(
     tail_ms, _, _ = evaluate(fleet, 1)
     steps.append(
         f"{inputs.model}: start from {_fleet_text(fleet)} (${_cost(fleet, prices):.3f}/hr): {why};"
-        f" simulated P{inputs.percentile:g} {tail_ms:.1f} ms"
+        f" simulated P{inputs.percentile:.15g} {tail_ms:.1f} ms"
     )
     by_value = sorted(inputs.profiles, key=lambda t: (-value[t], t))
     for _ in range(MAX_ADDED_INSTANCES):
@@ -380,7 +381,7 @@ def _algorithm_1(
             grown_ms, _, _ = evaluate(grown, 1)
             if grown_ms < tail_ms:
                 steps.append(
-                    f"{inputs.model}: add one {t} (P{inputs.percentile:g} {tail_ms:.1f} ->"
+                    f"{inputs.model}: add one {t} (P{inputs.percentile:.15g} {tail_ms:.1f} ->"
                     f" {grown_ms:.1f} ms, ${_cost(grown, prices):.3f}/hr)"
                 )
                 fleet, tail_ms = grown, grown_ms
@@ -388,7 +389,7 @@ def _algorithm_1(
         else:
             steps.append(
                 f"{inputs.model}: no instance that fits the budget"
-                f" ${inputs.budget_usd_per_hr:g}/hr lowers P{inputs.percentile:g} below"
+                f" ${plain(inputs.budget_usd_per_hr)}/hr lowers P{inputs.percentile:.15g} below"
                 f" {inputs.slo_ms:g} ms (it is {tail_ms:.1f} ms on {_fleet_text(fleet)})"
             )
             return _batched(inputs, evaluate, fleet, tail_ms, steps)
@@ -415,7 +416,7 @@ def _batched(
         if batched_ms <= inputs.slo_ms:
             steps.append(
                 f"{inputs.model}: batch up to {batch} queries on {_fleet_text(fleet)}"
-                f" (P{inputs.percentile:g} {tail_ms:.1f} -> {batched_ms:.1f} ms)"
+                f" (P{inputs.percentile:.15g} {tail_ms:.1f} -> {batched_ms:.1f} ms)"
             )
             return fleet, batch
         batch *= 2
@@ -470,12 +471,12 @@ def _algorithm_2(
                 batch = new_batch
                 steps.append(
                     f"{inputs.model}: {what}: saves ${saving:.3f}/hr (now"
-                    f" ${_cost(fleet, prices):.3f}/hr), P{inputs.percentile:g} {tail_ms:.1f} ms"
+                    f" ${_cost(fleet, prices):.3f}/hr), P{inputs.percentile:.15g} {tail_ms:.1f} ms"
                 )
                 break
         else:
             steps.append(
-                f"{inputs.model}: no action that cuts cost keeps P{inputs.percentile:g} within"
+                f"{inputs.model}: no action that cuts cost keeps P{inputs.percentile:.15g} within"
                 f" {inputs.slo_ms:g} ms; done"
             )
             return fleet, batch
@@ -1008,7 +1009,7 @@ def _joint_add(
     budget = limits.budget_usd_per_hr
     tail_ms = judge(joint)
     steps.append(
-        f"end-to-end P{limits.percentile:g} of the proposal: {tail_ms:.1f} ms"
+        f"end-to-end P{limits.percentile:.15g} of the proposal: {tail_ms:.1f} ms"
         f" (SLO {limits.slo_ms:g} ms)"
     )
     for _ in range(MAX_ADDED_INSTANCES):
@@ -1030,13 +1031,13 @@ def _joint_add(
                     best = (grown_ms, candidate, f"{inputs.model}: add one {t}")
         if best is None or best[0] >= tail_ms:
             steps.append(
-                f"no instance that fits the budget ${budget:g}/hr lowers the end-to-end"
-                f" P{limits.percentile:g} below {limits.slo_ms:g} ms (it is {tail_ms:.1f} ms on"
+                f"no instance that fits the budget ${plain(budget)}/hr lowers the end-to-end"
+                f" P{limits.percentile:.15g} below {limits.slo_ms:g} ms (it is {tail_ms:.1f} ms on"
                 f" {_joint_text(setup, joint)})"
             )
             return None
         steps.append(
-            f"{best[2]} (end-to-end P{limits.percentile:g} {tail_ms:.1f} -> {best[0]:.1f} ms,"
+            f"{best[2]} (end-to-end P{limits.percentile:.15g} {tail_ms:.1f} -> {best[0]:.1f} ms,"
             f" ${_joint_cost(setup, best[1]):.3f}/hr)"
         )
         tail_ms, joint = best[0], best[1]
@@ -1099,12 +1100,12 @@ def _joint_cut(
                 joint = candidate
                 steps.append(
                     f"{what}: saves ${saving:.3f}/hr (now ${_joint_cost(setup, joint):.3f}/hr),"
-                    f" end-to-end P{limits.percentile:g} {tail_ms:.1f} ms"
+                    f" end-to-end P{limits.percentile:.15g} {tail_ms:.1f} ms"
                 )
                 break
         else:
             steps.append(
-                f"no action that cuts cost keeps the end-to-end P{limits.percentile:g} within"
+                f"no action that cuts cost keeps the end-to-end P{limits.percentile:.15g} within"
                 f" {limits.slo_ms:g} ms; done"
             )
             return joint
@@ -1223,7 +1224,8 @@ def plan_app(
         low = bisect_rate(feasible, 0.0, rate, tolerance_qps=RATE_REL_TOL * rate)
         max_feasible, planned_rate = low, low
         steps.append(
-            f"no plan within the budget ${app.constraints.budget_usd_per_hr:g}/hr meets the SLO at"
+            f"no plan within the budget ${plain(app.constraints.budget_usd_per_hr)}/hr"
+            f" meets the SLO at"
             f" {rate:.2f} qps; the highest rate one does (bisection, arrival times scaled) is"
             f" {low:.2f} qps, and the stages below are planned for it"
         )
@@ -1327,7 +1329,7 @@ def _pipeline_tail_ms(
         )
     verdict = "within" if tail_ms <= limits.slo_ms else "ABOVE"
     steps.append(
-        f"end to end: predicted P{limits.percentile:g} {tail_ms:.1f} ms on the planned"
+        f"end to end: predicted P{limits.percentile:.15g} {tail_ms:.1f} ms on the planned"
         f" {_rate_qps(trace):.2f} qps, {verdict} the SLO {limits.slo_ms:g} ms; from {how}"
     )
     return tail_ms

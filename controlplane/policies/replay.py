@@ -68,6 +68,7 @@ from estimator.bounds import kairos_quantities, upper_bounds
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, arrival_cv2
 from estimator.errors import EstimatorError
 from estimator.fleet import Fleet
+from estimator.numbers import plain
 from estimator.policies import full_range_types, policy_class, policy_factory
 from estimator.profiles import LatencyProfile
 from estimator.simulator import InstanceSpec, Routing, SimulationResult, Stage, simulate
@@ -217,7 +218,7 @@ def check_plan(plan: PlanDocument, app: ResolvedApp) -> StagePlan:
     if cost > app.constraints.budget_usd_per_hr + 1e-9:
         raise ReplayError(
             f"the plan's fleet {stage.fleet} costs {cost:.6g} USD/hr, over the spec's budget of "
-            f"{app.constraints.budget_usd_per_hr:g} USD/hr"
+            f"{plain(app.constraints.budget_usd_per_hr)} USD/hr"
         )
     return stage
 
@@ -840,7 +841,7 @@ def utilization_timeline(
                 wanted if prices[best] == 0 else min(wanted, math.floor(left / prices[best]))
             )
             cap = app.constraints.max_count(best)
-            limit = f"{budget:g} USD/hr"
+            limit = f"{plain(budget)} USD/hr"
             if cap is not None and counts[best] + affordable > cap:
                 affordable = cap - counts[best]
                 limit = f"the spec's cap of {cap} x {best}"
@@ -1275,7 +1276,7 @@ def check_stages(plan: PlanDocument, app: ResolvedApp) -> tuple[StagePlan, ...]:
     if cost > app.constraints.budget_usd_per_hr + 1e-9:
         raise ReplayError(
             f"the plan's fleets cost {cost:.6g} USD/hr, over the spec's budget of "
-            f"{app.constraints.budget_usd_per_hr:g} USD/hr"
+            f"{plain(app.constraints.budget_usd_per_hr)} USD/hr"
         )
     return tuple(plan.stages)
 
@@ -1595,7 +1596,8 @@ def cascade_tuner_timelines(
                 reason = d.reason
                 if d.action == "budget_capped":
                     reason += (
-                        f"; the {budget:g} USD/hr budget is shared by the stages: the others run"
+                        f"; the {plain(budget)} USD/hr budget is shared by the stages:"
+                        f" the others run"
                         f" {budget - allowed:.6g} USD/hr, this stage went {rank + 1} of"
                         f" {len(order)} (deficit {deficit[i]:.3g}; the largest deficit first)"
                     )

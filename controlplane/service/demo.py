@@ -94,6 +94,7 @@ from controlplane.service.build import Service
 from estimator.cascades import Cascade, ValidationRecords, load_validation
 from estimator.catalog import default_catalog
 from estimator.errors import EstimatorError
+from estimator.numbers import plain
 from estimator.profiles import load_profiles, write_profiles_json
 from estimator.traces import Trace, diurnal_profile, renewal_arrivals
 from provisioners.artifacts import file_sha256
@@ -438,7 +439,7 @@ def ensure_demo_app(
             return found, False
         progress(
             f"the app {DEMO_APP!r} is a demo of another shape: replacing its spec by {label},"
-            f" its budget ${found.budget_usd_per_hr:g}/hr kept"
+            f" its budget ${plain(found.budget_usd_per_hr)}/hr kept"
         )
         kept = document | {"budget_usd_per_hr": found.budget_usd_per_hr}
         return store.update_app(DEMO_APP, kept, who=who.name), True

@@ -34,6 +34,7 @@ from estimator.cascades import (
     with_sample_ids,
 )
 from estimator.envelope import arrival_envelope, tuner_windows_s
+from estimator.numbers import plain
 from estimator.policies import full_range_types, policy_factory
 from estimator.simulator import InstanceSpec, SimulationResult, Stage, simulate
 from estimator.traces import Trace, gamma_arrivals, poisson_arrivals, trace_stats, write_trace_csv
@@ -623,3 +624,33 @@ def test_front_waits_are_lindleys_recursion_in_the_arrivals_order() -> None:
         if rho > 1:
             assert expected[-100:].mean() > 20 * expected[:100].mean()
     assert not front_waits_ms(np.array([0.0, 0.0, 0.0]), 0.0).any()
+
+
+def test_plan_texts_write_a_percentile_and_a_budget_as_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # ``:g`` wrote a percentile of 99.9999999999 as P100 and a budget of 1e6 as $1e+06/hr.
+    spec = tmp_path / "spec.yaml"
+    write_spec(tmp_path, 25.0, 1_000_000.0)
+    text = (tmp_path / "spec-25.0-1000000.0.yaml").read_text()
+    spec.write_text(
+        text.replace(
+            "slo: {latency_ms: 25.0}", "slo: {latency_ms: 25.0, percentile: 99.9999999999}"
+        )
+    )
+    trace_file = tmp_path / "trace.csv"
+    write_trace_csv(poisson_trace(60.0, queries=300), trace_file)
+    assert main(["plan", "--spec", str(spec), "--trace", str(trace_file)]) == 0
+    out = capsys.readouterr().out
+    assert "P99.9999999999 <= 25 ms" in out and "P100" not in out
+    assert "$1000000/hr" in out and "e+06" not in out
+
+
+def test_plain_numbers_keep_six_digits_without_an_exponent() -> None:
+    assert [plain(x) for x in (1e6, 0.526, 5e-5, 1 / 3, 12.0)] == [
+        "1000000",
+        "0.526",
+        "0.00005",
+        "0.333333",
+        "12",
+    ]
