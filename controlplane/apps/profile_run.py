@@ -89,16 +89,19 @@ from provisioners.errors import ProvisionerError
 
 if TYPE_CHECKING:
     from controlplane.db.store import InstanceRecord, Store
+    from controlplane.spec import ResolvedApp
     from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec
 
 __all__ = [
     "DEFAULT_HEARTBEAT_S",
     "DEFAULT_SAMPLES",
     "PROFILE_RUN_TAG",
+    "ProfileRunCheck",
     "ProfileRunRequest",
     "ProfileRunResult",
     "ProfilingInterruptedError",
     "ProfilingRequestError",
+    "check_profile_run",
     "end_workers",
     "ended_reason",
     "launch_worker",
@@ -177,6 +180,26 @@ class ProfileRunRequest:
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     samples: int = DEFAULT_SAMPLES
     warmup: int = DEFAULT_WARMUP
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileRunCheck:
+    """A run the service would take (:func:`check_profile_run`): the models and types it would
+    measure and its workers' cost."""
+
+    app: str
+    models: tuple[str, ...]
+    instance_types: tuple[str, ...]
+    cost_usd_per_hr: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "app": self.app,
+            "checked": True,
+            "models": list(self.models),
+            "instance_types": list(self.instance_types),
+            "cost_usd_per_hr": self.cost_usd_per_hr,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,21 +301,8 @@ def run_profile(
     started_s = time.monotonic()
     record = store.get_app(app)
     resolved = resolver.resolve(record.spec, check_budget=False)
-    models = tuple(
-        m
-        for m in resolved.spec.model_names
-        if m in resolved.artifacts and (serve is None or m in serve)
-    )
-    if not models:
-        raise ProfilingRequestError(
-            "app",
-            f"app {app!r} serves no registered model (artifact:); the demo family is profiled"
-            " with heteroplane profile measure",
-        )
-    types = _requested_types(request, resolved.instance_types)
-    _check_numbers(request)
+    models, types = _checked_request(resolved, app, request, serve, max_batch_bytes)
     signatures = {m: resolved.artifacts[m].signature for m in models}
-    _check_batch_bytes(signatures, request.batch_sizes, max_batch_bytes)
     prices = {t: resolved.prices_usd_per_hr[t] for t in types}
     artifacts = tuple(serve[m] if serve is not None else resolved.artifacts[m].ref for m in models)
     run_id = secrets.token_hex(4)
@@ -395,6 +405,64 @@ def run_profile(
         },
     )
     return result
+
+
+def check_profile_run(
+    store: Store,
+    resolver: AppResolver,
+    provisioner: Provisioner,
+    app: str,
+    request: ProfileRunRequest,
+    *,
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+) -> ProfileRunCheck:
+    """What :func:`run_profile` would measure and what its workers would cost, with every check
+    it makes before a worker starts (the request, the batches' size, the budget next to the
+    fleet), launching nothing and recording nothing: a client asks first, so that it says "this
+    takes minutes" only for a run the service takes.
+
+    Raises what :func:`run_profile` raises before it launches.
+    """
+    record = store.get_app(app)
+    resolved = resolver.resolve(record.spec, check_budget=False)
+    models, types = _checked_request(resolved, app, request, None, max_batch_bytes)
+    workers = sum(resolved.prices_usd_per_hr[t] for t in types)
+    _check_budget_of(
+        store,
+        provisioner,
+        app,
+        record.budget_usd_per_hr,
+        set(),
+        workers,
+        resolved.prices_usd_per_hr,
+    )
+    return ProfileRunCheck(app, models, types, workers)
+
+
+def _checked_request(
+    resolved: ResolvedApp,
+    app: str,
+    request: ProfileRunRequest,
+    serve: Mapping[str, ArtifactRef] | None,
+    max_batch_bytes: int,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The models and types a run measures, after the request's own checks."""
+    models = tuple(
+        m
+        for m in resolved.spec.model_names
+        if m in resolved.artifacts and (serve is None or m in serve)
+    )
+    if not models:
+        raise ProfilingRequestError(
+            "app",
+            f"app {app!r} serves no registered model (artifact:); the demo family is profiled"
+            " with heteroplane profile measure",
+        )
+    types = _requested_types(request, resolved.instance_types)
+    _check_numbers(request)
+    signatures = {m: resolved.artifacts[m].signature for m in models}
+    _check_batch_bytes(signatures, request.batch_sizes, max_batch_bytes)
+    return models, types
 
 
 def _requested_types(request: ProfileRunRequest, candidates: Sequence[str]) -> tuple[str, ...]:
@@ -528,7 +596,24 @@ def _check_budget(
 ) -> float:
     """The workers' cost; :class:`ProfilingBudgetError` when it does not fit next to the rest
     of what the app pays for (its other kept rows and what the provider runs without a row)."""
+    workers = sum(row.price_usd_per_hr for row in ours.values())
     own = {row.id for row in ours.values()}
+    _check_budget_of(store, provisioner, app, budget_usd_per_hr, own, workers, prices_usd_per_hr)
+    return workers
+
+
+def _check_budget_of(
+    store: Store,
+    provisioner: Provisioner,
+    app: str,
+    budget_usd_per_hr: float,
+    own: set[str],
+    workers: float,
+    prices_usd_per_hr: Mapping[str, float],
+) -> None:
+    """:class:`ProfilingBudgetError` when workers costing ``workers`` USD/hr do not fit next to
+    the app's kept rows but ``own`` (the workers' rows, where recorded) and its unrecorded
+    instances."""
     rows = store.list_instances(app)
     fleet = sum(i.price_usd_per_hr for i in rows if i.state in KEPT_STATES and i.id not in own)
     try:
@@ -537,10 +622,8 @@ def _check_budget(
         raise ProfilingError(
             f"cannot list the provider's instances to check the budget: {error}"
         ) from None
-    workers = sum(row.price_usd_per_hr for row in ours.values())
     if fleet + workers > budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
         raise ProfilingBudgetError(app, fleet, workers, budget_usd_per_hr)
-    return workers
 
 
 def launch_worker(

@@ -58,12 +58,15 @@ def run_profile_run(args: argparse.Namespace) -> int:
         body["samples"] = args.samples
     if args.timeout is None:
         args.timeout = DEFAULT_RUN_TIMEOUT_S
-    which = ", ".join(types) if types else "every candidate type"
-    progress(
-        f"profiling {args.app} on {which}: the service starts one worker per type; this takes"
-        " minutes"
-    )
     with client_from(args) as client:
+        # The service checks the request first (the types, the batches' size, the budget), so
+        # that a run it refuses is refused before the line that says it takes minutes.
+        checked = client.post(app_path(args.app, "profiles") + "?check=true", body)
+        progress(
+            f"profiling {args.app} ({', '.join(checked['models'])}) on"
+            f" {', '.join(checked['instance_types'])}: the service starts one worker per type"
+            f" ({checked['cost_usd_per_hr']:.4g} USD/hr); this takes minutes"
+        )
         result = client.post(app_path(args.app, "profiles"), body)
     return emit(args.json, result, lambda: _summary(result))
 

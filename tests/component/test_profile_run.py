@@ -34,6 +34,7 @@ from controlplane.apps.profile_run import (
     ProfileRunRequest,
     ProfilingInterruptedError,
     ProfilingRequestError,
+    check_profile_run,
     run_profile,
 )
 from controlplane.apps.profiler import ProfilingError
@@ -354,6 +355,11 @@ def test_the_workers_must_fit_the_budget_next_to_the_fleet(world: World) -> None
             if e.to_state == "failed"
         ]
         assert ended == f"refused by the budget, not launched: {refused.value}", ended
+    # Checked first, the same refusal, and nothing recorded.
+    with pytest.raises(ProfilingBudgetError) as checked:
+        check_profile_run(world.store, world.resolver, world.provisioner, APP, ProfileRunRequest())
+    assert str(checked.value) == str(refused.value)
+    assert {r.state for r in world.store.list_instances(APP)} == {"failed"}
     profile(world, types=(SMALL,))  # one type fits
     # A running fleet counts: with one GPU instance kept, not even the small type fits.
     world.store.record_instance(
@@ -507,6 +513,24 @@ def test_the_api_pins_refuses_the_plan_then_profiles_the_app(
             " --app digits"
         )
         assert client.get(f"/v1/apps/{APP}/profiles", headers=auth).status_code == 404
+        # Asked first (the CLI does), a check answers what would run and starts nothing.
+        checked = client.post(
+            f"/v1/apps/{APP}/profiles?check=true", json={"batch_sizes": [1, 4]}, headers=auth
+        )
+        assert checked.status_code == 200, checked.text
+        price = default_catalog()[SMALL].price_usd_per_hr
+        assert checked.json() == {
+            "app": APP,
+            "checked": True,
+            "models": ["small"],
+            "instance_types": [SMALL],
+            "cost_usd_per_hr": price,
+        }
+        bad = client.post(
+            f"/v1/apps/{APP}/profiles?check=true", json={"types": [GPU]}, headers=auth
+        )
+        assert bad.status_code == 422 and bad.json()["error"]["field"] == "types", bad.text
+        assert world.provisioner.requests == [] and world.store.list_instances(APP) == []
         ran = client.post(
             f"/v1/apps/{APP}/profiles",
             json={"batch_sizes": [1, 4], "samples": 2, "warmup": 0},

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from controlplane.cli import main, profile_run
+from controlplane.cli.client import ApiClientError
 
 RESULT = {
     "app": "digits",
@@ -30,6 +31,15 @@ RESULT = {
 }
 
 
+CHECKED = {
+    "app": "digits",
+    "checked": True,
+    "models": ["small"],
+    "instance_types": ["emu.cpu.small", "emu.cpu.large"],
+    "cost_usd_per_hr": 0.15,
+}
+
+
 class FakeClient:
     def __init__(self, args: Any) -> None:
         self.timeout = args.timeout
@@ -43,6 +53,10 @@ class FakeClient:
 
     def post(self, path: str, body: Any) -> Any:
         self.sent.append((path, body))
+        if path.endswith("?check=true"):
+            if body.get("samples") == 999:
+                raise ApiClientError("422 invalid_value: samples: refused")
+            return {**CHECKED, "instance_types": body.get("types", CHECKED["instance_types"])}
         return RESULT
 
 
@@ -60,18 +74,42 @@ def test_profile_run_posts_the_request_and_prints_a_summary(
     assert main([*argv, "--batch-sizes", "4,1", "--samples", "5"]) == 0
     (client,) = made
     assert client.timeout == profile_run.DEFAULT_RUN_TIMEOUT_S
+    body = {"types": ["emu.cpu.small"], "batch_sizes": [1, 4], "samples": 5}
+    # The service checks the request before the run (and before the line that says it takes
+    # minutes), then runs it.
     assert client.sent == [
-        (
-            "/v1/apps/digits/profiles",
-            {"types": ["emu.cpu.small"], "batch_sizes": [1, 4], "samples": 5},
-        )
+        ("/v1/apps/digits/profiles?check=true", body),
+        ("/v1/apps/digits/profiles", body),
     ]
     captured = capsys.readouterr()
     assert "profiles of digits stored" in captured.out and "7" in captured.out
+    assert "profiling digits (small) on emu.cpu.small" in captured.err
     assert "takes minutes" in captured.err
     assert main(["profile", "run", "--app", "digits", "--json", "--timeout", "9"]) == 0
     assert json.loads(capsys.readouterr().out) == RESULT
-    assert made[-1].timeout == 9 and made[-1].sent == [("/v1/apps/digits/profiles", {})]
+    assert made[-1].timeout == 9
+    assert made[-1].sent == [
+        ("/v1/apps/digits/profiles?check=true", {}),
+        ("/v1/apps/digits/profiles", {}),
+    ]
+
+
+def test_a_request_the_service_refuses_says_so_before_any_progress_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    made: list[FakeClient] = []
+
+    def client_from(args: Any) -> FakeClient:
+        made.append(FakeClient(args))
+        return made[-1]
+
+    monkeypatch.setattr(profile_run, "client_from", client_from)
+    with pytest.raises(SystemExit) as stop:
+        main(["profile", "run", "--app", "digits", "--samples", "999"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert "refused" in err and "takes minutes" not in err
+    assert [path for path, _ in made[-1].sent] == ["/v1/apps/digits/profiles?check=true"]
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,12 @@ from controlplane.api.routes import AppName, errors
 from controlplane.api.routes.fleet import instance_out
 from controlplane.api.schemas import AppOut, TeardownOut
 from controlplane.apps.budget import check_serving_floor, record_budget_drain
-from controlplane.apps.profile_run import DEFAULT_SAMPLES, ProfileRunRequest, run_profile
+from controlplane.apps.profile_run import (
+    DEFAULT_SAMPLES,
+    ProfileRunRequest,
+    check_profile_run,
+    run_profile,
+)
 from controlplane.apps.profiler import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_WARMUP,
@@ -265,6 +270,13 @@ async def run_profiles(
     services: ServicesDep,
     who: Operator,
     body: Annotated[ProfileRunIn | None, Body(description="what to measure")] = None,
+    check: Annotated[
+        bool,
+        Query(
+            description="only check the request (the types, the batches' size, the budget next"
+            " to the fleet) and answer what the run would measure and cost; nothing starts"
+        ),
+    ] = False,
 ) -> dict[str, Any]:
     if services.provisioner is None:
         raise ApiError(503, "no_provisioner", "this service runs no provisioner to profile with")
@@ -275,6 +287,20 @@ async def run_profiles(
         samples=given.samples,
         warmup=given.warmup,
     )
+    if check:
+        try:
+            checked = await asyncio.to_thread(
+                check_profile_run,
+                services.store,
+                services.resolver,
+                services.provisioner,
+                app,
+                request,
+                max_batch_bytes=services.settings.oip_body_max_bytes,
+            )
+        except ProfilingError as error:
+            raise ApiError(502, "profiling_failed", str(error)) from None
+        return checked.to_json()
     try:
         result = await asyncio.to_thread(
             run_profile,
