@@ -34,6 +34,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +78,14 @@ from provisioners.base import Provisioner
 
 __all__ = [
     "DECISION_KIND",
+    "WATCH_S",
     "NewVersionProfiling",
     "RolloutRequest",
     "abort_rollout",
     "budget_shortfall",
     "fleet_cost",
     "fleet_text",
+    "handing_over",
     "pause_rollout",
     "planned_text",
     "profile_and_plan",
@@ -95,6 +98,9 @@ __all__ = [
 ]
 
 DECISION_KIND = "rollout"
+# How long after its last move a finished rollout is still looked at by the rollout loop (its
+# workers ending, a handover going on): longer than the reconciler's reaping of untouched workers.
+WATCH_S = 3600.0
 # Interval bounds: shorter than a second cannot measure a P99; longer than a day is a mistake.
 MIN_INTERVAL_S = 1.0
 MAX_INTERVAL_S = 86_400.0
@@ -130,6 +136,19 @@ class NewVersionProfiling:
     warmup: int = DEFAULT_WARMUP
 
 
+def handing_over(rollout: RolloutRecord, now: datetime) -> bool:
+    """Whether ``rollout`` was promoted and its handover still goes on at ``now``: the old
+    version's instances still end, the route to the rollout's workers stands, and the rollout
+    loop still looks at it (:data:`WATCH_S`). A rollout started meanwhile would split the
+    traffic of an app whose fleet is being replaced, and the handover's route and its own would
+    be one app's two routes. (Once the route went, a new rollout may start: the plan after the
+    handover waits for it to end.)"""
+    handover = rollout.figures.get("handover")
+    if rollout.state != RolloutState.PROMOTED or not isinstance(handover, Mapping):
+        return False
+    return "done_at" not in handover and (now - rollout.updated_at).total_seconds() < WATCH_S
+
+
 def start_rollout(
     store: Store,
     resolver: AppResolver,
@@ -138,6 +157,7 @@ def start_rollout(
     *,
     who: str,
     profile_run: bool = False,
+    now: datetime | None = None,
 ) -> RolloutRecord:
     """Record a rollout of ``request.model`` into ``app`` in ``pending`` and return at once: the
     rollout loop (:mod:`controlplane.loops.rollouts`) profiles the new version and plans its
@@ -145,8 +165,9 @@ def start_rollout(
     front is checked here (module docstring), the budget included: the profile run's workers
     and the first step's extra instances must each fit next to what the app runs. Raises
     NotFoundError (no such app or model version), InvalidValueError (a request that does not fit
-    the app), RolloutBudgetError, ConflictError (a rollout of the app is in progress; a model of
-    the app without profiles to plan with)."""
+    the app), RolloutBudgetError, ConflictError (a rollout of the app is in progress, or a
+    promoted one's handover, :func:`handing_over` at ``now``, the clock's time; a model of the
+    app without profiles to plan with)."""
     record = store.get_app(app)
     steps = step_shares(request.steps)
     if not MIN_INTERVAL_S <= request.interval_s <= MAX_INTERVAL_S:
@@ -189,11 +210,20 @@ def start_rollout(
             " (a rollout needs the same inputs and outputs)",
         )
     cascade = _cascade_thresholds(resolver, resolved, app, model, name, target.version, request)
-    busy = store.list_rollouts(app, active=True)
+    rollouts = store.list_rollouts(app)
+    busy = [r for r in rollouts if r.active]
     if busy:
         raise ConflictError(
             f"app {app!r} has rollout {busy[-1].id} in progress; one rollout per app at a time"
             f" (heteroplane rollout status --app {app})"
+        )
+    handing = [r for r in rollouts if handing_over(r, now or datetime.now(UTC))]
+    if handing:
+        raise ConflictError(
+            f"app {app!r}: rollout {handing[-1].id} was promoted and still hands the app over to"
+            f" {handing[-1].artifact}@{handing[-1].to_version} (the old version's instances are"
+            " being replaced); one rollout per app at a time: start this one once its handover"
+            f" is done (heteroplane rollout status --app {app})"
         )
     shares = (0.0, *steps) if request.shadow else steps
     plan = store.get_applied_plan(app)

@@ -71,6 +71,7 @@ from controlplane.apps.profiler import WorkerClient
 from controlplane.apps.resolver import AppResolver
 from controlplane.apps.rollouts import (
     DECISION_KIND,
+    WATCH_S,
     NewVersionProfiling,
     budget_shortfall,
     fleet_cost,
@@ -132,8 +133,8 @@ ALONE_WARMUP = 3
 ALONE_CALLS = 20
 
 # How long after its last move a finished rollout is still looked at (its workers ending, a
-# handover going on): longer than the reconciler's reaping of untouched workers.
-RECENT_S = 3600.0
+# handover going on): the start of a rollout reads the same (handing_over).
+RECENT_S = WATCH_S
 
 # How long a worker keeps running after the route that sent it queries changed (module
 # docstring, step 4): the serving loops read the routes every second (DEFAULT_REFRESH_S), and a

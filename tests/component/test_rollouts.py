@@ -206,6 +206,25 @@ def test_an_abort_while_pending_says_no_query_had_moved(world: World) -> None:
     assert decision.numbers["step_share"] == 0.0
 
 
+def test_a_rollout_waits_for_the_last_ones_handover(world: World) -> None:
+    """A promoted rollout's handover (its route stands while the old version's instances are
+    replaced) is one in progress: a start meanwhile is a 409 naming it; once its route went
+    (``done_at``), a rollout may start."""
+    register(world, budget=10 * PRICE)
+    rid = post(world, "rollouts", {"model": "wine-model@2"}).json()["id"]
+    (first,) = world.store.list_rollouts(APP)
+    first = world.store.move_rollout(first, state="running", reason="checked", new_step=True)
+    handover = {"ended": [], "promoted_at": "2024-01-01T00:00:00+00:00", "plan_after": True}
+    first = world.store.move_rollout(first, state="promoted", figures={"handover": handover})
+    refused = post(world, "rollouts", {"model": "wine-model@2"})
+    assert refused.status_code == 409, refused.text
+    message = refused.json()["error"]["message"]
+    assert f"rollout {rid} was promoted and still hands the app over" in message, message
+    done = {**handover, "done_at": "2024-01-01T00:01:00+00:00"}
+    world.store.move_rollout(first, figures={"handover": done})
+    assert post(world, "rollouts", {"model": "wine-model@2"}).status_code == 201
+
+
 def test_a_rollout_the_budget_cannot_pay_for_is_refused_with_the_amount(world: World) -> None:
     register(world, budget=1.5 * PRICE)
     world.store.record_instance(

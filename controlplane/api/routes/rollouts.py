@@ -80,7 +80,13 @@ def start(app: AppName, body: RolloutIn, services: ServicesDep, who: Operator) -
     # The new version's profile run and plan are the rollout loop's: the start returns at once.
     profile_run = services.provisioner is not None and services.settings.rollout_profile_run
     rollout = start_rollout(
-        services.store, services.resolver, app, request, who=who.name, profile_run=profile_run
+        services.store,
+        services.resolver,
+        app,
+        request,
+        who=who.name,
+        profile_run=profile_run,
+        now=services.clock.utcnow(),
     )
     return rollout_document(rollout)
 
