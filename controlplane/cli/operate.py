@@ -458,7 +458,9 @@ INSTANCE_KIND = "instance"
 @dataclass(frozen=True, slots=True)
 class EventLine:
     """One line of ``heteroplane events``: a decision or an instance event, or a run of them of
-    the same kind (``count`` of them from ``at`` to ``last_at``; ``detail`` is the newest's)."""
+    the same kind and ``subject`` (``count`` of them from ``at`` to ``last_at``; ``detail`` is
+    the newest's). ``subject`` is what a decision is about where its numbers name one (a
+    rollout's decisions: ``rollout 3``), so that two rollouts' decisions stay two lines."""
 
     at: str
     what: str
@@ -466,6 +468,7 @@ class EventLine:
     detail: str
     count: int = 1
     last_at: str | None = None
+    subject: str = ""
 
 
 def _kind_list(values: Sequence[str] | None, option: str) -> list[str] | None:
@@ -484,9 +487,9 @@ def _instant(at: str) -> datetime:
 
 
 def collapse(lines: Sequence[EventLine]) -> list[EventLine]:
-    """Each run of consecutive lines of the same (what, kind) as one line: the counts summed
-    (a decision the store merged already counts ``count``), from the first's ``at`` to the
-    newest time seen, with the newest's detail.
+    """Each run of consecutive lines of the same (what, kind, subject) as one line: the counts
+    summed (a decision the store merged already counts ``count``), from the first's ``at`` to
+    the newest time seen, with the newest's detail.
 
     >>> one = EventLine("2026-01-01T00:00:00", "decision", "gear_switch", "up")
     >>> two = EventLine("2026-01-01T00:00:05", "decision", "gear_switch", "down", 2,
@@ -494,11 +497,21 @@ def collapse(lines: Sequence[EventLine]) -> list[EventLine]:
     >>> other = EventLine("2026-01-01T00:00:10", "decision", "scale_up", "need 3")
     >>> [(x.kind, x.count, x.last_at, x.detail) for x in collapse([one, two, other])]
     [('gear_switch', 3, '2026-01-01T00:00:09', 'down'), ('scale_up', 1, None, 'need 3')]
+    >>> first = EventLine("2026-01-01T00:00:00", "decision", "rollout", "promoted",
+    ...                   subject="rollout 1")
+    >>> second = EventLine("2026-01-01T00:00:05", "decision", "rollout", "started",
+    ...                    subject="rollout 2")
+    >>> [x.subject for x in collapse([first, second])]
+    ['rollout 1', 'rollout 2']
     """
     out: list[EventLine] = []
     for line in lines:
         before = out[-1] if out else None
-        if before is None or (before.what, before.kind) != (line.what, line.kind):
+        if before is None or (before.what, before.kind, before.subject) != (
+            line.what,
+            line.kind,
+            line.subject,
+        ):
             out.append(line)
             continue
         newest = line.last_at or line.at
@@ -510,8 +523,16 @@ def collapse(lines: Sequence[EventLine]) -> list[EventLine]:
             line.detail,
             before.count + line.count,
             max(seen, newest, key=_instant),
+            line.subject,
         )
     return out
+
+
+def _subject(decision: Mapping[str, Any]) -> str:
+    """What ``decision`` is about, where its numbers say (``rollout 3``); else empty."""
+    numbers = decision.get("numbers") or {}
+    rollout = numbers.get("rollout_id") if isinstance(numbers, Mapping) else None
+    return "" if rollout is None else f"rollout {rollout}"
 
 
 def _times(line: EventLine) -> str:
@@ -565,7 +586,7 @@ def events(args: argparse.Namespace) -> int:
     merged = sorted(
         [
             EventLine(d["at"], "decision", d["kind"], d["reason"], d.get("count") or 1,
-                      d.get("last_at"))
+                      d.get("last_at"), _subject(d))
             for d in decisions
         ]
         + [

@@ -708,8 +708,15 @@ def _cascade_section(
     }
 
 
+def _rollout_of(decision: Mapping[str, Any]) -> Any:
+    """The rollout a decision is about (its numbers' ``rollout_id``), else None."""
+    numbers = decision.get("numbers")
+    return numbers.get("rollout_id") if isinstance(numbers, Mapping) else None
+
+
 def collapse_runs(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Consecutive decisions of one kind (newest first, as :func:`_decision` shapes them) as one
+    """Consecutive decisions of one kind, and of one rollout where they are a rollout's
+    (newest first, as :func:`_decision` shapes them) as one
     entry, so that a burst of gear switches does not hide the scaling decisions around it: the
     newest one's id, reason and numbers, ``run`` (how many decisions), ``count`` (how many times
     they were made, together), ``at``/``t`` the oldest's time and ``last_at``/``last_t`` the
@@ -724,11 +731,18 @@ def collapse_runs(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     4 gear_switch 2 2 30 40
     2 scale_up 1 1 20 None
     1 gear_switch 1 1 10 None
+    >>> r = lambda i, rollout: {**d(i, "rollout", i), "numbers": {"rollout_id": rollout}}
+    >>> [(e["id"], e["run"]) for e in collapse_runs([r(3, 2), r(2, 1), r(1, 1)])]
+    [(3, 1), (2, 2)]
     """
     entries: list[dict[str, Any]] = []
     for decision in decisions:
         last = entries[-1] if entries else None
-        if last is None or last["kind"] != decision["kind"]:
+        if (
+            last is None
+            or last["kind"] != decision["kind"]
+            or _rollout_of(last) != _rollout_of(decision)
+        ):
             entries.append({**decision, "run": 1})
             continue
         newest_t = last["last_t"] if last["last_t"] is not None else last["t"]

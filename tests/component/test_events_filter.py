@@ -170,3 +170,31 @@ def test_collapse_sums_the_stores_own_counts() -> None:
     )  # fmt: skip
     # Only consecutive lines collapse: another kind between them keeps them apart.
     assert [line.count for line in collapse([first, between, second])] == [3, 1, 1]
+
+
+def test_two_rollouts_decisions_stay_two_lines(
+    service: Service, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rollout's decisions name it (``numbers.rollout_id``): one rollout's run of decisions
+    collapses, the next rollout's starts a line of its own."""
+    made = httpx.post(
+        f"{service.url}/v1/apps",
+        json=spec("rolls"),
+        headers={"Authorization": f"Bearer {service.token}"},
+    )
+    assert made.status_code == 201, made.text
+    at = FAKE_EPOCH + timedelta(seconds=100)
+    for seconds, rollout, what in ((0, 1, "step 2"), (1, 1, "promoted"), (2, 2, "started")):
+        service.store.record_decision(
+            "rolls",
+            "rollout",
+            f"rollout {rollout}: {what}",
+            {"rollout_id": rollout},
+            at=at + timedelta(seconds=seconds),
+        )
+    status, out, _ = cli(capsys, service, "events", "--app", "rolls", "--kind", "rollout")
+    assert status == 0
+    lines = out.strip().splitlines()[1:]
+    assert len(lines) == 2, out
+    assert "2x over 1.0 s" in lines[0] and "rollout 1: promoted" in lines[0]
+    assert "rollout 2: started" in lines[1] and "x over" not in lines[1]
