@@ -388,7 +388,10 @@ def _cascade_thresholds(
     if resolved.validation is not None and spec.thresholds:
         _, score = resolved.validation.split(DEFAULT_CHOOSE_SHARE, DEFAULT_SPLIT_SEED)
         before = float(evaluate(Cascade(chain, tuple(spec.thresholds)), score).accuracy)
-    path = Path(resolver.base_dir) / "rollouts" / f"{app}-{model}-{to_version}-validation.json"
+    # Named relative to the data directory, as a spec may name its files: the rollout's
+    # document and, after promotion, the app's spec show a viewer no path of the server's.
+    name = f"rollouts/{app}-{model}-{to_version}-validation.json"
+    path = Path(resolver.base_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(validation_document(records)) + "\n", encoding="utf-8")
     return {
@@ -396,7 +399,7 @@ def _cascade_thresholds(
         "thresholds_before": list(spec.thresholds or []),
         "held_out_accuracy_before": before,
         **choice.to_json(),
-        "validation": str(path),
+        "validation": name,
     }
 
 

@@ -163,7 +163,10 @@ def test_the_thresholds_are_re_derived_served_and_pinned(world: World) -> None:
     assert promoted.startswith("promoted"), promoted
     spec = world.store.get_app(APP).spec
     assert spec["thresholds"] == [0.7]
-    assert spec["validation"] == cascade["validation"] and Path(spec["validation"]).exists()
+    # Named in the data directory, no path of the server's shown (a spec's relative path).
+    assert spec["validation"] == cascade["validation"]
+    assert spec["validation"] == f"rollouts/{APP}-tiny-2-validation.json"
+    assert (world.resolver.base_dir / spec["validation"]).exists()
     assert spec["models"][0]["artifact"] == "digits-tiny@2"
     assert world.resolver.resolve(spec).validation.model_accuracy("tiny") < 1.0
 
