@@ -1030,7 +1030,7 @@ class RolloutLoop:
         return (
             f"planned again with the new version: plan {done.id} ({now},"
             f" {new.cost_usd_per_hr:.4g} USD/hr) replaces plan {applied.id}"
-            f" ({before}, {old.cost_usd_per_hr:.4g} USD/hr)"
+            f" ({before}, {old.cost_usd_per_hr:.4g} USD/hr): {_shape_changes(old, new)}"
         )
 
     def _finish(
@@ -1198,6 +1198,43 @@ def _serving_shape(plan: PlanDocument) -> tuple[Any, ...]:
         for s in plan.stages
     )
     return stages, plan.gear_plan
+
+
+def _shape_changes(old: PlanDocument, new: PlanDocument) -> str:
+    """What of :func:`_serving_shape` differs from ``old`` to ``new``, in words: a plan that
+    replaces another with the same fleet says what else moved (a batch, the dispatch).
+
+    >>> from controlplane.policies.plan import StagePlan
+    >>> one = PlanDocument(True, 1.0, (StagePlan("clf", {"a": 2}, 4, policy="fcfs"),))
+    >>> two = PlanDocument(True, 1.0, (StagePlan("clf", {"a": 2}, 8, policy="fcfs"),))
+    >>> _shape_changes(one, two)
+    'clf: batch 4 -> 8'
+    """
+    changes: list[str] = []
+    before = {s.name: s for s in old.stages}
+    for stage in new.stages:
+        was = before.get(stage.name)
+        if was is None:
+            changes.append(f"stage {stage.name} is new")
+            continue
+        moved: list[str] = []
+        for what, a, b in (
+            ("fleet", fleet_text(nonzero(was.fleet)), fleet_text(nonzero(stage.fleet))),
+            ("spot", fleet_text(nonzero(was.spot_fleet)), fleet_text(nonzero(stage.spot_fleet))),
+            ("batch", str(was.batch_size), str(stage.batch_size)),
+            ("dispatch", str(was.policy), str(stage.policy)),
+            ("base types", ",".join(was.base_types), ",".join(stage.base_types)),
+            ("scale factor", f"{was.scale_factor:.4g}", f"{stage.scale_factor:.4g}"),
+        ):
+            if a != b:
+                moved.append(f"{what} {a or 'none'} -> {b or 'none'}")
+        if moved:
+            changes.append(f"{stage.name}: {', '.join(moved)}")
+    kept = {s.name for s in new.stages}
+    changes += [f"stage {name} is gone" for name in before if name not in kept]
+    if old.gear_plan != new.gear_plan:
+        changes.append("the gear plan")
+    return "; ".join(changes) or "the plan's details"
 
 
 def _thresholds(rollout: RolloutRecord) -> tuple[float, ...] | None:
