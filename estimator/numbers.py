@@ -1,18 +1,23 @@
 """Numbers in the texts people read: ``:g``'s six significant digits, never an exponent.
 
-A budget of 1,000,000 USD/hr is allowed (``spec.MAX_BUDGET_USD_PER_HR``) and ``f"{x:g}"`` writes it
-``1e+06``; a price of 0.00005 USD/hr ``5e-05``. ``plain`` writes the same digits positionally.
+A budget of 1,000,000 USD/hr is allowed (``controlplane.spec.MAX_BUDGET_USD_PER_HR``) and
+``f"{x:g}"`` writes it ``1e+06``; a price of 0.00005 USD/hr ``5e-05``. :func:`plain` writes the
+same digits positionally. (No numpy here: the command line's client commands import this.)
 """
 
 from __future__ import annotations
 
-import numpy as np
+from decimal import Decimal
 
 
 def plain(x: float) -> str:
-    """``x`` as ``f"{x:g}"`` writes it (six significant digits, no trailing zeros), positional."""
-    if not np.isfinite(x):
-        return f"{x:g}"
-    return str(
-        np.format_float_positional(float(x), precision=6, unique=False, fractional=False, trim="-")
-    )
+    """``x`` as ``f"{x:g}"`` writes it (six significant digits, no trailing zeros), positional.
+
+    >>> plain(1e6), plain(0.526), plain(5e-5), plain(1 / 3), plain(1.234567e8), plain(2.0)
+    ('1000000', '0.526', '0.00005', '0.333333', '123457000', '2')
+    """
+    text = f"{x:g}"
+    if "e" not in text:  # also inf and nan
+        return text
+    text = format(Decimal(f"{x:.6g}"), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text

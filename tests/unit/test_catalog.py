@@ -150,10 +150,10 @@ def test_instance_type_derives_family_and_normalises() -> None:
     ("kwargs", "message"),
     [
         ({"price_usd_per_hr": -0.01}, "price_usd_per_hr: must be >= 0"),
-        ({"price_usd_per_hr": 1e-12}, "price_usd_per_hr: must be 0 or >= 1e-06 USD/hr"),
+        ({"price_usd_per_hr": 1e-12}, "price_usd_per_hr: must be 0 or >= 0.000001 USD/hr"),
         (
             {"price_usd_per_hr": 0.1, "spot_price_usd_per_hr": 1e-9},
-            "spot_price_usd_per_hr: must be 0 or >= 1e-06 USD/hr",
+            "spot_price_usd_per_hr: must be 0 or >= 0.000001 USD/hr",
         ),
         ({"price_usd_per_hr": math.nan}, "price_usd_per_hr: must be finite"),
         ({"price_usd_per_hr": math.inf}, "price_usd_per_hr: must be finite"),
