@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -486,23 +487,40 @@ def build_scheduler(
         decision_retention_count=settings.decision_retention_count,
     )
     bodies = JobBodies(rollup=rollup)
+    # A budget lowered under an app's fleet, seen by the tuner tick while the reconcile job ran
+    # (which then skipped the tick's call): the job reconciles again after the step it is in,
+    # rather than after its re-planners and rollouts (seconds, where one plans).
+    cut_seen = threading.Event()
     if reconciler is not None:
 
+        def reconcile_cut() -> None:
+            if cut_seen.is_set():
+                cut_seen.clear()
+                _log_report(reconciler.run_once())
+
+        def rollouts_tick() -> None:
+            if rollouts is not None:
+                for moved in rollouts.tick():
+                    logger.info("rollout %s of %s: %s", moved.rollout_id, moved.app, moved.what)
+
         def reconcile() -> None:
+            cut_seen.clear()  # the pass below sees every budget written before it
             if rollouts is not None:
                 # The rollouts' workers are their loop's, alive here: a leader that has just
                 # taken over (or a service just restarted) claims them before the reconciler
                 # would take them for a dead profile run's (rule 8).
                 rollouts.claim_workers()
             _log_report(reconciler.run_once())
-            if replanner is not None:
-                replanner.tick()
-            if spot_replanner is not None:
-                spot_replanner.tick()
-            if rollouts is not None:
-                # After the reconciler moved the rollouts' workers along their lifecycle.
-                for moved in rollouts.tick():
-                    logger.info("rollout %s of %s: %s", moved.rollout_id, moved.app, moved.what)
+            # The rollouts' tick after the reconciler moved their workers along their
+            # lifecycle; a cut seen meanwhile is reconciled between the steps.
+            for step in (
+                replanner.tick if replanner is not None else None,
+                spot_replanner.tick if spot_replanner is not None else None,
+                rollouts_tick,
+            ):
+                if step is not None:
+                    step()
+                    reconcile_cut()
 
         bodies = dataclasses.replace(bodies, reconcile=reconcile)
     if live_tuner is not None:
@@ -523,6 +541,7 @@ def build_scheduler(
             ):
                 # Lowered under what its fleet costs (a cut the fleet fits drains nothing).
                 cut_pending = True
+                cut_seen.set()
             budgets.clear()
             budgets.update((app.name, app.budget_usd_per_hr) for app in apps)
             try:

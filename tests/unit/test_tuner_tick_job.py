@@ -129,3 +129,40 @@ def test_a_budget_cut_runs_the_reconcile_job_at_once() -> None:
     running.release()
     assert tick() == "ran" and reconciler.runs == 2
     assert tick() == "ran" and reconciler.runs == 2
+
+
+def test_a_cut_seen_while_the_reconcile_job_runs_is_reconciled_after_its_step() -> None:
+    """The reconcile job runs the re-planners and the rollouts' tick after the reconciler
+    (seconds where one plans); a cut the tuner tick sees meanwhile (its call of the job
+    skipped) is reconciled by the job itself after the step it is in, not after the whole job
+    and the next tuner tick (a tester saw a fleet over a budget cut for 4.2 s in a rollout's
+    middle)."""
+    fleet = [SimpleNamespace(app="a", price_usd_per_hr=0.1, state="running") for _ in range(2)]
+    store = CountingStore([app("a", 0.3)], fleet)
+    reconciler = Reconciler()
+    seen: list[tuple[str, Any]] = []
+    runs_after: list[int] = []
+
+    class Rollouts:
+        def claim_workers(self) -> None:
+            pass
+
+        def tick(self) -> list[Any]:
+            # The budget is cut while this step runs, and the tuner tick sees it.
+            store.apps = [app("a", 0.15)]
+            assert scheduler.jobs["tuner_tick"]() == "ran"
+            runs_after.append(reconciler.runs)  # the tick's call was skipped: the job runs
+            return []
+
+    scheduler = build_scheduler(
+        Settings(),
+        cast(Any, store),
+        SystemClock(),
+        reconciler=cast(Any, reconciler),
+        live_tuner=cast(LiveTuner, SubLoop("tuner", seen)),
+        rollouts=cast(Any, Rollouts()),
+    )
+    assert scheduler.jobs["tuner_tick"]() == "ran"  # the first tick: the budgets to compare
+    assert scheduler.jobs["reconcile"]() == "ran"
+    assert runs_after == [1]  # the job's own pass, then the cut inside its rollouts' step
+    assert reconciler.runs == 2  # reconciled again after the step, within the same job
