@@ -187,3 +187,25 @@ def test_bad_schedules_are_refused() -> None:
         JobSchedule("x", lambda: None, 0.0)
     with pytest.raises(ValueError):
         Scheduler([JobSchedule("x", lambda: None, 1.0), JobSchedule("x", lambda: None, 2.0)])
+
+
+def test_a_job_marked_at_start_runs_when_the_scheduler_starts() -> None:
+    """The reconcile job runs at a (new) leader's start, not one period later: a loops
+    process restarted after a budget cut left the fleet over the budget until then."""
+    assert [job.name for job in service_schedule(Intervals(), JobBodies()) if job.at_start] == [
+        "reconcile"
+    ]
+    ran = threading.Event()
+    later: list[str] = []
+    scheduler = Scheduler(
+        [
+            JobSchedule("now", ran.set, 3600.0, at_start=True),
+            JobSchedule("later", lambda: later.append("ran"), 3600.0),
+        ]
+    )
+    scheduler.start()
+    try:
+        assert ran.wait(timeout=30.0), "the at_start job did not run at the start"
+        assert later == []  # the others' first run is one period (an hour) away
+    finally:
+        scheduler.shutdown(wait=True)
