@@ -583,6 +583,12 @@ def events(args: argparse.Namespace) -> int:
             instance_events = client.get(
                 app_path(args.app, "events"), since=args.since, limit=args.limit
             )
+        present: list[str] = []
+        if decision_kinds and not decisions and not instance_events:
+            # Decision kinds are an open set (nothing refuses a misspelt one): name the kinds
+            # the app's log has, so that a typo reads as one.
+            recent = client.get(app_path(args.app, "decisions"), limit=1000)
+            present = sorted({d["kind"] for d in recent} | {INSTANCE_KIND})
     merged = sorted(
         [
             EventLine(d["at"], "decision", d["kind"], d["reason"], d.get("count") or 1,
@@ -602,6 +608,11 @@ def events(args: argparse.Namespace) -> int:
     )  # fmt: skip
 
     def human() -> str:
+        if not merged and present:
+            return (
+                f"no events of kind {', '.join(kinds or ())}; the kinds in {args.app}'s log:"
+                f" {', '.join(present)}"
+            )
         if not merged:
             return "no events"
         if args.no_collapse:

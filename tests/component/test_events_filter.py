@@ -198,3 +198,14 @@ def test_two_rollouts_decisions_stay_two_lines(
     assert len(lines) == 2, out
     assert "2x over 1.0 s" in lines[0] and "rollout 1: promoted" in lines[0]
     assert "rollout 2: started" in lines[1] and "x over" not in lines[1]
+
+
+def test_a_kind_no_event_has_names_the_kinds_the_log_has(
+    service: Service, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = cli(capsys, service, "events", "--app", APP, "--kind", "scale_upp")
+    assert status == 0
+    assert out.strip() == (
+        f"no events of kind scale_upp; the kinds in {APP}'s log: gear_switch, instance,"
+        " scale_down, scale_up"
+    )
