@@ -129,7 +129,7 @@ def rm2_spec(data_dir: Path) -> dict[str, Any]:
 
 # The reconciler held off in the restart test: it compares the state the API wrote before and
 # after a restart, which a reconcile tick between the snapshot and the stop would add to (the
-# fake provisioner's launches).
+# fake provisioner's launches). A reconcile at the jobs' start finds no app yet.
 HELD_OFF = {"reconcile_s": "86400"}
 
 
@@ -172,7 +172,10 @@ def test_serve_survives_a_restart(data_dir: Path, tmp_path: Path) -> None:
     assert "stopped by SIGTERM" in log
     assert "Traceback" not in log
 
-    again = Server(data_dir, tmp_path / "serve-again.log", **HELD_OFF)
+    # The restarted service serves alone (no loops process): a new leader reconciles at once
+    # (the applied plan's fleet launched on the fake provider), where this reads what the API
+    # wrote before the restart.
+    again = Server(data_dir, tmp_path / "serve-again.log", role="serving", **HELD_OFF)
     try:
         api = httpx.Client(
             base_url=again.url, headers={"Authorization": f"Bearer {token}"}, timeout=60.0
