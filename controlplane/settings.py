@@ -27,9 +27,18 @@ import os
 import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -535,6 +544,28 @@ class Settings(BaseSettings):
                 " postgresql://USER:PASSWORD@HOST/DB",
             )
         return value
+
+    @field_validator("serving_url", "dispatch_url")
+    @classmethod
+    def _check_base_url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A base URL another process calls: ``http(s)://HOST[:PORT]``, no path (the routes are
+        put after it: ``http://h:8000/v1`` read ``/v1/internal/v1/feed``, a 404 on every
+        round), no query. A trailing ``/`` is dropped."""
+        if value is None:
+            return None
+        field = info.field_name or "url"
+        parts = urlsplit(value.strip())
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+            raise SettingsError(field, f"must be http://HOST:PORT (or https://), got {value!r}")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise SettingsError(
+                field, f"must be a base URL, http://HOST:PORT without a path, got {value!r}"
+            )
+        return f"{parts.scheme}://{parts.netloc}"
 
     @model_validator(mode="after")
     def _check_provisioner(self) -> Settings:

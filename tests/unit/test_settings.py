@@ -159,6 +159,9 @@ def test_settings_accepts_arguments_and_they_win_over_the_environment(
         ("HETEROPLANE_PROVISIONER", "ec2", "ec2: is required when provisioner is 'ec2'"),
         ("HETEROPLANE_DATABASE_URL", "mysql://x/y", "database_url: unsupported database 'mysql'"),
         ("HETEROPLANE_EC2__REGION", "us-east-1", "ec2.subnet_ids: is required"),
+        ("HETEROPLANE_SERVING_URL", "127.0.0.1:8000", "serving_url: must be http://HOST:PORT"),
+        ("HETEROPLANE_SERVING_URL", "http://h:8000/v1", "serving_url: must be a base URL"),
+        ("HETEROPLANE_DISPATCH_URL", "http://h:99999", "dispatch_url: must be http://HOST:PORT"),
     ],
 )
 def test_bad_environment_is_one_line_naming_the_field(
@@ -337,3 +340,8 @@ def test_bad_flat_value_names_the_flat_variable(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("HETEROPLANE_EC2_MAX_ATTEMPTS", "0")
     with pytest.raises(SettingsError, match=r"\(HETEROPLANE_EC2_MAX_ATTEMPTS\)"):
         load_settings()
+
+
+def test_a_base_url_loses_its_trailing_slash(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETEROPLANE_SERVING_URL", "http://127.0.0.1:8000/")
+    assert load_settings().serving_url == "http://127.0.0.1:8000"
