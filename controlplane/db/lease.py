@@ -38,7 +38,7 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,13 +112,24 @@ class KeptLock:
     """An advisory lock held for a process's lifetime (the serving process's, ``SERVING_LOCK_KEY``):
     taken once by :meth:`start`, then checked every ``every_s`` on a daemon thread (the server
     ends a session idle for :data:`LOCK_IDLE_SESSION_TIMEOUT_S`) and taken again after a failed
-    check; a loss to another holder is logged once."""
+    check. A loss to another holder (the database answered, and another session holds the lock:
+    this process was frozen past the idle timeout and another started meanwhile) is logged once
+    and calls ``on_lost`` once; a database that does not answer is not a loss (the lock is tried
+    again at the next round)."""
 
-    def __init__(self, lock: AdvisoryLock, every_s: float, what: str) -> None:
+    def __init__(
+        self,
+        lock: AdvisoryLock,
+        every_s: float,
+        what: str,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
         self.lock = lock
         self.every_s = float(every_s)
         self.what = what
+        self.on_lost = on_lost
         self._lost = False
+        self._told = False
         self._rounds = Repeating(self._check, self.every_s, "kept-lock", what)
 
     def start(self) -> bool:
@@ -134,11 +145,15 @@ class KeptLock:
 
     def _check(self) -> None:
         held = self.lock.check() or self.lock.try_acquire()
-        if not held and not self._lost:
+        taken = not held and self.lock.refused
+        if taken and not self._lost:
             logger.error("%s: the lock is lost to another holder", self.what)
         elif held and self._lost:
             logger.info("%s: the lock is held again", self.what)
-        self._lost = not held
+        self._lost = taken
+        if taken and self.on_lost is not None and not self._told:
+            self._told = True
+            self.on_lost()
 
 
 def _lock_engine(url: str | URL, application_name: str, statement_timeout_ms: int) -> Engine:
@@ -173,11 +188,16 @@ class AdvisoryLock:
         key: int = LEADER_LOCK_KEY,
         *,
         application_name: str = LOCK_APPLICATION_NAME,
+        what: str = "leader lock",
     ) -> None:
         parsed = parse_url(url)
         if parsed.get_backend_name() != "postgresql":
             raise DatabaseError(f"advisory locks need PostgreSQL, not {redact_url(parsed)!r}")
         self.key = key
+        self.what = what
+        # Whether the last try found the lock another session's (the database answered "no"),
+        # rather than not reaching the database.
+        self.refused = False
         self._where = redact_url(parsed)
         self._engine = _lock_engine(parsed, application_name, LOCK_STATEMENT_TIMEOUT_MS)
         self._connection: Connection | None = None
@@ -202,10 +222,12 @@ class AdvisoryLock:
                     text("SELECT pg_try_advisory_lock(:key)"), {"key": self.key}
                 ).scalar_one()
             except SQLAlchemyError as error:
-                logger.warning("leader lock: cannot reach %s: %s", self._where, first_line(error))
+                logger.warning("%s: cannot reach %s: %s", self.what, self._where, first_line(error))
                 self._drop_locked()
+                self.refused = False
                 return False
             self._held = bool(got)
+            self.refused = not self._held
             return self._held
 
     def check(self) -> bool:
@@ -239,7 +261,7 @@ class AdvisoryLock:
         except ProgrammingError:
             # PostgreSQL 13 and older have no such setting: a frozen leader then keeps the
             # lock until TCP gives up on it (docs/service.md).
-            logger.info("leader lock: %s has no idle_session_timeout", self._where)
+            logger.info("%s: %s has no idle_session_timeout", self.what, self._where)
         return connection
 
     def _check_locked(self) -> bool:
@@ -249,7 +271,7 @@ class AdvisoryLock:
             self._connection.execute(text("SELECT 1")).scalar_one()
         except SQLAlchemyError as error:
             logger.error(
-                "leader lock: its connection to %s failed: %s", self._where, first_line(error)
+                "%s: its connection to %s failed: %s", self.what, self._where, first_line(error)
             )
             self._drop_locked()
             return False

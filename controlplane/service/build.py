@@ -60,6 +60,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -876,15 +878,30 @@ def _check_loops(settings: Settings) -> None:
         )
 
 
+def _stop_serving() -> None:
+    """The serving lock went to another serving process (this one was frozen past the lock
+    session's idle timeout, and another started meanwhile): stop, as SIGTERM stops it, so that
+    one serving process dispatches to the fleet, not two."""
+    logger.error(
+        "another serving process holds this database's serving lock now: this one stops (one"
+        " serving process per database; docs/service.md, 'Serving apart from the loops')"
+    )
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _serving_lock(settings: Settings) -> KeptLock:
     """The one serving process's lock of the database, kept while it runs (a second one is
     refused: several serving processes dispatching to one fleet are not supported yet)."""
     lock = KeptLock(
         AdvisoryLock(
-            settings.database_url, SERVING_LOCK_KEY, application_name="heteroplane-serving"
+            settings.database_url,
+            SERVING_LOCK_KEY,
+            application_name="heteroplane-serving",
+            what="serving lock",
         ),
         TRY_EVERY_S,
         "the serving process's lock of the database",
+        on_lost=_stop_serving,
     )
     if not lock.start():
         lock.close()

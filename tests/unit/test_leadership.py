@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any, cast
 
 import pytest
 
@@ -203,3 +204,39 @@ def test_a_lone_replica_leads_the_real_scheduler_and_its_fenced_jobs_run() -> No
     finally:
         lease.stop()
     assert not scheduler.running
+
+
+class KeptFake:
+    """What KeptLock asks of an advisory lock: its session answers or not, and a try is
+    refused (another session holds it) or cannot reach the database."""
+
+    def __init__(self) -> None:
+        self.alive = True
+        self.other_holds = False
+
+    @property
+    def refused(self) -> bool:
+        return self.other_holds
+
+    def check(self) -> bool:
+        return self.alive
+
+    def try_acquire(self) -> bool:
+        return self.alive and not self.other_holds
+
+
+def test_a_kept_lock_lost_to_another_holder_calls_on_lost_once_and_an_outage_does_not() -> None:
+    from controlplane.db.lease import KeptLock
+
+    fake = KeptFake()
+    lost: list[str] = []
+    kept = KeptLock(cast(Any, fake), 60.0, "the serving lock", on_lost=lambda: lost.append("x"))
+    kept._check()
+    assert lost == []
+    fake.alive = False  # the database does not answer: not a loss, tried again next round
+    kept._check()
+    assert lost == []
+    fake.other_holds = True  # this one was frozen; another serving process took the lock
+    kept._check()
+    kept._check()
+    assert lost == ["x"]
