@@ -49,7 +49,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -322,11 +325,36 @@ def _on_control_plane_error(request: Request, error: Exception) -> JSONResponse:
     if isinstance(error, InvalidValueError):
         return error_response(422, "invalid_value", str(error), error.field)
     if isinstance(error, DatabaseError):
-        logger.error("database error on %s %s: %s", request.method, request.url.path, error)
+        _DATABASE_ERRORS.log(f"database error on {request.method} {request.url.path}: {error}")
         return error_response(503, "database_unavailable", "the database is unavailable")
     if isinstance(error, ModelError):
         return _on_model_error(request, error)
     return _internal(request, error)
+
+
+class _Thinned:
+    """An error logged at most once every ``every_s`` with the count of those left out since:
+    a database that went down was an ERROR line for each request (25 a second from a loops
+    process's feed alone)."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._last = -math.inf
+        self._left_out = 0
+
+    def log(self, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < self.every_s:
+                self._left_out += 1
+                return
+            left_out, self._left_out, self._last = self._left_out, 0, now
+        more = f" ({left_out} more since the last such line)" if left_out else ""
+        logger.error("%s%s", message, more)
+
+
+_DATABASE_ERRORS = _Thinned(every_s=10.0)
 
 
 def _on_model_error(request: Request, error: ModelError) -> JSONResponse:

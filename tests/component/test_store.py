@@ -616,6 +616,48 @@ def test_a_read_that_a_revocation_overtook_is_not_cached(
     assert store.cached_token(token) == (None, True)
 
 
+def test_a_token_verified_before_the_database_went_down_stands_through_the_outage(
+    store: Store, clock: StepClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the database does not answer, a token verified within TOKEN_OUTAGE_S stands (the
+    serving path answers on the fleet it has: a tester saw every query a 503 once its token's
+    second had passed); a token never verified, or verified longer ago, is a database error; a
+    revocation through this store forgets them."""
+    import contextlib
+
+    from sqlalchemy.exc import OperationalError
+
+    from controlplane.db.store import tokens
+    from controlplane.db.store.token_cache import TOKEN_OUTAGE_S
+    from controlplane.errors import DatabaseError
+
+    known = store.create_token("infer", "client")
+    never = store.create_token("infer", "other")
+    principal = Principal("client", "infer")
+    assert store.verify_token(known) == principal
+
+    @contextlib.contextmanager
+    def down(_sessions: Any) -> Iterator[Any]:
+        raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(tokens, "transaction", down)
+    clock.advance(TOKEN_CACHE_S * 2)  # its second is over: the database is asked, and is down
+    assert store.verify_token(known, fresh=True) == principal
+    assert store.cached_token(known) == (principal, False)  # cached again for a second
+    with pytest.raises(DatabaseError):
+        store.verify_token(never)
+    clock.advance(TOKEN_OUTAGE_S + 2 * TOKEN_CACHE_S)  # too long since it was verified
+    with pytest.raises(DatabaseError):
+        store.verify_token(known)
+    monkeypatch.undo()
+    assert store.verify_token(known) == principal  # back: read from the database again
+    store._token_cache.revoked()  # what revoke_token does after its commit
+    monkeypatch.setattr(tokens, "transaction", down)
+    with pytest.raises(DatabaseError):
+        store.verify_token(known)
+
+
 def test_token_refusals(store: Store) -> None:
     store.create_token("admin", "root")
     with pytest.raises(ConflictError, match="a token named 'root' already exists"):

@@ -19,12 +19,24 @@ from cachetools import TLRUCache
 
 from controlplane.db.store.records import Principal
 
-__all__ = ["TOKEN_CACHE_MAX", "TOKEN_CACHE_S", "CachedPrincipal", "TokenCache"]
+__all__ = [
+    "TOKEN_CACHE_MAX",
+    "TOKEN_CACHE_S",
+    "TOKEN_OUTAGE_S",
+    "CachedPrincipal",
+    "TokenCache",
+]
 
 # How long verify_token trusts its own answer (on the store's clock), and how many it keeps. A
 # token revoked through another replica's store stops working here within this time.
 TOKEN_CACHE_S = 1.0
 TOKEN_CACHE_MAX = 1024
+# While the database does not answer, how long after its last verification a token still
+# stands (verify_token's answer then, for TOKEN_CACHE_S at a time): the serving path answers on
+# the fleet it has through an outage of the database, where every query was a 503 once its
+# token's second had passed. A revocation cannot be written while the database is down; one
+# through this store forgets these too.
+TOKEN_OUTAGE_S = 300.0
 
 
 class _WallClock(Protocol):
@@ -48,6 +60,12 @@ class TokenCache:
             ttu=lambda _digest, entry, _now: entry.expires_at.timestamp(),
             timer=lambda: clock.utcnow().timestamp(),
         )
+        # The last verified answer per token, for a database outage (TOKEN_OUTAGE_S).
+        self._known: TLRUCache[str, CachedPrincipal] = TLRUCache(
+            maxsize=max_entries,
+            ttu=lambda _digest, entry, _now: entry.expires_at.timestamp() + TOKEN_OUTAGE_S,
+            timer=lambda: clock.utcnow().timestamp(),
+        )
         self._lock = threading.Lock()
         self._generation = 0  # bumped by each revocation
 
@@ -69,12 +87,29 @@ class TokenCache:
         with self._lock:
             if principal is None:
                 self._entries.pop(digest, None)
+                self._known.pop(digest, None)
             elif generation == self._generation:
                 expires_at = now + timedelta(seconds=TOKEN_CACHE_S)
                 self._entries[digest] = CachedPrincipal(principal, expires_at)
+                self._known[digest] = CachedPrincipal(principal, expires_at)
+
+    def outage(self, digest: str, now: datetime) -> Principal | None:
+        """Who ``digest``'s token belonged to when last verified, within ``TOKEN_OUTAGE_S`` of
+        that answer's expiry at ``now``, for a lookup the database could not answer; cached
+        again for ``TOKEN_CACHE_S`` (the fast path's reads stay off the database meanwhile).
+        None when there is none."""
+        with self._lock:
+            known = self._known.get(digest)
+            if known is None or now >= known.expires_at + timedelta(seconds=TOKEN_OUTAGE_S):
+                return None
+            self._entries[digest] = CachedPrincipal(
+                known.principal, now + timedelta(seconds=TOKEN_CACHE_S)
+            )
+            return known.principal
 
     def revoked(self) -> None:
         """A token was revoked: forget every answer, and any lookup under way."""
         with self._lock:
             self._entries.clear()
+            self._known.clear()
             self._generation += 1

@@ -7,7 +7,7 @@ import secrets
 from datetime import datetime, timedelta
 
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 
 from controlplane.db import models as m
 from controlplane.db.session import transaction
@@ -112,15 +112,23 @@ class TokenStore(StoreBase):
         if cached is not None:
             return cached.principal
         generation = self._token_cache.generation()
-        with transaction(self._sessions) as session:
-            row = session.scalar(select(m.ApiToken).where(m.ApiToken.token_hash == digest))
-            if row is None or not auth.hashes_match(token, row.token_hash) or row.revoked_at:
-                principal = None
-            else:
-                last = row.last_used_at
-                if last is None or (now - last).total_seconds() >= LAST_USED_RESOLUTION_S:
-                    row.last_used_at = now
-                principal = Principal(row.name, row.scope)
+        try:
+            with transaction(self._sessions) as session:
+                row = session.scalar(select(m.ApiToken).where(m.ApiToken.token_hash == digest))
+                if row is None or not auth.hashes_match(token, row.token_hash) or row.revoked_at:
+                    principal = None
+                else:
+                    last = row.last_used_at
+                    if last is None or (now - last).total_seconds() >= LAST_USED_RESOLUTION_S:
+                        row.last_used_at = now
+                    principal = Principal(row.name, row.scope)
+        except (OperationalError, InterfaceError):
+            # The database does not answer: a token verified within TOKEN_OUTAGE_S stands (the
+            # serving path answers on the fleet it has); any other stays a database error.
+            known = self._token_cache.outage(digest, now)
+            if known is None:
+                raise
+            return known
         self._token_cache.put(digest, principal, now, generation)
         return principal
 
