@@ -311,8 +311,15 @@ def migration_lock(url: str | URL) -> Iterator[None]:
     try:
         try:
             connection = engine.connect()
+        except SQLAlchemyError as error:
+            # The first thing a service does with its database: say that it is unreachable.
+            raise DatabaseError(
+                f"cannot reach the database {redact_url(parsed)}: {first_line(error)}"
+            ) from None
+        try:
             connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
         except SQLAlchemyError as error:
+            connection.close()
             raise DatabaseError(
                 f"cannot lock {redact_url(parsed)} for migrating: {first_line(error)}"
             ) from None

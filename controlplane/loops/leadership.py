@@ -107,10 +107,19 @@ class SoleLock:
 class Leadership:
     """The leader lease of one replica over ``lock`` (see the module docstring)."""
 
-    def __init__(self, lock: LeaderLock, *, try_every_s: float = TRY_EVERY_S) -> None:
+    def __init__(
+        self,
+        lock: LeaderLock,
+        *,
+        try_every_s: float = TRY_EVERY_S,
+        serves: str = "the API and inference",
+    ) -> None:
         if not try_every_s > 0:
             raise ValueError(f"try_every_s must be > 0, got {try_every_s!r}")
         self.lock = lock
+        # What the replica serves while it stands by (its log line says it): a loops process
+        # running apart serves the API without inference.
+        self.serves = serves
         self.try_every_s = float(try_every_s)
         self._role: Role = "standby"
         self._jobs: Jobs | None = None
@@ -190,8 +199,9 @@ class Leadership:
             raise RuntimeError("the leader lease is already running")
         if self.step(jobs) == "standby":
             logger.info(
-                "standby: another replica holds the leader lease; serving the API and inference,"
-                " trying the lease every %g s",
+                "standby: another replica holds the leader lease; serving %s, trying the lease"
+                " every %g s",
+                self.serves,
                 self.try_every_s,
             )
         self._rounds.start()

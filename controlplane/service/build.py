@@ -590,7 +590,7 @@ def build_scheduler(
     return scheduler
 
 
-def build_leadership(settings: Settings) -> Leadership:
+def build_leadership(settings: Settings, *, inference: bool = True) -> Leadership:
     """The replica's leader lease: a PostgreSQL advisory lock, an ``flock`` next to a SQLite
     file (the loops processes on it take turns as replicas do), or for an in-memory database
     the lone replica's lock (always held)."""
@@ -604,7 +604,8 @@ def build_leadership(settings: Settings) -> Leadership:
             # the start, as the lone replica always did; a standby tries again with the lease.
             on_file.try_acquire()
         lock = on_file or SoleLock()
-    return Leadership(lock)
+    serves = "the API and inference" if inference else "the API (no inference: a loops process)"
+    return Leadership(lock, serves=serves)
 
 
 def _log_report(report: ReconcileReport) -> None:
@@ -663,7 +664,9 @@ def build_service(
         raise
     try:
         provisioner = build_provisioner(settings)
-        leadership = build_leadership(settings) if role != "serving" else None
+        leadership = (
+            build_leadership(settings, inference=role != "loops") if role != "serving" else None
+        )
     except BaseException:
         store.close()
         if serving_lock is not None:

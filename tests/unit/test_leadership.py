@@ -240,3 +240,43 @@ def test_a_kept_lock_lost_to_another_holder_calls_on_lost_once_and_an_outage_doe
     kept._check()
     kept._check()
     assert lost == ["x"]
+
+
+def test_a_standby_says_what_it_serves(caplog: pytest.LogCaptureFixture) -> None:
+    """A loops process running apart serves no inference: its standby line says so."""
+    import logging
+
+    server = FakeLockServer()
+    first, first_jobs = Leadership(FakeLock(server)), FakeJobs()
+    loops = Leadership(FakeLock(server), serves="the API (no inference: a loops process)")
+    assert first.step(first_jobs) == "leader"
+    with caplog.at_level(logging.INFO, logger="controlplane.loops.leadership"):
+        loops.start(FakeJobs())
+    try:
+        (line,) = [r.getMessage() for r in caplog.records if "standby" in r.getMessage()]
+        assert "serving the API (no inference: a loops process)" in line, line
+    finally:
+        loops.stop()
+
+
+def test_an_unreachable_database_says_so_at_the_migrations_lock() -> None:
+    """The first thing a service does with a PostgreSQL database is to take the migrations'
+    lock: where the server does not answer, the line says the database is unreachable (it said
+    "cannot lock ... for migrating")."""
+    from socket import socket
+
+    from controlplane.db.lease import migration_lock
+    from controlplane.errors import DatabaseError
+
+    pytest.importorskip("psycopg")
+    with socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"postgresql+psycopg://heteroplane:secret@127.0.0.1:{port}/hp"
+    with pytest.raises(DatabaseError) as caught, migration_lock(url):
+        pass  # pragma: no cover
+    message = str(caught.value)
+    assert message.startswith(
+        f"cannot reach the database postgresql+psycopg://heteroplane:***@127.0.0.1:{port}/hp"
+    )
+    assert "secret" not in message
