@@ -78,6 +78,10 @@ _HOP = frozenset(
 
 
 class Owners(Protocol):
+    # This serving process's id among the dispatchers (its /healthz says it, so that a process
+    # checks it is the one its advertised URL reaches).
+    owner: str
+
     def forward_to(self, app: str) -> str | None: ...
 
 

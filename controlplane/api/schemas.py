@@ -151,6 +151,12 @@ class HealthOut(BaseModel):
         description="the loops process this serving process started and supervises"
         " (heteroplane serve's default); null when there is none",
     )
+    dispatch_owner: str | None = Field(
+        default=None,
+        description="this serving process's id among the dispatchers of a database several"
+        " serve (docs/service.md, 'Several serving processes'): a process takes dispatch leases"
+        " once its dispatch_url answers with its own id; null where there are none",
+    )
 
 
 # --- apps ------------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import httpx
 from fastapi import FastAPI
 
 from controlplane.apps.resolver import (
@@ -860,7 +861,18 @@ def _dispatch_owners(
     where = settings.dispatch_url or url
     if where is None or not settings.is_postgresql:
         return None
-    return DispatchOwners(store, clock, where)
+    return DispatchOwners(store, clock, where, probe=_dispatch_owner_at)
+
+
+def _dispatch_owner_at(url: str) -> str | None:
+    """The dispatcher id the serving process at ``url`` answers with (its ``/healthz``); None
+    when nothing answers there, or something that is not a serving process of ours."""
+    try:
+        answer = httpx.get(f"{url}/healthz", timeout=2.0)
+        found = answer.json().get("dispatch_owner") if answer.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else ""
 
 
 def _check_loops(settings: Settings) -> None:

@@ -12,12 +12,18 @@ any app whose lease has ended or that has none, every :data:`DISPATCH_RENEW_S`, 
 inference requests there. A serving process that stops gives its leases up; one that dies
 leaves them to end, and until then the others serve its apps themselves when the forward finds
 nobody (the forwarding middleware's fallback).
+
+A serving process takes leases only once it has reached itself at the URL it advertises
+(``probe``: its ``/healthz`` answers with this process's :attr:`DispatchOwners.owner`). A
+``dispatch_url`` that reaches nobody, or another process, made a dispatcher the others could not
+forward to: they served its apps themselves, two matchers on one fleet for as long as it ran.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from datetime import datetime
 
 from controlplane.clock import Clock
@@ -47,6 +53,7 @@ class DispatchOwners:
         *,
         lease_s: float = DISPATCH_LEASE_S,
         renew_s: float = DISPATCH_RENEW_S,
+        probe: Callable[[str], str | None] | None = None,
     ) -> None:
         if not 0 < renew_s < lease_s:
             raise ValueError(f"renew_s must be in (0, lease_s), got {renew_s!r}, {lease_s!r}")
@@ -59,6 +66,11 @@ class DispatchOwners:
         self._owners: dict[str, DispatcherRecord] = {}
         self._rounds = Repeating(self.hold, self.renew_s, "dispatch-leases", "dispatch leases")
         self._failing = False
+        # ``probe(url)``: the owner id the process at ``url`` answers with, None when nobody
+        # answers. Without one (a test's), this process is taken as reachable.
+        self.probe = probe
+        self.reachable = probe is None
+        self._said: str | None = None  # the last thing said of the probe (said once)
 
     def forward_to(self, app: str) -> str | None:
         """The base URL of ``app``'s dispatcher when it is another serving process whose lease
@@ -72,12 +84,44 @@ class DispatchOwners:
         found = self._owners.get(app)
         return found is not None and found.owner == self.owner
 
-    def hold(self, at: datetime | None = None) -> None:
-        """One round: renew and take leases, read every app's dispatcher (a database failure
-        is logged once per outage; the last reading stays)."""
+    def check_reachable(self) -> bool:
+        """Whether this process answers at its URL (``probe``; once it did, it is not asked
+        again). Said once per outcome: a URL that reaches nobody (a warning: it may be this
+        process not listening yet) or another process (an error: ``dispatch_url`` is wrong)."""
+        if self.reachable or self.probe is None:
+            return True
+        found = self.probe(self.url)
+        if found == self.owner:
+            self.reachable = True
+            if self._said is not None:
+                logger.info("dispatch leases: this process answers at %s now", self.url)
+            return True
+        said = "nobody" if found is None else "another"
+        if said != self._said:
+            self._said = said
+            if found is None:
+                logger.warning(
+                    "dispatch leases: nothing answers at %s, where this process says the others"
+                    " reach it: it dispatches no app for them until it answers there (set"
+                    " dispatch_url to its address)",
+                    self.url,
+                )
+            else:
+                logger.error(
+                    "dispatch leases: %s reaches another serving process, not this one: this"
+                    " one dispatches no app for the others (set dispatch_url to its address)",
+                    self.url,
+                )
+        return False
+
+    def hold(self, at: datetime | None = None, *, probe: bool = True) -> None:
+        """One round: renew and take leases (once this process answers at its URL:
+        :meth:`check_reachable`, asked when ``probe``), read every app's dispatcher (a database
+        failure is logged once per outage; the last reading stays)."""
+        take = self.check_reachable() if probe else self.reachable
         try:
             self._owners = self.store.hold_dispatchers(
-                self.owner, self.url, lease_s=self.lease_s, at=at
+                self.owner, self.url, lease_s=self.lease_s, at=at, take=take
             )
         except DatabaseError as error:
             if not self._failing:
@@ -89,8 +133,9 @@ class DispatchOwners:
         self._failing = False
 
     def start(self) -> None:
-        """One round now, then one every ``renew_s`` on a daemon thread until :meth:`close`."""
-        self.hold()
+        """One round now (without the probe: the process may not answer on its socket before
+        it has started), then one every ``renew_s`` on a daemon thread until :meth:`close`."""
+        self.hold(probe=False)
         self._rounds.start()
 
     def close(self) -> None:

@@ -122,6 +122,39 @@ class Tokens:
         return "ops" if token == "hp_x" else None
 
 
+def test_a_process_takes_leases_only_once_it_answers_at_its_url(
+    store: Store, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A dispatch_url that reaches nobody or another process made a dispatcher the others could
+    not forward to (they served its apps themselves: two matchers on one fleet); a process now
+    takes leases only once its URL answers with its own id, and says why not meanwhile."""
+    import logging
+
+    store.create_app(spec("one"), who="test")
+    answers: dict[str, str | None] = {"http://a:1": None}
+    misdirected = DispatchOwners(store, clock, "http://a:1", probe=answers.get)
+    other = DispatchOwners(store, clock, "http://b:2", probe=answers.get)
+    misdirected.start()  # the start's round does not probe: nothing taken
+    misdirected.close()
+    assert not misdirected.owns("one") and misdirected.forward_to("one") is None
+    with caplog.at_level(logging.WARNING, logger="controlplane.serving.owners"):
+        misdirected.hold()  # nobody answers there: nothing taken, said once
+        misdirected.hold()
+        answers["http://a:1"] = other.owner  # its URL reaches the other process
+        misdirected.hold()
+        misdirected.hold()
+    assert not misdirected.owns("one") and not misdirected.reachable
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == ["WARNING", "ERROR"], said
+    assert "nothing answers at http://a:1" in said[0][1]
+    assert "http://a:1 reaches another serving process" in said[1][1]
+    answers["http://b:2"] = other.owner
+    other.hold()  # the other answers at its own URL: it dispatches, the first forwards to it
+    assert other.owns("one") and misdirected.forward_to("one") is None  # not read yet
+    misdirected.hold()
+    assert misdirected.forward_to("one") == "http://b:2"
+
+
 def test_the_queries_of_an_app_dispatched_elsewhere_are_answered_there() -> None:
     seen: list[tuple[str, str, bytes, str | None]] = []
     url, server, thread = _serve(_app("owner", seen))

@@ -84,11 +84,13 @@ def healthz(request: Request, services: ServicesDep) -> HealthOut:
     else:
         # Without a lease the service is alone (an app built for a test): it leads.
         role = "serving" if services.gear_table is not None else "leader"
+    forwarder = services.forwarder
     return HealthOut(
         version=__version__,
         scheduler_running=scheduler is not None and scheduler.running,
         role=role,
         loops=loops,
+        dispatch_owner=None if forwarder is None else forwarder.owners.owner,
     )
 
 

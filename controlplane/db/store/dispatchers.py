@@ -32,11 +32,19 @@ class DispatcherStore(StoreBase):
 
     @_translated
     def hold_dispatchers(
-        self, owner: str, url: str, *, lease_s: float, at: datetime | None = None
+        self,
+        owner: str,
+        url: str,
+        *,
+        lease_s: float,
+        at: datetime | None = None,
+        take: bool = True,
     ) -> dict[str, DispatcherRecord]:
         """Renew ``owner``'s leases and take every app whose lease has ended or that has none,
         each until ``lease_s`` from now (compare-and-set on the lease read: of two serving
-        processes that race for an app, one gets it); every app's dispatcher afterwards."""
+        processes that race for an app, one gets it); every app's dispatcher afterwards. With
+        ``take`` false, only the reading (a serving process not known to be reachable at
+        ``url`` dispatches nothing for the others)."""
         lease = timedelta(seconds=_number(lease_s, "lease_s", positive=True))
         now = self._now(at)
         with transaction(self._sessions) as session:
@@ -44,7 +52,7 @@ class DispatcherStore(StoreBase):
                 row.app_id: (row.owner, row.expires_at)
                 for row in session.scalars(select(m.AppDispatcher))
             }
-            for app_id in session.scalars(select(m.App.id)):
+            for app_id in session.scalars(select(m.App.id)) if take else ():
                 seen = held.get(app_id)
                 if seen is None:
                     try:
