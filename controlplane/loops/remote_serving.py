@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PULL_S = 0.1
 _TIMEOUT_S = 5.0
+# How often a feed that keeps failing is said again in the log, s.
+DOWN_REMIND_S = 60.0
 
 
 class ServingObservations(Protocol):
@@ -181,6 +184,7 @@ class RemoteServing:
         self._offset_s = 0.0  # this clock minus the serving process's
         self._recalibrated: set[str] = set()
         self._down = False
+        self._down_since = self._down_said = 0.0  # monotonic: since when, and when last said
         self._rounds = Repeating(self.pull, self.pull_s, "serving-feed", "serving feed")
 
     @property
@@ -256,14 +260,43 @@ class RemoteServing:
             )
             answer.raise_for_status()
         except httpx.HTTPError as error:
-            if not self._down:
-                self._down = True
-                logger.warning("the serving process at %s does not answer: %s", self.url, error)
+            self._said_down(error)
             return None
         if self._down:
             self._down = False
             logger.info("the serving process at %s answers again", self.url)
         return None if answer.status_code == 204 else answer.json()
+
+    def _said_down(self, error: httpx.HTTPError) -> None:
+        """Log a feed that fails: at once, then again every :data:`DOWN_REMIND_S` while it does
+        (a loops process that leads blind, its tuner, gears and calibration seeing no traffic,
+        said so once and never again). A refusal (a 4xx: the internal token, the URL) is an
+        error: it does not pass by itself."""
+        now = time.monotonic()
+        if self._down and now - self._down_said < DOWN_REMIND_S:
+            return
+        refused = isinstance(error, httpx.HTTPStatusError) and error.response.status_code < 500
+        since = (
+            f" (for {now - self._down_since:.0f} s: the tuner, the gears and the calibration see"
+            " no traffic)"
+            if self._down
+            else ""
+        )
+        if not self._down:
+            self._down_since = now
+        self._down, self._down_said = True, now
+        if refused:
+            logger.error(
+                "the serving process at %s refuses the feed: %s%s (check serving_url and"
+                " internal_token)",
+                self.url,
+                error,
+                since,
+            )
+        else:
+            logger.warning(
+                "the serving process at %s does not answer: %s%s", self.url, error, since
+            )
 
     # --- what the loops read ------------------------------------------------------------------
 

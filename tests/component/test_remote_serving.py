@@ -276,3 +276,41 @@ def test_a_calibration_pass_reads_each_apps_observations_once(tmp_path: Path) ->
         assert sorted(gets) == ["other", "toy"]
     finally:
         store.close()
+
+
+def test_a_feed_that_keeps_failing_is_said_again_and_a_refusal_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loops process that leads blind said so once and never again: the log says it again
+    every minute while the feed fails, and a refusal (the token, the URL) is an error."""
+    import logging
+
+    from controlplane.loops import remote_serving
+
+    now = [0.0]
+    monkeypatch.setattr(remote_serving.time, "monotonic", lambda: now[0])
+    feed = ScriptedFeed()
+    feed.down = True
+    client = httpx.Client(transport=httpx.MockTransport(feed.handle), base_url="http://serving")
+    remote = RemoteServing("http://serving", "hp_admin", FakeClock(), client=client)
+    with caplog.at_level(logging.INFO, logger=remote_serving.logger.name):
+        for _ in range(5):  # the first failure, then nothing within the minute
+            assert not remote.pull()
+            now[0] += 10.0
+        now[0] += 20.0  # 70 s after the first: said again, with how long
+        assert not remote.pull()
+        feed.down = False
+        assert remote.pull()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == ["WARNING", "WARNING", "INFO"], said
+    assert "(for 70 s: the tuner, the gears and the calibration see no traffic)" in said[1][1]
+
+    refusing = httpx.Client(
+        transport=httpx.MockTransport(lambda request: httpx.Response(401, json={})),
+        base_url="http://serving",
+    )
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=remote_serving.logger.name):
+        assert not RemoteServing("http://serving", "wrong", FakeClock(), client=refusing).pull()
+    ((level, message),) = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert level == "ERROR" and "check serving_url and internal_token" in message
