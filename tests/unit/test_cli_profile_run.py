@@ -60,16 +60,22 @@ class FakeClient:
         return RESULT
 
 
-def test_profile_run_posts_the_request_and_prints_a_summary(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    made: list[FakeClient] = []
+@pytest.fixture
+def made(monkeypatch: pytest.MonkeyPatch) -> list[FakeClient]:
+    """The clients the command made, each a FakeClient."""
+    found: list[FakeClient] = []
 
     def client_from(args: Any) -> FakeClient:
-        made.append(FakeClient(args))
-        return made[-1]
+        found.append(FakeClient(args))
+        return found[-1]
 
     monkeypatch.setattr(profile_run, "client_from", client_from)
+    return found
+
+
+def test_profile_run_posts_the_request_and_prints_a_summary(
+    made: list[FakeClient], capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["profile", "run", "--app", "digits", "--types", "emu.cpu.small"]
     assert main([*argv, "--batch-sizes", "4,1", "--samples", "5"]) == 0
     (client,) = made
@@ -95,15 +101,8 @@ def test_profile_run_posts_the_request_and_prints_a_summary(
 
 
 def test_a_request_the_service_refuses_says_so_before_any_progress_line(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    made: list[FakeClient], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    made: list[FakeClient] = []
-
-    def client_from(args: Any) -> FakeClient:
-        made.append(FakeClient(args))
-        return made[-1]
-
-    monkeypatch.setattr(profile_run, "client_from", client_from)
     with pytest.raises(SystemExit) as stop:
         main(["profile", "run", "--app", "digits", "--samples", "999"])
     err = capsys.readouterr().err

@@ -94,6 +94,20 @@ def test_one_read_of_the_apps_serves_every_sub_loop_of_a_tick() -> None:
     assert all(apps == [a, b, c] for _, apps in seen[4:])
 
 
+def scheduler_of(
+    store: CountingStore, reconciler: Reconciler, seen: list[tuple[str, Any]], **more: Any
+) -> Any:
+    """The service's scheduler over the stand-ins: the reconciler and the tuner (and ``more``)."""
+    return build_scheduler(
+        Settings(),
+        cast(Any, store),
+        SystemClock(),
+        reconciler=cast(Any, reconciler),
+        live_tuner=cast(LiveTuner, SubLoop("tuner", seen)),
+        **more,
+    )
+
+
 def test_a_budget_cut_runs_the_reconcile_job_at_once() -> None:
     """A budget lowered under what the fleet costs: the tick that sees it runs the reconcile job
     after the tuner (the reconciler drains the fleet to it then, not at its next period, up to
@@ -103,13 +117,7 @@ def test_a_budget_cut_runs_the_reconcile_job_at_once() -> None:
     store = CountingStore([app("a", 0.3)], fleet)
     reconciler = Reconciler()
     seen: list[tuple[str, Any]] = []
-    scheduler = build_scheduler(
-        Settings(),
-        cast(Any, store),
-        SystemClock(),
-        reconciler=cast(Any, reconciler),
-        live_tuner=cast(LiveTuner, SubLoop("tuner", seen)),
-    )
+    scheduler = scheduler_of(store, reconciler, seen)
     tick = scheduler.jobs["tuner_tick"]
     assert tick() == "ran" and reconciler.runs == 0  # the first tick: nothing to compare
     store.apps = [app("a", 0.5), app("b", 0.1)]
@@ -154,14 +162,7 @@ def test_a_cut_seen_while_the_reconcile_job_runs_is_reconciled_after_its_step() 
             runs_after.append(reconciler.runs)  # the tick's call was skipped: the job runs
             return []
 
-    scheduler = build_scheduler(
-        Settings(),
-        cast(Any, store),
-        SystemClock(),
-        reconciler=cast(Any, reconciler),
-        live_tuner=cast(LiveTuner, SubLoop("tuner", seen)),
-        rollouts=cast(Any, Rollouts()),
-    )
+    scheduler = scheduler_of(store, reconciler, seen, rollouts=cast(Any, Rollouts()))
     assert scheduler.jobs["tuner_tick"]() == "ran"  # the first tick: the budgets to compare
     assert scheduler.jobs["reconcile"]() == "ran"
     assert runs_after == [1]  # the job's own pass, then the cut inside its rollouts' step
