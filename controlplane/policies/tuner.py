@@ -142,9 +142,28 @@ def planning_envelope(
     max_window_s: float = DEFAULT_MAX_WINDOW_S,
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The planning trace's envelope on the tuner's windows (:func:`tuner_windows_s` from
-    ``service_time_s`` doubling to ``max_window_s``): (windows s, the peak rate at each, qps)."""
+    ``service_time_s`` doubling to ``max_window_s``) no longer than the trace's span (by more
+    than the shortest window; the shortest one at least): (windows s, the peak rate at each,
+    qps).
+
+    A window longer than the trace sees all of it, a rate (count / window) that falls with the
+    window although the trace never slowed, as the planner's own envelope says
+    (:mod:`controlplane.policies.planner`): a replay planned on a 12 s planning trace read a
+    flat load at its planned rate as 4.1 times the plan on the 60 s window and bought 2.8 times
+    the plan's fleet.
+
+    >>> windows, _ = planning_envelope(np.arange(0.0, 12.0, 0.05), 1.0, 60.0)
+    >>> windows
+    (1.0, 2.0, 4.0, 8.0)
+    """
     windows = tuner_windows_s(service_time_s, max_window_s)
-    envelope = arrival_envelope(planning_arrival_s, windows)
+    arrivals = np.asarray(planning_arrival_s, dtype=np.float64)
+    span_s = float(arrivals.max() - arrivals.min()) if arrivals.size > 1 else 0.0
+    # (Past the span by less than the shortest window: a 60 s window on a minute's trace,
+    # whose last arrival comes a little before its end, reads its rate.)
+    kept = windows[windows <= span_s + windows[0]]
+    windows = kept if kept.size else windows[:1]
+    envelope = arrival_envelope(arrivals, windows)
     return tuple(float(w) for w in windows), tuple(float(r) for r in envelope.rate_qps)
 
 

@@ -468,3 +468,19 @@ def test_bad_inputs_are_rejected_at_the_boundary() -> None:
     plan = TunerStage("x", 1.0, {"z": 1}, {"z": 1.0}, 0.5)
     with pytest.raises(UnknownInstanceTypeError, match="tuner's prices"):
         tune(np.array([]), 0.0, initial_state([plan], 0.0), [plan], config())
+
+
+def test_a_short_planning_trace_reads_no_rate_on_windows_longer_than_itself() -> None:
+    """A window longer than the planning trace reads count / window, a rate that falls with
+    the window though the load never slowed: on a 12 s trace of a flat 30 qps the 60 s window
+    read about 6 qps, and the replay's tuner read the same flat load as four times its plan and
+    bought 2.8 times the plan's fleet. Every window kept reads the load."""
+    from controlplane.policies.tuner import planning_envelope
+    from estimator.traces import poisson_arrivals
+
+    arrivals = poisson_arrivals(30.0, 12.0, np.random.default_rng(1))
+    windows, rates = planning_envelope(arrivals, 0.5, 60.0)
+    assert max(windows) <= 12.0 + min(windows)
+    assert min(rates) >= 0.8 * 30.0, dict(zip(windows, rates, strict=True))
+    long_enough = poisson_arrivals(30.0, 600.0, np.random.default_rng(1))
+    assert max(planning_envelope(long_enough, 0.5, 60.0)[0]) == 60.0
