@@ -171,6 +171,15 @@ def search_allowable_rate(
 
     def meets(rate: float) -> bool:
         if len(probes) >= max_evaluations:
+            if all(value >= target for _, value in probes):
+                # Doubling from the guess never found a rate that misses: the fleet keeps up
+                # with every rate the workload's queries can be compressed to at this QoS.
+                raise SimulationError(
+                    f"every rate tried met the target, up to {probes[-1][0]:.4g} qps: the"
+                    " capacity is unbounded at this QoS for this workload (a QoS longer than"
+                    " the whole trace, or too few queries to queue); tighten the QoS or give"
+                    " more queries"
+                )
             raise SimulationError(f"no answer within {max_evaluations} simulations")
         value = evaluate(rate)
         probes.append((rate, value))

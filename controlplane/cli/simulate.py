@@ -76,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
         "qos_ms": args.qos_ms,
         "queries": summary.queries,
         "duration_s": float(trace.arrival_s[-1] - trace.arrival_s[0]),
-        "offered_qps": float(len(trace) / max(trace.duration_s, 1e-12)),
+        # None for a trace without a span (one query, or all at one time): no rate to offer.
+        "offered_qps": float(len(trace) / trace.duration_s) if trace.duration_s > 0 else None,
         "p50_ms": summary.p50_ms,
         "p95_ms": summary.p95_ms,
         "p99_ms": summary.p99_ms,
@@ -90,10 +91,12 @@ def run(args: argparse.Namespace) -> int:
     }
 
     def human() -> str:
+        rate = data["offered_qps"]
+        offered = "no rate (the trace has no span)" if rate is None else f"{rate:.2f} qps"
         lines = [
             f"model {args.model} on {fleet} (${summary.cost_usd_per_hr:.4f}/hr),"
             f" policy {args.policy}",
-            f"  {summary.queries} queries at {data['offered_qps']:.2f} qps offered,"
+            f"  {summary.queries} queries at {offered} offered,"
             f" {summary.throughput_qps:.2f} qps served",
             f"  latency ms: p50 {summary.p50_ms:.2f}  p95 {summary.p95_ms:.2f}"
             f"  p99 {summary.p99_ms:.2f}  mean wait {summary.mean_wait_ms:.2f}",

@@ -63,3 +63,17 @@ def test_a_fleet_without_a_full_range_type_is_refused(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "meets QoS 80 ms at every batch size" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_capacity_without_bound_says_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """A QoS no compression of the workload can miss: every rate meets the target, and the
+    search's limit was "no answer within 40 simulations", which did not say why."""
+    profiles = write_profiles(tmp_path / "p.csv")
+    args = ["capacity", "--profiles", str(profiles), "--model", "m", "--policy", "fcfs"]
+    args += ["--fleet", "g4dn.xlarge=1", "--qos-ms", "86400000", "--queries", "200"]
+    args += ["--batch-dist", "fixed:10"]
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "the capacity is unbounded at this QoS" in err, err

@@ -135,3 +135,18 @@ def test_offline_demo_runs_on_the_shared_samples(capsys: pytest.CaptureFixture[s
     gpu = [row for row in rows if row["fleet"] == "g4dn.xlarge=4"]
     assert gpu[0]["attainment"] > gpu[-1]["attainment"]
     assert len(out["workload"]["envelope"]) == 9
+
+
+def test_a_trace_without_a_span_offers_no_rate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One query (or all at one time): the offered rate was len / 1e-12, 1e12 qps."""
+    profiles = write_profile_csv(tmp_path / "p.csv")
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,batch_size\n5.0,1\n5.0,2\n")
+    args = ["simulate", "--profiles", str(profiles), "--model", "m", "--fleet", "r5n.large=1"]
+    args += ["--trace", str(trace), "--qos-ms", "100"]
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["offered_qps"] is None
+    assert main(args) == 0
+    assert "2 queries at no rate (the trace has no span) offered" in capsys.readouterr().out
