@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import itertools
 import math
+import os
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -319,16 +320,29 @@ def _read_trace_csv(path: Path) -> Trace:
 
 def write_trace_csv(trace: Trace, path: str | Path) -> None:
     """Write ``trace`` as CSV: ``arrival_s`` (shortest repr, so it round-trips exactly),
-    ``batch_size``, and ``sample_id`` when the trace has one."""
+    ``batch_size``, and ``sample_id`` when the trace has one.
+
+    A file is written under a temporary name beside it and renamed once whole: an interrupted
+    write (a day of arrivals takes minutes) left a shorter trace under the name that read as a
+    valid one. Anything but a regular file (``/dev/stdout``) is written to directly."""
     columns: list[Iterable[Any]] = [trace.arrival_s.tolist(), trace.batch_size.tolist()]
     header = [ARRIVAL_COLUMN, BATCH_COLUMN]
     if trace.sample_id is not None:
         columns.append(trace.sample_id.tolist())
         header.append(SAMPLE_COLUMN)
-    with Path(path).open("w", encoding="utf-8", newline="") as handle:
-        handle.write(",".join(header) + "\n")
-        # repr(float) is the shortest string that parses back to the same double.
-        handle.writelines(",".join(map(repr, row)) + "\n" for row in zip(*columns, strict=True))
+    target = Path(path)
+    direct = target.exists() and not target.is_file()
+    written = target if direct else target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        with written.open("w", encoding="utf-8", newline="") as handle:
+            handle.write(",".join(header) + "\n")
+            # repr(float) is the shortest string that parses back to the same double.
+            handle.writelines(",".join(map(repr, row)) + "\n" for row in zip(*columns, strict=True))
+        if not direct:
+            written.replace(target)
+    finally:
+        if not direct:
+            written.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------

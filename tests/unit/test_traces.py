@@ -465,3 +465,25 @@ def test_a_rate_near_the_largest_float_is_refused_without_a_warning() -> None:
         warnings.simplefilter("error")
         with pytest.raises(WorkloadError, match="about inf arrivals"):
             renewal_arrivals(constant_profile(1e308), 10.0, 1.0, np.random.default_rng(0))
+
+
+def test_a_trace_file_appears_whole_or_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written under a temporary name and renamed once whole: a write cut short (here, the
+    rename fails) leaves no trace under the name, and no temporary file either."""
+    from estimator import traces
+
+    trace = Trace(np.arange(5, dtype=np.float64), np.ones(5, dtype=np.int64))
+    target = tmp_path / "t.csv"
+    traces.write_trace_csv(trace, target)
+    assert traces.read_trace_csv(target).arrival_s.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    target.unlink()
+
+    def cut(self: Path, _target: Path) -> Path:
+        raise OSError("interrupted")
+
+    monkeypatch.setattr(traces.Path, "replace", cut)
+    with pytest.raises(OSError, match="interrupted"):
+        traces.write_trace_csv(trace, target)
+    assert list(tmp_path.iterdir()) == []
