@@ -181,6 +181,15 @@ def read_plan(path: str | Path) -> PlanDocument:
 
 
 def _replayable(plan: PlanDocument, source: str | None) -> PlanDocument:
+    if not plan.stages and not plan.feasible:
+        # What plan writes when no fleet within the budget serves any rate: no fleet to replay.
+        raise PlanError(
+            "stages",
+            "none: the plan found no fleet within the budget that serves any rate (at most"
+            f" {plan.max_feasible_qps or 0.0:.4g} qps), so there is nothing to replay; raise"
+            " the budget or loosen the SLO and plan again",
+            source,
+        )
     if not plan.stages:
         raise PlanError("stages", "must be a non-empty list", source)
     for i, stage in enumerate(plan.stages):

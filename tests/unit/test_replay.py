@@ -617,3 +617,14 @@ def test_a_windows_p99_reads_as_its_json_says() -> None:
     assert replay_cli.window_p99_text(12.345) == "12.3"
     assert replay_cli.window_p99_text(None) == "-"
     assert replay_cli.window_p99_text(float("inf")) == ">1% refused"
+
+
+def test_a_plan_without_stages_says_there_is_nothing_to_replay() -> None:
+    """What plan writes when no fleet within the budget serves any rate: the refusal said
+    "stages: must be a non-empty list", as for a malformed document."""
+    document = {"feasible": False, "cost_usd_per_hr": 0.0, "max_feasible_qps": 0.0, "stages": []}
+    with pytest.raises(PlanError) as refused:
+        parse_plan(document)
+    assert "no fleet within the budget that serves any rate" in str(refused.value)
+    with pytest.raises(PlanError, match="non-empty list"):
+        parse_plan({**document, "feasible": True})
