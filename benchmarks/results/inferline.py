@@ -438,7 +438,7 @@ def what_text(data: dict[str, Any]) -> str:
   budget that holds one covering the peak (the plans' first steps say up to what).
 - Planning trace: {s["planning_s"] / 60:g} min of gamma arrivals, CV^2 = {CV2:g}, at
   R = {s["rate_qps"]:g} qps ({s["planning_queries"]:,} queries; the planner simulates at most
-  the first 20,000 of a trace). Test traces, each of mean about R:
+  the busiest 20,000 in a row of a trace). Test traces, each of mean about R:
 {traces}
 - Methods: *tuner* = the planner's plan for the planning trace scaled by InferLine's tuner
   (controlplane/policies/tuner.py, planned envelope from the planning trace); *static peak* and

@@ -237,7 +237,7 @@ class TraceIn(BaseModel):
         if duration_s is not None and self.rate_qps * duration_s > PLANNING_QUERIES * 10:
             raise ValueError(
                 f"rate_qps x duration_s = {self.rate_qps * duration_s:.3g} queries; a planning"
-                f" trace holds at most {PLANNING_QUERIES * 10:,} (the planner reads the first"
+                f" trace holds at most {PLANNING_QUERIES * 10:,} (the planner reads its busiest"
                 f" {PLANNING_QUERIES:,})"
             )
         return self

@@ -626,7 +626,8 @@ def _plan(subparsers: Subparsers) -> None:
         help="plan the cheapest fleet that meets an app's SLO on a trace, within its budget",
         description="Find a feasible instance mix per stage (InferLine Algorithm 1, started from"
         " the Kairos bound), then cut cost greedily while the simulator says the SLO holds"
-        f" (Algorithm 2). Simulates at most the first {PLANNING_QUERIES:,} queries.",
+        f" (Algorithm 2). Simulates at most {PLANNING_QUERIES:,} queries: the"
+        " trace's busiest stretch of that many.",
     )
     parser.add_argument("--spec", required=True, type=Path, metavar="FILE", help="app spec YAML")
     parser.add_argument("--trace", required=True, type=Path, metavar="FILE", help="trace CSV")

@@ -20,6 +20,7 @@ from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import (
     MIN_ENVELOPE_WINDOW_S,
     InfeasibleSLOError,
+    busiest_segment,
     peak_rate_qps,
     plan_app,
     scale_trace,
@@ -251,8 +252,8 @@ def assert_envelope_shape(windows_s: list[float], rate_qps: list[float], span_s:
 def test_the_document_carries_the_envelope_of_the_planned_queries(tmp_path: Path) -> None:
     app = app_for(tmp_path, 25.0, 3.0)
     bursty = gamma_trace(40.0, 4.0, queries=3000).arrival_s
-    # Past the planning cut, a burst of 1,000 queries at 200 qps the planner never sees.
-    burst = bursty[-1] + 1.0 + np.arange(1000) / 200.0
+    # Past the first 3,000 queries, a burst of 500 at 200 qps: the busiest stretch.
+    burst = bursty[-1] + 1.0 + np.arange(500) / 200.0
     arrival_s = np.concatenate([bursty, burst]) + 7.5  # planned from 0 s
     trace = Trace(arrival_s, np.ones(arrival_s.size, dtype=np.int64))
     plan = plan_app(app, trace, max_queries=bursty.size)
@@ -260,15 +261,35 @@ def test_the_document_carries_the_envelope_of_the_planned_queries(tmp_path: Path
     document = json.loads(json.dumps(plan.to_document()))
     envelope = document["envelope"]
     assert set(envelope) == {"windows_s", "rate_qps"}
-    planned = trace.arrival_s[: bursty.size] - trace.arrival_s[0]
+    start = busiest_segment(trace.arrival_s, bursty.size)
+    assert start == len(trace) - bursty.size  # the part that ends with the burst
+    planned = trace.arrival_s[start : start + bursty.size]
+    planned = planned - planned[0]
     expected = arrival_envelope(planned, envelope["windows_s"])
     assert envelope["rate_qps"] == expected.rate_qps.tolist()
     assert_envelope_shape(envelope["windows_s"], envelope["rate_qps"], float(planned[-1]))
     assert envelope["windows_s"][-1] == 60.0  # the planned part spans more than a minute
-    # The burst past the cut is not in it, and the planned part's short windows see more than
-    # its mean rate.
-    assert max(envelope["rate_qps"]) < 200.0
-    assert envelope["rate_qps"][0] > (planned.size - 1) / planned[-1]
+    # The burst is in it: its short windows see the burst's rate.
+    assert envelope["rate_qps"][0] >= 200.0
+    cut = f"busiest {bursty.size:,} of {len(trace):,} queries"
+    assert any(cut in step for step in plan.steps), plan.steps
+
+
+def test_a_burst_after_the_first_planned_queries_is_planned_for(tmp_path: Path) -> None:
+    """A static plan holds through the trace's busiest stretch, wherever it comes: planned on the
+    first queries alone, this trace's plan missed the SLO in its closing burst."""
+    app = app_for(tmp_path, 25.0, 3.0)
+    steady = poisson_trace(60.0, queries=2000).arrival_s
+    burst = steady[-1] + poisson_trace(240.0, queries=1000, seed=2).arrival_s
+    arrival_s = np.concatenate([steady, burst[1:]])
+    trace = Trace(arrival_s, np.ones(arrival_s.size, dtype=np.int64))
+    plan = plan_app(app, trace, max_queries=2000)
+    assert plan.feasible
+    assert plan.rate_qps > 100.0  # the segment planned on holds the burst
+    assert resimulated_p99_ms(app, plan, trace) <= 25.0
+    # Planned on the first 2,000 queries, the same fleet misses the SLO over the whole trace.
+    first = plan_app(app, Trace(arrival_s[:2000], trace.batch_size[:2000]))
+    assert resimulated_p99_ms(app, first, trace) > 25.0
 
 
 def test_an_infeasible_plan_carries_the_envelope_of_the_rate_it_is_planned_for(
@@ -393,7 +414,7 @@ def test_rm2_in_the_kairos_setting_gets_a_mixed_fleet_under_budget(tmp_path: Pat
     (stage,) = plan.stages
     assert len([t for t, n in stage.fleet.items() if n]) >= 2, stage.fleet
     assert stage.predicted_p99_ms <= 350.0
-    assert any("first 20,000" in step for step in plan.steps)
+    assert any("busiest 20,000" in step for step in plan.steps)
 
 
 # --- cascades: scale factors from validation records -----------------------------------------
