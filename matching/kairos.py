@@ -46,7 +46,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import islice
 from operator import attrgetter
 
 import numba
@@ -332,7 +331,9 @@ class KairosPolicy:
         layout = self._layout
         if layout is None or layout.instance_types != types:
             layout = self._layout = self._build_layout(types)
-        rows: Sequence[QueuedQuery] = (queue[0],) if n_rows == 1 else list(islice(queue, n_rows))
+        # The head by a slice: the central queue reads it without skipping what was taken from
+        # behind it (matching.queues).
+        rows: Sequence[QueuedQuery] = (queue[0],) if n_rows == 1 else queue[:n_rows]
         batch = np.fromiter(map(_batch_of, rows), np.int64, n_rows)
         arrival = np.fromiter(map(_arrival_of, rows), np.float64, n_rows)
         busy_until = np.fromiter(map(_busy_until, instances), np.float64, n_columns)

@@ -16,13 +16,15 @@ dispatcher).
 
 Costs, for n live queries and t tombstones (t <= n + 64): ``append``, ``push_front`` (per query),
 ``take`` and ``len`` O(1) amortised; iteration O(n + t); ``queue[0]`` O(1); ``queue[i]`` O(1)
-without tombstones, else one O(n + t) compaction first.
+without tombstones, else one O(n + t) compaction first; ``queue[:k]`` O(k) plus the tombstones it
+passes, which it drops.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 from typing import overload
 
 from matching.errors import InvalidDispatchError
@@ -173,6 +175,10 @@ class CentralQueue(Sequence[QueuedQuery]):
     def __getitem__(self, index: slice) -> Sequence[QueuedQuery]: ...
     def __getitem__(self, index: int | slice) -> QueuedQuery | Sequence[QueuedQuery]:
         if isinstance(index, slice):
+            stop = index.stop
+            head = index.start in (None, 0) and index.step in (None, 1)
+            if head and stop is not None and stop >= 0:
+                return self._head(stop)
             return list(self)[index]
         n = len(self._by_id)
         if index < 0:
@@ -182,6 +188,27 @@ class CentralQueue(Sequence[QueuedQuery]):
         if self._removed and index:  # the head entry is always live
             self._compact()
         return self._items[index]
+
+    def _head(self, count: int) -> list[QueuedQuery]:
+        """``queue[:count]``: the first ``count`` live queries. The tombstones met on the way
+        leave the deque for good, so that a policy that reads the head of the queue each round
+        (Kairos: twice as many queries as instances) pays for what it reads, not for every query
+        taken from behind a head that stays (an overloaded Kairos run was quadratic in its
+        queries: one of 60,000 queries spent 60 of its 75 s skipping them)."""
+        items = self._items
+        removed = self._removed
+        if not removed:
+            return list(islice(items, count))
+        kept: list[QueuedQuery] = []
+        popleft = items.popleft
+        while items and len(kept) < count:
+            item = popleft()
+            if item.query_id in removed:
+                removed.discard(item.query_id)
+            else:
+                kept.append(item)
+        items.extendleft(reversed(kept))
+        return kept
 
     def __contains__(self, item: object) -> bool:
         return isinstance(item, QueuedQuery) and self._by_id.get(item.query_id) == item

@@ -89,9 +89,25 @@ def test_many_removals_from_the_middle_keep_the_deque_small() -> None:
     assert _ids(queue) == [0] and sum(1 for _ in reversed(queue)) == 1
 
 
+def test_reading_the_head_drops_the_tombstones_it_passes() -> None:
+    # Kairos' pattern: the head waits for a better instance while the queries behind it are
+    # dispatched; each round reads the head of the queue by a slice.
+    queue = CentralQueue(_query(q) for q in range(1000))
+    for q in range(1, 500):
+        assert queue.take(q) is not None
+    assert [item.query_id for item in queue[:3]] == [0, 500, 501]
+    assert len(queue._items) == len(queue) == 501  # the tombstones it passed are gone
+    assert [item.query_id for item in queue[:0]] == [] and len(queue) == 501
+    # Taken from behind the head, then read: the deque holds only the live queries it passed.
+    assert queue.take(500) is not None and queue.take(502) is not None
+    assert [item.query_id for item in queue[:2]] == [0, 501]
+    assert [item.query_id for item in queue[:3]] == [0, 501, 503]
+    assert _ids(queue) == [0, *range(501, 502), *range(503, 1000)]
+
+
 # --- against a plain list ----------------------------------------------------------------------
 
-_KINDS = ("append", "append_again", "push_front", "take", "take_batch", "pop", "index")
+_KINDS = ("append", "append_again", "push_front", "take", "take_batch", "pop", "index", "head")
 # An operation's kind and two raw draws that the test turns into its arguments.
 _operation = st.tuples(st.sampled_from(_KINDS), st.integers(0, 1000), st.integers(-40, 40))
 
@@ -160,6 +176,8 @@ def test_the_queue_behaves_as_a_list_in_queue_order(
             else:
                 with pytest.raises(IndexError):
                     queue[index]
+        elif kind == "head":
+            assert queue[: a % 9] == reference[: a % 9]
         assert list(queue) == reference
         assert list(reversed(queue)) == reference[::-1]
         assert len(queue) == len(reference) and bool(queue) == bool(reference)
