@@ -10,6 +10,17 @@ from __future__ import annotations
 from decimal import Decimal
 
 
+def money(usd_per_hr: float) -> float:
+    """A sum of prices times counts rounded to 1e-9 USD/hr, the exact sum where every price has at
+    most nine decimals (the catalog's have at most six), without the binary float's noise: a plan
+    of 2 x 0.149 + 3 x 0.1664 USD/hr costs 0.7972, not 0.7971999999999999.
+
+    >>> 2 * 0.149 + 3 * 0.1664, money(2 * 0.149 + 3 * 0.1664), money(0.526 + 2 * 0.675)
+    (0.7971999999999999, 0.7972, 1.876)
+    """
+    return round(float(usd_per_hr), 9)
+
+
 def plain(x: float) -> str:
     """``x`` as ``f"{x:g}"`` writes it (six significant digits, no trailing zeros), positional.
 

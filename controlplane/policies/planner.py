@@ -52,7 +52,7 @@ from estimator.errors import (
     SearchSpaceError,
 )
 from estimator.fleet import Fleet
-from estimator.numbers import plain
+from estimator.numbers import money, plain
 from estimator.profiles import LatencyProfile, ProfileSet
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace
@@ -242,7 +242,7 @@ def _simulated_stage(
 
 
 def _cost(fleet: Mapping[str, int], prices: Mapping[str, float]) -> float:
-    return float(sum(prices[t] * n for t, n in fleet.items()))
+    return money(sum(prices[t] * n for t, n in fleet.items()))
 
 
 def _fleet_text(fleet: Mapping[str, int]) -> str:
@@ -1264,7 +1264,7 @@ def plan_app(
     gear_plan = _gear_plan(app, plans, seed, steps, say)
     return PlanDocument(
         feasible=max_feasible is None,
-        cost_usd_per_hr=float(sum(p.cost_usd_per_hr for p in plans)),
+        cost_usd_per_hr=money(sum(p.cost_usd_per_hr for p in plans)),
         stages=tuple(plans),
         steps=tuple(steps),
         rate_qps=planned_rate,

@@ -60,6 +60,7 @@ from controlplane.policies.plan import PlanDocument, StagePlan
 from controlplane.spec import ResolvedApp, SpotSpec
 from estimator.errors import EstimatorError
 from estimator.fleet import Fleet
+from estimator.numbers import money
 from estimator.traces import Trace
 
 __all__ = [
@@ -222,8 +223,8 @@ def split_stage(
         fleet=counts,
         spot_fleet=spot_fleet,
         spares=spares,
-        cost_usd_per_hr=cost,
-        cost_if_on_demand_usd_per_hr=float(
+        cost_usd_per_hr=money(cost),
+        cost_if_on_demand_usd_per_hr=money(
             sum(n * on_demand_usd_per_hr[t] for t, n in counts.items())
         ),
         expected_interruptions_per_hr=float(sum(s * rates[t] for t, s in spot_fleet.items())),
@@ -296,8 +297,8 @@ def _split_plan(
         )
         for stage, split in zip(plan.stages, final, strict=True)
     )
-    cost = float(sum(s.cost_usd_per_hr for s in final))
-    if_on_demand = float(sum(s.cost_if_on_demand_usd_per_hr for s in final))
+    cost = money(sum(s.cost_usd_per_hr for s in final))
+    if_on_demand = money(sum(s.cost_if_on_demand_usd_per_hr for s in final))
     spares = sum(s.spares for s in final)
     kept = sum(s.kept_on_demand for s in final)
     kept_text = (

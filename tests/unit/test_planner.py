@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from estimator.cascades import (
     with_sample_ids,
 )
 from estimator.envelope import arrival_envelope, tuner_windows_s
-from estimator.numbers import plain
+from estimator.numbers import money, plain
 from estimator.policies import full_range_types, policy_factory
 from estimator.simulator import InstanceSpec, SimulationResult, Stage, simulate
 from estimator.traces import Trace, gamma_arrivals, poisson_arrivals, trace_stats, write_trace_csv
@@ -675,3 +676,23 @@ def test_plain_numbers_keep_six_digits_without_an_exponent() -> None:
         "0.333333",
         "12",
     ]
+
+
+def test_plan_costs_are_the_exact_sums_of_their_prices(tmp_path: Path) -> None:
+    # Prices of 0.1 USD/hr: three instances summed as floats cost 0.30000000000000004.
+    (tmp_path / "catalog.csv").write_text(
+        "instance_type,price_usd_per_hr\n"
+        + "".join(f"{name},0.1\n" for name in ("g4dn.xlarge", "r5n.large", "t3.xlarge"))
+    )
+    app = resolve_spec(load_spec(write_spec(tmp_path, 25.0, 3.0, catalog="catalog.csv")))
+    plan = plan_app(app, poisson_trace(1500.0, queries=4000))
+    assert plan.feasible
+    (stage,) = plan.stages
+    count = sum(stage.fleet.values())
+    assert count >= 3  # a float sum of three or more 0.1s is not their decimal sum
+    assert stage.cost_usd_per_hr == plan.cost_usd_per_hr == float(Decimal("0.1") * count)
+    assert f'"cost_usd_per_hr": {count / 10}' in json.dumps(plan.to_document())
+
+
+def test_money_is_the_decimal_sum() -> None:
+    assert money(sum([0.1] * 3)) == 0.3 and money(2 * 0.149 + 3 * 0.1664) == 0.7972
