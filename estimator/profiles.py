@@ -278,7 +278,7 @@ def load_profiles(path: str | Path) -> ProfileSet:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ProfileError(f"{path}: not a text file (expected CSV or JSON)") from None
-    if text.lstrip().startswith("{"):
+    if text.lstrip()[:1] in ("{", "["):  # a CSV's header starts with a column name
         return _parse_profiles_json(text, str(path))
     return _parse_kairos_csv(text, str(path))
 
@@ -637,6 +637,11 @@ def _is_cell(cell: object) -> bool:
 def profiles_from_document(document: Any, where: str) -> ProfileSet:
     """The profiles of a parsed profile JSON document (:func:`profiles_document`'s output);
     ``where`` names it in errors."""
+    if isinstance(document, list):
+        raise ProfileError(
+            f"{where}: a JSON list; a profile JSON is an object whose 'profiles' is that list"
+            f' ({{"format": "{PROFILE_FORMAT}", "profiles": [...]}})'
+        )
     if not isinstance(document, dict) or not isinstance(document.get("profiles"), list):
         raise ProfileError(f"{where}: expected an object with a 'profiles' list ({PROFILE_FORMAT})")
     if document.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:

@@ -139,6 +139,12 @@ def test_unknown_model_and_missing_type(tmp_path: Path) -> None:
             "strictly increasing",
         ),
         ('{"format": "other/v9", "profiles": []}', "unsupported format"),
+        # A bare list of entries was read as a CSV ("missing column(s) model, ...").
+        (
+            '[{"model": "m", "instance_type": "x", "batch_sizes": [1], "latency_ms": [3]}]',
+            "a JSON list; a profile JSON is an object whose 'profiles' is that list",
+        ),
+        ("  [1, 2", "malformed JSON"),
     ],
 )
 def test_malformed_files_give_one_line_errors(tmp_path: Path, content: str, message: str) -> None:
