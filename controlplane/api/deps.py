@@ -79,6 +79,9 @@ class Services:
     # Where the inference queries of apps another serving process dispatches go (None: one
     # serving process; :mod:`controlplane.api.forwarding`). gRPC's ModelInfer forwards here too.
     forwarder: Forwarder | None = None
+    # A loops process running apart: how long its feed from the serving process has failed, s
+    # (None while it answers); None where the loops read a serving loop of their own.
+    serving_feed_down_s: Callable[[], float | None] | None = None
 
 
 def get_services(request: Request) -> Services:

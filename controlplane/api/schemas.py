@@ -131,6 +131,12 @@ class LoopsProcessOut(BaseModel):
     role: Literal["leader", "standby"] | None = Field(
         description="its role under the leader lease; null while it does not answer"
     )
+    serving_feed: Literal["ok", "down"] | None = Field(
+        default=None,
+        description="its feed from this serving process (the observed arrivals and statuses"
+        " its tuner, gears and calibration read): down while it fails; null while the loops"
+        " process does not answer",
+    )
 
 
 class HealthOut(BaseModel):
@@ -150,6 +156,16 @@ class HealthOut(BaseModel):
         default=None,
         description="the loops process this serving process started and supervises"
         " (heteroplane serve's default); null when there is none",
+    )
+    serving_feed: Literal["ok", "down"] | None = Field(
+        default=None,
+        description="a loops process's feed from the serving process (the arrivals and statuses"
+        " its tuner, gears and calibration read): down while it fails, when its jobs see no"
+        " traffic and leave every app on its plan; null in a process that serves (its loops read"
+        " its own serving loop)",
+    )
+    serving_feed_down_s: float | None = Field(
+        default=None, description="how long the feed has failed, s; null while it answers"
     )
     dispatch_owner: str | None = Field(
         default=None,

@@ -162,15 +162,23 @@ class LoopsProcess:
         self._sock.close()
 
     def health(self) -> dict[str, Any]:
-        """The child as the serving process's ``/healthz`` says it: pid, restarts, its API's URL
-        and its role under the leader lease (None while it does not answer)."""
-        role: str | None = None
+        """The child as the serving process's ``/healthz`` says it: pid, restarts, its API's URL,
+        its role under the leader lease and whether its feed from this process answers (both
+        None while it does not answer)."""
+        role = feed = None
         if self.pid is not None:
             try:
-                role = httpx.get(f"{self.url}/healthz", timeout=HEALTH_TIMEOUT_S).json()["role"]
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                role = None
-        return {"pid": self.pid, "restarts": self.restarts, "url": self.url, "role": role}
+                health = httpx.get(f"{self.url}/healthz", timeout=HEALTH_TIMEOUT_S).json()
+                role, feed = health["role"], health.get("serving_feed")
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+                role = feed = None
+        return {
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "url": self.url,
+            "role": role,
+            "serving_feed": feed if feed in ("ok", "down") else None,
+        }
 
     def _spawn_locked(self) -> None:
         fd = self._sock.fileno()

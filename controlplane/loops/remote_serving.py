@@ -10,9 +10,10 @@ and the apps recalibrated since, and keeps the arrivals (on the serving process'
 onto this one's by the offset between the two clocks at the last exchange) and statuses it gets
 back. The calibration's batch and API times and the roll-up's windows are read when asked.
 
-A serving process that does not answer is logged once per outage; meanwhile no app reads as
-served (the tuner leaves apps on their plans, the gears and the INFaaS scaler see no status), no
-batch time is observed and no window is rolled up.
+A serving process that does not answer is logged at once and every minute of the outage, and
+the loops process's ``/healthz`` says so (``serving_feed``: "down", with how long); meanwhile no
+app reads as served (the tuner leaves apps on their plans, the gears and the INFaaS scaler see
+no status), no batch time is observed and no window is rolled up.
 """
 
 from __future__ import annotations
@@ -208,6 +209,14 @@ class RemoteServing:
     def close(self) -> None:
         self._rounds.stop()
         self._client.close()
+
+    def down_for_s(self) -> float | None:
+        """How long the feed has failed, s (None while the serving process answers): the
+        loops process's ``/healthz`` says it (``serving_feed``), so that a loops process that
+        leads blind shows it where a supervisor looks, not only in its log."""
+        if not self._down:
+            return None
+        return max(0.0, time.monotonic() - self._down_since)
 
     def recalibrated(self, app: str) -> None:
         """Have the serving process's resolver forget ``app`` at the next exchange."""

@@ -89,6 +89,7 @@ def create_app(
     provisioner: Provisioner | None = None,
     gear_table: GearTable | None = None,
     owners: DispatchOwners | None = None,
+    serving_feed_down_s: Callable[[], float | None] | None = None,
 ) -> FastAPI:
     """The API over ``store``; ``scheduler`` and ``serving`` (if any) run while the app is
     served (without a serving loop the inference route answers 503). ``resolver`` is the
@@ -101,7 +102,9 @@ def create_app(
     in a process of their own (``heteroplane serve --role serving``), set by them through
     ``/internal/v1/feed`` (:mod:`controlplane.api.routes.internal`). ``owners``: the dispatch
     leases of a serving process among several on one database; the inference requests of apps
-    another one dispatches are forwarded to it (:mod:`controlplane.api.forwarding`)."""
+    another one dispatches are forwarded to it (:mod:`controlplane.api.forwarding`).
+    ``serving_feed_down_s``: a loops process's feed from the serving process, for ``/healthz``
+    (:meth:`controlplane.loops.remote_serving.RemoteServing.down_for_s`)."""
     forwarder = (
         None
         if owners is None
@@ -129,6 +132,7 @@ def create_app(
         provisioner=provisioner,
         gear_table=gear_table,
         forwarder=forwarder,
+        serving_feed_down_s=serving_feed_down_s,
     )
 
     @asynccontextmanager

@@ -833,6 +833,7 @@ def build_service(
         budget_changed=live_gears.budget_changed,
         provisioner=provisioner,
         owners=_dispatch_owners(settings, store, clock, url) if local_serving is not None else None,
+        serving_feed_down_s=remote.down_for_s if remote is not None else None,
     )
     if remote is not None:
         remote.start()

@@ -314,3 +314,40 @@ def test_a_feed_that_keeps_failing_is_said_again_and_a_refusal_is_an_error(
         assert not RemoteServing("http://serving", "wrong", FakeClock(), client=refusing).pull()
     ((level, message),) = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert level == "ERROR" and "check serving_url and internal_token" in message
+
+
+def test_a_loops_process_whose_feed_fails_says_so_in_its_health(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loops process that leads while its feed fails said it in its log alone: its
+    ``/healthz`` says the feed is down and for how long, and "ok" once it answers again."""
+    from controlplane.loops import remote_serving
+
+    now = [100.0]
+    monkeypatch.setattr(remote_serving.time, "monotonic", lambda: now[0])
+    feed = ScriptedFeed()
+    client = httpx.Client(transport=httpx.MockTransport(feed.handle), base_url="http://serving")
+    remote = RemoteServing("http://serving", "hp_admin", FakeClock(), client=client)
+    settings = Settings(data_dir=tmp_path, provisioner="fake")
+    clock = FakeClock()
+    store = Store.from_url(settings.database_url, clock, upgrade=True)
+    app = create_app(settings, store, clock, serving_feed_down_s=remote.down_for_s)
+    with TestClient(app) as api:
+
+        def health() -> tuple[object, object]:
+            answer = api.get("/healthz")
+            assert answer.status_code == 200
+            return answer.json()["serving_feed"], answer.json()["serving_feed_down_s"]
+
+        assert remote.pull() and health() == ("ok", None)
+        feed.down = True
+        assert not remote.pull()
+        now[0] += 42.0
+        assert health() == ("down", 42.0)
+        feed.down = False
+        assert remote.pull() and health() == ("ok", None)
+        # A process that serves has no feed: null.
+        serving = create_app(settings, store, clock)
+        with TestClient(serving) as other:
+            assert other.get("/healthz").json()["serving_feed"] is None
+    store.close()

@@ -97,6 +97,9 @@ def test_the_serving_process_runs_no_job_and_restarts_its_loops(tmp_path: Path) 
     try:
         first = wait_for("the loops process", lambda: loops_of(server), server.log_text)
         assert first["role"] == "leader" and first["restarts"] == 0
+        # Its feed from this process, as its own /healthz says it (down only where a busy
+        # machine timed an exchange out; null would be a loops process that does not say it).
+        assert first["serving_feed"] in ("ok", "down")
         admin = {"Authorization": f"Bearer {create_token(data_dir)}"}
         # The serving process's role is its loops process's (asked with a 1 s timeout: read once
         # that one answers); it runs no job itself.

@@ -85,11 +85,17 @@ def healthz(request: Request, services: ServicesDep) -> HealthOut:
         # Without a lease the service is alone (an app built for a test): it leads.
         role = "serving" if services.gear_table is not None else "leader"
     forwarder = services.forwarder
+    feed_down_s = None if services.serving_feed_down_s is None else services.serving_feed_down_s()
+    feed: Literal["ok", "down"] | None = None
+    if services.serving_feed_down_s is not None:
+        feed = "ok" if feed_down_s is None else "down"
     return HealthOut(
         version=__version__,
         scheduler_running=scheduler is not None and scheduler.running,
         role=role,
         loops=loops,
+        serving_feed=feed,
+        serving_feed_down_s=feed_down_s,
         dispatch_owner=None if forwarder is None else forwarder.owners.owner,
     )
 
