@@ -39,9 +39,11 @@ from controlplane.policies.replay import (
     ScalingPolicy,
     check_plan,
     check_stages,
+    finite_or_none,
     parse_plan,
     read_plan,
     replay,
+    tail_ms,
 )
 from controlplane.policies.sizing import SizingLadder
 from controlplane.policies.spot_replay import (
@@ -262,6 +264,12 @@ def run(args: argparse.Namespace) -> int:
     data["interruptions"] = interruptions
     data["policy"] = label
     data["slo_ms"] = app.spec.slo.latency_ms
+    # Judged at the spec's percentile (p99_ms stays the contract's P99 whatever it is).
+    percentile = app.spec.slo.percentile
+    slo_tail = tail_ms(result.simulation.response_ms, percentile)
+    data["percentile"] = percentile
+    data["slo_tail_ms"] = finite_or_none(slo_tail)
+    data["slo_met"] = bool(slo_tail <= app.spec.slo.latency_ms)
     data["budget_usd_per_hr"] = app.spec.budget_usd_per_hr
     if policy == "tuner" or made is not None:
         default = "first 10% of the trace"
@@ -286,6 +294,13 @@ def run(args: argparse.Namespace) -> int:
             f" {slo:g} ms SLO ({100 * result.refused_share:.2f}% refused by admission control)",
             f"  cost {result.cost_usd:.4f} USD; {result.scaling_actions} scaling actions",
         ]
+        if percentile != 99.0:  # the line above's P99 is not the SLO's judge
+            tail = p99_text(slo_tail).replace("over 1%", f"over {100 - percentile:.15g}%")
+            lines.insert(
+                2,
+                f"  P{percentile:.15g} {tail}: the SLO (P{percentile:.15g} <= {slo:g} ms)"
+                f" {'met' if data['slo_met'] else 'missed'}",
+            )
         if made is not None:
             lines.insert(1, "  " + baseline_text(made))
         if interruptions is not None:
