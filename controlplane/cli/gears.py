@@ -102,6 +102,15 @@ def run(args: argparse.Namespace) -> int:
     split_seed = getattr(args, "split_seed", DEFAULT_SPLIT_SEED)
     choose, score = records.split(share, split_seed)
     profiles = {m: {t: app.profile(m, t) for t in placement.fleets[m]} for m in placement.order}
+    batch_size = getattr(args, "batch_size", 1)
+    for model, by_type in profiles.items():
+        for t, profile in by_type.items():
+            if not profile.min_batch_size <= batch_size <= profile.max_batch_size:
+                raise UsageError(
+                    f"--batch-size {batch_size}: the profile of {model} on {t} measures batch"
+                    f" sizes {profile.min_batch_size}..{profile.max_batch_size}; give the samples"
+                    " in each query with --batch-size within every placed profile's"
+                )
     slo = app.spec.slo
     progress(f"planning gears for {app.spec.name} on {placement}")
     plan = plan_gears(
@@ -115,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         qps_max=args.qps_max,
         n_ranges=args.ranges,
         grid=grid,
+        batch_size=batch_size,
         seed=args.seed,
         held_out=score,
     )
@@ -123,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         "validation": str(args.validation),
         **plan.to_document(),
         "cost_usd_per_hr": placement.cost_usd_per_hr(app.prices_usd_per_hr),
+        "batch_size": batch_size,
         "seed": args.seed,
         "split": {
             "choose_share": share,

@@ -1122,6 +1122,14 @@ def _gears(subparsers: Subparsers) -> None:
         metavar="H1,H2,...",
         help="certainty thresholds to try at each stage, in [0, 1] (default %(default)s)",
     )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="samples in each query (default 1); every placed profile must measure it: profiles"
+        " that start at batch size 10 (the Kairos samples) need --batch-size 10 or more",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=Handler("gears", "run"))

@@ -578,6 +578,30 @@ def test_gears_command_refuses_a_placement_it_cannot_serve(
     assert message in capsys.readouterr().err
 
 
+def test_gears_command_plans_queries_of_several_samples(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Profiles that start above batch size 1 (the Kairos samples start at 10): the command
+    # could plan no gear for them.
+    spec, validation = _app(tmp_path)
+    document = json.loads((tmp_path / "profiles.json").read_text())
+    for entry in document["profiles"]:
+        for key in ("batch_sizes", "latency_ms"):
+            entry[key] = entry[key][1:]
+    assert {entry["batch_sizes"][0] for entry in document["profiles"]} == {2}
+    (tmp_path / "profiles.json").write_text(json.dumps(document))
+    args = ["gears", "--spec", str(spec), "--validation", str(validation)]
+    args += ["--placement", PLACEMENT, "--thresholds", "0.3,0.9", "--ranges", "2"]
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--batch-size 1: the profile of" in err and "measures batch sizes 2.." in err
+    assert main([*args, "--batch-size", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["batch_size"] == 2 and out["gears"]
+
+
 # --- the held-out protocol -------------------------------------------------------------------
 
 
