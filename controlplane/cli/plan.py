@@ -14,7 +14,7 @@ from controlplane.cli.common import check_seed
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.pareto import run_pareto
 from controlplane.policies.plan import PlanDocument
-from controlplane.policies.planner import plan_app
+from controlplane.policies.planner import PLANNING_QUERIES, plan_app
 from controlplane.policies.spot import plan_with_spot
 from controlplane.spec import load_spec, resolve_spec
 from estimator.numbers import plain
@@ -67,15 +67,20 @@ def _human(data: dict[str, Any], plan: PlanDocument) -> str:
         f"  planned for {plan.rate_qps:.2f} qps: predicted end-to-end"
         f" P{data['percentile']:.15g} {predicted} (the whole pipeline)",
     ]
-    for s in plan.stages:
+    planned = min(trace["count"], PLANNING_QUERIES)
+    for i, s in enumerate(plan.stages):
         fleet = ", ".join(
             f"{n} x {t}" + (f" ({s.spot_fleet[t]} spot)" if s.spot_fleet.get(t) else "")
             for t, n in s.fleet.items()
         )
+        tail = f"P{data['percentile']:.15g} {s.predicted_p99_ms:.1f} ms"
+        if i and s.scale_factor * planned <= 2.0 + 1e-9:
+            # A later stage that (almost) no query reaches is planned on the trace's first two
+            # queries so that it keeps an instance: a tail of those two says nothing.
+            tail = "(almost) no query reaches it: planned on two so that it keeps an instance"
         lines.append(
-            f"  {s.name}: {fleet}, batch {s.batch_size}, {s.policy} dispatch;"
-            f" P{data['percentile']:.15g} {s.predicted_p99_ms:.1f} ms, {s.throughput_qps:.2f} qps,"
-            f" ${s.cost_usd_per_hr:.3f}/hr"
+            f"  {s.name}: {fleet}, batch {s.batch_size}, {s.policy} dispatch; {tail},"
+            f" {s.throughput_qps:.2f} qps, ${s.cost_usd_per_hr:.3f}/hr"
         )
     lines.append(f"  steps ({plan.simulations} simulations):")
     lines += [f"    - {step}" for step in plan.steps]

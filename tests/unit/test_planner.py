@@ -696,3 +696,20 @@ def test_plan_costs_are_the_exact_sums_of_their_prices(tmp_path: Path) -> None:
 
 def test_money_is_the_decimal_sum() -> None:
     assert money(sum([0.1] * 3)) == 0.3 and money(2 * 0.149 + 3 * 0.1664) == 0.7972
+
+
+def test_a_stage_no_query_reaches_prints_no_tail(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Threshold 0: the cheap model answers everything; the large stage is planned on two
+    # queries so that it keeps an instance, and the tail of those two said nothing.
+    write_cascade_app(tmp_path, records=True, threshold=0.0)
+    trace_file = tmp_path / "trace.csv"
+    write_trace_csv(poisson_trace(300.0, queries=1000), trace_file)
+    spec = tmp_path / "cascade-True-0.0-50.yaml"
+    assert main(["plan", "--spec", str(spec), "--trace", str(trace_file)]) == 0
+    out = capsys.readouterr().out
+    (cheap,) = [line for line in out.splitlines() if line.startswith("  cheap:")]
+    (large,) = [line for line in out.splitlines() if line.startswith("  large:")]
+    assert "P99 " in cheap and "reaches it" not in cheap
+    assert "P99" not in large and "no query reaches it: planned on two" in large
