@@ -26,6 +26,7 @@ from controlplane.policies.gears import CascadePlacement, GearPlan, plan_gears
 from controlplane.policies.replay import read_plan
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
 from estimator.cascades import DEFAULT_CHOOSE_SHARE, DEFAULT_SPLIT_SEED, load_validation
+from estimator.errors import BatchSizeOutOfRangeError
 from estimator.fleet import Fleet
 from estimator.numbers import plain
 
@@ -103,14 +104,16 @@ def run(args: argparse.Namespace) -> int:
     choose, score = records.split(share, split_seed)
     profiles = {m: {t: app.profile(m, t) for t in placement.fleets[m]} for m in placement.order}
     batch_size = getattr(args, "batch_size", 1)
-    for model, by_type in profiles.items():
-        for t, profile in by_type.items():
-            if not profile.min_batch_size <= batch_size <= profile.max_batch_size:
-                raise UsageError(
-                    f"--batch-size {batch_size}: the profile of {model} on {t} measures batch"
-                    f" sizes {profile.min_batch_size}..{profile.max_batch_size}; give the samples"
-                    " in each query with --batch-size within every placed profile's"
-                )
+    try:
+        for by_type in profiles.values():
+            for profile in by_type.values():
+                profile.check_batch_size(batch_size)
+    except BatchSizeOutOfRangeError as error:
+        raise UsageError(
+            f"--batch-size {batch_size}: the profile of {error.model} on {error.instance_type}"
+            f" measures batch sizes {error.low}..{error.high}; give the samples in each query"
+            " with --batch-size within every placed profile's range"
+        ) from None
     slo = app.spec.slo
     progress(f"planning gears for {app.spec.name} on {placement}")
     plan = plan_gears(

@@ -14,7 +14,7 @@ from controlplane.cli.common import check_seed
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.pareto import run_pareto
 from controlplane.policies.plan import PlanDocument
-from controlplane.policies.planner import PLANNING_QUERIES, plan_app
+from controlplane.policies.planner import MIN_STAGE_QUERIES, PLANNING_QUERIES, plan_app
 from controlplane.policies.spot import plan_with_spot
 from controlplane.spec import load_spec, resolve_spec
 from estimator.numbers import plain
@@ -74,9 +74,9 @@ def _human(data: dict[str, Any], plan: PlanDocument) -> str:
             for t, n in s.fleet.items()
         )
         tail = f"P{data['percentile']:.15g} {s.predicted_p99_ms:.1f} ms"
-        if i and s.scale_factor * planned <= 2.0 + 1e-9:
-            # A later stage that (almost) no query reaches is planned on the trace's first two
-            # queries so that it keeps an instance: a tail of those two says nothing.
+        if i and s.scale_factor * planned <= MIN_STAGE_QUERIES + 1e-9:
+            # A later stage that (almost) no query reaches is planned on the trace's first
+            # MIN_STAGE_QUERIES so that it keeps an instance: their tail says nothing.
             tail = "(almost) no query reaches it: planned on two so that it keeps an instance"
         lines.append(
             f"  {s.name}: {fleet}, batch {s.batch_size}, {s.policy} dispatch; {tail},"

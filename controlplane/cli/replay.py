@@ -55,9 +55,12 @@ from estimator.envelope import DEFAULT_PERSISTENCE_S
 from estimator.traces import Trace, read_trace_csv
 
 
-def p99_text(p99_ms: float) -> str:
-    """A replay's P99 for people: infinite when over 1% of the queries were refused."""
-    return f"{p99_ms:.2f} ms" if np.isfinite(p99_ms) else "- (over 1% of queries refused)"
+def p99_text(p99_ms: float, percentile: float = 99.0) -> str:
+    """A replay's P99 (or its ``percentile``-th percentile) for people: infinite when over
+    100 - ``percentile`` % of the queries were refused."""
+    if np.isfinite(p99_ms):
+        return f"{p99_ms:.2f} ms"
+    return f"- (over {100 - percentile:.15g}% of queries refused)"
 
 
 def window_p99_text(p99_ms: float | None) -> str:
@@ -295,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
             f"  cost {result.cost_usd:.4f} USD; {result.scaling_actions} scaling actions",
         ]
         if percentile != 99.0:  # the line above's P99 is not the SLO's judge
-            tail = p99_text(slo_tail).replace("over 1%", f"over {100 - percentile:.15g}%")
+            tail = p99_text(slo_tail, percentile)
             lines.insert(
                 2,
                 f"  P{percentile:.15g} {tail}: the SLO (P{percentile:.15g} <= {slo:g} ms)"

@@ -60,6 +60,7 @@ from estimator.traces import Trace
 __all__ = [
     "HEADROOM",
     "MIN_ENVELOPE_WINDOW_S",
+    "MIN_STAGE_QUERIES",
     "PEAK_WINDOW_S",
     "PLANNING_QUERIES",
     "InfeasibleSLOError",
@@ -76,6 +77,9 @@ __all__ = [
 # The planner simulates at most this many queries per configuration: 20,000 queries keep one
 # Kairos-dispatched simulation near a second while resolving a P99 by 200 queries above it.
 PLANNING_QUERIES = 20_000
+# A later stage of a cascade that fewer queries reach is planned on the trace's first this many,
+# so that it keeps an instance (its simulated tail then says nothing of the traffic).
+MIN_STAGE_QUERIES = 2
 # The Kairos bound is an upper bound on the allowable rate; a start mix should have ~30% more
 # bound than the peak it must carry (InferLine's rho_m, the maximum provisioning ratio, is
 # of the same spirit). Algorithm 1 adds to a start that is too small, Algorithm 2 cuts one too big.
@@ -549,11 +553,11 @@ def _reach(
     masks: list[NDArray[np.bool_] | None] = [None]
     for i in range(1, len(order)):
         mask = stage >= i
-        if np.count_nonzero(mask) < 2:
+        if np.count_nonzero(mask) < MIN_STAGE_QUERIES:
             # A stage almost nobody reaches still needs an instance: plan it on the trace's
-            # first two queries too.
+            # first queries too.
             mask = mask.copy()
-            mask[:2] = True
+            mask[:MIN_STAGE_QUERIES] = True
         masks.append(mask)
     shares = ", ".join(
         f"{model} {1.0 if m is None else np.count_nonzero(m) / m.size:.3f}"

@@ -85,9 +85,10 @@ def healthz(request: Request, services: ServicesDep) -> HealthOut:
         # Without a lease the service is alone (an app built for a test): it leads.
         role = "serving" if services.gear_table is not None else "leader"
     forwarder = services.forwarder
-    feed_down_s = None if services.serving_feed_down_s is None else services.serving_feed_down_s()
     feed: Literal["ok", "down"] | None = None
-    if services.serving_feed_down_s is not None:
+    feed_down_s = None
+    if services.serving_feed_down_s is not None:  # a loops process: its feed's state
+        feed_down_s = services.serving_feed_down_s()
         feed = "ok" if feed_down_s is None else "down"
     return HealthOut(
         version=__version__,
