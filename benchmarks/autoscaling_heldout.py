@@ -328,18 +328,23 @@ def case_trace(
 # --- the apps and what each model's cases share ----------------------------------------------
 
 
+# --trades: plan the Kairos models' apps with the planner's trades (``planning: {trades: true}``,
+# docs/planner.md); set in the main process before the workers fork, so they inherit it.
+_TRADES = [False]
+
+
 def kairos_app(model: str) -> ResolvedApp:
     """``model`` on the four Kairos types at the catalogue's prices, its Kairos QoS at p99."""
-    spec = validate_spec(
-        {
-            "name": f"{model}-heldout",
-            "models": [{"name": model, "profiles": str(kairos_samples())}],
-            "slo": {"latency_ms": KairosSetting().qos_ms[model], "percentile": 99},
-            "budget_usd_per_hr": BUDGET_USD_PER_HR,
-            "instance_types": list(KAIROS_TYPES),
-        }
-    )
-    return resolve_spec(spec)
+    document: dict[str, Any] = {
+        "name": f"{model}-heldout",
+        "models": [{"name": model, "profiles": str(kairos_samples())}],
+        "slo": {"latency_ms": KairosSetting().qos_ms[model], "percentile": 99},
+        "budget_usd_per_hr": BUDGET_USD_PER_HR,
+        "instance_types": list(KAIROS_TYPES),
+    }
+    if _TRADES[0]:
+        document["planning"] = {"trades": True}
+    return resolve_spec(validate_spec(document))
 
 
 def cascade_app(folder: Path) -> ResolvedApp:
@@ -905,7 +910,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--trades",
+        action="store_true",
+        help="plan the Kairos models' apps with the planner's trades (planning: {trades: true},"
+        " docs/planner.md; off by default, as for an app)",
+    )
     args = parser.parse_args(argv)
+    _TRADES[0] = args.trades
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
     sets = ("tuning", "test") if args.set == "both" else (args.set,)

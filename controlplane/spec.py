@@ -302,6 +302,19 @@ class SpotSpec(BaseModel):
     )
 
 
+class PlanningSpec(BaseModel):
+    """How the planner searches (docs/planner.md)."""
+
+    model_config = _STRICT
+
+    trades: bool = Field(
+        default=False,
+        description="after Algorithm 2's cuts, also trade several instances of one type for one"
+        " of another (docs/planner.md, \"Trades after the cuts\"): cheaper plans, several times"
+        " the planning time",
+    )
+
+
 class AppSpec(BaseModel):
     """An app: what to serve (models, cascade order), the SLO, the budget and the candidate types.
 
@@ -347,6 +360,11 @@ class AppSpec(BaseModel):
         default=None,
         description="spot capacity in the plan: enabled, max_share, survive_share (docs/spot.md);"
         " left out: on demand only",
+    )
+
+    planning: PlanningSpec | None = Field(
+        default=None,
+        description="how the planner searches: trades (docs/planner.md); left out: its defaults",
     )
 
     @model_validator(mode="after")

@@ -504,6 +504,130 @@ def _algorithm_2(
             return fleet, batch
 
 
+# Trades (docs/planner.md, "Trades after the cuts"): at most this many trades a stage; each is
+# followed by Algorithm 2 again, and each saves money, so the rounds end long before it in
+# practice (a bound on time, not a tuned figure).
+MAX_TRADE_ROUNDS = 32
+
+
+def _trade_candidates(
+    inputs: _StageInputs,
+    fleet: Mapping[str, int],
+    batch: int,
+    smallest: int,
+    value: Mapping[str, float],
+) -> list[tuple[str, str, str, int]]:
+    """The trades worth trying on ``fleet``, best value first: ("buy", dear, cheap, k) sheds the
+    fewest cheap instances that cost more than one dear one (k = floor(P_d / P_c) + 1) for one
+    dear one; ("sell", dear, cheap, j) sells one dear one for at most j = ceil(P_d / P_c) - 1
+    more cheap ones (which cost less). Algorithm 2's moves already cover j = 1."""
+    prices = inputs.prices_usd_per_hr
+    caps = inputs.max_counts
+    buys: list[tuple[float, str, str, int]] = []
+    sells: list[tuple[float, str, str, int]] = []
+    for dear in sorted(inputs.profiles):
+        for cheap in sorted(inputs.profiles):
+            p_d, p_c = prices[dear], prices[cheap]
+            if not p_d > p_c > 0:
+                continue
+            k = math.floor(p_d / p_c) + 1
+            if (
+                fleet.get(cheap, 0) >= k
+                and fleet.get(dear, 0) + 1 <= caps.get(dear, math.inf)
+                and _batch_fits(inputs, {dear: 1}, batch, smallest)
+            ):
+                buys.append((-value[dear], dear, cheap, k))
+            j = math.ceil(p_d / p_c) - 1
+            if cheap in caps:
+                j = min(j, caps[cheap] - fleet.get(cheap, 0))
+            if (
+                fleet.get(dear, 0) >= 1
+                and j >= 2
+                and _batch_fits(inputs, {cheap: 1}, batch, smallest)
+            ):
+                sells.append((-value[cheap], dear, cheap, j))
+    buys.sort()
+    sells.sort()
+    return [("buy", d, c, k) for _, d, c, k in buys] + [("sell", d, c, j) for _, d, c, j in sells]
+
+
+def _fewest_cheap(
+    inputs: _StageInputs,
+    evaluate: _Evaluator,
+    fleet: Mapping[str, int],
+    batch: int,
+    dear: str,
+    cheap: str,
+    most: int,
+) -> tuple[int, dict[str, int], float] | None:
+    """Sell one ``dear`` for the fewest more ``cheap`` (2..``most``) whose tail meets the SLO:
+    ``most`` is tried first (when it fails, fewer fail too: the tail falls as instances are
+    added), then a bisection."""
+
+    def traded(j: int) -> dict[str, int]:
+        return {**fleet, dear: fleet[dear] - 1, cheap: fleet.get(cheap, 0) + j}
+
+    tail_ms, _, _ = evaluate(traded(most), batch)
+    if tail_ms > inputs.slo_ms:
+        return None
+    low, high, best_ms = 1, most, tail_ms  # j = low fails (Algorithm 2's move), j = high holds
+    while high - low > 1:
+        mid = (low + high) // 2
+        mid_ms, _, _ = evaluate(traded(mid), batch)
+        if mid_ms <= inputs.slo_ms:
+            high, best_ms = mid, mid_ms
+        else:
+            low = mid
+    return high, traded(high), best_ms
+
+
+def _trades(
+    inputs: _StageInputs,
+    evaluate: _Evaluator,
+    fleet: dict[str, int],
+    batch: int,
+    value: Mapping[str, float],
+    steps: list[str],
+) -> tuple[dict[str, int], int]:
+    """Trades between two types that no single cut of Algorithm 2 makes, each followed by
+    Algorithm 2 again: buy one dear instance for several cheap ones that cost more, or sell one
+    for several cheap ones that cost less (docs/planner.md, "Trades after the cuts"). The first
+    trade (best value first) whose simulated tail meets the SLO is made."""
+    prices = inputs.prices_usd_per_hr
+    smallest = int(evaluate.trace.batch_size.min())
+    pct = f"P{inputs.percentile:.15g}"
+    for _ in range(MAX_TRADE_ROUNDS):
+        made = None
+        for kind, dear, cheap, n in _trade_candidates(inputs, fleet, batch, smallest, value):
+            if kind == "buy":
+                candidate = {**fleet, dear: fleet.get(dear, 0) + 1, cheap: fleet[cheap] - n}
+                tail_ms, _, _ = evaluate(candidate, batch)
+                if tail_ms <= inputs.slo_ms:
+                    made = (candidate, tail_ms, f"trade {n} x {cheap} for one {dear}")
+                    break
+            else:
+                found = _fewest_cheap(inputs, evaluate, fleet, batch, dear, cheap, n)
+                if found is not None:
+                    j, candidate, tail_ms = found
+                    made = (candidate, tail_ms, f"trade one {dear} for {j} more {cheap}")
+                    break
+        if made is None:
+            steps.append(
+                f"{inputs.model}: no trade between two types cuts cost within the SLO; done"
+            )
+            return fleet, batch
+        candidate, tail_ms, what = made
+        saving = _cost(fleet, prices) - _cost(candidate, prices)
+        fleet = {t: n for t, n in candidate.items() if n}
+        steps.append(
+            f"{inputs.model}: {what}: saves ${saving:.3f}/hr (now ${_cost(fleet, prices):.3f}/hr),"
+            f" {pct} {tail_ms:.1f} ms"
+        )
+        fleet, batch = _algorithm_2(inputs, evaluate, fleet, steps, batch)
+    steps.append(f"{inputs.model}: {MAX_TRADE_ROUNDS} trades made; stopped")
+    return fleet, batch
+
+
 @dataclass(frozen=True, slots=True)
 class _Setup:
     """What planning each stage of an app needs, independent of the trace's rate."""
@@ -685,6 +809,8 @@ def _run(
             fleet, batch = found
             if optimise:
                 fleet, batch = _algorithm_2(inputs, evaluate, fleet, steps, batch)
+                if app.spec.planning is not None and app.spec.planning.trades:
+                    fleet, batch = _trades(inputs, evaluate, fleet, batch, value, steps)
         finally:
             counter[0] += evaluate.simulations
         tail_ms, throughput, policy = evaluate(fleet, batch)

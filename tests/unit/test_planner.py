@@ -108,6 +108,7 @@ def resimulated_p99_ms(app: ResolvedApp, plan: PlanDocument, trace: Trace, seed:
         [Stage(stage.name, instances, profiles, make(), max_batch_queries=stage.batch_size)],
         np.random.default_rng(seed),
         prices_usd_per_hr=prices,
+        qos_ms=app.spec.slo.latency_ms,  # Kairos' dispatcher reads it
     )
     return float(np.percentile(result.response_ms, 99))
 

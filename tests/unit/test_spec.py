@@ -158,6 +158,9 @@ def test_round_trip_through_model_dump() -> None:
         ("max_counts", {"t3.xlarge": 1}, "max_counts[t3.xlarge]", "not one of instance_types"),
         ("cascade", ["rm2"], "cascade", "at least two models"),
         ("catalog", "", "catalog", "at least 1"),
+        ("planning", {"trades": "yes"}, "planning.trades", "true or false"),
+        ("planning", {"trade": True}, "planning.trade", "unknown field"),
+        ("planning", True, "planning", "mapping"),
     ],
 )
 def test_bad_field_is_named(path: str, value: Any, field: str, words: str) -> None:
