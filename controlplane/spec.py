@@ -310,7 +310,7 @@ class PlanningSpec(BaseModel):
     trades: bool = Field(
         default=False,
         description="after Algorithm 2's cuts, also trade several instances of one type for one"
-        " of another (docs/planner.md, \"Trades after the cuts\"): cheaper plans, several times"
+        ' of another (docs/planner.md, "Trades after the cuts"): cheaper plans, several times'
         " the planning time",
     )
 
