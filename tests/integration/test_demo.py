@@ -46,6 +46,8 @@ REPO = Path(__file__).resolve().parents[2]
 # The profiles are measured through real workers before the service listens.
 START_DEADLINE_S = 300.0
 STOP_DEADLINE_S = 30.0
+# Starts on a fresh free port when another process took the one chosen before the demo bound it.
+PORT_TRIES = 3
 # A README block: its commands may start workers and wait for them (profile run, --wait).
 BLOCK_TIMEOUT_S = 600.0
 PROFILE_SAMPLES = "3"
@@ -84,35 +86,53 @@ class Demo:
 
     def __init__(self, home: Path, log: Path, *options: str) -> None:
         self.home = home
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = demo_env(home, self.port)
         self.log_path = log
         self._log = log.open("ab")
-        command = [sys.executable, "-m", "controlplane", "demo"]
-        command += ["--profile-samples", PROFILE_SAMPLES, *options]
-        self.process = subprocess.Popen(
-            command, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
-        )
-        self._wait_ready()
+        for _ in range(PORT_TRIES):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.env = demo_env(home, self.port)
+            self._start = log.stat().st_size  # this start's lines follow
+            command = [sys.executable, "-m", "controlplane", "demo"]
+            command += ["--profile-samples", PROFILE_SAMPLES, *options]
+            self.process = subprocess.Popen(
+                command, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
+            )
+            if self._wait_ready():
+                return
+        pytest.fail(f"no free port held in {PORT_TRIES} tries:\n{self.log_path.read_text()}")
 
     @property
     def data_dir(self) -> Path:
         return data_home(self.home) / "heteroplane"
 
-    def _wait_ready(self) -> None:
+    def _own_log(self) -> str:
+        """What this start of the demo has logged (a restart appends to the same file)."""
+        with self.log_path.open("rb") as f:
+            f.seek(self._start)
+            return f.read().decode(errors="replace")
+
+    def _wait_ready(self) -> bool:
+        """True once the demo has logged its banner and ``/healthz`` answers; False when it
+        could not bind the port (another process took the free port between ``free_port`` and
+        the demo's bind: another test's server, whose ``/healthz`` answers too, which is why the
+        banner is waited for, not ``/healthz`` alone)."""
+        banner = f"heteroplane demo is ready on {self.url}"
         deadline = time.monotonic() + START_DEADLINE_S
         while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
+            if banner in self._own_log():
+                try:
+                    if httpx.get(f"{self.url}/healthz", timeout=2.0).status_code == 200:
+                        return True
+                except httpx.TransportError:
+                    pass
             try:
                 # Waiting on the process is the pause between polls, and catches an early exit.
                 code = self.process.wait(timeout=0.2)
             except subprocess.TimeoutExpired:
                 continue
+            if f"cannot listen on 127.0.0.1:{self.port}" in self._own_log():
+                return False
             pytest.fail(f"demo exited with {code}:\n{self.log_path.read_text()}")
         self.stop()
         pytest.fail(f"demo not ready in {START_DEADLINE_S} s:\n{self.log_path.read_text()}")

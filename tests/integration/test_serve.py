@@ -30,6 +30,8 @@ from tests.integration.conftest import free_port
 REPO = Path(__file__).resolve().parents[2]
 START_DEADLINE_S = 60.0
 STOP_DEADLINE_S = 30.0
+# Starts on a fresh free port when another process took the one chosen before the service bound it.
+PORT_TRIES = 3
 
 pytestmark = needs_shared
 
@@ -50,33 +52,49 @@ class Server:
 
     def __init__(self, data_dir: Path, log: Path, *, role: str = "all", **settings: str) -> None:
         self.data_dir = data_dir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         self._log = log.open("ab")
         roles = () if role == "all" else ("--role", role)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "controlplane", "serve", "--port", str(self.port), *roles],
-            cwd=REPO,
-            env=service_env(data_dir, **settings),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        self._wait_ready()
+        for _ in range(PORT_TRIES):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self._start = log.stat().st_size  # this start's lines follow
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "controlplane", "serve", "--port", str(self.port), *roles],
+                cwd=REPO,
+                env=service_env(data_dir, **settings),
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+            )
+            if self._wait_ready():
+                return
+        pytest.fail(f"no free port held in {PORT_TRIES} tries:\n{self.log_path.read_text()}")
 
-    def _wait_ready(self) -> None:
+    def _own_log(self) -> str:
+        with self.log_path.open("rb") as f:
+            f.seek(self._start)
+            return f.read().decode(errors="replace")
+
+    def _wait_ready(self) -> bool:
+        """True once the service has logged that it serves on its port and ``/healthz``
+        answers; False when it could not bind the port (another test's server, whose
+        ``/healthz`` answers too, took the free port before the service bound it)."""
+        serving = f"heteroplane serving on {self.url} "
         deadline = time.monotonic() + START_DEADLINE_S
         while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
+            if serving in self._own_log():
+                try:
+                    if httpx.get(f"{self.url}/healthz", timeout=2.0).status_code == 200:
+                        return True
+                except httpx.TransportError:
+                    pass
             try:
                 # Waiting on the process is the pause between polls, and catches an early exit.
                 code = self.process.wait(timeout=0.2)
             except subprocess.TimeoutExpired:
                 continue
+            if f"cannot listen on 127.0.0.1:{self.port}" in self._own_log():
+                return False
             pytest.fail(f"serve exited with {code}:\n{self.log_path.read_text()}")
         self.stop()
         pytest.fail(f"serve not ready in {START_DEADLINE_S} s:\n{self.log_path.read_text()}")
