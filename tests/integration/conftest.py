@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 
@@ -63,6 +64,46 @@ def free_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
         return port
+
+
+def log_since(path: Path, offset: int) -> str:
+    """What ``path`` holds past byte ``offset`` (one start's lines in a log restarts append to)."""
+    with path.open("rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
+def wait_started(
+    process: subprocess.Popen[bytes],
+    log: Path,
+    offset: int,
+    ready_line: str,
+    url: str,
+    port: int,
+    deadline_s: float,
+) -> bool | None:
+    """Wait for a service process started on loopback ``port``: True once its own log (past
+    ``offset``) holds ``ready_line`` and ``url``/healthz answers, False when it exited because it
+    could not bind the port, None at ``deadline_s``; another exit fails the test. Its log line is
+    waited for, not ``/healthz`` alone: another test's server may take a free port between
+    ``free_port`` and the bind, and its ``/healthz`` answers too."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if ready_line in log_since(log, offset):
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
+                    return True
+            except httpx.TransportError:
+                pass
+        try:
+            # Waiting on the process is the pause between polls, and catches an early exit.
+            code = process.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            continue
+        if f"cannot listen on 127.0.0.1:{port}" in log_since(log, offset):
+            return False
+        pytest.fail(f"{process.args!r} exited with {code}:\n{log.read_text()}")
+    return None
 
 
 class _Server:

@@ -39,7 +39,7 @@ from controlplane.cli import main
 from controlplane.db.lease import lock_sqlite_database
 from controlplane.db.store import Store
 from provisioners.local import LocalProvisioner
-from tests.integration.conftest import free_port, stop_every_worker
+from tests.integration.conftest import free_port, stop_every_worker, wait_started
 from tests.readme_blocks import README, Block, BlockRunner, readme_blocks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,34 +106,15 @@ class Demo:
     def data_dir(self) -> Path:
         return data_home(self.home) / "heteroplane"
 
-    def _own_log(self) -> str:
-        """What this start of the demo has logged (a restart appends to the same file)."""
-        with self.log_path.open("rb") as f:
-            f.seek(self._start)
-            return f.read().decode(errors="replace")
-
     def _wait_ready(self) -> bool:
-        """True once the demo has logged its banner and ``/healthz`` answers; False when it
-        could not bind the port (another process took the free port between ``free_port`` and
-        the demo's bind: another test's server, whose ``/healthz`` answers too, which is why the
-        banner is waited for, not ``/healthz`` alone)."""
-        banner = f"heteroplane demo is ready on {self.url}"
-        deadline = time.monotonic() + START_DEADLINE_S
-        while time.monotonic() < deadline:
-            if banner in self._own_log():
-                try:
-                    if httpx.get(f"{self.url}/healthz", timeout=2.0).status_code == 200:
-                        return True
-                except httpx.TransportError:
-                    pass
-            try:
-                # Waiting on the process is the pause between polls, and catches an early exit.
-                code = self.process.wait(timeout=0.2)
-            except subprocess.TimeoutExpired:
-                continue
-            if f"cannot listen on 127.0.0.1:{self.port}" in self._own_log():
-                return False
-            pytest.fail(f"demo exited with {code}:\n{self.log_path.read_text()}")
+        """True once it serves on its port, False when another process took the port."""
+        ready_line = f"heteroplane demo is ready on {self.url}"
+        started = wait_started(
+            self.process, self.log_path, self._start, ready_line, self.url, self.port,
+            START_DEADLINE_S,
+        )  # fmt: skip
+        if started is not None:
+            return started
         self.stop()
         pytest.fail(f"demo not ready in {START_DEADLINE_S} s:\n{self.log_path.read_text()}")
 

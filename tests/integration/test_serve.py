@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import yaml
 
 from controlplane.cli import main
 from tests.conftest import KAIROS_CSV, needs_shared
-from tests.integration.conftest import free_port
+from tests.integration.conftest import free_port, wait_started
 
 REPO = Path(__file__).resolve().parents[2]
 START_DEADLINE_S = 60.0
@@ -70,32 +69,15 @@ class Server:
                 return
         pytest.fail(f"no free port held in {PORT_TRIES} tries:\n{self.log_path.read_text()}")
 
-    def _own_log(self) -> str:
-        with self.log_path.open("rb") as f:
-            f.seek(self._start)
-            return f.read().decode(errors="replace")
-
     def _wait_ready(self) -> bool:
-        """True once the service has logged that it serves on its port and ``/healthz``
-        answers; False when it could not bind the port (another test's server, whose
-        ``/healthz`` answers too, took the free port before the service bound it)."""
-        serving = f"heteroplane serving on {self.url} "
-        deadline = time.monotonic() + START_DEADLINE_S
-        while time.monotonic() < deadline:
-            if serving in self._own_log():
-                try:
-                    if httpx.get(f"{self.url}/healthz", timeout=2.0).status_code == 200:
-                        return True
-                except httpx.TransportError:
-                    pass
-            try:
-                # Waiting on the process is the pause between polls, and catches an early exit.
-                code = self.process.wait(timeout=0.2)
-            except subprocess.TimeoutExpired:
-                continue
-            if f"cannot listen on 127.0.0.1:{self.port}" in self._own_log():
-                return False
-            pytest.fail(f"serve exited with {code}:\n{self.log_path.read_text()}")
+        """True once it serves on its port, False when another process took the port."""
+        ready_line = f"heteroplane serving on {self.url} "
+        started = wait_started(
+            self.process, self.log_path, self._start, ready_line, self.url, self.port,
+            START_DEADLINE_S,
+        )  # fmt: skip
+        if started is not None:
+            return started
         self.stop()
         pytest.fail(f"serve not ready in {START_DEADLINE_S} s:\n{self.log_path.read_text()}")
 
