@@ -14,7 +14,10 @@ gear's cascade (:class:`StageLoad`):
   queries of its size; with every instance idle and nothing queued, 0. (Until 2026-11-30 it was
   1000 B_s / C_s, which counts every call in service as a whole batch still to serve and a queue
   of large queries at a small one's rate: it refused queries that would have been served in
-  time, most on a fleet of many busy instances or of mixed query sizes.)
+  time, most on a fleet of many busy instances or of mixed query sizes.) At least, though, the
+  queued samples at the rate the queue was measured to drain while it never emptied
+  (:class:`~controlplane.serving.stages.DrainMeter`): past saturation of the serving process
+  itself the queue drains slower than the profiles say.
 - the service time S_s of the new query's own batch (its batch size on the stage's fastest type);
 - whether the gear sends any sample there (its reach share; a stage no sample reaches adds
   nothing).

@@ -608,6 +608,7 @@ class AppDispatcher:
         stage.parts[query.query_id] = part
         stage.queued_samples += len(samples)
         stage.backlog.add(len(samples))
+        stage.drain.queued(now)
         request.queued[query.query_id] = stage
         self.tracker.arrived((self.app, model), now, len(samples))
         self._mark(stage)
@@ -721,6 +722,8 @@ class AppDispatcher:
                             now, min(part.query.enqueued_s for part in parts), idle_since_s
                         )
                 self._start(stage, slot, parts, now, turnaround_ms)
+        if not queue:
+            stage.drain.emptied()
 
     def _in_time(
         self, stage: _Stage, worker: Worker, parts: list[_Part], now: float
@@ -813,6 +816,7 @@ class AppDispatcher:
         now = self.clock_s()
         batch = len(rows)
         stage.in_service_samples -= batch
+        stage.drain.served(now, batch)
         worker.finish(now)
         worker.succeeded()
         stage.answered_in[worker.instance_id] = stage.rounds

@@ -11,6 +11,7 @@ with its
 
 from __future__ import annotations
 
+import collections
 import math
 
 from controlplane.serving.modelio import ModelIO
@@ -20,7 +21,12 @@ from matching.admission import Backlog, batch_samples, queue_wait_ms
 from matching.policy import DispatchPolicy
 from matching.queues import CentralQueue
 
-__all__ = ["LatencyTable", "ServingStage", "Slot"]
+__all__ = ["DRAIN_WINDOW_S", "DrainMeter", "LatencyTable", "ServingStage", "Slot"]
+
+# The span over which a stage's drain rate is measured, and for which its queue must have stayed
+# non-empty for the measure to stand: hundreds of batches at the rates where the serving process
+# rather than its workers sets the pace, and short against the seconds such an overload lasts.
+DRAIN_WINDOW_S = 0.5
 
 
 class LatencyTable:
@@ -71,6 +77,65 @@ class Slot:
         return worker.healthy and not worker.running
 
 
+class DrainMeter:
+    """The samples per second a stage's answers came back while its queue never emptied: the
+    rate its queue really drains at, whoever sets it. The profiles say how fast the workers
+    serve; when the serving process itself falls behind (its event loop saturated, so each
+    answer is read and the next batch sent late) the queue drains slower than they say, and a
+    wait judged on them alone admitted queries into a queue of seconds (docs/serving.md,
+    "Overload without collapse").
+
+    >>> meter = DrainMeter(window_s=0.5)
+    >>> meter.queued(10.0)
+    >>> for i in range(1, 11):
+    ...     meter.served(10.0 + 0.05 * i, 4)
+    >>> meter.rate_sps(10.5)
+    80.0
+    >>> meter.emptied(); meter.rate_sps(10.5) is None
+    True
+    """
+
+    __slots__ = ("_served", "_total", "backlogged_since_s", "window_s")
+
+    def __init__(self, window_s: float = DRAIN_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._served: collections.deque[tuple[float, int]] = collections.deque()
+        self._total = 0
+        # Since when the queue has held a query without a break; None while it is empty.
+        self.backlogged_since_s: float | None = None
+
+    def queued(self, now_s: float) -> None:
+        """A query joined the queue."""
+        if self.backlogged_since_s is None:
+            self.backlogged_since_s = now_s
+
+    def emptied(self) -> None:
+        """The queue was seen empty."""
+        self.backlogged_since_s = None
+
+    def served(self, now_s: float, samples: int) -> None:
+        """A batch of ``samples`` samples was answered."""
+        self._served.append((now_s, samples))
+        self._total += samples
+        self._forget(now_s)
+
+    def rate_sps(self, now_s: float) -> float | None:
+        """Samples answered per second over the last window, when the queue held queries
+        throughout it; None otherwise (the rate then says how much work came, not how fast
+        it could be done)."""
+        since = self.backlogged_since_s
+        if since is None or now_s - since < self.window_s:
+            return None
+        self._forget(now_s)
+        return self._total / self.window_s
+
+    def _forget(self, now_s: float) -> None:
+        served = self._served
+        start = now_s - self.window_s
+        while served and served[0][0] <= start:
+            self._total -= served.popleft()[1]
+
+
 class ServingStage:
     """One model's stage (see the module docstring)."""
 
@@ -78,6 +143,7 @@ class ServingStage:
         "backlog",
         "capacity",
         "dirty",
+        "drain",
         "in_service_samples",
         "io",
         "latency",
@@ -105,6 +171,7 @@ class ServingStage:
         self.in_service_samples = 0
         self.backlog = Backlog()  # the queued parts by size, for admission control
         self.dirty = False
+        self.drain = DrainMeter()  # how fast its queue really drains, for admission
         # (samples, batch cap) -> (capacity in samples/s, fastest service ms): cleared whenever
         # the stage's instances or their health change.
         self.capacity: dict[tuple[int, int], tuple[float, float]] = {}
@@ -126,7 +193,9 @@ class ServingStage:
     def wait_ms(self, cap: int, now_s: float) -> float:
         """What a query joining the queue now waits (:mod:`matching.admission`): until a
         healthy instance is free (its call's predicted end), then the queued parts, each size
-        at the stage's capacity for it (infinite with no healthy instance)."""
+        at the stage's capacity for it (infinite with no healthy instance); and at least the
+        queued samples at the rate the queue was measured to drain (:class:`DrainMeter`),
+        where that is known and slower."""
         free_s = math.inf
         for slot in self.slots:
             worker = slot.worker
@@ -134,7 +203,14 @@ class ServingStage:
                 free_s = min(
                     free_s, max(worker.busy_until_s - now_s, 0.0) if worker.running else 0.0
                 )
-        return queue_wait_ms(free_s, self.backlog, lambda size: self.rates(size, cap)[0])
+        wait = queue_wait_ms(free_s, self.backlog, lambda size: self.rates(size, cap)[0])
+        if self.queued_samples <= 0:
+            self.drain.emptied()
+            return wait
+        drained = self.drain.rate_sps(now_s)
+        if drained is None:
+            return wait
+        return max(wait, 1000.0 * self.queued_samples / drained if drained > 0 else math.inf)
 
     def capacity_sps(self, samples: int, cap: int) -> float:
         """Samples per second the stage's healthy instances serve at batches of ``cap`` queries

@@ -28,10 +28,11 @@ import httpx
 import pytest
 
 from controlplane.api.disconnect import CancelOnDisconnect
-from controlplane.errors import QueryTimeoutError
+from controlplane.errors import OverloadedError, QueryTimeoutError
 from controlplane.policies.plan import StagePlan
 from controlplane.serving.dispatcher import AppDispatcher, DispatcherSettings, InferResult
 from controlplane.serving.observations import Observations
+from controlplane.serving.stages import DRAIN_WINDOW_S
 from controlplane.serving.transport import HttpWorkerTransport
 from estimator.fleet import Fleet
 from tests.component.test_oip_routes import live_server
@@ -141,6 +142,51 @@ def test_a_query_past_its_clients_deadline_costs_no_worker_call() -> None:
         assert isinstance(answers[2], InferResult)
         assert worker.requests == 2
         await dispatcher.close()
+
+    run(scenario())
+
+
+def test_admission_judges_the_queue_at_the_rate_it_drains_not_only_the_profiles() -> None:
+    """The profile says a query takes about half a millisecond; the answers come back one every
+    20 ms (the serving process's event loop falling behind does this: each answer is read and
+    the next batch sent late). Twenty queued queries look like 10 ms of wait to the profile and
+    are 400 ms at the rate the queue drains: once the queue has drained that slowly for a
+    whole window, a new query is refused, and once it has emptied, the profile judges again."""
+    now = [1000.0]
+    step_s = 0.02
+
+    async def scenario() -> None:
+        (worker,) = await fleet([LARGE])
+        app = config(models=("tiny",), stage_plans=ONE_AT_A_TIME, slo_ms=50.0)
+        dispatcher = AppDispatcher(
+            app,
+            HttpWorkerTransport(),
+            Observations(),
+            settings=DispatcherSettings(admission=True),
+            clock_s=lambda: now[0],
+        )
+        dispatcher.set_workers(endpoints([worker]))
+        worker.holding = True
+        futures = [dispatcher.submit([row(1, 0.9)]) for _ in range(21)]  # all admitted
+        await until(lambda: worker.received == 1)
+        answers = 0
+        while now[0] + step_s - 1000.0 < DRAIN_WINDOW_S:
+            now[0] += step_s
+            worker.release()  # the held answer goes; the next batch is held again
+            worker.holding = True
+            answers += 1
+            await until(lambda sent=answers + 1: worker.received == sent)
+            futures.append(dispatcher.submit([row(1, 0.9)]))  # one in for each out
+        now[0] += step_s  # the queue has now drained at 50 q/s for a whole window
+        with pytest.raises(OverloadedError):
+            dispatcher.submit([row(1, 0.9)])
+        worker.release()
+        results = await settle(futures)
+        assert all(isinstance(result, InferResult) for result in results)
+        # The queue emptied: the next query is judged by the profile again, and admitted.
+        assert isinstance(await dispatcher.submit([row(1, 0.9)]), InferResult)
+        await dispatcher.close()
+        await worker.stop()
 
     run(scenario())
 
