@@ -1066,6 +1066,8 @@ class AppDispatcher:
                 part = stage.parts.pop(query_id)
                 stage.queued_samples -= len(part.samples)
                 stage.backlog.remove(len(part.samples))
+                if not stage.queue:
+                    stage.drain.emptied()
         request.queued.clear()
 
     # --- model-less queries ---------------------------------------------------------------------

@@ -204,11 +204,8 @@ class ServingStage:
                     free_s, max(worker.busy_until_s - now_s, 0.0) if worker.running else 0.0
                 )
         wait = queue_wait_ms(free_s, self.backlog, lambda size: self.rates(size, cap)[0])
-        if self.queued_samples <= 0:
-            self.drain.emptied()
-            return wait
         drained = self.drain.rate_sps(now_s)
-        if drained is None:
+        if drained is None or self.queued_samples <= 0:
             return wait
         return max(wait, 1000.0 * self.queued_samples / drained if drained > 0 else math.inf)
 
