@@ -56,17 +56,18 @@ ONE_AT_A_TIME = {"tiny": StagePlan("tiny", Fleet.of({}), 1, policy="fcfs")}
 
 
 async def held_worker(
-    clock_s: Any = time.monotonic, **settings: Any
+    clock_s: Any = time.monotonic, slo_ms: float = 10_000.0, **settings: Any
 ) -> tuple[FakeWorker, AppDispatcher, asyncio.Future[InferResult]]:
     """One worker (batch cap 1) holding the answer to a first query, which is returned: what
-    is submitted next queues until :meth:`FakeWorker.release`."""
+    is submitted next queues until :meth:`FakeWorker.release`. Admission is off unless
+    ``settings`` say otherwise."""
     (worker,) = await fleet([LARGE])
-    app = config(models=("tiny",), stage_plans=ONE_AT_A_TIME, slo_ms=10_000.0)
+    app = config(models=("tiny",), stage_plans=ONE_AT_A_TIME, slo_ms=slo_ms)
     dispatcher = AppDispatcher(
         app,
         HttpWorkerTransport(),
         Observations(),
-        settings=DispatcherSettings(admission=False, **settings),
+        settings=DispatcherSettings(**{"admission": False, **settings}),
         clock_s=clock_s,
     )
     dispatcher.set_workers(endpoints([worker]))
@@ -156,19 +157,8 @@ def test_admission_judges_the_queue_at_the_rate_it_drains_not_only_the_profiles(
     step_s = 0.02
 
     async def scenario() -> None:
-        (worker,) = await fleet([LARGE])
-        app = config(models=("tiny",), stage_plans=ONE_AT_A_TIME, slo_ms=50.0)
-        dispatcher = AppDispatcher(
-            app,
-            HttpWorkerTransport(),
-            Observations(),
-            settings=DispatcherSettings(admission=True),
-            clock_s=lambda: now[0],
-        )
-        dispatcher.set_workers(endpoints([worker]))
-        worker.holding = True
-        futures = [dispatcher.submit([row(1, 0.9)]) for _ in range(21)]  # all admitted
-        await until(lambda: worker.received == 1)
+        worker, dispatcher, first = await held_worker(lambda: now[0], 50.0, admission=True)
+        futures = [first] + [dispatcher.submit([row(1, 0.9)]) for _ in range(20)]  # admitted
         answers = 0
         while now[0] + step_s - 1000.0 < DRAIN_WINDOW_S:
             now[0] += step_s
