@@ -73,37 +73,50 @@ def log_since(path: Path, offset: int) -> str:
         return f.read().decode(errors="replace")
 
 
-def wait_started(
-    process: subprocess.Popen[bytes],
+# Starts on a fresh free port when another process took the one chosen before the bind.
+PORT_TRIES = 3
+
+
+def start_on_a_free_port(
+    launch: Callable[[int], subprocess.Popen[bytes]],
     log: Path,
-    offset: int,
-    ready_line: str,
-    url: str,
-    port: int,
+    ready_line: Callable[[str], str],
+    what: str,
     deadline_s: float,
-) -> bool | None:
-    """Wait for a service process started on loopback ``port``: True once its own log (past
-    ``offset``) holds ``ready_line`` and ``url``/healthz answers, False when it exited because it
-    could not bind the port, None at ``deadline_s``; another exit fails the test. Its log line is
-    waited for, not ``/healthz`` alone: another test's server may take a free port between
-    ``free_port`` and the bind, and its ``/healthz`` answers too."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if ready_line in log_since(log, offset):
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start a service process with ``launch(port)`` on a free loopback port, its output
+    appended to ``log``; the process and its port once its own lines (past what ``log`` held
+    before) say ``ready_line(url)`` and ``url``/healthz answers. Its log line is waited for, not
+    ``/healthz`` alone: another test's server may take a free port between ``free_port`` and
+    the bind, and its ``/healthz`` answers too; a start that could not bind is tried again on
+    another port (:data:`PORT_TRIES` in all). Any other exit, or no start within
+    ``deadline_s`` (the process stopped first), fails the test."""
+    for _ in range(PORT_TRIES):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        offset = log.stat().st_size
+        process = launch(port)
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            if ready_line(url) in log_since(log, offset):
+                try:
+                    if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
+                        return process, port
+                except httpx.TransportError:
+                    pass
             try:
-                if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
-                    return True
-            except httpx.TransportError:
-                pass
-        try:
-            # Waiting on the process is the pause between polls, and catches an early exit.
-            code = process.wait(timeout=0.2)
-        except subprocess.TimeoutExpired:
-            continue
-        if f"cannot listen on 127.0.0.1:{port}" in log_since(log, offset):
-            return False
-        pytest.fail(f"{process.args!r} exited with {code}:\n{log.read_text()}")
-    return None
+                # Waiting on the process is the pause between polls, and catches an exit.
+                code = process.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                continue
+            if f"cannot listen on 127.0.0.1:{port}" in log_since(log, offset):
+                break
+            pytest.fail(f"{what} exited with {code}:\n{log.read_text()}")
+        else:
+            process.kill()
+            process.wait()
+            pytest.fail(f"{what} not ready in {deadline_s} s:\n{log.read_text()}")
+    pytest.fail(f"{what}: no free port held in {PORT_TRIES} tries:\n{log.read_text()}")
 
 
 class _Server:

@@ -39,15 +39,13 @@ from controlplane.cli import main
 from controlplane.db.lease import lock_sqlite_database
 from controlplane.db.store import Store
 from provisioners.local import LocalProvisioner
-from tests.integration.conftest import free_port, stop_every_worker, wait_started
+from tests.integration.conftest import start_on_a_free_port, stop_every_worker
 from tests.readme_blocks import README, Block, BlockRunner, readme_blocks
 
 REPO = Path(__file__).resolve().parents[2]
 # The profiles are measured through real workers before the service listens.
 START_DEADLINE_S = 300.0
 STOP_DEADLINE_S = 30.0
-# Starts on a fresh free port when another process took the one chosen before the demo bound it.
-PORT_TRIES = 3
 # A README block: its commands may start workers and wait for them (profile run, --wait).
 BLOCK_TIMEOUT_S = 600.0
 PROFILE_SAMPLES = "3"
@@ -88,35 +86,23 @@ class Demo:
         self.home = home
         self.log_path = log
         self._log = log.open("ab")
-        for _ in range(PORT_TRIES):
-            self.port = free_port()
-            self.url = f"http://127.0.0.1:{self.port}"
-            self.env = demo_env(home, self.port)
-            self._start = log.stat().st_size  # this start's lines follow
-            command = [sys.executable, "-m", "controlplane", "demo"]
-            command += ["--profile-samples", PROFILE_SAMPLES, *options]
-            self.process = subprocess.Popen(
+        command = [sys.executable, "-m", "controlplane", "demo"]
+        command += ["--profile-samples", PROFILE_SAMPLES, *options]
+
+        def launch(port: int) -> subprocess.Popen[bytes]:
+            self.env = demo_env(home, port)
+            return subprocess.Popen(
                 command, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
             )
-            if self._wait_ready():
-                return
-        pytest.fail(f"no free port held in {PORT_TRIES} tries:\n{self.log_path.read_text()}")
+
+        self.process, self.port = start_on_a_free_port(
+            launch, log, lambda url: f"heteroplane demo is ready on {url}", "demo", START_DEADLINE_S
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
 
     @property
     def data_dir(self) -> Path:
         return data_home(self.home) / "heteroplane"
-
-    def _wait_ready(self) -> bool:
-        """True once it serves on its port, False when another process took the port."""
-        ready_line = f"heteroplane demo is ready on {self.url}"
-        started = wait_started(
-            self.process, self.log_path, self._start, ready_line, self.url, self.port,
-            START_DEADLINE_S,
-        )  # fmt: skip
-        if started is not None:
-            return started
-        self.stop()
-        pytest.fail(f"demo not ready in {START_DEADLINE_S} s:\n{self.log_path.read_text()}")
 
     def wait_served(self) -> dict[str, Any]:
         """Send the README's digit until the workers answer it; the answer."""

@@ -24,13 +24,11 @@ import yaml
 
 from controlplane.cli import main
 from tests.conftest import KAIROS_CSV, needs_shared
-from tests.integration.conftest import free_port, wait_started
+from tests.integration.conftest import free_port, start_on_a_free_port
 
 REPO = Path(__file__).resolve().parents[2]
 START_DEADLINE_S = 60.0
 STOP_DEADLINE_S = 30.0
-# Starts on a fresh free port when another process took the one chosen before the service bound it.
-PORT_TRIES = 3
 
 pytestmark = needs_shared
 
@@ -54,32 +52,18 @@ class Server:
         self.log_path = log
         self._log = log.open("ab")
         roles = () if role == "all" else ("--role", role)
-        for _ in range(PORT_TRIES):
-            self.port = free_port()
-            self.url = f"http://127.0.0.1:{self.port}"
-            self._start = log.stat().st_size  # this start's lines follow
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "controlplane", "serve", "--port", str(self.port), *roles],
-                cwd=REPO,
-                env=service_env(data_dir, **settings),
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-            )
-            if self._wait_ready():
-                return
-        pytest.fail(f"no free port held in {PORT_TRIES} tries:\n{self.log_path.read_text()}")
+        env = service_env(data_dir, **settings)
 
-    def _wait_ready(self) -> bool:
-        """True once it serves on its port, False when another process took the port."""
-        ready_line = f"heteroplane serving on {self.url} "
-        started = wait_started(
-            self.process, self.log_path, self._start, ready_line, self.url, self.port,
-            START_DEADLINE_S,
-        )  # fmt: skip
-        if started is not None:
-            return started
-        self.stop()
-        pytest.fail(f"serve not ready in {START_DEADLINE_S} s:\n{self.log_path.read_text()}")
+        def launch(port: int) -> subprocess.Popen[bytes]:
+            command = [sys.executable, "-m", "controlplane", "serve", "--port", str(port), *roles]
+            return subprocess.Popen(
+                command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT
+            )
+
+        self.process, self.port = start_on_a_free_port(
+            launch, log, lambda url: f"heteroplane serving on {url} ", "serve", START_DEADLINE_S
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def log_text(self) -> str:
         return self.log_path.read_text()
