@@ -1,0 +1,130 @@
+"""An answer is one write on the socket: the response's head is held until its body
+(:class:`~controlplane.service.protocol.HeldHeadTransport`), through the protocol ``heteroplane
+serve`` runs, on a recording transport. A streamed answer's head still goes out at the end of the
+turn that started it, and a close sends what is held first."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import uvicorn
+from uvicorn.server import ServerState
+
+from controlplane.service.protocol import HeldHeadTransport, server_options
+
+REQUEST = b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n"
+
+
+class _Recording(asyncio.Transport):
+    """A socket's transport that records each write (what one system call would send)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(
+            name, default
+        )
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def _serve(app: Any, scenario: Any) -> None:
+    async def main() -> None:
+        config = uvicorn.Config(app, **server_options())
+        config.load()
+        protocol = config.http_protocol_class(  # type: ignore[call-arg]
+            config=config, server_state=ServerState(), app_state={}
+        )
+        transport = _Recording()
+        protocol.connection_made(transport)
+        try:
+            await scenario(protocol, transport)
+        finally:
+            protocol.connection_lost(None)
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+
+
+async def _turns(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def test_an_answer_sent_at_once_is_one_write_of_head_and_body() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]}
+        )
+        await send({"type": "http.response.body", "body": b"hello"})
+
+    async def scenario(protocol: Any, transport: _Recording) -> None:
+        protocol.data_received(REQUEST)
+        await _turns()
+        assert len(transport.writes) == 1, transport.writes
+        (answer,) = transport.writes
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"\r\n\r\nhello")
+        protocol.data_received(REQUEST)  # kept alive: the next answer is one write too
+        await _turns()
+        assert len(transport.writes) == 2 and transport.writes[1] == answer
+
+    _serve(app, scenario)
+
+
+def test_a_streamed_answers_head_goes_out_at_the_end_of_its_turn() -> None:
+    go_on = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await go_on.wait()
+        await send({"type": "http.response.body", "body": b"late", "more_body": False})
+
+    async def scenario(protocol: Any, transport: _Recording) -> None:
+        protocol.data_received(REQUEST)
+        await _turns()
+        assert len(transport.writes) == 1
+        assert transport.writes[0].startswith(b"HTTP/1.1 200 OK")
+        assert transport.writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n")
+        go_on.set()
+        await _turns()
+        assert transport.writes[1:] == [b"4\r\nlate\r\n0\r\n\r\n"]
+
+    _serve(app, scenario)
+
+
+def test_a_close_sends_what_is_held_first_and_nothing_goes_to_a_closed_socket() -> None:
+    async def scenario() -> None:
+        transport = _Recording()
+        held = HeldHeadTransport(transport, asyncio.get_running_loop())
+        held.write(b"head")
+        assert transport.writes == [] and not held.is_closing()
+        held.close()
+        assert transport.writes == [b"head"] and held.is_closing()
+        await _turns()  # the end-of-turn flush finds nothing held
+        assert transport.writes == [b"head"]
+
+        gone = _Recording()
+        late = HeldHeadTransport(gone, asyncio.get_running_loop())
+        late.write(b"head")
+        gone.closed = True  # the client went before the turn ended
+        await _turns()
+        assert gone.writes == []
+
+    asyncio.run(scenario())
