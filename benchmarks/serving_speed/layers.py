@@ -47,8 +47,10 @@ timings, late).
   document of the model's ``logits``, checked the same in both.
 - ``asgi_fast_path_refused_us``, ``asgi_oip_fast_path_refused_us``: the fast path's requests of
   ``/v1`` and ``/v2`` when admission refuses them (the serving loop's ``infer`` raises the
-  :class:`~controlplane.errors.OverloadedError` admission raises): each answered 429
-  ``overloaded`` (checked), the answer most requests get past saturation.
+  :class:`~controlplane.errors.OverloadedError` admission raises, and its ``refuse_early``
+  too, which the fast path asks first: on ``/v2`` before it reads the body, on ``/v1`` once
+  the JSON is parsed): each answered 429 ``overloaded`` (checked), the answer most requests get
+  past saturation.
 - ``uvicorn_http_us``: the CPU of a uvicorn server per request, as ``heteroplane serve`` runs it
   (httptools' protocol and asyncio's loop,
   :func:`~controlplane.service.protocol.server_options`; its socket bound by
@@ -214,9 +216,14 @@ def token_figures(store: Store, token: str, n: int, repeats: int) -> dict[str, l
 class InstantServing(ServingLoop):
     """A running serving loop whose ``infer`` answers :data:`ANSWER` at once (its
     ``dispatcher_for`` is the real one: the route reads the app's model signature there), or,
-    while ``refusing``, refuses as admission does."""
+    while ``refusing``, refuses as admission does, and as early as the service asks it
+    (``refuse_early``: on ``/v2`` before the body is read)."""
 
     refusing = False
+
+    def refuse_early(self, app: str, received_s: float | None = None) -> None:
+        if self.refusing:
+            raise OverloadedError(app, predicted_ms=900.0, slo_ms=300.0, retry_after_s=1)
 
     async def infer(
         self,

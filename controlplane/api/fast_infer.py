@@ -33,7 +33,11 @@ route, which answers them as it always did. At 2,000 q/s the route's layers (Fas
 dependencies, the token check in the thread pool) were most of ``/v2``'s CPU per query
 (``python -m benchmarks.serving_speed api``; docs/serving.md, "Through the API").
 
-**Admission's refusal** (429 ``overloaded``, :class:`~controlplane.errors.OverloadedError`) is
+**Admission's refusal** (429 ``overloaded``, :class:`~controlplane.errors.OverloadedError`) comes
+as early as it can be told (:meth:`~controlplane.serving.loop.ServingLoop.refuse_early`: would
+a query of one sample be refused now? Then this one is, whatever its size): on ``/v2`` before
+the body is read and its tensors decoded, on ``/v1`` once its JSON is parsed (a body with INFaaS
+``requirements`` goes to the route, which may choose another variant). It is
 written here directly (:func:`send_overloaded`), the body and headers the route's handler gives
 it in either shape, without building a request object, a response and, on ``/v2``, the API's
 body decoded again into the protocol's: past saturation most answers are refusals, and each
@@ -43,7 +47,10 @@ times an answered one in process; ``python -m benchmarks.serving_speed layers`` 
 Anything else (no or unknown token, another scope, a body the fast checks do not accept, INFaaS
 ``requirements``, a body or headers over a limit) goes to FastAPI unchanged, with the body read
 so far handed on: the route then answers exactly as it always did, errors included. The fast
-path never answers an error the route would not.
+path never answers an error the route would not, with one exception: a ``/v2`` query refused
+before its body is read is refused (429) whatever its body holds, where the route would have
+found a malformed one first (400 or 413): a service past saturation does not read what it
+refuses.
 """
 
 from __future__ import annotations
@@ -288,6 +295,7 @@ class FastInferMiddleware:
         scope.setdefault("path_params", {})["app"] = app
         try:
             received = scope[RECEIVED_S]
+            serving.refuse_early(app, received)
             config = (await serving.dispatcher_for(app, received)).config
             rows = check_inputs(app, config.model_io(config.models[0]), parsed[0])
             result = await serving.infer(
@@ -316,6 +324,12 @@ class FastInferMiddleware:
             signature = await signature_of(serving, app, received)
         except Exception:  # no such app, nothing served: the route answers
             await self.app(scope, receive, send)
+            return
+        try:
+            serving.refuse_early(app, received)
+        except OverloadedError as error:  # before the body is read and decoded
+            await send_overloaded(send, error, oip=True)
+            self.counter.add(app, 429)
             return
         limit = body_limit(signature, self.services.settings.oip_body_max_bytes)
         body, more = await read_up_to(receive, limit)

@@ -523,6 +523,37 @@ class AppDispatcher:
         self._enqueue(request, 0, list(range(n)), now)
         return future
 
+    def refuse_early(self, received_s: float | None = None) -> None:
+        """Raise the :class:`~controlplane.errors.OverloadedError` that :meth:`submit` would
+        raise now for a query of one sample (recorded as that refusal would be); nothing, and
+        nothing recorded, when such a query would be admitted, or refused for another reason.
+
+        A query is refused when the wait at its stages is over what the SLO leaves it after its
+        own service (:func:`~controlplane.serving.admission.decide`); the wait does not depend
+        on its size and its service grows with it, so a query that every candidate gear refuses
+        at one sample is refused whatever its size: that is the check here (``by_every_gear``),
+        which the API makes before it reads and decodes a body
+        (:mod:`controlplane.api.fast_infer`). Past saturation most queries are refused, and a
+        refusal that had decoded its body cost the serving loop about what an answer costs,
+        which it took from the queries it serves."""
+        if self._closed or not self.settings.admission:
+            return
+        gear = self.current_gear()
+        try:
+            self._check_serving(gear.cascade)
+        except NoServingInstanceError:
+            return  # submit answers that (503), with the query's own size
+        try:
+            self._admit(gear, 1, by_every_gear=True)
+        except OverloadedError as error:
+            now = self.clock_s()
+            arrival_s = now if received_s is None else min(received_s, now)
+            self.observations.arrival(self.app, now)
+            outcome = outcome_of(error)
+            if outcome is not None:
+                self.observations.ended_in_error(self.app, now, outcome, (now - arrival_s) * 1000.0)
+            raise
+
     def unserved(self) -> str | None:
         """Why a query arriving now would be refused for want of a worker (503), or None when
         every model of the gear in force has a healthy one."""
@@ -541,7 +572,11 @@ class AppDispatcher:
                 why = "no running worker" if not workers else "no healthy worker serves it"
                 raise NoServingInstanceError(self.app, model, why)
 
-    def _admit(self, gear: ServingGear, samples: int) -> None:
+    def _admit(self, gear: ServingGear, samples: int, *, by_every_gear: bool = False) -> None:
+        """Admission for a query of ``samples`` samples under ``gear`` (raises the
+        :class:`~controlplane.errors.OverloadedError` that refuses it), judged under the gear of
+        least predicted latency among the candidates; ``by_every_gear``: refused only when every
+        candidate refuses (:meth:`refuse_early`)."""
         queued = sum(s.queued_samples for s in self._stages.values())
         if queued + samples > self.settings.max_queued_samples:
             raise OverloadedError(self.app, math.inf, self.config.slo_ms, 1)
@@ -552,15 +587,19 @@ class AppDispatcher:
         loads = {c: self.variants.loads(c, samples, gear, now) for c in dict.fromkeys(candidates)}
         cascade, best = min(loads.items(), key=lambda item: predicted_latency_ms(item[1]))
         verdict = decide(best, self.config.slo_ms)
-        if not verdict.admitted:
-            # An overload sign for each model the query would have reached (states.py).
-            for model, load in zip(cascade.models, best, strict=True):
-                if load.reach_share > 0:
-                    reached = load.reach_share * samples
-                    self.tracker.refused((self.app, model), now, reached, load.capacity_sps)
-            raise OverloadedError(
-                self.app, verdict.predicted_ms, self.config.slo_ms, verdict.retry_after_s
-            )
+        if verdict.admitted or (
+            by_every_gear
+            and any(decide(load, self.config.slo_ms).admitted for load in loads.values())
+        ):
+            return
+        # An overload sign for each model the query would have reached (states.py).
+        for model, load in zip(cascade.models, best, strict=True):
+            if load.reach_share > 0:
+                reached = load.reach_share * samples
+                self.tracker.refused((self.app, model), now, reached, load.capacity_sps)
+        raise OverloadedError(
+            self.app, verdict.predicted_ms, self.config.slo_ms, verdict.retry_after_s
+        )
 
     def _forward_refused(self, request: _Request, position: int, samples: int, now: float) -> bool:
         """Admission for the part of a query a cascade forwards to its model at ``position``

@@ -335,6 +335,16 @@ class ServingLoop:
             app, inputs, sample_ids, requirements, received, deadline_s
         )
 
+    def refuse_early(self, app: str, received_s: float | None = None) -> None:
+        """Raise the :class:`~controlplane.errors.OverloadedError` that a query of one sample
+        for ``app`` would meet now (:meth:`AppDispatcher.refuse_early`), before its body is read;
+        nothing where that cannot be told yet: no dispatcher made for the app, a rollout moving
+        its traffic (its version decides which dispatcher judges the query)."""
+        dispatcher = self._dispatchers.get(app)
+        if dispatcher is None or (self.routes is not None and self.routes(app) is not None):
+            return
+        dispatcher.refuse_early(received_s)
+
     async def infer_on_spec_version(
         self,
         app: str,

@@ -35,7 +35,7 @@ from controlplane.serving.observations import Observations
 from controlplane.serving.stages import DRAIN_WINDOW_S
 from controlplane.serving.transport import HttpWorkerTransport
 from estimator.fleet import Fleet
-from tests.component.test_oip_routes import live_server
+from tests.component.test_oip_routes import family_request, live_server
 from tests.component.test_serving import (
     LARGE,
     ApiWorld,
@@ -181,6 +181,34 @@ def test_admission_judges_the_queue_at_the_rate_it_drains_not_only_the_profiles(
     run(scenario())
 
 
+def test_a_query_one_sample_of_which_would_be_refused_is_refused_before_its_size_is_known() -> None:
+    """The API asks before it reads a body (refuse_early): refused exactly when a one-sample
+    query would be by submit, recorded as that refusal; otherwise nothing raised or recorded."""
+
+    async def scenario() -> None:
+        worker, dispatcher, first = await held_worker(admission=True, max_queued_samples=2)
+        totals = dispatcher.observations.totals
+        dispatcher.refuse_early()  # an empty queue admits
+        before = totals()["demo"]
+        queued = [dispatcher.submit([row(1, 0.9)]), dispatcher.submit([row(2, 0.9)])]
+        assert totals()["demo"].arrived == before.arrived + 2
+        with pytest.raises(OverloadedError):
+            dispatcher.submit([row(3, 0.9)])
+        refused = totals()["demo"]
+        with pytest.raises(OverloadedError):
+            dispatcher.refuse_early(received_s=time.monotonic())
+        after = totals()["demo"]
+        assert (after.arrived, after.refused) == (refused.arrived + 1, refused.refused + 1)
+        worker.release()
+        assert all(isinstance(r, InferResult) for r in await settle([first, *queued]))
+        dispatcher.refuse_early()  # drained: admitted again, and nothing recorded
+        assert totals()["demo"].arrived == after.arrived
+        await dispatcher.close()
+        await worker.stop()
+
+    run(scenario())
+
+
 # --- the API's middleware --------------------------------------------------------------------
 
 
@@ -315,3 +343,48 @@ def test_a_client_that_goes_away_costs_no_worker_call(
         time.sleep(0.02)
     assert status["totals"]["timed_out"] == 1
     assert worker.received == 1  # only the first, held, query ever reached it
+
+
+def test_past_admission_a_v2_query_is_refused_before_its_body_is_read(
+    served: tuple[ApiWorld, FakeWorker, str],
+) -> None:
+    """A service past saturation does not decode what it refuses: with the worker held and the
+    queue full, a /v2 query whose body is not even JSON is answered 429 in the protocol's shape
+    (its body never read), where the same body is a 400 while queries are admitted."""
+    world, worker, url = served
+    token = world.tokens["infer"]
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    oip = f"{url}/v2/models/demo/infer"
+    # Admission on, with room for one queued query; a call held for as long as the test takes.
+    world.serving.settings = dataclasses.replace(
+        world.serving.settings,
+        dispatcher=DispatcherSettings(
+            call_timeout_floor_s=60.0, idle_probe_s=None, admission=True, max_queued_samples=1
+        ),
+    )
+    malformed = httpx.post(oip, content=b"{not json", headers=headers, trust_env=False)
+    assert malformed.status_code == 400, malformed.text
+    worker.hang = True  # the next query holds the worker; one more fills the queue
+    held = []
+    for value in (1, 2):
+        thread = threading.Thread(
+            target=lambda v=value: httpx.post(
+                oip,
+                json=family_request([row(v, 0.9)]),
+                headers=headers,
+                trust_env=False,
+                timeout=30.0,
+            ),
+            daemon=True,
+        )
+        thread.start()
+        held.append(thread)
+    deadline = time.monotonic() + 20.0
+    while _serving(url, world)["stages"][0]["queued_queries"] < 1:
+        assert time.monotonic() < deadline, "the second query never queued"
+        time.sleep(0.02)
+    refused = httpx.post(oip, content=b"{not json", headers=headers, trust_env=False)
+    assert refused.status_code == 429, refused.text
+    assert set(refused.json()) == {"error"} and "overloaded" in refused.json()["error"]
+    assert int(refused.headers["retry-after"]) >= 1
+    assert worker.received == 1  # the held query only
