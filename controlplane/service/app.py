@@ -24,7 +24,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
-from starlette.types import Scope
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane import __version__
 from controlplane.api.counters import RequestCounter, RequestCountingMiddleware
@@ -166,7 +166,7 @@ def create_app(
             if serving is not None:
                 await serving.stop()
 
-    app = FastAPI(
+    app = ServiceApp(
         title="heteroplane",
         version=__version__,
         description=_DESCRIPTION,
@@ -186,18 +186,18 @@ def create_app(
     # clock), before the body is read and the token checked in the thread pool.
     clock_s = serving.clock.now_s if serving is not None else time.monotonic
     app.add_middleware(infer.ReceivedAtMiddleware, clock_s=clock_s)
-    # The loops process's feed and observation reads, past FastAPI too
-    # (controlplane.api.fast_internal); inside the inference fast path, which queries never pass.
-    app.add_middleware(FastInternalMiddleware, services=services)
-    # Outermost of ours: the common inference request is answered here, without the layers
-    # below (controlplane.api.fast_infer); anything else passes through unchanged.
-    app.add_middleware(FastInferMiddleware, services=services, clock_s=clock_s)
-    # Outside the fast path too: an inference request whose client has gone is cancelled, and
-    # its query leaves the serving loop's queue (controlplane.api.disconnect).
-    app.add_middleware(CancelOnDisconnect)
+    # In front of FastAPI (ServiceApp), outermost first: a query for an app another serving
+    # process dispatches goes there whole (controlplane.api.forwarding); an inference request
+    # whose client has gone is cancelled, and its query leaves the serving loop's queue
+    # (controlplane.api.disconnect); the common inference request is answered without the
+    # layers behind (controlplane.api.fast_infer); the loops process's feed and observation
+    # reads too (controlplane.api.fast_internal). Anything else passes through unchanged.
+    front: Any = FastInternalMiddleware(app.behind, services=services)
+    front = FastInferMiddleware(front, services=services, clock_s=clock_s)
+    front = CancelOnDisconnect(front)
     if forwarder is not None:
-        # Outermost: a query for an app another serving process dispatches goes there whole.
-        app.add_middleware(ForwardingMiddleware, forwarder=forwarder)
+        front = ForwardingMiddleware(front, forwarder=forwarder)
+    app.front = front
     routers = (health, apps, plans, budget, fleet, events, infer, models, oip, rollouts, internal)
     for module in routers:
         app.include_router(module.router)
@@ -217,6 +217,35 @@ def create_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+class ServiceApp(FastAPI):
+    """FastAPI with a front: the service's own outermost layers (``front``, set by
+    :func:`create_app`) see every HTTP request before FastAPI's, which they reach through
+    :meth:`behind`.
+
+    FastAPI wraps the app's middleware in layers of its own (the server error handler and, in
+    recent versions, telemetry and a body limit: each a frame and a wrapped ``send`` per
+    request). Added with ``add_middleware``, the inference fast path sat inside them, and at a
+    thousand requests a second and more they were about a quarter of the serving loop's time
+    per request, answered or refused. In front, the fast path answers without them; what it
+    passes on takes FastAPI's whole way as before. An exception escaping a front layer (a bug:
+    they answer every failure of a query themselves) is uvicorn's to answer, a 500 and a logged
+    traceback, as it is for an exception in FastAPI's own server error handler."""
+
+    front: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        front = self.front
+        if front is None or scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self  # what the routes' helpers read (its exception handlers)
+        await front(scope, receive, send)
+
+    async def behind(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """FastAPI's own way: its layers, the app's middleware, its routes."""
+        await super().__call__(scope, receive, send)
 
 
 def _reads_own_body(scope: Scope) -> bool:

@@ -92,6 +92,37 @@ def test_the_fast_path_answers_as_the_route_does(world: ApiWorld) -> None:
     assert world.serving.observations.totals()["demo"].answered == 2
 
 
+def test_the_fast_path_answers_in_front_of_fastapis_own_layers(world: ApiWorld) -> None:
+    """The fast path sits in front of FastAPI (ServiceApp's front): a query it answers never
+    enters FastAPI's middleware stack (its server error handler, telemetry and body limit);
+    what it hands on goes the whole way, as every other request does."""
+    entered: list[str] = []
+
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", endpoints(await fleet([LARGE])))
+        app = world.app
+        stack = app.middleware_stack or app.build_middleware_stack()
+
+        async def counted(scope: Any, receive: Any, send: Any) -> None:
+            entered.append(scope["path"])
+            await stack(scope, receive, send)
+
+        app.middleware_stack = counted
+        answer = await client.post(URL, json={"inputs": [row(1, 0.9)]}, headers=world.auth())
+        assert answer.status_code == 200, answer.text
+        oip = await client.post(OIP_URL, json=_oip_request([row(2, 0.9)]), headers=world.auth())
+        assert oip.status_code == 200, oip.text
+        assert entered == []
+        routed = await client.post(
+            URL, json={"inputs": [row(1, 0.5)], "extra": 1}, headers=world.auth()
+        )
+        assert routed.status_code == 422, routed.text  # the route's answer, through FastAPI
+        assert (await client.get("/healthz")).status_code == 200
+        assert entered == [URL, "/healthz"]
+
+    api_run(world, body)
+
+
 @pytest.mark.parametrize(
     ("payload", "status", "field"),
     [
