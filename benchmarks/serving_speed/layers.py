@@ -48,9 +48,8 @@ timings, late).
 - ``asgi_fast_path_refused_us``, ``asgi_oip_fast_path_refused_us``: the fast path's requests of
   ``/v1`` and ``/v2`` when admission refuses them (the serving loop's ``infer`` raises the
   :class:`~controlplane.errors.OverloadedError` admission raises, and its ``refuse_early``
-  too, which the fast path asks first: on ``/v2`` before it reads the body, on ``/v1`` once
-  the JSON is parsed): each answered 429 ``overloaded`` (checked), the answer most requests get
-  past saturation.
+  too, which the fast path asks first, before it reads the body): each answered 429
+  ``overloaded`` (checked), the answer most requests get past saturation.
 - ``uvicorn_http_us``: the CPU of a uvicorn server per request, as ``heteroplane serve`` runs it
   (httptools' protocol and asyncio's loop,
   :func:`~controlplane.service.protocol.server_options`; its socket bound by
@@ -217,7 +216,7 @@ class InstantServing(ServingLoop):
     """A running serving loop whose ``infer`` answers :data:`ANSWER` at once (its
     ``dispatcher_for`` is the real one: the route reads the app's model signature there), or,
     while ``refusing``, refuses as admission does, and as early as the service asks it
-    (``refuse_early``: on ``/v2`` before the body is read)."""
+    (``refuse_early``: before the body is read)."""
 
     refusing = False
 

@@ -35,9 +35,9 @@ dependencies, the token check in the thread pool) were most of ``/v2``'s CPU per
 
 **Admission's refusal** (429 ``overloaded``, :class:`~controlplane.errors.OverloadedError`) comes
 as early as it can be told (:meth:`~controlplane.serving.loop.ServingLoop.refuse_early`: would
-a query of one sample be refused now? Then this one is, whatever its size): on ``/v2`` before
-the body is read and its tensors decoded, on ``/v1`` once its JSON is parsed (a body with INFaaS
-``requirements`` goes to the route, which may choose another variant). It is
+a query of one sample be refused now? Then this one is, whatever its size), before its body is
+read and decoded, on either route (admission does not depend on a query's body: a model-less
+query with INFaaS ``requirements`` is judged by the same rule as a plain one). It is
 written here directly (:func:`send_overloaded`), the body and headers the route's handler gives
 it in either shape, without building a request object, a response and, on ``/v2``, the API's
 body decoded again into the protocol's: past saturation most answers are refusals, and each
@@ -47,10 +47,10 @@ times an answered one in process; ``python -m benchmarks.serving_speed layers`` 
 Anything else (no or unknown token, another scope, a body the fast checks do not accept, INFaaS
 ``requirements``, a body or headers over a limit) goes to FastAPI unchanged, with the body read
 so far handed on: the route then answers exactly as it always did, errors included. The fast
-path never answers an error the route would not, with one exception: a ``/v2`` query refused
-before its body is read is refused (429) whatever its body holds, where the route would have
-found a malformed one first (400 or 413): a service past saturation does not read what it
-refuses.
+path never answers an error the route would not, with one exception: a query refused before
+its body is read is refused (429) whatever its body holds, where the route would have found a
+malformed one, or requirements no variant meets, first (400, 413 or 422): a service past
+saturation does not read what it refuses.
 """
 
 from __future__ import annotations
@@ -278,6 +278,8 @@ class FastInferMiddleware:
         if oip:
             await self._oip(scope, receive, send, match.group(1), header_length)
             return
+        if await self._refused_early(match.group(1), scope[RECEIVED_S], send, oip=False):
+            return
         read_body, more = await read_up_to(receive, self.max_body_bytes)
         if read_body is None:  # the client went away
             return
@@ -295,7 +297,6 @@ class FastInferMiddleware:
         scope.setdefault("path_params", {})["app"] = app
         try:
             received = scope[RECEIVED_S]
-            serving.refuse_early(app, received)
             config = (await serving.dispatcher_for(app, received)).config
             rows = check_inputs(app, config.model_io(config.models[0]), parsed[0])
             result = await serving.infer(
@@ -314,6 +315,17 @@ class FastInferMiddleware:
         self.counter.add(app, 200)
         await send_ok(send, payload, [(b"content-type", b"application/json")])
 
+    async def _refused_early(self, app: str, received: float, send: Send, oip: bool) -> bool:
+        """Whether admission refused the query before its body is read (module docstring):
+        then its 429 is sent and counted here."""
+        try:
+            self.services.serving.refuse_early(app, received)
+        except OverloadedError as error:
+            await send_overloaded(send, error, oip=oip)
+            self.counter.add(app, 429)
+            return True
+        return False
+
     async def _oip(
         self, scope: Scope, receive: Receive, send: Send, app: str, header_length: str | None
     ) -> None:
@@ -325,11 +337,7 @@ class FastInferMiddleware:
         except Exception:  # no such app, nothing served: the route answers
             await self.app(scope, receive, send)
             return
-        try:
-            serving.refuse_early(app, received)
-        except OverloadedError as error:  # before the body is read and decoded
-            await send_overloaded(send, error, oip=True)
-            self.counter.add(app, 429)
+        if await self._refused_early(app, received, send, oip=True):
             return
         limit = body_limit(signature, self.services.settings.oip_body_max_bytes)
         body, more = await read_up_to(receive, limit)

@@ -345,12 +345,13 @@ def test_a_client_that_goes_away_costs_no_worker_call(
     assert worker.received == 1  # only the first, held, query ever reached it
 
 
-def test_past_admission_a_v2_query_is_refused_before_its_body_is_read(
+def test_past_admission_a_query_is_refused_before_its_body_is_read(
     served: tuple[ApiWorld, FakeWorker, str],
 ) -> None:
     """A service past saturation does not decode what it refuses: with the worker held and the
-    queue full, a /v2 query whose body is not even JSON is answered 429 in the protocol's shape
-    (its body never read), where the same body is a 400 while queries are admitted."""
+    queue full, a query whose body is not even JSON is answered 429 (its body never read), in
+    the protocol's shape on /v2 and the API's on /v1, where the same body is a 400 while
+    queries are admitted."""
     world, worker, url = served
     token = world.tokens["infer"]
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
@@ -362,7 +363,10 @@ def test_past_admission_a_v2_query_is_refused_before_its_body_is_read(
             call_timeout_floor_s=60.0, idle_probe_s=None, admission=True, max_queued_samples=1
         ),
     )
+    v1 = f"{url}/v1/apps/demo/infer"
     malformed = httpx.post(oip, content=b"{not json", headers=headers, trust_env=False)
+    assert malformed.status_code == 400, malformed.text
+    malformed = httpx.post(v1, content=b"{not json", headers=headers, trust_env=False)
     assert malformed.status_code == 400, malformed.text
     worker.hang = True  # the next query holds the worker; one more fills the queue
     held = []
@@ -387,4 +391,7 @@ def test_past_admission_a_v2_query_is_refused_before_its_body_is_read(
     assert refused.status_code == 429, refused.text
     assert set(refused.json()) == {"error"} and "overloaded" in refused.json()["error"]
     assert int(refused.headers["retry-after"]) >= 1
+    refused = httpx.post(v1, content=b"{not json", headers=headers, trust_env=False)
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "overloaded"
     assert worker.received == 1  # the held query only
