@@ -37,6 +37,7 @@ from uvicorn.server import ServerState
 
 from controlplane.loops.scheduler import SkippedRunsAtDebug
 from controlplane.service.protocol import HeadLimitedHttpToolsProtocol, server_options
+from tests.recording_transport import RecordingTransport
 
 # Checked on uvicorn 0.29.0 and 0.40.0 (their source read for the names below) and 0.54.0 (these
 # tests and the limits' integration tests); pyproject.toml: uvicorn>=0.29,<0.55.
@@ -78,35 +79,6 @@ def test_uvicorn_is_within_the_checked_range_and_has_the_callbacks_we_override()
     assert "h11_max_incomplete_event_size" in inspect.signature(uvicorn.Config).parameters
 
 
-class _Transport(asyncio.Transport):
-    """Enough of a socket's transport for the protocol to take a request head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written = bytearray()
-        self.closed = False
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(
-            name, default
-        )
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.written += data
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def close(self) -> None:
-        self.closed = True
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
 async def _app(scope: Any, receive: Any, send: Any) -> None:
     pass
 
@@ -123,7 +95,7 @@ def test_uvicorns_httptools_protocol_has_the_state_our_limits_read() -> None:
             config=config, server_state=ServerState(), app_state={}
         )
         assert isinstance(protocol, HttpToolsProtocol)
-        transport = _Transport()
+        transport = RecordingTransport()
         protocol.connection_made(transport)
         protocol.data_received(b"POST /v1/x HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nab")
         assert protocol.loop is asyncio.get_running_loop()

@@ -12,37 +12,9 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from controlplane.service.protocol import HeldHeadTransport, server_options
+from tests.recording_transport import RecordingTransport
 
 REQUEST = b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n"
-
-
-class _Recording(asyncio.Transport):
-    """A socket's transport that records each write (what one system call would send)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[bytes] = []
-        self.closed = False
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(
-            name, default
-        )
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.writes.append(bytes(data))
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def close(self) -> None:
-        self.closed = True
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
 
 
 def _serve(app: Any, scenario: Any) -> None:
@@ -52,7 +24,7 @@ def _serve(app: Any, scenario: Any) -> None:
         protocol = config.http_protocol_class(  # type: ignore[call-arg]
             config=config, server_state=ServerState(), app_state={}
         )
-        transport = _Recording()
+        transport = RecordingTransport()
         protocol.connection_made(transport)
         try:
             await scenario(protocol, transport)
@@ -75,7 +47,7 @@ def test_an_answer_sent_at_once_is_one_write_of_head_and_body() -> None:
         )
         await send({"type": "http.response.body", "body": b"hello"})
 
-    async def scenario(protocol: Any, transport: _Recording) -> None:
+    async def scenario(protocol: Any, transport: RecordingTransport) -> None:
         protocol.data_received(REQUEST)
         await _turns()
         assert len(transport.writes) == 1, transport.writes
@@ -96,7 +68,7 @@ def test_a_streamed_answers_head_goes_out_at_the_end_of_its_turn() -> None:
         await go_on.wait()
         await send({"type": "http.response.body", "body": b"late", "more_body": False})
 
-    async def scenario(protocol: Any, transport: _Recording) -> None:
+    async def scenario(protocol: Any, transport: RecordingTransport) -> None:
         protocol.data_received(REQUEST)
         await _turns()
         assert len(transport.writes) == 1
@@ -111,7 +83,7 @@ def test_a_streamed_answers_head_goes_out_at_the_end_of_its_turn() -> None:
 
 def test_a_close_sends_what_is_held_first_and_nothing_goes_to_a_closed_socket() -> None:
     async def scenario() -> None:
-        transport = _Recording()
+        transport = RecordingTransport()
         held = HeldHeadTransport(transport, asyncio.get_running_loop())
         held.write(b"head")
         assert transport.writes == [] and not held.is_closing()
@@ -120,7 +92,7 @@ def test_a_close_sends_what_is_held_first_and_nothing_goes_to_a_closed_socket() 
         await _turns()  # the end-of-turn flush finds nothing held
         assert transport.writes == [b"head"]
 
-        gone = _Recording()
+        gone = RecordingTransport()
         late = HeldHeadTransport(gone, asyncio.get_running_loop())
         late.write(b"head")
         gone.closed = True  # the client went before the turn ended
