@@ -222,7 +222,7 @@ class InstantServing(ServingLoop):
 
     def refuse_early(self, app: str, received_s: float | None = None) -> None:
         if self.refusing:
-            raise OverloadedError(app, predicted_ms=900.0, slo_ms=300.0, retry_after_s=1)
+            raise _refusal(app)
 
     async def infer(
         self,
@@ -235,8 +235,13 @@ class InstantServing(ServingLoop):
         request_id: str | None = None,
     ) -> InferResult:
         if self.refusing:
-            raise OverloadedError(app, predicted_ms=900.0, slo_ms=300.0, retry_after_s=1)
+            raise _refusal(app)
         return ANSWER
+
+
+def _refusal(app: str) -> OverloadedError:
+    """Admission's refusal, as :class:`InstantServing` raises it."""
+    return OverloadedError(app, predicted_ms=900.0, slo_ms=300.0, retry_after_s=1)
 
 
 def profiles_csv(folder: Path) -> Path:

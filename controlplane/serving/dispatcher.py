@@ -506,9 +506,7 @@ class AppDispatcher:
             if self.settings.admission:
                 self._admit(gear, n)
         except ServingError as error:
-            outcome = outcome_of(error)
-            if outcome is not None:
-                self.observations.ended_in_error(app, now, outcome, (now - arrival_s) * 1000.0)
+            self._ended_at_entry(error, now, arrival_s)
             raise
         loop = asyncio.get_running_loop()
         future: asyncio.Future[InferResult] = loop.create_future()
@@ -547,12 +545,15 @@ class AppDispatcher:
             self._admit(gear, 1, by_every_gear=True)
         except OverloadedError as error:
             now = self.clock_s()
-            arrival_s = now if received_s is None else min(received_s, now)
             self.observations.arrival(self.app, now)
-            outcome = outcome_of(error)
-            if outcome is not None:
-                self.observations.ended_in_error(self.app, now, outcome, (now - arrival_s) * 1000.0)
+            self._ended_at_entry(error, now, now if received_s is None else min(received_s, now))
             raise
+
+    def _ended_at_entry(self, error: ServingError, now: float, arrival_s: float) -> None:
+        """Record a query that ``error`` ended on its way in (its arrival recorded already)."""
+        outcome = outcome_of(error)
+        if outcome is not None:
+            self.observations.ended_in_error(self.app, now, outcome, (now - arrival_s) * 1000.0)
 
     def unserved(self) -> str | None:
         """Why a query arriving now would be refused for want of a worker (503), or None when
