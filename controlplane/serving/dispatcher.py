@@ -524,7 +524,8 @@ class AppDispatcher:
     def refuse_early(self, received_s: float | None = None) -> None:
         """Raise the :class:`~controlplane.errors.OverloadedError` that :meth:`submit` would
         raise now for a query of one sample (recorded as that refusal would be); nothing, and
-        nothing recorded, when such a query would be admitted, or refused for another reason.
+        nothing recorded, when such a query would be admitted, or refused for another reason,
+        or when nothing is queued (then submit's own check is the only one a query costs).
 
         A query is refused when the wait at its stages is over what the SLO leaves it after its
         own service (:func:`~controlplane.serving.admission.decide`); the wait does not depend
@@ -535,6 +536,10 @@ class AppDispatcher:
         refusal that had decoded its body cost the serving loop about what an answer costs,
         which it took from the queries it serves."""
         if self._closed or not self.settings.admission:
+            return
+        if not any(stage.queued_samples for stage in self._stages.values()):
+            # Nothing queued: the common case below saturation, where submit judges the query
+            # anyway (a wait for busy instances alone is left to it: rare, and not refused early).
             return
         gear = self.current_gear()
         try:
