@@ -124,6 +124,7 @@ class LoopsProcess:
         self._process: subprocess.Popen[bytes] | _ForkedChild | None = None
         self._mutex = threading.Lock()
         self._stopping = threading.Event()
+        self._signalled = False
         self._thread: threading.Thread | None = None
 
     @property
@@ -139,14 +140,26 @@ class LoopsProcess:
         self._thread = threading.Thread(target=self._supervise, name="loops-process", daemon=True)
         self._thread.start()
 
-    def stop(self, signum: int = signal.SIGTERM) -> None:
-        """Stop supervising, send the child ``signum`` and wait for it (killed past
-        :data:`STOP_WAIT_S`); then close the child's listening socket. Safe to call twice."""
+    def begin_stop(self, signum: int = signal.SIGTERM) -> None:
+        """Stop supervising and send the child ``signum`` without waiting for it, so that it
+        finishes its running jobs while the serving process drains its requests (a signal
+        handler's call: it does not block). :meth:`stop` then waits; once is enough."""
         self._stopping.set()
         with self._mutex:
-            process = self._process
+            process, self._signalled = self._process, True
         if process is not None and process.poll() is None:
             process.send_signal(signum)
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Stop supervising, send the child ``signum`` (unless :meth:`begin_stop` has) and wait for
+        it (killed past :data:`STOP_WAIT_S`); then close the child's listening socket. Safe to
+        call twice."""
+        self._stopping.set()
+        with self._mutex:
+            process, signalled = self._process, self._signalled
+        if process is not None and process.poll() is None:
+            if not signalled:
+                process.send_signal(signum)
             try:
                 process.wait(timeout=STOP_WAIT_S)
             except subprocess.TimeoutExpired:

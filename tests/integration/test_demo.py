@@ -36,6 +36,7 @@ import httpx
 import pytest
 
 from controlplane.cli import main
+from controlplane.cli.loops_process import STOP_WAIT_S
 from controlplane.db.lease import lock_sqlite_database
 from controlplane.db.store import Store
 from provisioners.local import LocalProvisioner
@@ -45,7 +46,9 @@ from tests.readme_blocks import README, Block, BlockRunner, readme_blocks
 REPO = Path(__file__).resolve().parents[2]
 # The profiles are measured through real workers before the service listens.
 START_DEADLINE_S = 300.0
-STOP_DEADLINE_S = 30.0
+# A stop waits for the loops child's running jobs (up to STOP_WAIT_S, then it is killed) while
+# the requests in flight drain: past that, and a margin for a busy machine, it hangs.
+STOP_DEADLINE_S = STOP_WAIT_S + 30.0
 # A README block: its commands may start workers and wait for them (profile run, --wait).
 BLOCK_TIMEOUT_S = 600.0
 PROFILE_SAMPLES = "3"

@@ -1,0 +1,36 @@
+"""``heteroplane serve``'s server signals its loops child as soon as a signal stops it, so that
+the child's running jobs finish while the requests in flight drain (not one after the other)."""
+
+from __future__ import annotations
+
+import signal
+
+import uvicorn
+
+from controlplane.cli.serve import _Server
+
+
+class _Loops:
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+    def begin_stop(self, signum: int) -> None:
+        self.signals.append(signum)
+
+
+async def _app(scope: object, receive: object, send: object) -> None:  # never called
+    raise AssertionError
+
+
+def test_the_stopping_signal_reaches_the_loops_child_at_once() -> None:
+    loops = _Loops()
+    server = _Server(uvicorn.Config(_app), loops)  # type: ignore[arg-type]
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.should_exit and not server.force_exit
+    assert loops.signals == [signal.SIGTERM]
+
+
+def test_without_a_loops_child_the_server_stops_as_uvicorn_does() -> None:
+    server = _Server(uvicorn.Config(_app), None)
+    server.handle_exit(signal.SIGINT, None)
+    assert server.should_exit
