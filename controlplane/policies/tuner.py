@@ -99,6 +99,7 @@ __all__ = [
     "load_factors",
     "planning_envelope",
     "ready_fleets",
+    "rise_ahead",
     "tune",
     "utilisation_target",
 ]
@@ -132,6 +133,17 @@ _TARGET_CACHE_SIZE = 4096
 # arrivals; on fewer it keeps the planned burstiness. The estimate of a CV^2 of 4 on 2,000 gaps
 # is within about 15% (one standard deviation), well inside the factor of two between sizings.
 BURSTINESS_MIN_GAPS = 2000
+# Lead on a rise (:func:`rise_ahead`): the recent span in RISE_BINS bins, a line through their
+# counts whose slope is over RISE_Z standard errors and whose residuals' chi-square is within
+# RISE_FIT_CHI2 (the 99th percentile for the line's RISE_BINS - 2 = 4 degrees of freedom), each
+# bin's variance a renewal count's plus RISE_FIT_SLACK of the count squared; nothing is read on
+# fewer than RISE_MIN_ARRIVALS; the load ahead is at most RISE_MAX_GROWTH times the load now.
+RISE_BINS = 6
+RISE_Z = 2.0
+RISE_FIT_CHI2 = 13.28
+RISE_FIT_SLACK = 0.05
+RISE_MIN_ARRIVALS = 300
+RISE_MAX_GROWTH = 2.0
 
 Action = Literal["scale_up", "scale_down", "budget_capped"]
 
@@ -407,6 +419,9 @@ class TunerConfig:
     # (:func:`estimator.envelope.recurring_envelope`; the replay and the live tuner use
     # DEFAULT_PERSISTENCE_S); None reads every burst as load, InferLine's envelope as written.
     persistence_s: float | None = None
+    # A laddered stage sizes for the load one boot ahead while the recent arrivals rise
+    # steadily (:func:`rise_ahead`; docs/tuner.md, "Lead on a rise"); False: the load now.
+    lead_on_rise: bool = True
 
     def __post_init__(self) -> None:
         windows = tuple(_finite("a window", w, strict=True) for w in self.windows_s)
@@ -1373,6 +1388,59 @@ class _Reading:
         )
 
 
+def rise_ahead(
+    arrival_s: ArrayLike, now_s: float, span_s: float, horizon_s: float, cv2: float
+) -> tuple[float, str]:
+    """How much higher the arrival rate will be ``horizon_s`` from ``now_s`` if it goes on rising
+    as it rose over the last ``span_s`` (a factor over the rate at ``now_s``, >= 1, at most
+    :data:`RISE_MAX_GROWTH`), and the reason's text (empty: 1.0, no steady rise).
+
+    The span's arrivals are counted in :data:`RISE_BINS` bins and a line fitted to the counts;
+    the load rises steadily when the line's slope is over :data:`RISE_Z` standard errors and the
+    line fits (the residuals' chi-square within :data:`RISE_FIT_CHI2`). A bin's variance is that
+    of a renewal count, ``cv2`` (at least 1) times the count, plus :data:`RISE_FIT_SLACK` of the
+    count squared (a daily cycle's flank is not quite a line). A rise, or a daily cycle's rising
+    flank, passes; a step or a spike (a jump, not a line), noise and a fall do not. The rate then
+    goes on along the line: growth = (r + slope horizon) / r, r the line's rate at ``now_s``.
+
+    >>> rng = np.random.default_rng(1)
+    >>> rising = np.sort(rng.uniform(0.0, 60.0, 6000) ** 0.5 * 60.0 ** 0.5)  # rate ~ t
+    >>> growth, why = rise_ahead(rising, 60.0, 60.0, 30.0, 1.0)
+    >>> bool(1.4 < growth < 1.6), why.startswith("rising")
+    (True, True)
+    >>> rise_ahead(np.sort(rng.uniform(0.0, 60.0, 6000)), 60.0, 60.0, 30.0, 1.0)
+    (1.0, '')
+    """
+    arrivals = np.ascontiguousarray(arrival_s, dtype=np.float64)
+    width = span_s / RISE_BINS
+    edges = now_s - width * np.arange(RISE_BINS, -1, -1, dtype=np.float64)
+    counts = np.diff(np.searchsorted(arrivals, edges, side="right")).astype(np.float64)
+    if counts.sum() < RISE_MIN_ARRIVALS:
+        return 1.0, ""
+    x = edges[:-1] + width / 2.0 - now_s  # the bins' middles, s before now
+    dx = x - x.mean()
+    sxx = float(dx @ dx)
+    slope = float(dx @ (counts - counts.mean())) / sxx  # arrivals a bin, per s
+    fit = counts.mean() + slope * dx
+    if slope <= 0.0 or fit.min() <= 0.0:
+        return 1.0, ""
+    var = max(float(cv2), 1.0) if math.isfinite(cv2) else 1.0
+    variance = var * fit + (RISE_FIT_SLACK * fit) ** 2
+    error = math.sqrt(float((dx * dx) @ variance)) / sxx
+    misfit = float(((counts - fit) ** 2 / variance).sum())
+    if slope <= RISE_Z * error or misfit > RISE_FIT_CHI2:
+        return 1.0, ""
+    now_qps = (counts.mean() + slope * (0.0 - x.mean())) / width
+    rise_qps = slope / width  # qps per s
+    growth = min(RISE_MAX_GROWTH, (now_qps + rise_qps * horizon_s) / now_qps)
+    why = (
+        f"rising: {rise_qps:.3g} qps a second over the last {span_s:g} s "
+        f"({', '.join(str(int(c)) for c in counts)} arrivals a {width:g} s), "
+        f"x{growth:.3g} in {horizon_s:g} s (a boot)"
+    )
+    return growth, why
+
+
 def _sized(
     plan: TunerStage, planned_qps: tuple[float, ...], live_cv2: tuple[float, int] | None
 ) -> tuple[TunerStage, tuple[float, ...], str]:
@@ -1489,6 +1557,23 @@ def tune(
             live_cv2.append(arrival_cv2(arrivals))
         return _sized(plan, config.planned_rate_qps, live_cv2[0] if live_cv2 else None)
 
+    leads: dict[float, tuple[float, str]] = {}
+
+    def lead(plan: TunerStage) -> tuple[float, str]:
+        # The load one boot ahead, on a steady rise: the boot of the stage's quickest type (the
+        # soonest an addition serves; the slowest's, a GPU's minute, bought too much on the
+        # tuning seed's daily cycles: docs/tuner.md, "Lead on a rise").
+        watched = math.inf if state.started_s is None else now - state.started_s
+        if not config.lead_on_rise or watched < config.recent_s:
+            return 1.0, ""  # a span not watched whole reads as a rise from nothing
+        horizon = min((config.boot_s[t] for t in plan.rate_per_instance_qps), default=0.0)
+        if horizon not in leads:
+            if not live_cv2:
+                live_cv2.append(arrival_cv2(arrivals))
+            cv2 = live_cv2[0][0]
+            leads[horizon] = rise_ahead(arrivals, now, config.recent_s, horizon, cv2)
+        return leads[horizon]
+
     tick = _Tick(
         now_s=now,
         config=config,
@@ -1507,12 +1592,18 @@ def tune(
             # The planning trace at f_live times its rate has an envelope over the live one at
             # every window: the planner's capacity for it serves the live traffic.
             plan, planned, burst_why = sized(plan)
-            if _short_qps(plan.capacity_at_load_qps(reading_down(planned).f_live), capacity) == 0:
+            growth, lead_why = lead(plan)
+            whole = reading_down(planned).f_live * growth
+            if _short_qps(plan.capacity_at_load_qps(whole), capacity) == 0:
                 continue  # not short even on the whole envelope
             up = reading_up(planned)
-            target = plan.capacity_at_load_qps(up.f_live)
+            target = plan.capacity_at_load_qps(up.f_live * growth)
             if _short_qps(target, capacity) > 0.0:
                 text = f"{up.load_why}; the planner's capacity at that load {target:.6g} qps"
+                if lead_why:
+                    text = (
+                        f"{up.load_why}; {lead_why}; the planner's capacity there {target:.6g} qps"
+                    )
                 if burst_why:
                     text = f"{text}; {burst_why}"
                 if up.exceed_why:
@@ -1567,7 +1658,11 @@ def tune(
                 else:
                     plan, planned, burst_why = sized(plan)
                     read = reading_down(planned)
-                    needed = plan.capacity_at_load_qps(read.f_live)
+                    # Not below what a rise will need in a boot: what the lead bought stays.
+                    growth, lead_why = lead(plan)
+                    needed = plan.capacity_at_load_qps(read.f_live * growth)
+                    if lead_why:
+                        burst_why = f"{burst_why}; {lead_why}" if burst_why else lead_why
                 why = (
                     f"scale_down: {quiet_s:.6g} s since the last change >= "
                     f"{config.scale_down_delay_s:g} s; over the last {config.recent_s:g} s "

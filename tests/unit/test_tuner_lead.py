@@ -1,0 +1,102 @@
+"""Lead on a rise: while the recent arrivals rise steadily the tuner sizes a laddered stage for
+the load one boot ahead (:func:`controlplane.policies.tuner.rise_ahead`), so that what it
+launches is serving when the load gets there; a step, a spike, noise and a fall buy no lead."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from controlplane.policies.tuner import (
+    RISE_MAX_GROWTH,
+    TunerConfig,
+    initial_state,
+    rise_ahead,
+    tune,
+)
+from tests.unit.test_tuner_ladder import config, stage
+
+
+def ramp(start_qps: float, slope_qps_per_s: float, end_s: float) -> np.ndarray:
+    """Arrivals at the rate start + slope t, exactly (the n-th where the count reaches n)."""
+    a, b = start_qps, slope_qps_per_s
+    total = a * end_s + b * end_s**2 / 2.0
+    n = np.arange(int(total))
+    return (-a + np.sqrt(a * a + 2.0 * b * n)) / b
+
+
+def poisson(rate_qps: float, start_s: float, end_s: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.uniform(start_s, end_s, rng.poisson(rate_qps * (end_s - start_s))))
+
+
+def test_a_steady_rise_is_followed_one_boot_ahead() -> None:
+    # 100 qps rising by 2 qps a second: 220 at 60 s, 280 thirty seconds later.
+    growth, why = rise_ahead(ramp(100.0, 2.0, 60.0), 60.0, 60.0, 30.0, 1.0)
+    assert growth == pytest.approx(280.0 / 220.0, rel=0.01)
+    assert why.startswith("rising:") and "in 30 s" in why
+
+
+def test_the_lead_is_capped() -> None:
+    growth, _why = rise_ahead(ramp(1.0, 20.0, 60.0), 60.0, 60.0, 600.0, 1.0)
+    assert growth == RISE_MAX_GROWTH
+
+
+@pytest.mark.parametrize(
+    "arrivals",
+    [
+        pytest.param(poisson(200.0, 0.0, 60.0, 1), id="flat"),
+        # A step at 25 s, or a spike in the last ten seconds: jumps, not a line.
+        pytest.param(np.concatenate([poisson(100, 0, 25, 2), poisson(300, 25, 60, 3)]), id="step"),
+        pytest.param(np.concatenate([poisson(100, 0, 50, 4), poisson(400, 50, 60, 5)]), id="spike"),
+        pytest.param(60.0 - ramp(100.0, 2.0, 60.0)[::-1], id="fall"),
+        pytest.param(poisson(2.0, 0.0, 60.0, 6), id="too few arrivals"),
+    ],
+)
+def test_no_steady_rise_no_lead(arrivals: np.ndarray) -> None:
+    assert rise_ahead(np.sort(arrivals), 60.0, 60.0, 60.0, 1.0) == (1.0, "")
+
+
+def test_a_bursty_stream_needs_a_larger_rise() -> None:
+    # The same gentle rise read at CV^2 1 and at CV^2 8: the bursts could make it up.
+    arrivals = ramp(200.0, 0.7, 60.0)
+    assert rise_ahead(arrivals, 60.0, 60.0, 60.0, 1.0)[0] > 1.0
+    assert rise_ahead(arrivals, 60.0, 60.0, 60.0, 8.0) == (1.0, "")
+
+
+def _decisions(cfg: TunerConfig, arrivals: np.ndarray, until_s: float) -> list[tuple]:
+    plan = stage()
+    state = initial_state([plan], now_s=0.0)
+    made = []
+    for now in np.arange(1.0, until_s + 1.0):
+        seen = arrivals[arrivals <= now]
+        decisions, state = tune(seen, float(now), state, [plan], cfg)
+        made += [(d.at_s, d.action, d.instance_type, d.reason) for d in decisions]
+    return made
+
+
+def test_on_a_rise_the_tuner_launches_sooner_and_keeps_what_it_launched() -> None:
+    # Planned at 32 qps on 4 cpu (40 qps), one gpu (100 qps, 60 s boot) at twice the load; the
+    # load rises from 16 qps by 0.2 qps a second, past 32 qps at 80 s.
+    arrivals = ramp(16.0, 0.2, 240.0)
+    led = _decisions(config(), arrivals, 200.0)
+    plain = _decisions(dataclasses.replace(config(), lead_on_rise=False), arrivals, 200.0)
+    gpu_led = next(m for m in led if m[1:3] == ("scale_up", "gpu"))
+    gpu_plain = next(m for m in plain if m[1:3] == ("scale_up", "gpu"))
+    assert gpu_led[0] < gpu_plain[0]
+    assert "rising:" in gpu_led[3] and "rising:" not in gpu_plain[3]
+    # Nothing the lead bought is stopped while the load still rises, and nothing is launched
+    # twice: one gpu, then the cpus stop once it serves.
+    assert [m[2] for m in led if m[1] == "scale_up" and m[0] >= gpu_led[0]] == ["gpu"]
+    assert all(m[2] == "cpu" for m in led if m[1] == "scale_down" and m[0] >= gpu_led[0])
+
+
+def test_the_lead_waits_until_the_span_was_watched_whole() -> None:
+    # From the tuner's start the earlier thirds hold nothing: not a rise from nothing.
+    arrivals = poisson(30.0, 0.0, 30.0, 7)
+    plan = stage()
+    state = initial_state([plan], now_s=0.0)
+    decisions, _state = tune(arrivals, 30.0, state, [plan], config())
+    assert all("rising" not in d.reason for d in decisions)
