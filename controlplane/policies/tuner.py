@@ -51,6 +51,10 @@ windows (:func:`equivalent_loads`: the rate multiple of the planning trace that 
 the longest window's, and rho(f_L) the planner's provisioning ratio at f_L, read off the curve of
 the planner's capacity by load (:meth:`TunerStage.capacity_for_loads_qps`,
 :mod:`controlplane.policies.capacity_curve`).
+
+The trend (a laddered stage; docs/tuner.md, "Lead on a rise"): while the recent arrivals rise
+steadily the equivalent load is read a boot ahead (:func:`rise_ahead`), while they fall steadily
+as the load now rather than the memory's highest (:func:`fall_now`).
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ __all__ = [
     "TunerState",
     "default_boot_s",
     "equivalent_loads",
+    "fall_now",
     "fleet_cost_usd_per_hr",
     "initial_state",
     "ladder_fleet",
@@ -422,6 +427,9 @@ class TunerConfig:
     # A laddered stage sizes for the load one boot ahead while the recent arrivals rise
     # steadily (:func:`rise_ahead`; docs/tuner.md, "Lead on a rise"); False: the load now.
     lead_on_rise: bool = True
+    # A laddered stage whose recent arrivals fall steadily is sized for the load now rather than
+    # the memory's highest (:func:`fall_now`; docs/tuner.md, "Lead on a rise").
+    follow_fall: bool = True
 
     def __post_init__(self) -> None:
         windows = tuple(_finite("a window", w, strict=True) for w in self.windows_s)
@@ -1388,6 +1396,64 @@ class _Reading:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _Line:
+    """A line fitted to the arrivals' counts in the bins of a span (:func:`_steady_line`): its
+    rate at the span's end and at its oldest bin's middle (qps), its slope (qps per s), and the
+    counts (the reasons quote them)."""
+
+    now_qps: float
+    first_qps: float
+    slope_qps_per_s: float
+    counts: tuple[int, ...]
+    width_s: float
+
+    def text(self, span_s: float) -> str:
+        counts = ", ".join(str(c) for c in self.counts)
+        return (
+            f"{abs(self.slope_qps_per_s):.3g} qps a second over the last {span_s:g} s "
+            f"({counts} arrivals a {self.width_s:g} s)"
+        )
+
+
+def _steady_line(arrival_s: ArrayLike, now_s: float, span_s: float, cv2: float) -> _Line | None:
+    """The line through the last ``span_s`` of arrivals when the load moves along it steadily,
+    else None: the span's arrivals counted in :data:`RISE_BINS` bins, a line fitted to the
+    counts, its slope over :data:`RISE_Z` standard errors either way and the line a fit (the
+    residuals' chi-square within :data:`RISE_FIT_CHI2`). A bin's variance is that of a renewal
+    count, ``cv2`` (at least 1) times the count, plus :data:`RISE_FIT_SLACK` of the count squared
+    (a daily cycle's flank is not quite a line). A rise or a fall, or a daily cycle's flank,
+    passes; a step or a spike (a jump, not a line) and noise do not; nothing is read on fewer
+    than :data:`RISE_MIN_ARRIVALS` arrivals, or where the line is not above 0 over the span."""
+    arrivals = np.ascontiguousarray(arrival_s, dtype=np.float64)
+    width = span_s / RISE_BINS
+    edges = now_s - width * np.arange(RISE_BINS, -1, -1, dtype=np.float64)
+    counts = np.diff(np.searchsorted(arrivals, edges, side="right")).astype(np.float64)
+    if counts.sum() < RISE_MIN_ARRIVALS:
+        return None
+    x = edges[:-1] + width / 2.0 - now_s  # the bins' middles, s before now
+    dx = x - x.mean()
+    sxx = float(dx @ dx)
+    slope = float(dx @ (counts - counts.mean())) / sxx  # arrivals a bin, per s
+    fit = counts.mean() + slope * dx
+    now_count = counts.mean() - slope * x.mean()
+    if fit.min() <= 0.0 or now_count <= 0.0:
+        return None
+    var = max(float(cv2), 1.0) if math.isfinite(cv2) else 1.0
+    variance = var * fit + (RISE_FIT_SLACK * fit) ** 2
+    error = math.sqrt(float((dx * dx) @ variance)) / sxx
+    misfit = float(((counts - fit) ** 2 / variance).sum())
+    if abs(slope) <= RISE_Z * error or misfit > RISE_FIT_CHI2:
+        return None
+    return _Line(
+        now_qps=now_count / width,
+        first_qps=float(fit[0]) / width,
+        slope_qps_per_s=slope / width,
+        counts=tuple(int(c) for c in counts),
+        width_s=width,
+    )
+
+
 def rise_ahead(
     arrival_s: ArrayLike, now_s: float, span_s: float, horizon_s: float, cv2: float
 ) -> tuple[float, str]:
@@ -1395,13 +1461,8 @@ def rise_ahead(
     as it rose over the last ``span_s`` (a factor over the rate at ``now_s``, >= 1, at most
     :data:`RISE_MAX_GROWTH`), and the reason's text (empty: 1.0, no steady rise).
 
-    The span's arrivals are counted in :data:`RISE_BINS` bins and a line fitted to the counts;
-    the load rises steadily when the line's slope is over :data:`RISE_Z` standard errors and the
-    line fits (the residuals' chi-square within :data:`RISE_FIT_CHI2`). A bin's variance is that
-    of a renewal count, ``cv2`` (at least 1) times the count, plus :data:`RISE_FIT_SLACK` of the
-    count squared (a daily cycle's flank is not quite a line). A rise, or a daily cycle's rising
-    flank, passes; a step or a spike (a jump, not a line), noise and a fall do not. The rate then
-    goes on along the line: growth = (r + slope horizon) / r, r the line's rate at ``now_s``.
+    A steady rise is a line through the span's counts (:func:`_steady_line`) that rises; the rate
+    then goes on along it: growth = (r + slope horizon) / r, r the line's rate at ``now_s``.
 
     >>> rng = np.random.default_rng(1)
     >>> rising = np.sort(rng.uniform(0.0, 60.0, 6000) ** 0.5 * 60.0 ** 0.5)  # rate ~ t
@@ -1411,34 +1472,33 @@ def rise_ahead(
     >>> rise_ahead(np.sort(rng.uniform(0.0, 60.0, 6000)), 60.0, 60.0, 30.0, 1.0)
     (1.0, '')
     """
-    arrivals = np.ascontiguousarray(arrival_s, dtype=np.float64)
-    width = span_s / RISE_BINS
-    edges = now_s - width * np.arange(RISE_BINS, -1, -1, dtype=np.float64)
-    counts = np.diff(np.searchsorted(arrivals, edges, side="right")).astype(np.float64)
-    if counts.sum() < RISE_MIN_ARRIVALS:
+    line = _steady_line(arrival_s, now_s, span_s, cv2)
+    if line is None or line.slope_qps_per_s <= 0.0:
         return 1.0, ""
-    x = edges[:-1] + width / 2.0 - now_s  # the bins' middles, s before now
-    dx = x - x.mean()
-    sxx = float(dx @ dx)
-    slope = float(dx @ (counts - counts.mean())) / sxx  # arrivals a bin, per s
-    fit = counts.mean() + slope * dx
-    if slope <= 0.0 or fit.min() <= 0.0:
+    ahead = line.now_qps + line.slope_qps_per_s * horizon_s
+    growth = min(RISE_MAX_GROWTH, ahead / line.now_qps)
+    return growth, f"rising: {line.text(span_s)}, x{growth:.3g} in {horizon_s:g} s (a boot)"
+
+
+def fall_now(arrival_s: ArrayLike, now_s: float, span_s: float, cv2: float) -> tuple[float, str]:
+    """While the arrival rate falls steadily over the last ``span_s`` (a line through the span's
+    counts that falls, :func:`_steady_line`), the line's rate at ``now_s`` over its rate at the
+    span's oldest bin (< 1, at least 1 / :data:`RISE_MAX_GROWTH`), and the reason's text; else
+    (1.0, ""). The memory's envelope holds the rate of a minute ago, the highest of a fall;
+    capacity can be stopped at once, so nothing is led, the load now is read.
+
+    >>> rng = np.random.default_rng(2)
+    >>> flat = rng.uniform(0.0, 60.0, 6000)  # 100 qps
+    >>> fading = 60.0 - rng.uniform(0.0, 60.0, 3000) ** 0.5 * 60.0**0.5  # 100 qps down to 0
+    >>> factor, why = fall_now(np.sort(np.concatenate([flat, fading])), 60.0, 60.0, 1.0)
+    >>> bool(0.45 < factor < 0.6), why.startswith("falling")  # 100 qps now against 192 at 5 s
+    (True, True)
+    """
+    line = _steady_line(arrival_s, now_s, span_s, cv2)
+    if line is None or line.slope_qps_per_s >= 0.0:
         return 1.0, ""
-    var = max(float(cv2), 1.0) if math.isfinite(cv2) else 1.0
-    variance = var * fit + (RISE_FIT_SLACK * fit) ** 2
-    error = math.sqrt(float((dx * dx) @ variance)) / sxx
-    misfit = float(((counts - fit) ** 2 / variance).sum())
-    if slope <= RISE_Z * error or misfit > RISE_FIT_CHI2:
-        return 1.0, ""
-    now_qps = (counts.mean() + slope * (0.0 - x.mean())) / width
-    rise_qps = slope / width  # qps per s
-    growth = min(RISE_MAX_GROWTH, (now_qps + rise_qps * horizon_s) / now_qps)
-    why = (
-        f"rising: {rise_qps:.3g} qps a second over the last {span_s:g} s "
-        f"({', '.join(str(int(c)) for c in counts)} arrivals a {width:g} s), "
-        f"x{growth:.3g} in {horizon_s:g} s (a boot)"
-    )
-    return growth, why
+    factor = max(1.0 / RISE_MAX_GROWTH, line.now_qps / line.first_qps)
+    return factor, f"falling: {line.text(span_s)}, the load now x{factor:.3g} the span's first"
 
 
 def _sized(
@@ -1558,8 +1618,23 @@ def tune(
         return _sized(plan, config.planned_rate_qps, live_cv2[0] if live_cv2 else None)
 
     leads: dict[float, tuple[float, str]] = {}
+    falls: list[tuple[float, str]] = []
 
     def lead(plan: TunerStage) -> tuple[float, str]:
+        """The factor on the equivalent load for the trend (a rise's lead, a fall's load now)."""
+        grown = rise(plan)
+        if grown[1] or not config.follow_fall:
+            return grown
+        watched = math.inf if state.started_s is None else now - state.started_s
+        if watched < config.recent_s:
+            return 1.0, ""
+        if not falls:
+            if not live_cv2:
+                live_cv2.append(arrival_cv2(arrivals))
+            falls.append(fall_now(arrivals, now, config.recent_s, live_cv2[0][0]))
+        return falls[0]
+
+    def rise(plan: TunerStage) -> tuple[float, str]:
         # The load one boot ahead, on a steady rise: the boot of the stage's quickest type (the
         # soonest an addition serves; the slowest's, a GPU's minute, bought too much on the
         # tuning seed's daily cycles: docs/tuner.md, "Lead on a rise").

@@ -1,6 +1,8 @@
 """Lead on a rise: while the recent arrivals rise steadily the tuner sizes a laddered stage for
 the load one boot ahead (:func:`controlplane.policies.tuner.rise_ahead`), so that what it
-launches is serving when the load gets there; a step, a spike, noise and a fall buy no lead."""
+launches is serving when the load gets there; a step, a spike, noise and a fall buy no lead.
+While they fall steadily it sizes for the load now, not the memory's highest
+(:func:`controlplane.policies.tuner.fall_now`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 from controlplane.policies.tuner import (
     RISE_MAX_GROWTH,
     TunerConfig,
+    fall_now,
     initial_state,
     rise_ahead,
     tune,
@@ -100,3 +103,47 @@ def test_the_lead_waits_until_the_span_was_watched_whole() -> None:
     state = initial_state([plan], now_s=0.0)
     decisions, _state = tune(arrivals, 30.0, state, [plan], config())
     assert all("rising" not in d.reason for d in decisions)
+
+
+def falling_ramp(start_qps: float, slope_qps_per_s: float, end_s: float) -> np.ndarray:
+    """Arrivals at the rate start - slope t over [0, end_s], exactly (a rising ramp reversed)."""
+    end_qps = start_qps - slope_qps_per_s * end_s
+    return np.sort(end_s - ramp(end_qps, slope_qps_per_s, end_s))
+
+
+def test_a_steady_fall_is_read_as_the_load_now() -> None:
+    # 220 qps falling by 1 qps a second: 215 at the first bin's middle (5 s), 160 at 60 s.
+    factor, why = fall_now(falling_ramp(220.0, 1.0, 60.0), 60.0, 60.0, 1.0)
+    assert factor == pytest.approx(160.0 / 215.0, rel=0.02)
+    assert why.startswith("falling:")
+    assert rise_ahead(falling_ramp(220.0, 1.0, 60.0), 60.0, 60.0, 30.0, 1.0) == (1.0, "")
+    # A steeper fall is read as at most halved.
+    assert fall_now(falling_ramp(220.0, 3.0, 60.0), 60.0, 60.0, 1.0)[0] == 1.0 / RISE_MAX_GROWTH
+
+
+@pytest.mark.parametrize(
+    "arrivals",
+    [
+        pytest.param(poisson(200.0, 0.0, 60.0, 8), id="flat"),
+        pytest.param(np.concatenate([poisson(300, 0, 25, 9), poisson(100, 25, 60, 10)]), id="step"),
+        pytest.param(ramp(100.0, 2.0, 60.0), id="rise"),
+    ],
+)
+def test_no_steady_fall_no_change(arrivals: np.ndarray) -> None:
+    assert fall_now(np.sort(arrivals), 60.0, 60.0, 1.0) == (1.0, "")
+
+
+def test_on_a_fall_the_tuner_stops_sooner() -> None:
+    # Planned at 32 qps on 4 cpu; the load falls from 40 qps by 0.1 qps a second (to 16 qps at
+    # 240 s). Both first move to the mix of the load (a gpu, then back to cpu at 140 s); after
+    # that the memory's highest rate lags the load now by up to a minute.
+    arrivals = falling_ramp(40.0, 0.1, 240.0)
+    led = _decisions(config(), arrivals, 239.0)
+    plain = _decisions(dataclasses.replace(config(), follow_fall=False), arrivals, 239.0)
+
+    def first_cpu_stop(made: list[tuple]) -> tuple:
+        return next(m for m in made if m[1:3] == ("scale_down", "cpu") and m[0] > 140.0)
+
+    assert first_cpu_stop(led)[0] < first_cpu_stop(plain)[0]
+    assert "falling:" in first_cpu_stop(led)[3]
+    assert all("falling:" not in m[3] for m in plain)
