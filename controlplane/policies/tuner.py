@@ -1415,6 +1415,21 @@ class _Line:
             f"({counts} arrivals a {self.width_s:g} s)"
         )
 
+    def ahead(self, span_s: float, horizon_s: float) -> tuple[float, str]:
+        """:func:`rise_ahead` on this line."""
+        if self.slope_qps_per_s <= 0.0:
+            return 1.0, ""
+        ahead = self.now_qps + self.slope_qps_per_s * horizon_s
+        growth = min(RISE_MAX_GROWTH, ahead / self.now_qps)
+        return growth, f"rising: {self.text(span_s)}, x{growth:.3g} in {horizon_s:g} s (a boot)"
+
+    def now(self, span_s: float) -> tuple[float, str]:
+        """:func:`fall_now` on this line."""
+        if self.slope_qps_per_s >= 0.0:
+            return 1.0, ""
+        factor = max(1.0 / RISE_MAX_GROWTH, self.now_qps / self.first_qps)
+        return factor, f"falling: {self.text(span_s)}, the load now x{factor:.3g} the span's first"
+
 
 def _steady_line(arrival_s: ArrayLike, now_s: float, span_s: float, cv2: float) -> _Line | None:
     """The line through the last ``span_s`` of arrivals when the load moves along it steadily,
@@ -1473,11 +1488,7 @@ def rise_ahead(
     (1.0, '')
     """
     line = _steady_line(arrival_s, now_s, span_s, cv2)
-    if line is None or line.slope_qps_per_s <= 0.0:
-        return 1.0, ""
-    ahead = line.now_qps + line.slope_qps_per_s * horizon_s
-    growth = min(RISE_MAX_GROWTH, ahead / line.now_qps)
-    return growth, f"rising: {line.text(span_s)}, x{growth:.3g} in {horizon_s:g} s (a boot)"
+    return (1.0, "") if line is None else line.ahead(span_s, horizon_s)
 
 
 def fall_now(arrival_s: ArrayLike, now_s: float, span_s: float, cv2: float) -> tuple[float, str]:
@@ -1495,10 +1506,7 @@ def fall_now(arrival_s: ArrayLike, now_s: float, span_s: float, cv2: float) -> t
     (True, True)
     """
     line = _steady_line(arrival_s, now_s, span_s, cv2)
-    if line is None or line.slope_qps_per_s >= 0.0:
-        return 1.0, ""
-    factor = max(1.0 / RISE_MAX_GROWTH, line.now_qps / line.first_qps)
-    return factor, f"falling: {line.text(span_s)}, the load now x{factor:.3g} the span's first"
+    return (1.0, "") if line is None else line.now(span_s)
 
 
 def _sized(
@@ -1612,42 +1620,42 @@ def tune(
             ups[planned] = _Reading.of(without_burst[0], config.windows_s, planned)
         return ups[planned]
 
-    def sized(plan: TunerStage) -> tuple[TunerStage, tuple[float, ...], str]:
-        if not live_cv2 and plan.burstiness and plan.cv2 is not None:
+    def burstiness() -> tuple[float, int]:
+        if not live_cv2:
             live_cv2.append(arrival_cv2(arrivals))
-        return _sized(plan, config.planned_rate_qps, live_cv2[0] if live_cv2 else None)
+        return live_cv2[0]
 
-    leads: dict[float, tuple[float, str]] = {}
-    falls: list[tuple[float, str]] = []
+    def sized(plan: TunerStage) -> tuple[TunerStage, tuple[float, ...], str]:
+        read = burstiness() if plan.burstiness and plan.cv2 is not None else None
+        return _sized(plan, config.planned_rate_qps, read)
 
-    def lead(plan: TunerStage) -> tuple[float, str]:
-        """The factor on the equivalent load for the trend (a rise's lead, a fall's load now)."""
-        grown = rise(plan)
-        if grown[1] or not config.follow_fall:
-            return grown
-        watched = math.inf if state.started_s is None else now - state.started_s
-        if watched < config.recent_s:
+    lines: list[_Line | None] = []
+
+    def trend(plan: TunerStage) -> tuple[float, str]:
+        """The factor on a laddered stage's equivalent load, and the reason's words: on a steady
+        rise the load one boot ahead (:func:`rise_ahead`), on a steady fall the load now
+        (:func:`fall_now`), else (1.0, "")."""
+        if not lines:
+            watched = math.inf if state.started_s is None else now - state.started_s
+            # A span not watched whole would read as a rise from nothing.
+            steady = config.lead_on_rise or config.follow_fall
+            lines.append(
+                _steady_line(arrivals, now, config.recent_s, burstiness()[0])
+                if steady and watched >= config.recent_s
+                else None
+            )
+        line = lines[0]
+        if line is None:
             return 1.0, ""
-        if not falls:
-            if not live_cv2:
-                live_cv2.append(arrival_cv2(arrivals))
-            falls.append(fall_now(arrivals, now, config.recent_s, live_cv2[0][0]))
-        return falls[0]
-
-    def rise(plan: TunerStage) -> tuple[float, str]:
-        # The load one boot ahead, on a steady rise: the boot of the stage's quickest type (the
-        # soonest an addition serves; the slowest's, a GPU's minute, bought too much on the
-        # tuning seed's daily cycles: docs/tuner.md, "Lead on a rise").
-        watched = math.inf if state.started_s is None else now - state.started_s
-        if not config.lead_on_rise or watched < config.recent_s:
-            return 1.0, ""  # a span not watched whole reads as a rise from nothing
-        horizon = min((config.boot_s[t] for t in plan.rate_per_instance_qps), default=0.0)
-        if horizon not in leads:
-            if not live_cv2:
-                live_cv2.append(arrival_cv2(arrivals))
-            cv2 = live_cv2[0][0]
-            leads[horizon] = rise_ahead(arrivals, now, config.recent_s, horizon, cv2)
-        return leads[horizon]
+        if line.slope_qps_per_s > 0.0:
+            if not config.lead_on_rise:
+                return 1.0, ""
+            # The boot of the stage's quickest type: the soonest an addition serves (the
+            # slowest's, a GPU's minute, bought too much on the tuning seed's daily cycles:
+            # docs/tuner.md, "Lead on a rise").
+            horizon = min((config.boot_s[t] for t in plan.rate_per_instance_qps), default=0.0)
+            return line.ahead(config.recent_s, horizon)
+        return line.now(config.recent_s) if config.follow_fall else (1.0, "")
 
     tick = _Tick(
         now_s=now,
@@ -1667,18 +1675,19 @@ def tune(
             # The planning trace at f_live times its rate has an envelope over the live one at
             # every window: the planner's capacity for it serves the live traffic.
             plan, planned, burst_why = sized(plan)
-            growth, lead_why = lead(plan)
-            whole = reading_down(planned).f_live * growth
+            factor, trend_why = trend(plan)
+            whole = reading_down(planned).f_live * factor
             if _short_qps(plan.capacity_at_load_qps(whole), capacity) == 0:
                 continue  # not short even on the whole envelope
             up = reading_up(planned)
-            target = plan.capacity_at_load_qps(up.f_live * growth)
+            target = plan.capacity_at_load_qps(up.f_live * factor)
             if _short_qps(target, capacity) > 0.0:
-                text = f"{up.load_why}; the planner's capacity at that load {target:.6g} qps"
-                if lead_why:
-                    text = (
-                        f"{up.load_why}; {lead_why}; the planner's capacity there {target:.6g} qps"
-                    )
+                where = (
+                    f"{trend_why}; the planner's capacity there"
+                    if trend_why
+                    else ("the planner's capacity at that load")
+                )
+                text = f"{up.load_why}; {where} {target:.6g} qps"
                 if burst_why:
                     text = f"{text}; {burst_why}"
                 if up.exceed_why:
@@ -1734,10 +1743,9 @@ def tune(
                     plan, planned, burst_why = sized(plan)
                     read = reading_down(planned)
                     # Not below what a rise will need in a boot: what the lead bought stays.
-                    growth, lead_why = lead(plan)
-                    needed = plan.capacity_at_load_qps(read.f_live * growth)
-                    if lead_why:
-                        burst_why = f"{burst_why}; {lead_why}" if burst_why else lead_why
+                    factor, trend_why = trend(plan)
+                    needed = plan.capacity_at_load_qps(read.f_live * factor)
+                    burst_why = "; ".join(w for w in (burst_why, trend_why) if w)
                 why = (
                     f"scale_down: {quiet_s:.6g} s since the last change >= "
                     f"{config.scale_down_delay_s:g} s; over the last {config.recent_s:g} s "

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from controlplane.policies.tuner import (
+    ScalingDecision,
     TunerConfig,
     TunerStage,
+    TunerState,
     fleet_cost_usd_per_hr,
     initial_state,
     ladder_fleet,
@@ -69,17 +71,26 @@ def config(
     )
 
 
-def run(plan: TunerStage, cfg: TunerConfig, rate_qps: int, until_s: float) -> list[tuple]:
-    """Tick once a second from 0 to ``until_s`` with ``rate_qps`` arriving from 0; every
-    decision as (at, action, type, count), and the final state's fleet."""
-    arrivals = steady(rate_qps, 0.0, until_s)
+def ticks(
+    plan: TunerStage, cfg: TunerConfig, arrivals: np.ndarray, until_s: float
+) -> tuple[list[ScalingDecision], TunerState]:
+    """Tick once a second from 1 to ``until_s`` with ``arrivals`` seen as they come (the tuner
+    started at 0); every decision, and the final state. The fleet stays within the budget."""
     state = initial_state([plan], now_s=0.0)
-    made = []
+    made: list[ScalingDecision] = []
     for now in np.arange(1.0, until_s + 1.0):
         seen = arrivals[arrivals <= now]
         decisions, state = tune(seen, float(now), state, [plan], cfg)
-        made += [(d.at_s, d.action, d.instance_type, d.count) for d in decisions]
+        made += decisions
         assert fleet_cost_usd_per_hr(state, PRICES) <= cfg.budget_usd_per_hr + 1e-9
+    return made, state
+
+
+def run(plan: TunerStage, cfg: TunerConfig, rate_qps: int, until_s: float) -> list[tuple]:
+    """Tick once a second from 0 to ``until_s`` with ``rate_qps`` arriving from 0; every
+    decision as (at, action, type, count), and the final state's fleet."""
+    decisions, state = ticks(plan, cfg, steady(rate_qps, 0.0, until_s), until_s)
+    made: list[tuple] = [(d.at_s, d.action, d.instance_type, d.count) for d in decisions]
     ready = ready_fleets(state, until_s + 1.0)["m"]
     made.append(("final", {t: n for t, n in ready.items() if n}))
     return made

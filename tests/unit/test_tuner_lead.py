@@ -19,7 +19,7 @@ from controlplane.policies.tuner import (
     rise_ahead,
     tune,
 )
-from tests.unit.test_tuner_ladder import config, stage
+from tests.unit.test_tuner_ladder import config, stage, ticks
 
 
 def ramp(start_qps: float, slope_qps_per_s: float, end_s: float) -> np.ndarray:
@@ -70,14 +70,10 @@ def test_a_bursty_stream_needs_a_larger_rise() -> None:
 
 
 def _decisions(cfg: TunerConfig, arrivals: np.ndarray, until_s: float) -> list[tuple]:
-    plan = stage()
-    state = initial_state([plan], now_s=0.0)
-    made = []
-    for now in np.arange(1.0, until_s + 1.0):
-        seen = arrivals[arrivals <= now]
-        decisions, state = tune(seen, float(now), state, [plan], cfg)
-        made += [(d.at_s, d.action, d.instance_type, d.reason) for d in decisions]
-    return made
+    """Every decision of the tuner on :func:`stage` over ``arrivals``, as (at, action, type,
+    reason)."""
+    decisions, _state = ticks(stage(), cfg, arrivals, until_s)
+    return [(d.at_s, d.action, d.instance_type, d.reason) for d in decisions]
 
 
 def test_on_a_rise_the_tuner_launches_sooner_and_keeps_what_it_launched() -> None:
@@ -97,12 +93,17 @@ def test_on_a_rise_the_tuner_launches_sooner_and_keeps_what_it_launched() -> Non
 
 
 def test_the_lead_waits_until_the_span_was_watched_whole() -> None:
-    # From the tuner's start the earlier thirds hold nothing: not a rise from nothing.
-    arrivals = poisson(30.0, 0.0, 30.0, 7)
+    # The same rising minute, read by a tuner started at its beginning (watched whole) and by
+    # one started half-way through (not yet: its first minute would read as a rise from nothing).
+    arrivals = ramp(16.0, 0.5, 60.0)
     plan = stage()
-    state = initial_state([plan], now_s=0.0)
-    decisions, _state = tune(arrivals, 30.0, state, [plan], config())
-    assert all("rising" not in d.reason for d in decisions)
+    reasons = {}
+    for started_s in (0.0, 30.0):
+        state = initial_state([plan], now_s=started_s)
+        decisions, _state = tune(arrivals, 60.0, state, [plan], config())
+        reasons[started_s] = " ".join(d.reason for d in decisions)
+    assert "rising:" in reasons[0.0]
+    assert "rising:" not in reasons[30.0]
 
 
 def falling_ramp(start_qps: float, slope_qps_per_s: float, end_s: float) -> np.ndarray:
