@@ -12,6 +12,8 @@ the two build the same pipeline from the same plan (docs/planner.md, Cascades).
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -24,14 +26,16 @@ from estimator.policies import full_range_types, policy_class, policy_factory
 from estimator.profiles import LatencyProfile
 from estimator.simulator import InstanceSpec, Stage
 from estimator.traces import Trace
-from matching.policy import DispatchPolicy
+from matching.policy import Dispatch, DispatchPolicy, InstanceView, QueuedQuery, StageContext
 
 __all__ = [
     "MIX_POLICY",
     "SINGLE_TYPE_POLICY",
+    "FleetRulePolicy",
     "answering_stages",
     "dispatch_choice",
     "dispatch_factory",
+    "fleet_dispatch_factory",
     "forward_flags",
     "pipeline_stages",
     "reaching_batch_sizes",
@@ -107,6 +111,90 @@ def dispatch_factory(
     return name, policy_factory(name, dict(profiles), base)
 
 
+def single_type_spans(instances: Sequence[InstanceSpec]) -> tuple[list[float], list[bool]]:
+    """Where the instances serving (``ready_s`` <= t < ``stop_s``) are of one type or none: the
+    times the answer changes (the first 0) and, from each, whether they are.
+
+    >>> single_type_spans([InstanceSpec("a"), InstanceSpec("b", 5.0, 9.0)])
+    ([0.0, 5.0, 9.0], [True, False, True])
+    """
+    changes: dict[float, list[tuple[str, int]]] = {}
+    for spec in instances:
+        changes.setdefault(spec.ready_s, []).append((spec.instance_type, 1))
+        if math.isfinite(spec.stop_s):
+            changes.setdefault(spec.stop_s, []).append((spec.instance_type, -1))
+    serving: dict[str, int] = {}
+    times: list[float] = [0.0]
+    single: list[bool] = [True]
+    for t in sorted(changes):
+        for name, step in changes[t]:
+            serving[name] = serving.get(name, 0) + step
+        now_single = sum(1 for n in serving.values() if n > 0) <= 1
+        if t <= 0.0:
+            single[0] = now_single
+        elif now_single != single[-1]:
+            times.append(t)
+            single.append(now_single)
+    return times, single
+
+
+class FleetRulePolicy:
+    """The dispatch of a stage whose fleet changes, as the live dispatcher runs it
+    (``controlplane.serving.placement.policy_name``, which rebuilds a stage's policy when its
+    workers' types change): FCFS (:data:`SINGLE_TYPE_POLICY`) while the instances serving are of
+    one type, the mix's policy while they are several. ``times`` and ``single`` are
+    :func:`single_type_spans`'s. Both policies learn from every completed batch."""
+
+    name = "fleet rule"
+
+    def __init__(
+        self,
+        single_policy: DispatchPolicy,
+        mix_policy: DispatchPolicy,
+        times: Sequence[float],
+        single: Sequence[bool],
+    ) -> None:
+        self.single_policy, self.mix_policy = single_policy, mix_policy
+        self.times, self.single = list(times), list(single)
+
+    def dispatch(
+        self,
+        now_s: float,
+        queue: Sequence[QueuedQuery],
+        instances: Sequence[InstanceView],
+        context: StageContext,
+    ) -> list[Dispatch]:
+        at = max(0, bisect.bisect_right(self.times, now_s) - 1)
+        chosen = self.single_policy if self.single[at] else self.mix_policy
+        return chosen.dispatch(now_s, queue, instances, context)
+
+    def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
+        self.single_policy.observe(instance_type, batch_size, latency_ms)
+        self.mix_policy.observe(instance_type, batch_size, latency_ms)
+
+
+def fleet_dispatch_factory(
+    policy: DispatchName | None,
+    profiles: Mapping[str, LatencyProfile],
+    prices_usd_per_hr: Mapping[str, float],
+    batch_sizes: NDArray[np.int64],
+    slo_ms: float,
+    instances: Sequence[InstanceSpec],
+) -> tuple[DispatchName, Callable[[], DispatchPolicy]]:
+    """:func:`dispatch_factory` for a fleet that changes over time (``instances``, the types of
+    ``profiles``): where a mix serves part of the time and one type the rest, each span gets
+    the dispatch the live dispatcher gives that fleet (:class:`FleetRulePolicy`)."""
+    name, make = dispatch_factory(policy, profiles, prices_usd_per_hr, batch_sizes, slo_ms)
+    if name == SINGLE_TYPE_POLICY:
+        return name, make
+    times, single = single_type_spans(instances)
+    if not any(single):
+        return name, make
+    types = sorted(profiles)
+    make_single = policy_factory(SINGLE_TYPE_POLICY, dict(profiles), types)
+    return name, lambda: FleetRulePolicy(make_single(), make(), times, single)
+
+
 def dispatch_choice(
     policy: DispatchName | None,
     profiles: Mapping[str, LatencyProfile],
@@ -148,7 +236,9 @@ def pipeline_stages(
         types = sorted({spec.instance_type for spec in instances})
         profiles = {t: app.profile(model, t) for t in types}
         sizes = reaching_batch_sizes(trace, answered, i)
-        _, make = dispatch_factory(policy, profiles, app.prices_usd_per_hr, sizes, slo_ms)
+        _, make = fleet_dispatch_factory(
+            policy, profiles, app.prices_usd_per_hr, sizes, slo_ms, instances
+        )
         built.append(
             Stage(
                 model, tuple(instances), profiles, make(), max_batch_queries=batch, forward=flags[i]

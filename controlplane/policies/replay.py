@@ -39,7 +39,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.policies import scaling
-from controlplane.policies.pipeline import answering_stages, pipeline_stages
+from controlplane.policies.pipeline import (
+    SINGLE_TYPE_POLICY,
+    FleetRulePolicy,
+    answering_stages,
+    pipeline_stages,
+    single_type_spans,
+)
 from controlplane.policies.plan import (
     DispatchName,
     PlanDocument,
@@ -1203,7 +1209,7 @@ def replay_timeline(
     prices = {**app.prices_usd_per_hr, **(extra_prices_usd_per_hr or {})}
     qos_ms = app.constraints.slo_ms
     chosen = dispatch if dispatch is not None else (stage.policy or "fcfs")
-    make_policy = _dispatch_factory(chosen, profiles, trace, qos_ms, prices)
+    make_policy = _dispatch_factory(chosen, profiles, trace, qos_ms, prices, timeline.instances)
     sim_stage = Stage(
         model=stage.name,
         instances=timeline.instances,
@@ -1242,7 +1248,12 @@ def _dispatch_factory(
     trace: Trace,
     qos_ms: float,
     prices: Mapping[str, float],
+    instances: Sequence[InstanceSpec] = (),
 ) -> Callable[[], DispatchPolicy]:
+    """``dispatch`` over ``profiles``' types, as the live dispatcher runs it on the fleet of
+    ``instances`` over time: FCFS while the instances serving are of one type
+    (:class:`controlplane.policies.pipeline.FleetRulePolicy`; a plan's mix that a tuner thins
+    to one type, or an oracle's fleet per minute), ``dispatch`` while they are several."""
     allowed = registry.plan_names()
     if dispatch not in allowed:
         what = "not one a plan may name" if dispatch in registry.names() else "unknown"
@@ -1252,7 +1263,14 @@ def _dispatch_factory(
         raise ReplayError(
             f"{dispatch} needs a type that meets the SLO of {qos_ms:g} ms at every batch size"
         )
-    return policy_factory(dispatch, profiles, base_types)
+    make = policy_factory(dispatch, profiles, base_types)
+    times, single = single_type_spans(instances)
+    if dispatch == SINGLE_TYPE_POLICY or not instances or not any(single):
+        return make
+    make_single = policy_factory(SINGLE_TYPE_POLICY, profiles, sorted(profiles))
+    if all(single):
+        return make_single
+    return lambda: FleetRulePolicy(make_single(), make(), times, single)
 
 
 # --- multi-stage plans -----------------------------------------------------------------------

@@ -29,6 +29,7 @@ from controlplane.policies.replay import (
     planning_arrivals,
     rate_per_instance_qps,
     replay,
+    replay_timeline,
     tuner_timeline,
     utilization_timeline,
 )
@@ -194,6 +195,32 @@ def test_the_plan_stage_policy_dispatches(tmp_path: Path) -> None:
     fcfs = replay(trace, app, plan, np.random.default_rng(0), policy="utilization", dispatch="fcfs")
     assert kairos.decisions == fcfs.decisions  # pass 1 does not depend on the dispatcher
     assert not np.array_equal(kairos.simulation.finish_s, fcfs.simulation.finish_s)
+
+
+def test_a_fleet_of_one_type_is_dispatched_fcfs_whatever_the_plan_names(tmp_path: Path) -> None:
+    # The live dispatcher serves one type FCFS (placement.policy_name): a tuner that thins a
+    # Kairos-dispatched mix to its GPU, or an oracle's minute of one type, replays so too.
+    app = app_of(tmp_path)
+    kairos = parse_plan(plan_document({GPU: 1, CPU: 1}, batch_size=2, policy="kairos")).stages[0]
+    fcfs = parse_plan(plan_document({GPU: 1, CPU: 1}, batch_size=2, policy="fcfs")).stages[0]
+    trace = trace_of(step_profile(110.0, 110.0, 0.0), 60.0)
+    lone = FleetTimeline((InstanceSpec(GPU),))
+    runs = [replay_timeline(trace, app, s, lone, np.random.default_rng(0)) for s in (kairos, fcfs)]
+    assert np.array_equal(runs[0].simulation.finish_s, runs[1].simulation.finish_s)
+    # Over a mix the plan's policy dispatches (Kairos sends each query alone: it is not FCFS).
+    mix = FleetTimeline((InstanceSpec(GPU), InstanceSpec(CPU)))
+    runs = [replay_timeline(trace, app, s, mix, np.random.default_rng(0)) for s in (kairos, fcfs)]
+    assert not np.array_equal(runs[0].simulation.finish_s, runs[1].simulation.finish_s)
+    # A mix thinned to one type half-way: the second half as FCFS serves it (the same batches,
+    # once the queue the mix left is gone), the first half as Kairos does.
+    thinned = FleetTimeline((InstanceSpec(GPU), InstanceSpec(CPU, 0.0, 30.0)))
+    both = [
+        replay_timeline(trace, app, s, thinned, np.random.default_rng(0)).simulation
+        for s in (kairos, fcfs)
+    ]
+    late, early = both[0].arrival_s > 35.0, both[0].arrival_s < 25.0
+    assert np.array_equal(both[0].finish_s[late], both[1].finish_s[late])
+    assert not np.array_equal(both[0].finish_s[early], both[1].finish_s[early])
 
 
 # --- the tuner -------------------------------------------------------------------------------
