@@ -558,7 +558,11 @@ def run_case(case: TraceCase, quick: bool = False) -> dict[str, Any]:
             trace,
             app,
             plan.stages[0],
-            minute_oracle.oracle_timeline(fleets),
+            minute_oracle.oracle_timeline(
+                fleets,
+                minute_oracle.oracle_batches(setup.oracle(case.cv2), rates),
+                plan.stages[0].batch_size,
+            ),
             np.random.default_rng(case.seed),
             policy="oracle",
         )

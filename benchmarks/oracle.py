@@ -29,6 +29,7 @@ __all__ = [
     "Oracle",
     "fleet_of",
     "minute_rates_qps",
+    "oracle_batches",
     "oracle_cost",
     "oracle_timeline",
 ]
@@ -93,10 +94,20 @@ def oracle_cost(
     return cost, fleets, feasible
 
 
-def oracle_timeline(fleets: Sequence[dict[str, int]]) -> FleetTimeline:
+def oracle_batches(oracle: Oracle, rates_qps: Sequence[float]) -> list[int]:
+    """Each minute's plan's batch size (the most queries a batch takes; a single stage's)."""
+    return [oracle.plan(rate).stages[0].batch_size for rate in rates_qps]
+
+
+def oracle_timeline(
+    fleets: Sequence[dict[str, int]], batches: Sequence[int] = (), planned_batch: int = 1
+) -> FleetTimeline:
     """The oracle's fleet as the simulator takes it: minute m runs ``fleets[m]``, switched at the
     minute's start with no boot (instance j of a type serves in every minute whose plan has more
-    than j of it; the last minute's serve to the run's end)."""
+    than j of it; the last minute's serve to the run's end). With ``batches`` (each minute's
+    plan's batch size, :func:`oracle_batches`), minute m serves with its plan's batch cap too
+    (``batch_caps`` where it differs from the minute before, the first from ``planned_batch``,
+    the batch the replayed stage's plan has), as the planner simulated that minute's fleet."""
     instances = []
     types = sorted({name for fleet in fleets for name in fleet})
     for name in types:
@@ -111,4 +122,8 @@ def oracle_timeline(fleets: Sequence[dict[str, int]]) -> FleetTimeline:
                     stop = math.inf if m == len(fleets) else m * MINUTE_S
                     instances.append(InstanceSpec(name, start * MINUTE_S, stop, start * MINUTE_S))
                     start = None
-    return FleetTimeline(tuple(instances))
+    caps: list[tuple[float, int]] = []
+    for m, batch in enumerate(batches):
+        if (caps[-1][1] if caps else planned_batch) != batch:
+            caps.append((m * MINUTE_S, int(batch)))
+    return FleetTimeline(tuple(instances), batch_caps=tuple(caps))

@@ -56,6 +56,7 @@ try:  # imported as benchmarks.tuner_oracle
         Oracle,
         fleet_of,
         minute_rates_qps,
+        oracle_batches,
         oracle_cost,
         oracle_timeline,
     )
@@ -67,6 +68,7 @@ except ModuleNotFoundError:  # run as a script: put the checkout on the path
         Oracle,
         fleet_of,
         minute_rates_qps,
+        oracle_batches,
         oracle_cost,
         oracle_timeline,
     )
@@ -172,7 +174,9 @@ def run_seed(
             test,
             app,
             document.stages[0],
-            oracle_timeline(fleets),
+            oracle_timeline(
+                fleets, oracle_batches(oracles[cv2], rates), document.stages[0].batch_size
+            ),
             np.random.default_rng(seed),
             policy="oracle",
             admission=False,

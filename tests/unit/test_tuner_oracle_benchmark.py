@@ -30,3 +30,13 @@ def test_the_oracle_switches_its_fleet_at_each_minute_with_no_boot() -> None:
     assert timeline.cost_usd_per_hr_at(61.0, prices) == pytest.approx(3600.0 + 3 * 36.0)
     last = [s for s in timeline.instances if s.stop_s == math.inf]
     assert sorted(s.instance_type for s in last) == ["a", "b"]
+
+
+def test_each_minute_serves_with_its_own_plans_batch() -> None:
+    # The planner's plan for a minute has its own batch (a lone GPU may batch two queries where
+    # the mix it replaces took one each): the cap moves where a minute's batch differs.
+    fleets = [{"a": 1, "b": 2}, {"a": 1}, {"a": 1}, {"a": 1, "b": 1}]
+    timeline = oracle_timeline(fleets, [1, 2, 2, 1], planned_batch=1)
+    assert timeline.batch_caps == ((MINUTE_S, 2), (3 * MINUTE_S, 1))
+    assert oracle_timeline(fleets, [2, 2, 2, 2], planned_batch=1).batch_caps == ((0.0, 2),)
+    assert oracle_timeline(fleets).batch_caps == ()
