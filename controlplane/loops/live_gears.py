@@ -76,6 +76,7 @@ from controlplane.policies.gears import (
     switch,
 )
 from controlplane.policies.lifecycle import KEPT_STATES, is_profile_worker
+from controlplane.serving.config import batch_gear
 from controlplane.serving.dispatcher import AppStatus, ServingGear
 from estimator.errors import EstimatorError
 from estimator.profiles import LatencyProfile
@@ -545,13 +546,30 @@ class GearTable:
         self._store = store
         self._plans: dict[tuple[str, int], GearPlan] = {}
         self._serving: dict[str, tuple[int, int, ServingGear]] = {}
+        # Single-model apps' batch caps from the loops' tuner (:meth:`set_caps`).
+        self._caps: dict[str, ServingGear] = {}
         self._lock = threading.Lock()
 
     def gear(self, app: str) -> ServingGear | None:
-        """The gear in force for ``app``; None when it is not served by gears."""
+        """The gear in force for ``app``: the switcher's, else its batch cap's
+        (:meth:`set_caps`); None when it is served by neither."""
         with self._lock:
             found = self._serving.get(app)
-        return found[2] if found is not None else None
+            capped = self._caps.get(app)
+        return found[2] if found is not None else capped
+
+    def set_caps(self, caps: Mapping[str, Mapping[str, int]]) -> None:
+        """The batch caps the loops' tuner sets now, app -> {model: cap}
+        (:meth:`~controlplane.loops.live_tuner.LiveTuner.batch_caps`: single-model apps sized
+        by their ladders); apps not named batch as their plans say."""
+        made = {
+            app: batch_gear(model, cap)
+            for app, by_model in caps.items()
+            if len(by_model) == 1
+            for model, cap in by_model.items()
+        }
+        with self._lock:
+            self._caps = made
 
     def set_all(self, in_force: Mapping[str, tuple[int, int]]) -> None:
         """The gears in force now, app -> (plan id, gear); apps not named are served as their

@@ -103,10 +103,13 @@ from controlplane.policies.tuner import (
     TunerStage,
     TunerState,
     initial_state,
+    live_batch,
     planning_envelope,
+    ready_fleets,
     tune,
     utilisation_target,
 )
+from controlplane.serving.config import ServingGear, batch_gear
 from controlplane.spec import ResolvedApp
 from estimator import deadline
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, DEFAULT_PERSISTENCE_S
@@ -184,6 +187,9 @@ class _AppTuner:
     rebuild: bool = False
     # The app's version (its spec, budget included) the limits were read from.
     app_version: int = 0
+    # A single stage sized by its ladder: the batch cap of its ready fleet's rung (what the
+    # serving loop batches the stage's queries by; empty: the plan's batch).
+    batch_caps: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -430,12 +436,34 @@ class LiveTuner:
         # Only now does the reconciler see the new fleet: a decision is in the log before what
         # the reconciler does about it (a scale-up before its launch). A write that fails leaves
         # the tuner as it was (the decisions written before it may be written again next tick).
+        caps = _batch_caps(tuned, state, arrivals, now_s)
         with self._lock:
             tuned.state = state
             tuned.capped = capped
             tuned.capped_now = any(d.action == "budget_capped" for d in decisions)
+            tuned.batch_caps = caps
             self._apps[app.name] = tuned
         return recorded
+
+    def batch_caps(self) -> dict[str, dict[str, int]]:
+        """App -> {model: batch cap} for every single-stage app sized by its ladder: the batch
+        of the rung its ready fleet reaches (:func:`controlplane.policies.tuner.live_batch`, as
+        the replay serves it), which a loops process running apart sends the serving process
+        with the gears (:class:`~controlplane.loops.live_gears.GearTable`)."""
+        with self._lock:
+            return {app: dict(t.batch_caps) for app, t in self._apps.items() if t.batch_caps}
+
+    def gear(self, app: str) -> ServingGear | None:
+        """The serving loop's gear hook for ``app`` (``controlplane.serving.loop.GearHook``):
+        its model's batch cap from :meth:`batch_caps`; None where the tuner sets none (the
+        plan's batch, or the gear switcher's for a cascade)."""
+        with self._lock:
+            tuned = self._apps.get(app)
+            caps = dict(tuned.batch_caps) if tuned is not None else {}
+        if len(caps) != 1:
+            return None
+        ((model, cap),) = caps.items()
+        return batch_gear(model, cap)
 
     def _new_limits(self, tuned: _AppTuner, app: AppRecord) -> None:
         """The app's spec changed (its plan did not): its budget and caps bound the tuner from
@@ -826,6 +854,20 @@ def synthetic_planning_envelope(
     :func:`synthetic_planning_arrivals` at ``rate_qps``, for a plan that stores none; kept, since
     a recalibration or a re-plan check asks for the same one again."""
     return planning_envelope(synthetic_planning_arrivals(rate_qps), service_time_s, max_window_s)
+
+
+def _batch_caps(
+    tuned: _AppTuner, state: TunerState, arrival_s: NDArray[np.float64], now_s: float
+) -> dict[str, int]:
+    """The batch cap of a single stage sized by its ladder (:func:`live_batch` on the fleet
+    serving now, the booting instances left out, on the ladder of the burstiness the tuner
+    reads); empty for a cascade (its gears set its caps) or a stage without rung batches."""
+    if len(tuned.stages) != 1:
+        return {}
+    (stage,) = tuned.stages
+    ready: Mapping[str, int] = ready_fleets(state, now_s).get(stage.name, {})
+    cap = live_batch(stage, ready, arrival_s, now_s, tuned.config)
+    return {} if cap is None else {stage.name: cap}
 
 
 def _cap_key(decision: ScalingDecision) -> str:

@@ -5,8 +5,9 @@ loops").
 :class:`RemoteServing` stands in for :class:`~controlplane.serving.loop.ServingLoop` where the
 loops read it (:class:`ServingView`: the observed arrivals, the statuses, the batch and API times,
 the windows). A thread (:meth:`RemoteServing.start`) exchanges the feed every ``pull_s``: it sends
-the gears in force (the switcher's, :meth:`~controlplane.loops.live_gears.LiveGears.in_force`)
-and the apps recalibrated since, and keeps the arrivals (on the serving process's clock, moved
+the gears in force (the switcher's, :meth:`~controlplane.loops.live_gears.LiveGears.in_force`),
+the tuner's batch caps (:meth:`~controlplane.loops.live_tuner.LiveTuner.batch_caps`) and the apps
+recalibrated since, and keeps the arrivals (on the serving process's clock, moved
 onto this one's by the offset between the two clocks at the last exchange) and statuses it gets
 back. The calibration's batch and API times and the roll-up's windows are read when asked.
 
@@ -173,6 +174,8 @@ class RemoteServing:
         self.clock = clock
         self.pull_s = float(pull_s)
         self.gears: Callable[[], Mapping[str, tuple[int, int]]] = dict
+        # The tuner's batch caps of single-model apps (LiveTuner.batch_caps), sent with the gears.
+        self.batch_caps: Callable[[], Mapping[str, Mapping[str, int]]] = dict
         self._client = client if client is not None else httpx.Client(timeout=_TIMEOUT_S)
         self._base = f"{self.url}/internal/v1"
         self._headers = {"Authorization": f"Bearer {token}"}
@@ -231,6 +234,7 @@ class RemoteServing:
         body = {
             "since_s": since,
             "gears": {app: list(pair) for app, pair in self.gears().items()},
+            "batch_caps": {app: dict(caps) for app, caps in self.batch_caps().items()},
             "recalibrated": sorted(recalibrated),
         }
         found = self.call("POST", "/feed", body)

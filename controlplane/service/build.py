@@ -123,7 +123,8 @@ from controlplane.policies.infaas_scaling import ScalingConfig
 from controlplane.policies.lifecycle import billed_cost_usd_per_hr
 from controlplane.provisioning import build_provisioner, provider_spot_prices
 from controlplane.service.app import create_app
-from controlplane.serving.loop import ServingLoop
+from controlplane.serving.config import ServingGear
+from controlplane.serving.loop import GearHook, ServingLoop
 from controlplane.serving.owners import DispatchOwners
 from controlplane.serving.workers import DEFAULT_WORKER_PORT, ProvisionedInstances
 from controlplane.settings import Settings
@@ -293,6 +294,17 @@ def build_reconciler(
         artifacts=app_artifacts(resolver),
         **extra,
     )
+
+
+def _either_gear(first: GearHook, second: GearHook) -> GearHook:
+    """The serving loop's gear hook from two: ``first``'s gear for an app, else ``second``'s
+    (the gear switcher's for a cascade, else the tuner's batch cap for a single model)."""
+
+    def gear(app: str) -> ServingGear | None:
+        found = first(app)
+        return found if found is not None else second(app)
+
+    return gear
 
 
 def build_live_tuner(
@@ -757,11 +769,12 @@ def build_service(
         spot_prices=provider_spot_prices(provisioner),
     )
     if local_serving is not None:
-        local_serving.gears = live_gears.gear
+        local_serving.gears = _either_gear(live_gears.gear, live_tuner.gear)
         local_serving.routes = rollouts.route
         local_serving.route_refresh = rollouts.refresh_routes
     if remote is not None:
         remote.gears = live_gears.in_force
+        remote.batch_caps = live_tuner.batch_caps
     reconciler = build_reconciler(
         store,
         clock,

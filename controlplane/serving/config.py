@@ -27,6 +27,7 @@ __all__ = [
     "GearSource",
     "ServingGear",
     "batch_cap",
+    "batch_gear",
     "batch_trigger",
 ]
 
@@ -123,6 +124,13 @@ def batch_cap(config: AppConfig, model: str, gear: ServingGear) -> int:
         plan = config.stage_plans.get(model)
         cap = plan.batch_size if plan is not None else 1
     return max(int(cap), 1)
+
+
+def batch_gear(model: str, cap: int) -> ServingGear:
+    """The gear of a single-model app whose one setting is its batch cap: the batch the tuner's
+    sizing ladder gives the fleet it runs (``controlplane.loops.live_tuner``, docs/tuner.md,
+    "The rung's batch"), which the planner showed to meet the SLO on that fleet."""
+    return ServingGear(Cascade((model,), ()), {model: max(int(cap), 1)})
 
 
 def batch_trigger(gear: ServingGear, model: str) -> tuple[int, float]:

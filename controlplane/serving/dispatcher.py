@@ -17,11 +17,12 @@ judges).
   what is simulated is what runs. The policy is the plan's for that stage when the applied plan
   names one, else the planner's rule (:func:`~controlplane.serving.placement.policy_name`: FCFS
   for one instance type, Kairos over a mix when some type serves the whole range within the
-  SLO). Its batch cap (``max_batch_queries``) comes from the gear in force, else the plan's stage
-  ``batch_size``, else 1. An app of several models is co-located instead (CascadeServe SP3,
-  :mod:`~controlplane.serving.placement`): a stage's instances are its model's hosts and its
-  policy follows the load balancer's shares (:class:`~controlplane.serving.shares.SharePolicy`);
-  the placement follows the gear in force.
+  SLO). Its batch cap (``max_batch_queries``) comes from the gear in force (the switcher's for a
+  cascade; for a single model sized by its ladder, the tuner's: the batch of the rung its fleet
+  reaches, ``LiveTuner.batch_caps``), else the plan's stage ``batch_size``, else 1. An app of
+  several models is co-located instead (CascadeServe SP3, :mod:`~controlplane.serving.placement`):
+  a stage's instances are its model's hosts and its policy follows the load balancer's shares
+  (:class:`~controlplane.serving.shares.SharePolicy`); the placement follows the gear in force.
 - **Rounds.** A round asks a stage's policy which queued queries start on which idle instances
   (:class:`matching.policy.DispatchPolicy`). Arrivals, completions, failures and fleet changes
   mark stages dirty; one round per dirty stage runs at the next turn of the event loop (so the

@@ -22,6 +22,7 @@ from controlplane.db import migrate
 from controlplane.db.store import AppRecord, Store
 from controlplane.loops.live_tuner import LiveTuner, plan_capacity_curve
 from controlplane.policies.capacity_curve import LOAD_MODEL_RECENT_S
+from controlplane.policies.sizing import SizingLadder
 from controlplane.policies.tuner import TunerConfig, planning_envelope
 from controlplane.spec import resolve_spec, validate_spec
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, tuner_windows_s
@@ -674,3 +675,47 @@ def test_a_cascade_keeps_inferlines_model_on_every_stage(store: Store, tmp_path:
     for decision in ups:
         assert decision.numbers["model"] == "inferline"
         assert decision.numbers["model_note"] == "a cascade: InferLine's model per stage"
+
+
+def batched_ladder(app: Any, plan: Any) -> SizingLadder:
+    """A single stage's ladder whose lower rungs batch four queries (the planner's choice there:
+    fewer instances, each batching more) and whose upper ones batch one."""
+    rungs = ((0.5, {SMALL: 1}), (1.0, {SMALL: 2}), (2.0, {SMALL: 3}), (4.0, {SMALL: 5}))
+    return SizingLadder(
+        "tiny",
+        rungs,
+        {SMALL: 50.0},
+        ((0.5, 0.5), (1.0, 1.0), (2.0, 1.5), (4.0, 2.5)),
+        batches=((0.5, 4), (1.0, 4), (2.0, 1), (4.0, 1)),
+    )
+
+
+def test_a_single_stage_batches_as_its_ready_fleets_rung_says(store: Store, tmp_path: Path) -> None:
+    # The replay serves a laddered stage with the batch of the rung its ready fleet reaches
+    # (tuner.live_batch); the live tuner hands the same cap to the serving loop as the gear.
+    clock, feed, worker = FakeClock(start_s=1000.0), Feed(), Worker()
+    app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
+    tuner = LiveTuner(store, clock, feed, resolve, build_curve=batched_ladder, submit=worker)
+    feed.arrival_s = steady(50.0, 940.0, 1000.0)
+    tuner.tick()
+    assert tuner.batch_caps() == {} and tuner.gear(APP) is None  # no ladder yet: the plan's
+    worker.run()
+    clock.advance(1.0)
+    feed.arrival_s = steady(50.0, 941.0, 1001.0)
+    assert tuner.tick() == []
+    assert tuner.batch_caps() == {APP: {"tiny": 4}}  # two instances: the 1x rung's batch
+    gear = tuner.gear(APP)
+    assert gear is not None and gear.max_batch_queries == {"tiny": 4}
+    assert gear.cascade.models == ("tiny",)
+
+    clock.advance(60.0)
+    feed.arrival_s = steady(110.0, 1001.0, 1061.0)  # twice the plan and more, for a minute
+    made = tuner.tick()
+    assert [d.action for _, d in made] == ["scale_up"]
+    assert tuner.desired_fleet(app)[SMALL] >= 3
+    assert tuner.batch_caps() == {APP: {"tiny": 4}}  # the new instances still boot
+    clock.advance(600.0)
+    feed.arrival_s = steady(110.0, 1601.0, 1661.0)
+    tuner.tick()
+    assert tuner.batch_caps() == {APP: {"tiny": 1}}  # ready: the 2x rung's batch of one
+    assert tuner.gear("another") is None

@@ -199,6 +199,31 @@ def test_the_gear_the_loops_send_with_the_feed_is_the_one_the_serving_loop_serve
     assert remote.pull() and loop.gears(APP) is None
 
 
+def test_the_tuners_batch_cap_crosses_the_feed_to_the_serving_loop(
+    serving: tuple[ServingLoop, TestClient, dict[str, str]],
+) -> None:
+    # A single-model app sized by its ladder batches as the rung its fleet reaches says: the
+    # loops' tuner sends the cap with the gears, and the serving loop's gear hook serves it.
+    loop, client, tokens = serving
+    assert loop.gears is not None
+    remote = RemoteServing("http://testserver", tokens["admin"], FakeClock(), client=client)
+    remote.batch_caps = lambda: {"toy": {"tiny": 4}}
+    assert remote.pull()
+    served = loop.gears("toy")
+    assert served is not None and served.max_batch_queries == {"tiny": 4}
+    assert served.cascade.models == ("tiny",)
+    assert loop.gears("other") is None
+    remote.batch_caps = dict  # the stage back on its plan's batch
+    assert remote.pull() and loop.gears("toy") is None
+    # A cap under one is no cap: the feed is refused whole, as any malformed feed.
+    said = client.post(
+        "/internal/v1/feed",
+        json={"batch_caps": {"toy": {"tiny": 0}}},
+        headers={"Authorization": f"Bearer {tokens['admin']}"},
+    )
+    assert said.status_code == 422 and loop.gears("toy") is None
+
+
 def test_the_rollout_loop_apart_reads_the_serving_processs_version_figures(
     serving: tuple[ServingLoop, TestClient, dict[str, str]],
 ) -> None:

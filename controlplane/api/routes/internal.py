@@ -7,9 +7,11 @@ serving`` and ``--role loops``; docs/service.md, "Serving apart from the loops")
 - ``POST /internal/v1/feed``: the loops' frequent exchange (every ``loops_pull_s``). In: the
   newest arrival each app already has (``since_s``, on this process's clock), the gears in force
   (app -> [plan id, gear]: the serving loop's gear hook, :class:`~controlplane.loops.live_gears.
-  GearTable`) and the apps recalibrated since the last exchange (this process's resolver forgets
-  them). Out: this process's clock (``now_s``) and, per app it serves, the arrivals after
-  ``since_s`` and its status (``null`` before its first refresh).
+  GearTable`), the tuner's batch caps of single-model apps (app -> {model: cap}, at least 1: the
+  batch of the rung of the app's sizing ladder its fleet reaches, docs/tuner.md) and the apps
+  recalibrated since the last exchange (this process's resolver forgets them). Out: this
+  process's clock (``now_s``) and, per app it serves, the arrivals after ``since_s`` and its
+  status (``null`` before its first refresh).
 - ``GET /internal/v1/apps/{app}/observations``: its batch service times and API times (the
   calibration's); ``POST .../forget-batch-times``: drop one (model, type)'s batch times.
 - ``POST /internal/v1/apps/{app}/window``: the app's serving window since the last call (the
@@ -41,6 +43,8 @@ router = APIRouter(prefix="/internal/v1", tags=["internal"], include_in_schema=F
 
 # Refused as the public routes refuse them: a field no route reads, a time that is no time.
 _INTERNAL = ConfigDict(extra="forbid")
+# The most queries a batch cap may name (a profile's batch sizes stay far below it).
+MAX_BATCH_CAP = 1 << 16
 # The ids the store keeps (its integer columns).
 _ID = Annotated[int, Query(ge=0, le=2**31 - 1)]
 
@@ -50,6 +54,9 @@ class FeedIn(BaseModel):
 
     since_s: dict[str, Annotated[float, Field(allow_inf_nan=False)]] = Field(default_factory=dict)
     gears: dict[str, tuple[int, int]] = Field(default_factory=dict)
+    batch_caps: dict[str, dict[str, Annotated[int, Field(ge=1, le=MAX_BATCH_CAP)]]] = Field(
+        default_factory=dict
+    )
     recalibrated: list[str] = Field(default_factory=list)
 
 
@@ -78,6 +85,7 @@ def feed_document(services: Services, body: FeedIn) -> dict[str, Any]:
     serving = _serving(services)
     if services.gear_table is not None:
         services.gear_table.set_all(body.gears)
+        services.gear_table.set_caps(body.batch_caps)
     for app in body.recalibrated:
         services.resolver.invalidate(app)
     statuses = {status.app: status for status in serving.statuses()}
