@@ -94,7 +94,8 @@ def what_text(data: dict[str, Any]) -> str:
   it up), the static plan, CG-Peak and CG-Mean (replay's `peak` and `mean`: the planner for the
   trace's 10 s peak or mean rate on a steady trace of its CV^2), target tracking (replay's
   `utilization` policy, its target the static plan's utilisation at R; single stage only) and
-  the clairvoyant per-minute oracle (the planner at each minute's mean rate, instance-seconds).
+  the clairvoyant per-minute oracle (the planner at each minute's mean rate, instance-seconds;
+  each minute's fleet serves with its plan's batch).
 - Goals, per trace: misses <= {MAX_MISS:.0%} ({MAX_MISS_STEEP_STEP:.0%} across a step
   of more than {STEEP_STEP:g}x), cost <= {MAX_COST_OVER_ORACLE:g}x the oracle and below CG-Peak's
   (by more than {PEAK_TIE_SHARE:.1%}: a replay is costed to its last answer, so runs of one fleet
@@ -104,8 +105,10 @@ def what_text(data: dict[str, Any]) -> str:
   60 s GPU / 30 s CPU), not measured on EC2; the replay refuses at arrival what the service's
   admission control refuses (a query whose queue cannot be served within the SLO; every policy
   alike, docs/replay.md), so the miss share counts late and refused queries (until 2026-11-30
-  every query was served, however late); the oracle's plans are cached per rate rounded to 2%
-  of R."""
+  every query was served, however late); a fleet of one type is dispatched FCFS whatever the
+  plan names, as the live dispatcher does (until 2026-12-04 the replay kept the plan's Kairos
+  on a mix thinned to one GPU, and the oracle's minutes batched one query whatever their plans
+  said, docs/replay.md); the oracle's plans are cached per rate rounded to 2% of R."""
 
 
 def body_text(data: dict[str, Any]) -> str:
