@@ -562,12 +562,17 @@ class GearTable:
         """The batch caps the loops' tuner sets now, app -> {model: cap}
         (:meth:`~controlplane.loops.live_tuner.LiveTuner.batch_caps`: single-model apps sized
         by their ladders); apps not named batch as their plans say."""
-        made = {
-            app: batch_gear(model, cap)
-            for app, by_model in caps.items()
-            if len(by_model) == 1
-            for model, cap in by_model.items()
-        }
+        with self._lock:
+            before = self._caps
+        made: dict[str, ServingGear] = {}
+        for app, by_model in caps.items():
+            if len(by_model) != 1:
+                continue
+            ((model, cap),) = by_model.items()
+            kept = before.get(app)
+            # The same gear while the cap holds: the dispatcher notices a new one by identity.
+            same = kept is not None and kept.max_batch_queries == {model: max(int(cap), 1)}
+            made[app] = kept if same and kept is not None else batch_gear(model, cap)
         with self._lock:
             self._caps = made
 

@@ -190,6 +190,9 @@ class _AppTuner:
     # A single stage sized by its ladder: the batch cap of its ready fleet's rung (what the
     # serving loop batches the stage's queries by; empty: the plan's batch).
     batch_caps: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Those caps as the serving loop's gear, made when they change (the dispatcher notices a
+    # new gear by its identity).
+    batch_gear: ServingGear | None = None
 
 
 @dataclass(slots=True)
@@ -441,7 +444,9 @@ class LiveTuner:
             tuned.state = state
             tuned.capped = capped
             tuned.capped_now = any(d.action == "budget_capped" for d in decisions)
-            tuned.batch_caps = caps
+            if caps != tuned.batch_caps:
+                tuned.batch_caps = caps
+                tuned.batch_gear = batch_gear(*next(iter(caps.items()))) if caps else None
             self._apps[app.name] = tuned
         return recorded
 
@@ -459,11 +464,7 @@ class LiveTuner:
         plan's batch, or the gear switcher's for a cascade)."""
         with self._lock:
             tuned = self._apps.get(app)
-            caps = dict(tuned.batch_caps) if tuned is not None else {}
-        if len(caps) != 1:
-            return None
-        ((model, cap),) = caps.items()
-        return batch_gear(model, cap)
+            return tuned.batch_gear if tuned is not None else None
 
     def _new_limits(self, tuned: _AppTuner, app: AppRecord) -> None:
         """The app's spec changed (its plan did not): its budget and caps bound the tuner from

@@ -707,6 +707,9 @@ def test_a_single_stage_batches_as_its_ready_fleets_rung_says(store: Store, tmp_
     gear = tuner.gear(APP)
     assert gear is not None and gear.max_batch_queries == {"tiny": 4}
     assert gear.cascade.models == ("tiny",)
+    clock.advance(1.0)
+    tuner.tick()
+    assert tuner.gear(APP) is gear  # the same cap, the same gear: the dispatcher keeps its place
 
     clock.advance(60.0)
     feed.arrival_s = steady(110.0, 1001.0, 1061.0)  # twice the plan and more, for a minute

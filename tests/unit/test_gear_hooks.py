@@ -35,3 +35,16 @@ def test_the_gear_table_serves_the_caps_it_was_last_sent() -> None:
     assert table.gear("odd") is None  # one model's cap only: a cascade's come with its gears
     table.set_caps({})
     assert table.gear("recs") is None
+
+
+def test_a_cap_sent_again_keeps_its_gear() -> None:
+    # The dispatcher places again on a new gear object: ten feeds a second must not make one.
+    store: Any = object()
+    table = GearTable(store)
+    table.set_caps({"recs": {"m": 4}})
+    first = table.gear("recs")
+    table.set_caps({"recs": {"m": 4}})
+    assert table.gear("recs") is first
+    table.set_caps({"recs": {"m": 2}})
+    moved = table.gear("recs")
+    assert moved is not first and moved is not None and moved.max_batch_queries == {"m": 2}
