@@ -1209,7 +1209,9 @@ def replay_timeline(
     prices = {**app.prices_usd_per_hr, **(extra_prices_usd_per_hr or {})}
     qos_ms = app.constraints.slo_ms
     chosen = dispatch if dispatch is not None else (stage.policy or "fcfs")
-    make_policy = _dispatch_factory(chosen, profiles, trace, qos_ms, prices, timeline.instances)
+    make_policy = _dispatch_factory(
+        chosen, profiles, trace, qos_ms, prices, timeline.instances, stage.base_types
+    )
     sim_stage = Stage(
         model=stage.name,
         instances=timeline.instances,
@@ -1249,11 +1251,14 @@ def _dispatch_factory(
     qos_ms: float,
     prices: Mapping[str, float],
     instances: Sequence[InstanceSpec] = (),
+    planned_base: Sequence[str] = (),
 ) -> Callable[[], DispatchPolicy]:
     """``dispatch`` over ``profiles``' types, as the live dispatcher runs it on the fleet of
     ``instances`` over time: FCFS while the instances serving are of one type
     (:class:`controlplane.policies.pipeline.FleetRulePolicy`; a plan's mix that a tuner thins
-    to one type, or an oracle's fleet per minute), ``dispatch`` while they are several."""
+    to one type, or an oracle's fleet per minute), ``dispatch`` while they are several, its base
+    types in the plan's order (``planned_base``, the plan's ``base_types``: what the planner
+    simulated and the live dispatcher follows), those the plan does not rank after them."""
     allowed = registry.plan_names()
     if dispatch not in allowed:
         what = "not one a plan may name" if dispatch in registry.names() else "unknown"
@@ -1263,6 +1268,8 @@ def _dispatch_factory(
         raise ReplayError(
             f"{dispatch} needs a type that meets the SLO of {qos_ms:g} ms at every batch size"
         )
+    ranked = [t for t in planned_base if t in base_types]
+    base_types = ranked + [t for t in base_types if t not in ranked]
     make = policy_factory(dispatch, profiles, base_types)
     times, single = single_type_spans(instances)
     if dispatch == SINGLE_TYPE_POLICY or not instances or not any(single):

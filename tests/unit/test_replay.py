@@ -223,6 +223,25 @@ def test_a_fleet_of_one_type_is_dispatched_fcfs_whatever_the_plan_names(tmp_path
     assert not np.array_equal(both[0].finish_s[early], both[1].finish_s[early])
 
 
+def test_kairos_takes_its_base_in_the_plans_order(tmp_path: Path) -> None:
+    # Both types serve every batch size within the SLO; by throughput per dollar the CPU comes
+    # first, but a plan that ranks the GPU first is replayed (and served live) with it as base.
+    app = app_of(tmp_path)
+    mix = FleetTimeline((InstanceSpec(GPU), InstanceSpec(CPU), InstanceSpec(CPU)))
+    trace = trace_of(step_profile(150.0, 150.0, 0.0), 30.0)
+
+    def run(base_types: list[str] | None) -> np.ndarray:
+        document = plan_document({GPU: 1, CPU: 2}, policy="kairos")
+        if base_types is not None:
+            document["stages"][0]["base_types"] = base_types  # type: ignore[index]
+        stage = parse_plan(document).stages[0]
+        return replay_timeline(trace, app, stage, mix, np.random.default_rng(0)).simulation.finish_s
+
+    unranked = run(None)
+    assert np.array_equal(run([CPU, GPU]), unranked)  # the plan's order is the default's here
+    assert not np.array_equal(run([GPU, CPU]), unranked)
+
+
 # --- the tuner -------------------------------------------------------------------------------
 
 
