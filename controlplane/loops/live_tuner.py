@@ -59,6 +59,12 @@ InferLine's model. docs/tuner.md ("The load model in the service") says why the 
 is InferLine's.
 Every recorded decision says which model decided (``model`` in its numbers, and ``model_note``
 for why InferLine's decided where the load model was asked for).
+
+A single stage sized by its ladder also sets the batch the serving loop batches its queries by:
+each tick, the batch of the rung its ready fleet reaches (:func:`controlplane.policies.tuner.
+live_batch`, what the replay serves it with; :meth:`LiveTuner.batch_caps`), given to the serving
+loop as the app's own gear (:meth:`LiveTuner.gear`; the gear switcher's comes first) or sent over
+the feed when the loops run apart (docs/tuner.md, "The rung's batch, live").
 """
 
 from __future__ import annotations
