@@ -571,8 +571,9 @@ class GearTable:
             ((model, cap),) = by_model.items()
             kept = before.get(app)
             # The same gear while the cap holds: the dispatcher notices a new one by identity.
-            same = kept is not None and kept.max_batch_queries == {model: max(int(cap), 1)}
-            made[app] = kept if same and kept is not None else batch_gear(model, cap)
+            if kept is None or kept.max_batch_queries != {model: cap}:
+                kept = batch_gear(model, cap)
+            made[app] = kept
         with self._lock:
             self._caps = made
 

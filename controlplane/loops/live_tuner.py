@@ -193,11 +193,9 @@ class _AppTuner:
     rebuild: bool = False
     # The app's version (its spec, budget included) the limits were read from.
     app_version: int = 0
-    # A single stage sized by its ladder: the batch cap of its ready fleet's rung (what the
-    # serving loop batches the stage's queries by; empty: the plan's batch).
-    batch_caps: dict[str, int] = dataclasses.field(default_factory=dict)
-    # Those caps as the serving loop's gear, made when they change (the dispatcher notices a
-    # new gear by its identity).
+    # A single stage sized by its ladder: the batch cap of its ready fleet's rung as the
+    # serving loop's gear (None: the plan's batch), made anew only when the cap changes (the
+    # dispatcher notices a new gear by its identity).
     batch_gear: ServingGear | None = None
 
 
@@ -450,8 +448,8 @@ class LiveTuner:
             tuned.state = state
             tuned.capped = capped
             tuned.capped_now = any(d.action == "budget_capped" for d in decisions)
-            if caps != tuned.batch_caps:
-                tuned.batch_caps = caps
+            held = tuned.batch_gear.max_batch_queries if tuned.batch_gear is not None else {}
+            if caps != held:
                 tuned.batch_gear = batch_gear(*next(iter(caps.items()))) if caps else None
             self._apps[app.name] = tuned
         return recorded
@@ -462,7 +460,11 @@ class LiveTuner:
         the replay serves it), which a loops process running apart sends the serving process
         with the gears (:class:`~controlplane.loops.live_gears.GearTable`)."""
         with self._lock:
-            return {app: dict(t.batch_caps) for app, t in self._apps.items() if t.batch_caps}
+            return {
+                app: dict(t.batch_gear.max_batch_queries)
+                for app, t in self._apps.items()
+                if t.batch_gear is not None
+            }
 
     def gear(self, app: str) -> ServingGear | None:
         """The serving loop's gear hook for ``app`` (``controlplane.serving.loop.GearHook``):

@@ -33,9 +33,9 @@ __all__ = [
     "SINGLE_TYPE_POLICY",
     "FleetRulePolicy",
     "answering_stages",
+    "by_fleet",
     "dispatch_choice",
     "dispatch_factory",
-    "fleet_dispatch_factory",
     "forward_flags",
     "pipeline_stages",
     "reaching_batch_sizes",
@@ -173,26 +173,25 @@ class FleetRulePolicy:
         self.mix_policy.observe(instance_type, batch_size, latency_ms)
 
 
-def fleet_dispatch_factory(
-    policy: DispatchName | None,
+def by_fleet(
+    name: DispatchName | str,
+    make: Callable[[], DispatchPolicy],
     profiles: Mapping[str, LatencyProfile],
-    prices_usd_per_hr: Mapping[str, float],
-    batch_sizes: NDArray[np.int64],
-    slo_ms: float,
     instances: Sequence[InstanceSpec],
-) -> tuple[DispatchName, Callable[[], DispatchPolicy]]:
-    """:func:`dispatch_factory` for a fleet that changes over time (``instances``, the types of
-    ``profiles``): where a mix serves part of the time and one type the rest, each span gets
-    the dispatch the live dispatcher gives that fleet (:class:`FleetRulePolicy`)."""
-    name, make = dispatch_factory(policy, profiles, prices_usd_per_hr, batch_sizes, slo_ms)
-    if name == SINGLE_TYPE_POLICY:
-        return name, make
+) -> Callable[[], DispatchPolicy]:
+    """``make`` (policy ``name`` over ``profiles``' types) for a fleet that changes over time
+    (``instances``), as the live dispatcher serves it: FCFS where the instances serving are of
+    one type, ``make``'s policy where they are several (:class:`FleetRulePolicy` when the fleet
+    is both in turn)."""
+    if name == SINGLE_TYPE_POLICY or not instances:
+        return make
     times, single = single_type_spans(instances)
     if not any(single):
-        return name, make
-    types = sorted(profiles)
-    make_single = policy_factory(SINGLE_TYPE_POLICY, dict(profiles), types)
-    return name, lambda: FleetRulePolicy(make_single(), make(), times, single)
+        return make
+    make_single = policy_factory(SINGLE_TYPE_POLICY, dict(profiles), sorted(profiles))
+    if all(single):
+        return make_single
+    return lambda: FleetRulePolicy(make_single(), make(), times, single)
 
 
 def dispatch_choice(
@@ -236,9 +235,8 @@ def pipeline_stages(
         types = sorted({spec.instance_type for spec in instances})
         profiles = {t: app.profile(model, t) for t in types}
         sizes = reaching_batch_sizes(trace, answered, i)
-        _, make = fleet_dispatch_factory(
-            policy, profiles, app.prices_usd_per_hr, sizes, slo_ms, instances
-        )
+        name, make = dispatch_factory(policy, profiles, app.prices_usd_per_hr, sizes, slo_ms)
+        make = by_fleet(name, make, profiles, instances)
         built.append(
             Stage(
                 model, tuple(instances), profiles, make(), max_batch_queries=batch, forward=flags[i]

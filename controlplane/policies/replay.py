@@ -39,13 +39,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.policies import scaling
-from controlplane.policies.pipeline import (
-    SINGLE_TYPE_POLICY,
-    FleetRulePolicy,
-    answering_stages,
-    pipeline_stages,
-    single_type_spans,
-)
+from controlplane.policies.pipeline import answering_stages, by_fleet, pipeline_stages
 from controlplane.policies.plan import (
     DispatchName,
     PlanDocument,
@@ -1270,14 +1264,7 @@ def _dispatch_factory(
         )
     ranked = [t for t in planned_base if t in base_types]
     base_types = ranked + [t for t in base_types if t not in ranked]
-    make = policy_factory(dispatch, profiles, base_types)
-    times, single = single_type_spans(instances)
-    if dispatch == SINGLE_TYPE_POLICY or not instances or not any(single):
-        return make
-    make_single = policy_factory(SINGLE_TYPE_POLICY, profiles, sorted(profiles))
-    if all(single):
-        return make_single
-    return lambda: FleetRulePolicy(make_single(), make(), times, single)
+    return by_fleet(dispatch, policy_factory(dispatch, profiles, base_types), profiles, instances)
 
 
 # --- multi-stage plans -----------------------------------------------------------------------

@@ -1685,7 +1685,7 @@ def tune(
                 where = (
                     f"{trend_why}; the planner's capacity there"
                     if trend_why
-                    else ("the planner's capacity at that load")
+                    else "the planner's capacity at that load"
                 )
                 text = f"{up.load_why}; {where} {target:.6g} qps"
                 if burst_why:
