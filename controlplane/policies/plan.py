@@ -83,6 +83,18 @@ class StagePlan:
     # How many of ``fleet``'s instances are spot, by type (docs/spot.md; empty: all on demand).
     spot_fleet: Mapping[str, int] = field(default_factory=dict)
 
+    def in_base_order(self, types: Sequence[str]) -> list[str]:
+        """``types`` (base types a dispatcher could use) with those the plan ranks first, in its
+        order (``base_types``), the rest after in their own order (a type the tuner added, a
+        document older than the field): what the planner simulated, which the live dispatcher
+        and the replay both follow.
+
+        >>> StagePlan("m", {}, 1, base_types=("g4", "c5")).in_base_order(["c5", "r5", "g4"])
+        ['g4', 'c5', 'r5']
+        """
+        ranked = [t for t in self.base_types if t in types]
+        return ranked + [t for t in types if t not in ranked]
+
     def to_document(self) -> dict[str, Any]:
         return {
             "base_types": list(self.base_types),

@@ -1204,7 +1204,7 @@ def replay_timeline(
     qos_ms = app.constraints.slo_ms
     chosen = dispatch if dispatch is not None else (stage.policy or "fcfs")
     make_policy = _dispatch_factory(
-        chosen, profiles, trace, qos_ms, prices, timeline.instances, stage.base_types
+        chosen, profiles, trace, qos_ms, prices, timeline.instances, stage
     )
     sim_stage = Stage(
         model=stage.name,
@@ -1245,14 +1245,14 @@ def _dispatch_factory(
     qos_ms: float,
     prices: Mapping[str, float],
     instances: Sequence[InstanceSpec] = (),
-    planned_base: Sequence[str] = (),
+    plan: StagePlan | None = None,
 ) -> Callable[[], DispatchPolicy]:
     """``dispatch`` over ``profiles``' types, as the live dispatcher runs it on the fleet of
     ``instances`` over time: FCFS while the instances serving are of one type
     (:class:`controlplane.policies.pipeline.FleetRulePolicy`; a plan's mix that a tuner thins
     to one type, or an oracle's fleet per minute), ``dispatch`` while they are several, its base
-    types in the plan's order (``planned_base``, the plan's ``base_types``: what the planner
-    simulated and the live dispatcher follows), those the plan does not rank after them."""
+    types in ``plan``'s order (:meth:`StagePlan.in_base_order`: what the planner simulated and
+    the live dispatcher follows)."""
     allowed = registry.plan_names()
     if dispatch not in allowed:
         what = "not one a plan may name" if dispatch in registry.names() else "unknown"
@@ -1262,8 +1262,8 @@ def _dispatch_factory(
         raise ReplayError(
             f"{dispatch} needs a type that meets the SLO of {qos_ms:g} ms at every batch size"
         )
-    ranked = [t for t in planned_base if t in base_types]
-    base_types = ranked + [t for t in base_types if t not in ranked]
+    if plan is not None:
+        base_types = plan.in_base_order(base_types)
     return by_fleet(dispatch, policy_factory(dispatch, profiles, base_types), profiles, instances)
 
 

@@ -91,9 +91,8 @@ def policy_name(
     if not policy_class(wanted).needs_base_type:
         return wanted, types
     base = full_range_types(profiles, np.array([1]), slo_ms)
-    if plan is not None and plan.base_types:
-        ranked = [t for t in plan.base_types if t in base]
-        base = ranked + [t for t in base if t not in ranked]
+    if plan is not None:
+        base = plan.in_base_order(base)
     if base:
         return wanted, base
     return SINGLE_TYPE_POLICY, base
