@@ -33,14 +33,11 @@ $(DEMO_STAMP): pyproject.toml | $(BIN)/python
 # the environment says not to (PYTHONDONTWRITEBYTECODE, below): otherwise the four test processes
 # of a first `make test` compile all of it at once, each for itself (a collection 31 s of a core
 # with nothing compiled, 8.5 s with it: docs/status.md, "The test suite"). A collection error is
-# not the install's: the test run reports it. Then the numerical kernels are compiled into numba's
-# cache once (estimator/warmup.py), where each test process, service and command-line run would
-# otherwise compile the ones it calls for itself, several at once on a fresh checkout.
+# not the install's: the test run reports it.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet $(PIP_FLAGS) -e '.[test,worker]'
 	@echo "compiling the bytecode of what the tests import (a collection of the suite)"
 	@PYTHONDONTWRITEBYTECODE= $(BIN)/pytest --collect-only -q -p no:cacheprovider > /dev/null 2>&1 || true
-	@$(BIN)/python -m estimator.warmup || echo "the kernels' warm-up failed: the tests compile them (tests/unit/test_warmup.py says why)"
 	@touch $(STAMP) $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
