@@ -56,6 +56,7 @@ from controlplane.settings import Settings
 from provisioners.artifacts import FORMATS, NAME_PATTERN, file_sha256
 from provisioners.base import Provisioner
 from provisioners.storage import ArtifactStorage, locked_file, sweep_unheld
+from provisioners.worker.inspect import InspectError, parse_inputs_spec
 
 __all__ = [
     "REGISTRY_DIR",
@@ -169,13 +170,18 @@ class Registry:
             logger.warning("registry: removed %s, left by a push that did not finish", item)
         return removed
 
-    def check_push(self, name: str, format: str | None) -> None:
-        """Refuse a push by its name and format alone, before any byte is read."""
+    def check_push(self, name: str, format: str | None, inputs_spec: str | None = None) -> None:
+        """Refuse a push by its name, format and inputs spec alone, before any byte is read."""
         check_model_name(name)
         if format is not None and format not in FORMATS:
             raise ModelRejectedError(
                 f"format {format!r} is not one of {', '.join(FORMATS)} (or leave it out)"
             )
+        if inputs_spec is not None:
+            try:
+                parse_inputs_spec(inputs_spec)
+            except InspectError as error:
+                raise ModelRejectedError(str(error)) from None
 
     def push(
         self,
@@ -186,7 +192,7 @@ class Registry:
     ) -> ModelVersionRecord:
         """Make the file at ``source_path`` the next version of ``name`` (the module docstring
         says how). The source is only read; the caller keeps (or removes) it."""
-        self.check_push(name, format)
+        self.check_push(name, format, inputs_spec)
         source = Path(source_path)
         try:
             size_bytes = source.stat().st_size

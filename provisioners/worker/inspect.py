@@ -44,6 +44,8 @@ def parse_inputs_spec(text: str) -> tuple[TensorSpec, ...]:
     >>> parse_inputs_spec("input:FP32:-1x13")
     (TensorSpec(name='input', datatype='FP32', shape=(-1, 13)),)
     """
+    if not text.isprintable():
+        raise InspectError(f"--inputs {text!r}: control characters are not allowed")
     specs: list[TensorSpec] = []
     for part in text.split(","):
         fields = part.strip().split(":")

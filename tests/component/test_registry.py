@@ -260,6 +260,8 @@ def test_push_refusals_write_nothing(registry: Registry, tmp_path: Path) -> None
         registry.push("wine", tmp_path / "missing.onnx")
     with pytest.raises(ModelRejectedError, match="format 'pickle'"):
         registry.push("wine", model_file(tmp_path), "pickle")
+    with pytest.raises(ModelRejectedError, match="control characters"):
+        registry.push("wine", model_file(tmp_path), "torchscript", "x\x00:FP32:-1x4")
     assert registry.versions() == []
     assert blobs(root) == []
 
@@ -731,6 +733,11 @@ def test_api_refusals_are_one_line_4xx(api: Api) -> None:
     assert_error(
         api.call("POST", "/v1/models/wine?format=pickle", content=b"x"), 422, "invalid_request"
     )
+    # A TorchScript model's inputs spec is checked before the upload is read: a malformed one,
+    # or one with a NUL byte (which no inspector's command line can carry), is the user's 422.
+    for spec in ("%00", "x%00:FP32:-1x4", "input:FP32"):
+        pushed = api.call("POST", f"/v1/models/wine?inputs={spec}", content=b"x")
+        assert "--inputs" in assert_error(pushed, 422, "invalid_model")
     assert_error(api.call("GET", "/v1/models/ghost", "viewer"), 404, "not_found")
     assert_error(api.call("GET", "/v1/models/ghost/versions/1", "viewer"), 404, "not_found")
     assert_error(

@@ -250,6 +250,7 @@ def test_inputs_specs_are_parsed_and_checked() -> None:
         ("input:STRING:-1", "is not served"),
         ("input:FP32:-2", "bad shape"),
         ("a:FP32:-1,a:FP32:-1", "named twice"),
+        ("a\x00:FP32:-1", "control characters"),
     ]:
         with pytest.raises(InspectError, match=fragment):
             parse_inputs_spec(wrong)

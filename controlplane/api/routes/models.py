@@ -95,7 +95,7 @@ async def push_model(
     ] = None,
 ) -> ModelVersionOut:
     registry = _registry(services)
-    registry.check_push(name, format)
+    registry.check_push(name, format, inputs)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > registry.max_bytes:
         raise ModelTooLargeError(registry.max_bytes)
