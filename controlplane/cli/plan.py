@@ -13,6 +13,7 @@ from typing import Any
 from controlplane.cli.common import check_seed
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.pareto import run_pareto
+from controlplane.cli.parsers import MAX_RATE_QPS
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_STAGE_QUERIES, PLANNING_QUERIES, plan_app
 from controlplane.policies.spot import plan_with_spot
@@ -36,6 +37,16 @@ def run(args: argparse.Namespace) -> int:
     app = resolve_spec(spec)
     trace = read_trace_csv(args.trace)
     stats = trace_stats(trace)
+    if len(trace) < 2 or trace.duration_s <= 0:
+        raise UsageError(
+            f"--trace {args.trace}: a plan needs at least two arrivals at different times for"
+            f" its rate, got {len(trace)} over {trace.duration_s:g} s"
+        )
+    if stats.rate_qps > MAX_RATE_QPS:
+        raise UsageError(
+            f"--trace {args.trace}: its rate, {stats.rate_qps:.4g} qps, is past what heteroplane"
+            f" plans for ({MAX_RATE_QPS:,.0f} qps)"
+        )
     plan = plan_with_spot(app, trace, plan=plan_app, seed=args.seed, progress=progress)
     data: dict[str, Any] = {
         "app": spec.name,

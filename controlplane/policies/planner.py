@@ -1333,6 +1333,10 @@ def plan_app(
     """
     if len(trace) < 2:
         raise EstimatorError("the trace needs at least two queries to plan for")
+    if trace.duration_s <= 0:
+        raise EstimatorError(
+            "the trace's queries all arrive at one time: it has no rate to plan for"
+        )
     if max_queries < 2:
         raise ValueError(f"max_queries must be >= 2, got {max_queries}")
     say = progress or (lambda _message: None)

@@ -201,6 +201,22 @@ def test_a_planning_trace_without_a_rate_is_one_line(
     assert "(the default --planning-trace): a planning trace needs at least two" in error
 
 
+@pytest.mark.parametrize(
+    ("rows", "why"),
+    [
+        ("0,10\n0,10\n0,10\n", "a plan needs at least two arrivals at different times"),
+        ("0,10\n1e-300,10\n2e-300,10\n", "is past what heteroplane plans for (100,000 qps)"),
+    ],
+)
+def test_plan_refuses_a_trace_without_a_plannable_rate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rows: str, why: str
+) -> None:
+    spec, _ = _app_files(tmp_path)
+    trace = _write(tmp_path / "bad.csv", "arrival_s,batch_size\n" + rows)
+    error = one_line_error(capsys, ["plan", "--spec", str(spec), "--trace", str(trace)])
+    assert error.startswith(f"heteroplane plan: --trace {trace}: ") and why in error
+
+
 # --- trace and profile files -------------------------------------------------------------------
 
 

@@ -36,6 +36,7 @@ from estimator.cascades import (
     with_sample_ids,
 )
 from estimator.envelope import arrival_envelope, tuner_windows_s
+from estimator.errors import EstimatorError
 from estimator.numbers import money, plain
 from estimator.policies import full_range_types, policy_factory
 from estimator.simulator import InstanceSpec, SimulationResult, Stage, simulate
@@ -214,6 +215,15 @@ def test_an_slo_below_the_service_time_is_infeasible_with_a_clear_message(tmp_pa
     message = str(caught.value)
     assert message.startswith("infeasible: the service time alone exceeds the SLO")
     assert "'m'" in message and "g4dn.xlarge" in message and "SLO 2 ms" in message
+
+
+def test_a_trace_whose_queries_arrive_at_one_time_has_no_rate_to_plan_for(
+    tmp_path: Path,
+) -> None:
+    app = app_for(tmp_path, 25.0, 3.0)
+    at_once = Trace(np.zeros(3), np.full(3, 10, dtype=np.int64))
+    with pytest.raises(EstimatorError, match="all arrive at one time"):
+        plan_app(app, at_once)
 
 
 def test_a_budget_too_small_reports_the_highest_feasible_rate(tmp_path: Path) -> None:
