@@ -334,7 +334,11 @@ def write_trace_csv(trace: Trace, path: str | Path) -> None:
     direct = target.exists() and not target.is_file()
     written = target if direct else target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
-        with written.open("w", encoding="utf-8", newline="") as handle:
+        try:
+            opened = written.open("w", encoding="utf-8", newline="")
+        except OSError as error:  # named as the caller named it, not by the temporary name
+            raise type(error)(error.errno, error.strerror, str(target)) from None
+        with opened as handle:
             handle.write(",".join(header) + "\n")
             # repr(float) is the shortest string that parses back to the same double.
             handle.writelines(",".join(map(repr, row)) + "\n" for row in zip(*columns, strict=True))

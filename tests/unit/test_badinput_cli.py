@@ -239,6 +239,16 @@ def test_trace_generate_over_a_huge_duration(
     assert stats["count"] > 100 and 0.5 < stats["cv2"] < 2.0
 
 
+def test_trace_generate_into_a_missing_folder_names_the_path_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "missing" / "x.csv"
+    argv = ["trace", "generate", "--kind", "poisson", "--rate", "1", "--duration", "10"]
+    error = one_line_error(capsys, [*argv, "--out", str(out)])
+    assert error == f"heteroplane trace: cannot read or write {out}: No such file or directory"
+    assert not (tmp_path / "missing").exists()
+
+
 @pytest.mark.parametrize("command", ["profile", "simulate"])
 def test_a_profile_batch_size_of_ten_to_the_thirty_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
