@@ -530,6 +530,13 @@ def test_the_api_pins_refuses_the_plan_then_profiles_the_app(
             f"/v1/apps/{APP}/profiles?check=true", json={"types": [GPU]}, headers=auth
         )
         assert bad.status_code == 422 and bad.json()["error"]["field"] == "types", bad.text
+        # A batch size asked for twice is refused as a type named twice is (not measured once).
+        for checking in ("?check=true", ""):
+            twice = client.post(
+                f"/v1/apps/{APP}/profiles{checking}", json={"batch_sizes": [4, 1, 4]}, headers=auth
+            )
+            assert twice.status_code == 422, twice.text
+            assert twice.json()["error"]["field"] == "batch_sizes", twice.text
         assert world.provisioner.requests == [] and world.store.list_instances(APP) == []
         ran = client.post(
             f"/v1/apps/{APP}/profiles",

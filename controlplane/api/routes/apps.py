@@ -283,7 +283,7 @@ async def run_profiles(
     given = body if body is not None else ProfileRunIn()
     request = ProfileRunRequest(
         types=tuple(given.types) if given.types is not None else None,
-        batch_sizes=tuple(sorted(set(given.batch_sizes))),
+        batch_sizes=tuple(sorted(given.batch_sizes)),  # a size twice: refused below
         samples=given.samples,
         warmup=given.warmup,
     )
