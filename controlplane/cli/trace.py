@@ -113,10 +113,18 @@ def _profile(args: argparse.Namespace) -> tuple[RateProfile, float]:
 
 def _summary(stats: TraceStats) -> str:
     return (
-        f"{stats.count} queries over {stats.duration_s:.3f} s: {stats.rate_qps:.3f} qps, "
-        f"CV^2 of gaps {stats.cv2:.3f}, batch size mean {stats.mean_batch_size:.2f} "
+        f"{stats.count} queries over {_fixed(stats.duration_s)} s: {_fixed(stats.rate_qps)} qps,"
+        f" CV^2 of gaps {_fixed(stats.cv2)}, batch size mean {stats.mean_batch_size:.2f} "
         f"max {stats.max_batch_size}"
     )
+
+
+def _fixed(value: float) -> str:
+    """Three decimals, or four significant digits where those would print hundreds of digits
+    (arrivals 1e300 s apart) or a rate that is not zero as 0.000."""
+    if value != 0 and not 1e-3 <= abs(value) < 1e12:
+        return f"{value:.4g}"
+    return f"{value:.3f}"
 
 
 def _stats_data(stats: TraceStats, path: str) -> dict[str, Any]:

@@ -227,6 +227,12 @@ def test_trace_stats_of_huge_arrival_times(
     assert main(["trace", "stats", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["count"] == 3 and out["cv2"] == 0.0 and out["duration_s"] == 2e200
+    # In words, four significant digits, not two hundred: and a rate that is not 0 not as 0.000.
+    assert main(["trace", "stats", str(path)]) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"{path}: 3 queries over 2e+200 s: 1e-200 qps, CV^2 of gaps 0.000, batch size mean 1.00"
+        " max 1"
+    )
 
 
 def test_trace_generate_over_a_huge_duration(
