@@ -60,6 +60,7 @@ from controlplane.apps.profiler import (
     WorkerClient,
 )
 from controlplane.apps.resolver import AppResolver
+from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.errors import (
@@ -88,7 +89,7 @@ from provisioners.base import (
 from provisioners.errors import ProvisionerError
 
 if TYPE_CHECKING:
-    from controlplane.db.store import InstanceRecord, Store
+    from controlplane.db.store import AppRecord, InstanceRecord, Store
     from controlplane.spec import ResolvedApp
     from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec
 
@@ -300,6 +301,7 @@ def run_profile(
     say = progress or (lambda _message: None)
     started_s = time.monotonic()
     record = store.get_app(app)
+    refuse_torn_down(store, record, "no profile run starts for it")
     resolved = resolver.resolve(record.spec, check_budget=False)
     models, types = _checked_request(resolved, app, request, serve, max_batch_bytes)
     signatures = {m: resolved.artifacts[m].signature for m in models}
@@ -407,6 +409,17 @@ def run_profile(
     return result
 
 
+def refuse_torn_down(store: Store, record: AppRecord, what: str) -> None:
+    """:class:`ConflictError` (``what`` says what is refused) when ``record``'s app is being
+    taken down (``heteroplane app down``): nothing is launched for an app about to go, as a
+    plan is not applied to it."""
+    if teardown_requested(store, record):
+        raise ConflictError(
+            f"app {record.name!r} is being taken down (heteroplane app down): {what}; set its"
+            " budget again (heteroplane budget set) to call the teardown off"
+        )
+
+
 def check_profile_run(
     store: Store,
     resolver: AppResolver,
@@ -424,6 +437,7 @@ def check_profile_run(
     Raises what :func:`run_profile` raises before it launches.
     """
     record = store.get_app(app)
+    refuse_torn_down(store, record, "no profile run starts for it")
     resolved = resolver.resolve(record.spec, check_budget=False)
     models, types = _checked_request(resolved, app, request, None, max_batch_bytes)
     workers = sum(resolved.prices_usd_per_hr[t] for t in types)

@@ -44,6 +44,7 @@ from controlplane.apps.profile_run import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_SAMPLES,
     ProfileRunRequest,
+    refuse_torn_down,
     run_profile,
 )
 from controlplane.apps.profiler import DEFAULT_BATCH_SIZES, DEFAULT_WARMUP
@@ -169,6 +170,7 @@ def start_rollout(
     promoted one's handover, :func:`handing_over` at ``now``, the clock's time; a model of the
     app without profiles to plan with)."""
     record = store.get_app(app)
+    refuse_torn_down(store, record, "no rollout starts in it")
     steps = step_shares(request.steps)
     if not MIN_INTERVAL_S <= request.interval_s <= MAX_INTERVAL_S:
         raise InvalidValueError(

@@ -80,6 +80,7 @@ from controlplane.apps.rollouts import (
     profile_and_plan,
     stage_fleet,
 )
+from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import InstanceRecord, RolloutRecord, Store
@@ -316,6 +317,13 @@ class RolloutLoop:
             return None, self._end_after_grace(live, rollout.updated_at)
         if rollout.state == RolloutState.PROMOTED:
             return self._handover(rollout, rows)
+        if teardown_requested(self.store, self.store.get_app(rollout.app)):
+            # Nothing more is launched for an app about to go (its workers end with the app);
+            # a profile run under way fails on its own as its workers are ended.
+            self._runs.pop(rollout.id, None)
+            what = "aborted: the app is being taken down (heteroplane app down)"
+            self._finish(rollout, RolloutState.ABORTED, what)
+            return None, what
         if _profiling_due(rollout):
             profiled = self._profile(rollout)
             if profiled is None:

@@ -484,6 +484,32 @@ def test_app_down_ends_a_profile_runs_workers(world: World) -> None:
     assert APP not in {a.name for a in world.store.list_apps()}
 
 
+def test_no_profile_run_starts_for_an_app_being_taken_down(
+    world: World, worker: FakeV2Worker
+) -> None:
+    register(world, spec())
+    price = default_catalog()[SMALL].price_usd_per_hr
+    world.store.record_instance(  # a fleet to drain: the app is not deleted at once
+        APP, request_id="r-1", instance_type=SMALL, price_usd_per_hr=price, reason="test"
+    )
+    assert request_teardown(world.store, APP, "tester").deleted is False
+    for start in (
+        lambda: profile(world),
+        lambda: check_profile_run(
+            world.store, world.resolver, world.provisioner, APP, ProfileRunRequest()
+        ),
+    ):
+        with pytest.raises(ConflictError, match="is being taken down") as refused:
+            start()
+        assert "\n" not in str(refused.value)
+    assert world.provisioner.requests == [] and len(world.store.list_instances(APP)) == 1
+    # A budget set again calls the teardown off: the run goes ahead.
+    world.clock.advance(1.0)
+    world.store.change_budget(APP, 5.0, reason="keep it", who="tester")
+    profile(world, types=(SMALL,))
+    assert [r.instance_type for r in world.provisioner.requests] == [SMALL]
+
+
 def test_the_api_pins_refuses_the_plan_then_profiles_the_app(
     world: World, worker: FakeV2Worker
 ) -> None:

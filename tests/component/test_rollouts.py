@@ -667,3 +667,36 @@ def test_applying_the_same_spec_again_changes_nothing(world: World) -> None:
         f"/v1/apps/{APP}", json={**document, "budget_usd_per_hr": 12 * PRICE}, headers=world.auth
     )
     assert changed.json()["version"] == created.json()["version"] + 1
+
+
+def test_no_rollout_starts_or_goes_on_in_an_app_being_taken_down(
+    world: World, tmp_path: Path
+) -> None:
+    """`app down` launches nothing more for the app: a rollout is refused at its start (409, as
+    a plan's apply is), and one already under way is aborted by the loop before it launches its
+    workers."""
+    from controlplane.apps.teardown import request_teardown
+
+    register(world, budget=10 * PRICE)
+    world.store.record_instance(  # a fleet to drain: the app is not deleted at once
+        APP, request_id="r-1", instance_type=SMALL, price_usd_per_hr=PRICE, reason="test"
+    )
+    started = post(world, "rollouts", {"model": "wine-model@2", "interval_s": 30})
+    assert started.status_code == 201, started.text
+    assert request_teardown(world.store, APP, "test").deleted is False
+    refused = post(world, "rollouts", {"model": "wine-model@2"})
+    assert refused.status_code == 409, refused.text
+    assert "is being taken down" in refused.json()["error"]["message"]
+
+    from controlplane.loops.rollouts import RolloutLoop
+    from controlplane.serving.versions import VersionMeter
+
+    provider = FakeProvisioner(running_on_launch=True)
+    resolver = AppResolver(tmp_path, artifacts=world.store.get_model_version)
+    loop = RolloutLoop(world.store, resolver, provider, FakeClock(), VersionMeter())
+    (ticked,) = loop.tick()
+    assert ticked.what == "aborted: the app is being taken down (heteroplane app down)"
+    assert provider.list({}) == []  # nothing launched
+    (rollout,) = world.store.list_rollouts(APP)
+    assert rollout.state == "aborted" and loop.route(APP) is None
+    assert [r.request_id for r in world.store.list_instances(APP)] == ["r-1"]
