@@ -208,10 +208,28 @@ def _parse_number(text: str, name: str, row: int, kind: type[float] | type[int])
     return value
 
 
+def _rows_wider_than(path: Path, skip_lines: int, width: int) -> bool:
+    """Whether a data row may hold more than ``width`` fields (the header's), which numpy's
+    reader, taking the header's columns, lets by. Counted on the file's bytes at once: the
+    separators of each line after the first ``skip_lines``; a file with a quote character
+    (where a quoted field may hold a separator) is left to the row-by-row reader."""
+    data = path.read_bytes()
+    if b'"' in data:
+        return True
+    buffer = np.frombuffer(data, dtype=np.uint8)
+    # The separators and line ends in the file's order; the separators of a line are the marks
+    # between its end and the one before.
+    marks = buffer[np.flatnonzero((buffer == ord(",")) | (buffer == ord("\n")))]
+    ends = np.flatnonzero(marks == ord("\n"))
+    per_line = np.diff(np.concatenate(([-1], ends, [marks.size]))) - 1
+    return bool(np.any(per_line[skip_lines:] > width - 1))
+
+
 def _read_rows_slowly(
-    path: Path, skip_lines: int, columns: dict[str, int]
+    path: Path, skip_lines: int, columns: dict[str, int], width: int | None = None
 ) -> tuple[FloatArray, IntArray | None, IntArray | None]:
-    """Parse row by row: only used to name the row a fast parse rejected (or to read it)."""
+    """Parse row by row: only used to name the row a fast parse rejected (or to read it);
+    a row of more than ``width`` fields (the header's) is refused."""
     arrivals: list[float] = []
     ints: dict[str, list[int]] = {name: [] for name in columns if name != ARRIVAL_COLUMN}
     needed = max(columns.values()) + 1
@@ -227,6 +245,11 @@ def _read_rows_slowly(
             if len(fields) < needed:
                 raise TraceError(
                     f"row {row} has {len(fields)} field(s), expected at least {needed} "
+                    f"(line {reader.line_num})"
+                )
+            if width is not None and len(fields) > width:
+                raise TraceError(
+                    f"row {row} has {len(fields)} field(s), the header has {width} "
                     f"(line {reader.line_num})"
                 )
             arrivals.append(
@@ -252,7 +275,8 @@ def read_trace_csv(path: str | Path) -> Trace:
 
     Raises:
         TraceError: the file is empty or has no data rows, ``arrival_s`` is missing, a value is
-            not a number (with its row), arrivals decrease, or a batch size is below 1.
+            not a number (with its row), a row has fewer fields than the columns read or more
+            than the header names, arrivals decrease, or a batch size is below 1.
         FileNotFoundError: the file does not exist (left to the caller, as any ``OSError``).
     """
     path = Path(path)
@@ -307,7 +331,10 @@ def _read_trace_csv(path: Path) -> Trace:
             np.ascontiguousarray(table[SAMPLE_COLUMN]) if SAMPLE_COLUMN in columns else None
         )
     except ValueError:
-        arrival_s, batch, sample = _read_rows_slowly(path, skip_lines, columns)
+        arrival_s, batch, sample = _read_rows_slowly(path, skip_lines, columns, len(header))
+    else:
+        if _rows_wider_than(path, skip_lines, len(header)):
+            _read_rows_slowly(path, skip_lines, columns, len(header))  # names the row
     if arrival_s.size == 0:
         raise TraceError(f"trace {path} has a header but no data rows")
     if batch is None:

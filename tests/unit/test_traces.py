@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -487,3 +488,27 @@ def test_a_trace_file_appears_whole_or_not_at_all(
     with pytest.raises(OSError, match="interrupted"):
         traces.write_trace_csv(trace, target)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("arrival_s,batch_size\n0,10\n1,10,3\n2,10\n", "row 2 has 3 field(s), the header has 2"
+         " (line 3)"),
+        # A blank line is no row (its line is counted), CRLF line ends as LF.
+        ("arrival_s,batch_size\r\n0,10\r\n\r\n1,10,3\r\n", "row 2 has 3 field(s), the header"
+         " has 2 (line 4)"),
+        # With quotes in the file the rows are read one by one: a quoted separator is no field.
+        ('arrival_s,batch_size,note\n0,10,"a,b"\n1,10,x,y\n', "row 2 has 4 field(s), the header"
+         " has 3 (line 3)"),
+    ],
+)  # fmt: skip
+def test_a_row_wider_than_the_header_is_refused(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(TraceError, match=re.escape(message)):
+        read_trace_csv(write_text(tmp_path, text))
+
+
+def test_quoted_separators_blank_lines_and_crlf_are_not_extra_fields(tmp_path: Path) -> None:
+    text = '\ufeffarrival_s,batch_size,note\r\n0,10,"a,b,c"\r\n  \r\n\r\n1,2,x\r\n2,3,'
+    trace = read_trace_csv(write_text(tmp_path, text))
+    assert trace.arrival_s.tolist() == [0.0, 1.0, 2.0] and trace.batch_size.tolist() == [10, 2, 3]
