@@ -208,21 +208,31 @@ def _parse_number(text: str, name: str, row: int, kind: type[float] | type[int])
     return value
 
 
+# Every byte but the separator and the line feed, for bytes.translate to delete.
+_NOT_SEPARATOR_OR_LINE_FEED = bytes(byte for byte in range(256) if byte not in b",\n")
+_WIDTH_CHECK_CHUNK_BYTES = 1 << 20
+
+
 def _rows_wider_than(path: Path, skip_lines: int, width: int) -> bool:
     """Whether a data row may hold more than ``width`` fields (the header's), which numpy's
-    reader, taking the header's columns, lets by. Counted on the file's bytes at once: the
-    separators of each line after the first ``skip_lines``; a file with a quote character
-    (where a quoted field may hold a separator) is left to the row-by-row reader."""
-    data = path.read_bytes()
-    if b'"' in data:
-        return True
-    buffer = np.frombuffer(data, dtype=np.uint8)
-    # The separators and line ends in the file's order; the separators of a line are the marks
-    # between its end and the one before.
-    marks = buffer[np.flatnonzero((buffer == ord(",")) | (buffer == ord("\n")))]
-    ends = np.flatnonzero(marks == ord("\n"))
-    per_line = np.diff(np.concatenate(([-1], ends, [marks.size]))) - 1
-    return bool(np.any(per_line[skip_lines:] > width - 1))
+    reader, taking the header's columns, lets by. Checked on the file's bytes in C, not row by
+    row: with every byte but separators and line feeds deleted, a row of more than ``width``
+    fields is a run of ``width`` separators. A file with a quote character (where a quoted
+    field may hold a separator) is left to the row-by-row reader, which decides (as it does on
+    a lone carriage-return line end)."""
+    kept: list[bytes] = []
+    with path.open("rb") as handle:
+        while chunk := handle.read(_WIDTH_CHECK_CHUNK_BYTES):
+            if b'"' in chunk:
+                return True
+            kept.append(chunk.translate(None, _NOT_SEPARATOR_OR_LINE_FEED))
+    marks = b"".join(kept)
+    start = 0
+    for _ in range(skip_lines):  # the header (and any blank lines before it)
+        start = marks.find(b"\n", start) + 1
+        if start == 0:
+            return False
+    return marks.find(b"," * width, start) >= 0
 
 
 def _read_rows_slowly(
@@ -267,16 +277,19 @@ def read_trace_csv(path: str | Path) -> Trace:
 
     Columns: ``arrival_s`` (required; float seconds from the start, non-decreasing),
     ``batch_size`` (optional; int >= 1, default 1), ``sample_id`` (optional; int >= 0). Other
-    columns are ignored, blank lines are skipped, and a UTF-8 byte-order mark is accepted. Rows
-    are numbered from 1 after the header in every error message.
+    columns are ignored (but a row may not have more fields than the header), blank lines are
+    skipped, CRLF line ends, quoted fields (``"a,b"``) and a UTF-8 byte-order mark are accepted.
+    Rows are numbered from 1 after the header in every error message.
 
-    The whole file is parsed by numpy's C reader; only when it rejects the file is it scanned
-    again row by row, to name the offending row.
+    The whole file is parsed by numpy's C reader and its rows' widths are checked on its bytes at
+    once; only when either rejects the file (or it has a quote character, where a quoted field
+    may hold a separator) is it scanned again row by row, to name the offending row.
 
     Raises:
         TraceError: the file is empty or has no data rows, ``arrival_s`` is missing, a value is
             not a number (with its row), a row has fewer fields than the columns read or more
-            than the header names, arrivals decrease, or a batch size is below 1.
+            than the header has (with its row and line, e.g. ``row 2 has 3 field(s), the header
+            has 2 (line 3)``), arrivals decrease, or a batch size is below 1.
         FileNotFoundError: the file does not exist (left to the caller, as any ``OSError``).
     """
     path = Path(path)

@@ -501,6 +501,11 @@ def test_a_trace_file_appears_whole_or_not_at_all(
         # With quotes in the file the rows are read one by one: a quoted separator is no field.
         ('arrival_s,batch_size,note\n0,10,"a,b"\n1,10,x,y\n', "row 2 has 4 field(s), the header"
          " has 3 (line 3)"),
+        # An empty last field is a field; the last row needs no line end.
+        ("arrival_s,batch_size\n0,10\n1,10,\n", "row 2 has 3 field(s), the header has 2"
+         " (line 3)"),
+        ("arrival_s,batch_size\n0,10\n\n\n1,10,3", "row 2 has 3 field(s), the header has 2"
+         " (line 5)"),
     ],
 )  # fmt: skip
 def test_a_row_wider_than_the_header_is_refused(tmp_path: Path, text: str, message: str) -> None:
@@ -512,3 +517,37 @@ def test_quoted_separators_blank_lines_and_crlf_are_not_extra_fields(tmp_path: P
     text = '\ufeffarrival_s,batch_size,note\r\n0,10,"a,b,c"\r\n  \r\n\r\n1,2,x\r\n2,3,'
     trace = read_trace_csv(write_text(tmp_path, text))
     assert trace.arrival_s.tolist() == [0.0, 1.0, 2.0] and trace.batch_size.tolist() == [10, 2, 3]
+
+
+def test_a_valid_unquoted_file_is_not_read_again_row_by_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The width check is on the file's bytes at once (a trace may have millions of rows): blank
+    lines (even of separators, before the header), CRLF, a byte-order mark, an ignored column and
+    trailing blank lines leave the row-by-row reader unused."""
+    from estimator import traces
+
+    def unused(*args: object) -> None:
+        raise AssertionError("read row by row")
+
+    monkeypatch.setattr(traces, "_read_rows_slowly", unused)
+    text = "\ufeff,,,\r\narrival_s,batch_size,note\r\n0,1,x\r\n\r\n1,2,\r\n\r\n\r\n"
+    trace = read_trace_csv(write_text(tmp_path, text))
+    assert trace.arrival_s.tolist() == [0.0, 1.0] and trace.batch_size.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2, 3, 5])
+def test_the_width_check_reads_across_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk_bytes: int
+) -> None:
+    """A run of separators, a quote or the header's end split between two reads is still seen."""
+    from estimator import traces
+
+    monkeypatch.setattr(traces, "_WIDTH_CHECK_CHUNK_BYTES", chunk_bytes)
+    good = "arrival_s,batch_size,x\n0,10,a\n1,10,b\n"
+    assert read_trace_csv(write_text(tmp_path, good)).batch_size.tolist() == [10, 10]
+    wide = write_text(tmp_path, good + "2,10,c,d\n", "wide.csv")
+    with pytest.raises(TraceError, match=re.escape("row 3 has 4 field(s), the header has 3")):
+        read_trace_csv(wide)
+    quoted = write_text(tmp_path, good + '2,10,"c,d"\n', "quoted.csv")
+    assert read_trace_csv(quoted).arrival_s.tolist() == [0.0, 1.0, 2.0]
