@@ -370,6 +370,7 @@ def test_past_admission_a_query_is_refused_before_its_body_is_read(
     assert malformed.status_code == 400, malformed.text
     worker.hang = True  # the next query holds the worker; one more fills the queue
     held = []
+    deadline = time.monotonic() + 20.0
     for value in (1, 2):
         thread = threading.Thread(
             target=lambda v=value: httpx.post(
@@ -383,7 +384,11 @@ def test_past_admission_a_query_is_refused_before_its_body_is_read(
         )
         thread.start()
         held.append(thread)
-    deadline = time.monotonic() + 20.0
+        # The second is sent once the first holds the worker: sent while the first still
+        # waited in the queue (a loaded machine), it found the queue full and was refused.
+        while value == 1 and worker.received < 1:
+            assert time.monotonic() < deadline, "the first query never reached the worker"
+            time.sleep(0.02)
     while _serving(url, world)["stages"][0]["queued_queries"] < 1:
         assert time.monotonic() < deadline, "the second query never queued"
         time.sleep(0.02)
