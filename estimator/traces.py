@@ -236,7 +236,7 @@ def _rows_wider_than(path: Path, skip_lines: int, width: int) -> bool:
 
 
 def _read_rows_slowly(
-    path: Path, skip_lines: int, columns: dict[str, int], width: int | None = None
+    path: Path, skip_lines: int, columns: dict[str, int], width: int
 ) -> tuple[FloatArray, IntArray | None, IntArray | None]:
     """Parse row by row: only used to name the row a fast parse rejected (or to read it);
     a row of more than ``width`` fields (the header's) is refused."""
@@ -257,7 +257,7 @@ def _read_rows_slowly(
                     f"row {row} has {len(fields)} field(s), expected at least {needed} "
                     f"(line {reader.line_num})"
                 )
-            if width is not None and len(fields) > width:
+            if len(fields) > width:
                 raise TraceError(
                     f"row {row} has {len(fields)} field(s), the header has {width} "
                     f"(line {reader.line_num})"

@@ -60,7 +60,7 @@ from controlplane.apps.profiler import (
     WorkerClient,
 )
 from controlplane.apps.resolver import AppResolver
-from controlplane.apps.teardown import teardown_requested
+from controlplane.apps.teardown import refuse_torn_down
 from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.errors import (
@@ -89,7 +89,7 @@ from provisioners.base import (
 from provisioners.errors import ProvisionerError
 
 if TYPE_CHECKING:
-    from controlplane.db.store import AppRecord, InstanceRecord, Store
+    from controlplane.db.store import InstanceRecord, Store
     from controlplane.spec import ResolvedApp
     from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec
 
@@ -407,17 +407,6 @@ def run_profile(
         },
     )
     return result
-
-
-def refuse_torn_down(store: Store, record: AppRecord, what: str) -> None:
-    """:class:`ConflictError` (``what`` says what is refused) when ``record``'s app is being
-    taken down (``heteroplane app down``): nothing is launched for an app about to go, as a
-    plan is not applied to it."""
-    if teardown_requested(store, record):
-        raise ConflictError(
-            f"app {record.name!r} is being taken down (heteroplane app down): {what}; set its"
-            " budget again (heteroplane budget set) to call the teardown off"
-        )
 
 
 def check_profile_run(

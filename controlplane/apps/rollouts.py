@@ -44,11 +44,11 @@ from controlplane.apps.profile_run import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_SAMPLES,
     ProfileRunRequest,
-    refuse_torn_down,
     run_profile,
 )
 from controlplane.apps.profiler import DEFAULT_BATCH_SIZES, DEFAULT_WARMUP
 from controlplane.apps.resolver import AppResolver
+from controlplane.apps.teardown import refuse_torn_down
 from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import RolloutRecord, Store

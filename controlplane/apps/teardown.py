@@ -22,7 +22,13 @@ from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.errors import ConflictError
 from controlplane.policies.lifecycle import LIVE_STATES
 
-__all__ = ["TEARDOWN_KIND", "Teardown", "request_teardown", "teardown_requested"]
+__all__ = [
+    "TEARDOWN_KIND",
+    "Teardown",
+    "refuse_torn_down",
+    "request_teardown",
+    "teardown_requested",
+]
 
 # The decision that marks an app for teardown.
 TEARDOWN_KIND = "teardown"
@@ -87,3 +93,14 @@ def teardown_requested(store: Store, app: AppRecord) -> bool:
     marked_at = mark.at if mark.last_at is None else mark.last_at
     changes = store.list_budget_changes(app.name, limit=1)
     return not changes or changes[-1].at <= marked_at
+
+
+def refuse_torn_down(store: Store, record: AppRecord, what: str) -> None:
+    """:class:`ConflictError` (``what`` says what is refused) when ``record``'s app is being
+    taken down (``heteroplane app down``): nothing is launched for an app about to go, as a
+    plan is not applied to it."""
+    if teardown_requested(store, record):
+        raise ConflictError(
+            f"app {record.name!r} is being taken down (heteroplane app down): {what}; set its"
+            " budget again (heteroplane budget set) to call the teardown off"
+        )

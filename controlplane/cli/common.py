@@ -64,6 +64,16 @@ def at_most(name: str, value: int | None, largest: int) -> None:
         raise UsageError(f"{name} must be at most {largest:,}, got {value}")
 
 
+def check_has_rate(trace: Trace, where: str, what: str) -> None:
+    """A one-line :class:`UsageError` naming ``where`` (the option and file) when ``trace`` has
+    no rate for ``what`` (fewer than two arrivals, or all at one time)."""
+    if len(trace) < 2 or trace.duration_s <= 0:
+        raise UsageError(
+            f"{where}: {what} needs at least two arrivals at different times for its rate,"
+            f" got {len(trace)} over {trace.duration_s:g} s"
+        )
+
+
 def check_seed(seed: int | None) -> None:
     """``--seed`` as numpy's generators take it: a whole number >= 0."""
     if seed is not None and seed < 0:

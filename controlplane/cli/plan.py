@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from controlplane.cli.common import check_seed
+from controlplane.cli.common import check_has_rate, check_seed
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.pareto import run_pareto
 from controlplane.cli.parsers import MAX_RATE_QPS
@@ -37,11 +37,7 @@ def run(args: argparse.Namespace) -> int:
     app = resolve_spec(spec)
     trace = read_trace_csv(args.trace)
     stats = trace_stats(trace)
-    if len(trace) < 2 or trace.duration_s <= 0:
-        raise UsageError(
-            f"--trace {args.trace}: a plan needs at least two arrivals at different times for"
-            f" its rate, got {len(trace)} over {trace.duration_s:g} s"
-        )
+    check_has_rate(trace, f"--trace {args.trace}", "a plan")
     if stats.rate_qps > MAX_RATE_QPS:
         raise UsageError(
             f"--trace {args.trace}: its rate, {stats.rate_qps:.4g} qps, is past what heteroplane"

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.cli.common import check_seed
+from controlplane.cli.common import check_has_rate, check_seed
 from controlplane.cli.output import UsageError, emit, progress
 from controlplane.policies import scaling
 from controlplane.policies.baselines import (
@@ -118,17 +118,13 @@ def tuner_planning_trace(args: argparse.Namespace, trace: Trace, planning: Trace
     trace's leading share; one with no rate (fewer than two arrivals, or all at one time) is a
     one-line error naming where it came from."""
     chosen = leading_share(trace) if planning is None else planning
-    if len(chosen) < 2 or chosen.duration_s <= 0:
-        where = (
-            f"--planning-trace {args.planning_trace}"
-            if planning is not None
-            else f"the first {DEFAULT_PLANNING_SHARE:.0%} of {args.trace} (the default"
-            " --planning-trace)"
-        )
-        raise UsageError(
-            f"{where}: a planning trace needs at least two arrivals at different times for its"
-            f" rate, got {len(chosen)} over {chosen.duration_s:g} s"
-        )
+    where = (
+        f"--planning-trace {args.planning_trace}"
+        if planning is not None
+        else f"the first {DEFAULT_PLANNING_SHARE:.0%} of {args.trace} (the default"
+        " --planning-trace)"
+    )
+    check_has_rate(chosen, where, "a planning trace")
     return chosen
 
 
