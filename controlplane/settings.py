@@ -306,6 +306,15 @@ class Settings(BaseSettings):
         ),
     )
     reconcile_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
+    worker_unresponsive_s: float = Field(
+        default=60.0,
+        ge=0,
+        allow_inf_nan=False,
+        description=(
+            "how long a running worker (local or EC2) may leave GET /health unanswered before"
+            " the reconciler replaces it, s; 0: workers are not probed"
+        ),
+    )
     capacity_replan_after_s: float = Field(
         default=60.0,
         ge=0,

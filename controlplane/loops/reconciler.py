@@ -31,7 +31,9 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    the provider no longer lists is ended once it has been missing for ``missing_grace_s`` (EC2's
    list is eventually consistent just after a launch). An instance whose row has ended but which
    the provider still runs (or lists as ``failed``) is terminated again, which also lets the
-   provider clean a failed machine up.
+   provider clean a failed machine up. A ``running`` row whose worker has stopped answering
+   (:mod:`controlplane.loops.liveness`: no answer to ``GET /health`` for a minute, or never in
+   the straggler timeout) is terminated (cause ``unresponsive``) and so replaced by rule 5.
 4. **Stragglers.** A row still ``requested`` or ``pending`` ``straggler_timeout_s`` after it was
    recorded never became healthy: ``requested`` ones are marked ``failed``, ``pending`` ones
    terminated; the shortfall they leave is launched again in the same tick.
@@ -166,6 +168,7 @@ from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.errors import ControlPlaneError, NotFoundError
+from controlplane.loops.liveness import Liveness
 from controlplane.policies.disruption import DisruptionBudget, count_disruptions
 from controlplane.policies.drain import (
     DrainInstance,
@@ -304,8 +307,8 @@ class Launch:
 class Terminate:
     """Terminate: the rows ``instance_ids`` move to ``terminating`` (a decision recorded first),
     then the provider is asked to stop ``provider_ids``. ``cause`` is ``scale_down``, ``budget``,
-    ``straggler``, ``profile_run_gone``, ``teardown``, ``stopped`` or ``ended`` (a row that ended
-    while its machine runs on: only the provider is asked, again)."""
+    ``straggler``, ``unresponsive``, ``profile_run_gone``, ``teardown``, ``stopped`` or ``ended``
+    (a row that ended while its machine runs on: only the provider is asked, again)."""
 
     instance_ids: tuple[str, ...]
     provider_ids: tuple[str, ...]
@@ -523,6 +526,7 @@ def reconcile(
     request_prefix: str = "r",
     qps_by_type: Mapping[str, float] | None = None,
     unhealthy: Collection[str] = (),
+    unresponsive: Mapping[str, str] | None = None,
     missing_grace_s: float = DEFAULT_MISSING_GRACE_S,
     held_types: Collection[str] = (),
     stage_types: Mapping[str, Collection[str]] | None = None,
@@ -553,15 +557,18 @@ def reconcile(
     second one instance of type t serves (ranks instances for the budget guard; missing types
     rank by price alone).
     ``unhealthy``: provider ids the provider calls ``running`` whose worker failed the health
-    probe (their rows stay ``pending``). ``held_types``: types not to launch now (backing off
-    after a launch error). ``stage_types``: the applied plan's stages (name -> planned types),
-    whose last serving instances rule 5 and the budget guard keep. ``disruption``: the
-    disruption budget of rule 5 (``None``: none), with ``disrupted_in_window`` serving
-    instances of the app already moved out within its window. ``teardown``: end every kept row,
-    launch nothing. ``profile_run_timeout_s``: how long a profile worker's row may go untouched
-    before its run is taken for gone (rule 8). ``notices``: provider id -> deadline of the
-    instances the provider gave notice of (rule 9, with ``drain_s`` and ``margin_s``;
-    ``handled``: the provider ids whose notice was acted on already).
+    probe (their rows stay ``pending``). ``unresponsive``: provider id -> why, of the running
+    workers that stopped answering (:mod:`controlplane.loops.liveness`): their rows are
+    terminated (cause ``unresponsive``) and replaced. ``held_types``: types not to launch now
+    (backing off after a launch error). ``stage_types``: the applied plan's stages (name ->
+    planned types), whose last serving instances rule 5 and the budget guard keep.
+    ``disruption``: the disruption budget of rule 5 (``None``: none), with
+    ``disrupted_in_window`` serving instances of the app already moved out within its window.
+    ``teardown``: end every kept row, launch nothing. ``profile_run_timeout_s``: how long a
+    profile worker's row may go untouched before its run is taken for gone (rule 8).
+    ``notices``: provider id -> deadline of the instances the provider gave notice of (rule 9,
+    with ``drain_s`` and ``margin_s``; ``handled``: the provider ids whose notice was acted on
+    already).
     ``desired_spot``: how many of each type's desired instances are spot, and
     ``spot_prices_usd_per_hr`` the spot prices now (rule 10). ``ranking``: type -> the types
     that may stand in for it, preferred first; ``short_types``: the types the provider is short
@@ -609,7 +616,9 @@ def reconcile(
         return actions
     _match(rows, observed, prices_usd_per_hr, actions)
     for row in rows:
-        _follow_provider(row, now, straggler_timeout_s, missing_grace_s, unhealthy, actions)
+        _follow_provider(
+            row, now, straggler_timeout_s, missing_grace_s, unhealthy, unresponsive or {}, actions
+        )
     _replace_stragglers(rows, now, straggler_timeout_s, actions)
     _reap_profile_workers(rows, now, profile_run_timeout_s, actions)
     doomed, leaving = _act_on_notices(
@@ -871,9 +880,11 @@ def _follow_provider(
     straggler_timeout_s: float,
     missing_grace_s: float,
     unhealthy: Collection[str],
+    unresponsive: Mapping[str, str],
     actions: list[Action],
 ) -> None:
-    """Rule 3: move the row as the provider's list says."""
+    """Rule 3: move the row as the provider's list says (a running row whose worker stopped
+    answering is terminated: ``unresponsive``)."""
     seen = row.observed
     if row.state in TERMINAL_STATES:
         if seen is not None and seen.state in ("pending", "running", "failed"):
@@ -925,6 +936,8 @@ def _follow_provider(
         row.state = _S.PENDING
     if seen.state == "running" and row.state is _S.PENDING and pid not in unhealthy:
         _mark(row, _S.RUNNING, "running and healthy", actions)
+    elif seen.state == "running" and row.state is _S.RUNNING and pid in unresponsive:
+        _terminate([row], "unresponsive", f"{pid}: {unresponsive[pid]}", actions)
 
 
 def _mark(row: _Row, to_state: InstanceState, reason: str, actions: list[Action]) -> None:
@@ -1886,12 +1899,13 @@ class Reconciler:
     can launch (a plan that names any other is not launched, with one decision saying so);
     ``artifacts`` the registered models an app's workers load (its resolved spec's);
     ``probe`` checks that the worker of an instance the provider calls running answers (None:
-    the provider's ``running`` is taken as healthy); ``disruption`` is the disruption budget of
-    rule 5 (``None``: voluntary drains are not rate-limited); ``profile_run_timeout_s`` is
-    rule 8's; ``spot_headroom_share`` rule 10's. :attr:`before_budget_drain`, when set, runs
-    with the app's name before a drain to the budget is carried out (the gear switcher's
-    ``budget_changed``: a cascade moves to a faster gear before its fleet shrinks, whichever
-    process took the budget change).
+    the provider's ``running`` is taken as healthy); ``liveness`` finds the running workers
+    that stopped answering, which are replaced (rule 3; None: never probed); ``disruption`` is
+    the disruption budget of rule 5 (``None``: voluntary drains are not rate-limited);
+    ``profile_run_timeout_s`` is rule 8's; ``spot_headroom_share`` rule 10's.
+    :attr:`before_budget_drain`, when set, runs with the app's name before a drain to the
+    budget is carried out (the gear switcher's ``budget_changed``: a cascade moves to a faster
+    gear before its fleet shrinks, whichever process took the budget change).
     """
 
     def __init__(
@@ -1905,6 +1919,7 @@ class Reconciler:
         launchable: LaunchableFn = _any_type,
         artifacts: ArtifactsFn = _no_artifacts,
         probe: Callable[[ProvisionedInstance], bool] | None = None,
+        liveness: Liveness | None = None,
         straggler_timeout_s: float = DEFAULT_STRAGGLER_TIMEOUT_S,
         missing_grace_s: float = DEFAULT_MISSING_GRACE_S,
         launch_backoff_s: float = DEFAULT_LAUNCH_BACKOFF_S,
@@ -1928,6 +1943,9 @@ class Reconciler:
         self.launchable = launchable
         self.artifacts = artifacts
         self.probe = probe
+        self.liveness = liveness
+        # Rule 3: provider id -> why, the running workers found unresponsive this tick.
+        self._unresponsive: dict[str, str] = {}
         self.straggler_timeout_s = straggler_timeout_s
         self.missing_grace_s = missing_grace_s
         self.launch_backoff_s = launch_backoff_s
@@ -1995,6 +2013,9 @@ class Reconciler:
             elif instance.state in ("pending", "running", "stopping"):
                 strays.append(instance)
         errors = self._terminate_strays(strays)
+        if self.liveness is not None:
+            ours = [i for app in by_app.values() for i in app]
+            self._unresponsive = self.liveness.check(ours, self.clock.now_s())
         reports = {app.name: self._guarded(app, by_app.get(app.name, [])) for app in apps}
         return ReconcileReport(
             now,
@@ -2067,6 +2088,7 @@ class Reconciler:
             request_prefix=request_prefix(app),
             qps_by_type=pricing.qps_by_type,
             unhealthy=self._unhealthy(rows, observed or ()),
+            unresponsive=self._unresponsive,
             missing_grace_s=self.missing_grace_s,
             held_types=held,
             stage_types=_stage_types(self.store, app.name),

@@ -98,7 +98,9 @@ from controlplane.loops.infaas_scaler import InfaasScaler, scales_with_infaas
 from controlplane.loops.leadership import TRY_EVERY_S, LeaderLock, Leadership, SoleLock
 from controlplane.loops.live_gears import GearTable, LiveGears
 from controlplane.loops.live_tuner import LiveTuner, ResolveFn
+from controlplane.loops.liveness import Liveness, http_probe
 from controlplane.loops.reconciler import (
+    DEFAULT_STRAGGLER_TIMEOUT_S,
     PROFILE_RUN_MISSED_BEATS,
     AppPricing,
     ArtifactsFn,
@@ -272,13 +274,15 @@ def build_reconciler(
     disruption: DisruptionBudget | None = None,
     profile_run_heartbeat_s: float | None = None,
     spot_headroom_share: float | None = None,
+    liveness: Liveness | None = None,
 ) -> Reconciler:
     """The reconciler over ``provisioner``, pricing apps from their specs (through
     ``resolver``); ``desired_fleet`` is the live tuner's (default: each app's applied plan);
     ``disruption`` bounds its voluntary drains (default: the reconciler's); a profile run's
     workers are its run's for four ``profile_run_heartbeat_s`` after its last heartbeat
     (default: the reconciler's); ``spot_headroom_share`` is rule 10's (default: the
-    reconciler's)."""
+    reconciler's); ``liveness`` finds the running workers to replace (default: none probed;
+    :func:`worker_liveness`)."""
     extra: dict[str, Any] = {} if disruption is None else {"disruption": disruption}
     if spot_headroom_share is not None:
         extra["spot_headroom_share"] = spot_headroom_share
@@ -292,7 +296,21 @@ def build_reconciler(
         desired_fleet=desired_fleet,
         launchable=launchable_types(provisioner),
         artifacts=app_artifacts(resolver),
+        liveness=liveness,
         **extra,
+    )
+
+
+def worker_liveness(settings: Settings) -> Liveness | None:
+    """The reconciler's probe of running workers (:mod:`controlplane.loops.liveness`): for the
+    provisioners that run real workers (local, EC2) unless ``worker_unresponsive_s`` is 0; the
+    fake provisioner's instances have no worker to ask."""
+    if settings.provisioner == "fake" or settings.worker_unresponsive_s <= 0:
+        return None
+    return Liveness(
+        http_probe(DEFAULT_WORKER_PORT),
+        after_s=settings.worker_unresponsive_s,
+        never_after_s=DEFAULT_STRAGGLER_TIMEOUT_S,
     )
 
 
@@ -784,6 +802,7 @@ def build_service(
         disruption=disruption_budget(settings),
         profile_run_heartbeat_s=settings.profile_run_heartbeat_s,
         spot_headroom_share=settings.spot_headroom_share,
+        liveness=worker_liveness(settings),
     )
     # A spot price rise past the budget moves the gear as a budget cut does (docs/spot.md).
     live_gears.spot_prices = reconciler.spot_prices_now

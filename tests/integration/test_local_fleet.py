@@ -1,6 +1,8 @@
 """Local end to end: the service with the local provisioner launches a fleet of real worker
-processes of two emulated types from an applied plan, each serves a real inference, and a worker
-killed with SIGKILL is replaced by the reconciler.
+processes of two emulated types from an applied plan, each serves a real inference, a worker
+killed with SIGKILL is replaced by the reconciler, and so is one that hangs (SIGSTOP: its process
+lives, its port accepts, nothing answers), once it has left ``/health`` unanswered for
+``worker_unresponsive_s``.
 
 The family is trained once per session and the profiles measured by ``heteroplane profile
 measure`` (a few samples: the numbers only price and rank, nothing here is timed). Reconcile ticks
@@ -13,6 +15,7 @@ import json
 import os
 import signal
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,12 @@ from controlplane.db.store import InstanceRecord
 from controlplane.service.build import Service
 from provisioners.base import APP_TAG
 from provisioners.local import LocalProvisioner
-from tests.integration.conftest import measure_profiles, reconcile_until
+from tests.integration.conftest import (
+    local_data_dir,
+    measure_profiles,
+    reconcile_until,
+    running_local_service,
+)
 
 pytest.importorskip("torch")
 
@@ -40,10 +48,17 @@ def profiles(trained_family: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return measure_profiles(trained_family, out, "tiny", "1,2,4")
 
 
+# Long enough that a worker slow to answer on a loaded machine is not taken for hung.
+UNRESPONSIVE_S = 10.0
+
+
 @pytest.fixture
-def service(local_service: Service) -> Service:
-    """The service on the local provisioner (``local_service`` in the integration conftest)."""
-    return local_service
+def service(tmp_path: Path, trained_family: Path) -> Iterator[Service]:
+    """The service on the local provisioner (as ``local_service`` in the integration conftest),
+    a hung worker replaced after :data:`UNRESPONSIVE_S`."""
+    data_dir = local_data_dir(tmp_path, trained_family)
+    with running_local_service(data_dir, worker_unresponsive_s=UNRESPONSIVE_S) as built:
+        yield built
 
 
 def _running(rows: list[InstanceRecord]) -> list[InstanceRecord]:
@@ -131,5 +146,35 @@ def test_the_local_fleet_serves_and_a_killed_worker_is_replaced(
     assert address is not None
     parameters = _infer(address)["parameters"]
     assert isinstance(parameters, dict) and parameters["instance_type"] == SMALL
-    # Four launches in all: the fleet and one replacement, nothing twice.
+    # Four launches so far: the fleet and one replacement, nothing twice.
     assert len([r for r in rows if not r.request_id.startswith("orphan:")]) == 4
+
+    # A hung worker: alive to the provider, its port open, nothing answering.
+    hung = next(r for r in _running(rows) if r.instance_type == LARGE)
+    (record,) = [w for w in provisioner.records() if w.provider_id == hung.provider_id]
+    os.kill(record.pid, signal.SIGSTOP)
+    try:
+
+        def hung_replaced(rows: list[InstanceRecord]) -> bool:
+            states = {r.id: r.state for r in rows}
+            larges = [r for r in _running(rows) if r.instance_type == LARGE]
+            return states[hung.id] in ("terminating", "terminated") and len(larges) == 1
+
+        rows = reconcile_until(service, APP, hung_replaced, "replacement of the hung worker")
+    finally:
+        os.kill(record.pid, signal.SIGCONT)  # so that a SIGTERM ends it at once if still there
+    (ended,) = [
+        d
+        for d in store.list_decisions(APP, kinds=["terminate"])
+        if hung.id in d.numbers["instance_ids"]
+    ]
+    assert ended.numbers["cause"] == "unresponsive"
+    assert "has not answered /health" in ended.reason
+    large = next(r for r in _running(rows) if r.instance_type == LARGE)
+    listed = {i.provider_id: i for i in service.provisioner.list({APP_TAG: APP})}
+    address = listed[large.provider_id or ""].address
+    assert address is not None
+    parameters = _infer(address)["parameters"]
+    assert isinstance(parameters, dict) and parameters["instance_type"] == LARGE
+    # The SIGKILLed one failed and the hung one was terminated; nothing else was replaced.
+    assert len([r for r in rows if not r.request_id.startswith("orphan:")]) == 5

@@ -255,6 +255,25 @@ def test_pending_becomes_running_only_when_healthy() -> None:
     assert sick == []
 
 
+def test_a_running_worker_that_stopped_answering_is_terminated_and_replaced() -> None:
+    hung = row("small", "running")
+    fine = row("small", "running")
+    why = {hung.provider_id: "its worker has not answered /health for 61 s"}
+    actions = run({"small": 2}, [hung, fine], unresponsive=why)
+    (stop,) = terminations(actions)
+    assert stop.cause == "unresponsive" and stop.instance_ids == (hung.id,)
+    assert stop.provider_ids == (hung.provider_id,) and "61 s" in stop.reason
+    # Its row is no longer kept, so the fleet is made whole in the same tick.
+    assert [a.instance_type for a in launches(actions)] == ["small"]
+    # A worker that is not running yet (rule 4's) or already leaving is not this rule's.
+    booting = row("small", "pending")
+    leaving = row("small", "terminating")
+    why = {r.provider_id: "silent" for r in (booting, leaving)}
+    observed = [seen(booting, "running"), seen(leaving, "running")]
+    actions = run({"small": 1}, [booting, leaving], observed, unresponsive=why)
+    assert [t.cause for t in terminations(actions)] == ["ended"]
+
+
 def test_a_requested_row_is_launched_again_with_its_own_request_id() -> None:
     waiting = row("small", "requested", age_s=20)
     actions = run({"small": 1}, [waiting], [])
