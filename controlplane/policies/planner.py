@@ -5,7 +5,10 @@ Algorithms 1 and 2), with the "hardware" of a stage generalised to a heterogeneo
 whose starting point comes from the Kairos throughput upper bound (Kairos, HPDC'23, section 5.2;
 ``estimator.bounds``). The estimator (``estimator.simulator``) is the only judge of feasibility:
 a configuration is feasible when the simulated P-th percentile of the response times on the
-planning trace is within the SLO (P = ``slo.percentile``, 99 by default).
+planning trace is within the SLO (P = ``slo.percentile``, 99 by default), and it is not
+simulated at all when its capacity (each instance's throughput at the batch size, an upper
+bound) does not exceed the trace's mean rate: such a queue grows without bound, which a short
+trace (5,000 queries at a high rate last a fraction of a second) would not show.
 
 docs/planner.md states the algorithm step by step (the service-time bound, the Kairos start mix,
 Algorithm 1's added capacity, Algorithm 2's greedy cuts, the budget rule, cascades planned
@@ -217,6 +220,16 @@ class _Evaluator:
     def _simulate(self, fleet: dict[str, int], batch: int) -> tuple[float, float, DispatchName]:
         deadline.check()  # a bounded preview stops between simulations
         name, stage = _simulated_stage(self.inputs, fleet, batch, self.trace.batch_size)
+        capacity_qps = sum(
+            n * rate_per_instance_qps(self.inputs.profiles[t], self.trace.batch_size, batch)
+            for t, n in fleet.items()
+            if n
+        )
+        if capacity_qps <= _rate_qps(self.trace):
+            # Unstable: its queue grows without bound, however long the trace. A short one (a
+            # high rate's 5,000 queries last a fraction of a second) ends before the queue has
+            # grown past the SLO, and its simulated P99 would call the fleet feasible.
+            return math.inf, capacity_qps, name
         result = simulate(
             self.trace,
             [stage],

@@ -26,6 +26,7 @@ from controlplane.policies.planner import (
     plan_app,
     scale_trace,
 )
+from controlplane.policies.replay import rate_per_instance_qps
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
 from estimator.batches import parse_batch_distribution
 from estimator.cascades import (
@@ -206,6 +207,34 @@ def test_cost_rises_with_burstiness(tmp_path: Path, slo_ms: float, rate_qps: flo
 
 
 # --- infeasible inputs -----------------------------------------------------------------------
+
+
+def test_a_short_trace_at_a_high_rate_is_planned_with_the_capacity_to_serve_it(
+    tmp_path: Path,
+) -> None:
+    # 400 queries at 2,000 qps last a fifth of a second: a fleet with a fraction of that
+    # capacity ends the trace with a queue still short of the SLO, and was planned as feasible.
+    app = app_for(tmp_path, 300.0, 100.0)
+    trace = poisson_trace(2000.0, queries=400)
+    plan = plan_app(app, trace)
+    assert plan.feasible
+    (stage,) = plan.stages
+    capacity_qps = sum(
+        n * rate_per_instance_qps(app.profile("m", t), trace.batch_size, stage.batch_size)
+        for t, n in stage.fleet.items()
+    )
+    assert capacity_qps > trace_stats(trace).rate_qps
+    # Within a budget that cannot buy that capacity, it is not feasible, at a rate it can serve.
+    poorer = app_for(tmp_path, 300.0, 0.5)
+    plan = plan_app(poorer, trace)
+    assert not plan.feasible
+    assert plan.max_feasible_qps is not None and plan.max_feasible_qps < 2000.0
+    (stage,) = plan.stages
+    capacity_qps = sum(
+        n * rate_per_instance_qps(poorer.profile("m", t), trace.batch_size, stage.batch_size)
+        for t, n in stage.fleet.items()
+    )
+    assert capacity_qps > plan.max_feasible_qps
 
 
 def test_an_slo_below_the_service_time_is_infeasible_with_a_clear_message(tmp_path: Path) -> None:
