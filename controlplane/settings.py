@@ -311,8 +311,9 @@ class Settings(BaseSettings):
         ge=0,
         allow_inf_nan=False,
         description=(
-            "how long a running worker (local or EC2) may leave GET /health unanswered before"
-            " the reconciler replaces it, s; 0: workers are not probed"
+            "how long a running worker (local or EC2) past its boot may leave GET /health"
+            " unanswered (three probes at least) before the reconciler replaces it, s;"
+            " 0: workers are not probed"
         ),
     )
     capacity_replan_after_s: float = Field(

@@ -4,35 +4,47 @@ A worker the provider calls ``running`` can still be of no use: its process hung
 deadlock, a machine out of memory that swaps), its agent crashed while the machine runs on. The
 serving path takes such a worker out of matching at its first transport failure
 (:mod:`controlplane.serving.health`), but the machine stays paid for until something ends it.
-The reconciler does: on every tick it asks each running worker ``GET /health``
-(:func:`http_probe`) and a worker that :class:`Liveness` finds *unresponsive* is terminated
-(cause ``unresponsive``) and replaced by rule 5 in the same tick (docs/provisioners.md,
-"Reconciler").
+The reconciler does: each tick it hands the running workers to :class:`Liveness`, which asks
+each one ``GET /health`` (:func:`http_probe`) in the background, and a worker found
+*unresponsive* is terminated (cause ``unresponsive``) and replaced by rule 5 in the same tick
+(docs/provisioners.md, "Workers that stop answering").
 
-A worker is unresponsive when
+A worker is unresponsive when its last :data:`MIN_FAILED_PROBES` probes or more, spanning
+``after_s`` (60 s by default: twelve ticks, so that a worker slow past one probe's timeout on a
+busy machine, or a network blip, is not taken for dead), went unanswered, and it is no longer
+booting: it has answered before, or it was launched ``never_after_s`` ago (the straggler
+timeout, 600 s: EC2's ``running`` says nothing of the agent, and a worker still downloading its
+model is not dead). The launch time is the provider's, so a control plane that restarts or a
+new leader replaces a worker hung since before it in ``after_s``, not in ``never_after_s``.
+A run of failures starts afresh after a gap of more than ``after_s`` (and 30 s) between two
+probes of the worker (a replica that was not the leader, a provider that could not be
+listed): nobody asked meanwhile, so the silence is not known to have lasted.
 
-- it answered before (in this process) and has not answered for ``after_s`` (60 s by default:
-  twelve ticks of the reconciler, so that a worker busy past a probe's timeout, or a network
-  blip, is not taken for dead), or
-- it has never answered for ``never_after_s`` since it was first seen running (the straggler
-  timeout, 600 s: an EC2 instance whose agent never came up; the provider's ``running`` says
-  nothing of the agent, and a worker still downloading its model is not dead).
+An answer is a JSON object whose ``status`` is ``ok`` or ``stopping`` (the agent serves, or is
+finishing what it has). ``loading`` is an agent up whose models are not loaded yet: no answer,
+which the boot allowance above covers; ``failed`` (its models could not be loaded) is none.
 
-An answer is any JSON object with a ``status`` other than ``failed`` (``ok``, ``loading``,
-``stopping`` all prove the agent lives; ``failed`` is an agent that could not load its models and
-serves nothing). The probes of one tick run side by side, each with its own timeout, so a tick
-takes at most about one timeout longer whatever the fleet's size.
+When more than half of the workers probed, and at least two, are silent at once, the likelier
+cause is the control plane's side (its network, a starved machine), and replacing them all would
+turn a blip into an outage: no worker is found unresponsive then (a warning says so) until the
+share falls again.
+
+Probes run in the background, at most :data:`MAX_PARALLEL_PROBES` at a time, each with its own
+timeout: a tick never waits for them (a budget drain in the same tick is not held up), and the
+verdicts of a tick rest on the probes finished by then (one round behind: a tick's period). A
+round still in flight when the next tick comes (a probe held up) is waited for, not doubled.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 
 from provisioners.base import ProvisionedInstance, with_port
 
@@ -41,15 +53,26 @@ logger = logging.getLogger(__name__)
 DEFAULT_AFTER_S = 60.0
 DEFAULT_PROBE_TIMEOUT_S = 2.0
 MAX_PARALLEL_PROBES = 16
+# At least this many unanswered probes in a row, whatever after_s (a setting below the
+# reconciler's period would otherwise make one missed probe a death).
+MIN_FAILED_PROBES = 3
+# Probes of a worker further apart than this (or than after_s, if longer) start its run of
+# failures afresh: nobody asked in between.
+MIN_GAP_S = 30.0
+# More than this share of the probed workers silent at once (and at least two): the control
+# plane's side is the likelier cause, and nothing is replaced.
+MASS_SILENCE_SHARE = 0.5
+# The most of an answer read: /health is a few hundred bytes.
+_MAX_ANSWER_BYTES = 64 * 1024
 
 Probe = Callable[[ProvisionedInstance], bool]
 
 
 def http_probe(port: int, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -> Probe:
     """A probe asking a worker's agent ``GET /health`` at its address (``port`` where the address
-    names none: an EC2 private IP), straight (no proxy), within ``timeout_s``; whether it
-    answered (module docstring: any JSON object whose ``status`` is not ``failed``, whatever the
-    HTTP status)."""
+    names none: an EC2 private IP), straight (no proxy), within ``timeout_s`` a socket operation;
+    whether it answered (module docstring: ``status`` ``ok`` or ``stopping``, whatever the HTTP
+    status)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def probe(instance: ProvisionedInstance) -> bool:
@@ -58,10 +81,10 @@ def http_probe(port: int, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -> Probe:
         url = f"http://{with_port(instance.address, port)}/health"
         try:
             with opener.open(url, timeout=timeout_s) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as error:  # 503 while loading or stopping: an answer
+                raw = response.read(_MAX_ANSWER_BYTES)
+        except urllib.error.HTTPError as error:  # 503 while stopping: an answer
             try:
-                raw = error.read()
+                raw = error.read(_MAX_ANSWER_BYTES)
             except OSError:
                 return False
         except (OSError, ValueError):  # refused, timed out, reset, a bad address
@@ -70,21 +93,26 @@ def http_probe(port: int, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -> Probe:
             body = json.loads(raw)
         except ValueError:
             return False
-        return isinstance(body, dict) and "status" in body and body["status"] != "failed"
+        return isinstance(body, dict) and body.get("status") in ("ok", "stopping")
 
     return probe
 
 
 @dataclass
 class _Seen:
-    first_s: float  # when it was first seen running (this process's clock)
-    answered_s: float | None = None  # its last answer
+    launched_s: float | None  # the provider's launch time (epoch seconds), when it says
+    first_s: float  # when this process first saw it running
+    probed_s: float | None = None  # its last finished probe
+    answered: bool = False  # it answered once (in this process)
+    failures: int = 0  # unanswered probes in a row
+    silent_since_s: float | None = None  # the first of them
 
 
 class Liveness:
     """Which running workers have stopped answering (module docstring). ``probe`` asks one
-    worker; ``after_s`` and ``never_after_s`` are the two limits; times come from the caller
-    (the reconciler's clock), so that a test steps them."""
+    worker; ``after_s`` and ``never_after_s`` are the two limits. With ``background`` (the
+    reconciler's) the probes of a tick run in threads of their own and count from the next tick
+    on; without, :meth:`check` probes and waits (tests, tools)."""
 
     def __init__(
         self,
@@ -92,6 +120,7 @@ class Liveness:
         *,
         after_s: float = DEFAULT_AFTER_S,
         never_after_s: float,
+        background: bool = True,
     ) -> None:
         if not after_s > 0 or not never_after_s > 0:
             raise ValueError(
@@ -100,51 +129,148 @@ class Liveness:
         self.probe = probe
         self.after_s = after_s
         self.never_after_s = max(never_after_s, after_s)
+        self.gap_s = max(after_s, MIN_GAP_S)
+        self.background = background
         self._seen: dict[str, _Seen] = {}
+        self._round: _Round | None = None
+        self._held = False  # a mass silence is holding the verdicts back (warned once)
 
-    def check(self, instances: Iterable[ProvisionedInstance], now_s: float) -> dict[str, str]:
-        """Probe every instance of ``instances`` the provider calls running (side by side) and
-        return the unresponsive ones: provider id -> why. Instances no longer listed running
+    def check(self, instances: Iterable[ProvisionedInstance], now: datetime) -> dict[str, str]:
+        """The unresponsive ones among ``instances`` the provider calls running: provider id ->
+        why. Starts their next probes (module docstring); instances no longer listed running
         are forgotten (a worker seen again starts afresh)."""
+        now_s = now.timestamp()
         running = {i.provider_id: i for i in instances if i.state == "running"}
         for gone in self._seen.keys() - running.keys():
             del self._seen[gone]
-        if not running:
-            return {}
-        answers = self._probe_all(list(running.values()))
-        unresponsive: dict[str, str] = {}
-        for pid in running:
-            seen = self._seen.setdefault(pid, _Seen(first_s=now_s))
-            if answers[pid]:
-                seen.answered_s = now_s
+        for pid, instance in running.items():
+            if pid not in self._seen:
+                launched = instance.launched_at
+                self._seen[pid] = _Seen(None if launched is None else launched.timestamp(), now_s)
+        if self.background:
+            if self._round is not None and self._round.done():
+                self._fold(self._round.started_s, self._round.answers)
+                self._round = None
+            if self._round is None and running:
+                self._round = _Round(self.probe, list(running.values()), now_s)
+        elif running:
+            self._fold(now_s, _Round(self.probe, list(running.values()), now_s).wait())
+        return self._verdicts(now_s)
+
+    def settle(self, timeout_s: float | None = None) -> bool:
+        """Wait for the probes in flight (tests); whether none is left."""
+        return self._round is None or self._round.wait_done(timeout_s)
+
+    def _fold(self, at_s: float, answers: Mapping[str, bool]) -> None:
+        for pid, answered in answers.items():
+            seen = self._seen.get(pid)
+            if seen is None:  # no longer running
                 continue
+            if seen.probed_s is not None and at_s - seen.probed_s > self.gap_s:
+                seen.failures, seen.silent_since_s = 0, None  # nobody asked meanwhile
+            seen.probed_s = at_s
+            if answered:
+                seen.answered = True
+                seen.failures, seen.silent_since_s = 0, None
+            else:
+                seen.failures += 1
+                if seen.silent_since_s is None:
+                    seen.silent_since_s = at_s
+
+    def _booting(self, seen: _Seen, now_s: float) -> bool:
+        """Whether ``seen`` may still be booting: never answered, launched (or, the launch
+        time unknown, first seen) less than ``never_after_s`` ago."""
+        if seen.answered:
+            return False
+        since_s = seen.launched_s if seen.launched_s is not None else seen.first_s
+        return now_s - since_s < self.never_after_s
+
+    def _verdicts(self, now_s: float) -> dict[str, str]:
+        # The share is of the workers past their boot: new ones are silent as a rule.
+        probed = [
+            seen
+            for seen in self._seen.values()
+            if seen.probed_s is not None and not self._booting(seen, now_s)
+        ]
+        silent = [seen for seen in probed if seen.failures > 0]
+        if len(silent) >= 2 and len(silent) > MASS_SILENCE_SHARE * len(probed):
+            if not self._held:
+                logger.warning(
+                    "liveness: %d of %d running workers do not answer /health at once; none is"
+                    " replaced while more than half are silent (the control plane's network or"
+                    " machine is the likelier cause)",
+                    len(silent),
+                    len(probed),
+                )
+                self._held = True
+            return {}
+        self._held = False
+        found: dict[str, str] = {}
+        for pid, seen in self._seen.items():
             why = self._verdict(seen, now_s)
             if why is not None:
-                unresponsive[pid] = why
-        return unresponsive
+                found[pid] = why
+        return found
 
     def _verdict(self, seen: _Seen, now_s: float) -> str | None:
-        if seen.answered_s is not None:
-            silent_s = now_s - seen.answered_s
-            if silent_s >= self.after_s:
-                return f"its worker has not answered /health for {silent_s:.0f} s"
+        if seen.failures < MIN_FAILED_PROBES or seen.silent_since_s is None:
             return None
-        waited_s = now_s - seen.first_s
-        if waited_s >= self.never_after_s:
-            return f"its worker never answered /health in {waited_s:.0f} s of running"
-        return None
+        silent_s = now_s - seen.silent_since_s
+        if silent_s < self.after_s:
+            return None
+        if self._booting(seen, now_s):
+            return None  # as far as anyone can tell
+        said = f"its worker has not answered /health for {silent_s:.0f} s ({seen.failures} probes)"
+        if seen.answered or seen.launched_s is None:
+            return said
+        return f"{said}, nor once since its launch {now_s - seen.launched_s:.0f} s ago"
 
-    def _probe_all(self, instances: list[ProvisionedInstance]) -> Mapping[str, bool]:
-        def one(instance: ProvisionedInstance) -> bool:
+    def silent(self) -> set[str]:
+        """The workers whose last probe went unanswered (rule 5 ends them first when the fleet
+        shrinks)."""
+        return {pid for pid, seen in self._seen.items() if seen.failures > 0}
+
+
+class _Round:
+    """One round of probes: up to :data:`MAX_PARALLEL_PROBES` daemon threads, each asking its
+    share of the workers in turn (a probe that hangs past its timeout holds no tick up, and no
+    thread outlives the interpreter)."""
+
+    def __init__(self, probe: Probe, instances: list[ProvisionedInstance], started_s: float):
+        self.started_s = started_s
+        self.answers: dict[str, bool] = {}
+        self._lock = threading.Lock()
+        count = min(MAX_PARALLEL_PROBES, len(instances))
+        self._threads = [
+            threading.Thread(
+                target=self._ask,
+                args=(probe, instances[i::count]),
+                name="liveness-probe",
+                daemon=True,
+            )
+            for i in range(count)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _ask(self, probe: Probe, instances: list[ProvisionedInstance]) -> None:
+        for instance in instances:
             try:
-                return self.probe(instance)
+                answered = probe(instance)
             except Exception:  # a probe is I/O: any failure is no answer
                 logger.debug("liveness probe of %s failed", instance.provider_id, exc_info=True)
-                return False
+                answered = False
+            with self._lock:
+                self.answers[instance.provider_id] = answered
 
-        if len(instances) == 1:
-            return {instances[0].provider_id: one(instances[0])}
-        workers = min(MAX_PARALLEL_PROBES, len(instances))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="liveness") as pool:
-            answers = list(pool.map(one, instances))
-        return {i.provider_id: answer for i, answer in zip(instances, answers, strict=True)}
+    def done(self) -> bool:
+        return not any(thread.is_alive() for thread in self._threads)
+
+    def wait_done(self, timeout_s: float | None) -> bool:
+        for thread in self._threads:
+            thread.join(timeout_s)
+        return self.done()
+
+    def wait(self) -> dict[str, bool]:
+        self.wait_done(None)
+        return self.answers

@@ -32,14 +32,15 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    list is eventually consistent just after a launch). An instance whose row has ended but which
    the provider still runs (or lists as ``failed``) is terminated again, which also lets the
    provider clean a failed machine up. A ``running`` row whose worker has stopped answering
-   (:mod:`controlplane.loops.liveness`: no answer to ``GET /health`` for a minute, or never in
-   the straggler timeout) is terminated (cause ``unresponsive``) and so replaced by rule 5.
+   (:mod:`controlplane.loops.liveness`: no answer to ``GET /health`` for a minute, once past
+   its boot) is terminated (cause ``unresponsive``) and so replaced by rule 5.
 4. **Stragglers.** A row still ``requested`` or ``pending`` ``straggler_timeout_s`` after it was
    recorded never became healthy: ``requested`` ones are marked ``failed``, ``pending`` ones
    terminated; the shortfall they leave is launched again in the same tick.
 5. **Fleet size.** Per type, the rows that are ``requested``, ``pending`` or ``running`` (the
    *kept* ones) are compared with the desired count. The excess goes first (rows not launched yet
-   first, then ``pending``, then ``running``; the newest first within each). Two guards hold
+   first, then ``pending``, then ``running``, of which those whose last liveness probe went
+   unanswered first; the newest first within each). Two guards hold
    back the excess that serves (docs/operations.md, "Budget changes that cannot take an app
    down"): the last serving instance of each stage of the applied plan stays until another of
    the stage serves (:func:`controlplane.policies.drain.spare_last_serving`), unless the budget
@@ -527,6 +528,7 @@ def reconcile(
     qps_by_type: Mapping[str, float] | None = None,
     unhealthy: Collection[str] = (),
     unresponsive: Mapping[str, str] | None = None,
+    silent: Collection[str] = (),
     missing_grace_s: float = DEFAULT_MISSING_GRACE_S,
     held_types: Collection[str] = (),
     stage_types: Mapping[str, Collection[str]] | None = None,
@@ -559,7 +561,8 @@ def reconcile(
     ``unhealthy``: provider ids the provider calls ``running`` whose worker failed the health
     probe (their rows stay ``pending``). ``unresponsive``: provider id -> why, of the running
     workers that stopped answering (:mod:`controlplane.loops.liveness`): their rows are
-    terminated (cause ``unresponsive``) and replaced. ``held_types``: types not to launch now
+    terminated (cause ``unresponsive``) and replaced; ``silent``: provider ids whose last probe
+    went unanswered, which rule 5 ends first. ``held_types``: types not to launch now
     (backing off after a launch error). ``stage_types``: the applied plan's stages (name ->
     planned types), whose last serving instances rule 5 and the budget guard keep.
     ``disruption``: the disruption budget of rule 5 (``None``: none), with
@@ -652,7 +655,7 @@ def reconcile(
     spared: list[_Row] = []
     if desired is not None:
         kept, spared = _drop_excess(
-            kept, desired, values, stages, disruption, disrupted_in_window, actions
+            kept, desired, values, stages, disruption, disrupted_in_window, actions, silent
         )
     reserved = _end_profiling_over_budget(kept, profiling, budget_usd_per_hr, actions, app)
     if risen and desired is not None and not moving:
@@ -1120,10 +1123,12 @@ def _drop_excess(
     disruption: DisruptionBudget | None,
     disrupted_in_window: int,
     actions: list[Action],
+    silent: Collection[str] = (),
 ) -> tuple[list[_Row], list[_Row]]:
     """Rule 5: per type, end the kept rows beyond the desired count, but for the last serving
-    instance of a stage and what the disruption budget defers. The rows kept and, of them, the
-    ones spared as the last of their stage."""
+    instance of a stage and what the disruption budget defers; of the running ones, those whose
+    worker went ``silent`` (its last liveness probe unanswered) first. The rows kept and, of
+    them, the ones spared as the last of their stage."""
     by_type: dict[str, list[_Row]] = defaultdict(list)
     for row in kept:
         by_type[row.counted_type].append(row)
@@ -1138,6 +1143,7 @@ def _drop_excess(
             have,
             key=lambda row: (
                 _DROP_ORDER[row.state],
+                row.provider_id not in silent,
                 -row.record.created_at.timestamp(),
                 row.id,
             ),
@@ -1168,6 +1174,7 @@ def _drop_excess(
             # The least cost-effective go first, as in the budget guard.
             serving.sort(
                 key=lambda row: (
+                    row.provider_id not in silent,
                     _value_per_usd(
                         row.record.instance_type, row.record.price_usd_per_hr, qps_by_type
                     ),
@@ -1944,8 +1951,10 @@ class Reconciler:
         self.artifacts = artifacts
         self.probe = probe
         self.liveness = liveness
-        # Rule 3: provider id -> why, the running workers found unresponsive this tick.
+        # Rule 3: provider id -> why, the running workers found unresponsive this tick; and
+        # those whose last probe went unanswered (rule 5 ends them first).
         self._unresponsive: dict[str, str] = {}
+        self._silent: frozenset[str] = frozenset()
         self.straggler_timeout_s = straggler_timeout_s
         self.missing_grace_s = missing_grace_s
         self.launch_backoff_s = launch_backoff_s
@@ -2015,7 +2024,8 @@ class Reconciler:
         errors = self._terminate_strays(strays)
         if self.liveness is not None:
             ours = [i for app in by_app.values() for i in app]
-            self._unresponsive = self.liveness.check(ours, self.clock.now_s())
+            self._unresponsive = self.liveness.check(ours, now)
+            self._silent = frozenset(self.liveness.silent())
         reports = {app.name: self._guarded(app, by_app.get(app.name, [])) for app in apps}
         return ReconcileReport(
             now,
@@ -2089,6 +2099,7 @@ class Reconciler:
             qps_by_type=pricing.qps_by_type,
             unhealthy=self._unhealthy(rows, observed or ()),
             unresponsive=self._unresponsive,
+            silent=self._silent,
             missing_grace_s=self.missing_grace_s,
             held_types=held,
             stage_types=_stage_types(self.store, app.name),

@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -14,11 +15,21 @@ import pytest
 from controlplane.loops.liveness import Liveness, http_probe
 from provisioners.base import ProvisionedInstance
 
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
 
 def instance(
-    pid: str, state: str = "running", address: str | None = "127.0.0.1:1"
+    pid: str,
+    state: str = "running",
+    address: str | None = "127.0.0.1:1",
+    launched_s: float | None = -3600.0,
 ) -> ProvisionedInstance:
-    return ProvisionedInstance(pid, "small", state, {}, address=address)  # type: ignore[arg-type]
+    launched = None if launched_s is None else at(launched_s)
+    return ProvisionedInstance(pid, "small", state, {}, address=address, launched_at=launched)  # type: ignore[arg-type]
 
 
 class Answers:
@@ -35,53 +46,148 @@ class Answers:
         return worker.provider_id not in self.silent
 
 
+def waiting(answers: Answers, **limits: float) -> Liveness:
+    """A liveness that probes as it checks (the reconciler's probes in the background)."""
+    return Liveness(answers, background=False, **{"never_after_s": 600.0, **limits})
+
+
+def every_5_s(
+    liveness: Liveness, workers: list[ProvisionedInstance], start: float, end: float
+) -> dict[str, str]:
+    """Checks every 5 s (the reconciler's period) from ``start`` to ``end``; the last verdicts."""
+    found: dict[str, str] = {}
+    t = start
+    while t <= end:
+        found = liveness.check(workers, at(t))
+        t += 5.0
+    return found
+
+
 def test_a_worker_that_answered_is_unresponsive_after_a_minute_of_silence() -> None:
     answers = Answers()
-    liveness = Liveness(answers, after_s=60.0, never_after_s=600.0)
-    workers = [instance("a"), instance("b")]
-    assert liveness.check(workers, 0.0) == {}
+    liveness = waiting(answers, after_s=60.0)
+    workers = [instance("a"), instance("b"), instance("c")]
+    assert every_5_s(liveness, workers, 0.0, 20.0) == {}
     answers.silent.add("a")
-    assert liveness.check(workers, 30.0) == {}
-    assert liveness.check(workers, 59.0) == {}
-    found = liveness.check(workers, 61.0)
-    assert list(found) == ["a"] and "61 s" in found["a"]
+    assert every_5_s(liveness, workers, 25.0, 80.0) == {}  # silent for 55 s
+    found = liveness.check(workers, at(85.0))
+    assert list(found) == ["a"] and "60 s (13 probes)" in found["a"]
+    assert liveness.silent() == {"a"}
     # One answer is enough to clear it.
     answers.silent.clear()
-    assert liveness.check(workers, 62.0) == {}
+    assert liveness.check(workers, at(90.0)) == {} and liveness.silent() == set()
     answers.silent.add("a")
-    assert liveness.check(workers, 100.0) == {}
+    assert every_5_s(liveness, workers, 95.0, 150.0) == {}
 
 
-def test_a_worker_that_never_answered_gets_the_straggler_timeout() -> None:
+def test_one_missed_probe_is_never_a_death_whatever_the_setting() -> None:
     answers = Answers()
-    answers.silent.add("booting")
-    liveness = Liveness(answers, after_s=60.0, never_after_s=600.0)
-    workers = [instance("booting")]
-    assert liveness.check(workers, 1000.0) == {}  # first seen running now
-    assert liveness.check(workers, 1500.0) == {}  # an agent may still be loading its model
-    found = liveness.check(workers, 1600.0)
-    assert "never answered" in found["booting"] and "600 s" in found["booting"]
+    liveness = waiting(answers, after_s=0.5)
+    workers = [instance("a"), instance("b"), instance("c")]
+    liveness.check(workers, at(0.0))
+    answers.silent.add("a")
+    assert liveness.check(workers, at(5.0)) == {}
+    assert liveness.check(workers, at(10.0)) == {}
+    assert list(liveness.check(workers, at(15.0))) == ["a"]  # the third in a row
+
+
+def test_a_gap_in_the_probes_starts_the_silence_afresh() -> None:
+    # A replica that lost the lead (or a provider that could not be listed) asked nobody
+    # meanwhile: one failed probe after the gap says nothing of the time in between.
+    answers = Answers()
+    liveness = waiting(answers, after_s=60.0)
+    workers = [instance("a"), instance("b"), instance("c")]
+    liveness.check(workers, at(0.0))
+    answers.silent.add("a")
+    assert every_5_s(liveness, workers, 600.0, 650.0) == {}
+    assert list(liveness.check(workers, at(660.0))) == ["a"]
+
+
+def test_a_booting_worker_gets_the_straggler_timeout_from_its_launch() -> None:
+    answers = Answers()
+    answers.silent.add("new")
+    liveness = waiting(answers, after_s=60.0, never_after_s=600.0)
+    workers = [instance("new", launched_s=0.0), instance("b"), instance("c")]
+    assert every_5_s(liveness, workers, 0.0, 595.0) == {}  # an agent may still load its model
+    found = liveness.check(workers, at(600.0))
+    assert "nor once since its launch 600 s ago" in found["new"]
+    # Launched long ago and never seen answering (this process is new): a minute is enough.
+    answers.silent = {"old"}
+    liveness = waiting(answers, after_s=60.0, never_after_s=600.0)
+    workers = [instance("old", launched_s=-7200.0), instance("b"), instance("c")]
+    assert every_5_s(liveness, workers, 0.0, 55.0) == {}
+    assert list(liveness.check(workers, at(60.0))) == ["old"]
+    # No launch time: the straggler timeout from when it was first seen.
+    answers.silent = {"unknown"}
+    liveness = waiting(answers, after_s=60.0, never_after_s=600.0)
+    workers = [instance("unknown", launched_s=None), instance("b"), instance("c")]
+    assert every_5_s(liveness, workers, 0.0, 595.0) == {}
+    assert list(liveness.check(workers, at(600.0))) == ["unknown"]
+
+
+def test_most_workers_silent_at_once_replaces_none() -> None:
+    answers = Answers()
+    liveness = waiting(answers, after_s=10.0)
+    workers = [instance(p) for p in "abcd"]
+    liveness.check(workers, at(0.0))
+    answers.silent = {"a", "b", "c"}
+    assert every_5_s(liveness, workers, 5.0, 60.0) == {}
+    assert liveness.silent() == {"a", "b", "c"}
+    answers.silent = {"a"}  # the others are back: the one still silent is found
+    assert list(liveness.check(workers, at(65.0))) == ["a"]
+    # Of one worker alone, its silence is its own.
+    answers.silent = {"solo"}
+    liveness = waiting(answers, after_s=10.0)
+    solo = [instance("solo")]
+    assert list(every_5_s(liveness, solo, 0.0, 20.0)) == ["solo"]
 
 
 def test_only_running_instances_are_asked_and_the_gone_are_forgotten() -> None:
     answers = Answers()
     answers.silent.add("a")
-    liveness = Liveness(answers, after_s=10.0, never_after_s=10.0)
-    liveness.check([instance("a"), instance("p", "pending"), instance("t", "terminated")], 0.0)
-    assert answers.asked == ["a"]
-    # Not listed as running for a tick: seen again, its time starts afresh.
-    liveness.check([instance("a", "stopping")], 5.0)
-    assert liveness.check([instance("a")], 12.0) == {}
-    assert list(liveness.check([instance("a")], 22.0)) == ["a"]
+    liveness = waiting(answers, after_s=10.0, never_after_s=10.0)
+    others = [instance("b"), instance("c")]
+    listed = [instance("a"), instance("p", "pending"), instance("t", "terminated"), *others]
+    liveness.check(listed, at(0.0))
+    assert sorted(answers.asked) == ["a", "b", "c"]
+    # Not listed as running for a tick: seen again, its silence starts afresh.
+    liveness.check([instance("a", "stopping"), *others], at(5.0))
+    assert every_5_s(liveness, [instance("a"), *others], 10.0, 15.0) == {}
+    assert list(every_5_s(liveness, [instance("a"), *others], 20.0, 20.0)) == ["a"]
 
 
-def test_a_probe_that_raises_is_no_answer_and_many_are_asked_side_by_side() -> None:
+def test_a_probe_that_raises_is_no_answer_and_many_are_asked() -> None:
     answers = Answers()
-    liveness = Liveness(answers, after_s=5.0, never_after_s=5.0)
+    liveness = waiting(answers, after_s=5.0)
     workers = [instance("raises")] + [instance(f"w{i}") for i in range(40)]
-    assert liveness.check(workers, 0.0) == {}
-    assert list(liveness.check(workers, 6.0)) == ["raises"]
+    assert list(every_5_s(liveness, workers, 0.0, 15.0)) == ["raises"]
     assert sorted(set(answers.asked)) == sorted(w.provider_id for w in workers)
+
+
+def test_in_the_background_a_tick_never_waits_for_its_probes() -> None:
+    release = threading.Event()
+    asked = threading.Event()
+
+    def slow(worker: ProvisionedInstance) -> bool:
+        asked.set()
+        release.wait(30.0)
+        return worker.provider_id != "hung"
+
+    liveness = Liveness(slow, after_s=10.0, never_after_s=600.0)
+    workers = [instance("hung"), instance("b"), instance("c")]
+    assert liveness.check(workers, at(0.0)) == {}  # returns with its probes in flight
+    assert asked.wait(30.0)
+    assert liveness.check(workers, at(5.0)) == {}  # still in flight: not asked twice
+    assert liveness.silent() == set()
+    release.set()
+    assert liveness.settle(30.0)
+    for t in (10.0, 15.0, 20.0, 25.0):
+        liveness.check(workers, at(t))
+        assert liveness.settle(30.0)
+    # The rounds started at 0, 10, 15, 20 and 25 s found it silent (one tick behind).
+    assert liveness.silent() == {"hung"}
+    found = liveness.check(workers, at(30.0))
+    assert list(found) == ["hung"] and "30 s (5 probes)" in found["hung"]
 
 
 def test_the_limits_must_be_positive() -> None:
@@ -100,6 +206,7 @@ class _Agent(BaseHTTPRequestHandler):
         status, body = {
             "ok": (200, json.dumps({"status": "ok"})),
             "loading": (503, json.dumps({"status": "loading"})),
+            "stopping": (503, json.dumps({"status": "stopping"})),
             "failed": (503, json.dumps({"status": "failed", "error": "no model"})),
             "html": (200, "<html>a proxy page</html>"),
             "list": (200, json.dumps(["ok"])),
@@ -128,7 +235,14 @@ def agent() -> Iterator[ThreadingHTTPServer]:
 
 @pytest.mark.parametrize(
     ("kind", "alive"),
-    [("ok", True), ("loading", True), ("failed", False), ("html", False), ("list", False)],
+    [
+        ("ok", True),
+        ("stopping", True),
+        ("loading", False),
+        ("failed", False),
+        ("html", False),
+        ("list", False),
+    ],
 )
 def test_the_http_probe_reads_the_agents_health(
     agent: ThreadingHTTPServer, kind: str, alive: bool

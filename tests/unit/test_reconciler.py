@@ -274,6 +274,15 @@ def test_a_running_worker_that_stopped_answering_is_terminated_and_replaced() ->
     assert [t.cause for t in terminations(actions)] == ["ended"]
 
 
+def test_a_shrinking_fleet_ends_the_worker_gone_silent_first() -> None:
+    silent = row("small", "running", age_s=600)
+    newer = row("small", "running", age_s=60)
+    actions = run({"small": 1}, [silent, newer])
+    assert terminations(actions)[0].instance_ids == (newer.id,)  # the newest, as a rule
+    actions = run({"small": 1}, [silent, newer], silent={silent.provider_id})
+    assert terminations(actions)[0].instance_ids == (silent.id,)
+
+
 def test_a_requested_row_is_launched_again_with_its_own_request_id() -> None:
     waiting = row("small", "requested", age_s=20)
     actions = run({"small": 1}, [waiting], [])
