@@ -382,13 +382,14 @@ def _on_http_error(request: Request, error: Exception) -> JSONResponse:
         message = f"no route {request.method} {request.url.path}"
     if error.status_code == 400 and message == "There was an error parsing the body":
         # FastAPI's answer to a body its JSON parser gave up on other than for its syntax (a
-        # nesting past the interpreter's recursion limit, bytes that are not UTF-8): said as
-        # malformed JSON is.
+        # nesting past the interpreter's recursion limit, bytes that are not UTF-8, an integer
+        # past the interpreter's 4,300 digits): said as malformed JSON is.
         return error_response(
             400,
             "malformed_json",
             _compressed(request)
-            or "the body could not be read as JSON (not UTF-8, or nested too deep)",
+            or "the body could not be read as JSON (not UTF-8, nested too deep, or a number"
+            " longer than 4,300 digits)",
         )
     if error.status_code == 405:
         # Starlette's Allow names the methods of the one route it tried; a path served by

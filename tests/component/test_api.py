@@ -699,6 +699,16 @@ def test_deeply_nested_json_is_a_4xx(api: Api) -> None:
     assert error["code"] == "malformed_json" and "nested too deep" in error["message"], error
 
 
+def test_a_number_too_long_to_read_is_a_4xx_that_says_so(api: Api) -> None:
+    body = b'{"name": "x", "budget_usd_per_hr": ' + b"9" * 5000 + b"}"
+    response = api.call(
+        "POST", "/v1/apps", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "malformed_json" and "4,300 digits" in error["message"], error
+
+
 # --- plans -----------------------------------------------------------------------------------
 
 
