@@ -406,13 +406,16 @@ def _allowed_methods(request: Request) -> list[str]:
     """Every method some route of the app serves on the request's path: each one is tried
     against the app's routes (FastAPI nests included routers, so there is no flat list)."""
     routes = request.app.router.routes
-    return [
+    allowed = [
         method
         for method in _METHODS
         if any(
             route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes
         )
     ]
+    if "GET" in allowed and "HEAD" not in allowed:  # controlplane.api.head answers it
+        allowed.insert(allowed.index("GET") + 1, "HEAD")
+    return allowed
 
 
 def _internal(request: Request, error: BaseException) -> JSONResponse:

@@ -34,6 +34,7 @@ from controlplane.api.errors import OipErrorShapeMiddleware, install_error_handl
 from controlplane.api.fast_infer import FastInferMiddleware, TokenCheck
 from controlplane.api.fast_internal import FastInternalMiddleware
 from controlplane.api.forwarding import Forwarder, ForwardingMiddleware
+from controlplane.api.head import HeadAsGetMiddleware
 from controlplane.api.limits import BodySizeLimitMiddleware, HeaderSizeLimitMiddleware
 from controlplane.api.routes import (
     apps,
@@ -177,6 +178,7 @@ def create_app(
     )
     app.state.services = services
     install_error_handlers(app)
+    app.add_middleware(HeadAsGetMiddleware)
     app.add_middleware(BodySizeLimitMiddleware, exempt=_reads_own_body)
     app.add_middleware(HeaderSizeLimitMiddleware)
     # Outside the limits and the catch-all: their answers on /v2 take the protocol's shape too.

@@ -1412,11 +1412,11 @@ def test_a_huge_body_is_a_413_declared_or_chunked(api: Api) -> None:
 @pytest.mark.parametrize(
     ("method", "url", "allow"),
     [
-        ("PATCH", "/v1/apps", "GET, POST"),
-        ("OPTIONS", "/v1/apps/toy", "GET, PUT, DELETE"),
-        ("DELETE", "/v1/apps/toy/plans", "GET, POST"),
-        ("POST", "/v1/apps/toy/budget", "GET, PUT"),
-        ("PUT", "/metrics", "GET"),
+        ("PATCH", "/v1/apps", "GET, HEAD, POST"),
+        ("OPTIONS", "/v1/apps/toy", "GET, HEAD, PUT, DELETE"),
+        ("DELETE", "/v1/apps/toy/plans", "GET, HEAD, POST"),
+        ("POST", "/v1/apps/toy/budget", "GET, HEAD, PUT"),
+        ("PUT", "/metrics", "GET, HEAD"),
     ],
 )
 def test_a_405_allows_every_method_of_the_path(api: Api, method: str, url: str, allow: str) -> None:
@@ -1425,6 +1425,23 @@ def test_a_405_allows_every_method_of_the_path(api: Api, method: str, url: str, 
     error = assert_error(response, 405, "method_not_allowed")
     assert response.headers["allow"] == allow
     assert allow in error["message"]
+
+
+@pytest.mark.parametrize("url", ["/healthz", "/v1/apps", "/metrics"])
+def test_head_answers_as_get_without_the_body(api: Api, url: str) -> None:
+    got = api.call("GET", url)
+    head = api.call("HEAD", url)
+    assert got.status_code == head.status_code == 200
+    assert got.content and head.content == b""
+    assert int(head.headers["content-length"]) > 0  # the GET's (its figures move between calls)
+    assert head.headers["content-type"] == got.headers["content-type"]
+    # Without the token: the GET's 401, headers and all.
+    assert api.call("HEAD", url, None).status_code == api.call("GET", url, None).status_code
+
+
+def test_head_where_there_is_no_get_is_a_405_naming_the_methods(api: Api) -> None:
+    response = api.call("HEAD", "/v1/apps/toy/infer")
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
 
 
 def test_metrics_without_a_token_is_the_documented_json_401(api: Api) -> None:
