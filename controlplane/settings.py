@@ -68,6 +68,22 @@ DATABASE_FILE = "heteroplane.db"
 _DATABASE_SCHEMES = ("sqlite://", "postgresql://", "postgresql+psycopg://")
 
 
+def _refuse_bool_as_number(
+    model: type[BaseModel], value: Any, info: ValidationInfo, prefix: str = ""
+) -> Any:
+    """``value`` unless it is ``true`` or ``false`` given for a numeric field of ``model``.
+
+    pydantic's lax mode reads a boolean as 1 or 0: ``port: true`` in the config file served on
+    port 1. The environment's text ``true`` is no number, and the app spec (strict) refuses a
+    boolean as a number too; so does the config file (and ``Settings(...)``)."""
+    if isinstance(value, bool) and info.field_name is not None:
+        annotation = model.model_fields[info.field_name].annotation
+        if annotation in (int, float):
+            kind = "a whole number" if annotation is int else "a number"
+            raise SettingsError(prefix + info.field_name, f"must be {kind}, got {shown(value)}")
+    return value
+
+
 def default_data_dir() -> Path:
     """``$XDG_DATA_HOME/heteroplane``, or ``~/.local/share/heteroplane`` (the XDG default)."""
     xdg = os.environ.get("XDG_DATA_HOME")
@@ -143,6 +159,11 @@ class Ec2Settings(BaseModel):
         pattern=r"^([^/].*/)?$",
         description="key prefix of the artifacts in model_bucket (empty, or ending in '/')",
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_bool_as_number(cls, value, info, "ec2.")
 
     @field_validator("subnet_ids", "security_group_ids", mode="before")
     @classmethod
@@ -537,6 +558,11 @@ class Settings(BaseSettings):
         else:
             return data  # data_dir's own check reports it
         return {**data, "database_url": f"sqlite:///{data_dir / DATABASE_FILE}"}
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_bool_as_number(cls, value, info)
 
     @field_validator("data_dir")
     @classmethod

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from controlplane.errors import SettingsError
-from controlplane.settings import Settings, load_settings
+from controlplane.settings import Ec2Settings, Settings, load_settings
 
 EC2_YAML = """
 provisioner: ec2
@@ -236,6 +236,43 @@ def test_a_bad_value_from_the_file_names_no_environment_variable(
         load_settings(path)
     assert "port: must be a valid integer" in str(caught.value)
     assert "HETEROPLANE_PORT" not in str(caught.value)
+
+
+def _typed(model: type[BaseModel], *types: type) -> list[str]:
+    return [name for name, field in model.model_fields.items() if field.annotation in types]
+
+
+@pytest.mark.parametrize("value", ["true", "false"])
+@pytest.mark.parametrize(
+    "key", _typed(Settings, int, float) + [f"ec2.{n}" for n in _typed(Ec2Settings, int, float)]
+)
+def test_a_boolean_in_the_file_is_no_number(tmp_path: Path, key: str, value: str) -> None:
+    """``port: true`` served on port 1, ``tuner_tick_s: true`` ticked every 1.0 s (pydantic
+    reads a boolean as 1 or 0); HETEROPLANE_PORT=true and the app spec refuse it."""
+    field = key.removeprefix("ec2.")
+    if key.startswith("ec2."):
+        text = EC2_YAML + f"  {field}: {value}\n"
+        kind = Ec2Settings.model_fields[field].annotation
+    else:
+        text = f"{key}: {value}\n"
+        kind = Settings.model_fields[key].annotation
+    path = write(tmp_path, text)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(path)
+    number = "a whole number" if kind is int else "a number"
+    assert str(caught.value) == f"{path}: {key}: must be {number}, got {value.title()}"
+    assert caught.value.field == key
+
+
+def test_a_boolean_setting_still_takes_true_and_false(tmp_path: Path) -> None:
+    flags = _typed(Settings, bool)
+    assert "grpc_enabled" in flags and "replan_enabled" in flags
+    for value in (True, False):
+        lines = [f"{name}: {str(value).lower()}" for name in flags]
+        text = "\n".join(lines) + "\n" + EC2_YAML + f"  spot: {str(value).lower()}\n"
+        settings = load_settings(write(tmp_path, text))
+        assert all(getattr(settings, name) is value for name in flags)
+        assert settings.ec2 is not None and settings.ec2.spot is value
 
 
 def test_missing_config_file(tmp_path: Path) -> None:
