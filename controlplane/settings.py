@@ -564,6 +564,16 @@ class Settings(BaseSettings):
     def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
         return _refuse_bool_as_number(cls, value, info)
 
+    @field_validator("data_dir", mode="before")
+    @classmethod
+    def _check_data_dir(cls, value: Any) -> Any:
+        # Path("") is ".": HETEROPLANE_DATA_DIR="" kept the database in the working directory
+        # without a word (an empty host is refused the same way). A ValueError, not a
+        # SettingsError: the message then names the variable it came from.
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("must not be empty (a directory path)")
+        return value
+
     @field_validator("data_dir")
     @classmethod
     def _expand_data_dir(cls, value: Path) -> Path:
@@ -695,7 +705,11 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
                 "ec2", f"must be a mapping of EC2 settings, got {shown(group)}", str(path)
             )
         data_dir = document.get("data_dir")
-        if isinstance(data_dir, str) and not Path(data_dir).expanduser().is_absolute():
+        if (
+            isinstance(data_dir, str)
+            and data_dir.strip()  # an empty one is refused by its own check, not put beside
+            and not Path(data_dir).expanduser().is_absolute()
+        ):
             # A relative data_dir in a config file means beside the file, not the working
             # directory.
             document = {**document, "data_dir": str(path.parent / data_dir)}

@@ -162,6 +162,9 @@ def test_settings_accepts_arguments_and_they_win_over_the_environment(
         ("HETEROPLANE_SERVING_URL", "127.0.0.1:8000", "serving_url: must be http://HOST:PORT"),
         ("HETEROPLANE_SERVING_URL", "http://h:8000/v1", "serving_url: must be a base URL"),
         ("HETEROPLANE_DISPATCH_URL", "http://h:99999", "dispatch_url: must be http://HOST:PORT"),
+        # Taken as the working directory (the database sqlite:///heteroplane.db) without a word.
+        ("HETEROPLANE_DATA_DIR", "", "data_dir: must not be empty (a directory path), got ''"),
+        ("HETEROPLANE_DATA_DIR", " ", "data_dir: must not be empty (a directory path), got ' '"),
     ],
 )
 def test_bad_environment_is_one_line_naming_the_field(
@@ -193,6 +196,8 @@ def test_message_names_the_environment_variable(monkeypatch: pytest.MonkeyPatch)
         ("- port\n", "must be a mapping of settings, got list"),
         ("1: 8000\n", "1: unknown setting"),
         ("tuner_tick_s: -3\n", "tuner_tick_s: must be greater than 0"),
+        # Taken as the config file's folder without a word.
+        ('data_dir: ""\n', "data_dir: must not be empty (a directory path), got ''"),
         # The last one was kept without a word.
         ("port: 8001\nport: 8002\n", "not valid YAML at line 2: key 'port' appears twice"),
     ],
