@@ -42,7 +42,7 @@ from controlplane.db.session import redact_url
 from controlplane.db.store import PlanRecord
 from controlplane.errors import DatabaseInUseError
 from controlplane.policies.lifecycle import LIVE_STATES
-from controlplane.service.build import build_service
+from controlplane.service.build import build_service, check_served_database
 from controlplane.service.demo import (
     DEMO_APP,
     TOKEN_FILE,
@@ -92,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
+    # Refused now, not after the minutes of training and measuring below (build_service too).
+    check_served_database(settings)
     load_session_settings()  # the dashboard's: a bad one is refused before anything starts
     _check_family()
     host: str = args.host if args.host is not None else settings.host

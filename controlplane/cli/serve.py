@@ -1,6 +1,7 @@
 """``heteroplane serve``: run the control-plane service (the REST API and the periodic jobs).
 
-It loads the settings (``--config``, ``HETEROPLANE_*``; docs/service.md), migrates the database
+It loads the settings (``--config``, ``HETEROPLANE_*``; docs/service.md), refuses an in-memory
+SQLite database (:func:`~controlplane.service.build.check_served_database`), migrates the database
 to the newest revision, and serves the API with uvicorn on ``--host``/``--port`` (default: the
 settings', 127.0.0.1:8000), and the Open Inference Protocol over gRPC on the same host,
 ``--grpc-port`` (default: the setting ``grpc_port``, 8001; ``--no-grpc`` or ``grpc_enabled:
@@ -40,7 +41,7 @@ from controlplane.cli.loops_process import LoopsProcess
 from controlplane.cli.output import UsageError
 from controlplane.dashboard.session import load_session_settings
 from controlplane.db.session import redact_url
-from controlplane.service.build import Service, build_service
+from controlplane.service.build import Service, build_service, check_served_database
 from controlplane.service.protocol import ConnectionLimits, server_options
 from controlplane.settings import Settings, load_settings
 
@@ -136,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     if args.one_process and args.role != "all":
         raise UsageError(f"--one-process: only with --role all (not {args.role}): it runs both")
     settings = load_settings(args.config)
+    check_served_database(settings)  # before a socket or the loops' zygote; build_service too
     load_session_settings()  # the dashboard's: a bad one is refused before anything starts
     host: str = args.host if args.host is not None else settings.host
     port: int = args.port if args.port is not None else settings.port

@@ -149,6 +149,7 @@ __all__ = [
     "build_scheduler",
     "build_service",
     "build_traffic_replanner",
+    "check_served_database",
     "launchable_types",
     "scaled_fleet",
     "spec_pricing",
@@ -671,6 +672,7 @@ def build_service(
     process that serves inference then holds dispatch leases as it (or as the setting
     ``dispatch_url``), among the other serving processes (:class:`DispatchOwners`)."""
     clock = clock if clock is not None else SystemClock()
+    check_served_database(settings)
     if role == "loops":
         _check_loops(settings)
     settings.ensure_data_dir()
@@ -908,16 +910,29 @@ def _dispatch_owner_at(url: str) -> str | None:
     return found if isinstance(found, str) else ""
 
 
-def _check_loops(settings: Settings) -> None:
-    """What the loops need to run apart: where the serving process is and the token its
-    internal routes take, and a database the two processes share (not an in-memory one)."""
+def check_served_database(settings: Settings) -> None:
+    """:class:`SettingsError` for a database the service cannot run on: an in-memory SQLite one
+    (``sqlite://``, ``sqlite:///:memory:``).
+
+    Every process (``heteroplane serve`` runs the API and the loops as two) and every connection
+    (the migrations open their own) would see its own empty database: it was migrated on one
+    connection and then found "not migrated" on the next, with the advice to run ``heteroplane
+    db upgrade``, which migrates yet another. Migrating it through the store's one engine would
+    serve in ``--one-process`` alone, on one connection shared by every thread, and lose
+    everything at exit; a file (``sqlite:///PATH``) costs nothing more."""
     parsed = parse_url(settings.database_url)
     if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
         raise SettingsError(
             "database_url",
-            "role loops runs apart from the serving process, which needs a database both can"
-            " open (a SQLite file or PostgreSQL), not an in-memory one",
+            f"{settings.database_url} is an in-memory SQLite database, which the service cannot"
+            " run on: every process and connection would see its own empty database; use a"
+            " file (sqlite:///PATH, the default under data_dir) or PostgreSQL",
         )
+
+
+def _check_loops(settings: Settings) -> None:
+    """What the loops need to run apart: where the serving process is and the token its
+    internal routes take (the database both open: :func:`check_served_database`)."""
     if settings.serving_url is None or settings.internal_token is None:
         raise SettingsError(
             "serving_url",

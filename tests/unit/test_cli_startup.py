@@ -21,6 +21,7 @@ import pytest
 
 from controlplane.cli import build_parser
 from controlplane.cli.parsers import LIBRARY_COPIES, Handler
+from controlplane.errors import SettingsError
 
 # What the parsers and the client commands must not import (each is a package's top module).
 HEAVY = (
@@ -136,3 +137,30 @@ def test_grpc_on_the_apis_port_is_refused_before_anything_starts(
         " API's port: give gRPC another one (0 picks a free one) or --no-grpc"
     )
     assert not (tmp_path / "heteroplane.db").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+def test_an_in_memory_database_is_refused_by_serve(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    """Migrated on one connection and found "not migrated" on the next, it exited 2 telling to
+    run heteroplane db upgrade, which would migrate yet another empty database."""
+    from controlplane.service.build import SERVICE_ROLES, build_service
+    from controlplane.settings import Settings
+    from tests.unit.test_cli_trace import one_line_error
+
+    monkeypatch.setenv("HETEROPLANE_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("HETEROPLANE_DATABASE_URL", url)
+    monkeypatch.setenv("HETEROPLANE_PROVISIONER", "fake")
+    for command in ("serve", "demo"):  # the demo before its minutes of training
+        error = one_line_error(capsys, [command, "--port", "0"])
+        assert error == (
+            f"heteroplane {command}: database_url: {url} is an in-memory SQLite database, which"
+            " the service cannot run on: every process and connection would see its own empty"
+            " database; use a file (sqlite:///PATH, the default under data_dir) or PostgreSQL"
+        )
+    # The same for every caller of build_service (the demo, one role alone).
+    settings = Settings(data_dir=tmp_path, database_url=url, provisioner="fake")
+    for role in SERVICE_ROLES:
+        with pytest.raises(SettingsError, match="is an in-memory SQLite database"):
+            build_service(settings, role=role)
