@@ -396,7 +396,8 @@ class BudgetChangeIn(BaseModel):
         ge=MIN_BUDGET_USD_PER_HR, le=MAX_BUDGET_USD_PER_HR, allow_inf_nan=False
     )
     reason: str = Field(min_length=1, max_length=_MAX_REASON)
-    # A budget below the app's smallest serving fleet is a 409 unless forced.
+    # A budget below the app's smallest serving fleet is a 409, one that buys no instance a 422,
+    # unless forced.
     force: bool = False
 
     @field_validator("reason")

@@ -4,7 +4,12 @@ A change is audited by the store (who, when, old, new, why). A budget below the 
 serving fleet (:func:`controlplane.policies.drain.serving_floor`: one instance of the cheapest
 planned type on every stage of the applied plan) is refused with
 :class:`~controlplane.errors.BudgetBelowServingFleetError` (a 409) and changes nothing, unless
-``force``; an app without an applied plan has no such floor. When the new budget is below what
+``force``; an app without an applied plan has no such floor. A budget that buys no instance of
+any of the app's candidate types is refused as registering the app at it is
+(:func:`~controlplane.spec.check_budget_buys_one`: a :class:`~controlplane.spec.SpecError`
+naming ``budget_usd_per_hr``, a 422), with a plan or without, unless ``force``: taken, it left an
+app whose own stored spec failed its validation (a plan preview, a ``PUT`` of that spec). When
+the new budget is below what
 the live fleet costs, :func:`change_budget` asks the drain policy
 (:func:`controlplane.policies.drain.plan_drain`) which instances to drain, least cost-effective
 first, keeping the last instance of each planned stage unless forced, and records a
@@ -37,6 +42,7 @@ from controlplane.policies.lifecycle import (
     is_profile_worker,
     profiling_group,
 )
+from controlplane.spec import ResolvedApp, SpecError, check_budget_buys_one
 from estimator.errors import EstimatorError
 from estimator.numbers import plain
 
@@ -95,7 +101,8 @@ def check_serving_floor(
     spec: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
     """Refuse a budget of ``usd_per_hr`` below ``app``'s smallest serving fleet (one instance of
-    the cheapest planned type on every stage of its applied plan) unless ``force``; the planned
+    the cheapest planned type on every stage of its applied plan), or one that buys no instance
+    of any candidate type (the rule a spec is registered under), unless ``force``; the planned
     stages and each type's value (qps per USD/hr, empty when the profiles do not resolve), which
     a drain ranks by. Prices come from ``spec`` (a spec being applied, with its own catalog),
     by default the app's stored one.
@@ -103,11 +110,14 @@ def check_serving_floor(
     Raises:
         NotFoundError: no such app.
         BudgetBelowServingFleetError: below the smallest serving fleet, not forced.
+        SpecError: buys no instance of any candidate type, not forced (a spec that does not
+            resolve is not held to it).
     """
     record = store.get_app(app)
     live = live_instances(store, app)
     # The catalog's prices; the recorded ones stand in for a spec that does not resolve.
     prices = {i.instance_type: i.price_usd_per_hr for i in live}
+    resolved: ResolvedApp | None = None
     try:
         resolved = resolver.resolve(record.spec if spec is None else spec, check_budget=False)
         prices.update(resolved.prices_usd_per_hr)
@@ -132,7 +142,22 @@ def check_serving_floor(
             floor.describe(),
             running_usd_per_hr=running if 0 < running <= usd_per_hr + 1e-9 else None,
         )
+    if resolved is not None and not force:
+        _check_buys_one(resolved, usd_per_hr)
     return stages, values
+
+
+def _check_buys_one(resolved: ResolvedApp, usd_per_hr: float) -> None:
+    """The rule registration holds the app's spec to (its budget buys one instance of the
+    cheapest candidate type, at the least it can cost), at ``usd_per_hr``: taken, the stored
+    budget failed it (a plan preview's 422, a ``PUT`` of the app's own spec refused)."""
+    at = resolved.spec.model_copy(update={"budget_usd_per_hr": usd_per_hr})
+    try:
+        check_budget_buys_one(at, resolved.catalog, measuring=bool(resolved.unprofiled))
+    except SpecError as error:
+        raise SpecError(
+            error.field, f'{error.problem}; send "force": true to set it anyway (everything drains)'
+        ) from None
 
 
 def change_budget(
@@ -147,12 +172,14 @@ def change_budget(
 ) -> BudgetChange:
     """Set ``app``'s budget to ``usd_per_hr`` and plan the drain it needs.
 
-    Not ``force``d, a budget below the app's smallest serving fleet is refused and nothing
-    changes (no audit row, no decision); at or above it, the drain keeps one instance per stage.
+    Not ``force``d, a budget below the app's smallest serving fleet, or one that buys no
+    instance of any candidate type, is refused and nothing changes (no audit row, no decision);
+    at or above it, the drain keeps one instance per stage.
 
     Raises:
         NotFoundError: no such app.
         BudgetBelowServingFleetError: below the smallest serving fleet, not forced.
+        SpecError: buys no instance of any candidate type, not forced.
         InvalidValueError: a budget the store refuses.
     """
     stages, values = check_serving_floor(store, resolver, app, usd_per_hr, force=force)

@@ -7,7 +7,8 @@
   ``plans apply --app APP --id ID``: named ``plans`` because ``heteroplane plan`` is the offline
   planner on a spec file and a trace file;
 - ``heteroplane budget get --app APP``, ``budget set --app APP --usd-per-hr X --reason R
-  [--force]`` (``--force`` sends ``"force": true``: a budget below the smallest serving fleet);
+  [--force]`` (``--force`` sends ``"force": true``: a budget below the smallest serving fleet, or
+  one that buys no instance);
 - ``heteroplane fleet [--app APP]``;
 - ``heteroplane events --app APP [--kind K[,K]] [--exclude-kind K[,K]] [--no-collapse]``
   (decisions and instance events, in time order; a run of the same kind is one line with its

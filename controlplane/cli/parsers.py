@@ -1414,7 +1414,8 @@ def _budget(subparsers: Subparsers) -> None:
         "--force",
         action="store_true",
         help="accept a budget below the app's smallest serving fleet (one instance of the"
-        " cheapest planned type per stage), draining it; without it the server refuses (409)",
+        " cheapest planned type per stage; without it 409) or one that buys no instance of any"
+        " candidate type (without it 422), draining what it cannot pay for",
     )
     put.set_defaults(handler=Handler("operate", "budget_set"))
     for action in (get, put):

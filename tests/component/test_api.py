@@ -992,14 +992,13 @@ def test_a_budget_cut_that_drains_tells_the_gear_switcher_first(api: Api) -> Non
     assert len(answer["drain"]) == 1 and told == ["toy"]
 
 
-def test_a_budget_below_the_cheapest_instance_drains_everything(api: Api) -> None:
+def test_a_forced_budget_below_the_cheapest_instance_drains_everything(api: Api) -> None:
     api.register()
     api.store.record_instance(
         "toy", request_id="r0", instance_type="r5n.large", price_usd_per_hr=0.149, state="running"
     )
-    answer = api.call(
-        "PUT", "/v1/apps/toy/budget", json={"budget_usd_per_hr": 0.01, "reason": "stop"}
-    ).json()
+    body = {"budget_usd_per_hr": 0.01, "reason": "stop", "force": True}
+    answer = api.call("PUT", "/v1/apps/toy/budget", json=body).json()
     assert [d["instance_type"] for d in answer["drain"]] == ["r5n.large"]
     # The budget buys no instance now: a preview says so, as a 422 naming the field.
     error = assert_error(api.call("POST", "/v1/apps/toy/plans", json={"rate_qps": 10.0}), 422)
@@ -1197,14 +1196,44 @@ def test_a_budget_at_the_smallest_serving_fleet_keeps_one_instance_per_stage(api
     assert sum(i.price_usd_per_hr for i in kept) == pytest.approx(floor)
 
 
-def test_an_app_without_an_applied_plan_takes_any_valid_budget(api: Api) -> None:
+def test_an_app_without_an_applied_plan_takes_a_budget_that_buys_an_instance(api: Api) -> None:
     api.register()
-    api.preview()  # previewed, not applied: no floor
+    api.preview()  # previewed, not applied: no serving floor
+    cheapest = min(PRICES.values())
     response = api.call(
-        "PUT", "/v1/apps/toy/budget", json={"budget_usd_per_hr": 0.01, "reason": "pause"}
+        "PUT", "/v1/apps/toy/budget", json={"budget_usd_per_hr": cheapest, "reason": "lean"}
     )
     assert response.status_code == 200, response.text
-    assert api.call("GET", "/v1/apps/toy").json()["budget_usd_per_hr"] == 0.01
+    assert api.call("GET", "/v1/apps/toy").json()["budget_usd_per_hr"] == cheapest
+    api.preview()  # the stored budget passes its own validation
+
+
+def test_a_budget_that_buys_no_instance_is_refused_as_registering_at_it_is(api: Api) -> None:
+    """Without an applied plan (no serving floor) 0.0001 USD/hr was taken, and the app's stored
+    state then failed its own validation: a preview's 422 "buys no instance", a PUT of its own
+    stored spec refused. Now a 422 naming the field, as registering the app at that budget is,
+    that changes nothing; forced, it goes through (everything drains) as below the floor."""
+    refused = assert_error(
+        api.call("POST", "/v1/apps", "operator", json={**spec(), "budget_usd_per_hr": 0.0001}),
+        422,
+        "invalid_spec",
+    )
+    api.register()
+    before = api.call("GET", "/v1/apps/toy/budget").json()
+    body = {"budget_usd_per_hr": 0.0001, "reason": "t"}
+    error = assert_error(api.call("PUT", "/v1/apps/toy/budget", json=body), 422, "invalid_spec")
+    assert error["field"] == refused["field"] == "budget_usd_per_hr"
+    assert error["message"] == (
+        f'{refused["message"]}; send "force": true to set it anyway (everything drains)'
+    )
+    assert "0.0001 USD/hr buys no instance: the cheapest candidate, r5n.large" in error["message"]
+    assert api.call("GET", "/v1/apps/toy/budget").json() == before  # no audit row
+    stored = api.call("GET", "/v1/apps/toy").json()["spec"]
+    assert api.call("PUT", "/v1/apps/toy", json=stored).status_code == 200
+
+    forced = api.call("PUT", "/v1/apps/toy/budget", json={**body, "force": True})
+    assert forced.status_code == 200, forced.text
+    assert api.call("GET", "/v1/apps/toy").json()["budget_usd_per_hr"] == 0.0001
 
 
 def test_parallel_budget_changes_are_all_audited(api: Api) -> None:

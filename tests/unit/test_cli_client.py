@@ -22,6 +22,11 @@ import pytest
 from controlplane.cli import main
 
 TOKEN = "hp_operator-token"
+# The API's refusal of a budget that buys no instance (controlplane.apps.budget), its head.
+_BUYS_NONE = (
+    "budget_usd_per_hr: 0.0001 USD/hr buys no instance: the cheapest candidate, r5n.large, costs"
+    " 0.149 USD/hr;"
+)
 # path -> (status, body: JSON-able, bytes, or None for an empty answer, seconds to wait first)
 ROUTES: dict[str, tuple[int, Any, float]] = {
     "/v1/instances": (200, [{"id": 1, "app": "demo", "provider_id": "i-1",
@@ -36,6 +41,9 @@ ROUTES: dict[str, tuple[int, Any, float]] = {
     "/v1/apps/broken": (500, b"<html>Internal Server Error</html>", 0.0),
     "/v1/apps/html": (200, b"<html>hello</html>", 0.0),
     "/v1/apps/slow": (200, {"name": "slow"}, 2.0),
+    "/v1/apps/poor/budget": (422, {"error": {"code": "invalid_spec", "field": "budget_usd_per_hr",
+                                             "message": _BUYS_NONE + ' send "force": true to set'
+                                             " it anyway (everything drains)"}}, 0.0),
 }  # fmt: skip
 
 
@@ -190,6 +198,11 @@ def test_a_put_sends_json_and_an_empty_answer_is_fine(
         (
             ["budget", "set", "--app", "demo", "--usd-per-hr", "nan", "--reason", "x"],
             "heteroplane budget: cannot send a number that is not finite (nan or inf)",
+        ),
+        (
+            ["budget", "set", "--app", "poor", "--usd-per-hr", "0.0001", "--reason", "t"],
+            f"heteroplane budget: {_BUYS_NONE} pass --force to set it anyway (everything drains)"
+            " (HTTP 422 invalid_spec)",
         ),
     ],
 )

@@ -2,7 +2,8 @@
 :func:`controlplane.apps.budget.change_budget`: audited; when the new budget is below what the
 fleet costs, the answer lists the instances to drain, least cost-effective first, and a
 ``budget_drain`` decision is recorded; the reconciler acts on it, not this route). A budget below
-the app's smallest serving fleet is a 409 naming its cost unless the body says ``"force": true``.
+the app's smallest serving fleet is a 409 naming its cost, and one that buys no instance of any
+candidate type a 422 as registering the app at it is, unless the body says ``"force": true``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def get_budget(app: AppName, services: ServicesDep, _who: Viewer) -> BudgetOut:
     "/apps/{app}/budget",
     summary=(
         "Change the app's budget (operator); lists the instances to drain if it is too low;"
-        " 409 below the smallest serving fleet unless forced"
+        " 409 below the smallest serving fleet, 422 if it buys no instance, unless forced"
     ),
     responses=errors(400, 401, 403, 404, 409, 422),
 )
