@@ -584,12 +584,15 @@ def events(args: argparse.Namespace) -> int:
             instance_events = client.get(
                 app_path(args.app, "events"), since=args.since, limit=args.limit
             )
-        present: list[str] = []
+        # The kinds in the app's log, where the decision kinds asked for matched nothing.
+        present: list[str] | None = None
         if decision_kinds and not decisions and not instance_events:
             # Decision kinds are an open set (nothing refuses a misspelt one): name the kinds
-            # the app's log has, so that a typo reads as one.
+            # the app's log has, so that a typo reads as one; ``instance`` only where the log
+            # holds an instance event (whatever --since), as the decisions' kinds.
             recent = client.get(app_path(args.app, "decisions"), limit=1000)
-            present = sorted({d["kind"] for d in recent} | {INSTANCE_KIND})
+            moved = client.get(app_path(args.app, "events"), limit=1)
+            present = sorted({d["kind"] for d in recent} | ({INSTANCE_KIND} if moved else set()))
     merged = sorted(
         [
             EventLine(d["at"], "decision", d["kind"], d["reason"], d.get("count") or 1,
@@ -609,11 +612,11 @@ def events(args: argparse.Namespace) -> int:
     )  # fmt: skip
 
     def human() -> str:
-        if not merged and present:
-            return (
-                f"no events of kind {', '.join(kinds or ())}; the kinds in {args.app}'s log:"
-                f" {', '.join(present)}"
-            )
+        if not merged and present is not None:
+            wanted = f"no events of kind {', '.join(kinds or ())}"
+            if not present:
+                return f"{wanted}; {args.app}'s log is empty"
+            return f"{wanted}; the kinds in {args.app}'s log: {', '.join(present)}"
         if not merged:
             return "no events"
         if args.no_collapse:

@@ -209,3 +209,25 @@ def test_a_kind_no_event_has_names_the_kinds_the_log_has(
         f"no events of kind scale_upp; the kinds in {APP}'s log: gear_switch, instance,"
         " scale_down, scale_up"
     )
+
+
+def test_a_kind_no_event_has_names_only_the_kinds_there(
+    service: Service, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An app whose log is empty says so, and one with decisions but no instance event does not
+    list ``instance`` (it was always added)."""
+    for name in ("quiet", "decided"):
+        made = httpx.post(
+            f"{service.url}/v1/apps",
+            json=spec(name),
+            headers={"Authorization": f"Bearer {service.token}"},
+        )
+        assert made.status_code == 201, made.text
+    service.store.record_decision("decided", "scale_down", "need 1 instance", at=FAKE_EPOCH)
+    status, out, _ = cli(capsys, service, "events", "--app", "quiet", "--kind", "scale_up")
+    assert (status, out.strip()) == (0, "no events of kind scale_up; quiet's log is empty")
+    status, out, _ = cli(capsys, service, "events", "--app", "decided", "--kind", "scale_up")
+    assert (status, out.strip()) == (
+        0,
+        "no events of kind scale_up; the kinds in decided's log: scale_down",
+    )
