@@ -224,6 +224,17 @@ def count(text: str) -> int:
     return value
 
 
+def revision(text: str) -> str:
+    """argparse type of ``db upgrade|downgrade --revision``: not blank (Alembic fails an
+    assertion, with a traceback, on an empty one)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"no revision in {text!r}: give head, base, a revision id (db current names the"
+            " database's) or a step such as -1"
+        )
+    return text
+
+
 # --- the commands ------------------------------------------------------------------------------
 
 _DEMO_DESCRIPTION = """\
@@ -1152,13 +1163,17 @@ def _db(subparsers: Subparsers) -> None:
     upgrade = actions.add_parser(
         "upgrade", help="migrate up to a revision (default: the newest, 'head')"
     )
-    upgrade.add_argument("--revision", default="head", metavar="R", help="target (default head)")
+    upgrade.add_argument(
+        "--revision", type=revision, default="head", metavar="R", help="target (default head)"
+    )
     upgrade.set_defaults(handler=Handler("db", "upgrade"))
 
     downgrade = actions.add_parser(
         "downgrade", help="migrate down to a revision ('base' drops every table)"
     )
-    downgrade.add_argument("--revision", required=True, metavar="R", help="target revision")
+    downgrade.add_argument(
+        "--revision", type=revision, required=True, metavar="R", help="target revision"
+    )
     downgrade.set_defaults(handler=Handler("db", "downgrade"))
 
     current = actions.add_parser("current", help="print the revision the database is at")

@@ -88,6 +88,14 @@ def _sqlite_file(target: Target) -> Path | None:
     return Path(str(url.database))
 
 
+def _check_revision(action: str, target: Target, revision: str) -> None:
+    # Alembic fails an assertion (a traceback, not a CommandError) on an empty revision.
+    if not revision.strip():
+        raise DatabaseError(
+            f"cannot {action} {redact_url(_url(target))}: no revision given ({revision!r})"
+        )
+
+
 def head() -> str:
     """The newest revision of ``migrations/``."""
     revision = ScriptDirectory.from_config(_config("sqlite://")).get_current_head()
@@ -99,6 +107,7 @@ def head() -> str:
 def upgrade(target: Target, revision: str = "head") -> None:
     """Migrate the database (its URL, or an engine) up to ``revision`` (default: the newest); a
     SQLite file is created, with its folder, when missing."""
+    _check_revision("upgrade", target, revision)
     path = _sqlite_file(target)
     if path is not None:
         try:
@@ -114,6 +123,7 @@ def upgrade(target: Target, revision: str = "head") -> None:
 
 def downgrade(target: Target, revision: str) -> None:
     """Migrate the database down to ``revision`` (``base``: no tables at all)."""
+    _check_revision("downgrade", target, revision)
     with _reported("downgrade", target):
         _run(target, lambda config: command.downgrade(config, revision))
 

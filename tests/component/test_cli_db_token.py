@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from controlplane.cli import main
+from controlplane.db import migrate
 from controlplane.db.store import Store
+from controlplane.errors import DatabaseError
 
 HETEROPLANE = Path(sys.executable).with_name("heteroplane")
 
@@ -61,6 +63,24 @@ def test_db_errors_are_one_line(database_url: str, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         main(["db", "downgrade"])
     assert "--revision" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("action", ["upgrade", "downgrade"])
+@pytest.mark.parametrize("revision", ["", " "])
+def test_a_blank_revision_is_one_line(
+    database_url: str, capsys: pytest.CaptureFixture[str], action: str, revision: str
+) -> None:
+    """An empty --revision (an unset variable) ended in Alembic's AssertionError, a traceback."""
+    with pytest.raises(SystemExit) as caught:
+        main(["db", action, "--revision", revision])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"heteroplane db {action}: argument --revision: no revision in {revision!r}: give head,"
+        " base, a revision id (db current names the database's) or a step such as -1\n"
+    )
+    with pytest.raises(DatabaseError, match=f"cannot {action} .*: no revision given"):
+        getattr(migrate, action)(database_url, revision)  # the library says so too
 
 
 def test_bad_settings_exit_2(
