@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_URL",
+    "MAX_WAIT_S",
     "TOKEN_ENV",
     "URL_ENV",
     "ApiClient",
@@ -36,6 +37,7 @@ __all__ = [
     "add_client_options",
     "client_from",
     "table",
+    "wait_seconds",
 ]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -43,6 +45,10 @@ URL_ENV = "HETEROPLANE_URL"
 TOKEN_ENV = "HETEROPLANE_TOKEN"
 # Planning a large app can take a while; anything else answers in milliseconds.
 DEFAULT_TIMEOUT_S = 300.0
+# The longest wait an option may ask for (--timeout, --poll-s, ...): a week, past any request,
+# profile run or teardown; more is a typo, and from about 9.2e9 s (int64 nanoseconds) on
+# socket.settimeout and time.sleep raise OverflowError.
+MAX_WAIT_S = 7 * 86_400.0
 
 
 class ApiClientError(UsageError):
@@ -54,6 +60,20 @@ class ApiClientError(UsageError):
         self.code = code
 
 
+def wait_seconds(text: str) -> float:
+    """argparse type of a wait in seconds (``--timeout``, ``--poll-s``, ...): a number in
+    (0, :data:`MAX_WAIT_S`]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= MAX_WAIT_S:  # NaN included
+        raise argparse.ArgumentTypeError(
+            f"must be a number > 0 and at most {MAX_WAIT_S:.0f} s (a week), got {text}"
+        )
+    return value
+
+
 def add_client_options(parser: argparse.ArgumentParser) -> None:
     """``--url``, ``--token``, ``--timeout`` and ``--json``, for a command that calls the API."""
     parser.add_argument(
@@ -62,7 +82,7 @@ def add_client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token", metavar="TOKEN", help=f"the API token (default: ${TOKEN_ENV})")
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=wait_seconds,
         default=DEFAULT_TIMEOUT_S,
         metavar="S",
         help=f"seconds to wait for an answer (default {DEFAULT_TIMEOUT_S:g})",
@@ -82,8 +102,10 @@ class ApiClient:
             raise UsageError(f"--url {url!r} is not a URL: {error}") from None
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise UsageError(f"--url must be an http:// or https:// URL, got {url!r}")
-        if not timeout_s > 0:
-            raise UsageError(f"--timeout must be > 0, got {timeout_s!r}")
+        if not 0 < timeout_s <= MAX_WAIT_S:
+            raise UsageError(
+                f"--timeout must be > 0 and at most {MAX_WAIT_S:.0f} s, got {timeout_s!r}"
+            )
         if token and not all("!" <= char <= "~" for char in token):
             # An HTTP header carries visible ASCII only: a pasted typographic quote, a space or
             # a newline would fail as the request is made.

@@ -25,7 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controlplane.cli.client import DEFAULT_URL, TOKEN_ENV, URL_ENV, add_client_options
+from controlplane.cli.client import (
+    DEFAULT_URL,
+    TOKEN_ENV,
+    URL_ENV,
+    add_client_options,
+    wait_seconds,
+)
 from controlplane.cli.output import fail
 from controlplane.policies import scaling
 from controlplane.policies.auth import Scope
@@ -777,14 +783,14 @@ def _loadgen(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--timeout-s",
-        type=positive_number,
+        type=wait_seconds,
         default=LOADGEN_TIMEOUT_S,
         metavar="S",
         help="a query without an answer after this long is a timeout (default %(default)g)",
     )
     parser.add_argument(
         "--progress-s",
-        type=positive_number,
+        type=wait_seconds,
         default=LOADGEN_PROGRESS_S,
         metavar="S",
         help="seconds between progress lines on stderr (default %(default)g)",
@@ -1074,7 +1080,7 @@ def _cascade(subparsers: Subparsers) -> None:
     )
     registered.add_argument(
         "--timeout",
-        type=float,
+        type=wait_seconds,
         default=300.0,
         metavar="S",
         help="seconds to wait for each answer (default %(default)s)",
@@ -1298,14 +1304,14 @@ def _app(subparsers: Subparsers) -> None:
     )
     down.add_argument(
         "--wait-s",
-        type=positive_number,
+        type=wait_seconds,
         default=600.0,
         metavar="S",
         help="give up waiting after this long, s (the teardown goes on; default %(default)g)",
     )
     down.add_argument(
         "--poll-s",
-        type=positive_number,
+        type=wait_seconds,
         default=2.0,
         metavar="S",
         help="how often to look at the fleet while waiting, s (default %(default)g)",
@@ -1395,14 +1401,14 @@ def _plans(subparsers: Subparsers) -> None:
     )
     apply.add_argument(
         "--timeout-s",
-        type=positive_number,
+        type=wait_seconds,
         default=300.0,
         metavar="S",
         help="with --wait: give up after this long, s (exit status 2; default %(default)g)",
     )
     apply.add_argument(
         "--poll-s",
-        type=positive_number,
+        type=wait_seconds,
         default=0.5,
         metavar="S",
         help="with --wait: how often to ask, s (default %(default)g)",

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 
 from controlplane.cli import main
+from controlplane.cli.client import ApiClient
+from controlplane.cli.output import UsageError
 
 TOKEN = "hp_operator-token"
 # The API's refusal of a budget that buys no instance (controlplane.apps.budget), its head.
@@ -248,6 +250,46 @@ def test_an_empty_token_or_url_given_is_one_line(
     monkeypatch.setenv("HETEROPLANE_URL", "http://127.0.0.1:9")
     status, out, err = cli(capsys, "fleet", option, "")
     assert (status, out, err) == (2, "", f"heteroplane fleet: {option} is empty\n")
+
+
+@pytest.mark.parametrize("value", ["1e308", "inf", "1e10", "nan", "0"])
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["app", "list"], "--timeout"),
+        (["fleet"], "--timeout"),
+        (["profile", "run", "--app", "a"], "--timeout"),
+        (["cascade", "evaluate", "--app", "a"], "--timeout"),
+        (["plans", "apply", "--app", "a", "--id", "1", "--wait"], "--poll-s"),
+        (["plans", "apply", "--app", "a", "--id", "1", "--wait"], "--timeout-s"),
+        (["app", "down", "a"], "--poll-s"),
+        (["app", "down", "a"], "--wait-s"),
+        (["loadgen", "--app", "a", "--trace", "t.csv"], "--timeout-s"),
+        (["loadgen", "--app", "a", "--trace", "t.csv"], "--progress-s"),
+    ],
+)
+def test_a_wait_past_a_week_is_one_line_before_any_request(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    option: str,
+    value: str,
+) -> None:
+    """A huge or infinite wait reached socket.settimeout or time.sleep (after the plan was
+    applied): OverflowError, a traceback."""
+    monkeypatch.setenv("HETEROPLANE_TOKEN", TOKEN)
+    monkeypatch.setenv("HETEROPLANE_URL", "http://127.0.0.1:9")
+    status, out, err = cli(capsys, *argv, option, value)
+    assert (status, out) == (2, "")
+    assert err.endswith(
+        f": argument {option}: must be a number > 0 and at most 604800 s (a week), got {value}\n"
+    )
+    assert err.count("\n") == 1
+
+
+def test_the_client_refuses_a_wait_past_a_week() -> None:
+    with pytest.raises(UsageError, match="--timeout must be > 0 and at most 604800 s"):
+        ApiClient("http://127.0.0.1:9", TOKEN, 1e308)
 
 
 @pytest.mark.parametrize("token", ["hp_abc\u2019", "hp_\nX", "hp abc", "\u00fc"])
