@@ -3,6 +3,11 @@
 The database is the one the settings name (``HETEROPLANE_DATABASE_URL``, or the config file's
 ``database_url``; by default a SQLite file in the data directory; docs/service.md). Migrations
 live in the repository's ``migrations/`` (Alembic; ``controlplane.db.migrate``).
+
+``upgrade`` and ``downgrade`` are refused while a service runs on the database
+(:func:`~controlplane.db.lease.schema_change_lock`): a downgrade dropped the tables under a live
+``heteroplane serve``, and an upgrade puts a service on a schema newer than its code. An upgrade
+with nothing to do (the database already at the newest revision) is not refused.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Any
 
 from controlplane.cli.output import emit
 from controlplane.db import migrate
+from controlplane.db.lease import schema_change_lock
 from controlplane.db.session import redact_url
 from controlplane.settings import load_settings
 
@@ -48,15 +54,19 @@ def _describe(data: dict[str, Any]) -> str:
 def upgrade(args: argparse.Namespace) -> int:
     url = _database_url(args)
     before = migrate.current(url)
-    migrate.upgrade(url, args.revision)
+    if before != migrate.head() or args.revision not in ("head", before):
+        with schema_change_lock(url, "upgrade"):
+            before = migrate.current(url)
+            migrate.upgrade(url, args.revision)
     data = {**_state(url), "previous_revision": before}
     return emit(args.json, data, lambda: _describe(data))
 
 
 def downgrade(args: argparse.Namespace) -> int:
     url = _database_url(args)
-    before = migrate.current(url)
-    migrate.downgrade(url, args.revision)
+    with schema_change_lock(url, "downgrade"):
+        before = migrate.current(url)
+        migrate.downgrade(url, args.revision)
     data = {**_state(url), "previous_revision": before}
     return emit(args.json, data, lambda: _describe(data))
 

@@ -25,6 +25,9 @@ one-process rule on SQLite.
   (``flock`` on ``<database>.leader.lock``, tried without waiting, freed by the kernel when its
   holder dies). Migrations wait on a third one, ``<database>.migrate.lock``
   (:func:`migration_lock`).
+- **A schema changed by hand** (:func:`schema_change_lock`, ``heteroplane db upgrade|downgrade``):
+  refused while a service runs on the database, as these locks tell (a downgrade to ``base``
+  dropped every table under a live service, and its running instances' records with them).
 
 docs/service.md, "Replicas and the leader lease", says what this buys and what it does not.
 """
@@ -56,6 +59,7 @@ __all__ = [
     "LOCK_IDLE_SESSION_TIMEOUT_S",
     "LOCK_STATEMENT_TIMEOUT_MS",
     "MIGRATION_LOCK_KEY",
+    "SERVING_APPLICATION_NAME",
     "SERVING_LOCK_KEY",
     "AdvisoryLock",
     "FileLeaderLock",
@@ -64,6 +68,7 @@ __all__ = [
     "advisory_key",
     "lock_sqlite_database",
     "migration_lock",
+    "schema_change_lock",
     "sqlite_leader_lock",
 ]
 
@@ -88,6 +93,8 @@ MIGRATION_LOCK_KEY = advisory_key("heteroplane.migrations")
 SERVING_LOCK_KEY = advisory_key("heteroplane.serving")
 # What pg_stat_activity shows for the lock's connection (docs/service.md: "who is leader?").
 LOCK_APPLICATION_NAME = "heteroplane-leader-lease"
+# The serving process's lock connection's (``serve --role serving``, alone on its database).
+SERVING_APPLICATION_NAME = "heteroplane-serving"
 
 # libpq settings of the lock's connection. Keepalives after 5 s idle, every 2 s, 3 missed:
 # a peer that vanished without a FIN is noticed in about 11 s; tcp_user_timeout (ms) bounds how
@@ -334,6 +341,108 @@ def migration_lock(url: str | URL) -> Iterator[None]:
                 connection.close()
     finally:
         engine.dispose()
+
+
+@contextlib.contextmanager
+def schema_change_lock(url: str | URL, action: str) -> Iterator[None]:
+    """Hold the database ``url`` names against every heteroplane service while the block
+    changes its schema by hand (``action``: ``upgrade``, ``downgrade``, for the message); a
+    service running on it is a one-line :class:`~controlplane.errors.DatabaseInUseError`
+    instead, and nothing is changed.
+
+    A schema changed under a live service fails its API and its loops, and a downgrade drops
+    the tables that record its running (paid) instances. On a SQLite file the serving lock
+    (``<database>.lock``) and the leader lease's (``<database>.leader.lock``) are taken without
+    waiting and held throughout, so a service that starts meanwhile is refused too. On
+    PostgreSQL the leader lease and the serving lock (advisory locks, :data:`LEADER_LOCK_KEY`,
+    :data:`SERVING_LOCK_KEY`) are taken likewise on a connection of the command's own, and a
+    standby's lease connection (its ``application_name``) counts as a live service. What holds
+    no lock is not seen: on PostgreSQL, a serving process whose loops are all gone (docs/cli.md).
+    The migrations' lock (:func:`migration_lock`) is held inside, as a service holds it while
+    it migrates at its start.
+    """
+    parsed = parse_url(url)
+    where = redact_url(parsed)
+    if parsed.get_backend_name() == "postgresql":
+        with _postgresql_schema_lock(parsed, action, where):
+            yield
+        return
+    database = _sqlite_file(parsed)
+    if database is None:  # in memory: no other process can open it
+        yield
+        return
+    held: list[int] = []
+    try:
+        for suffix in (".lock", ".leader.lock"):
+            path = database.with_name(database.name + suffix)
+            fd = _open_lock_file(path)
+            if not _try_flock(fd, path):  # (a failure closed fd)
+                holder = _read_pid(fd)
+                os.close(fd)
+                who = f"pid {holder}" if holder else "a process"
+                raise _in_use(action, where, f"{who} holds {path.name}", holder)
+            held.append(fd)
+            # The pid, for the message of a service that starts meanwhile.
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        with migration_lock(parsed):
+            yield
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _postgresql_schema_lock(parsed: URL, action: str, where: str) -> Iterator[None]:
+    """:func:`schema_change_lock` on PostgreSQL: the leases' locks held by a session of this
+    process's own (closing it releases them), then the migrations' lock (waiting for a service
+    that migrates as it starts), then no lease connection of another session may be open."""
+    engine = _lock_engine(parsed, "heteroplane-schema-change", LOCK_STATEMENT_TIMEOUT_MS)
+    try:
+        try:
+            connection = engine.connect()
+        except SQLAlchemyError as error:
+            raise DatabaseError(f"cannot reach the database {where}: {first_line(error)}") from None
+        try:
+            for key, lock in (
+                (LEADER_LOCK_KEY, "leader lease"),
+                (SERVING_LOCK_KEY, "serving lock"),
+            ):
+                taken = _scalar(connection, "SELECT pg_try_advisory_lock(:key)", where, key=key)
+                if not taken:
+                    raise _in_use(action, where, f"a session holds its {lock}")
+            with migration_lock(parsed):
+                others = _scalar(
+                    connection,
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND pid <> pg_backend_pid() AND application_name IN (:lease, :serving)",
+                    where,
+                    lease=LOCK_APPLICATION_NAME,
+                    serving=SERVING_APPLICATION_NAME,
+                )
+                if others:
+                    raise _in_use(action, where, f"{others} of its lease connections are open")
+                yield
+        finally:
+            with contextlib.suppress(SQLAlchemyError):
+                connection.close()  # the session ends: its advisory locks go with it
+    finally:
+        engine.dispose()
+
+
+def _scalar(connection: Connection, sql: str, where: str, **params: Any) -> Any:
+    try:
+        return connection.execute(text(sql), params).scalar_one()
+    except SQLAlchemyError as error:
+        raise DatabaseError(f"cannot lock {where}: {first_line(error)}") from None
+
+
+def _in_use(action: str, where: str, who: str, holder: str = "") -> DatabaseInUseError:
+    return DatabaseInUseError(
+        f"cannot {action} {where}: a heteroplane service runs on it ({who}), whose API and loops"
+        " would fail on a changed schema; stop the service first",
+        holder,
+    )
 
 
 class SqliteFileLock:

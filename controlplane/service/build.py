@@ -81,6 +81,7 @@ from controlplane.apps.rollouts import NewVersionProfiling
 from controlplane.clock import Clock, SystemClock
 from controlplane.db import migrate
 from controlplane.db.lease import (
+    SERVING_APPLICATION_NAME,
     SERVING_LOCK_KEY,
     AdvisoryLock,
     KeptLock,
@@ -959,7 +960,7 @@ def _serving_lock(settings: Settings) -> KeptLock:
         AdvisoryLock(
             settings.database_url,
             SERVING_LOCK_KEY,
-            application_name="heteroplane-serving",
+            application_name=SERVING_APPLICATION_NAME,
             what="serving lock",
         ),
         TRY_EVERY_S,

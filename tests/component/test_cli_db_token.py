@@ -12,8 +12,9 @@ import pytest
 
 from controlplane.cli import main
 from controlplane.db import migrate
+from controlplane.db.lease import lock_sqlite_database, schema_change_lock, sqlite_leader_lock
 from controlplane.db.store import Store
-from controlplane.errors import DatabaseError
+from controlplane.errors import DatabaseError, DatabaseInUseError
 
 HETEROPLANE = Path(sys.executable).with_name("heteroplane")
 
@@ -63,6 +64,69 @@ def test_db_errors_are_one_line(database_url: str, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         main(["db", "downgrade"])
     assert "--revision" in capsys.readouterr().err
+
+
+def one_line_refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as caught:
+        main(list(argv))
+    assert caught.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    return captured.err
+
+
+@pytest.mark.parametrize("held", ["serving", "leader"])
+def test_no_schema_change_while_a_service_runs_on_the_file(
+    database_url: str, capsys: pytest.CaptureFixture[str], held: str
+) -> None:
+    """``db downgrade --revision base`` on the file of a live ``heteroplane serve`` dropped every
+    table under it. While a serving process (``<db>.lock``) or a loops process (the leader
+    lease's ``<db>.leader.lock``) holds its lock, a downgrade, and an upgrade with something to
+    do, are refused in one line and the database is left as it was."""
+    previous = f"{int(NEWEST) - 1:04d}"
+    run_json(capsys, "db", "upgrade", "--revision", previous)
+    if held == "serving":
+        service = lock_sqlite_database(database_url)
+        assert service is not None
+        release = service.close
+    else:
+        loops = sqlite_leader_lock(database_url)
+        assert loops is not None and loops.try_acquire()
+        release = loops.release
+    try:
+        lock = "heteroplane.db.lock" if held == "serving" else "heteroplane.db.leader.lock"
+        for argv in (
+            ["db", "downgrade", "--revision", "base"],
+            ["db", "downgrade", "--revision", "-1"],
+            ["db", "upgrade"],
+        ):
+            err = one_line_refusal(capsys, *argv)
+            assert err.startswith(f"heteroplane db: cannot {argv[1]} sqlite:///")
+            assert f"a heteroplane service runs on it (pid {os.getpid()} holds {lock})" in err
+            assert err.endswith("stop the service first\n")
+            assert run_json(capsys, "db", "current")["revision"] == previous
+    finally:
+        release()
+    assert run_json(capsys, "db", "upgrade")["revision"] == NEWEST
+    if held == "serving":
+        again = lock_sqlite_database(database_url)
+        assert again is not None
+        try:  # an upgrade with nothing to do changes nothing: not refused
+            assert run_json(capsys, "db", "upgrade")["revision"] == NEWEST
+        finally:
+            again.close()
+    assert run_json(capsys, "db", "downgrade", "--revision", "base")["revision"] is None
+
+
+def test_a_service_cannot_start_while_the_schema_changes(database_url: str) -> None:
+    with schema_change_lock(database_url, "downgrade"):
+        with pytest.raises(DatabaseInUseError, match=f"pid {os.getpid()}"):
+            lock_sqlite_database(database_url)
+        leader = sqlite_leader_lock(database_url)
+        assert leader is not None and not leader.try_acquire()
+    service = lock_sqlite_database(database_url)
+    assert service is not None
+    service.close()
 
 
 @pytest.mark.parametrize("action", ["upgrade", "downgrade"])

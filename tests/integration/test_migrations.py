@@ -3,16 +3,26 @@ head -> base -> head, and the models and the migrations describe the same schema
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, inspect, text
 
+from controlplane.cli import main
 from controlplane.db import migrate
+from controlplane.db.lease import (
+    SERVING_APPLICATION_NAME,
+    SERVING_LOCK_KEY,
+    AdvisoryLock,
+    schema_change_lock,
+)
 from controlplane.db.models import Base
 from controlplane.db.session import make_engine
+from controlplane.errors import DatabaseInUseError
 
 # Every table the models declare: the migrations must create exactly these.
 TABLES = set(Base.metadata.tables)
@@ -180,3 +190,51 @@ def test_sqlite_autoincrement_where_the_models_ask_for_it(tmp_path: Path) -> Non
     finally:
         engine.dispose()
     assert {name for name, sql in rows if "AUTOINCREMENT" in sql} == marked
+
+
+def test_no_schema_change_while_a_replica_runs_on_postgresql(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``heteroplane db downgrade`` dropped every table under live replicas. It is refused while
+    a session holds the leader lease or the serving lock, or a standby's lease connection is
+    open; otherwise it holds the leader lease itself, so no replica leads meanwhile."""
+    for name in [n for n in os.environ if n.startswith("HETEROPLANE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HETEROPLANE_DATABASE_URL", postgres_url)
+    migrate.upgrade(postgres_url)
+    leader = AdvisoryLock(postgres_url)
+    assert leader.try_acquire()
+    with pytest.raises(SystemExit) as caught:
+        main(["db", "downgrade", "--revision", "base"])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "runs on it (a session holds its leader lease)" in err
+    standby = AdvisoryLock(postgres_url)
+    assert not standby.try_acquire()  # its connection stays open, to try again
+    leader.close()
+    with (
+        pytest.raises(DatabaseInUseError, match=r"\(1 of its lease connections are open\)"),
+        schema_change_lock(postgres_url, "downgrade"),
+    ):
+        pass
+    standby.close()
+    serving = AdvisoryLock(
+        postgres_url, SERVING_LOCK_KEY, application_name=SERVING_APPLICATION_NAME
+    )
+    assert serving.try_acquire()
+    with (
+        pytest.raises(DatabaseInUseError, match="a session holds its serving lock"),
+        schema_change_lock(postgres_url, "upgrade"),
+    ):
+        pass
+    serving.close()
+    assert tables(postgres_url) == TABLES
+    with schema_change_lock(postgres_url, "downgrade"):
+        starting = AdvisoryLock(postgres_url)
+        assert not starting.try_acquire()  # a replica that starts meanwhile does not lead
+        starting.close()
+        migrate.downgrade(postgres_url, "base")
+    assert tables(postgres_url) == set()
+    leader = AdvisoryLock(postgres_url)
+    assert leader.try_acquire()  # released with the command's session
+    leader.close()
