@@ -199,12 +199,13 @@ def _replayable(plan: PlanDocument, source: str | None) -> PlanDocument:
 
 
 def check_plan(plan: PlanDocument, app: ResolvedApp) -> StagePlan:
-    """The plan's one stage, checked against the app: its model is the app's, its types are the
-    spec's candidates, and its fleet costs no more than the budget.
+    """The plan's one stage, checked against the app: its model is the app's (the whole of its
+    serving order, for a cascade), its types are the spec's candidates, and its fleet costs no
+    more than the budget.
 
     Raises:
-        ReplayError: a multi-stage plan (:func:`check_stages` checks those), an unknown stage, a
-            type the spec does not name, or a fleet over the budget.
+        ReplayError: a multi-stage plan (:func:`check_stages` checks those), an unknown stage or
+            one stage of a cascade, a type the spec does not name, or a fleet over the budget.
     """
     if len(plan.stages) > 1:
         raise ReplayError(
@@ -216,6 +217,14 @@ def check_plan(plan: PlanDocument, app: ResolvedApp) -> StagePlan:
         raise ReplayError(
             f"the plan's stage {stage.name!r} is not a model of the spec "
             f"({', '.join(app.spec.model_names)})"
+        )
+    order = tuple(app.spec.serving_order)
+    if app.spec.cascade is not None and (stage.name,) != order:
+        # A cascade replayed by one of its stages alone answers every query there: a plan of
+        # another app, or cut short, would replay as a faster, cheaper app than the spec's.
+        raise ReplayError(
+            f"the plan's stages ({stage.name}) are not the spec's serving order"
+            f" ({', '.join(order)})"
         )
     for name in stage.fleet:
         if name not in app.prices_usd_per_hr:

@@ -387,6 +387,15 @@ def test_a_plan_over_the_budget_is_refused(tmp_path: Path) -> None:
         check_plan(parse_plan(plan_document({GPU: 2})), app)
 
 
+@pytest.mark.parametrize("name", ["cheap", "large"])
+def test_one_stage_of_a_cascade_is_no_plan_of_it(tmp_path: Path, name: str) -> None:
+    # Replayed, every query would be answered by that stage alone: a faster, cheaper app.
+    app = write_cascade_app(tmp_path, records=True)
+    plan = parse_plan(plan_document({CPU: 1}, name=name))
+    with pytest.raises(ReplayError, match=r"not the spec's serving order \(cheap, large\)"):
+        check_plan(plan, app)
+
+
 # --- the utilisation autoscaler --------------------------------------------------------------
 
 
