@@ -51,6 +51,9 @@ MAX_CV2 = 100.0
 # period is at most amplitude * (1 - cos(pi / N)) of the mean, about 5e-4 at N = 96 (15 minutes
 # in a day).
 DIURNAL_KNOTS_PER_PERIOD = 96
+# The most knots a diurnal profile holds (about 16 MB of times and rates): a period of a
+# microsecond over a hundred seconds asked for 9.6 billion and 71 GiB.
+MAX_DIURNAL_KNOTS = 1_000_000
 
 
 # ---------------------------------------------------------------------------------------------
@@ -735,7 +738,15 @@ def diurnal_profile(
     amplitude = _finite(amplitude, "amplitude")
     if not 0.0 <= amplitude <= 1.0:
         raise WorkloadError(f"amplitude must be in [0, 1], got {amplitude!r}")
-    knots = max(2, math.ceil(duration_s / period_s * DIURNAL_KNOTS_PER_PERIOD) + 1)
+    periods = duration_s / period_s
+    if periods * DIURNAL_KNOTS_PER_PERIOD > MAX_DIURNAL_KNOTS:
+        raise WorkloadError(
+            f"period_s {period_s:g} over duration_s {duration_s:g} is {periods:.4g} periods;"
+            f" at most {MAX_DIURNAL_KNOTS // DIURNAL_KNOTS_PER_PERIOD:,} (each is"
+            f" {DIURNAL_KNOTS_PER_PERIOD} knots of the profile): a longer period or a shorter"
+            " duration"
+        )
+    knots = max(2, math.ceil(periods * DIURNAL_KNOTS_PER_PERIOD) + 1)
     times_s = np.linspace(0.0, duration_s, knots)
     rates_qps = mean_rate_qps * (1.0 - amplitude * np.cos(2.0 * np.pi * times_s / period_s))
     return with_spikes(RateProfile(times_s, np.maximum(rates_qps, 0.0)), spikes)

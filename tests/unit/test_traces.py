@@ -349,6 +349,8 @@ def test_diurnal_profile_follows_the_sinusoid() -> None:
         ({"amplitude": 1.5}, r"amplitude must be in \[0, 1\]"),
         ({"period_s": math.inf}, "period_s must be finite"),
         ({"spikes": [(0.0, 1.0, -2.0)]}, "factor must be >= 0"),
+        # 96 knots a period: 9.6 billion of them (71 GiB) for this one, before.
+        ({"period_s": 1e-6}, r"is 1e\+08 periods; at most 10,416"),
     ],
 )
 def test_diurnal_validation(kwargs: dict[str, object], message: str) -> None:
