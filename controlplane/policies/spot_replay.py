@@ -83,16 +83,23 @@ def parse_interruption_rates(text: str, types: list[str]) -> dict[str, float]:
     interruptions per spot instance-hour; ``ValueError`` (one line) for anything else."""
     rates = dict.fromkeys(types, 0.0)
     parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise ValueError("expected RATE or TYPE=RATE,... (interruptions an hour), got nothing")
     if len(parts) == 1 and "=" not in parts[0]:
         rates = dict.fromkeys(types, _rate(parts[0]))
         return rates
+    given: set[str] = set()
     for part in parts:
         name, equals, value = part.partition("=")
         if not equals:
             raise ValueError(f"{part!r}: expected TYPE=RATE (or one RATE for every type)")
-        if name.strip() not in rates:
-            raise ValueError(f"{name.strip()!r} is not a type of the plan ({', '.join(types)})")
-        rates[name.strip()] = _rate(value)
+        name = name.strip()
+        if name not in rates:
+            raise ValueError(f"{name!r} is not a type of the plan ({', '.join(types)})")
+        if name in given:
+            raise ValueError(f"{name!r} is given twice")
+        given.add(name)
+        rates[name] = _rate(value)
     return rates
 
 

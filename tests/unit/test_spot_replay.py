@@ -73,6 +73,9 @@ def test_rates_are_one_for_all_or_one_per_type(text: str, expected: dict[str, fl
         ("c=1", "'c' is not a type of the plan"),
         ("often", "'often' is not a number"),
         ("a=1,b", "expected TYPE=RATE"),
+        ("a=100,a=3", "'a' is given twice"),
+        ("", "got nothing"),
+        (" , ", "got nothing"),
     ],
 )
 def test_bad_rates_are_one_line(text: str, message: str) -> None:
