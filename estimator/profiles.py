@@ -275,7 +275,7 @@ def load_profiles(path: str | Path) -> ProfileSet:
         except (OSError, EOFError) as error:
             raise ProfileError(f"{path}: not a readable gzip file ({error})") from None
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a spreadsheet's byte order mark is no column name
     except UnicodeDecodeError:
         raise ProfileError(f"{path}: not a text file (expected CSV or JSON)") from None
     if text.lstrip()[:1] in ("{", "["):  # a CSV's header starts with a column name
@@ -544,6 +544,14 @@ def _decimal_field(padded: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> 
 def _group_kairos_columns(columns: _KairosColumns, where: str, drop_largest: bool) -> ProfileSet:
     """One profile per (model, instance type), one cell per batch size, each cell's samples
     sorted and (``drop_largest``) its largest one dropped; profiles ordered by model, then type."""
+    for names, codes, column in (
+        (columns.model_names, columns.model_code, "model"),
+        (columns.type_names, columns.type_code, "instance_type"),
+    ):
+        empty = [i for i, name in enumerate(names) if not str(name).strip()]
+        if empty:  # as a profile JSON refuses it
+            line = int(np.flatnonzero(codes == empty[0])[0]) + 2
+            raise ProfileError(f"{where}: line {line}: {column} must be a non-empty name")
     # Both readers give batch sizes as read (floats): a whole number is checked here, before
     # any cast, so that 2.7 is not read as 2 nor 1e30 as a negative.
     read = columns.batch_size

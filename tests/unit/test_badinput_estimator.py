@@ -88,6 +88,28 @@ def test_a_kairos_csv_batch_size_past_the_bound_names_its_line(tmp_path: Path) -
         load_profiles(path)
 
 
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ("m,x,1,0,1,2\n,x,1,0,1,2\n", "line 3: model must be a non-empty name"),
+        ("m,x,1,0,1,2\nm, ,1,0,1,2\n", "line 3: instance_type must be a non-empty name"),
+    ],
+)
+def test_a_kairos_csv_name_must_not_be_empty(tmp_path: Path, rows: str, message: str) -> None:
+    path = tmp_path / "p.csv"
+    path.write_text("model,instance_type,batch_size,sample,infer_ms,load_ms\n" + rows)
+    with pytest.raises(ProfileError, match=message):
+        load_profiles(path)
+
+
+def test_a_kairos_csv_with_a_byte_order_mark_reads(tmp_path: Path) -> None:
+    # A spreadsheet's UTF-8 export: the mark was read as part of the first column's name.
+    path = tmp_path / "p.csv"
+    text = "model,instance_type,batch_size,sample,infer_ms,load_ms\nm,x,1,0,1,2\nm,x,1,1,1,2\n"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert load_profiles(path).get_profile("m", "x").min_batch_size == 1
+
+
 @pytest.mark.parametrize("sizes", [[1, 10**30], [1, MAX_BATCH_SIZE * 10]])
 def test_a_latency_profile_refuses_batch_sizes_past_the_bound(sizes: list[int]) -> None:
     with pytest.raises(ProfileError, match="1,000,000") as caught:
