@@ -41,6 +41,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from estimator.batches import MAX_BATCH_SIZE
 from estimator.errors import EstimatorError, FleetError
 from estimator.fleet import Fleet
 from matching import registry
@@ -380,6 +381,10 @@ def _stage(entry: object, where: str, source: str | None) -> StagePlan:
         raise PlanError(f"{where}.fleet", str(error), source) from None
     # A stage without a batch size takes one query at a time.
     batch = _whole(entry.get("batch_size", 1), f"{where}.batch_size", source, 1)
+    if batch > MAX_BATCH_SIZE:
+        raise PlanError(
+            f"{where}.batch_size", f"must be <= {MAX_BATCH_SIZE:,}, got {batch:,}", source
+        )
     raw_policy = entry.get("policy")
     allowed = registry.plan_names()
     policy = next((name for name in allowed if name == raw_policy), None)
@@ -395,6 +400,12 @@ def _stage(entry: object, where: str, source: str | None) -> StagePlan:
             ("scale_factor", 1.0),
         )
     }
+    for key in ("predicted_p99_ms", "throughput_qps", "cost_usd_per_hr"):
+        if numbers[key] < 0:
+            raise PlanError(f"{where}.{key}", f"must be >= 0, got {entry.get(key)!r}", source)
+    if not 0.0 <= numbers["scale_factor"] <= 1.0:  # the share of the queries reaching it
+        problem = f"must be in [0, 1], got {entry.get('scale_factor')!r}"
+        raise PlanError(f"{where}.scale_factor", problem, source)
     raw_base = entry.get("base_types", [])
     if not isinstance(raw_base, list) or not all(isinstance(t, str) for t in raw_base):
         raise PlanError(f"{where}.base_types", "must be a list of instance type names", source)

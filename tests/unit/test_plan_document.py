@@ -79,6 +79,22 @@ def test_a_document_round_trips() -> None:
             document(stages=[{"name": "m", "fleet": {"a": 1}, "batch_size": 1, "policy": "drs"}]),
             "stages[0].policy",
         ),
+        (
+            document(stages=[{"name": "m", "fleet": {"a": 1}, "batch_size": 10**9}]),
+            "stages[0].batch_size",
+        ),
+        (
+            document(stages=[{"name": "m", "fleet": {"a": 1}, "scale_factor": -1}]),
+            "stages[0].scale_factor",
+        ),
+        (
+            document(stages=[{"name": "m", "fleet": {"a": 1}, "scale_factor": 5}]),
+            "stages[0].scale_factor",
+        ),
+        (
+            document(stages=[{"name": "m", "fleet": {"a": 1}, "throughput_qps": -2.0}]),
+            "stages[0].throughput_qps",
+        ),
         (document(seed=-1), "seed"),
         (document(rate_qps="20"), "rate_qps"),
         (document(rate_qps=-1.0, planned_rate_qps=None), "rate_qps"),
