@@ -917,16 +917,21 @@ def _split_first(
     below its top (module docstring, step 5): with equal ranges of [0, q_max], a fast cascade's
     q_max over n_ranges can exceed the r* of every more accurate one, which then served no range
     at all, not even at the lowest loads (an app answered by its 70% model at 5 q/s where its
-    100% cascade sustains 36). With a latency SLO only: an accuracy floor picks by tail latency."""
+    100% cascade sustains 36); where the first range's gear misses the SLO (its top is past
+    every r*), at every r* inside it. With a latency SLO only: an accuracy floor picks by tail
+    latency."""
     if accuracy_floor is not None or not gears:
         return gears
     first = gears[0]
     chosen = options[first.option].quality.accuracy
+    # A first range past what every option sustains (a qps_max far above them) is cut at each
+    # r* in it too: the loads below one are served within the SLO, whatever the range's top.
     cuts = sorted(
         {
             o.max_qps
             for o in options
-            if o.quality.accuracy > chosen and first.low_qps < o.max_qps < first.high_qps
+            if (o.quality.accuracy > chosen or not first.meets_slo)
+            and first.low_qps < o.max_qps < first.high_qps
         }
     )
     if not cuts:

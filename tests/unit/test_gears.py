@@ -22,6 +22,7 @@ from controlplane.policies.gears import (
     GearSwitcher,
     Hysteresis,
     _batch_caps,
+    _gear,
     _split_first,
     capacity_share,
     plan_gears,
@@ -701,3 +702,27 @@ def test_the_first_range_goes_to_a_more_accurate_cascade_where_it_sustains_the_l
     # Nothing to split where the first range's gear is the most accurate, or with a floor.
     assert _split_first(equal, [fast], None) == equal  # type: ignore[list-item]
     assert _split_first(equal, options, 0.8) == equal  # type: ignore[arg-type]
+
+
+def test_a_qps_max_past_every_cascade_leaves_the_loads_they_sustain_within_the_slo() -> None:
+    """`gears --qps-max 1e9` with a fastest cascade of 8,645 q/s: the first range was
+    [0, 1.25e8), its gear the fastest, not meeting the SLO, so from 0 q/s the plan said no
+    gear met it."""
+
+    def option(accuracy: float, max_qps: float) -> SimpleNamespace:
+        return SimpleNamespace(quality=SimpleNamespace(accuracy=accuracy), max_qps=max_qps)
+
+    fast, accurate = option(0.90, 8645.3), option(0.97, 900.0)
+    options = [fast, accurate]
+    top = 1e9
+    ranges = tuple(
+        _gear(options, top * k / 8, top * (k + 1) / 8, None)  # type: ignore[arg-type]
+        for k in range(8)
+    )
+    assert not ranges[0].meets_slo
+    split = _split_first(ranges, options, None)  # type: ignore[arg-type]
+    assert [(g.low_qps, g.high_qps, g.option, g.meets_slo) for g in split[:3]] == [
+        (0.0, 900.0, 1, True),
+        (900.0, 8645.3, 0, True),
+        (8645.3, top / 8, 0, False),
+    ]
