@@ -562,8 +562,10 @@ class ServingLoop:
                 self._snapshots.pop(app, None)
                 await dispatcher.close()
             return
-        except (ControlPlaneError, SpecError) as error:
-            if self._warned.get(app) != str(error):  # once per cause, not every second
+        except (ControlPlaneError, SpecError, EstimatorError) as error:
+            # The app keeps its configuration (a spec naming a type its models have no profiles
+            # on yet, say): one line per cause, not a traceback every second.
+            if self._warned.get(app) != str(error):
                 self._warned[app] = str(error)
                 logger.warning("%s: serving refresh: %s", app, error)
             return

@@ -241,6 +241,38 @@ def test_app_lifecycle(api: Api) -> None:
     assert_error(api.call("GET", "/v1/apps/toy"), 404, "not_found")
 
 
+def test_a_spec_that_leaves_out_a_type_the_app_runs_is_a_conflict(api: Api) -> None:
+    # Applied, the plan went on asking for the type while serving no longer had it (every query
+    # a 503 until a new plan) and rollouts could not price it (a 500).
+    api.register()
+    document = {
+        "feasible": True,
+        "cost_usd_per_hr": 0.526,
+        "stages": [{"name": "m", "fleet": {"g4dn.xlarge": 1}, "batch_size": 1}],
+    }
+    plan = api.store.create_plan("toy", document)
+    api.store.apply_plan("toy", plan.id)
+    api.store.record_instance(
+        "toy", request_id="r1", instance_type="t3.xlarge", price_usd_per_hr=0.1664
+    )
+    before = api.call("GET", "/v1/apps/toy").json()
+    narrower = {**spec(), "instance_types": ["r5n.large"]}
+    error = assert_error(api.call("PUT", "/v1/apps/toy", json=narrower), 409, "conflict")
+    assert error["field"] == "instance_types"
+    message = error["message"]
+    assert "runs g4dn.xlarge, t3.xlarge" in message and f"applied plan {plan.id}" in message
+    assert (
+        "1 live instance(s)" in message and "max_counts {g4dn.xlarge: 0, t3.xlarge: 0}" in message
+    )
+    assert api.call("GET", "/v1/apps/toy").json() == before  # nothing stored
+    # Kept listed with a cap of 0 (the way off it), the spec is taken.
+    capped = {**spec(), "max_counts": {"g4dn.xlarge": 0, "t3.xlarge": 0}}
+    assert api.call("PUT", "/v1/apps/toy", json=capped).status_code == 200
+    # A type nothing runs can go.
+    fewer = {**capped, "instance_types": ["g4dn.xlarge", "t3.xlarge"]}
+    assert api.call("PUT", "/v1/apps/toy", json=fewer).status_code == 200
+
+
 def test_registering_a_name_twice_is_a_conflict(api: Api) -> None:
     api.register()
     error = assert_error(api.call("POST", "/v1/apps", json=spec()), 409, "app_exists")

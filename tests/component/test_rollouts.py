@@ -181,6 +181,12 @@ def test_a_spec_that_changes_what_a_rollout_works_on_is_refused_while_it_runs(
     message = refused.json()["error"]["message"]
     assert f"has rollout {started.json()['id']} of clf pending" in message
     assert "works on its models as they were" in message and "rollout abort" in message
+    # Nor its instance types (its extra instances run on them, priced at the spec's prices: with
+    # the type left out, the rollout loop failed every tick and the rollout stood still).
+    wider = current | {"instance_types": [*current["instance_types"], "emu.cpu.large"]}
+    refused = world.client.put(f"/v1/apps/{APP}", json=wider, headers=world.auth)
+    assert refused.status_code == 409, refused.text
+    assert "works on its instance_types as they were" in refused.json()["error"]["message"]
     # What the rollout does not read may change meanwhile: the SLO.
     slower = current | {"slo": {**current["slo"], "latency_ms": current["slo"]["latency_ms"] + 5}}
     assert world.client.put(f"/v1/apps/{APP}", json=slower, headers=world.auth).status_code == 200

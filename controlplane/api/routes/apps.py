@@ -107,6 +107,7 @@ def replace_app(
         # stays.
         return app_out(current)
     _check_rollout_allows(services, app, current.spec, replaced)
+    _check_types_in_use(services, app, resolved.spec.instance_types)
     changed = changed_artifacts(current.spec, replaced)
     if changed:
         live = services.store.list_instances(app, LIVE_STATES)
@@ -147,7 +148,37 @@ def replace_app(
 # What a rollout reads from the spec it started on: changed under it, the new version's share of
 # the queries failed 422 against the new shape (counted nowhere, so it never rolled back), and a
 # promotion wrote the old thresholds back over the new.
-_ROLLOUT_FIELDS = ("models", "cascade", "thresholds", "validation")
+_ROLLOUT_FIELDS = ("models", "cascade", "thresholds", "validation", "instance_types")
+
+
+def _check_types_in_use(services: Services, app: str, types: list[str]) -> None:
+    """A 409 for a spec that leaves out an instance type the app runs now (its applied plan's
+    fleet, a live instance): its plan would go on asking for the type while serving and the
+    tuner no longer took it as a candidate (the app answered 503 until a new plan), and nothing
+    could price or replace it."""
+    plan = services.store.get_applied_plan(app)
+    planned = set() if plan is None else {t for t, n in plan.plan.fleet.items() if n > 0}
+    live = [i.instance_type for i in services.store.list_instances(app, LIVE_STATES)]
+    dropped = sorted((planned | set(live)) - set(types))
+    if not dropped:
+        return
+    uses = []
+    if plan is not None and planned & set(dropped):
+        uses.append(f"its applied plan {plan.id}")
+    count = sum(1 for t in live if t in dropped)
+    if count:
+        uses.append(f"{count} live instance(s)")
+    names = ", ".join(dropped)
+    caps = ", ".join(f"{t}: 0" for t in dropped)
+    raise ApiError(
+        409,
+        "conflict",
+        f"app {app!r} runs {names} ({' and '.join(uses)}), which the spec leaves out: to move"
+        f" off it, keep it listed with max_counts {{{caps}}}, plan and apply (heteroplane plans"
+        f" preview --app {app}, plans apply), then leave it out once none runs; or take the"
+        f" app down first (heteroplane app down {app})",
+        "instance_types",
+    )
 
 
 def _check_rollout_allows(
