@@ -1236,3 +1236,37 @@ def test_a_query_a_cascade_forwards_is_refused_where_the_next_stage_cannot_serve
         await dispatcher.close()
 
     run(scenario())
+
+
+def test_a_refresh_the_spec_refuses_keeps_serving_and_says_so_once(
+    world: ApiWorld, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An app's spec naming a type its models have no profiles on: the serving refresh logged a
+    traceback every second (a tester's 201 of them in 3.5 minutes)."""
+    from controlplane.serving import loop as serving_loop
+    from controlplane.spec import UnprofiledModelError
+
+    async def body(client: httpx.AsyncClient) -> None:
+        workers = await fleet([SMALL, LARGE])
+        world.instances.set("demo", endpoints(workers))
+        answered = await client.post(
+            "/v1/apps/demo/infer", json={"inputs": [row(3, 0.9)]}, headers=world.auth()
+        )
+        assert answered.status_code == 200, answered.text
+
+        def unprofiled(*_: object) -> None:
+            raise UnprofiledModelError("demo", "large", ["tiny"])
+
+        monkeypatch.setattr(serving_loop, "load_config", unprofiled)
+        monkeypatch.setattr(serving_loop, "_version", lambda *_: -1)  # the spec changed
+        caplog.clear()
+        for _ in range(3):
+            await world.serving.refresh()
+        said = [r for r in caplog.records if "serving refresh" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelname == "WARNING" and said[0].exc_info is None
+        again = await client.post(
+            "/v1/apps/demo/infer", json={"inputs": [row(4, 0.9)]}, headers=world.auth()
+        )
+        assert again.status_code == 200, again.text  # on the configuration it had
+
+    api_run(world, body)
