@@ -216,12 +216,19 @@ def _evaluate(
     batch = _shaped(inputs, runtime.signature, name, flag)
     first_input = runtime.signature.inputs[0].name
     first_output = runtime.signature.outputs[0].name
-    scores = np.concatenate(
-        [
-            scores_of(runtime.run({first_input: batch[i : i + _CHUNK_ROWS]})[first_output])
-            for i in range(0, len(batch), _CHUNK_ROWS)
-        ]
-    )
+    try:
+        scores = np.concatenate(
+            [
+                scores_of(runtime.run({first_input: batch[i : i + _CHUNK_ROWS]})[first_output])
+                for i in range(0, len(batch), _CHUNK_ROWS)
+            ]
+        )
+    except Exception as error:  # the user's model raised on the user's data: theirs to see
+        said = (str(error).strip().splitlines() or [type(error).__name__])[-1]
+        raise UsageError(
+            f"model {name} ({model}@{version}) failed on the {flag} inputs:"
+            f" {type(error).__name__}: {said}"
+        ) from None
     classes = scores.shape[1] if scores.ndim == 2 else 1
     if labels.max() >= classes:
         raise UsageError(

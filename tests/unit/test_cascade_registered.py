@@ -171,6 +171,37 @@ def test_labels_past_the_models_classes_and_nan_inputs_are_one_line(
     assert not (tmp_path / "o.json").exists()
 
 
+def test_a_model_that_raises_on_the_data_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user's TorchScript model raising on some rows ended in the model's traceback."""
+    from provisioners.worker import runtime as worker_runtime
+
+    real_load = worker_runtime.load_runtime
+
+    class Raising:
+        def __init__(self, inner: object) -> None:
+            self.signature = inner.signature  # type: ignore[attr-defined]
+
+        def run(self, feeds: object) -> object:
+            raise RuntimeError("The following operation failed\n  boom: feature 0 too big")
+
+    monkeypatch.setattr(worker_runtime, "load_runtime", lambda *a: Raising(real_load(*a)))
+    small = linear_onnx(tmp_path / "s.onnx", np.vstack([np.eye(3), np.zeros((3, 3))]))
+    np.savez(tmp_path / "data.npz", inputs=np.zeros((3, 6), np.float32), labels=np.zeros(3, int))
+    spec = {"name": "digits", "models": [{"name": "small", "artifact": "s@1"}]}
+    monkeypatch.setattr(
+        cascade_registered, "client_from", lambda _a: FakeClient(spec, {"s@1": small})
+    )
+    argv = ["cascade", "evaluate", "--app", "digits", "--data", str(tmp_path / "data.npz")]
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--out", str(tmp_path / "o.json")])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "fetching" not in line]
+    assert stop.value.code == 2 and len(errors) == 1
+    assert "model small (s@1) failed on the --data inputs" in errors[0]
+    assert "RuntimeError: boom: feature 0 too big" in errors[0]
+
+
 @pytest.mark.parametrize("flag", ["--data", "--validation-data"])
 def test_a_shape_error_names_the_option_the_data_came_from(flag: str) -> None:
     """``rollout start --validation-data`` shares this check with ``cascade evaluate --data``;
