@@ -19,6 +19,8 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     field_validator,
     model_validator,
 )
@@ -560,9 +562,18 @@ INFER_PIXEL_MAX = 16.0
 # A latency bound above a day is a typo (the spec's SLO has the same bound).
 _MAX_LATENCY_MS = MAX_SLO_LATENCY_MS
 
+
 # A sample's values: what they must be depends on the app (checked by the route against its
 # models' input: the demo family's 64 pixels in 0..16, or a model's first input, flattened).
-_Value = Annotated[float, Field(allow_inf_nan=False)]
+def _exact_large_int(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A JSON integer past 2**53 as it is: as a float it would round (-2**63 - 1 to -2**63)
+    and pass the route's range check of an INT64 or UINT64 input."""
+    if type(value) is int and abs(value) > 2**53:
+        return value
+    return handler(value)
+
+
+_Value = Annotated[float, Field(allow_inf_nan=False), WrapValidator(_exact_large_int)]
 _Sample = Annotated[list[_Value], Field(min_length=1)]
 
 

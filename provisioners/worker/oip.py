@@ -344,9 +344,14 @@ def tensor_values(data: list[Any] | np.ndarray, spec: TensorSpec) -> np.ndarray:
     elif kind in "iu":
         if raw.dtype.kind == "f" and isinstance(data, list):
             raw = _integers_past_int64(data, raw, spec)
+        limits = np.iinfo(dtype)
+        if raw.dtype.kind == "f" and isinstance(data, list) and _past_64_bits(raw, kind):
+            # A JSON integer past 64 bits, which a JSON reader (orjson) gave as a float.
+            raise OipError(
+                f"input {name!r}: a value lies outside {spec.datatype}'s {limits.min}..{limits.max}"
+            )
         if raw.dtype.kind not in "iu" or (isinstance(data, list) and _holds_bool(data)):
             raise OipError(f"input {name!r}: {spec.datatype} data must be integers")
-        limits = np.iinfo(dtype)
         if not np.can_cast(raw.dtype, dtype) and (raw.min() < limits.min or raw.max() > limits.max):
             raise OipError(
                 f"input {name!r}: a value lies outside {spec.datatype}'s {limits.min}..{limits.max}"
@@ -366,6 +371,16 @@ def tensor_values(data: list[Any] | np.ndarray, spec: TensorSpec) -> np.ndarray:
             raise OipError(f"input {name!r}: {_not_finite(raw, spec.datatype)}")
         return raw.astype(dtype).reshape(-1)
     return raw.astype(dtype).reshape(-1)
+
+
+def _past_64_bits(raw: np.ndarray, kind: str) -> bool:
+    """Whether float values ``raw`` are whole numbers one of which no 64-bit integer of
+    ``kind`` (signed ``i``, unsigned ``u``) holds: -2**63 too, which an integer just past it
+    rounds to as a float (a JSON reader gives an exact -2**63 as an integer)."""
+    if not (np.isfinite(raw).all() and (raw == np.floor(raw)).all()):
+        return False
+    top = 2.0**64 if kind == "u" else 2.0**63
+    return bool(raw.max() >= top or raw.min() <= -(2.0**63))
 
 
 def _integers_past_int64(data: list[Any], raw: np.ndarray, spec: TensorSpec) -> np.ndarray:

@@ -425,6 +425,36 @@ def test_v1_takes_json_integers_for_every_datatype(
     api_run(world, body)
 
 
+def test_v1_refuses_an_int64_past_its_range_not_rounds_it(world: ApiWorld) -> None:
+    """-2**63 - 1 is past orjson's 64 bits, so the route read it, as a float: -2**63, which
+    passed the range check and reached the model."""
+    signature = ModelSignature(
+        (TensorSpec("x", "INT64", (-1, 4)),), (TensorSpec("scores", "FP32", (-1, 3)),)
+    )
+    as_artifacts(world, signature)
+
+    async def body(client: httpx.AsyncClient) -> None:
+        worker = FakeWorker(LARGE, signatures={"tiny": signature, "large": signature})
+        await worker.start()
+        world.instances.set("demo", endpoints([worker]))
+        for past in (-(2**63) - 1, -(2**63) - 92, 2**63, 2**64 + 1):
+            response = await client.post(
+                "/v1/apps/demo/infer", json={"inputs": [[1, 2, 3, past]]}, headers=world.auth()
+            )
+            assert response.status_code == 422, (past, response.text)
+            assert response.json()["error"]["field"] == "inputs[0][3]"
+        edges = [-(2**63), 2**63 - 1, 2**53 + 1, -(2**53) - 1]
+        response = await client.post(
+            "/v1/apps/demo/infer", json={"inputs": [edges]}, headers=world.auth()
+        )
+        assert response.status_code == 200, response.text
+        assert worker.last_request is not None
+        assert worker.last_request["inputs"][0]["data"] == edges  # exact, not rounded
+        await worker.stop()
+
+    api_run(world, body)
+
+
 def test_check_inputs_takes_ints_and_floats_alike() -> None:
     from controlplane.api.errors import ApiError
     from controlplane.api.routes.infer import check_inputs

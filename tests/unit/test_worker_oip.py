@@ -173,6 +173,24 @@ def test_integer_and_bool_inputs_take_only_their_values() -> None:
     assert "input 'small'" in str(refusal(document([True, True], [2**70]), signature))
 
 
+def test_an_integer_past_64_bits_read_as_a_float_is_out_of_range() -> None:
+    """orjson (the service's JSON reader) gives an integer past 64 bits as a float: refused
+    as past the datatype's range, not as "must be integers"."""
+    import orjson
+
+    signature = ModelSignature(
+        (TensorSpec("ids", "INT64", (-1, 2)),), (TensorSpec("out", "FP32", (-1,)),)
+    )
+    data = orjson.loads(b"[1, -9223372036854775809]")
+    assert isinstance(data[1], float)
+    document = {"inputs": [tensor("ids", [1, 2], data, "INT64")]}
+    message = str(refusal(document, signature))
+    assert "outside INT64's -9223372036854775808..9223372036854775807" in message
+    # A fraction is still no integer.
+    document = {"inputs": [tensor("ids", [1, 2], [1, 2.5], "INT64")]}
+    assert "must be integers" in str(refusal(document, signature))
+
+
 def test_uint64_takes_its_whole_range_beside_small_integers() -> None:
     """numpy reads [1, 2**63] as floats (no signed 64-bit integer holds both): the values are
     still UINT64's, to its top, and refused past it or beside a fraction or a negative."""

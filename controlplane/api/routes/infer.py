@@ -182,11 +182,19 @@ def check_inputs(app: str, io: ModelIO, inputs: list[list[float]]) -> list[list[
             rows.append(row)
             continue
         for j, v in enumerate(row):
-            # JSON integers reach here as int (the fast path), others as float (the route).
-            if not ((type(v) is int or v.is_integer()) and low <= v <= high):
+            # JSON integers reach here as int, others as float; a float past 2**53 is no exact
+            # integer (orjson reads an integer past 64 bits as one: -2**63 - 1 became -2**63).
+            if not (
+                (type(v) is int or (v.is_integer() and abs(v) < _EXACT_FLOAT_INT))
+                and low <= v <= high
+            ):
                 raise _invalid(f"{v:g} is not a {spec.datatype} value ({low}..{high})", i, j)
         rows.append([bool(v) for v in row] if kind == "b" else [int(v) for v in row])
     return rows
+
+
+# Every integer below it in magnitude is a float exactly; past it, a float stands for several.
+_EXACT_FLOAT_INT = 2**53
 
 
 def _int_range(dtype: np.dtype[Any]) -> tuple[int, int]:
