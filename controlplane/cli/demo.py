@@ -26,6 +26,8 @@ from controlplane.cli.parsers import (
     DEMO_OFFLINE_DURATION_S,
     DEMO_OFFLINE_PROFILES,
     DEMO_OFFLINE_SEED,
+    DEMO_PROFILE_SAMPLES,
+    DEMO_RATE_QPS,
 )
 from controlplane.cli.serve import (
     SERVE_LOGGER,
@@ -68,6 +70,21 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--down and --offline: choose one (the offline demo runs no workers)")
         return _down(args)
     if args.offline:
+        served = [
+            flag
+            for flag, given in (
+                ("--host", args.host is not None),
+                ("--port", args.port is not None),
+                ("--rate-qps", args.rate_qps is not None),
+                ("--no-load", args.no_load),
+                ("--profile-samples", args.profile_samples is not None),
+            )
+            if given
+        ]
+        if served:
+            raise UsageError(
+                f"{', '.join(served)}: not with --offline (the estimator demo runs no service)"
+            )
         if args.profiles is None:
             args.profiles = DEMO_OFFLINE_PROFILES
         if args.duration is None:
@@ -117,13 +134,15 @@ def _serve(args: argparse.Namespace) -> int:
             held.close()
         # The family and its profiles first: the local provisioner hands the profiles to the
         # workers it launches, so they must be there when the service is built.
-        family = prepare_family(settings.data_dir, args.profile_samples, progress)
+        samples = DEMO_PROFILE_SAMPLES if args.profile_samples is None else args.profile_samples
+        family = prepare_family(settings.data_dir, samples, progress)
         service, loops = build_served(settings, sock, args.config, args.log_level)
     except BaseException:
         sock.close()
         raise
     try:
-        state = prepare_demo(service, args.rate_qps, progress, family=family)
+        rate = DEMO_RATE_QPS if args.rate_qps is None else args.rate_qps
+        state = prepare_demo(service, rate, progress, family=family)
     except BaseException as error:
         if loops is not None:
             loops.stop()

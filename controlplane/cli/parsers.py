@@ -300,7 +300,6 @@ def _demo(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--rate-qps",
         type=rate_qps,
-        default=DEMO_RATE_QPS,
         metavar="R",
         help=f"the rate the first plan is made for (default {DEMO_RATE_QPS:g} qps)",
     )
@@ -321,10 +320,9 @@ def _demo(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--profile-samples",
         type=count,
-        default=DEMO_PROFILE_SAMPLES,
         metavar="N",
         help="timed calls per model, instance type and batch size when the family's profiles are"
-        " measured through the workers (once per data directory; default %(default)s)",
+        f" measured through the workers (once per data directory; default {DEMO_PROFILE_SAMPLES})",
     )
     parser.add_argument(
         "--log-level", choices=LOG_LEVELS, default="warning", help="log level (default warning)"

@@ -415,6 +415,12 @@ def test_options_that_would_be_ignored_are_refused(
     assert error.endswith("--at 100 is not before the trace's end (--duration 10): the step would"
                           " never happen")  # fmt: skip
     assert not (tmp_path / "never.csv").exists()
+    # The estimator demo runs no service: the service's options did nothing there.
+    error = one_line_error(capsys, ["demo", "--offline", "--rate-qps", "5", "--no-load"])
+    assert error.endswith("--rate-qps, --no-load: not with --offline (the estimator demo runs no"
+                          " service)")  # fmt: skip
+    error = one_line_error(capsys, ["demo", "--offline", "--port", "9"])
+    assert "--port: not with --offline" in error
 
 
 def _app_spec(tmp_path: Path, extra: str = "", slo: str = "{latency_ms: 100}") -> Path:
