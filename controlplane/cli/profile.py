@@ -84,8 +84,11 @@ def _emulated(text: str | None, catalog: Catalog) -> list[InstanceType]:
     names = [part.strip() for part in text.split(",")]
     if any(not name for name in names):
         raise UsageError(f"--instance-types {text!r}: expected type names separated by commas")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:  # as --batch-sizes refuses a size repeated
+        raise UsageError(f"--instance-types: {', '.join(twice)} given twice; name each type once")
     types = []
-    for name in dict.fromkeys(names):
+    for name in names:
         if name == profiler.REFERENCE_TYPE:
             continue  # always measured
         itype = catalog[name]  # UnknownInstanceTypeError lists the known names

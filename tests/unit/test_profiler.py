@@ -280,6 +280,7 @@ def test_measure_takes_chosen_types_and_a_catalog(
         (["--samples", "0"], "--samples must be >= 1"),
         (["--instance-types", "emu.nope"], "emu.nope"),
         (["--instance-types", "g4dn.xlarge"], "real instance type"),
+        (["--instance-types", "emu.gpu,emu.gpu"], "--instance-types: emu.gpu given twice"),
     ],
 )
 def test_measure_refuses_bad_input(
