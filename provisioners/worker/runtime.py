@@ -439,10 +439,16 @@ def _named(outputs: tuple[TensorSpec, ...], raw: bytes | str, path: Path) -> tup
                 f"{path.name}: {SIGNATURE_FILE}: 'outputs' must list named entries"
             )
         names.append(name)
-    if len(names) != len(outputs) or len(set(names)) != len(names):
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
         raise ModelLoadError(
-            f"{path.name}: {SIGNATURE_FILE} names {len(names)} distinct outputs; the model"
-            f" returns {len(outputs)}"
+            f"{path.name}: {SIGNATURE_FILE} names output {', '.join(map(repr, twice))} more than"
+            " once; each output needs a name of its own"
+        )
+    if len(names) != len(outputs):
+        raise ModelLoadError(
+            f"{path.name}: {SIGNATURE_FILE} names {len(names)} outputs; the model returns"
+            f" {len(outputs)}"
         )
     return tuple(
         TensorSpec(name, spec.datatype, spec.shape)

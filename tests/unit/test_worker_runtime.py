@@ -148,6 +148,21 @@ def test_torchscript_outputs_are_named_by_position_or_by_key(tmp_path: Path) -> 
     ]
 
 
+def test_output_names_in_the_signature_file_each_once_and_as_many_as_the_outputs(
+    tmp_path: Path,
+) -> None:
+    # It said "names 2 distinct outputs; the model returns 2" of two outputs named alike.
+    inputs = [INPUT, {"name": "mask", "datatype": "BOOL", "shape": [-1]}]
+    twice = {"inputs": inputs, "outputs": [{"name": "logits"}, {"name": "logits"}]}
+    path = export_torchscript(TwoHeads(), tmp_path / "twice.pt", signature=twice)
+    with pytest.raises(ModelLoadError, match="names output 'logits' more than once"):
+        load_runtime(path)
+    three = {"inputs": inputs, "outputs": [{"name": "a"}, {"name": "b"}, {"name": "c"}]}
+    path = export_torchscript(TwoHeads(), tmp_path / "three.pt", signature=three)
+    with pytest.raises(ModelLoadError, match="names 3 outputs; the model returns 2"):
+        load_runtime(path)
+
+
 def test_models_without_a_dynamic_batch_dimension_are_refused(
     files: dict[str, Path], tmp_path: Path
 ) -> None:
