@@ -43,6 +43,7 @@ from controlplane.policies.replay import (
     parse_plan,
     read_plan,
     replay,
+    reporting_ticks,
     tail_ms,
 )
 from controlplane.policies.sizing import SizingLadder
@@ -248,17 +249,18 @@ def run(args: argparse.Namespace) -> int:
                 "missing_instance_s": log.missing_instance_s,
             }
     else:
-        result = replay(
-            trace,
-            app,
-            plan,
-            np.random.default_rng(args.seed),
-            policy=policy,
-            planning_arrival_s=None if planning is None or made else planning.arrival_s,
-            dispatch=args.dispatch,
-            admission=not args.no_admission,
-            **sizing,
-        )
+        with reporting_ticks(progress):  # a tick a second: long on a trace spanning days
+            result = replay(
+                trace,
+                app,
+                plan,
+                np.random.default_rng(args.seed),
+                policy=policy,
+                planning_arrival_s=None if planning is None or made else planning.arrival_s,
+                dispatch=args.dispatch,
+                admission=not args.no_admission,
+                **sizing,
+            )
     data = result.to_document()
     data["interruptions"] = interruptions
     data["policy"] = label

@@ -30,7 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -604,10 +607,47 @@ def _boot_s(
     return boot
 
 
-def _ticks(end_s: float, step_s: float) -> NDArray[np.float64]:
+# Called at each tick of a replay's policy with (the tick's time, the trace's end), while
+# :func:`reporting_ticks` is open (the command line's progress on a long replay).
+_tick_hook: ContextVar[Callable[[float, float], None] | None] = ContextVar(
+    "replay_tick_hook", default=None
+)
+
+
+def _ticks(end_s: float, step_s: float) -> Iterator[float]:
+    """The policy's ticks over a trace ending at ``end_s``: every ``step_s`` from ``step_s``."""
     count = max(1, math.ceil(end_s / step_s))
-    ticks: NDArray[np.float64] = step_s * np.arange(1, count + 1, dtype=np.float64)
-    return ticks
+    ticks = step_s * np.arange(1, count + 1, dtype=np.float64)
+    hook = _tick_hook.get()
+    for tick in ticks.tolist():
+        if hook is not None:
+            hook(tick, float(ticks[-1]))
+        yield tick
+
+
+@contextmanager
+def reporting_ticks(say: Callable[[str], None], every_s: float = 10.0) -> Iterator[None]:
+    """While open, a replay's policy that has ticked for ``every_s`` of wall time or more says,
+    through ``say`` and at most once every ``every_s``, how far into the trace it is: its time
+    grows with the trace's span (a tick a second), not its queries, and a sparse trace of a week
+    ran for minutes without a word."""
+    started = time.monotonic()
+    last = [started]
+
+    def hook(tick_s: float, end_s: float) -> None:
+        now = time.monotonic()
+        if now - last[0] >= every_s:
+            last[0] = now
+            say(
+                f"replay: {tick_s:,.0f} of {end_s:,.0f} s of the trace"
+                f" ({100.0 * tick_s / end_s:.0f}%, {now - started:.0f} s so far)"
+            )
+
+    token = _tick_hook.set(hook)
+    try:
+        yield
+    finally:
+        _tick_hook.reset(token)
 
 
 # --- the tuner -------------------------------------------------------------------------------
@@ -838,7 +878,7 @@ def utilization_timeline(
     arrivals = trace.arrival_s
     budget = app.constraints.budget_usd_per_hr
     last_change_s = -math.inf
-    for now_s in (float(t) for t in _ticks(float(arrivals[-1]), cfg.period_s)):
+    for now_s in _ticks(float(arrivals[-1]), cfg.period_s):
         if now_s - last_change_s < cfg.cooldown_s:
             continue
         lo, hi = np.searchsorted(arrivals, [now_s - cfg.lookback_s, now_s], side="right")
@@ -1596,7 +1636,7 @@ def cascade_tuner_timelines(
 
     for i in active:
         note_cap(i, 0.0)
-    for now_s in (float(t) for t in _ticks(float(trace.arrival_s[-1]), TUNER_TICK_S)):
+    for now_s in _ticks(float(trace.arrival_s[-1]), TUNER_TICK_S):
         cost = costs()
         alone: dict[int, tuple[float, list[ScalingDecision], TunerState]] = {}
         deficit: dict[int, float] = {}

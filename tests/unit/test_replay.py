@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from controlplane.policies.replay import (
     rate_per_instance_qps,
     replay,
     replay_timeline,
+    reporting_ticks,
     tuner_timeline,
     utilization_timeline,
 )
@@ -394,6 +396,21 @@ def test_one_stage_of_a_cascade_is_no_plan_of_it(tmp_path: Path, name: str) -> N
     plan = parse_plan(plan_document({CPU: 1}, name=name))
     with pytest.raises(ReplayError, match=r"not the spec's serving order \(cheap, large\)"):
         check_plan(plan, app)
+
+
+def test_a_long_replay_says_how_far_into_the_trace_it_is(tmp_path: Path) -> None:
+    # A tick a second whatever the queries: a sparse trace of a week ran minutes without a word.
+    app = app_of(tmp_path)
+    trace = trace_of(step_profile(5.0, 5.0, 30.0), 60.0)
+    said: list[str] = []
+    with reporting_ticks(said.append, every_s=0.0):  # every tick, for the test
+        utilization_timeline(trace, app, check_plan(one_gpu(), app))
+    end = f"{math.ceil(trace.arrival_s[-1]):,}"
+    assert said and all(f"of {end} s of the trace" in line for line in said)
+    assert "(100%," in said[-1]
+    said.clear()
+    utilization_timeline(trace, app, check_plan(one_gpu(), app))
+    assert said == []  # outside it, nothing
 
 
 # --- the utilisation autoscaler --------------------------------------------------------------
