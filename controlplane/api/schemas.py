@@ -36,6 +36,7 @@ from controlplane.spec import (
 
 __all__ = [
     "DEFAULT_TRACE_QUERIES",
+    "EXACT_FLOAT_INT",
     "MAX_BUDGET_USD_PER_HR",
     "MAX_INFER_SAMPLES",
     "MAX_RATE_QPS",
@@ -565,10 +566,14 @@ _MAX_LATENCY_MS = MAX_SLO_LATENCY_MS
 
 # A sample's values: what they must be depends on the app (checked by the route against its
 # models' input: the demo family's 64 pixels in 0..16, or a model's first input, flattened).
+# Every integer below it in magnitude is a float exactly; past it, a float stands for several.
+EXACT_FLOAT_INT = 2**53
+
+
 def _exact_large_int(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-    """A JSON integer past 2**53 as it is: as a float it would round (-2**63 - 1 to -2**63)
-    and pass the route's range check of an INT64 or UINT64 input."""
-    if type(value) is int and abs(value) > 2**53:
+    """A JSON integer past :data:`EXACT_FLOAT_INT` as it is: as a float it would round
+    (-2**63 - 1 to -2**63) and pass the route's range check of an INT64 or UINT64 input."""
+    if type(value) is int and abs(value) > EXACT_FLOAT_INT:
         return value
     return handler(value)
 

@@ -100,8 +100,10 @@ def http_probe(port: int, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -> Probe:
 
 @dataclass
 class _Seen:
-    launched_s: float | None  # the provider's launch time (epoch seconds), when it says
-    first_s: float  # when this process first saw it running
+    # Its boot's start (epoch seconds): the provider's launch time, else when this process
+    # first saw it running (``launched``: which of the two).
+    since_s: float
+    launched: bool
     probed_s: float | None = None  # its last finished probe
     answered: bool = False  # it answered once (in this process)
     failures: int = 0  # unanswered probes in a row
@@ -146,7 +148,8 @@ class Liveness:
         for pid, instance in running.items():
             if pid not in self._seen:
                 launched = instance.launched_at
-                self._seen[pid] = _Seen(None if launched is None else launched.timestamp(), now_s)
+                since_s = now_s if launched is None else launched.timestamp()
+                self._seen[pid] = _Seen(since_s, launched is not None)
         if self.background:
             if self._round is not None and self._round.done():
                 self._fold(self._round.started_s, self._round.answers)
@@ -180,10 +183,7 @@ class Liveness:
     def _booting(self, seen: _Seen, now_s: float) -> bool:
         """Whether ``seen`` may still be booting: never answered, launched (or, the launch
         time unknown, first seen) less than ``never_after_s`` ago."""
-        if seen.answered:
-            return False
-        since_s = seen.launched_s if seen.launched_s is not None else seen.first_s
-        return now_s - since_s < self.never_after_s
+        return not seen.answered and now_s - seen.since_s < self.never_after_s
 
     def _verdicts(self, now_s: float) -> dict[str, str]:
         # The share is of the workers past their boot: new ones are silent as a rule.
@@ -221,9 +221,9 @@ class Liveness:
         if self._booting(seen, now_s):
             return None  # as far as anyone can tell
         said = f"its worker has not answered /health for {silent_s:.0f} s ({seen.failures} probes)"
-        if seen.answered or seen.launched_s is None:
+        if seen.answered or not seen.launched:
             return said
-        return f"{said}, nor once since its launch {now_s - seen.launched_s:.0f} s ago"
+        return f"{said}, nor once since its launch {now_s - seen.since_s:.0f} s ago"
 
     def silent(self) -> set[str]:
         """The workers whose last probe went unanswered (rule 5 ends them first when the fleet

@@ -220,11 +220,7 @@ class _Evaluator:
     def _simulate(self, fleet: dict[str, int], batch: int) -> tuple[float, float, DispatchName]:
         deadline.check()  # a bounded preview stops between simulations
         name, stage = _simulated_stage(self.inputs, fleet, batch, self.trace.batch_size)
-        capacity_qps = sum(
-            n * rate_per_instance_qps(self.inputs.profiles[t], self.trace.batch_size, batch)
-            for t, n in fleet.items()
-            if n
-        )
+        capacity_qps = _capacity_qps(self.inputs, self.trace.batch_size, fleet, batch)
         if capacity_qps <= _rate_qps(self.trace):
             # Unstable: its queue grows without bound, however long the trace. A short one (a
             # high rate's 5,000 queries last a fraction of a second) ends before the queue has
@@ -1017,12 +1013,18 @@ def _stage_rate_qps(setup: _Setup, i: int, trace: Trace) -> float:
 def _stable(setup: _Setup, i: int, trace: Trace, fleet: Mapping[str, int], batch: int) -> bool:
     """Whether stage ``i``'s fleet serves at least its share of the trace's mean rate (an
     unstable stage's queue grows without bound: no need to simulate it)."""
-    inputs = setup.stages[i]
     sizes = setup.stage_trace(i, trace).batch_size
-    capacity = sum(
-        n * rate_per_instance_qps(inputs.profiles[t], sizes, batch) for t, n in fleet.items()
+    return _capacity_qps(setup.stages[i], sizes, fleet, batch) > _stage_rate_qps(setup, i, trace)
+
+
+def _capacity_qps(
+    inputs: _StageInputs, sizes: NDArray[np.int64], fleet: Mapping[str, int], batch: int
+) -> float:
+    """The most queries a second ``fleet`` serves at ``batch`` on the batch mix ``sizes``: the
+    sum of its instances' rates (an upper bound, every batch full)."""
+    return sum(
+        n * rate_per_instance_qps(inputs.profiles[t], sizes, batch) for t, n in fleet.items() if n
     )
-    return capacity > _stage_rate_qps(setup, i, trace)
 
 
 def _stage_options(

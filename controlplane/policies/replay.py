@@ -617,11 +617,13 @@ _tick_hook: ContextVar[Callable[[float, float], None] | None] = ContextVar(
 def _ticks(end_s: float, step_s: float) -> Iterator[float]:
     """The policy's ticks over a trace ending at ``end_s``: every ``step_s`` from ``step_s``."""
     count = max(1, math.ceil(end_s / step_s))
-    ticks = step_s * np.arange(1, count + 1, dtype=np.float64)
+    ticks: list[float] = (step_s * np.arange(1, count + 1, dtype=np.float64)).tolist()
     hook = _tick_hook.get()
-    for tick in ticks.tolist():
-        if hook is not None:
-            hook(tick, float(ticks[-1]))
+    if hook is None:
+        yield from ticks
+        return
+    for tick in ticks:
+        hook(tick, ticks[-1])
         yield tick
 
 

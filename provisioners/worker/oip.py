@@ -344,18 +344,11 @@ def tensor_values(data: list[Any] | np.ndarray, spec: TensorSpec) -> np.ndarray:
     elif kind in "iu":
         if raw.dtype.kind == "f" and isinstance(data, list):
             raw = _integers_past_int64(data, raw, spec)
-        limits = np.iinfo(dtype)
-        if raw.dtype.kind == "f" and isinstance(data, list) and _past_64_bits(raw, kind):
-            # A JSON integer past 64 bits, which a JSON reader (orjson) gave as a float.
-            raise OipError(
-                f"input {name!r}: a value lies outside {spec.datatype}'s {limits.min}..{limits.max}"
-            )
         if raw.dtype.kind not in "iu" or (isinstance(data, list) and _holds_bool(data)):
             raise OipError(f"input {name!r}: {spec.datatype} data must be integers")
+        limits = np.iinfo(dtype)
         if not np.can_cast(raw.dtype, dtype) and (raw.min() < limits.min or raw.max() > limits.max):
-            raise OipError(
-                f"input {name!r}: a value lies outside {spec.datatype}'s {limits.min}..{limits.max}"
-            )
+            raise _outside(spec)
     else:
         if raw.dtype.kind == "b" or (isinstance(data, list) and _holds_bool(data)):
             raise OipError(f"input {name!r}: {spec.datatype} data must be numbers")
@@ -373,29 +366,29 @@ def tensor_values(data: list[Any] | np.ndarray, spec: TensorSpec) -> np.ndarray:
     return raw.astype(dtype).reshape(-1)
 
 
-def _past_64_bits(raw: np.ndarray, kind: str) -> bool:
-    """Whether float values ``raw`` are whole numbers one of which no 64-bit integer of
-    ``kind`` (signed ``i``, unsigned ``u``) holds: -2**63 too, which an integer just past it
-    rounds to as a float (a JSON reader gives an exact -2**63 as an integer)."""
-    if not (np.isfinite(raw).all() and (raw == np.floor(raw)).all()):
-        return False
-    top = 2.0**64 if kind == "u" else 2.0**63
-    return bool(raw.max() >= top or raw.min() <= -(2.0**63))
+def _outside(spec: TensorSpec) -> OipError:
+    limits = np.iinfo(spec.dtype)
+    return OipError(
+        f"input {spec.name!r}: a value lies outside {spec.datatype}'s {limits.min}..{limits.max}"
+    )
 
 
 def _integers_past_int64(data: list[Any], raw: np.ndarray, spec: TensorSpec) -> np.ndarray:
-    """JSON integers of 2**63 and more beside smaller ones, which numpy reads as floats (64 bits
-    would not hold them all as signed integers), as UINT64 when they fit it; ``raw`` itself
-    when they are not all integers (the caller's error then says so)."""
+    """Integers an integer input was given that numpy read as floats (``raw``): JSON integers
+    of 2**63 and more beside smaller ones (64 bits would not hold them all as signed integers),
+    as UINT64 when they fit it; ``raw`` itself when they are not all integers (the caller's
+    error then says so), unless they are whole floats past 64 bits (and -2**63, which an integer
+    just past it rounds to: a JSON reader gives an exact -2**63 as an integer), which orjson
+    gives for a JSON integer past 64 bits."""
     values = np.asarray(data, dtype=object).reshape(-1)
     if not all(type(value) is int for value in values):  # a float, or a bool among them
+        whole = np.isfinite(raw).all() and (raw == np.floor(raw)).all()
+        top = 2.0**64 if spec.dtype.kind == "u" else 2.0**63
+        if whole and (raw.max() >= top or raw.min() <= -(2.0**63)):
+            raise _outside(spec)
         return raw
     if min(values) < 0 or max(values) > np.iinfo(np.uint64).max:
-        limits = np.iinfo(spec.dtype)
-        raise OipError(
-            f"input {spec.name!r}: a value lies outside {spec.datatype}'s"
-            f" {limits.min}..{limits.max}"
-        )
+        raise _outside(spec)
     return np.asarray(values.tolist(), dtype=np.uint64).reshape(raw.shape)
 
 

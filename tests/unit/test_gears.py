@@ -680,15 +680,17 @@ def test_switching_in_the_simulator_keeps_the_hysteresis(plan: GearPlan) -> None
     assert run(PAPER) > 5
 
 
+def _option(accuracy: float, max_qps: float) -> SimpleNamespace:
+    """What :func:`_split_first` and :func:`_gear` read of a gear option."""
+    return SimpleNamespace(quality=SimpleNamespace(accuracy=accuracy), max_qps=max_qps)
+
+
 def test_the_first_range_goes_to_a_more_accurate_cascade_where_it_sustains_the_load() -> None:
     """Equal ranges of [0, q_max] with a fast cascade's q_max far above the accurate cascades'
     r*: the first range is split at their r*, so the lowest loads get the most accurate one that
     sustains them, where every range went to the fast, least accurate cascade."""
 
-    def option(accuracy: float, max_qps: float) -> SimpleNamespace:
-        return SimpleNamespace(quality=SimpleNamespace(accuracy=accuracy), max_qps=max_qps)
-
-    fast, middle, best = option(0.70, 2293.0), option(0.90, 120.0), option(1.00, 36.0)
+    fast, middle, best = _option(0.70, 2293.0), _option(0.90, 120.0), _option(1.00, 36.0)
     options = [fast, middle, best]
     top = 2293.0
     equal = tuple(Gear(top * k / 8, top * (k + 1) / 8, 0, True) for k in range(8))
@@ -709,10 +711,7 @@ def test_a_qps_max_past_every_cascade_leaves_the_loads_they_sustain_within_the_s
     [0, 1.25e8), its gear the fastest, not meeting the SLO, so from 0 q/s the plan said no
     gear met it."""
 
-    def option(accuracy: float, max_qps: float) -> SimpleNamespace:
-        return SimpleNamespace(quality=SimpleNamespace(accuracy=accuracy), max_qps=max_qps)
-
-    fast, accurate = option(0.90, 8645.3), option(0.97, 900.0)
+    fast, accurate = _option(0.90, 8645.3), _option(0.97, 900.0)
     options = [fast, accurate]
     top = 1e9
     ranges = tuple(

@@ -46,6 +46,11 @@ class Answers:
         return worker.provider_id not in self.silent
 
 
+def three() -> list[ProvisionedInstance]:
+    """Workers a, b and c, long running (one silent of three is no mass silence)."""
+    return [instance("a"), instance("b"), instance("c")]
+
+
 def waiting(answers: Answers, **limits: float) -> Liveness:
     """A liveness that probes as it checks (the reconciler's probes in the background)."""
     return Liveness(answers, background=False, **{"never_after_s": 600.0, **limits})
@@ -66,7 +71,7 @@ def every_5_s(
 def test_a_worker_that_answered_is_unresponsive_after_a_minute_of_silence() -> None:
     answers = Answers()
     liveness = waiting(answers, after_s=60.0)
-    workers = [instance("a"), instance("b"), instance("c")]
+    workers = three()
     assert every_5_s(liveness, workers, 0.0, 20.0) == {}
     answers.silent.add("a")
     assert every_5_s(liveness, workers, 25.0, 80.0) == {}  # silent for 55 s
@@ -83,7 +88,7 @@ def test_a_worker_that_answered_is_unresponsive_after_a_minute_of_silence() -> N
 def test_one_missed_probe_is_never_a_death_whatever_the_setting() -> None:
     answers = Answers()
     liveness = waiting(answers, after_s=0.5)
-    workers = [instance("a"), instance("b"), instance("c")]
+    workers = three()
     liveness.check(workers, at(0.0))
     answers.silent.add("a")
     assert liveness.check(workers, at(5.0)) == {}
@@ -96,7 +101,7 @@ def test_a_gap_in_the_probes_starts_the_silence_afresh() -> None:
     # meanwhile: one failed probe after the gap says nothing of the time in between.
     answers = Answers()
     liveness = waiting(answers, after_s=60.0)
-    workers = [instance("a"), instance("b"), instance("c")]
+    workers = three()
     liveness.check(workers, at(0.0))
     answers.silent.add("a")
     assert every_5_s(liveness, workers, 600.0, 650.0) == {}

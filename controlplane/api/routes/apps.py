@@ -159,17 +159,17 @@ def _check_types_in_use(services: Services, app: str, types: list[str]) -> None:
     plan = services.store.get_applied_plan(app)
     planned = set() if plan is None else {t for t, n in plan.plan.fleet.items() if n > 0}
     live = [i.instance_type for i in services.store.list_instances(app, LIVE_STATES)]
-    dropped = sorted((planned | set(live)) - set(types))
+    dropped = (planned | set(live)) - set(types)
     if not dropped:
         return
     uses = []
-    if plan is not None and planned & set(dropped):
+    if plan is not None and planned & dropped:
         uses.append(f"its applied plan {plan.id}")
     count = sum(1 for t in live if t in dropped)
     if count:
         uses.append(f"{count} live instance(s)")
-    names = ", ".join(dropped)
-    caps = ", ".join(f"{t}: 0" for t in dropped)
+    names = ", ".join(sorted(dropped))
+    caps = ", ".join(f"{t}: 0" for t in sorted(dropped))
     raise ApiError(
         409,
         "conflict",

@@ -34,6 +34,7 @@ from controlplane.api.deps import Inferrer, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
 from controlplane.api.routes import AppName, errors
 from controlplane.api.schemas import (
+    EXACT_FLOAT_INT,
     INFER_FEATURES,
     INFER_PIXEL_MAX,
     InferIn,
@@ -185,16 +186,12 @@ def check_inputs(app: str, io: ModelIO, inputs: list[list[float]]) -> list[list[
             # JSON integers reach here as int, others as float; a float past 2**53 is no exact
             # integer (orjson reads an integer past 64 bits as one: -2**63 - 1 became -2**63).
             if not (
-                (type(v) is int or (v.is_integer() and abs(v) < _EXACT_FLOAT_INT))
+                (type(v) is int or (v.is_integer() and abs(v) < EXACT_FLOAT_INT))
                 and low <= v <= high
             ):
                 raise _invalid(f"{v:g} is not a {spec.datatype} value ({low}..{high})", i, j)
         rows.append([bool(v) for v in row] if kind == "b" else [int(v) for v in row])
     return rows
-
-
-# Every integer below it in magnitude is a float exactly; past it, a float stands for several.
-_EXACT_FLOAT_INT = 2**53
 
 
 def _int_range(dtype: np.dtype[Any]) -> tuple[int, int]:
