@@ -82,6 +82,8 @@ import argparse
 import itertools
 import json
 import math
+import multiprocessing.util
+import os
 import sys
 import tempfile
 import time
@@ -461,7 +463,20 @@ class ModelSetup:
 
 
 _SETUPS: dict[tuple[str, bool], ModelSetup] = {}
-_FOLDER: list[tempfile.TemporaryDirectory[str]] = []
+_FOLDERS: dict[int, tempfile.TemporaryDirectory[str]] = {}
+
+
+def cascade_folder() -> Path:
+    """The process's folder for the cascade's files, removed when the process ends (a forked
+    ``--jobs`` worker makes its own: its parent's is its parent's to remove)."""
+    pid = os.getpid()
+    if pid not in _FOLDERS:
+        folder = tempfile.TemporaryDirectory(prefix="heldout-cascade-")
+        _FOLDERS[pid] = folder
+        # A --jobs worker ends with os._exit, past atexit and so past the folder's own
+        # finalizer: multiprocessing's exit hooks still run, so the folder goes with it.
+        multiprocessing.util.Finalize(None, folder.cleanup, exitpriority=0)
+    return Path(_FOLDERS[pid].name)
 
 
 def model_setup(model: str, quick: bool) -> ModelSetup:
@@ -471,9 +486,7 @@ def model_setup(model: str, quick: bool) -> ModelSetup:
         return _SETUPS[key]
     started = time.perf_counter()
     if model == CASCADE:
-        if not _FOLDER:
-            _FOLDER.append(tempfile.TemporaryDirectory(prefix="heldout-cascade-"))
-        app = cascade_app(Path(_FOLDER[0].name))
+        app = cascade_app(cascade_folder())
         batch_size = _single_queries
     elif model in KAIROS_MODELS:
         app = kairos_app(model)

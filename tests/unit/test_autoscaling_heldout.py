@@ -4,6 +4,8 @@ sets, each family the shape it claims) and the rows (ratios, goals, summary) on 
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -177,3 +179,16 @@ def test_a_tiny_case_runs_every_policy(monkeypatch: pytest.MonkeyPatch) -> None:
         )
     assert p["static"]["scaling_actions"] == 0
     assert row["queries"] > 0 and row["tuner_model"] == "ladder"
+
+
+def _cascade_folder_in_worker() -> str:
+    folder = h.cascade_folder()
+    (folder / "profiles.json").write_text("{}")
+    return str(folder)
+
+
+def test_a_jobs_worker_removes_its_cascade_folder_when_it_ends() -> None:
+    with ProcessPoolExecutor(max_workers=1) as pool:
+        folder = Path(pool.submit(_cascade_folder_in_worker).result())
+        assert folder.is_dir()
+    assert not folder.exists()
