@@ -614,17 +614,61 @@ _tick_hook: ContextVar[Callable[[float, float], None] | None] = ContextVar(
 )
 
 
-def _ticks(end_s: float, step_s: float) -> Iterator[float]:
+class _Ticks:
+    """The policy's ticks over a trace ending at ``end_s``: every ``step_s`` from ``step_s``
+    (tick k at ``step_s * k``), the ticks of a span the policy is at rest in skipped
+    (:meth:`skip_to`)."""
+
+    def __init__(self, end_s: float, step_s: float) -> None:
+        self._step_s = step_s
+        self._count = max(1, math.ceil(end_s / step_s))
+        self._last_s = step_s * self._count
+        self._k = 1
+        self._hook = _tick_hook.get()
+
+    def __iter__(self) -> Iterator[float]:
+        while self._k <= self._count:
+            tick = float(self._step_s * np.float64(self._k))
+            self._k += 1
+            if self._hook is not None:
+                self._hook(tick, self._last_s)
+            yield tick
+
+    def skip_to(self, t_s: float) -> None:
+        """Go on from the first tick at or after ``t_s`` (the ticks before it are skipped)."""
+        k = math.ceil(t_s / self._step_s) if math.isfinite(t_s) else self._count + 1
+        while k > 1 and self._step_s * np.float64(k - 1) >= t_s:
+            k -= 1
+        while self._step_s * np.float64(k) < t_s:
+            k += 1
+        self._k = max(self._k, k)
+
+
+def _ticks(end_s: float, step_s: float) -> _Ticks:
     """The policy's ticks over a trace ending at ``end_s``: every ``step_s`` from ``step_s``."""
-    count = max(1, math.ceil(end_s / step_s))
-    ticks: list[float] = (step_s * np.arange(1, count + 1, dtype=np.float64)).tolist()
-    hook = _tick_hook.get()
-    if hook is None:
-        yield from ticks
-        return
-    for tick in ticks:
-        hook(tick, ticks[-1])
-        yield tick
+    return _Ticks(end_s, step_s)
+
+
+def _at_rest(
+    before: TunerState,
+    after: TunerState,
+    decisions: Sequence[ScalingDecision],
+    window_empty: bool,
+    now_s: float,
+    config: TunerConfig,
+) -> bool:
+    """Whether a tuner's tick at ``now_s`` that saw no arrivals (``window_empty``) left it where
+    every later tick until the next arrival leaves it too: nothing decided, nothing changed,
+    nothing booting, and past the waits after which a tick may scale down (so a later tick with
+    no arrivals weighs the same fleet on the same nothing). A replay skips such a span's ticks:
+    a sparse trace of a week ticked 604,800 times, most of them at rest."""
+    if decisions or not window_empty or after != before:
+        return False
+    if any(boot.ready_at_s > now_s for boot in after.booting):
+        return False
+    quiet_s = math.inf if after.last_change_s is None else now_s - after.last_change_s
+    watched_s = math.inf if after.started_s is None else now_s - after.started_s
+    return quiet_s >= config.scale_down_delay_s and watched_s >= config.windows_s[-1]
 
 
 @contextmanager
@@ -794,9 +838,13 @@ def _roll_tuner(
     arrivals = trace.arrival_s
     caps: list[tuple[float, int]] = []
     _note_batch(caps, batch_size, plan, state, arrivals, 0.0, config)
-    for now_s in _ticks(float(arrivals[-1]), TUNER_TICK_S):
+    ticks = _ticks(float(arrivals[-1]), TUNER_TICK_S)
+    for now_s in ticks:
         lo, hi = np.searchsorted(arrivals, [now_s - config.recent_s, now_s], side="right")
+        before = state
         decisions, state = tune(arrivals[lo:hi], float(now_s), state, [plan], config)
+        if _at_rest(before, state, decisions, lo == hi, now_s, config):
+            ticks.skip_to(float(arrivals[hi]) if hi < arrivals.size else math.inf)
         for d in decisions:
             if d.action == "scale_up":
                 log.launch(d.instance_type, d.count, d.at_s)
@@ -1464,6 +1512,11 @@ class _StageTuner:
         window: NDArray[np.float64] = self.arrival_s[lo:hi]
         return window
 
+    def next_arrival_s(self, now_s: float) -> float:
+        """The first arrival after ``now_s`` (infinity: none)."""
+        at = int(np.searchsorted(self.arrival_s, now_s, "right"))
+        return float(self.arrival_s[at]) if at < self.arrival_s.size else math.inf
+
     def run(
         self, now_s: float, budget_usd_per_hr: float
     ) -> tuple[list[ScalingDecision], TunerState]:
@@ -1638,7 +1691,9 @@ def cascade_tuner_timelines(
 
     for i in active:
         note_cap(i, 0.0)
-    for now_s in _ticks(float(trace.arrival_s[-1]), TUNER_TICK_S):
+    ticks = _ticks(float(trace.arrival_s[-1]), TUNER_TICK_S)
+    for now_s in ticks:
+        rested = True
         cost = costs()
         alone: dict[int, tuple[float, list[ScalingDecision], TunerState]] = {}
         deficit: dict[int, float] = {}
@@ -1658,6 +1713,9 @@ def cascade_tuner_timelines(
                 decisions, state = alone[i][1], alone[i][2]
             else:
                 decisions, state = tuner.run(now_s, allowed)
+            rested = rested and _at_rest(
+                tuner.state, state, decisions, tuner.window(now_s).size == 0, now_s, tuner.config
+            )
             tuner.state = state
             cost[i] = fleet_cost_usd_per_hr(state, prices)
             for d in decisions:
@@ -1677,6 +1735,9 @@ def cascade_tuner_timelines(
                     ReplayDecision(d.at_s, d.stage, d.action, d.instance_type, d.count, reason)
                 )
             note_cap(i, now_s)
+        if rested:
+            upcoming = (t.next_arrival_s(now_s) for t in tuners if t is not None)
+            ticks.skip_to(min(upcoming, default=math.inf))
     return tuple(
         _CascadeStage(dataclasses.replace(log.timeline(), batch_caps=tuple(cap)), rho, note)
         for log, (rho, note), cap in zip(logs, made, caps, strict=True)
