@@ -5,7 +5,9 @@ is compared with the same replay ticking every second."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -23,8 +25,11 @@ from controlplane.policies.replay import (
     tuner_timeline,
 )
 from estimator.traces import Trace, renewal_arrivals, step_profile
+from tests.unit.test_cascade_planning import SMALL_PLAN
 from tests.unit.test_planner import write_cascade_app
 from tests.unit.test_replay import CPU, GPU, app_of, plan_document, steady_planning
+
+T = TypeVar("T")
 
 
 def sparse_trace(bursts: int = 4, burst_s: float = 90.0, gap_s: float = 600.0) -> Trace:
@@ -59,41 +64,40 @@ def same(a: FleetTimeline, b: FleetTimeline) -> None:
     assert a.batch_caps == b.batch_caps
 
 
+def with_and_without_skipping(
+    monkeypatch: pytest.MonkeyPatch, run: Callable[[], T]
+) -> tuple[T, T, int, int]:
+    """``run()`` as it is and ticking every second: (skipping, every tick, the ticks of each)."""
+    ticks = counting_tune(monkeypatch)
+    skipping = run()
+    skipped = len(ticks)
+    ticks.clear()
+    monkeypatch.setattr(replay_module, "_at_rest", lambda *args: False)
+    return skipping, run(), skipped, len(ticks)
+
+
 def test_a_single_stage_replay_skips_its_rest_and_changes_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = app_of(tmp_path, budget_usd_per_hr=5.0)
     stage = check_plan(parse_plan(plan_document({GPU: 1, CPU: 1})), app)
     trace = sparse_trace()
-    ticks = counting_tune(monkeypatch)
-    skipping = tuner_timeline(trace, app, stage, steady_planning())
-    skipped = len(ticks)
-    ticks.clear()
-    monkeypatch.setattr(replay_module, "_at_rest", lambda *args: False)
-    every = tuner_timeline(trace, app, stage, steady_planning())
+    skipping, every, skipped, ticked = with_and_without_skipping(
+        monkeypatch, lambda: tuner_timeline(trace, app, stage, steady_planning())
+    )
     # The fleet grew in the bursts and shrank in the gaps: there was something to change.
     assert any(d.action == "scale_up" for d in every.decisions)
     assert any(d.action == "scale_down" for d in every.decisions)
     same(skipping, every)
-    assert len(ticks) == int(np.ceil(trace.arrival_s[-1]))
-    assert skipped < len(ticks) / 2
+    assert ticked == int(np.ceil(trace.arrival_s[-1]))
+    assert skipped < ticked / 2
 
 
 def test_a_cascade_replay_skips_its_rest_and_changes_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = write_cascade_app(tmp_path, records=True)
-    plan = parse_plan(
-        {
-            "feasible": True,
-            "cost_usd_per_hr": 0.298,
-            "steps": [],
-            "stages": [
-                {"name": "cheap", "fleet": {CPU: 1}, "batch_size": 1, "predicted_p99_ms": 10.0},
-                {"name": "large", "fleet": {CPU: 1}, "batch_size": 1, "predicted_p99_ms": 20.0},
-            ],
-        }
-    )
+    plan = parse_plan(SMALL_PLAN)
     stages = check_stages(plan, app)
     trace = sparse_trace(bursts=3)
     answered = answering_stages(app, trace, np.random.default_rng(3))
@@ -103,16 +107,11 @@ def test_a_cascade_replay_skips_its_rest_and_changes_nothing(
         made = cascade_tuner_timelines(trace, app, stages, answered, steady_planning(), targets)
         return tuple(m.timeline for m in made)
 
-    ticks = counting_tune(monkeypatch)
-    skipping = run()
-    skipped = len(ticks)
-    ticks.clear()
-    monkeypatch.setattr(replay_module, "_at_rest", lambda *args: False)
-    every = run()
+    skipping, every, skipped, ticked = with_and_without_skipping(monkeypatch, run)
     assert any(d.action == "scale_up" for t in every for d in t.decisions)
     for a, b in zip(skipping, every, strict=True):
         same(a, b)
-    assert skipped < len(ticks) / 2
+    assert skipped < ticked / 2
 
 
 def test_a_laddered_replay_skips_its_rest_and_changes_nothing(
@@ -141,12 +140,7 @@ def test_a_laddered_replay_skips_its_rest_and_changes_nothing(
             persistence_s=options["tuner_persistence_s"],
         )
 
-    ticks = counting_tune(monkeypatch)
-    skipping = run()
-    skipped = len(ticks)
-    ticks.clear()
-    monkeypatch.setattr(replay_module, "_at_rest", lambda *args: False)
-    every = run()
+    skipping, every, skipped, ticked = with_and_without_skipping(monkeypatch, run)
     assert any(d.action == "scale_up" for d in every.decisions)
     same(skipping, every)
-    assert skipped < len(ticks) / 2
+    assert skipped < ticked / 2
