@@ -11,6 +11,9 @@ new one, or on the old one with a shadow copy on the new one.
 
 Each answer is measured at the client's view (``total_ms``, from the API's receipt of the
 request) into the loop's :class:`~controlplane.serving.versions.VersionMeter`, per version.
+A query the new version answers is also the app's demand (its arrival time in the app's
+arrivals, which the tuner, the gear switcher and the re-plan read), not in the old version's
+figures.
 A query refused for its own inputs (422) is the client's error, no version's.
 """
 
@@ -63,6 +66,9 @@ async def split_infer(
     if routed_to_new(request_id, route.share):
         answer = await _on_new(loop, app, route, inputs, sample_ids, received, deadline_s)
         if answer is not None:
+            # The app's demand is every query of it: the tuner sizes the fleet the queries
+            # come back to (a roll-back, the handover's end) on it.
+            loop.observations.demand(app, loop.clock.now_s())
             return answer
         # The new version failed it: the old one answers (counted as the new version's error).
     return await _on_old(loop, app, route, inputs, sample_ids, received, deadline_s)

@@ -364,7 +364,8 @@ class ServingLoop:
         """The dispatcher of ``app``'s rollout workers: the app's configuration (the new
         version takes and answers the same tensors: checked when the rollout started; a
         cascade's thresholds as the rollout re-derived them), its own observations (the
-        tuner's arrivals stay the app's), the rollout's workers only."""
+        queries it answers join the app's arrivals apart: ``canary.split_infer``), the
+        rollout's workers only."""
         rollout_id = route.rollout_id
         found = self._canaries.get(app)
         if found is not None and found[0] == rollout_id:

@@ -502,11 +502,22 @@ class Observations:
     def arrival(self, app: str, now_s: float) -> None:
         with self._lock:
             entry = self._app(app, now_s)
-            entry.arrivals[entry.head] = now_s
-            entry.head = (entry.head + 1) % ARRIVALS_KEPT
-            entry.size = min(entry.size + 1, ARRIVALS_KEPT)
+            self._demand(entry, now_s)
             entry.arrived += 1
             entry.window_arrivals += 1
+
+    def demand(self, app: str, now_s: float) -> None:
+        """A query of ``app`` that another dispatcher answered (a rollout's new version, whose
+        figures are its own): its arrival time joins :meth:`arrival_s`, the app's demand that
+        the tuner, the gear switcher and the re-plan read, and nothing else of the app's."""
+        with self._lock:
+            self._demand(self._app(app, now_s), now_s)
+
+    @staticmethod
+    def _demand(entry: _App, now_s: float) -> None:
+        entry.arrivals[entry.head] = now_s
+        entry.head = (entry.head + 1) % ARRIVALS_KEPT
+        entry.size = min(entry.size + 1, ARRIVALS_KEPT)
 
     def answered(
         self,

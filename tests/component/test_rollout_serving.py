@@ -317,6 +317,33 @@ def test_a_good_version_promotes_step_by_step_with_no_failed_query(world: World)
     scenario(world, body)
 
 
+def test_the_apps_arrivals_count_the_queries_the_new_version_answers(world: World) -> None:
+    """The tuner, the gear switcher and the re-plan read the app's arrivals: every query of the
+    app, whichever version answers it. (They counted only the old version's: at a 100 % step
+    and through the handover the tuner saw no load and scaled the app's fleet down, then up
+    again once the queries came back to it.)"""
+
+    async def body(client: httpx.AsyncClient) -> None:
+        old, new = await fleet(), await fleet()
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        rid = world.start()
+        await world.workers_up(rid, new)
+        ids = [f"q-{k}" for k in range(40)]
+        await send(world, client, ids)
+        assert 0 < sum(routed_to_new(i, 0.5) for i in ids) < 40
+        assert world.serving.arrivals(APP).size == 40
+        world.clock.advance(11.0)
+        (promoted,) = await world.tick()
+        assert "step 1 passed" in promoted and world.state(rid).step_share == 1.0
+        await send(world, client, [f"r-{k}" for k in range(20)])
+        assert world.serving.arrivals(APP).size == 60
+        # Counted once each, not in the old version's window (its figures stay its own).
+        totals = world.serving.observations.totals()[APP]
+        assert totals.arrived == totals.answered == 40 - sum(routed_to_new(i, 0.5) for i in ids)
+
+    scenario(world, body)
+
+
 def test_a_slow_version_rolls_back_on_latency_at_once(world: World) -> None:
     async def body(client: httpx.AsyncClient) -> None:
         # Every answer of the new version takes 150 ms or more: over the 100 ms asked for.
