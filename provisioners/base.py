@@ -120,6 +120,9 @@ class ProvisionedInstance:
 
     ``address`` is where its worker listens: ``host:port`` for local workers, the private IP for
     EC2 (``None`` until known). ``zone`` is the availability zone (``None`` where it means nothing).
+    ``market`` is the purchase option it runs on as the provider bills it, ``on-demand`` or
+    ``spot`` (``None``: the provider does not say; it launches what was asked for): EC2 launches
+    on demand what spot cannot supply.
     """
 
     provider_id: str
@@ -129,6 +132,7 @@ class ProvisionedInstance:
     address: str | None = None
     zone: str | None = None
     launched_at: datetime | None = None
+    market: str | None = None
 
     @property
     def request_id(self) -> str | None:

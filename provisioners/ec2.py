@@ -829,6 +829,7 @@ class Ec2Provisioner:
             address=raw.get("PrivateIpAddress") or None,
             zone=raw.get("Placement", {}).get("AvailabilityZone") or None,
             launched_at=launched_at.astimezone(UTC) if isinstance(launched_at, datetime) else None,
+            market="spot" if raw.get("InstanceLifecycle") == "spot" else "on-demand",
         )
 
     # --- tags ------------------------------------------------------------------------------

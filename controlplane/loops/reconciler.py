@@ -548,6 +548,7 @@ def reconcile(
     headroom_share: float = DEFAULT_SPOT_HEADROOM_SHARE,
     stand_in_shares: Mapping[str, float] | None = None,
     app: str = "",
+    spot_on_demand: Collection[str] = (),
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -578,8 +579,10 @@ def reconcile(
     of now (a capacity miss running); ``stand_ins``: row id -> the type a row stands in for
     (rule 11). ``headroom_share``: the share of the budget below it at which a spot price rise
     starts moving capacity (rule 10); ``stand_in_shares``: row id -> how much of one instance of
-    the type it stands for a stand-in counts as (default 1). The rules are the module
-    docstring's; the actions come in the order they must be carried out.
+    the type it stands for a stand-in counts as (default 1). ``spot_on_demand``: the types whose
+    spot launches the provider ran on demand lately (EC2 without a launch template, or with no
+    spot capacity): launched on demand, priced and budgeted so (rule 10). The rules are the
+    module docstring's; the actions come in the order they must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
@@ -704,6 +707,7 @@ def reconcile(
             risen_spot=risen,
             risen_why=rise.why,
             given_up=given_up,
+            spot_on_demand=frozenset(spot_on_demand),
         )
         kept = [row for row in kept if row.id not in given_up_ids]
         planned = launches(kept)
@@ -1298,13 +1302,15 @@ def _launch_shortfall(
     risen_spot: Collection[str] = (),
     risen_why: str = "",
     given_up: Sequence[_Row] = (),
+    spot_on_demand: Collection[str] = (),
 ) -> list[Action]:
     """Rules 6, 7, 10 and 11: launch what is missing, most cost-effective first, while it fits
     (next to ``reserved_usd_per_hr``: what the app pays for outside its fleet, its profile
     workers); on spot where ``desired_spot`` asks for more spot rows and spot is cheaper now; a
     type the provider is short of (``short_types``, ``held_types``, or on spot ``noticed_spot``)
     stood in for from ``ranking``. ``given_up``: ``requested`` rows of short types, launched
-    again only where no stand-in is found (else marked failed)."""
+    again only where no stand-in is found (else marked failed). ``spot_on_demand``: types
+    launched on demand only (their spot launches ran on demand lately)."""
     actions: list[Action] = []
     have: dict[str, float] = defaultdict(float)
     spot_kept: dict[str, float] = defaultdict(float)
@@ -1313,7 +1319,7 @@ def _launch_shortfall(
         if row.record.market == "spot":
             spot_kept[row.counted_type] += row.share
     spot_wanted = {t: n - spot_kept[t] for t, n in (desired_spot or {}).items()}
-    spot_now = spot_prices_usd_per_hr or {}
+    spot_now = {t: p for t, p in (spot_prices_usd_per_hr or {}).items() if t not in spot_on_demand}
     choices = _Ranked(ranking or {}, prices_usd_per_hr, spot_now, qps_by_type)
     waiting: dict[str, list[_Row]] = defaultdict(list)
     for row in given_up:
@@ -1969,6 +1975,8 @@ class Reconciler:
         self._handled: set[str] = set()  # the provider ids whose notice was acted on
         # (app, instance type) -> monotonic time before which it is not launched again.
         self._held_until_s: dict[tuple[str, str], float] = {}
+        # (app, type) -> until when its launches go on demand: a spot launch of it ran on demand.
+        self._spot_on_demand_until_s: dict[tuple[str, str], float] = {}
         self._reported: set[str] = set()
         # (app, instance type) -> monotonic time of the first capacity miss of its current run.
         self._capacity_missed_s: dict[tuple[str, str], float] = {}
@@ -2084,6 +2092,11 @@ class Reconciler:
             for (name, t), until in self._held_until_s.items()
             if name == app.name and until > now_s
         }
+        spot_on_demand = {
+            t
+            for (name, t), until in self._spot_on_demand_until_s.items()
+            if name == app.name and until > now_s
+        }
         teardown = teardown_requested(self.store, app)
         with self._capacity_lock:
             short = {t for (name, t) in self._capacity_missed_s if name == app.name}
@@ -2119,6 +2132,7 @@ class Reconciler:
             headroom_share=self.spot_headroom_share,
             stand_in_shares=self._stand_in_shares.get(app.name, {}),
             app=app.name,
+            spot_on_demand=spot_on_demand,
         )
         errors = _Errors()
         hook = self.before_budget_drain
@@ -2134,7 +2148,9 @@ class Reconciler:
             if not isinstance(action, Launch):
                 self._carry_out(app, action, errors)
         if launches:
-            self._launch(app, launches, errors, known={r.id for r in rows})
+            self._launch(
+                app, launches, errors, known={r.id for r in rows}, prices=pricing.prices_usd_per_hr
+            )
         if teardown and observed is not None:
             self._delete_if_drained(app.name, errors)
         return AppReport(app.name, tuple(actions), tuple(errors))
@@ -2455,10 +2471,13 @@ class Reconciler:
         launches: Sequence[Launch],
         errors: _Errors,
         known: Collection[str] = (),
+        prices: Mapping[str, float] | None = None,
     ) -> None:
         """Record every launch (rows, then one decision), then ask the provider for each, but
         those the budget no longer pays for (:meth:`_refused_now`; ``known``: the ids of the
-        rows the launches were decided on)."""
+        rows the launches were decided on). A spot launch the provider ran on demand (EC2, for
+        what spot cannot supply) is recorded on demand at its on-demand price (``prices``), the
+        price it is billed at, so that the budget guard counts that."""
         try:
             artifacts = tuple(self.artifacts(app))
         except (ControlPlaneError, EstimatorError) as error:
@@ -2505,7 +2524,20 @@ class Reconciler:
                 },
             )
         plan = "none" if app.applied_plan_id is None else str(app.applied_plan_id)
+        ran_on_demand: set[str] = set()  # types whose spot launch this tick ran on demand
         for launch, row in rows:
+            if row.market == "spot" and launch.instance_type in ran_on_demand:
+                # Priced at spot, it would run on demand too, over what the budget was told:
+                # the next tick launches it on demand, within the budget at that price.
+                errors.guard(
+                    functools.partial(
+                        self.store.transition_instance,
+                        row.id,
+                        _S.FAILED.value,
+                        reason=f"not launched: {launch.instance_type} on spot runs on demand",
+                    )
+                )
+                continue
             tags = {APP_TAG: app.name, PLAN_TAG: plan, INSTANCE_TAG: row.id}
             if row.market == "spot":
                 tags[MARKET_TAG] = "spot"
@@ -2525,13 +2557,29 @@ class Reconciler:
                 continue
             with self._capacity_lock:
                 self._capacity_missed_s.pop((app.name, launch.instance_type), None)
+            billed: dict[str, Any] = {}
+            reason = "launched"
+            on_demand = (prices or {}).get(launch.instance_type)
+            if row.market == "spot" and live[0].market == "on-demand" and on_demand is not None:
+                billed = {"market": "on-demand", "price_usd_per_hr": on_demand}
+                reason = (
+                    f"launched on demand (spot could not supply it), at {plain(on_demand)} USD/hr"
+                )
+                logger.warning("reconcile %s: %s: %s", app.name, launch.request_id, reason)
+                # Its next launches go on demand, within the budget at that price: a spot
+                # launch priced at spot and billed on demand went over it, then was drained.
+                self._spot_on_demand_until_s[(app.name, launch.instance_type)] = (
+                    self.clock.now_s() + self.launch_backoff_s
+                )
+                ran_on_demand.add(launch.instance_type)
             errors.guard(
                 functools.partial(
                     self.store.transition_instance,
                     row.id,
                     _S.PENDING.value,
-                    reason="launched",
+                    reason=reason,
                     provider_id=live[0].provider_id,
+                    **billed,
                 )
             )
 

@@ -252,6 +252,54 @@ def test_a_request_tagged_spot_is_launched_on_spot_and_the_others_on_demand(
     }
     assert lifecycle[spot.provider_id] == "spot"
     assert lifecycle[on_demand.provider_id] in (None, "on-demand")
+    assert (spot.market, on_demand.market) == ("spot", "on-demand")
+
+
+def test_a_spot_launch_ec2_runs_on_demand_is_recorded_and_budgeted_on_demand(
+    ec2_network: Ec2Network, tmp_path: Any
+) -> None:
+    """Without a launch template EC2 launches a request tagged spot on demand (a fleet needs
+    one), as it does what a spot fleet cannot supply: the row says so and is priced at the
+    on-demand price, so the budget guard counts what is billed. (The rows said spot at the spot
+    price: two t3.large billed 0.1664 USD/hr on demand under a budget of 0.1 were counted at
+    0.06.)"""
+    board, clock, store, _ = reconciler_on_moto(ec2_network, tmp_path, {"t3.large": 0.03})
+    from controlplane.loops.reconciler import Reconciler, catalog_pricing
+    from estimator.catalog import default_catalog
+
+    session = boto3.Session()
+    session.events.register("before-send.ec2.DescribeSpotPriceHistory", board)
+    no_templates = Ec2Provisioner(
+        ec2_config(ec2_network, spot_price_ttl_s=60.0), session, clock=clock.now_s
+    )
+    reconciler = Reconciler(store, no_templates, clock, catalog_pricing(default_catalog()))
+    budget = 0.1  # two t3.large on spot at 0.03; one at on demand (0.0832), not two
+    ec2 = boto3.client("ec2", region_name=REGION)
+
+    def billed() -> float:
+        kept = store.list_instances("recs", states=["requested", "pending", "running"])
+        return sum(r.price_usd_per_hr for r in kept)
+
+    try:
+        serve_two_spot_t3_large(store, clock, reconciler, budget, ["t3.large"])
+        lifecycle = {
+            i["InstanceId"]: i.get("InstanceLifecycle") or "on-demand"
+            for r in ec2.describe_instances()["Reservations"]
+            for i in r["Instances"]
+        }
+        rows = [r for r in store.list_instances("recs") if r.provider_id]
+        assert rows and {lifecycle[r.provider_id or ""] for r in rows} == {"on-demand"}
+        assert {(r.market, r.price_usd_per_hr) for r in rows if r.provider_id} == {
+            ("on-demand", 0.0832)
+        }
+        assert billed() <= budget + 1e-9
+        for _ in range(3):
+            clock.advance(1.0)
+            reconciler.run_once()
+            assert billed() <= budget + 1e-9
+        assert len(store.list_instances("recs", states=["running"])) == 1
+    finally:
+        store.close()
 
 
 def test_notices_on_the_queue_lead_to_replacements_and_drains_before_the_deadline(

@@ -158,10 +158,16 @@ class InstanceStore(StoreBase):
         reason: str,
         provider_id: str | None = None,
         at: datetime | None = None,
+        market: str | None = None,
+        price_usd_per_hr: float | None = None,
     ) -> InstanceRecord:
-        """Move the instance to ``to_state`` (and set its provider id, when given), with an
+        """Move the instance to ``to_state`` (and set its provider id, its market and price,
+        when given: a launch the provider billed otherwise than asked), with an
         ``instance_events`` row. :class:`InvalidTransitionError` when the lifecycle table does
         not allow the move from the state it is in."""
+        if market is not None and market not in MARKETS:
+            raise InvalidValueError("market", f"must be on-demand or spot, got {market!r}")
+        price = None if price_usd_per_hr is None else _number(price_usd_per_hr, "price_usd_per_hr")
         now = self._now(at)
         for _ in range(_ATTEMPTS):
             try:
@@ -172,6 +178,10 @@ class InstanceStore(StoreBase):
                     values: dict[str, Any] = {"state": to_state, "updated_at": now}
                     if provider_id is not None:
                         values["provider_id"] = provider_id
+                    if market is not None:
+                        values["market"] = market
+                    if price is not None:
+                        values["price_usd_per_hr"] = price
                     result = session.execute(
                         update(m.Instance)
                         .where(m.Instance.id == instance_id, m.Instance.state == from_state)
