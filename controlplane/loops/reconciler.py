@@ -515,6 +515,22 @@ class _Row:
         return self.provider_id is not None
 
 
+def _still_billed(row: _Row) -> bool:
+    """Whether ``row`` was on its way out or ended before this tick (terminating, failed,
+    terminated) while the provider still lists its machine pending or running: the terminate
+    has not taken, and the machine is billed."""
+    return (
+        row.record.state in _GONE_VALUES
+        and row.observed is not None
+        and row.observed.state in ("pending", "running")
+    )
+
+
+_GONE_VALUES = frozenset(
+    s.value for s in (_S.TERMINATING, InstanceState.FAILED, InstanceState.TERMINATED)
+)
+
+
 def reconcile(
     desired: Mapping[str, int] | None,
     db_instances: Sequence[InstanceRecord],
@@ -670,6 +686,10 @@ def reconcile(
     # The instances draining before their interruption are paid for until they go: the
     # replacements are launched next to them only where the budget pays for both.
     reserved += float(sum(row.record.price_usd_per_hr for row in leaving))
+    # So is a machine the provider still runs whose row ended before this tick (a terminate
+    # that failed, asked again every tick): nothing is launched next to it that the budget
+    # cannot pay for with it.
+    reserved += float(sum(row.record.price_usd_per_hr for row in rows if _still_billed(row)))
     staying = {row.id for row in kept}
     spared = [row for row in spared if row.id in staying]
     # Rule 11: a launch of a type the provider is short of waits no longer where another type

@@ -512,6 +512,42 @@ def test_a_failed_terminate_is_asked_again(world: World) -> None:
     assert by_state(world.store) == {"running": 1, "terminated": 1}
 
 
+def test_a_machine_whose_terminate_fails_is_paid_for_until_it_stops(
+    template_db: Path, tmp_path: Path
+) -> None:
+    """A terminate that keeps failing leaves the machine running and billed: a plan that wants
+    another instance gets one only where the budget pays for it next to that machine. (The row
+    was counted as gone: a third small was launched under a budget of two, three ran.)"""
+    world = World.create(template_db, tmp_path, budget=2 * PRICES[SMALL])
+    try:
+        apply_fleet(world.store, {SMALL: 2})
+        world.tick()
+        world.fake.step()
+        world.tick()
+        apply_fleet(world.store, {SMALL: 1})
+        world.fake.fail_terminate_next(100)
+        world.tick()
+        apply_fleet(world.store, {SMALL: 2})
+
+        def running() -> int:
+            return len([i for i in world.fake.list({}) if i.state in ("pending", "running")])
+
+        for _ in range(3):
+            world.tick()
+            world.fake.step()
+            assert running() * PRICES[SMALL] <= world.store.get_app(APP).budget_usd_per_hr
+        assert by_state(world.store) == {"running": 1, "terminating": 1}
+        assert decisions(world.store, "budget_capped")
+        # Once the terminate takes, the machine stops and the plan's second instance comes.
+        world.fake.fail_terminate_next(0)
+        for _ in range(3):
+            world.tick()
+            world.fake.step()
+        assert running() == 2 and by_state(world.store) == {"running": 2, "terminated": 1}
+    finally:
+        world.close()
+
+
 def test_dead_and_vanished_instances_are_replaced(world: World) -> None:
     apply_fleet(world.store, {SMALL: 2})
     world.tick()
