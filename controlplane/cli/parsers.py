@@ -1579,6 +1579,14 @@ def percent_steps(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(
             f"steps must increase, each in (0, 100], the last 100; got {text}"
         )
+    # The service keeps a share to six places (0.0001 %): refused here as it would be there,
+    # in the option's terms (it answered "got 0,1" to 1e-9,100).
+    kept = [round(v / 100.0, 6) for v in values]
+    if kept[0] <= 0 or any(a >= b for a, b in itertools.pairwise(kept)):
+        raise argparse.ArgumentTypeError(
+            "steps are kept to 0.0001 %: each at least 0.0001 and at least 0.0001 above the"
+            f" one before; got {text}"
+        )
     return values
 
 

@@ -19,6 +19,11 @@ def test_durations_and_steps() -> None:
     for bad in ("5,50", "50,25,100", "5,x,100", "0,100"):
         with pytest.raises(argparse.ArgumentTypeError):
             percent_steps(bad)
+    # Refused as the service would, which keeps a share to six places (it said "got 0,1").
+    assert percent_steps("0.0001,99.9999,100") == [0.0001, 99.9999, 100.0]
+    for bad in ("1e-9,100", "0.00004,100", "50,50.00001,100"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"kept to 0\.0001 %"):
+            percent_steps(bad)
 
 
 @pytest.mark.parametrize(
