@@ -337,6 +337,8 @@ class Adopt:
     request_id: str
     provider_id: str
     reason: str
+    # A spot row whose instance the provider runs on demand: recorded so, at this price.
+    on_demand_usd_per_hr: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -873,12 +875,21 @@ def _match(
         ):
             candidate.provider_id = instance.provider_id
             candidate.observed = instance
+            on_demand = prices_usd_per_hr.get(instance.instance_type)
+            if candidate.record.market != "spot" or instance.market != "on-demand":
+                on_demand = None
+            if on_demand is not None:  # billed on demand: counted so from this tick
+                candidate.record = dataclasses.replace(
+                    candidate.record, market="on-demand", price_usd_per_hr=on_demand
+                )
             actions.append(
                 Adopt(
                     candidate.id,
                     candidate.record.request_id,
                     instance.provider_id,
-                    f"the provider runs {instance.provider_id} for request {request_id}",
+                    f"the provider runs {instance.provider_id} for request {request_id}"
+                    + ("" if on_demand is None else f" (on demand, at {plain(on_demand)} USD/hr)"),
+                    on_demand_usd_per_hr=on_demand,
                 )
             )
             candidate.state = _S.PENDING
@@ -2314,12 +2325,17 @@ class Reconciler:
                 f"adopted {action.provider_id} into request {action.request_id}: {action.reason}",
                 {"instance_id": action.instance_id, "provider_id": action.provider_id},
             )
+            price = action.on_demand_usd_per_hr
+            billed: dict[str, Any] = (
+                {} if price is None else {"market": "on-demand", "price_usd_per_hr": price}
+            )
             errors.guard(
                 lambda: store.transition_instance(
                     action.instance_id,
                     _S.PENDING.value,
                     reason=f"adopted: {action.reason}",
                     provider_id=action.provider_id,
+                    **billed,
                 )
             )
         elif isinstance(action, Terminate):

@@ -302,6 +302,67 @@ def test_a_spot_launch_ec2_runs_on_demand_is_recorded_and_budgeted_on_demand(
         store.close()
 
 
+def test_a_spot_launch_run_on_demand_whose_answer_was_lost_is_adopted_on_demand(
+    ec2_network: Ec2Network, tmp_path: Any
+) -> None:
+    """The control plane dies between EC2's answer and the row's move (the launch went
+    through): the next one adopts the instance by its request id, on demand at the on-demand
+    price, as EC2 bills it."""
+    board, clock, store, _ = reconciler_on_moto(ec2_network, tmp_path, {"t3.large": 0.03})
+    from controlplane.loops.reconciler import Reconciler, catalog_pricing
+    from estimator.catalog import default_catalog
+
+    session = boto3.Session()
+    session.events.register("before-send.ec2.DescribeSpotPriceHistory", board)
+    no_templates = Ec2Provisioner(
+        ec2_config(ec2_network, spot_price_ttl_s=60.0), session, clock=clock.now_s
+    )
+
+    class DiesError(Exception):
+        pass
+
+    class DiesAfterLaunch:
+        name = "ec2"
+
+        def __getattr__(self, attribute: str) -> Any:
+            return getattr(no_templates, attribute)
+
+        def launch(self, request: Any) -> Any:
+            no_templates.launch(request)
+            raise DiesError(request.request_id)
+
+    try:
+        store.create_app(
+            {
+                "name": "recs",
+                "models": [{"name": "tiny", "profiles": "profiles.json"}],
+                "slo": {"latency_ms": 50},
+                "budget_usd_per_hr": 0.1,
+                "instance_types": ["t3.large"],
+            },
+            who="test",
+        )
+        document = {
+            "feasible": True,
+            "cost_usd_per_hr": 0.03,
+            "stages": [{"name": "tiny", "fleet": {"t3.large": 1}, "spot_fleet": {"t3.large": 1}}],
+        }
+        store.apply_plan("recs", store.create_plan("recs", document).id)
+        dying = Reconciler(store, DiesAfterLaunch(), clock, catalog_pricing(default_catalog()))
+        with pytest.raises(DiesError):
+            dying.run_once()
+        (row,) = store.list_instances("recs")
+        assert (row.state, row.market, row.provider_id) == ("requested", "spot", None)
+        reconciler = Reconciler(store, no_templates, clock, catalog_pricing(default_catalog()))
+        clock.advance(1.0)
+        reconciler.run_once()
+        (row,) = store.list_instances("recs")
+        assert (row.market, row.price_usd_per_hr) == ("on-demand", 0.0832)
+        assert row.state in ("pending", "running") and row.provider_id is not None
+    finally:
+        store.close()
+
+
 def test_notices_on_the_queue_lead_to_replacements_and_drains_before_the_deadline(
     ec2_network: Ec2Network, tmp_path: Any
 ) -> None:
