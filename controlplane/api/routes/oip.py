@@ -378,7 +378,14 @@ def _deadline_s(document: Mapping[str, Any], received_s: float) -> float | None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise OipError(f"parameters.timeout must be microseconds > 0, got {timeout!r}")
-    return received_s + float(timeout) / 1e6
+    try:
+        microseconds = float(timeout)
+    except OverflowError:  # a JSON integer past any float (the json module reads it exactly)
+        raise OipError(
+            f"parameters.timeout must be microseconds > 0, got an integer of"
+            f" {len(str(timeout))} digits, past any deadline"
+        ) from None
+    return received_s + microseconds / 1e6
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
