@@ -456,6 +456,38 @@ def test_v1_refuses_an_int64_past_its_range_not_rounds_it(world: ApiWorld) -> No
     api_run(world, body)
 
 
+@pytest.mark.parametrize("datatype", [None, "FP32", "UINT8", "INT64"])
+def test_v1_refuses_an_integer_past_any_float_in_one_line(
+    world: ApiWorld, datatype: str | None
+) -> None:
+    """A JSON integer past any float (10**400) reaches the route exactly (orjson refuses it, the
+    json module reads it): its refusal quoted it with ``:g`` and answered 500 (OverflowError),
+    for the demo family's pixels (``datatype`` None) as for a registry model's input."""
+    width = 64
+    if datatype is not None:
+        width = 4
+        signature = ModelSignature(
+            (TensorSpec("x", datatype, (-1, width)),), (TensorSpec("scores", "FP32", (-1, 3)),)
+        )
+        as_artifacts(world, signature)
+
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
+        sample: list[int] = [1] * width
+        sample[2] = 10**400
+        response = await client.post(
+            "/v1/apps/demo/infer",
+            content=json.dumps({"inputs": [sample]}),
+            headers={**world.auth(), "Content-Type": "application/json"},
+        )
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["field"] == "inputs[0][2]"
+        assert "an integer of 401 digits" in error["message"]
+
+    api_run(world, body)
+
+
 def test_check_inputs_takes_ints_and_floats_alike() -> None:
     from controlplane.api.errors import ApiError
     from controlplane.api.routes.infer import check_inputs

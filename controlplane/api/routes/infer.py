@@ -151,7 +151,7 @@ def check_inputs(app: str, io: ModelIO, inputs: list[list[float]]) -> list[list[
                 raise _invalid(f"has {len(row)} values; a sample is {INFER_FEATURES} pixels", i)
             if min(row) < 0.0 or max(row) > INFER_PIXEL_MAX:
                 j = next(j for j, v in enumerate(row) if not 0.0 <= v <= INFER_PIXEL_MAX)
-                raise _invalid(f"{row[j]:g} is outside 0..{INFER_PIXEL_MAX:g}", i, j)
+                raise _invalid(f"{_shown(row[j])} is outside 0..{INFER_PIXEL_MAX:g}", i, j)
         return inputs
     specs = io.signature.inputs
     if len(specs) != 1:
@@ -179,7 +179,7 @@ def check_inputs(app: str, io: ModelIO, inputs: list[list[float]]) -> list[list[
         if kind == "f":
             if max(abs(v) for v in row) > limit:
                 j = next(j for j, v in enumerate(row) if abs(v) > limit)
-                raise _invalid(f"{row[j]:g} is too large for {spec.datatype}", i, j)
+                raise _invalid(f"{_shown(row[j])} is too large for {spec.datatype}", i, j)
             rows.append(row)
             continue
         for j, v in enumerate(row):
@@ -189,9 +189,18 @@ def check_inputs(app: str, io: ModelIO, inputs: list[list[float]]) -> list[list[
                 (type(v) is int or (v.is_integer() and abs(v) < EXACT_FLOAT_INT))
                 and low <= v <= high
             ):
-                raise _invalid(f"{v:g} is not a {spec.datatype} value ({low}..{high})", i, j)
+                raise _invalid(f"{_shown(v)} is not a {spec.datatype} value ({low}..{high})", i, j)
         rows.append([bool(v) for v in row] if kind == "b" else [int(v) for v in row])
     return rows
+
+
+def _shown(value: float) -> str:
+    """A value as a refusal quotes it: ``:g``; a JSON integer past any float (the route reads
+    one exactly, and ``:g`` cannot format it) by its number of digits."""
+    try:
+        return f"{value:g}"
+    except OverflowError:
+        return f"an integer of {len(str(abs(int(value))))} digits"
 
 
 def _int_range(dtype: np.dtype[Any]) -> tuple[int, int]:
