@@ -184,12 +184,12 @@ def _oip_rows(document: object) -> dict[str, NDArray[Any]]:
                     f" (an input tensor has {', '.join(_TENSOR_KEYS)})"
                 )
             name = str(tensor["name"])
-            try:
-                shape = [int(d) for d in tensor["shape"]]
-            except (TypeError, ValueError, OverflowError):
-                raise ValueError(
-                    f"{where}: shape {tensor['shape']!r} is not a list of whole numbers"
-                ) from None
+            given = tensor["shape"]
+            # Sizes as they are (2 or 2.0): int() had made 2.5 a 2, true a 1, the string "26"
+            # the shape [2, 6], and a negative size reached numpy's reshape.
+            if type(given) is not list or not all(_size(d) for d in given):
+                raise ValueError(f"{where}: shape {given!r} is not a list of whole numbers >= 0")
+            shape = [int(d) for d in given]
             datatype = str(tensor["datatype"])
             numpy_dtype(datatype)  # a datatype the protocol has, or a one-line error
             try:
@@ -203,6 +203,14 @@ def _oip_rows(document: object) -> dict[str, NDArray[Any]]:
                 raise ValueError(f"input {name!r}: {values.size} values for shape {shape}")
             parts.setdefault(name, []).append(values.reshape(shape))
     return {name: _joined(name, arrays) for name, arrays in parts.items()}
+
+
+def _size(value: object) -> bool:
+    """Whether ``value`` is a dimension's size in a JSON file's shape: a whole number >= 0 (an
+    integer, or a float without a fraction; not a bool)."""
+    if type(value) is float:
+        return value.is_integer() and value >= 0
+    return type(value) is int and value >= 0
 
 
 def _joined(name: str, arrays: Sequence[NDArray[Any]]) -> NDArray[Any]:

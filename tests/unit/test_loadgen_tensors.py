@@ -135,6 +135,29 @@ def test_files_that_are_not_inputs_are_refused(tmp_path: Path) -> None:
         input_specs({"name": "m"})
 
 
+def test_a_json_shape_is_whole_sizes_as_they_are(tmp_path: Path) -> None:
+    """A shape's sizes are taken as written or refused: int() had read 2.5 as 2 (two rows of a
+    file that says two and a half), true as 1, the string "26" as [2, 6], and [-1, -13] reached
+    numpy's reshape, whose message named nothing."""
+    path = tmp_path / "rows.json"
+
+    def read(shape: object, values: int) -> dict[str, np.ndarray]:
+        data = list(range(values))
+        path.write_text(
+            json.dumps(
+                {"inputs": [{"name": "x", "datatype": "FP32", "shape": shape, "data": data}]}
+            )
+        )
+        return read_inputs(path)
+
+    assert read([2.0, 13], 26)["x"].shape == (2, 13)  # a whole float is its size
+    for shape, values in (([2.5, 13], 26), ([True, 13], 13), ("26", 12), ([-1, -13], 13)):
+        with pytest.raises(ValueError) as refused:
+            read(shape, values)
+        assert "input 1 ('x'): shape" in str(refused.value), shape
+        assert "is not a list of whole numbers >= 0" in str(refused.value), shape
+
+
 def test_rows_are_drawn_in_order_or_from_the_sample_id() -> None:
     trace = Trace(np.array([0.0, 0.1, 0.2, 0.3]), np.array([1, 2, 2, 1]))
     assert draw_rows(trace, 4) == [(0,), (1, 2), (3, 0), (1,)]
