@@ -80,6 +80,7 @@ from controlplane.api.routes.oip import (
     HEADER_LENGTH,
     answer_payload,
     body_limit,
+    check_binary_switches,
     error_answer,
     parse_query,
     serve_parsed,
@@ -350,6 +351,7 @@ class FastInferMiddleware:
                 document, binary = split_body(body, header_length)
                 if isinstance(document, Mapping):
                     parsed = parse_query(signature, document, binary)
+                    check_binary_switches(document)
             except (OipError, ValueError):
                 parsed = None
         if parsed is None or document is None:

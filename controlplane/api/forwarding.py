@@ -147,7 +147,13 @@ async def forward_oip(
     :class:`ForwardingMiddleware` logs it), and the query is then served here."""
     parameters = dict(document.get("parameters") or {})
     parameters["binary_data_output"] = True
-    header = orjson.dumps({**document, "parameters": parameters})
+    forwarded = {**document, "parameters": parameters}
+    outputs = document.get("outputs")
+    if isinstance(outputs, list):
+        # gRPC answers every output raw, whatever a client's binary_data on one says (the
+        # route would refuse one that is not a boolean): each is asked for in binary here.
+        forwarded["outputs"] = [_binary_output(entry) for entry in outputs]
+    header = orjson.dumps(forwarded)
     headers = {FORWARDED_HEADER: "1", "content-type": "application/json"}
     if authorization is not None:
         headers["authorization"] = authorization
@@ -162,6 +168,16 @@ async def forward_oip(
         return None
     forwarder.reached(url)
     return answer
+
+
+def _binary_output(entry: Any) -> Any:
+    """An ``outputs`` entry of a forwarded gRPC query without its own ``binary_data`` (the
+    query's ``binary_data_output`` then asks for it in binary)."""
+    settings = entry.get("parameters") if isinstance(entry, Mapping) else None
+    if not isinstance(settings, Mapping) or "binary_data" not in settings:
+        return entry
+    rest = {key: value for key, value in settings.items() if key != "binary_data"}
+    return {**entry, "parameters": rest}
 
 
 def forwarded_app(scope: Scope) -> str | None:

@@ -269,6 +269,47 @@ def test_the_binary_tensor_extension_in_and_out(world: ApiWorld) -> None:
     api_run(world, body)
 
 
+def test_a_binary_switch_that_is_not_a_boolean_is_a_400(world: ApiWorld) -> None:
+    """``binary_data_output: "true"`` or an output's ``binary_data: 1`` had been taken for false:
+    the outputs came back as JSON without a word. Refused on the route and on the fast path
+    (the first request through the route, which caches the token; the next past it), before
+    the query is served; a boolean is taken either way."""
+
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
+        request = family_request([row(3, 0.9)])
+        for _ in range(2):
+            for extra, field in [
+                ({"parameters": {"binary_data_output": "true"}}, "binary_data_output"),
+                ({"parameters": {"binary_data_output": None}}, "binary_data_output"),
+                (
+                    {"outputs": [{"name": "logits", "parameters": {"binary_data": 1}}]},
+                    "outputs[0].parameters.binary_data",
+                ),
+            ]:
+                response = await client.post(
+                    "/v2/models/demo/infer", json={**request, **extra}, headers=world.auth()
+                )
+                assert response.status_code == 400, (extra, response.text)
+                assert field in response.json()["error"]
+                assert "must be true or false" in response.json()["error"]
+            served = {
+                **request,
+                "outputs": [{"name": "logits", "parameters": {"binary_data": False}}],
+            }
+            response = await client.post(
+                "/v2/models/demo/infer",
+                json={**served, "parameters": {"binary_data_output": True}},
+                headers=world.auth(),
+            )
+            assert response.status_code == 200, response.text
+            assert response.json()["outputs"][0]["data"]  # the output's own false wins
+        totals = world.serving.observations.totals()["demo"]
+        assert totals.arrived == 2  # the refused ones were never served
+
+    api_run(world, body)
+
+
 def test_an_app_of_registry_models_on_v2_and_v1(world: ApiWorld) -> None:
     as_artifacts(world, TWO_INPUTS)
 

@@ -9,12 +9,15 @@ the request's ``parameters.timeout``. A forwarded query's REST answer
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 
+from controlplane.api.forwarding import forward_oip
 from controlplane.api.grpc_oip import DispatcherRefusedError, forwarded_response, request_document
 from controlplane.api.routes.oip import parse_query, raw_bytes
 from provisioners.artifacts import DATATYPES, ModelSignature, TensorSpec, datatype_of
@@ -181,3 +184,43 @@ def test_a_forwarded_refusal_keeps_its_status_message_and_retry_after() -> None:
         with pytest.raises(OipError) as broken:
             forwarded_response("app", httpx.Response(200, content=body))
         assert broken.value.status == 502, body
+
+
+def test_a_forwarded_query_asks_for_every_output_in_binary() -> None:
+    """A gRPC client's ``binary_data`` on an output means nothing over gRPC (its outputs are
+    raw) and was ignored where the query was served; forwarded to the app's dispatcher it
+    reached the REST route, which refuses one that is not a boolean. The forward asks for each
+    output in binary instead, its other parameters kept."""
+    request: Any = _raw("FP32", _array("FP32"))
+    asked = request.outputs.add(name="y")
+    asked.parameters["binary_data"].string_param = "yes"
+    asked.parameters["tag"].int64_param = 7
+    document, binary = request_document(request, None)
+    sent: list[httpx.Request] = []
+
+    def answer(given: httpx.Request) -> httpx.Response:
+        sent.append(given)
+        return httpx.Response(200, content=b"{}")
+
+    class _Forwarder:
+        def __init__(self) -> None:
+            self._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+
+        def client(self) -> httpx.AsyncClient:
+            return self._client
+
+        def reached(self, url: str) -> None:
+            pass
+
+    async def forward() -> None:
+        forwarder = _Forwarder()
+        await forward_oip(forwarder, "http://owner", "app", document, binary, None)  # type: ignore[arg-type]
+        await forwarder.client().aclose()
+
+    asyncio.run(forward())
+    (forwarded,) = sent
+    length = int(forwarded.headers["inference-header-content-length"])
+    header = json.loads(forwarded.content[:length])
+    assert header["parameters"]["binary_data_output"] is True
+    assert header["outputs"] == [{"name": "y", "parameters": {"tag": 7}}]
+    assert forwarded.content[length:] == binary

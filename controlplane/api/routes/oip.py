@@ -30,7 +30,8 @@ of the JSON part, the rest of the body is the raw little-endian bytes of the inp
 ``parameters.binary_data_size`` says how many, in order. Outputs are answered in binary when
 the request's ``parameters.binary_data_output`` is true or the output's own
 ``parameters.binary_data`` is (the latter wins), with ``parameters.binary_data_size`` and the
-same header; else as JSON.
+same header; else as JSON. Either switch given is a boolean (:func:`check_binary_switches`:
+a 400 otherwise).
 
 Errors are the protocol's ``{"error": "one line"}`` with the status the rest of the API gives
 (:mod:`controlplane.api.errors`: 401/403 without an infer token, 404 ``no model 'x'`` for an
@@ -94,6 +95,7 @@ __all__ = [
     "Answered",
     "as_model_error",
     "body_limit",
+    "check_binary_switches",
     "parse_query",
     "raw_bytes",
     "reads_own_body",
@@ -290,6 +292,7 @@ async def infer(app: AppName, services: ServicesDep, _who: Inferrer, request: Re
     document, binary = split_body(body, request.headers.get(HEADER_LENGTH))
     if not isinstance(document, Mapping):
         raise OipError("body must be a JSON object")
+    check_binary_switches(document)
     answered = await serve_query(serving, app, signature, document, binary, received)
     return answer_response(app, document, answered)
 
@@ -439,6 +442,26 @@ def _load_bounded_json(body: bytes) -> Any:
     if json_depth_exceeds(body, MAX_JSON_DEPTH):
         raise OipError(f"body is not JSON this service takes: nested deeper than {MAX_JSON_DEPTH}")
     return load_json(body)
+
+
+def check_binary_switches(document: Mapping[str, Any]) -> None:
+    """The binary tensor extension's switches of an answer's outputs, the request's
+    ``parameters.binary_data_output`` and an output's ``parameters.binary_data``, are booleans
+    when given: :class:`OipError` (400) naming the one that is not (``"true"`` or ``1`` had been
+    taken for false, and the outputs answered as JSON without a word)."""
+    parameters = document.get("parameters")
+    switches = [("parameters.binary_data_output", parameters)]
+    entries = document.get("outputs")
+    for index, entry in enumerate(entries if isinstance(entries, list) else ()):
+        if isinstance(entry, Mapping):
+            switches.append((f"outputs[{index}].parameters.binary_data", entry.get("parameters")))
+    for field, settings in switches:
+        key = field.rpartition(".")[2]
+        if isinstance(settings, Mapping) and key in settings:
+            value = settings[key]
+            if not isinstance(value, bool):
+                given = "null" if value is None else f"{type(value).__name__} {value!r:.40}"
+                raise OipError(f"{field} must be true or false, got {given}")
 
 
 def binary_outputs(document: Mapping[str, Any], names: Sequence[str]) -> set[str]:
