@@ -334,7 +334,9 @@ def tensor_body(
             raise ValueError(f"the model takes {len(specs)} inputs ({names}): use --protocol v2")
         batch = _batch(specs[0].name, arrays[specs[0].name], index)
         flat = batch.reshape(len(index), -1)
-        values = flat.astype(np.int64) if flat.dtype.kind in "biu" else flat
+        # BOOL as 0 and 1 (what /v1 takes for it); integers as they are (a cast to int64
+        # made a UINT64 past 2**63 - 1 negative).
+        values = flat.astype(np.int64) if flat.dtype.kind == "b" else flat
         text = json.dumps({"inputs": values.tolist()}, separators=(",", ":"))
         return TensorBody(text.encode())
     batches = [

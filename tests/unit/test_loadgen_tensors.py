@@ -228,6 +228,13 @@ def test_v1_bodies_are_flattened_rows_of_one_input() -> None:
     assert json.loads(made.body) == {"inputs": [[4.0, 5.0, 6.0, 7.0]]}
     booleans = fit_inputs({"m": np.array([[True, False, True]])}, [TWO[1]])
     assert json.loads(tensor_body(booleans, [TWO[1]], [0], "v1").body) == {"inputs": [[1, 0, 1]]}
+    # A UINT64 past INT64's top as it is: a cast to int64 had sent 2**63 + 5 as -2**63 + 5,
+    # which the service refused (422) for a row the file held right.
+    wide = [InputSpec("u", "UINT64", (-1, 2))]
+    values = fit_inputs({"u": np.array([[2**63 + 5, 2**64 - 1]], dtype=np.uint64)}, wide)
+    assert json.loads(tensor_body(values, wide, [0], "v1").body) == {
+        "inputs": [[2**63 + 5, 2**64 - 1]]
+    }
     with pytest.raises(ValueError, match="use --protocol v2"):
         tensor_body({"ids": np.zeros((1, 3)), "mask": np.zeros((1, 3))}, TWO, [0], "v1")
 
