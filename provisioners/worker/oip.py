@@ -123,7 +123,8 @@ class InferRequest:
 
 def load_json(body: bytes | str) -> Any:
     """A request body as JSON; :class:`OipError` (400) when it is not (``NaN`` and
-    ``Infinity``, which JSON does not have, included)."""
+    ``Infinity``, which JSON does not have, included) or is nested too deeply to read (the
+    worker agent's handler had died on the RecursionError, the connection closed unanswered)."""
     try:  # orjson parses a tensor's numbers several times faster, and refuses NaN too
         return orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -132,6 +133,8 @@ def load_json(body: bytes | str) -> Any:
         document = json.loads(body, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as error:
         raise OipError(f"body is not JSON: {error}") from None
+    except RecursionError:  # nested past orjson's 1,024 levels and then past Python's stack
+        raise OipError("body is not JSON this service takes: nested too deeply") from None
     # json takes a lone surrogate (\ud800), which orjson refuses: text that is not UTF-8,
     # which no answer could echo. Only this path can hold one.
     text = _text_not_utf8(document)

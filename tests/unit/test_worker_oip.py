@@ -227,6 +227,19 @@ def test_bodies_that_are_not_json_are_refused() -> None:
     assert "NaN is not a number" in str(refusal(b'{"inputs": [NaN]}'))
 
 
+def test_a_body_nested_past_the_stack_is_a_400() -> None:
+    """orjson refuses 1,024 levels and more; the json module it falls back to raised
+    RecursionError, which the worker agent's handler did not take: the connection closed with
+    no answer and a traceback in the worker's log."""
+    depth = 100_000
+    for body in (b"[" * depth + b"]" * depth, b'{"inputs": ' + b"[" * depth + b"]" * depth + b"}"):
+        with pytest.raises(OipError) as refused:
+            load_json(body)
+        assert refused.value.status == 400 and "nested too deeply" in str(refused.value)
+        with pytest.raises(OipError, match="nested too deeply"):
+            parse_infer_request(body, TABULAR, max_batch_size=8)
+
+
 @pytest.mark.parametrize(
     "body",
     [
