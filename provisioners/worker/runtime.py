@@ -16,8 +16,9 @@ registry runs before it stores a model) executes a model a user brings, whatever
   dimension that follows is dynamic (``-1``), the others fixed. A tensor returned is the output
   ``output0``; a tuple or list of tensors ``output0``, ``output1``, ...; a dict of tensors its
   keys; unless the extra file names them (``"outputs": [{"name": "logits"}, ...]``, one entry
-  per output in order: only the names are read), so that a TorchScript model can answer under
-  the same names as an ONNX model of a cascade.
+  per output in order: only the names are read; names that are the model's own, a dict's keys
+  in another order, each name the output of that name), so that a TorchScript model can answer
+  under the same names as an ONNX model of a cascade.
 - The demo family's models, served by name (:func:`family_runtime`): the family's forward pass
   in numpy (:class:`provisioners.worker.family.ArrayModel`, no torch), or a torch module of the
   family, either returning raw logits, under :data:`~provisioners.artifacts.FAMILY_SIGNATURE`.
@@ -450,6 +451,13 @@ def _named(outputs: tuple[TensorSpec, ...], raw: bytes | str, path: Path) -> tup
             f"{path.name}: {SIGNATURE_FILE} names {len(names)} outputs; the model returns"
             f" {len(outputs)}"
         )
+    probed = {spec.name: spec for spec in outputs}
+    if set(names) == set(probed):
+        # The model's own names (a dict's keys, or output0, ...) in another order: each is the
+        # output of that name, as the runtime answers it (_ModuleRuntime.run), not the one at
+        # its position (a dict {"double", "sum"} named ["sum", "double"] had its signature
+        # give "sum" the doubled tensor's shape, while the worker answered "sum" by key).
+        return tuple(probed[name] for name in names)
     return tuple(
         TensorSpec(name, spec.datatype, spec.shape)
         for name, spec in zip(names, outputs, strict=True)

@@ -148,6 +148,34 @@ def test_torchscript_outputs_are_named_by_position_or_by_key(tmp_path: Path) -> 
     ]
 
 
+def test_a_dicts_keys_named_in_another_order_keep_their_tensors(tmp_path: Path) -> None:
+    """A signature file listing a dict's own keys in another order: each name is the output of
+    that key, in the file's order. They had been renamed by position (the signature said
+    "count" was the FP32 [-1, 13] scores) while the runtime answered each name by key."""
+    signature = {"inputs": [INPUT], "outputs": [{"name": "count"}, {"name": "scores"}]}
+    runtime = load_runtime(export_torchscript(Named(), tmp_path / "keys.pt", signature=signature))
+    assert [(s.name, s.datatype, s.shape) for s in runtime.signature.outputs] == [
+        ("count", "INT64", (-1,)),
+        ("scores", "FP32", (-1, 13)),
+    ]
+    rows = sample_inputs(3)
+    outputs = runtime.run({"input": rows})
+    assert list(outputs) == ["count", "scores"]
+    assert outputs["count"].tolist() == (rows > 0).sum(axis=1).tolist()
+    assert np.allclose(outputs["scores"], rows * 2.0)
+    for spec in runtime.signature.outputs:  # the answer is what the signature says it is
+        assert outputs[spec.name].dtype == spec.dtype
+        assert outputs[spec.name].shape[1:] == spec.shape[1:]
+    # Names of its own (not the keys) still rename by position.
+    other = {"inputs": [INPUT], "outputs": [{"name": "logits"}, {"name": "n"}]}
+    renamed = load_runtime(export_torchscript(Named(), tmp_path / "other.pt", signature=other))
+    assert [(s.name, s.shape) for s in renamed.signature.outputs] == [
+        ("logits", (-1, 13)),
+        ("n", (-1,)),
+    ]
+    assert np.allclose(renamed.run({"input": rows})["logits"], rows * 2.0)
+
+
 def test_output_names_in_the_signature_file_each_once_and_as_many_as_the_outputs(
     tmp_path: Path,
 ) -> None:
