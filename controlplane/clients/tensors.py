@@ -103,7 +103,9 @@ def read_inputs(path: Path) -> dict[str, NDArray[Any]]:
     """The arrays of an inputs file (see the module docstring), by name in the file's order;
     ValueError of one line naming the file."""
     try:
-        if path.suffix == ".npz":
+        # By its name or its first bytes (a zip, or an .npy): an archive named rows.NPZ or
+        # rows.dat had been read as JSON text ("'utf-8' codec can't decode byte 0x89").
+        if path.suffix.lower() == ".npz" or _archive_magic(path):
             arrays = read_npz(path)
         else:
             arrays = _oip_rows(json.loads(path.read_text(encoding="utf-8")))
@@ -119,6 +121,14 @@ def read_inputs(path: Path) -> dict[str, NDArray[Any]]:
         if array.ndim < 1 or array.shape[0] < 1:
             raise ValueError(f"{path}: array {name!r} has no rows (shape {list(array.shape)})")
     return arrays
+
+
+def _archive_magic(path: Path) -> bool:
+    """Whether the file at ``path`` starts as a zip (an ``.npz``) or an ``.npy`` does, whatever
+    its name (OSError is the caller's)."""
+    with path.open("rb") as handle:
+        head = handle.read(6)
+    return head.startswith((b"PK\x03\x04", b"\x93NUMPY"))
 
 
 # What numpy's reading of a zip archive raises besides OSError: a file that is not a zip

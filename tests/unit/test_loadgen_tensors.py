@@ -135,6 +135,25 @@ def test_files_that_are_not_inputs_are_refused(tmp_path: Path) -> None:
         input_specs({"name": "m"})
 
 
+def test_an_archive_is_read_as_one_whatever_its_name(tmp_path: Path) -> None:
+    """rows.NPZ (or rows.dat) had been read as JSON text: "'utf-8' codec can't decode byte
+    0x89", of a file numpy wrote; a single .npy so named gets read_npz's own line."""
+    ids = np.arange(6, dtype=np.int64).reshape(2, 3)
+    np.savez(tmp_path / "rows.npz", ids=ids, mask=ids > 2)
+    for name in ("rows.NPZ", "rows.dat"):
+        (tmp_path / name).write_bytes((tmp_path / "rows.npz").read_bytes())
+        arrays = read_inputs(tmp_path / name)
+        assert list(arrays) == ["ids", "mask"] and arrays["ids"].tolist() == ids.tolist()
+    np.save(tmp_path / "one.npy", ids)
+    (tmp_path / "one.dat").write_bytes((tmp_path / "one.npy").read_bytes())
+    with pytest.raises(ValueError, match=r"not an \.npz archive but a single \.npy array"):
+        read_inputs(tmp_path / "one.dat")
+    (tmp_path / "rows.json").write_text(
+        '{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}'
+    )
+    assert read_inputs(tmp_path / "rows.json")["x"].tolist() == [[1.0, 2.0]]
+
+
 def test_a_json_shape_is_whole_sizes_as_they_are(tmp_path: Path) -> None:
     """A shape's sizes are taken as written or refused: int() had read 2.5 as 2 (two rows of a
     file that says two and a half), true as 1, the string "26" as [2, 6], and [-1, -13] reached
