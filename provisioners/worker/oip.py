@@ -90,6 +90,8 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 _FLOAT_MAX = {np.dtype(t): float(np.finfo(t).max) for t in (np.float16, np.float32, np.float64)}
 _INT_MAX = float(2**64)
 
+# The longest refusal message (the API's limit, controlplane.api.errors).
+MAX_MESSAGE_CHARS = 500
 _REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
 _INPUT_KEYS = frozenset({"name", "shape", "datatype", "data", "parameters"})
 _OUTPUT_KEYS = frozenset({"name", "parameters"})
@@ -100,12 +102,17 @@ class OipError(Exception):
 
     The message may quote the client's text: what is not UTF-8 in it (a lone surrogate that
     JSON's ``\\ud800`` spells) is written as its escape, so that the error body can always be
-    encoded.
+    encoded; and it is cut at :data:`MAX_MESSAGE_CHARS`, as the API's own messages are, so that
+    a quoted name or version of any length stays a line (over gRPC the message travels in a
+    header, which a client refuses past 16 KiB: it had seen RESOURCE_EXHAUSTED, "received
+    metadata size exceeds hard limit", not the refusal).
     """
 
     def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST) -> None:
-        line = " ".join(message.split())
-        super().__init__(line.encode("utf-8", "backslashreplace").decode("utf-8"))
+        line = " ".join(message.split()).encode("utf-8", "backslashreplace").decode("utf-8")
+        if len(line) > MAX_MESSAGE_CHARS:
+            line = line[: MAX_MESSAGE_CHARS - 3] + "..."
+        super().__init__(line)
         self.status = int(status)
 
 

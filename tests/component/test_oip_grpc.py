@@ -169,6 +169,12 @@ def test_errors_are_the_rest_answers_as_grpc_codes(served: tuple[ApiWorld, str, 
         counts = world.app.state.services.requests.snapshot()
         assert counts[("", 401)] == 6 and counts[("demo", 403)] == 2
         assert counts[("demo", 400)] == 2 and counts[("", 404)] == 3
+        # A version quoted whole had made the message a header past the client's 16 KiB:
+        # RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit"), not the refusal.
+        with pytest.raises(InferenceServerException) as long_version:
+            client.infer("demo", given(), model_version="9" * 20_000, headers=good)
+        assert long_version.value.status() == "StatusCode.NOT_FOUND"
+        assert long_version.value.message().endswith("...")
     finally:
         client.close()
 

@@ -11,6 +11,7 @@ import pytest
 
 from provisioners.artifacts import FAMILY_SIGNATURE, ModelSignature, TensorSpec
 from provisioners.worker.oip import (
+    MAX_MESSAGE_CHARS,
     OipError,
     encode_tensor,
     infer_response,
@@ -261,6 +262,18 @@ def test_text_that_is_not_utf8_is_refused_in_a_message_that_encodes(body: bytes)
     # The same body as a str (parse_infer_request takes one) is refused alike.
     with pytest.raises(OipError, match="is not UTF-8 text"):
         parse_infer_request(body.decode(), TABULAR, max_batch_size=8)
+
+
+def test_a_refusal_quoting_a_long_name_stays_one_bounded_line() -> None:
+    """An input name (or a version, an output name) of any length was quoted whole: over gRPC
+    the message is a header a client refuses past 16 KiB. Cut as the API cuts its own."""
+    name = "q" * 20_000
+    document = {"inputs": [{"name": name, "datatype": "FP32", "shape": [1, 13], "data": []}]}
+    message = str(refusal(document))
+    assert message.startswith("input 'qqq") and message.endswith("...")
+    assert len(message) == MAX_MESSAGE_CHARS
+    assert len(str(OipError("\ud800" * 1000))) == MAX_MESSAGE_CHARS  # escaped, then cut
+    assert str(OipError("short")) == "short"
 
 
 def test_a_refusals_message_always_encodes() -> None:
