@@ -508,6 +508,15 @@ def _probe_outputs(module: Any, specs: Sequence[TensorSpec], device: str) -> tup
             value = one.detach().cpu().numpy()
         except (TypeError, RuntimeError) as error:
             raise ModelLoadError(f"output {name!r}: {first_line(error)}") from None
+        rows = (int(one.shape[0]), int(two.shape[0])) if one.dim() and two.dim() else None
+        if rows is not None and rows[0] != rows[1] and rows != (1, 2):
+            # A first dimension that follows the batch but is not it (torch.cat([x, x]): 2
+            # rows for 1): every query would fail at serving, a row too many.
+            raise ModelLoadError(
+                f"output {name!r} has {rows[0]} rows for a batch of 1 and {rows[1]} for a batch"
+                " of 2: heteroplane batches along the first dimension, one output row per input"
+                " row"
+            )
         outputs.append(_probed_spec(name, value, tuple(two.shape)))
     return tuple(outputs)
 

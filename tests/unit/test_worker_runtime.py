@@ -124,6 +124,11 @@ class Named(torch.nn.Module):
         return {"scores": input * 2.0, "count": (input > 0).sum(dim=1)}
 
 
+class Doubled(torch.nn.Module):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.cat([input, input + 1.0], dim=0)  # two rows per row: not batchable
+
+
 class Pooled(torch.nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return input.sum(dim=0, keepdim=True)  # one row whatever the batch: not batchable
@@ -200,6 +205,12 @@ def test_models_without_a_dynamic_batch_dimension_are_refused(
     pooled = export_torchscript(Pooled(), tmp_path / "pooled.pt", signature={"inputs": [INPUT]})
     with pytest.raises(ModelLoadError, match="output 'output0' has shape \\[1, 13\\]"):
         load_runtime(pooled)
+    # Two rows per input row: its first dimension followed the batch, so it was taken for the
+    # batch dimension and pushed; every query then failed (502, 'shape [2, 13] for a batch of
+    # 1 rows').
+    doubled = export_torchscript(Doubled(), tmp_path / "doubled.pt", signature={"inputs": [INPUT]})
+    with pytest.raises(ModelLoadError, match="has 2 rows for a batch of 1 and 4 for a batch of 2"):
+        load_runtime(doubled)
     one_row = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 13]}]}
     single = export_torchscript(tabular_model(), tmp_path / "single.pt", signature=one_row)
     with pytest.raises(ModelLoadError, match="dynamic batch axis"):
