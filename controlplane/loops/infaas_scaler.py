@@ -30,9 +30,11 @@ it launches toward a larger count and drains toward a smaller one, never past th
 
 The policy starts from the applied plan's fleet; a new applied plan (a new plan id) starts it
 again from the plan's fleet, a budget change keeps the fleet it reached, cut to the new budget as
-the reconciler's budget drain cuts it (:func:`_within_budget`). An app the serving loop does not
-serve (no status, or no arrival source) stays on its plan. The live tuner leaves these apps
-alone (``scaling`` decides which of the two scales an app).
+the reconciler's budget drain cuts it (:func:`_within_budget`). A restarted policy (a restarted
+loops process, a new leader) starts from the fleet it had reached on the applied plan, which
+each decision records (:mod:`controlplane.loops.reached`), cut to the budget the same way. An
+app the serving loop does not serve (no status, or no arrival source) stays on its plan. The live
+tuner leaves these apps alone (``scaling`` decides which of the two scales an app).
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ from numpy.typing import NDArray
 
 from controlplane.apps.resolver import smallest_common_batch_size
 from controlplane.clock import Clock
-from controlplane.db.store import AppRecord, Store
+from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import NotFoundError
+from controlplane.loops.reached import PLAN_ID, counts, reached
 from controlplane.policies import scaling
 from controlplane.policies.drain import DrainInstance, plan_drain, qps_by_type
 from controlplane.policies.infaas_scaling import (
@@ -167,7 +170,12 @@ class InfaasScaler:
             if scaled is not None and scaled.plan_id == app.applied_plan_id:
                 return dict(scaled.state.fleet)
         plan = self._store.get_applied_plan(app.name)
-        return {} if plan is None else plan.plan.fleet
+        if plan is None:
+            return {}
+        # Before the policy's first tick on this plan (a restarted loops process), the fleet it
+        # had reached: the reconciler's first pass drained what it had grown.
+        fleet = _reached_fleet(self._store, app.name, plan)
+        return plan.plan.fleet if fleet is None else fleet
 
     def tick(self, apps: Sequence[AppRecord] | None = None) -> list[tuple[str, ScalingDecision]]:
         """One tick for every app with ``scaling: infaas`` (``apps``, the tick's snapshot of the
@@ -207,9 +215,12 @@ class InfaasScaler:
             scaled = self._apps.get(app.name)
         resolved = self._resolve(app)
         if scaled is None or scaled.plan_id != plan.id:
-            scaled = _AppScaler(
-                plan.id, app.budget_usd_per_hr, initial_state(plan.plan.fleet, now_s)
-            )
+            start = _reached_fleet(self._store, app.name, plan)
+            if start is None or not set(start) <= set(resolved.instance_types):
+                start = dict(plan.plan.fleet)
+            else:
+                start = _within_budget(start, resolved, app.budget_usd_per_hr)
+            scaled = _AppScaler(plan.id, app.budget_usd_per_hr, initial_state(start, now_s))
         elif scaled.budget_usd_per_hr != app.budget_usd_per_hr:
             # The fleet the policy reached stays, cut to the new budget (started again from the
             # plan's fleet, it wanted what the reconciler then drained, or bought back).
@@ -284,7 +295,14 @@ class InfaasScaler:
                 app.name,
                 d.action,
                 d.reason,
-                {**d.numbers, "policy": "infaas", "at_s": now_s},
+                {
+                    **d.numbers,
+                    "policy": "infaas",
+                    "at_s": now_s,
+                    # What a restarted policy starts from (_reached_fleet).
+                    PLAN_ID: plan.id,
+                    FLEET_AFTER: {t: int(n) for t, n in state.fleet.items()},
+                },
                 # A cap that lasts is one row (per model and type), as the tuner's.
                 key=f"infaas:{d.model}:{d.instance_type}"
                 if d.action == "infaas_budget_capped"
@@ -298,3 +316,14 @@ class InfaasScaler:
             scaled.state = state
             self._apps[app.name] = scaled
         return decisions
+
+
+# The numbers key of a decision that holds the policy's fleet after its tick.
+FLEET_AFTER = "fleet_after"
+_KINDS = ("infaas_replicate", "infaas_upgrade", "infaas_drain", "infaas_relieve")
+
+
+def _reached_fleet(store: Store, app: str, plan: PlanRecord) -> dict[str, int] | None:
+    """The fleet the policy had reached on the applied ``plan``
+    (:func:`controlplane.loops.reached.reached`), or None."""
+    return counts(reached(store, app, plan, _KINDS, FLEET_AFTER))

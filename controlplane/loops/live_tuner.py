@@ -22,7 +22,9 @@ on the windows from the slowest planned instance's service time (at least
 :data:`controlplane.policies.planner.MIN_ENVELOPE_WINDOW_S`) doubling to ``max_window_s``. Either
 way rho_m keeps the planned fleet while traffic looks like the planned envelope. A new applied plan
 (a new plan id) restarts the tuner from the plan's fleet; a change of the app's spec (its budget,
-its caps) keeps the fleet it has reached, shed to a lower budget (``LiveTuner._new_limits``).
+its caps) keeps the fleet it has reached, shed to a lower budget (``LiveTuner._new_limits``); a
+restarted tuner (a restarted loops process, a new leader) starts from the fleet it had reached on
+the applied plan, which each scale decision records (:mod:`controlplane.loops.reached`).
 Instances take
 :func:`controlplane.policies.tuner.default_boot_s` to boot; the tuner counts them from launch, as
 the reconciler does.
@@ -86,6 +88,7 @@ from controlplane.apps.plans import planning_trace, replanning_request
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import NotFoundError
+from controlplane.loops.reached import PLAN_ID, counts, reached
 from controlplane.policies import scaling
 from controlplane.policies.capacity_curve import (
     DEFAULT_BURSTINESS,
@@ -120,6 +123,7 @@ from controlplane.spec import ResolvedApp
 from estimator import deadline
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, DEFAULT_PERSISTENCE_S
 from estimator.errors import EstimatorError
+from estimator.fleet import Fleet
 from estimator.traces import Trace, poisson_arrivals
 
 __all__ = [
@@ -300,6 +304,11 @@ class LiveTuner:
         plan = self._store.get_applied_plan(app.name)
         if plan is None:
             return {}
+        # Before the tuner's first tick on this plan (a restarted loops process), the fleet it had
+        # reached: the reconciler's first pass drained what the tuner had grown under load.
+        reached = _reached_fleets(self._store, app.name, plan)
+        if reached is not None:
+            return _summed_fleets(reached)
         return plan.plan.fleet
 
     def recalibrate(self, app: str) -> None:
@@ -436,6 +445,13 @@ class LiveTuner:
                     # Which load model sized the stage, and why not the load model if asked.
                     "model": models[d.stage],
                     "model_note": tuned.model_note if models[d.stage] == "inferline" else None,
+                    # What a restarted tuner starts from (_reached_fleets): the fleet it had
+                    # reached on this plan, not the plan's.
+                    **(
+                        {PLAN_ID: tuned.plan_id, FLEETS_AFTER: _fleets_of(state)}
+                        if d.action in _FLEET_ACTIONS
+                        else {}
+                    ),
                 },
                 # A cap that lasts (per stage and what it wanted) is one row with a count.
                 key=_cap_key(d) if d.action == "budget_capped" else None,
@@ -574,12 +590,26 @@ class LiveTuner:
             )
             for s in stages
         ]
+        state = initial_state(stages, now_s)
+        reached = _reached_fleets(self._store, app.name, plan)
+        if reached is not None and set(reached) == {s.name for s in stages}:
+            known = set(config.prices_usd_per_hr)
+            if all(set(fleet) <= known for fleet in reached.values()):
+                state = dataclasses.replace(
+                    state, fleets={name: Fleet.of(fleet) for name, fleet in reached.items()}
+                )
+                logger.info(
+                    "tuner: %s starts from the fleet it had reached on plan %s: %s",
+                    app.name,
+                    plan.id,
+                    _summed_fleets(reached),
+                )
         return _AppTuner(
             plan_id=plan.id,
             app_version=app.version,
             stages=stages,
             config=config,
-            state=initial_state(stages, now_s),
+            state=state,
         )
 
     # --- the load model ------------------------------------------------------------------------
@@ -930,8 +960,33 @@ def _planned_envelope(
 
 
 def _summed(state: TunerState) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for fleet in state.fleets.values():
+    return _summed_fleets(state.fleets)
+
+
+def _summed_fleets(fleets: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for fleet in fleets.values():
         for name, count in fleet.items():
-            counts[name] = counts.get(name, 0) + count
-    return counts
+            total[name] = total.get(name, 0) + count
+    return total
+
+
+# The numbers key of a scale decision that holds the tuner's fleets after it, by stage.
+FLEETS_AFTER = "fleets_after"
+_FLEET_ACTIONS = frozenset({"scale_up", "scale_down"})
+
+
+def _fleets_of(state: TunerState) -> dict[str, dict[str, int]]:
+    return {stage: {t: int(n) for t, n in fleet.items()} for stage, fleet in state.fleets.items()}
+
+
+def _reached_fleets(store: Store, app: str, plan: PlanRecord) -> dict[str, dict[str, int]] | None:
+    """The fleets by stage the tuner had reached on the applied ``plan``
+    (:func:`controlplane.loops.reached.reached`), or None."""
+    value = reached(store, app, plan, _FLEET_ACTIONS, FLEETS_AFTER)
+    if not isinstance(value, dict):
+        return None
+    fleets = {stage: counts(fleet) for stage, fleet in value.items() if isinstance(stage, str)}
+    if len(fleets) != len(value) or any(fleet is None for fleet in fleets.values()):
+        return None
+    return {stage: fleet for stage, fleet in fleets.items() if fleet is not None}

@@ -214,6 +214,12 @@ def test_an_overloaded_variant_is_replicated_and_drained_once_the_load_is_gone(
             assert replicate.numbers["overloaded"] is True
             assert "overloaded" in replicate.reason
             assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 2}
+            # A restarted scaler (a restarted loops process) starts from the fleet it had
+            # reached, not the plan's one: the reconciler's first pass drained the replica.
+            restarted = InfaasScaler(
+                store, clock, serving.observed_arrivals, serving.statuses, stored_apps(resolver)
+            )
+            assert restarted.desired_fleet(store.get_app(APP)) == {LARGE: 2}
             # Not asked twice while the new instance loads.
             assert await asyncio.to_thread(scaler.tick) == []
 
@@ -312,5 +318,41 @@ def test_a_budget_cut_keeps_the_fleet_reached_cut_to_the_budget(tmp_path: Path) 
         clock.advance(1.0)
         scaler.tick()
         assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 2}
+    finally:
+        store.close()
+
+
+def test_a_restarted_scaler_ticks_on_from_the_fleet_it_had_reached(tmp_path: Path) -> None:
+    from controlplane.loops.infaas_scaler import FLEET_AFTER
+    from controlplane.loops.reached import PLAN_ID
+    from controlplane.serving.dispatcher import AppStatus
+
+    clock = FakeClock(start_s=1000.0)
+    store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
+    try:
+        resolver = AppResolver(tmp_path)
+        document = {**spec(tmp_path), "budget_usd_per_hr": 0.35}
+        store.create_app(spec_document(resolver.check(document).spec), who="test")
+        plan = store.create_plan(APP, PLAN)
+        store.apply_plan(APP, plan.id)
+        numbers = {PLAN_ID: plan.id, FLEET_AFTER: {LARGE: 3}}
+        store.record_decision(APP, "infaas_replicate", "before the restart", numbers)
+        idle = AppStatus(APP, "", 100.0, (), (), 0)
+
+        def started() -> dict[str, int]:
+            scaler = InfaasScaler(
+                store, clock, lambda _app: np.empty(0), lambda: [idle], stored_apps(resolver)
+            )
+            scaler.tick()
+            return dict(scaler.desired_fleet(store.get_app(APP)))
+
+        assert started() == {LARGE: 3}
+        # Cut to a budget lowered meanwhile, as a budget change cuts the fleet reached.
+        store.change_budget(APP, 0.25, reason="cut", who="test")
+        assert started() == {LARGE: 2}
+        # A plan applied since is the start, as ever.
+        again = store.create_plan(APP, PLAN)
+        store.apply_plan(APP, again.id)
+        assert started() == {LARGE: 1}
     finally:
         store.close()

@@ -212,6 +212,34 @@ def test_a_new_plan_restarts_the_tuner_from_its_fleet(store: Store, tmp_path: Pa
     assert tuner.desired_fleet(app) == {SMALL: 4}  # the new plan's until the tuner runs on it
 
 
+def test_a_restarted_tuner_starts_from_the_fleet_it_had_reached(
+    store: Store, tmp_path: Path
+) -> None:
+    # A restarted loops process set the tuner up from the plan's fleet: under load its
+    # reconciler drained what the tuner had grown (and the tuner then grew it again).
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=1.0)
+    before = live_tuner(store, clock, feed)
+    feed.arrival_s = steady(256.0, 940.0, 1000.0)
+    assert any(d.action == "scale_up" for _, d in before.tick())
+    reached = before.desired_fleet(app)
+    assert reached[SMALL] > 2
+
+    clock.advance(1.0)
+    restarted = live_tuner(store, clock, feed)
+    assert restarted.desired_fleet(app) == reached  # the reconciler's first pass, before a tick
+    feed.arrival_s = steady(256.0, 941.0, 1001.0)
+    made = restarted.tick()
+    assert not any(d.action == "scale_down" for _, d in made)
+    assert restarted.desired_fleet(app)[SMALL] >= reached[SMALL]
+
+    # A plan applied since is the tuner's start, as ever.
+    plan = store.create_plan(APP, plan_document(3, 150.0))
+    store.apply_plan(APP, plan.id)
+    app = store.get_app(APP)
+    assert live_tuner(store, clock, feed).desired_fleet(app) == {SMALL: 3}
+
+
 def test_an_app_without_a_plan_wants_nothing(store: Store, tmp_path: Path) -> None:
     store.create_app(spec(tmp_path, 1.0), who="test")
     tuner = live_tuner(store, FakeClock(), Feed())

@@ -1,0 +1,53 @@
+"""Where a scaling loop had taken an app's fleet, for the loop a restart sets up afresh.
+
+The tuner and the INFaaS scaler keep the fleet they want in memory and set it up from the applied
+plan's fleet when they first see an app. A restarted loops process (or a new leader) started from
+the plan's fleet whatever the loop had grown under load: the reconciler's first pass drained it,
+and the loop grew it again a minute later. Each loop writes the fleet it wants after a change into
+the change's decision (:data:`PLAN_ID`, the loop's own key for the fleet); :func:`reached` reads
+the newest back, for the plan applied now only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from controlplane.db.store import PlanRecord, Store
+
+__all__ = ["LOOKBACK", "PLAN_ID", "counts", "reached"]
+
+# The decision numbers' key of the plan the fleet was reached on.
+PLAN_ID = "plan_id"
+# How many of an app's newest decisions of the loop's kinds are read (another loop's decisions of
+# those kinds carry no fleet and are passed over).
+LOOKBACK = 20
+
+
+def reached(
+    store: Store, app: str, plan: PlanRecord, kinds: Iterable[str], key: str
+) -> object | None:
+    """``numbers[key]`` of the newest of ``app``'s decisions of ``kinds`` that has it, where that
+    decision was made on ``plan`` since it was applied; None: none has it, or the newest is of
+    another plan or an earlier application."""
+    if plan.applied_at is None:
+        return None
+    for decision in reversed(store.list_decisions(app, kinds=kinds, limit=LOOKBACK)):
+        if key not in decision.numbers:
+            continue
+        if decision.numbers.get(PLAN_ID) != plan.id or decision.at < plan.applied_at:
+            return None
+        value: object = decision.numbers[key]
+        return value
+    return None
+
+
+def counts(value: object) -> dict[str, int] | None:
+    """``value`` as counts by instance type (names to whole counts >= 0), or None."""
+    if not isinstance(value, dict):
+        return None
+    fleet: dict[str, int] = {}
+    for name, count in value.items():
+        if not isinstance(name, str) or type(count) is not int or count < 0:
+            return None
+        fleet[name] = count
+    return fleet
