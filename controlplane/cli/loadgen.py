@@ -160,6 +160,9 @@ def run(args: argparse.Namespace) -> int:
         write_outcomes(args.outcomes, queries, result.outcomes)
     if summary.answered == 0:
         errors = _kinds(summary)
+        if args.json:  # the human summary, which says why, went unprinted
+            for line in _examples(summary):
+                progress(line)
         progress(
             f"heteroplane loadgen: not one query was answered ({summary.sent} sent"
             + (f"; errors: {errors}" if errors else "")
@@ -172,6 +175,11 @@ def run(args: argparse.Namespace) -> int:
 def _kinds(summary: LoadSummary) -> str:
     """``http_503 3, timeout 1``: the errors by kind."""
     return ", ".join(f"{kind} {count}" for kind, count in summary.errors_by_kind.items())
+
+
+def _examples(summary: LoadSummary) -> list[str]:
+    """One line per error kind the service said something of: its first message."""
+    return [f"{kind}, e.g.: {message}" for kind, message in summary.error_examples.items()]
 
 
 def model_inputs(client: ApiClient, app: str) -> list[InputSpec]:
@@ -260,6 +268,7 @@ def human(summary: LoadSummary, offered_s: float) -> str:
         f" {summary.answered} ({summary.achieved_qps:.1f} qps achieved), errors {summary.errors}"
         + (f" ({kinds})" if kinds else ""),
     ]
+    lines.extend(_examples(summary))
     if summary.p50_ms is None or summary.p99_ms is None:
         lines.append("latency: no query was answered")
     else:

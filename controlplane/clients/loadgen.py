@@ -91,6 +91,7 @@ __all__ = [
     "build_queries",
     "build_tensor_queries",
     "draw_rows",
+    "error_message",
     "infer_url",
     "judge_answer",
     "late_flag",
@@ -322,6 +323,8 @@ class QueryResult:
     late: bool | None = None
     served_ms: float | None = None
     queued_ms: float | None = None
+    # An error answer's own message (:func:`error_message`; None: none, or an answer).
+    error: str | None = None
 
     @property
     def outside_ms(self) -> float | None:
@@ -355,6 +358,8 @@ class LoadSummary:
     queue_p50_ms: float | None = None
     queue_p99_ms: float | None = None
     late_by_service: int | None = None
+    # The first message the service gave per error kind (a run's 502s said nothing of why).
+    error_examples: Mapping[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         """The ``loadgen --json`` contract."""
@@ -373,6 +378,7 @@ class LoadSummary:
             "queue_p50_ms": self.queue_p50_ms,
             "queue_p99_ms": self.queue_p99_ms,
             "late_by_service": self.late_by_service,
+            "error_examples": dict(self.error_examples),
         }
 
 
@@ -405,6 +411,10 @@ def summarise(
     def percentile(values: NDArray[np.float64], q: float) -> float | None:
         return float(np.percentile(values, q)) if values.size else None
 
+    examples: dict[str, str] = {}
+    for o in outcomes:
+        if o.error is not None and o.kind not in examples:
+            examples[o.kind] = o.error
     flagged = [o for o in outcomes if o.answered and o.late is not None]
     attainment: float | None = None
     if slo_ms is not None and outcomes:
@@ -426,6 +436,7 @@ def summarise(
         queue_p50_ms=percentile(queued, 50.0),
         queue_p99_ms=percentile(queued, 99.0),
         late_by_service=sum(1 for o in flagged if o.late) if flagged else None,
+        error_examples=dict(sorted(examples.items())),
     )
 
 
@@ -520,6 +531,7 @@ async def _send(
     late: bool | None = None
     served: float | None = None
     queued: float | None = None
+    error: str | None = None
     try:
         response = await client.post(url, content=query.body, headers=query.headers())
     except httpx.TimeoutException:
@@ -528,7 +540,9 @@ async def _send(
         kind = "connection"
     else:
         kind, late, served, queued = judge_answer(response.status_code, response.content)
-    return outcome(query, kind, scheduled_s, lag_ms, timer.now(), late, served, queued)
+        if kind != OK:
+            error = error_message(response.content)
+    return outcome(query, kind, scheduled_s, lag_ms, timer.now(), late, served, queued, error)
 
 
 def outcome(
@@ -540,6 +554,7 @@ def outcome(
     late: bool | None = None,
     served: float | None = None,
     queued: float | None = None,
+    error: str | None = None,
 ) -> QueryResult:
     """What became of ``query`` (:class:`QueryResult`), scheduled at ``scheduled_s`` and
     finished at ``finished_s`` (the run's clock, s): both engines record outcomes here."""
@@ -553,7 +568,43 @@ def outcome(
         late=late,
         served_ms=served,
         queued_ms=queued,
+        error=error,
     )
+
+
+# The most of an error answer's message kept (the summary shows one per kind).
+ERROR_MESSAGE_CHARS = 300
+
+
+def error_message(body: bytes) -> str | None:
+    """The message of an error answer's body, on one line and at most
+    :data:`ERROR_MESSAGE_CHARS`: the API's ``{"error": {"code", "message"}}`` (as ``code:
+    message``), the Open Inference Protocol's ``{"error": "..."}``, or a ``detail``; None for
+    a body that is none of them.
+
+    >>> error_message(b'{"error": {"code": "model_error", "message": "the model raised"}}')
+    'model_error: the model raised'
+    >>> error_message(b'{"error": "input x: expected FP32"}'), error_message(b"<html>")
+    ('input x: expected FP32', None)
+    """
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(document, dict):
+        return None
+    error = document.get("error", document.get("detail"))
+    if isinstance(error, dict):
+        code, message = error.get("code"), error.get("message")
+        if not isinstance(message, str):
+            return None
+        error = f"{code}: {message}" if isinstance(code, str) and code else message
+    if not isinstance(error, str) or not error.strip():
+        return None
+    line = " ".join(error.split())
+    if len(line) > ERROR_MESSAGE_CHARS:
+        line = line[: ERROR_MESSAGE_CHARS - 3] + "..."
+    return line
 
 
 def judge_answer(status: int, body: bytes) -> tuple[str, bool | None, float | None, float | None]:

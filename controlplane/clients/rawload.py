@@ -42,6 +42,7 @@ from controlplane.clients.loadgen import (
     Query,
     QueryResult,
     check_run,
+    error_message,
     judge_answer,
     outcome,
     snapshot,
@@ -228,8 +229,9 @@ class _Engine:
         late: bool | None = None,
         served: float | None = None,
         queued: float | None = None,
+        error: str | None = None,
     ) -> None:
-        result = outcome(query, kind, scheduled_s, lag_ms, self.now(), late, served, queued)
+        result = outcome(query, kind, scheduled_s, lag_ms, self.now(), late, served, queued, error)
         self.done.append(result)
         if kind == OK:
             self.answered_ms.append(result.latency_ms)
@@ -239,7 +241,10 @@ class _Engine:
         if query is None:
             return
         kind, late, served, queued = judge_answer(status, body)
-        self.record(query, kind, connection.scheduled_s, connection.lag_ms, late, served, queued)
+        error = None if kind == OK else error_message(body)
+        self.record(
+            query, kind, connection.scheduled_s, connection.lag_ms, late, served, queued, error
+        )
         self.release(connection)
 
     def failed(self, connection: _Connection, kind: str) -> None:

@@ -56,6 +56,7 @@ CONTRACT_KEYS = {
     "queue_p50_ms",
     "queue_p99_ms",
     "late_by_service",
+    "error_examples",
 }
 
 
@@ -292,6 +293,9 @@ def test_errors_are_counted_by_kind(fake: FakeService) -> None:
         "http_429": 2,
         "http_503": 1,
     }
+    # What the service said of an error, one per kind (a 429 here says nothing but its code).
+    assert dict(summary.error_examples) == {"http_503": "no_instance: no_instance"}
+    assert summary.to_json()["error_examples"] == {"http_503": "no_instance: no_instance"}
     # The answers carry the service's time (1 ms): each answered query's outside part is known.
     assert [o.served_ms for o in result.outcomes if o.answered] == [1.0, 1.0]
     assert [o.queued_ms for o in result.outcomes if o.answered] == [0.25, 0.25]
@@ -538,8 +542,10 @@ def test_a_run_without_one_answer_exits_1_after_its_report(
         "heteroplane loadgen: not one query was answered (2 sent; errors: http_503 2):"
         " exit status 1"
     )
+    assert "http_503, e.g.: no_instance: no_instance" in err  # why, with --json on stderr
     status, out, err = loadgen_cli(capsys, *argv)
     assert status == 1 and "latency: no query was answered" in out
+    assert "http_503, e.g.: no_instance: no_instance" in out
     assert "Traceback" not in err
 
 

@@ -72,6 +72,7 @@ def test_errors_are_counted_by_kind_as_the_httpx_engine_counts_them(fake: FakeSe
         "http_429": 2,
         "http_503": 1,
     }
+    assert dict(summary.error_examples) == {"http_503": "no_instance: no_instance"}
     assert [o.index for o in result.outcomes] == list(range(8))
     assert [o.late for o in result.outcomes if o.answered] == [False, False, True]
     assert [o.served_ms for o in result.outcomes if o.answered] == [1.0, 1.0, 1.0]
