@@ -398,7 +398,8 @@ class QueryTimeoutError(ServingError):
 
     def __init__(self, app: str, give_up_s: float) -> None:
         self.give_up_s = give_up_s
-        super().__init__(app, f"app {app!r}: the query was not answered within {give_up_s:g} s")
+        within = f"{give_up_s:.6g} s" if give_up_s >= 1.0 else f"{1000.0 * give_up_s:.3g} ms"
+        super().__init__(app, f"app {app!r}: the query was not answered within {within}")
 
 
 class WorkerCallError(ControlPlaneError):

@@ -792,7 +792,7 @@ class AppDispatcher:
         for part in late:
             request = part.request
             within_s = min(give_up_s, request.deadline_s - request.arrival_s)
-            self._fail(request, QueryTimeoutError(self.app, round(within_s, 3)))
+            self._fail(request, QueryTimeoutError(self.app, within_s))
         self._mark(stage)  # the instance may stay idle: the next queries get a round
         return [part for part in parts if not part.request.future.done()]
 

@@ -139,12 +139,18 @@ def test_a_query_past_its_clients_deadline_costs_no_worker_call() -> None:
         now[0] += 0.6  # the first client's deadline has passed; the give-up time is 30 s away
         worker.release()
         answers = await settle([first, doomed, patient])
-        assert isinstance(answers[1], QueryTimeoutError) and "0.5 s" in str(answers[1])
+        assert isinstance(answers[1], QueryTimeoutError) and "within 500 ms" in str(answers[1])
         assert isinstance(answers[2], InferResult)
         assert worker.requests == 2
         await dispatcher.close()
 
     run(scenario())
+
+
+def test_a_timeout_says_how_long_it_waited_below_a_second_too() -> None:
+    # A client's timeout of a microsecond read "not answered within 0 s" (rounded to 1 ms).
+    assert str(QueryTimeoutError("a", 1e-6)).endswith("within 0.001 ms")
+    assert str(QueryTimeoutError("a", 30.0)).endswith("within 30 s")
 
 
 def test_admission_judges_the_queue_at_the_rate_it_drains_not_only_the_profiles() -> None:
