@@ -262,6 +262,8 @@ class FastInferMiddleware:
             elif name == _REQUEST_ID:
                 request_id = value.decode("latin-1")
             elif name == _HEADER_LENGTH:
+                if header_length is not None:
+                    json_content = False  # given twice: the route refuses it
                 header_length = value.decode("latin-1")
             elif name == b"content-encoding" and value.strip().lower() != b"identity":
                 json_content = False

@@ -269,6 +269,31 @@ def test_the_binary_tensor_extension_in_and_out(world: ApiWorld) -> None:
     api_run(world, body)
 
 
+def test_a_header_length_given_twice_is_a_400_on_either_path(world: ApiWorld) -> None:
+    """The fast path took the last of two ``Inference-Header-Content-Length`` headers and the
+    route the first, so one body was answered two ways (the first request goes through the
+    route, which caches the token; the next takes the fast path)."""
+
+    async def body(client: httpx.AsyncClient) -> None:
+        world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
+        pixels = np.array([row(6, 0.9)], dtype=np.float32)
+        content, size = binary_request({"input": ("FP32", pixels)})
+        twice = [
+            *world.auth().items(),
+            ("Inference-Header-Content-Length", str(size)),
+            ("Inference-Header-Content-Length", str(size + 4)),
+        ]
+        for _ in range(2):
+            response = await client.post("/v2/models/demo/infer", content=content, headers=twice)
+            assert response.status_code == 400, response.text
+            assert "given 2 times" in response.json()["error"]
+        once = [*world.auth().items(), ("Inference-Header-Content-Length", str(size))]
+        response = await client.post("/v2/models/demo/infer", content=content, headers=once)
+        assert response.status_code == 200, response.text
+
+    api_run(world, body)
+
+
 def test_a_binary_switch_that_is_not_a_boolean_is_a_400(world: ApiWorld) -> None:
     """``binary_data_output: "true"`` or an output's ``binary_data: 1`` had been taken for false:
     the outputs came back as JSON without a word. Refused on the route and on the fast path
