@@ -118,9 +118,15 @@ def parse_artifact(text: str) -> tuple[str, int | None]:
         )
     if not at:
         return name, None
-    if not version.isdigit() or int(version) < 1 or len(version) > 9:
+    if not version.isascii() or not version.isdigit() or int(version) < 1:
         raise SpecError("", f"{text!r}: the version after '@' must be a whole number >= 1")
+    if len(version) > _VERSION_DIGITS:
+        raise SpecError("", f"{text!r}: the version after '@' has at most {_VERSION_DIGITS} digits")
     return name, int(version)
+
+
+# The most digits of a registry version (versions count pushes: 1, 2, 3, ...).
+_VERSION_DIGITS = 9
 
 
 # --- errors ----------------------------------------------------------------------------------

@@ -100,12 +100,20 @@ def test_name_at_version_parses(text: str, expected: tuple[str, int | None]) -> 
     assert parse_artifact(text) == expected
 
 
-@pytest.mark.parametrize("text", ["Digits", "digits@", "digits@0", "digits@x", "-a", "a@1@2"])
+@pytest.mark.parametrize(
+    "text", ["Digits", "digits@", "digits@0", "digits@x", "-a", "a@1@2", "digits@\u0664"]
+)
 def test_a_bad_artifact_reference_names_the_field(text: str) -> None:
     with pytest.raises(SpecError) as error:
         validate_spec(document(small={"artifact": text}))
     assert error.value.field == "models[0].artifact"
     assert str(error.value).startswith("models[0].artifact: ")
+
+
+def test_a_version_too_long_says_so() -> None:
+    # It said "must be a whole number >= 1" of 99999999999999999999.
+    with pytest.raises(SpecError, match="at most 9 digits"):
+        parse_artifact("digits@99999999999999999999")
 
 
 def test_certainty_is_margin_or_max_prob() -> None:
