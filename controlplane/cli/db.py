@@ -18,14 +18,25 @@ from typing import Any
 from controlplane.cli.output import emit
 from controlplane.db import migrate
 from controlplane.db.lease import schema_change_lock
-from controlplane.db.session import redact_url
+from controlplane.db.session import is_in_memory_sqlite, redact_url
+from controlplane.errors import SettingsError
 from controlplane.settings import load_settings
 
 __all__ = ["current", "downgrade", "upgrade"]
 
 
 def _database_url(args: argparse.Namespace) -> str:
+    """The configured database's URL; an in-memory SQLite one is refused: the command would
+    migrate (or read) a database of its own, empty and gone when it exits, and say of an
+    upgrade just done that the database has no tables."""
     settings = load_settings(args.config)
+    if is_in_memory_sqlite(settings.database_url):
+        raise SettingsError(
+            "database_url",
+            f"{settings.database_url} is an in-memory SQLite database: it exists only inside"
+            " this command and is gone when it exits; use a file (sqlite:///PATH, the default"
+            " under data_dir) or PostgreSQL",
+        )
     return settings.database_url
 
 

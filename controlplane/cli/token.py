@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.cli.output import UsageError, emit
-from controlplane.db.session import parse_url
+from controlplane.db.session import is_in_memory_sqlite, parse_url
 from controlplane.db.store import Store, TokenRecord
+from controlplane.errors import SettingsError
 from controlplane.settings import load_settings
 
 __all__ = ["create", "list_tokens", "revoke"]
@@ -26,6 +27,15 @@ def _store(args: argparse.Namespace, create: bool = False) -> Store:
     revoking), a SQLite file that is not there is an error, not a new empty database made
     wherever the settings point."""
     settings = load_settings(args.config)
+    if is_in_memory_sqlite(settings.database_url):
+        # A token made there would be printed and then lost with the database at exit.
+        raise SettingsError(
+            "database_url",
+            f"{settings.database_url} is an in-memory SQLite database: it exists only inside"
+            " this command and is gone when it exits (a token made in it works nowhere); use"
+            " the service's database (a file, sqlite:///PATH, the default under data_dir, or"
+            " PostgreSQL)",
+        )
     url = parse_url(settings.database_url)
     database = url.database
     on_file = url.get_backend_name() == "sqlite" and database not in (None, "", ":memory:")

@@ -30,6 +30,7 @@ from controlplane.errors import DatabaseError
 
 __all__ = [
     "BUSY_TIMEOUT_S",
+    "is_in_memory_sqlite",
     "is_sqlite",
     "make_engine",
     "make_session_factory",
@@ -77,6 +78,14 @@ def redact_url(url: str | URL) -> str:
 
 def is_sqlite(url: str | URL) -> bool:
     return parse_url(url).get_backend_name() == "sqlite"
+
+
+def is_in_memory_sqlite(url: str | URL) -> bool:
+    """Whether ``url`` names an in-memory SQLite database (``sqlite://``,
+    ``sqlite:///:memory:``), which every connection and process sees empty of its own and which
+    is gone at exit."""
+    parsed = parse_url(url)
+    return parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:")
 
 
 def make_engine(url: str | URL, *, foreign_keys: bool = True, echo: bool = False) -> Engine:

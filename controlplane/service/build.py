@@ -90,7 +90,7 @@ from controlplane.db.lease import (
     migration_lock,
     sqlite_leader_lock,
 )
-from controlplane.db.session import parse_url
+from controlplane.db.session import is_in_memory_sqlite
 from controlplane.db.store import AppRecord, Store
 from controlplane.errors import DatabaseError, NotFoundError, SettingsError
 from controlplane.loops.calibration import ProfileCalibrator
@@ -921,8 +921,7 @@ def check_served_database(settings: Settings) -> None:
     db upgrade``, which migrates yet another. Migrating it through the store's one engine would
     serve in ``--one-process`` alone, on one connection shared by every thread, and lose
     everything at exit; a file (``sqlite:///PATH``) costs nothing more."""
-    parsed = parse_url(settings.database_url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+    if is_in_memory_sqlite(settings.database_url):
         raise SettingsError(
             "database_url",
             f"{settings.database_url} is an in-memory SQLite database, which the service cannot"

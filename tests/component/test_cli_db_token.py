@@ -160,6 +160,34 @@ def test_bad_settings_exit_2(
     )
 
 
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["token", "create", "--scope", "admin"],
+        ["token", "list"],
+        ["db", "upgrade"],
+        ["db", "current"],
+        ["db", "downgrade", "--revision", "base"],
+    ],
+)
+def test_an_in_memory_database_is_refused(
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    url: str,
+    argv: list[str],
+) -> None:
+    """It lives only inside the command: token create printed a token stored nowhere, and db
+    upgrade migrated it and then said it had no tables (run: heteroplane db upgrade)."""
+    monkeypatch.setenv("HETEROPLANE_DATABASE_URL", url)
+    err = one_line_refusal(capsys, *argv)
+    assert err.startswith(
+        f"heteroplane {argv[0]}: database_url: {url} is an in-memory SQLite database: it exists"
+        " only inside this command and is gone when it exits"
+    )
+
+
 def test_token_create_upgrades_and_prints_the_token_alone(
     database_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
