@@ -713,7 +713,35 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
             # A relative data_dir in a config file means beside the file, not the working
             # directory.
             document = {**document, "data_dir": str(path.parent / data_dir)}
+        database_url = document.get("database_url")
+        if isinstance(database_url, str):
+            document = {**document, "database_url": _sqlite_beside(database_url, path.parent)}
         return document
+
+
+# A SQLite URL's scheme and its path (``sqlite:///PATH``, ``sqlite+pysqlite:///PATH``), then an
+# optional query.
+_SQLITE_URL = re.compile(r"(?P<scheme>sqlite(?:\+\w+)?:///)(?P<path>[^?]*)(?P<query>\?.*)?", re.S)
+
+
+def _sqlite_beside(url: str, folder: Path) -> str:
+    """``url`` with a relative SQLite file path taken beside the config file's ``folder``, as a
+    relative ``data_dir`` is: read against the working directory, the same file named another
+    database for each directory a command was run from (a token made by ``token create
+    --config`` from one was unknown to the service started from another). Absolute paths,
+    ``~`` paths, in-memory databases and other URLs are left as they are."""
+    match = _SQLITE_URL.fullmatch(url)
+    if match is None:
+        return url
+    database = match["path"]
+    if (
+        not database.strip()
+        or database == ":memory:"
+        or database.startswith(("file:", "~"))
+        or Path(database).is_absolute()
+    ):
+        return url
+    return f"{match['scheme']}{folder / database}{match['query'] or ''}"
 
 
 def load_settings(config_file: Path | None = None) -> Settings:

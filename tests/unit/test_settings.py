@@ -101,6 +101,31 @@ def test_relative_data_dir_in_file_is_beside_the_file(tmp_path: Path) -> None:
     assert settings.database_url == f"sqlite:///{tmp_path}/state/heteroplane.db"
 
 
+def test_relative_sqlite_database_in_file_is_beside_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read against the working directory, one config file named another database for each
+    directory a command ran from: a token made by token create --config in one was unknown to
+    the service started from another."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = write(tmp_path, "database_url: sqlite:///db/hp.db?timeout=5\n")
+    assert load_settings(config).database_url == f"sqlite:///{tmp_path}/db/hp.db?timeout=5"
+    for url in (
+        f"sqlite:///{tmp_path}/abs.db",
+        "sqlite:///:memory:",
+        "sqlite://",
+        "sqlite:///~/hp.db",
+        "postgresql://u:p@h/db",
+    ):
+        assert load_settings(write(tmp_path, f"database_url: '{url}'\n")).database_url == url
+    # In the environment, a relative path stays the working directory's, as a relative
+    # HETEROPLANE_DATA_DIR does.
+    monkeypatch.setenv("HETEROPLANE_DATABASE_URL", "sqlite:///hp.db")
+    assert load_settings(config).database_url == "sqlite:///hp.db"
+
+
 def test_ec2_settings_from_file_and_nested_environment(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
