@@ -154,6 +154,21 @@ class _RemoteVersions:
         self._remote.call("POST", f"/apps/{app}/versions/forget")
 
 
+def _failure(error: httpx.HTTPError) -> str:
+    """A failed call in one line: an answer's status and the serving process's own reason
+    (``HTTP 401 Unauthorized: unknown or revoked API token``), else the transport's error.
+    httpx's text for a status was two lines, the second a link to MDN, and left the reason out."""
+    if isinstance(error, httpx.HTTPStatusError):
+        answer = error.response
+        said = f"HTTP {answer.status_code} {answer.reason_phrase}".rstrip()
+        try:
+            reason = answer.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            reason = None
+        return f"{said}: {' '.join(reason.split())}" if isinstance(reason, str) else said
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 class RemoteServing:
     """The serving process at ``url`` (its base URL), read with the admin token ``token``
     (thread-safe; see the module docstring). ``client``: the HTTP client to send with (a test's
@@ -303,12 +318,12 @@ class RemoteServing:
                 "the serving process at %s refuses the feed: %s%s (check serving_url and"
                 " internal_token)",
                 self.url,
-                error,
+                _failure(error),
                 since,
             )
         else:
             logger.warning(
-                "the serving process at %s does not answer: %s%s", self.url, error, since
+                "the serving process at %s does not answer: %s%s", self.url, _failure(error), since
             )
 
     # --- what the loops read ------------------------------------------------------------------

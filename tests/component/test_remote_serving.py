@@ -331,7 +331,11 @@ def test_a_feed_that_keeps_failing_is_said_again_and_a_refusal_is_an_error(
     assert "(for 70 s: the tuner, the gears and the calibration see no traffic)" in said[1][1]
 
     refusing = httpx.Client(
-        transport=httpx.MockTransport(lambda request: httpx.Response(401, json={})),
+        transport=httpx.MockTransport(
+            lambda request: httpx.Response(
+                401, json={"error": {"code": "unauthorized", "message": "unknown token"}}
+            )
+        ),
         base_url="http://serving",
     )
     caplog.clear()
@@ -339,6 +343,11 @@ def test_a_feed_that_keeps_failing_is_said_again_and_a_refusal_is_an_error(
         assert not RemoteServing("http://serving", "wrong", FakeClock(), client=refusing).pull()
     ((level, message),) = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert level == "ERROR" and "check serving_url and internal_token" in message
+    # One line, with the serving process's reason (httpx's text was two, the second a link).
+    assert message == (
+        "the serving process at http://serving refuses the feed: HTTP 401 Unauthorized: unknown"
+        " token (check serving_url and internal_token)"
+    )
 
 
 def test_a_loops_process_whose_feed_fails_says_so_in_its_health(
