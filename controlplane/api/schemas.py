@@ -409,6 +409,10 @@ class BudgetChangeIn(BaseModel):
         # PostgreSQL's text holds no NUL character (SQLite's does): refused on both alike.
         if "\x00" in reason:
             raise ValueError("must not contain a NUL character")
+        # One line of text, as a token's name is: a newline split the audit trail's row in
+        # `heteroplane budget get`, and an escape sequence reached the operator's terminal.
+        if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in reason):
+            raise ValueError("must not hold control characters (a newline, a tab, an escape)")
         return reason
 
 

@@ -536,6 +536,11 @@ def test_malformed_json_is_a_400(api: Api) -> None:
         ({"budget_usd_per_hr": 3, "reason": "x", "extra": 1}, "extra"),
         ({"budget_usd_per_hr": 3, "reason": "x" * 501}, "reason"),
         ({"budget_usd_per_hr": 3, "reason": "a\x00b"}, "reason"),
+        # One line: a newline split budget get's audit table, an escape reached the terminal.
+        ({"budget_usd_per_hr": 3, "reason": "line1\nline2"}, "reason"),
+        ({"budget_usd_per_hr": 3, "reason": "a\tb"}, "reason"),
+        ({"budget_usd_per_hr": 3, "reason": "\x1b[31mred"}, "reason"),
+        ({"budget_usd_per_hr": 3, "reason": "\x9b31mred"}, "reason"),
     ],
 )
 def test_a_bad_budget_is_a_422_naming_the_field(api: Api, body: dict[str, Any], field: str) -> None:
