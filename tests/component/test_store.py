@@ -428,6 +428,21 @@ def test_a_repeated_keyed_decision_is_one_row_with_a_count(store: Store, clock: 
     assert [d.count for d in store.list_decisions("recs", kinds=["scale_up"])] == [1, 1]
 
 
+def test_a_decision_made_again_after_since_is_listed_since(store: Store, clock: StepClock) -> None:
+    """A failed launch repeated every 5 s since 20 s ago is one row first made at T0: asked for
+    what was decided in the last 10 s (``events --since``), it was left out, the repeats in
+    that span with it; retention already judged it by its last time."""
+    store.create_app(spec("recs"), who="alice")
+    store.record_decision("recs", "launch_failed", "no capacity", key="r-1:ICE")
+    store.record_decision("recs", "scale_up", "load")
+    for _ in range(4):
+        clock.advance(5)
+        store.record_decision("recs", "launch_failed", "no capacity", key="r-1:ICE")
+    since = store.list_decisions("recs", since=T0 + timedelta(seconds=10))
+    assert [(d.kind, d.count) for d in since] == [("launch_failed", 5)]
+    assert store.list_decisions("recs", since=T0 + timedelta(seconds=20)) == []
+
+
 def test_a_different_key_or_kind_or_app_is_a_new_decision(store: Store, clock: StepClock) -> None:
     store.create_app(spec("recs"), who="alice")
     store.create_app(spec("ads"), who="alice")

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, delete, func, select
+from sqlalchemy import CursorResult, delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from controlplane.db import models as m
@@ -114,15 +114,18 @@ class DecisionStore(StoreBase):
         exclude_kinds: Iterable[str] | None = None,
         limit: int | None = None,
     ) -> list[DecisionRecord]:
-        """The decisions (of ``app``), oldest first: after ``since``, of ``kinds`` only and of
-        none of ``exclude_kinds``, filtered in the query, so ``limit`` (the newest that many)
-        counts only the decisions that pass."""
+        """The decisions (of ``app``), oldest first: made after ``since`` (a decision made
+        again counts by its ``last_at``, as retention does: a failed launch repeated every 5 s
+        for an hour is in its last 10 minutes), of ``kinds`` only and of none of ``exclude_kinds``,
+        filtered in the query, so ``limit`` (the newest that many) counts only the decisions
+        that pass."""
         with transaction(self._sessions) as session:
             query = select(m.DecisionRow, m.App.name).join(m.App, m.App.id == m.DecisionRow.app_id)
             if app is not None:
                 query = query.where(m.DecisionRow.app_id == _app_row(session, app).id)
             if since is not None:
-                query = query.where(m.DecisionRow.at > self._now(since))
+                after = self._now(since)
+                query = query.where(or_(m.DecisionRow.at > after, m.DecisionRow.last_at > after))
             if kinds is not None:
                 query = query.where(m.DecisionRow.kind.in_(list(kinds)))
             if exclude_kinds is not None:
