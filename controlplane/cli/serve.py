@@ -117,16 +117,24 @@ def client_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+class _OneLine(logging.Formatter):
+    """A record's message on its one line: a newline in it (Alembic's revision titles, a
+    library's error text) started a line without time, level or logger, which a reader of the
+    log or a line-based collector takes for another record. A traceback still follows on the
+    lines after it."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        return " ".join(super().formatMessage(record).splitlines())
+
+
 def configure_logging(log_level: str, process: str | None = None) -> None:
     """Log records at ``log_level`` and above to stderr, one line each (``process``, when
     given, in brackets on each line: the loops process beside a serving process)."""
     level = getattr(logging, log_level.upper())
     tag = f" [{process}]" if process else ""
-    logging.basicConfig(
-        level=level,
-        format=f"%(asctime)s %(levelname)s{tag} %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLine(f"%(asctime)s %(levelname)s{tag} %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
     # APScheduler logs every run at info: only its warnings (a skipped run) unless debugging.
     logging.getLogger("apscheduler").setLevel(max(level, logging.WARNING))
     # httpx logs every request at info: the loops' feed exchange ten times a second.
