@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from controlplane.cli.output import emit
+from controlplane.cli.output import UsageError, emit
 from controlplane.db import migrate
 from controlplane.db.lease import schema_change_lock
 from controlplane.db.session import is_in_memory_sqlite, redact_url
@@ -65,6 +65,13 @@ def _describe(data: dict[str, Any]) -> str:
 def upgrade(args: argparse.Namespace) -> int:
     url = _database_url(args)
     before = migrate.current(url)
+    if migrate.older_than(args.revision, before):
+        # Alembic's upgrade to an older revision does nothing: it said the database was at its
+        # revision, exit status 0, as if it had been moved.
+        raise UsageError(
+            f"cannot upgrade {redact_url(url)} to {args.revision}: it is at {before}, which is"
+            f" newer; to go back: heteroplane db downgrade --revision {args.revision}"
+        )
     if before != migrate.head() or args.revision not in ("head", before):
         with schema_change_lock(url, "upgrade"):
             before = migrate.current(url)

@@ -17,6 +17,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.script.revision import RevisionError
 from alembic.util import CommandError
 from sqlalchemy import URL, Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -31,6 +32,7 @@ __all__ = [
     "downgrade",
     "head",
     "is_up_to_date",
+    "older_than",
     "upgrade",
 ]
 
@@ -119,6 +121,27 @@ def upgrade(target: Target, revision: str = "head") -> None:
             ) from None
     with _reported("upgrade", target):
         _run(target, lambda config: command.upgrade(config, revision))
+
+
+def older_than(revision: str, current: str | None) -> bool:
+    """Whether ``revision`` (``base``, a revision or its unique prefix) comes before ``current``
+    in the history: an upgrade to it does nothing (Alembic's upgrade only goes forward), where
+    it is a downgrade the operator asked for. False for a name the history does not know
+    (the upgrade then says so)."""
+    if current is None:
+        return False
+    script = ScriptDirectory.from_config(_config("sqlite://"))
+    try:
+        target = script.get_revision(revision)
+        if target is None:
+            return revision.strip() == "base"
+        return target.revision != current and any(
+            step.revision == target.revision for step in script.iterate_revisions(current, "base")
+        )
+    except (CommandError, RevisionError):
+        # A name the history does not know, or a database at a revision it does not know (a
+        # newer heteroplane migrated it): the upgrade says which.
+        return False
 
 
 def downgrade(target: Target, revision: str) -> None:

@@ -55,6 +55,46 @@ def test_db_upgrade_current_downgrade(
     assert downgraded["revision"] is None and downgraded["previous_revision"] == NEWEST
 
 
+def test_an_upgrade_to_an_older_revision_is_refused(
+    database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Alembic's upgrade only goes forward: to an older revision it did nothing, and the command
+    said where the database was with exit status 0, as if it had moved it."""
+    older = sorted(p for p in migrate_revisions() if p < NEWEST)
+    run_json(capsys, "db", "upgrade", "--revision", older[-1])
+    for target in (older[-2], "base"):
+        err = one_line_refusal(capsys, "db", "upgrade", "--revision", target)
+        assert err == (
+            f"heteroplane db: cannot upgrade {database_url} to {target}: it is at {older[-1]},"
+            f" which is newer; to go back: heteroplane db downgrade --revision {target}\n"
+        )
+    assert run_json(capsys, "db", "current")["revision"] == older[-1]
+    # The same revision, or a newer one, is an upgrade as before.
+    assert run_json(capsys, "db", "upgrade", "--revision", older[-1])["revision"] == older[-1]
+    assert run_json(capsys, "db", "upgrade")["revision"] == NEWEST
+
+
+def test_an_upgrade_of_a_database_at_an_unknown_revision_is_one_line(
+    database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newer heteroplane migrated it: the revision it is at is not in this history."""
+    import sqlite3
+
+    run_json(capsys, "db", "upgrade")
+    with sqlite3.connect(database_url.removeprefix("sqlite:///")) as connection:
+        connection.execute("UPDATE alembic_version SET version_num = '0999'")
+    for argv in (["db", "upgrade"], ["db", "upgrade", "--revision", "0001"]):
+        err = one_line_refusal(capsys, *argv)
+        assert "Can't locate revision identified by '0999'" in err
+
+
+def migrate_revisions() -> list[str]:
+    return [
+        p.name.split("_", 1)[0]
+        for p in (Path(__file__).resolve().parents[2] / "migrations" / "versions").glob("0*.py")
+    ]
+
+
 def test_db_errors_are_one_line(database_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         main(["db", "upgrade", "--revision", "nope"])
