@@ -351,6 +351,14 @@ def test_every_output_has_a_description(where: str) -> None:
         assert str(body.get("description", "")).strip(), f"output {name} has no description"
 
 
+def test_the_readme_lists_every_output(root: dict[str, Any]) -> None:
+    """The README's Outputs section names them all (it had left interruption_queue_url out)."""
+    readme = (TERRAFORM_DIR / "README.md").read_text()
+    listed = readme.split("## Outputs", 1)[1].split("\n## ", 1)[0]
+    missing = [name for name, _ in labelled(root["output"]) if f"`{name}`" not in listed]
+    assert not missing, f"outputs missing from terraform/README.md's Outputs: {missing}"
+
+
 def test_root_passes_the_module_through(root: dict[str, Any], module: dict[str, Any]) -> None:
     root_vars = dict(labelled(root["variable"]))
     module_vars = dict(labelled(module["variable"]))
