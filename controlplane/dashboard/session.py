@@ -60,9 +60,11 @@ class SessionSettings(BaseSettings):
         default=False,
         description="send the cookie Secure on every request: TLS ends in front of the service",
     )
+    # At least a second: the cookie's Max-Age is whole seconds, and a lifetime under one gave
+    # Max-Age=0, a cookie the browser drops at once (every sign-in "succeeded" to the form).
     session_lifetime_s: float = Field(
         default=DEFAULT_SESSION_LIFETIME_S,
-        gt=0,
+        ge=1,
         le=_MAX_SESSION_LIFETIME_S,
         allow_inf_nan=False,
         description="how long a sign-in lasts, s",

@@ -199,9 +199,14 @@ def test_the_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(SettingsError) as refused:
         load_session_settings()
     assert str(refused.value) == (
-        "dashboard.session_lifetime_s: must be greater than 0, got '0'"
+        "dashboard.session_lifetime_s: must be greater than or equal to 1, got '0'"
         " (HETEROPLANE_DASHBOARD_SESSION_LIFETIME_S)"
     )
+    # Under a second the cookie's Max-Age (whole seconds) was 0: the browser dropped it at
+    # once, and no sign-in ever held.
+    monkeypatch.setenv("HETEROPLANE_DASHBOARD_SESSION_LIFETIME_S", "0.5")
+    with pytest.raises(SettingsError, match=r"must be greater than or equal to 1, got '0\.5'"):
+        load_session_settings()
 
 
 def test_a_form_of_too_many_fields_is_a_400(site: Site) -> None:
