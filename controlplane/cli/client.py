@@ -4,8 +4,9 @@
 The server is ``--url``, else ``$HETEROPLANE_URL``, else http://127.0.0.1:8000; the token is
 ``--token``, else ``$HETEROPLANE_TOKEN``. Every failure is an :class:`ApiClientError` whose
 message is one line: the server's own error message for an HTTP error, or "cannot reach the
-heteroplane API at URL (is `heteroplane serve` running?)" when nothing answers; the CLI prints it
-and exits with status 2.
+heteroplane API at URL (is `heteroplane serve` running?)" when nothing answers, or the TLS
+handshake's failure for an https:// URL (naming plain HTTP where that answered); the CLI prints
+it and exits with status 2.
 
 httpx is imported when the first request is sent, not with this module: the parsers of every
 command import the options below, and ``heteroplane --help`` should not pay for an HTTP client
@@ -214,8 +215,22 @@ class ApiClient:
             raise ApiClientError(
                 f"the heteroplane API at {self.url} did not answer within {self.timeout_s:g} s"
             ) from None
-        except (httpx.NetworkError, httpx.RemoteProtocolError):
-            # Refused, reset, a name that does not resolve, a server that hung up.
+        except (httpx.NetworkError, httpx.RemoteProtocolError) as error:
+            # Refused, reset, a name that does not resolve, a server that hung up; or a TLS
+            # handshake that failed, where something did answer (an https:// URL of the
+            # service's own plain-HTTP port: "is it running?" sent the operator the wrong way).
+            tls = _tls_failure(error)
+            if tls is not None:
+                plain = tls in _PLAIN_HTTP_ANSWERS
+                raise ApiClientError(
+                    f"the TLS handshake with {self.url} failed ({tls})"
+                    + (
+                        ": it answers plain HTTP (`heteroplane serve` speaks http://; TLS ends"
+                        " in front of it, at a load balancer)"
+                        if plain
+                        else ""
+                    )
+                ) from None
             raise ApiClientError(self.unreachable()) from None
         except httpx.HTTPError as error:  # a proxy, an unsupported protocol, too many redirects
             raise ApiClientError(f"{self.unreachable()}: {error}") from None
@@ -255,6 +270,25 @@ def app_path(app: str, *parts: str) -> str:
         raise UsageError("an app's name must not be empty")
     quoted = urllib.parse.quote(app, safe="")
     return "/".join([f"/v1/apps/{quoted}", *parts]) if parts else f"/v1/apps/{quoted}"
+
+
+# OpenSSL's reasons for a TLS client that got a plain-HTTP answer to its hello.
+_PLAIN_HTTP_ANSWERS = frozenset({"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "RECORD_LAYER_FAILURE"})
+
+
+def _tls_failure(error: BaseException) -> str | None:
+    """The reason of the TLS error behind ``error`` (httpx's, raised from httpcore's, raised
+    from :mod:`ssl`'s), or None when none is."""
+    import ssl
+
+    seen: BaseException | None = error
+    for _ in range(8):  # the chain is short; a cycle is not followed for ever
+        if seen is None:
+            return None
+        if isinstance(seen, ssl.SSLError):
+            return str(getattr(seen, "reason", None) or seen)
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

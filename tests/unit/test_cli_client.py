@@ -241,6 +241,21 @@ def test_nothing_listening_no_token_and_a_bad_url(
     assert err == "heteroplane fleet: no API token: pass --token or set HETEROPLANE_TOKEN\n"
 
 
+def test_https_to_a_plain_http_service_says_so(
+    fake: FakeService, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The service answered, in plain HTTP: "cannot reach ... (is heteroplane serve running?)"
+    sent the operator to look for a service that was running."""
+    https = fake.url.replace("http://", "https://")
+    status, out, err = cli(capsys, "fleet", "--url", https)
+    assert (status, out) == (2, "")
+    assert err == (
+        f"heteroplane fleet: the TLS handshake with {https} failed (WRONG_VERSION_NUMBER): it"
+        " answers plain HTTP (`heteroplane serve` speaks http://; TLS ends in front of it, at a"
+        " load balancer)\n"
+    )
+
+
 @pytest.mark.parametrize("option", ["--token", "--url"])
 def test_an_empty_token_or_url_given_is_one_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, option: str
