@@ -23,6 +23,7 @@ directory
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -89,6 +90,11 @@ def default_data_dir() -> Path:
     xdg = os.environ.get("XDG_DATA_HOME")
     base = Path(xdg) if xdg else Path.home() / ".local" / "share"
     return base / "heteroplane"
+
+
+# An AWS resource id as EC2 writes them (subnet-0123abcd, sg-0123abcd): letters, digits and
+# dashes, nothing a list's punctuation leaves behind.
+_AWS_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*")
 
 
 class Ec2Settings(BaseModel):
@@ -169,8 +175,26 @@ class Ec2Settings(BaseModel):
     @classmethod
     def _split_list(cls, value: Any) -> Any:
         if isinstance(value, str):
+            if value.strip().startswith("["):
+                # A JSON list, the form HETEROPLANE_EC2__SUBNET_IDS takes: split on its commas
+                # it made the ids '["subnet-a"' and '"subnet-b"]', which only EC2 refused.
+                try:
+                    return json.loads(value)
+                except ValueError:
+                    raise ValueError("must be ids separated by commas, or a JSON list") from None
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("subnet_ids", "security_group_ids")
+    @classmethod
+    def _check_ids(cls, ids: list[str]) -> list[str]:
+        for one in ids:
+            if not _AWS_ID.fullmatch(one):
+                raise ValueError(
+                    f"must be AWS ids (subnet-0abc, sg-0abc) separated by commas: {one!r} is not"
+                    " one"
+                )
+        return ids
 
     @field_validator("launch_templates", mode="before")
     @classmethod

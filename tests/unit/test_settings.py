@@ -375,6 +375,16 @@ def test_flat_ec2_environment_merges_with_the_file_and_nested_form_wins(
     assert settings.ec2.launch_templates == {"g4dn.xlarge": "lt-0123"}
 
 
+def test_a_flat_list_of_ids_may_be_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The form HETEROPLANE_EC2__SUBNET_IDS takes: split on its commas, it made the ids
+    '["subnet-a"' and '"subnet-b"]', which only EC2 refused, at the first launch."""
+    for name, good in FLAT_EC2.items():
+        monkeypatch.setenv(name, good)
+    monkeypatch.setenv("HETEROPLANE_EC2_SUBNET_IDS", '["subnet-a", "subnet-b"]')
+    settings = load_settings()
+    assert settings.ec2 is not None and settings.ec2.subnet_ids == ["subnet-a", "subnet-b"]
+
+
 @pytest.mark.parametrize(
     ("variable", "value", "message"),
     [
@@ -387,6 +397,24 @@ def test_flat_ec2_environment_merges_with_the_file_and_nested_form_wins(
         ("HETEROPLANE_EC2_SUBNET_IDS", " , ", "ec2.subnet_ids: must have at least 1 item"),
         ("HETEROPLANE_EC2_MAX_ATTEMPTS", "0", "ec2.max_attempts: must be greater than or equal"),
         ("HETEROPLANE_EC2_TAG_PREFIX", "a:b", "ec2.tag_prefix: must match pattern"),
+        # Not a list of ids: these were kept as ids ('subnet-a;subnet-b'), for EC2 to refuse.
+        (
+            "HETEROPLANE_EC2_SUBNET_IDS",
+            "subnet-a;subnet-b",
+            "ec2.subnet_ids: must be AWS ids (subnet-0abc, sg-0abc) separated by commas:"
+            " 'subnet-a;subnet-b' is not one",
+        ),
+        (
+            "HETEROPLANE_EC2_SECURITY_GROUP_IDS",
+            "sg-1 sg-2",
+            "ec2.security_group_ids: must be AWS ids (subnet-0abc, sg-0abc) separated by"
+            " commas: 'sg-1 sg-2' is not one",
+        ),
+        (
+            "HETEROPLANE_EC2_SUBNET_IDS",
+            '["subnet-a",',
+            "ec2.subnet_ids: must be ids separated by commas, or a JSON list",
+        ),
     ],
 )
 def test_bad_flat_ec2_environment(
