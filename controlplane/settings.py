@@ -45,6 +45,7 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+from pydantic_settings import SettingsError as SourceError
 
 from controlplane.errors import SettingsError, shown
 from estimator.documents import UniqueKeyLoader
@@ -784,6 +785,39 @@ def load_settings(config_file: Path | None = None) -> Settings:
         raise SettingsError(error.field, error.problem, error.source or source) from None
     except ValidationError as error:
         raise _settings_error_from(error, source) from None
+    except SourceError as error:
+        # pydantic-settings' own, for a nested variable of a list or mapping that is not JSON
+        # (HETEROPLANE_EC2__SUBNET_IDS=a,b): it was a traceback out of every command.
+        raise _nested_environment_error(error) from None
+
+
+# The flat and the nested (JSON) forms of the EC2 settings that are a list or a mapping.
+_EC2_COMPLEX = {
+    "subnet_ids": ('["subnet-a","subnet-b"]', "subnet-a,subnet-b"),
+    "security_group_ids": ('["sg-1","sg-2"]', "sg-1,sg-2"),
+    "launch_templates": ('{"g4dn.xlarge":"lt-0123"}', "g4dn.xlarge=lt-0123"),
+}
+
+
+def _nested_environment_error(error: SourceError) -> SettingsError:
+    """One line for a ``HETEROPLANE_EC2__<FIELD>`` variable that pydantic-settings could not
+    parse as JSON: the variable, its value, and both forms that work."""
+    prefix = f"{ENV_PREFIX}EC2__"
+    for name in sorted(os.environ):
+        field = name[len(prefix) :].lower() if name.upper().startswith(prefix) else None
+        if field not in _EC2_COMPLEX:
+            continue
+        value = os.environ[name]
+        try:
+            json.loads(value)
+        except ValueError:
+            nested, flat = _EC2_COMPLEX[field]
+            return SettingsError(
+                f"ec2.{field}",
+                f"must be JSON in this nested form ({nested}), or use"
+                f" {ENV_PREFIX}EC2_{field.upper()}={flat}, got {shown(value)} ({name})",
+            )
+    return SettingsError("", " ".join(str(error).split()))
 
 
 def _reading(config_file: Path) -> type[Settings]:

@@ -429,6 +429,37 @@ def test_bad_flat_ec2_environment(
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        (
+            "HETEROPLANE_EC2__SUBNET_IDS",
+            "subnet-a,subnet-b",
+            'ec2.subnet_ids: must be JSON in this nested form (["subnet-a","subnet-b"]), or'
+            " use HETEROPLANE_EC2_SUBNET_IDS=subnet-a,subnet-b, got 'subnet-a,subnet-b'"
+            " (HETEROPLANE_EC2__SUBNET_IDS)",
+        ),
+        (
+            "HETEROPLANE_EC2__LAUNCH_TEMPLATES",
+            "g4dn.xlarge=lt-0123",
+            "ec2.launch_templates: must be JSON in this nested form"
+            ' ({"g4dn.xlarge":"lt-0123"}), or use'
+            " HETEROPLANE_EC2_LAUNCH_TEMPLATES=g4dn.xlarge=lt-0123, got 'g4dn.xlarge=lt-0123'"
+            " (HETEROPLANE_EC2__LAUNCH_TEMPLATES)",
+        ),
+    ],
+)
+def test_a_nested_list_that_is_not_json_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, message: str
+) -> None:
+    """The nested form of a list or a mapping is JSON: its flat form there was pydantic-settings'
+    own error, a traceback out of every command that reads the settings."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    assert str(caught.value) == message
+
+
 def test_bad_flat_value_names_the_flat_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, good in FLAT_EC2.items():
         monkeypatch.setenv(name, good)
