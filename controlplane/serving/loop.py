@@ -244,6 +244,7 @@ class ServingLoop:
         self._dispatchers: dict[str, AppDispatcher] = {}
         self._snapshots: dict[str, AppStatus] = {}
         self._warned: dict[str, str] = {}  # app -> the refresh problem last logged
+        self._routes_warned: str | None = None  # the rollouts' read problem last logged
         self._creating: dict[str, asyncio.Future[AppDispatcher]] = {}
         self._refresher: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[object]] = set()
@@ -540,7 +541,15 @@ class ServingLoop:
             try:
                 await asyncio.to_thread(self.route_refresh)
             except ControlPlaneError as error:  # the routes stay as they were
-                logger.warning("serving refresh: cannot read the rollouts: %s", error)
+                # Once per cause, as an app's refresh problem: a database down for an hour
+                # logged this line every second of it.
+                if self._routes_warned != str(error):
+                    self._routes_warned = str(error)
+                    logger.warning("serving refresh: cannot read the rollouts: %s", error)
+            else:
+                if self._routes_warned is not None:
+                    self._routes_warned = None
+                    logger.info("serving refresh: reads the rollouts again")
         # Concurrently: a worker that does not answer its probe holds up its own app only.
         apps = list(self._dispatchers.items())
         outcomes = await asyncio.gather(

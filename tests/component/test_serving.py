@@ -1238,6 +1238,43 @@ def test_a_query_a_cascade_forwards_is_refused_where_the_next_stage_cannot_serve
     run(scenario())
 
 
+def test_rollouts_the_refresh_cannot_read_are_said_once_per_cause(
+    world: ApiWorld, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The database down: every serving process logged "cannot read the rollouts" every
+    second of the outage (a PostgreSQL stopped for 10 s, ten lines a process)."""
+    from controlplane.errors import DatabaseError
+
+    down = [True]
+
+    def routes() -> None:
+        if down[0]:
+            raise DatabaseError("database error on postgresql://db: connection refused")
+
+    async def body(client: httpx.AsyncClient) -> None:
+        world.serving.route_refresh = routes
+        caplog.clear()
+        for _ in range(3):
+            await world.serving.refresh()
+        down[0] = False
+        await world.serving.refresh()
+        await world.serving.refresh()
+        said = [
+            (r.levelname, r.getMessage()) for r in caplog.records if "rollouts" in r.getMessage()
+        ]
+        assert said == [
+            (
+                "WARNING",
+                "serving refresh: cannot read the rollouts: database error on"
+                " postgresql://db: connection refused",
+            ),
+            ("INFO", "serving refresh: reads the rollouts again"),
+        ]
+
+    with caplog.at_level("INFO", logger="controlplane.serving.loop"):
+        api_run(world, body)
+
+
 def test_a_refresh_the_spec_refuses_keeps_serving_and_says_so_once(
     world: ApiWorld, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
