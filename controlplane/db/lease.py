@@ -210,6 +210,8 @@ class AdvisoryLock:
         self._connection: Connection | None = None
         self._held = False
         self._mutex = threading.Lock()
+        # Why the last try could not reach the database, as logged (None: it reached it).
+        self._unreachable: str | None = None
 
     @property
     def held(self) -> bool:
@@ -229,10 +231,18 @@ class AdvisoryLock:
                     text("SELECT pg_try_advisory_lock(:key)"), {"key": self.key}
                 ).scalar_one()
             except SQLAlchemyError as error:
-                logger.warning("%s: cannot reach %s: %s", self.what, self._where, first_line(error))
+                # Once per cause: a standby tries every 2 s, and a database down for an hour
+                # was 1,800 identical lines a loops process.
+                reason = first_line(error)
+                if reason != self._unreachable:
+                    self._unreachable = reason
+                    logger.warning("%s: cannot reach %s: %s", self.what, self._where, reason)
                 self._drop_locked()
                 self.refused = False
                 return False
+            if self._unreachable is not None:
+                self._unreachable = None
+                logger.info("%s: reaches %s again", self.what, self._where)
             self._held = bool(got)
             self.refused = not self._held
             return self._held

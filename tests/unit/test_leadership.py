@@ -259,6 +259,28 @@ def test_a_standby_says_what_it_serves(caplog: pytest.LogCaptureFixture) -> None
         loops.stop()
 
 
+def test_a_lock_that_cannot_reach_the_database_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A standby tries the lease every 2 s: with the database down it logged "cannot reach" at
+    every try, 1,800 identical lines an hour a loops process."""
+    import logging
+    from socket import socket
+
+    from controlplane.db.lease import AdvisoryLock
+
+    pytest.importorskip("psycopg")
+    with socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        lock = AdvisoryLock(f"postgresql+psycopg://heteroplane:secret@127.0.0.1:{port}/hp")
+        with caplog.at_level(logging.INFO, logger="controlplane.db.lease"):
+            assert not any(lock.try_acquire() for _ in range(3))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("leader lock: cannot reach"), said
+    assert "secret" not in said[0]
+
+
 def test_an_unreachable_database_says_so_at_the_migrations_lock() -> None:
     """The first thing a service does with a PostgreSQL database is to take the migrations'
     lock: where the server does not answer, the line says the database is unreachable (it said
