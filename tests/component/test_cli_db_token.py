@@ -243,6 +243,18 @@ def test_token_create_upgrades_and_prints_the_token_alone(
     assert "a token named 'ci' already exists" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", [" ", "ci ", " ci"])
+def test_a_blank_or_padded_token_name_is_refused(
+    database_url: str, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """' ' was a token whose name every audit line ('plan 1 applied by  ') and token list
+    showed blank, and 'ci ' one beside 'ci' that read the same."""
+    err = one_line_refusal(capsys, "token", "create", "--scope", "viewer", "--name", name)
+    assert err == (
+        f"heteroplane token: name: must not be blank or start or end with a space, got {name!r}\n"
+    )
+
+
 def test_token_list_and_revoke_make_no_database(
     database_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -24,6 +24,7 @@ from controlplane.db.store.records import (
 from controlplane.db.store.token_cache import TOKEN_CACHE_S
 from controlplane.errors import (
     ConflictError,
+    InvalidValueError,
     NotFoundError,
 )
 from controlplane.policies import auth
@@ -56,6 +57,12 @@ class TokenStore(StoreBase):
         """:meth:`create_token`, with the stored record (its name, when it was made)."""
         granted = auth.parse_scope(scope)
         label = _label(name, "name") if name is not None else f"{granted}-{secrets.token_hex(4)}"
+        if label != label.strip():
+            # ' ' or 'ci ' was a token of its own, beside 'ci', that every audit line
+            # ('applied by  ') and `token list` showed as blank or as 'ci'.
+            raise InvalidValueError(
+                "name", f"must not be blank or start or end with a space, got {label!r}"
+            )
         token = auth.generate_token()
         try:
             with transaction(self._sessions) as session:
