@@ -392,13 +392,21 @@ class PlanOut(BaseModel):
 # --- budgets ---------------------------------------------------------------------------------
 
 
+# Text without control characters (C0, DEL, C1): what the budget's reason validator accepts.
+_ONE_LINE_PATTERN = r"^[^\u0000-\u001f\u007f-\u009f]*$"
+
+
 class BudgetChangeIn(BaseModel):
     model_config = _REQUEST
 
     budget_usd_per_hr: float = Field(
         ge=MIN_BUDGET_USD_PER_HR, le=MAX_BUDGET_USD_PER_HR, allow_inf_nan=False
     )
-    reason: str = Field(min_length=1, max_length=_MAX_REASON)
+    # One line of text (the validator below says why in its own words; the document says it
+    # as a pattern).
+    reason: str = Field(
+        min_length=1, max_length=_MAX_REASON, json_schema_extra={"pattern": _ONE_LINE_PATTERN}
+    )
     # A budget below the app's smallest serving fleet is a 409, one that buys no instance a 422,
     # unless forced.
     force: bool = False

@@ -92,7 +92,7 @@ def test_an_npz_reads_back_and_a_missing_one_is_the_callers(tmp_path: Path) -> N
         ({"inputs": [3]}, "input 1 is not an object with name, datatype, shape, data"),
         (
             {"inputs": [{"name": "x", "datatype": "FP32", "shape": 2, "data": [1, 2]}]},
-            "input 1 ('x'): shape 2 is not a list of whole numbers",
+            "input 1 ('x'): shape 2 is not a list of whole numbers >= 0",
         ),
     ],
 )
