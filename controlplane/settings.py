@@ -854,7 +854,10 @@ def _settings_error_from(error: ValidationError, source: str | None) -> Settings
     else:
         # pydantic says "Input should be ...", "List should have ...": say "must".
         message = re.sub(r"^\w+ should ", "must ", str(detail["msg"]).removeprefix("Value error, "))
-        problem = f"{message}, got {shown(detail.get('input'))}"
+        # "must be a valid integer, got a number with a fractional part": the value once, and
+        # pydantic's word on it after it.
+        head, got, what = message.partition(", got ")
+        problem = f"{head}, got {shown(detail.get('input'))}" + (f" ({what})" if got else "")
     env = ENV_PREFIX + "__".join(part.upper() for part in loc) if loc else ""
     flat = ENV_PREFIX + "_".join(part.upper() for part in loc)
     if len(loc) == 2 and loc[0] == "ec2" and env not in os.environ and flat in os.environ:

@@ -221,6 +221,11 @@ def test_message_names_the_environment_variable(monkeypatch: pytest.MonkeyPatch)
         ("- port\n", "must be a mapping of settings, got list"),
         ("1: 8000\n", "1: unknown setting"),
         ("tuner_tick_s: -3\n", "tuner_tick_s: must be greater than 0"),
+        # It said "got" twice: "..., got a number with a fractional part, got 8000.5".
+        (
+            "port: 8000.5\n",
+            "port: must be a valid integer, got 8000.5 (a number with a fractional part)",
+        ),
         # Taken as the config file's folder without a word.
         ('data_dir: ""\n', "data_dir: must not be empty (a directory path), got ''"),
         # The last one was kept without a word.
