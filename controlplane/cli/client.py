@@ -103,6 +103,9 @@ class ApiClient:
             raise UsageError(f"--url {url!r} is not a URL: {error}") from None
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise UsageError(f"--url must be an http:// or https:// URL, got {url!r}")
+        if parsed.query or parsed.fragment or url.rstrip("/").endswith(("?", "#")):
+            # The routes go after it: "?x=1/v1/apps" answered "no route GET /" (a 404).
+            raise UsageError(f"--url is the API's base URL, without a '?' or '#' part, got {url!r}")
         if not 0 < timeout_s <= MAX_WAIT_S:
             raise UsageError(
                 f"--timeout must be > 0 and at most {MAX_WAIT_S:.0f} s, got {timeout_s!r}"

@@ -235,6 +235,14 @@ def test_nothing_listening_no_token_and_a_bad_url(
     assert err == (
         "heteroplane fleet: --url must be an http:// or https:// URL, got 'ftp://example.org'\n"
     )
+    # The routes go after the URL: a query string answered "no route GET / (HTTP 404)".
+    for url in (f"{dead}?x=1", f"{dead}/#top", f"{dead}?"):
+        status, _, err = cli(capsys, "fleet", "--url", url)
+        assert status == 2
+        assert err == (
+            f"heteroplane fleet: --url is the API's base URL, without a '?' or '#' part,"
+            f" got {url!r}\n"
+        )
     monkeypatch.delenv("HETEROPLANE_TOKEN")
     status, _, err = cli(capsys, "fleet", "--url", dead)
     assert status == 2
