@@ -106,10 +106,30 @@ def head() -> str:
     return revision
 
 
+def _check_known(action: str, target: Target) -> None:
+    """A database at a revision ``migrations/`` does not know was migrated by a newer
+    heteroplane: say so (Alembic said "Can't locate revision identified by '0099'")."""
+    revision = current(target)
+    if revision is None:
+        return
+    try:
+        known = ScriptDirectory.from_config(_config("sqlite://")).get_revision(revision)
+    except (CommandError, RevisionError):
+        known = None
+    if known is None:
+        raise DatabaseError(
+            f"cannot {action} {redact_url(_url(target))}: it is at revision {revision}, which"
+            f" this heteroplane does not know (its newest is {head()}): a newer heteroplane"
+            " migrated it; run that one, or its `heteroplane db downgrade --revision"
+            f" {head()}` to come back"
+        )
+
+
 def upgrade(target: Target, revision: str = "head") -> None:
     """Migrate the database (its URL, or an engine) up to ``revision`` (default: the newest); a
     SQLite file is created, with its folder, when missing."""
     _check_revision("upgrade", target, revision)
+    _check_known("upgrade", target)
     path = _sqlite_file(target)
     if path is not None:
         try:
@@ -147,6 +167,7 @@ def older_than(revision: str, current: str | None) -> bool:
 def downgrade(target: Target, revision: str) -> None:
     """Migrate the database down to ``revision`` (``base``: no tables at all)."""
     _check_revision("downgrade", target, revision)
+    _check_known("downgrade", target)
     with _reported("downgrade", target):
         _run(target, lambda config: command.downgrade(config, revision))
 

@@ -83,9 +83,15 @@ def test_an_upgrade_of_a_database_at_an_unknown_revision_is_one_line(
     run_json(capsys, "db", "upgrade")
     with sqlite3.connect(database_url.removeprefix("sqlite:///")) as connection:
         connection.execute("UPDATE alembic_version SET version_num = '0999'")
-    for argv in (["db", "upgrade"], ["db", "upgrade", "--revision", "0001"]):
+    # It said only "Can't locate revision identified by '0999'".
+    for argv in (
+        ["db", "upgrade"],
+        ["db", "upgrade", "--revision", "0001"],
+        ["db", "downgrade", "--revision", "0001"],
+    ):
         err = one_line_refusal(capsys, *argv)
-        assert "Can't locate revision identified by '0999'" in err
+        assert "at revision 0999, which this heteroplane does not know" in err, err
+        assert "a newer heteroplane migrated it" in err
 
 
 def migrate_revisions() -> list[str]:
