@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +291,24 @@ def test_the_scaler_leaves_inferline_apps_alone(tmp_path: Path) -> None:
         store.close()
 
 
+@contextmanager
+def planned_app(
+    tmp_path: Path, *, budget_usd_per_hr: float
+) -> Iterator[tuple[FakeClock, Store, AppResolver, Any]]:
+    """The app (at ``budget_usd_per_hr``) with PLAN applied, on a store of its own."""
+    clock = FakeClock(start_s=1000.0)
+    store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
+    try:
+        resolver = AppResolver(tmp_path)
+        document = {**spec(tmp_path), "budget_usd_per_hr": budget_usd_per_hr}
+        store.create_app(spec_document(resolver.check(document).spec), who="test")
+        plan = store.create_plan(APP, PLAN)
+        store.apply_plan(APP, plan.id)
+        yield clock, store, resolver, plan
+    finally:
+        store.close()
+
+
 def test_a_budget_cut_keeps_the_fleet_reached_cut_to_the_budget(tmp_path: Path) -> None:
     """The policy had reached three instances (0.30 USD/hr); the budget is cut to 0.25: it keeps
     two, what the new budget pays for and what the reconciler drains to. Started again from the
@@ -298,14 +317,7 @@ def test_a_budget_cut_keeps_the_fleet_reached_cut_to_the_budget(tmp_path: Path) 
     from controlplane.policies.infaas_scaling import initial_state
     from controlplane.serving.dispatcher import AppStatus
 
-    clock = FakeClock(start_s=1000.0)
-    store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
-    try:
-        resolver = AppResolver(tmp_path)
-        document = {**spec(tmp_path), "budget_usd_per_hr": 0.35}
-        store.create_app(spec_document(resolver.check(document).spec), who="test")
-        plan = store.create_plan(APP, PLAN)
-        store.apply_plan(APP, plan.id)
+    with planned_app(tmp_path, budget_usd_per_hr=0.35) as (clock, store, resolver, plan):
         idle = AppStatus(APP, "", 100.0, (), (), 0)
         scaler = InfaasScaler(
             store, clock, lambda _app: np.empty(0), lambda: [idle], stored_apps(resolver)
@@ -318,8 +330,6 @@ def test_a_budget_cut_keeps_the_fleet_reached_cut_to_the_budget(tmp_path: Path) 
         clock.advance(1.0)
         scaler.tick()
         assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 2}
-    finally:
-        store.close()
 
 
 def test_a_restarted_scaler_ticks_on_from_the_fleet_it_had_reached(tmp_path: Path) -> None:
@@ -327,14 +337,7 @@ def test_a_restarted_scaler_ticks_on_from_the_fleet_it_had_reached(tmp_path: Pat
     from controlplane.loops.reached import PLAN_ID
     from controlplane.serving.dispatcher import AppStatus
 
-    clock = FakeClock(start_s=1000.0)
-    store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
-    try:
-        resolver = AppResolver(tmp_path)
-        document = {**spec(tmp_path), "budget_usd_per_hr": 0.35}
-        store.create_app(spec_document(resolver.check(document).spec), who="test")
-        plan = store.create_plan(APP, PLAN)
-        store.apply_plan(APP, plan.id)
+    with planned_app(tmp_path, budget_usd_per_hr=0.35) as (clock, store, resolver, plan):
         numbers = {PLAN_ID: plan.id, FLEET_AFTER: {LARGE: 3}}
         store.record_decision(APP, "infaas_replicate", "before the restart", numbers)
         idle = AppStatus(APP, "", 100.0, (), (), 0)
@@ -354,5 +357,3 @@ def test_a_restarted_scaler_ticks_on_from_the_fleet_it_had_reached(tmp_path: Pat
         again = store.create_plan(APP, PLAN)
         store.apply_plan(APP, again.id)
         assert started() == {LARGE: 1}
-    finally:
-        store.close()

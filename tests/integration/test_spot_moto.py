@@ -108,11 +108,11 @@ def reconciler_on_moto(
     )
 
 
-def serve_two_spot_t3_large(
-    store: Any, clock: Any, reconciler: Any, budget: float, types: list[str]
+def planned_recs(
+    store: Any, budget: float, types: list[str], cost: float, stage: dict[str, Any]
 ) -> None:
-    """Register the app (``types`` its candidates), apply a plan of two t3.large on spot and
-    reconcile three ticks (they launch and run)."""
+    """Register the app ``recs`` (``types`` its candidates, ``budget``) and apply a plan of the
+    one stage ``stage`` (its fleets) costing ``cost``."""
     store.create_app(
         {
             "name": "recs",
@@ -123,12 +123,17 @@ def serve_two_spot_t3_large(
         },
         who="test",
     )
-    document = {
-        "feasible": True,
-        "cost_usd_per_hr": 0.06,
-        "stages": [{"name": "tiny", "fleet": {"t3.large": 2}, "spot_fleet": {"t3.large": 2}}],
-    }
+    document = {"feasible": True, "cost_usd_per_hr": cost, "stages": [{"name": "tiny", **stage}]}
     store.apply_plan("recs", store.create_plan("recs", document).id)
+
+
+def serve_two_spot_t3_large(
+    store: Any, clock: Any, reconciler: Any, budget: float, types: list[str]
+) -> None:
+    """Register the app (``types`` its candidates), apply a plan of two t3.large on spot and
+    reconcile three ticks (they launch and run)."""
+    two = {"t3.large": 2}
+    planned_recs(store, budget, types, 0.06, {"fleet": two, "spot_fleet": two})
     for _ in range(3):
         clock.advance(1.0)
         reconciler.run_once()
@@ -332,22 +337,8 @@ def test_a_spot_launch_run_on_demand_whose_answer_was_lost_is_adopted_on_demand(
             raise DiesError(request.request_id)
 
     try:
-        store.create_app(
-            {
-                "name": "recs",
-                "models": [{"name": "tiny", "profiles": "profiles.json"}],
-                "slo": {"latency_ms": 50},
-                "budget_usd_per_hr": 0.1,
-                "instance_types": ["t3.large"],
-            },
-            who="test",
-        )
-        document = {
-            "feasible": True,
-            "cost_usd_per_hr": 0.03,
-            "stages": [{"name": "tiny", "fleet": {"t3.large": 1}, "spot_fleet": {"t3.large": 1}}],
-        }
-        store.apply_plan("recs", store.create_plan("recs", document).id)
+        one = {"t3.large": 1}
+        planned_recs(store, 0.1, ["t3.large"], 0.03, {"fleet": one, "spot_fleet": one})
         dying = Reconciler(store, DiesAfterLaunch(), clock, catalog_pricing(default_catalog()))
         with pytest.raises(DiesError):
             dying.run_once()
@@ -392,22 +383,7 @@ def test_notices_on_the_queue_lead_to_replacements_and_drains_before_the_deadlin
         store, provisioner, clock, catalog_pricing(default_catalog()), missing_grace_s=600.0
     )
     try:
-        store.create_app(
-            {
-                "name": "recs",
-                "models": [{"name": "tiny", "profiles": "profiles.json"}],
-                "slo": {"latency_ms": 50},
-                "budget_usd_per_hr": 1.0,
-                "instance_types": ["t3.large"],
-            },
-            who="test",
-        )
-        document = {
-            "feasible": True,
-            "cost_usd_per_hr": 0.25,
-            "stages": [{"name": "tiny", "fleet": {"t3.large": 3}}],
-        }
-        store.apply_plan("recs", store.create_plan("recs", document).id)
+        planned_recs(store, 1.0, ["t3.large"], 0.25, {"fleet": {"t3.large": 3}})
 
         def tick(seconds: float) -> list[object]:
             clock.advance(seconds)
