@@ -406,11 +406,23 @@ def _beside_the_fleet(instance: Mapping[str, Any]) -> str:
     return "profile run" if role == "profile_run" else "-"
 
 
+# The instance states `fleet` lists without --all: those not ended (the lifecycle's live states;
+# the client commands do not import the policies, which the layers keep for the service).
+LIVE_INSTANCE_STATES = ("requested", "pending", "running", "draining", "terminating")
+FLEET_LIMIT_MAX = 10_000  # below the route's limit, which is asked for one more
+
+
 def fleet(args: argparse.Namespace) -> int:
+    if args.limit < 1 or args.limit > FLEET_LIMIT_MAX:
+        raise UsageError(f"--limit must be 1 to {FLEET_LIMIT_MAX:,}, got {args.limit}")
+    states = None if args.all else list(LIVE_INSTANCE_STATES)
     with client_from(args) as client:
         summary = client.get(app_path(args.app, "fleet")) if args.app else None
-        instances = client.get("/v1/instances", app=args.app)
+        # One more than shown, to say whether older ones were left out.
+        instances = client.get("/v1/instances", app=args.app, state=states, limit=args.limit + 1)
         served = _served_models(client, args.app) if args.app else {}
+    left_out = len(instances) > args.limit
+    instances = instances[-args.limit :]
 
     def human() -> str:
         lines = []
@@ -440,7 +452,10 @@ def fleet(args: argparse.Namespace) -> int:
             headers.append("SERVES")
             for row, i in zip(rows, instances, strict=True):
                 row.append(", ".join(served.get(str(i["id"]), [])) or _beside_the_fleet(i))
-        lines.append(table(headers, rows) if rows else "no instances")
+        empty = "no instances" if args.all else "no live instances (--all: the ended ones too)"
+        lines.append(table(headers, rows) if rows else empty)
+        if left_out:
+            lines.append(f"(the newest {args.limit} shown; --limit N for more)")
         return "\n".join(lines)
 
     data: dict[str, Any] = {"instances": instances}

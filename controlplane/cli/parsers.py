@@ -1449,6 +1449,18 @@ def _fleet(subparsers: Subparsers) -> None:
         " instance type and what it costs, then its instances.",
     )
     parser.add_argument("--app", metavar="APP", help="only this app")
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="list the ended instances (terminated, failed) too; without it, the live ones",
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=100,
+        metavar="N",
+        help="the newest N instances (default 100, at most 10,000)",
+    )
     add_client_options(parser)
     parser.set_defaults(handler=Handler("operate", "fleet"))
 

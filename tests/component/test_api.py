@@ -1332,7 +1332,8 @@ def test_instances_fleet_and_events(api: Api) -> None:
         "toy", request_id="b", instance_type="t3.xlarge", price_usd_per_hr=0.1664
     )
     api.store.transition_instance(b.id, "failed", reason="capacity")
-    api.store.record_instance(
+    api.clock.advance(1.0)
+    c = api.store.record_instance(
         "other", request_id="c", instance_type="t3.xlarge", price_usd_per_hr=0.1664
     )
 
@@ -1344,6 +1345,10 @@ def test_instances_fleet_and_events(api: Api) -> None:
     assert len(api.call("GET", "/v1/instances").json()) == 3
     running = api.call("GET", "/v1/instances?state=running&state=pending").json()
     assert [i["id"] for i in running] == [a.id]
+    # limit: the newest that many, still oldest first (a week of a cycling fleet is thousands).
+    newest = api.call("GET", "/v1/instances?limit=2").json()
+    assert [i["id"] for i in newest] == [b.id, c.id]  # a, b and c a second apart
+    assert api.call("GET", "/v1/instances?limit=0").status_code == 422
 
     fleet = api.call("GET", "/v1/apps/toy/fleet", "viewer").json()
     assert fleet["instances"] == 1

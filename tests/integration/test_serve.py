@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from controlplane.cli import main
+from controlplane.db.store import Store
 from tests.conftest import KAIROS_CSV, needs_shared
 from tests.integration.conftest import free_port, start_on_a_free_port
 
@@ -257,6 +258,29 @@ def test_client_commands_against_a_live_server(
     assert status == 0 and "0 live instance(s)" in out
     status, out, _ = cli(capsys, "fleet", "--json")
     assert status == 0 and json.loads(out) == {"instances": []}
+    # The ended instances are left out unless asked for (a cycling fleet leaves thousands), and
+    # the newest --limit are shown, saying so when older ones are left out.
+    store = Store.from_url(f"sqlite:///{data_dir / 'heteroplane.db'}")
+    ended = store.record_instance(
+        "rm2-kairos", request_id="gone", instance_type="r5n.large", price_usd_per_hr=0.149
+    )
+    store.transition_instance(ended.id, "failed", reason="capacity")
+    live_ids = [
+        store.record_instance(
+            "rm2-kairos", request_id=f"r{n}", instance_type="r5n.large", price_usd_per_hr=0.149
+        ).id
+        for n in range(3)
+    ]
+    store.close()
+    status, out, _ = cli(capsys, "fleet", "--json")
+    assert status == 0 and [i["id"] for i in json.loads(out)["instances"]] == live_ids
+    status, out, _ = cli(capsys, "fleet", "--all", "--json")
+    assert [i["id"] for i in json.loads(out)["instances"]] == [ended.id, *live_ids]
+    status, out, _ = cli(capsys, "fleet", "--all", "--limit", "2")
+    assert status == 0 and ended.id not in out and live_ids[0] not in out
+    assert out.rstrip().endswith("(the newest 2 shown; --limit N for more)")
+    status, _, err = cli(capsys, "fleet", "--limit", "0")
+    assert status == 2 and err.count("\n") == 1 and "--limit must be 1 to 10,000" in err
     status, out, _ = cli(capsys, "events", "--app", "rm2-kairos")
     assert status == 0 and "plan_applied" in out
 

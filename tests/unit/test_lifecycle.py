@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from controlplane.cli.operate import LIVE_INSTANCE_STATES
 from controlplane.errors import ConflictError, InvalidTransitionError
 from controlplane.policies.lifecycle import (
     LIVE_STATES,
@@ -88,3 +89,8 @@ def test_parse_state() -> None:
     assert parse_state("draining") is S.DRAINING
     with pytest.raises(ValueError, match="unknown instance state 'up' \\(known: requested"):
         parse_state("up")
+
+
+def test_the_fleet_command_lists_the_live_states() -> None:
+    # `heteroplane fleet` names the live states itself (the client commands stay light).
+    assert set(LIVE_INSTANCE_STATES) == {state.value for state in LIVE_STATES}

@@ -54,9 +54,14 @@ def list_instances(
     state: Annotated[
         list[InstanceState] | None, Query(description="only in these states (repeatable)")
     ] = None,
+    limit: Annotated[
+        int | None,
+        Query(ge=1, le=100_000, description="the newest this many (default: every one)"),
+    ] = None,
 ) -> list[InstanceOut]:
     states = None if state is None else [s.value for s in state]
-    return [instance_out(i) for i in services.store.list_instances(app, states=states)]
+    found = services.store.list_instances(app, states=states, limit=limit)
+    return [instance_out(i) for i in found]
 
 
 @router.get(

@@ -137,17 +137,22 @@ class InstanceStore(StoreBase):
 
     @_translated
     def list_instances(
-        self, app: str | None = None, states: Iterable[str] | None = None
+        self,
+        app: str | None = None,
+        states: Iterable[str] | None = None,
+        *,
+        limit: int | None = None,
     ) -> list[InstanceRecord]:
-        """Instances (of ``app``, in one of ``states``), oldest first."""
+        """Instances (of ``app``, in one of ``states``), oldest first; with ``limit``, the
+        newest ``limit`` of them (still oldest first)."""
         with transaction(self._sessions) as session:
             query = _instances_query()
             if app is not None:
                 query = query.where(m.Instance.app_id == _app_row(session, app).id)
             if states is not None:
                 query = query.where(m.Instance.state.in_([_state(s) for s in states]))
-            rows = session.execute(query.order_by(m.Instance.created_at, m.Instance.id))
-            return [_instance_record(instance, name) for instance, name in rows.tuples()]
+            rows = _newest_rows(session, query, m.Instance.created_at, m.Instance.id, limit)
+            return [_instance_record(instance, name) for instance, name in rows]
 
     @_translated
     def transition_instance(
