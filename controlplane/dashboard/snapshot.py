@@ -459,7 +459,9 @@ def _fleet_section(
     now: datetime,
     measured: Mapping[str, Mapping[str, Any]],
 ) -> tuple[dict[str, Any], FleetSeries, list[InstanceRecord]]:
-    instances = store.list_instances(app.name)
+    # The live ones and those that ended in the view: an instance that ended before it shows
+    # in no series, and a fleet that has cycled for weeks has thousands.
+    instances = store.list_instances(app.name, ended_after=start)
     events = store.list_instance_events(app=app.name, since=start)
     series = fleet_series(instances, events, start, now)
     live = [i for i in instances if i.state in _LIVE]

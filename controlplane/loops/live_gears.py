@@ -439,8 +439,8 @@ class LiveGears:
         # stages, and the reconciler ends them first when the budget is short.
         kept = [
             i
-            for i in self._store.list_instances(app.name)
-            if i.state in KEPT_STATES and not is_profile_worker(i.request_id)
+            for i in self._store.list_instances(app.name, [s.value for s in KEPT_STATES])
+            if not is_profile_worker(i.request_id)
         ]
         tracked.affordable = self._affordable_share(app, kept)
         tracked.kept = dict(Counter(i.instance_type for i in kept))

@@ -272,6 +272,9 @@ _LIVE = LIVE_STATES
 # Which kept rows go first when a type has too many: not launched yet, booting, serving.
 _DROP_ORDER = {_S.REQUESTED: 0, _S.PENDING: 1, _S.RUNNING: 2}
 ORPHAN_REQUEST_PREFIX = "orphan:"
+# How long a tick goes on reading a row after it ended (older ended rows are read only where the
+# provider still lists their machine): an hour of a fleet's recent past.
+ENDED_ROWS_S = 3600.0
 # Rule 9: how long an interrupted instance drains (the serving loop drops it within a refresh,
 # and what it holds finishes) before it is terminated, and how long before its deadline it is
 # terminated at the latest.
@@ -481,9 +484,9 @@ def _since_update_s(row: InstanceRecord, now: datetime) -> float:
     return (now - row.updated_at).total_seconds()
 
 
-def _next_ordinal(rows: Iterable[InstanceRecord], prefix: str) -> int:
+def _next_ordinal(request_ids: Iterable[str], prefix: str) -> int:
     pattern = re.compile(re.escape(prefix) + r"-(\d+)$")
-    used = [int(m.group(1)) for r in rows if (m := pattern.match(r.request_id))]
+    used = [int(m.group(1)) for r in request_ids if (m := pattern.match(r))]
     return max(used, default=0) + 1
 
 
@@ -567,11 +570,15 @@ def reconcile(
     stand_in_shares: Mapping[str, float] | None = None,
     app: str = "",
     spot_on_demand: Collection[str] = (),
+    used_request_ids: Collection[str] | None = None,
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
-    ``db_instances``: the store's records of the app's instances (all of them, ended ones too:
-    request ids are numbered past every one used). ``observed``: the provider's list of the app's
+    ``db_instances``: the store's records of the app's instances: every live one, and the
+    ended ones the provider may still list (all of them will do). ``used_request_ids``: every
+    request id the app's rows have used, ended ones too (None: those of ``db_instances``):
+    launches are numbered past them, since the provider answers a request id it has seen with
+    its old machine. ``observed``: the provider's list of the app's
     instances (by its tags); ``None`` when it could not be read (throttled, the provider down):
     then only the budget guard's drain is decided, from the database alone, so that a lowered
     budget holds even while the provider cannot be listed. ``qps_by_type``: Q_t, queries per
@@ -720,6 +727,12 @@ def reconcile(
             qps_by_type=values,
             held_types=held_types,
             prefix=request_prefix,
+            first_ordinal=_next_ordinal(
+                (r.request_id for r in db_instances)
+                if used_request_ids is None
+                else used_request_ids,
+                request_prefix,
+            ),
             reserved_usd_per_hr=reserved,
             desired_spot=desired_spot or {},
             spot_prices_usd_per_hr=spot_prices,
@@ -1324,6 +1337,7 @@ def _launch_shortfall(
     qps_by_type: Mapping[str, float],
     held_types: Collection[str],
     prefix: str,
+    first_ordinal: int,
     reserved_usd_per_hr: float = 0.0,
     desired_spot: Mapping[str, int] | None = None,
     spot_prices_usd_per_hr: Mapping[str, float] | None = None,
@@ -1371,7 +1385,7 @@ def _launch_shortfall(
             continue
         wanted.extend([(instance_type, price)] * missing)
     wanted.sort(key=lambda item: (-_value_per_usd(item[0], item[1], qps_by_type), item[1], item[0]))
-    ordinal = _next_ordinal((row.record for row in rows), prefix)
+    ordinal = first_ordinal
     capped: Counter[str] = Counter()
     unavailable = set(short_types) | set(held_types)
     for instance_type, on_demand_price in wanted:
@@ -2105,7 +2119,7 @@ class Reconciler:
                 {"instance_types": sorted(refused), "fleet": dict(fleet)},
             )
             desired = None
-        rows = self.store.list_instances(app.name)
+        rows = self._rows(app.name, observed, now)
         desired_spot = self.desired_spot(app)
         spot_types = set(desired_spot) | {r.instance_type for r in rows if r.market == "spot"}
         pricing = self.pricing(app)
@@ -2164,6 +2178,7 @@ class Reconciler:
             stand_in_shares=self._stand_in_shares.get(app.name, {}),
             app=app.name,
             spot_on_demand=spot_on_demand,
+            used_request_ids=self.store.list_request_ids(app.name, request_prefix(app)),
         )
         errors = _Errors()
         hook = self.before_budget_drain
@@ -2185,6 +2200,27 @@ class Reconciler:
         if teardown and observed is not None:
             self._delete_if_drained(app.name, errors)
         return AppReport(app.name, tuple(actions), tuple(errors))
+
+    def _rows(
+        self, app: str, observed: Sequence[ProvisionedInstance] | None, now: datetime
+    ) -> list[InstanceRecord]:
+        """The rows a tick reads: the live ones, those that ended in the last
+        ``ENDED_ROWS_S``, and the ended ones whose machine the provider still lists (by its id
+        or its request id), however long ago they ended. Every row of a fleet that has cycled
+        for weeks would be thousands a tick, nearly all of them ended and matched to nothing."""
+        rows = self.store.list_instances(app, ended_after=now - timedelta(seconds=ENDED_ROWS_S))
+        if not observed:
+            return rows
+        seen = {r.id for r in rows}
+        older = self.store.list_ended_instances(
+            app,
+            provider_ids={i.provider_id for i in observed},
+            request_ids={i.request_id for i in observed if i.request_id is not None},
+        )
+        extra = [r for r in older if r.id not in seen]
+        if not extra:
+            return rows
+        return sorted([*rows, *extra], key=lambda r: (r.created_at, r.id))
 
     def _ranking(
         self, app: AppRecord, pricing: AppPricing, spot: Mapping[str, int]

@@ -21,6 +21,7 @@ from controlplane.clock import FakeClock
 from controlplane.db import migrate
 from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.loops.reconciler import (
+    ENDED_ROWS_S,
     AppPricing,
     Launch,
     Reconciler,
@@ -546,6 +547,56 @@ def test_a_machine_whose_terminate_fails_is_paid_for_until_it_stops(
         assert running() == 2 and by_state(world.store) == {"running": 2, "terminated": 1}
     finally:
         world.close()
+
+
+def test_rows_that_ended_long_ago_are_not_read_and_their_request_ids_are_not_used_again(
+    world: World,
+) -> None:
+    """A tick reads the live rows and the recent past, not every row a fleet that has cycled
+    for weeks has left (thousands, a transaction's worth of them every second); the request
+    ids of the rows it no longer reads stay spent (the provider answers one it has seen with
+    its old machine)."""
+    apply_fleet(world.store, {SMALL: 1})
+    world.tick()
+    world.fake.step()
+    world.tick()
+    (first,) = world.store.list_instances(APP)
+    for state in ("draining", "terminating", "terminated"):
+        world.store.transition_instance(first.id, state, reason="test")
+    world.fake.crash()  # EC2 lists a terminated machine for about an hour, then forgets it
+    world.clock.advance(ENDED_ROWS_S + 1)
+    assert world.reconciler._rows(APP, world.fake.list({}), world.clock.utcnow()) == []
+    world.tick()  # the plan's instance is launched again
+    world.fake.step()
+    world.tick()
+    rows = world.store.list_instances(APP)
+    assert [r.state for r in rows] == ["terminated", "running"]
+    assert rows[1].request_id != first.request_id
+    assert rows[1].request_id.endswith("-2") and first.request_id.endswith("-1")
+
+
+def test_a_row_that_ended_long_ago_whose_machine_runs_is_ended_again_not_orphaned(
+    world: World,
+) -> None:
+    """However long ago a row ended, a machine of it the provider still runs is matched to it
+    and terminated again (rule 3), not taken for an unknown machine."""
+    apply_fleet(world.store, {SMALL: 1})
+    world.tick()
+    world.fake.step()
+    world.tick()
+    (row,) = world.store.list_instances(APP)
+    # The database says it ended (a terminate it took for done); the machine runs on.
+    world.store.transition_instance(row.id, "draining", reason="test")
+    world.store.transition_instance(row.id, "terminating", reason="test")
+    world.store.transition_instance(row.id, "terminated", reason="test")
+    world.fake.fail_terminate_next(1_000)
+    apply_fleet(world.store, {SMALL: 0})
+    world.tick(ENDED_ROWS_S + 1)
+    report = world.tick()
+    ended = [a for a in report.apps[APP].actions if isinstance(a, Terminate)]
+    assert [a.cause for a in ended] == ["ended"] and row.provider_id in ended[0].provider_ids
+    assert decisions(world.store, "orphan") == []
+    assert [r.id for r in world.store.list_instances(APP)] == [row.id]
 
 
 def test_dead_and_vanished_instances_are_replaced(world: World) -> None:

@@ -371,6 +371,47 @@ def test_list_instances_by_app_and_state(store: Store, clock: StepClock) -> None
         store.list_instances(states=["up"])
 
 
+def test_the_reads_a_loop_makes_every_tick_leave_the_old_ended_rows(
+    store: Store, clock: StepClock
+) -> None:
+    store.create_app(spec("recs"), who="alice")
+    store.create_app(spec("ads"), who="alice")
+    old = launch(store, "recs_x-1")
+    store.transition_instance(old.id, "pending", reason="up", provider_id="i-old")
+    store.transition_instance(old.id, "terminating", reason="down")
+    store.transition_instance(old.id, "terminated", reason="gone")
+    clock.advance(10)
+    cutoff = clock.utcnow()
+    clock.advance(1)
+    live = launch(store, "recs-2")
+    clock.advance(1)
+    recent = launch(store, "recs-3")
+    store.transition_instance(recent.id, "failed", reason="capacity")
+    clock.advance(1)
+    other = launch(store, "recs-9", app="ads")
+    assert [i.id for i in store.list_instances("recs", ended_after=cutoff)] == [live.id, recent.id]
+    assert [i.id for i in store.list_instances(ended_after=cutoff)] == [
+        live.id,
+        recent.id,
+        other.id,
+    ]
+    # An ended row is found by the ids a provider still lists, however old; a live one is not.
+    found = store.list_ended_instances("recs", provider_ids=["i-old"], request_ids=["recs-2"])
+    assert [i.id for i in found] == [old.id]
+    ended = store.list_ended_instances("recs", request_ids=["recs-3", "recs-9"])
+    assert [(i.id, i.state) for i in ended] == [(recent.id, "failed")]
+    # Request ids by prefix, every one: '_' and '%' are the prefix's own characters.
+    assert sorted(store.list_request_ids("recs", "recs-")) == ["recs-2", "recs-3"]
+    assert store.list_request_ids("recs", "recs_") == ["recs_x-1"]
+    assert store.list_request_ids("recs", "%") == []
+    assert store.count_instances() == {
+        ("recs", "terminated"): 1,
+        ("recs", "requested"): 1,
+        ("recs", "failed"): 1,
+        ("ads", "requested"): 1,
+    }
+
+
 def test_events_since_and_limit(store: Store, clock: StepClock) -> None:
     store.create_app(spec(), who="alice")
     instance = launch(store)

@@ -194,3 +194,23 @@ def test_tokens(store: Store) -> None:
     assert principal is not None and tuple(principal) == ("root", "admin")
     store.revoke_token("root")
     assert store.verify_token(token) is None
+
+
+def test_the_per_tick_instance_reads(store: Store) -> None:
+    """The reads the loops make every tick, on both databases: the live rows and the recent
+    past, ended rows by the ids a provider lists, request ids by a prefix (``_`` and ``%`` are
+    its own characters, not patterns) and the counts by state."""
+    store.create_app(spec(), who="alice")
+    old = store.record_instance(
+        "recs", request_id="recs_a-1", instance_type="g4dn.xlarge", price_usd_per_hr=1
+    )
+    store.transition_instance(old.id, "failed", reason="capacity")
+    live = store.record_instance(
+        "recs", request_id="recs-2", instance_type="g4dn.xlarge", price_usd_per_hr=1
+    )
+    later = live.created_at + timedelta(seconds=1)
+    assert [i.id for i in store.list_instances("recs", ended_after=later)] == [live.id]
+    assert [i.id for i in store.list_ended_instances("recs", request_ids=["recs_a-1"])] == [old.id]
+    assert store.list_request_ids("recs", "recs-") == ["recs-2"]
+    assert store.list_request_ids("recs", "recs_") == ["recs_a-1"]
+    assert store.count_instances() == {("recs", "failed"): 1, ("recs", "requested"): 1}

@@ -193,12 +193,12 @@ class AppCollector:
         by_state: dict[str, dict[str, int]] = {
             app.name: {state.value: 0 for state in InstanceState} for app in apps
         }
+        for (name, state), count in self.store.count_instances().items():
+            if name in by_state:
+                by_state[name][state] = count
         fleet_cost: dict[str, float] = defaultdict(float)
-        for instance in self.store.list_instances():
-            if instance.app in by_state:
-                by_state[instance.app][instance.state] += 1
-            if instance.state in LIVE_STATES:
-                fleet_cost[instance.app] += instance.price_usd_per_hr
+        for instance in self.store.list_instances(states=[s.value for s in LIVE_STATES]):
+            fleet_cost[instance.app] += instance.price_usd_per_hr
         budget, cost, instances, rate, p99 = families = self._families()
         for app in apps:
             budget.add_metric([app.name], app.budget_usd_per_hr)

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, select, update
+from sqlalchemy import CursorResult, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from controlplane.db import models as m
@@ -39,6 +39,9 @@ from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, check_tr
 from provisioners.interruptions import MARKETS
 
 __all__ = ["InstanceStore"]
+
+# Ids per ``IN (...)`` of a query (SQLite's bound parameters are limited).
+_IN_CHUNK = 500
 
 
 class InstanceStore(StoreBase):
@@ -142,17 +145,77 @@ class InstanceStore(StoreBase):
         states: Iterable[str] | None = None,
         *,
         limit: int | None = None,
+        ended_after: datetime | None = None,
     ) -> list[InstanceRecord]:
         """Instances (of ``app``, in one of ``states``), oldest first; with ``limit``, the
-        newest ``limit`` of them (still oldest first)."""
+        newest ``limit`` of them (still oldest first); with ``ended_after``, the ended ones
+        (terminated, failed) only where their last move came after it (the rows of a fleet
+        that has cycled for weeks are mostly ended: a loop that reads every tick asks for the
+        live ones and the recent past)."""
         with transaction(self._sessions) as session:
             query = _instances_query()
             if app is not None:
                 query = query.where(m.Instance.app_id == _app_row(session, app).id)
             if states is not None:
                 query = query.where(m.Instance.state.in_([_state(s) for s in states]))
+            if ended_after is not None:
+                query = query.where(
+                    or_(
+                        m.Instance.state.in_(_values(LIVE_STATES)),
+                        m.Instance.updated_at > self._now(ended_after),
+                    )
+                )
             rows = _newest_rows(session, query, m.Instance.created_at, m.Instance.id, limit)
             return [_instance_record(instance, name) for instance, name in rows]
+
+    @_translated
+    def count_instances(self) -> dict[tuple[str, str], int]:
+        """How many instances each app has in each state, ended ones too: (app, state) -> n,
+        counted by the database (the /metrics gauge; reading every row to count them grew
+        with the fleet's whole history)."""
+        with transaction(self._sessions) as session:
+            query = (
+                select(m.App.name, m.Instance.state, func.count())
+                .join(m.App, m.App.id == m.Instance.app_id)
+                .group_by(m.App.name, m.Instance.state)
+            )
+            return {(app, state): int(n) for app, state, n in session.execute(query).tuples()}
+
+    @_translated
+    def list_ended_instances(
+        self, app: str, *, provider_ids: Collection[str] = (), request_ids: Collection[str] = ()
+    ) -> list[InstanceRecord]:
+        """The app's ended instances (terminated, failed) with one of ``provider_ids`` or
+        ``request_ids``, oldest first: those a provider still lists, however long ago they
+        ended."""
+        found: dict[str, InstanceRecord] = {}
+        with transaction(self._sessions) as session:
+            app_id = _app_row(session, app).id
+            for column, ids in (
+                (m.Instance.provider_id, sorted(provider_ids)),
+                (m.Instance.request_id, sorted(request_ids)),
+            ):
+                for start in range(0, len(ids), _IN_CHUNK):
+                    query = _instances_query().where(
+                        m.Instance.app_id == app_id,
+                        m.Instance.state.not_in(_values(LIVE_STATES)),
+                        column.in_(ids[start : start + _IN_CHUNK]),
+                    )
+                    for instance, name in session.execute(query).tuples():
+                        found[instance.id] = _instance_record(instance, name)
+        return sorted(found.values(), key=lambda r: (r.created_at, r.id))
+
+    @_translated
+    def list_request_ids(self, app: str, prefix: str) -> list[str]:
+        """The request ids of every instance of the app (ended ones too) that start with
+        ``prefix``: one column, for numbering a launch past every id used."""
+        pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        with transaction(self._sessions) as session:
+            query = select(m.Instance.request_id).where(
+                m.Instance.app_id == _app_row(session, app).id,
+                m.Instance.request_id.like(pattern, escape="\\"),
+            )
+            return list(session.execute(query).scalars())
 
     @_translated
     def transition_instance(
