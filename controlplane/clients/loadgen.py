@@ -622,8 +622,26 @@ def judge_answer(status: int, body: bytes) -> tuple[str, bool | None, float | No
     try:
         answer = json.loads(body)
     except ValueError:
-        return "bad_response", None, None, None
+        answer = _json_part(body)
+        if answer is None:
+            return "bad_response", None, None, None
     return OK, late_flag(answer), served_ms(answer), queued_ms(answer)
+
+
+def _json_part(body: bytes) -> Any:
+    """The JSON part of an answer with binary outputs (Triton's binary tensor extension: the
+    JSON, then the tensors' raw bytes); None when the body does not start with a JSON object.
+
+    >>> _json_part(b'{"parameters": {"total_ms": 1.5}}\\x00\\x00\\xc0\\x7f')
+    {'parameters': {'total_ms': 1.5}}
+    >>> _json_part(b"<html>") is None, _json_part(b"[1]") is None
+    (True, True)
+    """
+    try:  # each byte a character: the tensors' bytes after the JSON are not read as UTF-8
+        answer, _ = json.JSONDecoder().raw_decode(body.decode("latin-1"))
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict) else None
 
 
 async def run_load_async(

@@ -20,7 +20,9 @@ binary tensors).
   input), ``/v2`` JSON (``data`` flat, row-major), or ``/v2`` with Triton's binary tensor
   extension (each input's raw little-endian bytes after the JSON part,
   ``parameters.binary_data_size``, and the header ``Inference-Header-Content-Length``: the size
-  of the JSON part). The outputs are asked for as JSON either way.
+  of the JSON part), whose outputs are asked for in binary too (``parameters.binary_data_output``,
+  what tritonclient asks when no output is named): a model's NaN or infinity, which JSON cannot
+  carry, is answered.
 """
 
 from __future__ import annotations
@@ -354,7 +356,8 @@ def tensor_body(
     ]
     parameters = None if timeout_s is None else {"timeout": round(timeout_s * 1e6)}
     if binary:
-        body, header_length = binary_request_body(batches, parameters=parameters)
+        asked = {**(parameters or {}), "binary_data_output": True}
+        body, header_length = binary_request_body(batches, parameters=asked)
         return TensorBody(body, "application/octet-stream", header_length)
     document: dict[str, Any] = {
         "inputs": [

@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 
 from controlplane.cli import main
-from controlplane.clients.loadgen import build_tensor_queries, draw_rows, infer_url, late_flag
+from controlplane.clients.loadgen import (
+    build_tensor_queries,
+    draw_rows,
+    infer_url,
+    judge_answer,
+    late_flag,
+)
 from controlplane.clients.rawload import request_head
 from controlplane.clients.tensors import (
     HEADER_LENGTH,
@@ -293,8 +299,29 @@ def test_binary_needs_v2_one_line_and_exit_2(
 
 def test_v2_bodies_carry_the_clients_timeout_in_microseconds() -> None:
     arrays = fit_inputs({"image": np.zeros((1, 2, 2))}, IMAGE)
-    for binary in (False, True):
-        made = tensor_body(arrays, IMAGE, [0], "v2", binary, timeout_s=2.5)
-        split = made.header_length or len(made.body)
-        assert json.loads(made.body[:split])["parameters"] == {"timeout": 2_500_000}
+    made = tensor_body(arrays, IMAGE, [0], "v2", timeout_s=2.5)
+    assert json.loads(made.body)["parameters"] == {"timeout": 2_500_000}
+    made = tensor_body(arrays, IMAGE, [0], "v2", True, timeout_s=2.5)
+    header = json.loads(made.body[: made.header_length])
+    assert header["parameters"] == {"timeout": 2_500_000, "binary_data_output": True}
     assert "parameters" not in json.loads(tensor_body(arrays, IMAGE, [0], "v2").body)
+
+
+def test_binary_tensors_ask_for_binary_outputs_and_their_answers_are_judged() -> None:
+    """With binary tensors the outputs come in binary too, as tritonclient asks by default: a
+    model's NaN, which JSON cannot carry, is answered (it was a 502), and the answer's JSON part
+    still gives the service's own time."""
+    arrays = fit_inputs({"image": np.zeros((1, 2, 2))}, IMAGE)
+    made = tensor_body(arrays, IMAGE, [0], "v2", True)
+    assert json.loads(made.body[: made.header_length])["parameters"]["binary_data_output"]
+    nan = np.array([np.nan, 1.0], dtype="<f4").tobytes()
+    header = json.dumps(
+        {
+            "model_name": "m",
+            "outputs": [{"name": "y", "datatype": "FP32", "shape": [1, 2],
+                         "parameters": {"binary_data_size": len(nan)}}],
+            "parameters": {"total_ms": 1.25, "late": False},
+        }
+    ).encode()  # fmt: skip
+    assert judge_answer(200, header + nan)[0::2] == ("ok", 1.25)
+    assert judge_answer(200, b"\xff" + header)[0] == "bad_response"
