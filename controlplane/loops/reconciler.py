@@ -2190,12 +2190,23 @@ class Reconciler:
             except Exception:  # the drain goes ahead: the budget is a hard limit
                 logger.exception("reconcile %s: before the budget drain", app.name)
         launches = [a for a in actions if isinstance(a, Launch)]
+        unstopped: set[str] = set()  # provider ids whose terminate failed in this tick
         for action in actions:
             if not isinstance(action, Launch):
-                self._carry_out(app, action, errors)
+                unstopped.update(self._carry_out(app, action, errors))
         if launches:
+            # The launches were decided with those machines gone; they still run and are billed.
+            price_of = {r.provider_id: r.price_usd_per_hr for r in rows if r.provider_id}
+            price_of |= {
+                a.instance.provider_id: a.price_usd_per_hr for a in actions if isinstance(a, Orphan)
+            }
             self._launch(
-                app, launches, errors, known={r.id for r in rows}, prices=pricing.prices_usd_per_hr
+                app,
+                launches,
+                errors,
+                known={r.id for r in rows},
+                prices=pricing.prices_usd_per_hr,
+                unstopped_usd_per_hr=float(sum(price_of.get(pid, 0.0) for pid in unstopped)),
             )
         if teardown and observed is not None:
             self._delete_if_drained(app.name, errors)
@@ -2343,7 +2354,8 @@ class Reconciler:
 
     # --- carrying actions out ------------------------------------------------------------------
 
-    def _carry_out(self, app: AppRecord, action: Action, errors: _Errors) -> None:
+    def _carry_out(self, app: AppRecord, action: Action, errors: _Errors) -> list[str]:
+        """Carry ``action`` out; the provider ids a terminate it asked for left running."""
         store = self.store
         if isinstance(action, Mark):
             errors.guard(
@@ -2375,9 +2387,9 @@ class Reconciler:
                 )
             )
         elif isinstance(action, Terminate):
-            self._terminate(app, action, errors)
+            return self._terminate(app, action, errors)
         elif isinstance(action, Orphan):
-            self._end_orphan(app, action, errors)
+            return self._end_orphan(app, action, errors)
         elif isinstance(action, BudgetCapped):
             self._record_once(
                 app.name,
@@ -2464,8 +2476,9 @@ class Reconciler:
             )
         elif isinstance(action, Report):
             logger.warning("reconcile %s: %s %s", app.name, action.provider_id, action.reason)
+        return []
 
-    def _terminate(self, app: AppRecord, action: Terminate, errors: _Errors) -> None:
+    def _terminate(self, app: AppRecord, action: Terminate, errors: _Errors) -> list[str]:
         if action.instance_ids:
             self.store.record_decision(
                 app.name,
@@ -2489,29 +2502,32 @@ class Reconciler:
                 )
             )
         crash_point("reconcile.before_terminate")
-        self._provider_terminate(app.name, action.provider_ids, errors)
+        return self._provider_terminate(app.name, action.provider_ids, errors)
 
-    def _provider_terminate(self, app: str, provider_ids: Sequence[str], errors: _Errors) -> None:
+    def _provider_terminate(
+        self, app: str, provider_ids: Sequence[str], errors: _Errors
+    ) -> list[str]:
         """Ask the provider to stop ``provider_ids``; one it says is not ours is left out (and
         reported), the rest are asked again. A failure leaves the rows ``terminating``: the next
-        tick asks again."""
+        tick asks again. Returns the ids a failure left running."""
         remaining = list(provider_ids)
         while remaining:
             try:
                 self.provisioner.terminate(remaining)
-                return
+                return []
             except UnknownInstanceError as error:
                 logger.error("reconcile %s: %s; not terminated", app, error)
                 errors.append(str(error))
                 if error.provider_id not in remaining:
-                    return
+                    return []
                 remaining.remove(error.provider_id)
             except ProvisionerError as error:
                 logger.warning("reconcile %s: terminate failed (%s); next tick", app, error)
                 errors.append(f"terminate: {error}")
-                return
+                return remaining
+        return []
 
-    def _end_orphan(self, app: AppRecord, action: Orphan, errors: _Errors) -> None:
+    def _end_orphan(self, app: AppRecord, action: Orphan, errors: _Errors) -> list[str]:
         instance = action.instance
         self.store.record_decision(
             app.name,
@@ -2534,8 +2550,9 @@ class Reconciler:
                 reason=action.reason,
             )
         )
-        if recorded is not None:
-            self._provider_terminate(app.name, (instance.provider_id,), errors)
+        if recorded is None:
+            return []
+        return self._provider_terminate(app.name, (instance.provider_id,), errors)
 
     def _launch(
         self,
@@ -2544,12 +2561,14 @@ class Reconciler:
         errors: _Errors,
         known: Collection[str] = (),
         prices: Mapping[str, float] | None = None,
+        unstopped_usd_per_hr: float = 0.0,
     ) -> None:
         """Record every launch (rows, then one decision), then ask the provider for each, but
         those the budget no longer pays for (:meth:`_refused_now`; ``known``: the ids of the
-        rows the launches were decided on). A spot launch the provider ran on demand (EC2, for
-        what spot cannot supply) is recorded on demand at its on-demand price (``prices``), the
-        price it is billed at, so that the budget guard counts that."""
+        rows the launches were decided on; ``unstopped_usd_per_hr``: the machines whose
+        terminate failed in this tick, still billed). A spot launch the provider ran on demand
+        (EC2, for what spot cannot supply) is recorded on demand at its on-demand price
+        (``prices``), the price it is billed at, so that the budget guard counts that."""
         try:
             artifacts = tuple(self.artifacts(app))
         except (ControlPlaneError, EstimatorError) as error:
@@ -2570,7 +2589,7 @@ class Reconciler:
             if launch.stands_for is not None and not launch.retry:
                 self._record_stand_in(app.name, launch, row)
         crash_point("reconcile.after_row")
-        rows = self._refused_now(app, rows, set(known), errors)
+        rows = self._refused_now(app, rows, set(known), errors, unstopped_usd_per_hr)
         new = [(launch, row) for launch, row in rows if not launch.retry]
         if new:
             self.store.record_decision(
@@ -2661,14 +2680,17 @@ class Reconciler:
         rows: list[tuple[Launch, InstanceRecord]],
         known: set[str],
         errors: _Errors,
+        unstopped_usd_per_hr: float = 0.0,
     ) -> list[tuple[Launch, InstanceRecord]]:
         """The launches whose rows are recorded that still fit the budget as it is now: the
         budget is read again after the rows are written, so that a budget lowered while they
         were decided (the serving process commits it between this tick's read of the app and
         the rows) refuses them, and one lowered after sees them among what it drains. The same
         for rows another writer recorded meanwhile (a profile run's, a rollout's workers, which
-        write their rows before their own check). Where either happened and the billed fleet is
-        over the budget, the launches go from the last decided (the least cost-effective), each
+        write their rows before their own check), and for machines whose terminate failed in
+        this tick (``unstopped_usd_per_hr``: the launches were decided with them gone, and
+        they are still billed). Where any of these happened and the billed fleet is over the
+        budget, the launches go from the last decided (the least cost-effective), each
         row marked failed with a ``launch_refused`` decision; else all go."""
         try:
             budget = self.store.get_app(app.name).budget_usd_per_hr
@@ -2677,9 +2699,9 @@ class Reconciler:
         mine = {row.id for _, row in rows}
         live = self.store.list_instances(app.name, states=[s.value for s in _LIVE])
         others = [r for r in live if r.id not in known and r.id not in mine]
-        if budget >= app.budget_usd_per_hr and not others:
+        if budget >= app.budget_usd_per_hr and not others and unstopped_usd_per_hr <= 0.0:
             return rows
-        billed = before = billed_cost_usd_per_hr(live)
+        billed = before = billed_cost_usd_per_hr(live) + unstopped_usd_per_hr
         kept = list(rows)
         refused: list[tuple[Launch, InstanceRecord]] = []
         while kept and billed > budget + _BUDGET_SLACK_USD_PER_HR:
@@ -2694,6 +2716,11 @@ class Reconciler:
             f" launch was decided), and the fleet with {len(others)} instance(s) recorded"
             f" meanwhile costs {before:.4g} USD/hr"
         )
+        if unstopped_usd_per_hr > 0.0:
+            why += (
+                f", {unstopped_usd_per_hr:.4g} of it machines whose terminate failed in this"
+                " tick (still running and billed)"
+            )
         for _, row in refused:
             errors.guard(
                 functools.partial(

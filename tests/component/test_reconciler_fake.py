@@ -599,6 +599,42 @@ def test_a_row_that_ended_long_ago_whose_machine_runs_is_ended_again_not_orphane
     assert [r.id for r in world.store.list_instances(APP)] == [row.id]
 
 
+def test_a_terminate_that_fails_in_the_tick_holds_the_launches_it_was_to_pay_for(
+    template_db: Path, tmp_path: Path
+) -> None:
+    """Break-then-make in one tick (the budget pays for the plan's large only once both smalls
+    go): when their terminate fails, both smalls still run and are billed, so the large waits.
+    (It was launched beside them: 0.2 USD/hr ran under a budget of 0.1.)"""
+    world = World.create(template_db, tmp_path, budget=2 * PRICES[SMALL])
+    try:
+        apply_fleet(world.store, {SMALL: 2})
+        world.tick()
+        world.fake.step()
+        world.tick()
+        apply_fleet(world.store, {LARGE: 1})
+        world.fake.fail_terminate_next(100)
+
+        def running_cost() -> float:
+            live = [i for i in world.fake.list({}) if i.state in ("pending", "running")]
+            return sum(PRICES[i.instance_type] for i in live)
+
+        for _ in range(3):
+            world.tick()
+            world.fake.step()
+            assert running_cost() <= world.store.get_app(APP).budget_usd_per_hr + 1e-9
+        (refused, *_) = decisions(world.store, "launch_refused")
+        assert "terminate failed" in refused.reason
+        # Once the terminate takes, the large comes.
+        world.fake.fail_terminate_next(0)
+        for _ in range(3):
+            world.tick()
+            world.fake.step()
+        assert live_types(world.store) == {LARGE: 1}
+        assert running_cost() == PRICES[LARGE]
+    finally:
+        world.close()
+
+
 def test_dead_and_vanished_instances_are_replaced(world: World) -> None:
     apply_fleet(world.store, {SMALL: 2})
     world.tick()
