@@ -32,8 +32,10 @@ The policy starts from the applied plan's fleet; a new applied plan (a new plan 
 again from the plan's fleet, a budget change keeps the fleet it reached, cut to the new budget as
 the reconciler's budget drain cuts it (:func:`_within_budget`). A restarted policy (a restarted
 loops process, a new leader) starts from the fleet it had reached on the applied plan, which
-each decision records (:mod:`controlplane.loops.reached`), cut to the budget the same way. An
-app the serving loop does not serve (no status, or no arrival source) stays on its plan. The live
+each decision records (:mod:`controlplane.loops.reached`), cut the same way to the lowest
+budget the app has had since that decision (a cut writes no decision, and a raise after it grows
+nothing back); so does :meth:`InfaasScaler.desired_fleet` before the policy's first tick. An app
+the serving loop does not serve (no status, or no arrival source) stays on its plan. The live
 tuner leaves these apps alone (``scaling`` decides which of the two scales an app).
 """
 
@@ -55,7 +57,7 @@ from controlplane.apps.resolver import smallest_common_batch_size
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import NotFoundError
-from controlplane.loops.reached import PLAN_ID, counts, reached
+from controlplane.loops.reached import PLAN_ID, counts, lowest_budget_since, newest
 from controlplane.policies import scaling
 from controlplane.policies.drain import DrainInstance, plan_drain, qps_by_type
 from controlplane.policies.infaas_scaling import (
@@ -173,9 +175,13 @@ class InfaasScaler:
         if plan is None:
             return {}
         # Before the policy's first tick on this plan (a restarted loops process), the fleet it
-        # had reached: the reconciler's first pass drained what it had grown.
-        fleet = _reached_fleet(self._store, app.name, plan)
-        return plan.plan.fleet if fleet is None else fleet
+        # had reached, as its first tick starts from: the reconciler's first pass drained what
+        # it had grown.
+        try:
+            resolved = self._resolve(app)
+        except (EstimatorError, KeyError, ValueError, NotFoundError):
+            return plan.plan.fleet
+        return _start_fleet(self._store, app, plan, resolved)
 
     def tick(self, apps: Sequence[AppRecord] | None = None) -> list[tuple[str, ScalingDecision]]:
         """One tick for every app with ``scaling: infaas`` (``apps``, the tick's snapshot of the
@@ -215,11 +221,7 @@ class InfaasScaler:
             scaled = self._apps.get(app.name)
         resolved = self._resolve(app)
         if scaled is None or scaled.plan_id != plan.id:
-            start = _reached_fleet(self._store, app.name, plan)
-            if start is None or not set(start) <= set(resolved.instance_types):
-                start = dict(plan.plan.fleet)
-            else:
-                start = _within_budget(start, resolved, app.budget_usd_per_hr)
+            start = _start_fleet(self._store, app, plan, resolved)
             scaled = _AppScaler(plan.id, app.budget_usd_per_hr, initial_state(start, now_s))
         elif scaled.budget_usd_per_hr != app.budget_usd_per_hr:
             # The fleet the policy reached stays, cut to the new budget (started again from the
@@ -299,7 +301,7 @@ class InfaasScaler:
                     **d.numbers,
                     "policy": "infaas",
                     "at_s": now_s,
-                    # What a restarted policy starts from (_reached_fleet).
+                    # What a restarted policy starts from (_start_fleet).
                     PLAN_ID: plan.id,
                     FLEET_AFTER: {t: int(n) for t, n in state.fleet.items()},
                 },
@@ -323,7 +325,16 @@ FLEET_AFTER = "fleet_after"
 _KINDS = ("infaas_replicate", "infaas_upgrade", "infaas_drain", "infaas_relieve")
 
 
-def _reached_fleet(store: Store, app: str, plan: PlanRecord) -> dict[str, int] | None:
-    """The fleet the policy had reached on the applied ``plan``
-    (:func:`controlplane.loops.reached.reached`), or None."""
-    return counts(reached(store, app, plan, _KINDS, FLEET_AFTER))
+def _start_fleet(
+    store: Store, app: AppRecord, plan: PlanRecord, resolved: ResolvedApp
+) -> dict[str, int]:
+    """Where the policy starts on the applied ``plan``: the fleet it had reached on it
+    (:func:`controlplane.loops.reached.reached`) cut to the lowest budget the app has had since
+    (:func:`controlplane.loops.reached.lowest_budget_since`: a cut writes no decision, and a
+    raise after it grows nothing back), else the plan's fleet."""
+    decision = newest(store, app.name, plan, _KINDS, FLEET_AFTER)
+    fleet = None if decision is None else counts(decision.numbers[FLEET_AFTER])
+    if decision is None or fleet is None or not set(fleet) <= set(resolved.instance_types):
+        return dict(plan.plan.fleet)
+    budget = lowest_budget_since(store, app.name, decision.at, app.budget_usd_per_hr)
+    return _within_budget(fleet, resolved, budget)

@@ -11,10 +11,11 @@ the newest back, for the plan applied now only.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import datetime
 
-from controlplane.db.store import PlanRecord, Store
+from controlplane.db.store import DecisionRecord, PlanRecord, Store
 
-__all__ = ["LOOKBACK", "PLAN_ID", "counts", "reached"]
+__all__ = ["LOOKBACK", "PLAN_ID", "counts", "lowest_budget_since", "newest", "reached"]
 
 # The decision numbers' key of the plan the fleet was reached on.
 PLAN_ID = "plan_id"
@@ -29,6 +30,14 @@ def reached(
     """``numbers[key]`` of the newest of ``app``'s decisions of ``kinds`` that has it, where that
     decision was made on ``plan`` since it was applied; None: none has it, or the newest is of
     another plan or an earlier application."""
+    decision = newest(store, app, plan, kinds, key)
+    return None if decision is None else decision.numbers[key]
+
+
+def newest(
+    store: Store, app: str, plan: PlanRecord, kinds: Iterable[str], key: str
+) -> DecisionRecord | None:
+    """The decision :func:`reached` reads, or None."""
     if plan.applied_at is None:
         return None
     for decision in reversed(store.list_decisions(app, kinds=kinds, limit=LOOKBACK)):
@@ -36,9 +45,16 @@ def reached(
             continue
         if decision.numbers.get(PLAN_ID) != plan.id or decision.at < plan.applied_at:
             return None
-        value: object = decision.numbers[key]
-        return value
+        return decision
     return None
+
+
+def lowest_budget_since(store: Store, app: str, since: datetime, budget_usd_per_hr: float) -> float:
+    """The lowest budget ``app`` has had since ``since``: ``budget_usd_per_hr`` (its budget now)
+    or one a change set after it. A loop cuts the fleet it reached to a lowered budget without
+    a decision, and a raise after does not grow it back (nor does the reconciler's drain)."""
+    changes = store.list_budget_changes(app)
+    return min([budget_usd_per_hr, *(c.new_usd_per_hr for c in changes if c.at > since)])
 
 
 def counts(value: object) -> dict[str, int] | None:

@@ -357,3 +357,37 @@ def test_a_restarted_scaler_ticks_on_from_the_fleet_it_had_reached(tmp_path: Pat
         again = store.create_plan(APP, PLAN)
         store.apply_plan(APP, again.id)
         assert started() == {LARGE: 1}
+
+
+def test_a_restarted_scaler_keeps_a_budget_cut_a_raise_came_after(tmp_path: Path) -> None:
+    """The policy cut its three instances to two at a budget of 0.25 (a cut writes no decision)
+    and kept two when the budget went back to 0.35. Restarted, it read the three of its last
+    decision and cut them to the budget now: it wanted three, one more than it had reached."""
+    from controlplane.loops.infaas_scaler import FLEET_AFTER
+    from controlplane.loops.reached import PLAN_ID
+    from controlplane.serving.dispatcher import AppStatus
+
+    with planned_app(tmp_path, budget_usd_per_hr=0.35) as (clock, store, resolver, plan):
+        numbers = {PLAN_ID: plan.id, FLEET_AFTER: {LARGE: 3}}
+        store.record_decision(APP, "infaas_replicate", "before the cut", numbers)
+        idle = AppStatus(APP, "", 100.0, (), (), 0)
+        scaler = InfaasScaler(
+            store, clock, lambda _app: np.empty(0), lambda: [idle], stored_apps(resolver)
+        )
+        scaler.tick()
+        assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 3}
+        clock.advance(1.0)
+        store.change_budget(APP, 0.25, reason="cut", who="test")
+        scaler.tick()
+        clock.advance(1.0)
+        store.change_budget(APP, 0.35, reason="back", who="test")
+        scaler.tick()
+        reached = dict(scaler.desired_fleet(store.get_app(APP)))
+        assert reached == {LARGE: 2}
+
+        restarted = InfaasScaler(
+            store, clock, lambda _app: np.empty(0), lambda: [idle], stored_apps(resolver)
+        )
+        assert restarted.desired_fleet(store.get_app(APP)) == reached  # before its first tick
+        restarted.tick()
+        assert restarted.desired_fleet(store.get_app(APP)) == reached
