@@ -147,7 +147,8 @@ def test_a_get_sends_the_token_and_the_query(
     sent = fake.requests
     assert [r["method"] for r in sent] == ["GET", "GET", "GET"]
     assert all(r["authorization"] == f"Bearer {TOKEN}" for r in sent)
-    assert sent[0]["path"] == "/v1/instances"
+    live = "&".join(f"state={s}" for s in ("requested", "pending", "running", "draining"))
+    assert sent[0]["path"] == f"/v1/instances?{live}&state=terminating&limit=101"
     # Query values are form-encoded: the '+' of the time zone survives.
     since = "2024-05-01T00%3A00%3A00%2B00%3A00"
     assert sent[1]["path"] == f"/v1/apps/demo/decisions?since={since}&limit=5"
