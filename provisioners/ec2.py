@@ -22,7 +22,11 @@ keeps the :class:`~provisioners.base.Provisioner` contract on EC2:
 - **Spot** (``spot=True``, types with a launch template): ``CreateFleet`` of type ``instant`` with
   every usable subnet as an override, tagging the instances and their volumes at creation as
   ``RunInstances`` does (moto 5.2 accepts the fleet's volume tags but drops them; AWS applies
-  them). What spot cannot supply is launched on demand.
+  them). What spot cannot supply is launched on demand where the request was budgeted on demand
+  (the deployment's ``spot``); a request the reconciler tagged spot (``heteroplane:market``),
+  budgeted at the spot price, is refused instead (:class:`~provisioners.errors.
+  SpotUnavailableError`), as is one for a type without a template or with artifacts: the
+  reconciler launches it on demand next, where the budget pays for that.
 - **Models a user brings** (``request.artifacts``): RunInstances gets ``UserData`` that is the
   provider's own bootstrap (:func:`worker_user_data`): a few lines that write the worker's
   options for the models, one ``--artifact NAME:MODEL:VERSION:FORMAT:SHA256:URI`` (and
@@ -36,8 +40,9 @@ keeps the :class:`~provisioners.base.Provisioner` contract on EC2:
   cannot serve artifacts: :class:`~provisioners.errors.InvalidConfigurationError`, as is user
   data over EC2's 16 KB. Spot fleets take the template's user data as it is (``CreateFleet`` has
   no per-launch override), so with ``spot=True`` a request with artifacts is launched on demand,
-  with an ``info`` event: the simplest correct way (a template version per artifact set would be
-  the other, at the price of versions piling up on terraform's templates).
+  with an ``info`` event (refused where it was tagged spot, as above): the simplest correct way
+  (a template version per artifact set would be the other, at the price of versions piling up
+  on terraform's templates).
 - **Artifact store.** With ``model_bucket`` set, the registry keeps the models users bring in
   that bucket under ``model_prefix`` (:meth:`Ec2Provisioner.artifact_storage`), where the
   workers' role may read them; without one, in the control plane's data directory (which EC2
@@ -96,6 +101,7 @@ from provisioners.errors import (
     InvalidConfigurationError,
     ProvisionerError,
     QuotaExceededError,
+    SpotUnavailableError,
     ThrottledError,
     UnknownInstanceError,
 )
@@ -412,26 +418,40 @@ class Ec2Provisioner:
         tags = self._aws_tags(launch_tags(request), request.instance_type)
         launched: builtins.list[ProvisionedInstance] = []
         # Spot for the whole deployment (``spot``), or for this request (the reconciler's
-        # MARKET_TAG, a plan's spot_fleet: docs/spot.md).
-        if self.config.spot or request.tags.get(MARKET_TAG) == "spot":
+        # MARKET_TAG, a plan's spot_fleet: docs/spot.md). The reconciler prices and budgets a
+        # request it tags spot at the spot price: what spot cannot supply of it is not run on
+        # demand (it would cost more than the budget was told) but refused, and the reconciler
+        # launches it on demand next where the budget pays for that. The deployment's ``spot``
+        # alone is a saving on requests budgeted on demand: what spot cannot supply of those
+        # runs on demand.
+        priced_at_spot = request.tags.get(MARKET_TAG) == "spot"
+        if self.config.spot or priced_at_spot:
+            why = None
             if template is None:
-                self._event(
-                    "info",
-                    f"spot needs a launch template; launching {request.instance_type} on demand",
-                    request.instance_type,
-                )
+                why = "spot needs a launch template"
             elif user_data is not None:
                 # A fleet launches with the template's user data: no room for the artifacts.
-                self._event(
-                    "info",
-                    f"spot fleets take no per-launch user data; launching {request.count}"
-                    f" {request.instance_type} with {len(request.artifacts)} artifact(s) on"
-                    " demand",
-                    request.instance_type,
+                why = (
+                    f"spot fleets take no per-launch user data, and the request carries"
+                    f" {len(request.artifacts)} artifact(s)"
                 )
             else:
                 launched = self._launch_spot(request, template, tags)
+                if not launched:
+                    why = "spot has no capacity for it now"
+            if why is not None and priced_at_spot:
+                what = request.instance_type
+                self._event("capacity", f"{why}; {what} not launched", what)
+                raise SpotUnavailableError(request.instance_type, why)
+            if why is not None and not launched:
+                self._event(
+                    "info",
+                    f"{why}; launching {request.count} {request.instance_type} on demand",
+                    request.instance_type,
+                )
         remaining = request.count - len(launched)
+        if remaining > 0 and priced_at_spot:
+            return launched  # spot supplied part of it: the rest is launched again, not on demand
         if remaining > 0:
             try:
                 launched += self._launch_on_demand(request, remaining, template, tags, user_data)
@@ -688,7 +708,7 @@ class Ec2Provisioner:
         except (ThrottledError, InvalidConfigurationError) as error:
             raise self._reported(error, instance_type) from None
         except ProvisionerError as error:
-            self._event("capacity", f"spot fleet failed ({error}); trying on demand", instance_type)
+            self._event("capacity", f"spot fleet failed ({error})", instance_type)
             return []
         for failure in response.get("Errors", []):
             code = str(failure.get("ErrorCode", ""))
@@ -710,8 +730,7 @@ class Ec2Provisioner:
         if len(launched) < request.count:
             self._event(
                 "capacity",
-                f"spot supplied {len(launched)} of {request.count} {instance_type};"
-                " the rest on demand",
+                f"spot supplied {len(launched)} of {request.count} {instance_type}",
                 instance_type,
             )
         return launched

@@ -30,6 +30,7 @@ __all__ = [
     "InvalidConfigurationError",
     "ProvisionerError",
     "QuotaExceededError",
+    "SpotUnavailableError",
     "ThrottledError",
     "UnknownInstanceError",
 ]
@@ -65,6 +66,18 @@ class InsufficientCapacityError(ProvisionerError):
         where = f" in {zone}" if zone else ""
         detail = f": {message}" if message else ""
         super().__init__(f"insufficient capacity for {instance_type}{where}{detail}")
+
+
+class SpotUnavailableError(ProvisionerError):
+    """A launch asked for on spot (the reconciler priced and budgeted it at the spot price)
+    that spot cannot supply now: the type has no launch template, the workers' user data
+    carries artifacts a spot fleet cannot take, or spot has no capacity. Nothing is launched:
+    run on demand, it would cost more than the budget was told; the reconciler launches it on
+    demand next, at the on-demand price, where the budget pays for that."""
+
+    def __init__(self, instance_type: str, why: str) -> None:
+        self.instance_type = instance_type
+        super().__init__(f"{instance_type} cannot be launched on spot now: {why}")
 
 
 class QuotaExceededError(ProvisionerError):

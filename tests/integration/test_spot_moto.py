@@ -5,6 +5,7 @@ rise mid-run (the cap held at every tick, the capacity moved before a breach).""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -29,7 +30,7 @@ boto3 = pytest.importorskip("boto3")
 from botocore.awsrequest import AWSResponse  # noqa: E402
 
 from provisioners.ec2 import Ec2Config, Ec2Provisioner  # noqa: E402
-from provisioners.interruptions import INTERRUPTION_NOTICE_S  # noqa: E402
+from provisioners.interruptions import INTERRUPTION_NOTICE_S, MARKET_TAG  # noqa: E402
 from provisioners.spot import SpotPriceReader  # noqa: E402
 
 
@@ -260,23 +261,43 @@ def test_a_request_tagged_spot_is_launched_on_spot_and_the_others_on_demand(
     assert (spot.market, on_demand.market) == ("spot", "on-demand")
 
 
-def test_a_spot_launch_ec2_runs_on_demand_is_recorded_and_budgeted_on_demand(
+def ec2_without_templates(ec2_network: Ec2Network, clock: Any, board: PriceBoard) -> Any:
+    """The EC2 provisioner on moto with no launch template (a spot fleet needs one), reading
+    spot prices from ``board``."""
+    session = boto3.Session()
+    session.events.register("before-send.ec2.DescribeSpotPriceHistory", board)
+    return Ec2Provisioner(
+        ec2_config(ec2_network, spot_price_ttl_s=60.0), session, clock=clock.now_s
+    )
+
+
+def on_demand_cost(ec2: Any) -> float:
+    """What EC2 bills now for the machines it runs, at the catalog's on-demand prices (none of
+    them runs on spot in these tests)."""
+    from estimator.catalog import default_catalog
+
+    catalog = default_catalog()
+    return sum(
+        catalog[i["InstanceType"]].price_usd_per_hr
+        for r in ec2.describe_instances()["Reservations"]
+        for i in r["Instances"]
+        if i["State"]["Name"] in ("pending", "running")
+        and (i.get("InstanceLifecycle") or "on-demand") == "on-demand"
+    )
+
+
+def test_a_spot_launch_spot_cannot_supply_is_refused_then_launched_on_demand_within_the_budget(
     ec2_network: Ec2Network, tmp_path: Any
 ) -> None:
-    """Without a launch template EC2 launches a request tagged spot on demand (a fleet needs
-    one), as it does what a spot fleet cannot supply: the row says so and is priced at the
-    on-demand price, so the budget guard counts what is billed. (The rows said spot at the spot
-    price: two t3.large billed 0.1664 USD/hr on demand under a budget of 0.1 were counted at
-    0.06.)"""
+    """Without a launch template a request tagged spot cannot run on spot (a fleet needs one):
+    the provider launches nothing (it had launched it on demand, billed at 0.0832 USD/hr where
+    the budget was told 0.03), and the reconciler launches on demand from the next tick, priced
+    so, as far as the budget pays: one of the two t3.large under 0.1."""
     board, clock, store, _ = reconciler_on_moto(ec2_network, tmp_path, {"t3.large": 0.03})
     from controlplane.loops.reconciler import Reconciler, catalog_pricing
     from estimator.catalog import default_catalog
 
-    session = boto3.Session()
-    session.events.register("before-send.ec2.DescribeSpotPriceHistory", board)
-    no_templates = Ec2Provisioner(
-        ec2_config(ec2_network, spot_price_ttl_s=60.0), session, clock=clock.now_s
-    )
+    no_templates = ec2_without_templates(ec2_network, clock, board)
     reconciler = Reconciler(store, no_templates, clock, catalog_pricing(default_catalog()))
     budget = 0.1  # two t3.large on spot at 0.03; one at on demand (0.0832), not two
     ec2 = boto3.client("ec2", region_name=REGION)
@@ -286,23 +307,51 @@ def test_a_spot_launch_ec2_runs_on_demand_is_recorded_and_budgeted_on_demand(
         return sum(r.price_usd_per_hr for r in kept)
 
     try:
-        serve_two_spot_t3_large(store, clock, reconciler, budget, ["t3.large"])
-        lifecycle = {
-            i["InstanceId"]: i.get("InstanceLifecycle") or "on-demand"
-            for r in ec2.describe_instances()["Reservations"]
-            for i in r["Instances"]
-        }
-        rows = [r for r in store.list_instances("recs") if r.provider_id]
-        assert rows and {lifecycle[r.provider_id or ""] for r in rows} == {"on-demand"}
-        assert {(r.market, r.price_usd_per_hr) for r in rows if r.provider_id} == {
-            ("on-demand", 0.0832)
-        }
-        assert billed() <= budget + 1e-9
+        two = {"t3.large": 2}
+        planned_recs(store, budget, ["t3.large"], 0.06, {"fleet": two, "spot_fleet": two})
+        clock.advance(1.0)
+        reconciler.run_once()
+        assert on_demand_cost(ec2) == 0.0  # nothing run on demand at a spot price
+        (refused, *_) = store.list_decisions("recs", kinds=["launch_failed"])
+        assert refused.numbers["error"] == "SpotUnavailableError"
+        assert "launch template" in refused.reason and "on demand at 0.0832" in refused.reason
         for _ in range(3):
             clock.advance(1.0)
             reconciler.run_once()
-            assert billed() <= budget + 1e-9
+            assert billed() <= budget + 1e-9 and on_demand_cost(ec2) <= budget + 1e-9
+        rows = [r for r in store.list_instances("recs") if r.provider_id]
+        assert [(r.market, r.price_usd_per_hr) for r in rows] == [("on-demand", 0.0832)]
         assert len(store.list_instances("recs", states=["running"])) == 1
+    finally:
+        store.close()
+
+
+def test_spot_launches_of_two_types_spot_cannot_supply_never_run_past_the_budget(
+    ec2_network: Ec2Network, tmp_path: Any
+) -> None:
+    """Two types on spot in one tick, neither of which spot can supply: each was launched on
+    demand (the second one too, after the first came back on demand): 0.168 USD/hr ran under a
+    budget of 0.1 until the next tick's drain. Now neither runs on demand at a spot price, and
+    the on-demand launches that follow fit the budget."""
+    board, clock, store, _ = reconciler_on_moto(ec2_network, tmp_path, {"t3.large": 0.03})
+    board.prices["c5.large"] = 0.034
+    from controlplane.loops.reconciler import Reconciler, catalog_pricing
+    from estimator.catalog import default_catalog
+
+    no_templates = ec2_without_templates(ec2_network, clock, board)
+    reconciler = Reconciler(store, no_templates, clock, catalog_pricing(default_catalog()))
+    budget = 0.1  # both on spot: 0.064; on demand: 0.1682
+    ec2 = boto3.client("ec2", region_name=REGION)
+    try:
+        fleet = {"t3.large": 1, "c5.large": 1}
+        planned_recs(
+            store, budget, sorted(fleet), 0.064, {"fleet": fleet, "spot_fleet": dict(fleet)}
+        )
+        for _ in range(4):
+            clock.advance(1.0)
+            reconciler.run_once()
+            assert on_demand_cost(ec2) <= budget + 1e-9
+        assert on_demand_cost(ec2) > 0  # one of them, on demand
     finally:
         store.close()
 
@@ -310,9 +359,11 @@ def test_a_spot_launch_ec2_runs_on_demand_is_recorded_and_budgeted_on_demand(
 def test_a_spot_launch_run_on_demand_whose_answer_was_lost_is_adopted_on_demand(
     ec2_network: Ec2Network, tmp_path: Any
 ) -> None:
-    """The control plane dies between EC2's answer and the row's move (the launch went
-    through): the next one adopts the instance by its request id, on demand at the on-demand
-    price, as EC2 bills it."""
+    """The control plane dies between the provider's answer and the row's move (the launch
+    went through, on demand: a provider that runs what spot cannot supply on demand, as this
+    one did before it refused such launches; here the request goes to EC2 untagged): the next
+    one adopts the instance by its request id, on demand at the on-demand price, as EC2 bills
+    it."""
     board, clock, store, _ = reconciler_on_moto(ec2_network, tmp_path, {"t3.large": 0.03})
     from controlplane.loops.reconciler import Reconciler, catalog_pricing
     from estimator.catalog import default_catalog
@@ -333,7 +384,8 @@ def test_a_spot_launch_run_on_demand_whose_answer_was_lost_is_adopted_on_demand(
             return getattr(no_templates, attribute)
 
         def launch(self, request: Any) -> Any:
-            no_templates.launch(request)
+            tags = {k: v for k, v in request.tags.items() if k != MARKET_TAG}
+            no_templates.launch(dataclasses.replace(request, tags=tags))
             raise DiesError(request.request_id)
 
     try:
