@@ -586,6 +586,10 @@ def error_message(body: bytes) -> str | None:
     'model_error: the model raised'
     >>> error_message(b'{"error": "input x: expected FP32"}'), error_message(b"<html>")
     ('input x: expected FP32', None)
+    >>> error_message(b'{"error": "\\u001b[31mred\\u001b[0m"}')
+    '[31mred [0m'
+    >>> error_message(b'{"error": null, "detail": "d"}')
+    'd'
     """
     try:
         document = json.loads(body)
@@ -593,7 +597,9 @@ def error_message(body: bytes) -> str | None:
         return None
     if not isinstance(document, dict):
         return None
-    error = document.get("error", document.get("detail"))
+    error = document.get("error")
+    if error is None:
+        error = document.get("detail")
     if isinstance(error, dict):
         code, message = error.get("code"), error.get("message")
         if not isinstance(message, str):
@@ -601,7 +607,11 @@ def error_message(body: bytes) -> str | None:
         error = f"{code}: {message}" if isinstance(code, str) and code else message
     if not isinstance(error, str) or not error.strip():
         return None
-    line = " ".join(error.split())
+    # One line, and nothing a terminal would act on (a service's ESC sequences): printed as
+    # the summary's example.
+    line = " ".join("".join(c if c.isprintable() else " " for c in error).split())
+    if not line:
+        return None
     if len(line) > ERROR_MESSAGE_CHARS:
         line = line[: ERROR_MESSAGE_CHARS - 3] + "..."
     return line
