@@ -513,18 +513,24 @@ def test_a_failed_terminate_is_asked_again(world: World) -> None:
     assert by_state(world.store) == {"running": 1, "terminated": 1}
 
 
+def two_smalls_running(template_db: Path, tmp_path: Path) -> World:
+    """A world whose budget pays for two smalls, both running on its plan."""
+    world = World.create(template_db, tmp_path, budget=2 * PRICES[SMALL])
+    apply_fleet(world.store, {SMALL: 2})
+    world.tick()
+    world.fake.step()
+    world.tick()
+    return world
+
+
 def test_a_machine_whose_terminate_fails_is_paid_for_until_it_stops(
     template_db: Path, tmp_path: Path
 ) -> None:
     """A terminate that keeps failing leaves the machine running and billed: a plan that wants
     another instance gets one only where the budget pays for it next to that machine. (The row
     was counted as gone: a third small was launched under a budget of two, three ran.)"""
-    world = World.create(template_db, tmp_path, budget=2 * PRICES[SMALL])
+    world = two_smalls_running(template_db, tmp_path)
     try:
-        apply_fleet(world.store, {SMALL: 2})
-        world.tick()
-        world.fake.step()
-        world.tick()
         apply_fleet(world.store, {SMALL: 1})
         world.fake.fail_terminate_next(100)
         world.tick()
@@ -605,12 +611,8 @@ def test_a_terminate_that_fails_in_the_tick_holds_the_launches_it_was_to_pay_for
     """Break-then-make in one tick (the budget pays for the plan's large only once both smalls
     go): when their terminate fails, both smalls still run and are billed, so the large waits.
     (It was launched beside them: 0.2 USD/hr ran under a budget of 0.1.)"""
-    world = World.create(template_db, tmp_path, budget=2 * PRICES[SMALL])
+    world = two_smalls_running(template_db, tmp_path)
     try:
-        apply_fleet(world.store, {SMALL: 2})
-        world.tick()
-        world.fake.step()
-        world.tick()
         apply_fleet(world.store, {LARGE: 1})
         world.fake.fail_terminate_next(100)
 
