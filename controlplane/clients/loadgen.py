@@ -586,7 +586,7 @@ def error_message(body: bytes) -> str | None:
     'model_error: the model raised'
     >>> error_message(b'{"error": "input x: expected FP32"}'), error_message(b"<html>")
     ('input x: expected FP32', None)
-    >>> error_message(b'{"error": "\\u001b[31mred\\u001b[0m"}')
+    >>> error_message(b'{"error": "\\\\u001b[31mred\\\\u001b[0m"}')
     '[31mred [0m'
     >>> error_message(b'{"error": null, "detail": "d"}')
     'd'
