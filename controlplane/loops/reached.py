@@ -15,21 +15,44 @@ from datetime import datetime
 
 from controlplane.db.store import DecisionRecord, PlanRecord, Store
 
-__all__ = ["LOOKBACK", "PLAN_ID", "counts", "lowest_budget_since", "newest", "reached"]
+__all__ = [
+    "LOOKBACK",
+    "PLAN_ID",
+    "SCALING_KINDS",
+    "counts",
+    "lowest_budget_since",
+    "newest",
+    "reached",
+]
 
 # The decision numbers' key of the plan the fleet was reached on.
 PLAN_ID = "plan_id"
-# How many of an app's newest decisions of the loop's kinds are read (another loop's decisions of
+# How many of an app's newest decisions of the loops' kinds are read (another loop's decisions of
 # those kinds carry no fleet and are passed over).
 LOOKBACK = 20
+# The decisions either scaling loop writes the fleet after a change into (the live tuner's, the
+# INFaaS scaler's). A loop starts from its own only where it is the newest of them: an app moved to
+# the other loop and back on the same plan starts from the plan's fleet, not from the fleet the
+# loop had reached before the move (the other loop has moved it since).
+SCALING_KINDS = frozenset(
+    {
+        "scale_up",
+        "scale_down",
+        "infaas_replicate",
+        "infaas_upgrade",
+        "infaas_drain",
+        "infaas_relieve",
+    }
+)
 
 
 def reached(
     store: Store, app: str, plan: PlanRecord, kinds: Iterable[str], key: str
 ) -> object | None:
     """``numbers[key]`` of the newest of ``app``'s decisions of ``kinds`` that has it, where that
-    decision was made on ``plan`` since it was applied; None: none has it, or the newest is of
-    another plan or an earlier application."""
+    decision was made on ``plan`` since it was applied and no scaling loop's fleet was written
+    after it (:data:`SCALING_KINDS`); None: none has it, the newest is of another plan or an
+    earlier application, or the other loop's is newer."""
     decision = newest(store, app, plan, kinds, key)
     return None if decision is None else decision.numbers[key]
 
@@ -40,9 +63,13 @@ def newest(
     """The decision :func:`reached` reads, or None."""
     if plan.applied_at is None:
         return None
-    for decision in reversed(store.list_decisions(app, kinds=kinds, limit=LOOKBACK)):
-        if key not in decision.numbers:
-            continue
+    own = frozenset(kinds)
+    read = sorted(own | SCALING_KINDS)
+    for decision in reversed(store.list_decisions(app, kinds=read, limit=LOOKBACK)):
+        if PLAN_ID not in decision.numbers:
+            continue  # a decision of those kinds that carries no loop's fleet
+        if decision.kind not in own or key not in decision.numbers:
+            return None  # the other loop's fleet is newer
         if decision.numbers.get(PLAN_ID) != plan.id or decision.at < plan.applied_at:
             return None
         return decision

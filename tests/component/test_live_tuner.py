@@ -240,6 +240,25 @@ def test_a_restarted_tuner_starts_from_the_fleet_it_had_reached(
     assert live_tuner(store, clock, feed).desired_fleet(app) == {SMALL: 3}
 
 
+def test_a_tuner_back_from_infaas_on_the_same_plan_starts_from_the_plan(
+    store: Store, tmp_path: Path
+) -> None:
+    """The app moved to the INFaaS scaler and back on the same plan: the INFaaS scaler has
+    moved the fleet since the tuner's last decision, so a tuner set up afresh starts from the
+    plan's fleet, not from the fleet it had reached before the move."""
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=1.0)
+    before = live_tuner(store, clock, feed)
+    feed.arrival_s = steady(256.0, 940.0, 1000.0)
+    assert any(d.action == "scale_up" for _, d in before.tick())
+    assert live_tuner(store, clock, feed).desired_fleet(app)[SMALL] > 2
+    plan_id = store.get_app(APP).applied_plan_id
+    store.record_decision(
+        APP, "infaas_drain", "drained one", {"plan_id": plan_id, "fleet_after": {SMALL: 1}}
+    )
+    assert live_tuner(store, clock, feed).desired_fleet(app) == {SMALL: 2}
+
+
 def test_an_app_without_a_plan_wants_nothing(store: Store, tmp_path: Path) -> None:
     store.create_app(spec(tmp_path, 1.0), who="test")
     tuner = live_tuner(store, FakeClock(), Feed())
