@@ -948,7 +948,7 @@ def resolve_spec(
             raise SpecError(
                 f"models[{i}].artifact",
                 "a registry model is measured and served by the service: register the app"
-                " there (heteroplane app register), or name a profiles file to plan offline",
+                " there (heteroplane app apply -f FILE), or name a profiles file to plan offline",
             )
     catalog = _load_spec_catalog(spec.catalog)
     for i, name in enumerate(spec.instance_types):

@@ -5,6 +5,7 @@ shared inputs; the plan preview refused without profiles."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from controlplane.apps.plans import require_profiles
 from controlplane.apps.resolver import MEASURED_RECHECK_S, AppResolver
+from controlplane.cli import build_parser
 from controlplane.db.store import ModelVersionRecord
 from controlplane.errors import NotFoundError, ProfilesNotMeasuredError
 from controlplane.spec import SpecError, parse_artifact, resolve_spec, validate_spec
@@ -298,3 +300,14 @@ def test_offline_an_artifact_model_needs_its_profile_file(tmp_path: Path) -> Non
     with_file = validate_spec(document(small={"artifact": "s", "profiles": "p.json"}))
     resolved = resolve_spec(with_file, tmp_path)
     assert not resolved.artifacts and not resolved.unprofiled
+
+
+def test_offline_the_artifact_error_names_a_command_that_exists(tmp_path: Path) -> None:
+    """The way out it names is the command that registers an app (``app apply``): the command
+    line has no ``app register``."""
+    spec = validate_spec(document(small={"artifact": "s"}))
+    with pytest.raises(SpecError) as error:
+        resolve_spec(spec, tmp_path)
+    named = re.search(r"\(heteroplane ([^)]*)\)", error.value.problem)
+    assert named is not None
+    build_parser().parse_args(named.group(1).split())
