@@ -179,7 +179,7 @@ class Registry:
             )
         if inputs_spec is not None:
             try:
-                parse_inputs_spec(inputs_spec)
+                parse_inputs_spec(inputs_spec, what="inputs")
             except InspectError as error:
                 raise ModelRejectedError(str(error)) from None
 

@@ -37,33 +37,38 @@ class InspectError(Exception):
     """A bad command line or a bad ``--inputs`` spec; the message is one line."""
 
 
-def parse_inputs_spec(text: str) -> tuple[TensorSpec, ...]:
+def parse_inputs_spec(text: str, what: str = "--inputs") -> tuple[TensorSpec, ...]:
     """``NAME:DATATYPE:SHAPE[,NAME:DATATYPE:SHAPE...]`` as tensors; ``SHAPE`` is dimensions
-    joined by ``x``, ``-1`` for a dynamic one. Raises :class:`InspectError` when malformed.
+    joined by ``x``, ``-1`` for a dynamic one. Raises :class:`InspectError` when malformed, its
+    message naming the spec as ``what`` (the option, or the API's query parameter).
 
     >>> parse_inputs_spec("input:FP32:-1x13")
     (TensorSpec(name='input', datatype='FP32', shape=(-1, 13)),)
+    >>> parse_inputs_spec("bad", what="inputs")
+    Traceback (most recent call last):
+    ...
+    provisioners.worker.inspect.InspectError: inputs 'bad': expected NAME:DATATYPE:SHAPE
     """
     if not text.isprintable():
-        raise InspectError(f"--inputs {text!r}: control characters are not allowed")
+        raise InspectError(f"{what} {text!r}: control characters are not allowed")
     specs: list[TensorSpec] = []
     for part in text.split(","):
         fields = part.strip().split(":")
         if len(fields) != 3 or not all(fields):
-            raise InspectError(f"--inputs {part.strip()!r}: expected NAME:DATATYPE:SHAPE")
+            raise InspectError(f"{what} {part.strip()!r}: expected NAME:DATATYPE:SHAPE")
         name, datatype, shape_text = fields
         try:
             shape = tuple(int(d) for d in shape_text.lower().split("x"))
         except ValueError:
             raise InspectError(
-                f"--inputs {part.strip()!r}: shape {shape_text!r} is not dimensions joined by x"
+                f"{what} {part.strip()!r}: shape {shape_text!r} is not dimensions joined by x"
             ) from None
         try:
             specs.append(TensorSpec(name, datatype.upper(), shape))
         except ArtifactError as error:
-            raise InspectError(f"--inputs {part.strip()!r}: {error}") from None
+            raise InspectError(f"{what} {part.strip()!r}: {error}") from None
     if len({s.name for s in specs}) != len(specs):
-        raise InspectError(f"--inputs {text!r}: an input is named twice")
+        raise InspectError(f"{what} {text!r}: an input is named twice")
     return tuple(specs)
 
 
