@@ -156,9 +156,10 @@ class InferResult:
     service time and ``transport_ms`` the rest, ``api_ms`` the API's part before the loop
     (receipt to submit: parsing, the token check, validation, the event loop's own queue),
     ``queue_ms`` the rest of ``total_ms`` (admission, the stages' queues, the loop); ``late``
-    when ``total_ms`` is over the SLO. ``replies``: per sample, the worker's reply that answered
-    it and the sample's row in that reply's batch: the answering model's raw outputs
-    (:func:`~controlplane.serving.modelio.stack_outputs`, what ``/v2`` answers)."""
+    when ``total_ms`` is over the query's latency bound: a model-less query's own
+    (``Requirements.latency_ms``), else the app's SLO. ``replies``: per sample, the worker's
+    reply that answered it and the sample's row in that reply's batch: the answering model's raw
+    outputs (:func:`~controlplane.serving.modelio.stack_outputs`, what ``/v2`` answers)."""
 
     outputs: tuple[int, ...]
     models: tuple[str, ...]
@@ -267,6 +268,7 @@ class _Request:
     __slots__ = (
         "api_ms",
         "arrival_s",
+        "bound_ms",
         "cascade",
         "certainty",
         "compute_ms",
@@ -309,6 +311,7 @@ class _Request:
         self.lag_ms = 0.0  # the loop's own wait before its batches started (_dispatch_lag_ms)
         self.queued: dict[int, _Stage] = {}  # query id -> the stage whose queue holds it
         self.deadline_s = math.inf  # when its client stops waiting, if it said
+        self.bound_ms: float | None = None  # a model-less query's own latency bound
 
 
 class _Part:
@@ -467,9 +470,13 @@ class AppDispatcher:
         :class:`~controlplane.errors.ServingError` that says why not. ``received_s``: when the
         API received it, on ``clock_s`` (default: now)."""
         cascade = None
+        bound_ms = None
         if requirements is not None:
             cascade = self.choose_variant(requirements, len(inputs))
-        return await self.submit(inputs, sample_ids, cascade, received_s, deadline_s)
+            bound_ms = requirements.latency_ms
+        return await self.submit(
+            inputs, sample_ids, cascade, received_s, deadline_s, bound_ms=bound_ms
+        )
 
     def submit(
         self,
@@ -478,12 +485,16 @@ class AppDispatcher:
         cascade: Cascade | None = None,
         received_s: float | None = None,
         deadline_s: float | None = None,
+        *,
+        bound_ms: float | None = None,
     ) -> asyncio.Future[InferResult]:
         """Queue a request under ``cascade`` (default: the gear in force) and return the future
         of its answer. Raises at once when it is refused (503 or 429 kinds). Its latency, and its
         SLO clock, run from ``received_s`` (when the API received it, on ``clock_s``; default
         and upper bound: now). ``deadline_s`` (on ``clock_s``): when its client stops waiting,
-        if it said (a batch that would end later is not sent for it: :meth:`_in_time`)."""
+        if it said (a batch that would end later is not sent for it: :meth:`_in_time`).
+        ``bound_ms``: a model-less query's own latency bound, which its answer's ``late`` is
+        judged against instead of the SLO (the app's counts keep the SLO)."""
         if not inputs:
             raise ValueError("a request needs at least one sample")
         now = self.clock_s()
@@ -515,6 +526,7 @@ class AppDispatcher:
             inputs, sample_ids, cascade, arrival_s, future, (now - arrival_s) * 1000.0
         )
         request.deadline_s = math.inf if deadline_s is None else deadline_s
+        request.bound_ms = bound_ms
         future.add_done_callback(functools.partial(self._on_done, request))
         self._open[request] = None
         if self._sweeper is None:
@@ -1027,6 +1039,10 @@ class AppDispatcher:
     def _answer(self, request: _Request, now: float) -> None:
         total_ms = (now - request.arrival_s) * 1000.0
         late = total_ms > self.config.slo_ms
+        # A model-less query chose its variant on a predicted latency within its own bound; an
+        # answer past that bound says so, whatever the app's SLO (the app's counts keep it).
+        bound_ms = request.bound_ms
+        late_for_query = late if bound_ms is None else total_ms > bound_ms
         service_ms = min(request.service_ms, total_ms)
         compute_ms = min(request.compute_ms, service_ms)
         api_ms = min(request.api_ms, total_ms - service_ms)
@@ -1042,7 +1058,7 @@ class AppDispatcher:
             queue_ms=split.queue_ms,
             service_ms=service_ms,
             total_ms=total_ms,
-            late=late,
+            late=late_for_query,
             transport_ms=split.transport_ms,
             compute_ms=compute_ms,
             api_ms=api_ms,

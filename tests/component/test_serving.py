@@ -648,6 +648,28 @@ def test_a_model_less_query_gets_the_cheapest_variant_that_meets_it() -> None:
     run(scenario())
 
 
+def test_a_model_less_answer_past_its_own_latency_bound_is_flagged_late() -> None:
+    """The variant is chosen on its predicted latency (about 1 ms here); the worker takes 50 ms.
+    The answer is past the 20 ms the query asked for, though within the app's 200 ms SLO: its
+    ``late`` says so (a tester's query asking for 33.5 ms was answered in 46 ms with ``late``
+    false). The app's own counts stay against its SLO."""
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE], delay_s=0.05)
+        dispatcher = await dispatcher_over(workers, config(slo_ms=200.0))
+        bound = Requirements("demo", latency_ms=20.0)
+        result = await dispatcher.infer([row(5, 0.9)], requirements=bound)
+        assert result.total_ms > 20.0 and result.late
+        # Without a bound of its own, a query is judged against the SLO (200 ms).
+        loose = await dispatcher.infer([row(5, 0.9)], requirements=Requirements("demo", 5000.0))
+        assert loose.total_ms > 20.0 and not loose.late
+        totals = dispatcher.observations.totals()["demo"]
+        assert (totals.answered, totals.late) == (2, 0)
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_a_worker_removed_from_the_fleet_leaves_matching() -> None:
     async def scenario() -> None:
         workers = await fleet([LARGE, LARGE])
@@ -817,10 +839,11 @@ def test_the_endpoint_answers_with_outputs_models_gear_and_timings(world: ApiWor
         # Within the SLO or not is the machine's speed; the count below must agree with it.
         assert isinstance(answer["late"], bool), answer
         late = [answer["late"]]
-        # Model-less: a latency bound alone picks the cheapest variant.
+        # Model-less: a latency bound alone picks the cheapest variant (the SLO's bound, so
+        # that its answer's late, judged against the bound, agrees with the counts below).
         response = await client.post(
             "/v1/apps/demo/infer",
-            json={"inputs": [row(4, 0.1)], "requirements": {"latency_ms": 250}},
+            json={"inputs": [row(4, 0.1)], "requirements": {"latency_ms": 300}},
             headers=world.auth(),
         )
         assert response.status_code == 200, response.text
