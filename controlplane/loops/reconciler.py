@@ -43,8 +43,9 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    unanswered first; the newest first within each). Two guards hold
    back the excess that serves (docs/operations.md, "Budget changes that cannot take an app
    down"): the last serving instance of each stage of the applied plan stays until another of
-   the stage serves (:func:`controlplane.policies.drain.spare_last_serving`), unless the budget
-   needs its cost for the launches that replace it; and the *disruption budget*
+   the stage serves (:func:`controlplane.policies.drain.spare_last_serving`; for an app INFaaS's
+   autoscaler scales, any instance of the plan's types serves every stage: ``_stage_types``),
+   unless the budget needs its cost for the launches that replace it; and the *disruption budget*
    (:class:`controlplane.policies.disruption.DisruptionBudget`) caps how many serving instances
    go per window, counting the ones that left in the window, least cost-effective first. What
    either keeps is one :class:`DrainDeferred` action (one decision per episode).
@@ -170,6 +171,7 @@ from controlplane.crashpoints import crash_point
 from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.errors import ControlPlaneError, NotFoundError
 from controlplane.loops.liveness import Liveness
+from controlplane.policies import scaling
 from controlplane.policies.disruption import DisruptionBudget, count_disruptions
 from controlplane.policies.drain import (
     DrainInstance,
@@ -1909,18 +1911,37 @@ def disruption_budget(settings: Settings) -> DisruptionBudget:
     )
 
 
-def _stage_types(store: Store, app: str) -> dict[str, list[str]]:
-    """The applied plan's stages (name -> the types it plans); empty without one, or when the
-    plan does not read (then no stage is guarded)."""
-    plan = store.get_applied_plan(app)
+def _stage_types(store: Store, app: AppRecord) -> dict[str, list[str]]:
+    """The applied plan's stages (name -> the types that serve it); empty without one, or when
+    the plan does not read (then no stage is guarded).
+
+    A stage is served by the types the plan places on it; for an app INFaaS's autoscaler scales
+    (``scaling: infaas``), by every type the plan places: that policy drains a variant (the
+    dearer type first) once the other instances carry each of its models (every worker loads
+    the whole family, and the serving loop serves a stage left without its planned types on all
+    of them), so the guard keeps the app's last serving instance, not each stage's type, as the
+    policy does. Guarded by stage, its drain of a stage's only type was deferred for good."""
+    plan = store.get_applied_plan(app.name)
     if plan is None:
         return {}
     try:
         stages = plan.plan.stages
     except EstimatorError as error:
-        logger.warning("reconcile %s: the applied plan's stages do not read: %s", app, error)
+        logger.warning("reconcile %s: the applied plan's stages do not read: %s", app.name, error)
         return {}
-    return {stage.name: [t for t, n in stage.fleet.items() if n > 0] for stage in stages}
+    planned = {stage.name: [t for t, n in stage.fleet.items() if n > 0] for stage in stages}
+    if _scaled_by_variant(app):
+        every = sorted({t for types in planned.values() for t in types})
+        return {name: list(every) for name in planned}
+    return planned
+
+
+def _scaled_by_variant(app: AppRecord) -> bool:
+    """Whether INFaaS's autoscaler scales ``app`` (its spec's ``scaling: infaas``)."""
+    try:
+        return scaling.live_owner(app.spec.get("scaling")) == "infaas"
+    except scaling.UnknownScalingPolicyError:
+        return False
 
 
 # --- the reconciler ----------------------------------------------------------------------------
@@ -2161,7 +2182,7 @@ class Reconciler:
             silent=self._silent,
             missing_grace_s=self.missing_grace_s,
             held_types=held,
-            stage_types=_stage_types(self.store, app.name),
+            stage_types=_stage_types(self.store, app),
             disruption=self.disruption,
             disrupted_in_window=self._disrupted_in_window(app.name, now),
             teardown=teardown,

@@ -321,6 +321,78 @@ def test_a_new_plan_that_trades_a_type_keeps_the_old_one_until_the_new_one_serve
     assert live_types(world.store) == {LARGE: 2}
 
 
+@pytest.mark.parametrize("scaling", ["inferline", "infaas"])
+def test_infaas_drains_a_stages_only_type_the_tuner_keeps(
+    template_db: Path, tmp_path: Path, scaling: str
+) -> None:
+    """A cascade planned with its last stage on the large type. The tuner's shrink keeps the
+    stage's last serving instance until another of its type serves. INFaaS's autoscaler drains
+    the dearer type when the other instances carry every model (a downgrade: each worker serves
+    the whole family, and a stage with none of its planned types serves on all of them), so the
+    reconciler carries that drain out: kept, the large stayed for good, a ``drain_deferred``
+    every tick, while the scaler's fleet (and the cost its decisions stated) had it gone."""
+    path = tmp_path / "heteroplane.db"
+    shutil.copy(template_db, path)
+    clock = FakeClock()
+    fake = FakeProvisioner(now=clock.utcnow)
+    store = Store.from_url(f"sqlite:///{path}", clock)
+    try:
+        document = {
+            **spec(1.0),
+            "models": [
+                {"name": "tiny", "profiles": "profiles.json"},
+                {"name": "large", "profiles": "profiles.json"},
+            ],
+            "cascade": ["tiny", "large"],
+            "scaling": scaling,
+        }
+        store.create_app(document, who="test")
+        plan = store.create_plan(
+            APP,
+            {
+                "feasible": True,
+                "cost_usd_per_hr": 0.15,
+                "stages": [
+                    {"name": "tiny", "fleet": {SMALL: 1}},
+                    {"name": "large", "fleet": {LARGE: 1}},
+                ],
+            },
+        )
+        store.apply_plan(APP, plan.id)
+        desired = {SMALL: 1, LARGE: 1}
+        reconciler = Reconciler(
+            store,
+            fake,
+            clock,
+            pricing,
+            desired_fleet=lambda _app: desired,
+            straggler_timeout_s=STRAGGLER_S,
+            missing_grace_s=GRACE_S,
+        )
+        clock.advance(5.0)
+        reconciler.run_once()
+        fake.step()
+        clock.advance(5.0)
+        reconciler.run_once()
+        assert {i.instance_type: i.state for i in store.list_instances(APP)} == {
+            SMALL: "running",
+            LARGE: "running",
+        }
+        desired = {SMALL: 1}  # the scaler's drain of the large
+        clock.advance(5.0)
+        reconciler.run_once()
+        states = {i.instance_type: i.state for i in store.list_instances(APP)}
+        deferred = store.list_decisions(APP, kinds=["drain_deferred"])
+        if scaling == "infaas":
+            assert states == {SMALL: "running", LARGE: "terminating"}
+            assert deferred == []
+        else:
+            assert states == {SMALL: "running", LARGE: "running"}
+            assert [d.numbers["cause"] for d in deferred] == ["last_instance"]
+    finally:
+        store.close()
+
+
 def test_a_budget_lowered_while_launches_are_decided_refuses_them(world: World) -> None:
     """run_once reads the apps once; a budget the serving process lowers after that read and
     before the launch's rows are written was not seen: the launch went through at twice the new
