@@ -6,8 +6,9 @@ app whose applied plan carries a ``gear_plan`` (the planner adds one to a cascad
 records, ``controlplane.policies.planner``) is served by gears. The work is split in two:
 
 - :meth:`LiveGears.refresh`, once per tuner tick (about 1 s), after the tuner, does what reads
-  the store: which apps have an applied gear plan (parsed, with its profiles, once per plan; the
-  profiles of a type the fleet gains outside the placement when it appears),
+  the store: which apps have an applied gear plan (parsed, with its profiles, once per plan:
+  each placed model's on every type of the placement; the profiles of a type the fleet gains
+  outside the placement when it appears),
   the share of the fleet the budget pays for, and whether the tuner's budget caps the app now;
 - :meth:`LiveGears.switch_tick`, CascadeServe's producer, runs every ``gear_interval_s`` (the
   settings', 0.1 s as in the paper: the service's ``gears`` job) on that cached state only: it
@@ -419,6 +420,16 @@ class LiveGears:
                 m: {t: resolved.profile(m, t) for t in plan.placement.fleets[m]}
                 for m in plan.placement.order
             }
+            # A worker of a type the placement puts on another stage serves a stage left
+            # without its own (the serving loop's placement): it counts where the app has
+            # that model's profile on it. Without the rate, a stage served only so read as no
+            # capacity at all, and the fastest gear served every load.
+            placed = sorted({t for m in plan.placement.order for t in plan.placement.fleets[m]})
+            for m in plan.placement.order:
+                for t in placed:
+                    if t not in profiles[m]:
+                        with contextlib.suppress(EstimatorError, KeyError, ValueError):
+                            profiles[m][t] = resolved.profile(m, t)
             state = start_switcher(
                 plan,
                 expected_qps=measured_qps,

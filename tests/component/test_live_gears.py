@@ -377,6 +377,45 @@ def test_a_new_type_counts_once_its_profile_is_found(store: Store, tmp_path: Pat
     assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
 
 
+def test_a_worker_serving_a_stage_its_type_is_placed_on_elsewhere_counts(
+    store: Store, tmp_path: Path
+) -> None:
+    """tiny placed on A, large on B (as fast). B's instance is gone (INFaaS's autoscaler
+    drained the dearer variant; a worker died), so the serving loop serves large on the A
+    worker too. Its rate for large is A's profile of large, which the placement does not list:
+    the switcher looked up profiles only of each model's own placed types and of types outside
+    the placement, read no rate, took the share for 1e-6 (a tester's 0.8 qps read as 800,000)
+    and served the fastest gear at any load. One A worker serving both is half the capacity."""
+    plan = dataclasses.replace(PLAN, placement=CascadePlacement.parse("tiny:A=1;large:B=1"))
+    applied(store, tmp_path, plan.to_document())
+    store.record_instance(
+        APP, request_id="r0", instance_type="A", price_usd_per_hr=0.1, state="running"
+    )
+    resolve = Measured()
+    resolve.table = {m: {"A": PROFILES[m][TYPE], "B": PROFILES[m][TYPE]} for m in BOTH}
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    gears = LiveGears(
+        store,
+        clock,
+        loop.arrivals,
+        lambda: [snapshot([("A", True, BOTH)])],
+        resolve,
+        hysteresis=PAPER,
+    )
+    loop.rate(5.0, clock.now_s())
+    gears.tick()
+    clock.advance(1.0)
+    loop.rate(5.0, clock.now_s())
+    gears.tick()
+    # 5 qps on half the capacity reads as 10: the accurate gear's range.
+    assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+    loop.rate(15.0, clock.now_s())
+    clock.advance(1.0)
+    loop.rate(15.0, clock.now_s())
+    (up,) = gears.tick()
+    assert up.gear == 1 and up.effective_qps == pytest.approx(2 * up.measured_qps)
+
+
 def test_a_profile_worker_is_not_the_fleet_a_budget_cut_drains(
     store: Store, tmp_path: Path
 ) -> None:
