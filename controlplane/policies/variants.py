@@ -186,7 +186,10 @@ def choose(needs: Requirements, options: Sequence[VariantOption]) -> VariantChoi
         )
     else:
         missed.append(f"at {option.predicted_latency_ms:.3g} ms")
-    if needs.min_accuracy is not None:
+    if needs.min_accuracy is not None and option.accuracy == 0:
+        # 0 is the accuracy of a variant without validation records: unknown, not measured 0.
+        missed.append("with its accuracy unknown (the app names no validation records)")
+    elif needs.min_accuracy is not None:
         missed.append(
             f"with accuracy {100 * option.accuracy:.2f}%"
             + (f" ({100 * short:.2f} points short)" if short > 0 else " (meets)")

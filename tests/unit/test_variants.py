@@ -61,6 +61,16 @@ def test_no_variant_meets_the_needs_gives_the_closest_offer() -> None:
     assert "at 5 ms (3 ms over)" in slow.message
 
 
+def test_an_unknown_accuracy_is_said_to_be_unknown_not_zero() -> None:
+    """A variant of an app without validation records has accuracy 0, which means unknown: the
+    closest offer said 'accuracy 0.00% (90.00 points short)'."""
+    unknown = [VariantOption("tiny", 5.0, 0.0, 2e-7)]
+    choice = choose(Requirements("a", min_accuracy=0.9), unknown)
+    assert not choice.met
+    assert "with its accuracy unknown (the app names no validation records)" in choice.message
+    assert "accuracy 0.00%" not in choice.message and "points short" not in choice.message
+
+
 def test_an_inactive_variant_is_offered_only_as_a_last_resort() -> None:
     options = [
         VariantOption("tiny", 5.0, 0.99, 2e-7, state="overloaded"),
