@@ -57,7 +57,13 @@ from controlplane.apps.resolver import smallest_common_batch_size
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import NotFoundError
-from controlplane.loops.reached import PLAN_ID, counts, lowest_budget_since, newest
+from controlplane.loops.reached import (
+    INFAAS_KINDS,
+    PLAN_ID,
+    counts,
+    lowest_budget_since,
+    newest,
+)
 from controlplane.policies import scaling
 from controlplane.policies.drain import DrainInstance, plan_drain, qps_by_type
 from controlplane.policies.infaas_scaling import (
@@ -322,7 +328,6 @@ class InfaasScaler:
 
 # The numbers key of a decision that holds the policy's fleet after its tick.
 FLEET_AFTER = "fleet_after"
-_KINDS = ("infaas_replicate", "infaas_upgrade", "infaas_drain", "infaas_relieve")
 
 
 def _start_fleet(
@@ -332,7 +337,7 @@ def _start_fleet(
     (:func:`controlplane.loops.reached.reached`) cut to the lowest budget the app has had since
     (:func:`controlplane.loops.reached.lowest_budget_since`: a cut writes no decision, and a
     raise after it grows nothing back), else the plan's fleet."""
-    decision = newest(store, app.name, plan, _KINDS, FLEET_AFTER)
+    decision = newest(store, app.name, plan, INFAAS_KINDS, FLEET_AFTER)
     fleet = None if decision is None else counts(decision.numbers[FLEET_AFTER])
     if decision is None or fleet is None or not set(fleet) <= set(resolved.instance_types):
         return dict(plan.plan.fleet)

@@ -88,7 +88,7 @@ from controlplane.apps.plans import planning_trace, replanning_request
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import NotFoundError
-from controlplane.loops.reached import PLAN_ID, counts, reached
+from controlplane.loops.reached import PLAN_ID, TUNER_KINDS, counts, reached
 from controlplane.policies import scaling
 from controlplane.policies.capacity_curve import (
     DEFAULT_BURSTINESS,
@@ -449,7 +449,7 @@ class LiveTuner:
                     # reached on this plan, not the plan's.
                     **(
                         {PLAN_ID: tuned.plan_id, FLEETS_AFTER: _fleets_of(state)}
-                        if d.action in _FLEET_ACTIONS
+                        if d.action in TUNER_KINDS
                         else {}
                     ),
                 },
@@ -973,7 +973,6 @@ def _summed_fleets(fleets: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
 
 # The numbers key of a scale decision that holds the tuner's fleets after it, by stage.
 FLEETS_AFTER = "fleets_after"
-_FLEET_ACTIONS = frozenset({"scale_up", "scale_down"})
 
 
 def _fleets_of(state: TunerState) -> dict[str, dict[str, int]]:
@@ -983,7 +982,7 @@ def _fleets_of(state: TunerState) -> dict[str, dict[str, int]]:
 def _reached_fleets(store: Store, app: str, plan: PlanRecord) -> dict[str, dict[str, int]] | None:
     """The fleets by stage the tuner had reached on the applied ``plan``
     (:func:`controlplane.loops.reached.reached`), or None."""
-    value = reached(store, app, plan, _FLEET_ACTIONS, FLEETS_AFTER)
+    value = reached(store, app, plan, TUNER_KINDS, FLEETS_AFTER)
     if not isinstance(value, dict):
         return None
     fleets = {stage: counts(fleet) for stage, fleet in value.items() if isinstance(stage, str)}

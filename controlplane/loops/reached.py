@@ -16,9 +16,11 @@ from datetime import datetime
 from controlplane.db.store import DecisionRecord, PlanRecord, Store
 
 __all__ = [
+    "INFAAS_KINDS",
     "LOOKBACK",
     "PLAN_ID",
     "SCALING_KINDS",
+    "TUNER_KINDS",
     "counts",
     "lowest_budget_since",
     "newest",
@@ -30,20 +32,14 @@ PLAN_ID = "plan_id"
 # How many of an app's newest decisions of the loops' kinds are read (another loop's decisions of
 # those kinds carry no fleet and are passed over).
 LOOKBACK = 20
-# The decisions either scaling loop writes the fleet after a change into (the live tuner's, the
-# INFaaS scaler's). A loop starts from its own only where it is the newest of them: an app moved to
-# the other loop and back on the same plan starts from the plan's fleet, not from the fleet the
-# loop had reached before the move (the other loop has moved it since).
-SCALING_KINDS = frozenset(
-    {
-        "scale_up",
-        "scale_down",
-        "infaas_replicate",
-        "infaas_upgrade",
-        "infaas_drain",
-        "infaas_relieve",
-    }
-)
+# The decisions each scaling loop writes the fleet after a change into: the live tuner's and the
+# INFaaS scaler's. A loop starts from its own only where it is the newest of them
+# (:data:`SCALING_KINDS`): an app moved to the other loop and back on the same plan starts from
+# the plan's fleet, not from the fleet the loop had reached before the move (the other loop has
+# moved it since).
+TUNER_KINDS = frozenset({"scale_up", "scale_down"})
+INFAAS_KINDS = frozenset({"infaas_replicate", "infaas_upgrade", "infaas_drain", "infaas_relieve"})
+SCALING_KINDS = TUNER_KINDS | INFAAS_KINDS
 
 
 def reached(
