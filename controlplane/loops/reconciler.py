@@ -170,8 +170,8 @@ from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.errors import ControlPlaneError, NotFoundError
+from controlplane.loops.infaas_scaler import scales_with_infaas
 from controlplane.loops.liveness import Liveness
-from controlplane.policies import scaling
 from controlplane.policies.disruption import DisruptionBudget, count_disruptions
 from controlplane.policies.drain import (
     DrainInstance,
@@ -1930,18 +1930,10 @@ def _stage_types(store: Store, app: AppRecord) -> dict[str, list[str]]:
         logger.warning("reconcile %s: the applied plan's stages do not read: %s", app.name, error)
         return {}
     planned = {stage.name: [t for t, n in stage.fleet.items() if n > 0] for stage in stages}
-    if _scaled_by_variant(app):
+    if scales_with_infaas(app):
         every = sorted({t for types in planned.values() for t in types})
         return {name: list(every) for name in planned}
     return planned
-
-
-def _scaled_by_variant(app: AppRecord) -> bool:
-    """Whether INFaaS's autoscaler scales ``app`` (its spec's ``scaling: infaas``)."""
-    try:
-        return scaling.live_owner(app.spec.get("scaling")) == "infaas"
-    except scaling.UnknownScalingPolicyError:
-        return False
 
 
 # --- the reconciler ----------------------------------------------------------------------------
