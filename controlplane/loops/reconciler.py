@@ -2649,12 +2649,10 @@ class Reconciler:
             request = LaunchRequest(launch.request_id, launch.instance_type, 1, tags, artifacts)
             try:
                 launched = self.provisioner.launch(request)
-            except SpotUnavailableError as error:
-                self._spot_unavailable(app, launch, row, error, errors, prices or {})
-                ran_on_demand.add(launch.instance_type)
-                continue
             except ProvisionerError as error:
-                self._launch_failed(app, launch, row, error, errors)
+                self._launch_failed(app, launch, row, error, errors, prices or {})
+                if isinstance(error, SpotUnavailableError):
+                    ran_on_demand.add(launch.instance_type)
                 continue
             crash_point("reconcile.after_launch")
             live = [i for i in launched if i.state in ("pending", "running")]
@@ -2819,48 +2817,6 @@ class Reconciler:
             },
         )
 
-    def _spot_unavailable(
-        self,
-        app: AppRecord,
-        launch: Launch,
-        row: InstanceRecord,
-        error: SpotUnavailableError,
-        errors: _Errors,
-        prices: Mapping[str, float],
-    ) -> None:
-        """A launch priced at spot that spot cannot supply (no launch template, artifacts
-        aboard, no spot capacity): the provider launched nothing rather than run it on demand
-        over what the budget was told. The row fails, and the type's launches for the app go on
-        demand for ``launch_backoff_s``, priced and budgeted so (rule 10): the next tick
-        launches it on demand where the budget pays for that."""
-        errors.append(f"launch {launch.request_id}: {error}")
-        self._spot_on_demand_until_s[(app.name, launch.instance_type)] = (
-            self.clock.now_s() + self.launch_backoff_s
-        )
-        on_demand = prices.get(launch.instance_type)
-        price = "" if on_demand is None else f" at {plain(on_demand)} USD/hr"
-        self.store.record_decision(
-            app.name,
-            "launch_failed",
-            f"launch of {launch.instance_type} ({launch.request_id}) on spot failed: {error};"
-            f" launched on demand{price} for {self.launch_backoff_s:g} s where the budget pays"
-            " for it",
-            {
-                "request_id": launch.request_id,
-                "instance_id": row.id,
-                "instance_type": launch.instance_type,
-                "error": type(error).__name__,
-                "retryable": False,
-                "on_demand_s": self.launch_backoff_s,
-            },
-            key=f"{launch.request_id}:{type(error).__name__}",
-        )
-        errors.guard(
-            lambda: self.store.transition_instance(
-                row.id, _S.FAILED.value, reason=f"not launched: {error}"
-            )
-        )
-
     def _launch_failed(
         self,
         app: AppRecord,
@@ -2868,7 +2824,14 @@ class Reconciler:
         row: InstanceRecord,
         error: ProvisionerError,
         errors: _Errors,
+        prices: Mapping[str, float],
     ) -> None:
+        """A launch the provider refused: retried next tick where that may work, else the row
+        fails and the type is held back for ``launch_backoff_s``; a launch priced at spot that
+        spot cannot supply (:class:`SpotUnavailableError`: no launch template, artifacts aboard,
+        no spot capacity; the provider launched nothing rather than run it on demand over what
+        the budget was told) holds the type's launches for the app on demand instead, priced and
+        budgeted so (rule 10): the next tick launches it on demand where the budget pays."""
         kind = type(error).__name__
         errors.append(f"launch {launch.request_id}: {error}")
         numbers = {
@@ -2898,13 +2861,24 @@ class Reconciler:
             )
             return
         until_s = self.clock.now_s() + self.launch_backoff_s
-        self._held_until_s[(app.name, launch.instance_type)] = until_s
+        if isinstance(error, SpotUnavailableError):
+            self._spot_on_demand_until_s[(app.name, launch.instance_type)] = until_s
+            on_demand = prices.get(launch.instance_type)
+            price = "" if on_demand is None else f" at {plain(on_demand)} USD/hr"
+            then = (
+                f"launched on demand{price} for {self.launch_backoff_s:g} s where the budget"
+                " pays for it"
+            )
+            held = {"on_demand_s": self.launch_backoff_s}
+        else:
+            self._held_until_s[(app.name, launch.instance_type)] = until_s
+            then = f"{launch.instance_type} not launched again for {self.launch_backoff_s:g} s"
+            held = {"held_s": self.launch_backoff_s}
         self.store.record_decision(
             app.name,
             "launch_failed",
-            f"launch of {launch.instance_type} ({launch.request_id}) failed: {error};"
-            f" {launch.instance_type} not launched again for {self.launch_backoff_s:g} s",
-            {**numbers, "held_s": self.launch_backoff_s},
+            f"launch of {launch.instance_type} ({launch.request_id}) failed: {error}; {then}",
+            {**numbers, **held},
             key=f"{launch.request_id}:{kind}",
         )
         errors.guard(
