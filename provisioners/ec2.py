@@ -443,7 +443,7 @@ class Ec2Provisioner:
                 what = request.instance_type
                 self._event("capacity", f"{why}; {what} not launched", what)
                 raise SpotUnavailableError(request.instance_type, why)
-            if why is not None and not launched:
+            if why is not None:  # nothing launched on spot: all of it goes on demand
                 self._event(
                     "info",
                     f"{why}; launching {request.count} {request.instance_type} on demand",
