@@ -573,15 +573,15 @@ def reconcile(
     stand_in_shares: Mapping[str, float] | None = None,
     app: str = "",
     spot_on_demand: Collection[str] = (),
-    used_request_ids: Collection[str] | None = None,
+    used_request_ids: Callable[[], Iterable[str]] | None = None,
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
     ``db_instances``: the store's records of the app's instances: every live one, and the
-    ended ones the provider may still list (all of them will do). ``used_request_ids``: every
-    request id the app's rows have used, ended ones too (None: those of ``db_instances``):
-    launches are numbered past them, since the provider answers a request id it has seen with
-    its old machine. ``observed``: the provider's list of the app's
+    ended ones the provider may still list (all of them will do). ``used_request_ids``: reads every
+    request id the app's rows have used, ended ones too (None: those of ``db_instances``), called
+    only when the tick launches: launches are numbered past them, since the provider answers a
+    request id it has seen with its old machine. ``observed``: the provider's list of the app's
     instances (by its tags); ``None`` when it could not be read (throttled, the provider down):
     then only the budget guard's drain is decided, from the database alone, so that a lowered
     budget holds even while the provider cannot be listed. ``qps_by_type``: Q_t, queries per
@@ -730,10 +730,10 @@ def reconcile(
             qps_by_type=values,
             held_types=held_types,
             prefix=request_prefix,
-            first_ordinal=_next_ordinal(
+            first_ordinal=lambda: _next_ordinal(
                 (r.request_id for r in db_instances)
                 if used_request_ids is None
-                else used_request_ids,
+                else used_request_ids(),
                 request_prefix,
             ),
             reserved_usd_per_hr=reserved,
@@ -1340,7 +1340,7 @@ def _launch_shortfall(
     qps_by_type: Mapping[str, float],
     held_types: Collection[str],
     prefix: str,
-    first_ordinal: int,
+    first_ordinal: Callable[[], int],
     reserved_usd_per_hr: float = 0.0,
     desired_spot: Mapping[str, int] | None = None,
     spot_prices_usd_per_hr: Mapping[str, float] | None = None,
@@ -1388,7 +1388,9 @@ def _launch_shortfall(
             continue
         wanted.extend([(instance_type, price)] * missing)
     wanted.sort(key=lambda item: (-_value_per_usd(item[0], item[1], qps_by_type), item[1], item[0]))
-    ordinal = first_ordinal
+    # Past every request id used: read only when something is launched (a tick that launches
+    # nothing does not read the ids of the app's whole history).
+    ordinal = first_ordinal() if wanted else 0
     capped: Counter[str] = Counter()
     unavailable = set(short_types) | set(held_types)
     for instance_type, on_demand_price in wanted:
@@ -2192,7 +2194,9 @@ class Reconciler:
             stand_in_shares=self._stand_in_shares.get(app.name, {}),
             app=app.name,
             spot_on_demand=spot_on_demand,
-            used_request_ids=self.store.list_request_ids(app.name, request_prefix(app)),
+            used_request_ids=functools.partial(
+                self.store.list_request_ids, app.name, request_prefix(app)
+            ),
         )
         errors = _Errors()
         hook = self.before_budget_drain
