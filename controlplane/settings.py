@@ -420,6 +420,13 @@ class Settings(BaseSettings):
         ge=1,
         description="the roll-up keeps at most this many of an app's newest decisions",
     )
+    instance_retention_days: float = Field(
+        default=30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="the roll-up deletes instances that ended longer ago than this, with their"
+        " events, days",
+    )
     disruption_max_instances: int = Field(
         default=1,
         ge=0,

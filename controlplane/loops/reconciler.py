@@ -244,6 +244,7 @@ __all__ = [
     "applied_plan_spot",
     "catalog_pricing",
     "disruption_budget",
+    "newest_launch",
     "reconcile",
     "request_prefix",
 ]
@@ -487,10 +488,23 @@ def _since_update_s(row: InstanceRecord, now: datetime) -> float:
     return (now - row.updated_at).total_seconds()
 
 
-def _next_ordinal(request_ids: Iterable[str], prefix: str) -> int:
+def _launch_ordinals(request_ids: Iterable[str], prefix: str) -> list[tuple[int, str]]:
     pattern = re.compile(re.escape(prefix) + r"-(\d+)$")
-    used = [int(m.group(1)) for r in request_ids if (m := pattern.match(r))]
-    return max(used, default=0) + 1
+    return [(int(m.group(1)), r) for r in request_ids if (m := pattern.match(r))]
+
+
+def _next_ordinal(request_ids: Iterable[str], prefix: str) -> int:
+    return max((n for n, _ in _launch_ordinals(request_ids, prefix)), default=0) + 1
+
+
+def newest_launch(request_ids: Iterable[str], prefix: str) -> str | None:
+    """Of ``request_ids``, the launch under ``prefix`` numbered highest: the row the next
+    launch's number is read from, which the instance history's retention keeps.
+
+    >>> newest_launch(["demo-1a2b-9", "demo-1a2b-10", "profile:demo-x"], "demo-1a2b")
+    'demo-1a2b-10'
+    """
+    return max(_launch_ordinals(request_ids, prefix), default=(0, None))[1]
 
 
 def _value_per_usd(instance_type: str, price: float, qps_by_type: Mapping[str, float]) -> float:

@@ -482,8 +482,19 @@ class RolloutLoop:
             if "promoted_at" in handover
             else rollout.updated_at
         )
+        # The fleet's live rows and those that moved since the promotion or within the
+        # disruption budget's window (a second's margin for a move at the same instant): every
+        # row the handover reads, not the app's whole history.
+        horizon = promoted_at
+        if self.disruption is not None:
+            window_start = self.clock.utcnow() - timedelta(seconds=self.disruption.window_s)
+            horizon = min(horizon, window_start)
         fleet = [
-            r for r in self.store.list_instances(rollout.app) if not is_profile_worker(r.request_id)
+            r
+            for r in self.store.list_instances(
+                rollout.app, ended_after=horizon - timedelta(seconds=1)
+            )
+            if not is_profile_worker(r.request_id)
         ]
         old = [r for r in fleet if r.created_at <= promoted_at and r.state in KEPT_STATES]
         if old:
@@ -716,9 +727,7 @@ class RolloutLoop:
 
     def _rows(self, rollout: RolloutRecord) -> list[InstanceRecord]:
         prefix = rollout_request_prefix(rollout.app, rollout.id)
-        return [
-            r for r in self.store.list_instances(rollout.app) if r.request_id.startswith(prefix)
-        ]
+        return self.store.list_instances(rollout.app, request_prefix=prefix)
 
     def _ensure_workers(
         self, rollout: RolloutRecord, rows: list[InstanceRecord]

@@ -3,7 +3,9 @@
 Each run records, for every app, the cost of its live fleet and the load and latency measured
 since the last run, then deletes samples older than the retention, and decisions last made more
 than ``decision_retention_days`` ago or beyond the newest ``decision_retention_count`` of an app
-(settings of the same names). Load, latency, SLO
+(settings of the same names); at most once an hour, also the instances that ended more than
+``instance_retention_days`` ago, with their events, but each app's newest launch (its request id
+numbers the next one, so that no id the provider has seen is used again). Load, latency, SLO
 attainment, the gear in force and the accuracy on the validation samples the queries carried
 come from the serving loop's window of the app (``window``:
 :meth:`controlplane.serving.loop.ServingLoop.take_window`). Latencies run from the API's receipt
@@ -21,11 +23,12 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from controlplane.clock import Clock
 from controlplane.db.store import Store
 from controlplane.errors import NotFoundError
+from controlplane.loops.reconciler import newest_launch, request_prefix
 from controlplane.loops.scheduler import JobBody
 from controlplane.policies.lifecycle import BILLED_STATES
 from controlplane.serving.observations import WindowSummary
@@ -33,6 +36,8 @@ from controlplane.serving.observations import WindowSummary
 __all__ = [
     "DECISION_RETENTION_COUNT",
     "DECISION_RETENTION_DAYS",
+    "INSTANCE_RETENTION_DAYS",
+    "INSTANCE_RETENTION_EVERY_S",
     "RETENTION_S",
     "make_rollup",
     "roll_up",
@@ -46,6 +51,10 @@ RETENTION_S = 7 * 86_400.0
 # The decision log's retention (the defaults of the settings of the same names).
 DECISION_RETENTION_DAYS = 30.0
 DECISION_RETENTION_COUNT = 10_000
+# The ended instances' retention (the default of the setting of the same name), and how often it
+# runs: the keep list reads every request id of each app.
+INSTANCE_RETENTION_DAYS = 30.0
+INSTANCE_RETENTION_EVERY_S = 3600.0
 
 WindowFn = Callable[[str], WindowSummary | None]
 """App name -> the serving loop's window of it since the last call (None: not served)."""
@@ -59,9 +68,10 @@ def roll_up(
     *,
     decision_retention_days: float = DECISION_RETENTION_DAYS,
     decision_retention_count: int = DECISION_RETENTION_COUNT,
+    instance_retention_days: float | None = None,
 ) -> int:
-    """Record one sample per app and apply the retentions (samples, decisions); return how many
-    samples were written."""
+    """Record one sample per app and apply the retentions (samples, decisions; with
+    ``instance_retention_days``, the ended instances); return how many samples were written."""
     now = clock.utcnow()
     cost: dict[str, float] = defaultdict(float)
     for instance in store.list_instances(states=[s.value for s in BILLED_STATES]):
@@ -108,7 +118,24 @@ def roll_up(
     )
     if pruned:
         logger.info("roll-up: %d decision(s) past retention removed", pruned)
+    if instance_retention_days is not None:
+        _forget_ended_instances(store, now - timedelta(days=instance_retention_days))
     return written
+
+
+def _forget_ended_instances(store: Store, before: datetime) -> None:
+    keep: list[str] = []
+    for app in store.list_apps():
+        prefix = request_prefix(app)
+        try:
+            newest = newest_launch(store.list_request_ids(app.name, prefix), prefix)
+        except NotFoundError:
+            continue  # deleted since it was listed: its rows went with it
+        if newest is not None:
+            keep.append(newest)
+    removed = store.delete_ended_instances(before=before, keep=keep)
+    if removed:
+        logger.info("roll-up: %d ended instance(s) past retention removed", removed)
 
 
 def make_rollup(
@@ -119,10 +146,16 @@ def make_rollup(
     *,
     decision_retention_days: float = DECISION_RETENTION_DAYS,
     decision_retention_count: int = DECISION_RETENTION_COUNT,
+    instance_retention_days: float = INSTANCE_RETENTION_DAYS,
 ) -> JobBody:
-    """The roll-up as a scheduler job body (``window``: the serving loop's, when it runs)."""
+    """The roll-up as a scheduler job body (``window``: the serving loop's, when it runs); the
+    ended instances' retention runs on its first run and then every
+    ``INSTANCE_RETENTION_EVERY_S``."""
+    last: list[datetime] = []
 
     def rollup() -> None:
+        now = clock.utcnow()
+        due = not last or (now - last[0]).total_seconds() >= INSTANCE_RETENTION_EVERY_S
         roll_up(
             store,
             clock,
@@ -130,6 +163,9 @@ def make_rollup(
             window,
             decision_retention_days=decision_retention_days,
             decision_retention_count=decision_retention_count,
+            instance_retention_days=instance_retention_days if due else None,
         )
+        if due:
+            last[:] = [now]
 
     return rollup

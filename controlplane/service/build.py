@@ -123,7 +123,7 @@ from controlplane.policies.disruption import DisruptionBudget
 from controlplane.policies.drain import qps_by_type
 from controlplane.policies.gears import Hysteresis
 from controlplane.policies.infaas_scaling import ScalingConfig
-from controlplane.policies.lifecycle import billed_cost_usd_per_hr
+from controlplane.policies.lifecycle import BILLED_STATES, billed_cost_usd_per_hr
 from controlplane.provisioning import build_provisioner, provider_spot_prices
 from controlplane.service.app import create_app
 from controlplane.serving.config import ServingGear
@@ -520,6 +520,7 @@ def build_scheduler(
         window=window,
         decision_retention_days=settings.decision_retention_days,
         decision_retention_count=settings.decision_retention_count,
+        instance_retention_days=settings.instance_retention_days,
     )
     bodies = JobBodies(rollup=rollup)
     # A budget lowered under an app's fleet, seen by the tuner tick while the reconcile job ran
@@ -571,7 +572,8 @@ def build_scheduler(
             apps = store.list_apps()
             cut = [a for a in apps if a.name in budgets and a.budget_usd_per_hr < budgets[a.name]]
             if any(
-                billed_cost_usd_per_hr(store.list_instances(a.name)) > a.budget_usd_per_hr
+                billed_cost_usd_per_hr(store.list_instances(a.name, BILLED_STATES))
+                > a.budget_usd_per_hr
                 for a in cut
             ):
                 # Lowered under what its fleet costs (a cut the fleet fits drains nothing).

@@ -376,6 +376,42 @@ def test_the_handover_ends_the_old_fleet_under_the_disruption_budget(
     assert store.get_instance(canary.id).state == "terminated"
 
 
+def test_a_rollout_tick_reads_the_fleet_and_its_recent_past_not_its_whole_history(
+    handover: Handover, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An app that has cycled for weeks has mostly ended rows; a rollout's tick (every few
+    seconds while it runs) reads its own workers and the rows the handover needs: those live or
+    moved since the promotion or within the disruption budget's window."""
+    from datetime import timedelta
+
+    from controlplane.loops.rollouts import ROUTE_GRACE_S
+    from controlplane.policies.disruption import DisruptionBudget
+
+    clock, store = handover.clock, handover.store
+    long_ago = clock.utcnow() - timedelta(days=1)
+    gone = store.record_instance(
+        APP, request_id="wine-0", instance_type=SMALL, price_usd_per_hr=PRICE, at=long_ago
+    )
+    store.transition_instance(gone.id, "failed", reason="capacity", at=long_ago)
+    read: list[str] = []
+    real = store.list_instances
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        rows = real(*args, **kwargs)
+        read.extend(r.id for r in rows)
+        return rows
+
+    monkeypatch.setattr(store, "list_instances", spy)
+    loop = handover.loop(
+        tmp_path, disruption=DisruptionBudget(max_instances=1, max_share=0.0, window_s=60.0)
+    )
+    assert loop.tick() == []
+    clock.advance(ROUTE_GRACE_S)
+    assert [t.what for t in loop.tick()] == ["ended 1 instance(s) of the old version"]
+    assert {r.id for r in handover.old} <= set(read)
+    assert gone.id not in read
+
+
 def test_the_handover_ends_with_fewer_replacements_once_the_fleet_has_settled(
     handover: Handover, tmp_path: Path
 ) -> None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from controlplane.clock import FAKE_EPOCH, FakeClock
 from controlplane.db.store import Store
-from controlplane.loops.rollup import make_rollup, roll_up
+from controlplane.loops.reconciler import request_prefix
+from controlplane.loops.rollup import INSTANCE_RETENTION_EVERY_S, make_rollup, roll_up
 from controlplane.loops.scheduler import GuardedJob
 from controlplane.serving.observations import summarise
 
@@ -92,6 +94,60 @@ def test_by_default_decisions_are_kept_30_days(store: Store, clock: FakeClock) -
     clock.advance(2 * 86_400.0)
     roll_up(store, clock)
     assert [d.reason for d in store.list_decisions("a")] == ["now"]
+
+
+def test_ended_instances_past_the_retention_go_but_the_newest_launch_of_each_app(
+    store: Store, clock: FakeClock
+) -> None:
+    """An instance history that grows by a launch a minute stays bounded; the next launch is
+    still numbered past every id the provider has seen."""
+    app = store.create_app(spec("a"), who="t")
+    prefix = request_prefix(app)
+    for n in (9, 10, 11):
+        row = store.record_instance(
+            "a", request_id=f"{prefix}-{n}", instance_type="g4dn.xlarge", price_usd_per_hr=0.5
+        )
+        store.transition_instance(row.id, "failed", reason="capacity")
+        clock.advance(1.0)
+    store.record_instance(
+        "a", request_id=f"profile:{prefix}-x", instance_type="g4dn.xlarge", price_usd_per_hr=0.5
+    )
+    clock.advance(2 * 86_400.0)
+    job = make_rollup(store, clock, instance_retention_days=1.0)
+    job()
+    kept = {i.request_id for i in store.list_instances("a")}
+    assert kept == {f"{prefix}-11", f"profile:{prefix}-x"}
+    # The retention runs once an hour: a row recorded since as ended two days ago waits for
+    # the next run.
+    ago = clock.utcnow() - timedelta(days=2)
+    row = store.record_instance(
+        "a", request_id=f"{prefix}-12", instance_type="g4dn.xlarge", price_usd_per_hr=0.5, at=ago
+    )
+    store.transition_instance(row.id, "failed", reason="capacity", at=ago)
+    clock.advance(60.0)
+    job()
+    assert len(store.list_instances("a")) == 3
+    clock.advance(INSTANCE_RETENTION_EVERY_S)
+    job()
+    assert {i.request_id for i in store.list_instances("a")} == {
+        f"{prefix}-12",
+        f"profile:{prefix}-x",
+    }
+
+
+def test_by_default_ended_instances_are_kept_30_days(store: Store, clock: FakeClock) -> None:
+    store.create_app(spec("a"), who="t")
+    for n in (1, 2):
+        row = store.record_instance(
+            "a", request_id=f"other-{n}", instance_type="g4dn.xlarge", price_usd_per_hr=0.5
+        )
+        store.transition_instance(row.id, "failed", reason="capacity")
+    clock.advance(29 * 86_400.0)
+    make_rollup(store, clock)()
+    assert len(store.list_instances("a")) == 2
+    clock.advance(2 * 86_400.0)
+    make_rollup(store, clock)()
+    assert store.list_instances("a") == []
 
 
 def test_a_roll_up_with_no_apps_writes_nothing(store: Store, clock: FakeClock) -> None:

@@ -412,6 +412,35 @@ def test_the_reads_a_loop_makes_every_tick_leave_the_old_ended_rows(
     }
 
 
+def test_the_retention_deletes_old_ended_rows_with_their_events_but_the_kept_ones(
+    store: Store, clock: StepClock
+) -> None:
+    store.create_app(spec("recs"), who="alice")
+    # A live row is never deleted, however old its last move.
+    live = launch(store, "recs_live")
+    clock.advance(1)
+    old = launch(store, "recs-1")
+    store.transition_instance(old.id, "failed", reason="capacity")
+    clock.advance(1)
+    newest_old = launch(store, "recs-2")
+    store.transition_instance(newest_old.id, "failed", reason="capacity")
+    clock.advance(10)
+    cutoff = clock.utcnow()
+    clock.advance(1)
+    recent = launch(store, "recs-3")
+    store.transition_instance(recent.id, "failed", reason="capacity")
+    assert store.delete_ended_instances(before=cutoff, keep=["recs-2"]) == 1
+    assert [i.id for i in store.list_instances("recs")] == [live.id, newest_old.id, recent.id]
+    assert store.list_instance_events(instance_id=old.id) == []
+    assert len(store.list_instance_events(instance_id=newest_old.id)) == 2
+    clock.advance(1)
+    assert store.delete_ended_instances(before=clock.utcnow()) == 2
+    assert [i.id for i in store.list_instances("recs")] == [live.id]
+    # By request prefix (its '_' is the prefix's own character, not LIKE's any one).
+    assert [i.id for i in store.list_instances("recs", request_prefix="recs_")] == [live.id]
+    assert store.list_instances("recs", request_prefix="recs-") == []
+
+
 def test_events_since_and_limit(store: Store, clock: StepClock) -> None:
     store.create_app(spec(), who="alice")
     instance = launch(store)

@@ -214,3 +214,8 @@ def test_the_per_tick_instance_reads(store: Store) -> None:
     assert store.list_request_ids("recs", "recs-") == ["recs-2"]
     assert store.list_request_ids("recs", "recs_") == ["recs_a-1"]
     assert store.count_instances() == {("recs", "failed"): 1, ("recs", "requested"): 1}
+    # A rollout's rows by prefix, and the retention of ended rows with their events.
+    assert [i.id for i in store.list_instances("recs", request_prefix="recs_")] == [old.id]
+    assert store.delete_ended_instances(before=later, keep=["recs-2"]) == 1
+    assert [i.id for i in store.list_instances("recs")] == [live.id]
+    assert store.list_instance_events(instance_id=old.id) == []

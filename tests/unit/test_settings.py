@@ -46,6 +46,7 @@ def test_defaults(clean_environment: Path) -> None:
     assert (settings.host, settings.port) == ("127.0.0.1", 8000)
     assert (settings.tuner_tick_s, settings.reconcile_s, settings.rollup_s) == (1.0, 5.0, 10.0)
     assert (settings.decision_retention_days, settings.decision_retention_count) == (30.0, 10_000)
+    assert settings.instance_retention_days == 30.0
     assert settings.ec2 is None
     assert not settings.is_postgresql
 

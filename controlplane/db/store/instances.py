@@ -8,7 +8,7 @@ from collections.abc import Collection, Iterable
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, func, or_, select, update
+from sqlalchemy import CursorResult, delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from controlplane.db import models as m
@@ -42,6 +42,15 @@ __all__ = ["InstanceStore"]
 
 # Ids per ``IN (...)`` of a query (SQLite's bound parameters are limited).
 _IN_CHUNK = 500
+
+
+def _starting(prefix: str) -> str:
+    """A LIKE pattern (escaped with a backslash) for the strings that start with ``prefix``.
+
+    >>> _starting("a_b%")
+    'a\\\\_b\\\\%%'
+    """
+    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
 class InstanceStore(StoreBase):
@@ -146,16 +155,22 @@ class InstanceStore(StoreBase):
         *,
         limit: int | None = None,
         ended_after: datetime | None = None,
+        request_prefix: str | None = None,
     ) -> list[InstanceRecord]:
         """Instances (of ``app``, in one of ``states``), oldest first; with ``limit``, the
         newest ``limit`` of them (still oldest first); with ``ended_after``, the ended ones
         (terminated, failed) only where their last move came after it (the rows of a fleet
         that has cycled for weeks are mostly ended: a loop that reads every tick asks for the
-        live ones and the recent past)."""
+        live ones and the recent past); with ``request_prefix``, those whose request id starts
+        with it (a rollout's workers)."""
         with transaction(self._sessions) as session:
             query = _instances_query()
             if app is not None:
                 query = query.where(m.Instance.app_id == _app_row(session, app).id)
+            if request_prefix is not None:
+                query = query.where(
+                    m.Instance.request_id.like(_starting(request_prefix), escape="\\")
+                )
             if states is not None:
                 query = query.where(m.Instance.state.in_([_state(s) for s in states]))
             if ended_after is not None:
@@ -209,13 +224,34 @@ class InstanceStore(StoreBase):
     def list_request_ids(self, app: str, prefix: str) -> list[str]:
         """The request ids of every instance of the app (ended ones too) that start with
         ``prefix``: one column, for numbering a launch past every id used."""
-        pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         with transaction(self._sessions) as session:
             query = select(m.Instance.request_id).where(
                 m.Instance.app_id == _app_row(session, app).id,
-                m.Instance.request_id.like(pattern, escape="\\"),
+                m.Instance.request_id.like(_starting(prefix), escape="\\"),
             )
             return list(session.execute(query).scalars())
+
+    @_translated
+    def delete_ended_instances(self, *, before: datetime, keep: Collection[str] = ()) -> int:
+        """Retention of the instance history: delete the ended instances (terminated, failed)
+        whose last move came before ``before``, with their events, but those whose request id is
+        in ``keep`` (each app's newest launch, which numbers the next); return how many went."""
+        removed = 0
+        with transaction(self._sessions) as session:
+            query = select(m.Instance.id, m.Instance.request_id).where(
+                m.Instance.state.not_in(_values(LIVE_STATES)),
+                m.Instance.updated_at < self._now(before),
+            )
+            kept = set(keep)
+            ids = [i for i, request_id in session.execute(query).tuples() if request_id not in kept]
+            for start in range(0, len(ids), _IN_CHUNK):
+                chunk = ids[start : start + _IN_CHUNK]
+                session.execute(
+                    delete(m.InstanceEvent).where(m.InstanceEvent.instance_id.in_(chunk))
+                )
+                result = session.execute(delete(m.Instance).where(m.Instance.id.in_(chunk)))
+                removed += int(cast(CursorResult[Any], result).rowcount)
+        return removed
 
     @_translated
     def transition_instance(
