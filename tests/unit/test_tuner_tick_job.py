@@ -36,8 +36,11 @@ class CountingStore:
         self.listings += 1
         return list(self.apps)
 
-    def list_instances(self, app: str) -> list[Any]:
-        return [i for i in self.instances if i.app == app]
+    def list_instances(self, app: str, states: Any = None) -> list[Any]:
+        wanted = None if states is None else {str(s) for s in states}
+        return [
+            i for i in self.instances if i.app == app and (wanted is None or str(i.state) in wanted)
+        ]
 
 
 class Reconciler:
