@@ -1452,7 +1452,8 @@ def _fleet(subparsers: Subparsers) -> None:
     parser.add_argument(
         "--all",
         action="store_true",
-        help="list the ended instances (terminated, failed) too; without it, the live ones",
+        help="list the ended instances (terminated, failed) too, those of the last"
+        " instance_retention_days (30 days); without it, the live ones",
     )
     parser.add_argument(
         "--limit",
