@@ -5,7 +5,9 @@ since the last run, then deletes samples older than the retention, and decisions
 than ``decision_retention_days`` ago or beyond the newest ``decision_retention_count`` of an app
 (settings of the same names); at most once an hour, also the instances that ended more than
 ``instance_retention_days`` ago, with their events, but each app's newest launch (its request id
-numbers the next one, so that no id the provider has seen is used again). Load, latency, SLO
+numbers the next one, so that no id the provider has seen is used again): at most
+``INSTANCE_RETENTION_BATCH`` a run, the next run going on while more are left (a database
+upgraded with years of history is not locked for one long transaction). Load, latency, SLO
 attainment, the gear in force and the accuracy on the validation samples the queries carried
 come from the serving loop's window of the app (``window``:
 :meth:`controlplane.serving.loop.ServingLoop.take_window`). Latencies run from the API's receipt
@@ -36,6 +38,7 @@ from controlplane.serving.observations import WindowSummary
 __all__ = [
     "DECISION_RETENTION_COUNT",
     "DECISION_RETENTION_DAYS",
+    "INSTANCE_RETENTION_BATCH",
     "INSTANCE_RETENTION_DAYS",
     "INSTANCE_RETENTION_EVERY_S",
     "RETENTION_S",
@@ -55,6 +58,7 @@ DECISION_RETENTION_COUNT = 10_000
 # runs: the keep list reads every request id of each app.
 INSTANCE_RETENTION_DAYS = 30.0
 INSTANCE_RETENTION_EVERY_S = 3600.0
+INSTANCE_RETENTION_BATCH = 2000
 
 WindowFn = Callable[[str], WindowSummary | None]
 """App name -> the serving loop's window of it since the last call (None: not served)."""
@@ -68,10 +72,9 @@ def roll_up(
     *,
     decision_retention_days: float = DECISION_RETENTION_DAYS,
     decision_retention_count: int = DECISION_RETENTION_COUNT,
-    instance_retention_days: float | None = None,
 ) -> int:
-    """Record one sample per app and apply the retentions (samples, decisions; with
-    ``instance_retention_days``, the ended instances); return how many samples were written."""
+    """Record one sample per app and apply the retentions (samples, decisions); return how many
+    samples were written. (The ended instances' retention is :func:`make_rollup`'s.)"""
     now = clock.utcnow()
     cost: dict[str, float] = defaultdict(float)
     for instance in store.list_instances(states=[s.value for s in BILLED_STATES]):
@@ -118,12 +121,10 @@ def roll_up(
     )
     if pruned:
         logger.info("roll-up: %d decision(s) past retention removed", pruned)
-    if instance_retention_days is not None:
-        _forget_ended_instances(store, now - timedelta(days=instance_retention_days))
     return written
 
 
-def _forget_ended_instances(store: Store, before: datetime) -> None:
+def _forget_ended_instances(store: Store, before: datetime) -> int:
     keep: list[str] = []
     for app in store.list_apps():
         prefix = request_prefix(app)
@@ -133,9 +134,10 @@ def _forget_ended_instances(store: Store, before: datetime) -> None:
             continue  # deleted since it was listed: its rows went with it
         if newest is not None:
             keep.append(newest)
-    removed = store.delete_ended_instances(before=before, keep=keep)
+    removed = store.delete_ended_instances(before=before, keep=keep, limit=INSTANCE_RETENTION_BATCH)
     if removed:
         logger.info("roll-up: %d ended instance(s) past retention removed", removed)
+    return removed
 
 
 def make_rollup(
@@ -163,9 +165,11 @@ def make_rollup(
             window,
             decision_retention_days=decision_retention_days,
             decision_retention_count=decision_retention_count,
-            instance_retention_days=instance_retention_days if due else None,
         )
-        if due:
+        if not due:
+            return
+        before = now - timedelta(days=instance_retention_days)
+        if _forget_ended_instances(store, before) < INSTANCE_RETENTION_BATCH:  # else: next run
             last[:] = [now]
 
     return rollup

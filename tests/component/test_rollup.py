@@ -135,6 +135,37 @@ def test_ended_instances_past_the_retention_go_but_the_newest_launch_of_each_app
     }
 
 
+def test_a_long_history_is_forgotten_in_batches_run_after_run(
+    store: Store, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database upgraded with a long history is not locked by one long delete: each run
+    deletes a batch, oldest first, and the next run goes on while more are left."""
+    from controlplane.loops import rollup
+
+    monkeypatch.setattr(rollup, "INSTANCE_RETENTION_BATCH", 2)
+    store.create_app(spec("a"), who="t")
+    for n in range(5):
+        row = store.record_instance(
+            "a", request_id=f"other-{n}", instance_type="g4dn.xlarge", price_usd_per_hr=0.5
+        )
+        store.transition_instance(row.id, "failed", reason="capacity")
+        clock.advance(1.0)
+    clock.advance(2 * 86_400.0)
+    job = make_rollup(store, clock, instance_retention_days=1.0)
+    left = []
+    for _ in range(5):
+        job()
+        left.append([i.request_id for i in store.list_instances("a")])
+        clock.advance(10.0)
+    assert left == [
+        ["other-2", "other-3", "other-4"],
+        ["other-4"],
+        [],
+        [],
+        [],
+    ]
+
+
 def test_by_default_ended_instances_are_kept_30_days(store: Store, clock: FakeClock) -> None:
     store.create_app(spec("a"), who="t")
     for n in (1, 2):

@@ -232,18 +232,28 @@ class InstanceStore(StoreBase):
             return list(session.execute(query).scalars())
 
     @_translated
-    def delete_ended_instances(self, *, before: datetime, keep: Collection[str] = ()) -> int:
+    def delete_ended_instances(
+        self, *, before: datetime, keep: Collection[str] = (), limit: int | None = None
+    ) -> int:
         """Retention of the instance history: delete the ended instances (terminated, failed)
         whose last move came before ``before``, with their events, but those whose request id is
-        in ``keep`` (each app's newest launch, which numbers the next); return how many went."""
+        in ``keep`` (each app's newest launch, which numbers the next); with ``limit``, the
+        oldest ``limit`` of them at most. Return how many went."""
+        if limit is not None and limit < 1:
+            raise InvalidValueError("limit", f"must be >= 1, got {limit}")
         removed = 0
         with transaction(self._sessions) as session:
-            query = select(m.Instance.id, m.Instance.request_id).where(
-                m.Instance.state.not_in(_values(LIVE_STATES)),
-                m.Instance.updated_at < self._now(before),
+            query = (
+                select(m.Instance.id)
+                .where(
+                    m.Instance.state.not_in(_values(LIVE_STATES)),
+                    m.Instance.updated_at < self._now(before),
+                    m.Instance.request_id.not_in(sorted(keep)),
+                )
+                .order_by(m.Instance.updated_at, m.Instance.id)
+                .limit(limit)
             )
-            kept = set(keep)
-            ids = [i for i, request_id in session.execute(query).tuples() if request_id not in kept]
+            ids = list(session.execute(query).scalars())
             for start in range(0, len(ids), _IN_CHUNK):
                 chunk = ids[start : start + _IN_CHUNK]
                 session.execute(
