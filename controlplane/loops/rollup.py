@@ -153,11 +153,12 @@ def make_rollup(
     """The roll-up as a scheduler job body (``window``: the serving loop's, when it runs); the
     ended instances' retention runs on its first run and then every
     ``INSTANCE_RETENTION_EVERY_S``."""
-    last: list[datetime] = []
+    last: datetime | None = None  # the retention's last run that left nothing behind
 
     def rollup() -> None:
+        nonlocal last
         now = clock.utcnow()
-        due = not last or (now - last[0]).total_seconds() >= INSTANCE_RETENTION_EVERY_S
+        due = last is None or (now - last).total_seconds() >= INSTANCE_RETENTION_EVERY_S
         roll_up(
             store,
             clock,
@@ -170,6 +171,6 @@ def make_rollup(
             return
         before = now - timedelta(days=instance_retention_days)
         if _forget_ended_instances(store, before) < INSTANCE_RETENTION_BATCH:  # else: next run
-            last[:] = [now]
+            last = now
 
     return rollup
