@@ -482,7 +482,12 @@ class InstanceOut(BaseModel):
     provider_id: str | None
     instance_type: str
     state: str
-    price_usd_per_hr: float
+    price_usd_per_hr: float = Field(description="the price it was launched at, USD/hr")
+    price_now_usd_per_hr: float | None = Field(
+        default=None,
+        description="a spot instance's price now where its type's spot price moved since the"
+        " launch (what the budget counts it at); null: the launch price is the price now",
+    )
     created_at: datetime
     updated_at: datetime
     role: Literal["fleet", "profile_run", "rollout"] = Field(

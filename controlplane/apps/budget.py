@@ -209,7 +209,7 @@ def record_budget_drain(
     live = live_instances(store, app)
     drain = plan_drain(
         [
-            DrainInstance(i.id, i.instance_type, i.state, i.price_usd_per_hr, i.created_at)
+            DrainInstance(i.id, i.instance_type, i.state, i.cost_usd_per_hr, i.created_at)
             for i in live
         ],
         usd_per_hr,

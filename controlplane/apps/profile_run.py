@@ -618,7 +618,7 @@ def _check_budget_of(
     the app's kept rows but ``own`` (the workers' rows, where recorded) and its unrecorded
     instances."""
     rows = store.list_instances(app, LIVE_STATES)  # what unrecorded_cost reads: the live ones
-    fleet = sum(i.price_usd_per_hr for i in rows if i.state in KEPT_STATES and i.id not in own)
+    fleet = sum(i.cost_usd_per_hr for i in rows if i.state in KEPT_STATES and i.id not in own)
     try:
         fleet += unrecorded_cost(provisioner, app, rows, prices_usd_per_hr)
     except ProvisionerError as error:

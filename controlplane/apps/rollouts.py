@@ -324,7 +324,7 @@ def fleet_cost(fleet: Mapping[str, int], prices_usd_per_hr: Mapping[str, float])
 
 def running_cost(store: Store, app: str) -> float:
     """What the app's live instances cost (its fleet, profile runs' and rollouts' workers)."""
-    return float(sum(i.price_usd_per_hr for i in live_instances(store, app)))
+    return float(sum(i.cost_usd_per_hr for i in live_instances(store, app)))
 
 
 def budget_shortfall(store: Store, app: str, more_usd_per_hr: float) -> tuple[float, float] | None:

@@ -443,7 +443,7 @@ def _instance_row(
         "instance_type": instance.instance_type,
         "state": instance.state,
         "live": instance.state in _LIVE,
-        "price_usd_per_hr": instance.price_usd_per_hr,
+        "price_usd_per_hr": instance.cost_usd_per_hr,  # now: a spot one's moved price
         "created_at": instance.created_at.isoformat(),
         "uptime_s": max(0.0, (until - instance.created_at).total_seconds()),
         # What the serving loop measures of a live worker (None for others).
@@ -477,7 +477,7 @@ def _fleet_section(
         )
         row["count"] += 1
         row["running"] += instance.state == _RUNNING
-        row["cost_usd_per_hr"] += instance.price_usd_per_hr
+        row["cost_usd_per_hr"] += instance.cost_usd_per_hr
     section = {
         "series": {"t": series.t_s, "by_type": series.live},
         "now": {

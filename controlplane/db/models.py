@@ -229,6 +229,10 @@ class Instance(Base):
     market: Mapped[str] = mapped_column(
         String(_SHORT), default="on-demand", server_default="on-demand"
     )
+    # A spot instance's price now, where the reconciler found its type's spot price moved away
+    # from ``price_usd_per_hr`` (the launch price, kept: rule 10 reads the move from it); NULL:
+    # the launch price is the price now (docs/spot.md).
+    price_now_usd_per_hr: Mapped[float | None]
 
 
 class InstanceEvent(Base):

@@ -1120,7 +1120,8 @@ def _repriced(
     headroom_share: float,
     actions: list[Action],
 ) -> list[InstanceRecord]:
-    """Rule 10: the live spot rows costed at their type's spot price now."""
+    """Rule 10: the live spot rows costed at their type's spot price now (``price_usd_per_hr``,
+    what the rules read; the row's recorded price now, a tick old, is dropped)."""
     repriced: list[InstanceRecord] = []
     changed: dict[str, list[float]] = defaultdict(list)
     for record in db_instances:
@@ -1129,10 +1130,12 @@ def _repriced(
             record.market == "spot"
             and record.state not in TERMINAL_STATES
             and now_price is not None
-            and abs(now_price - record.price_usd_per_hr) > _BUDGET_SLACK_USD_PER_HR
         ):
-            changed[record.instance_type].append(record.price_usd_per_hr)
-            record = dataclasses.replace(record, price_usd_per_hr=now_price)
+            if abs(now_price - record.price_usd_per_hr) > _BUDGET_SLACK_USD_PER_HR:
+                changed[record.instance_type].append(record.price_usd_per_hr)
+                record = dataclasses.replace(record, price_usd_per_hr=now_price)
+            if record.price_now_usd_per_hr is not None:
+                record = dataclasses.replace(record, price_now_usd_per_hr=None)
         repriced.append(record)
     if changed:
         paid_for = {state.value for state in _KEPT | {_S.DRAINING}}
@@ -2156,7 +2159,10 @@ class Reconciler:
         ranking = self._ranking(app, pricing, desired_spot)
         # Rule 10's prices now, of the spot types and of the types that may stand in for them.
         stand_in_types = {t for types in ranking.values() for t in types}
-        pricing = self._live_spot_prices(pricing, spot_types | stand_in_types)
+        failed: list[bool] = []
+        pricing = self._live_spot_prices(pricing, spot_types | stand_in_types, failed)
+        if not failed:  # a provider that could not be read now leaves the rows as they are
+            self._record_prices_now(app.name, rows, pricing.spot_prices_usd_per_hr)
         waiting = {r.instance_type for r in rows if r.state == _S.REQUESTED.value}
         with self._capacity_lock:
             for key in [k for k in self._capacity_missed_s if k[0] == app.name]:
@@ -2228,7 +2234,7 @@ class Reconciler:
                 unstopped.update(self._carry_out(app, action, errors))
         if launches:
             # The launches were decided with those machines gone; they still run and are billed.
-            price_of = {r.provider_id: r.price_usd_per_hr for r in rows if r.provider_id}
+            price_of = {r.provider_id: r.cost_usd_per_hr for r in rows if r.provider_id}
             price_of |= {
                 a.instance.provider_id: a.price_usd_per_hr for a in actions if isinstance(a, Orphan)
             }
@@ -2332,10 +2338,41 @@ class Reconciler:
         pricing = self._live_spot_prices(self.pricing(app), types)
         return {t: p for t, p in pricing.spot_prices_usd_per_hr.items() if t in types}
 
-    def _live_spot_prices(self, pricing: AppPricing, types: Collection[str]) -> AppPricing:
+    def _record_prices_now(
+        self, app: str, rows: Sequence[InstanceRecord], spot_prices: Mapping[str, float]
+    ) -> None:
+        """Rule 10's prices now written into the live spot rows whose type's price moved from
+        their launch price (or moved back to it): what the fleet route, the dashboard,
+        ``/metrics``, the roll-up and the budget's checks outside this loop cost them at.
+        Only the rows whose price now changed are written (spot prices move hourly, not every
+        tick). A failed write is logged: the next tick writes it again."""
+        moved: dict[float | None, list[str]] = defaultdict(list)
+        for row in rows:
+            now_price = spot_prices.get(row.instance_type)
+            if row.market != "spot" or row.state in TERMINAL_STATES or now_price is None:
+                continue
+            moved_from_launch = abs(now_price - row.price_usd_per_hr) > _BUDGET_SLACK_USD_PER_HR
+            wanted = now_price if moved_from_launch else None
+            recorded = row.price_now_usd_per_hr
+            if (wanted is None) != (recorded is None) or (
+                wanted is not None
+                and recorded is not None
+                and abs(wanted - recorded) > _BUDGET_SLACK_USD_PER_HR
+            ):
+                moved[wanted].append(row.id)
+        for price, ids in moved.items():
+            try:
+                self.store.set_prices_now(ids, price)
+            except ControlPlaneError as error:
+                logger.warning("reconcile %s: spot prices now not recorded (%s)", app, error)
+
+    def _live_spot_prices(
+        self, pricing: AppPricing, types: Collection[str], read: list[bool] | None = None
+    ) -> AppPricing:
         """Rule 10's prices of ``types`` (those the app buys on spot): the provider's spot
         prices now where it knows them (the EC2 provisioner: DescribeSpotPriceHistory, cached),
-        else the app's (its catalog's)."""
+        else the app's (its catalog's). ``read`` (where given) gets False appended when the
+        provider reads spot prices and failed to now (the catalog's stood in)."""
         wanted = sorted(t for t in types if t in pricing.spot_prices_usd_per_hr)
         if not wanted or not isinstance(self.provisioner, SpotPriceSource):
             return pricing
@@ -2347,6 +2384,8 @@ class Reconciler:
                     live[instance_type] = price
         except ProvisionerError as error:  # throttled, no permission: the app's prices serve
             logger.warning("reconcile: spot prices not read (%s); the catalog's serve", error)
+            if read is not None:
+                read.append(False)
             return pricing
         return dataclasses.replace(pricing, spot_prices_usd_per_hr=live)
 

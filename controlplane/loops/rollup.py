@@ -78,7 +78,7 @@ def roll_up(
     now = clock.utcnow()
     cost: dict[str, float] = defaultdict(float)
     for instance in store.list_instances(states=[s.value for s in BILLED_STATES]):
-        cost[instance.app] += instance.price_usd_per_hr  # billed_cost_usd_per_hr's states
+        cost[instance.app] += instance.cost_usd_per_hr  # billed_cost_usd_per_hr's states
     written = 0
     for app in store.list_apps():
         served = window(app.name) if window is not None else None

@@ -84,8 +84,12 @@ class DrainInstance:
     id: str
     instance_type: str
     state: str
-    price_usd_per_hr: float
+    price_usd_per_hr: float  # the price now (a spot instance's may have moved since its launch)
     created_at: datetime
+
+    @property
+    def cost_usd_per_hr(self) -> float:
+        return self.price_usd_per_hr
 
 
 @dataclass(frozen=True, slots=True)

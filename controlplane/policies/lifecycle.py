@@ -140,10 +140,11 @@ class _Priced(Protocol):
     def state(self) -> str: ...
 
     @property
-    def price_usd_per_hr(self) -> float: ...
+    def cost_usd_per_hr(self) -> float: ...
 
 
 def billed_cost_usd_per_hr(instances: Iterable[_Priced]) -> float:
-    """What ``instances`` cost an hour as the budget counts it: those in :data:`BILLED_STATES`
-    (the fleet route, the budget's, the dashboard's burn and the roll-up all read this)."""
-    return float(sum(i.price_usd_per_hr for i in instances if str(i.state) in _BILLED_VALUES))
+    """What ``instances`` cost an hour as the budget counts it: those in :data:`BILLED_STATES`,
+    each at its price now (a spot instance's moved price, else its launch price: docs/spot.md;
+    the fleet route, the budget's, the dashboard's burn and the roll-up all read this)."""
+    return float(sum(i.cost_usd_per_hr for i in instances if str(i.state) in _BILLED_VALUES))

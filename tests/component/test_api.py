@@ -181,6 +181,38 @@ def test_metrics_in_prometheus_text(api: Api) -> None:
     assert_error(api.call("GET", "/metrics", "infer"), 403, "forbidden")
 
 
+def test_every_view_costs_a_spot_instance_at_its_price_now(api: Api) -> None:
+    """The reconciler recorded a spot instance's price now (its type's spot price moved since
+    the launch): the fleet route, the budget's, /metrics and the instance list read it."""
+    api.register()
+    store = api.store
+    spot = store.record_instance(
+        "toy",
+        request_id="r1",
+        instance_type="g4dn.xlarge",
+        price_usd_per_hr=0.2,
+        state="running",
+        market="spot",
+    )
+    store.record_instance(
+        "toy", request_id="r2", instance_type="g4dn.xlarge", price_usd_per_hr=0.526, state="running"
+    )
+    store.set_prices_now([spot.id], 0.3)
+    fleet = api.call("GET", "/v1/apps/toy/fleet", "viewer").json()
+    assert fleet["cost_usd_per_hr"] == pytest.approx(0.826)
+    assert fleet["by_type"][0]["price_usd_per_hr"] == pytest.approx(0.413)
+    budget = api.call("GET", "/v1/apps/toy/budget", "viewer").json()
+    assert budget["fleet_cost_usd_per_hr"] == pytest.approx(0.826)
+    text = api.call("GET", "/metrics", "viewer").text
+    assert sample(text, "heteroplane_app_fleet_cost_usd_per_hr", app="toy") == pytest.approx(0.826)
+    listed = {i["id"]: i for i in api.call("GET", "/v1/instances?app=toy", "viewer").json()}
+    assert (listed[spot.id]["price_usd_per_hr"], listed[spot.id]["price_now_usd_per_hr"]) == (
+        0.2,
+        0.3,
+    )
+    assert all(i["price_now_usd_per_hr"] is None for k, i in listed.items() if k != spot.id)
+
+
 def test_metrics_of_two_apps_in_one_process_are_their_own(api: Api, tmp_path: Path) -> None:
     """Each FastAPI app has its own registry: a second service in the process neither clashes
     with the first nor sees its apps, requests or jobs."""

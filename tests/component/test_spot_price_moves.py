@@ -10,10 +10,12 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.loops.reconciler import AppPricing, Launch
+from controlplane.policies.lifecycle import billed_cost_usd_per_hr
 from tests.component.test_reconciler_fake import APP, LARGE, PRICES, QPS, SMALL, template_db
 from tests.component.test_spot_interruptions import (
     World,
@@ -58,6 +60,11 @@ class PricedWorld(World):
         cost = self.cost_now()
         self.worst_usd_per_hr = max(self.worst_usd_per_hr, cost)
         assert cost <= self.budget + 1e-9, (cost, self.spot_prices, actions)
+        # What the views read (the fleet route, the dashboard, /metrics, the roll-up): every
+        # live spot row at its type's spot price now, its launch price kept beside it.
+        for row in self.store.list_instances(APP, states=list(_LIVE)):
+            if row.market == "spot":
+                assert abs(row.cost_usd_per_hr - self.spot_prices[row.instance_type]) <= 1e-9
         return actions
 
     def cost_now(self) -> float:
@@ -82,6 +89,28 @@ class PricedWorld(World):
 
     def close(self) -> None:
         self.store.close()
+
+
+def test_the_price_now_is_recorded_as_it_moves_and_cleared_when_it_is_back(
+    template_db: Path, tmp_path: Path
+) -> None:
+    spot_prices = {SMALL: 0.015, LARGE: 0.03}
+    world = PricedWorld(template_db, tmp_path, 0.1, spot_prices)
+    try:
+        world.serve_three_small_on_spot()
+        rows = world.store.list_instances(APP, states=["running"])
+        assert all(r.price_now_usd_per_hr is None for r in rows)
+        spot_prices[SMALL] = 0.02  # short of the headroom: nothing moves, the cost does
+        world.tick()
+        rows = world.store.list_instances(APP, states=["running"])
+        assert [(r.price_usd_per_hr, r.price_now_usd_per_hr) for r in rows] == [(0.015, 0.02)] * 3
+        assert billed_cost_usd_per_hr(rows) == pytest.approx(0.06)
+        spot_prices[SMALL] = 0.015
+        world.tick()
+        rows = world.store.list_instances(APP, states=["running"])
+        assert [(r.price_usd_per_hr, r.price_now_usd_per_hr) for r in rows] == [(0.015, None)] * 3
+    finally:
+        world.close()
 
 
 def test_a_rise_into_the_headroom_moves_capacity_before_the_budget_is_breached(

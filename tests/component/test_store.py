@@ -371,6 +371,30 @@ def test_list_instances_by_app_and_state(store: Store, clock: StepClock) -> None
         store.list_instances(states=["up"])
 
 
+def test_a_spot_price_now_is_kept_beside_the_launch_price(store: Store, clock: StepClock) -> None:
+    store.create_app(spec("recs"), who="alice")
+    a = launch(store, "r1")
+    b = launch(store, "r2")
+    ended = launch(store, "r3")
+    store.transition_instance(ended.id, "failed", reason="capacity")
+    assert a.price_now_usd_per_hr is None and a.cost_usd_per_hr == a.price_usd_per_hr
+    updated = store.get_instance(a.id).updated_at
+    clock.advance(5)
+    # The live rows take the price now; an ended one keeps what it cost.
+    assert store.set_prices_now([a.id, b.id, ended.id], 0.75) == 2
+    now = {i.id: i for i in store.list_instances("recs")}
+    assert now[a.id].price_usd_per_hr == a.price_usd_per_hr  # the launch price stays
+    assert now[a.id].cost_usd_per_hr == now[b.id].cost_usd_per_hr == 0.75
+    assert now[ended.id].price_now_usd_per_hr is None
+    assert now[a.id].updated_at == updated and now[a.id].state == a.state
+    # Back at the launch price: cleared.
+    assert store.set_prices_now([a.id], None) == 1
+    assert store.get_instance(a.id).cost_usd_per_hr == a.price_usd_per_hr
+    with pytest.raises(InvalidValueError, match="price_usd_per_hr"):
+        store.set_prices_now([b.id], -1.0)
+    assert store.set_prices_now([], 1.0) == 0
+
+
 def test_the_reads_a_loop_makes_every_tick_leave_the_old_ended_rows(
     store: Store, clock: StepClock
 ) -> None:

@@ -219,3 +219,7 @@ def test_the_per_tick_instance_reads(store: Store) -> None:
     assert store.delete_ended_instances(before=later, keep=["recs-2"]) == 1
     assert [i.id for i in store.list_instances("recs")] == [live.id]
     assert store.list_instance_events(instance_id=old.id) == []
+    # A spot row's price now beside its launch price (the reconciler's rule 10 writes it).
+    assert store.set_prices_now([live.id, old.id], 0.5) == 1
+    (now,) = store.list_instances("recs")
+    assert (now.price_usd_per_hr, now.cost_usd_per_hr) == (1.0, 0.5)

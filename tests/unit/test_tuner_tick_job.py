@@ -116,7 +116,7 @@ def test_a_budget_cut_runs_the_reconcile_job_at_once() -> None:
     after the tuner (the reconciler drains the fleet to it then, not at its next period, up to
     5 s later: a tester saw the fleet cost twice the budget for 4 s); a raise, a new app, the
     first tick, or a cut the fleet still fits do not."""
-    fleet = [SimpleNamespace(app="a", price_usd_per_hr=0.1, state="running") for _ in range(2)]
+    fleet = [SimpleNamespace(app="a", cost_usd_per_hr=0.1, state="running") for _ in range(2)]
     store = CountingStore([app("a", 0.3)], fleet)
     reconciler = Reconciler()
     seen: list[tuple[str, Any]] = []
@@ -148,7 +148,7 @@ def test_a_cut_seen_while_the_reconcile_job_runs_is_reconciled_after_its_step() 
     skipped) is reconciled by the job itself after the step it is in, not after the whole job
     and the next tuner tick (a tester saw a fleet over a budget cut for 4.2 s in a rollout's
     middle)."""
-    fleet = [SimpleNamespace(app="a", price_usd_per_hr=0.1, state="running") for _ in range(2)]
+    fleet = [SimpleNamespace(app="a", cost_usd_per_hr=0.1, state="running") for _ in range(2)]
     store = CountingStore([app("a", 0.3)], fleet)
     reconciler = Reconciler()
     seen: list[tuple[str, Any]] = []

@@ -81,12 +81,13 @@ def get_fleet(app: AppName, services: ServicesDep, _who: Viewer) -> FleetOut:
         states: dict[str, int] = {}
         for instance in instances:
             states[instance.state] = states.get(instance.state, 0) + 1
-        prices = [i.price_usd_per_hr for i in instances]
+        prices = [i.cost_usd_per_hr for i in instances]
         rows.append(
             FleetTypeOut(
                 instance_type=instance_type,
                 count=len(instances),
-                # Instances of a type may have been launched at different prices: the mean.
+                # Instances of a type may have been launched at different prices: the mean of
+                # what they cost now (a spot instance at its type's spot price now).
                 price_usd_per_hr=sum(prices) / len(instances),
                 # What is billed: a terminating instance is listed, not costed (as the budget
                 # guard counts; it read as over the budget while a drained one ended).

@@ -198,7 +198,7 @@ class AppCollector:
                 by_state[name][state] = count
         fleet_cost: dict[str, float] = defaultdict(float)
         for instance in self.store.list_instances(states=[s.value for s in LIVE_STATES]):
-            fleet_cost[instance.app] += instance.price_usd_per_hr
+            fleet_cost[instance.app] += instance.cost_usd_per_hr
         budget, cost, instances, rate, p99 = families = self._families()
         for app in apps:
             budget.add_metric([app.name], app.budget_usd_per_hr)

@@ -339,6 +339,29 @@ class InstanceStore(StoreBase):
             return cast(CursorResult[Any], result).rowcount
 
     @_translated
+    def set_prices_now(self, instance_ids: Iterable[str], price_usd_per_hr: float | None) -> int:
+        """Record ``price_usd_per_hr`` as the price now of the live ones of ``instance_ids``
+        (spot instances whose type's spot price moved since their launch; None: their launch
+        price is the price now again); the launch price, the state and ``updated_at`` stay as
+        they are. How many rows were written."""
+        ids = list(instance_ids)
+        price = None if price_usd_per_hr is None else _number(price_usd_per_hr, "price_usd_per_hr")
+        written = 0
+        with transaction(self._sessions) as session:
+            for start in range(0, len(ids), _IN_CHUNK):
+                result = session.execute(
+                    update(m.Instance)
+                    .where(
+                        m.Instance.id.in_(ids[start : start + _IN_CHUNK]),
+                        m.Instance.state.in_(_values(LIVE_STATES)),
+                    )
+                    .values(price_now_usd_per_hr=price)
+                    .execution_options(synchronize_session=False)
+                )
+                written += cast(CursorResult[Any], result).rowcount
+        return written
+
+    @_translated
     def set_provider_id(self, instance_id: str, provider_id: str) -> InstanceRecord:
         """Record the provider's id of the instance (without a state change)."""
         try:

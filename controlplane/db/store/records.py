@@ -93,6 +93,16 @@ class InstanceRecord:
     created_at: datetime
     updated_at: datetime
     market: str = "on-demand"  # or "spot" (docs/spot.md)
+    # A spot instance's price now where its type's spot price moved since the launch (the
+    # reconciler writes it); None: ``price_usd_per_hr``, the launch price, is the price now.
+    price_now_usd_per_hr: float | None = None
+
+    @property
+    def cost_usd_per_hr(self) -> float:
+        """What the instance costs an hour now: the spot price now where it moved since the
+        launch, else the launch price (what the budget guard and every view of the cost read)."""
+        now = self.price_now_usd_per_hr
+        return self.price_usd_per_hr if now is None else now
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +285,7 @@ def _instance_record(row: m.Instance, app: str) -> InstanceRecord:
         created_at=row.created_at,
         updated_at=row.updated_at,
         market=row.market,
+        price_now_usd_per_hr=row.price_now_usd_per_hr,
     )
 
 
