@@ -88,7 +88,13 @@ from controlplane.apps.plans import planning_trace, replanning_request
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import NotFoundError
-from controlplane.loops.reached import PLAN_ID, TUNER_KINDS, counts, reached
+from controlplane.loops.reached import (
+    PLAN_ID,
+    TUNER_KINDS,
+    counts,
+    lowest_budget_since,
+    newest,
+)
 from controlplane.policies import scaling
 from controlplane.policies.capacity_curve import (
     DEFAULT_BURSTINESS,
@@ -306,7 +312,7 @@ class LiveTuner:
             return {}
         # Before the tuner's first tick on this plan (a restarted loops process), the fleet it had
         # reached: the reconciler's first pass drained what the tuner had grown under load.
-        reached = _reached_fleets(self._store, app.name, plan)
+        reached = _reached_fleets(self._store, app, plan)
         if reached is not None:
             return _summed_fleets(reached)
         return plan.plan.fleet
@@ -591,7 +597,7 @@ class LiveTuner:
             for s in stages
         ]
         state = initial_state(stages, now_s)
-        reached = _reached_fleets(self._store, app.name, plan)
+        reached = _reached_fleets(self._store, app, plan)
         if reached is not None and set(reached) == {s.name for s in stages}:
             known = set(config.prices_usd_per_hr)
             if all(set(fleet) <= known for fleet in reached.values()):
@@ -973,16 +979,30 @@ def _summed_fleets(fleets: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
 
 # The numbers key of a scale decision that holds the tuner's fleets after it, by stage.
 FLEETS_AFTER = "fleets_after"
+# A reached fleet within a budget (the reconciler's and the drain's float tolerance).
+_BUDGET_SLACK_USD_PER_HR = 1e-9
 
 
 def _fleets_of(state: TunerState) -> dict[str, dict[str, int]]:
     return {stage: {t: int(n) for t, n in fleet.items()} for stage, fleet in state.fleets.items()}
 
 
-def _reached_fleets(store: Store, app: str, plan: PlanRecord) -> dict[str, dict[str, int]] | None:
+def _reached_fleets(
+    store: Store, app: AppRecord, plan: PlanRecord
+) -> dict[str, dict[str, int]] | None:
     """The fleets by stage the tuner had reached on the applied ``plan``
-    (:func:`controlplane.loops.reached.reached`), or None."""
-    value = reached(store, app, plan, TUNER_KINDS, FLEETS_AFTER)
+    (:func:`controlplane.loops.reached.newest`), or None: none was reached, or it cost more
+    than the lowest budget the app has had since (a budget cut while no tuner ran writes no
+    tuner decision; the plan's fleet is the start then, and the first tick sheds what is still
+    over)."""
+    decision = newest(store, app.name, plan, TUNER_KINDS, FLEETS_AFTER)
+    if decision is None:
+        return None
+    cost = decision.numbers.get("cost_usd_per_hr_after")
+    budget = lowest_budget_since(store, app.name, decision.at, app.budget_usd_per_hr)
+    if not isinstance(cost, int | float) or cost > budget + _BUDGET_SLACK_USD_PER_HR:
+        return None
+    value = decision.numbers[FLEETS_AFTER]
     if not isinstance(value, dict):
         return None
     fleets = {stage: counts(fleet) for stage, fleet in value.items() if isinstance(stage, str)}

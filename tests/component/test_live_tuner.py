@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +239,37 @@ def test_a_restarted_tuner_starts_from_the_fleet_it_had_reached(
     store.apply_plan(APP, plan.id)
     app = store.get_app(APP)
     assert live_tuner(store, clock, feed).desired_fleet(app) == {SMALL: 3}
+
+
+def test_a_restarted_tuner_starts_from_the_plan_where_the_budget_was_cut_below_its_fleet(
+    store: Store, tmp_path: Path
+) -> None:
+    """The budget was cut below the fleet the tuner had reached while no tuner ran (the loops
+    process down): the restarted one starts from the plan's fleet, not from what the budget no
+    longer pays for (its first tick would shed it with a budget_capped, the reconciler before
+    it would be asked for a fleet past the budget)."""
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=1.0)
+    before = live_tuner(store, clock, feed)
+    feed.arrival_s = steady(256.0, 940.0, 1000.0)
+    made = [d for _, d in before.tick() if d.action == "scale_up"]
+    assert made and before.desired_fleet(app)[SMALL] > 2
+    reached_cost = made[-1].cost_usd_per_hr_after
+    later = store.list_decisions(APP, kinds=["scale_up"])[-1].at + timedelta(seconds=1)
+    # A cut that still pays for the fleet reached keeps it.
+    store.change_budget(APP, reached_cost + 0.001, reason="cut", who="test", at=later)
+    app = store.get_app(APP)
+    assert live_tuner(store, clock, feed).desired_fleet(app) == before.desired_fleet(app)
+    # One below it does not, and a raise after the cut does not bring it back.
+    store.change_budget(APP, reached_cost - 0.001, reason="cut", who="test", at=later)
+    store.change_budget(APP, 1.0, reason="raised again", who="test", at=later)
+    app = store.get_app(APP)
+    clock.advance(1.0)
+    restarted = live_tuner(store, clock, feed)
+    assert restarted.desired_fleet(app) == {SMALL: 2}
+    feed.arrival_s = steady(256.0, 941.0, 1001.0)
+    restarted.tick()
+    assert not store.list_decisions(APP, kinds=["budget_capped"])
 
 
 def test_a_tuner_back_from_infaas_on_the_same_plan_starts_from_the_plan(
