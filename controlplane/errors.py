@@ -305,7 +305,12 @@ class ModelTooLargeError(ModelError):
 class ModelRejectedError(ModelError):
     """An artifact whose inspection refused it (not ONNX or TorchScript, truncated, no dynamic
     first dimension, TorchScript without input shapes) or did not finish in time; the message
-    is the inspector's one line."""
+    is the inspector's one line. ``field``: the push's parameter at fault (``format``,
+    ``inputs``), None where it is the artifact itself."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(message)
 
 
 # ArtifactStoreError (the registry's blob store failed a read or a write) is the provider's own

@@ -363,7 +363,7 @@ def _on_model_error(request: Request, error: ModelError) -> JSONResponse:
     if isinstance(error, ModelTooLargeError):
         return error_response(413, "too_large", str(error))
     if isinstance(error, ModelRejectedError):
-        return error_response(422, "invalid_model", str(error))
+        return error_response(422, "invalid_model", str(error), error.field)
     return _internal(request, error)
 
 

@@ -175,13 +175,14 @@ class Registry:
         check_model_name(name)
         if format is not None and format not in FORMATS:
             raise ModelRejectedError(
-                f"format {format!r} is not one of {', '.join(FORMATS)} (or leave it out)"
+                f"format {format!r} is not one of {', '.join(FORMATS)} (or leave it out)",
+                field="format",
             )
         if inputs_spec is not None:
             try:
                 parse_inputs_spec(inputs_spec, what="inputs")
             except InspectError as error:
-                raise ModelRejectedError(str(error)) from None
+                raise ModelRejectedError(str(error), field="inputs") from None
 
     def push(
         self,

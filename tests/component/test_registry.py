@@ -740,6 +740,9 @@ def test_api_refusals_are_one_line_4xx(api: Api) -> None:
         # Named as the query parameter it came in, not the command line's option.
         message = assert_error(pushed, 422, "invalid_model")
         assert message.startswith("inputs ") and "--inputs" not in message
+        assert pushed.json()["error"]["field"] == "inputs"
+    # The artifact itself at fault names no parameter.
+    assert api.call("POST", "/v1/models/wine", content=b"bad").json()["error"]["field"] is None
     assert_error(api.call("GET", "/v1/models/ghost", "viewer"), 404, "not_found")
     assert_error(api.call("GET", "/v1/models/ghost/versions/1", "viewer"), 404, "not_found")
     assert_error(
