@@ -48,7 +48,11 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    unless the budget needs its cost for the launches that replace it; and the *disruption budget*
    (:class:`controlplane.policies.disruption.DisruptionBudget`) caps how many serving instances
    go per window, counting the ones that left in the window, least cost-effective first. What
-   either keeps is one :class:`DrainDeferred` action (one decision per episode).
+   either keeps is one :class:`DrainDeferred` action (one decision per episode). A serving row
+   that goes (unless its worker went silent) moves to ``draining`` first: the serving loop sends
+   it no new query from its next refresh, and rule 9 terminates it after ``drain_s`` (cause
+   ``scale_down``, read back from its move's reason); it is paid for until then. Terminated at
+   once, it still got the queries dispatched before that refresh, which found it gone.
 6. **Budget guard.** The kept fleet's cost (the recorded price of each kept row) must stay within
    the app's budget, a hard limit: no guard above defers this drain. When it does not (the budget
    was lowered), the least cost-effective kept instances are drained at once by
@@ -283,6 +287,8 @@ ENDED_ROWS_S = 3600.0
 # and what it holds finishes) before it is terminated, and how long before its deadline it is
 # terminated at the latest.
 DEFAULT_INTERRUPTION_DRAIN_S = 10.0
+# How the reason of rule 5's move to draining starts: what tells a later tick why it drains.
+SCALE_DOWN_DRAIN = "scale_down:"
 DEFAULT_INTERRUPTION_MARGIN_S = 15.0
 # Rule 10: a spot price rise moves capacity once the fleet costs more than the budget less this
 # share of it at the prices now, so that a rise in steps is acted on before it breaches the
@@ -588,6 +594,7 @@ def reconcile(
     app: str = "",
     spot_on_demand: Collection[str] = (),
     used_request_ids: Callable[[], Iterable[str]] | None = None,
+    drain_causes: Mapping[str, str] | None = None,
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -623,8 +630,10 @@ def reconcile(
     starts moving capacity (rule 10); ``stand_in_shares``: row id -> how much of one instance of
     the type it stands for a stand-in counts as (default 1). ``spot_on_demand``: the types whose
     spot launches the provider ran on demand lately (EC2 without a launch template, or with no
-    spot capacity): launched on demand, priced and budgeted so (rule 10). The rules are the
-    module docstring's; the actions come in the order they must be carried out.
+    spot capacity): launched on demand, priced and budgeted so (rule 10). ``drain_causes``: row
+    id -> why a draining row drains where it is not an interruption (``scale_down``: rule 5
+    drained it; the cause of its ``terminate`` once drained). The rules are the module
+    docstring's; the actions come in the order they must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
@@ -670,7 +679,7 @@ def reconcile(
     _replace_stragglers(rows, now, straggler_timeout_s, actions)
     _reap_profile_workers(rows, now, profile_run_timeout_s, actions)
     doomed, leaving = _act_on_notices(
-        rows, notices or {}, handled, desired, now, drain_s, margin_s, actions
+        rows, notices or {}, handled, desired, now, drain_s, margin_s, actions, drain_causes
     )
     kept = [row for row in rows if row.state in _KEPT and row.id not in doomed]
     if teardown:
@@ -699,9 +708,10 @@ def reconcile(
         leaving += moving
     spared: list[_Row] = []
     if desired is not None:
-        kept, spared = _drop_excess(
+        kept, spared, drained = _drop_excess(
             kept, desired, values, stages, disruption, disrupted_in_window, actions, silent
         )
+        leaving += drained  # paid for until they go (rule 9 ends them once drained)
     reserved = _end_profiling_over_budget(kept, profiling, budget_usd_per_hr, actions, app)
     if risen and desired is not None and not moving:
         kept = _move_off_risen(kept, rise, choices, unavailable | risen, actions)
@@ -1042,10 +1052,13 @@ def _act_on_notices(
     drain_s: float,
     margin_s: float,
     actions: list[Action],
+    drain_causes: Mapping[str, str] | None = None,
 ) -> tuple[set[str], list[_Row]]:
     """Rule 9: the rows with a notice that still serve until their replacement does (no longer
     kept: rule 7 replaces them), and the rows leaving that are paid for until they go: those
-    and the draining rows that stay."""
+    and the draining rows that stay. ``drain_causes``: row id -> why a draining row without a
+    notice drains (``scale_down``: rule 5 drained it), the cause of its ``terminate``
+    (``interruption`` where it is not given)."""
     doomed: set[str] = set()
     leaving: list[_Row] = []
     noticed = [row for row in rows if (row.provider_id or "") in notices]
@@ -1099,15 +1112,17 @@ def _act_on_notices(
         end = min(since + timedelta(seconds=drain_s), deadline - timedelta(seconds=margin_s))
         if now >= end:
             has_notice = (row.provider_id or "") in notices
-            _terminate(
-                [row],
-                "interruption",
-                f"drained before its interruption (deadline {deadline.isoformat()})"
-                if has_notice
-                else f"drained for {drain_s:g} s (its interruption, or a move off a risen spot"
-                " price; a notice not seen by this process is given two minutes)",
-                actions,
-            )
+            cause = "interruption" if has_notice else (drain_causes or {}).get(row.id)
+            if has_notice:
+                why = f"drained before its interruption (deadline {deadline.isoformat()})"
+            elif cause == "scale_down":
+                why = f"drained for {drain_s:g} s after its scale-down"
+            else:
+                why = (
+                    f"drained for {drain_s:g} s (its interruption, or a move off a risen spot"
+                    " price; a notice not seen by this process is given two minutes)"
+                )
+            _terminate([row], cause or "interruption", why, actions)
         else:
             leaving.append(row)
     return doomed, leaving
@@ -1192,11 +1207,12 @@ def _drop_excess(
     disrupted_in_window: int,
     actions: list[Action],
     silent: Collection[str] = (),
-) -> tuple[list[_Row], list[_Row]]:
+) -> tuple[list[_Row], list[_Row], list[_Row]]:
     """Rule 5: per type, end the kept rows beyond the desired count, but for the last serving
     instance of a stage and what the disruption budget defers; of the running ones, those whose
-    worker went ``silent`` (its last liveness probe unanswered) first. The rows kept and, of
-    them, the ones spared as the last of their stage."""
+    worker went ``silent`` (its last liveness probe unanswered) first. A serving one drains
+    (rule 9 terminates it once drained), the others are terminated. The rows kept, of them the
+    ones spared as the last of their stage, and the ones draining now."""
     by_type: dict[str, list[_Row]] = defaultdict(list)
     for row in kept:
         by_type[row.counted_type].append(row)
@@ -1275,20 +1291,35 @@ def _drop_excess(
             )
         )
     dropped: set[str] = set()
+    drained: list[_Row] = []
     for instance_type, rows in extra.items():
         going = [row for row in rows if row.id not in spared_ids and row.id not in deferred_ids]
         if not going:
             continue
-        _terminate(
-            going,
-            "scale_down",
+        why = (
             f"{instance_type}: {len(by_type[instance_type])} kept,"
-            f" {desired.get(instance_type, 0)} desired",
-            actions,
+            f" {desired.get(instance_type, 0)} desired"
         )
+        # A serving worker drains first: the serving loop sends it no new query from its next
+        # refresh, and rule 9 terminates it once it has drained (the queries it holds answered;
+        # terminated at once, those dispatched before the refresh found it gone).
+        serving = [
+            row for row in going if row.state is _S.RUNNING and row.provider_id not in silent
+        ]
+        for row in serving:
+            _mark(
+                row,
+                _S.DRAINING,
+                f"{SCALE_DOWN_DRAIN} {why}; no new queries, then terminated",
+                actions,
+            )
+        drained += serving
+        ending = [row for row in going if row not in serving]
+        if ending:
+            _terminate(ending, "scale_down", why, actions)
         dropped.update(row.id for row in going)
     remaining = [row for row in kept if row.id not in dropped]
-    return remaining, [row for row in remaining if row.id in spared_ids]
+    return remaining, [row for row in remaining if row.id in spared_ids], drained
 
 
 def _forget_deferred_that_went(actions: list[Action]) -> None:
@@ -2217,6 +2248,7 @@ class Reconciler:
             used_request_ids=functools.partial(
                 self.store.list_request_ids, app.name, request_prefix(app)
             ),
+            drain_causes=self._drain_causes(rows),
         )
         errors = _Errors()
         hook = self.before_budget_drain
@@ -2337,6 +2369,19 @@ class Reconciler:
         provider's where it reads them (rule 10's prices), else the catalog's."""
         pricing = self._live_spot_prices(self.pricing(app), types)
         return {t: p for t, p in pricing.spot_prices_usd_per_hr.items() if t in types}
+
+    def _drain_causes(self, rows: Sequence[InstanceRecord]) -> dict[str, str]:
+        """Why each draining row drains, where rule 5 drained it (``scale_down``): read from
+        its newest event, the move to ``draining`` (one read per draining row, and only while
+        one drains)."""
+        causes: dict[str, str] = {}
+        for row in rows:
+            if row.state != _S.DRAINING.value:
+                continue
+            events = self.store.list_instance_events(instance_id=row.id, limit=1)
+            if events and events[-1].reason.startswith(SCALE_DOWN_DRAIN):
+                causes[row.id] = "scale_down"
+        return causes
 
     def _record_prices_now(
         self, app: str, rows: Sequence[InstanceRecord], spot_prices: Mapping[str, float]

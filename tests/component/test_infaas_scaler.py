@@ -256,8 +256,12 @@ def test_an_overloaded_variant_is_replicated_and_drained_once_the_load_is_gone(
             assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 1}
 
             await asyncio.to_thread(reconcile)
-            assert "terminate" in kinds(store)
+            # The drained replica takes no new query, then goes once drained (rule 9).
+            assert len(store.list_instances(APP, states=["draining"])) == 1
             assert len(store.list_instances(APP, states=["running"])) == 1
+            clock.advance(10.0)
+            await asyncio.to_thread(reconcile)
+            assert "terminate" in kinds(store)
             assert "terminate" in provisioner.calls
             assert [i.state for i in provisioner.list({})] == ["running"]
             # The live tuner would have wanted the plan's fleet: the reconciler read INFaaS's.

@@ -384,8 +384,13 @@ def test_infaas_drains_a_stages_only_type_the_tuner_keeps(
         states = {i.instance_type: i.state for i in store.list_instances(APP)}
         deferred = store.list_decisions(APP, kinds=["drain_deferred"])
         if scaling == "infaas":
-            assert states == {SMALL: "running", LARGE: "terminating"}
+            # It drains (no new queries), then goes once drained.
+            assert states == {SMALL: "running", LARGE: "draining"}
             assert deferred == []
+            clock.advance(10.0)
+            reconciler.run_once()
+            states = {i.instance_type: i.state for i in store.list_instances(APP)}
+            assert states == {SMALL: "running", LARGE: "terminating"}
         else:
             assert states == {SMALL: "running", LARGE: "running"}
             assert [d.numbers["cause"] for d in deferred] == ["last_instance"]
@@ -575,8 +580,10 @@ def test_a_failed_terminate_is_asked_again(world: World) -> None:
     world.tick()
     world.fake.step()
     apply_fleet(world.store, {SMALL: 1})
-    world.fake.fail_terminate_next(1)
     world.tick()
+    assert by_state(world.store) == {"running": 1, "draining": 1}
+    world.fake.fail_terminate_next(1)
+    world.tick(10.0)  # drained: terminated, and the terminate fails
     assert by_state(world.store) == {"running": 1, "terminating": 1}
     assert len([i for i in world.fake.list({}) if i.state == "running"]) == 2
     world.tick()
@@ -615,14 +622,18 @@ def test_a_machine_whose_terminate_fails_is_paid_for_until_it_stops(
             world.tick()
             world.fake.step()
             assert running() * PRICES[SMALL] <= world.store.get_app(APP).budget_usd_per_hr
-        assert by_state(world.store) == {"running": 1, "terminating": 1}
+        # The drained one's terminate failed in the tick that decided a launch with it gone:
+        # that launch was refused (its row failed, a launch_refused decision), not made.
+        assert by_state(world.store) == {"running": 1, "terminating": 1, "failed": 1}
         assert decisions(world.store, "budget_capped")
+        assert decisions(world.store, "launch_refused")
         # Once the terminate takes, the machine stops and the plan's second instance comes.
         world.fake.fail_terminate_next(0)
         for _ in range(3):
             world.tick()
             world.fake.step()
-        assert running() == 2 and by_state(world.store) == {"running": 2, "terminated": 1}
+        assert running() == 2
+        assert by_state(world.store) == {"running": 2, "terminated": 1, "failed": 1}
     finally:
         world.close()
 

@@ -187,17 +187,19 @@ def test_a_plan_shrink_waits_for_the_disruption_budget(service: Service) -> None
     assert live(service) == {"running": 4}
     apply_fleet(service, {SMALL: 1})
     tick(service)
-    # One serving instance a minute (the default budget: 1, or 25% of 4).
-    assert live(service) == {"running": 3, "terminating": 1}
+    # One serving instance a minute (the default budget: 1, or 25% of 4); it drains first.
+    assert live(service) == {"running": 3, "draining": 1}
     for _ in range(3):
-        tick(service)  # 20 s: the same window
+        tick(service)  # 20 s: the same window; drained for 10 s, it goes
     assert live(service) == {"running": 3}
     (held,) = service.store.list_decisions(APP, kinds=["drain_deferred"])
     assert held.numbers["cause"] == "disruption" and held.count == 4  # one per tick, one row
-    for _ in range(2):
-        tick(service, 61.0)
-    assert live(service) == {"running": 1, "terminating": 1}
-    tick(service)
+    tick(service, 61.0)
+    assert live(service) == {"running": 2, "draining": 1}
+    tick(service, 61.0)  # the next window: the drained one goes, the last excess one drains
+    assert live(service) == {"running": 1, "draining": 1, "terminating": 1}
+    for _ in range(3):
+        tick(service)
     assert live(service) == {"running": 1}
 
 

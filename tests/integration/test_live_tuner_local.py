@@ -264,6 +264,15 @@ def test_a_step_in_the_load_scales_the_fleet_up_within_the_budget_and_back_down(
         assert down["numbers"]["instance_type"] == INSTANCE_TYPE
     assert any(t["numbers"]["cause"] == "scale_down" for t in terminations), terminations
     assert gone and not any(process_alive(watch.pids[p]) for p in gone)
+    # Each worker the scale-down ended served no new query first: it drained (the serving loop
+    # routes to running workers only), then went, drained.
+    dropped = [t for t in terminations if t["numbers"]["cause"] == "scale_down"]
+    for t in dropped:
+        assert t["reason"].endswith("drained for 10 s after its scale-down"), t["reason"]
+    moves = [e for e in events if e.get("to_state") == "draining"]
+    assert {i for t in dropped for i in t["numbers"]["instance_ids"]} <= {
+        e["instance_id"] for e in moves if e["reason"].startswith("scale_down: ")
+    }
     # The budget: no poll saw more than MAX_WORKERS kept, no launch went past it, and over the
     # whole instance history the kept fleet never cost more than the budget.
     assert watch.most_kept <= MAX_WORKERS

@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -291,9 +292,17 @@ def _serve_a_plan(
     applies a plan: the workers come up from terraform's launch templates; an empty plan ends
     all but the stage's last serving instance, and the app's teardown ends that one."""
     from controlplane.apps.teardown import request_teardown
-    from controlplane.clock import SystemClock
+    from controlplane.clock import FakeClock
     from controlplane.db.store import Store
-    from controlplane.loops.reconciler import Launch, Reconciler, Terminate, catalog_pricing
+    from controlplane.loops.reconciler import (
+        DEFAULT_INTERRUPTION_DRAIN_S,
+        Launch,
+        Mark,
+        Reconciler,
+        Terminate,
+        catalog_pricing,
+    )
+    from controlplane.policies.lifecycle import InstanceState
     from controlplane.provisioning import build_provisioner
     from estimator.catalog import default_catalog
 
@@ -301,7 +310,8 @@ def _serve_a_plan(
     provisioner = build_provisioner(settings)
     assert provisioner.name == "ec2"
     settings.ensure_data_dir()
-    clock = SystemClock()
+    # The wall time now, moved on by hand past a drain (no sleeping in a test).
+    clock = FakeClock(start_utc=datetime.now(UTC))
     store = Store.from_url(settings.database_url, clock, upgrade=True)
     try:
         store.create_app(
@@ -343,6 +353,15 @@ def _serve_a_plan(
         assert {i.state for i in store.list_instances(APP)} == {"running"}
 
         _apply_fleet(store, {})
+        report = reconciler.run_once()
+        # A serving worker drains first (no new queries), then goes once drained.
+        drained = [
+            a
+            for a in report.apps[APP].actions
+            if isinstance(a, Mark) and a.to_state is InstanceState.DRAINING
+        ]
+        assert drained and not report.apps[APP].count(Terminate), report
+        clock.advance(DEFAULT_INTERRUPTION_DRAIN_S + 1.0)
         report = reconciler.run_once()
         assert report.apps[APP].count(Terminate) >= 1, report
         running = [i for i in _managed_instances(ec2) if i["State"]["Name"] == "running"]

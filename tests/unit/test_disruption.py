@@ -21,6 +21,7 @@ from controlplane.loops.reconciler import (
 )
 from controlplane.policies.disruption import DisruptionBudget
 from controlplane.policies.drain import DrainInstance, spare_last_serving
+from controlplane.policies.lifecycle import InstanceState
 from tests.unit.test_reconciler import PRICES, row, run
 
 ONE_A_MINUTE = DisruptionBudget(max_instances=1, max_share=0.25, window_s=60.0)
@@ -28,7 +29,17 @@ T0 = datetime(2024, 1, 1, tzinfo=UTC)
 
 
 def terminated(actions: list[Action], cause: str | None = None) -> set[str]:
-    return {
+    """The instances ``actions`` take out of service (with ``cause``): terminated, or a serving
+    one a scale-down drains first (rule 9 terminates it once drained)."""
+    drained = {
+        a.instance_id
+        for a in actions
+        if isinstance(a, Mark)
+        and a.to_state is InstanceState.DRAINING
+        and a.reason.startswith("scale_down:")
+        and cause in (None, "scale_down")
+    }
+    return drained | {
         i
         for a in actions
         if isinstance(a, Terminate) and (cause is None or a.cause == cause)

@@ -153,14 +153,23 @@ def test_terminates_the_excess_newest_first_and_fails_unlaunched_rows() -> None:
     waiting = row("small", "requested", age_s=10)
     actions = run({"small": 1}, [old, new, waiting])
     # The row that never launched goes first (marked failed: there is nothing to stop) ...
+    # ... then the newest running one, which drains first (no new queries; rule 9 terminates
+    # it once drained); the oldest stays.
     assert [(m.instance_id, m.to_state) for m in marks(actions)] == [
-        (waiting.id, InstanceState.FAILED)
+        (new.id, InstanceState.DRAINING),
+        (waiting.id, InstanceState.FAILED),
     ]
-    # ... then the newest running one; the oldest stays.
-    (stop,) = terminations(actions)
-    assert stop.instance_ids == (new.id,) and stop.provider_ids == (new.provider_id,)
-    assert stop.cause == "scale_down"
-    assert not launches(actions)
+    assert marks(actions)[0].reason.startswith("scale_down: small: 3 kept, 1 desired")
+    assert not terminations(actions) and not launches(actions)
+    # Drained for drain_s, it is terminated (cause scale_down: the store's event says why it
+    # drains); nothing is launched for it.
+    draining = row("small", "draining", age_s=11)
+    later = run({"small": 1}, [old, draining], drain_causes={draining.id: "scale_down"})
+    (stop,) = terminations(later)
+    assert stop.instance_ids == (draining.id,) and stop.cause == "scale_down"
+    assert stop.reason == "drained for 10 s after its scale-down"
+    assert not launches(later)
+    assert not terminations(run({"small": 1}, [old, row("small", "draining", age_s=5)]))
 
 
 def test_no_desired_fleet_launches_and_scales_nothing() -> None:
@@ -278,9 +287,13 @@ def test_a_shrinking_fleet_ends_the_worker_gone_silent_first() -> None:
     silent = row("small", "running", age_s=600)
     newer = row("small", "running", age_s=60)
     actions = run({"small": 1}, [silent, newer])
-    assert terminations(actions)[0].instance_ids == (newer.id,)  # the newest, as a rule
+    # The newest, as a rule: it drains first.
+    assert [(m.instance_id, m.to_state) for m in marks(actions)] == [
+        (newer.id, InstanceState.DRAINING)
+    ]
+    # A silent worker serves nothing to drain: terminated at once.
     actions = run({"small": 1}, [silent, newer], silent={silent.provider_id})
-    assert terminations(actions)[0].instance_ids == (silent.id,)
+    assert terminations(actions)[0].instance_ids == (silent.id,) and not marks(actions)
 
 
 def test_a_requested_row_is_launched_again_with_its_own_request_id() -> None:
