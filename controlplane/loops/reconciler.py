@@ -51,8 +51,9 @@ The rules (docs/provisioners.md, "Reconciler", says why):
    either keeps is one :class:`DrainDeferred` action (one decision per episode). A serving row
    that goes (unless its worker went silent) moves to ``draining`` first: the serving loop sends
    it no new query from its next refresh, and rule 9 terminates it after ``drain_s`` (cause
-   ``scale_down``, read back from its move's reason); it is paid for until then. Terminated at
-   once, it still got the queries dispatched before that refresh, which found it gone.
+   ``scale_down``, read back from its move's reason); it is paid for until then, and taken back
+   (``draining -> running``) where the desired count rises again meanwhile. Terminated at once,
+   it still got the queries dispatched before that refresh, which found it gone.
 6. **Budget guard.** The kept fleet's cost (the recorded price of each kept row) must stay within
    the app's budget, a hard limit: no guard above defers this drain. When it does not (the budget
    was lowered), the least cost-effective kept instances are drained at once by
@@ -687,6 +688,10 @@ def reconcile(
         return actions
     profiling = [row for row in kept if _profiling(row)]
     kept = [row for row in kept if not _profiling(row)]
+    if desired is not None:
+        kept, leaving = _take_back(
+            kept, leaving, desired, drain_causes or {}, notices or {}, actions
+        )
     ranked = ranking or {}
     noticed_spot = frozenset(
         row.record.instance_type
@@ -1320,6 +1325,49 @@ def _drop_excess(
         dropped.update(row.id for row in going)
     remaining = [row for row in kept if row.id not in dropped]
     return remaining, [row for row in remaining if row.id in spared_ids], drained
+
+
+def _take_back(
+    kept: list[_Row],
+    leaving: list[_Row],
+    desired: Mapping[str, int],
+    drain_causes: Mapping[str, str],
+    notices: Mapping[str, datetime],
+    actions: list[Action],
+) -> tuple[list[_Row], list[_Row]]:
+    """Rule 5's drains taken back: a row draining for a scale-down (``drain_causes``) whose
+    type the desired count now wants more of than is kept serves again (``draining ->
+    running``; its worker never stopped), the latest drained first, instead of a launch that
+    boots. A row draining for another cause (an interruption, a move off a risen spot price),
+    or whose machine the provider has given notice of since, stays on its way out. The rows kept
+    and those still leaving."""
+    have: dict[str, float] = defaultdict(float)
+    for row in kept:
+        have[row.counted_type] += row.share
+    back: list[_Row] = []
+    candidates = [
+        row
+        for row in leaving
+        if row.state is _S.DRAINING
+        and drain_causes.get(row.id) == "scale_down"
+        and (row.provider_id or "") not in notices
+    ]
+    for row in sorted(candidates, key=lambda r: (r.record.updated_at, r.id), reverse=True):
+        instance_type = row.counted_type
+        want = desired.get(instance_type, 0)
+        if have[instance_type] + row.share <= want + _UNIT_SLACK:
+            _mark(
+                row,
+                _S.RUNNING,
+                f"taken back while it drained: {instance_type}'s desired count rose to {want}",
+                actions,
+            )
+            have[instance_type] += row.share
+            back.append(row)
+    if not back:
+        return kept, leaving
+    ids = {row.id for row in back}
+    return kept + back, [row for row in leaving if row.id not in ids]
 
 
 def _forget_deferred_that_went(actions: list[Action]) -> None:

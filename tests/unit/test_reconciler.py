@@ -172,6 +172,32 @@ def test_terminates_the_excess_newest_first_and_fails_unlaunched_rows() -> None:
     assert not terminations(run({"small": 1}, [old, row("small", "draining", age_s=5)]))
 
 
+def test_a_scale_downs_draining_worker_is_taken_back_when_the_count_rises_again() -> None:
+    old = row("small", age_s=500)
+    drained_first = row("small", "draining", age_s=300, updated_age_s=8)
+    drained_last = row("small", "draining", age_s=200, updated_age_s=4)
+    causes = {drained_first.id: "scale_down", drained_last.id: "scale_down"}
+    # One more wanted: the latest drained serves again at once, nothing is launched.
+    actions = run({"small": 2}, [old, drained_first, drained_last], drain_causes=causes)
+    assert [(m.instance_id, m.to_state) for m in marks(actions)] == [
+        (drained_last.id, InstanceState.RUNNING)
+    ]
+    assert marks(actions)[0].reason.startswith("taken back while it drained")
+    assert not launches(actions) and not terminations(actions)
+    # Both, and one launched past them.
+    actions = run({"small": 4}, [old, drained_first, drained_last], drain_causes=causes)
+    assert {m.instance_id for m in marks(actions)} == {drained_first.id, drained_last.id}
+    assert len(launches(actions)) == 1
+    # A row draining for another cause (an interruption, a spot move) is not taken back, nor is
+    # one whose machine has a notice since.
+    other = row("small", "draining", age_s=200, updated_age_s=4)
+    actions = run({"small": 2}, [old, other])
+    assert not marks(actions) and len(launches(actions)) == 1
+    noticed = {drained_last.provider_id: NOW + timedelta(seconds=100)}
+    actions = run({"small": 2}, [old, drained_last], drain_causes=causes, notices=noticed)
+    assert not any(m.to_state is InstanceState.RUNNING for m in marks(actions))
+
+
 def test_no_desired_fleet_launches_and_scales_nothing() -> None:
     rows = [row("small"), row("small")]
     assert run(None, rows) == []
