@@ -1133,6 +1133,18 @@ def _act_on_notices(
     return doomed, leaving
 
 
+def _spot_price_now(record: InstanceRecord, spot_prices: Mapping[str, float]) -> float | None:
+    """The spot price now of a live spot row's type, where it is known; None for any other row."""
+    if record.market != "spot" or record.state in TERMINAL_STATES:
+        return None
+    return spot_prices.get(record.instance_type)
+
+
+def _price_moved(price: float, other: float) -> bool:
+    """Two prices that differ by more than the budget's rounding slack."""
+    return abs(price - other) > _BUDGET_SLACK_USD_PER_HR
+
+
 def _repriced(
     db_instances: Sequence[InstanceRecord],
     spot_prices: Mapping[str, float],
@@ -1145,17 +1157,17 @@ def _repriced(
     repriced: list[InstanceRecord] = []
     changed: dict[str, list[float]] = defaultdict(list)
     for record in db_instances:
-        now_price = spot_prices.get(record.instance_type)
-        if (
-            record.market == "spot"
-            and record.state not in TERMINAL_STATES
-            and now_price is not None
-        ):
-            if abs(now_price - record.price_usd_per_hr) > _BUDGET_SLACK_USD_PER_HR:
+        now_price = _spot_price_now(record, spot_prices)
+        if now_price is not None:
+            moved = _price_moved(now_price, record.price_usd_per_hr)
+            if moved:
                 changed[record.instance_type].append(record.price_usd_per_hr)
-                record = dataclasses.replace(record, price_usd_per_hr=now_price)
-            if record.price_now_usd_per_hr is not None:
-                record = dataclasses.replace(record, price_now_usd_per_hr=None)
+            if moved or record.price_now_usd_per_hr is not None:
+                record = dataclasses.replace(
+                    record,
+                    price_usd_per_hr=now_price if moved else record.price_usd_per_hr,
+                    price_now_usd_per_hr=None,
+                )
         repriced.append(record)
     if changed:
         paid_for = {state.value for state in _KEPT | {_S.DRAINING}}
@@ -2441,16 +2453,13 @@ class Reconciler:
         tick). A failed write is logged: the next tick writes it again."""
         moved: dict[float | None, list[str]] = defaultdict(list)
         for row in rows:
-            now_price = spot_prices.get(row.instance_type)
-            if row.market != "spot" or row.state in TERMINAL_STATES or now_price is None:
+            now_price = _spot_price_now(row, spot_prices)
+            if now_price is None:
                 continue
-            moved_from_launch = abs(now_price - row.price_usd_per_hr) > _BUDGET_SLACK_USD_PER_HR
-            wanted = now_price if moved_from_launch else None
+            wanted = now_price if _price_moved(now_price, row.price_usd_per_hr) else None
             recorded = row.price_now_usd_per_hr
             if (wanted is None) != (recorded is None) or (
-                wanted is not None
-                and recorded is not None
-                and abs(wanted - recorded) > _BUDGET_SLACK_USD_PER_HR
+                wanted is not None and recorded is not None and _price_moved(wanted, recorded)
             ):
                 moved[wanted].append(row.id)
         for price, ids in moved.items():

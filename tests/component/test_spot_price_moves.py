@@ -91,28 +91,6 @@ class PricedWorld(World):
         self.store.close()
 
 
-def test_the_price_now_is_recorded_as_it_moves_and_cleared_when_it_is_back(
-    template_db: Path, tmp_path: Path
-) -> None:
-    spot_prices = {SMALL: 0.015, LARGE: 0.03}
-    world = PricedWorld(template_db, tmp_path, 0.1, spot_prices)
-    try:
-        world.serve_three_small_on_spot()
-        rows = world.store.list_instances(APP, states=["running"])
-        assert all(r.price_now_usd_per_hr is None for r in rows)
-        spot_prices[SMALL] = 0.02  # short of the headroom: nothing moves, the cost does
-        world.tick()
-        rows = world.store.list_instances(APP, states=["running"])
-        assert [(r.price_usd_per_hr, r.price_now_usd_per_hr) for r in rows] == [(0.015, 0.02)] * 3
-        assert billed_cost_usd_per_hr(rows) == pytest.approx(0.06)
-        spot_prices[SMALL] = 0.015
-        world.tick()
-        rows = world.store.list_instances(APP, states=["running"])
-        assert [(r.price_usd_per_hr, r.price_now_usd_per_hr) for r in rows] == [(0.015, None)] * 3
-    finally:
-        world.close()
-
-
 def test_a_rise_into_the_headroom_moves_capacity_before_the_budget_is_breached(
     template_db: Path, tmp_path: Path
 ) -> None:
@@ -177,16 +155,27 @@ def test_where_the_budget_pays_for_both_the_move_is_made_before_the_risen_ones_g
         world.close()
 
 
-def test_without_headroom_the_same_rise_moves_nothing_until_the_budget_is_breached(
+def test_without_headroom_the_same_rise_moves_nothing_and_its_price_now_is_what_they_cost(
     template_db: Path, tmp_path: Path
 ) -> None:
     spot_prices = {SMALL: 0.015, LARGE: 0.03}
     world = PricedWorld(template_db, tmp_path, 0.1, spot_prices, headroom_share=0.0)
     try:
         world.serve_three_small_on_spot()
+        rows = world.store.list_instances(APP, states=["running"])
+        assert all(r.price_now_usd_per_hr is None for r in rows)
         spot_prices[SMALL] = 0.031
         assert not launches(world.tick())
         assert world.kept() == [(SMALL, "spot")] * 3
+        # Nothing moved, the cost did: the price now recorded beside the launch price...
+        rows = world.store.list_instances(APP, states=["running"])
+        assert [(r.price_usd_per_hr, r.price_now_usd_per_hr) for r in rows] == [(0.015, 0.031)] * 3
+        assert billed_cost_usd_per_hr(rows) == pytest.approx(0.093)
+        # ... and cleared when the price is back at the launch price.
+        spot_prices[SMALL] = 0.015
+        world.tick()
+        rows = world.store.list_instances(APP, states=["running"])
+        assert [(r.price_usd_per_hr, r.price_now_usd_per_hr) for r in rows] == [(0.015, None)] * 3
     finally:
         world.close()
 
