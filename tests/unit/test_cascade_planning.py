@@ -281,3 +281,23 @@ def test_the_stages_share_one_budget(tmp_path: Path) -> None:
     # Each stage got some of the room the plan left (neither took all of it).
     for stage in tuned.stages:
         assert max(w.fleet[CPU] for w in stage.timeline) == 2
+
+
+def test_a_cascade_whose_budget_buys_no_instance_per_stage_is_planned_infeasible(
+    tmp_path: Path,
+) -> None:
+    """One instance of the cheapest type fits the budget, one per stage does not: the joint
+    proposal's fallback (each stage's cheapest candidate, whatever it costs) was taken as the
+    plan, feasible at more than the budget."""
+    app = write_cascade_app(tmp_path, records=True)
+    cheapest = min(app.prices_usd_per_hr.values())
+    budget = 1.5 * cheapest
+    tight = dataclasses.replace(app, spec=app.spec.model_copy(update={"budget_usd_per_hr": budget}))
+    assert tight.validation is not None
+    slow = poisson_trace(5.0, queries=500)  # one instance a stage serves it
+    slow = Trace(slow.arrival_s - slow.arrival_s[0], slow.batch_size)
+    trace = with_sample_ids(slow, tight.validation, np.random.default_rng(SEED))
+    plan = plan_app(tight, trace, seed=SEED)
+    assert not plan.feasible
+    assert plan.cost_usd_per_hr <= budget + 1e-9
+    assert any("over the budget" in step for step in plan.steps)
