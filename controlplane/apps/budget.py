@@ -100,9 +100,10 @@ def check_serving_floor(
     force: bool = False,
     spec: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
-    """Refuse a budget of ``usd_per_hr`` below ``app``'s smallest serving fleet (one instance of
-    the cheapest planned type on every stage of its applied plan), or one that buys no instance
-    of any candidate type (the rule a spec is registered under), unless ``force``; the planned
+    """Refuse a cut of the budget to ``usd_per_hr`` below ``app``'s smallest serving fleet (one
+    instance of the cheapest planned type on every stage of its applied plan), or to one that
+    buys no instance of any candidate type (the rule a spec is registered under), unless
+    ``force``; a raise is never refused (it drains nothing). Returns the planned
     stages and each type's value (qps per USD/hr, empty when the profiles do not resolve), which
     a drain ranks by. Prices come from ``spec`` (a spec being applied, with its own catalog),
     by default the app's stored one.
@@ -128,8 +129,11 @@ def check_serving_floor(
         values = {}
     stages = _planned_stages(store, app)
     floor = serving_floor(stages, prices)
+    # A raise drains nothing (the fleet is within the budget it raises): never refused, even
+    # where it stays below the floor (a budget forced below it, or a plan applied over it).
+    raised = usd_per_hr > record.budget_usd_per_hr + 1e-9
     # The same tolerance as the drain's: 0.1 + 0.2 is a floor of 0.3.
-    below = usd_per_hr < floor.cost_usd_per_hr - 1e-9
+    below = usd_per_hr < floor.cost_usd_per_hr - 1e-9 and not raised
     if below and not force:
         # On-demand prices: a spot instance kept at its launch price could be re-priced past the
         # budget (rule 10) or replaced on demand, leaving the stage empty. Say so when the fleet
@@ -142,7 +146,7 @@ def check_serving_floor(
             floor.describe(),
             running_usd_per_hr=running if 0 < running <= usd_per_hr + 1e-9 else None,
         )
-    if resolved is not None and not force:
+    if resolved is not None and not force and not raised:
         _check_buys_one(resolved, usd_per_hr)
     return stages, values
 

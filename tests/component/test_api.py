@@ -1144,6 +1144,16 @@ def test_a_budget_below_the_smallest_serving_fleet_is_a_409_and_changes_nothing(
     assert api.call("GET", "/v1/apps/toy/budget").json()["changes"][-1]["new_usd_per_hr"] == 0.01
     assert len(api.call("GET", "/v1/apps/toy/decisions?kind=budget_drain").json()) == 1
 
+    # A raise from there drains nothing: not refused, though still below the floor.
+    raised = api.call(
+        "PUT", "/v1/apps/toy/budget", json={"budget_usd_per_hr": 0.02, "reason": "up"}
+    )
+    assert raised.status_code == 200, raised.text
+    assert raised.json()["budget_usd_per_hr"] == 0.02 and raised.json()["drain"] == []
+    # A cut below the floor is still refused, unforced.
+    cut = {"budget_usd_per_hr": 0.015, "reason": "down"}
+    assert_error(api.call("PUT", "/v1/apps/toy/budget", json=cut), 409, "conflict")
+
 
 def test_below_the_on_demand_floor_a_spot_fleet_that_fits_is_said_to(api: Api) -> None:
     """The floor stays at on-demand prices (a spot instance kept at its launch price could be
