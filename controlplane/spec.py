@@ -58,6 +58,7 @@ from estimator.errors import (
     UnknownInstanceTypeError,
     UnknownModelError,
 )
+from estimator.fleet import MAX_FLEET_INSTANCES
 from estimator.numbers import plain
 
 if TYPE_CHECKING:
@@ -354,7 +355,15 @@ class AppSpec(BaseModel):
     instance_types: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
     # The bound before the validator: pydantic leaves constraints that follow a BeforeValidator
     # out of the JSON Schema.
-    max_counts: dict[str, Annotated[int, Field(ge=0), BeforeValidator(whole_number)]] | None = None
+    # At most a fleet's most instances (estimator.fleet.MAX_FLEET_INSTANCES), which nothing could
+    # simulate or run past.
+    max_counts: (
+        dict[
+            str,
+            Annotated[int, Field(ge=0, le=MAX_FLEET_INSTANCES), BeforeValidator(whole_number)],
+        ]
+        | None
+    ) = None
     catalog: str | None = Field(default=None, min_length=1, pattern=_PATH_PATTERN)
     scaling: Literal["inferline", "infaas"] = Field(
         default="inferline",

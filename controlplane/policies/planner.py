@@ -291,7 +291,12 @@ def _start_fleet(
             inputs.slo_ms,
             (sizes, counts / counts.sum()),
         )
-        caps = {t: inputs.max_counts[t] for t in q.type_names if t in inputs.max_counts}
+        caps = _free_type_caps(
+            inputs,
+            trace.batch_size,
+            peak,
+            {t: inputs.max_counts[t] for t in q.type_names if t in inputs.max_counts},
+        )
         if _mixes_estimate(q, inputs.budget_usd_per_hr, caps) > MAX_RANKED_MIXES:
             # Far more mixes than can be ranked: straight to the doubling budgets (the full
             # budget's enumeration would spend time and memory only to give up).
@@ -311,7 +316,9 @@ def _start_fleet(
         )
     covering = np.flatnonzero(HEADROOM * ranking.upper_bound_qps >= peak)
     if covering.size:
-        index = int(covering[np.argmin(ranking.cost_usd_per_hr[covering])])
+        # The cheapest; of mixes that cost the same (free types), the one of least bound.
+        order = np.lexsort((ranking.upper_bound_qps[covering], ranking.cost_usd_per_hr[covering]))
+        index = int(covering[order[0]])
         within = ""
         if ranking.budget_usd_per_hr < inputs.budget_usd_per_hr:
             within = f" (mixes up to {ranking.budget_usd_per_hr:.4g} USD/hr)"
@@ -328,6 +335,27 @@ def _start_fleet(
         )
     fleet = {t: n for t, n in ranking.fleet(index).items() if n}
     return fleet, why
+
+
+def _free_type_caps(
+    inputs: _StageInputs, batch_sizes: NDArray[np.int64], peak_qps: float, caps: dict[str, int]
+) -> dict[str, int]:
+    """``caps`` with each free type's count held to what covers ``peak_qps`` alone (with
+    HEADROOM, one more for the bound's rounding): a price bounds a priced type's count within
+    the budget, but a free type's is bounded only by its cap, which may be any number (a cap
+    of a billion ranked and simulated fleets of a billion instances, without end)."""
+    held = dict(caps)
+    for t, profile in inputs.profiles.items():
+        if inputs.prices_usd_per_hr.get(t, 0.0) > 0:
+            continue
+        try:
+            rate = profile.rate_qps(batch_sizes)
+        except EstimatorError:  # a batch size past its profile: no bound here
+            continue
+        if math.isfinite(rate) and rate > 0:
+            need = math.ceil(peak_qps / (HEADROOM * rate)) + 1
+            held[t] = min(held.get(t, need), need)
+    return held
 
 
 def _mixes_estimate(

@@ -255,6 +255,39 @@ def test_a_trace_whose_queries_arrive_at_one_time_has_no_rate_to_plan_for(
         plan_app(app, at_once)
 
 
+def test_a_free_type_with_a_large_cap_starts_from_the_fleet_its_load_needs(tmp_path: Path) -> None:
+    """A free type's count is bounded by its cap alone: a cap of 100,000 had the planner rank
+    and simulate fleets of the cap's size (a cap of a billion ran out of memory)."""
+    fixed, slope = SHAPES["r5n.large"]
+    rows = ["model,instance_type,batch_size,sample,infer_ms,load_ms"]
+    rows += [
+        f"m,local.cpu,{b},{i},{(fixed + slope * b) * (0.9 + 0.02 * i):.4f},0"
+        for b in BATCHES
+        for i in range(11)
+    ]
+    (tmp_path / "free.csv").write_text("\n".join(rows) + "\n")
+    spec = tmp_path / "free.yaml"
+    spec.write_text(
+        "name: free\nmodels: [{name: m, profiles: free.csv}]\nslo: {latency_ms: 25}\n"
+        "budget_usd_per_hr: 1\ninstance_types: [local.cpu]\nmax_counts: {local.cpu: 100000}\n"
+    )
+    app = resolve_spec(load_spec(spec))
+    assert app.prices_usd_per_hr["local.cpu"] == 0.0
+    plan = plan_app(app, poisson_trace(2000.0, queries=4000))
+    assert plan.feasible
+    # One instance serves about 1000 / 12 qps at batch 1: the peak needs some 2000 / 0.7 of it.
+    (start,) = [s for s in plan.steps if s.startswith("m: start from ")]
+    started = int(start.removeprefix("m: start from ").split(" x ", 1)[0])
+    assert started <= math.ceil(1.2 * 2000 / (0.7 * 1000 / 12.0)) + 1
+    assert plan.stages[0].fleet.total <= started
+
+
+def test_a_cap_past_the_most_instances_a_fleet_may_have_is_refused(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, 25.0, 1.0, max_counts="{r5n.large: 1000000000}")
+    with pytest.raises(EstimatorError, match=r"max_counts\[r5n.large\]: must be <= 100000"):
+        load_spec(spec)
+
+
 def test_a_budget_too_small_reports_the_highest_feasible_rate(tmp_path: Path) -> None:
     app = app_for(tmp_path, 25.0, 0.2)  # one r5n.large: about 80 qps at batch 1
     trace = poisson_trace(600.0)
