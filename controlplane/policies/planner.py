@@ -316,9 +316,7 @@ def _start_fleet(
         )
     covering = np.flatnonzero(HEADROOM * ranking.upper_bound_qps >= peak)
     if covering.size:
-        # The cheapest; of mixes that cost the same (free types), the one of least bound.
-        order = np.lexsort((ranking.upper_bound_qps[covering], ranking.cost_usd_per_hr[covering]))
-        index = int(covering[order[0]])
+        index = int(covering[np.argmin(ranking.cost_usd_per_hr[covering])])
         within = ""
         if ranking.budget_usd_per_hr < inputs.budget_usd_per_hr:
             within = f" (mixes up to {ranking.budget_usd_per_hr:.4g} USD/hr)"
