@@ -86,6 +86,7 @@ __all__ = [
     "UnprofiledModelError",
     "anchor_paths",
     "check_budget_buys_one",
+    "check_slo_reachable",
     "confine_paths",
     "load_spec",
     "lowest_prices",
@@ -1020,6 +1021,34 @@ def resolve_spec(
         artifacts=MappingProxyType(found),
         unprofiled=MappingProxyType(unprofiled),
     )
+
+
+def check_slo_reachable(app: ResolvedApp) -> None:
+    """:class:`SpecError` naming ``slo.latency_ms`` when no model of ``app`` answers within it on
+    any candidate type even alone, at its smallest batch size (its mean service time, the least
+    a query can take): no fleet meets it, every plan preview is refused and a live app refuses
+    every query (429). The rule an app is registered and replaced under. A model still to be
+    measured has no time yet: the app is not judged until it has."""
+    if app.unprofiled:
+        return
+    fastest: tuple[float, str, str] | None = None
+    for model in app.spec.models:
+        profile_set = app.profiles[model.name]
+        for name in app.spec.instance_types:
+            if name not in profile_set.instance_types(model.name):
+                continue
+            profile = profile_set.get_profile(model.name, name)
+            ms = profile.mean_latency_ms(profile.min_batch_size)
+            if fastest is None or ms < fastest[0]:
+                fastest = (ms, model.name, name)
+    slo_ms = app.spec.slo.latency_ms
+    if fastest is not None and fastest[0] > slo_ms:
+        ms, model_name, name = fastest
+        raise SpecError(
+            "slo.latency_ms",
+            f"{plain(slo_ms)} ms is less than any model takes alone: the fastest, {model_name!r}"
+            f" on {name}, takes {ms:.3g} ms a query at its smallest batch, so no fleet meets it",
+        )
 
 
 def _load_spec_validation(spec: AppSpec) -> ValidationRecords | None:

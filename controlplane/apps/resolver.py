@@ -60,6 +60,7 @@ from controlplane.spec import (
     SpecMissingProfileError,
     anchor_paths,
     check_budget_buys_one,
+    check_slo_reachable,
     confine_paths,
     resolve_spec,
     validate_spec,
@@ -295,11 +296,15 @@ class AppResolver:
         field on any problem: a file path outside ``base_dir`` is one,
         :func:`~controlplane.spec.confine_paths`); the resolved spec's paths are absolute.
         ``confine=False`` is for the service's own specs (the demo's, naming its family's files
-        wherever the demo trained them), never for a request's."""
+        wherever the demo trained them), never for a request's. An SLO no model meets alone is
+        refused here (:func:`~controlplane.spec.check_slo_reachable`), where an app is
+        registered or replaced, not where a stored one is resolved."""
         spec = validate_spec(document)
         if confine:
             confine_paths(spec, self.base_dir)
-        return self.resolve(spec)
+        resolved = self.resolve(spec)
+        check_slo_reachable(resolved)
+        return resolved
 
     def resolve(
         self, spec: AppSpec | Mapping[str, Any], *, check_budget: bool = True

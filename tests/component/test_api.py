@@ -893,7 +893,10 @@ def test_an_unknown_plan_is_a_404(api: Api) -> None:
 
 
 def test_an_slo_no_type_can_meet_is_a_422(api: Api) -> None:
-    api.register(slo={"latency_ms": 1.0})
+    # Registering it is refused now; an app stored with one before that rule previews a 422.
+    created = api.register()
+    stored = {**created["spec"], "slo": {"latency_ms": 1.0, "percentile": 99.0}}
+    api.store.update_app("toy", stored, who="test")
     assert_error(
         api.call("POST", "/v1/apps/toy/plans", json={"rate_qps": 10.0}), 422, "unplannable"
     )
@@ -1115,6 +1118,24 @@ def test_a_plans_gear_plan_is_in_the_answer(api: Api) -> None:
     answer = api.call("GET", f"/v1/apps/toy/plans/{plan.id}")
     assert answer.status_code == 200, answer.text
     assert answer.json()["gear_plan"] == gears
+
+
+def test_an_slo_no_model_meets_alone_is_refused_on_register_and_on_replace(api: Api) -> None:
+    """The fastest model answers in about 4 ms (g4dn.xlarge at batch 1): an SLO under that was
+    registered, and a live app's replaced with it refused every query with 429."""
+    body = {**spec(), "slo": {"latency_ms": 0.01}}
+    error = assert_error(api.call("POST", "/v1/apps", "operator", json=body), 422)
+    assert error["field"] == "slo.latency_ms"
+    assert "'m' on g4dn.xlarge" in error["message"] and "no fleet meets it" in error["message"]
+    assert api.call("GET", "/v1/apps").json() == []
+
+    created = api.register()
+    replaced = {**spec(), "slo": {"latency_ms": 1.0}}
+    error = assert_error(api.call("PUT", "/v1/apps/toy", "operator", json=replaced), 422)
+    assert error["field"] == "slo.latency_ms"
+    after = api.call("GET", "/v1/apps/toy").json()
+    assert after["version"] == created["version"]
+    assert after["spec"]["slo"]["latency_ms"] == 40.0
 
 
 def test_a_budget_below_the_smallest_serving_fleet_is_a_409_and_changes_nothing(
