@@ -3,13 +3,16 @@ registered models.
 
 The app's spec comes from the service (``GET /v1/apps/{app}``), each model's artifact bytes too
 (``GET /v1/models/{name}/versions/{v}/artifact``, the version the spec is pinned to); each model
-then runs here, in process (:func:`provisioners.worker.runtime.load_runtime`), on the samples of
-``FILE.npz`` (array ``inputs``: the samples of the models' first input, one per row; ``labels``:
-the class of each). A model's prediction is the argmax of its first output and its certainty is
-read off the softmax of that output as the spec says (``margin``: top-1 minus top-2,
-CascadeServe's; ``max_prob``: top-1). The records are written as ``heteroplane.validation/v1``
-(:func:`estimator.cascades.validation_document`, as the demo family's are), cascade order first:
-what the spec's ``validation`` field names and the planner reads a cascade's reach shares from.
+then runs here, in process (:func:`provisioners.worker.runtime.load_runtime`), loaded as a worker
+loads it: a TorchScript module with the inputs the registry stored for that version (one pushed
+with ``--inputs`` names them nowhere in its archive); a model that cannot load here is one line
+and exit status 2. They run on the samples of ``FILE.npz`` (array ``inputs``: the samples of the
+models' first input, one per row; ``labels``: the class of each). A model's prediction is the
+argmax of its first output and its certainty is read off the softmax of that output as the spec
+says (``margin``: top-1 minus top-2, CascadeServe's; ``max_prob``: top-1). The records are
+written as ``heteroplane.validation/v1`` (:func:`estimator.cascades.validation_document`, as the
+demo family's are), cascade order first: what the spec's ``validation`` field names and the
+planner reads a cascade's reach shares from.
 onnxruntime (or torch) is imported only here, when the command runs.
 """
 
@@ -21,7 +24,7 @@ import tempfile
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,7 +37,10 @@ from estimator.cascades import (
     validation_document,
     validation_from_document,
 )
-from provisioners.artifacts import ModelSignature
+from provisioners.artifacts import ModelSignature, TensorSpec
+
+if TYPE_CHECKING:
+    from provisioners.worker.runtime import ModelRuntime
 
 __all__ = [
     "certainty_of",
@@ -201,7 +207,7 @@ def _evaluate(
     labels: np.ndarray,
     flag: str,
 ) -> dict[str, Any]:
-    from provisioners.worker.runtime import load_runtime
+    from provisioners.worker.runtime import first_line
 
     model, _, version = reference.partition("@")
     quoted = urllib.parse.quote(model, safe="")
@@ -212,7 +218,12 @@ def _evaluate(
     progress(f"fetching {model} v{version} ({document['format']}) and running it on the data")
     path = scratch / f"{model}-{version}.{'onnx' if document['format'] == 'onnx' else 'pt'}"
     path.write_bytes(client.download(f"/v1/models/{quoted}/versions/{version}/artifact"))
-    runtime = load_runtime(path, document["format"])
+    try:
+        runtime = _load(path, document)
+    except Exception as error:  # ModelLoadError, a version document's bad inputs, no torch here
+        raise UsageError(
+            f"model {name} ({model}@{version}) cannot be loaded here: {first_line(error)}"
+        ) from None
     batch = _shaped(inputs, runtime.signature, name, flag)
     first_input = runtime.signature.inputs[0].name
     first_output = runtime.signature.outputs[0].name
@@ -245,6 +256,19 @@ def _evaluate(
         "certainty": certainty_of(scores, how).tolist(),
         "params": 0,  # not known for a registered artifact
     }
+
+
+def _load(path: Path, document: Mapping[str, Any]) -> ModelRuntime:
+    """The version at ``path`` loaded as a worker loads it (``ModelVersionRecord.ref``): a
+    TorchScript module with the inputs its version document holds, what the registry stored at
+    push (from ``--inputs``, or the archive's signature file), since the archive of a module
+    pushed with ``--inputs`` holds no input shapes; an ONNX model with its graph's own."""
+    from provisioners.worker.runtime import load_runtime
+
+    if document["format"] != "torchscript":
+        return load_runtime(path, document["format"])
+    inputs = tuple(TensorSpec.from_json(spec) for spec in document["inputs"])
+    return load_runtime(path, "torchscript", inputs=inputs)
 
 
 def _shaped(inputs: np.ndarray, signature: ModelSignature, name: str, flag: str) -> np.ndarray:
