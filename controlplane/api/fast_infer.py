@@ -305,6 +305,7 @@ class FastInferMiddleware:
             result = await serving.infer(
                 app, rows, parsed[1], None, received, request_id=request_id
             )
+            payload = orjson.dumps(answer_document(result))
         except OverloadedError as error:  # the handlers' answer, written directly
             await send_overloaded(send, error, oip=False)
             self.counter.add(app, 429)
@@ -314,7 +315,6 @@ class FastInferMiddleware:
             self.counter.add(app, response.status_code)
             await response(scope, receive, send)
             return
-        payload = orjson.dumps(answer_document(result))
         self.counter.add(app, 200)
         await send_ok(send, payload, [(b"content-type", b"application/json")])
 

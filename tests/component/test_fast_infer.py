@@ -217,6 +217,24 @@ def test_no_serving_instance_is_the_routes_503(world: ApiWorld) -> None:
     api_run(world, body)
 
 
+def test_a_models_nan_is_a_502_not_a_class_on_both_paths(world: ApiWorld) -> None:
+    """A model answering NaN logits was answered as class 0 with a null certainty on /v1."""
+
+    async def body(client: httpx.AsyncClient) -> None:
+        workers = await fleet([SMALL, LARGE])
+        for worker in workers:
+            worker.non_finite = lambda _model, _row: True  # NaN, Infinity, -Infinity, ...
+        world.instances.set("demo", endpoints(workers))
+        ok = {"inputs": [row(2, 0.9)]}
+        first = await client.post(URL, json=ok, headers=world.auth())  # the route
+        second = await client.post(URL, json=ok, headers=world.auth())  # the fast path
+        assert first.status_code == second.status_code == 502, first.text
+        assert first.json() == second.json()
+        assert "not finite" in first.json()["error"]["message"]
+
+    api_run(world, body)
+
+
 def _oip_request(rows: list[list[float]]) -> dict[str, Any]:
     data = [value for r in rows for value in r]
     return {

@@ -121,11 +121,22 @@ async def infer(
 def answer_document(result: Any) -> dict[str, Any]:
     """The route's answer (:class:`~controlplane.api.schemas.InferOut`) to an
     :class:`~controlplane.serving.dispatcher.InferResult`, as JSON-ready data (the fast path,
-    :mod:`controlplane.api.fast_infer`, writes it as it is)."""
+    :mod:`controlplane.api.fast_infer`, writes it as it is). A 502 where a certainty is not
+    finite: the model answered a NaN or an infinity, whose argmax is no class (it was answered
+    as class 0, where ``/v2`` says so)."""
+    certainty = [float(c) for c in result.certainty]
+    if not all(map(math.isfinite, certainty)):
+        raise ApiError(
+            502,
+            "bad_gateway",
+            "the model's output holds values that are not finite (NaN, infinity): no class can be"
+            " read off it (POST /v2/models/APP/infer with parameters.binary_data_output answers"
+            " the raw outputs)",
+        )
     return {
         "outputs": list(result.outputs),
         "models": list(result.models),
-        "certainty": [float(c) for c in result.certainty],
+        "certainty": certainty,
         "gear": result.gear,
         "timings": {
             "queue_ms": float(result.queue_ms),
