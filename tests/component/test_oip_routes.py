@@ -443,6 +443,15 @@ def test_a_clients_timeout_is_its_deadline(world: ApiWorld) -> None:
             )
             assert response.status_code == 400, (bad, response.text)
             assert "parameters.timeout" in response.json()["error"]
+        # 1e400 reads as an infinity: refused too (it was taken as no deadline at all).
+        text = json.dumps(request)[:-1] + ', "parameters": {"timeout": 1e400}}'
+        response = await client.post(
+            "/v2/models/demo/infer",
+            content=text,
+            headers={**world.auth(), "content-type": "application/json"},
+        )
+        assert response.status_code == 400, response.text
+        assert "finite" in response.json()["error"]
 
     api_run(world, body)
 

@@ -393,6 +393,10 @@ def _deadline_s(document: Mapping[str, Any], received_s: float) -> float | None:
             f"parameters.timeout must be microseconds > 0, got an integer of"
             f" {len(str(timeout))} digits, past any deadline"
         ) from None
+    if not math.isfinite(microseconds):  # 1e400 in JSON reads as an infinity
+        raise OipError(
+            f"parameters.timeout must be a finite number of microseconds, got {timeout!r}"
+        )
     return received_s + microseconds / 1e6
 
 
