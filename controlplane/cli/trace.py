@@ -34,7 +34,10 @@ from estimator.traces import (
 )
 
 
-def _parse_spike(text: str) -> tuple[float, float, float]:
+def _parse_spike(text: str, duration_s: float) -> tuple[float, float, float]:
+    """A ``--spike``'s (start, length, factor), its length cut at the trace's end (a spike
+    that outlasts it: the rate profile's pieces past it overflowed); one that starts at or
+    after the end, or a number that is not finite, is refused naming the option."""
     parts = text.split(":")
     try:
         if len(parts) != 3:
@@ -44,6 +47,15 @@ def _parse_spike(text: str) -> tuple[float, float, float]:
         raise output.UsageError(
             f"--spike {text!r}: expected START:LENGTH:FACTOR, e.g. 600:60:3"
         ) from None
+    if not all(map(math.isfinite, (start_s, length_s, factor))):
+        raise output.UsageError(f"--spike {text!r}: START, LENGTH and FACTOR must be finite")
+    if math.isfinite(duration_s) and start_s >= duration_s:
+        raise output.UsageError(
+            f"--spike {text!r} does not start before the trace's end (--duration"
+            f" {duration_s:g}): the spike would never happen"
+        )
+    if math.isfinite(duration_s) and length_s > 0:
+        length_s = min(length_s, duration_s - start_s)
     return start_s, length_s, factor
 
 
@@ -99,7 +111,14 @@ def _profile(args: argparse.Namespace) -> tuple[RateProfile, float]:
         if args.over <= 0.0:
             raise output.UsageError(f"--over must be > 0 for a ramp, got {args.over!r}")
         _within(args, kind)
-        profile = step_profile(args.rate, args.to_rate, args.at, args.over)
+        to_rate, over = args.to_rate, args.over
+        end_s = args.at + over
+        if math.isfinite(args.duration) and end_s > args.duration:
+            # The ramp cut at the trace's end, the same rates within it (a ramp of 1e308 s
+            # overflowed the profile's pieces past the end).
+            over = args.duration - args.at
+            to_rate = args.rate + (args.to_rate - args.rate) * over / args.over
+        profile = step_profile(args.rate, to_rate, args.at, over)
     else:
         profile = diurnal_profile(
             args.rate,
@@ -107,7 +126,14 @@ def _profile(args: argparse.Namespace) -> tuple[RateProfile, float]:
             period_s=86400.0 if args.period is None else args.period,
             amplitude=0.5 if args.amplitude is None else args.amplitude,
         )
-    spikes = [_parse_spike(text) for text in args.spike]
+    spikes = [_parse_spike(text, args.duration) for text in args.spike]
+    # The highest rate the spikes could make (overlapping ones multiply; a diurnal rate reaches
+    # twice its mean): past a float, refused here rather than overflowing in the profile.
+    highest = 2.0 * max(args.rate, args.to_rate or 0.0) * math.prod(f for _, _, f in spikes)
+    if not math.isfinite(highest):
+        raise output.UsageError(
+            "--spike: the rate its FACTOR makes is past any number; give a smaller FACTOR"
+        )
     return with_spikes(profile, spikes), cv2
 
 

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +116,9 @@ def test_stats_human_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--kind", "gamma", "--rate", "5", "--cv2", "0"], "cv2 must be > 0"),
         (["--kind", "poisson", "--rate", "5", "--spike", "1:2"], "expected START:LENGTH:FACTOR"),
         (["--kind", "poisson", "--rate", "5", "--spike", "1:2:-1"], "factor must be >= 0"),
+        (["--kind", "poisson", "--rate", "5", "--spike", "20:5:3"], "would never happen"),
+        (["--kind", "poisson", "--rate", "5", "--spike", "1:2:inf"], "must be finite"),
+        (["--kind", "poisson", "--rate", "5", "--spike", "1:2:1e308"], "past any number"),
         (["--kind", "poisson", "--rate", "5", "--batch-dist", "zipf"], "unknown batch-size spec"),
         (["--kind", "poisson", "--rate", "5", "--seed", "-1"], "--seed must be >= 0"),
         (["--kind", "poisson", "--rate", "1e-9"], "no query arrived"),
@@ -130,6 +134,27 @@ def test_generate_rejects_bad_options_on_one_line(
     )
     assert error.startswith("heteroplane") and message in error
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--kind", "ramp", "--rate", "5", "--to-rate", "10", "--at", "1", "--over", "1e308"],
+        ["--kind", "poisson", "--rate", "5", "--spike", "5:1e308:2"],
+    ],
+)
+def test_a_ramp_or_spike_past_the_end_is_cut_there_without_overflow(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str]
+) -> None:
+    """Their rate profile's pieces past the trace's end overflowed (numpy's warnings on
+    stderr); cut at the end, the trace within it is the same."""
+    out = tmp_path / "t.csv"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["trace", "generate", *options, "--duration", "10", "--out", str(out)]) == 0
+    assert [str(w.message) for w in caught] == []
+    assert capsys.readouterr().err == ""
+    assert out.exists()
 
 
 def test_stats_errors_on_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
