@@ -36,6 +36,7 @@ __all__ = [
     "DATATYPES",
     "FAMILY_SIGNATURE",
     "FORMATS",
+    "MAX_TENSOR_DIM",
     "NAME_PATTERN",
     "ArtifactError",
     "ArtifactRef",
@@ -103,6 +104,11 @@ def datatype_of(dtype: np.dtype[Any] | type) -> str:
     raise ArtifactError(f"numpy type {wanted} has no Open Inference Protocol datatype served")
 
 
+# The most a tensor's dimension may be (a signed 32-bit size; numpy refuses far less memory
+# long before, and no model's signature names more).
+MAX_TENSOR_DIM = 2**31 - 1
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """One named tensor of a model: its datatype and its shape (``-1``: any size)."""
@@ -117,6 +123,13 @@ class TensorSpec:
         numpy_dtype(self.datatype)
         if any((not isinstance(d, int)) or d < -1 for d in self.shape):
             raise ArtifactError(f"tensor {self.name!r}: bad shape {list(self.shape)}")
+        if any(d > MAX_TENSOR_DIM for d in self.shape):
+            # numpy refuses such a shape with "Maximum allowed dimension exceeded" and nothing
+            # else: said here, naming the tensor.
+            raise ArtifactError(
+                f"tensor {self.name!r}: shape {list(self.shape)} has a dimension past"
+                f" {MAX_TENSOR_DIM:,}, the most one may have"
+            )
 
     @property
     def batched(self) -> bool:

@@ -305,6 +305,7 @@ def test_inputs_specs_are_parsed_and_checked() -> None:
         ("input:FP32:-2", "bad shape"),
         ("a:FP32:-1,a:FP32:-1", "named twice"),
         ("a\x00:FP32:-1", "control characters"),
+        ("input:FP32:-1x99999999999999999999", "has a dimension past 2,147,483,647"),
     ]:
         with pytest.raises(InspectError, match=fragment):
             parse_inputs_spec(wrong)
