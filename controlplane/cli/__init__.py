@@ -77,7 +77,11 @@ def _run(args: argparse.Namespace) -> int:
     except OSError as error:
         # A missing or unreadable file the user named: say which, without a traceback.
         name = f" {error.filename}" if error.filename else ""
-        fail(f"heteroplane {args.command}: cannot read or write{name}: {error.strerror or error}")
+        why = error.strerror or str(error)
+        if isinstance(error, FileExistsError | NotADirectoryError):
+            # A folder was wanted where a file is ("File exists" said nothing of that).
+            why = f"{why} (a file where a folder is wanted)"
+        fail(f"heteroplane {args.command}: cannot read or write{name}: {why}")
     except Terminated:
         print("terminated", file=sys.stderr)
         return EXIT_TERMINATED

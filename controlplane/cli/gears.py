@@ -62,6 +62,12 @@ def placement_from(args: argparse.Namespace, app: ResolvedApp) -> CascadePlaceme
     else:
         plan = read_plan(args.plan)
         fleets: dict[str, Fleet] = {s.name: s.fleet for s in plan.stages}
+        others = sorted(set(fleets) - set(order))
+        if others:
+            raise UsageError(
+                f"the plan's stage(s) {', '.join(map(repr, others))} are not models of the app"
+                f" ({', '.join(order)}): a plan made for another spec"
+            )
         placement = CascadePlacement(fleets, tuple(m for m in order if m in fleets))
     for model in placement.order:
         if model not in order:

@@ -497,6 +497,32 @@ def test_gears_refuses_absurd_ranges_and_spans(
     assert one_line_error(capsys, argv).endswith(message)
 
 
+def test_gears_on_a_plan_of_another_app_names_its_stages(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said only "placement: places no model"."""
+    from controlplane.policies.planner import plan_app
+    from controlplane.spec import load_spec, resolve_spec
+    from estimator.traces import read_trace_csv
+
+    (tmp_path / "other").mkdir()
+    other, trace = _app_files(tmp_path / "other")
+    plan = plan_app(resolve_spec(load_spec(other)), read_trace_csv(trace))
+    plan_path = _write(tmp_path / "plan.json", json.dumps(plan.to_document()))
+    spec, validation = gears_app(tmp_path)
+    argv = ["gears", "--spec", str(spec), "--validation", str(validation), "--plan", str(plan_path)]
+    error = one_line_error(capsys, argv)
+    assert "the plan's stage(s) 'm' are not models of the app" in error
+
+
+def test_a_file_where_a_folder_is_wanted_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    junk = _write(tmp_path / "junk.csv", "a\n")
+    error = one_line_error(capsys, ["profile", "measure", "--cache-dir", str(junk)])
+    assert error.endswith("(a file where a folder is wanted)") and str(junk) in error
+
+
 def test_json_output_writes_a_figure_that_is_not_finite_as_null(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
