@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     import httpx
 
 __all__ = [
+    "APP_NAME_MAX",
+    "APP_NAME_PATTERN",
     "DEFAULT_URL",
     "MAX_WAIT_S",
     "TOKEN_ENV",
@@ -36,6 +39,7 @@ __all__ = [
     "ApiClient",
     "ApiClientError",
     "add_client_options",
+    "app_path",
     "client_from",
     "table",
     "wait_seconds",
@@ -50,6 +54,12 @@ DEFAULT_TIMEOUT_S = 300.0
 # profile run or teardown; more is a typo, and from about 9.2e9 s (int64 nanoseconds) on
 # socket.settimeout and time.sleep raise OverflowError.
 MAX_WAIT_S = 7 * 86_400.0
+# An app's name is a DNS label: controlplane.spec's rule (its _APP_NAME_PATTERN and
+# _APP_NAME_MAX), copied since the spec module loads pydantic; parsers.LIBRARY_COPIES names the
+# source and tests/unit/test_cli_startup.py checks the copy equals it.
+APP_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$"
+APP_NAME_MAX = 63
+_APP_NAME = re.compile(APP_NAME_PATTERN)
 
 
 class ApiClientError(UsageError):
@@ -267,10 +277,17 @@ def client_from(args: argparse.Namespace) -> ApiClient:
 
 
 def app_path(app: str, *parts: str) -> str:
-    """``/v1/apps/{app}/...`` with the name quoted (the server refuses odd names with a 422;
-    an empty one, which would name the list of apps, is refused here)."""
+    """``/v1/apps/{app}/...``; a name that is not an app's (a DNS label, as the spec holds
+    it to) is refused here, before anything is sent: ``demo/plans`` was sent as
+    ``demo%2Fplans``, which an HTTP server may decode before routing, to ``/v1/apps/demo/plans``
+    (the list of demo's plans taken for an app). An empty one would name the list of apps."""
     if not app:
         raise UsageError("an app's name must not be empty")
+    if _APP_NAME.fullmatch(app) is None or len(app) > APP_NAME_MAX:
+        raise UsageError(
+            f"app name {app!r} is not a DNS label: 1 to {APP_NAME_MAX} lower-case letters,"
+            " digits and '-', starting and ending with a letter or digit"
+        )
     quoted = urllib.parse.quote(app, safe="")
     return "/".join([f"/v1/apps/{quoted}", *parts]) if parts else f"/v1/apps/{quoted}"
 

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from controlplane.cli.client import (
+    APP_NAME_MAX,
+    APP_NAME_PATTERN,
     DEFAULT_URL,
     TOKEN_ENV,
     URL_ENV,
@@ -97,6 +99,9 @@ LIBRARY_COPIES: dict[str, object] = {
     "estimator.batches.MAX_BATCH_SIZE": MAX_BATCH_SIZE,
     "estimator.capacity.MAX_PROBE_QUERIES": MAX_PROBE_QUERIES,
     "controlplane.api.schemas.MIN_RATE_QPS": MIN_PLANNING_RATE_QPS,
+    # The app name rule the client commands hold a name to (controlplane.cli.client.app_path).
+    "controlplane.spec._APP_NAME_PATTERN": APP_NAME_PATTERN,
+    "controlplane.spec._APP_NAME_MAX": APP_NAME_MAX,
 }
 
 # --- the command line's own defaults and choices (some implementations import them from here) --
@@ -216,6 +221,19 @@ def positive_number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def finite_number(text: str) -> float:
+    """argparse type of a number sent to the service as it is (its range is the service's to
+    judge): finite, so that a NaN or an infinity (``1e400``) is refused naming its option
+    rather than by the JSON encoder, which cannot say whose it was."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
 
 
@@ -1373,14 +1391,19 @@ def _plans(subparsers: Subparsers) -> None:
     preview.add_argument(
         "--rate-qps",
         required=True,
-        type=float,
+        type=finite_number,
         metavar="R",
         help=f"arrival rate to plan for (at least {MIN_PLANNING_RATE_QPS:g} qps)",
     )
     preview.add_argument(
-        "--cv2", type=float, metavar="X", help="gamma gaps with this CV^2 (default: Poisson)"
+        "--cv2",
+        type=finite_number,
+        metavar="X",
+        help="gamma gaps with this CV^2 (default: Poisson)",
     )
-    preview.add_argument("--duration", type=float, metavar="S", help="trace length in seconds")
+    preview.add_argument(
+        "--duration", type=finite_number, metavar="S", help="trace length in seconds"
+    )
     preview.add_argument(
         "--batch-dist", metavar="SPEC", help="batch sizes: fixed:N, kairos, lognormal:..., ..."
     )
@@ -1427,7 +1450,9 @@ def _budget(subparsers: Subparsers) -> None:
         "set", help="change the budget; lists the instances to drain if it is below the fleet"
     )
     _app_option(put)
-    put.add_argument("--usd-per-hr", required=True, type=float, metavar="X", help="new budget")
+    put.add_argument(
+        "--usd-per-hr", required=True, type=finite_number, metavar="X", help="new budget"
+    )
     put.add_argument("--reason", required=True, metavar="TEXT", help="why (kept in the audit)")
     put.add_argument(
         "--force",
@@ -1672,11 +1697,14 @@ def _rollout(subparsers: Subparsers) -> None:
         "--max-p99-ms", type=positive_number, metavar="MS", help="roll back above (default: SLO)"
     )
     start.add_argument(
-        "--max-error-share", type=float, metavar="X", help="roll back above (default 0.01)"
+        "--max-error-share",
+        type=finite_number,
+        metavar="X",
+        help="roll back above (default 0.01)",
     )
     start.add_argument(
         "--min-agreement-share",
-        type=float,
+        type=finite_number,
         metavar="X",
         help="in shadow, roll back below this agreement with the old version (default 0.95)",
     )
@@ -1688,7 +1716,7 @@ def _rollout(subparsers: Subparsers) -> None:
     )
     start.add_argument(
         "--min-accuracy",
-        type=float,
+        type=finite_number,
         metavar="X",
         help="roll back below this accuracy on labelled samples (queries naming validation"
         " samples; default: not judged)",

@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -30,7 +31,12 @@ from controlplane import __version__
 from controlplane.api.counters import RequestCounter, RequestCountingMiddleware
 from controlplane.api.deps import Services
 from controlplane.api.disconnect import CancelOnDisconnect
-from controlplane.api.errors import OipErrorShapeMiddleware, install_error_handlers
+from controlplane.api.errors import (
+    OipErrorShapeMiddleware,
+    error_document,
+    install_error_handlers,
+    is_oip_path,
+)
 from controlplane.api.fast_infer import FastInferMiddleware, TokenCheck
 from controlplane.api.fast_internal import FastInternalMiddleware
 from controlplane.api.forwarding import Forwarder, ForwardingMiddleware
@@ -233,11 +239,19 @@ class ServiceApp(FastAPI):
     per request, answered or refused. In front, the fast path answers without them; what it
     passes on takes FastAPI's whole way as before. An exception escaping a front layer (a bug:
     they answer every failure of a query themselves) is uvicorn's to answer, a 500 and a logged
-    traceback, as it is for an exception in FastAPI's own server error handler."""
+    traceback, as it is for an exception in FastAPI's own server error handler.
+
+    A request whose path holds an encoded slash (``%2F``) is answered 404 here, before any
+    layer: the server decodes the path before routing, so ``/v1/apps/demo%2Fplans`` was served
+    as ``/v1/apps/demo/plans`` (demo's plans taken for an app) and ``/v2/models/demo%2Fready``
+    as demo's readiness. No app or model name holds a ``/``, so such a path names nothing."""
 
     front: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _has_encoded_slash(scope):
+            await _encoded_slash_answer(scope)(scope, receive, send)
+            return
         front = self.front
         if front is None or scope["type"] != "http":
             await super().__call__(scope, receive, send)
@@ -248,6 +262,26 @@ class ServiceApp(FastAPI):
     async def behind(self, scope: Scope, receive: Receive, send: Send) -> None:
         """FastAPI's own way: its layers, the app's middleware, its routes."""
         await super().__call__(scope, receive, send)
+
+
+def _has_encoded_slash(scope: Scope) -> bool:
+    """Whether the request's path as sent (``raw_path``, before the server decoded it) holds
+    ``%2F`` or ``%2f``."""
+    raw: bytes = scope.get("raw_path") or b""
+    path = raw.partition(b"?")[0]  # a query string may hold one
+    return b"%2F" in path or b"%2f" in path
+
+
+def _encoded_slash_answer(scope: Scope) -> JSONResponse:
+    """The 404 of a path with an encoded slash, in the API's error shape (the Open Inference
+    Protocol's ``{"error": "..."}`` on ``/v2``)."""
+    raw = scope["raw_path"].partition(b"?")[0].decode("latin-1")
+    message = (
+        f"no route {scope['method']} {raw}: a path with an encoded '/' (%2F) names nothing"
+        " (no app or model name holds a '/')"
+    )
+    document = error_document(is_oip_path(scope["path"]), "not_found", message)
+    return JSONResponse(document, status_code=404)
 
 
 def _reads_own_body(scope: Scope) -> bool:

@@ -200,7 +200,7 @@ def test_a_put_sends_json_and_an_empty_answer_is_fine(
         ),
         (
             ["budget", "set", "--app", "demo", "--usd-per-hr", "nan", "--reason", "x"],
-            "heteroplane budget: cannot send a number that is not finite (nan or inf)",
+            "heteroplane budget set: argument --usd-per-hr: must be a finite number, got 'nan'",
         ),
         (
             ["budget", "set", "--app", "poor", "--usd-per-hr", "0.0001", "--reason", "t"],
