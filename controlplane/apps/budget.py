@@ -38,6 +38,7 @@ from controlplane.policies.drain import (
 from controlplane.policies.lifecycle import (
     KEPT_STATES,
     LIVE_STATES,
+    InstanceState,
     billed_cost_usd_per_hr,
     is_profile_worker,
     profiling_group,
@@ -231,10 +232,20 @@ def record_budget_drain(
     note = None
     if drain.drain:
         forced = " (forced)" if force else ""
+        # Rows draining already (a scale-down's) are in the fleet's cost but not in the drain:
+        # the reconciler's hard cap ends them at once too, so the note says so (its sum did not
+        # add up without them).
+        draining = [i for i in live if i.state == InstanceState.DRAINING.value]
+        leaving = ""
+        if draining:
+            leaving = (
+                f", and the {len(draining)} draining already"
+                f" ({billed_cost_usd_per_hr(draining):.3f} USD/hr) end at once"
+            )
         note = (
             f"the fleet costs {drain.fleet_cost_usd_per_hr:.3f} USD/hr, above the new budget"
             f" {plain(usd_per_hr)} USD/hr{forced}: {len(drain.drain)} instance(s) to"
-            f" drain ({drain.saved_usd_per_hr:.3f} USD/hr), least cost-effective first"
+            f" drain ({drain.saved_usd_per_hr:.3f} USD/hr), least cost-effective first{leaving}"
         )
         store.record_decision(
             app,

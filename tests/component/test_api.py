@@ -1012,6 +1012,23 @@ def test_a_budget_below_the_fleet_cost_lists_instances_to_drain(api: Api) -> Non
     assert decision["numbers"]["budget_usd_per_hr"] == 0.7
 
 
+def test_a_budget_cuts_note_counts_the_instances_draining_already(api: Api) -> None:
+    """Five running and one draining (a scale-down's): its note said "the fleet costs 0.894
+    USD/hr ... 1 instance(s) to drain (0.149 USD/hr)", which leaves it over the budget; the
+    reconciler's cap ends the draining one at once too, and the note says so now."""
+    api.register(budget_usd_per_hr=10.0)
+    for i, state in enumerate(["running"] * 5 + ["draining"]):
+        api.store.record_instance(
+            "toy", request_id=f"r{i}", instance_type="r5n.large", price_usd_per_hr=0.149,
+            state=state,
+        )  # fmt: skip
+    answer = api.call(
+        "PUT", "/v1/apps/toy/budget", json={"budget_usd_per_hr": 0.6, "reason": "cut"}
+    ).json()
+    assert len(answer["drain"]) == 1  # the kept five at 0.745 USD/hr: one goes
+    assert answer["note"].endswith("and the 1 draining already (0.149 USD/hr) end at once")
+
+
 def test_a_budget_cuts_drain_names_the_profile_runs_workers_the_guard_ends(api: Api) -> None:
     """The answer named a fleet instance while the reconciler ended every profile and rollout
     worker instead (a tester); both now end a profile run's workers first, then a rollout's,
