@@ -1322,17 +1322,18 @@ def _run_joint(
             joint = _joint_cut(setup, app, judge, joint, trace, steps)
     finally:
         counter[0] += judge.simulations
+    if joint is None:
+        return None
     budget = app.constraints.budget_usd_per_hr
-    if joint is not None and _joint_cost(setup, joint) > budget + 1e-9:
+    cost = _joint_cost(setup, joint)
+    if cost > budget + 1e-9:
         # The proposal's fallback (no choice within the budget sums to the SLO) takes each
         # stage's cheapest candidate whatever it costs; where no cut brought it within the
         # budget, nothing within the budget meets the SLO.
         steps.append(
-            f"{_joint_text(setup, joint)} costs ${_joint_cost(setup, joint):.3f}/hr, over the"
-            f" budget ${plain(budget)}/hr: no allocation within the budget meets the SLO"
+            f"{_joint_text(setup, joint)} costs ${cost:.3f}/hr, over the budget"
+            f" ${plain(budget)}/hr: no allocation within the budget meets the SLO"
         )
-        return None
-    if joint is None:
         return None
     plans = []
     slo_ms = app.constraints.stage_slo_ms
