@@ -596,6 +596,7 @@ def reconcile(
     spot_on_demand: Collection[str] = (),
     used_request_ids: Callable[[], Iterable[str]] | None = None,
     drain_causes: Mapping[str, str] | None = None,
+    missing_since: Mapping[str, datetime] | None = None,
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -633,8 +634,11 @@ def reconcile(
     spot launches the provider ran on demand lately (EC2 without a launch template, or with no
     spot capacity): launched on demand, priced and budgeted so (rule 10). ``drain_causes``: row
     id -> why a draining row drains where it is not an interruption (``scale_down``: rule 5
-    drained it; the cause of its ``terminate`` once drained). The rules are the module
-    docstring's; the actions come in the order they must be carried out.
+    drained it; the cause of its ``terminate`` once drained). ``missing_since``: row id -> when
+    the provider's list was first seen without the row's machine, in the run of ticks up to
+    this one (None: every row is taken to have been missing since its last update); rule 3
+    ends a row once it has been missing for ``missing_grace_s`` by both. The rules are the
+    module docstring's; the actions come in the order they must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
@@ -675,7 +679,14 @@ def reconcile(
     _match(rows, observed, prices_usd_per_hr, actions)
     for row in rows:
         _follow_provider(
-            row, now, straggler_timeout_s, missing_grace_s, unhealthy, unresponsive or {}, actions
+            row,
+            now,
+            straggler_timeout_s,
+            _missing_s(row, now, missing_since),
+            missing_grace_s,
+            unhealthy,
+            unresponsive or {},
+            actions,
         )
     _replace_stragglers(rows, now, straggler_timeout_s, actions)
     _reap_profile_workers(rows, now, profile_run_timeout_s, actions)
@@ -957,17 +968,38 @@ def _match(
         )
 
 
+def _plans_spot(app: AppRecord) -> bool:
+    """Whether ``app``'s spec has spot on (its ``spot`` block): it then says which of its
+    instances run on spot and which on demand, each launch tagged with its market."""
+    spot = app.spec.get("spot")
+    return isinstance(spot, Mapping) and bool(spot.get("enabled"))
+
+
+def _missing_s(row: _Row, now: datetime, missing_since: Mapping[str, datetime] | None) -> float:
+    """How long rule 3 takes ``row``'s machine to have been missing from the provider's list:
+    since the row's last update, and no longer than since the first tick that found it missing
+    (a machine the list left out for a moment, an eventually consistent list or a tag put back,
+    is not taken for lost on the first tick it is missing)."""
+    since_update = _since_update_s(row.record, now)
+    if missing_since is None:
+        return since_update
+    first = missing_since.get(row.id, now)
+    return min(since_update, (now - first).total_seconds())
+
+
 def _follow_provider(
     row: _Row,
     now: datetime,
     straggler_timeout_s: float,
+    missing_s: float,
     missing_grace_s: float,
     unhealthy: Collection[str],
     unresponsive: Mapping[str, str],
     actions: list[Action],
 ) -> None:
     """Rule 3: move the row as the provider's list says (a running row whose worker stopped
-    answering is terminated: ``unresponsive``)."""
+    answering is terminated: ``unresponsive``; one the list has left out for ``missing_s``
+    ends after ``missing_grace_s``)."""
     seen = row.observed
     if row.state in TERMINAL_STATES:
         if seen is not None and seen.state in ("pending", "running", "failed"):
@@ -988,7 +1020,7 @@ def _follow_provider(
             return
         if row.state is _S.TERMINATING:
             _mark(row, _S.TERMINATED, "the provider no longer lists it", actions)
-        elif _since_update_s(row.record, now) > missing_grace_s:
+        elif missing_s > missing_grace_s:
             _mark(row, _S.FAILED, "the provider no longer lists it (lost)", actions)
         return
     pid = seen.provider_id
@@ -2130,6 +2162,10 @@ class Reconciler:
         # those whose last probe went unanswered (rule 5 ends them first).
         self._unresponsive: dict[str, str] = {}
         self._silent: frozenset[str] = frozenset()
+        # Rule 3's grace: row id -> when a tick first found the provider's list without its
+        # machine, for as long as the ticks since have (this process's ticks: a new leader
+        # starts the count again, which only waits longer).
+        self._missing_since: dict[str, datetime] = {}
         self.straggler_timeout_s = straggler_timeout_s
         self.missing_grace_s = missing_grace_s
         self.launch_backoff_s = launch_backoff_s
@@ -2309,6 +2345,7 @@ class Reconciler:
                 self.store.list_request_ids, app.name, request_prefix(app)
             ),
             drain_causes=self._drain_causes(rows),
+            missing_since=self._note_missing(app.name, rows, observed, now),
         )
         errors = _Errors()
         hook = self.before_budget_drain
@@ -2429,6 +2466,31 @@ class Reconciler:
         provider's where it reads them (rule 10's prices), else the catalog's."""
         pricing = self._live_spot_prices(self.pricing(app), types)
         return {t: p for t, p in pricing.spot_prices_usd_per_hr.items() if t in types}
+
+    def _note_missing(
+        self,
+        app: str,
+        rows: Sequence[InstanceRecord],
+        observed: Sequence[ProvisionedInstance] | None,
+        now: datetime,
+    ) -> dict[str, datetime]:
+        """Rule 3's ``missing_since`` for ``app``'s rows: the first tick in the run up to now
+        whose provider list left out each launched live row's machine (listed, the run ends).
+        A list that could not be read (``observed`` None) changes nothing."""
+        live = {
+            r.id: r for r in rows if r.provider_id is not None and r.state not in TERMINAL_STATES
+        }
+        if observed is not None:
+            listed = {i.provider_id for i in observed if i.tags.get(MANAGED_TAG) == "true"}
+            for row_id, row in live.items():
+                if row.provider_id in listed:
+                    self._missing_since.pop(row_id, None)
+                else:
+                    self._missing_since.setdefault(row_id, now)
+            ended = {r.id for r in rows} - live.keys()  # their runs are over
+            for row_id in ended & self._missing_since.keys():
+                del self._missing_since[row_id]
+        return {k: v for k, v in self._missing_since.items() if k in live}
 
     def _drain_causes(self, rows: Sequence[InstanceRecord]) -> dict[str, str]:
         """Why each draining row drains, where rule 5 drained it (``scale_down``): read from
@@ -2789,6 +2851,7 @@ class Reconciler:
             )
         plan = "none" if app.applied_plan_id is None else str(app.applied_plan_id)
         ran_on_demand: set[str] = set()  # types whose spot launch this tick ran on demand
+        own_market = _plans_spot(app)
         for launch, row in rows:
             if row.market == "spot" and launch.instance_type in ran_on_demand:
                 # Priced at spot, it would run on demand too, over what the budget was told:
@@ -2805,6 +2868,10 @@ class Reconciler:
             tags = {APP_TAG: app.name, PLAN_TAG: plan, INSTANCE_TAG: row.id}
             if row.market == "spot":
                 tags[MARKET_TAG] = "spot"
+            elif own_market:
+                # The app's on-demand base (its spot block's survive_share): a deployment's
+                # spot-first setting (EC2's ``spot``) must not launch it on spot.
+                tags[MARKET_TAG] = "on-demand"
             request = LaunchRequest(launch.request_id, launch.instance_type, 1, tags, artifacts)
             try:
                 launched = self.provisioner.launch(request)

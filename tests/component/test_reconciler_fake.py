@@ -759,9 +759,10 @@ def test_dead_and_vanished_instances_are_replaced(world: World) -> None:
     world.fake.set_state(first, "failed")
     world.fake.crash([second])
     world.tick()
-    # The failed one is replaced at once; the vanished one once the grace has passed.
+    # The failed one is replaced at once; the vanished one once the grace has passed since
+    # the first tick that found it missing (the one above).
     assert by_state(world.store) == {"failed": 1, "running": 1, "pending": 1}
-    world.tick(GRACE_S)
+    world.tick(GRACE_S + 1)
     assert by_state(world.store) == {"failed": 2, "pending": 2}
     assert world.fake.launched_total == 4
 
@@ -795,7 +796,7 @@ def test_a_request_id_the_provider_has_spent_fails_and_launches_under_a_new_one(
         source.backup(restored)
     world.restart()
     world.tick()  # the live instance the backup does not know is an orphan: terminated
-    world.tick(GRACE_S)  # the one it knows is gone; its replacement's id was spent
+    world.tick(GRACE_S + 1)  # the one it knows is gone; its replacement's id was spent
     (failed,) = decisions(world.store, "launch_failed")
     assert failed.numbers["error"] == "RequestIdSpent" and failed.numbers["request_id"] in spent
     world.tick()
@@ -1002,3 +1003,28 @@ def test_under_the_local_provisioner_a_plan_of_ec2_types_is_one_decision(tmp_pat
         assert not list((tmp_path / "data" / "workers" / "instances").iterdir())
     finally:
         service.close()
+
+
+def test_a_machine_the_list_leaves_out_for_a_moment_is_not_lost(world: World) -> None:
+    """Rule 3's grace runs from the first tick whose list leaves the machine out, not from the
+    row's last update: a running instance whose tag was taken off for 3 s (a tester's sweep)
+    was ended as lost on the first such tick, replaced, and terminated once it was listed
+    again. It is ended only once the list has left it out for the grace."""
+    apply_fleet(world.store, {SMALL: 1})
+    world.tick()
+    world.fake.step()
+    world.tick()
+    world.tick(GRACE_S * 3)  # the row's last update is long past the grace
+    (listed,) = world.fake.list({})
+    app = world.store.get_app(APP)
+    world.clock.advance(5.0)
+    world.reconciler.reconcile_app(app, [])  # one list without it
+    assert by_state(world.store) == {"running": 1}
+    world.tick()  # listed again: the run of ticks without it is over
+    assert by_state(world.store) == {"running": 1}
+    assert world.fake.launched_total == 1
+    assert [i.provider_id for i in world.fake.list({})] == [listed.provider_id]
+    for _ in range(3):  # left out for longer than the grace: lost, and replaced
+        world.clock.advance(GRACE_S / 2 + 1)
+        world.reconciler.reconcile_app(world.store.get_app(APP), [])
+    assert by_state(world.store) == {"failed": 1, "pending": 1}

@@ -201,6 +201,30 @@ def apply_spot_plan(store: Store, fleet: dict[str, int], spot_fleet: dict[str, i
     store.apply_plan(APP, store.create_plan(APP, document).id)
 
 
+@pytest.mark.parametrize("spot_block", [True, False])
+def test_an_app_with_spot_on_tags_each_launch_with_its_market(
+    template_db: Path, tmp_path: Path, spot_block: bool
+) -> None:
+    """An app whose spec turns spot on says which of its instances run on demand (its
+    survive_share's base): those launches are tagged on demand, so that a deployment's
+    spot-first setting (EC2's ``spot``) does not put them on spot (a tester's sweep found all
+    five of such an app's instances on spot in the cloud, three recorded on demand). An app
+    without a spot block leaves its on-demand launches untagged, to the deployment's setting."""
+    world = World(template_db, tmp_path, budget=1.0)
+    world.price_spot({LARGE: 0.03})
+    try:
+        if spot_block:
+            document = {**spec(1.0), "spot": {"enabled": True, "survive_share": 0.5}}
+            world.store.update_app(APP, document, who="test")
+        apply_spot_plan(world.store, {LARGE: 3}, {LARGE: 1})
+        world.tick()
+        markets = sorted(str(i.tags.get(MARKET_TAG)) for i in world.fake.list({}))
+        expected = ["on-demand", "on-demand", "spot"] if spot_block else ["None", "None", "spot"]
+        assert markets == expected
+    finally:
+        world.store.close()
+
+
 def test_the_cap_holds_when_spot_prices_rise_mid_run(template_db: Path, tmp_path: Path) -> None:
     spot_prices = {LARGE: 0.03}
     budget = 0.15  # two spot LARGE at 0.03; not two at on demand (0.1 each)
