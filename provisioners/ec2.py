@@ -22,8 +22,10 @@ keeps the :class:`~provisioners.base.Provisioner` contract on EC2:
 - **Spot** (``spot=True``, types with a launch template): ``CreateFleet`` of type ``instant`` with
   every usable subnet as an override, tagging the instances and their volumes at creation as
   ``RunInstances`` does (moto 5.2 accepts the fleet's volume tags but drops them; AWS applies
-  them). What spot cannot supply is launched on demand where the request was budgeted on demand
-  (the deployment's ``spot``); a request the reconciler tagged spot (``heteroplane:market``),
+  them). A request the reconciler tagged on demand (``heteroplane:market=on-demand``: an app's
+  on-demand base) goes to ``RunInstances`` whatever ``spot`` says. What spot cannot
+  supply is launched on demand where the request was budgeted on demand (the deployment's
+  ``spot``); a request the reconciler tagged spot (``heteroplane:market``),
   budgeted at the spot price, is refused instead (:class:`~provisioners.errors.
   SpotUnavailableError`), as is one for a type without a template or with artifacts: the
   reconciler launches it on demand next, where the budget pays for that.
@@ -51,7 +53,12 @@ keeps the :class:`~provisioners.base.Provisioner` contract on EC2:
   backoff); what is still throttled after ``max_attempts`` is a
   :class:`~provisioners.errors.ThrottledError`.
 - **Listing** is by tags only (``DescribeInstances`` with tag filters, paginated), never
-  unfiltered; terminating first looks the ids up and refuses instances that are not ours.
+  unfiltered; terminating first looks the ids up and refuses instances that are not ours, or,
+  when that lookup is throttled or unanswered, terminates the ids without it (the role may
+  terminate managed instances only).
+- **Timeouts.** Every EC2 and SQS call waits at most ``connect_timeout_s`` to connect and
+  ``read_timeout_s`` for an answer, on each of at most two tries once one timed out: a hung
+  endpoint is a :class:`~provisioners.errors.ProvisionerError`, not a stalled reconciler.
 
 Every boto error goes through :func:`map_client_error`; none escapes this module. The endpoint is
 boto3's own business: ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_EC2``) points it at a moto
@@ -79,9 +86,11 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
+    ConnectTimeoutError,
     EndpointConnectionError,
     NoCredentialsError,
     NoRegionError,
+    ReadTimeoutError,
 )
 
 from provisioners.artifacts import ArtifactRef
@@ -204,6 +213,9 @@ _STATES: Mapping[str, ProviderState] = MappingProxyType(
     }
 )
 _DONE_STATES = frozenset({"shutting-down", "terminated"})
+# A call that timed out is tried at most this many times (max_attempts still bounds throttles):
+# an endpoint that hangs once is likely to hang again, and each try waits read_timeout_s.
+_TIMEOUT_ATTEMPTS = 2
 
 # EC2 limits: a ClientToken is at most 64 ASCII characters; a filter takes at most 200 values.
 _CLIENT_TOKEN_CHARS = 64
@@ -240,7 +252,8 @@ class Ec2Config:
     ``launch_templates`` maps an instance type to a template id (``lt-...``) or name; types
     without one are launched from ``ami_id``. ``tag_prefix`` replaces ``heteroplane`` in our tag
     keys on AWS (two deployments in one account). ``unavailable_ttl_s`` is how long a (type, zone)
-    out of capacity is skipped; ``max_attempts`` bounds botocore's adaptive retries.
+    out of capacity is skipped; ``max_attempts`` bounds botocore's adaptive retries;
+    ``connect_timeout_s`` and ``read_timeout_s`` bound each attempt's wait on the endpoint.
     ``endpoint_url`` is for callers that must pin one; leave it ``None`` and boto3 reads
     ``AWS_ENDPOINT_URL`` itself. ``model_bucket`` (under ``model_prefix``) is where the registry
     keeps the models users bring, for the workers to fetch (``None``: the control plane's data
@@ -261,6 +274,12 @@ class Ec2Config:
     # The SQS queue EventBridge feeds with interruption notices (provisioners/spot.py); None: none.
     interruption_queue_url: str | None = None
     spot_price_ttl_s: float = 300.0
+    # Every EC2 and SQS call's socket timeouts: a hung endpoint fails the call (a
+    # ProvisionerError) instead of stalling the reconciler's tick (botocore's default read
+    # timeout is 60 s). A call that timed out is tried twice at most, so a hung endpoint holds a
+    # call about 2 x (connect_timeout_s + read_timeout_s) plus botocore's backoff.
+    connect_timeout_s: float = 3.0
+    read_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.region:
@@ -279,6 +298,10 @@ class Ec2Config:
             raise InvalidConfigurationError("max_attempts", "must be at least 1")
         if self.spot_price_ttl_s < 0:
             raise InvalidConfigurationError("spot_price_ttl_s", "must be >= 0")
+        if not self.connect_timeout_s > 0:
+            raise InvalidConfigurationError("connect_timeout_s", "must be > 0")
+        if not self.read_timeout_s > 0:
+            raise InvalidConfigurationError("read_timeout_s", "must be > 0")
 
 
 def map_client_error(
@@ -314,6 +337,13 @@ def map_client_error(
         wrapped = ProvisionerError(
             f"{where}the endpoint answered something that is not EC2's API (a wrong region or"
             f" endpoint?): {first_line(error)}"
+        )
+        wrapped.retryable = True
+        return wrapped
+    if isinstance(error, ReadTimeoutError | ConnectTimeoutError):
+        # Ec2Config's connect_timeout_s / read_timeout_s, after botocore's retries.
+        wrapped = ProvisionerError(
+            f"{where}the endpoint did not answer in time, every attempt ({first_line(error)})"
         )
         wrapped.retryable = True
         return wrapped
@@ -365,36 +395,51 @@ class Ec2Provisioner:
         session = session if session is not None else boto3.Session()
         self._session = session
         self._s3: Any = None
+        client_config = Config(
+            retries={"mode": "adaptive", "total_max_attempts": config.max_attempts},
+            connect_timeout=config.connect_timeout_s,
+            read_timeout=config.read_timeout_s,
+            user_agent_extra="heteroplane",
+        )
         try:
             self._client: Any = session.client(
                 "ec2",
                 region_name=config.region,
                 endpoint_url=config.endpoint_url,
-                config=Config(
-                    retries={"mode": "adaptive", "total_max_attempts": config.max_attempts},
-                    user_agent_extra="heteroplane",
-                ),
+                config=client_config,
             )
         except Exception as error:
             raise map_client_error(error, operation="client") from None
         # Capacity errors come back as HTTP 500, which botocore retries as transient: stop that,
         # so that the next zone is tried at once.
         self._client.meta.events.register("needs-retry.ec2.RunInstances", _fail_fast_on_capacity)
+        self._client.meta.events.register("needs-retry.ec2", _bounded_timeout_retries)
         self._lock = threading.Lock()
         self._templates: dict[str, str] = dict(config.launch_templates)
         self._unavailable: dict[tuple[str, str, Market], float] = {}
         self._events: builtins.list[ProvisionerEvent] = []
         self._subnet_zones: dict[str, str] | None = None
-        self.spot_prices = SpotPriceReader(self._client, ttl_s=config.spot_price_ttl_s, clock=clock)
+        self.spot_prices = SpotPriceReader(
+            self._client,
+            ttl_s=config.spot_price_ttl_s,
+            clock=clock,
+            on_unpriced=self._unpriced,
+        )
         self._interruptions: InterruptionQueue | None = None
         if config.interruption_queue_url:
             try:
                 sqs = session.client(
-                    "sqs", region_name=config.region, endpoint_url=config.endpoint_url
+                    "sqs",
+                    region_name=config.region,
+                    endpoint_url=config.endpoint_url,
+                    config=client_config,
                 )
             except Exception as error:
                 raise map_client_error(error, operation="client") from None
-            self._interruptions = InterruptionQueue(sqs, config.interruption_queue_url)
+            sqs.meta.events.register("needs-retry.sqs", _bounded_timeout_retries)
+            self._interruptions = InterruptionQueue(
+                sqs, config.interruption_queue_url, now=self._now
+            )
 
     # --- the protocol ----------------------------------------------------------------------
 
@@ -422,10 +467,13 @@ class Ec2Provisioner:
         # request it tags spot at the spot price: what spot cannot supply of it is not run on
         # demand (it would cost more than the budget was told) but refused, and the reconciler
         # launches it on demand next where the budget pays for that. The deployment's ``spot``
-        # alone is a saving on requests budgeted on demand: what spot cannot supply of those
-        # runs on demand.
-        priced_at_spot = request.tags.get(MARKET_TAG) == "spot"
-        if self.config.spot or priced_at_spot:
+        # alone is a saving on untagged requests: what spot cannot supply of those runs on
+        # demand. A request tagged "on-demand" (an app's on-demand base, its spot block's
+        # survive_share) runs on demand whatever the deployment's ``spot`` says: on spot it
+        # would void the share that must survive an interruption wave.
+        market = request.tags.get(MARKET_TAG)
+        priced_at_spot = market == "spot"
+        if (self.config.spot and market != "on-demand") or priced_at_spot:
             why = None
             if template is None:
                 why = "spot needs a launch template"
@@ -469,27 +517,51 @@ class Ec2Provisioner:
         return launched
 
     def terminate(self, provider_ids: Sequence[str]) -> None:
+        """Terminate ``provider_ids`` (idempotent: unknown ids and instances on their way out
+        are left alone). They are looked up first and an instance that is not ours is refused
+        (:class:`~provisioners.errors.UnknownInstanceError`); when that lookup fails with an
+        error that may pass (throttled, no answer), they are terminated by id without it, so a
+        budget cut is carried out while ``DescribeInstances`` is throttled: the ids are the
+        caller's own launches, and the deployment's role may terminate only instances tagged
+        ``heteroplane:managed`` (terraform's TerminateManaged)."""
         ids = builtins.list(dict.fromkeys(provider_ids))
         if not ids:
             return
         found: dict[str, Mapping[str, Any]] = {}
-        for chunk in _chunks(ids, _IDS_PER_CALL):
-            filters = [{"Name": "instance-id", "Values": chunk}]
-            for raw in self._describe(filters, "DescribeInstances"):
-                found[raw["InstanceId"]] = raw
+        try:
+            for chunk in _chunks(ids, _IDS_PER_CALL):
+                filters = [{"Name": "instance-id", "Values": chunk}]
+                for raw in self._describe(filters, "DescribeInstances"):
+                    found[raw["InstanceId"]] = raw
+        except ProvisionerError as error:
+            if not error.retryable:
+                raise
+            self._event(
+                "info",
+                f"terminating {len(ids)} instance(s) by id, unchecked: the lookup failed ({error})",
+            )
+            self._terminate_ids(ids)
+            return
         managed_key = self._aws_key(MANAGED_TAG)
         for pid, raw in found.items():
             if managed_key not in _tag_dict(raw):
                 raise UnknownInstanceError(pid)
         # Unknown ids and instances already on their way out are left alone (idempotent).
         live = [pid for pid, raw in found.items() if raw["State"]["Name"] not in _DONE_STATES]
-        for chunk in _chunks(live, _IDS_PER_CALL):
+        self._terminate_ids(live)
+
+    def _terminate_ids(self, ids: Sequence[str]) -> None:
+        for chunk in _chunks(ids, _IDS_PER_CALL):
             try:
                 self._call("TerminateInstances", InstanceIds=chunk)
             except ProvisionerError as error:
-                if (error.code or "").startswith("InvalidInstanceID"):
-                    continue  # gone between the lookup and now
-                raise self._reported(error) from None
+                if not (error.code or "").startswith("InvalidInstanceID"):
+                    raise self._reported(error) from None
+                # An id EC2 does not know (gone, or never launched) fails the whole call: the
+                # others go one by one.
+                if len(chunk) > 1:
+                    for pid in chunk:
+                        self._terminate_ids([pid])
 
     def poll_events(self) -> builtins.list[ProvisionerEvent]:
         with self._lock:
@@ -871,6 +943,17 @@ class Ec2Provisioner:
 
     # --- capacity cache and events ---------------------------------------------------------
 
+    def _unpriced(self, instance_types: Sequence[str]) -> None:
+        """A ``capacity`` event for the types a spot price read found no price for (once per
+        read, so once per ``spot_price_ttl_s``: the empty answer is cached as any other)."""
+        for instance_type in instance_types:
+            self._event(
+                "capacity",
+                f"DescribeSpotPriceHistory has no spot price for {instance_type} in any zone (not"
+                f" sold on spot there?); asked again in {self.config.spot_price_ttl_s:g} s",
+                instance_type,
+            )
+
     def _is_unavailable(self, instance_type: str, zone: str, market: Market) -> bool:
         with self._lock:
             until_s = self._unavailable.get((instance_type, zone, market))
@@ -984,6 +1067,17 @@ def _fail_fast_on_capacity(response: Any = None, **_: Any) -> None:
     code = (parsed or {}).get("Error", {}).get("Code")
     if code in CAPACITY_ERROR_CODES:
         raise ClientError(parsed, "RunInstances")
+
+
+def _bounded_timeout_retries(
+    attempts: int = 0, caught_exception: Exception | None = None, **_: Any
+) -> None:
+    """botocore ``needs-retry`` hook: a call whose try timed out ``_TIMEOUT_ATTEMPTS`` times is
+    not tried again (botocore retries a timeout as transient, up to ``max_attempts``)."""
+    timed_out = isinstance(caught_exception, ReadTimeoutError | ConnectTimeoutError)
+    if timed_out and attempts >= _TIMEOUT_ATTEMPTS:
+        assert caught_exception is not None
+        raise caught_exception
 
 
 def _snake_case(operation: str) -> str:

@@ -28,6 +28,7 @@ __all__ = [
     "INTERRUPTION_NOTICE_S",
     "MARKETS",
     "MARKET_TAG",
+    "NOTICE_TIME_WINDOW_S",
     "InterruptionKind",
     "InterruptionNotice",
     "InterruptionSource",
@@ -38,8 +39,10 @@ __all__ = [
     "notice_from_event",
 ]
 
-# The tag of a launch request (and its instances) asking for spot capacity: "spot"; absent: on
-# demand, unless the EC2 provisioner's deployment-wide ``spot`` says otherwise.
+# The tag of a launch request (and its instances) saying which market the reconciler budgeted it
+# in: "spot" (spot capacity, at the spot price); "on-demand" (on demand, whatever the EC2
+# provisioner's deployment-wide ``spot`` says: an app's on-demand base); absent: on demand, unless
+# the deployment-wide ``spot`` says otherwise.
 MARKET_TAG = "heteroplane:market"
 # The purchase options an instance is launched with (and recorded under).
 Market = Literal["on-demand", "spot"]
@@ -49,6 +52,14 @@ INTERRUPTION_NOTICE_S = 120.0
 # A rebalance recommendation comes before any notice; the instance has at least the notice's two
 # minutes once one comes, so the reconciler plans with the same deadline.
 _REBALANCE_DEADLINE_S = INTERRUPTION_NOTICE_S
+# How far ahead of the reader's clock an event's time is believed (clock skew). EventBridge stamps
+# an event when it happens, so a later time is no real event's (a forged or corrupt message; year
+# 9999 overflowed the deadline), nor is one before the Unix epoch (the reconciler's arithmetic on
+# year 1's deadline underflows): such a notice is read as given when it is read, so a warning
+# gives the instance two minutes from then. An older time within these bounds is kept: its
+# deadline has passed, and the reconciler acts on it at once.
+NOTICE_TIME_WINDOW_S = 3600.0
+_EARLIEST_TIME = datetime(1970, 1, 1, tzinfo=UTC)
 # An instance that AWS is already stopping or terminating: no time left.
 _GONE_STATES = frozenset({"stopping", "stopped", "shutting-down", "terminated"})
 
@@ -115,9 +126,21 @@ def _parse_time(text: object) -> datetime:
     return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
-def notice_from_event(event: Mapping[str, Any]) -> InterruptionNotice | None:
+def notice_from_event(
+    event: Mapping[str, Any], now: datetime | None = None
+) -> InterruptionNotice | None:
     """The notice an EventBridge event says, or ``None`` for an event that is no notice (a
-    state change to ``pending`` or ``running``). Raises ``ValueError`` for a malformed one."""
+    state change to ``pending`` or ``running``). Raises ``ValueError`` for a malformed one (a
+    time whose deadline no date can hold included).
+
+    ``now`` (the reader's clock): an event whose time is more than :data:`NOTICE_TIME_WINDOW_S`
+    after it, or before 1970, is read as given at ``now``.
+
+    >>> far = {"detail-type": "EC2 Spot Instance Interruption Warning", "time":
+    ...     "9999-12-31T23:59:59Z", "detail": {"instance-id": "i-1"}}
+    >>> notice_from_event(far, datetime(2026, 11, 28, 10, tzinfo=UTC)).deadline.isoformat()
+    '2026-11-28T10:02:00+00:00'
+    """
     kind = EVENT_DETAIL_TYPES.get(str(event.get("detail-type")))
     if kind is None:
         raise ValueError(f"not an interruption event: detail-type {event.get('detail-type')!r}")
@@ -125,10 +148,18 @@ def notice_from_event(event: Mapping[str, Any]) -> InterruptionNotice | None:
     if not isinstance(detail, Mapping) or not isinstance(detail.get("instance-id"), str):
         raise ValueError("the event's detail names no instance-id")
     at = _parse_time(event.get("time"))
+    if now is not None and not _EARLIEST_TIME <= at <= now + timedelta(
+        seconds=NOTICE_TIME_WINDOW_S
+    ):
+        at = now
     provider_id = str(detail["instance-id"])
     if kind != "state_change":
         notice_s = INTERRUPTION_NOTICE_S if kind == "interruption" else _REBALANCE_DEADLINE_S
-        return InterruptionNotice(provider_id, kind, at, at + timedelta(seconds=notice_s))
+        try:
+            deadline = at + timedelta(seconds=notice_s)
+        except OverflowError:
+            raise ValueError(f"time {at.isoformat()} leaves no room for its deadline") from None
+        return InterruptionNotice(provider_id, kind, at, deadline)
     state = str(detail.get("state", ""))
     if state not in _GONE_STATES:
         return None

@@ -11,8 +11,11 @@ Two readers, each over a boto3 client it is given (so a test points them at a mo
   Interruption Warnings (two minutes before the instance goes), EC2 Instance Rebalance
   Recommendations (the instance is at higher risk) and EC2 Instance State-change Notifications.
   Each message becomes one :class:`InterruptionNotice` and is deleted from the queue once read;
-  a message that is none of these (or not JSON) is deleted too, and counted in
-  :attr:`InterruptionQueue.skipped`, never raised: one bad message must not block the queue.
+  a message that is none of these (or not JSON, or one that cannot be read at all: nested too
+  deep to decode, a date out of range) is deleted too, counted in
+  :attr:`InterruptionQueue.skipped` and logged once, never raised: one bad message must not
+  block the queue, nor the other messages of its batch. An event's time far from the reader's
+  clock is read as now (:data:`~provisioners.interruptions.NOTICE_TIME_WINDOW_S`).
 
 The notices themselves are :mod:`provisioners.interruptions`' (no cloud client needed there); a
 provisioner that can tell of interruptions implements its ``InterruptionSource``, and the
@@ -22,6 +25,7 @@ reconciler asks every tick (docs/spot.md, "Acting on a notice").
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -36,19 +40,31 @@ from provisioners.interruptions import InterruptionNotice, notice_from_event
 
 __all__ = ["InterruptionQueue", "SpotPriceReader"]
 
+logger = logging.getLogger(__name__)
+
 
 class InterruptionQueue:
     """Reads the interruption queue (see the module docstring). ``sqs`` is a boto3 SQS client;
     ``wait_s`` is the long poll of one receive (0: answer at once; the reconciler's tick must not
-    wait on it); at most ``max_batches`` receives of ten messages per :meth:`poll`."""
+    wait on it); at most ``max_batches`` receives of ten messages per :meth:`poll`; ``now`` the
+    clock the notices' times are checked against (injected for tests)."""
 
-    def __init__(self, sqs: Any, queue_url: str, *, wait_s: int = 0, max_batches: int = 10) -> None:
+    def __init__(
+        self,
+        sqs: Any,
+        queue_url: str,
+        *,
+        wait_s: int = 0,
+        max_batches: int = 10,
+        now: Callable[[], datetime] | None = None,
+    ) -> None:
         if not queue_url:
             raise ValueError("queue_url must not be empty")
         self.sqs = sqs
         self.queue_url = queue_url
         self.wait_s = wait_s
         self.max_batches = max_batches
+        self.now = now if now is not None else (lambda: datetime.now(UTC))
         self.skipped = 0
         self._lock = threading.Lock()
 
@@ -70,15 +86,27 @@ class InterruptionQueue:
         return sorted(notices, key=lambda notice: notice.at)
 
     def _read(self, message: Mapping[str, Any]) -> InterruptionNotice | None:
+        body = message.get("Body", "")
         try:
-            event = json.loads(str(message.get("Body", "")))
+            event = json.loads(str(body))
             if not isinstance(event, Mapping):
                 raise ValueError("the body is not a JSON object")
-            notice = notice_from_event(event)
-        except ValueError:
-            self.skipped += 1
+            return notice_from_event(event, self.now())
+        except Exception as error:
+            # Not JSON, no EC2 notice, no instance-id or time (ValueError), and whatever else one
+            # message raises (RecursionError for a body nested too deep to decode, an
+            # OverflowError) is that message's fault: skip it, read the rest of its batch.
+            self._skip(message, error)
             return None
-        return notice
+
+    def _skip(self, message: Mapping[str, Any], error: Exception) -> None:
+        self.skipped += 1
+        logger.warning(
+            "interruption queue: message %s is malformed; deleted unread (%s: %s)",
+            message.get("MessageId", "?"),
+            type(error).__name__,
+            first_line(error, 160),
+        )
 
     def _receive(self) -> list[Mapping[str, Any]]:
         try:
@@ -116,7 +144,9 @@ class SpotPriceReader:
 
     ``ec2`` is a boto3 EC2 client; ``ttl_s`` how long a zone's prices are kept; ``clock`` a
     monotonic clock in seconds (injected for tests). A type is fetched for every zone at once
-    (one call, paginated); its prices then serve every zone for ``ttl_s``.
+    (one call, paginated); its prices then serve every zone for ``ttl_s``. An answer with no
+    price for a type is kept for ``ttl_s`` as well (:meth:`price` answers ``None``), and
+    ``on_unpriced`` is told those types once per read.
     """
 
     def __init__(
@@ -126,6 +156,7 @@ class SpotPriceReader:
         ttl_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
         product: str = "Linux/UNIX",
+        on_unpriced: Callable[[Sequence[str]], None] | None = None,
     ) -> None:
         if ttl_s < 0:
             raise ValueError(f"ttl_s must be >= 0, got {ttl_s!r}")
@@ -133,6 +164,7 @@ class SpotPriceReader:
         self.ttl_s = ttl_s
         self.clock = clock
         self.product = product
+        self.on_unpriced = on_unpriced
         self.calls = 0  # DescribeSpotPriceHistory calls made (pages counted once per call)
         self._zones: dict[str, dict[str, float]] = {}  # zone -> instance type -> USD/hr
         self._fetched_s: dict[str, float] = {}  # instance type -> when it was last fetched
@@ -187,6 +219,9 @@ class SpotPriceReader:
                 break
         for instance_type in instance_types:
             self._fetched_s[instance_type] = now
+        unpriced = sorted(set(instance_types) - {t for t, _ in latest})
+        if unpriced and self.on_unpriced is not None:
+            self.on_unpriced(unpriced)
         # The answer replaces what was known of these types in every zone: a zone that no
         # longer sells one on spot drops it.
         fetched = set(instance_types)
