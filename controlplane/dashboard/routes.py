@@ -1,14 +1,17 @@
 """The dashboard's routes: the page, signing in and out with a token, the data and the assets.
 
-- ``GET /dashboard``: the page; without a valid sign-in, the sign-in form instead.
+- ``GET /dashboard``: the page; without a valid sign-in, the sign-in form instead (401 with the
+  reason when the session has ended, or when the page asks with ``ended=1`` after the data route
+  refused it: the browser may have dropped an expired cookie already).
 - ``POST /dashboard/login``: the form's token (``application/x-www-form-urlencoded``, field
   ``token``) is checked with the store like a bearer token and must have the viewer scope (an
   operator's or admin's token does; an ``infer`` token does not). On success a server-side
   session is opened and its random id (never the token) kept in a cookie (``HttpOnly``: the
   page's scripts cannot read it; ``SameSite=Strict``: no other site's page can send it;
   ``Secure`` over HTTPS or whenever TLS is on; path ``/dashboard``; 8 hours by default: see
-  :mod:`controlplane.dashboard.session`) and the browser is sent to the page; otherwise the form
-  again with what was wrong, 401 for an unknown or revoked token, 403 for a token without the
+  :mod:`controlplane.dashboard.session`) and the browser is sent to the page (on the ``app``,
+  ``window_s`` and ``kind`` of the form's own address); otherwise the form again with what was
+  wrong, 401 for an unknown or revoked token, 403 for a token without the
   scope. A sign-in posted from another origin is refused (403).
 - ``POST /dashboard/logout``: deletes the session and forgets the cookie (403 when posted from
   another origin).
@@ -29,6 +32,8 @@ style (no inline script), and are never cached.
 from __future__ import annotations
 
 import html
+import math
+import re
 import string
 import urllib.parse
 from dataclasses import dataclass, field
@@ -136,14 +141,60 @@ def _page(body: str, status: int = 200) -> Response:
     return Response(body, status, headers=_PAGE_HEADERS, media_type="text/html; charset=utf-8")
 
 
-def _login_page(message: str | None = None, status: int = 200) -> Response:
+_ENDED = "Your sign-in has ended (signed out, expired, or its token revoked): sign in again."
+_APP_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$"  # the spec's app names
+_APP_NAME = re.compile(_APP_NAME_PATTERN)
+_DECISION_KIND = re.compile(r"^[a-z0-9_]{1,32}$")
+
+
+def _return_query(request: Request) -> str:
+    """The page's ``app``, ``window_s`` and ``kind`` from the request's query, for the page to
+    open on after signing in (anything else, or a value the page could not use, is dropped)."""
+    query = request.query_params
+    kept: dict[str, str] = {}
+    app = query.get("app", "")
+    if len(app) <= 63 and _APP_NAME.match(app):
+        kept["app"] = app
+    try:
+        window_s = float(query.get("window_s", ""))
+    except ValueError:
+        window_s = math.nan
+    if MIN_WINDOW_S <= window_s <= MAX_WINDOW_S:
+        kept["window_s"] = f"{window_s:g}"
+    kind = query.get("kind", "")
+    if _DECISION_KIND.match(kind):
+        kept["kind"] = kind
+    return urllib.parse.urlencode(kept)
+
+
+def _lifetime_text(seconds: float) -> str:
+    """A session's lifetime in words, in its largest whole unit.
+
+    >>> _lifetime_text(8 * 3600), _lifetime_text(25), _lifetime_text(86400), _lifetime_text(90)
+    ('8 hours', '25 seconds', '1 day', '90 seconds')
+    """
+    whole = round(seconds)
+    for unit_s, word in ((86_400, "day"), (3600, "hour"), (60, "minute"), (1, "second")):
+        if whole >= unit_s and whole % unit_s == 0:
+            count = whole // unit_s
+            return f"{count} {word}{'' if count == 1 else 's'}"
+    return f"{seconds:g} seconds"
+
+
+def _login_page(request: Request, message: str | None = None, status: int = 200) -> Response:
+    """The sign-in form: ``message`` what went wrong; the session's lifetime as configured; the
+    form posts the page's app and window along, to open the page on them."""
     template = string.Template(_asset("login.html"))
     shown = (
         f'<p class="message" id="login-message" role="alert">{html.escape(message)}</p>'
         if message
         else ""
     )
-    return _page(template.substitute(message=shown), status)
+    back = _return_query(request)
+    action = f"{COOKIE_PATH}/login" + (f"?{back}" if back else "")
+    lifetime = _lifetime_text(_state(request).sessions.session_lifetime_s)
+    body = template.substitute(message=shown, action=html.escape(action), lifetime=lifetime)
+    return _page(body, status)
 
 
 def _forget(response: Response, request: Request) -> Response:
@@ -176,10 +227,14 @@ async def page(request: Request, services: ServicesDep) -> Response:
     """The dashboard, or the sign-in form when the browser is not signed in."""
     session_id = request.cookies.get(COOKIE_NAME)
     if session_id is None:
-        return _login_page()
+        # ``ended``: the page found its sign-in gone (the data route's 401), and the browser may
+        # have dropped the cookie at its Max-Age already: say why the form is back.
+        if request.query_params.get("ended"):
+            return _login_page(request, _ENDED, 401)
+        return _login_page(request)
     principal = await run_in_threadpool(_signed_in, services, session_id)
     if principal is None or not scope_allows(principal.scope, Scope.VIEWER):
-        return _forget(_login_page("Your sign-in has ended: sign in again.", 401), request)
+        return _forget(_login_page(request, _ENDED, 401), request)
     return _page(_asset("dashboard.html"))
 
 
@@ -197,23 +252,26 @@ def _same_origin(request: Request) -> bool:
 async def login(request: Request, services: ServicesDep) -> Response:
     """Check the form's token; keep it in a cookie and go to the page, or show the form again."""
     if not _same_origin(request):
-        return _login_page("Refused: the sign-in was posted from another site.", 403)
+        return _login_page(request, "Refused: the sign-in was posted from another site.", 403)
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "application/x-www-form-urlencoded":
-        return _login_page("Sign in with the form: paste a token and press Sign in.", 400)
+        return _login_page(request, "Sign in with the form: paste a token and press Sign in.", 400)
     body = await request.body()
     try:
         fields = urllib.parse.parse_qs(body.decode("utf-8", "replace"), max_num_fields=8)
     except ValueError:  # more fields than the form has
-        return _login_page("Sign in with the form: paste a token and press Sign in.", 400)
+        return _login_page(request, "Sign in with the form: paste a token and press Sign in.", 400)
     token = (fields.get("token") or [""])[0].strip()
     if not token:
-        return _login_page("Paste an API token (heteroplane token create --scope viewer).", 401)
+        return _login_page(
+            request, "Paste an API token (heteroplane token create --scope viewer).", 401
+        )
     principal = await run_in_threadpool(_verify, services, token)
     if principal is None:
-        return _login_page("That token is not valid: it is unknown or revoked.", 401)
+        return _login_page(request, "That token is not valid: it is unknown or revoked.", 401)
     if not scope_allows(principal.scope, Scope.VIEWER):
         return _login_page(
+            request,
             f"Token {principal.name!r} has scope {principal.scope}; the dashboard needs"
             " viewer (or operator, or admin).",
             403,
@@ -221,8 +279,10 @@ async def login(request: Request, services: ServicesDep) -> Response:
     settings = _state(request).sessions
     session_id = await run_in_threadpool(_sign_in, services, token, settings.session_lifetime_s)
     if session_id is None:
-        return _login_page("That token is not valid: it is unknown or revoked.", 401)
-    return set_cookie(RedirectResponse(COOKIE_PATH, status_code=303), request, session_id, settings)
+        return _login_page(request, "That token is not valid: it is unknown or revoked.", 401)
+    back = _return_query(request)
+    target = COOKIE_PATH + (f"?{back}" if back else "")
+    return set_cookie(RedirectResponse(target, status_code=303), request, session_id, settings)
 
 
 @router.post("/logout")
@@ -230,7 +290,7 @@ def logout(request: Request, services: ServicesDep) -> Response:
     """End the sign-in: its session is deleted, the cookie forgotten (a sign-out posted from
     another site is refused, like a sign-in)."""
     if not _same_origin(request):
-        return _login_page("Refused: the sign-out was posted from another site.", 403)
+        return _login_page(request, "Refused: the sign-out was posted from another site.", 403)
     session_id = request.cookies.get(COOKIE_NAME)
     if session_id and len(session_id) <= _MAX_SESSION_ID_CHARS:
         services.store.close_dashboard_session(session_id)
@@ -371,7 +431,7 @@ def data(
     who: Annotated[Principal, Depends(viewer)],
     app: Annotated[
         str | None,
-        Query(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$", max_length=63),
+        Query(pattern=_APP_NAME_PATTERN, max_length=63),
     ] = None,
     window_s: Annotated[
         float, Query(ge=MIN_WINDOW_S, le=MAX_WINDOW_S, allow_inf_nan=False)

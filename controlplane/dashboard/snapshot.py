@@ -733,6 +733,10 @@ def collapse_runs(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     4 gear_switch 2 2 30 40
     2 scale_up 1 1 20 None
     1 gear_switch 1 1 10 None
+    >>> made_again = {**d(7, "budget_capped", 70), "last_t": 95, "last_at": "95"}
+    >>> [(e["run"], e["t"], e["last_t"]) for e in collapse_runs([
+    ...     {**d(8, "budget_capped", 80), "last_t": 90, "last_at": "90"}, made_again])]
+    [(2, 70, 95)]
     >>> r = lambda i, rollout: {**d(i, "rollout", i), "numbers": {"rollout_id": rollout}}
     >>> [(e["id"], e["run"]) for e in collapse_runs([r(3, 2), r(2, 1), r(1, 1)])]
     [(3, 1), (2, 2)]
@@ -747,8 +751,9 @@ def collapse_runs(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
         ):
             entries.append({**decision, "run": 1})
             continue
-        newest_t = last["last_t"] if last["last_t"] is not None else last["t"]
-        newest_at = last["last_at"] if last["last_at"] is not None else last["at"]
+        # The newest time over the whole run, not its newest member's: a decision made again is
+        # merged into its own (older) row, so an older member may have been made last.
+        newest_t, newest_at = max(_made_last(last), _made_last(decision))
         last.update(
             run=last["run"] + 1,
             count=last["count"] + decision["count"],
@@ -758,6 +763,14 @@ def collapse_runs(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
             last_at=newest_at,
         )
     return entries
+
+
+def _made_last(decision: Mapping[str, Any]) -> tuple[float, str]:
+    """When a decision (or a run of them) was last made: its ``last_t``/``last_at``, else its
+    ``t``/``at``."""
+    if decision["last_t"] is not None:
+        return decision["last_t"], decision["last_at"]
+    return decision["t"], decision["at"]
 
 
 def _decision(record: DecisionRecord) -> dict[str, Any]:

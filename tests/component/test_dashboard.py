@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from controlplane.clock import FakeClock
-from controlplane.dashboard import COOKIE_NAME, ranking, snapshot
+from controlplane.dashboard import COOKIE_NAME, ranking, routes, snapshot
 from controlplane.db.store import Store
 from controlplane.policies.replay import rate_per_instance_qps
 from controlplane.service.app import create_app
@@ -73,7 +73,7 @@ def dash(tmp_path: Path) -> Iterator[Dash]:
 
 
 def test_the_modules_doctests_pass() -> None:
-    for module in (snapshot, ranking):
+    for module in (snapshot, ranking, routes):
         assert doctest.testmod(module).failed == 0
 
 
@@ -292,6 +292,25 @@ def test_a_repeated_decision_is_one_entry_with_its_count_and_last_time(dash: Das
     assert failed["count"] == 720 and failed["at"] == first.isoformat()
     assert failed["last_t"] - failed["t"] == pytest.approx(0.5 * 719)
     assert (applied["count"], applied["last_at"], applied["last_t"]) == (1, None, None)
+
+
+def test_a_run_of_repeated_decisions_shows_the_newest_time_of_any_of_them(dash: Dash) -> None:
+    # Two stages capped in turn: each repeat is merged into its stage's (older) row, so the
+    # run's newest time is an older row's, not the newest row's.
+    _apply_plan(dash)
+    for _ in range(5):
+        for stage in ("a", "b"):
+            dash.store.record_decision(
+                "toy", "budget_capped", f"stage {stage}", {}, key=f"{stage}:cap"
+            )
+            dash.clock.advance(1.0)
+    made_last = dash.clock.utcnow()
+    dash.store.record_decision("toy", "budget_capped", "stage a", {}, key="a:cap", at=made_last)
+    dash.sign_in()
+    capped, _applied = dash.data()["snapshot"]["decisions"]
+    assert (capped["kind"], capped["run"], capped["count"]) == ("budget_capped", 2, 11)
+    assert capped["last_at"] == made_last.isoformat()
+    assert capped["last_t"] == made_last.timestamp()
 
 
 def test_the_snapshot_of_an_app_at_work(dash: Dash) -> None:

@@ -117,6 +117,36 @@ def test_an_expired_session_is_refused(site: Site) -> None:
         assert site.store.count_dashboard_sessions() == 0
 
 
+def test_the_form_says_the_sign_in_ended_once_the_browser_dropped_the_cookie(site: Site) -> None:
+    # The page's poll found the sign-in gone (and the browser dropped the expired cookie): the
+    # form says why, and signing in opens the page on the app, window and kind it showed.
+    with site.client(SessionSettings(session_lifetime_s=25)) as client:
+        form = client.get("/dashboard", params={"ended": "1", "app": "toy", "window_s": "300"})
+        assert form.status_code == 401 and "sign-in has ended" in form.text
+        assert 'action="/dashboard/login?app=toy&amp;window_s=300"' in form.text
+        # The hint gives the configured lifetime, and says the token is never kept.
+        assert "for 25 seconds or until you sign out" in form.text and "8 hours" not in form.text
+        plain = client.get("/dashboard")
+        assert plain.status_code == 200 and "sign-in has ended" not in plain.text
+        answer = client.post(
+            "/dashboard/login?app=toy&window_s=300&kind=scale_up",
+            data={"token": site.token},
+            follow_redirects=False,
+        )
+        assert answer.status_code == 303
+        assert answer.headers["location"] == "/dashboard?app=toy&window_s=300&kind=scale_up"
+        # What the page could not use is dropped, never passed on.
+        client.cookies.clear()
+        answer = client.post(
+            "/dashboard/login?app=Demo&window_s=30&next=https://example.com",
+            data={"token": site.token},
+            follow_redirects=False,
+        )
+        assert answer.status_code == 303 and answer.headers["location"] == "/dashboard"
+    with site.client() as client:
+        assert "for 1 hour or until you sign out" in client.get("/dashboard").text
+
+
 def test_ended_sessions_are_pruned_at_the_next_sign_in(site: Site) -> None:
     with site.client() as client:
         sign_in(client, site.token)

@@ -13,9 +13,13 @@ same database (nothing in the service measures traffic in this setup). The brows
 3. sees a scaling action appear in the decision log within 5 s of happening: the budget is cut
    below the fleet's cost through the API, which records a ``budget_drain`` decision (and the
    reconciler drains an instance);
+   It stays on the app it shows when an app that sorts first (and has a long name) is
+   registered;
 4. reads well at 1200, 1280 and 1920 px (three columns), at 1101 and 1180 px (two) and at 400 px
-   wide (one column, no sideways scroll);
-5. signs out, after which the data route answers 401.
+   wide (one column, no sideways scroll, that long name in the app select);
+5. drops an address's bad app and window and draws the default app; when the app on screen is
+   deleted, clears the page and says so, without moving to another app;
+6. signs out, after which the data route answers 401, and another tab's form says why.
 
 Skipped when ``/usr/bin/chromium`` (``apt-get install chromium``; ``.ci/run`` does) or the
 ``playwright`` package is missing. Playwright's own browser downloads are never used.
@@ -82,6 +86,14 @@ TOY = {
     "budget_usd_per_hr": 4.0,
     "instance_types": ["g4dn.xlarge", "r5n.large", "t3.xlarge"],
 }
+# An app registered while the page is open: it sorts before "toy" (the data route's default is
+# the first app by name) and its name is long (63 characters at most).
+LONG_APP = "a-tenant-01-recommendation-ranking-service-production-eu-west"
+
+
+def dollars(value: float) -> str:
+    """The page's whole dollars ("$96") and dollars with cents ("$6.31")."""
+    return f"${value:.0f}" if abs(value - round(value)) < 0.005 else f"${value:.2f}"
 
 
 def write_profiles(folder: Path) -> None:
@@ -346,6 +358,11 @@ def test_the_dashboard_in_a_browser(service: Service, tmp_path: Path) -> None:
             expect(page.locator("#plan-body")).to_contain_text("feasible")
             expect(page.locator("#plan-ranking table").first).to_be_visible()
             expect(page.locator("#tile-latency .v")).not_to_have_text("–")
+            # The page pins the app it drew (the address says so) ...
+            expect(page).to_have_url(re.compile(r"/dashboard\?app=toy$"))
+            expect(page.locator("#tile-forecast .s")).to_have_text(
+                f"of {dollars(TOY['budget_usd_per_hr'] * 24)} at budget"
+            )
 
             # 3. A scaling action: the budget cut below the fleet's cost drains an instance.
             with service.api("admin") as api:
@@ -370,6 +387,19 @@ def test_the_dashboard_in_a_browser(service: Service, tmp_path: Path) -> None:
                 "(items) => items.map((item) => item.dataset.decisionId)"
             )]  # fmt: skip
             assert shown == sorted(shown, reverse=True) and len(shown) >= 2
+            # The day's budget with its cents.
+            expect(page.locator("#tile-forecast .s")).to_have_text(
+                f"of {dollars(fleet['cost_usd_per_hr'] / 2 * 24)} at budget"
+            )
+
+            # ... and stays on it when an app that sorts first is registered.
+            with service.api("admin") as api:
+                created = api.post("/v1/apps", json=TOY | {"name": LONG_APP})
+                assert created.status_code == 201, created.text
+            expect(page.locator("#app-select option")).to_have_count(2)
+            expect(page.locator("#app-select")).to_have_value("toy")
+            expect(page.locator("#plan-body")).to_contain_text("feasible")
+            expect(page).to_have_url(re.compile(r"/dashboard\?app=toy$"))
 
             # 4. Readable in two columns at 1101 and 1180 px, in three from 1200 px (a cascade
             # worker's models cell in the instance table too) and on a narrow screen (one column).
@@ -384,12 +414,71 @@ def test_the_dashboard_in_a_browser(service: Service, tmp_path: Path) -> None:
             )
             assert page.evaluate("document.documentElement.scrollWidth") <= 400
             assert not errors, errors
-
-            # 5. Signed out: the form again, and the data route refuses the browser.
             page.set_viewport_size({"width": 1280, "height": 800})
+            # A flat accuracy of 1.0 under the fixed top of 100%: the bottom drops instead.
+            labels = page.evaluate(
+                """() => {
+                  const box = document.createElement("div");
+                  document.body.appendChild(box);
+                  window.HPCharts.time(box, { t0: 0, t1: 60, yMax: 1, yFormat: (v) => v,
+                    series: [{ label: "accuracy", t: [0, 30, 60], v: [1, 1, 1] }] });
+                  const shown = Array.from(
+                    box.querySelectorAll(".grid text"), (n) => +n.textContent);
+                  box.remove();
+                  return shown;
+                }"""
+            )
+            assert labels and max(labels) == 1 and min(labels) < 1, labels
+
+            # 5. A bad app and window in the address: dropped (the window clamped to the
+            # choices), said once, and the first app drawn.
+            page.goto(f"{service.url}/dashboard?app=Toy&window_s=30")
+            expect(page.locator("#banner")).to_contain_text("'Toy'")
+            expect(page.locator("#banner")).to_contain_text("5 min")
+            expect(page.locator('[data-panel="plan"] .empty')).to_contain_text(LONG_APP)
+            expect(page.locator("#window-select")).to_have_value("300")
+            expect(page).to_have_url(f"{service.url}/dashboard?app={LONG_APP}&window_s=300")
+            page.select_option("#app-select", "toy")
+            expect(page.locator("#plan-body")).to_contain_text("feasible")
+            expect(page.locator("#banner")).to_be_hidden()
+            expect(page).to_have_url(re.compile(r"/dashboard\?app=toy&window_s=300$"))
+            # The app on screen deleted: the page says so and keeps nothing of it, and does not
+            # move to the other app until the operator picks it.
+            with service.api("admin") as api:
+                deleted = api.delete("/v1/apps/toy", params={"force": "true"})
+                assert deleted.status_code == 204, deleted.text
+            expect(page.locator("#banner")).to_contain_text("'toy' is gone")
+            expect(page.locator("#app-select")).to_have_value("")
+            for panel in PANELS:
+                expect(page.locator(f'[data-panel="{panel}"]')).to_have_attribute(
+                    "data-state", "empty"
+                )
+            assert page.locator(".tile .v").all_text_contents() == ["–"] * 8
+            for cleared in ("#instance-table tbody tr", "#decision-log li", "#plan-body *",
+                            ".chart svg"):  # fmt: skip
+                expect(page.locator(cleared)).to_have_count(0)
+            expect(page).to_have_url(re.compile(r"/dashboard\?app=toy&window_s=300$"))
+            # Registered again under its name: the page shows it again (the new app, no plan).
+            with service.api("admin") as api:
+                created = api.post("/v1/apps", json=TOY)
+                assert created.status_code == 201, created.text
+            expect(page.locator('[data-panel="plan"] .empty')).to_contain_text("/v1/apps/toy/")
+            expect(page.locator("#app-select")).to_have_value("toy")
+            expect(page.locator("#banner")).to_be_hidden()
+            assert not errors, errors
+
+            # 6. Signed out: the form again, and the data route refuses the browser; another
+            # tab's next poll finds the sign-in ended and its form says so, keeping its app.
+            other = context.new_page()
+            other.goto(f"{service.url}/dashboard?app={LONG_APP}")
+            expect(other.locator('[data-panel="plan"]')).to_have_attribute("data-state", "empty")
             page.click("#logout-button")
             expect(page.locator("#token")).to_be_visible()
             status = page.evaluate("fetch('/dashboard/data').then((r) => r.status)")
             assert status == 401
+            expect(other.locator("#login-message")).to_contain_text("sign-in has ended")
+            expect(other.locator("#login-form")).to_have_attribute(
+                "action", f"/dashboard/login?app={LONG_APP}"
+            )
         finally:
             context.close()

@@ -60,7 +60,12 @@
     if (!Number.isFinite(lo)) lo = 0;
     if (!Number.isFinite(hi)) hi = lo + 1;
     if (spec.yMax === undefined) hi = hi + (hi - lo) * 0.08;
-    if (hi <= lo) hi = lo + 1;
+    if (hi <= lo) {
+      // A flat series: open a span, on the side that is not fixed (an accuracy of 1.0 under a
+      // fixed top of 100% lowers the bottom, never lifts the top).
+      if (spec.yMax !== undefined && spec.yMin === undefined) lo = hi - (Math.abs(hi) * 0.1 || 1);
+      else hi = lo + 1;
+    }
     const step = niceStep(hi - lo, spec.yTicks || 4);
     if (spec.yMax === undefined) hi = Math.ceil(hi / step - 1e-9) * step;
     if (spec.yMin === undefined) lo = Math.floor(lo / step + 1e-9) * step;

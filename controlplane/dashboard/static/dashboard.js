@@ -10,27 +10,73 @@
   "use strict";
 
   const POLL_MS = 2000;
+  const DEFAULT_WINDOW_S = 1800;
+  // The data route's bounds of a window (snapshot.py MIN_WINDOW_S, MAX_WINDOW_S) and of an
+  // app's name (the API's AppName).
+  const MIN_WINDOW_S = 60;
+  const MAX_WINDOW_S = 86400;
+  const APP_NAME = /^[a-z0-9]([a-z0-9-]*[a-z0-9])?$/;
   const H = window.HPCharts;
   const $ = (id) => document.getElementById(id);
   const params = new URLSearchParams(window.location.search);
+  const notices = [];
   const state = {
-    app: params.get("app"),
-    windowS: Number(params.get("window_s")) || 1800,
+    // The app on screen: pinned once drawn, so that a new app that sorts first (the data route's
+    // default) never takes its place.
+    app: appParam(params.get("app")),
+    // The app on screen was deleted: say so, draw nothing, until the operator picks another.
+    gone: false,
+    // Whether state.app has been drawn (a never-drawn app that is not there is dropped instead).
+    drawn: false,
+    windowS: windowParam(params.get("window_s")),
+    // What the address asked for that the page could not show, said in the banner until the
+    // operator picks an app or a window.
+    notice: null,
     seenDecisions: null,
     decisionKind: params.get("kind") || "",
     lastSnap: null,
     freshUntil: new Map(),
     lastBody: null,
     timer: null,
+    requests: 0,
     failures: 0,
   };
+  state.notice = notices.join(" ") || null;
   const KIND_COLORS = {};
   const GEAR_COLORS = {};
+
+  // The address's app: a name the data route would refuse (422) is dropped, with a notice.
+  function appParam(value) {
+    if (value === null || value === "") return null;
+    if (value.length <= 63 && APP_NAME.test(value)) return value;
+    notices.push("There is no app '" + value + "' (names are lower case letters, digits and dashes): showing the first app.");
+    return null;
+  }
+
+  // The address's window: one outside what the data route takes is clamped to the choices the
+  // page offers (5 minutes to 24 hours), one that is not a number is the default 30 minutes.
+  function windowParam(value) {
+    if (value === null || value === "") return DEFAULT_WINDOW_S;
+    const seconds = Number(value);
+    let chosen = seconds;
+    if (!Number.isFinite(seconds) || seconds <= 0) chosen = DEFAULT_WINDOW_S;
+    else if (seconds < MIN_WINDOW_S) chosen = 300;
+    else if (seconds > MAX_WINDOW_S) chosen = MAX_WINDOW_S;
+    if (chosen !== seconds) notices.push("A window of " + value + " s is not offered: showing " + windowLabel(chosen) + ".");
+    return chosen;
+  }
+
+  function windowLabel(seconds) {
+    const minutes = seconds / 60;
+    return minutes >= 60 ? +(minutes / 60).toFixed(1) + " h" : +minutes.toFixed(1) + " min";
+  }
 
   // --- formatting ---------------------------------------------------------------------------
 
   const finite = (v) => typeof v === "number" && Number.isFinite(v);
   const usd = (v, digits) => (finite(v) ? "$" + v.toFixed(digits === undefined ? 2 : digits) : "–");
+  // Whole dollars without their cents ("$96"), others with them ("$2.88").
+  const dollars = (v) => (finite(v) && Math.abs(v - Math.round(v)) < 0.005 ? usd(v, 0) : usd(v));
   const qps = (v) => (finite(v) ? (v >= 100 ? v.toFixed(0) : v.toFixed(1)) + " qps" : "–");
   const ms = (v) => (finite(v) ? (v >= 100 ? v.toFixed(0) : v.toFixed(1)) + " ms" : "–");
   const pct = (v) => (finite(v) ? (100 * v).toFixed(1) + "%" : "–");
@@ -179,7 +225,7 @@
     const over = cost.burn_usd_per_hr > cost.budget_usd_per_hr + 1e-9;
     tile("tile-burn", usd(cost.burn_usd_per_hr) + "/hr", "budget " + usd(cost.budget_usd_per_hr) + "/hr", over ? "bad" : "ok");
     tile("tile-spend", usd(cost.spent_today_usd), "since 00:00 UTC");
-    tile("tile-forecast", usd(cost.forecast_today_usd), "of " + usd(cost.budget_today_usd, 0) + " at budget",
+    tile("tile-forecast", usd(cost.forecast_today_usd), "of " + dollars(cost.budget_today_usd) + " at budget",
       cost.forecast_today_usd > cost.budget_today_usd ? "bad" : undefined);
     if (!cost.series.t.length) setPanel("cost", "empty", "No samples yet: the roll-up records the fleet cost every few seconds.");
     else setPanel("cost", "ready");
@@ -328,6 +374,7 @@
       select = el("select", { id: "decision-kind", "aria-label": "Show decisions of kind" });
       select.addEventListener("change", () => {
         state.decisionKind = select.value;
+        remember();
         if (state.lastSnap) renderDecisions(state.lastSnap);
       });
       $("decision-log").before(el("label", { class: "decision-filter" }, [document.createTextNode("Kind "), select]));
@@ -347,8 +394,9 @@
     decisionFilter(Array.from(new Set(all.map((d) => d.kind))).sort());
     const list = state.decisionKind ? all.filter((d) => d.kind === state.decisionKind) : all;
     const now = Date.now();
-    // Fresh: a new decision, or one made again since the last poll (its count went up).
-    const seen = (d) => d.id + ":" + (d.count || 1);
+    // Fresh: a new decision, or one made again since the last poll (its newest time moved; a
+    // run's count may change without anything new, when its oldest member leaves the log).
+    const seen = (d) => d.id + ":" + (finite(d.last_t) ? d.last_t : d.t);
     if (state.seenDecisions !== null) {
       for (const d of all) if (!state.seenDecisions.has(seen(d))) state.freshUntil.set(d.id, now + 6000);
     }
@@ -505,26 +553,63 @@
     setPanel("rollout", rows.length ? "ready" : "partial", rows.length ? "" : "");
   }
 
+  // The app select: the apps by name; with no app on screen, a blank first option to pick from.
   function renderApps(apps, current) {
     const select = $("app-select");
+    const wanted = current ? apps : ["", ...apps];
     const options = [...select.options].map((o) => o.value);
-    if (options.join(",") !== apps.join(",")) {
-      select.replaceChildren(...apps.map((a) => el("option", { value: a, text: a })));
+    if (options.join(",") !== wanted.join(",")) {
+      select.replaceChildren(...wanted.map((a) => el("option", { value: a, text: a || "pick an app" })));
     }
-    if (current) select.value = current;
+    select.value = current || "";
+  }
+
+  // No app on screen: every tile, table, log, chart and plan as a fresh page has them, so that
+  // nothing of an app that is gone stays on the page.
+  function clearPanels(message) {
+    for (const node of document.querySelectorAll(".tile")) {
+      tile(node.id, "–", "");
+      node.title = "";
+    }
+    for (const id of ["fleet-chart", "fleet-legend", "cost-chart", "cost-legend", "cost-figures",
+      "load-chart", "load-legend", "envelope-chart", "latency-chart", "latency-legend",
+      "attainment-chart", "gear-chart", "accuracy-chart", "cascade-legend", "decision-log",
+      "plan-body", "rollout-body"]) $(id).replaceChildren();
+    $("instance-table").querySelector("tbody").replaceChildren();
+    for (const id of ["envelope-note", "decision-count", "plan-title", "rollout-title"]) $(id).textContent = "";
+    for (const panel of document.querySelectorAll("[data-panel]")) setPanel(panel.dataset.panel, "empty", message);
+    state.lastSnap = null;
+    state.seenDecisions = null;
+    delete document.body.dataset.generatedAt;
   }
 
   function render(body) {
     state.lastBody = body;
     $("viewer").textContent = body.viewer.name + " (" + body.viewer.scope + ")";
-    const snap = body.snapshot;
-    renderApps(body.apps, snap ? snap.app.name : null);
-    if (!snap) {
-      showBanner("No apps yet: register one (POST /v1/apps, or heteroplane app apply -f app.yaml).");
-      for (const panel of document.querySelectorAll("[data-panel]")) setPanel(panel.dataset.panel, "empty", "No apps yet.");
+    if (state.gone && body.apps.includes(state.app)) {
+      // The app is back (registered again under its name): the next poll asks for it (this
+      // answer is the default app's).
+      state.gone = false;
+      state.drawn = false;
       return;
     }
-    showBanner(null);
+    const snap = state.gone ? null : body.snapshot;
+    renderApps(body.apps, snap ? snap.app.name : null);
+    const noApps = "No apps yet: register one (POST /v1/apps, or heteroplane app apply -f app.yaml).";
+    if (!snap) {
+      clearPanels(state.gone ? "No app shown." : "No apps yet.");
+      showBanner(state.gone
+        ? "The app '" + state.app + "' is gone (taken down or deleted): " + (body.apps.length ? "pick another app above." : noApps)
+        : noApps);
+      return;
+    }
+    if (state.app !== snap.app.name) {
+      // The data route's default app, drawn: the page stays on it (and says so in its address).
+      state.app = snap.app.name;
+      remember();
+    }
+    state.drawn = true;
+    showBanner(state.notice);
     const parts = [renderFleet, renderCost, renderLoad, renderLatency, renderCascade, renderDecisions, renderPlan, renderRollout];
     for (const part of parts) {
       try {
@@ -551,60 +636,88 @@
   async function poll() {
     clearTimeout(state.timer);
     const url = new URL("/dashboard/data", window.location.origin);
-    if (state.app) url.searchParams.set("app", state.app);
+    if (state.app && !state.gone) url.searchParams.set("app", state.app);
     url.searchParams.set("window_s", String(state.windowS));
+    // Only the newest request's answer is drawn: one for the app or window the operator just
+    // left would otherwise pin the page back on it.
+    const request = ++state.requests;
     try {
       const response = await fetch(url, { credentials: "same-origin", cache: "no-store", headers: { Accept: "application/json" } });
+      if (request !== state.requests) return;
       if (response.status === 401) {
-        window.location.assign("/dashboard");
+        // Signed out elsewhere, expired or revoked: the form says so (in every tab, whether or
+        // not the browser still sends the cookie) and signs in again to this app and window.
+        const back = new URLSearchParams(window.location.search);
+        back.set("ended", "1");
+        window.location.assign("/dashboard?" + back.toString());
         return;
       }
       const body = await response.json();
+      if (request !== state.requests) return;
       if (!response.ok) {
         const message = body && body.error ? body.error.message : response.statusText;
         showBanner(message);
         setStatus("error " + response.status, "stale");
-        if (response.status === 404 && state.app) state.app = null;
+        if ((response.status === 404 || response.status === 422) && state.app && !state.gone) {
+          if (state.drawn) {
+            // The app on screen is gone: say so until the operator picks another (the polls
+            // then ask for the default app only for the list of apps).
+            state.gone = true;
+          } else {
+            // An app from the address that is not there: drop it and show the first app.
+            state.notice = "There is no app '" + state.app + "': showing the first app.";
+            state.app = null;
+            remember();
+          }
+          state.timer = setTimeout(poll, 0);
+          return;
+        }
       } else {
         render(body);
         state.failures = 0;
         setStatus("live · " + H.clock(Date.now() / 1000, true), "live");
       }
     } catch (error) {
+      if (request !== state.requests) return;
       state.failures += 1;
       setStatus("cannot reach the service (" + state.failures + ")", "stale");
-    } finally {
-      state.timer = setTimeout(poll, POLL_MS);
     }
+    state.timer = setTimeout(poll, POLL_MS);
   }
 
   function remember() {
     const query = new URLSearchParams();
     if (state.app) query.set("app", state.app);
-    if (state.windowS !== 1800) query.set("window_s", String(state.windowS));
+    if (state.windowS !== DEFAULT_WINDOW_S) query.set("window_s", String(state.windowS));
+    if (state.decisionKind) query.set("kind", state.decisionKind);
     const suffix = query.toString();
     window.history.replaceState(null, "", "/dashboard" + (suffix ? "?" + suffix : ""));
   }
 
   $("app-select").addEventListener("change", (event) => {
+    if (!event.target.value) return;
     state.app = event.target.value;
+    state.gone = false;
+    state.drawn = false;
+    state.notice = null;
     state.seenDecisions = null;
     remember();
     poll();
   });
   const windowSelect = $("window-select");
   if (![...windowSelect.options].some((o) => Number(o.value) === state.windowS)) {
-    // A window from the address that the list does not offer: offer it too.
-    const minutes = state.windowS / 60;
-    const label = minutes >= 60 ? +(minutes / 60).toFixed(1) + " h" : +minutes.toFixed(1) + " min";
-    windowSelect.appendChild(el("option", { value: String(state.windowS), text: label }));
+    // A window from the address that the list does not offer (within the data route's bounds):
+    // offer it too.
+    windowSelect.appendChild(el("option", { value: String(state.windowS), text: windowLabel(state.windowS) }));
   }
   windowSelect.value = String(state.windowS);
   windowSelect.addEventListener("change", (event) => {
     state.windowS = Number(event.target.value);
+    state.notice = null;
     remember();
     poll();
   });
+  if (state.notice) remember();
   let resizing = null;
   window.addEventListener("resize", () => {
     clearTimeout(resizing);
