@@ -101,6 +101,8 @@ def ec2_config_from(ec2: Ec2Settings) -> Ec2Config:
             model_prefix=ec2.model_prefix,
             interruption_queue_url=ec2.interruption_queue_url,
             spot_price_ttl_s=ec2.spot_price_ttl_s,
+            connect_timeout_s=ec2.connect_timeout_s,
+            read_timeout_s=ec2.read_timeout_s,
         )
     except InvalidConfigurationError as error:
         raise SettingsError(f"ec2.{error.field}", error.problem) from None

@@ -153,6 +153,18 @@ class Ec2Settings(BaseModel):
         allow_inf_nan=False,
         description="how long spot prices read from DescribeSpotPriceHistory are kept, s",
     )
+    connect_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="how long an EC2 or SQS call waits to connect, s (a hung endpoint fails it)",
+    )
+    read_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="how long an EC2 or SQS call waits for its answer, s, per try (two at most)",
+    )
     model_bucket: str | None = Field(
         default=None,
         min_length=3,

@@ -39,6 +39,8 @@ EC2 = Ec2Settings(
     spot=True,
     unavailable_ttl_s=60,
     max_attempts=3,
+    connect_timeout_s=2,
+    read_timeout_s=7,
 )
 
 
@@ -59,6 +61,7 @@ def test_ec2_config_from_settings() -> None:
     assert (config.spot, config.unavailable_ttl_s, config.max_attempts) == (True, 60, 3)
     assert config.ami_id is None and config.endpoint_url is None
     assert config.tag_prefix == "heteroplane"
+    assert (config.connect_timeout_s, config.read_timeout_s) == (2, 7)
 
 
 def test_ec2_is_built_without_touching_aws(monkeypatch: pytest.MonkeyPatch) -> None:
