@@ -2933,11 +2933,16 @@ class Reconciler:
         this tick (``unstopped_usd_per_hr``: the launches were decided with them gone, and
         they are still billed). Where any of these happened and the billed fleet is over the
         budget, the launches go from the last decided (the least cost-effective), each
-        row marked failed with a ``launch_refused`` decision; else all go."""
+        row marked failed with a ``launch_refused`` decision; else all go. An app marked for
+        teardown meanwhile (``heteroplane app down``) launches none of them."""
         try:
-            budget = self.store.get_app(app.name).budget_usd_per_hr
+            fresh = self.store.get_app(app.name)
         except NotFoundError:
-            budget = 0.0  # deleted meanwhile: nothing of it is launched
+            fresh = None  # deleted meanwhile: nothing of it is launched
+        if fresh is None or teardown_requested(self.store, fresh):
+            why = "the app is being taken down" if fresh is not None else "the app is gone"
+            return self._refuse(app, rows, [], 0.0, f"{why} (since the launch was decided)", errors)
+        budget = fresh.budget_usd_per_hr
         mine = {row.id for _, row in rows}
         live = self.store.list_instances(app.name, states=[s.value for s in _LIVE])
         others = [r for r in live if r.id not in known and r.id not in mine]
@@ -2963,13 +2968,28 @@ class Reconciler:
                 f", {unstopped_usd_per_hr:.4g} of it machines whose terminate failed in this"
                 " tick (still running and billed)"
             )
+        return self._refuse(app, refused, kept, budget, why, errors, "by the budget")
+
+    def _refuse(
+        self,
+        app: AppRecord,
+        refused: Sequence[tuple[Launch, InstanceRecord]],
+        kept: list[tuple[Launch, InstanceRecord]],
+        budget: float,
+        why: str,
+        errors: _Errors,
+        by: str = "",
+    ) -> list[tuple[Launch, InstanceRecord]]:
+        """:meth:`_refused_now`'s refusal: each of ``refused``'s rows failed, one
+        ``launch_refused`` decision; ``kept`` is what goes."""
+        refused_by = f"launch refused {by}".rstrip()
         for _, row in refused:
             errors.guard(
                 functools.partial(
                     self.store.transition_instance,
                     row.id,
                     _S.FAILED.value,
-                    reason=f"launch refused by the budget: {why}",
+                    reason=f"{refused_by}: {why}",
                 )
             )
         self.store.record_decision(

@@ -398,6 +398,43 @@ def test_infaas_drains_a_stages_only_type_the_tuner_keeps(
         store.close()
 
 
+def test_an_app_taken_down_while_launches_are_decided_launches_none(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``app down`` committed after a tick read that the app was not being taken down and
+    before its launches went out: they went out (a tester's sweep saw four RunInstances after
+    the teardown request, each terminated on the next tick). The teardown is read again with
+    the budget once the rows are written, and none goes."""
+    from controlplane.apps import teardown
+    from controlplane.loops import reconciler as module
+
+    apply_fleet(world.store, {SMALL: 1})
+    world.tick()
+    world.fake.step()
+    world.tick()
+    apply_fleet(world.store, {SMALL: 3})
+    reads: list[bool] = []
+
+    def first_read_before_the_mark(store: Store, app: Any) -> bool:
+        if not reads:  # the tick's own read, then the app down commits
+            teardown.request_teardown(store, APP, who="test")
+            reads.append(False)
+            return False
+        reads.append(teardown.teardown_requested(store, app))
+        return reads[-1]
+
+    monkeypatch.setattr(module, "teardown_requested", first_read_before_the_mark)
+    report = world.tick()
+    assert report.apps[APP].count(Launch) == 2  # decided before the mark
+    assert reads == [False, True]
+    assert world.fake.launched_total == 1  # the first instance only
+    assert by_state(world.store) == {"running": 1, "failed": 2}
+    (refused,) = decisions(world.store, "launch_refused")
+    assert "the app is being taken down" in refused.reason
+    world.tick()  # and the next tick tears the app down
+    assert by_state(world.store) == {"terminating": 1, "failed": 2}
+
+
 def test_a_budget_lowered_while_launches_are_decided_refuses_them(world: World) -> None:
     """run_once reads the apps once; a budget the serving process lowers after that read and
     before the launch's rows are written was not seen: the launch went through at twice the new
