@@ -962,11 +962,33 @@ class RolloutLoop:
         """The handover is done and no worker of the rollout's costs anything any more: the app
         planned again (:meth:`_plan_again`), once, what came of it stored and decided (written
         after: a crash between plans again). Not while another rollout of the app is under
-        way (its workers hold part of the budget): once it is over; a conflict (the app
+        way or in its handover (its workers hold part of the budget, and a plan applied then
+        would not replace like with like): once it is over; and not at all where a rollout of
+        the app started after this one was promoted, which plans the app after its own
+        handover (the app serves that one's version now, not this one's). A conflict (the app
         changed while it was planned, a lost race to apply, a teardown) is tried again, up to
         :data:`PLAN_ATTEMPTS` tries in all."""
-        if self.store.list_rollouts(rollout.app, active=True):
+        others = [r for r in self.store.list_rollouts(rollout.app) if r.id != rollout.id]
+        if any(r.active or _handing_over(r) for r in others):
             return ""  # the next ticks plan once it is over (promoted, rolled back or aborted)
+        later = [
+            r
+            for r in others
+            if r.id > rollout.id
+            and r.state == RolloutState.PROMOTED
+            and (r.figures.get("handover") or {}).get("plan_after")
+        ]
+        if later:
+            said = (
+                f"not planned again: rollout {later[-1].id} of the app, promoted since, serves"
+                " its version now and plans the app after its own handover"
+            )
+            handover["planned"] = said
+            moved = self.store.move_rollout(
+                rollout, figures={**rollout.figures, "handover": handover}
+            )
+            self._decide(moved, said)
+            return said
         try:
             said = self._plan_again(rollout)
         except _PlanConflictError as error:
@@ -1183,6 +1205,17 @@ def _full(rollout: RolloutRecord) -> CanaryRoute:
 class _PlanConflictError(Exception):
     """The app changed while it was planned again (or while the plan was applied): worth
     another try; the message is what to say when there is none."""
+
+
+def _handing_over(rollout: RolloutRecord) -> bool:
+    """Whether ``rollout`` is promoted and its handover is not done yet (the old version's
+    instances are being replaced; its workers serve the new version meanwhile)."""
+    handover = rollout.figures.get("handover") or {}
+    return (
+        rollout.state == RolloutState.PROMOTED
+        and "promoted_at" in handover
+        and "done_at" not in handover
+    )
 
 
 def _plan_due(rollout: RolloutRecord) -> bool:

@@ -517,6 +517,56 @@ def test_the_plan_after_the_handover_waits_for_another_rollout_of_the_app(
     assert store.get_rollout(APP, first.id).figures["handover"]["planned"] == planned
 
 
+def test_the_plan_after_the_handover_leaves_the_app_to_a_rollout_promoted_since(
+    handover: Handover, tmp_path: Path
+) -> None:
+    """A second rollout started in the window between the first one's handover and its plan,
+    and promoted: the first one's plan waited while the second ran, then was made in the middle
+    of the second one's handover, for the second one's version (a tester's sweep). It waits
+    through that handover too, and is then left to the second, which plans the app after its
+    own handover: the first says so, once."""
+    from controlplane.loops.rollouts import ROUTE_GRACE_S
+
+    clock, store = handover.clock, handover.store
+    handover.rate_plan()
+    (first,) = store.list_rollouts(APP)
+    store.move_rollout(
+        first,
+        figures={
+            "handover": {
+                **first.figures["handover"],
+                "plan_after": True,
+                "done_at": clock.utcnow().isoformat(),
+            }
+        },
+    )
+    second = handover.start()
+    loop = handover.loop(tmp_path)
+    clock.advance(ROUTE_GRACE_S)
+
+    def said() -> list[str]:
+        return [t.what for t in loop.tick() if t.rollout_id == first.id]
+
+    assert said() == ["ended 1 worker(s) of the new version"]
+    promoted_at = clock.utcnow().isoformat()
+    running = store.move_rollout(store.get_rollout(APP, second.id), state="running", reason="test")
+    store.move_rollout(
+        running,
+        state="promoted",
+        reason="test",
+        figures={"handover": {"ended": [], "promoted_at": promoted_at, "plan_after": True}},
+    )
+    assert said() == [] and said() == []  # the second one's handover is under way
+    assert "planned" not in store.get_rollout(APP, first.id).figures["handover"]
+    second = store.get_rollout(APP, second.id)
+    done = {**second.figures["handover"], "done_at": clock.utcnow().isoformat()}
+    store.move_rollout(second, figures={**second.figures, "handover": done})
+    (left,) = said()
+    assert left.startswith(f"not planned again: rollout {second.id} of the app, promoted since")
+    assert store.get_rollout(APP, first.id).figures["handover"]["planned"] == left
+    assert said() == []
+
+
 def test_the_plan_after_the_handover_needs_no_ended_worker_nor_a_recent_rollout(
     handover: Handover, tmp_path: Path
 ) -> None:
