@@ -549,7 +549,7 @@ class RolloutLoop:
         moved = self.store.move_rollout(rollout, figures={**rollout.figures, "handover": handover})
         reason = (
             f"handover done: {len(replaced)} instance(s) serve {_labels(rollout)[0]}; the"
-            f" rollout's workers end in {self.route_grace_s:g} s"
+            f" rollout's workers end at the loop's first tick {self.route_grace_s:g} s from now"
         )
         self._decide(moved, reason)
         return None, reason
