@@ -2217,6 +2217,8 @@ class Reconciler:
         except ProvisionerError as error:
             # Without the provider's list only the budget guard runs (from the database).
             logger.warning("reconcile: cannot list instances (%s); budget guard only", error)
+            for app in apps:
+                self._provider_unreachable(app.name, error)
             reports = {app.name: self._guarded(app, None) for app in apps}
             return ReconcileReport(now, MappingProxyType(reports), errors=(f"list: {error}",))
         names = {app.name for app in apps}
@@ -2466,6 +2468,23 @@ class Reconciler:
         provider's where it reads them (rule 10's prices), else the catalog's."""
         pricing = self._live_spot_prices(self.pricing(app), types)
         return {t: p for t, p in pricing.spot_prices_usd_per_hr.items() if t in types}
+
+    def _provider_unreachable(self, app: str, error: ProvisionerError) -> None:
+        """A ``provider_unreachable`` decision for ``app``: the provider's list could not be
+        read, so this tick acts from the database alone (the budget guard). One row a run of
+        such ticks (keyed: counted again, its ``last_at`` the latest), so that an operator
+        who reads ``heteroplane events`` sees the outage and how long it lasted."""
+        try:
+            self.store.record_decision(
+                app,
+                "provider_unreachable",
+                f"the provider's list could not be read ({str(error)[:300]}): only the budget"
+                " guard acts, from the database, until it can",
+                {"error": type(error).__name__},
+                key="list",
+            )
+        except ControlPlaneError as failure:
+            logger.warning("reconcile %s: provider_unreachable not recorded (%s)", app, failure)
 
     def _note_missing(
         self,

@@ -1065,3 +1065,21 @@ def test_a_machine_the_list_leaves_out_for_a_moment_is_not_lost(world: World) ->
         world.clock.advance(GRACE_S / 2 + 1)
         world.reconciler.reconcile_app(world.store.get_app(APP), [])
     assert by_state(world.store) == {"failed": 1, "pending": 1}
+
+
+def test_a_provider_that_cannot_be_listed_is_one_decision_an_operator_sees(world: World) -> None:
+    """While the provider's list cannot be read only the budget guard acts, which the log said
+    three times a tick and ``heteroplane events`` not at all (a tester's sweep with moto
+    stopped). Each such tick counts one ``provider_unreachable`` decision, one row a run."""
+    apply_fleet(world.store, {SMALL: 1})
+    world.tick()
+    world.fake.throttle_next(3)
+    for _ in range(3):
+        report = world.tick()
+        assert report.errors and report.errors[0].startswith("list: ")
+    (unreachable,) = decisions(world.store, "provider_unreachable")
+    assert unreachable.count == 3
+    assert "only the budget guard acts" in unreachable.reason
+    assert unreachable.numbers["error"] == "ThrottledError"
+    world.tick()  # listed again: nothing more recorded
+    assert [d.count for d in decisions(world.store, "provider_unreachable")] == [3]
