@@ -811,8 +811,10 @@ def _shed_to_limits(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
             why = f"over the cap: {total} x {name} where the spec allows {config.max_counts[name]}"
         else:
             why = (
-                f"over the budget: the fleet costs {tick.cost_usd_per_hr:.6g} USD/hr, the budget"
-                f" is {config.budget_usd_per_hr:.6g} USD/hr"
+                f"over the budget: the fleet the tuner asks for costs"
+                f" {tick.cost_usd_per_hr:.6g} USD/hr, the budget is"
+                f" {config.budget_usd_per_hr:.6g} USD/hr (the budget guard holds the live fleet"
+                " to it at once)"
             )
         tick.stop(
             plan,
