@@ -1128,10 +1128,13 @@ def _act_on_notices(
             else:
                 doomed.add(row.id)
                 leaving.append(row)
-            done = (
-                "a replacement is launched at once; it serves until the replacement does (or"
-                f" {drain_at.isoformat()} at the latest), then drains and is terminated"
-            )
+            if now >= drain_at:  # no time to serve on: it drains now
+                done = "a replacement is launched at once; it drains now and is terminated"
+            else:
+                done = (
+                    "a replacement is launched at once; it serves until the replacement does"
+                    f" (or {drain_at.isoformat()} at the latest), then drains and is terminated"
+                )
         if pid not in handled:
             actions.append(
                 InterruptionHandled(

@@ -141,6 +141,20 @@ def test_a_notice_replaces_at_once_drains_and_terminates_before_the_deadline(
     assert len(roomy.rows("running")) == 2
 
 
+def test_a_notice_too_short_to_serve_on_says_it_drains_now(roomy: World) -> None:
+    """A notice whose deadline leaves less than the drain and the margin (an EventBridge state
+    change reads as a deadline of now): its decision said the instance served until a time
+    before the notice itself ("... or 19:15:20 at the latest" at 19:15:45, a tester's sweep)."""
+    roomy.serve({SMALL: 2})
+    doomed = roomy.rows("running")[0]
+    roomy.fake.interrupt(doomed, 5.0)
+    roomy.tick(1.0)
+    assert doomed not in roomy.rows("running")  # out of service at once
+    (decision,) = roomy.store.list_decisions(APP, kinds=["spot_interruption"])
+    assert "it drains now and is terminated" in decision.reason
+    assert "at the latest" not in decision.reason
+
+
 def test_a_notice_on_an_instance_not_serving_yet_terminates_it_at_once(roomy: World) -> None:
     apply_fleet(roomy.store, {SMALL: 1})
     roomy.fake.never_run(SMALL)
