@@ -38,9 +38,13 @@ from provisioners.boto_errors import BOTO_ERRORS, first_line
 from provisioners.errors import ProvisionerError, ThrottledError
 from provisioners.interruptions import InterruptionNotice, notice_from_event
 
-__all__ = ["InterruptionQueue", "SpotPriceReader"]
+__all__ = ["FAILED_READ_RETRY_S", "InterruptionQueue", "SpotPriceReader"]
 
 logger = logging.getLogger(__name__)
+
+# How long a type whose spot price read failed (throttled, no permission) is not read again, s
+# (at most the prices' TTL): a read that failed on every tick asked EC2 twice a tick.
+FAILED_READ_RETRY_S = 60.0
 
 
 class InterruptionQueue:
@@ -146,7 +150,8 @@ class SpotPriceReader:
     monotonic clock in seconds (injected for tests). A type is fetched for every zone at once
     (one call, paginated); its prices then serve every zone for ``ttl_s``. An answer with no
     price for a type is kept for ``ttl_s`` as well (:meth:`price` answers ``None``), and
-    ``on_unpriced`` is told those types once per read.
+    ``on_unpriced`` is told those types once per read. A read that fails is not made again for
+    :data:`FAILED_READ_RETRY_S` (at most ``ttl_s``): its error is raised again meanwhile.
     """
 
     def __init__(
@@ -166,6 +171,10 @@ class SpotPriceReader:
         self.product = product
         self.on_unpriced = on_unpriced
         self.calls = 0  # DescribeSpotPriceHistory calls made (pages counted once per call)
+        # A failed read (throttled, no permission) is not asked again for a while: its error
+        # is raised again until then (each caller falls back to the catalog's prices).
+        self.retry_s = min(ttl_s, FAILED_READ_RETRY_S)
+        self._failed: dict[str, tuple[float, ProvisionerError]] = {}  # type -> (when, error)
         self._zones: dict[str, dict[str, float]] = {}  # zone -> instance type -> USD/hr
         self._fetched_s: dict[str, float] = {}  # instance type -> when it was last fetched
         self._lock = threading.Lock()
@@ -177,7 +186,21 @@ class SpotPriceReader:
             now = self.clock()
             stale = [t for t in wanted if now - self._fetched_s.get(t, -float("inf")) > self.ttl_s]
             if stale:
-                self._fetch(stale, now)
+                recent = [
+                    self._failed[t]
+                    for t in stale
+                    if t in self._failed and now - self._failed[t][0] < self.retry_s
+                ]
+                if len(recent) == len(stale):
+                    raise recent[0][1]
+                try:
+                    self._fetch(stale, now)
+                except ProvisionerError as error:
+                    for instance_type in stale:
+                        self._failed[instance_type] = (now, error)
+                    raise
+                for instance_type in stale:
+                    self._failed.pop(instance_type, None)
             return {
                 (instance_type, zone): prices[instance_type]
                 for zone, prices in sorted(self._zones.items())

@@ -228,6 +228,7 @@ __all__ = [
     "DEFAULT_SPOT_HEADROOM_SHARE",
     "DEFAULT_STRAGGLER_TIMEOUT_S",
     "PROFILE_RUN_MISSED_BEATS",
+    "SPOT_READ_WARN_EVERY_S",
     "Action",
     "Adopt",
     "AppPricing",
@@ -262,6 +263,8 @@ DEFAULT_STRAGGLER_TIMEOUT_S = 600.0
 # EC2's DescribeInstances is eventually consistent: an instance launched a moment ago may be
 # missing from it for a few seconds. A row is not ended for being missing before this.
 DEFAULT_MISSING_GRACE_S = 30.0
+# A failed spot price read is logged again only this long after the same failure, s.
+SPOT_READ_WARN_EVERY_S = 60.0
 # A profile run touches its workers' rows every DEFAULT_HEARTBEAT_S; four missed beats and the run
 # is taken for gone.
 PROFILE_RUN_MISSED_BEATS = 4
@@ -2165,6 +2168,8 @@ class Reconciler:
         # those whose last probe went unanswered (rule 5 ends them first).
         self._unresponsive: dict[str, str] = {}
         self._silent: frozenset[str] = frozenset()
+        # The last spot price read failure logged, and when (the same one once a minute).
+        self._spot_read_warned: tuple[str, float] = ("", -math.inf)
         # Rule 3's grace: row id -> when a tick first found the provider's list without its
         # machine, for as long as the ticks since have (this process's ticks: a new leader
         # starts the count again, which only waits longer).
@@ -2569,7 +2574,11 @@ class Reconciler:
                 if price is not None:
                     live[instance_type] = price
         except ProvisionerError as error:  # throttled, no permission: the app's prices serve
-            logger.warning("reconcile: spot prices not read (%s); the catalog's serve", error)
+            said, at_s = self._spot_read_warned
+            now_s = self.clock.now_s()
+            if said != str(error) or now_s - at_s >= SPOT_READ_WARN_EVERY_S:
+                logger.warning("reconcile: spot prices not read (%s); the catalog's serve", error)
+                self._spot_read_warned = (str(error), now_s)
             if read is not None:
                 read.append(False)
             return pricing

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -454,5 +455,39 @@ def test_a_spot_price_rise_over_the_budget_moves_capacity_to_a_cheaper_spot_type
             assert not launches(actions)
         assert kept_types(world) == [(LARGE, "spot")] * 3
         assert len(world.rows("running")) == 3
+    finally:
+        world.store.close()
+
+
+def test_a_spot_price_read_that_keeps_failing_is_logged_once_a_minute(
+    template_db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """A provider that cannot read spot prices (no permission) had the reconciler log it on
+    every read, twice a tick; the catalog's prices serve meanwhile, and the same failure is
+    logged again only a minute later."""
+    from controlplane.loops.reconciler import SPOT_READ_WARN_EVERY_S
+    from provisioners.errors import ProvisionerError
+
+    world = World(template_db, tmp_path, budget=1.0)
+    world.price_spot({LARGE: 0.03})
+
+    def refused(_instance_type: str) -> float | None:
+        raise ProvisionerError("DescribeSpotPriceHistory: UnauthorizedOperation")
+
+    monkeypatch.setattr(world.fake, "spot_price", refused)
+    try:
+        apply_spot_plan(world.store, {LARGE: 1}, {LARGE: 1})
+        with caplog.at_level("WARNING", logger="controlplane.loops.reconciler"):
+            for _ in range(4):
+                world.tick()
+            said = [r for r in caplog.records if "spot prices not read" in r.getMessage()]
+            assert len(said) == 1
+            world.tick(SPOT_READ_WARN_EVERY_S)
+            said = [r for r in caplog.records if "spot prices not read" in r.getMessage()]
+            assert len(said) == 2
+        # The catalog's spot price served: the plan's spot instance was launched at it.
+        assert [(r.market, r.price_usd_per_hr) for r in world.store.list_instances(APP)] == [
+            ("spot", 0.03)
+        ]
     finally:
         world.store.close()

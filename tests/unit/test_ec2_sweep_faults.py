@@ -246,3 +246,32 @@ def test_an_empty_spot_price_answer_is_cached_for_the_ttl_and_said_once(aws: Non
     now_s[0] = 10.5
     assert provisioner.spot_price("r5n.large") is None
     assert prices.calls == 2
+
+
+def test_a_failed_spot_price_read_is_not_asked_again_for_a_while(aws: None) -> None:
+    """A DescribeSpotPriceHistory the role may not call (403) was asked again on every tick,
+    twice a tick (31 calls and 31 warnings in 30 s, a tester's sweep): a failed read raises its
+    error again without a call until FAILED_READ_RETRY_S has passed."""
+    from provisioners.errors import ProvisionerError
+    from provisioners.spot import FAILED_READ_RETRY_S
+
+    refused = Answer(
+        status=403,
+        body=THROTTLED.replace("RequestLimitExceeded", "UnauthorizedOperation").replace(
+            "Request limit exceeded.", "You are not authorized to perform this operation."
+        ),
+    )
+    now_s = [0.0]
+    provisioner = Ec2Provisioner(
+        Ec2Config(REGION, ("subnet-1",), ami_id=AMI),
+        session_answering("before-send.ec2.DescribeSpotPriceHistory", refused),
+        clock=lambda: now_s[0],
+    )
+    for now_s[0] in (0.0, 1.0, FAILED_READ_RETRY_S - 1.0):
+        with pytest.raises(ProvisionerError, match="not authorized"):
+            provisioner.spot_price("r5n.large")
+    assert refused.calls == 1
+    now_s[0] = FAILED_READ_RETRY_S + 1.0
+    refused.body = None  # allowed now: moto answers
+    assert provisioner.spot_price("r5n.large") is not None
+    assert refused.calls == 2
