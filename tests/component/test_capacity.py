@@ -206,6 +206,7 @@ def test_a_lost_instance_without_capacity_caps_its_type_at_what_still_runs(
     provisioner.crash([victim.provider_id])
     provisioner.fail_capacity(busiest)
     replanner = _replanner(service, resolver)
+    service.reconciler.run_once()  # the first tick that finds it missing: the grace starts
     clock.advance(31.0)  # past the missing grace: the row ends and its replacement cannot launch
     service.reconciler.run_once()
     assert busiest in service.reconciler.capacity_misses("toy")
