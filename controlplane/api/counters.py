@@ -7,7 +7,8 @@ Counters live in memory and restart from zero with the service (Prometheus handl
 ``/metrics`` reads a :meth:`RequestCounter.snapshot` at each scrape
 (:class:`controlplane.api.routes.health.RequestCollector`).
 
-The app label comes from the URL, so it is bounded: an answer of 401 (anyone may send one) or 404
+The app label comes from the URL, so it is bounded: an answer of 401 (anyone may send one), 403
+(a token without the scope, answered before the app is looked up: any name it makes up) or 404
 (an app that does not exist) is counted under ``""``, and past :data:`MAX_APP_LABELS` distinct
 apps the rest are counted under ``"_other"``.
 """
@@ -23,6 +24,8 @@ __all__ = ["MAX_APP_LABELS", "OTHER_APPS", "RequestCounter", "RequestCountingMid
 
 MAX_APP_LABELS = 1000
 OTHER_APPS = "_other"
+# Answers whose URL's app is not known to exist (see the module docstring).
+_NO_APP_STATUSES = frozenset({401, 403, 404})
 
 
 class RequestCounter:
@@ -34,7 +37,7 @@ class RequestCounter:
         self._apps: set[str] = set()
 
     def add(self, app: str, status: int) -> None:
-        if status in (401, 404):
+        if status in _NO_APP_STATUSES:
             app = ""
         with self._lock:
             if app and app not in self._apps:

@@ -159,6 +159,10 @@ def test_metrics_in_prometheus_text(api: Api) -> None:
         state="running",
     )
     api.call("GET", "/v1/apps/nope")  # a 404, counted under no app
+    # A 403 is answered before the app is looked up: any name a viewer makes up would be a
+    # new label (a tester's sweep), so it is counted under no app too.
+    forbidden = api.call("POST", "/v1/apps/zzc322697d/infer", "viewer", json={"inputs": [[0]]})
+    assert forbidden.status_code == 403
     api.call("GET", "/v1/apps/toy/fleet", "viewer")
     response = api.call("GET", "/metrics", "viewer")
     assert response.status_code == 200
@@ -174,6 +178,8 @@ def test_metrics_in_prometheus_text(api: Api) -> None:
     assert sample(text, "heteroplane_app_arrival_rate_qps", app="toy") is None  # no sample yet
     assert sample(text, "heteroplane_api_requests_total", app="toy", status="200") == 1.0
     assert sample(text, "heteroplane_api_requests_total", app="", status="404") == 1.0
+    assert sample(text, "heteroplane_api_requests_total", app="", status="403") == 1.0
+    assert 'app="zzc322697d"' not in text
     # Read at scrape time: the scrape above is counted in the next one.
     again = api.call("GET", "/metrics", "viewer").text
     assert sample(again, "heteroplane_api_requests_total", app="", status="200") == 1.0
