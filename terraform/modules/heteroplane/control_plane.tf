@@ -50,6 +50,14 @@ resource "aws_instance" "control_plane" {
   }
 
   tags = merge(local.tags, { Name = "${var.name}-control-plane" })
+
+  lifecycle {
+    # Its security group is created in vpc_id: a subnet of another VPC cannot take it.
+    precondition {
+      condition     = local.create_vpc || try(data.aws_subnet.control_plane[0].vpc_id == var.vpc_id, true)
+      error_message = "control_plane_subnet_id must be a subnet of vpc_id: ${try("${data.aws_subnet.control_plane[0].id} is in ${data.aws_subnet.control_plane[0].vpc_id}", "")}."
+    }
+  }
 }
 
 # With control_plane_public_ip and no certificate (with one, the load balancer is the way in):

@@ -10,8 +10,8 @@ variable "name" {
   default     = "heteroplane"
 
   validation {
-    condition     = can(regex("^[a-z][a-z0-9-]{0,19}$", var.name))
-    error_message = "name must be 1-20 characters of a-z, 0-9 and '-', starting with a letter."
+    condition     = can(regex("^[a-z]([a-z0-9]|-[a-z0-9]){0,19}$", var.name)) && length(var.name) <= 20
+    error_message = "name must be 1-20 characters of a-z, 0-9 and '-', starting with a letter, not ending in '-' nor holding '--' (RDS and parameter group names refuse them)."
   }
 }
 
@@ -484,7 +484,7 @@ variable "kms_key_arn" {
   default     = null
 
   validation {
-    condition     = var.kms_key_arn == null || can(regex("^arn:aws[a-z-]*:kms:", coalesce(var.kms_key_arn, "none")))
-    error_message = "kms_key_arn must be null or a KMS key ARN (arn:aws:kms:...)."
+    condition     = var.kms_key_arn == null || can(regex("^arn:aws[a-z-]*:kms:[a-z]{2}(-[a-z]+)+-[0-9]:[0-9]{12}:key/[a-zA-Z0-9-]+$", coalesce(var.kms_key_arn, "none")))
+    error_message = "kms_key_arn must be null or a KMS key's ARN (arn:aws:kms:REGION:ACCOUNT:key/ID): not an alias's ARN, which IAM policies cannot grant the key's use by."
   }
 }

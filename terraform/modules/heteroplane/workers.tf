@@ -78,5 +78,11 @@ resource "aws_launch_template" "worker" {
       condition     = alltrue([for s in data.aws_subnet.worker : !s.map_public_ip_on_launch])
       error_message = "worker_subnet_ids must be private subnets: one of them assigns public IPs on launch (map_public_ip_on_launch)."
     }
+
+    # The role may launch into vpc_id only (iam.tf), and the workers' security group is there.
+    precondition {
+      condition     = alltrue([for s in data.aws_subnet.worker : s.vpc_id == var.vpc_id])
+      error_message = "worker_subnet_ids must be subnets of vpc_id: ${join(", ", [for s in data.aws_subnet.worker : "${s.id} is in ${s.vpc_id}" if s.vpc_id != var.vpc_id])}."
+    }
   }
 }

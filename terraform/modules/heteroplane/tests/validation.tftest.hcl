@@ -17,6 +17,22 @@ mock_provider "aws" {
   }
 }
 
+# An existing VPC's subnets are in that VPC (a run may say otherwise).
+override_data {
+  target = data.aws_subnet.control_plane
+  values = {
+    vpc_id            = "vpc-0123456789abcdef0"
+    availability_zone = "us-east-1a"
+  }
+}
+
+override_data {
+  target = data.aws_subnet.worker
+  values = {
+    vpc_id = "vpc-0123456789abcdef0"
+  }
+}
+
 variables {
   api_allowed_cidr      = "203.0.113.0/24"
   worker_ami_id         = "ami-0123456789abcdef0"
@@ -165,6 +181,66 @@ run "bad_values_6" {
   ]
 }
 
+run "bad_values_7" {
+  command = plan
+  variables {
+    name        = "hp-"                                           # ends in '-' (RDS refuses it)
+    kms_key_arn = "arn:aws:kms:us-east-1:123456789012:alias/mine" # an alias's ARN, not a key's
+  }
+  expect_failures = [
+    var.name,
+    var.kms_key_arn,
+  ]
+}
+
+# Subnets of another VPC than vpc_id: the role launches into vpc_id only and the security
+# groups are made there, so nothing could run; refused at plan, naming the subnets.
+run "existing_vpc_needs_its_own_worker_subnets" {
+  command = plan
+  variables {
+    vpc_id                  = "vpc-0123456789abcdef0"
+    control_plane_subnet_id = "subnet-0000000000000000a"
+    worker_subnet_ids       = ["subnet-0000000000000000b"]
+  }
+  override_data {
+    target = data.aws_subnet.worker
+    values = {
+      map_public_ip_on_launch = false
+      vpc_id                  = "vpc-0000000000000000f"
+    }
+  }
+  override_data {
+    target = data.aws_subnet.control_plane
+    values = {
+      vpc_id = "vpc-0123456789abcdef0"
+    }
+  }
+  expect_failures = [aws_launch_template.worker]
+}
+
+run "existing_vpc_needs_its_own_control_plane_subnet" {
+  command = plan
+  variables {
+    vpc_id                  = "vpc-0123456789abcdef0"
+    control_plane_subnet_id = "subnet-0000000000000000a"
+    worker_subnet_ids       = ["subnet-0000000000000000b"]
+  }
+  override_data {
+    target = data.aws_subnet.worker
+    values = {
+      map_public_ip_on_launch = false
+      vpc_id                  = "vpc-0123456789abcdef0"
+    }
+  }
+  override_data {
+    target = data.aws_subnet.control_plane
+    values = {
+      vpc_id = "vpc-0000000000000000f"
+    }
+  }
+  expect_failures = [aws_instance.control_plane]
+}
+
 run "existing_vpc_with_a_certificate_needs_load_balancer_subnets" {
   command = plan
   variables {
@@ -178,6 +254,7 @@ run "existing_vpc_with_a_certificate_needs_load_balancer_subnets" {
     target = data.aws_subnet.worker
     values = {
       map_public_ip_on_launch = false
+      vpc_id                  = "vpc-0123456789abcdef0"
     }
   }
   expect_failures = [var.load_balancer_subnet_ids]

@@ -75,6 +75,22 @@ mock_provider "aws" {
   }
 }
 
+# An existing VPC's subnets are in that VPC (a run may say otherwise).
+override_data {
+  target = data.aws_subnet.control_plane
+  values = {
+    vpc_id            = "vpc-0123456789abcdef0"
+    availability_zone = "us-east-1a"
+  }
+}
+
+override_data {
+  target = data.aws_subnet.worker
+  values = {
+    vpc_id = "vpc-0123456789abcdef0"
+  }
+}
+
 variables {
   api_allowed_cidr      = "198.51.100.0/24"
   worker_ami_id         = "ami-0123456789abcdef0"
@@ -286,6 +302,7 @@ run "existing_vpc" {
     target = data.aws_subnet.worker
     values = {
       map_public_ip_on_launch = false
+      vpc_id                  = "vpc-0123456789abcdef0"
     }
   }
   assert {
