@@ -15,7 +15,9 @@ generated from Triton's ``grpc_service.proto``); the methods served:
 - ``ModelInfer`` takes its inputs in ``raw_input_contents`` (little-endian bytes, what
   ``tritonclient.grpc`` sends) or in each input's typed ``contents`` (``bool_contents``,
   ``int_contents``, ``int64_contents``, ``uint_contents``, ``uint64_contents``,
-  ``fp32_contents``, ``fp64_contents``; FP16 only raw) and answers its outputs in
+  ``fp32_contents``, ``fp64_contents``; FP16 only raw; their count is checked against the
+  declared shape before they are copied, and values in another datatype's field are refused
+  naming the field expected) and answers its outputs in
   ``raw_output_contents``, with REST's answer ``parameters`` (``models``, comma-separated,
   ``gear``, ``late``, the timings). The query is served by the REST route's own path
   (:func:`~controlplane.api.routes.oip.serve_query`: the same checks against the app's input
@@ -23,7 +25,14 @@ generated from Triton's ``grpc_service.proto``); the methods served:
   deadline as the client's deadline). Where several serving processes share the workers and
   another one dispatches the app, the query is forwarded to it as REST's query
   (:func:`~controlplane.api.forwarding.forward_oip`) and its answer, or its refusal, given back
-  (:func:`forwarded_response`), as REST's ``/v2`` is forwarded.
+  (:func:`forwarded_response`), as REST's ``/v2`` is forwarded. The request's ``parameters``
+  are REST's: the binary switches are checked as REST checks them
+  (:func:`~controlplane.api.routes.oip.check_binary_switches`; every output is raw whatever
+  they say), and an output's other parameters (shared memory, classification) are refused. An
+  answer past the server's message limit (``oip_body_max_bytes``) is ``RESOURCE_EXHAUSTED``
+  (413) with one line naming the app, its size and the limit: before the workers compute it
+  where the signature fixes the outputs' sizes (:func:`answer_bytes_at_least`), else before
+  it is sent (grpc had failed to send it, with a traceback in the log).
 
 Every other method of the service (model configuration, statistics, the repository, shared
 memory, streaming) answers ``UNIMPLEMENTED``. The model calls are counted in ``GET /metrics``'
@@ -40,7 +49,8 @@ HTTP status           gRPC code               e.g.
 403                   ``PERMISSION_DENIED``   a token without the infer scope
 404                   ``NOT_FOUND``           ``no model 'x'``; another version than ``1``
 413, 429              ``RESOURCE_EXHAUSTED``  admission refused the query (``retry-after``
-                                              trailing metadata, seconds)
+                                              trailing metadata, seconds); an answer past
+                                              the message limit
 502, 500              ``INTERNAL``            the model failed on a query (not its inputs)
 503                   ``UNAVAILABLE``         no worker serves the app; no serving loop
 504                   ``DEADLINE_EXCEEDED``   the query could not be answered by its deadline
@@ -56,7 +66,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -81,16 +92,18 @@ from controlplane.api.routes.oip import (
     HEADER_LENGTH,
     PLATFORM,
     as_model_error,
+    check_binary_switches,
+    parse_query,
     raw_bytes,
     result_parameters,
-    serve_query,
+    serve_parsed,
     serving_of,
     signature_of,
     unserved,
 )
 from controlplane.db.store import Principal
 from controlplane.policies.auth import Scope
-from provisioners.artifacts import ArtifactError, numpy_dtype
+from provisioners.artifacts import ArtifactError, ModelSignature, numpy_dtype
 from provisioners.worker.oip import MODEL_VERSION, OipError, model_metadata
 
 __all__ = [
@@ -98,6 +111,7 @@ __all__ = [
     "STOP_GRACE_S",
     "GrpcOip",
     "Listener",
+    "answer_bytes_at_least",
     "attach",
     "forwarded_response",
     "grpc_code",
@@ -138,6 +152,7 @@ _CONTENTS = {
     "FP32": "fp32_contents",
     "FP64": "fp64_contents",
 }
+_FIELDS = tuple(dict.fromkeys(_CONTENTS.values()))
 
 
 def grpc_code(status: int) -> grpc.StatusCode:
@@ -200,9 +215,13 @@ def _refusal(method: str, error: Exception) -> _Refusal:
 class GrpcOip:
     """The service's methods over the API's :class:`~controlplane.api.deps.Services`."""
 
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Services, max_message_bytes: int | None = None) -> None:
         self.services = services
         self.tokens = TokenCheck(services.store)
+        # The server's limit on a message it sends (attach's): an answer past it is refused.
+        self.max_message_bytes = (
+            services.settings.oip_body_max_bytes if max_message_bytes is None else max_message_bytes
+        )
 
     async def server_live(self, _request: Any, _who: Principal | None, _call: _Call) -> Any:
         return pb.ServerLiveResponse(live=True)
@@ -242,12 +261,18 @@ class GrpcOip:
             document, binary = request_document(request, call.remaining_s)
             answer = await forward_oip(forwarder, url, app, document, binary, call.authorization)
             if answer is not None:
-                return forwarded_response(app, answer)
+                return self._within_limit(app, forwarded_response(app, answer))
             # The dispatcher cannot be reached: served here (as REST's forwarding does).
         serving = serving_of(self.services, app)
         signature = await signature_of(serving, app, call.received_s)
         document, binary = request_document(request, call.remaining_s)
-        answered = await serve_query(serving, app, signature, document, binary, call.received_s)
+        parsed = parse_query(signature, document, binary)
+        names = parsed.outputs or tuple(spec.name for spec in signature.outputs)
+        # Refused before the workers compute it where the signature tells the answer's size.
+        size = answer_bytes_at_least(signature, names, parsed.batch_size)
+        if size > self.max_message_bytes:
+            raise _too_large(app, size, self.max_message_bytes)
+        answered = await serve_parsed(serving, app, signature, document, parsed, call.received_s)
         response = pb.ModelInferResponse(model_name=app, model_version=MODEL_VERSION)
         if answered.id is not None:
             response.id = answered.id
@@ -256,6 +281,15 @@ class GrpcOip:
             response.raw_output_contents.append(raw_bytes(datatype, array))
         for key, value in result_parameters(answered.result).items():
             _set_parameter(response.parameters[key], value)
+        return self._within_limit(app, response)
+
+    def _within_limit(self, app: str, response: Any) -> Any:
+        """``response`` when it fits the server's message limit, else the refusal: grpc had
+        failed to send it, with its own text and a traceback in the log, the call counted as
+        answered."""
+        size = response.ByteSize()
+        if size > self.max_message_bytes:
+            raise _too_large(app, size, self.max_message_bytes)
         return response
 
     async def principal(self, metadata: Mapping[str, str]) -> Principal:
@@ -321,6 +355,29 @@ def _version(version: str) -> None:
         raise OipError(f"version {version!r} is not served (versions: {MODEL_VERSION})", 404)
 
 
+def answer_bytes_at_least(signature: ModelSignature, names: Sequence[str], rows: int) -> int:
+    """The bytes of ``rows`` rows of the outputs ``names`` of ``signature`` in
+    ``raw_output_contents``: those whose sample size the signature fixes (an output of text, or
+    with a ``-1`` past the batch dimension, counts 0: :meth:`GrpcOip._within_limit` checks the
+    answer itself)."""
+    specs = {spec.name: spec for spec in signature.outputs}
+    size = 0
+    for name in names:
+        spec = specs[name]
+        if spec.datatype == "BYTES" or any(d < 0 for d in spec.sample_shape):
+            continue
+        size += rows * math.prod(spec.sample_shape) * spec.dtype.itemsize
+    return size
+
+
+def _too_large(app: str, size: int, limit: int) -> OipError:
+    return OipError(
+        f"app {app!r}: the answer takes {size:,} bytes, past gRPC's message limit of"
+        f" {limit:,} bytes (oip_body_max_bytes): ask for fewer rows or fewer outputs",
+        413,
+    )
+
+
 def request_document(request: Any, remaining_s: float | None) -> tuple[dict[str, Any], bytes]:
     """A ModelInferRequest as the REST route's request: its JSON document and its binary part
     (the raw inputs, in order, each sized by its ``parameters.binary_data_size``)."""
@@ -364,16 +421,35 @@ def request_document(request: Any, remaining_s: float | None) -> tuple[dict[str,
         document["parameters"] = parameters
     if request.outputs:
         document["outputs"] = [_output(o) for o in request.outputs]
+    # REST's check of the binary switches: all gRPC outputs are raw, but a switch that is not a
+    # boolean is the same mistake, and the query forwarded to a dispatcher is REST's.
+    check_binary_switches(document)
     return document, b"".join(raw)
 
 
 def _contents(tensor: Any) -> list[Any]:
+    """An input's typed contents as a list, their count first checked against its declared
+    shape's: a message of 64 MiB of values had been copied, on the event loop, before the route
+    refused it."""
     field = _CONTENTS.get(tensor.datatype)
     if field is None:
         if tensor.datatype == "FP16":
             raise OipError(f"input {tensor.name!r}: FP16 travels in raw_input_contents")
         return []  # the route names the datatype it expected
-    return list(getattr(tensor.contents, field))
+    values = getattr(tensor.contents, field)
+    shape = list(tensor.shape)
+    count = math.prod(shape)
+    if len(values) != count and all(d >= 0 for d in shape):
+        other = next((f for f in _FIELDS if f != field and len(getattr(tensor.contents, f))), None)
+        if other is not None:
+            raise OipError(
+                f"input {tensor.name!r}: {tensor.datatype} values travel in {field}, not {other}"
+            )
+        # The route's words for it.
+        raise OipError(
+            f"input {tensor.name!r}: 'data' holds {len(values)} values, shape {shape} needs {count}"
+        )
+    return list(values)
 
 
 def _output(output: Any) -> dict[str, Any]:
@@ -516,7 +592,8 @@ def attach(app: FastAPI, host: str, port: int, max_message_bytes: int) -> Listen
                     ("grpc.max_send_message_length", max_message_bytes),
                 ]
             )
-            server.add_generic_rpc_handlers((_handlers(GrpcOip(running.state.services)),))
+            service = GrpcOip(running.state.services, max_message_bytes)
+            server.add_generic_rpc_handlers((_handlers(service),))
             address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             bound: int | None = None
             try:

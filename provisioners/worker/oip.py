@@ -19,8 +19,9 @@ row-major flattened list or the same values nested, holding exactly prod(shape) 
 ``shape[0]``, the batch size, is 1..``max_batch_size`` and the same for every input; the other
 dimensions equal the signature's where it fixes them (not ``-1``). Values are cast to the
 signature's numpy type exactly; an integer type takes integers in its range, ``BOOL`` takes
-``true``/``false``, a float type takes numbers finite in it. A refusal is an :class:`OipError`
-(status 400, 404 for an unknown model) whose one-line message names the input.
+``true``/``false``, a float type takes numbers finite in it. An output's only parameter served
+is ``binary_data`` (shared memory and classification are refused, not ignored). A refusal is an
+:class:`OipError` (status 400, 404 for an unknown model) whose one-line message names the input.
 
 Conversion is numpy's (one ``np.asarray`` per tensor), not a loop over values: the worker parses
 every batch on the serving path. A JSON tensor of a numeric type is also searched for booleans
@@ -95,6 +96,10 @@ MAX_MESSAGE_CHARS = 500
 _REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
 _INPUT_KEYS = frozenset({"name", "shape", "datatype", "data", "parameters"})
 _OUTPUT_KEYS = frozenset({"name", "parameters"})
+# The output parameters served: the binary tensor extension's switch. Shared memory
+# (shared_memory_region, ...) and classification (Triton's class_count) would change what is
+# answered, so they are refused rather than ignored.
+_OUTPUT_PARAMETERS = frozenset({"binary_data"})
 
 
 class OipError(Exception):
@@ -237,7 +242,8 @@ def parse_infer_request(
 
 def requested_outputs(entries: object, signature: ModelSignature) -> tuple[str, ...] | None:
     """The ``outputs`` of a request: ``None`` when absent (all of them), else the names asked
-    for, each an output of ``signature`` and asked once."""
+    for, each an output of ``signature`` and asked once, with no parameters but
+    ``binary_data`` (shared memory and classification are not served)."""
     if entries is None:
         return None
     if not isinstance(entries, list):
@@ -255,6 +261,11 @@ def requested_outputs(entries: object, signature: ModelSignature) -> tuple[str, 
         if name not in known:
             raise OipError(
                 f"output {name!r} is not an output of the model (outputs: {', '.join(known)})"
+            )
+        unserved = sorted(set(entry.get("parameters") or ()) - _OUTPUT_PARAMETERS)
+        if unserved:
+            raise OipError(
+                f"output {name!r}: parameters are not served ({', '.join(map(str, unserved))})"
             )
         if name in names:
             raise OipError(f"output {name!r} is asked for twice")
@@ -461,6 +472,10 @@ def with_binary_inputs(
             raise OipError(
                 f"input {name!r} is not an input of the model (inputs: {', '.join(specs)})"
             )
+        # Before the bytes are counted in the input's item size: a wrong datatype is the cause.
+        datatype = entry.get("datatype")
+        if datatype != spec.datatype:
+            raise OipError(f"input {name!r}: datatype {datatype!r}, expected {spec.datatype!r}")
         chunk = binary[offset : offset + size]
         if len(chunk) != size:
             raise OipError(f"input {name!r}: the body ends before its {size} bytes")

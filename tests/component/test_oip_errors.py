@@ -251,6 +251,23 @@ def test_text_that_is_not_utf8_is_a_400_before_the_worker_runs(
             lambda r: r.update(outputs=[{"name": "logits", "parameters": None}]),
             "outputs[0]: 'parameters' must be an object",
         ),
+        (
+            # Shared memory and classification (tritonclient's class_count): not served, and
+            # not ignored (the whole tensor had been answered inline).
+            lambda r: r.update(
+                outputs=[
+                    {
+                        "name": "logits",
+                        "parameters": {
+                            "classification": 2,
+                            "shared_memory_region": "r1",
+                            "binary_data": False,
+                        },
+                    }
+                ]
+            ),
+            "output 'logits': parameters are not served (classification, shared_memory_region)",
+        ),
         (lambda r: r["inputs"][0]["data"].__setitem__(3, True), "FP32 data must be numbers"),
         (lambda r: r["inputs"][0].update(data=[True] * 64), "FP32 data must be numbers"),
     ],

@@ -165,9 +165,10 @@ def test_errors_are_the_rest_answers_as_grpc_codes(served: tuple[ApiWorld, str, 
             client.infer("demo", given(wrong_type, "FP64"), headers=good)
         assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert "datatype 'FP64', expected 'FP32'" in refused.value.message()
-        # Counted for /metrics as REST's answers are: by app and the REST status.
+        # Counted for /metrics as REST's answers are: by app and the REST status (401 and 403
+        # under no app).
         counts = world.app.state.services.requests.snapshot()
-        assert counts[("", 401)] == 6 and counts[("demo", 403)] == 2
+        assert counts[("", 401)] == 6 and counts[("", 403)] == 2
         assert counts[("demo", 400)] == 2 and counts[("", 404)] == 3
         # A version quoted whole had made the message a header past the client's 16 KiB:
         # RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit"), not the refusal.

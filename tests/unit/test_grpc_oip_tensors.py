@@ -5,21 +5,33 @@
 as the array sent; what does not fit is refused naming the input; the call's deadline becomes
 the request's ``parameters.timeout``. A forwarded query's REST answer
 (:func:`controlplane.api.grpc_oip.forwarded_response`) reads back as the dispatcher gave it.
+REST's checks of the binary switches and of output parameters apply; typed contents are counted
+before they are copied; an answer past the message limit is refused (before the workers compute
+it where the signature tells its size).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import httpx
 import numpy as np
 import pytest
 
+from controlplane.api import grpc_oip
 from controlplane.api.forwarding import forward_oip
-from controlplane.api.grpc_oip import DispatcherRefusedError, forwarded_response, request_document
-from controlplane.api.routes.oip import parse_query, raw_bytes
+from controlplane.api.grpc_oip import (
+    DispatcherRefusedError,
+    GrpcOip,
+    answer_bytes_at_least,
+    forwarded_response,
+    request_document,
+)
+from controlplane.api.routes.oip import Answered, parse_query, raw_bytes
 from provisioners.artifacts import DATATYPES, ModelSignature, TensorSpec, datatype_of
 from provisioners.worker.oip import OipError
 
@@ -188,13 +200,11 @@ def test_a_forwarded_refusal_keeps_its_status_message_and_retry_after() -> None:
 
 def test_a_forwarded_query_asks_for_every_output_in_binary() -> None:
     """A gRPC client's ``binary_data`` on an output means nothing over gRPC (its outputs are
-    raw) and was ignored where the query was served; forwarded to the app's dispatcher it
-    reached the REST route, which refuses one that is not a boolean. The forward asks for each
-    output in binary instead, its other parameters kept."""
+    raw); forwarded to the app's dispatcher, a false one would have the REST route answer the
+    output as JSON. The forward asks for each output in binary instead."""
     request: Any = _raw("FP32", _array("FP32"))
     asked = request.outputs.add(name="y")
-    asked.parameters["binary_data"].string_param = "yes"
-    asked.parameters["tag"].int64_param = 7
+    asked.parameters["binary_data"].bool_param = False
     document, binary = request_document(request, None)
     sent: list[httpx.Request] = []
 
@@ -222,5 +232,136 @@ def test_a_forwarded_query_asks_for_every_output_in_binary() -> None:
     length = int(forwarded.headers["inference-header-content-length"])
     header = json.loads(forwarded.content[:length])
     assert header["parameters"]["binary_data_output"] is True
-    assert header["outputs"] == [{"name": "y", "parameters": {"tag": 7}}]
+    assert header["outputs"] == [{"name": "y", "parameters": {}}]
     assert forwarded.content[length:] == binary
+
+
+def test_binary_switches_that_are_not_booleans_are_refused_as_rest_refuses_them() -> None:
+    request: Any = _raw("FP32", _array("FP32"))
+    request.parameters["binary_data_output"].string_param = "x"
+    with pytest.raises(OipError) as refused:
+        request_document(request, None)
+    assert str(refused.value) == "parameters.binary_data_output must be true or false, got str 'x'"
+    request: Any = _raw("FP32", _array("FP32"))  # type: ignore[no-redef]
+    request.outputs.add(name="y").parameters["binary_data"].string_param = "yes"
+    with pytest.raises(OipError, match=r"^outputs\[0\]\.parameters\.binary_data must be true or"):
+        request_document(request, None)
+    request.outputs[0].parameters["binary_data"].bool_param = True
+    assert parse_query(_signature("FP32"), *request_document(request, None)).outputs == ("y",)
+
+
+def test_output_shared_memory_and_classification_are_refused_naming_the_output() -> None:
+    """As ``tritonclient.grpc`` asks for them (``set_shared_memory``, ``class_count``)."""
+    shared = grpcclient.InferRequestedOutput("y")
+    shared.set_shared_memory("region1", 40)
+    classified = grpcclient.InferRequestedOutput("y", class_count=3)
+    for output, named in (
+        (shared, "shared_memory_byte_size, shared_memory_region"),
+        (classified, "classification"),
+    ):
+        request: Any = _raw("FP32", _array("FP32"))
+        request.outputs.append(output._get_tensor())
+        with pytest.raises(OipError) as refused:
+            parse_query(_signature("FP32"), *request_document(request, None))
+        assert str(refused.value) == f"output 'y': parameters are not served ({named})"
+
+
+def test_typed_contents_are_counted_against_the_shape_before_they_are_copied() -> None:
+    """60 MiB of values for a [2, 3] input had been copied into a list on the event loop before
+    the route counted them: now :func:`request_document` refuses them itself, and says which
+    field a datatype's values travel in."""
+    request = pb.ModelInferRequest(model_name="app")
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[2, 3])
+    tensor.contents.fp32_contents.extend([0.5] * 100_000)
+    with pytest.raises(OipError) as refused:
+        request_document(request, None)
+    assert str(refused.value) == "input 'x': 'data' holds 100000 values, shape [2, 3] needs 6"
+    for datatype, field, wrong in (
+        ("FP32", "fp32_contents", "int_contents"),
+        ("BOOL", "bool_contents", "int_contents"),
+        ("INT8", "int_contents", "int64_contents"),
+    ):
+        request = pb.ModelInferRequest(model_name="app")
+        tensor = request.inputs.add(name="x", datatype=datatype, shape=[2, 3])
+        getattr(tensor.contents, wrong).extend([1] * 6)
+        with pytest.raises(OipError) as refused:
+            request_document(request, None)
+        assert str(refused.value) == f"input 'x': {datatype} values travel in {field}, not {wrong}"
+
+
+_WIDE = ModelSignature(
+    (TensorSpec("x", "FP32", (-1, 3)),),
+    (TensorSpec("y", "FP32", (-1, 1000)), TensorSpec("z", "INT8", (-1, -1))),
+)
+
+
+def test_answer_bytes_count_the_outputs_of_known_size() -> None:
+    assert answer_bytes_at_least(_WIDE, ("y", "z"), 3) == 12_000
+    assert answer_bytes_at_least(_WIDE, ("z",), 3) == 0
+
+
+class _Services:
+    forwarder = None
+    store = None
+
+
+def _served(
+    monkeypatch: pytest.MonkeyPatch, outputs: list[tuple[str, str, np.ndarray]]
+) -> list[object]:
+    """:class:`GrpcOip` over a serving loop stood in for: ``_WIDE``'s signature, ``outputs``
+    the answer; the queries sent to it."""
+    sent: list[object] = []
+
+    async def signature_of(*_: object) -> ModelSignature:
+        return _WIDE
+
+    async def serve_parsed(*args: Any) -> Answered:
+        sent.append(args[4])
+        timings = ("total_ms", "queue_ms", "service_ms", "transport_ms", "compute_ms", "api_ms")
+        result = SimpleNamespace(models=("m",), gear="g", late=False, **dict.fromkeys(timings, 0.0))
+        return Answered(None, outputs, result)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(grpc_oip, "serving_of", lambda *_: object())
+    monkeypatch.setattr(grpc_oip, "signature_of", signature_of)
+    monkeypatch.setattr(grpc_oip, "serve_parsed", serve_parsed)
+    return sent
+
+
+def _infer(rows: int, outputs: tuple[str, ...], limit: int) -> Any:
+    request = _raw("FP32", np.zeros((rows, 3), dtype=np.float32))
+    for name in outputs:
+        request.outputs.add(name=name)  # type: ignore[attr-defined]
+    service = GrpcOip(_Services(), max_message_bytes=limit)  # type: ignore[arg-type]
+    call = grpc_oip._Call(None, None)
+    return asyncio.run(service.model_infer(request, None, call))
+
+
+def test_an_answer_past_the_message_limit_is_refused_before_the_workers_compute_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """3 rows of a [1000] FP32 output take 12,000 bytes: past a limit of 10,000 the query is
+    RESOURCE_EXHAUSTED (413) with a message naming the app, the size and the limit, and never
+    sent; 2 rows are answered."""
+    sent = _served(monkeypatch, [("y", "FP32", np.zeros((2, 1000), np.float32))])
+    with pytest.raises(OipError) as refused:
+        _infer(3, ("y",), 10_000)
+    assert refused.value.status == 413 and sent == []
+    assert grpc_oip.grpc_code(413) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    message = str(refused.value)
+    assert message.startswith("app 'app': the answer takes 12,000 bytes")
+    assert "limit of 10,000 bytes" in message and "fewer rows or fewer outputs" in message
+    answer = _infer(2, ("y",), 10_000)
+    assert len(sent) == 1 and len(answer.raw_output_contents[0]) == 8_000
+
+
+def test_an_answer_of_unknown_size_is_measured_before_it_is_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An output whose size the signature leaves open (``z``: [-1, -1]) is computed; an answer
+    past the limit is then refused as one of known size is, not handed to grpc to fail."""
+    sent = _served(monkeypatch, [("z", "INT8", np.zeros((2, 20_000), np.int8))])
+    with pytest.raises(OipError) as refused:
+        _infer(2, ("z",), 10_000)
+    assert refused.value.status == 413 and len(sent) == 1
+    assert "past gRPC's message limit of 10,000 bytes" in str(refused.value)
+    assert len(_infer(2, ("z",), 100_000).raw_output_contents[0]) == 40_000

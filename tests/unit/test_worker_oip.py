@@ -377,3 +377,41 @@ def test_a_binary_nan_or_infinity_is_refused_as_such(value: float, fragment: str
     document, binary = split_infer_body(body, str(length))
     error = refusal(with_binary_inputs(document, binary, TABULAR))
     assert error.status == 400 and f"input 'features': {fragment}" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "named"),
+    [
+        (
+            {"shared_memory_region": "r1", "shared_memory_byte_size": 40},
+            "shared_memory_byte_size, shared_memory_region",
+        ),
+        ({"shared_memory_offset": 0, "binary_data": True}, "shared_memory_offset"),
+        ({"classification": 2}, "classification"),
+    ],
+)
+def test_output_parameters_not_served_are_refused_naming_them(
+    parameters: dict[str, Any], named: str
+) -> None:
+    """Shared memory or classification asked of an output had been ignored: the whole tensor
+    answered inline, not what the client asked for."""
+    error = refusal(request(outputs=[{"name": "logits", "parameters": parameters}]))
+    assert error.status == 400
+    assert str(error) == f"output 'logits': parameters are not served ({named})"
+    served = request(outputs=[{"name": "logits", "parameters": {"binary_data": True}}])
+    assert parse_infer_request(served, TABULAR, max_batch_size=8).outputs == ("logits",)
+
+
+def test_binary_bytes_of_another_datatype_are_refused_for_their_datatype() -> None:
+    """14 bytes declared BYTES for an FP32 input: the datatype is the mistake, not the count
+    of bytes in FP32's item size."""
+    from provisioners.worker.oip import binary_request_body, split_infer_body, with_binary_inputs
+
+    features = np.zeros((1, 13), np.float32)
+    ids = np.zeros((1, 2), np.int64)
+    body, length = binary_request_body([("features", "FP32", features), ("ids", "INT64", ids)])
+    document, binary = split_infer_body(body, str(length))
+    document["inputs"][0]["datatype"] = "BYTES"
+    document["inputs"][0]["parameters"]["binary_data_size"] = 14
+    with pytest.raises(OipError, match="input 'features': datatype 'BYTES', expected 'FP32'"):
+        with_binary_inputs(document, binary[:14] + binary[52:], TABULAR)
