@@ -11,7 +11,7 @@ provisioner.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -480,12 +480,11 @@ def test_the_app_is_planned_again_once_after_the_handover(
     assert decided.count(f"rollout {rollout.id}: {planned}") == 1, decided
 
 
-def test_the_plan_after_the_handover_waits_for_another_rollout_of_the_app(
+def _a_second_rollout_before_the_first_ones_plan(
     handover: Handover, tmp_path: Path
-) -> None:
-    """A second rollout of the app, started once the first was promoted, holds part of the
-    budget with its workers: the first one's plan waits while it is under way, and is made
-    once it is over (here aborted: the app must not keep a plan made for the version before)."""
+) -> tuple[Any, Any, Any, Callable[[], list[str]]]:
+    """The first rollout's handover done and its plan due, a second rollout started: the plan,
+    the two rollouts, and what a loop tick says of the first (its worker's end said already)."""
     from controlplane.loops.rollouts import ROUTE_GRACE_S
 
     clock, store = handover.clock, handover.store
@@ -509,6 +508,17 @@ def test_the_plan_after_the_handover_waits_for_another_rollout_of_the_app(
         return [t.what for t in loop.tick() if t.rollout_id == first.id]
 
     assert said() == ["ended 1 worker(s) of the new version"]
+    return plan, first, second, said
+
+
+def test_the_plan_after_the_handover_waits_for_another_rollout_of_the_app(
+    handover: Handover, tmp_path: Path
+) -> None:
+    """A second rollout of the app, started once the first was promoted, holds part of the
+    budget with its workers: the first one's plan waits while it is under way, and is made
+    once it is over (here aborted: the app must not keep a plan made for the version before)."""
+    store = handover.store
+    plan, first, second, said = _a_second_rollout_before_the_first_ones_plan(handover, tmp_path)
     assert said() == [] and said() == []  # waiting for the second
     assert "planned" not in store.get_rollout(APP, first.id).figures["handover"]
     store.move_rollout(store.get_rollout(APP, second.id), state="aborted", reason="test")
@@ -525,29 +535,8 @@ def test_the_plan_after_the_handover_leaves_the_app_to_a_rollout_promoted_since(
     of the second one's handover, for the second one's version (a tester's sweep). It waits
     through that handover too, and is then left to the second, which plans the app after its
     own handover: the first says so, once."""
-    from controlplane.loops.rollouts import ROUTE_GRACE_S
-
     clock, store = handover.clock, handover.store
-    handover.rate_plan()
-    (first,) = store.list_rollouts(APP)
-    store.move_rollout(
-        first,
-        figures={
-            "handover": {
-                **first.figures["handover"],
-                "plan_after": True,
-                "done_at": clock.utcnow().isoformat(),
-            }
-        },
-    )
-    second = handover.start()
-    loop = handover.loop(tmp_path)
-    clock.advance(ROUTE_GRACE_S)
-
-    def said() -> list[str]:
-        return [t.what for t in loop.tick() if t.rollout_id == first.id]
-
-    assert said() == ["ended 1 worker(s) of the new version"]
+    _plan, first, second, said = _a_second_rollout_before_the_first_ones_plan(handover, tmp_path)
     promoted_at = clock.utcnow().isoformat()
     running = store.move_rollout(store.get_rollout(APP, second.id), state="running", reason="test")
     store.move_rollout(
