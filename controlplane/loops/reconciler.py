@@ -971,13 +971,6 @@ def _match(
         )
 
 
-def _plans_spot(app: AppRecord) -> bool:
-    """Whether ``app``'s spec has spot on (its ``spot`` block): it then says which of its
-    instances run on spot and which on demand, each launch tagged with its market."""
-    spot = app.spec.get("spot")
-    return isinstance(spot, Mapping) and bool(spot.get("enabled"))
-
-
 def _missing_s(row: _Row, now: datetime, missing_since: Mapping[str, datetime] | None) -> float:
     """How long rule 3 takes ``row``'s machine to have been missing from the provider's list:
     since the row's last update, and no longer than since the first tick that found it missing
@@ -2882,7 +2875,8 @@ class Reconciler:
             )
         plan = "none" if app.applied_plan_id is None else str(app.applied_plan_id)
         ran_on_demand: set[str] = set()  # types whose spot launch this tick ran on demand
-        own_market = _plans_spot(app)
+        # An app with spot on says which of its instances run on spot and which on demand.
+        own_market = app.spot_enabled
         for launch, row in rows:
             if row.market == "spot" and launch.instance_type in ran_on_demand:
                 # Priced at spot, it would run on demand too, over what the budget was told:

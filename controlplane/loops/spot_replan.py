@@ -112,8 +112,7 @@ class SpotReplanner:
         return each_planned_app(self._store, self._reference, self._check, "spot")
 
     def _check(self, app: AppRecord) -> bool:
-        spot = app.spec.get("spot")
-        if not isinstance(spot, Mapping) or spot.get("enabled") is not True:
+        if not app.spot_enabled:
             return False  # no spot bought: nothing to resolve every tick
         plan = self._store.get_applied_plan(app.name)
         if plan is None:

@@ -3,6 +3,7 @@ and how a row becomes one."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -40,6 +41,12 @@ class AppRecord:
     version: int
     created_at: datetime
     updated_at: datetime
+
+    @property
+    def spot_enabled(self) -> bool:
+        """Whether the stored spec turns spot on (its ``spot`` block's ``enabled``)."""
+        spot = self.spec.get("spot")
+        return isinstance(spot, Mapping) and spot.get("enabled") is True
 
 
 @dataclass(frozen=True, slots=True)
