@@ -46,6 +46,7 @@ from starlette.concurrency import run_in_threadpool
 
 from controlplane.api.deps import Services, ServicesDep
 from controlplane.api.errors import ApiError, unauthorized
+from controlplane.api.routes import APP_NAME_MAX, APP_NAME_PATTERN
 from controlplane.apps.resolver import smallest_common_batch_size
 from controlplane.dashboard.ranking import RankingCache, bound_ranking
 from controlplane.dashboard.session import (
@@ -142,7 +143,7 @@ def _page(body: str, status: int = 200) -> Response:
 
 
 _ENDED = "Your sign-in has ended (signed out, expired, or its token revoked): sign in again."
-_APP_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$"  # the spec's app names
+_APP_NAME_PATTERN = f"^{APP_NAME_PATTERN}$"
 _APP_NAME = re.compile(_APP_NAME_PATTERN)
 _DECISION_KIND = re.compile(r"^[a-z0-9_]{1,32}$")
 
@@ -153,7 +154,7 @@ def _return_query(request: Request) -> str:
     query = request.query_params
     kept: dict[str, str] = {}
     app = query.get("app", "")
-    if len(app) <= 63 and _APP_NAME.match(app):
+    if len(app) <= APP_NAME_MAX and _APP_NAME.match(app):
         kept["app"] = app
     try:
         window_s = float(query.get("window_s", ""))
@@ -431,7 +432,7 @@ def data(
     who: Annotated[Principal, Depends(viewer)],
     app: Annotated[
         str | None,
-        Query(pattern=_APP_NAME_PATTERN, max_length=63),
+        Query(pattern=_APP_NAME_PATTERN, max_length=APP_NAME_MAX),
     ] = None,
     window_s: Annotated[
         float, Query(ge=MIN_WINDOW_S, le=MAX_WINDOW_S, allow_inf_nan=False)
