@@ -104,7 +104,7 @@ from controlplane.api.routes.oip import (
 from controlplane.db.store import Principal
 from controlplane.policies.auth import Scope
 from provisioners.artifacts import ArtifactError, ModelSignature, numpy_dtype
-from provisioners.worker.oip import MODEL_VERSION, OipError, model_metadata
+from provisioners.worker.oip import MODEL_VERSION, OipError, model_metadata, value_count_error
 
 __all__ = [
     "SERVICE",
@@ -445,10 +445,7 @@ def _contents(tensor: Any) -> list[Any]:
             raise OipError(
                 f"input {tensor.name!r}: {tensor.datatype} values travel in {field}, not {other}"
             )
-        # The route's words for it.
-        raise OipError(
-            f"input {tensor.name!r}: 'data' holds {len(values)} values, shape {shape} needs {count}"
-        )
+        raise value_count_error(tensor.name, len(values), shape)
     return list(values)
 
 

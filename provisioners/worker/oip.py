@@ -77,6 +77,7 @@ __all__ = [
     "requested_outputs",
     "split_infer_body",
     "tensor_values",
+    "value_count_error",
     "with_binary_inputs",
 ]
 
@@ -291,10 +292,16 @@ def decode_tensor(entry: Mapping[str, Any], spec: TensorSpec, *, max_batch_size:
     count = math.prod(shape)
     array = tensor_values(data, spec)
     if array.size != count:
-        raise OipError(
-            f"input {name!r}: 'data' holds {array.size} values, shape {list(shape)} needs {count}"
-        )
+        raise value_count_error(name, array.size, shape)
     return array.reshape(shape)
+
+
+def value_count_error(name: str, held: int, shape: Sequence[int]) -> OipError:
+    """The refusal of an input whose values are not as many as its ``shape`` holds (REST's
+    ``data``, gRPC's typed contents alike)."""
+    return OipError(
+        f"input {name!r}: 'data' holds {held} values, shape {list(shape)} needs {math.prod(shape)}"
+    )
 
 
 def _check_parameters(entry: Mapping[str, Any], field: str) -> None:
