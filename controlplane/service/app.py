@@ -249,8 +249,9 @@ class ServiceApp(FastAPI):
     front: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _has_encoded_slash(scope):
-            await _encoded_slash_answer(scope)(scope, receive, send)
+        refusal = _encoded_slash_answer(scope) if scope["type"] == "http" else None
+        if refusal is not None:
+            await refusal(scope, receive, send)
             return
         front = self.front
         if front is None or scope["type"] != "http":
@@ -264,21 +265,17 @@ class ServiceApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def _has_encoded_slash(scope: Scope) -> bool:
-    """Whether the request's path as sent (``raw_path``, before the server decoded it) holds
-    ``%2F`` or ``%2f``."""
+def _encoded_slash_answer(scope: Scope) -> JSONResponse | None:
+    """The 404 of a path whose form as sent (``raw_path``, before the server decoded it) holds
+    ``%2F`` or ``%2f``, in the API's error shape (the Open Inference Protocol's
+    ``{"error": "..."}`` on ``/v2``); None for any other path."""
     raw: bytes = scope.get("raw_path") or b""
     path = raw.partition(b"?")[0]  # a query string may hold one
-    return b"%2F" in path or b"%2f" in path
-
-
-def _encoded_slash_answer(scope: Scope) -> JSONResponse:
-    """The 404 of a path with an encoded slash, in the API's error shape (the Open Inference
-    Protocol's ``{"error": "..."}`` on ``/v2``)."""
-    raw = scope["raw_path"].partition(b"?")[0].decode("latin-1")
+    if b"%2F" not in path and b"%2f" not in path:
+        return None
     message = (
-        f"no route {scope['method']} {raw}: a path with an encoded '/' (%2F) names nothing"
-        " (no app or model name holds a '/')"
+        f"no route {scope['method']} {path.decode('latin-1')}: a path with an encoded '/' (%2F)"
+        " names nothing (no app or model name holds a '/')"
     )
     document = error_document(is_oip_path(scope["path"]), "not_found", message)
     return JSONResponse(document, status_code=404)
