@@ -99,14 +99,26 @@ def states(*provider_ids: str) -> dict[str, str]:
     return {i["InstanceId"]: i["State"]["Name"] for r in found for i in r["Instances"]}
 
 
+def answered_lookups(subnet_id: str, answer: Answer) -> Ec2Provisioner:
+    """A provisioner in ``subnet_id`` whose DescribeInstances ``answer`` answers, one try."""
+    return Ec2Provisioner(
+        Ec2Config(REGION, (subnet_id,), ami_id=AMI, max_attempts=1),
+        session_answering("before-send.ec2.DescribeInstances", answer),
+    )
+
+
+def run_one_instance() -> str:
+    """An instance run straight through boto3 (moto): its id."""
+    ec2: Any = boto3.client("ec2", region_name=REGION)
+    raw = ec2.run_instances(ImageId=AMI, InstanceType="t3.large", MinCount=1, MaxCount=1)
+    return str(raw["Instances"][0]["InstanceId"])
+
+
 def test_a_budget_cut_terminates_while_describe_instances_is_throttled(subnet_id: str) -> None:
     """A throttled lookup used to fail the termination ("terminate failed (throttled:
     DescribeInstances ...)"): the instances ran on until the throttle ended."""
     throttle = Answer()
-    provisioner = Ec2Provisioner(
-        Ec2Config(REGION, (subnet_id,), ami_id=AMI, max_attempts=1),
-        session_answering("before-send.ec2.DescribeInstances", throttle),
-    )
+    provisioner = answered_lookups(subnet_id, throttle)
     launched = provisioner.launch(LaunchRequest("r-1", "t3.large", 2, {}))
     ids = [i.provider_id for i in launched]
     throttle.body = THROTTLED
@@ -122,27 +134,16 @@ def test_a_lookup_that_fails_for_good_still_fails_the_terminate(subnet_id: str) 
     refused = Answer(
         status=403, body=THROTTLED.replace("RequestLimitExceeded", "UnauthorizedOperation")
     )
-    provisioner = Ec2Provisioner(
-        Ec2Config(REGION, (subnet_id,), ami_id=AMI, max_attempts=1),
-        session_answering("before-send.ec2.DescribeInstances", refused),
-    )
-    ec2: Any = boto3.client("ec2", region_name=REGION)
-    raw = ec2.run_instances(ImageId=AMI, InstanceType="t3.large", MinCount=1, MaxCount=1)
-    pid = raw["Instances"][0]["InstanceId"]
+    provisioner = answered_lookups(subnet_id, refused)
+    pid = run_one_instance()
     with pytest.raises(ProvisionerError, match="UnauthorizedOperation"):
         provisioner.terminate([pid])
     assert states(pid)[pid] == "running"
 
 
 def test_terminating_by_id_skips_an_id_ec2_does_not_know(subnet_id: str) -> None:
-    throttle = Answer(body=THROTTLED)
-    provisioner = Ec2Provisioner(
-        Ec2Config(REGION, (subnet_id,), ami_id=AMI, max_attempts=1),
-        session_answering("before-send.ec2.DescribeInstances", throttle),
-    )
-    ec2: Any = boto3.client("ec2", region_name=REGION)
-    raw = ec2.run_instances(ImageId=AMI, InstanceType="t3.large", MinCount=1, MaxCount=1)
-    ours = raw["Instances"][0]["InstanceId"]
+    provisioner = answered_lookups(subnet_id, Answer(body=THROTTLED))
+    ours = run_one_instance()
     provisioner.terminate(["i-0000000000000dead", ours])
     assert states(ours)[ours] in {"shutting-down", "terminated"}
 
