@@ -46,11 +46,13 @@ length per gear, step 6):
    r* >= hi (ties: the faster); with an accuracy SLO, the finalist with A >= the floor and the
    lowest predicted tail latency at hi (interpolated from its bisection probes). A range no
    finalist serves within the SLO gets the fastest (or, with an accuracy floor none meets, the
-   most accurate) and is marked ``meets_slo = False``. With a latency SLO the first range is
-   split at the r* of every finalist more accurate than its gear whose r* falls inside it
-   (:func:`_split_first`; since 2026-12-01): q_max / n_ranges can exceed every accurate
-   cascade's r* when a fast one sustains far more, and the accurate ones then served no load at
-   all, not even the lowest.
+   most accurate) and is marked ``meets_slo = False``; so is a range whose floor-meeting
+   cascade does not sustain its top (r* < hi: accurate enough, not fast enough). With a latency
+   SLO the first range is split at the r* of every finalist more accurate than its gear whose
+   r* falls inside it (:func:`_split_first`; since 2026-12-01): q_max / n_ranges can exceed
+   every accurate cascade's r* when a fast one sustains far more, and the accurate ones then
+   served no load at all, not even the lowest; with an accuracy floor, a first range that does
+   not meet the SLO is split at the r* of each cascade meeting the floor inside it.
 6. *SP4, the minimum queue length* (section 4.5; :func:`choose_min_queue`). Online, a stage
    starts a batch only once its queue holds at least its minimum queue length (the batch then
    takes the queue up to its cap). For each gear [lo, hi) that meets the SLO, the minimum m of
@@ -918,26 +920,27 @@ def _split_first(
     q_max over n_ranges can exceed the r* of every more accurate one, which then served no range
     at all, not even at the lowest loads (an app answered by its 70% model at 5 q/s where its
     100% cascade sustains 36); where the first range's gear misses the SLO (its top is past
-    every r*), at every r* inside it. With a latency SLO only: an accuracy floor picks by tail
-    latency."""
-    if accuracy_floor is not None or not gears:
+    every r*), at every r* inside it. With an accuracy floor the gears are picked by tail
+    latency among the cascades that meet it, so the first range is cut only where its gear
+    misses the SLO, at the r* of each of those cascades inside it: the loads below one are
+    served within both halves of the SLO."""
+    if not gears:
         return gears
     first = gears[0]
-    chosen = options[first.option].quality.accuracy
-    # A first range past what every option sustains (a qps_max far above them) is cut at each
-    # r* in it too: the loads below one are served within the SLO, whatever the range's top.
-    cuts = sorted(
-        {
-            o.max_qps
-            for o in options
-            if (o.quality.accuracy > chosen or not first.meets_slo)
-            and first.low_qps < o.max_qps < first.high_qps
-        }
-    )
+    if accuracy_floor is None:
+        chosen = options[first.option].quality.accuracy
+        # A first range past what every option sustains (a qps_max far above them) is cut at
+        # each r* in it too: the loads below one are served within the SLO, whatever the top.
+        cutting = [o for o in options if o.quality.accuracy > chosen or not first.meets_slo]
+    elif first.meets_slo:
+        return gears
+    else:
+        cutting = [o for o in options if o.accuracy >= accuracy_floor]
+    cuts = sorted({o.max_qps for o in cutting if first.low_qps < o.max_qps < first.high_qps})
     if not cuts:
         return gears
     bounds = [first.low_qps, *cuts, first.high_qps]
-    head = tuple(_gear(options, lo, hi, None) for lo, hi in itertools.pairwise(bounds))
+    head = tuple(_gear(options, lo, hi, accuracy_floor) for lo, hi in itertools.pairwise(bounds))
     return head + gears[1:]
 
 
@@ -967,7 +970,9 @@ def _gear(
             -options[i].accuracy,
         ),
     )
-    return Gear(low, high, best, True)
+    # Accurate enough is half the SLO: the range meets it only where that cascade also sustains
+    # the range's top within the latency bound (r* >= hi, as without a floor).
+    return Gear(low, high, best, options[best].max_qps >= high)
 
 
 # --- switching -------------------------------------------------------------------------------
