@@ -3,9 +3,10 @@
 A variant is a cascade the app's stages can serve: the app's own cascade, the gear in force and
 each of its models alone. :class:`AppVariants` owns what each is worth now:
 
-- its **quality** on the validation records (accuracy, and the share of samples that reach each
-  of its stages: :func:`estimator.cascades.evaluate`); without records, accuracy 0 (unknown) and
-  every stage reached;
+- its **quality** on the validation records (accuracy on their held-out half, the figure the
+  plan reports, and the share of samples that reach each of its stages:
+  :func:`estimator.cascades.evaluate`); without records, accuracy 0 (unknown) and every stage
+  reached;
 - its **load** (:meth:`AppVariants.loads`: per stage it reaches, the backlog, the capacity at the
   gear's batch cap and the fastest service time, as
   :class:`~controlplane.serving.admission.StageLoad`), which admission control judges and from
@@ -63,13 +64,18 @@ class AppVariants:
 
     def reach(self, cascade: Cascade) -> tuple[float, tuple[float, ...]]:
         """(accuracy, reach share per stage) of ``cascade`` on the validation records; without
-        records, accuracy 0 (unknown) and every stage reached."""
+        records, accuracy 0 (unknown) and every stage reached. The accuracy is the held-out one
+        (on the *score* half of the records, docs/cascades.md, "The held-out protocol"), the
+        figure plans, gears and an SLO's accuracy floor use: the spec's thresholds may have been
+        chosen on the other half. The reach shares are over every record."""
         found = self._quality.get(cascade)
         if found is None:
             records = self.config.validation
             if records is not None and all(m in records.models for m in cascade.models):
                 quality = evaluate(cascade, records)
-                found = (quality.accuracy, quality.reach_share)
+                _, score = records.split()
+                accuracy = evaluate(cascade, score).accuracy if score.n_samples else quality.accuracy
+                found = (accuracy, quality.reach_share)
             else:
                 found = (0.0, (1.0,) * len(cascade.models))
             self._quality[cascade] = found

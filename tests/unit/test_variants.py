@@ -112,3 +112,23 @@ def test_gear_options_predict_latency_at_the_load() -> None:
     choice = choose(Requirements("digits", latency_ms=120.0), low)
     assert choice.met
     assert choice.option.cost_usd_per_query == min(o.cost_usd_per_query for o in low)
+
+
+def test_a_variants_accuracy_is_the_held_out_one_the_plan_reports() -> None:
+    """A model-less query's floor was checked against the accuracy on every record, half of
+    which the thresholds were chosen on: a query asking for 98% was answered by a cascade the
+    plan scores at 97.2% held-out. The variants now use the score half, as plans and gears do."""
+    from types import SimpleNamespace
+
+    from controlplane.serving.variants import AppVariants
+    from estimator.cascades import Cascade, evaluate
+    from tests.unit.test_cascades import overfit_records
+
+    records = overfit_records()
+    variants = AppVariants(SimpleNamespace(validation=records), {}, None)  # type: ignore[arg-type]
+    cascade = Cascade(("tiny", "large"), (0.9,))
+    _, score = records.split()
+    accuracy, reach = variants.reach(cascade)
+    assert accuracy == evaluate(cascade, score).accuracy
+    assert accuracy < evaluate(cascade, records).accuracy
+    assert reach == evaluate(cascade, records).reach_share
