@@ -122,7 +122,10 @@ Past the paper, the fleet moves under the switcher (``controlplane.policies.tune
 - ``budget_capped``: the tuner reports that the budget stops a scale-up, so capacity will not
   come. The switcher then holds its current gear against downshifts for ``cap_hold_s`` after the
   last such report: the load the budget cannot buy is absorbed by the faster gear, not by
-  oscillating between gears while the tuner keeps reporting the same shortfall.
+  oscillating between gears while the tuner keeps reporting the same shortfall. Only a report
+  made while the load is still in the gear's range (at or above its dead band) extends the
+  hold: the tuner sizes on a minute's memory and reports the cap for that long after the load
+  has gone, which held the least accurate gear for a minute at zero load.
 """
 
 from __future__ import annotations
@@ -1133,11 +1136,15 @@ def switch(
         raise CascadeError("first_queue_len", f"must be >= 0, got {first_queue_len}")
     plan, rule, current = state.plan, state.hysteresis, state.gear
     effective = measured_qps / capacity_share
-    capped_until = now_s + state.cap_hold_s if budget_capped else state.capped_until_s
     seen = f"{measured_qps:.6g} qps measured"
     if capacity_share != 1.0:
         seen += f", {effective:.6g} qps on the planned capacity (share {capacity_share:.3g})"
     line = plan.gears[current].low_qps * (1.0 - rule.band_share)
+    # A cap report extends the hold only while the load is still in the gear's range (at or
+    # above its band): the tuner remembers its peak for a minute and reports the cap for as
+    # long, where the load the budget could not buy may have ended (a gear held at zero load).
+    capped_now = budget_capped and effective >= line
+    capped_until = now_s + state.cap_hold_s if capped_now else state.capped_until_s
     below_since = None
     if current > 0 and effective < line:
         below_since = now_s if state.below_since_s is None else state.below_since_s

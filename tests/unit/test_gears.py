@@ -408,10 +408,17 @@ def test_the_tuners_tick_feeds_the_switcher(plan: GearPlan) -> None:
     capped = ScalingDecision(
         3.0, "large", "budget_capped", family.TYPE, 2, "budget_capped: ...", 0.68
     )
-    decision, state = switch_with_tuner(
+    top = plan.gears[-1].low_qps
+    decision, held = switch_with_tuner(
+        top, 0, state, 3.0, decisions=[capped], ready={}, profiles=profiles
+    )
+    assert decision.gear == len(plan.gears) - 1 and held.capped_until_s > 3.0
+    # A report made at a load below the gear's range (the tuner's memory of a load gone) does
+    # not extend the hold.
+    _, after = switch_with_tuner(
         0.0, 0, state, 3.0, decisions=[capped], ready={}, profiles=profiles
     )
-    assert decision.gear == len(plan.gears) - 1 and state.capped_until_s > 3.0
+    assert after.capped_until_s == state.capped_until_s
     # Half the large stage still boots: the load reads as twice what was measured.
     half = {"large": {family.TYPE: 1}}
     free = GearSwitcher(plan, gear=0)
