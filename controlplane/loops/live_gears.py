@@ -256,6 +256,9 @@ class LiveGears:
         self._hysteresis = Hysteresis() if hysteresis is None else hysteresis
         self._apps: dict[str, _AppGears] = {}
         self._serving: dict[str, ServingGear] = {}
+        # Per app, the (plan id, the spec's serving order) whose gear plan was set aside because
+        # the spec's cascade is not the plan's any more (recorded once, not every refresh).
+        self._set_aside: dict[str, tuple[int, tuple[str, ...]]] = {}
         self._lock = threading.Lock()  # _apps and _serving (read by the serving loop)
         self._ticking = threading.RLock()  # one refresh or switch at a time
         # The spot prices now (the reconciler's, docs/spot.md): the affordable share costs spot
@@ -392,6 +395,33 @@ class LiveGears:
             self._apps.pop(app, None)
             self._serving.pop(app, None)
 
+    def _aside(self, app: AppRecord, plan_id: int, planned: tuple[str, ...]) -> bool:
+        """Whether the applied plan's gear plan is set aside because the app's spec now serves
+        another cascade than the gear plan's ``planned`` order (models or order replaced by ``PUT``
+        or ``app apply`` since the plan was made): its gears were chosen among the old models,
+        and the spec's own cascade serves until a plan is made for the new one. Recorded as a
+        ``gear_switch`` once per plan and cascade."""
+        spec = app.spec
+        cascade = spec.get("cascade")
+        if not isinstance(cascade, list):
+            cascade = [m.get("name") for m in spec.get("models", ()) if isinstance(m, Mapping)]
+        serving = tuple(str(m) for m in cascade)
+        if serving == planned:
+            self._set_aside.pop(app.name, None)
+            return False
+        if self._set_aside.get(app.name) != (plan_id, serving):
+            self._set_aside[app.name] = (plan_id, serving)
+            self._forget(app.name)
+            self._store.record_decision(
+                app.name,
+                "gear_switch",
+                f"gear plan of plan {plan_id} set aside: it was made for the cascade"
+                f" {' -> '.join(planned)}, the spec now serves {' -> '.join(serving)} (its own"
+                " thresholds); plan the app again for gears of this cascade",
+                {"plan_id": plan_id, "cascade": " -> ".join(serving)},
+            )
+        return True
+
     def _measured_qps(self, app: str, now_s: float) -> float | None:
         """Arrivals per second over the sliding window; None for an app not served yet."""
         observed = self._arrivals(app)
@@ -407,6 +437,11 @@ class LiveGears:
         document = plan_record.plan.gear_plan if plan_record is not None else None
         if plan_record is None or not document:
             self._forget(app.name)
+            self._set_aside.pop(app.name, None)
+            return
+        order = document.get("order")
+        planned = tuple(str(m) for m in order) if isinstance(order, list) else ()
+        if planned and self._aside(app, plan_record.id, planned):
             return
         with self._lock:
             tracked = self._apps.get(app.name)

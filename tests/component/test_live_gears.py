@@ -714,3 +714,32 @@ def test_an_app_deleted_during_a_refresh_is_forgotten_without_failing_the_tick(
     store.delete_app(APP)
     gears.refresh(apps=listed)
     assert gears.in_force() == {} and gears.gear(APP) is None
+
+
+def test_a_spec_serving_another_cascade_sets_the_gear_plan_aside(
+    store: Store, tmp_path: Path
+) -> None:
+    """`app apply` with the cascade's order replaced kept the old plan's gears in force (any
+    gear whose models were still stages) with no decision: the gear plan is set aside now, once,
+    and comes back when the spec serves the plan's cascade again."""
+    clock, loop, gears = started(store, tmp_path)
+    loop.rate(15.0, clock.now_s())
+    gears.tick()
+    assert gears.gear(APP) is not None
+    spec = dict(store.get_app(APP).spec)
+    store.update_app(APP, {**spec, "cascade": ["large", "tiny"]}, who="test")
+    for _ in range(2):
+        clock.advance(1.0)
+        loop.rate(15.0, clock.now_s())
+        gears.tick()
+        assert gears.gear(APP) is None and APP not in gears.in_force()
+    aside = [d for d in store.list_decisions(APP, kinds=["gear_switch"]) if "aside" in d.reason]
+    assert len(aside) == 1
+    assert "made for the cascade tiny -> large, the spec now serves large -> tiny" in (
+        aside[0].reason
+    )
+    store.update_app(APP, spec, who="test")
+    clock.advance(1.0)
+    loop.rate(15.0, clock.now_s())
+    gears.tick()
+    assert gears.gear(APP) is not None
