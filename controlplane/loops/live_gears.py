@@ -67,6 +67,7 @@ from controlplane.loops.live_tuner import ArrivalSource, ResolveFn
 from controlplane.policies.gears import (
     ALPHA,
     DEFAULT_CAP_HOLD_S,
+    NO_CAPACITY_SHARE,
     GearDecision,
     GearPlan,
     GearSwitcher,
@@ -188,7 +189,7 @@ def ready_share(
 
     def solve() -> float:
         rates, demand = _rates_and_demand(plan, caps, profiles)
-        return max(pooled_share(groups, rates, demand), 1e-6)
+        return max(pooled_share(groups, rates, demand), NO_CAPACITY_SHARE)
 
     key = (frozenset(groups.items()), frozenset(caps.items()))
     return solve() if cache is None else _cached(cache, key, solve)
@@ -388,7 +389,7 @@ class LiveGears:
         )
         if cost <= app.budget_usd_per_hr or cost <= 0:
             return 1.0
-        return max(app.budget_usd_per_hr / cost, 1e-6)
+        return max(app.budget_usd_per_hr / cost, NO_CAPACITY_SHARE)
 
     def _forget(self, app: str) -> None:
         with self._lock:
@@ -518,7 +519,7 @@ class LiveGears:
                 key,
                 lambda: kept_share(tracked.plan, tracked.kept, caps, tracked.profiles),
             )
-            left = max(tracked.affordable * kept, 1e-6)
+            left = max(tracked.affordable * kept, NO_CAPACITY_SHARE)
             if left < share * (1.0 - 1e-9):  # a drain that leaves what serves is no cut
                 budget_cut, share = True, left
         first = tracked.state.option.cascade.models[0]

@@ -171,6 +171,7 @@ __all__ = [
     "DEFAULT_UP_DWELL_S",
     "GUARD_FILLS",
     "GUARD_SLO_SHARE",
+    "NO_CAPACITY_SHARE",
     "PLAN_QUERIES",
     "PLAN_UTILISATION_CAP",
     "CascadePlacement",
@@ -204,6 +205,9 @@ DEFAULT_RANGES = 8
 # second and repeats the report every tick while short, so a few ticks without one mean the cap
 # has cleared.
 DEFAULT_CAP_HOLD_S = 5.0
+# The capacity share that stands for none ready (the live switcher's floor: the share is a
+# divisor): the fastest gear serves.
+NO_CAPACITY_SHARE = 1e-6
 # The switcher's hysteresis (module docstring, "Hysteresis"; the reasons and the measurement are
 # in docs/gear-switching.md, "Hysteresis"). The band: a 5 s window of Poisson arrivals at the
 # demo's 12 qps counts 60 queries, one standard deviation 13%; 25% is about two of them, so a
@@ -1137,7 +1141,11 @@ def switch(
     plan, rule, current = state.plan, state.hysteresis, state.gear
     effective = measured_qps / capacity_share
     seen = f"{measured_qps:.6g} qps measured"
-    if capacity_share != 1.0:
+    if capacity_share <= NO_CAPACITY_SHARE:
+        # The callers' floor for no capacity ready at all (every worker down or booting): the
+        # load over it is a number of no meaning to a reader.
+        seen += ", no planned capacity ready"
+    elif capacity_share != 1.0:
         seen += f", {effective:.6g} qps on the planned capacity (share {capacity_share:.3g})"
     line = plan.gears[current].low_qps * (1.0 - rule.band_share)
     # A cap report extends the hold only while the load is still in the gear's range (at or

@@ -15,6 +15,7 @@ import pytest
 from controlplane.cli import main
 from controlplane.policies.gears import (
     ALPHA,
+    NO_CAPACITY_SHARE,
     CascadePlacement,
     Gear,
     GearDecision,
@@ -755,3 +756,14 @@ def test_with_an_accuracy_floor_a_range_past_the_cascades_rate_does_not_meet_the
     below, above = _gear(options, 10.0, 19.8, 0.96), _gear(options, 19.8, 24.0, 0.96)
     assert (below.option, below.meets_slo) == (0, True)
     assert (above.option, above.meets_slo) == (0, False)
+
+
+def test_a_switch_with_no_capacity_ready_says_so() -> None:
+    """Every worker down: the decision read "4 qps measured, 4e+06 qps on the planned capacity
+    (share 1e-06)", the divisor's floor shown to the user."""
+    plan = fake_plan()
+    state = GearSwitcher(plan, gear=0, hysteresis=Hysteresis.off())
+    decision, _ = switch(4.0, 0, state, 1.0, capacity_share=NO_CAPACITY_SHARE)
+    assert decision.gear == len(plan.gears) - 1
+    assert decision.reason.startswith("4 qps measured, no planned capacity ready: up from")
+    assert "e+" not in decision.reason
