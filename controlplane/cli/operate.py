@@ -631,7 +631,15 @@ def events(args: argparse.Namespace) -> int:
             wanted = f"no events of kind {', '.join(kinds or ())}"
             if not present:
                 return f"{wanted}; {args.app}'s log is empty"
-            return f"{wanted}; the kinds in {args.app}'s log: {', '.join(present)}"
+            if any(k not in present for k in kinds or ()):
+                return f"{wanted}; the kinds in {args.app}'s log: {', '.join(present)}"
+            # Every kind asked for is in the log: what left none is the other options.
+            why = []
+            if args.since:
+                why.append(f"since {args.since}")
+            if set(kinds or ()) <= set(excluded or ()):
+                why.append("--exclude-kind excludes them")
+            return f"{wanted}" + (f" ({'; '.join(why)})" if why else "")
         if not merged:
             return "no events"
         if args.no_collapse:

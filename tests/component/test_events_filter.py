@@ -231,3 +231,23 @@ def test_a_kind_no_event_has_names_only_the_kinds_there(
         0,
         "no events of kind scale_up; the kinds in decided's log: scale_down",
     )
+
+
+def test_a_kind_in_the_log_left_out_by_the_other_options_says_which(
+    service: Service, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--kind gear_switch --since LATER` and `--kind gear_switch --exclude-kind gear_switch`
+    listed the log's kinds, gear_switch among them, as if the kind were misspelt."""
+    later = (FAKE_EPOCH + timedelta(days=365)).isoformat()
+    status, out, _ = cli(
+        capsys, service, "events", "--app", APP, "--kind", "gear_switch", "--since", later
+    )
+    assert (status, out.strip()) == (0, f"no events of kind gear_switch (since {later})")
+    status, out, _ = cli(
+        capsys, service, "events", "--app", APP, "--kind", "gear_switch",
+        "--exclude-kind", "gear_switch",
+    )  # fmt: skip
+    assert (status, out.strip()) == (
+        0,
+        "no events of kind gear_switch (--exclude-kind excludes them)",
+    )
