@@ -178,11 +178,16 @@ def human(data: dict[str, Any], plan: GearPlan) -> str:
             f" {option.max_qps:>10.1f} qps  batch caps {caps}"
         )
     lines.append("  gears:")
+    # Enough decimals that every range's bounds differ (one for the usual ranges of several
+    # qps; `--qps-max 0.001 --ranges 2` printed two ranges of [0.0, 0.0)).
+    width = min((g.high_qps - g.low_qps for g in plan.gears if g.high_qps > g.low_qps), default=1)
+    digits = min(max(1, math.ceil(-math.log10(width)) + 1), 9)
     for gear in plan.gears:
         option = plan.options[gear.option]
         flag = "" if gear.meets_slo else "  (does not meet the SLO)"
         lines.append(
-            f"    [{gear.low_qps:>9.1f}, {gear.high_qps:>9.1f}) qps: {option.cascade.label}"
+            f"    [{gear.low_qps:>9.{digits}f}, {gear.high_qps:>9.{digits}f}) qps:"
+            f" {option.cascade.label}"
             f" ({100 * option.accuracy:.2f}% held-out, {100 * option.quality.accuracy:.2f}%"
             f" in-sample){flag}"
         )

@@ -566,6 +566,12 @@ def test_gears_command_prints_both_accuracies(
     assert main([*args, "--placement", PLACEMENT, "--thresholds", "0.3,0.9", "--ranges", "2"]) == 0
     out = capsys.readouterr().out
     assert "held-out" in out and "in-sample" in out
+    # Tiny ranges print bounds that differ (`--qps-max 0.001 --ranges 2` printed [0.0, 0.0)).
+    tiny = ["--placement", PLACEMENT, "--thresholds", "0.3", "--ranges", "2", "--qps-max", "0.001"]
+    assert main([*args, *tiny]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if ") qps:" in line]
+    bounds = [line.split(")")[0].strip(" [").split(",") for line in lines]
+    assert [(float(lo), float(hi)) for lo, hi in bounds] == [(0.0, 0.0005), (0.0005, 0.001)]
 
 
 @pytest.mark.parametrize(
