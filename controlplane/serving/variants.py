@@ -74,7 +74,9 @@ class AppVariants:
             if records is not None and all(m in records.models for m in cascade.models):
                 quality = evaluate(cascade, records)
                 _, score = records.split()
-                accuracy = evaluate(cascade, score).accuracy if score.n_samples else quality.accuracy
+                accuracy = quality.accuracy
+                if score.n_samples:
+                    accuracy = evaluate(cascade, score).accuracy
                 found = (accuracy, quality.reach_share)
             else:
                 found = (0.0, (1.0,) * len(cascade.models))
@@ -105,15 +107,8 @@ class AppVariants:
         predicted latency, accuracy, cost per query and state (see the module docstring)."""
         config = self.config
         stages = self.stages
-        candidates = [config.cascade, gear.cascade]
-        candidates += [Cascade((m,), ()) for m in config.models]
-        seen: set[str] = set()
         options = []
-        for cascade in candidates:
-            label = cascade.label
-            if label in seen or not all(m in stages for m in cascade.models):
-                continue
-            seen.add(label)
+        for cascade in self._candidates(gear):
             if not all(stages[m].slots for m in cascade.models):
                 continue
             accuracy, reach = self.reach(cascade)
@@ -124,7 +119,7 @@ class AppVariants:
             options.append(
                 (
                     VariantOption(
-                        name=label,
+                        name=cascade.label,
                         predicted_latency_ms=predicted_latency_ms(loads),
                         accuracy=accuracy,
                         cost_usd_per_query=cost * samples,
@@ -135,6 +130,35 @@ class AppVariants:
                 )
             )
         return options
+
+    def _candidates(self, gear: ServingGear) -> list[Cascade]:
+        """The cascades the app's stages can serve under ``gear``, each once: its own cascade,
+        the gear's and each of its models alone (whether or not a worker serves them now)."""
+        config, found, seen = self.config, [], set()
+        for cascade in (config.cascade, gear.cascade, *(Cascade((m,), ()) for m in config.models)):
+            if cascade.label not in seen and all(m in self.stages for m in cascade.models):
+                seen.add(cascade.label)
+                found.append(cascade)
+        return found
+
+    def _refuse_unreachable(self, requirements: Requirements, gear: ServingGear) -> None:
+        """With no worker up, an accuracy floor above every variant's accuracy is refused as
+        unmet (a 422, as with workers up): no fleet meets it, and a 503 says to try again."""
+        floor = requirements.min_accuracy
+        if floor is None or self.config.validation is None:
+            return
+        scored = [(self.reach(c)[0], c.label) for c in self._candidates(gear)]
+        if not scored:
+            return
+        accuracy, label = max(scored)
+        if accuracy < floor:
+            raise RequirementsUnmetError(
+                self.config.name,
+                f"{self.config.name}: no variant meets {requirements.describe()} whatever the"
+                f" fleet; closest offer: {label} with accuracy {100 * accuracy:.2f}%"
+                f" ({100 * (floor - accuracy):.2f} points short)",
+                label,
+            )
 
     def state(self, cascade: Cascade, loads: Sequence[StageLoad], now_s: float) -> VariantState:
         """The INFaaS state of ``cascade`` at ``loads`` (see the module docstring)."""
@@ -162,6 +186,7 @@ class AppVariants:
         options = self.options(gear, samples, now_s)
         app = self.config.name
         if not options:
+            self._refuse_unreachable(requirements, gear)
             raise NoServingInstanceError(app, self.config.cascade.models[0])
         choice = choose(requirements, [option for option, _ in options])
         if not choice.met:

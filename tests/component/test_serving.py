@@ -648,6 +648,29 @@ def test_a_model_less_query_gets_the_cheapest_variant_that_meets_it() -> None:
     run(scenario())
 
 
+def test_an_accuracy_no_variant_has_is_unmet_even_with_no_worker_up() -> None:
+    """With no worker running, a query asking for more accuracy than any variant has was a 503
+    (try again later); no fleet would ever meet it: 422 as with workers up. An ask a variant
+    meets stays a 503 until a worker serves it."""
+    from dataclasses import replace
+
+    from estimator.cascades import synthetic_validation
+
+    records = synthetic_validation(
+        np.random.default_rng(0), [0.9, 0.97], names=["tiny", "large"], n_samples=400
+    )
+
+    async def scenario() -> None:
+        dispatcher = await dispatcher_over([], replace(config(), validation=records))
+        with pytest.raises(RequirementsUnmetError, match="whatever the fleet; closest offer"):
+            await dispatcher.infer([row(5, 0.1)], requirements=Requirements("demo", None, 0.999))
+        with pytest.raises(NoServingInstanceError):
+            await dispatcher.infer([row(5, 0.1)], requirements=Requirements("demo", None, 0.5))
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_a_model_less_answer_past_its_own_latency_bound_is_flagged_late() -> None:
     """The variant is chosen on its predicted latency (about 1 ms here); the worker takes 50 ms.
     The answer is past the 20 ms the query asked for, though within the app's 200 ms SLO: its
