@@ -596,8 +596,14 @@ def attach(app: FastAPI, host: str, port: int, max_message_bytes: int) -> Listen
             try:
                 bound = server.add_insecure_port(address)
             except RuntimeError as error:
-                # Taken since heteroplane serve tried it: REST goes on alone, said once.
-                logger.error("no gRPC served: cannot listen on %s: %s", address, error)
+                # Taken since heteroplane serve tried it: REST goes on alone, said once, as
+                # the check says it (a warning: the service serves, without gRPC).
+                logger.warning(
+                    "no gRPC served: cannot listen on %s: %s (REST is served alone; set"
+                    " grpc_port or --grpc-port)",
+                    address,
+                    error,
+                )
             if bound is None:
                 yield state
                 return

@@ -234,3 +234,25 @@ def test_a_malformed_message_is_invalid_argument_in_one_line(
     assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]
     counts = world.app.state.services.requests.snapshot()
     assert counts[("", 400)] == 4 and counts[("demo", 400)] == 2
+
+
+def test_a_port_taken_after_the_check_is_a_warning_and_rest_serves_alone(
+    world: ApiWorld, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another service took gRPC's port between `heteroplane serve`'s check and the server's
+    start (two demos starting at once): REST serves alone, said as the warning the check says,
+    not an error."""
+    import logging
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        listener = attach(world.app, "127.0.0.1", port, world.settings.oip_body_max_bytes)
+        with caplog.at_level(logging.WARNING), live_server(world, [SMALL]) as (_, address):
+            assert listener.port is None
+            assert httpx.get(f"http://{address}/healthz").status_code == 200
+    refused = [r for r in caplog.records if "no gRPC served" in r.getMessage()]
+    assert [r.levelname for r in refused] == ["WARNING"]
+    assert f"cannot listen on 127.0.0.1:{port}" in refused[0].getMessage()
