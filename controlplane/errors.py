@@ -59,6 +59,7 @@ __all__ = [
     "SettingsError",
     "UnknownScopeError",
     "WorkerCallError",
+    "app_gone",
     "first_line",
     "shown",
 ]
@@ -90,6 +91,16 @@ class NotFoundError(ControlPlaneError, LookupError):
         self.kind = kind
         self.key = key
         super().__init__(f"no {kind} {key!r}")
+
+
+def app_gone(error: BaseException) -> bool:
+    """Whether ``error`` says an app no longer exists (deleted while a loop worked on it): a
+    loop's pass over the apps it listed has nothing to warn about then.
+
+    >>> app_gone(NotFoundError("app", "a")), app_gone(NotFoundError("plan", 3))
+    (True, False)
+    """
+    return isinstance(error, NotFoundError) and error.kind == "app"
 
 
 class ConflictError(ControlPlaneError):

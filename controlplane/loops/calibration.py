@@ -53,7 +53,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from controlplane.db.store import AppRecord, Store
-from controlplane.errors import ControlPlaneError
+from controlplane.errors import ControlPlaneError, app_gone
 from controlplane.policies.calibration import (
     OVERHEAD_QUANTILES,
     Calibration,
@@ -173,7 +173,9 @@ class ProfileCalibrator:
                 except (ControlPlaneError, EstimatorError, KeyError, ValueError) as error:
                     # An app whose spec no longer resolves keeps its profiles; the next tick
                     # retries.
-                    logger.warning("calibration: %s skipped: %s", app.name, error)
+                    # One deleted since the tick read the apps has nothing to say.
+                    level = logging.DEBUG if app_gone(error) else logging.WARNING
+                    logger.log(level, "calibration: %s skipped: %s", app.name, error)
         return made
 
     def _tick_app(self, app: AppRecord) -> list[Drift]:

@@ -51,7 +51,7 @@ from controlplane.apps.plans import (
     replanning_request,
 )
 from controlplane.db.store import AppRecord, PlanRecord, Store
-from controlplane.errors import ControlPlaneError, InvalidValueError
+from controlplane.errors import ControlPlaneError, InvalidValueError, app_gone
 from controlplane.loops.live_tuner import ResolveFn
 from controlplane.policies.lifecycle import InstanceState, is_profile_worker
 from controlplane.policies.planner import plan_app
@@ -223,7 +223,8 @@ def each_planned_app(
             if check(app):
                 replanned.append(app.name)
         except (ControlPlaneError, EstimatorError, SpecError, KeyError, ValueError) as error:
-            logger.warning("%s: %s not re-planned: %s", what, app.name, error)
+            level = logging.DEBUG if app_gone(error) else logging.WARNING  # deleted meanwhile
+            logger.log(level, "%s: %s not re-planned: %s", what, app.name, error)
     return replanned
 
 

@@ -88,7 +88,7 @@ from controlplane.apps.resolver import smallest_common_batch_size
 from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
-from controlplane.errors import ConflictError, ControlPlaneError
+from controlplane.errors import ConflictError, ControlPlaneError, app_gone
 from controlplane.loops.capacity_replan import fleet_text
 from controlplane.loops.live_tuner import ArrivalSource, ResolveFn, synthetic_planning_arrivals
 from controlplane.policies.plan import PlanDocument
@@ -341,7 +341,8 @@ class TrafficReplanner:
             except (ControlPlaneError, EstimatorError, SpecError, KeyError, ValueError) as error:
                 # Deleted or changed meanwhile, a plan the planner cannot redo: the app stays on
                 # its plan, and the next attempt waits a hold.
-                logger.warning("replan: %s not re-planned: %s", app.name, error)
+                level = logging.DEBUG if app_gone(error) else logging.WARNING
+                logger.log(level, "replan: %s not re-planned: %s", app.name, error)
                 with self._lock:
                     found = self._episodes.get(app.name)
                     if found is not None:
