@@ -2,7 +2,9 @@
 
 A change is audited by the store (who, when, old, new, why). A budget below the app's smallest
 serving fleet (:func:`controlplane.policies.drain.serving_floor`: one instance of the cheapest
-planned type on every stage of the applied plan) is refused with
+planned type on every stage of the applied plan; for an app INFaaS's autoscaler scales,
+``scaling: infaas``, one instance of the cheapest type the plan places, which serves every
+stage, docs/operations.md rule 3) is refused with
 :class:`~controlplane.errors.BudgetBelowServingFleetError` (a 409) and changes nothing, unless
 ``force``; an app without an applied plan has no such floor. A budget that buys no instance of
 any of the app's candidate types is refused as registering the app at it is
@@ -12,7 +14,8 @@ app whose own stored spec failed its validation (a plan preview, a ``PUT`` of th
 the new budget is below what
 the live fleet costs, :func:`change_budget` asks the drain policy
 (:func:`controlplane.policies.drain.plan_drain`) which instances to drain, least cost-effective
-first, keeping the last instance of each planned stage unless forced, and records a
+first, keeping the last instance of each planned stage (of such an app, its last instance)
+unless forced, and records a
 ``budget_drain`` decision; the reconciler acts on it, not this use case. The
 API's ``PUT /v1/apps/{app}/budget`` and the command line's ``budget set`` go through it.
 """
@@ -28,6 +31,7 @@ from controlplane.apps.resolver import AppResolver, smallest_common_batch_size
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import BudgetChangeRecord, InstanceRecord, Store
 from controlplane.errors import BudgetBelowServingFleetError
+from controlplane.policies import scaling
 from controlplane.policies.drain import (
     DrainInstance,
     DrainPlan,
@@ -43,6 +47,7 @@ from controlplane.policies.lifecycle import (
     is_profile_worker,
     profiling_group,
 )
+from controlplane.policies.scaling import UnknownScalingPolicyError
 from controlplane.spec import ResolvedApp, SpecError, check_budget_buys_one
 from estimator.errors import EstimatorError
 from estimator.numbers import plain
@@ -77,8 +82,12 @@ def live_instances(store: Store, app: str) -> list[InstanceRecord]:
     return store.list_instances(app, states=[s.value for s in LIVE_STATES])
 
 
-def _planned_stages(store: Store, app: str) -> dict[str, dict[str, int]]:
-    """The applied plan's stages (name -> fleet); empty without an applied plan."""
+def _planned_stages(store: Store, app: str, *, every_type: bool) -> dict[str, dict[str, int]]:
+    """The applied plan's stages (name -> fleet); empty without an applied plan. ``every_type``
+    (an app INFaaS's autoscaler scales): each stage with every type the plan places on any
+    stage, as the reconciler's guard counts them (``controlplane.loops.reconciler``
+    ``_stage_types``): that policy drains a variant once the other instances carry each of its
+    models, and every worker serves every stage."""
     record = store.get_applied_plan(app)
     if record is None:
         return {}
@@ -89,7 +98,34 @@ def _planned_stages(store: Store, app: str) -> dict[str, dict[str, int]]:
             "app %s: the applied plan does not read, so it sets no floor: %s", app, error
         )
         return {}
-    return {stage.name: dict(stage.fleet) for stage in stages}
+    planned = {stage.name: dict(stage.fleet) for stage in stages}
+    if not every_type:
+        return planned
+    every: dict[str, int] = {}
+    for fleet in planned.values():
+        for instance_type, count in fleet.items():
+            every[instance_type] = every.get(instance_type, 0) + count
+    return {name: dict(every) for name in planned}
+
+
+def _floor(
+    stages: Mapping[str, Mapping[str, int]],
+    prices: Mapping[str, float],
+    *,
+    every_type: bool,
+) -> tuple[float, str]:
+    """The smallest serving fleet's cost and what it is, in words: one instance of the cheapest
+    planned type on every stage (:func:`~controlplane.policies.drain.serving_floor`); for an app
+    INFaaS's autoscaler scales (``every_type``: each stage lists every planned type), one
+    instance of the cheapest of them, which serves every stage (that policy keeps one instance,
+    and the reconciler's guard the app's last serving one)."""
+    if every_type and stages:
+        floor = serving_floor({"app": next(iter(stages.values()))}, prices)
+        if not floor.cheapest:
+            return 0.0, floor.describe()
+        return floor.cost_usd_per_hr, f"one {floor.cheapest[0][1]}, which serves every stage"
+    floor = serving_floor(stages, prices)
+    return floor.cost_usd_per_hr, floor.describe()
 
 
 def check_serving_floor(
@@ -102,12 +138,15 @@ def check_serving_floor(
     spec: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
     """Refuse a cut of the budget to ``usd_per_hr`` below ``app``'s smallest serving fleet (one
-    instance of the cheapest planned type on every stage of its applied plan), or to one that
-    buys no instance of any candidate type (the rule a spec is registered under), unless
-    ``force``; a raise is never refused (it drains nothing). Returns the planned
-    stages and each type's value (qps per USD/hr, empty when the profiles do not resolve), which
-    a drain ranks by. Prices come from ``spec`` (a spec being applied, with its own catalog),
-    by default the app's stored one.
+    instance of the cheapest planned type on every stage of its applied plan; with ``scaling:
+    infaas``, one of the cheapest type the plan places, which serves every stage), or to one
+    that buys no instance of any candidate type (the rule a spec is registered under), unless
+    ``force``; a raise is never refused (it drains nothing). The refusal says what the fleet
+    runs at now where it fits and has a spot instance (a spot price rise could not be paid
+    for). Returns the planned stages (with ``scaling: infaas``, each with every planned type,
+    as the reconciler's guard counts them) and each type's value (qps per USD/hr, empty when
+    the profiles do not resolve), which a drain ranks by. Prices and ``scaling`` come from
+    ``spec`` (a spec being applied, with its own catalog), by default the app's stored one.
 
     Raises:
         NotFoundError: no such app.
@@ -128,28 +167,41 @@ def check_serving_floor(
         # Without the profiles, instances rank by price alone.
         logger.warning("app %s: cannot rank instances by value: %s", app, error)
         values = {}
-    stages = _planned_stages(store, app)
-    floor = serving_floor(stages, prices)
+    every_type = _scaled_by_infaas(record.spec if spec is None else spec)
+    stages = _planned_stages(store, app, every_type=every_type)
+    floor_usd_per_hr, floor_fleet = _floor(stages, prices, every_type=every_type)
     # A raise drains nothing (the fleet is within the budget it raises): never refused, even
     # where it stays below the floor (a budget forced below it, or a plan applied over it).
     raised = usd_per_hr > record.budget_usd_per_hr + 1e-9
     # The same tolerance as the drain's: 0.1 + 0.2 is a floor of 0.3.
-    below = usd_per_hr < floor.cost_usd_per_hr - 1e-9 and not raised
+    below = usd_per_hr < floor_usd_per_hr - 1e-9 and not raised
     if below and not force:
         # On-demand prices: a spot instance kept at its launch price could be re-priced past the
         # budget (rule 10) or replaced on demand, leaving the stage empty. Say so when the fleet
-        # running now fits (a spot fleet): forcing it drains nothing now.
-        running = billed_cost_usd_per_hr(i for i in live if i.state in _KEPT_VALUES)
+        # running now fits and has a spot instance: forcing it drains nothing now. An on-demand
+        # fleet has no such price to rise (said of one, it read as a spot fleet's risk).
+        kept = [i for i in live if i.state in _KEPT_VALUES]
+        running = billed_cost_usd_per_hr(kept)
+        spot = any(i.market == "spot" for i in kept)
         raise BudgetBelowServingFleetError(
             app,
             usd_per_hr,
-            floor.cost_usd_per_hr,
-            floor.describe(),
-            running_usd_per_hr=running if 0 < running <= usd_per_hr + 1e-9 else None,
+            floor_usd_per_hr,
+            floor_fleet,
+            running_usd_per_hr=running if spot and 0 < running <= usd_per_hr + 1e-9 else None,
         )
     if resolved is not None and not force and not raised:
         _check_buys_one(resolved, usd_per_hr)
     return stages, values
+
+
+def _scaled_by_infaas(spec: Mapping[str, Any]) -> bool:
+    """Whether ``spec`` hands the app's scaling to INFaaS's autoscaler (``scaling: infaas``);
+    a value no policy scales live is not (the spec's own check says so where it matters)."""
+    try:
+        return scaling.live_owner(spec.get("scaling")) == "infaas"
+    except UnknownScalingPolicyError:
+        return False
 
 
 def _check_buys_one(resolved: ResolvedApp, usd_per_hr: float) -> None:
@@ -179,7 +231,7 @@ def change_budget(
 
     Not ``force``d, a budget below the app's smallest serving fleet, or one that buys no
     instance of any candidate type, is refused and nothing changes (no audit row, no decision);
-    at or above it, the drain keeps one instance per stage.
+    at or above it, the drain keeps one instance per stage (with ``scaling: infaas``, one).
 
     Raises:
         NotFoundError: no such app.

@@ -35,6 +35,10 @@ loops process, a new leader) starts from the fleet it had reached on the applied
 each decision records (:mod:`controlplane.loops.reached`), cut the same way to the lowest
 budget the app has had since that decision (a cut writes no decision, and a raise after it grows
 nothing back); so does :meth:`InfaasScaler.desired_fleet` before the policy's first tick. An app
+the scaler saw scaled by another policy (its spec's ``scaling`` switched, then back to
+``infaas``) starts from the fleet that runs (its kept instances by type, cut to the budget; the
+plan's where none runs): the other policy moved the fleet since without a decision this module
+reads, and the fleet reached before the switch drained what runs with no decision. An app
 the serving loop does not serve (no status, or no arrival source) stays on its plan. The live
 tuner leaves these apps alone (``scaling`` decides which of the two scales an app).
 """
@@ -77,7 +81,7 @@ from controlplane.policies.infaas_scaling import (
     decide,
     initial_state,
 )
-from controlplane.policies.lifecycle import InstanceState
+from controlplane.policies.lifecycle import KEPT_STATES, InstanceState, is_profile_worker
 from controlplane.policies.replay import rate_per_instance_qps
 from controlplane.policies.tuner import default_boot_s
 from controlplane.serving.dispatcher import AppStatus
@@ -169,6 +173,9 @@ class InfaasScaler:
         self._config = config or ScalingConfig()
         self._window_s = float(window_s)
         self._apps: dict[str, _AppScaler] = {}
+        # Apps seen scaled by another loop (or none) since the policy last started on them: the
+        # fleet it had reached is no longer what runs.
+        self._elsewhere: set[str] = set()
         self._lock = threading.Lock()
 
     def desired_fleet(self, app: AppRecord) -> Mapping[str, int]:
@@ -177,6 +184,7 @@ class InfaasScaler:
             scaled = self._apps.get(app.name)
             if scaled is not None and scaled.plan_id == app.applied_plan_id:
                 return dict(scaled.state.fleet)
+            switched = app.name in self._elsewhere
         plan = self._store.get_applied_plan(app.name)
         if plan is None:
             return {}
@@ -187,7 +195,7 @@ class InfaasScaler:
             resolved = self._resolve(app)
         except (EstimatorError, KeyError, ValueError, NotFoundError):
             return plan.plan.fleet
-        return _start_fleet(self._store, app, plan, resolved)
+        return _start_fleet(self._store, app, plan, resolved, switched=switched)
 
     def tick(self, apps: Sequence[AppRecord] | None = None) -> list[tuple[str, ScalingDecision]]:
         """One tick for every app with ``scaling: infaas`` (``apps``, the tick's snapshot of the
@@ -199,6 +207,8 @@ class InfaasScaler:
             if not scales_with_infaas(app) or app.applied_plan_id is None:
                 with self._lock:
                     self._apps.pop(app.name, None)
+                    if not scales_with_infaas(app):
+                        self._elsewhere.add(app.name)
                 continue
             status = statuses.get(app.name)
             observed = self._arrivals(app.name)
@@ -211,6 +221,7 @@ class InfaasScaler:
                 logger.info("infaas: %s was deleted during the tick", app.name)
                 with self._lock:
                     self._apps.pop(app.name, None)
+                    self._elsewhere.discard(app.name)
             except (EstimatorError, KeyError, ValueError) as error:
                 # A spec or plan the policy cannot read leaves the app where it is; next tick
                 # tries again.
@@ -225,9 +236,10 @@ class InfaasScaler:
             return []
         with self._lock:
             scaled = self._apps.get(app.name)
+            switched = app.name in self._elsewhere
         resolved = self._resolve(app)
         if scaled is None or scaled.plan_id != plan.id:
-            start = _start_fleet(self._store, app, plan, resolved)
+            start = _start_fleet(self._store, app, plan, resolved, switched=switched)
             scaled = _AppScaler(plan.id, app.budget_usd_per_hr, initial_state(start, now_s))
         elif scaled.budget_usd_per_hr != app.budget_usd_per_hr:
             # The fleet the policy reached stays, cut to the new budget (started again from the
@@ -323,6 +335,7 @@ class InfaasScaler:
         with self._lock:
             scaled.state = state
             self._apps[app.name] = scaled
+            self._elsewhere.discard(app.name)
         return decisions
 
 
@@ -331,15 +344,46 @@ FLEET_AFTER = "fleet_after"
 
 
 def _start_fleet(
-    store: Store, app: AppRecord, plan: PlanRecord, resolved: ResolvedApp
+    store: Store,
+    app: AppRecord,
+    plan: PlanRecord,
+    resolved: ResolvedApp,
+    *,
+    switched: bool = False,
 ) -> dict[str, int]:
-    """Where the policy starts on the applied ``plan``: the fleet it had reached on it
+    """Where the policy starts on the applied ``plan``: after a switch of ``scaling`` to
+    ``infaas`` (``switched``), the fleet that runs (:func:`_running_fleet`) cut to the budget,
+    else the plan's; otherwise the fleet it had reached on the plan
     (:func:`controlplane.loops.reached.reached`) cut to the lowest budget the app has had since
     (:func:`controlplane.loops.reached.lowest_budget_since`: a cut writes no decision, and a
-    raise after it grows nothing back), else the plan's fleet."""
+    raise after it grows nothing back), else the plan's fleet.
+
+    The fleet reached is for a restart: after a switch, the other loop (or a fixed fleet) has
+    moved the fleet since, without a decision of the kinds :func:`~controlplane.loops.reached.
+    newest` reads where it set up from the plan, and starting from the old fleet drained what
+    runs with no decision of this policy's."""
+    if switched:
+        running = _within_budget(
+            _running_fleet(store, app, resolved), resolved, app.budget_usd_per_hr
+        )
+        return running or dict(plan.plan.fleet)
     decision = newest(store, app.name, plan, INFAAS_KINDS, FLEET_AFTER)
     fleet = None if decision is None else counts(decision.numbers[FLEET_AFTER])
     if decision is None or fleet is None or not set(fleet) <= set(resolved.instance_types):
         return dict(plan.plan.fleet)
     budget = lowest_budget_since(store, app.name, decision.at, app.budget_usd_per_hr)
     return _within_budget(fleet, resolved, budget)
+
+
+def _running_fleet(store: Store, app: AppRecord, resolved: ResolvedApp) -> dict[str, int]:
+    """The app's kept instances (requested, pending, running) by type, of the app's candidate
+    types, profile runs' and rollouts' workers aside (no part of the fleet the reconciler keeps
+    toward the desired one)."""
+    rows = store.list_instances(app.name, states=[state.value for state in KEPT_STATES])
+    types = set(resolved.instance_types)
+    found = Counter(
+        row.instance_type
+        for row in rows
+        if row.instance_type in types and not is_profile_worker(row.request_id)
+    )
+    return dict(found)

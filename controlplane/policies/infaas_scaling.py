@@ -48,15 +48,23 @@ tick:
    Taking a variant that is already loaded is ``infaas_replicate`` (model-horizontal); taking
    an inactive one is ``infaas_upgrade`` (model-vertical: another type, paying its loading
    latency). Adding an instance is the VM-level action (VM-Autoscaler rule 1): every variant
-   instance here is a whole instance.
+   instance here is a whole instance. The capacity is that of every instance that serves, so a
+   scale-up first raises each type's count in the fleet to the instances of it that serve (a
+   drain the reconciler has not carried out yet, deferred by the disruption budget, is taken
+   back): the decision's counts, cost and capacity are of one fleet, and the ``delta`` it adds
+   are launched (from the policy's lower count, a "+1" bought nothing where the drained
+   instance still ran, and the next tick asked again).
 3. **Drain** (section 4.2.2, "Scaling down algorithm", and VM-Autoscaler). An instance is
    *underused* when no model it serves is overloaded, its busy share (when known) is at most
    U, and without it every model it serves still carries its load at U
-   (Q_m - Q_{m,t}) U >= lambda_m. One that has stayed underused for the hold (``hold_s``;
-   INFaaS's T_v, the variant's loading latency, when ``None``), with no scaling action within
-   the hold and nothing of its type still loading, is drained: ``infaas_drain``, its type's
+   (Q_m - Q_{m,t}) U >= lambda_m. A type that has had an underused instance for the hold
+   (``hold_s``; INFaaS's T_v, the variant's loading latency, when ``None``), with no scaling
+   action within the hold and nothing of it still loading, is drained: ``infaas_drain``, its
    count down by one, the most expensive type first (so a cheaper variant that carries the load
-   alone is kept: a downgrade). The app keeps at least one instance.
+   alone is kept: a downgrade). The hold is the type's, not the instance's: the reconciler
+   picks which instance of the type ends, and an instance's own clock, restarted for the one
+   the decision named, let a cheaper type's older clock win the next drain (an idle app ended
+   on its dearest type). The app keeps at least one instance.
 
 Every decision carries its reason (one line, with the numbers) and the numbers as a mapping.
 
@@ -187,9 +195,9 @@ class ScalingContext:
 @dataclass(frozen=True, slots=True)
 class ScalerState:
     """What the policy carries from tick to tick: the fleet it wants (counts by type, what the
-    reconciler launches or terminates toward), the last scaling action, since when each instance
-    has been underused, the (model, instance) pairs already relieved, the last cap said and the
-    last drain."""
+    reconciler launches or terminates toward), the last scaling action, since when each type
+    has had an underused instance, the (model, instance) pairs already relieved, the last cap
+    said and the last drain."""
 
     fleet: Mapping[str, int]
     last_change_s: float
@@ -305,18 +313,18 @@ def decide(
     tick = _Tick.of(ctx, state, config or ScalingConfig())
     relieved = _relieve_interference(tick, state.relieved)
     scaled_up, capped = _scale_up(tick, state.capped)
-    underused: dict[str, float] = {}
+    underused_since: dict[str, float] = {}
     drained = False
     if not scaled_up:
-        underused = _underused(tick, state)
-        drained = _drain(tick, state, underused)
+        underused_since, underused = _underused(tick, state)
+        drained = _drain(tick, state, underused_since, underused)
     fleet = {t: n for t, n in tick.fleet.items() if n > 0}
     return tick.decisions, replace(
         state,
         fleet=fleet,
         last_change_s=ctx.now_s if scaled_up or drained else state.last_change_s,
         # A scale-up restarts every hold: the load that needed it is recent.
-        underused_since_s={} if scaled_up else underused,
+        underused_since_s={} if scaled_up else underused_since,
         relieved=frozenset(relieved),
         capped=capped,
         drained_s=ctx.now_s if drained else state.drained_s,
@@ -338,6 +346,7 @@ class _Tick:
     types: list[str]
     fleet: dict[str, int]
     pending: dict[str, int]
+    ready: dict[str, int] = field(default_factory=dict)
     drained_s: float | None = None
     capacity_now: dict[str, float] = field(default_factory=dict)
     counted: dict[tuple[str, str], float] = field(default_factory=dict)
@@ -358,6 +367,7 @@ class _Tick:
             types=sorted({v.instance_type for v in ctx.variants}),
             fleet=fleet,
             pending={t: max(0, fleet.get(t, 0) - ready.get(t, 0)) for t in set(fleet) | set(ready)},
+            ready=ready,
             drained_s=state.drained_s,
         )
 
@@ -367,6 +377,17 @@ class _Tick:
 
     def cost_usd_per_hr(self) -> float:
         return _cost_usd_per_hr(self.fleet, self.ctx.prices_usd_per_hr)
+
+    def take_back(self) -> dict[str, int]:
+        """Raise each type's count in the fleet to the instances of it that serve (a drain the
+        reconciler has not carried out yet, deferred by the disruption budget): a scale-up is
+        judged on the capacity of every instance that serves, so it starts from their count and
+        cost, and what it adds is launched. Returns the counts taken back, by type."""
+        taken = {t: n - self.fleet.get(t, 0) for t, n in self.ready.items()}
+        taken = {t: k for t, k in taken.items() if k > 0}
+        for t, k in taken.items():
+            self.fleet[t] = self.fleet.get(t, 0) + k
+        return taken
 
 
 def _relieve_interference(
@@ -535,9 +556,13 @@ def _scale_up(
         need = _need(tick, m)
         if need is None:
             continue
+        wanted = dict(tick.fleet)
+        taken = tick.take_back()
         cost_now = tick.cost_usd_per_hr()
         choice = _scale_up_choice(tick, need)
         if choice is None:
+            # Nothing added: the drains still to be carried out stay wanted.
+            tick.fleet = wanted
             key = (m, "", 0)
             if capped != key:
                 capped = key
@@ -560,7 +585,7 @@ def _scale_up(
                 )
             return False, capped
         t, delta, covered = choice
-        numbers = _add_instances(tick, need, t, delta, cost_now)
+        numbers = _add_instances(tick, need, t, delta, cost_now, taken)
         if covered:
             return True, None
         tick.decisions.append(
@@ -579,11 +604,13 @@ def _scale_up(
 
 
 def _add_instances(
-    tick: _Tick, need: _Need, t: str, delta: int, cost_now: float
+    tick: _Tick, need: _Need, t: str, delta: int, cost_now: float, taken: Mapping[str, int]
 ) -> dict[str, object]:
-    """Add ``delta`` instances of ``t`` for ``need`` to the fleet and record the
+    """Add ``delta`` instances of ``t`` for ``need`` to the fleet (whose counts were raised to
+    the instances that serve: ``taken``, the drains taken back) and record the
     ``infaas_replicate`` (a loaded variant) or ``infaas_upgrade`` (an inactive one); returns
-    the decision's numbers."""
+    the decision's numbers. Its counts, cost and capacity are those of one fleet: the instances
+    that serve or still load, then ``delta`` more."""
     ctx, m = tick.ctx, need.model
     rate = tick.q[(m, t)]
     active = any(i.instance_type == t for i in tick.serving(m))
@@ -598,10 +625,15 @@ def _add_instances(
         if active
         else f"upgrade to the inactive variant {m} on {t} (loading {t_load:g} s before it serves)"
     )
+    back = ""
+    if taken:
+        kept = ", ".join(f"{n} x {name}" for name, n in sorted(taken.items()))
+        back = f"; {kept} drained by the policy but still serving, taken back"
     reason = (
-        f"{action}: {need.why}; {kind}: +{delta} x {t} (Q {rate:.3g} qps each): capacity"
-        f" {capacity:.3g} -> {capacity + delta * rate:.3g} qps for {load:.3g} qps;"
-        f" cost {cost_now:.4g} -> {after_cost:.4g} of {ctx.budget_usd_per_hr:.4g} USD/hr"
+        f"{action}: {need.why}; {kind}: +{delta} x {t} ({before} -> {tick.fleet[t]}{back};"
+        f" Q {rate:.3g} qps each): capacity {capacity:.3g} -> {capacity + delta * rate:.3g} qps"
+        f" for {load:.3g} qps; cost {cost_now:.4g} -> {after_cost:.4g} of"
+        f" {ctx.budget_usd_per_hr:.4g} USD/hr"
     )
     overloaded = bool(need.overloaded_on)
     note = ctx.overload.get(m)
@@ -619,21 +651,25 @@ def _add_instances(
         "overloaded": overloaded,
         "overloaded_instances": need.overloaded_on,
         "overload": dict(note.numbers) if overloaded and note is not None else None,
+        "cost_usd_per_hr_before": cost_now,
         "cost_usd_per_hr_after": after_cost,
         "budget_usd_per_hr": ctx.budget_usd_per_hr,
+        "taken_back": dict(taken),
         "at_s": ctx.now_s,
     }
     tick.decisions.append(ScalingDecision(action, m, t, delta, reason, numbers))
     return numbers
 
 
-def _underused(tick: _Tick, state: ScalerState) -> dict[str, float]:
+def _underused(tick: _Tick, state: ScalerState) -> tuple[dict[str, float], list[ServedInstance]]:
     """Rule 3's test: the instances underused now (no model of theirs overloaded, busy at most
-    U when known, and every model they serve carried at U without them), each with since when
-    it has been."""
+    U when known, and every model they serve carried at U without them), and, per type, since
+    when it has had one without a break (the hold is the type's: a drain takes one instance of
+    the type off the count, and the reconciler picks which, so the survivor's clock goes on)."""
     u = tick.config.utilisation
     loads = {m: float(tick.ctx.load_qps.get(m, 0.0)) for m in tick.models}
-    underused: dict[str, float] = {}
+    since: dict[str, float] = {}
+    found: list[ServedInstance] = []
     for inst in tick.ctx.instances:
         served = [m for m in inst.states if m in tick.capacity_now]
         busy = inst.utilisation_share
@@ -647,29 +683,36 @@ def _underused(tick: _Tick, state: ScalerState) -> dict[str, float]:
             )
         )
         if ok:
-            underused[inst.instance_id] = state.underused_since_s.get(
-                inst.instance_id, tick.ctx.now_s
+            found.append(inst)
+            since[inst.instance_type] = state.underused_since_s.get(
+                inst.instance_type, tick.ctx.now_s
             )
-    return underused
+    return since, found
 
 
-def _drain(tick: _Tick, state: ScalerState, underused: dict[str, float]) -> bool:
-    """Rule 3: drain one instance underused for the hold (the most expensive type first), with
-    no scaling action within the hold, nothing of its type loading and another instance left;
-    it leaves ``underused``. Returns whether one was drained."""
+def _drain(
+    tick: _Tick, state: ScalerState, since: Mapping[str, float], underused: list[ServedInstance]
+) -> bool:
+    """Rule 3: drain one instance of the most expensive type that has had an underused one
+    (``underused``) for the hold (``since``, per type), with no scaling action within the hold,
+    nothing of its type loading and another instance left. Returns whether one was drained."""
     ctx, u, now = tick.ctx, tick.config.utilisation, tick.ctx.now_s
     loads = {m: float(ctx.load_qps.get(m, 0.0)) for m in tick.models}
     total = sum(tick.fleet.values())
+    # One candidate per type (its first underused instance by id): the type's count goes down.
+    first: dict[str, ServedInstance] = {}
+    for inst in sorted(underused, key=lambda i: i.instance_id):
+        first.setdefault(inst.instance_type, inst)
     candidates = sorted(
-        (i for i in ctx.instances if i.instance_id in underused),
-        key=lambda i: (-ctx.prices_usd_per_hr.get(i.instance_type, 0.0), i.instance_id),
+        first.values(),
+        key=lambda i: (-ctx.prices_usd_per_hr.get(i.instance_type, 0.0), i.instance_type),
     )
     for inst in candidates:
         t = inst.instance_type
         hold = tick.config.hold_s
         if hold is None:
             hold = max((tick.loading.get((m, t), 0.0) for m in inst.states), default=0.0)
-        idle_s = now - underused[inst.instance_id]
+        idle_s = now - since[t]
         if (
             total <= 1
             or tick.fleet.get(t, 0) <= 0
@@ -693,9 +736,10 @@ def _drain(tick: _Tick, state: ScalerState, underused: dict[str, float]) -> bool
                 ",".join(served),
                 t,
                 1,
-                f"infaas_drain: {inst.instance_id} ({t}) underused for {idle_s:.3g} s >="
-                f" hold {hold:g} s (busy {shown}; without it {carry}, within U {u:g}):"
-                f" -1 x {t}, cost {before_cost:.4g} -> {after_cost:.4g} USD/hr",
+                f"infaas_drain: {t} underused for {idle_s:.3g} s >= hold {hold:g} s"
+                f" ({inst.instance_id} now: busy {shown}; without it {carry}, within U {u:g}):"
+                f" -1 x {t} (the reconciler picks which), cost {before_cost:.4g} ->"
+                f" {after_cost:.4g} USD/hr",
                 {
                     "instance_id": inst.instance_id,
                     "instance_type": t,
@@ -713,6 +757,5 @@ def _drain(tick: _Tick, state: ScalerState, underused: dict[str, float]) -> bool
                 instance_id=inst.instance_id,
             )
         )
-        underused.pop(inst.instance_id)
         return True
     return False

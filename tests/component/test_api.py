@@ -1214,6 +1214,7 @@ def test_below_the_on_demand_floor_a_spot_fleet_that_fits_is_said_to(api: Api) -
         instance_type=cheapest,
         price_usd_per_hr=PRICES[cheapest] * 0.3,
         state="running",
+        market="spot",
     )
     body = {"budget_usd_per_hr": PRICES[cheapest] * 0.5, "reason": "spot fits"}
     assert floor > body["budget_usd_per_hr"]

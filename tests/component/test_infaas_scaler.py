@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import FakeClock
@@ -313,19 +314,25 @@ def planned_app(
         store.close()
 
 
+def idle_scaler(store: Any, clock: Any, resolver: Any) -> InfaasScaler:
+    """The scaler over an app the serving loop serves with nothing arriving (no worker)."""
+    from controlplane.serving.dispatcher import AppStatus
+
+    idle = AppStatus(APP, "", 100.0, (), (), 0)
+    return InfaasScaler(
+        store, clock, lambda _app: np.empty(0), lambda: [idle], stored_apps(resolver)
+    )
+
+
 def test_a_budget_cut_keeps_the_fleet_reached_cut_to_the_budget(tmp_path: Path) -> None:
     """The policy had reached three instances (0.30 USD/hr); the budget is cut to 0.25: it keeps
     two, what the new budget pays for and what the reconciler drains to. Started again from the
     plan's one, it wanted one (the reconciler drained to it, then the policy bought back)."""
     from controlplane.loops.infaas_scaler import _AppScaler
     from controlplane.policies.infaas_scaling import initial_state
-    from controlplane.serving.dispatcher import AppStatus
 
     with planned_app(tmp_path, budget_usd_per_hr=0.35) as (clock, store, resolver, plan):
-        idle = AppStatus(APP, "", 100.0, (), (), 0)
-        scaler = InfaasScaler(
-            store, clock, lambda _app: np.empty(0), lambda: [idle], stored_apps(resolver)
-        )
+        scaler = idle_scaler(store, clock, resolver)
         scaler.tick()
         assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 1}  # the plan's
         # The fleet the policy reached (its replications are the other tests' business).
@@ -369,15 +376,11 @@ def test_a_restarted_scaler_keeps_a_budget_cut_a_raise_came_after(tmp_path: Path
     decision and cut them to the budget now: it wanted three, one more than it had reached."""
     from controlplane.loops.infaas_scaler import FLEET_AFTER
     from controlplane.loops.reached import PLAN_ID
-    from controlplane.serving.dispatcher import AppStatus
 
     with planned_app(tmp_path, budget_usd_per_hr=0.35) as (clock, store, resolver, plan):
         numbers = {PLAN_ID: plan.id, FLEET_AFTER: {LARGE: 3}}
         store.record_decision(APP, "infaas_replicate", "before the cut", numbers)
-        idle = AppStatus(APP, "", 100.0, (), (), 0)
-        scaler = InfaasScaler(
-            store, clock, lambda _app: np.empty(0), lambda: [idle], stored_apps(resolver)
-        )
+        scaler = idle_scaler(store, clock, resolver)
         scaler.tick()
         assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 3}
         clock.advance(1.0)
@@ -389,9 +392,88 @@ def test_a_restarted_scaler_keeps_a_budget_cut_a_raise_came_after(tmp_path: Path
         reached = dict(scaler.desired_fleet(store.get_app(APP)))
         assert reached == {LARGE: 2}
 
-        restarted = InfaasScaler(
-            store, clock, lambda _app: np.empty(0), lambda: [idle], stored_apps(resolver)
-        )
+        restarted = idle_scaler(store, clock, resolver)
         assert restarted.desired_fleet(store.get_app(APP)) == reached  # before its first tick
         restarted.tick()
         assert restarted.desired_fleet(store.get_app(APP)) == reached
+
+
+def test_a_switch_back_to_infaas_starts_from_the_fleet_that_runs(tmp_path: Path) -> None:
+    """The policy had reached one instance; the app moved to InferLine's tuner, which went back
+    to three (setting up from the plan writes no decision), then back to ``scaling: infaas``.
+    The policy starts from the three that run, not from the one it had reached before the
+    switch: that drained two with no decision of the policy's (seen live, "scale_down: 3 kept,
+    1 desired"). A restart on the same mode starts from the fleet reached, as above."""
+    from controlplane.loops.infaas_scaler import FLEET_AFTER
+    from controlplane.loops.reached import PLAN_ID
+
+    with planned_app(tmp_path, budget_usd_per_hr=0.35) as (clock, store, resolver, plan):
+        numbers = {PLAN_ID: plan.id, FLEET_AFTER: {LARGE: 1}}
+        store.record_decision(APP, "infaas_drain", "before the switch", numbers)
+        scaler = idle_scaler(store, clock, resolver)
+        scaler.tick()
+        assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 1}
+
+        def scaling(mode: str) -> None:
+            store.update_app(APP, {**store.get_app(APP).spec, "scaling": mode}, who="test")
+
+        scaling("inferline")
+        clock.advance(1.0)
+        assert scaler.tick() == []
+        for k in range(3):  # the tuner's fleet, which the reconciler launched
+            store.record_instance(
+                APP, request_id=f"t{k}", instance_type=LARGE, price_usd_per_hr=0.1, state="running"
+            )
+        scaling("infaas")
+        # Before its first tick (the reconciler may ask first) and after it: the three.
+        assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 3}
+        clock.advance(1.0)
+        assert scaler.tick() == []
+        assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 3}
+        assert [d.reason for d in store.list_decisions(APP)] == ["before the switch"]
+
+
+def test_the_budget_floor_of_an_infaas_app_is_one_instance_of_its_cheapest_type(
+    tmp_path: Path,
+) -> None:
+    """A cascade's plan places emu.cpu.large on each of its three stages; the policy has scaled
+    the app to one instance. INFaaS's policy drains a stage's planned type once the other
+    instances carry it, and the reconciler keeps the app's last serving instance
+    (docs/operations.md rule 3), so the smallest serving fleet is one instance, not one per
+    stage: a cut to 0.15 USD/hr (above one, below three) is taken, and its drain keeps one.
+    Below one it is refused; and a refusal does not say an on-demand fleet risks a spot price
+    rise."""
+    from controlplane.apps.budget import change_budget
+    from controlplane.errors import BudgetBelowServingFleetError
+
+    cascade = json.loads(json.dumps(PLAN))
+    stage = cascade["stages"][0]
+    cascade["stages"] = [{**stage, "name": name} for name in ("tiny", "medium", "large")]
+    cascade["cost_usd_per_hr"] = 0.3
+    with planned_app(tmp_path, budget_usd_per_hr=0.35) as (_clock, store, resolver, _plan):
+        plan = store.create_plan(APP, cascade)
+        store.apply_plan(APP, plan.id)
+        for k in range(2):
+            store.record_instance(
+                APP, request_id=f"r{k}", instance_type=LARGE, price_usd_per_hr=0.1, state="running"
+            )
+        made = change_budget(store, resolver, APP, 0.15, "cut", "test")
+        assert store.get_app(APP).budget_usd_per_hr == 0.15
+        assert len(made.drain.drain) == 1  # one of the two goes; the other serves every stage
+
+        store.change_budget(APP, 0.35, reason="back", who="test")
+        with pytest.raises(BudgetBelowServingFleetError) as raised:
+            change_budget(store, resolver, APP, 0.05, "cut", "test")
+        assert raised.value.floor_usd_per_hr == pytest.approx(0.1)
+        assert raised.value.fleet == f"one {LARGE}, which serves every stage"
+
+        # Scaled by the tuner, the floor is one per stage. The two on-demand instances (0.2
+        # USD/hr) fit a cut to 0.25, below it: a refusal, which does not speak of a spot price
+        # rise (it did, of a fleet all on demand).
+        spec_now = store.get_app(APP).spec
+        store.update_app(APP, {**spec_now, "scaling": "inferline"}, who="test")
+        with pytest.raises(BudgetBelowServingFleetError) as raised:
+            change_budget(store, resolver, APP, 0.25, "cut", "test")
+        assert raised.value.floor_usd_per_hr == pytest.approx(0.3)
+        assert raised.value.fleet == f"one {LARGE} per stage"
+        assert "spot" not in str(raised.value) and "runs at" not in str(raised.value)

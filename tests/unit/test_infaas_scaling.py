@@ -114,6 +114,71 @@ def test_an_underused_instance_is_drained_after_the_hold_the_dearest_first() -> 
     assert drain.numbers["underused_s"] == 5.0
 
 
+def gpu(name: str, busy: float | None = 0.0) -> ServedInstance:
+    return ServedInstance(name, "gpu", {"m": "active"}, busy)
+
+
+def test_the_hold_is_the_types_so_an_idle_app_ends_on_its_cheapest_type() -> None:
+    """2 gpu + 1 cpu, idle: the first drain names g-1 and the reconciler ends the other gpu (its
+    own order). The gpu left keeps the type's clock, so the next drain is the gpu again, not
+    the cpu whose clock is as old: the app ends on the cpu. An instance's own clock, restarted
+    for the one the first drain named, gave the cpu's the older one (seen live: the app idled on
+    its dearest type)."""
+    config = ScalingConfig(hold_s=5.0)
+    fleet = [gpu("g-1"), gpu("g-2"), cpu("c-1", busy=0.0)]
+    state = initial_state({"cpu": 1, "gpu": 2}, 0.0)
+    decisions, state = decide(context(10.0, 0.0, fleet), state, config)
+    assert decisions == []
+    (first,), state = decide(context(15.0, 0.0, fleet), state, config)
+    assert (first.action, first.instance_type, first.instance_id) == ("infaas_drain", "gpu", "g-1")
+    assert dict(state.fleet) == {"cpu": 1, "gpu": 1}
+    # The reconciler ended g-2, not the g-1 the decision named.
+    left = [gpu("g-1"), cpu("c-1", busy=0.0)]
+    for now in (16.0, 17.0, 19.0):
+        decisions, state = decide(context(now, 0.0, left), state, config)
+        assert decisions == []
+    (second,), state = decide(context(20.0, 0.0, left), state, config)
+    assert (second.action, second.instance_type) == ("infaas_drain", "gpu")
+    assert second.numbers["underused_s"] == 10.0
+    assert dict(state.fleet) == {"cpu": 1}
+    # The cpu is the last instance: it stays.
+    decisions, state = decide(context(40.0, 0.0, [cpu("c-1", busy=0.0)]), state, config)
+    assert decisions == [] and dict(state.fleet) == {"cpu": 1}
+
+
+def test_a_scale_up_over_a_deferred_drain_counts_one_fleet_and_adds_what_it_says() -> None:
+    """The policy drained one of two cpus, but the reconciler has not carried it out (the
+    disruption budget deferred it): both still serve. A scale-up judged on both's capacity
+    starts from both (the drain taken back): its counts, cost and capacity are of the fleet
+    that serves, and its +1 is one instance more than runs, which the next tick counts as
+    loading (seen live: two replicates 1 -> 2, 2 -> 3 at the cost of one instance, capacity of
+    two, and one launch)."""
+    config = ScalingConfig(hold_s=0.0)
+    two = [cpu("i-1", busy=0.9), cpu("i-2", busy=0.9)]
+    state = replace(initial_state({"cpu": 1}, 0.0), drained_s=5.0)
+    (up,), state = decide(context(10.0, 17.0, two), state, config)
+    assert (up.action, up.instance_type, up.count) == ("infaas_replicate", "cpu", 1)
+    assert (up.numbers["count_before"], up.numbers["count_after"]) == (2, 3)
+    assert up.numbers["capacity_qps_before"] == 20.0
+    assert up.numbers["capacity_qps_after"] == 30.0
+    assert up.numbers["cost_usd_per_hr_before"] == pytest.approx(0.2)
+    assert up.numbers["cost_usd_per_hr_after"] == pytest.approx(0.3)
+    assert up.numbers["taken_back"] == {"cpu": 1}
+    assert "+1 x cpu (2 -> 3; 1 x cpu drained by the policy but still serving" in up.reason
+    assert "capacity 20 -> 30 qps" in up.reason and "cost 0.2 -> 0.3 of" in up.reason
+    assert dict(state.fleet) == {"cpu": 3}
+    # The instance added is loading: the same load asks for nothing more.
+    again, state = decide(context(11.0, 17.0, two), state, config)
+    assert again == [] and dict(state.fleet) == {"cpu": 3}
+    # Without a scale-up the drain still wanted stays wanted (the budget cap adds nothing).
+    capped, kept = decide(
+        context(12.0, 17.0, two, budget=0.2), replace(initial_state({"cpu": 1}, 0.0)), config
+    )
+    assert [d.action for d in capped] == ["infaas_budget_capped"]
+    assert "the fleet costs 0.2 of 0.2 USD/hr" in capped[0].reason
+    assert dict(kept.fleet) == {"cpu": 1}
+
+
 def test_refusals_from_before_a_drain_do_not_scale_the_fleet_back_up() -> None:
     # The load has gone: the second cpu is drained after the hold. Within the serving loop's
     # 10 s window the one left still reads overloaded (refusals made while the load was on, at
