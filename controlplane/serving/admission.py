@@ -71,6 +71,7 @@ __all__ = [
     "StageLoad",
     "cheapest",
     "decide",
+    "judged_positions",
     "predicted_latency_ms",
     "wait_ms",
 ]
@@ -135,11 +136,22 @@ def cheapest(gears: Sequence[Sequence[StageLoad]]) -> int:
     return min(range(len(gears)), key=lambda i: predicted_latency_ms(gears[i]))
 
 
+def judged_positions(stages: Sequence[StageLoad]) -> list[int]:
+    """The positions of the stages :func:`decide` judges a query on: those every sample of it
+    reaches (reach share 1: a cascade's first model), or the first reached one when the records
+    say none is. A refusal is these stages' doing, not a later stage's.
+
+    >>> first, later = StageLoad(4, 100.0, 5.0, 1.0), StageLoad(0, 80.0, 9.0, 0.3)
+    >>> judged_positions([first, later]), judged_positions([later, later])
+    ([0], [0])
+    """
+    every = [i for i, s in enumerate(stages) if s.reach_share >= 1.0 - _SHARE_TOLERANCE]
+    return every or [i for i, s in enumerate(stages) if s.reach_share > 0][:1]
+
+
 def _every_sample(stages: Sequence[StageLoad]) -> list[StageLoad]:
-    """The stages every sample of a query reaches (reach share 1: a cascade's first model), or
-    the first reached one when the records say none is."""
-    every = [s for s in stages if s.reach_share >= 1.0 - _SHARE_TOLERANCE]
-    return every or _reached(stages)[:1]
+    """The stages :func:`judged_positions` names."""
+    return [stages[i] for i in judged_positions(stages)]
 
 
 # Reach shares are computed from the validation records' counts: 1 within rounding.

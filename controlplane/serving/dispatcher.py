@@ -99,7 +99,12 @@ from controlplane.errors import (
 )
 from controlplane.policies.plan import StagePlan
 from controlplane.policies.variants import Requirements, VariantOption
-from controlplane.serving.admission import StageLoad, decide, predicted_latency_ms
+from controlplane.serving.admission import (
+    StageLoad,
+    decide,
+    judged_positions,
+    predicted_latency_ms,
+)
 from controlplane.serving.config import (
     AppConfig,
     DispatcherSettings,
@@ -611,11 +616,14 @@ class AppDispatcher:
             and any(decide(load, self.config.slo_ms).admitted for load in loads.values())
         ):
             return
-        # An overload sign for each model the query would have reached (states.py).
-        for model, load in zip(cascade.models, best, strict=True):
-            if load.reach_share > 0:
-                reached = load.reach_share * samples
-                self.tracker.refused((self.app, model), now, reached, load.capacity_sps)
+        # An overload sign for each model admission judged the query on (states.py): those
+        # every sample reaches. A later stage a share of the samples would have reached did not
+        # refuse it (marked too, a cascade's medium model read as overloaded at 8 qps of its 80
+        # for refusals made at its first model's queue).
+        for i in judged_positions(best):
+            load = best[i]
+            reached = load.reach_share * samples
+            self.tracker.refused((self.app, cascade.models[i]), now, reached, load.capacity_sps)
         raise OverloadedError(
             self.app, verdict.predicted_ms, self.config.slo_ms, verdict.retry_after_s
         )

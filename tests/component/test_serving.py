@@ -671,6 +671,38 @@ def test_an_accuracy_no_variant_has_is_unmet_even_with_no_worker_up() -> None:
     run(scenario())
 
 
+def test_a_refusal_is_an_overload_sign_of_the_stage_admission_judged_only() -> None:
+    """A cascade whose first model's queue refuses queries: each refusal was recorded as an
+    overload sign for every model the query would have reached, so the later model, a share of
+    the samples reaching it and far from its capacity, read as overloaded too (a tester's
+    medium at 8 qps of its 80). Only the stages every sample reaches judge a query."""
+    from dataclasses import replace
+
+    from estimator.cascades import synthetic_validation
+
+    records = synthetic_validation(
+        np.random.default_rng(0), [0.9, 0.97], names=["tiny", "large"], n_samples=400
+    )
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE])
+        workers[0].hang = True  # holds its batch: the queue only grows
+        app = replace(config(fixed_ms=20.0, slo_ms=100.0), validation=records)
+        dispatcher = await dispatcher_over(workers, app)
+        signs: list[str] = []
+        dispatcher.tracker.refused = lambda key, *_: signs.append(key[1])  # type: ignore[method-assign]
+        refused = 0
+        for _ in range(40):
+            try:
+                dispatcher.submit([row(1, 0.1)])
+            except OverloadedError:
+                refused += 1
+        assert refused and len(signs) == refused and set(signs) == {"tiny"}
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_a_model_less_answer_past_its_own_latency_bound_is_flagged_late() -> None:
     """The variant is chosen on its predicted latency (about 1 ms here); the worker takes 50 ms.
     The answer is past the 20 ms the query asked for, though within the app's 200 ms SLO: its
