@@ -77,7 +77,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -103,7 +103,7 @@ from controlplane.policies.capacity_curve import (
     build_ladder,
     cascade_sizing,
 )
-from controlplane.policies.plan import PlanDocument
+from controlplane.policies.plan import PlanDocument, StagePlan
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S
 from controlplane.policies.replay import (
     has_matched_capacity,
@@ -400,7 +400,14 @@ class LiveTuner:
         elif tuned.app_version != app.version:
             self._new_limits(tuned, app)
         if recalibrated:  # the new budget is read too: _set_up reads the app's
-            fresh = self._set_up(app, now_s)
+            # The fleet the tuner reached stays: the fresh stages know every type in it (one the
+            # plan does not place, that the sizing model added, was a KeyError every tick after
+            # a drift: the app left on its plan until a restart).
+            reached_types = {
+                stage.name: {*stage.rate_per_instance_qps, *tuned.state.fleets.get(stage.name, {})}
+                for stage in tuned.stages
+            }
+            fresh = self._set_up(app, now_s, reached_types)
             if fresh is not None and [s.name for s in fresh.stages] == [
                 s.name for s in tuned.stages
             ]:
@@ -524,7 +531,16 @@ class LiveTuner:
         if new_budget and any(stage.capacity_curve is not None for stage in tuned.stages):
             tuned.rebuild = True  # the ladders are the plan's under the budget
 
-    def _set_up(self, app: AppRecord, now_s: float) -> _AppTuner | None:
+    def _set_up(
+        self,
+        app: AppRecord,
+        now_s: float,
+        known: Mapping[str, Collection[str]] | None = None,
+    ) -> _AppTuner | None:
+        """The tuner of ``app`` on its applied plan: each stage's rates mu_t for the types of
+        its planned fleet, of ``known`` (stage -> types the state it goes on with holds: a
+        recalibration keeps the fleet the tuner reached, which may hold a type the plan does not
+        place) and of the fleet it had reached on the plan (a restart starts from it)."""
         plan = self._store.get_applied_plan(app.name)
         if plan is None:
             return None
@@ -533,6 +549,10 @@ class LiveTuner:
         planned_rate = document.planned_rate_qps
         if not document.stages or not (math.isfinite(planned_rate) and planned_rate > 0):
             return None
+        reached = _reached_fleets(self._store, app, plan)
+        beyond: dict[str, set[str]] = {name: set(ts) for name, ts in (known or {}).items()}
+        for name, fleet in (reached or {}).items():
+            beyond.setdefault(name, set()).update(t for t, n in fleet.items() if n > 0)
         stages: list[TunerStage] = []
         service_time_s = 0.0
         types: set[str] = set()
@@ -540,6 +560,11 @@ class LiveTuner:
             name = entry.name
             fleet = {t: n for t, n in entry.fleet.items() if n > 0}
             batch = entry.batch_size
+            for t in sorted(beyond.get(name, set()) - set(mu)):
+                rate = _rate_or_none(resolved, entry, t)
+                if rate is not None:
+                    mu[t] = rate
+                    types.add(t)
             service_time_s = max(service_time_s, *(1.0 / rate for rate in mu.values()))
             types.update(fleet)
             scale = entry.scale_factor
@@ -597,10 +622,12 @@ class LiveTuner:
             for s in stages
         ]
         state = initial_state(stages, now_s)
-        reached = _reached_fleets(self._store, app, plan)
         if reached is not None and set(reached) == {s.name for s in stages}:
-            known = set(config.prices_usd_per_hr)
-            if all(set(fleet) <= known for fleet in reached.values()):
+            rated = {s.name: s.rate_per_instance_qps for s in stages}
+            if all(
+                set(fleet) <= set(config.prices_usd_per_hr) and set(fleet) <= set(rated[name])
+                for name, fleet in reached.items()
+            ):
                 state = dataclasses.replace(
                     state, fleets={name: Fleet.of(fleet) for name, fleet in reached.items()}
                 )
@@ -919,6 +946,17 @@ def _cap_key(decision: ScalingDecision) -> str:
     """The identity of a budget cap in the decision log: its stage and the type it lacks (the
     count it lacks may move from tick to tick; the row keeps the newest)."""
     return f"{decision.stage}:{decision.instance_type}"
+
+
+def _rate_or_none(resolved: ResolvedApp, entry: StagePlan, instance_type: str) -> float | None:
+    """mu_t of ``entry``'s model on a type its planned fleet does not hold (as
+    :func:`stage_rates_qps` computes it), None where the app has no profile for it."""
+    try:
+        profile = resolved.profile(entry.name, instance_type)
+    except (EstimatorError, KeyError, ValueError):
+        return None
+    smallest = np.array([profile.min_batch_size], dtype=np.int64)
+    return rate_per_instance_qps(profile, smallest, entry.batch_size)
 
 
 def _slower(new: Sequence[TunerStage], old: Sequence[TunerStage]) -> bool:

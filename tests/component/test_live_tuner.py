@@ -449,6 +449,50 @@ def test_a_recalibrated_profile_reaches_the_tuner_at_its_next_tick(
     assert tuner.desired_fleet(store.get_app(APP))[SMALL] > 2
 
 
+def test_a_recalibration_keeps_a_type_the_tuner_added_beyond_the_plan(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sizing model had added an emu.cpu.large to a plan of emu.cpu.small; a drift then
+    set the app up again on the plan's types, kept the fleet with the large in it, and every
+    tick after failed on its rate ("tuner: app left on its plan: 'emu.cpu.large'", 299 times in
+    5 minutes, no scaling until a restart). The fresh set-up knows every type of the fleet it
+    keeps; and a restart starts from a reached fleet that holds such a type."""
+    from controlplane.loops.live_tuner import FLEETS_AFTER
+    from controlplane.loops.reached import PLAN_ID
+
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    store.create_app({**spec(tmp_path, 0.5), "instance_types": [SMALL, LARGE]}, who="test")
+    plan = store.create_plan(APP, plan_document(2, 50.0))
+    store.apply_plan(APP, plan.id)
+    # What the sizing model's scale-up left: two small and a large (0.2 USD/hr).
+    store.record_decision(
+        APP,
+        "scale_up",
+        "the sizing model's fleet",
+        {PLAN_ID: plan.id, FLEETS_AFTER: {"tiny": {SMALL: 2, LARGE: 1}},
+         "cost_usd_per_hr_after": 0.2},
+    )  # fmt: skip
+    factors: dict[tuple[str, str], float] = {}
+
+    def recalibrated(record: AppRecord) -> Any:
+        return scaled_profiles(resolve_spec(validate_spec(record.spec)), factors)
+
+    tuner = LiveTuner(store, clock, feed, recalibrated, model="inferline")
+    app = store.get_app(APP)
+    assert tuner.desired_fleet(app) == {SMALL: 2, LARGE: 1}  # restarted from what it reached
+    feed.arrival_s = steady(150.0, 940.0, 1000.0)
+    with caplog.at_level(logging.WARNING, logger="controlplane.loops.live_tuner"):
+        tuner.tick()
+        factors[("tiny", LARGE)] = 2.0  # the large twice as slow as profiled
+        tuner.recalibrate(APP)
+        for step in range(1, 4):
+            clock.advance(5.0)
+            feed.arrival_s = steady(150.0, 940.0 + 5 * step, 1000.0 + 5 * step)
+            tuner.tick()
+    assert not [r for r in caplog.records if "left on its plan" in r.getMessage()]
+    assert tuner.desired_fleet(store.get_app(APP)).get(LARGE, 0) >= 1
+
+
 def test_a_recalibration_sets_the_app_up_without_computing_the_planning_envelope_again(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
