@@ -380,12 +380,9 @@ class LocalProvisioner:
         return frozenset(self.catalog_speed)
 
     def launch_refusal(self, instance_type: str) -> str | None:
-        return launch_refusal(
-            self.name,
-            self.catalog_speed,
-            instance_type,
-            "the local provisioner emulates only emu.* types",
-        )
+        # The line names what it launches: "emulates only emu.* types" was said of an emu.*
+        # type a custom catalog adds (emu.cpu.ghost), which it cannot launch either.
+        return launch_refusal(self.name, self.catalog_speed, instance_type)
 
     def artifact_storage(self, root: Path) -> ArtifactStorage:
         """Files under ``root``: the workers run on this machine and read ``file://`` URIs."""

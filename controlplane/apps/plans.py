@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -286,14 +286,24 @@ def require_profiles(app: ResolvedApp) -> None:
             raise ProfilesNotMeasuredError(app.spec.name, model, on, dear, budget)
 
 
-def apply_plan(store: Store, app: str, plan_id: int, who: str) -> PlanRecord:
+def apply_plan(
+    store: Store,
+    app: str,
+    plan_id: int,
+    who: str,
+    launch_refusal: Callable[[str], str | None] | None = None,
+) -> PlanRecord:
     """Apply a previewed plan and record a ``plan_applied`` decision with its fleet and cost.
+    ``launch_refusal``: why the service's provider cannot launch a type (None: it can; the
+    provisioner's :meth:`~provisioners.base.Provisioner.launch_refusal`), for a plan applied by
+    hand: one naming a type it cannot launch is refused (its workers would never start, and
+    the app would answer 503 with nothing to say why but a ``plan_not_launched`` decision).
 
     Raises:
         NotFoundError: no such app or plan.
         ConflictError: the plan is stale, applied already, or another apply won; or it has no
             stages (infeasible at every rate: applying it would drain the whole fleet); or the
-            app is being taken down.
+            app is being taken down; or it names a type the provider cannot launch.
     """
     planned = store.get_plan(app, plan_id).plan
     if not planned.stages:
@@ -302,6 +312,15 @@ def apply_plan(store: Store, app: str, plan_id: int, who: str) -> PlanRecord:
             " budget and the SLO: it would drain every instance); it is not applied. Raise the"
             " budget or loosen the SLO and preview another"
         )
+    if launch_refusal is not None:
+        for instance_type in sorted(t for t, n in planned.fleet.items() if n > 0):
+            why = launch_refusal(instance_type)
+            if why is not None:
+                raise ConflictError(
+                    f"plan {plan_id} of app {app!r} is not applied: {why}; leave"
+                    f" {instance_type} out of the app's instance_types (or cap it with"
+                    f" max_counts: {{{instance_type}: 0}}) and preview another"
+                )
     if teardown_requested(store, store.get_app(app)):
         raise ConflictError(
             f"app {app!r} is being taken down (heteroplane app down): plan {plan_id} is not"

@@ -1679,3 +1679,29 @@ def test_header_fields_over_the_limit_are_a_431(api: Api) -> None:
     response = api.call("GET", "/v1/apps", headers={"X-Padding": "x" * 40_000})
     error = assert_error(response, 431, "headers_too_large")
     assert "32,768 bytes" in error["message"]
+
+
+def test_a_plan_naming_a_type_the_provider_cannot_launch_is_not_applied(api: Api) -> None:
+    """A catalog that adds a type the local provisioner cannot run (a tester's emu.cpu.ghost):
+    the plan was applied, its workers never started and the app answered 503 for as long, the
+    one ``plan_not_launched`` decision naming an emu.* type "emulates only emu.* types". Applied
+    by hand, it is a 409 naming what the provider launches; the plan stays a preview."""
+    from controlplane.apps import plans
+    from controlplane.errors import ConflictError
+    from provisioners.base import launch_refusal
+
+    api.register()
+    plan = api.preview()
+    planned = sorted(api.store.get_plan("toy", plan["id"]).plan.fleet)
+
+    def refusal(instance_type: str) -> str | None:
+        return launch_refusal("local", {"emu.gpu"}, instance_type)
+
+    with pytest.raises(ConflictError) as refused:
+        plans.apply_plan(api.store, "toy", plan["id"], "test", refusal)
+    assert f"the local provisioner cannot launch {planned[0]} (it launches emu.gpu)" in str(
+        refused.value
+    )
+    assert api.call("GET", f"/v1/apps/toy/plans/{plan['id']}").json()["status"] == "previewed"
+    # The service's own provider launches it: applied.
+    assert api.call("POST", f"/v1/apps/toy/plans/{plan['id']}/apply").status_code == 200

@@ -138,4 +138,5 @@ def get_plan(app: AppName, plan_id: PlanId, services: ServicesDep, _who: Viewer)
     responses=errors(401, 403, 404, 409, 422),
 )
 def apply_plan(app: AppName, plan_id: PlanId, services: ServicesDep, who: Operator) -> PlanOut:
-    return plan_out(plans.apply_plan(services.store, app, plan_id, who.name))
+    refusal = services.provisioner.launch_refusal if services.provisioner is not None else None
+    return plan_out(plans.apply_plan(services.store, app, plan_id, who.name, refusal))
