@@ -380,9 +380,16 @@ class LocalProvisioner:
         return frozenset(self.catalog_speed)
 
     def launch_refusal(self, instance_type: str) -> str | None:
-        # The line names what it launches: "emulates only emu.* types" was said of an emu.*
-        # type a custom catalog adds (emu.cpu.ghost), which it cannot launch either.
-        return launch_refusal(self.name, self.catalog_speed, instance_type)
+        # The line names what it launches ("emulates only emu.* types" was said of an emu.*
+        # type a custom catalog adds, emu.cpu.ghost, which it cannot launch either), the same
+        # line whatever the type: the reconciler says it once for a plan's types.
+        launches = ", ".join(sorted(self.catalog_speed)) or "nothing"
+        return launch_refusal(
+            self.name,
+            self.catalog_speed,
+            instance_type,
+            f"the local provisioner launches only {launches}",
+        )
 
     def artifact_storage(self, root: Path) -> ArtifactStorage:
         """Files under ``root``: the workers run on this machine and read ``file://`` URIs."""

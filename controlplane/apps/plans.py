@@ -317,8 +317,8 @@ def apply_plan(
             why = launch_refusal(instance_type)
             if why is not None:
                 raise ConflictError(
-                    f"plan {plan_id} of app {app!r} is not applied: {why}; leave"
-                    f" {instance_type} out of the app's instance_types (or cap it with"
+                    f"plan {plan_id} of app {app!r} is not applied: it names {instance_type},"
+                    f" and {why}; leave it out of the app's instance_types (or cap it with"
                     f" max_counts: {{{instance_type}: 0}}) and preview another"
                 )
     if teardown_requested(store, store.get_app(app)):

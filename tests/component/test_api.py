@@ -387,10 +387,12 @@ def test_spec_files_outside_the_data_directory_get_one_message(
     api: Api, tmp_path: Path, field: str
 ) -> None:
     """A path that leaves the data directory (absolute, ``..``, a link) is refused with the
-    same message whether or not a file is there: the answer tells nothing of the host."""
+    same message but for the path whether or not a file is there: the answer tells nothing of the
+    host. It names the path, how a relative one was taken, and the data directory."""
     outside = tmp_path / "outside.csv"
     outside.write_text((api.data_dir / "profiles.csv").read_text())
     (api.data_dir / "link.csv").symlink_to(outside)
+    data_dir = api.data_dir.resolve()
     messages = set()
     for path in (str(outside), "/etc/passwd", "/no/such/file.csv", "../outside.csv", "link.csv"):
         document = spec()
@@ -403,9 +405,15 @@ def test_spec_files_outside_the_data_directory_get_one_message(
             document[field] = path
         error = assert_error(api.call("POST", "/v1/apps", json=document), 422, "invalid_spec")
         assert error["field"] == ("models[0].profiles" if field == "profiles" else field)
-        messages.add(error["message"])
+        shown = path if path.startswith("/") else f"{path}, taken as {data_dir / path}"
+        if path.startswith(".."):
+            shown = f"{path}, taken as {data_dir.parent / 'outside.csv'}"
+        assert f": {shown} is not in it" in error["message"]
+        messages.add(error["message"].replace(shown, "PATH"))
     assert len(messages) == 1, messages
-    assert "data directory" in messages.pop()
+    message = messages.pop()
+    assert f"data directory, {data_dir}:" in message
+    assert f"absolute path under {data_dir}" in message
 
 
 @pytest.mark.parametrize(
@@ -1699,8 +1707,9 @@ def test_a_plan_naming_a_type_the_provider_cannot_launch_is_not_applied(api: Api
 
     with pytest.raises(ConflictError) as refused:
         plans.apply_plan(api.store, "toy", plan["id"], "test", refusal)
-    assert f"the local provisioner cannot launch {planned[0]} (it launches emu.gpu)" in str(
-        refused.value
+    assert (
+        f"is not applied: it names {planned[0]}, and the local provisioner cannot launch"
+        f" {planned[0]} (it launches emu.gpu)" in str(refused.value)
     )
     assert api.call("GET", f"/v1/apps/toy/plans/{plan['id']}").json()["status"] == "previewed"
     # The service's own provider launches it: applied.

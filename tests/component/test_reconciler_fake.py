@@ -1033,8 +1033,8 @@ def test_under_the_local_provisioner_a_plan_of_ec2_types_is_one_decision(tmp_pat
             assert service.scheduler.jobs["reconcile"]() == "ran"
         (decision,) = decisions(service.store, "plan_not_launched")
         assert decision.reason == (
-            "the local provisioner emulates only emu.* types; plan not launched"
-            " (it names g4dn.xlarge, t3.xlarge)"
+            "the local provisioner launches only emu.cpu.large, emu.cpu.small, emu.gpu,"
+            " local.cpu; plan not launched (it names g4dn.xlarge, t3.xlarge)"
         )
         assert service.store.list_instances(APP) == []
         assert not list((tmp_path / "data" / "workers" / "instances").iterdir())
