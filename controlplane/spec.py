@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -728,8 +729,13 @@ def anchor_paths(spec: AppSpec, base_dir: str | Path) -> AppSpec:
 def confine_paths(spec: AppSpec, root: str | Path) -> None:
     """Refuse a spec (from the API) whose ``profiles``, ``catalog`` or ``validation`` path leads
     outside ``root`` (the service's data directory, which holds its uploads), relative paths
-    taken under it, ``..`` and links followed: :class:`SpecError` naming the field, with one
-    message whatever the path, so that the answer says nothing of what exists elsewhere."""
+    taken under it, ``..`` and links followed: :class:`SpecError` naming the field.
+
+    The message is made of the path as sent, its plain join with the data directory (``..``
+    collapsed, no link read) and the data directory alone, never of what exists on the host, so
+    that the answer says nothing of it. It says what works from the command line too:
+    ``heteroplane app apply`` (:func:`load_spec`) sends a relative path made absolute beside the
+    spec file, so a spec file outside the data directory reaches it only by absolute paths."""
     base = Path(root).expanduser().resolve()
     named = [(f"models[{k}].profiles", m.profiles) for k, m in enumerate(spec.models)]
     named += [("catalog", spec.catalog), ("validation", spec.validation)]
@@ -738,10 +744,14 @@ def confine_paths(spec: AppSpec, root: str | Path) -> None:
             continue
         candidate = Path(text).expanduser()
         if not (base / candidate).resolve().is_relative_to(base):
+            taken = "" if candidate.is_absolute() else f", taken as {os.path.normpath(base / text)}"
             raise SpecError(
                 field,
-                "must name a file in the service's data directory (a path relative to it, or"
-                " under it); the service reads no other",
+                # The API cuts a message at 500 characters: the paths first, the advice after.
+                f"must name a file in the service's data directory, {base}; {text}{taken} is"
+                " outside it ('..' and links followed). Give the file's absolute path there, or"
+                " a path relative to it in a spec sent to the API as is (heteroplane app apply"
+                " makes relative paths absolute beside the spec file)",
             )
 
 

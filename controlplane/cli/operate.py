@@ -37,7 +37,7 @@ from controlplane.cli.client import (
     client_from,
     table,
 )
-from controlplane.cli.output import UsageError, emit, progress
+from controlplane.cli.output import UsageError, emit, progress, rate_text
 from estimator.numbers import plain
 
 __all__ = [
@@ -193,11 +193,12 @@ def _plan_text(plan: dict[str, Any]) -> str:
     verdict = (
         f"feasible at ${plan['cost_usd_per_hr']:.3f}/hr"
         if plan["feasible"]
-        else f"NOT feasible: at most {plan.get('max_feasible_qps') or 0:.2f} qps can be served"
+        else f"NOT feasible: at most {rate_text(plan.get('max_feasible_qps') or 0.0)} qps can be"
+        " served"
     )
     lines = [
         f"plan {plan['id']} of {plan['app']} ({plan['status']}): {verdict}",
-        f"  planned for {_plan_rate_qps(plan):.2f} qps: predicted end-to-end P99"
+        f"  planned for {rate_text(_plan_rate_qps(plan))} qps: predicted end-to-end P99"
         f" {_predicted_text(plan.get('predicted_p99_ms'))}",
     ]
     trace = plan.get("trace")
@@ -207,7 +208,7 @@ def _plan_text(plan: dict[str, Any]) -> str:
         fleet = ", ".join(f"{n} x {t}" for t, n in s["fleet"].items())
         lines.append(
             f"  {s['name']}: {fleet}, batch {s['batch_size']}, {s['policy']} dispatch;"
-            f" P99 {s['predicted_p99_ms']:.1f} ms, {s['throughput_qps']:.2f} qps,"
+            f" P99 {s['predicted_p99_ms']:.1f} ms, {rate_text(s['throughput_qps'])} qps,"
             f" ${s['cost_usd_per_hr']:.3f}/hr"
         )
     lines += [f"  - {step}" for step in plan["steps"]]

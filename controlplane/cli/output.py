@@ -61,6 +61,20 @@ def emit(as_json: bool, data: Mapping[str, Any], human: Callable[[], str]) -> in
     return 0
 
 
+def rate_text(rate_qps: float) -> str:
+    """A rate for people, in qps: two decimals from 1 qps up, three significant figures below
+    (two decimals wrote a plan for 0.00098 qps "0.00"), never an exponent.
+
+    >>> rate_text(28.84), rate_text(0.5), rate_text(0.00098), rate_text(0.0039), rate_text(0.0)
+    ('28.84', '0.500', '0.000980', '0.00390', '0.00')
+    """
+    if not math.isfinite(rate_qps) or rate_qps == 0.0 or abs(rate_qps) >= 1.0:
+        return f"{rate_qps:.2f}"
+    # Three significant figures: the first is at decimal -floor(log10 |x|).
+    decimals = 2 - math.floor(math.log10(abs(rate_qps)))
+    return f"{rate_qps:.{decimals}f}"
+
+
 def progress(message: str) -> None:
     """A progress line for long work; on stderr so that ``--json`` output stays one object."""
     print(message, file=sys.stderr, flush=True)

@@ -51,14 +51,24 @@ the smallest batch size every profile covers, as for a plan made on a rate. Fewe
   (``disruption_*`` settings: one instance or a quarter of the serving fleet per minute), keeping
   the last serving instance of each stage until another of the stage serves, and never above the
   budget;
+- a feasible plan with the applied plan's fleet is applied all the same (its decision says "the
+  same fleet") where the app runs the plan's fleet: no scaling loop has written another fleet on
+  the applied plan since it was applied (:func:`_loop_fleet`). The restart of the tuner from the
+  new plan's fleet then moves no instance, and the planned envelope and rate, which the tuner
+  sizes by (its utilisation target rho_m, the ladder's load factor) and the next checks compare
+  with, follow the traffic;
+- a plan with the same fleet where the tuner (or the INFaaS scaler) has grown or shrunk the fleet
+  on the applied plan is not applied: applying would restart the loop from the plan's fleet, a
+  drain (or a launch) no scaling decision asked for. One ``replan_same_fleet`` decision per plan
+  and direction (keyed) records it, and the job waits while the traffic stays inside the band of
+  the plan it found (``settled``); traffic that leaves that band starts the count again;
 - a plan that cannot serve the recorded traffic within the budget is not applied: one
   ``replan_infeasible`` decision (with the highest rate a plan within the budget serves) per plan
   and direction (keyed, so a repeat is one more count on that row); the tuner keeps the app as
-  close as the budget allows;
-- a plan with the same fleet changes nothing (logged).
+  close as the budget allows.
 
-After an attempt that did not apply a plan (infeasible, the same fleet, an error, the deadline),
-the next comes a further ``replan_hold_s`` later, if the traffic is still out of the band. An app
+After an attempt that did not apply a plan (infeasible, an error, the deadline), the next comes a
+further ``replan_hold_s`` later, if the traffic is still out of the band. An app
 marked for teardown is not re-planned. The job runs on the leader only (the scheduler's fence,
 ``controlplane.loops.leadership``); its state is in memory, so a new leader starts the count
 afresh.
@@ -76,6 +86,7 @@ import dataclasses
 import logging
 import math
 import threading
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -90,7 +101,13 @@ from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import ConflictError, ControlPlaneError, app_gone
 from controlplane.loops.capacity_replan import fleet_text
-from controlplane.loops.live_tuner import ArrivalSource, ResolveFn, synthetic_planning_arrivals
+from controlplane.loops.live_tuner import (
+    FLEETS_AFTER,
+    ArrivalSource,
+    ResolveFn,
+    synthetic_planning_arrivals,
+)
+from controlplane.loops.reached import PLAN_ID, SCALING_KINDS, counts, newest
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S, PLANNING_QUERIES, plan_app
 from controlplane.policies.spot import SpotPricesFn, plan_with_spot
@@ -277,6 +294,10 @@ class _Episode:
     recorded_from_s: float  # where the run's recorded traffic starts (that check's span)
     attempt_at_s: float  # the next re-plan is due then
     comparison: EnvelopeComparison
+    # The envelope (windows s, rates qps) of the plan with the applied fleet that an attempt found
+    # and did not apply (the tuner had moved the fleet): no attempt while the traffic stays
+    # inside its band.
+    settled: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
 
 class TrafficReplanner:
@@ -375,6 +396,7 @@ class TrafficReplanner:
                 or episode.plan_id != plan.id
                 or episode.app_version != app.version
                 or episode.direction != direction
+                or self._left(episode.settled, observed, now_s)
             ):
                 episode = _Episode(
                     plan_id=plan.id,
@@ -393,9 +415,24 @@ class TrafficReplanner:
                     comparison.describe(),
                 )
             episode.comparison = comparison
-            if now_s < episode.attempt_at_s:
+            if episode.settled is not None or now_s < episode.attempt_at_s:
                 return False
         return self._replan(app, plan, episode, observed, now_s)
+
+    def _left(
+        self,
+        settled: tuple[tuple[float, ...], tuple[float, ...]] | None,
+        observed: NDArray[np.float64],
+        now_s: float,
+    ) -> bool:
+        """Whether the recent arrivals are out of the band of the ``settled`` envelope (an
+        attempt's same-fleet plan): the traffic has moved since that attempt."""
+        if settled is None:
+            return False
+        windows_s, rates_qps = settled
+        span_s = max(self._check_s, windows_s[-1])
+        comparison = compare_envelopes(observed, now_s, span_s, windows_s, rates_qps)
+        return self._band.direction(comparison) is not None
 
     def _replan(
         self,
@@ -469,13 +506,33 @@ class TrafficReplanner:
             )
             logger.warning("replan: %s: no plan within its budget serves its traffic", app.name)
             return False
-        if nonzero(new.fleet) == nonzero(old.fleet):
-            logger.info(
-                "replan: %s: %s; the plan for it has the same fleet, plan %s stays",
+        same_fleet = nonzero(new.fleet) == nonzero(old.fleet)
+        numbers["same_fleet"] = same_fleet
+        loop_fleet = _loop_fleet(self._store, app.name, plan) if same_fleet else None
+        if loop_fleet is not None:
+            # Applying would restart the scaling loop from the plan's fleet: a drain (or a launch)
+            # of what it had grown (or shed) that no scaling decision asked for.
+            self._store.record_decision(
                 app.name,
-                moved,
-                plan.id,
+                "replan_same_fleet",
+                f"{moved}: the plan for the recorded {stats.rate_qps:.4g} qps has plan {plan.id}'s"
+                f" fleet ({fleet_text(new.fleet)}, {new.planned_rate_qps:.4g} qps), but the"
+                f" {loop_fleet} since plan {plan.id} was applied; plan {plan.id} stays (applying"
+                " it would restart that loop from the plan's fleet) until the traffic leaves the"
+                f" band of a plan for {new.planned_rate_qps:.4g} qps",
+                {
+                    **numbers,
+                    "new_rate_qps": new.planned_rate_qps,
+                    "fleet": new.fleet,
+                    "cost_usd_per_hr": new.cost_usd_per_hr,
+                },
+                key=f"{plan.id}:{episode.direction}",
             )
+            with self._lock:
+                # No attempt while the traffic stays where this one found the same fleet (a plan
+                # without a rate has no band: the next attempt comes a hold later).
+                episode.settled = _planned_envelope(new)
+            logger.info("replan: %s: the plan for its traffic has the same fleet", app.name)
             return False
         because = (
             f"re-planned on recorded traffic: {moved}; {stats.count} queries over"
@@ -496,13 +553,18 @@ class TrafficReplanner:
         ).to_document()
         record = self._store.create_plan(app.name, document)
         applied = apply_plan(self._store, app.name, record.id, WHO)
+        same = (
+            "; the same fleet, for the planned rate and envelope to follow the traffic"
+            if same_fleet
+            else ""
+        )
         self._store.record_decision(
             app.name,
             "replan",
             f"{moved}: plan {applied.id} ({fleet_text(new.fleet)},"
             f" {new.cost_usd_per_hr:.4g} USD/hr, {new.planned_rate_qps:.4g} qps) replaces plan"
             f" {plan.id} ({fleet_text(old.fleet)}, {old.cost_usd_per_hr:.4g} USD/hr,"
-            f" {old.planned_rate_qps:.4g} qps)",
+            f" {old.planned_rate_qps:.4g} qps){same}",
             {
                 **numbers,
                 "new_rate_qps": new.planned_rate_qps,
@@ -515,6 +577,27 @@ class TrafficReplanner:
             self._episodes.pop(app.name, None)
         logger.warning("replan: %s re-planned on its recorded traffic", app.name)
         return True
+
+
+def _loop_fleet(store: Store, app: str, plan: PlanRecord) -> str | None:
+    """What a scaling loop (the tuner, the INFaaS scaler) has made of ``plan``'s fleet since it
+    was applied, in words, where the newest fleet one wrote on it
+    (:func:`controlplane.loops.reached.newest`) is not the plan's; ``None``: the app runs the
+    plan's fleet (no loop wrote one, or the tuner's is the plan's again)."""
+    decision = newest(store, app, plan, SCALING_KINDS, PLAN_ID)
+    if decision is None:
+        return None
+    value = decision.numbers.get(FLEETS_AFTER)
+    fleets = [counts(fleet) for fleet in value.values()] if isinstance(value, dict) else [None]
+    if not isinstance(value, dict) or any(fleet is None for fleet in fleets):
+        return f"scaling loop has changed the fleet ({decision.kind})"
+    reached = {stage: nonzero(counts(fleet) or {}) for stage, fleet in value.items()}
+    if reached == {stage.name: nonzero(stage.fleet) for stage in plan.plan.stages}:
+        return None
+    summed: Counter[str] = Counter()
+    for fleet in reached.values():
+        summed.update(fleet)
+    return f"tuner has taken the fleet to {fleet_text(summed)} ({decision.kind})"
 
 
 def _planned_envelope(plan: PlanDocument) -> tuple[tuple[float, ...], tuple[float, ...]] | None:

@@ -288,3 +288,67 @@ def test_a_check_compares_the_recent_envelope_with_the_planned_one() -> None:
     comparison = compare_envelopes(arrivals, 180.0, 60.0, (1.0, 32.0), (128.0, 128.0))
     assert comparison.live_peak_qps == 64.0 and comparison.live_sustained_qps == 64.0
     assert comparison.peak_ratio == 0.5 and comparison.queries == 60 * 64
+
+
+def test_a_plan_with_the_same_fleet_is_applied_so_its_envelope_follows_the_traffic(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    service, clock, resolver = world
+    _apply(service, resolver, budget=4.0, rate_qps=20.0)
+    old = service.store.get_applied_plan(APP)
+    assert old is not None and old.plan.fleet == {R5N: 1}
+    # Twice the planned traffic, which one r5n.large still serves (the planner's own answer).
+    traffic = Traffic(clock, (0.0, 600.0, 20.0), (600.0, 2400.0, 40.0))
+    replanner = _replanner(service, clock, resolver, traffic)
+
+    assert _run(replanner, clock, 2400.0) == [600.0 + HOLD_S + CHECK_S]
+    applied = service.store.get_applied_plan(APP)
+    assert applied is not None and applied.id != old.id
+    assert applied.plan.fleet == {R5N: 1} and applied.plan.planned_rate_qps > 35.0
+    (decision,) = [d for d in service.store.list_decisions(APP) if d.kind == "replan"]
+    assert decision.numbers["same_fleet"] is True and "the same fleet" in decision.reason
+    assert decision.numbers["old_rate_qps"] == pytest.approx(old.plan.planned_rate_qps)
+    assert decision.numbers["new_rate_qps"] == pytest.approx(applied.plan.planned_rate_qps)
+    # The traffic is inside the new plan's band: no attempt after it.
+    assert replanner.episode(APP) is None
+    assert "replan_same_fleet" not in _kinds(service)
+
+
+def test_a_same_fleet_plan_does_not_undo_what_the_tuner_grew_and_waits_for_the_traffic_to_move(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    service, clock, resolver = world
+    _apply(service, resolver, budget=4.0, rate_qps=20.0)
+    old = service.store.get_applied_plan(APP)
+    assert old is not None
+    stage = old.plan.stages[0].name
+    # The tuner has grown the plan's one r5n.large to two (what it writes into its decision).
+    service.store.record_decision(
+        APP,
+        "scale_up",
+        "the live envelope exceeds the planned one",
+        {"plan_id": old.id, "fleets_after": {stage: {R5N: 2}}, "cost_usd_per_hr_after": 0.3},
+    )
+    traffic = Traffic(clock, (0.0, 600.0, 20.0), (600.0, 1800.0, 40.0), (1800.0, 3000.0, 100.0))
+    replanner = _replanner(service, clock, resolver, traffic)
+
+    # The attempt after the hold finds the same fleet: recorded, not applied (applying would
+    # restart the tuner from one r5n.large), and no attempt while the traffic stays there.
+    assert _run(replanner, clock, 1800.0) == []
+    assert service.store.get_app(APP).applied_plan_id == old.id
+    (decision,) = [d for d in service.store.list_decisions(APP) if d.kind == "replan_same_fleet"]
+    assert decision.count == 1 and decision.numbers["same_fleet"] is True
+    assert decision.numbers["fleet"] == {R5N: 1} and decision.numbers["new_rate_qps"] > 35.0
+    assert decision.numbers["direction"] == "above" and "2 x r5n.large" in decision.reason
+    episode = replanner.episode(APP)
+    assert episode is not None and episode[0] == "above"
+
+    # The traffic moves again (100 qps): out of the band of the plan found for 40 qps, the count
+    # starts again, and the plan for it (two r5n.large) is applied after the hold.
+    assert _run(replanner, clock, 3000.0) == [1800.0 + CHECK_S + HOLD_S]
+    applied = service.store.get_applied_plan(APP)
+    assert applied is not None and applied.plan.fleet == {R5N: 2}
+    assert applied.plan.planned_rate_qps > 80.0  # planned on the traffic since it moved
+    assert [
+        d.count for d in service.store.list_decisions(APP) if d.kind == "replan_same_fleet"
+    ] == [1]

@@ -588,3 +588,41 @@ def test_a_free_type_needs_a_cap_and_then_plans(tmp_path: Path) -> None:
     arrival_s = np.cumsum(rng.exponential(1 / 50.0, 2_000))
     plan = plan_app(app, Trace(arrival_s, np.ones(arrival_s.size, dtype=np.int64)))
     assert plan.fleet.get("local.cpu", 0) <= 2
+
+
+def test_the_data_directory_refusal_says_what_a_command_line_user_can_do(tmp_path: Path) -> None:
+    """``heteroplane app apply -f FILE`` sends a relative path made absolute beside FILE, so a
+    path relative to the data directory can never pass from the command line: the refusal names
+    the path as sent and the data directory, and says that an absolute path there works."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "profiles.csv").write_text("model,instance_type,batch_size,infer_ms\n")
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    body = {
+        "name": "toy",
+        "models": [{"name": "m", "profiles": "profiles.csv"}],
+        "slo": {"latency_ms": 40},
+        "budget_usd_per_hr": 1.0,
+        "instance_types": ["r5n.large"],
+    }
+    (specs / "toy.yaml").write_text(yaml.safe_dump(body))
+
+    with pytest.raises(SpecError) as refused:
+        spec_module.confine_paths(load_spec(specs / "toy.yaml"), data_dir)
+    message = str(refused.value)
+    assert message.startswith("models[0].profiles: must name a file in the service's data")
+    assert f"data directory, {data_dir.resolve()};" in message
+    assert f"; {specs.resolve() / 'profiles.csv'} is outside it" in message
+    assert "absolute path there" in message and "heteroplane app apply" in message
+    # What it says works: the absolute path under the data directory, from any spec file.
+    absolute = {**body, "models": [{"name": "m", "profiles": str(data_dir / "profiles.csv")}]}
+    (specs / "toy.yaml").write_text(yaml.safe_dump(absolute))
+    spec_module.confine_paths(load_spec(specs / "toy.yaml"), data_dir)
+    # A relative path in a body sent as is: how it was taken under the data directory.
+    relative = validate_spec({**body, "models": [{"name": "m", "profiles": "../x/p.csv"}]})
+    with pytest.raises(SpecError) as refused:
+        spec_module.confine_paths(relative, data_dir)
+    assert f"; ../x/p.csv, taken as {tmp_path.resolve() / 'x' / 'p.csv'} is outside" in str(
+        refused.value
+    )
