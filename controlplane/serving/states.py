@@ -20,8 +20,8 @@ tracker of what they are judged on (measured latencies, arrivals, refusals):
   2. *refused*: admission control (:mod:`controlplane.serving.admission`) refused (429) a query
      on it (a stage admission judged the query on, one every sample reaches:
      :func:`~controlplane.serving.admission.judged_positions`), judged at a capacity at least
-     C: its queue could not serve the query within the SLO. A refusal judged at a smaller capacity (before an instance joined)
-     says nothing of the larger one and does not count;
+     C: its queue could not serve the query within the SLO. A refusal judged at a smaller
+     capacity (before an instance joined) says nothing of the larger one and does not count;
   3. *rate*: its arrivals, admitted and refused, in samples per second over the window (or
      since the first of them, when the load began within it, over at least ``rate_min_s``,
      2 s: INFaaS's monitoring period), reach C: it serves at its peak throughput (INFaaS's
