@@ -5,18 +5,32 @@ A model a user brings (``artifact:`` in the spec, :mod:`controlplane.registry`) 
 file; :func:`run_profile` (``POST /v1/apps/{app}/profiles``, ``heteroplane profile run``) makes
 one:
 
-1. **Rows first.** One worker per type profiled runs next to the app's fleet. Each gets an
+1. **One run at a time.** A second run of an app while one is in progress is refused
+   (:class:`ProfileRunInProgressError`, 409, naming the run): the older run would otherwise
+   store its profiles over the newer one's when it ended last. A run is in progress while a
+   row of its workers is kept (requested, pending, running) and touched within
+   :data:`RUN_GONE_BEATS` heartbeats: a run that ended moved its rows out (step 6), and one
+   that died with its replica (a crash, a restart) stops beating, so its rows hold the app for
+   a few heartbeats at most, whether or not the reconciler has reaped them yet. A run records
+   its rows (step 2) before it looks for another, as the budget check does: two asked for at
+   the same moment may both be refused (each finds the other's rows), never both taken. A
+   rollout's timing of a new version (``serve``) stores nothing and is neither refused nor a
+   run that refuses. Before any row, the request itself is checked (the types, the batch
+   sizes, a batch's bytes, and a batch size the app's current profiles say takes longer than
+   a worker call may: :func:`predicted_ms` past the profiler's
+   :data:`~controlplane.apps.profiler.CALL_TIMEOUT_S`).
+2. **Rows first.** One worker per type profiled runs next to the app's fleet. Each gets an
    instance row of the app (request id ``profile:<app>-<run>-<type>``,
    :data:`~controlplane.policies.lifecycle.PROFILE_REQUEST_PREFIX`) *before* the provider is
    asked for it, as the reconciler records its own launches: the row counts against the budget
    while the worker lives, ``app down`` ends it, and the reconciler reaps it when the run is gone.
-2. **Budget.** With the rows recorded, everything the app pays for must stay within its budget,
+3. **Budget.** With the rows recorded, everything the app pays for must stay within its budget,
    else :class:`~controlplane.errors.ProfilingBudgetError` naming the cost (and the rows are
    ended unlaunched): its kept rows (the fleet, other runs' workers, these) plus every instance
    the provider lists with the app's tags that has no live row (an orphan the reconciler has not
    ended yet still costs money). Recording before checking means two runs at once can both be
    refused, never both admitted past the budget.
-3. **Workers.** One worker per type, launched through the service's provisioner with the app's
+4. **Workers.** One worker per type, launched through the service's provisioner with the app's
    artifacts (the reconciler's :class:`~provisioners.base.LaunchRequest`, so EC2 workers get
    the same user data the app's own would), tagged with the app, :data:`PROFILE_RUN_TAG` and
    their row's id. While the run lasts, a heartbeat thread touches the rows every
@@ -25,16 +39,17 @@ one:
    with its replica (a crash, a failover). The reconciler never counts these rows against the
    desired fleet, and the serving loop never sends them traffic. The run waits for each worker's
    address and for ``GET /v2/health/ready``.
-4. **Measurement,** as :func:`controlplane.apps.profiler.measure_serving_path` measures the
+5. **Measurement,** as :func:`controlplane.apps.profiler.measure_serving_path` measures the
    serving path: per batch size, every type's worker at once (a thread and a kept-alive
    connection each), warm-up rounds then ``samples`` timed rounds, each round sending every
    model in turn one batch; a sample is the round trip of an Open Inference Protocol v2
    ``POST /v2/models/{m}/infer`` of random inputs matching the model's signature (uniform in
    [0, 1) for floats, small integers otherwise; a dynamic dimension past the batch is 1).
-5. **Cleanup.** The workers are ended in a ``finally``, after a failure too: their rows move to
+6. **Cleanup.** The workers are ended in a ``finally``, after a failure too: their rows move to
    ``terminating`` (written before the provider is asked), the provider terminates them, and the
-   rows of workers the provider no longer runs become ``terminated``.
-6. **Result.** The profile JSON document (``estimator.profiles``' format, what the resolver
+   rows of workers the provider no longer runs become ``terminated``. That ends the run for
+   step 1 too.
+7. **Result.** The profile JSON document (``estimator.profiles``' format, what the resolver
    reads for the app's artifact models) is stored with ``store.put_app_profiles``, the resolver
    forgets the app's old ones, and a ``profiles_measured`` decision is recorded.
 """
@@ -54,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from controlplane.apps.profiler import (
+    CALL_TIMEOUT_S,
     DEFAULT_BATCH_SIZES,
     DEFAULT_WARMUP,
     ProfilingError,
@@ -61,7 +77,7 @@ from controlplane.apps.profiler import (
 )
 from controlplane.apps.resolver import AppResolver
 from controlplane.apps.teardown import refuse_torn_down
-from controlplane.clock import Clock
+from controlplane.clock import Clock, SystemClock
 from controlplane.crashpoints import crash_point
 from controlplane.errors import (
     ConflictError,
@@ -74,7 +90,9 @@ from controlplane.policies.lifecycle import (
     LIVE_STATES,
     PROFILE_REQUEST_PREFIX,
     InstanceState,
+    profiling_group,
 )
+from estimator.errors import EstimatorError
 from estimator.profiles import LatencyProfile, profiles_document
 from provisioners.base import (
     APP_TAG,
@@ -89,6 +107,8 @@ from provisioners.base import (
 from provisioners.errors import ProvisionerError
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from controlplane.db.store import InstanceRecord, Store
     from controlplane.spec import ResolvedApp
     from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec
@@ -97,7 +117,9 @@ __all__ = [
     "DEFAULT_HEARTBEAT_S",
     "DEFAULT_SAMPLES",
     "PROFILE_RUN_TAG",
+    "RUN_GONE_BEATS",
     "ProfileRunCheck",
+    "ProfileRunInProgressError",
     "ProfileRunRequest",
     "ProfileRunResult",
     "ProfilingInterruptedError",
@@ -106,6 +128,7 @@ __all__ = [
     "end_workers",
     "ended_reason",
     "launch_worker",
+    "predicted_ms",
     "random_inputs",
     "run_profile",
     "unrecorded_cost",
@@ -127,6 +150,10 @@ DEFAULT_HEARTBEAT_S = 10.0
 # The largest batch a run sends a worker, bytes: the setting oip_body_max_bytes's default (the
 # service passes its own), the most a worker's inference body may be.
 DEFAULT_MAX_BATCH_BYTES = 64 << 20
+# A run whose rows went untouched for this many heartbeats is gone (its replica crashed): the
+# reconciler's PROFILE_RUN_MISSED_BEATS, after which it reaps the workers (controlplane.loops
+# may not be imported here).
+RUN_GONE_BEATS = 4
 _POLL_S = 0.5
 _BUDGET_SLACK_USD_PER_HR = 1e-9
 DECISION_KIND = "profiles_measured"
@@ -164,6 +191,73 @@ def _ended_meanwhile(store: Store, rows: Sequence[InstanceRecord]) -> str | None
         said = f"its {now.instance_type} worker was ended during the run"
         return said if why is None else f"{said}: {why[:300]}"
     return None
+
+
+class ProfileRunInProgressError(ConflictError):
+    """A profile run of an app that has one in progress (module docstring, step 1): ``run`` its
+    id, ``by`` who started it (None where its rows do not say), ``since`` when, ``types`` its
+    workers' types."""
+
+    def __init__(
+        self, app: str, run: str, by: str | None, since: datetime, types: Sequence[str]
+    ) -> None:
+        self.app, self.run, self.by, self.since, self.types = app, run, by, since, tuple(types)
+        who = "" if by is None else f" by {by}"
+        super().__init__(
+            f"app {app!r} has a profile run in progress: run {run}{who} on {', '.join(types)},"
+            f" started {since.isoformat(timespec='seconds')}; wait for it to end"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """A profile run of an app as its kept rows show it: its id, its first row (recorded
+    first: when it started, and who started it) and its workers' types."""
+
+    run: str
+    first: InstanceRecord
+    types: tuple[str, ...]
+
+
+def _runs_in_progress(store: Store, app: str, now: datetime, gone_after_s: float) -> list[_Run]:
+    """The profile runs of ``app`` in progress (module docstring, step 1), oldest first: kept
+    rows of a run (not a rollout's) touched within ``gone_after_s``."""
+    rows: dict[str, list[InstanceRecord]] = {}
+    for row in store.list_instances(app, KEPT_STATES, request_prefix=PROFILE_REQUEST_PREFIX):
+        group = profiling_group(app, row.request_id)
+        if group.startswith("run ") and (now - row.updated_at).total_seconds() <= gone_after_s:
+            rows.setdefault(group.removeprefix("run "), []).append(row)
+    runs = [
+        _Run(run, min(found, key=lambda r: r.created_at), tuple(r.instance_type for r in found))
+        for run, found in rows.items()
+    ]
+    return sorted(runs, key=lambda run: run.first.created_at)
+
+
+def _refuse_a_second_run(
+    store: Store,
+    app: str,
+    now: datetime,
+    heartbeat_s: float,
+    ours: Sequence[InstanceRecord] = (),
+) -> None:
+    """:class:`ProfileRunInProgressError` naming the oldest run of ``app`` in progress but ours
+    (``ours``: this run's rows, recorded; none: a check before any row)."""
+    own = {row.id for row in ours}
+    for run in _runs_in_progress(store, app, now, RUN_GONE_BEATS * heartbeat_s):
+        if run.first.id not in own:
+            by = _started_by(store, run.first.id)
+            raise ProfileRunInProgressError(app, run.run, by, run.first.created_at, run.types)
+
+
+def _started_by(store: Store, instance_id: str) -> str | None:
+    """Who started the run of a worker's row: its first event's reason, ``profile run R by
+    WHO``."""
+    events = store.list_instance_events(instance_id=instance_id)
+    reason = (events[0].reason or "") if events else ""
+    if " by " not in reason:
+        return None
+    return reason.split(" by ", 1)[1].splitlines()[0]
 
 
 class ProfilingRequestError(InvalidValueError):
@@ -323,6 +417,12 @@ def run_profile(
     heartbeat = _Heartbeat(store, [row.id for row in rows.values()], heartbeat_s)
     refused: str | None = None  # why the rows end unlaunched, when the budget refused the run
     try:
+        if serve is None:
+            try:
+                _refuse_a_second_run(store, app, clock.utcnow(), heartbeat_s, list(rows.values()))
+            except ProfileRunInProgressError as error:
+                refused = f"not launched: {error}"
+                raise
         try:
             cost = _check_budget(
                 store, provisioner, app, record.budget_usd_per_hr, rows, resolved.prices_usd_per_hr
@@ -417,11 +517,14 @@ def check_profile_run(
     request: ProfileRunRequest,
     *,
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+    clock: Clock | None = None,
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S,
 ) -> ProfileRunCheck:
     """What :func:`run_profile` would measure and what its workers would cost, with every check
-    it makes before a worker starts (the request, the batches' size, the budget next to the
-    fleet), launching nothing and recording nothing: a client asks first, so that it says "this
-    takes minutes" only for a run the service takes.
+    it makes before a worker starts (the request, the batches' size, another run in progress,
+    the budget next to the fleet), launching nothing and recording nothing: a client asks
+    first, so that it says "this takes minutes" only for a run the service takes. ``clock``
+    (default the system's) and ``heartbeat_s`` tell a run in progress from one that is gone.
 
     Raises what :func:`run_profile` raises before it launches.
     """
@@ -429,6 +532,7 @@ def check_profile_run(
     refuse_torn_down(store, record, "no profile run starts for it")
     resolved = resolver.resolve(record.spec, check_budget=False)
     models, types = _checked_request(resolved, app, request, None, max_batch_bytes)
+    _refuse_a_second_run(store, app, (clock or SystemClock()).utcnow(), heartbeat_s)
     workers = sum(resolved.prices_usd_per_hr[t] for t in types)
     _check_budget_of(
         store,
@@ -465,7 +569,59 @@ def _checked_request(
     _check_numbers(request)
     signatures = {m: resolved.artifacts[m].signature for m in models}
     _check_batch_bytes(signatures, request.batch_sizes, max_batch_bytes)
+    _check_batch_times(resolved, models, types, request.batch_sizes, CALL_TIMEOUT_S)
     return models, types
+
+
+def predicted_ms(profile: LatencyProfile, batch_size: int) -> float | None:
+    """A batch's mean time by ``profile``: linear between its batch sizes (the smallest's below
+    them), on the line through its two largest above them (a batch's time is about affine in
+    its rows: the emulated types' ``C_m(b)``); None above a profile of one batch size.
+
+    >>> p = LatencyProfile("m", "t", np.array([1, 4]), (np.array([2.0]), np.array([5.0])))
+    >>> [predicted_ms(p, b) for b in (1, 2, 8)]
+    [2.0, 3.0, 9.0]
+    """
+    sizes = profile.batch_sizes.astype(np.float64)
+    means = profile.mean_ms
+    if batch_size <= sizes[-1]:
+        return float(np.interp(batch_size, sizes, means))
+    if sizes.size < 2:
+        return None
+    slope = max((means[-1] - means[-2]) / (sizes[-1] - sizes[-2]), 0.0)
+    return float(means[-1] + slope * (batch_size - sizes[-1]))
+
+
+def _check_batch_times(
+    resolved: ResolvedApp,
+    models: Sequence[str],
+    types: Sequence[str],
+    batch_sizes: Sequence[int],
+    timeout_s: float,
+) -> None:
+    """Refuse batch sizes that the app's current profiles (where it has them) say take longer
+    than a call may (``timeout_s``, the profiler's call timeout), before any worker starts: the
+    call would time out after the workers were paid for and started (a batch of 4,096 that
+    takes about 123 s on emu.cpu.small)."""
+    for model in models:
+        for instance_type in types:
+            try:
+                profile = resolved.profile(model, instance_type)
+            except (LookupError, EstimatorError):
+                continue  # not measured yet: nothing to predict from
+            largest = int(profile.batch_sizes[-1])
+            for size in batch_sizes:
+                expected_ms = predicted_ms(profile, size)
+                if expected_ms is None or expected_ms <= timeout_s * 1000.0:
+                    continue
+                basis = "" if size <= largest else f", extrapolated from batches up to {largest}"
+                raise ProfilingRequestError(
+                    "batch_sizes",
+                    f"a batch of {size} of {model} on {instance_type} takes about"
+                    f" {expected_ms / 1000.0:.0f} s by the app's current profile{basis}, past the"
+                    f" {timeout_s:g} s a worker call may take: profile smaller batch sizes"
+                    " (--batch-sizes)",
+                )
 
 
 def _requested_types(request: ProfileRunRequest, candidates: Sequence[str]) -> tuple[str, ...]:

@@ -95,6 +95,19 @@ class ProfilingError(ControlPlaneError):
     """A measurement that could not be made: a worker that did not start or refused a batch."""
 
 
+class ProfilingTimeoutError(ProfilingError):
+    """A worker that did not answer a batch of ``rows`` of ``model`` within the call's
+    ``timeout_s``."""
+
+    def __init__(self, address: str, model: str, rows: int, timeout_s: float) -> None:
+        self.address, self.model, self.rows, self.timeout_s = address, model, rows, timeout_s
+        super().__init__(
+            f"the worker at {address} timed out on a batch of {rows} of {model}: no answer"
+            f" within {timeout_s:g} s (the profiler's call timeout); a batch that size takes"
+            " longer there, or the worker is stuck: profile smaller batch sizes"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class MeasureSettings:
     """How each cell is timed: ``warmup`` untimed runs, then ``samples`` timed ones, on
@@ -421,18 +434,27 @@ class WorkerClient:
     def infer_ms(self, model: str, inputs: Mapping[str, np.ndarray]) -> float:
         """One batch's round trip (ms): from encoding the request to decoding the answer. A
         connection that broke is replaced and the call made once more (the broken attempt is
-        not a sample)."""
+        not a sample). A call not answered within the timeout is not made again
+        (:class:`ProfilingTimeoutError`): the worker is still on that batch, or stuck, and a
+        second try waits as long again (a batch of 4,096 that an emulated type serves in about
+        123 s had waited out two minute-long timeouts and been called a broken connection)."""
+        rows = next(iter(inputs.values())).shape[0] if inputs else 0
         try:
             return self._call(model, inputs)
-        except (OSError, http.client.HTTPException):  # a broken or timed-out connection
+        except TimeoutError:
+            self.close()
+            raise ProfilingTimeoutError(self.address, model, rows, self._timeout_s) from None
+        except (OSError, http.client.HTTPException):  # a broken connection
             self.close()
         try:
             return self._call(model, inputs)
+        except TimeoutError:
+            self.close()
+            raise ProfilingTimeoutError(self.address, model, rows, self._timeout_s) from None
         except (OSError, http.client.HTTPException) as error:
             # The worker closed the connection again (it refused the body, it died): the run's
             # failure, not the control plane's (it was a 500 with BrokenPipeError's traceback).
             self.close()
-            rows = next(iter(inputs.values())).shape[0] if inputs else 0
             raise ProfilingError(
                 f"the worker at {self.address} broke the connection on a batch of {rows} of"
                 f" {model} twice: {type(error).__name__}: {error}"

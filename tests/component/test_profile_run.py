@@ -31,6 +31,7 @@ from fastapi.testclient import TestClient
 
 from controlplane.apps.profile_run import (
     PROFILE_RUN_TAG,
+    ProfileRunInProgressError,
     ProfileRunRequest,
     ProfilingInterruptedError,
     ProfilingRequestError,
@@ -601,3 +602,192 @@ def test_a_run_whose_rows_are_ended_meanwhile_stops_and_leaves_no_worker(world: 
         profile(world, types=(SMALL,))
     assert live(world.provisioner) == []
     assert world.store.get_app_profiles(APP) is None
+
+
+def record_run(world: World, run: str, instance_type: str = SMALL, who: str = "alice") -> str:
+    """A row of another profile run of the app, as a run records it (the run not running)."""
+    price = default_catalog()[instance_type].price_usd_per_hr
+    row = world.store.record_instance(
+        APP,
+        request_id=f"profile:{APP}-{run}-{instance_type}",
+        instance_type=instance_type,
+        price_usd_per_hr=price,
+        reason=f"profile run {run} by {who}",
+    )
+    return row.id
+
+
+def test_a_second_run_while_one_is_in_progress_is_refused_and_the_first_stores_its_own(
+    world: World,
+) -> None:
+    """Two runs of an app were both taken, and the one that ended last stored its profiles
+    over the other's (a 10-sample run, started after a long run, was replaced when the long
+    run finished): the second is refused, a 409 naming the run, and launches nothing."""
+    register(world, spec(types=(SMALL,)))
+    listed = world.provisioner.list
+    waiting, go_on = threading.Event(), threading.Event()
+
+    def held(tags: Any) -> Any:  # the first run waits here for its worker, launched already
+        if PROFILE_RUN_TAG in tags:
+            waiting.set()
+            assert go_on.wait(30)
+        return listed(tags)
+
+    world.provisioner.list = held  # type: ignore[method-assign]
+    first: list[Any] = []
+    running = threading.Thread(target=lambda: first.append(profile(world, samples=5)))
+    running.start()
+    try:
+        assert waiting.wait(30)
+        world.provisioner.list = listed  # type: ignore[method-assign]
+        (row,) = world.store.list_instances(APP)
+        run = row.request_id.split("-")[1]
+        started = row.created_at.isoformat(timespec="seconds")
+        said = (
+            f"app {APP!r} has a profile run in progress: run {run} by tester on {SMALL},"
+            f" started {started}; wait for it to end"
+        )
+        with pytest.raises(ProfileRunInProgressError) as refused:
+            profile(world, samples=2)
+        assert str(refused.value) == said and isinstance(refused.value, ConflictError)  # 409
+        with pytest.raises(ProfileRunInProgressError, match=f"run {run} by tester"):
+            check_profile_run(
+                world.store, world.resolver, world.provisioner, APP,
+                ProfileRunRequest(batch_sizes=(1,)), clock=world.clock,
+            )  # fmt: skip
+        # The refused run's rows end unlaunched, saying why.
+        (second,) = [r for r in world.store.list_instances(APP) if r.id != row.id]
+        assert second.state == "failed" and second.provider_id is None
+        events = world.store.list_instance_events(instance_id=second.id)
+        assert events[-1].reason == f"not launched: {said}"
+        assert len(world.provisioner.requests) == 1
+    finally:
+        go_on.set()
+        running.join()
+    (result,) = first
+    assert world.store.get_app_profiles(APP) == dict(result.document)
+    assert result.samples == 5
+    # Over: the app is free again.
+    again = profile(world, samples=2)
+    assert world.store.get_app_profiles(APP) == dict(again.document)
+
+
+def test_two_runs_recorded_at_once_are_never_both_taken(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each run records its rows, then looks for another (as the budget check does): another
+    run recorded after ours, before our look, finds ours in its own look, and ours finds it:
+    both are refused, never both taken."""
+    from controlplane.apps import profile_run
+
+    register(world, spec(types=(SMALL,)))
+    its_look: list[str] = []
+
+    def another_records(name: str) -> None:
+        if name != "profile_run.after_row":
+            return
+        other = world.store.get_instance(record_run(world, "beefcafe"))
+        with pytest.raises(ProfileRunInProgressError) as refused:
+            profile_run._refuse_a_second_run(world.store, APP, world.clock.utcnow(), 10.0, [other])
+        its_look.append(refused.value.run)
+
+    monkeypatch.setattr(profile_run, "crash_point", another_records)
+    with pytest.raises(ProfileRunInProgressError, match="run beefcafe by alice"):
+        profile(world)
+    (ours,) = [r for r in world.store.list_instances(APP) if "beefcafe" not in r.request_id]
+    assert its_look == [ours.request_id.split("-")[1]]
+    assert ours.state == "failed" and world.provisioner.requests == []
+
+
+def test_a_run_that_died_with_its_replica_holds_the_app_for_a_few_heartbeats_at_most(
+    world: World,
+) -> None:
+    """The service restarted mid-run: its rows stay kept until the reconciler reaps them. The
+    app is refused another run while they beat, and free once they stopped beating for
+    RUN_GONE_BEATS heartbeats, reaped or not."""
+    from controlplane.apps.profile_run import DEFAULT_HEARTBEAT_S, RUN_GONE_BEATS
+
+    register(world, spec(types=(SMALL,)))
+    dead = record_run(world, "0badf00d", who="bob")
+    with pytest.raises(ProfileRunInProgressError, match="run 0badf00d by bob"):
+        profile(world)
+    world.clock.advance(RUN_GONE_BEATS * DEFAULT_HEARTBEAT_S - 1)
+    with pytest.raises(ProfileRunInProgressError):
+        profile(world)
+    world.clock.advance(2)
+    result = profile(world)
+    assert world.store.get_app_profiles(APP) == dict(result.document)
+    assert world.store.get_instance(dead).state == "requested"  # not reaped yet: no matter
+    # A rollout's workers (its timing stores nothing) hold no profile run back.
+    world.store.record_instance(
+        APP,
+        request_id=f"profile:rollout-{APP}-7-t6kdc0-{SMALL}-1",
+        instance_type=SMALL,
+        price_usd_per_hr=default_catalog()[SMALL].price_usd_per_hr,
+    )
+    profile(world)
+
+
+def test_a_batch_the_current_profile_says_outlasts_a_call_is_refused_before_any_worker(
+    world: World,
+) -> None:
+    """``profile run --batch-sizes 4096`` started a worker and waited out the call's timeout
+    (the batch takes about 123 s): where the app's profile says a batch takes longer than a
+    call may, the check (and the run) refuse it first, naming the prediction."""
+    from controlplane.apps.profiler import CALL_TIMEOUT_S
+    from estimator.profiles import LatencyProfile, profiles_document
+
+    register(world, spec(types=(SMALL,)))
+    first = profile(world, batch_sizes=(1, 64))
+    # A profile of about 3 + 30 ms a row on SMALL: 4,096 rows take about 123 s.
+    cells = (np.array([33.0]), np.array([1923.0]))
+    slow = LatencyProfile("small", SMALL, np.array([1, 64]), cells)
+    world.store.put_app_profiles(
+        APP, {**dict(first.document), "profiles": profiles_document([slow])["profiles"]}
+    )
+    world.resolver.invalidate(APP)
+    said = (
+        f"batch_sizes: a batch of 4096 of small on {SMALL} takes about 123 s by the app's"
+        f" current profile, extrapolated from batches up to 64, past the {CALL_TIMEOUT_S:g} s"
+        " a worker call may take: profile smaller batch sizes (--batch-sizes)"
+    )
+    request = ProfileRunRequest(batch_sizes=(1024, 4096))
+    with pytest.raises(ProfilingRequestError) as checked:
+        check_profile_run(world.store, world.resolver, world.provisioner, APP, request)
+    assert str(checked.value) == said
+    launched = len(world.provisioner.requests)
+    with pytest.raises(ProfilingRequestError, match="a batch of 4096 of small"):
+        profile(world, batch_sizes=(1024, 4096))
+    assert len(world.provisioner.requests) == launched
+    # 1,024 rows, about 31 s, are measured.
+    check_profile_run(
+        world.store, world.resolver, world.provisioner, APP, ProfileRunRequest(batch_sizes=(1024,))
+    )
+
+
+def test_the_api_answers_a_second_run_409_naming_the_one_in_progress(world: World) -> None:
+    """What ``heteroplane profile run`` asks first (``?check=true``) and the run itself."""
+    data_dir = world.data_dir / "data"
+    data_dir.mkdir()
+    settings = Settings(data_dir=data_dir, provisioner="fake")
+    token = world.store.create_token("operator", name="op")
+    app = create_app(
+        settings, world.store, world.clock, resolver=world.resolver, provisioner=world.provisioner
+    )
+    auth = {"Authorization": f"Bearer {token}"}
+    register(world, spec(types=(SMALL,)))
+    record_run(world, "0badf00d", who="bob")
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for checking in ("?check=true", ""):
+            refused = client.post(
+                f"/v1/apps/{APP}/profiles{checking}", json={"batch_sizes": [1]}, headers=auth
+            )
+            assert refused.status_code == 409, refused.text
+            message = refused.json()["error"]["message"]
+            assert (
+                message.startswith(
+                    f"app {APP!r} has a profile run in progress: run 0badf00d by bob on {SMALL},"
+                )
+                and "\n" not in message
+            )
+    assert world.provisioner.requests == []

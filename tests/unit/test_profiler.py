@@ -346,3 +346,47 @@ def test_a_worker_that_breaks_every_connection_is_the_runs_failure_not_a_traceba
         client.close()
         closer.join(timeout=5.0)
         listener.close()
+
+
+def test_a_batch_the_worker_does_not_answer_in_time_is_a_timeout_and_is_not_sent_again() -> None:
+    """A batch of 4,096 that an emulated worker serves in about 123 s was sent twice, each
+    waiting out the minute's timeout, and answered "broke the connection ... twice:
+    TimeoutError": it is one timeout, said as one, with how long was waited."""
+    import socket
+    import threading
+
+    from controlplane.apps.profiler import ProfilingTimeoutError, WorkerClient
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    accepted: list[socket.socket] = []
+    done = threading.Event()
+
+    def hold_each() -> None:  # takes the request and never answers, until the test is done
+        listener.settimeout(0.1)
+        while not done.is_set():
+            try:
+                connection, _address = listener.accept()
+            except TimeoutError:
+                continue
+            accepted.append(connection)
+
+    holder = threading.Thread(target=hold_each, daemon=True)
+    holder.start()
+    client = WorkerClient(f"127.0.0.1:{port}", timeout_s=0.3)
+    try:
+        with pytest.raises(ProfilingTimeoutError) as caught:
+            client.infer_ms("m", {"input": np.zeros((2, 4), np.float32)})
+    finally:
+        client.close()
+        done.set()
+        holder.join(timeout=5.0)
+        listener.close()
+        for connection in accepted:
+            connection.close()
+    assert str(caught.value) == (
+        f"the worker at 127.0.0.1:{port} timed out on a batch of 2 of m: no answer within"
+        " 0.3 s (the profiler's call timeout); a batch that size takes longer there, or the"
+        " worker is stuck: profile smaller batch sizes"
+    )
+    assert isinstance(caught.value, ProfilingError) and len(accepted) == 1  # not sent again

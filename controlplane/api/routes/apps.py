@@ -328,6 +328,8 @@ async def run_profiles(
                 app,
                 request,
                 max_batch_bytes=services.settings.oip_body_max_bytes,
+                clock=services.clock,
+                heartbeat_s=services.settings.profile_run_heartbeat_s,
             )
         except ProfilingError as error:
             raise ApiError(502, "profiling_failed", str(error)) from None
