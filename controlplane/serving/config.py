@@ -100,6 +100,8 @@ class DispatcherSettings:
     answered with a timeout error ``give_up_s`` after its arrival (default: max(30 s, 20 x the
     SLO)); ``admission`` turns admission control off (benchmarks of the bare loop). A healthy
     worker idle for ``idle_probe_s`` gets a health probe with the call timeout floor (None: never).
+    A worker's first ``warmup_batches`` answered batches are its warm-up (a runtime's first
+    runs, caches, a connection opened): calibration does not read them.
     """
 
     call_timeout_floor_s: float = 2.0
@@ -109,6 +111,7 @@ class DispatcherSettings:
     max_queued_samples: int = DEFAULT_MAX_QUEUED_SAMPLES
     admission: bool = True
     idle_probe_s: float | None = 5.0
+    warmup_batches: int = 5
 
     def give_up_after_s(self, slo_ms: float) -> float:
         if self.give_up_s is not None:

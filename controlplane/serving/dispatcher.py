@@ -885,13 +885,18 @@ class AppDispatcher:
         stage.drain.served(now, batch)
         worker.finish(now)
         worker.succeeded()
+        worker.answered += 1
         stage.answered_in[worker.instance_id] = stage.rounds
         round_trip_ms = (now - started_s) * 1000.0
         # The calibration loop's figure: what the serving-path profiles measure, and the
-        # instance's turnaround before the batch (its occupancy, as a simulated instance's).
-        self.observations.batch_served(
-            self.app, stage.model, worker.instance_type, batch, round_trip_ms + turnaround_ms
-        )
+        # instance's turnaround before the batch (its occupancy, as a simulated instance's). A
+        # worker's first batches are its warm-up (a runtime's first calls, caches, a kept-alive
+        # connection opened), not its speed: left out, they made a fresh worker's first drift
+        # overshoot (a factor of 3.15 stored where 2.1 held a minute later).
+        if worker.answered > self.settings.warmup_batches:
+            self.observations.batch_served(
+                self.app, stage.model, worker.instance_type, batch, round_trip_ms + turnaround_ms
+            )
         if stage.policy is not None and worker.instance_type in stage.latency:
             stage.policy.observe(worker.instance_type, batch, round_trip_ms)
         measured_ms = reply.served_ms if reply.served_ms is not None else round_trip_ms

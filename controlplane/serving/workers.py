@@ -176,6 +176,7 @@ class Worker:
     """One live worker in the serving loop (see the module docstring)."""
 
     __slots__ = (
+        "answered",
         "busy_marks",
         "busy_s",
         "busy_until_s",
@@ -193,6 +194,7 @@ class Worker:
 
     def __init__(self, endpoint: WorkerEndpoint, now_s: float) -> None:
         self.endpoint = endpoint
+        self.answered = 0  # batches it answered since it joined the loop
         self.healthy = True
         self.running = False
         self.busy_until_s = now_s

@@ -425,7 +425,10 @@ def test_the_dispatcher_records_each_calls_round_trip_per_key() -> None:
         )
         observations = Observations()
         dispatcher = AppDispatcher(
-            app, HttpWorkerTransport(), observations, settings=DispatcherSettings(admission=False)
+            app,
+            HttpWorkerTransport(),
+            observations,
+            settings=DispatcherSettings(admission=False, warmup_batches=0),
         )
         dispatcher.set_workers([WorkerEndpoint("i-0", SMALL, worker.address)])
         row = [1.0, 16.0] + [0.0] * 62
@@ -458,7 +461,7 @@ def clocked_dispatcher(
         app,
         transport,
         observations,
-        settings=DispatcherSettings(admission=False),
+        settings=DispatcherSettings(admission=False, warmup_batches=0),
         clock_s=lambda: clock[0],
     )
 

@@ -703,6 +703,24 @@ def test_a_refusal_is_an_overload_sign_of_the_stage_admission_judged_only() -> N
     run(scenario())
 
 
+def test_a_workers_first_batches_are_its_warm_up_not_its_speed() -> None:
+    """Calibration reads the batches a worker answered after its first few: a fresh worker's
+    first calls (a runtime's first runs, a connection opened) made its first drift overshoot
+    (3.15 stored where 2.1 held a minute later)."""
+    warmup = DispatcherSettings().warmup_batches
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE])
+        dispatcher = await dispatcher_over(workers, config(models=("tiny",)))
+        for _ in range(warmup + 3):
+            await dispatcher.submit([row(1, 0.9)])
+        times = dispatcher.observations.batch_times_ms("demo")[("tiny", LARGE)]
+        assert sum(len(t) for t in times.values()) == 3
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_a_model_less_answer_past_its_own_latency_bound_is_flagged_late() -> None:
     """The variant is chosen on its predicted latency (about 1 ms here); the worker takes 50 ms.
     The answer is past the 20 ms the query asked for, though within the app's 200 ms SLO: its
