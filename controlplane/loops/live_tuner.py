@@ -87,7 +87,7 @@ from numpy.typing import NDArray
 from controlplane.apps.plans import planning_trace, replanning_request
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
-from controlplane.errors import NotFoundError
+from controlplane.errors import ControlPlaneError, NotFoundError, first_line
 from controlplane.loops.reached import (
     PLAN_ID,
     TUNER_KINDS,
@@ -292,6 +292,8 @@ class LiveTuner:
         self._apps: dict[str, _AppTuner] = {}
         # Apps whose profiles were recalibrated: set up again at their next tick, state kept.
         self._recalibrated: set[str] = set()
+        # Per app, the error its last tick failed on (said once per run of it).
+        self._failures: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def stages(self, app: str) -> tuple[TunerStage, ...]:
@@ -374,9 +376,37 @@ class LiveTuner:
                 self._forget(app.name)
             except (EstimatorError, KeyError, ValueError) as error:
                 # A plan the tuner cannot read (a type without a profile, a malformed stage)
-                # leaves the app on its plan; the next tick tries again.
-                logger.warning("tuner: %s left on its plan: %s", app.name, error)
+                # leaves the app on its plan; the next tick sets it up afresh and tries again.
+                self._failed(app, error)
+            else:
+                self._failures.pop(app.name, None)
         return made
+
+    def _failed(self, app: AppRecord, error: Exception) -> None:
+        """An app the tuner could not size this tick: what it kept of the app is dropped (the
+        next tick sets it up again from its plan and the fleet it had reached, rather than
+        failing on the same state every second), and the failure is a ``tuner_failed``
+        decision, one row for a run of the same error (it was a log line a second, with no
+        sign in the app's events, while the app went unscaled for minutes)."""
+        text = first_line(error, 300)
+        if isinstance(error, KeyError):
+            text = f"no rate or price for {text}"
+        self._forget(app.name)
+        if self._failures.get(app.name) == text:
+            return
+        self._failures[app.name] = text
+        logger.warning("tuner: %s left on its plan: %s", app.name, text)
+        try:
+            self._store.record_decision(
+                app.name,
+                "tuner_failed",
+                f"the tuner cannot size the app: {text}; the fleet stays as it is, set up again"
+                " from the plan each tick until it can",
+                {"error": text},
+                key=text,
+            )
+        except (NotFoundError, ControlPlaneError) as recorded:
+            logger.warning("tuner: %s: the failure was not recorded: %s", app.name, recorded)
 
     def _forget(self, app: str) -> None:
         """Drop what the tuner keeps of ``app`` (its state, its sizing curves)."""

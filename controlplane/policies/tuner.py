@@ -676,7 +676,9 @@ def fleet_cost_usd_per_hr(state: TunerState, prices_usd_per_hr: Mapping[str, flo
 
 
 def _capacity_qps(fleet: Mapping[str, int], mu: Mapping[str, float]) -> float:
-    return sum(count * mu[name] for name, count in fleet.items())
+    # A type the fleet holds none of adds nothing (a fleet keeps the zero of a type it shed,
+    # which a stage set up again on another plan's types may not rate).
+    return sum(count * mu[name] for name, count in fleet.items() if count)
 
 
 def _cost_effectiveness(plan: TunerStage, prices: Mapping[str, float], name: str) -> float:

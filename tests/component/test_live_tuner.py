@@ -493,6 +493,40 @@ def test_a_recalibration_keeps_a_type_the_tuner_added_beyond_the_plan(
     assert tuner.desired_fleet(store.get_app(APP)).get(LARGE, 0) >= 1
 
 
+def test_a_tick_that_cannot_size_the_app_is_a_decision_and_the_next_sets_it_up_again(
+    store: Store, tmp_path: Path
+) -> None:
+    """A state the tuner could not size (a type its stages do not rate: here put there by hand)
+    failed every tick, a warning a second and no sign in the app's events, until a restart. It
+    is one ``tuner_failed`` decision now, and the next tick sets the app up again from its
+    plan, which scales as ever."""
+    import dataclasses
+
+    from estimator.fleet import Fleet
+
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    app = applied(store, tmp_path, count=2, rate_qps=50.0, budget=0.5)
+    tuner = live_tuner(store, clock, feed)
+    feed.arrival_s = steady(50.0, 940.0, 1000.0)
+    assert tuner.tick() == []
+    tuned = tuner._apps[APP]
+    tuned.state = dataclasses.replace(
+        tuned.state, fleets={"tiny": Fleet.of({SMALL: 2, "emu.cpu.ghost": 1})}
+    )
+    for step in (1, 2):
+        clock.advance(1.0)
+        feed.arrival_s = steady(50.0, 940.0 + step, 1000.0 + step)
+        tuner.tick()
+    (failed,) = store.list_decisions(APP, kinds=["tuner_failed"])
+    assert "the tuner cannot size the app: no rate or price for 'emu.cpu.ghost'" in failed.reason
+    assert failed.count == 1
+    clock.advance(60.0)
+    feed.arrival_s = steady(256.0, 1002.0, 1062.0)  # five times the plan: it scales again
+    made = tuner.tick()
+    assert next(d.action for _, d in made) == "scale_up"
+    assert tuner.desired_fleet(app)[SMALL] > 2
+
+
 def test_a_recalibration_sets_the_app_up_without_computing_the_planning_envelope_again(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
