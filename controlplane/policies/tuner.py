@@ -149,6 +149,11 @@ RISE_FIT_CHI2 = 13.28
 RISE_FIT_SLACK = 0.05
 RISE_MIN_ARRIVALS = 300
 RISE_MAX_GROWTH = 2.0
+# A fall is read as the load now (:func:`fall_now`) only once the recent arrivals have fallen
+# along a line at every tick for this long: one tick's line flickers on a steady load (a bin of
+# 70 against 100-110), and a scale-down on it was bought back at the next tick's "below plan"
+# (four chases of 1-6 s in a tester's 20 minutes of Poisson load at the planned rate).
+FALL_PERSIST_S = 5.0
 
 Action = Literal["scale_up", "scale_down", "budget_capped"]
 
@@ -430,6 +435,8 @@ class TunerConfig:
     # A laddered stage whose recent arrivals fall steadily is sized for the load now rather than
     # the memory's highest (:func:`fall_now`; docs/tuner.md, "Lead on a rise").
     follow_fall: bool = True
+    # ... once it has been read at every tick for this long (:data:`FALL_PERSIST_S`).
+    fall_persist_s: float = FALL_PERSIST_S
 
     def __post_init__(self) -> None:
         windows = tuple(_finite("a window", w, strict=True) for w in self.windows_s)
@@ -564,6 +571,9 @@ class TunerState:
     # When the tuner started watching (None: long ago). It stops nothing before it has seen its
     # longest window of traffic: a shorter history reads every long window's rate low.
     started_s: float | None = None
+    # Since when the recent arrivals have fallen along a line at every tick (None: they do not
+    # now): a fall is read once it has held ``TunerConfig.fall_persist_s``.
+    falling_since_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fleets", MappingProxyType(dict(self.fleets)))
@@ -1634,20 +1644,25 @@ def tune(
         return _sized(plan, config.planned_rate_qps, read)
 
     lines: list[_Line | None] = []
+    falling_since: list[float | None] = []  # the tick's, once the line is read
 
     def trend(plan: TunerStage) -> tuple[float, str]:
         """The factor on a laddered stage's equivalent load, and the reason's words: on a steady
-        rise the load one boot ahead (:func:`rise_ahead`), on a steady fall the load now
-        (:func:`fall_now`), else (1.0, "")."""
+        rise the load one boot ahead (:func:`rise_ahead`), on a steady fall held for
+        ``fall_persist_s`` the load now (:func:`fall_now`), else (1.0, "")."""
         if not lines:
             watched = math.inf if state.started_s is None else now - state.started_s
             # A span not watched whole would read as a rise from nothing.
             steady = config.lead_on_rise or config.follow_fall
-            lines.append(
+            read = (
                 _steady_line(arrivals, now, config.recent_s, burstiness()[0])
                 if steady and watched >= config.recent_s
                 else None
             )
+            lines.append(read)
+            falls = read is not None and read.slope_qps_per_s < 0.0
+            held = state.falling_since_s
+            falling_since.append((now if held is None else held) if falls else None)
         line = lines[0]
         if line is None:
             return 1.0, ""
@@ -1659,7 +1674,10 @@ def tune(
             # docs/tuner.md, "Lead on a rise").
             horizon = min((config.boot_s[t] for t in plan.rate_per_instance_qps), default=0.0)
             return line.ahead(config.recent_s, horizon)
-        return line.now(config.recent_s) if config.follow_fall else (1.0, "")
+        since = falling_since[0]
+        if not config.follow_fall or since is None or now - since < config.fall_persist_s:
+            return 1.0, ""
+        return line.now(config.recent_s)
 
     tick = _Tick(
         now_s=now,
@@ -1776,5 +1794,6 @@ def tune(
         booting=tuple(tick.booting),
         last_change_s=now if changed else state.last_change_s,
         started_s=state.started_s,
+        falling_since_s=falling_since[0] if falling_since else None,
     )
     return tick.decisions, next_state

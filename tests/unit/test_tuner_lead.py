@@ -148,3 +148,26 @@ def test_on_a_fall_the_tuner_stops_sooner() -> None:
     assert first_cpu_stop(led)[0] < first_cpu_stop(plain)[0]
     assert "falling:" in first_cpu_stop(led)[3]
     assert all("falling:" not in m[3] for m in plain)
+
+
+def test_a_fall_is_read_only_once_it_has_held_for_the_persistence() -> None:
+    """One tick's line flickers on a steady load (a bin of 70 among 100-110): a scale-down on
+    it was bought back at the next tick's "below plan" (a tester's four chases of 1-6 s). A fall
+    is read as the load now only once the line has fallen at every tick for
+    ``fall_persist_s``; a tick whose line does not fall starts the count again."""
+    plan, cfg = stage(), config()
+    arrivals = falling_ramp(40.0, 0.1, 240.0)
+    state = dataclasses.replace(initial_state([plan], now_s=0.0), last_change_s=0.0)
+    seen = arrivals[arrivals <= 200.0]
+    first, after = tune(seen, 200.0, state, [plan], cfg)
+    assert after.falling_since_s == 200.0
+    assert all("falling:" not in d.reason for d in first)
+    # Held for the persistence: read (the same tick with the fall seen since 190 s).
+    held = dataclasses.replace(after, falling_since_s=200.0 - cfg.fall_persist_s)
+    read, kept = tune(seen, 200.0, held, [plan], cfg)
+    assert kept.falling_since_s == 200.0 - cfg.fall_persist_s
+    assert any("falling:" in d.reason for d in read)
+    # A tick whose line does not fall (a steady load) forgets the fall.
+    flat = poisson(30.0, 0.0, 200.0, seed=3)
+    _, reset = tune(flat, 200.0, held, [plan], cfg)
+    assert reset.falling_since_s is None
