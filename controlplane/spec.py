@@ -407,6 +407,15 @@ class AppSpec(BaseModel):
                     f"max_counts{_key(name)}",
                     f"{name!r} is not one of instance_types ({', '.join(self.instance_types)})",
                 )
+        caps = self.max_counts or {}
+        if self.instance_types and all(caps.get(t) == 0 for t in self.instance_types):
+            # Like a budget that buys no instance: the app could run none (a tester's spec was
+            # taken, and the app ran on the one instance the drain guard keeps).
+            raise SpecError(
+                "max_counts",
+                f"allows no instance of any candidate type ({', '.join(self.instance_types)}):"
+                " the app could run none; leave one type uncapped or above 0",
+            )
         return self
 
     @property

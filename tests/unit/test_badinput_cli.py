@@ -439,7 +439,7 @@ def test_max_counts_that_allow_no_instance_say_so(
     spec = _app_spec(tmp_path, "max_counts: {g4dn.xlarge: 0, r5n.large: 0}\n")
     trace = _write(tmp_path / "t.csv", "arrival_s\n0\n1\n")
     error = one_line_error(capsys, ["plan", "--spec", str(spec), "--trace", str(trace)])
-    assert "max_counts allows no instance of any candidate type (g4dn.xlarge, r5n.large)" in error
+    assert "max_counts: allows no instance of any candidate type (g4dn.xlarge, r5n.large)" in error
     assert "outside the profile" not in error
 
 

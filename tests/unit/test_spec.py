@@ -156,6 +156,12 @@ def test_round_trip_through_model_dump() -> None:
         ("max_counts", {"g4dn.xlarge": -1}, "max_counts[g4dn.xlarge]", ">= 0"),
         ("max_counts", {"g4dn.xlarge": 2.5}, "max_counts[g4dn.xlarge]", "whole number"),
         ("max_counts", {"t3.xlarge": 1}, "max_counts[t3.xlarge]", "not one of instance_types"),
+        (
+            "max_counts",
+            {"g4dn.xlarge": 0, "r5n.large": 0},
+            "max_counts",
+            "allows no instance of any candidate type (g4dn.xlarge, r5n.large)",
+        ),
         ("cascade", ["rm2"], "cascade", "at least two models"),
         ("catalog", "", "catalog", "at least 1"),
         ("planning", {"trades": "yes"}, "planning.trades", "true or false"),
