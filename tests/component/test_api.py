@@ -306,8 +306,13 @@ def test_a_spec_that_leaves_out_a_type_the_app_runs_is_a_conflict(api: Api) -> N
     # Kept listed with a cap of 0 (the way off it), the spec is taken.
     capped = {**spec(), "max_counts": {"g4dn.xlarge": 0, "t3.xlarge": 0}}
     assert api.call("PUT", "/v1/apps/toy", json=capped).status_code == 200
-    # A type nothing runs can go.
-    fewer = {**capped, "instance_types": ["g4dn.xlarge", "t3.xlarge"]}
+    # A type nothing runs can go (one of those left uncapped: capped all at 0, the app could
+    # run nothing, a 422).
+    fewer = {
+        **capped,
+        "instance_types": ["g4dn.xlarge", "t3.xlarge"],
+        "max_counts": {"g4dn.xlarge": 0},
+    }
     assert api.call("PUT", "/v1/apps/toy", json=fewer).status_code == 200
 
 
