@@ -707,6 +707,29 @@ def _room(tick: _Tick, stage: str, fleet: Mapping[str, int], name: str) -> int:
 _UNCAPPED = 2**31 - 1
 
 
+def _held_back(tick: _Tick, plan: TunerStage, fleet: Mapping[str, int]) -> str:
+    """Why a short stage gets no more: the budget (no type fits in what is left of it), the
+    caps (``max_counts`` allows no more of any type: a shortfall the caps made read as the
+    budget's, at a fleet costing a sixth of it), or both, type by type."""
+    config = tick.config
+    cost = (
+        f"the fleet costs {tick.cost_usd_per_hr:.6g} of the {config.budget_usd_per_hr:.6g}"
+        " USD/hr budget"
+    )
+    left = config.budget_usd_per_hr - tick.cost_usd_per_hr + _COST_SLACK_USD_PER_HR
+    types = sorted(plan.rate_per_instance_qps)
+    capped = [t for t in types if _room(tick, plan.name, fleet, t) <= 0]
+    if not capped:
+        return f"but {cost} and no type fits"
+    priced = [t for t in types if t not in capped and config.prices_usd_per_hr[t] > left]
+    if len(capped) == len(types):
+        return f"but max_counts allows no more of {', '.join(capped)} ({cost})"
+    return (
+        f"but {cost}: no more of {', '.join(priced)} fits it, and max_counts allows no more of"
+        f" {', '.join(capped)}"
+    )
+
+
 def _short_qps(needed_qps: float, capacity_qps: float) -> float:
     """How much capacity is missing, with float noise (k mu vs r s / rho) read as none."""
     short = needed_qps - capacity_qps
@@ -892,8 +915,7 @@ def _scale_up(
             best,
             missing,
             f"budget_capped: {why}; need {needed_qps:.6g} qps, have {capacity:.6g} qps; "
-            f"{lacking} but the fleet costs {tick.cost_usd_per_hr:.6g} of the "
-            f"{config.budget_usd_per_hr:.6g} USD/hr budget and no type fits",
+            f"{lacking} {_held_back(tick, plan, fleet)}",
         )
 
 
@@ -1044,8 +1066,7 @@ def _scale_up_marginal(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
             best_type,
             max(1, _ceil(short / plan.rate_per_instance_qps[best_type])),
             f"budget_capped: {why}; need {needed_qps:.6g} qps, have {capacity:.6g} qps; short "
-            f"{short:.6g} qps but the fleet costs {tick.cost_usd_per_hr:.6g} of the "
-            f"{config.budget_usd_per_hr:.6g} USD/hr budget and no type fits",
+            f"{short:.6g} qps {_held_back(tick, plan, tick.fleets[plan.name])}",
         )
 
 

@@ -81,10 +81,15 @@ def test_the_specs_max_counts_cap_a_scale_up_per_type() -> None:
     decisions, after = tune(steady(256, 90.0, 100.0), 100.0, state, [plan], cfg)
     assert after.fleets["resnet"]["g"] == 4
     assert (decisions[0].action, decisions[0].count) == ("scale_up", 1)
-    # At the cap, nothing more is launched however high the load.
+    # At the cap, nothing more is launched however high the load, and the shortfall names the
+    # cap, not the budget (it read "the fleet costs 4 of the 100 USD/hr budget and no type
+    # fits").
     decisions, again = tune(steady(1024, 190.0, 200.0), 200.0, after, [plan], cfg)
     assert again.fleets["resnet"]["g"] == 4
     assert not [d for d in decisions if d.action == "scale_up"]
+    (capped,) = [d for d in decisions if d.action == "budget_capped"]
+    assert "but max_counts allows no more of g (the fleet costs 4 of the" in capped.reason
+    assert "no type fits" not in capped.reason
     with pytest.raises(WorkloadError, match="max count"):
         dataclasses.replace(config(), max_counts={"g": -1})
 
