@@ -97,8 +97,11 @@ _OUT_OF_SERVICE = frozenset({InstanceState.DRAINING.value, InstanceState.TERMINA
 
 
 def count_disruptions(events: Iterable[_StateChange], of: Collection[str] | None = None) -> int:
-    """The disruptions among an app's instance events: serving (``running``) instances moved to
-    draining or terminating; ``of``: only those of these instance ids (``None``: every one).
+    """The disruptions among an app's instance events (oldest first): serving (``running``)
+    instances moved to draining or terminating, less those taken back since (draining ->
+    running: the instance serves again, and counts among those serving, where counting it here
+    too had taken one instance for two in the budget's S and allowance); ``of``: only those of
+    these instance ids (``None``: every one).
 
     >>> from types import SimpleNamespace as E
     >>> moves = [E(instance_id="a", from_state="running", to_state="draining"),
@@ -106,11 +109,18 @@ def count_disruptions(events: Iterable[_StateChange], of: Collection[str] | None
     ...          E(instance_id="c", from_state="running", to_state="terminating")]
     >>> count_disruptions(moves), count_disruptions(moves, of={"a", "b"})
     (2, 1)
+    >>> count_disruptions([*moves, E(instance_id="a", from_state="draining", to_state="running")])
+    1
     """
-    return sum(
-        1
-        for e in events
-        if e.from_state == InstanceState.RUNNING.value
-        and e.to_state in _OUT_OF_SERVICE
-        and (of is None or e.instance_id in of)
-    )
+    out: dict[str, int] = {}
+    for e in events:
+        if of is not None and e.instance_id not in of:
+            continue
+        if e.from_state == InstanceState.RUNNING.value and e.to_state in _OUT_OF_SERVICE:
+            out[e.instance_id] = out.get(e.instance_id, 0) + 1
+        elif e.from_state == InstanceState.DRAINING.value and e.to_state == _RUNNING:
+            out[e.instance_id] = max(0, out.get(e.instance_id, 0) - 1)
+    return sum(out.values())
+
+
+_RUNNING = InstanceState.RUNNING.value
