@@ -1451,8 +1451,10 @@ class _Line:
         )
 
     def ahead(self, span_s: float, horizon_s: float) -> tuple[float, str]:
-        """:func:`rise_ahead` on this line."""
-        if self.slope_qps_per_s <= 0.0:
+        """:func:`rise_ahead` on this line; none from an empty first bin (load that starts
+        after an idle gap is a step from nothing, not a steady rise: a tester's 0, 38, 97, 108,
+        170, 202 arrivals a bin bought a third instance, stopped a minute later)."""
+        if self.slope_qps_per_s <= 0.0 or self.counts[0] == 0:
             return 1.0, ""
         ahead = self.now_qps + self.slope_qps_per_s * horizon_s
         growth = min(RISE_MAX_GROWTH, ahead / self.now_qps)

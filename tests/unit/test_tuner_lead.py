@@ -171,3 +171,12 @@ def test_a_fall_is_read_only_once_it_has_held_for_the_persistence() -> None:
     flat = poisson(30.0, 0.0, 200.0, seed=3)
     _, reset = tune(flat, 200.0, held, [plan], cfg)
     assert reset.falling_since_s is None
+
+
+def test_load_that_starts_after_an_idle_gap_is_no_steady_rise() -> None:
+    """Nothing for the first 10 s of the span, then a load rising from 4 to 20 qps: the line
+    through the bins rises, but its first bin is empty: a start, not a rise to lead."""
+    started = 10.5 + ramp(4.0, 0.3, 49.5)
+    assert rise_ahead(started, 60.0, 60.0, 30.0, 1.0) == (1.0, "")
+    # The same rise without the gap is led.
+    assert rise_ahead(ramp(4.0, 0.3, 60.0), 60.0, 60.0, 30.0, 1.0)[0] > 1.0
