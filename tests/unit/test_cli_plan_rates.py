@@ -8,13 +8,14 @@ test_cli_client, answering with the plan the API made at that rate (its numbers 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from controlplane.cli.output import rate_text
-from tests.unit.test_cli_client import ROUTES, TOKEN, FakeService, cli
+from tests.unit.test_cli_client import ROUTES, FakeService, cli, fake
+
+__all__ = ["fake"]  # the fixture, imported for this module's tests
 
 
 def _plan(rate_qps: float, feasible: bool = True) -> dict[str, Any]:
@@ -41,15 +42,6 @@ def _plan(rate_qps: float, feasible: bool = True) -> dict[str, Any]:
         ],
         "steps": [],
     }
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeService]:
-    service = FakeService()
-    monkeypatch.setenv("HETEROPLANE_URL", service.url)
-    monkeypatch.setenv("HETEROPLANE_TOKEN", TOKEN)
-    yield service
-    service.close()
 
 
 @pytest.mark.parametrize(
