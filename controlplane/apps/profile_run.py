@@ -151,8 +151,7 @@ DEFAULT_HEARTBEAT_S = 10.0
 # service passes its own), the most a worker's inference body may be.
 DEFAULT_MAX_BATCH_BYTES = 64 << 20
 # A run whose rows went untouched for this many heartbeats is gone (its replica crashed): the
-# reconciler's PROFILE_RUN_MISSED_BEATS, after which it reaps the workers (controlplane.loops
-# may not be imported here).
+# reconciler reaps its workers then (its PROFILE_RUN_MISSED_BEATS is this).
 RUN_GONE_BEATS = 4
 _POLL_S = 0.5
 _BUDGET_SLACK_USD_PER_HR = 1e-9

@@ -169,7 +169,7 @@ from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
-from controlplane.apps.profile_run import DEFAULT_HEARTBEAT_S
+from controlplane.apps.profile_run import DEFAULT_HEARTBEAT_S, RUN_GONE_BEATS
 from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
@@ -266,8 +266,8 @@ DEFAULT_MISSING_GRACE_S = 30.0
 # A failed spot price read is logged again only this long after the same failure, s.
 SPOT_READ_WARN_EVERY_S = 60.0
 # A profile run touches its workers' rows every DEFAULT_HEARTBEAT_S; four missed beats and the run
-# is taken for gone.
-PROFILE_RUN_MISSED_BEATS = 4
+# is taken for gone (the run's own count: a second run of the app waits as long for it).
+PROFILE_RUN_MISSED_BEATS = RUN_GONE_BEATS
 DEFAULT_PROFILE_RUN_TIMEOUT_S = PROFILE_RUN_MISSED_BEATS * DEFAULT_HEARTBEAT_S
 # After a launch error that waiting does not cure (a quota, a bad configuration), the type is
 # not launched again for the app before this (then one new attempt, one new row).
