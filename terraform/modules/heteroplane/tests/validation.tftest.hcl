@@ -17,7 +17,7 @@ mock_provider "aws" {
   }
 }
 
-# An existing VPC's subnets are in that VPC (a run may say otherwise).
+# An existing VPC's subnets are in that VPC, the workers' private (a run may say otherwise).
 override_data {
   target = data.aws_subnet.control_plane
   values = {
@@ -29,7 +29,8 @@ override_data {
 override_data {
   target = data.aws_subnet.worker
   values = {
-    vpc_id = "vpc-0123456789abcdef0"
+    map_public_ip_on_launch = false
+    vpc_id                  = "vpc-0123456789abcdef0"
   }
 }
 
@@ -209,12 +210,6 @@ run "existing_vpc_needs_its_own_worker_subnets" {
       vpc_id                  = "vpc-0000000000000000f"
     }
   }
-  override_data {
-    target = data.aws_subnet.control_plane
-    values = {
-      vpc_id = "vpc-0123456789abcdef0"
-    }
-  }
   expect_failures = [aws_launch_template.worker]
 }
 
@@ -224,13 +219,6 @@ run "existing_vpc_needs_its_own_control_plane_subnet" {
     vpc_id                  = "vpc-0123456789abcdef0"
     control_plane_subnet_id = "subnet-0000000000000000a"
     worker_subnet_ids       = ["subnet-0000000000000000b"]
-  }
-  override_data {
-    target = data.aws_subnet.worker
-    values = {
-      map_public_ip_on_launch = false
-      vpc_id                  = "vpc-0123456789abcdef0"
-    }
   }
   override_data {
     target = data.aws_subnet.control_plane
@@ -249,13 +237,6 @@ run "existing_vpc_with_a_certificate_needs_load_balancer_subnets" {
     worker_subnet_ids        = ["subnet-0000000000000000b"]
     api_certificate_arn      = "arn:aws:acm:us-east-1:123456789012:certificate/0a1b2c3d-0000-4000-8000-00000000000f"
     load_balancer_subnet_ids = ["subnet-0000000000000000a"]
-  }
-  override_data {
-    target = data.aws_subnet.worker
-    values = {
-      map_public_ip_on_launch = false
-      vpc_id                  = "vpc-0123456789abcdef0"
-    }
   }
   expect_failures = [var.load_balancer_subnet_ids]
 }
