@@ -130,6 +130,7 @@ from estimator import deadline
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, DEFAULT_PERSISTENCE_S
 from estimator.errors import EstimatorError
 from estimator.fleet import Fleet
+from estimator.profiles import LatencyProfile
 from estimator.traces import Trace, poisson_arrivals
 
 __all__ = [
@@ -929,11 +930,15 @@ def stage_rates_qps(
         mu: dict[str, float] = {}
         for t in types if types is not None else entry.fleet:
             if types is not None or entry.fleet[t] > 0:
-                profile = resolved.profile(entry.name, t)
-                smallest = np.array([profile.min_batch_size], dtype=np.int64)
-                mu[t] = rate_per_instance_qps(profile, smallest, entry.batch_size)
+                mu[t] = _rate_at(resolved.profile(entry.name, t), entry.batch_size)
         rates.append(mu)
     return rates
+
+
+def _rate_at(profile: LatencyProfile, batch_size: int) -> float:
+    """mu_t by ``profile`` at a stage's ``batch_size`` (see :func:`stage_rates_qps`)."""
+    smallest = np.array([profile.min_batch_size], dtype=np.int64)
+    return rate_per_instance_qps(profile, smallest, batch_size)
 
 
 @functools.lru_cache(maxsize=4)
@@ -985,8 +990,7 @@ def _rate_or_none(resolved: ResolvedApp, entry: StagePlan, instance_type: str) -
         profile = resolved.profile(entry.name, instance_type)
     except (EstimatorError, KeyError, ValueError):
         return None
-    smallest = np.array([profile.min_batch_size], dtype=np.int64)
-    return rate_per_instance_qps(profile, smallest, entry.batch_size)
+    return _rate_at(profile, entry.batch_size)
 
 
 def _slower(new: Sequence[TunerStage], old: Sequence[TunerStage]) -> bool:
