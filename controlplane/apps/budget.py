@@ -36,6 +36,7 @@ from controlplane.policies.drain import (
     DrainInstance,
     DrainPlan,
     plan_drain,
+    pooled_stages,
     qps_by_type,
     serving_floor,
 )
@@ -86,8 +87,7 @@ def _planned_stages(store: Store, app: str, *, every_type: bool) -> dict[str, di
     """The applied plan's stages (name -> fleet); empty without an applied plan. ``every_type``
     (an app INFaaS's autoscaler scales): each stage with every type the plan places on any
     stage, as the reconciler's guard counts them (``controlplane.loops.reconciler``
-    ``_stage_types``): that policy drains a variant once the other instances carry each of its
-    models, and every worker serves every stage."""
+    ``_stage_types``, :func:`~controlplane.policies.drain.pooled_stages`)."""
     record = store.get_applied_plan(app)
     if record is None:
         return {}
@@ -99,13 +99,7 @@ def _planned_stages(store: Store, app: str, *, every_type: bool) -> dict[str, di
         )
         return {}
     planned = {stage.name: dict(stage.fleet) for stage in stages}
-    if not every_type:
-        return planned
-    every: dict[str, int] = {}
-    for fleet in planned.values():
-        for instance_type, count in fleet.items():
-            every[instance_type] = every.get(instance_type, 0) + count
-    return {name: dict(every) for name in planned}
+    return pooled_stages(planned) if every_type else planned
 
 
 def _floor(

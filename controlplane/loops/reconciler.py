@@ -181,6 +181,7 @@ from controlplane.policies.disruption import DisruptionBudget, count_disruptions
 from controlplane.policies.drain import (
     DrainInstance,
     plan_drain,
+    pooled_stages,
     spare_last_serving,
     workers_to_end,
 )
@@ -2070,11 +2071,11 @@ def _stage_types(store: Store, app: AppRecord) -> dict[str, list[str]]:
     except EstimatorError as error:
         logger.warning("reconcile %s: the applied plan's stages do not read: %s", app.name, error)
         return {}
-    planned = {stage.name: [t for t, n in stage.fleet.items() if n > 0] for stage in stages}
+    planned = {stage.name: dict(stage.fleet) for stage in stages}
     if scales_with_infaas(app):
-        every = sorted({t for types in planned.values() for t in types})
-        return {name: list(every) for name in planned}
-    return planned
+        pooled = pooled_stages(planned)
+        return {name: sorted(t for t, n in f.items() if n > 0) for name, f in pooled.items()}
+    return {name: [t for t, n in fleet.items() if n > 0] for name, fleet in planned.items()}
 
 
 # --- the reconciler ----------------------------------------------------------------------------

@@ -66,6 +66,7 @@ __all__ = [
     "DrainPlan",
     "ServingFloor",
     "plan_drain",
+    "pooled_stages",
     "qps_by_type",
     "serving_floor",
     "spare_last_serving",
@@ -152,6 +153,22 @@ def serving_floor(
         cheapest.append((stage, best))
         cost += prices_usd_per_hr[best]
     return ServingFloor(cost_usd_per_hr=cost, cheapest=tuple(cheapest))
+
+
+def pooled_stages(stages: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
+    """Each stage (name -> its fleet) served by every type the plan places on any stage, the
+    counts summed: how an app INFaaS's autoscaler scales (``scaling: infaas``) is served and
+    guarded, since that policy drains a variant once the other instances carry each of its
+    models and every worker serves every stage.
+
+    >>> pooled_stages({"a": {"cpu": 2}, "b": {"gpu": 1, "cpu": 0}})
+    {'a': {'cpu': 2, 'gpu': 1}, 'b': {'cpu': 2, 'gpu': 1}}
+    """
+    every: dict[str, int] = {}
+    for fleet in stages.values():
+        for instance_type, count in fleet.items():
+            every[instance_type] = every.get(instance_type, 0) + count
+    return {name: dict(every) for name in stages}
 
 
 def _keepers(kept: list[DrainInstance], stage_types: Mapping[str, Collection[str]]) -> set[str]:
