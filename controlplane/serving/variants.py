@@ -32,7 +32,7 @@ from controlplane.serving.admission import StageLoad, predicted_latency_ms
 from controlplane.serving.config import AppConfig, ServingGear, batch_cap
 from controlplane.serving.stages import ServingStage
 from controlplane.serving.states import StateTracker, is_overloaded
-from estimator.cascades import Cascade, evaluate
+from estimator.cascades import Cascade, ValidationRecords, evaluate
 
 __all__ = ["AppVariants", "cost_usd_per_sample"]
 
@@ -52,7 +52,7 @@ class AppVariants:
     """The variants of one app's configuration over its live stages (see the module docstring);
     made anew when the configuration changes (it caches each cascade's quality)."""
 
-    __slots__ = ("_quality", "config", "stages", "tracker")
+    __slots__ = ("_quality", "_score", "config", "stages", "tracker")
 
     def __init__(
         self, config: AppConfig, stages: Mapping[str, ServingStage], tracker: StateTracker
@@ -61,6 +61,7 @@ class AppVariants:
         self.stages = stages
         self.tracker = tracker
         self._quality: dict[Cascade, tuple[float, tuple[float, ...]]] = {}
+        self._score: ValidationRecords | None = None  # the held-out half, split once
 
     def reach(self, cascade: Cascade) -> tuple[float, tuple[float, ...]]:
         """(accuracy, reach share per stage) of ``cascade`` on the validation records; without
@@ -73,7 +74,9 @@ class AppVariants:
             records = self.config.validation
             if records is not None and all(m in records.models for m in cascade.models):
                 quality = evaluate(cascade, records)
-                _, score = records.split()
+                if self._score is None:
+                    self._score = records.split()[1]
+                score = self._score
                 accuracy = quality.accuracy
                 if score.n_samples:
                     accuracy = evaluate(cascade, score).accuracy
