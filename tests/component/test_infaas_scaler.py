@@ -370,19 +370,36 @@ def test_a_restarted_scaler_ticks_on_from_the_fleet_it_had_reached(tmp_path: Pat
         assert started() == {LARGE: 1}
 
 
+def started_on(
+    store: Any,
+    clock: Any,
+    resolver: Any,
+    plan: Any,
+    decided: tuple[str, str],
+    fleet: dict[str, int],
+) -> InfaasScaler:
+    """An idle scaler started after a decision of the policy's (``decided``: its kind and
+    reason) that reached ``fleet`` on ``plan``: it starts from that fleet."""
+    from controlplane.loops.infaas_scaler import FLEET_AFTER
+    from controlplane.loops.reached import PLAN_ID
+
+    kind, reason = decided
+    store.record_decision(APP, kind, reason, {PLAN_ID: plan.id, FLEET_AFTER: fleet})
+    scaler = idle_scaler(store, clock, resolver)
+    scaler.tick()
+    assert scaler.desired_fleet(store.get_app(APP)) == fleet
+    return scaler
+
+
 def test_a_restarted_scaler_keeps_a_budget_cut_a_raise_came_after(tmp_path: Path) -> None:
     """The policy cut its three instances to two at a budget of 0.25 (a cut writes no decision)
     and kept two when the budget went back to 0.35. Restarted, it read the three of its last
     decision and cut them to the budget now: it wanted three, one more than it had reached."""
-    from controlplane.loops.infaas_scaler import FLEET_AFTER
-    from controlplane.loops.reached import PLAN_ID
 
     with planned_app(tmp_path, budget_usd_per_hr=0.35) as (clock, store, resolver, plan):
-        numbers = {PLAN_ID: plan.id, FLEET_AFTER: {LARGE: 3}}
-        store.record_decision(APP, "infaas_replicate", "before the cut", numbers)
-        scaler = idle_scaler(store, clock, resolver)
-        scaler.tick()
-        assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 3}
+        scaler = started_on(
+            store, clock, resolver, plan, ("infaas_replicate", "before the cut"), {LARGE: 3}
+        )
         clock.advance(1.0)
         store.change_budget(APP, 0.25, reason="cut", who="test")
         scaler.tick()
@@ -404,15 +421,11 @@ def test_a_switch_back_to_infaas_starts_from_the_fleet_that_runs(tmp_path: Path)
     The policy starts from the three that run, not from the one it had reached before the
     switch: that drained two with no decision of the policy's (seen live, "scale_down: 3 kept,
     1 desired"). A restart on the same mode starts from the fleet reached, as above."""
-    from controlplane.loops.infaas_scaler import FLEET_AFTER
-    from controlplane.loops.reached import PLAN_ID
 
     with planned_app(tmp_path, budget_usd_per_hr=0.35) as (clock, store, resolver, plan):
-        numbers = {PLAN_ID: plan.id, FLEET_AFTER: {LARGE: 1}}
-        store.record_decision(APP, "infaas_drain", "before the switch", numbers)
-        scaler = idle_scaler(store, clock, resolver)
-        scaler.tick()
-        assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 1}
+        scaler = started_on(
+            store, clock, resolver, plan, ("infaas_drain", "before the switch"), {LARGE: 1}
+        )
 
         def scaling(mode: str) -> None:
             store.update_app(APP, {**store.get_app(APP).spec, "scaling": mode}, who="test")

@@ -42,7 +42,7 @@ from controlplane.apps.profiler import ProfilingError
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.apps.teardown import request_teardown
 from controlplane.clock import FakeClock
-from controlplane.db.store import Store
+from controlplane.db.store import InstanceRecord, Store
 from controlplane.errors import ConflictError, ProfilingBudgetError
 from controlplane.loops.reconciler import Orphan, Reconciler, catalog_pricing
 from controlplane.policies.lifecycle import is_profile_worker
@@ -398,16 +398,21 @@ def reconciler_of(world: World, fleet: Mapping[str, int] | None = None) -> Recon
     )
 
 
-def launch_profile_worker(world: World, instance_type: str = SMALL) -> str:
-    """A profile run's worker as a run records and launches it (the run itself not running)."""
+def profile_row(world: World, run: str, instance_type: str, reason: str) -> InstanceRecord:
+    """A row of profile run ``run``'s worker, as a run records it (the run itself not running)."""
     price = default_catalog()[instance_type].price_usd_per_hr
-    row = world.store.record_instance(
+    return world.store.record_instance(
         APP,
-        request_id=f"profile:{APP}-0000-{instance_type}",
+        request_id=f"profile:{APP}-{run}-{instance_type}",
         instance_type=instance_type,
         price_usd_per_hr=price,
-        reason="test",
+        reason=reason,
     )
+
+
+def launch_profile_worker(world: World, instance_type: str = SMALL) -> str:
+    """A profile run's worker as a run records and launches it (the run itself not running)."""
+    row = profile_row(world, "0000", instance_type, "test")
     tags = {APP_TAG: APP, PROFILE_RUN_TAG: APP, INSTANCE_TAG: row.id}
     (instance,) = world.provisioner.launch(LaunchRequest(row.request_id, instance_type, 1, tags))
     world.store.transition_instance(
@@ -606,15 +611,7 @@ def test_a_run_whose_rows_are_ended_meanwhile_stops_and_leaves_no_worker(world: 
 
 def record_run(world: World, run: str, instance_type: str = SMALL, who: str = "alice") -> str:
     """A row of another profile run of the app, as a run records it (the run not running)."""
-    price = default_catalog()[instance_type].price_usd_per_hr
-    row = world.store.record_instance(
-        APP,
-        request_id=f"profile:{APP}-{run}-{instance_type}",
-        instance_type=instance_type,
-        price_usd_per_hr=price,
-        reason=f"profile run {run} by {who}",
-    )
-    return row.id
+    return profile_row(world, run, instance_type, f"profile run {run} by {who}").id
 
 
 def test_a_second_run_while_one_is_in_progress_is_refused_and_the_first_stores_its_own(
