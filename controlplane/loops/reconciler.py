@@ -2180,6 +2180,10 @@ class Reconciler:
         # Rule 9: provider id -> the notice the provider gave of it (kept until the row ends).
         self._notices: dict[str, InterruptionNotice] = {}
         self._handled: set[str] = set()  # the provider ids whose notice was acted on
+        # (app, drain_deferred cause) -> (when its episode began, the last pass it was deferred
+        # in): deferrals in consecutive passes are one episode, one decision row.
+        self._deferrals: dict[tuple[str, str], tuple[datetime, int]] = {}
+        self._passes = 0
         # (app, instance type) -> monotonic time before which it is not launched again.
         self._held_until_s: dict[tuple[str, str], float] = {}
         # (app, type) -> until when its launches go on demand: a spot launch of it ran on demand.
@@ -2211,6 +2215,7 @@ class Reconciler:
     def run_once(self) -> ReconcileReport:
         """Reconcile every app once; a failure of one app is logged and the others go on."""
         now = self.clock.utcnow()
+        self._passes += 1
         self._log_events()
         self._poll_interruptions(now)
         apps = self.store.list_apps()
@@ -2227,6 +2232,8 @@ class Reconciler:
         with self._capacity_lock:
             for key in [k for k in self._capacity_missed_s if k[0] not in names]:
                 del self._capacity_missed_s[key]  # the app is gone
+        for gone in [k for k in self._deferrals if k[0] not in names]:
+            del self._deferrals[gone]
         by_app: dict[str, list[ProvisionedInstance]] = defaultdict(list)
         unmanaged: list[str] = []
         strays: list[ProvisionedInstance] = []
@@ -2673,7 +2680,9 @@ class Reconciler:
                 key=action.instance_type,
             )
         elif isinstance(action, DrainDeferred):
-            # One decision per episode (keyed by cause), however many ticks it lasts.
+            # One decision per episode, however many ticks it lasts: an episode is the run of
+            # consecutive passes that defer for the cause (keyed by the cause and its start; a
+            # later scale-down's deferral is a decision of its own, not a repeat of the last).
             self.store.record_decision(
                 app.name,
                 "drain_deferred",
@@ -2684,7 +2693,7 @@ class Reconciler:
                     "allowed_now": action.allowed,
                     "window_s": action.window_s,
                 },
-                key=action.cause,
+                key=self._deferral_key(app.name, action.cause),
             )
         elif isinstance(action, InterruptionHandled):
             self._handled.add(action.provider_id)
@@ -3197,6 +3206,14 @@ class Reconciler:
             if not healthy:
                 unhealthy.add(instance.provider_id)
         return unhealthy
+
+    def _deferral_key(self, app: str, cause: str) -> str:
+        """The decision key of ``app``'s drain deferral for ``cause`` in this pass: the cause
+        and the time its episode began (the pass before deferred for it too, or it begins now)."""
+        known = self._deferrals.get((app, cause))
+        began = self.clock.utcnow() if known is None or known[1] < self._passes - 1 else known[0]
+        self._deferrals[(app, cause)] = (began, self._passes)
+        return f"{cause}:{began.strftime('%Y%m%dT%H%M%S.%f')}"
 
     def _record_once(self, app: str, kind: str, reason: str, numbers: Mapping[str, Any]) -> None:
         """Record a decision unless the app's last decision of ``kind`` had the same numbers: a

@@ -321,6 +321,33 @@ def test_a_new_plan_that_trades_a_type_keeps_the_old_one_until_the_new_one_serve
     assert live_types(world.store) == {LARGE: 2}
 
 
+def test_each_deferral_episode_is_a_decision_of_its_own(world: World) -> None:
+    """A deferral repeated tick after tick is one decision (its count rises); a later trade's
+    deferral for the same cause, after ticks without one, is a new decision, not a repeat of
+    the old one (one row had read "84x over 17.3 min" over four scale-downs)."""
+    apply_fleet(world.store, {SMALL: 2})
+    world.tick()
+    world.fake.step()
+    world.tick()
+    apply_fleet(world.store, {LARGE: 1})
+    world.tick()
+    world.tick()  # the large still boots: the small's deferral again, the same episode
+    (first,) = decisions(world.store, "drain_deferred")
+    assert first.count == 2 and first.numbers["cause"] == "last_instance"
+    world.fake.step()
+    world.tick()  # the large serves; the small's end waits for the disruption budget
+    world.tick(61.0)  # the budget's next window: it goes, nothing deferred
+    assert live_types(world.store) == {LARGE: 1}
+    apply_fleet(world.store, {SMALL: 1})  # back: the large's end waits for the budget again
+    world.tick()
+    world.tick()
+    waits = [
+        r for r in decisions(world.store, "drain_deferred") if r.numbers["cause"] == "disruption"
+    ]
+    assert [r.count for r in waits] == [1, 1], waits
+    assert waits[0].numbers["instance_ids"] != waits[1].numbers["instance_ids"]
+
+
 @pytest.mark.parametrize("scaling", ["inferline", "infaas"])
 def test_infaas_drains_a_stages_only_type_the_tuner_keeps(
     template_db: Path, tmp_path: Path, scaling: str
