@@ -32,7 +32,9 @@ generated from Triton's ``grpc_service.proto``); the methods served:
   answer past the server's message limit (``oip_body_max_bytes``) is ``RESOURCE_EXHAUSTED``
   (413) with one line naming the app, its size and the limit: before the workers compute it
   where the signature fixes the outputs' sizes (:func:`answer_bytes_at_least`), else before
-  it is sent (grpc had failed to send it, with a traceback in the log).
+  it is sent (grpc had failed to send it, with a traceback in the log). A request past the
+  app's own limit (REST's ``/v2`` body limit, :func:`~controlplane.api.routes.oip.body_limit`:
+  256 rows of the model's inputs) is ``RESOURCE_EXHAUSTED`` too, before its contents are read.
 
 Every other method of the service (model configuration, statistics, the repository, shared
 memory, streaming) answers ``UNIMPLEMENTED``. The model calls are counted in ``GET /metrics``'
@@ -92,6 +94,7 @@ from controlplane.api.routes.oip import (
     HEADER_LENGTH,
     PLATFORM,
     as_model_error,
+    body_limit,
     check_binary_switches,
     parse_query,
     raw_bytes,
@@ -265,6 +268,15 @@ class GrpcOip:
             # The dispatcher cannot be reached: served here (as REST's forwarding does).
         serving = serving_of(self.services, app)
         signature = await signature_of(serving, app, call.received_s)
+        # The app's own limit, as REST's /v2 body's (256 rows of its inputs as JSON text, which
+        # the same rows in a message never pass), before the contents are copied.
+        limit = body_limit(signature, self.max_message_bytes)
+        if (received := request.ByteSize()) > limit:
+            raise OipError(
+                f"app {app!r}: the request takes {received:,} bytes, past the app's limit of"
+                f" {limit:,} bytes (256 rows of the model's inputs, as on REST's /v2)",
+                413,
+            )
         document, binary = request_document(request, call.remaining_s)
         parsed = parse_query(signature, document, binary)
         names = parsed.outputs or tuple(spec.name for spec in signature.outputs)

@@ -256,3 +256,30 @@ def test_a_port_taken_after_the_check_is_a_warning_and_rest_serves_alone(
     refused = [r for r in caplog.records if "no gRPC served" in r.getMessage()]
     assert [r.levelname for r in refused] == ["WARNING"]
     assert f"cannot listen on 127.0.0.1:{port}" in refused[0].getMessage()
+
+
+def test_a_request_past_the_apps_own_limit_is_refused_as_on_rest(
+    served: tuple[ApiWorld, str, str],
+) -> None:
+    """The app's limit is REST's ``/v2`` body limit (256 rows of its inputs), not gRPC's
+    64 MiB message limit: 10 MB of rows is RESOURCE_EXHAUSTED naming the app's limit, before
+    its contents are read; 256 rows are answered."""
+    world, _, address = served
+    good = {"authorization": f"Bearer {world.tokens['infer']}"}
+    client = grpcclient.InferenceServerClient(address)
+
+    def given(rows: int) -> list[object]:
+        tensor = grpcclient.InferInput("input", [rows, 64], "FP32")
+        tensor.set_data_from_numpy(np.zeros((rows, 64), dtype=np.float32))
+        return [tensor]
+
+    try:
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("demo", given(40_000), headers=good)
+        assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        assert "past the app's limit" in refused.value.message()
+        assert "\n" not in refused.value.message()
+        answer = client.infer("demo", given(256), headers=good)
+        assert answer.as_numpy("logits").shape == (256, 10)
+    finally:
+        client.close()
