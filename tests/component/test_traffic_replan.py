@@ -23,6 +23,7 @@ import pytest
 from controlplane.apps.plans import PlanRequest, TraceRequest, preview_plan
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import FakeClock
+from controlplane.db.store import PlanRecord
 from controlplane.loops.traffic_replan import TrafficReplanner, compare_envelopes
 from controlplane.service.build import Service, build_service
 from controlplane.settings import Settings
@@ -66,15 +67,18 @@ class Traffic:
         return self.arrival_s[: np.searchsorted(self.arrival_s, self.clock.now_s(), side="right")]
 
 
-def _apply(service: Service, resolver: AppResolver, budget: float, rate_qps: float) -> None:
+def _apply(service: Service, resolver: AppResolver, budget: float, rate_qps: float) -> PlanRecord:
     """Register the app, plan it on Poisson traffic at ``rate_qps`` as an API preview does, and
-    apply the plan."""
+    apply the plan; the applied plan's record."""
     store = service.store
     store.create_app(spec_document(resolver.check(spec(budget=budget)).spec), who="test")
     request = PlanRequest(trace=TraceRequest(rate_qps=rate_qps), seed=3)
     record = preview_plan(store, resolver, APP, request)
     assert record.plan.feasible
     store.apply_plan(APP, record.id)
+    applied = store.get_applied_plan(APP)
+    assert applied is not None
+    return applied
 
 
 def _replanner(
@@ -127,9 +131,8 @@ def test_twice_the_planned_traffic_for_longer_than_the_hold_is_re_planned_within
     world: tuple[Service, FakeClock, AppResolver],
 ) -> None:
     service, clock, resolver = world
-    _apply(service, resolver, budget=4.0, rate_qps=50.0)
-    old = service.store.get_applied_plan(APP)
-    assert old is not None and old.plan.fleet == {R5N: 1}
+    old = _apply(service, resolver, budget=4.0, rate_qps=50.0)
+    assert old.plan.fleet == {R5N: 1}
     _reconcile(service, 3)
     traffic = Traffic(clock, (0.0, 600.0, 50.0), (600.0, 2400.0, 100.0))
     replanner = _replanner(service, clock, resolver, traffic)
@@ -294,9 +297,8 @@ def test_a_plan_with_the_same_fleet_is_applied_so_its_envelope_follows_the_traff
     world: tuple[Service, FakeClock, AppResolver],
 ) -> None:
     service, clock, resolver = world
-    _apply(service, resolver, budget=4.0, rate_qps=20.0)
-    old = service.store.get_applied_plan(APP)
-    assert old is not None and old.plan.fleet == {R5N: 1}
+    old = _apply(service, resolver, budget=4.0, rate_qps=20.0)
+    assert old.plan.fleet == {R5N: 1}
     # Twice the planned traffic, which one r5n.large still serves (the planner's own answer).
     traffic = Traffic(clock, (0.0, 600.0, 20.0), (600.0, 2400.0, 40.0))
     replanner = _replanner(service, clock, resolver, traffic)
@@ -318,9 +320,7 @@ def test_a_same_fleet_plan_does_not_undo_what_the_tuner_grew_and_waits_for_the_t
     world: tuple[Service, FakeClock, AppResolver],
 ) -> None:
     service, clock, resolver = world
-    _apply(service, resolver, budget=4.0, rate_qps=20.0)
-    old = service.store.get_applied_plan(APP)
-    assert old is not None
+    old = _apply(service, resolver, budget=4.0, rate_qps=20.0)
     stage = old.plan.stages[0].name
     # The tuner has grown the plan's one r5n.large to two (what it writes into its decision).
     service.store.record_decision(
