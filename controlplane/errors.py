@@ -388,11 +388,16 @@ class RequirementsUnmetError(ServingError):
 
 class QueryFailedError(ServingError):
     """The workers could not answer the query: every attempt failed (``attempts`` of them), or a
-    worker refused its inputs; ``reason`` is the last failure."""
+    worker refused its inputs; ``reason`` is the last failure. ``transport``: the last failure
+    was the worker's, not the model's (no answer, a timeout, a broken or refused connection, an
+    error status of the worker's own), so the query may be answered if sent again once another
+    worker serves: the API adds ``Retry-After`` to its 502 and gRPC answers ``UNAVAILABLE``, where
+    a model that raised is ``INTERNAL``."""
 
-    def __init__(self, app: str, reason: str, attempts: int) -> None:
+    def __init__(self, app: str, reason: str, attempts: int, *, transport: bool = False) -> None:
         self.reason = reason
         self.attempts = attempts
+        self.transport = transport
         super().__init__(
             app, f"app {app!r}: the query failed after {attempts} attempt(s): {reason}"
         )

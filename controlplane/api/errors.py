@@ -34,7 +34,10 @@ inspection refused the artifact)
 :class:`RequirementsUnmetError`        422     ``requirements_unmet``
 :class:`QueryRejectedError` (the       422     ``query_rejected``
 model raised on the query's inputs)
-:class:`QueryFailedError`              502     ``query_failed``
+:class:`QueryFailedError`              502     ``query_failed`` (with
+                                               ``Retry-After`` where
+                                               the worker failed,
+                                               not the model)
 :class:`NoServingInstanceError`        503     ``no_serving_instance``
 :class:`ServingUnavailableError`       503     ``serving_unavailable``
 :class:`QueryTimeoutError`             504     ``query_timeout``
@@ -89,6 +92,7 @@ from controlplane.spec import SpecError, UnprofiledModelError
 from estimator.errors import EstimatorError
 
 __all__ = [
+    "RETRY_AFTER_LOST_WORKER_S",
     "ApiError",
     "CatchAllMiddleware",
     "OipErrorShapeMiddleware",
@@ -121,6 +125,10 @@ _STATUS_CODES = {
     504: "gateway_timeout",
 }
 _MAX_MESSAGE_CHARS = 500
+# The Retry-After of a 502 whose worker failed (not its model): the dispatcher takes a worker out
+# of matching at its first transport failure and sends its queries to the others, so a query
+# sent again a second later meets a healthy one if the app has any.
+RETRY_AFTER_LOST_WORKER_S = 1
 # The methods an Allow header may name, in the order it names them (OPTIONS is never served).
 _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 
@@ -299,7 +307,9 @@ def _on_serving_error(error: ServingError) -> JSONResponse | None:
     if isinstance(error, QueryRejectedError):
         return error_response(422, "query_rejected", str(error), "inputs")
     if isinstance(error, QueryFailedError):
-        return error_response(502, "query_failed", str(error))
+        # A worker's failure (not the model's): the query may be answered if sent again.
+        retry = {"Retry-After": str(RETRY_AFTER_LOST_WORKER_S)} if error.transport else None
+        return error_response(502, "query_failed", str(error), headers=retry)
     if isinstance(error, NoServingInstanceError):
         return error_response(503, "no_serving_instance", str(error))
     if isinstance(error, ServingUnavailableError):

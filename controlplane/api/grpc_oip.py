@@ -54,6 +54,9 @@ HTTP status           gRPC code               e.g.
                                               trailing metadata, seconds); an answer past
                                               the message limit
 502, 500              ``INTERNAL``            the model failed on a query (not its inputs)
+502 with              ``UNAVAILABLE``         the worker failed (no answer, a broken
+``Retry-After``                               connection): sent again, the query may be
+                                              answered (``retry-after`` trailing metadata)
 503                   ``UNAVAILABLE``         no worker serves the app; no serving loop
 504                   ``DEADLINE_EXCEEDED``   the query could not be answered by its deadline
 ====================  ======================  ==================================================
@@ -158,8 +161,12 @@ _CONTENTS = {
 _FIELDS = tuple(dict.fromkeys(_CONTENTS.values()))
 
 
-def grpc_code(status: int) -> grpc.StatusCode:
-    """The gRPC code of an HTTP error status (the table of the module docstring)."""
+def grpc_code(status: int, retry_after: bool = False) -> grpc.StatusCode:
+    """The gRPC code of an HTTP error status (the table of the module docstring); with
+    ``retry_after`` (the answer says when to send again) a 502 is ``UNAVAILABLE``: its worker
+    failed, not its model, and gRPC clients retry ``UNAVAILABLE``, not ``INTERNAL``."""
+    if status == 502 and retry_after:
+        return grpc.StatusCode.UNAVAILABLE
     code = _CODES.get(status)
     if code is not None:
         return code
@@ -192,8 +199,9 @@ def _refusal(method: str, error: Exception) -> _Refusal:
     if isinstance(error, OipError):
         return _Refusal(error.status, grpc_code(error.status), str(error))
     if isinstance(error, DispatcherRefusedError):
+        again = error.retry_after is not None
         retried = (("retry-after", error.retry_after),) if error.retry_after is not None else ()
-        return _Refusal(error.status, grpc_code(error.status), str(error), retried)
+        return _Refusal(error.status, grpc_code(error.status, again), str(error), retried)
     scope: dict[str, Any] = {
         "type": "http",
         "method": "POST",
@@ -212,7 +220,8 @@ def _refusal(method: str, error: Exception) -> _Refusal:
         message = "internal error; the server log has the details"
     retry = answer.headers.get("retry-after")
     trailers = (("retry-after", retry),) if retry is not None else ()
-    return _Refusal(answer.status_code, grpc_code(answer.status_code), message, trailers)
+    code = grpc_code(answer.status_code, retry is not None)
+    return _Refusal(answer.status_code, code, message, trailers)
 
 
 class GrpcOip:

@@ -971,7 +971,9 @@ class AppDispatcher:
             if health.retries(error, part.attempts):
                 again.append(part)
             else:
-                self._fail(request, QueryFailedError(self.app, reason, part.attempts))
+                self._fail(
+                    request, QueryFailedError(self.app, reason, part.attempts, transport=True)
+                )
         self._send_again(stage.model, again)
         self._fail_stranded(reason)
         if lost:
@@ -1042,7 +1044,9 @@ class AppDispatcher:
                 continue
             for part in list(stage.parts.values()):
                 if part.attempts:
-                    error: ServingError = QueryFailedError(self.app, reason, part.attempts)
+                    error: ServingError = QueryFailedError(
+                        self.app, reason, part.attempts, transport=True
+                    )
                 else:
                     error = NoServingInstanceError(self.app, stage.model, "no healthy worker")
                 self._fail(part.request, error)

@@ -16,11 +16,20 @@ import httpx
 import numpy as np
 import pytest
 
-from controlplane.api.grpc_oip import SERVICE, attach, grpc_code
+from controlplane.api.grpc_oip import (
+    SERVICE,
+    DispatcherRefusedError,
+    _refusal,
+    attach,
+    grpc_code,
+)
+from controlplane.errors import QueryFailedError
 from tests.component.test_oip_routes import family_request, live_server
 from tests.component.test_serving import LARGE, SMALL, ApiWorld, row, world
 
 __all__ = ["world"]  # the fixture, imported for this module's tests
+
+code_internal = grpc.StatusCode.INTERNAL
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.grpc import service_pb2 as pb  # noqa: E402
@@ -196,6 +205,27 @@ def test_every_http_status_of_the_api_has_a_grpc_code() -> None:
     assert {status: grpc_code(status) for status in expected} == expected
     assert grpc_code(418) is grpc.StatusCode.INVALID_ARGUMENT
     assert grpc_code(599) is grpc.StatusCode.INTERNAL
+    # A 502 that says when to send again: the worker failed, not the model.
+    assert grpc_code(502, retry_after=True) is grpc.StatusCode.UNAVAILABLE
+    assert grpc_code(500, retry_after=True) is grpc.StatusCode.INTERNAL
+
+
+@pytest.mark.parametrize(
+    ("transport", "code", "retry"),
+    [(True, grpc.StatusCode.UNAVAILABLE, (("retry-after", "1"),)), (False, code_internal, ())],
+)
+def test_a_lost_worker_is_unavailable_and_a_model_failure_internal(
+    transport: bool, code: grpc.StatusCode, retry: tuple[tuple[str, str], ...]
+) -> None:
+    """A query whose worker failed (a dead worker's broken connection) may be answered if sent
+    again: REST's 502 says when (Retry-After), and gRPC answers UNAVAILABLE, which clients
+    retry; a model that raised stays INTERNAL, as its REST 502 has no Retry-After."""
+    error = QueryFailedError("demo", "connection refused", 2, transport=transport)
+    refusal = _refusal("ModelInfer", error)
+    assert (refusal.status, refusal.code, refusal.trailers) == (502, code, retry)
+    assert "connection refused" in refusal.message
+    forwarded = DispatcherRefusedError(502, "the query failed", "1" if transport else None)
+    assert _refusal("ModelInfer", forwarded).code is code
 
 
 def test_a_malformed_message_is_invalid_argument_in_one_line(

@@ -319,6 +319,8 @@ def test_a_poison_query_fails_alone_and_the_worker_keeps_serving(foreign: bool) 
             if q % 7 == 3:
                 assert isinstance(result, expected), result
                 assert "index out of range" in str(result)
+                # The model raised, the worker answered: nothing to retry.
+                assert not getattr(result, "transport", False)
             else:
                 assert isinstance(result, InferResult), result
                 assert result.outputs == (q % 10,)
@@ -529,6 +531,9 @@ def test_queries_fail_explicitly_when_every_attempt_fails() -> None:
         # worker is left, and answered at once (503) instead of at their give-up time.
         kinds = sorted(type(r).__name__ for r in results)
         assert kinds == ["NoServingInstanceError"] * 2 + ["QueryFailedError"] * 2, results
+        # The workers failed, not the model: sent again, a query may be answered (Retry-After,
+        # gRPC's UNAVAILABLE).
+        assert all(r.transport for r in results if isinstance(r, QueryFailedError))
         # Both workers are out now: a new query is refused at once, never left waiting.
         with pytest.raises(NoServingInstanceError):
             dispatcher.submit([row(1, 0.9)])
