@@ -44,13 +44,18 @@ from estimator.batches import parse_batch_distribution
 from estimator.errors import WorkloadError
 from estimator.traces import MAX_CV2, Trace, constant_profile, renewal_arrivals, trace_stats
 
+# Why the service's provider cannot launch an instance type (None: it can).
+LaunchRefusalFn = Callable[[str], str | None]
+
 __all__ = [
     "DEFAULT_TRACE_QUERIES",
+    "LaunchRefusalFn",
     "PlanRequest",
     "PlanRequestError",
     "TraceRequest",
     "apply_plan",
     "burstiness_replanning_request",
+    "launchable_only",
     "planning_trace",
     "preview_plan",
     "provider_prices",
@@ -230,11 +235,14 @@ def preview_plan(
     deadline_s: float | None = None,
     cancelled: threading.Event | None = None,
     spot_prices: SpotPricesFn | None = None,
+    launch_refusal: LaunchRefusalFn | None = None,
 ) -> PlanRecord:
     """Plan ``app`` on the trace ``request`` asks for and store the plan as a preview, within
     ``deadline_s`` (None: unbounded) and until ``cancelled`` is set (``estimator.deadline``).
     ``spot_prices``: the provider's spot prices now, for an app that buys spot
-    (:func:`provider_prices`); the catalog's without.
+    (:func:`provider_prices`); the catalog's without. ``launch_refusal``: plan only the types
+    the provider launches (:func:`launchable_only`; a loop that applies what it plans), where a
+    plan previewed by hand names what the spec allows and is refused at :func:`apply_plan`.
 
     Raises:
         NotFoundError: no such app.
@@ -246,6 +254,8 @@ def preview_plan(
     """
     record = store.get_app(app)
     resolved = resolver.resolve(record.spec)
+    if launch_refusal is not None:
+        resolved = launchable_only(resolved, launch_refusal)
     require_profiles(resolved)
     trace, stats = planning_trace(resolved, request)
     now = provider_prices(resolved, spot_prices)
@@ -255,6 +265,21 @@ def preview_plan(
         raise ConflictError(f"app {app!r} changed while it was being planned; preview again")
     document = dataclasses.replace(plan, seed=request.seed, trace=stats).to_document()
     return store.create_plan(app, document)
+
+
+def launchable_only(app: ResolvedApp, launch_refusal: LaunchRefusalFn) -> ResolvedApp:
+    """``app`` with each candidate type the provider cannot launch (``launch_refusal`` says why,
+    the provisioner's :meth:`~provisioners.base.Provisioner.launch_refusal`) capped at 0
+    instances, so what the loops plan and size for it (the tuner, INFaaS's scaler, the
+    re-planners, a rollout's plan for its new version) names only types that can run: the
+    reconciler launches no fleet naming one (a ``plan_not_launched`` decision, the app unscaled),
+    and :func:`apply_plan` refuses such a plan applied by hand. ``app`` as it is when the
+    provider launches every type, or none (the reconciler's decision says so then)."""
+    refused = [t for t in app.instance_types if launch_refusal(t) is not None]
+    if not refused or len(refused) == len(app.instance_types):
+        return app
+    caps = {**(app.spec.max_counts or {}), **dict.fromkeys(refused, 0)}
+    return dataclasses.replace(app, spec=app.spec.model_copy(update={"max_counts": caps}))
 
 
 def provider_prices(
@@ -291,7 +316,7 @@ def apply_plan(
     app: str,
     plan_id: int,
     who: str,
-    launch_refusal: Callable[[str], str | None] | None = None,
+    launch_refusal: LaunchRefusalFn | None = None,
 ) -> PlanRecord:
     """Apply a previewed plan and record a ``plan_applied`` decision with its fleet and cost.
     ``launch_refusal``: why the service's provider cannot launch a type (None: it can; the

@@ -1029,6 +1029,7 @@ class RolloutLoop:
                 request,
                 deadline_s=self.plan_deadline_s,
                 spot_prices=self.spot_prices,
+                launch_refusal=self.provisioner.launch_refusal,
             )
         except ConflictError as error:
             why = f"the app could not be planned again ({first_line(error, REASON_CHARS)})"

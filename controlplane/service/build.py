@@ -70,6 +70,7 @@ from typing import Any, Literal
 import httpx
 from fastapi import FastAPI
 
+from controlplane.apps.plans import launchable_only
 from controlplane.apps.resolver import (
     AppResolver,
     Calibrated,
@@ -261,9 +262,14 @@ def app_artifacts(resolver: AppResolver) -> ArtifactsFn:
     return artifacts
 
 
-def stored_apps(resolver: AppResolver) -> ResolveFn:
-    """An app record -> its stored spec resolved (the budget not checked: it is the app's own)."""
-    return lambda app: resolver.resolve(app.spec, check_budget=False)
+def stored_apps(resolver: AppResolver, launchable: LaunchableFn | None = None) -> ResolveFn:
+    """An app record -> its stored spec resolved (the budget not checked: it is the app's own);
+    with ``launchable`` (the provisioner's :meth:`~provisioners.base.Provisioner.launch_refusal`)
+    the types it cannot launch capped at 0 (:func:`~controlplane.apps.plans.launchable_only`),
+    for the loops that size and plan what the reconciler then launches."""
+    if launchable is None:
+        return lambda app: resolver.resolve(app.spec, check_budget=False)
+    return lambda app: launchable_only(resolver.resolve(app.spec, check_budget=False), launchable)
 
 
 def build_reconciler(
@@ -328,15 +334,21 @@ def _either_gear(first: GearHook, second: GearHook) -> GearHook:
 
 
 def build_live_tuner(
-    settings: Settings, store: Store, clock: Clock, serving: ServingView, resolver: AppResolver
+    settings: Settings,
+    store: Store,
+    clock: Clock,
+    serving: ServingView,
+    resolver: AppResolver,
+    launchable: LaunchableFn | None = None,
 ) -> LiveTuner:
     """InferLine's tuner over the apps the serving loop observes (the others stay on their
-    plans); apps resolve through ``resolver``."""
+    plans); apps resolve through ``resolver``, sized on the types ``launchable`` allows
+    (:func:`stored_apps`)."""
     return LiveTuner(
         store,
         clock,
         serving.observed_arrivals,
-        stored_apps(resolver),
+        stored_apps(resolver, launchable),
         max_window_s=settings.tuner_max_window_s,
         scale_down_delay_s=settings.tuner_scale_down_delay_s,
         cascade_ladders=settings.tuner_cascade_ladders,
@@ -344,17 +356,22 @@ def build_live_tuner(
 
 
 def build_infaas_scaler(
-    settings: Settings, store: Store, clock: Clock, serving: ServingView, resolver: AppResolver
+    settings: Settings,
+    store: Store,
+    clock: Clock,
+    serving: ServingView,
+    resolver: AppResolver,
+    launchable: LaunchableFn | None = None,
 ) -> InfaasScaler:
     """INFaaS's autoscaler over the apps with ``scaling: infaas`` that the serving loop serves,
-    on its states and arrivals; a drain waits the tuner's ``tuner_scale_down_delay_s`` (the
-    service's one scale-down delay)."""
+    on its states and arrivals (the types ``launchable`` allows, :func:`stored_apps`); a drain
+    waits the tuner's ``tuner_scale_down_delay_s`` (the service's one scale-down delay)."""
     return InfaasScaler(
         store,
         clock,
         serving.observed_arrivals,
         serving.statuses,
-        stored_apps(resolver),
+        stored_apps(resolver, launchable),
         config=ScalingConfig(hold_s=settings.tuner_scale_down_delay_s),
     )
 
@@ -403,13 +420,15 @@ def build_traffic_replanner(
 ) -> TrafficReplanner:
     """The re-planning on recorded traffic over the apps the serving loop observes (the others
     stay on their plans), with the settings' period, window, hold, band, minimum of queries and
-    plan deadline; apps resolve through ``resolver``; spot priced at ``provisioner``'s prices
-    where it reads them (:func:`~controlplane.provisioning.provider_spot_prices`)."""
+    plan deadline; apps resolve through ``resolver``, planned on the types ``provisioner``
+    launches (:func:`stored_apps`); spot priced at its prices where it reads them
+    (:func:`~controlplane.provisioning.provider_spot_prices`)."""
+    launchable = None if provisioner is None else launchable_types(provisioner)
     return TrafficReplanner(
         store,
         clock,
         serving.observed_arrivals,
-        stored_apps(resolver),
+        stored_apps(resolver, launchable),
         check_s=settings.replan_s,
         window_s=settings.replan_window_s,
         hold_s=settings.replan_hold_s,
@@ -768,8 +787,10 @@ def build_service(
             store, resolver, ProvisionedInstances(store, provisioner), clock=clock
         )
         view = local_serving
-    live_tuner = build_live_tuner(settings, store, clock, view, resolver)
-    infaas_scaler = build_infaas_scaler(settings, store, clock, view, resolver)
+    # What the loops size and plan names only types the provisioner launches.
+    launchable = launchable_types(provisioner)
+    live_tuner = build_live_tuner(settings, store, clock, view, resolver, launchable)
+    infaas_scaler = build_infaas_scaler(settings, store, clock, view, resolver, launchable)
     live_gears = build_live_gears(settings, store, clock, view, resolver)
     rollouts = RolloutLoop(
         store,
@@ -813,7 +834,7 @@ def build_service(
     live_gears.spot_prices = reconciler.spot_prices_now
     replanner = CapacityReplanner(
         store,
-        stored_apps(resolver),
+        stored_apps(resolver, launchable),
         reconciler.capacity_misses,
         after_s=settings.capacity_replan_after_s,
         deadline_s=settings.plan_deadline_s,
@@ -848,7 +869,7 @@ def build_service(
         rollouts,
         SpotReplanner(
             store,
-            stored_apps(resolver),
+            stored_apps(resolver, launchable),
             reconciler.spot_prices_now,
             move_share=settings.spot_replan_move_share,
             deadline_s=settings.plan_deadline_s,

@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controlplane.apps.plans import PlanRequest, TraceRequest, preview_plan
+from controlplane.apps.plans import PlanRequest, TraceRequest, launchable_only, preview_plan
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import FakeClock
 from controlplane.db.store import PlanRecord
 from controlplane.loops.traffic_replan import TrafficReplanner, compare_envelopes
-from controlplane.service.build import Service, build_service
+from controlplane.service.build import Service, build_service, stored_apps
 from controlplane.settings import Settings
 from provisioners.fake import FakeProvisioner
 from tests.component.test_api import spec, write_profiles
@@ -177,6 +177,65 @@ def test_twice_the_planned_traffic_for_longer_than_the_hold_is_re_planned_within
     # The traffic now matches the new plan: nothing more.
     assert _run(replanner, clock, 2400.0) == []
     assert _kinds(service).count("replan") == 1
+
+
+def test_a_re_plan_names_only_the_types_the_provisioner_launches(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    """The loops resolve apps as the service wires them (``stored_apps`` with the provisioner's
+    ``launch_refusal``): a provider that does not launch r5n.large (the cheapest mix at twice
+    the rate is two of them) gets a re-plan of the types it launches, which the reconciler
+    launches, not one it would refuse (``plan_not_launched``) and leave the app unscaled."""
+    service, clock, resolver = world
+    old = _apply(service, resolver, budget=4.0, rate_qps=50.0)
+    assert old.plan.fleet == {R5N: 1}
+    traffic = Traffic(clock, (0.0, 600.0, 50.0), (600.0, 2400.0, 100.0))
+
+    def refusal(instance_type: str) -> str | None:
+        return f"this provider does not launch {R5N}" if instance_type == R5N else None
+
+    replanner = TrafficReplanner(
+        service.store,
+        clock,
+        traffic,
+        stored_apps(resolver, refusal),
+        check_s=CHECK_S,
+        hold_s=HOLD_S,
+    )
+    assert _run(replanner, clock, 600.0 + HOLD_S + CHECK_S) == [600.0 + HOLD_S + CHECK_S]
+    new = _applied_fleet(service)
+    assert new.get(R5N, 0) == 0 and sum(new.values()) >= 1, new
+    assert all(refusal(t) is None for t, n in new.items() if n > 0)
+    applied = service.store.get_applied_plan(APP)
+    assert applied is not None and applied.plan.feasible
+    assert applied.plan.cost_usd_per_hr <= 4.0
+
+
+def test_launchable_only_caps_the_refused_types_and_keeps_the_specs_own_caps(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    service, _, resolver = world
+    app = resolver.resolve({**spec(), "max_counts": {"t3.xlarge": 2}})
+    capped = launchable_only(app, lambda t: "not here" if t == "g4dn.xlarge" else None)
+    assert capped.spec.max_counts == {"t3.xlarge": 2, "g4dn.xlarge": 0}
+    assert capped.instance_types == app.instance_types  # priced and profiled as before
+    assert app.spec.max_counts == {"t3.xlarge": 2}  # the app's own spec untouched
+    # A plan previewed for a loop (a rollout's for its new version) names launchable types only.
+    _apply(service, resolver, budget=4.0, rate_qps=50.0)
+    request = PlanRequest(trace=TraceRequest(rate_qps=100.0), seed=3)
+    by_hand = preview_plan(service.store, resolver, APP, request).plan.fleet
+    refused = {t for t, n in by_hand.items() if n > 0}
+    looped = preview_plan(
+        service.store,
+        resolver,
+        APP,
+        request,
+        launch_refusal=lambda t: "not here" if t in refused else None,
+    ).plan
+    assert looped.feasible and not refused & {t for t, n in looped.fleet.items() if n > 0}
+    # Every type launchable, or none (the reconciler says so): the app as it is.
+    assert launchable_only(app, lambda t: None) is app
+    assert launchable_only(app, lambda t: "not here") is app
 
 
 def test_a_burst_shorter_than_the_hold_changes_nothing(
