@@ -38,7 +38,9 @@ nothing back); so does :meth:`InfaasScaler.desired_fleet` before the policy's fi
 the scaler saw scaled by another policy (its spec's ``scaling`` switched, then back to
 ``infaas``) starts from the fleet that runs (its kept instances by type, cut to the budget; the
 plan's where none runs): the other policy moved the fleet since without a decision this module
-reads, and the fleet reached before the switch drained what runs with no decision. An app
+reads, and the fleet reached before the switch drained what runs with no decision; a scaler
+that did not see the app under the other policy (a new leader) reads the switch from its
+``scaling_switched`` decision (:func:`switched_since`). An app
 the serving loop does not serve (no status, or no arrival source) stays on its plan. The live
 tuner leaves these apps alone (``scaling`` decides which of the two scales an app).
 """
@@ -58,6 +60,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.apps.resolver import smallest_common_batch_size
+from controlplane.apps.scaling import SCALING_SWITCHED
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import NotFoundError
@@ -94,6 +97,7 @@ __all__ = [
     "InfaasScaler",
     "StatusSource",
     "scales_with_infaas",
+    "switched_since",
 ]
 
 logger = logging.getLogger(__name__)
@@ -362,7 +366,7 @@ def _start_fleet(
     moved the fleet since, without a decision of the kinds :func:`~controlplane.loops.reached.
     newest` reads where it set up from the plan, and starting from the old fleet drained what
     runs with no decision of this policy's."""
-    if switched:
+    if switched or switched_since(store, app.name, plan):
         running = _within_budget(
             _running_fleet(store, app, resolved), resolved, app.budget_usd_per_hr
         )
@@ -373,6 +377,22 @@ def _start_fleet(
         return dict(plan.plan.fleet)
     budget = lowest_budget_since(store, app.name, decision.at, app.budget_usd_per_hr)
     return _within_budget(fleet, resolved, budget)
+
+
+def switched_since(store: Store, app: str, plan: PlanRecord) -> bool:
+    """Whether ``app``'s scaling was handed to this loop (a ``scaling_switched`` decision,
+    :func:`controlplane.apps.scaling.record_scaling_switch`) after ``plan`` was applied and
+    after this loop last wrote a fleet: the fleet it had reached is then not what runs. What a
+    loop that did not run through the switch (a new leader, a restarted loops process) knows of
+    it; the one that did saw the app under the other loop (``InfaasScaler._elsewhere``)."""
+    if plan.applied_at is None:
+        return False
+    read = sorted(INFAAS_KINDS | {SCALING_SWITCHED})
+    found = store.list_decisions(app, kinds=read, limit=1)
+    if not found:
+        return False
+    (last,) = found
+    return last.kind == SCALING_SWITCHED and last.at >= plan.applied_at
 
 
 def _running_fleet(store: Store, app: AppRecord, resolved: ResolvedApp) -> dict[str, int]:

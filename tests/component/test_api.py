@@ -273,6 +273,12 @@ def test_app_lifecycle(api: Api) -> None:
         (None, 4.0),
         (4.0, 5.0),
     ]
+    # A spec that hands the scaling to another loop says so (what a new leader's loop reads).
+    assert not [d for d in api.store.list_decisions("toy") if d.kind == "scaling_switched"]
+    switched = {**spec(latency_ms=60.0, budget=5.0), "scaling": "infaas"}
+    assert api.call("PUT", "/v1/apps/toy", "operator", json=switched).status_code == 200
+    (decision,) = [d for d in api.store.list_decisions("toy") if d.kind == "scaling_switched"]
+    assert decision.numbers == {"from": "inferline", "to": "infaas"}
 
     assert_error(api.call("DELETE", "/v1/apps/toy", "operator"), 403, "forbidden")
     assert api.call("DELETE", "/v1/apps/toy", "admin").status_code == 204

@@ -446,6 +446,53 @@ def test_a_switch_back_to_infaas_starts_from_the_fleet_that_runs(tmp_path: Path)
         assert [d.reason for d in store.list_decisions(APP)] == ["before the switch"]
 
 
+def test_a_new_leader_after_a_switch_back_starts_from_the_fleet_that_runs(tmp_path: Path) -> None:
+    """As above, but the scaler that sees the app back on ``scaling: infaas`` is a new one (a
+    new leader, a restarted loops process) that never saw it under the tuner: the switches'
+    ``scaling_switched`` decisions (what ``PUT /v1/apps/{app}`` records) tell it the fleet it
+    had reached is not what runs. Before, it started from the one it had reached and drained
+    two that the tuner had grown. A switch before the plan was applied changes nothing."""
+    from controlplane.apps.scaling import SCALING_SWITCHED, record_scaling_switch
+
+    with planned_app(tmp_path, budget_usd_per_hr=0.35) as (clock, store, resolver, plan):
+        started_on(store, clock, resolver, plan, ("infaas_drain", "before the switch"), {LARGE: 1})
+
+        def scaling(mode: str) -> None:
+            old = store.get_app(APP).spec
+            new = {**old, "scaling": mode}
+            store.update_app(APP, new, who="test")
+            assert record_scaling_switch(store, APP, old, new, "test") is not None
+
+        clock.advance(1.0)
+        scaling("inferline")
+        for k in range(3):  # the tuner's fleet, which the reconciler launched
+            store.record_instance(
+                APP, request_id=f"t{k}", instance_type=LARGE, price_usd_per_hr=0.1, state="running"
+            )
+        clock.advance(1.0)
+        scaling("infaas")
+        # The same mode again is no switch.
+        same = store.get_app(APP).spec
+        assert record_scaling_switch(store, APP, same, dict(same), "test") is None
+        new_leader = idle_scaler(store, clock, resolver)
+        assert new_leader.desired_fleet(store.get_app(APP)) == {LARGE: 3}
+        clock.advance(1.0)
+        assert new_leader.tick() == []
+        assert new_leader.desired_fleet(store.get_app(APP)) == {LARGE: 3}
+        switches = [d for d in store.list_decisions(APP) if d.kind == SCALING_SWITCHED]
+        assert [(d.numbers["from"], d.numbers["to"]) for d in switches] == [
+            ("infaas", "inferline"),
+            ("inferline", "infaas"),
+        ]
+
+        # A plan applied after the switch: the policy starts from the plan's fleet.
+        clock.advance(1.0)
+        again = store.create_plan(APP, PLAN)
+        store.apply_plan(APP, again.id)
+        fresh = idle_scaler(store, clock, resolver)
+        assert fresh.desired_fleet(store.get_app(APP)) == store.get_applied_plan(APP).plan.fleet
+
+
 def test_the_budget_floor_of_an_infaas_app_is_one_instance_of_its_cheapest_type(
     tmp_path: Path,
 ) -> None:

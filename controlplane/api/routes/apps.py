@@ -40,6 +40,7 @@ from controlplane.apps.profiler import (
     ProfilingError,
 )
 from controlplane.apps.resolver import spec_document
+from controlplane.apps.scaling import record_scaling_switch
 from controlplane.apps.teardown import request_teardown
 from controlplane.db.store import AppRecord
 from controlplane.errors import BudgetBelowServingFleetError, NotFoundError
@@ -139,6 +140,7 @@ def replace_app(
                 f" {app} --usd-per-hr {budget:g} --force to drain it anyway, then apply the spec",
             ) from None
     record = services.store.update_app(app, replaced, who=who.name)
+    record_scaling_switch(services.store, app, current.spec, replaced, who.name)
     if lowered is not None:
         stages, values = lowered
         record_budget_drain(services.store, app, record.budget_usd_per_hr, who.name, stages, values)
