@@ -249,7 +249,7 @@ variable "heteroplane_git_url" {
 }
 
 variable "heteroplane_git_ref" {
-  description = "Branch or tag of heteroplane_git_url to install."
+  description = "Branch, tag or whole commit id (40 hex digits) of heteroplane_git_url to install. A commit id (or a tag that never moves) pins the code: hosts booted later (a replaced control plane, every worker) install the same, where a branch installs its head at each boot."
   type        = string
   default     = "main"
 }

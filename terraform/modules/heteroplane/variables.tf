@@ -362,13 +362,19 @@ variable "heteroplane_git_url" {
 }
 
 variable "heteroplane_git_ref" {
-  description = "Branch or tag of heteroplane_git_url to install."
+  description = "Branch, tag or whole commit id (40 hex digits) of heteroplane_git_url to install. A commit id (or a tag that never moves) pins the code: hosts booted later (a replaced control plane, every worker) install the same, where a branch installs its head at each boot."
   type        = string
   default     = "main"
 
   validation {
     condition     = can(regex("^[A-Za-z0-9][A-Za-z0-9._/-]*$", var.heteroplane_git_ref))
-    error_message = "heteroplane_git_ref must be a branch or tag name."
+    error_message = "heteroplane_git_ref must be a branch, a tag or a whole commit id."
+  }
+
+  validation {
+    # A short commit id cannot be fetched (the hosts fetch the ref by name, or a whole id).
+    condition     = !can(regex("^[0-9a-fA-F]{7,39}$", var.heteroplane_git_ref))
+    error_message = "heteroplane_git_ref looks like a short commit id: give the whole 40-digit id (git rev-parse REF), or a branch or tag."
   }
 }
 

@@ -57,6 +57,7 @@ run "public_api_with_consent_and_narrowed_types_plan" {
     allow_public_api       = true
     worker_instance_types  = ["g4dn.xlarge"]
     allowed_instance_types = ["g4dn.xlarge", "g4dn.2xlarge"]
+    heteroplane_git_ref    = "16ee9b2a0c6f4e3d8b7a9c1e2f3d4b5a6c7e8f90" # a whole commit id
   }
   assert {
     condition     = aws_security_group_rule.api.cidr_blocks == tolist(["0.0.0.0/0"])
@@ -152,11 +153,13 @@ run "bad_values_5" {
     api_allowed_cidr       = "0.0.0.0/0"               # the whole internet, without consent
     allowed_instance_types = []                        # empty
     api_domain_name        = "https://api.example.com" # not a DNS name
+    heteroplane_git_ref    = "3f2a9c1"                 # a short commit id: cannot be fetched
   }
   expect_failures = [
     var.api_allowed_cidr,
     var.allowed_instance_types,
     var.api_domain_name,
+    var.heteroplane_git_ref,
   ]
 }
 
