@@ -3,6 +3,17 @@
 # modules/heteroplane/tests/. A mock AWS provider: nothing is created.
 
 mock_provider "aws" {
+  # What the region offers (workers.tf, network.tf check the candidate types and the zones).
+  mock_data "aws_ec2_instance_type_offerings" {
+    defaults = {
+      instance_types = ["c5.xlarge", "c5n.2xlarge", "c6i.large", "g4dn.2xlarge", "g4dn.xlarge", "g5.xlarge", "r5n.large", "t3.large"]
+    }
+  }
+  mock_data "aws_availability_zones" {
+    defaults = {
+      names = ["eu-west-1a", "eu-west-1b", "eu-west-1c"]
+    }
+  }
   mock_data "aws_iam_policy_document" {
     defaults = {
       json = "{\"Version\": \"2012-10-17\", \"Statement\": []}"

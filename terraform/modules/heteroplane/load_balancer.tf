@@ -81,6 +81,14 @@ resource "aws_lb_listener" "https" {
   }
 
   tags = local.tags
+
+  lifecycle {
+    # A load balancer takes only its own region's ACM certificates: at plan, not at apply.
+    precondition {
+      condition     = split(":", var.api_certificate_arn)[3] == local.region
+      error_message = "api_certificate_arn is a certificate of ${split(":", var.api_certificate_arn)[3]}, and the load balancer is in ${local.region}: ACM certificates serve only their own region's load balancers; request or import it in ${local.region}."
+    }
+  }
 }
 
 # Plain HTTP only answers with the same URL on HTTPS (no content, no token ever accepted).

@@ -9,8 +9,10 @@ data "aws_caller_identity" "current" {}
 
 data "aws_partition" "current" {}
 
+# A new VPC's zones: the region's first two, or var.availability_zones, checked against these at
+# plan (network.tf).
 data "aws_availability_zones" "available" {
-  count = var.vpc_id == null && length(var.availability_zones) == 0 ? 1 : 0
+  count = var.vpc_id == null ? 1 : 0
   state = "available"
 }
 

@@ -12,6 +12,14 @@ resource "aws_vpc" "this" {
   enable_dns_hostnames = true
 
   tags = merge(local.tags, { Name = var.name })
+
+  lifecycle {
+    # At plan, not when the first subnet fails at apply.
+    precondition {
+      condition     = length(setsubtract(var.availability_zones, data.aws_availability_zones.available[0].names)) == 0
+      error_message = "availability_zones: ${join(", ", setsubtract(var.availability_zones, data.aws_availability_zones.available[0].names))} is not an available zone of ${local.region} (it has ${join(", ", data.aws_availability_zones.available[0].names)})."
+    }
+  }
 }
 
 # The VPC's default security group, emptied: nothing uses it, so it allows nothing.

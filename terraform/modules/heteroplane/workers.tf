@@ -13,6 +13,17 @@ data "aws_ami" "worker" {
   }
 }
 
+# The candidate types this region offers: a misspelt type, or one the region lacks, is refused
+# at plan (the launch template below) rather than when a worker first fails to launch.
+data "aws_ec2_instance_type_offerings" "workers" {
+  location_type = "region"
+
+  filter {
+    name   = "instance-type"
+    values = var.worker_instance_types
+  }
+}
+
 locals {
   install_script = templatefile("${path.module}/templates/install.sh.tftpl", {
     git_url = var.heteroplane_git_url
@@ -73,6 +84,11 @@ resource "aws_launch_template" "worker" {
     # The template sets no tag specifications of its own (the provisioner tags what it
     # launches); moto copies the template's tags into them, which is all this would see.
     ignore_changes = [tag_specifications]
+
+    precondition {
+      condition     = contains(data.aws_ec2_instance_type_offerings.workers.instance_types, each.key)
+      error_message = "worker_instance_types: ${each.key} is not an instance type ${local.region} offers (misspelt, or not in this region)."
+    }
 
     precondition {
       condition     = alltrue([for s in data.aws_subnet.worker : !s.map_public_ip_on_launch])

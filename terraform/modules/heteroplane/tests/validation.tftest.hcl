@@ -9,6 +9,22 @@
 # api_certificate_arn) with a bad value of the one it reads, whose failure stops its check.
 
 mock_provider "aws" {
+  mock_data "aws_region" {
+    defaults = {
+      name = "us-east-1"
+    }
+  }
+  # What the region offers (workers.tf, network.tf check the candidate types and the zones).
+  mock_data "aws_ec2_instance_type_offerings" {
+    defaults = {
+      instance_types = ["c5.xlarge", "c5n.2xlarge", "c6i.large", "g4dn.2xlarge", "g4dn.xlarge", "g5.xlarge", "r5n.large", "t3.large"]
+    }
+  }
+  mock_data "aws_availability_zones" {
+    defaults = {
+      names = ["us-east-1a", "us-east-1b", "us-east-1c"]
+    }
+  }
   # Policy documents feed arguments the provider checks as JSON: a mock's random string is not.
   mock_data "aws_iam_policy_document" {
     defaults = {
@@ -260,4 +276,32 @@ run "existing_vpc_needs_a_control_plane_subnet" {
     worker_subnet_ids = ["subnet-0123456789abcdef1"]
   }
   expect_failures = [var.control_plane_subnet_id]
+}
+
+# What the region has, checked at plan against what it reads (the mocks above: us-east-1, its
+# zones a-c, the listed types): a type it does not offer, a zone it does not have, a
+# certificate of another region. Resources' preconditions, each refused in a run of its own.
+run "a_type_the_region_does_not_offer" {
+  command = plan
+  variables {
+    worker_instance_types = ["g4dn.xlarge", "g5.4xlarge"] # allowed, not offered (the mock)
+  }
+  expect_failures = [aws_launch_template.worker["g5.4xlarge"]]
+}
+
+run "a_zone_the_region_does_not_have" {
+  command = plan
+  variables {
+    availability_zones = ["us-east-1a", "us-east-1z"]
+  }
+  expect_failures = [aws_vpc.this]
+}
+
+run "a_certificate_of_another_region" {
+  command = plan
+  variables {
+    allow_plain_http    = false
+    api_certificate_arn = "arn:aws:acm:eu-west-1:123456789012:certificate/0a1b2c3d-0000-4000-8000-00000000000f"
+  }
+  expect_failures = [aws_lb_listener.https]
 }
