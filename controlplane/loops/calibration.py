@@ -143,8 +143,13 @@ class ProfileCalibrator:
         clock_s: Callable[[], float] | None = None,
         serving_cpu: CpuSource | None = None,
         reading: Callable[[], AbstractContextManager[None]] | None = None,
+        held: Callable[[], str | None] | None = None,
     ) -> None:
         self._store = store
+        # Why the batch times are not read now (None: they are): a profile run's workers on
+        # the serving workers' own host (the local provisioner) slow their batches, and a
+        # factor judged on them stayed after the run; the times of such a moment are dropped.
+        self._hold = held
         # The block each pass reads the sources in (ServingObservations.holding): a serving
         # process apart is read once per app and pass, not once per figure.
         self._reading = contextlib.nullcontext if reading is None else reading
@@ -166,10 +171,13 @@ class ProfileCalibrator:
         """One calibration pass over every app (``apps``, the tick's snapshot of the store's
         apps, else read now); the recalibrations it made."""
         made: list[Drift] = []
+        held = None if self._hold is None else self._hold()
+        if held is not None:
+            logger.debug("calibration: the batch times are not read: %s", held)
         with self._reading():
             for app in self._store.list_apps() if apps is None else apps:
                 try:
-                    made.extend(self._tick_app(app))
+                    made.extend(self._tick_app(app, held))
                 except (ControlPlaneError, EstimatorError, KeyError, ValueError) as error:
                     # An app whose spec no longer resolves keeps its profiles; the next tick
                     # retries.
@@ -178,9 +186,13 @@ class ProfileCalibrator:
                     logger.log(level, "calibration: %s skipped: %s", app.name, error)
         return made
 
-    def _tick_app(self, app: AppRecord) -> list[Drift]:
+    def _tick_app(self, app: AppRecord, held: str | None = None) -> list[Drift]:
         overhead_moved = self._overhead(app.name)
-        made, spread_moved = self._profiles(app)
+        if held is None:
+            made, spread_moved = self._profiles(app)
+        else:
+            made, spread_moved = [], False
+            self._drop_batch_times(app.name)
         if made or overhead_moved or spread_moved:
             self._invalidate(app.name)
         if self._resize is not None and (overhead_moved or any(d.resized for d in made)):
@@ -253,6 +265,13 @@ class ProfileCalibrator:
             key="overhead",
         )
         return True
+
+    def _drop_batch_times(self, app: str) -> None:
+        """Forget ``app``'s observed batch times and the fine verdicts pending on them (taken
+        while the calibration is held, they are not the workers' own speed)."""
+        for model, instance_type in list(self._batch_times(app)):
+            self._forget(app, model, instance_type)
+            self._pending.pop((app, model, instance_type), None)
 
     def _profiles(self, app: AppRecord) -> tuple[list[Drift], bool]:
         """The recalibrations of ``app``'s profiles made now, and whether a spread was

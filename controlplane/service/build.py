@@ -124,7 +124,12 @@ from controlplane.policies.disruption import DisruptionBudget
 from controlplane.policies.drain import qps_by_type
 from controlplane.policies.gears import Hysteresis
 from controlplane.policies.infaas_scaling import ScalingConfig
-from controlplane.policies.lifecycle import BILLED_STATES, billed_cost_usd_per_hr
+from controlplane.policies.lifecycle import (
+    BILLED_STATES,
+    KEPT_STATES,
+    PROFILE_REQUEST_PREFIX,
+    billed_cost_usd_per_hr,
+)
 from controlplane.provisioning import build_provisioner, provider_spot_prices
 from controlplane.service.app import create_app
 from controlplane.serving.config import ServingGear
@@ -153,6 +158,7 @@ __all__ = [
     "build_traffic_replanner",
     "check_served_database",
     "launchable_types",
+    "profile_runs_beside",
     "scaled_fleet",
     "spec_pricing",
     "stored_apps",
@@ -507,7 +513,24 @@ def build_calibrator(
         clock_s=None if clock is None else clock.now_s,
         serving_cpu=observations.serving_cpu_ms,
         reading=observations.holding,
+        held=profile_runs_beside(store) if settings.provisioner == "local" else None,
     )
+
+
+def profile_runs_beside(store: Store) -> Callable[[], str | None]:
+    """Why the calibration does not read batch times now: a profile run's worker is kept (the
+    local provisioner runs it on the serving workers' own host, where its batches slow theirs:
+    the factor judged on them had stayed after the run). None: no run's worker is kept."""
+
+    def held() -> str | None:
+        rows = store.list_instances(
+            states=[state.value for state in KEPT_STATES], request_prefix=PROFILE_REQUEST_PREFIX
+        )
+        if not rows:
+            return None
+        return f"{len(rows)} profile run worker(s) share the serving workers' host"
+
+    return held
 
 
 def build_scheduler(

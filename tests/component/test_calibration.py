@@ -20,6 +20,7 @@ from controlplane.db.store import Store
 from controlplane.errors import InvalidValueError, WorkerCallError
 from controlplane.loops.calibration import ProfileCalibrator
 from controlplane.policies.calibration import CalibrationRule, calibrate
+from controlplane.policies.lifecycle import PROFILE_REQUEST_PREFIX
 from controlplane.service.build import (
     build_calibrator,
     stored_apps,
@@ -387,6 +388,43 @@ def test_observations_keep_a_bounded_window_per_key() -> None:
     assert observations.batch_times_ms("other") == {}
     observations.forget_batch_times(APP, "tiny", SMALL)
     assert list(observations.batch_times_ms(APP)) == [("tiny", "emu.cpu.large")]
+
+
+def test_batch_times_beside_a_profile_run_on_the_same_host_are_not_judged(
+    store: Store, tmp_path: Path
+) -> None:
+    """On the local provisioner a profile run's workers share the serving workers' host, and
+    their batches slow the serving ones: a factor judged on those stayed after the run. While a
+    profile run's worker is kept, the calibration drops the batch times; once it is gone, it
+    judges what comes after only."""
+    store.create_app(spec(tmp_path), who="test")
+    observations = Observations()
+    resolver = AppResolver(tmp_path, scales=stored_scales(store))
+    settings = Settings(data_dir=tmp_path, calibration_min_batches=5, provisioner="local")
+
+    class Serving:
+        pass
+
+    Serving.observations = observations  # type: ignore[attr-defined]
+    loop = build_calibrator(settings, store, Serving(), resolver)  # type: ignore[arg-type]
+    worker = store.record_instance(
+        APP,
+        request_id=f"{PROFILE_REQUEST_PREFIX}{APP}-run-{SMALL}",
+        instance_type=SMALL,
+        price_usd_per_hr=0.0,
+        state="running",
+    )
+    serve(observations, 1, 60.0, 20)  # three times the profile's: the run's contention
+    assert loop.tick() == []
+    assert observations.batch_times_ms(APP) == {}  # dropped, not kept for after the run
+    assert store.list_profile_scales(APP) == []
+
+    for state in ("terminating", "terminated"):  # the run ended: its worker goes
+        store.transition_instance(worker.id, state, reason="the profile run ended")
+    serve(observations, 1, 20.0, 10)  # the workers' own speed again: no drift
+    assert loop.tick() == []
+    serve(observations, 1, 60.0, 10)  # a real slowdown after the run is judged as before
+    assert [round(d.new_factor, 1) for d in loop.tick()] == [pytest.approx(2.0, abs=0.6)]
 
 
 def test_the_service_builds_the_calibrator_from_its_settings(store: Store, tmp_path: Path) -> None:
