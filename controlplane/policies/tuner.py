@@ -1713,7 +1713,13 @@ def tune(
     # First the limits (lowered under the fleet reached): nothing is added to a fleet over them.
     shed = _shed_to_limits(tick, plans)
     down = reading_down(config.planned_rate_qps)
-    for plan in plans:
+    # Load that has stopped buys nothing, however busy the memory still reads: no arrival for
+    # the persistence test's stretch (a burst over that long is over before an instance boots;
+    # a live tuner with a minute of memory had bought one for load that stopped 49 s before).
+    stopped = config.persistence_s is not None and (
+        arrivals.size == 0 or now - float(arrivals[-1]) >= config.persistence_s
+    )
+    for plan in [] if stopped else plans:
         s, rho = plan.scale_factor, plan.utilisation_target
         capacity = plan.capacity_qps(tick.fleets[plan.name])
         if plan.ladder is not None:

@@ -133,6 +133,27 @@ def test_r_max_is_the_largest_rate_of_the_exceeding_windows() -> None:
     assert "r_max 512" in decisions[0].reason
 
 
+def test_load_that_has_stopped_buys_nothing_however_busy_the_memory_reads() -> None:
+    """Twice the planned rate for 30 s, then nothing: a second after it the tuner scales up;
+    with the persistence test on, no arrival for its stretch (15 s) is load that has stopped,
+    and the minute of memory that still holds the burst buys nothing (a live tuner had bought
+    an instance 49 s after the load stopped). InferLine's envelope as written (no persistence
+    test) still reads it."""
+    plan = one_type_stage()
+    arrivals = steady(256, 60.0, 90.0)
+    on = dataclasses.replace(config(), persistence_s=15.0)
+
+    def ups(now_s: float, cfg: TunerConfig) -> int:
+        decisions, _ = tune(arrivals, now_s, initial_state([plan], 0.0), [plan], cfg)
+        return sum(d.count for d in decisions if d.action == "scale_up")
+
+    assert ups(91.0, on) > 0  # the load is there
+    assert ups(104.0, on) > 0  # 14 s without an arrival: not yet stopped
+    assert ups(106.0, on) == 0  # 16 s: stopped
+    assert ups(139.0, on) == 0
+    assert ups(139.0, config()) > 0  # without the test, the memory's burst buys
+
+
 def test_no_change_within_the_envelope() -> None:
     plan = one_type_stage()
     state = initial_state([plan], 0.0)
