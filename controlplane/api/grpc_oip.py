@@ -199,9 +199,8 @@ def _refusal(method: str, error: Exception) -> _Refusal:
     if isinstance(error, OipError):
         return _Refusal(error.status, grpc_code(error.status), str(error))
     if isinstance(error, DispatcherRefusedError):
-        again = error.retry_after is not None
         retried = (("retry-after", error.retry_after),) if error.retry_after is not None else ()
-        return _Refusal(error.status, grpc_code(error.status, again), str(error), retried)
+        return _Refusal(error.status, grpc_code(error.status, bool(retried)), str(error), retried)
     scope: dict[str, Any] = {
         "type": "http",
         "method": "POST",

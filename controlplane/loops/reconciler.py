@@ -169,6 +169,7 @@ from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
+from controlplane.apps.plans import LaunchRefusalFn
 from controlplane.apps.profile_run import DEFAULT_HEARTBEAT_S, RUN_GONE_BEATS
 from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
@@ -2005,8 +2006,8 @@ class AppPricing:
 
 
 PricingFn = Callable[[AppRecord], AppPricing]
-# None when the provisioner can launch the type; else why not (one line).
-LaunchableFn = Callable[[str], str | None]
+# None when the provisioner can launch the type; else why not (one line): the plans' use case's.
+LaunchableFn = LaunchRefusalFn
 
 
 def catalog_pricing(catalog: Catalog) -> PricingFn:
