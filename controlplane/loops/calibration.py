@@ -39,6 +39,10 @@ threshold (and :data:`~controlplane.policies.calibration.CPU_FLOOR_MS`), it stor
 process's CPU per answered query (an injected :data:`CpuSource`), the service time of the queue
 the planner puts in front of the workers (:func:`controlplane.policies.planner.front_waits_ms`).
 
+While ``held`` says why (a profile run's worker on the serving workers' own host), a pass reads
+neither: it drops the batch times and the service's own times kept meanwhile, which that
+worker's contention slowed, so that nothing judged after the run rests on them.
+
 The factors and the overhead are in the database, so a restarted service resolves them.
 """
 
@@ -144,12 +148,15 @@ class ProfileCalibrator:
         serving_cpu: CpuSource | None = None,
         reading: Callable[[], AbstractContextManager[None]] | None = None,
         held: Callable[[], str | None] | None = None,
+        forget_api_times: Callable[[str], None] | None = None,
     ) -> None:
         self._store = store
-        # Why the batch times are not read now (None: they are): a profile run's workers on
-        # the serving workers' own host (the local provisioner) slow their batches, and a
-        # factor judged on them stayed after the run; the times of such a moment are dropped.
+        # Why the batch times and the service's own times are not read now (None: they are): a
+        # profile run's workers on the serving workers' own host (the local provisioner) slow
+        # their batches and the serving process, and a factor or an overhead judged on them
+        # stayed after the run; the times of such a moment are dropped (forget_api_times).
         self._hold = held
+        self._forget_api_times = forget_api_times
         # The block each pass reads the sources in (ServingObservations.holding): a serving
         # process apart is read once per app and pass, not once per figure.
         self._reading = contextlib.nullcontext if reading is None else reading
@@ -173,7 +180,7 @@ class ProfileCalibrator:
         made: list[Drift] = []
         held = None if self._hold is None else self._hold()
         if held is not None:
-            logger.debug("calibration: the batch times are not read: %s", held)
+            logger.debug("calibration: the batch and own times are not read: %s", held)
         with self._reading():
             for app in self._store.list_apps() if apps is None else apps:
                 try:
@@ -187,12 +194,14 @@ class ProfileCalibrator:
         return made
 
     def _tick_app(self, app: AppRecord, held: str | None = None) -> list[Drift]:
-        overhead_moved = self._overhead(app.name)
         if held is None:
+            overhead_moved = self._overhead(app.name)
             made, spread_moved = self._profiles(app)
         else:
-            made, spread_moved = [], False
+            overhead_moved, made, spread_moved = False, [], False
             self._drop_batch_times(app.name)
+            if self._forget_api_times is not None:
+                self._forget_api_times(app.name)
         if made or overhead_moved or spread_moved:
             self._invalidate(app.name)
         if self._resize is not None and (overhead_moved or any(d.resized for d in made)):

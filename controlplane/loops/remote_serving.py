@@ -57,6 +57,7 @@ class ServingObservations(Protocol):
     def api_times_ms(self, app: str) -> list[float]: ...
     def serving_cpu_ms(self, app: str, now_s: float) -> float | None: ...
     def forget_batch_times(self, app: str, model: str, instance_type: str) -> None: ...
+    def forget_api_times(self, app: str) -> None: ...
     def holding(self) -> AbstractContextManager[None]: ...
 
 
@@ -134,6 +135,11 @@ class _RemoteObservations:
             f"/apps/{app}/forget-batch-times",
             {"model": model, "instance_type": instance_type},
         )
+
+    def forget_api_times(self, app: str) -> None:
+        if self._held is not None:
+            self._held.pop(app, None)  # the document held has those times still
+        self._remote.call("POST", f"/apps/{app}/forget-api-times")
 
 
 class _RemoteVersions:

@@ -514,13 +514,15 @@ def build_calibrator(
         serving_cpu=observations.serving_cpu_ms,
         reading=observations.holding,
         held=profile_runs_beside(store) if settings.provisioner == "local" else None,
+        forget_api_times=observations.forget_api_times,
     )
 
 
 def profile_runs_beside(store: Store) -> Callable[[], str | None]:
-    """Why the calibration does not read batch times now: a profile run's worker is kept (the
-    local provisioner runs it on the serving workers' own host, where its batches slow theirs:
-    the factor judged on them had stayed after the run). None: no run's worker is kept."""
+    """Why the calibration does not read batch times and the service's own times now: a profile
+    run's worker is kept (the local provisioner runs it on the serving workers' own host, where
+    its batches slow theirs and the serving process: the factor judged on them had stayed after
+    the run). None: no run's worker is kept."""
 
     def held() -> str | None:
         rows = store.list_instances(

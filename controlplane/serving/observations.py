@@ -779,6 +779,14 @@ class Observations:
             found = self._apps.get(app)
             return [] if found is None else list(found.own_ms)
 
+    def forget_api_times(self, app: str) -> None:
+        """Drop the service's own times kept for ``app`` (they were measured while its host was
+        shared with a profile run's worker, and are not the service's own speed)."""
+        with self._lock:
+            found = self._apps.get(app)
+            if found is not None:
+                found.own_ms.clear()
+
     def holding(self) -> AbstractContextManager[None]:
         """The block in which a calibration pass reads an app's figures (the loops' view of a
         serving process apart reads each app's document once in it); in process every read is

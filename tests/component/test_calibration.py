@@ -415,14 +415,20 @@ def test_batch_times_beside_a_profile_run_on_the_same_host_are_not_judged(
         state="running",
     )
     serve(observations, 1, 60.0, 20)  # three times the profile's: the run's contention
+    answer(observations, 9.0, 60)  # the serving process slowed by it as well
     assert loop.tick() == []
     assert observations.batch_times_ms(APP) == {}  # dropped, not kept for after the run
+    assert observations.api_times_ms(APP) == []
     assert store.list_profile_scales(APP) == []
+    assert store.get_serving_overhead(APP) is None
 
     for state in ("terminating", "terminated"):  # the run ended: its worker goes
         store.transition_instance(worker.id, state, reason="the profile run ended")
     serve(observations, 1, 20.0, 10)  # the workers' own speed again: no drift
+    answer(observations, 1.0, 60)  # and the service's own time: what is stored
     assert loop.tick() == []
+    overhead = store.get_serving_overhead(APP)
+    assert overhead is not None and overhead.overhead_ms == 1.0
     serve(observations, 1, 60.0, 10)  # a real slowdown after the run is judged as before
     assert [round(d.new_factor, 1) for d in loop.tick()] == [pytest.approx(2.0, abs=0.6)]
 

@@ -87,6 +87,8 @@ def test_the_loops_read_the_calibrations_times_and_the_windows_of_the_serving_pr
     assert observed.serving_cpu_ms("toy", loop.clock.now_s()) == cpu_ms
     remote.observations.forget_batch_times("toy", "tiny", "emu.cpu.large")
     assert set(observed.batch_times_ms("toy")) == {("large", "emu.gpu.small")}
+    remote.observations.forget_api_times("toy")  # measured beside a profile run's worker
+    assert observed.api_times_ms("toy") == remote.observations.api_times_ms("toy") == []
     # No dispatcher for it: the loop serves nothing, so no window and no app in the feed.
     assert remote.take_window("toy") is None
     assert remote.pull() and remote.observed_arrivals("toy") is None and remote.statuses() == []

@@ -140,6 +140,12 @@ def forget_batch_times(
     return Response(status_code=204)
 
 
+@router.post("/apps/{app}/forget-api-times", status_code=204)
+def forget_api_times(app: AppName, services: ServicesDep, _who: Internal) -> Response:
+    _serving(services, app).observations.forget_api_times(app)
+    return Response(status_code=204)
+
+
 @router.get("/apps/{app}/versions")
 def versions(
     app: AppName, rollout_id: _ID, step_index: _ID, services: ServicesDep, _who: Internal
