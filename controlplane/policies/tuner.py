@@ -102,6 +102,7 @@ __all__ = [
     "initial_state",
     "ladder_fleet",
     "load_factors",
+    "load_stopped",
     "planning_envelope",
     "ready_fleets",
     "rise_ahead",
@@ -154,6 +155,12 @@ RISE_MAX_GROWTH = 2.0
 # 70 against 100-110), and a scale-down on it was bought back at the next tick's "below plan"
 # (four chases of 1-6 s in a tester's 20 minutes of Poisson load at the planned rate).
 FALL_PERSIST_S = 5.0
+# Load that has stopped: no arrival for STOPPED_GAPS of the gaps the last persistence stretch's
+# rate makes (Poisson: a pause that long comes once in e**20 gaps; gamma arrivals of CV^2 8 leave
+# about 0.4% of their gaps over it), and at least STOPPED_FLOOR_S (a busy app's pause of a few
+# tenths of a second is its burstiness); at most the persistence stretch itself.
+STOPPED_GAPS = 20.0
+STOPPED_FLOOR_S = 2.0
 
 Action = Literal["scale_up", "scale_down", "budget_capped"]
 
@@ -1585,6 +1592,32 @@ def live_batch(
     return stage.batch_at(fleet)
 
 
+def load_stopped(arrivals: np.ndarray, now_s: float, persistence_s: float) -> bool:
+    """Whether the load has stopped at ``now_s``: no arrival for the persistence stretch, or
+    for :data:`STOPPED_GAPS` of the gaps its rate over the stretch before the last arrival
+    makes, and at least :data:`STOPPED_FLOOR_S` (a burst that short is over before an instance
+    boots, and its queries are served by what runs).
+
+    >>> steady = np.arange(0.0, 30.0, 0.02)  # 50 qps until 30 s
+    >>> [load_stopped(steady, t, 15.0) for t in (30.5, 31.9, 32.1)]
+    [False, False, True]
+    >>> slow = np.arange(0.0, 30.0, 1.0)  # 1 qps: a pause of 2 s is its own pace
+    >>> [load_stopped(slow, t, 15.0) for t in (33.0, 43.9, 44.0)]
+    [False, False, True]
+    """
+    if arrivals.size == 0:
+        return True
+    last = float(arrivals[-1])
+    pause = now_s - last
+    if pause >= persistence_s:
+        return True
+    if pause < STOPPED_FLOOR_S:
+        return False
+    recent = arrivals.size - int(np.searchsorted(arrivals, last - persistence_s, side="right"))
+    rate_qps = recent / persistence_s
+    return pause >= min(persistence_s, max(STOPPED_FLOOR_S, STOPPED_GAPS / rate_qps))
+
+
 def tune(
     arrival_s: ArrayLike,
     now_s: float,
@@ -1713,12 +1746,9 @@ def tune(
     # First the limits (lowered under the fleet reached): nothing is added to a fleet over them.
     shed = _shed_to_limits(tick, plans)
     down = reading_down(config.planned_rate_qps)
-    # Load that has stopped buys nothing, however busy the memory still reads: no arrival for
-    # the persistence test's stretch (a burst over that long is over before an instance boots;
-    # a live tuner with a minute of memory had bought one for load that stopped 49 s before).
-    stopped = config.persistence_s is not None and (
-        arrivals.size == 0 or now - float(arrivals[-1]) >= config.persistence_s
-    )
+    # Load that has stopped buys nothing, however busy the memory still reads (a live tuner
+    # with a minute of memory had bought an instance for load that stopped 49 s before).
+    stopped = config.persistence_s is not None and load_stopped(arrivals, now, config.persistence_s)
     for plan in [] if stopped else plans:
         s, rho = plan.scale_factor, plan.utilisation_target
         capacity = plan.capacity_qps(tick.fleets[plan.name])

@@ -21,6 +21,7 @@ from controlplane.policies.tuner import (
     default_boot_s,
     fleet_cost_usd_per_hr,
     initial_state,
+    load_stopped,
     ready_fleets,
     tune,
     utilisation_target,
@@ -135,10 +136,11 @@ def test_r_max_is_the_largest_rate_of_the_exceeding_windows() -> None:
 
 def test_load_that_has_stopped_buys_nothing_however_busy_the_memory_reads() -> None:
     """Twice the planned rate for 30 s, then nothing: a second after it the tuner scales up;
-    with the persistence test on, no arrival for its stretch (15 s) is load that has stopped,
-    and the minute of memory that still holds the burst buys nothing (a live tuner had bought
-    an instance 49 s after the load stopped). InferLine's envelope as written (no persistence
-    test) still reads it."""
+    with the persistence test on, a pause of 20 of the load's own gaps, and at least 2 s, is
+    load that has stopped, and the minute of memory that still holds the burst buys nothing (a
+    live tuner had bought an instance 49 s after the load stopped, and until the pause had to
+    last the persistence test's 15 s, one that had stopped 14 s before). InferLine's envelope as
+    written (no persistence test) still reads it."""
     plan = one_type_stage()
     arrivals = steady(256, 60.0, 90.0)
     on = dataclasses.replace(config(), persistence_s=15.0)
@@ -148,10 +150,15 @@ def test_load_that_has_stopped_buys_nothing_however_busy_the_memory_reads() -> N
         return sum(d.count for d in decisions if d.action == "scale_up")
 
     assert ups(91.0, on) > 0  # the load is there
-    assert ups(104.0, on) > 0  # 14 s without an arrival: not yet stopped
-    assert ups(106.0, on) == 0  # 16 s: stopped
+    assert ups(92.5, on) == 0  # 2.5 s without an arrival, at 256 qps: stopped
+    assert ups(104.0, on) == 0
     assert ups(139.0, on) == 0
     assert ups(139.0, config()) > 0  # without the test, the memory's burst buys
+    # A slow load's pause of a few seconds is its own pace; the persistence stretch bounds it.
+    slow = np.arange(60.0, 100.0, 0.5)  # 2 qps: 20 gaps are 10 s
+    assert not load_stopped(slow, 99.5 + 9.9, 15.0) and load_stopped(slow, 99.5 + 10.0, 15.0)
+    trickle = np.arange(60.0, 100.0, 4.0)  # a query every 4 s: stopped after the stretch only
+    assert not load_stopped(trickle, 96.0 + 14.9, 15.0) and load_stopped(trickle, 111.0, 15.0)
 
 
 def test_no_change_within_the_envelope() -> None:
