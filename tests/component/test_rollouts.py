@@ -781,3 +781,92 @@ def test_no_rollout_starts_or_goes_on_in_an_app_being_taken_down(
     (rollout,) = world.store.list_rollouts(APP)
     assert rollout.state == "aborted" and loop.route(APP) is None
     assert [r.request_id for r in world.store.list_instances(APP)] == ["r-1"]
+
+
+def test_a_spec_replace_and_a_rollout_start_racing_do_not_both_pass(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replace that changed the instance types and a rollout's start sent together were both
+    taken (a tester: 4 of 23 tries), the rollout started on the spec the replace then changed
+    under it. The store checks again under the app's lock, which both take: the race is played
+    here by starting the rollout between the replace's own check and its write, then by
+    replacing the spec between the start's checks and its record."""
+    register(world, budget=10 * PRICE)
+    current = world.client.get(f"/v1/apps/{APP}", headers=world.auth).json()["spec"]
+    wider = current | {"instance_types": [*current["instance_types"], "emu.cpu.large"]}
+    checked = world.store.current_rollout
+    started: list[int] = []
+
+    def then_a_start(app: str) -> Any:
+        found = checked(app)  # the replace's check: no rollout yet
+        if not started:
+            record = world.store.get_app(APP)
+            started.append(
+                world.store.create_rollout(
+                    APP,
+                    model="clf",
+                    artifact="wine-model",
+                    from_version=1,
+                    to_version=2,
+                    settings={},
+                    reason="racing",
+                    who="op",
+                    app_version=record.version,
+                ).id
+            )
+        return found
+
+    monkeypatch.setattr(world.store, "current_rollout", then_a_start)
+    refused = world.client.put(f"/v1/apps/{APP}", json=wider, headers=world.auth)
+    assert refused.status_code == 409, refused.text
+    assert f"has rollout {started[0]} of clf pending" in refused.json()["error"]["message"]
+    assert world.store.get_app(APP).spec["instance_types"] == current["instance_types"]
+    monkeypatch.undo()
+    post(world, f"rollouts/{started[0]}/abort")
+
+    # The other way: the spec replaced after the start read it, before it is recorded.
+    listed = world.store.list_rollouts
+
+    def then_a_replace(app: str | None = None, *, active: bool = False) -> Any:
+        found = listed(app, active=active)
+        record = world.store.get_app(APP)
+        if record.spec["instance_types"] == current["instance_types"]:
+            world.store.update_app(APP, wider, who="op")
+        return found
+
+    monkeypatch.setattr(world.store, "list_rollouts", then_a_replace)
+    late = post(world, "rollouts", {"model": "wine-model@2", "interval_s": 30})
+    assert late.status_code == 409, late.text
+    assert "changed while the rollout was being started" in late.json()["error"]["message"]
+    monkeypatch.undo()
+    assert [r.id for r in world.store.list_rollouts(APP, active=True)] == []
+
+
+def test_a_spec_replace_does_not_undo_a_budget_cut_made_while_it_was_checked(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replace carrying the old budget, sent with a budget cut, put the old budget back (the
+    audit read "0.12 -> 0.3, spec updated" right after the cut, whose drain never came; a
+    tester). The replace is written at the version it read: a cut in between is a 409."""
+    register(world, budget=10 * PRICE)
+    current = world.client.get(f"/v1/apps/{APP}", headers=world.auth).json()["spec"]
+    slower = current | {"slo": {**current["slo"], "latency_ms": current["slo"]["latency_ms"] + 5}}
+    read = world.store.get_app
+    cut: list[float] = []
+
+    def then_a_cut(name: str) -> Any:
+        found = read(name)
+        if not cut:
+            cut.append(5 * PRICE)
+            world.store.change_budget(APP, cut[0], reason="cut", who="op2")
+        return found
+
+    monkeypatch.setattr(world.store, "get_app", then_a_cut)
+    refused = world.client.put(f"/v1/apps/{APP}", json=slower, headers=world.auth)
+    monkeypatch.undo()
+    assert refused.status_code == 409, refused.text
+    assert "changed meanwhile" in refused.json()["error"]["message"]
+    assert world.store.get_app(APP).budget_usd_per_hr == pytest.approx(cut[0])
+    # Sent again, read afresh: the replace carries the old budget, a raise it means.
+    again = world.client.put(f"/v1/apps/{APP}", json=slower, headers=world.auth)
+    assert again.status_code == 200, again.text

@@ -140,7 +140,7 @@ def test_update_app_bumps_version_and_audits_a_new_budget(store: Store, clock: S
         (None, 10.0, "alice"),
         (10.0, 12.0, "bob"),
     ]
-    with pytest.raises(ConflictError, match="at version 2, not 1"):
+    with pytest.raises(ConflictError, match=r"changed meanwhile \(version 1 -> 2"):
         store.update_app("recs", new, who="bob", expected_version=1)
     with pytest.raises(InvalidValueError, match="cannot be renamed"):
         store.update_app("recs", spec("other"), who="bob")
@@ -266,7 +266,7 @@ def test_apply_plan_conflicts(store: Store) -> None:
     with pytest.raises(ConflictError, match="preview a new plan"):
         store.apply_plan("recs", c.id)
     d = store.create_plan("recs", PLAN)
-    with pytest.raises(ConflictError, match="not 2"):
+    with pytest.raises(ConflictError, match=r"changed meanwhile \(version 2 -> 3"):
         store.apply_plan("recs", d.id, expected_version=2)
     assert store.get_app("recs").applied_plan_id == a.id
     with pytest.raises(NotFoundError):

@@ -107,7 +107,7 @@ def replace_app(
         # nothing changes, and the app's version (which its previewed plans were made for)
         # stays.
         return app_out(current)
-    _check_rollout_allows(services, app, current.spec, replaced)
+    moved = _check_rollout_allows(services, app, current.spec, replaced)
     _check_types_in_use(services, app, resolved.spec.instance_types)
     changed = changed_artifacts(current.spec, replaced)
     if changed:
@@ -139,7 +139,15 @@ def replace_app(
                 f"{error.shortfall}: set it with heteroplane budget set --app"
                 f" {app} --usd-per-hr {budget:g} --force to drain it anyway, then apply the spec",
             ) from None
-    record = services.store.update_app(app, replaced, who=who.name)
+    # At the version read: a budget changed meanwhile is not undone by this replace (409), and
+    # a rollout started meanwhile refuses what it works on (its start and this take one lock).
+    record = services.store.update_app(
+        app,
+        replaced,
+        who=who.name,
+        expected_version=current.version,
+        unless_rollout=", ".join(moved) if moved else None,
+    )
     record_scaling_switch(services.store, app, current.spec, replaced, who.name)
     if lowered is not None:
         stages, values = lowered
@@ -185,11 +193,10 @@ def _check_types_in_use(services: Services, app: str, types: list[str]) -> None:
 
 def _check_rollout_allows(
     services: Services, app: str, old: dict[str, Any], new: dict[str, Any]
-) -> None:
-    """A 409 for a spec that changes what an active rollout of ``app`` works on."""
-    rollout = services.store.current_rollout(app)
-    if rollout is None or not rollout.active:
-        return
+) -> list[str]:
+    """A 409 for a spec that changes what an active rollout of ``app`` works on; else those of
+    its fields the spec changes that a rollout works on (the store checks them again under the
+    app's lock, as a rollout's start records it)."""
 
     def models(spec: dict[str, Any]) -> list[Any]:  # their artifacts aside: checked below
         return [
@@ -202,6 +209,9 @@ def _check_rollout_allows(
         for field in _ROLLOUT_FIELDS
         if (models(old) != models(new) if field == "models" else old.get(field) != new.get(field))
     ]
+    rollout = services.store.current_rollout(app)
+    if rollout is None or not rollout.active:
+        return moved
     if moved:
         raise ApiError(
             409,
@@ -210,6 +220,7 @@ def _check_rollout_allows(
             f" works on its {', '.join(moved)} as they were: change them once it ends, or end it"
             f" first (heteroplane rollout abort --app {app})",
         )
+    return moved
 
 
 def changed_artifacts(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

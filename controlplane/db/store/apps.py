@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from controlplane.db import models as m
 from controlplane.db.session import transaction
@@ -40,6 +41,7 @@ from controlplane.errors import (
     InvalidValueError,
 )
 from controlplane.policies.lifecycle import LIVE_STATES
+from controlplane.policies.rollout_states import ACTIVE_STATES
 
 __all__ = ["AppStore"]
 
@@ -114,11 +116,14 @@ class AppStore(StoreBase):
         *,
         who: str,
         expected_version: int | None = None,
+        unless_rollout: str | None = None,
         at: datetime | None = None,
     ) -> AppRecord:
         """Replace the app's spec (its name cannot change); a new budget in it is audited like
         :meth:`change_budget`. :class:`ConflictError` if the app is no longer at
-        ``expected_version`` (when given)."""
+        ``expected_version`` (when given), or, with ``unless_rollout`` (what the replace changes
+        that a rollout works on), while a rollout of the app is active: checked under the app's
+        lock, which a rollout's start takes too, so neither slips past the other."""
         if _app_name(spec_document) != name:
             raise InvalidValueError(
                 "name", f"an app cannot be renamed ({name!r} -> {spec_document.get('name')!r})"
@@ -129,8 +134,10 @@ class AppStore(StoreBase):
         for _ in range(_ATTEMPTS):
             try:
                 with transaction(self._sessions) as session:
-                    row = _app_row(session, name)
+                    row = _app_row(session, name, lock=unless_rollout is not None)
                     _check_version(row, expected_version)
+                    if unless_rollout is not None:
+                        _refuse_during_rollout(session, row, unless_rollout)
                     old_budget = row.budget_usd_per_hr
                     _compare_and_set(
                         session,
@@ -235,3 +242,21 @@ class AppStore(StoreBase):
             # replica made the change).
             changes = _newest(session, query, m.BudgetChange.id, m.BudgetChange.id, limit)
             return [_budget_record(change, app) for change in changes]
+
+
+def _refuse_during_rollout(session: Session, row: m.App, changes: str) -> None:
+    """A :class:`ConflictError` when a rollout of the app is active (pending, running, paused):
+    it works on the spec's ``changes`` as they were."""
+    found = session.execute(
+        select(m.Rollout.id, m.Rollout.model, m.Rollout.state).where(
+            m.Rollout.app_id == row.id,
+            m.Rollout.state.in_([state.value for state in ACTIVE_STATES]),
+        )
+    ).first()
+    if found is not None:
+        rollout_id, model, state = found
+        raise ConflictError(
+            f"app {row.name!r} has rollout {rollout_id} of {model} {state}, which works on its"
+            f" {changes} as they were: change them once it ends, or end it first (heteroplane"
+            f" rollout abort --app {row.name})"
+        )

@@ -193,10 +193,17 @@ def _instance_row(session: Session, instance_id: str) -> tuple[m.Instance, str]:
 
 
 def _check_version(row: m.App, expected_version: int | None) -> None:
-    if expected_version is not None and row.version != expected_version:
+    if expected_version is None or row.version == expected_version:
+        return
+    if row.version < expected_version:
         raise ConflictError(
             f"app {row.name!r} is at version {row.version}, not {expected_version}; read it again"
         )
+    raise ConflictError(
+        f"app {row.name!r} changed meanwhile (version {expected_version} -> {row.version}: a"
+        " budget change, a plan applied or another replace of its spec); read it again and send"
+        " the change again"
+    )
 
 
 def _compare_and_set(session: Session, row: m.App, **values: Any) -> None:

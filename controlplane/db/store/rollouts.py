@@ -85,12 +85,21 @@ class RolloutStore(StoreBase):
         settings: Mapping[str, Any],
         reason: str,
         who: str,
+        app_version: int | None = None,
         at: datetime | None = None,
     ) -> RolloutRecord:
+        """Record a rollout in ``pending``. :class:`ConflictError` while another of the app's
+        is active, or, with ``app_version`` (the version its start read the spec at), when the
+        app's spec changed since (a replace committed between the start's checks and this)."""
         now = self._now(at)
         body = _json_document(settings, "settings")
         with transaction(self._sessions) as session:
             app_row = _app_row(session, app, lock=True)
+            if app_version is not None and app_row.version != app_version:
+                raise ConflictError(
+                    f"app {app!r} changed while the rollout was being started (version"
+                    f" {app_version} -> {app_row.version}); start it again"
+                )
             busy = session.scalar(
                 select(m.Rollout.id).where(
                     m.Rollout.app_id == app_row.id,
