@@ -42,6 +42,7 @@ import numpy as np
 from provisioners.artifacts import FAMILY_SIGNATURE, ModelSignature
 from provisioners.worker.oip import (
     HEADER_LENGTH,
+    WORKER_PROTOCOL,
     OipError,
     split_infer_body,
     with_binary_inputs,
@@ -243,7 +244,8 @@ class FakeWorker:
         if path in ("/health", "/v2/health/ready", "/v2/health/live"):
             status = 200 if self.healthy or path.endswith("/live") else 503
             if path == "/health":
-                connection.send(status, {"status": "ok" if self.healthy else "stopping"})
+                health = {"status": "ok" if self.healthy else "stopping"}
+                connection.send(status, health | {"protocol": WORKER_PROTOCOL})
             else:
                 key = "live" if path.endswith("/live") else "ready"
                 connection.send(status, {key: status == 200})

@@ -24,6 +24,11 @@ An answer is a JSON object whose ``status`` is ``ok`` or ``stopping`` (the agent
 finishing what it has). ``loading`` is an agent up whose models are not loaded yet: no answer,
 which the boot allowance above covers; ``failed`` (its models could not be loaded) is none.
 
+An answer whose ``protocol`` is older than
+:data:`~provisioners.worker.oip.WORKER_PROTOCOL` (none: an agent of before the field) is a worker
+that cannot serve this control plane (an older release's, adopted across an upgrade: every batch
+sent to it fails): it is a verdict at its first probe, whatever the others do.
+
 When more than half of the workers probed, and at least two, are silent at once, the likelier
 cause is the control plane's side (its network, a starved machine), and replacing them all would
 turn a blip into an outage: no worker is found unresponsive then (a warning says so) until the
@@ -47,6 +52,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from provisioners.base import ProvisionedInstance, with_port
+from provisioners.worker.oip import WORKER_PROTOCOL
 
 logger = logging.getLogger(__name__)
 
@@ -65,17 +71,21 @@ MASS_SILENCE_SHARE = 0.5
 # The most of an answer read: /health is a few hundred bytes.
 _MAX_ANSWER_BYTES = 64 * 1024
 
-Probe = Callable[[ProvisionedInstance], bool]
+# A probe's answer: True, the worker answered; False, it did not; a text, it answered but cannot
+# serve this control plane (why: an agent of an older release, whose protocol it does not read).
+Probe = Callable[[ProvisionedInstance], bool | str]
 
 
 def http_probe(port: int, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -> Probe:
     """A probe asking a worker's agent ``GET /health`` at its address (``port`` where the address
     names none: an EC2 private IP), straight (no proxy), within ``timeout_s`` a socket operation;
     whether it answered (module docstring: ``status`` ``ok`` or ``stopping``, whatever the HTTP
-    status)."""
+    status), or, for an agent whose ``protocol`` is older than
+    :data:`~provisioners.worker.oip.WORKER_PROTOCOL` (none: an agent of before it was said), why
+    it cannot serve."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-    def probe(instance: ProvisionedInstance) -> bool:
+    def probe(instance: ProvisionedInstance) -> bool | str:
         if not instance.address:
             return False
         url = f"http://{with_port(instance.address, port)}/health"
@@ -93,7 +103,16 @@ def http_probe(port: int, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -> Probe:
             body = json.loads(raw)
         except ValueError:
             return False
-        return isinstance(body, dict) and body.get("status") in ("ok", "stopping")
+        if not isinstance(body, dict) or body.get("status") not in ("ok", "stopping"):
+            return False
+        protocol = body.get("protocol", 1)
+        if isinstance(protocol, int) and protocol >= WORKER_PROTOCOL:
+            return True
+        return (
+            f"its agent reads worker protocol {protocol!r}, this control plane sends"
+            f" {WORKER_PROTOCOL} (binary tensors): an older release's worker, which answers"
+            " every batch 400"
+        )
 
     return probe
 
@@ -108,6 +127,7 @@ class _Seen:
     answered: bool = False  # it answered once (in this process)
     failures: int = 0  # unanswered probes in a row
     silent_since_s: float | None = None  # the first of them
+    outdated: str | None = None  # it answers, but cannot serve: why (its last probe's)
 
 
 class Liveness:
@@ -164,7 +184,7 @@ class Liveness:
         """Wait for the probes in flight (tests); whether none is left."""
         return self._round is None or self._round.wait_done(timeout_s)
 
-    def _fold(self, at_s: float, answers: Mapping[str, bool]) -> None:
+    def _fold(self, at_s: float, answers: Mapping[str, bool | str]) -> None:
         for pid, answered in answers.items():
             seen = self._seen.get(pid)
             if seen is None:  # no longer running
@@ -172,6 +192,7 @@ class Liveness:
             if seen.probed_s is not None and at_s - seen.probed_s > self.gap_s:
                 seen.failures, seen.silent_since_s = 0, None  # nobody asked meanwhile
             seen.probed_s = at_s
+            seen.outdated = answered if isinstance(answered, str) else None
             if answered:
                 seen.answered = True
                 seen.failures, seen.silent_since_s = 0, None
@@ -186,6 +207,13 @@ class Liveness:
         return not seen.answered and now_s - seen.since_s < self.never_after_s
 
     def _verdicts(self, now_s: float) -> dict[str, str]:
+        # A worker that answers but cannot serve (an older release's) is replaced at once: every
+        # batch sent to it fails, whatever the others do.
+        found = {
+            pid: f"{seen.outdated}; replaced by one of this release"
+            for pid, seen in self._seen.items()
+            if seen.outdated is not None
+        }
         # The share is of the workers past their boot: new ones are silent as a rule.
         probed = [
             seen
@@ -203,10 +231,11 @@ class Liveness:
                     len(probed),
                 )
                 self._held = True
-            return {}
+            return found
         self._held = False
-        found: dict[str, str] = {}
         for pid, seen in self._seen.items():
+            if pid in found:
+                continue
             why = self._verdict(seen, now_s)
             if why is not None:
                 found[pid] = why
@@ -238,7 +267,7 @@ class _Round:
 
     def __init__(self, probe: Probe, instances: list[ProvisionedInstance], started_s: float):
         self.started_s = started_s
-        self.answers: dict[str, bool] = {}
+        self.answers: dict[str, bool | str] = {}
         self._lock = threading.Lock()
         count = min(MAX_PARALLEL_PROBES, len(instances))
         self._threads = [
@@ -255,6 +284,7 @@ class _Round:
 
     def _ask(self, probe: Probe, instances: list[ProvisionedInstance]) -> None:
         for instance in instances:
+            answered: bool | str
             try:
                 answered = probe(instance)
             except Exception:  # a probe is I/O: any failure is no answer
@@ -271,6 +301,6 @@ class _Round:
             thread.join(timeout_s)
         return self.done()
 
-    def wait(self) -> dict[str, bool]:
+    def wait(self) -> dict[str, bool | str]:
         self.wait_done(None)
         return self.answers

@@ -37,7 +37,8 @@ Routes (every body is JSON, but an infer request's in binary tensors; every erro
   "emulated", "emulated_ms" (the emulated type's latency for this batch, null when not
   emulated), "emulation_source"}}``.
 - ``GET /health``: 200 ``{"status": "ok", "instance_type", "models", "artifacts", "emulated",
-  "speed_factor", "uptime_s", "worker_id", "pid"}`` once the models are loaded; 503 with
+  "speed_factor", "uptime_s", "worker_id", "pid", "protocol"}`` (``protocol``: what it reads,
+  :data:`~provisioners.worker.oip.WORKER_PROTOCOL`) once the models are loaded; 503 with
   ``status`` ``loading``, ``stopping`` or ``failed`` before or after (the local provisioner
   polls it).
 - ``GET /stats``: per model, the requests and rows served and percentiles (p50, p90, p99, max,
@@ -105,6 +106,7 @@ from provisioners.worker.emulation import (
 from provisioners.worker.oip import (
     HEADER_LENGTH,
     MODEL_VERSION,
+    WORKER_PROTOCOL,
     InferRequest,
     OipError,
     infer_response,
@@ -323,6 +325,7 @@ class WorkerAgent:
             "uptime_s": round(self._clock() - self._started, 3),
             "worker_id": self.config.worker_id,
             "pid": os.getpid(),
+            "protocol": WORKER_PROTOCOL,
         }
         if self._failure is not None:
             body["error"] = self._failure

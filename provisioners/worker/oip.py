@@ -65,6 +65,7 @@ from provisioners.artifacts import (
 __all__ = [
     "HEADER_LENGTH",
     "MODEL_VERSION",
+    "WORKER_PROTOCOL",
     "InferRequest",
     "OipError",
     "binary_request_body",
@@ -87,6 +88,12 @@ MODEL_VERSION = "1"
 # Triton's binary tensor extension: the size of the JSON part of a body whose binary parts (the
 # tensors' raw bytes, in the order of the inputs that have them) follow it.
 HEADER_LENGTH = "Inference-Header-Content-Length"
+# What a worker agent of this release reads, in its /health answer (``protocol``), which the
+# control plane's liveness probe checks: 1, an agent of before 2026-11-29 (the protocol's JSON
+# bodies only, and no ``protocol`` field); 2, Triton's binary tensors as well, in which the
+# dispatcher sends every batch. A worker an older release started (kept running across an
+# upgrade and adopted) answers 400 to every batch: it is replaced.
+WORKER_PROTOCOL = 2
 
 # The largest finite value of each float type, and of a 64-bit integer (what tensor_values checks).
 _FLOAT_MAX = {np.dtype(t): float(np.finfo(t).max) for t in (np.float16, np.float32, np.float64)}

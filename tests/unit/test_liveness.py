@@ -14,6 +14,7 @@ import pytest
 
 from controlplane.loops.liveness import Liveness, http_probe
 from provisioners.base import ProvisionedInstance
+from provisioners.worker.oip import WORKER_PROTOCOL
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -209,9 +210,10 @@ class _Agent(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         kind = self.server.kind  # type: ignore[attr-defined]
         status, body = {
-            "ok": (200, json.dumps({"status": "ok"})),
+            "ok": (200, json.dumps({"status": "ok", "protocol": WORKER_PROTOCOL})),
+            "older": (200, json.dumps({"status": "ok"})),  # an agent of before the field
             "loading": (503, json.dumps({"status": "loading"})),
-            "stopping": (503, json.dumps({"status": "stopping"})),
+            "stopping": (503, json.dumps({"status": "stopping", "protocol": WORKER_PROTOCOL})),
             "failed": (503, json.dumps({"status": "failed", "error": "no model"})),
             "html": (200, "<html>a proxy page</html>"),
             "list": (200, json.dumps(["ok"])),
@@ -258,6 +260,33 @@ def test_the_http_probe_reads_the_agents_health(
     # A local worker's address names its port; an EC2 private IP gets the agent's.
     assert probe(instance("w", address=f"127.0.0.1:{port}")) is alive
     assert probe(instance("w", address="127.0.0.1")) is alive
+
+
+def test_the_http_probe_says_why_an_older_releases_agent_cannot_serve(
+    agent: ThreadingHTTPServer,
+) -> None:
+    """A worker an older release started, kept across an upgrade and adopted, answered 400 to
+    every batch of binary tensors (all queries 422 until it was taken down; a tester's upgrade
+    from 2026-11-29): its /health has no ``protocol``, and the probe says why it cannot serve."""
+    agent.kind = "older"  # type: ignore[attr-defined]
+    port = int(agent.server_address[1])
+    why = http_probe(port, timeout_s=5.0)(instance("w", address=f"127.0.0.1:{port}"))
+    assert isinstance(why, str) and f"sends {WORKER_PROTOCOL} (binary tensors)" in why
+
+
+def test_an_older_releases_worker_is_replaced_at_once_even_when_all_are() -> None:
+    """Every worker of the app an older release's (all adopted after an upgrade): each is a
+    verdict at the first probe, not held back as a mass silence (they answer; none can serve)."""
+    older = "its agent reads worker protocol 1"
+
+    def probe(worker: ProvisionedInstance) -> bool | str:
+        return older if worker.provider_id != "new" else True
+
+    liveness = Liveness(probe, background=False, never_after_s=600.0)
+    found = liveness.check([*three(), instance("new")], at(0.0))
+    assert sorted(found) == ["a", "b", "c"]
+    assert all(why.startswith(older) and "replaced" in why for why in found.values())
+    assert liveness.silent() == set()  # they answered
 
 
 def _address(bound: socket.socket) -> str:
