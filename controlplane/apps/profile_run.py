@@ -400,6 +400,19 @@ def run_profile(
     signatures = {m: resolved.artifacts[m].signature for m in models}
     prices = {t: resolved.prices_usd_per_hr[t] for t in types}
     artifacts = tuple(serve[m] if serve is not None else resolved.artifacts[m].ref for m in models)
+    # Refused before any row is written where the budget cannot pay as things stand (a rollout
+    # waiting for the budget tried every few seconds, each try writing rows that read as cost
+    # over the budget until their refusal, and two failed rows more); the check after the rows
+    # are written (below) is the one a concurrent launch cannot slip past.
+    _check_budget_of(
+        store,
+        provisioner,
+        app,
+        record.budget_usd_per_hr,
+        set(),
+        sum(prices.values()),
+        resolved.prices_usd_per_hr,
+    )
     run_id = secrets.token_hex(4)
     rows = {
         t: store.record_instance(

@@ -339,7 +339,9 @@ def test_a_batch_past_the_largest_body_is_refused_before_any_worker_starts(
     assert world.provisioner.requests == [] and world.store.list_instances(APP) == []
 
 
-def test_the_workers_must_fit_the_budget_next_to_the_fleet(world: World) -> None:
+def test_the_workers_must_fit_the_budget_next_to_the_fleet(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
     prices = {t.name: t.price_usd_per_hr for t in default_catalog().values()}
     register(world, spec(budget=prices[SMALL] + prices[GPU] - 0.001))
     with pytest.raises(ProfilingBudgetError) as refused:
@@ -347,20 +349,46 @@ def test_the_workers_must_fit_the_budget_next_to_the_fleet(world: World) -> None
     assert f"{prices[SMALL] + prices[GPU]:.4g} USD/hr" in str(refused.value)
     assert len(str(refused.value).splitlines()) == 1
     assert world.provisioner.requests == []
-    # Refused after recording: the rows end unlaunched, saying the budget refused them.
-    assert {r.state for r in world.store.list_instances(APP)} == {"failed"}
-    for row in world.store.list_instances(APP):
+    # Refused before any row is written (a rollout waiting for the budget retried every few
+    # seconds, each try writing two rows that read as cost over the budget until refused).
+    assert world.store.list_instances(APP) == []
+    # Checked first, the same refusal, and nothing recorded.
+    with pytest.raises(ProfilingBudgetError) as checked:
+        check_profile_run(world.store, world.resolver, world.provisioner, APP, ProfileRunRequest())
+    assert str(checked.value) == str(refused.value)
+    assert world.store.list_instances(APP) == []
+
+    # A launch recorded between that check and the workers' rows: refused once they are
+    # written, the rows ending unlaunched, saying the budget refused them.
+    world.store.change_budget(APP, prices[SMALL] + prices[GPU] + 0.001, reason="t", who="t")
+    recorded = world.store.record_instance
+    racing: list[str] = []
+
+    def with_a_launch_beside(app: str, **row: Any) -> Any:
+        if not racing:
+            racing.append(
+                recorded(
+                    APP, request_id="r-0", instance_type=SMALL, price_usd_per_hr=0.01, reason="t"
+                ).id
+            )
+        return recorded(app, **row)
+
+    monkeypatch.setattr(world.store, "record_instance", with_a_launch_beside)
+    with pytest.raises(ProfilingBudgetError) as refused:
+        profile(world)
+    monkeypatch.undo()
+    assert world.provisioner.requests == []
+    ended_rows = [r for r in world.store.list_instances(APP) if r.id not in racing]
+    assert len(ended_rows) == 2 and {r.state for r in ended_rows} == {"failed"}
+    for row in ended_rows:
         (ended,) = [
             e.reason
             for e in world.store.list_instance_events(instance_id=row.id)
             if e.to_state == "failed"
         ]
         assert ended == f"refused by the budget, not launched: {refused.value}", ended
-    # Checked first, the same refusal, and nothing recorded.
-    with pytest.raises(ProfilingBudgetError) as checked:
-        check_profile_run(world.store, world.resolver, world.provisioner, APP, ProfileRunRequest())
-    assert str(checked.value) == str(refused.value)
-    assert {r.state for r in world.store.list_instances(APP)} == {"failed"}
+    world.store.transition_instance(racing[0], "failed", reason="t")
+    world.store.change_budget(APP, prices[SMALL] + prices[GPU] - 0.001, reason="t", who="t")
     profile(world, types=(SMALL,))  # one type fits
     # A running fleet counts: with one GPU instance kept, not even the small type fits.
     world.store.record_instance(
