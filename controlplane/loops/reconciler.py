@@ -175,7 +175,7 @@ from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import AppRecord, InstanceRecord, Store
-from controlplane.errors import ControlPlaneError, NotFoundError
+from controlplane.errors import ControlPlaneError, InvalidTransitionError, NotFoundError
 from controlplane.loops.infaas_scaler import scales_with_infaas
 from controlplane.loops.liveness import Liveness
 from controlplane.policies.disruption import DisruptionBudget, count_disruptions
@@ -280,6 +280,8 @@ _BUDGET_SLACK_USD_PER_HR = 1e-9
 _UNIT_SLACK = 1e-6
 
 _S = InstanceState
+# The states another writer moves a row to that leave the reconciler nothing to move.
+_ENDING = frozenset({_S.TERMINATING.value, _S.TERMINATED.value, _S.FAILED.value})
 # The rows that count toward the fleet's size and its cost.
 _KEPT = KEPT_STATES
 _LIVE = LIVE_STATES
@@ -3250,9 +3252,18 @@ class _Errors(list[str]):
     """What went wrong carrying out a tick's actions (each is logged; the tick goes on)."""
 
     def guard(self, call: Callable[[], InstanceRecord]) -> InstanceRecord | None:
-        """Run a store write; a conflict (the row moved meanwhile) is noted, not raised."""
+        """Run a store write; a conflict (the row moved meanwhile) is noted, not raised. A row
+        another writer ended meanwhile (a profile run over, an app taken down: it is
+        ``terminating`` or ended now) is no error: there is nothing left to move."""
         try:
             return call()
+        except InvalidTransitionError as error:
+            if error.from_state not in _ENDING:
+                logger.warning("reconcile: %s", error)
+                self.append(str(error))
+            else:
+                logger.debug("reconcile: ended meanwhile: %s", error)
+            return None
         except ControlPlaneError as error:
             logger.warning("reconcile: %s", error)
             self.append(str(error))

@@ -4,7 +4,7 @@ database's rows, the provider's list, the prices and the budget."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 
 from hypothesis import given, settings
@@ -563,3 +563,24 @@ def test_without_the_providers_list_the_profile_workers_still_go_first() -> None
     actions = reconcile({"large": 1}, [fleet, worker], None, PRICES, 0.3, NOW, 600.0)
     (ended,) = terminations(actions)
     assert ended.cause == "budget" and ended.instance_ids == (worker.id,)
+
+
+def test_a_row_another_writer_ended_meanwhile_is_no_error_of_the_tick() -> None:
+    """A profile run ended its workers' rows (pending -> terminating) while the tick moved them
+    to running: the tick reported "1 error(s)" with a warning (a tester's race sweep). A row
+    ended meanwhile leaves nothing to move; any other refused move is still an error."""
+    from controlplane.errors import InvalidTransitionError
+    from controlplane.loops.reconciler import _Errors
+
+    def refused(from_state: str) -> Callable[[], InstanceRecord]:
+        def call() -> InstanceRecord:
+            raise InvalidTransitionError(from_state, "running")
+
+        return call
+
+    errors = _Errors()
+    for ended in ("terminating", "terminated", "failed"):
+        assert errors.guard(refused(ended)) is None
+    assert errors == []
+    assert errors.guard(refused("draining")) is None
+    assert errors == ["an instance cannot go from 'draining' to 'running'"]
