@@ -870,3 +870,45 @@ def test_a_spec_replace_does_not_undo_a_budget_cut_made_while_it_was_checked(
     # Sent again, read afresh: the replace carries the old budget, a raise it means.
     again = world.client.put(f"/v1/apps/{APP}", json=slower, headers=world.auth)
     assert again.status_code == 200, again.text
+
+
+def test_a_replace_with_if_match_is_taken_only_at_the_version_it_read(world: World) -> None:
+    """A client that read the app, then sent its change after another had changed it, undid
+    that change without knowing (the last writer won). ``GET /v1/apps/{app}`` gives the app's
+    version as its ETag; a replace with ``If-Match`` naming another version is a 412."""
+    register(world, budget=10 * PRICE)
+    read = world.client.get(f"/v1/apps/{APP}", headers=world.auth)
+    etag = read.headers["ETag"]
+    assert etag == f'"{read.json()["version"]}"'
+    current = read.json()["spec"]
+    slower = current | {"slo": {**current["slo"], "latency_ms": current["slo"]["latency_ms"] + 5}}
+    # Another operator cuts the budget meanwhile.
+    cut = world.client.put(
+        f"/v1/apps/{APP}/budget",
+        json={"budget_usd_per_hr": 5 * PRICE, "reason": "cut"},
+        headers=world.auth,
+    )
+    assert cut.status_code == 200, cut.text
+    stale = world.client.put(
+        f"/v1/apps/{APP}", json=slower, headers={**world.auth, "If-Match": etag}
+    )
+    assert stale.status_code == 412, stale.text
+    error = stale.json()["error"]
+    assert error["code"] == "precondition_failed" and error["field"] == "If-Match"
+    assert world.store.get_app(APP).budget_usd_per_hr == pytest.approx(5 * PRICE)
+    # Read again: the ETag names the version now, and the replace is taken (its new ETag said).
+    fresh = world.client.get(f"/v1/apps/{APP}", headers=world.auth)
+    spec_now = fresh.json()["spec"]
+    changed = spec_now | {"slo": slower["slo"]}
+    taken = world.client.put(
+        f"/v1/apps/{APP}", json=changed, headers={**world.auth, "If-Match": fresh.headers["ETag"]}
+    )
+    assert taken.status_code == 200, taken.text
+    assert taken.headers["ETag"] == f'"{taken.json()["version"]}"' != fresh.headers["ETag"]
+    assert world.store.get_app(APP).budget_usd_per_hr == pytest.approx(5 * PRICE)
+    # "*" and no If-Match take any version; a value that is no ETag is a 400.
+    for header in ({"If-Match": "*"}, {}):
+        again = world.client.put(f"/v1/apps/{APP}", json=changed, headers={**world.auth, **header})
+        assert again.status_code == 200, again.text
+    bad = world.client.put(f"/v1/apps/{APP}", json=changed, headers={**world.auth, "If-Match": "3"})
+    assert bad.status_code == 400 and bad.json()["error"]["field"] == "If-Match", bad.text

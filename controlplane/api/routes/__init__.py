@@ -17,6 +17,7 @@ _DESCRIPTIONS = {
     403: "The token's scope does not allow this",
     404: "No such app, plan, instance or model version",
     409: "Conflict: the name is taken, another write won, or the state does not allow it",
+    412: "If-Match names another version of the app than it is at (read it again)",
     413: "The body is larger than the limit (1 MiB; a model: model_max_bytes)",
     422: "Invalid request: a field of the wrong type, out of range, unknown, or an invalid spec",
     429: "Overloaded: the queue cannot be served within the SLO (Retry-After says when to retry)",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Query, Response
+from fastapi import APIRouter, Body, Header, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -80,19 +80,66 @@ def list_apps(services: ServicesDep, _who: Viewer) -> list[AppOut]:
     return [app_out(record) for record in services.store.list_apps()]
 
 
-@router.get("/apps/{app}", summary="Read an app (viewer)", responses=errors(401, 403, 404, 422))
-def get_app(app: AppName, services: ServicesDep, _who: Viewer) -> AppOut:
-    return app_out(services.store.get_app(app))
+@router.get(
+    "/apps/{app}",
+    summary="Read an app (viewer); its ETag is its version, for If-Match on a replace",
+    responses=errors(401, 403, 404, 422),
+)
+def get_app(app: AppName, services: ServicesDep, _who: Viewer, response: Response) -> AppOut:
+    record = services.store.get_app(app)
+    response.headers["ETag"] = _etag(record.version)
+    return app_out(record)
+
+
+def _etag(version: int) -> str:
+    return f'"{version}"'
+
+
+def _if_match(header: str | None, app: str, version: int) -> None:
+    """A 412 when ``If-Match`` (the ETags of ``GET /v1/apps/{app}``, or ``*``) names none of the
+    app's version: the client read the app before another change, which its replace would
+    undo. A 400 for a value that is no ETag list."""
+    if header is None or header.strip() == "*":
+        return
+    tags = []
+    for part in header.split(","):
+        tag = part.strip().removeprefix("W/")
+        if len(tag) < 2 or tag[0] != '"' or tag[-1] != '"':
+            raise ApiError(
+                400,
+                "invalid_request",
+                f'If-Match: expected ETags such as "{version}" (GET /v1/apps/{app}),'
+                f" got {header!r}",
+                "If-Match",
+            )
+        tags.append(tag)
+    if _etag(version) not in tags:
+        raise ApiError(
+            412,
+            "precondition_failed",
+            f"app {app!r} is at version {version}, not the one If-Match names ({header}):"
+            " it changed since it was read; read it again and send the change again",
+            "If-Match",
+        )
 
 
 @router.put(
     "/apps/{app}",
-    summary="Replace an app's spec (operator); a new budget in it is audited",
+    summary="Replace an app's spec (operator); a new budget in it is audited; with If-Match,"
+    " only at the version it names",
     openapi_extra=_SPEC_BODY,
-    responses=errors(400, 401, 403, 404, 409, 422),
+    responses=errors(400, 401, 403, 404, 409, 412, 422),
 )
 def replace_app(
-    app: AppName, document: SpecDocument, services: ServicesDep, who: Operator
+    app: AppName,
+    document: SpecDocument,
+    services: ServicesDep,
+    who: Operator,
+    response: Response,
+    if_match: Annotated[
+        str | None,
+        Header(description='the app\'s ETag as read (GET /v1/apps/{app}: "VERSION"), or *'),
+    ] = None,
 ) -> AppOut:
     name = document.get("name")
     if name != app:
@@ -100,6 +147,8 @@ def replace_app(
             422, "invalid_request", f"name: must be the app's name {app!r}, got {name!r}", "name"
         )
     current = services.store.get_app(app)  # 404 before the spec is checked against its files
+    _if_match(if_match, app, current.version)
+    response.headers["ETag"] = _etag(current.version)
     resolved = services.resolver.check(document)
     replaced = spec_document(resolved.spec)
     if replaced == current.spec:
@@ -148,6 +197,7 @@ def replace_app(
         expected_version=current.version,
         unless_rollout=", ".join(moved) if moved else None,
     )
+    response.headers["ETag"] = _etag(record.version)
     record_scaling_switch(services.store, app, current.spec, replaced, who.name)
     if lowered is not None:
         stages, values = lowered
