@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         # fidelity benchmark's runs).
         gc.collect()
         gc.freeze()
-        return serve_until_stopped(service, sock, args.log_level)
+        return serve_until_stopped(service, sock, args.log_level, supervised=True)
     except (EstimatorError, UsageError, ControlPlaneError) as error:
         fail(f"heteroplane serve (loops process): {error}")
     finally:

@@ -216,12 +216,17 @@ def serve_until_stopped(
     log_level: str,
     grpc: tuple[str, int] | None = None,
     loops: LoopsProcess | None = None,
+    *,
+    supervised: bool = False,
 ) -> int:
     """Serve ``service`` on ``sock`` until SIGINT or SIGTERM (and the Open Inference Protocol
     over gRPC on ``grpc``, host and port, when given), then close the service and the socket.
     With ``loops``, its child is started once ``sock`` listens and stopped with the signal that
-    stopped this process before the service closes. Exit status 0 after a clean stop, 1 when
-    the server could not start."""
+    stopped this process before the service closes. ``supervised`` (the loops child): a second
+    signal while it stops does not force the exit (uvicorn's rule for a second Ctrl-C), since
+    its parent sends one as it stops too, and forcing cut the lifespan with a traceback; the
+    parent kills it if it does not stop in time. Exit status 0 after a clean stop, 1 when the
+    server could not start."""
     if loops is not None:
         # /healthz says the child (controlplane.api.routes.health).
         service.app.state.loops_process = loops
@@ -237,7 +242,7 @@ def serve_until_stopped(
         # unauthenticated connections (an oversized head is a 431, not a connection reset).
         **server_options(ConnectionLimits.from_settings(service.settings)),
     )
-    server = _Server(config, loops)
+    server = _Server(config, loops, supervised=supervised)
     # The event loop answers queries; threads (the thread pool's sync routes and dependencies,
     # the database's) hold the interpreter in turns of sys.getswitchinterval(), 5 ms by
     # default, which a query queued behind one waits out whole. 1 ms turns bound that wait.
@@ -268,11 +273,16 @@ class _Server(uvicorn.Server):
     server: the child finishes its running jobs while this process drains its requests, rather
     than after (a stop took the two one after the other, up to STOP_WAIT_S for the child)."""
 
-    def __init__(self, config: uvicorn.Config, loops: LoopsProcess | None) -> None:
+    def __init__(
+        self, config: uvicorn.Config, loops: LoopsProcess | None, *, supervised: bool = False
+    ) -> None:
         super().__init__(config)
         self._loops = loops
+        self._supervised = supervised
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._supervised and self.should_exit:
+            return  # stopping already: the parent's own signal, or the group's (docstring)
         super().handle_exit(sig, frame)
         if self._loops is not None:
             self._loops.begin_stop(sig)

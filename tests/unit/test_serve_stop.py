@@ -34,3 +34,19 @@ def test_without_a_loops_child_the_server_stops_as_uvicorn_does() -> None:
     server = _Server(uvicorn.Config(_app), None)
     server.handle_exit(signal.SIGINT, None)
     assert server.should_exit
+
+
+def test_the_loops_child_is_not_forced_out_by_a_second_signal() -> None:
+    """A `pkill -INT` reaches the serving process and its loops child at once, and the serving
+    process then signals the child too: uvicorn took the second signal for a second Ctrl-C and
+    forced the exit, its lifespan cut with a CancelledError traceback (a tester's). The child
+    (supervised) keeps stopping gracefully; a server of its own still forces on a second
+    Ctrl-C."""
+    child = _Server(uvicorn.Config(_app), None, supervised=True)
+    child.handle_exit(signal.SIGTERM, None)
+    child.handle_exit(signal.SIGINT, None)
+    assert child.should_exit and not child.force_exit
+    alone = _Server(uvicorn.Config(_app), None)
+    alone.handle_exit(signal.SIGINT, None)
+    alone.handle_exit(signal.SIGINT, None)
+    assert alone.force_exit
