@@ -561,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         # fidelity benchmark's runs).
         gc.collect()
         gc.freeze()
-        return serve_until_stopped(service, sock, args.log_level, supervised=True)
+        on_stop = None if service.remote is None else service.remote.stopping
+        return serve_until_stopped(service, sock, args.log_level, supervised=True, on_stop=on_stop)
     except (EstimatorError, UsageError, ControlPlaneError) as error:
         fail(f"heteroplane serve (loops process): {error}")
     finally:

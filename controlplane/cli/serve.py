@@ -29,7 +29,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -218,6 +218,7 @@ def serve_until_stopped(
     loops: LoopsProcess | None = None,
     *,
     supervised: bool = False,
+    on_stop: Callable[[], None] | None = None,
 ) -> int:
     """Serve ``service`` on ``sock`` until SIGINT or SIGTERM (and the Open Inference Protocol
     over gRPC on ``grpc``, host and port, when given), then close the service and the socket.
@@ -225,8 +226,8 @@ def serve_until_stopped(
     stopped this process before the service closes. ``supervised`` (the loops child): a second
     signal while it stops does not force the exit (uvicorn's rule for a second Ctrl-C), since
     its parent sends one as it stops too, and forcing cut the lifespan with a traceback; the
-    parent kills it if it does not stop in time. Exit status 0 after a clean stop, 1 when the
-    server could not start."""
+    parent kills it if it does not stop in time. ``on_stop`` is called once, at the first stop
+    signal. Exit status 0 after a clean stop, 1 when the server could not start."""
     if loops is not None:
         # /healthz says the child (controlplane.api.routes.health).
         service.app.state.loops_process = loops
@@ -242,7 +243,7 @@ def serve_until_stopped(
         # unauthenticated connections (an oversized head is a 431, not a connection reset).
         **server_options(ConnectionLimits.from_settings(service.settings)),
     )
-    server = _Server(config, loops, supervised=supervised)
+    server = _Server(config, loops, supervised=supervised, on_stop=on_stop)
     # The event loop answers queries; threads (the thread pool's sync routes and dependencies,
     # the database's) hold the interpreter in turns of sys.getswitchinterval(), 5 ms by
     # default, which a query queued behind one waits out whole. 1 ms turns bound that wait.
@@ -274,15 +275,23 @@ class _Server(uvicorn.Server):
     than after (a stop took the two one after the other, up to STOP_WAIT_S for the child)."""
 
     def __init__(
-        self, config: uvicorn.Config, loops: LoopsProcess | None, *, supervised: bool = False
+        self,
+        config: uvicorn.Config,
+        loops: LoopsProcess | None,
+        *,
+        supervised: bool = False,
+        on_stop: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(config)
         self._loops = loops
         self._supervised = supervised
+        self._on_stop = on_stop
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._supervised and self.should_exit:
             return  # stopping already: the parent's own signal, or the group's (docstring)
+        if self._on_stop is not None and not self.should_exit:
+            self._on_stop()
         super().handle_exit(sig, frame)
         if self._loops is not None:
             self._loops.begin_stop(sig)

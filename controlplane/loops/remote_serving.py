@@ -210,6 +210,9 @@ class RemoteServing:
         self._recalibrated: set[str] = set()
         self._down = False
         self._down_since = self._down_said = 0.0  # monotonic: since when, and when last said
+        # The loops process is stopping (stopping()): the serving process, stopped by the same
+        # signal, closes its port first, and a feed refused then is no outage.
+        self._stopping = False
         self._rounds = Repeating(self.pull, self.pull_s, "serving-feed", "serving feed")
 
     @property
@@ -233,6 +236,11 @@ class RemoteServing:
     def close(self) -> None:
         self._rounds.stop()
         self._client.close()
+
+    def stopping(self) -> None:
+        """The loops process stops: a feed that fails from now on is not logged as an outage
+        (every clean stop warned that the serving process did not answer)."""
+        self._stopping = True
 
     def down_for_s(self) -> float | None:
         """How long the feed has failed, s (None while the serving process answers): the
@@ -307,6 +315,9 @@ class RemoteServing:
         said so once and never again). A refusal (a 4xx: the internal token, the URL) is an
         error: it does not pass by itself."""
         now = time.monotonic()
+        if self._stopping:
+            logger.debug("the serving process at %s: %s (stopping)", self.url, _failure(error))
+            return
         if self._down and now - self._down_said < DOWN_REMIND_S:
             return
         refused = isinstance(error, httpx.HTTPStatusError) and error.response.status_code < 500

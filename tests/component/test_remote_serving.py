@@ -351,6 +351,16 @@ def test_a_feed_that_keeps_failing_is_said_again_and_a_refusal_is_an_error(
         " token (check serving_url and internal_token)"
     )
 
+    # A loops process that stops: the serving process, stopped by the same signal, closes its
+    # port first, and a feed that fails then is no outage (every clean stop warned of one).
+    stopping = RemoteServing("http://serving", "hp_admin", FakeClock(), client=client)
+    feed.down = True
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=remote_serving.logger.name):
+        stopping.stopping()
+        assert not stopping.pull()
+    assert caplog.records == []
+
 
 def test_a_loops_process_whose_feed_fails_says_so_in_its_health(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

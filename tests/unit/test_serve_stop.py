@@ -42,10 +42,14 @@ def test_the_loops_child_is_not_forced_out_by_a_second_signal() -> None:
     forced the exit, its lifespan cut with a CancelledError traceback (a tester's). The child
     (supervised) keeps stopping gracefully; a server of its own still forces on a second
     Ctrl-C."""
-    child = _Server(uvicorn.Config(_app), None, supervised=True)
+    stops: list[str] = []
+    child = _Server(
+        uvicorn.Config(_app), None, supervised=True, on_stop=lambda: stops.append("stop")
+    )
     child.handle_exit(signal.SIGTERM, None)
     child.handle_exit(signal.SIGINT, None)
     assert child.should_exit and not child.force_exit
+    assert stops == ["stop"]  # told once, at the first (its feed's failures are no outage)
     alone = _Server(uvicorn.Config(_app), None)
     alone.handle_exit(signal.SIGINT, None)
     alone.handle_exit(signal.SIGINT, None)
