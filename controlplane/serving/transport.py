@@ -227,6 +227,7 @@ class HttpWorkerTransport:
         self.idle_s = idle_s
         self.max_idle_per_address = max_idle_per_address
         self._idle: defaultdict[str, list[_Channel]] = defaultdict(list)
+        self._swept_s = time.monotonic()
         self._closed = False
         # The answers awaited, with their deadlines: one watchdog timer checks them all every
         # WATCH_S (a timer per call would fill the event loop's heap with cancelled ones).
@@ -372,8 +373,29 @@ class HttpWorkerTransport:
                     idle.append(channel)
                 else:
                     channel.close()
+                self._sweep(channel.last_used_s)
             else:
                 channel.close()
+
+    def _sweep(self, now_s: float) -> None:
+        """At most once per ``idle_s``: close the pooled connections idle past it (or closed) and
+        forget the addresses left with none. A worker that went (the local provisioner gives each
+        a port of its own) kept its address's entry and connections for good: the pool grew with
+        every worker the fleet ever had."""
+        if now_s - self._swept_s < self.idle_s:
+            return
+        self._swept_s = now_s
+        for address in list(self._idle):
+            kept = []
+            for channel in self._idle[address]:
+                if channel.open and now_s - channel.last_used_s < self.idle_s:
+                    kept.append(channel)
+                else:
+                    channel.close()
+            if kept:
+                self._idle[address] = kept
+            else:
+                del self._idle[address]
 
 
 # Statuses by which a worker refuses a batch's inputs themselves, and the one by which it says its

@@ -1408,3 +1408,36 @@ def test_a_refresh_the_spec_refuses_keeps_serving_and_says_so_once(
         assert again.status_code == 200, again.text  # on the configuration it had
 
     api_run(world, body)
+
+
+def test_the_pool_forgets_the_connections_of_workers_that_went(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pool of kept-alive connections kept an entry, and its connections, for every worker
+    address it ever called: with the local provisioner's port per worker it grew with every
+    worker the fleet had (a soak of the demo: 31 workers an hour). Once per ``idle_s`` the
+    connections idle past it go, and the addresses left with none."""
+    import controlplane.serving.transport as transport_module
+
+    now = [1000.0]
+    monkeypatch.setattr(transport_module.time, "monotonic", lambda: now[0])
+
+    async def scenario() -> None:
+        gone, staying = FakeWorker(), FakeWorker()
+        transport = HttpWorkerTransport(idle_s=20.0)
+        try:
+            for worker in (gone, staying):
+                assert await transport.health(await worker.start(), 5.0)
+            assert set(transport._idle) == {gone.address, staying.address}
+            gone.kill()
+            now[0] += 10.0  # within idle_s: nothing swept yet
+            assert await transport.health(staying.address, 5.0)
+            assert set(transport._idle) == {gone.address, staying.address}
+            now[0] += 15.0  # the gone worker's connection idle 25 s: swept with its address
+            assert await transport.health(staying.address, 5.0)
+            assert set(transport._idle) == {staying.address}
+        finally:
+            await transport.close()
+            staying.kill()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30.0))
