@@ -25,9 +25,10 @@ finishing what it has). ``loading`` is an agent up whose models are not loaded y
 which the boot allowance above covers; ``failed`` (its models could not be loaded) is none.
 
 An answer whose ``protocol`` is older than
-:data:`~provisioners.worker.oip.WORKER_PROTOCOL` (none: an agent of before the field) is a worker
-that cannot serve this control plane (an older release's, adopted across an upgrade: every batch
-sent to it fails): it is a verdict at its first probe, whatever the others do.
+:data:`~provisioners.worker.oip.WORKER_PROTOCOL` is a worker that cannot serve this control plane
+(an older release's, adopted across an upgrade: every batch sent to it fails): it is a verdict at
+its first probe, whatever the others do. An answer without one (the agents before the field) is
+an answer.
 
 When more than half of the workers probed, and at least two, are silent at once, the likelier
 cause is the control plane's side (its network, a starved machine), and replacing them all would
@@ -81,8 +82,8 @@ def http_probe(port: int, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -> Probe:
     names none: an EC2 private IP), straight (no proxy), within ``timeout_s`` a socket operation;
     whether it answered (module docstring: ``status`` ``ok`` or ``stopping``, whatever the HTTP
     status), or, for an agent whose ``protocol`` is older than
-    :data:`~provisioners.worker.oip.WORKER_PROTOCOL` (none: an agent of before it was said), why
-    it cannot serve."""
+    :data:`~provisioners.worker.oip.WORKER_PROTOCOL`, why it cannot serve (an agent that says
+    none answered)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def probe(instance: ProvisionedInstance) -> bool | str:
@@ -105,13 +106,14 @@ def http_probe(port: int, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -> Probe:
             return False
         if not isinstance(body, dict) or body.get("status") not in ("ok", "stopping"):
             return False
-        protocol = body.get("protocol", 1)
-        if isinstance(protocol, int) and protocol >= WORKER_PROTOCOL:
+        # No field, or not a whole number: unknown (the agents of 2026-11-29 to 2026-12-06
+        # read binary tensors and say no protocol), never a reason to replace a worker.
+        protocol = body.get("protocol")
+        if type(protocol) is not int or protocol >= WORKER_PROTOCOL:
             return True
         return (
-            f"its agent reads worker protocol {protocol!r}, this control plane sends"
-            f" {WORKER_PROTOCOL} (binary tensors): an older release's worker, which answers"
-            " every batch 400"
+            f"its agent reads worker protocol {protocol}, this control plane sends"
+            f" {WORKER_PROTOCOL}: an older release's worker, which cannot serve its batches"
         )
 
     return probe

@@ -89,10 +89,11 @@ MODEL_VERSION = "1"
 # tensors' raw bytes, in the order of the inputs that have them) follow it.
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # What a worker agent of this release reads, in its /health answer (``protocol``), which the
-# control plane's liveness probe checks: 1, an agent of before 2026-11-29 (the protocol's JSON
-# bodies only, and no ``protocol`` field); 2, Triton's binary tensors as well, in which the
-# dispatcher sends every batch. A worker an older release started (kept running across an
-# upgrade and adopted) answers 400 to every batch: it is replaced.
+# control plane's liveness probe checks: 2, the protocol's JSON bodies and Triton's binary
+# tensors, in which the dispatcher sends every batch (since 2026-11-29; the agents said no
+# protocol until 2026-12-06, and those of before 2026-11-29, JSON only, cannot be told from the
+# others by /health). A later change of what the dispatcher sends raises it, so that a worker an
+# older release started (kept running across an upgrade and adopted) is replaced.
 WORKER_PROTOCOL = 2
 
 # The largest finite value of each float type, and of a 64-bit integer (what tensor_values checks).

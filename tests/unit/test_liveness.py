@@ -211,7 +211,9 @@ class _Agent(BaseHTTPRequestHandler):
         kind = self.server.kind  # type: ignore[attr-defined]
         status, body = {
             "ok": (200, json.dumps({"status": "ok", "protocol": WORKER_PROTOCOL})),
-            "older": (200, json.dumps({"status": "ok"})),  # an agent of before the field
+            "older": (200, json.dumps({"status": "ok", "protocol": 1})),
+            "unsaid": (200, json.dumps({"status": "ok"})),  # an agent of before the field
+            "odd": (200, json.dumps({"status": "ok", "protocol": "1"})),
             "loading": (503, json.dumps({"status": "loading"})),
             "stopping": (503, json.dumps({"status": "stopping", "protocol": WORKER_PROTOCOL})),
             "failed": (503, json.dumps({"status": "failed", "error": "no model"})),
@@ -265,13 +267,19 @@ def test_the_http_probe_reads_the_agents_health(
 def test_the_http_probe_says_why_an_older_releases_agent_cannot_serve(
     agent: ThreadingHTTPServer,
 ) -> None:
-    """A worker an older release started, kept across an upgrade and adopted, answered 400 to
-    every batch of binary tensors (all queries 422 until it was taken down; a tester's upgrade
-    from 2026-11-29): its /health has no ``protocol``, and the probe says why it cannot serve."""
+    """A worker an older release started, kept across an upgrade and adopted, cannot serve
+    what the dispatcher sends (a release of before 2026-11-29 answered every batch of binary
+    tensors 400, every query 422 until the app was taken down: a tester's upgrade): an agent
+    that says an older protocol is named; one that says none (the agents of before the field,
+    most of which read binary tensors) or something else answered, and stays."""
     agent.kind = "older"  # type: ignore[attr-defined]
     port = int(agent.server_address[1])
-    why = http_probe(port, timeout_s=5.0)(instance("w", address=f"127.0.0.1:{port}"))
-    assert isinstance(why, str) and f"sends {WORKER_PROTOCOL} (binary tensors)" in why
+    probe = http_probe(port, timeout_s=5.0)
+    why = probe(instance("w", address=f"127.0.0.1:{port}"))
+    assert isinstance(why, str) and f"protocol 1, this control plane sends {WORKER_PROTOCOL}" in why
+    for kind in ("unsaid", "odd"):
+        agent.kind = kind  # type: ignore[attr-defined]
+        assert probe(instance("w", address=f"127.0.0.1:{port}")) is True
 
 
 def test_an_older_releases_worker_is_replaced_at_once_even_when_all_are() -> None:
