@@ -281,7 +281,7 @@ def start_rollout(
         reason=f"started by {who}"
         + ("; profiling the new version first" if profile_run else "; starting its workers"),
         who=who,
-        app_version=record.version,
+        app_spec=record.spec,
     )
     crash_point("rollout.after_start")
     steps_text = ", ".join(f"{100 * s:g}%" for s in shares)

@@ -3258,7 +3258,9 @@ class _Errors(list[str]):
         try:
             return call()
         except InvalidTransitionError as error:
-            if error.from_state not in _ENDING:
+            # Only a move to running (a worker found up): a launched machine's row ended
+            # meanwhile (requested -> pending refused) is still said; the orphan sweep ends it.
+            if error.from_state not in _ENDING or error.to_state != _S.RUNNING.value:
                 logger.warning("reconcile: %s", error)
                 self.append(str(error))
             else:

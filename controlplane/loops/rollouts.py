@@ -149,6 +149,9 @@ ROUTE_GRACE_S = 5.0
 FLEET_SETTLE_S = 30.0
 # How many times the plan after the handover is tried when the app changes while it is made.
 PLAN_ATTEMPTS = 3
+# Tries to pin the new version in the app's spec at the version read (another write between the
+# read and the write is read again).
+_PIN_ATTEMPTS = 3
 # How much of an error's first line a decision about the plan after the handover quotes.
 REASON_CHARS = 200
 
@@ -952,7 +955,28 @@ class RolloutLoop:
         if cascade:  # the thresholds derived for the new version, and the records behind them
             spec["thresholds"] = list(cascade["thresholds"])
             spec["validation"] = cascade["validation"]
-        self.store.update_app(rollout.app, spec, who=f"rollout {rollout.id}")
+        # Written at the version read: a budget cut or another write meanwhile is kept (the pin
+        # is made again on the spec as it is now), not undone by the spec read before it.
+        for attempt in range(_PIN_ATTEMPTS):
+            try:
+                self.store.update_app(
+                    rollout.app, spec, who=f"rollout {rollout.id}", expected_version=record.version
+                )
+                break
+            except ConflictError:
+                if attempt == _PIN_ATTEMPTS - 1:
+                    raise
+                record = self.store.get_app(rollout.app)
+                spec = dict(record.spec)
+                spec["models"] = [
+                    dict(m, artifact=f"{rollout.artifact}@{rollout.to_version}")
+                    if m.get("name") == rollout.model
+                    else dict(m)
+                    for m in spec["models"]
+                ]
+                if cascade:
+                    spec["thresholds"] = list(cascade["thresholds"])
+                    spec["validation"] = cascade["validation"]
         self.resolver.invalidate(rollout.app)
         if self.on_change is not None:
             self.on_change(rollout.app)

@@ -774,3 +774,39 @@ def test_a_version_under_the_accuracy_floor_rolls_back(world: World) -> None:
     assert rolled.state == "rolled_back" and world.rollouts.route(APP) is None
     assert rolled.figures["versions"]["digits-tiny@2"]["accuracy"] == 0.5
     assert rolled.settings["thresholds"]["min_accuracy"] == 0.9
+
+
+def test_the_pin_at_promotion_keeps_a_budget_cut_made_meanwhile(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The promotion pinned the new version by writing the spec it had read back whole: a
+    budget cut between its read and its write was undone (a review of the spec-replace race).
+    It writes at the version read now, and pins again on the spec as it is after a conflict."""
+    rollout = world.store.create_rollout(
+        APP,
+        model="tiny",
+        artifact="digits-tiny",
+        from_version=1,
+        to_version=2,
+        settings={},
+        reason="test",
+        who="test",
+    )
+    before = world.store.get_app(APP).budget_usd_per_hr
+    read = world.store.get_app
+    cut: list[bool] = []
+
+    def then_a_cut(name: str) -> Any:
+        found = read(name)
+        if not cut:
+            cut.append(True)
+            world.store.change_budget(APP, before / 2, reason="cut", who="op")
+        return found
+
+    monkeypatch.setattr(world.store, "get_app", then_a_cut)
+    world.rollouts._pin(rollout)
+    monkeypatch.undo()
+    after = world.store.get_app(APP)
+    assert after.budget_usd_per_hr == pytest.approx(before / 2)
+    assert after.spec["budget_usd_per_hr"] == pytest.approx(before / 2)
+    assert after.spec["models"][0]["artifact"] == "digits-tiny@2"

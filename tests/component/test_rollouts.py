@@ -811,7 +811,7 @@ def test_a_spec_replace_and_a_rollout_start_racing_do_not_both_pass(
                     settings={},
                     reason="racing",
                     who="op",
-                    app_version=record.version,
+                    app_spec=record.spec,
                 ).id
             )
         return found
@@ -837,7 +837,7 @@ def test_a_spec_replace_and_a_rollout_start_racing_do_not_both_pass(
     monkeypatch.setattr(world.store, "list_rollouts", then_a_replace)
     late = post(world, "rollouts", {"model": "wine-model@2", "interval_s": 30})
     assert late.status_code == 409, late.text
-    assert "changed while the rollout was being started" in late.json()["error"]["message"]
+    assert "replaced while the rollout was being started" in late.json()["error"]["message"]
     monkeypatch.undo()
     assert [r.id for r in world.store.list_rollouts(APP, active=True)] == []
 
@@ -910,5 +910,10 @@ def test_a_replace_with_if_match_is_taken_only_at_the_version_it_read(world: Wor
     for header in ({"If-Match": "*"}, {}):
         again = world.client.put(f"/v1/apps/{APP}", json=changed, headers={**world.auth, **header})
         assert again.status_code == 200, again.text
+    etag = world.client.get(f"/v1/apps/{APP}", headers=world.auth).headers["ETag"]
+    weak = world.client.put(
+        f"/v1/apps/{APP}", json=changed, headers={**world.auth, "If-Match": f"W/{etag}"}
+    )
+    assert weak.status_code == 412, weak.text  # If-Match compares strongly (RFC 9110)
     bad = world.client.put(f"/v1/apps/{APP}", json=changed, headers={**world.auth, "If-Match": "3"})
     assert bad.status_code == 400 and bad.json()["error"]["field"] == "If-Match", bad.text

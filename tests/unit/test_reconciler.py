@@ -584,3 +584,12 @@ def test_a_row_another_writer_ended_meanwhile_is_no_error_of_the_tick() -> None:
     assert errors == []
     assert errors.guard(refused("draining")) is None
     assert errors == ["an instance cannot go from 'draining' to 'running'"]
+
+    def launched(from_state: str) -> Callable[[], InstanceRecord]:
+        def call() -> InstanceRecord:
+            raise InvalidTransitionError(from_state, "pending")
+
+        return call
+
+    assert errors.guard(launched("failed")) is None  # a launched machine's row: still said
+    assert errors[-1] == "an instance cannot go from 'failed' to 'pending'"

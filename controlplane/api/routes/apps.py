@@ -103,8 +103,9 @@ def _if_match(header: str | None, app: str, version: int) -> None:
         return
     tags = []
     for part in header.split(","):
-        tag = part.strip().removeprefix("W/")
-        if len(tag) < 2 or tag[0] != '"' or tag[-1] != '"':
+        tag = part.strip()
+        bare = tag.removeprefix("W/")  # a weak tag is well formed, and never matches (RFC 9110)
+        if len(bare) < 2 or bare[0] != '"' or bare[-1] != '"':
             raise ApiError(
                 400,
                 "invalid_request",

@@ -85,20 +85,21 @@ class RolloutStore(StoreBase):
         settings: Mapping[str, Any],
         reason: str,
         who: str,
-        app_version: int | None = None,
+        app_spec: Mapping[str, Any] | None = None,
         at: datetime | None = None,
     ) -> RolloutRecord:
         """Record a rollout in ``pending``. :class:`ConflictError` while another of the app's
-        is active, or, with ``app_version`` (the version its start read the spec at), when the
-        app's spec changed since (a replace committed between the start's checks and this)."""
+        is active, or, with ``app_spec`` (the spec its start checked), when the app's spec is
+        another now (a replace committed between the start's checks and this; a plan applied
+        meanwhile, which moves the app's version, is no conflict)."""
         now = self._now(at)
         body = _json_document(settings, "settings")
         with transaction(self._sessions) as session:
             app_row = _app_row(session, app, lock=True)
-            if app_version is not None and app_row.version != app_version:
+            if app_spec is not None and app_row.spec != dict(app_spec):
                 raise ConflictError(
-                    f"app {app!r} changed while the rollout was being started (version"
-                    f" {app_version} -> {app_row.version}); start it again"
+                    f"app {app!r}: its spec was replaced while the rollout was being started;"
+                    " start it again"
                 )
             busy = session.scalar(
                 select(m.Rollout.id).where(
