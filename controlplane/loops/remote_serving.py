@@ -139,7 +139,7 @@ class _RemoteObservations:
     def forget_api_times(self, app: str) -> None:
         if self._held is not None:
             self._held.pop(app, None)  # the document held has those times still
-        self._remote.call("POST", f"/apps/{app}/forget-api-times")
+        self._remote.call("POST", f"/apps/{app}/forget-api-times", optional=True)
 
 
 class _RemoteVersions:
@@ -293,13 +293,16 @@ class RemoteServing:
             self._offset_s = offset
         return True
 
-    def call(self, method: str, path: str, body: object = None) -> Any:
+    def call(self, method: str, path: str, body: object = None, *, optional: bool = False) -> Any:
         """One call of an internal route: its JSON answer, or None when the serving process did
-        not answer it (logged once per outage)."""
+        not answer it (logged once per outage). ``optional``: a route an older serving process
+        may not have, whose 404 is no outage (a loops process upgraded before it)."""
         try:
             answer = self._client.request(
                 method, f"{self._base}{path}", json=body, headers=self._headers
             )
+            if optional and answer.status_code == 404:
+                return None
             answer.raise_for_status()
         except httpx.HTTPError as error:
             self._said_down(error)

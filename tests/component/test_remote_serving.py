@@ -397,3 +397,23 @@ def test_a_loops_process_whose_feed_fails_says_so_in_its_health(
         with TestClient(serving) as other:
             assert other.get("/healthz").json()["serving_feed"] is None
     store.close()
+
+
+def test_a_serving_process_without_the_forget_route_is_no_outage(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A loops process upgraded before its serving process asks it to forget the API times (a
+    route the older one does not have): its 404 was taken for a refusal of the feed, an error
+    logged every tick. It is no outage: nothing is logged, and the feed is not down."""
+    import logging
+
+    from controlplane.loops import remote_serving
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404, json={"error": {"code": "not_found", "message": "no route"}})
+
+    client = httpx.Client(transport=httpx.MockTransport(handle), base_url="http://serving")
+    remote = RemoteServing("http://serving", "hp_admin", FakeClock(), client=client)
+    with caplog.at_level(logging.INFO, logger=remote_serving.logger.name):
+        remote.observations.forget_api_times("toy")
+    assert caplog.records == [] and remote.down_for_s() is None
