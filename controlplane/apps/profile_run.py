@@ -109,7 +109,7 @@ from provisioners.errors import ProvisionerError
 if TYPE_CHECKING:
     from datetime import datetime
 
-    from controlplane.db.store import InstanceRecord, Store
+    from controlplane.db.store import AppRecord, InstanceRecord, Store
     from controlplane.spec import ResolvedApp
     from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec
 
@@ -404,15 +404,7 @@ def run_profile(
     # waiting for the budget tried every few seconds, each try writing rows that read as cost
     # over the budget until their refusal, and two failed rows more); the check after the rows
     # are written (below) is the one a concurrent launch cannot slip past.
-    _check_budget_of(
-        store,
-        provisioner,
-        app,
-        record.budget_usd_per_hr,
-        set(),
-        sum(prices.values()),
-        resolved.prices_usd_per_hr,
-    )
+    _check_workers_fit(store, provisioner, record, resolved.prices_usd_per_hr, types)
     run_id = secrets.token_hex(4)
     rows = {
         t: store.record_instance(
@@ -545,16 +537,7 @@ def check_profile_run(
     resolved = resolver.resolve(record.spec, check_budget=False)
     models, types = _checked_request(resolved, app, request, None, max_batch_bytes)
     _refuse_a_second_run(store, app, (clock or SystemClock()).utcnow(), heartbeat_s)
-    workers = sum(resolved.prices_usd_per_hr[t] for t in types)
-    _check_budget_of(
-        store,
-        provisioner,
-        app,
-        record.budget_usd_per_hr,
-        set(),
-        workers,
-        resolved.prices_usd_per_hr,
-    )
+    workers = _check_workers_fit(store, provisioner, record, resolved.prices_usd_per_hr, types)
     return ProfileRunCheck(app, models, types, workers)
 
 
@@ -770,6 +753,28 @@ def _check_budget(
     workers = sum(row.price_usd_per_hr for row in ours.values())
     own = {row.id for row in ours.values()}
     _check_budget_of(store, provisioner, app, budget_usd_per_hr, own, workers, prices_usd_per_hr)
+    return workers
+
+
+def _check_workers_fit(
+    store: Store,
+    provisioner: Provisioner,
+    record: AppRecord,
+    prices_usd_per_hr: Mapping[str, float],
+    types: Sequence[str],
+) -> float:
+    """The cost of one worker of each of ``types``; :class:`ProfilingBudgetError` when they do
+    not fit next to what the app pays for now (before any of their rows is written)."""
+    workers = sum(prices_usd_per_hr[t] for t in types)
+    _check_budget_of(
+        store,
+        provisioner,
+        record.name,
+        record.budget_usd_per_hr,
+        set(),
+        workers,
+        prices_usd_per_hr,
+    )
     return workers
 
 

@@ -165,6 +165,23 @@ class RolloutTick:
     what: str
 
 
+def _pinned(spec: Mapping[str, Any], rollout: RolloutRecord) -> dict[str, Any]:
+    """``spec`` naming the rollout's new version of its model (and, for a cascade, the
+    thresholds derived for it and the records behind them)."""
+    pinned = dict(spec)
+    pinned["models"] = [
+        dict(m, artifact=f"{rollout.artifact}@{rollout.to_version}")
+        if m.get("name") == rollout.model
+        else dict(m)
+        for m in spec["models"]
+    ]
+    cascade = rollout.settings.get("cascade")
+    if cascade:
+        pinned["thresholds"] = list(cascade["thresholds"])
+        pinned["validation"] = cascade["validation"]
+    return pinned
+
+
 class RolloutLoop:
     """Moves the active rollouts (module docstring); :meth:`route` is the serving loop's hook."""
 
@@ -921,14 +938,10 @@ class RolloutLoop:
         the planner and the tuner read from now on), unless the spec names a profiles file.
         What happened to the profiles, in words."""
         record = self.store.get_app(rollout.app)
-        spec = dict(record.spec)
-        models = [dict(m) for m in spec["models"]]
         profiles_file = None
-        for model in models:
+        for model in record.spec["models"]:
             if model.get("name") == rollout.model:
-                model["artifact"] = f"{rollout.artifact}@{rollout.to_version}"
                 profiles_file = model.get("profiles")
-        spec["models"] = models
         # The start's profile run on every candidate type, else the workers' timing alone.
         profiled = rollout.settings.get("profiled") or {}
         measured = (
@@ -951,32 +964,21 @@ class RolloutLoop:
             said += " the new version's (timed before traffic)"
         elif measured:
             said = f"; the spec's profiles file of {rollout.model} stays (profile run measures it)"
-        cascade = rollout.settings.get("cascade")
-        if cascade:  # the thresholds derived for the new version, and the records behind them
-            spec["thresholds"] = list(cascade["thresholds"])
-            spec["validation"] = cascade["validation"]
         # Written at the version read: a budget cut or another write meanwhile is kept (the pin
         # is made again on the spec as it is now), not undone by the spec read before it.
         for attempt in range(_PIN_ATTEMPTS):
             try:
                 self.store.update_app(
-                    rollout.app, spec, who=f"rollout {rollout.id}", expected_version=record.version
+                    rollout.app,
+                    _pinned(record.spec, rollout),
+                    who=f"rollout {rollout.id}",
+                    expected_version=record.version,
                 )
                 break
             except ConflictError:
                 if attempt == _PIN_ATTEMPTS - 1:
                     raise
                 record = self.store.get_app(rollout.app)
-                spec = dict(record.spec)
-                spec["models"] = [
-                    dict(m, artifact=f"{rollout.artifact}@{rollout.to_version}")
-                    if m.get("name") == rollout.model
-                    else dict(m)
-                    for m in spec["models"]
-                ]
-                if cascade:
-                    spec["thresholds"] = list(cascade["thresholds"])
-                    spec["validation"] = cascade["validation"]
         self.resolver.invalidate(rollout.app)
         if self.on_change is not None:
             self.on_change(rollout.app)

@@ -14,7 +14,13 @@ from types import MappingProxyType
 
 from controlplane.errors import InvalidRolloutTransitionError
 
-__all__ = ["ACTIVE_STATES", "TRANSITIONS", "RolloutState", "check_rollout_transition"]
+__all__ = [
+    "ACTIVE_STATES",
+    "TRANSITIONS",
+    "RolloutState",
+    "check_rollout_transition",
+    "spec_held_by_rollout",
+]
 
 
 class RolloutState(StrEnum):
@@ -52,3 +58,17 @@ def check_rollout_transition(from_state: str, to_state: str) -> None:
         allowed = False
     if not allowed:
         raise InvalidRolloutTransitionError(from_state, to_state)
+
+
+def spec_held_by_rollout(app: str, rollout_id: int, model: str, state: str, fields: str) -> str:
+    """Why a spec that changes ``fields`` is refused while rollout ``rollout_id`` of ``app`` is
+    active (the API's check and the store's, under the app's lock, say it alike).
+
+    >>> spec_held_by_rollout("recs", 3, "clf", "pending", "models")[:43]
+    "app 'recs' has rollout 3 of clf pending, wh"
+    """
+    return (
+        f"app {app!r} has rollout {rollout_id} of {model} {state}, which works on its {fields} as"
+        f" they were: change them once it ends, or end it first (heteroplane rollout abort --app"
+        f" {app})"
+    )

@@ -45,6 +45,7 @@ from controlplane.apps.teardown import request_teardown
 from controlplane.db.store import AppRecord
 from controlplane.errors import BudgetBelowServingFleetError, NotFoundError
 from controlplane.policies.lifecycle import LIVE_STATES
+from controlplane.policies.rollout_states import spec_held_by_rollout
 from controlplane.serving.workers import DEFAULT_WORKER_PORT
 
 __all__ = ["SPEC_BODY_MARK", "app_out", "router"]
@@ -267,9 +268,7 @@ def _check_rollout_allows(
         raise ApiError(
             409,
             "conflict",
-            f"app {app!r} has rollout {rollout.id} of {rollout.model} {rollout.state}, which"
-            f" works on its {', '.join(moved)} as they were: change them once it ends, or end it"
-            f" first (heteroplane rollout abort --app {app})",
+            spec_held_by_rollout(app, rollout.id, rollout.model, rollout.state, ", ".join(moved)),
         )
     return moved
 

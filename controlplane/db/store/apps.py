@@ -41,7 +41,7 @@ from controlplane.errors import (
     InvalidValueError,
 )
 from controlplane.policies.lifecycle import LIVE_STATES
-from controlplane.policies.rollout_states import ACTIVE_STATES
+from controlplane.policies.rollout_states import ACTIVE_STATES, spec_held_by_rollout
 
 __all__ = ["AppStore"]
 
@@ -255,8 +255,4 @@ def _refuse_during_rollout(session: Session, row: m.App, changes: str) -> None:
     ).first()
     if found is not None:
         rollout_id, model, state = found
-        raise ConflictError(
-            f"app {row.name!r} has rollout {rollout_id} of {model} {state}, which works on its"
-            f" {changes} as they were: change them once it ends, or end it first (heteroplane"
-            f" rollout abort --app {row.name})"
-        )
+        raise ConflictError(spec_held_by_rollout(row.name, rollout_id, model, state, changes))
