@@ -110,6 +110,8 @@ __all__ = [
     "DEFAULT_FINE_THRESHOLD",
     "DEFAULT_MIN_BATCHES",
     "DEFAULT_THRESHOLD",
+    "FINE_P99_ERROR",
+    "FINE_UTILISATION",
     "FINE_Z",
     "OVERHEAD_FLOOR_MS",
     "OVERHEAD_QUANTILES",
@@ -132,10 +134,18 @@ DEFAULT_MIN_BATCHES = 50
 # A 25 % miss: less than the gap between neighbouring instance types' speeds in the catalogs,
 # more than the run-to-run noise of a profile measured on the same type.
 DEFAULT_THRESHOLD = 0.25
-# Fine corrections (module docstring): a miss over 5 % (what a queue at 90 % of capacity turns into
-# a P99 off by more than the fidelity goal's 15 %), on at least 200 batches, beyond FINE_Z
-# standard errors of the ratio.
-DEFAULT_FINE_THRESHOLD = 0.05
+# Fine corrections (module docstring): a miss over the share that puts a queue at FINE_UTILISATION
+# of its capacity past the fidelity goal (its P99 within FINE_P99_ERROR), on at least 200
+# batches, beyond FINE_Z standard errors of the ratio. A queue's P99 grows as 1 / (1 - rho), and a
+# service time e slower than planned puts it at rho (1 + e): the P99 is (1 - rho) / (1 - rho (1 +
+# e)) times the plan's, within 1 + error while rho e <= (1 - rho) (1 - 1 / (1 + error)): 1.45 % at
+# 90 % and 15 % (the 5 % before 2026-12-06 let a 5 ms model's 4-5 % stand, a P99 1.8 times the
+# plan's at 90 %: docs/serving-fidelity.md).
+FINE_UTILISATION = 0.9
+FINE_P99_ERROR = 0.15
+DEFAULT_FINE_THRESHOLD = round(
+    (1.0 - FINE_UTILISATION) * (1.0 - 1.0 / (1.0 + FINE_P99_ERROR)) / FINE_UTILISATION, 4
+)
 DEFAULT_FINE_MIN_BATCHES = 200
 # A fine correction is a steady bias: after a fine verdict the calibration loop reads the factor
 # on its ticks for a minute (the tuner's longest window) and stores their mean if it is still off
