@@ -334,7 +334,6 @@ def test_a_miss_that_puts_a_queue_at_90_percent_past_the_fidelity_goal_is_correc
     rho, goal = 0.9, 1.15
     at_threshold = (1 - rho) / (1 - rho * (1 + rule.fine_threshold))
     assert at_threshold == pytest.approx(goal, abs=0.001)
-    assert (1 - rho) / (1 - rho * 1.03) > goal  # a 3 % miss is past the goal at 90 %
     profile = LatencyProfile("tiny", SMALL, [1], ([20.0],))
     steady = calibrate(profile, {1: [20.55, 20.6, 20.65] * 70}, rule)
     assert (steady.drift, steady.fine) == (False, True)
