@@ -206,7 +206,8 @@ class ModelIO:
         self, spec: TensorSpec, fixed: tuple[int, ...] | None, column: Sequence[Any]
     ) -> np.ndarray:
         """One input's samples stacked: an array of the input's type, batch first."""
-        if fixed is not None and not any(isinstance(r, np.ndarray) for r in column):
+        # A rank-1 input's rows from /v2 are numpy scalars (a 1-D array's items), not sequences.
+        if fixed is not None and not any(isinstance(r, (np.ndarray, np.generic)) for r in column):
             width = math.prod(fixed)
             flat = list(chain.from_iterable(column))
             if len(flat) != width * len(column):

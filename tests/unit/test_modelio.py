@@ -286,3 +286,29 @@ def test_raw_outputs_stack_per_request_row_across_replies() -> None:
         stack_outputs([(first, 0)], ["nope"])
     signature = app_signature([ModelIO("a"), io])
     assert signature.inputs == FAMILY_SIGNATURE.inputs and signature.outputs == TWO_INPUTS.outputs
+
+
+def test_rank_one_inputs_take_the_scalar_rows_v2_splits_them_into() -> None:
+    """A rank-1 input ([-1]: one value a sample) arrives from ``/v2`` and gRPC as the rows of a
+    1-D array, numpy scalars (``list(array)``), alone or beside other inputs; they had reached
+    the fixed-shape path that iterates each row ("'numpy.float32' object is not iterable", a
+    422 on every query to a model the registry took)."""
+    signature = ModelSignature(
+        (TensorSpec("x", "FP32", (-1,)),), (TensorSpec("y", "FP32", (-1, 2)),)
+    )
+    values = np.array([1.5, -2.0, 0.25], dtype=np.float32)
+    parsed = worker_reads(ModelIO("r", signature, family=False).encode(list(values)), signature)
+    assert parsed.inputs["x"].shape == (3,) and parsed.inputs["x"].tolist() == [1.5, -2.0, 0.25]
+    # /v1's rows of one value each, and plain numbers, as before.
+    parsed = worker_reads(ModelIO("r", signature, family=False).encode([[1.5], [-2.0]]), signature)
+    assert parsed.inputs["x"].tolist() == [1.5, -2.0]
+    two = ModelSignature(
+        (TensorSpec("n", "INT64", (-1,)), TensorSpec("m", "UINT8", (-1, 1, 2, 2))),
+        signature.outputs,
+    )
+    n = np.array([7, -3], dtype=np.int64)
+    m = np.arange(8, dtype=np.uint8).reshape(2, 1, 2, 2)
+    rows = list(zip(n, m, strict=True))
+    parsed = worker_reads(ModelIO("two", two, family=False).encode(rows), two)
+    assert parsed.inputs["n"].tolist() == [7, -3]
+    assert np.array_equal(parsed.inputs["m"], m)
