@@ -5,8 +5,9 @@ binary tensors).
 - **Files** (:func:`read_inputs`): a ``.npz`` with one array per model input (the batch
   dimension first; its names are the inputs' names, or any name for a model of one input), or
   a JSON file of Open Inference Protocol rows: an inference request (``{"inputs": [{"name",
-  "datatype", "shape", "data"}, ...]}``, each tensor's first dimension the rows) or a list of
-  them, their rows concatenated in order (rows whose shapes differ, along an input's variable
+  "datatype", "shape", "data"}, ...]}``, each tensor's first dimension the rows, the same in
+  each of a request's tensors) or a list of them naming the same inputs, their rows
+  concatenated in order (rows whose shapes differ, along an input's variable
   axis, are kept as they are: a query's rows must share their shapes, so such rows go one a
   query, batch size 1). A file that is not what it says (a corrupt ``.npz``,
   a ``.npy`` renamed ``.npz``: :func:`read_npz`; a tensor without ``data``) is one line.
@@ -180,9 +181,14 @@ def _oip_rows(document: object) -> dict[str, NDArray[Any]]:
     """The rows of an inference request, or of a list of them, per input name."""
     requests = document if isinstance(document, list) else [document]
     parts: dict[str, list[NDArray[Any]]] = {}
+    first_names: list[str] | None = None
     for r, request in enumerate(requests, 1):
         if not isinstance(request, Mapping) or not isinstance(request.get("inputs"), list):
             raise ValueError('expected an inference request, {"inputs": [...]}, or a list of them')
+        label = f"request {r}" if len(requests) > 1 else "the request"
+        # A request is one batch: its own rows of every input. Joined per input without this,
+        # requests of 2 + 1 and 1 + 2 rows passed, and a query paired rows of two requests.
+        rows: dict[str, int] = {}
         for i, tensor in enumerate(request["inputs"], 1):
             where = f"request {r}, input {i}" if len(requests) > 1 else f"input {i}"
             if not isinstance(tensor, Mapping):
@@ -213,7 +219,26 @@ def _oip_rows(document: object) -> dict[str, NDArray[Any]]:
                 raise ValueError(f"{where}: data: {error}") from None
             if values.size != math.prod(shape):
                 raise ValueError(f"input {name!r}: {values.size} values for shape {shape}")
+            if not shape:
+                raise ValueError(f"input {name!r}: a tensor without a batch dimension (shape [])")
+            if name in rows:
+                raise ValueError(f"{label} gives input {name!r} twice")
+            if rows and shape[0] != next(iter(rows.values())):
+                other, count = next(iter(rows.items()))
+                raise ValueError(
+                    f"{label}: input {name!r} has {shape[0]} rows, input {other!r} {count}:"
+                    " a request's inputs have the same rows"
+                )
+            rows[name] = shape[0]
             parts.setdefault(name, []).append(values.reshape(shape))
+        if first_names is None:
+            first_names = list(rows)
+        elif set(rows) != set(first_names):
+            raise ValueError(
+                f"{label} has inputs {', '.join(rows) or 'none'},"
+                f" request 1 {', '.join(first_names) or 'none'}:"
+                " every request gives the same inputs"
+            )
     return {name: _joined(name, arrays) for name, arrays in parts.items()}
 
 

@@ -141,6 +141,41 @@ def test_files_that_are_not_inputs_are_refused(tmp_path: Path) -> None:
         input_specs({"name": "m"})
 
 
+def test_a_json_request_is_rows_of_all_its_inputs_together(tmp_path: Path) -> None:
+    """Each request in a JSON file is one batch of rows of every input: one whose inputs hold
+    different numbers of rows, or that leaves an input out or names one twice, is refused
+    naming it, as the service refuses such a request. The rows had been joined per input across
+    the requests: two requests of 2 + 1 and 1 + 2 rows passed, and each query paired one
+    request's ids with another's mask."""
+    path = tmp_path / "rows.json"
+
+    def tensor(name: str, rows: int) -> dict[str, object]:
+        datatype, value = ("INT64", 1) if name == "ids" else ("BOOL", True)
+        return {"name": name, "datatype": datatype, "shape": [rows, 3], "data": [value] * rows * 3}
+
+    def read(*requests: list[dict[str, object]]) -> dict[str, np.ndarray]:
+        path.write_text(json.dumps([{"inputs": inputs} for inputs in requests]))
+        return read_inputs(path)
+
+    arrays = read([tensor("ids", 2), tensor("mask", 2)], [tensor("mask", 1), tensor("ids", 1)])
+    assert arrays["ids"].shape == arrays["mask"].shape == (3, 3)
+    refused = [
+        (
+            ([tensor("ids", 2), tensor("mask", 1)], [tensor("ids", 1), tensor("mask", 2)]),
+            "request 1: input 'mask' has 1 rows, input 'ids' 2",
+        ),
+        (
+            ([tensor("ids", 1), tensor("mask", 1)], [tensor("ids", 1)], [tensor("mask", 1)]),
+            "request 2 has inputs ids, request 1 ids, mask",
+        ),
+        (([tensor("ids", 1), tensor("ids", 1), tensor("mask", 2)],), "input 'ids' twice"),
+    ]
+    for requests, fragment in refused:
+        with pytest.raises(ValueError) as error:
+            read(*requests)
+        assert fragment in str(error.value) and "\n" not in str(error.value), fragment
+
+
 def test_an_archive_is_read_as_one_whatever_its_name(tmp_path: Path) -> None:
     """rows.NPZ (or rows.dat) had been read as JSON text: "'utf-8' codec can't decode byte
     0x89", of a file numpy wrote; a single .npy so named gets read_npz's own line."""
