@@ -200,7 +200,12 @@ def build(
 ) -> list[Query]:
     """The run's queries: rows of ``--inputs`` (or the demo's digits) checked against the app's
     inputs ``specs`` (a misfit is a one-line UsageError before anything is sent), as
-    ``protocol`` bodies; the digits over ``/v1`` as before, with their sample ids."""
+    ``protocol`` bodies; the digits over ``/v1`` as before, with their sample ids. A trace with
+    a query of more rows than the service takes is refused first."""
+    try:
+        loadgen.check_batch_sizes(trace)
+    except ValueError as error:
+        raise UsageError(f"--trace {args.trace}: {error}") from None
     if args.inputs is not None:
         try:
             arrays = read_inputs(args.inputs)

@@ -81,6 +81,7 @@ __all__ = [
     "DEFAULT_PROGRESS_S",
     "DEFAULT_TIMEOUT_S",
     "ENGINES",
+    "MAX_QUERY_ROWS",
     "LoadProgress",
     "LoadResult",
     "LoadSummary",
@@ -90,6 +91,7 @@ __all__ = [
     "Timer",
     "build_queries",
     "build_tensor_queries",
+    "check_batch_sizes",
     "draw_rows",
     "error_message",
     "infer_url",
@@ -114,6 +116,10 @@ _STOP_POLL_S = 0.25
 OK = "ok"
 # How requests go out: httpx (any URL) or raw HTTP/1.1 connections (controlplane.clients.rawload).
 ENGINES = ("httpx", "raw")
+# The most samples (rows) the service takes in one query, on /v1 and /v2 alike: its
+# controlplane.api.schemas.MAX_INFER_SAMPLES (a client does not import the API; a test holds
+# the two equal).
+MAX_QUERY_ROWS = 256
 
 
 # --- queries -------------------------------------------------------------------------------------
@@ -166,6 +172,25 @@ def sample_rows(trace: Trace, n_samples: int) -> list[tuple[int, ...]]:
         tuple((start + j) % n_samples for j in range(int(batch)))
         for start, batch in zip(starts, trace.batch_size.tolist(), strict=True)
     ]
+
+
+def check_batch_sizes(trace: Trace) -> None:
+    """Refuse (``ValueError`` of one line) a trace with a query of more rows than the service
+    takes (:data:`MAX_QUERY_ROWS`), before any body is built: every such query is a 4xx, and
+    the bodies are built up front (a batch size of 30,000 of an image input is gigabytes).
+
+    >>> check_batch_sizes(Trace(np.array([0.0, 1.0]), np.array([1, 300])))
+    Traceback (most recent call last):
+    ...
+    ValueError: batch_size 300 at row 2 is more than the 256 rows the service takes in a query
+    """
+    sizes = trace.batch_size
+    if sizes.size and int(sizes.max()) > MAX_QUERY_ROWS:
+        row = int(np.argmax(sizes > MAX_QUERY_ROWS))
+        raise ValueError(
+            f"batch_size {int(sizes[row])} at row {row + 1} is more than the {MAX_QUERY_ROWS}"
+            " rows the service takes in a query"
+        )
 
 
 def build_queries(trace: Trace, inputs: NDArray[np.floating] | NDArray[np.integer]) -> list[Query]:

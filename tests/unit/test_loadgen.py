@@ -585,6 +585,9 @@ def test_the_seed_comes_from_the_apps_validation_records(
         (["--trace", "IDS"], "sample_id 900 at row 1 is outside the 719 validation samples"),
         (["--trace", "BAD"], "arrival_s decreases at row 3"),
         (["--trace", "EMPTY"], "has a header but no data rows"),
+        # More rows than the service takes in a query: refused before the bodies are built (a
+        # typo of 30000 had the generator build gigabytes of JSON, then every query a 4xx).
+        (["--trace", "BIG"], "batch_size 257 at row 2 is more than the 256 rows"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -599,8 +602,10 @@ def test_bad_input_is_one_line_and_exit_2(
         "IDS": write_trace(tmp_path / "ids.csv", [0.0], [900]),
         "BAD": tmp_path / "bad.csv",
         "EMPTY": tmp_path / "empty.csv",
+        "BIG": tmp_path / "big.csv",
     }
     files["BAD"].write_text("arrival_s,batch_size\n0.0,1\n2.0,1\n1.0,1\n")
+    files["BIG"].write_text("arrival_s,batch_size\n0.0,256\n1.0,257\n")
     files["EMPTY"].write_text("arrival_s,batch_size\n")
     options = {"--url": fake.url, "--app": APP, "--trace": str(good), "--token": TOKEN}
     for flag, value in zip(extra[::2], extra[1::2], strict=True):
@@ -624,3 +629,9 @@ def test_a_service_that_is_not_there_is_refused_before_sending(
     )
     assert status == 2 and out == ""
     assert err.count("\n") == 1 and "cannot reach the heteroplane API" in err
+
+
+def test_the_clients_most_rows_a_query_are_the_services() -> None:
+    from controlplane.api.schemas import MAX_INFER_SAMPLES
+
+    assert loadgen.MAX_QUERY_ROWS == MAX_INFER_SAMPLES
