@@ -148,9 +148,12 @@ class Query:
         return headers
 
 
-def sample_rows(trace: Trace, n_samples: int) -> list[tuple[int, ...]]:
+def sample_rows(
+    trace: Trace, n_samples: int, what: str = "validation samples"
+) -> list[tuple[int, ...]]:
     """The validation samples each query of ``trace`` carries: for row i with batch size b_i,
-    ``s_i + j (mod n)`` for j < b_i, s_i the row's ``sample_id`` or else i.
+    ``s_i + j (mod n)`` for j < b_i, s_i the row's ``sample_id`` or else i. A ``sample_id``
+    past them is a ValueError naming them ``what``.
 
     >>> trace = Trace(np.array([0.0, 0.1, 0.2]), np.array([1, 2, 1]), np.array([4, 0, 2]))
     >>> sample_rows(trace, 5)
@@ -165,7 +168,7 @@ def sample_rows(trace: Trace, n_samples: int) -> list[tuple[int, ...]]:
         row = int(np.argmax(ids >= n_samples))
         raise ValueError(
             f"the trace's sample_id {int(ids[row])} at row {row + 1} is outside the"
-            f" {n_samples} validation samples (0..{n_samples - 1})"
+            f" {n_samples} {what} (0..{n_samples - 1})"
         )
     starts = ids.tolist() if ids is not None else range(len(trace))
     return [
@@ -232,7 +235,7 @@ def draw_rows(trace: Trace, n_rows: int) -> list[tuple[int, ...]]:
     if n_rows < 1:
         raise ValueError(f"n_rows must be >= 1, got {n_rows}")
     if trace.sample_id is not None:
-        return sample_rows(trace, n_rows)
+        return sample_rows(trace, n_rows, "rows")
     drawn = []
     cursor = 0
     for batch in trace.batch_size.tolist():

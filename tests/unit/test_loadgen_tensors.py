@@ -223,6 +223,11 @@ def test_rows_are_drawn_in_order_or_from_the_sample_id() -> None:
     assert draw_rows(trace, 4) == [(0,), (1, 2), (3, 0), (1,)]
     with_ids = Trace(np.array([0.0, 0.1]), np.array([2, 1]), np.array([3, 1]))
     assert draw_rows(with_ids, 4) == [(3, 0), (1,)]
+    # A sample_id past the file's rows names them as rows (they are not the demo's validation
+    # samples, which the message had called them).
+    with pytest.raises(ValueError) as refused:
+        draw_rows(with_ids, 2)
+    assert str(refused.value) == "the trace's sample_id 3 at row 1 is outside the 2 rows (0..1)"
 
 
 def _read_back(
