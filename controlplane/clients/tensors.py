@@ -28,6 +28,7 @@ binary tensors).
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import zipfile
@@ -106,12 +107,15 @@ def read_inputs(path: Path) -> dict[str, NDArray[Any]]:
     """The arrays of an inputs file (see the module docstring), by name in the file's order;
     ValueError of one line naming the file."""
     try:
+        # Read once: a pipe (--inputs /dev/stdin, <(...)) gives its bytes once, and a second
+        # open had read the file without the first bytes, looked at for the archive's magic.
+        content = path.read_bytes()
         # By its name or its first bytes (a zip, or an .npy): an archive named rows.NPZ or
         # rows.dat had been read as JSON text ("'utf-8' codec can't decode byte 0x89").
-        if path.suffix.lower() == ".npz" or _archive_magic(path):
-            arrays = read_npz(path)
+        if path.suffix.lower() == ".npz" or content.startswith((b"PK\x03\x04", b"\x93NUMPY")):
+            arrays = _npz_arrays(content)
         else:
-            arrays = _oip_rows(json.loads(path.read_text(encoding="utf-8")))
+            arrays = _oip_rows(json.loads(content.decode("utf-8")))
     except OSError as error:
         raise ValueError(f"{path}: {error.strerror or error}") from None
     except (ValueError, KeyError, TypeError, ArtifactError) as error:
@@ -124,14 +128,6 @@ def read_inputs(path: Path) -> dict[str, NDArray[Any]]:
         if array.ndim < 1 or array.shape[0] < 1:
             raise ValueError(f"{path}: array {name!r} has no rows (shape {list(array.shape)})")
     return arrays
-
-
-def _archive_magic(path: Path) -> bool:
-    """Whether the file at ``path`` starts as a zip (an ``.npz``) or an ``.npy`` does, whatever
-    its name (OSError is the caller's)."""
-    with path.open("rb") as handle:
-        head = handle.read(6)
-    return head.startswith((b"PK\x03\x04", b"\x93NUMPY"))
 
 
 # What numpy's reading of a zip archive raises besides OSError: a file that is not a zip
@@ -149,19 +145,23 @@ _NOT_AN_NPZ = (
 
 
 def read_npz(path: Path) -> dict[str, NDArray[Any]]:
-    """The arrays of the ``.npz`` archive at ``path``, by name in the archive's order.
+    """The arrays of the ``.npz`` archive at ``path``, by name in the archive's order, the file
+    read once (a pipe too).
 
     A file that is not one (a single ``.npy`` array, which ``np.load`` would hand back as it is;
     a corrupt or cut-short zip; a member that is not an ``.npy``) is a ValueError of one line,
     not naming the file; OSError (a missing file) is the caller's."""
-    with path.open("rb") as handle:
-        magic = handle.read(6)
-    if magic.startswith(b"\x93NUMPY"):
+    return _npz_arrays(path.read_bytes())
+
+
+def _npz_arrays(content: bytes) -> dict[str, NDArray[Any]]:
+    """The arrays of the ``.npz`` archive ``content`` (:func:`read_npz`)."""
+    if content.startswith(b"\x93NUMPY"):
         raise ValueError("not an .npz archive but a single .npy array (write it with numpy.savez)")
-    if not magic.startswith(b"PK"):
+    if not content.startswith(b"PK"):
         raise ValueError("not an .npz archive (a .npz is a zip of .npy arrays)")
     try:
-        with np.load(path, allow_pickle=False) as archive:  # a zip: an NpzFile
+        with np.load(io.BytesIO(content), allow_pickle=False) as archive:  # a zip: an NpzFile
             arrays: dict[str, NDArray[Any]] = {}
             for name in archive.files:
                 value = archive[name]
