@@ -285,6 +285,10 @@ class _OnnxRuntime:
             raise ModelLoadError(f"{path.name}: the ONNX graph has no inputs")
         self._input_specs = inputs
         self._output_names = [arg.name for arg in self._session.get_outputs()]
+        if not self._output_names:
+            # It loads, but nothing can be asked of it (onnxruntime: "At least one output
+            # should be requested"): every query would fail.
+            raise ModelLoadError(f"{path.name}: the ONNX graph has no outputs")
         outputs = [_onnx_spec("output", arg) for arg in self._session.get_outputs()]
         if any(spec is None for spec in outputs):
             # An output of unknown rank: its shape is what a probe batch gives.

@@ -218,6 +218,24 @@ def test_models_without_a_dynamic_batch_dimension_are_refused(
     check_batchable(FAMILY_SIGNATURE)
 
 
+def test_an_onnx_model_without_outputs_is_refused(tmp_path: Path) -> None:
+    onnx = pytest.importorskip("onnx")
+    helper = onnx.helper
+    # onnxruntime loads it, so it was pushed with "outputs" empty and taken into an app; then
+    # its worker could not start ("At least one output should be requested"), a 502.
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])],
+        [],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "silent.onnx"))
+    with pytest.raises(ModelLoadError, match=r"silent\.onnx: the ONNX graph has no outputs"):
+        load_runtime(tmp_path / "silent.onnx")
+
+
 @pytest.mark.parametrize(
     ("name", "format", "fragment"),
     [
