@@ -6,7 +6,10 @@ registry runs before it stores a model) executes a model a user brings, whatever
 - ONNX, through onnxruntime's ``InferenceSession`` (``CPUExecutionProvider``; with
   ``device="cuda"`` the ``CUDAExecutionProvider`` first when onnxruntime has it). The signature
   is the graph's: onnxruntime's type strings (``tensor(float)``) become protocol datatypes
-  (``FP32``, :data:`ONNX_DATATYPES`), symbolic or unknown dimensions ``-1``.
+  (``FP32``, :data:`ONNX_DATATYPES`), symbolic or unknown dimensions ``-1``. It is run on zeros
+  twice, every dynamic dimension 1, then 2: each output must answer one row per input row (a
+  symbolic first dimension is only a name), and an output of unknown rank takes its shape from
+  these runs.
 - TorchScript, through ``torch.jit.load`` (``eval()``, run under ``torch.inference_mode``). An
   archive holds no shapes, so the inputs' datatypes and shapes come from the extra file
   :data:`SIGNATURE_FILE` inside it (``{"inputs": [TensorSpec JSON, ...]}``, written with
@@ -290,26 +293,34 @@ class _OnnxRuntime:
             # should be requested"): every query would fail.
             raise ModelLoadError(f"{path.name}: the ONNX graph has no outputs")
         outputs = [_onnx_spec("output", arg) for arg in self._session.get_outputs()]
-        if any(spec is None for spec in outputs):
-            # An output of unknown rank: its shape is what a probe batch gives.
-            probed = self._probe(inputs)
-            outputs = [
-                spec if spec is not None else probed[index] for index, spec in enumerate(outputs)
-            ]
-        self.signature = ModelSignature(inputs, tuple(s for s in outputs if s is not None))
+        check_batchable(ModelSignature(inputs, tuple(s for s in outputs if s is not None)))
+        # The graph's symbolic dimensions are names, not promises: two probe batches say
+        # whether each output answers one row per input row (an output of unknown rank takes
+        # its shape from them).
+        one, two = self._probe(inputs, 1), self._probe(inputs, 2)
+        for name, first, second in zip(self._output_names, one, two, strict=True):
+            if first.ndim and second.ndim:
+                _check_rows(name, (int(first.shape[0]), int(second.shape[0])), (1, 2))
+        self.signature = ModelSignature(
+            inputs,
+            tuple(
+                spec if spec is not None else _probed_spec(name, first, tuple(second.shape))
+                for spec, name, first, second in zip(
+                    outputs, self._output_names, one, two, strict=True
+                )
+            ),
+        )
 
-    def _probe(self, inputs: Sequence[TensorSpec]) -> list[TensorSpec]:
-        feed = {spec.name: np.zeros(_probe_shape(spec, 1), spec.dtype) for spec in inputs}
+    def _probe(self, inputs: Sequence[TensorSpec], size: int) -> list[np.ndarray]:
+        """The outputs of a batch of zeros, every dynamic input dimension ``size``."""
+        feed = {spec.name: np.zeros(_probe_shape(spec, size), spec.dtype) for spec in inputs}
         try:
             values = self._session.run(self._output_names, feed)
         except Exception as error:
             raise ModelLoadError(
                 f"the model fails on a batch of zeros: {first_line(error)}"
             ) from None
-        return [
-            _probed_spec(name, np.asarray(value), None)
-            for name, value in zip(self._output_names, values, strict=True)
-        ]
+        return [np.asarray(value) for value in values]
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         arrays = _cast(inputs, self._input_specs)
@@ -513,22 +524,27 @@ def _probe_outputs(module: Any, specs: Sequence[TensorSpec], device: str) -> tup
         except (TypeError, RuntimeError) as error:
             raise ModelLoadError(f"output {name!r}: {first_line(error)}") from None
         rows = (int(one.shape[0]), int(two.shape[0])) if one.dim() and two.dim() else None
-        if rows is not None and rows[0] != rows[1] and rows != (1, 2):
-            # A first dimension that follows the batch but is not it (torch.cat([x, x]): 2
-            # rows for 1): every query would fail at serving, a row too many.
-            raise ModelLoadError(
-                f"output {name!r} has {rows[0]} rows for a batch of 1 and {rows[1]} for a batch"
-                " of 2: heteroplane batches along the first dimension, one output row per input"
-                " row"
-            )
+        if rows is not None and rows[0] != rows[1]:
+            _check_rows(name, rows, (1, 2))
         outputs.append(_probed_spec(name, value, tuple(two.shape)))
     return tuple(outputs)
 
 
-def _probed_spec(name: str, value: np.ndarray, other: tuple[int, ...] | None) -> TensorSpec:
-    """An output's spec from a probe with batch 1 (and, when given, the shape of the probe with
-    batch 2: dimensions that differ are dynamic). Without a second probe, dimension 0 is taken
-    for the batch dimension when it is 1."""
+def _check_rows(name: str, rows: tuple[int, int], batches: tuple[int, int]) -> None:
+    """:class:`ModelLoadError` unless output ``name`` answered ``rows`` for probe batches of
+    ``batches`` rows: a first dimension that follows the batch but is not it (``torch.cat([x,
+    x])``, ONNX's ``Concat`` on axis 0: 2 rows for 1) would fail every query at serving."""
+    if rows != batches:
+        raise ModelLoadError(
+            f"output {name!r} has {rows[0]} rows for a batch of {batches[0]} and {rows[1]} for a"
+            f" batch of {batches[1]}: heteroplane batches along the first dimension, one output"
+            " row per input row"
+        )
+
+
+def _probed_spec(name: str, value: np.ndarray, other: tuple[int, ...]) -> TensorSpec:
+    """An output's spec from a probe with batch 1 and the shape ``other`` of the probe with
+    batch 2: dimensions that differ are dynamic."""
     try:
         datatype = datatype_of(value.dtype)
     except ArtifactError:
@@ -536,9 +552,7 @@ def _probed_spec(name: str, value: np.ndarray, other: tuple[int, ...] | None) ->
             f"output {name!r} has type {value.dtype}, which is not served"
         ) from None
     shape = tuple(int(d) for d in value.shape)
-    if other is None:
-        dims = tuple(-1 if index == 0 and d == 1 else d for index, d in enumerate(shape))
-    elif len(other) != len(shape):
+    if len(other) != len(shape):
         raise ModelLoadError(f"output {name!r} changes rank with the batch size")
     else:
         dims = tuple(-1 if a != b else a for a, b in zip(shape, other, strict=True))

@@ -218,6 +218,46 @@ def test_models_without_a_dynamic_batch_dimension_are_refused(
     check_batchable(FAMILY_SIGNATURE)
 
 
+def onnx_graph(path: Path, node: Any, output: list[str | int] | None, *weights: Any) -> Path:
+    """A one-node ONNX graph from ``x`` (-1 x 4, FP32) to ``y``, declared of shape ``output``
+    (None: of unknown rank)."""
+    onnx = pytest.importorskip("onnx")
+    helper = onnx.helper
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, output)],
+        list(weights),
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def test_an_onnx_model_must_answer_one_row_per_input_row(tmp_path: Path) -> None:
+    onnx = pytest.importorskip("onnx")
+    helper = onnx.helper
+    # Its output's first dimension is symbolic, so the graph calls it batched; but it answers two
+    # rows for one. It was pushed, profiled and planned; then every query failed (502, "output
+    # 'y': shape [2, 4] for a batch of 1 rows").
+    concat = helper.make_node("Concat", ["x", "x"], ["y"], axis=0)
+    doubled = onnx_graph(tmp_path / "doubled.onnx", concat, ["rows", 4])
+    with pytest.raises(ModelLoadError, match="has 2 rows for a batch of 1 and 4 for a batch of 2"):
+        load_runtime(doubled)
+    # A graph that loads but fails when run on a batch of one: refused with onnxruntime's reason.
+    shape = helper.make_tensor("shape", onnx.TensorProto.INT64, [2], [-1, 8])
+    reshape = helper.make_node("Reshape", ["x", "shape"], ["y"])
+    pairs = onnx_graph(tmp_path / "pairs.onnx", reshape, ["half", 8], shape)
+    with pytest.raises(ModelLoadError, match="fails on a batch of zeros") as failed:
+        load_runtime(pairs)
+    assert "\n" not in str(failed.value)
+    # An output of unknown rank takes its shape from the probes.
+    relu = onnx_graph(tmp_path / "relu.onnx", helper.make_node("Relu", ["x"], ["y"]), None)
+    assert load_runtime(relu).signature.outputs == (TensorSpec("y", "FP32", (-1, 4)),)
+
+
 def test_an_onnx_model_without_outputs_is_refused(tmp_path: Path) -> None:
     onnx = pytest.importorskip("onnx")
     helper = onnx.helper
