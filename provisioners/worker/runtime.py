@@ -276,6 +276,14 @@ class _OnnxRuntime:
                 str(path), sess_options=options, providers=providers
             )
         except Exception as error:  # onnxruntime's own exception types (Fail, InvalidProtobuf)
+            if "external data" in str(error).lower():
+                # The registry takes one file: the weights are not beside the uploaded copy
+                # (onnxruntime's message names where it looked, the service's own folders).
+                raise ModelLoadError(
+                    f"{path.name} keeps tensors in external data files, which heteroplane does"
+                    " not take: a model is one file; save it with onnx.save_model(model, path,"
+                    " save_as_external_data=False)"
+                ) from None
             # Tried as ONNX because it is not a zip: then it is not TorchScript either.
             what = "is neither a TorchScript archive (not a zip file) nor" if detected else "is not"
             raise ModelLoadError(

@@ -652,6 +652,37 @@ def test_push_with_the_real_inspector(store: Store, tmp_path: Path) -> None:
     assert len(blobs(root)) == 1
 
 
+@needs_inspector
+def test_an_onnx_model_with_external_data_is_refused_without_the_servers_paths(
+    store: Store, tmp_path: Path
+) -> None:
+    import onnx
+    from onnx import numpy_helper
+
+    source = onnx.load(str(onnx_model(tmp_path / "inline.onnx")))
+    weights = source.graph.initializer[0]  # as raw bytes: only those go to an external file
+    weights.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weights), weights.name))
+    split = tmp_path / "split.onnx"
+    onnx.save_model(
+        source, str(split), save_as_external_data=True, location="split.onnx.data", size_threshold=0
+    )
+    root = tmp_path / "registry"
+    registry = Registry(store, LocalArtifactStorage(root), staging_dir=root / "incoming")
+    # As the API does: the upload (the .onnx alone) is staged, then pushed. onnxruntime looked
+    # for the weights beside the staged copy, and the refusal named the service's folders
+    # ('External data path does not exist: "/srv/.../registry/incoming/split.onnx.data"'),
+    # not what to do.
+    with (
+        registry.staged_file() as staged,
+        pytest.raises(ModelRejectedError, match="external data") as caught,
+    ):
+        staged.write_bytes(split.read_bytes())
+        registry.push("split", staged)
+    message = str(caught.value)
+    assert str(tmp_path) not in message and "save_as_external_data=False" in message
+    assert store.list_model_versions() == [] and blobs(root) == []
+
+
 # --- the API -----------------------------------------------------------------------------------
 
 
