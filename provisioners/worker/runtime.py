@@ -36,6 +36,7 @@ their format is loaded.
 from __future__ import annotations
 
 import json
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -396,6 +397,12 @@ class _TorchScriptRuntime(_ModuleRuntime):
                 str(path), map_location=device, _extra_files=extra
             )
         except Exception as error:  # torch's RuntimeError for a bad or truncated archive
+            if _written_by_torch_save(path):
+                raise ModelLoadError(
+                    f"{path.name} was written by torch.save (a pickled module or state_dict),"
+                    " not by torch.jit.save: save the model as TorchScript,"
+                    " torch.jit.save(torch.jit.script(model), path) (or torch.jit.trace)"
+                ) from None
             raise ModelLoadError(
                 f"{path.name} is not a TorchScript archive torch can load: {first_line(error)}"
             ) from None
@@ -409,6 +416,20 @@ class _TorchScriptRuntime(_ModuleRuntime):
             )
         outputs = _named(_probe_outputs(module, specs, device), extra[SIGNATURE_FILE], path)
         super().__init__(module, ModelSignature(specs, outputs), PLATFORMS["torchscript"], device)
+
+
+def _written_by_torch_save(path: Path) -> bool:
+    """Whether ``path`` is a zip as ``torch.save`` writes one (``<name>/data.pkl``, the pickle)
+    without what a TorchScript archive adds (``<name>/constants.pkl``, ``<name>/code/``): torch
+    calls it a corrupted checkpoint, which tells its author nothing. Only the zip's directory is
+    read (unpickling a user's file is what must not happen here)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            parts = [name.split("/", 1)[-1] for name in archive.namelist()]
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+    scripted = "constants.pkl" in parts or any(part.startswith("code/") for part in parts)
+    return "data.pkl" in parts and not scripted
 
 
 def _embedded_inputs(raw: bytes | str, path: Path) -> tuple[TensorSpec, ...]:

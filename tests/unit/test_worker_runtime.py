@@ -109,6 +109,19 @@ def test_a_torchscript_archive_needs_its_input_shapes_given_or_embedded(
         load_runtime(files["torchscript_bare"], inputs=(TensorSpec("input", "FP32", (-1, 5)),))
 
 
+def test_a_torch_save_file_is_told_apart_from_a_torchscript_archive(tmp_path: Path) -> None:
+    # torch.save writes a zip too: it was refused as a TorchScript archive "likely corrupted"
+    # (torch's "failed locating file constants.pkl ... your checkpoint file is corrupted").
+    model = tabular_model()
+    for what, saved in (("weights", model.state_dict()), ("module", model)):
+        path = tmp_path / f"{what}.pt"
+        torch.save(saved, str(path))
+        with pytest.raises(ModelLoadError, match=r"written by torch\.save") as refused:
+            load_runtime(path)
+        assert "torch.jit.save(torch.jit.script(model)" in str(refused.value)
+        assert "corrupted" not in str(refused.value)
+
+
 class TwoHeads(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
