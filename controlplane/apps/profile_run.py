@@ -83,6 +83,7 @@ from controlplane.errors import (
     ConflictError,
     ControlPlaneError,
     InvalidValueError,
+    NotFoundError,
     ProfilingBudgetError,
 )
 from controlplane.policies.lifecycle import (
@@ -127,6 +128,7 @@ __all__ = [
     "check_profile_run",
     "end_workers",
     "ended_reason",
+    "forget_moved_profiles",
     "launch_worker",
     "predicted_ms",
     "random_inputs",
@@ -738,6 +740,58 @@ def kept_with(
     if not carried:
         return document
     return {**document, "profiles": [*document["profiles"], *carried]}
+
+
+def forget_moved_profiles(
+    store: Store, app: str, old_spec: Mapping[str, Any], new_spec: Mapping[str, Any], who: str
+) -> list[str]:
+    """Drop from ``app``'s measured profiles those of the models whose artifact the new spec
+    document moves to other bytes (another sha256; a version of the same file keeps them), so
+    that the app asks to be profiled again rather than being planned and served on another
+    model's latencies; a ``profiles_measured`` decision says so. The models dropped.
+
+    A rollout's promotion is not this: it times the new version and stores its profiles."""
+    before = {m.get("name"): m.get("artifact") for m in old_spec.get("models") or ()}
+    moved = [
+        str(m["name"])
+        for m in new_spec.get("models") or ()
+        if m.get("name") in before
+        and before[m["name"]] != m.get("artifact")
+        and _artifact_sha256(store, before[m["name"]]) != _artifact_sha256(store, m.get("artifact"))
+    ]
+    document = store.get_app_profiles(app)
+    if not moved or not document:
+        return []
+    profiles = document.get("profiles") or []
+    dropped = sorted({p.get("model") for p in profiles if p.get("model") in moved})
+    if not dropped:
+        return []
+    artifacts = {m: ref for m, ref in (document.get("artifacts") or {}).items() if m not in moved}
+    kept = [p for p in profiles if p.get("model") not in moved]
+    if kept:
+        store.put_app_profiles(app, {**document, "profiles": kept, "artifacts": artifacts})
+    else:  # a document of no profiles is refused when read: none is what "not measured" is
+        store.delete_app_profiles(app)
+    store.record_decision(
+        app,
+        DECISION_KIND,
+        f"latency profiles of {', '.join(dropped)} dropped by {who}: the spec serves another"
+        f" artifact for {'it' if len(dropped) == 1 else 'them'}; run heteroplane profile run"
+        f" --app {app}",
+        {"models": dropped, "dropped": True},
+    )
+    return dropped
+
+
+def _artifact_sha256(store: Store, artifact: object) -> str | None:
+    """The sha256 of a pinned ``NAME@VERSION`` of the registry; None when there is none."""
+    if not isinstance(artifact, str):
+        return None
+    name, _, version = artifact.partition("@")
+    try:
+        return store.get_model_version(name, int(version) if version else None).sha256
+    except (NotFoundError, ValueError):
+        return None
 
 
 def _check_budget(

@@ -620,6 +620,49 @@ def test_the_api_pins_refuses_the_plan_then_profiles_the_app(
         assert unknown.json()["error"]["field"] == "models[0].artifact"
 
 
+def test_a_spec_that_moves_a_model_to_other_bytes_drops_the_profiles_measured_of_the_old(
+    world: World, worker: FakeV2Worker
+) -> None:
+    """`app apply` that gives a model another artifact (no live instance: allowed) kept the
+    profiles measured of the old one, and the app was planned and served on them: a model of
+    other bytes (another format here) planned on another model's latencies. The profiles of
+    that model go, so that the app asks to be profiled again; a version of the same bytes
+    keeps them."""
+    world.store.add_model_version(
+        "digits-small", 2, "onnx", SHA, 10, FAMILY_SIGNATURE, "file:///registry/s2.onnx"
+    )
+    world.store.add_model_version(
+        "digits-small", 3, "torchscript", "ef" * 32, 10, FAMILY_SIGNATURE, "file:///r/s3.pt"
+    )
+    settings = Settings(data_dir=world.data_dir / "data", provisioner="fake")
+    token = world.store.create_token("operator", name="op")
+    app = create_app(
+        settings, world.store, world.clock, resolver=world.resolver, provisioner=world.provisioner
+    )
+    auth = {"Authorization": f"Bearer {token}"}
+    document = spec(types=(SMALL,))
+    document["models"][0]["artifact"] = "digits-small@1"
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert client.post("/v1/apps", json=document, headers=auth).status_code == 201
+        ran = client.post(
+            f"/v1/apps/{APP}/profiles", json={"batch_sizes": [1], "samples": 2}, headers=auth
+        )
+        assert ran.status_code == 200, ran.text
+
+        def replace_and_plan(artifact: str) -> Any:
+            document["models"][0]["artifact"] = artifact
+            replaced = client.put(f"/v1/apps/{APP}", json=document, headers=auth)
+            assert replaced.status_code == 200, replaced.text
+            return client.post(f"/v1/apps/{APP}/plans", json={"rate_qps": 5}, headers=auth)
+
+        assert replace_and_plan("digits-small@2").status_code == 201  # the same bytes
+        refused = replace_and_plan("digits-small@3")
+        assert refused.status_code == 409, refused.text
+        assert "no latency profiles for model small" in refused.json()["error"]["message"]
+        kept = world.store.get_app_profiles(APP) or {}
+        assert [p for p in kept.get("profiles", []) if p.get("model") == "small"] == []
+
+
 def test_a_run_whose_rows_are_ended_meanwhile_stops_and_leaves_no_worker(world: World) -> None:
     register(world, spec())
     launch = world.provisioner.launch

@@ -31,6 +31,7 @@ from controlplane.apps.profile_run import (
     DEFAULT_SAMPLES,
     ProfileRunRequest,
     check_profile_run,
+    forget_moved_profiles,
     run_profile,
 )
 from controlplane.apps.profiler import (
@@ -200,6 +201,8 @@ def replace_app(
         unless_rollout=", ".join(moved) if moved else None,
     )
     response.headers["ETag"] = _etag(record.version)
+    if changed and forget_moved_profiles(services.store, app, current.spec, replaced, who.name):
+        services.resolver.invalidate(app)
     record_scaling_switch(services.store, app, current.spec, replaced, who.name)
     if lowered is not None:
         stages, values = lowered

@@ -202,6 +202,16 @@ class CalibrationStore(StoreBase):
                 found.measured_at = now
 
     @_translated
+    def delete_app_profiles(self, app: str) -> None:
+        """Forget ``app``'s measured latency profiles (the app is then unprofiled, as before its
+        first run); :class:`NotFoundError` for an app not registered."""
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            found = session.get(m.AppProfiles, row.id)
+            if found is not None:
+                session.delete(found)
+
+    @_translated
     def get_app_profiles(self, app: str) -> dict[str, Any] | None:
         """``app``'s measured latency profiles; None when none were measured (or no such app
         is registered: an app being registered has none yet)."""
