@@ -113,7 +113,8 @@ def parse_artifact(text: str) -> tuple[str, int | None]:
     (('digits', 3), ('digits', None))
     """
     name, at, version = text.partition("@")
-    if not re.match(_APP_NAME_PATTERN, name) or len(name) > _APP_NAME_MAX:
+    # fullmatch: "$" also matches before a trailing newline.
+    if not re.fullmatch(_APP_NAME_PATTERN, name) or len(name) > _APP_NAME_MAX:
         raise SpecError(
             "",
             f"{text!r} is not NAME or NAME@VERSION (a name is lowercase letters, digits and '-',"

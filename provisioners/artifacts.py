@@ -230,15 +230,16 @@ class ArtifactRef:
     inputs: tuple[TensorSpec, ...] = ()
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name) and not re.match(r"^[A-Za-z0-9_.-]{1,128}$", self.name):
+        # fullmatch: "$" also matches before a trailing newline.
+        if not _NAME.fullmatch(self.name) and not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", self.name):
             raise ArtifactError(f"artifact served as {self.name!r}: not a model name")
-        if not _NAME.match(self.model):
+        if not _NAME.fullmatch(self.model):
             raise ArtifactError(f"registry model {self.model!r} is not a DNS label")
         if self.version < 1:
             raise ArtifactError(f"version must be >= 1, got {self.version}")
         if self.format not in FORMATS:
             raise ArtifactError(f"format {self.format!r} is not one of {', '.join(FORMATS)}")
-        if not _SHA256.match(self.sha256):
+        if not _SHA256.fullmatch(self.sha256):
             raise ArtifactError("sha256 must be 64 lower-case hex digits")
         if urlparse(self.uri).scheme not in ("file", "s3"):
             raise ArtifactError(f"artifact uri {self.uri!r}: expected file:// or s3://")

@@ -82,7 +82,8 @@ _PUSH_ATTEMPTS = 2
 
 def check_model_name(name: str) -> str:
     """``name`` if it is a DNS label, else :class:`ModelNameError`."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    # fullmatch: "$" also matches before a trailing newline, and "wine\n" passed.
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ModelNameError(
             str(name),
             f"model name {name!r} is not a DNS label: 1 to 63 lower-case letters, digits and"
@@ -98,7 +99,7 @@ def parse_reference(reference: str) -> tuple[str, int | None]:
     >>> parse_reference("wine@3")
     ('wine', 3)
     """
-    found = _REFERENCE.match(reference) if isinstance(reference, str) else None
+    found = _REFERENCE.fullmatch(reference) if isinstance(reference, str) else None
     if found is None:
         raise ModelNameError(
             str(reference), f"model reference {reference!r}: expected NAME or NAME@VERSION"

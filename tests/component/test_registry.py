@@ -235,12 +235,15 @@ def test_artifact_key_and_references() -> None:
     assert artifact_key("wine", 3, SHA, "torchscript") == f"wine/3/{SHA}.pt"
     assert parse_reference("wine") == ("wine", None)
     assert parse_reference("wine@12") == ("wine", 12)
-    for bad in ("Wine", "wine@", "wine@x", "wine@0", "@3", "", "a@1@2", "-x"):
+    # A trailing newline passed the pattern's "$" (re.match), and "wine\n" was a name.
+    for bad in ("Wine", "wine@", "wine@x", "wine@0", "@3", "", "a@1@2", "-x", "wine\n", "w@1\n"):
         with pytest.raises(ModelNameError):
             parse_reference(bad)
 
 
-@pytest.mark.parametrize("name", ["Wine", "wine_1", "-wine", "wine-", "a" * 64, "", "a/b", "é"])
+@pytest.mark.parametrize(
+    "name", ["Wine", "wine_1", "-wine", "wine-", "a" * 64, "", "a/b", "é", "wine\n"]
+)
 def test_push_refuses_bad_names(registry: Registry, tmp_path: Path, name: str) -> None:
     with pytest.raises(ModelNameError, match="DNS label") as caught:
         registry.push(name, model_file(tmp_path))
@@ -758,6 +761,8 @@ def test_api_push_list_show_download(api: Api) -> None:
 
 def test_api_refusals_are_one_line_4xx(api: Api) -> None:
     assert_error(api.call("POST", "/v1/models/Wine", content=b"x"), 400, "invalid_model_name")
+    # Stored as "nl\n", its blob under a folder of that name, before the name was matched whole.
+    assert_error(api.call("POST", "/v1/models/nl%0A", content=b"x"), 400, "invalid_model_name")
     assert_error(api.call("GET", "/v1/models/Wine", "viewer"), 400, "invalid_model_name")
     assert_error(api.call("POST", "/v1/models/wine", content=b"bad"), 422, "invalid_model")
     assert_error(api.call("POST", "/v1/models/wine", content=b""), 422, "invalid_model")
