@@ -7,9 +7,10 @@ registry runs before it stores a model) executes a model a user brings, whatever
   ``device="cuda"`` the ``CUDAExecutionProvider`` first when onnxruntime has it). The signature
   is the graph's: onnxruntime's type strings (``tensor(float)``) become protocol datatypes
   (``FP32``, :data:`ONNX_DATATYPES`), symbolic or unknown dimensions ``-1``. It is run on zeros
-  twice, every dynamic dimension 1, then 2: each output must answer one row per input row (a
-  symbolic first dimension is only a name), and an output of unknown rank takes its shape from
-  these runs.
+  twice, the batch 1, then 2: each output must answer one row per input row (a symbolic first
+  dimension is only a name), and an output of unknown rank takes its shape from these runs; a
+  dynamic dimension past the batch is 1 in them, else 64 where the model takes no 1, and where
+  it takes neither the rows are not checked.
 - TorchScript, through ``torch.jit.load`` (``eval()``, run under ``torch.inference_mode``). An
   archive holds no shapes, so the inputs' datatypes and shapes come from the extra file
   :data:`SIGNATURE_FILE` inside it (``{"inputs": [TensorSpec JSON, ...]}``, written with
@@ -131,6 +132,11 @@ def detect_format(path: str | Path) -> str:
     if not head:
         raise ModelLoadError(f"{path} is empty")
     return "torchscript" if head == _ZIP_MAGIC else "onnx"
+
+
+# The sizes an ONNX model's probe batches give a dynamic input dimension past the batch, in
+# turn: 1 (a sequence of one token), then an image a few convolutions and poolings still fit.
+_PROBE_INNER_SIZES = (1, 64)
 
 
 def check_batchable(signature: ModelSignature) -> None:
@@ -306,7 +312,20 @@ class _OnnxRuntime:
         # The graph's symbolic dimensions are names, not promises: two probe batches say
         # whether each output answers one row per input row (an output of unknown rank takes
         # its shape from them).
-        one, two = self._probe(inputs, 1), self._probe(inputs, 2)
+        probes = self._probes(inputs)
+        if probes is None:
+            # Zeros fit no size tried of a dynamic dimension past the batch (a convolution
+            # over an image of any size): what the model takes is not known, so its rows are
+            # not checked, and its outputs are as the graph declares them.
+            self.signature = ModelSignature(inputs, tuple(s for s in outputs if s is not None))
+            if len(self.signature.outputs) != len(outputs):
+                raise ModelLoadError(
+                    "an output of unknown rank, and the model runs on no batch of zeros tried"
+                    " (every dynamic dimension past the batch 1 or "
+                    f"{_PROBE_INNER_SIZES[-1]}): its shape cannot be told"
+                )
+            return
+        one, two = probes
         for name, first, second in zip(self._output_names, one, two, strict=True):
             if first.ndim and second.ndim:
                 _check_rows(name, (int(first.shape[0]), int(second.shape[0])), (1, 2))
@@ -320,11 +339,34 @@ class _OnnxRuntime:
             ),
         )
 
-    def _probe(self, inputs: Sequence[TensorSpec], size: int) -> list[np.ndarray]:
-        """The outputs of a batch of zeros, every dynamic input dimension ``size``."""
-        feed = {spec.name: np.zeros(_probe_shape(spec, size), spec.dtype) for spec in inputs}
+    def _probes(
+        self, inputs: Sequence[TensorSpec]
+    ) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+        """The outputs of batches of zeros of 1 and 2 rows (:meth:`_probe`). With a dynamic
+        dimension past the batch, which sizes fit is the model's own (a 3x3 convolution takes
+        no 1x1 image): each of :data:`_PROBE_INNER_SIZES` is tried there, and None when the
+        model runs on none of them. Without one, a model that fails on zeros is refused."""
+        inner = any(-1 in spec.shape[1:] for spec in inputs)
+        for index, size in enumerate(_PROBE_INNER_SIZES):
+            try:
+                return self._probe(inputs, 1, size), self._probe(inputs, 2, size)
+            except ModelLoadError:
+                if not inner:
+                    raise
+                if index == len(_PROBE_INNER_SIZES) - 1:
+                    return None
+        return None
+
+    def _probe(self, inputs: Sequence[TensorSpec], size: int, inner: int) -> list[np.ndarray]:
+        """The outputs of a batch of zeros of ``size`` rows, every other dynamic input
+        dimension ``inner``."""
+        feed = {spec.name: np.zeros(_probe_shape(spec, size, inner), spec.dtype) for spec in inputs}
+        import onnxruntime
+
+        quiet = onnxruntime.RunOptions()
+        quiet.log_severity_level = 4  # a probe's failure is an answer, not a line on stderr
         try:
-            values = self._session.run(self._output_names, feed)
+            values = self._session.run(self._output_names, feed, quiet)
         except Exception as error:
             raise ModelLoadError(
                 f"the model fails on a batch of zeros: {first_line(error)}"
@@ -517,8 +559,13 @@ def _forward_arguments(module: Any) -> list[str] | None:
     return [argument.name for argument in arguments[1:]]
 
 
-def _probe_shape(spec: TensorSpec, size: int) -> tuple[int, ...]:
-    return tuple(size if d == -1 else d for d in spec.shape)
+def _probe_shape(spec: TensorSpec, size: int, inner: int | None = None) -> tuple[int, ...]:
+    """``spec``'s shape with its dynamic dimensions ``size``, or past the first ``inner`` when
+    given."""
+    return tuple(
+        (size if index == 0 or inner is None else inner) if d == -1 else d
+        for index, d in enumerate(spec.shape)
+    )
 
 
 def _probe_outputs(module: Any, specs: Sequence[TensorSpec], device: str) -> tuple[TensorSpec, ...]:

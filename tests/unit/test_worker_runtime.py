@@ -471,3 +471,47 @@ def test_inspecting_onnx_does_not_import_torch(files: dict[str, Path]) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert done.returncode == 0, done.stderr
+
+
+def conv_graph(path: Path, kernel: int, output: list[str | int]) -> Path:
+    """An ONNX CNN over images of any size (``x``: batch x 3 x h x w, FP32): a ``kernel`` x
+    ``kernel`` convolution without padding, a global average pool, ``y`` declared ``output``."""
+    onnx = pytest.importorskip("onnx")
+    helper = onnx.helper
+    weights = helper.make_tensor(
+        "w", onnx.TensorProto.FLOAT, [2, 3, kernel, kernel], [0.5] * (6 * kernel * kernel)
+    )
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[kernel, kernel]),
+        helper.make_node("GlobalAveragePool", ["c"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cnn",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 3, "h", "w"])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, output)],
+        [weights],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def test_a_cnn_over_images_of_any_size_is_probed_where_its_kernel_fits(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # A 3x3 convolution takes no 1x1 image: the probe's zeros of 1 in h and w failed, and the
+    # model, which serves images of 3x3 and more, was refused at push (and at every worker's
+    # load). The probes try 64 there next.
+    small = load_runtime(conv_graph(tmp_path / "small.onnx", 3, ["batch", 2]))
+    assert small.signature.outputs == (TensorSpec("y", "FP32", (-1, 2)),)
+    out = small.run({"x": np.ones((2, 3, 5, 7), np.float32)})["y"]
+    assert out.shape == (2, 2)
+    # A kernel no size tried fits: taken as the graph declares it, its rows not checked.
+    wide = load_runtime(conv_graph(tmp_path / "wide.onnx", 100, ["batch", 2]))
+    assert wide.signature.outputs == (TensorSpec("y", "FP32", (-1, 2)),)
+    assert wide.run({"x": np.ones((1, 3, 100, 100), np.float32)})["y"].shape == (1, 2)
+    # The probes' failures are answers, not onnxruntime's error lines on stderr.
+    assert "ONNXRuntimeError" not in capfd.readouterr().err
