@@ -16,6 +16,7 @@ time-rescaling theorem). Randomness comes only through the ``numpy.random.Genera
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 import math
 import os
@@ -179,13 +180,12 @@ class Trace:
 # ---------------------------------------------------------------------------------------------
 
 
-def _read_header(path: Path) -> tuple[list[str], int]:
+def _read_header(path: Path, text: str) -> tuple[list[str], int]:
     """The stripped column names and the number of physical lines before the first data row."""
-    with path.open(newline="", encoding="utf-8-sig") as handle:
-        reader = csv.reader(handle)
-        for header in reader:
-            if any(cell.strip() for cell in header):
-                return [cell.strip() for cell in header], reader.line_num
+    reader = csv.reader(io.StringIO(text, newline=""))
+    for header in reader:
+        if any(cell.strip() for cell in header):
+            return [cell.strip() for cell in header], reader.line_num
     raise TraceError(
         f"trace {path} is empty (expected a CSV header with an {ARRIVAL_COLUMN} column)"
     )
@@ -216,7 +216,7 @@ _NOT_SEPARATOR_OR_LINE_FEED = bytes(byte for byte in range(256) if byte not in b
 _WIDTH_CHECK_CHUNK_BYTES = 1 << 20
 
 
-def _rows_wider_than(path: Path, skip_lines: int, width: int) -> bool:
+def _rows_wider_than(data: bytes, skip_lines: int, width: int) -> bool:
     """Whether a data row may hold more than ``width`` fields (the header's), which numpy's
     reader, taking the header's columns, lets by. Checked on the file's bytes in C, not row by
     row: with every byte but separators and line feeds deleted, a row of more than ``width``
@@ -224,11 +224,11 @@ def _rows_wider_than(path: Path, skip_lines: int, width: int) -> bool:
     field may hold a separator) is left to the row-by-row reader, which decides (as it does on
     a lone carriage-return line end)."""
     kept: list[bytes] = []
-    with path.open("rb") as handle:
-        while chunk := handle.read(_WIDTH_CHECK_CHUNK_BYTES):
-            if b'"' in chunk:
-                return True
-            kept.append(chunk.translate(None, _NOT_SEPARATOR_OR_LINE_FEED))
+    for start in range(0, len(data), _WIDTH_CHECK_CHUNK_BYTES):
+        chunk = data[start : start + _WIDTH_CHECK_CHUNK_BYTES]
+        if b'"' in chunk:
+            return True
+        kept.append(chunk.translate(None, _NOT_SEPARATOR_OR_LINE_FEED))
     marks = b"".join(kept)
     start = 0
     for _ in range(skip_lines):  # the header (and any blank lines before it)
@@ -239,37 +239,36 @@ def _rows_wider_than(path: Path, skip_lines: int, width: int) -> bool:
 
 
 def _read_rows_slowly(
-    path: Path, skip_lines: int, columns: dict[str, int], width: int
+    text: str, skip_lines: int, columns: dict[str, int], width: int
 ) -> tuple[FloatArray, IntArray | None, IntArray | None]:
     """Parse row by row: only used to name the row a fast parse rejected (or to read it);
     a row of more than ``width`` fields (the header's) is refused."""
     arrivals: list[float] = []
     ints: dict[str, list[int]] = {name: [] for name in columns if name != ARRIVAL_COLUMN}
     needed = max(columns.values()) + 1
-    with path.open(newline="", encoding="utf-8-sig") as handle:
-        reader = csv.reader(handle)
-        row = 0
-        for fields in reader:
-            if reader.line_num <= skip_lines:
-                continue
-            if not any(field.strip() for field in fields):
-                continue  # blank lines are not rows (as in the fast path)
-            row += 1
-            if len(fields) < needed:
-                raise TraceError(
-                    f"row {row} has {len(fields)} field(s), expected at least {needed} "
-                    f"(line {reader.line_num})"
-                )
-            if len(fields) > width:
-                raise TraceError(
-                    f"row {row} has {len(fields)} field(s), the header has {width} "
-                    f"(line {reader.line_num})"
-                )
-            arrivals.append(
-                float(_parse_number(fields[columns[ARRIVAL_COLUMN]], ARRIVAL_COLUMN, row, float))
+    reader = csv.reader(io.StringIO(text, newline=""))
+    row = 0
+    for fields in reader:
+        if reader.line_num <= skip_lines:
+            continue
+        if not any(field.strip() for field in fields):
+            continue  # blank lines are not rows (as in the fast path)
+        row += 1
+        if len(fields) < needed:
+            raise TraceError(
+                f"row {row} has {len(fields)} field(s), expected at least {needed} "
+                f"(line {reader.line_num})"
             )
-            for name, values in ints.items():
-                values.append(int(_parse_number(fields[columns[name]], name, row, int)))
+        if len(fields) > width:
+            raise TraceError(
+                f"row {row} has {len(fields)} field(s), the header has {width} "
+                f"(line {reader.line_num})"
+            )
+        arrivals.append(
+            float(_parse_number(fields[columns[ARRIVAL_COLUMN]], ARRIVAL_COLUMN, row, float))
+        )
+        for name, values in ints.items():
+            values.append(int(_parse_number(fields[columns[name]], name, row, int)))
     batch = np.array(ints[BATCH_COLUMN], dtype=np.int64) if BATCH_COLUMN in ints else None
     sample = np.array(ints[SAMPLE_COLUMN], dtype=np.int64) if SAMPLE_COLUMN in ints else None
     return np.array(arrivals, dtype=np.float64), batch, sample
@@ -284,7 +283,8 @@ def read_trace_csv(path: str | Path) -> Trace:
     skipped, CRLF line ends, quoted fields (``"a,b"``) and a UTF-8 byte-order mark are accepted.
     Rows are numbered from 1 after the header in every error message.
 
-    The whole file is parsed by numpy's C reader and its rows' widths are checked on its bytes at
+    The file is read once (a pipe such as ``/dev/stdin`` gives its bytes once), then parsed from
+    memory: the whole of it by numpy's C reader and its rows' widths are checked on its bytes at
     once; only when either rejects the file (or it has a quote character, where a quoted field
     may hold a separator) is it scanned again row by row, to name the offending row.
 
@@ -307,7 +307,9 @@ def read_trace_csv(path: str | Path) -> Trace:
 
 
 def _read_trace_csv(path: Path) -> Trace:
-    header, skip_lines = _read_header(path)
+    data = path.read_bytes()
+    text = data.decode("utf-8-sig")
+    header, skip_lines = _read_header(path, text)
     seen: set[str] = set()
     for name in header:
         if name and name in seen:
@@ -329,7 +331,7 @@ def _read_trace_csv(path: Path) -> Trace:
             # A header without rows is reported below, in the project's words.
             warnings.filterwarnings("ignore", "loadtxt: input contained no data")
             table = np.loadtxt(
-                path,
+                io.StringIO(text, newline=None),  # universal line ends, as numpy opens a file
                 dtype=dtype,
                 delimiter=",",
                 skiprows=skip_lines,
@@ -337,7 +339,6 @@ def _read_trace_csv(path: Path) -> Trace:
                 comments=None,
                 quotechar='"',
                 ndmin=1,
-                encoding="utf-8-sig",
             )
         arrival_s: FloatArray = np.ascontiguousarray(table[ARRIVAL_COLUMN])
         batch: IntArray | None = (
@@ -347,10 +348,10 @@ def _read_trace_csv(path: Path) -> Trace:
             np.ascontiguousarray(table[SAMPLE_COLUMN]) if SAMPLE_COLUMN in columns else None
         )
     except ValueError:
-        arrival_s, batch, sample = _read_rows_slowly(path, skip_lines, columns, len(header))
+        arrival_s, batch, sample = _read_rows_slowly(text, skip_lines, columns, len(header))
     else:
-        if _rows_wider_than(path, skip_lines, len(header)):
-            _read_rows_slowly(path, skip_lines, columns, len(header))  # names the row
+        if _rows_wider_than(data, skip_lines, len(header)):
+            _read_rows_slowly(text, skip_lines, columns, len(header))  # names the row
     if arrival_s.size == 0:
         raise TraceError(f"trace {path} has a header but no data rows")
     if batch is None:

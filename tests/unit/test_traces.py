@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import warnings
 from pathlib import Path
@@ -553,3 +554,16 @@ def test_the_width_check_reads_across_chunks(
         read_trace_csv(wide)
     quoted = write_text(tmp_path, good + '2,10,"c,d"\n', "quoted.csv")
     assert read_trace_csv(quoted).arrival_s.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_trace_from_a_pipe_is_read_whole() -> None:
+    """A pipe (``--trace <(cat t.csv)``, ``/dev/stdin``) gives its bytes once: the file is read
+    once, whichever readers then parse it (here the row-by-row one too, for the quoted field)."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b'arrival_s,batch_size,note\n0,2,"a,b"\n1.5,3,c\n')
+        os.close(write_end)
+        trace = read_trace_csv(f"/dev/fd/{read_end}")
+    finally:
+        os.close(read_end)
+    assert trace.arrival_s.tolist() == [0.0, 1.5] and trace.batch_size.tolist() == [2, 3]
