@@ -279,7 +279,8 @@ def fit_inputs(
     extra = [name for name in arrays if name not in wanted]
     if missing or extra:
         raise ValueError(
-            f"the model's inputs are {', '.join(wanted)}; the file has {', '.join(arrays)}"
+            f"the model's inputs are {', '.join(map(repr, wanted))}; "
+            f"the file has {', '.join(map(repr, arrays))}"
         )
     fitted: dict[str, NDArray[Any]] = {}
     rows = None

@@ -71,7 +71,13 @@ def test_an_npz_and_oip_json_rows_read_alike(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("arrays", "specs", "fragment"),
     [
-        ({"ids": np.zeros((2, 3))}, TWO, "inputs are ids, mask; the file has ids"),
+        ({"ids": np.zeros((2, 3))}, TWO, "inputs are 'ids', 'mask'; the file has 'ids'"),
+        # Names are quoted, so one with a line break keeps the message one line.
+        (
+            {"a\nb": np.zeros((2, 3)), "c": np.zeros((2, 3))},
+            [InputSpec("x\ny", "INT64", (-1, 3)), InputSpec("mask", "BOOL", (-1, 3))],
+            "inputs are 'x\\ny', 'mask'; the file has 'a\\nb', 'c'",
+        ),
         ({"ids": np.zeros((2, 4)), "mask": np.zeros((2, 3))}, TWO, "'ids': rows of shape [4]"),
         ({"ids": np.zeros((2, 3)), "mask": np.zeros((3, 3))}, TWO, "'mask': 3 rows, the others 2"),
         ({"ids": np.full((1, 3), 0.5), "mask": np.zeros((1, 3))}, TWO, "not whole for INT64"),
