@@ -731,6 +731,30 @@ def test_a_spec_that_changes_a_served_models_artifact_is_refused_while_instances
     assert world.store.get_app(APP).spec["models"][0]["artifact"] == "wine-model@2"
 
 
+def test_a_profile_runs_workers_being_ended_do_not_hold_an_artifact_change(
+    world: World,
+) -> None:
+    """Right after `heteroplane profile run` the run's workers are still terminating: they
+    serve nothing, so `app apply` with another artifact was a 409 until they were gone (a
+    tester). A profile worker still measuring, or a fleet worker terminating, still counts."""
+    register(world, budget=10 * PRICE)
+    moved = spec(10 * PRICE)
+    moved["models"][0]["artifact"] = "wine-model@2"
+    ending = world.store.record_instance(
+        APP,
+        request_id=f"profile:{APP}-1a2b3c4d-{SMALL}",
+        instance_type=SMALL,
+        price_usd_per_hr=PRICE,
+        state="running",
+    )
+    refused = world.client.put(f"/v1/apps/{APP}", json=moved, headers=world.auth)
+    assert refused.status_code == 409 and "1 live instance" in refused.text, refused.text
+    world.store.transition_instance(ending.id, "terminating", reason="profile run ended")
+    replaced = world.client.put(f"/v1/apps/{APP}", json=moved, headers=world.auth)
+    assert replaced.status_code == 200, replaced.text
+    assert world.store.get_app(APP).spec["models"][0]["artifact"] == "wine-model@2"
+
+
 def test_applying_the_same_spec_again_changes_nothing(world: World) -> None:
     """A spec that names an artifact unpinned (``wine-model``) is stored pinned (the latest,
     ``wine-model@3``); applying the same file again is the same spec: the app's version (which

@@ -45,7 +45,7 @@ from controlplane.apps.scaling import record_scaling_switch
 from controlplane.apps.teardown import request_teardown
 from controlplane.db.store import AppRecord
 from controlplane.errors import BudgetBelowServingFleetError, NotFoundError
-from controlplane.policies.lifecycle import LIVE_STATES
+from controlplane.policies.lifecycle import KEPT_STATES, LIVE_STATES, profiling_group
 from controlplane.policies.rollout_states import spec_held_by_rollout
 from controlplane.serving.workers import DEFAULT_WORKER_PORT
 
@@ -163,7 +163,14 @@ def replace_app(
     _check_types_in_use(services, app, resolved.spec.instance_types)
     changed = changed_artifacts(current.spec, replaced)
     if changed:
-        live = services.store.list_instances(app, LIVE_STATES)
+        # A profile run's workers being ended (just after `heteroplane profile run`) serve
+        # nothing and never will: they do not hold the change back. Measuring ones still do.
+        live = [
+            instance
+            for instance in services.store.list_instances(app, LIVE_STATES)
+            if instance.state in KEPT_STATES
+            or not profiling_group(app, instance.request_id).startswith("run ")
+        ]
         if live:
             raise ApiError(
                 409,
