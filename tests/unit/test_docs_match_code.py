@@ -226,6 +226,26 @@ def test_the_api_docs_have_a_row_per_route_and_none_other() -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_a_route_with_a_number_in_its_path_lists_the_422_a_bad_one_answers() -> None:
+    """A path's number (a model's version, a plan's or a rollout's id) out of range or not a
+    number is a 422 ``invalid_request`` naming it, as any bad parameter: the row says so."""
+    numbered: set[tuple[str, str]] = set()
+    for module in pkgutil.iter_modules(route_modules.__path__):
+        router = importlib.import_module(f"{route_modules.__name__}.{module.name}").router
+        for route in router.routes:
+            if any(param.field_info.annotation is int for param in route.dependant.path_params):
+                path = re.sub(r"\{[^}]*\}", "{}", route.path)
+                numbered |= {(method, path) for method in route.methods - {"HEAD"}}
+    assert ("GET", "/v1/models/{}/versions/{}") in numbered
+    missing = []
+    for row in _table_rows((DOCS / "api.md").read_text(), "| method and path | scope |"):
+        method, _, path = _code(row[0]).partition(" ")
+        path = re.sub(r"\{[^}]*\}", "{}", re.split(r"[\[?]", path, maxsplit=1)[0])
+        if (method, path) in numbered and "422" not in row[-1]:
+            missing.append(f"`{method} {path}`")
+    assert not missing, "docs/api.md: no 422 listed for " + ", ".join(missing)
+
+
 # --- docs/: no issue numbers ---------------------------------------------------------------------
 
 
