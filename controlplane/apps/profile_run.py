@@ -392,6 +392,8 @@ def run_profile(
         ProfilingRequestError: nothing to profile, or a request that does not fit the app.
         ProfilingBudgetError: the workers do not fit the budget next to the fleet.
         ProfilingError: a worker did not start, or refused a batch.
+        ProfilingInterruptedError: the control plane ended a worker during the run, or the app
+            was taken down or deleted while it measured (nothing is stored).
     """
     say = progress or (lambda _message: None)
     started_s = time.monotonic()
@@ -496,7 +498,16 @@ def run_profile(
     )
     if serve is not None:
         return result
-    store.put_app_profiles(app, kept_with(store.get_app_profiles(app), document, types))
+    # `app down` while the run measured: the app is about to go (or gone), so nothing is stored
+    # and the run says so rather than "profiles stored ... plan it with".
+    gone = f"profile run of {app} stopped: the app was deleted while it measured; nothing stored"
+    try:
+        refuse_torn_down(store, store.get_app(app), "nothing measured is stored")
+        store.put_app_profiles(app, kept_with(store.get_app_profiles(app), document, types))
+    except NotFoundError:
+        raise ProfilingInterruptedError(gone) from None
+    except ConflictError as error:
+        raise ProfilingInterruptedError(f"profile run of {app} stopped: {error}") from None
     resolver.invalidate(app)
     store.record_decision(
         app,

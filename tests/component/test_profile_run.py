@@ -740,6 +740,31 @@ def test_a_second_run_while_one_is_in_progress_is_refused_and_the_first_stores_i
     assert world.store.get_app_profiles(APP) == dict(again.document)
 
 
+def test_a_run_whose_app_is_taken_down_as_it_measures_stores_nothing_and_says_so(
+    world: World, worker: FakeV2Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`app down` while the run measured: the run went on to say "profiles stored ... plan it
+    with" of an app about to be deleted (a tester). It is a conflict saying so, nothing stored."""
+    from controlplane.apps import profile_run
+
+    register(world, spec())
+
+    def taken_down(name: str) -> None:
+        if name == "profile_run.measuring":
+            assert request_teardown(world.store, APP, "tester").deleted is False
+
+    monkeypatch.setattr(profile_run, "crash_point", taken_down)
+    with pytest.raises(ProfilingInterruptedError) as caught:
+        profile(world, types=(SMALL,))
+    assert str(caught.value).startswith(
+        f"profile run of {APP} stopped: app {APP!r} is being taken down (heteroplane app down):"
+        " nothing measured is stored"
+    )
+    assert "\n" not in str(caught.value)
+    assert world.store.get_app_profiles(APP) is None
+    assert live(world.provisioner) == []
+
+
 def test_two_runs_recorded_at_once_are_never_both_taken(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
