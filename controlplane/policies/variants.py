@@ -39,6 +39,7 @@ __all__ = [
     "VariantState",
     "choose",
     "gear_options",
+    "percent_places",
 ]
 
 VariantState = Literal["active", "overloaded", "interfered"]
@@ -190,9 +191,10 @@ def choose(needs: Requirements, options: Sequence[VariantOption]) -> VariantChoi
         # 0 is the accuracy of a variant without validation records: unknown, not measured 0.
         missed.append("with its accuracy unknown (the app names no validation records)")
     elif needs.min_accuracy is not None:
+        places = percent_places(option.accuracy, needs.min_accuracy) if short > 0 else 2
         missed.append(
-            f"with accuracy {100 * option.accuracy:.2f}%"
-            + (f" ({100 * short:.2f} points short)" if short > 0 else " (meets)")
+            f"with accuracy {100 * option.accuracy:.{places}f}%"
+            + (f" ({100 * short:.{places}f} points short)" if short > 0 else " (meets)")
         )
     state = "" if option.state == "active" else f", but it is {option.state}"
     return VariantChoice(
@@ -203,6 +205,19 @@ def choose(needs: Requirements, options: Sequence[VariantOption]) -> VariantChoi
         f"{needs.app}: no variant meets {needs.describe()} on the running fleet; closest offer:"
         f" {option.kind} {option.name} {' '.join(missed)}{state}",
     )
+
+
+def percent_places(accuracy: float, minimum: float) -> int:
+    """Decimal places (2 or more) at which an accuracy under ``minimum`` shows as under it, with
+    a shortfall above 0: at 2, 875/900 under a minimum of 0.97223 read 'accuracy 97.22% (0.00
+    points short)'."""
+    places = 2
+    while places < 6 and (
+        f"{100 * accuracy:.{places}f}" == f"{100 * minimum:.{places}f}"
+        or float(f"{100 * (minimum - accuracy):.{places}f}") == 0
+    ):
+        places += 1
+    return places
 
 
 def _numbers(option: VariantOption) -> str:

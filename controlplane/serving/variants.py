@@ -27,7 +27,13 @@ import math
 from collections.abc import Mapping, Sequence
 
 from controlplane.errors import NoServingInstanceError, RequirementsUnmetError
-from controlplane.policies.variants import Requirements, VariantOption, VariantState, choose
+from controlplane.policies.variants import (
+    Requirements,
+    VariantOption,
+    VariantState,
+    choose,
+    percent_places,
+)
 from controlplane.serving.admission import StageLoad, predicted_latency_ms
 from controlplane.serving.config import AppConfig, ServingGear, batch_cap
 from controlplane.serving.stages import ServingStage
@@ -155,11 +161,12 @@ class AppVariants:
             return
         accuracy, label = max(scored)
         if accuracy < floor:
+            places = percent_places(accuracy, floor)
             raise RequirementsUnmetError(
                 self.config.name,
                 f"{self.config.name}: no variant meets {requirements.describe()} whatever the"
-                f" fleet; closest offer: {label} with accuracy {100 * accuracy:.2f}%"
-                f" ({100 * (floor - accuracy):.2f} points short)",
+                f" fleet; closest offer: {label} with accuracy {100 * accuracy:.{places}f}%"
+                f" ({100 * (floor - accuracy):.{places}f} points short)",
                 label,
             )
 

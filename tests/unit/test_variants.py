@@ -71,6 +71,18 @@ def test_an_unknown_accuracy_is_said_to_be_unknown_not_zero() -> None:
     assert "accuracy 0.00%" not in choice.message and "points short" not in choice.message
 
 
+def test_a_shortfall_below_the_shown_precision_is_not_shown_as_none() -> None:
+    """A held-out accuracy of 875/900 (97.2222...%) was offered as 'accuracy 97.22%'; a query
+    asking for 0.9723 was refused with 'accuracy 97.22% (0.00 points short)', and one asking
+    for the 97.22% on show got it; the refusal must show a shortfall that is there."""
+    options = [VariantOption("tiny", 5.0, 875 / 900, 2e-7)]
+    choice = choose(Requirements("a", min_accuracy=0.97223), options)
+    assert not choice.met
+    assert "0.00 points short" not in choice.message
+    assert "with accuracy 97.222% (0.001 points short)" in choice.message
+    assert choose(Requirements("a", min_accuracy=0.9722), options).met
+
+
 def test_an_inactive_variant_is_offered_only_as_a_last_resort() -> None:
     options = [
         VariantOption("tiny", 5.0, 0.99, 2e-7, state="overloaded"),
