@@ -93,6 +93,7 @@ from controlplane.policies.lifecycle import (
     InstanceState,
     profiling_group,
 )
+from controlplane.spec import SpecError, parse_artifact
 from estimator.errors import EstimatorError
 from estimator.profiles import LatencyProfile, profiles_document
 from provisioners.base import (
@@ -795,13 +796,13 @@ def forget_moved_profiles(
 
 
 def _artifact_sha256(store: Store, artifact: object) -> str | None:
-    """The sha256 of a pinned ``NAME@VERSION`` of the registry; None when there is none."""
+    """The sha256 of a spec's ``NAME`` or ``NAME@VERSION`` in the registry; None when there is
+    none."""
     if not isinstance(artifact, str):
         return None
-    name, _, version = artifact.partition("@")
     try:
-        return store.get_model_version(name, int(version) if version else None).sha256
-    except (NotFoundError, ValueError):
+        return store.get_model_version(*parse_artifact(artifact)).sha256
+    except (NotFoundError, SpecError):
         return None
 
 

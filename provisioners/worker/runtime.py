@@ -328,7 +328,7 @@ class _OnnxRuntime:
         one, two = probes
         for name, first, second in zip(self._output_names, one, two, strict=True):
             if first.ndim and second.ndim:
-                _check_rows(name, (int(first.shape[0]), int(second.shape[0])), (1, 2))
+                _check_rows(name, (int(first.shape[0]), int(second.shape[0])))
         self.signature = ModelSignature(
             inputs,
             tuple(
@@ -347,14 +347,12 @@ class _OnnxRuntime:
         no 1x1 image): each of :data:`_PROBE_INNER_SIZES` is tried there, and None when the
         model runs on none of them. Without one, a model that fails on zeros is refused."""
         inner = any(-1 in spec.shape[1:] for spec in inputs)
-        for index, size in enumerate(_PROBE_INNER_SIZES):
+        for size in _PROBE_INNER_SIZES if inner else _PROBE_INNER_SIZES[:1]:
             try:
                 return self._probe(inputs, 1, size), self._probe(inputs, 2, size)
             except ModelLoadError:
                 if not inner:
                     raise
-                if index == len(_PROBE_INNER_SIZES) - 1:
-                    return None
         return None
 
     def _probe(self, inputs: Sequence[TensorSpec], size: int, inner: int) -> list[np.ndarray]:
@@ -601,20 +599,20 @@ def _probe_outputs(module: Any, specs: Sequence[TensorSpec], device: str) -> tup
             raise ModelLoadError(f"output {name!r}: {first_line(error)}") from None
         rows = (int(one.shape[0]), int(two.shape[0])) if one.dim() and two.dim() else None
         if rows is not None and rows[0] != rows[1]:
-            _check_rows(name, rows, (1, 2))
+            _check_rows(name, rows)
         outputs.append(_probed_spec(name, value, tuple(two.shape)))
     return tuple(outputs)
 
 
-def _check_rows(name: str, rows: tuple[int, int], batches: tuple[int, int]) -> None:
-    """:class:`ModelLoadError` unless output ``name`` answered ``rows`` for probe batches of
-    ``batches`` rows: a first dimension that follows the batch but is not it (``torch.cat([x,
-    x])``, ONNX's ``Concat`` on axis 0: 2 rows for 1) would fail every query at serving."""
-    if rows != batches:
+def _check_rows(name: str, rows: tuple[int, int]) -> None:
+    """:class:`ModelLoadError` unless output ``name`` answered ``rows`` (1, 2) for the probe
+    batches of 1 and 2 rows: a first dimension that follows the batch but is not it
+    (``torch.cat([x, x])``, ONNX's ``Concat`` on axis 0: 2 rows for 1) would fail every query at
+    serving."""
+    if rows != (1, 2):
         raise ModelLoadError(
-            f"output {name!r} has {rows[0]} rows for a batch of {batches[0]} and {rows[1]} for a"
-            f" batch of {batches[1]}: heteroplane batches along the first dimension, one output"
-            " row per input row"
+            f"output {name!r} has {rows[0]} rows for a batch of 1 and {rows[1]} for a batch of"
+            " 2: heteroplane batches along the first dimension, one output row per input row"
         )
 
 
