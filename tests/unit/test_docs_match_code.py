@@ -17,7 +17,7 @@ import argparse
 import importlib
 import pkgutil
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -186,21 +186,35 @@ def test_the_cli_docs_have_every_command_and_option_and_none_other() -> None:
 # --- docs/api.md and docs/dashboard.md: the routes ----------------------------------------------
 
 
-def _routes(router: Any) -> set[tuple[str, str]]:
+def _routes(router: Any, keep: Callable[[Any], bool] = lambda _route: True) -> set[tuple[str, str]]:
     return {
         (method, re.sub(r"\{[^}]*\}", "{}", route.path))
         for route in router.routes
+        if keep(route)
         for method in sorted(route.methods - {"HEAD"})
     }
 
 
-def _documented_routes(file: str, header: str) -> set[tuple[str, str]]:
-    documented = set()
+def _api_routes(keep: Callable[[Any], bool] = lambda _route: True) -> set[tuple[str, str]]:
+    """The API's routes (every module of ``controlplane.api.routes``) that ``keep`` keeps."""
+    found: set[tuple[str, str]] = set()
+    for module in pkgutil.iter_modules(route_modules.__path__):
+        router = importlib.import_module(f"{route_modules.__name__}.{module.name}").router
+        found |= _routes(router, keep)
+    return found
+
+
+def _documented_rows(file: str, header: str) -> Iterator[tuple[tuple[str, str], list[str]]]:
+    """Each row of the routes table under ``header`` in ``docs/FILE``: its route, as
+    :func:`_routes` writes one, and its cells."""
     for row in _table_rows((DOCS / file).read_text(), header):
         method, _, path = _code(row[0]).partition(" ")
         path = re.split(r"[\[?]", path, maxsplit=1)[0]
-        documented.add((method, re.sub(r"\{[^}]*\}|\b[A-Z]+\b$", "{}", path)))
-    return documented
+        yield (method, re.sub(r"\{[^}]*\}|\b[A-Z]+\b$", "{}", path)), row
+
+
+def _documented_routes(file: str, header: str) -> set[tuple[str, str]]:
+    return {route for route, _row in _documented_rows(file, header)}
 
 
 def _difference(file: str, code: set[tuple[str, str]], docs: set[tuple[str, str]]) -> list[str]:
@@ -211,12 +225,9 @@ def _difference(file: str, code: set[tuple[str, str]], docs: set[tuple[str, str]
 
 
 def test_the_api_docs_have_a_row_per_route_and_none_other() -> None:
-    api: set[tuple[str, str]] = set()
-    for module in pkgutil.iter_modules(route_modules.__path__):
-        api |= _routes(importlib.import_module(f"{route_modules.__name__}.{module.name}").router)
     problems = _difference(
         "docs/api.md (## Routes)",
-        api,
+        _api_routes(),
         _documented_routes("api.md", "| method and path | scope |"),
     ) + _difference(
         "docs/dashboard.md (its routes table)",
@@ -229,20 +240,15 @@ def test_the_api_docs_have_a_row_per_route_and_none_other() -> None:
 def test_a_route_with_a_number_in_its_path_lists_the_422_a_bad_one_answers() -> None:
     """A path's number (a model's version, a plan's or a rollout's id) out of range or not a
     number is a 422 ``invalid_request`` naming it, as any bad parameter: the row says so."""
-    numbered: set[tuple[str, str]] = set()
-    for module in pkgutil.iter_modules(route_modules.__path__):
-        router = importlib.import_module(f"{route_modules.__name__}.{module.name}").router
-        for route in router.routes:
-            if any(param.field_info.annotation is int for param in route.dependant.path_params):
-                path = re.sub(r"\{[^}]*\}", "{}", route.path)
-                numbered |= {(method, path) for method in route.methods - {"HEAD"}}
+    numbered = _api_routes(
+        lambda route: any(p.field_info.annotation is int for p in route.dependant.path_params)
+    )
     assert ("GET", "/v1/models/{}/versions/{}") in numbered
-    missing = []
-    for row in _table_rows((DOCS / "api.md").read_text(), "| method and path | scope |"):
-        method, _, path = _code(row[0]).partition(" ")
-        path = re.sub(r"\{[^}]*\}", "{}", re.split(r"[\[?]", path, maxsplit=1)[0])
-        if (method, path) in numbered and "422" not in row[-1]:
-            missing.append(f"`{method} {path}`")
+    missing = [
+        f"`{method} {path}`"
+        for (method, path), row in _documented_rows("api.md", "| method and path | scope |")
+        if (method, path) in numbered and "422" not in row[-1]
+    ]
     assert not missing, "docs/api.md: no 422 listed for " + ", ".join(missing)
 
 
