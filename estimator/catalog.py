@@ -187,7 +187,7 @@ def _checked_fields(
     """Check every field of an instance type; return them normalised, or raise _FieldError."""
     if not isinstance(name, str) or not name:
         raise _FieldError("instance_type", "must be a non-empty name")
-    if not _TYPE_NAME.match(name):
+    if not _TYPE_NAME.fullmatch(name):
         raise _FieldError(
             "instance_type",
             f"{name!r} may hold only letters, digits, '.', '-' and '_' (and start with one of the"

@@ -40,7 +40,7 @@ class Fleet(Mapping[str, int]):
     def __post_init__(self) -> None:
         seen: set[str] = set()
         for name, count in self.counts:
-            if not isinstance(name, str) or not _TYPE_NAME.match(name):
+            if not isinstance(name, str) or not _TYPE_NAME.fullmatch(name):
                 raise FleetError(f"bad instance type name {name!r} in the fleet")
             if isinstance(count, bool) or not isinstance(count, int):
                 raise FleetError(f"count of {name} must be an integer, got {count!r}")

@@ -113,7 +113,7 @@ def model_list(args: argparse.Namespace) -> int:
 
 
 def model_show(args: argparse.Namespace) -> int:
-    found = _REFERENCE.match(args.reference)
+    found = _REFERENCE.fullmatch(args.reference)
     if found is None:
         raise UsageError(f"model reference {args.reference!r}: expected NAME or NAME@VERSION")
     name = _check_name(found["name"])

@@ -154,7 +154,7 @@ def _return_query(request: Request) -> str:
     query = request.query_params
     kept: dict[str, str] = {}
     app = query.get("app", "")
-    if len(app) <= APP_NAME_MAX and _APP_NAME.match(app):
+    if len(app) <= APP_NAME_MAX and _APP_NAME.fullmatch(app):
         kept["app"] = app
     try:
         window_s = float(query.get("window_s", ""))
@@ -163,7 +163,7 @@ def _return_query(request: Request) -> str:
     if MIN_WINDOW_S <= window_s <= MAX_WINDOW_S:
         kept["window_s"] = f"{window_s:g}"
     kind = query.get("kind", "")
-    if _DECISION_KIND.match(kind):
+    if _DECISION_KIND.fullmatch(kind):
         kept["kind"] = kind
     return urllib.parse.urlencode(kept)
 

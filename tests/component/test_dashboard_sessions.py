@@ -143,6 +143,15 @@ def test_the_form_says_the_sign_in_ended_once_the_browser_dropped_the_cookie(sit
             follow_redirects=False,
         )
         assert answer.status_code == 303 and answer.headers["location"] == "/dashboard"
+        # A name or kind with a newline after it is not one the page can use either.
+        client.cookies.clear()
+        answer = client.post(
+            "/dashboard/login?app=toy%0A&window_s=300&kind=scale_up%0A",
+            data={"token": site.token},
+            follow_redirects=False,
+        )
+        assert answer.status_code == 303
+        assert answer.headers["location"] == "/dashboard?window_s=300"
     with site.client() as client:
         assert "for 1 hour or until you sign out" in client.get("/dashboard").text
 

@@ -168,6 +168,7 @@ def test_instance_type_derives_family_and_normalises() -> None:
         ({"name": ""}, "instance_type: must be a non-empty name"),
         ({"name": "has space.large"}, "may hold only letters"),
         ({"name": "a=b"}, "may hold only letters"),
+        ({"name": "x.large\n"}, "may hold only letters"),  # `$` alone let a newline through
     ],
 )
 def test_instance_type_rejects_bad_fields(kwargs: dict[str, object], message: str) -> None:

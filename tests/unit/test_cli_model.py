@@ -196,6 +196,10 @@ def test_list_and_show(fake: FakeRegistry, capsys: pytest.CaptureFixture[str]) -
             "heteroplane model: model reference 'wine@x': expected NAME or NAME@VERSION",
         ),
         (
+            ["model", "show", "wine@1\n"],
+            "heteroplane model: model reference 'wine@1\\n': expected NAME or NAME@VERSION",
+        ),
+        (
             ["model", "push", "wine", "{file}", "--format", "pickle"],
             "heteroplane model push: argument --format: invalid choice: 'pickle'",
         ),

@@ -43,6 +43,11 @@ def test_bad_fleets_are_refused(text: str, message: str) -> None:
 names = st.from_regex(r"[a-z][a-z0-9]{0,5}\.[a-z0-9]{1,8}", fullmatch=True)
 
 
+def test_a_type_name_with_a_trailing_newline_is_refused() -> None:
+    with pytest.raises(FleetError, match="bad instance type name"):
+        Fleet.of({"g4dn.xlarge\n": 1})
+
+
 @given(st.dictionaries(names, st.integers(0, 1000), min_size=1, max_size=6))
 def test_round_trip_through_the_string_form(counts: dict[str, int]) -> None:
     fleet = Fleet.of(counts)
