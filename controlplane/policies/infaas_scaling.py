@@ -59,7 +59,9 @@ tick:
    U, and without it every model it serves still carries its load at U
    (Q_m - Q_{m,t}) U >= lambda_m. A type that has had an underused instance for the hold
    (``hold_s``; INFaaS's T_v, the variant's loading latency, when ``None``), with no scaling
-   action within the hold and nothing of it still loading, is drained: ``infaas_drain``, its
+   action within the hold, nothing of it still loading and no drain still to be carried out
+   (the test counts every instance that serves: judged on them, a second drain the reconciler
+   had not caught up with took the fleet below the load), is drained: ``infaas_drain``, its
    count down by one, the most expensive type first (so a cheaper variant that carries the load
    alone is kept: a downgrade). The hold is the type's, not the instance's: the reconciler
    picks which instance of the type ends, and an instance's own clock, restarted for the one
@@ -695,8 +697,16 @@ def _drain(
 ) -> bool:
     """Rule 3: drain one instance of the most expensive type that has had an underused one
     (``underused``) for the hold (``since``, per type), with no scaling action within the hold,
-    nothing of its type loading and another instance left. Returns whether one was drained."""
+    nothing of its type loading, another instance left and no drain still to be carried out
+    (every type's count at least the instances of it that serve). Returns whether one was
+    drained."""
     ctx, u, now = tick.ctx, tick.config.utilisation, tick.ctx.now_s
+    if any(n > tick.fleet.get(t, 0) for t, n in tick.ready.items()):
+        # A drain the reconciler has not carried out yet (the disruption budget deferred it):
+        # the underused test counts every instance that serves, so a second drain judged on
+        # them took the fleet below the load (4 serving, 20 qps on Q 10: "20 qps on 30 qps
+        # left" three times, down to one instance). The next drain waits for it.
+        return False
     loads = {m: float(ctx.load_qps.get(m, 0.0)) for m in tick.models}
     total = sum(tick.fleet.values())
     # One candidate per type (its first underused instance by id): the type's count goes down.

@@ -179,6 +179,31 @@ def test_a_scale_up_over_a_deferred_drain_counts_one_fleet_and_adds_what_it_says
     assert dict(kept.fleet) == {"cpu": 1}
 
 
+def test_a_drain_waits_for_the_last_one_to_be_carried_out() -> None:
+    """Four cpus serve 20 qps (Q 10): one can go (20 qps on 30 left, within U). The reconciler
+    defers it (the disruption budget): four still serve, and a second drain judged on them took
+    the fleet to two, then one, each saying "20 qps on 30 qps left", for a load two carry only
+    past U. The next drain waits until the reconciler has carried out the last one."""
+    config = ScalingConfig(hold_s=15.0)
+    four = [cpu(f"i-{k}", busy=0.5) for k in range(4)]
+    state = initial_state({"cpu": 4}, 0.0)
+    decisions, state = decide(context(0.0, 20.0, four), state, config)
+    assert decisions == []
+    (drain,), state = decide(context(15.0, 20.0, four), state, config)
+    assert (drain.action, drain.numbers["count_after"]) == ("infaas_drain", 3)
+    for now in (30.0, 45.0, 60.0):
+        decisions, state = decide(context(now, 20.0, four), state, config)
+        assert decisions == [] and dict(state.fleet) == {"cpu": 3}, (now, decisions)
+    # Carried out: three serve, and without one of them 20 qps is past U x 20: they stay.
+    decisions, state = decide(context(75.0, 20.0, four[:3]), state, config)
+    assert decisions == [] and dict(state.fleet) == {"cpu": 3}
+    # At a lower load the next drain follows its hold.
+    decisions, state = decide(context(76.0, 10.0, four[:3]), state, config)
+    assert decisions == []
+    (again,), state = decide(context(91.0, 10.0, four[:3]), state, config)
+    assert (again.action, again.numbers["count_after"]) == ("infaas_drain", 2)
+
+
 def test_refusals_from_before_a_drain_do_not_scale_the_fleet_back_up() -> None:
     # The load has gone: the second cpu is drained after the hold. Within the serving loop's
     # 10 s window the one left still reads overloaded (refusals made while the load was on, at
