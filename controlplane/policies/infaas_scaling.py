@@ -44,7 +44,8 @@ tick:
    section 4.2.1), within the budget and the spec's ``max_counts`` (Constraint 3: here the
    budget is the resource, a hard limit). The cheapest option that covers the need is taken;
    when none fits whole, the one adding the most capacity that fits (``infaas_budget_capped``
-   says what was missing); when not even one instance fits, only ``infaas_budget_capped``.
+   says what was missing); when not even one instance fits, only ``infaas_budget_capped``,
+   naming what stops it (the budget, the caps reached, or both).
    Taking a variant that is already loaded is ``infaas_replicate`` (model-horizontal); taking
    an inactive one is ``infaas_upgrade`` (model-vertical: another type, paying its loading
    latency). Adding an instance is the VM-level action (VM-Autoscaler rule 1): every variant
@@ -574,14 +575,16 @@ def _scale_up(
                         m,
                         "",
                         0,
-                        f"infaas_budget_capped: {need.why}; no variant of {m} fits: the fleet"
-                        f" costs {cost_now:.4g} of {ctx.budget_usd_per_hr:.4g} USD/hr",
+                        f"infaas_budget_capped: {need.why}; {_nothing_fits(tick, m, cost_now)}",
                         {
                             "model": m,
                             "load_qps": need.load_qps,
                             "capacity_qps": need.capacity_qps,
                             "cost_usd_per_hr": cost_now,
                             "budget_usd_per_hr": ctx.budget_usd_per_hr,
+                            "max_counts": {
+                                t: ctx.max_counts[t] for t in tick.types if t in ctx.max_counts
+                            },
                         },
                     )
                 )
@@ -603,6 +606,27 @@ def _scale_up(
         )
         return True, (m, t, delta)
     return False, capped
+
+
+def _nothing_fits(tick: _Tick, m: str, cost_now: float) -> str:
+    """Why no variant of ``m`` adds an instance: the budget, the spec's ``max_counts`` or both
+    (a cap said as the budget read "the fleet costs 0.2 of 2 USD/hr", a budget with room)."""
+    ctx = tick.ctx
+    cost = f"the fleet costs {cost_now:.4g} of {ctx.budget_usd_per_hr:.4g} USD/hr"
+    offered = [t for t in tick.types if tick.q.get((m, t), 0.0) > 0 and t in ctx.prices_usd_per_hr]
+    if not offered:
+        return f"no variant of {m} meets the SLO"
+    at_cap = [t for t in offered if tick.fleet.get(t, 0) >= ctx.max_counts.get(t, math.inf)]
+    if not at_cap:
+        return f"no variant of {m} fits: {cost}"
+    capped = ", ".join(f"{t} {tick.fleet.get(t, 0)} of {ctx.max_counts[t]}" for t in at_cap)
+    over = [t for t in offered if t not in at_cap]
+    if not over:
+        return f"no variant of {m} fits: max_counts allows no more ({capped}; {cost})"
+    return (
+        f"no variant of {m} fits: {cost}, no more of {', '.join(over)} fits it, and max_counts"
+        f" allows no more of the others ({capped})"
+    )
 
 
 def _add_instances(

@@ -88,6 +88,28 @@ def test_the_budget_is_a_hard_limit() -> None:
     assert [d.action for d in full] == ["infaas_budget_capped"]
 
 
+def test_a_scale_up_the_caps_stop_says_so_not_the_budget() -> None:
+    """Two cpus short of 30 qps, a budget with room (2 USD/hr) and max_counts at cpu 2, gpu 0:
+    the cap said as the budget read "no variant of m fits: the fleet costs 0.2 of 2 USD/hr"."""
+    two = [cpu("i-1", busy=0.9), cpu("i-2", busy=0.9)]
+    capped_ctx = replace(context(10.0, 30.0, two), max_counts={"cpu": 2, "gpu": 0})
+    (capped,), state = decide(capped_ctx, initial_state({"cpu": 2}, 0.0))
+    assert capped.action == "infaas_budget_capped"
+    assert capped.reason.endswith(
+        "no variant of m fits: max_counts allows no more (cpu 2 of 2, gpu 0 of 0; the fleet"
+        " costs 0.2 of 2 USD/hr)"
+    ), capped.reason
+    assert capped.numbers["max_counts"] == {"cpu": 2, "gpu": 0}
+    assert dict(state.fleet) == {"cpu": 2}
+    # The cpu at its cap, the gpu past what the budget has left: both are said.
+    mixed = replace(context(10.0, 30.0, two, budget=0.5), max_counts={"cpu": 2})
+    (capped,), _ = decide(mixed, initial_state({"cpu": 2}, 0.0))
+    assert capped.reason.endswith(
+        "no variant of m fits: the fleet costs 0.2 of 0.5 USD/hr, no more of gpu fits it, and"
+        " max_counts allows no more of the others (cpu 2 of 2)"
+    ), capped.reason
+
+
 def test_an_interfered_instance_is_relieved_once_and_one_interfered_everywhere_scales() -> None:
     two = [cpu("i-1"), cpu("i-2", "interfered")]
     decisions, state = decide(context(10.0, 2.0, two), initial_state({"cpu": 2}, 0.0))
