@@ -84,6 +84,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from estimator.numbers import plain
+
 __all__ = [
     "DEFAULT_LOAD_WEIGHT_PER_S",
     "DEFAULT_UTILISATION",
@@ -115,6 +117,16 @@ DEFAULT_LOAD_WEIGHT_PER_S = 1.0 / 120.0
 DEFAULT_INTERFERED_SHARE = 1.0 / 1.5
 
 _EPS = 1e-9
+
+
+def _sig(x: float, digits: int = 3) -> str:
+    """``x`` to ``digits`` significant figures for a reason, never an exponent (``.3g`` wrote a
+    load of 1500 qps "1.5e+03").
+
+    >>> _sig(1500.0), _sig(1949.9), _sig(0.000123456), _sig(0.1 + 0.2, 4), _sig(12346.0, 4)
+    ('1500', '1950', '0.000123', '0.3', '12350')
+    """
+    return plain(float(f"{x:.{digits}g}"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,7 +449,7 @@ def _relieve_decision(tick: _Tick, m: str, i: ServedInstance, left: int) -> Scal
         f"infaas_relieve: {m} is interfered on {i.instance_id} ({i.instance_type}):"
         f" its load moves to the {left} other instance(s) serving {m} (its share"
         f" drops to 0 while one of them is active); capacity counted without it"
-        f" {capacity:.3g} qps for a load of {load:.3g} qps",
+        f" {_sig(capacity)} qps for a load of {_sig(load)} qps",
         {
             "model": m,
             "instance_id": i.instance_id,
@@ -488,8 +500,8 @@ def _need(tick: _Tick, m: str) -> _Need | None:
         parts.append(f"{m} is overloaded on {', '.join(overloaded_on)}{judged}")
     if short:
         parts.append(
-            f"load {load:.3g} qps > U {u:g} x capacity {capacity:.3g} qps"
-            f" ({loading_capacity:.3g} of it still loading)"
+            f"load {_sig(load)} qps > U {u:g} x capacity {_sig(capacity)} qps"
+            f" ({_sig(loading_capacity)} of it still loading)"
         )
     elif everywhere and not overloaded:
         parts.append(f"{m} is interfered on every instance serving it")
@@ -599,8 +611,8 @@ def _scale_up(
                 m,
                 t,
                 delta,
-                f"infaas_budget_capped: {m} wanted {need.wanted_qps:.3g} qps more; the budget"
-                f" ({ctx.budget_usd_per_hr:.4g} USD/hr) and caps allow {delta} x {t}",
+                f"infaas_budget_capped: {m} wanted {_sig(need.wanted_qps)} qps more; the budget"
+                f" ({_sig(ctx.budget_usd_per_hr, 4)} USD/hr) and caps allow {delta} x {t}",
                 {**numbers, "wanted_qps": need.wanted_qps},
             )
         )
@@ -612,7 +624,7 @@ def _nothing_fits(tick: _Tick, m: str, cost_now: float) -> str:
     """Why no variant of ``m`` adds an instance: the budget, the spec's ``max_counts`` or both
     (a cap said as the budget read "the fleet costs 0.2 of 2 USD/hr", a budget with room)."""
     ctx = tick.ctx
-    cost = f"the fleet costs {cost_now:.4g} of {ctx.budget_usd_per_hr:.4g} USD/hr"
+    cost = f"the fleet costs {_sig(cost_now, 4)} of {_sig(ctx.budget_usd_per_hr, 4)} USD/hr"
     offered = [t for t in tick.types if tick.q.get((m, t), 0.0) > 0 and t in ctx.prices_usd_per_hr]
     if not offered:
         return f"no variant of {m} meets the SLO"
@@ -657,9 +669,9 @@ def _add_instances(
         back = f"; {kept} drained by the policy but still serving, taken back"
     reason = (
         f"{action}: {need.why}; {kind}: +{delta} x {t} ({before} -> {tick.fleet[t]}{back};"
-        f" Q {rate:.3g} qps each): capacity {capacity:.3g} -> {capacity + delta * rate:.3g} qps"
-        f" for {load:.3g} qps; cost {cost_now:.4g} -> {after_cost:.4g} of"
-        f" {ctx.budget_usd_per_hr:.4g} USD/hr"
+        f" Q {_sig(rate)} qps each): capacity {_sig(capacity)} ->"
+        f" {_sig(capacity + delta * rate)} qps for {_sig(load)} qps; cost {_sig(cost_now, 4)}"
+        f" -> {_sig(after_cost, 4)} of {_sig(ctx.budget_usd_per_hr, 4)} USD/hr"
     )
     overloaded = bool(need.overloaded_on)
     note = ctx.overload.get(m)
@@ -760,7 +772,9 @@ def _drain(
         after_cost = tick.cost_usd_per_hr()
         served = sorted(inst.states)
         remaining = {m: tick.capacity_now[m] - tick.counted[(m, inst.instance_id)] for m in served}
-        carry = ", ".join(f"{m} {loads[m]:.3g} qps on {remaining[m]:.3g} qps left" for m in served)
+        carry = ", ".join(
+            f"{m} {_sig(loads[m])} qps on {_sig(remaining[m])} qps left" for m in served
+        )
         shown = (
             "unknown" if inst.utilisation_share is None else f"{100 * inst.utilisation_share:.0f}%"
         )
@@ -770,10 +784,10 @@ def _drain(
                 ",".join(served),
                 t,
                 1,
-                f"infaas_drain: {t} underused for {idle_s:.3g} s >= hold {hold:g} s"
+                f"infaas_drain: {t} underused for {_sig(idle_s)} s >= hold {hold:g} s"
                 f" ({inst.instance_id} now: busy {shown}; without it {carry}, within U {u:g}):"
-                f" -1 x {t} (the reconciler picks which), cost {before_cost:.4g} ->"
-                f" {after_cost:.4g} USD/hr",
+                f" -1 x {t} (the reconciler picks which), cost {_sig(before_cost, 4)} ->"
+                f" {_sig(after_cost, 4)} USD/hr",
                 {
                     "instance_id": inst.instance_id,
                     "instance_type": t,

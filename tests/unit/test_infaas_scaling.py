@@ -110,6 +110,25 @@ def test_a_scale_up_the_caps_stop_says_so_not_the_budget() -> None:
     ), capped.reason
 
 
+def test_reasons_write_large_numbers_without_an_exponent() -> None:
+    """1500 qps on one gpu (Q 100): the reason read "load 1.5e+03 qps ... capacity 100 ->
+    1.9e+03 qps"; the drain of one of 30 gpus at 1200 qps read "1.2e+03 qps on 2.9e+03"."""
+    (up,), _ = decide(
+        context(10.0, 1500.0, [gpu("g-1")], budget=20.0), initial_state({"gpu": 1}, 0)
+    )
+    assert "e+0" not in up.reason, up.reason
+    assert "load 1500 qps > U 0.8 x capacity 100 qps" in up.reason
+    assert "capacity 100 -> 1900 qps for 1500 qps" in up.reason
+    config = ScalingConfig(hold_s=0.0)
+    many = [gpu(f"g-{k:02d}", busy=0.4) for k in range(30)]
+    (drain,), _ = decide(
+        context(10.0, 1200.0, many, budget=20.0), initial_state({"gpu": 30}, 0.0), config
+    )
+    assert drain.action == "infaas_drain" and "e+0" not in drain.reason, drain.reason
+    assert "m 1200 qps on 2900 qps left" in drain.reason
+    assert "cost 15 -> 14.5 USD/hr" in drain.reason
+
+
 def test_an_interfered_instance_is_relieved_once_and_one_interfered_everywhere_scales() -> None:
     two = [cpu("i-1"), cpu("i-2", "interfered")]
     decisions, state = decide(context(10.0, 2.0, two), initial_state({"cpu": 2}, 0.0))
