@@ -84,7 +84,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from estimator.numbers import plain
+from estimator.numbers import money, plain
 
 __all__ = [
     "DEFAULT_LOAD_WEIGHT_PER_S",
@@ -308,7 +308,9 @@ def model_action(
 
 
 def _cost_usd_per_hr(fleet: Mapping[str, int], prices: Mapping[str, float]) -> float:
-    return sum(n * prices.get(t, 0.0) for t, n in fleet.items())
+    """What ``fleet`` costs, without the binary float's noise (:func:`estimator.numbers.money`:
+    the decisions' numbers read 0.30000000000000004 USD/hr for three instances at 0.1)."""
+    return money(sum(n * prices.get(t, 0.0) for t, n in fleet.items()))
 
 
 def decide(

@@ -129,6 +129,19 @@ def test_reasons_write_large_numbers_without_an_exponent() -> None:
     assert "cost 15 -> 14.5 USD/hr" in drain.reason
 
 
+def test_the_costs_in_the_numbers_are_without_float_noise() -> None:
+    """Two cpus at 0.1 USD/hr and one more: the numbers read 0.30000000000000004 USD/hr (a sum
+    of floats), in the API's JSON and the decisions' listing."""
+    two = [cpu("i-1", busy=0.9), cpu("i-2", busy=0.9)]
+    (up,), _ = decide(context(10.0, 17.0, two), initial_state({"cpu": 2}, 0.0))
+    assert up.numbers["cost_usd_per_hr_before"] == 0.2
+    assert up.numbers["cost_usd_per_hr_after"] == 0.3
+    three = [*two, cpu("i-3", busy=0.0)]
+    config = ScalingConfig(hold_s=0.0)
+    (drain,), _ = decide(context(10.0, 0.0, three), initial_state({"cpu": 3}, 0.0), config)
+    assert drain.numbers["cost_usd_per_hr_after"] == 0.2
+
+
 def test_an_interfered_instance_is_relieved_once_and_one_interfered_everywhere_scales() -> None:
     two = [cpu("i-1"), cpu("i-2", "interfered")]
     decisions, state = decide(context(10.0, 2.0, two), initial_state({"cpu": 2}, 0.0))
