@@ -613,13 +613,24 @@ def _scale_up(
                 m,
                 t,
                 delta,
-                f"infaas_budget_capped: {m} wanted {_sig(need.wanted_qps)} qps more; the budget"
-                f" ({_sig(ctx.budget_usd_per_hr, 4)} USD/hr) and caps allow {delta} x {t}",
+                f"infaas_budget_capped: {m} wanted {_sig(need.wanted_qps)} qps more;"
+                f" {_what_allows(tick, t, delta)}",
                 {**numbers, "wanted_qps": need.wanted_qps},
             )
         )
         return True, (m, t, delta)
     return False, capped
+
+
+def _what_allows(tick: _Tick, t: str, delta: int) -> str:
+    """What stopped a scale-up at ``delta`` x ``t`` (added to the fleet): ``t``'s max_counts,
+    else the budget (a cap read "the budget (2 USD/hr) and caps allow 1 x cpu")."""
+    ctx = tick.ctx
+    budget = f"{_sig(ctx.budget_usd_per_hr, 4)} USD/hr"
+    count, cap = tick.fleet.get(t, 0), ctx.max_counts.get(t)
+    if cap is not None and count >= cap:
+        return f"max_counts allows {delta} x {t} ({t} {count} of {cap}; the budget {budget})"
+    return f"the budget ({budget}) allows {delta} x {t}"
 
 
 def _nothing_fits(tick: _Tick, m: str, cost_now: float) -> str:

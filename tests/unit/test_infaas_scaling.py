@@ -108,6 +108,17 @@ def test_a_scale_up_the_caps_stop_says_so_not_the_budget() -> None:
         "no variant of m fits: the fleet costs 0.2 of 0.5 USD/hr, no more of gpu fits it, and"
         " max_counts allows no more of the others (cpu 2 of 2)"
     ), capped.reason
+    # A scale-up the cap cuts short says the cap, not the budget ("the budget (2 USD/hr) and
+    # caps allow 1 x cpu"); one the budget cuts short says the budget.
+    one = replace(context(10.0, 30.0, [cpu("i-1")]), max_counts={"cpu": 2, "gpu": 0})
+    (_, short), _ = decide(one, initial_state({"cpu": 1}, 0.0))
+    assert short.reason.endswith(
+        "m wanted 27.5 qps more; max_counts allows 1 x cpu (cpu 2 of 2; the budget 2 USD/hr)"
+    ), short.reason
+    (_, short), _ = decide(
+        context(10.0, 30.0, [cpu("i-1")], budget=0.2), initial_state({"cpu": 1}, 0)
+    )
+    assert short.reason.endswith("the budget (0.2 USD/hr) allows 1 x cpu"), short.reason
 
 
 def test_reasons_write_large_numbers_without_an_exponent() -> None:
