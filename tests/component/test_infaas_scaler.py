@@ -537,3 +537,54 @@ def test_the_budget_floor_of_an_infaas_app_is_one_instance_of_its_cheapest_type(
         assert raised.value.floor_usd_per_hr == pytest.approx(0.3)
         assert raised.value.fleet == f"one {LARGE} per stage"
         assert "spot" not in str(raised.value) and "runs at" not in str(raised.value)
+
+
+def test_a_drain_the_disruption_budget_defers_is_not_drained_past(tmp_path: Path) -> None:
+    """Five large instances serve 200 qps (100 each): two can go. The reconciler carries out the
+    first drain and defers the second (one serving instance per 60 s window). Judged on the four
+    that still served, the policy drained on to one (each drain saying "200 qps on 300 qps
+    left"), the reconciler followed down to two, and the policy replicated back: a fleet at
+    100 % of its capacity meanwhile. It waits for the deferred drain instead, and stays at three."""
+    from controlplane.loops.infaas_scaler import _AppScaler
+    from controlplane.policies.infaas_scaling import initial_state
+    from controlplane.serving.dispatcher import AppStatus, StageStatus, WorkerStatus
+
+    with planned_app(tmp_path, budget_usd_per_hr=0.55) as (clock, store, resolver, plan):
+
+        def statuses() -> list[AppStatus]:
+            rows = store.list_instances(APP, states=["running"])
+            workers = tuple(
+                WorkerStatus(r.id, r.instance_type, "", True, True, "", 0.5) for r in rows
+            )
+            states = {r.id: "active" for r in rows}
+            stage = StageStatus("tiny", 0, 0, 0, 100.0, "fcfs", 1, states)  # type: ignore[arg-type]
+            return [AppStatus(APP, "", 100.0, workers, (stage,), 0)]
+
+        def arrivals(_app: str) -> np.ndarray:
+            return np.linspace(clock.now_s() - 1.999, clock.now_s(), 400)  # 200 qps
+
+        scaler = InfaasScaler(
+            store, clock, arrivals, statuses, stored_apps(resolver), config=ScalingConfig(hold_s=15)
+        )
+        tuner = LiveTuner(store, clock, lambda _app: np.empty(0), stored_apps(resolver))
+        provisioner = FakeProvisioner(running_on_launch=True)
+        reconciler = build_reconciler(
+            store, clock, provisioner, resolver, scaled_fleet(tuner, scaler)
+        )
+        scaler._apps[APP] = _AppScaler(plan.id, 0.55, initial_state({LARGE: 5}, clock.now_s()))
+        for _ in range(3):
+            reconciler.run_once()
+            provisioner.step()
+        assert len(store.list_instances(APP, states=["running"])) == 5
+        wanted = []
+        for _ in range(40):
+            clock.advance(5.0)
+            scaler.tick()
+            wanted.append(scaler.desired_fleet(store.get_app(APP))[LARGE])
+            reconciler.run_once()
+            provisioner.step()
+        assert min(wanted) == 3, wanted
+        assert "drain_deferred" in kinds(store)  # the second drain waited for its window
+        assert kinds(store).count("infaas_drain") == 2
+        assert "infaas_replicate" not in kinds(store)
+        assert len(store.list_instances(APP, states=["running"])) == 3
