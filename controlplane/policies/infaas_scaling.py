@@ -567,7 +567,9 @@ def _scale_up(
 ) -> tuple[bool, tuple[str, str, int] | None]:
     """Rule 2: the first model that needs capacity gets its choice of instances (at most one
     scaling action a tick), or a ``infaas_budget_capped`` when nothing fits (said once until
-    what is capped changes). Returns (whether it scaled up, the cap last said)."""
+    what is capped changes or no model needs capacity: a shortage that comes back is said
+    again, where an hour later it had been said by nothing). Returns (whether it scaled up, the
+    cap last said)."""
     ctx = tick.ctx
     for m in tick.models:
         need = _need(tick, m)
@@ -619,7 +621,8 @@ def _scale_up(
             )
         )
         return True, (m, t, delta)
-    return False, capped
+    # No model needs capacity: the cap said has ended.
+    return False, None
 
 
 def _what_allows(tick: _Tick, t: str, delta: int) -> str:

@@ -153,6 +153,19 @@ def test_the_costs_in_the_numbers_are_without_float_noise() -> None:
     assert drain.numbers["cost_usd_per_hr_after"] == 0.2
 
 
+def test_a_cap_is_said_once_a_shortage_and_again_when_one_comes_back() -> None:
+    """Two cpus at a budget of 0.2 USD/hr, short of 30 qps: capped, said once. The load drops,
+    then an hour later comes back: said again (it was not: the newest cap in the log was the
+    hour-old one while the app ran short)."""
+    two = [cpu("i-1", busy=0.5), cpu("i-2", busy=0.5)]
+    state = initial_state({"cpu": 2}, 0.0)
+    said = []
+    for now, load in ((0.0, 30.0), (1.0, 30.0), (2.0, 10.0), (3600.0, 30.0), (3601.0, 30.0)):
+        decisions, state = decide(context(now, load, two, budget=0.2), state)
+        said += [(now, d.action) for d in decisions]
+    assert said == [(0.0, "infaas_budget_capped"), (3600.0, "infaas_budget_capped")]
+
+
 def test_an_interfered_instance_is_relieved_once_and_one_interfered_everywhere_scales() -> None:
     two = [cpu("i-1"), cpu("i-2", "interfered")]
     decisions, state = decide(context(10.0, 2.0, two), initial_state({"cpu": 2}, 0.0))
