@@ -490,7 +490,9 @@ def test_a_new_leader_after_a_switch_back_starts_from_the_fleet_that_runs(tmp_pa
         again = store.create_plan(APP, PLAN)
         store.apply_plan(APP, again.id)
         fresh = idle_scaler(store, clock, resolver)
-        assert fresh.desired_fleet(store.get_app(APP)) == store.get_applied_plan(APP).plan.fleet
+        applied = store.get_applied_plan(APP)
+        assert applied is not None
+        assert fresh.desired_fleet(store.get_app(APP)) == applied.plan.fleet
 
 
 def test_the_budget_floor_of_an_infaas_app_is_one_instance_of_its_cheapest_type(
