@@ -21,14 +21,17 @@ def money(usd_per_hr: float) -> float:
     return round(float(usd_per_hr), 9)
 
 
-def plain(x: float) -> str:
-    """``x`` as ``f"{x:g}"`` writes it (six significant digits, no trailing zeros), positional.
+def plain(x: float, digits: int = 6) -> str:
+    """``x`` as ``f"{x:g}"`` writes it (``digits`` significant digits, six as ``:g``'s, no
+    trailing zeros), positional.
 
     >>> plain(1e6), plain(0.526), plain(5e-5), plain(1 / 3), plain(1.234567e8), plain(2.0)
     ('1000000', '0.526', '0.00005', '0.333333', '123457000', '2')
+    >>> plain(1500.0, 3), plain(1949.9, 3), plain(0.000123456, 3), plain(12346.0, 4)
+    ('1500', '1950', '0.000123', '12350')
     """
-    text = f"{x:g}"
+    text = f"{x:.{digits}g}"
     if "e" not in text:  # also inf and nan
         return text
-    text = format(Decimal(f"{x:.6g}"), "f")
+    text = format(Decimal(text), "f")
     return text.rstrip("0").rstrip(".") if "." in text else text

@@ -119,16 +119,6 @@ DEFAULT_INTERFERED_SHARE = 1.0 / 1.5
 _EPS = 1e-9
 
 
-def _sig(x: float, digits: int = 3) -> str:
-    """``x`` to ``digits`` significant figures for a reason, never an exponent (``.3g`` wrote a
-    load of 1500 qps "1.5e+03").
-
-    >>> _sig(1500.0), _sig(1949.9), _sig(0.000123456), _sig(0.1 + 0.2, 4), _sig(12346.0, 4)
-    ('1500', '1950', '0.000123', '0.3', '12350')
-    """
-    return plain(float(f"{x:.{digits}g}"))
-
-
 @dataclass(frozen=True, slots=True)
 class VariantProfile:
     """A variant: a model on an instance type, what one instance of it serves (Q_v, qps; 0
@@ -451,7 +441,7 @@ def _relieve_decision(tick: _Tick, m: str, i: ServedInstance, left: int) -> Scal
         f"infaas_relieve: {m} is interfered on {i.instance_id} ({i.instance_type}):"
         f" its load moves to the {left} other instance(s) serving {m} (its share"
         f" drops to 0 while one of them is active); capacity counted without it"
-        f" {_sig(capacity)} qps for a load of {_sig(load)} qps",
+        f" {plain(capacity, 3)} qps for a load of {plain(load, 3)} qps",
         {
             "model": m,
             "instance_id": i.instance_id,
@@ -502,8 +492,8 @@ def _need(tick: _Tick, m: str) -> _Need | None:
         parts.append(f"{m} is overloaded on {', '.join(overloaded_on)}{judged}")
     if short:
         parts.append(
-            f"load {_sig(load)} qps > U {u:g} x capacity {_sig(capacity)} qps"
-            f" ({_sig(loading_capacity)} of it still loading)"
+            f"load {plain(load, 3)} qps > U {u:g} x capacity {plain(capacity, 3)} qps"
+            f" ({plain(loading_capacity, 3)} of it still loading)"
         )
     elif everywhere and not overloaded:
         parts.append(f"{m} is interfered on every instance serving it")
@@ -615,7 +605,7 @@ def _scale_up(
                 m,
                 t,
                 delta,
-                f"infaas_budget_capped: {m} wanted {_sig(need.wanted_qps)} qps more;"
+                f"infaas_budget_capped: {m} wanted {plain(need.wanted_qps, 3)} qps more;"
                 f" {_what_allows(tick, t, delta)}",
                 {**numbers, "wanted_qps": need.wanted_qps},
             )
@@ -629,7 +619,7 @@ def _what_allows(tick: _Tick, t: str, delta: int) -> str:
     """What stopped a scale-up at ``delta`` x ``t`` (added to the fleet): ``t``'s max_counts,
     else the budget (a cap read "the budget (2 USD/hr) and caps allow 1 x cpu")."""
     ctx = tick.ctx
-    budget = f"{_sig(ctx.budget_usd_per_hr, 4)} USD/hr"
+    budget = f"{plain(ctx.budget_usd_per_hr, 4)} USD/hr"
     count, cap = tick.fleet.get(t, 0), ctx.max_counts.get(t)
     if cap is not None and count >= cap:
         return f"max_counts allows {delta} x {t} ({t} {count} of {cap}; the budget {budget})"
@@ -640,7 +630,7 @@ def _nothing_fits(tick: _Tick, m: str, cost_now: float) -> str:
     """Why no variant of ``m`` adds an instance: the budget, the spec's ``max_counts`` or both
     (a cap said as the budget read "the fleet costs 0.2 of 2 USD/hr", a budget with room)."""
     ctx = tick.ctx
-    cost = f"the fleet costs {_sig(cost_now, 4)} of {_sig(ctx.budget_usd_per_hr, 4)} USD/hr"
+    cost = f"the fleet costs {plain(cost_now, 4)} of {plain(ctx.budget_usd_per_hr, 4)} USD/hr"
     offered = [t for t in tick.types if tick.q.get((m, t), 0.0) > 0 and t in ctx.prices_usd_per_hr]
     if not offered:
         return f"no variant of {m} meets the SLO"
@@ -685,9 +675,10 @@ def _add_instances(
         back = f"; {kept} drained by the policy but still serving, taken back"
     reason = (
         f"{action}: {need.why}; {kind}: +{delta} x {t} ({before} -> {tick.fleet[t]}{back};"
-        f" Q {_sig(rate)} qps each): capacity {_sig(capacity)} ->"
-        f" {_sig(capacity + delta * rate)} qps for {_sig(load)} qps; cost {_sig(cost_now, 4)}"
-        f" -> {_sig(after_cost, 4)} of {_sig(ctx.budget_usd_per_hr, 4)} USD/hr"
+        f" Q {plain(rate, 3)} qps each): capacity {plain(capacity, 3)} ->"
+        f" {plain(capacity + delta * rate, 3)} qps for {plain(load, 3)} qps;"
+        f" cost {plain(cost_now, 4)} -> {plain(after_cost, 4)} of"
+        f" {plain(ctx.budget_usd_per_hr, 4)} USD/hr"
     )
     overloaded = bool(need.overloaded_on)
     note = ctx.overload.get(m)
@@ -789,7 +780,7 @@ def _drain(
         served = sorted(inst.states)
         remaining = {m: tick.capacity_now[m] - tick.counted[(m, inst.instance_id)] for m in served}
         carry = ", ".join(
-            f"{m} {_sig(loads[m])} qps on {_sig(remaining[m])} qps left" for m in served
+            f"{m} {plain(loads[m], 3)} qps on {plain(remaining[m], 3)} qps left" for m in served
         )
         shown = (
             "unknown" if inst.utilisation_share is None else f"{100 * inst.utilisation_share:.0f}%"
@@ -800,10 +791,10 @@ def _drain(
                 ",".join(served),
                 t,
                 1,
-                f"infaas_drain: {t} underused for {_sig(idle_s)} s >= hold {hold:g} s"
+                f"infaas_drain: {t} underused for {plain(idle_s, 3)} s >= hold {hold:g} s"
                 f" ({inst.instance_id} now: busy {shown}; without it {carry}, within U {u:g}):"
-                f" -1 x {t} (the reconciler picks which), cost {_sig(before_cost, 4)} ->"
-                f" {_sig(after_cost, 4)} USD/hr",
+                f" -1 x {t} (the reconciler picks which), cost {plain(before_cost, 4)} ->"
+                f" {plain(after_cost, 4)} USD/hr",
                 {
                     "instance_id": inst.instance_id,
                     "instance_type": t,
