@@ -56,18 +56,21 @@ tick:
    are launched (from the policy's lower count, a "+1" bought nothing where the drained
    instance still ran, and the next tick asked again).
 3. **Drain** (section 4.2.2, "Scaling down algorithm", and VM-Autoscaler). An instance is
-   *underused* when no model it serves is overloaded, its busy share (when known) is at most
-   U, and without it every model it serves still carries its load at U
-   (Q_m - Q_{m,t}) U >= lambda_m. A type that has had an underused instance for the hold
+   *underused* when no model it serves is overloaded, its busy share (when known) is at most U,
+   and without it every model it serves still carries its load at U_drain < U (Q_m - Q_{m,t})
+   U_drain >= lambda_m (``drain_utilisation``, 0.7: the band between the two thresholds is the
+   policy's hysteresis; a drain judged at U itself left a load just under U times the rest's
+   capacity at U, and a load a little over it, 4 s later, bought the instance back, every hold
+   while the load sat there). A type that has had an underused instance for the hold
    (``hold_s``; INFaaS's T_v, the variant's loading latency, when ``None``), with no scaling
-   action within the hold, nothing of it still loading and no drain still to be carried out
-   (the test counts every instance that serves: judged on them, a second drain the reconciler
-   had not caught up with took the fleet below the load), is drained: ``infaas_drain``, its
-   count down by one, the most expensive type first (so a cheaper variant that carries the load
-   alone is kept: a downgrade). The hold is the type's, not the instance's: the reconciler
-   picks which instance of the type ends, and an instance's own clock, restarted for the one
-   the decision named, let a cheaper type's older clock win the next drain (an idle app ended
-   on its dearest type). The app keeps at least one instance.
+   action within the hold, nothing of it still loading and no drain still to be carried out (the
+   test counts every instance that serves: judged on them, a second drain the reconciler had not
+   caught up with took the fleet below the load), is drained: ``infaas_drain``, its count down
+   by one, the most expensive type first (so a cheaper variant that carries the load alone is
+   kept: a downgrade). The hold is the type's, not the instance's: the reconciler picks which
+   instance of the type ends, and an instance's own clock, restarted for the one the decision
+   named, let a cheaper type's older clock win the next drain (an idle app ended on its dearest
+   type). The app keeps at least one instance.
 
 Every decision carries its reason (one line, with the numbers) and the numbers as a mapping.
 
@@ -87,6 +90,7 @@ from typing import Literal
 from estimator.numbers import money, plain
 
 __all__ = [
+    "DEFAULT_DRAIN_UTILISATION",
     "DEFAULT_LOAD_WEIGHT_PER_S",
     "DEFAULT_UTILISATION",
     "InstanceState",
@@ -112,6 +116,10 @@ DEFAULT_UTILISATION = 0.8
 # lambda of the ILP's cost (section 4.2.1; INFaaS leaves it tunable): at 1/120 per s a CPU
 # instance's 30 s of loading weighs a quarter of its price, as the results experiment's weight.
 DEFAULT_LOAD_WEIGHT_PER_S = 1.0 / 120.0
+# A drain leaves the rest at most this busy (U's 0.8 less a band of 0.1, the hysteresis between
+# the scale-up's threshold and the drain's: one instance of Q 10 is added past 8 qps and the
+# second of two taken away below 7).
+DEFAULT_DRAIN_UTILISATION = 0.7
 # An instance interfered everywhere serves at most 1 / (1 + margin) of its profile (the state's
 # margin, 0.5: controlplane.serving.states.DEFAULT_MARGIN).
 DEFAULT_INTERFERED_SHARE = 1.0 / 1.5
@@ -149,11 +157,12 @@ class ServedInstance:
 
 @dataclass(frozen=True, slots=True)
 class ScalingConfig:
-    """The policy's knobs: U, lambda (per s), the capacity share of an instance interfered
-    everywhere, and the hold before a drain (None: the variant's loading latency, INFaaS's
-    T_v)."""
+    """The policy's knobs: U, the drain's U_drain (at most U), lambda (per s), the capacity
+    share of an instance interfered everywhere, and the hold before a drain (None: the
+    variant's loading latency, INFaaS's T_v)."""
 
     utilisation: float = DEFAULT_UTILISATION
+    drain_utilisation: float = DEFAULT_DRAIN_UTILISATION
     load_weight_per_s: float = DEFAULT_LOAD_WEIGHT_PER_S
     interfered_share: float = DEFAULT_INTERFERED_SHARE
     hold_s: float | None = None
@@ -161,6 +170,11 @@ class ScalingConfig:
     def __post_init__(self) -> None:
         if not 0 < self.utilisation <= 1:
             raise ValueError(f"utilisation must be in (0, 1], got {self.utilisation!r}")
+        if not 0 < self.drain_utilisation <= self.utilisation:
+            raise ValueError(
+                f"drain_utilisation must be in (0, utilisation = {self.utilisation!r}], got"
+                f" {self.drain_utilisation!r}"
+            )
         if not (math.isfinite(self.load_weight_per_s) and self.load_weight_per_s >= 0):
             raise ValueError(f"load_weight_per_s must be >= 0, got {self.load_weight_per_s!r}")
         if not 0 <= self.interfered_share <= 1:
@@ -708,10 +722,11 @@ def _add_instances(
 
 def _underused(tick: _Tick, state: ScalerState) -> tuple[dict[str, float], list[ServedInstance]]:
     """Rule 3's test: the instances underused now (no model of theirs overloaded, busy at most
-    U when known, and every model they serve carried at U without them), and, per type, since
+    U when known, and every model they serve carried at U_drain without them), and, per type,
+    since
     when it has had one without a break (the hold is the type's: a drain takes one instance of
     the type off the count, and the reconciler picks which, so the survivor's clock goes on)."""
-    u = tick.config.utilisation
+    u, u_drain = tick.config.utilisation, tick.config.drain_utilisation
     loads = {m: float(tick.ctx.load_qps.get(m, 0.0)) for m in tick.models}
     since: dict[str, float] = {}
     found: list[ServedInstance] = []
@@ -723,7 +738,8 @@ def _underused(tick: _Tick, state: ScalerState) -> tuple[dict[str, float], list[
             and all(inst.states[m] != "overloaded" for m in served)
             and (busy is None or busy <= u)
             and all(
-                (tick.capacity_now[m] - tick.counted[(m, inst.instance_id)]) * u >= loads[m] - _EPS
+                (tick.capacity_now[m] - tick.counted[(m, inst.instance_id)]) * u_drain
+                >= loads[m] - _EPS
                 for m in served
             )
         )
@@ -743,7 +759,7 @@ def _drain(
     nothing of its type loading, another instance left and no drain still to be carried out
     (every type's count at least the instances of it that serve). Returns whether one was
     drained."""
-    ctx, u, now = tick.ctx, tick.config.utilisation, tick.ctx.now_s
+    ctx, u_drain, now = tick.ctx, tick.config.drain_utilisation, tick.ctx.now_s
     if any(n > tick.fleet.get(t, 0) for t, n in tick.ready.items()):
         # A drain the reconciler has not carried out yet (the disruption budget deferred it):
         # the underused test counts every instance that serves, so a second drain judged on
@@ -792,7 +808,8 @@ def _drain(
                 t,
                 1,
                 f"infaas_drain: {t} underused for {plain(idle_s, 3)} s >= hold {hold:g} s"
-                f" ({inst.instance_id} now: busy {shown}; without it {carry}, within U {u:g}):"
+                f" ({inst.instance_id} now: busy {shown}; without it {carry}, within"
+                f" U_drain {u_drain:g}):"
                 f" -1 x {t} (the reconciler picks which), cost {plain(before_cost, 4)} ->"
                 f" {plain(after_cost, 4)} USD/hr",
                 {
@@ -806,6 +823,7 @@ def _drain(
                     "underused_s": idle_s,
                     "hold_s": hold,
                     "utilisation_share": inst.utilisation_share,
+                    "drain_utilisation": u_drain,
                     "cost_usd_per_hr_after": after_cost,
                     "at_s": now,
                 },

@@ -192,6 +192,33 @@ def test_an_underused_instance_is_drained_after_the_hold_the_dearest_first() -> 
     assert drain.numbers["underused_s"] == 5.0
 
 
+def test_a_load_at_the_threshold_does_not_drain_and_replicate_in_turn() -> None:
+    """Two cpus (Q 10) while the load moves between 7.9 and 8.1 qps every 20 s: a drain judged
+    at U (one cpu carries 7.9 at 0.8) was bought back by 8.1 four seconds later, every hold.
+    The drain's U_drain (0.7) leaves a band: nothing changes; at 6.9 qps one cpu goes."""
+    config = ScalingConfig(hold_s=5.0)
+    state = initial_state({"cpu": 2}, 0.0)
+    actions = []
+    for now in range(1, 121):
+        load = 7.9 if (now // 20) % 2 == 0 else 8.1
+        n = state.fleet["cpu"]
+        fleet = [cpu(f"i-{k}", busy=load / (10.0 * n)) for k in range(n)]
+        decisions, state = decide(context(float(now), load, fleet), state, config)
+        actions += [d.action for d in decisions]
+    assert actions == [] and dict(state.fleet) == {"cpu": 2}
+    fleet = [cpu("i-0", busy=0.345), cpu("i-1", busy=0.345)]
+    drains = []
+    for now in range(121, 131):
+        decisions, state = decide(context(float(now), 6.9, fleet), state, config)
+        drains += decisions
+    (drain,) = drains
+    assert drain.action == "infaas_drain" and dict(state.fleet) == {"cpu": 1}
+    assert "m 6.9 qps on 10 qps left, within U_drain 0.7" in drain.reason, drain.reason
+    assert drain.numbers["drain_utilisation"] == 0.7
+    with pytest.raises(ValueError, match="drain_utilisation must be in"):
+        ScalingConfig(utilisation=0.8, drain_utilisation=0.9)
+
+
 def gpu(name: str, busy: float | None = 0.0) -> ServedInstance:
     return ServedInstance(name, "gpu", {"m": "active"}, busy)
 
